@@ -1,0 +1,3 @@
+from safeinstall.cli import main
+
+main()

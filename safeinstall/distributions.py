@@ -1,0 +1,117 @@
+"""Installed distributions: found through their ``.dist-info`` directories, RECORD parsed once."""
+
+from __future__ import annotations
+
+import configparser
+import os
+from dataclasses import dataclass
+from email.parser import HeaderParser
+from pathlib import Path
+
+from packaging.utils import canonicalize_name
+
+from safeinstall.environment import Environment
+from safeinstall.errors import UnknownDistributionError
+from safeinstall.records import Record, RecordEntry, parse_record
+
+
+@dataclass(frozen=True, slots=True)
+class InstalledDistribution:
+    name: str  # canonical (PEP 503)
+    display_name: str
+    version: str
+    site: Path  # the directory holding the .dist-info; RECORD paths are relative to it
+    dist_info: Path
+    record: Record
+    console_scripts: tuple[str, ...]
+    installer: str | None
+
+    def location(self, entry: RecordEntry) -> Path:
+        """Where an entry lives, normalised lexically (``../../../bin/x`` -> ``<prefix>/bin/x``)."""
+        return Path(os.path.normpath(self.site / entry.path))
+
+
+def is_within(path: Path, root: Path) -> bool:
+    try:
+        path.relative_to(root)
+    except ValueError:
+        return False
+    return True
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+
+
+def _console_scripts(entry_points: str | None) -> tuple[str, ...]:
+    if not entry_points:
+        return ()
+    parser = configparser.ConfigParser(delimiters=("=",), interpolation=None)
+    parser.optionxform = str  # type: ignore[assignment,method-assign]
+    try:
+        parser.read_string(entry_points)
+    except configparser.Error:
+        return ()
+    names: list[str] = []
+    for section in ("console_scripts", "gui_scripts"):
+        if parser.has_section(section):
+            names.extend(parser.options(section))
+    return tuple(sorted(names))
+
+
+def load_distribution(dist_info: Path) -> InstalledDistribution | None:
+    """Read one ``.dist-info`` directory; None if it is not a readable distribution."""
+    metadata = _read_text(dist_info / "METADATA")
+    if metadata is None:
+        return None
+    headers = HeaderParser().parsestr(metadata)
+    name = headers.get("Name")
+    version = headers.get("Version")
+    if not name or not version:
+        return None
+    record_text = _read_text(dist_info / "RECORD") or ""
+    installer = _read_text(dist_info / "INSTALLER")
+    return InstalledDistribution(
+        name=canonicalize_name(name),
+        display_name=name,
+        version=version,
+        site=dist_info.parent,
+        dist_info=dist_info,
+        record=parse_record(record_text),
+        console_scripts=_console_scripts(_read_text(dist_info / "entry_points.txt")),
+        installer=installer.strip() if installer else None,
+    )
+
+
+def find_distributions(env: Environment) -> list[InstalledDistribution]:
+    """Every distribution installed in the environment's site directories, sorted by name."""
+    found: dict[str, InstalledDistribution] = {}
+    for site in env.site_dirs:
+        try:
+            children = sorted(os.scandir(site), key=lambda e: e.name)
+        except OSError:
+            continue
+        for child in children:
+            if not child.name.endswith(".dist-info") or not child.is_dir():
+                continue
+            dist = load_distribution(Path(child.path))
+            if dist is not None and dist.name not in found:
+                found[dist.name] = dist
+    return sorted(found.values(), key=lambda d: d.name)
+
+
+def find_distribution(
+    env: Environment, name: str, installed: list[InstalledDistribution] | None = None
+) -> InstalledDistribution:
+    wanted = canonicalize_name(name)
+    for dist in installed if installed is not None else find_distributions(env):
+        if dist.name == wanted:
+            return dist
+    raise UnknownDistributionError(
+        f"{name} is not installed in {env.prefix}",
+        hint=f"check the name, or pass --python for the environment that has it "
+        f"(looked in {', '.join(str(s) for s in env.site_dirs)})",
+    )

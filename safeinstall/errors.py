@@ -1,0 +1,89 @@
+"""One exception hierarchy; every message says what happened and what to do next.
+
+Exit codes (documented in the README and ``--help``):
+
+* 0 - success / clean
+* 1 - drift found (``--verify-only``)
+* 2 - could not check or refused before anything was changed (bad input, plan refused, lock held)
+* 3 - a step failed after services were touched; everything was put back
+* 4 - a step failed and putting things back failed too; manual action needed
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    DRIFT = 1
+    REFUSED = 2
+    ROLLED_BACK = 3
+    ROLLBACK_FAILED = 4
+
+
+class SafeInstallError(Exception):
+    """Base of all errors safeinstall reports to the user (never as a traceback)."""
+
+    exit_code: ExitCode = ExitCode.REFUSED
+    code: str = "error"
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def to_json(self) -> dict[str, str | None]:
+        return {"code": self.code, "message": self.message, "hint": self.hint}
+
+
+class UsageError(SafeInstallError):
+    code = "usage"
+
+
+class InterpreterError(SafeInstallError):
+    code = "interpreter"
+
+
+class UnknownDistributionError(SafeInstallError):
+    code = "unknown-distribution"
+
+
+class WheelError(SafeInstallError):
+    code = "wheel"
+
+
+class RecordError(SafeInstallError):
+    code = "record"
+
+
+class PlanError(SafeInstallError):
+    """uv could not produce a plan, or the plan is refused (strays, missing units...)."""
+
+    code = "plan"
+
+
+class LockHeldError(SafeInstallError):
+    code = "locked"
+
+
+class SystemdError(SafeInstallError):
+    code = "systemd"
+
+
+class NvmlError(SafeInstallError):
+    code = "nvml"
+
+
+class StepFailed(SafeInstallError):
+    """A step after the stop failed; the run rolled back (exit 3)."""
+
+    exit_code = ExitCode.ROLLED_BACK
+    code = "rolled-back"
+
+
+class RollbackFailed(SafeInstallError):
+    """Putting things back failed too (exit 4); the message lists the commands to finish by hand."""
+
+    exit_code = ExitCode.ROLLBACK_FAILED
+    code = "rollback-failed"
