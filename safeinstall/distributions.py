@@ -46,7 +46,7 @@ def _read_text(path: Path) -> str | None:
         return None
 
 
-def _console_scripts(entry_points: str | None) -> tuple[str, ...]:
+def parse_console_scripts(entry_points: str | None) -> tuple[str, ...]:
     if not entry_points:
         return ()
     parser = configparser.ConfigParser(delimiters=("=",), interpolation=None)
@@ -81,7 +81,7 @@ def load_distribution(dist_info: Path) -> InstalledDistribution | None:
         site=dist_info.parent,
         dist_info=dist_info,
         record=parse_record(record_text),
-        console_scripts=_console_scripts(_read_text(dist_info / "entry_points.txt")),
+        console_scripts=parse_console_scripts(_read_text(dist_info / "entry_points.txt")),
         installer=installer.strip() if installer else None,
     )
 

@@ -1,0 +1,135 @@
+"""Where a process sits in the cgroup tree, and which systemd unit that makes it part of.
+
+Pure functions over the text of ``/proc/PID/cgroup``; reading that file is the caller's job.
+
+The unit of a process is the deepest ``*.service`` on its cgroup path: processes in sub-cgroups below a
+service belong to it (``/system.slice/vllm.service/worker`` is ``vllm.service``). Below a user manager
+(``user@UID.service``) the units are that user manager's, and ``user@UID.service`` itself is only the
+unit of the manager's own processes (its ``init.scope``). A process with no service on its path (a login
+session, a container scope, ``init.scope``, the root) is a *stray*: no unit can stop it.
+
+Which manager (system or user) a unit belongs to is not always visible in the path (a user manager may
+run outside ``user@UID.service``, e.g. at the root of a container); the caller decides from its
+``--user`` flag and confirms with ``systemctl show``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_USER_MANAGER = re.compile(r"user@(\d+)\.service")
+#: Kernel suffix for a cgroup that was removed while a (zombie) process still referred to it.
+_DELETED = " (deleted)"
+
+
+@dataclass(frozen=True, slots=True)
+class CgroupPlacement:
+    path: str  # the cgroup path as the kernel shows it, e.g. "/system.slice/vllm.service/worker"
+    unit: str | None  # the service the process belongs to, e.g. "vllm.service"; None: a stray
+    scope: str | None  # for a stray: the deepest scope it sits in, e.g. "session-3.scope"
+    user_manager_uid: int | None  # the unit (or scope) is inside user@UID.service: that UID
+
+    @property
+    def is_stray(self) -> bool:
+        """No service owns the process: stopping units will not stop it."""
+        return self.unit is None
+
+
+def parse_proc_cgroup(text: str) -> str | None:
+    """The cgroup path from ``/proc/PID/cgroup`` text, or None when it names none.
+
+    Prefers the cgroup v2 line (``0::/path``) when it is set and not the root, else the v1
+    ``name=systemd`` hierarchy (legacy and hybrid layouts), else the v2 root.
+    """
+    unified: str | None = None
+    named: str | None = None
+    for line in text.splitlines():
+        parts = line.strip().split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        path = path.removesuffix(_DELETED)
+        if not path.startswith("/"):
+            continue
+        if hierarchy == "0" and controllers == "":
+            unified = path
+        elif "name=systemd" in controllers.split(","):
+            named = path
+    if unified is not None and unified != "/":
+        return unified
+    if named is not None:
+        return named
+    return unified
+
+
+def unescape_component(component: str) -> str:
+    """Undo systemd's cgroup escaping (``cg_escape``): a leading ``_`` was added, drop it.
+
+    systemd prefixes ``_`` to names that could clash with kernel files (``cpu.service`` becomes
+    ``_cpu.service``) and to names that start with ``_`` themselves, so one leading ``_`` always goes.
+    ``\\x2d``-style escapes are part of the unit name and stay.
+    """
+    return component[1:] if component.startswith("_") else component
+
+
+def _split(path: str) -> list[str]:
+    return [unescape_component(part) for part in path.split("/") if part]
+
+
+def _innermost(components: list[str], suffix: str) -> str | None:
+    for component in reversed(components):
+        if component.endswith(suffix) and len(component) > len(suffix):
+            return component
+    return None
+
+
+def _owner(components: list[str]) -> tuple[str | None, str | None]:
+    """(unit, scope) for a path below one manager: the deepest service wins over any scope."""
+    unit = _innermost(components, ".service")
+    if unit is not None:
+        return unit, None
+    return None, _innermost(components, ".scope")
+
+
+def placement_of_path(path: str) -> CgroupPlacement:
+    """Map a cgroup path to the unit that owns it (see the module docstring for the rules)."""
+    components = _split(path)
+    for index in range(len(components) - 1, -1, -1):
+        match = _USER_MANAGER.fullmatch(components[index])
+        if match is None:
+            continue
+        below = components[index + 1 :]
+        if not below or below == ["init.scope"]:
+            # the user manager's own processes: part of the system unit user@UID.service
+            return CgroupPlacement(path=path, unit=components[index], scope=None, user_manager_uid=None)
+        unit, scope = _owner(below)
+        return CgroupPlacement(path=path, unit=unit, scope=scope, user_manager_uid=int(match.group(1)))
+    unit, scope = _owner(components)
+    return CgroupPlacement(path=path, unit=unit, scope=scope, user_manager_uid=None)
+
+
+def placement_of_proc_cgroup(text: str) -> CgroupPlacement:
+    """``/proc/PID/cgroup`` text to a placement; a file naming no cgroup maps like the root."""
+    return placement_of_path(parse_proc_cgroup(text) or "/")
+
+
+@dataclass(frozen=True, slots=True)
+class UnitName:
+    prefix: str  # "foo" in "foo@1.service"
+    instance: str | None  # "1" in "foo@1.service"; "" for the template "foo@.service"; None: no "@"
+    suffix: str  # "service"
+
+    @property
+    def template(self) -> str | None:
+        """``foo@.service`` for ``foo@1.service``; None when the unit is not a template instance."""
+        return f"{self.prefix}@.{self.suffix}" if self.instance else None
+
+
+def split_unit_name(name: str) -> UnitName:
+    """Split ``prefix[@instance].suffix``; raises ValueError when ``name`` has no type suffix."""
+    stem, dot, suffix = name.rpartition(".")
+    if not dot or not stem or not suffix:
+        raise ValueError(f"not a unit name (no .type suffix): {name!r}")
+    prefix, at, instance = stem.partition("@")
+    return UnitName(prefix=prefix, instance=instance if at else None, suffix=suffix)

@@ -1,0 +1,182 @@
+"""Command line: parses arguments and renders results. No logic lives here."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from safeinstall import __version__
+from safeinstall.diffs import diffs_for, patch_text
+from safeinstall.environment import inspect_environment, resolve_python
+from safeinstall.errors import ExitCode, SafeInstallError, UsageError
+from safeinstall.output import dumps, envelope, finding_json, jsonable
+from safeinstall.render import make_console, render_error, render_verify
+from safeinstall.verify import VerifyReport, verify_environment
+
+EXIT_CODES = (
+    "Exit codes: 0 success (clean); 1 drift found (--verify-only); 2 could not check or refused, "
+    "nothing changed; 3 failed after services were stopped, everything put back; 4 failed and putting "
+    "things back failed too (the message lists the commands to finish)."
+)
+
+app = typer.Typer(add_completion=False, context_settings={"help_option_names": ["-h", "--help"]})
+
+
+def _exit(code: int) -> NoReturn:
+    raise typer.Exit(int(code))
+
+
+def _fail(error: SafeInstallError, command: str, as_json: bool) -> NoReturn:
+    if as_json:
+        print(dumps(envelope(command, "error", error.exit_code, None, [error])))
+    else:
+        render_error(make_console(stderr=True), error)
+    _exit(error.exit_code)
+
+
+def _verify_json(report: VerifyReport, patch: str | None) -> dict[str, Any]:
+    findings = [finding_json(f) for f in report.findings]
+    return {
+        "python": report.python,
+        "prefix": report.prefix,
+        "wheel": jsonable(report.wheel),
+        "distributions": [
+            {
+                "name": d.name,
+                "version": d.version,
+                "dist_info": d.dist_info,
+                "files_checked": d.files_checked,
+                "against": d.against,
+                "drift": d.drift,
+            }
+            for d in report.distributions
+        ],
+        "findings": findings,
+        "summary": {
+            "distributions": len(report.distributions),
+            "files_checked": sum(d.files_checked for d in report.distributions),
+            "drift": sum(1 for f in report.findings if f.is_drift),
+            "warnings": sum(1 for f in report.findings if not f.is_drift),
+        },
+        "patch": patch,
+    }
+
+
+def _run_verify(
+    package: str | None,
+    all_: bool,
+    python: str | None,
+    wheel: Path | None,
+    diff: bool,
+    save_patch: Path | None,
+    as_json: bool,
+) -> None:
+    if all_ and package:
+        raise UsageError("give either a PACKAGE or --all, not both", hint="safeinstall --verify-only --all")
+    if not all_ and not package:
+        raise UsageError(
+            "no PACKAGE given", hint="safeinstall PACKAGE --verify-only, or --all for everything"
+        )
+    if (diff or save_patch) and wheel is None:
+        raise UsageError(
+            "--diff and --save-patch compare against a wheel's contents",
+            hint="add --wheel PATH (the wheel that was installed)",
+        )
+    if all_ and wheel is not None:
+        raise UsageError("--wheel checks one package", hint="name the package instead of --all")
+    env = inspect_environment(resolve_python(python, os.environ))
+    err = make_console(stderr=True)
+    with Progress(
+        TextColumn("verifying"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+        disable=not err.is_terminal,
+    ) as progress:
+        task = progress.add_task("verify", total=None)
+
+        def on_progress(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        report = verify_environment(env, None if all_ else [package or ""], wheel, on_progress)
+    diffs = None
+    if wheel is not None and (diff or save_patch):
+        diffs = diffs_for(report.findings, wheel, Path(report.prefix))
+    patch = patch_text(diffs) if diffs is not None else None
+    if save_patch is not None:
+        save_patch.write_text(patch or "", encoding="utf-8")
+    if as_json:
+        status = "drift" if report.drift else "clean"
+        print(
+            dumps(envelope("verify", status, report.exit_code, _verify_json(report, patch if diff else None)))
+        )
+    else:
+        render_verify(make_console(), err, report, diffs if diff else None)
+        if save_patch is not None:
+            err.print(
+                f"patch of {sum(1 for d in diffs or [] if d.text)} modified files written to {save_patch}"
+            )
+    _exit(report.exit_code)
+
+
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": False},
+    epilog=EXIT_CODES,
+    no_args_is_help=True,
+)
+def main_command(
+    ctx: typer.Context,
+    package: Annotated[str | None, typer.Argument(help="The distribution to reinstall or verify.")] = None,
+    verify_only: Annotated[
+        bool, typer.Option("--verify-only", help="Only check installed files against RECORD; change nothing.")
+    ] = False,
+    all_: Annotated[bool, typer.Option("--all", help="With --verify-only: every distribution.")] = False,
+    python: Annotated[
+        str | None,
+        typer.Option("--python", help="Target interpreter or venv (default: VIRTUAL_ENV, then python3)."),
+    ] = None,
+    wheel: Annotated[
+        Path | None, typer.Option("--wheel", help="The wheel to install / compare with.")
+    ] = None,
+    diff: Annotated[
+        bool, typer.Option("--diff", help="With --wheel: unified diffs of modified files.")
+    ] = False,
+    save_patch: Annotated[
+        Path | None, typer.Option("--save-patch", help="With --wheel: write those diffs to FILE.")
+    ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the versioned JSON result on stdout.")
+    ] = False,
+    version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False,
+) -> None:
+    """Reinstall a Python package safely under the services that use it; or check it (--verify-only)."""
+    if version:
+        print(f"safeinstall {__version__}")
+        _exit(ExitCode.OK)
+    command = "verify"
+    try:
+        if ctx.args:
+            raise UsageError(f"unexpected arguments: {' '.join(ctx.args)}", hint="see safeinstall --help")
+        if verify_only:
+            _run_verify(package, all_, python, wheel, diff, save_patch, as_json)
+        raise UsageError(
+            "only --verify-only is available in this version",
+            hint="safeinstall PACKAGE --verify-only",
+        )
+    except SafeInstallError as error:
+        _fail(error, command, as_json)
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

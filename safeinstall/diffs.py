@@ -1,0 +1,61 @@
+"""Unified diffs of locally modified text files against the wheel's contents (``--diff``)."""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from safeinstall.drift import Finding, FindingKind
+from safeinstall.wheel import read_member
+
+
+@dataclass(frozen=True, slots=True)
+class FileDiff:
+    path: str
+    text: str | None  # None: not shown (binary, or unreadable), see `reason`
+    reason: str = ""
+
+
+def _as_text(data: bytes) -> list[str] | None:
+    if b"\0" in data:
+        return None
+    try:
+        return data.decode("utf-8").splitlines(keepends=True)
+    except UnicodeDecodeError:
+        return None
+
+
+def unified(path: str, expected: bytes, actual: bytes) -> FileDiff:
+    """Pure: the diff from the wheel's bytes to the installed bytes."""
+    before, after = _as_text(expected), _as_text(actual)
+    if before is None or after is None:
+        return FileDiff(path, None, "binary file")
+    lines = difflib.unified_diff(before, after, fromfile=f"a/{path}", tofile=f"b/{path}")
+    marker = "\n\\ No newline at end of file\n"
+    text = "".join(line if line.endswith("\n") else line + marker for line in lines)
+    return FileDiff(path, text)
+
+
+def diffs_for(findings: tuple[Finding, ...], wheel_path: Path, prefix: Path) -> list[FileDiff]:
+    """Diffs for every modified file that came from the wheel, with paths relative to ``prefix``.
+
+    The result applies with ``patch -p1 -d PREFIX`` (and ``-R`` takes the local edits out).
+    """
+    found: list[FileDiff] = []
+    for finding in findings:
+        if finding.kind != FindingKind.MODIFIED or finding.wheel_member is None:
+            continue
+        try:
+            actual = Path(finding.path).read_bytes()
+        except OSError as exc:
+            found.append(FileDiff(finding.path, None, exc.strerror or str(exc)))
+            continue
+        shown = os.path.relpath(finding.path, prefix)
+        found.append(unified(shown, read_member(wheel_path, finding.wheel_member), actual))
+    return found
+
+
+def patch_text(diffs: list[FileDiff]) -> str:
+    return "".join(d.text for d in diffs if d.text)

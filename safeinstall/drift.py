@@ -1,0 +1,163 @@
+"""Drift: what differs between installed files and what was installed. Pure functions only.
+
+Inputs are typed expectations (from an installed RECORD or from a wheel) and observed
+:class:`~safeinstall.hashing.FileState`; outputs are :class:`Finding` values.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path, PurePath
+
+from safeinstall.hashing import FileState
+
+
+class FindingKind(StrEnum):
+    MISSING = "missing"  # listed, not there
+    MODIFIED = "modified"  # sha256 or size differs (or no longer a regular file)
+    EXTRA = "extra"  # in the distribution's own directories, listed by no RECORD (or not in the wheel)
+    OUTSIDE = "outside"  # a RECORD path that resolves outside the environment: reported, never read
+    UNREADABLE = "unreadable"  # exists but could not be read
+    MALFORMED = "malformed"  # a RECORD line that could not be parsed
+    VERSION_MISMATCH = "version-mismatch"  # installed version is not the wheel's
+    HARDLINKED = "hardlinked"  # shares its inode (uv's cache): editing it edits the cache too
+    WHEEL_RECORD = "wheel-record"  # the wheel's own RECORD is wrong: the wheel's fault, not drift
+
+
+#: Findings that are worth a warning but are not drift (exit code stays 0).
+WARNING_KINDS = frozenset({FindingKind.HARDLINKED, FindingKind.WHEEL_RECORD})
+
+
+@dataclass(frozen=True, slots=True)
+class Expectation:
+    """One file that should be installed, with what it should contain."""
+
+    location: Path
+    algorithm: str | None  # None: unhashed (like RECORD itself): existence is all that is checked
+    digest: str | None
+    size: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    distribution: str
+    path: str
+    kind: FindingKind
+    detail: str = ""
+    baseline: str = "record"  # "record" or "wheel"
+    expected_sha256: str | None = None
+    actual_sha256: str | None = None
+    expected_size: int | None = None
+    actual_size: int | None = None
+    wheel_member: str | None = None  # with --wheel: the archive member this file comes from
+
+    @property
+    def is_drift(self) -> bool:
+        return self.kind not in WARNING_KINDS
+
+
+def is_within(path: PurePath, root: PurePath) -> bool:
+    return path == root or root in path.parents
+
+
+def compare(distribution: str, expected: Expectation, state: FileState, baseline: str) -> Finding | None:
+    """One expected file against what is on disk."""
+
+    def finding(kind: FindingKind, detail: str) -> Finding:
+        return Finding(
+            distribution=distribution,
+            path=str(expected.location),
+            kind=kind,
+            detail=detail,
+            baseline=baseline,
+            expected_sha256=expected.digest,
+            actual_sha256=state.digest,
+            expected_size=expected.size,
+            actual_size=state.size,
+        )
+
+    if not state.exists:
+        return finding(FindingKind.MISSING, "listed but not installed")
+    if state.error is not None:
+        return finding(FindingKind.UNREADABLE, state.error)
+    if not state.is_file:
+        return finding(FindingKind.MODIFIED, "no longer a regular file")
+    if expected.size is not None and state.size != expected.size:
+        return finding(FindingKind.MODIFIED, f"size {state.size}, expected {expected.size}")
+    if expected.digest is not None and state.digest is not None and state.digest != expected.digest:
+        return finding(FindingKind.MODIFIED, f"{expected.algorithm} differs")
+    return None
+
+
+def hardlink_warning(distribution: str, state: FileState) -> Finding | None:
+    if state.exists and state.is_file and state.nlink > 1:
+        return Finding(
+            distribution=distribution,
+            path=str(state.path),
+            kind=FindingKind.HARDLINKED,
+            detail=f"{state.nlink} links: shared with uv's cache; editing it in place edits the cache "
+            "too (reinstall with --link-mode copy)",
+        )
+    return None
+
+
+def own_roots(
+    files_by_distribution: Mapping[str, Iterable[Path]], site_dirs: Iterable[Path]
+) -> dict[str, list[Path]]:
+    """Each distribution's own package directories inside the site directories.
+
+    A directory is a distribution's own when it lies strictly below a site directory and no other
+    distribution has files below it. Shared directories (namespace packages such as ``nvidia/``)
+    are never roots, so files of other distributions there are never reported against this one.
+    The ``.dist-info`` directories are left out.
+    """
+    sites = [Path(s) for s in site_dirs]
+    owners: dict[Path, set[str]] = {}
+    for name, files in files_by_distribution.items():
+        for file in files:
+            site = next((s for s in sites if is_within(file, s) and file != s), None)
+            if site is None:
+                continue
+            parent = file.parent
+            while parent != site and is_within(parent, site):
+                owners.setdefault(parent, set()).add(name)
+                parent = parent.parent
+    roots: dict[str, list[Path]] = {name: [] for name in files_by_distribution}
+    for directory, names in owners.items():
+        if len(names) != 1 or directory.name.endswith(".dist-info"):
+            continue
+        parent_owners = owners.get(directory.parent)
+        if parent_owners is None or len(parent_owners) > 1:
+            roots[next(iter(names))].append(directory)
+    return {name: sorted(dirs) for name, dirs in roots.items()}
+
+
+def pyc_source(path: PurePath) -> PurePath | None:
+    """``pkg/__pycache__/mod.cpython-311.pyc`` -> ``pkg/mod.py``; None for anything else."""
+    if path.suffix != ".pyc" or path.parent.name != "__pycache__":
+        return None
+    return path.parent.parent / (path.name.split(".", 1)[0] + ".py")
+
+
+def extras(distribution: str, candidates: Iterable[Path], listed: frozenset[str]) -> list[Finding]:
+    """Files found under a distribution's own directories that no RECORD lists."""
+    found: list[Finding] = []
+    for candidate in candidates:
+        text = os.fspath(candidate)
+        if text in listed:
+            continue
+        source = pyc_source(candidate)
+        if source is not None and os.fspath(source) in listed:
+            continue
+        found.append(
+            Finding(
+                distribution=distribution,
+                path=text,
+                kind=FindingKind.EXTRA,
+                detail="in the distribution's directories but in no RECORD",
+            )
+        )
+    return found

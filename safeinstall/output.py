@@ -1,0 +1,68 @@
+"""The ``--json`` envelope: one versioned shape for every command (schema in the README).
+
+``{"safeinstall_result_version": 1, "command", "status", "exit_code", "data", "errors"}``
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from enum import Enum
+from pathlib import PurePath
+from typing import Any
+
+from safeinstall.drift import Finding
+from safeinstall.errors import SafeInstallError
+
+RESULT_VERSION = 1
+
+
+def jsonable(value: Any) -> Any:
+    """Dataclasses, enums, paths, tuples and sets to plain JSON values."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, PurePath):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        items = [jsonable(v) for v in value]
+        return sorted(items) if isinstance(value, set | frozenset) else items
+    return value
+
+
+def finding_json(finding: Finding) -> dict[str, Any]:
+    return {
+        "distribution": finding.distribution,
+        "path": finding.path,
+        "kind": finding.kind.value,
+        "detail": finding.detail,
+        "drift": finding.is_drift,
+        "baseline": finding.baseline,
+        "expected": {"sha256": finding.expected_sha256, "size": finding.expected_size},
+        "actual": {"sha256": finding.actual_sha256, "size": finding.actual_size},
+        "wheel_member": finding.wheel_member,
+    }
+
+
+def envelope(
+    command: str,
+    status: str,
+    exit_code: int,
+    data: Any = None,
+    errors: list[SafeInstallError] | None = None,
+) -> dict[str, Any]:
+    return {
+        "safeinstall_result_version": RESULT_VERSION,
+        "command": command,
+        "status": status,
+        "exit_code": int(exit_code),
+        "data": data,
+        "errors": [e.to_json() for e in errors or []],
+    }
+
+
+def dumps(document: dict[str, Any]) -> str:
+    return json.dumps(document, indent=2, sort_keys=False)

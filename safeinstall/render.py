@@ -1,0 +1,88 @@
+"""Human output with rich: tables on stdout, warnings and progress on stderr. No logic lives here."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+from rich.console import Console
+from rich.table import Table
+
+from safeinstall.diffs import FileDiff
+from safeinstall.drift import Finding, FindingKind
+from safeinstall.errors import SafeInstallError
+from safeinstall.verify import VerifyReport
+
+_KIND_STYLE = {
+    FindingKind.MISSING: "bold red",
+    FindingKind.MODIFIED: "bold yellow",
+    FindingKind.EXTRA: "cyan",
+    FindingKind.OUTSIDE: "bold magenta",
+    FindingKind.UNREADABLE: "red",
+    FindingKind.MALFORMED: "magenta",
+    FindingKind.VERSION_MISMATCH: "bold red",
+}
+
+
+def make_console(stderr: bool = False) -> Console:
+    probe = Console(stderr=stderr)
+    return Console(stderr=stderr, width=None if probe.is_terminal else 200, highlight=False)
+
+
+def render_error(console: Console, error: SafeInstallError) -> None:
+    console.print(f"[bold red]error:[/] {error.message}", soft_wrap=True)
+    if error.hint:
+        console.print(f"[dim]hint:[/] {error.hint}", soft_wrap=True)
+
+
+def _findings_table(findings: list[Finding]) -> Table:
+    table = Table(box=None, pad_edge=False, show_edge=False)
+    table.add_column("KIND", no_wrap=True)
+    table.add_column("DISTRIBUTION", no_wrap=True)
+    table.add_column("PATH", overflow="fold")
+    table.add_column("DETAIL", overflow="fold")
+    for f in findings:
+        style = _KIND_STYLE.get(f.kind, "")
+        table.add_row(
+            f"[{style}]{f.kind.value}[/]" if style else f.kind.value, f.distribution, f.path, f.detail
+        )
+    return table
+
+
+def render_verify(out: Console, err: Console, report: VerifyReport, diffs: list[FileDiff] | None) -> None:
+    if report.wheel is not None and not report.wheel.record_ok:
+        err.print(
+            f"[yellow]warning:[/] the wheel {report.wheel.path} has a RECORD that does not match its own "
+            f"contents ({len(report.wheel.problems)} problems); that is the wheel's fault, not drift: "
+            "installed files were compared with the wheel's actual contents",
+            soft_wrap=True,
+        )
+    drift = [f for f in report.findings if f.is_drift]
+    if drift:
+        out.print(_findings_table(drift))
+    hardlinked: dict[str, list[Finding]] = defaultdict(list)
+    for finding in report.findings:
+        if finding.kind == FindingKind.HARDLINKED:
+            hardlinked[finding.distribution].append(finding)
+    for name, links in hardlinked.items():
+        err.print(
+            f"[yellow]warning:[/] {name}: {len(links)} installed files share their inode with another "
+            f"file (uv's cache, e.g. {links[0].path}); editing them in place also edits the cache, and a "
+            "later offline reinstall brings the edit back (uv #10579). Reinstall with --link-mode copy.",
+            soft_wrap=True,
+        )
+    for d in diffs or []:
+        if d.text:
+            out.print(d.text, end="", markup=False, highlight=False, soft_wrap=True)
+        else:
+            err.print(f"[dim]no diff for {d.path}: {d.reason}[/]")
+    for dist in report.distributions:
+        kinds = Counter(f.kind.value for f in dist.findings if f.is_drift)
+        state = (
+            "[green]OK[/]"
+            if not kinds
+            else "[red]DRIFT[/] " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+        )
+        against = "RECORD" if dist.against == "record" else dist.against
+        out.print(
+            f"{dist.name} {dist.version}: {dist.files_checked} files checked against {against}: {state}"
+        )

@@ -1,0 +1,285 @@
+"""Verification: installed files against their RECORD (or a wheel), like ``rpm -V``.
+
+Gathers expectations, observes every file once in parallel (:mod:`safeinstall.hashing`), and leaves
+the judging to the pure functions of :mod:`safeinstall.drift`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path, PurePosixPath
+
+from safeinstall.distributions import InstalledDistribution, find_distribution, find_distributions
+from safeinstall.drift import (
+    Expectation,
+    Finding,
+    FindingKind,
+    compare,
+    extras,
+    hardlink_warning,
+    is_within,
+    own_roots,
+    pyc_source,
+)
+from safeinstall.environment import Environment
+from safeinstall.errors import ExitCode, WheelError
+from safeinstall.hashing import FileState, HashRequest, observe_files
+from safeinstall.records import digest_bytes
+from safeinstall.wheel import (
+    Wheel,
+    WheelProblem,
+    install_location,
+    is_installer_written,
+    read_member,
+    read_wheel,
+)
+
+ProgressCallback = Callable[[int, int], None]  # (files done, files total)
+
+
+@dataclass(frozen=True, slots=True)
+class WheelSummary:
+    path: str
+    name: str
+    version: str
+    record_ok: bool
+    problems: tuple[WheelProblem, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DistributionReport:
+    name: str
+    version: str
+    dist_info: str
+    files_checked: int
+    findings: tuple[Finding, ...]
+    against: str  # "record", or the wheel's file name
+
+    @property
+    def drift(self) -> bool:
+        return any(f.is_drift for f in self.findings)
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    python: str
+    prefix: str
+    distributions: tuple[DistributionReport, ...]
+    wheel: WheelSummary | None
+
+    @property
+    def findings(self) -> tuple[Finding, ...]:
+        return tuple(f for d in self.distributions for f in d.findings)
+
+    @property
+    def drift(self) -> bool:
+        return any(d.drift for d in self.distributions)
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return ExitCode.DRIFT if self.drift else ExitCode.OK
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What to check for one distribution: expectations plus findings known without reading."""
+
+    dist: InstalledDistribution
+    expectations: tuple[Expectation, ...]
+    members: dict[Path, str]  # location -> wheel member (with --wheel)
+    findings: tuple[Finding, ...]
+    against: str
+
+
+def _outside(location: Path, prefix: Path) -> bool:
+    return not is_within(location, prefix) or not is_within(Path(os.path.realpath(location)), prefix)
+
+
+def _record_plan(dist: InstalledDistribution, env: Environment) -> tuple[list[Expectation], list[Finding]]:
+    expectations: list[Expectation] = []
+    findings = [
+        Finding(dist.name, f"{dist.dist_info}/RECORD:{p.line}", FindingKind.MALFORMED, p.reason)
+        for p in dist.record.problems
+    ]
+    for entry in dist.record.entries:
+        location = dist.location(entry)
+        if _outside(location, env.prefix):
+            findings.append(
+                Finding(
+                    dist.name,
+                    entry.path,
+                    FindingKind.OUTSIDE,
+                    f"resolves to {location}, outside {env.prefix}",
+                )
+            )
+            continue
+        if entry.hash is None:
+            continue  # unhashed entries (RECORD itself, .pyc) are skipped, as installers do
+        expectations.append(Expectation(location, entry.hash.algorithm, entry.hash.digest, entry.size))
+    return expectations, findings
+
+
+def _script_expectation(wheel: Wheel, member: str, location: Path) -> Expectation | None:
+    """Scripts shipped as ``#!python`` get their shebang rewritten on install: compare the rest."""
+    content = read_member(wheel.path, member)
+    if not content.startswith(b"#!python"):
+        return None
+    try:
+        with open(location, "rb") as handle:
+            installed_first = handle.readline()
+    except OSError:
+        return None
+    if not installed_first.startswith(b"#!"):
+        return None
+    rest = content.split(b"\n", 1)[1] if b"\n" in content else b""
+    expected = installed_first + rest
+    return Expectation(location, "sha256", digest_bytes(expected), len(expected))
+
+
+def _wheel_plan(
+    dist: InstalledDistribution, env: Environment, wheel: Wheel
+) -> tuple[list[Expectation], dict[Path, str], list[Finding]]:
+    expectations: list[Expectation] = []
+    members: dict[Path, str] = {}
+    findings: list[Finding] = []
+    if dist.version != wheel.version:
+        findings.append(
+            Finding(
+                dist.name,
+                str(dist.dist_info),
+                FindingKind.VERSION_MISMATCH,
+                f"installed {dist.version}, the wheel is {wheel.version}",
+                baseline="wheel",
+            )
+        )
+    signatures = {f"{wheel.dist_info}/RECORD.jws", f"{wheel.dist_info}/RECORD.p7s"}
+    for name, member in wheel.members.items():
+        if is_installer_written(wheel, name) or name in signatures:
+            continue
+        location = install_location(wheel, name, env)
+        if location is None:
+            continue
+        members[location] = name
+        expectation: Expectation | None = None
+        if PurePosixPath(name).parts[:2] == (wheel.data_dir, "scripts"):
+            expectation = _script_expectation(wheel, name, location)
+        expectations.append(expectation or Expectation(location, "sha256", member.sha256, member.size))
+    for problem in wheel.problems:
+        findings.append(
+            Finding(dist.name, problem.path, FindingKind.WHEEL_RECORD, problem.reason, baseline="wheel")
+        )
+    # Installed files the wheel does not have: old leftovers recorded by the installer.
+    generated_scripts = {env.scripts / script for script in wheel.console_scripts}
+    installed_dist_info = dist.dist_info.name
+    for entry in dist.record.entries:
+        location = dist.location(entry)
+        relative = PurePosixPath(entry.path)
+        if location in members or location in generated_scripts or pyc_source(relative) is not None:
+            continue
+        if relative.parts[:1] == (installed_dist_info,) and is_installer_written(
+            wheel, f"{wheel.dist_info}/{relative.name}"
+        ):
+            continue
+        if _outside(location, env.prefix):
+            continue
+        findings.append(
+            Finding(
+                dist.name,
+                str(location),
+                FindingKind.EXTRA,
+                "installed, but not in the wheel",
+                baseline="wheel",
+            )
+        )
+    return expectations, members, findings
+
+
+def _plan(dist: InstalledDistribution, env: Environment, wheel: Wheel | None) -> _Plan:
+    record_expectations, findings = _record_plan(dist, env)
+    if wheel is None:
+        return _Plan(dist, tuple(record_expectations), {}, tuple(findings), "record")
+    expectations, members, wheel_findings = _wheel_plan(dist, env, wheel)
+    # RECORD-only findings (outside, malformed) still stand; file content is judged against the wheel.
+    return _Plan(dist, tuple(expectations), members, (*findings, *wheel_findings), wheel.path.name)
+
+
+def _walk(root: Path) -> list[Path]:
+    found: list[Path] = []
+    for directory, _dirs, files in os.walk(root):
+        found.extend(Path(directory) / name for name in files)
+    return found
+
+
+def _listed_locations(installed: Sequence[InstalledDistribution]) -> frozenset[str]:
+    return frozenset(os.fspath(d.location(e)) for d in installed for e in d.record.entries)
+
+
+def verify_environment(
+    env: Environment,
+    names: Sequence[str] | None,
+    wheel_path: Path | None = None,
+    on_progress: ProgressCallback | None = None,
+    workers: int | None = None,
+) -> VerifyReport:
+    """Verify the named distributions (or all, with ``names=None``) of ``env``."""
+    installed = find_distributions(env)
+    selected = installed if names is None else [find_distribution(env, name, installed) for name in names]
+    wheel: Wheel | None = None
+    if wheel_path is not None:
+        wheel = read_wheel(wheel_path)
+        if len(selected) != 1 or selected[0].name != wheel.name:
+            raise WheelError(
+                f"the wheel {wheel_path.name} is for {wheel.name}, not "
+                f"{', '.join(d.name for d in selected) or 'nothing'}",
+                hint="pass the wheel of the package being verified",
+            )
+    plans = [_plan(dist, env, wheel) for dist in selected]
+    requests = [HashRequest(e.location, e.algorithm) for p in plans for e in p.expectations]
+    sizes = {e.location: e.size or 0 for p in plans for e in p.expectations}
+    total = len(requests)
+    done = 0
+
+    def tick(_state: FileState) -> None:
+        nonlocal done
+        done += 1
+        if on_progress is not None and (done % 64 == 0 or done == total):
+            on_progress(done, total)
+
+    states = observe_files(requests, workers=workers, on_done=tick, sizes=sizes)
+    listed = _listed_locations(installed)
+    roots = own_roots({d.name: [d.location(e) for e in d.record.entries] for d in installed}, env.site_dirs)
+    reports: list[DistributionReport] = []
+    for plan in plans:
+        findings = list(plan.findings)
+        baseline = "record" if wheel is None else "wheel"
+        for expectation in plan.expectations:
+            state = states[expectation.location]
+            finding = compare(plan.dist.name, expectation, state, baseline)
+            if finding is not None:
+                member = plan.members.get(expectation.location)
+                findings.append(replace(finding, wheel_member=member) if member else finding)
+            warning = hardlink_warning(plan.dist.name, state)
+            if warning is not None:
+                findings.append(warning)
+        for root in roots.get(plan.dist.name, []):
+            findings.extend(extras(plan.dist.name, _walk(root), listed))
+        reports.append(
+            DistributionReport(
+                name=plan.dist.name,
+                version=plan.dist.version,
+                dist_info=str(plan.dist.dist_info),
+                files_checked=len(plan.expectations),
+                findings=tuple(
+                    sorted(findings, key=lambda f: (f.kind != FindingKind.VERSION_MISMATCH, f.path))
+                ),
+                against=plan.against,
+            )
+        )
+    summary = (
+        None
+        if wheel is None
+        else WheelSummary(str(wheel.path), wheel.name, wheel.version, wheel.record_ok, wheel.problems)
+    )
+    return VerifyReport(str(env.python), str(env.prefix), tuple(reports), summary)

@@ -1,0 +1,201 @@
+"""Wheel files: read once into a typed :class:`Wheel`, with its RECORD checked against its contents.
+
+A wheel whose own RECORD does not match its contents is the wheel's fault (some torch wheels ship
+one, uv #11723); those are reported as :class:`WheelProblem`, never as drift of an installation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import zipfile
+from dataclasses import dataclass
+from email.parser import HeaderParser
+from pathlib import Path, PurePosixPath
+
+from packaging.tags import Tag
+from packaging.utils import (
+    InvalidWheelFilename,
+    NormalizedName,
+    canonicalize_name,
+    parse_wheel_filename,
+)
+
+from safeinstall.distributions import parse_console_scripts
+from safeinstall.environment import Environment
+from safeinstall.errors import WheelError
+from safeinstall.records import Record, encode_digest, parse_record
+
+#: dist-info files an installer writes itself; never drift when comparing against a wheel.
+INSTALLER_WRITTEN = frozenset(
+    {"INSTALLER", "REQUESTED", "direct_url.json", "RECORD", "uv_cache.json", "uv_build.json"}
+)
+_SIGNATURES = frozenset({"RECORD.jws", "RECORD.p7s"})
+
+
+@dataclass(frozen=True, slots=True)
+class WheelMember:
+    name: str  # archive name, "/" separated
+    size: int
+    sha256: str  # RECORD spelling, computed from the content
+
+
+@dataclass(frozen=True, slots=True)
+class WheelProblem:
+    path: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Wheel:
+    path: Path
+    name: NormalizedName
+    display_name: str
+    version: str
+    tags: frozenset[Tag]
+    dist_info: str  # "name-1.0.dist-info"
+    data_dir: str  # "name-1.0.data"
+    root_is_purelib: bool
+    members: dict[str, WheelMember]
+    record: Record
+    problems: tuple[WheelProblem, ...]
+    console_scripts: tuple[str, ...]
+
+    @property
+    def record_ok(self) -> bool:
+        return not self.problems
+
+
+def _fail(path: Path, why: str) -> WheelError:
+    return WheelError(
+        f"cannot read wheel {path}: {why}",
+        hint="check the path, or download/build the wheel again",
+    )
+
+
+def _hash_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> WheelMember:
+    hasher = hashlib.sha256()
+    with archive.open(info) as handle:
+        while chunk := handle.read(1 << 20):
+            hasher.update(chunk)
+    return WheelMember(name=info.filename, size=info.file_size, sha256=encode_digest(hasher.digest()))
+
+
+def record_problems(
+    members: dict[str, WheelMember], record: Record, dist_info: str
+) -> tuple[WheelProblem, ...]:
+    """Pure: where the wheel's RECORD and its actual contents disagree."""
+    problems = [WheelProblem(f"{dist_info}/RECORD", f"line {p.line}: {p.reason}") for p in record.problems]
+    listed = {entry.path: entry for entry in record.entries}
+    record_name = f"{dist_info}/RECORD"
+    for name, member in members.items():
+        if name == record_name or (name.rsplit("/", 1)[-1] in _SIGNATURES and name.startswith(dist_info)):
+            continue
+        entry = listed.get(name)
+        if entry is None:
+            problems.append(WheelProblem(name, "in the wheel but not in its RECORD"))
+            continue
+        if entry.hash is None:
+            problems.append(WheelProblem(name, "RECORD lists it without a hash"))
+        elif entry.hash.algorithm == "sha256" and entry.hash.digest != member.sha256:
+            problems.append(WheelProblem(name, "RECORD hash does not match the content"))
+        if entry.size is not None and entry.size != member.size:
+            problems.append(
+                WheelProblem(name, f"RECORD size {entry.size} does not match the content ({member.size})")
+            )
+    for name in listed:
+        if name not in members and name != record_name:
+            problems.append(WheelProblem(name, "listed in RECORD but not in the wheel"))
+    return tuple(problems)
+
+
+def read_wheel(path: Path) -> Wheel:
+    """Open and check a wheel. Raises WheelError when it is not a usable wheel at all."""
+    if not path.is_file():
+        raise _fail(path, "no such file")
+    try:
+        name, version, _build, tags = parse_wheel_filename(path.name)
+    except InvalidWheelFilename as exc:
+        raise _fail(path, f"not a wheel file name ({exc})") from exc
+    try:
+        with zipfile.ZipFile(path) as archive:
+            infos = [i for i in archive.infolist() if not i.is_dir()]
+            dist_infos = {
+                PurePosixPath(i.filename).parts[0]
+                for i in infos
+                if PurePosixPath(i.filename).parts[0].endswith(".dist-info")
+            }
+            if len(dist_infos) != 1:
+                raise _fail(path, f"expected one .dist-info directory, found {sorted(dist_infos)}")
+            dist_info = dist_infos.pop()
+            names = {i.filename for i in infos}
+            for required in ("WHEEL", "METADATA", "RECORD"):
+                if f"{dist_info}/{required}" not in names:
+                    raise _fail(path, f"{dist_info}/{required} is missing")
+            members = {i.filename: _hash_member(archive, i) for i in infos}
+            wheel_meta = HeaderParser().parsestr(archive.read(f"{dist_info}/WHEEL").decode("utf-8"))
+            metadata = HeaderParser().parsestr(
+                archive.read(f"{dist_info}/METADATA").decode("utf-8", errors="replace")
+            )
+            record = parse_record(archive.read(f"{dist_info}/RECORD").decode("utf-8", errors="replace"))
+            entry_points_name = f"{dist_info}/entry_points.txt"
+            entry_points = (
+                archive.read(entry_points_name).decode("utf-8", errors="replace")
+                if entry_points_name in names
+                else None
+            )
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError) as exc:
+        raise _fail(path, f"not a valid zip archive ({exc})") from exc
+    except OSError as exc:
+        raise _fail(path, exc.strerror or str(exc)) from exc
+    meta_name = metadata.get("Name") or ""
+    if canonicalize_name(meta_name) != name:
+        raise _fail(path, f"its METADATA names {meta_name!r}, its file name {name!r}")
+    return Wheel(
+        path=path,
+        name=name,
+        display_name=meta_name,
+        version=str(metadata.get("Version") or version),
+        tags=frozenset(tags),
+        dist_info=dist_info,
+        data_dir=dist_info[: -len(".dist-info")] + ".data",
+        root_is_purelib=(wheel_meta.get("Root-Is-Purelib", "true").strip().lower() == "true"),
+        members=members,
+        record=record,
+        problems=record_problems(members, record, dist_info),
+        console_scripts=parse_console_scripts(entry_points),
+    )
+
+
+def install_location(wheel: Wheel, member: str, env: Environment) -> Path | None:
+    """Pure: where an installer puts a wheel member in ``env`` (None for unknown .data schemes)."""
+    parts = PurePosixPath(member).parts
+    if parts and parts[0] == wheel.data_dir:
+        if len(parts) < 3:
+            return None
+        scheme, rest = parts[1], parts[2:]
+        roots = {
+            "purelib": env.purelib,
+            "platlib": env.platlib,
+            "scripts": env.scripts,
+            "data": env.data,
+            "headers": env.prefix
+            / "include"
+            / "site"
+            / f"python{env.version[0]}.{env.version[1]}"
+            / wheel.display_name,
+        }
+        root = roots.get(scheme)
+        return None if root is None else root.joinpath(*rest)
+    root = env.purelib if wheel.root_is_purelib else env.platlib
+    return root.joinpath(*parts)
+
+
+def is_installer_written(wheel: Wheel, relative: str) -> bool:
+    """Pure: a dist-info file that installers write themselves (not expected to match the wheel)."""
+    parts = PurePosixPath(relative).parts
+    return len(parts) == 2 and parts[0] == wheel.dist_info and parts[1] in INSTALLER_WRITTEN
+
+
+def read_member(wheel_path: Path, member: str) -> bytes:
+    with zipfile.ZipFile(wheel_path) as archive:
+        return archive.read(member)

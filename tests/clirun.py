@@ -1,0 +1,40 @@
+"""Run the real ``safeinstall`` console script as a subprocess, as users and scripts do."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SAFEINSTALL = str(Path(sys.executable).parent / "safeinstall")
+
+
+@dataclass
+class Result:
+    code: int
+    stdout: str
+    stderr: str
+
+    @property
+    def json(self) -> Any:
+        return json.loads(self.stdout)
+
+
+def run(*args: str, env: Mapping[str, str] | None = None, timeout: float = 120, stdin: str = "") -> Result:
+    full_env = dict(os.environ if env is None else env)
+    full_env.setdefault("COLUMNS", "200")
+    proc = subprocess.run(
+        [SAFEINSTALL, *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        input=stdin,
+        check=False,
+    )
+    return Result(proc.returncode, proc.stdout, proc.stderr)

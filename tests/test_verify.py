@@ -1,0 +1,235 @@
+"""``--verify-only``: real wheels, installed by the real uv, then drifted by hand."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import shutil
+import subprocess
+import zipfile
+from pathlib import Path
+
+import pytest
+from distlib.database import DistributionPath
+
+from tests import wheelhouse
+from tests.clirun import run
+from tests.wheelhouse import Wheelhouse
+
+ENVELOPE_KEYS = {"safeinstall_result_version", "command", "status", "exit_code", "data", "errors"}
+FINDING_KEYS = {
+    "distribution", "path", "kind", "detail", "drift", "baseline", "expected", "actual", "wheel_member",
+}
+
+
+@pytest.fixture
+def env(venv: Path, wheels: Wheelhouse) -> Path:
+    """A venv with every fixture installed by uv, copied (no hardlinks into uv's cache)."""
+    wheelhouse.uv_install(venv, wheels["sipure-1"], wheels["sicext-1"], wheels["sins-a"], wheels["sins-b"])
+    return venv
+
+
+def site(python: Path) -> Path:
+    return wheelhouse.site_packages(python)
+
+
+def kinds(result_json: dict) -> set[tuple[str, str]]:
+    return {(f["kind"], os.path.basename(f["path"])) for f in result_json["data"]["findings"] if f["drift"]}
+
+
+def test_clean_install_is_clean(env: Path) -> None:
+    result = run("sipure", "--verify-only", "--python", str(env))
+    assert result.code == 0, result.stderr
+    assert "sipure 1.0" in result.stdout and "OK" in result.stdout
+    doc = run("--verify-only", "--all", "--python", str(env), "--json").json
+    assert doc["status"] == "clean" and doc["exit_code"] == 0
+    assert {d["name"] for d in doc["data"]["distributions"]} >= {"sipure", "sicext", "sins-a", "sins-b"}
+    assert doc["data"]["findings"] == []
+
+
+def test_each_drift_kind_is_reported(env: Path) -> None:
+    sp = site(env)
+    (sp / "sipure" / "__init__.py").write_text("# patched locally\n")  # modified
+    (sp / "sipure" / "data" / "notes.txt").unlink()  # missing
+    (sp / "sipure" / "leftover.py").write_text("x = 1\n")  # extra
+    (sp / "sicext" / "__pycache__").mkdir(exist_ok=True)
+    (sp / "sicext" / "__pycache__" / "__init__.cpython-311.pyc").write_bytes(b"compiled")  # listed source
+    (sp / "sicext" / "__pycache__" / "gone.cpython-311.pyc").write_bytes(b"stale")  # extra
+    (env.parent / "sipure").write_text("#!/bin/sh\necho hijacked\n")  # script, ../../../bin/sipure
+    result = run("--verify-only", "--all", "--python", str(env), "--json")
+    assert result.code == 1, result.stderr
+    doc = result.json
+    assert set(doc) == ENVELOPE_KEYS and doc["status"] == "drift" and doc["exit_code"] == 1
+    assert kinds(doc) == {
+        ("modified", "__init__.py"),
+        ("missing", "notes.txt"),
+        ("extra", "leftover.py"),
+        ("extra", "gone.cpython-311.pyc"),
+        ("modified", "sipure"),
+    }
+    human = run("sipure", "--verify-only", "--python", str(env))
+    assert human.code == 1
+    assert "modified" in human.stdout and "missing" in human.stdout and "DRIFT" in human.stdout
+
+
+def test_namespace_package_shared_by_two_distributions(env: Path) -> None:
+    sp = site(env)
+    assert (sp / "sins" / "a").is_dir() and (sp / "sins" / "b").is_dir()
+    for name in ("sins-a", "sins-b"):
+        result = run(name, "--verify-only", "--python", str(env), "--json")
+        assert result.code == 0, result.stdout
+    (sp / "sins" / "b" / "added.py").write_text("")
+    doc = run("--verify-only", "--all", "--python", str(env), "--json").json
+    assert [(f["distribution"], f["kind"]) for f in doc["data"]["findings"]] == [("sins-b", "extra")]
+
+
+def _append_record(python: Path, dist_info: str, line: str) -> None:
+    record = site(python) / dist_info / "RECORD"
+    record.write_text(record.read_text() + line + "\n")
+
+
+def test_record_path_escaping_the_prefix_is_reported_and_never_read(env: Path, tmp_path: Path) -> None:
+    fifo = tmp_path / "outside-fifo"
+    os.mkfifo(fifo)  # reading it would block: the check must not open it
+    escape = os.path.relpath(fifo, site(env))
+    _append_record(env, "sipure-1.0.dist-info", f"{escape},sha256=AAAA,4")
+    result = run("sipure", "--verify-only", "--python", str(env), "--json", timeout=60)
+    assert result.code == 1
+    (finding,) = result.json["data"]["findings"]
+    assert finding["kind"] == "outside" and finding["path"] == escape
+
+
+def test_malformed_record_line(env: Path) -> None:
+    _append_record(env, "sipure-1.0.dist-info", "sipure/x.py,md5=abc,3,extra-field")
+    doc = run("sipure", "--verify-only", "--python", str(env), "--json").json
+    assert doc["exit_code"] == 1
+    assert [f["kind"] for f in doc["data"]["findings"]] == ["malformed"]
+
+
+def test_unknown_package_and_bad_interpreter_exit_2(env: Path, tmp_path: Path) -> None:
+    result = run("no-such-dist", "--verify-only", "--python", str(env))
+    assert result.code == 2
+    assert "error: no-such-dist is not installed" in result.stderr and "hint:" in result.stderr
+    assert "Traceback" not in result.stderr
+    result = run("sipure", "--verify-only", "--python", str(tmp_path / "nope"), "--json")
+    assert result.code == 2
+    doc = result.json
+    assert doc["status"] == "error" and doc["errors"][0]["code"] == "interpreter"
+
+
+def test_corrupt_wheel_exit_2(env: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "sipure-1.0-py3-none-any.whl"
+    bad.write_bytes(b"this is not a zip")
+    result = run("sipure", "--verify-only", "--python", str(env), "--wheel", str(bad))
+    assert result.code == 2
+    assert "not a valid zip" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_against_wheel_clean_then_diff_and_patch(env: Path, wheels: Wheelhouse, tmp_path: Path) -> None:
+    wheel = str(wheels["sipure-1"])
+    assert run("sipure", "--verify-only", "--python", str(env), "--wheel", wheel).code == 0
+    target = site(env) / "sipure" / "__init__.py"
+    original = target.read_text()
+    target.write_text(original.replace("hello from sipure 1", "hello from a local patch"))
+    patch = tmp_path / "local.patch"
+    result = run(
+        "sipure", "--verify-only", "--python", str(env), "--wheel", wheel, "--diff", "--save-patch", str(patch)
+    )
+    assert result.code == 1
+    assert "-    return \"hello from sipure 1\"" in result.stdout
+    assert "+    return \"hello from a local patch\"" in result.stdout
+    # The saved patch reverses cleanly with patch(1), taking the local edit out.
+    prefix = env.parent.parent
+    subprocess.run(["patch", "-R", "-p1", "-d", str(prefix), "-i", str(patch)], check=True, capture_output=True)
+    assert target.read_text() == original
+    assert run("sipure", "--verify-only", "--python", str(env), "--wheel", wheel).code == 0
+
+
+def test_version_mismatch_against_other_wheel(env: Path, wheels: Wheelhouse) -> None:
+    doc = run("sipure", "--verify-only", "--python", str(env), "--wheel", str(wheels["sipure-2"]), "--json").json
+    assert doc["exit_code"] == 1
+    found = {f["kind"] for f in doc["data"]["findings"]}
+    assert "version-mismatch" in found and "missing" in found  # extra_v2.py is not installed
+    wrong = run("sipure", "--verify-only", "--python", str(env), "--wheel", str(wheels["sicext-1"]))
+    assert wrong.code == 2 and "is for sicext, not sipure" in wrong.stderr
+
+
+def _rewrite_record_hash(wheel: Path, out: Path, member: str) -> Path:
+    """A copy of ``wheel`` whose RECORD lies about one member (the wheel's fault, as in uv #11723)."""
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename.endswith(".dist-info/RECORD"):
+                lines = []
+                for line in data.decode().splitlines():
+                    if line.startswith(member + ","):
+                        fake = base64.urlsafe_b64encode(hashlib.sha256(b"x").digest()).rstrip(b"=").decode()
+                        line = f"{member},sha256={fake},{line.rsplit(',', 1)[1]}"
+                    lines.append(line)
+                data = ("\n".join(lines) + "\n").encode()
+            dst.writestr(info, data)
+    return out
+
+
+def test_broken_wheel_record_is_the_wheels_fault(env: Path, wheels: Wheelhouse, tmp_path: Path) -> None:
+    (tmp_path / "w").mkdir()
+    broken = _rewrite_record_hash(wheels["sipure-1"], tmp_path / "w" / wheels["sipure-1"].name, "sipure/cli.py")
+    result = run("sipure", "--verify-only", "--python", str(env), "--wheel", str(broken), "--json")
+    doc = result.json
+    assert result.code == 0, doc  # the installation itself matches the wheel's real contents
+    (finding,) = doc["data"]["findings"]
+    assert finding["kind"] == "wheel-record" and finding["drift"] is False
+    assert doc["data"]["wheel"]["record_ok"] is False
+    assert "wheel's fault" in run("sipure", "--verify-only", "--python", str(env), "--wheel", str(broken)).stderr
+
+
+def test_hardlinks_into_uv_cache_warn(venv: Path, wheels: Wheelhouse) -> None:
+    wheelhouse.uv_install(venv, wheels["sipure-1"], link_mode="hardlink")
+    result = run("sipure", "--verify-only", "--python", str(venv))
+    assert result.code == 0
+    assert "share their inode" in result.stderr and "uv #10579" in result.stderr
+    doc = run("sipure", "--verify-only", "--python", str(venv), "--json").json
+    assert doc["status"] == "clean"
+    assert {f["kind"] for f in doc["data"]["findings"]} == {"hardlinked"}
+
+
+def test_python_defaults_to_virtual_env(env: Path) -> None:
+    environ = dict(os.environ, VIRTUAL_ENV=str(env.parent.parent))
+    result = run("sicext", "--verify-only", env=environ)
+    assert result.code == 0 and "sicext 1.0" in result.stdout
+
+
+def test_target_environment_variables_are_not_trusted(env: Path, tmp_path: Path) -> None:
+    """PYTHONPATH/PYTHONHOME of the caller must not change which files are checked."""
+    decoy = tmp_path / "decoy"
+    shutil.copytree(site(env), decoy)
+    environ = dict(os.environ, PYTHONPATH=str(decoy), PYTHONHOME=str(tmp_path))
+    (site(env) / "sipure" / "__init__.py").write_text("patched\n")
+    assert run("sipure", "--verify-only", "--python", str(env), env=environ).code == 1
+
+
+def test_cross_check_with_distlib(env: Path) -> None:
+    """An independent implementation agrees on missing and modified files."""
+    sp = site(env)
+    (sp / "sipure" / "cli.py").write_text("patched = True\n")
+    (sp / "sipure" / "data" / "old.txt").unlink()
+    (sp / "sicext" / "serve.py").write_text("# same size? no\n")
+    dists = DistributionPath([str(sp)])
+    theirs = set()
+    for name in ("sipure", "sicext"):
+        dist = dists.get_distribution(name)
+        assert dist is not None
+        for path, problem, *_ in dist.check_installed_files():
+            theirs.add(("missing" if problem == "exists" else "modified", os.path.realpath(path)))
+    doc = run("--verify-only", "--all", "--python", str(env), "--json").json
+    ours = {(f["kind"], os.path.realpath(f["path"])) for f in doc["data"]["findings"] if f["drift"]}
+    assert ours == theirs
+    assert len(ours) == 3
+
+
+def test_usage_errors(env: Path) -> None:
+    result = run("--verify-only", "--python", str(env))
+    assert result.code == 2 and "no PACKAGE given" in result.stderr
+    result = run("sipure", "--verify-only", "--diff", "--python", str(env))
+    assert result.code == 2 and "--wheel" in result.stderr
