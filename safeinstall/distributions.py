@@ -25,18 +25,17 @@ class InstalledDistribution:
     record: Record
     console_scripts: tuple[str, ...]
     installer: str | None
+    #: where each RECORD entry lives, normalised lexically (``../../../bin/x`` -> ``<prefix>/bin/x``);
+    #: parallel to ``record.entries``, computed once
+    locations: tuple[str, ...]
 
     def location(self, entry: RecordEntry) -> Path:
         """Where an entry lives, normalised lexically (``../../../bin/x`` -> ``<prefix>/bin/x``)."""
-        return Path(os.path.normpath(self.site / entry.path))
+        return Path(entry_location(self.site, entry))
 
 
-def is_within(path: Path, root: Path) -> bool:
-    try:
-        path.relative_to(root)
-    except ValueError:
-        return False
-    return True
+def entry_location(site: Path | str, entry: RecordEntry) -> str:
+    return os.path.normpath(os.path.join(site, entry.path))
 
 
 def _read_text(path: Path) -> str | None:
@@ -74,15 +73,18 @@ def load_distribution(dist_info: Path) -> InstalledDistribution | None:
         return None
     record_text = _read_text(dist_info / "RECORD") or ""
     installer = _read_text(dist_info / "INSTALLER")
+    record = parse_record(record_text)
+    site = dist_info.parent
     return InstalledDistribution(
         name=canonicalize_name(name),
         display_name=name,
         version=version,
-        site=dist_info.parent,
+        site=site,
         dist_info=dist_info,
-        record=parse_record(record_text),
+        record=record,
         console_scripts=parse_console_scripts(_read_text(dist_info / "entry_points.txt")),
         installer=installer.strip() if installer else None,
+        locations=tuple(entry_location(site, entry) for entry in record.entries),
     )
 
 

@@ -59,8 +59,9 @@ class Finding:
         return self.kind not in WARNING_KINDS
 
 
-def is_within(path: PurePath, root: PurePath) -> bool:
-    return path == root or root in path.parents
+def is_within(path: str, root: str) -> bool:
+    """String containment of normalised absolute paths (pathlib is too slow for 100k checks)."""
+    return path == root or path.startswith(root if root.endswith(os.sep) else root + os.sep)
 
 
 def compare(distribution: str, expected: Expectation, state: FileState, baseline: str) -> Finding | None:
@@ -105,31 +106,33 @@ def hardlink_warning(distribution: str, state: FileState) -> Finding | None:
 
 
 def own_roots(
-    files_by_distribution: Mapping[str, Iterable[Path]], site_dirs: Iterable[Path]
-) -> dict[str, list[Path]]:
+    files_by_distribution: Mapping[str, Iterable[str]], site_dirs: Iterable[str]
+) -> dict[str, list[str]]:
     """Each distribution's own package directories inside the site directories.
 
     A directory is a distribution's own when it lies strictly below a site directory and no other
     distribution has files below it. Shared directories (namespace packages such as ``nvidia/``)
     are never roots, so files of other distributions there are never reported against this one.
-    The ``.dist-info`` directories are left out.
+    The ``.dist-info`` directories are left out. Paths are normalised absolute strings.
     """
-    sites = [Path(s) for s in site_dirs]
-    owners: dict[Path, set[str]] = {}
+    sites = [s.rstrip(os.sep) for s in site_dirs]
+    owners: dict[str, set[str]] = {}
     for name, files in files_by_distribution.items():
+        seen: set[str] = set()
         for file in files:
-            site = next((s for s in sites if is_within(file, s) and file != s), None)
+            site = next((s for s in sites if file.startswith(s + os.sep)), None)
             if site is None:
                 continue
-            parent = file.parent
-            while parent != site and is_within(parent, site):
+            parent = os.path.dirname(file)
+            while parent != site and parent not in seen and len(parent) > len(site):
+                seen.add(parent)
                 owners.setdefault(parent, set()).add(name)
-                parent = parent.parent
-    roots: dict[str, list[Path]] = {name: [] for name in files_by_distribution}
+                parent = os.path.dirname(parent)
+    roots: dict[str, list[str]] = {name: [] for name in files_by_distribution}
     for directory, names in owners.items():
-        if len(names) != 1 or directory.name.endswith(".dist-info"):
+        if len(names) != 1 or directory.endswith(".dist-info"):
             continue
-        parent_owners = owners.get(directory.parent)
+        parent_owners = owners.get(os.path.dirname(directory))
         if parent_owners is None or len(parent_owners) > 1:
             roots[next(iter(names))].append(directory)
     return {name: sorted(dirs) for name, dirs in roots.items()}
@@ -142,14 +145,13 @@ def pyc_source(path: PurePath) -> PurePath | None:
     return path.parent.parent / (path.name.split(".", 1)[0] + ".py")
 
 
-def extras(distribution: str, candidates: Iterable[Path], listed: frozenset[str]) -> list[Finding]:
+def extras(distribution: str, candidates: Iterable[str], listed: frozenset[str]) -> list[Finding]:
     """Files found under a distribution's own directories that no RECORD lists."""
     found: list[Finding] = []
-    for candidate in candidates:
-        text = os.fspath(candidate)
+    for text in candidates:
         if text in listed:
             continue
-        source = pyc_source(candidate)
+        source = pyc_source(PurePath(text))
         if source is not None and os.fspath(source) in listed:
             continue
         found.append(

@@ -9,8 +9,8 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -84,19 +84,31 @@ def observe_files(
     else:
         ordered = list(requests)
     results: dict[Path, FileState] = {}
-    count = workers or default_workers()
-    if count <= 1 or len(ordered) < 4:
-        for request in ordered:
+    count = min(workers or default_workers(), max(1, len(ordered)))
+    pending = iter(ordered)
+    lock = threading.Lock()
+
+    def work() -> None:
+        # Each thread pulls the next file itself: one future per thread, not per file.
+        while True:
+            with lock:
+                request = next(pending, None)
+            if request is None:
+                return
             state = _observe(request)
-            results[request.path] = state
-            if on_done:
-                on_done(state)
+            with lock:
+                results[request.path] = state
+                if on_done:
+                    on_done(state)
+
+    if count == 1:
+        work()
         return results
-    with ThreadPoolExecutor(max_workers=count, thread_name_prefix="hash") as pool:
-        for state in pool.map(_observe, ordered, chunksize=8):
-            results[state.path] = state
-            if on_done:
-                on_done(state)
+    threads = [threading.Thread(target=work, name=f"hash-{n}", daemon=True) for n in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
     return results
 
 

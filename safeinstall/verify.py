@@ -93,19 +93,38 @@ class _Plan:
     against: str
 
 
-def _outside(location: Path, prefix: Path) -> bool:
-    return not is_within(location, prefix) or not is_within(Path(os.path.realpath(location)), prefix)
+class _Containment:
+    """Is a path inside the prefix, lexically and after resolving its directory's symlinks?
+
+    Files themselves are never followed (the hashing stage does not follow symlinks), so resolving
+    the directory, cached, is enough.
+    """
+
+    def __init__(self, prefix: Path) -> None:
+        self.prefix = os.fspath(prefix)
+        self._real_dirs: dict[str, bool] = {}
+
+    def outside(self, location: str) -> bool:
+        if not is_within(location, self.prefix):
+            return True
+        directory = os.path.dirname(location)
+        inside = self._real_dirs.get(directory)
+        if inside is None:
+            inside = is_within(os.path.realpath(directory), self.prefix)
+            self._real_dirs[directory] = inside
+        return not inside
 
 
-def _record_plan(dist: InstalledDistribution, env: Environment) -> tuple[list[Expectation], list[Finding]]:
+def _record_plan(
+    dist: InstalledDistribution, env: Environment, containment: _Containment
+) -> tuple[list[Expectation], list[Finding]]:
     expectations: list[Expectation] = []
     findings = [
         Finding(dist.name, f"{dist.dist_info}/RECORD:{p.line}", FindingKind.MALFORMED, p.reason)
         for p in dist.record.problems
     ]
-    for entry in dist.record.entries:
-        location = dist.location(entry)
-        if _outside(location, env.prefix):
+    for entry, location in zip(dist.record.entries, dist.locations, strict=True):
+        if containment.outside(location):
             findings.append(
                 Finding(
                     dist.name,
@@ -117,7 +136,7 @@ def _record_plan(dist: InstalledDistribution, env: Environment) -> tuple[list[Ex
             continue
         if entry.hash is None:
             continue  # unhashed entries (RECORD itself, .pyc) are skipped, as installers do
-        expectations.append(Expectation(location, entry.hash.algorithm, entry.hash.digest, entry.size))
+        expectations.append(Expectation(Path(location), entry.hash.algorithm, entry.hash.digest, entry.size))
     return expectations, findings
 
 
@@ -139,7 +158,7 @@ def _script_expectation(wheel: Wheel, member: str, location: Path) -> Expectatio
 
 
 def _wheel_plan(
-    dist: InstalledDistribution, env: Environment, wheel: Wheel
+    dist: InstalledDistribution, env: Environment, wheel: Wheel, containment: _Containment
 ) -> tuple[list[Expectation], dict[Path, str], list[Finding]]:
     expectations: list[Expectation] = []
     members: dict[Path, str] = {}
@@ -173,8 +192,8 @@ def _wheel_plan(
     # Installed files the wheel does not have: old leftovers recorded by the installer.
     generated_scripts = {env.scripts / script for script in wheel.console_scripts}
     installed_dist_info = dist.dist_info.name
-    for entry in dist.record.entries:
-        location = dist.location(entry)
+    for entry, text in zip(dist.record.entries, dist.locations, strict=True):
+        location = Path(text)
         relative = PurePosixPath(entry.path)
         if location in members or location in generated_scripts or pyc_source(relative) is not None:
             continue
@@ -182,7 +201,7 @@ def _wheel_plan(
             wheel, f"{wheel.dist_info}/{relative.name}"
         ):
             continue
-        if _outside(location, env.prefix):
+        if containment.outside(text):
             continue
         findings.append(
             Finding(
@@ -197,23 +216,24 @@ def _wheel_plan(
 
 
 def _plan(dist: InstalledDistribution, env: Environment, wheel: Wheel | None) -> _Plan:
-    record_expectations, findings = _record_plan(dist, env)
+    containment = _Containment(env.prefix)
+    record_expectations, findings = _record_plan(dist, env, containment)
     if wheel is None:
         return _Plan(dist, tuple(record_expectations), {}, tuple(findings), "record")
-    expectations, members, wheel_findings = _wheel_plan(dist, env, wheel)
+    expectations, members, wheel_findings = _wheel_plan(dist, env, wheel, containment)
     # RECORD-only findings (outside, malformed) still stand; file content is judged against the wheel.
     return _Plan(dist, tuple(expectations), members, (*findings, *wheel_findings), wheel.path.name)
 
 
-def _walk(root: Path) -> list[Path]:
-    found: list[Path] = []
+def _walk(root: str) -> list[str]:
+    found: list[str] = []
     for directory, _dirs, files in os.walk(root):
-        found.extend(Path(directory) / name for name in files)
+        found.extend(os.path.join(directory, name) for name in files)
     return found
 
 
 def _listed_locations(installed: Sequence[InstalledDistribution]) -> frozenset[str]:
-    return frozenset(os.fspath(d.location(e)) for d in installed for e in d.record.entries)
+    return frozenset(location for d in installed for location in d.locations)
 
 
 def verify_environment(
@@ -249,7 +269,7 @@ def verify_environment(
 
     states = observe_files(requests, workers=workers, on_done=tick, sizes=sizes)
     listed = _listed_locations(installed)
-    roots = own_roots({d.name: [d.location(e) for e in d.record.entries] for d in installed}, env.site_dirs)
+    roots = own_roots({d.name: d.locations for d in installed}, [os.fspath(s) for s in env.site_dirs])
     reports: list[DistributionReport] = []
     for plan in plans:
         findings = list(plan.findings)

@@ -1,0 +1,166 @@
+"""uv at the edge: the exact ``uv pip install`` command, its dry-run plan, and the real install.
+
+By default only the named package is reinstalled (``--reinstall-package NAME``): uv's
+``--force-reinstall``/``--reinstall`` would reinstall every dependency (torch included, for vllm).
+``with_deps`` widens it to ``--reinstall``. Installs use ``--link-mode copy`` so installed files never
+share inodes with uv's cache (uv #10579).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import uv
+from packaging.utils import canonicalize_name
+
+from safeinstall.errors import PlanError
+
+_CHANGE = re.compile(r"^\s*(?P<sign>[-+~])\s+(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)(?P<rest>.*)$")
+_VERSION = re.compile(r"^==(?P<version>\S+)")
+
+
+@dataclass(frozen=True, slots=True)
+class UvRequest:
+    """What the user asked to install, before it becomes a command line."""
+
+    python: Path
+    package: str
+    wheel: Path | None = None
+    version_spec: str | None = None  # e.g. "==2.0", ">=2"; None with no wheel: the installed version
+    installed_version: str | None = None
+    with_deps: bool = False
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class UvChange:
+    action: str  # "uninstall" | "install" | "reinstall"
+    name: str  # canonical
+    version: str | None
+    source: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class UvPlan:
+    command: tuple[str, ...]  # the install command that the run will execute
+    changes: tuple[UvChange, ...]
+    output: str
+
+    @property
+    def affected(self) -> tuple[str, ...]:
+        """Every distribution the install would replace or add, sorted."""
+        return tuple(sorted({c.name for c in self.changes}))
+
+
+def uv_binary() -> str:
+    return uv.find_uv_bin()
+
+
+def requirement(request: UvRequest) -> str:
+    """Pure: the requirement or wheel path that uv gets."""
+    if request.wheel is not None:
+        return str(request.wheel)
+    if request.version_spec:
+        spec = request.version_spec
+        return f"{request.package}{spec}" if spec[:1] in "=<>!~" else f"{request.package}=={spec}"
+    if request.installed_version:
+        return f"{request.package}=={request.installed_version}"
+    return request.package
+
+
+def install_command(request: UvRequest, uv_bin: str, dry_run: bool = False) -> list[str]:
+    """Pure: the exact ``uv pip install`` command line."""
+    cmd = [uv_bin, "pip", "install", "--python", str(request.python)]
+    cmd += ["--reinstall"] if request.with_deps else ["--reinstall-package", request.package]
+    cmd += ["--link-mode", "copy"]
+    if dry_run:
+        cmd.append("--dry-run")
+    cmd += [*request.extra_args, requirement(request)]
+    return cmd
+
+
+def parse_changes(text: str) -> tuple[UvChange, ...]:
+    """Pure: the ``- name==1.0`` / ``+ name==2.0`` / ``+ name @ file://...`` lines of uv's output."""
+    changes: list[UvChange] = []
+    for line in text.splitlines():
+        match = _CHANGE.match(line)
+        if not match or not line.startswith(" "):
+            continue
+        rest = match["rest"].strip()
+        version: str | None = None
+        source: str | None = None
+        found = _VERSION.match(rest)
+        if found:
+            version = found["version"]
+            source_part = rest[found.end() :].strip()
+            if source_part.startswith("(from ") and source_part.endswith(")"):
+                source = source_part[len("(from ") : -1]
+        elif rest.startswith("@"):
+            source = rest[1:].strip()
+        action = {"-": "uninstall", "+": "install", "~": "reinstall"}[match["sign"]]
+        changes.append(UvChange(action, canonicalize_name(match["name"]), version, source))
+    return tuple(changes)
+
+
+def uv_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """uv's environment: the caller's (index settings stay), without VIRTUAL_ENV (``--python`` rules)."""
+    env = {k: v for k, v in environ.items() if k != "VIRTUAL_ENV"}
+    env["UV_NO_PROGRESS"] = "1"
+    return env
+
+
+def dry_run(request: UvRequest, environ: Mapping[str, str] | None = None, timeout: float = 300) -> UvPlan:
+    """Ask uv what it would uninstall and install; PlanError when it cannot resolve."""
+    uv_bin = uv_binary()
+    cmd = install_command(request, uv_bin, dry_run=True)
+    try:
+        proc = subprocess.run(
+            cmd,
+            env=uv_environment(os.environ if environ is None else environ),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise PlanError(f"uv did not answer: {exc}", hint="check that uv runs: " + uv_bin) from exc
+    output = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise PlanError(
+            "uv cannot resolve the install: " + output.strip()[-800:],
+            hint="fix the requirement, the wheel or the index options (arguments after -- go to uv); "
+            "nothing was stopped",
+        )
+    return UvPlan(tuple(install_command(request, uv_bin)), parse_changes(output), output)
+
+
+@dataclass(frozen=True, slots=True)
+class UvResult:
+    command: tuple[str, ...]
+    returncode: int
+    output: str
+
+
+def install(
+    command: Sequence[str], environ: Mapping[str, str] | None = None, timeout: float = 3600
+) -> UvResult:
+    """Run the install; the caller logs the command and the output."""
+    try:
+        proc = subprocess.run(
+            list(command),
+            env=uv_environment(os.environ if environ is None else environ),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        return UvResult(tuple(command), -1, f"uv did not finish in {timeout:.0f} s: {exc}")
+    except OSError as exc:
+        return UvResult(tuple(command), -1, f"uv could not run: {exc}")
+    return UvResult(tuple(command), proc.returncode, proc.stdout + proc.stderr)

@@ -1,0 +1,54 @@
+"""uv's plan: the command line and the dry-run parse, against the real uv."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from safeinstall.errors import PlanError
+from safeinstall.uvplan import UvRequest, dry_run, install_command, parse_changes
+from tests import wheelhouse
+from tests.wheelhouse import Wheelhouse
+
+
+def test_parse_changes() -> None:
+    text = """Using Python 3.11.7 environment at: v
+Resolved 2 packages in 1ms
+Would uninstall 1 package
+Would install 2 packages
+ - sicext==1.0 (from file:///w/sicext-1.0-cp311-cp311-linux_x86_64.whl)
+ + sicext @ file:///w/sicext-2.0-cp311-cp311-linux_x86_64.whl
+ + Typing_Extensions==4.12.0
+"""
+    changes = parse_changes(text)
+    assert [(c.action, c.name, c.version) for c in changes] == [
+        ("uninstall", "sicext", "1.0"),
+        ("install", "sicext", None),
+        ("install", "typing-extensions", "4.12.0"),
+    ]
+    assert changes[0].source == "file:///w/sicext-1.0-cp311-cp311-linux_x86_64.whl"
+
+
+def test_named_package_only_unless_with_deps() -> None:
+    request = UvRequest(python=Path("/v/bin/python"), package="vllm", wheel=Path("/w/vllm.whl"))
+    cmd = install_command(request, "uv")
+    assert cmd[cmd.index("--reinstall-package") + 1] == "vllm"
+    assert "--reinstall" not in cmd and "--force-reinstall" not in cmd
+    assert cmd[cmd.index("--link-mode") + 1] == "copy"
+    wide = install_command(UvRequest(python=Path("/v/bin/python"), package="vllm", with_deps=True), "uv")
+    assert "--reinstall" in wide and "--reinstall-package" not in wide
+    again = install_command(
+        UvRequest(Path("/p"), "vllm", installed_version="0.9.1", extra_args=("--index-url", "x")), "uv"
+    )
+    assert again[-3:] == ["--index-url", "x", "vllm==0.9.1"]
+
+
+def test_real_dry_run(venv: Path, wheels: Wheelhouse) -> None:
+    wheelhouse.uv_install(venv, wheels["sicext-1"], wheels["sipure-1"])
+    plan = dry_run(UvRequest(python=venv, package="sicext", wheel=wheels["sicext-2"]))
+    assert plan.affected == ("sicext",)
+    assert {c.action for c in plan.changes} == {"uninstall", "install"}
+    assert "--dry-run" not in plan.command
+    with pytest.raises(PlanError, match="uv cannot resolve"):
+        dry_run(UvRequest(python=venv, package="sicext", version_spec="==9.9", extra_args=("--offline",)))
