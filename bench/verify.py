@@ -57,7 +57,9 @@ def timed(cmd: list[str], **kwargs: object) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--package", default="torch")
     parser.add_argument("--python", default=None)
     parser.add_argument("--rounds", type=int, default=5)
@@ -65,7 +67,9 @@ def main() -> int:
     python = Path(args.python) if args.python else ensure_torch_venv()
     site = subprocess.run(
         [str(python), "-I", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True, capture_output=True, text=True,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout.strip()
     listing = subprocess.run([str(python), "-I", "-c", FILES, args.package], check=True, capture_output=True)
     with tempfile.NamedTemporaryFile(delete=False) as handle:

@@ -10,12 +10,12 @@ from typing import Annotated, Any, NoReturn
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from safeinstall import __version__
 from safeinstall.diffs import diffs_for, patch_text
 from safeinstall.environment import inspect_environment, resolve_python
 from safeinstall.errors import ExitCode, SafeInstallError, UsageError
-from safeinstall.output import dumps, envelope, finding_json, jsonable
-from safeinstall.render import make_console, render_error, render_verify
+from safeinstall.output import dumps, envelope, finding_json, jsonable, plan_json
+from safeinstall.render import make_console, render_error, render_plan, render_verify
+from safeinstall.survey import RunOptions, survey
 from safeinstall.verify import VerifyReport, verify_environment
 
 EXIT_CODES = (
@@ -126,6 +126,18 @@ def _run_verify(
     _exit(report.exit_code)
 
 
+def _run_dry_run(options: RunOptions, as_json: bool) -> None:
+    result = survey(options)
+    plan = result.plan
+    code = ExitCode.OK if plan.proceeds else ExitCode.REFUSED
+    if as_json:
+        status = "would-proceed" if plan.proceeds else "would-refuse"
+        print(dumps(envelope("dry-run", status, code, plan_json(plan))))
+    else:
+        render_plan(make_console(), make_console(stderr=True), plan)
+    _exit(code)
+
+
 @app.command(
     context_settings={"allow_extra_args": True, "ignore_unknown_options": False},
     epilog=EXIT_CODES,
@@ -134,17 +146,32 @@ def _run_verify(
 def main_command(
     ctx: typer.Context,
     package: Annotated[str | None, typer.Argument(help="The distribution to reinstall or verify.")] = None,
-    verify_only: Annotated[
-        bool, typer.Option("--verify-only", help="Only check installed files against RECORD; change nothing.")
-    ] = False,
-    all_: Annotated[bool, typer.Option("--all", help="With --verify-only: every distribution.")] = False,
+    wheel: Annotated[
+        Path | None, typer.Option("--wheel", help="The wheel to install / compare with.")
+    ] = None,
+    version_spec: Annotated[
+        str | None,
+        typer.Option("--version", help="Install this version (e.g. 2.0 or '>=2') from the configured index."),
+    ] = None,
     python: Annotated[
         str | None,
         typer.Option("--python", help="Target interpreter or venv (default: VIRTUAL_ENV, then python3)."),
     ] = None,
-    wheel: Annotated[
-        Path | None, typer.Option("--wheel", help="The wheel to install / compare with.")
-    ] = None,
+    user: Annotated[bool, typer.Option("--user", help="Talk to the user's systemd manager.")] = False,
+    with_deps: Annotated[
+        bool, typer.Option("--with-deps", help="Reinstall dependencies too (uv --reinstall).")
+    ] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", help="Show the plan (processes, units, GPUs, uv command); change nothing."),
+    ] = False,
+    kill_strays: Annotated[
+        bool, typer.Option("--kill-strays", help="End processes outside any service (not restarted).")
+    ] = False,
+    verify_only: Annotated[
+        bool, typer.Option("--verify-only", help="Only check installed files against RECORD; change nothing.")
+    ] = False,
+    all_: Annotated[bool, typer.Option("--all", help="With --verify-only: every distribution.")] = False,
     diff: Annotated[
         bool, typer.Option("--diff", help="With --wheel: unified diffs of modified files.")
     ] = False,
@@ -154,21 +181,36 @@ def main_command(
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the versioned JSON result on stdout.")
     ] = False,
-    version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False,
 ) -> None:
-    """Reinstall a Python package safely under the services that use it; or check it (--verify-only)."""
-    if version:
-        print(f"safeinstall {__version__}")
-        _exit(ExitCode.OK)
-    command = "verify"
+    """Reinstall a Python package safely under the services that use it; or check it (--verify-only).
+
+    Arguments after -- go to uv unchanged (index options and the like).
+    """
+    command = "verify" if verify_only else "dry-run" if dry_run else "reinstall"
     try:
-        if ctx.args:
-            raise UsageError(f"unexpected arguments: {' '.join(ctx.args)}", hint="see safeinstall --help")
         if verify_only:
+            if ctx.args:
+                raise UsageError(f"unexpected arguments: {' '.join(ctx.args)}", hint="see safeinstall --help")
             _run_verify(package, all_, python, wheel, diff, save_patch, as_json)
+        if not package:
+            raise UsageError("no PACKAGE given", hint="safeinstall PACKAGE [--wheel W] (see --help)")
+        if wheel is not None and version_spec is not None:
+            raise UsageError("give --wheel or --version, not both", hint="see safeinstall --help")
+        options = RunOptions(
+            package=package,
+            python=python,
+            wheel=wheel.absolute() if wheel else None,
+            version_spec=version_spec,
+            with_deps=with_deps,
+            user=user,
+            kill_strays=kill_strays,
+            extra_args=tuple(ctx.args),
+        )
+        if dry_run:
+            _run_dry_run(options, as_json)
         raise UsageError(
-            "only --verify-only is available in this version",
-            hint="safeinstall PACKAGE --verify-only",
+            "the reinstall itself is not available in this version",
+            hint=f"safeinstall {package} --dry-run shows the plan",
         )
     except SafeInstallError as error:
         _fail(error, command, as_json)

@@ -104,7 +104,7 @@ class GpuSnapshot:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def processes(self) -> tuple[GpuProcess, ...]:
+    def all_processes(self) -> tuple[GpuProcess, ...]:
         return tuple(p for g in self.gpus for p in g.processes)
 
 
@@ -230,7 +230,7 @@ def _gpu_release(baseline: Gpu, current: Gpu | None, stopped: frozenset[int]) ->
 
 def _holders(current: GpuSnapshot, stopped: frozenset[int]) -> tuple[Holder, ...]:
     listed = [Holder(p.pid, p.gpu_index, p.used_bytes, "nvml")
-              for p in current.processes() if p.pid in stopped]
+              for p in current.all_processes() if p.pid in stopped]
     blind = any(g.processes_error is not None for g in current.gpus)
     by_fd = [Holder(h.pid, None, None, "fd") for h in current.fd_holders if blind and h.pid in stopped]
     return (*listed, *by_fd)
@@ -302,7 +302,7 @@ def scan_fd_holders(
     proc_root: Path = PROC, exclude: Collection[int] = ()
 ) -> tuple[tuple[FdHolder, ...], int]:
     """Processes with a ``/dev/nvidia*`` fd open (by readlink of ``<proc_root>/*/fd/*``), and how many
-    processes' fd tables could not be read (permissions, or gone meanwhile)."""
+    processes' fd tables could not be read (permissions); processes that exit meanwhile are skipped."""
     holders: list[FdHolder] = []
     unreadable = 0
     try:
@@ -316,6 +316,8 @@ def scan_fd_holders(
         fd_dir = Path(entry.path) / "fd"
         try:
             fds = os.listdir(fd_dir)
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # exited since the scandir
         except OSError:
             unreadable += 1
             continue

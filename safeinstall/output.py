@@ -13,6 +13,7 @@ from typing import Any
 
 from safeinstall.drift import Finding
 from safeinstall.errors import SafeInstallError
+from safeinstall.plan import Plan
 
 RESULT_VERSION = 1
 
@@ -66,3 +67,10 @@ def envelope(
 
 def dumps(document: dict[str, Any]) -> str:
     return json.dumps(document, indent=2, sort_keys=False)
+
+
+def plan_json(plan: Plan) -> dict[str, Any]:
+    """A plan for ``--dry-run --json`` (and inside a reinstall's result)."""
+    data: dict[str, Any] = jsonable(plan)
+    data["proceeds"] = plan.proceeds
+    return data

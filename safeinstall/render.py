@@ -10,6 +10,7 @@ from rich.table import Table
 from safeinstall.diffs import FileDiff
 from safeinstall.drift import Finding, FindingKind
 from safeinstall.errors import SafeInstallError
+from safeinstall.plan import Plan
 from safeinstall.verify import VerifyReport
 
 _KIND_STYLE = {
@@ -86,3 +87,80 @@ def render_verify(out: Console, err: Console, report: VerifyReport, diffs: list[
         out.print(
             f"{dist.name} {dist.version}: {dist.files_checked} files checked against {against}: {state}"
         )
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def _seconds(value: float) -> str:
+    return "infinity" if value == float("inf") else f"{value:g} s"
+
+
+def render_plan(out: Console, err: Console, plan: Plan) -> None:
+    out.print(f"[bold]plan[/] for {plan.package} in {plan.prefix} (python {plan.python})")
+    out.print("distributions:" + ("  (--with-deps: dependencies reinstalled too)" if plan.with_deps else ""))
+    for dist in plan.distributions:
+        mark = " (named)" if dist.requested else ""
+        out.print(f"  {dist.name} {dist.old_version or '(not installed)'} -> {dist.new_version or '?'}{mark}")
+    if plan.processes:
+        table = Table(title="processes using them", title_justify="left", box=None, pad_edge=False)
+        for column in ("PID", "UNIT", "USER", "EVIDENCE", "GPU MEM", "COMMAND"):
+            table.add_column(column, overflow="fold")
+        for p in plan.processes:
+            evidence = ",".join(p.evidence) + (" [red](running old code)[/]" if p.running_old_code else "")
+            unit = p.unit or f"[yellow]stray[/] ({p.scope or 'no unit'})"
+            command = " ".join(p.cmdline) or p.name
+            table.add_row(str(p.pid), unit, p.user, evidence, _bytes(p.gpu_bytes), f"{p.name}: {command}")
+        out.print(table)
+    else:
+        out.print("processes using them: none")
+    if plan.units:
+        table = Table(title="units that would be stopped", title_justify="left", box=None, pad_edge=False)
+        for column in ("UNIT", "STATE", "ENABLED", "STOP TIMEOUT", "MAIN PID", "PIDS"):
+            table.add_column(column)
+        for u in plan.units:
+            table.add_row(
+                u.name,
+                u.active_state,
+                u.unit_file_state or "-",
+                _seconds(u.stop_timeout_s),
+                str(u.main_pid or "-"),
+                " ".join(map(str, u.pids)),
+            )
+        out.print(table)
+    if plan.gpus.available:
+        table = Table(title="GPUs", title_justify="left", box=None, pad_edge=False)
+        for column in ("GPU", "NAME", "UUID", "USED", "TOTAL", "PROCESSES"):
+            table.add_column(column)
+        for gpu in plan.gpus.gpus:
+            procs = " ".join(f"{p.pid}:{_bytes(p.used_bytes)}" for p in gpu.processes)
+            table.add_row(
+                str(gpu.index),
+                gpu.name,
+                gpu.uuid,
+                _bytes(gpu.used_bytes),
+                _bytes(gpu.total_bytes),
+                procs or gpu.processes_error or "-",
+            )
+        out.print(table)
+    else:
+        out.print(f"GPUs: check unavailable ({plan.gpus.reason})")
+    out.print("uv command: " + " ".join(plan.uv_command), soft_wrap=True)
+    for problem in plan.scan_problems:
+        err.print(f"[dim]note: PID {problem.pid}: could not read {problem.reading}: {problem.reason}[/]")
+    for warning in plan.warnings:
+        err.print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
+    if plan.proceeds:
+        out.print("[green]the run would proceed[/]")
+    else:
+        out.print("[red]the run would refuse:[/]")
+        for refusal in plan.refusals:
+            out.print(f"  - {refusal}", soft_wrap=True)

@@ -7,6 +7,9 @@ import pytest
 
 from tests import wheelhouse
 
+# The real test beds: a private systemd --user manager, and a fake NVML driver built with gcc.
+pytest_plugins = ["tests.bed_systemd", "tests.bed_nvml"]
+
 
 @pytest.fixture(scope="session")
 def wheels(tmp_path_factory: pytest.TempPathFactory) -> wheelhouse.Wheelhouse:

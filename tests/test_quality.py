@@ -12,7 +12,10 @@ BIN = Path(sys.executable).parent
 
 def test_ruff_clean() -> None:
     result = subprocess.run(
-        [str(BIN / "ruff"), "check", "safeinstall", "tests", "bench"], cwd=ROOT, capture_output=True, text=True
+        [str(BIN / "ruff"), "check", "safeinstall", "tests", "bench"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 

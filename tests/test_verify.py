@@ -19,7 +19,15 @@ from tests.wheelhouse import Wheelhouse
 
 ENVELOPE_KEYS = {"safeinstall_result_version", "command", "status", "exit_code", "data", "errors"}
 FINDING_KEYS = {
-    "distribution", "path", "kind", "detail", "drift", "baseline", "expected", "actual", "wheel_member",
+    "distribution",
+    "path",
+    "kind",
+    "detail",
+    "drift",
+    "baseline",
+    "expected",
+    "actual",
+    "wheel_member",
 }
 
 
@@ -134,20 +142,32 @@ def test_against_wheel_clean_then_diff_and_patch(env: Path, wheels: Wheelhouse, 
     target.write_text(original.replace("hello from sipure 1", "hello from a local patch"))
     patch = tmp_path / "local.patch"
     result = run(
-        "sipure", "--verify-only", "--python", str(env), "--wheel", wheel, "--diff", "--save-patch", str(patch)
+        "sipure",
+        "--verify-only",
+        "--python",
+        str(env),
+        "--wheel",
+        wheel,
+        "--diff",
+        "--save-patch",
+        str(patch),
     )
     assert result.code == 1
-    assert "-    return \"hello from sipure 1\"" in result.stdout
-    assert "+    return \"hello from a local patch\"" in result.stdout
+    assert '-    return "hello from sipure 1"' in result.stdout
+    assert '+    return "hello from a local patch"' in result.stdout
     # The saved patch reverses cleanly with patch(1), taking the local edit out.
     prefix = env.parent.parent
-    subprocess.run(["patch", "-R", "-p1", "-d", str(prefix), "-i", str(patch)], check=True, capture_output=True)
+    subprocess.run(
+        ["patch", "-R", "-p1", "-d", str(prefix), "-i", str(patch)], check=True, capture_output=True
+    )
     assert target.read_text() == original
     assert run("sipure", "--verify-only", "--python", str(env), "--wheel", wheel).code == 0
 
 
 def test_version_mismatch_against_other_wheel(env: Path, wheels: Wheelhouse) -> None:
-    doc = run("sipure", "--verify-only", "--python", str(env), "--wheel", str(wheels["sipure-2"]), "--json").json
+    doc = run(
+        "sipure", "--verify-only", "--python", str(env), "--wheel", str(wheels["sipure-2"]), "--json"
+    ).json
     assert doc["exit_code"] == 1
     found = {f["kind"] for f in doc["data"]["findings"]}
     assert "version-mismatch" in found and "missing" in found  # extra_v2.py is not installed
@@ -174,14 +194,18 @@ def _rewrite_record_hash(wheel: Path, out: Path, member: str) -> Path:
 
 def test_broken_wheel_record_is_the_wheels_fault(env: Path, wheels: Wheelhouse, tmp_path: Path) -> None:
     (tmp_path / "w").mkdir()
-    broken = _rewrite_record_hash(wheels["sipure-1"], tmp_path / "w" / wheels["sipure-1"].name, "sipure/cli.py")
+    broken = _rewrite_record_hash(
+        wheels["sipure-1"], tmp_path / "w" / wheels["sipure-1"].name, "sipure/cli.py"
+    )
     result = run("sipure", "--verify-only", "--python", str(env), "--wheel", str(broken), "--json")
     doc = result.json
     assert result.code == 0, doc  # the installation itself matches the wheel's real contents
     (finding,) = doc["data"]["findings"]
     assert finding["kind"] == "wheel-record" and finding["drift"] is False
     assert doc["data"]["wheel"]["record_ok"] is False
-    assert "wheel's fault" in run("sipure", "--verify-only", "--python", str(env), "--wheel", str(broken)).stderr
+    assert (
+        "wheel's fault" in run("sipure", "--verify-only", "--python", str(env), "--wheel", str(broken)).stderr
+    )
 
 
 def test_hardlinks_into_uv_cache_warn(venv: Path, wheels: Wheelhouse) -> None:

@@ -37,8 +37,19 @@ def build_wheel(source: Path, out_dir: Path) -> Path:
     shutil.copytree(source, work)
     before = set(out_dir.glob("*.whl"))
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-         "--disable-pip-version-check", "-q", "-w", str(out_dir), str(work)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--disable-pip-version-check",
+            "-q",
+            "-w",
+            str(out_dir),
+            str(work),
+        ],
         check=True,
         capture_output=True,
         text=True,
@@ -75,23 +86,26 @@ def make_venv(path: Path) -> Path:
     """A fresh venv made by uv; returns its python."""
     subprocess.run(
         [UV, "venv", "--quiet", "--python", sys.executable, str(path)],
-        check=True, capture_output=True, text=True, env=uv_env(),
+        check=True,
+        capture_output=True,
+        text=True,
+        env=uv_env(),
     )
     return path / "bin" / "python"
 
 
 def uv_install(python: Path, *wheels: Path, link_mode: str = "copy", reinstall: bool = False) -> None:
-    cmd = [UV, "pip", "install", "--quiet", "--offline", "--python", str(python),
-           "--link-mode", link_mode]
+    cmd = [UV, "pip", "install", "--quiet", "--offline", "--python", str(python), "--link-mode", link_mode]
     if reinstall:
         cmd.append("--reinstall")
-    subprocess.run([*cmd, *map(str, wheels)], check=True, capture_output=True, text=True,
-                   env=uv_env())
+    subprocess.run([*cmd, *map(str, wheels)], check=True, capture_output=True, text=True, env=uv_env())
 
 
 def site_packages(python: Path) -> Path:
     out = subprocess.run(
         [str(python), "-I", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True, capture_output=True, text=True,
+        check=True,
+        capture_output=True,
+        text=True,
     )
     return Path(out.stdout.strip())

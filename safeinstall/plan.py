@@ -1,0 +1,232 @@
+"""The plan: which distributions change, which processes use them, which units stop. Pure.
+
+:func:`build_plan` joins facts gathered elsewhere (uv's dry-run, the /proc scan, ``systemctl show``,
+an NVML snapshot) into one :class:`Plan`, and says whether the run would proceed or refuse, and why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from safeinstall.cgroups import CgroupPlacement, placement_of_proc_cgroup
+from safeinstall.gpus import GpuSnapshot
+from safeinstall.processes import EvidenceKind, ProcessRecord, ScanProblem, ScanResult
+from safeinstall.systemd import UnitInfo
+from safeinstall.uvplan import UvPlan
+
+
+@dataclass(frozen=True, slots=True)
+class AffectedDistribution:
+    name: str
+    old_version: str | None  # None: not installed now
+    new_version: str | None  # None: uv did not say (a wheel path or URL without a version)
+    requested: bool  # the package named on the command line
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedProcess:
+    pid: int
+    start_time: int  # with pid, names one process across PID reuse
+    user: str
+    name: str
+    cmdline: tuple[str, ...]
+    unit: str | None
+    scope: str | None
+    evidence: tuple[str, ...]  # evidence kinds: mapped, open, argv, unit
+    details: tuple[str, ...]  # one line per piece of evidence
+    distributions: tuple[str, ...]
+    running_old_code: bool  # maps a deleted file of an affected distribution
+    gpu_bytes: int | None  # GPU memory NVML lists for it (None: none listed or N/A)
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedUnit:
+    name: str
+    active_state: str
+    unit_file_state: str
+    main_pid: int | None
+    stop_timeout_s: float
+    control_group: str | None
+    pids: tuple[int, ...]  # affected processes in it
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    package: str
+    python: str
+    prefix: str
+    user_manager: bool
+    with_deps: bool
+    kill_strays: bool
+    distributions: tuple[AffectedDistribution, ...]
+    processes: tuple[PlannedProcess, ...]  # every affected process, strays included
+    units: tuple[PlannedUnit, ...]
+    strays: tuple[PlannedProcess, ...]
+    gpus: GpuSnapshot
+    uv_command: tuple[str, ...]
+    scan_problems: tuple[ScanProblem, ...]
+    refusals: tuple[str, ...]
+    warnings: tuple[str, ...]
+
+    @property
+    def proceeds(self) -> bool:
+        return not self.refusals
+
+    @property
+    def stray_pids(self) -> tuple[int, ...]:
+        return tuple(p.pid for p in self.strays)
+
+
+def affected_distributions(
+    uv_plan: UvPlan, installed: Mapping[str, str], package: str, wheel_version: str | None
+) -> tuple[AffectedDistribution, ...]:
+    """Every distribution uv would uninstall or install, with old and new versions."""
+    names = set(uv_plan.affected) | {package}
+    result: list[AffectedDistribution] = []
+    for name in sorted(names):
+        new_versions = [c.version for c in uv_plan.changes if c.name == name and c.action != "uninstall"]
+        new = next((v for v in new_versions if v), None)
+        if new is None and name == package:
+            new = wheel_version
+        result.append(AffectedDistribution(name, installed.get(name), new, name == package))
+    return tuple(result)
+
+
+def _gpu_bytes(gpus: GpuSnapshot) -> dict[int, int]:
+    held: dict[int, int] = {}
+    for process in gpus.all_processes():
+        if process.used_bytes is not None:
+            held[process.pid] = held.get(process.pid, 0) + process.used_bytes
+    return held
+
+
+def _planned(
+    record: ProcessRecord, placement: CgroupPlacement, extra_evidence: Iterable[str], held: Mapping[int, int]
+) -> PlannedProcess:
+    kinds = [e.kind.value for e in record.evidence]
+    details = [e.describe() for e in record.evidence]
+    for kind in extra_evidence:
+        kinds.append(kind)
+        details.append(f"shares {placement.unit} with an affected process")
+    return PlannedProcess(
+        pid=record.pid,
+        start_time=record.start_time,
+        user=record.user,
+        name=record.name,
+        cmdline=record.cmdline,
+        unit=placement.unit,
+        scope=placement.scope,
+        evidence=tuple(dict.fromkeys(kinds)),
+        details=tuple(details),
+        distributions=tuple(sorted(record.distributions)),
+        running_old_code=record.running_old_code,
+        gpu_bytes=held.get(record.pid),
+    )
+
+
+def _unit_refusal(unit: str, info: UnitInfo | None, user: bool, placement: CgroupPlacement) -> str | None:
+    manager = "user" if user else "system"
+    if placement.user_manager_uid is not None and not user:
+        return (
+            f"{unit} belongs to the user manager of UID {placement.user_manager_uid}: "
+            "run as that user with --user"
+        )
+    if info is None or not info.found:
+        other = "without --user" if user else "with --user"
+        return f"{unit} is not known to the {manager} manager: try {other}"
+    if (
+        info.control_group
+        and placement.path != info.control_group
+        and not placement.path.startswith(info.control_group.rstrip("/") + "/")
+    ):
+        return (
+            f"{unit} of the {manager} manager runs in {info.control_group}, not in {placement.path}: "
+            "the process belongs to another manager"
+        )
+    return None
+
+
+def build_plan(
+    *,
+    package: str,
+    python: str,
+    prefix: str,
+    user: bool,
+    with_deps: bool,
+    kill_strays: bool,
+    uv_plan: UvPlan,
+    installed_versions: Mapping[str, str],
+    wheel_version: str | None,
+    scan: ScanResult,
+    units: Mapping[str, UnitInfo],
+    gpus: GpuSnapshot,
+) -> Plan:
+    placements = {p.pid: placement_of_proc_cgroup(p.cgroup_text) for p in scan.processes}
+    live = [p for p in scan.processes if not p.is_self and p.state != "Z"]
+    affected = [p for p in live if p.affected]
+    affected_units = {placements[p.pid].unit for p in affected} - {None}
+    held = _gpu_bytes(gpus)
+    processes: list[PlannedProcess] = []
+    for record in live:
+        placement = placements[record.pid]
+        if record.affected:
+            processes.append(_planned(record, placement, (), held))
+        elif placement.unit in affected_units:
+            processes.append(_planned(record, placement, (EvidenceKind.UNIT.value,), held))
+    strays = tuple(p for p in processes if p.unit is None)
+    planned_units: list[PlannedUnit] = []
+    refusals: list[str] = []
+    for unit in sorted(u for u in affected_units if u):
+        info = units.get(unit)
+        members = tuple(p.pid for p in processes if p.unit == unit)
+        example = placements[members[0]]
+        refusal = _unit_refusal(unit, info, user, example)
+        if refusal:
+            refusals.append(refusal)
+        planned_units.append(
+            PlannedUnit(
+                name=unit,
+                active_state=info.active_state if info else "unknown",
+                unit_file_state=info.unit_file_state if info else "unknown",
+                main_pid=info.main_pid if info else None,
+                stop_timeout_s=info.timeout_stop_s if info else 0.0,
+                control_group=info.control_group if info else None,
+                pids=members,
+            )
+        )
+    if strays and not kill_strays:
+        listed = ", ".join(f"{p.pid} ({p.name})" for p in strays)
+        refusals.append(
+            f"{len(strays)} process(es) use the package outside any systemd service: {listed}; "
+            "stop them, or pass --kill-strays to end them (they are not restarted)"
+        )
+    warnings: list[str] = []
+    denied = sorted({p.pid for p in scan.problems if "permission" in p.reason.lower()})
+    if denied:
+        warnings.append(
+            f"could not read {len(denied)} process(es) (permission denied: {', '.join(map(str, denied[:10]))}"
+            f"{'...' if len(denied) > 10 else ''}); run as root to see every process"
+        )
+    if not gpus.available:
+        warnings.append(f"GPU check unavailable: {gpus.reason}")
+    for stray in strays:
+        if kill_strays:
+            warnings.append(f"stray PID {stray.pid} ({stray.name}) will be ended and not restarted")
+    return Plan(
+        package=package,
+        python=python,
+        prefix=prefix,
+        user_manager=user,
+        with_deps=with_deps,
+        kill_strays=kill_strays,
+        distributions=affected_distributions(uv_plan, installed_versions, package, wheel_version),
+        processes=tuple(processes),
+        units=tuple(planned_units),
+        strays=strays,
+        gpus=gpus,
+        uv_command=uv_plan.command,
+        scan_problems=scan.problems,
+        refusals=tuple(refusals),
+        warnings=tuple(warnings),
+    )

@@ -1,0 +1,864 @@
+"""Which running processes use the affected distributions: one pass over ``/proc``.
+
+Every process is read once (``stat``, ``status``, ``cmdline``, ``cgroup``, ``maps``, ``fd/``); what it
+shows is matched against pre-indexed :class:`Target` descriptions of the affected distributions, and
+each match is kept as :class:`Evidence`:
+
+* ``mapped`` - a file of the distribution is mapped (``maps``), matched by device and inode, or by path
+  (overlayfs may show another device/inode). ``(deleted)`` means the process runs code that is no
+  longer installed; those are matched by path only, since the inode may have been reused;
+* ``open`` - an open file descriptor points at one of its files or into its package directories;
+* ``argv`` - the command line runs one of its console scripts, or ``-m module`` with an interpreter of
+  the target environment.
+
+``unit`` evidence (shares a systemd unit with an affected process) is added by the planner, from the
+light record this scan keeps of every process it saw.
+
+Nothing of a scanned process is ever executed (cf. needrestart, CVE-2024-48990): ``/proc`` is only read.
+Parsing and matching are pure functions; the I/O lives in :func:`scan_processes`, :func:`load_targets`
+and :func:`stat_file_ids`.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+from safeinstall.distributions import InstalledDistribution, find_distributions
+from safeinstall.environment import Environment
+
+__all__ = [
+    "Evidence",
+    "EvidenceKind",
+    "MapsEntry",
+    "ProcessRecord",
+    "PythonInvocation",
+    "ScanProblem",
+    "ScanResult",
+    "StatInfo",
+    "Target",
+    "TargetIndex",
+    "argv_needs_links",
+    "build_target",
+    "load_targets",
+    "match_argv",
+    "match_fds",
+    "match_maps",
+    "parse_cmdline",
+    "parse_maps_line",
+    "parse_python_argv",
+    "parse_stat",
+    "parse_status_uid",
+    "resolve_symlinks",
+    "scan_processes",
+    "stat_file_ids",
+]
+
+#: ``PF_KTHREAD`` in the flags field of ``/proc/PID/stat``: a kernel thread (no user space to check).
+PF_KTHREAD = 0x00200000
+DELETED_SUFFIX = " (deleted)"
+#: Directories at the top of site-packages that never belong to one distribution.
+_NEVER_OWNED = frozenset({"__pycache__", "..", "."})
+_EXTENSION_SUFFIXES = (".so", ".pyd")
+_SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh"})
+
+
+# --------------------------------------------------------------------------------------------- targets
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One affected distribution, as the scan recognises it."""
+
+    distribution: str  # canonical name
+    version: str
+    files: frozenset[str]  # absolute installed paths of its RECORD entries
+    file_ids: frozenset[tuple[int, int]]  # (st_dev, st_ino) of those files that exist
+    directories: tuple[str, ...]  # its own package directories inside site-packages (absolute)
+    console_scripts: frozenset[str]  # absolute paths of its scripts
+    modules: frozenset[str]  # import names that ``python -m`` may run (``pkg``, ``ns.sub``, ``mod``)
+    interpreters: frozenset[str]  # the environment's interpreter paths
+
+
+def _is_dotted_identifier(parts: Iterable[str]) -> bool:
+    parts = list(parts)
+    return bool(parts) and all(part.isidentifier() for part in parts)
+
+
+def _module_of_file(parts: tuple[str, ...]) -> str | None:
+    """``a/b.py`` -> ``a.b``; ``x.cpython-311-x86_64-linux-gnu.so`` -> ``x``; anything else -> None."""
+    name = parts[-1]
+    if name.endswith(".py"):
+        stem = name[:-3]
+    elif name.endswith(_EXTENSION_SUFFIXES):
+        stem = name.split(".", 1)[0]
+    else:
+        return None
+    dotted = (*parts[:-1], stem)
+    return ".".join(dotted) if _is_dotted_identifier(dotted) and stem != "__init__" else None
+
+
+def _own_directories(entries: list[tuple[str, ...]], prefix: tuple[str, ...],
+                     shared: frozenset[tuple[str, ...]]) -> list[tuple[str, ...]]:
+    """The directories (as path parts) that belong to this distribution alone.
+
+    A directory is descended into instead of owned when another distribution also has files under it,
+    or when, at the top, it looks like a namespace package (no ``__init__.py`` but subdirectories).
+    """
+    groups: dict[str, list[tuple[str, ...]]] = {}
+    for parts in entries:
+        if len(parts) > 1:
+            groups.setdefault(parts[0], []).append(parts[1:])
+    owned: list[tuple[str, ...]] = []
+    for name in sorted(groups):
+        if name in _NEVER_OWNED or (not prefix and name.endswith((".dist-info", ".egg-info", ".data"))):
+            continue
+        below = groups[name]
+        here = (*prefix, name)
+        has_init = ("__init__.py",) in below
+        has_subdirs = any(len(parts) > 1 for parts in below)
+        if here in shared or (not prefix and has_subdirs and not has_init):
+            owned.extend(_own_directories(below, here, shared))
+        else:
+            owned.append(here)
+    return owned
+
+
+def _inside_site(dist: InstalledDistribution) -> list[tuple[str, ...]]:
+    """RECORD paths that stay inside the site directory, normalised, as parts."""
+    inside: list[tuple[str, ...]] = []
+    for entry in dist.record.entries:
+        relative = os.path.normpath(entry.path)
+        if relative.startswith(("..", "/")) or relative == ".":
+            continue
+        inside.append(tuple(relative.split("/")))
+    return inside
+
+
+def _shared_directories(dist: InstalledDistribution,
+                        others: Iterable[InstalledDistribution]) -> frozenset[tuple[str, ...]]:
+    """Directories (parts, relative to ``dist.site``) under which another distribution has files."""
+    shared: set[tuple[str, ...]] = set()
+    for other in others:
+        if other.site != dist.site or other.dist_info == dist.dist_info:
+            continue
+        for parts in _inside_site(other):
+            for depth in range(1, len(parts)):
+                shared.add(parts[:depth])
+    return frozenset(shared)
+
+
+def _interpreter_names(env: Environment) -> frozenset[str]:
+    major, minor, _ = env.version
+    names = ("python", "python3", f"python{major}", f"python{major}.{minor}")
+    found = {str(env.python), str(env.executable)}
+    for directory in {str(env.scripts), str(env.python.parent)}:
+        found.update(f"{directory}/{name}" for name in names)
+    return frozenset(found)
+
+
+def build_target(
+    dist: InstalledDistribution,
+    env: Environment,
+    *,
+    file_ids: Iterable[tuple[int, int]] = (),
+    others: Iterable[InstalledDistribution] = (),
+    extra_interpreters: Iterable[str] = (),
+    aliases: Iterable[str] = (),
+) -> Target:
+    """Describe ``dist`` (installed in ``env``) for the scan. Pure: what needs I/O comes from the caller.
+
+    ``others`` are the other distributions of the environment: a directory one of them also installs
+    into (``nvidia/``, a namespace package) is not counted as this distribution's own. ``file_ids``
+    come from :func:`stat_file_ids`; ``aliases`` are where installed symlinks lead (uv's
+    ``--link-mode symlink`` points into its cache, and /proc shows the resolved path).
+    """
+    installed = frozenset(str(dist.location(entry)) for entry in dist.record.entries)
+    files = installed | frozenset(aliases)
+    inside = _inside_site(dist)
+    owned = _own_directories(inside, (), _shared_directories(dist, others))
+    site = str(dist.site)
+    directories = tuple(sorted(os.path.join(site, *parts) for parts in owned))
+    modules = {".".join(parts) for parts in owned if _is_dotted_identifier(parts)}
+    owned_set = set(owned)
+    for parts in inside:
+        parents = {parts[:depth] for depth in range(1, len(parts))}
+        if parents & owned_set or parts[0].endswith(".dist-info"):
+            continue
+        module = _module_of_file(parts)
+        if module:
+            modules.add(module)
+    # scripts are looked for under both spellings of the scripts directory (resolved, and as given)
+    script_dirs = {str(env.scripts), str(env.python.parent)}
+    script_names = {os.path.basename(path) for path in installed if os.path.dirname(path) in script_dirs}
+    script_names.update(dist.console_scripts)
+    scripts = frozenset(f"{directory}/{name}" for directory in script_dirs for name in script_names)
+    return Target(
+        distribution=dist.name,
+        version=dist.version,
+        files=files,
+        file_ids=frozenset(file_ids),
+        directories=directories,
+        console_scripts=scripts,
+        modules=frozenset(modules),
+        interpreters=_interpreter_names(env) | frozenset(extra_interpreters),
+    )
+
+
+def stat_file_ids(paths: Iterable[str]) -> frozenset[tuple[int, int]]:
+    """(st_dev, st_ino) of every path that exists (symlinks followed, as the kernel maps them)."""
+    ids: set[tuple[int, int]] = set()
+    for path in paths:
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        ids.add((st.st_dev, st.st_ino))
+    return frozenset(ids)
+
+
+def resolve_symlinks(paths: Iterable[str]) -> frozenset[str]:
+    """Where the paths that are symlinks lead (resolved fully), for :func:`build_target`'s aliases."""
+    resolved: set[str] = set()
+    for path in paths:
+        if os.path.islink(path):
+            resolved.add(os.path.realpath(path))
+    return frozenset(resolved)
+
+
+def load_targets(
+    dists: Iterable[InstalledDistribution],
+    env: Environment,
+    installed: Iterable[InstalledDistribution] | None = None,
+) -> tuple[Target, ...]:
+    """Targets for ``dists`` of ``env``: stats their files once; ``installed`` defaults to a fresh look.
+
+    Files of a distribution installed as symlinks into a shared cache (uv ``--link-mode symlink``) are
+    the same inodes for every environment linking that wheel: another environment's process using
+    them is found too (the safe side).
+    """
+    everything = list(find_distributions(env) if installed is None else installed)
+    # Outside a venv the interpreter is the real binary: let /proc/PID/exe recognise it too.
+    extra = () if env.is_venv else (os.path.realpath(env.executable),)
+    targets: list[Target] = []
+    for dist in dists:
+        others = [other for other in everything if other.dist_info != dist.dist_info]
+        files = [str(dist.location(entry)) for entry in dist.record.entries]
+        targets.append(build_target(dist, env, file_ids=stat_file_ids(files), others=others,
+                                    extra_interpreters=extra, aliases=resolve_symlinks(files)))
+    return tuple(targets)
+
+
+# --------------------------------------------------------------------------------------------- evidence
+
+
+class EvidenceKind(StrEnum):
+    MAPPED = "mapped"
+    OPEN = "open"
+    ARGV = "argv"
+    UNIT = "unit"  # added by the planner, never by the scan
+
+
+@dataclass(frozen=True, slots=True)
+class Evidence:
+    kind: EvidenceKind
+    distribution: str
+    path: str  # the mapped/open file, the console script, or the module run with -m
+    deleted: bool = False  # the file is gone from disk: the process runs code no longer installed
+    detail: str = ""  # how it matched: "dev/inode fe:00 123", "path", "directory", "console script", ...
+
+    @property
+    def running_old_code(self) -> bool:
+        return self.deleted
+
+    def describe(self) -> str:
+        old = " (deleted: running old code)" if self.deleted else ""
+        how = f" [{self.detail}]" if self.detail else ""
+        return f"{self.kind}: {self.distribution} {self.path}{old}{how}"
+
+
+@dataclass(frozen=True, slots=True)
+class TargetIndex:
+    """Targets pre-indexed for the per-process lookups (build once with :meth:`of`)."""
+
+    targets: tuple[Target, ...]
+    by_file: Mapping[str, tuple[str, ...]]
+    by_maps_id: Mapping[tuple[str, str], tuple[str, ...]]  # ("fe:00", "123") as maps spells it
+    prefixes: tuple[str, ...]  # "<dir>/" of every target directory
+    prefix_owners: tuple[tuple[str, str], ...]  # ("<dir>/", distribution)
+    by_script: Mapping[str, tuple[str, ...]]
+    script_names: frozenset[str]
+    interpreter_names: frozenset[str]
+
+    @classmethod
+    def of(cls, targets: Iterable[Target] | TargetIndex) -> TargetIndex:
+        if isinstance(targets, TargetIndex):
+            return targets
+        targets = tuple(targets)
+        by_file: dict[str, list[str]] = {}
+        by_id: dict[tuple[str, str], list[str]] = {}
+        by_script: dict[str, list[str]] = {}
+        owners: list[tuple[str, str]] = []
+        for target in targets:
+            name = target.distribution
+            for path in target.files:
+                by_file.setdefault(path, []).append(name)
+                if "\n" in path:  # as /proc/PID/maps spells it
+                    by_file.setdefault(_escape(path), []).append(name)
+            for dev, ino in target.file_ids:
+                key = (f"{os.major(dev):02x}:{os.minor(dev):02x}", str(ino))
+                by_id.setdefault(key, []).append(name)
+            for script in target.console_scripts:
+                by_script.setdefault(script, []).append(name)
+            for directory in target.directories:
+                owners.append((directory.rstrip("/") + "/", name))
+                if "\n" in directory:
+                    owners.append((_escape(directory.rstrip("/")) + "/", name))
+        return cls(
+            targets=targets,
+            by_file={key: tuple(dict.fromkeys(value)) for key, value in by_file.items()},
+            by_maps_id={key: tuple(dict.fromkeys(value)) for key, value in by_id.items()},
+            prefixes=tuple(dict.fromkeys(prefix for prefix, _ in owners)),
+            prefix_owners=tuple(owners),
+            by_script={key: tuple(dict.fromkeys(value)) for key, value in by_script.items()},
+            script_names=frozenset(os.path.basename(s) for target in targets for s in target.console_scripts),
+            interpreter_names=frozenset(os.path.basename(i) for t in targets for i in t.interpreters),
+        )
+
+    def owners_of(self, path: str) -> tuple[tuple[str, str], ...]:
+        """(distribution, how) for a file path: one of its files, or inside one of its directories."""
+        exact = self.by_file.get(path, ())
+        inside = path.startswith(self.prefixes)
+        if not exact and not inside:
+            return ()
+        found: dict[str, str] = dict.fromkeys(exact, "path")
+        if inside:
+            for prefix, name in self.prefix_owners:
+                if path.startswith(prefix):
+                    found.setdefault(name, "directory")
+        return tuple(found.items())
+
+
+# ------------------------------------------------------------------------------------------- parsing
+
+
+@dataclass(frozen=True, slots=True)
+class MapsEntry:
+    start: int
+    end: int
+    perms: str
+    offset: int
+    dev: int  # os.makedev(major, minor)
+    inode: int
+    path: str  # "" for anonymous mappings; "[heap]", "[vdso]", ... as shown
+    deleted: bool
+
+
+def _escape(path: str) -> str:
+    return path.replace("\n", "\\012")
+
+
+def _unescape(path: str) -> str:
+    # the kernel shows a newline in a mapped path as "\012"
+    return path.replace("\\012", "\n") if "\\012" in path else path
+
+
+def parse_maps_line(line: str) -> MapsEntry | None:
+    """One line of ``/proc/PID/maps``; None if it is not one."""
+    parts = line.rstrip("\n").split(None, 5)
+    if len(parts) < 5:
+        return None
+    address, perms, offset, dev, inode = parts[:5]
+    path = parts[5] if len(parts) == 6 else ""
+    start, sep, end = address.partition("-")
+    major, colon, minor = dev.partition(":")
+    try:
+        if not sep or not colon:
+            return None
+        deleted = path.endswith(DELETED_SUFFIX)
+        if deleted:
+            path = path[: -len(DELETED_SUFFIX)]
+        return MapsEntry(
+            start=int(start, 16),
+            end=int(end, 16),
+            perms=perms,
+            offset=int(offset, 16),
+            dev=os.makedev(int(major, 16), int(minor, 16)),
+            inode=int(inode),
+            path=_unescape(path),
+            deleted=deleted,
+        )
+    except ValueError:
+        return None
+
+
+def _add(found: dict[tuple[str, str, bool], Evidence], evidence: Evidence) -> None:
+    found.setdefault((evidence.distribution, evidence.path, evidence.deleted), evidence)
+
+
+def match_maps(text: str, targets: Iterable[Target] | TargetIndex) -> tuple[Evidence, ...]:
+    """``mapped`` evidence in the text of ``/proc/PID/maps`` (one per distribution, path, deleted)."""
+    index = TargetIndex.of(targets)
+    by_id, by_file, prefixes = index.by_maps_id, index.by_file, index.prefixes
+    found: dict[tuple[str, str, bool], Evidence] = {}
+    last = ""
+    # the hot loop of the scan: one split per line, the rest only for the lines that may match
+    for line in text.split("\n"):
+        parts = line.split(None, 5)
+        if len(parts) < 6:  # anonymous mapping
+            continue
+        path = parts[5]
+        if path == last:  # a file maps as several consecutive lines
+            continue
+        last = path
+        ids = by_id.get((parts[3], parts[4]))
+        if ids is None and path not in by_file and not path.startswith(prefixes) \
+                and not path.endswith(DELETED_SUFFIX):
+            continue
+        _match_mapped(found, index, path, f"dev/inode {parts[3]} {parts[4]}", ids or ())
+    return tuple(found.values())
+
+
+def _match_mapped(found: dict[tuple[str, str, bool], Evidence], index: TargetIndex, path: str,
+                  id_detail: str, by_id: tuple[str, ...]) -> None:
+    deleted = path.endswith(DELETED_SUFFIX)
+    if deleted:  # the inode of a deleted file may since have been reused: match by path only
+        path = path[: -len(DELETED_SUFFIX)]
+        by_id = ()
+    hows: dict[str, list[str]] = {name: [id_detail] for name in by_id}
+    for name, how in index.owners_of(path):
+        hows.setdefault(name, []).append(how)
+    for name, how_list in hows.items():
+        _add(found, Evidence(EvidenceKind.MAPPED, name, _unescape(path), deleted, ", ".join(how_list)))
+
+
+def match_fds(links: Iterable[str], targets: Iterable[Target] | TargetIndex) -> tuple[Evidence, ...]:
+    """``open`` evidence from the targets of ``/proc/PID/fd/*`` links."""
+    index = TargetIndex.of(targets)
+    found: dict[tuple[str, str, bool], Evidence] = {}
+    for link in links:
+        if not link.startswith("/"):  # socket:[..], pipe:[..], anon_inode:...
+            continue
+        deleted = link.endswith(DELETED_SUFFIX)
+        path = link[: -len(DELETED_SUFFIX)] if deleted else link
+        for name, how in index.owners_of(path):
+            _add(found, Evidence(EvidenceKind.OPEN, name, path, deleted, how))
+    return tuple(found.values())
+
+
+@dataclass(frozen=True, slots=True)
+class PythonInvocation:
+    """What a python command line runs: ``-m module``, a script path, or neither (``-c``, stdin)."""
+
+    module: str | None = None
+    script: str | None = None
+
+
+def parse_python_argv(args: Iterable[str]) -> PythonInvocation:
+    """Read a python command line after argv[0] the way the interpreter does (``-Im mod``, ``-X opt``)."""
+    it = iter(args)
+    for arg in it:
+        if arg == "--":
+            script = next(it, None)
+            return PythonInvocation(script=script)
+        if arg.startswith("--"):
+            if arg == "--check-hash-based-pycs":
+                next(it, None)
+            continue
+        if arg == "-" or not arg.startswith("-"):
+            return PythonInvocation(script=None if arg == "-" else arg)
+        for position in range(1, len(arg)):
+            flag = arg[position]
+            rest = arg[position + 1:]
+            if flag == "c":
+                return PythonInvocation()
+            if flag == "m":
+                return PythonInvocation(module=rest or next(it, None))
+            if flag in "XWQ":
+                if not rest:
+                    next(it, None)
+                break
+    return PythonInvocation()
+
+
+def _looks_like_python(argv0: str, index: TargetIndex) -> bool:
+    name = os.path.basename(argv0)
+    return name.startswith(("python", "pypy")) or name in index.interpreter_names
+
+
+def _absolute(path: str, cwd: str | None) -> str | None:
+    if path.startswith("/"):
+        return os.path.normpath(path)
+    if cwd is None or "/" not in path:  # a bare name was found on PATH: its directory is unknown
+        return None
+    return os.path.normpath(os.path.join(cwd, path))
+
+
+def argv_needs_links(cmdline: tuple[str, ...], targets: Iterable[Target] | TargetIndex) -> bool:
+    """Whether :func:`match_argv` could use the process's ``exe`` and ``cwd`` (relative paths only)."""
+    index = TargetIndex.of(targets)
+    if not cmdline:
+        return False
+    argv0 = cmdline[0]
+    if not argv0.startswith("/") and os.path.basename(argv0) in index.script_names:
+        return True
+    if len(cmdline) > 1 and os.path.basename(cmdline[1]) in index.script_names \
+            and not cmdline[1].startswith("/"):
+        return True
+    if _looks_like_python(argv0, index):
+        invocation = parse_python_argv(cmdline[1:])
+        if invocation.module is not None and not argv0.startswith("/"):
+            return True
+        script = invocation.script
+        return script is not None and not script.startswith("/") \
+            and os.path.basename(script) in index.script_names
+    return False
+
+
+def match_argv(
+    cmdline: tuple[str, ...],
+    targets: Iterable[Target] | TargetIndex,
+    exe: str | None = None,
+    cwd: str | None = None,
+) -> tuple[Evidence, ...]:
+    """``argv`` evidence: a console script of a target runs, or ``-m`` one of its modules.
+
+    ``exe`` and ``cwd`` (the process's ``/proc/PID/exe`` and ``cwd`` links) only serve to resolve a
+    relative argv[0] or script path; a bare ``python`` is recognised through ``exe``.
+    """
+    index = TargetIndex.of(targets)
+    if not cmdline:
+        return ()
+    found: dict[tuple[str, str, bool], Evidence] = {}
+    argv0 = cmdline[0]
+    candidates: list[tuple[str, str]] = [(argv0, "console script")]
+    invocation = PythonInvocation()
+    if _looks_like_python(argv0, index):
+        invocation = parse_python_argv(cmdline[1:])
+        if invocation.script is not None:
+            candidates.append((invocation.script, f"console script run by {argv0}"))
+    elif os.path.basename(argv0) in _SHELLS and len(cmdline) > 1:
+        candidates.append((cmdline[1], f"console script run by {argv0}"))
+    for candidate, how in candidates:
+        path = _absolute(candidate, cwd)
+        for name in index.by_script.get(path, ()) if path else ():
+            _add(found, Evidence(EvidenceKind.ARGV, name, path or candidate, False, how))
+    module = invocation.module
+    if module:
+        interpreters = {p for p in (_absolute(argv0, cwd), exe) if p}
+        for target in index.targets:
+            if not interpreters & target.interpreters:
+                continue
+            for top in target.modules:
+                if module == top or module.startswith(top + "."):
+                    _add(found, Evidence(EvidenceKind.ARGV, target.distribution, module, False,
+                                         f"{argv0} -m {module}"))
+                    break
+    return tuple(found.values())
+
+
+@dataclass(frozen=True, slots=True)
+class StatInfo:
+    pid: int
+    name: str  # comm, as the process may have renamed itself
+    state: str
+    ppid: int
+    flags: int
+    start_time: int  # clock ticks after boot: with the pid, it names one process (pid reuse)
+
+    @property
+    def kernel_thread(self) -> bool:
+        return bool(self.flags & PF_KTHREAD)
+
+
+def parse_stat(text: str) -> StatInfo:
+    """``/proc/PID/stat``; the name may hold spaces and parentheses. ValueError if malformed."""
+    open_paren = text.find("(")
+    close_paren = text.rfind(")")
+    if open_paren < 0 or close_paren < open_paren:
+        raise ValueError(f"no (comm) in stat: {text[:80]!r}")
+    fields = text[close_paren + 2:].split()
+    if len(fields) < 20:
+        raise ValueError(f"stat has {len(fields) + 2} fields, expected at least 22")
+    return StatInfo(
+        pid=int(text[:open_paren]),
+        name=text[open_paren + 1:close_paren],
+        state=fields[0],
+        ppid=int(fields[1]),
+        flags=int(fields[6]),
+        start_time=int(fields[19]),
+    )
+
+
+def parse_status_uid(text: str) -> int:
+    """The effective uid from ``/proc/PID/status`` (``Uid: real effective saved fs``)."""
+    start = 0 if text.startswith("Uid:") else text.find("\nUid:") + 1
+    if start <= 0 and not text.startswith("Uid:"):
+        raise ValueError("no Uid: line in status")
+    end = text.find("\n", start)
+    fields = text[start + 4:end if end >= 0 else len(text)].split()
+    if not fields:
+        raise ValueError("empty Uid: line in status")
+    return int(fields[1] if len(fields) > 1 else fields[0])
+
+
+def parse_cmdline(data: bytes) -> tuple[str, ...]:
+    """NUL-separated arguments (a process that rewrote its title may have one space-joined string)."""
+    if not data:
+        return ()
+    if data.endswith(b"\0"):
+        data = data[:-1]
+    return tuple(os.fsdecode(arg) for arg in data.split(b"\0"))
+
+
+# -------------------------------------------------------------------------------------------- scanning
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessRecord:
+    pid: int
+    ppid: int
+    uid: int
+    user: str
+    name: str  # comm: what the process calls itself (maybe renamed, e.g. "SICEXT::Worker0")
+    state: str  # R, S, D, Z (zombie: nothing left to restart), T, ...
+    cmdline: tuple[str, ...]
+    cgroup_text: str  # raw /proc/PID/cgroup, parsed by safeinstall.cgroups
+    start_time: int  # field 22 of stat: (pid, start_time) names one process across pid reuse
+    evidence: tuple[Evidence, ...] = ()
+    is_self: bool = False
+
+    @property
+    def affected(self) -> bool:
+        return bool(self.evidence)
+
+    @property
+    def distributions(self) -> frozenset[str]:
+        return frozenset(e.distribution for e in self.evidence)
+
+    @property
+    def running_old_code(self) -> bool:
+        return any(e.deleted for e in self.evidence)
+
+
+@dataclass(frozen=True, slots=True)
+class ScanProblem:
+    pid: int
+    reading: str  # "stat", "maps", "fd", ...
+    reason: str  # "vanished", "permission denied", or the error
+
+
+@dataclass(frozen=True, slots=True)
+class ScanResult:
+    processes: tuple[ProcessRecord, ...]  # every process seen, kernel threads aside
+    problems: tuple[ScanProblem, ...]
+    scanned_count: int  # /proc entries looked at, kernel threads and vanished ones included
+    self_pid: int
+
+    @property
+    def affected(self) -> tuple[ProcessRecord, ...]:
+        return tuple(p for p in self.processes if p.evidence)
+
+    def by_pid(self) -> dict[int, ProcessRecord]:
+        return {p.pid: p for p in self.processes}
+
+
+class _Vanished(Exception):
+    pass
+
+
+_O_DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_O_FILE = os.O_RDONLY | os.O_CLOEXEC
+#: below glibc's mmap threshold: a larger buffer costs an mmap/munmap per read
+_READ_SIZE = 1 << 14
+
+
+def _read_at(name: str, dir_fd: int, *, single: bool) -> bytes:
+    """A /proc file, relative to the process's directory.
+
+    ``single``: the file is one record (``stat``, ``status``, ``cgroup``, ``cmdline``), so a short first
+    read is the whole of it; ``maps`` comes a page of records per read and is read until EOF.
+    """
+    fd = os.open(name, _O_FILE, dir_fd=dir_fd)
+    try:
+        chunk = os.read(fd, _READ_SIZE)
+        if (single and len(chunk) < _READ_SIZE) or not chunk:
+            return chunk
+        chunks = [chunk]
+        while chunk := os.read(fd, _READ_SIZE):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _fd_links_at(dir_fd: int) -> list[str]:
+    fd_dir = os.open("fd", _O_DIRECTORY, dir_fd=dir_fd)
+    try:
+        links: list[str] = []
+        for name in os.listdir(fd_dir):
+            try:
+                links.append(os.readlink(name, dir_fd=fd_dir))
+            except FileNotFoundError:
+                continue  # closed in the meantime
+        return links
+    finally:
+        os.close(fd_dir)
+
+
+class _Process:
+    """Reads one process's files through its open ``/proc/PID`` directory.
+
+    Holding the directory open pins the process: should it exit and its PID be reused meanwhile, the
+    reads fail (ESRCH) instead of mixing two processes. Errors become problems; a vanished process
+    raises :class:`_Vanished` and its record is dropped.
+    """
+
+    __slots__ = ("dir_fd", "pid", "problems")
+
+    def __init__(self, pid: int, dir_fd: int, problems: list[ScanProblem]) -> None:
+        self.pid = pid
+        self.dir_fd = dir_fd
+        self.problems = problems
+
+    def fail(self, what: str, exc: OSError) -> None:
+        if isinstance(exc, FileNotFoundError | ProcessLookupError):
+            self.problems.append(ScanProblem(self.pid, what, "vanished"))
+            raise _Vanished from exc
+        self.problems.append(ScanProblem(self.pid, what, _reason(exc)))
+
+    def read(self, what: str, single: bool = True) -> bytes | None:
+        try:
+            return _read_at(what, self.dir_fd, single=single)
+        except OSError as exc:
+            self.fail(what, exc)
+            return None
+
+    def text(self, what: str, single: bool = True) -> str | None:
+        data = self.read(what, single)
+        return None if data is None else data.decode("utf-8", "surrogateescape")
+
+    def fd_links(self) -> list[str] | None:
+        try:
+            return _fd_links_at(self.dir_fd)
+        except OSError as exc:
+            self.fail("fd", exc)
+            return None
+
+    def link(self, what: str) -> str | None:
+        try:
+            return os.readlink(what, dir_fd=self.dir_fd)
+        except OSError as exc:
+            self.fail(what, exc)
+            return None
+
+
+def _reason(exc: OSError) -> str:
+    if isinstance(exc, FileNotFoundError | ProcessLookupError):
+        return "vanished"
+    if isinstance(exc, PermissionError):
+        return "permission denied"
+    return f"{type(exc).__name__}: {exc.strerror or exc}"
+
+
+def _user(uid: int, cache: dict[int, str]) -> str:
+    name = cache.get(uid)
+    if name is None:
+        try:
+            name = pwd.getpwuid(uid).pw_name
+        except KeyError:
+            name = str(uid)
+        cache[uid] = name
+    return name
+
+
+def _scan_one(proc: _Process, index: TargetIndex, self_pid: int, users: dict[int, str]
+              ) -> ProcessRecord | None:
+    pid, problems = proc.pid, proc.problems
+    stat_text = proc.text("stat")
+    if stat_text is None:
+        return None
+    try:
+        stat = parse_stat(stat_text)
+    except ValueError as exc:
+        problems.append(ScanProblem(pid, "stat", f"malformed: {exc}"))
+        return None
+    if stat.flags & PF_KTHREAD:
+        return None
+    status_text = proc.text("status")
+    uid = -1
+    if status_text is not None:
+        try:
+            uid = parse_status_uid(status_text)
+        except (ValueError, IndexError) as exc:
+            problems.append(ScanProblem(pid, "status", f"malformed: {exc}"))
+    cmdline = parse_cmdline(proc.read("cmdline") or b"")
+    cgroup_text = proc.text("cgroup") or ""
+    maps_text = proc.text("maps", single=False)
+    evidence = match_maps(maps_text, index) if maps_text else ()
+    links = proc.fd_links()
+    if links:
+        evidence += match_fds(links, index)
+    if cmdline:
+        exe = cwd = None
+        if argv_needs_links(cmdline, index):
+            exe = proc.link("exe")
+            cwd = proc.link("cwd")
+        evidence += match_argv(cmdline, index, exe=exe, cwd=cwd)
+    return ProcessRecord(
+        pid=pid,
+        ppid=stat.ppid,
+        uid=uid,
+        user=_user(uid, users) if uid >= 0 else "?",
+        name=stat.name,
+        state=stat.state,
+        cmdline=cmdline,
+        cgroup_text=cgroup_text,
+        start_time=stat.start_time,
+        evidence=evidence,
+        is_self=pid == self_pid,
+    )
+
+
+def _pids(proc_root: Path) -> list[int]:
+    with os.scandir(proc_root) as entries:
+        return sorted(int(entry.name) for entry in entries if entry.name.isdigit())
+
+
+def scan_processes(
+    targets: Iterable[Target] | TargetIndex,
+    proc_root: Path = Path("/proc"),
+    self_pid: int | None = None,
+) -> ScanResult:
+    """Read every process under ``proc_root`` once; match it against ``targets``.
+
+    Processes that vanish or cannot be read are listed in ``problems``; kernel threads are skipped.
+    ``self_pid`` (default: this process) is only marked, never skipped.
+    """
+    index = TargetIndex.of(targets)
+    me = os.getpid() if self_pid is None else self_pid
+    root = str(proc_root)
+    problems: list[ScanProblem] = []
+    records: list[ProcessRecord] = []
+    users: dict[int, str] = {}
+    pids = _pids(proc_root)
+    for pid in pids:
+        try:
+            dir_fd = os.open(f"{root}/{pid}", _O_DIRECTORY)
+        except OSError as exc:
+            problems.append(ScanProblem(pid, "directory", _reason(exc)))
+            continue
+        try:
+            record = _scan_one(_Process(pid, dir_fd, problems), index, me, users)
+        except _Vanished:
+            continue
+        finally:
+            os.close(dir_fd)
+        if record is not None:
+            records.append(record)
+    return ScanResult(processes=tuple(records), problems=tuple(problems), scanned_count=len(pids),
+                      self_pid=me)

@@ -1,0 +1,109 @@
+"""Survey the host for a plan: ask uv, scan /proc, ask systemd, ask NVML; then :func:`build_plan`.
+
+Only gathering happens here; every decision is in :mod:`safeinstall.plan`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from safeinstall.cgroups import placement_of_proc_cgroup
+from safeinstall.distributions import InstalledDistribution, find_distribution, find_distributions
+from safeinstall.environment import Environment, inspect_environment, resolve_python
+from safeinstall.gpus import GpuSnapshot, snapshot_gpus
+from safeinstall.plan import Plan, build_plan
+from safeinstall.processes import ScanResult, load_targets, scan_processes
+from safeinstall.systemd import Systemd, UnitInfo
+from safeinstall.uvplan import UvPlan, UvRequest, dry_run
+from safeinstall.wheel import Wheel, read_wheel
+
+
+@dataclass(frozen=True, slots=True)
+class RunOptions:
+    """Everything the user asked for, as parsed by the CLI."""
+
+    package: str
+    python: str | None = None
+    wheel: Path | None = None
+    version_spec: str | None = None
+    with_deps: bool = False
+    user: bool = False
+    kill_strays: bool = False
+    extra_args: tuple[str, ...] = ()
+    stop_timeout: float | None = None  # None: each unit's own TimeoutStopSec
+    gpu_timeout: float = 120.0
+    settle: float = 5.0
+    health_url: str | None = None
+    health_timeout: float = 300.0
+    no_restart: bool = False
+    prune: bool = False
+    proc_root: Path = Path("/proc")
+    environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+
+
+@dataclass(frozen=True, slots=True)
+class Survey:
+    env: Environment
+    installed: tuple[InstalledDistribution, ...]
+    target: InstalledDistribution
+    wheel: Wheel | None
+    uv_plan: UvPlan
+    affected: tuple[InstalledDistribution, ...]  # installed distributions the install replaces
+    scan: ScanResult
+    units: dict[str, UnitInfo]
+    gpus: GpuSnapshot
+    plan: Plan
+
+
+def systemd_for(options: RunOptions) -> Systemd:
+    return Systemd(user=options.user, environ=options.environ)
+
+
+def survey(options: RunOptions, env: Environment | None = None, wheel: Wheel | None = None) -> Survey:
+    """Gather every fact the plan needs. Changes nothing."""
+    if env is None:
+        env = inspect_environment(resolve_python(options.python, options.environ))
+    installed = tuple(find_distributions(env))
+    target = find_distribution(env, options.package, list(installed))
+    if wheel is None and options.wheel is not None:
+        wheel = read_wheel(options.wheel)
+    request = UvRequest(
+        python=env.python,
+        package=target.name,
+        wheel=options.wheel,
+        version_spec=options.version_spec,
+        installed_version=target.version,
+        with_deps=options.with_deps,
+        extra_args=options.extra_args,
+    )
+    uv_plan = dry_run(request, options.environ)
+    by_name = {d.name: d for d in installed}
+    affected = tuple(by_name[n] for n in sorted({*uv_plan.affected, target.name}) if n in by_name)
+    scan = scan_processes(load_targets(affected, env, installed), options.proc_root)
+    unit_names = {
+        placement.unit
+        for record in scan.processes
+        if record.affected and not record.is_self
+        for placement in [placement_of_proc_cgroup(record.cgroup_text)]
+        if placement.unit
+    }
+    units = systemd_for(options).show(sorted(unit_names)) if unit_names else {}
+    gpus = snapshot_gpus(options.environ, options.proc_root)
+    plan = build_plan(
+        package=target.name,
+        python=str(env.python),
+        prefix=str(env.prefix),
+        user=options.user,
+        with_deps=options.with_deps,
+        kill_strays=options.kill_strays,
+        uv_plan=uv_plan,
+        installed_versions={d.name: d.version for d in installed},
+        wheel_version=wheel.version if wheel else None,
+        scan=scan,
+        units=units,
+        gpus=gpus,
+    )
+    return Survey(env, installed, target, wheel, uv_plan, affected, scan, units, gpus, plan)

@@ -1,0 +1,268 @@
+"""``--dry-run``: who uses the package, in which units, holding which GPU memory. Real parts only:
+units of a private systemd --user manager, wheels installed by uv, the fake NVML driver."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import wheelhouse
+from tests.bed_nvml import FakeNvml
+from tests.bed_systemd import Units, UserManager, wait_until
+from tests.clirun import Result, run
+from tests.wheelhouse import Wheelhouse
+
+GiB = 1024**3
+
+
+@pytest.fixture
+def env(venv: Path, wheels: Wheelhouse) -> Path:
+    wheelhouse.uv_install(venv, wheels["sicext-1"], wheels["sipure-1"])
+    return venv
+
+
+def so_mapped(pid: int) -> bool:
+    try:
+        return "_native" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+def safeinstall(user_manager: UserManager, nvml: FakeNvml | None, *args: str, timeout: float = 120) -> Result:
+    environ = dict(user_manager.env)
+    environ.update(nvml.env if nvml else {"SAFEINSTALL_NVML_LIBRARY": "/nonexistent/libnvidia-ml.so.1"})
+    return run("--user", *args, env=environ, timeout=timeout)
+
+
+def by_pid(doc: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    assert doc["data"] is not None, doc["errors"]
+    return {p["pid"]: p for p in doc["data"]["processes"]}
+
+
+@pytest.fixture
+def strays() -> Iterator[list[subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for proc in started:
+        proc.kill()
+        proc.wait()
+
+
+def test_unit_processes_found_by_mapped_argv_and_unit(
+    env: Path, wheels: Wheelhouse, units: Units, user_manager: UserManager, fake_nvml: FakeNvml
+) -> None:
+    # A service whose main process runs the console script and forks a renamed worker that loads the
+    # extension (as vLLM's VLLM::EngineCore does); the main process loads nothing (--lazy).
+    serve_py = wheelhouse.site_packages(env) / "sicext" / "serve.py"
+    served = units.started("served", f"{env} {serve_py} --lazy --workers 1")
+    # A shell service whose child imports the extension: the shell itself shares the unit only.
+    shell = units.started(
+        "shell", f"/bin/sh -c '{env} -c \"import sicext, time; time.sleep(600)\" & exec sleep 600'"
+    )
+    main = user_manager.main_pid(served)
+    shell_main = user_manager.main_pid(shell)
+    served_group = user_manager.show(served, "ControlGroup")["ControlGroup"]
+    shell_group = user_manager.show(shell, "ControlGroup")["ControlGroup"]
+
+    def members(group: str) -> set[int]:
+        from tests.bed_systemd import cgroup_pids
+
+        return cgroup_pids(group)
+
+    wait_until(lambda: any(so_mapped(p) for p in members(served_group) - {main}), 15, "worker maps the .so")
+    wait_until(
+        lambda: any(so_mapped(p) for p in members(shell_group) - {shell_main}), 15, "child maps the .so"
+    )
+    worker = next(p for p in members(served_group) - {main} if so_mapped(p))
+    child = next(p for p in members(shell_group) - {shell_main} if so_mapped(p))
+    gpu = fake_nvml.add_gpu("NVIDIA H200", "GPU-00000000-0000-0000-0000-000000000001", 141 * GiB)
+    fake_nvml.hold(worker, gpu, 40 * GiB)
+
+    result = safeinstall(
+        user_manager,
+        fake_nvml,
+        "sicext",
+        "--wheel",
+        str(wheels["sicext-2"]),
+        "--python",
+        str(env),
+        "--dry-run",
+        "--json",
+    )
+    assert result.code == 0, result.stdout + result.stderr
+    doc = result.json
+    assert doc["command"] == "dry-run" and doc["status"] == "would-proceed" and doc["exit_code"] == 0
+    data = doc["data"]
+    assert [(d["name"], d["old_version"], d["new_version"]) for d in data["distributions"]] == [
+        ("sicext", "1.0", "2.0")
+    ]
+    procs = by_pid(doc)
+    assert procs[main]["evidence"] == ["unit"]  # the API-server shape: maps nothing itself
+    # the forked worker keeps its parent's command line, but only it maps the extension
+    assert procs[worker]["evidence"][0] == "mapped" and procs[worker]["name"] == "SICEXT::Worker0"
+    assert "mapped" not in procs[main]["evidence"]
+    assert procs[worker]["unit"] == served and procs[worker]["gpu_bytes"] == 40 * GiB
+    assert procs[child]["evidence"] == ["mapped"] and procs[child]["unit"] == shell
+    assert procs[shell_main]["evidence"] == ["unit"]
+    assert {u["name"] for u in data["units"]} == {served, shell}
+    served_unit = next(u for u in data["units"] if u["name"] == served)
+    assert served_unit["active_state"] == "active" and served_unit["main_pid"] == main
+    assert served_unit["stop_timeout_s"] == 90
+    (gpu_doc,) = data["gpus"]["gpus"]
+    assert gpu_doc["uuid"].endswith("0001") and gpu_doc["used_bytes"] == 40 * GiB
+    assert "--reinstall-package" in data["uv_command"] and "--dry-run" not in data["uv_command"]
+    assert data["strays"] == [] and data["refusals"] == []
+
+    human = safeinstall(
+        user_manager,
+        fake_nvml,
+        "sicext",
+        "--wheel",
+        str(wheels["sicext-2"]),
+        "--python",
+        str(env),
+        "--dry-run",
+    )
+    assert human.code == 0
+    for text in (
+        served,
+        shell,
+        "SICEXT::Worker0",
+        "40.0 GiB",
+        "NVIDIA H200",
+        "sicext 1.0 -> 2.0",
+        "would proceed",
+    ):
+        assert text in human.stdout, text
+
+
+def test_console_script_found_by_argv(
+    env: Path, wheels: Wheelhouse, units: Units, user_manager: UserManager
+) -> None:
+    name = units.started("pure", f"{env.parent}/sipure --serve")
+    main = user_manager.main_pid(name)
+    wait_until(lambda: "sipure" in Path(f"/proc/{main}/cmdline").read_text(), 10, "sipure running")
+    doc = safeinstall(
+        user_manager,
+        None,
+        "sipure",
+        "--python",
+        str(env),
+        "--dry-run",
+        "--json",
+        "--",
+        "--offline",
+        "--find-links",
+        str(wheels.directory),
+    ).json
+    procs = by_pid(doc)
+    assert procs[main]["evidence"] == ["argv"] and procs[main]["unit"] == name
+    assert doc["data"]["gpus"]["available"] is False
+    assert any("GPU check unavailable" in w for w in doc["data"]["warnings"])
+
+
+def test_stray_is_refused_unless_kill_strays(
+    env: Path,
+    wheels: Wheelhouse,
+    units: Units,
+    user_manager: UserManager,
+    strays: list[subprocess.Popen[bytes]],
+) -> None:
+    proc = subprocess.Popen([str(env), "-c", "import sicext, time; time.sleep(600)"])
+    strays.append(proc)
+    wait_until(lambda: so_mapped(proc.pid), 15, "stray maps the .so")
+    args = ("sicext", "--wheel", str(wheels["sicext-2"]), "--python", str(env), "--dry-run")
+    refused = safeinstall(user_manager, None, *args, "--json")
+    assert refused.code == 2
+    doc = refused.json
+    assert doc["status"] == "would-refuse"
+    assert [p["pid"] for p in doc["data"]["strays"]] == [proc.pid]
+    assert "--kill-strays" in doc["data"]["refusals"][0]
+    human = safeinstall(user_manager, None, *args)
+    assert human.code == 2 and "stray" in human.stdout and "would refuse" in human.stdout
+    allowed = safeinstall(user_manager, None, *args, "--kill-strays", "--json")
+    assert allowed.code == 0
+    assert any(f"stray PID {proc.pid}" in w for w in allowed.json["data"]["warnings"])
+    assert proc.poll() is None  # a dry run changes nothing
+
+
+def test_running_old_code_after_reinstall_under_a_running_process(
+    env: Path, wheels: Wheelhouse, units: Units, user_manager: UserManager
+) -> None:
+    name = units.started("old", f"{env} -c 'import sicext, time; time.sleep(600)'")
+    main = user_manager.main_pid(name)
+    wait_until(lambda: so_mapped(main), 15, "maps the .so")
+    wheelhouse.uv_install(env, wheels["sicext-2"], reinstall=True)  # behind the service's back
+    result = safeinstall(
+        user_manager,
+        None,
+        "sicext",
+        "--wheel",
+        str(wheels["sicext-2"]),
+        "--python",
+        str(env),
+        "--dry-run",
+        "--json",
+    )
+    procs = by_pid(result.json)
+    assert procs[main]["running_old_code"] is True
+    assert any("deleted" in d or "old code" in d for d in procs[main]["details"])
+    human = safeinstall(
+        user_manager, None, "sicext", "--wheel", str(wheels["sicext-2"]), "--python", str(env), "--dry-run"
+    )
+    assert "running old code" in human.stdout
+
+
+def test_unit_of_the_other_manager_is_refused(
+    env: Path, wheels: Wheelhouse, units: Units, user_manager: UserManager
+) -> None:
+    """Without --user, a unit of the (private) user manager is not the system manager's to stop."""
+    name = units.started("other", f"{env} -c 'import sicext, time; time.sleep(600)'")
+    main = user_manager.main_pid(name)
+    wait_until(lambda: so_mapped(main), 15, "maps the .so")
+    environ = dict(user_manager.env, SAFEINSTALL_NVML_LIBRARY="/nonexistent/libnvidia-ml.so.1")
+    result = run(
+        "sicext", "--wheel", str(wheels["sicext-2"]), "--python", str(env), "--dry-run", "--json", env=environ
+    )
+    assert result.code == 2
+    doc = result.json
+    assert doc["exit_code"] == 2
+    assert doc["errors"] or doc["data"]["refusals"]
+
+
+def test_unresolvable_request_is_a_clear_error(env: Path, user_manager: UserManager) -> None:
+    result = safeinstall(
+        user_manager,
+        None,
+        "sicext",
+        "--version",
+        "==9.9",
+        "--python",
+        str(env),
+        "--dry-run",
+        "--",
+        "--offline",
+    )
+    assert result.code == 2
+    assert "error: uv cannot resolve" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_dry_run_changes_nothing(
+    env: Path, wheels: Wheelhouse, units: Units, user_manager: UserManager
+) -> None:
+    name = units.started("still", f"{env} -c 'import sicext, time; time.sleep(600)'")
+    main = user_manager.main_pid(name)
+    before = run("sicext", "--verify-only", "--python", str(env), "--json").json
+    safeinstall(
+        user_manager, None, "sicext", "--wheel", str(wheels["sicext-2"]), "--python", str(env), "--dry-run"
+    )
+    time.sleep(0.2)
+    assert user_manager.main_pid(name) == main and user_manager.active_state(name) == "active"
+    assert run("sicext", "--verify-only", "--python", str(env), "--json").json == before
+    assert os.path.exists(f"/proc/{main}")
