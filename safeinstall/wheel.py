@@ -199,3 +199,31 @@ def is_installer_written(wheel: Wheel, relative: str) -> bool:
 def read_member(wheel_path: Path, member: str) -> bytes:
     with zipfile.ZipFile(wheel_path) as archive:
         return archive.read(member)
+
+
+def target_tags(env: Environment) -> list[Tag]:
+    """The wheel tags the target interpreter accepts (its version and ABI; this host's platforms)."""
+    from packaging import tags
+
+    version = (env.version[0], env.version[1])
+    platforms = list(tags.platform_tags())
+    if env.implementation == "cpython":
+        # SOABI is e.g. "cpython-311-x86_64-linux-gnu" ("cpython-313t-..." for free-threaded builds)
+        soabi_version = (env.soabi or "").split("-")[1:2]
+        suffix = soabi_version[0].removeprefix(f"{version[0]}{version[1]}") if soabi_version else ""
+        abi = f"cp{version[0]}{version[1]}{suffix}"
+        supported = list(tags.cpython_tags(version, [abi], platforms))
+        interpreter = f"cp{version[0]}{version[1]}"
+    else:
+        interpreter = f"{tags.INTERPRETER_SHORT_NAMES.get(env.implementation, env.implementation)}" + (
+            f"{version[0]}{version[1]}"
+        )
+        supported = list(tags.generic_tags(interpreter, None, platforms))
+    supported += list(tags.compatible_tags(version, interpreter, platforms))
+    return supported
+
+
+def fits(wheel: Wheel, supported: list[Tag]) -> bool:
+    """Pure: does any of the wheel's tags appear among the interpreter's supported tags?"""
+    accepted = set(supported)
+    return any(tag in accepted for tag in wheel.tags)

@@ -1,0 +1,391 @@
+"""The run journal ``<envdir>/journal.json``: what a run has done so far, durable at every step.
+
+Every write is atomic (temp file in the same directory, fsync, ``os.replace``, fsync of the
+directory), so after a crash the file holds one whole state: the last one written. ``--recover``
+reads it and decides with the pure helpers :func:`needs_restore` and :func:`units_to_start`.
+The journal is removed (:func:`clear_journal`) when a run ends cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields, replace
+from datetime import UTC, datetime
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from safeinstall.errors import SafeInstallError
+from safeinstall.state import JOURNAL_FILE, TMP_SUFFIX, atomic_write, fsync_dir
+
+JOURNAL_VERSION = 1
+_TMP_PREFIX = f".{JOURNAL_FILE}."
+
+
+class JournalError(SafeInstallError):
+    """The journal exists but cannot be read or written."""
+
+    code = "journal"
+
+
+class Phase(StrEnum):
+    """Phases of a run, in the order a run passes them."""
+
+    PLANNED = "planned"
+    BACKED_UP = "backed-up"
+    GATED = "gated"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    GPU_RELEASED = "gpu-released"
+    INSTALLING = "installing"
+    INSTALLED = "installed"
+    VERIFIED = "verified"
+    RESTARTING = "restarting"
+    DONE = "done"
+    ROLLING_BACK = "rolling-back"
+    ROLLED_BACK = "rolled-back"
+    FAILED = "failed"
+
+
+PHASE_ORDER: tuple[Phase, ...] = tuple(Phase)
+#: The package may be half-installed: recovery must restore the backup.
+RESTORE_PHASES = frozenset({Phase.INSTALLING, Phase.INSTALLED, Phase.ROLLING_BACK})
+#: A run in one of these ended; nothing is left to do.
+FINISHED_PHASES = frozenset({Phase.DONE, Phase.ROLLED_BACK})
+
+
+@dataclass(frozen=True, slots=True)
+class JournalUnit:
+    name: str
+    user_manager: bool  # a `systemctl --user` unit
+    was_active: bool
+    unit_file_state: str  # enabled, disabled, static, ... as systemctl reported it before the run
+    stopped: bool = False  # this run stopped it
+    restarted: bool = False  # this run started it again
+
+
+@dataclass(frozen=True, slots=True)
+class HistoryEntry:
+    phase: Phase
+    at: str  # ISO 8601, UTC
+    note: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Journal:
+    run_id: str
+    pid: int
+    process_start: int | None  # /proc/PID/stat field 22 of the run (pid + this = one process)
+    started_at: str  # ISO 8601, UTC
+    python: str
+    prefix: str
+    package: str
+    wheel: str | None
+    uv_command: tuple[str, ...]
+    phase: Phase = Phase.PLANNED
+    units: tuple[JournalUnit, ...] = ()
+    backup_dir: str | None = None
+    gate: tuple[str, ...] = ()  # paths the run wrote to keep units from starting (drop-ins), to remove
+    strays_killed: tuple[int, ...] = ()
+    history: tuple[HistoryEntry, ...] = ()
+    version: int = JOURNAL_VERSION
+
+
+def now_iso(now: datetime | None = None) -> str:
+    return (now or datetime.now(UTC)).astimezone(UTC).isoformat(timespec="milliseconds")
+
+
+def new_journal(
+    run_id: str,
+    pid: int,
+    process_start: int | None,
+    python: str,
+    prefix: str,
+    package: str,
+    wheel: str | None,
+    uv_command: Sequence[str],
+    units: Iterable[JournalUnit] = (),
+    note: str = "",
+    now: datetime | None = None,
+) -> Journal:
+    """Pure: a new journal in phase ``planned``."""
+    at = now_iso(now)
+    return Journal(
+        run_id=run_id,
+        pid=pid,
+        process_start=process_start,
+        started_at=at,
+        python=python,
+        prefix=prefix,
+        package=package,
+        wheel=wheel,
+        uv_command=tuple(uv_command),
+        phase=Phase.PLANNED,
+        units=tuple(units),
+        history=(HistoryEntry(Phase.PLANNED, at, note),),
+    )
+
+
+_TUPLE_FIELDS = frozenset({"uv_command", "units", "gate", "strays_killed", "history"})
+
+
+def advance(
+    journal: Journal, phase: Phase, note: str = "", now: datetime | None = None, **changes: Any
+) -> Journal:
+    """Pure: the journal in ``phase``, with ``changes`` applied and the step appended to its history.
+
+    Lists given for sequence fields (units, gate, strays_killed, uv_command) are stored as tuples.
+    """
+    allowed = {f.name for f in fields(Journal)} - {"phase", "history", "version"}
+    unknown = set(changes) - allowed
+    if unknown:
+        raise TypeError(f"advance() cannot change {sorted(unknown)}")
+    normalised: dict[str, Any] = {k: tuple(v) if k in _TUPLE_FIELDS else v for k, v in changes.items()}
+    history = (*journal.history, HistoryEntry(Phase(phase), now_iso(now), note))
+    return replace(journal, phase=Phase(phase), history=history, **normalised)
+
+
+def update_unit(journal: Journal, name: str, user_manager: bool, **changes: Any) -> Journal:
+    """Pure: the journal with one unit's flags (``stopped``, ``restarted``) changed; history unchanged."""
+    found = False
+    units: list[JournalUnit] = []
+    for unit in journal.units:
+        if unit.name == name and unit.user_manager == user_manager:
+            unit = replace(unit, **changes)
+            found = True
+        units.append(unit)
+    if not found:
+        raise KeyError(f"no unit {name} (user_manager={user_manager}) in the journal")
+    return replace(journal, units=tuple(units))
+
+
+def effective_phase(journal: Journal) -> Phase:
+    """Pure: the phase to decide on; for ``failed``, the last phase reached before the failure."""
+    if journal.phase != Phase.FAILED:
+        return journal.phase
+    for entry in reversed(journal.history):
+        if entry.phase != Phase.FAILED:
+            return entry.phase
+    return Phase.PLANNED
+
+
+def needs_restore(journal: Journal) -> bool:
+    """Pure: whether the package may be half-installed, so recovery must restore the backup.
+
+    False before the install started (planned .. gpu-released: nothing was changed), after the new
+    version was verified (verified, restarting, done), and once rolled back.
+    """
+    return effective_phase(journal) in RESTORE_PHASES
+
+
+def units_to_start(journal: Journal) -> list[JournalUnit]:
+    """Pure: units this run stopped that were running before it (start them again when recovering)."""
+    return [unit for unit in journal.units if unit.stopped and unit.was_active]
+
+
+def is_finished(journal: Journal) -> bool:
+    return journal.phase in FINISHED_PHASES
+
+
+# --- serialisation (pure) ---------------------------------------------------------------------------
+
+
+def journal_to_dict(journal: Journal) -> dict[str, Any]:
+    return {
+        "version": journal.version,
+        "run_id": journal.run_id,
+        "pid": journal.pid,
+        "process_start": journal.process_start,
+        "started_at": journal.started_at,
+        "python": journal.python,
+        "prefix": journal.prefix,
+        "package": journal.package,
+        "wheel": journal.wheel,
+        "uv_command": list(journal.uv_command),
+        "phase": journal.phase.value,
+        "units": [
+            {
+                "name": u.name,
+                "user_manager": u.user_manager,
+                "was_active": u.was_active,
+                "unit_file_state": u.unit_file_state,
+                "stopped": u.stopped,
+                "restarted": u.restarted,
+            }
+            for u in journal.units
+        ],
+        "backup_dir": journal.backup_dir,
+        "gate": list(journal.gate),
+        "strays_killed": list(journal.strays_killed),
+        "history": [{"phase": h.phase.value, "at": h.at, "note": h.note} for h in journal.history],
+    }
+
+
+class _Bad(ValueError):
+    pass
+
+
+def _get(data: dict[str, Any], key: str, kind: type, optional: bool = False) -> Any:
+    if key not in data:
+        if optional:
+            return None
+        raise _Bad(f"{key!r} is missing")
+    value = data[key]
+    if value is None and optional:
+        return None
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise _Bad(f"{key!r} has the wrong type ({type(value).__name__})")
+    return value
+
+
+def _list_of(data: dict[str, Any], key: str, kind: type) -> list[Any]:
+    values = data.get(key, [])
+    if not isinstance(values, list) or not all(
+        isinstance(v, kind) and (kind is bool or not isinstance(v, bool)) for v in values
+    ):
+        raise _Bad(f"{key!r} must be a list of {kind.__name__}")
+    return values
+
+
+def _phase(value: Any) -> Phase:
+    try:
+        return Phase(value)
+    except ValueError:
+        raise _Bad(f"unknown phase {value!r}") from None
+
+
+def journal_from_dict(data: Any) -> Journal:
+    """Pure: raises ValueError saying what is wrong."""
+    if not isinstance(data, dict):
+        raise _Bad("not a JSON object")
+    version = _get(data, "version", int)
+    if version != JOURNAL_VERSION:
+        raise _Bad(f"version {version}, this safeinstall reads version {JOURNAL_VERSION}")
+    units = []
+    for raw in _list_of(data, "units", dict):
+        units.append(
+            JournalUnit(
+                name=_get(raw, "name", str),
+                user_manager=_get(raw, "user_manager", bool),
+                was_active=_get(raw, "was_active", bool),
+                unit_file_state=_get(raw, "unit_file_state", str),
+                stopped=_get(raw, "stopped", bool),
+                restarted=_get(raw, "restarted", bool),
+            )
+        )
+    history = [
+        HistoryEntry(_phase(_get(raw, "phase", str)), _get(raw, "at", str), _get(raw, "note", str))
+        for raw in _list_of(data, "history", dict)
+    ]
+    return Journal(
+        version=version,
+        run_id=_get(data, "run_id", str),
+        pid=_get(data, "pid", int),
+        process_start=_get(data, "process_start", int, optional=True),
+        started_at=_get(data, "started_at", str),
+        python=_get(data, "python", str),
+        prefix=_get(data, "prefix", str),
+        package=_get(data, "package", str),
+        wheel=_get(data, "wheel", str, optional=True),
+        uv_command=tuple(_list_of(data, "uv_command", str)),
+        phase=_phase(_get(data, "phase", str)),
+        units=tuple(units),
+        backup_dir=_get(data, "backup_dir", str, optional=True),
+        gate=tuple(_list_of(data, "gate", str)),
+        strays_killed=tuple(_list_of(data, "strays_killed", int)),
+        history=tuple(history),
+    )
+
+
+def journal_to_json(journal: Journal) -> str:
+    return json.dumps(journal_to_dict(journal), indent=2, ensure_ascii=False) + "\n"
+
+
+# --- disk (the edges) -------------------------------------------------------------------------------
+
+
+def journal_path(envdir: Path) -> Path:
+    return envdir / JOURNAL_FILE
+
+
+def write_journal(envdir: Path, journal: Journal) -> None:
+    path = journal_path(envdir)
+    try:
+        atomic_write(path, journal_to_json(journal).encode("utf-8", errors="surrogateescape"))
+    except OSError as exc:
+        raise JournalError(
+            f"cannot write the run journal {path}: {exc.strerror or exc}",
+            hint="free space on that filesystem or fix its permissions, then run again",
+        ) from exc
+
+
+def start_journal(
+    envdir: Path,
+    run_id: str,
+    pid: int,
+    process_start: int | None,
+    python: str,
+    prefix: str,
+    package: str,
+    wheel: str | None,
+    uv_command: Sequence[str],
+    units: Iterable[JournalUnit] = (),
+    note: str = "",
+    now: datetime | None = None,
+) -> Journal:
+    """Write a new journal (phase ``planned``) and return it; refuse while a previous run's is there.
+
+    Call it holding the environment's lock.
+    """
+    previous = read_journal(envdir)
+    if previous is not None:
+        raise JournalError(
+            f"a previous run ({previous.run_id}, PID {previous.pid}, {previous.package}) did not finish: "
+            f"its journal {journal_path(envdir)} is in phase {previous.phase}",
+            hint="run safeinstall --recover to put that run's changes back (or finish them) first",
+        )
+    journal = new_journal(
+        run_id, pid, process_start, python, prefix, package, wheel, uv_command, units, note, now
+    )
+    write_journal(envdir, journal)
+    return journal
+
+
+def read_journal(envdir: Path) -> Journal | None:
+    """The journal left in ``envdir``, or None. A damaged one raises :class:`JournalError`."""
+    path = journal_path(envdir)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise JournalError(
+            f"cannot read the run journal {path}: {exc.strerror or exc}",
+            hint="run safeinstall as the user that owns the state directory (root for system runs)",
+        ) from exc
+    try:
+        return journal_from_dict(json.loads(raw.decode("utf-8", errors="surrogateescape")))
+    except ValueError as exc:  # json.JSONDecodeError, _Bad, UnicodeError are ValueErrors
+        raise JournalError(
+            f"the run journal {path} is damaged ({exc})",
+            hint=f"read it to see what the crashed run did, put things back by hand if needed, then "
+            f"remove it (rm {path}) and run again",
+        ) from exc
+
+
+def clear_journal(envdir: Path) -> None:
+    """Remove the journal (a clean end) and any temp file a crashed write left; fsync the directory."""
+    removed = False
+    for candidate in [journal_path(envdir), *envdir.glob(f"{_TMP_PREFIX}*{TMP_SUFFIX}")]:
+        try:
+            candidate.unlink()
+            removed = True
+        except FileNotFoundError:
+            pass
+    if removed:
+        fsync_dir(envdir)
+
+
+def leftover_temp_files(envdir: Path) -> list[Path]:
+    return sorted(envdir.glob(f"{_TMP_PREFIX}*{TMP_SUFFIX}"))

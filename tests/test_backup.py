@@ -1,0 +1,303 @@
+"""Backup and restore with real artefacts: real wheels, installed and upgraded by the real uv."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from safeinstall.backup import (
+    Backup,
+    BackupError,
+    create_backup,
+    disk_space_needed,
+    dist_info_name,
+    free_space,
+    load_backup,
+    manifest_from_dict,
+    manifest_to_dict,
+    relative_to_prefix,
+    restore_backup,
+    space_problem,
+    stale_bytecode,
+)
+from safeinstall.distributions import find_distribution, find_distributions
+from safeinstall.drift import FindingKind
+from safeinstall.environment import Environment, inspect_environment
+from safeinstall.verify import verify_environment
+from safeinstall.wheel import install_location, read_wheel
+from tests import wheelhouse
+from tests.wheelhouse import Wheelhouse
+
+NAMES = ("sipure", "sicext")
+AS_ROOT = os.geteuid() == 0
+
+
+def tree(env: Environment) -> dict[str, tuple[object, ...]]:
+    """Every file under site-packages and bin (no __pycache__): content hash or link target, mode, owner."""
+    found: dict[str, tuple[object, ...]] = {}
+    for root in (env.purelib, env.scripts):
+        for directory, dirnames, filenames in os.walk(root):
+            dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+            for name in [*filenames, *(d for d in dirnames if os.path.islink(os.path.join(directory, d)))]:
+                path = Path(directory) / name
+                info = os.lstat(path)
+                if stat.S_ISLNK(info.st_mode):
+                    content: str = "link:" + os.readlink(path)
+                else:
+                    content = hashlib.sha256(path.read_bytes()).hexdigest()
+                found[str(path.relative_to(env.prefix))] = (
+                    content,
+                    stat.S_IMODE(info.st_mode),
+                    info.st_uid,
+                    info.st_gid,
+                    info.st_mtime_ns,
+                )
+    return found
+
+
+def findings(env: Environment) -> set[tuple[str, str]]:
+    report = verify_environment(env, list(NAMES))
+    return {(str(f.kind), f.path) for f in report.findings}
+
+
+def sicext_version(python: Path) -> str:
+    return subprocess.run(
+        [str(python), "-c", "import sicext; print(sicext.version())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+
+
+def installed_v1(python: Path, wheels: Wheelhouse) -> tuple[Environment, Path]:
+    """v1 of both installed by uv, one file patched locally, one file owned by someone else; the patch."""
+    wheelhouse.uv_install(python, wheels["sipure-1"], wheels["sicext-1"])
+    env = inspect_environment(python)
+    patched = env.purelib / "sipure" / "__init__.py"
+    with patched.open("a") as handle:
+        handle.write("PATCHED_LOCALLY = True\n")
+    if AS_ROOT:
+        os.chown(env.purelib / "sipure" / "cli.py", 4321, 4322)
+    os.chmod(env.purelib / "sipure" / "data" / "notes.txt", 0o640)
+    # a symlink inside a .dist-info: saved and restored as a link
+    dist_info = find_distribution(env, "sipure").dist_info
+    os.symlink("METADATA", dist_info / "METADATA.link")
+    assert sicext_version(python) == "1.0"  # leaves v1 bytecode in __pycache__
+    return env, patched
+
+
+def backup_v1(env: Environment, tmp_path: Path) -> tuple[Backup, set[tuple[str, str]]]:
+    before_findings = findings(env)
+    patched = sorted(p for kind, p in before_findings if kind in (FindingKind.MODIFIED, FindingKind.MISSING))
+    dists = [find_distribution(env, n) for n in NAMES]
+    progress: list[tuple[int, int]] = []
+    backup = create_backup(
+        env,
+        dists,
+        tmp_path / "state" / "backups" / "run1",
+        patched,
+        on_progress=lambda done, total: progress.append((done, total)),
+    )
+    assert progress and progress[-1][0] == progress[-1][1] == backup.total_bytes
+    return backup, before_findings
+
+
+def upgrade(python: Path, wheels: Wheelhouse) -> None:
+    wheelhouse.uv_install(python, wheels["sipure-2"], wheels["sicext-2"], reinstall=True)
+    assert sicext_version(python) == "2.0"  # v2 bytecode and .so loaded once
+
+
+def current_files(env: Environment) -> list[Path]:
+    return [d.location(e) for d in find_distributions(env) if d.name in NAMES for e in d.record.entries]
+
+
+@pytest.mark.parametrize("caller_lists", [True, False], ids=["caller-lists-files", "found-by-name"])
+def test_backup_upgrade_restore_gives_back_v1_byte_for_byte(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path, caller_lists: bool
+) -> None:
+    env, patched = installed_v1(venv, wheels)
+    before = tree(env)
+    backup, before_findings = backup_v1(env, tmp_path)
+    assert before_findings == {(str(FindingKind.MODIFIED), str(patched))}
+
+    manifest = json.loads((backup.dir / "manifest.json").read_text())
+    assert manifest["patched"] == [str(patched)]
+    assert {d["name"] for d in manifest["distributions"]} == set(NAMES)
+    saved = {f["path"]: f for f in manifest["files"]}
+    rel = str(patched.relative_to(env.prefix))
+    assert saved[rel]["sha256"] == hashlib.sha256(patched.read_bytes()).hexdigest()
+    assert "bin/sipure" in saved and "bin/sicext-serve" in saved  # scripts via ../../../bin
+    link = next(p for p in saved if p.endswith("METADATA.link"))
+    assert saved[link]["link_target"] == "METADATA" and saved[link]["sha256"] is None
+    assert any(p.endswith(".dist-info/INSTALLER") for p in saved)
+    assert stat.S_IMODE(os.stat(backup.dir).st_mode) == 0o700
+    assert (backup.dir / "files" / rel).read_bytes() == patched.read_bytes()
+
+    upgrade(venv, wheels)
+    assert tree(env) != before
+    assert (env.purelib / "sipure" / "extra_v2.py").exists()
+    assert not (env.purelib / "sipure" / "data" / "old.txt").exists()
+
+    loaded = load_backup(backup.dir)
+    assert loaded == backup
+    # without a list, the installed v2 .dist-info directories are found by name and their RECORDs used
+    result = restore_backup(loaded, env, current_files(env) if caller_lists else [])
+    assert result.ok, result
+    assert result.mismatches == () and result.failures == ()
+    assert result.restored == len(loaded.manifest.files)
+    assert result.removed >= 1  # extra_v2.py at least
+    # uv leaves sipure-1.0.dist-info behind (it holds a file its RECORD does not list): removed too
+    removed_dist_infos = {Path(p).name for p in result.removed_dist_infos}
+    assert removed_dist_infos >= {"sipure-2.0.dist-info", "sicext-2.0.dist-info"}
+
+    assert tree(env) == before
+    assert findings(env) == before_findings
+    assert "PATCHED_LOCALLY = True" in patched.read_text()
+    assert sicext_version(venv) == "1.0"
+    greeting = subprocess.run(
+        [str(venv), "-c", "import sipure; print(sipure.greeting(), sipure.PATCHED_LOCALLY)"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    assert greeting == "hello from sipure 1 True"
+    assert not list((env.purelib / "sipure").glob("__pycache__/extra_v2.*.pyc"))
+    if AS_ROOT:
+        assert os.stat(env.purelib / "sipure" / "cli.py").st_uid == 4321
+
+    leftover = env.purelib / "sipure" / ".cli.py.safeinstall-restore-1-ab"  # as a crashed restore leaves
+    leftover.write_text("partial")
+    again = restore_backup(loaded, env, [])  # idempotent: a crashed restore can be run again
+    assert not leftover.exists()
+    assert again.ok and tree(env) == before
+
+
+def test_restore_after_a_half_finished_install(venv: Path, wheels: Wheelhouse, tmp_path: Path) -> None:
+    env, _patched = installed_v1(venv, wheels)
+    before = tree(env)
+    backup, before_findings = backup_v1(env, tmp_path)
+    upgrade(venv, wheels)
+    # as if uv died halfway: half of the v2 files and the v2 RECORDs are gone
+    files = sorted(p for p in current_files(env) if p.name != "extra_v2.py")
+    for path in files[::2]:
+        path.unlink(missing_ok=True)
+    assert (env.purelib / "sipure" / "extra_v2.py").exists()
+    for dist in find_distributions(env):
+        if dist.name in NAMES:
+            (dist.dist_info / "RECORD").unlink(missing_ok=True)
+    # the caller knows what the new wheels install
+    remove: list[Path] = []
+    for key in ("sipure-2", "sicext-2"):
+        wheel = read_wheel(wheels[key])
+        remove.extend(p for m in wheel.members if (p := install_location(wheel, m, env)) is not None)
+    result = restore_backup(backup, env, remove)
+    assert result.ok, result
+    assert tree(env) == before
+    assert findings(env) == before_findings
+    assert sicext_version(venv) == "1.0"
+    assert not (env.purelib / "sipure" / "extra_v2.py").exists()
+    assert [d.version for d in find_distributions(env) if d.name in NAMES] == ["1.0", "1.0"]
+
+
+def test_restore_leaves_paths_outside_and_shared_alone(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    wheelhouse.uv_install(venv, wheels["sipure-1"], wheels["sins-a"])
+    env = inspect_environment(venv)
+    backup = create_backup(env, [find_distribution(env, "sipure")], tmp_path / "b", [])
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep me")
+    shared = find_distribution(env, "sins-a")
+    shared_file = next(shared.location(e) for e in shared.record.entries if e.path.endswith(".py"))
+    result = restore_backup(backup, env, [outside, shared_file])
+    assert result.ok
+    assert result.skipped_outside == (str(outside),) and outside.read_text() == "keep me"
+    assert result.kept_shared == (str(shared_file),) and shared_file.exists()
+
+
+def test_refusals(venv: Path, wheels: Wheelhouse, tmp_path: Path) -> None:
+    wheelhouse.uv_install(venv, wheels["sipure-1"])
+    env = inspect_environment(venv)
+    dist = find_distribution(env, "sipure")
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "x").write_text("")
+    with pytest.raises(BackupError, match="not empty"):
+        create_backup(env, [dist], busy, [])
+    (tmp_path / "incomplete").mkdir()
+    with pytest.raises(BackupError, match="never completed") as caught:
+        load_backup(tmp_path / "incomplete")
+    assert caught.value.hint
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "manifest.json").write_text('{"version": 1}')
+    with pytest.raises(BackupError, match="damaged"):
+        load_backup(damaged)
+    backup = create_backup(env, [dist], tmp_path / "ok", [])
+    other = inspect_environment(wheelhouse.make_venv(tmp_path / "other"))
+    with pytest.raises(BackupError, match="not of"):
+        restore_backup(backup, other, [])
+
+
+def test_space_helpers(venv: Path, wheels: Wheelhouse, tmp_path: Path) -> None:
+    wheelhouse.uv_install(venv, wheels["sipure-1"], wheels["sicext-1"])
+    env = inspect_environment(venv)
+    dists = [find_distribution(env, n) for n in NAMES]
+    needed = disk_space_needed(dists, env)
+    backup = create_backup(env, dists, tmp_path / "b", [])
+    assert needed >= backup.total_bytes > 0
+    assert free_space(tmp_path / "not" / "yet" / "there") > 0
+    assert space_problem(10, 100, tmp_path) is None
+    problem = space_problem(3 * 2**20, 2**20, tmp_path)
+    assert problem is not None and "3.0 MiB" in problem and "SAFEINSTALL_STATE_DIR" in problem
+    assert manifest_from_dict(manifest_to_dict(backup.manifest)) == backup.manifest
+
+
+def test_pure_helpers(tmp_path: Path) -> None:
+    prefix = Path("/opt/venv")
+    assert relative_to_prefix(Path("/opt/venv/lib/x/../y.py"), prefix) == "lib/y.py"
+    assert relative_to_prefix(Path("/opt/venv/../etc/passwd"), prefix) is None
+    assert relative_to_prefix(prefix, prefix) is None
+    assert dist_info_name("sipure-1.0.dist-info") == "sipure"
+    assert dist_info_name("Foo_Bar-2.0rc1.dist-info") == "foo-bar"
+    assert dist_info_name("sipure-1.0.data") is None
+    with pytest.raises(ValueError, match="escapes"):
+        manifest_from_dict(
+            {
+                "version": 1,
+                "created_at": "",
+                "prefix": "/p",
+                "distributions": [],
+                "directories": [],
+                "missing": [],
+                "outside": [],
+                "patched": [],
+                "files": [
+                    {
+                        "path": "../x",
+                        "distribution": "d",
+                        "size": 0,
+                        "mode": 0,
+                        "uid": 0,
+                        "gid": 0,
+                        "mtime_ns": 0,
+                        "sha256": None,
+                        "link_target": "y",
+                    }
+                ],
+            }
+        )
+    cache = tmp_path / "__pycache__"
+    cache.mkdir()
+    for name in ("a.cpython-311.pyc", "a.cpython-311.opt-1.pyc", "ab.cpython-311.pyc"):
+        (cache / name).write_bytes(b"")
+    assert [p.name for p in stale_bytecode([tmp_path / "a.py", tmp_path / "a.txt"])] == [
+        "a.cpython-311.opt-1.pyc",
+        "a.cpython-311.pyc",
+    ]

@@ -1,0 +1,130 @@
+"""The state directory: pure path computation, modes, listing."""
+
+from __future__ import annotations
+
+import os
+import stat
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from safeinstall.state import (
+    SYSTEM_STATE_ROOT,
+    StateDirError,
+    atomic_write,
+    ensure_dir,
+    ensure_environment_dir,
+    environment_key,
+    environment_state,
+    list_environment_dirs,
+    mode_problem,
+    new_run_id,
+    state_root,
+)
+
+
+def mode_of(path: Path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_state_root_override_wins() -> None:
+    environ = {"SAFEINSTALL_STATE_DIR": "/srv/si-state", "XDG_STATE_HOME": "/x", "HOME": "/home/u"}
+    assert state_root(environ, 0) == Path("/srv/si-state")
+    assert state_root(environ, 1000) == Path("/srv/si-state")
+
+
+def test_state_root_root_and_users() -> None:
+    assert state_root({"HOME": "/root"}, 0) == SYSTEM_STATE_ROOT == Path("/var/lib/safeinstall")
+    xdg = {"HOME": "/home/u", "XDG_STATE_HOME": "/home/u/st"}
+    assert state_root(xdg, 1000) == Path("/home/u/st/safeinstall")
+    assert state_root({"HOME": "/home/u"}, 1000) == Path("/home/u/.local/state/safeinstall")
+    # the XDG spec: a relative XDG_STATE_HOME is invalid and ignored
+    assert state_root({"HOME": "/home/u", "XDG_STATE_HOME": "rel"}, 1000) == Path(
+        "/home/u/.local/state/safeinstall"
+    )
+
+
+def test_environment_key_is_readable_stable_and_distinct() -> None:
+    a = environment_key(Path("/opt/svc/venv"))
+    b = environment_key(Path("/srv/other/venv"))
+    assert a.startswith("venv-") and b.startswith("venv-") and a != b
+    assert a == environment_key(Path("/opt/svc/venv"))
+    assert len(a.split("-")[-1]) == 12
+    assert environment_key(Path("/")).startswith("root-")
+    assert environment_key(Path("/opt/.venv")).startswith("venv-")
+    assert "/" not in environment_key(Path("/opt/we ird:name"))
+
+
+def test_environment_state_paths(tmp_path: Path) -> None:
+    state = environment_state(tmp_path, Path("/opt/svc/venv"))
+    assert state.dir.parent == tmp_path and state.key == state.dir.name
+    assert state.lock == state.dir / "lock"
+    assert state.journal == state.dir / "journal.json"
+    assert state.backup_dir("r1") == state.dir / "backups" / "r1"
+    assert state.log_file("r1") == state.dir / "logs" / "r1.log"
+
+
+def test_new_run_id_sorts_by_time() -> None:
+    first = new_run_id(datetime(2026, 11, 30, 3, 12, 1, tzinfo=UTC), 1234)
+    assert first == "20261130T031201Z-1234"
+    assert first < new_run_id(datetime(2026, 11, 30, 3, 12, 2, tzinfo=UTC), 5)
+
+
+def test_ensure_dir_creates_private_directories(tmp_path: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        status = ensure_dir(tmp_path / "a" / "b")
+    finally:
+        os.umask(old)
+    assert status.created and status.warning is None
+    assert mode_of(tmp_path / "a" / "b") == 0o700
+    again = ensure_dir(tmp_path / "a" / "b")
+    assert not again.created and again.old_mode is None
+
+
+def test_ensure_dir_tightens_a_loose_mode(tmp_path: Path) -> None:
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    os.chmod(loose, 0o777)
+    status = ensure_dir(loose)
+    assert status.old_mode == 0o777
+    assert status.warning is not None and "0777" in status.warning
+    assert mode_of(loose) == 0o700
+
+
+def test_ensure_dir_refuses_a_file(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StateDirError, match="not a directory") as caught:
+        ensure_dir(tmp_path / "file")
+    assert caught.value.hint
+
+
+def test_mode_problem_is_pure() -> None:
+    directory = stat.S_IFDIR | 0o700
+    assert mode_problem(directory, 0, 0) is None
+    assert "owned by uid 1000" in (mode_problem(directory, 1000, 0) or "")
+    assert "not a directory" in (mode_problem(stat.S_IFREG | 0o600, 0, 0) or "")
+
+
+def test_environment_dirs_are_listed_with_their_prefix(tmp_path: Path) -> None:
+    root = tmp_path / "state"
+    assert list_environment_dirs(root) == []
+    one = environment_state(root, Path("/opt/one/venv"))
+    two = environment_state(root, Path("/opt/two/venv"))
+    for state in (one, two):
+        ensure_environment_dir(state)
+        ensure_environment_dir(state)  # idempotent
+    assert mode_of(root) == 0o700 and mode_of(one.dir) == 0o700 and mode_of(one.backups) == 0o700
+    (root / "stray-file").write_text("")
+    listed = list_environment_dirs(root)
+    assert {(s.dir, s.prefix) for s in listed} == {(one.dir, one.prefix), (two.dir, two.prefix)}
+
+
+def test_atomic_write_replaces_whole_and_leaves_no_temp(tmp_path: Path) -> None:
+    target = tmp_path / "f.json"
+    atomic_write(target, b"one")
+    atomic_write(target, b"two")
+    assert target.read_bytes() == b"two"
+    assert mode_of(target) == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.json"]
