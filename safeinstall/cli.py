@@ -13,8 +13,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from safeinstall.diffs import diffs_for, patch_text
 from safeinstall.environment import inspect_environment, resolve_python
 from safeinstall.errors import ExitCode, SafeInstallError, UsageError
-from safeinstall.output import dumps, envelope, finding_json, jsonable, plan_json
-from safeinstall.render import make_console, render_error, render_plan, render_verify
+from safeinstall.output import dumps, envelope, finding_json, jsonable, plan_json, run_json
+from safeinstall.reinstall import run_reinstall
+from safeinstall.render import (
+    ConsoleReporter,
+    make_console,
+    render_error,
+    render_plan,
+    render_result,
+    render_verify,
+)
 from safeinstall.survey import RunOptions, survey
 from safeinstall.verify import VerifyReport, verify_environment
 
@@ -126,6 +134,17 @@ def _run_verify(
     _exit(report.exit_code)
 
 
+def _run_reinstall(options: RunOptions, as_json: bool, interactive: bool) -> None:
+    out, err = make_console(), make_console(stderr=True)
+    result = run_reinstall(options, ConsoleReporter(out, err, quiet=as_json), interactive)
+    if as_json:
+        errors = [result.error] if result.error else []
+        print(dumps(envelope("reinstall", result.status, result.exit_code, run_json(result), errors)))
+    else:
+        render_result(out, err, result)
+    _exit(result.exit_code)
+
+
 def _run_dry_run(options: RunOptions, as_json: bool) -> None:
     result = survey(options)
     plan = result.plan
@@ -168,6 +187,28 @@ def main_command(
     kill_strays: Annotated[
         bool, typer.Option("--kill-strays", help="End processes outside any service (not restarted).")
     ] = False,
+    stop_timeout: Annotated[
+        float | None,
+        typer.Option(
+            "--stop-timeout", help="Seconds to wait for each unit to stop (default: its TimeoutStopSec)."
+        ),
+    ] = None,
+    gpu_timeout: Annotated[
+        float, typer.Option("--gpu-timeout", help="Seconds to wait for GPU memory to be released.")
+    ] = 120.0,
+    settle: Annotated[
+        float, typer.Option("--settle", help="Seconds a restarted unit must stay active.")
+    ] = 5.0,
+    health_url: Annotated[
+        str | None, typer.Option("--health-url", help="After the restart, wait until this URL answers 200.")
+    ] = None,
+    no_restart: Annotated[
+        bool, typer.Option("--no-restart", help="Leave the units stopped after the install.")
+    ] = False,
+    prune: Annotated[
+        bool, typer.Option("--prune", help="Remove files the old version left behind (kept in the backup).")
+    ] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask before stopping anything.")] = False,
     verify_only: Annotated[
         bool, typer.Option("--verify-only", help="Only check installed files against RECORD; change nothing.")
     ] = False,
@@ -205,13 +246,16 @@ def main_command(
             user=user,
             kill_strays=kill_strays,
             extra_args=tuple(ctx.args),
+            stop_timeout=stop_timeout,
+            gpu_timeout=gpu_timeout,
+            settle=settle,
+            health_url=health_url,
+            no_restart=no_restart,
+            prune=prune,
         )
         if dry_run:
             _run_dry_run(options, as_json)
-        raise UsageError(
-            "the reinstall itself is not available in this version",
-            hint=f"safeinstall {package} --dry-run shows the plan",
-        )
+        _run_reinstall(options, as_json, interactive=not yes and not as_json and sys.stdin.isatty())
     except SafeInstallError as error:
         _fail(error, command, as_json)
 

@@ -14,6 +14,7 @@ from typing import Any
 from safeinstall.drift import Finding
 from safeinstall.errors import SafeInstallError
 from safeinstall.plan import Plan
+from safeinstall.reinstall import RunResult
 
 RESULT_VERSION = 1
 
@@ -74,3 +75,20 @@ def plan_json(plan: Plan) -> dict[str, Any]:
     data: dict[str, Any] = jsonable(plan)
     data["proceeds"] = plan.proceeds
     return data
+
+
+def run_json(result: RunResult) -> dict[str, Any]:
+    """A reinstall's result for ``--json``: the plan, each step with its time, the downtime."""
+    return {
+        "plan": plan_json(result.plan) if result.plan is not None else None,
+        "steps": jsonable(result.steps),
+        "downtime_s": result.downtime_s,
+        "patched": list(result.patched),
+        "extras": list(result.extras),
+        "pruned": list(result.pruned),
+        "backup_dir": result.backup_dir,
+        "log_file": result.log_file,
+        "not_restarted": list(result.not_restarted),
+        "strays_killed": list(result.strays_killed),
+        "notes": list(result.notes),
+    }

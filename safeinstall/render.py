@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter, defaultdict
 
 from rich.console import Console
@@ -11,6 +12,7 @@ from safeinstall.diffs import FileDiff
 from safeinstall.drift import Finding, FindingKind
 from safeinstall.errors import SafeInstallError
 from safeinstall.plan import Plan
+from safeinstall.reinstall import RunResult, StepOutcome
 from safeinstall.verify import VerifyReport
 
 _KIND_STYLE = {
@@ -164,3 +166,73 @@ def render_plan(out: Console, err: Console, plan: Plan) -> None:
         out.print("[red]the run would refuse:[/]")
         for refusal in plan.refusals:
             out.print(f"  - {refusal}", soft_wrap=True)
+
+
+_STEP_MARK = {"ok": "[green]ok[/]", "failed": "[bold red]FAILED[/]", "skipped": "[yellow]skipped[/]"}
+
+
+class ConsoleReporter:
+    """Step lines on stdout, progress and notes on stderr; asks before stopping anything."""
+
+    def __init__(self, out: Console, err: Console, quiet: bool = False) -> None:
+        self.out = out
+        self.err = err
+        self.quiet = quiet
+        self._last_progress = 0.0
+
+    def step(self, outcome: StepOutcome) -> None:
+        if self.quiet:
+            return
+        mark = _STEP_MARK.get(outcome.status, outcome.status)
+        self.out.print(
+            f"{outcome.name:<12} {mark:<8} {outcome.seconds:6.1f} s  {outcome.detail}", soft_wrap=True
+        )
+
+    def progress(self, what: str, done: float | None, total: float | None) -> None:
+        if self.quiet or not self.err.is_terminal:
+            return
+        now = time.monotonic()
+        if now - self._last_progress < 1.0:
+            return
+        self._last_progress = now
+        amount = "" if done is None else f" {done:.0f}/{total:.0f}" if total else f" {done:.0f}"
+        self.err.print(f"[dim]{what}{amount}[/]")
+
+    def note(self, text: str) -> None:
+        self.err.print(f"[yellow]note:[/] {text}", soft_wrap=True)
+
+    def confirm(self, plan: Plan) -> bool:
+        render_plan(self.out, self.err, plan)
+        answer = self.err.input("stop these units and reinstall? [y/N] ")
+        return answer.strip().lower() in ("y", "yes")
+
+
+def render_result(out: Console, err: Console, result: RunResult) -> None:
+    for note in result.notes:
+        err.print(f"[dim]note:[/] {note}", soft_wrap=True)
+    if result.status == "declined":
+        out.print("nothing done (not confirmed)")
+        return
+    plan = result.plan
+    if result.status == "done" and plan is not None:
+        changes = ", ".join(f"{d.name} {d.old_version} -> {d.new_version or '?'}" for d in plan.distributions)
+        out.print(f"[green]done:[/] {changes}; installed and verified", soft_wrap=True)
+    for unit, seconds in sorted(result.downtime_s.items()):
+        out.print(f"  {unit} was down for {seconds:.1f} s")
+    for unit in result.not_restarted:
+        out.print(f"  [yellow]{unit} left stopped (--no-restart)[/]")
+    for pid in result.strays_killed:
+        out.print(f"  stray PID {pid} was ended and not restarted")
+    if result.patched:
+        out.print(f"locally patched files (copies kept in {result.backup_dir}):")
+        for path in result.patched:
+            out.print(f"  {path}")
+    for path in result.extras:
+        state = (
+            "pruned (copy kept in the backup)" if path in result.pruned else "left in place (--prune removes)"
+        )
+        out.print(f"  leftover {path}: {state}", soft_wrap=True)
+    if result.backup_dir:
+        err.print(f"[dim]backup: {result.backup_dir}; log: {result.log_file}[/]")
+    if result.error is not None:
+        render_error(err, result.error)

@@ -25,6 +25,7 @@ SOURCES = {
     "sipure-2": "sipure-2",
     "sicext-1": "sicext-1",
     "sicext-2": "sicext-2",
+    "sicext-3": "sicext-3",  # crashes on import
     "sins-a": "sins-a",
     "sins-b": "sins-b",
 }
@@ -109,3 +110,70 @@ def site_packages(python: Path) -> Path:
         text=True,
     )
     return Path(out.stdout.strip())
+
+
+def _record_line(name: str, data: bytes) -> str:
+    import base64
+    import hashlib
+
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    return f"{name},sha256={digest},{len(data)}"
+
+
+def write_wheel(path: Path, members: dict[str, bytes], dist_info: str) -> Path:
+    """A wheel with ``members`` and a correct RECORD (written last), stored uncompressed."""
+    import zipfile
+
+    record = [_record_line(name, data) for name, data in members.items()]
+    record.append(f"{dist_info}/RECORD,,")
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+        archive.writestr(f"{dist_info}/RECORD", "\n".join(record) + "\n")
+    return path
+
+
+def make_wheel(
+    out_dir: Path, name: str, version: str, files: dict[str, bytes], requires: tuple[str, ...] = ()
+) -> Path:
+    """A small pure-Python wheel made by hand (for dependency and damage cases)."""
+    dist_info = f"{name}-{version}.dist-info"
+    metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+    metadata += "".join(f"Requires-Dist: {r}\n" for r in requires)
+    wheel_meta = (
+        "Wheel-Version: 1.0\nGenerator: safeinstall-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    )
+    members = {**files, f"{dist_info}/METADATA": metadata.encode(), f"{dist_info}/WHEEL": wheel_meta.encode()}
+    return write_wheel(out_dir / f"{name}-{version}-py3-none-any.whl", members, dist_info)
+
+
+def with_requirement(wheel: Path, out_dir: Path, requirement: str) -> Path:
+    """A copy of ``wheel`` whose METADATA also requires ``requirement`` (RECORD rewritten to match)."""
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as archive:
+        members = {i.filename: archive.read(i) for i in archive.infolist() if not i.is_dir()}
+    dist_info = next(n.split("/")[0] for n in members if n.endswith(".dist-info/METADATA"))
+    members.pop(f"{dist_info}/RECORD")
+    metadata = members[f"{dist_info}/METADATA"].decode()
+    head, _sep, body = metadata.partition("\n\n")
+    headers = head.rstrip("\n") + f"\nRequires-Dist: {requirement}\n"
+    members[f"{dist_info}/METADATA"] = (headers + ("\n" + body if body else "")).encode()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return write_wheel(out_dir / wheel.name, members, dist_info)
+
+
+def corrupt_member(wheel: Path, member: str) -> None:
+    """Flip bytes inside one stored member's data: its METADATA stays readable, extracting it fails."""
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as archive:
+        info = archive.getinfo(member)
+        offset = info.header_offset
+    raw = bytearray(wheel.read_bytes())
+    name_len = int.from_bytes(raw[offset + 26 : offset + 28], "little")
+    extra_len = int.from_bytes(raw[offset + 28 : offset + 30], "little")
+    start = offset + 30 + name_len + extra_len
+    for i in range(start, start + min(8, info.file_size)):
+        raw[i] ^= 0xFF
+    wheel.write_bytes(bytes(raw))

@@ -1,0 +1,724 @@
+"""The safe reinstall: preflight, backup, gate, stop, GPU release, install, verify, restart.
+
+Every step is journalled before it starts (:mod:`safeinstall.journal`), so that a run killed at any
+point can be finished by ``safeinstall --recover``. Any failure after the stop rolls back: the backup
+is restored byte for byte and the units that were running are started again (exit 3). If that fails
+too, the backup and the journal are kept and the commands that finish the job are printed (exit 4).
+
+This module orchestrates; the decisions it relies on are pure functions elsewhere (plan, drift,
+journal), and each kind of I/O sits behind its own module (systemd, gpus, uvplan, backup, ...).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+import psutil
+
+from safeinstall.backup import (
+    Backup,
+    create_backup,
+    disk_space_needed,
+    free_space,
+    restore_backup,
+    space_problem,
+)
+from safeinstall.distributions import find_distributions
+from safeinstall.drift import FindingKind
+from safeinstall.environment import Environment, inspect_environment, resolve_python
+from safeinstall.errors import (
+    ExitCode,
+    PlanError,
+    RollbackFailed,
+    SafeInstallError,
+    StepFailed,
+    WheelError,
+)
+from safeinstall.gate import GATE_DROPIN, gate_dropin_text, gate_marker
+from safeinstall.gpus import GpuSnapshot, NvmlSession, ReleaseStatus, wait_for_release
+from safeinstall.journal import (
+    Journal,
+    JournalUnit,
+    Phase,
+    advance,
+    clear_journal,
+    start_journal,
+    write_journal,
+)
+from safeinstall.lock import HeldLock, acquire_lock, process_start
+from safeinstall.plan import Plan, PlannedProcess, PlannedUnit
+from safeinstall.signals import interrupts_deferred, interrupts_raise
+from safeinstall.state import (
+    EnvironmentState,
+    atomic_write,
+    ensure_environment_dir,
+    environment_state,
+    new_run_id,
+    state_root,
+)
+from safeinstall.survey import RunOptions, Survey, survey, systemd_for
+from safeinstall.systemd import StopOutcome, Systemd
+from safeinstall.uvplan import install as uv_install
+from safeinstall.verify import VerifyReport, verify_environment
+from safeinstall.wheel import Wheel, fits, install_location, read_wheel, target_tags
+
+#: Failing findings after the install: anything but leftovers (those are reported, --prune removes them).
+_INSTALL_FAILURES = frozenset(
+    {
+        FindingKind.MISSING,
+        FindingKind.MODIFIED,
+        FindingKind.VERSION_MISMATCH,
+        FindingKind.UNREADABLE,
+        FindingKind.MALFORMED,
+        FindingKind.OUTSIDE,
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutcome:
+    name: str
+    status: str  # "ok" | "failed" | "skipped"
+    seconds: float
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    status: str  # "done" | "declined" | "rolled-back" | "rollback-failed"
+    exit_code: ExitCode
+    plan: Plan | None
+    steps: tuple[StepOutcome, ...]
+    downtime_s: dict[str, float]
+    patched: tuple[str, ...]
+    extras: tuple[str, ...]
+    pruned: tuple[str, ...]
+    backup_dir: str | None
+    log_file: str | None
+    not_restarted: tuple[str, ...]
+    strays_killed: tuple[int, ...]
+    error: SafeInstallError | None
+    notes: tuple[str, ...]
+    manual_commands: tuple[str, ...] = ()
+
+
+class Reporter(Protocol):
+    def step(self, outcome: StepOutcome) -> None: ...
+
+    def progress(self, what: str, done: float | None, total: float | None) -> None: ...
+
+    def note(self, text: str) -> None: ...
+
+    def confirm(self, plan: Plan) -> bool: ...
+
+
+@dataclass
+class _Run:
+    """One run's mutable state; the steps are its methods, in order."""
+
+    options: RunOptions
+    reporter: Reporter
+    env: Environment | None = None
+    state: EnvironmentState | None = None
+    lock: HeldLock | None = None
+    wheel: Wheel | None = None
+    survey: Survey | None = None
+    journal: Journal | None = None
+    backup: Backup | None = None
+    systemd: Systemd | None = None
+    run_id: str = ""
+    steps: list[StepOutcome] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    patched: tuple[str, ...] = ()
+    extras: tuple[str, ...] = ()
+    pruned: tuple[str, ...] = ()
+    stop_issued: dict[str, float] = field(default_factory=dict)
+    downtime: dict[str, float] = field(default_factory=dict)
+    strays_killed: tuple[int, ...] = ()
+    restart_started: bool = False
+    log_file: Path | None = None
+
+    # ------------------------------------------------------------------ helpers
+
+    @property
+    def plan(self) -> Plan:
+        assert self.survey is not None
+        return self.survey.plan
+
+    def _timed(self, name: str, action: Callable[[], str]) -> None:
+        started = time.monotonic()
+        try:
+            detail = action()
+        except BaseException as exc:
+            message = exc.message if isinstance(exc, SafeInstallError) else str(exc) or type(exc).__name__
+            outcome = StepOutcome(name, "failed", time.monotonic() - started, message)
+            self.steps.append(outcome)
+            self.reporter.step(outcome)
+            raise
+        outcome = StepOutcome(name, "ok", time.monotonic() - started, detail)
+        self.steps.append(outcome)
+        self.reporter.step(outcome)
+
+    def _skip(self, name: str, detail: str) -> None:
+        outcome = StepOutcome(name, "skipped", 0.0, detail)
+        self.steps.append(outcome)
+        self.reporter.step(outcome)
+
+    def _journal(self, phase: Phase, note: str = "", **changes: Any) -> None:
+        assert self.journal is not None and self.state is not None
+        self.journal = advance(self.journal, phase, note, **changes)
+        write_journal(self.state.dir, self.journal)
+
+    def _log(self, text: str) -> None:
+        if self.log_file is not None:
+            with open(self.log_file, "a", encoding="utf-8") as log:
+                log.write(f"[{datetime.now(UTC).isoformat(timespec='seconds')}] {text}\n")
+
+    def _units_to_restart(self) -> list[str]:
+        assert self.journal is not None
+        return [u.name for u in self.journal.units if u.stopped and u.was_active]
+
+    # ------------------------------------------------------------------ 1. preflight
+
+    def preflight(self) -> None:
+        options = self.options
+        self.env = env = inspect_environment(resolve_python(options.python, options.environ))
+        self.state = environment_state(state_root(options.environ, os.geteuid()), env.prefix)
+        for status in ensure_environment_dir(self.state):
+            if status.warning:
+                self.notes.append(status.warning)
+        self.lock = acquire_lock(self.state.lock, str(env.prefix))
+        if self.lock.takeover_note:
+            self.notes.append(self.lock.takeover_note)
+        if options.wheel is not None:
+            self.wheel = wheel = read_wheel(options.wheel)
+            _check_wheel(wheel, options.package, env)
+        self.survey = survey(options, env, self.wheel)
+        if not self.plan.proceeds:
+            raise PlanError(
+                "the run would refuse: " + "; ".join(self.plan.refusals),
+                hint=f"see safeinstall {options.package} --dry-run; nothing was stopped",
+            )
+        self._check_space()
+        self.systemd = systemd_for(options)
+
+    def _check_space(self) -> None:
+        assert self.survey is not None and self.state is not None and self.env is not None
+        needed = disk_space_needed(list(self.survey.affected), self.env)
+        problem = space_problem(needed, free_space(self.state.backups), self.state.backups)
+        if problem:
+            raise PlanError(problem, hint="nothing was stopped")
+        if self.wheel is not None:
+            install_needed = self.wheel.path.stat().st_size * 4
+            problem = space_problem(install_needed, free_space(self.env.prefix), self.env.prefix)
+            if problem:
+                raise PlanError(problem.replace("the backup", "the install"), hint="nothing was stopped")
+
+    def start_journal(self) -> None:
+        assert self.env is not None and self.state is not None and self.survey is not None
+        self.run_id = new_run_id(datetime.now(UTC), os.getpid())
+        self.log_file = self.state.log_file(self.run_id)
+        units = [
+            JournalUnit(
+                name=u.name,
+                user_manager=self.options.user,
+                was_active=u.active_state in ("active", "activating", "reloading"),
+                unit_file_state=u.unit_file_state,
+            )
+            for u in self.plan.units
+        ]
+        self.journal = start_journal(
+            self.state.dir,
+            self.run_id,
+            os.getpid(),
+            process_start(os.getpid()),
+            str(self.env.python),
+            str(self.env.prefix),
+            self.plan.package,
+            str(self.wheel.path) if self.wheel else None,
+            self.plan.uv_command,
+            units,
+        )
+        self._log("plan: " + " ".join(self.plan.uv_command))
+
+    # ------------------------------------------------------------------ 2. backup
+
+    def do_backup(self) -> str:
+        assert self.env is not None and self.state is not None and self.survey is not None
+        names = [d.name for d in self.survey.affected]
+        before = verify_environment(self.env, names)
+        self.patched = tuple(
+            f.path for f in before.findings if f.kind in (FindingKind.MODIFIED, FindingKind.MISSING)
+        )
+        for path in self.patched:
+            self.notes.append(f"locally patched: {path} (kept in the backup)")
+
+        def on_progress(done: int, total: int) -> None:
+            self.reporter.progress("backup", done, total)
+
+        self.backup = create_backup(
+            self.env,
+            list(self.survey.affected),
+            self.state.backup_dir(self.run_id),
+            self.patched,
+            on_progress,
+        )
+        self._journal(Phase.BACKED_UP, backup_dir=str(self.backup.dir))
+        size = self.backup.manifest.files
+        return f"{len(size)} files saved in {self.backup.dir}" + (
+            f"; {len(self.patched)} locally patched" if self.patched else ""
+        )
+
+    # ------------------------------------------------------------------ 3. gate
+
+    def do_gate(self) -> str:
+        """Keep the units from starting on a half-installed package (a crash, a reboot)."""
+        assert self.systemd is not None and self.state is not None and self.journal is not None
+        units = [u.name for u in self.journal.units]
+        if not units:
+            return "no units"
+        marker = gate_marker(self.state.dir)
+        paths = [str(self.systemd.dropin_path(u, GATE_DROPIN, persistent=True)) for u in units]
+        atomic_write(marker, f"{self.run_id}\n".encode())
+        self._journal(Phase.GATED, gate=paths)  # journalled before written: recovery removes them
+        text = gate_dropin_text(marker, self.run_id)
+        for unit in units:
+            self.systemd.add_dropin(unit, GATE_DROPIN, text, persistent=True)
+        return f"{len(units)} unit(s) gated on {marker}"
+
+    def remove_gate(self) -> None:
+        assert self.state is not None
+        gate_marker(self.state.dir).unlink(missing_ok=True)
+
+    def remove_dropins(self) -> None:
+        assert self.systemd is not None and self.journal is not None
+        for unit in self.journal.units:
+            self.systemd.remove_dropin(unit.name, GATE_DROPIN, persistent=True)
+
+    # ------------------------------------------------------------------ 4. stop
+
+    def do_stop(self) -> tuple[str, frozenset[int]]:
+        assert self.systemd is not None and self.journal is not None
+        systemd = self.systemd
+        units = list(self.plan.units)
+        for unit in units:
+            self.journal = _mark(self.journal, unit.name, stopped=True)
+        self._journal(Phase.STOPPING)
+
+        def stop(unit: PlannedUnit) -> StopOutcome:
+            self.stop_issued[unit.name] = time.monotonic()
+            return systemd.stop(unit.name, self._stop_timeout(unit.stop_timeout_s))
+
+        outcomes: list[StopOutcome] = []
+        if units:
+            with ThreadPoolExecutor(max_workers=len(units)) as pool:
+                outcomes = list(pool.map(stop, units))
+        failed = [o for o in outcomes if not o.stopped]
+        if failed:
+            first = failed[0]
+            timeout = self._stop_timeout(next(u.stop_timeout_s for u in units if u.name == first.unit))
+            raise StepFailed(f"unit {first.unit} did not stop in {timeout:g} s ({first.reason})")
+        killed = self._kill_strays()
+        pids = frozenset(p.pid for p in self.plan.processes)
+        leftover = _wait_gone(self.plan.processes, self._stop_timeout(90.0))
+        if leftover:
+            raise StepFailed(f"processes {', '.join(map(str, leftover))} still run after their units stopped")
+        self._journal(Phase.STOPPED, strays_killed=list(killed))
+        detail = f"{len(units)} unit(s) stopped, {len(pids)} process(es) gone"
+        if killed:
+            detail += f"; stray PIDs {', '.join(map(str, killed))} ended (not restarted)"
+        return detail, pids
+
+    def _stop_timeout(self, unit_timeout: float) -> float:
+        if self.options.stop_timeout is not None:
+            return self.options.stop_timeout
+        return (unit_timeout if unit_timeout != float("inf") else 90.0) + 10.0
+
+    def _kill_strays(self) -> tuple[int, ...]:
+        strays = self.plan.strays
+        if not strays:
+            return ()
+        killed: list[int] = []
+        procs: list[psutil.Process] = []
+        for stray in strays:
+            proc = _same_process(stray)
+            if proc is None:
+                continue
+            try:
+                proc.send_signal(signal.SIGTERM)
+                procs.append(proc)
+                killed.append(stray.pid)
+            except psutil.Error:
+                continue
+        _gone, alive = psutil.wait_procs(procs, timeout=10)
+        for proc in alive:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(alive, timeout=10)
+        self.strays_killed = tuple(killed)
+        return self.strays_killed
+
+    # ------------------------------------------------------------------ 5. GPU release
+
+    def do_gpu_wait(self, session: NvmlSession, baseline_pids: frozenset[int], baseline: GpuSnapshot) -> str:
+        if not session.available:
+            self._journal(Phase.GPU_RELEASED, note=f"GPU check skipped: {session.reason}")
+            return f"skipped: {session.reason}"
+
+        def on_poll(status: ReleaseStatus) -> None:
+            holders = ", ".join(f"PID {h.pid}" for h in status.holders) or "memory not yet freed"
+            self.reporter.progress(
+                f"waiting for GPU memory ({holders})", status.waited_s, self.options.gpu_timeout
+            )
+
+        status = wait_for_release(session, baseline, baseline_pids, self.options.gpu_timeout, on_poll)
+        if status.skipped:
+            self._journal(Phase.GPU_RELEASED, note=f"GPU check skipped: {status.reason}")
+            return f"skipped: {status.reason}"
+        if not status.released:
+            holders = ", ".join(
+                f"PID {h.pid} on GPU {h.gpu_index}" + (f" ({h.used_bytes} bytes)" if h.used_bytes else "")
+                for h in status.holders
+            )
+            raise StepFailed(
+                f"GPU memory was not released within {self.options.gpu_timeout:g} s"
+                + (f": still held by {holders}" if holders else f": {status.reason}")
+            )
+        self._journal(Phase.GPU_RELEASED)
+        return f"released after {status.waited_s:.1f} s"
+
+    # ------------------------------------------------------------------ 6. install
+
+    def do_install(self) -> str:
+        self._journal(Phase.INSTALLING)
+        command = self.plan.uv_command
+        self._log("install: " + " ".join(command))
+        result = uv_install(command, self.options.environ)
+        self._log(f"uv exit {result.returncode}:\n{result.output}")
+        if result.returncode != 0:
+            tail = "\n".join(result.output.strip().splitlines()[-6:])
+            raise StepFailed(f"uv pip install failed (exit {result.returncode}): {tail}")
+        self._journal(Phase.INSTALLED)
+        return " ".join(command)
+
+    # ------------------------------------------------------------------ 7. verify
+
+    def do_verify(self) -> str:
+        assert self.env is not None and self.survey is not None
+        report = _verify_installed(
+            self.env, self.plan.package, self.wheel, [d.name for d in self.survey.affected]
+        )
+        failures = [f for f in report.findings if f.kind in _INSTALL_FAILURES]
+        if failures:
+            listed = "; ".join(f"{f.kind.value} {f.path}" for f in failures[:5])
+            raise StepFailed(f"the installed files do not match the wheel: {listed}")
+        self.extras = tuple(f.path for f in report.findings if f.kind == FindingKind.EXTRA)
+        if self.extras and self.options.prune:
+            self.pruned = self._prune(self.extras)
+        self._journal(Phase.VERIFIED)
+        self.remove_gate()
+        checked = sum(d.files_checked for d in report.distributions)
+        detail = f"{checked} files match"
+        if self.extras and not self.pruned:
+            detail += f"; {len(self.extras)} leftover file(s) not in the new version (--prune removes them)"
+        elif self.pruned:
+            detail += f"; {len(self.pruned)} leftover file(s) pruned (saved in the backup)"
+        return detail
+
+    def _prune(self, extras: tuple[str, ...]) -> tuple[str, ...]:
+        assert self.backup is not None and self.env is not None
+        pruned: list[str] = []
+        for path in extras:
+            relative = os.path.relpath(path, self.env.prefix)
+            saved = self.backup.dir / "pruned" / relative
+            saved.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, saved)
+            os.unlink(path)
+            pruned.append(path)
+        return tuple(pruned)
+
+    # ------------------------------------------------------------------ 8. restart
+
+    def do_restart(self) -> str:
+        assert self.systemd is not None and self.journal is not None
+        units = self._units_to_restart()
+        if self.options.no_restart:
+            self._journal(Phase.RESTARTING, note="--no-restart: units left stopped")
+            return "left stopped (--no-restart): " + (", ".join(units) or "none")
+        if not units:
+            self._journal(Phase.RESTARTING)
+            return "no unit was running"
+        self._journal(Phase.RESTARTING)
+        self.restart_started = True
+        detail = self._start_and_settle(units, self.options.settle)
+        for unit in units:
+            self.journal = _mark(self.journal, unit, restarted=True)
+        if self.options.health_url:
+            _wait_healthy(self.options.health_url, self.options.health_timeout)
+            detail += f"; {self.options.health_url} answers 200"
+        return detail
+
+    def _start_and_settle(self, units: list[str], settle: float) -> str:
+        assert self.systemd is not None
+        systemd = self.systemd
+        befores = systemd.show(units)
+        issued = time.monotonic()
+        for unit in units:
+            systemd.start(unit)
+        with ThreadPoolExecutor(max_workers=len(units)) as pool:
+            futures = {
+                u: pool.submit(systemd.wait_settled, u, settle, 120.0, before=befores.get(u)) for u in units
+            }
+            outcomes = {u: f.result() for u, f in futures.items()}
+        bad = [o for o in outcomes.values() if not o.ok]
+        if bad:
+            raise StepFailed("; ".join(o.reason or f"{o.unit} did not settle" for o in bad))
+        for unit, outcome in outcomes.items():
+            active_at = issued + max(0.0, outcome.waited_s - settle)
+            if unit in self.stop_issued:
+                self.downtime[unit] = active_at - self.stop_issued[unit]
+        return ", ".join(f"{u} active for {settle:g} s" for u in units)
+
+    # ------------------------------------------------------------------ rollback
+
+    def rollback(self, error: SafeInstallError) -> SafeInstallError:
+        """Put everything back; returns the error to report (StepFailed, or RollbackFailed)."""
+        assert self.journal is not None and self.state is not None and self.systemd is not None
+
+        def announce(signum: int) -> None:
+            self.reporter.note(
+                f"{signal.Signals(signum).name} received during rollback: finishing it first so the "
+                "services are not abandoned"
+            )
+
+        with interrupts_deferred(announce):
+            done: list[str] = []
+            try:
+                self._journal(Phase.ROLLING_BACK, note=error.message)
+                if self.restart_started:
+                    for unit in self._units_to_restart():
+                        self.systemd.stop(unit, self._stop_timeout(90.0))
+                installed = _phase_at_least(self.journal, Phase.INSTALLING)
+                if installed:
+                    self._restore()
+                    done.append("restored the previous installation")
+                else:
+                    done.append("nothing was installed")
+                self.remove_gate()
+                units = self._units_to_restart()
+                if units:
+                    self._start_and_settle(units, min(self.options.settle, 2.0))
+                    done.append("started " + ", ".join(units) + " again")
+                self.remove_dropins()
+                self._journal(Phase.ROLLED_BACK)
+                clear_journal(self.state.dir)
+            except SafeInstallError as second:
+                return self._rollback_failed(error, second)
+            except Exception as second:
+                return self._rollback_failed(error, SafeInstallError(str(second)))
+        return StepFailed(f"{error.message}; {'; '.join(done)}", hint=error.hint)
+
+    def _restore(self) -> None:
+        assert self.backup is not None and self.env is not None
+        remove: list[Path] = []
+        for dist in find_distributions(self.env):
+            if dist.name in {d.name for d in self.backup.manifest.distributions}:
+                remove.extend(Path(p) for p in dist.locations)
+        if self.wheel is not None:
+            for member in self.wheel.members:
+                location = install_location(self.wheel, member, self.env)
+                if location is not None:
+                    remove.append(location)
+        result = restore_backup(self.backup, self.env, remove)
+        if not result.ok:
+            problems = [*result.mismatches, *result.failures][:5]
+            raise SafeInstallError(f"restoring the backup failed: {problems}")
+
+    def _rollback_failed(self, error: SafeInstallError, second: SafeInstallError) -> RollbackFailed:
+        assert self.journal is not None and self.env is not None
+        commands = [f"safeinstall --recover --python {self.env.python}"]
+        flag = "--user " if self.options.user else ""
+        commands += [f"systemctl {flag}start {u}" for u in self._units_to_restart()]
+        return RollbackFailed(
+            f"{error.message}; then putting things back failed too: {second.message}. "
+            f"The backup ({self.journal.backup_dir}) and the journal are kept. To finish: "
+            + " && ".join(commands),
+            hint="run the commands above; safeinstall --status shows what is pending",
+        )
+
+
+def _mark(
+    journal: Journal, unit: str, *, stopped: bool | None = None, restarted: bool | None = None
+) -> Journal:
+    def changed(u: JournalUnit) -> JournalUnit:
+        return replace(
+            u,
+            stopped=u.stopped if stopped is None else stopped,
+            restarted=u.restarted if restarted is None else restarted,
+        )
+
+    units = tuple(changed(u) if u.name == unit else u for u in journal.units)
+    return replace(journal, units=units)
+
+
+def _phase_at_least(journal: Journal, phase: Phase) -> bool:
+    return any(entry.phase == phase for entry in journal.history)
+
+
+def _same_process(planned: PlannedProcess) -> psutil.Process | None:
+    """The live process the plan saw (same PID and start time), or None if it is gone."""
+    try:
+        proc = psutil.Process(planned.pid)
+        start = process_start(planned.pid)
+    except psutil.Error:
+        return None
+    if start is not None and start != planned.start_time:
+        return None
+    return proc
+
+
+def _wait_gone(processes: tuple[PlannedProcess, ...], timeout: float) -> list[int]:
+    procs = [p for p in (_same_process(planned) for planned in processes) if p is not None]
+    if not procs:
+        return []
+    _gone, alive = psutil.wait_procs(procs, timeout=timeout)
+    return [p.pid for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def _check_wheel(wheel: Wheel, package: str, env: Environment) -> None:
+    from packaging.utils import canonicalize_name
+
+    if wheel.name != canonicalize_name(package):
+        raise WheelError(
+            f"the wheel {wheel.path.name} is for {wheel.name}, not {package}",
+            hint="pass the wheel of the package being reinstalled; nothing was stopped",
+        )
+    if not wheel.record_ok:
+        listed = "; ".join(f"{p.path}: {p.reason}" for p in wheel.problems[:3])
+        raise WheelError(
+            f"the wheel {wheel.path.name} is damaged: its RECORD does not match its contents ({listed})",
+            hint="download or build the wheel again; nothing was stopped",
+        )
+    if not fits(wheel, target_tags(env)):
+        tags = ", ".join(sorted(str(t) for t in wheel.tags))
+        raise WheelError(
+            f"the wheel {wheel.path.name} ({tags}) does not fit Python "
+            f"{env.version[0]}.{env.version[1]} ({env.implementation}) at {env.python}",
+            hint="use a wheel built for that interpreter, or pass --python for the right environment; "
+            "nothing was stopped",
+        )
+
+
+def _verify_installed(
+    env: Environment, package: str, wheel: Wheel | None, affected: list[str]
+) -> VerifyReport:
+    """The new installation: the package against the wheel (or its RECORD), the others their RECORD."""
+    main = verify_environment(env, [package], wheel.path if wheel else None)
+    others = [n for n in affected if n != package and n in {d.name for d in find_distributions(env)}]
+    if not others:
+        return main
+    rest = verify_environment(env, others)
+    return replace(main, distributions=(*main.distributions, *rest.distributions))
+
+
+def _wait_healthy(url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                if response.status == 200:
+                    return
+                last = f"HTTP {response.status}"
+        except urllib.error.HTTPError as exc:
+            last = f"HTTP {exc.code}"
+        except (urllib.error.URLError, OSError) as exc:
+            last = str(exc)
+        time.sleep(0.5)
+    raise StepFailed(f"{url} did not answer 200 within {timeout:g} s (last: {last})")
+
+
+def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) -> RunResult:
+    """The whole run. Raises SafeInstallError only before anything changed (exit 2)."""
+    run = _Run(options, reporter)
+    try:
+        run.preflight()
+        if interactive and not reporter.confirm(run.plan):
+            return _result(run, "declined", ExitCode.REFUSED, None)
+        run.start_journal()
+    except BaseException:
+        if run.lock is not None:
+            run.lock.release()
+        raise
+    try:
+        with interrupts_raise():
+            try:
+                run._timed("backup", run.do_backup)
+                run._timed("gate", run.do_gate)
+                with NvmlSession(options.environ, options.proc_root) as session:
+                    baseline = session.snapshot()
+                    pids_holder: dict[str, frozenset[int]] = {}
+
+                    def stop() -> str:
+                        detail, pids = run.do_stop()
+                        pids_holder["pids"] = pids
+                        return detail
+
+                    run._timed("stop", stop)
+                    run._timed(
+                        "gpu-release",
+                        lambda: run.do_gpu_wait(session, pids_holder["pids"], baseline),
+                    )
+                run._timed("install", run.do_install)
+                run._timed("verify", run.do_verify)
+                run._timed("restart", run.do_restart)
+            except SafeInstallError as error:
+                outcome = run.rollback(error)
+                status = "rollback-failed" if isinstance(outcome, RollbackFailed) else "rolled-back"
+                return _result(run, status, outcome.exit_code, outcome)
+        run._journal(Phase.DONE)
+        run.remove_dropins()
+        assert run.state is not None
+        clear_journal(run.state.dir)
+        not_restarted = tuple(run._units_to_restart()) if options.no_restart else ()
+        return _result(run, "done", ExitCode.OK, None, not_restarted)
+    finally:
+        if run.lock is not None:
+            run.lock.release()
+
+
+def _result(
+    run: _Run,
+    status: str,
+    code: ExitCode,
+    error: SafeInstallError | None,
+    not_restarted: tuple[str, ...] = (),
+) -> RunResult:
+    return RunResult(
+        status=status,
+        exit_code=code,
+        plan=run.survey.plan if run.survey else None,
+        steps=tuple(run.steps),
+        downtime_s=dict(run.downtime),
+        patched=run.patched,
+        extras=run.extras,
+        pruned=run.pruned,
+        backup_dir=str(run.backup.dir) if run.backup else None,
+        log_file=str(run.log_file) if run.log_file else None,
+        not_restarted=not_restarted,
+        strays_killed=run.strays_killed,
+        error=error,
+        notes=tuple(run.notes),
+    )

@@ -1,0 +1,344 @@
+"""The safe reinstall, end to end: real systemd user units, real uv, real wheels, the fake NVML driver.
+
+Order of events is checked from the outside (the installed file's inode, the fake driver's record of
+when a process died), never from safeinstall's own log.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests import wheelhouse
+from tests.bed_nvml import FakeNvml
+from tests.bed_systemd import Units, UserManager, cgroup_pids, wait_until
+from tests.clirun import Result, run
+from tests.wheelhouse import Wheelhouse
+
+GiB = 1024**3
+
+
+@dataclass
+class Bed:
+    python: Path
+    site: Path
+    state: Path
+    manager: UserManager
+    units: Units
+    nvml: FakeNvml
+    wheels: Wheelhouse
+
+    @property
+    def so(self) -> Path:
+        return next((self.site / "sicext").glob("_native*.so"))
+
+    def environ(self) -> dict[str, str]:
+        return {**self.manager.env, **self.nvml.env, "SAFEINSTALL_STATE_DIR": str(self.state)}
+
+    def safeinstall(self, *args: str, timeout: float = 180) -> Result:
+        """Run safeinstall against the bed (arguments after "--" go to uv, so ours come first)."""
+        ours = ("--user", "--python", str(self.python), "--yes")
+        return run(*ours, *args, env=self.environ(), timeout=timeout)
+
+    def installed_version(self) -> str:
+        out = subprocess.run(
+            [str(self.python), "-c", "import sicext; print(sicext.version())"], capture_output=True, text=True
+        )
+        return out.stdout.strip() or out.stderr.strip().splitlines()[-1]
+
+    def verify(self, *extra: str) -> Result:
+        return run("sicext", "--verify-only", "--python", str(self.python), "--json", *extra)
+
+    def service(self, stem: str, args: str = "", **settings: str) -> str:
+        name = self.units.started(stem, f"{self.python.parent}/sicext-serve {args}".strip(), **settings)
+        main = self.manager.main_pid(name)
+        wait_until(lambda: maps_so(main) is not None or args.startswith("--lazy"), 15, "service maps the .so")
+        return name
+
+
+def maps_so(pid: int) -> int | None:
+    """The inode of the sicext extension the process has mapped (None: not mapped)."""
+    try:
+        for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+            if "_native" in line and ".so" in line:
+                return int(line.split()[4])
+    except OSError:
+        return None
+    return None
+
+
+@pytest.fixture
+def bed(
+    venv: Path,
+    wheels: Wheelhouse,
+    tmp_path: Path,
+    units: Units,
+    user_manager: UserManager,
+    fake_nvml: FakeNvml,
+) -> Bed:
+    wheelhouse.uv_install(venv, wheels["sicext-1"])
+    return Bed(
+        venv, wheelhouse.site_packages(venv), tmp_path / "state", user_manager, units, fake_nvml, wheels
+    )
+
+
+def test_happy_path(bed: Bed) -> None:
+    name = bed.service("happy")
+    old_main = bed.manager.main_pid(name)
+    gpu = bed.nvml.add_gpu("NVIDIA H200", "GPU-00000000-0000-0000-0000-00000000000a", 141 * GiB)
+    bed.nvml.hold(old_main, gpu, 20 * GiB)
+    result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--json", "--settle", "1")
+    assert result.code == 0, result.stdout + result.stderr
+    doc = result.json
+    assert doc["command"] == "reinstall" and doc["status"] == "done" and doc["errors"] == []
+    assert [s["name"] for s in doc["data"]["steps"]] == [
+        "backup",
+        "gate",
+        "stop",
+        "gpu-release",
+        "install",
+        "verify",
+        "restart",
+    ]
+    assert all(s["status"] == "ok" for s in doc["data"]["steps"])
+    assert name in doc["data"]["downtime_s"] and doc["data"]["downtime_s"][name] > 0
+    new_main = bed.manager.main_pid(name)
+    assert new_main != old_main and bed.manager.active_state(name) == "active"
+    assert maps_so(new_main) == bed.so.stat().st_ino  # the new process runs the new extension
+    assert bed.installed_version() == "2.0"
+    assert bed.verify("--wheel", str(bed.wheels["sicext-2"])).code == 0
+    # No trace left in the unit, nothing left to recover.
+    assert not list(bed.manager.unit_dir.glob(f"{name}.d/*safeinstall*"))
+    assert not any(bed.state.glob("*/journal.json"))
+    assert not any(bed.state.glob("*/gate"))
+
+
+def test_human_output_names_every_step_and_the_downtime(bed: Bed) -> None:
+    name = bed.service("human")
+    result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5")
+    assert result.code == 0, result.stderr
+    for step in ("backup", "gate", "stop", "gpu-release", "install", "verify", "restart"):
+        assert step in result.stdout
+    assert f"{name} was down for" in result.stdout and "sicext 1.0 -> 2.0" in result.stdout
+
+
+def test_install_waits_for_gpu_memory_release(bed: Bed) -> None:
+    name = bed.service("gpu-wait")
+    main = bed.manager.main_pid(name)
+    gpu = bed.nvml.add_gpu("NVIDIA H200", "GPU-00000000-0000-0000-0000-00000000000b", 141 * GiB)
+    linger = 2.5
+    bed.nvml.hold(main, gpu, 30 * GiB, linger=linger)
+    old_inode = bed.so.stat().st_ino
+    installed_at: list[float] = []
+    stop = threading.Event()
+
+    def watch() -> None:  # an outside observer: when does the installed extension change?
+        while not stop.is_set():
+            try:
+                if bed.so.stat().st_ino != old_inode:
+                    installed_at.append(time.monotonic())
+                    return
+            except (OSError, StopIteration):
+                installed_at.append(time.monotonic())
+                return
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        result = bed.safeinstall(
+            "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json"
+        )
+    finally:
+        stop.set()
+        watcher.join()
+    assert result.code == 0, result.stdout + result.stderr
+    dead_at = float((bed.nvml.directory / "procs" / f"{main}.dead_at").read_text().split()[0])
+    assert installed_at, "the install never happened"
+    assert installed_at[0] >= dead_at + linger  # the fake driver kept the memory until then
+    gpu_step = next(s for s in result.json["data"]["steps"] if s["name"] == "gpu-release")
+    assert gpu_step["status"] == "ok" and "released" in gpu_step["detail"]
+
+
+def test_gpu_release_timeout_restarts_unit_and_installs_nothing(bed: Bed) -> None:
+    name = bed.service("gpu-timeout")
+    main = bed.manager.main_pid(name)
+    gpu = bed.nvml.add_gpu("NVIDIA H200", "GPU-00000000-0000-0000-0000-00000000000c", 141 * GiB)
+    bed.nvml.hold(main, gpu, 30 * GiB, linger=60)
+    result = bed.safeinstall(
+        "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--gpu-timeout", "1", "--settle", "0.5", "--json"
+    )
+    assert result.code == 3, result.stdout + result.stderr
+    doc = result.json
+    assert doc["status"] == "rolled-back"
+    message = doc["errors"][0]["message"]
+    assert "GPU memory was not released" in message and f"PID {main}" in message
+    assert "nothing was installed" in message
+    assert bed.manager.active_state(name) == "active" and bed.manager.main_pid(name) != main
+    assert bed.installed_version() == "1.0"
+    assert bed.verify().code == 0
+
+
+@pytest.mark.parametrize("case", ["corrupt", "other-package", "other-python"])
+def test_bad_wheels_are_refused_before_anything_stops(bed: Bed, tmp_path: Path, case: str) -> None:
+    name = bed.service(f"bad-{case}")
+    main = bed.manager.main_pid(name)
+    (tmp_path / "w").mkdir()
+    if case == "corrupt":
+        wheel = tmp_path / "w" / bed.wheels["sicext-2"].name
+        wheel.write_bytes(bed.wheels["sicext-2"].read_bytes()[:2000])
+        expected = "not a valid zip"
+    elif case == "other-package":
+        wheel = bed.wheels["sipure-2"]
+        expected = "is for sipure, not sicext"
+    else:
+        wheel = tmp_path / "w" / "sicext-2.0-cp39-cp39-linux_x86_64.whl"
+        wheel.write_bytes(bed.wheels["sicext-2"].read_bytes())
+        expected = "does not fit Python 3."
+    result = bed.safeinstall("sicext", "--wheel", str(wheel))
+    assert result.code == 2, result.stdout + result.stderr
+    assert expected in result.stderr and "Traceback" not in result.stderr
+    assert bed.manager.main_pid(name) == main
+    assert bed.installed_version() == "1.0"
+
+
+def test_unit_that_ignores_sigterm_aborts_after_stop_timeout(bed: Bed) -> None:
+    code = "import signal, sicext, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+    name = bed.units.started("stubborn", f"{bed.python} -c '{code}'", TimeoutStopSec="6")
+    main = bed.manager.main_pid(name)
+    wait_until(lambda: maps_so(main) is not None, 15, "maps the .so")
+    result = bed.safeinstall(
+        "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--stop-timeout", "1", "--settle", "0.5", "--json"
+    )
+    assert result.code == 3, result.stdout + result.stderr
+    message = result.json["errors"][0]["message"]
+    assert f"unit {name} did not stop in 1 s" in message
+    assert "nothing was installed" in message and f"started {name} again" in message
+    assert bed.manager.active_state(name) == "active"
+    assert bed.installed_version() == "1.0"
+
+
+def test_uv_failure_at_install_time_rolls_back_with_local_patch(bed: Bed, tmp_path: Path) -> None:
+    patched = bed.site / "sicext" / "serve.py"
+    patched.write_text(patched.read_text() + "# a local hotfix\n")
+    before = {p: p.read_bytes() for p in (bed.site / "sicext").rglob("*") if p.is_file()}
+    name = bed.service("uvfail")
+    main = bed.manager.main_pid(name)
+    links = tmp_path / "links"
+    links.mkdir()
+    dep = wheelhouse.make_wheel(links, "sidep", "1.0", {"sidep/__init__.py": b"X = 1\n" * 100})
+    wheelhouse.corrupt_member(dep, "sidep/__init__.py")  # resolves fine, fails to extract
+    v2 = wheelhouse.with_requirement(bed.wheels["sicext-2"], tmp_path / "v2", "sidep")
+    result = bed.safeinstall(
+        "sicext",
+        "--wheel",
+        str(v2),
+        "--settle",
+        "0.5",
+        "--json",
+        "--",
+        "--offline",
+        "--find-links",
+        str(links),
+    )
+    assert result.code == 3, result.stdout + result.stderr
+    doc = result.json
+    message = doc["errors"][0]["message"]
+    assert "uv pip install failed" in message and "restored the previous installation" in message
+    assert str(patched) in doc["data"]["patched"]
+    after = {p: p.read_bytes() for p in (bed.site / "sicext").rglob("*") if p.is_file()}
+    assert after == before  # v1 bytes and the local patch
+    assert bed.manager.active_state(name) == "active" and bed.manager.main_pid(name) != main
+    assert bed.installed_version() == "1.0"
+
+
+def test_new_version_that_crashes_is_rolled_back(bed: Bed) -> None:
+    name = bed.service("crash")
+    result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-3"]), "--settle", "1", "--json")
+    assert result.code == 3, result.stdout + result.stderr
+    message = result.json["errors"][0]["message"]
+    assert name in message and "restored the previous installation" in message
+    wait_until(lambda: bed.manager.active_state(name) == "active", 10, "unit active again")
+    assert maps_so(bed.manager.main_pid(name)) == bed.so.stat().st_ino
+    assert bed.installed_version() == "1.0"
+    assert bed.verify().code == 0
+
+
+def test_locally_patched_file_is_kept_in_the_backup(bed: Bed) -> None:
+    bed.service("patched")
+    patched = bed.site / "sicext" / "serve.py"
+    patched.write_text(patched.read_text() + "# a local hotfix\n")
+    content = patched.read_bytes()
+    result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json")
+    assert result.code == 0, result.stdout + result.stderr
+    data = result.json["data"]
+    assert data["patched"] == [str(patched)]
+    saved = Path(data["backup_dir"]) / "files" / os.path.relpath(patched, bed.python.parent.parent)
+    assert saved.read_bytes() == content
+    human = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5")
+    assert human.code == 0  # second run: nothing patched any more
+    assert "locally patched" not in human.stdout
+
+
+@pytest.fixture
+def stray_procs() -> Iterator[list[subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def test_stray_refused_then_killed_with_kill_strays(
+    bed: Bed, stray_procs: list[subprocess.Popen[bytes]]
+) -> None:
+    name = bed.service("with-stray")
+    proc = subprocess.Popen([str(bed.python), "-c", "import sicext, time; time.sleep(600)"])
+    stray_procs.append(proc)
+    wait_until(lambda: maps_so(proc.pid) is not None, 15, "stray maps the .so")
+    refused = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]))
+    assert refused.code == 2 and "--kill-strays" in refused.stderr
+    assert proc.poll() is None and bed.installed_version() == "1.0"
+    result = bed.safeinstall(
+        "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--kill-strays", "--settle", "0.5", "--json"
+    )
+    assert result.code == 0, result.stdout + result.stderr
+    assert result.json["data"]["strays_killed"] == [proc.pid]
+    assert proc.wait(timeout=10) is not None
+    assert bed.manager.active_state(name) == "active"
+
+
+def test_vllm_shaped_unit(bed: Bed) -> None:
+    """An API process that maps nothing and forks renamed workers that map the .so, hold GPU memory,
+    and take seconds to exit on SIGTERM: all found, waited for, and the whole unit comes back."""
+    serve = bed.site / "sicext" / "serve.py"
+    name = bed.units.started("vllm", f"{bed.python} {serve} --lazy --workers 2 --term-delay 2")
+    main = bed.manager.main_pid(name)
+    group = bed.manager.show(name, "ControlGroup")["ControlGroup"]
+    wait_until(lambda: len([p for p in cgroup_pids(group) if maps_so(p)]) == 2, 15, "two workers map the .so")
+    workers = sorted(p for p in cgroup_pids(group) if maps_so(p))
+    gpu = bed.nvml.add_gpu("NVIDIA H200", "GPU-00000000-0000-0000-0000-00000000000d", 141 * GiB)
+    for worker in workers:
+        bed.nvml.hold(worker, gpu, 60 * GiB)
+    plan = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--dry-run", "--json").json[
+        "data"
+    ]
+    found = {p["pid"]: p for p in plan["processes"]}
+    assert set(found) >= {main, *workers}
+    assert all(found[w]["gpu_bytes"] == 60 * GiB for w in workers)
+    result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "1", "--json")
+    assert result.code == 0, result.stdout + result.stderr
+    assert result.json["data"]["downtime_s"][name] >= 2  # the workers' slow exit was waited for
+    for pid in (main, *workers):
+        assert not Path(f"/proc/{pid}").exists()
+    new_group = bed.manager.show(name, "ControlGroup")["ControlGroup"]
+    wait_until(lambda: len([p for p in cgroup_pids(new_group) if maps_so(p)]) == 2, 15, "workers back")
+    assert all(maps_so(p) == bed.so.stat().st_ino for p in cgroup_pids(new_group) if maps_so(p))
