@@ -14,13 +14,16 @@ from safeinstall.diffs import diffs_for, patch_text
 from safeinstall.environment import inspect_environment, resolve_python
 from safeinstall.errors import ExitCode, SafeInstallError, UsageError
 from safeinstall.output import dumps, envelope, finding_json, jsonable, plan_json, run_json
+from safeinstall.recover import recover, status
 from safeinstall.reinstall import run_reinstall
 from safeinstall.render import (
     ConsoleReporter,
     make_console,
     render_error,
     render_plan,
+    render_recoveries,
     render_result,
+    render_status,
     render_verify,
 )
 from safeinstall.survey import RunOptions, survey
@@ -145,6 +148,27 @@ def _run_reinstall(options: RunOptions, as_json: bool, interactive: bool) -> Non
     _exit(result.exit_code)
 
 
+def _run_recover(python: str | None, as_json: bool) -> None:
+    recoveries = recover(os.environ, python)
+    if as_json:
+        data = {"recoveries": jsonable(recoveries)}
+        print(dumps(envelope("recover", "recovered", ExitCode.OK, data)))
+    else:
+        render_recoveries(make_console(), recoveries)
+    _exit(ExitCode.OK)
+
+
+def _run_status(python: str | None, as_json: bool) -> None:
+    found = status(os.environ, python)
+    pending = any(s.needs_recovery for s in found)
+    if as_json:
+        state = "needs-recovery" if pending else "running" if any(s.running for s in found) else "idle"
+        print(dumps(envelope("status", state, ExitCode.OK, {"environments": jsonable(found)})))
+    else:
+        render_status(make_console(), found)
+    _exit(ExitCode.OK)
+
+
 def _run_dry_run(options: RunOptions, as_json: bool) -> None:
     result = survey(options)
     plan = result.plan
@@ -219,6 +243,13 @@ def main_command(
     save_patch: Annotated[
         Path | None, typer.Option("--save-patch", help="With --wheel: write those diffs to FILE.")
     ] = None,
+    recover_: Annotated[
+        bool,
+        typer.Option("--recover", help="Finish runs that died (restore, restart units, clear the journal)."),
+    ] = False,
+    status_: Annotated[
+        bool, typer.Option("--status", help="Show whether a run is in progress or needs recovery.")
+    ] = False,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the versioned JSON result on stdout.")
     ] = False,
@@ -227,8 +258,26 @@ def main_command(
 
     Arguments after -- go to uv unchanged (index options and the like).
     """
-    command = "verify" if verify_only else "dry-run" if dry_run else "reinstall"
+    command = (
+        "verify"
+        if verify_only
+        else "dry-run"
+        if dry_run
+        else "recover"
+        if recover_
+        else "status"
+        if status_
+        else "reinstall"
+    )
     try:
+        if recover_ or status_:
+            if package or ctx.args:
+                raise UsageError(
+                    f"--{command} takes no PACKAGE", hint=f"safeinstall --{command} [--python PATH] [--json]"
+                )
+            if recover_:
+                _run_recover(python, as_json)
+            _run_status(python, as_json)
         if verify_only:
             if ctx.args:
                 raise UsageError(f"unexpected arguments: {' '.join(ctx.args)}", hint="see safeinstall --help")

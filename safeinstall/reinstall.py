@@ -32,7 +32,6 @@ from safeinstall.backup import (
     create_backup,
     disk_space_needed,
     free_space,
-    restore_backup,
     space_problem,
 )
 from safeinstall.distributions import find_distributions
@@ -59,6 +58,7 @@ from safeinstall.journal import (
 )
 from safeinstall.lock import HeldLock, acquire_lock, process_start
 from safeinstall.plan import Plan, PlannedProcess, PlannedUnit
+from safeinstall.recover import restore_previous
 from safeinstall.signals import interrupts_deferred, interrupts_raise
 from safeinstall.state import (
     EnvironmentState,
@@ -72,7 +72,7 @@ from safeinstall.survey import RunOptions, Survey, survey, systemd_for
 from safeinstall.systemd import StopOutcome, Systemd
 from safeinstall.uvplan import install as uv_install
 from safeinstall.verify import VerifyReport, verify_environment
-from safeinstall.wheel import Wheel, fits, install_location, read_wheel, target_tags
+from safeinstall.wheel import Wheel, fits, read_wheel, target_tags
 
 #: Failing findings after the install: anything but leftovers (those are reported, --prune removes them).
 _INSTALL_FAILURES = frozenset(
@@ -532,19 +532,7 @@ class _Run:
 
     def _restore(self) -> None:
         assert self.backup is not None and self.env is not None
-        remove: list[Path] = []
-        for dist in find_distributions(self.env):
-            if dist.name in {d.name for d in self.backup.manifest.distributions}:
-                remove.extend(Path(p) for p in dist.locations)
-        if self.wheel is not None:
-            for member in self.wheel.members:
-                location = install_location(self.wheel, member, self.env)
-                if location is not None:
-                    remove.append(location)
-        result = restore_backup(self.backup, self.env, remove)
-        if not result.ok:
-            problems = [*result.mismatches, *result.failures][:5]
-            raise SafeInstallError(f"restoring the backup failed: {problems}")
+        restore_previous(self.env, self.backup, self.wheel.path if self.wheel else None)
 
     def _rollback_failed(self, error: SafeInstallError, second: SafeInstallError) -> RollbackFailed:
         assert self.journal is not None and self.env is not None

@@ -12,6 +12,7 @@ from safeinstall.diffs import FileDiff
 from safeinstall.drift import Finding, FindingKind
 from safeinstall.errors import SafeInstallError
 from safeinstall.plan import Plan
+from safeinstall.recover import EnvironmentStatus, Recovery
 from safeinstall.reinstall import RunResult, StepOutcome
 from safeinstall.verify import VerifyReport
 
@@ -236,3 +237,38 @@ def render_result(out: Console, err: Console, result: RunResult) -> None:
         err.print(f"[dim]backup: {result.backup_dir}; log: {result.log_file}[/]")
     if result.error is not None:
         render_error(err, result.error)
+
+
+def render_recoveries(out: Console, recoveries: list[Recovery]) -> None:
+    if not any(r.run_id for r in recoveries):
+        out.print("nothing to recover")
+        return
+    for r in recoveries:
+        if r.run_id is None:
+            continue
+        did = ["restored the previous installation" if r.restored else "the installed package was consistent"]
+        if r.started:
+            did.append("started " + ", ".join(r.started))
+        if r.gates_removed:
+            did.append(f"removed {len(r.gates_removed)} boot gate(s)")
+        out.print(f"recovered run {r.run_id} in {r.prefix} (died in phase {r.phase}): " + "; ".join(did))
+        for note in r.notes:
+            out.print(f"  note: {note}")
+
+
+def render_status(out: Console, found: list[EnvironmentStatus]) -> None:
+    if not found:
+        out.print("no safeinstall state: no run in progress, nothing to recover")
+        return
+    table = Table(box=None, pad_edge=False)
+    for column in ("ENVIRONMENT", "STATE", "PACKAGE", "PHASE", "UNITS"):
+        table.add_column(column, overflow="fold")
+    for s in found:
+        if s.running and s.holder is not None:
+            state = f"[yellow]running[/] (PID {s.holder.pid}, since {s.holder.started_display})"
+        elif s.needs_recovery:
+            state = "[red]needs recovery[/]: run safeinstall --recover"
+        else:
+            state = "[green]idle[/]"
+        table.add_row(s.prefix, state, s.package or "-", s.journal_phase or "-", " ".join(s.units) or "-")
+    out.print(table)

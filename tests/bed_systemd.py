@@ -227,7 +227,7 @@ def start_user_manager(base: Path) -> UserManager:
     runtime_dir = Path(tempfile.mkdtemp(prefix="si-run-"))
     runtime_dir.chmod(0o700)
     config_home = base / "config"
-    (config_home / "systemd" / "user").mkdir(parents=True)
+    (config_home / "systemd" / "user").mkdir(parents=True, exist_ok=True)  # a "reboot" keeps it
     env = {key: value for key, value in os.environ.items() if key not in _FOREIGN_VARIABLES}
     env |= {"XDG_RUNTIME_DIR": str(runtime_dir), "XDG_CONFIG_HOME": str(config_home)}
     cgroup_name = f"safeinstall-test-{os.getpid()}-{time.monotonic_ns()}"

@@ -1,0 +1,275 @@
+"""Crash safety: SIGKILL at step boundaries, a simulated reboot, two runs at once, SIGINT mid-run.
+
+Step boundaries are found from the outside, by reading the run's journal, never by test-only hooks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import wheelhouse
+from tests.bed_nvml import FakeNvml
+from tests.bed_systemd import UserManager, start_user_manager, stop_user_manager, wait_until
+from tests.clirun import SAFEINSTALL, Result, run
+from tests.wheelhouse import Wheelhouse
+
+GiB = 1024**3
+UNIT_TEXT = "[Unit]\nDescription=safeinstall crash test\n\n[Service]\nExecStart={exec}\n\n[Install]\nWantedBy=default.target\n"
+
+
+@pytest.fixture(scope="module")
+def big_wheel(wheels: Wheelhouse, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """sicext 2.0 with a large file, so that the install takes long enough to be interrupted."""
+    import zipfile
+
+    with zipfile.ZipFile(wheels["sicext-2"]) as archive:
+        members = {i.filename: archive.read(i) for i in archive.infolist() if not i.is_dir()}
+    dist_info = next(n.split("/")[0] for n in members if n.endswith(".dist-info/METADATA"))
+    members.pop(f"{dist_info}/RECORD")
+    members["sicext/blob.bin"] = os.urandom(160 * 1024 * 1024)
+    out = tmp_path_factory.mktemp("big")
+    return wheelhouse.write_wheel(out / wheels["sicext-2"].name, members, dist_info)
+
+
+class Bed:
+    def __init__(
+        self, python: Path, state: Path, manager: UserManager, nvml: FakeNvml, wheels: Wheelhouse
+    ) -> None:
+        self.python = python
+        self.site = wheelhouse.site_packages(python)
+        self.state = state
+        self.manager = manager
+        self.nvml = nvml
+        self.wheels = wheels
+        self.units: list[str] = []
+
+    def environ(self) -> dict[str, str]:
+        return {**self.manager.env, **self.nvml.env, "SAFEINSTALL_STATE_DIR": str(self.state)}
+
+    def unit(self, stem: str, enable: bool = False) -> str:
+        name = self.manager.unique_name(stem)
+        self.manager.write_unit(name, UNIT_TEXT.format(exec=f"{self.python.parent}/sicext-serve"))
+        if enable:
+            self.manager.systemctl("enable", name)
+        self.manager.start(name)
+        self.units.append(name)
+        self.manager.wait_active(name)
+        return name
+
+    def args(self, *extra: str) -> list[str]:
+        return [SAFEINSTALL, "--user", "--python", str(self.python), "--yes", *extra]
+
+    def start_run(self, *extra: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            self.args(*extra), env=self.environ(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+
+    def cli(self, *extra: str) -> Result:
+        return run("--user", "--python", str(self.python), *extra, env=self.environ(), timeout=240)
+
+    def journal(self) -> dict[str, Any] | None:
+        for path in self.state.glob("*/journal.json"):
+            try:
+                return dict(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                return None
+        return None
+
+    def wait_phase(self, proc: subprocess.Popen[str], *phases: str, timeout: float = 60) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            doc = self.journal()
+            if doc is not None and doc["phase"] in phases:
+                return str(doc["phase"])
+            if proc.poll() is not None:
+                out, err = proc.communicate()
+                raise AssertionError(f"the run ended (rc {proc.returncode}) before {phases}: {out}{err}")
+            time.sleep(0.002)
+        raise AssertionError(f"no journal phase {phases} within {timeout} s (last: {self.journal()})")
+
+    def version(self) -> str:
+        out = subprocess.run(
+            [str(self.python), "-c", "import sicext; print(sicext.version())"], capture_output=True, text=True
+        )
+        return out.stdout.strip()
+
+    def snapshot(self) -> dict[str, bytes]:
+        return {
+            str(p): p.read_bytes()
+            for p in (self.site / "sicext").rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts
+        }
+
+    def consistent(self, before: dict[str, bytes], wheel: Path) -> str:
+        """Either exactly the old bytes (local patch included), or the new version verified."""
+        version = self.version()
+        if version == "1.0":
+            assert self.snapshot() == before
+            return "old"
+        assert version == "2.0"
+        check = run("sicext", "--verify-only", "--python", str(self.python), "--wheel", str(wheel))
+        assert check.code == 0, check.stdout
+        return "new"
+
+    def no_trace(self) -> None:
+        assert self.journal() is None
+        assert not list(self.state.glob("*/gate"))
+        assert not list(self.manager.unit_dir.glob("*.d/*safeinstall*"))
+
+
+@pytest.fixture
+def bed(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path, user_manager: UserManager, fake_nvml: FakeNvml
+) -> Iterator[Bed]:
+    wheelhouse.uv_install(venv, wheels["sicext-1"])
+    made = Bed(venv, tmp_path / "state", user_manager, fake_nvml, wheels)
+    yield made
+    for name in made.units:
+        user_manager.systemctl("kill", "--signal=SIGKILL", name, check=False)
+        user_manager.systemctl("stop", name, check=False)
+        user_manager.systemctl("disable", name, check=False)
+        user_manager.remove_unit(name)
+
+
+def _patch(bed: Bed) -> dict[str, bytes]:
+    target = bed.site / "sicext" / "serve.py"
+    target.write_text(target.read_text() + "# local hotfix\n")
+    return bed.snapshot()
+
+
+@pytest.mark.parametrize(
+    ("boundary", "phases", "delay"),
+    [
+        ("after-stop", ("stopped",), 0.0),
+        ("during-gpu-wait", ("stopped",), 0.5),
+        ("during-install", ("installing",), 0.0),
+        ("after-install", ("installed", "verified"), 0.0),
+    ],
+)
+def test_sigkill_at_step_boundary_then_recover(
+    bed: Bed, big_wheel: Path, boundary: str, phases: tuple[str, ...], delay: float
+) -> None:
+    before = _patch(bed)
+    name = bed.unit(f"kill-{boundary}")
+    main = bed.manager.main_pid(name)
+    gpu = bed.nvml.add_gpu("NVIDIA H200", "GPU-00000000-0000-0000-0000-0000000000e1", 141 * GiB)
+    bed.nvml.hold(main, gpu, 10 * GiB, linger=2.0 if boundary == "during-gpu-wait" else 0.0)
+    proc = bed.start_run("sicext", "--wheel", str(big_wheel), "--settle", "1")
+    try:
+        bed.wait_phase(proc, *phases)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+        proc.communicate()
+    status = bed.cli("--status", "--json").json
+    assert status["status"] == "needs-recovery", status
+    recovered = bed.cli("--recover", "--json")
+    assert recovered.code == 0, recovered.stdout + recovered.stderr
+    (recovery,) = recovered.json["data"]["recoveries"]
+    assert recovery["run_id"] is not None
+    wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running again")
+    which = bed.consistent(before, big_wheel)
+    if boundary in ("after-stop", "during-gpu-wait"):
+        assert which == "old" and recovery["restored"] is False
+    bed.no_trace()
+    assert bed.cli("--recover").stdout.strip() == "nothing to recover"
+    assert bed.cli("--status", "--json").json["status"] == "idle"
+
+
+def test_simulated_reboot_mid_install(
+    venv: Path, wheels: Wheelhouse, big_wheel: Path, tmp_path: Path, fake_nvml: FakeNvml
+) -> None:
+    """Kill safeinstall and the whole (private) manager during the install, boot a new manager with the
+    units enabled: no unit runs on a half-installed package; recovery leaves them running."""
+    wheelhouse.uv_install(venv, wheels["sicext-1"])
+    base = tmp_path / "machine"
+    base.mkdir()
+    manager = start_user_manager(base)
+    bed = Bed(venv, tmp_path / "state", manager, fake_nvml, wheels)
+    before = _patch(bed)
+    try:
+        name = bed.unit("reboot", enable=True)
+        proc = bed.start_run("sicext", "--wheel", str(big_wheel), "--settle", "1")
+        try:
+            bed.wait_phase(proc, "installing")
+        finally:
+            proc.send_signal(signal.SIGKILL)  # power loss: safeinstall, uv, the manager, its units
+            proc.wait()
+            proc.communicate()
+            manager.process.send_signal(signal.SIGKILL)
+            manager.process.wait()
+            stop_user_manager(manager)  # kills what is left in its cgroup (our units) by PID
+        manager = start_user_manager(base)  # "boot": same unit files and drop-ins, fresh runtime dir
+        bed.manager = manager
+        assert manager.show(name, "UnitFileState")["UnitFileState"] == "enabled"
+        time.sleep(1.0)
+        assert manager.active_state(name) != "active"  # gated: skipped at boot
+        assert manager.show(name, "ConditionResult")["ConditionResult"] == "no"
+        recovered = bed.cli("--recover", "--json")
+        assert recovered.code == 0, recovered.stdout + recovered.stderr
+        wait_until(lambda: manager.active_state(name) == "active", 20, "unit running after recovery")
+        bed.consistent(before, big_wheel)
+        bed.no_trace()
+    finally:
+        manager.systemctl("disable", *bed.units, check=False)
+        stop_user_manager(manager)
+
+
+def test_two_runs_at_once(bed: Bed) -> None:
+    name = bed.unit("two")
+    main = bed.manager.main_pid(name)
+    gpu = bed.nvml.add_gpu("NVIDIA H200", "GPU-00000000-0000-0000-0000-0000000000e2", 141 * GiB)
+    bed.nvml.hold(main, gpu, 10 * GiB, linger=4.0)  # keeps the first run in its GPU wait
+    first = bed.start_run("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5")
+    try:
+        bed.wait_phase(first, "stopped", "gpu-released")
+        journal_before = bed.journal()
+        second = bed.cli("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--yes")
+        assert second.code == 2
+        assert f"PID {first.pid}" in second.stderr and "started" in second.stderr
+        assert bed.journal() == journal_before  # the refused run changed nothing
+        status = bed.cli("--status", "--json").json
+        assert status["status"] == "running"
+        assert status["data"]["environments"][0]["holder"]["pid"] == first.pid
+    finally:
+        out, err = first.communicate(timeout=120)
+    assert first.returncode == 0, out + err
+    assert bed.version() == "2.0"
+
+
+@pytest.mark.parametrize("where", ["gpu-wait", "install"])
+def test_sigint_rolls_back_and_a_second_one_does_not_abandon_services(
+    bed: Bed, big_wheel: Path, where: str
+) -> None:
+    before = _patch(bed)
+    name = bed.unit(f"sigint-{where}")
+    main = bed.manager.main_pid(name)
+    gpu = bed.nvml.add_gpu("NVIDIA H200", "GPU-00000000-0000-0000-0000-0000000000e3", 141 * GiB)
+    bed.nvml.hold(main, gpu, 10 * GiB, linger=30.0 if where == "gpu-wait" else 0.0)
+    proc = bed.start_run(
+        "sicext", "--wheel", str(big_wheel), "--settle", "0.5", "--gpu-timeout", "60", "--json"
+    )
+    try:
+        bed.wait_phase(proc, "stopped" if where == "gpu-wait" else "installing")
+        proc.send_signal(signal.SIGINT)
+        bed.wait_phase(proc, "rolling-back")  # lasts at least the restart's settle time
+        proc.send_signal(signal.SIGINT)  # a second Ctrl-C during the rollback
+    finally:
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 3, out + err
+    doc = json.loads(out)
+    assert doc["status"] == "rolled-back" and "interrupted by SIGINT" in doc["errors"][0]["message"]
+    assert "SIGINT received during rollback" in err
+    wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running again")
+    assert bed.version() == "1.0" and bed.snapshot() == before
+    bed.no_trace()
