@@ -23,7 +23,11 @@ from tests.clirun import SAFEINSTALL, Result, run
 from tests.wheelhouse import Wheelhouse
 
 GiB = 1024**3
-UNIT_TEXT = "[Unit]\nDescription=safeinstall crash test\n\n[Service]\nExecStart={exec}\n\n[Install]\nWantedBy=default.target\n"
+UNIT_TEXT = (
+    "[Unit]\nDescription=safeinstall crash test\n\n"
+    "[Service]\nExecStart={exec}\n\n"
+    "[Install]\nWantedBy=default.target\n"
+)
 
 
 @pytest.fixture(scope="module")
