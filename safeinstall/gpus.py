@@ -34,11 +34,13 @@ MemoryApi = Literal["v2", "v1"]
 HolderSource = Literal["nvml", "fd"]
 
 #: NVML codes meaning "this build of the library/driver has no v2 memory info": fall back to v1.
-_V2_UNSUPPORTED = frozenset({
-    pynvml.NVML_ERROR_NOT_SUPPORTED,
-    pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,
-    pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH,
-})
+_V2_UNSUPPORTED = frozenset(
+    {
+        pynvml.NVML_ERROR_NOT_SUPPORTED,
+        pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,
+        pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH,
+    }
+)
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -203,24 +205,32 @@ def _gpu_release(baseline: Gpu, current: Gpu | None, stopped: frozenset[int]) ->
     held = _held_by(baseline, stopped)
     if held is None:
         why = baseline.processes_error or "NVML reports N/A memory for a stopped process"
-        notes.append(f"GPU {baseline.index}: what the stopped processes held is unknown ({why}); "
-                     "judged by the process list alone")
+        notes.append(
+            f"GPU {baseline.index}: what the stopped processes held is unknown ({why}); "
+            "judged by the process list alone"
+        )
     outsiders = sorted(p.pid for p in baseline.processes if not p.in_namespace)
     if outsiders and not any(p.pid in stopped for p in baseline.processes):
-        notes.append(f"GPU {baseline.index}: NVML lists PIDs outside this PID namespace {outsiders}; "
-                     "stopped processes cannot be matched by PID there")
+        notes.append(
+            f"GPU {baseline.index}: NVML lists PIDs outside this PID namespace {outsiders}; "
+            "stopped processes cannot be matched by PID there"
+        )
     expected: int | None = None
     released: bool | None = None
     if current is not None and held is not None:
         if current.memory_api != baseline.memory_api:
-            notes.append(f"GPU {baseline.index}: memory API changed ({baseline.memory_api} -> "
-                         f"{current.memory_api}); memory not compared")
+            notes.append(
+                f"GPU {baseline.index}: memory API changed ({baseline.memory_api} -> "
+                f"{current.memory_api}); memory not compared"
+            )
         else:
             change = _others_change(baseline, current, stopped)
             if change is None:
                 change = 0
-                notes.append(f"GPU {baseline.index}: other processes' memory unknown; "
-                             "expecting used memory to fall by what the stopped processes held")
+                notes.append(
+                    f"GPU {baseline.index}: other processes' memory unknown; "
+                    "expecting used memory to fall by what the stopped processes held"
+                )
             expected = baseline.used_bytes - held + change
             released = current.used_bytes <= expected
     used = None if current is None else current.used_bytes
@@ -229,8 +239,9 @@ def _gpu_release(baseline: Gpu, current: Gpu | None, stopped: frozenset[int]) ->
 
 
 def _holders(current: GpuSnapshot, stopped: frozenset[int]) -> tuple[Holder, ...]:
-    listed = [Holder(p.pid, p.gpu_index, p.used_bytes, "nvml")
-              for p in current.all_processes() if p.pid in stopped]
+    listed = [
+        Holder(p.pid, p.gpu_index, p.used_bytes, "nvml") for p in current.all_processes() if p.pid in stopped
+    ]
     blind = any(g.processes_error is not None for g in current.gpus)
     by_fd = [Holder(h.pid, None, None, "fd") for h in current.fd_holders if blind and h.pid in stopped]
     return (*listed, *by_fd)
@@ -282,8 +293,11 @@ def release_status(
         gpu, gpu_notes = _gpu_release(b, c, stopped)
         gpus.append(gpu)
         notes.extend(gpu_notes)
-    notes.extend(f"GPU {g.index}: {g.processes_error}; stopped PIDs checked by the /dev/nvidia* fd scan only"
-                 for g in current.gpus if g.processes_error is not None)
+    notes.extend(
+        f"GPU {g.index}: {g.processes_error}; stopped PIDs checked by the /dev/nvidia* fd scan only"
+        for g in current.gpus
+        if g.processes_error is not None
+    )
     holders = _holders(current, stopped)
     errors = (*current.errors, *missing)
     released = not errors and not holders and all(g.memory_released is not False for g in gpus)
@@ -387,8 +401,14 @@ def _processes(
     try:
         infos = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
     except (pynvml.NVMLLibraryMismatchError, pynvml.NVMLError_FunctionNotFound) as exc:
-        return (), ("process list unavailable: NVML library mismatch, the driver's libnvidia-ml lacks "
-                    f"nvmlDeviceGetComputeRunningProcesses_v3 ({type(exc).__name__})"), False
+        return (
+            (),
+            (
+                "process list unavailable: NVML library mismatch, the driver's libnvidia-ml lacks "
+                f"nvmlDeviceGetComputeRunningProcesses_v3 ({type(exc).__name__})"
+            ),
+            False,
+        )
     except pynvml.NVMLError as exc:
         return (), f"nvmlDeviceGetComputeRunningProcesses: {describe_nvml_error(exc)}", True
     procs = tuple(
@@ -451,8 +471,9 @@ def _query(proc_root: Path) -> GpuSnapshot:
         fd_holders, unreadable = scan_fd_holders(proc_root, exclude={os.getpid()})
         if unreadable:
             warnings.append(f"fd scan: could not read the fds of {unreadable} processes (permissions?)")
-    return GpuSnapshot(True, None, tuple(gpus), fd_holders, tuple(warnings), tuple(errors), taken_at,
-                       _driver_version())
+    return GpuSnapshot(
+        True, None, tuple(gpus), fd_holders, tuple(warnings), tuple(errors), taken_at, _driver_version()
+    )
 
 
 class NvmlSession:
@@ -477,8 +498,9 @@ class NvmlSession:
         self._initialized = self.reason is None
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self._initialized:
             self._initialized = False
             self.reason = "NVML session closed"
