@@ -1,8 +1,9 @@
 """Which running processes use the affected distributions: one pass over ``/proc``.
 
-Every process is read once (``stat``, ``status``, ``cmdline``, ``cgroup``, ``maps``, ``fd/``); what it
-shows is matched against pre-indexed :class:`Target` descriptions of the affected distributions, and
-each match is kept as :class:`Evidence`:
+Every process is read once (``stat``, ``cmdline``, ``cgroup``, ``maps``, ``fd/``; its euid is the owner
+of ``/proc/PID``), through its open ``/proc/PID`` directory; what it shows is matched against
+pre-indexed :class:`Target` descriptions of the affected distributions, and each match is kept as
+:class:`Evidence`:
 
 * ``mapped`` - a file of the distribution is mapped (``maps``), matched by device and inode, or by path
   (overlayfs may show another device/inode). ``(deleted)`` means the process runs code that is no
@@ -16,17 +17,22 @@ light record this scan keeps of every process it saw.
 
 Nothing of a scanned process is ever executed (cf. needrestart, CVE-2024-48990): ``/proc`` is only read.
 Parsing and matching are pure functions; the I/O lives in :func:`scan_processes`, :func:`load_targets`
-and :func:`stat_file_ids`.
+and :func:`probe_files`.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import pwd
-from collections.abc import Iterable, Mapping
+import re
+import signal
+import threading
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+from stat import S_ISLNK
 
 from safeinstall.distributions import InstalledDistribution, find_distributions
 from safeinstall.environment import Environment
@@ -44,6 +50,7 @@ __all__ = [
     "TargetIndex",
     "argv_needs_links",
     "build_target",
+    "default_workers",
     "load_targets",
     "match_argv",
     "match_fds",
@@ -52,10 +59,8 @@ __all__ = [
     "parse_maps_line",
     "parse_python_argv",
     "parse_stat",
-    "parse_status_uid",
-    "resolve_symlinks",
+    "probe_files",
     "scan_processes",
-    "stat_file_ids",
 ]
 
 #: ``PF_KTHREAD`` in the flags field of ``/proc/PID/stat``: a kernel thread (no user space to check).
@@ -102,8 +107,9 @@ def _module_of_file(parts: tuple[str, ...]) -> str | None:
     return ".".join(dotted) if _is_dotted_identifier(dotted) and stem != "__init__" else None
 
 
-def _own_directories(entries: list[tuple[str, ...]], prefix: tuple[str, ...],
-                     shared: frozenset[tuple[str, ...]]) -> list[tuple[str, ...]]:
+def _own_directories(
+    entries: list[tuple[str, ...]], prefix: tuple[str, ...], shared: frozenset[tuple[str, ...]]
+) -> list[tuple[str, ...]]:
     """The directories (as path parts) that belong to this distribution alone.
 
     A directory is descended into instead of owned when another distribution also has files under it,
@@ -139,8 +145,9 @@ def _inside_site(dist: InstalledDistribution) -> list[tuple[str, ...]]:
     return inside
 
 
-def _shared_directories(dist: InstalledDistribution,
-                        others: Iterable[InstalledDistribution]) -> frozenset[tuple[str, ...]]:
+def _shared_directories(
+    dist: InstalledDistribution, others: Iterable[InstalledDistribution]
+) -> frozenset[tuple[str, ...]]:
     """Directories (parts, relative to ``dist.site``) under which another distribution has files."""
     shared: set[tuple[str, ...]] = set()
     for other in others:
@@ -174,10 +181,10 @@ def build_target(
 
     ``others`` are the other distributions of the environment: a directory one of them also installs
     into (``nvidia/``, a namespace package) is not counted as this distribution's own. ``file_ids``
-    come from :func:`stat_file_ids`; ``aliases`` are where installed symlinks lead (uv's
+    and ``aliases`` come from :func:`probe_files`: ``aliases`` are where installed symlinks lead (uv's
     ``--link-mode symlink`` points into its cache, and /proc shows the resolved path).
     """
-    installed = frozenset(str(dist.location(entry)) for entry in dist.record.entries)
+    installed = frozenset(dist.locations)
     files = installed | frozenset(aliases)
     inside = _inside_site(dist)
     owned = _own_directories(inside, (), _shared_directories(dist, others))
@@ -209,25 +216,24 @@ def build_target(
     )
 
 
-def stat_file_ids(paths: Iterable[str]) -> frozenset[tuple[int, int]]:
-    """(st_dev, st_ino) of every path that exists (symlinks followed, as the kernel maps them)."""
+def probe_files(paths: Iterable[str]) -> tuple[frozenset[tuple[int, int]], frozenset[str]]:
+    """The (st_dev, st_ino) of every existing path, and where the symlinks among them lead.
+
+    Symlinks are followed, as the kernel does when it maps a file; both sets feed :func:`build_target`
+    (``file_ids``, ``aliases``). One lstat per plain file.
+    """
     ids: set[tuple[int, int]] = set()
+    aliases: set[str] = set()
     for path in paths:
         try:
-            st = os.stat(path)
+            st = os.lstat(path)
+            if S_ISLNK(st.st_mode):
+                aliases.add(os.path.realpath(path))
+                st = os.stat(path)
         except OSError:
             continue
         ids.add((st.st_dev, st.st_ino))
-    return frozenset(ids)
-
-
-def resolve_symlinks(paths: Iterable[str]) -> frozenset[str]:
-    """Where the paths that are symlinks lead (resolved fully), for :func:`build_target`'s aliases."""
-    resolved: set[str] = set()
-    for path in paths:
-        if os.path.islink(path):
-            resolved.add(os.path.realpath(path))
-    return frozenset(resolved)
+    return frozenset(ids), frozenset(aliases)
 
 
 def load_targets(
@@ -247,9 +253,12 @@ def load_targets(
     targets: list[Target] = []
     for dist in dists:
         others = [other for other in everything if other.dist_info != dist.dist_info]
-        files = [str(dist.location(entry)) for entry in dist.record.entries]
-        targets.append(build_target(dist, env, file_ids=stat_file_ids(files), others=others,
-                                    extra_interpreters=extra, aliases=resolve_symlinks(files)))
+        file_ids, aliases = probe_files(dist.locations)
+        targets.append(
+            build_target(
+                dist, env, file_ids=file_ids, others=others, extra_interpreters=extra, aliases=aliases
+            )
+        )
     return tuple(targets)
 
 
@@ -281,6 +290,18 @@ class Evidence:
         return f"{self.kind}: {self.distribution} {self.path}{old}{how}"
 
 
+_FEW_INODES = 64
+
+
+def _anchors(prefixes: Iterable[str]) -> tuple[str, ...]:
+    """The fewest strings one of which every path starting with one of ``prefixes`` contains."""
+    kept: list[str] = []
+    for prefix in sorted(set(prefixes), key=len):
+        if not any(anchor in prefix for anchor in kept):
+            kept.append(prefix)
+    return tuple(kept)
+
+
 @dataclass(frozen=True, slots=True)
 class TargetIndex:
     """Targets pre-indexed for the per-process lookups (build once with :meth:`of`)."""
@@ -293,6 +314,10 @@ class TargetIndex:
     by_script: Mapping[str, tuple[str, ...]]
     script_names: frozenset[str]
     interpreter_names: frozenset[str]
+    # a maps text holding none of these inode numbers and none of these strings cannot match
+    maps_inodes: frozenset[str]
+    inode_pattern: re.Pattern[str] | None  # " (?:1234|5678) ", when there are few
+    anchors: tuple[str, ...]
 
     @classmethod
     def of(cls, targets: Iterable[Target] | TargetIndex) -> TargetIndex:
@@ -327,7 +352,24 @@ class TargetIndex:
             by_script={key: tuple(dict.fromkeys(value)) for key, value in by_script.items()},
             script_names=frozenset(os.path.basename(s) for target in targets for s in target.console_scripts),
             interpreter_names=frozenset(os.path.basename(i) for t in targets for i in t.interpreters),
+            maps_inodes=frozenset(ino for _, ino in by_id),
+            inode_pattern=re.compile(" (?:{}) ".format("|".join(sorted({ino for _, ino in by_id}))))
+            if 0 < len(by_id) <= _FEW_INODES
+            else None,
+            anchors=_anchors(
+                [os.path.dirname(path) + "/" for path in by_file] + [prefix for prefix, _ in owners]
+            ),
         )
+
+    def may_match_maps(self, text: str) -> bool:
+        """False when no line of the maps text can match: the scan's fast way past most processes."""
+        if any(anchor in text for anchor in self.anchors):
+            return True
+        if not self.maps_inodes:
+            return False
+        if self.inode_pattern is not None:  # one search for a few numbers beats splitting the text
+            return self.inode_pattern.search(text) is not None
+        return not self.maps_inodes.isdisjoint(text.split())
 
     def owners_of(self, path: str) -> tuple[tuple[str, str], ...]:
         """(distribution, how) for a file path: one of its files, or inside one of its directories."""
@@ -403,6 +445,8 @@ def _add(found: dict[tuple[str, str, bool], Evidence], evidence: Evidence) -> No
 def match_maps(text: str, targets: Iterable[Target] | TargetIndex) -> tuple[Evidence, ...]:
     """``mapped`` evidence in the text of ``/proc/PID/maps`` (one per distribution, path, deleted)."""
     index = TargetIndex.of(targets)
+    if not index.may_match_maps(text):
+        return ()
     by_id, by_file, prefixes = index.by_maps_id, index.by_file, index.prefixes
     found: dict[tuple[str, str, bool], Evidence] = {}
     last = ""
@@ -416,15 +460,24 @@ def match_maps(text: str, targets: Iterable[Target] | TargetIndex) -> tuple[Evid
             continue
         last = path
         ids = by_id.get((parts[3], parts[4]))
-        if ids is None and path not in by_file and not path.startswith(prefixes) \
-                and not path.endswith(DELETED_SUFFIX):
+        if (
+            ids is None
+            and path not in by_file
+            and not path.startswith(prefixes)
+            and not path.endswith(DELETED_SUFFIX)
+        ):
             continue
         _match_mapped(found, index, path, f"dev/inode {parts[3]} {parts[4]}", ids or ())
     return tuple(found.values())
 
 
-def _match_mapped(found: dict[tuple[str, str, bool], Evidence], index: TargetIndex, path: str,
-                  id_detail: str, by_id: tuple[str, ...]) -> None:
+def _match_mapped(
+    found: dict[tuple[str, str, bool], Evidence],
+    index: TargetIndex,
+    path: str,
+    id_detail: str,
+    by_id: tuple[str, ...],
+) -> None:
     deleted = path.endswith(DELETED_SUFFIX)
     if deleted:  # the inode of a deleted file may since have been reused: match by path only
         path = path[: -len(DELETED_SUFFIX)]
@@ -473,7 +526,7 @@ def parse_python_argv(args: Iterable[str]) -> PythonInvocation:
             return PythonInvocation(script=None if arg == "-" else arg)
         for position in range(1, len(arg)):
             flag = arg[position]
-            rest = arg[position + 1:]
+            rest = arg[position + 1 :]
             if flag == "c":
                 return PythonInvocation()
             if flag == "m":
@@ -485,8 +538,12 @@ def parse_python_argv(args: Iterable[str]) -> PythonInvocation:
     return PythonInvocation()
 
 
+def _basename(path: str) -> str:
+    return path.rpartition("/")[2]
+
+
 def _looks_like_python(argv0: str, index: TargetIndex) -> bool:
-    name = os.path.basename(argv0)
+    name = _basename(argv0)
     return name.startswith(("python", "pypy")) or name in index.interpreter_names
 
 
@@ -504,18 +561,16 @@ def argv_needs_links(cmdline: tuple[str, ...], targets: Iterable[Target] | Targe
     if not cmdline:
         return False
     argv0 = cmdline[0]
-    if not argv0.startswith("/") and os.path.basename(argv0) in index.script_names:
+    if not argv0.startswith("/") and _basename(argv0) in index.script_names:
         return True
-    if len(cmdline) > 1 and os.path.basename(cmdline[1]) in index.script_names \
-            and not cmdline[1].startswith("/"):
+    if len(cmdline) > 1 and _basename(cmdline[1]) in index.script_names and not cmdline[1].startswith("/"):
         return True
     if _looks_like_python(argv0, index):
         invocation = parse_python_argv(cmdline[1:])
         if invocation.module is not None and not argv0.startswith("/"):
             return True
         script = invocation.script
-        return script is not None and not script.startswith("/") \
-            and os.path.basename(script) in index.script_names
+        return script is not None and not script.startswith("/") and _basename(script) in index.script_names
     return False
 
 
@@ -541,7 +596,7 @@ def match_argv(
         invocation = parse_python_argv(cmdline[1:])
         if invocation.script is not None:
             candidates.append((invocation.script, f"console script run by {argv0}"))
-    elif os.path.basename(argv0) in _SHELLS and len(cmdline) > 1:
+    elif _basename(argv0) in _SHELLS and len(cmdline) > 1:
         candidates.append((cmdline[1], f"console script run by {argv0}"))
     for candidate, how in candidates:
         path = _absolute(candidate, cwd)
@@ -555,8 +610,12 @@ def match_argv(
                 continue
             for top in target.modules:
                 if module == top or module.startswith(top + "."):
-                    _add(found, Evidence(EvidenceKind.ARGV, target.distribution, module, False,
-                                         f"{argv0} -m {module}"))
+                    _add(
+                        found,
+                        Evidence(
+                            EvidenceKind.ARGV, target.distribution, module, False, f"{argv0} -m {module}"
+                        ),
+                    )
                     break
     return tuple(found.values())
 
@@ -581,29 +640,17 @@ def parse_stat(text: str) -> StatInfo:
     close_paren = text.rfind(")")
     if open_paren < 0 or close_paren < open_paren:
         raise ValueError(f"no (comm) in stat: {text[:80]!r}")
-    fields = text[close_paren + 2:].split()
+    fields = text[close_paren + 2 :].split(None, 20)
     if len(fields) < 20:
         raise ValueError(f"stat has {len(fields) + 2} fields, expected at least 22")
     return StatInfo(
         pid=int(text[:open_paren]),
-        name=text[open_paren + 1:close_paren],
+        name=text[open_paren + 1 : close_paren],
         state=fields[0],
         ppid=int(fields[1]),
         flags=int(fields[6]),
         start_time=int(fields[19]),
     )
-
-
-def parse_status_uid(text: str) -> int:
-    """The effective uid from ``/proc/PID/status`` (``Uid: real effective saved fs``)."""
-    start = 0 if text.startswith("Uid:") else text.find("\nUid:") + 1
-    if start <= 0 and not text.startswith("Uid:"):
-        raise ValueError("no Uid: line in status")
-    end = text.find("\n", start)
-    fields = text[start + 4:end if end >= 0 else len(text)].split()
-    if not fields:
-        raise ValueError("empty Uid: line in status")
-    return int(fields[1] if len(fields) > 1 else fields[0])
 
 
 def parse_cmdline(data: bytes) -> tuple[str, ...]:
@@ -622,8 +669,8 @@ def parse_cmdline(data: bytes) -> tuple[str, ...]:
 class ProcessRecord:
     pid: int
     ppid: int
-    uid: int
-    user: str
+    uid: int  # effective
+    user: str  # its name, or the number when it has none
     name: str  # comm: what the process calls itself (maybe renamed, e.g. "SICEXT::Worker0")
     state: str  # R, S, D, Z (zombie: nothing left to restart), T, ...
     cmdline: tuple[str, ...]
@@ -680,8 +727,9 @@ _READ_SIZE = 1 << 14
 def _read_at(name: str, dir_fd: int, *, single: bool) -> bytes:
     """A /proc file, relative to the process's directory.
 
-    ``single``: the file is one record (``stat``, ``status``, ``cgroup``, ``cmdline``), so a short first
-    read is the whole of it; ``maps`` comes a page of records per read and is read until EOF.
+    ``single``: the kernel hands out the whole file in one read when the buffer is large enough
+    (``stat`` and ``cgroup`` are one seq_file record, ``cmdline`` is copied until the buffer is full), so
+    a short first read is all of it; ``maps`` comes at most a page of records per read: read to EOF.
     """
     fd = os.open(name, _O_FILE, dir_fd=dir_fd)
     try:
@@ -776,26 +824,23 @@ def _user(uid: int, cache: dict[int, str]) -> str:
     return name
 
 
-def _scan_one(proc: _Process, index: TargetIndex, self_pid: int, users: dict[int, str]
-              ) -> ProcessRecord | None:
-    pid, problems = proc.pid, proc.problems
+def _scan_one(
+    proc: _Process, index: TargetIndex, self_pid: int, users: dict[int, str]
+) -> ProcessRecord | None:
+    pid = proc.pid
     stat_text = proc.text("stat")
     if stat_text is None:
         return None
     try:
         stat = parse_stat(stat_text)
     except ValueError as exc:
-        problems.append(ScanProblem(pid, "stat", f"malformed: {exc}"))
+        proc.problems.append(ScanProblem(pid, "stat", f"malformed: {exc}"))
         return None
     if stat.flags & PF_KTHREAD:
         return None
-    status_text = proc.text("status")
-    uid = -1
-    if status_text is not None:
-        try:
-            uid = parse_status_uid(status_text)
-        except (ValueError, IndexError) as exc:
-            problems.append(ScanProblem(pid, "status", f"malformed: {exc}"))
+    # The owner of /proc/PID is the effective uid, non-dumpable processes included (unlike the files
+    # inside it): what ps uses, and cheaper than reading status.
+    uid = os.fstat(proc.dir_fd).st_uid
     cmdline = parse_cmdline(proc.read("cmdline") or b"")
     cgroup_text = proc.text("cgroup") or ""
     maps_text = proc.text("maps", single=False)
@@ -813,7 +858,7 @@ def _scan_one(proc: _Process, index: TargetIndex, self_pid: int, users: dict[int
         pid=pid,
         ppid=stat.ppid,
         uid=uid,
-        user=_user(uid, users) if uid >= 0 else "?",
+        user=_user(uid, users),
         name=stat.name,
         state=stat.state,
         cmdline=cmdline,
@@ -829,23 +874,13 @@ def _pids(proc_root: Path) -> list[int]:
         return sorted(int(entry.name) for entry in entries if entry.name.isdigit())
 
 
-def scan_processes(
-    targets: Iterable[Target] | TargetIndex,
-    proc_root: Path = Path("/proc"),
-    self_pid: int | None = None,
-) -> ScanResult:
-    """Read every process under ``proc_root`` once; match it against ``targets``.
+_Share = tuple[list[ProcessRecord], list[ScanProblem]]
 
-    Processes that vanish or cannot be read are listed in ``problems``; kernel threads are skipped.
-    ``self_pid`` (default: this process) is only marked, never skipped.
-    """
-    index = TargetIndex.of(targets)
-    me = os.getpid() if self_pid is None else self_pid
-    root = str(proc_root)
+
+def _scan_pids(pids: Sequence[int], root: str, index: TargetIndex, self_pid: int) -> _Share:
     problems: list[ScanProblem] = []
     records: list[ProcessRecord] = []
     users: dict[int, str] = {}
-    pids = _pids(proc_root)
     for pid in pids:
         try:
             dir_fd = os.open(f"{root}/{pid}", _O_DIRECTORY)
@@ -853,12 +888,123 @@ def scan_processes(
             problems.append(ScanProblem(pid, "directory", _reason(exc)))
             continue
         try:
-            record = _scan_one(_Process(pid, dir_fd, problems), index, me, users)
+            record = _scan_one(_Process(pid, dir_fd, problems), index, self_pid, users)
         except _Vanished:
             continue
         finally:
             os.close(dir_fd)
         if record is not None:
             records.append(record)
-    return ScanResult(processes=tuple(records), problems=tuple(problems), scanned_count=len(pids),
-                      self_pid=me)
+    return records, problems
+
+
+#: fewer processes than this are scanned in one process: a fork would cost more than it saves
+PARALLEL_THRESHOLD = 256
+MAX_WORKERS = 4
+_CHILD_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def default_workers(count: int) -> int:
+    """How many processes share a scan of ``count`` PIDs: one unless it is big and CPUs are free.
+
+    Never more than one while this process runs other threads: forking then is unsafe.
+    """
+    if count < PARALLEL_THRESHOLD or threading.active_count() > 1 or not hasattr(os, "fork"):
+        return 1
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(MAX_WORKERS, cpus))
+
+
+def _child_scan(write_fd: int, pids: Sequence[int], root: str, index: TargetIndex, self_pid: int) -> None:
+    """In a forked child: scan, send the pickled share, exit without any of the parent's cleanups."""
+    status = 1
+    try:
+        for signum in _CHILD_SIGNALS:  # not the parent's handlers (journal, lock release, ...)
+            signal.signal(signum, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _CHILD_SIGNALS)
+        data = memoryview(pickle.dumps(_scan_pids(pids, root, index, self_pid), pickle.HIGHEST_PROTOCOL))
+        while data:
+            data = data[os.write(write_fd, data) :]
+        status = 0
+    finally:
+        os._exit(status)
+
+
+def _read_pipe(read_fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(read_fd, 1 << 20):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _scan_forked(shares: list[list[int]], root: str, index: TargetIndex, self_pid: int) -> list[_Share]:
+    """The first share here, each other one in a forked child; a child that fails is redone here."""
+    children: list[tuple[int, int, list[int]]] = []  # (child pid, read end, its share)
+    leftover: list[list[int]] = [shares[0]]
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _CHILD_SIGNALS)
+    try:
+        for share in shares[1:]:
+            read_fd, write_fd = os.pipe()
+            try:
+                child = os.fork()
+            except OSError:
+                os.close(read_fd)
+                os.close(write_fd)
+                leftover.append(share)
+                continue
+            if child == 0:
+                os.close(read_fd)
+                _child_scan(write_fd, share, root, index, self_pid)
+            os.close(write_fd)
+            children.append((child, read_fd, share))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+    results = [_scan_pids(share, root, index, self_pid) for share in leftover]
+    for child, read_fd, share in children:
+        try:
+            data = _read_pipe(read_fd)
+        finally:
+            os.close(read_fd)
+            _, status = os.waitpid(child, 0)
+        done = status == 0 and data
+        results.append(pickle.loads(data) if done else _scan_pids(share, root, index, self_pid))
+    return results
+
+
+def scan_processes(
+    targets: Iterable[Target] | TargetIndex,
+    proc_root: Path = Path("/proc"),
+    self_pid: int | None = None,
+    workers: int | None = None,
+) -> ScanResult:
+    """Read every process under ``proc_root`` once; match it against ``targets``.
+
+    Processes that vanish or cannot be read are listed in ``problems``; kernel threads are skipped.
+    ``self_pid`` (default: this process) is only marked, never skipped. ``workers`` > 1 splits the PIDs
+    among that many processes (this one and forked children; default: :func:`default_workers`; always
+    one while other threads run); the result is the same either way.
+    """
+    index = TargetIndex.of(targets)
+    me = os.getpid() if self_pid is None else self_pid
+    root = str(proc_root)
+    pids = _pids(proc_root)
+    count = min(len(pids), default_workers(len(pids)) if workers is None else max(1, workers))
+    if threading.active_count() > 1:  # forking a multi-threaded process may deadlock the child
+        count = 1
+    if count <= 1:
+        records, problems = _scan_pids(pids, root, index, me)
+    else:
+        records, problems = [], []
+        for share_records, share_problems in _scan_forked(
+            [pids[i::count] for i in range(count)], root, index, me
+        ):
+            records.extend(share_records)
+            problems.extend(share_problems)
+        records.sort(key=lambda record: record.pid)
+        problems.sort(key=lambda problem: problem.pid)
+    return ScanResult(
+        processes=tuple(records), problems=tuple(problems), scanned_count=len(pids), self_pid=me
+    )

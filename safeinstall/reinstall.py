@@ -71,6 +71,7 @@ from safeinstall.state import (
 from safeinstall.survey import RunOptions, Survey, survey, systemd_for
 from safeinstall.systemd import StopOutcome, Systemd
 from safeinstall.uvplan import install as uv_install
+from safeinstall.uvplan import prefetch_command, uv_binary
 from safeinstall.verify import VerifyReport, verify_environment
 from safeinstall.wheel import Wheel, fits, read_wheel, target_tags
 
@@ -280,6 +281,26 @@ class _Run:
         return f"{len(size)} files saved in {self.backup.dir}" + (
             f"; {len(self.patched)} locally patched" if self.patched else ""
         )
+
+    def do_prefetch(self) -> str:
+        """Warm uv's cache with the new artefacts so that the install in the downtime is a copy."""
+        assert self.state is not None and self.env is not None and self.survey is not None
+        scratch = self.state.dir / f"prefetch-{self.run_id}"
+        request = self.survey.request
+        command = prefetch_command(request, uv_binary(), scratch)
+        self._log("prefetch: " + " ".join(command))
+        try:
+            result = uv_install(command, self.options.environ)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        self._log(f"uv exit {result.returncode}:\n{result.output}")
+        if result.returncode != 0:
+            tail = "\n".join(result.output.strip().splitlines()[-6:])
+            raise PlanError(
+                f"uv could not fetch or unpack the new version (exit {result.returncode}): {tail}",
+                hint="nothing was stopped; check the wheel, the index options or the network",
+            )
+        return "uv's cache holds the new version"
 
     # ------------------------------------------------------------------ 3. gate
 
@@ -654,6 +675,7 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
         with interrupts_raise():
             try:
                 run._timed("backup", run.do_backup)
+                run._timed("prefetch", run.do_prefetch)
                 run._timed("gate", run.do_gate)
                 with NvmlSession(options.environ, options.proc_root) as session:
                     baseline = session.snapshot()

@@ -50,6 +50,7 @@ class Survey:
     installed: tuple[InstalledDistribution, ...]
     target: InstalledDistribution
     wheel: Wheel | None
+    request: UvRequest
     uv_plan: UvPlan
     affected: tuple[InstalledDistribution, ...]  # installed distributions the install replaces
     scan: ScanResult
@@ -106,4 +107,4 @@ def survey(options: RunOptions, env: Environment | None = None, wheel: Wheel | N
         units=units,
         gpus=gpus,
     )
-    return Survey(env, installed, target, wheel, uv_plan, affected, scan, units, gpus, plan)
+    return Survey(env, installed, target, wheel, request, uv_plan, affected, scan, units, gpus, plan)

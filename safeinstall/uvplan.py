@@ -84,6 +84,18 @@ def install_command(request: UvRequest, uv_bin: str, dry_run: bool = False) -> l
     return cmd
 
 
+def prefetch_command(request: UvRequest, uv_bin: str, target: Path) -> list[str]:
+    """Pure: install the same artefacts into a scratch ``--target`` directory, before any stop.
+
+    This fills uv's cache (download, unpack, build), so that the install during the downtime only
+    copies files; and it proves that the artefacts can be fetched and installed at all.
+    """
+    cmd = [uv_bin, "pip", "install", "--python", str(request.python), "--target", str(target)]
+    if not request.with_deps:
+        cmd.append("--no-deps")
+    return [*cmd, *request.extra_args, requirement(request)]
+
+
 def parse_changes(text: str) -> tuple[UvChange, ...]:
     """Pure: the ``- name==1.0`` / ``+ name==2.0`` / ``+ name @ file://...`` lines of uv's output."""
     changes: list[UvChange] = []

@@ -100,6 +100,7 @@ def test_happy_path(bed: Bed) -> None:
     assert doc["command"] == "reinstall" and doc["status"] == "done" and doc["errors"] == []
     assert [s["name"] for s in doc["data"]["steps"]] == [
         "backup",
+        "prefetch",
         "gate",
         "stop",
         "gpu-release",
@@ -124,7 +125,7 @@ def test_human_output_names_every_step_and_the_downtime(bed: Bed) -> None:
     name = bed.service("human")
     result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5")
     assert result.code == 0, result.stderr
-    for step in ("backup", "gate", "stop", "gpu-release", "install", "verify", "restart"):
+    for step in ("backup", "prefetch", "gate", "stop", "gpu-release", "install", "verify", "restart"):
         assert step in result.stdout
     assert f"{name} was down for" in result.stdout and "sicext 1.0 -> 2.0" in result.stdout
 

@@ -1,0 +1,72 @@
+"""The --json contract: one versioned envelope for every command, and clear errors for bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests import wheelhouse
+from tests.clirun import run
+from tests.wheelhouse import Wheelhouse
+
+ENVELOPE = {"safeinstall_result_version", "command", "status", "exit_code", "data", "errors"}
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_verify_envelope_shape(venv: Path, wheels: Wheelhouse) -> None:
+    wheelhouse.uv_install(venv, wheels["sipure-1"])
+    doc = run("sipure", "--verify-only", "--python", str(venv), "--json").json
+    assert set(doc) == ENVELOPE and doc["safeinstall_result_version"] == 1
+    assert set(doc["data"]) == {"python", "prefix", "wheel", "distributions", "findings", "summary", "patch"}
+    assert set(doc["data"]["distributions"][0]) == {
+        "name",
+        "version",
+        "dist_info",
+        "files_checked",
+        "against",
+        "drift",
+    }
+    assert set(doc["data"]["summary"]) == {"distributions", "files_checked", "drift", "warnings"}
+
+
+def test_status_and_recover_with_nothing_to_do(tmp_path: Path) -> None:
+    env = {"SAFEINSTALL_STATE_DIR": str(tmp_path / "state"), "PATH": "/usr/bin:/bin"}
+    status = run("--status", "--json", env=env)
+    assert status.code == 0 and status.json["command"] == "status" and status.json["status"] == "idle"
+    assert status.json["data"] == {"environments": []}
+    recover = run("--recover", "--json", env=env)
+    assert recover.code == 0 and recover.json["data"] == {"recoveries": []}
+    assert run("--recover", env=env).stdout.strip() == "nothing to recover"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["sipure", "--wheel", "x.whl", "--version", "2"], "give --wheel or --version, not both"),
+        (["sipure", "--recover"], "--recover takes no PACKAGE"),
+        (["--verify-only"], "no PACKAGE given"),
+        (["sipure", "--python", "/nonexistent/python"], "no such interpreter"),
+    ],
+)
+def test_bad_input_is_an_error_line_with_a_hint(args: list[str], message: str) -> None:
+    result = run(*args)
+    assert result.code == 2
+    assert f"error: {message}" in result.stderr and "hint:" in result.stderr
+    assert "Traceback" not in result.stderr
+    doc = run(*args, "--json").json
+    assert set(doc) == ENVELOPE and doc["status"] == "error" and doc["exit_code"] == 2
+    assert message in doc["errors"][0]["message"] and doc["errors"][0]["hint"]
+
+
+def test_help_documents_exit_codes() -> None:
+    result = run("--help")
+    assert result.code == 0
+    text = " ".join(result.stdout.split())
+    for code in ("0 success", "1 drift found", "2 could not check or refused", "3 failed after services"):
+        assert code in text
+
+
+def test_recover_unit_is_shipped() -> None:
+    unit = (ROOT / "safeinstall" / "data" / "safeinstall-recover.service").read_text()
+    assert "ExecStart=/usr/local/bin/safeinstall --recover" in unit and "Before=multi-user.target" in unit
