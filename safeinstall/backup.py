@@ -636,13 +636,13 @@ def _put_back(saved: BackupFile, files_dir: Path, prefix: Path, as_root: bool) -
 def _check(manifest: BackupManifest, prefix: Path, workers: int | None) -> list[str]:
     regular = [f for f in manifest.files if f.link_target is None]
     states = observe_files(
-        [HashRequest(prefix / f.path, "sha256") for f in regular],
+        [HashRequest(str(prefix / f.path), "sha256") for f in regular],
         workers=workers,
-        sizes={prefix / f.path: f.size for f in regular},
+        sizes={str(prefix / f.path): f.size for f in regular},
     )
     mismatches: list[str] = []
     for saved in regular:
-        state = states[prefix / saved.path]
+        state = states[str(prefix / saved.path)]
         expected = encode_digest(bytes.fromhex(saved.sha256 or ""))
         if not state.is_file or state.digest != expected:
             mismatches.append(str(prefix / saved.path))

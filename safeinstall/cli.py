@@ -13,9 +13,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from safeinstall.diffs import diffs_for, patch_text
 from safeinstall.environment import inspect_environment, resolve_python
 from safeinstall.errors import ExitCode, SafeInstallError, UsageError
+from safeinstall.options import RunOptions
 from safeinstall.output import dumps, envelope, finding_json, jsonable, plan_json, run_json
-from safeinstall.recover import recover, status
-from safeinstall.reinstall import run_reinstall
 from safeinstall.render import (
     ConsoleReporter,
     make_console,
@@ -26,7 +25,6 @@ from safeinstall.render import (
     render_status,
     render_verify,
 )
-from safeinstall.survey import RunOptions, survey
 from safeinstall.verify import VerifyReport, verify_environment
 
 EXIT_CODES = (
@@ -138,6 +136,8 @@ def _run_verify(
 
 
 def _run_reinstall(options: RunOptions, as_json: bool, interactive: bool) -> None:
+    from safeinstall.reinstall import run_reinstall
+
     out, err = make_console(), make_console(stderr=True)
     result = run_reinstall(options, ConsoleReporter(out, err, quiet=as_json), interactive)
     if as_json:
@@ -149,6 +149,8 @@ def _run_reinstall(options: RunOptions, as_json: bool, interactive: bool) -> Non
 
 
 def _run_recover(python: str | None, as_json: bool) -> None:
+    from safeinstall.recover import recover
+
     recoveries = recover(os.environ, python)
     if as_json:
         data = {"recoveries": jsonable(recoveries)}
@@ -159,6 +161,8 @@ def _run_recover(python: str | None, as_json: bool) -> None:
 
 
 def _run_status(python: str | None, as_json: bool) -> None:
+    from safeinstall.recover import status
+
     found = status(os.environ, python)
     pending = any(s.needs_recovery for s in found)
     if as_json:
@@ -170,6 +174,8 @@ def _run_status(python: str | None, as_json: bool) -> None:
 
 
 def _run_dry_run(options: RunOptions, as_json: bool) -> None:
+    from safeinstall.survey import survey
+
     result = survey(options)
     plan = result.plan
     code = ExitCode.OK if plan.proceeds else ExitCode.REFUSED

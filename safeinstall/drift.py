@@ -10,7 +10,7 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from pathlib import Path, PurePath
+from pathlib import PurePath
 
 from safeinstall.hashing import FileState
 
@@ -35,7 +35,7 @@ WARNING_KINDS = frozenset({FindingKind.HARDLINKED, FindingKind.WHEEL_RECORD})
 class Expectation:
     """One file that should be installed, with what it should contain."""
 
-    location: Path
+    location: str  # absolute, normalised
     algorithm: str | None  # None: unhashed (like RECORD itself): existence is all that is checked
     digest: str | None
     size: int | None
@@ -70,7 +70,7 @@ def compare(distribution: str, expected: Expectation, state: FileState, baseline
     def finding(kind: FindingKind, detail: str) -> Finding:
         return Finding(
             distribution=distribution,
-            path=str(expected.location),
+            path=expected.location,
             kind=kind,
             detail=detail,
             baseline=baseline,
@@ -97,7 +97,7 @@ def hardlink_warning(distribution: str, state: FileState) -> Finding | None:
     if state.exists and state.is_file and state.nlink > 1:
         return Finding(
             distribution=distribution,
-            path=str(state.path),
+            path=state.path,
             kind=FindingKind.HARDLINKED,
             detail=f"{state.nlink} links: shared with uv's cache; editing it in place edits the cache "
             "too (reinstall with --link-mode copy)",

@@ -9,12 +9,14 @@ import dataclasses
 import json
 from enum import Enum
 from pathlib import PurePath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from safeinstall.drift import Finding
 from safeinstall.errors import SafeInstallError
-from safeinstall.plan import Plan
-from safeinstall.reinstall import RunResult
+
+if TYPE_CHECKING:
+    from safeinstall.plan import Plan
+    from safeinstall.reinstall import RunResult
 
 RESULT_VERSION = 1
 

@@ -57,6 +57,7 @@ from safeinstall.journal import (
     write_journal,
 )
 from safeinstall.lock import HeldLock, acquire_lock, process_start
+from safeinstall.options import RunOptions
 from safeinstall.plan import Plan, PlannedProcess, PlannedUnit
 from safeinstall.recover import restore_previous
 from safeinstall.signals import interrupts_deferred, interrupts_raise
@@ -68,7 +69,7 @@ from safeinstall.state import (
     new_run_id,
     state_root,
 )
-from safeinstall.survey import RunOptions, Survey, survey, systemd_for
+from safeinstall.survey import Survey, survey, systemd_for
 from safeinstall.systemd import StopOutcome, Systemd
 from safeinstall.uvplan import install as uv_install
 from safeinstall.uvplan import prefetch_command, uv_binary

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
@@ -11,10 +12,12 @@ from rich.table import Table
 from safeinstall.diffs import FileDiff
 from safeinstall.drift import Finding, FindingKind
 from safeinstall.errors import SafeInstallError
-from safeinstall.plan import Plan
-from safeinstall.recover import EnvironmentStatus, Recovery
-from safeinstall.reinstall import RunResult, StepOutcome
-from safeinstall.verify import VerifyReport
+
+if TYPE_CHECKING:
+    from safeinstall.plan import Plan
+    from safeinstall.recover import EnvironmentStatus, Recovery
+    from safeinstall.reinstall import RunResult, StepOutcome
+    from safeinstall.verify import VerifyReport
 
 _KIND_STYLE = {
     FindingKind.MISSING: "bold red",

@@ -5,43 +5,18 @@ Only gathering happens here; every decision is in :mod:`safeinstall.plan`.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 from safeinstall.cgroups import placement_of_proc_cgroup
 from safeinstall.distributions import InstalledDistribution, find_distribution, find_distributions
 from safeinstall.environment import Environment, inspect_environment, resolve_python
 from safeinstall.gpus import GpuSnapshot, snapshot_gpus
+from safeinstall.options import RunOptions
 from safeinstall.plan import Plan, build_plan
 from safeinstall.processes import ScanResult, load_targets, scan_processes
 from safeinstall.systemd import Systemd, UnitInfo
 from safeinstall.uvplan import UvPlan, UvRequest, dry_run
 from safeinstall.wheel import Wheel, read_wheel
-
-
-@dataclass(frozen=True, slots=True)
-class RunOptions:
-    """Everything the user asked for, as parsed by the CLI."""
-
-    package: str
-    python: str | None = None
-    wheel: Path | None = None
-    version_spec: str | None = None
-    with_deps: bool = False
-    user: bool = False
-    kill_strays: bool = False
-    extra_args: tuple[str, ...] = ()
-    stop_timeout: float | None = None  # None: each unit's own TimeoutStopSec
-    gpu_timeout: float = 120.0
-    settle: float = 5.0
-    health_url: str | None = None
-    health_timeout: float = 300.0
-    no_restart: bool = False
-    prune: bool = False
-    proc_root: Path = Path("/proc")
-    environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
 
 
 @dataclass(frozen=True, slots=True)

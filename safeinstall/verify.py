@@ -88,7 +88,7 @@ class _Plan:
 
     dist: InstalledDistribution
     expectations: tuple[Expectation, ...]
-    members: dict[Path, str]  # location -> wheel member (with --wheel)
+    members: dict[str, str]  # location -> wheel member (with --wheel)
     findings: tuple[Finding, ...]
     against: str
 
@@ -136,7 +136,7 @@ def _record_plan(
             continue
         if entry.hash is None:
             continue  # unhashed entries (RECORD itself, .pyc) are skipped, as installers do
-        expectations.append(Expectation(Path(location), entry.hash.algorithm, entry.hash.digest, entry.size))
+        expectations.append(Expectation(location, entry.hash.algorithm, entry.hash.digest, entry.size))
     return expectations, findings
 
 
@@ -154,14 +154,14 @@ def _script_expectation(wheel: Wheel, member: str, location: Path) -> Expectatio
         return None
     rest = content.split(b"\n", 1)[1] if b"\n" in content else b""
     expected = installed_first + rest
-    return Expectation(location, "sha256", digest_bytes(expected), len(expected))
+    return Expectation(str(location), "sha256", digest_bytes(expected), len(expected))
 
 
 def _wheel_plan(
     dist: InstalledDistribution, env: Environment, wheel: Wheel, containment: _Containment
-) -> tuple[list[Expectation], dict[Path, str], list[Finding]]:
+) -> tuple[list[Expectation], dict[str, str], list[Finding]]:
     expectations: list[Expectation] = []
-    members: dict[Path, str] = {}
+    members: dict[str, str] = {}
     findings: list[Finding] = []
     if dist.version != wheel.version:
         findings.append(
@@ -174,28 +174,32 @@ def _wheel_plan(
             )
         )
     signatures = {f"{wheel.dist_info}/RECORD.jws", f"{wheel.dist_info}/RECORD.p7s"}
+    other_version = dist.version != wheel.version  # then the metadata differs: the mismatch says it all
     for name, member in wheel.members.items():
         if is_installer_written(wheel, name) or name in signatures:
+            continue
+        if other_version and name.startswith(wheel.dist_info + "/"):
             continue
         location = install_location(wheel, name, env)
         if location is None:
             continue
-        members[location] = name
+        members[str(location)] = name
         expectation: Expectation | None = None
         if PurePosixPath(name).parts[:2] == (wheel.data_dir, "scripts"):
             expectation = _script_expectation(wheel, name, location)
-        expectations.append(expectation or Expectation(location, "sha256", member.sha256, member.size))
+        expectations.append(expectation or Expectation(str(location), "sha256", member.sha256, member.size))
     for problem in wheel.problems:
         findings.append(
             Finding(dist.name, problem.path, FindingKind.WHEEL_RECORD, problem.reason, baseline="wheel")
         )
     # Installed files the wheel does not have: old leftovers recorded by the installer.
-    generated_scripts = {env.scripts / script for script in wheel.console_scripts}
+    generated_scripts = {os.path.join(env.scripts, script) for script in wheel.console_scripts}
     installed_dist_info = dist.dist_info.name
     for entry, text in zip(dist.record.entries, dist.locations, strict=True):
-        location = Path(text)
         relative = PurePosixPath(entry.path)
-        if location in members or location in generated_scripts or pyc_source(relative) is not None:
+        if text in members or text in generated_scripts or pyc_source(relative) is not None:
+            continue
+        if relative.parts[:1] == (installed_dist_info,) and other_version:
             continue
         if relative.parts[:1] == (installed_dist_info,) and is_installer_written(
             wheel, f"{wheel.dist_info}/{relative.name}"
@@ -206,7 +210,7 @@ def _wheel_plan(
         findings.append(
             Finding(
                 dist.name,
-                str(location),
+                text,
                 FindingKind.EXTRA,
                 "installed, but not in the wheel",
                 baseline="wheel",

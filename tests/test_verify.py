@@ -171,6 +171,9 @@ def test_version_mismatch_against_other_wheel(env: Path, wheels: Wheelhouse) -> 
     assert doc["exit_code"] == 1
     found = {f["kind"] for f in doc["data"]["findings"]}
     assert "version-mismatch" in found and "missing" in found  # extra_v2.py is not installed
+    extra = [f for f in doc["data"]["findings"] if f["kind"] == "extra"]
+    assert [os.path.basename(f["path"]) for f in extra] == ["old.txt"]  # in v1, not in the v2 wheel
+    assert extra[0]["detail"] == "installed, but not in the wheel"
     wrong = run("sipure", "--verify-only", "--python", str(env), "--wheel", str(wheels["sicext-1"]))
     assert wrong.code == 2 and "is for sicext, not sipure" in wrong.stderr
 
