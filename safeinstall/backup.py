@@ -30,7 +30,7 @@ from typing import Any
 
 from packaging.utils import canonicalize_name
 
-from safeinstall.distributions import InstalledDistribution, find_distributions
+from safeinstall.distributions import InstalledDistribution, dist_info_dirs, find_distributions
 from safeinstall.environment import Environment
 from safeinstall.errors import SafeInstallError
 from safeinstall.hashing import HashRequest, default_workers, observe_files
@@ -504,16 +504,7 @@ def load_backup(backup_dir: Path) -> Backup:
 
 
 def _current_dist_infos(env: Environment, names: frozenset[str]) -> list[Path]:
-    found: list[Path] = []
-    for site in env.site_dirs:
-        try:
-            entries = sorted(os.scandir(site), key=lambda e: e.name)
-        except OSError:
-            continue
-        for entry in entries:
-            if dist_info_name(entry.name) in names and entry.is_dir(follow_symlinks=False):
-                found.append(Path(entry.path))
-    return found
+    return [d for d in dist_info_dirs(env) if dist_info_name(d.name) in names]
 
 
 def _record_locations(dist_info: Path) -> list[Path]:

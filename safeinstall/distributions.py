@@ -88,20 +88,29 @@ def load_distribution(dist_info: Path) -> InstalledDistribution | None:
     )
 
 
-def find_distributions(env: Environment) -> list[InstalledDistribution]:
-    """Every distribution installed in the environment's site directories, sorted by name."""
-    found: dict[str, InstalledDistribution] = {}
+def dist_info_dirs(env: Environment) -> list[Path]:
+    """Every ``*.dist-info`` directory in the environment's site directories, in scan order."""
+    found: list[Path] = []
     for site in env.site_dirs:
         try:
             children = sorted(os.scandir(site), key=lambda e: e.name)
         except OSError:
             continue
-        for child in children:
-            if not child.name.endswith(".dist-info") or not child.is_dir():
-                continue
-            dist = load_distribution(Path(child.path))
-            if dist is not None and dist.name not in found:
-                found[dist.name] = dist
+        found.extend(
+            Path(c.path)
+            for c in children
+            if c.name.endswith(".dist-info") and c.is_dir(follow_symlinks=False)
+        )
+    return found
+
+
+def find_distributions(env: Environment) -> list[InstalledDistribution]:
+    """Every distribution installed in the environment's site directories, sorted by name."""
+    found: dict[str, InstalledDistribution] = {}
+    for directory in dist_info_dirs(env):
+        dist = load_distribution(directory)
+        if dist is not None and dist.name not in found:
+            found[dist.name] = dist
     return sorted(found.values(), key=lambda d: d.name)
 
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from safeinstall.backup import Backup, load_backup, restore_backup
-from safeinstall.distributions import find_distributions
 from safeinstall.environment import Environment, inspect_environment, resolve_python
 from safeinstall.errors import RollbackFailed, SafeInstallError
 from safeinstall.gate import GATE_DROPIN, gate_marker
@@ -62,12 +61,12 @@ class EnvironmentStatus:
 
 
 def restore_previous(env: Environment, backup: Backup, wheel_path: Path | None) -> None:
-    """Put the backed-up distributions back, removing whatever (half-)install is there now."""
-    names = {d.name for d in backup.manifest.distributions}
+    """Put the backed-up distributions back, removing whatever (half-)install is there now.
+
+    :func:`restore_backup` removes what the installed ``.dist-info`` of those names list; the new
+    wheel's files are added here, for an install that died before it wrote its RECORD.
+    """
     remove: list[Path] = []
-    for dist in find_distributions(env):
-        if dist.name in names:
-            remove.extend(Path(p) for p in dist.locations)
     if wheel_path is not None and wheel_path.exists():
         try:
             wheel = read_wheel(wheel_path)
