@@ -331,7 +331,7 @@ class _Run:
 
     # ------------------------------------------------------------------ 4. stop
 
-    def do_stop(self) -> tuple[str, frozenset[int]]:
+    def do_stop(self) -> str:
         assert self.systemd is not None and self.journal is not None
         systemd = self.systemd
         units = list(self.plan.units)
@@ -353,15 +353,14 @@ class _Run:
             timeout = self._stop_timeout(next(u.stop_timeout_s for u in units if u.name == first.unit))
             raise StepFailed(f"unit {first.unit} did not stop in {timeout:g} s ({first.reason})")
         killed = self._kill_strays()
-        pids = frozenset(p.pid for p in self.plan.processes)
         leftover = _wait_gone(self.plan.processes, self._stop_timeout(90.0))
         if leftover:
             raise StepFailed(f"processes {', '.join(map(str, leftover))} still run after their units stopped")
         self._journal(Phase.STOPPED, strays_killed=list(killed))
-        detail = f"{len(units)} unit(s) stopped, {len(pids)} process(es) gone"
+        detail = f"{len(units)} unit(s) stopped, {len(self.plan.processes)} process(es) gone"
         if killed:
             detail += f"; stray PIDs {', '.join(map(str, killed))} ended (not restarted)"
-        return detail, pids
+        return detail
 
     def _stop_timeout(self, unit_timeout: float) -> float:
         if self.options.stop_timeout is not None:
@@ -394,7 +393,7 @@ class _Run:
 
     # ------------------------------------------------------------------ 5. GPU release
 
-    def do_gpu_wait(self, session: NvmlSession, baseline_pids: frozenset[int], baseline: GpuSnapshot) -> str:
+    def do_gpu_wait(self, session: NvmlSession, baseline: GpuSnapshot) -> str:
         if not session.available:
             self._journal(Phase.GPU_RELEASED, note=f"GPU check skipped: {session.reason}")
             return f"skipped: {session.reason}"
@@ -405,7 +404,8 @@ class _Run:
                 f"waiting for GPU memory ({holders})", status.waited_s, self.options.gpu_timeout
             )
 
-        status = wait_for_release(session, baseline, baseline_pids, self.options.gpu_timeout, on_poll)
+        stopped = frozenset(p.pid for p in self.plan.processes)
+        status = wait_for_release(session, baseline, stopped, self.options.gpu_timeout, on_poll)
         if status.skipped:
             self._journal(Phase.GPU_RELEASED, note=f"GPU check skipped: {status.reason}")
             return f"skipped: {status.reason}"
@@ -679,19 +679,9 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
                 run._timed("prefetch", run.do_prefetch)
                 run._timed("gate", run.do_gate)
                 with NvmlSession(options.environ, options.proc_root) as session:
-                    baseline = session.snapshot()
-                    pids_holder: dict[str, frozenset[int]] = {}
-
-                    def stop() -> str:
-                        detail, pids = run.do_stop()
-                        pids_holder["pids"] = pids
-                        return detail
-
-                    run._timed("stop", stop)
-                    run._timed(
-                        "gpu-release",
-                        lambda: run.do_gpu_wait(session, pids_holder["pids"], baseline),
-                    )
+                    baseline = session.snapshot()  # before the stop: what the processes held
+                    run._timed("stop", run.do_stop)
+                    run._timed("gpu-release", lambda: run.do_gpu_wait(session, baseline))
                 run._timed("install", run.do_install)
                 run._timed("verify", run.do_verify)
                 run._timed("restart", run.do_restart)
