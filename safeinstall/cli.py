@@ -232,6 +232,9 @@ def main_command(
     health_url: Annotated[
         str | None, typer.Option("--health-url", help="After the restart, wait until this URL answers 200.")
     ] = None,
+    health_timeout: Annotated[
+        float, typer.Option("--health-timeout", help="Seconds to wait for --health-url to answer 200.")
+    ] = 300.0,
     no_restart: Annotated[
         bool, typer.Option("--no-restart", help="Leave the units stopped after the install.")
     ] = False,
@@ -305,6 +308,7 @@ def main_command(
             gpu_timeout=gpu_timeout,
             settle=settle,
             health_url=health_url,
+            health_timeout=health_timeout,
             no_restart=no_restart,
             prune=prune,
         )

@@ -343,3 +343,62 @@ def test_vllm_shaped_unit(bed: Bed) -> None:
     new_group = bed.manager.show(name, "ControlGroup")["ControlGroup"]
     wait_until(lambda: len([p for p in cgroup_pids(new_group) if maps_so(p)]) == 2, 15, "workers back")
     assert all(maps_so(p) == bed.so.stat().st_ino for p in cgroup_pids(new_group) if maps_so(p))
+
+
+HEALTH_SERVER = """
+import http.server, sys, sicext
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+        self.wfile.write(sicext.version().encode())
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_health_url_must_answer_200(bed: Bed, tmp_path: Path) -> None:
+    server = tmp_path / "health_server.py"
+    server.write_text(HEALTH_SERVER)
+    port = _free_port()
+    name = bed.units.started("health", f"{bed.python} {server} {port}")
+    wait_until(lambda: maps_so(bed.manager.main_pid(name)) is not None, 15, "server maps the .so")
+    ok = bed.safeinstall(
+        "sicext",
+        "--wheel",
+        str(bed.wheels["sicext-2"]),
+        "--settle",
+        "0.5",
+        "--health-url",
+        f"http://127.0.0.1:{port}/health",
+        "--json",
+    )
+    assert ok.code == 0, ok.stdout + ok.stderr
+    restart = next(s for s in ok.json["data"]["steps"] if s["name"] == "restart")
+    assert f"http://127.0.0.1:{port}/health answers 200" in restart["detail"]
+    # A URL that never answers 200 fails the restart: rolled back to what was there (2.0 now).
+    bad = bed.safeinstall(
+        "sicext",
+        "--wheel",
+        str(bed.wheels["sicext-1"]),
+        "--settle",
+        "0.5",
+        "--health-url",
+        f"http://127.0.0.1:{port}/missing",
+        "--health-timeout",
+        "2",
+        "--json",
+    )
+    assert bad.code == 3, bad.stdout + bad.stderr
+    assert "did not answer 200 within 2 s (last: HTTP 404)" in bad.json["errors"][0]["message"]
+    wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running again")
+    assert bed.installed_version() == "2.0"
