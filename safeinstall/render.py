@@ -207,7 +207,7 @@ class ConsoleReporter:
 
     def confirm(self, plan: Plan) -> bool:
         render_plan(self.out, self.err, plan)
-        answer = self.err.input("stop these units and reinstall? [y/N] ")
+        answer = self.err.input("stop these units and reinstall? \\[y/N] ")
         return answer.strip().lower() in ("y", "yes")
 
 

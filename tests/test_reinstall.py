@@ -19,7 +19,7 @@ import pytest
 from tests import wheelhouse
 from tests.bed_nvml import FakeNvml
 from tests.bed_systemd import Units, UserManager, cgroup_pids, wait_until
-from tests.clirun import Result, run
+from tests.clirun import SAFEINSTALL, Result, run
 from tests.wheelhouse import Wheelhouse
 
 GiB = 1024**3
@@ -402,3 +402,32 @@ def test_health_url_must_answer_200(bed: Bed, tmp_path: Path) -> None:
     assert "did not answer 200 within 2 s (last: HTTP 404)" in bad.json["errors"][0]["message"]
     wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running again")
     assert bed.installed_version() == "2.0"
+
+
+def test_interactive_run_shows_the_plan_and_asks_first(bed: Bed) -> None:
+    """On a terminal, the plan is shown and nothing is stopped without a yes."""
+    import pty
+
+    name = bed.service("ask")
+    main = bed.manager.main_pid(name)
+    master, slave = pty.openpty()
+    try:
+        args = ["--user", "--python", str(bed.python), "sicext", "--wheel", str(bed.wheels["sicext-2"])]
+        proc = subprocess.Popen(
+            [SAFEINSTALL, *args],
+            stdin=slave,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**bed.environ(), "COLUMNS": "200"},
+            text=True,
+        )
+        os.write(master, b"n\n")
+        out, err = proc.communicate(timeout=120)
+    finally:
+        os.close(master)
+        os.close(slave)
+    assert proc.returncode == 2, out + err
+    assert "units that would be stopped" in out and name in out
+    assert "stop these units and reinstall? [y/N]" in err
+    assert "nothing done (not confirmed)" in out
+    assert bed.manager.main_pid(name) == main and bed.installed_version() == "1.0"
