@@ -320,23 +320,9 @@ def write_journal(envdir: Path, journal: Journal) -> None:
         ) from exc
 
 
-def start_journal(
-    envdir: Path,
-    run_id: str,
-    pid: int,
-    process_start: int | None,
-    python: str,
-    prefix: str,
-    package: str,
-    wheel: str | None,
-    uv_command: Sequence[str],
-    units: Iterable[JournalUnit] = (),
-    note: str = "",
-    now: datetime | None = None,
-) -> Journal:
-    """Write a new journal (phase ``planned``) and return it; refuse while a previous run's is there.
-
-    Call it holding the environment's lock.
+def start_journal(envdir: Path, journal: Journal) -> Journal:
+    """Write a new run's journal (see :func:`new_journal`) and return it; refuse while a previous
+    run's is there. Call it holding the environment's lock.
     """
     previous = read_journal(envdir)
     if previous is not None:
@@ -345,9 +331,6 @@ def start_journal(
             f"its journal {journal_path(envdir)} is in phase {previous.phase}",
             hint="run safeinstall --recover to put that run's changes back (or finish them) first",
         )
-    journal = new_journal(
-        run_id, pid, process_start, python, prefix, package, wheel, uv_command, units, note, now
-    )
     write_journal(envdir, journal)
     return journal
 

@@ -53,6 +53,7 @@ from safeinstall.journal import (
     Phase,
     advance,
     clear_journal,
+    new_journal,
     start_journal,
     write_journal,
 )
@@ -243,15 +244,17 @@ class _Run:
         ]
         self.journal = start_journal(
             self.state.dir,
-            self.run_id,
-            os.getpid(),
-            process_start(os.getpid()),
-            str(self.env.python),
-            str(self.env.prefix),
-            self.plan.package,
-            str(self.wheel.path) if self.wheel else None,
-            self.plan.uv_command,
-            units,
+            new_journal(
+                self.run_id,
+                os.getpid(),
+                process_start(os.getpid()),
+                str(self.env.python),
+                str(self.env.prefix),
+                self.plan.package,
+                str(self.wheel.path) if self.wheel else None,
+                self.plan.uv_command,
+                units,
+            ),
         )
         self._log("plan: " + " ".join(self.plan.uv_command))
 

@@ -148,7 +148,7 @@ def test_from_dict_rejects_wrong_types() -> None:
 
 def test_start_refuses_while_a_previous_journal_is_there_and_clear(tmp_path: Path) -> None:
     def start() -> Journal:
-        return start_journal(tmp_path, "r1", 1, None, "/p", "/v", "x", None, ["uv"])
+        return start_journal(tmp_path, new_journal("r1", 1, None, "/p", "/v", "x", None, ["uv"]))
 
     started = start()
     assert read_journal(tmp_path) == started and started.phase == Phase.PLANNED
