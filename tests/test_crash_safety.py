@@ -229,6 +229,70 @@ def test_simulated_reboot_mid_install(
         stop_user_manager(manager)
 
 
+def test_shipped_recover_unit_finishes_the_run_at_boot(
+    venv: Path, wheels: Wheelhouse, big_wheel: Path, tmp_path: Path, fake_nvml: FakeNvml
+) -> None:
+    """The same power loss, with safeinstall-recover.service (as shipped, plus a drop-in that points
+    it at this checkout and this state directory) enabled: at boot it recovers, and the gated unit
+    comes up on a consistent package without anyone typing anything."""
+    wheelhouse.uv_install(venv, wheels["sicext-1"])
+    base = tmp_path / "machine"
+    base.mkdir()
+    manager = start_user_manager(base)
+    bed = Bed(venv, tmp_path / "state", manager, fake_nvml, wheels)
+    before = _patch(bed)
+    shipped = Path(__file__).resolve().parent.parent / "safeinstall" / "data" / "safeinstall-recover.service"
+    recover_unit = "safeinstall-recover.service"
+    (manager.unit_dir / recover_unit).write_text(shipped.read_text())
+    dropin = manager.unit_dir / f"{recover_unit}.d"
+    dropin.mkdir()
+    environment = " ".join(
+        f'"{k}={v}"' for k, v in {**fake_nvml.env, "SAFEINSTALL_STATE_DIR": str(bed.state)}.items()
+    )
+    (dropin / "test.conf").write_text(
+        f"[Service]\nExecStart=\nExecStart={SAFEINSTALL} --recover\nEnvironment={environment}\n"
+    )
+    wants = manager.unit_dir / "default.target.wants"
+    wants.mkdir(exist_ok=True)
+    (wants / recover_unit).symlink_to(manager.unit_dir / recover_unit)
+    try:
+        name = bed.unit("boot", enable=True)
+        proc = bed.start_run("sicext", "--wheel", str(big_wheel), "--settle", "1")
+        try:
+            bed.wait_phase(proc, "installing")
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            proc.communicate()
+            manager.process.send_signal(signal.SIGKILL)
+            manager.process.wait()
+            stop_user_manager(manager)
+        manager = start_user_manager(base)
+        bed.manager = manager
+        wait_until(lambda: manager.active_state(name) == "active", 60, "unit started by the recover service")
+        wait_until(
+            lambda: (
+                manager.show(recover_unit, "Result")["Result"] == "success"
+                and manager.active_state(recover_unit) == "inactive"
+            ),
+            60,
+            "the recover service to finish",
+        )
+        # gated at boot, started only by the recovery: its main process began after the service did
+        unit_start = int(
+            manager.show(name, "ExecMainStartTimestampMonotonic")["ExecMainStartTimestampMonotonic"]
+        )
+        recover_start = int(
+            manager.show(recover_unit, "ExecMainStartTimestampMonotonic")["ExecMainStartTimestampMonotonic"]
+        )
+        assert unit_start > recover_start > 0
+        bed.consistent(before, big_wheel)
+        bed.no_trace()
+    finally:
+        manager.systemctl("disable", *bed.units, check=False)
+        stop_user_manager(manager)
+
+
 def test_two_runs_at_once(bed: Bed) -> None:
     name = bed.unit("two")
     main = bed.manager.main_pid(name)
