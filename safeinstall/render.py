@@ -7,6 +7,7 @@ from collections import Counter, defaultdict
 from typing import TYPE_CHECKING
 
 from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskID, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from safeinstall.diffs import FileDiff
@@ -176,15 +177,19 @@ _STEP_MARK = {"ok": "[green]ok[/]", "failed": "[bold red]FAILED[/]", "skipped": 
 
 
 class ConsoleReporter:
-    """Step lines on stdout, progress and notes on stderr; asks before stopping anything."""
+    """Step lines on stdout; a rich progress display for slow steps and notes on stderr; asks before
+    stopping anything."""
 
     def __init__(self, out: Console, err: Console, quiet: bool = False) -> None:
         self.out = out
         self.err = err
         self.quiet = quiet
-        self._last_progress = 0.0
+        self._progress: Progress | None = None
+        self._tasks: dict[str, TaskID] = {}
+        self._last_line = time.monotonic()
 
     def step(self, outcome: StepOutcome) -> None:
+        self._end_progress()
         if self.quiet:
             return
         mark = _STEP_MARK.get(outcome.status, outcome.status)
@@ -193,14 +198,36 @@ class ConsoleReporter:
         )
 
     def progress(self, what: str, done: float | None, total: float | None) -> None:
-        if self.quiet or not self.err.is_terminal:
+        """Slow work (the backup's bytes, the GPU wait's seconds): a transient bar on a terminal."""
+        if self.quiet:
             return
-        now = time.monotonic()
-        if now - self._last_progress < 1.0:
+        if not self.err.is_terminal:  # logs and scripts: a plain line every few seconds
+            now = time.monotonic()
+            if now - self._last_line >= 5.0:
+                self._last_line = now
+                amount = "" if done is None else f" {done:.0f}" + (f"/{total:.0f}" if total else "")
+                self.err.print(f"{what}{amount}", soft_wrap=True, highlight=False)
             return
-        self._last_progress = now
-        amount = "" if done is None else f" {done:.0f}/{total:.0f}" if total else f" {done:.0f}"
-        self.err.print(f"[dim]{what}{amount}[/]")
+        if self._progress is None:
+            self._progress = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                TaskProgressColumn(),
+                TimeElapsedColumn(),
+                console=self.err,
+                transient=True,
+            )
+            self._progress.start()
+        key = what.split(" (", 1)[0]
+        if key not in self._tasks:
+            self._tasks[key] = self._progress.add_task(what, total=total)
+        self._progress.update(self._tasks[key], description=what, completed=done or 0, total=total)
+
+    def _end_progress(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+            self._tasks.clear()
 
     def note(self, text: str) -> None:
         self.err.print(f"[yellow]note:[/] {text}", soft_wrap=True)
