@@ -325,3 +325,15 @@ def main() -> None:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    except Exception as exc:  # a bug: still one error line, not a traceback (SAFEINSTALL_DEBUG=1 shows it)
+        if os.environ.get("SAFEINSTALL_DEBUG"):
+            raise
+        render_error(
+            make_console(stderr=True),
+            SafeInstallError(
+                f"internal error: {type(exc).__name__}: {exc}",
+                hint="nothing more was changed; safeinstall --status shows whether a run needs recovery. "
+                "Rerun with SAFEINSTALL_DEBUG=1 for the traceback and report it",
+            ),
+        )
+        sys.exit(int(ExitCode.REFUSED))

@@ -688,7 +688,10 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
                 run._timed("install", run.do_install)
                 run._timed("verify", run.do_verify)
                 run._timed("restart", run.do_restart)
-            except SafeInstallError as error:
+            except Exception as exc:  # any failure once the run started rolls back, bugs included
+                error = (
+                    exc if isinstance(exc, SafeInstallError) else StepFailed(f"{type(exc).__name__}: {exc}")
+                )
                 outcome = run.rollback(error)
                 status = "rollback-failed" if isinstance(outcome, RollbackFailed) else "rolled-back"
                 return _result(run, status, outcome.exit_code, outcome)
