@@ -1,7 +1,9 @@
 """Observe installed files: stat them and hash them, streaming and in parallel.
 
-The one place that reads file contents for verification. Files are hashed in chunks by
-``hashlib.file_digest`` (which releases the GIL while hashing), largest first, on a thread pool.
+The one place that reads file contents for verification. Each file is opened once (symlinks are not
+followed, FIFOs never block). Large files stream through ``hashlib.file_digest`` on worker threads,
+largest first (hashlib releases the GIL on large buffers); small ones are read whole on the calling
+thread at the same time.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import stat
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from safeinstall.records import encode_digest
 
@@ -149,9 +150,3 @@ def observe_files(
     for thread in threads:
         thread.join()
     return results
-
-
-def hash_bytes_of(path: Path, algorithm: str = "sha256") -> str:
-    """One file's digest in RECORD spelling (streaming)."""
-    with open(path, "rb", buffering=0) as handle:
-        return encode_digest(hashlib.file_digest(handle, algorithm).digest())

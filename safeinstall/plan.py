@@ -73,10 +73,6 @@ class Plan:
     def proceeds(self) -> bool:
         return not self.refusals
 
-    @property
-    def stray_pids(self) -> tuple[int, ...]:
-        return tuple(p.pid for p in self.strays)
-
 
 def affected_distributions(
     uv_plan: UvPlan, installed: Mapping[str, str], package: str, wheel_version: str | None

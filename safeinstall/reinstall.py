@@ -174,11 +174,6 @@ class _Run:
         self.steps.append(outcome)
         self.reporter.step(outcome)
 
-    def _skip(self, name: str, detail: str) -> None:
-        outcome = StepOutcome(name, "skipped", 0.0, detail)
-        self.steps.append(outcome)
-        self.reporter.step(outcome)
-
     def _journal(self, phase: Phase, note: str = "", **changes: Any) -> None:
         assert self.journal is not None and self.state is not None
         self.journal = advance(self.journal, phase, note, **changes)

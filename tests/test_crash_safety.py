@@ -190,6 +190,16 @@ def test_sigkill_at_step_boundary_then_recover(
     assert bed.cli("--status", "--json").json["status"] == "idle"
 
 
+def _power_loss(proc: subprocess.Popen[str], manager: UserManager) -> None:
+    """SIGKILL safeinstall (uv dies with it), the manager, and what is left in its cgroup (our units)."""
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    proc.communicate()
+    manager.process.send_signal(signal.SIGKILL)
+    manager.process.wait()
+    stop_user_manager(manager)
+
+
 def test_simulated_reboot_mid_install(
     venv: Path, wheels: Wheelhouse, big_wheel: Path, tmp_path: Path, fake_nvml: FakeNvml
 ) -> None:
@@ -207,12 +217,7 @@ def test_simulated_reboot_mid_install(
         try:
             bed.wait_phase(proc, "installing")
         finally:
-            proc.send_signal(signal.SIGKILL)  # power loss: safeinstall, uv, the manager, its units
-            proc.wait()
-            proc.communicate()
-            manager.process.send_signal(signal.SIGKILL)
-            manager.process.wait()
-            stop_user_manager(manager)  # kills what is left in its cgroup (our units) by PID
+            _power_loss(proc, manager)
         manager = start_user_manager(base)  # "boot": same unit files and drop-ins, fresh runtime dir
         bed.manager = manager
         assert manager.show(name, "UnitFileState")["UnitFileState"] == "enabled"
@@ -261,12 +266,7 @@ def test_shipped_recover_unit_finishes_the_run_at_boot(
         try:
             bed.wait_phase(proc, "installing")
         finally:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-            proc.communicate()
-            manager.process.send_signal(signal.SIGKILL)
-            manager.process.wait()
-            stop_user_manager(manager)
+            _power_loss(proc, manager)
         manager = start_user_manager(base)
         bed.manager = manager
         wait_until(lambda: manager.active_state(name) == "active", 60, "unit started by the recover service")
