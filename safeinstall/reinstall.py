@@ -381,11 +381,11 @@ class _Run:
                 killed.append(stray.pid)
             except psutil.Error:
                 continue
-        _gone, alive = psutil.wait_procs(procs, timeout=10)
+        alive = _wait_exited(procs, timeout=10)
         for proc in alive:
             with contextlib.suppress(psutil.Error):
                 proc.kill()
-        psutil.wait_procs(alive, timeout=10)
+        _wait_exited(alive, timeout=10)
         self.strays_killed = tuple(killed)
         return self.strays_killed
 
@@ -597,12 +597,31 @@ def _same_process(planned: PlannedProcess) -> psutil.Process | None:
     return proc
 
 
+def _running(proc: psutil.Process) -> bool:
+    """Alive and not a zombie: a zombie holds no files, no mappings, no GPU memory."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _wait_exited(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait until every process has exited (zombies count as exited); those still running.
+
+    Not ``psutil.wait_procs``: for processes that are not our children it waits on ``is_running()``,
+    which stays true for a zombie whose parent has not reaped it, i.e. until the timeout.
+    """
+    deadline = time.monotonic() + timeout
+    alive = [p for p in procs if _running(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.02)
+        alive = [p for p in alive if _running(p)]
+    return alive
+
+
 def _wait_gone(processes: tuple[PlannedProcess, ...], timeout: float) -> list[int]:
     procs = [p for p in (_same_process(planned) for planned in processes) if p is not None]
-    if not procs:
-        return []
-    _gone, alive = psutil.wait_procs(procs, timeout=timeout)
-    return [p.pid for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    return [p.pid for p in _wait_exited(procs, timeout)]
 
 
 def _check_wheel(wheel: Wheel, package: str, env: Environment) -> None:
