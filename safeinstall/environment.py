@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from safeinstall import children
 from safeinstall.errors import InterpreterError
 
 _PROBE = r"""
@@ -101,13 +102,10 @@ def resolve_python(given: str | None, environ: Mapping[str, str]) -> Path:
 def inspect_environment(python: Path, timeout: float = 30.0) -> Environment:
     """Ask ``python`` (isolated, empty environment) for its installation paths."""
     try:
-        proc = subprocess.run(
+        proc = children.run(
             [str(python), "-I", "-c", _PROBE],
             env={"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"},
-            capture_output=True,
-            text=True,
             timeout=timeout,
-            check=False,
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise InterpreterError(

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from safeinstall import children
 from safeinstall.errors import SystemdError
 
 #: Properties :meth:`Systemd.show` asks for, in one ``systemctl show`` call.
@@ -336,13 +337,8 @@ class Systemd:
         command = " ".join(argv)
         env = self._env()
         try:
-            proc = subprocess.run(
-                argv,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=self.call_timeout_s if timeout_s is None else timeout_s,
-                check=False,
+            proc = children.run(
+                argv, env=env, timeout=self.call_timeout_s if timeout_s is None else timeout_s
             )
         except FileNotFoundError as exc:
             raise SystemdError(

@@ -18,6 +18,7 @@ from pathlib import Path
 import uv
 from packaging.utils import canonicalize_name
 
+from safeinstall import children
 from safeinstall.errors import PlanError
 
 _CHANGE = re.compile(r"^\s*(?P<sign>[-+~])\s+(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)(?P<rest>.*)$")
@@ -131,13 +132,8 @@ def dry_run(request: UvRequest, environ: Mapping[str, str] | None = None, timeou
     uv_bin = uv_binary()
     cmd = install_command(request, uv_bin, dry_run=True)
     try:
-        proc = subprocess.run(
-            cmd,
-            env=uv_environment(os.environ if environ is None else environ),
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
+        proc = children.run(
+            cmd, env=uv_environment(os.environ if environ is None else environ), timeout=timeout
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise PlanError(f"uv did not answer: {exc}", hint="check that uv runs: " + uv_bin) from exc
@@ -161,15 +157,14 @@ class UvResult:
 def install(
     command: Sequence[str], environ: Mapping[str, str] | None = None, timeout: float = 3600
 ) -> UvResult:
-    """Run the install; the caller logs the command and the output."""
+    """Run the install; the caller logs the command and the output.
+
+    uv never outlives the run (:mod:`safeinstall.children`): interrupted, it is killed and reaped before
+    the rollback starts; if safeinstall is killed, uv dies with it.
+    """
     try:
-        proc = subprocess.run(
-            list(command),
-            env=uv_environment(os.environ if environ is None else environ),
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
+        proc = children.run(
+            command, env=uv_environment(os.environ if environ is None else environ), timeout=timeout
         )
     except subprocess.TimeoutExpired as exc:
         return UvResult(tuple(command), -1, f"uv did not finish in {timeout:.0f} s: {exc}")

@@ -5,6 +5,7 @@ Step boundaries are found from the outside, by reading the run's journal, never 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -100,20 +101,34 @@ class Bed:
             time.sleep(0.002)
         raise AssertionError(f"no journal phase {phases} within {timeout} s (last: {self.journal()})")
 
+    def installers(self) -> list[int]:
+        """PIDs of uv processes installing into this venv (there must be none once the run is gone)."""
+        venv = str(self.python.parent.parent).encode()
+        found = []
+        for entry in Path("/proc").iterdir():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if entry.name.isdigit() and b"install" in argv and any(a.startswith(venv) for a in argv):
+                found.append(int(entry.name))
+        return found
+
     def version(self) -> str:
         out = subprocess.run(
             [str(self.python), "-c", "import sicext; print(sicext.version())"], capture_output=True, text=True
         )
         return out.stdout.strip()
 
-    def snapshot(self) -> dict[str, bytes]:
+    def snapshot(self) -> dict[str, str]:
+        """Every file of the package (bytecode aside) and its sha256: small enough for pytest to diff."""
         return {
-            str(p): p.read_bytes()
+            str(p): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in (self.site / "sicext").rglob("*")
             if p.is_file() and "__pycache__" not in p.parts
         }
 
-    def consistent(self, before: dict[str, bytes], wheel: Path) -> str:
+    def consistent(self, before: dict[str, str], wheel: Path) -> str:
         """Either exactly the old bytes (local patch included), or the new version verified."""
         version = self.version()
         if version == "1.0":
@@ -144,7 +159,7 @@ def bed(
         user_manager.remove_unit(name)
 
 
-def _patch(bed: Bed) -> dict[str, bytes]:
+def _patch(bed: Bed) -> dict[str, str]:
     target = bed.site / "sicext" / "serve.py"
     target.write_text(target.read_text() + "# local hotfix\n")
     return bed.snapshot()
@@ -170,11 +185,21 @@ def test_sigkill_at_step_boundary_then_recover(
     proc = bed.start_run("sicext", "--wheel", str(big_wheel), "--settle", "1")
     try:
         bed.wait_phase(proc, *phases)
+        if boundary == "during-install":  # uv itself is running, not only the journal's phase
+            wait_until(lambda: bool(bed.installers()), 30, "uv installing", interval=0.002)
+            for pid in bed.installers():  # frozen mid-install: only its death signal can end it now
+                os.kill(pid, signal.SIGSTOP)
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.wait()
         proc.communicate()
+    try:
+        # uv dies with safeinstall (PR_SET_PDEATHSIG): no install goes on under the recovery
+        wait_until(lambda: not bed.installers(), 10, "no uv process left installing")
+    finally:
+        for pid in bed.installers():
+            os.kill(pid, signal.SIGKILL)
     status = bed.cli("--status", "--json").json
     assert status["status"] == "needs-recovery", status
     recovered = bed.cli("--recover", "--json")

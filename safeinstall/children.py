@@ -1,0 +1,130 @@
+"""Child processes (uv, systemctl, the target interpreter), started so that none escapes the run.
+
+``subprocess.run`` leaves two gaps that matter to a tool that rolls back:
+
+* A SIGINT/SIGTERM handler that raises (:mod:`safeinstall.signals`) can run inside ``Popen()``
+  after the fork but before the child is known to the caller; then nobody kills or reaps the child,
+  and an interrupted run rolls back while uv goes on writing into site-packages. Here the spawn is a
+  critical section: a signal that arrives during it is held back and handled as soon as the child
+  is known, and the child is then killed and reaped before the interruption goes on.
+* When safeinstall itself is killed (SIGKILL, the OOM killer), its children live on: an orphaned uv
+  would finish (or half-finish) an install while ``safeinstall --recover`` restores the backup.
+  Every child gets the parent-death signal SIGKILL (``prctl(PR_SET_PDEATHSIG)``), so it dies with
+  the run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from types import FrameType
+
+_PR_SET_PDEATHSIG = 1
+_HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+_Handler = Callable[[int, FrameType | None], object] | int | None
+
+
+def _find_prctl() -> Callable[[int, int], int] | None:
+    try:
+        prctl: Callable[[int, int], int] = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux (or no libc symbol): children just cannot follow us
+        return None
+    return prctl
+
+
+#: Resolved once, before any fork: the child only calls it.
+_PRCTL = _find_prctl()
+
+
+def _die_with(parent: int) -> Callable[[], None]:
+    """The code the child runs between fork and exec: SIGKILL when ``parent`` dies."""
+    prctl = _PRCTL
+    kill = int(signal.SIGKILL)
+
+    def in_child() -> None:
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, kill)
+        if os.getppid() != parent:  # the parent died before prctl: no signal would come
+            os._exit(255)
+
+    return in_child
+
+
+def _hold(held: list[int]) -> dict[int, _Handler]:
+    """Record SIGINT/SIGTERM in ``held`` instead of handling them; the handlers to put back.
+
+    Only the main thread can change handlers, and only there do handlers run: elsewhere this is a
+    no-op (a signal then interrupts the main thread, not this spawn).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def record(signum: int, _frame: FrameType | None) -> None:
+        held.append(signum)
+
+    previous: dict[int, _Handler] = {}
+    for sig in _HELD_SIGNALS:
+        previous[sig] = signal.signal(sig, record)
+    return previous
+
+
+def _release(previous: dict[int, _Handler], held: list[int]) -> None:
+    """Put the handlers back, then deliver what was held back (the handler may raise here)."""
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+    for signum in dict.fromkeys(held):
+        signal.raise_signal(signum)
+
+
+def _reap(proc: subprocess.Popen[str]) -> None:
+    """Kill ``proc`` and wait for it, whatever arrives meanwhile (SIGKILL makes this short)."""
+    proc.kill()
+    while True:
+        try:
+            proc.wait()
+            return
+        except BaseException:
+            continue
+
+
+def run(
+    argv: Sequence[str], *, env: Mapping[str, str], timeout: float | None
+) -> subprocess.CompletedProcess[str]:
+    """Like ``subprocess.run(argv, capture_output=True, text=True)``, without the gaps above.
+
+    Raises ``subprocess.TimeoutExpired`` (the child killed and reaped) and ``OSError`` (it could not
+    start) as ``subprocess.run`` does; an exception from a signal handler propagates once the child is
+    gone.
+    """
+    command = list(argv)
+    held: list[int] = []
+    previous = _hold(held)
+    try:
+        proc = subprocess.Popen(
+            command,
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=_die_with(os.getpid()),
+        )
+    except BaseException:
+        _release(previous, held)
+        raise
+    try:
+        _release(previous, held)  # a signal held back during the spawn is handled now: the child is known
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except BaseException:
+        _reap(proc)
+        raise
+    finally:
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
