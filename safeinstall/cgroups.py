@@ -29,6 +29,9 @@ class CgroupPlacement:
     unit: str | None  # the service the process belongs to, e.g. "vllm.service"; None: a stray
     scope: str | None  # for a stray: the deepest scope it sits in, e.g. "session-3.scope"
     user_manager_uid: int | None  # the unit (or scope) is inside user@UID.service: that UID
+    #: the unit's own cgroup, e.g. "/system.slice/vllm.service": two processes share a unit only when
+    #: this is equal (two managers may each run a "vllm.service"); None for a stray
+    unit_path: str | None = None
 
     @property
     def is_stray(self) -> bool:
@@ -77,19 +80,28 @@ def _split(path: str) -> list[str]:
     return [unescape_component(part) for part in path.split("/") if part]
 
 
-def _innermost(components: list[str], suffix: str) -> str | None:
-    for component in reversed(components):
+def _innermost(components: list[str], suffix: str, start: int) -> int | None:
+    """Index of the deepest component at or after ``start`` named ``*suffix``."""
+    for index in range(len(components) - 1, start - 1, -1):
+        component = components[index]
         if component.endswith(suffix) and len(component) > len(suffix):
-            return component
+            return index
     return None
 
 
-def _owner(components: list[str]) -> tuple[str | None, str | None]:
-    """(unit, scope) for a path below one manager: the deepest service wins over any scope."""
-    unit = _innermost(components, ".service")
+def _placement(path: str, components: list[str], start: int, uid: int | None) -> CgroupPlacement:
+    """The owner of ``path`` below one manager (from ``components[start]`` on): the deepest service
+    wins over any scope."""
+    unit = _innermost(components, ".service", start)
     if unit is not None:
-        return unit, None
-    return None, _innermost(components, ".scope")
+        return CgroupPlacement(path, components[unit], None, uid, _prefix(path, unit))
+    scope = _innermost(components, ".scope", start)
+    return CgroupPlacement(path, None, None if scope is None else components[scope], uid)
+
+
+def _prefix(path: str, index: int) -> str:
+    """The raw (escaped) cgroup path up to and including component ``index``."""
+    return "/" + "/".join([part for part in path.split("/") if part][: index + 1])
 
 
 def placement_of_path(path: str) -> CgroupPlacement:
@@ -102,11 +114,9 @@ def placement_of_path(path: str) -> CgroupPlacement:
         below = components[index + 1 :]
         if not below or below == ["init.scope"]:
             # the user manager's own processes: part of the system unit user@UID.service
-            return CgroupPlacement(path=path, unit=components[index], scope=None, user_manager_uid=None)
-        unit, scope = _owner(below)
-        return CgroupPlacement(path=path, unit=unit, scope=scope, user_manager_uid=int(match.group(1)))
-    unit, scope = _owner(components)
-    return CgroupPlacement(path=path, unit=unit, scope=scope, user_manager_uid=None)
+            return CgroupPlacement(path, components[index], None, None, _prefix(path, index))
+        return _placement(path, components, index + 1, int(match.group(1)))
+    return _placement(path, components, 0, None)
 
 
 def placement_of_proc_cgroup(text: str) -> CgroupPlacement:

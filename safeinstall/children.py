@@ -69,6 +69,8 @@ def _hold(held: list[int]) -> dict[int, _Handler]:
 
     previous: dict[int, _Handler] = {}
     for sig in _HELD_SIGNALS:
+        if signal.getsignal(sig) is None:  # a handler installed outside Python: cannot be put back
+            continue
         previous[sig] = signal.signal(sig, record)
     return previous
 

@@ -161,22 +161,24 @@ def build_plan(
     placements = {p.pid: placement_of_proc_cgroup(p.cgroup_text) for p in scan.processes}
     live = [p for p in scan.processes if not p.is_self and p.state != "Z"]
     affected = [p for p in live if p.affected]
-    affected_units = {placements[p.pid].unit for p in affected} - {None}
+    # a unit is its cgroup, not its name: another manager may run a unit of the same name
+    affected_units = {placements[p.pid].unit_path for p in affected} - {None}
     held = _gpu_bytes(gpus)
     processes: list[PlannedProcess] = []
     for record in live:
         placement = placements[record.pid]
         if record.affected:
             processes.append(_planned(record, placement, (), held))
-        elif placement.unit in affected_units:
+        elif placement.unit_path in affected_units:
             processes.append(_planned(record, placement, (EvidenceKind.UNIT.value,), held))
     strays = tuple(p for p in processes if p.unit is None)
     planned_units: list[PlannedUnit] = []
     refusals: list[str] = []
-    for unit in sorted(u for u in affected_units if u):
-        info = units.get(unit)
-        members = tuple(p.pid for p in processes if p.unit == unit)
+    for unit_path in sorted(u for u in affected_units if u):
+        members = tuple(p.pid for p in processes if placements[p.pid].unit_path == unit_path)
         example = placements[members[0]]
+        unit = example.unit or unit_path
+        info = units.get(unit)
         refusal = _unit_refusal(unit, info, user, example)
         if refusal:
             refusals.append(refusal)

@@ -7,7 +7,12 @@ pre-indexed :class:`Target` descriptions of the affected distributions, and each
 
 * ``mapped`` - a file of the distribution is mapped (``maps``), matched by device and inode, or by path
   (overlayfs may show another device/inode). ``(deleted)`` means the process runs code that is no
-  longer installed; those are matched by path only, since the inode may have been reused;
+  longer installed; those are matched by path only, since the inode may have been reused. A match by
+  inode alone, under another path, counts when that path's directory (seen through the process's own
+  root) is one of the distribution's directories: a bind mount or a container's view of this
+  environment. Another directory means a hardlink twin (uv links every environment it installs a
+  wheel into to the same cache inodes): a process of *another* environment, which a reinstall here
+  does not touch, so it is not evidence;
 * ``open`` - an open file descriptor points at one of its files or into its package directories;
 * ``argv`` - the command line runs one of its console scripts, or ``-m module`` with an interpreter of
   the target environment.
@@ -28,7 +33,7 @@ import pwd
 import re
 import signal
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -87,6 +92,9 @@ class Target:
     console_scripts: frozenset[str]  # absolute paths of its scripts
     modules: frozenset[str]  # import names that ``python -m`` may run (``pkg``, ``ns.sub``, ``mod``)
     interpreters: frozenset[str]  # the environment's interpreter paths
+    #: (st_dev, st_ino) of the directories holding its files: tells a bind mount of this environment
+    #: (same directory) from a hardlink twin in another one (another directory)
+    directory_ids: frozenset[tuple[int, int]] = frozenset()
 
 
 def _is_dotted_identifier(parts: Iterable[str]) -> bool:
@@ -176,6 +184,7 @@ def build_target(
     others: Iterable[InstalledDistribution] = (),
     extra_interpreters: Iterable[str] = (),
     aliases: Iterable[str] = (),
+    directory_ids: Iterable[tuple[int, int]] = (),
 ) -> Target:
     """Describe ``dist`` (installed in ``env``) for the scan. Pure: what needs I/O comes from the caller.
 
@@ -213,6 +222,7 @@ def build_target(
         console_scripts=scripts,
         modules=frozenset(modules),
         interpreters=_interpreter_names(env) | frozenset(extra_interpreters),
+        directory_ids=frozenset(directory_ids),
     )
 
 
@@ -236,6 +246,18 @@ def probe_files(paths: Iterable[str]) -> tuple[frozenset[tuple[int, int]], froze
     return frozenset(ids), frozenset(aliases)
 
 
+def probe_directories(paths: Iterable[str]) -> frozenset[tuple[int, int]]:
+    """The (st_dev, st_ino) of the directories holding ``paths`` (one stat per directory)."""
+    ids: set[tuple[int, int]] = set()
+    for directory in {os.path.dirname(path) for path in paths}:
+        try:
+            st = os.stat(directory)
+        except OSError:
+            continue
+        ids.add((st.st_dev, st.st_ino))
+    return frozenset(ids)
+
+
 def load_targets(
     dists: Iterable[InstalledDistribution],
     env: Environment,
@@ -256,7 +278,13 @@ def load_targets(
         file_ids, aliases = probe_files(dist.locations)
         targets.append(
             build_target(
-                dist, env, file_ids=file_ids, others=others, extra_interpreters=extra, aliases=aliases
+                dist,
+                env,
+                file_ids=file_ids,
+                others=others,
+                extra_interpreters=extra,
+                aliases=aliases,
+                directory_ids=probe_directories(dist.locations),
             )
         )
     return tuple(targets)
@@ -310,6 +338,7 @@ class TargetIndex:
     by_file: Mapping[str, tuple[str, ...]]
     by_maps_id: Mapping[tuple[str, str], tuple[str, ...]]  # ("fe:00", "123") as maps spells it
     prefixes: tuple[str, ...]  # "<dir>/" of every target directory
+    directory_ids: frozenset[tuple[int, int]]  # of every target
     prefix_owners: tuple[tuple[str, str], ...]  # ("<dir>/", distribution)
     by_script: Mapping[str, tuple[str, ...]]
     script_names: frozenset[str]
@@ -348,6 +377,7 @@ class TargetIndex:
             by_file={key: tuple(dict.fromkeys(value)) for key, value in by_file.items()},
             by_maps_id={key: tuple(dict.fromkeys(value)) for key, value in by_id.items()},
             prefixes=tuple(dict.fromkeys(prefix for prefix, _ in owners)),
+            directory_ids=frozenset(i for target in targets for i in target.directory_ids),
             prefix_owners=tuple(owners),
             by_script={key: tuple(dict.fromkeys(value)) for key, value in by_script.items()},
             script_names=frozenset(os.path.basename(s) for target in targets for s in target.console_scripts),
@@ -442,8 +472,19 @@ def _add(found: dict[tuple[str, str, bool], Evidence], evidence: Evidence) -> No
     found.setdefault((evidence.distribution, evidence.path, evidence.deleted), evidence)
 
 
-def match_maps(text: str, targets: Iterable[Target] | TargetIndex) -> tuple[Evidence, ...]:
-    """``mapped`` evidence in the text of ``/proc/PID/maps`` (one per distribution, path, deleted)."""
+#: Where a directory path leads, as (st_dev, st_ino), in the scanned process's view; None: cannot tell.
+Locator = Callable[[str], tuple[int, int] | None]
+
+
+def match_maps(
+    text: str, targets: Iterable[Target] | TargetIndex, locate: Locator | None = None
+) -> tuple[Evidence, ...]:
+    """``mapped`` evidence in the text of ``/proc/PID/maps`` (one per distribution, path, deleted).
+
+    ``locate`` (the scan's I/O) tells an inode-only match under another directory (a hardlink twin in
+    another environment: dropped) from a view of this environment's own directory (kept). Without it,
+    or when it cannot tell, an inode match is kept: the safe side.
+    """
     index = TargetIndex.of(targets)
     if not index.may_match_maps(text):
         return ()
@@ -467,7 +508,7 @@ def match_maps(text: str, targets: Iterable[Target] | TargetIndex) -> tuple[Evid
             and not path.endswith(DELETED_SUFFIX)
         ):
             continue
-        _match_mapped(found, index, path, f"dev/inode {parts[3]} {parts[4]}", ids or ())
+        _match_mapped(found, index, path, f"dev/inode {parts[3]} {parts[4]}", ids or (), locate)
     return tuple(found.values())
 
 
@@ -477,13 +518,19 @@ def _match_mapped(
     path: str,
     id_detail: str,
     by_id: tuple[str, ...],
+    locate: Locator | None,
 ) -> None:
     deleted = path.endswith(DELETED_SUFFIX)
     if deleted:  # the inode of a deleted file may since have been reused: match by path only
         path = path[: -len(DELETED_SUFFIX)]
         by_id = ()
+    owners = index.owners_of(path)
+    if by_id and not owners and locate is not None:
+        where = locate(os.path.dirname(_unescape(path)))
+        if where is not None and where not in index.directory_ids:
+            by_id = ()  # a hardlink twin in another directory: another environment's file
     hows: dict[str, list[str]] = {name: [id_detail] for name in by_id}
-    for name, how in index.owners_of(path):
+    for name, how in owners:
         hows.setdefault(name, []).append(how)
     for name, how_list in hows.items():
         _add(found, Evidence(EvidenceKind.MAPPED, name, _unescape(path), deleted, ", ".join(how_list)))
@@ -797,6 +844,14 @@ class _Process:
             self.fail("fd", exc)
             return None
 
+    def locate(self, directory: str) -> tuple[int, int] | None:
+        """(st_dev, st_ino) of ``directory`` in this process's view (its root); None: cannot tell."""
+        try:
+            st = os.stat("root" + directory, dir_fd=self.dir_fd)
+        except (OSError, ValueError):
+            return None
+        return (st.st_dev, st.st_ino)
+
     def link(self, what: str) -> str | None:
         try:
             return os.readlink(what, dir_fd=self.dir_fd)
@@ -844,7 +899,7 @@ def _scan_one(
     cmdline = parse_cmdline(proc.read("cmdline") or b"")
     cgroup_text = proc.text("cgroup") or ""
     maps_text = proc.text("maps", single=False)
-    evidence = match_maps(maps_text, index) if maps_text else ()
+    evidence = match_maps(maps_text, index, proc.locate) if maps_text else ()
     links = proc.fd_links()
     if links:
         evidence += match_fds(links, index)

@@ -119,8 +119,46 @@ def test_v2_line_wins_over_name_systemd_when_they_differ() -> None:
 )
 def test_placement_of_path(path: str, unit: str | None, scope: str | None, uid: int | None) -> None:
     placement = placement_of_path(path)
-    assert placement == CgroupPlacement(path=path, unit=unit, scope=scope, user_manager_uid=uid)
+    assert (placement.path, placement.unit, placement.scope, placement.user_manager_uid) == (
+        path,
+        unit,
+        scope,
+        uid,
+    )
     assert placement.is_stray is (unit is None)
+    if unit is None:
+        assert placement.unit_path is None
+    else:  # the unit's own cgroup: a prefix of the path that ends with the unit
+        assert placement.unit_path is not None and path.startswith(placement.unit_path)
+        assert unescape_component(placement.unit_path.rsplit("/", 1)[1]) == unit
+
+
+@pytest.mark.parametrize(
+    ("path", "unit_path"),
+    [
+        ("/system.slice/vllm.service", "/system.slice/vllm.service"),
+        ("/system.slice/vllm.service/worker/a", "/system.slice/vllm.service"),
+        ("/system.slice/_cpu.service/x", "/system.slice/_cpu.service"),  # as the kernel spells it
+        (
+            "/user.slice/user-1000.slice/user@1000.service/app.slice/vllm.service",
+            "/user.slice/user-1000.slice/user@1000.service/app.slice/vllm.service",
+        ),
+        (
+            "/user.slice/user-1000.slice/user@1000.service/init.scope",
+            "/user.slice/user-1000.slice/user@1000.service",
+        ),
+        ("/safeinstall-test-1/app.slice/vllm.service/sub", "/safeinstall-test-1/app.slice/vllm.service"),
+    ],
+)
+def test_unit_path_is_the_units_own_cgroup(path: str, unit_path: str) -> None:
+    assert placement_of_path(path).unit_path == unit_path
+
+
+def test_units_of_the_same_name_under_two_managers_are_two_units() -> None:
+    system = placement_of_path("/system.slice/vllm.service")
+    user = placement_of_path("/user.slice/user-1000.slice/user@1000.service/app.slice/vllm.service")
+    assert system.unit == user.unit == "vllm.service"
+    assert system.unit_path != user.unit_path
 
 
 def test_placement_of_proc_cgroup() -> None:
@@ -134,7 +172,7 @@ def test_placement_of_proc_cgroup() -> None:
 def test_deepest_user_manager_wins() -> None:
     # a user manager nested in a container that runs under another user manager
     path = "/user.slice/user-1000.slice/user@1000.service/x.slice/user@2000.service/app.slice/y.service"
-    assert placement_of_path(path) == CgroupPlacement(path, "y.service", None, 2000)
+    assert placement_of_path(path) == CgroupPlacement(path, "y.service", None, 2000, path)
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ import pytest
 
 from tests import wheelhouse
 from tests.bed_nvml import FakeNvml
-from tests.bed_systemd import Units, UserManager, wait_until
+from tests.bed_systemd import Units, UserManager, start_user_manager, stop_user_manager, wait_until
 from tests.clirun import Result, run
 from tests.wheelhouse import Wheelhouse
 
@@ -234,6 +234,40 @@ def test_unit_of_the_other_manager_is_refused(
     doc = result.json
     assert doc["exit_code"] == 2
     assert doc["errors"] or doc["data"]["refusals"]
+
+
+def test_a_unit_of_the_same_name_under_another_manager_is_left_alone(
+    env: Path, wheels: Wheelhouse, units: Units, user_manager: UserManager, tmp_path: Path
+) -> None:
+    """Two managers may each run a unit with the same name; only the affected one's processes count."""
+    name = units.started("twin", f"{env} -c 'import sicext, time; time.sleep(600)'")
+    main = user_manager.main_pid(name)
+    wait_until(lambda: so_mapped(main), 15, "maps the .so")
+    other = start_user_manager(tmp_path / "other-manager")
+    try:
+        other.write_unit(name, "[Service]\nExecStart=/bin/sleep 600\n")
+        other.start(name)
+        other.wait_active(name)
+        twin = other.main_pid(name)
+        result = safeinstall(
+            user_manager,
+            None,
+            "sicext",
+            "--wheel",
+            str(wheels["sicext-2"]),
+            "--python",
+            str(env),
+            "--dry-run",
+            "--json",
+        )
+        assert result.code == 0, result.stdout + result.stderr
+        processes = by_pid(result.json)
+        assert main in processes and twin not in processes
+        (unit,) = result.json["data"]["units"]
+        assert unit["name"] == name and unit["pids"] == [main]
+    finally:
+        other.remove_unit(name)
+        stop_user_manager(other)
 
 
 def test_unresolvable_request_is_a_clear_error(env: Path, user_manager: UserManager) -> None:

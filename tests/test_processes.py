@@ -275,6 +275,53 @@ def test_reinstall_under_a_running_process_shows_old_code(
         assert "running old code" in evidence.describe()
 
 
+def test_hardlink_twin_in_another_environment_is_not_evidence(
+    tmp_path: Path, wheels: wheelhouse.Wheelhouse, spawn: Spawn
+) -> None:
+    """uv hardlinks every environment it installs a wheel into to the same cache inodes: a process of
+    environment B maps the very inode of A's extension, yet a reinstall of A does not touch it."""
+    here = wheelhouse.make_venv(tmp_path / "a")
+    there = wheelhouse.make_venv(tmp_path / "b")
+    for python in (here, there):
+        wheelhouse.uv_install(python, wheels["sicext-1"], link_mode="hardlink")
+    _, (target,) = env_and_targets(here, "sicext")
+    so = next(path for path in target.files if SO in path)
+    twin = so.replace(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert os.stat(so).st_ino == os.stat(twin).st_ino  # the premise: one inode, two environments
+    ours = spawn([str(here), "-c", "import sicext, time; time.sleep(60)"])
+    theirs = spawn([str(there), "-c", "import sicext, time; time.sleep(60)"])
+    wait_mapped(ours)
+    wait_mapped(theirs)
+
+    result = scan_processes([target])
+
+    assert [e.path for e in evidence_of(result, ours.pid)] == [so]
+    assert evidence_of(result, theirs.pid) == ()
+
+
+def test_bind_mounted_view_of_the_environment_is_found_by_inode(
+    venv: Path, wheels: wheelhouse.Wheelhouse, tmp_path: Path, spawn: Spawn
+) -> None:
+    """A process that sees this environment at another path (a container's bind mount) maps the same
+    inode under a path that is not ours; its directory, seen through the process's root, is ours."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) for a private mount namespace")
+    wheelhouse.uv_install(venv, wheels["sicext-1"], link_mode="copy")
+    _, (target,) = env_and_targets(venv, "sicext")
+    prefix = venv.parent.parent
+    view = tmp_path / "view"
+    view.mkdir()
+    code = "import sicext, time; time.sleep(60)"
+    script = f'mount --bind {prefix} {view} && exec {view}/bin/python -c "{code}"'
+    user = spawn(["unshare", "--mount", "--propagation", "private", "sh", "-c", script])
+    wait_mapped(user)
+
+    (evidence,) = evidence_of(scan_processes([target]), user.pid)
+
+    assert evidence.path.startswith(f"{view}/") and evidence.detail.startswith("dev/inode ")
+    assert not any(str(view) in path for path in target.files)  # matched by inode, not by path
+
+
 def test_symlinked_install_is_found_through_the_cache(
     venv: Path, wheels: wheelhouse.Wheelhouse, spawn: Spawn
 ) -> None:
@@ -566,6 +613,31 @@ def test_match_maps() -> None:
     )
     both = match_maps(MAPS, [fake_target(), other])
     assert {e.distribution for e in both if e.path == SO_PATH} == {"fastlib", "other"}
+
+
+def test_match_maps_inode_only_needs_one_of_our_directories() -> None:
+    """An inode match under another path: kept when that directory is ours (a bind mount) or when it
+    cannot be told; dropped when it is another directory (a hardlink twin in another environment)."""
+    elsewhere = MAPS.replace(SITE, "/other-env/site-packages")
+    ours = (os.makedev(0xFD, 1), 10)
+    target = fake_target(directory_ids=frozenset({ours}))
+    seen: list[str] = []
+
+    def locate(answer: tuple[int, int] | None) -> Callable[[str], tuple[int, int] | None]:
+        def at(directory: str) -> tuple[int, int] | None:
+            seen.append(directory)
+            return answer
+
+        return at
+
+    assert [e.detail for e in match_maps(elsewhere, [target], locate(ours))] == ["dev/inode fd:01 4242"]
+    assert seen == ["/other-env/site-packages/fastlib"]
+    assert match_maps(elsewhere, [target], locate((os.makedev(0xFD, 1), 11))) == ()
+    assert len(match_maps(elsewhere, [target], locate(None))) == 1  # cannot tell: the safe side
+    assert len(match_maps(elsewhere, [target])) == 1
+    seen.clear()  # a path match needs no look at the directory
+    assert match_maps(MAPS, [target], locate((0, 0)))[0].detail == "dev/inode fd:01 4242, path"
+    assert seen == []
 
 
 def test_match_maps_newline_in_a_path() -> None:
