@@ -241,6 +241,14 @@ def main_command(
     prune: Annotated[
         bool, typer.Option("--prune", help="Remove files the old version left behind (kept in the backup).")
     ] = False,
+    keep_backups: Annotated[
+        int,
+        typer.Option(
+            "--keep-backups",
+            min=1,
+            help="After a good run, keep this many newest backups of the environment; delete older ones.",
+        ),
+    ] = 3,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask before stopping anything.")] = False,
     verify_only: Annotated[
         bool, typer.Option("--verify-only", help="Only check installed files against RECORD; change nothing.")
@@ -311,6 +319,7 @@ def main_command(
             health_timeout=health_timeout,
             no_restart=no_restart,
             prune=prune,
+            keep_backups=keep_backups,
         )
         if dry_run:
             _run_dry_run(options, as_json)

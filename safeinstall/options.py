@@ -27,5 +27,6 @@ class RunOptions:
     health_timeout: float = 300.0
     no_restart: bool = False
     prune: bool = False
+    keep_backups: int = 3  # safeinstall.retention.DEFAULT_KEEP: backups kept per environment
     proc_root: Path = Path("/proc")
     environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))

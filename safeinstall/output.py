@@ -89,6 +89,7 @@ def run_json(result: RunResult) -> dict[str, Any]:
         "extras": list(result.extras),
         "pruned": list(result.pruned),
         "backup_dir": result.backup_dir,
+        "backups_removed": list(result.backups_removed),
         "log_file": result.log_file,
         "not_restarted": list(result.not_restarted),
         "strays_killed": list(result.strays_killed),

@@ -61,6 +61,7 @@ from safeinstall.lock import HeldLock, acquire_lock, process_start
 from safeinstall.options import RunOptions
 from safeinstall.plan import Plan, PlannedProcess, PlannedUnit
 from safeinstall.recover import restore_previous
+from safeinstall.retention import prune_backups
 from safeinstall.signals import interrupts_deferred, interrupts_raise
 from safeinstall.state import (
     EnvironmentState,
@@ -115,6 +116,7 @@ class RunResult:
     error: SafeInstallError | None
     notes: tuple[str, ...]
     manual_commands: tuple[str, ...] = ()
+    backups_removed: tuple[str, ...] = ()  # older backups deleted after a good run (--keep-backups)
 
 
 class Reporter(Protocol):
@@ -713,8 +715,10 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
         run.remove_dropins()
         assert run.state is not None
         clear_journal(run.state.dir)
+        old = prune_backups(run.state.backups, options.keep_backups, protected={run.run_id})
+        run.notes.extend(f"old backup not deleted: {problem}" for problem in old.problems)
         not_restarted = tuple(run._units_to_restart()) if options.no_restart else ()
-        return _result(run, "done", ExitCode.OK, None, not_restarted)
+        return _result(run, "done", ExitCode.OK, None, not_restarted, tuple(map(str, old.removed)))
     finally:
         if run.lock is not None:
             run.lock.release()
@@ -726,6 +730,7 @@ def _result(
     code: ExitCode,
     error: SafeInstallError | None,
     not_restarted: tuple[str, ...] = (),
+    backups_removed: tuple[str, ...] = (),
 ) -> RunResult:
     return RunResult(
         status=status,
@@ -742,4 +747,5 @@ def _result(
         strays_killed=run.strays_killed,
         error=error,
         notes=tuple(run.notes),
+        backups_removed=backups_removed,
     )

@@ -265,6 +265,8 @@ def render_result(out: Console, err: Console, result: RunResult) -> None:
         out.print(f"  leftover {path}: {state}", soft_wrap=True)
     if result.backup_dir:
         err.print(f"[dim]backup: {result.backup_dir}; log: {result.log_file}[/]")
+    if result.backups_removed:
+        err.print(f"[dim]deleted {len(result.backups_removed)} older backup(s) (--keep-backups)[/]")
     if result.error is not None:
         render_error(err, result.error)
 

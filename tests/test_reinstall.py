@@ -98,6 +98,20 @@ def test_happy_path(bed: Bed) -> None:
     assert result.code == 0, result.stdout + result.stderr
     doc = result.json
     assert doc["command"] == "reinstall" and doc["status"] == "done" and doc["errors"] == []
+    assert set(doc["data"]) == {  # the fields the README documents
+        "plan",
+        "steps",
+        "downtime_s",
+        "patched",
+        "extras",
+        "pruned",
+        "backup_dir",
+        "backups_removed",
+        "log_file",
+        "not_restarted",
+        "strays_killed",
+        "notes",
+    }
     assert [s["name"] for s in doc["data"]["steps"]] == [
         "backup",
         "prefetch",
@@ -270,6 +284,45 @@ def test_new_version_that_crashes_is_rolled_back(bed: Bed) -> None:
     assert maps_so(bed.manager.main_pid(name)) == bed.so.stat().st_ino
     assert bed.installed_version() == "1.0"
     assert bed.verify().code == 0
+
+
+def test_only_a_good_run_deletes_backups_beyond_keep_backups(bed: Bed) -> None:
+    """A vLLM backup is GBs: a good run keeps the newest --keep-backups; a failed run deletes none,
+    and a directory that is not a run's backup is never touched."""
+    from safeinstall.state import environment_key
+
+    bed.service("retention")
+    prefix = Path(os.path.realpath(bed.python.parent.parent))
+    backups = bed.state / environment_key(prefix) / "backups"
+    planted = ["20240101T000000Z-11", "20240102T000000Z-12"]
+    for name in [*planted, "not-a-backup"]:
+        (backups / name / "files").mkdir(parents=True)
+        (backups / name / "files" / "x").write_text(name)
+    failed = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-3"]), "--settle", "1", "--json")
+    assert failed.code == 3, failed.stdout + failed.stderr
+    failed_backup = Path(failed.json["data"]["backup_dir"])
+    assert failed.json["data"]["backups_removed"] == []
+    assert {p.name for p in backups.iterdir()} == {*planted, "not-a-backup", failed_backup.name}
+
+    good = bed.safeinstall(
+        "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--keep-backups", "2", "--json"
+    )
+
+    assert good.code == 0, good.stdout + good.stderr
+    kept = Path(good.json["data"]["backup_dir"])
+    assert sorted(good.json["data"]["backups_removed"]) == [str(backups / name) for name in planted]
+    assert {p.name for p in backups.iterdir()} == {failed_backup.name, kept.name, "not-a-backup"}
+    again = bed.safeinstall(
+        "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--keep-backups", "1"
+    )
+    assert again.code == 0 and "deleted 2 older backup(s)" in again.stderr, again.stderr
+    (newest,) = {p.name for p in backups.iterdir()} - {"not-a-backup"}
+    assert newest not in (kept.name, failed_backup.name)
+
+
+def test_keep_backups_must_be_at_least_one(bed: Bed) -> None:
+    result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--keep-backups", "0")
+    assert result.code == 2 and "--keep-backups" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_locally_patched_file_is_kept_in_the_backup(bed: Bed) -> None:

@@ -1,0 +1,51 @@
+"""Which old backups a good run deletes (pure), and the deleting itself on a real directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from safeinstall.retention import backups_to_remove, is_run_id, prune_backups
+
+OLD, MID, NEW = "20261101T000000Z-7", "20261115T120000Z-99", "20261130T041125Z-19214"
+
+
+def test_run_ids_are_recognised() -> None:
+    assert is_run_id(NEW) and is_run_id(OLD)
+    assert not any(map(is_run_id, ["notes", "20261130T041125Z", "20261130T041125Z-", "x20261130T041125Z-1"]))
+
+
+def test_the_newest_are_kept_and_the_rest_go_oldest_first() -> None:
+    assert backups_to_remove([NEW, OLD, MID], keep=1, protected=()) == (OLD, MID)
+    assert backups_to_remove([NEW, OLD, MID], keep=2, protected=()) == (OLD,)
+    assert backups_to_remove([NEW, OLD, MID], keep=3, protected=()) == ()
+    assert backups_to_remove([], keep=1, protected=()) == ()
+
+
+def test_protected_and_foreign_names_are_never_chosen() -> None:
+    assert backups_to_remove([NEW, OLD, MID], keep=1, protected={MID}) == (OLD,)
+    # a name that is not a run id neither counts towards keep nor goes
+    assert backups_to_remove(["zzz-notes", NEW, OLD], keep=1, protected=()) == (OLD,)
+
+
+def test_keep_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        backups_to_remove([NEW], keep=0, protected=())
+
+
+def test_prune_deletes_whole_backups_and_nothing_else(tmp_path: Path) -> None:
+    for name in (OLD, MID, NEW, "notes"):
+        (tmp_path / name / "files" / "pkg").mkdir(parents=True)
+        (tmp_path / name / "files" / "pkg" / "mod.py").write_text(name)
+    (tmp_path / "20261001T000000Z-1").write_text("a file, not a backup directory")
+
+    pruned = prune_backups(tmp_path, keep=1, protected=())
+
+    assert pruned.removed == (tmp_path / OLD, tmp_path / MID) and pruned.problems == ()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([NEW, "notes", "20261001T000000Z-1"])
+
+
+def test_prune_never_raises(tmp_path: Path) -> None:
+    pruned = prune_backups(tmp_path / "missing", keep=1, protected=())
+    assert pruned.removed == () and "could not list it" in pruned.problems[0]
