@@ -161,14 +161,17 @@ def dist_info_name(dirname: str) -> str | None:
     return canonicalize_name(name) if name else None
 
 
-def space_problem(needed: int, free: int, where: Path) -> str | None:
-    """Pure: why a backup of ``needed`` bytes does not fit in ``free`` bytes, or None."""
+def space_problem(
+    needed: int,
+    free: int,
+    where: Path,
+    what: str = "the backup",
+    remedy: str = "free some space there or point SAFEINSTALL_STATE_DIR at a larger filesystem",
+) -> str | None:
+    """Pure: why ``what`` (``needed`` bytes) does not fit in ``free`` bytes at ``where``, or None."""
     if needed <= free:
         return None
-    return (
-        f"the backup needs {needed / 2**20:.1f} MiB but {where} has {free / 2**20:.1f} MiB free; "
-        "free some space there or point SAFEINSTALL_STATE_DIR at a larger filesystem"
-    )
+    return f"{what} needs {needed / 2**20:.1f} MiB but {where} has {free / 2**20:.1f} MiB free; {remedy}"
 
 
 def manifest_to_dict(manifest: BackupManifest) -> dict[str, Any]:

@@ -76,7 +76,7 @@ from safeinstall.systemd import StopOutcome, Systemd
 from safeinstall.uvplan import install as uv_install
 from safeinstall.uvplan import prefetch_command, uv_binary
 from safeinstall.verify import VerifyReport, verify_environment
-from safeinstall.wheel import Wheel, fits, read_wheel, target_tags
+from safeinstall.wheel import Wheel, fits, installed_size, read_wheel, target_tags
 
 #: Failing findings after the install: anything but leftovers (those are reported, --prune removes them).
 _INSTALL_FAILURES = frozenset(
@@ -221,10 +221,15 @@ class _Run:
         if problem:
             raise PlanError(problem, hint="nothing was stopped")
         if self.wheel is not None:
-            install_needed = self.wheel.path.stat().st_size * 4
-            problem = space_problem(install_needed, free_space(self.env.prefix), self.env.prefix)
+            problem = space_problem(
+                installed_size(self.wheel),
+                free_space(self.env.prefix),
+                self.env.prefix,
+                what=f"the install of {self.wheel.path.name}",
+                remedy="free some space on that filesystem",
+            )
             if problem:
-                raise PlanError(problem.replace("the backup", "the install"), hint="nothing was stopped")
+                raise PlanError(problem, hint="nothing was stopped")
 
     def start_journal(self) -> None:
         assert self.env is not None and self.state is not None and self.survey is not None

@@ -196,6 +196,11 @@ def is_installer_written(wheel: Wheel, relative: str) -> bool:
     return len(parts) == 2 and parts[0] == wheel.dist_info and parts[1] in INSTALLER_WRITTEN
 
 
+def installed_size(wheel: Wheel, block: int = 4096) -> int:
+    """Pure: bytes the wheel's files take once installed (each rounded up to whole blocks)."""
+    return sum(-(-member.size // block) * block for member in wheel.members.values())
+
+
 def read_member(wheel_path: Path, member: str) -> bytes:
     with zipfile.ZipFile(wheel_path) as archive:
         return archive.read(member)

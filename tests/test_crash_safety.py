@@ -11,7 +11,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -316,6 +316,101 @@ def test_shipped_recover_unit_finishes_the_run_at_boot(
     finally:
         manager.systemctl("disable", *bed.units, check=False)
         stop_user_manager(manager)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
+    """Mounts tmpfs filesystems of the test's own (size in MiB): disks that can be full."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mounted: list[Path] = []
+
+    def mount(mib: int) -> Path:
+        where = tmp_path / f"disk-{len(mounted)}"
+        where.mkdir()
+        options = f"size={mib}m,mode=0755"
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            message = f"cannot mount a tmpfs: {done.stderr.strip()}"
+            if os.environ.get("CI"):
+                pytest.fail(message)
+            pytest.skip(message)
+        mounted.append(where)
+        return where
+
+    try:
+        yield mount
+    finally:
+        for where in mounted:
+            subprocess.run(["umount", "--lazy", str(where)], check=False)
+
+
+def test_too_little_room_for_the_install_is_refused_before_anything_stops(
+    small_disk: Callable[[int], Path],
+    wheels: Wheelhouse,
+    big_wheel: Path,
+    tmp_path: Path,
+    user_manager: UserManager,
+    fake_nvml: FakeNvml,
+) -> None:
+    disk = small_disk(128)  # the wheel unpacks to 160 MiB
+    python = wheelhouse.make_venv(disk / "venv")
+    wheelhouse.uv_install(python, wheels["sicext-1"])
+    bed = Bed(python, tmp_path / "state", user_manager, fake_nvml, wheels)
+    try:
+        name = bed.unit("noroom")
+        main = bed.manager.main_pid(name)
+        result = bed.cli("sicext", "--wheel", str(big_wheel), "--yes")
+        assert result.code == 2, result.stdout + result.stderr
+        assert f"error: the install of {big_wheel.name} needs 160." in result.stderr
+        assert "nothing was stopped" in result.stderr and "SAFEINSTALL_STATE_DIR" not in result.stderr
+        assert bed.manager.main_pid(name) == main and bed.version() == "1.0"
+    finally:
+        for unit in bed.units:
+            user_manager.remove_unit(unit)
+
+
+def test_disk_full_in_the_middle_of_the_install_rolls_back(
+    small_disk: Callable[[int], Path],
+    wheels: Wheelhouse,
+    big_wheel: Path,
+    tmp_path: Path,
+    user_manager: UserManager,
+    fake_nvml: FakeNvml,
+) -> None:
+    """The install dies half-way (another process filled the disk during the downtime): the previous
+    installation, local patch included, and the service come back."""
+    disk = small_disk(256)  # room for the 160 MiB the wheel unpacks to, when the run starts
+    python = wheelhouse.make_venv(disk / "venv")
+    wheelhouse.uv_install(python, wheels["sicext-1"])
+    bed = Bed(python, tmp_path / "state", user_manager, fake_nvml, wheels)
+    before = _patch(bed)
+    filler = disk / "filler"
+    try:
+        name = bed.unit("diskfull")
+        gpu = bed.nvml.add_gpu("NVIDIA H200", "GPU-00000000-0000-0000-0000-0000000000e4", 141 * GiB)
+        bed.nvml.hold(bed.manager.main_pid(name), gpu, 10 * GiB, linger=3.0)  # time to fill the disk
+        proc = bed.start_run("sicext", "--wheel", str(big_wheel), "--settle", "0.5", "--json")
+        try:
+            bed.wait_phase(proc, "stopped")  # preflight found room for the 160 MiB file; now there is none
+            room = os.statvfs(disk)
+            with filler.open("wb") as sink:
+                os.posix_fallocate(sink.fileno(), 0, room.f_bavail * room.f_frsize - 2 * 1024 * 1024)
+        finally:
+            out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 3, out + err
+        doc = json.loads(out)
+        message = doc["errors"][0]["message"]
+        assert "uv pip install failed" in message and "restored the previous installation" in message, message
+        wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running again")
+        assert bed.version() == "1.0" and bed.snapshot() == before  # old bytes, the local patch included
+        bed.no_trace()
+    finally:
+        filler.unlink(missing_ok=True)
+        for unit in bed.units:
+            user_manager.remove_unit(unit)
 
 
 def test_two_runs_at_once(bed: Bed) -> None:
