@@ -347,70 +347,71 @@ def small_disk(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
             subprocess.run(["umount", "--lazy", str(where)], check=False)
 
 
-def test_too_little_room_for_the_install_is_refused_before_anything_stops(
+@pytest.fixture
+def bed_on_disk(
     small_disk: Callable[[int], Path],
     wheels: Wheelhouse,
-    big_wheel: Path,
     tmp_path: Path,
     user_manager: UserManager,
     fake_nvml: FakeNvml,
-) -> None:
-    disk = small_disk(128)  # the wheel unpacks to 160 MiB
-    python = wheelhouse.make_venv(disk / "venv")
-    wheelhouse.uv_install(python, wheels["sicext-1"])
-    bed = Bed(python, tmp_path / "state", user_manager, fake_nvml, wheels)
-    try:
-        name = bed.unit("noroom")
-        main = bed.manager.main_pid(name)
-        result = bed.cli("sicext", "--wheel", str(big_wheel), "--yes")
-        assert result.code == 2, result.stdout + result.stderr
-        assert f"error: the install of {big_wheel.name} needs 160." in result.stderr
-        assert "nothing was stopped" in result.stderr and "SAFEINSTALL_STATE_DIR" not in result.stderr
-        assert bed.manager.main_pid(name) == main and bed.version() == "1.0"
-    finally:
+) -> Iterator[Callable[[int], Bed]]:
+    """A bed whose venv (sicext 1.0) lives on a small disk of the given size in MiB."""
+    beds: list[Bed] = []
+
+    def make(mib: int) -> Bed:
+        python = wheelhouse.make_venv(small_disk(mib) / "venv")
+        wheelhouse.uv_install(python, wheels["sicext-1"])
+        beds.append(Bed(python, tmp_path / "state", user_manager, fake_nvml, wheels))
+        return beds[-1]
+
+    yield make
+    for bed in beds:
         for unit in bed.units:
             user_manager.remove_unit(unit)
+
+
+def test_too_little_room_for_the_install_is_refused_before_anything_stops(
+    bed_on_disk: Callable[[int], Bed], big_wheel: Path
+) -> None:
+    bed = bed_on_disk(128)  # the wheel unpacks to 160 MiB
+    name = bed.unit("noroom")
+    main = bed.manager.main_pid(name)
+    result = bed.cli("sicext", "--wheel", str(big_wheel), "--yes")
+    assert result.code == 2, result.stdout + result.stderr
+    assert f"error: the install of {big_wheel.name} needs 160." in result.stderr
+    assert "nothing was stopped" in result.stderr and "SAFEINSTALL_STATE_DIR" not in result.stderr
+    assert bed.manager.main_pid(name) == main and bed.version() == "1.0"
 
 
 def test_disk_full_in_the_middle_of_the_install_rolls_back(
-    small_disk: Callable[[int], Path],
-    wheels: Wheelhouse,
-    big_wheel: Path,
-    tmp_path: Path,
-    user_manager: UserManager,
-    fake_nvml: FakeNvml,
+    bed_on_disk: Callable[[int], Bed], big_wheel: Path
 ) -> None:
     """The install dies half-way (another process filled the disk during the downtime): the previous
     installation, local patch included, and the service come back."""
-    disk = small_disk(256)  # room for the 160 MiB the wheel unpacks to, when the run starts
-    python = wheelhouse.make_venv(disk / "venv")
-    wheelhouse.uv_install(python, wheels["sicext-1"])
-    bed = Bed(python, tmp_path / "state", user_manager, fake_nvml, wheels)
+    bed = bed_on_disk(256)  # room for the 160 MiB the wheel unpacks to, when the run starts
+    disk = bed.python.parent.parent.parent
     before = _patch(bed)
+    name = bed.unit("diskfull")
+    gpu = bed.nvml.add_gpu("NVIDIA H200", "GPU-00000000-0000-0000-0000-0000000000e4", 141 * GiB)
+    bed.nvml.hold(bed.manager.main_pid(name), gpu, 10 * GiB, linger=3.0)  # time to fill the disk
+    proc = bed.start_run("sicext", "--wheel", str(big_wheel), "--settle", "0.5", "--json")
     filler = disk / "filler"
     try:
-        name = bed.unit("diskfull")
-        gpu = bed.nvml.add_gpu("NVIDIA H200", "GPU-00000000-0000-0000-0000-0000000000e4", 141 * GiB)
-        bed.nvml.hold(bed.manager.main_pid(name), gpu, 10 * GiB, linger=3.0)  # time to fill the disk
-        proc = bed.start_run("sicext", "--wheel", str(big_wheel), "--settle", "0.5", "--json")
-        try:
-            bed.wait_phase(proc, "stopped")  # preflight found room for the 160 MiB file; now there is none
-            room = os.statvfs(disk)
-            with filler.open("wb") as sink:
-                os.posix_fallocate(sink.fileno(), 0, room.f_bavail * room.f_frsize - 2 * 1024 * 1024)
-        finally:
-            out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 3, out + err
-        doc = json.loads(out)
-        message = doc["errors"][0]["message"]
-        assert "uv pip install failed" in message and "restored the previous installation" in message, message
-        wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running again")
-        assert bed.version() == "1.0" and bed.snapshot() == before  # old bytes, the local patch included
-        bed.no_trace()
+        bed.wait_phase(proc, "stopped")  # preflight found room for the 160 MiB file; now there is none
+        room = os.statvfs(disk)
+        with filler.open("wb") as sink:
+            os.posix_fallocate(sink.fileno(), 0, room.f_bavail * room.f_frsize - 2 * 1024 * 1024)
+        out, err = proc.communicate(timeout=120)
     finally:
+        proc.kill()
+        proc.communicate()
         filler.unlink(missing_ok=True)
-        for unit in bed.units:
-            user_manager.remove_unit(unit)
+    assert proc.returncode == 3, out + err
+    message = json.loads(out)["errors"][0]["message"]
+    assert "uv pip install failed" in message and "restored the previous installation" in message, message
+    wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running again")
+    assert bed.version() == "1.0" and bed.snapshot() == before  # old bytes, the local patch included
+    bed.no_trace()
 
 
 def test_two_runs_at_once(bed: Bed) -> None:

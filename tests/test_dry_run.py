@@ -40,6 +40,13 @@ def safeinstall(user_manager: UserManager, nvml: FakeNvml | None, *args: str, ti
     return run("--user", *args, env=environ, timeout=timeout)
 
 
+def dry_run(user_manager: UserManager, nvml: FakeNvml | None, env: Path, wheel: Path, *extra: str) -> Result:
+    """``safeinstall --user sicext --wheel WHEEL --python ENV --dry-run EXTRA...``"""
+    return safeinstall(
+        user_manager, nvml, "sicext", "--wheel", str(wheel), "--python", str(env), "--dry-run", *extra
+    )
+
+
 def by_pid(doc: dict[str, Any]) -> dict[int, dict[str, Any]]:
     assert doc["data"] is not None, doc["errors"]
     return {p["pid"]: p for p in doc["data"]["processes"]}
@@ -84,17 +91,7 @@ def test_unit_processes_found_by_mapped_argv_and_unit(
     gpu = fake_nvml.add_gpu("NVIDIA H200", "GPU-00000000-0000-0000-0000-000000000001", 141 * GiB)
     fake_nvml.hold(worker, gpu, 40 * GiB)
 
-    result = safeinstall(
-        user_manager,
-        fake_nvml,
-        "sicext",
-        "--wheel",
-        str(wheels["sicext-2"]),
-        "--python",
-        str(env),
-        "--dry-run",
-        "--json",
-    )
+    result = dry_run(user_manager, fake_nvml, env, wheels["sicext-2"], "--json")
     assert result.code == 0, result.stdout + result.stderr
     doc = result.json
     assert doc["command"] == "dry-run" and doc["status"] == "would-proceed" and doc["exit_code"] == 0
@@ -119,16 +116,7 @@ def test_unit_processes_found_by_mapped_argv_and_unit(
     assert "--reinstall-package" in data["uv_command"] and "--dry-run" not in data["uv_command"]
     assert data["strays"] == [] and data["refusals"] == []
 
-    human = safeinstall(
-        user_manager,
-        fake_nvml,
-        "sicext",
-        "--wheel",
-        str(wheels["sicext-2"]),
-        "--python",
-        str(env),
-        "--dry-run",
-    )
+    human = dry_run(user_manager, fake_nvml, env, wheels["sicext-2"])
     assert human.code == 0
     for text in (
         served,
@@ -199,17 +187,7 @@ def test_running_old_code_after_reinstall_under_a_running_process(
     main = user_manager.main_pid(name)
     wait_until(lambda: so_mapped(main), 15, "maps the .so")
     wheelhouse.uv_install(env, wheels["sicext-2"], reinstall=True)  # behind the service's back
-    result = safeinstall(
-        user_manager,
-        None,
-        "sicext",
-        "--wheel",
-        str(wheels["sicext-2"]),
-        "--python",
-        str(env),
-        "--dry-run",
-        "--json",
-    )
+    result = dry_run(user_manager, None, env, wheels["sicext-2"], "--json")
     procs = by_pid(result.json)
     assert procs[main]["running_old_code"] is True
     assert any("deleted" in d or "old code" in d for d in procs[main]["details"])
@@ -249,17 +227,7 @@ def test_a_unit_of_the_same_name_under_another_manager_is_left_alone(
         other.start(name)
         other.wait_active(name)
         twin = other.main_pid(name)
-        result = safeinstall(
-            user_manager,
-            None,
-            "sicext",
-            "--wheel",
-            str(wheels["sicext-2"]),
-            "--python",
-            str(env),
-            "--dry-run",
-            "--json",
-        )
+        result = dry_run(user_manager, None, env, wheels["sicext-2"], "--json")
         assert result.code == 0, result.stdout + result.stderr
         processes = by_pid(result.json)
         assert main in processes and twin not in processes
