@@ -8,9 +8,7 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from safeinstall.diffs import diffs_for, patch_text
 from safeinstall.environment import inspect_environment, resolve_python
 from safeinstall.errors import ExitCode, SafeInstallError, UsageError
 from safeinstall.options import RunOptions
@@ -100,25 +98,32 @@ def _run_verify(
         raise UsageError("--wheel checks one package", hint="name the package instead of --all")
     env = inspect_environment(resolve_python(python, os.environ))
     err = make_console(stderr=True)
-    with Progress(
-        TextColumn("verifying"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err,
-        transient=True,
-        disable=not err.is_terminal,
-    ) as progress:
-        task = progress.add_task("verify", total=None)
+    names = None if all_ else [package or ""]
+    if err.is_terminal:  # rich.progress is loaded only for a terminal: scripts start faster
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        def on_progress(done: int, total: int) -> None:
-            progress.update(task, completed=done, total=total)
+        with Progress(
+            TextColumn("verifying"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=err,
+            transient=True,
+        ) as progress:
+            task = progress.add_task("verify", total=None)
 
-        report = verify_environment(env, None if all_ else [package or ""], wheel, on_progress)
+            def on_progress(done: int, total: int) -> None:
+                progress.update(task, completed=done, total=total)
+
+            report = verify_environment(env, names, wheel, on_progress)
+    else:
+        report = verify_environment(env, names, wheel)
     diffs = None
     if wheel is not None and (diff or save_patch):
+        from safeinstall.diffs import diffs_for, patch_text
+
         diffs = diffs_for(report.findings, wheel, Path(report.prefix))
-    patch = patch_text(diffs) if diffs is not None else None
+    patch = None if diffs is None else patch_text(diffs)
     if save_patch is not None:
         save_patch.write_text(patch or "", encoding="utf-8")
     if as_json:

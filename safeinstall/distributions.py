@@ -5,7 +5,6 @@ from __future__ import annotations
 import configparser
 import os
 from dataclasses import dataclass
-from email.parser import HeaderParser
 from pathlib import Path
 
 from packaging.utils import canonicalize_name
@@ -35,7 +34,10 @@ class InstalledDistribution:
 
 
 def entry_location(site: Path | str, entry: RecordEntry) -> str:
-    return os.path.normpath(os.path.join(site, entry.path))
+    path = entry.path
+    if path[:1] != "/" and "//" not in path and "/." not in path and path[:1] != "." and path[-1:] != "/":
+        return f"{os.fspath(site)}/{path}"  # already normal: skip normpath (a torch RECORD has 15k)
+    return os.path.normpath(os.path.join(site, path))
 
 
 def _read_text(path: Path) -> str | None:
@@ -61,12 +63,29 @@ def parse_console_scripts(entry_points: str | None) -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
+def metadata_headers(text: str, wanted: tuple[str, ...]) -> dict[str, str]:
+    """Pure: the first value of each ``wanted`` header of core metadata (RFC 822 style; the headers
+    end at the first empty line, the long description after it is never scanned)."""
+    found: dict[str, str] = {}
+    lowered = {name.lower(): name for name in wanted}
+    for line in text.splitlines():
+        if not line.strip():
+            break
+        if line[:1] in (" ", "\t"):
+            continue  # a folded continuation of the previous header
+        key, sep, value = line.partition(":")
+        name = lowered.get(key.strip().lower())
+        if sep and name is not None and name not in found:
+            found[name] = value.strip()
+    return found
+
+
 def load_distribution(dist_info: Path) -> InstalledDistribution | None:
     """Read one ``.dist-info`` directory; None if it is not a readable distribution."""
     metadata = _read_text(dist_info / "METADATA")
     if metadata is None:
         return None
-    headers = HeaderParser().parsestr(metadata)
+    headers = metadata_headers(metadata, ("Name", "Version"))
     name = headers.get("Name")
     version = headers.get("Version")
     if not name or not version:
@@ -75,6 +94,7 @@ def load_distribution(dist_info: Path) -> InstalledDistribution | None:
     installer = _read_text(dist_info / "INSTALLER")
     record = parse_record(record_text)
     site = dist_info.parent
+    site_text = os.fspath(site)
     return InstalledDistribution(
         name=canonicalize_name(name),
         display_name=name,
@@ -84,7 +104,7 @@ def load_distribution(dist_info: Path) -> InstalledDistribution | None:
         record=record,
         console_scripts=parse_console_scripts(_read_text(dist_info / "entry_points.txt")),
         installer=installer.strip() if installer else None,
-        locations=tuple(entry_location(site, entry) for entry in record.entries),
+        locations=tuple(entry_location(site_text, entry) for entry in record.entries),
     )
 
 

@@ -115,15 +115,15 @@ def own_roots(
     are never roots, so files of other distributions there are never reported against this one.
     The ``.dist-info`` directories are left out. Paths are normalised absolute strings.
     """
-    sites = [s.rstrip(os.sep) for s in site_dirs]
+    sites = tuple(s.rstrip(os.sep) + os.sep for s in site_dirs)
     owners: dict[str, set[str]] = {}
     for name, files in files_by_distribution.items():
         seen: set[str] = set()
         for file in files:
-            site = next((s for s in sites if file.startswith(s + os.sep)), None)
-            if site is None:
-                continue
             parent = os.path.dirname(file)
+            if parent in seen or not file.startswith(sites):  # most files share a seen directory
+                continue
+            site = next(s for s in sites if file.startswith(s))[:-1]
             while parent != site and parent not in seen and len(parent) > len(site):
                 seen.add(parent)
                 owners.setdefault(parent, set()).add(name)
@@ -151,7 +151,7 @@ def extras(distribution: str, candidates: Iterable[str], listed: frozenset[str])
     for text in candidates:
         if text in listed:
             continue
-        source = pyc_source(PurePath(text))
+        source = pyc_source(PurePath(text)) if text.endswith(".pyc") else None
         if source is not None and os.fspath(source) in listed:
             continue
         found.append(

@@ -7,14 +7,15 @@ from collections import Counter, defaultdict
 from typing import TYPE_CHECKING
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TaskID, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from safeinstall.diffs import FileDiff
 from safeinstall.drift import Finding, FindingKind
 from safeinstall.errors import SafeInstallError
 
 if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
+
+    from safeinstall.diffs import FileDiff
     from safeinstall.plan import Plan
     from safeinstall.recover import EnvironmentStatus, Recovery
     from safeinstall.reinstall import RunResult, StepOutcome
@@ -209,6 +210,8 @@ class ConsoleReporter:
                 self.err.print(f"{what}{amount}", soft_wrap=True, highlight=False)
             return
         if self._progress is None:
+            from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+
             self._progress = Progress(
                 TextColumn("{task.description}"),
                 BarColumn(),

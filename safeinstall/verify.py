@@ -7,9 +7,11 @@ the judging to the pure functions of :mod:`safeinstall.drift`.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 
 from safeinstall.distributions import InstalledDistribution, find_distribution, find_distributions
 from safeinstall.drift import (
@@ -27,14 +29,9 @@ from safeinstall.environment import Environment
 from safeinstall.errors import ExitCode, WheelError
 from safeinstall.hashing import FileState, HashRequest, observe_files
 from safeinstall.records import digest_bytes
-from safeinstall.wheel import (
-    Wheel,
-    WheelProblem,
-    install_location,
-    is_installer_written,
-    read_member,
-    read_wheel,
-)
+
+if TYPE_CHECKING:  # the wheel module (zipfile, packaging.tags) is loaded only when a wheel is given
+    from safeinstall.wheel import Wheel, WheelProblem
 
 ProgressCallback = Callable[[int, int], None]  # (files done, files total)
 
@@ -97,22 +94,33 @@ class _Containment:
     """Is a path inside the prefix, lexically and after resolving its directory's symlinks?
 
     Files themselves are never followed (the hashing stage does not follow symlinks), so resolving
-    the directory, cached, is enough.
+    the directory, cached, is enough. The prefix is real (:class:`Environment` resolves it); a
+    directory below it is inside unless one of the directories between them is a symlink that leads
+    out, so each directory costs one ``lstat`` (``realpath`` would cost one per component).
     """
 
     def __init__(self, prefix: Path) -> None:
         self.prefix = os.fspath(prefix)
-        self._real_dirs: dict[str, bool] = {}
+        self._real_dirs: dict[str, bool] = {self.prefix: True}
 
     def outside(self, location: str) -> bool:
         if not is_within(location, self.prefix):
             return True
-        directory = os.path.dirname(location)
+        return not self._inside(os.path.dirname(location))
+
+    def _inside(self, directory: str) -> bool:
         inside = self._real_dirs.get(directory)
         if inside is None:
-            inside = is_within(os.path.realpath(directory), self.prefix)
+            try:
+                is_link = stat.S_ISLNK(os.lstat(directory).st_mode)
+            except OSError:
+                is_link = False  # missing: reported as missing, never read
+            if is_link:
+                inside = is_within(os.path.realpath(directory), self.prefix)
+            else:
+                inside = self._inside(os.path.dirname(directory))
             self._real_dirs[directory] = inside
-        return not inside
+        return inside
 
 
 def _record_plan(
@@ -142,6 +150,8 @@ def _record_plan(
 
 def _script_expectation(wheel: Wheel, member: str, location: Path) -> Expectation | None:
     """Scripts shipped as ``#!python`` get their shebang rewritten on install: compare the rest."""
+    from safeinstall.wheel import read_member
+
     content = read_member(wheel.path, member)
     if not content.startswith(b"#!python"):
         return None
@@ -160,6 +170,8 @@ def _script_expectation(wheel: Wheel, member: str, location: Path) -> Expectatio
 def _wheel_plan(
     dist: InstalledDistribution, env: Environment, wheel: Wheel, containment: _Containment
 ) -> tuple[list[Expectation], dict[str, str], list[Finding]]:
+    from safeinstall.wheel import install_location, is_installer_written
+
     expectations: list[Expectation] = []
     members: dict[str, str] = {}
     findings: list[Finding] = []
@@ -252,6 +264,8 @@ def verify_environment(
     selected = installed if names is None else [find_distribution(env, name, installed) for name in names]
     wheel: Wheel | None = None
     if wheel_path is not None:
+        from safeinstall.wheel import read_wheel
+
         wheel = read_wheel(wheel_path)
         if len(selected) != 1 or selected[0].name != wheel.name:
             raise WheelError(

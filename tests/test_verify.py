@@ -108,6 +108,39 @@ def test_record_path_escaping_the_prefix_is_reported_and_never_read(env: Path, t
     assert finding["kind"] == "outside" and finding["path"] == escape
 
 
+def test_package_directory_symlinked_out_of_the_prefix_is_outside_and_never_read(
+    env: Path, tmp_path: Path
+) -> None:
+    package = site(env) / "sipure"
+    elsewhere = tmp_path / "elsewhere" / "sipure"
+    shutil.move(package, elsewhere)
+    package.symlink_to(elsewhere, target_is_directory=True)
+    listed = sorted(p.name for p in elsewhere.glob("*.py"))
+    victim = elsewhere / listed[0]
+    victim.unlink()
+    os.mkfifo(victim)  # reading it would block: the check must not open it
+    result = run("sipure", "--verify-only", "--python", str(env), "--json", timeout=60)
+    assert result.code == 1
+    findings = result.json["data"]["findings"]
+    assert {f["kind"] for f in findings} == {"outside"}
+    assert f"sipure/{victim.name}" in {f["path"] for f in findings}
+
+
+def test_package_directory_symlinked_within_the_prefix_is_checked(env: Path) -> None:
+    prefix = env.parent.parent
+    package = site(env) / "sipure"
+    moved = prefix / "share" / "sipure-real"
+    moved.parent.mkdir(exist_ok=True)
+    shutil.move(package, moved)
+    package.symlink_to(os.path.relpath(moved, package.parent), target_is_directory=True)
+    assert run("sipure", "--verify-only", "--python", str(env), "--json").code == 0
+    (moved / "__init__.py").write_text("# patched\n")
+    doc = run("sipure", "--verify-only", "--python", str(env), "--json").json
+    assert [(f["kind"], f["path"].endswith("sipure/__init__.py")) for f in doc["data"]["findings"]] == [
+        ("modified", True)
+    ]
+
+
 def test_malformed_record_line(env: Path) -> None:
     _append_record(env, "sipure-1.0.dist-info", "sipure/x.py,md5=abc,3,extra-field")
     doc = run("sipure", "--verify-only", "--python", str(env), "--json").json

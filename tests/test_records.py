@@ -1,0 +1,78 @@
+"""RECORD and METADATA parsing, and where entries live: the fast paths agree with the slow ones."""
+
+from __future__ import annotations
+
+import csv
+import os
+
+import pytest
+
+from safeinstall.distributions import entry_location, metadata_headers
+from safeinstall.records import RecordEntry, RecordHash, parse_record
+
+SITE = "/srv/venv/lib/python3.11/site-packages"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "torch/__init__.py",
+        "torch/lib/libtorch_cpu.so",
+        "../../../bin/torchrun",
+        "./torch/x.py",
+        "torch/./x.py",
+        "torch//x.py",
+        "torch/../evil.py",
+        "torch/sub/..",
+        ".hidden/x",
+        "torch/.hidden",
+        "torch/x.py/",
+        "/etc/passwd",
+        "a..b/c",
+        "nvidia/cudnn/lib/libcudnn.so.9",
+    ],
+)
+def test_entry_location_is_the_normalised_join(path: str) -> None:
+    entry = RecordEntry(path, None, None)
+    assert entry_location(SITE, entry) == os.path.normpath(os.path.join(SITE, path))
+
+
+def _reference(text: str) -> list[list[str]]:
+    return [row for row in csv.reader(text.splitlines()) if row and row != [""]]
+
+
+def test_record_without_quotes_parses_as_csv_does() -> None:
+    text = (
+        "pkg/__init__.py,sha256=AAAA,12\n"
+        "pkg/x y.py,sha256=BBBB,0\n"
+        "\n"
+        "pkg-1.0.dist-info/RECORD,,\n"
+        "pkg/__pycache__/x.cpython-311.pyc,,\n"
+        "too,many,fields,here\n"
+    )
+    record = parse_record(text)
+    assert [e.path for e in record.entries] == [row[0] for row in _reference(text)][:4]
+    assert record.entries[0] == RecordEntry("pkg/__init__.py", RecordHash("sha256", "AAAA"), 12)
+    assert record.entries[2] == RecordEntry("pkg-1.0.dist-info/RECORD", None, None)
+    (problem,) = record.problems
+    assert problem.line == 6 and "expected 3 fields" in problem.reason
+
+
+def test_quoted_paths_go_through_csv() -> None:
+    text = '"pkg/a,b.py",sha256=AAAA,1\npkg/c.py,sha256=BBBB,2\n'
+    assert [e.path for e in parse_record(text).entries] == ["pkg/a,b.py", "pkg/c.py"]
+
+
+def test_metadata_headers_stop_at_the_body_and_skip_folded_lines() -> None:
+    text = (
+        "Metadata-Version: 2.1\n"
+        "name: torch\n"
+        "Summary: Tensors and\n"
+        "  Version: 9.9 (a folded line, not a header)\n"
+        "Version: 2.13.0\n"
+        "Version: 3.0\n"
+        "\n"
+        "Name: not-this\n"
+    )
+    assert metadata_headers(text, ("Name", "Version")) == {"Name": "torch", "Version": "2.13.0"}
+    assert metadata_headers("Name: x\n", ("Name", "Version")) == {"Name": "x"}
