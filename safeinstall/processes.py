@@ -28,11 +28,8 @@ and :func:`probe_files`.
 from __future__ import annotations
 
 import os
-import pickle
 import pwd
 import re
-import signal
-import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -41,6 +38,7 @@ from stat import S_ISLNK
 
 from safeinstall.distributions import InstalledDistribution, find_distributions
 from safeinstall.environment import Environment
+from safeinstall.forking import can_fork, cpu_count, map_forked, split
 
 __all__ = [
     "Evidence",
@@ -956,7 +954,6 @@ def _scan_pids(pids: Sequence[int], root: str, index: TargetIndex, self_pid: int
 #: fewer processes than this are scanned in one process: a fork would cost more than it saves
 PARALLEL_THRESHOLD = 256
 MAX_WORKERS = 4
-_CHILD_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def default_workers(count: int) -> int:
@@ -964,69 +961,9 @@ def default_workers(count: int) -> int:
 
     Never more than one while this process runs other threads: forking then is unsafe.
     """
-    if count < PARALLEL_THRESHOLD or threading.active_count() > 1 or not hasattr(os, "fork"):
+    if count < PARALLEL_THRESHOLD or not can_fork():
         return 1
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return max(1, min(MAX_WORKERS, cpus))
-
-
-def _child_scan(write_fd: int, pids: Sequence[int], root: str, index: TargetIndex, self_pid: int) -> None:
-    """In a forked child: scan, send the pickled share, exit without any of the parent's cleanups."""
-    status = 1
-    try:
-        for signum in _CHILD_SIGNALS:  # not the parent's handlers (journal, lock release, ...)
-            signal.signal(signum, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, _CHILD_SIGNALS)
-        data = memoryview(pickle.dumps(_scan_pids(pids, root, index, self_pid), pickle.HIGHEST_PROTOCOL))
-        while data:
-            data = data[os.write(write_fd, data) :]
-        status = 0
-    finally:
-        os._exit(status)
-
-
-def _read_pipe(read_fd: int) -> bytes:
-    chunks = []
-    while chunk := os.read(read_fd, 1 << 20):
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _scan_forked(shares: list[list[int]], root: str, index: TargetIndex, self_pid: int) -> list[_Share]:
-    """The first share here, each other one in a forked child; a child that fails is redone here."""
-    children: list[tuple[int, int, list[int]]] = []  # (child pid, read end, its share)
-    leftover: list[list[int]] = [shares[0]]
-    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _CHILD_SIGNALS)
-    try:
-        for share in shares[1:]:
-            read_fd, write_fd = os.pipe()
-            try:
-                child = os.fork()
-            except OSError:
-                os.close(read_fd)
-                os.close(write_fd)
-                leftover.append(share)
-                continue
-            if child == 0:
-                os.close(read_fd)
-                _child_scan(write_fd, share, root, index, self_pid)
-            os.close(write_fd)
-            children.append((child, read_fd, share))
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
-    results = [_scan_pids(share, root, index, self_pid) for share in leftover]
-    for child, read_fd, share in children:
-        try:
-            data = _read_pipe(read_fd)
-        finally:
-            os.close(read_fd)
-            _, status = os.waitpid(child, 0)
-        done = status == 0 and data
-        results.append(pickle.loads(data) if done else _scan_pids(share, root, index, self_pid))
-    return results
+    return max(1, min(MAX_WORKERS, cpu_count()))
 
 
 def scan_processes(
@@ -1047,14 +984,14 @@ def scan_processes(
     root = str(proc_root)
     pids = _pids(proc_root)
     count = min(len(pids), default_workers(len(pids)) if workers is None else max(1, workers))
-    if threading.active_count() > 1:  # forking a multi-threaded process may deadlock the child
+    if not can_fork():  # forking a multi-threaded process may deadlock the child
         count = 1
     if count <= 1:
         records, problems = _scan_pids(pids, root, index, me)
     else:
         records, problems = [], []
-        for share_records, share_problems in _scan_forked(
-            [pids[i::count] for i in range(count)], root, index, me
+        for share_records, share_problems in map_forked(
+            lambda share: _scan_pids(share, root, index, me), split(pids, count)
         ):
             records.extend(share_records)
             problems.extend(share_problems)

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from safeinstall import processes
+from safeinstall import forking, processes
 from safeinstall.distributions import (
     InstalledDistribution,
     find_distribution,
@@ -399,7 +399,7 @@ def test_a_failed_worker_share_is_scanned_again(tmp_path: Path, monkeypatch: pyt
     expected = scan_processes([fake_target()], proc_root=root, self_pid=105, workers=1)
     assert scan_processes([fake_target()], proc_root=root, self_pid=105, workers=4) == expected
 
-    monkeypatch.setattr(processes, "_child_scan", lambda *args: os._exit(3))
+    monkeypatch.setattr(forking, "_run_child", lambda *args: os._exit(3))
     assert scan_processes([fake_target()], proc_root=root, self_pid=105, workers=4) == expected
     assert expected.problems == (ScanProblem(107, "maps", "vanished"),)
     assert [p.pid for p in expected.affected] == [102, 105, 108]
