@@ -3,25 +3,29 @@
 A backup is ``<backup_dir>/files/<path relative to the prefix>`` (each file byte for byte, with its
 mode, owner and mtime; symlinks as symlinks) plus ``<backup_dir>/manifest.json``, written last: a
 backup without a manifest is incomplete. What is saved: every RECORD entry of each distribution that
-lies inside the environment's prefix (entries outside are listed, never read), and the whole
-``.dist-info`` directory. Locally patched files are saved as they are now, and the manifest lists the
-ones the caller says are patched.
+lies inside the environment's prefix (entries outside are listed, never read), the whole
+``.dist-info`` directory, and the files someone added to the distribution's own package directories
+(in no RECORD; bytecode of listed sources aside). Locally patched files are saved as they are now, and
+the manifest lists the ones the caller says are patched.
 
 A restore first removes what is installed now under those distribution names (the paths the caller
 passes, the files the current ``.dist-info`` RECORDs of those names list, and those ``.dist-info``
-directories, found by name so a half-finished install is cleaned too), then puts every saved file
-back atomically (temp file beside it, ``os.replace``), then hashes every restored file again.
+directories, found by name so a half-finished install is cleaned too) and every file in the saved
+package directories that the backup does not hold (a failed install's temp files: on a full disk,
+their space is what the restore needs), then puts every saved file back atomically (temp file beside
+it, ``os.replace``), then hashes every restored file again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import shutil
 import stat
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -31,6 +35,7 @@ from typing import Any
 from packaging.utils import canonicalize_name
 
 from safeinstall.distributions import InstalledDistribution, dist_info_dirs, find_distributions
+from safeinstall.drift import own_roots, pyc_source
 from safeinstall.environment import Environment
 from safeinstall.errors import SafeInstallError
 from safeinstall.hashing import HashRequest, default_workers, observe_files
@@ -71,6 +76,7 @@ class BackupFile:
     mtime_ns: int
     sha256: str | None  # hex; None for a symlink
     link_target: str | None = None  # set for a symlink
+    listed: bool = True  # False: in the distribution's own directories but in no RECORD (added by hand)
 
     @property
     def is_symlink(self) -> bool:
@@ -96,6 +102,9 @@ class BackupManifest:
     missing: tuple[str, ...]  # listed by a RECORD but absent (or not a file/symlink): nothing to save
     outside: tuple[str, ...]  # RECORD entries outside the prefix: not saved (reported elsewhere)
     patched: tuple[str, ...]  # locally modified/missing files, as the caller's verifier reported them
+    #: the distributions' own package directories (relative): a restore leaves in them exactly the
+    #: files saved, so whatever a failed install left there (uv's temp files, new files) goes
+    roots: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +141,7 @@ class _Item:
     source: Path
     relative: str
     distribution: str
+    listed: bool = True
 
 
 # --- pure helpers -----------------------------------------------------------------------------------
@@ -193,6 +203,7 @@ def manifest_to_dict(manifest: BackupManifest) -> dict[str, Any]:
                 "mtime_ns": f.mtime_ns,
                 "sha256": f.sha256,
                 "link_target": f.link_target,
+                "listed": f.listed,
             }
             for f in manifest.files
         ],
@@ -202,6 +213,7 @@ def manifest_to_dict(manifest: BackupManifest) -> dict[str, Any]:
         "missing": list(manifest.missing),
         "outside": list(manifest.outside),
         "patched": list(manifest.patched),
+        "roots": list(manifest.roots),
     }
 
 
@@ -237,6 +249,7 @@ def manifest_from_dict(data: Any) -> BackupManifest:
                 mtime_ns=int(f["mtime_ns"]),
                 sha256=None if f["sha256"] is None else str(f["sha256"]),
                 link_target=None if f["link_target"] is None else str(f["link_target"]),
+                listed=bool(f.get("listed", True)),
             )
             for f in data["files"]
         ),
@@ -247,6 +260,7 @@ def manifest_from_dict(data: Any) -> BackupManifest:
         missing=tuple(str(p) for p in data["missing"]),
         outside=tuple(str(p) for p in data["outside"]),
         patched=tuple(str(p) for p in data["patched"]),
+        roots=tuple(_safe_relative(p) for p in data.get("roots", ())),
     )
 
 
@@ -274,11 +288,42 @@ class _Inside:
         return relative if inside else None
 
 
-def _collect(env: Environment, dists: Sequence[InstalledDistribution]) -> tuple[list[_Item], list[str]]:
-    """Files to save (RECORD entries inside the prefix + the .dist-info trees), and entries outside."""
+def package_roots(env: Environment, dists: Sequence[InstalledDistribution]) -> dict[str, list[str]]:
+    """Each of ``dists``' own package directories (absolute; see :func:`safeinstall.drift.own_roots`):
+    no other installed distribution has files below them."""
+    installed = {d.name: d.locations for d in find_distributions(env)}
+    installed.update({d.name: d.locations for d in dists})
+    roots = own_roots(installed, [os.fspath(s) for s in env.site_dirs])
+    return {d.name: roots.get(d.name, []) for d in dists}
+
+
+def _unlisted(root: str, listed: set[str]) -> Iterator[str]:
+    """Files (and symlinks) below ``root`` that no RECORD lists; bytecode of a listed source is left
+    out (a cache: Python writes it again)."""
+    for location in _files_below(Path(root)):
+        if location in listed:
+            continue
+        source = pyc_source(PurePosixPath(location)) if location.endswith(".pyc") else None
+        if source is None or str(source) not in listed:
+            yield location
+
+
+def _collect(
+    env: Environment, dists: Sequence[InstalledDistribution]
+) -> tuple[list[_Item], list[str], list[str]]:
+    """Files to save (RECORD entries inside the prefix, the .dist-info trees, and the files added to
+    the distributions' own directories by hand), the entries outside, and those directories."""
     inside = _Inside(env.prefix)
     items: dict[str, _Item] = {}
     outside: list[str] = []
+    roots = package_roots(env, dists)
+    listed = {location for dist in dists for location in dist.locations}
+    for dist in dists:
+        for root in roots[dist.name]:
+            for location in _unlisted(root, listed):
+                relative = inside.relative(location)
+                if relative is not None and relative not in items:
+                    items[relative] = _Item(Path(location), relative, dist.name, listed=False)
     for dist in dists:
         for entry in dist.record.entries:
             location = os.path.normpath(os.path.join(dist.site, entry.path))
@@ -296,12 +341,15 @@ def _collect(env: Environment, dists: Sequence[InstalledDistribution]) -> tuple[
                 relative = inside.relative(location)
                 if relative is not None and relative not in items:
                     items[relative] = _Item(Path(location), relative, dist.name)
-    return sorted(items.values(), key=lambda i: i.relative), outside
+    relative_roots = sorted(
+        {r for r in (inside.relative(root) for dist in dists for root in roots[dist.name]) if r is not None}
+    )
+    return sorted(items.values(), key=lambda i: i.relative), outside, relative_roots
 
 
 def disk_space_needed(dists: Sequence[InstalledDistribution], env: Environment) -> int:
     """Bytes a backup of ``dists`` takes: file sizes rounded up to blocks, plus the manifest."""
-    items, _outside = _collect(env, dists)
+    items, _outside, _roots = _collect(env, dists)
     total = 0
     for item in items:
         try:
@@ -358,6 +406,7 @@ def _save(item: _Item, files_dir: Path) -> BackupFile | None:
             mtime_ns=info.st_mtime_ns,
             sha256=None,
             link_target=target,
+            listed=item.listed,
         )
     if not stat.S_ISREG(info.st_mode):
         return None
@@ -382,6 +431,7 @@ def _save(item: _Item, files_dir: Path) -> BackupFile | None:
         gid=info.st_gid,
         mtime_ns=info.st_mtime_ns,
         sha256=digest,
+        listed=item.listed,
     )
 
 
@@ -415,7 +465,7 @@ def create_backup(
             f"the backup directory {backup_dir} is not empty",
             hint="use a new run id (each run backs up into its own directory)",
         )
-    items, outside = _collect(env, dists)
+    items, outside, roots = _collect(env, dists)
     files_dir = backup_dir / FILES_DIR
     ensure_dir(files_dir)
     sizes: dict[str, int] = {}
@@ -464,6 +514,7 @@ def create_backup(
             missing=tuple(sorted(missing)),
             outside=tuple(outside),
             patched=tuple(patched),
+            roots=tuple(roots),
         )
         text = json.dumps(manifest_to_dict(manifest), indent=1) + "\n"
         atomic_write(backup_dir / MANIFEST_NAME, text.encode("utf-8", "surrogateescape"))
@@ -536,6 +587,17 @@ def stale_bytecode(sources: Iterable[Path]) -> list[Path]:
     return sorted(found)
 
 
+def _files_below(root: Path) -> list[str]:
+    """Files and symlinks below ``root`` (symlinked directories as links, not followed)."""
+    found: list[str] = []
+    for directory, dirnames, filenames in os.walk(root):
+        for name in dirnames:
+            if os.path.islink(os.path.join(directory, name)):
+                found.append(os.path.join(directory, name))
+        found.extend(os.path.join(directory, name) for name in filenames)
+    return found
+
+
 def _unlink(path: Path) -> bool:
     try:
         os.unlink(path)
@@ -597,6 +659,20 @@ def _replace(tmp: Path, dest: Path) -> None:
 
 
 def _put_back(saved: BackupFile, files_dir: Path, prefix: Path, as_root: bool) -> None:
+    """Put one file back atomically (temp file beside it, rename). On a full disk the file it replaces
+    is removed first, to make the room that the copy needs: the services are stopped during a restore,
+    so atomicity matters less than finishing it."""
+    try:
+        _put_back_atomically(saved, files_dir, prefix, as_root)
+    except OSError as exc:
+        dest = prefix / saved.path
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not os.path.lexists(dest) or os.path.isdir(dest):
+            raise
+        os.unlink(dest)
+        _put_back_atomically(saved, files_dir, prefix, as_root)
+
+
+def _put_back_atomically(saved: BackupFile, files_dir: Path, prefix: Path, as_root: bool) -> None:
     dest = prefix / saved.path
     tmp = dest.with_name(f".{dest.name}{_TMP_MARK}{os.getpid()}-{os.urandom(4).hex()}")
     try:
@@ -672,6 +748,7 @@ def restore_backup(
     as_root = os.geteuid() == 0
     names = frozenset(d.name for d in manifest.distributions)
     restoring = {prefix / f.path for f in manifest.files}
+    saved_paths = frozenset(f.path for f in manifest.files)
     failures: list[str] = []
 
     dist_infos = _current_dist_infos(env, names)
@@ -715,6 +792,17 @@ def restore_backup(
             with contextlib.suppress(OSError):
                 if _unlink(pyc):
                     touched_dirs.add(pyc.parent)
+    for root in manifest.roots:  # the package directories hold exactly what was saved, nothing new
+        for location in _files_below(prefix / root):
+            relative = inside.relative(location)
+            if relative is None or relative in saved_paths:
+                continue
+            try:
+                if _unlink(Path(location)):
+                    removed += 1
+                    touched_dirs.add(Path(location).parent)
+            except OSError as exc:
+                failures.append(f"{location}: could not remove it: {exc.strerror or exc}")
     removed_dist_infos: list[str] = []
     for dist_info in dist_infos:
         try:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
 
 _PR_SET_PDEATHSIG = 1
-_HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 _Handler = Callable[[int, FrameType | None], object] | int | None
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -35,6 +36,16 @@ app = typer.Typer(add_completion=False, context_settings={"help_option_names": [
 
 
 def _exit(code: int) -> NoReturn:
+    # A terminal that went away (SIGHUP) or a closed pipe: Python's final flush would fail and turn
+    # the exit status into 120. The status is what scripts read, so the unwritable output goes.
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except OSError:
+            with contextlib.suppress(OSError):
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, stream.fileno())
+                os.close(devnull)
     raise typer.Exit(int(code))
 
 
@@ -145,11 +156,12 @@ def _run_reinstall(options: RunOptions, as_json: bool, interactive: bool) -> Non
 
     out, err = make_console(), make_console(stderr=True)
     result = run_reinstall(options, ConsoleReporter(out, err, quiet=as_json), interactive)
-    if as_json:
-        errors = [result.error] if result.error else []
-        print(dumps(envelope("reinstall", result.status, result.exit_code, run_json(result), errors)))
-    else:
-        render_result(out, err, result)
+    with contextlib.suppress(OSError):  # the terminal may be gone (SIGHUP): the exit code still tells
+        if as_json:
+            errors = [result.error] if result.error else []
+            print(dumps(envelope("reinstall", result.status, result.exit_code, run_json(result), errors)))
+        else:
+            render_result(out, err, result)
     _exit(result.exit_code)
 
 

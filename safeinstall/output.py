@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from enum import Enum
 from pathlib import PurePath
 from typing import TYPE_CHECKING, Any
@@ -22,7 +23,10 @@ RESULT_VERSION = 1
 
 
 def jsonable(value: Any) -> Any:
-    """Dataclasses, enums, paths, tuples and sets to plain JSON values."""
+    """Dataclasses, enums, paths, tuples and sets to plain JSON values; an infinite or NaN float (a
+    unit's ``TimeoutStopSec=infinity``) becomes null: JSON has no Infinity."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, Enum):
@@ -69,7 +73,7 @@ def envelope(
 
 
 def dumps(document: dict[str, Any]) -> str:
-    return json.dumps(document, indent=2, sort_keys=False)
+    return json.dumps(jsonable(document), indent=2, sort_keys=False, allow_nan=False)
 
 
 def plan_json(plan: Plan) -> dict[str, Any]:

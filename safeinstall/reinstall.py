@@ -181,9 +181,18 @@ class _Run:
         self.journal = advance(self.journal, phase, note, **changes)
         write_journal(self.state.dir, self.journal)
 
+    def _journal_if_possible(self, phase: Phase, note: str = "") -> None:
+        """During the rollback the journal is best effort: a full disk must not stop the restore (which
+        frees the space) nor the restart."""
+        try:
+            self._journal(phase, note)
+        except SafeInstallError as exc:
+            self.notes.append(f"the rollback went on without its journal: {exc.message}")
+
     def _log(self, text: str) -> None:
+        """Append to the run's log; best effort (a full disk must not turn into the run's failure)."""
         if self.log_file is not None:
-            with open(self.log_file, "a", encoding="utf-8") as log:
+            with contextlib.suppress(OSError), open(self.log_file, "a", encoding="utf-8") as log:
                 log.write(f"[{datetime.now(UTC).isoformat(timespec='seconds')}] {text}\n")
 
     def _units_to_restart(self) -> list[str]:
@@ -533,7 +542,7 @@ class _Run:
         with interrupts_deferred(announce):
             done: list[str] = []
             try:
-                self._journal(Phase.ROLLING_BACK, note=error.message)
+                self._journal_if_possible(Phase.ROLLING_BACK, note=error.message)
                 if self.restart_started:
                     for unit in self._units_to_restart():
                         self.systemd.stop(unit, self._stop_timeout(90.0))
@@ -549,7 +558,7 @@ class _Run:
                     self._start_and_settle(units, min(self.options.settle, 2.0))
                     done.append("started " + ", ".join(units) + " again")
                 self.remove_dropins()
-                self._journal(Phase.ROLLED_BACK)
+                self._journal_if_possible(Phase.ROLLED_BACK)
                 clear_journal(self.state.dir)
             except SafeInstallError as second:
                 return self._rollback_failed(error, second)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter, defaultdict
 from typing import TYPE_CHECKING
@@ -189,7 +190,14 @@ class ConsoleReporter:
         self._tasks: dict[str, TaskID] = {}
         self._last_line = time.monotonic()
 
+    # Output is best effort: a terminal that went away (a dropped SSH session: EIO) or a closed pipe
+    # must never interrupt a run, least of all its rollback. The run's log keeps everything.
+
     def step(self, outcome: StepOutcome) -> None:
+        with contextlib.suppress(OSError):
+            self._step(outcome)
+
+    def _step(self, outcome: StepOutcome) -> None:
         self._end_progress()
         if self.quiet:
             return
@@ -199,6 +207,10 @@ class ConsoleReporter:
         )
 
     def progress(self, what: str, done: float | None, total: float | None) -> None:
+        with contextlib.suppress(OSError):
+            self._show_progress(what, done, total)
+
+    def _show_progress(self, what: str, done: float | None, total: float | None) -> None:
         """Slow work (the backup's bytes, the GPU wait's seconds): a transient bar on a terminal."""
         if self.quiet:
             return
@@ -233,7 +245,8 @@ class ConsoleReporter:
             self._tasks.clear()
 
     def note(self, text: str) -> None:
-        self.err.print(f"[yellow]note:[/] {text}", soft_wrap=True)
+        with contextlib.suppress(OSError):
+            self.err.print(f"[yellow]note:[/] {text}", soft_wrap=True)
 
     def confirm(self, plan: Plan) -> bool:
         render_plan(self.out, self.err, plan)

@@ -1,5 +1,5 @@
-"""SIGINT/SIGTERM during a run: the first one interrupts the step in progress (and the run rolls back);
-during the rollback they are held back, so the services are never abandoned half-way."""
+"""SIGINT/SIGTERM/SIGHUP during a run: the first one interrupts the step in progress (and the run rolls
+back); during the rollback they are held back, so the services are never abandoned half-way."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ from types import FrameType
 
 from safeinstall.errors import StepFailed
 
-_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+#: SIGHUP too: a dropped SSH session must roll back like Ctrl-C, not kill the run with the units down.
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class Interrupted(StepFailed):
-    """Raised in the main thread when SIGINT or SIGTERM arrives during a run."""
+    """Raised in the main thread when SIGINT, SIGTERM or SIGHUP arrives during a run."""
 
     code = "interrupted"
 
@@ -24,7 +25,7 @@ Handler = Callable[[int, FrameType | None], object] | int | None
 
 @contextmanager
 def interrupts_raise() -> Iterator[None]:
-    """SIGINT/SIGTERM raise :class:`Interrupted` (the caller rolls back)."""
+    """SIGINT/SIGTERM/SIGHUP raise :class:`Interrupted` (the caller rolls back)."""
 
     def handler(signum: int, _frame: FrameType | None) -> None:
         raise Interrupted(f"interrupted by {signal.Signals(signum).name}")
@@ -35,7 +36,7 @@ def interrupts_raise() -> Iterator[None]:
 
 @contextmanager
 def interrupts_deferred(on_signal: Callable[[int], None]) -> Iterator[list[int]]:
-    """SIGINT/SIGTERM are recorded (and announced through ``on_signal``) but do not interrupt."""
+    """SIGINT/SIGTERM/SIGHUP are recorded (and announced through ``on_signal``) but do not interrupt."""
     received: list[int] = []
 
     def handler(signum: int, _frame: FrameType | None) -> None:

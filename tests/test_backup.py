@@ -205,6 +205,51 @@ def test_restore_after_a_half_finished_install(venv: Path, wheels: Wheelhouse, t
     assert [d.version for d in find_distributions(env) if d.name in NAMES] == ["1.0", "1.0"]
 
 
+def test_hand_added_files_come_back_and_a_failed_installs_debris_goes(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    """The package directories are restored exactly: a file added by hand (in no RECORD; --prune may
+    have removed it) comes back, and what a failed install left there (uv's temp file on a full disk,
+    a new directory) goes, freeing the space the restore needs."""
+    env, _patched = installed_v1(venv, wheels)
+    added = env.purelib / "sicext" / "local_notes.txt"
+    added.write_text("ops notes\n")
+    before = tree(env)
+    backup, _ = backup_v1(env, tmp_path)
+    saved = {f.path: f for f in backup.manifest.files}
+    assert saved[str(added.relative_to(env.prefix))].listed is False
+    assert all(f.listed for p, f in saved.items() if p.endswith(".pyc"))  # runtime bytecode: a cache
+    assert str((env.purelib / "sicext").relative_to(env.prefix)) in backup.manifest.roots
+    assert manifest_from_dict(manifest_to_dict(backup.manifest)) == backup.manifest
+
+    upgrade(venv, wheels)
+    added.unlink()
+    debris = env.purelib / "sicext" / ".tmpk8HXsd"
+    debris.write_bytes(b"half a file" * 1000)
+    (env.purelib / "sicext" / "newdir").mkdir()
+    (env.purelib / "sicext" / "newdir" / "new.py").write_text("")
+
+    result = restore_backup(backup, env, [])
+
+    assert result.ok, result
+    assert tree(env) == before
+    assert added.read_text() == "ops notes\n" and not debris.exists()
+    assert not (env.purelib / "sicext" / "newdir").exists()
+
+
+def test_a_manifest_from_before_package_roots_still_loads(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    env, _patched = installed_v1(venv, wheels)
+    backup, _ = backup_v1(env, tmp_path)
+    data = manifest_to_dict(backup.manifest)
+    del data["roots"]
+    for entry in data["files"]:
+        del entry["listed"]
+    old = manifest_from_dict(data)
+    assert old.roots == () and all(f.listed for f in old.files)
+
+
 def test_restore_leaves_paths_outside_and_shared_alone(
     venv: Path, wheels: Wheelhouse, tmp_path: Path
 ) -> None:

@@ -383,34 +383,90 @@ def test_too_little_room_for_the_install_is_refused_before_anything_stops(
     assert bed.manager.main_pid(name) == main and bed.version() == "1.0"
 
 
+@pytest.mark.parametrize("state_on_the_same_disk", [False, True], ids=["state-elsewhere", "state-too"])
 def test_disk_full_in_the_middle_of_the_install_rolls_back(
-    bed_on_disk: Callable[[int], Bed], big_wheel: Path
+    bed_on_disk: Callable[[int], Bed], big_wheel: Path, state_on_the_same_disk: bool
 ) -> None:
     """The install dies half-way (another process filled the disk during the downtime): the previous
-    installation, local patch included, and the service come back."""
+    installation, local patch included, and the service come back; also with the state directory (the
+    journal, the backup) on that full disk, as in the default layout."""
     bed = bed_on_disk(256)  # room for the 160 MiB the wheel unpacks to, when the run starts
     disk = bed.python.parent.parent.parent
+    if state_on_the_same_disk:
+        bed.state = disk / "state"
     before = _patch(bed)
     name = bed.unit("diskfull")
     gpu = bed.nvml.add_gpu("NVIDIA H200", "GPU-00000000-0000-0000-0000-0000000000e4", 141 * GiB)
     bed.nvml.hold(bed.manager.main_pid(name), gpu, 10 * GiB, linger=3.0)  # time to fill the disk
     proc = bed.start_run("sicext", "--wheel", str(big_wheel), "--settle", "0.5", "--json")
     filler = disk / "filler"
+    frozen: list[int] = []
     try:
-        bed.wait_phase(proc, "stopped")  # preflight found room for the 160 MiB file; now there is none
-        room = os.statvfs(disk)
+        if state_on_the_same_disk:  # fill it under uv (frozen meanwhile): the journal can't be written either
+            bed.wait_phase(proc, "installing")
+            wait_until(lambda: bool(bed.installers()), 30, "uv installing", interval=0.002)
+            frozen = bed.installers()
+            for pid in frozen:
+                os.kill(pid, signal.SIGSTOP)
+            left = 16 * 1024 * 1024  # uv fills these with part of the 160 MiB file, then fails
+        else:  # fill it during the GPU wait; the state directory, elsewhere, keeps working
+            bed.wait_phase(proc, "stopped")
+            left = 2 * 1024 * 1024
+        room = os.statvfs(disk)  # preflight found room for the 160 MiB file; now there is none
         with filler.open("wb") as sink:
-            os.posix_fallocate(sink.fileno(), 0, room.f_bavail * room.f_frsize - 2 * 1024 * 1024)
+            os.posix_fallocate(sink.fileno(), 0, room.f_bavail * room.f_frsize - left)
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
         out, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
         proc.communicate()
         filler.unlink(missing_ok=True)
     assert proc.returncode == 3, out + err
-    message = json.loads(out)["errors"][0]["message"]
+    doc = json.loads(out)
+    message = doc["errors"][0]["message"]
     assert "uv pip install failed" in message and "restored the previous installation" in message, message
     wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running again")
     assert bed.version() == "1.0" and bed.snapshot() == before  # old bytes, the local patch included
+    bed.no_trace()
+
+
+def test_a_dropped_terminal_rolls_back_and_leaves_the_services_running(bed: Bed) -> None:
+    """An SSH session that drops: the terminal is gone (writes fail with EIO) and SIGHUP arrives. The
+    run rolls back as for Ctrl-C; its exit status still says so."""
+    import pty
+
+    name = bed.unit("hangup")
+    gpu = bed.nvml.add_gpu("NVIDIA H200", "GPU-00000000-0000-0000-0000-0000000000e5", 141 * GiB)
+    bed.nvml.hold(bed.manager.main_pid(name), gpu, 10 * GiB, linger=30.0)  # keeps the run in its GPU wait
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.Popen(
+            bed.args(
+                "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--gpu-timeout", "60"
+            ),
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            env=bed.environ(),
+            start_new_session=True,
+        )
+    finally:
+        os.close(slave)
+    try:
+        bed.wait_phase(proc, "stopped")
+        os.close(master)  # the terminal goes away ...
+        master = -1
+        proc.send_signal(signal.SIGHUP)  # ... and the kernel hangs up on the session
+        proc.wait(timeout=120)
+    finally:
+        if master >= 0:
+            os.close(master)
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 3
+    wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running again")
+    assert bed.version() == "1.0"
     bed.no_trace()
 
 

@@ -3,6 +3,7 @@ units of a private systemd --user manager, wheels installed by uv, the fake NVML
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -236,6 +237,27 @@ def test_a_unit_of_the_same_name_under_another_manager_is_left_alone(
     finally:
         other.remove_unit(name)
         stop_user_manager(other)
+
+
+def test_a_unit_that_never_times_out_gives_strict_json(
+    env: Path, wheels: Wheelhouse, units: Units, user_manager: UserManager
+) -> None:
+    """TimeoutStopSec=infinity: JSON has no Infinity, so the stop timeout is null (and "infinity" for
+    people)."""
+    name = units.started(
+        "forever", f"{env} -c 'import sicext, time; time.sleep(600)'", TimeoutStopSec="infinity"
+    )
+    wait_until(lambda: so_mapped(user_manager.main_pid(name)), 15, "maps the .so")
+    result = dry_run(user_manager, None, env, wheels["sicext-2"], "--json")
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"not strict JSON: {constant}")
+
+    doc = json.loads(result.stdout, parse_constant=refuse)
+    (unit,) = doc["data"]["units"]
+    assert unit["name"] == name and unit["stop_timeout_s"] is None
+    human = dry_run(user_manager, None, env, wheels["sicext-2"])
+    assert "infinity" in human.stdout
 
 
 def test_unresolvable_request_is_a_clear_error(env: Path, user_manager: UserManager) -> None:

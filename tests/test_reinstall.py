@@ -325,6 +325,22 @@ def test_keep_backups_must_be_at_least_one(bed: Bed) -> None:
     assert result.code == 2 and "--keep-backups" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_a_file_pruned_by_a_run_that_fails_later_comes_back(bed: Bed) -> None:
+    """--prune removes files the new version does not have; when the run then fails (v3 crashes at
+    start), the rollback must put them back too: they are in no RECORD, but they are someone's."""
+    notes = bed.site / "sicext" / "local_notes.txt"
+    notes.write_text("ops notes\n")
+    name = bed.service("prunefail")
+    result = bed.safeinstall(
+        "sicext", "--wheel", str(bed.wheels["sicext-3"]), "--prune", "--settle", "1", "--json"
+    )
+    assert result.code == 3, result.stdout + result.stderr
+    assert str(notes) in result.json["data"]["pruned"]
+    assert notes.read_text() == "ops notes\n"
+    wait_until(lambda: bed.manager.active_state(name) == "active", 10, "unit active again")
+    assert bed.installed_version() == "1.0"
+
+
 def test_locally_patched_file_is_kept_in_the_backup(bed: Bed) -> None:
     bed.service("patched")
     patched = bed.site / "sicext" / "serve.py"
