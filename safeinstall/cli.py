@@ -168,13 +168,18 @@ def _run_reinstall(options: RunOptions, as_json: bool, interactive: bool) -> Non
 def _run_recover(python: str | None, as_json: bool) -> None:
     from safeinstall.recover import recover
 
-    recoveries = recover(os.environ, python)
+    outcome = recover(os.environ, python)
+    code = outcome.exit_code
     if as_json:
-        data = {"recoveries": jsonable(recoveries)}
-        print(dumps(envelope("recover", "recovered", ExitCode.OK, data)))
+        data = {"recoveries": jsonable(outcome.recoveries)}
+        status = "recovered" if code == ExitCode.OK else "error"
+        print(dumps(envelope("recover", status, code, data, list(outcome.failures))))
     else:
-        render_recoveries(make_console(), recoveries)
-    _exit(ExitCode.OK)
+        render_recoveries(make_console(), list(outcome.recoveries))
+        err = make_console(stderr=True)
+        for failure in outcome.failures:
+            render_error(err, failure)
+    _exit(code)
 
 
 def _run_status(python: str | None, as_json: bool) -> None:

@@ -75,6 +75,12 @@ class NvmlError(SafeInstallError):
     code = "nvml"
 
 
+class Aborted(SafeInstallError):
+    """A run that failed (or was interrupted) before any unit was stopped: nothing changed (exit 2)."""
+
+    code = "aborted"
+
+
 class StepFailed(SafeInstallError):
     """A step after the stop failed; the run rolled back (exit 3)."""
 

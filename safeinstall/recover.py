@@ -15,7 +15,7 @@ from pathlib import Path
 
 from safeinstall.backup import Backup, load_backup, restore_backup
 from safeinstall.environment import Environment, inspect_environment, resolve_python
-from safeinstall.errors import RollbackFailed, SafeInstallError
+from safeinstall.errors import ExitCode, RollbackFailed, SafeInstallError
 from safeinstall.gate import GATE_DROPIN, gate_marker
 from safeinstall.journal import (
     Journal,
@@ -166,9 +166,32 @@ def recover_one(state: EnvironmentState, environ: Mapping[str, str], settle: flo
         return Recovery(prefix, journal.run_id, phase, restored, started, gates, tuple(notes))
 
 
-def recover(environ: Mapping[str, str], python: str | None, settle: float = 2.0) -> list[Recovery]:
-    """Recover every environment with a journal left (or the one ``python`` names)."""
-    return [recover_one(state, environ, settle) for state in _states(environ, python)]
+@dataclass(frozen=True, slots=True)
+class Recovered:
+    recoveries: tuple[Recovery, ...]
+    failures: tuple[SafeInstallError, ...]  # environments that could not be recovered (each says why)
+
+    @property
+    def exit_code(self) -> ExitCode:
+        """0; 4 when a recovery failed (its services may be down); else the first failure's code."""
+        if not self.failures:
+            return ExitCode.OK
+        if any(f.exit_code == ExitCode.ROLLBACK_FAILED for f in self.failures):
+            return ExitCode.ROLLBACK_FAILED
+        return self.failures[0].exit_code
+
+
+def recover(environ: Mapping[str, str], python: str | None, settle: float = 2.0) -> Recovered:
+    """Recover every environment with a journal left (or the one ``python`` names). One that fails
+    does not stop the others: at boot, every environment's units matter."""
+    recoveries: list[Recovery] = []
+    failures: list[SafeInstallError] = []
+    for state in _states(environ, python):
+        try:
+            recoveries.append(recover_one(state, environ, settle))
+        except SafeInstallError as exc:
+            failures.append(exc)
+    return Recovered(tuple(recoveries), tuple(failures))
 
 
 def status(environ: Mapping[str, str], python: str | None) -> list[EnvironmentStatus]:

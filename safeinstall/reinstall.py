@@ -38,6 +38,7 @@ from safeinstall.distributions import find_distributions
 from safeinstall.drift import FindingKind
 from safeinstall.environment import Environment, inspect_environment, resolve_python
 from safeinstall.errors import (
+    Aborted,
     ExitCode,
     PlanError,
     RollbackFailed,
@@ -302,7 +303,7 @@ class _Run:
         assert self.state is not None and self.env is not None and self.survey is not None
         scratch = self.state.dir / f"prefetch-{self.run_id}"
         request = self.survey.request
-        command = prefetch_command(request, uv_binary(), scratch)
+        command = prefetch_command(request, uv_binary(), scratch, self.survey.uv_plan.changes)
         self._log("prefetch: " + " ".join(command))
         try:
             result = uv_install(command, self.options.environ)
@@ -541,6 +542,7 @@ class _Run:
 
         with interrupts_deferred(announce):
             done: list[str] = []
+            stopped_any = _phase_at_least(self.journal, Phase.STOPPING)
             try:
                 self._journal_if_possible(Phase.ROLLING_BACK, note=error.message)
                 if self.restart_started:
@@ -564,6 +566,10 @@ class _Run:
                 return self._rollback_failed(error, second)
             except Exception as second:
                 return self._rollback_failed(error, SafeInstallError(str(second)))
+        if not stopped_any:  # the run ended before the stop: nothing changed, exit 2 as for a refusal
+            if error.exit_code == ExitCode.REFUSED:
+                return error
+            return Aborted(f"{error.message}; nothing was stopped or installed", hint=error.hint)
         return StepFailed(f"{error.message}; {'; '.join(done)}", hint=error.hint)
 
     def _restore(self) -> None:
@@ -723,7 +729,10 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
                     exc if isinstance(exc, SafeInstallError) else StepFailed(f"{type(exc).__name__}: {exc}")
                 )
                 outcome = run.rollback(error)
-                status = "rollback-failed" if isinstance(outcome, RollbackFailed) else "rolled-back"
+                status = {
+                    ExitCode.ROLLED_BACK: "rolled-back",
+                    ExitCode.ROLLBACK_FAILED: "rollback-failed",
+                }.get(outcome.exit_code, "error")
                 return _result(run, status, outcome.exit_code, outcome)
         run._journal(Phase.DONE)
         run.remove_dropins()

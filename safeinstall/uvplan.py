@@ -85,16 +85,33 @@ def install_command(request: UvRequest, uv_bin: str, dry_run: bool = False) -> l
     return cmd
 
 
-def prefetch_command(request: UvRequest, uv_bin: str, target: Path) -> list[str]:
+def prefetch_command(
+    request: UvRequest, uv_bin: str, target: Path, changes: Sequence[UvChange] = ()
+) -> list[str]:
     """Pure: install the same artefacts into a scratch ``--target`` directory, before any stop.
 
     This fills uv's cache (download, unpack, build), so that the install during the downtime only
-    copies files; and it proves that the artefacts can be fetched and installed at all.
+    copies files; and it proves that the artefacts can be fetched and installed at all. The artefacts
+    are the requirement and every other distribution uv's dry-run will install (``changes``: a new
+    dependency of a nightly, or everything with ``--with-deps``), pinned, without resolving again.
     """
-    cmd = [uv_bin, "pip", "install", "--python", str(request.python), "--target", str(target)]
-    if not request.with_deps:
-        cmd.append("--no-deps")
-    return [*cmd, *request.extra_args, requirement(request)]
+    cmd = [uv_bin, "pip", "install", "--python", str(request.python), "--target", str(target), "--no-deps"]
+    wanted = canonicalize_name(request.package)
+    others = [
+        text
+        for change in changes
+        if change.action != "uninstall" and change.name != wanted and (text := pinned(change)) is not None
+    ]
+    return [*cmd, *request.extra_args, requirement(request), *dict.fromkeys(others)]
+
+
+def pinned(change: UvChange) -> str | None:
+    """Pure: the requirement that installs exactly what ``change`` says (None: not enough to say)."""
+    if change.version is not None:
+        return f"{change.name}=={change.version}"
+    if change.source is not None:
+        return f"{change.name} @ {change.source}"
+    return None
 
 
 def parse_changes(text: str) -> tuple[UvChange, ...]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -82,11 +83,15 @@ class Bed:
         return run("--user", "--python", str(self.python), *extra, env=self.environ(), timeout=240)
 
     def journal(self) -> dict[str, Any] | None:
+        """This environment's journal (the state directory may hold other environments' too)."""
+        prefix = os.path.realpath(self.python.parent.parent)
         for path in self.state.glob("*/journal.json"):
             try:
-                return dict(json.loads(path.read_text()))
+                doc = dict(json.loads(path.read_text()))
             except (OSError, ValueError):
-                return None
+                continue
+            if doc.get("prefix") == prefix:
+                return doc
         return None
 
     def wait_phase(self, proc: subprocess.Popen[str], *phases: str, timeout: float = 60) -> str:
@@ -213,6 +218,50 @@ def test_sigkill_at_step_boundary_then_recover(
     bed.no_trace()
     assert bed.cli("--recover").stdout.strip() == "nothing to recover"
     assert bed.cli("--status", "--json").json["status"] == "idle"
+
+
+def test_recover_goes_on_past_an_environment_it_cannot_recover(
+    bed: Bed,
+    big_wheel: Path,
+    tmp_path: Path,
+    user_manager: UserManager,
+    fake_nvml: FakeNvml,
+    wheels: Wheelhouse,
+) -> None:
+    """At boot, one environment whose backup is gone must not keep the others' units down."""
+    other_python = wheelhouse.make_venv(tmp_path / "other-venv")
+    wheelhouse.uv_install(other_python, wheels["sicext-1"])
+    other = Bed(other_python, bed.state, user_manager, fake_nvml, wheels)  # one state directory, two envs
+    try:
+        lost = bed.unit("lost-backup")
+        fine = other.unit("fine")
+        for crashed, phase in ((bed, "installing"), (other, "stopped")):
+            proc = crashed.start_run("sicext", "--wheel", str(big_wheel), "--settle", "0.5")
+            try:
+                crashed.wait_phase(proc, phase)
+                proc.send_signal(signal.SIGKILL)
+            finally:
+                proc.wait()
+                proc.communicate()
+        journals = [json.loads(p.read_text()) for p in bed.state.glob("*/journal.json")]
+        (broken,) = [j for j in journals if j["phase"] == "installing"]
+        shutil.rmtree(broken["backup_dir"])  # lost: that run cannot be put back
+
+        result = run("--user", "--recover", "--json", env=bed.environ(), timeout=240)
+
+        assert result.code == 4, result.stdout + result.stderr
+        doc = result.json
+        assert doc["status"] == "error" and doc["exit_code"] == 4
+        (failure,) = doc["errors"]
+        assert failure["code"] == "rollback-failed" and broken["run_id"] in failure["message"]
+        assert [r["run_id"] for r in doc["data"]["recoveries"] if r["run_id"]] == [
+            j["run_id"] for j in journals if j["phase"] == "stopped"
+        ]
+        wait_until(lambda: other.manager.active_state(fine) == "active", 20, "the other unit running again")
+        assert bed.manager.active_state(lost) != "active"  # its run could not be finished: said, not hidden
+    finally:
+        for name in other.units:
+            user_manager.remove_unit(name)
 
 
 def _power_loss(proc: subprocess.Popen[str], manager: UserManager) -> None:

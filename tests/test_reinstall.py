@@ -240,7 +240,12 @@ def test_unit_that_ignores_sigterm_aborts_after_stop_timeout(bed: Bed) -> None:
     assert bed.installed_version() == "1.0"
 
 
-def test_uv_failure_at_install_time_rolls_back_with_local_patch(bed: Bed, tmp_path: Path) -> None:
+def test_a_new_dependency_that_cannot_be_unpacked_is_found_before_anything_stops(
+    bed: Bed, tmp_path: Path
+) -> None:
+    """The new version needs a dependency that resolves but cannot be installed (a corrupt wheel): the
+    prefetch installs every new distribution of uv's plan before the stop, so nothing stops (exit 2).
+    (uv failing half-way through the install itself: the disk-full tests in test_crash_safety.)"""
     patched = bed.site / "sicext" / "serve.py"
     patched.write_text(patched.read_text() + "# a local hotfix\n")
     before = {p: p.read_bytes() for p in (bed.site / "sicext").rglob("*") if p.is_file()}
@@ -263,15 +268,20 @@ def test_uv_failure_at_install_time_rolls_back_with_local_patch(bed: Bed, tmp_pa
         "--find-links",
         str(links),
     )
-    assert result.code == 3, result.stdout + result.stderr
+    assert result.code == 2, result.stdout + result.stderr
     doc = result.json
+    assert doc["status"] == "error"
     message = doc["errors"][0]["message"]
-    assert "uv pip install failed" in message and "restored the previous installation" in message
-    assert str(patched) in doc["data"]["patched"]
+    assert "uv could not fetch or unpack the new version" in message and "sidep" in message, message
+    assert [(s["name"], s["status"]) for s in doc["data"]["steps"]] == [
+        ("backup", "ok"),
+        ("prefetch", "failed"),
+    ]
     after = {p: p.read_bytes() for p in (bed.site / "sicext").rglob("*") if p.is_file()}
     assert after == before  # v1 bytes and the local patch
-    assert bed.manager.active_state(name) == "active" and bed.manager.main_pid(name) != main
+    assert bed.manager.active_state(name) == "active" and bed.manager.main_pid(name) == main
     assert bed.installed_version() == "1.0"
+    assert not any(bed.state.glob("*/journal.json")) and not any(bed.state.glob("*/gate"))
 
 
 def test_new_version_that_crashes_is_rolled_back(bed: Bed) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from safeinstall.errors import PlanError
-from safeinstall.uvplan import UvRequest, dry_run, install_command, parse_changes
+from safeinstall.uvplan import UvRequest, dry_run, install_command, parse_changes, prefetch_command
 from tests import wheelhouse
 from tests.wheelhouse import Wheelhouse
 
@@ -42,6 +42,36 @@ def test_named_package_only_unless_with_deps() -> None:
         UvRequest(Path("/p"), "vllm", installed_version="0.9.1", extra_args=("--index-url", "x")), "uv"
     )
     assert again[-3:] == ["--index-url", "x", "vllm==0.9.1"]
+
+
+def test_prefetch_pins_every_new_distribution_of_the_plan() -> None:
+    """A nightly that needs a new dependency: the dependency is fetched before the stop as well."""
+    request = UvRequest(
+        Path("/v/bin/python"), "vllm", wheel=Path("/w/vllm.whl"), extra_args=("--index-url", "x")
+    )
+    changes = parse_changes(
+        " - vllm==0.9.1\n + vllm @ file:///w/vllm.whl\n - torch==2.12.0\n + torch==2.13.0\n"
+        " + newdep @ https://example.invalid/newdep-1.0-py3-none-any.whl\n + torch==2.13.0\n"
+    )
+    cmd = prefetch_command(request, "uv", Path("/scratch"), changes)
+    assert cmd[:8] == [
+        "uv",
+        "pip",
+        "install",
+        "--python",
+        "/v/bin/python",
+        "--target",
+        "/scratch",
+        "--no-deps",
+    ]
+    assert cmd[8:] == [
+        "--index-url",
+        "x",
+        "/w/vllm.whl",
+        "torch==2.13.0",
+        "newdep @ https://example.invalid/newdep-1.0-py3-none-any.whl",
+    ]
+    assert prefetch_command(request, "uv", Path("/scratch"))[-1] == "/w/vllm.whl"
 
 
 def test_real_dry_run(venv: Path, wheels: Wheelhouse) -> None:
