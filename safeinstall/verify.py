@@ -148,8 +148,15 @@ def _record_plan(
     return expectations, findings
 
 
+#: An installer's launcher in place of ``#!python``: one shebang line or, for an interpreter path too
+#: long for a shebang (or with a space in it), the three-line ``#!/bin/sh`` + ``exec`` form.
+_LAUNCHER_MAX_LINES = 3
+_SCRIPT_MAX_BYTES = 1 << 20
+
+
 def _script_expectation(wheel: Wheel, member: str, location: Path) -> Expectation | None:
-    """Scripts shipped as ``#!python`` get their shebang rewritten on install: compare the rest."""
+    """Scripts shipped as ``#!python`` get their first line rewritten on install into a launcher for
+    the environment's interpreter: the launcher is the installer's, the rest must be the wheel's."""
     from safeinstall.wheel import read_member
 
     content = read_member(wheel.path, member)
@@ -157,13 +164,16 @@ def _script_expectation(wheel: Wheel, member: str, location: Path) -> Expectatio
         return None
     try:
         with open(location, "rb") as handle:
-            installed_first = handle.readline()
+            installed = handle.read(_SCRIPT_MAX_BYTES)
     except OSError:
         return None
-    if not installed_first.startswith(b"#!"):
+    if not installed.startswith(b"#!"):
         return None
     rest = content.split(b"\n", 1)[1] if b"\n" in content else b""
-    expected = installed_first + rest
+    launcher = installed[: len(installed) - len(rest)] if installed.endswith(rest) else b""
+    if not launcher.startswith(b"#!") or launcher.count(b"\n") > _LAUNCHER_MAX_LINES:
+        launcher = installed.split(b"\n", 1)[0] + b"\n"  # changed beyond the launcher: that is drift
+    expected = launcher + rest
     return Expectation(str(location), "sha256", digest_bytes(expected), len(expected))
 
 

@@ -141,6 +141,31 @@ def test_package_directory_symlinked_within_the_prefix_is_checked(env: Path) -> 
     ]
 
 
+@pytest.mark.parametrize("length", ["short", "long"])
+def test_python_scripts_rewritten_by_the_installer_are_not_drift(tmp_path: Path, length: str) -> None:
+    """A ``#!python`` script in the wheel's .data/scripts gets a launcher for the environment's python:
+    one shebang line, or with an interpreter path over 127 bytes the three-line ``#!/bin/sh`` form.
+    Either way the launcher is the installer's, and only a change to the rest is drift."""
+    body = b"import sidata\nprint('hi', sidata.X)\n"
+    wheel = wheelhouse.make_wheel(
+        tmp_path,
+        "sidata",
+        "1.0",
+        {"sidata/__init__.py": b"X = 1\n", "sidata-1.0.data/scripts/hello": b"#!python\n" + body},
+    )
+    base = tmp_path / ("v" if length == "short" else "v" * 150)
+    python = wheelhouse.make_venv(base)
+    wheelhouse.uv_install(python, wheel)
+    script = base / "bin" / "hello"
+    launcher_lines = script.read_bytes()[: -len(body)].count(b"\n")
+    assert launcher_lines == (1 if length == "short" else 3)
+    assert subprocess.run([str(script)], capture_output=True, text=True).stdout == "hi 1\n"
+    assert run("sidata", "--verify-only", "--python", str(python), "--wheel", str(wheel)).code == 0
+    script.write_bytes(script.read_bytes() + b"print('patched')\n")
+    doc = run("sidata", "--verify-only", "--python", str(python), "--wheel", str(wheel), "--json").json
+    assert [(f["kind"], f["path"]) for f in doc["data"]["findings"]] == [("modified", str(script))]
+
+
 def test_malformed_record_line(env: Path) -> None:
     _append_record(env, "sipure-1.0.dist-info", "sipure/x.py,md5=abc,3,extra-field")
     doc = run("sipure", "--verify-only", "--python", str(env), "--json").json
