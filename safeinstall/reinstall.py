@@ -61,6 +61,7 @@ from safeinstall.journal import (
 from safeinstall.lock import HeldLock, acquire_lock, process_start
 from safeinstall.options import RunOptions
 from safeinstall.plan import Plan, PlannedProcess, PlannedUnit
+from safeinstall.processes import scan_processes
 from safeinstall.recover import restore_previous
 from safeinstall.retention import prune_backups
 from safeinstall.signals import interrupts_deferred, interrupts_raise
@@ -383,28 +384,26 @@ class _Run:
         return (unit_timeout if unit_timeout != float("inf") else 90.0) + 10.0
 
     def _kill_strays(self) -> tuple[int, ...]:
-        strays = self.plan.strays
-        if not strays:
-            return ()
-        killed: list[int] = []
-        procs: list[psutil.Process] = []
-        for stray in strays:
-            proc = _same_process(stray)
-            if proc is None:
-                continue
-            try:
-                proc.send_signal(signal.SIGTERM)
-                procs.append(proc)
-                killed.append(stray.pid)
-            except psutil.Error:
-                continue
-        alive = _wait_exited(procs, timeout=10)
-        for proc in alive:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-        _wait_exited(alive, timeout=10)
-        self.strays_killed = tuple(killed)
+        self.strays_killed = _end_processes([(p.pid, p.start_time) for p in self.plan.strays])
         return self.strays_killed
+
+    def _check_no_late_users(self) -> str:
+        """Scan again just before the install: a process that started using the package after the plan
+        was made (a cron job, a tmux session) would have its files replaced under it."""
+        assert self.survey is not None
+        scan = scan_processes(self.survey.targets, self.options.proc_root)
+        late = [p for p in scan.affected if not p.is_self and p.state != "Z"]
+        if not late:
+            return ""
+        listed = ", ".join(f"{p.pid} ({' '.join(p.cmdline)[:60] or p.name})" for p in late)
+        if not self.options.kill_strays:
+            raise StepFailed(
+                f"process(es) {listed} started using {self.plan.package} after the plan was made",
+                hint="stop them, or pass --kill-strays to end them (they are not restarted)",
+            )
+        ended = _end_processes([(p.pid, p.start_time) for p in late])
+        self.strays_killed = (*self.strays_killed, *ended)
+        return f"; late user(s) {listed} ended (not restarted)"
 
     # ------------------------------------------------------------------ 5. GPU release
 
@@ -439,6 +438,7 @@ class _Run:
     # ------------------------------------------------------------------ 6. install
 
     def do_install(self) -> str:
+        late = self._check_no_late_users()
         self._journal(Phase.INSTALLING)
         command = self.plan.uv_command
         self._log("install: " + " ".join(command))
@@ -448,7 +448,7 @@ class _Run:
             tail = "\n".join(result.output.strip().splitlines()[-6:])
             raise StepFailed(f"uv pip install failed (exit {result.returncode}): {tail}")
         self._journal(Phase.INSTALLED)
-        return " ".join(command)
+        return " ".join(command) + late
 
     # ------------------------------------------------------------------ 7. verify
 
@@ -607,16 +607,38 @@ def _phase_at_least(journal: Journal, phase: Phase) -> bool:
     return any(entry.phase == phase for entry in journal.history)
 
 
-def _same_process(planned: PlannedProcess) -> psutil.Process | None:
-    """The live process the plan saw (same PID and start time), or None if it is gone."""
+def _same_process(pid: int, start_time: int) -> psutil.Process | None:
+    """The live process that was seen (same PID and start time), or None if it is gone."""
     try:
-        proc = psutil.Process(planned.pid)
-        start = process_start(planned.pid)
+        proc = psutil.Process(pid)
+        start = process_start(pid)
     except psutil.Error:
         return None
-    if start is not None and start != planned.start_time:
+    if start is not None and start != start_time:
         return None
     return proc
+
+
+def _end_processes(seen: list[tuple[int, int]]) -> tuple[int, ...]:
+    """SIGTERM each (PID, start time) still running, SIGKILL after 10 s; the PIDs that were ended."""
+    ended: list[int] = []
+    procs: list[psutil.Process] = []
+    for pid, start_time in seen:
+        proc = _same_process(pid, start_time)
+        if proc is None:
+            continue
+        try:
+            proc.send_signal(signal.SIGTERM)
+        except psutil.Error:
+            continue
+        procs.append(proc)
+        ended.append(pid)
+    alive = _wait_exited(procs, timeout=10)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    _wait_exited(alive, timeout=10)
+    return tuple(ended)
 
 
 def _running(proc: psutil.Process) -> bool:
@@ -642,7 +664,9 @@ def _wait_exited(procs: list[psutil.Process], timeout: float) -> list[psutil.Pro
 
 
 def _wait_gone(processes: tuple[PlannedProcess, ...], timeout: float) -> list[int]:
-    procs = [p for p in (_same_process(planned) for planned in processes) if p is not None]
+    procs = [
+        p for p in (_same_process(planned.pid, planned.start_time) for planned in processes) if p is not None
+    ]
     return [p.pid for p in _wait_exited(procs, timeout)]
 
 
@@ -734,10 +758,20 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
                     ExitCode.ROLLBACK_FAILED: "rollback-failed",
                 }.get(outcome.exit_code, "error")
                 return _result(run, status, outcome.exit_code, outcome)
-        run._journal(Phase.DONE)
-        run.remove_dropins()
+        # The run succeeded: the services run the new, verified version. What is left is tidying up; a
+        # failure there is said, and must not turn a good run into an error (nor leave a journal that
+        # blocks the next run): the gate marker is gone already, so a leftover drop-in is inert.
+        run._journal_if_possible(Phase.DONE)
+        try:
+            run.remove_dropins()
+        except SafeInstallError as exc:
+            run.notes.append(
+                f"could not remove the boot gate drop-ins ({GATE_DROPIN}.conf; inert, the gate is open): "
+                f"{exc.message}"
+            )
         assert run.state is not None
-        clear_journal(run.state.dir)
+        with contextlib.suppress(OSError):
+            clear_journal(run.state.dir)
         old = prune_backups(run.state.backups, options.keep_backups, protected={run.run_id})
         run.notes.extend(f"old backup not deleted: {problem}" for problem in old.problems)
         not_restarted = tuple(run._units_to_restart()) if options.no_restart else ()

@@ -13,7 +13,7 @@ from safeinstall.environment import Environment, inspect_environment, resolve_py
 from safeinstall.gpus import GpuSnapshot, snapshot_gpus
 from safeinstall.options import RunOptions
 from safeinstall.plan import Plan, build_plan
-from safeinstall.processes import ScanResult, load_targets, scan_processes
+from safeinstall.processes import ScanResult, Target, load_targets, scan_processes
 from safeinstall.systemd import Systemd, UnitInfo
 from safeinstall.uvplan import UvPlan, UvRequest, dry_run
 from safeinstall.wheel import Wheel, read_wheel
@@ -28,6 +28,7 @@ class Survey:
     request: UvRequest
     uv_plan: UvPlan
     affected: tuple[InstalledDistribution, ...]  # installed distributions the install replaces
+    targets: tuple[Target, ...]  # the affected distributions as the /proc scan recognises them
     scan: ScanResult
     units: dict[str, UnitInfo]
     gpus: GpuSnapshot
@@ -58,7 +59,8 @@ def survey(options: RunOptions, env: Environment | None = None, wheel: Wheel | N
     uv_plan = dry_run(request, options.environ)
     by_name = {d.name: d for d in installed}
     affected = tuple(by_name[n] for n in sorted({*uv_plan.affected, target.name}) if n in by_name)
-    scan = scan_processes(load_targets(affected, env, installed), options.proc_root)
+    targets = load_targets(affected, env, installed)
+    scan = scan_processes(targets, options.proc_root)
     unit_names = {
         placement.unit
         for record in scan.processes
@@ -82,4 +84,4 @@ def survey(options: RunOptions, env: Environment | None = None, wheel: Wheel | N
         units=units,
         gpus=gpus,
     )
-    return Survey(env, installed, target, wheel, request, uv_plan, affected, scan, units, gpus, plan)
+    return Survey(env, installed, target, wheel, request, uv_plan, affected, targets, scan, units, gpus, plan)

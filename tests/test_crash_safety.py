@@ -519,6 +519,48 @@ def test_a_dropped_terminal_rolls_back_and_leaves_the_services_running(bed: Bed)
     bed.no_trace()
 
 
+@pytest.mark.parametrize("kill_strays", [False, True], ids=["refused", "kill-strays"])
+def test_a_process_that_starts_using_the_package_during_the_downtime(bed: Bed, kill_strays: bool) -> None:
+    """The plan is minutes old when the install starts: a process that began using the package since
+    (a cron job, someone's shell) is found by a second scan, and the install does not go on under it."""
+    name = bed.unit("late")
+    gpu = bed.nvml.add_gpu("NVIDIA H200", "GPU-00000000-0000-0000-0000-0000000000e6", 141 * GiB)
+    bed.nvml.hold(bed.manager.main_pid(name), gpu, 10 * GiB, linger=3.0)  # a downtime to start it in
+    extra = ["--kill-strays"] if kill_strays else []
+    proc = bed.start_run(
+        "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json", *extra
+    )
+    late: subprocess.Popen[bytes] | None = None
+    try:
+        bed.wait_phase(proc, "stopped")
+        late = subprocess.Popen([str(bed.python), "-c", "import sicext, time; time.sleep(600)"])
+        wait_until(
+            lambda: "_native" in Path(f"/proc/{late.pid}/maps").read_text(), 15, "the late user maps the .so"
+        )
+        out, err = proc.communicate(timeout=120)
+        doc = json.loads(out)
+        if kill_strays:
+            assert proc.returncode == 0, out + err
+            assert late.pid in doc["data"]["strays_killed"]
+            assert late.wait(timeout=10) is not None
+            assert bed.version() == "2.0"
+        else:
+            assert proc.returncode == 3, out + err
+            message = doc["errors"][0]["message"]
+            assert f"{late.pid} (" in message and "after the plan was made" in message
+            assert "nothing was installed" in message and doc["errors"][0]["hint"].find("--kill-strays") >= 0
+            assert late.poll() is None and bed.version() == "1.0"
+        wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running")
+        bed.no_trace()
+    finally:
+        if late is not None and late.poll() is None:
+            late.kill()
+        if late is not None:
+            late.wait()
+        proc.kill()
+        proc.communicate()
+
+
 def test_two_runs_at_once(bed: Bed) -> None:
     name = bed.unit("two")
     main = bed.manager.main_pid(name)
