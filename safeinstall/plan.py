@@ -49,6 +49,9 @@ class PlannedUnit:
     stop_timeout_s: float
     control_group: str | None
     pids: tuple[int, ...]  # affected processes in it
+    #: why it stops although no affected process runs in it: "stopped with vllm.service" (its
+    #: Requires=, BindsTo= or PartOf= names a unit that stops); "" for a unit of affected processes
+    stopped_with: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +146,41 @@ def _unit_refusal(unit: str, info: UnitInfo | None, user: bool, placement: Cgrou
     return None
 
 
+def _planned_unit(
+    name: str, info: UnitInfo | None, pids: tuple[int, ...], stopped_with: str = ""
+) -> PlannedUnit:
+    return PlannedUnit(
+        name=name,
+        active_state=info.active_state if info else "unknown",
+        unit_file_state=info.unit_file_state if info else "unknown",
+        main_pid=info.main_pid if info else None,
+        stop_timeout_s=info.timeout_stop_s if info else 0.0,
+        control_group=info.control_group if info else None,
+        pids=pids,
+        stopped_with=stopped_with,
+    )
+
+
+def _dependents(planned: list[PlannedUnit], units: Mapping[str, UnitInfo]) -> list[PlannedUnit]:
+    """Active services that stopping the planned units stops too (their Requires=, BindsTo= or PartOf=
+    names one), transitively: a start of those units would not bring them back, so they are planned
+    (stopped, gated, started again) like the others. Targets and other kinds are left to systemd."""
+    names = {unit.name for unit in planned}
+    found: list[PlannedUnit] = []
+    queue = list(planned)
+    while queue:
+        unit = queue.pop(0)
+        info = units.get(unit.name)
+        for name in info.dependents if info else ():
+            dependent = units.get(name)
+            if name in names or not name.endswith(".service") or dependent is None or not dependent.is_active:
+                continue
+            names.add(name)
+            found.append(_planned_unit(name, dependent, (), stopped_with=unit.name))
+            queue.append(found[-1])
+    return found
+
+
 def build_plan(
     *,
     package: str,
@@ -182,17 +220,8 @@ def build_plan(
         refusal = _unit_refusal(unit, info, user, example)
         if refusal:
             refusals.append(refusal)
-        planned_units.append(
-            PlannedUnit(
-                name=unit,
-                active_state=info.active_state if info else "unknown",
-                unit_file_state=info.unit_file_state if info else "unknown",
-                main_pid=info.main_pid if info else None,
-                stop_timeout_s=info.timeout_stop_s if info else 0.0,
-                control_group=info.control_group if info else None,
-                pids=members,
-            )
-        )
+        planned_units.append(_planned_unit(unit, info, members))
+    planned_units.extend(_dependents(planned_units, units))
     if strays and not kill_strays:
         listed = ", ".join(f"{p.pid} ({p.name})" for p in strays)
         refusals.append(

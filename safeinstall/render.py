@@ -142,7 +142,7 @@ def render_plan(out: Console, err: Console, plan: Plan) -> None:
                 u.unit_file_state or "-",
                 _seconds(u.stop_timeout_s),
                 str(u.main_pid or "-"),
-                " ".join(map(str, u.pids)),
+                " ".join(map(str, u.pids)) or (f"(stops with {u.stopped_with})" if u.stopped_with else ""),
             )
         out.print(table)
     if plan.gpus.available:

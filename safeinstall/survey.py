@@ -68,7 +68,13 @@ def survey(options: RunOptions, env: Environment | None = None, wheel: Wheel | N
         for placement in [placement_of_proc_cgroup(record.cgroup_text)]
         if placement.unit
     }
-    units = systemd_for(options).show(sorted(unit_names)) if unit_names else {}
+    systemd = systemd_for(options)
+    units = systemd.show(sorted(unit_names)) if unit_names else {}
+    wanted = {d for info in units.values() for d in info.dependents if d.endswith(".service")} - set(units)
+    while wanted:  # the units a stop of these stops too, transitively (see plan._dependents)
+        more = systemd.show(sorted(wanted))
+        units.update(more)
+        wanted = {d for info in more.values() for d in info.dependents if d.endswith(".service")} - set(units)
     gpus = snapshot_gpus(options.environ, options.proc_root)
     plan = build_plan(
         package=target.name,

@@ -49,6 +49,9 @@ SHOW_PROPERTIES: tuple[str, ...] = (
     "ExecMainStartTimestampMonotonic",
     "FragmentPath",
     "Job",
+    "RequiredBy",
+    "BoundBy",
+    "ConsistsOf",
 )
 
 #: Where cgroup hierarchies may be mounted: cgroup2 in the hybrid layout, the v1 ``name=systemd``
@@ -140,6 +143,9 @@ class UnitInfo:
     exec_main_start_us: int  # CLOCK_MONOTONIC start of the main process, 0 if none
     fragment_path: str | None
     job_id: int | None  # a queued or running job (start/stop) for the unit
+    #: units that a stop of this one stops too (their Requires=, BindsTo=, PartOf= name it), and that
+    #: a start of this one does not start again
+    dependents: tuple[str, ...] = ()
 
     @property
     def found(self) -> bool:
@@ -181,6 +187,11 @@ def unit_info(name: str, props: Mapping[str, str]) -> UnitInfo:
         exec_main_start_us=_int(props.get("ExecMainStartTimestampMonotonic", "")),
         fragment_path=props.get("FragmentPath") or None,
         job_id=_int(job) or None,
+        dependents=tuple(
+            dict.fromkeys(
+                name for key in ("RequiredBy", "BoundBy", "ConsistsOf") for name in props.get(key, "").split()
+            )
+        ),
     )
 
 

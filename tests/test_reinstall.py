@@ -351,6 +351,32 @@ def test_a_file_pruned_by_a_run_that_fails_later_comes_back(bed: Bed) -> None:
     assert bed.installed_version() == "1.0"
 
 
+@pytest.mark.parametrize("dependency", ["BindsTo", "Requires", "PartOf"])
+def test_a_unit_that_stops_with_an_affected_one_is_started_again(bed: Bed, dependency: str) -> None:
+    """A sidecar (a proxy, a metrics exporter) whose BindsTo=, Requires= or PartOf= names the service:
+    stopping the service stops it too, and starting the service does not bring it back. It is planned,
+    stopped, gated and started again like the service itself."""
+    served = bed.service("served")
+    sidecar = bed.units.create(
+        "sidecar",
+        f"[Unit]\n{dependency}={served}\nAfter={served}\n\n[Service]\nExecStart=/bin/sleep 600\n",
+    )
+    bed.manager.start(sidecar)
+    bed.manager.wait_active(sidecar)
+    dry = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--dry-run", "--json")
+    planned = {u["name"]: u for u in dry.json["data"]["units"]}
+    assert planned[sidecar]["stopped_with"] == served and planned[sidecar]["pids"] == []
+    sidecar_main = bed.manager.main_pid(sidecar)
+
+    result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json")
+
+    assert result.code == 0, result.stdout + result.stderr
+    assert set(result.json["data"]["downtime_s"]) == {served, sidecar}
+    assert bed.manager.active_state(sidecar) == "active" and bed.manager.main_pid(sidecar) != sidecar_main
+    assert bed.manager.active_state(served) == "active" and bed.installed_version() == "2.0"
+    assert not list(bed.manager.unit_dir.glob(f"{sidecar}.d/*safeinstall*"))
+
+
 def test_locally_patched_file_is_kept_in_the_backup(bed: Bed) -> None:
     bed.service("patched")
     patched = bed.site / "sicext" / "serve.py"
