@@ -33,7 +33,7 @@ from safeinstall.state import (
     list_environment_dirs,
     state_root,
 )
-from safeinstall.systemd import Systemd
+from safeinstall.systemd import Systemd, start_wait_s
 from safeinstall.wheel import install_location, read_wheel
 
 
@@ -118,7 +118,7 @@ def _start(units: list[JournalUnit], environ: Mapping[str, str], settle: float) 
         systemd = Systemd(user=unit.user_manager, environ=environ)
         before = systemd.info(unit.name)
         systemd.start(unit.name)
-        outcome = systemd.wait_settled(unit.name, settle, 120.0, before=before)
+        outcome = systemd.wait_settled(unit.name, settle, start_wait_s(before), before=before)
         if outcome.ok:
             started.append(unit.name)
         else:

@@ -74,7 +74,7 @@ from safeinstall.state import (
     state_root,
 )
 from safeinstall.survey import Survey, survey, systemd_for
-from safeinstall.systemd import StopOutcome, Systemd
+from safeinstall.systemd import StopOutcome, Systemd, start_wait_s
 from safeinstall.uvplan import install as uv_install
 from safeinstall.uvplan import prefetch_command, uv_binary
 from safeinstall.verify import VerifyReport, verify_environment
@@ -516,7 +516,10 @@ class _Run:
             systemd.start(unit)
         with ThreadPoolExecutor(max_workers=len(units)) as pool:
             futures = {
-                u: pool.submit(systemd.wait_settled, u, settle, 120.0, before=befores.get(u)) for u in units
+                u: pool.submit(
+                    systemd.wait_settled, u, settle, start_wait_s(befores.get(u)), before=befores.get(u)
+                )
+                for u in units
             }
             outcomes = {u: f.result() for u, f in futures.items()}
         bad = [o for o in outcomes.values() if not o.ok]

@@ -44,6 +44,7 @@ SHOW_PROPERTIES: tuple[str, ...] = (
     "MainPID",
     "ControlGroup",
     "TimeoutStopUSec",
+    "TimeoutStartUSec",
     "Result",
     "NRestarts",
     "ExecMainStartTimestampMonotonic",
@@ -146,6 +147,7 @@ class UnitInfo:
     #: units that a stop of this one stops too (their Requires=, BindsTo=, PartOf= name it), and that
     #: a start of this one does not start again
     dependents: tuple[str, ...] = ()
+    timeout_start_s: float = 90.0  # TimeoutStartSec (math.inf for "infinity"): systemd fails a start after it
 
     @property
     def found(self) -> bool:
@@ -187,12 +189,25 @@ def unit_info(name: str, props: Mapping[str, str]) -> UnitInfo:
         exec_main_start_us=_int(props.get("ExecMainStartTimestampMonotonic", "")),
         fragment_path=props.get("FragmentPath") or None,
         job_id=_int(job) or None,
+        timeout_start_s=parse_timespan(props.get("TimeoutStartUSec", "") or "1min 30s"),
         dependents=tuple(
             dict.fromkeys(
                 name for key in ("RequiredBy", "BoundBy", "ConsistsOf") for name in props.get(key, "").split()
             )
         ),
     )
+
+
+#: Beyond a unit's own TimeoutStartSec, how long to go on watching it (systemd fails the start itself).
+START_MARGIN_S = 30.0
+
+
+def start_wait_s(info: UnitInfo | None) -> float:
+    """Pure: how long a started unit may take to become active. Its own ``TimeoutStartSec`` decides
+    (a model server may load for many minutes, with ``TimeoutStartSec=infinity``): a fixed bound would
+    roll back a good install of a slow-starting service."""
+    timeout = 90.0 if info is None else info.timeout_start_s
+    return timeout + START_MARGIN_S
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from safeinstall.systemd import (
     parse_show,
     parse_timespan,
     read_cgroup_pids,
+    start_wait_s,
     unit_info,
 )
 
@@ -119,6 +120,19 @@ def test_parse_show_and_unit_info() -> None:
 
 def test_parse_show_keeps_equals_in_values() -> None:
     assert parse_show("Environment=A=1 B=2\n\n\n") == [{"Environment": "A=1 B=2"}]
+
+
+def test_a_started_unit_is_watched_as_long_as_its_own_start_timeout() -> None:
+    """A model server loading for many minutes (TimeoutStartSec=infinity) is not judged by a fixed
+    bound; nor is a unit whose start systemd itself gives up on watched forever."""
+    slow = unit_info(
+        "vllm.service", {"TimeoutStartUSec": "infinity", "RequiredBy": "proxy.service a.service"}
+    )
+    assert slow.timeout_start_s == math.inf and start_wait_s(slow) == math.inf
+    assert slow.dependents == ("proxy.service", "a.service")
+    quick = unit_info("x.service", {"TimeoutStartUSec": "20min"})
+    assert start_wait_s(quick) == 20 * 60 + 30
+    assert start_wait_s(unit_info("y.service", {})) == 90 + 30 == start_wait_s(None)
 
 
 def test_unit_info_rejects_unreadable_timeout() -> None:
