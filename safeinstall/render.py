@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from rich.console import Console
@@ -178,6 +179,21 @@ def render_plan(out: Console, err: Console, plan: Plan) -> None:
 _STEP_MARK = {"ok": "[green]ok[/]", "failed": "[bold red]FAILED[/]", "skipped": "[yellow]skipped[/]"}
 
 
+@contextlib.contextmanager
+def _output_best_effort() -> Iterator[None]:
+    """Drop an OSError of the output (a terminal that went away: EIO; a closed pipe), but never what it
+    hid: a SIGINT/SIGTERM/SIGHUP handler that raised while rich was writing is followed, as rich
+    flushes on the way out, by the dead terminal's OSError, and the interruption must not be lost."""
+    try:
+        yield
+    except OSError as exc:
+        hidden = exc.__context__
+        while hidden is not None and not isinstance(hidden, SafeInstallError | KeyboardInterrupt):
+            hidden = hidden.__context__
+        if hidden is not None:
+            raise hidden from None
+
+
 class ConsoleReporter:
     """Step lines on stdout; a rich progress display for slow steps and notes on stderr; asks before
     stopping anything."""
@@ -194,7 +210,7 @@ class ConsoleReporter:
     # must never interrupt a run, least of all its rollback. The run's log keeps everything.
 
     def step(self, outcome: StepOutcome) -> None:
-        with contextlib.suppress(OSError):
+        with _output_best_effort():
             self._step(outcome)
 
     def _step(self, outcome: StepOutcome) -> None:
@@ -207,7 +223,7 @@ class ConsoleReporter:
         )
 
     def progress(self, what: str, done: float | None, total: float | None) -> None:
-        with contextlib.suppress(OSError):
+        with _output_best_effort():
             self._show_progress(what, done, total)
 
     def _show_progress(self, what: str, done: float | None, total: float | None) -> None:
@@ -245,7 +261,7 @@ class ConsoleReporter:
             self._tasks.clear()
 
     def note(self, text: str) -> None:
-        with contextlib.suppress(OSError):
+        with _output_best_effort():
             self.err.print(f"[yellow]note:[/] {text}", soft_wrap=True)
 
     def confirm(self, plan: Plan) -> bool:

@@ -211,6 +211,7 @@ def test_console_scripts_in_argv(sicext_venv: Path, spawn: Spawn) -> None:
         assert read_cmdline(proc.pid)[0].endswith("/python")
         # while starting, python holds the script open (open evidence, rightly): wait until it is done
         wait_for("the script closed", proc, functools.partial(holds_no_open, proc.pid, "/bin/si"))
+        wait_imported(proc)  # and the package's sources, while it imports them
 
     result = scan_processes(targets)
 
