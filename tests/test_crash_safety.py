@@ -235,6 +235,8 @@ def test_recover_goes_on_past_an_environment_it_cannot_recover(
     try:
         lost = bed.unit("lost-backup")
         fine = other.unit("fine")
+        gpu = fake_nvml.add_gpu("NVIDIA H200", "GPU-00000000-0000-0000-0000-0000000000e7", 141 * GiB)
+        fake_nvml.hold(other.manager.main_pid(fine), gpu, 1 * GiB, linger=5.0)  # holds it at "stopped"
         for crashed, phase in ((bed, "installing"), (other, "stopped")):
             proc = crashed.start_run("sicext", "--wheel", str(big_wheel), "--settle", "0.5")
             try:
@@ -243,8 +245,9 @@ def test_recover_goes_on_past_an_environment_it_cannot_recover(
             finally:
                 proc.wait()
                 proc.communicate()
-        journals = [json.loads(p.read_text()) for p in bed.state.glob("*/journal.json")]
-        (broken,) = [j for j in journals if j["phase"] == "installing"]
+        broken, killed_early = bed.journal(), other.journal()
+        assert broken is not None and killed_early is not None
+        assert (broken["phase"], killed_early["phase"]) == ("installing", "stopped")
         shutil.rmtree(broken["backup_dir"])  # lost: that run cannot be put back
 
         result = run("--user", "--recover", "--json", env=bed.environ(), timeout=240)
@@ -254,9 +257,7 @@ def test_recover_goes_on_past_an_environment_it_cannot_recover(
         assert doc["status"] == "error" and doc["exit_code"] == 4
         (failure,) = doc["errors"]
         assert failure["code"] == "rollback-failed" and broken["run_id"] in failure["message"]
-        assert [r["run_id"] for r in doc["data"]["recoveries"] if r["run_id"]] == [
-            j["run_id"] for j in journals if j["phase"] == "stopped"
-        ]
+        assert [r["run_id"] for r in doc["data"]["recoveries"] if r["run_id"]] == [killed_early["run_id"]]
         wait_until(lambda: other.manager.active_state(fine) == "active", 20, "the other unit running again")
         assert bed.manager.active_state(lost) != "active"  # its run could not be finished: said, not hidden
     finally:
