@@ -265,6 +265,17 @@ def test_recover_goes_on_past_an_environment_it_cannot_recover(
             user_manager.remove_unit(name)
 
 
+def _power_loss_mid_install(bed: Bed, manager: UserManager, wheel: Path, stem: str) -> str:
+    """An enabled unit, a run of safeinstall, and a power loss during the install; the unit's name."""
+    name = bed.unit(stem, enable=True)
+    proc = bed.start_run("sicext", "--wheel", str(wheel), "--settle", "1")
+    try:
+        bed.wait_phase(proc, "installing")
+    finally:
+        _power_loss(proc, manager)
+    return name
+
+
 def _power_loss(proc: subprocess.Popen[str], manager: UserManager) -> None:
     """SIGKILL safeinstall (uv dies with it), the manager, and what is left in its cgroup (our units)."""
     proc.send_signal(signal.SIGKILL)
@@ -287,12 +298,7 @@ def test_simulated_reboot_mid_install(
     bed = Bed(venv, tmp_path / "state", manager, fake_nvml, wheels)
     before = _patch(bed)
     try:
-        name = bed.unit("reboot", enable=True)
-        proc = bed.start_run("sicext", "--wheel", str(big_wheel), "--settle", "1")
-        try:
-            bed.wait_phase(proc, "installing")
-        finally:
-            _power_loss(proc, manager)
+        name = _power_loss_mid_install(bed, manager, big_wheel, "reboot")
         manager = start_user_manager(base)  # "boot": same unit files and drop-ins, fresh runtime dir
         bed.manager = manager
         assert manager.show(name, "UnitFileState")["UnitFileState"] == "enabled"
@@ -336,12 +342,7 @@ def test_shipped_recover_unit_finishes_the_run_at_boot(
     wants.mkdir(exist_ok=True)
     (wants / recover_unit).symlink_to(manager.unit_dir / recover_unit)
     try:
-        name = bed.unit("boot", enable=True)
-        proc = bed.start_run("sicext", "--wheel", str(big_wheel), "--settle", "1")
-        try:
-            bed.wait_phase(proc, "installing")
-        finally:
-            _power_loss(proc, manager)
+        name = _power_loss_mid_install(bed, manager, big_wheel, "boot")
         manager = start_user_manager(base)
         bed.manager = manager
         wait_until(lambda: manager.active_state(name) == "active", 60, "unit started by the recover service")
