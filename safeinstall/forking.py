@@ -55,7 +55,8 @@ def map_forked(
     results: dict[int, Result] = {}
     children: list[tuple[int, int, int]] = []  # (share index, child pid, read end)
     here = [0]
-    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _CHILD_SIGNALS)
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _CHILD_SIGNALS)  # none while forking
+    masked = True
     try:
         for index in range(1, len(shares)):
             read_fd, write_fd = os.pipe()
@@ -71,9 +72,8 @@ def map_forked(
                 _run_child(write_fd, work, shares[index])
             os.close(write_fd)
             children.append((index, child, read_fd))
-    finally:
+        masked = False  # a signal held back meanwhile is handled here, with every child known
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
-    try:
         if after_fork is not None:
             after_fork()
         for index in here:
@@ -92,6 +92,8 @@ def map_forked(
             os.close(read_fd)
             os.kill(child, signal.SIGKILL)
             os.waitpid(child, 0)
+        if masked:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         raise
     return [results[index] for index in range(len(shares))]
 
