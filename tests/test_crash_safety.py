@@ -71,6 +71,11 @@ class Bed:
         self.manager.wait_active(name)
         return name
 
+    def hold_gpu(self, unit: str, linger: float, uuid: str, gib: int = 10) -> None:
+        """The unit's main process holds GPU memory (fake driver), kept listed ``linger`` s after it exits."""
+        gpu = self.nvml.add_gpu("NVIDIA H200", f"GPU-00000000-0000-0000-0000-0000000000{uuid}", 141 * GiB)
+        self.nvml.hold(self.manager.main_pid(unit), gpu, gib * GiB, linger=linger)
+
     def args(self, *extra: str) -> list[str]:
         return [SAFEINSTALL, "--user", "--python", str(self.python), "--yes", *extra]
 
@@ -184,9 +189,7 @@ def test_sigkill_at_step_boundary_then_recover(
 ) -> None:
     before = _patch(bed)
     name = bed.unit(f"kill-{boundary}")
-    main = bed.manager.main_pid(name)
-    gpu = bed.nvml.add_gpu("NVIDIA H200", "GPU-00000000-0000-0000-0000-0000000000e1", 141 * GiB)
-    bed.nvml.hold(main, gpu, 10 * GiB, linger=2.0 if boundary == "during-gpu-wait" else 0.0)
+    bed.hold_gpu(name, 2.0 if boundary == "during-gpu-wait" else 0.0, "e1")
     proc = bed.start_run("sicext", "--wheel", str(big_wheel), "--settle", "1")
     try:
         bed.wait_phase(proc, *phases)
@@ -235,8 +238,7 @@ def test_recover_goes_on_past_an_environment_it_cannot_recover(
     try:
         lost = bed.unit("lost-backup")
         fine = other.unit("fine")
-        gpu = fake_nvml.add_gpu("NVIDIA H200", "GPU-00000000-0000-0000-0000-0000000000e7", 141 * GiB)
-        fake_nvml.hold(other.manager.main_pid(fine), gpu, 1 * GiB, linger=5.0)  # holds it at "stopped"
+        other.hold_gpu(fine, 5.0, "e7", gib=1)  # holds it at "stopped"
         for crashed, phase in ((bed, "installing"), (other, "stopped")):
             proc = crashed.start_run("sicext", "--wheel", str(big_wheel), "--settle", "0.5")
             try:
@@ -447,8 +449,7 @@ def test_disk_full_in_the_middle_of_the_install_rolls_back(
         bed.state = disk / "state"
     before = _patch(bed)
     name = bed.unit("diskfull")
-    gpu = bed.nvml.add_gpu("NVIDIA H200", "GPU-00000000-0000-0000-0000-0000000000e4", 141 * GiB)
-    bed.nvml.hold(bed.manager.main_pid(name), gpu, 10 * GiB, linger=3.0)  # time to fill the disk
+    bed.hold_gpu(name, 3.0, "e4")  # time to fill the disk
     proc = bed.start_run("sicext", "--wheel", str(big_wheel), "--settle", "0.5", "--json")
     filler = disk / "filler"
     frozen: list[int] = []
@@ -488,8 +489,7 @@ def test_a_dropped_terminal_rolls_back_and_leaves_the_services_running(bed: Bed)
     import pty
 
     name = bed.unit("hangup")
-    gpu = bed.nvml.add_gpu("NVIDIA H200", "GPU-00000000-0000-0000-0000-0000000000e5", 141 * GiB)
-    bed.nvml.hold(bed.manager.main_pid(name), gpu, 10 * GiB, linger=30.0)  # keeps the run in its GPU wait
+    bed.hold_gpu(name, 30.0, "e5")  # keeps the run in its GPU wait
     master, slave = pty.openpty()
     try:
         proc = subprocess.Popen(
@@ -526,8 +526,7 @@ def test_a_process_that_starts_using_the_package_during_the_downtime(bed: Bed, k
     """The plan is minutes old when the install starts: a process that began using the package since
     (a cron job, someone's shell) is found by a second scan, and the install does not go on under it."""
     name = bed.unit("late")
-    gpu = bed.nvml.add_gpu("NVIDIA H200", "GPU-00000000-0000-0000-0000-0000000000e6", 141 * GiB)
-    bed.nvml.hold(bed.manager.main_pid(name), gpu, 10 * GiB, linger=3.0)  # a downtime to start it in
+    bed.hold_gpu(name, 3.0, "e6")  # a downtime to start it in
     extra = ["--kill-strays"] if kill_strays else []
     proc = bed.start_run(
         "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json", *extra
@@ -565,9 +564,7 @@ def test_a_process_that_starts_using_the_package_during_the_downtime(bed: Bed, k
 
 def test_two_runs_at_once(bed: Bed) -> None:
     name = bed.unit("two")
-    main = bed.manager.main_pid(name)
-    gpu = bed.nvml.add_gpu("NVIDIA H200", "GPU-00000000-0000-0000-0000-0000000000e2", 141 * GiB)
-    bed.nvml.hold(main, gpu, 10 * GiB, linger=4.0)  # keeps the first run in its GPU wait
+    bed.hold_gpu(name, 4.0, "e2")  # keeps the first run in its GPU wait
     first = bed.start_run("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5")
     try:
         bed.wait_phase(first, "stopped", "gpu-released")
@@ -591,9 +588,7 @@ def test_sigint_rolls_back_and_a_second_one_does_not_abandon_services(
 ) -> None:
     before = _patch(bed)
     name = bed.unit(f"sigint-{where}")
-    main = bed.manager.main_pid(name)
-    gpu = bed.nvml.add_gpu("NVIDIA H200", "GPU-00000000-0000-0000-0000-0000000000e3", 141 * GiB)
-    bed.nvml.hold(main, gpu, 10 * GiB, linger=30.0 if where == "gpu-wait" else 0.0)
+    bed.hold_gpu(name, 30.0 if where == "gpu-wait" else 0.0, "e3")
     proc = bed.start_run(
         "sicext", "--wheel", str(big_wheel), "--settle", "0.5", "--gpu-timeout", "60", "--json"
     )
