@@ -12,10 +12,10 @@ from pathlib import Path
 class RunOptions:
     """Everything the user asked for, as parsed by the CLI."""
 
-    package: str
+    package: str  # the distribution's name, as the requirement spelled it
     python: str | None = None
     wheel: Path | None = None
-    version_spec: str | None = None
+    version_spec: str | None = None  # the requirement's specifier ("==0.16.0", ">=0.16"); None: none
     with_deps: bool = False
     user: bool = False
     kill_strays: bool = False
@@ -28,5 +28,6 @@ class RunOptions:
     no_restart: bool = False
     prune: bool = False
     keep_backups: int = 3  # safeinstall.retention.DEFAULT_KEEP: backups kept per environment
+    run_id: str | None = None  # given by the caller (a detached run's foreground); None: a new one
     proc_root: Path = Path("/proc")
     environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))

@@ -9,14 +9,16 @@ reboot gate (marker and drop-ins) and clears the journal. It is what the shipped
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from safeinstall.backup import Backup, load_backup, restore_backup
 from safeinstall.environment import Environment, inspect_environment, resolve_python
-from safeinstall.errors import ExitCode, RollbackFailed, SafeInstallError
+from safeinstall.errors import ExitCode, RollbackFailed, SafeInstallError, UsageError
 from safeinstall.gate import GATE_DROPIN, gate_marker
+from safeinstall.history import RunSummary, read_history
 from safeinstall.journal import (
     Journal,
     JournalUnit,
@@ -58,6 +60,17 @@ class EnvironmentStatus:
     gated: bool
     package: str | None
     units: tuple[str, ...] = field(default_factory=tuple)
+    state_dir: str = ""
+    prefix_exists: bool | None = None  # False: the environment is gone (--forget removes its state)
+    run_id: str | None = None  # the run in progress (or that needs recovery), from its journal
+    runs: tuple[RunSummary, ...] = ()  # the last finished runs, newest first
+    history_problems: tuple[str, ...] = ()  # damaged history entries, skipped
+
+
+@dataclass(frozen=True, slots=True)
+class Forgotten:
+    prefix: str
+    state_dir: str
 
 
 def restore_previous(env: Environment, backup: Backup, wheel_path: Path | None) -> None:
@@ -194,11 +207,17 @@ def recover(environ: Mapping[str, str], python: str | None, settle: float = 2.0)
     return Recovered(tuple(recoveries), tuple(failures))
 
 
+def prefix_exists(state: EnvironmentState) -> bool | None:
+    """Whether the environment is still there (None: its prefix was never recorded)."""
+    return None if state.prefix is None else os.path.isdir(state.prefix)
+
+
 def status(environ: Mapping[str, str], python: str | None) -> list[EnvironmentStatus]:
     found: list[EnvironmentStatus] = []
     for state in _states(environ, python):
         running, holder = read_holder(state.lock) if state.lock.exists() else (False, None)
         journal = read_journal(state.dir)
+        history = read_history(state)
         found.append(
             EnvironmentStatus(
                 prefix=str(state.prefix or state.dir),
@@ -209,6 +228,69 @@ def status(environ: Mapping[str, str], python: str | None) -> list[EnvironmentSt
                 gated=gate_marker(state.dir).exists(),
                 package=journal.package if journal else None,
                 units=tuple(u.name for u in journal.units) if journal else (),
+                state_dir=str(state.dir),
+                prefix_exists=prefix_exists(state),
+                run_id=journal.run_id if journal else None,
+                runs=history.runs,
+                history_problems=history.problems,
             )
         )
     return found
+
+
+def _named(states: list[EnvironmentState], python: str, environ: Mapping[str, str]) -> list[EnvironmentState]:
+    """The state of the environment ``python`` names: a live interpreter or venv, or the prefix (or
+    the interpreter path) of one that is gone."""
+    try:
+        env = inspect_environment(resolve_python(python, environ))
+    except SafeInstallError:
+        given = os.path.abspath(python)
+        candidates = {given, os.path.dirname(os.path.dirname(given))}
+        return [s for s in states if s.prefix is not None and os.fspath(s.prefix) in candidates]
+    key = environment_state(state_root(environ, os.geteuid()), env.prefix).key
+    return [s for s in states if s.key == key]
+
+
+def forget_one(state: EnvironmentState) -> Forgotten:
+    """Remove one environment's state directory (its backups, logs and history), under its lock;
+    refused while a run holds it or a journal says a run did not finish."""
+    prefix = str(state.prefix or state.dir)
+    unfinished = SafeInstallError(
+        f"not forgetting {prefix}: a run there did not finish (its journal is in {state.dir})",
+        hint="run safeinstall --recover first; or, if the environment is gone for good, remove "
+        f"{state.dir} by hand",
+    )
+    if read_journal(state.dir) is not None:
+        raise unfinished
+    with acquire_lock(state.lock, prefix):
+        if read_journal(state.dir) is not None:
+            raise unfinished
+        shutil.rmtree(state.dir)  # fd-based on Linux: never follows a symlink inside
+    return Forgotten(prefix, str(state.dir))
+
+
+def forget(
+    environ: Mapping[str, str], python: str | None
+) -> tuple[tuple[Forgotten, ...], tuple[SafeInstallError, ...]]:
+    """``--forget``: the state of every environment whose prefix is gone, or of the one ``python``
+    names. Only directories listed under the state root are ever removed."""
+    states = list_environment_dirs(state_root(environ, os.geteuid()))
+    if python is None:
+        chosen = [s for s in states if prefix_exists(s) is False]
+    else:
+        chosen = _named(states, python, environ)
+        if not chosen:
+            raise UsageError(
+                f"no safeinstall state for {python}",
+                hint="safeinstall --status lists the environments it keeps state for",
+            )
+    forgotten: list[Forgotten] = []
+    failures: list[SafeInstallError] = []
+    for state in chosen:
+        try:
+            forgotten.append(forget_one(state))
+        except SafeInstallError as exc:
+            failures.append(exc)
+        except OSError as exc:
+            failures.append(SafeInstallError(f"could not remove {state.dir}: {exc.strerror or exc}"))
+    return tuple(forgotten), tuple(failures)

@@ -64,6 +64,7 @@ from safeinstall.plan import Plan, PlannedProcess, PlannedUnit
 from safeinstall.processes import scan_processes
 from safeinstall.recover import restore_previous
 from safeinstall.retention import prune_backups
+from safeinstall.runlog import append_line
 from safeinstall.signals import interrupts_deferred, interrupts_raise
 from safeinstall.state import (
     EnvironmentState,
@@ -124,7 +125,8 @@ class RunResult:
 class Reporter(Protocol):
     def step(self, outcome: StepOutcome) -> None: ...
 
-    def progress(self, what: str, done: float | None, total: float | None) -> None: ...
+    def progress(self, what: str, done: float | None, total: float | None, unit: str = "") -> None:
+        """``unit``: "bytes", "s" (seconds) or "" (a count); see :func:`safeinstall.runlog.progress_text`."""
 
     def note(self, text: str) -> None: ...
 
@@ -193,9 +195,7 @@ class _Run:
 
     def _log(self, text: str) -> None:
         """Append to the run's log; best effort (a full disk must not turn into the run's failure)."""
-        if self.log_file is not None:
-            with contextlib.suppress(OSError), open(self.log_file, "a", encoding="utf-8") as log:
-                log.write(f"[{datetime.now(UTC).isoformat(timespec='seconds')}] {text}\n")
+        append_line(self.log_file, text)
 
     def _units_to_restart(self) -> list[str]:
         assert self.journal is not None
@@ -244,7 +244,7 @@ class _Run:
 
     def start_journal(self) -> None:
         assert self.env is not None and self.state is not None and self.survey is not None
-        self.run_id = new_run_id(datetime.now(UTC), os.getpid())
+        self.run_id = self.options.run_id or new_run_id(datetime.now(UTC), os.getpid())
         self.log_file = self.state.log_file(self.run_id)
         units = [
             JournalUnit(
@@ -284,7 +284,7 @@ class _Run:
             self.notes.append(f"locally patched: {path} (kept in the backup)")
 
         def on_progress(done: int, total: int) -> None:
-            self.reporter.progress("backup", done, total)
+            self.reporter.progress("backup", done, total, "bytes")
 
         self.backup = create_backup(
             self.env,
@@ -415,7 +415,7 @@ class _Run:
         def on_poll(status: ReleaseStatus) -> None:
             holders = ", ".join(f"PID {h.pid}" for h in status.holders) or "memory not yet freed"
             self.reporter.progress(
-                f"waiting for GPU memory ({holders})", status.waited_s, self.options.gpu_timeout
+                f"waiting for GPU memory ({holders})", status.waited_s, self.options.gpu_timeout, "s"
             )
 
         stopped = frozenset(p.pid for p in self.plan.processes)

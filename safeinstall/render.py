@@ -6,20 +6,23 @@ import contextlib
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
 from safeinstall.drift import Finding, FindingKind
 from safeinstall.errors import SafeInstallError
+from safeinstall.lock import display_time
+from safeinstall.runlog import PROGRESS_EVERY_S, human_bytes, progress_text
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
 
     from safeinstall.diffs import FileDiff
+    from safeinstall.history import RunSummary
     from safeinstall.plan import Plan
-    from safeinstall.recover import EnvironmentStatus, Recovery
+    from safeinstall.recover import EnvironmentStatus, Forgotten, Recovery
     from safeinstall.reinstall import RunResult, StepOutcome
     from safeinstall.verify import VerifyReport
 
@@ -99,17 +102,6 @@ def render_verify(out: Console, err: Console, report: VerifyReport, diffs: list[
         )
 
 
-def _bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
-
-
 def _seconds(value: float) -> str:
     return "infinity" if value == float("inf") else f"{value:g} s"
 
@@ -128,7 +120,9 @@ def render_plan(out: Console, err: Console, plan: Plan) -> None:
             evidence = ",".join(p.evidence) + (" [red](running old code)[/]" if p.running_old_code else "")
             unit = p.unit or f"[yellow]stray[/] ({p.scope or 'no unit'})"
             command = " ".join(p.cmdline) or p.name
-            table.add_row(str(p.pid), unit, p.user, evidence, _bytes(p.gpu_bytes), f"{p.name}: {command}")
+            table.add_row(
+                str(p.pid), unit, p.user, evidence, human_bytes(p.gpu_bytes), f"{p.name}: {command}"
+            )
         out.print(table)
     else:
         out.print("processes using them: none")
@@ -151,13 +145,13 @@ def render_plan(out: Console, err: Console, plan: Plan) -> None:
         for column in ("GPU", "NAME", "UUID", "USED", "TOTAL", "PROCESSES"):
             table.add_column(column)
         for gpu in plan.gpus.gpus:
-            procs = " ".join(f"{p.pid}:{_bytes(p.used_bytes)}" for p in gpu.processes)
+            procs = " ".join(f"{p.pid}:{human_bytes(p.used_bytes)}" for p in gpu.processes)
             table.add_row(
                 str(gpu.index),
                 gpu.name,
                 gpu.uuid,
-                _bytes(gpu.used_bytes),
-                _bytes(gpu.total_bytes),
+                human_bytes(gpu.used_bytes),
+                human_bytes(gpu.total_bytes),
                 procs or gpu.processes_error or "-",
             )
         out.print(table)
@@ -222,20 +216,22 @@ class ConsoleReporter:
             f"{outcome.name:<12} {mark:<8} {outcome.seconds:6.1f} s  {outcome.detail}", soft_wrap=True
         )
 
-    def progress(self, what: str, done: float | None, total: float | None) -> None:
+    def progress(self, what: str, done: float | None, total: float | None, unit: str = "") -> None:
         with _output_best_effort():
-            self._show_progress(what, done, total)
+            self._show_progress(what, done, total, unit)
 
-    def _show_progress(self, what: str, done: float | None, total: float | None) -> None:
-        """Slow work (the backup's bytes, the GPU wait's seconds): a transient bar on a terminal."""
+    def _show_progress(self, what: str, done: float | None, total: float | None, unit: str) -> None:
+        """Slow work (the backup's bytes, the GPU wait's seconds): a transient bar on a terminal; off a
+        terminal (logs, scripts) a plain line every few seconds, in human units."""
         if self.quiet:
             return
-        if not self.err.is_terminal:  # logs and scripts: a plain line every few seconds
+        if not self.err.is_terminal:
             now = time.monotonic()
-            if now - self._last_line >= 5.0:
+            if now - self._last_line >= PROGRESS_EVERY_S:
                 self._last_line = now
-                amount = "" if done is None else f" {done:.0f}" + (f"/{total:.0f}" if total else "")
-                self.err.print(f"{what}{amount}", soft_wrap=True, highlight=False)
+                self.err.print(
+                    progress_text(what, done, total, unit), soft_wrap=True, highlight=False, markup=False
+                )
             return
         if self._progress is None:
             from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
@@ -270,7 +266,7 @@ class ConsoleReporter:
         return answer.strip().lower() in ("y", "yes")
 
 
-def render_result(out: Console, err: Console, result: RunResult) -> None:
+def render_result(out: Console, err: Console, result: RunResult, run_id: str) -> None:
     for note in result.notes:
         err.print(f"[dim]note:[/] {note}", soft_wrap=True)
     if result.status == "declined":
@@ -296,7 +292,9 @@ def render_result(out: Console, err: Console, result: RunResult) -> None:
         )
         out.print(f"  leftover {path}: {state}", soft_wrap=True)
     if result.backup_dir:
-        err.print(f"[dim]backup: {result.backup_dir}; log: {result.log_file}[/]")
+        err.print(
+            f"[dim]run {run_id}; backup: {result.backup_dir}; log: {result.log_file}[/]", soft_wrap=True
+        )
     if result.backups_removed:
         err.print(f"[dim]deleted {len(result.backups_removed)} older backup(s) (--keep-backups)[/]")
     if result.error is not None:
@@ -320,7 +318,35 @@ def render_recoveries(out: Console, recoveries: list[Recovery]) -> None:
             out.print(f"  note: {note}")
 
 
-def render_status(out: Console, found: list[EnvironmentStatus]) -> None:
+def _when(iso: str | None) -> str:
+    return display_time(iso) if iso else "-"
+
+
+def _runs_table(runs: tuple[RunSummary, ...]) -> Table:
+    table = Table(box=None, pad_edge=False)
+    for column in ("RUN", "STATUS", "EXIT", "PACKAGE", "VERSION", "STARTED", "FINISHED", "DOWNTIME", "LOG"):
+        table.add_column(column, overflow="fold")
+    for r in runs:
+        style = "green" if r.exit_code == 0 else "yellow" if r.exit_code in (2, 3) else "red"
+        versions = (
+            f"{r.old_version or '?'} -> {r.new_version or '?'}" if r.old_version or r.new_version else "-"
+        )
+        downtime = ", ".join(f"{u} {s:.1f} s" for u, s in sorted(r.downtime_s.items())) or "-"
+        table.add_row(
+            r.run_id,
+            f"[{style}]{r.status}[/]",
+            str(r.exit_code),
+            r.package or "-",
+            versions,
+            _when(r.started_at),
+            _when(r.finished_at),
+            downtime,
+            r.log_file or "-",
+        )
+    return table
+
+
+def render_status(out: Console, found: list[EnvironmentStatus], last: int = 5) -> None:
     if not found:
         out.print("no safeinstall state: no run in progress, nothing to recover")
         return
@@ -330,9 +356,51 @@ def render_status(out: Console, found: list[EnvironmentStatus]) -> None:
     for s in found:
         if s.running and s.holder is not None:
             state = f"[yellow]running[/] (PID {s.holder.pid}, since {s.holder.started_display})"
+            if s.run_id:
+                state += f" run {s.run_id}"
         elif s.needs_recovery:
             state = "[red]needs recovery[/]: run safeinstall --recover"
         else:
             state = "[green]idle[/]"
+        if s.prefix_exists is False:
+            state += " [dim](environment gone: safeinstall --forget removes its state)[/]"
         table.add_row(s.prefix, state, s.package or "-", s.journal_phase or "-", " ".join(s.units) or "-")
     out.print(table)
+    for s in found:
+        if s.runs:
+            out.print(f"\nlast runs in {s.prefix}:", soft_wrap=True)
+            out.print(_runs_table(s.runs[:last]))
+        for problem in s.history_problems:
+            out.print(f"[yellow]note:[/] {problem}", soft_wrap=True)
+
+
+def render_entry(out: Console, err: Console, entry: dict[str, Any]) -> None:
+    """A finished run's result as its history keeps it (``--status --wait``, a refused ``--detach``)."""
+    from safeinstall.history import summary
+
+    run = summary(entry)
+    result = entry["result"]
+    data = result.get("data") if isinstance(result.get("data"), dict) else {}
+    for note in data.get("notes") or []:
+        err.print(f"[dim]note:[/] {note}", soft_wrap=True, highlight=False)
+    style = "green" if run.exit_code == 0 else "red"
+    versions = f" {run.old_version} -> {run.new_version}" if run.old_version or run.new_version else ""
+    out.print(
+        f"run {run.run_id}: [{style}]{run.status}[/] (exit {run.exit_code}); {run.package or '?'}{versions}",
+        soft_wrap=True,
+    )
+    for unit, seconds in sorted(run.downtime_s.items()):
+        out.print(f"  {unit} was down for {seconds:.1f} s")
+    if run.log_file:
+        err.print(f"[dim]log: {run.log_file}[/]", soft_wrap=True)
+    for error in result.get("errors") or []:
+        err.print(f"[bold red]error:[/] {error.get('message')}", soft_wrap=True, highlight=False, markup=True)
+        if error.get("hint"):
+            err.print(f"[dim]hint:[/] {error.get('hint')}", soft_wrap=True)
+
+
+def render_forgotten(out: Console, forgotten: list[Forgotten]) -> None:
+    if not forgotten:
+        out.print("nothing to forget: every environment with state still exists")
+    for item in forgotten:
+        out.print(f"forgot {item.prefix} (removed {item.state_dir})", soft_wrap=True)

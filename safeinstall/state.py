@@ -10,6 +10,7 @@ Layout::
         journal.json                the running (or crashed) run (see :mod:`safeinstall.journal`)
         backups/<run-id>/           the files replaced by that run (see :mod:`safeinstall.backup`)
         logs/<run-id>.log
+        history/<run-id>.json       the final result of each finished run (see :mod:`safeinstall.history`)
 
 Path computation is pure (``environ`` and ``euid`` are parameters); :func:`ensure_dir` and
 :func:`ensure_environment_dir` are the only functions that touch the disk, plus the listing.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import stat
 import tempfile
 from collections.abc import Mapping
@@ -36,6 +38,7 @@ LOCK_FILE = "lock"
 JOURNAL_FILE = "journal.json"
 BACKUPS_DIR = "backups"
 LOGS_DIR = "logs"
+HISTORY_DIR = "history"
 PRIVATE_MODE = 0o700
 _KEY_DIGEST_CHARS = 12
 #: Temp files of :func:`atomic_write`: ``.<name>.<random>.tmp`` beside the target.
@@ -79,6 +82,10 @@ class EnvironmentState:
     @property
     def logs(self) -> Path:
         return self.dir / LOGS_DIR
+
+    @property
+    def history(self) -> Path:
+        return self.dir / HISTORY_DIR
 
     def backup_dir(self, run_id: str) -> Path:
         return self.backups / run_id
@@ -133,6 +140,14 @@ def environment_state(root: Path, prefix: Path) -> EnvironmentState:
 def new_run_id(now: datetime, pid: int) -> str:
     """Pure: a sortable run id, e.g. ``20261130T031201Z-1234``."""
     return f"{now.astimezone(UTC).strftime('%Y%m%dT%H%M%SZ')}-{pid}"
+
+
+_RUN_ID = re.compile(r"\d{8}T\d{6}Z-\d{1,10}")
+
+
+def is_run_id(text: str) -> bool:
+    """Pure: whether ``text`` has the shape :func:`new_run_id` gives (and so is safe in a file name)."""
+    return _RUN_ID.fullmatch(text) is not None
 
 
 def mode_problem(mode: int, owner: int, euid: int) -> str | None:
