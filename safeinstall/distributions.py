@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import configparser
+import difflib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,15 +135,23 @@ def find_distributions(env: Environment) -> list[InstalledDistribution]:
     return sorted(found.values(), key=lambda d: d.name)
 
 
+def closest_names(name: str, installed: list[str], count: int = 3) -> list[str]:
+    """Pure: the installed names closest to a misspelled one (difflib's ratio, best first)."""
+    return difflib.get_close_matches(canonicalize_name(name), installed, n=count, cutoff=0.6)
+
+
 def find_distribution(
     env: Environment, name: str, installed: list[InstalledDistribution] | None = None
 ) -> InstalledDistribution:
     wanted = canonicalize_name(name)
-    for dist in installed if installed is not None else find_distributions(env):
+    dists = installed if installed is not None else find_distributions(env)
+    for dist in dists:
         if dist.name == wanted:
             return dist
+    close = closest_names(wanted, [d.name for d in dists])
+    guess = f"; did you mean {' or '.join(close)}?" if close else ""
     raise UnknownDistributionError(
-        f"{name} is not installed in {env.prefix}",
+        f"{name} is not installed in {env.prefix}{guess}",
         hint=f"check the name, or pass --python for the environment that has it "
         f"(looked in {', '.join(str(s) for s in env.site_dirs)})",
     )

@@ -6,7 +6,7 @@ an NVML snapshot) into one :class:`Plan`, and says whether the run would proceed
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from safeinstall.cgroups import CgroupPlacement, placement_of_proc_cgroup
@@ -181,6 +181,28 @@ def _dependents(planned: list[PlannedUnit], units: Mapping[str, UnitInfo]) -> li
     return found
 
 
+def unreadable_warning(problems: Sequence[ScanProblem], as_root: bool) -> str | None:
+    """Pure: what could not be read of which processes, and why, for the processes that denied access.
+
+    Only a user who is not root is told to run as root: root that is refused (PID 1 of a VM or a
+    container that denies its maps to everyone, a security module) is not lacking a permission."""
+    denied: dict[int, list[str]] = {}
+    for problem in problems:
+        if "permission" in problem.reason.lower():
+            denied.setdefault(problem.pid, []).append(problem.reading)
+    if not denied:
+        return None
+    listed = ", ".join(f"PID {pid} ({', '.join(readings)})" for pid, readings in sorted(denied.items())[:10])
+    more = f" and {len(denied) - 10} more" if len(denied) > 10 else ""
+    text = f"could not read {len(denied)} process(es): {listed}{more}: permission denied"
+    if as_root:
+        return (
+            text + " even to root (the kernel or a security policy hides them: the init of a VM or a "
+            "container, Yama, SELinux, AppArmor); whether they use the package is not known"
+        )
+    return text + "; run as root to see every process"
+
+
 def build_plan(
     *,
     package: str,
@@ -195,6 +217,7 @@ def build_plan(
     scan: ScanResult,
     units: Mapping[str, UnitInfo],
     gpus: GpuSnapshot,
+    as_root: bool = False,
 ) -> Plan:
     placements = {p.pid: placement_of_proc_cgroup(p.cgroup_text) for p in scan.processes}
     live = [p for p in scan.processes if not p.is_self and p.state != "Z"]
@@ -229,12 +252,9 @@ def build_plan(
             "stop them, or pass --kill-strays to end them (they are not restarted)"
         )
     warnings: list[str] = []
-    denied = sorted({p.pid for p in scan.problems if "permission" in p.reason.lower()})
-    if denied:
-        warnings.append(
-            f"could not read {len(denied)} process(es) (permission denied: {', '.join(map(str, denied[:10]))}"
-            f"{'...' if len(denied) > 10 else ''}); run as root to see every process"
-        )
+    unread = unreadable_warning(scan.problems, as_root)
+    if unread:
+        warnings.append(unread)
     if not gpus.available:
         warnings.append(f"GPU check unavailable: {gpus.reason}")
     for stray in strays:

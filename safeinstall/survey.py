@@ -5,6 +5,7 @@ Only gathering happens here; every decision is in :mod:`safeinstall.plan`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from safeinstall.cgroups import placement_of_proc_cgroup
@@ -89,5 +90,6 @@ def survey(options: RunOptions, env: Environment | None = None, wheel: Wheel | N
         scan=scan,
         units=units,
         gpus=gpus,
+        as_root=os.geteuid() == 0,
     )
     return Survey(env, installed, target, wheel, request, uv_plan, affected, targets, scan, units, gpus, plan)

@@ -264,9 +264,7 @@ def test_unresolvable_request_is_a_clear_error(env: Path, user_manager: UserMana
     result = safeinstall(
         user_manager,
         None,
-        "sicext",
-        "--version",
-        "==9.9",
+        "sicext==9.9",
         "--python",
         str(env),
         "--dry-run",

@@ -1,0 +1,87 @@
+"""The command line conventions that uv, pip and pipx users expect: --version, -h, the requirement
+argument, usage errors as every other error, shell completion, "did you mean", plain progress."""
+
+from __future__ import annotations
+
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+
+from safeinstall.plan import unreadable_warning
+from safeinstall.processes import ScanProblem
+from safeinstall.runlog import progress_text
+from tests import wheelhouse
+from tests.clirun import run
+from tests.wheelhouse import Wheelhouse
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version_prints_the_tools_version(flag: str) -> None:
+    result = run(flag)
+    assert result.code == 0 and result.stdout == f"safeinstall {version('safeinstall')}\n", result.stderr
+
+
+def test_short_help_and_flags_without_a_value_type() -> None:
+    short, long = run("-h"), run("--help")
+    assert short.code == 0 and short.stdout == long.stdout
+    assert "--user " in short.stdout and "<bool>" not in short.stdout
+    assert "REQUIREMENT" in short.stdout and "--detach" in short.stdout
+    assert "╭" not in short.stdout  # plain, as uv and pip print it
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["sipure", "--no-such-flag"], "error: no such option: --no-such-flag"),
+        (["sipure", "--settle"], "error: option '--settle' requires an argument"),
+        (["sipure", "--settle", "soon"], "error: invalid value for '--settle'"),
+    ],
+)
+def test_a_usage_error_is_one_error_line_and_a_hint(args: list[str], message: str) -> None:
+    result = run(*args)
+    assert result.code == 2 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith(message) and lines[1].startswith("hint: "), lines
+    assert "╭" not in result.stderr and "Usage:" not in result.stderr
+
+
+def test_a_usage_error_with_json_is_the_error_envelope() -> None:
+    doc = run("--status", "--no-such-flag", "--json").json
+    assert doc["command"] == "status" and doc["status"] == "error" and doc["exit_code"] == 2
+    assert doc["errors"][0]["code"] == "usage" and "--no-such-flag" in doc["errors"][0]["message"]
+
+
+def test_shell_completion() -> None:
+    script = run("--show-completion", "bash")
+    assert script.code == 0 and "_SAFEINSTALL_COMPLETE=complete_bash" in script.stdout
+    env = {"_SAFEINSTALL_COMPLETE": "complete_bash", "COMP_WORDS": "safeinstall --sta", "COMP_CWORD": "1"}
+    completed = run(env={**__import__("os").environ, **env})
+    assert completed.code == 0 and completed.stdout.split() == ["--status"]
+
+
+def test_an_unknown_package_suggests_the_closest_installed_names(venv: Path, wheels: Wheelhouse) -> None:
+    wheelhouse.uv_install(venv, wheels["sicext-1"], wheels["sipure-1"])
+    result = run("sicxet", "--verify-only", "--python", str(venv))
+    assert result.code == 2 and "error: sicxet is not installed" in result.stderr
+    assert "did you mean sicext?" in result.stderr, result.stderr
+    nothing_close = run("torch", "--verify-only", "--python", str(venv))
+    assert nothing_close.code == 2 and "did you mean" not in nothing_close.stderr
+
+
+def test_progress_lines_are_human_sizes_and_percentages_never_raw_counters() -> None:
+    assert progress_text("backup", 223455895, 699299524, "bytes") == "backup: 213.1 MiB of 666.9 MiB (32%)"
+    assert progress_text("waiting for GPU memory (PID 7)", 12.3, 120, "s") == (
+        "waiting for GPU memory (PID 7): 12 s of 120 s (10%)"
+    )
+    assert progress_text("files", 3, None) == "files: 3"
+
+
+def test_root_is_not_told_to_run_as_root() -> None:
+    problems = [ScanProblem(1, "maps", "permission denied"), ScanProblem(1, "fd", "permission denied")]
+    as_user = unreadable_warning(problems, as_root=False)
+    as_root = unreadable_warning(problems, as_root=True)
+    assert as_user is not None and as_root is not None
+    assert "PID 1 (maps, fd)" in as_user and "run as root" in as_user
+    assert "PID 1 (maps, fd)" in as_root and "run as root" not in as_root and "even to root" in as_root
+    assert unreadable_warning([ScanProblem(5, "maps", "vanished")], as_root=True) is None
