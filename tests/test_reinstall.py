@@ -99,6 +99,7 @@ def test_happy_path(bed: Bed) -> None:
     doc = result.json
     assert doc["command"] == "reinstall" and doc["status"] == "done" and doc["errors"] == []
     assert set(doc["data"]) == {  # the fields the README documents
+        "run_id",
         "plan",
         "steps",
         "downtime_s",
