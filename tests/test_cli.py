@@ -85,3 +85,50 @@ def test_root_is_not_told_to_run_as_root() -> None:
     assert "PID 1 (maps, fd)" in as_user and "run as root" in as_user
     assert "PID 1 (maps, fd)" in as_root and "run as root" not in as_root and "even to root" in as_root
     assert unreadable_warning([ScanProblem(5, "maps", "vanished")], as_root=True) is None
+
+
+def test_a_detached_run_gets_exactly_the_callers_options() -> None:
+    """The detached unit's command line, parsed by the command line, gives back every option of the
+    run: a field added to RunOptions but not passed on fails here."""
+    import dataclasses
+
+    from typer.main import get_command
+
+    from safeinstall.cli import app, run_options
+    from safeinstall.detach import child_arguments
+    from safeinstall.options import RunOptions
+
+    common = RunOptions(
+        package="vllm",
+        python="/srv/venv/bin/python",
+        with_deps=True,
+        user=True,
+        kill_strays=True,
+        extra_args=("--index-url", "https://example.com/simple", "--detach", "-h", "--"),
+        stop_timeout=12.5,
+        gpu_timeout=0.1,
+        settle=7.25,
+        health_url="http://127.0.0.1:8000/health?probe=--json",
+        health_timeout=1e-3,
+        no_restart=True,
+        prune=True,
+        keep_backups=7,
+        run_id="20261201T000000Z-42",
+    )
+    variants = [
+        dataclasses.replace(common, wheel=Path("/w/vllm-0.16.0-py3-none-any.whl")),
+        dataclasses.replace(common, version_spec="<1,>=0.16"),
+    ]
+    default = RunOptions(package="x")
+    not_options = {"environ", "proc_root"}  # the environment travels in a file; proc_root is for tests
+    for field in dataclasses.fields(RunOptions):
+        if field.name not in not_options:
+            assert any(getattr(v, field.name) != getattr(default, field.name) for v in variants), field.name
+    for options in variants:
+        assert options.run_id is not None
+        args = child_arguments(
+            options, Path(options.python or ""), options.run_id, Path("/state/environ.json")
+        )
+        context = get_command(app).make_context("safeinstall", args)
+        parsed = run_options(context.params, context.args)
+        assert parsed == dataclasses.replace(options, environ=parsed.environ)
