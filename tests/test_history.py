@@ -133,6 +133,14 @@ def test_status_lists_finished_runs_and_gone_environments_and_forget_removes_onl
     assert (runs[0]["status"], runs[0]["exit_code"], runs[0]["new_version"]) == ("rolled-back", 3, "2.0")
     human = run("--status", env=environ)
     assert "environment gone" in human.stdout and newer in human.stdout and "rolled-back" in human.stdout
+    (live.log_file(newer)).write_text("[t] backup: ok in 0.1 s: saved\n")
+    waited = run("--status", "--wait", "--run", newer, env=environ)  # finished: its log, its result, its code
+    assert waited.code == 3 and "backup: ok" in waited.stderr
+    assert f"run {newer}: rolled-back (exit 3); sicext 1.0 -> 2.0" in waited.stdout
+    latest = run("--status", "--wait", "--python", str(tmp_path / "gone" / "bin" / "python"), env=environ)
+    assert latest.code == 2 and "error:" in latest.stderr  # no interpreter there any more
+    unknown = run("--status", "--wait", "--run", "20991231T000000Z-1", "--json", env=environ)
+    assert unknown.code == 2 and "no run 20991231T000000Z-1" in unknown.json["errors"][0]["message"]
 
     forgotten = run("--forget", "--json", env=environ)
     assert forgotten.code == 0, forgotten.stdout + forgotten.stderr
