@@ -123,9 +123,13 @@ def take_environ(path: Path) -> dict[str, str]:
     """The environment a detached run was given; the file must be ours, private and regular. Removed."""
     bad = UsageError(f"--environ-from {path}: not an environment file written by safeinstall --detach")
     try:
+        parent = os.stat(path.parent)
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
         raise UsageError(f"--environ-from {path}: {exc.strerror or exc}") from exc
+    if parent.st_uid != os.geteuid() or parent.st_mode & 0o022:  # a directory only we can change
+        os.close(fd)
+        raise bad
     try:
         info = os.fstat(fd)
         if (
@@ -277,6 +281,9 @@ def wait_for_run(
         if run_id is None:
             if journal is not None:
                 run_id = journal.run_id
+            elif read_holder(state.lock)[0]:  # a run in its preflight: its id comes with its journal
+                time.sleep(poll_s)
+                continue
             else:
                 runs = read_history(state).runs
                 if not runs:

@@ -132,3 +132,33 @@ def test_a_detached_run_gets_exactly_the_callers_options() -> None:
         context = get_command(app).make_context("safeinstall", args)
         parsed = run_options(context.params, context.args)
         assert parsed == dataclasses.replace(options, environ=parsed.environ)
+
+
+def test_a_detached_runs_environment_file_must_be_private_and_ours(tmp_path: Path) -> None:
+    """The caller's environment reaches the detached run through a file: taken only when it is a
+    regular file of ours, mode 0600, in a directory only we can change; then removed."""
+    import os
+
+    from safeinstall.detach import take_environ, write_environ
+    from safeinstall.errors import UsageError
+    from safeinstall.state import ensure_environment_dir, environment_state
+
+    state = environment_state(tmp_path / "state", tmp_path / "venv")
+    ensure_environment_dir(state)
+    path = write_environ(state, "20261201T000000Z-1", {"UV_INDEX_URL": "https://token@example.com/simple"})
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    assert take_environ(path) == {"UV_INDEX_URL": "https://token@example.com/simple"}
+    assert not path.exists()
+    loose = write_environ(state, "20261201T000000Z-2", {"A": "b"})
+    loose.chmod(0o644)
+    link = state.dir / "link.json"
+    link.symlink_to(write_environ(state, "20261201T000000Z-3", {"A": "b"}))
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    (shared / "environ.json").write_text("{}")
+    (shared / "environ.json").chmod(0o600)
+    for bad in (loose, link, shared / "environ.json", tmp_path / "missing.json"):
+        with pytest.raises(UsageError):
+            take_environ(bad)
+    assert loose.exists() and os.path.lexists(link)  # refused files are left alone
