@@ -394,9 +394,7 @@ def render_entry(out: Console, err: Console, entry: dict[str, Any]) -> None:
     if run.log_file:
         err.print(f"[dim]log: {run.log_file}[/]", soft_wrap=True)
     for error in result.get("errors") or []:
-        err.print(f"[bold red]error:[/] {error.get('message')}", soft_wrap=True, highlight=False, markup=True)
-        if error.get("hint"):
-            err.print(f"[dim]hint:[/] {error.get('hint')}", soft_wrap=True)
+        render_error(err, SafeInstallError(str(error.get("message")), hint=error.get("hint")))
 
 
 def render_forgotten(out: Console, forgotten: list[Forgotten]) -> None:
