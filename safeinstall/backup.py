@@ -44,6 +44,7 @@ from safeinstall.state import PRIVATE_MODE, atomic_write, ensure_dir, fsync_dir
 
 MANIFEST_NAME = "manifest.json"
 FILES_DIR = "files"
+PRUNED_DIR = "pruned"  # leftovers removed by --prune after a good install
 MANIFEST_VERSION = 1
 _CHUNK = 1 << 20
 _BLOCK = 4096
@@ -850,3 +851,31 @@ def _restore(
         skipped_outside=removal.skipped_outside,
         kept_shared=removal.kept_shared,
     )
+
+
+# --- --prune ----------------------------------------------------------------------------------------
+
+
+def prune_into(backup: Backup, prefix: Path, paths: Iterable[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Move leftover files (absolute paths inside ``prefix``) into ``<backup>/pruned/``: a regular file by
+    content, a symlink as the link itself (its target is never read); a FIFO, a device, or anything
+    outside the prefix or below a symlink is left alone. (the paths pruned, notes on those left)."""
+    pruned: list[str] = []
+    notes: list[str] = []
+    ensure_dir(backup.dir / PRUNED_DIR)
+    with Tree(prefix) as tree, Tree(backup.dir / PRUNED_DIR) as dest:
+        for path in paths:
+            relative = tree.relative(path)
+            if relative is None:
+                notes.append(f"not pruned: {path} is outside {prefix}")
+                continue
+            try:
+                tree.copy_out(relative, dest, relative)
+            except NotRegularFile as exc:
+                notes.append(f"not pruned: {path} is {exc.what}")
+                continue
+            except FileNotFoundError:
+                continue
+            tree.unlink(relative)
+            pruned.append(path)
+    return tuple(pruned), tuple(notes)

@@ -20,7 +20,7 @@ import hashlib
 import os
 import shutil
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -452,3 +452,23 @@ class Tree:
         finally:
             os.close(fd)
         return "file"
+
+
+def unwritable(directories: Iterable[Path]) -> list[str]:
+    """Which of ``directories`` (each, or its nearest existing parent) cannot be written, and why: a
+    read-only mount, or no write permission (as root, only the mount and immutable files say no)."""
+    problems: list[str] = []
+    for directory in sorted(set(directories)):
+        probe = directory
+        while not os.path.lexists(probe) and probe != probe.parent:
+            probe = probe.parent
+        try:
+            read_only = bool(os.statvfs(probe).f_flag & os.ST_RDONLY)
+        except OSError as exc:
+            problems.append(f"{directory}: {exc.strerror or exc}")
+            continue
+        if read_only:
+            problems.append(f"{probe}: a read-only file system")
+        elif not os.access(probe, os.W_OK, effective_ids=os.access in os.supports_effective_ids):
+            problems.append(f"{probe}: not writable")
+    return problems
