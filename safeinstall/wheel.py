@@ -94,6 +94,12 @@ TOTAL_LIMIT = 64 << 30
 #: Where a ``.data/<scheme>/`` member goes (the wheel spec's schemes; anything else is refused).
 SCHEMES = ("purelib", "platlib", "scripts", "headers", "data")
 _UTF8_FLAG = 0x800
+_METADATA_FILES = {
+    "WHEEL": METADATA_LIMIT,
+    "METADATA": METADATA_LIMIT,
+    "entry_points.txt": METADATA_LIMIT,
+    "RECORD": RECORD_LIMIT,
+}
 
 
 def _hash_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, algorithm: str | None) -> WheelMember:
@@ -231,6 +237,13 @@ def read_wheel(path: Path) -> Wheel:
             for required in ("WHEEL", "METADATA", "RECORD"):
                 if f"{dist_info}/{required}" not in by_name:
                     raise _fail(path, f"{dist_info}/{required} is missing")
+            for meta, limit in _METADATA_FILES.items():  # before anything is unpacked
+                info = by_name.get(f"{dist_info}/{meta}")
+                if info is not None and info.file_size > limit:
+                    raise _fail(
+                        path,
+                        f"{info.filename} unpacks to {info.file_size} bytes, more than the {limit} allowed",
+                    )
             record = parse_record(
                 _read_limited(archive, by_name[f"{dist_info}/RECORD"], RECORD_LIMIT, path).decode(
                     "utf-8", errors="replace"
