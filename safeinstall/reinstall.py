@@ -225,9 +225,13 @@ class _Run:
         if self.lock.takeover_note:
             self.notes.append(self.lock.takeover_note)
         if options.wheel is not None:  # checked, installed and journalled: the run's own copy
-            self.options = options = replace(options, wheel=copy_wheel(options.wheel, self.state.dir))
+            given = options.wheel
+            self.options = options = replace(options, wheel=copy_wheel(given, self.state.dir))
             assert options.wheel is not None
-            self.wheel = wheel = read_wheel(options.wheel)
+            try:
+                self.wheel = wheel = read_wheel(options.wheel)
+            except WheelError as exc:  # named as the user gave it
+                raise WheelError(exc.message.replace(str(options.wheel), str(given)), exc.hint) from exc
             _check_wheel(wheel, options.package, env)
         self.survey = survey(options, env, self.wheel)
         if not self.plan.proceeds:

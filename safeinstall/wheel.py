@@ -119,7 +119,7 @@ def member_problem(name: str, data_dir: str) -> str | None:
     relative path (no ``..``, no absolute path, no backslash, no NUL), and a ``.data`` member must lie
     inside one of the wheel spec's scheme directories."""
     if not name or name.startswith("/") or "\\" in name or "\0" in name:
-        return "not a plain relative path"
+        return "is not a plain relative path"
     parts = name.split("/")
     if any(p in ("", ".", "..") for p in parts):
         return "has an empty, '.' or '..' component"
