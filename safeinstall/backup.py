@@ -608,9 +608,8 @@ class _Removal:
     """What a restore removes before it puts the saved files back (paths relative to the prefix)."""
 
     files: tuple[str, ...]  # the installed version's files that the backup does not hold
-    debris: tuple[str, ...]  # in the saved package directories, not in the backup (bytecode aside)
-    caches: tuple[str, ...]  # bytecode there whose source is saved: kept when nothing else changed
-    dist_infos: tuple[str, ...]
+    debris: tuple[str, ...]  # in the saved package and .dist-info directories, not in the backup
+    dist_infos: tuple[str, ...]  # installed .dist-info directories of those names that were not saved
     skipped_outside: tuple[str, ...]
     kept_shared: tuple[str, ...]
 
@@ -619,6 +618,7 @@ def _removal(backup: Backup, env: Environment, tree: Tree, remove: Iterable[Path
     manifest = backup.manifest
     names = frozenset(d.name for d in manifest.distributions)
     saved_paths = frozenset(f.path for f in manifest.files)
+    saved_dist_infos = {d.dist_info for d in manifest.distributions}
     dist_infos = _current_dist_infos(env, names, tree)
     candidates: set[str] = set()
     for given in remove:
@@ -627,7 +627,7 @@ def _removal(backup: Backup, env: Environment, tree: Tree, remove: Iterable[Path
         candidates.update(_record_locations(tree, dist_info))
     others = [d for d in find_distributions(env) if d.name not in names]
     shared = {os.path.normpath(os.path.join(d.site, e.path)) for d in others for e in d.record.entries}
-    in_dist_infos = tuple(os.path.join(d, "") for d in dist_infos)
+    removed_whole = tuple(os.path.join(d, "") for d in dist_infos if d not in saved_dist_infos)
     skipped_outside: list[str] = []
     kept_shared: list[str] = []
     files: list[str] = []
@@ -635,58 +635,46 @@ def _removal(backup: Backup, env: Environment, tree: Tree, remove: Iterable[Path
         relative = tree.relative(path)
         if relative is None:
             skipped_outside.append(path)
-        elif relative.startswith(in_dist_infos) or relative in saved_paths:
-            continue  # removed with its .dist-info / replaced atomically
+        elif relative.startswith(removed_whole) or relative in saved_paths:
+            continue  # removed with its .dist-info / put back below
         elif path in shared:
             kept_shared.append(path)
         else:
             files.append(relative)
     debris: list[str] = []
-    caches: list[str] = []
-    for root in manifest.roots:  # the package directories hold exactly what was saved, nothing new
+    # the package directories and the saved .dist-info hold exactly what was saved, nothing new;
+    # bytecode of a saved source is a cache (removed below when its source is rewritten)
+    for root in (*manifest.roots, *(d for d in dist_infos if d in saved_dist_infos)):
         for relative in tree.files_below(root):
-            if relative in saved_paths:
+            if relative in saved_paths or relative in files:
                 continue
             source = pyc_source(PurePosixPath(relative)) if relative.endswith(".pyc") else None
-            (caches if source is not None and str(source) in saved_paths else debris).append(relative)
+            if source is None or str(source) not in saved_paths:
+                debris.append(relative)
     return _Removal(
         tuple(files),
         tuple(debris),
-        tuple(caches),
-        tuple(dist_infos),
+        tuple(d for d in dist_infos if d not in saved_dist_infos),
         tuple(skipped_outside),
         tuple(kept_shared),
     )
 
 
-def _unchanged(manifest: BackupManifest, tree: Tree, removal: _Removal) -> bool:
-    """The environment holds exactly what was saved (content, link targets, mode and owner; the same
-    ``.dist-info`` directories; nothing new): a restore would change nothing. Cheap checks first."""
-    if removal.debris or any(tree.lstat(p) is not None for p in removal.files):
+def _same(saved: BackupFile, tree: Tree) -> bool:
+    """The file is there exactly as saved (content or link target, mode, owner, mtime): nothing to write."""
+    info = tree.lstat(saved.path)
+    if info is None or (stat.S_IMODE(info.st_mode), info.st_uid, info.st_gid, info.st_mtime_ns) != (
+        saved.mode,
+        saved.uid,
+        saved.gid,
+        saved.mtime_ns,
+    ):
         return False
-    saved_dist_infos = {d.dist_info for d in manifest.distributions}
-    if set(removal.dist_infos) != saved_dist_infos:
-        return False
-    saved_paths = {f.path for f in manifest.files}
-    if any(p not in saved_paths for d in removal.dist_infos for p in tree.files_below(d)):
-        return False
-    for directory in manifest.directories:
-        if not tree.is_dir(directory.path):
-            return False
-    for saved in manifest.files:
-        info = tree.lstat(saved.path)
-        if info is None or (stat.S_IMODE(info.st_mode), info.st_uid, info.st_gid) != (
-            saved.mode,
-            saved.uid,
-            saved.gid,
-        ):
-            return False
-        if saved.link_target is not None:
-            if tree.readlink(saved.path) != saved.link_target:
-                return False
-        elif info.st_size != saved.size or tree.sha256(saved.path) != saved.sha256:
-            return False
-    return True
+    if saved.link_target is not None:
+        return stat.S_ISLNK(info.st_mode) and tree.readlink(saved.path) == saved.link_target
+    return (
+        stat.S_ISREG(info.st_mode) and info.st_size == saved.size and tree.sha256(saved.path) == saved.sha256
+    )
 
 
 def _prune_empty(tree: Tree, directories: Iterable[str], stop: frozenset[str]) -> None:
@@ -721,10 +709,13 @@ def _remove_own_temp_files(tree: Tree, directories: Iterable[str]) -> None:
                     tree.unlink(f"{directory}/{name}")
 
 
-def _put_back(saved: BackupFile, source: Tree, tree: Tree, as_root: bool) -> None:
-    """Put one file back atomically (temp file beside it, rename). On a full disk the file it replaces
-    is removed first, to make the room that the copy needs: the services are stopped during a restore,
-    so atomicity matters less than finishing it."""
+def _put_back(saved: BackupFile, source: Tree, tree: Tree, as_root: bool) -> bool:
+    """Put one file back atomically (temp file beside it, rename), unless it is there as saved already
+    (False: nothing written; a read-only file system that the install never changed is left alone).
+    On a full disk the file it replaces is removed first, to make the room that the copy needs: the
+    services are stopped during a restore, so atomicity matters less than finishing it."""
+    if _same(saved, tree):
+        return False
     try:
         _put_back_atomically(saved, source, tree, as_root)
     except OSError as exc:
@@ -733,6 +724,7 @@ def _put_back(saved: BackupFile, source: Tree, tree: Tree, as_root: bool) -> Non
             raise
         tree.unlink(saved.path)
         _put_back_atomically(saved, source, tree, as_root)
+    return True
 
 
 def _put_back_atomically(saved: BackupFile, source: Tree, tree: Tree, as_root: bool) -> None:
@@ -794,27 +786,17 @@ def _restore(
     manifest = backup.manifest
     as_root = os.geteuid() == 0
     removal = _removal(backup, env, tree, remove)
-    if _unchanged(manifest, tree, removal):
-        return RestoreResult(0, 0, (), (), (), removal.skipped_outside, removal.kept_shared, unchanged=True)
     restoring = {f.path for f in manifest.files}
     failures: list[str] = []
     removed = 0
     touched: set[str] = set()
-    for relative in (*removal.files, *removal.debris, *removal.caches):
+    for relative in (*removal.files, *removal.debris):
         try:
             if tree.unlink(relative):
                 removed += 1
                 touched.add(os.path.dirname(relative))
         except OSError as exc:
             failures.append(f"{tree.root / relative}: could not remove it: {exc.strerror or exc}")
-    # bytecode of removed or replaced sources could be stale; saved .pyc files come back below
-    sources = [tree.root / p for p in (*removal.files, *restoring)]
-    for pyc in stale_bytecode(sources):
-        stale = tree.relative(pyc)
-        if stale is not None and stale not in restoring:
-            with contextlib.suppress(OSError):
-                if tree.unlink(stale):
-                    touched.add(os.path.dirname(stale))
     removed_dist_infos: list[str] = []
     for dist_info in removal.dist_infos:
         try:
@@ -829,27 +811,34 @@ def _restore(
 
     failures.extend(_make_directories(manifest, tree, as_root))
     _remove_own_temp_files(tree, {os.path.dirname(p) for p in restoring})  # left by a restore that crashed
-    restored = 0
+    rewritten: list[str] = []
     with ThreadPoolExecutor(max_workers=workers or default_workers(), thread_name_prefix="restore") as pool:
         futures = {pool.submit(_put_back, f, source, tree, as_root): f for f in manifest.files}
         for future in as_completed(futures):
             try:
-                future.result()
-                restored += 1
+                if future.result():
+                    rewritten.append(futures[future].path)
             except OSError as exc:
                 where = tree.root / futures[future].path
                 failures.append(f"{where}: could not restore it: {exc.strerror or exc}")
-    for directory in sorted({os.path.dirname(f.path) for f in manifest.files}):
+    # bytecode of removed or rewritten sources could be stale (saved .pyc files are back already)
+    for pyc in stale_bytecode([tree.root / p for p in (*removal.files, *rewritten)]):
+        stale = tree.relative(pyc)
+        if stale is not None and stale not in restoring:
+            with contextlib.suppress(OSError):
+                tree.unlink(stale)
+    for directory in sorted({os.path.dirname(p) for p in rewritten}):
         with contextlib.suppress(OSError, ValueError):
             tree.fsync_dir(directory)
     return RestoreResult(
-        restored=restored,
+        restored=len(manifest.files),
         removed=removed,
         removed_dist_infos=tuple(removed_dist_infos),
         mismatches=tuple(_check(manifest, tree)),
         failures=tuple(sorted(failures)),
         skipped_outside=removal.skipped_outside,
         kept_shared=removal.kept_shared,
+        unchanged=not (rewritten or removed or removed_dist_infos or failures),
     )
 
 
