@@ -122,10 +122,11 @@ class Tree:
         self.close()
 
     def relative(self, location: Path | str) -> str | None:
-        """Pure: ``location`` (absolute, normalised lexically) relative to the root, None when outside."""
+        """Pure: ``location`` (absolute, normalised lexically) relative to the root; None when it is
+        outside (or is no plain path: a NUL in it)."""
         normal = os.path.normpath(location)
         base = os.path.join(os.fspath(self.root), "")
-        if not normal.startswith(base) or len(normal) == len(base):
+        if not normal.startswith(base) or len(normal) == len(base) or "\0" in normal:
             return None
         return normal[len(base) :]
 
