@@ -214,6 +214,9 @@ def test_new_code_swaps_its_package_for_a_symlink_then_recover(
     wait_until(lambda: not account.installers(), 10, "no uv process left installing")
     journal = account.journal()
     assert journal is not None and journal["phase"] in ("installing", "installed")
+    copy = Path(journal["wheel"])  # the run's own copy, in its state directory: what --recover reads
+    assert copy.is_relative_to(account.state) and copy.parent.parent.name == "wheels" and copy.is_file()
+    assert stat.S_IMODE(os.stat(copy.parent.parent).st_mode) == 0o700
     package = account.site / "sicext"
     if package.is_dir():  # what the new code would do when it ran: as the service account
         as_nobody("mv", str(package), str(account.site / ".sicext-moved"))
@@ -230,6 +233,7 @@ def test_new_code_swaps_its_package_for_a_symlink_then_recover(
     assert account.outside() == outside, "root wrote or deleted outside the environment"
     account.manager.wait_active(name)
     account.no_trace()
+    assert not copy.exists()
 
 
 def test_prune_saves_a_leftover_symlink_as_a_link(
@@ -369,6 +373,35 @@ def test_site_packages_read_only_then_killed_recover_starts_the_units(
 
 
 # --- 3. wheels checked at preflight ------------------------------------------------------------------
+
+
+def test_a_wheel_replaced_in_its_directory_during_the_run_is_not_what_gets_installed(
+    bed: Bed, tmp_path: Path
+) -> None:
+    """Row: whoever can write the wheel's directory replaces it after the preflight checked it (here
+    during the downtime): the run installs its own copy, checked at preflight, not the new file."""
+    downloads = tmp_path / "downloads"
+    downloads.mkdir()
+    wheel = downloads / bed.wheels["sicext-2"].name
+    shutil.copyfile(bed.wheels["sicext-2"], wheel)
+    evil = rebuilt(
+        bed.wheels["sicext-2"], tmp_path / "evil", {"sicext/__init__.py": b"raise SystemExit('replaced')\n"}
+    )
+    name = bed.unit("replaced")
+    bed.hold_gpu(name, 2.0, "f3")
+    proc = bed.start_run("sicext", "--wheel", str(wheel), "--settle", "0.5", "--json")
+    try:
+        bed.wait_phase(proc, "stopped")
+        shutil.copyfile(evil, wheel)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode == 0, out + err
+    assert bed.version() == "2.0"
+    bed.manager.wait_active(name)
+    bed.no_trace()
+    assert not list(bed.state.glob("*/wheels/*"))  # the copy went with the run
 
 
 def _non_utf8_name(wheel: Path, out: Path) -> Path:
@@ -645,3 +678,54 @@ def test_installed_record_digests_are_checked_with_their_own_algorithm(
     assert drift.code == 1, drift.stdout + drift.stderr
     finding = next(f for f in drift.json["data"]["findings"] if f["path"] == str(served))
     assert (finding["kind"], finding["detail"]) == ("modified", "sha512 differs")
+
+
+# --- the pure checks behind the rows ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "problem"),
+    [
+        ("sicext/serve.py", None),
+        ("sicext-2.0.data/scripts/tool", None),
+        ("sicext-2.0.data/data/share/x", None),
+        ("../../../bin/python", "has an empty, '.' or '..' component"),
+        ("sicext/./x", "has an empty, '.' or '..' component"),
+        ("sicext//x", "has an empty, '.' or '..' component"),
+        ("/etc/x", "is not a plain relative path"),
+        ("sicext\\..\\..\\x", "is not a plain relative path"),
+        ("sicext/x\0", "is not a plain relative path"),
+        ("sicext-2.0.data/scripts", "is not inside a scheme directory"),
+        ("sicext-2.0.data/lib/x", "is not inside a scheme directory"),
+    ],
+)
+def test_member_names(name: str, problem: str | None) -> None:
+    from safeinstall.wheel import member_problem
+
+    found = member_problem(name, "sicext-2.0.data")
+    assert (found is None) if problem is None else (found is not None and found.startswith(problem))
+
+
+def test_paths_below_a_tree_and_copies_of_wheels(tmp_path: Path) -> None:
+    from safeinstall.safefs import Tree, parts_of
+    from safeinstall.wheelcopy import is_wheel_copy
+
+    assert parts_of("a/b/c") == ("a", "b", "c")
+    for bad in ("", "/a", "a/../b", "a/./b", "a//b", "a\0b"):
+        with pytest.raises(ValueError):
+            parts_of(bad)
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "f").write_text("x")
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with Tree(tmp_path) as tree:
+        assert tree.relative(tmp_path / "real" / ".." / "real" / "f") == "real/f"
+        assert tree.relative(tmp_path.parent / "x") is None and tree.relative(tmp_path) is None
+        assert tree.files_below("real") == ["real/f"] and tree.files_below("link") == []
+        assert tree.lstat("link/f") is None and not tree.unlink("link/f")  # never through the link
+        assert tree.sha256("link/f") is None and tree.readlink("link") == str(tmp_path / "real")
+    assert (tmp_path / "real" / "f").read_text() == "x"
+    envdir = tmp_path / "env"
+    assert is_wheel_copy(envdir / "wheels" / "1-ab" / "x-1.0-py3-none-any.whl", envdir)
+    assert not is_wheel_copy(tmp_path / "downloads" / "x-1.0-py3-none-any.whl", envdir)
+    assert not is_wheel_copy(envdir / "wheels" / ".." / "journal.json", envdir)
+    assert not is_wheel_copy(envdir / "wheels" / "x-1.0-py3-none-any.whl", envdir)
