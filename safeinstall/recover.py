@@ -34,7 +34,7 @@ from safeinstall.state import (
     state_root,
 )
 from safeinstall.systemd import Systemd, start_wait_s
-from safeinstall.wheel import install_location, read_wheel
+from safeinstall.wheel import environment_files, install_location, read_wheel
 from safeinstall.wheelcopy import discard_wheel_copy, is_wheel_copy
 
 
@@ -76,9 +76,10 @@ def restore_previous(env: Environment, backup: Backup, wheel_path: Path | None, 
         except SafeInstallError:
             wheel = None
         if wheel is not None:
+            own = environment_files(env)  # never removed, whatever a wheel says (preflight refuses those)
             for member in wheel.members:
                 location = install_location(wheel, member, env)
-                if location is not None:
+                if location is not None and str(location) not in own:
                     remove.append(location)
     result = restore_backup(backup, env, remove)
     if not result.ok:
