@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import difflib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from safeinstall.drift import Finding, FindingKind
+from safeinstall.safefs import NotRegularFile, Tree
 from safeinstall.wheel import read_member
 
 
@@ -38,22 +38,39 @@ def unified(path: str, expected: bytes, actual: bytes) -> FileDiff:
     return FileDiff(path, text)
 
 
+#: Files larger than this are not diffed (a diff is for reading).
+DIFF_LIMIT = 16 << 20
+
+
 def diffs_for(findings: tuple[Finding, ...], wheel_path: Path, prefix: Path) -> list[FileDiff]:
     """Diffs for every modified file that came from the wheel, with paths relative to ``prefix``.
 
-    The result applies with ``patch -p1 -d PREFIX`` (and ``-R`` takes the local edits out).
+    The result applies with ``patch -p1 -d PREFIX`` (and ``-R`` takes the local edits out). Installed
+    files are read by descriptor below the prefix: a file outside it, a symlink (or one on the way), a
+    FIFO or a device is never read, and is said to be so.
     """
     found: list[FileDiff] = []
-    for finding in findings:
-        if finding.kind != FindingKind.MODIFIED or finding.wheel_member is None:
-            continue
-        try:
-            actual = Path(finding.path).read_bytes()
-        except OSError as exc:
-            found.append(FileDiff(finding.path, None, exc.strerror or str(exc)))
-            continue
-        shown = os.path.relpath(finding.path, prefix)
-        found.append(unified(shown, read_member(wheel_path, finding.wheel_member), actual))
+    with Tree(prefix) as tree:
+        for finding in findings:
+            if finding.kind != FindingKind.MODIFIED or finding.wheel_member is None:
+                continue
+            relative = tree.relative(finding.path)
+            if relative is None:
+                found.append(FileDiff(finding.path, None, "outside the environment: not read"))
+                continue
+            try:
+                actual = tree.read_bytes(relative, DIFF_LIMIT)
+                expected = read_member(wheel_path, finding.wheel_member, DIFF_LIMIT)
+            except NotRegularFile as exc:
+                found.append(FileDiff(finding.path, None, f"not a regular file ({exc.what}): not read"))
+                continue
+            except ValueError:
+                found.append(FileDiff(finding.path, None, f"larger than {DIFF_LIMIT} bytes: not diffed"))
+                continue
+            except OSError as exc:
+                found.append(FileDiff(finding.path, None, exc.strerror or str(exc)))
+                continue
+            found.append(unified(relative, expected, actual))
     return found
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +36,8 @@ from safeinstall.state import (
     state_root,
 )
 from safeinstall.systemd import Systemd, start_wait_s
-from safeinstall.wheel import install_location, read_wheel
+from safeinstall.wheel import environment_files, install_location, read_wheel
+from safeinstall.wheelcopy import discard_wheel_copy, is_wheel_copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,22 +74,25 @@ class Forgotten:
     state_dir: str
 
 
-def restore_previous(env: Environment, backup: Backup, wheel_path: Path | None) -> None:
-    """Put the backed-up distributions back, removing whatever (half-)install is there now.
+def restore_previous(env: Environment, backup: Backup, wheel_path: Path | None, state_dir: Path) -> bool:
+    """Put the backed-up distributions back, removing whatever (half-)install is there now; False when
+    the files were found exactly as saved (nothing was written: nothing had been installed).
 
     :func:`restore_backup` removes what the installed ``.dist-info`` of those names list; the new
-    wheel's files are added here, for an install that died before it wrote its RECORD.
+    wheel's files are added here, for an install that died before it wrote its RECORD. Only the run's
+    own copy of the wheel, in the state directory, is read: never a path others can write.
     """
     remove: list[Path] = []
-    if wheel_path is not None and wheel_path.exists():
+    if wheel_path is not None and is_wheel_copy(wheel_path, state_dir):
         try:
             wheel = read_wheel(wheel_path)
         except SafeInstallError:
             wheel = None
         if wheel is not None:
+            own = environment_files(env)  # never removed, whatever a wheel says (preflight refuses those)
             for member in wheel.members:
                 location = install_location(wheel, member, env)
-                if location is not None:
+                if location is not None and str(location) not in own:
                     remove.append(location)
     result = restore_backup(backup, env, remove)
     if not result.ok:
@@ -97,6 +101,49 @@ def restore_previous(env: Environment, backup: Backup, wheel_path: Path | None) 
             f"restoring the backup {backup.dir} failed: {problems}",
             hint="the backup is kept; fix the cause (disk full? permissions?) and run safeinstall --recover",
         )
+    return not result.unchanged
+
+
+@dataclass(frozen=True, slots=True)
+class PutBack:
+    restored: bool  # the backup was written back
+    unchanged: bool  # a restore was due, but the files were found exactly as saved: nothing written
+    started: tuple[str, ...]
+    gates_removed: tuple[str, ...]
+    notes: tuple[str, ...]
+
+
+def put_back(
+    state_dir: Path,
+    journal: Journal,
+    environ: Mapping[str, str],
+    restore: tuple[Environment, Backup] | None,
+    start: Callable[[list[JournalUnit]], None],
+    finished: Callable[[], None] = lambda: None,
+) -> PutBack:
+    """The one put-back sequence, for the rollback and for ``--recover``: restore the backup (when
+    ``restore`` is given), open the gate, start the units the run stopped that were running (also when
+    the restore found nothing changed), remove the gate drop-ins, clear the journal and drop the run's
+    copy of the wheel. ``start`` starts and watches units (raises SafeInstallError when one does not come
+    up); ``finished`` runs just before the journal is cleared. Raises SafeInstallError; the journal is
+    then kept."""
+    notes: list[str] = []
+    restored = unchanged = False
+    if restore is not None:
+        env, backup = restore
+        restored = restore_previous(env, backup, Path(journal.wheel) if journal.wheel else None, state_dir)
+        unchanged = not restored
+        if unchanged:
+            notes.append("the files were found as they were before the run: nothing to restore")
+    gate_marker(state_dir).unlink(missing_ok=True)
+    units = units_to_start(journal)
+    start(units)
+    gates = _remove_gates(journal, environ, notes)
+    finished()
+    clear_journal(state_dir)
+    if journal.wheel:
+        discard_wheel_copy(Path(journal.wheel), state_dir)
+    return PutBack(restored, unchanged, tuple(u.name for u in units), gates, tuple(notes))
 
 
 def _states(environ: Mapping[str, str], python: str | None) -> list[EnvironmentState]:
@@ -124,21 +171,17 @@ def _remove_gates(journal: Journal, environ: Mapping[str, str], notes: list[str]
     return tuple(removed)
 
 
-def _start(units: list[JournalUnit], environ: Mapping[str, str], settle: float) -> tuple[str, ...]:
-    started: list[str] = []
+def _start(units: list[JournalUnit], environ: Mapping[str, str], settle: float) -> None:
     failures: list[str] = []
     for unit in units:
         systemd = Systemd(user=unit.user_manager, environ=environ)
         before = systemd.info(unit.name)
         systemd.start(unit.name)
         outcome = systemd.wait_settled(unit.name, settle, start_wait_s(before), before=before)
-        if outcome.ok:
-            started.append(unit.name)
-        else:
+        if not outcome.ok:
             failures.append(outcome.reason or f"{unit.name} did not come up")
     if failures:
         raise SafeInstallError("; ".join(failures))
-    return tuple(started)
 
 
 def recover_one(state: EnvironmentState, environ: Mapping[str, str], settle: float = 2.0) -> Recovery:
@@ -151,19 +194,16 @@ def recover_one(state: EnvironmentState, environ: Mapping[str, str], settle: flo
             return Recovery(prefix, None, None, notes=("nothing to recover",))
         notes: list[str] = [lock.takeover_note] if lock.takeover_note else []
         phase = str(effective_phase(journal))
-        restored = False
         try:
+            restore: tuple[Environment, Backup] | None = None
             if needs_restore(journal):
                 if journal.backup_dir is None:
                     raise SafeInstallError("the journal names no backup")
                 env = inspect_environment(Path(journal.python))
-                restore_previous(
-                    env, load_backup(Path(journal.backup_dir)), Path(journal.wheel) if journal.wheel else None
-                )
-                restored = True
-            gate_marker(state.dir).unlink(missing_ok=True)
-            started = _start(units_to_start(journal), environ, settle)
-            gates = _remove_gates(journal, environ, notes)
+                restore = (env, load_backup(Path(journal.backup_dir)))
+            done = put_back(
+                state.dir, journal, environ, restore, lambda units: _start(units, environ, settle)
+            )
         except SafeInstallError as exc:
             commands = [
                 f"systemctl {'--user ' if u.user_manager else ''}start {u.name}"
@@ -175,8 +215,15 @@ def recover_one(state: EnvironmentState, environ: Mapping[str, str], settle: flo
                 hint="the journal and the backup are kept; fix the cause and run safeinstall --recover again"
                 + (f"; units to start: {'; '.join(commands)}" if commands else ""),
             ) from exc
-        clear_journal(state.dir)
-        return Recovery(prefix, journal.run_id, phase, restored, started, gates, tuple(notes))
+        return Recovery(
+            prefix,
+            journal.run_id,
+            phase,
+            done.restored,
+            done.started,
+            done.gates_removed,
+            (*notes, *done.notes),
+        )
 
 
 @dataclass(frozen=True, slots=True)

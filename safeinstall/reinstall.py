@@ -32,6 +32,7 @@ from safeinstall.backup import (
     create_backup,
     disk_space_needed,
     free_space,
+    prune_into,
     space_problem,
 )
 from safeinstall.distributions import find_distributions
@@ -62,9 +63,10 @@ from safeinstall.lock import HeldLock, acquire_lock, process_start
 from safeinstall.options import RunOptions
 from safeinstall.plan import Plan, PlannedProcess, PlannedUnit
 from safeinstall.processes import scan_processes
-from safeinstall.recover import restore_previous
+from safeinstall.recover import put_back
 from safeinstall.retention import prune_backups
 from safeinstall.runlog import append_line
+from safeinstall.safefs import unwritable
 from safeinstall.signals import interrupts_deferred, interrupts_raise
 from safeinstall.state import (
     EnvironmentState,
@@ -79,7 +81,16 @@ from safeinstall.systemd import StopOutcome, Systemd, start_wait_s
 from safeinstall.uvplan import install as uv_install
 from safeinstall.uvplan import prefetch_command, uv_binary
 from safeinstall.verify import VerifyReport, verify_environment
-from safeinstall.wheel import Wheel, fits, installed_size, read_wheel, target_tags
+from safeinstall.wheel import (
+    Wheel,
+    check_landing,
+    fits,
+    install_directories,
+    installed_size,
+    read_wheel,
+    target_tags,
+)
+from safeinstall.wheelcopy import copy_wheel, discard_wheel_copy
 
 #: Failing findings after the install: anything but leftovers (those are reported, --prune removes them).
 _INSTALL_FAILURES = frozenset(
@@ -213,14 +224,28 @@ class _Run:
         self.lock = acquire_lock(self.state.lock, str(env.prefix))
         if self.lock.takeover_note:
             self.notes.append(self.lock.takeover_note)
-        if options.wheel is not None:
-            self.wheel = wheel = read_wheel(options.wheel)
+        if options.wheel is not None:  # checked, installed and journalled: the run's own copy
+            given = options.wheel
+            self.options = options = replace(options, wheel=copy_wheel(given, self.state.dir))
+            assert options.wheel is not None
+            try:
+                self.wheel = wheel = read_wheel(options.wheel)
+            except WheelError as exc:  # named as the user gave it
+                raise WheelError(exc.message.replace(str(options.wheel), str(given)), exc.hint) from exc
             _check_wheel(wheel, options.package, env)
         self.survey = survey(options, env, self.wheel)
         if not self.plan.proceeds:
             raise PlanError(
                 "the run would refuse: " + "; ".join(self.plan.refusals),
                 hint=f"see safeinstall {options.package} --dry-run; nothing was stopped",
+            )
+        if self.wheel is not None:
+            check_landing(self.wheel, env, self.survey.affected, self.survey.installed)
+        problems = unwritable(install_directories(env, self.survey.affected, self.wheel))
+        if problems:
+            raise PlanError(
+                "the install could not write " + "; ".join(problems),
+                hint="make the environment writable (a read-only mount?); nothing was stopped",
             )
         self._check_space()
         self.systemd = systemd_for(options)
@@ -476,15 +501,9 @@ class _Run:
 
     def _prune(self, extras: tuple[str, ...]) -> tuple[str, ...]:
         assert self.backup is not None and self.env is not None
-        pruned: list[str] = []
-        for path in extras:
-            relative = os.path.relpath(path, self.env.prefix)
-            saved = self.backup.dir / "pruned" / relative
-            saved.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(path, saved)
-            os.unlink(path)
-            pruned.append(path)
-        return tuple(pruned)
+        pruned, notes = prune_into(self.backup, self.env.prefix, extras)
+        self.notes.extend(notes)
+        return pruned
 
     # ------------------------------------------------------------------ 8. restart
 
@@ -552,19 +571,24 @@ class _Run:
                     for unit in self._units_to_restart():
                         self.systemd.stop(unit, self._stop_timeout(90.0))
                 installed = _phase_at_least(self.journal, Phase.INSTALLING)
-                if installed:
-                    self._restore()
+                restore = None
+                if installed and self.env is not None and self.backup is not None:
+                    restore = (self.env, self.backup)
+                outcome = put_back(
+                    self.state.dir,
+                    self.journal,
+                    self.options.environ,
+                    restore,
+                    self._start_again,
+                    lambda: self._journal_if_possible(Phase.ROLLED_BACK),
+                )
+                self.notes.extend(outcome.notes)
+                if outcome.restored:
                     done.append("restored the previous installation")
                 else:
-                    done.append("nothing was installed")
-                self.remove_gate()
-                units = self._units_to_restart()
-                if units:
-                    self._start_and_settle(units, min(self.options.settle, 2.0))
-                    done.append("started " + ", ".join(units) + " again")
-                self.remove_dropins()
-                self._journal_if_possible(Phase.ROLLED_BACK)
-                clear_journal(self.state.dir)
+                    done.append("nothing was installed" if not installed else "the files were unchanged")
+                if outcome.started:
+                    done.append("started " + ", ".join(outcome.started) + " again")
             except SafeInstallError as second:
                 return self._rollback_failed(error, second)
             except Exception as second:
@@ -575,9 +599,9 @@ class _Run:
             return Aborted(f"{error.message}; nothing was stopped or installed", hint=error.hint)
         return StepFailed(f"{error.message}; {'; '.join(done)}", hint=error.hint)
 
-    def _restore(self) -> None:
-        assert self.backup is not None and self.env is not None
-        restore_previous(self.env, self.backup, self.wheel.path if self.wheel else None)
+    def _start_again(self, units: list[JournalUnit]) -> None:
+        if units:
+            self._start_and_settle([u.name for u in units], min(self.options.settle, 2.0))
 
     def _rollback_failed(self, error: SafeInstallError, second: SafeInstallError) -> RollbackFailed:
         assert self.journal is not None and self.env is not None
@@ -732,9 +756,11 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
     try:
         run.preflight()
         if interactive and not reporter.confirm(run.plan):
+            _discard_wheel_copy(run)
             return _result(run, "declined", ExitCode.REFUSED, None)
         run.start_journal()
     except BaseException:
+        _discard_wheel_copy(run)
         if run.lock is not None:
             run.lock.release()
         raise
@@ -780,8 +806,19 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
         not_restarted = tuple(run._units_to_restart()) if options.no_restart else ()
         return _result(run, "done", ExitCode.OK, None, not_restarted, tuple(map(str, old.removed)))
     finally:
+        _discard_wheel_copy(run)
         if run.lock is not None:
             run.lock.release()
+
+
+def _discard_wheel_copy(run: _Run) -> None:
+    """The run's copy of the wheel goes with it, unless its journal is kept for ``--recover``."""
+    wheel = run.options.wheel
+    if wheel is None or run.state is None:
+        return
+    if run.journal is not None and run.state.journal.exists():
+        return
+    discard_wheel_copy(wheel, run.state.dir)
 
 
 def _result(

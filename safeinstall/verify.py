@@ -154,18 +154,25 @@ _LAUNCHER_MAX_LINES = 3
 _SCRIPT_MAX_BYTES = 1 << 20
 
 
-def _script_expectation(wheel: Wheel, member: str, location: Path) -> Expectation | None:
+def _script_expectation(wheel: Wheel, member: str, location: Path, env: Environment) -> Expectation | None:
     """Scripts shipped as ``#!python`` get their first line rewritten on install into a launcher for
     the environment's interpreter: the launcher is the installer's, the rest must be the wheel's."""
+    from safeinstall.safefs import NotRegularFile, Tree
     from safeinstall.wheel import read_member
 
-    content = read_member(wheel.path, member)
+    try:
+        content = read_member(wheel.path, member, _SCRIPT_MAX_BYTES)
+    except ValueError:
+        return None  # too large for a script: compared as it is
     if not content.startswith(b"#!python"):
         return None
-    try:
-        with open(location, "rb") as handle:
-            installed = handle.read(_SCRIPT_MAX_BYTES)
-    except OSError:
+    try:  # by descriptor below the prefix: a symlink is not followed, a FIFO not opened
+        with Tree(env.prefix) as tree:
+            relative = tree.relative(location)
+            if relative is None:
+                return None
+            installed = tree.read_bytes(relative, _SCRIPT_MAX_BYTES + len(content))
+    except (OSError, NotRegularFile, ValueError):
         return None
     if not installed.startswith(b"#!"):
         return None
@@ -208,7 +215,7 @@ def _wheel_plan(
         members[str(location)] = name
         expectation: Expectation | None = None
         if PurePosixPath(name).parts[:2] == (wheel.data_dir, "scripts"):
-            expectation = _script_expectation(wheel, name, location)
+            expectation = _script_expectation(wheel, name, location, env)
         expectations.append(expectation or Expectation(str(location), "sha256", member.sha256, member.size))
     for problem in wheel.problems:
         findings.append(

@@ -443,7 +443,9 @@ def test_disk_full_in_the_middle_of_the_install_rolls_back(
     """The install dies half-way (another process filled the disk during the downtime): the previous
     installation, local patch included, and the service come back; also with the state directory (the
     journal, the backup) on that full disk, as in the default layout."""
-    bed = bed_on_disk(256)  # room for the 160 MiB the wheel unpacks to, when the run starts
+    # room for the 160 MiB the wheel unpacks to when the run starts (and, with the state directory on
+    # that disk too, for the run's own copy of the wheel)
+    bed = bed_on_disk(416 if state_on_the_same_disk else 256)
     disk = bed.python.parent.parent.parent
     if state_on_the_same_disk:
         bed.state = disk / "state"
