@@ -185,14 +185,20 @@ def _run_recover(python: str | None, as_json: bool) -> None:
 def _run_status(python: str | None, as_json: bool) -> None:
     from safeinstall.recover import status
 
-    found = status(os.environ, python)
+    report = status(os.environ, python)
+    found = list(report.environments)
     pending = any(s.needs_recovery for s in found)
     if as_json:
         state = "needs-recovery" if pending else "running" if any(s.running for s in found) else "idle"
-        print(dumps(envelope("status", state, ExitCode.OK, {"environments": jsonable(found)})))
+        state = "error" if report.failures else state
+        data = {"environments": jsonable(found)}
+        print(dumps(envelope("status", state, report.exit_code, data, list(report.failures))))
     else:
         render_status(make_console(), found)
-    _exit(ExitCode.OK)
+        err = make_console(stderr=True)
+        for failure in report.failures:
+            render_error(err, failure)
+    _exit(report.exit_code)
 
 
 def _run_dry_run(options: RunOptions, as_json: bool) -> None:
