@@ -95,7 +95,11 @@ def _reap(proc: subprocess.Popen[str]) -> None:
 
 
 def run(
-    argv: Sequence[str], *, env: Mapping[str, str], timeout: float | None, as_user: tuple[int, int] | None = None
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    timeout: float | None,
+    as_user: tuple[int, int] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Like ``subprocess.run(argv, capture_output=True, text=True)``, without the gaps above.
 
@@ -117,7 +121,10 @@ def run(
             stderr=subprocess.PIPE,
             text=True,
             preexec_fn=_die_with(os.getpid()),
-            **({} if as_user is None else {"user": as_user[0], "group": as_user[1], "extra_groups": [], "cwd": "/"}),
+            user=None if as_user is None else as_user[0],
+            group=None if as_user is None else as_user[1],
+            extra_groups=None if as_user is None else [],
+            cwd=None if as_user is None else "/",
         )
     except BaseException:
         _release(previous, held)

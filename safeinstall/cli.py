@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
+from rich.markup import escape
 
 from safeinstall.environment import inspect_environment, resolve_python
 from safeinstall.errors import ExitCode, SafeInstallError, UsageError
-from safeinstall.options import RunOptions
+from safeinstall.options import RunOptions, check_options
 from safeinstall.output import dumps, envelope, finding_json, jsonable, plan_json, run_json
 from safeinstall.render import (
     ConsoleReporter,
@@ -109,6 +110,8 @@ def _run_verify(
         raise UsageError("--wheel checks one package", hint="name the package instead of --all")
     env = inspect_environment(resolve_python(python, os.environ))
     err = make_console(stderr=True)
+    if env.owner_note and not as_json:
+        err.print(f"[dim]note:[/] {escape(env.owner_note)}", soft_wrap=True)
     names = None if all_ else [package or ""]
     if err.is_terminal:  # rich.progress is loaded only for a terminal: scripts start faster
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -146,7 +149,8 @@ def _run_verify(
         render_verify(make_console(), err, report, diffs if diff else None)
         if save_patch is not None:
             err.print(
-                f"patch of {sum(1 for d in diffs or [] if d.text)} modified files written to {save_patch}"
+                f"patch of {sum(1 for d in diffs or [] if d.text)} modified files written to "
+                f"{escape(str(save_patch))}"
             )
     _exit(report.exit_code)
 
@@ -273,7 +277,6 @@ def main_command(
         int,
         typer.Option(
             "--keep-backups",
-            min=1,
             help="After a good run, keep this many newest backups of the environment; delete older ones.",
         ),
     ] = 3,
@@ -349,6 +352,7 @@ def main_command(
             prune=prune,
             keep_backups=keep_backups,
         )
+        check_options(options)
         if dry_run:
             _run_dry_run(options, as_json)
         _run_reinstall(options, as_json, interactive=not yes and not as_json and sys.stdin.isatty())

@@ -86,6 +86,16 @@ class Environment:
         return self.prefix != self.base_prefix
 
 
+def interpreter_in_prefix(env: Environment) -> Path:
+    """The interpreter as ``PREFIX/bin/NAME`` when that is the same file (what a journal records, so
+    that --recover can tell it is the environment's own); else as it was given."""
+    own = env.prefix / "bin" / env.python.name
+    try:
+        return own if os.path.samefile(own, env.python) else env.python
+    except OSError:
+        return env.python
+
+
 def resolve_python(given: str | None, environ: Mapping[str, str]) -> Path:
     """Find the interpreter the way uv does: ``--python``, then ``VIRTUAL_ENV``, then ``python3``.
 

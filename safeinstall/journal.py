@@ -18,8 +18,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from safeinstall.errors import SafeInstallError
 from safeinstall.cgroups import valid_unit_name
+from safeinstall.errors import SafeInstallError
 from safeinstall.gate import GATE_DROPIN
 from safeinstall.state import (
     BACKUPS_DIR,
@@ -339,7 +339,9 @@ def journal_problems(
         and python.parent == Path(prefix) / "bin"
         and _INTERPRETER.fullmatch(python.name)
     ):
-        problems.append(f"its python {journal.python!r} is not the interpreter of {prefix} (PREFIX/bin/python*)")
+        problems.append(
+            f"its python {journal.python!r} is not the interpreter of {prefix} (PREFIX/bin/python*)"
+        )
     if not _RUN_ID.fullmatch(journal.run_id):
         problems.append(f"its run id {journal.run_id!r} is not one safeinstall makes")
     elif journal.backup_dir is not None and journal.backup_dir != str(envdir / BACKUPS_DIR / journal.run_id):
@@ -349,7 +351,9 @@ def journal_problems(
         )
     bad_units = [u.name for u in journal.units if not valid_unit_name(u.name)]
     if bad_units:
-        problems.append(f"unit names that are not valid systemd unit names: {', '.join(map(repr, bad_units))}")
+        problems.append(
+            f"unit names that are not valid systemd unit names: {', '.join(map(repr, bad_units))}"
+        )
     allowed = {
         str(root / f"{unit.name}.d" / f"{GATE_DROPIN}.conf")
         for unit in journal.units
