@@ -83,14 +83,18 @@ def test_ensure_dir_creates_private_directories(tmp_path: Path) -> None:
     assert not again.created and again.old_mode is None
 
 
-def test_ensure_dir_tightens_a_loose_mode(tmp_path: Path) -> None:
+def test_ensure_dir_tightens_a_readable_mode_and_refuses_a_writable_one(tmp_path: Path) -> None:
     loose = tmp_path / "loose"
     loose.mkdir()
-    os.chmod(loose, 0o777)
+    os.chmod(loose, 0o755)
     status = ensure_dir(loose)
-    assert status.old_mode == 0o777
-    assert status.warning is not None and "0777" in status.warning
+    assert status.old_mode == 0o755
+    assert status.warning is not None and "0755" in status.warning
     assert mode_of(loose) == 0o700
+    os.chmod(loose, 0o777)  # others could have put anything there: never adopted
+    with pytest.raises(StateDirError, match="mode 0777: its group or other users may write to it"):
+        ensure_dir(loose)
+    assert mode_of(loose) == 0o777
 
 
 def test_ensure_dir_refuses_a_file(tmp_path: Path) -> None:
