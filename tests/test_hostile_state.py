@@ -58,7 +58,7 @@ class Attack:
         assert self.victim.read_text() == "precious\n", "root deleted or changed what the attacker named"
 
 
-def journal_doc(prefix: Path, envdir: Path, **fields: Any) -> dict[str, Any]:
+def journal_doc(prefix: Path, envdir: Path, /, **fields: Any) -> dict[str, Any]:
     """A journal as a run of ``prefix`` writes it (phase installing), with ``fields`` changed."""
     journal = new_journal(
         RUN_ID, 1234, None, str(prefix / "bin" / "python"), str(prefix), "sipure", None, ["uv"]
@@ -68,7 +68,7 @@ def journal_doc(prefix: Path, envdir: Path, **fields: Any) -> dict[str, Any]:
     return {**journal_to_dict(journal), **fields}
 
 
-def plant(root: Path, prefix: Path, **fields: Any) -> Path:
+def plant(root: Path, prefix: Path, /, **fields: Any) -> Path:
     """An environment directory under the state ``root`` with a journal; its directory."""
     envdir = root / environment_key(prefix)
     envdir.mkdir(parents=True, mode=0o700, exist_ok=True)
@@ -272,7 +272,8 @@ def _fields(attack: Attack, venv: Path, envdir: Path) -> dict[str, tuple[dict[st
         ),
         "backup-outside-the-state-directory": (
             {"backup_dir": str(attack.base)},
-            f"its backup {str(attack.base)!r} is not this run's backup directory {envdir / 'backups' / RUN_ID}",
+            f"its backup {str(attack.base)!r} is not this run's backup directory "
+            f"{envdir / 'backups' / RUN_ID}",
         ),
         "unit-name-with-glob-characters": (
             {"units": [{**unit, "name": "si-*.service"}]},
@@ -536,7 +537,18 @@ def test_a_unit_name_with_glob_characters_from_a_cgroup_is_never_passed_to_syste
         site = wheelhouse.site_packages(venv)
         wait_until(lambda: str(site) in Path(f"/proc/{user.pid}/maps").read_text(), 15, "sicext imported")
         env = {**user_manager.env}
-        dry = cli(tmp_path / "state", "sicext", "--user", "--python", str(venv), "--dry-run", env=env)
+        wheel = str(wheels["sicext-2"])
+        dry = cli(
+            tmp_path / "state",
+            "sicext",
+            "--user",
+            "--python",
+            str(venv),
+            "--wheel",
+            wheel,
+            "--dry-run",
+            env=env,
+        )
         assert dry.code == 2, dry.stdout + dry.stderr
         refusal = (
             f"the cgroup /{glob_cgroup.parent.name}/si-*.service names 'si-*.service', which is not a "
@@ -567,8 +579,8 @@ def test_rich_markup_in_names_and_paths_is_printed_not_interpreted(sipure_venv: 
     result = run("evil[/]", "--verify-only", "--python", str(sipure_venv))
     assert result.code == 2 and "Traceback" not in result.stderr
     assert error_lines(result) == [f"error: evil[/] is not installed in {sipure_venv.parent.parent}"]
-    marked = tmp_path / "[bold]x[/]"
-    marked.mkdir(mode=0o777)
+    marked = tmp_path / "evil[" / "]x"  # the path reads .../evil[/]x
+    marked.mkdir(parents=True)
     marked.chmod(0o777)
     recover = cli(marked / "state", "--recover")
     assert recover.code == 2 and "Traceback" not in recover.stderr
