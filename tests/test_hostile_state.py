@@ -109,105 +109,51 @@ def _hostile_journal(attack: Attack, state: Path) -> Path:
     return plant(state, prefix, python=str(attack.trap), gate=[str(attack.victim)])
 
 
-STATE_ATTACKS: dict[str, Callable[[Path, Path], tuple[str, str]]] = {}
+WRITABLE = "it is mode 0777: its group or other users may write to it"
+FOREIGN = f"it is owned by uid {OTHER_UID}, not by root or uid 0 which runs safeinstall"
+
+#: attack -> (what is attacked: root, parent, envdir or journal; how: writable, foreign or a special)
+STATE_ATTACKS = {
+    "state-dir-writable-by-others": ("root", "writable"),
+    "state-dir-owned-by-another-user": ("root", "foreign"),
+    "parent-writable-by-others-not-sticky": ("parent", "writable"),
+    "parent-owned-by-another-user": ("parent", "foreign"),
+    "environment-dir-writable-by-others": ("envdir", "writable"),
+    "environment-dir-owned-by-another-user": ("envdir", "foreign"),
+    "journal-writable-by-others": ("journal", "writable"),
+    "journal-owned-by-another-user": ("journal", "foreign"),
+    "journal-is-a-symlink": ("journal", "symlink"),
+    "journal-is-a-fifo": ("journal", "fifo"),
+    "journal-too-large": ("journal", "huge"),
+}
 
 
-def state_attack(name: str) -> Callable[[Callable[[Path, Path], tuple[str, str]]], Any]:
-    def register(function: Callable[[Path, Path], tuple[str, str]]) -> Any:
-        STATE_ATTACKS[name] = function
-        return function
-
-    return register
-
-
-# Each takes (state root, environment directory) and returns (the refused path, the reason).
-
-
-@state_attack("state-dir-writable-by-others")
-def _writable_root(root: Path, envdir: Path) -> tuple[str, str]:
-    root.chmod(0o777)
-    return f"the state directory {root}", "it is mode 0777: its group or other users may write to it"
-
-
-@state_attack("state-dir-owned-by-another-user")
-def _foreign_root(root: Path, envdir: Path) -> tuple[str, str]:
-    os.chown(root, OTHER_UID, OTHER_UID)
-    return (
-        f"the state directory {root}",
-        f"it is owned by uid {OTHER_UID}, not by root or uid 0 which runs safeinstall",
-    )
-
-
-@state_attack("parent-owned-by-another-user")
-def _foreign_parent(root: Path, envdir: Path) -> tuple[str, str]:
-    os.chown(root.parent, OTHER_UID, OTHER_UID)
-    return (
-        f"the state directory {root}",
-        f"its parent {root.parent}: it is owned by uid {OTHER_UID}, not by root or uid 0 which runs "
-        "safeinstall",
-    )
-
-
-@state_attack("parent-writable-by-others-not-sticky")
-def _writable_parent(root: Path, envdir: Path) -> tuple[str, str]:
-    root.parent.chmod(0o777)
-    return (
-        f"the state directory {root}",
-        f"its parent {root.parent}: it is mode 0777: its group or other users may write to it",
-    )
-
-
-@state_attack("environment-dir-writable-by-others")
-def _writable_envdir(root: Path, envdir: Path) -> tuple[str, str]:
-    envdir.chmod(0o777)
-    return f"the state directory {envdir}", "it is mode 0777: its group or other users may write to it"
-
-
-@state_attack("environment-dir-owned-by-another-user")
-def _foreign_envdir(root: Path, envdir: Path) -> tuple[str, str]:
-    os.chown(envdir, OTHER_UID, OTHER_UID)
-    return (
-        f"the state directory {envdir}",
-        f"it is owned by uid {OTHER_UID}, not by root or uid 0 which runs safeinstall",
-    )
-
-
-@state_attack("journal-owned-by-another-user")
-def _foreign_journal(root: Path, envdir: Path) -> tuple[str, str]:
-    os.chown(envdir / "journal.json", OTHER_UID, OTHER_UID)
-    return (
-        f"read {envdir / 'journal.json'}",
-        f"it is owned by uid {OTHER_UID}, not by root or uid 0 which runs safeinstall",
-    )
-
-
-@state_attack("journal-writable-by-others")
-def _writable_journal(root: Path, envdir: Path) -> tuple[str, str]:
-    (envdir / "journal.json").chmod(0o666)
-    return f"read {envdir / 'journal.json'}", "it is mode 0666: its group or other users may write to it"
-
-
-@state_attack("journal-is-a-symlink")
-def _symlinked_journal(root: Path, envdir: Path) -> tuple[str, str]:
-    elsewhere = root.parent / "elsewhere.json"
-    (envdir / "journal.json").rename(elsewhere)
-    (envdir / "journal.json").symlink_to(elsewhere)
-    return f"read {envdir / 'journal.json'}", "it is a symbolic link"
-
-
-@state_attack("journal-is-a-fifo")
-def _fifo_journal(root: Path, envdir: Path) -> tuple[str, str]:
-    (envdir / "journal.json").unlink()
-    os.mkfifo(envdir / "journal.json", 0o600)
-    return f"read {envdir / 'journal.json'}", "it is not a regular file"
-
-
-@state_attack("journal-too-large")
-def _huge_journal(root: Path, envdir: Path) -> tuple[str, str]:
-    path = envdir / "journal.json"
-    path.write_text(path.read_text() + " " * (2 * 1024 * 1024))
-    size = path.stat().st_size
-    return f"read {path}", f"it is {size} bytes, more than the 1048576 such a file ever needs"
+def _do_state_attack(root: Path, envdir: Path, target: str, how: str) -> str:
+    """Carry out one attack; the error line safeinstall must print."""
+    path = {"root": root, "parent": root.parent, "envdir": envdir, "journal": envdir / "journal.json"}[target]
+    if how == "writable":
+        path.chmod(0o666 if target == "journal" else 0o777)
+        reason = WRITABLE.replace("0777", "0666") if target == "journal" else WRITABLE
+    elif how == "foreign":
+        os.chown(path, OTHER_UID, OTHER_UID)
+        reason = FOREIGN
+    elif how == "symlink":
+        elsewhere = root.parent / "elsewhere.json"
+        path.rename(elsewhere)
+        path.symlink_to(elsewhere)
+        reason = "it is a symbolic link"
+    elif how == "fifo":
+        path.unlink()
+        os.mkfifo(path, 0o600)
+        reason = "it is not a regular file"
+    else:
+        path.write_text(path.read_text() + " " * (2 * 1024 * 1024))
+        reason = f"it is {path.stat().st_size} bytes, more than the 1048576 such a file ever needs"
+    if target == "journal":
+        return f"error: refusing to read {path}: {reason}"
+    if target == "parent":
+        return f"error: refusing to use the state directory {root}: its parent {path}: {reason}"
+    return f"error: refusing to use the state directory {path}: {reason}"
 
 
 @pytest.mark.parametrize("command", ["--recover", "--status"])
@@ -218,12 +164,10 @@ def test_untrusted_state_is_refused(attack: Attack, tmp_path: Path, name: str, c
     root = tmp_path / "home" / "state"
     root.parent.mkdir()
     envdir = _hostile_journal(attack, root)
-    where, reason = STATE_ATTACKS[name](root, envdir)
+    expected = _do_state_attack(root, envdir, *STATE_ATTACKS[name])
     result = cli(root, command)
     assert result.code == 2, result.stdout + result.stderr
-    assert error_lines(result) == [
-        f"error: refusing to {'use ' if 'directory' in where else ''}{where}: {reason}"
-    ]
+    assert error_lines(result) == [expected]
     assert "Traceback" not in result.stderr
     attack.nothing_happened()
     assert (envdir / "journal.json").exists() or (envdir / "journal.json").is_symlink()
@@ -598,11 +542,7 @@ def test_a_run_that_fails_before_the_stop_leaves_no_backup(
 ) -> None:
     """The prefetch fails (a new dependency cannot be unpacked): exit 2, and this run's backup is gone."""
     wheelhouse.uv_install(venv, wheels["sicext-1"])
-    links = tmp_path / "links"
-    links.mkdir()
-    dep = wheelhouse.make_wheel(links, "sidep", "1.0", {"sidep/__init__.py": b"X = 1\n" * 100})
-    wheelhouse.corrupt_member(dep, "sidep/__init__.py")
-    v2 = wheelhouse.with_requirement(wheels["sicext-2"], tmp_path / "v2", "sidep")
+    v2, links = wheelhouse.with_broken_dependency(wheels["sicext-2"], tmp_path)
     state = tmp_path / "state"
     result = cli(
         state,
