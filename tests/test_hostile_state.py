@@ -480,19 +480,8 @@ def test_a_unit_name_with_glob_characters_from_a_cgroup_is_never_passed_to_syste
         (glob_cgroup / "cgroup.procs").write_text(f"{user.pid}\n")
         site = wheelhouse.site_packages(venv)
         wait_until(lambda: str(site) in Path(f"/proc/{user.pid}/maps").read_text(), 15, "sicext imported")
-        env = {**user_manager.env}
-        wheel = str(wheels["sicext-2"])
-        dry = cli(
-            tmp_path / "state",
-            "sicext",
-            "--user",
-            "--python",
-            str(venv),
-            "--wheel",
-            wheel,
-            "--dry-run",
-            env=env,
-        )
+        args = ["sicext", "--user", "--python", str(venv), "--wheel", str(wheels["sicext-2"])]
+        dry = cli(tmp_path / "state", *args, "--dry-run", env=user_manager.env)
         assert dry.code == 2, dry.stdout + dry.stderr
         refusal = (
             f"the cgroup /{glob_cgroup.parent.name}/si-*.service names 'si-*.service', which is not a "
@@ -500,17 +489,7 @@ def test_a_unit_name_with_glob_characters_from_a_cgroup_is_never_passed_to_syste
             "nor gated; stop its processes yourself"
         )
         assert f"  - {refusal}" in dry.stdout
-        real = cli(
-            tmp_path / "state",
-            "sicext",
-            "--user",
-            "--python",
-            str(venv),
-            "--wheel",
-            str(wheels["sicext-2"]),
-            "--yes",
-            env=env,
-        )
+        real = cli(tmp_path / "state", *args, "--yes", env=user_manager.env)
         assert real.code == 2
         assert error_lines(real) == [f"error: the run would refuse: {refusal}"]
         assert not list(user_manager.unit_dir.glob("*.d")) and user.poll() is None
