@@ -5,7 +5,7 @@ Only gathering happens here; every decision is in :mod:`safeinstall.plan`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from safeinstall.cgroups import placement_of_proc_cgroup, valid_unit_name
 from safeinstall.distributions import InstalledDistribution, find_distribution, find_distributions
@@ -94,4 +94,6 @@ def survey(options: RunOptions, env: Environment | None = None, wheel: Wheel | N
         units=units,
         gpus=gpus,
     )
+    if env.owner_note:  # said in the plan too: a dry run shows whose environment this is
+        plan = replace(plan, warnings=(env.owner_note, *plan.warnings))
     return Survey(env, installed, target, wheel, request, uv_plan, affected, targets, scan, units, gpus, plan)

@@ -329,7 +329,9 @@ def service_account_venv(wheels: Wheelhouse) -> Iterator[Path]:
         shutil.rmtree(top, ignore_errors=True)
 
 
-def test_a_service_accounts_environment_is_probed_as_that_account(service_account_venv: Path) -> None:
+def test_a_service_accounts_environment_is_probed_as_that_account(
+    service_account_venv: Path, wheels: Wheelhouse
+) -> None:
     top = service_account_venv.parent.parent.parent
     marker = top / "pth-ran"
     _pth(wheelhouse.site_packages(service_account_venv), marker)
@@ -342,6 +344,17 @@ def test_a_service_accounts_environment_is_probed_as_that_account(service_accoun
     ) in result.stderr
     assert "files checked against RECORD: OK" in result.stdout
     assert not marker.exists()
+    dry = run(
+        "sipure",
+        "--dry-run",
+        "--python",
+        str(service_account_venv),
+        "--wheel",
+        str(wheels["sipure-2"]),
+        "--json",
+    )
+    assert dry.code == 0, dry.stdout + dry.stderr
+    assert f"belongs to uid {OTHER_UID}" in dry.json["data"]["warnings"][0]
 
 
 def test_an_interpreter_that_lies_about_its_prefix_is_refused(sipure_venv: Path, tmp_path: Path) -> None:
