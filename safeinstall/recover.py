@@ -34,9 +34,9 @@ from safeinstall.state import (
     EnvironmentState,
     StateDirError,
     check_trusted,
-    environment_state,
     list_environment_dirs,
     state_root,
+    trusted_environment_state,
 )
 from safeinstall.systemd import Systemd, default_dropin_root, start_wait_s
 from safeinstall.wheel import install_location, read_wheel
@@ -99,7 +99,7 @@ def _states(environ: Mapping[str, str], python: str | None) -> list[EnvironmentS
         return list_environment_dirs(root)
     check_trusted(root)
     env = inspect_environment(resolve_python(python, environ))
-    return [environment_state(root, env.prefix)]
+    return [trusted_environment_state(root, env.prefix)]
 
 
 def _dropin_roots(journal: Journal, environ: Mapping[str, str]) -> dict[bool, tuple[Path, ...]]:

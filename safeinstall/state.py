@@ -30,7 +30,7 @@ import os
 import stat
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -344,6 +344,24 @@ def _read_prefix(path: Path) -> Path | None:
     return Path(text) if text and os.path.isabs(text) else None
 
 
+def directory_problem(directory: Path) -> str | None:
+    """Why an existing environment directory must not be used (see :func:`trust_problem`); None when it
+    is fine or does not exist."""
+    try:
+        info = os.lstat(directory)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"cannot inspect it: {exc.strerror or exc}"
+    return trust_problem(info.st_mode, info.st_uid, os.geteuid(), parent=False)
+
+
+def trusted_environment_state(root: Path, prefix: Path) -> EnvironmentState:
+    """:func:`environment_state`, with the ``problem`` of its directory if it is not trusted."""
+    state = environment_state(root, prefix)
+    return replace(state, problem=directory_problem(state.dir))
+
+
 def list_environment_dirs(root: Path) -> list[EnvironmentState]:
     """Every environment directory under the state root (for a global --status / --recover), by key.
 
@@ -364,12 +382,7 @@ def list_environment_dirs(root: Path) -> list[EnvironmentState]:
         if entry.name.startswith(".") or not entry.is_dir(follow_symlinks=False):
             continue
         directory = Path(entry.path)
-        try:
-            info = entry.stat(follow_symlinks=False)
-        except OSError as exc:
-            found.append(EnvironmentState(root, directory, None, f"cannot inspect it: {exc.strerror or exc}"))
-            continue
-        problem = trust_problem(info.st_mode, info.st_uid, os.geteuid(), parent=False)
+        problem = directory_problem(directory)
         if problem is not None:
             found.append(EnvironmentState(root, directory, None, problem))
             continue

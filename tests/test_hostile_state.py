@@ -173,6 +173,20 @@ def test_untrusted_state_is_refused(attack: Attack, tmp_path: Path, name: str, c
     assert (envdir / "journal.json").exists() or (envdir / "journal.json").is_symlink()
 
 
+@pytest.mark.parametrize("command", ["--recover", "--status"])
+def test_an_untrusted_environment_dir_is_refused_when_named_with_python(
+    attack: Attack, sipure_venv: Path, tmp_path: Path, command: str
+) -> None:
+    root = tmp_path / "state"
+    prefix = Path(os.path.realpath(sipure_venv.parent.parent))
+    envdir = plant(root, prefix, gate=[str(attack.victim)])
+    envdir.chmod(0o777)
+    result = cli(root, command, "--python", str(sipure_venv))
+    assert result.code == 2, result.stdout + result.stderr
+    assert error_lines(result) == [f"error: refusing to use the state directory {envdir}: {WRITABLE}"]
+    attack.nothing_happened()
+
+
 def test_a_root_owned_sticky_parent_is_trusted(tmp_path: Path) -> None:
     """/tmp-like parents (root, mode 1777) are fine, as with OpenSSH's StrictModes."""
     sticky = tmp_path / "tmp"
