@@ -19,6 +19,7 @@ from safeinstall.state import (
     environment_state,
     list_environment_dirs,
     mode_problem,
+    trust_problem,
     new_run_id,
     state_root,
 )
@@ -132,3 +133,16 @@ def test_atomic_write_replaces_whole_and_leaves_no_temp(tmp_path: Path) -> None:
     assert target.read_bytes() == b"two"
     assert mode_of(target) == 0o600
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.json"]
+
+
+def test_trust_problem_is_pure() -> None:
+    directory = stat.S_IFDIR
+    assert trust_problem(directory | 0o700, 0, 0, parent=False) is None
+    assert trust_problem(directory | 0o755, 1000, 1000, parent=True) is None  # the caller's own
+    assert trust_problem(directory | 0o755, 0, 1000, parent=True) is None  # root's
+    assert "owned by uid 1000" in (trust_problem(directory | 0o700, 1000, 0, parent=False) or "")
+    assert "mode 0775" in (trust_problem(directory | 0o775, 0, 0, parent=True) or "")
+    assert trust_problem(directory | 0o1777, 0, 0, parent=True) is None  # /tmp
+    assert trust_problem(directory | 0o1777, 0, 0, parent=False) is not None  # but not as the state dir
+    assert trust_problem(directory | 0o1777, 1000, 0, parent=True) is not None  # a user's sticky dir
+    assert "not a directory" in (trust_problem(stat.S_IFLNK | 0o777, 0, 0, parent=False) or "")
