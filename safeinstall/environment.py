@@ -147,10 +147,11 @@ def _owner_of(paths: tuple[Path, ...], euid: int) -> os.stat_result | None:
 
 def environment_owner(python: Path) -> tuple[int, int] | None:
     """(uid, gid) of the account that owns the environment of ``python`` when that is neither root nor
-    the caller: the owner of the interpreter, its ``bin/``, the environment directory, or its
-    ``pyvenv.cfg`` (whoever can change one of them can change what the interpreter runs)."""
+    the caller: the owner of the interpreter (or the binary it links to), its ``bin/``, the environment
+    directory, or its ``pyvenv.cfg`` (whoever can change one of them can change what it runs)."""
     venv = python.parent.parent
-    info = _owner_of((python, python.parent, venv, venv / "pyvenv.cfg"), os.geteuid())
+    real = Path(os.path.realpath(python))  # the binary a venv's symlink leads to
+    info = _owner_of((python, real, python.parent, venv, venv / "pyvenv.cfg"), os.geteuid())
     if info is None:
         return None
     try:
