@@ -19,9 +19,9 @@ from safeinstall.state import (
     environment_state,
     list_environment_dirs,
     mode_problem,
-    trust_problem,
     new_run_id,
     state_root,
+    trust_problem,
 )
 
 
