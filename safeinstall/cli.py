@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
+from rich.markup import escape
 
 from safeinstall.environment import Environment, inspect_environment, resolve_python
 from safeinstall.errors import ExitCode, SafeInstallError, UsageError
 from safeinstall.journal import now_iso
-from safeinstall.options import RunOptions
+from safeinstall.options import RunOptions, check_options
 from safeinstall.output import dumps, envelope, finding_json, jsonable, plan_json, run_json
 from safeinstall.render import (
     ConsoleReporter,
@@ -130,6 +131,8 @@ def _run_verify(
         raise UsageError("--wheel checks one package", hint="name the package instead of --all")
     env = inspect_environment(resolve_python(python, os.environ))
     err = make_console(stderr=True)
+    if env.owner_note and not as_json:
+        err.print(f"[dim]note:[/] {escape(env.owner_note)}", soft_wrap=True)
     names = None if all_ else [package or ""]
     if err.is_terminal:  # rich.progress is loaded only for a terminal: scripts start faster
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -167,7 +170,8 @@ def _run_verify(
         render_verify(make_console(), err, report, diffs if diff else None)
         if save_patch is not None:
             err.print(
-                f"patch of {sum(1 for d in diffs or [] if d.text)} modified files written to {save_patch}"
+                f"patch of {sum(1 for d in diffs or [] if d.text)} modified files written to "
+                f"{escape(str(save_patch))}"
             )
     _exit(report.exit_code)
 
@@ -318,14 +322,20 @@ def _run_recover(python: str | None, as_json: bool) -> None:
 def _run_status(python: str | None, as_json: bool) -> None:
     from safeinstall.recover import status
 
-    found = status(os.environ, python)
+    report = status(os.environ, python)
+    found = list(report.environments)
     pending = any(s.needs_recovery for s in found)
     if as_json:
         state = "needs-recovery" if pending else "running" if any(s.running for s in found) else "idle"
-        print(dumps(envelope("status", state, ExitCode.OK, {"environments": jsonable(found)})))
+        state = "error" if report.failures else state
+        data = {"environments": jsonable(found)}
+        print(dumps(envelope("status", state, report.exit_code, data, list(report.failures))))
     else:
         render_status(make_console(), found)
-    _exit(ExitCode.OK)
+        err = make_console(stderr=True)
+        for failure in report.failures:
+            render_error(err, failure)
+    _exit(report.exit_code)
 
 
 def _run_dry_run(options: RunOptions, as_json: bool) -> None:
@@ -603,6 +613,7 @@ def main_command(
         if not package:
             raise UsageError("no PACKAGE given", hint="safeinstall PACKAGE [--wheel W] (see --help)")
         options = run_options(ctx.params, ctx.args)
+        check_options(options)
         interactive = not yes and not as_json and sys.stdin.isatty()
         if detach_:
             if dry_run:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import os
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from safeinstall.errors import UsageError
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,3 +35,36 @@ class RunOptions:
     run_id: str | None = None  # given by the caller (a detached run's foreground); None: a new one
     proc_root: Path = Path("/proc")
     environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+
+
+def option_problems(options: RunOptions) -> list[str]:
+    """Pure: every value that could not be honoured, found before anything is stopped. (A ``nan``
+    deadline never passes: the run, and its rollback, would wait forever.)"""
+    problems: list[str] = []
+    timeouts = {
+        "--stop-timeout": options.stop_timeout,
+        "--gpu-timeout": options.gpu_timeout,
+        "--settle": options.settle,
+        "--health-timeout": options.health_timeout,
+    }
+    for flag, value in timeouts.items():
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            problems.append(f"{flag} {value:g}: seconds must be a finite number, 0 or more")
+    if options.keep_backups < 1:
+        problems.append(f"--keep-backups {options.keep_backups}: keep at least 1 (the run's own backup)")
+    if options.health_url is not None:
+        url = urllib.parse.urlsplit(options.health_url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            problems.append(
+                f"--health-url {options.health_url}: only http:// and https:// URLs with a host are asked"
+            )
+    return problems
+
+
+def check_options(options: RunOptions) -> None:
+    """Refuse (UsageError, exit 2) options that :func:`option_problems` finds wrong."""
+    problems = option_problems(options)
+    if problems:
+        raise UsageError(
+            "; ".join(problems), hint="fix these options (see safeinstall --help); nothing was done"
+        )

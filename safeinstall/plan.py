@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from safeinstall.cgroups import CgroupPlacement, placement_of_proc_cgroup
+from safeinstall.cgroups import CgroupPlacement, placement_of_proc_cgroup, valid_unit_name
 from safeinstall.gpus import GpuSnapshot
 from safeinstall.processes import EvidenceKind, ProcessRecord, ScanProblem, ScanResult
 from safeinstall.systemd import UnitInfo
@@ -126,6 +126,12 @@ def _planned(
 
 def _unit_refusal(unit: str, info: UnitInfo | None, user: bool, placement: CgroupPlacement) -> str | None:
     manager = "user" if user else "system"
+    if not valid_unit_name(unit):
+        return (
+            f"the cgroup {placement.path} names {unit!r}, which is not a valid systemd unit name: it is "
+            "never passed to systemctl (it could match other units there) nor gated; stop its processes "
+            "yourself"
+        )
     if placement.user_manager_uid is not None and not user:
         return (
             f"{unit} belongs to the user manager of UID {placement.user_manager_uid}: "
@@ -173,7 +179,13 @@ def _dependents(planned: list[PlannedUnit], units: Mapping[str, UnitInfo]) -> li
         info = units.get(unit.name)
         for name in info.dependents if info else ():
             dependent = units.get(name)
-            if name in names or not name.endswith(".service") or dependent is None or not dependent.is_active:
+            if (
+                name in names
+                or not name.endswith(".service")
+                or not valid_unit_name(name)
+                or dependent is None
+                or not dependent.is_active
+            ):
                 continue
             names.add(name)
             found.append(_planned_unit(name, dependent, (), stopped_with=unit.name))

@@ -21,9 +21,11 @@ from safeinstall.gate import GATE_DROPIN, gate_marker
 from safeinstall.history import RunSummary, read_history
 from safeinstall.journal import (
     Journal,
+    JournalError,
     JournalUnit,
     clear_journal,
     effective_phase,
+    journal_problems,
     needs_restore,
     read_journal,
     units_to_start,
@@ -31,11 +33,14 @@ from safeinstall.journal import (
 from safeinstall.lock import LockHolder, acquire_lock, read_holder
 from safeinstall.state import (
     EnvironmentState,
+    StateDirError,
+    check_trusted,
     environment_state,
     list_environment_dirs,
     state_root,
+    trusted_environment_state,
 )
-from safeinstall.systemd import Systemd, start_wait_s
+from safeinstall.systemd import Systemd, default_dropin_root, start_wait_s
 from safeinstall.wheel import environment_files, install_location, read_wheel
 from safeinstall.wheelcopy import discard_wheel_copy, is_wheel_copy
 
@@ -147,11 +152,49 @@ def put_back(
 
 
 def _states(environ: Mapping[str, str], python: str | None) -> list[EnvironmentState]:
+    """The environments to look at; refuses (StateDirError) an untrusted state root. A listed
+    environment directory that is not trusted comes with its ``problem``."""
     root = state_root(environ, os.geteuid())
     if python is None:
         return list_environment_dirs(root)
+    check_trusted(root)
     env = inspect_environment(resolve_python(python, environ))
-    return [environment_state(root, env.prefix)]
+    return [trusted_environment_state(root, env.prefix)]
+
+
+def _dropin_roots(journal: Journal, environ: Mapping[str, str]) -> dict[bool, tuple[Path, ...]]:
+    """Where each of the journal's managers reads persistent drop-ins: asked of the manager, or its
+    default when it cannot be asked (a user manager that is not running at boot)."""
+    roots: dict[bool, tuple[Path, ...]] = {}
+    for user in sorted({unit.user_manager for unit in journal.units}):
+        try:
+            roots[user] = (Systemd(user=user, environ=environ).dropin_roots().persistent,)
+        except SafeInstallError:
+            roots[user] = (default_dropin_root(user, environ),)
+    return roots
+
+
+def read_checked_journal(state: EnvironmentState, environ: Mapping[str, str]) -> Journal | None:
+    """The environment's journal, or None; refused (exit 2) unless its directory is trusted, the file
+    is one safeinstall wrote, and every field a recovery acts on is as a run of this environment
+    writes it (see :func:`safeinstall.journal.journal_problems`)."""
+    if state.problem is not None:
+        raise StateDirError(
+            f"refusing to use the state directory {state.dir}: {state.problem}",
+            hint="another user could have planted a journal there for root to act on; look at it, then "
+            "remove it or make it owned by root (or you) and writable by nobody else",
+        )
+    journal = read_journal(state.dir)
+    if journal is None:
+        return None
+    problems = journal_problems(journal, state.dir, _dropin_roots(journal, environ))
+    if problems:
+        raise JournalError(
+            f"refusing the run journal {state.journal}: " + "; ".join(problems),
+            hint="safeinstall did not write this journal as it is, so nothing it names is run, started "
+            "or deleted; look at it, put things back by hand if needed, then remove it",
+        )
+    return journal
 
 
 def _remove_gates(journal: Journal, environ: Mapping[str, str], notes: list[str]) -> tuple[str, ...]:
@@ -164,8 +207,8 @@ def _remove_gates(journal: Journal, environ: Mapping[str, str], notes: list[str]
                 removed.append(unit.name)
         except SafeInstallError as exc:
             notes.append(f"could not ask the manager to remove the gate of {unit.name}: {exc.message}")
-    for path in journal.gate:  # whatever the manager could not be asked about: by path
-        if os.path.exists(path):
+    for path in journal.gate:  # checked: only these units' own gate drop-ins (read_checked_journal)
+        if os.path.lexists(path):
             os.unlink(path)
             removed.append(path)
     return tuple(removed)
@@ -186,10 +229,10 @@ def _start(units: list[JournalUnit], environ: Mapping[str, str], settle: float) 
 
 def recover_one(state: EnvironmentState, environ: Mapping[str, str], settle: float = 2.0) -> Recovery:
     prefix = str(state.prefix or state.dir)
-    if read_journal(state.dir) is None:
+    if read_checked_journal(state, environ) is None:
         return Recovery(prefix, None, None, notes=("nothing to recover",))
     with acquire_lock(state.lock, prefix) as lock:
-        journal = read_journal(state.dir)  # again, under the lock
+        journal = read_checked_journal(state, environ)  # again, under the lock
         if journal is None:
             return Recovery(prefix, None, None, notes=("nothing to recover",))
         notes: list[str] = [lock.takeover_note] if lock.takeover_note else []
@@ -200,10 +243,23 @@ def recover_one(state: EnvironmentState, environ: Mapping[str, str], settle: flo
                 if journal.backup_dir is None:
                     raise SafeInstallError("the journal names no backup")
                 env = inspect_environment(Path(journal.python))
+                if env.prefix != Path(journal.prefix):
+                    raise JournalError(
+                        f"{journal.python} reports the prefix {env.prefix}, not {journal.prefix}: "
+                        "refusing to restore into another environment",
+                        hint="look at the journal and the environment, then put things back by hand",
+                    )
+                if journal.wheel is not None and not is_wheel_copy(Path(journal.wheel), state.dir):
+                    notes.append(
+                        f"the wheel {journal.wheel} is not the run's own copy in the state directory and "
+                        "was not read again: only what the installed RECORDs list was removed"
+                    )
                 restore = (env, load_backup(Path(journal.backup_dir)))
             done = put_back(
                 state.dir, journal, environ, restore, lambda units: _start(units, environ, settle)
             )
+        except JournalError:
+            raise  # refused before anything was done: exit 2, as for any refusal
         except SafeInstallError as exc:
             commands = [
                 f"systemctl {'--user ' if u.user_manager else ''}start {u.name}"
@@ -259,11 +315,26 @@ def prefix_exists(state: EnvironmentState) -> bool | None:
     return None if state.prefix is None else os.path.isdir(state.prefix)
 
 
-def status(environ: Mapping[str, str], python: str | None) -> list[EnvironmentStatus]:
+@dataclass(frozen=True, slots=True)
+class StatusReport:
+    environments: tuple[EnvironmentStatus, ...]
+    failures: tuple[SafeInstallError, ...]  # environments whose state was refused (each says why)
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return ExitCode.REFUSED if self.failures else ExitCode.OK
+
+
+def status(environ: Mapping[str, str], python: str | None) -> StatusReport:
     found: list[EnvironmentStatus] = []
+    failures: list[SafeInstallError] = []
     for state in _states(environ, python):
+        try:
+            journal = read_checked_journal(state, environ)
+        except SafeInstallError as exc:
+            failures.append(exc)
+            continue
         running, holder = read_holder(state.lock) if state.lock.exists() else (False, None)
-        journal = read_journal(state.dir)
         history = read_history(state)
         found.append(
             EnvironmentStatus(
@@ -282,7 +353,7 @@ def status(environ: Mapping[str, str], python: str | None) -> list[EnvironmentSt
                 history_problems=history.problems,
             )
         )
-    return found
+    return StatusReport(tuple(found), tuple(failures))
 
 
 def _named(states: list[EnvironmentState], python: str, environ: Mapping[str, str]) -> list[EnvironmentState]:
@@ -321,7 +392,9 @@ def forget(
 ) -> tuple[tuple[Forgotten, ...], tuple[SafeInstallError, ...]]:
     """``--forget``: the state of every environment whose prefix is gone, or of the one ``python``
     names. Only directories listed under the state root are ever removed."""
-    states = list_environment_dirs(state_root(environ, os.geteuid()))
+    root = state_root(environ, os.geteuid())
+    check_trusted(root)
+    states = list_environment_dirs(root)
     if python is None:
         chosen = [s for s in states if prefix_exists(s) is False]
     else:
@@ -334,6 +407,14 @@ def forget(
     forgotten: list[Forgotten] = []
     failures: list[SafeInstallError] = []
     for state in chosen:
+        if state.problem is not None:
+            failures.append(
+                StateDirError(
+                    f"not forgetting {state.dir}: {state.problem}",
+                    hint="make it owned by root (or you) and writable by nobody else, or remove it by hand",
+                )
+            )
+            continue
         try:
             forgotten.append(forget_one(state))
         except SafeInstallError as exc:

@@ -17,6 +17,7 @@ import shutil
 import signal
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +38,7 @@ from safeinstall.backup import (
 )
 from safeinstall.distributions import find_distributions
 from safeinstall.drift import FindingKind
-from safeinstall.environment import Environment, inspect_environment, resolve_python
+from safeinstall.environment import Environment, inspect_environment, interpreter_in_prefix, resolve_python
 from safeinstall.errors import (
     Aborted,
     ExitCode,
@@ -60,7 +61,7 @@ from safeinstall.journal import (
     write_journal,
 )
 from safeinstall.lock import HeldLock, acquire_lock, process_start
-from safeinstall.options import RunOptions
+from safeinstall.options import RunOptions, check_options
 from safeinstall.plan import Plan, PlannedProcess, PlannedUnit
 from safeinstall.processes import scan_processes
 from safeinstall.recover import put_back
@@ -216,7 +217,10 @@ class _Run:
 
     def preflight(self) -> None:
         options = self.options
+        check_options(options)
         self.env = env = inspect_environment(resolve_python(options.python, options.environ))
+        if env.owner_note:
+            self.notes.append(env.owner_note)
         self.state = environment_state(state_root(options.environ, os.geteuid()), env.prefix)
         for status in ensure_environment_dir(self.state):
             if status.warning:
@@ -252,13 +256,22 @@ class _Run:
 
     def _check_space(self) -> None:
         assert self.survey is not None and self.state is not None and self.env is not None
-        needed = disk_space_needed(list(self.survey.affected), self.env)
-        problem = space_problem(needed, free_space(self.state.backups), self.state.backups)
+        backup = disk_space_needed(list(self.survey.affected), self.env)
+        # the prefetch unpacks the new version beside the backup, in the state directory
+        prefetch = installed_size(self.wheel) if self.wheel is not None else 0
+        what = "the backup and the prefetch (the new version unpacked beside it)"
+        problem = space_problem(
+            backup + prefetch,
+            free_space(self.state.backups),
+            self.state.backups,
+            what if prefetch else "the backup",
+        )
         if problem:
             raise PlanError(problem, hint="nothing was stopped")
         if self.wheel is not None:
+            shared = _device(self.state.backups) == _device(self.env.prefix)  # the backup stays during it
             problem = space_problem(
-                installed_size(self.wheel),
+                installed_size(self.wheel) + (backup if shared else 0),
                 free_space(self.env.prefix),
                 self.env.prefix,
                 what=f"the install of {self.wheel.path.name}",
@@ -286,7 +299,7 @@ class _Run:
                 self.run_id,
                 os.getpid(),
                 process_start(os.getpid()),
-                str(self.env.python),
+                str(interpreter_in_prefix(self.env)),
                 str(self.env.prefix),
                 self.plan.package,
                 str(self.wheel.path) if self.wheel else None,
@@ -594,6 +607,7 @@ class _Run:
             except Exception as second:
                 return self._rollback_failed(error, SafeInstallError(str(second)))
         if not stopped_any:  # the run ended before the stop: nothing changed, exit 2 as for a refusal
+            self._remove_own_backup()
             if error.exit_code == ExitCode.REFUSED:
                 return error
             return Aborted(f"{error.message}; nothing was stopped or installed", hint=error.hint)
@@ -602,6 +616,15 @@ class _Run:
     def _start_again(self, units: list[JournalUnit]) -> None:
         if units:
             self._start_and_settle([u.name for u in units], min(self.options.settle, 2.0))
+
+    def _remove_own_backup(self) -> None:
+        """Nothing was installed: this run's backup (whole or partial) is of no use; it goes."""
+        assert self.state is not None
+        backup_dir = self.state.backup_dir(self.run_id)
+        shutil.rmtree(backup_dir, ignore_errors=True)
+        if backup_dir.exists():
+            self.notes.append(f"could not remove this run's unused backup {backup_dir}")
+        self.backup = None
 
     def _rollback_failed(self, error: SafeInstallError, second: SafeInstallError) -> RollbackFailed:
         assert self.journal is not None and self.env is not None
@@ -614,6 +637,13 @@ class _Run:
             + " && ".join(commands),
             hint="run the commands above; safeinstall --status shows what is pending",
         )
+
+
+def _device(path: Path) -> int:
+    probe = Path(os.path.abspath(path))
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return probe.stat().st_dev
 
 
 def _mark(
@@ -733,15 +763,42 @@ def _verify_installed(
     return replace(main, distributions=(*main.distributions, *rest.distributions))
 
 
+def _origin(url: str) -> tuple[str, str | None, int | None]:
+    parts = urllib.parse.urlsplit(url)
+    return parts.scheme, parts.hostname, parts.port
+
+
+class _OffOrigin(urllib.error.URLError):
+    pass
+
+
+class _SameOriginRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only to the health URL's own scheme, host and port: a service cannot send
+    root's request elsewhere, nor have another host's 200 count as its own health."""
+
+    def __init__(self, url: str) -> None:
+        self.origin = _origin(url)
+
+    def redirect_request(
+        self, req: urllib.request.Request, fp: Any, code: int, msg: str, headers: Any, newurl: str
+    ) -> urllib.request.Request | None:
+        if _origin(newurl) != self.origin:
+            raise _OffOrigin(f"HTTP {code} redirect to another host ({newurl}), refused")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
 def _wait_healthy(url: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     last = "no answer"
+    opener = urllib.request.build_opener(_SameOriginRedirects(url))
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(url, timeout=5) as response:
+            with opener.open(url, timeout=5) as response:
                 if response.status == 200:
                     return
                 last = f"HTTP {response.status}"
+        except _OffOrigin as exc:
+            last = str(exc.reason)
         except urllib.error.HTTPError as exc:
             last = f"HTTP {exc.code}"
         except (urllib.error.URLError, OSError) as exc:

@@ -6,9 +6,9 @@ Only gathering happens here; every decision is in :mod:`safeinstall.plan`.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from safeinstall.cgroups import placement_of_proc_cgroup
+from safeinstall.cgroups import placement_of_proc_cgroup, valid_unit_name
 from safeinstall.distributions import InstalledDistribution, find_distribution, find_distributions
 from safeinstall.environment import Environment, inspect_environment, resolve_python
 from safeinstall.gpus import GpuSnapshot, snapshot_gpus
@@ -40,6 +40,10 @@ def systemd_for(options: RunOptions) -> Systemd:
     return Systemd(user=options.user, environ=options.environ)
 
 
+def _dependent(name: str) -> bool:
+    return name.endswith(".service") and valid_unit_name(name)
+
+
 def survey(options: RunOptions, env: Environment | None = None, wheel: Wheel | None = None) -> Survey:
     """Gather every fact the plan needs. Changes nothing."""
     if env is None:
@@ -67,15 +71,15 @@ def survey(options: RunOptions, env: Environment | None = None, wheel: Wheel | N
         for record in scan.processes
         if record.affected and not record.is_self
         for placement in [placement_of_proc_cgroup(record.cgroup_text)]
-        if placement.unit
+        if placement.unit and valid_unit_name(placement.unit)  # the plan refuses the others
     }
     systemd = systemd_for(options)
     units = systemd.show(sorted(unit_names)) if unit_names else {}
-    wanted = {d for info in units.values() for d in info.dependents if d.endswith(".service")} - set(units)
+    wanted = {d for info in units.values() for d in info.dependents if _dependent(d)} - set(units)
     while wanted:  # the units a stop of these stops too, transitively (see plan._dependents)
         more = systemd.show(sorted(wanted))
         units.update(more)
-        wanted = {d for info in more.values() for d in info.dependents if d.endswith(".service")} - set(units)
+        wanted = {d for info in more.values() for d in info.dependents if _dependent(d)} - set(units)
     gpus = snapshot_gpus(options.environ, options.proc_root)
     plan = build_plan(
         package=target.name,
@@ -92,4 +96,6 @@ def survey(options: RunOptions, env: Environment | None = None, wheel: Wheel | N
         gpus=gpus,
         as_root=os.geteuid() == 0,
     )
+    if env.owner_note:  # said in the plan too: a dry run shows whose environment this is
+        plan = replace(plan, warnings=(env.owner_note, *plan.warnings))
     return Survey(env, installed, target, wheel, request, uv_plan, affected, targets, scan, units, gpus, plan)

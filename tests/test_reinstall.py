@@ -252,11 +252,7 @@ def test_a_new_dependency_that_cannot_be_unpacked_is_found_before_anything_stops
     before = {p: p.read_bytes() for p in (bed.site / "sicext").rglob("*") if p.is_file()}
     name = bed.service("uvfail")
     main = bed.manager.main_pid(name)
-    links = tmp_path / "links"
-    links.mkdir()
-    dep = wheelhouse.make_wheel(links, "sidep", "1.0", {"sidep/__init__.py": b"X = 1\n" * 100})
-    wheelhouse.corrupt_member(dep, "sidep/__init__.py")  # resolves fine, fails to extract
-    v2 = wheelhouse.with_requirement(bed.wheels["sicext-2"], tmp_path / "v2", "sidep")
+    v2, links = wheelhouse.with_broken_dependency(bed.wheels["sicext-2"], tmp_path)
     result = bed.safeinstall(
         "sicext",
         "--wheel",
