@@ -196,10 +196,9 @@ def _run_status(python: str | None, as_json: bool) -> None:
 
 
 def _run_dry_run(options: RunOptions, as_json: bool) -> None:
-    from safeinstall.survey import survey
+    from safeinstall.preflight import preflight
 
-    result = survey(options)
-    plan = result.plan
+    plan = preflight(options, take_lock=False).plan  # the run's own checks: it refuses when the run would
     code = ExitCode.OK if plan.proceeds else ExitCode.REFUSED
     if as_json:
         status = "would-proceed" if plan.proceeds else "would-refuse"
@@ -238,6 +237,22 @@ def main_command(
     ] = False,
     kill_strays: Annotated[
         bool, typer.Option("--kill-strays", help="End processes outside any service (not restarted).")
+    ] = False,
+    only_loaded: Annotated[
+        bool,
+        typer.Option(
+            "--only-loaded",
+            help="Stop only processes with certain evidence of the package loaded (mapped, open, argv, "
+            "depends), not every process of the environment's Python.",
+        ),
+    ] = False,
+    strict: Annotated[
+        bool,
+        typer.Option(
+            "--strict",
+            help="A process still running replaced code after the restart fails the run "
+            "(rolled back, exit 3).",
+        ),
     ] = False,
     stop_timeout: Annotated[
         float | None,
@@ -333,6 +348,8 @@ def main_command(
             with_deps=with_deps,
             user=user,
             kill_strays=kill_strays,
+            only_loaded=only_loaded,
+            strict=strict,
             extra_args=tuple(ctx.args),
             stop_timeout=stop_timeout,
             gpu_timeout=gpu_timeout,

@@ -125,11 +125,16 @@ def render_plan(out: Console, err: Console, plan: Plan) -> None:
         for column in ("PID", "UNIT", "USER", "EVIDENCE", "GPU MEM", "COMMAND"):
             table.add_column(column, overflow="fold")
         for p in plan.processes:
-            evidence = ",".join(p.evidence) + (" [red](running old code)[/]" if p.running_old_code else "")
+            evidence = ",".join(p.evidence) + f" ({p.strength})"
+            evidence += " [red](running old code)[/]" if p.running_old_code else ""
             unit = p.unit or f"[yellow]stray[/] ({p.scope or 'no unit'})"
             command = " ".join(p.cmdline) or p.name
             table.add_row(str(p.pid), unit, p.user, evidence, _bytes(p.gpu_bytes), f"{p.name}: {command}")
         out.print(table)
+        for p in plan.processes:  # what the kinds alone do not say: which dependent, which interpreter
+            for detail in p.details:
+                if detail.startswith(("depends:", "environment:")):
+                    out.print(f"  PID {p.pid}: {detail}", soft_wrap=True)
     else:
         out.print("processes using them: none")
     if plan.units:
@@ -286,6 +291,12 @@ def render_result(out: Console, err: Console, result: RunResult) -> None:
         out.print(f"  [yellow]{unit} left stopped (--no-restart)[/]")
     for pid in result.strays_killed:
         out.print(f"  stray PID {pid} was ended and not restarted")
+    for process in result.old_code:
+        err.print(
+            f"[yellow]warning:[/] {process.describe()} ({', '.join(process.paths[:3])}): it runs old code; "
+            "restart it",
+            soft_wrap=True,
+        )
     if result.patched:
         out.print(f"locally patched files (copies kept in {result.backup_dir}):")
         for path in result.patched:

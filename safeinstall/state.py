@@ -144,6 +144,16 @@ def mode_problem(mode: int, owner: int, euid: int) -> str | None:
     return None
 
 
+def _refuse_foreign(path: Path, info: os.stat_result) -> None:
+    problem = mode_problem(info.st_mode, info.st_uid, os.geteuid())
+    if problem is not None:
+        raise StateDirError(
+            f"refusing to use the state directory {path}: {problem}",
+            hint=f"remove or fix it (it must be a directory owned by you, mode {PRIVATE_MODE:04o}), "
+            f"or set {STATE_DIR_VARIABLE} to another directory",
+        )
+
+
 def ensure_dir(path: Path, mode: int = PRIVATE_MODE) -> DirStatus:
     """Create ``path`` (and parents) with ``mode``; refuse foreign or odd ones, tighten loose modes."""
     created = False
@@ -164,13 +174,7 @@ def ensure_dir(path: Path, mode: int = PRIVATE_MODE) -> DirStatus:
             f"cannot inspect the state directory {path}: {exc.strerror or exc}",
             hint=f"check the path, or set {STATE_DIR_VARIABLE} to another directory",
         ) from exc
-    problem = mode_problem(info.st_mode, info.st_uid, os.geteuid())
-    if problem is not None:
-        raise StateDirError(
-            f"refusing to use the state directory {path}: {problem}",
-            hint=f"remove or fix it (it must be a directory owned by you, mode {PRIVATE_MODE:04o}), "
-            f"or set {STATE_DIR_VARIABLE} to another directory",
-        )
+    _refuse_foreign(path, info)
     current = stat.S_IMODE(info.st_mode)
     if created and current != mode:  # mkdir's mode is masked by the umask
         os.chmod(path, mode)
@@ -199,6 +203,30 @@ def ensure_environment_dir(state: EnvironmentState) -> tuple[DirStatus, ...]:
         if current != text:
             atomic_write(state.prefix_file, text.encode("utf-8", "surrogateescape"))
     return statuses
+
+
+def check_environment_dir(state: EnvironmentState) -> None:
+    """For a dry-run: refuse as :func:`ensure_environment_dir` would, creating nothing (a directory that
+    is there must be usable; one that is not must be creatable in its nearest existing parent)."""
+    for path in (state.root, state.dir, state.backups, state.logs):
+        try:
+            info = os.stat(path)
+        except FileNotFoundError:
+            parent = path.parent
+            while not parent.exists() and parent != parent.parent:
+                parent = parent.parent
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise StateDirError(
+                    f"cannot create the state directory {path}: {parent} is not writable",
+                    hint=f"check its permissions, or set {STATE_DIR_VARIABLE} to a writable directory",
+                ) from None
+            return  # the ones below it are made with it
+        except OSError as exc:
+            raise StateDirError(
+                f"cannot inspect the state directory {path}: {exc.strerror or exc}",
+                hint=f"check the path, or set {STATE_DIR_VARIABLE} to another directory",
+            ) from exc
+        _refuse_foreign(path, info)
 
 
 def fsync_dir(directory: Path) -> None:
