@@ -606,3 +606,60 @@ def test_sigint_rolls_back_and_a_second_one_does_not_abandon_services(
     wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running again")
     assert bed.version() == "1.0" and bed.snapshot() == before
     bed.no_trace()
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["warning", "strict"])
+def test_the_end_check_reports_a_process_left_on_old_code(bed: Bed, strict: bool) -> None:
+    """A unit outside the plan starts using the package after the last scan before the install (uv is
+    held meanwhile): after the restart, one more scan finds it still mapping the replaced extension,
+    by PID and unit. A warning; with --strict a failure, rolled back (exit 3)."""
+    name = bed.unit("planned")
+    old_inode = next((bed.site / "sicext").glob("_native*.so")).stat().st_ino
+    proc = bed.start_run(
+        "sicext",
+        "--wheel",
+        str(bed.wheels["sicext-2"]),
+        "--settle",
+        "0.5",
+        "--json",
+        *(["--strict"] * strict),
+    )
+    frozen: list[int] = []
+    try:
+        bed.wait_phase(proc, "installing")  # the second scan is over
+        wait_until(lambda: bool(bed.installers()), 30, "uv installing", interval=0.002)
+        frozen = bed.installers()
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        assert next((bed.site / "sicext").glob("_native*.so")).stat().st_ino == old_inode
+        late = bed.unit("left-on-old")  # maps the old extension
+        late_pid = bed.manager.main_pid(late)
+        wait_until(lambda: "_native" in Path(f"/proc/{late_pid}/maps").read_text(), 15, "the .so mapped")
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+        frozen = []
+        out, err = proc.communicate(timeout=180)
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+        proc.kill()
+        proc.communicate()
+    doc = json.loads(out)
+    (left,) = doc["data"]["old_code"]
+    assert (left["pid"], left["unit"], left["distributions"]) == (late_pid, late, ["sicext"])
+    assert any("_native" in path for path in left["paths"])
+    end = next(s for s in doc["data"]["steps"] if s["name"] == "end-check")
+    if strict:
+        assert proc.returncode == 3, out + err
+        assert end["status"] == "failed" and doc["status"] == "rolled-back"
+        message = doc["errors"][0]["message"]
+        assert f"PID {late_pid}" in message and f"unit {late}" in message and "--strict" in message
+        assert "restored the previous installation" in message
+        assert bed.version() == "1.0"
+    else:
+        assert proc.returncode == 0, out + err
+        assert end["status"] == "ok" and f"PID {late_pid}" in end["detail"] and "warning" in end["detail"]
+        assert bed.version() == "2.0"
+    wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running")
+    assert bed.manager.main_pid(late) == late_pid  # not in the plan: left alone
+    bed.no_trace()

@@ -912,7 +912,10 @@ def test_a_pure_package_leaves_no_trace_but_the_environment_is_seen(
         (venv_evidence,) = evidence_of(result, by_venv.pid)
         assert venv_evidence.detail == "VIRTUAL_ENV points into the environment"
         (path_evidence,) = evidence_of(result, by_path.pid)
-        assert (path_evidence.path, path_evidence.detail) == (str(site), "PYTHONPATH points into the environment")
+        assert (path_evidence.path, path_evidence.detail) == (
+            str(site),
+            "PYTHONPATH points into the environment",
+        )
         # without the scope (what the scan did before): nothing at all
         assert evidence_of(scan_processes(targets), ours.pid) == ()
     finally:
@@ -982,7 +985,9 @@ def test_dependents_follow_markers_of_the_target_environment_and_installed_extra
     markers = marker_environment(env)
     assert markers["python_version"] == "3.9" and markers["platform_machine"] == "aarch64"
     installed = [
-        _dist("vllm", "transformers>=4", "fastapi; python_version >= '3.10'", "torch; sys_platform == 'win32'"),
+        _dist(
+            "vllm", "transformers>=4", "fastapi; python_version >= '3.10'", "torch; sys_platform == 'win32'"
+        ),
         _dist("transformers", "tokenizers", "torch; extra == 'torch'", "absent; extra == 'tf'"),
         _dist("app", "vllm[audio]"),
         _dist("tokenizers"),
