@@ -134,7 +134,7 @@ def render_plan(out: Console, err: Console, plan: Plan) -> None:
         for p in plan.processes:  # what the kinds alone do not say: which dependent, which interpreter
             for detail in p.details:
                 if detail.startswith(("depends:", "environment:")):
-                    out.print(f"  PID {p.pid}: {detail}", soft_wrap=True)
+                    out.print(f"  PID {p.pid}: {detail}", soft_wrap=True, markup=False)
     else:
         out.print("processes using them: none")
     if plan.units:
