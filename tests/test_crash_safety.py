@@ -429,10 +429,33 @@ def test_too_little_room_for_the_install_is_refused_before_anything_stops(
     bed = bed_on_disk(128)  # the wheel unpacks to 160 MiB
     name = bed.unit("noroom")
     main = bed.manager.main_pid(name)
+    dry = bed.cli("sicext", "--wheel", str(big_wheel), "--dry-run", "--json")  # the same preflight
+    assert dry.code == 2 and dry.json["status"] == "would-refuse", dry.stdout + dry.stderr
+    assert any(f"the install of {big_wheel.name} needs 160." in r for r in dry.json["data"]["refusals"])
     result = bed.cli("sicext", "--wheel", str(big_wheel), "--yes")
     assert result.code == 2, result.stdout + result.stderr
-    assert f"error: the install of {big_wheel.name} needs 160." in result.stderr
+    assert f"the install of {big_wheel.name} needs 160." in result.stderr
     assert "nothing was stopped" in result.stderr and "SAFEINSTALL_STATE_DIR" not in result.stderr
+    assert bed.manager.main_pid(name) == main and bed.version() == "1.0"
+
+
+def test_a_read_only_environment_is_refused_before_anything_stops(bed_on_disk: Callable[[int], Bed]) -> None:
+    """uv could not write the install during the downtime: refused at the preflight (exit 2), by the
+    dry-run too, rather than found after the stop (a rollback, exit 3)."""
+    bed = bed_on_disk(64)
+    name = bed.unit("readonly")
+    main = bed.manager.main_pid(name)
+    disk = bed.python.parent.parent.parent
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True, capture_output=True)
+    try:
+        dry = bed.cli("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--dry-run", "--json")
+        assert dry.code == 2 and dry.json["status"] == "would-refuse", dry.stdout + dry.stderr
+        assert any("is not writable" in r for r in dry.json["data"]["refusals"])
+        result = bed.cli("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--yes")
+        assert result.code == 2, result.stdout + result.stderr
+        assert "is not writable" in result.stderr and "nothing was stopped" in result.stderr
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(disk)], check=True, capture_output=True)
     assert bed.manager.main_pid(name) == main and bed.version() == "1.0"
 
 
@@ -564,7 +587,7 @@ def test_a_process_that_starts_using_the_package_during_the_downtime(bed: Bed, k
 
 def test_two_runs_at_once(bed: Bed) -> None:
     name = bed.unit("two")
-    bed.hold_gpu(name, 4.0, "e2")  # keeps the first run in its GPU wait
+    bed.hold_gpu(name, 8.0, "e2")  # keeps the first run in its GPU wait
     first = bed.start_run("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5")
     try:
         bed.wait_phase(first, "stopped", "gpu-released")
@@ -573,6 +596,9 @@ def test_two_runs_at_once(bed: Bed) -> None:
         assert second.code == 2
         assert f"PID {first.pid}" in second.stderr and "started" in second.stderr
         assert bed.journal() == journal_before  # the refused run changed nothing
+        dry = bed.cli("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--dry-run", "--json")
+        assert dry.code == 2 and dry.json["errors"][0]["code"] == "locked"  # the run's own refusal
+        assert f"PID {first.pid}" in dry.json["errors"][0]["message"]
         status = bed.cli("--status", "--json").json
         assert status["status"] == "running"
         assert status["data"]["environments"][0]["holder"]["pid"] == first.pid
