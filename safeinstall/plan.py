@@ -250,21 +250,34 @@ def build_plan(
 ) -> Plan:
     placements = {p.pid: placement_of_proc_cgroup(p.cgroup_text) for p in scan.processes}
     live = [p for p in scan.processes if not p.is_self and p.state != "Z"]
-    left_out = tuple(p.pid for p in live if p.affected and only_loaded and not p.certain)
-    affected = [p for p in live if p.affected and p.pid not in left_out]
+    # a process with only possible evidence (``environment``) is planned unless --only-loaded
+    planned_alone = [p for p in live if p.certain or (p.affected and not only_loaded)]
     # a unit is its cgroup, not its name: another manager may run a unit of the same name
-    affected_units = {placements[p.pid].unit_path for p in affected} - {None}
+    affected_units = {placements[p.pid].unit_path for p in planned_alone} - {None}
     # a unit is as certain as the most certain of its affected processes
-    certain_units = {placements[p.pid].unit_path for p in affected if p.certain}
+    certain_units = {placements[p.pid].unit_path for p in live if p.certain} - {None}
+    left_out = (
+        tuple(
+            p.pid
+            for p in live
+            if p.affected and not p.certain and placements[p.pid].unit_path not in affected_units
+        )
+        if only_loaded
+        else ()
+    )
     held = _gpu_bytes(gpus)
     processes: list[PlannedProcess] = []
+    unit_kind = (EvidenceKind.UNIT.value,)
     for record in live:
         placement = placements[record.pid]
-        if record.affected and record.pid not in left_out:
-            processes.append(_planned(record, placement, (), held, None))
-        elif placement.unit_path in affected_units:
-            strength = Strength.CERTAIN if placement.unit_path in certain_units else Strength.POSSIBLE
-            processes.append(_planned(record, placement, (EvidenceKind.UNIT.value,), held, strength))
+        in_certain_unit = placement.unit_path in certain_units
+        strength = Strength.CERTAIN if record.certain or in_certain_unit else Strength.POSSIBLE
+        if record.certain:
+            processes.append(_planned(record, placement, (), held, strength))
+        elif placement.unit_path in affected_units or (record.affected and not only_loaded):
+            # its own evidence (if any) is possible: the unit's may say more (the API-server shape)
+            extra = unit_kind if in_certain_unit or not record.affected else ()
+            processes.append(_planned(record, placement, extra, held, strength))
     strays = tuple(p for p in processes if p.unit is None)
     planned_units: list[PlannedUnit] = []
     refusals: list[str] = []

@@ -101,7 +101,9 @@ def test_unit_processes_found_by_mapped_argv_and_unit(
         ("sicext", "1.0", "2.0")
     ]
     procs = by_pid(doc)
-    assert procs[main]["evidence"] == ["unit"]  # the API-server shape: maps nothing itself
+    # the API-server shape: maps nothing itself, runs the environment's python (possible), and shares
+    # its unit with a worker that maps the extension: certain
+    assert procs[main]["evidence"] == ["environment", "unit"] and procs[main]["strength"] == "certain"
     # the forked worker keeps its parent's command line, but only it maps the extension
     assert procs[worker]["evidence"][0] == "mapped" and procs[worker]["name"] == "SICEXT::Worker0"
     assert "mapped" not in procs[main]["evidence"]
