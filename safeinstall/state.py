@@ -144,7 +144,18 @@ def mode_problem(mode: int, owner: int, euid: int) -> str | None:
     return None
 
 
-def _refuse_foreign(path: Path, info: os.stat_result) -> None:
+def _usable(path: Path, *, missing_ok: bool) -> os.stat_result | None:
+    """The stat of the state directory ``path``; None when it is missing and that is ok. Refuses one
+    that cannot be inspected, is not a directory or is not ours."""
+    try:
+        info = os.stat(path)
+    except OSError as exc:
+        if missing_ok and isinstance(exc, FileNotFoundError):
+            return None
+        raise StateDirError(
+            f"cannot inspect the state directory {path}: {exc.strerror or exc}",
+            hint=f"check the path, or set {STATE_DIR_VARIABLE} to another directory",
+        ) from exc
     problem = mode_problem(info.st_mode, info.st_uid, os.geteuid())
     if problem is not None:
         raise StateDirError(
@@ -152,6 +163,7 @@ def _refuse_foreign(path: Path, info: os.stat_result) -> None:
             hint=f"remove or fix it (it must be a directory owned by you, mode {PRIVATE_MODE:04o}), "
             f"or set {STATE_DIR_VARIABLE} to another directory",
         )
+    return info
 
 
 def ensure_dir(path: Path, mode: int = PRIVATE_MODE) -> DirStatus:
@@ -167,14 +179,8 @@ def ensure_dir(path: Path, mode: int = PRIVATE_MODE) -> DirStatus:
             f"cannot create the state directory {path}: {exc.strerror or exc}",
             hint=f"check its parent's permissions, or set {STATE_DIR_VARIABLE} to a writable directory",
         ) from exc
-    try:
-        info = os.stat(path)
-    except OSError as exc:
-        raise StateDirError(
-            f"cannot inspect the state directory {path}: {exc.strerror or exc}",
-            hint=f"check the path, or set {STATE_DIR_VARIABLE} to another directory",
-        ) from exc
-    _refuse_foreign(path, info)
+    info = _usable(path, missing_ok=False)
+    assert info is not None
     current = stat.S_IMODE(info.st_mode)
     if created and current != mode:  # mkdir's mode is masked by the umask
         os.chmod(path, mode)
@@ -209,9 +215,7 @@ def check_environment_dir(state: EnvironmentState) -> None:
     """For a dry-run: refuse as :func:`ensure_environment_dir` would, creating nothing (a directory that
     is there must be usable; one that is not must be creatable in its nearest existing parent)."""
     for path in (state.root, state.dir, state.backups, state.logs):
-        try:
-            info = os.stat(path)
-        except FileNotFoundError:
+        if _usable(path, missing_ok=True) is None:
             parent = path.parent
             while not parent.exists() and parent != parent.parent:
                 parent = parent.parent
@@ -219,14 +223,8 @@ def check_environment_dir(state: EnvironmentState) -> None:
                 raise StateDirError(
                     f"cannot create the state directory {path}: {parent} is not writable",
                     hint=f"check its permissions, or set {STATE_DIR_VARIABLE} to a writable directory",
-                ) from None
+                )
             return  # the ones below it are made with it
-        except OSError as exc:
-            raise StateDirError(
-                f"cannot inspect the state directory {path}: {exc.strerror or exc}",
-                hint=f"check the path, or set {STATE_DIR_VARIABLE} to another directory",
-            ) from exc
-        _refuse_foreign(path, info)
 
 
 def fsync_dir(directory: Path) -> None:
