@@ -294,7 +294,8 @@ def build_plan(
     if strays and not kill_strays:
         listed = ", ".join(f"{p.pid} ({p.name})" for p in strays)
         refusals.append(
-            f"{len(strays)} process(es) use the package outside any systemd service: {listed}; "
+            f"{len(strays)} process(es) use the package (or run its environment's Python) outside any "
+            f"systemd service: {listed}; "
             "stop them, or pass --kill-strays to end them (they are not restarted)"
         )
     warnings: list[str] = []

@@ -387,7 +387,8 @@ class Evidence:
     def describe(self) -> str:
         old = " (deleted: running old code)" if self.deleted else ""
         how = f" [{self.detail}]" if self.detail else ""
-        return f"{self.kind}: {self.distribution} {self.path}{old}{how}"
+        what = f"{self.distribution} {self.path}" if self.distribution else self.path  # environment: none
+        return f"{self.kind}: {what}{old}{how}"
 
 
 _FEW_INODES = 64
