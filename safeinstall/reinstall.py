@@ -27,10 +27,7 @@ from typing import Any, Protocol
 
 import psutil
 
-from safeinstall.backup import (
-    Backup,
-    create_backup,
-)
+from safeinstall.backup import Backup, create_backup
 from safeinstall.distributions import find_distributions
 from safeinstall.drift import FindingKind
 from safeinstall.environment import Environment
@@ -63,11 +60,7 @@ from safeinstall.processes import scan_processes
 from safeinstall.recover import restore_previous
 from safeinstall.retention import prune_backups
 from safeinstall.signals import interrupts_deferred, interrupts_raise
-from safeinstall.state import (
-    EnvironmentState,
-    atomic_write,
-    new_run_id,
-)
+from safeinstall.state import EnvironmentState, atomic_write, new_run_id
 from safeinstall.survey import Survey, scan_again, systemd_for
 from safeinstall.systemd import StopOutcome, Systemd, start_wait_s
 from safeinstall.uvplan import install as uv_install
