@@ -339,10 +339,9 @@ def _run_status(python: str | None, as_json: bool) -> None:
 
 
 def _run_dry_run(options: RunOptions, as_json: bool) -> None:
-    from safeinstall.survey import survey
+    from safeinstall.preflight import preflight
 
-    result = survey(options)
-    plan = result.plan
+    plan = preflight(options, take_lock=False).plan  # the run's own checks: it refuses when the run would
     code = ExitCode.OK if plan.proceeds else ExitCode.REFUSED
     if as_json:
         status = "would-proceed" if plan.proceeds else "would-refuse"
@@ -398,6 +397,8 @@ def run_options(params: Mapping[str, Any], extra_args: Sequence[str]) -> RunOpti
         with_deps=params["with_deps"],
         user=params["user"],
         kill_strays=params["kill_strays"],
+        only_loaded=params["only_loaded"],
+        strict=params["strict"],
         extra_args=tuple(extra_args),
         stop_timeout=params["stop_timeout"],
         gpu_timeout=params["gpu_timeout"],
@@ -452,6 +453,21 @@ def main_command(
     ] = False,
     kill_strays: Annotated[
         bool, _flag("--kill-strays", "End processes outside any service (not restarted).")
+    ] = False,
+    only_loaded: Annotated[
+        bool,
+        _flag(
+            "--only-loaded",
+            "Stop only processes with certain evidence of the package loaded (mapped, open, argv, "
+            "depends), not every process of the environment's Python.",
+        ),
+    ] = False,
+    strict: Annotated[
+        bool,
+        _flag(
+            "--strict",
+            "A process still running replaced code after the restart fails the run (rolled back, exit 3).",
+        ),
     ] = False,
     stop_timeout: Annotated[
         float | None,

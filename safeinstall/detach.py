@@ -74,6 +74,8 @@ def child_arguments(options: RunOptions, python: Path, run_id: str, environ_file
         "--user": options.user,
         "--with-deps": options.with_deps,
         "--kill-strays": options.kill_strays,
+        "--only-loaded": options.only_loaded,
+        "--strict": options.strict,
         "--no-restart": options.no_restart,
         "--prune": options.prune,
     }

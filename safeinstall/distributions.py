@@ -28,6 +28,8 @@ class InstalledDistribution:
     #: where each RECORD entry lives, normalised lexically (``../../../bin/x`` -> ``<prefix>/bin/x``);
     #: parallel to ``record.entries``, computed once
     locations: tuple[str, ...]
+    #: its ``Requires-Dist`` headers, as written (markers included); read, never evaluated here
+    requires: tuple[str, ...] = ()
 
     def location(self, entry: RecordEntry) -> Path:
         """Where an entry lives, normalised lexically (``../../../bin/x`` -> ``<prefix>/bin/x``)."""
@@ -81,6 +83,19 @@ def metadata_headers(text: str, wanted: tuple[str, ...]) -> dict[str, str]:
     return found
 
 
+def metadata_values(text: str, wanted: str) -> tuple[str, ...]:
+    """Pure: every value of the header ``wanted`` (``Requires-Dist`` repeats), in the order written."""
+    values: list[str] = []
+    lowered = wanted.lower()
+    for line in text.splitlines():
+        if not line.strip():
+            break
+        key, sep, value = line.partition(":")
+        if sep and line[:1] not in (" ", "\t") and key.strip().lower() == lowered:
+            values.append(value.strip())
+    return tuple(values)
+
+
 def load_distribution(dist_info: Path) -> InstalledDistribution | None:
     """Read one ``.dist-info`` directory; None if it is not a readable distribution."""
     metadata = _read_text(dist_info / "METADATA")
@@ -106,6 +121,7 @@ def load_distribution(dist_info: Path) -> InstalledDistribution | None:
         console_scripts=parse_console_scripts(_read_text(dist_info / "entry_points.txt")),
         installer=installer.strip() if installer else None,
         locations=tuple(entry_location(site_text, entry) for entry in record.entries),
+        requires=metadata_values(metadata, "Requires-Dist"),
     )
 
 

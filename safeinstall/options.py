@@ -31,6 +31,8 @@ class RunOptions:
     health_timeout: float = 300.0
     no_restart: bool = False
     prune: bool = False
+    only_loaded: bool = False  # plan only processes with certain evidence (not ``environment`` alone)
+    strict: bool = False  # a process left on old code after the restart fails the run (rolled back)
     keep_backups: int = 3  # safeinstall.retention.DEFAULT_KEEP: backups kept per environment
     run_id: str | None = None  # given by the caller (a detached run's foreground); None: a new one
     proc_root: Path = Path("/proc")

@@ -28,17 +28,10 @@ from typing import Any, Protocol
 
 import psutil
 
-from safeinstall.backup import (
-    Backup,
-    create_backup,
-    disk_space_needed,
-    free_space,
-    prune_into,
-    space_problem,
-)
+from safeinstall.backup import Backup, create_backup, prune_into
 from safeinstall.distributions import find_distributions
 from safeinstall.drift import FindingKind
-from safeinstall.environment import Environment, inspect_environment, interpreter_in_prefix, resolve_python
+from safeinstall.environment import Environment, interpreter_in_prefix
 from safeinstall.errors import (
     Aborted,
     ExitCode,
@@ -46,7 +39,6 @@ from safeinstall.errors import (
     RollbackFailed,
     SafeInstallError,
     StepFailed,
-    WheelError,
 )
 from safeinstall.gate import GATE_DROPIN, gate_dropin_text, gate_marker
 from safeinstall.gpus import GpuSnapshot, NvmlSession, ReleaseStatus, wait_for_release
@@ -60,38 +52,24 @@ from safeinstall.journal import (
     start_journal,
     write_journal,
 )
-from safeinstall.lock import HeldLock, acquire_lock, process_start
-from safeinstall.options import RunOptions, check_options
-from safeinstall.plan import Plan, PlannedProcess, PlannedUnit
+from safeinstall.lock import HeldLock, process_start
+from safeinstall.options import RunOptions
+from safeinstall.plan import OldCodeProcess, Plan, PlannedProcess, PlannedUnit, left_on_old_code
+from safeinstall.preflight import preflight as shared_preflight
+from safeinstall.preflight import refusal
 from safeinstall.processes import scan_processes
 from safeinstall.recover import put_back
 from safeinstall.retention import prune_backups
 from safeinstall.runlog import append_line
-from safeinstall.safefs import unwritable
 from safeinstall.signals import interrupts_deferred, interrupts_raise
-from safeinstall.state import (
-    EnvironmentState,
-    atomic_write,
-    ensure_environment_dir,
-    environment_state,
-    new_run_id,
-    state_root,
-)
-from safeinstall.survey import Survey, survey, systemd_for
+from safeinstall.state import EnvironmentState, atomic_write, new_run_id
+from safeinstall.survey import Survey, scan_again, systemd_for
 from safeinstall.systemd import StopOutcome, Systemd, start_wait_s
 from safeinstall.uvplan import install as uv_install
 from safeinstall.uvplan import prefetch_command, uv_binary
 from safeinstall.verify import VerifyReport, verify_environment
-from safeinstall.wheel import (
-    Wheel,
-    check_landing,
-    fits,
-    install_directories,
-    installed_size,
-    read_wheel,
-    target_tags,
-)
-from safeinstall.wheelcopy import copy_wheel, discard_wheel_copy
+from safeinstall.wheel import Wheel
+from safeinstall.wheelcopy import discard_wheel_copy
 
 #: Failing findings after the install: anything but leftovers (those are reported, --prune removes them).
 _INSTALL_FAILURES = frozenset(
@@ -132,6 +110,7 @@ class RunResult:
     notes: tuple[str, ...]
     manual_commands: tuple[str, ...] = ()
     backups_removed: tuple[str, ...] = ()  # older backups deleted after a good run (--keep-backups)
+    old_code: tuple[OldCodeProcess, ...] = ()  # found by the end check: still mapping replaced files
 
 
 class Reporter(Protocol):
@@ -170,6 +149,7 @@ class _Run:
     strays_killed: tuple[int, ...] = ()
     restart_started: bool = False
     log_file: Path | None = None
+    old_code: tuple[OldCodeProcess, ...] = ()
 
     # ------------------------------------------------------------------ helpers
 
@@ -216,69 +196,16 @@ class _Run:
     # ------------------------------------------------------------------ 1. preflight
 
     def preflight(self) -> None:
-        options = self.options
-        check_options(options)
-        self.env = env = inspect_environment(resolve_python(options.python, options.environ))
-        if env.owner_note:
-            self.notes.append(env.owner_note)
-        self.state = environment_state(state_root(options.environ, os.geteuid()), env.prefix)
-        for status in ensure_environment_dir(self.state):
-            if status.warning:
-                self.notes.append(status.warning)
-        self.lock = acquire_lock(self.state.lock, str(env.prefix))
-        if self.lock.takeover_note:
-            self.notes.append(self.lock.takeover_note)
-        if options.wheel is not None:  # checked, installed and journalled: the run's own copy
-            given = options.wheel
-            self.options = options = replace(options, wheel=copy_wheel(given, self.state.dir))
-            assert options.wheel is not None
-            try:
-                self.wheel = wheel = read_wheel(options.wheel)
-            except WheelError as exc:  # named as the user gave it
-                raise WheelError(exc.message.replace(str(options.wheel), str(given)), exc.hint) from exc
-            _check_wheel(wheel, options.package, env)
-        self.survey = survey(options, env, self.wheel)
-        if not self.plan.proceeds:
-            raise PlanError(
-                "the run would refuse: " + "; ".join(self.plan.refusals),
-                hint=f"see safeinstall {options.package} --dry-run; nothing was stopped",
-            )
-        if self.wheel is not None:
-            check_landing(self.wheel, env, self.survey.affected, self.survey.installed)
-        problems = unwritable(install_directories(env, self.survey.affected, self.wheel))
-        if problems:
-            raise PlanError(
-                "the install could not write " + "; ".join(problems),
-                hint="make the environment writable (a read-only mount?); nothing was stopped",
-            )
-        self._check_space()
-        self.systemd = systemd_for(options)
-
-    def _check_space(self) -> None:
-        assert self.survey is not None and self.state is not None and self.env is not None
-        backup = disk_space_needed(list(self.survey.affected), self.env)
-        # the prefetch unpacks the new version beside the backup, in the state directory
-        prefetch = installed_size(self.wheel) if self.wheel is not None else 0
-        what = "the backup and the prefetch (the new version unpacked beside it)"
-        problem = space_problem(
-            backup + prefetch,
-            free_space(self.state.backups),
-            self.state.backups,
-            what if prefetch else "the backup",
-        )
-        if problem:
-            raise PlanError(problem, hint="nothing was stopped")
-        if self.wheel is not None:
-            shared = _device(self.state.backups) == _device(self.env.prefix)  # the backup stays during it
-            problem = space_problem(
-                installed_size(self.wheel) + (backup if shared else 0),
-                free_space(self.env.prefix),
-                self.env.prefix,
-                what=f"the install of {self.wheel.path.name}",
-                remedy="free some space on that filesystem",
-            )
-            if problem:
-                raise PlanError(problem, hint="nothing was stopped")
+        """The checks shared with --dry-run (safeinstall.preflight); the run holds the lock from here."""
+        prepared = shared_preflight(self.options, take_lock=True)
+        self.options = prepared.options  # the wheel: the run's own copy in the state directory
+        self.env, self.state, self.lock = prepared.env, prepared.state, prepared.lock
+        self.wheel, self.survey = prepared.wheel, prepared.survey
+        self.notes.extend(prepared.notes)
+        error = refusal(self.plan)
+        if error is not None:
+            raise error
+        self.systemd = systemd_for(self.options)
 
     def start_journal(self) -> None:
         assert self.env is not None and self.state is not None and self.survey is not None
@@ -429,8 +356,9 @@ class _Run:
         """Scan again just before the install: a process that started using the package after the plan
         was made (a cron job, a tmux session) would have its files replaced under it."""
         assert self.survey is not None
-        scan = scan_processes(self.survey.targets, self.options.proc_root)
-        late = [p for p in scan.affected if not p.is_self and p.state != "Z"]
+        scan = scan_again(self.survey, self.options)
+        every = not self.options.only_loaded  # --only-loaded: certain evidence only, as in the plan
+        late = [p for p in scan.affected if not p.is_self and p.state != "Z" and (every or p.certain)]
         if not late:
             return ""
         listed = ", ".join(f"{p.pid} ({' '.join(p.cmdline)[:60] or p.name})" for p in late)
@@ -562,6 +490,26 @@ class _Run:
             if unit in self.stop_issued:
                 self.downtime[unit] = active_at - self.stop_issued[unit]
         return ", ".join(f"{u} active for {settle:g} s" for u in units)
+
+    # ------------------------------------------------------------------ 9. end check
+
+    def do_end_check(self) -> str:
+        """One more scan: a process anywhere on the host that still maps a replaced file of an affected
+        distribution runs old code (it was not in the plan: it could not be read, or started using the
+        package in the last instant before the install). Said, or with --strict a failure (rolled back:
+        then every process agrees on the old version again)."""
+        assert self.survey is not None
+        self.old_code = left_on_old_code(scan_processes(self.survey.targets, self.options.proc_root))
+        if not self.old_code:
+            return "no process runs replaced files"
+        listed = "; ".join(p.describe() for p in self.old_code)
+        self._log(f"end check: {listed}")
+        if self.options.strict:
+            raise StepFailed(
+                f"{listed}: still running old code after the restart (--strict)",
+                hint="restart or end those processes, then run again",
+            )
+        return f"warning: {listed}: restart them to run the new version"
 
     # ------------------------------------------------------------------ rollback
 
@@ -727,30 +675,6 @@ def _wait_gone(processes: tuple[PlannedProcess, ...], timeout: float) -> list[in
     return [p.pid for p in _wait_exited(procs, timeout)]
 
 
-def _check_wheel(wheel: Wheel, package: str, env: Environment) -> None:
-    from packaging.utils import canonicalize_name
-
-    if wheel.name != canonicalize_name(package):
-        raise WheelError(
-            f"the wheel {wheel.path.name} is for {wheel.name}, not {package}",
-            hint="pass the wheel of the package being reinstalled; nothing was stopped",
-        )
-    if not wheel.record_ok:
-        listed = "; ".join(f"{p.path}: {p.reason}" for p in wheel.problems[:3])
-        raise WheelError(
-            f"the wheel {wheel.path.name} is damaged: its RECORD does not match its contents ({listed})",
-            hint="download or build the wheel again; nothing was stopped",
-        )
-    if not fits(wheel, target_tags(env)):
-        tags = ", ".join(sorted(str(t) for t in wheel.tags))
-        raise WheelError(
-            f"the wheel {wheel.path.name} ({tags}) does not fit Python "
-            f"{env.version[0]}.{env.version[1]} ({env.implementation}) at {env.python}",
-            hint="use a wheel built for that interpreter, or pass --python for the right environment; "
-            "nothing was stopped",
-        )
-
-
 def _verify_installed(
     env: Environment, package: str, wheel: Wheel | None, affected: list[str]
 ) -> VerifyReport:
@@ -834,6 +758,7 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
                 run._timed("install", run.do_install)
                 run._timed("verify", run.do_verify)
                 run._timed("restart", run.do_restart)
+                run._timed("end-check", run.do_end_check)
             except Exception as exc:  # any failure once the run started rolls back, bugs included
                 error = (
                     exc if isinstance(exc, SafeInstallError) else StepFailed(f"{type(exc).__name__}: {exc}")
@@ -902,4 +827,5 @@ def _result(
         error=error,
         notes=tuple(run.notes),
         backups_removed=backups_removed,
+        old_code=run.old_code,
     )

@@ -126,7 +126,8 @@ def render_plan(out: Console, err: Console, plan: Plan) -> None:
         for column in ("PID", "UNIT", "USER", "EVIDENCE", "GPU MEM", "COMMAND"):
             table.add_column(column, overflow="fold")
         for p in plan.processes:
-            evidence = ",".join(p.evidence) + (" [red](running old code)[/]" if p.running_old_code else "")
+            evidence = ",".join(p.evidence) + f" ({p.strength})"
+            evidence += " [red](running old code)[/]" if p.running_old_code else ""
             unit = escape(p.unit) if p.unit else f"[yellow]stray[/] ({escape(p.scope or 'no unit')})"
             command = " ".join(p.cmdline) or p.name
             table.add_row(
@@ -138,6 +139,10 @@ def render_plan(out: Console, err: Console, plan: Plan) -> None:
                 escape(f"{p.name}: {command}"),
             )
         out.print(table)
+        for p in plan.processes:  # what the kinds alone do not say: which dependent, which interpreter
+            for detail in p.details:
+                if detail.startswith(("depends:", "environment:")):
+                    out.print(f"  PID {p.pid}: {detail}", soft_wrap=True, markup=False)
     else:
         out.print("processes using them: none")
     if plan.units:
@@ -300,6 +305,12 @@ def render_result(out: Console, err: Console, result: RunResult, run_id: str) ->
         out.print(f"  [yellow]{escape(unit)} left stopped (--no-restart)[/]")
     for pid in result.strays_killed:
         out.print(f"  stray PID {pid} was ended and not restarted")
+    for process in result.old_code:
+        err.print(
+            f"[yellow]warning:[/] {escape(process.describe())} ({escape(', '.join(process.paths[:3]))}): "
+            "it runs old code; restart it",
+            soft_wrap=True,
+        )
     if result.patched:
         out.print(f"locally patched files (copies kept in {escape(result.backup_dir or '')}):")
         for path in result.patched:

@@ -211,6 +211,26 @@ def check_trusted(path: Path, euid: int | None = None) -> None:
         problem = trust_problem(info.st_mode, info.st_uid, uid, parent=directory != real)
         if problem is not None:
             raise _untrusted(path, problem if directory == real else f"its parent {directory}: {problem}")
+def _usable(path: Path, *, missing_ok: bool) -> os.stat_result | None:
+    """The stat of the state directory ``path``; None when it is missing and that is ok. Refuses one
+    that cannot be inspected, is not a directory or is not ours."""
+    try:
+        info = os.lstat(path)  # a symlink is not a directory: it could lead anywhere
+    except OSError as exc:
+        if missing_ok and isinstance(exc, FileNotFoundError):
+            return None
+        raise StateDirError(
+            f"cannot inspect the state directory {path}: {exc.strerror or exc}",
+            hint=f"check the path, or set {STATE_DIR_VARIABLE} to another directory",
+        ) from exc
+    problem = mode_problem(info.st_mode, info.st_uid, os.geteuid())
+    if problem is not None:
+        raise StateDirError(
+            f"refusing to use the state directory {path}: {problem}",
+            hint=f"remove or fix it (it must be a directory owned by you, mode {PRIVATE_MODE:04o}), "
+            f"or set {STATE_DIR_VARIABLE} to another directory",
+        )
+    return info
 
 
 def ensure_dir(path: Path, mode: int = PRIVATE_MODE) -> DirStatus:
@@ -226,20 +246,8 @@ def ensure_dir(path: Path, mode: int = PRIVATE_MODE) -> DirStatus:
             f"cannot create the state directory {path}: {exc.strerror or exc}",
             hint=f"check its parent's permissions, or set {STATE_DIR_VARIABLE} to a writable directory",
         ) from exc
-    try:
-        info = os.lstat(path)  # a symlink is not a directory: it could lead anywhere
-    except OSError as exc:
-        raise StateDirError(
-            f"cannot inspect the state directory {path}: {exc.strerror or exc}",
-            hint=f"check the path, or set {STATE_DIR_VARIABLE} to another directory",
-        ) from exc
-    problem = mode_problem(info.st_mode, info.st_uid, os.geteuid())
-    if problem is not None:
-        raise StateDirError(
-            f"refusing to use the state directory {path}: {problem}",
-            hint=f"remove or fix it (it must be a directory owned by you, mode {PRIVATE_MODE:04o}), "
-            f"or set {STATE_DIR_VARIABLE} to another directory",
-        )
+    info = _usable(path, missing_ok=False)
+    assert info is not None
     current = stat.S_IMODE(info.st_mode)
     if not created and current & 0o022:  # others could have put anything in it: do not adopt it
         raise _untrusted(path, trust_problem(info.st_mode, info.st_uid, os.geteuid(), parent=False) or "")
@@ -275,6 +283,23 @@ def ensure_environment_dir(state: EnvironmentState) -> tuple[DirStatus, ...]:
         if current != text:
             atomic_write(state.prefix_file, text.encode("utf-8", "surrogateescape"))
     return statuses
+
+
+def check_environment_dir(state: EnvironmentState) -> None:
+    """For a dry-run: refuse as :func:`ensure_environment_dir` would, creating nothing (a directory that
+    is there must be usable; one that is not must be creatable in its nearest existing parent)."""
+    check_trusted(state.root)
+    for path in (state.root, state.dir, state.backups, state.logs):
+        if _usable(path, missing_ok=True) is None:
+            parent = path.parent
+            while not parent.exists() and parent != parent.parent:
+                parent = parent.parent
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise StateDirError(
+                    f"cannot create the state directory {path}: {parent} is not writable",
+                    hint=f"check its permissions, or set {STATE_DIR_VARIABLE} to a writable directory",
+                )
+            return  # the ones below it are made with it
 
 
 def fsync_dir(directory: Path) -> None:

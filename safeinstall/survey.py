@@ -9,12 +9,20 @@ import os
 from dataclasses import dataclass, replace
 
 from safeinstall.cgroups import placement_of_proc_cgroup, valid_unit_name
+from safeinstall.dependents import dependents, marker_environment
 from safeinstall.distributions import InstalledDistribution, find_distribution, find_distributions
 from safeinstall.environment import Environment, inspect_environment, resolve_python
 from safeinstall.gpus import GpuSnapshot, snapshot_gpus
 from safeinstall.options import RunOptions
 from safeinstall.plan import Plan, build_plan
-from safeinstall.processes import ScanResult, Target, load_targets, scan_processes
+from safeinstall.processes import (
+    EnvironmentScope,
+    ScanResult,
+    Target,
+    environment_scope,
+    load_targets,
+    scan_processes,
+)
 from safeinstall.systemd import Systemd, UnitInfo
 from safeinstall.uvplan import UvPlan, UvRequest, dry_run
 from safeinstall.wheel import Wheel, read_wheel
@@ -30,6 +38,9 @@ class Survey:
     uv_plan: UvPlan
     affected: tuple[InstalledDistribution, ...]  # installed distributions the install replaces
     targets: tuple[Target, ...]  # the affected distributions as the /proc scan recognises them
+    #: the distributions of the environment that require an affected one (``depends`` evidence)
+    dependent_targets: tuple[Target, ...]
+    scope: EnvironmentScope  # the environment itself (``environment`` evidence)
     scan: ScanResult
     units: dict[str, UnitInfo]
     gpus: GpuSnapshot
@@ -65,7 +76,10 @@ def survey(options: RunOptions, env: Environment | None = None, wheel: Wheel | N
     by_name = {d.name: d for d in installed}
     affected = tuple(by_name[n] for n in sorted({*uv_plan.affected, target.name}) if n in by_name)
     targets = load_targets(affected, env, installed)
-    scan = scan_processes(targets, options.proc_root)
+    chains = dependents(installed, [d.name for d in affected], marker_environment(env))
+    dependent_targets = load_targets([by_name[n] for n in chains], env, installed, requires=chains)
+    scope = environment_scope(env)
+    scan = scan_processes((*targets, *dependent_targets), options.proc_root, scope=scope)
     unit_names = {
         placement.unit
         for record in scan.processes
@@ -88,6 +102,7 @@ def survey(options: RunOptions, env: Environment | None = None, wheel: Wheel | N
         user=options.user,
         with_deps=options.with_deps,
         kill_strays=options.kill_strays,
+        only_loaded=options.only_loaded,
         uv_plan=uv_plan,
         installed_versions={d.name: d.version for d in installed},
         wheel_version=wheel.version if wheel else None,
@@ -98,4 +113,24 @@ def survey(options: RunOptions, env: Environment | None = None, wheel: Wheel | N
     )
     if env.owner_note:  # said in the plan too: a dry run shows whose environment this is
         plan = replace(plan, warnings=(env.owner_note, *plan.warnings))
-    return Survey(env, installed, target, wheel, request, uv_plan, affected, targets, scan, units, gpus, plan)
+    return Survey(
+        env,
+        installed,
+        target,
+        wheel,
+        request,
+        uv_plan,
+        affected,
+        targets,
+        dependent_targets,
+        scope,
+        scan,
+        units,
+        gpus,
+        plan,
+    )
+
+
+def scan_again(found: Survey, options: RunOptions) -> ScanResult:
+    """The same scan as the plan's (every kind of evidence), now: who uses the package at this moment."""
+    return scan_processes((*found.targets, *found.dependent_targets), options.proc_root, scope=found.scope)

@@ -13,6 +13,7 @@ from safeinstall.state import (
     SYSTEM_STATE_ROOT,
     StateDirError,
     atomic_write,
+    check_environment_dir,
     ensure_dir,
     ensure_environment_dir,
     environment_key,
@@ -103,6 +104,20 @@ def test_ensure_dir_refuses_a_file(tmp_path: Path) -> None:
     with pytest.raises(StateDirError, match="not a directory") as caught:
         ensure_dir(tmp_path / "file")
     assert caught.value.hint
+
+
+def test_the_dry_run_check_refuses_what_ensure_refuses_and_creates_nothing(tmp_path: Path) -> None:
+    fresh = environment_state(tmp_path / "fresh", Path("/venv"))
+    check_environment_dir(fresh)  # could be made: no error
+    assert not (tmp_path / "fresh").exists()  # and nothing was made
+    blocked = environment_state(tmp_path / "root", Path("/venv"))
+    ensure_dir(blocked.root)
+    blocked.dir.write_text("a file where the environment's directory goes")
+    for check in (check_environment_dir, ensure_environment_dir):
+        with pytest.raises(
+            StateDirError, match=f"refusing to use the state directory {blocked.dir}: it is not"
+        ):
+            check(blocked)
 
 
 def test_mode_problem_is_pure() -> None:
