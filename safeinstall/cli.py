@@ -271,6 +271,28 @@ def main_command(
             help="After a good run, keep this many newest backups of the environment; delete older ones.",
         ),
     ] = 3,
+    keep_patches: Annotated[
+        bool,
+        typer.Option(
+            "--keep-patches",
+            help="Carry the package's local patches over to the new version (a three-way merge, checked "
+            "before anything stops).",
+        ),
+    ] = False,
+    base_wheel: Annotated[
+        Path | None,
+        typer.Option(
+            "--base-wheel",
+            help="With --keep-patches: the wheel of the installed version (default: fetched by uv).",
+        ),
+    ] = None,
+    drop_conflicting: Annotated[
+        bool,
+        typer.Option(
+            "--drop-conflicting",
+            help="With --keep-patches: carry what merges; drop (and list) the rest instead of refusing.",
+        ),
+    ] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask before stopping anything.")] = False,
     verify_only: Annotated[
         bool, typer.Option("--verify-only", help="Only check installed files against RECORD; change nothing.")
@@ -317,6 +339,17 @@ def main_command(
             if recover_:
                 _run_recover(python, as_json)
             _run_status(python, as_json)
+        if (base_wheel is not None or drop_conflicting) and not keep_patches:
+            raise UsageError(
+                "--base-wheel and --drop-conflicting go with --keep-patches",
+                hint=f"safeinstall {package or 'PACKAGE'} --wheel W --keep-patches [--base-wheel W]",
+            )
+        if keep_patches and (verify_only or dry_run):
+            raise UsageError(
+                "--keep-patches is for the reinstall",
+                hint="run it without --verify-only/--dry-run: the merge is checked before anything stops, "
+                "and a patch that cannot be carried refuses the run (exit 2)",
+            )
         if verify_only:
             if ctx.args:
                 raise UsageError(f"unexpected arguments: {' '.join(ctx.args)}", hint="see safeinstall --help")
@@ -342,6 +375,9 @@ def main_command(
             no_restart=no_restart,
             prune=prune,
             keep_backups=keep_backups,
+            keep_patches=keep_patches,
+            base_wheel=base_wheel.absolute() if base_wheel else None,
+            drop_conflicting=drop_conflicting,
         )
         if dry_run:
             _run_dry_run(options, as_json)

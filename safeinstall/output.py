@@ -98,4 +98,9 @@ def run_json(result: RunResult) -> dict[str, Any]:
         "not_restarted": list(result.not_restarted),
         "strays_killed": list(result.strays_killed),
         "notes": list(result.notes),
+        "patches": [
+            {"path": p.path, "status": p.status.value, "detail": p.detail, "diff": p.diff}
+            for p in result.patches
+        ],
+        "patch_file": result.patch_file,
     }
