@@ -34,7 +34,7 @@ from safeinstall.environment import Environment
 from safeinstall.errors import PatchConflict, PlanError, StepFailed, WheelError
 from safeinstall.records import RecordHash, digest_bytes
 from safeinstall.state import EnvironmentState, atomic_write, ensure_dir
-from safeinstall.uvplan import UvRequest, prefetch_command, uv_binary
+from safeinstall.uvplan import UvRequest, prefetch_command, requirement, uv_binary
 from safeinstall.uvplan import install as uv_install
 from safeinstall.verify import verify_environment
 from safeinstall.wheel import Wheel, install_location, read_member, read_wheel
@@ -109,8 +109,8 @@ class PatchSet:
         v = self.versions
         listed = "; ".join(f"{o.path}: {o.detail}" for o in conflicts)
         return PatchConflict(
-            f"--keep-patches: {len(conflicts)} local patch(es) of {v.package} {v.old} cannot be carried to "
-            f"{v.new}: {listed}",
+            f"--keep-patches: {len(conflicts)} local patch(es) of {v.package} cannot be carried from {v.old} "
+            f"to {v.new}: {listed}",
             hint="nothing was stopped; resolve them by hand (the diffs show where), or pass "
             "--drop-conflicting to carry the rest (the backup keeps a copy of what is dropped)",
         )
@@ -157,7 +157,7 @@ def merge_file(patch: LocalPatch, versions: Versions) -> PatchOutcome:
             )
         )
         where = unified(patch.shown, patch.theirs, marked).text or ""
-        return conflict(f"the local patch and {versions.new} change the same lines", where)
+        return conflict(f"the local patch and {versions.package} {versions.new} change the same lines", where)
     merged = b"".join(merge.merge_lines())
     detail = "merged" if merged != patch.theirs else f"{versions.new} already has this change"
     diff = unified(patch.shown, patch.theirs, merged).text or ""
@@ -222,9 +222,10 @@ def _fetch(request: UvRequest, target: Path, environ: Mapping[str, str], what: s
     """``uv pip install --target`` the requirement into the scratch directory (uv's cache, or its index)."""
     result = uv_install(prefetch_command(request, uv_binary(), target), environ)
     if result.returncode != 0:
-        tail = "\n".join(result.output.strip().splitlines()[-4:])
+        said = " / ".join(line.strip() for line in result.output.strip().splitlines()[-4:] if line.strip())
         raise PlanError(
-            f"--keep-patches needs {what}, and uv could not fetch it (exit {result.returncode}): {tail}",
+            f"--keep-patches cannot get {what}: uv could not fetch {requirement(request)} "
+            f"(exit {result.returncode}; uv said: {said})",
             hint="pass --base-wheel W (the wheel of the installed version), or give uv an index or "
             f"--find-links after --; {_NOTHING_STOPPED}",
         )

@@ -111,7 +111,10 @@ def test_happy_path(bed: Bed) -> None:
         "not_restarted",
         "strays_killed",
         "notes",
+        "patches",
+        "patch_file",
     }
+    assert doc["data"]["patches"] == [] and doc["data"]["patch_file"] is None
     assert [s["name"] for s in doc["data"]["steps"]] == [
         "backup",
         "prefetch",
