@@ -250,7 +250,8 @@ def _check_base(base: Mapping[str, bytes], hashes: Mapping[str, RecordHash | Non
         if recorded is not None and digest_bytes(data, recorded.algorithm) != recorded.digest:
             raise PlanError(
                 f"--keep-patches: {location} from {source} is not the file that was installed (its hash "
-                "differs from the installed RECORD): that is another build of the same version",
+                "differs from the installed RECORD): another build of the same version, or a copy in uv's "
+                "cache that was edited through a hardlink (uv #10579)",
                 hint=f"pass --base-wheel with the very wheel that was installed; {_NOTHING_STOPPED}",
             )
 
