@@ -284,7 +284,7 @@ class _Run:
         self.patches = prepare_patches(
             self.survey,
             self.options.base_wheel,
-            self.state.dir / f"patches-{self.run_id}",
+            self.state.dir / f"keep-patches-{self.run_id}",  # scratch: removed once read
             self.options.environ,
             self.options.drop_conflicting,
         )
@@ -480,11 +480,9 @@ class _Run:
         if result.returncode != 0:
             tail = "\n".join(result.output.strip().splitlines()[-6:])
             raise StepFailed(f"uv pip install failed (exit {result.returncode}): {tail}")
-        if self.patches is not None:
-            carried = carry(self.env.prefix, self.patches)
-            late += f"; {carried} local patch(es) carried" if carried else ""
+        carried = carry(self.env.prefix, self.patches) if self.patches is not None else 0
         self._journal(Phase.INSTALLED)
-        return " ".join(command) + late
+        return " ".join(command) + late + (f"; {carried} local patch(es) carried" if carried else "")
 
     # ------------------------------------------------------------------ 7. verify
 
