@@ -222,6 +222,7 @@ def test_a_patch_in_a_region_both_versions_share_is_carried_and_runs_after_the_r
     again = tmp_path / "again.patch"
     assert bed.verify("--wheel", str(v2), "--save-patch", str(again)).code == 1
     assert again.read_text() == saved.read_text()
+    assert not any(bed.state.glob("*/keep-patches-*"))  # the scratch directory of the fetches is gone
 
 
 def test_a_patch_in_a_region_the_new_version_changed_is_refused_before_the_stop(
@@ -247,6 +248,7 @@ def test_a_patch_in_a_region_the_new_version_changed_is_refused_before_the_stop(
     for line in ("<<<<<<< local patch", '+"""sicext 1.0 with a local docstring."""', ">>>>>>> sicext 2.0"):
         assert line in refused.stdout  # the conflict, shown as a diff against 2.0's file
     assert bed.manager.main_pid(name) == main and bed.installed_version() == "1.0"
+    assert not any(bed.state.glob("*/journal.json")) and not any(bed.state.glob("*/keep-patches-*"))
     as_json = bed.safeinstall(*args, *base, "--json").json["data"]
     assert [(p["path"], p["status"]) for p in as_json["patches"]] == [
         (str(init), "conflict"),
