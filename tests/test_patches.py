@@ -56,7 +56,15 @@ def test_a_patch_away_from_the_new_versions_changes_is_merged_into_them() -> Non
     outcome = merge_file(_patch(BASE, ours, theirs), V)
     assert outcome.status is PatchStatus.CARRIED and outcome.detail == "merged"
     assert outcome.merged == _edit(theirs, b"line 3\n", b"line 3 patched\n")
-    assert "-line 3\n+line 3 patched\n" in outcome.diff and "upstream" not in outcome.diff.replace(" ", "")
+    assert "-line 3\n+line 3 patched\n" in outcome.diff and "upstream" not in outcome.diff
+
+
+def test_line_endings_and_a_missing_final_newline_come_through_unchanged() -> None:
+    base = BASE.replace(b"\n", b"\r\n").rstrip(b"\r\n")
+    ours = _edit(base, b"line 2\r\n", b"line 2 patched\r\n")
+    theirs = _edit(base, b"line 20", b"line 20 upstream")
+    outcome = merge_file(_patch(base, ours, theirs), V)
+    assert outcome.merged == _edit(theirs, b"line 2\r\n", b"line 2 patched\r\n")
 
 
 def test_a_patch_of_lines_the_new_version_changed_is_a_conflict_shown_with_both_sides() -> None:
