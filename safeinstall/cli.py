@@ -399,6 +399,9 @@ def run_options(params: Mapping[str, Any], extra_args: Sequence[str]) -> RunOpti
         kill_strays=params["kill_strays"],
         only_loaded=params["only_loaded"],
         strict=params["strict"],
+        keep_patches=params["keep_patches"],
+        base_wheel=params["base_wheel"].absolute() if params["base_wheel"] else None,
+        drop_conflicting=params["drop_conflicting"],
         extra_args=tuple(extra_args),
         stop_timeout=params["stop_timeout"],
         gpu_timeout=params["gpu_timeout"],
@@ -511,6 +514,29 @@ def main_command(
             help="After a good run, keep this many newest backups of the environment; delete older ones.",
         ),
     ] = 3,
+    keep_patches: Annotated[
+        bool,
+        _flag(
+            "--keep-patches",
+            "Carry the package's local patches over to the new version (a three-way merge, checked "
+            "before anything stops).",
+        ),
+    ] = False,
+    base_wheel: Annotated[
+        Path | None,
+        typer.Option(
+            "--base-wheel",
+            metavar="WHEEL",
+            help="With --keep-patches: the wheel of the installed version (default: fetched by uv).",
+        ),
+    ] = None,
+    drop_conflicting: Annotated[
+        bool,
+        _flag(
+            "--drop-conflicting",
+            "With --keep-patches: carry what merges; drop (and list) the rest instead of refusing.",
+        ),
+    ] = False,
     yes: Annotated[bool, _flag("--yes", "Do not ask before stopping anything.", "-y")] = False,
     detach_: Annotated[
         bool,
@@ -617,6 +643,17 @@ def main_command(
             if wait:
                 _run_wait(python, run, as_json)
             _run_status(python, as_json)
+        if (base_wheel is not None or drop_conflicting) and not keep_patches:
+            raise UsageError(
+                "--base-wheel and --drop-conflicting go with --keep-patches",
+                hint=f"safeinstall {package or 'PACKAGE'} --wheel W --keep-patches [--base-wheel W]",
+            )
+        if keep_patches and (verify_only or dry_run):
+            raise UsageError(
+                "--keep-patches is for the reinstall",
+                hint="run it without --verify-only/--dry-run: the merge is checked before anything stops, "
+                "and a patch that cannot be carried refuses the run (exit 2)",
+            )
         if verify_only:
             if ctx.args:
                 raise UsageError(f"unexpected arguments: {' '.join(ctx.args)}", hint="see safeinstall --help")

@@ -76,6 +76,8 @@ def child_arguments(options: RunOptions, python: Path, run_id: str, environ_file
         "--kill-strays": options.kill_strays,
         "--only-loaded": options.only_loaded,
         "--strict": options.strict,
+        "--keep-patches": options.keep_patches,
+        "--drop-conflicting": options.drop_conflicting,
         "--no-restart": options.no_restart,
         "--prune": options.prune,
     }
@@ -86,6 +88,8 @@ def child_arguments(options: RunOptions, python: Path, run_id: str, environ_file
         args.append(f"--stop-timeout={options.stop_timeout!r}")
     if options.health_url is not None:
         args.append(f"--health-url={options.health_url}")
+    if options.base_wheel is not None:
+        args.append(f"--base-wheel={options.base_wheel}")
     args += [
         f"--gpu-timeout={options.gpu_timeout!r}",
         f"--settle={options.settle!r}",

@@ -18,7 +18,8 @@ class FileDiff:
     reason: str = ""
 
 
-def _as_text(data: bytes) -> list[str] | None:
+def text_lines(data: bytes) -> list[str] | None:
+    """The lines of a UTF-8 text file; None for a binary one (a NUL byte, or not UTF-8)."""
     if b"\0" in data:
         return None
     try:
@@ -29,7 +30,7 @@ def _as_text(data: bytes) -> list[str] | None:
 
 def unified(path: str, expected: bytes, actual: bytes) -> FileDiff:
     """Pure: the diff from the wheel's bytes to the installed bytes."""
-    before, after = _as_text(expected), _as_text(actual)
+    before, after = text_lines(expected), text_lines(actual)
     if before is None or after is None:
         return FileDiff(path, None, "binary file")
     lines = difflib.unified_diff(before, after, fromfile=f"a/{path}", tofile=f"b/{path}")

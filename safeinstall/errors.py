@@ -75,6 +75,12 @@ class NvmlError(SafeInstallError):
     code = "nvml"
 
 
+class PatchConflict(SafeInstallError):
+    """--keep-patches: a local patch cannot be carried to the new version (refused before the stop)."""
+
+    code = "patch-conflict"
+
+
 class Aborted(SafeInstallError):
     """A run that failed (or was interrupted) before any unit was stopped: nothing changed (exit 2)."""
 

@@ -35,6 +35,9 @@ class RunOptions:
     strict: bool = False  # a process left on old code after the restart fails the run (rolled back)
     keep_backups: int = 3  # safeinstall.retention.DEFAULT_KEEP: backups kept per environment
     run_id: str | None = None  # given by the caller (a detached run's foreground); None: a new one
+    keep_patches: bool = False  # carry the package's local patches over to the new version
+    base_wheel: Path | None = None  # --keep-patches: the installed version's wheel (else fetched by uv)
+    drop_conflicting: bool = False  # --keep-patches: drop what cannot be carried instead of refusing
     proc_root: Path = Path("/proc")
     environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
 

@@ -30,7 +30,7 @@ import psutil
 
 from safeinstall.backup import Backup, create_backup, prune_into
 from safeinstall.distributions import find_distributions
-from safeinstall.drift import FindingKind
+from safeinstall.drift import Expectation, FindingKind
 from safeinstall.environment import Environment, interpreter_in_prefix
 from safeinstall.errors import (
     Aborted,
@@ -54,6 +54,7 @@ from safeinstall.journal import (
 )
 from safeinstall.lock import HeldLock, process_start
 from safeinstall.options import RunOptions
+from safeinstall.patches import PatchOutcome, PatchSet, carry, prepare_patches, save_patch_set
 from safeinstall.plan import OldCodeProcess, Plan, PlannedProcess, PlannedUnit, left_on_old_code
 from safeinstall.preflight import preflight as shared_preflight
 from safeinstall.preflight import refusal
@@ -111,6 +112,8 @@ class RunResult:
     manual_commands: tuple[str, ...] = ()
     backups_removed: tuple[str, ...] = ()  # older backups deleted after a good run (--keep-backups)
     old_code: tuple[OldCodeProcess, ...] = ()  # found by the end check: still mapping replaced files
+    patches: tuple[PatchOutcome, ...] = ()  # --keep-patches: each local patch, carried/dropped/conflict
+    patch_file: str | None = None  # --keep-patches: the carried set, one patch against the new version
 
 
 class Reporter(Protocol):
@@ -150,6 +153,8 @@ class _Run:
     restart_started: bool = False
     log_file: Path | None = None
     old_code: tuple[OldCodeProcess, ...] = ()
+    patches: PatchSet | None = None  # --keep-patches
+    patch_file: Path | None = None
 
     # ------------------------------------------------------------------ helpers
 
@@ -235,6 +240,33 @@ class _Run:
             ),
         )
         self._log("plan: " + " ".join(self.plan.uv_command))
+
+    # ------------------------------------------------------------------ 1b. local patches (--keep-patches)
+
+    def do_patches(self) -> str:
+        """Before anything stops: merge each local patch into the new version's file, or refuse (exit 2)."""
+        assert self.survey is not None and self.state is not None
+        self.patches = prepare_patches(
+            self.survey,
+            self.options.base_wheel,
+            self.state.dir / f"keep-patches-{self.run_id}",  # scratch: removed once read
+            self.options.environ,
+            self.options.drop_conflicting,
+        )
+        refusal = self.patches.refusal()
+        if refusal is not None:
+            raise refusal
+        return self.patches.summary()
+
+    def save_patches(self) -> None:
+        """After a good run: keep the carried set in the state directory (best effort: it is also what
+        ``--verify-only --wheel NEW --save-patch`` writes)."""
+        if self.patches is None or self.state is None:
+            return
+        try:
+            self.patch_file = save_patch_set(self.state, self.run_id, self.patches)
+        except (OSError, SafeInstallError) as exc:
+            self.notes.append(f"the carried patch set was not saved: {exc}")
 
     # ------------------------------------------------------------------ 2. backup
 
@@ -404,6 +436,7 @@ class _Run:
     # ------------------------------------------------------------------ 6. install
 
     def do_install(self) -> str:
+        assert self.env is not None
         late = self._check_no_late_users()
         self._journal(Phase.INSTALLING)
         command = self.plan.uv_command
@@ -413,15 +446,20 @@ class _Run:
         if result.returncode != 0:
             tail = "\n".join(result.output.strip().splitlines()[-6:])
             raise StepFailed(f"uv pip install failed (exit {result.returncode}): {tail}")
+        carried = carry(self.env.prefix, self.patches) if self.patches is not None else 0
         self._journal(Phase.INSTALLED)
-        return " ".join(command) + late
+        return " ".join(command) + late + (f"; {carried} local patch(es) carried" if carried else "")
 
     # ------------------------------------------------------------------ 7. verify
 
     def do_verify(self) -> str:
         assert self.env is not None and self.survey is not None
         report = _verify_installed(
-            self.env, self.plan.package, self.wheel, [d.name for d in self.survey.affected]
+            self.env,
+            self.plan.package,
+            self.wheel,
+            [d.name for d in self.survey.affected],
+            self.patches.expected() if self.patches is not None else None,
         )
         failures = [f for f in report.findings if f.kind in _INSTALL_FAILURES]
         if failures:
@@ -676,10 +714,15 @@ def _wait_gone(processes: tuple[PlannedProcess, ...], timeout: float) -> list[in
 
 
 def _verify_installed(
-    env: Environment, package: str, wheel: Wheel | None, affected: list[str]
+    env: Environment,
+    package: str,
+    wheel: Wheel | None,
+    affected: list[str],
+    carried: dict[str, Expectation] | None = None,
 ) -> VerifyReport:
-    """The new installation: the package against the wheel (or its RECORD), the others their RECORD."""
-    main = verify_environment(env, [package], wheel.path if wheel else None)
+    """The new installation: the package against the wheel (or its RECORD), the others their RECORD;
+    the local patches carried over (``carried``) against the merge."""
+    main = verify_environment(env, [package], wheel.path if wheel else None, expected=carried)
     others = [n for n in affected if n != package and n in {d.name for d in find_distributions(env)}]
     if not others:
         return main
@@ -748,6 +791,8 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
     try:
         with interrupts_raise():
             try:
+                if options.keep_patches:
+                    run._timed("patches", run.do_patches)
                 run._timed("backup", run.do_backup)
                 run._timed("prefetch", run.do_prefetch)
                 run._timed("gate", run.do_gate)
@@ -773,6 +818,7 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
         # failure there is said, and must not turn a good run into an error (nor leave a journal that
         # blocks the next run): the gate marker is gone already, so a leftover drop-in is inert.
         run._journal_if_possible(Phase.DONE)
+        run.save_patches()
         try:
             run.remove_dropins()
         except SafeInstallError as exc:
@@ -828,4 +874,6 @@ def _result(
         notes=tuple(run.notes),
         backups_removed=backups_removed,
         old_code=run.old_code,
+        patches=run.patches.outcomes if run.patches is not None else (),
+        patch_file=str(run.patch_file) if run.patch_file else None,
     )

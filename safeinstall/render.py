@@ -311,6 +311,7 @@ def render_result(out: Console, err: Console, result: RunResult, run_id: str) ->
             "it runs old code; restart it",
             soft_wrap=True,
         )
+    _render_patches(out, result)
     if result.patched:
         out.print(f"locally patched files (copies kept in {escape(result.backup_dir or '')}):")
         for path in result.patched:
@@ -330,6 +331,26 @@ def render_result(out: Console, err: Console, result: RunResult, run_id: str) ->
         err.print(f"[dim]deleted {len(result.backups_removed)} older backup(s) (--keep-backups)[/]")
     if result.error is not None:
         render_error(err, result.error)
+
+
+def _render_patches(out: Console, result: RunResult) -> None:
+    """--keep-patches: what was carried, what was dropped, and where each conflict is (as a diff)."""
+    heading = {
+        "carried": "local patches carried to the new version:",
+        "dropped": "local patches dropped (--drop-conflicting; the backup keeps them):",
+        "conflict": "local patches that cannot be carried:",
+    }
+    for status, title in heading.items():
+        found = [p for p in result.patches if p.status.value == status]
+        if not found:
+            continue
+        out.print(title)
+        for patch in found:
+            out.print(f"  {status} {patch.path}: {patch.detail}", soft_wrap=True)
+            if status != "carried" and patch.diff:
+                out.print(patch.diff, end="", markup=False, highlight=False, soft_wrap=True)
+    if result.patch_file:
+        out.print(f"carried patch set saved as {result.patch_file}", soft_wrap=True)
 
 
 def render_recoveries(out: Console, recoveries: list[Recovery]) -> None:

@@ -11,6 +11,7 @@ Layout::
         backups/<run-id>/           the files replaced by that run (see :mod:`safeinstall.backup`)
         logs/<run-id>.log
         history/<run-id>.json       the final result of each finished run (see :mod:`safeinstall.history`)
+        patches/<run-id>.patch      the local patches a --keep-patches run carried to the new version
 
 Path computation is pure (``environ`` and ``euid`` are parameters); :func:`ensure_dir` and
 :func:`ensure_environment_dir` are the only functions that touch the disk, plus the listing.
@@ -46,6 +47,7 @@ JOURNAL_FILE = "journal.json"
 BACKUPS_DIR = "backups"
 LOGS_DIR = "logs"
 HISTORY_DIR = "history"
+PATCHES_DIR = "patches"
 PRIVATE_MODE = 0o700
 _KEY_DIGEST_CHARS = 12
 #: Temp files of :func:`atomic_write`: ``.<name>.<random>.tmp`` beside the target.
@@ -96,6 +98,13 @@ class EnvironmentState:
     @property
     def history(self) -> Path:
         return self.dir / HISTORY_DIR
+
+    @property
+    def patches(self) -> Path:
+        return self.dir / PATCHES_DIR
+
+    def patch_file(self, run_id: str) -> Path:
+        return self.patches / f"{run_id}.patch"
 
     def backup_dir(self, run_id: str) -> Path:
         return self.backups / run_id

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
@@ -275,8 +275,13 @@ def verify_environment(
     wheel_path: Path | None = None,
     on_progress: ProgressCallback | None = None,
     workers: int | None = None,
+    expected: Mapping[str, Expectation] | None = None,
 ) -> VerifyReport:
-    """Verify the named distributions (or all, with ``names=None``) of ``env``."""
+    """Verify the named distributions (or all, with ``names=None``) of ``env``.
+
+    ``expected`` replaces what some files must hold (location -> expectation): the local patches a
+    ``--keep-patches`` run carried over are checked against the merge, not the RECORD or the wheel.
+    """
     installed = find_distributions(env)
     selected = installed if names is None else [find_distribution(env, name, installed) for name in names]
     wheel: Wheel | None = None
@@ -291,6 +296,10 @@ def verify_environment(
                 hint="pass the wheel of the package being verified",
             )
     plans = [_plan(dist, env, wheel) for dist in selected]
+    if expected:
+        plans = [
+            replace(p, expectations=tuple(expected.get(e.location, e) for e in p.expectations)) for p in plans
+        ]
     requests = [HashRequest(e.location, e.algorithm) for p in plans for e in p.expectations]
     sizes = {e.location: e.size or 0 for p in plans for e in p.expectations}
     total = len(requests)

@@ -113,7 +113,10 @@ def test_happy_path(bed: Bed) -> None:
         "strays_killed",
         "notes",
         "old_code",
+        "patches",
+        "patch_file",
     }
+    assert doc["data"]["patches"] == [] and doc["data"]["patch_file"] is None
     assert [s["name"] for s in doc["data"]["steps"]] == [
         "backup",
         "prefetch",

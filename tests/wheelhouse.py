@@ -26,6 +26,7 @@ SOURCES = {
     "sicext-1": "sicext-1",
     "sicext-2": "sicext-2",
     "sicext-3": "sicext-3",  # crashes on import
+    "sicext-4": "sicext-4",  # crashes on import, with version 1's serve.py (a patch of it carries over)
     "sins-a": "sins-a",
     "sins-b": "sins-b",
 }
