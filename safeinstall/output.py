@@ -98,4 +98,5 @@ def run_json(result: RunResult) -> dict[str, Any]:
         "not_restarted": list(result.not_restarted),
         "strays_killed": list(result.strays_killed),
         "notes": list(result.notes),
+        "manual_commands": list(result.manual_commands),
     }
