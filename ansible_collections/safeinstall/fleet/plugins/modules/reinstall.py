@@ -255,7 +255,7 @@ def main() -> None:
         returned["diff"] = plan_diff(plan)
     if outcome.failed:
         module.fail_json(**returned)
-    module.exit_json(**returned)
+    module.exit_json(failed=False, **returned)  # explicit: Ansible fails a result whose rc is not 0
 
 
 if __name__ == "__main__":

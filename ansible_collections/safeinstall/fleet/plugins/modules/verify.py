@@ -171,7 +171,7 @@ def main() -> None:
         returned["summary"] = (result.get("data") or {}).get("summary") or {}
     if outcome.failed:
         module.fail_json(**returned)
-    module.exit_json(**returned)
+    module.exit_json(failed=False, **returned)  # explicit: Ansible fails a result whose rc is not 0
 
 
 if __name__ == "__main__":
