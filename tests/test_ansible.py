@@ -392,3 +392,89 @@ def test_ansible_galaxy_builds_the_collection(tmp_path: Path) -> None:
         manifest["collection_info"]["namespace"] == "safeinstall"
         and manifest["collection_info"]["name"] == "fleet"
     )
+
+
+# The command line and the result mapping, as pure functions (module_utils/cli.py): the cases the fleet
+# above cannot reach cheaply.
+
+
+def test_the_reinstall_command_mirrors_the_cli_and_passes_each_value_as_one_argument() -> None:
+    from ansible_collections.safeinstall.fleet.plugins.module_utils.cli import executable_argv, reinstall_argv
+
+    executable = executable_argv("'/opt/safe install/bin/python' -m safeinstall")
+    assert executable == ["/opt/safe install/bin/python", "-m", "safeinstall"]
+    params: dict[str, Any] = {
+        "name": "vllm",
+        "requirement": "vLLM==0.16.0",
+        "wheel": None,
+        "python": "/opt/vllm venv",
+        "user": True,
+        "with_deps": False,
+        "stop_timeout": 30.0,
+        "gpu_timeout": None,
+        "settle": 2.5,
+        "health_url": "http://127.0.0.1:8000/health?a=$HOME",
+        "health_timeout": None,
+        "kill_strays": False,
+        "prune": True,
+        "keep_patches": False,
+        "keep_backups": 2,
+    }
+    assert reinstall_argv(executable, params, check_mode=False) == [
+        *executable,
+        "vLLM==0.16.0",  # the requirement is the positional argument
+        "--json",
+        "--yes",
+        "--python=/opt/vllm venv",
+        "--stop-timeout=30",
+        "--settle=2.5",
+        "--health-url=http://127.0.0.1:8000/health?a=$HOME",
+        "--keep-backups=2",
+        "--user",
+        "--prune",
+    ]
+    wheel = {**params, "requirement": None, "wheel": "/w/vllm.whl", "keep_patches": True}
+    argv = reinstall_argv(["safeinstall"], wheel, check_mode=True)
+    assert argv[:5] == ["safeinstall", "vllm", "--json", "--yes", "--dry-run"]
+    assert "--wheel=/w/vllm.whl" in argv and argv[-1] == "--keep-patches"  # only when asked for
+
+
+@pytest.mark.parametrize(
+    ("name", "requirement", "problem"),
+    [
+        ("vllm", "torch==2.9", "does not name the package 'vllm'"),
+        ("vllm", "vllm-extra>=1", "does not name the package 'vllm'"),
+        ("vllm", "==0.16", "does not name the package 'vllm'"),
+        ("--all", None, "is not a distribution name"),
+    ],
+)
+def test_a_requirement_must_name_the_package(name: str, requirement: str | None, problem: str) -> None:
+    from ansible_collections.safeinstall.fleet.plugins.module_utils.cli import CommandError, reinstall_argv
+
+    with pytest.raises(CommandError, match=problem):
+        reinstall_argv(["safeinstall"], {"name": name, "requirement": requirement}, check_mode=False)
+
+
+def test_the_exit_codes_map_to_failed_and_changed() -> None:
+    from ansible_collections.safeinstall.fleet.plugins.module_utils.cli import reinstall_outcome
+
+    def envelope(code: int, status: str, data: Any, errors: list[dict[str, str]]) -> dict[str, Any]:
+        return {"safeinstall_result_version": 1, "command": "reinstall", "status": status, "exit_code": code,
+                "data": data, "errors": errors}  # fmt: skip
+
+    locked = {"code": "locked", "message": "another run holds the lock", "hint": "wait for it"}
+    refused = reinstall_outcome(2, envelope(2, "error", None, [locked]), "", check_mode=False)
+    assert (refused.failed, refused.changed) == (True, False)
+    assert refused.msg == "refused, nothing changed: another run holds the lock (hint: wait for it)"
+    commands = ["safeinstall --recover --python /v/bin/python", "systemctl start vllm.service"]
+    lost = {"code": "rollback-failed", "message": "restart failed; then putting things back failed too"}
+    stuck = reinstall_outcome(
+        4, envelope(4, "rollback-failed", {"manual_commands": commands}, [lost]), "", False
+    )
+    assert stuck.failed and stuck.status == "rollback-failed" and stuck.commands == tuple(commands)
+    assert " && ".join(commands) in stuck.msg
+    missing = reinstall_outcome(127, None, "safeinstall: not found\n", check_mode=True)
+    assert (
+        missing.failed
+        and missing.msg == "safeinstall exited 127 without a --json result: safeinstall: not found"
+    )
