@@ -275,7 +275,7 @@ def test_rolling_upgrade_stops_at_the_first_host_that_fails(fleet: Fleet) -> Non
     pids = fleet.main_pids()
     host3_state = host3.state_files()
 
-    play = fleet.playbook("examples/rolling-upgrade.yml")
+    play = fleet.playbook("examples/rolling-upgrade.yml", "--diff")
 
     assert play.code != 0, play.output
     # host1: upgraded, restarted, healthy
@@ -283,6 +283,7 @@ def test_rolling_upgrade_stops_at_the_first_host_that_fails(fleet: Fleet) -> Non
     assert done["changed"] is True and done["rc"] == 0 and done["status"] == "done", done
     assert done["result"]["command"] == "reinstall" and [s["status"] for s in done["result"]["data"]["steps"]]
     assert done["msg"] == f"reinstalled sicext 1.0 -> 2.0; restarted {host1.unit}"
+    assert done["diff"]["after"] == f"sicext 2.0\nunit {host1.unit}: restarted\n"
     assert host1.version() == "2.0" and fleet.manager.main_pid(host1.unit) != pids["host1"]
     assert play.of("host1", "The service answers")["result"]["content"] == "2.0"
     # host2: its wheel crashes the service, so safeinstall put 1.0 back and the play failed there
