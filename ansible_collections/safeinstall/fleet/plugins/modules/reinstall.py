@@ -113,13 +113,15 @@ notes:
   - safeinstall keeps its state (journal, lock, backups) in C(/var/lib/safeinstall) as root;
     set C(SAFEINSTALL_STATE_DIR) in the task's C(environment) to move it.
   - If a host dies in the middle of a run, C(safeinstall --recover) on that host finishes it.
+extends_documentation_fragment:
+  - ansible.builtin.action_common_attributes
 attributes:
   check_mode:
     support: full
-    description: Runs C(safeinstall --dry-run); nothing is stopped or installed.
+    details: Runs C(safeinstall --dry-run); nothing is stopped or installed.
   diff_mode:
     support: full
-    description: Old and new versions, and the units restarted.
+    details: Old and new versions, and the units restarted.
   platform:
     platforms: posix
 requirements:

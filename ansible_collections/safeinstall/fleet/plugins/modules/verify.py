@@ -46,10 +46,12 @@ options:
         C(shlex.split)) but never run by a shell; a bare name is looked up on the host's C(PATH).
     type: str
     default: safeinstall
+extends_documentation_fragment:
+  - ansible.builtin.action_common_attributes
 attributes:
   check_mode:
     support: full
-    description: It changes nothing; it runs the same in check mode.
+    details: It changes nothing; it runs the same in check mode.
   diff_mode:
     support: none
   platform:
