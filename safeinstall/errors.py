@@ -95,7 +95,12 @@ class StepFailed(SafeInstallError):
 
 
 class RollbackFailed(SafeInstallError):
-    """Putting things back failed too (exit 4); the message lists the commands to finish by hand."""
+    """Putting things back failed too (exit 4); the message lists the commands to finish by hand, and
+    ``commands`` holds them one by one (``manual_commands`` in a reinstall's ``--json``)."""
 
     exit_code = ExitCode.ROLLBACK_FAILED
     code = "rollback-failed"
+
+    def __init__(self, message: str, hint: str | None = None, commands: tuple[str, ...] = ()) -> None:
+        super().__init__(message, hint)
+        self.commands = commands

@@ -104,4 +104,5 @@ def run_json(result: RunResult) -> dict[str, Any]:
             for p in result.patches
         ],
         "patch_file": result.patch_file,
+        "manual_commands": list(result.manual_commands),
     }

@@ -622,6 +622,7 @@ class _Run:
             f"The backup ({self.journal.backup_dir}) and the journal are kept. To finish: "
             + " && ".join(commands),
             hint="run the commands above; safeinstall --status shows what is pending",
+            commands=tuple(commands),
         )
 
 
@@ -872,6 +873,7 @@ def _result(
         strays_killed=run.strays_killed,
         error=error,
         notes=tuple(run.notes),
+        manual_commands=error.commands if isinstance(error, RollbackFailed) else (),
         backups_removed=backups_removed,
         old_code=run.old_code,
         patches=run.patches.outcomes if run.patches is not None else (),

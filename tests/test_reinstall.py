@@ -115,6 +115,7 @@ def test_happy_path(bed: Bed) -> None:
         "old_code",
         "patches",
         "patch_file",
+        "manual_commands",
     }
     assert doc["data"]["patches"] == [] and doc["data"]["patch_file"] is None
     assert [s["name"] for s in doc["data"]["steps"]] == [
@@ -318,6 +319,28 @@ def test_new_version_that_crashes_is_rolled_back(bed: Bed) -> None:
     assert bed.verify().code == 0
 
 
+
+def test_a_rollback_that_fails_lists_the_commands_to_finish(bed: Bed, tmp_path: Path) -> None:
+    """Exit 4: the unit starts neither on the new version nor, after the restore, on the old one (its
+    ExecStopPost leaves a flag that makes every later start fail). The commands that finish the job
+    are in the message and, one by one, in ``manual_commands`` for scripts (the Ansible module)."""
+    flag = tmp_path / "stopped-once"
+    serve = f"{bed.python.parent}/sicext-serve"
+    name = bed.units.started(
+        "no-return", f"/bin/sh -c 'test ! -e {flag} && exec {serve}'", ExecStopPost=f"/bin/touch {flag}"
+    )
+    main = bed.manager.main_pid(name)
+    wait_until(lambda: maps_so(main) is not None, 15, "service maps the .so")
+
+    result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json")
+
+    assert result.code == 4, result.stdout + result.stderr
+    doc = result.json
+    assert doc["status"] == "rollback-failed" and doc["errors"][0]["code"] == "rollback-failed"
+    commands = doc["data"]["manual_commands"]
+    assert commands == [f"safeinstall --recover --python {bed.python}", f"systemctl --user start {name}"]
+    assert " && ".join(commands) in doc["errors"][0]["message"]
+    assert bed.installed_version() == "1.0"  # the restore itself worked; the start did not
 def test_only_a_good_run_deletes_backups_beyond_keep_backups(bed: Bed) -> None:
     """A vLLM backup is GBs: a good run keeps the newest --keep-backups; a failed run deletes none,
     and a directory that is not a run's backup is never touched."""
