@@ -8,6 +8,12 @@ lies inside the environment's prefix (entries outside are listed, never read), t
 (in no RECORD; bytecode of listed sources aside). Locally patched files are saved as they are now, and
 the manifest lists the ones the caller says are patched.
 
+A RECORD entry on the backup's filesystem is saved as a hardlink (no copy of a GB package before the
+stop, nothing to prune after it): uv's uninstall unlinks every RECORD entry before the install creates
+the new files, so the old inode, and the backup, keep the old content. Everything else (files added by
+hand, ``.dist-info`` files no RECORD lists), and every file on another filesystem, is copied. Restores
+always copy, so a restored file shares its inode with nothing.
+
 A restore first removes what is installed now under those distribution names (the paths the caller
 passes, the files the current ``.dist-info`` RECORDs of those names list, and those ``.dist-info``
 directories, found by name so a half-finished install is cleaned too) and every file in the saved
@@ -32,9 +38,12 @@ from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from packaging.utils import canonicalize_name
-
-from safeinstall.distributions import InstalledDistribution, dist_info_dirs, find_distributions
+from safeinstall.distributions import (
+    InstalledDistribution,
+    dist_info_dirs,
+    dist_info_name,
+    find_distributions,
+)
 from safeinstall.drift import own_roots, pyc_source
 from safeinstall.environment import Environment
 from safeinstall.errors import SafeInstallError
@@ -142,6 +151,9 @@ class _Item:
     relative: str
     distribution: str
     listed: bool = True
+    #: a RECORD entry: uv's uninstall unlinks it before the install writes anything at its path, so a
+    #: hardlink of it in the backup keeps the old content (files in no RECORD are copied)
+    in_record: bool = False
 
 
 # --- pure helpers -----------------------------------------------------------------------------------
@@ -160,15 +172,6 @@ def relative_to_prefix(location: Path | str, prefix: Path | str) -> str | None:
     if not normal.startswith(base) or len(normal) == len(base):
         return None
     return normal[len(base) :]
-
-
-def dist_info_name(dirname: str) -> str | None:
-    """Pure: the canonical distribution name of a ``<name>-<version>.dist-info`` directory name."""
-    if not dirname.endswith(".dist-info"):
-        return None
-    stem = dirname[: -len(".dist-info")]
-    name = stem.rsplit("-", 1)[0] if "-" in stem else stem
-    return canonicalize_name(name) if name else None
 
 
 def space_problem(
@@ -331,7 +334,7 @@ def _collect(
             if relative is None:
                 outside.append(f"{dist.name}: {entry.path} ({location})")
             elif relative not in items:
-                items[relative] = _Item(Path(location), relative, dist.name)
+                items[relative] = _Item(Path(location), relative, dist.name, in_record=True)
         for directory, dirnames, filenames in os.walk(dist.dist_info):
             dirnames.sort()
             # symlinks to directories show up in dirnames; save them as links too
@@ -384,8 +387,44 @@ def _copy_stream(source_fd: int, dest_fd: int) -> tuple[str, int]:
     return hasher.hexdigest(), size
 
 
+def _link(item: _Item, info: os.stat_result, dest: Path) -> tuple[str, int] | None:
+    """Hardlink a RECORD entry into the backup and hash it; None when it cannot be linked (another
+    filesystem, or it changed under us): the caller copies it instead.
+
+    The backup then holds the installed inode itself. That is safe because the install never writes
+    into it: uv's uninstall unlinks every RECORD entry first, and the install creates new files (a
+    hardlink from the run's cache, or a copy) at those paths. Nothing is chmod-ed or touched here: it
+    is the installed file."""
+    try:
+        os.link(item.source, dest, follow_symlinks=False)
+    except OSError:
+        return None
+    try:
+        fd = os.open(dest, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        os.unlink(dest)
+        return None
+    try:
+        now = os.fstat(fd)
+        if (now.st_dev, now.st_ino, now.st_size, now.st_mtime_ns) != (
+            info.st_dev,
+            info.st_ino,
+            info.st_size,
+            info.st_mtime_ns,
+        ):
+            os.unlink(dest)  # replaced or written since the lstat: copy what is there now
+            return None
+        hasher = hashlib.sha256()
+        while chunk := os.read(fd, _CHUNK):
+            hasher.update(chunk)
+        return hasher.hexdigest(), info.st_size
+    finally:
+        os.close(fd)
+
+
 def _save(item: _Item, files_dir: Path) -> BackupFile | None:
-    """Copy one file into the backup; None when it is absent (or not a regular file or symlink)."""
+    """Save one file into the backup (a hardlink of a RECORD entry where the filesystem allows, else a
+    copy); None when it is absent (or not a regular file or symlink)."""
     try:
         info = os.lstat(item.source)
     except FileNotFoundError:
@@ -410,6 +449,19 @@ def _save(item: _Item, files_dir: Path) -> BackupFile | None:
         )
     if not stat.S_ISREG(info.st_mode):
         return None
+    linked = _link(item, info, dest) if item.in_record else None
+    if linked is not None:
+        return BackupFile(
+            path=item.relative,
+            distribution=item.distribution,
+            size=linked[1],
+            mode=mode,
+            uid=info.st_uid,
+            gid=info.st_gid,
+            mtime_ns=info.st_mtime_ns,
+            sha256=linked[0],
+            listed=item.listed,
+        )
     source_fd = os.open(item.source, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
         dest_fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)

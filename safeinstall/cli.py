@@ -6,7 +6,7 @@ import contextlib
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
@@ -25,6 +25,9 @@ from safeinstall.render import (
     render_verify,
 )
 from safeinstall.verify import VerifyReport, verify_environment
+
+if TYPE_CHECKING:
+    from safeinstall.wheel import Wheel
 
 EXIT_CODES = (
     "Exit codes: 0 success (clean); 1 drift found (--verify-only); 2 could not check or refused, "
@@ -110,6 +113,11 @@ def _run_verify(
     env = inspect_environment(resolve_python(python, os.environ))
     err = make_console(stderr=True)
     names = None if all_ else [package or ""]
+    read: Wheel | None = None
+    if wheel is not None:
+        from safeinstall.wheel import read_wheel
+
+        read = read_wheel(wheel)
     if err.is_terminal:  # rich.progress is loaded only for a terminal: scripts start faster
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -126,9 +134,9 @@ def _run_verify(
             def on_progress(done: int, total: int) -> None:
                 progress.update(task, completed=done, total=total)
 
-            report = verify_environment(env, names, wheel, on_progress)
+            report = verify_environment(env, names, read, on_progress)
     else:
-        report = verify_environment(env, names, wheel)
+        report = verify_environment(env, names, read)
     diffs = None
     if wheel is not None and (diff or save_patch):
         from safeinstall.diffs import diffs_for, patch_text

@@ -31,10 +31,11 @@ from safeinstall.state import (
     EnvironmentState,
     environment_state,
     list_environment_dirs,
+    remove_uv_caches,
     state_root,
 )
 from safeinstall.systemd import Systemd, start_wait_s
-from safeinstall.wheel import install_location, read_wheel
+from safeinstall.wheel import Wheel, install_location, read_wheel
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,23 +61,27 @@ class EnvironmentStatus:
     units: tuple[str, ...] = field(default_factory=tuple)
 
 
-def restore_previous(env: Environment, backup: Backup, wheel_path: Path | None) -> None:
+def read_wheel_if_possible(wheel_path: Path | None) -> Wheel | None:
+    if wheel_path is None or not wheel_path.exists():
+        return None
+    try:
+        return read_wheel(wheel_path)
+    except SafeInstallError:
+        return None
+
+
+def restore_previous(env: Environment, backup: Backup, wheel: Wheel | None) -> None:
     """Put the backed-up distributions back, removing whatever (half-)install is there now.
 
     :func:`restore_backup` removes what the installed ``.dist-info`` of those names list; the new
     wheel's files are added here, for an install that died before it wrote its RECORD.
     """
     remove: list[Path] = []
-    if wheel_path is not None and wheel_path.exists():
-        try:
-            wheel = read_wheel(wheel_path)
-        except SafeInstallError:
-            wheel = None
-        if wheel is not None:
-            for member in wheel.members:
-                location = install_location(wheel, member, env)
-                if location is not None:
-                    remove.append(location)
+    if wheel is not None:
+        for member in wheel.members:
+            location = install_location(wheel, member, env)
+            if location is not None:
+                remove.append(location)
     result = restore_backup(backup, env, remove)
     if not result.ok:
         problems = [*result.mismatches, *result.failures][:5]
@@ -144,9 +149,8 @@ def recover_one(state: EnvironmentState, environ: Mapping[str, str], settle: flo
                 if journal.backup_dir is None:
                     raise SafeInstallError("the journal names no backup")
                 env = inspect_environment(Path(journal.python))
-                restore_previous(
-                    env, load_backup(Path(journal.backup_dir)), Path(journal.wheel) if journal.wheel else None
-                )
+                wheel = read_wheel_if_possible(Path(journal.wheel) if journal.wheel else None)
+                restore_previous(env, load_backup(Path(journal.backup_dir)), wheel)
                 restored = True
             gate_marker(state.dir).unlink(missing_ok=True)
             started = _start(units_to_start(journal), environ, settle)
@@ -163,6 +167,7 @@ def recover_one(state: EnvironmentState, environ: Mapping[str, str], settle: flo
                 + (f"; units to start: {'; '.join(commands)}" if commands else ""),
             ) from exc
         clear_journal(state.dir)
+        remove_uv_caches(state)  # the dead run's own uv cache: nothing may share inodes with it
         return Recovery(prefix, journal.run_id, phase, restored, started, gates, tuple(notes))
 
 

@@ -18,7 +18,7 @@ import signal
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -34,7 +34,7 @@ from safeinstall.backup import (
     free_space,
     space_problem,
 )
-from safeinstall.distributions import find_distributions
+from safeinstall.distributions import InstalledDistribution, reload_distributions
 from safeinstall.drift import FindingKind
 from safeinstall.environment import Environment, inspect_environment, resolve_python
 from safeinstall.errors import (
@@ -68,9 +68,11 @@ from safeinstall.signals import interrupts_deferred, interrupts_raise
 from safeinstall.state import (
     EnvironmentState,
     atomic_write,
+    ensure_dir,
     ensure_environment_dir,
     environment_state,
     new_run_id,
+    remove_uv_caches,
     state_root,
 )
 from safeinstall.survey import Survey, survey, systemd_for
@@ -276,7 +278,7 @@ class _Run:
     def do_backup(self) -> str:
         assert self.env is not None and self.state is not None and self.survey is not None
         names = [d.name for d in self.survey.affected]
-        before = verify_environment(self.env, names)
+        before = verify_environment(self.env, names, installed=self.survey.installed)
         self.patched = tuple(
             f.path for f in before.findings if f.kind in (FindingKind.MODIFIED, FindingKind.MISSING)
         )
@@ -300,14 +302,17 @@ class _Run:
         )
 
     def do_prefetch(self) -> str:
-        """Warm uv's cache with the new artefacts so that the install in the downtime is a copy."""
+        """Fill the run's own uv cache with the new artefacts, so that the install in the downtime only
+        links (or copies) files from it."""
         assert self.state is not None and self.env is not None and self.survey is not None
         scratch = self.state.dir / f"prefetch-{self.run_id}"
         request = self.survey.request
+        cache = self.state.uv_cache(self.run_id)
+        ensure_dir(cache)
         command = prefetch_command(request, uv_binary(), scratch, self.survey.uv_plan.changes)
-        self._log("prefetch: " + " ".join(command))
+        self._log(f"prefetch (UV_CACHE_DIR={cache}): " + " ".join(command))
         try:
-            result = uv_install(command, self.options.environ)
+            result = uv_install(command, self.options.environ, cache_dir=cache)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         self._log(f"uv exit {result.returncode}:\n{result.output}")
@@ -317,7 +322,7 @@ class _Run:
                 f"uv could not fetch or unpack the new version (exit {result.returncode}): {tail}",
                 hint="nothing was stopped; check the wheel, the index options or the network",
             )
-        return "uv's cache holds the new version"
+        return f"the run's uv cache holds the new version ({request.link_mode} from it)"
 
     # ------------------------------------------------------------------ 3. gate
 
@@ -440,9 +445,11 @@ class _Run:
     def do_install(self) -> str:
         late = self._check_no_late_users()
         self._journal(Phase.INSTALLING)
+        assert self.state is not None
         command = self.plan.uv_command
-        self._log("install: " + " ".join(command))
-        result = uv_install(command, self.options.environ)
+        cache = self.state.uv_cache(self.run_id)
+        self._log(f"install (UV_CACHE_DIR={cache}): " + " ".join(command))
+        result = uv_install(command, self.options.environ, cache_dir=cache)
         self._log(f"uv exit {result.returncode}:\n{result.output}")
         if result.returncode != 0:
             tail = "\n".join(result.output.strip().splitlines()[-6:])
@@ -455,7 +462,11 @@ class _Run:
     def do_verify(self) -> str:
         assert self.env is not None and self.survey is not None
         report = _verify_installed(
-            self.env, self.plan.package, self.wheel, [d.name for d in self.survey.affected]
+            self.env,
+            self.plan.package,
+            self.wheel,
+            [d.name for d in self.survey.affected],
+            self.survey.installed,
         )
         failures = [f for f in report.findings if f.kind in _INSTALL_FAILURES]
         if failures:
@@ -577,7 +588,7 @@ class _Run:
 
     def _restore(self) -> None:
         assert self.backup is not None and self.env is not None
-        restore_previous(self.env, self.backup, self.wheel.path if self.wheel else None)
+        restore_previous(self.env, self.backup, self.wheel)
 
     def _rollback_failed(self, error: SafeInstallError, second: SafeInstallError) -> RollbackFailed:
         assert self.journal is not None and self.env is not None
@@ -698,14 +709,23 @@ def _check_wheel(wheel: Wheel, package: str, env: Environment) -> None:
 
 
 def _verify_installed(
-    env: Environment, package: str, wheel: Wheel | None, affected: list[str]
+    env: Environment,
+    package: str,
+    wheel: Wheel | None,
+    affected: list[str],
+    before: Sequence[InstalledDistribution],
 ) -> VerifyReport:
-    """The new installation: the package against the wheel (or its RECORD), the others their RECORD."""
-    main = verify_environment(env, [package], wheel.path if wheel else None)
-    others = [n for n in affected if n != package and n in {d.name for d in find_distributions(env)}]
+    """The new installation: the package against the wheel (or its RECORD), the others their RECORD.
+
+    Only the affected distributions are read again (the install changed nothing else), and the wheel is
+    the one read and checked at preflight."""
+    installed = reload_distributions(env, before, affected)
+    main = verify_environment(env, [package], wheel, installed=installed)
+    present = {d.name for d in installed}
+    others = [n for n in affected if n != package and n in present]
     if not others:
         return main
-    rest = verify_environment(env, others)
+    rest = verify_environment(env, others, installed=installed)
     return replace(main, distributions=(*main.distributions, *rest.distributions))
 
 
@@ -780,6 +800,8 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
         not_restarted = tuple(run._units_to_restart()) if options.no_restart else ()
         return _result(run, "done", ExitCode.OK, None, not_restarted, tuple(map(str, old.removed)))
     finally:
+        if run.state is not None and run.run_id:
+            remove_uv_caches(run.state, run.run_id)  # installed files then share inodes with nothing
         if run.lock is not None:
             run.lock.release()
 

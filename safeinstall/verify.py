@@ -157,10 +157,8 @@ _SCRIPT_MAX_BYTES = 1 << 20
 def _script_expectation(wheel: Wheel, member: str, location: Path) -> Expectation | None:
     """Scripts shipped as ``#!python`` get their first line rewritten on install into a launcher for
     the environment's interpreter: the launcher is the installer's, the rest must be the wheel's."""
-    from safeinstall.wheel import read_member
-
-    content = read_member(wheel.path, member)
-    if not content.startswith(b"#!python"):
+    content = wheel.python_scripts.get(member)
+    if content is None:
         return None
     try:
         with open(location, "rb") as handle:
@@ -265,24 +263,25 @@ def _listed_locations(installed: Sequence[InstalledDistribution]) -> frozenset[s
 def verify_environment(
     env: Environment,
     names: Sequence[str] | None,
-    wheel_path: Path | None = None,
+    wheel: Wheel | None = None,
     on_progress: ProgressCallback | None = None,
     workers: int | None = None,
+    installed: Sequence[InstalledDistribution] | None = None,
 ) -> VerifyReport:
-    """Verify the named distributions (or all, with ``names=None``) of ``env``."""
-    installed = find_distributions(env)
-    selected = installed if names is None else [find_distribution(env, name, installed) for name in names]
-    wheel: Wheel | None = None
-    if wheel_path is not None:
-        from safeinstall.wheel import read_wheel
+    """Verify the named distributions (or all, with ``names=None``) of ``env``.
 
-        wheel = read_wheel(wheel_path)
-        if len(selected) != 1 or selected[0].name != wheel.name:
-            raise WheelError(
-                f"the wheel {wheel_path.name} is for {wheel.name}, not "
-                f"{', '.join(d.name for d in selected) or 'nothing'}",
-                hint="pass the wheel of the package being verified",
-            )
+    ``wheel``: judge the one named distribution against it (read once by the caller). ``installed``:
+    the environment's distributions when the caller has found them already (a run reloads only what
+    its install changed); otherwise the environment is scanned here, once.
+    """
+    found = list(installed) if installed is not None else find_distributions(env)
+    selected = found if names is None else [find_distribution(env, name, found) for name in names]
+    if wheel is not None and (len(selected) != 1 or selected[0].name != wheel.name):
+        raise WheelError(
+            f"the wheel {wheel.path.name} is for {wheel.name}, not "
+            f"{', '.join(d.name for d in selected) or 'nothing'}",
+            hint="pass the wheel of the package being verified",
+        )
     plans = [_plan(dist, env, wheel) for dist in selected]
     requests = [HashRequest(e.location, e.algorithm) for p in plans for e in p.expectations]
     sizes = {e.location: e.size or 0 for p in plans for e in p.expectations}
@@ -296,8 +295,8 @@ def verify_environment(
             on_progress(done, total)
 
     states = observe_files(requests, workers=workers, on_done=tick, sizes=sizes)
-    listed = _listed_locations(installed)
-    roots = own_roots({d.name: d.locations for d in installed}, [os.fspath(s) for s in env.site_dirs])
+    listed = _listed_locations(found)
+    roots = own_roots({d.name: d.locations for d in found}, [os.fspath(s) for s in env.site_dirs])
     reports: list[DistributionReport] = []
     for plan in plans:
         findings = list(plan.findings)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from email.parser import HeaderParser
 from pathlib import Path, PurePosixPath
 
@@ -30,6 +30,7 @@ INSTALLER_WRITTEN = frozenset(
     {"INSTALLER", "REQUESTED", "direct_url.json", "RECORD", "uv_cache.json", "uv_build.json"}
 )
 _SIGNATURES = frozenset({"RECORD.jws", "RECORD.p7s"})
+_SCRIPT_MAX = 1 << 20  # a larger "script" is data: compared byte for byte
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,9 @@ class Wheel:
     record: Record
     problems: tuple[WheelProblem, ...]
     console_scripts: tuple[str, ...]
+    #: the content of each ``#!python`` script under ``<data_dir>/scripts/`` (an installer rewrites its
+    #: first line), kept so that a verify never opens the wheel again
+    python_scripts: dict[str, bytes] = field(default_factory=dict)
 
     @property
     def record_ok(self) -> bool:
@@ -132,6 +136,15 @@ def read_wheel(path: Path) -> Wheel:
                 if f"{dist_info}/{required}" not in names:
                     raise _fail(path, f"{dist_info}/{required} is missing")
             members = {i.filename: _hash_member(archive, i) for i in infos}
+            data_dir = dist_info[: -len(".dist-info")] + ".data"
+            scripts = [
+                i
+                for i in infos
+                if PurePosixPath(i.filename).parts[:2] == (data_dir, "scripts") and i.file_size <= _SCRIPT_MAX
+            ]
+            python_scripts = {
+                i.filename: content for i in scripts if (content := archive.read(i)).startswith(b"#!python")
+            }
             wheel_meta = HeaderParser().parsestr(archive.read(f"{dist_info}/WHEEL").decode("utf-8"))
             metadata = HeaderParser().parsestr(
                 archive.read(f"{dist_info}/METADATA").decode("utf-8", errors="replace")
@@ -157,12 +170,13 @@ def read_wheel(path: Path) -> Wheel:
         version=str(metadata.get("Version") or version),
         tags=frozenset(tags),
         dist_info=dist_info,
-        data_dir=dist_info[: -len(".dist-info")] + ".data",
+        data_dir=data_dir,
         root_is_purelib=(wheel_meta.get("Root-Is-Purelib", "true").strip().lower() == "true"),
         members=members,
         record=record,
         problems=record_problems(members, record, dist_info),
         console_scripts=parse_console_scripts(entry_points),
+        python_scripts=python_scripts,
     )
 
 
