@@ -31,7 +31,7 @@ import json
 import os
 import shutil
 import stat
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -47,8 +47,8 @@ from safeinstall.distributions import (
 from safeinstall.drift import own_roots, pyc_source
 from safeinstall.environment import Environment
 from safeinstall.errors import SafeInstallError
-from safeinstall.hashing import HashRequest, default_workers, observe_files
-from safeinstall.records import encode_digest, parse_record
+from safeinstall.hashing import FileState, HashRequest, default_workers, observe_files
+from safeinstall.records import decode_digest, encode_digest, parse_record
 from safeinstall.state import PRIVATE_MODE, atomic_write, ensure_dir, fsync_dir
 
 MANIFEST_NAME = "manifest.json"
@@ -387,9 +387,10 @@ def _copy_stream(source_fd: int, dest_fd: int) -> tuple[str, int]:
     return hasher.hexdigest(), size
 
 
-def _link(item: _Item, info: os.stat_result, dest: Path) -> tuple[str, int] | None:
-    """Hardlink a RECORD entry into the backup and hash it; None when it cannot be linked (another
-    filesystem, or it changed under us): the caller copies it instead.
+def _link(item: _Item, info: os.stat_result, dest: Path, known: FileState | None) -> tuple[str, int] | None:
+    """Hardlink a RECORD entry into the backup; its sha256 (taken from ``known``, a hash of this very
+    inode, unchanged since: same device, inode, size and mtime; else read now). None when it cannot
+    be linked (another filesystem, or it changed under us): the caller copies it instead.
 
     The backup then holds the installed inode itself. That is safe because the install never writes
     into it: uv's uninstall unlinks every RECORD entry first, and the install creates new files (a
@@ -399,6 +400,7 @@ def _link(item: _Item, info: os.stat_result, dest: Path) -> tuple[str, int] | No
         os.link(item.source, dest, follow_symlinks=False)
     except OSError:
         return None
+    identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
     try:
         fd = os.open(dest, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except OSError:
@@ -406,14 +408,16 @@ def _link(item: _Item, info: os.stat_result, dest: Path) -> tuple[str, int] | No
         return None
     try:
         now = os.fstat(fd)
-        if (now.st_dev, now.st_ino, now.st_size, now.st_mtime_ns) != (
-            info.st_dev,
-            info.st_ino,
-            info.st_size,
-            info.st_mtime_ns,
-        ):
+        if (now.st_dev, now.st_ino, now.st_size, now.st_mtime_ns) != identity:
             os.unlink(dest)  # replaced or written since the lstat: copy what is there now
             return None
+        if (
+            known is not None
+            and known.algorithm == "sha256"
+            and known.digest is not None
+            and (known.device, known.inode, known.size, known.mtime_ns) == identity
+        ):
+            return decode_digest(known.digest).hex(), info.st_size
         hasher = hashlib.sha256()
         while chunk := os.read(fd, _CHUNK):
             hasher.update(chunk)
@@ -422,7 +426,7 @@ def _link(item: _Item, info: os.stat_result, dest: Path) -> tuple[str, int] | No
         os.close(fd)
 
 
-def _save(item: _Item, files_dir: Path) -> BackupFile | None:
+def _save(item: _Item, files_dir: Path, known: Mapping[str, FileState]) -> BackupFile | None:
     """Save one file into the backup (a hardlink of a RECORD entry where the filesystem allows, else a
     copy); None when it is absent (or not a regular file or symlink)."""
     try:
@@ -449,7 +453,7 @@ def _save(item: _Item, files_dir: Path) -> BackupFile | None:
         )
     if not stat.S_ISREG(info.st_mode):
         return None
-    linked = _link(item, info, dest) if item.in_record else None
+    linked = _link(item, info, dest, known.get(str(item.source))) if item.in_record else None
     if linked is not None:
         return BackupFile(
             path=item.relative,
@@ -509,8 +513,12 @@ def create_backup(
     on_progress: ProgressCallback | None = None,
     workers: int | None = None,
     now: datetime | None = None,
+    known: Mapping[str, FileState] | None = None,
 ) -> Backup:
-    """Save ``dists`` into ``backup_dir`` (new or empty; made 0700). Raises BackupError, leaving no backup."""
+    """Save ``dists`` into ``backup_dir`` (new or empty; made 0700). Raises BackupError, leaving no backup.
+
+    ``known``: files just hashed (a verify's observations, by location): a hardlinked file that has not
+    changed since is not read again."""
     ensure_dir(backup_dir)
     if any(backup_dir.iterdir()):
         raise BackupError(
@@ -534,7 +542,7 @@ def create_backup(
     try:
         count = workers or default_workers()
         with ThreadPoolExecutor(max_workers=count, thread_name_prefix="backup") as pool:
-            futures = {pool.submit(_save, item, files_dir): item for item in ordered}
+            futures = {pool.submit(_save, item, files_dir, known or {}): item for item in ordered}
             try:
                 for future in as_completed(futures):
                     item = futures[future]

@@ -294,6 +294,7 @@ class _Run:
             self.state.backup_dir(self.run_id),
             self.patched,
             on_progress,
+            known=before.observed,
         )
         self._journal(Phase.BACKED_UP, backup_dir=str(self.backup.dir))
         size = self.backup.manifest.files

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
@@ -65,6 +65,8 @@ class VerifyReport:
     prefix: str
     distributions: tuple[DistributionReport, ...]
     wheel: WheelSummary | None
+    #: every file as it was observed (location -> state): a backup reuses these hashes
+    observed: dict[str, FileState] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def findings(self) -> tuple[Finding, ...]:
@@ -329,4 +331,4 @@ def verify_environment(
         if wheel is None
         else WheelSummary(str(wheel.path), wheel.name, wheel.version, wheel.record_ok, wheel.problems)
     )
-    return VerifyReport(str(env.python), str(env.prefix), tuple(reports), summary)
+    return VerifyReport(str(env.python), str(env.prefix), tuple(reports), summary, states)

@@ -7,6 +7,8 @@ one, uv #11723); those are reported as :class:`WheelProblem`, never as drift of 
 from __future__ import annotations
 
 import hashlib
+import os
+import threading
 import zipfile
 from dataclasses import dataclass, field
 from email.parser import HeaderParser
@@ -84,6 +86,48 @@ def _hash_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> WheelMember
     return WheelMember(name=info.filename, size=info.file_size, sha256=encode_digest(hasher.digest()))
 
 
+#: Members at least this large (uncompressed) are inflated and hashed on worker threads: zlib and
+#: hashlib release the GIL on large buffers, so a GB wheel (torch) reads on every core.
+_BIG_MEMBER = 1 << 20
+
+
+def _hash_members(
+    path: Path, infos: list[zipfile.ZipInfo], archive: zipfile.ZipFile
+) -> dict[str, WheelMember]:
+    """Every member's size and sha256: the large ones, largest first, on worker threads (each with its
+    own handle on the zip), the small ones on this thread meanwhile."""
+    big = sorted((i for i in infos if i.file_size >= _BIG_MEMBER), key=lambda i: -i.file_size)
+    pending = iter(big)
+    lock = threading.Lock()
+    found: dict[str, WheelMember] = {}
+    failures: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            with zipfile.ZipFile(path) as own:
+                while True:
+                    with lock:
+                        info = next(pending, None)
+                    if info is None:
+                        return
+                    member = _hash_member(own, info)
+                    with lock:
+                        found[info.filename] = member
+        except BaseException as exc:  # re-raised on the calling thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=work, daemon=True) for _ in range(min(len(big), os.cpu_count() or 1))]
+    for thread in threads:
+        thread.start()
+    small = {i.filename: _hash_member(archive, i) for i in infos if i.file_size < _BIG_MEMBER}
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise failures[0]
+    found.update(small)
+    return {i.filename: found[i.filename] for i in infos}
+
+
 def record_problems(
     members: dict[str, WheelMember], record: Record, dist_info: str
 ) -> tuple[WheelProblem, ...]:
@@ -135,7 +179,7 @@ def read_wheel(path: Path) -> Wheel:
             for required in ("WHEEL", "METADATA", "RECORD"):
                 if f"{dist_info}/{required}" not in names:
                     raise _fail(path, f"{dist_info}/{required} is missing")
-            members = {i.filename: _hash_member(archive, i) for i in infos}
+            members = _hash_members(path, infos, archive)
             data_dir = dist_info[: -len(".dist-info")] + ".data"
             scripts = [
                 i

@@ -280,6 +280,26 @@ def test_record_entries_are_saved_as_hardlinks_that_the_install_never_writes_int
         assert os.stat(path).st_nlink == 1, entry.path  # the install unlinked the old file: ours alone
 
 
+def test_a_backup_reuses_a_verifys_hashes_only_for_files_unchanged_since(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    """The run hashes every file once before the stop (to find local patches); the hardlinked backup
+    takes those hashes, except for a file written since (same inode and size, new mtime)."""
+    wheelhouse.uv_install(venv, wheels["sipure-1"])
+    env = inspect_environment(venv)
+    before = verify_environment(env, ["sipure"])
+    cli = env.purelib / "sipure" / "cli.py"
+    content = cli.read_bytes()
+    with open(cli, "r+b") as handle:  # in place: same inode, same size
+        handle.write(b"#" + content[1:])
+    os.utime(cli, ns=(os.stat(cli).st_atime_ns, os.stat(cli).st_mtime_ns + 1_000_000))
+    backup = create_backup(env, [find_distribution(env, "sipure")], tmp_path / "b", [], known=before.observed)
+    saved = {f.path: f.sha256 for f in backup.manifest.files}
+    assert saved[os.path.relpath(cli, env.prefix)] == hashlib.sha256(b"#" + content[1:]).hexdigest()
+    for entry in backup.manifest.files:
+        assert hashlib.sha256((backup.files_dir / entry.path).read_bytes()).hexdigest() == entry.sha256
+
+
 def test_restore_leaves_paths_outside_and_shared_alone(
     venv: Path, wheels: Wheelhouse, tmp_path: Path
 ) -> None:
