@@ -108,7 +108,7 @@ class _Containment:
     def outside(self, location: str) -> bool:
         if not is_within(location, self.prefix):
             return True
-        return not self._inside(os.path.dirname(location))
+        return not self._inside(location.rpartition("/")[0])  # its directory (normalised absolute)
 
     def _inside(self, directory: str) -> bool:
         inside = self._real_dirs.get(directory)
