@@ -565,6 +565,9 @@ class _Run:
                         self.systemd.stop(unit, self._stop_timeout(90.0))
                 installed = _phase_at_least(self.journal, Phase.INSTALLING)
                 if installed:
+                    # the run's cache first: the installed files are its hardlinks, and on a full disk
+                    # the restore needs the room that removing them frees only once the cache is gone
+                    remove_uv_caches(self.state, self.run_id)
                     self._restore()
                     done.append("restored the previous installation")
                 else:

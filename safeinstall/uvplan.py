@@ -85,7 +85,8 @@ def install_command(request: UvRequest, uv_bin: str, dry_run: bool = False) -> l
     """Pure: the exact ``uv pip install`` command line."""
     cmd = [uv_bin, "pip", "install", "--python", str(request.python)]
     cmd += ["--reinstall"] if request.with_deps else ["--reinstall-package", request.package]
-    cmd += ["--link-mode", request.link_mode]
+    if not _chooses(request.extra_args, ("--link-mode",)):  # uv refuses the option twice
+        cmd += ["--link-mode", request.link_mode]
     if dry_run:
         cmd.append("--dry-run")
     cmd += [*request.extra_args, requirement(request)]
@@ -103,13 +104,30 @@ def prefetch_command(
     dependency of a nightly, or everything with ``--with-deps``), pinned, without resolving again.
     """
     cmd = [uv_bin, "pip", "install", "--python", str(request.python), "--target", str(target), "--no-deps"]
+    # the scratch copy is thrown away: link it from the cache (uv copies where it cannot link)
+    cmd += ["--link-mode", "hardlink"]
     wanted = canonicalize_name(request.package)
     others = [
         text
         for change in changes
         if change.action != "uninstall" and change.name != wanted and (text := pinned(change)) is not None
     ]
-    return [*cmd, *request.extra_args, requirement(request), *dict.fromkeys(others)]
+    extra = _without(request.extra_args, "--link-mode")
+    return [*cmd, *extra, requirement(request), *dict.fromkeys(others)]
+
+
+def _without(extra_args: Sequence[str], option: str) -> list[str]:
+    """Pure: the extra arguments less ``option`` and its value."""
+    kept: list[str] = []
+    skip = False
+    for arg in extra_args:
+        if skip:
+            skip = False
+        elif arg == option:
+            skip = True
+        elif not arg.startswith(option + "="):
+            kept.append(arg)
+    return kept
 
 
 def pinned(change: UvChange) -> str | None:
@@ -151,10 +169,12 @@ _CACHE_OPTIONS = ("--cache-dir", "--no-cache", "-n", "--link-mode")
 def link_mode_for(extra_args: Sequence[str], same_filesystem: bool) -> str:
     """Pure: ``hardlink`` (from the run-private cache) when that cache shares the prefix's filesystem and
     the extra arguments leave the cache and the link mode to the run; ``copy`` otherwise."""
-    chosen = any(
-        arg == option or arg.startswith(option + "=") for arg in extra_args for option in _CACHE_OPTIONS
-    )
-    return "hardlink" if same_filesystem and not chosen else "copy"
+    return "hardlink" if same_filesystem and not _chooses(extra_args, _CACHE_OPTIONS) else "copy"
+
+
+def _chooses(extra_args: Sequence[str], options: Sequence[str]) -> bool:
+    """Pure: do the extra uv arguments give one of ``options`` (``--opt v`` or ``--opt=v``)?"""
+    return any(arg == opt or arg.startswith(opt + "=") for arg in extra_args for opt in options)
 
 
 def same_filesystem(a: Path, b: Path) -> bool:

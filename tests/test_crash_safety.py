@@ -443,14 +443,18 @@ def test_disk_full_in_the_middle_of_the_install_rolls_back(
     """The install dies half-way (another process filled the disk during the downtime): the previous
     installation, local patch included, and the service come back; also with the state directory (the
     journal, the backup) on that full disk, as in the default layout."""
-    bed = bed_on_disk(256)  # room for the 160 MiB the wheel unpacks to, when the run starts
+    # room for the 160 MiB the wheel unpacks to, when the run starts (and for the run's uv cache, there too)
+    bed = bed_on_disk(448 if state_on_the_same_disk else 256)
     disk = bed.python.parent.parent.parent
     if state_on_the_same_disk:
         bed.state = disk / "state"
     before = _patch(bed)
     name = bed.unit("diskfull")
     bed.hold_gpu(name, 3.0, "e4")  # time to fill the disk
-    proc = bed.start_run("sicext", "--wheel", str(big_wheel), "--settle", "0.5", "--json")
+    # With the state on that disk the run's uv cache is there too, and the install would hardlink from
+    # it, needing no room; copying (the arguments after -- choose the link mode) needs the 160 MiB.
+    copy = ("--", "--link-mode", "copy") if state_on_the_same_disk else ()
+    proc = bed.start_run("sicext", "--wheel", str(big_wheel), "--settle", "0.5", "--json", *copy)
     filler = disk / "filler"
     frozen: list[int] = []
     try:
