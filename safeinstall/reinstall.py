@@ -133,21 +133,107 @@ class Reporter(Protocol):
     def confirm(self, plan: Plan) -> bool: ...
 
 
-@dataclass
-class _Run:
-    """One run's mutable state; the steps are its methods, in order."""
+@dataclass(frozen=True, slots=True)
+class Preflight:
+    """What the preflight established, each read once; every step takes it. Nothing was changed yet
+    (the lock aside, which the run holds from here on)."""
 
     options: RunOptions
+    env: Environment
+    state: EnvironmentState
+    lock: HeldLock
+    wheel: Wheel | None  # read and checked once (its RECORD against its contents)
+    survey: Survey  # the distributions found once (installed, affected), uv's plan, the plan
+    systemd: Systemd
+    notes: tuple[str, ...]
+
+    @property
+    def plan(self) -> Plan:
+        return self.survey.plan
+
+
+def preflight(options: RunOptions) -> Preflight:
+    """Everything before the first change. Raises SafeInstallError (exit 2); holds the lock on return."""
+    env = inspect_environment(resolve_python(options.python, options.environ))
+    state = environment_state(state_root(options.environ, os.geteuid()), env.prefix)
+    notes = [status.warning for status in ensure_environment_dir(state) if status.warning]
+    lock = acquire_lock(state.lock, str(env.prefix))
+    try:
+        if lock.takeover_note:
+            notes.append(lock.takeover_note)
+        wheel: Wheel | None = None
+        if options.wheel is not None:
+            wheel = read_wheel(options.wheel)
+            _check_wheel(wheel, options.package, env)
+        surveyed = survey(options, env, wheel)
+        if not surveyed.plan.proceeds:
+            raise PlanError(
+                "the run would refuse: " + "; ".join(surveyed.plan.refusals),
+                hint=f"see safeinstall {options.package} --dry-run; nothing was stopped",
+            )
+        _check_space(env, state, wheel, surveyed)
+        return Preflight(options, env, state, lock, wheel, surveyed, systemd_for(options), tuple(notes))
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _check_space(env: Environment, state: EnvironmentState, wheel: Wheel | None, surveyed: Survey) -> None:
+    needed = disk_space_needed(list(surveyed.affected), env)
+    problem = space_problem(needed, free_space(state.backups), state.backups)
+    if problem:
+        raise PlanError(problem, hint="nothing was stopped")
+    if wheel is not None:
+        problem = space_problem(
+            installed_size(wheel),
+            free_space(env.prefix),
+            env.prefix,
+            what=f"the install of {wheel.path.name}",
+            remedy="free some space on that filesystem",
+        )
+        if problem:
+            raise PlanError(problem, hint="nothing was stopped")
+
+
+def _start_journal(pre: Preflight) -> tuple[str, Journal]:
+    """The run's id and its journal, written: from here on a crash is recovered by --recover."""
+    run_id = new_run_id(datetime.now(UTC), os.getpid())
+    units = [
+        JournalUnit(
+            name=u.name,
+            user_manager=pre.options.user,
+            was_active=u.active_state in ("active", "activating", "reloading"),
+            unit_file_state=u.unit_file_state,
+        )
+        for u in pre.plan.units
+    ]
+    journal = start_journal(
+        pre.state.dir,
+        new_journal(
+            run_id,
+            os.getpid(),
+            process_start(os.getpid()),
+            str(pre.env.python),
+            str(pre.env.prefix),
+            pre.plan.package,
+            str(pre.wheel.path) if pre.wheel else None,
+            pre.plan.uv_command,
+            units,
+        ),
+    )
+    return run_id, journal
+
+
+@dataclass
+class _Run:
+    """One run from its journal on: the preflight's frozen facts, and what the steps record as they go.
+    The steps are its methods, in order."""
+
+    pre: Preflight
     reporter: Reporter
-    env: Environment | None = None
-    state: EnvironmentState | None = None
-    lock: HeldLock | None = None
-    wheel: Wheel | None = None
-    survey: Survey | None = None
-    journal: Journal | None = None
-    backup: Backup | None = None
-    systemd: Systemd | None = None
-    run_id: str = ""
+    run_id: str
+    journal: Journal
+    backup: Backup | None = None  # set by the backup step
     steps: list[StepOutcome] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     patched: tuple[str, ...] = ()
@@ -157,14 +243,47 @@ class _Run:
     downtime: dict[str, float] = field(default_factory=dict)
     strays_killed: tuple[int, ...] = ()
     restart_started: bool = False
-    log_file: Path | None = None
+
+    @property
+    def options(self) -> RunOptions:
+        return self.pre.options
+
+    @property
+    def env(self) -> Environment:
+        return self.pre.env
+
+    @property
+    def state(self) -> EnvironmentState:
+        return self.pre.state
+
+    @property
+    def wheel(self) -> Wheel | None:
+        return self.pre.wheel
+
+    @property
+    def survey(self) -> Survey:
+        return self.pre.survey
+
+    @property
+    def systemd(self) -> Systemd:
+        return self.pre.systemd
+
+    @property
+    def log_file(self) -> Path:
+        return self.state.log_file(self.run_id)
+
+    @property
+    def saved(self) -> Backup:
+        """The backup, for the steps after the backup step (install, verify, rollback of an install)."""
+        if self.backup is None:
+            raise StepFailed("no backup was taken before this step")
+        return self.backup
 
     # ------------------------------------------------------------------ helpers
 
     @property
     def plan(self) -> Plan:
-        assert self.survey is not None
-        return self.survey.plan
+        return self.pre.plan
 
     def _timed(self, name: str, action: Callable[[], str]) -> None:
         started = time.monotonic()
@@ -181,7 +300,6 @@ class _Run:
         self.reporter.step(outcome)
 
     def _journal(self, phase: Phase, note: str = "", **changes: Any) -> None:
-        assert self.journal is not None and self.state is not None
         self.journal = advance(self.journal, phase, note, **changes)
         write_journal(self.state.dir, self.journal)
 
@@ -195,88 +313,15 @@ class _Run:
 
     def _log(self, text: str) -> None:
         """Append to the run's log; best effort (a full disk must not turn into the run's failure)."""
-        if self.log_file is not None:
-            with contextlib.suppress(OSError), open(self.log_file, "a", encoding="utf-8") as log:
-                log.write(f"[{datetime.now(UTC).isoformat(timespec='seconds')}] {text}\n")
+        with contextlib.suppress(OSError), open(self.log_file, "a", encoding="utf-8") as log:
+            log.write(f"[{datetime.now(UTC).isoformat(timespec='seconds')}] {text}\n")
 
     def _units_to_restart(self) -> list[str]:
-        assert self.journal is not None
         return [u.name for u in self.journal.units if u.stopped and u.was_active]
-
-    # ------------------------------------------------------------------ 1. preflight
-
-    def preflight(self) -> None:
-        options = self.options
-        self.env = env = inspect_environment(resolve_python(options.python, options.environ))
-        self.state = environment_state(state_root(options.environ, os.geteuid()), env.prefix)
-        for status in ensure_environment_dir(self.state):
-            if status.warning:
-                self.notes.append(status.warning)
-        self.lock = acquire_lock(self.state.lock, str(env.prefix))
-        if self.lock.takeover_note:
-            self.notes.append(self.lock.takeover_note)
-        if options.wheel is not None:
-            self.wheel = wheel = read_wheel(options.wheel)
-            _check_wheel(wheel, options.package, env)
-        self.survey = survey(options, env, self.wheel)
-        if not self.plan.proceeds:
-            raise PlanError(
-                "the run would refuse: " + "; ".join(self.plan.refusals),
-                hint=f"see safeinstall {options.package} --dry-run; nothing was stopped",
-            )
-        self._check_space()
-        self.systemd = systemd_for(options)
-
-    def _check_space(self) -> None:
-        assert self.survey is not None and self.state is not None and self.env is not None
-        needed = disk_space_needed(list(self.survey.affected), self.env)
-        problem = space_problem(needed, free_space(self.state.backups), self.state.backups)
-        if problem:
-            raise PlanError(problem, hint="nothing was stopped")
-        if self.wheel is not None:
-            problem = space_problem(
-                installed_size(self.wheel),
-                free_space(self.env.prefix),
-                self.env.prefix,
-                what=f"the install of {self.wheel.path.name}",
-                remedy="free some space on that filesystem",
-            )
-            if problem:
-                raise PlanError(problem, hint="nothing was stopped")
-
-    def start_journal(self) -> None:
-        assert self.env is not None and self.state is not None and self.survey is not None
-        self.run_id = new_run_id(datetime.now(UTC), os.getpid())
-        self.log_file = self.state.log_file(self.run_id)
-        units = [
-            JournalUnit(
-                name=u.name,
-                user_manager=self.options.user,
-                was_active=u.active_state in ("active", "activating", "reloading"),
-                unit_file_state=u.unit_file_state,
-            )
-            for u in self.plan.units
-        ]
-        self.journal = start_journal(
-            self.state.dir,
-            new_journal(
-                self.run_id,
-                os.getpid(),
-                process_start(os.getpid()),
-                str(self.env.python),
-                str(self.env.prefix),
-                self.plan.package,
-                str(self.wheel.path) if self.wheel else None,
-                self.plan.uv_command,
-                units,
-            ),
-        )
-        self._log("plan: " + " ".join(self.plan.uv_command))
 
     # ------------------------------------------------------------------ 2. backup
 
     def do_backup(self) -> str:
-        assert self.env is not None and self.state is not None and self.survey is not None
         names = [d.name for d in self.survey.affected]
         before = verify_environment(self.env, names, installed=self.survey.installed)
         self.patched = tuple(
@@ -305,7 +350,6 @@ class _Run:
     def do_prefetch(self) -> str:
         """Fill the run's own uv cache with the new artefacts, so that the install in the downtime only
         links (or copies) files from it."""
-        assert self.state is not None and self.env is not None and self.survey is not None
         scratch = self.state.dir / f"prefetch-{self.run_id}"
         request = self.survey.request
         cache = self.state.uv_cache(self.run_id)
@@ -329,7 +373,6 @@ class _Run:
 
     def do_gate(self) -> str:
         """Keep the units from starting on a half-installed package (a crash, a reboot)."""
-        assert self.systemd is not None and self.state is not None and self.journal is not None
         units = [u.name for u in self.journal.units]
         if not units:
             return "no units"
@@ -343,18 +386,15 @@ class _Run:
         return f"{len(units)} unit(s) gated on {marker}"
 
     def remove_gate(self) -> None:
-        assert self.state is not None
         gate_marker(self.state.dir).unlink(missing_ok=True)
 
     def remove_dropins(self) -> None:
-        assert self.systemd is not None and self.journal is not None
         for unit in self.journal.units:
             self.systemd.remove_dropin(unit.name, GATE_DROPIN, persistent=True)
 
     # ------------------------------------------------------------------ 4. stop
 
     def do_stop(self) -> str:
-        assert self.systemd is not None and self.journal is not None
         systemd = self.systemd
         units = list(self.plan.units)
         for unit in units:
@@ -396,7 +436,6 @@ class _Run:
     def _check_no_late_users(self) -> str:
         """Scan again just before the install: a process that started using the package after the plan
         was made (a cron job, a tmux session) would have its files replaced under it."""
-        assert self.survey is not None
         scan = scan_processes(self.survey.targets, self.options.proc_root)
         late = [p for p in scan.affected if not p.is_self and p.state != "Z"]
         if not late:
@@ -446,7 +485,6 @@ class _Run:
     def do_install(self) -> str:
         late = self._check_no_late_users()
         self._journal(Phase.INSTALLING)
-        assert self.state is not None
         command = self.plan.uv_command
         cache = self.state.uv_cache(self.run_id)
         self._log(f"install (UV_CACHE_DIR={cache}): " + " ".join(command))
@@ -461,7 +499,6 @@ class _Run:
     # ------------------------------------------------------------------ 7. verify
 
     def do_verify(self) -> str:
-        assert self.env is not None and self.survey is not None
         report = _verify_installed(
             self.env,
             self.plan.package,
@@ -487,11 +524,10 @@ class _Run:
         return detail
 
     def _prune(self, extras: tuple[str, ...]) -> tuple[str, ...]:
-        assert self.backup is not None and self.env is not None
         pruned: list[str] = []
         for path in extras:
             relative = os.path.relpath(path, self.env.prefix)
-            saved = self.backup.dir / "pruned" / relative
+            saved = self.saved.dir / "pruned" / relative
             saved.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, saved)
             os.unlink(path)
@@ -501,7 +537,6 @@ class _Run:
     # ------------------------------------------------------------------ 8. restart
 
     def do_restart(self) -> str:
-        assert self.systemd is not None and self.journal is not None
         units = self._units_to_restart()
         if self.options.no_restart:
             self._journal(Phase.RESTARTING, note="--no-restart: units left stopped")
@@ -520,7 +555,6 @@ class _Run:
         return detail
 
     def _start_and_settle(self, units: list[str], settle: float) -> str:
-        assert self.systemd is not None
         systemd = self.systemd
         befores = systemd.show(units)
         issued = time.monotonic()
@@ -547,7 +581,6 @@ class _Run:
 
     def rollback(self, error: SafeInstallError) -> SafeInstallError:
         """Put everything back; returns the error to report (StepFailed, or RollbackFailed)."""
-        assert self.journal is not None and self.state is not None and self.systemd is not None
 
         def announce(signum: int) -> None:
             self.reporter.note(
@@ -591,11 +624,9 @@ class _Run:
         return StepFailed(f"{error.message}; {'; '.join(done)}", hint=error.hint)
 
     def _restore(self) -> None:
-        assert self.backup is not None and self.env is not None
-        restore_previous(self.env, self.backup, self.wheel)
+        restore_previous(self.env, self.saved, self.wheel)
 
     def _rollback_failed(self, error: SafeInstallError, second: SafeInstallError) -> RollbackFailed:
-        assert self.journal is not None and self.env is not None
         commands = [f"safeinstall --recover --python {self.env.python}"]
         flag = "--user " if self.options.user else ""
         commands += [f"systemctl {flag}start {u}" for u in self._units_to_restart()]
@@ -752,16 +783,16 @@ def _wait_healthy(url: str, timeout: float) -> None:
 
 def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) -> RunResult:
     """The whole run. Raises SafeInstallError only before anything changed (exit 2)."""
-    run = _Run(options, reporter)
+    pre = preflight(options)  # holds the environment's lock from here on
     try:
-        run.preflight()
-        if interactive and not reporter.confirm(run.plan):
-            return _result(run, "declined", ExitCode.REFUSED, None)
-        run.start_journal()
+        if interactive and not reporter.confirm(pre.plan):
+            return _result(pre, None, "declined", ExitCode.REFUSED, None)
+        run_id, journal = _start_journal(pre)
     except BaseException:
-        if run.lock is not None:
-            run.lock.release()
+        pre.lock.release()
         raise
+    run = _Run(pre, reporter, run_id, journal, notes=list(pre.notes))
+    run._log("plan: " + " ".join(pre.plan.uv_command))
     try:
         with interrupts_raise():
             try:
@@ -784,7 +815,7 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
                     ExitCode.ROLLED_BACK: "rolled-back",
                     ExitCode.ROLLBACK_FAILED: "rollback-failed",
                 }.get(outcome.exit_code, "error")
-                return _result(run, status, outcome.exit_code, outcome)
+                return _result(pre, run, status, outcome.exit_code, outcome)
         # The run succeeded: the services run the new, verified version. What is left is tidying up; a
         # failure there is said, and must not turn a good run into an error (nor leave a journal that
         # blocks the next run): the gate marker is gone already, so a leftover drop-in is inert.
@@ -796,22 +827,20 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
                 f"could not remove the boot gate drop-ins ({GATE_DROPIN}.conf; inert, the gate is open): "
                 f"{exc.message}"
             )
-        assert run.state is not None
         with contextlib.suppress(OSError):
-            clear_journal(run.state.dir)
-        old = prune_backups(run.state.backups, options.keep_backups, protected={run.run_id})
+            clear_journal(pre.state.dir)
+        old = prune_backups(pre.state.backups, options.keep_backups, protected={run_id})
         run.notes.extend(f"old backup not deleted: {problem}" for problem in old.problems)
         not_restarted = tuple(run._units_to_restart()) if options.no_restart else ()
-        return _result(run, "done", ExitCode.OK, None, not_restarted, tuple(map(str, old.removed)))
+        return _result(pre, run, "done", ExitCode.OK, None, not_restarted, tuple(map(str, old.removed)))
     finally:
-        if run.state is not None and run.run_id:
-            remove_uv_caches(run.state, run.run_id)  # installed files then share inodes with nothing
-        if run.lock is not None:
-            run.lock.release()
+        remove_uv_caches(pre.state, run_id)  # installed files then share inodes with nothing
+        pre.lock.release()
 
 
 def _result(
-    run: _Run,
+    pre: Preflight,
+    run: _Run | None,  # None: declined before the run started
     status: str,
     code: ExitCode,
     error: SafeInstallError | None,
@@ -821,17 +850,17 @@ def _result(
     return RunResult(
         status=status,
         exit_code=code,
-        plan=run.survey.plan if run.survey else None,
-        steps=tuple(run.steps),
-        downtime_s=dict(run.downtime),
-        patched=run.patched,
-        extras=run.extras,
-        pruned=run.pruned,
-        backup_dir=str(run.backup.dir) if run.backup else None,
-        log_file=str(run.log_file) if run.log_file else None,
+        plan=pre.plan,
+        steps=tuple(run.steps) if run else (),
+        downtime_s=dict(run.downtime) if run else {},
+        patched=run.patched if run else (),
+        extras=run.extras if run else (),
+        pruned=run.pruned if run else (),
+        backup_dir=str(run.backup.dir) if run and run.backup else None,
+        log_file=str(run.log_file) if run else None,
         not_restarted=not_restarted,
-        strays_killed=run.strays_killed,
+        strays_killed=run.strays_killed if run else (),
         error=error,
-        notes=tuple(run.notes),
+        notes=tuple(run.notes) if run else pre.notes,
         backups_removed=backups_removed,
     )
