@@ -152,6 +152,7 @@ class Bed:
     def no_trace(self) -> None:
         assert self.journal() is None
         assert not list(self.state.glob("*/gate"))
+        assert not list(self.state.glob("*/uv-cache-*"))  # the run's own uv cache: gone, even after a kill
         assert not list(self.manager.unit_dir.glob("*.d/*safeinstall*"))
 
 
