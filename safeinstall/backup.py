@@ -433,8 +433,7 @@ def _save(item: _Item, files_dir: Path, known: Mapping[str, FileState]) -> Backu
         info = os.lstat(item.source)
     except FileNotFoundError:
         return None
-    dest = files_dir / item.relative
-    dest.parent.mkdir(parents=True, exist_ok=True, mode=PRIVATE_MODE)
+    dest = files_dir / item.relative  # its directory was made by create_backup
     mode = stat.S_IMODE(info.st_mode)
     if stat.S_ISLNK(info.st_mode):
         target = os.readlink(item.source)
@@ -491,13 +490,17 @@ def _save(item: _Item, files_dir: Path, known: Mapping[str, FileState]) -> Backu
     )
 
 
+def _device(path: Path) -> int:
+    return os.stat(path).st_dev
+
+
 def _directories(files: Iterable[BackupFile], prefix: Path) -> tuple[BackupDirectory, ...]:
     wanted: set[str] = set()
     for saved in files:
-        parent = PurePosixPath(saved.path).parent
-        while str(parent) not in (".", ""):
-            wanted.add(parent.as_posix())
-            parent = parent.parent
+        parent = saved.path.rpartition("/")[0]  # "/" separated, relative: no pathlib per file
+        while parent and parent not in wanted:
+            wanted.add(parent)
+            parent = parent.rpartition("/")[0]
     found: list[BackupDirectory] = []
     for relative in sorted(wanted, key=lambda p: (p.count("/"), p)):
         info = os.stat(prefix / relative)
@@ -540,27 +543,40 @@ def create_backup(
     missing: list[str] = []
     done = 0
     try:
+        parents = {item.relative.rpartition("/")[0] for item in items} - {""}
+        for parent in sorted(parents):
+            (files_dir / parent).mkdir(parents=True, exist_ok=True, mode=PRIVATE_MODE)
+
+        def record(item: _Item, result: BackupFile | None) -> None:
+            nonlocal done
+            if result is None:
+                missing.append(item.relative)
+            else:
+                saved.append(result)
+            done += sizes[item.relative]
+            if on_progress is not None:
+                on_progress(done, total)
+
+        # On the same filesystem a RECORD entry is a hardlink and a hash already known: a thread per
+        # file would cost more than the work. Copies (other files, another filesystem) go to threads.
+        linking = _device(env.prefix) == _device(files_dir)
+        inline = [i for i in ordered if linking and i.in_record]
+        pooled = [i for i in ordered if not (linking and i.in_record)]
+        for item in inline:
+            record(item, _save(item, files_dir, known or {}))
         count = workers or default_workers()
         with ThreadPoolExecutor(max_workers=count, thread_name_prefix="backup") as pool:
-            futures = {pool.submit(_save, item, files_dir, known or {}): item for item in ordered}
+            futures = {pool.submit(_save, item, files_dir, known or {}): item for item in pooled}
             try:
                 for future in as_completed(futures):
-                    item = futures[future]
-                    result = future.result()
-                    if result is None:
-                        missing.append(item.relative)
-                    else:
-                        saved.append(result)
-                    done += sizes[item.relative]
-                    if on_progress is not None:
-                        on_progress(done, total)
+                    record(futures[future], future.result())
             except BaseException:
                 for pending in futures:
                     pending.cancel()
                 raise
         saved.sort(key=lambda f: f.path)
-        for directory in {files_dir / PurePosixPath(f.path).parent for f in saved}:
-            fsync_dir(directory)
+        for parent in {f.path.rpartition("/")[0] for f in saved}:
+            fsync_dir(files_dir / parent if parent else files_dir)
         manifest = BackupManifest(
             version=MANIFEST_VERSION,
             created_at=(now or datetime.now(UTC)).astimezone(UTC).isoformat(timespec="seconds"),
@@ -576,7 +592,7 @@ def create_backup(
             patched=tuple(patched),
             roots=tuple(roots),
         )
-        text = json.dumps(manifest_to_dict(manifest), indent=1) + "\n"
+        text = json.dumps(manifest_to_dict(manifest), separators=(",", ":")) + "\n"  # C encoder
         atomic_write(backup_dir / MANIFEST_NAME, text.encode("utf-8", "surrogateescape"))
     except OSError as exc:
         shutil.rmtree(backup_dir, ignore_errors=True)
