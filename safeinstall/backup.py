@@ -9,8 +9,9 @@ lies inside the environment's prefix (entries outside are listed, never read), t
 the manifest lists the ones the caller says are patched.
 
 A RECORD entry on the backup's filesystem is saved as a hardlink (no copy of a GB package before the
-stop, nothing to prune after it): uv's uninstall unlinks every RECORD entry before the install creates
-the new files, so the old inode, and the backup, keep the old content. Everything else (files added by
+stop; the old version's bytes stay alive in it, as in a copy): uv's uninstall unlinks every RECORD
+entry before the install creates the new files, so the old inode, and the backup, keep the old
+content. Everything else (files added by
 hand, ``.dist-info`` files no RECORD lists), and every file on another filesystem, is copied. Restores
 always copy, so a restored file shares its inode with nothing.
 
