@@ -33,6 +33,7 @@ from safeinstall.environment import inspect_environment  # noqa: E402
 from safeinstall.processes import (  # noqa: E402
     TargetIndex,
     default_workers,
+    environment_scope,
     load_targets,
     scan_processes,
 )
@@ -83,6 +84,13 @@ def main() -> int:
     parser.add_argument(
         "--importers", type=int, default=20, help="how many of them are pythons that import sicext (20)"
     )
+    parser.add_argument(
+        "--other-pythons",
+        type=int,
+        default=0,
+        help="how many of them are pythons of another environment: the environment check reads their "
+        "exe link and environ (0)",
+    )
     parser.add_argument("--repeat", type=int, default=5, help="timed runs per tool; median kept (5)")
     args = parser.parse_args()
 
@@ -98,11 +106,17 @@ def main() -> int:
             importers = min(args.importers, args.processes)
             for _ in range(importers):
                 started.append(_start([str(python), "-c", _IMPORTER]))
-            for _ in range(args.processes - importers):
+            others = min(args.other_pythons, args.processes - importers)
+            for _ in range(others):
+                started.append(
+                    _start([os.path.realpath(sys.executable), "-S", "-c", "import time; time.sleep(3600)"])
+                )
+            for _ in range(args.processes - importers - others):
                 started.append(_start(["sleep", "3600"]))
             _wait_mapped([p.pid for p in started[:importers]], "_native.")
 
             index = TargetIndex.of(load_targets([dist], env))
+            scope = environment_scope(env)
             mine = {p.pid for p in started}
             result = scan_processes(index)
             found = {p.pid for p in result.affected} & mine
@@ -119,6 +133,8 @@ def main() -> int:
             tools: dict[str, Callable[[], object]] = {
                 "safeinstall": lambda: scan_processes(index),
                 "safeinstall, 1 worker": lambda: scan_processes(index, workers=1),
+                # what a run scans: environment evidence too (exe and environ of python processes)
+                "safeinstall + environment": lambda: scan_processes(index, scope=scope),
             }
             for name, argv in (("needrestart -b", ["needrestart", "-b"]), ("lsof -n", ["lsof", "-n"])):
                 if shutil.which(argv[0]):

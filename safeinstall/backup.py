@@ -11,9 +11,9 @@ the manifest lists the ones the caller says are patched.
 A RECORD entry on the backup's filesystem is saved as a hardlink (no copy of a GB package before the
 stop; the old version's bytes stay alive in it, as in a copy): uv's uninstall unlinks every RECORD
 entry before the install creates the new files, so the old inode, and the backup, keep the old
-content. Everything else (files added by
-hand, ``.dist-info`` files no RECORD lists), and every file on another filesystem, is copied. Restores
-always copy, so a restored file shares its inode with nothing.
+content. Everything else (files added by hand, ``.dist-info`` files no RECORD lists), and every file
+on another filesystem, is copied. Restores always copy, so a restored file shares its inode with
+nothing.
 
 A restore first removes what is installed now under those distribution names (the paths the caller
 passes, the files the current ``.dist-info`` RECORDs of those names list, and those ``.dist-info``
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
 import shutil
@@ -39,25 +38,25 @@ from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from safeinstall.distributions import (
-    InstalledDistribution,
-    dist_info_dirs,
-    dist_info_name,
-    find_distributions,
-)
+from packaging.utils import canonicalize_name
+
+from safeinstall.distributions import InstalledDistribution, dist_info_dirs, find_distributions
 from safeinstall.drift import own_roots, pyc_source
 from safeinstall.environment import Environment
 from safeinstall.errors import SafeInstallError
-from safeinstall.hashing import FileState, HashRequest, default_workers, observe_files
-from safeinstall.records import decode_digest, encode_digest, parse_record
+from safeinstall.hashing import FileState, default_workers
+from safeinstall.records import decode_digest, parse_record
+from safeinstall.safefs import NotRegularFile, Tree
 from safeinstall.state import PRIVATE_MODE, atomic_write, ensure_dir, fsync_dir
 
 MANIFEST_NAME = "manifest.json"
 FILES_DIR = "files"
+PRUNED_DIR = "pruned"  # leftovers removed by --prune after a good install
 MANIFEST_VERSION = 1
 _CHUNK = 1 << 20
 _BLOCK = 4096
 _TMP_MARK = ".safeinstall-restore-"
+_RECORD_LIMIT = 256 << 20  # a RECORD larger than this is not read (torch's is 2 MB)
 
 ProgressCallback = Callable[[int, int], None]  # (bytes copied, bytes total)
 
@@ -140,6 +139,9 @@ class RestoreResult:
     failures: tuple[str, ...]  # "path: reason" for files that could not be removed or restored
     skipped_outside: tuple[str, ...]  # paths asked to be removed that lie outside the prefix: left alone
     kept_shared: tuple[str, ...]  # paths asked to be removed that another distribution lists: left alone
+    #: the files were found exactly as saved (nothing was installed, or the install failed before it
+    #: wrote anything, e.g. on a read-only site-packages): nothing was written
+    unchanged: bool = False
 
     @property
     def ok(self) -> bool:
@@ -173,6 +175,15 @@ def relative_to_prefix(location: Path | str, prefix: Path | str) -> str | None:
     if not normal.startswith(base) or len(normal) == len(base):
         return None
     return normal[len(base) :]
+
+
+def dist_info_name(dirname: str) -> str | None:
+    """Pure: the canonical distribution name of a ``<name>-<version>.dist-info`` directory name."""
+    if not dirname.endswith(".dist-info"):
+        return None
+    stem = dirname[: -len(".dist-info")]
+    name = stem.rsplit("-", 1)[0] if "-" in stem else stem
+    return canonicalize_name(name) if name else None
 
 
 def space_problem(
@@ -301,10 +312,10 @@ def package_roots(env: Environment, dists: Sequence[InstalledDistribution]) -> d
     return {d.name: roots.get(d.name, []) for d in dists}
 
 
-def _unlisted(root: str, listed: set[str]) -> Iterator[str]:
+def _unlisted(tree: Tree, root: str, listed: set[str]) -> Iterator[str]:
     """Files (and symlinks) below ``root`` that no RECORD lists; bytecode of a listed source is left
     out (a cache: Python writes it again)."""
-    for location in _files_below(Path(root)):
+    for location in _files_below(tree, root):
         if location in listed:
             continue
         source = pyc_source(PurePosixPath(location)) if location.endswith(".pyc") else None
@@ -322,26 +333,23 @@ def _collect(
     outside: list[str] = []
     roots = package_roots(env, dists)
     listed = {location for dist in dists for location in dist.locations}
-    for dist in dists:
-        for root in roots[dist.name]:
-            for location in _unlisted(root, listed):
+    with Tree(env.prefix) as tree:
+        for dist in dists:
+            for root in roots[dist.name]:
+                for location in _unlisted(tree, root, listed):
+                    relative = inside.relative(location)
+                    if relative is not None and relative not in items:
+                        items[relative] = _Item(Path(location), relative, dist.name, listed=False)
+        for dist in dists:
+            for entry in dist.record.entries:
+                location = os.path.normpath(os.path.join(dist.site, entry.path))
                 relative = inside.relative(location)
-                if relative is not None and relative not in items:
-                    items[relative] = _Item(Path(location), relative, dist.name, listed=False)
-    for dist in dists:
-        for entry in dist.record.entries:
-            location = os.path.normpath(os.path.join(dist.site, entry.path))
-            relative = inside.relative(location)
-            if relative is None:
-                outside.append(f"{dist.name}: {entry.path} ({location})")
-            elif relative not in items:
-                items[relative] = _Item(Path(location), relative, dist.name, in_record=True)
-        for directory, dirnames, filenames in os.walk(dist.dist_info):
-            dirnames.sort()
-            # symlinks to directories show up in dirnames; save them as links too
-            links = [d for d in dirnames if os.path.islink(os.path.join(directory, d))]
-            for name in sorted(filenames) + links:
-                location = os.path.join(directory, name)
+                if relative is None:
+                    outside.append(f"{dist.name}: {entry.path} ({location})")
+                elif relative not in items:
+                    items[relative] = _Item(Path(location), relative, dist.name, in_record=True)
+            # the .dist-info tree, symlinks as links (never followed)
+            for location in _files_below(tree, os.fspath(dist.dist_info)):
                 relative = inside.relative(location)
                 if relative is not None and relative not in items:
                     items[relative] = _Item(Path(location), relative, dist.name)
@@ -375,75 +383,63 @@ def free_space(path: Path) -> int:
 # --- taking a backup --------------------------------------------------------------------------------
 
 
-def _copy_stream(source_fd: int, dest_fd: int) -> tuple[str, int]:
-    """Copy all of ``source_fd`` to ``dest_fd``, hashing on the way; (sha256 hex, bytes)."""
-    hasher = hashlib.sha256()
-    size = 0
-    while chunk := os.read(source_fd, _CHUNK):
-        hasher.update(chunk)
-        view = memoryview(chunk)
-        while view:
-            view = view[os.write(dest_fd, view) :]
-        size += len(chunk)
-    return hasher.hexdigest(), size
-
-
-def _link(item: _Item, info: os.stat_result, dest: Path, known: FileState | None) -> tuple[str, int] | None:
-    """Hardlink a RECORD entry into the backup; its sha256 (taken from ``known``, a hash of this very
-    inode, unchanged since: same device, inode, size and mtime; else read now). None when it cannot
-    be linked (another filesystem, or it changed under us): the caller copies it instead.
+def _link(
+    item: _Item, tree: Tree, dest: Tree, info: os.stat_result, known: FileState | None
+) -> str | None:
+    """Hardlink a RECORD entry into the backup (by descriptor on both sides, never following a
+    symlink); its sha256 hex, taken from ``known`` (a hash of this very inode, unchanged since: same
+    device, inode, size and mtime) or read now. None when it cannot be linked (another filesystem, or
+    it changed under us): the caller copies it instead.
 
     The backup then holds the installed inode itself. That is safe because the install never writes
     into it: uv's uninstall unlinks every RECORD entry first, and the install creates new files (a
     hardlink from the run's cache, or a copy) at those paths. Nothing is chmod-ed or touched here: it
     is the installed file."""
-    try:
-        os.link(item.source, dest, follow_symlinks=False)
-    except OSError:
+    if not stat.S_ISREG(info.st_mode):
         return None
     identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
     try:
-        fd = os.open(dest, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        with tree.parent(item.relative) as (src_fd, src), dest.parent(item.relative) as (dst_fd, dst):
+            os.link(src, dst, src_dir_fd=src_fd, dst_dir_fd=dst_fd, follow_symlinks=False)
     except OSError:
-        os.unlink(dest)
         return None
-    try:
-        now = os.fstat(fd)
-        if (now.st_dev, now.st_ino, now.st_size, now.st_mtime_ns) != identity:
-            os.unlink(dest)  # replaced or written since the lstat: copy what is there now
-            return None
-        if (
-            known is not None
-            and known.algorithm == "sha256"
-            and known.digest is not None
-            and (known.device, known.inode, known.size, known.mtime_ns) == identity
-        ):
-            return decode_digest(known.digest).hex(), info.st_size
-        hasher = hashlib.sha256()
-        while chunk := os.read(fd, _CHUNK):
-            hasher.update(chunk)
-        return hasher.hexdigest(), info.st_size
-    finally:
-        os.close(fd)
+    linked = dest.lstat(item.relative)
+    if linked is None or (linked.st_dev, linked.st_ino, linked.st_size, linked.st_mtime_ns) != identity:
+        dest.unlink(item.relative)  # replaced or written since the lstat: copy what is there now
+        return None
+    if (
+        known is not None
+        and known.algorithm == "sha256"
+        and known.digest is not None
+        and (known.device, known.inode, known.size, known.mtime_ns) == identity
+    ):
+        return decode_digest(known.digest).hex()
+    digest = dest.sha256(item.relative)
+    if digest is None:
+        dest.unlink(item.relative)
+    return digest
 
 
-def _save(item: _Item, files_dir: Path, known: Mapping[str, FileState]) -> BackupFile | None:
-    """Save one file into the backup (a hardlink of a RECORD entry where the filesystem allows, else a
-    copy); None when it is absent (or not a regular file or symlink)."""
-    try:
-        info = os.lstat(item.source)
-    except FileNotFoundError:
+def _save(item: _Item, tree: Tree, dest: Tree, known: Mapping[str, FileState]) -> BackupFile | None:
+    """Copy one file into the backup (read by descriptor below the prefix: a symlink on the way is never
+    followed, a FIFO or a device never opened); None when it is absent or not a regular file or
+    symlink."""
+    info = tree.lstat(item.relative)
+    if info is None or not (stat.S_ISLNK(info.st_mode) or stat.S_ISREG(info.st_mode)):
         return None
-    dest = files_dir / item.relative  # its directory was made by create_backup
-    mode = stat.S_IMODE(info.st_mode)
+    parent = PurePosixPath(item.relative).parent.as_posix()
+    if parent != ".":
+        dest.make_dirs(parent, PRIVATE_MODE)
     if stat.S_ISLNK(info.st_mode):
-        target = os.readlink(item.source)
-        os.symlink(target, dest)
+        target = tree.readlink(item.relative)
+        if target is None:  # replaced meanwhile
+            return None
+        dest.symlink(item.relative, target, atomic=False)
         return BackupFile(
             path=item.relative,
             distribution=item.distribution,
             size=info.st_size,
-            mode=mode,
+            mode=stat.S_IMODE(info.st_mode),
             uid=info.st_uid,
             gid=info.st_gid,
             mtime_ns=info.st_mtime_ns,
@@ -451,61 +447,56 @@ def _save(item: _Item, files_dir: Path, known: Mapping[str, FileState]) -> Backu
             link_target=target,
             listed=item.listed,
         )
-    if not stat.S_ISREG(info.st_mode):
-        return None
-    linked = _link(item, info, dest, known.get(str(item.source))) if item.in_record else None
+    linked = _link(item, tree, dest, info, known.get(str(item.source))) if item.in_record else None
     if linked is not None:
         return BackupFile(
             path=item.relative,
             distribution=item.distribution,
-            size=linked[1],
-            mode=mode,
+            size=info.st_size,
+            mode=stat.S_IMODE(info.st_mode),
             uid=info.st_uid,
             gid=info.st_gid,
             mtime_ns=info.st_mtime_ns,
-            sha256=linked[0],
+            sha256=linked,
             listed=item.listed,
         )
-    source_fd = os.open(item.source, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
-        dest_fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            digest, size = _copy_stream(source_fd, dest_fd)
-            os.fsync(dest_fd)
-            os.fchmod(dest_fd, mode)
-        finally:
-            os.close(dest_fd)
+        source_fd = tree.open_read(item.relative)
+    except (FileNotFoundError, NotRegularFile):
+        return None
+    try:
+        info = os.fstat(source_fd)  # what was opened, not what was listed
+        copied = dest.write_from(
+            item.relative, source_fd, stat.S_IMODE(info.st_mode), mtime_ns=info.st_mtime_ns, atomic=False
+        )
     finally:
         os.close(source_fd)
-    os.utime(dest, ns=(info.st_mtime_ns, info.st_mtime_ns))
     return BackupFile(
         path=item.relative,
         distribution=item.distribution,
-        size=size,
-        mode=mode,
+        size=copied.size,
+        mode=stat.S_IMODE(info.st_mode),
         uid=info.st_uid,
         gid=info.st_gid,
         mtime_ns=info.st_mtime_ns,
-        sha256=digest,
+        sha256=copied.sha256,
         listed=item.listed,
     )
-
-
-def _device(path: Path) -> int:
-    return os.stat(path).st_dev
 
 
 def _directories(files: Iterable[BackupFile], prefix: Path) -> tuple[BackupDirectory, ...]:
     wanted: set[str] = set()
     for saved in files:
-        parent = saved.path.rpartition("/")[0]  # "/" separated, relative: no pathlib per file
-        while parent and parent not in wanted:
-            wanted.add(parent)
-            parent = parent.rpartition("/")[0]
+        parent = PurePosixPath(saved.path).parent
+        while str(parent) not in (".", ""):
+            wanted.add(parent.as_posix())
+            parent = parent.parent
     found: list[BackupDirectory] = []
-    for relative in sorted(wanted, key=lambda p: (p.count("/"), p)):
-        info = os.stat(prefix / relative)
-        found.append(BackupDirectory(relative, stat.S_IMODE(info.st_mode), info.st_uid, info.st_gid))
+    with Tree(prefix) as tree:
+        for relative in sorted(wanted, key=lambda p: (p.count("/"), p)):
+            info = tree.lstat(relative)
+            if info is not None and stat.S_ISDIR(info.st_mode):
+                found.append(BackupDirectory(relative, stat.S_IMODE(info.st_mode), info.st_uid, info.st_gid))
     return tuple(found)
 
 
@@ -544,40 +535,31 @@ def create_backup(
     missing: list[str] = []
     done = 0
     try:
-        parents = {item.relative.rpartition("/")[0] for item in items} - {""}
-        for parent in sorted(parents):
-            (files_dir / parent).mkdir(parents=True, exist_ok=True, mode=PRIVATE_MODE)
-
-        def record(item: _Item, result: BackupFile | None) -> None:
-            nonlocal done
-            if result is None:
-                missing.append(item.relative)
-            else:
-                saved.append(result)
-            done += sizes[item.relative]
-            if on_progress is not None:
-                on_progress(done, total)
-
-        # On the same filesystem a RECORD entry is a hardlink and a hash already known: a thread per
-        # file would cost more than the work. Copies (other files, another filesystem) go to threads.
-        linking = _device(env.prefix) == _device(files_dir)
-        inline = [i for i in ordered if linking and i.in_record]
-        pooled = [i for i in ordered if not (linking and i.in_record)]
-        for item in inline:
-            record(item, _save(item, files_dir, known or {}))
         count = workers or default_workers()
-        with ThreadPoolExecutor(max_workers=count, thread_name_prefix="backup") as pool:
-            futures = {pool.submit(_save, item, files_dir, known or {}): item for item in pooled}
+        with (
+            Tree(env.prefix) as tree,
+            Tree(files_dir) as dest,
+            ThreadPoolExecutor(max_workers=count, thread_name_prefix="backup") as pool,
+        ):
+            futures = {pool.submit(_save, item, tree, dest, known or {}): item for item in ordered}
             try:
                 for future in as_completed(futures):
-                    record(futures[future], future.result())
+                    item = futures[future]
+                    result = future.result()
+                    if result is None:
+                        missing.append(item.relative)
+                    else:
+                        saved.append(result)
+                    done += sizes[item.relative]
+                    if on_progress is not None:
+                        on_progress(done, total)
             except BaseException:
                 for pending in futures:
                     pending.cancel()
                 raise
         saved.sort(key=lambda f: f.path)
-        for parent in {f.path.rpartition("/")[0] for f in saved}:
-            fsync_dir(files_dir / parent if parent else files_dir)
+        for directory in {files_dir / PurePosixPath(f.path).parent for f in saved}:
+            fsync_dir(directory)
         manifest = BackupManifest(
             version=MANIFEST_VERSION,
             created_at=(now or datetime.now(UTC)).astimezone(UTC).isoformat(timespec="seconds"),
@@ -593,7 +575,7 @@ def create_backup(
             patched=tuple(patched),
             roots=tuple(roots),
         )
-        text = json.dumps(manifest_to_dict(manifest), separators=(",", ":")) + "\n"  # C encoder
+        text = json.dumps(manifest_to_dict(manifest), indent=1) + "\n"
         atomic_write(backup_dir / MANIFEST_NAME, text.encode("utf-8", "surrogateescape"))
     except OSError as exc:
         shutil.rmtree(backup_dir, ignore_errors=True)
@@ -632,18 +614,30 @@ def load_backup(backup_dir: Path) -> Backup:
 
 
 # --- restoring --------------------------------------------------------------------------------------
+#
+# Every change below goes through a :class:`~safeinstall.safefs.Tree` of the prefix: a symlink that the
+# environment's owner put anywhere below it is never followed (a saved directory that became a symlink
+# is replaced by the real directory again), so nothing outside the environment is written or deleted.
 
 
-def _current_dist_infos(env: Environment, names: frozenset[str]) -> list[Path]:
-    return [d for d in dist_info_dirs(env) if dist_info_name(d.name) in names]
+def _current_dist_infos(env: Environment, names: frozenset[str], tree: Tree) -> list[str]:
+    """The installed ``.dist-info`` directories of ``names`` (relative; real directories only)."""
+    found: list[str] = []
+    for path in dist_info_dirs(env):
+        relative = tree.relative(path)
+        if dist_info_name(path.name) in names and relative is not None and tree.is_dir(relative):
+            found.append(relative)
+    return found
 
 
-def _record_locations(dist_info: Path) -> list[Path]:
+def _record_locations(tree: Tree, dist_info: str) -> list[str]:
+    """What the RECORD in ``dist_info`` lists (relative to the prefix; outside ones as absolute paths)."""
     try:
-        text = (dist_info / "RECORD").read_text(encoding="utf-8", errors="replace")
-    except OSError:
+        text = tree.read_bytes(f"{dist_info}/RECORD", _RECORD_LIMIT).decode("utf-8", errors="replace")
+    except (OSError, ValueError):
         return []
-    return [Path(os.path.normpath(dist_info.parent / e.path)) for e in parse_record(text).entries]
+    base = os.path.join(os.fspath(tree.root), os.path.dirname(dist_info))
+    return [os.path.normpath(os.path.join(base, e.path)) for e in parse_record(text).entries]
 
 
 def stale_bytecode(sources: Iterable[Path]) -> list[Path]:
@@ -655,7 +649,8 @@ def stale_bytecode(sources: Iterable[Path]) -> list[Path]:
     found: list[Path] = []
     for cache, wanted in stems.items():
         try:
-            names = os.listdir(cache)
+            with Tree(cache) as listing:  # a symlinked __pycache__ is not listed
+                names = os.listdir(listing.fd)
         except OSError:
             continue
         for name in names:
@@ -664,144 +659,159 @@ def stale_bytecode(sources: Iterable[Path]) -> list[Path]:
     return sorted(found)
 
 
-def _files_below(root: Path) -> list[str]:
-    """Files and symlinks below ``root`` (symlinked directories as links, not followed)."""
-    found: list[str] = []
-    for directory, dirnames, filenames in os.walk(root):
-        for name in dirnames:
-            if os.path.islink(os.path.join(directory, name)):
-                found.append(os.path.join(directory, name))
-        found.extend(os.path.join(directory, name) for name in filenames)
-    return found
+def _files_below(tree: Tree, root: str) -> list[str]:
+    """Files and symlinks below ``root`` (absolute; symlinked directories as links, never entered)."""
+    relative = tree.relative(root)
+    if relative is None:
+        return []
+    return [os.path.join(os.fspath(tree.root), p) for p in tree.files_below(relative)]
 
 
-def _unlink(path: Path) -> bool:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
+@dataclass(frozen=True, slots=True)
+class _Removal:
+    """What a restore removes before it puts the saved files back (paths relative to the prefix)."""
+
+    files: tuple[str, ...]  # the installed version's files that the backup does not hold
+    debris: tuple[str, ...]  # in the saved package and .dist-info directories, not in the backup
+    dist_infos: tuple[str, ...]  # installed .dist-info directories of those names that were not saved
+    skipped_outside: tuple[str, ...]
+    kept_shared: tuple[str, ...]
+
+
+def _removal(backup: Backup, env: Environment, tree: Tree, remove: Iterable[Path]) -> _Removal:
+    manifest = backup.manifest
+    names = frozenset(d.name for d in manifest.distributions)
+    saved_paths = frozenset(f.path for f in manifest.files)
+    saved_dist_infos = {d.dist_info for d in manifest.distributions}
+    dist_infos = _current_dist_infos(env, names, tree)
+    candidates: set[str] = set()
+    for given in remove:
+        candidates.add(os.path.normpath(given if given.is_absolute() else env.prefix / given))
+    for dist_info in dist_infos:
+        candidates.update(_record_locations(tree, dist_info))
+    others = [d for d in find_distributions(env) if d.name not in names]
+    shared = {os.path.normpath(os.path.join(d.site, e.path)) for d in others for e in d.record.entries}
+    removed_whole = tuple(os.path.join(d, "") for d in dist_infos if d not in saved_dist_infos)
+    skipped_outside: list[str] = []
+    kept_shared: list[str] = []
+    files: list[str] = []
+    for path in sorted(candidates):
+        relative = tree.relative(path)
+        if relative is None:
+            skipped_outside.append(path)
+        elif relative.startswith(removed_whole) or relative in saved_paths:
+            continue  # removed with its .dist-info / put back below
+        elif path in shared:
+            kept_shared.append(path)
+        else:
+            files.append(relative)
+    debris: list[str] = []
+    # the package directories and the saved .dist-info hold exactly what was saved, nothing new;
+    # bytecode of a saved source is a cache (removed below when its source is rewritten)
+    for root in (*manifest.roots, *(d for d in dist_infos if d in saved_dist_infos)):
+        for relative in tree.files_below(root):
+            if relative in saved_paths or relative in files:
+                continue
+            source = pyc_source(PurePosixPath(relative)) if relative.endswith(".pyc") else None
+            if source is None or str(source) not in saved_paths:
+                debris.append(relative)
+    return _Removal(
+        tuple(files),
+        tuple(debris),
+        tuple(d for d in dist_infos if d not in saved_dist_infos),
+        tuple(skipped_outside),
+        tuple(kept_shared),
+    )
+
+
+def _same(saved: BackupFile, tree: Tree) -> bool:
+    """The file is there exactly as saved (content or link target, mode, owner, mtime): nothing to write."""
+    info = tree.lstat(saved.path)
+    if info is None or (stat.S_IMODE(info.st_mode), info.st_uid, info.st_gid, info.st_mtime_ns) != (
+        saved.mode,
+        saved.uid,
+        saved.gid,
+        saved.mtime_ns,
+    ):
         return False
-    return True
+    if saved.link_target is not None:
+        return stat.S_ISLNK(info.st_mode) and tree.readlink(saved.path) == saved.link_target
+    return (
+        stat.S_ISREG(info.st_mode) and info.st_size == saved.size and tree.sha256(saved.path) == saved.sha256
+    )
 
 
-def _prune_empty(directories: Iterable[Path], stop: frozenset[Path], prefix: Path) -> None:
-    for start in sorted(set(directories), key=lambda p: len(p.parts), reverse=True):
+def _prune_empty(tree: Tree, directories: Iterable[str], stop: frozenset[str]) -> None:
+    for start in sorted(set(directories), key=lambda p: p.count("/"), reverse=True):
         directory = start
-        while directory not in stop and is_within(directory, prefix) and directory != prefix:
+        while directory and directory not in stop:
             try:
-                os.rmdir(directory)
-            except OSError:
+                tree.rmdir(directory)
+            except (OSError, ValueError):
                 break
-            directory = directory.parent
+            directory = os.path.dirname(directory)
 
 
-def _make_directories(manifest: BackupManifest, prefix: Path, as_root: bool) -> list[str]:
-    """Recreate missing directories with their saved mode and owner; failures as "path: reason"."""
+def _make_directories(manifest: BackupManifest, tree: Tree, as_root: bool) -> list[str]:
+    """Recreate missing directories with their saved mode and owner (a symlink or a file where one was is
+    removed, never followed); failures as "path: reason"."""
     failures: list[str] = []
     for saved in manifest.directories:  # parents first
-        path = prefix / saved.path
         try:
-            if os.path.isdir(path):
-                continue
-            if os.path.lexists(path):  # a file (or dangling link) where a directory was
-                os.unlink(path)
-            os.mkdir(path, saved.mode)
-            if as_root:
-                os.chown(path, saved.uid, saved.gid)
-            os.chmod(path, saved.mode)
+            tree.make_dir(saved.path, saved.mode, (saved.uid, saved.gid) if as_root else None)
         except OSError as exc:
-            failures.append(f"{path}: could not recreate the directory: {exc.strerror or exc}")
+            where = tree.root / saved.path
+            failures.append(f"{where}: could not recreate the directory: {exc.strerror or exc}")
     return failures
 
 
-def _remove_own_temp_files(directories: Iterable[Path]) -> None:
+def _remove_own_temp_files(tree: Tree, directories: Iterable[str]) -> None:
     for directory in directories:
-        try:
-            names = os.listdir(directory)
-        except OSError:
-            continue
-        for name in names:
+        for name in tree.names(directory) if directory else []:
             if _TMP_MARK in name and name.startswith("."):
                 with contextlib.suppress(OSError):
-                    os.unlink(directory / name)
+                    tree.unlink(f"{directory}/{name}")
 
 
-def _replace(tmp: Path, dest: Path) -> None:
+def _put_back(saved: BackupFile, source: Tree, tree: Tree, as_root: bool) -> bool:
+    """Put one file back atomically (temp file beside it, rename), unless it is there as saved already
+    (False: nothing written; a read-only file system that the install never changed is left alone).
+    On a full disk the file it replaces is removed first, to make the room that the copy needs: the
+    services are stopped during a restore, so atomicity matters less than finishing it."""
+    if _same(saved, tree):
+        return False
     try:
-        os.replace(tmp, dest)
-    except OSError:
-        if not os.path.isdir(dest) or os.path.islink(dest):
-            raise
-        shutil.rmtree(dest)  # the installed version has a directory where the saved one has a file
-        os.replace(tmp, dest)
-
-
-def _put_back(saved: BackupFile, files_dir: Path, prefix: Path, as_root: bool) -> None:
-    """Put one file back atomically (temp file beside it, rename). On a full disk the file it replaces
-    is removed first, to make the room that the copy needs: the services are stopped during a restore,
-    so atomicity matters less than finishing it."""
-    try:
-        _put_back_atomically(saved, files_dir, prefix, as_root)
+        _put_back_atomically(saved, source, tree, as_root)
     except OSError as exc:
-        dest = prefix / saved.path
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not os.path.lexists(dest) or os.path.isdir(dest):
+        info = tree.lstat(saved.path)
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or info is None or stat.S_ISDIR(info.st_mode):
             raise
-        os.unlink(dest)
-        _put_back_atomically(saved, files_dir, prefix, as_root)
+        tree.unlink(saved.path)
+        _put_back_atomically(saved, source, tree, as_root)
+    return True
 
 
-def _put_back_atomically(saved: BackupFile, files_dir: Path, prefix: Path, as_root: bool) -> None:
-    dest = prefix / saved.path
-    tmp = dest.with_name(f".{dest.name}{_TMP_MARK}{os.getpid()}-{os.urandom(4).hex()}")
+def _put_back_atomically(saved: BackupFile, source: Tree, tree: Tree, as_root: bool) -> None:
+    owner = (saved.uid, saved.gid) if as_root else None
+    if saved.link_target is not None:
+        tree.symlink(saved.path, saved.link_target, owner, saved.mtime_ns, mark=_TMP_MARK)
+        return
+    source_fd = source.open_read(saved.path)
     try:
-        if saved.link_target is not None:
-            os.symlink(saved.link_target, tmp)
-            if as_root:
-                os.lchown(tmp, saved.uid, saved.gid)
-            os.utime(tmp, ns=(saved.mtime_ns, saved.mtime_ns), follow_symlinks=False)
-        else:
-            source_fd = os.open(files_dir / saved.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-            try:
-                dest_fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-                try:
-                    _copy_stream(source_fd, dest_fd)
-                    if as_root:
-                        os.fchown(dest_fd, saved.uid, saved.gid)  # before chmod: chown clears set-id bits
-                    os.fchmod(dest_fd, saved.mode)
-                    os.fsync(dest_fd)
-                finally:
-                    os.close(dest_fd)
-            finally:
-                os.close(source_fd)
-            os.utime(tmp, ns=(saved.mtime_ns, saved.mtime_ns))
-        _replace(tmp, dest)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+        tree.write_from(saved.path, source_fd, saved.mode, owner, saved.mtime_ns, mark=_TMP_MARK)
+    finally:
+        os.close(source_fd)
 
 
-def _check(manifest: BackupManifest, prefix: Path, workers: int | None) -> list[str]:
-    regular = [f for f in manifest.files if f.link_target is None]
-    states = observe_files(
-        [HashRequest(str(prefix / f.path), "sha256") for f in regular],
-        workers=workers,
-        sizes={str(prefix / f.path): f.size for f in regular},
-    )
+def _check(manifest: BackupManifest, tree: Tree) -> list[str]:
     mismatches: list[str] = []
-    for saved in regular:
-        state = states[str(prefix / saved.path)]
-        expected = encode_digest(bytes.fromhex(saved.sha256 or ""))
-        if not state.is_file or state.digest != expected:
-            mismatches.append(str(prefix / saved.path))
     for saved in manifest.files:
         if saved.link_target is None:
-            continue
-        try:
-            target = os.readlink(prefix / saved.path)
-        except OSError:
-            target = None
-        if target != saved.link_target:
-            mismatches.append(str(prefix / saved.path))
+            same = tree.sha256(saved.path) == saved.sha256
+        else:
+            same = tree.readlink(saved.path) == saved.link_target
+        if not same:
+            mismatches.append(str(tree.root / saved.path))
     return sorted(mismatches)
 
 
@@ -812,8 +822,9 @@ def restore_backup(
 
     ``remove``: the files the installed (or half-installed) version has, e.g. its RECORD locations
     and the locations of the new wheel's members. Paths outside the prefix, and paths another
-    installed distribution lists, are left alone (and reported). Never raises for one file: failures
-    are collected; check :attr:`RestoreResult.ok`.
+    installed distribution lists, are left alone (and reported). When the environment already holds
+    exactly what was saved, nothing is written (:attr:`RestoreResult.unchanged`). Never raises for one
+    file: failures are collected; check :attr:`RestoreResult.ok`.
     """
     manifest = backup.manifest
     prefix = env.prefix
@@ -822,95 +833,102 @@ def restore_backup(
             f"the backup {backup.dir} is of {manifest.prefix}, not of {prefix}",
             hint="pass the --python of the environment the backup was taken from",
         )
+    try:
+        tree, source = Tree(prefix), Tree(backup.files_dir)
+    except OSError as exc:
+        raise BackupError(
+            f"cannot open {exc.filename}: {exc.strerror or exc}",
+            hint="the environment's prefix and the backup must be real directories",
+        ) from exc
+    with tree, source:
+        return _restore(backup, env, tree, source, remove, workers)
+
+
+def _restore(
+    backup: Backup, env: Environment, tree: Tree, source: Tree, remove: Iterable[Path], workers: int | None
+) -> RestoreResult:
+    manifest = backup.manifest
     as_root = os.geteuid() == 0
-    names = frozenset(d.name for d in manifest.distributions)
-    restoring = {prefix / f.path for f in manifest.files}
-    saved_paths = frozenset(f.path for f in manifest.files)
+    removal = _removal(backup, env, tree, remove)
+    restoring = {f.path for f in manifest.files}
     failures: list[str] = []
-
-    dist_infos = _current_dist_infos(env, names)
-    candidates: set[Path] = set()
-    for given in remove:
-        candidates.add(Path(os.path.normpath(given if given.is_absolute() else prefix / given)))
-    for dist_info in dist_infos:
-        candidates.update(_record_locations(dist_info))
-    others = [d for d in find_distributions(env) if d.name not in names]
-    shared = {os.path.normpath(os.path.join(d.site, e.path)) for d in others for e in d.record.entries}
-    inside = _Inside(prefix)
-    in_dist_infos = tuple(os.path.join(d, "") for d in dist_infos)
-
-    skipped_outside: list[str] = []
-    kept_shared: list[str] = []
-    to_remove: list[Path] = []
-    for path in sorted(candidates):
-        if inside.relative(path) is None:
-            skipped_outside.append(str(path))
-        elif str(path).startswith(in_dist_infos) or path in restoring:
-            continue  # removed with its .dist-info / replaced atomically below
-        elif str(path) in shared:
-            kept_shared.append(str(path))
-        else:
-            to_remove.append(path)
-
     removed = 0
-    touched_dirs: set[Path] = set()
-    for path in to_remove:
+    touched: set[str] = set()
+    for relative in (*removal.files, *removal.debris):
         try:
-            if os.path.isdir(path) and not os.path.islink(path):
-                continue  # a directory is never removed whole; its files are listed themselves
-            if _unlink(path):
+            if tree.unlink(relative):
                 removed += 1
-                touched_dirs.add(path.parent)
+                touched.add(os.path.dirname(relative))
         except OSError as exc:
-            failures.append(f"{path}: could not remove it: {exc.strerror or exc}")
-    # bytecode of removed or replaced sources could be stale; saved .pyc files come back below
-    for pyc in stale_bytecode([*to_remove, *restoring]):
-        if pyc not in restoring:
-            with contextlib.suppress(OSError):
-                if _unlink(pyc):
-                    touched_dirs.add(pyc.parent)
-    for root in manifest.roots:  # the package directories hold exactly what was saved, nothing new
-        for location in _files_below(prefix / root):
-            relative = inside.relative(location)
-            if relative is None or relative in saved_paths:
-                continue
-            try:
-                if _unlink(Path(location)):
-                    removed += 1
-                    touched_dirs.add(Path(location).parent)
-            except OSError as exc:
-                failures.append(f"{location}: could not remove it: {exc.strerror or exc}")
+            failures.append(f"{tree.root / relative}: could not remove it: {exc.strerror or exc}")
     removed_dist_infos: list[str] = []
-    for dist_info in dist_infos:
+    for dist_info in removal.dist_infos:
         try:
-            shutil.rmtree(dist_info)
-            removed_dist_infos.append(str(dist_info))
+            tree.remove_tree(dist_info)
+            removed_dist_infos.append(str(tree.root / dist_info))
         except OSError as exc:
-            failures.append(f"{dist_info}: could not remove it: {exc.strerror or exc}")
-    stop = frozenset({prefix, *env.site_dirs, env.scripts, env.data})
-    _prune_empty(touched_dirs, stop, prefix)
+            failures.append(f"{tree.root / dist_info}: could not remove it: {exc.strerror or exc}")
+    stop = frozenset(
+        r for r in (tree.relative(p) for p in (*env.site_dirs, env.scripts, env.data)) if r is not None
+    )
+    _prune_empty(tree, touched, stop)
 
-    failures.extend(_make_directories(manifest, prefix, as_root))
-    _remove_own_temp_files({path.parent for path in restoring})  # left by a restore that crashed
-    restored = 0
+    failures.extend(_make_directories(manifest, tree, as_root))
+    _remove_own_temp_files(tree, {os.path.dirname(p) for p in restoring})  # left by a restore that crashed
+    rewritten: list[str] = []
     with ThreadPoolExecutor(max_workers=workers or default_workers(), thread_name_prefix="restore") as pool:
-        futures = {pool.submit(_put_back, f, backup.files_dir, prefix, as_root): f for f in manifest.files}
+        futures = {pool.submit(_put_back, f, source, tree, as_root): f for f in manifest.files}
         for future in as_completed(futures):
             try:
-                future.result()
-                restored += 1
+                if future.result():
+                    rewritten.append(futures[future].path)
             except OSError as exc:
-                where = prefix / futures[future].path
+                where = tree.root / futures[future].path
                 failures.append(f"{where}: could not restore it: {exc.strerror or exc}")
-    for directory in sorted({(prefix / f.path).parent for f in manifest.files}):
-        with contextlib.suppress(OSError):
-            fsync_dir(directory)
+    # bytecode of removed or rewritten sources could be stale (saved .pyc files are back already)
+    for pyc in stale_bytecode([tree.root / p for p in (*removal.files, *rewritten)]):
+        stale = tree.relative(pyc)
+        if stale is not None and stale not in restoring:
+            with contextlib.suppress(OSError):
+                tree.unlink(stale)
+    for directory in sorted({os.path.dirname(p) for p in rewritten}):
+        with contextlib.suppress(OSError, ValueError):
+            tree.fsync_dir(directory)
     return RestoreResult(
-        restored=restored,
+        restored=len(manifest.files),
         removed=removed,
         removed_dist_infos=tuple(removed_dist_infos),
-        mismatches=tuple(_check(manifest, prefix, workers)),
+        mismatches=tuple(_check(manifest, tree)),
         failures=tuple(sorted(failures)),
-        skipped_outside=tuple(skipped_outside),
-        kept_shared=tuple(kept_shared),
+        skipped_outside=removal.skipped_outside,
+        kept_shared=removal.kept_shared,
+        unchanged=not (rewritten or removed or removed_dist_infos or failures),
     )
+
+
+# --- --prune ----------------------------------------------------------------------------------------
+
+
+def prune_into(backup: Backup, prefix: Path, paths: Iterable[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Move leftover files (absolute paths inside ``prefix``) into ``<backup>/pruned/``: a regular file by
+    content, a symlink as the link itself (its target is never read); a FIFO, a device, or anything
+    outside the prefix or below a symlink is left alone. (the paths pruned, notes on those left)."""
+    pruned: list[str] = []
+    notes: list[str] = []
+    ensure_dir(backup.dir / PRUNED_DIR)
+    with Tree(prefix) as tree, Tree(backup.dir / PRUNED_DIR) as dest:
+        for path in paths:
+            relative = tree.relative(path)
+            if relative is None:
+                notes.append(f"not pruned: {path} is outside {prefix}")
+                continue
+            try:
+                tree.copy_out(relative, dest, relative)
+            except NotRegularFile as exc:
+                notes.append(f"not pruned: {path} is {exc.what}")
+                continue
+            except FileNotFoundError:
+                continue
+            tree.unlink(relative)
+            pruned.append(path)
+    return tuple(pruned), tuple(notes)

@@ -19,6 +19,13 @@ import re
 from dataclasses import dataclass
 
 _USER_MANAGER = re.compile(r"user@(\d+)\.service")
+#: systemd's unit_name_is_valid(): ``prefix[@instance].type`` over ``[A-Za-z0-9:_.\\-]``, at most 255
+#: characters. Nothing else reaches systemctl: a name with ``*``, ``?`` or ``[`` would be a pattern there.
+_UNIT_NAME = re.compile(
+    r"[A-Za-z0-9:_.\\][A-Za-z0-9:_.\\-]*(@[A-Za-z0-9:_.\\-]*)?"
+    r"\.(service|socket|device|mount|automount|swap|target|path|timer|slice|scope)"
+)
+UNIT_NAME_MAX = 255
 #: Kernel suffix for a cgroup that was removed while a (zombie) process still referred to it.
 _DELETED = " (deleted)"
 
@@ -122,6 +129,12 @@ def placement_of_path(path: str) -> CgroupPlacement:
 def placement_of_proc_cgroup(text: str) -> CgroupPlacement:
     """``/proc/PID/cgroup`` text to a placement; a file naming no cgroup maps like the root."""
     return placement_of_path(parse_proc_cgroup(text) or "/")
+
+
+def valid_unit_name(name: str) -> bool:
+    """Pure: whether ``name`` is one systemd unit name (``foo.service``, ``foo@1.service``), as systemd
+    itself would accept it, and nothing systemctl could read as a glob pattern or an option."""
+    return len(name) <= UNIT_NAME_MAX and _UNIT_NAME.fullmatch(name) is not None
 
 
 @dataclass(frozen=True, slots=True)

@@ -95,9 +95,15 @@ def _reap(proc: subprocess.Popen[str]) -> None:
 
 
 def run(
-    argv: Sequence[str], *, env: Mapping[str, str], timeout: float | None
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    timeout: float | None,
+    as_user: tuple[int, int] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Like ``subprocess.run(argv, capture_output=True, text=True)``, without the gaps above.
+
+    ``as_user`` (uid, gid): the child runs as that user and group only (no supplementary groups).
 
     Raises ``subprocess.TimeoutExpired`` (the child killed and reaped) and ``OSError`` (it could not
     start) as ``subprocess.run`` does; an exception from a signal handler propagates once the child is
@@ -115,6 +121,10 @@ def run(
             stderr=subprocess.PIPE,
             text=True,
             preexec_fn=_die_with(os.getpid()),
+            user=None if as_user is None else as_user[0],
+            group=None if as_user is None else as_user[1],
+            extra_groups=None if as_user is None else [],
+            cwd=None if as_user is None else "/",
         )
     except BaseException:
         _release(previous, held)

@@ -5,25 +5,42 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
+from rich.markup import escape
 
-from safeinstall.environment import inspect_environment, resolve_python
+from safeinstall.environment import Environment, inspect_environment, resolve_python
 from safeinstall.errors import ExitCode, SafeInstallError, UsageError
-from safeinstall.options import RunOptions
+from safeinstall.journal import now_iso
+from safeinstall.options import RunOptions, check_options
 from safeinstall.output import dumps, envelope, finding_json, jsonable, plan_json, run_json
 from safeinstall.render import (
     ConsoleReporter,
     make_console,
+    render_entry,
     render_error,
+    render_forgotten,
     render_plan,
     render_recoveries,
     render_result,
     render_status,
     render_verify,
 )
+from safeinstall.runlog import LoggedReporter, append_line
+from safeinstall.state import (
+    EnvironmentState,
+    ensure_environment_dir,
+    environment_state,
+    is_run_id,
+    new_run_id,
+    state_root,
+)
+from safeinstall.uvplan import parse_requirement
 from safeinstall.verify import VerifyReport, verify_environment
 
 if TYPE_CHECKING:
@@ -35,7 +52,12 @@ EXIT_CODES = (
     "things back failed too (the message lists the commands to finish)."
 )
 
-app = typer.Typer(add_completion=False, context_settings={"help_option_names": ["-h", "--help"]})
+app = typer.Typer(
+    add_completion=True,  # --install-completion / --show-completion
+    rich_markup_mode=None,  # plain help and errors, as uv and pip print them
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
 
 
 def _exit(code: int) -> NoReturn:
@@ -112,6 +134,8 @@ def _run_verify(
         raise UsageError("--wheel checks one package", hint="name the package instead of --all")
     env = inspect_environment(resolve_python(python, os.environ))
     err = make_console(stderr=True)
+    if env.owner_note and not as_json:
+        err.print(f"[dim]note:[/] {escape(env.owner_note)}", soft_wrap=True)
     names = None if all_ else [package or ""]
     read: Wheel | None = None
     if wheel is not None:
@@ -154,23 +178,136 @@ def _run_verify(
         render_verify(make_console(), err, report, diffs if diff else None)
         if save_patch is not None:
             err.print(
-                f"patch of {sum(1 for d in diffs or [] if d.text)} modified files written to {save_patch}"
+                f"patch of {sum(1 for d in diffs or [] if d.text)} modified files written to "
+                f"{escape(str(save_patch))}"
             )
     _exit(report.exit_code)
 
 
+def _environment_state(options: RunOptions) -> tuple[Environment, EnvironmentState]:
+    env = inspect_environment(resolve_python(options.python, options.environ))
+    return env, environment_state(state_root(options.environ, os.geteuid()), env.prefix)
+
+
+def _keep(state: EnvironmentState, entry: dict[str, Any]) -> tuple[str, ...]:
+    """The single place where a run's result is final: into its log and the environment's history."""
+    from safeinstall.history import append
+
+    result = entry["result"]
+    for error in result["errors"]:
+        append_line(state.log_file(entry["run_id"]), f"error: {error['message']}")
+    append_line(state.log_file(entry["run_id"]), f"result: {result['status']} (exit {result['exit_code']})")
+    return append(state, entry)
+
+
 def _run_reinstall(options: RunOptions, as_json: bool, interactive: bool) -> None:
+    from safeinstall.history import new_entry
     from safeinstall.reinstall import run_reinstall
 
+    _env, state = _environment_state(options)
+    run_id = options.run_id or new_run_id(datetime.now(UTC), os.getpid())
+    started = now_iso()
     out, err = make_console(), make_console(stderr=True)
-    result = run_reinstall(options, ConsoleReporter(out, err, quiet=as_json), interactive)
+    reporter = LoggedReporter(ConsoleReporter(out, err, quiet=as_json), state.log_file(run_id))
+    try:
+        result = run_reinstall(replace(options, run_id=run_id), reporter, interactive)
+    except SafeInstallError as error:
+        document = envelope("reinstall", "error", error.exit_code, None, [error])
+        _keep(state, new_entry(run_id, options.package, started, now_iso(), jsonable(document)))
+        raise
+    errors = [result.error] if result.error else []
+    data = {"run_id": run_id, **run_json(result)}
+    document = jsonable(envelope("reinstall", result.status, result.exit_code, data, errors))
+    notes = _keep(state, new_entry(run_id, options.package, started, now_iso(), document))
     with contextlib.suppress(OSError):  # the terminal may be gone (SIGHUP): the exit code still tells
         if as_json:
-            errors = [result.error] if result.error else []
-            print(dumps(envelope("reinstall", result.status, result.exit_code, run_json(result), errors)))
+            print(dumps(document))
         else:
-            render_result(out, err, result)
+            render_result(out, err, result, run_id)
+        for note in notes:
+            err.print(f"[dim]note:[/] {note}", soft_wrap=True, highlight=False)
     _exit(result.exit_code)
+
+
+def _run_detached(options: RunOptions, as_json: bool, interactive: bool) -> None:
+    from safeinstall.detach import detach
+
+    env, state = _environment_state(options)
+    ensure_environment_dir(state)
+    out, err = make_console(), make_console(stderr=True)
+    if interactive:
+        from safeinstall.survey import survey
+
+        if not ConsoleReporter(out, err).confirm(survey(options, env).plan):
+            out.print("nothing done (not confirmed)")
+            _exit(ExitCode.REFUSED)
+    run_id = options.run_id or new_run_id(datetime.now(UTC), os.getpid())
+    started = detach(options, env, state, run_id)
+    if started.finished is not None and started.finished["result"]["exit_code"] == ExitCode.REFUSED:
+        _print_entry(started.finished, as_json)  # refused in its preflight: nothing was changed
+    data = {
+        "run_id": run_id,
+        "unit": started.unit,
+        "user_manager": started.user_manager,
+        "prefix": str(env.prefix),
+        "log_file": started.log_file,
+    }
+    if as_json:
+        print(dumps(envelope("reinstall", "detached", ExitCode.OK, data)))
+    else:
+        manager = "systemd --user" if started.user_manager else "systemd"
+        out.print(f"detached: run {run_id} goes on as {started.unit} ({manager})", soft_wrap=True)
+        out.print(
+            f"follow it with: safeinstall --status --wait --run {run_id} --python {env.python}"
+            + (" --user" if started.user_manager else ""),
+            soft_wrap=True,
+        )
+    _exit(ExitCode.OK)
+
+
+def _print_entry(entry: dict[str, Any], as_json: bool) -> NoReturn:
+    """A finished run's result, from its history entry; exits with the run's own exit code."""
+    result = entry["result"]
+    with contextlib.suppress(OSError):
+        if as_json:
+            print(dumps(result))
+        else:
+            render_entry(make_console(), make_console(stderr=True), entry)
+    _exit(int(result["exit_code"]))
+
+
+def _run_wait(python: str | None, run_id: str | None, as_json: bool) -> None:
+    from safeinstall.detach import locate, wait_for_run
+    from safeinstall.state import list_environment_dirs
+
+    root = state_root(os.environ, os.geteuid())
+    if python is not None:
+        state = environment_state(root, inspect_environment(resolve_python(python, os.environ)).prefix)
+    else:
+        state = locate(list_environment_dirs(root), run_id)
+
+    def show(line: str) -> None:
+        with contextlib.suppress(OSError):
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+
+    _print_entry(wait_for_run(state, run_id, show), as_json)
+
+
+def _run_forget(python: str | None, as_json: bool) -> None:
+    from safeinstall.recover import forget
+
+    forgotten, failures = forget(os.environ, python)
+    code = failures[0].exit_code if failures else ExitCode.OK
+    if as_json:
+        status = "error" if failures else "forgotten"
+        print(dumps(envelope("forget", status, code, {"forgotten": jsonable(forgotten)}, list(failures))))
+    else:
+        render_forgotten(make_console(), list(forgotten))
+        err = make_console(stderr=True)
+        for failure in failures:
+            render_error(err, failure)
+    _exit(code)
 
 
 def _run_recover(python: str | None, as_json: bool) -> None:
@@ -193,21 +330,26 @@ def _run_recover(python: str | None, as_json: bool) -> None:
 def _run_status(python: str | None, as_json: bool) -> None:
     from safeinstall.recover import status
 
-    found = status(os.environ, python)
+    report = status(os.environ, python)
+    found = list(report.environments)
     pending = any(s.needs_recovery for s in found)
     if as_json:
         state = "needs-recovery" if pending else "running" if any(s.running for s in found) else "idle"
-        print(dumps(envelope("status", state, ExitCode.OK, {"environments": jsonable(found)})))
+        state = "error" if report.failures else state
+        data = {"environments": jsonable(found)}
+        print(dumps(envelope("status", state, report.exit_code, data, list(report.failures))))
     else:
         render_status(make_console(), found)
-    _exit(ExitCode.OK)
+        err = make_console(stderr=True)
+        for failure in report.failures:
+            render_error(err, failure)
+    _exit(report.exit_code)
 
 
 def _run_dry_run(options: RunOptions, as_json: bool) -> None:
-    from safeinstall.survey import survey
+    from safeinstall.preflight import preflight
 
-    result = survey(options)
-    plan = result.plan
+    plan = preflight(options, take_lock=False).plan  # the run's own checks: it refuses when the run would
     code = ExitCode.OK if plan.proceeds else ExitCode.REFUSED
     if as_json:
         status = "would-proceed" if plan.proceeds else "would-refuse"
@@ -217,153 +359,367 @@ def _run_dry_run(options: RunOptions, as_json: bool) -> None:
     _exit(code)
 
 
+#: The flags that choose what safeinstall does, and the ``command`` of their JSON envelope.
+_COMMANDS = (
+    ("--verify-only", "verify"),
+    ("--dry-run", "dry-run"),
+    ("--recover", "recover"),
+    ("--status", "status"),
+    ("--forget", "forget"),
+)
+
+
+def command_for(flags: Collection[str]) -> str:
+    """Pure: the command that the given flags select (``reinstall`` by default)."""
+    return next((name for flag, name in _COMMANDS if flag in flags), "reinstall")
+
+
+def _tool_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("safeinstall")
+    except PackageNotFoundError:  # a source tree on sys.path
+        from safeinstall import __version__
+
+        return __version__
+
+
+def run_options(params: Mapping[str, Any], extra_args: Sequence[str]) -> RunOptions:
+    """The run the parsed command line asks for (``params``: the command's parameters by name)."""
+    requirement = parse_requirement(params["package"])
+    wheel: Path | None = params["wheel"]
+    if wheel is not None and requirement.specifier:
+        raise UsageError(
+            "give --wheel or a version in the requirement, not both",
+            hint=f"safeinstall {requirement.name} --wheel PATH, or safeinstall '{requirement.text}'",
+        )
+    run_id: str | None = params["run_id"]
+    if run_id is not None and not is_run_id(run_id):
+        raise UsageError(f"{run_id!r} is not a run id", hint="run ids look like 20261130T031201Z-1234")
+    return RunOptions(
+        package=requirement.name,
+        python=params["python"],
+        wheel=wheel.absolute() if wheel else None,
+        version_spec=requirement.specifier,
+        with_deps=params["with_deps"],
+        user=params["user"],
+        kill_strays=params["kill_strays"],
+        only_loaded=params["only_loaded"],
+        strict=params["strict"],
+        keep_patches=params["keep_patches"],
+        base_wheel=params["base_wheel"].absolute() if params["base_wheel"] else None,
+        drop_conflicting=params["drop_conflicting"],
+        extra_args=tuple(extra_args),
+        stop_timeout=params["stop_timeout"],
+        gpu_timeout=params["gpu_timeout"],
+        settle=params["settle"],
+        health_url=params["health_url"],
+        health_timeout=params["health_timeout"],
+        no_restart=params["no_restart"],
+        prune=params["prune"],
+        keep_backups=params["keep_backups"],
+        run_id=run_id,
+    )
+
+
+def _flag(name: str, help_text: str, *short: str) -> Any:
+    return typer.Option(name, *short, help=help_text)
+
+
 @app.command(
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": False},
+    context_settings={
+        "allow_extra_args": True,
+        "ignore_unknown_options": False,
+        "help_option_names": ["-h", "--help"],
+    },
     epilog=EXIT_CODES,
-    no_args_is_help=True,
 )
 def main_command(
     ctx: typer.Context,
-    package: Annotated[str | None, typer.Argument(help="The distribution to reinstall or verify.")] = None,
-    wheel: Annotated[
-        Path | None, typer.Option("--wheel", help="The wheel to install / compare with.")
-    ] = None,
-    version_spec: Annotated[
+    package: Annotated[
         str | None,
-        typer.Option("--version", help="Install this version (e.g. 2.0 or '>=2') from the configured index."),
+        typer.Argument(
+            metavar="REQUIREMENT",
+            help="The distribution to reinstall, optionally with a version as uv and pip take it "
+            "('vllm==0.16.0', 'vllm>=0.16'); or the one to verify.",
+            show_default=False,
+        ),
+    ] = None,
+    wheel: Annotated[
+        Path | None, typer.Option("--wheel", metavar="PATH", help="The wheel to install / compare with.")
     ] = None,
     python: Annotated[
         str | None,
-        typer.Option("--python", help="Target interpreter or venv (default: VIRTUAL_ENV, then python3)."),
+        typer.Option(
+            "--python",
+            metavar="PATH",
+            help="Target interpreter or venv (default: VIRTUAL_ENV, then python3).",
+        ),
     ] = None,
-    user: Annotated[bool, typer.Option("--user", help="Talk to the user's systemd manager.")] = False,
-    with_deps: Annotated[
-        bool, typer.Option("--with-deps", help="Reinstall dependencies too (uv --reinstall).")
-    ] = False,
+    user: Annotated[bool, _flag("--user", "Talk to the user's systemd manager.")] = False,
+    with_deps: Annotated[bool, _flag("--with-deps", "Reinstall dependencies too (uv --reinstall).")] = False,
     dry_run: Annotated[
-        bool,
-        typer.Option("--dry-run", help="Show the plan (processes, units, GPUs, uv command); change nothing."),
+        bool, _flag("--dry-run", "Show the plan (processes, units, GPUs, uv command); change nothing.")
     ] = False,
     kill_strays: Annotated[
-        bool, typer.Option("--kill-strays", help="End processes outside any service (not restarted).")
+        bool, _flag("--kill-strays", "End processes outside any service (not restarted).")
+    ] = False,
+    only_loaded: Annotated[
+        bool,
+        _flag(
+            "--only-loaded",
+            "Stop only processes with certain evidence of the package loaded (mapped, open, argv, "
+            "depends), not every process of the environment's Python.",
+        ),
+    ] = False,
+    strict: Annotated[
+        bool,
+        _flag(
+            "--strict",
+            "A process still running replaced code after the restart fails the run (rolled back, exit 3).",
+        ),
     ] = False,
     stop_timeout: Annotated[
         float | None,
         typer.Option(
-            "--stop-timeout", help="Seconds to wait for each unit to stop (default: its TimeoutStopSec)."
+            "--stop-timeout",
+            metavar="SECONDS",
+            help="Seconds to wait for each unit to stop (default: its TimeoutStopSec).",
         ),
     ] = None,
     gpu_timeout: Annotated[
-        float, typer.Option("--gpu-timeout", help="Seconds to wait for GPU memory to be released.")
+        float,
+        typer.Option(
+            "--gpu-timeout", metavar="SECONDS", help="Seconds to wait for GPU memory to be released."
+        ),
     ] = 120.0,
     settle: Annotated[
-        float, typer.Option("--settle", help="Seconds a restarted unit must stay active.")
+        float, typer.Option("--settle", metavar="SECONDS", help="Seconds a restarted unit must stay active.")
     ] = 5.0,
     health_url: Annotated[
-        str | None, typer.Option("--health-url", help="After the restart, wait until this URL answers 200.")
+        str | None,
+        typer.Option(
+            "--health-url", metavar="URL", help="After the restart, wait until this URL answers 200."
+        ),
     ] = None,
     health_timeout: Annotated[
-        float, typer.Option("--health-timeout", help="Seconds to wait for --health-url to answer 200.")
+        float,
+        typer.Option(
+            "--health-timeout", metavar="SECONDS", help="Seconds to wait for --health-url to answer 200."
+        ),
     ] = 300.0,
-    no_restart: Annotated[
-        bool, typer.Option("--no-restart", help="Leave the units stopped after the install.")
-    ] = False,
+    no_restart: Annotated[bool, _flag("--no-restart", "Leave the units stopped after the install.")] = False,
     prune: Annotated[
-        bool, typer.Option("--prune", help="Remove files the old version left behind (kept in the backup).")
+        bool, _flag("--prune", "Remove files the old version left behind (kept in the backup).")
     ] = False,
     keep_backups: Annotated[
         int,
         typer.Option(
             "--keep-backups",
+            metavar="N",
             min=1,
             help="After a good run, keep this many newest backups of the environment; delete older ones.",
         ),
     ] = 3,
-    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask before stopping anything.")] = False,
+    keep_patches: Annotated[
+        bool,
+        _flag(
+            "--keep-patches",
+            "Carry the package's local patches over to the new version (a three-way merge, checked "
+            "before anything stops).",
+        ),
+    ] = False,
+    base_wheel: Annotated[
+        Path | None,
+        typer.Option(
+            "--base-wheel",
+            metavar="WHEEL",
+            help="With --keep-patches: the wheel of the installed version (default: fetched by uv).",
+        ),
+    ] = None,
+    drop_conflicting: Annotated[
+        bool,
+        _flag(
+            "--drop-conflicting",
+            "With --keep-patches: carry what merges; drop (and list) the rest instead of refusing.",
+        ),
+    ] = False,
+    yes: Annotated[bool, _flag("--yes", "Do not ask before stopping anything.", "-y")] = False,
+    detach_: Annotated[
+        bool,
+        _flag(
+            "--detach",
+            "After the preflight, go on as a transient systemd unit that outlives this terminal or SSH "
+            "session; prints the run id (follow it with --status --wait).",
+        ),
+    ] = False,
     verify_only: Annotated[
-        bool, typer.Option("--verify-only", help="Only check installed files against RECORD; change nothing.")
+        bool, _flag("--verify-only", "Only check installed files against RECORD; change nothing.")
     ] = False,
-    all_: Annotated[bool, typer.Option("--all", help="With --verify-only: every distribution.")] = False,
-    diff: Annotated[
-        bool, typer.Option("--diff", help="With --wheel: unified diffs of modified files.")
-    ] = False,
+    all_: Annotated[bool, _flag("--all", "With --verify-only: every distribution.")] = False,
+    diff: Annotated[bool, _flag("--diff", "With --wheel: unified diffs of modified files.")] = False,
     save_patch: Annotated[
-        Path | None, typer.Option("--save-patch", help="With --wheel: write those diffs to FILE.")
+        Path | None,
+        typer.Option("--save-patch", metavar="FILE", help="With --wheel: write those diffs to FILE."),
     ] = None,
     recover_: Annotated[
-        bool,
-        typer.Option("--recover", help="Finish runs that died (restore, restart units, clear the journal)."),
+        bool, _flag("--recover", "Finish runs that died (restore, restart units, clear the journal).")
     ] = False,
     status_: Annotated[
-        bool, typer.Option("--status", help="Show whether a run is in progress or needs recovery.")
+        bool, _flag("--status", "Show the run in progress and the last finished runs of each environment.")
     ] = False,
-    as_json: Annotated[
-        bool, typer.Option("--json", help="Print the versioned JSON result on stdout.")
+    wait: Annotated[
+        bool,
+        _flag(
+            "--wait",
+            "With --status: follow the current (or latest) run to its end, showing its log; exit with its "
+            "exit code and print its result.",
+        ),
     ] = False,
+    run: Annotated[
+        str | None, typer.Option("--run", metavar="RUN_ID", help="With --status --wait: the run to follow.")
+    ] = None,
+    forget_: Annotated[
+        bool,
+        _flag(
+            "--forget",
+            "Remove the state (backups, logs, history) of environments that no longer exist, or of the one "
+            "--python names.",
+        ),
+    ] = False,
+    as_json: Annotated[bool, _flag("--json", "Print the versioned JSON result on stdout.")] = False,
+    show_version: Annotated[bool, _flag("--version", "Print safeinstall's version and exit.", "-V")] = False,
+    run_id: Annotated[str | None, typer.Option("--run-id", hidden=True)] = None,
+    environ_from: Annotated[Path | None, typer.Option("--environ-from", hidden=True)] = None,
 ) -> None:
     """Reinstall a Python package safely under the services that use it; or check it (--verify-only).
 
     Arguments after -- go to uv unchanged (index options and the like).
     """
-    command = (
-        "verify"
-        if verify_only
-        else "dry-run"
-        if dry_run
-        else "recover"
-        if recover_
-        else "status"
-        if status_
-        else "reinstall"
+    command = command_for(
+        {
+            flag
+            for flag, on in (
+                ("--verify-only", verify_only),
+                ("--dry-run", dry_run),
+                ("--recover", recover_),
+                ("--status", status_),
+                ("--forget", forget_),
+            )
+            if on
+        }
     )
     try:
-        if recover_ or status_:
+        if show_version:
+            given = [
+                name
+                for name in ctx.params
+                if name != "show_version"
+                and getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"
+            ]
+            if given or ctx.args:
+                raise UsageError(
+                    "--version prints safeinstall's version and takes nothing else",
+                    hint="to install a version, give it in the requirement: safeinstall 'vllm==0.16.0'",
+                )
+            print(f"safeinstall {_tool_version()}")
+            _exit(ExitCode.OK)
+        if environ_from is not None:  # a detached run: the caller's environment, as it was
+            from safeinstall.detach import take_environ
+
+            environ = take_environ(environ_from)
+            os.environ.clear()
+            os.environ.update(environ)
+        if (wait or run) and not status_:
+            raise UsageError(
+                "--wait and --run go with --status", hint="safeinstall --status --wait [--run RUN_ID]"
+            )
+        if recover_ or status_ or forget_:
             if package or ctx.args:
                 raise UsageError(
                     f"--{command} takes no PACKAGE", hint=f"safeinstall --{command} [--python PATH] [--json]"
                 )
             if recover_:
                 _run_recover(python, as_json)
+            if forget_:
+                _run_forget(python, as_json)
+            if run and not wait:
+                raise UsageError(
+                    "--run goes with --status --wait", hint="safeinstall --status --wait --run RUN_ID"
+                )
+            if wait:
+                _run_wait(python, run, as_json)
             _run_status(python, as_json)
+        if (base_wheel is not None or drop_conflicting) and not keep_patches:
+            raise UsageError(
+                "--base-wheel and --drop-conflicting go with --keep-patches",
+                hint=f"safeinstall {package or 'PACKAGE'} --wheel W --keep-patches [--base-wheel W]",
+            )
+        if keep_patches and (verify_only or dry_run):
+            raise UsageError(
+                "--keep-patches is for the reinstall",
+                hint="run it without --verify-only/--dry-run: the merge is checked before anything stops, "
+                "and a patch that cannot be carried refuses the run (exit 2)",
+            )
         if verify_only:
             if ctx.args:
                 raise UsageError(f"unexpected arguments: {' '.join(ctx.args)}", hint="see safeinstall --help")
+            if package and parse_requirement(package).specifier:
+                raise UsageError(
+                    "--verify-only checks the installed version; give the name without a version",
+                    hint="safeinstall NAME --verify-only [--wheel PATH]",
+                )
             _run_verify(package, all_, python, wheel, diff, save_patch, as_json)
         if not package:
             raise UsageError("no PACKAGE given", hint="safeinstall PACKAGE [--wheel W] (see --help)")
-        if wheel is not None and version_spec is not None:
-            raise UsageError("give --wheel or --version, not both", hint="see safeinstall --help")
-        options = RunOptions(
-            package=package,
-            python=python,
-            wheel=wheel.absolute() if wheel else None,
-            version_spec=version_spec,
-            with_deps=with_deps,
-            user=user,
-            kill_strays=kill_strays,
-            extra_args=tuple(ctx.args),
-            stop_timeout=stop_timeout,
-            gpu_timeout=gpu_timeout,
-            settle=settle,
-            health_url=health_url,
-            health_timeout=health_timeout,
-            no_restart=no_restart,
-            prune=prune,
-            keep_backups=keep_backups,
-        )
+        options = run_options(ctx.params, ctx.args)
+        check_options(options)
+        interactive = not yes and not as_json and sys.stdin.isatty()
+        if detach_:
+            if dry_run:
+                raise UsageError(
+                    "--dry-run changes nothing: there is nothing to detach", hint="drop --detach"
+                )
+            _run_detached(options, as_json, interactive)
         if dry_run:
             _run_dry_run(options, as_json)
-        _run_reinstall(options, as_json, interactive=not yes and not as_json and sys.stdin.isatty())
+        _run_reinstall(options, as_json, interactive)
     except SafeInstallError as error:
         _fail(error, command, as_json)
 
 
+def _words(argv: Sequence[str]) -> list[str]:
+    """The arguments before ``--`` (after it they are uv's)."""
+    return list(argv[: argv.index("--")]) if "--" in argv else list(argv)
+
+
+def _usage_error(exc: typer.TyperException) -> UsageError:
+    """A parsing error of Typer/click, as every other error: one line and a hint."""
+    message = " ".join(exc.format_message().split()).rstrip(".")
+    return UsageError(message[:1].lower() + message[1:], hint="see safeinstall --help")
+
+
+def _main(argv: list[str]) -> int:
+    if not argv:  # as uv: the help, and the status of a usage error
+        app(args=["--help"], prog_name="safeinstall", standalone_mode=False)
+        return int(ExitCode.REFUSED)
+    words = _words(argv)
+    try:
+        code = app(args=argv, prog_name="safeinstall", standalone_mode=False)
+    except typer.TyperException as exc:  # unknown option, missing value, bad value
+        _fail(_usage_error(exc), command_for(set(words)), "--json" in words)
+    return int(code or 0)
+
+
 def main() -> None:
     try:
-        app()
+        code = _main(sys.argv[1:])
+    except typer.Exit as done:
+        code = done.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        sys.exit(130)
+        code = 130
     except Exception as exc:  # a bug: still one error line, not a traceback (SAFEINSTALL_DEBUG=1 shows it)
         if os.environ.get("SAFEINSTALL_DEBUG"):
             raise
@@ -375,4 +731,5 @@ def main() -> None:
                 "Rerun with SAFEINSTALL_DEBUG=1 for the traceback and report it",
             ),
         )
-        sys.exit(int(ExitCode.REFUSED))
+        code = int(ExitCode.REFUSED)
+    sys.exit(code)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import configparser
+import difflib
 import os
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ class InstalledDistribution:
     #: where each RECORD entry lives, normalised lexically (``../../../bin/x`` -> ``<prefix>/bin/x``);
     #: parallel to ``record.entries``, computed once
     locations: tuple[str, ...]
+    #: its ``Requires-Dist`` headers, as written (markers included); read, never evaluated here
+    requires: tuple[str, ...] = ()
 
     def location(self, entry: RecordEntry) -> Path:
         """Where an entry lives, normalised lexically (``../../../bin/x`` -> ``<prefix>/bin/x``)."""
@@ -81,6 +84,19 @@ def metadata_headers(text: str, wanted: tuple[str, ...]) -> dict[str, str]:
     return found
 
 
+def metadata_values(text: str, wanted: str) -> tuple[str, ...]:
+    """Pure: every value of the header ``wanted`` (``Requires-Dist`` repeats), in the order written."""
+    values: list[str] = []
+    lowered = wanted.lower()
+    for line in text.splitlines():
+        if not line.strip():
+            break
+        key, sep, value = line.partition(":")
+        if sep and line[:1] not in (" ", "\t") and key.strip().lower() == lowered:
+            values.append(value.strip())
+    return tuple(values)
+
+
 def load_distribution(dist_info: Path) -> InstalledDistribution | None:
     """Read one ``.dist-info`` directory; None if it is not a readable distribution."""
     metadata = _read_text(dist_info / "METADATA")
@@ -106,6 +122,7 @@ def load_distribution(dist_info: Path) -> InstalledDistribution | None:
         console_scripts=parse_console_scripts(_read_text(dist_info / "entry_points.txt")),
         installer=installer.strip() if installer else None,
         locations=tuple(entry_location(site_text, entry) for entry in record.entries),
+        requires=metadata_values(metadata, "Requires-Dist"),
     )
 
 
@@ -160,15 +177,23 @@ def find_distributions(env: Environment) -> list[InstalledDistribution]:
     return sorted(found.values(), key=lambda d: d.name)
 
 
+def closest_names(name: str, installed: list[str], count: int = 3) -> list[str]:
+    """Pure: the installed names closest to a misspelled one (difflib's ratio, best first)."""
+    return difflib.get_close_matches(canonicalize_name(name), installed, n=count, cutoff=0.6)
+
+
 def find_distribution(
     env: Environment, name: str, installed: list[InstalledDistribution] | None = None
 ) -> InstalledDistribution:
     wanted = canonicalize_name(name)
-    for dist in installed if installed is not None else find_distributions(env):
+    dists = installed if installed is not None else find_distributions(env)
+    for dist in dists:
         if dist.name == wanted:
             return dist
+    close = closest_names(wanted, [d.name for d in dists])
+    guess = f"; did you mean {' or '.join(close)}?" if close else ""
     raise UnknownDistributionError(
-        f"{name} is not installed in {env.prefix}",
+        f"{name} is not installed in {env.prefix}{guess}",
         hint=f"check the name, or pass --python for the environment that has it "
         f"(looked in {', '.join(str(s) for s in env.site_dirs)})",
     )

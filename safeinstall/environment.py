@@ -1,13 +1,17 @@
 """The target Python environment: which interpreter, and where its files live.
 
-The interpreter is asked for its paths in isolated mode (``-I``) with an empty environment, so nothing
-the target environment's variables say (PYTHONPATH, PYTHONHOME, ...) is trusted.
+The interpreter is asked for its paths in isolated mode without ``site`` (``-I -S``) and with an empty
+environment: nothing the caller's variables say (PYTHONPATH, PYTHONHOME, ...) is trusted, and no
+``.pth`` file or ``sitecustomize`` of the environment runs. The probe finds a venv's prefix from its
+``pyvenv.cfg`` as ``site`` would. When the environment belongs to another user (a service account),
+root asks its interpreter as that user: root never runs code that another account can change.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pwd
 import shutil
 import subprocess
 from collections.abc import Mapping
@@ -18,7 +22,15 @@ from safeinstall import children
 from safeinstall.errors import InterpreterError
 
 _PROBE = r"""
-import json, sys, sysconfig
+import json, os, sys
+# what site.venv() does (site is not imported: -S): a pyvenv.cfg beside or above the executable's
+# directory makes that directory's parent the prefix. Before sysconfig is imported, which reads it.
+exe_dir = os.path.dirname(os.path.abspath(sys.executable))
+for conf in (os.path.join(exe_dir, "pyvenv.cfg"), os.path.join(os.path.dirname(exe_dir), "pyvenv.cfg")):
+    if os.path.isfile(conf):
+        sys.prefix = sys.exec_prefix = os.path.dirname(exe_dir)
+        break
+import sysconfig
 paths = sysconfig.get_paths()
 print(json.dumps({
     "executable": sys.executable,
@@ -33,6 +45,7 @@ print(json.dumps({
     "soabi": sysconfig.get_config_var("SOABI"),
     "ext_suffix": sysconfig.get_config_var("EXT_SUFFIX"),
     "platform": sysconfig.get_platform(),
+    "uid": os.geteuid(),
 }))
 """
 
@@ -51,6 +64,18 @@ class Environment:
     implementation: str
     soabi: str | None
     platform: str
+    owner: int | None = None  # the uid (not root's) that owns the environment; its probe ran as that user
+    probed_as: int | None = None  # the uid the probe ran as
+
+    @property
+    def owner_note(self) -> str | None:
+        """Said to the user when the environment belongs to another account."""
+        if self.owner is None:
+            return None
+        return (
+            f"the environment {self.prefix} belongs to uid {self.owner}: its interpreter was asked for its "
+            f"paths as uid {self.probed_as}, never as root, and without site (no .pth file runs)"
+        )
 
     @property
     def site_dirs(self) -> tuple[Path, ...]:
@@ -59,6 +84,16 @@ class Environment:
     @property
     def is_venv(self) -> bool:
         return self.prefix != self.base_prefix
+
+
+def interpreter_in_prefix(env: Environment) -> Path:
+    """The interpreter as ``PREFIX/bin/NAME`` when that is the same file (what a journal records, so
+    that --recover can tell it is the environment's own); else as it was given."""
+    own = env.prefix / "bin" / env.python.name
+    try:
+        return own if os.path.samefile(own, env.python) else env.python
+    except OSError:
+        return env.python
 
 
 def resolve_python(given: str | None, environ: Mapping[str, str]) -> Path:
@@ -99,40 +134,99 @@ def resolve_python(given: str | None, environ: Mapping[str, str]) -> Path:
     )
 
 
+def _owner_of(paths: tuple[Path, ...], euid: int) -> os.stat_result | None:
+    for path in paths:
+        try:
+            info = os.lstat(path)
+        except OSError:
+            continue
+        if info.st_uid not in (0, euid):
+            return info
+    return None
+
+
+def environment_owner(python: Path) -> tuple[int, int] | None:
+    """(uid, gid) of the account that owns the environment of ``python`` when that is neither root nor
+    the caller: the owner of the interpreter (or the binary it links to), its ``bin/``, the environment
+    directory, or its ``pyvenv.cfg`` (whoever can change one of them can change what it runs)."""
+    venv = python.parent.parent
+    real = Path(os.path.realpath(python))  # the binary a venv's symlink leads to
+    info = _owner_of((python, real, python.parent, venv, venv / "pyvenv.cfg"), os.geteuid())
+    if info is None:
+        return None
+    try:
+        gid = pwd.getpwuid(info.st_uid).pw_gid
+    except KeyError:
+        gid = info.st_gid
+    return info.st_uid, gid
+
+
+def _inside(path: Path, prefix: Path) -> bool:
+    return path == prefix or path.is_relative_to(prefix)
+
+
+def _venv_problem(python: Path, prefix: Path, paths: tuple[Path, ...]) -> str | None:
+    """Why a venv interpreter's answer cannot be its own (its prefix is not the directory holding its
+    pyvenv.cfg, or its site-packages or scripts lie outside it), or None."""
+    venv = python.parent.parent
+    if not (venv / "pyvenv.cfg").is_file():
+        return None
+    if prefix != Path(os.path.realpath(venv)):
+        return f"it reports the prefix {prefix}, but its pyvenv.cfg is in {venv}"
+    outside = [str(path) for path in paths if not _inside(path, prefix)]
+    if outside:
+        return f"it reports directories outside its prefix {prefix}: {', '.join(outside)}"
+    return None
+
+
 def inspect_environment(python: Path, timeout: float = 30.0) -> Environment:
-    """Ask ``python`` (isolated, empty environment) for its installation paths."""
+    """Ask ``python`` (isolated, no site, empty environment) for its installation paths; as root, an
+    environment that another account owns is asked as that account."""
+    owner = environment_owner(python) if os.geteuid() == 0 else None
     try:
         proc = children.run(
-            [str(python), "-I", "-c", _PROBE],
+            [str(python), "-I", "-S", "-c", _PROBE],
             env={"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"},
             timeout=timeout,
+            as_user=owner,
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise InterpreterError(
-            f"could not run {python}: {exc}",
+            f"could not run {python}" + (f" as uid {owner[0]} (its owner)" if owner else "") + f": {exc}",
             hint="check that --python names a working interpreter",
         ) from exc
     if proc.returncode != 0:
         raise InterpreterError(
-            f"{python} failed to report its paths: {proc.stderr.strip()[-400:]}",
+            f"{python} failed to report its paths"
+            + (f" (run as uid {owner[0]}, its owner)" if owner else "")
+            + f": {proc.stderr.strip()[-400:]}",
             hint="check that --python names a working Python 3 interpreter",
         )
     try:
         info = json.loads(proc.stdout)
-    except json.JSONDecodeError as exc:
+        major, minor, micro = (int(part) for part in info["version"])
+        env = Environment(
+            python=python,
+            executable=Path(info["executable"]),
+            prefix=Path(os.path.realpath(info["prefix"])),
+            base_prefix=Path(os.path.realpath(info["base_prefix"])),
+            purelib=Path(os.path.realpath(info["purelib"])),
+            platlib=Path(os.path.realpath(info["platlib"])),
+            scripts=Path(os.path.realpath(info["scripts"])),
+            data=Path(os.path.realpath(info["data"])),
+            version=(major, minor, micro),
+            implementation=str(info["implementation"]),
+            soabi=info.get("soabi"),
+            platform=str(info["platform"]),
+            owner=owner[0] if owner else None,
+            probed_as=int(info["uid"]),
+        )
+    except (ValueError, KeyError, TypeError) as exc:
         raise InterpreterError(f"{python} printed something unexpected: {proc.stdout[:200]!r}") from exc
-    major, minor, micro = (int(part) for part in info["version"])
-    return Environment(
-        python=python,
-        executable=Path(info["executable"]),
-        prefix=Path(os.path.realpath(info["prefix"])),
-        base_prefix=Path(os.path.realpath(info["base_prefix"])),
-        purelib=Path(os.path.realpath(info["purelib"])),
-        platlib=Path(os.path.realpath(info["platlib"])),
-        scripts=Path(os.path.realpath(info["scripts"])),
-        data=Path(os.path.realpath(info["data"])),
-        version=(major, minor, micro),
-        implementation=str(info["implementation"]),
-        soabi=info.get("soabi"),
-        platform=str(info["platform"]),
-    )
+    problem = _venv_problem(python, env.prefix, (env.purelib, env.platlib, env.scripts, env.data))
+    if problem is not None:
+        raise InterpreterError(
+            f"refusing the environment of {python}: {problem}",
+            hint="safeinstall acts only inside the environment the interpreter belongs to; check the venv",
+        )
+    return env

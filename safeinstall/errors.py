@@ -75,6 +75,12 @@ class NvmlError(SafeInstallError):
     code = "nvml"
 
 
+class PatchConflict(SafeInstallError):
+    """--keep-patches: a local patch cannot be carried to the new version (refused before the stop)."""
+
+    code = "patch-conflict"
+
+
 class Aborted(SafeInstallError):
     """A run that failed (or was interrupted) before any unit was stopped: nothing changed (exit 2)."""
 
@@ -89,7 +95,12 @@ class StepFailed(SafeInstallError):
 
 
 class RollbackFailed(SafeInstallError):
-    """Putting things back failed too (exit 4); the message lists the commands to finish by hand."""
+    """Putting things back failed too (exit 4); the message lists the commands to finish by hand, and
+    ``commands`` holds them one by one (``manual_commands`` in a reinstall's ``--json``)."""
 
     exit_code = ExitCode.ROLLBACK_FAILED
     code = "rollback-failed"
+
+    def __init__(self, message: str, hint: str | None = None, commands: tuple[str, ...] = ()) -> None:
+        super().__init__(message, hint)
+        self.commands = commands

@@ -9,17 +9,33 @@ The journal is removed (:func:`clear_journal`) when a run ends cleanly.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+import os
+import re
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from safeinstall.cgroups import valid_unit_name
 from safeinstall.errors import SafeInstallError
-from safeinstall.state import JOURNAL_FILE, TMP_SUFFIX, atomic_write, fsync_dir
+from safeinstall.gate import GATE_DROPIN
+from safeinstall.state import (
+    BACKUPS_DIR,
+    JOURNAL_FILE,
+    TMP_SUFFIX,
+    atomic_write,
+    environment_key,
+    fsync_dir,
+    read_private_file,
+)
 
 JOURNAL_VERSION = 1
+#: A journal holds a plan and a history: kilobytes. Anything larger was not written by safeinstall.
+JOURNAL_MAX_BYTES = 1024 * 1024
+_RUN_ID = re.compile(r"\d{8}T\d{6}Z-\d+")
+_INTERPRETER = re.compile(r"python[0-9.]*")
 _TMP_PREFIX = f".{JOURNAL_FILE}."
 
 
@@ -298,6 +314,70 @@ def journal_from_dict(data: Any) -> Journal:
     )
 
 
+def _normal_absolute(path: str) -> bool:
+    return os.path.isabs(path) and os.path.normpath(path) == path and not path.startswith("//")
+
+
+def journal_problems(
+    journal: Journal, envdir: Path, dropin_roots: Mapping[bool, Collection[Path]]
+) -> list[str]:
+    """Pure: why ``journal`` (read from ``envdir``) is not one that safeinstall wrote there; [] when
+    every field a recovery acts on is as a run of this environment writes it.
+
+    ``dropin_roots`` maps ``user_manager`` to the directories that manager reads drop-ins from: a gate
+    path must be ``ROOT/UNIT.d/50-safeinstall-gate.conf`` for one of the journal's own units.
+    """
+    problems: list[str] = []
+    prefix = journal.prefix
+    if not _normal_absolute(prefix):
+        problems.append(f"its prefix {prefix!r} is not a normal absolute path")
+    elif environment_key(Path(prefix)) != envdir.name:
+        problems.append(f"its prefix {prefix} is not the environment this directory ({envdir.name}) is for")
+    python = Path(journal.python)
+    if not (
+        _normal_absolute(journal.python)
+        and python.parent == Path(prefix) / "bin"
+        and _INTERPRETER.fullmatch(python.name)
+    ):
+        problems.append(
+            f"its python {journal.python!r} is not the interpreter of {prefix} (PREFIX/bin/python*)"
+        )
+    if not _RUN_ID.fullmatch(journal.run_id):
+        problems.append(f"its run id {journal.run_id!r} is not one safeinstall makes")
+    elif journal.backup_dir is not None and journal.backup_dir != str(envdir / BACKUPS_DIR / journal.run_id):
+        problems.append(
+            f"its backup {journal.backup_dir!r} is not this run's backup directory "
+            f"{envdir / BACKUPS_DIR / journal.run_id}"
+        )
+    bad_units = [u.name for u in journal.units if not valid_unit_name(u.name)]
+    if bad_units:
+        problems.append(
+            f"unit names that are not valid systemd unit names: {', '.join(map(repr, bad_units))}"
+        )
+    allowed = {
+        str(root / f"{unit.name}.d" / f"{GATE_DROPIN}.conf")
+        for unit in journal.units
+        if valid_unit_name(unit.name)
+        for root in dropin_roots.get(unit.user_manager, ())
+    }
+    foreign = [path for path in journal.gate if path not in allowed]
+    if foreign:
+        problems.append(
+            "gate paths that are not the boot-gate drop-ins of its units: " + ", ".join(map(repr, foreign))
+        )
+    return problems
+
+
+def wheel_to_read(journal: Journal, envdir: Path) -> Path | None:
+    """Pure: the journal's wheel if it lies inside the environment's state directory (the run's own
+    copy); a wheel anywhere else is never read again as root (whoever can write its directory may
+    have replaced it), and None is returned."""
+    if journal.wheel is None or not _normal_absolute(journal.wheel):
+        return None
+    wheel = Path(journal.wheel)
+    return wheel if wheel.is_relative_to(envdir) and wheel != envdir else None
+
+
 def journal_to_json(journal: Journal) -> str:
     return json.dumps(journal_to_dict(journal), indent=2, ensure_ascii=False) + "\n"
 
@@ -336,10 +416,13 @@ def start_journal(envdir: Path, journal: Journal) -> Journal:
 
 
 def read_journal(envdir: Path) -> Journal | None:
-    """The journal left in ``envdir``, or None. A damaged one raises :class:`JournalError`."""
+    """The journal left in ``envdir``, or None. A damaged one raises :class:`JournalError`; one that
+    safeinstall cannot have written (a symlink, not a regular file, another owner, writable by others,
+    larger than :data:`JOURNAL_MAX_BYTES`) raises :class:`StateDirError`. Its fields are checked
+    against the directory by :func:`journal_problems` (the caller knows the drop-in directories)."""
     path = journal_path(envdir)
     try:
-        raw = path.read_bytes()
+        raw = read_private_file(path, JOURNAL_MAX_BYTES)
     except FileNotFoundError:
         return None
     except OSError as exc:

@@ -296,3 +296,11 @@ def read_holder(path: Path) -> tuple[bool, LockHolder | None]:
         return held, parse_holder(_read_fd(fd))
     finally:
         os.close(fd)
+
+
+def check_lock(path: Path, target: str) -> None:
+    """For a dry-run: refuse as :func:`acquire_lock` would when a live run holds the lock, without
+    taking it (a shared probe) and without creating anything."""
+    held, holder = read_holder(path)
+    if held:
+        raise LockHeldError(held_message(holder, target), hint=HELD_HINT)

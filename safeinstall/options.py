@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import math
 import os
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from safeinstall.errors import UsageError
 
 
 @dataclass(frozen=True, slots=True)
 class RunOptions:
     """Everything the user asked for, as parsed by the CLI."""
 
-    package: str
+    package: str  # the distribution's name, as the requirement spelled it
     python: str | None = None
     wheel: Path | None = None
-    version_spec: str | None = None
+    version_spec: str | None = None  # the requirement's specifier ("==0.16.0", ">=0.16"); None: none
     with_deps: bool = False
     user: bool = False
     kill_strays: bool = False
@@ -27,6 +31,45 @@ class RunOptions:
     health_timeout: float = 300.0
     no_restart: bool = False
     prune: bool = False
+    only_loaded: bool = False  # plan only processes with certain evidence (not ``environment`` alone)
+    strict: bool = False  # a process left on old code after the restart fails the run (rolled back)
     keep_backups: int = 3  # safeinstall.retention.DEFAULT_KEEP: backups kept per environment
+    run_id: str | None = None  # given by the caller (a detached run's foreground); None: a new one
+    keep_patches: bool = False  # carry the package's local patches over to the new version
+    base_wheel: Path | None = None  # --keep-patches: the installed version's wheel (else fetched by uv)
+    drop_conflicting: bool = False  # --keep-patches: drop what cannot be carried instead of refusing
     proc_root: Path = Path("/proc")
     environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+
+
+def option_problems(options: RunOptions) -> list[str]:
+    """Pure: every value that could not be honoured, found before anything is stopped. (A ``nan``
+    deadline never passes: the run, and its rollback, would wait forever.)"""
+    problems: list[str] = []
+    timeouts = {
+        "--stop-timeout": options.stop_timeout,
+        "--gpu-timeout": options.gpu_timeout,
+        "--settle": options.settle,
+        "--health-timeout": options.health_timeout,
+    }
+    for flag, value in timeouts.items():
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            problems.append(f"{flag} {value:g}: seconds must be a finite number, 0 or more")
+    if options.keep_backups < 1:
+        problems.append(f"--keep-backups {options.keep_backups}: keep at least 1 (the run's own backup)")
+    if options.health_url is not None:
+        url = urllib.parse.urlsplit(options.health_url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            problems.append(
+                f"--health-url {options.health_url}: only http:// and https:// URLs with a host are asked"
+            )
+    return problems
+
+
+def check_options(options: RunOptions) -> None:
+    """Refuse (UsageError, exit 2) options that :func:`option_problems` finds wrong."""
+    problems = option_problems(options)
+    if problems:
+        raise UsageError(
+            "; ".join(problems), hint="fix these options (see safeinstall --help); nothing was done"
+        )

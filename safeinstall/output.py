@@ -98,4 +98,11 @@ def run_json(result: RunResult) -> dict[str, Any]:
         "not_restarted": list(result.not_restarted),
         "strays_killed": list(result.strays_killed),
         "notes": list(result.notes),
+        "old_code": jsonable(result.old_code),
+        "patches": [
+            {"path": p.path, "status": p.status.value, "detail": p.detail, "diff": p.diff}
+            for p in result.patches
+        ],
+        "patch_file": result.patch_file,
+        "manual_commands": list(result.manual_commands),
     }

@@ -6,12 +6,12 @@ an NVML snapshot) into one :class:`Plan`, and says whether the run would proceed
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from safeinstall.cgroups import CgroupPlacement, placement_of_proc_cgroup
+from safeinstall.cgroups import CgroupPlacement, placement_of_proc_cgroup, valid_unit_name
 from safeinstall.gpus import GpuSnapshot
-from safeinstall.processes import EvidenceKind, ProcessRecord, ScanProblem, ScanResult
+from safeinstall.processes import EvidenceKind, ProcessRecord, ScanProblem, ScanResult, Strength
 from safeinstall.systemd import UnitInfo
 from safeinstall.uvplan import UvPlan
 
@@ -33,11 +33,14 @@ class PlannedProcess:
     cmdline: tuple[str, ...]
     unit: str | None
     scope: str | None
-    evidence: tuple[str, ...]  # evidence kinds: mapped, open, argv, unit
+    evidence: tuple[str, ...]  # evidence kinds: mapped, open, argv, depends, environment, unit
     details: tuple[str, ...]  # one line per piece of evidence
     distributions: tuple[str, ...]
     running_old_code: bool  # maps a deleted file of an affected distribution
     gpu_bytes: int | None  # GPU memory NVML lists for it (None: none listed or N/A)
+    #: "certain": it runs the package's code (or shares a unit with such a process); "possible": it
+    #: (or the affected processes of its unit) only runs the environment's Python (``environment``)
+    strength: str = Strength.CERTAIN.value
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,10 +74,53 @@ class Plan:
     scan_problems: tuple[ScanProblem, ...]
     refusals: tuple[str, ...]
     warnings: tuple[str, ...]
+    only_loaded: bool = False  # --only-loaded: processes with only possible evidence are left out
+    #: PIDs of the processes --only-loaded leaves out (only ``environment`` evidence); they keep running
+    left_out: tuple[int, ...] = ()
 
     @property
     def proceeds(self) -> bool:
         return not self.refusals
+
+
+@dataclass(frozen=True, slots=True)
+class OldCodeProcess:
+    """A process that still maps a replaced (deleted) file of an affected distribution."""
+
+    pid: int
+    name: str
+    cmdline: tuple[str, ...]
+    unit: str | None
+    scope: str | None
+    distributions: tuple[str, ...]
+    paths: tuple[str, ...]  # the replaced files it maps
+
+    def describe(self) -> str:
+        where = f"unit {self.unit}" if self.unit else f"no unit ({self.scope or 'no scope'})"
+        names = ", ".join(self.distributions)
+        return f"PID {self.pid} ({self.name}, {where}) still maps replaced files of {names}"
+
+
+def left_on_old_code(scan: ScanResult) -> tuple[OldCodeProcess, ...]:
+    """The processes of ``scan`` (of the affected distributions' targets) that run replaced code."""
+    found: list[OldCodeProcess] = []
+    for record in scan.processes:
+        if record.is_self or record.state == "Z" or not record.running_old_code:
+            continue
+        old = [e for e in record.evidence if e.deleted]
+        placement = placement_of_proc_cgroup(record.cgroup_text)
+        found.append(
+            OldCodeProcess(
+                pid=record.pid,
+                name=record.name,
+                cmdline=record.cmdline,
+                unit=placement.unit,
+                scope=placement.scope,
+                distributions=tuple(sorted({e.distribution for e in old})),
+                paths=tuple(dict.fromkeys(e.path for e in old)),
+            )
+        )
+    return tuple(found)
 
 
 def affected_distributions(
@@ -101,7 +147,11 @@ def _gpu_bytes(gpus: GpuSnapshot) -> dict[int, int]:
 
 
 def _planned(
-    record: ProcessRecord, placement: CgroupPlacement, extra_evidence: Iterable[str], held: Mapping[int, int]
+    record: ProcessRecord,
+    placement: CgroupPlacement,
+    extra_evidence: Iterable[str],
+    held: Mapping[int, int],
+    strength: Strength | None,
 ) -> PlannedProcess:
     kinds = [e.kind.value for e in record.evidence]
     details = [e.describe() for e in record.evidence]
@@ -121,11 +171,18 @@ def _planned(
         distributions=tuple(sorted(record.distributions)),
         running_old_code=record.running_old_code,
         gpu_bytes=held.get(record.pid),
+        strength=(strength or record.strength or Strength.CERTAIN).value,
     )
 
 
 def _unit_refusal(unit: str, info: UnitInfo | None, user: bool, placement: CgroupPlacement) -> str | None:
     manager = "user" if user else "system"
+    if not valid_unit_name(unit):
+        return (
+            f"the cgroup {placement.path} names {unit!r}, which is not a valid systemd unit name: it is "
+            "never passed to systemctl (it could match other units there) nor gated; stop its processes "
+            "yourself"
+        )
     if placement.user_manager_uid is not None and not user:
         return (
             f"{unit} belongs to the user manager of UID {placement.user_manager_uid}: "
@@ -173,12 +230,40 @@ def _dependents(planned: list[PlannedUnit], units: Mapping[str, UnitInfo]) -> li
         info = units.get(unit.name)
         for name in info.dependents if info else ():
             dependent = units.get(name)
-            if name in names or not name.endswith(".service") or dependent is None or not dependent.is_active:
+            if (
+                name in names
+                or not name.endswith(".service")
+                or not valid_unit_name(name)
+                or dependent is None
+                or not dependent.is_active
+            ):
                 continue
             names.add(name)
             found.append(_planned_unit(name, dependent, (), stopped_with=unit.name))
             queue.append(found[-1])
     return found
+
+
+def unreadable_warning(problems: Sequence[ScanProblem], as_root: bool) -> str | None:
+    """Pure: what could not be read of which processes, and why, for the processes that denied access.
+
+    Only a user who is not root is told to run as root: root that is refused (PID 1 of a VM or a
+    container that denies its maps to everyone, a security module) is not lacking a permission."""
+    denied: dict[int, list[str]] = {}
+    for problem in problems:
+        if "permission" in problem.reason.lower():
+            denied.setdefault(problem.pid, []).append(problem.reading)
+    if not denied:
+        return None
+    listed = ", ".join(f"PID {pid} ({', '.join(readings)})" for pid, readings in sorted(denied.items())[:10])
+    more = f" and {len(denied) - 10} more" if len(denied) > 10 else ""
+    text = f"could not read {len(denied)} process(es): {listed}{more}: permission denied"
+    if as_root:
+        return (
+            text + " even to root (the kernel or a security policy hides them: the init of a VM or a "
+            "container, Yama, SELinux, AppArmor); whether they use the package is not known"
+        )
+    return text + "; run as root to see every process"
 
 
 def build_plan(
@@ -189,26 +274,45 @@ def build_plan(
     user: bool,
     with_deps: bool,
     kill_strays: bool,
+    only_loaded: bool = False,
     uv_plan: UvPlan,
     installed_versions: Mapping[str, str],
     wheel_version: str | None,
     scan: ScanResult,
     units: Mapping[str, UnitInfo],
     gpus: GpuSnapshot,
+    as_root: bool = False,
 ) -> Plan:
     placements = {p.pid: placement_of_proc_cgroup(p.cgroup_text) for p in scan.processes}
     live = [p for p in scan.processes if not p.is_self and p.state != "Z"]
-    affected = [p for p in live if p.affected]
+    # a process with only possible evidence (``environment``) is planned unless --only-loaded
+    planned_alone = [p for p in live if p.certain or (p.affected and not only_loaded)]
     # a unit is its cgroup, not its name: another manager may run a unit of the same name
-    affected_units = {placements[p.pid].unit_path for p in affected} - {None}
+    affected_units = {placements[p.pid].unit_path for p in planned_alone} - {None}
+    # a unit is as certain as the most certain of its affected processes
+    certain_units = {placements[p.pid].unit_path for p in live if p.certain} - {None}
+    left_out = (
+        tuple(
+            p.pid
+            for p in live
+            if p.affected and not p.certain and placements[p.pid].unit_path not in affected_units
+        )
+        if only_loaded
+        else ()
+    )
     held = _gpu_bytes(gpus)
     processes: list[PlannedProcess] = []
+    unit_kind = (EvidenceKind.UNIT.value,)
     for record in live:
         placement = placements[record.pid]
-        if record.affected:
-            processes.append(_planned(record, placement, (), held))
-        elif placement.unit_path in affected_units:
-            processes.append(_planned(record, placement, (EvidenceKind.UNIT.value,), held))
+        in_certain_unit = placement.unit_path in certain_units
+        strength = Strength.CERTAIN if record.certain or in_certain_unit else Strength.POSSIBLE
+        if record.certain:
+            processes.append(_planned(record, placement, (), held, strength))
+        elif placement.unit_path in affected_units or (record.affected and not only_loaded):
+            # its own evidence (if any) is possible: the unit's may say more (the API-server shape)
+            extra = unit_kind if in_certain_unit or not record.affected else ()
+            processes.append(_planned(record, placement, extra, held, strength))
     strays = tuple(p for p in processes if p.unit is None)
     planned_units: list[PlannedUnit] = []
     refusals: list[str] = []
@@ -225,18 +329,22 @@ def build_plan(
     if strays and not kill_strays:
         listed = ", ".join(f"{p.pid} ({p.name})" for p in strays)
         refusals.append(
-            f"{len(strays)} process(es) use the package outside any systemd service: {listed}; "
+            f"{len(strays)} process(es) use the package (or run its environment's Python) outside any "
+            f"systemd service: {listed}; "
             "stop them, or pass --kill-strays to end them (they are not restarted)"
         )
     warnings: list[str] = []
-    denied = sorted({p.pid for p in scan.problems if "permission" in p.reason.lower()})
-    if denied:
-        warnings.append(
-            f"could not read {len(denied)} process(es) (permission denied: {', '.join(map(str, denied[:10]))}"
-            f"{'...' if len(denied) > 10 else ''}); run as root to see every process"
-        )
+    unread = unreadable_warning(scan.problems, as_root)
+    if unread:
+        warnings.append(unread)
     if not gpus.available:
         warnings.append(f"GPU check unavailable: {gpus.reason}")
+    if left_out:
+        warnings.append(
+            f"--only-loaded leaves out {len(left_out)} process(es) that run this environment's Python "
+            f"without a sign of the package loaded (PIDs {', '.join(map(str, left_out))}): they keep "
+            "running, and one that imports it later gets the new files"
+        )
     for stray in strays:
         if kill_strays:
             warnings.append(f"stray PID {stray.pid} ({stray.name}) will be ended and not restarted")
@@ -256,4 +364,6 @@ def build_plan(
         scan_problems=scan.problems,
         refusals=tuple(refusals),
         warnings=tuple(warnings),
+        only_loaded=only_loaded,
+        left_out=left_out,
     )

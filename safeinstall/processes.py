@@ -15,7 +15,17 @@ pre-indexed :class:`Target` descriptions of the affected distributions, and each
   does not touch, so it is not evidence;
 * ``open`` - an open file descriptor points at one of its files or into its package directories;
 * ``argv`` - the command line runs one of its console scripts, or ``-m module`` with an interpreter of
-  the target environment.
+  the target environment;
+* ``depends`` - any of the above for a distribution of the same environment that requires an affected
+  one, directly or through others (:mod:`safeinstall.dependents`): a process that imported ``vllm``
+  imported ``transformers`` too, although nothing of a pure-Python package is left in its ``/proc``;
+* ``environment`` (possible, not certain) - the process runs this environment's Python: its ``argv[0]``
+  (or, for a bare ``python``, its executable) is the environment's interpreter, it maps or holds open a
+  file under the environment's prefix (a venv) or site directories (a system environment), or its
+  ``VIRTUAL_ENV``/``PYTHONPATH`` point into it. Such a process may import the package at any time.
+  ``/proc/PID/environ`` is read only for a process that looks like Python and has no other evidence
+  (one more read for those). A match is kept only when the prefix, seen through the process's own
+  root, is this environment's directory (a container's ``/opt/venv`` is another one).
 
 ``unit`` evidence (shares a systemd unit with an affected process) is added by the planner, from the
 light record this scan keeps of every process it saw.
@@ -27,6 +37,7 @@ and :func:`probe_files`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pwd
 import re
@@ -36,11 +47,13 @@ from enum import StrEnum
 from pathlib import Path
 from stat import S_ISLNK
 
+from safeinstall.dependents import describe_chain
 from safeinstall.distributions import InstalledDistribution, find_distributions
 from safeinstall.environment import Environment
 from safeinstall.forking import can_fork, cpu_count, map_forked, split
 
 __all__ = [
+    "EnvironmentScope",
     "Evidence",
     "EvidenceKind",
     "MapsEntry",
@@ -49,13 +62,19 @@ __all__ = [
     "ScanProblem",
     "ScanResult",
     "StatInfo",
+    "Strength",
     "Target",
     "TargetIndex",
     "argv_needs_links",
     "build_target",
     "default_workers",
+    "environment_scope",
     "load_targets",
     "match_argv",
+    "match_environment_argv",
+    "match_environment_environ",
+    "match_environment_maps",
+    "match_environment_paths",
     "match_fds",
     "match_maps",
     "parse_cmdline",
@@ -93,6 +112,9 @@ class Target:
     #: (st_dev, st_ino) of the directories holding its files: tells a bind mount of this environment
     #: (same directory) from a hardlink twin in another one (another directory)
     directory_ids: frozenset[tuple[int, int]] = frozenset()
+    #: for a distribution that only *requires* affected ones (``depends`` evidence): the chains from it
+    #: to each, ``(("sicext", "sipure"),)``; empty for an affected distribution
+    requires: tuple[tuple[str, ...], ...] = ()
 
 
 def _is_dotted_identifier(parts: Iterable[str]) -> bool:
@@ -183,6 +205,7 @@ def build_target(
     extra_interpreters: Iterable[str] = (),
     aliases: Iterable[str] = (),
     directory_ids: Iterable[tuple[int, int]] = (),
+    requires: tuple[tuple[str, ...], ...] = (),
 ) -> Target:
     """Describe ``dist`` (installed in ``env``) for the scan. Pure: what needs I/O comes from the caller.
 
@@ -221,6 +244,7 @@ def build_target(
         modules=frozenset(modules),
         interpreters=_interpreter_names(env) | frozenset(extra_interpreters),
         directory_ids=frozenset(directory_ids),
+        requires=requires,
     )
 
 
@@ -260,8 +284,12 @@ def load_targets(
     dists: Iterable[InstalledDistribution],
     env: Environment,
     installed: Iterable[InstalledDistribution] | None = None,
+    requires: Mapping[str, tuple[tuple[str, ...], ...]] | None = None,
 ) -> tuple[Target, ...]:
     """Targets for ``dists`` of ``env``: stats their files once; ``installed`` defaults to a fresh look.
+
+    ``requires`` marks distributions that only require affected ones (their chains, see
+    :func:`safeinstall.dependents.dependents`): evidence against them becomes ``depends`` evidence.
 
     Files of a distribution installed as symlinks into a shared cache (uv ``--link-mode symlink``) are
     the same inodes for every environment linking that wheel: another environment's process using
@@ -283,9 +311,42 @@ def load_targets(
                 extra_interpreters=extra,
                 aliases=aliases,
                 directory_ids=probe_directories(dist.locations),
+                requires=(requires or {}).get(dist.name, ()),
             )
         )
     return tuple(targets)
+
+
+@dataclass(frozen=True, slots=True)
+class EnvironmentScope:
+    """The target environment as ``environment`` evidence recognises it."""
+
+    prefix: str
+    #: "<dir>/": a file mapped or open below one of these is the environment's (a venv: its prefix, both
+    #: spellings; a system environment: its site directories, not /usr, which every process maps)
+    roots: tuple[str, ...]
+    interpreters: frozenset[str]  # absolute paths of its interpreter (see _interpreter_names)
+    prefix_id: tuple[int, int] | None  # (st_dev, st_ino) of the prefix directory, None if unknown
+
+
+def environment_scope(env: Environment) -> EnvironmentScope:
+    """The scope of ``env`` (one stat of its prefix)."""
+    if env.is_venv:
+        directories = {str(env.prefix), os.path.normpath(str(env.python.parent.parent))}
+    else:
+        directories = {str(site) for site in env.site_dirs}
+    extra = () if env.is_venv else (os.path.realpath(env.executable),)
+    try:
+        st = os.stat(env.prefix)
+        prefix_id: tuple[int, int] | None = (st.st_dev, st.st_ino)
+    except OSError:
+        prefix_id = None
+    return EnvironmentScope(
+        prefix=str(env.prefix),
+        roots=tuple(sorted(d.rstrip("/") + "/" for d in directories)),
+        interpreters=_interpreter_names(env) | frozenset(extra),
+        prefix_id=prefix_id,
+    )
 
 
 # --------------------------------------------------------------------------------------------- evidence
@@ -296,6 +357,15 @@ class EvidenceKind(StrEnum):
     OPEN = "open"
     ARGV = "argv"
     UNIT = "unit"  # added by the planner, never by the scan
+    DEPENDS = "depends"  # a distribution that requires the affected one is mapped, open or run
+    ENVIRONMENT = "environment"  # runs the environment's Python: possible, not certain
+
+
+class Strength(StrEnum):
+    """How sure the evidence is that the process runs the package's code."""
+
+    CERTAIN = "certain"
+    POSSIBLE = "possible"  # a process of the environment: it may import the package at any time
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,13 +380,19 @@ class Evidence:
     def running_old_code(self) -> bool:
         return self.deleted
 
+    @property
+    def strength(self) -> Strength:
+        return Strength.POSSIBLE if self.kind is EvidenceKind.ENVIRONMENT else Strength.CERTAIN
+
     def describe(self) -> str:
         old = " (deleted: running old code)" if self.deleted else ""
         how = f" [{self.detail}]" if self.detail else ""
-        return f"{self.kind}: {self.distribution} {self.path}{old}{how}"
+        what = f"{self.distribution} {self.path}" if self.distribution else self.path  # environment: none
+        return f"{self.kind}: {what}{old}{how}"
 
 
 _FEW_INODES = 64
+_VERBS = {EvidenceKind.MAPPED: "maps", EvidenceKind.OPEN: "holds open", EvidenceKind.ARGV: "runs"}
 
 
 def _anchors(prefixes: Iterable[str]) -> tuple[str, ...]:
@@ -345,6 +421,8 @@ class TargetIndex:
     maps_inodes: frozenset[str]
     inode_pattern: re.Pattern[str] | None  # " (?:1234|5678) ", when there are few
     anchors: tuple[str, ...]
+    #: distributions that only require affected ones, by name (see Target.requires)
+    dependents: Mapping[str, Target] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, targets: Iterable[Target] | TargetIndex) -> TargetIndex:
@@ -387,7 +465,27 @@ class TargetIndex:
             anchors=_anchors(
                 [os.path.dirname(path) + "/" for path in by_file] + [prefix for prefix, _ in owners]
             ),
+            dependents={target.distribution: target for target in targets if target.requires},
         )
+
+    def as_depends(self, found: tuple[Evidence, ...]) -> tuple[Evidence, ...]:
+        """Evidence against a distribution that only requires affected ones, as ``depends`` evidence
+        for each affected one it requires ("maps sicext 1.0, which requires sipure")."""
+        if not self.dependents or not found:
+            return found
+        kept: dict[tuple[str, str], Evidence] = {}
+        for evidence in found:
+            target = self.dependents.get(evidence.distribution)
+            if target is None:
+                kept.setdefault((evidence.kind.value + evidence.distribution, evidence.path), evidence)
+                continue
+            verb = _VERBS.get(evidence.kind, str(evidence.kind))
+            for chain in target.requires:
+                detail = f"{verb} {target.distribution} {target.version}, {describe_chain(chain)}"
+                # one piece per dependent and affected distribution: its first file says enough
+                depends = Evidence(EvidenceKind.DEPENDS, chain[-1], evidence.path, False, detail)
+                kept.setdefault((f"depends {chain[-1]}", detail), depends)
+        return tuple(kept.values())
 
     def may_match_maps(self, text: str) -> bool:
         """False when no line of the maps text can match: the scan's fast way past most processes."""
@@ -665,6 +763,66 @@ def match_argv(
     return tuple(found.values())
 
 
+def _environment(path: str, detail: str) -> tuple[Evidence, ...]:
+    return (Evidence(EvidenceKind.ENVIRONMENT, "", path, False, detail),)
+
+
+def _under(path: str, roots: tuple[str, ...]) -> bool:
+    return path.startswith(roots) or path + "/" in roots
+
+
+def match_environment_argv(
+    cmdline: tuple[str, ...], scope: EnvironmentScope, exe: str | None = None, cwd: str | None = None
+) -> tuple[Evidence, ...]:
+    """``environment`` evidence: ``argv[0]`` is the environment's interpreter (a console script's
+    shebang puts it there too); for a bare ``python`` found on PATH, its executable (``exe``) is."""
+    if not cmdline:
+        return ()
+    argv0 = cmdline[0]
+    path = _absolute(argv0, cwd)
+    if path is not None and path in scope.interpreters:
+        return _environment(path, "runs the environment's interpreter")
+    if "/" not in argv0 and exe is not None and exe in scope.interpreters:
+        return _environment(exe, f"{argv0} is the environment's interpreter")
+    return ()
+
+
+def match_environment_maps(text: str, scope: EnvironmentScope) -> tuple[Evidence, ...]:
+    """``environment`` evidence: a file under the environment's roots is mapped (its first one)."""
+    if not any(root in text for root in scope.roots):
+        return ()
+    for line in text.split("\n"):
+        parts = line.split(None, 5)
+        if len(parts) == 6 and parts[5].startswith(scope.roots):
+            path = parts[5]
+            path = _unescape(path[: -len(DELETED_SUFFIX)] if path.endswith(DELETED_SUFFIX) else path)
+            return _environment(path, "maps a file of the environment")
+    return ()
+
+
+def match_environment_paths(links: Iterable[str], scope: EnvironmentScope) -> tuple[Evidence, ...]:
+    """``environment`` evidence: an open file (``/proc/PID/fd`` link) under the environment's roots."""
+    for link in links:
+        path = link[: -len(DELETED_SUFFIX)] if link.endswith(DELETED_SUFFIX) else link
+        if path.startswith("/") and _under(path, scope.roots):
+            return _environment(path, "holds open a file of the environment")
+    return ()
+
+
+def match_environment_environ(data: bytes, scope: EnvironmentScope) -> tuple[Evidence, ...]:
+    """``environment`` evidence: ``VIRTUAL_ENV`` or a ``PYTHONPATH`` entry (``/proc/PID/environ``: only
+    read, never used) is the environment or inside it. Relative entries are not resolved."""
+    for entry in data.split(b"\0"):
+        name, sep, raw = entry.partition(b"=")
+        if not sep or name not in (b"VIRTUAL_ENV", b"PYTHONPATH"):
+            continue
+        value = os.fsdecode(raw)
+        for item in value.split(":") if name == b"PYTHONPATH" else (value,):
+            if item.startswith("/") and _under(os.path.normpath(item), scope.roots):
+                return _environment(item, f"{os.fsdecode(name)} points into the environment")
+    return ()
+
+
 @dataclass(frozen=True, slots=True)
 class StatInfo:
     pid: int
@@ -729,8 +887,19 @@ class ProcessRecord:
         return bool(self.evidence)
 
     @property
+    def certain(self) -> bool:
+        """Some of its evidence is certain (not only ``environment``)."""
+        return any(e.strength is Strength.CERTAIN for e in self.evidence)
+
+    @property
+    def strength(self) -> Strength | None:
+        if not self.evidence:
+            return None
+        return Strength.CERTAIN if self.certain else Strength.POSSIBLE
+
+    @property
     def distributions(self) -> frozenset[str]:
-        return frozenset(e.distribution for e in self.evidence)
+        return frozenset(e.distribution for e in self.evidence if e.distribution)
 
     @property
     def running_old_code(self) -> bool:
@@ -877,8 +1046,46 @@ def _user(uid: int, cache: dict[int, str]) -> str:
     return name
 
 
+def _looks_like_python_process(argv0: str, name: str) -> bool:
+    return _basename(argv0).startswith(("python", "pypy")) or name.startswith(("python", "pypy"))
+
+
+def _environment_evidence(
+    proc: _Process,
+    scope: EnvironmentScope,
+    stat: StatInfo,
+    cmdline: tuple[str, ...],
+    maps_text: str | None,
+    links: list[str] | None,
+) -> tuple[Evidence, ...]:
+    """``environment`` evidence, cheapest reads first; ``exe`` and ``environ`` only for a process that
+    looks like Python. Dropped when the prefix, seen through the process's root, is another directory."""
+    argv0 = cmdline[0] if cmdline else ""
+    cwd = proc.link("cwd") if argv0 and "/" in argv0 and not argv0.startswith("/") else None
+    found = match_environment_argv(cmdline, scope, cwd=cwd)
+    if not found and maps_text:
+        found = match_environment_maps(maps_text, scope)
+    if not found and links:
+        found = match_environment_paths(links, scope)
+    if not found and _looks_like_python_process(argv0, stat.name):
+        if argv0 and "/" not in argv0:
+            found = match_environment_argv(cmdline, scope, exe=proc.link("exe"))
+        if not found:
+            environ = proc.read("environ")
+            found = match_environment_environ(environ, scope) if environ else ()
+    if found and scope.prefix_id is not None:
+        seen = proc.locate(scope.prefix)
+        if seen is not None and seen != scope.prefix_id:
+            return ()  # another root (a container) with its own directory at this path
+    return found
+
+
 def _scan_one(
-    proc: _Process, index: TargetIndex, self_pid: int, users: dict[int, str]
+    proc: _Process,
+    index: TargetIndex,
+    self_pid: int,
+    users: dict[int, str],
+    scope: EnvironmentScope | None = None,
 ) -> ProcessRecord | None:
     pid = proc.pid
     stat_text = proc.text("stat")
@@ -907,6 +1114,9 @@ def _scan_one(
             exe = proc.link("exe")
             cwd = proc.link("cwd")
         evidence += match_argv(cmdline, index, exe=exe, cwd=cwd)
+    evidence = index.as_depends(evidence)
+    if scope is not None and not evidence and pid != self_pid:
+        evidence = _environment_evidence(proc, scope, stat, cmdline, maps_text, links)
     return ProcessRecord(
         pid=pid,
         ppid=stat.ppid,
@@ -930,7 +1140,9 @@ def _pids(proc_root: Path) -> list[int]:
 _Share = tuple[list[ProcessRecord], list[ScanProblem]]
 
 
-def _scan_pids(pids: Sequence[int], root: str, index: TargetIndex, self_pid: int) -> _Share:
+def _scan_pids(
+    pids: Sequence[int], root: str, index: TargetIndex, self_pid: int, scope: EnvironmentScope | None
+) -> _Share:
     problems: list[ScanProblem] = []
     records: list[ProcessRecord] = []
     users: dict[int, str] = {}
@@ -941,7 +1153,7 @@ def _scan_pids(pids: Sequence[int], root: str, index: TargetIndex, self_pid: int
             problems.append(ScanProblem(pid, "directory", _reason(exc)))
             continue
         try:
-            record = _scan_one(_Process(pid, dir_fd, problems), index, self_pid, users)
+            record = _scan_one(_Process(pid, dir_fd, problems), index, self_pid, users, scope)
         except _Vanished:
             continue
         finally:
@@ -971,8 +1183,10 @@ def scan_processes(
     proc_root: Path = Path("/proc"),
     self_pid: int | None = None,
     workers: int | None = None,
+    scope: EnvironmentScope | None = None,
 ) -> ScanResult:
-    """Read every process under ``proc_root`` once; match it against ``targets``.
+    """Read every process under ``proc_root`` once; match it against ``targets``, and, with ``scope``,
+    give ``environment`` evidence to a process without other evidence that runs that environment.
 
     Processes that vanish or cannot be read are listed in ``problems``; kernel threads are skipped.
     ``self_pid`` (default: this process) is only marked, never skipped. ``workers`` > 1 splits the PIDs
@@ -987,11 +1201,11 @@ def scan_processes(
     if not can_fork():  # forking a multi-threaded process may deadlock the child
         count = 1
     if count <= 1:
-        records, problems = _scan_pids(pids, root, index, me)
+        records, problems = _scan_pids(pids, root, index, me, scope)
     else:
         records, problems = [], []
         for share_records, share_problems in map_forked(
-            lambda share: _scan_pids(share, root, index, me), split(pids, count)
+            lambda share: _scan_pids(share, root, index, me, scope), split(pids, count)
         ):
             records.extend(share_records)
             problems.extend(share_problems)

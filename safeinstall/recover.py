@@ -9,19 +9,23 @@ reboot gate (marker and drop-ins) and clears the journal. It is what the shipped
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import shutil
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from safeinstall.backup import Backup, load_backup, restore_backup
 from safeinstall.environment import Environment, inspect_environment, resolve_python
-from safeinstall.errors import ExitCode, RollbackFailed, SafeInstallError
+from safeinstall.errors import ExitCode, RollbackFailed, SafeInstallError, UsageError
 from safeinstall.gate import GATE_DROPIN, gate_marker
+from safeinstall.history import RunSummary, read_history
 from safeinstall.journal import (
     Journal,
+    JournalError,
     JournalUnit,
     clear_journal,
     effective_phase,
+    journal_problems,
     needs_restore,
     read_journal,
     units_to_start,
@@ -29,13 +33,17 @@ from safeinstall.journal import (
 from safeinstall.lock import LockHolder, acquire_lock, read_holder
 from safeinstall.state import (
     EnvironmentState,
+    StateDirError,
+    check_trusted,
     environment_state,
     list_environment_dirs,
     remove_uv_caches,
     state_root,
+    trusted_environment_state,
 )
-from safeinstall.systemd import Systemd, start_wait_s
-from safeinstall.wheel import Wheel, install_location, read_wheel
+from safeinstall.systemd import Systemd, default_dropin_root, start_wait_s
+from safeinstall.wheel import environment_files, install_location, read_wheel
+from safeinstall.wheelcopy import discard_wheel_copy, is_wheel_copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,29 +67,39 @@ class EnvironmentStatus:
     gated: bool
     package: str | None
     units: tuple[str, ...] = field(default_factory=tuple)
+    state_dir: str = ""
+    prefix_exists: bool | None = None  # False: the environment is gone (--forget removes its state)
+    run_id: str | None = None  # the run in progress (or that needs recovery), from its journal
+    runs: tuple[RunSummary, ...] = ()  # the last finished runs, newest first
+    history_problems: tuple[str, ...] = ()  # damaged history entries, skipped
 
 
-def read_wheel_if_possible(wheel_path: Path | None) -> Wheel | None:
-    if wheel_path is None or not wheel_path.exists():
-        return None
-    try:
-        return read_wheel(wheel_path)
-    except SafeInstallError:
-        return None
+@dataclass(frozen=True, slots=True)
+class Forgotten:
+    prefix: str
+    state_dir: str
 
 
-def restore_previous(env: Environment, backup: Backup, wheel: Wheel | None) -> None:
-    """Put the backed-up distributions back, removing whatever (half-)install is there now.
+def restore_previous(env: Environment, backup: Backup, wheel_path: Path | None, state_dir: Path) -> bool:
+    """Put the backed-up distributions back, removing whatever (half-)install is there now; False when
+    the files were found exactly as saved (nothing was written: nothing had been installed).
 
     :func:`restore_backup` removes what the installed ``.dist-info`` of those names list; the new
-    wheel's files are added here, for an install that died before it wrote its RECORD.
+    wheel's files are added here, for an install that died before it wrote its RECORD. Only the run's
+    own copy of the wheel, in the state directory, is read: never a path others can write.
     """
     remove: list[Path] = []
-    if wheel is not None:
-        for member in wheel.members:
-            location = install_location(wheel, member, env)
-            if location is not None:
-                remove.append(location)
+    if wheel_path is not None and is_wheel_copy(wheel_path, state_dir):
+        try:
+            wheel = read_wheel(wheel_path)
+        except SafeInstallError:
+            wheel = None
+        if wheel is not None:
+            own = environment_files(env)  # never removed, whatever a wheel says (preflight refuses those)
+            for member in wheel.members:
+                location = install_location(wheel, member, env)
+                if location is not None and str(location) not in own:
+                    remove.append(location)
     result = restore_backup(backup, env, remove)
     if not result.ok:
         problems = [*result.mismatches, *result.failures][:5]
@@ -89,14 +107,95 @@ def restore_previous(env: Environment, backup: Backup, wheel: Wheel | None) -> N
             f"restoring the backup {backup.dir} failed: {problems}",
             hint="the backup is kept; fix the cause (disk full? permissions?) and run safeinstall --recover",
         )
+    return not result.unchanged
+
+
+@dataclass(frozen=True, slots=True)
+class PutBack:
+    restored: bool  # the backup was written back
+    unchanged: bool  # a restore was due, but the files were found exactly as saved: nothing written
+    started: tuple[str, ...]
+    gates_removed: tuple[str, ...]
+    notes: tuple[str, ...]
+
+
+def put_back(
+    state_dir: Path,
+    journal: Journal,
+    environ: Mapping[str, str],
+    restore: tuple[Environment, Backup] | None,
+    start: Callable[[list[JournalUnit]], None],
+    finished: Callable[[], None] = lambda: None,
+) -> PutBack:
+    """The one put-back sequence, for the rollback and for ``--recover``: restore the backup (when
+    ``restore`` is given), open the gate, start the units the run stopped that were running (also when
+    the restore found nothing changed), remove the gate drop-ins, clear the journal and drop the run's
+    copy of the wheel. ``start`` starts and watches units (raises SafeInstallError when one does not come
+    up); ``finished`` runs just before the journal is cleared. Raises SafeInstallError; the journal is
+    then kept."""
+    notes: list[str] = []
+    restored = unchanged = False
+    if restore is not None:
+        env, backup = restore
+        restored = restore_previous(env, backup, Path(journal.wheel) if journal.wheel else None, state_dir)
+        unchanged = not restored
+        if unchanged:
+            notes.append("the files were found as they were before the run: nothing to restore")
+    gate_marker(state_dir).unlink(missing_ok=True)
+    units = units_to_start(journal)
+    start(units)
+    gates = _remove_gates(journal, environ, notes)
+    finished()
+    clear_journal(state_dir)
+    if journal.wheel:
+        discard_wheel_copy(Path(journal.wheel), state_dir)
+    return PutBack(restored, unchanged, tuple(u.name for u in units), gates, tuple(notes))
 
 
 def _states(environ: Mapping[str, str], python: str | None) -> list[EnvironmentState]:
+    """The environments to look at; refuses (StateDirError) an untrusted state root. A listed
+    environment directory that is not trusted comes with its ``problem``."""
     root = state_root(environ, os.geteuid())
     if python is None:
         return list_environment_dirs(root)
+    check_trusted(root)
     env = inspect_environment(resolve_python(python, environ))
-    return [environment_state(root, env.prefix)]
+    return [trusted_environment_state(root, env.prefix)]
+
+
+def _dropin_roots(journal: Journal, environ: Mapping[str, str]) -> dict[bool, tuple[Path, ...]]:
+    """Where each of the journal's managers reads persistent drop-ins: asked of the manager, or its
+    default when it cannot be asked (a user manager that is not running at boot)."""
+    roots: dict[bool, tuple[Path, ...]] = {}
+    for user in sorted({unit.user_manager for unit in journal.units}):
+        try:
+            roots[user] = (Systemd(user=user, environ=environ).dropin_roots().persistent,)
+        except SafeInstallError:
+            roots[user] = (default_dropin_root(user, environ),)
+    return roots
+
+
+def read_checked_journal(state: EnvironmentState, environ: Mapping[str, str]) -> Journal | None:
+    """The environment's journal, or None; refused (exit 2) unless its directory is trusted, the file
+    is one safeinstall wrote, and every field a recovery acts on is as a run of this environment
+    writes it (see :func:`safeinstall.journal.journal_problems`)."""
+    if state.problem is not None:
+        raise StateDirError(
+            f"refusing to use the state directory {state.dir}: {state.problem}",
+            hint="another user could have planted a journal there for root to act on; look at it, then "
+            "remove it or make it owned by root (or you) and writable by nobody else",
+        )
+    journal = read_journal(state.dir)
+    if journal is None:
+        return None
+    problems = journal_problems(journal, state.dir, _dropin_roots(journal, environ))
+    if problems:
+        raise JournalError(
+            f"refusing the run journal {state.journal}: " + "; ".join(problems),
+            hint="safeinstall did not write this journal as it is, so nothing it names is run, started "
+            "or deleted; look at it, put things back by hand if needed, then remove it",
+        )
+    return journal
 
 
 def _remove_gates(journal: Journal, environ: Mapping[str, str], notes: list[str]) -> tuple[str, ...]:
@@ -109,52 +208,62 @@ def _remove_gates(journal: Journal, environ: Mapping[str, str], notes: list[str]
                 removed.append(unit.name)
         except SafeInstallError as exc:
             notes.append(f"could not ask the manager to remove the gate of {unit.name}: {exc.message}")
-    for path in journal.gate:  # whatever the manager could not be asked about: by path
-        if os.path.exists(path):
+    for path in journal.gate:  # checked: only these units' own gate drop-ins (read_checked_journal)
+        if os.path.lexists(path):
             os.unlink(path)
             removed.append(path)
     return tuple(removed)
 
 
-def _start(units: list[JournalUnit], environ: Mapping[str, str], settle: float) -> tuple[str, ...]:
-    started: list[str] = []
+def _start(units: list[JournalUnit], environ: Mapping[str, str], settle: float) -> None:
     failures: list[str] = []
     for unit in units:
         systemd = Systemd(user=unit.user_manager, environ=environ)
         before = systemd.info(unit.name)
         systemd.start(unit.name)
         outcome = systemd.wait_settled(unit.name, settle, start_wait_s(before), before=before)
-        if outcome.ok:
-            started.append(unit.name)
-        else:
+        if not outcome.ok:
             failures.append(outcome.reason or f"{unit.name} did not come up")
     if failures:
         raise SafeInstallError("; ".join(failures))
-    return tuple(started)
 
 
 def recover_one(state: EnvironmentState, environ: Mapping[str, str], settle: float = 2.0) -> Recovery:
     prefix = str(state.prefix or state.dir)
-    if read_journal(state.dir) is None:
+    if read_checked_journal(state, environ) is None:
         return Recovery(prefix, None, None, notes=("nothing to recover",))
     with acquire_lock(state.lock, prefix) as lock:
-        journal = read_journal(state.dir)  # again, under the lock
+        journal = read_checked_journal(state, environ)  # again, under the lock
         if journal is None:
             return Recovery(prefix, None, None, notes=("nothing to recover",))
         notes: list[str] = [lock.takeover_note] if lock.takeover_note else []
         phase = str(effective_phase(journal))
-        restored = False
         try:
+            restore: tuple[Environment, Backup] | None = None
             if needs_restore(journal):
                 if journal.backup_dir is None:
                     raise SafeInstallError("the journal names no backup")
                 env = inspect_environment(Path(journal.python))
-                wheel = read_wheel_if_possible(Path(journal.wheel) if journal.wheel else None)
-                restore_previous(env, load_backup(Path(journal.backup_dir)), wheel)
-                restored = True
-            gate_marker(state.dir).unlink(missing_ok=True)
-            started = _start(units_to_start(journal), environ, settle)
-            gates = _remove_gates(journal, environ, notes)
+                if env.prefix != Path(journal.prefix):
+                    raise JournalError(
+                        f"{journal.python} reports the prefix {env.prefix}, not {journal.prefix}: "
+                        "refusing to restore into another environment",
+                        hint="look at the journal and the environment, then put things back by hand",
+                    )
+                if journal.wheel is not None and not is_wheel_copy(Path(journal.wheel), state.dir):
+                    notes.append(
+                        f"the wheel {journal.wheel} is not the run's own copy in the state directory and "
+                        "was not read again: only what the installed RECORDs list was removed"
+                    )
+                restore = (env, load_backup(Path(journal.backup_dir)))
+            # the dead run's own uv cache first: nothing may share inodes with it, and on a full disk
+            # the restore needs the room it holds
+            remove_uv_caches(state)
+            done = put_back(
+                state.dir, journal, environ, restore, lambda units: _start(units, environ, settle)
+            )
+        except JournalError:
+            raise  # refused before anything was done: exit 2, as for any refusal
         except SafeInstallError as exc:
             commands = [
                 f"systemctl {'--user ' if u.user_manager else ''}start {u.name}"
@@ -166,9 +275,15 @@ def recover_one(state: EnvironmentState, environ: Mapping[str, str], settle: flo
                 hint="the journal and the backup are kept; fix the cause and run safeinstall --recover again"
                 + (f"; units to start: {'; '.join(commands)}" if commands else ""),
             ) from exc
-        clear_journal(state.dir)
-        remove_uv_caches(state)  # the dead run's own uv cache: nothing may share inodes with it
-        return Recovery(prefix, journal.run_id, phase, restored, started, gates, tuple(notes))
+        return Recovery(
+            prefix,
+            journal.run_id,
+            phase,
+            done.restored,
+            done.started,
+            done.gates_removed,
+            (*notes, *done.notes),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,11 +314,32 @@ def recover(environ: Mapping[str, str], python: str | None, settle: float = 2.0)
     return Recovered(tuple(recoveries), tuple(failures))
 
 
-def status(environ: Mapping[str, str], python: str | None) -> list[EnvironmentStatus]:
+def prefix_exists(state: EnvironmentState) -> bool | None:
+    """Whether the environment is still there (None: its prefix was never recorded)."""
+    return None if state.prefix is None else os.path.isdir(state.prefix)
+
+
+@dataclass(frozen=True, slots=True)
+class StatusReport:
+    environments: tuple[EnvironmentStatus, ...]
+    failures: tuple[SafeInstallError, ...]  # environments whose state was refused (each says why)
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return ExitCode.REFUSED if self.failures else ExitCode.OK
+
+
+def status(environ: Mapping[str, str], python: str | None) -> StatusReport:
     found: list[EnvironmentStatus] = []
+    failures: list[SafeInstallError] = []
     for state in _states(environ, python):
+        try:
+            journal = read_checked_journal(state, environ)
+        except SafeInstallError as exc:
+            failures.append(exc)
+            continue
         running, holder = read_holder(state.lock) if state.lock.exists() else (False, None)
-        journal = read_journal(state.dir)
+        history = read_history(state)
         found.append(
             EnvironmentStatus(
                 prefix=str(state.prefix or state.dir),
@@ -214,6 +350,79 @@ def status(environ: Mapping[str, str], python: str | None) -> list[EnvironmentSt
                 gated=gate_marker(state.dir).exists(),
                 package=journal.package if journal else None,
                 units=tuple(u.name for u in journal.units) if journal else (),
+                state_dir=str(state.dir),
+                prefix_exists=prefix_exists(state),
+                run_id=journal.run_id if journal else None,
+                runs=history.runs,
+                history_problems=history.problems,
             )
         )
-    return found
+    return StatusReport(tuple(found), tuple(failures))
+
+
+def _named(states: list[EnvironmentState], python: str, environ: Mapping[str, str]) -> list[EnvironmentState]:
+    """The state of the environment ``python`` names: a live interpreter or venv, or the prefix (or
+    the interpreter path) of one that is gone."""
+    try:
+        env = inspect_environment(resolve_python(python, environ))
+    except SafeInstallError:
+        given = os.path.abspath(python)
+        candidates = {given, os.path.dirname(os.path.dirname(given))}
+        return [s for s in states if s.prefix is not None and os.fspath(s.prefix) in candidates]
+    key = environment_state(state_root(environ, os.geteuid()), env.prefix).key
+    return [s for s in states if s.key == key]
+
+
+def forget_one(state: EnvironmentState) -> Forgotten:
+    """Remove one environment's state directory (its backups, logs and history), under its lock;
+    refused while a run holds it or a journal says a run did not finish."""
+    prefix = str(state.prefix or state.dir)
+    unfinished = SafeInstallError(
+        f"not forgetting {prefix}: a run there did not finish (its journal is in {state.dir})",
+        hint="run safeinstall --recover first; or, if the environment is gone for good, remove "
+        f"{state.dir} by hand",
+    )
+    if read_journal(state.dir) is not None:
+        raise unfinished
+    with acquire_lock(state.lock, prefix):
+        if read_journal(state.dir) is not None:
+            raise unfinished
+        shutil.rmtree(state.dir)  # fd-based on Linux: never follows a symlink inside
+    return Forgotten(prefix, str(state.dir))
+
+
+def forget(
+    environ: Mapping[str, str], python: str | None
+) -> tuple[tuple[Forgotten, ...], tuple[SafeInstallError, ...]]:
+    """``--forget``: the state of every environment whose prefix is gone, or of the one ``python``
+    names. Only directories listed under the state root are ever removed."""
+    root = state_root(environ, os.geteuid())
+    check_trusted(root)
+    states = list_environment_dirs(root)
+    if python is None:
+        chosen = [s for s in states if prefix_exists(s) is False]
+    else:
+        chosen = _named(states, python, environ)
+        if not chosen:
+            raise UsageError(
+                f"no safeinstall state for {python}",
+                hint="safeinstall --status lists the environments it keeps state for",
+            )
+    forgotten: list[Forgotten] = []
+    failures: list[SafeInstallError] = []
+    for state in chosen:
+        if state.problem is not None:
+            failures.append(
+                StateDirError(
+                    f"not forgetting {state.dir}: {state.problem}",
+                    hint="make it owned by root (or you) and writable by nobody else, or remove it by hand",
+                )
+            )
+            continue
+        try:
+            forgotten.append(forget_one(state))
+        except SafeInstallError as exc:
+            failures.append(exc)
+        except OSError as exc:
+            failures.append(SafeInstallError(f"could not remove {state.dir}: {exc.strerror or exc}"))
+    return tuple(forgotten), tuple(failures)

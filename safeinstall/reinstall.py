@@ -17,6 +17,7 @@ import shutil
 import signal
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,16 +28,10 @@ from typing import Any, Protocol
 
 import psutil
 
-from safeinstall.backup import (
-    Backup,
-    create_backup,
-    disk_space_needed,
-    free_space,
-    space_problem,
-)
+from safeinstall.backup import Backup, create_backup, prune_into
 from safeinstall.distributions import InstalledDistribution, reload_distributions
-from safeinstall.drift import FindingKind
-from safeinstall.environment import Environment, inspect_environment, resolve_python
+from safeinstall.drift import Expectation, FindingKind
+from safeinstall.environment import Environment, interpreter_in_prefix
 from safeinstall.errors import (
     Aborted,
     ExitCode,
@@ -44,7 +39,6 @@ from safeinstall.errors import (
     RollbackFailed,
     SafeInstallError,
     StepFailed,
-    WheelError,
 )
 from safeinstall.gate import GATE_DROPIN, gate_dropin_text, gate_marker
 from safeinstall.gpus import GpuSnapshot, NvmlSession, ReleaseStatus, wait_for_release
@@ -58,29 +52,25 @@ from safeinstall.journal import (
     start_journal,
     write_journal,
 )
-from safeinstall.lock import HeldLock, acquire_lock, process_start
+from safeinstall.lock import HeldLock, process_start
 from safeinstall.options import RunOptions
-from safeinstall.plan import Plan, PlannedProcess, PlannedUnit
+from safeinstall.patches import PatchOutcome, PatchSet, carry, prepare_patches, save_patch_set
+from safeinstall.plan import OldCodeProcess, Plan, PlannedProcess, PlannedUnit, left_on_old_code
+from safeinstall.preflight import preflight as shared_preflight
+from safeinstall.preflight import refusal
 from safeinstall.processes import scan_processes
-from safeinstall.recover import restore_previous
+from safeinstall.recover import put_back
 from safeinstall.retention import prune_backups
+from safeinstall.runlog import append_line
 from safeinstall.signals import interrupts_deferred, interrupts_raise
-from safeinstall.state import (
-    EnvironmentState,
-    atomic_write,
-    ensure_dir,
-    ensure_environment_dir,
-    environment_state,
-    new_run_id,
-    remove_uv_caches,
-    state_root,
-)
-from safeinstall.survey import Survey, survey, systemd_for
+from safeinstall.state import EnvironmentState, atomic_write, ensure_dir, new_run_id, remove_uv_caches
+from safeinstall.survey import Survey, scan_again, systemd_for
 from safeinstall.systemd import StopOutcome, Systemd, start_wait_s
 from safeinstall.uvplan import install as uv_install
 from safeinstall.uvplan import prefetch_command, uv_binary
 from safeinstall.verify import VerifyReport, verify_environment
-from safeinstall.wheel import Wheel, fits, installed_size, read_wheel, target_tags
+from safeinstall.wheel import Wheel
+from safeinstall.wheelcopy import discard_wheel_copy
 
 #: Failing findings after the install: anything but leftovers (those are reported, --prune removes them).
 _INSTALL_FAILURES = frozenset(
@@ -121,119 +111,37 @@ class RunResult:
     notes: tuple[str, ...]
     manual_commands: tuple[str, ...] = ()
     backups_removed: tuple[str, ...] = ()  # older backups deleted after a good run (--keep-backups)
+    old_code: tuple[OldCodeProcess, ...] = ()  # found by the end check: still mapping replaced files
+    patches: tuple[PatchOutcome, ...] = ()  # --keep-patches: each local patch, carried/dropped/conflict
+    patch_file: str | None = None  # --keep-patches: the carried set, one patch against the new version
 
 
 class Reporter(Protocol):
     def step(self, outcome: StepOutcome) -> None: ...
 
-    def progress(self, what: str, done: float | None, total: float | None) -> None: ...
+    def progress(self, what: str, done: float | None, total: float | None, unit: str = "") -> None:
+        """``unit``: "bytes", "s" (seconds) or "" (a count); see :func:`safeinstall.runlog.progress_text`."""
 
     def note(self, text: str) -> None: ...
 
     def confirm(self, plan: Plan) -> bool: ...
 
 
-@dataclass(frozen=True, slots=True)
-class Preflight:
-    """What the preflight established, each read once; every step takes it. Nothing was changed yet
-    (the lock aside, which the run holds from here on)."""
-
-    options: RunOptions
-    env: Environment
-    state: EnvironmentState
-    lock: HeldLock
-    wheel: Wheel | None  # read and checked once (its RECORD against its contents)
-    survey: Survey  # the distributions found once (installed, affected), uv's plan, the plan
-    systemd: Systemd
-    notes: tuple[str, ...]
-
-    @property
-    def plan(self) -> Plan:
-        return self.survey.plan
-
-
-def preflight(options: RunOptions) -> Preflight:
-    """Everything before the first change. Raises SafeInstallError (exit 2); holds the lock on return."""
-    env = inspect_environment(resolve_python(options.python, options.environ))
-    state = environment_state(state_root(options.environ, os.geteuid()), env.prefix)
-    notes = [status.warning for status in ensure_environment_dir(state) if status.warning]
-    lock = acquire_lock(state.lock, str(env.prefix))
-    try:
-        if lock.takeover_note:
-            notes.append(lock.takeover_note)
-        wheel: Wheel | None = None
-        if options.wheel is not None:
-            wheel = read_wheel(options.wheel)
-            _check_wheel(wheel, options.package, env)
-        surveyed = survey(options, env, wheel)
-        if not surveyed.plan.proceeds:
-            raise PlanError(
-                "the run would refuse: " + "; ".join(surveyed.plan.refusals),
-                hint=f"see safeinstall {options.package} --dry-run; nothing was stopped",
-            )
-        _check_space(env, state, wheel, surveyed)
-        return Preflight(options, env, state, lock, wheel, surveyed, systemd_for(options), tuple(notes))
-    except BaseException:
-        lock.release()
-        raise
-
-
-def _check_space(env: Environment, state: EnvironmentState, wheel: Wheel | None, surveyed: Survey) -> None:
-    needed = disk_space_needed(list(surveyed.affected), env)
-    problem = space_problem(needed, free_space(state.backups), state.backups)
-    if problem:
-        raise PlanError(problem, hint="nothing was stopped")
-    if wheel is not None:
-        problem = space_problem(
-            installed_size(wheel),
-            free_space(env.prefix),
-            env.prefix,
-            what=f"the install of {wheel.path.name}",
-            remedy="free some space on that filesystem",
-        )
-        if problem:
-            raise PlanError(problem, hint="nothing was stopped")
-
-
-def _start_journal(pre: Preflight) -> tuple[str, Journal]:
-    """The run's id and its journal, written: from here on a crash is recovered by --recover."""
-    run_id = new_run_id(datetime.now(UTC), os.getpid())
-    units = [
-        JournalUnit(
-            name=u.name,
-            user_manager=pre.options.user,
-            was_active=u.active_state in ("active", "activating", "reloading"),
-            unit_file_state=u.unit_file_state,
-        )
-        for u in pre.plan.units
-    ]
-    journal = start_journal(
-        pre.state.dir,
-        new_journal(
-            run_id,
-            os.getpid(),
-            process_start(os.getpid()),
-            str(pre.env.python),
-            str(pre.env.prefix),
-            pre.plan.package,
-            str(pre.wheel.path) if pre.wheel else None,
-            pre.plan.uv_command,
-            units,
-        ),
-    )
-    return run_id, journal
-
-
 @dataclass
 class _Run:
-    """One run from its journal on: the preflight's frozen facts, and what the steps record as they go.
-    The steps are its methods, in order."""
+    """One run's mutable state; the steps are its methods, in order."""
 
-    pre: Preflight
+    options: RunOptions
     reporter: Reporter
-    run_id: str
-    journal: Journal
-    backup: Backup | None = None  # set by the backup step
+    env: Environment | None = None
+    state: EnvironmentState | None = None
+    lock: HeldLock | None = None
+    wheel: Wheel | None = None
+    survey: Survey | None = None
+    journal: Journal | None = None
+    backup: Backup | None = None
+    systemd: Systemd | None = None
+    run_id: str = ""
     steps: list[StepOutcome] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     patched: tuple[str, ...] = ()
@@ -243,47 +151,17 @@ class _Run:
     downtime: dict[str, float] = field(default_factory=dict)
     strays_killed: tuple[int, ...] = ()
     restart_started: bool = False
-
-    @property
-    def options(self) -> RunOptions:
-        return self.pre.options
-
-    @property
-    def env(self) -> Environment:
-        return self.pre.env
-
-    @property
-    def state(self) -> EnvironmentState:
-        return self.pre.state
-
-    @property
-    def wheel(self) -> Wheel | None:
-        return self.pre.wheel
-
-    @property
-    def survey(self) -> Survey:
-        return self.pre.survey
-
-    @property
-    def systemd(self) -> Systemd:
-        return self.pre.systemd
-
-    @property
-    def log_file(self) -> Path:
-        return self.state.log_file(self.run_id)
-
-    @property
-    def saved(self) -> Backup:
-        """The backup, for the steps after the backup step (install, verify, rollback of an install)."""
-        if self.backup is None:
-            raise StepFailed("no backup was taken before this step")
-        return self.backup
+    log_file: Path | None = None
+    old_code: tuple[OldCodeProcess, ...] = ()
+    patches: PatchSet | None = None  # --keep-patches
+    patch_file: Path | None = None
 
     # ------------------------------------------------------------------ helpers
 
     @property
     def plan(self) -> Plan:
-        return self.pre.plan
+        assert self.survey is not None
+        return self.survey.plan
 
     def _timed(self, name: str, action: Callable[[], str]) -> None:
         started = time.monotonic()
@@ -300,6 +178,7 @@ class _Run:
         self.reporter.step(outcome)
 
     def _journal(self, phase: Phase, note: str = "", **changes: Any) -> None:
+        assert self.journal is not None and self.state is not None
         self.journal = advance(self.journal, phase, note, **changes)
         write_journal(self.state.dir, self.journal)
 
@@ -313,15 +192,86 @@ class _Run:
 
     def _log(self, text: str) -> None:
         """Append to the run's log; best effort (a full disk must not turn into the run's failure)."""
-        with contextlib.suppress(OSError), open(self.log_file, "a", encoding="utf-8") as log:
-            log.write(f"[{datetime.now(UTC).isoformat(timespec='seconds')}] {text}\n")
+        append_line(self.log_file, text)
 
     def _units_to_restart(self) -> list[str]:
+        assert self.journal is not None
         return [u.name for u in self.journal.units if u.stopped and u.was_active]
+
+    # ------------------------------------------------------------------ 1. preflight
+
+    def preflight(self) -> None:
+        """The checks shared with --dry-run (safeinstall.preflight); the run holds the lock from here."""
+        prepared = shared_preflight(self.options, take_lock=True)
+        self.options = prepared.options  # the wheel: the run's own copy in the state directory
+        self.env, self.state, self.lock = prepared.env, prepared.state, prepared.lock
+        self.wheel, self.survey = prepared.wheel, prepared.survey
+        self.notes.extend(prepared.notes)
+        error = refusal(self.plan)
+        if error is not None:
+            raise error
+        self.systemd = systemd_for(self.options)
+
+    def start_journal(self) -> None:
+        assert self.env is not None and self.state is not None and self.survey is not None
+        self.run_id = self.options.run_id or new_run_id(datetime.now(UTC), os.getpid())
+        self.log_file = self.state.log_file(self.run_id)
+        units = [
+            JournalUnit(
+                name=u.name,
+                user_manager=self.options.user,
+                was_active=u.active_state in ("active", "activating", "reloading"),
+                unit_file_state=u.unit_file_state,
+            )
+            for u in self.plan.units
+        ]
+        self.journal = start_journal(
+            self.state.dir,
+            new_journal(
+                self.run_id,
+                os.getpid(),
+                process_start(os.getpid()),
+                str(interpreter_in_prefix(self.env)),
+                str(self.env.prefix),
+                self.plan.package,
+                str(self.wheel.path) if self.wheel else None,
+                self.plan.uv_command,
+                units,
+            ),
+        )
+        self._log("plan: " + " ".join(self.plan.uv_command))
+
+    # ------------------------------------------------------------------ 1b. local patches (--keep-patches)
+
+    def do_patches(self) -> str:
+        """Before anything stops: merge each local patch into the new version's file, or refuse (exit 2)."""
+        assert self.survey is not None and self.state is not None
+        self.patches = prepare_patches(
+            self.survey,
+            self.options.base_wheel,
+            self.state.dir / f"keep-patches-{self.run_id}",  # scratch: removed once read
+            self.options.environ,
+            self.options.drop_conflicting,
+        )
+        refusal = self.patches.refusal()
+        if refusal is not None:
+            raise refusal
+        return self.patches.summary()
+
+    def save_patches(self) -> None:
+        """After a good run: keep the carried set in the state directory (best effort: it is also what
+        ``--verify-only --wheel NEW --save-patch`` writes)."""
+        if self.patches is None or self.state is None:
+            return
+        try:
+            self.patch_file = save_patch_set(self.state, self.run_id, self.patches)
+        except (OSError, SafeInstallError) as exc:
+            self.notes.append(f"the carried patch set was not saved: {exc}")
 
     # ------------------------------------------------------------------ 2. backup
 
     def do_backup(self) -> str:
+        assert self.env is not None and self.state is not None and self.survey is not None
         names = [d.name for d in self.survey.affected]
         before = verify_environment(self.env, names, installed=self.survey.installed)
         self.patched = tuple(
@@ -331,7 +281,7 @@ class _Run:
             self.notes.append(f"locally patched: {path} (kept in the backup)")
 
         def on_progress(done: int, total: int) -> None:
-            self.reporter.progress("backup", done, total)
+            self.reporter.progress("backup", done, total, "bytes")
 
         self.backup = create_backup(
             self.env,
@@ -350,6 +300,7 @@ class _Run:
     def do_prefetch(self) -> str:
         """Fill the run's own uv cache with the new artefacts, so that the install in the downtime only
         links (or copies) files from it."""
+        assert self.state is not None and self.env is not None and self.survey is not None
         scratch = self.state.dir / f"prefetch-{self.run_id}"
         request = self.survey.request
         cache = self.state.uv_cache(self.run_id)
@@ -373,6 +324,7 @@ class _Run:
 
     def do_gate(self) -> str:
         """Keep the units from starting on a half-installed package (a crash, a reboot)."""
+        assert self.systemd is not None and self.state is not None and self.journal is not None
         units = [u.name for u in self.journal.units]
         if not units:
             return "no units"
@@ -386,15 +338,18 @@ class _Run:
         return f"{len(units)} unit(s) gated on {marker}"
 
     def remove_gate(self) -> None:
+        assert self.state is not None
         gate_marker(self.state.dir).unlink(missing_ok=True)
 
     def remove_dropins(self) -> None:
+        assert self.systemd is not None and self.journal is not None
         for unit in self.journal.units:
             self.systemd.remove_dropin(unit.name, GATE_DROPIN, persistent=True)
 
     # ------------------------------------------------------------------ 4. stop
 
     def do_stop(self) -> str:
+        assert self.systemd is not None and self.journal is not None
         systemd = self.systemd
         units = list(self.plan.units)
         for unit in units:
@@ -436,8 +391,10 @@ class _Run:
     def _check_no_late_users(self) -> str:
         """Scan again just before the install: a process that started using the package after the plan
         was made (a cron job, a tmux session) would have its files replaced under it."""
-        scan = scan_processes(self.survey.targets, self.options.proc_root)
-        late = [p for p in scan.affected if not p.is_self and p.state != "Z"]
+        assert self.survey is not None
+        scan = scan_again(self.survey, self.options)
+        every = not self.options.only_loaded  # --only-loaded: certain evidence only, as in the plan
+        late = [p for p in scan.affected if not p.is_self and p.state != "Z" and (every or p.certain)]
         if not late:
             return ""
         listed = ", ".join(f"{p.pid} ({' '.join(p.cmdline)[:60] or p.name})" for p in late)
@@ -460,7 +417,7 @@ class _Run:
         def on_poll(status: ReleaseStatus) -> None:
             holders = ", ".join(f"PID {h.pid}" for h in status.holders) or "memory not yet freed"
             self.reporter.progress(
-                f"waiting for GPU memory ({holders})", status.waited_s, self.options.gpu_timeout
+                f"waiting for GPU memory ({holders})", status.waited_s, self.options.gpu_timeout, "s"
             )
 
         stopped = frozenset(p.pid for p in self.plan.processes)
@@ -483,6 +440,7 @@ class _Run:
     # ------------------------------------------------------------------ 6. install
 
     def do_install(self) -> str:
+        assert self.env is not None and self.state is not None
         late = self._check_no_late_users()
         self._journal(Phase.INSTALLING)
         command = self.plan.uv_command
@@ -493,18 +451,21 @@ class _Run:
         if result.returncode != 0:
             tail = "\n".join(result.output.strip().splitlines()[-6:])
             raise StepFailed(f"uv pip install failed (exit {result.returncode}): {tail}")
+        carried = carry(self.env.prefix, self.patches) if self.patches is not None else 0
         self._journal(Phase.INSTALLED)
-        return " ".join(command) + late
+        return " ".join(command) + late + (f"; {carried} local patch(es) carried" if carried else "")
 
     # ------------------------------------------------------------------ 7. verify
 
     def do_verify(self) -> str:
+        assert self.env is not None and self.survey is not None
         report = _verify_installed(
             self.env,
             self.plan.package,
             self.wheel,
             [d.name for d in self.survey.affected],
             self.survey.installed,
+            self.patches.expected() if self.patches is not None else None,
         )
         failures = [f for f in report.findings if f.kind in _INSTALL_FAILURES]
         if failures:
@@ -524,19 +485,15 @@ class _Run:
         return detail
 
     def _prune(self, extras: tuple[str, ...]) -> tuple[str, ...]:
-        pruned: list[str] = []
-        for path in extras:
-            relative = os.path.relpath(path, self.env.prefix)
-            saved = self.saved.dir / "pruned" / relative
-            saved.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(path, saved)
-            os.unlink(path)
-            pruned.append(path)
-        return tuple(pruned)
+        assert self.backup is not None and self.env is not None
+        pruned, notes = prune_into(self.backup, self.env.prefix, extras)
+        self.notes.extend(notes)
+        return pruned
 
     # ------------------------------------------------------------------ 8. restart
 
     def do_restart(self) -> str:
+        assert self.systemd is not None and self.journal is not None
         units = self._units_to_restart()
         if self.options.no_restart:
             self._journal(Phase.RESTARTING, note="--no-restart: units left stopped")
@@ -555,6 +512,7 @@ class _Run:
         return detail
 
     def _start_and_settle(self, units: list[str], settle: float) -> str:
+        assert self.systemd is not None
         systemd = self.systemd
         befores = systemd.show(units)
         issued = time.monotonic()
@@ -577,10 +535,31 @@ class _Run:
                 self.downtime[unit] = active_at - self.stop_issued[unit]
         return ", ".join(f"{u} active for {settle:g} s" for u in units)
 
+    # ------------------------------------------------------------------ 9. end check
+
+    def do_end_check(self) -> str:
+        """One more scan: a process anywhere on the host that still maps a replaced file of an affected
+        distribution runs old code (it was not in the plan: it could not be read, or started using the
+        package in the last instant before the install). Said, or with --strict a failure (rolled back:
+        then every process agrees on the old version again)."""
+        assert self.survey is not None
+        self.old_code = left_on_old_code(scan_processes(self.survey.targets, self.options.proc_root))
+        if not self.old_code:
+            return "no process runs replaced files"
+        listed = "; ".join(p.describe() for p in self.old_code)
+        self._log(f"end check: {listed}")
+        if self.options.strict:
+            raise StepFailed(
+                f"{listed}: still running old code after the restart (--strict)",
+                hint="restart or end those processes, then run again",
+            )
+        return f"warning: {listed}: restart them to run the new version"
+
     # ------------------------------------------------------------------ rollback
 
     def rollback(self, error: SafeInstallError) -> SafeInstallError:
         """Put everything back; returns the error to report (StepFailed, or RollbackFailed)."""
+        assert self.journal is not None and self.state is not None and self.systemd is not None
 
         def announce(signum: int) -> None:
             self.reporter.note(
@@ -601,32 +580,50 @@ class _Run:
                     # the run's cache first: the installed files are its hardlinks, and on a full disk
                     # the restore needs the room that removing them frees only once the cache is gone
                     remove_uv_caches(self.state, self.run_id)
-                    self._restore()
+                restore = None
+                if installed and self.env is not None and self.backup is not None:
+                    restore = (self.env, self.backup)
+                outcome = put_back(
+                    self.state.dir,
+                    self.journal,
+                    self.options.environ,
+                    restore,
+                    self._start_again,
+                    lambda: self._journal_if_possible(Phase.ROLLED_BACK),
+                )
+                self.notes.extend(outcome.notes)
+                if outcome.restored:
                     done.append("restored the previous installation")
                 else:
-                    done.append("nothing was installed")
-                self.remove_gate()
-                units = self._units_to_restart()
-                if units:
-                    self._start_and_settle(units, min(self.options.settle, 2.0))
-                    done.append("started " + ", ".join(units) + " again")
-                self.remove_dropins()
-                self._journal_if_possible(Phase.ROLLED_BACK)
-                clear_journal(self.state.dir)
+                    done.append("nothing was installed" if not installed else "the files were unchanged")
+                if outcome.started:
+                    done.append("started " + ", ".join(outcome.started) + " again")
             except SafeInstallError as second:
                 return self._rollback_failed(error, second)
             except Exception as second:
                 return self._rollback_failed(error, SafeInstallError(str(second)))
         if not stopped_any:  # the run ended before the stop: nothing changed, exit 2 as for a refusal
+            self._remove_own_backup()
             if error.exit_code == ExitCode.REFUSED:
                 return error
             return Aborted(f"{error.message}; nothing was stopped or installed", hint=error.hint)
         return StepFailed(f"{error.message}; {'; '.join(done)}", hint=error.hint)
 
-    def _restore(self) -> None:
-        restore_previous(self.env, self.saved, self.wheel)
+    def _start_again(self, units: list[JournalUnit]) -> None:
+        if units:
+            self._start_and_settle([u.name for u in units], min(self.options.settle, 2.0))
+
+    def _remove_own_backup(self) -> None:
+        """Nothing was installed: this run's backup (whole or partial) is of no use; it goes."""
+        assert self.state is not None
+        backup_dir = self.state.backup_dir(self.run_id)
+        shutil.rmtree(backup_dir, ignore_errors=True)
+        if backup_dir.exists():
+            self.notes.append(f"could not remove this run's unused backup {backup_dir}")
+        self.backup = None
 
     def _rollback_failed(self, error: SafeInstallError, second: SafeInstallError) -> RollbackFailed:
+        assert self.journal is not None and self.env is not None
         commands = [f"safeinstall --recover --python {self.env.python}"]
         flag = "--user " if self.options.user else ""
         commands += [f"systemctl {flag}start {u}" for u in self._units_to_restart()]
@@ -635,7 +632,15 @@ class _Run:
             f"The backup ({self.journal.backup_dir}) and the journal are kept. To finish: "
             + " && ".join(commands),
             hint="run the commands above; safeinstall --status shows what is pending",
+            commands=tuple(commands),
         )
+
+
+def _device(path: Path) -> int:
+    probe = Path(os.path.abspath(path))
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return probe.stat().st_dev
 
 
 def _mark(
@@ -719,43 +724,20 @@ def _wait_gone(processes: tuple[PlannedProcess, ...], timeout: float) -> list[in
     return [p.pid for p in _wait_exited(procs, timeout)]
 
 
-def _check_wheel(wheel: Wheel, package: str, env: Environment) -> None:
-    from packaging.utils import canonicalize_name
-
-    if wheel.name != canonicalize_name(package):
-        raise WheelError(
-            f"the wheel {wheel.path.name} is for {wheel.name}, not {package}",
-            hint="pass the wheel of the package being reinstalled; nothing was stopped",
-        )
-    if not wheel.record_ok:
-        listed = "; ".join(f"{p.path}: {p.reason}" for p in wheel.problems[:3])
-        raise WheelError(
-            f"the wheel {wheel.path.name} is damaged: its RECORD does not match its contents ({listed})",
-            hint="download or build the wheel again; nothing was stopped",
-        )
-    if not fits(wheel, target_tags(env)):
-        tags = ", ".join(sorted(str(t) for t in wheel.tags))
-        raise WheelError(
-            f"the wheel {wheel.path.name} ({tags}) does not fit Python "
-            f"{env.version[0]}.{env.version[1]} ({env.implementation}) at {env.python}",
-            hint="use a wheel built for that interpreter, or pass --python for the right environment; "
-            "nothing was stopped",
-        )
-
-
 def _verify_installed(
     env: Environment,
     package: str,
     wheel: Wheel | None,
     affected: list[str],
     before: Sequence[InstalledDistribution],
+    carried: dict[str, Expectation] | None = None,
 ) -> VerifyReport:
-    """The new installation: the package against the wheel (or its RECORD), the others their RECORD.
-
-    Only the affected distributions are read again (the install changed nothing else), and the wheel is
-    the one read and checked at preflight."""
+    """The new installation: the package against the wheel (or its RECORD), the others their RECORD;
+    the local patches carried over (``carried``) against the merge. Only the affected distributions
+    are read again (the install changed nothing else), and the wheel is the one read and checked at
+    preflight."""
     installed = reload_distributions(env, before, affected)
-    main = verify_environment(env, [package], wheel, installed=installed)
+    main = verify_environment(env, [package], wheel, installed=installed, expected=carried)
     present = {d.name for d in installed}
     others = [n for n in affected if n != package and n in present]
     if not others:
@@ -764,15 +746,42 @@ def _verify_installed(
     return replace(main, distributions=(*main.distributions, *rest.distributions))
 
 
+def _origin(url: str) -> tuple[str, str | None, int | None]:
+    parts = urllib.parse.urlsplit(url)
+    return parts.scheme, parts.hostname, parts.port
+
+
+class _OffOrigin(urllib.error.URLError):
+    pass
+
+
+class _SameOriginRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only to the health URL's own scheme, host and port: a service cannot send
+    root's request elsewhere, nor have another host's 200 count as its own health."""
+
+    def __init__(self, url: str) -> None:
+        self.origin = _origin(url)
+
+    def redirect_request(
+        self, req: urllib.request.Request, fp: Any, code: int, msg: str, headers: Any, newurl: str
+    ) -> urllib.request.Request | None:
+        if _origin(newurl) != self.origin:
+            raise _OffOrigin(f"HTTP {code} redirect to another host ({newurl}), refused")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
 def _wait_healthy(url: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     last = "no answer"
+    opener = urllib.request.build_opener(_SameOriginRedirects(url))
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(url, timeout=5) as response:
+            with opener.open(url, timeout=5) as response:
                 if response.status == 200:
                     return
                 last = f"HTTP {response.status}"
+        except _OffOrigin as exc:
+            last = str(exc.reason)
         except urllib.error.HTTPError as exc:
             last = f"HTTP {exc.code}"
         except (urllib.error.URLError, OSError) as exc:
@@ -783,19 +792,23 @@ def _wait_healthy(url: str, timeout: float) -> None:
 
 def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) -> RunResult:
     """The whole run. Raises SafeInstallError only before anything changed (exit 2)."""
-    pre = preflight(options)  # holds the environment's lock from here on
+    run = _Run(options, reporter)
     try:
-        if interactive and not reporter.confirm(pre.plan):
-            return _result(pre, None, "declined", ExitCode.REFUSED, None)
-        run_id, journal = _start_journal(pre)
+        run.preflight()
+        if interactive and not reporter.confirm(run.plan):
+            _discard_wheel_copy(run)
+            return _result(run, "declined", ExitCode.REFUSED, None)
+        run.start_journal()
     except BaseException:
-        pre.lock.release()
+        _discard_wheel_copy(run)
+        if run.lock is not None:
+            run.lock.release()
         raise
-    run = _Run(pre, reporter, run_id, journal, notes=list(pre.notes))
-    run._log("plan: " + " ".join(pre.plan.uv_command))
     try:
         with interrupts_raise():
             try:
+                if options.keep_patches:
+                    run._timed("patches", run.do_patches)
                 run._timed("backup", run.do_backup)
                 run._timed("prefetch", run.do_prefetch)
                 run._timed("gate", run.do_gate)
@@ -806,6 +819,7 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
                 run._timed("install", run.do_install)
                 run._timed("verify", run.do_verify)
                 run._timed("restart", run.do_restart)
+                run._timed("end-check", run.do_end_check)
             except Exception as exc:  # any failure once the run started rolls back, bugs included
                 error = (
                     exc if isinstance(exc, SafeInstallError) else StepFailed(f"{type(exc).__name__}: {exc}")
@@ -815,11 +829,12 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
                     ExitCode.ROLLED_BACK: "rolled-back",
                     ExitCode.ROLLBACK_FAILED: "rollback-failed",
                 }.get(outcome.exit_code, "error")
-                return _result(pre, run, status, outcome.exit_code, outcome)
+                return _result(run, status, outcome.exit_code, outcome)
         # The run succeeded: the services run the new, verified version. What is left is tidying up; a
         # failure there is said, and must not turn a good run into an error (nor leave a journal that
         # blocks the next run): the gate marker is gone already, so a leftover drop-in is inert.
         run._journal_if_possible(Phase.DONE)
+        run.save_patches()
         try:
             run.remove_dropins()
         except SafeInstallError as exc:
@@ -827,20 +842,33 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
                 f"could not remove the boot gate drop-ins ({GATE_DROPIN}.conf; inert, the gate is open): "
                 f"{exc.message}"
             )
+        assert run.state is not None
         with contextlib.suppress(OSError):
-            clear_journal(pre.state.dir)
-        old = prune_backups(pre.state.backups, options.keep_backups, protected={run_id})
+            clear_journal(run.state.dir)
+        old = prune_backups(run.state.backups, options.keep_backups, protected={run.run_id})
         run.notes.extend(f"old backup not deleted: {problem}" for problem in old.problems)
         not_restarted = tuple(run._units_to_restart()) if options.no_restart else ()
-        return _result(pre, run, "done", ExitCode.OK, None, not_restarted, tuple(map(str, old.removed)))
+        return _result(run, "done", ExitCode.OK, None, not_restarted, tuple(map(str, old.removed)))
     finally:
-        remove_uv_caches(pre.state, run_id)  # installed files then share inodes with nothing
-        pre.lock.release()
+        if run.state is not None and run.run_id:
+            remove_uv_caches(run.state, run.run_id)  # installed files then share inodes with nothing
+        _discard_wheel_copy(run)
+        if run.lock is not None:
+            run.lock.release()
+
+
+def _discard_wheel_copy(run: _Run) -> None:
+    """The run's copy of the wheel goes with it, unless its journal is kept for ``--recover``."""
+    wheel = run.options.wheel
+    if wheel is None or run.state is None:
+        return
+    if run.journal is not None and run.state.journal.exists():
+        return
+    discard_wheel_copy(wheel, run.state.dir)
 
 
 def _result(
-    pre: Preflight,
-    run: _Run | None,  # None: declined before the run started
+    run: _Run,
     status: str,
     code: ExitCode,
     error: SafeInstallError | None,
@@ -850,17 +878,21 @@ def _result(
     return RunResult(
         status=status,
         exit_code=code,
-        plan=pre.plan,
-        steps=tuple(run.steps) if run else (),
-        downtime_s=dict(run.downtime) if run else {},
-        patched=run.patched if run else (),
-        extras=run.extras if run else (),
-        pruned=run.pruned if run else (),
-        backup_dir=str(run.backup.dir) if run and run.backup else None,
-        log_file=str(run.log_file) if run else None,
+        plan=run.survey.plan if run.survey else None,
+        steps=tuple(run.steps),
+        downtime_s=dict(run.downtime),
+        patched=run.patched,
+        extras=run.extras,
+        pruned=run.pruned,
+        backup_dir=str(run.backup.dir) if run.backup else None,
+        log_file=str(run.log_file) if run.log_file else None,
         not_restarted=not_restarted,
-        strays_killed=run.strays_killed if run else (),
+        strays_killed=run.strays_killed,
         error=error,
-        notes=tuple(run.notes) if run else pre.notes,
+        notes=tuple(run.notes),
+        manual_commands=error.commands if isinstance(error, RollbackFailed) else (),
         backups_removed=backups_removed,
+        old_code=run.old_code,
+        patches=run.patches.outcomes if run.patches is not None else (),
+        patch_file=str(run.patch_file) if run.patch_file else None,
     )

@@ -6,20 +6,24 @@ import contextlib
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from safeinstall.drift import Finding, FindingKind
 from safeinstall.errors import SafeInstallError
+from safeinstall.lock import display_time
+from safeinstall.runlog import PROGRESS_EVERY_S, human_bytes, progress_text
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
 
     from safeinstall.diffs import FileDiff
+    from safeinstall.history import RunSummary
     from safeinstall.plan import Plan
-    from safeinstall.recover import EnvironmentStatus, Recovery
+    from safeinstall.recover import EnvironmentStatus, Forgotten, Recovery
     from safeinstall.reinstall import RunResult, StepOutcome
     from safeinstall.verify import VerifyReport
 
@@ -40,9 +44,9 @@ def make_console(stderr: bool = False) -> Console:
 
 
 def render_error(console: Console, error: SafeInstallError) -> None:
-    console.print(f"[bold red]error:[/] {error.message}", soft_wrap=True)
+    console.print(f"[bold red]error:[/] {escape(error.message)}", soft_wrap=True)
     if error.hint:
-        console.print(f"[dim]hint:[/] {error.hint}", soft_wrap=True)
+        console.print(f"[dim]hint:[/] {escape(error.hint)}", soft_wrap=True)
 
 
 def _findings_table(findings: list[Finding]) -> Table:
@@ -54,7 +58,10 @@ def _findings_table(findings: list[Finding]) -> Table:
     for f in findings:
         style = _KIND_STYLE.get(f.kind, "")
         table.add_row(
-            f"[{style}]{f.kind.value}[/]" if style else f.kind.value, f.distribution, f.path, f.detail
+            f"[{style}]{f.kind.value}[/]" if style else f.kind.value,
+            escape(f.distribution),
+            escape(f.path),
+            escape(f.detail),
         )
     return table
 
@@ -62,9 +69,9 @@ def _findings_table(findings: list[Finding]) -> Table:
 def render_verify(out: Console, err: Console, report: VerifyReport, diffs: list[FileDiff] | None) -> None:
     if report.wheel is not None and not report.wheel.record_ok:
         err.print(
-            f"[yellow]warning:[/] the wheel {report.wheel.path} has a RECORD that does not match its own "
-            f"contents ({len(report.wheel.problems)} problems); that is the wheel's fault, not drift: "
-            "installed files were compared with the wheel's actual contents",
+            f"[yellow]warning:[/] the wheel {escape(str(report.wheel.path))} has a RECORD that does not "
+            f"match its own contents ({len(report.wheel.problems)} problems); that is the wheel's fault, "
+            "not drift: installed files were compared with the wheel's actual contents",
             soft_wrap=True,
         )
     drift = [f for f in report.findings if f.is_drift]
@@ -76,16 +83,17 @@ def render_verify(out: Console, err: Console, report: VerifyReport, diffs: list[
             hardlinked[finding.distribution].append(finding)
     for name, links in hardlinked.items():
         err.print(
-            f"[yellow]warning:[/] {name}: {len(links)} installed files share their inode with another "
-            f"file (uv's cache, e.g. {links[0].path}); editing them in place also edits the cache, and a "
-            "later offline reinstall brings the edit back (uv #10579). Reinstall with --link-mode copy.",
+            f"[yellow]warning:[/] {escape(name)}: {len(links)} installed files share their inode with "
+            f"another file (uv's cache, e.g. {escape(links[0].path)}); editing them in place also edits the "
+            "cache, and a later offline reinstall brings the edit back (uv #10579). "
+            "Reinstall with --link-mode copy.",
             soft_wrap=True,
         )
     for d in diffs or []:
         if d.text:
             out.print(d.text, end="", markup=False, highlight=False, soft_wrap=True)
         else:
-            err.print(f"[dim]no diff for {d.path}: {d.reason}[/]")
+            err.print(f"[dim]no diff for {escape(d.path)}: {escape(d.reason)}[/]")
     for dist in report.distributions:
         kinds = Counter(f.kind.value for f in dist.findings if f.is_drift)
         state = (
@@ -95,19 +103,9 @@ def render_verify(out: Console, err: Console, report: VerifyReport, diffs: list[
         )
         against = "RECORD" if dist.against == "record" else dist.against
         out.print(
-            f"{dist.name} {dist.version}: {dist.files_checked} files checked against {against}: {state}"
+            f"{escape(dist.name)} {escape(dist.version)}: {dist.files_checked} files checked against "
+            f"{escape(against)}: {state}"
         )
-
-
-def _bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
 
 
 def _seconds(value: float) -> str:
@@ -115,21 +113,36 @@ def _seconds(value: float) -> str:
 
 
 def render_plan(out: Console, err: Console, plan: Plan) -> None:
-    out.print(f"[bold]plan[/] for {plan.package} in {plan.prefix} (python {plan.python})")
+    out.print(
+        f"[bold]plan[/] for {escape(plan.package)} in {escape(plan.prefix)} (python {escape(plan.python)})"
+    )
     out.print("distributions:" + ("  (--with-deps: dependencies reinstalled too)" if plan.with_deps else ""))
     for dist in plan.distributions:
         mark = " (named)" if dist.requested else ""
-        out.print(f"  {dist.name} {dist.old_version or '(not installed)'} -> {dist.new_version or '?'}{mark}")
+        versions = f"{dist.old_version or '(not installed)'} -> {dist.new_version or '?'}"
+        out.print(f"  {escape(dist.name)} {escape(versions)}{mark}")
     if plan.processes:
         table = Table(title="processes using them", title_justify="left", box=None, pad_edge=False)
         for column in ("PID", "UNIT", "USER", "EVIDENCE", "GPU MEM", "COMMAND"):
             table.add_column(column, overflow="fold")
         for p in plan.processes:
-            evidence = ",".join(p.evidence) + (" [red](running old code)[/]" if p.running_old_code else "")
-            unit = p.unit or f"[yellow]stray[/] ({p.scope or 'no unit'})"
+            evidence = ",".join(p.evidence) + f" ({p.strength})"
+            evidence += " [red](running old code)[/]" if p.running_old_code else ""
+            unit = escape(p.unit) if p.unit else f"[yellow]stray[/] ({escape(p.scope or 'no unit')})"
             command = " ".join(p.cmdline) or p.name
-            table.add_row(str(p.pid), unit, p.user, evidence, _bytes(p.gpu_bytes), f"{p.name}: {command}")
+            table.add_row(
+                str(p.pid),
+                unit,
+                escape(p.user),
+                evidence,
+                human_bytes(p.gpu_bytes),
+                escape(f"{p.name}: {command}"),
+            )
         out.print(table)
+        for p in plan.processes:  # what the kinds alone do not say: which dependent, which interpreter
+            for detail in p.details:
+                if detail.startswith(("depends:", "environment:")):
+                    out.print(f"  PID {p.pid}: {detail}", soft_wrap=True, markup=False)
     else:
         out.print("processes using them: none")
     if plan.units:
@@ -138,12 +151,13 @@ def render_plan(out: Console, err: Console, plan: Plan) -> None:
             table.add_column(column)
         for u in plan.units:
             table.add_row(
-                u.name,
-                u.active_state,
-                u.unit_file_state or "-",
+                escape(u.name),
+                escape(u.active_state),
+                escape(u.unit_file_state or "-"),
                 _seconds(u.stop_timeout_s),
                 str(u.main_pid or "-"),
-                " ".join(map(str, u.pids)) or (f"(stops with {u.stopped_with})" if u.stopped_with else ""),
+                " ".join(map(str, u.pids))
+                or (f"(stops with {escape(u.stopped_with)})" if u.stopped_with else ""),
             )
         out.print(table)
     if plan.gpus.available:
@@ -151,29 +165,32 @@ def render_plan(out: Console, err: Console, plan: Plan) -> None:
         for column in ("GPU", "NAME", "UUID", "USED", "TOTAL", "PROCESSES"):
             table.add_column(column)
         for gpu in plan.gpus.gpus:
-            procs = " ".join(f"{p.pid}:{_bytes(p.used_bytes)}" for p in gpu.processes)
+            procs = " ".join(f"{p.pid}:{human_bytes(p.used_bytes)}" for p in gpu.processes)
             table.add_row(
                 str(gpu.index),
-                gpu.name,
-                gpu.uuid,
-                _bytes(gpu.used_bytes),
-                _bytes(gpu.total_bytes),
-                procs or gpu.processes_error or "-",
+                escape(gpu.name),
+                escape(gpu.uuid),
+                human_bytes(gpu.used_bytes),
+                human_bytes(gpu.total_bytes),
+                escape(procs or gpu.processes_error or "-"),
             )
         out.print(table)
     else:
-        out.print(f"GPUs: check unavailable ({plan.gpus.reason})")
-    out.print("uv command: " + " ".join(plan.uv_command), soft_wrap=True)
+        out.print(f"GPUs: check unavailable ({escape(plan.gpus.reason or '')})")
+    out.print("uv command: " + escape(" ".join(plan.uv_command)), soft_wrap=True)
     for problem in plan.scan_problems:
-        err.print(f"[dim]note: PID {problem.pid}: could not read {problem.reading}: {problem.reason}[/]")
+        err.print(
+            f"[dim]note: PID {problem.pid}: could not read {escape(problem.reading)}: "
+            f"{escape(problem.reason)}[/]"
+        )
     for warning in plan.warnings:
-        err.print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
+        err.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True)
     if plan.proceeds:
         out.print("[green]the run would proceed[/]")
     else:
         out.print("[red]the run would refuse:[/]")
         for refusal in plan.refusals:
-            out.print(f"  - {refusal}", soft_wrap=True)
+            out.print(f"  - {escape(refusal)}", soft_wrap=True)
 
 
 _STEP_MARK = {"ok": "[green]ok[/]", "failed": "[bold red]FAILED[/]", "skipped": "[yellow]skipped[/]"}
@@ -219,23 +236,25 @@ class ConsoleReporter:
             return
         mark = _STEP_MARK.get(outcome.status, outcome.status)
         self.out.print(
-            f"{outcome.name:<12} {mark:<8} {outcome.seconds:6.1f} s  {outcome.detail}", soft_wrap=True
+            f"{outcome.name:<12} {mark:<8} {outcome.seconds:6.1f} s  {escape(outcome.detail)}", soft_wrap=True
         )
 
-    def progress(self, what: str, done: float | None, total: float | None) -> None:
+    def progress(self, what: str, done: float | None, total: float | None, unit: str = "") -> None:
         with _output_best_effort():
-            self._show_progress(what, done, total)
+            self._show_progress(what, done, total, unit)
 
-    def _show_progress(self, what: str, done: float | None, total: float | None) -> None:
-        """Slow work (the backup's bytes, the GPU wait's seconds): a transient bar on a terminal."""
+    def _show_progress(self, what: str, done: float | None, total: float | None, unit: str) -> None:
+        """Slow work (the backup's bytes, the GPU wait's seconds): a transient bar on a terminal; off a
+        terminal (logs, scripts) a plain line every few seconds, in human units."""
         if self.quiet:
             return
-        if not self.err.is_terminal:  # logs and scripts: a plain line every few seconds
+        if not self.err.is_terminal:
             now = time.monotonic()
-            if now - self._last_line >= 5.0:
+            if now - self._last_line >= PROGRESS_EVERY_S:
                 self._last_line = now
-                amount = "" if done is None else f" {done:.0f}" + (f"/{total:.0f}" if total else "")
-                self.err.print(f"{what}{amount}", soft_wrap=True, highlight=False)
+                self.err.print(
+                    progress_text(what, done, total, unit), soft_wrap=True, highlight=False, markup=False
+                )
             return
         if self._progress is None:
             from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
@@ -251,8 +270,8 @@ class ConsoleReporter:
             self._progress.start()
         key = what.split(" (", 1)[0]
         if key not in self._tasks:
-            self._tasks[key] = self._progress.add_task(what, total=total)
-        self._progress.update(self._tasks[key], description=what, completed=done or 0, total=total)
+            self._tasks[key] = self._progress.add_task(escape(what), total=total)
+        self._progress.update(self._tasks[key], description=escape(what), completed=done or 0, total=total)
 
     def _end_progress(self) -> None:
         if self._progress is not None:
@@ -262,7 +281,7 @@ class ConsoleReporter:
 
     def note(self, text: str) -> None:
         with _output_best_effort():
-            self.err.print(f"[yellow]note:[/] {text}", soft_wrap=True)
+            self.err.print(f"[yellow]note:[/] {escape(text)}", soft_wrap=True)
 
     def confirm(self, plan: Plan) -> bool:
         render_plan(self.out, self.err, plan)
@@ -270,37 +289,68 @@ class ConsoleReporter:
         return answer.strip().lower() in ("y", "yes")
 
 
-def render_result(out: Console, err: Console, result: RunResult) -> None:
+def render_result(out: Console, err: Console, result: RunResult, run_id: str) -> None:
     for note in result.notes:
-        err.print(f"[dim]note:[/] {note}", soft_wrap=True)
+        err.print(f"[dim]note:[/] {escape(note)}", soft_wrap=True)
     if result.status == "declined":
         out.print("nothing done (not confirmed)")
         return
     plan = result.plan
     if result.status == "done" and plan is not None:
         changes = ", ".join(f"{d.name} {d.old_version} -> {d.new_version or '?'}" for d in plan.distributions)
-        out.print(f"[green]done:[/] {changes}; installed and verified", soft_wrap=True)
+        out.print(f"[green]done:[/] {escape(changes)}; installed and verified", soft_wrap=True)
     for unit, seconds in sorted(result.downtime_s.items()):
-        out.print(f"  {unit} was down for {seconds:.1f} s")
+        out.print(f"  {escape(unit)} was down for {seconds:.1f} s")
     for unit in result.not_restarted:
-        out.print(f"  [yellow]{unit} left stopped (--no-restart)[/]")
+        out.print(f"  [yellow]{escape(unit)} left stopped (--no-restart)[/]")
     for pid in result.strays_killed:
         out.print(f"  stray PID {pid} was ended and not restarted")
+    for process in result.old_code:
+        err.print(
+            f"[yellow]warning:[/] {escape(process.describe())} ({escape(', '.join(process.paths[:3]))}): "
+            "it runs old code; restart it",
+            soft_wrap=True,
+        )
+    _render_patches(out, result)
     if result.patched:
-        out.print(f"locally patched files (copies kept in {result.backup_dir}):")
+        out.print(f"locally patched files (copies kept in {escape(result.backup_dir or '')}):")
         for path in result.patched:
-            out.print(f"  {path}")
+            out.print(f"  {escape(path)}")
     for path in result.extras:
         state = (
             "pruned (copy kept in the backup)" if path in result.pruned else "left in place (--prune removes)"
         )
-        out.print(f"  leftover {path}: {state}", soft_wrap=True)
+        out.print(f"  leftover {escape(path)}: {state}", soft_wrap=True)
     if result.backup_dir:
-        err.print(f"[dim]backup: {result.backup_dir}; log: {result.log_file}[/]")
+        err.print(
+            f"[dim]run {escape(run_id)}; backup: {escape(result.backup_dir)}; "
+            f"log: {escape(str(result.log_file))}[/]",
+            soft_wrap=True,
+        )
     if result.backups_removed:
         err.print(f"[dim]deleted {len(result.backups_removed)} older backup(s) (--keep-backups)[/]")
     if result.error is not None:
         render_error(err, result.error)
+
+
+def _render_patches(out: Console, result: RunResult) -> None:
+    """--keep-patches: what was carried, what was dropped, and where each conflict is (as a diff)."""
+    heading = {
+        "carried": "local patches carried to the new version:",
+        "dropped": "local patches dropped (--drop-conflicting; the backup keeps them):",
+        "conflict": "local patches that cannot be carried:",
+    }
+    for status, title in heading.items():
+        found = [p for p in result.patches if p.status.value == status]
+        if not found:
+            continue
+        out.print(title)
+        for patch in found:
+            out.print(f"  {status} {patch.path}: {patch.detail}", soft_wrap=True)
+            if status != "carried" and patch.diff:
+                out.print(patch.diff, end="", markup=False, highlight=False, soft_wrap=True)
+    if result.patch_file:
+        out.print(f"carried patch set saved as {result.patch_file}", soft_wrap=True)
 
 
 def render_recoveries(out: Console, recoveries: list[Recovery]) -> None:
@@ -315,12 +365,42 @@ def render_recoveries(out: Console, recoveries: list[Recovery]) -> None:
             did.append("started " + ", ".join(r.started))
         if r.gates_removed:
             did.append(f"removed {len(r.gates_removed)} boot gate(s)")
-        out.print(f"recovered run {r.run_id} in {r.prefix} (died in phase {r.phase}): " + "; ".join(did))
+        out.print(
+            escape(f"recovered run {r.run_id} in {r.prefix} (died in phase {r.phase}): " + "; ".join(did))
+        )
         for note in r.notes:
-            out.print(f"  note: {note}")
+            out.print(f"  note: {escape(note)}")
 
 
-def render_status(out: Console, found: list[EnvironmentStatus]) -> None:
+def _when(iso: str | None) -> str:
+    return display_time(iso) if iso else "-"
+
+
+def _runs_table(runs: tuple[RunSummary, ...]) -> Table:
+    table = Table(box=None, pad_edge=False)
+    for column in ("RUN", "STATUS", "EXIT", "PACKAGE", "VERSION", "STARTED", "FINISHED", "DOWNTIME", "LOG"):
+        table.add_column(column, overflow="fold")
+    for r in runs:
+        style = "green" if r.exit_code == 0 else "yellow" if r.exit_code in (2, 3) else "red"
+        versions = (
+            f"{r.old_version or '?'} -> {r.new_version or '?'}" if r.old_version or r.new_version else "-"
+        )
+        downtime = ", ".join(f"{u} {s:.1f} s" for u, s in sorted(r.downtime_s.items())) or "-"
+        table.add_row(
+            escape(r.run_id),
+            f"[{style}]{escape(r.status)}[/]",
+            str(r.exit_code),
+            escape(r.package or "-"),
+            escape(versions),
+            _when(r.started_at),
+            _when(r.finished_at),
+            escape(downtime),
+            escape(r.log_file or "-"),
+        )
+    return table
+
+
+def render_status(out: Console, found: list[EnvironmentStatus], last: int = 5) -> None:
     if not found:
         out.print("no safeinstall state: no run in progress, nothing to recover")
         return
@@ -329,10 +409,57 @@ def render_status(out: Console, found: list[EnvironmentStatus]) -> None:
         table.add_column(column, overflow="fold")
     for s in found:
         if s.running and s.holder is not None:
-            state = f"[yellow]running[/] (PID {s.holder.pid}, since {s.holder.started_display})"
+            state = f"[yellow]running[/] (PID {s.holder.pid}, since {escape(s.holder.started_display)})"
+            if s.run_id:
+                state += f" run {escape(s.run_id)}"
         elif s.needs_recovery:
             state = "[red]needs recovery[/]: run safeinstall --recover"
         else:
             state = "[green]idle[/]"
-        table.add_row(s.prefix, state, s.package or "-", s.journal_phase or "-", " ".join(s.units) or "-")
+        if s.prefix_exists is False:
+            state += " [dim](environment gone: safeinstall --forget removes its state)[/]"
+        table.add_row(
+            escape(s.prefix),
+            state,
+            escape(s.package or "-"),
+            escape(s.journal_phase or "-"),
+            escape(" ".join(s.units) or "-"),
+        )
     out.print(table)
+    for s in found:
+        if s.runs:
+            out.print(f"\nlast runs in {escape(s.prefix)}:", soft_wrap=True)
+            out.print(_runs_table(s.runs[:last]))
+        for problem in s.history_problems:
+            out.print(f"[yellow]note:[/] {escape(problem)}", soft_wrap=True)
+
+
+def render_entry(out: Console, err: Console, entry: dict[str, Any]) -> None:
+    """A finished run's result as its history keeps it (``--status --wait``, a refused ``--detach``)."""
+    from safeinstall.history import summary
+
+    run = summary(entry)
+    result = entry["result"]
+    data = result.get("data") if isinstance(result.get("data"), dict) else {}
+    for note in data.get("notes") or []:
+        err.print(f"[dim]note:[/] {escape(str(note))}", soft_wrap=True, highlight=False)
+    style = "green" if run.exit_code == 0 else "red"
+    versions = f" {run.old_version} -> {run.new_version}" if run.old_version or run.new_version else ""
+    out.print(
+        f"run {escape(run.run_id)}: [{style}]{escape(run.status)}[/] (exit {run.exit_code}); "
+        + escape(f"{run.package or '?'}{versions}"),
+        soft_wrap=True,
+    )
+    for unit, seconds in sorted(run.downtime_s.items()):
+        out.print(escape(f"  {unit} was down for {seconds:.1f} s"))
+    if run.log_file:
+        err.print(f"[dim]log: {escape(run.log_file)}[/]", soft_wrap=True)
+    for error in result.get("errors") or []:
+        render_error(err, SafeInstallError(str(error.get("message")), hint=error.get("hint")))
+
+
+def render_forgotten(out: Console, forgotten: list[Forgotten]) -> None:
+    if not forgotten:
+        out.print("nothing to forget: every environment with state still exists")
+    for item in forgotten:
+        out.print(escape(f"forgot {item.prefix} (removed {item.state_dir})"), soft_wrap=True)

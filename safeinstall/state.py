@@ -12,21 +12,31 @@ Layout::
         logs/<run-id>.log
         uv-cache-<run-id>/          uv's cache for that run only (filled by the prefetch, the install
                                     hardlinks from it); deleted when the run ends
+        history/<run-id>.json       the final result of each finished run (see :mod:`safeinstall.history`)
+        patches/<run-id>.patch      the local patches a --keep-patches run carried to the new version
 
 Path computation is pure (``environ`` and ``euid`` are parameters); :func:`ensure_dir` and
 :func:`ensure_environment_dir` are the only functions that touch the disk, plus the listing.
+
+Trust: safeinstall runs as root and acts on what it finds here (a journal names units to start and a
+backup to restore), so every command first checks that nobody else could have put it there: the state
+root, each of its parents and each environment directory must be owned by root or the caller and
+writable by nobody else (:func:`trust_problem`; a root-owned sticky directory such as ``/tmp`` is fine
+as a parent, as OpenSSH's StrictModes treats it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
+import re
 import shutil
 import stat
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -40,10 +50,13 @@ JOURNAL_FILE = "journal.json"
 BACKUPS_DIR = "backups"
 LOGS_DIR = "logs"
 UV_CACHE_PREFIX = "uv-cache-"
+HISTORY_DIR = "history"
+PATCHES_DIR = "patches"
 PRIVATE_MODE = 0o700
 _KEY_DIGEST_CHARS = 12
 #: Temp files of :func:`atomic_write`: ``.<name>.<random>.tmp`` beside the target.
 TMP_SUFFIX = ".tmp"
+_PREFIX_MAX = 64 * 1024
 
 
 class StateDirError(SafeInstallError):
@@ -59,6 +72,8 @@ class EnvironmentState:
     root: Path  # the state root
     dir: Path  # <root>/<key>
     prefix: Path | None  # None when listed and its prefix file is missing/unreadable
+    #: why this (listed) directory must not be used: not owned by root or the caller, writable by others
+    problem: str | None = None
 
     @property
     def key(self) -> str:
@@ -83,6 +98,17 @@ class EnvironmentState:
     @property
     def logs(self) -> Path:
         return self.dir / LOGS_DIR
+
+    @property
+    def history(self) -> Path:
+        return self.dir / HISTORY_DIR
+
+    @property
+    def patches(self) -> Path:
+        return self.dir / PATCHES_DIR
+
+    def patch_file(self, run_id: str) -> Path:
+        return self.patches / f"{run_id}.patch"
 
     def backup_dir(self, run_id: str) -> Path:
         return self.backups / run_id
@@ -117,7 +143,7 @@ class DirStatus:
         if self.old_mode is None:
             return None
         return (
-            f"{self.path} was mode {self.old_mode:04o} (group/other could read or write it); "
+            f"{self.path} was mode {self.old_mode:04o} (group/other could read it); "
             f"tightened it to {PRIVATE_MODE:04o}"
         )
 
@@ -154,6 +180,14 @@ def new_run_id(now: datetime, pid: int) -> str:
     return f"{now.astimezone(UTC).strftime('%Y%m%dT%H%M%SZ')}-{pid}"
 
 
+_RUN_ID = re.compile(r"\d{8}T\d{6}Z-\d{1,10}")
+
+
+def is_run_id(text: str) -> bool:
+    """Pure: whether ``text`` has the shape :func:`new_run_id` gives (and so is safe in a file name)."""
+    return _RUN_ID.fullmatch(text) is not None
+
+
 def mode_problem(mode: int, owner: int, euid: int) -> str | None:
     """Pure: why a directory with this ``st_mode``/``st_uid`` must not be used, or None."""
     if not stat.S_ISDIR(mode):
@@ -161,6 +195,70 @@ def mode_problem(mode: int, owner: int, euid: int) -> str | None:
     if owner != euid:
         return f"it is owned by uid {owner}, not by uid {euid} which runs safeinstall"
     return None
+
+
+def trust_problem(mode: int, owner: int, euid: int, *, parent: bool) -> str | None:
+    """Pure: why another user could change what a directory (the state directory, or one of its
+    ``parent`` directories) holds, or None. Owned by root or the caller, writable by nobody else; a
+    parent may be a root-owned sticky directory (``/tmp``: others cannot rename or delete what is ours).
+    """
+    if not stat.S_ISDIR(mode):
+        return "it is not a directory"
+    if owner not in (0, euid):
+        return f"it is owned by uid {owner}, not by root or uid {euid} which runs safeinstall"
+    if mode & 0o022 and not (parent and owner == 0 and mode & stat.S_ISVTX):
+        return f"it is mode {stat.S_IMODE(mode):04o}: its group or other users may write to it"
+    return None
+
+
+def _untrusted(path: Path, problem: str) -> StateDirError:
+    return StateDirError(
+        f"refusing to use the state directory {path}: {problem}",
+        hint="another user could have planted what safeinstall would act on as root there; make it "
+        f"(and its parents) owned by root or you and writable by nobody else (chmod go-w), "
+        f"or set {STATE_DIR_VARIABLE} to another directory",
+    )
+
+
+def check_trusted(path: Path, euid: int | None = None) -> None:
+    """Refuse (StateDirError) unless ``path`` and every directory above it is trusted (see
+    :func:`trust_problem`). The chain checked is that of the real path: a symlink on the way counts
+    as the directories it leads to. A ``path`` that does not exist yet is fine if its parents are."""
+    uid = os.geteuid() if euid is None else euid
+    real = Path(os.path.realpath(path))
+    for directory in (*reversed(real.parents), real):
+        try:
+            info = os.lstat(directory)
+        except FileNotFoundError:
+            return  # created later, by us, below directories already checked
+        except OSError as exc:
+            raise StateDirError(
+                f"cannot inspect {directory} (above the state directory {path}): {exc.strerror or exc}",
+                hint=f"check the path, or set {STATE_DIR_VARIABLE} to another directory",
+            ) from exc
+        problem = trust_problem(info.st_mode, info.st_uid, uid, parent=directory != real)
+        if problem is not None:
+            raise _untrusted(path, problem if directory == real else f"its parent {directory}: {problem}")
+def _usable(path: Path, *, missing_ok: bool) -> os.stat_result | None:
+    """The stat of the state directory ``path``; None when it is missing and that is ok. Refuses one
+    that cannot be inspected, is not a directory or is not ours."""
+    try:
+        info = os.lstat(path)  # a symlink is not a directory: it could lead anywhere
+    except OSError as exc:
+        if missing_ok and isinstance(exc, FileNotFoundError):
+            return None
+        raise StateDirError(
+            f"cannot inspect the state directory {path}: {exc.strerror or exc}",
+            hint=f"check the path, or set {STATE_DIR_VARIABLE} to another directory",
+        ) from exc
+    problem = mode_problem(info.st_mode, info.st_uid, os.geteuid())
+    if problem is not None:
+        raise StateDirError(
+            f"refusing to use the state directory {path}: {problem}",
+            hint=f"remove or fix it (it must be a directory owned by you, mode {PRIVATE_MODE:04o}), "
+            f"or set {STATE_DIR_VARIABLE} to another directory",
+        )
+    return info
 
 
 def ensure_dir(path: Path, mode: int = PRIVATE_MODE) -> DirStatus:
@@ -176,21 +274,11 @@ def ensure_dir(path: Path, mode: int = PRIVATE_MODE) -> DirStatus:
             f"cannot create the state directory {path}: {exc.strerror or exc}",
             hint=f"check its parent's permissions, or set {STATE_DIR_VARIABLE} to a writable directory",
         ) from exc
-    try:
-        info = os.stat(path)
-    except OSError as exc:
-        raise StateDirError(
-            f"cannot inspect the state directory {path}: {exc.strerror or exc}",
-            hint=f"check the path, or set {STATE_DIR_VARIABLE} to another directory",
-        ) from exc
-    problem = mode_problem(info.st_mode, info.st_uid, os.geteuid())
-    if problem is not None:
-        raise StateDirError(
-            f"refusing to use the state directory {path}: {problem}",
-            hint=f"remove or fix it (it must be a directory owned by you, mode {PRIVATE_MODE:04o}), "
-            f"or set {STATE_DIR_VARIABLE} to another directory",
-        )
+    info = _usable(path, missing_ok=False)
+    assert info is not None
     current = stat.S_IMODE(info.st_mode)
+    if not created and current & 0o022:  # others could have put anything in it: do not adopt it
+        raise _untrusted(path, trust_problem(info.st_mode, info.st_uid, os.geteuid(), parent=False) or "")
     if created and current != mode:  # mkdir's mode is masked by the umask
         os.chmod(path, mode)
     if not created and current & 0o077:
@@ -207,17 +295,39 @@ def ensure_dir(path: Path, mode: int = PRIVATE_MODE) -> DirStatus:
 
 
 def ensure_environment_dir(state: EnvironmentState) -> tuple[DirStatus, ...]:
-    """Create the state root and the environment's directories; record its prefix for listings."""
-    statuses = tuple(ensure_dir(p) for p in (state.root, state.dir, state.backups, state.logs))
+    """Create the state root and the environment's directories; record its prefix for listings.
+    Refuses (StateDirError) a state root that is not trusted, parents included (:func:`check_trusted`)."""
+    check_trusted(state.root)
+    root = Path(os.path.realpath(state.root))  # a symlinked root is checked (and used) where it leads
+    statuses = tuple(ensure_dir(p) for p in (root, state.dir, state.backups, state.logs))
     if state.prefix is not None:
         text = os.fspath(state.prefix) + "\n"
         try:
-            current: str | None = state.prefix_file.read_text(encoding="utf-8", errors="surrogateescape")
-        except OSError:
+            current: str | None = read_private_file(state.prefix_file, _PREFIX_MAX).decode(
+                "utf-8", errors="surrogateescape"
+            )
+        except (OSError, StateDirError):
             current = None
         if current != text:
             atomic_write(state.prefix_file, text.encode("utf-8", "surrogateescape"))
     return statuses
+
+
+def check_environment_dir(state: EnvironmentState) -> None:
+    """For a dry-run: refuse as :func:`ensure_environment_dir` would, creating nothing (a directory that
+    is there must be usable; one that is not must be creatable in its nearest existing parent)."""
+    check_trusted(state.root)
+    for path in (state.root, state.dir, state.backups, state.logs):
+        if _usable(path, missing_ok=True) is None:
+            parent = path.parent
+            while not parent.exists() and parent != parent.parent:
+                parent = parent.parent
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise StateDirError(
+                    f"cannot create the state directory {path}: {parent} is not writable",
+                    hint=f"check its permissions, or set {STATE_DIR_VARIABLE} to a writable directory",
+                )
+            return  # the ones below it are made with it
 
 
 def fsync_dir(directory: Path) -> None:
@@ -248,16 +358,84 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
     fsync_dir(path.parent)
 
 
+def file_problem(mode: int, owner: int, size: int, euid: int, max_bytes: int) -> str | None:
+    """Pure: why a file of the state directory (a journal, a prefix file) must not be believed, or None."""
+    if not stat.S_ISREG(mode):
+        return "it is not a regular file"
+    if owner not in (0, euid):
+        return f"it is owned by uid {owner}, not by root or uid {euid} which runs safeinstall"
+    if mode & 0o022:
+        return f"it is mode {stat.S_IMODE(mode):04o}: its group or other users may write to it"
+    if size > max_bytes:
+        return f"it is {size} bytes, more than the {max_bytes} such a file ever needs"
+    return None
+
+
+def read_private_file(path: Path, max_bytes: int) -> bytes:
+    """The bytes of a file safeinstall wrote in its state directory, checked before it is believed:
+    not a symlink (``O_NOFOLLOW``), not a FIFO or device (``O_NONBLOCK``, then regular), owned by root
+    or the caller, writable by nobody else, at most ``max_bytes``. FileNotFoundError when absent;
+    StateDirError saying what is wrong otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise StateDirError(
+                f"refusing to read {path}: it is a symbolic link",
+                hint="safeinstall never writes one there; remove it",
+            ) from exc
+        raise
+    try:
+        info = os.fstat(fd)
+        problem = file_problem(info.st_mode, info.st_uid, info.st_size, os.geteuid(), max_bytes)
+        if problem is not None:
+            raise StateDirError(
+                f"refusing to read {path}: {problem}",
+                hint="safeinstall writes its state files itself, mode 0600; someone else put this one "
+                "there: look at it, then remove it",
+            )
+        chunks: list[bytes] = []
+        while chunk := os.read(fd, max_bytes + 1 - sum(map(len, chunks))):
+            chunks.append(chunk)
+            if sum(map(len, chunks)) > max_bytes:
+                raise StateDirError(f"refusing to read {path}: it grew past {max_bytes} bytes")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def _read_prefix(path: Path) -> Path | None:
     try:
-        text = path.read_text(encoding="utf-8", errors="surrogateescape").strip()
-    except OSError:
+        text = read_private_file(path, _PREFIX_MAX).decode("utf-8", errors="surrogateescape").strip()
+    except (OSError, StateDirError):
         return None
     return Path(text) if text and os.path.isabs(text) else None
 
 
+def directory_problem(directory: Path) -> str | None:
+    """Why an existing environment directory must not be used (see :func:`trust_problem`); None when it
+    is fine or does not exist."""
+    try:
+        info = os.lstat(directory)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"cannot inspect it: {exc.strerror or exc}"
+    return trust_problem(info.st_mode, info.st_uid, os.geteuid(), parent=False)
+
+
+def trusted_environment_state(root: Path, prefix: Path) -> EnvironmentState:
+    """:func:`environment_state`, with the ``problem`` of its directory if it is not trusted."""
+    state = environment_state(root, prefix)
+    return replace(state, problem=directory_problem(state.dir))
+
+
 def list_environment_dirs(root: Path) -> list[EnvironmentState]:
-    """Every environment directory under the state root (for a global --status / --recover), by key."""
+    """Every environment directory under the state root (for a global --status / --recover), by key.
+
+    Refuses (StateDirError) an untrusted root; an environment directory that is not trusted is listed
+    with its ``problem`` (and its prefix file is not read)."""
+    check_trusted(root)
     try:
         entries = sorted(os.scandir(root), key=lambda e: e.name)
     except FileNotFoundError:
@@ -272,5 +450,9 @@ def list_environment_dirs(root: Path) -> list[EnvironmentState]:
         if entry.name.startswith(".") or not entry.is_dir(follow_symlinks=False):
             continue
         directory = Path(entry.path)
+        problem = directory_problem(directory)
+        if problem is not None:
+            found.append(EnvironmentState(root, directory, None, problem))
+            continue
         found.append(EnvironmentState(root=root, dir=directory, prefix=_read_prefix(directory / PREFIX_FILE)))
     return found

@@ -6,15 +6,23 @@ Only gathering happens here; every decision is in :mod:`safeinstall.plan`.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from safeinstall.cgroups import placement_of_proc_cgroup
+from safeinstall.cgroups import placement_of_proc_cgroup, valid_unit_name
+from safeinstall.dependents import dependents, marker_environment
 from safeinstall.distributions import InstalledDistribution, find_distribution, find_distributions
 from safeinstall.environment import Environment, inspect_environment, resolve_python
 from safeinstall.gpus import GpuSnapshot, snapshot_gpus
 from safeinstall.options import RunOptions
 from safeinstall.plan import Plan, build_plan
-from safeinstall.processes import ScanResult, Target, load_targets, scan_processes
+from safeinstall.processes import (
+    EnvironmentScope,
+    ScanResult,
+    Target,
+    environment_scope,
+    load_targets,
+    scan_processes,
+)
 from safeinstall.state import state_root
 from safeinstall.systemd import Systemd, UnitInfo
 from safeinstall.uvplan import UvPlan, UvRequest, dry_run, link_mode_for, same_filesystem
@@ -31,6 +39,9 @@ class Survey:
     uv_plan: UvPlan
     affected: tuple[InstalledDistribution, ...]  # installed distributions the install replaces
     targets: tuple[Target, ...]  # the affected distributions as the /proc scan recognises them
+    #: the distributions of the environment that require an affected one (``depends`` evidence)
+    dependent_targets: tuple[Target, ...]
+    scope: EnvironmentScope  # the environment itself (``environment`` evidence)
     scan: ScanResult
     units: dict[str, UnitInfo]
     gpus: GpuSnapshot
@@ -39,6 +50,10 @@ class Survey:
 
 def systemd_for(options: RunOptions) -> Systemd:
     return Systemd(user=options.user, environ=options.environ)
+
+
+def _dependent(name: str) -> bool:
+    return name.endswith(".service") and valid_unit_name(name)
 
 
 def survey(options: RunOptions, env: Environment | None = None, wheel: Wheel | None = None) -> Survey:
@@ -65,21 +80,24 @@ def survey(options: RunOptions, env: Environment | None = None, wheel: Wheel | N
     by_name = {d.name: d for d in installed}
     affected = tuple(by_name[n] for n in sorted({*uv_plan.affected, target.name}) if n in by_name)
     targets = load_targets(affected, env, installed)
-    scan = scan_processes(targets, options.proc_root)
+    chains = dependents(installed, [d.name for d in affected], marker_environment(env))
+    dependent_targets = load_targets([by_name[n] for n in chains], env, installed, requires=chains)
+    scope = environment_scope(env)
+    scan = scan_processes((*targets, *dependent_targets), options.proc_root, scope=scope)
     unit_names = {
         placement.unit
         for record in scan.processes
         if record.affected and not record.is_self
         for placement in [placement_of_proc_cgroup(record.cgroup_text)]
-        if placement.unit
+        if placement.unit and valid_unit_name(placement.unit)  # the plan refuses the others
     }
     systemd = systemd_for(options)
     units = systemd.show(sorted(unit_names)) if unit_names else {}
-    wanted = {d for info in units.values() for d in info.dependents if d.endswith(".service")} - set(units)
+    wanted = {d for info in units.values() for d in info.dependents if _dependent(d)} - set(units)
     while wanted:  # the units a stop of these stops too, transitively (see plan._dependents)
         more = systemd.show(sorted(wanted))
         units.update(more)
-        wanted = {d for info in more.values() for d in info.dependents if d.endswith(".service")} - set(units)
+        wanted = {d for info in more.values() for d in info.dependents if _dependent(d)} - set(units)
     gpus = snapshot_gpus(options.environ, options.proc_root)
     plan = build_plan(
         package=target.name,
@@ -88,11 +106,35 @@ def survey(options: RunOptions, env: Environment | None = None, wheel: Wheel | N
         user=options.user,
         with_deps=options.with_deps,
         kill_strays=options.kill_strays,
+        only_loaded=options.only_loaded,
         uv_plan=uv_plan,
         installed_versions={d.name: d.version for d in installed},
         wheel_version=wheel.version if wheel else None,
         scan=scan,
         units=units,
         gpus=gpus,
+        as_root=os.geteuid() == 0,
     )
-    return Survey(env, installed, target, wheel, request, uv_plan, affected, targets, scan, units, gpus, plan)
+    if env.owner_note:  # said in the plan too: a dry run shows whose environment this is
+        plan = replace(plan, warnings=(env.owner_note, *plan.warnings))
+    return Survey(
+        env,
+        installed,
+        target,
+        wheel,
+        request,
+        uv_plan,
+        affected,
+        targets,
+        dependent_targets,
+        scope,
+        scan,
+        units,
+        gpus,
+        plan,
+    )
+
+
+def scan_again(found: Survey, options: RunOptions) -> ScanResult:
+    """The same scan as the plan's (every kind of evidence), now: who uses the package at this moment."""
+    return scan_processes((*found.targets, *found.dependent_targets), options.proc_root, scope=found.scope)

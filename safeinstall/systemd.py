@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Literal
 
 from safeinstall import children
+from safeinstall.cgroups import valid_unit_name
 from safeinstall.errors import SystemdError
 
 #: Properties :meth:`Systemd.show` asks for, in one ``systemctl show`` call.
@@ -77,7 +78,6 @@ _TIMESPAN_UNITS: dict[str, float] = {
     **dict.fromkeys(("y", "year", "years"), 31557600.0),  # systemd's year: 365.25 days
 }
 _TIMESPAN_TOKEN = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([^\d\s.]*)")
-_BAD_UNIT_CHARS = re.compile(r"[\s/]")
 
 
 # --------------------------------------------------------------------------------------------- parsing
@@ -249,12 +249,24 @@ def dropin_roots(unit_path: Sequence[str]) -> DropinRoots:
     return DropinRoots(persistent=Path(persistent), runtime=Path(runtime))
 
 
+def default_dropin_root(user: bool, environ: Mapping[str, str]) -> Path:
+    """Pure: where a manager reads persistent drop-ins by default (``/etc/systemd/system``, or
+    ``$XDG_CONFIG_HOME/systemd/user``), for when the manager itself cannot be asked."""
+    if not user:
+        return Path("/etc/systemd/system")
+    config = environ.get("XDG_CONFIG_HOME", "")
+    if not os.path.isabs(config):
+        config = os.path.join(environ.get("HOME") or os.path.expanduser("~"), ".config")
+    return Path(config) / "systemd" / "user"
+
+
 def check_unit_name(name: str) -> str:
     """``name`` if it can be passed to systemctl as one unit name; SystemdError otherwise."""
-    if not name or name.startswith("-") or "." not in name or _BAD_UNIT_CHARS.search(name) or len(name) > 255:
+    if not valid_unit_name(name):
         raise SystemdError(
             f"not a valid unit name: {name!r}",
-            hint="pass full unit names such as vllm.service (escape odd characters with systemd-escape)",
+            hint="unit names are passed to systemctl literally, never as patterns: pass full unit names "
+            "such as vllm.service (escape odd characters with systemd-escape)",
         )
     return name
 

@@ -25,7 +25,7 @@ import uv
 from packaging.utils import canonicalize_name
 
 from safeinstall import children
-from safeinstall.errors import PlanError
+from safeinstall.errors import PlanError, UsageError
 
 _CHANGE = re.compile(r"^\s*(?P<sign>[-+~])\s+(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)(?P<rest>.*)$")
 _VERSION = re.compile(r"^==(?P<version>\S+)")
@@ -38,7 +38,7 @@ class UvRequest:
     python: Path
     package: str
     wheel: Path | None = None
-    version_spec: str | None = None  # e.g. "==2.0", ">=2"; None with no wheel: the installed version
+    version_spec: str | None = None  # a specifier: "==2.0", ">=2"; None with no wheel: the installed version
     installed_version: str | None = None
     with_deps: bool = False
     extra_args: tuple[str, ...] = ()
@@ -74,11 +74,53 @@ def requirement(request: UvRequest) -> str:
     if request.wheel is not None:
         return str(request.wheel)
     if request.version_spec:
-        spec = request.version_spec
-        return f"{request.package}{spec}" if spec[:1] in "=<>!~" else f"{request.package}=={spec}"
+        return f"{request.package}{request.version_spec}"
     if request.installed_version:
         return f"{request.package}=={request.installed_version}"
     return request.package
+
+
+@dataclass(frozen=True, slots=True)
+class Requirement:
+    """What to install, as uv and pip take it on their command line: ``vllm``, ``'vllm==0.16.0'``."""
+
+    name: str  # as given (canonicalized where compared)
+    specifier: str | None  # ">=0.16", "==0.16.0"; None: no version asked for
+
+    @property
+    def text(self) -> str:
+        return self.name + (self.specifier or "")
+
+
+def parse_requirement(text: str) -> Requirement:
+    """Pure: a requirement as uv/pip take it; extras, URLs and markers are refused (UsageError)."""
+    from packaging.requirements import InvalidRequirement
+    from packaging.requirements import Requirement as Parsed
+
+    try:
+        parsed = Parsed(text)
+    except InvalidRequirement as exc:
+        raise UsageError(
+            f"{text!r} is not a requirement: {str(exc).splitlines()[0]}",
+            hint="give a name, optionally with a version: safeinstall 'vllm==0.16.0' or 'vllm>=0.16'",
+        ) from exc
+    refused = (
+        "a URL (name @ URL)"
+        if parsed.url
+        else "an environment marker (;)"
+        if parsed.marker
+        else "extras ([...])"
+        if parsed.extras
+        else None
+    )
+    if refused:
+        raise UsageError(
+            f"the requirement {text!r} has {refused}; safeinstall reinstalls one installed distribution",
+            hint="give its name and, optionally, a version: safeinstall 'vllm==0.16.0'; "
+            "for a wheel file use --wheel PATH; uv options go after --",
+        )
+    specifier = str(parsed.specifier)
+    return Requirement(parsed.name, specifier or None)
 
 
 def install_command(request: UvRequest, uv_bin: str, dry_run: bool = False) -> list[str]:

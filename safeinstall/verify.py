@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
@@ -156,16 +156,21 @@ _LAUNCHER_MAX_LINES = 3
 _SCRIPT_MAX_BYTES = 1 << 20
 
 
-def _script_expectation(wheel: Wheel, member: str, location: Path) -> Expectation | None:
+def _script_expectation(wheel: Wheel, member: str, location: Path, env: Environment) -> Expectation | None:
     """Scripts shipped as ``#!python`` get their first line rewritten on install into a launcher for
     the environment's interpreter: the launcher is the installer's, the rest must be the wheel's."""
+    from safeinstall.safefs import NotRegularFile, Tree
+
     content = wheel.python_scripts.get(member)
     if content is None:
         return None
-    try:
-        with open(location, "rb") as handle:
-            installed = handle.read(_SCRIPT_MAX_BYTES)
-    except OSError:
+    try:  # by descriptor below the prefix: a symlink is not followed, a FIFO not opened
+        with Tree(env.prefix) as tree:
+            relative = tree.relative(location)
+            if relative is None:
+                return None
+            installed = tree.read_bytes(relative, _SCRIPT_MAX_BYTES + len(content))
+    except (OSError, NotRegularFile, ValueError):
         return None
     if not installed.startswith(b"#!"):
         return None
@@ -208,7 +213,7 @@ def _wheel_plan(
         members[str(location)] = name
         expectation: Expectation | None = None
         if PurePosixPath(name).parts[:2] == (wheel.data_dir, "scripts"):
-            expectation = _script_expectation(wheel, name, location)
+            expectation = _script_expectation(wheel, name, location, env)
         expectations.append(expectation or Expectation(str(location), "sha256", member.sha256, member.size))
     for problem in wheel.problems:
         findings.append(
@@ -269,12 +274,15 @@ def verify_environment(
     on_progress: ProgressCallback | None = None,
     workers: int | None = None,
     installed: Sequence[InstalledDistribution] | None = None,
+    expected: Mapping[str, Expectation] | None = None,
 ) -> VerifyReport:
     """Verify the named distributions (or all, with ``names=None``) of ``env``.
 
     ``wheel``: judge the one named distribution against it (read once by the caller). ``installed``:
     the environment's distributions when the caller has found them already (a run reloads only what
-    its install changed); otherwise the environment is scanned here, once.
+    its install changed); otherwise the environment is scanned here, once. ``expected`` replaces what
+    some files must hold (location -> expectation): the local patches a ``--keep-patches`` run carried
+    over are checked against the merge, not the RECORD or the wheel.
     """
     found = list(installed) if installed is not None else find_distributions(env)
     selected = found if names is None else [find_distribution(env, name, found) for name in names]
@@ -285,6 +293,10 @@ def verify_environment(
             hint="pass the wheel of the package being verified",
         )
     plans = [_plan(dist, env, wheel) for dist in selected]
+    if expected:
+        plans = [
+            replace(p, expectations=tuple(expected.get(e.location, e) for e in p.expectations)) for p in plans
+        ]
     requests = [HashRequest(e.location, e.algorithm) for p in plans for e in p.expectations]
     sizes = {e.location: e.size or 0 for p in plans for e in p.expectations}
     total = len(requests)

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-import threading
+import re
 import zipfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from email.parser import HeaderParser
 from pathlib import Path, PurePosixPath
@@ -22,17 +23,17 @@ from packaging.utils import (
     parse_wheel_filename,
 )
 
-from safeinstall.distributions import parse_console_scripts
+from safeinstall.distributions import InstalledDistribution, parse_console_scripts
 from safeinstall.environment import Environment
 from safeinstall.errors import WheelError
 from safeinstall.records import Record, encode_digest, parse_record
+from safeinstall.safefs import open_regular
 
 #: dist-info files an installer writes itself; never drift when comparing against a wheel.
 INSTALLER_WRITTEN = frozenset(
     {"INSTALLER", "REQUESTED", "direct_url.json", "RECORD", "uv_cache.json", "uv_build.json"}
 )
 _SIGNATURES = frozenset({"RECORD.jws", "RECORD.p7s"})
-_SCRIPT_MAX = 1 << 20  # a larger "script" is data: compared byte for byte
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,12 +41,24 @@ class WheelMember:
     name: str  # archive name, "/" separated
     size: int
     sha256: str  # RECORD spelling, computed from the content
+    #: (algorithm, RECORD spelling) for the algorithm its RECORD line uses, when that is not sha256
+    listed_digest: tuple[str, str] | None = None
+
+    def digest(self, algorithm: str) -> str | None:
+        if algorithm == "sha256":
+            return self.sha256
+        if self.listed_digest is not None and self.listed_digest[0] == algorithm:
+            return self.listed_digest[1]
+        return None
 
 
 @dataclass(frozen=True, slots=True)
 class WheelProblem:
     path: str
     reason: str
+
+
+_SCRIPT_MAX = 1 << 20  # a larger "script" is data: compared byte for byte
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,54 +91,85 @@ def _fail(path: Path, why: str) -> WheelError:
     )
 
 
-def _hash_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> WheelMember:
+#: Bounds on what a wheel may unpack to: a small wheel must not take gigabytes of memory (its metadata
+#: is read into memory) nor of time. Larger members and wheels are refused.
+METADATA_LIMIT = 16 << 20  # WHEEL, METADATA, entry_points.txt
+RECORD_LIMIT = 64 << 20  # torch's RECORD is 2 MB
+MEMBER_LIMIT = 16 << 30
+TOTAL_LIMIT = 64 << 30
+#: Where a ``.data/<scheme>/`` member goes (the wheel spec's schemes; anything else is refused).
+SCHEMES = ("purelib", "platlib", "scripts", "headers", "data")
+_UTF8_FLAG = 0x800
+_METADATA_FILES = {
+    "WHEEL": METADATA_LIMIT,
+    "METADATA": METADATA_LIMIT,
+    "entry_points.txt": METADATA_LIMIT,
+    "RECORD": RECORD_LIMIT,
+}
+
+
+def _hash_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, algorithm: str | None) -> WheelMember:
     hasher = hashlib.sha256()
+    other = hashlib.new(algorithm) if algorithm not in (None, "sha256") else None
     with archive.open(info) as handle:
         while chunk := handle.read(1 << 20):
             hasher.update(chunk)
-    return WheelMember(name=info.filename, size=info.file_size, sha256=encode_digest(hasher.digest()))
+            if other is not None:
+                other.update(chunk)
+    listed = None if other is None or algorithm is None else (algorithm, encode_digest(other.digest()))
+    return WheelMember(info.filename, info.file_size, encode_digest(hasher.digest()), listed)
 
 
-#: Members at least this large (uncompressed) are inflated and hashed on worker threads: zlib and
-#: hashlib release the GIL on large buffers, so a GB wheel (torch) reads on every core.
-_BIG_MEMBER = 1 << 20
+def member_problem(name: str, data_dir: str) -> str | None:
+    """Pure: why an archive member name cannot be installed safely, or None. A member must be a plain
+    relative path (no ``..``, no absolute path, no backslash, no NUL), and a ``.data`` member must lie
+    inside one of the wheel spec's scheme directories."""
+    if not name or name.startswith("/") or "\\" in name or "\0" in name:
+        return "is not a plain relative path"
+    parts = name.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        return "has an empty, '.' or '..' component"
+    if parts[0] == data_dir and (len(parts) < 3 or parts[1] not in SCHEMES):
+        return f"is not inside a scheme directory ({', '.join(SCHEMES)}) of {data_dir}"
+    return None
 
 
-def _hash_members(
-    path: Path, infos: list[zipfile.ZipInfo], archive: zipfile.ZipFile
-) -> dict[str, WheelMember]:
-    """Every member's size and sha256: the large ones, largest first, on worker threads (each with its
-    own handle on the zip), the small ones on this thread meanwhile."""
-    big = sorted((i for i in infos if i.file_size >= _BIG_MEMBER), key=lambda i: -i.file_size)
-    pending = iter(big)
-    lock = threading.Lock()
-    found: dict[str, WheelMember] = {}
-    failures: list[BaseException] = []
+def _read_limited(archive: zipfile.ZipFile, info: zipfile.ZipInfo, limit: int, path: Path) -> bytes:
+    if info.file_size > limit:
+        raise _fail(path, f"{info.filename} unpacks to {info.file_size} bytes, more than the {limit} allowed")
+    with archive.open(info) as handle:
+        data = handle.read(limit + 1)
+    if len(data) > limit:
+        raise _fail(path, f"{info.filename} unpacks to more than the {limit} bytes allowed")
+    return data
 
-    def work() -> None:
-        try:
-            with zipfile.ZipFile(path) as own:
-                while True:
-                    with lock:
-                        info = next(pending, None)
-                    if info is None:
-                        return
-                    member = _hash_member(own, info)
-                    with lock:
-                        found[info.filename] = member
-        except BaseException as exc:  # re-raised on the calling thread
-            failures.append(exc)
 
-    threads = [threading.Thread(target=work, daemon=True) for _ in range(min(len(big), os.cpu_count() or 1))]
-    for thread in threads:
-        thread.start()
-    small = {i.filename: _hash_member(archive, i) for i in infos if i.file_size < _BIG_MEMBER}
-    for thread in threads:
-        thread.join()
-    if failures:
-        raise failures[0]
-    found.update(small)
-    return {i.filename: found[i.filename] for i in infos}
+def _check_names(infos: list[zipfile.ZipInfo], path: Path) -> None:
+    """Refuse names that are not UTF-8 (zipfile decodes unflagged names as cp437) or that could land
+    outside the environment; refuse members (and totals) beyond the size bounds."""
+    for info in infos:
+        if not info.flag_bits & _UTF8_FLAG and not info.filename.isascii():
+            try:
+                info.filename.encode("cp437").decode("utf-8")
+            except UnicodeError:
+                raise _fail(path, f"the member name {info.filename!r} is not valid UTF-8") from None
+        if info.file_size > MEMBER_LIMIT:
+            raise _fail(
+                path,
+                f"{info.filename} unpacks to {info.file_size} bytes, more than the {MEMBER_LIMIT} allowed",
+            )
+    total = sum(i.file_size for i in infos)
+    if total > TOTAL_LIMIT:
+        raise _fail(path, f"it unpacks to {total} bytes, more than the {TOTAL_LIMIT} allowed")
+
+
+def _unsafe(path: Path, problems: list[str]) -> WheelError:
+    listed = "; ".join(problems[:3]) + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
+    return WheelError(
+        f"refusing the wheel {path}: {listed}; nothing was read from or written to those paths",
+        hint="a wheel's members must be plain relative paths inside the environment; get the wheel from "
+        "a source you trust",
+    )
 
 
 def record_problems(
@@ -144,8 +188,12 @@ def record_problems(
             continue
         if entry.hash is None:
             problems.append(WheelProblem(name, "RECORD lists it without a hash"))
-        elif entry.hash.algorithm == "sha256" and entry.hash.digest != member.sha256:
-            problems.append(WheelProblem(name, "RECORD hash does not match the content"))
+        elif member.digest(entry.hash.algorithm) is None:
+            problems.append(WheelProblem(name, f"RECORD hash {entry.hash.algorithm} was not computed"))
+        elif entry.hash.digest != member.digest(entry.hash.algorithm):
+            problems.append(
+                WheelProblem(name, f"RECORD {entry.hash.algorithm} hash does not match the content")
+            )
         if entry.size is not None and entry.size != member.size:
             problems.append(
                 WheelProblem(name, f"RECORD size {entry.size} does not match the content ({member.size})")
@@ -157,51 +205,87 @@ def record_problems(
 
 
 def read_wheel(path: Path) -> Wheel:
-    """Open and check a wheel. Raises WheelError when it is not a usable wheel at all."""
-    if not path.is_file():
-        raise _fail(path, "no such file")
+    """Open and check a wheel. Raises WheelError when it is not a usable wheel at all, or an unsafe one:
+    a member that could land outside its directory, a name that is not UTF-8, sizes beyond the bounds.
+    Every member is hashed with the algorithm its RECORD line names (sha256 too)."""
     try:
         name, version, _build, tags = parse_wheel_filename(path.name)
     except InvalidWheelFilename as exc:
         raise _fail(path, f"not a wheel file name ({exc})") from exc
     try:
-        with zipfile.ZipFile(path) as archive:
+        fd = open_regular(path)
+    except FileNotFoundError:
+        raise _fail(path, "no such file") from None
+    except OSError as exc:
+        raise _fail(path, exc.strerror or str(exc)) from exc
+    try:
+        with os.fdopen(fd, "rb") as handle, zipfile.ZipFile(handle) as archive:
             infos = [i for i in archive.infolist() if not i.is_dir()]
+            _check_names(infos, path)
             dist_infos = {
                 PurePosixPath(i.filename).parts[0]
                 for i in infos
-                if PurePosixPath(i.filename).parts[0].endswith(".dist-info")
+                if PurePosixPath(i.filename).parts[:1]
+                and PurePosixPath(i.filename).parts[0].endswith(".dist-info")
             }
             if len(dist_infos) != 1:
                 raise _fail(path, f"expected one .dist-info directory, found {sorted(dist_infos)}")
             dist_info = dist_infos.pop()
-            names = {i.filename for i in infos}
-            for required in ("WHEEL", "METADATA", "RECORD"):
-                if f"{dist_info}/{required}" not in names:
-                    raise _fail(path, f"{dist_info}/{required} is missing")
-            members = _hash_members(path, infos, archive)
             data_dir = dist_info[: -len(".dist-info")] + ".data"
-            scripts = [
-                i
+            unsafe = [
+                f"member {i.filename!r} {problem}"
                 for i in infos
-                if PurePosixPath(i.filename).parts[:2] == (data_dir, "scripts") and i.file_size <= _SCRIPT_MAX
+                if (problem := member_problem(i.filename, data_dir)) is not None
             ]
-            python_scripts = {
-                i.filename: content for i in scripts if (content := archive.read(i)).startswith(b"#!python")
-            }
-            wheel_meta = HeaderParser().parsestr(archive.read(f"{dist_info}/WHEEL").decode("utf-8"))
-            metadata = HeaderParser().parsestr(
-                archive.read(f"{dist_info}/METADATA").decode("utf-8", errors="replace")
+            if unsafe:
+                raise _unsafe(path, unsafe)
+            by_name = {i.filename: i for i in infos}
+            for required in ("WHEEL", "METADATA", "RECORD"):
+                if f"{dist_info}/{required}" not in by_name:
+                    raise _fail(path, f"{dist_info}/{required} is missing")
+            for meta, limit in _METADATA_FILES.items():  # before anything is unpacked
+                info = by_name.get(f"{dist_info}/{meta}")
+                if info is not None and info.file_size > limit:
+                    raise _fail(
+                        path,
+                        f"{info.filename} unpacks to {info.file_size} bytes, more than the {limit} allowed",
+                    )
+            record = parse_record(
+                _read_limited(archive, by_name[f"{dist_info}/RECORD"], RECORD_LIMIT, path).decode(
+                    "utf-8", errors="replace"
+                )
             )
-            record = parse_record(archive.read(f"{dist_info}/RECORD").decode("utf-8", errors="replace"))
-            entry_points_name = f"{dist_info}/entry_points.txt"
+            algorithms = {e.path: e.hash.algorithm for e in record.entries if e.hash is not None}
+            members = {i.filename: _hash_member(archive, i, algorithms.get(i.filename)) for i in infos}
+            python_scripts = {
+                i.filename: content
+                for i in infos
+                if PurePosixPath(i.filename).parts[:2] == (data_dir, "scripts")
+                and i.file_size <= _SCRIPT_MAX
+                and (content := archive.read(i)).startswith(b"#!python")
+            }
+            wheel_meta = HeaderParser().parsestr(
+                _read_limited(archive, by_name[f"{dist_info}/WHEEL"], METADATA_LIMIT, path).decode("utf-8")
+            )
+            metadata = HeaderParser().parsestr(
+                _read_limited(archive, by_name[f"{dist_info}/METADATA"], METADATA_LIMIT, path).decode(
+                    "utf-8", errors="replace"
+                )
+            )
+            entry_points_info = by_name.get(f"{dist_info}/entry_points.txt")
             entry_points = (
-                archive.read(entry_points_name).decode("utf-8", errors="replace")
-                if entry_points_name in names
+                _read_limited(archive, entry_points_info, METADATA_LIMIT, path).decode(
+                    "utf-8", errors="replace"
+                )
+                if entry_points_info is not None
                 else None
             )
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError) as exc:
         raise _fail(path, f"not a valid zip archive ({exc})") from exc
+    except UnicodeDecodeError as exc:  # a member name flagged as UTF-8 that is not, or a WHEEL file
+        raise _fail(path, f"a name or metadata file is not valid UTF-8 ({exc.reason})") from exc
+    except NotImplementedError as exc:  # an unsupported compression method
+        raise _fail(path, str(exc)) from exc
     except OSError as exc:
         raise _fail(path, exc.strerror or str(exc)) from exc
     meta_name = metadata.get("Name") or ""
@@ -214,7 +298,7 @@ def read_wheel(path: Path) -> Wheel:
         version=str(metadata.get("Version") or version),
         tags=frozenset(tags),
         dist_info=dist_info,
-        data_dir=data_dir,
+        data_dir=dist_info[: -len(".dist-info")] + ".data",
         root_is_purelib=(wheel_meta.get("Root-Is-Purelib", "true").strip().lower() == "true"),
         members=members,
         record=record,
@@ -224,28 +308,129 @@ def read_wheel(path: Path) -> Wheel:
     )
 
 
+def scheme_roots(wheel: Wheel, env: Environment) -> dict[str, Path]:
+    """Pure: the environment's directory for each ``.data`` scheme."""
+    return {
+        "purelib": env.purelib,
+        "platlib": env.platlib,
+        "scripts": env.scripts,
+        "data": env.data,
+        "headers": env.prefix
+        / "include"
+        / "site"
+        / f"python{env.version[0]}.{env.version[1]}"
+        / wheel.display_name,
+    }
+
+
 def install_location(wheel: Wheel, member: str, env: Environment) -> Path | None:
-    """Pure: where an installer puts a wheel member in ``env`` (None for unknown .data schemes)."""
-    parts = PurePosixPath(member).parts
-    if parts and parts[0] == wheel.data_dir:
-        if len(parts) < 3:
-            return None
-        scheme, rest = parts[1], parts[2:]
-        roots = {
-            "purelib": env.purelib,
-            "platlib": env.platlib,
-            "scripts": env.scripts,
-            "data": env.data,
-            "headers": env.prefix
-            / "include"
-            / "site"
-            / f"python{env.version[0]}.{env.version[1]}"
-            / wheel.display_name,
-        }
-        root = roots.get(scheme)
-        return None if root is None else root.joinpath(*rest)
+    """Pure: where an installer puts a wheel member in ``env``; None for a member that would not land
+    inside its scheme directory (such a wheel is refused by :func:`read_wheel` already)."""
+    if member_problem(member, wheel.data_dir) is not None:
+        return None
+    parts = member.split("/")
+    if parts[0] == wheel.data_dir:
+        return scheme_roots(wheel, env)[parts[1]].joinpath(*parts[2:])
     root = env.purelib if wheel.root_is_purelib else env.platlib
     return root.joinpath(*parts)
+
+
+_INTERPRETER = re.compile(r"^(python|pypy|pythonw)(\d+(\.\d+)?t?)?$")
+
+
+def environment_files(env: Environment) -> frozenset[str]:
+    """The environment's own files that no install may replace: ``pyvenv.cfg`` and the interpreters in
+    its scripts directory (``python``, ``python3``, ``python3.12``, ...)."""
+    own = {os.path.join(env.prefix, "pyvenv.cfg"), os.fspath(env.python), os.fspath(env.executable)}
+    try:
+        names = os.listdir(env.scripts)
+    except OSError:
+        names = []
+    own.update(os.path.join(env.scripts, n) for n in names if _INTERPRETER.match(n))
+    own.update(os.path.join(env.scripts, n) for n in ("python", "python3"))
+    return frozenset(own)
+
+
+def landing_problems(
+    locations: dict[str, str], protected: frozenset[str], owned: frozenset[str], others: dict[str, str]
+) -> list[str]:
+    """Pure: members that would replace a file they must not. ``locations``: member -> where it lands;
+    ``protected``: the environment's own files; ``owned``: what the run replaces (and backs up);
+    ``others``: location -> the other distribution whose RECORD lists it. Existing files are in
+    ``owned``, ``others`` or neither (then the run would overwrite a file it never saved)."""
+    problems: list[str] = []
+    for member, location in sorted(locations.items()):
+        if location in protected:
+            problems.append(f"{member} would replace the environment's own {location}")
+        elif location in others:
+            problems.append(f"{member} would replace {location}, a file of {others[location]}")
+    return problems
+
+
+def check_landing(
+    wheel: Wheel,
+    env: Environment,
+    affected: Sequence[InstalledDistribution],
+    installed: Sequence[InstalledDistribution],
+) -> None:
+    """Refuse a wheel (WheelError, exit 2) a member (or a console script) of which would land on a file
+    that is the environment's own (the interpreter, ``pyvenv.cfg``), another distribution's, or any
+    existing file that the distributions being replaced do not hold (the run would not back it up)."""
+    from safeinstall.drift import own_roots
+    from safeinstall.safefs import Tree
+
+    locations = {
+        member: os.fspath(location)
+        for member in wheel.members
+        if (location := install_location(wheel, member, env)) is not None
+    }
+    for script in wheel.console_scripts:
+        locations[f"console script {script}"] = os.path.join(env.scripts, script)
+    affected_names = {d.name for d in affected}
+    owned: set[str] = set()
+    roots = own_roots({d.name: d.locations for d in installed}, [os.fspath(s) for s in env.site_dirs])
+    with Tree(env.prefix) as tree:
+        for dist in affected:
+            owned.update(dist.locations)
+            for directory in (os.fspath(dist.dist_info), *roots.get(dist.name, [])):
+                relative = tree.relative(directory)
+                if relative is not None:
+                    owned.update(os.path.join(env.prefix, p) for p in tree.files_below(relative))
+    others = {
+        location: dist.name
+        for dist in installed
+        if dist.name not in affected_names
+        for location in dist.locations
+    }
+    protected = environment_files(env)
+    problems = landing_problems(locations, protected, frozenset(owned), others)
+    problems += [
+        f"{member} would replace {location}, which no distribution being replaced holds"
+        for member, location in sorted(locations.items())
+        if location not in owned
+        and location not in others
+        and location not in protected
+        and os.path.lexists(location)
+    ]
+    if problems:
+        raise _unsafe(wheel.path, problems)
+
+
+def install_directories(
+    env: Environment, affected: Sequence[InstalledDistribution], wheel: Wheel | None
+) -> set[Path]:
+    """The directories an install writes: the site and scripts directories, every directory holding a
+    file of the distributions it replaces, and where each of the wheel's members lands."""
+    found = {*env.site_dirs, env.scripts}
+    for dist in affected:
+        found.update(Path(os.path.dirname(location)) for location in dist.locations)
+    if wheel is not None:
+        for member in wheel.members:
+            location = install_location(wheel, member, env)
+            if location is not None:
+                found.add(location.parent)
+    prefix = os.path.join(os.fspath(env.prefix), "")
+    return {d for d in found if os.path.join(os.fspath(d), "").startswith(prefix)}
 
 
 def is_installer_written(wheel: Wheel, relative: str) -> bool:
@@ -259,9 +444,14 @@ def installed_size(wheel: Wheel, block: int = 4096) -> int:
     return sum(-(-member.size // block) * block for member in wheel.members.values())
 
 
-def read_member(wheel_path: Path, member: str) -> bytes:
+def read_member(wheel_path: Path, member: str, limit: int = METADATA_LIMIT) -> bytes:
+    """One member's content, at most ``limit`` bytes (ValueError when larger)."""
     with zipfile.ZipFile(wheel_path) as archive:
-        return archive.read(member)
+        info = archive.getinfo(member)
+        if info.file_size > limit:
+            raise ValueError(f"{member} is larger than {limit} bytes")
+        with archive.open(info) as handle:
+            return handle.read(limit)
 
 
 def target_tags(env: Environment) -> list[Tag]:

@@ -430,10 +430,33 @@ def test_too_little_room_for_the_install_is_refused_before_anything_stops(
     bed = bed_on_disk(128)  # the wheel unpacks to 160 MiB
     name = bed.unit("noroom")
     main = bed.manager.main_pid(name)
+    dry = bed.cli("sicext", "--wheel", str(big_wheel), "--dry-run", "--json")  # the same preflight
+    assert dry.code == 2 and dry.json["status"] == "would-refuse", dry.stdout + dry.stderr
+    assert any(f"the install of {big_wheel.name} needs 160." in r for r in dry.json["data"]["refusals"])
     result = bed.cli("sicext", "--wheel", str(big_wheel), "--yes")
     assert result.code == 2, result.stdout + result.stderr
-    assert f"error: the install of {big_wheel.name} needs 160." in result.stderr
+    assert f"the install of {big_wheel.name} needs 160." in result.stderr
     assert "nothing was stopped" in result.stderr and "SAFEINSTALL_STATE_DIR" not in result.stderr
+    assert bed.manager.main_pid(name) == main and bed.version() == "1.0"
+
+
+def test_a_read_only_environment_is_refused_before_anything_stops(bed_on_disk: Callable[[int], Bed]) -> None:
+    """uv could not write the install during the downtime: refused at the preflight (exit 2), by the
+    dry-run too, rather than found after the stop (a rollback, exit 3)."""
+    bed = bed_on_disk(64)
+    name = bed.unit("readonly")
+    main = bed.manager.main_pid(name)
+    disk = bed.python.parent.parent.parent
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True, capture_output=True)
+    try:
+        dry = bed.cli("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--dry-run", "--json")
+        assert dry.code == 2 and dry.json["status"] == "would-refuse", dry.stdout + dry.stderr
+        assert any("is not writable" in r for r in dry.json["data"]["refusals"])
+        result = bed.cli("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--yes")
+        assert result.code == 2, result.stdout + result.stderr
+        assert "is not writable" in result.stderr and "nothing was stopped" in result.stderr
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(disk)], check=True, capture_output=True)
     assert bed.manager.main_pid(name) == main and bed.version() == "1.0"
 
 
@@ -444,8 +467,9 @@ def test_disk_full_in_the_middle_of_the_install_rolls_back(
     """The install dies half-way (another process filled the disk during the downtime): the previous
     installation, local patch included, and the service come back; also with the state directory (the
     journal, the backup) on that full disk, as in the default layout."""
-    # room for the 160 MiB the wheel unpacks to, when the run starts (and for the run's uv cache, there too)
-    bed = bed_on_disk(448 if state_on_the_same_disk else 256)
+    # room for the 160 MiB the wheel unpacks to when the run starts (and, with the state directory on
+    # that disk too, for the run's own copy of the wheel and the run's own uv cache)
+    bed = bed_on_disk(608 if state_on_the_same_disk else 256)
     disk = bed.python.parent.parent.parent
     if state_on_the_same_disk:
         bed.state = disk / "state"
@@ -569,7 +593,7 @@ def test_a_process_that_starts_using_the_package_during_the_downtime(bed: Bed, k
 
 def test_two_runs_at_once(bed: Bed) -> None:
     name = bed.unit("two")
-    bed.hold_gpu(name, 4.0, "e2")  # keeps the first run in its GPU wait
+    bed.hold_gpu(name, 8.0, "e2")  # keeps the first run in its GPU wait
     first = bed.start_run("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5")
     try:
         bed.wait_phase(first, "stopped", "gpu-released")
@@ -578,6 +602,9 @@ def test_two_runs_at_once(bed: Bed) -> None:
         assert second.code == 2
         assert f"PID {first.pid}" in second.stderr and "started" in second.stderr
         assert bed.journal() == journal_before  # the refused run changed nothing
+        dry = bed.cli("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--dry-run", "--json")
+        assert dry.code == 2 and dry.json["errors"][0]["code"] == "locked"  # the run's own refusal
+        assert f"PID {first.pid}" in dry.json["errors"][0]["message"]
         status = bed.cli("--status", "--json").json
         assert status["status"] == "running"
         assert status["data"]["environments"][0]["holder"]["pid"] == first.pid
@@ -610,4 +637,61 @@ def test_sigint_rolls_back_and_a_second_one_does_not_abandon_services(
     assert "SIGINT received during rollback" in err
     wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running again")
     assert bed.version() == "1.0" and bed.snapshot() == before
+    bed.no_trace()
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["warning", "strict"])
+def test_the_end_check_reports_a_process_left_on_old_code(bed: Bed, strict: bool) -> None:
+    """A unit outside the plan starts using the package after the last scan before the install (uv is
+    held meanwhile): after the restart, one more scan finds it still mapping the replaced extension,
+    by PID and unit. A warning; with --strict a failure, rolled back (exit 3)."""
+    name = bed.unit("planned")
+    old_inode = next((bed.site / "sicext").glob("_native*.so")).stat().st_ino
+    proc = bed.start_run(
+        "sicext",
+        "--wheel",
+        str(bed.wheels["sicext-2"]),
+        "--settle",
+        "0.5",
+        "--json",
+        *(["--strict"] * strict),
+    )
+    frozen: list[int] = []
+    try:
+        bed.wait_phase(proc, "installing")  # the second scan is over
+        wait_until(lambda: bool(bed.installers()), 30, "uv installing", interval=0.002)
+        frozen = bed.installers()
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        assert next((bed.site / "sicext").glob("_native*.so")).stat().st_ino == old_inode
+        late = bed.unit("left-on-old")  # maps the old extension
+        late_pid = bed.manager.main_pid(late)
+        wait_until(lambda: "_native" in Path(f"/proc/{late_pid}/maps").read_text(), 15, "the .so mapped")
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+        frozen = []
+        out, err = proc.communicate(timeout=180)
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+        proc.kill()
+        proc.communicate()
+    doc = json.loads(out)
+    (left,) = doc["data"]["old_code"]
+    assert (left["pid"], left["unit"], left["distributions"]) == (late_pid, late, ["sicext"])
+    assert any("_native" in path for path in left["paths"])
+    end = next(s for s in doc["data"]["steps"] if s["name"] == "end-check")
+    if strict:
+        assert proc.returncode == 3, out + err
+        assert end["status"] == "failed" and doc["status"] == "rolled-back"
+        message = doc["errors"][0]["message"]
+        assert f"PID {late_pid}" in message and f"unit {late}" in message and "--strict" in message
+        assert "restored the previous installation" in message
+        assert bed.version() == "1.0"
+    else:
+        assert proc.returncode == 0, out + err
+        assert end["status"] == "ok" and f"PID {late_pid}" in end["detail"] and "warning" in end["detail"]
+        assert bed.version() == "2.0"
+    wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running")
+    assert bed.manager.main_pid(late) == late_pid  # not in the plan: left alone
     bed.no_trace()

@@ -101,7 +101,9 @@ def test_unit_processes_found_by_mapped_argv_and_unit(
         ("sicext", "1.0", "2.0")
     ]
     procs = by_pid(doc)
-    assert procs[main]["evidence"] == ["unit"]  # the API-server shape: maps nothing itself
+    # the API-server shape: maps nothing itself, runs the environment's python (possible), and shares
+    # its unit with a worker that maps the extension: certain
+    assert procs[main]["evidence"] == ["environment", "unit"] and procs[main]["strength"] == "certain"
     # the forked worker keeps its parent's command line, but only it maps the extension
     assert procs[worker]["evidence"][0] == "mapped" and procs[worker]["name"] == "SICEXT::Worker0"
     assert "mapped" not in procs[main]["evidence"]
@@ -199,20 +201,43 @@ def test_running_old_code_after_reinstall_under_a_running_process(
 
 
 def test_unit_of_the_other_manager_is_refused(
-    env: Path, wheels: Wheelhouse, units: Units, user_manager: UserManager
+    env: Path, wheels: Wheelhouse, units: Units, user_manager: UserManager, tmp_path: Path
 ) -> None:
-    """Without --user, a unit of the (private) user manager is not the system manager's to stop."""
-    name = units.started("other", f"{env} -c 'import sicext, time; time.sleep(600)'")
-    main = user_manager.main_pid(name)
-    wait_until(lambda: so_mapped(main), 15, "maps the .so")
-    environ = dict(user_manager.env, SAFEINSTALL_NVML_LIBRARY="/nonexistent/libnvidia-ml.so.1")
-    result = run(
-        "sicext", "--wheel", str(wheels["sicext-2"]), "--python", str(env), "--dry-run", "--json", env=environ
-    )
-    assert result.code == 2
-    doc = result.json
-    assert doc["exit_code"] == 2
-    assert doc["errors"] or doc["data"]["refusals"]
+    """A process in a unit of another manager is not this manager's to stop, even when this manager
+    has a unit of the same name (a unit is its cgroup), nor when it has none: the plan refuses and says
+    why. (Two private user managers: the refusal is reached whether or not the host runs a system
+    manager.)"""
+    other = start_user_manager(tmp_path / "other-manager")
+    name = user_manager.unique_name("theirs")
+    try:
+        other.write_unit(name, f"[Service]\nExecStart={env} -c 'import sicext, time; time.sleep(600)'\n")
+        other.start(name)
+        other.wait_active(name)
+        theirs = other.main_pid(name)
+        wait_until(lambda: so_mapped(theirs), 15, "maps the .so")
+        group = other.show(name, "ControlGroup")["ControlGroup"]
+
+        unknown = dry_run(user_manager, None, env, wheels["sicext-2"], "--json")
+        assert unknown.code == 2 and unknown.json["status"] == "would-refuse", unknown.stdout + unknown.stderr
+        assert unknown.json["errors"] == []
+        assert unknown.json["data"]["refusals"] == [
+            f"{name} is not known to the user manager: try without --user"
+        ]
+
+        units.names.append(name)  # removed by the fixture
+        user_manager.write_unit(name, "[Service]\nExecStart=/bin/sleep 600\n")  # the same name here
+        user_manager.start(name)
+        user_manager.wait_active(name)
+        ours = user_manager.show(name, "ControlGroup")["ControlGroup"]
+        same_name = dry_run(user_manager, None, env, wheels["sicext-2"], "--json")
+        assert same_name.code == 2 and same_name.json["errors"] == []
+        assert same_name.json["data"]["refusals"] == [
+            f"{name} of the user manager runs in {ours}, not in {group}: "
+            "the process belongs to another manager"
+        ]
+    finally:
+        other.remove_unit(name)
+        stop_user_manager(other)
 
 
 def test_a_unit_of_the_same_name_under_another_manager_is_left_alone(
@@ -264,9 +289,7 @@ def test_unresolvable_request_is_a_clear_error(env: Path, user_manager: UserMana
     result = safeinstall(
         user_manager,
         None,
-        "sicext",
-        "--version",
-        "==9.9",
+        "sicext==9.9",
         "--python",
         str(env),
         "--dry-run",
@@ -290,3 +313,40 @@ def test_dry_run_changes_nothing(
     assert user_manager.main_pid(name) == main and user_manager.active_state(name) == "active"
     assert run("sicext", "--verify-only", "--python", str(env), "--json").json == before
     assert os.path.exists(f"/proc/{main}")
+
+
+def test_depends_and_environment_evidence_and_only_loaded(
+    venv: Path, wheels: Wheelhouse, units: Units, user_manager: UserManager, tmp_path: Path
+) -> None:
+    """``safeinstall sipure`` (pure Python): a unit that maps sicext, which requires sipure, has
+    imported sipure (``depends``, certain); a unit that imported only sipure runs the environment's
+    Python (``environment``, possible). Both are planned; --only-loaded leaves the second out, and
+    says so."""
+    requiring = wheelhouse.with_requirement(wheels["sicext-1"], tmp_path / "w", "sipure>=1")
+    wheelhouse.uv_install(venv, requiring, wheels["sipure-1"])
+    loaded = units.started("loaded", f"{venv} -c 'import sicext, time; time.sleep(600)'")
+    possible = units.started("possible", f"{venv} -c 'import sipure, time; time.sleep(600)'")
+    loaded_pid, possible_pid = user_manager.main_pid(loaded), user_manager.main_pid(possible)
+    wait_until(lambda: so_mapped(loaded_pid), 15, "maps the .so")
+    args = ("sipure", "--wheel", str(wheels["sipure-2"]), "--python", str(venv), "--dry-run")
+
+    everything = safeinstall(user_manager, None, *args, "--json")
+    assert everything.code == 0, everything.stdout + everything.stderr
+    procs = by_pid(everything.json)
+    assert (procs[loaded_pid]["evidence"], procs[loaded_pid]["strength"]) == (["depends"], "certain")
+    assert procs[loaded_pid]["distributions"] == ["sipure"]
+    assert any("maps sicext 1.0, which requires sipure" in d for d in procs[loaded_pid]["details"])
+    assert (procs[possible_pid]["evidence"], procs[possible_pid]["strength"]) == (["environment"], "possible")
+    assert {u["name"] for u in everything.json["data"]["units"]} == {loaded, possible}
+    assert everything.json["data"]["left_out"] == [] and everything.json["data"]["only_loaded"] is False
+
+    narrowed = safeinstall(user_manager, None, *args, "--only-loaded", "--json")
+    assert narrowed.code == 0
+    data = narrowed.json["data"]
+    assert set(by_pid(narrowed.json)) == {loaded_pid} and [u["name"] for u in data["units"]] == [loaded]
+    assert data["only_loaded"] is True and data["left_out"] == [possible_pid]
+    assert any("--only-loaded leaves out 1 process(es)" in w for w in data["warnings"])
+
+    human = safeinstall(user_manager, None, *args, "--only-loaded")
+    assert "--only-loaded leaves out 1 process(es)" in human.stderr and str(possible_pid) in human.stderr
+    assert "depends (certain)" in human.stdout and "maps sicext 1.0, which requires sipure" in human.stdout

@@ -43,7 +43,18 @@ def test_status_and_recover_with_nothing_to_do(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["sipure", "--wheel", "x.whl", "--version", "2"], "give --wheel or --version, not both"),
+        (["sipure==2", "--wheel", "x.whl"], "give --wheel or a version in the requirement, not both"),
+        (["sipure", "--version", "2"], "--version prints safeinstall's version and takes nothing else"),
+        (
+            ["sipure @ https://example.com/sipure.whl"],
+            "the requirement 'sipure @ https://example.com/sipure.whl' has a URL",
+        ),
+        (
+            ["sipure; python_version > '3'"],
+            "the requirement \"sipure; python_version > '3'\" has an environment marker",
+        ),
+        (["sipure==2", "--verify-only"], "--verify-only checks the installed version"),
+        (["--bogus"], "no such option: --bogus"),
         (["sipure", "--recover"], "--recover takes no PACKAGE"),
         (["--verify-only"], "no PACKAGE given"),
         (["sipure", "--python", "/nonexistent/python"], "no such interpreter"),

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from safeinstall import forking, processes
+from safeinstall.dependents import dependents, describe_chain, marker_environment
 from safeinstall.distributions import (
     InstalledDistribution,
     find_distribution,
@@ -861,3 +862,152 @@ def test_build_target_is_pure_and_knows_shared_directories(tmp_path: Path) -> No
     )
     assert wheel_target.modules == {"wheelish", "top_mod", "_speedups"}
     assert build_target(wheelish, env, others=everything) == wheel_target
+
+
+# ------------------------------------------------------------------ depends and environment evidence
+
+
+def test_a_pure_package_leaves_no_trace_but_the_environment_is_seen(
+    tmp_path: Path, wheels: wheelhouse.Wheelhouse, spawn: Spawn
+) -> None:
+    """A process that imported a pure-Python package has read and closed its files: no mapped, open
+    or argv evidence. It runs the environment's interpreter (argv[0]), or a bare python with
+    VIRTUAL_ENV or PYTHONPATH pointing into the environment: ``environment`` evidence, possible. A
+    process of another environment uv hardlinked to the same cache inodes is not evidence."""
+    here = wheelhouse.make_venv(tmp_path / "a")
+    there = wheelhouse.make_venv(tmp_path / "b")
+    for python in (here, there):
+        wheelhouse.uv_install(python, wheels["sipure-1"], link_mode="hardlink")
+    env, targets = env_and_targets(here, "sipure")
+    scope = processes.environment_scope(env)
+    site = wheelhouse.site_packages(here)
+    code = "import sipure, time; time.sleep(60)"
+    ours = spawn([str(here), "-c", code])
+    theirs = spawn([str(there), "-c", code])
+    bare = os.path.realpath(sys.executable)  # another interpreter, found on PATH by its bare name
+    by_venv = subprocess.Popen(
+        [os.path.basename(bare), "-S", "-c", "import time; time.sleep(60)"],
+        env={"PATH": os.path.dirname(bare), "VIRTUAL_ENV": str(tmp_path / "a")},
+        stdin=subprocess.DEVNULL,
+    )
+    by_path = subprocess.Popen(
+        [os.path.basename(bare), "-c", code],
+        env={"PATH": os.path.dirname(bare), "PYTHONPATH": f"/nowhere:{site}"},
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        for proc in (ours, theirs, by_venv, by_path):
+            wait_exec(proc, "time.sleep")
+            wait_imported(proc)
+
+        result = scan_processes(targets, scope=scope)
+
+        (evidence,) = evidence_of(result, ours.pid)
+        assert (evidence.kind, evidence.path) == (EvidenceKind.ENVIRONMENT, str(here))
+        assert evidence.strength is processes.Strength.POSSIBLE and "interpreter" in evidence.detail
+        record = result.by_pid()[ours.pid]
+        assert record.strength is processes.Strength.POSSIBLE and not record.certain
+        assert record.distributions == frozenset()
+        assert evidence_of(result, theirs.pid) == ()  # the other environment's twin
+        (venv_evidence,) = evidence_of(result, by_venv.pid)
+        assert venv_evidence.detail == "VIRTUAL_ENV points into the environment"
+        (path_evidence,) = evidence_of(result, by_path.pid)
+        assert (path_evidence.path, path_evidence.detail) == (
+            str(site),
+            "PYTHONPATH points into the environment",
+        )
+        # without the scope (what the scan did before): nothing at all
+        assert evidence_of(scan_processes(targets), ours.pid) == ()
+    finally:
+        for proc in (by_venv, by_path):
+            proc.kill()
+            proc.wait()
+
+
+def test_a_dependent_that_is_mapped_gives_depends_evidence(
+    venv: Path, wheels: wheelhouse.Wheelhouse, tmp_path: Path, spawn: Spawn
+) -> None:
+    """The vLLM -> transformers shape: a C extension that requires a pure package. The process maps the
+    extension (a file of sicext), so it has imported sipure: ``depends`` evidence, certain."""
+    requiring = wheelhouse.with_requirement(wheels["sicext-1"], tmp_path / "w", "sipure>=1")
+    wheelhouse.uv_install(venv, requiring, wheels["sipure-1"])
+    env = inspect_environment(venv)
+    installed = find_distributions(env)
+    sipure = find_distribution(env, "sipure", installed)
+    chains = dependents(installed, ["sipure"], marker_environment(env))
+    assert chains == {"sicext": (("sicext", "sipure"),)}
+    targets = load_targets([sipure], env, installed) + load_targets(
+        [find_distribution(env, "sicext", installed)], env, installed, requires=chains
+    )
+    user = spawn([str(venv), "-c", "import sicext, time; time.sleep(60)"])
+    wait_mapped(user)
+
+    evidence = evidence_of(scan_processes(targets, scope=processes.environment_scope(env)), user.pid)
+
+    (depends,) = evidence
+    assert depends.kind is EvidenceKind.DEPENDS and depends.distribution == "sipure"
+    assert depends.detail == "maps sicext 1.0, which requires sipure" and SO in depends.path
+    assert depends.strength is processes.Strength.CERTAIN and not depends.deleted
+
+
+def _dist(name: str, *requires: str) -> InstalledDistribution:
+    from safeinstall.records import parse_record
+
+    return InstalledDistribution(
+        name=name,
+        display_name=name,
+        version="1.0",
+        site=Path("/site"),
+        dist_info=Path(f"/site/{name}-1.0.dist-info"),
+        record=parse_record(""),
+        console_scripts=(),
+        installer=None,
+        locations=(),
+        requires=requires,
+    )
+
+
+def test_dependents_follow_markers_of_the_target_environment_and_installed_extras() -> None:
+    env = Environment(
+        python=Path("/v/bin/python"),
+        executable=Path("/v/bin/python"),
+        prefix=Path("/v"),
+        base_prefix=Path("/usr"),
+        purelib=Path("/site"),
+        platlib=Path("/site"),
+        scripts=Path("/v/bin"),
+        data=Path("/v"),
+        version=(3, 9, 2),  # not the interpreter running these tests
+        implementation="cpython",
+        soabi=None,
+        platform="linux-aarch64",
+    )
+    markers = marker_environment(env)
+    assert markers["python_version"] == "3.9" and markers["platform_machine"] == "aarch64"
+    installed = [
+        _dist(
+            "vllm", "transformers>=4", "fastapi; python_version >= '3.10'", "torch; sys_platform == 'win32'"
+        ),
+        _dist("transformers", "tokenizers", "torch; extra == 'torch'", "absent; extra == 'tf'"),
+        _dist("app", "vllm[audio]"),
+        _dist("tokenizers"),
+        _dist("fastapi", "pydantic"),
+        _dist("pydantic"),
+        _dist("torch"),
+        _dist("broken", "tokenizers (((", "!!!"),
+    ]
+    assert dependents(installed, ["tokenizers"], markers) == {
+        "app": (("app", "vllm", "transformers", "tokenizers"),),
+        "broken": (("broken", "tokenizers"),),  # unparsable: its name still counts (the safe side)
+        "transformers": (("transformers", "tokenizers"),),
+        "vllm": (("vllm", "transformers", "tokenizers"),),
+    }
+    # fastapi only for Python >= 3.10: not in this 3.9 environment
+    assert dependents(installed, ["pydantic"], markers) == {"fastapi": (("fastapi", "pydantic"),)}
+    # torch through transformers' installed extra "torch" (every distribution it adds is installed),
+    # not through vllm's win32-only requirement
+    assert dependents(installed, ["torch"], markers)["transformers"] == (("transformers", "torch"),)
+    assert dependents(installed, ["torch"], markers)["vllm"] == (("vllm", "transformers", "torch"),)
+    assert describe_chain(("app", "vllm", "transformers", "tokenizers")) == (
+        "which requires tokenizers (through vllm, transformers)"
+    )

@@ -99,6 +99,7 @@ def test_happy_path(bed: Bed) -> None:
     doc = result.json
     assert doc["command"] == "reinstall" and doc["status"] == "done" and doc["errors"] == []
     assert set(doc["data"]) == {  # the fields the README documents
+        "run_id",
         "plan",
         "steps",
         "downtime_s",
@@ -111,7 +112,12 @@ def test_happy_path(bed: Bed) -> None:
         "not_restarted",
         "strays_killed",
         "notes",
+        "old_code",
+        "patches",
+        "patch_file",
+        "manual_commands",
     }
+    assert doc["data"]["patches"] == [] and doc["data"]["patch_file"] is None
     assert [s["name"] for s in doc["data"]["steps"]] == [
         "backup",
         "prefetch",
@@ -121,8 +127,10 @@ def test_happy_path(bed: Bed) -> None:
         "install",
         "verify",
         "restart",
+        "end-check",
     ]
     assert all(s["status"] == "ok" for s in doc["data"]["steps"])
+    assert doc["data"]["old_code"] == []
     assert name in doc["data"]["downtime_s"] and doc["data"]["downtime_s"][name] > 0
     new_main = bed.manager.main_pid(name)
     assert new_main != old_main and bed.manager.active_state(name) == "active"
@@ -231,8 +239,9 @@ def test_gpu_release_timeout_restarts_unit_and_installs_nothing(bed: Bed) -> Non
     assert bed.verify().code == 0
 
 
-@pytest.mark.parametrize("case", ["corrupt", "other-package", "other-python"])
+@pytest.mark.parametrize("case", ["corrupt", "other-package", "other-python", "record-mismatch"])
 def test_bad_wheels_are_refused_before_anything_stops(bed: Bed, tmp_path: Path, case: str) -> None:
+    """Refused before anything stops (exit 2); the dry-run, the same preflight, refuses the same."""
     name = bed.service(f"bad-{case}")
     main = bed.manager.main_pid(name)
     (tmp_path / "w").mkdir()
@@ -243,15 +252,33 @@ def test_bad_wheels_are_refused_before_anything_stops(bed: Bed, tmp_path: Path, 
     elif case == "other-package":
         wheel = bed.wheels["sipure-2"]
         expected = "is for sipure, not sicext"
-    else:
+    elif case == "other-python":
         wheel = tmp_path / "w" / "sicext-2.0-cp39-cp39-linux_x86_64.whl"
         wheel.write_bytes(bed.wheels["sicext-2"].read_bytes())
         expected = "does not fit Python 3."
+    else:
+        wheel = _with_edited_member(bed.wheels["sicext-2"], tmp_path / "w", "sicext/serve.py")
+        expected = "its RECORD does not match its contents"
+    dry = bed.safeinstall("sicext", "--wheel", str(wheel), "--dry-run", "--json")
+    assert dry.code == 2 and dry.json["exit_code"] == 2, dry.stdout + dry.stderr
+    assert expected in dry.json["errors"][0]["message"]
     result = bed.safeinstall("sicext", "--wheel", str(wheel))
     assert result.code == 2, result.stdout + result.stderr
     assert expected in result.stderr and "Traceback" not in result.stderr
     assert bed.manager.main_pid(name) == main
     assert bed.installed_version() == "1.0"
+
+
+def _with_edited_member(wheel: Path, out_dir: Path, member: str) -> Path:
+    """A copy of ``wheel`` with one member changed after its RECORD was written (uv #11723's shape)."""
+    import zipfile
+
+    out = out_dir / wheel.name
+    with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(out, "w") as copy:
+        for info in source.infolist():
+            data = source.read(info)
+            copy.writestr(info, data + b"# edited\n" if info.filename == member else data)
+    return out
 
 
 def test_unit_that_ignores_sigterm_aborts_after_stop_timeout(bed: Bed) -> None:
@@ -281,11 +308,7 @@ def test_a_new_dependency_that_cannot_be_unpacked_is_found_before_anything_stops
     before = {p: p.read_bytes() for p in (bed.site / "sicext").rglob("*") if p.is_file()}
     name = bed.service("uvfail")
     main = bed.manager.main_pid(name)
-    links = tmp_path / "links"
-    links.mkdir()
-    dep = wheelhouse.make_wheel(links, "sidep", "1.0", {"sidep/__init__.py": b"X = 1\n" * 100})
-    wheelhouse.corrupt_member(dep, "sidep/__init__.py")  # resolves fine, fails to extract
-    v2 = wheelhouse.with_requirement(bed.wheels["sicext-2"], tmp_path / "v2", "sidep")
+    v2, links = wheelhouse.with_broken_dependency(bed.wheels["sicext-2"], tmp_path)
     result = bed.safeinstall(
         "sicext",
         "--wheel",
@@ -326,6 +349,28 @@ def test_new_version_that_crashes_is_rolled_back(bed: Bed) -> None:
     assert bed.verify().code == 0
 
 
+
+def test_a_rollback_that_fails_lists_the_commands_to_finish(bed: Bed, tmp_path: Path) -> None:
+    """Exit 4: the unit starts neither on the new version nor, after the restore, on the old one (its
+    ExecStopPost leaves a flag that makes every later start fail). The commands that finish the job
+    are in the message and, one by one, in ``manual_commands`` for scripts (the Ansible module)."""
+    flag = tmp_path / "stopped-once"
+    serve = f"{bed.python.parent}/sicext-serve"
+    name = bed.units.started(
+        "no-return", f"/bin/sh -c 'test ! -e {flag} && exec {serve}'", ExecStopPost=f"/bin/touch {flag}"
+    )
+    main = bed.manager.main_pid(name)
+    wait_until(lambda: maps_so(main) is not None, 15, "service maps the .so")
+
+    result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json")
+
+    assert result.code == 4, result.stdout + result.stderr
+    doc = result.json
+    assert doc["status"] == "rollback-failed" and doc["errors"][0]["code"] == "rollback-failed"
+    commands = doc["data"]["manual_commands"]
+    assert commands == [f"safeinstall --recover --python {bed.python}", f"systemctl --user start {name}"]
+    assert " && ".join(commands) in doc["errors"][0]["message"]
+    assert bed.installed_version() == "1.0"  # the restore itself worked; the start did not
 def test_only_a_good_run_deletes_backups_beyond_keep_backups(bed: Bed) -> None:
     """A vLLM backup is GBs: a good run keeps the newest --keep-backups; a failed run deletes none,
     and a directory that is not a run's backup is never touched."""
@@ -440,6 +485,8 @@ def test_stray_refused_then_killed_with_kill_strays(
     proc = subprocess.Popen([str(bed.python), "-c", "import sicext, time; time.sleep(600)"])
     stray_procs.append(proc)
     wait_until(lambda: maps_so(proc.pid) is not None, 15, "stray maps the .so")
+    dry = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--dry-run", "--json")
+    assert dry.code == 2 and dry.json["status"] == "would-refuse"  # the same decision as the run's
     refused = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]))
     assert refused.code == 2 and "--kill-strays" in refused.stderr
     assert proc.poll() is None and bed.installed_version() == "1.0"
@@ -566,3 +613,59 @@ def test_interactive_run_shows_the_plan_and_asks_first(bed: Bed) -> None:
     assert "stop these units and reinstall? [y/N]" in err
     assert "nothing done (not confirmed)" in out
     assert bed.manager.main_pid(name) == main and bed.installed_version() == "1.0"
+
+
+def test_a_pure_package_imported_by_a_unit_is_stopped_and_restarted_on_the_new_version(
+    bed: Bed, tmp_path: Path
+) -> None:
+    """Nothing of a pure-Python package stays in /proc once imported: the unit is found because it runs
+    the environment's interpreter (``environment`` evidence), stopped, and started again on the new
+    version, which it reports. A unit of another environment, whose files uv hardlinked to the same
+    cache inodes, is left alone."""
+    ours = wheelhouse.make_venv(tmp_path / "ours")
+    theirs = wheelhouse.make_venv(tmp_path / "theirs")
+    for python in (ours, theirs):
+        wheelhouse.uv_install(python, bed.wheels["sipure-1"], link_mode="hardlink")
+    assert (wheelhouse.site_packages(ours) / "sipure" / "cli.py").stat().st_ino == (
+        wheelhouse.site_packages(theirs) / "sipure" / "cli.py"
+    ).stat().st_ino
+
+    def service(python: Path, report: Path) -> tuple[str, int]:
+        code = (
+            f"import pathlib, sipure, time; pathlib.Path({str(report)!r}).write_text(sipure.VERSION); "
+            "time.sleep(600)"
+        )
+        name = bed.units.started("pure", f'{python} -c "{code}"')
+        wait_until(lambda: report.exists(), 15, f"{name} reports its version")
+        return name, bed.manager.main_pid(name)
+
+    our_report, their_report = tmp_path / "ours.version", tmp_path / "theirs.version"
+    our_unit, our_pid = service(ours, our_report)
+    their_unit, their_pid = service(theirs, their_report)
+    our_report.unlink()
+    result = run(
+        "--user",
+        "--python",
+        str(ours),
+        "--yes",
+        "sipure",
+        "--wheel",
+        str(bed.wheels["sipure-2"]),
+        "--settle",
+        "0.5",
+        "--json",
+        env=bed.environ(),
+    )
+    assert result.code == 0, result.stdout + result.stderr
+    plan = result.json["data"]["plan"]
+    (found,) = plan["processes"]
+    assert (found["pid"], found["unit"], found["evidence"], found["strength"]) == (
+        our_pid,
+        our_unit,
+        ["environment"],
+        "possible",
+    )
+    assert [u["name"] for u in plan["units"]] == [our_unit]
+    wait_until(lambda: our_report.exists(), 15, "the restarted unit reports its version")
+    assert our_report.read_text() == "2.0" and bed.manager.main_pid(our_unit) != our_pid
+    assert bed.manager.main_pid(their_unit) == their_pid and their_report.read_text() == "1.0"

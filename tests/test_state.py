@@ -13,6 +13,7 @@ from safeinstall.state import (
     SYSTEM_STATE_ROOT,
     StateDirError,
     atomic_write,
+    check_environment_dir,
     ensure_dir,
     ensure_environment_dir,
     environment_key,
@@ -21,6 +22,7 @@ from safeinstall.state import (
     mode_problem,
     new_run_id,
     state_root,
+    trust_problem,
 )
 
 
@@ -83,14 +85,18 @@ def test_ensure_dir_creates_private_directories(tmp_path: Path) -> None:
     assert not again.created and again.old_mode is None
 
 
-def test_ensure_dir_tightens_a_loose_mode(tmp_path: Path) -> None:
+def test_ensure_dir_tightens_a_readable_mode_and_refuses_a_writable_one(tmp_path: Path) -> None:
     loose = tmp_path / "loose"
     loose.mkdir()
-    os.chmod(loose, 0o777)
+    os.chmod(loose, 0o755)
     status = ensure_dir(loose)
-    assert status.old_mode == 0o777
-    assert status.warning is not None and "0777" in status.warning
+    assert status.old_mode == 0o755
+    assert status.warning is not None and "0755" in status.warning
     assert mode_of(loose) == 0o700
+    os.chmod(loose, 0o777)  # others could have put anything there: never adopted
+    with pytest.raises(StateDirError, match="mode 0777: its group or other users may write to it"):
+        ensure_dir(loose)
+    assert mode_of(loose) == 0o777
 
 
 def test_ensure_dir_refuses_a_file(tmp_path: Path) -> None:
@@ -98,6 +104,20 @@ def test_ensure_dir_refuses_a_file(tmp_path: Path) -> None:
     with pytest.raises(StateDirError, match="not a directory") as caught:
         ensure_dir(tmp_path / "file")
     assert caught.value.hint
+
+
+def test_the_dry_run_check_refuses_what_ensure_refuses_and_creates_nothing(tmp_path: Path) -> None:
+    fresh = environment_state(tmp_path / "fresh", Path("/venv"))
+    check_environment_dir(fresh)  # could be made: no error
+    assert not (tmp_path / "fresh").exists()  # and nothing was made
+    blocked = environment_state(tmp_path / "root", Path("/venv"))
+    ensure_dir(blocked.root)
+    blocked.dir.write_text("a file where the environment's directory goes")
+    for check in (check_environment_dir, ensure_environment_dir):
+        with pytest.raises(
+            StateDirError, match=f"refusing to use the state directory {blocked.dir}: it is not"
+        ):
+            check(blocked)
 
 
 def test_mode_problem_is_pure() -> None:
@@ -128,3 +148,16 @@ def test_atomic_write_replaces_whole_and_leaves_no_temp(tmp_path: Path) -> None:
     assert target.read_bytes() == b"two"
     assert mode_of(target) == 0o600
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.json"]
+
+
+def test_trust_problem_is_pure() -> None:
+    directory = stat.S_IFDIR
+    assert trust_problem(directory | 0o700, 0, 0, parent=False) is None
+    assert trust_problem(directory | 0o755, 1000, 1000, parent=True) is None  # the caller's own
+    assert trust_problem(directory | 0o755, 0, 1000, parent=True) is None  # root's
+    assert "owned by uid 1000" in (trust_problem(directory | 0o700, 1000, 0, parent=False) or "")
+    assert "mode 0775" in (trust_problem(directory | 0o775, 0, 0, parent=True) or "")
+    assert trust_problem(directory | 0o1777, 0, 0, parent=True) is None  # /tmp
+    assert trust_problem(directory | 0o1777, 0, 0, parent=False) is not None  # but not as the state dir
+    assert trust_problem(directory | 0o1777, 1000, 0, parent=True) is not None  # a user's sticky dir
+    assert "not a directory" in (trust_problem(stat.S_IFLNK | 0o777, 0, 0, parent=False) or "")

@@ -26,6 +26,7 @@ SOURCES = {
     "sicext-1": "sicext-1",
     "sicext-2": "sicext-2",
     "sicext-3": "sicext-3",  # crashes on import
+    "sicext-4": "sicext-4",  # crashes on import, with version 1's serve.py (a patch of it carries over)
     "sins-a": "sins-a",
     "sins-b": "sins-b",
 }
@@ -177,3 +178,13 @@ def corrupt_member(wheel: Path, member: str) -> None:
     for i in range(start, start + min(8, info.file_size)):
         raw[i] ^= 0xFF
     wheel.write_bytes(bytes(raw))
+
+
+def with_broken_dependency(wheel: Path, out_dir: Path) -> tuple[Path, Path]:
+    """A copy of ``wheel`` that requires ``sidep``, whose wheel resolves but cannot be extracted (a
+    corrupt member): (the new wheel, the find-links directory that holds sidep)."""
+    links = out_dir / "links"
+    links.mkdir(parents=True)
+    dep = make_wheel(links, "sidep", "1.0", {"sidep/__init__.py": b"X = 1\n" * 100})
+    corrupt_member(dep, "sidep/__init__.py")
+    return with_requirement(wheel, out_dir / "new", "sidep"), links

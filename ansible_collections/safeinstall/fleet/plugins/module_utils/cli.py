@@ -1,0 +1,242 @@
+"""The safeinstall command line seen from Ansible: the argv of each module's run, and the ``--json``
+result envelope mapped to what a module returns. Pure functions over plain values; the modules do the
+I/O (``AnsibleModule.run_command`` with an argv list: no shell, no expansion).
+
+This runs under the interpreter Ansible uses on the host (which may be older than the Python that
+safeinstall itself needs), so it keeps to Python 3.8 at run time.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+#: a distribution name (PEP 508), as a whole and at the start of a requirement
+_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?")
+
+#: module option -> CLI option taking a value (passed as ``--flag=value``: never read as an option)
+REINSTALL_VALUES = (
+    ("python", "--python"),
+    ("wheel", "--wheel"),
+    ("stop_timeout", "--stop-timeout"),
+    ("gpu_timeout", "--gpu-timeout"),
+    ("settle", "--settle"),
+    ("health_url", "--health-url"),
+    ("health_timeout", "--health-timeout"),
+    ("keep_backups", "--keep-backups"),
+)
+#: module option -> CLI switch, passed only when true (a CLI without a newer switch still runs the
+#: plays that do not ask for it)
+REINSTALL_SWITCHES = (
+    ("user", "--user"),
+    ("with_deps", "--with-deps"),
+    ("kill_strays", "--kill-strays"),
+    ("prune", "--prune"),
+    ("keep_patches", "--keep-patches"),
+)
+
+
+class CommandError(ValueError):
+    """Options that make no safeinstall command line (the module fails before running anything)."""
+
+
+def canonical_name(name: str) -> str:
+    """PEP 503 normalisation: ``Foo_Bar`` and ``foo-bar`` name one distribution."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _checked_name(name: str) -> str:
+    if not _NAME.fullmatch(name):
+        raise CommandError(f"{name!r} is not a distribution name")
+    return name
+
+
+def reinstall_target(name: str, requirement: str | None) -> str:
+    """The CLI's positional argument: ``requirement`` (e.g. ``vllm==0.16.0``) when given, which must
+    name the package ``name``; else ``name`` (the installed version, reinstalled)."""
+    _checked_name(name)
+    if requirement is None:
+        return name
+    match = _NAME.match(requirement.strip())
+    if match is None or canonical_name(match.group(0)) != canonical_name(name):
+        raise CommandError(f"requirement {requirement!r} does not name the package {name!r}")
+    return requirement.strip()
+
+
+def executable_argv(executable: str) -> list[str]:
+    """``executable`` split as a shell would split it (``/opt/si/bin/python -m safeinstall``), never
+    run by one."""
+    argv = shlex.split(executable)
+    if not argv:
+        raise CommandError("executable is empty")
+    return argv
+
+
+def _value(value: Any) -> str:
+    return format(value, "g") if isinstance(value, float) else str(value)
+
+
+def reinstall_argv(executable: Sequence[str], params: Mapping[str, Any], check_mode: bool) -> list[str]:
+    """The one command line of the reinstall module; in check mode, its ``--dry-run``."""
+    argv = [*executable, reinstall_target(params["name"], params.get("requirement")), "--json", "--yes"]
+    if check_mode:
+        argv.append("--dry-run")
+    argv += [f"{flag}={_value(params[key])}" for key, flag in REINSTALL_VALUES if params.get(key) is not None]
+    argv += [flag for key, flag in REINSTALL_SWITCHES if params.get(key)]
+    return argv
+
+
+def verify_argv(executable: Sequence[str], params: Mapping[str, Any]) -> list[str]:
+    """The command line of the verify module: one package (``name``) or every one (``all``)."""
+    if bool(params.get("name")) == bool(params.get("all")):
+        raise CommandError("give either name or all: true")
+    target = ["--all"] if params.get("all") else [_checked_name(params["name"])]
+    argv = [*executable, *target, "--verify-only", "--json"]
+    argv += [
+        f"{flag}={params[key]}"
+        for key, flag in (("wheel", "--wheel"), ("python", "--python"))
+        if params.get(key)
+    ]
+    return argv
+
+
+def parse_result(stdout: str) -> dict[str, Any] | None:
+    """The ``--json`` envelope on stdout; None when there is none (a CLI too old, a crash)."""
+    try:
+        document = json.loads(stdout)
+    except ValueError:
+        return None
+    if not isinstance(document, dict) or "safeinstall_result_version" not in document:
+        return None
+    return document
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a module reports for one run of safeinstall."""
+
+    failed: bool
+    changed: bool
+    status: str
+    msg: str
+    commands: tuple[str, ...] = ()
+
+
+def plan_of(result: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """The plan inside a ``dry-run`` (its data) or a ``reinstall`` (``data.plan``) result."""
+    data = (result or {}).get("data") or {}
+    plan = data if (result or {}).get("command") == "dry-run" else data.get("plan")
+    return plan if isinstance(plan, Mapping) and "distributions" in plan else None
+
+
+def _versions(plan: Mapping[str, Any]) -> str:
+    return ", ".join(
+        f"{d['name']} {d.get('old_version') or '(not installed)'} -> {d.get('new_version') or '(new)'}"
+        for d in plan.get("distributions") or []
+    )
+
+
+def _units(plan: Mapping[str, Any]) -> list[str]:
+    return [u["name"] for u in plan.get("units") or []]
+
+
+def _errors(result: Mapping[str, Any]) -> str:
+    parts = []
+    for error in result.get("errors") or []:
+        hint = error.get("hint")
+        parts.append(error.get("message", "") + (f" (hint: {hint})" if hint else ""))
+    return "; ".join(parts)
+
+
+def would_change(plan: Mapping[str, Any]) -> bool:
+    """A run of this plan would stop or install something."""
+    strays = plan.get("kill_strays") and plan.get("strays")
+    return bool(plan.get("distributions") or plan.get("units") or strays)
+
+
+def _no_result(rc: int, stderr: str) -> Outcome:
+    tail = " ".join(stderr.strip().splitlines()[-3:])
+    return Outcome(True, False, "error", f"safeinstall exited {rc} without a --json result: {tail}".strip())
+
+
+def reinstall_outcome(rc: int, result: Mapping[str, Any] | None, stderr: str, check_mode: bool) -> Outcome:
+    """Exit 0: changed (check mode: changed when the run would stop or install anything); 2: failed,
+    refused and nothing changed; 3: failed, rolled back; 4: failed, with the commands to finish."""
+    if result is None:
+        return _no_result(rc, stderr)
+    status = str(result.get("status", "error"))
+    plan = plan_of(result) or {}
+    if rc == 0 and check_mode:
+        changed = would_change(plan)
+        units = ", ".join(_units(plan)) or "no unit"
+        verb = "would reinstall" if changed else "nothing to do for"
+        return Outcome(
+            False, changed, status, f"{verb} {_versions(plan) or plan.get('package')}; restarts {units}"
+        )
+    if rc == 0:
+        if status != "done":  # declined (an interactive run only; --yes never asks)
+            return Outcome(False, False, status, f"safeinstall ended with status {status}")
+        units = ", ".join(_units(plan)) or "no unit"
+        return Outcome(False, True, status, f"reinstalled {_versions(plan)}; restarted {units}")
+    if rc == 2:
+        reasons = _errors(result) or "; ".join(plan.get("refusals") or []) or status
+        return Outcome(True, False, status, f"refused, nothing changed: {reasons}")
+    if rc == 3:
+        return Outcome(True, True, status, f"rolled back: {_errors(result)}")
+    if rc == 4:
+        commands = tuple((result.get("data") or {}).get("manual_commands") or ())
+        finish = " && ".join(commands) or "see the message"
+        return Outcome(
+            True, True, status, f"rollback failed, finish by hand: {finish}. {_errors(result)}", commands
+        )
+    return Outcome(True, False, status, f"safeinstall exited {rc}: {_errors(result) or status}")
+
+
+def plan_diff(plan: Mapping[str, Any]) -> dict[str, str]:
+    """Ansible's diff of a plan: each distribution's old -> new version, and the units restarted."""
+    before, after = [], []
+    for dist in plan.get("distributions") or []:
+        before.append(f"{dist['name']} {dist.get('old_version') or '(not installed)'}\n")
+        after.append(f"{dist['name']} {dist.get('new_version') or '(new)'}\n")
+    for unit in plan.get("units") or []:
+        why = f", stops with {unit['stopped_with']}" if unit.get("stopped_with") else ""
+        before.append(
+            f"unit {unit['name']}: {unit.get('active_state')}, main PID {unit.get('main_pid')}{why}\n"
+        )
+        after.append(f"unit {unit['name']}: restarted\n")
+    if plan.get("kill_strays"):
+        for stray in plan.get("strays") or []:
+            before.append(f"stray PID {stray['pid']} ({stray.get('name')})\n")
+    python = plan.get("python", "")
+    return {
+        "before_header": f"{python} (installed)",
+        "after_header": f"{python} (after safeinstall)",
+        "before": "".join(before),
+        "after": "".join(after),
+    }
+
+
+def drift_findings(result: Mapping[str, Any] | None) -> list[Mapping[str, Any]]:
+    """The findings that are drift (warnings such as ``hardlinked`` are not)."""
+    findings = ((result or {}).get("data") or {}).get("findings") or []
+    return [f for f in findings if f.get("drift")]
+
+
+def verify_outcome(rc: int, result: Mapping[str, Any] | None, stderr: str, fail_on_drift: bool) -> Outcome:
+    """Never changed. Exit 0: clean; 1: drift, failed only with ``fail_on_drift``; else failed."""
+    if result is None:
+        return _no_result(rc, stderr)
+    status = str(result.get("status", "error"))
+    if rc in (0, 1):
+        drift = drift_findings(result)
+        summary = (result.get("data") or {}).get("summary") or {}
+        if not drift:
+            return Outcome(False, False, status, f"no drift in {summary.get('files_checked', 0)} files")
+        listed = "; ".join(f"{f['kind']} {f['path']}" for f in drift[:5])
+        more = f" and {len(drift) - 5} more" if len(drift) > 5 else ""
+        return Outcome(fail_on_drift, False, status, f"{len(drift)} drifted: {listed}{more}")
+    return Outcome(True, False, status, f"could not check: {_errors(result) or status}")

@@ -1,0 +1,186 @@
+"""The checks before the first stop, shared by the run and ``--dry-run``: one function, so that the
+dry-run refuses exactly when the run would (same decision, same exit code 2).
+
+In the run's order: the interpreter; the state directory; the lock; the wheel (a valid zip whose
+RECORD matches its contents, for PACKAGE, fitting the interpreter's tags); uv's plan and the /proc scan
+(:func:`safeinstall.survey.survey`); the plan's refusals; room for the backup and for the install; the
+environment's directories writable. A failure before there is a plan raises; later ones are the plan's
+refusals, so that a dry-run still shows the plan and why it would refuse.
+
+The only difference: the run creates its state directory and takes the lock (and keeps it); a dry-run
+creates nothing and takes no lock: it checks that the directory could be made and that no live run
+holds the lock.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from packaging.utils import canonicalize_name
+
+from safeinstall.backup import disk_space_needed, free_space, space_problem
+from safeinstall.environment import Environment, inspect_environment, resolve_python
+from safeinstall.errors import PlanError, WheelError
+from safeinstall.lock import HeldLock, acquire_lock, check_lock
+from safeinstall.options import RunOptions, check_options
+from safeinstall.plan import Plan
+from safeinstall.safefs import unwritable
+from safeinstall.state import (
+    EnvironmentState,
+    check_environment_dir,
+    ensure_environment_dir,
+    environment_state,
+    state_root,
+)
+from safeinstall.survey import Survey, survey
+from safeinstall.wheel import (
+    Wheel,
+    check_landing,
+    fits,
+    install_directories,
+    installed_size,
+    read_wheel,
+    target_tags,
+)
+from safeinstall.wheelcopy import copy_wheel, discard_wheel_copy
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """What the preflight found; ``lock`` is held (the caller releases it) only when it was asked to.
+    ``options`` are the run's: with ``take_lock``, ``wheel`` is the run's own copy in the state
+    directory (checked, installed and journalled; the caller discards it with the run)."""
+
+    options: RunOptions
+    env: Environment
+    state: EnvironmentState
+    wheel: Wheel | None
+    survey: Survey
+    lock: HeldLock | None
+    notes: tuple[str, ...]
+
+    @property
+    def plan(self) -> Plan:
+        return self.survey.plan
+
+
+def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
+    """Every check of the run before its first stop (see the module). Raises a SafeInstallError (exit
+    2) for a failure before the plan; the plan's ``refusals`` hold the rest (see :func:`refusal`).
+    ``take_lock``: create the state directory and hold the lock (the run); else check both (dry-run)."""
+    check_options(options)
+    env = inspect_environment(resolve_python(options.python, options.environ))
+    state = environment_state(state_root(options.environ, os.geteuid()), env.prefix)
+    notes: list[str] = [env.owner_note] if env.owner_note else []
+    lock: HeldLock | None = None
+    if take_lock:
+        notes.extend(s.warning for s in ensure_environment_dir(state) if s.warning)
+        lock = acquire_lock(state.lock, str(env.prefix))
+        if lock.takeover_note:
+            notes.append(lock.takeover_note)
+    else:
+        check_environment_dir(state)
+        check_lock(state.lock, str(env.prefix))
+    given = options.wheel
+    try:
+        wheel = None
+        if given is not None:
+            # checked, installed and journalled: the run's own copy, not a path others can write
+            use = copy_wheel(given, state.dir) if take_lock else given
+            options = replace(options, wheel=use)
+            try:
+                wheel = read_wheel(use)
+            except WheelError as exc:  # named as the user gave it
+                raise WheelError(exc.message.replace(str(use), str(given)), exc.hint) from exc
+            check_wheel(wheel, options.package, env)
+        found = survey(options, env, wheel)
+        if wheel is not None:
+            check_landing(wheel, env, found.affected, found.installed)
+        more = (*room_problems(found, env, state.backups, wheel), *writability_problems(env, found, wheel))
+        if more:
+            found = replace(found, plan=replace(found.plan, refusals=(*found.plan.refusals, *more)))
+    except BaseException:
+        if options.wheel is not None and options.wheel != given:
+            discard_wheel_copy(options.wheel, state.dir)
+        if lock is not None:
+            lock.release()
+        raise
+    return Prepared(options, env, state, wheel, found, lock, tuple(notes))
+
+
+def refusal(plan: Plan) -> PlanError | None:
+    """The error a run stops with before anything changed when its plan refuses; None if it proceeds."""
+    if plan.proceeds:
+        return None
+    return PlanError(
+        "the run would refuse: " + "; ".join(plan.refusals),
+        hint=f"see safeinstall {plan.package} --dry-run; nothing was stopped",
+    )
+
+
+def check_wheel(wheel: Wheel, package: str, env: Environment) -> None:
+    """The wheel is for ``package``, its RECORD matches its contents, and it fits ``env``'s tags."""
+    if wheel.name != canonicalize_name(package):
+        raise WheelError(
+            f"the wheel {wheel.path.name} is for {wheel.name}, not {package}",
+            hint="pass the wheel of the package being reinstalled; nothing was stopped",
+        )
+    if not wheel.record_ok:
+        listed = "; ".join(f"{p.path}: {p.reason}" for p in wheel.problems[:3])
+        raise WheelError(
+            f"the wheel {wheel.path.name} is damaged: its RECORD does not match its contents ({listed})",
+            hint="download or build the wheel again; nothing was stopped",
+        )
+    if not fits(wheel, target_tags(env)):
+        tags = ", ".join(sorted(str(t) for t in wheel.tags))
+        raise WheelError(
+            f"the wheel {wheel.path.name} ({tags}) does not fit Python "
+            f"{env.version[0]}.{env.version[1]} ({env.implementation}) at {env.python}",
+            hint="use a wheel built for that interpreter, or pass --python for the right environment; "
+            "nothing was stopped",
+        )
+
+
+def room_problems(found: Survey, env: Environment, backups: Path, wheel: Wheel | None) -> tuple[str, ...]:
+    """Room for the backup and the prefetch (the new version unpacked beside it, in the state
+    directory), and for the install (in the environment; the backup stays during it when both share a
+    filesystem)."""
+    problems: list[str] = []
+    backup = disk_space_needed(list(found.affected), env)
+    prefetch = installed_size(wheel) if wheel is not None else 0
+    what = "the backup and the prefetch (the new version unpacked beside it)"
+    problem = space_problem(
+        backup + prefetch, free_space(backups), backups, what if prefetch else "the backup"
+    )
+    if problem:
+        problems.append(problem)
+    if wheel is not None:
+        shared = _device(backups) == _device(env.prefix)
+        problem = space_problem(
+            installed_size(wheel) + (backup if shared else 0),
+            free_space(env.prefix),
+            env.prefix,
+            what=f"the install of {wheel.path.name}",
+            remedy="free some space on that filesystem",
+        )
+        if problem:
+            problems.append(problem)
+    return tuple(problems)
+
+
+def _device(path: Path) -> int:
+    probe = Path(os.path.abspath(path))
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return probe.stat().st_dev
+
+
+def writability_problems(env: Environment, found: Survey, wheel: Wheel | None) -> tuple[str, ...]:
+    """uv writes into the site and scripts directories, the directories of the files it replaces and
+    where the wheel's members land: a read-only one would fail the install during the downtime."""
+    return tuple(
+        f"the install could not write {problem} (it is not writable)"
+        for problem in unwritable(install_directories(env, found.affected, wheel))
+    )

@@ -1,0 +1,119 @@
+"""The run's log ``<envdir>/logs/<run-id>.log``: what a run did, line by line, for people and for
+``safeinstall --status --wait``, which shows it as it is written.
+
+Lines are appended best effort (a full disk must not become the run's failure). Progress is written
+in one plain form, :func:`progress_text`: human sizes and percentages, never raw counters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from safeinstall.plan import Plan
+    from safeinstall.reinstall import Reporter, StepOutcome
+
+#: A plain progress line (stderr off a terminal, the run's log) at most this often.
+PROGRESS_EVERY_S = 5.0
+
+
+def append_line(path: Path | None, text: str, now: datetime | None = None) -> None:
+    """Append ``[time] text`` to the log; best effort."""
+    if path is None:
+        return
+    stamp = (now or datetime.now(UTC)).astimezone(UTC).isoformat(timespec="seconds")
+    with contextlib.suppress(OSError), open(path, "a", encoding="utf-8") as log:
+        log.write(f"[{stamp}] {text}\n")
+
+
+def human_bytes(n: float | None) -> str:
+    """Pure: ``223455895`` -> ``213.1 MiB``."""
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def progress_text(what: str, done: float | None, total: float | None, unit: str = "") -> str:
+    """Pure: one plain progress line, e.g. ``backup: 213.1 MiB of 666.9 MiB (32%)``.
+
+    ``unit`` is ``"bytes"`` (sizes), ``"s"`` (seconds waited) or ``""`` (a count)."""
+
+    def amount(value: float) -> str:
+        if unit == "bytes":
+            return human_bytes(value)
+        if unit == "s":
+            return f"{value:.0f} s"
+        return f"{value:.0f}"
+
+    if done is None:
+        return what
+    text = f"{what}: {amount(done)}"
+    if total:
+        text += f" of {amount(total)} ({min(100.0, 100.0 * done / total):.0f}%)"
+    return text
+
+
+@dataclass
+class LogTail:
+    """The complete lines added to a log since the last call (for ``--status --wait``)."""
+
+    path: Path
+    offset: int = 0
+    partial: bytes = b""
+
+    def new_lines(self) -> list[str]:
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            return []
+        try:
+            chunks: list[bytes] = []
+            while chunk := os.pread(fd, 65536, self.offset):
+                chunks.append(chunk)
+                self.offset += len(chunk)
+        finally:
+            os.close(fd)
+        data = self.partial + b"".join(chunks)
+        *lines, self.partial = data.split(b"\n")
+        return [line.decode("utf-8", "replace") for line in lines]
+
+
+@dataclass
+class LoggedReporter:
+    """A run's reporter that also writes its step lines, notes and (every few seconds) its progress
+    to the run's log, so that ``--status --wait`` can show them from anywhere."""
+
+    inner: Reporter
+    log: Path
+    _last_progress: float = field(default_factory=time.monotonic)
+
+    def step(self, outcome: StepOutcome) -> None:
+        append_line(
+            self.log, f"{outcome.name}: {outcome.status} in {outcome.seconds:.1f} s: {outcome.detail}"
+        )
+        self.inner.step(outcome)
+
+    def progress(self, what: str, done: float | None, total: float | None, unit: str = "") -> None:
+        now = time.monotonic()
+        if now - self._last_progress >= PROGRESS_EVERY_S:
+            self._last_progress = now
+            append_line(self.log, progress_text(what, done, total, unit))
+        self.inner.progress(what, done, total, unit)
+
+    def note(self, text: str) -> None:
+        append_line(self.log, f"note: {text}")
+        self.inner.note(text)
+
+    def confirm(self, plan: Plan) -> bool:
+        return self.inner.confirm(plan)

@@ -1,0 +1,475 @@
+"""The one way safeinstall touches an environment's files: by directory file descriptor.
+
+safeinstall runs as root, while the environment it reinstalls may belong to a service account, which
+can put a symlink (or a FIFO, or a device node) anywhere below the prefix at any moment. So every
+write, delete, copy and restore goes through a :class:`Tree`: the prefix (or a backup directory) is
+opened once, and each path below it is walked one component at a time with ``openat``
+(``os.open(..., dir_fd=...)``) and ``O_NOFOLLOW``. A symlink anywhere below the root is never
+followed: where a directory is expected it counts as "not there" (nothing is read, written or deleted
+through it), and a restore replaces it with the real directory. What is opened is what is checked
+(``fstat`` on the descriptor): a FIFO or a device is never read, and opening never blocks
+(``O_NONBLOCK``). Paths are "/"-separated and relative to the root; ``..``, ``.``, empty and absolute
+ones are refused before anything is opened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import shutil
+import stat
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_CHUNK = 1 << 20
+
+
+class NotRegularFile(OSError):
+    """The path is there but is not a regular file below real directories (a symlink, a FIFO, a device,
+    a directory, or a symlink on the way): it is never opened for reading."""
+
+    def __init__(self, path: str, what: str) -> None:
+        super().__init__(errno.EINVAL, f"not a regular file ({what})", path)
+        self.what = what
+
+
+def parts_of(relative: str) -> tuple[str, ...]:
+    """Pure: the components of a "/"-separated relative path; ValueError for anything that could leave
+    the root (absolute, ``..``) or is not a plain name (``.``, empty, NUL)."""
+    if not relative or relative.startswith("/") or "\0" in relative:
+        raise ValueError(f"{relative!r} is not a relative path")
+    parts = tuple(relative.split("/"))
+    if any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"{relative!r} is not a plain relative path (empty, '.' or '..' component)")
+    return parts
+
+
+def describe(mode: int) -> str:
+    """Pure: what kind of file a ``st_mode`` is, in words."""
+    kinds = (
+        (stat.S_ISLNK, "a symlink"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((word for check, word in kinds if check(mode)), "a regular file")
+
+
+@dataclass(frozen=True, slots=True)
+class Copied:
+    sha256: str  # hex
+    size: int
+
+
+def _copy_fd(source: int, dest: int) -> Copied:
+    hasher = hashlib.sha256()
+    size = 0
+    while chunk := os.read(source, _CHUNK):
+        hasher.update(chunk)
+        view = memoryview(chunk)
+        while view:
+            view = view[os.write(dest, view) :]
+        size += len(chunk)
+    return Copied(hasher.hexdigest(), size)
+
+
+def open_regular(path: Path) -> int:
+    """Open a file the caller named (a wheel), for reading: symlinks the caller gave are followed, but it
+    must be a regular file (a FIFO or a device is refused without blocking). Raises OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise NotRegularFile(str(path), describe(info.st_mode))
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class Tree:
+    """A directory opened once; every operation below it walks by descriptor, never through a symlink.
+
+    Use as a context manager (the root's descriptor is closed at the end). Safe to share between
+    threads: each operation opens and closes its own descriptors.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.fd = os.open(root, _DIR_FLAGS)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> Tree:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def relative(self, location: Path | str) -> str | None:
+        """Pure: ``location`` (absolute, normalised lexically) relative to the root; None when it is
+        outside (or is no plain path: a NUL in it)."""
+        normal = os.path.normpath(location)
+        base = os.path.join(os.fspath(self.root), "")
+        if not normal.startswith(base) or len(normal) == len(base) or "\0" in normal:
+            return None
+        return normal[len(base) :]
+
+    # --- walking ---------------------------------------------------------------------------------
+
+    def _open_dir(self, parts: tuple[str, ...]) -> int:
+        """A new descriptor of the directory ``parts`` (relative to the root). FileNotFoundError when a
+        component is missing; NotADirectoryError when one is not a real directory (a symlink too)."""
+        fd = os.dup(self.fd)
+        try:
+            for name in parts:
+                try:
+                    child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                        raise NotADirectoryError(
+                            errno.ENOTDIR, "not a real directory (a symlink or a file)", name
+                        ) from None
+                    raise
+                os.close(fd)
+                fd = child
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    @contextlib.contextmanager
+    def parent(self, relative: str) -> Iterator[tuple[int, str]]:
+        """(descriptor of the directory holding ``relative``, its last name); closed afterwards."""
+        parts = parts_of(relative)
+        fd = self._open_dir(parts[:-1])
+        try:
+            yield fd, parts[-1]
+        finally:
+            os.close(fd)
+
+    def lstat(self, relative: str) -> os.stat_result | None:
+        """The entry itself (a symlink is not followed), or None when it, or a real directory on its
+        way, is not there (a symlink on the way counts as not there)."""
+        try:
+            with self.parent(relative) as (fd, name):
+                return os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    def is_dir(self, relative: str) -> bool:
+        info = self.lstat(relative)
+        return info is not None and stat.S_ISDIR(info.st_mode)
+
+    def files_below(self, relative: str) -> list[str]:
+        """Everything below the directory ``relative`` that is not a real directory (files, symlinks,
+        FIFOs...), relative to the root, sorted. Symlinked directories are listed, never entered. A
+        ``relative`` that is not a real directory has nothing below it."""
+        try:
+            fd = self._open_dir(parts_of(relative))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        found: list[str] = []
+        self._walk(fd, relative, found)
+        return sorted(found)
+
+    def _walk(self, fd: int, relative: str, found: list[str]) -> None:
+        """Takes ``fd`` (closed here)."""
+        try:
+            with os.scandir(fd) as entries:
+                listed = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+            for name, is_dir in listed:
+                path = f"{relative}/{name}"
+                if not is_dir:
+                    found.append(path)
+                    continue
+                try:
+                    child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                except OSError:
+                    continue  # replaced while we walked: not a real directory any more
+                self._walk(child, path, found)
+        finally:
+            os.close(fd)
+
+    def names(self, relative: str) -> list[str]:
+        """Names in the directory ``relative`` ([] when it is not a real directory)."""
+        try:
+            fd = self._open_dir(parts_of(relative))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        try:
+            return sorted(os.listdir(fd))
+        finally:
+            os.close(fd)
+
+    # --- reading ---------------------------------------------------------------------------------
+
+    def open_read(self, relative: str) -> int:
+        """A descriptor of the regular file ``relative``, for reading. FileNotFoundError when it is not
+        there; :class:`NotRegularFile` for anything else (it is never read, and never blocks)."""
+        try:
+            with self.parent(relative) as (fd, name):
+                try:
+                    found = os.open(name, _READ_FLAGS, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno != errno.ELOOP:
+                        raise
+                    raise NotRegularFile(relative, "a symlink") from None
+        except NotADirectoryError:
+            raise NotRegularFile(relative, "below a symlink or a file") from None
+        try:
+            info = os.fstat(found)
+            if not stat.S_ISREG(info.st_mode):
+                raise NotRegularFile(relative, describe(info.st_mode))
+            os.set_blocking(found, True)
+        except BaseException:
+            os.close(found)
+            raise
+        return found
+
+    def read_bytes(self, relative: str, limit: int) -> bytes:
+        """The content of the regular file ``relative``; ValueError when it is larger than ``limit``."""
+        fd = self.open_read(relative)
+        try:
+            if os.fstat(fd).st_size > limit:
+                raise ValueError(f"{relative} is larger than {limit} bytes")
+            data = b""
+            while len(data) <= limit and (chunk := os.read(fd, _CHUNK)):
+                data += chunk
+            if len(data) > limit:
+                raise ValueError(f"{relative} is larger than {limit} bytes")
+            return data
+        finally:
+            os.close(fd)
+
+    def sha256(self, relative: str) -> str | None:
+        """Hex sha256 of the regular file ``relative``; None when it is not there or not regular."""
+        try:
+            fd = self.open_read(relative)
+        except (FileNotFoundError, NotRegularFile):
+            return None
+        try:
+            with os.fdopen(os.dup(fd), "rb", buffering=0) as handle:
+                return hashlib.file_digest(handle, "sha256").hexdigest()
+        finally:
+            os.close(fd)
+
+    def readlink(self, relative: str) -> str | None:
+        """The target of the symlink ``relative`` (never followed); None when it is not a symlink."""
+        try:
+            with self.parent(relative) as (fd, name):
+                return os.readlink(name, dir_fd=fd)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:  # not a symlink
+                return None
+            raise
+
+    # --- changing --------------------------------------------------------------------------------
+
+    def unlink(self, relative: str) -> bool:
+        """Remove the entry ``relative`` (a symlink itself, never its target); False when it is not there
+        (or lies below a symlink: then it is not in this tree). A real directory is left alone."""
+        try:
+            with self.parent(relative) as (fd, name):
+                os.unlink(name, dir_fd=fd)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        except IsADirectoryError:
+            return False
+        except PermissionError as exc:  # Linux says EPERM for unlink() of a directory
+            info = self.lstat(relative)
+            if info is not None and stat.S_ISDIR(info.st_mode):
+                return False
+            raise exc
+        return True
+
+    def remove_tree(self, relative: str) -> bool:
+        """Remove ``relative`` and everything below it, by descriptor (a symlink is removed, not
+        followed); False when it is not there."""
+        try:
+            with self.parent(relative) as (fd, name):
+                info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if stat.S_ISDIR(info.st_mode):
+                    shutil.rmtree(name, dir_fd=fd)
+                else:
+                    os.unlink(name, dir_fd=fd)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        return True
+
+    def rmdir(self, relative: str) -> None:
+        with self.parent(relative) as (fd, name):
+            os.rmdir(name, dir_fd=fd)
+
+    def make_dir(self, relative: str, mode: int, owner: tuple[int, int] | None = None) -> None:
+        """Make ``relative`` a real directory (its parent must be one): whatever else is there, a
+        symlink above all, is removed first and never followed. ``owner``: (uid, gid) to set."""
+        with self.parent(relative) as (fd, name):
+            try:
+                info: os.stat_result | None = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                info = None
+            if info is not None and stat.S_ISDIR(info.st_mode):
+                return
+            if info is not None:
+                os.unlink(name, dir_fd=fd)
+            try:
+                os.mkdir(name, mode, dir_fd=fd)
+            except FileExistsError:  # made meanwhile (another thread of this backup): a directory?
+                if not stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                    raise
+                return
+            child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            try:
+                if owner is not None:
+                    os.fchown(child, *owner)
+                os.fchmod(child, mode)
+            finally:
+                os.close(child)
+
+    def make_dirs(self, relative: str, mode: int) -> None:
+        """Every missing directory of ``relative`` (in a tree of safeinstall's own: the backup)."""
+        parts = parts_of(relative)
+        for end in range(1, len(parts) + 1):
+            self.make_dir("/".join(parts[:end]), mode)
+
+    def _temp_name(self, name: str, mark: str) -> str:
+        return f".{name}{mark}{os.getpid()}-{os.urandom(4).hex()}"
+
+    def _replace(self, fd: int, tmp: str, name: str) -> None:
+        """Rename ``tmp`` over ``name`` in the directory ``fd``; a real directory in the way is removed."""
+        try:
+            os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+        except OSError as exc:
+            if exc.errno not in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                raise
+            info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            if not stat.S_ISDIR(info.st_mode):
+                raise
+            shutil.rmtree(name, dir_fd=fd)
+            os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+
+    def write_from(
+        self,
+        relative: str,
+        source_fd: int,
+        mode: int,
+        owner: tuple[int, int] | None = None,
+        mtime_ns: int | None = None,
+        mark: str = ".safeinstall-",
+        atomic: bool = True,
+    ) -> Copied:
+        """Write ``relative`` with the content of ``source_fd``. ``atomic``: into a temp file beside it,
+        then renamed over it; else created new (it must not exist). The parent must be a real
+        directory; nothing is ever written through a symlink."""
+        with self.parent(relative) as (fd, name):
+            target = self._temp_name(name, mark) if atomic else name
+            dest = os.open(target, _CREATE_FLAGS, 0o600, dir_fd=fd)
+            try:
+                try:
+                    copied = _copy_fd(source_fd, dest)
+                    if owner is not None:
+                        os.fchown(dest, *owner)  # before chmod: chown clears set-id bits
+                    os.fchmod(dest, mode)
+                    os.fsync(dest)
+                    if mtime_ns is not None:
+                        os.utime(dest, ns=(mtime_ns, mtime_ns))
+                finally:
+                    os.close(dest)
+                if atomic:
+                    self._replace(fd, target, name)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(target, dir_fd=fd)
+                raise
+        return copied
+
+    def symlink(
+        self,
+        relative: str,
+        link_target: str,
+        owner: tuple[int, int] | None = None,
+        mtime_ns: int | None = None,
+        mark: str = ".safeinstall-",
+        atomic: bool = True,
+    ) -> None:
+        """Make ``relative`` a symlink to ``link_target`` (the link is written, nothing is followed)."""
+        with self.parent(relative) as (fd, name):
+            target = self._temp_name(name, mark) if atomic else name
+            os.symlink(link_target, target, dir_fd=fd)
+            try:
+                if owner is not None:
+                    os.chown(target, *owner, dir_fd=fd, follow_symlinks=False)
+                if mtime_ns is not None:
+                    os.utime(target, ns=(mtime_ns, mtime_ns), dir_fd=fd, follow_symlinks=False)
+                if atomic:
+                    self._replace(fd, target, name)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(target, dir_fd=fd)
+                raise
+
+    def fsync_dir(self, relative: str) -> None:
+        fd = self._open_dir(parts_of(relative)) if relative else os.dup(self.fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def copy_out(self, relative: str, dest: Tree, dest_relative: str) -> str:
+        """Save ``relative`` into ``dest`` (a tree of safeinstall's own): a regular file by content, a
+        symlink as a symlink (its target is never read); what it was ("file", "symlink"). Raises
+        :class:`NotRegularFile` for a FIFO, a device or a directory (nothing is read)."""
+        link = self.readlink(relative)
+        parent = "/".join(parts_of(dest_relative)[:-1])
+        if parent:
+            dest.make_dirs(parent, 0o700)
+        if link is not None:
+            dest.symlink(dest_relative, link, atomic=False)
+            return "symlink"
+        fd = self.open_read(relative)
+        try:
+            info = os.fstat(fd)
+            dest.write_from(
+                dest_relative, fd, stat.S_IMODE(info.st_mode), mtime_ns=info.st_mtime_ns, atomic=False
+            )
+        finally:
+            os.close(fd)
+        return "file"
+
+
+def unwritable(directories: Iterable[Path]) -> list[str]:
+    """Which of ``directories`` (each, or its nearest existing parent) cannot be written, and why: a
+    read-only mount, or no write permission (as root, only the mount and immutable files say no)."""
+    problems: list[str] = []
+    for directory in sorted(set(directories)):
+        probe = directory
+        while not os.path.lexists(probe) and probe != probe.parent:
+            probe = probe.parent
+        try:
+            read_only = bool(os.statvfs(probe).f_flag & os.ST_RDONLY)
+        except OSError as exc:
+            problems.append(f"{directory}: {exc.strerror or exc}")
+            continue
+        if read_only:
+            problems.append(f"{probe}: a read-only file system")
+        elif not os.access(probe, os.W_OK, effective_ids=os.access in os.supports_effective_ids):
+            problems.append(f"{probe}: not writable")
+    return problems

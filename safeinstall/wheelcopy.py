@@ -1,0 +1,69 @@
+"""The run's own copy of the wheel, in the state directory: what is checked is what is installed.
+
+A wheel usually comes from a download directory (``/tmp``, a shared cache) that others can write: they
+could replace it between the preflight check and uv's install, or before ``--recover`` reads it again.
+So a run copies it into ``<state>/<env>/wheels/<random>/<the wheel's file name>`` (the state directory
+is root's, mode 0700) and checks, installs and journals that copy only; the copy goes when the run (or
+its recovery) ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+from safeinstall.errors import WheelError
+from safeinstall.safefs import Tree, open_regular
+
+WHEELS_DIR = "wheels"
+
+
+def copy_wheel(source: Path, envdir: Path) -> Path:
+    """Copy ``source`` (a regular file: a FIFO or a device is refused) into ``envdir``; the copy's path."""
+    directory = f"{WHEELS_DIR}/{os.getpid()}-{os.urandom(6).hex()}"
+    try:
+        source_fd = open_regular(source)
+    except OSError as exc:
+        raise WheelError(
+            f"cannot read wheel {source}: {exc.strerror or exc}",
+            hint="check the path, or download/build the wheel again",
+        ) from exc
+    try:
+        with Tree(envdir) as tree:
+            tree.make_dirs(directory, 0o700)
+            tree.write_from(f"{directory}/{source.name}", source_fd, 0o600, atomic=False)
+    except OSError as exc:
+        discard_wheel_copy(envdir / directory / source.name, envdir)
+        raise WheelError(
+            f"cannot copy the wheel {source} into {envdir}: {exc.strerror or exc}; nothing was changed",
+            hint="free some space there (the run installs from its own copy of the wheel)",
+        ) from exc
+    finally:
+        os.close(source_fd)
+    return envdir / directory / source.name
+
+
+def _copy_dir(path: Path, envdir: Path) -> str | None:
+    """Pure: ``wheels/<dir>`` when ``path`` is ``<envdir>/wheels/<dir>/<name>.whl``, else None."""
+    try:
+        parts = path.relative_to(envdir).parts
+    except ValueError:
+        return None
+    if len(parts) != 3 or parts[0] != WHEELS_DIR or ".." in parts or not parts[2].endswith(".whl"):
+        return None
+    return f"{parts[0]}/{parts[1]}"
+
+
+def is_wheel_copy(path: Path, envdir: Path) -> bool:
+    """Pure: ``path`` names a run's copy of a wheel in ``envdir`` (anything else is never read)."""
+    return _copy_dir(path, envdir) is not None
+
+
+def discard_wheel_copy(path: Path, envdir: Path) -> None:
+    """Remove a run's copy (best effort); a path that is not one is left alone."""
+    directory = _copy_dir(path, envdir)
+    if directory is None:
+        return
+    with contextlib.suppress(OSError), Tree(envdir) as tree:
+        tree.remove_tree(directory)

@@ -1,0 +1,481 @@
+"""The Ansible collection ``safeinstall.fleet`` (ansible_collections/), run by the real ansible-core.
+
+A fleet of three hosts, all ``ansible_connection=local``: each its own venv (made by uv, sicext 1.0 from
+the fixture wheels), its own unit in the private systemd manager (a small HTTP server that imports
+sicext and answers ``/health``) and its own state directory. The README's examples run against it as
+they are: ``examples/rolling-upgrade.yml`` (serial 1, max_fail_percentage 0) and
+``examples/drift-report.yml``. Ansible reads no configuration of this machine and writes only into the
+test's temporary directories.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tarfile
+import urllib.request
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import wheelhouse
+from tests.bed_systemd import Units, UserManager, wait_until
+from tests.wheelhouse import Wheelhouse
+
+ROOT = Path(__file__).resolve().parent.parent
+COLLECTION = ROOT / "ansible_collections" / "safeinstall" / "fleet"
+BIN = Path(sys.executable).parent
+
+#: the service each host runs: it maps sicext's extension (so safeinstall finds it) and serves /health
+HEALTH_SERVER = """\
+import http.server, sys
+import sicext
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+        self.wfile.write(sicext.version().encode())
+
+    def log_message(self, *args):
+        pass
+
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def ansible_environ(base: Path, environ: Mapping[str, str]) -> dict[str, str]:
+    """Ansible's environment: ``environ`` (for a play, the private systemd manager's, so that
+    safeinstall's ``systemctl --user`` reaches it) with the test venv first on PATH (the modules'
+    default executable), and Ansible's configuration, home and temporary directories all in ``base``."""
+    (base / "ansible.cfg").touch()  # read instead of ./ansible.cfg, ~/.ansible.cfg, /etc/ansible
+    return {
+        **{k: v for k, v in environ.items() if not k.startswith("ANSIBLE_")},
+        "PATH": f"{BIN}{os.pathsep}{environ.get('PATH', os.defpath)}",
+        "ANSIBLE_CONFIG": str(base / "ansible.cfg"),
+        "ANSIBLE_HOME": str(base / "home"),
+        "ANSIBLE_LOCAL_TEMP": str(base / "local-tmp"),
+        "ANSIBLE_REMOTE_TEMP": str(base / "remote-tmp"),
+        "ANSIBLE_COLLECTIONS_PATH": str(ROOT),
+        "ANSIBLE_COLLECTIONS_SCAN_SYS_PATH": "False",
+        "ANSIBLE_CALLBACK_PLUGINS": str(ROOT / "tests" / "ansible_plugins"),
+        "ANSIBLE_CALLBACKS_ENABLED": "safeinstall_record",
+        "ANSIBLE_LOAD_CALLBACK_PLUGINS": "True",
+        "ANSIBLE_PIPELINING": "True",
+        "ANSIBLE_NOCOLOR": "True",
+        "ANSIBLE_RETRY_FILES_ENABLED": "False",
+        "ANSIBLE_DEPRECATION_WARNINGS": "False",
+        "COLUMNS": "200",
+    }
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    python: Path
+    site: Path
+    state: Path  # its SAFEINSTALL_STATE_DIR
+    staging: Path  # where the rolling upgrade stages the wheel (in a temporary directory it removes)
+    unit: str
+    port: int
+    wheel: Path  # the wheel the rolling upgrade installs on it
+
+    def version(self) -> str:
+        """The installed sicext version, read from its metadata (no import: v3 crashes on import)."""
+        metadata = next(self.site.glob("sicext-*.dist-info")) / "METADATA"
+        return next(
+            line.split(": ", 1)[1]
+            for line in metadata.read_text().splitlines()
+            if line.startswith("Version: ")
+        )
+
+    def state_files(self) -> list[str]:
+        return (
+            sorted(str(p.relative_to(self.state)) for p in self.state.rglob("*"))
+            if self.state.exists()
+            else []
+        )
+
+    def staged(self) -> list[Path]:
+        return list(self.staging.iterdir())
+
+
+@dataclass(frozen=True)
+class Play:
+    code: int
+    output: str
+    results: list[dict[str, Any]]  # one per task and host, from the safeinstall_record callback
+
+    def of(self, host: str, task_prefix: str) -> dict[str, Any]:
+        (found,) = [r for r in self.results if r["host"] == host and r["task"].startswith(task_prefix)]
+        return found
+
+    def hosts(self) -> set[str]:
+        return {r["host"] for r in self.results}
+
+
+@dataclass
+class Fleet:
+    base: Path
+    hosts: list[Host]
+    manager: UserManager
+    inventory: Path
+    env: dict[str, str]
+
+    def __getitem__(self, name: str) -> Host:
+        return next(h for h in self.hosts if h.name == name)
+
+    def _run(self, argv: list[str]) -> Play:
+        record = self.base / "record.jsonl"
+        record.unlink(missing_ok=True)
+        proc = subprocess.run(
+            argv,
+            cwd=self.base,
+            env={**self.env, "SAFEINSTALL_TEST_RECORD": str(record)},
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        lines = record.read_text().splitlines() if record.exists() else []
+        return Play(proc.returncode, proc.stdout + proc.stderr, [json.loads(line) for line in lines])
+
+    def playbook(self, playbook: str, *args: str) -> Play:
+        return self._run(
+            [str(BIN / "ansible-playbook"), "-i", str(self.inventory), str(ROOT / playbook), *args]
+        )
+
+    def adhoc(self, module: str, module_args: str) -> Play:
+        return self._run(
+            [str(BIN / "ansible"), "all", "-i", str(self.inventory), "-m", module, "-a", module_args]
+        )
+
+    def main_pids(self) -> dict[str, int]:
+        return {h.name: self.manager.main_pid(h.unit) for h in self.hosts}
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _health(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
+        return str(response.read().decode())
+
+
+def _answers(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def fleet(
+    tmp_path_factory: pytest.TempPathFactory, user_manager: UserManager, wheels: Wheelhouse
+) -> Iterator[Fleet]:
+    """Three hosts, made once for this module: the scenarios share it (Ansible starts slowly)."""
+    base = tmp_path_factory.mktemp("fleet")
+    server = base / "health_server.py"
+    server.write_text(HEALTH_SERVER)
+    units = Units(user_manager)
+    # host2's wheel crashes on import: its unit fails to start on it, and the run rolls back
+    upgrades = {"host1": wheels["sicext-2"], "host2": wheels["sicext-3"], "host3": wheels["sicext-2"]}
+    hosts: list[Host] = []
+    try:
+        for name, wheel in upgrades.items():
+            python = wheelhouse.make_venv(base / name / "venv")
+            wheelhouse.uv_install(python, wheels["sicext-1"])
+            port = _free_port()
+            unit = units.started(name, f"{python} {server} {port}")
+            wait_until(lambda port=port: _answers(port), 15, f"{name} serving on {port}")
+            (base / name / "staging").mkdir()
+            hosts.append(
+                Host(
+                    name,
+                    python,
+                    wheelhouse.site_packages(python),
+                    base / name / "state",
+                    base / name / "staging",
+                    unit,
+                    port,
+                    wheel,
+                )
+            )
+        inventory = base / "inventory.json"
+        inventory.write_text(
+            json.dumps(
+                {
+                    "all": {
+                        "vars": {
+                            "ansible_connection": "local",
+                            "ansible_python_interpreter": sys.executable,
+                            "safeinstall_package": "sicext",
+                            "safeinstall_user": True,
+                            "safeinstall_settle": 1,
+                        },
+                        "hosts": {
+                            h.name: {
+                                "safeinstall_python": str(h.python),
+                                "safeinstall_wheel": str(h.wheel),
+                                "safeinstall_wheel_dir": str(h.staging),
+                                "safeinstall_health_url": f"http://127.0.0.1:{h.port}/health",
+                                "safeinstall_environment": {"SAFEINSTALL_STATE_DIR": str(h.state)},
+                            }
+                            for h in hosts
+                        },
+                    }
+                }
+            )
+        )
+        yield Fleet(base, hosts, user_manager, inventory, ansible_environ(base, user_manager.env))
+    finally:
+        units.cleanup()
+
+
+def test_check_mode_changes_nothing_and_reports_what_would_change(fleet: Fleet) -> None:
+    before = {h.name: (h.version(), h.state_files()) for h in fleet.hosts}
+    pids = fleet.main_pids()
+
+    play = fleet.playbook("examples/rolling-upgrade.yml", "--check", "--diff", "-e", "safeinstall_batch=3")
+
+    assert play.code == 0, play.output
+    for host in fleet.hosts:
+        task = play.of(host.name, "Reinstall")
+        result = task["result"]
+        assert task["outcome"] == "ok" and result["changed"] is True, result
+        assert result["rc"] == 0 and result["status"] == "would-proceed"
+        assert result["result"]["command"] == "dry-run" and "--dry-run" in result["cmd"]
+        new = "3.0" if host.wheel == fleet["host2"].wheel else "2.0"
+        assert f"would reinstall sicext {host.version()} -> {new}; restarts {host.unit}" == result["msg"]
+        diff = result["diff"]
+        assert (
+            diff["before"]
+            == f"sicext {host.version()}\nunit {host.unit}: active, main PID {pids[host.name]}\n"
+        )
+        assert diff["after"] == f"sicext {new}\nunit {host.unit}: restarted\n"
+        assert play.of(host.name, "The service answers")["outcome"] == "skipped"
+    assert f"+unit {fleet['host1'].unit}: restarted" in play.output  # --diff shows it
+    assert {h.name: (h.version(), h.state_files()) for h in fleet.hosts} == before
+    assert all(h.staged() == [] for h in fleet.hosts)  # the staged wheel went again
+    assert fleet.main_pids() == pids
+
+
+def test_rolling_upgrade_stops_at_the_first_host_that_fails(fleet: Fleet) -> None:
+    host1, host2, host3 = fleet.hosts
+    pids = fleet.main_pids()
+    host3_state = host3.state_files()
+
+    play = fleet.playbook("examples/rolling-upgrade.yml", "--diff")
+
+    assert play.code != 0, play.output
+    # host1: upgraded, restarted, healthy
+    done = play.of("host1", "Reinstall")["result"]
+    assert done["changed"] is True and done["rc"] == 0 and done["status"] == "done", done
+    assert done["result"]["command"] == "reinstall" and [s["status"] for s in done["result"]["data"]["steps"]]
+    assert done["msg"] == f"reinstalled sicext 1.0 -> 2.0; restarted {host1.unit}"
+    assert done["diff"]["after"] == f"sicext 2.0\nunit {host1.unit}: restarted\n"
+    assert host1.version() == "2.0" and fleet.manager.main_pid(host1.unit) != pids["host1"]
+    assert play.of("host1", "The service answers")["result"]["content"] == "2.0"
+    # host2: its wheel crashes the service, so safeinstall put 1.0 back and the play failed there
+    failed = play.of("host2", "Reinstall")
+    assert failed["outcome"] == "failed", failed
+    assert failed["result"]["rc"] == 3 and failed["result"]["status"] == "rolled-back"
+    assert failed["result"]["msg"].startswith("rolled back: ") and host2.unit in failed["result"]["msg"]
+    assert failed["result"]["result"]["errors"][0]["code"] == "rolled-back"
+    assert host2.version() == "1.0"
+    fleet.manager.wait_active(host2.unit)
+    wait_until(lambda: _answers(host2.port), 15, "host2 serving again")
+    assert _health(host2.port) == "1.0"
+    # each run kept its backup in its own host's state directory
+    assert [len(list(h.state.glob("*/backups/*"))) for h in (host1, host2)] == [1, 1]
+    assert not any(r["host"] == "host2" and r["task"].startswith("The service") for r in play.results)
+    # host3: never touched
+    assert "host3" not in play.hosts()
+    assert host3.version() == "1.0" and fleet.manager.main_pid(host3.unit) == pids["host3"]
+    assert host3.state_files() == host3_state
+    assert all(h.staged() == [] for h in fleet.hosts)
+
+
+def test_verify_reports_a_patched_file_on_one_host_only(fleet: Fleet) -> None:
+    patched = fleet["host3"].site / "sicext" / "serve.py"
+    original = patched.read_bytes()
+    patched.write_bytes(original + b"# a local fix\n")
+    try:
+        report = fleet.playbook("examples/drift-report.yml")
+        strict = fleet.adhoc(
+            "safeinstall.fleet.verify", "name=sicext python={{ safeinstall_python }} fail_on_drift=true"
+        )
+    finally:
+        patched.write_bytes(original)
+
+    assert report.code == 0, report.output
+    for host in fleet.hosts:
+        result = report.of(host.name, "Check the installed files")["result"]
+        assert result["changed"] is False and result["result"]["command"] == "verify"
+        if host.name == "host3":
+            assert result["drifted"] is True and result["status"] == "drift" and result["rc"] == 1
+            assert [(f["kind"], f["path"]) for f in result["drift"]] == [("modified", str(patched))]
+        else:
+            assert result["drifted"] is False and result["drift"] == [] and result["status"] == "clean"
+    (table,) = [r["result"]["msg"] for r in report.results if r["task"] == "Drift per host"]
+    assert table[0].split() == ["HOST", "STATUS", "DRIFT", "FILES"]
+    rows = {row.split()[0]: row.split() for row in table[1:]}
+    assert rows["host3"] == ["host3", "drift", "1", "modified", str(patched)]
+    assert rows["host1"] == ["host1", "clean", "0"] and rows["host2"] == ["host2", "clean", "0"]
+    # fail_on_drift fails the patched host only
+    assert strict.code != 0
+    assert {r["host"]: r["outcome"] for r in strict.results} == {
+        "host1": "ok",
+        "host2": "ok",
+        "host3": "failed",
+    }
+
+
+def test_ansible_doc_documents_each_option_as_the_module_declares_it(tmp_path: Path) -> None:
+    """``ansible-doc`` reads DOCUMENTATION/EXAMPLES/RETURN; every documented option is one the module
+    takes, with the same type, default and requiredness (what ansible-test's validate-modules checks)."""
+    from ansible_collections.safeinstall.fleet.plugins.modules import reinstall, verify
+
+    env = ansible_environ(tmp_path, os.environ)
+    names = ["safeinstall.fleet.reinstall", "safeinstall.fleet.verify"]
+    proc = subprocess.run(
+        [str(BIN / "ansible-doc"), "--json", *names], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr  # no warning about the docs
+    docs = json.loads(proc.stdout)
+    for name, module in zip(names, (reinstall, verify), strict=True):
+        doc = docs[name]
+        assert doc["examples"].strip() and doc["return"]["rc"]["type"] == "int"
+        options = doc["doc"]["options"]
+        assert set(options) == set(module.ARGUMENT_SPEC)
+        for option, spec in module.ARGUMENT_SPEC.items():
+            documented = options[option]
+            assert documented["type"] == spec["type"], option
+            assert documented.get("default") == spec.get("default"), option
+            assert documented.get("required", False) == spec.get("required", False), option
+    text = subprocess.run(
+        [str(BIN / "ansible-doc"), "safeinstall.fleet.reinstall"], env=env, capture_output=True, text=True
+    )
+    assert text.returncode == 0 and "rolled back" in text.stdout and "keep_patches" in text.stdout
+
+
+def test_ansible_galaxy_builds_the_collection(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [str(BIN / "ansible-galaxy"), "collection", "build", str(COLLECTION), "--output-path", str(tmp_path)],
+        env=ansible_environ(tmp_path, os.environ),
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with tarfile.open(tmp_path / "safeinstall-fleet-0.1.0.tar.gz") as archive:
+        members = set(archive.getnames())
+        manifest = json.load(archive.extractfile("MANIFEST.json"))  # type: ignore[arg-type]
+    assert {
+        "plugins/modules/reinstall.py",
+        "plugins/modules/verify.py",
+        "plugins/module_utils/cli.py",
+        "plugins/module_utils/host.py",
+        "meta/runtime.yml",
+        "README.md",
+    } <= members
+    assert not any("__pycache__" in m for m in members)
+    assert (
+        manifest["collection_info"]["namespace"] == "safeinstall"
+        and manifest["collection_info"]["name"] == "fleet"
+    )
+
+
+# The command line and the result mapping, as pure functions (module_utils/cli.py): the cases the fleet
+# above cannot reach cheaply.
+
+
+def test_the_reinstall_command_mirrors_the_cli_and_passes_each_value_as_one_argument() -> None:
+    from ansible_collections.safeinstall.fleet.plugins.module_utils.cli import executable_argv, reinstall_argv
+
+    executable = executable_argv("'/opt/safe install/bin/python' -m safeinstall")
+    assert executable == ["/opt/safe install/bin/python", "-m", "safeinstall"]
+    params: dict[str, Any] = {
+        "name": "vllm",
+        "requirement": "vLLM==0.16.0",
+        "wheel": None,
+        "python": "/opt/vllm venv",
+        "user": True,
+        "with_deps": False,
+        "stop_timeout": 30.0,
+        "gpu_timeout": None,
+        "settle": 2.5,
+        "health_url": "http://127.0.0.1:8000/health?a=$HOME",
+        "health_timeout": None,
+        "kill_strays": False,
+        "prune": True,
+        "keep_patches": False,
+        "keep_backups": 2,
+    }
+    assert reinstall_argv(executable, params, check_mode=False) == [
+        *executable,
+        "vLLM==0.16.0",  # the requirement is the positional argument
+        "--json",
+        "--yes",
+        "--python=/opt/vllm venv",
+        "--stop-timeout=30",
+        "--settle=2.5",
+        "--health-url=http://127.0.0.1:8000/health?a=$HOME",
+        "--keep-backups=2",
+        "--user",
+        "--prune",
+    ]
+    wheel = {**params, "requirement": None, "wheel": "/w/vllm.whl", "keep_patches": True}
+    argv = reinstall_argv(["safeinstall"], wheel, check_mode=True)
+    assert argv[:5] == ["safeinstall", "vllm", "--json", "--yes", "--dry-run"]
+    assert "--wheel=/w/vllm.whl" in argv and argv[-1] == "--keep-patches"  # only when asked for
+
+
+@pytest.mark.parametrize(
+    ("name", "requirement", "problem"),
+    [
+        ("vllm", "torch==2.9", "does not name the package 'vllm'"),
+        ("vllm", "vllm-extra>=1", "does not name the package 'vllm'"),
+        ("vllm", "==0.16", "does not name the package 'vllm'"),
+        ("--all", None, "is not a distribution name"),
+    ],
+)
+def test_a_requirement_must_name_the_package(name: str, requirement: str | None, problem: str) -> None:
+    from ansible_collections.safeinstall.fleet.plugins.module_utils.cli import CommandError, reinstall_argv
+
+    with pytest.raises(CommandError, match=problem):
+        reinstall_argv(["safeinstall"], {"name": name, "requirement": requirement}, check_mode=False)
+
+
+def test_the_exit_codes_map_to_failed_and_changed() -> None:
+    from ansible_collections.safeinstall.fleet.plugins.module_utils.cli import reinstall_outcome
+
+    def envelope(code: int, status: str, data: Any, errors: list[dict[str, str]]) -> dict[str, Any]:
+        return {"safeinstall_result_version": 1, "command": "reinstall", "status": status, "exit_code": code,
+                "data": data, "errors": errors}  # fmt: skip
+
+    locked = {"code": "locked", "message": "another run holds the lock", "hint": "wait for it"}
+    refused = reinstall_outcome(2, envelope(2, "error", None, [locked]), "", check_mode=False)
+    assert (refused.failed, refused.changed) == (True, False)
+    assert refused.msg == "refused, nothing changed: another run holds the lock (hint: wait for it)"
+    commands = ["safeinstall --recover --python /v/bin/python", "systemctl start vllm.service"]
+    lost = {"code": "rollback-failed", "message": "restart failed; then putting things back failed too"}
+    stuck = reinstall_outcome(
+        4, envelope(4, "rollback-failed", {"manual_commands": commands}, [lost]), "", False
+    )
+    assert stuck.failed and stuck.status == "rollback-failed" and stuck.commands == tuple(commands)
+    assert " && ".join(commands) in stuck.msg
+    missing = reinstall_outcome(127, None, "safeinstall: not found\n", check_mode=True)
+    assert (
+        missing.failed
+        and missing.msg == "safeinstall exited 127 without a --json result: safeinstall: not found"
+    )

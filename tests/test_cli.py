@@ -1,0 +1,164 @@
+"""The command line conventions that uv, pip and pipx users expect: --version, -h, the requirement
+argument, usage errors as every other error, shell completion, "did you mean", plain progress."""
+
+from __future__ import annotations
+
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+
+from safeinstall.plan import unreadable_warning
+from safeinstall.processes import ScanProblem
+from safeinstall.runlog import progress_text
+from tests import wheelhouse
+from tests.clirun import run
+from tests.wheelhouse import Wheelhouse
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version_prints_the_tools_version(flag: str) -> None:
+    result = run(flag)
+    assert result.code == 0 and result.stdout == f"safeinstall {version('safeinstall')}\n", result.stderr
+
+
+def test_short_help_and_flags_without_a_value_type() -> None:
+    short, long = run("-h"), run("--help")
+    assert short.code == 0 and short.stdout == long.stdout
+    assert "--user " in short.stdout and "<bool>" not in short.stdout
+    assert "REQUIREMENT" in short.stdout and "--detach" in short.stdout
+    assert "╭" not in short.stdout  # plain, as uv and pip print it
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["sipure", "--no-such-flag"], "error: no such option: --no-such-flag"),
+        (["sipure", "--settle"], "error: option '--settle' requires an argument"),
+        (["sipure", "--settle", "soon"], "error: invalid value for '--settle'"),
+    ],
+)
+def test_a_usage_error_is_one_error_line_and_a_hint(args: list[str], message: str) -> None:
+    result = run(*args)
+    assert result.code == 2 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith(message) and lines[1].startswith("hint: "), lines
+    assert "╭" not in result.stderr and "Usage:" not in result.stderr
+
+
+def test_a_usage_error_with_json_is_the_error_envelope() -> None:
+    doc = run("--status", "--no-such-flag", "--json").json
+    assert doc["command"] == "status" and doc["status"] == "error" and doc["exit_code"] == 2
+    assert doc["errors"][0]["code"] == "usage" and "--no-such-flag" in doc["errors"][0]["message"]
+
+
+def test_shell_completion() -> None:
+    script = run("--show-completion", "bash")
+    assert script.code == 0 and "_SAFEINSTALL_COMPLETE=complete_bash" in script.stdout
+    env = {"_SAFEINSTALL_COMPLETE": "complete_bash", "COMP_WORDS": "safeinstall --sta", "COMP_CWORD": "1"}
+    completed = run(env={**__import__("os").environ, **env})
+    assert completed.code == 0 and completed.stdout.split() == ["--status"]
+
+
+def test_an_unknown_package_suggests_the_closest_installed_names(venv: Path, wheels: Wheelhouse) -> None:
+    wheelhouse.uv_install(venv, wheels["sicext-1"], wheels["sipure-1"])
+    result = run("sicxet", "--verify-only", "--python", str(venv))
+    assert result.code == 2 and "error: sicxet is not installed" in result.stderr
+    assert "did you mean sicext?" in result.stderr, result.stderr
+    nothing_close = run("torch", "--verify-only", "--python", str(venv))
+    assert nothing_close.code == 2 and "did you mean" not in nothing_close.stderr
+
+
+def test_progress_lines_are_human_sizes_and_percentages_never_raw_counters() -> None:
+    assert progress_text("backup", 223455895, 699299524, "bytes") == "backup: 213.1 MiB of 666.9 MiB (32%)"
+    assert progress_text("waiting for GPU memory (PID 7)", 12.3, 120, "s") == (
+        "waiting for GPU memory (PID 7): 12 s of 120 s (10%)"
+    )
+    assert progress_text("files", 3, None) == "files: 3"
+
+
+def test_root_is_not_told_to_run_as_root() -> None:
+    problems = [ScanProblem(1, "maps", "permission denied"), ScanProblem(1, "fd", "permission denied")]
+    as_user = unreadable_warning(problems, as_root=False)
+    as_root = unreadable_warning(problems, as_root=True)
+    assert as_user is not None and as_root is not None
+    assert "PID 1 (maps, fd)" in as_user and "run as root" in as_user
+    assert "PID 1 (maps, fd)" in as_root and "run as root" not in as_root and "even to root" in as_root
+    assert unreadable_warning([ScanProblem(5, "maps", "vanished")], as_root=True) is None
+
+
+def test_a_detached_run_gets_exactly_the_callers_options() -> None:
+    """The detached unit's command line, parsed by the command line, gives back every option of the
+    run: a field added to RunOptions but not passed on fails here."""
+    import dataclasses
+
+    from typer.main import get_command
+
+    from safeinstall.cli import app, run_options
+    from safeinstall.detach import child_arguments
+    from safeinstall.options import RunOptions
+
+    common = RunOptions(
+        package="vllm",
+        python="/srv/venv/bin/python",
+        with_deps=True,
+        user=True,
+        kill_strays=True,
+        extra_args=("--index-url", "https://example.com/simple", "--detach", "-h", "--"),
+        stop_timeout=12.5,
+        gpu_timeout=0.1,
+        settle=7.25,
+        health_url="http://127.0.0.1:8000/health?probe=--json",
+        health_timeout=1e-3,
+        no_restart=True,
+        prune=True,
+        keep_backups=7,
+        run_id="20261201T000000Z-42",
+    )
+    variants = [
+        dataclasses.replace(common, wheel=Path("/w/vllm-0.16.0-py3-none-any.whl")),
+        dataclasses.replace(common, version_spec="<1,>=0.16"),
+    ]
+    default = RunOptions(package="x")
+    not_options = {"environ", "proc_root"}  # the environment travels in a file; proc_root is for tests
+    for field in dataclasses.fields(RunOptions):
+        if field.name not in not_options:
+            assert any(getattr(v, field.name) != getattr(default, field.name) for v in variants), field.name
+    for options in variants:
+        assert options.run_id is not None
+        args = child_arguments(
+            options, Path(options.python or ""), options.run_id, Path("/state/environ.json")
+        )
+        context = get_command(app).make_context("safeinstall", args)
+        parsed = run_options(context.params, context.args)
+        assert parsed == dataclasses.replace(options, environ=parsed.environ)
+
+
+def test_a_detached_runs_environment_file_must_be_private_and_ours(tmp_path: Path) -> None:
+    """The caller's environment reaches the detached run through a file: taken only when it is a
+    regular file of ours, mode 0600, in a directory only we can change; then removed."""
+    import os
+
+    from safeinstall.detach import take_environ, write_environ
+    from safeinstall.errors import UsageError
+    from safeinstall.state import ensure_environment_dir, environment_state
+
+    state = environment_state(tmp_path / "state", tmp_path / "venv")
+    ensure_environment_dir(state)
+    path = write_environ(state, "20261201T000000Z-1", {"UV_INDEX_URL": "https://token@example.com/simple"})
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    assert take_environ(path) == {"UV_INDEX_URL": "https://token@example.com/simple"}
+    assert not path.exists()
+    loose = write_environ(state, "20261201T000000Z-2", {"A": "b"})
+    loose.chmod(0o644)
+    link = state.dir / "link.json"
+    link.symlink_to(write_environ(state, "20261201T000000Z-3", {"A": "b"}))
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    (shared / "environ.json").write_text("{}")
+    (shared / "environ.json").chmod(0o600)
+    for bad in (loose, link, shared / "environ.json", tmp_path / "missing.json"):
+        with pytest.raises(UsageError):
+            take_environ(bad)
+    assert loose.exists() and os.path.lexists(link)  # refused files are left alone

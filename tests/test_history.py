@@ -1,0 +1,153 @@
+"""The history of finished runs: bounded, private, tolerant of damage; --status lists it, --forget
+removes the state of environments that are gone (and nothing else)."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+from safeinstall import history
+from safeinstall.output import envelope
+from safeinstall.state import EnvironmentState, ensure_environment_dir, environment_state
+from tests.clirun import run
+
+FIELDS = {
+    "run_id",
+    "status",
+    "exit_code",
+    "package",
+    "old_version",
+    "new_version",
+    "started_at",
+    "finished_at",
+    "downtime_s",
+    "log_file",
+}
+
+
+def env_state(root: Path, prefix: Path) -> EnvironmentState:
+    state = environment_state(root, prefix)
+    ensure_environment_dir(state)
+    return state
+
+
+def entry(run_id: str, status: str = "done", code: int = 0, processes: int = 0) -> dict[str, Any]:
+    plan = {
+        "package": "sicext",
+        "distributions": [{"name": "sicext", "old_version": "1.0", "new_version": "2.0", "requested": True}],
+        "processes": [{"pid": pid, "cmdline": ["x" * 100]} for pid in range(processes)],
+    }
+    data = {
+        "run_id": run_id,
+        "plan": plan,
+        "downtime_s": {"app.service": 2.5},
+        "log_file": f"/l/{run_id}.log",
+    }
+    result = envelope("reinstall", status, code, data)
+    finished = f"2026-12-01T0{run_id[10]}:{run_id[11:13]}:00+00:00"
+    return history.new_entry(run_id, "sicext", finished, finished, result)
+
+
+def run_ids(count: int) -> list[str]:
+    return [f"20261201T0{n // 60}{n % 60:02d}00Z-{100 + n}" for n in range(count)]
+
+
+def test_the_history_is_bounded_private_and_newest_first(tmp_path: Path) -> None:
+    state = env_state(tmp_path / "state", tmp_path / "venv")
+    ids = run_ids(history.MAX_RUNS + 3)
+    for run_id in ids:
+        assert history.append(state, entry(run_id)) == ()
+    files = sorted(p.name for p in state.history.iterdir())
+    assert files == [f"{run_id}.json" for run_id in ids[3:]]  # the oldest three are gone
+    assert {stat.S_IMODE(os.stat(state.history / f).st_mode) for f in files} == {0o600}
+    runs = history.read_history(state).runs
+    assert [r.run_id for r in runs] == list(reversed(ids[3:]))
+    newest = runs[0]
+    assert (newest.status, newest.exit_code, newest.package) == ("done", 0, "sicext")
+    assert (newest.old_version, newest.new_version) == ("1.0", "2.0")
+    assert newest.downtime_s == {"app.service": 2.5} and newest.log_file == f"/l/{ids[-1]}.log"
+
+
+def test_an_oversized_result_keeps_its_summary(tmp_path: Path) -> None:
+    state = env_state(tmp_path / "state", tmp_path / "venv")
+    (run_id,) = run_ids(1)
+    big = entry(run_id, processes=20_000)
+    assert len(str(big)) > history.MAX_ENTRY_BYTES
+    history.append(state, big)
+    path = state.history / f"{run_id}.json"
+    assert path.stat().st_size <= history.MAX_ENTRY_BYTES
+    kept = history.find(state, run_id)
+    assert kept is not None and kept["result"]["exit_code"] == 0
+    assert "left out of the history" in kept["result"]["data"]["notes"][-1]
+    (summary,) = history.read_history(state).runs
+    assert (summary.old_version, summary.new_version, summary.status) == ("1.0", "2.0", "done")
+
+
+def test_a_damaged_or_foreign_entry_is_skipped_with_a_note(tmp_path: Path) -> None:
+    state = env_state(tmp_path / "state", tmp_path / "venv")
+    good, damaged, linked, other = run_ids(4)
+    history.append(state, entry(good))
+    (state.history / f"{damaged}.json").write_text('{"run_id": "')
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text("{}")
+    (state.history / f"{linked}.json").symlink_to(elsewhere)
+    history.append(state, entry(other))
+    (state.history / f"{other}.json").write_bytes((state.history / f"{good}.json").read_bytes())
+    read = history.read_history(state)
+    assert [r.run_id for r in read.runs] == [good]
+    assert len(read.problems) == 3
+    assert any(damaged in p and "damaged" in p for p in read.problems)
+    assert any(linked in p for p in read.problems)
+    assert any(other in p and f"names run '{good}'" in p for p in read.problems)
+    status = run("--status", env={**os.environ, "SAFEINSTALL_STATE_DIR": str(state.root)})
+    assert status.code == 0 and "history entry skipped" in status.stdout and good in status.stdout
+
+
+def test_status_lists_finished_runs_and_gone_environments_and_forget_removes_only_those(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "state"
+    live_prefix, gone_prefix = tmp_path / "live", tmp_path / "gone"
+    live_prefix.mkdir()
+    gone_prefix.mkdir()
+    live, gone = env_state(root, live_prefix), env_state(root, gone_prefix)
+    older, newer = run_ids(2)
+    history.append(live, entry(older))
+    history.append(live, entry(newer, "rolled-back", 3))
+    history.append(gone, entry(older))
+    gone_prefix.rmdir()
+    outside = tmp_path / "not-state"
+    outside.mkdir()
+    (root / "planted-link").symlink_to(outside)
+    environ = {**os.environ, "SAFEINSTALL_STATE_DIR": str(root)}
+
+    doc = run("--status", "--json", env=environ).json
+    by_prefix = {e["prefix"]: e for e in doc["data"]["environments"]}
+    assert by_prefix[str(live_prefix)]["prefix_exists"] is True
+    assert by_prefix[str(gone_prefix)]["prefix_exists"] is False
+    runs = by_prefix[str(live_prefix)]["runs"]
+    assert [r["run_id"] for r in runs] == [newer, older]  # newest first
+    assert all(set(r) == FIELDS for r in runs)
+    assert (runs[0]["status"], runs[0]["exit_code"], runs[0]["new_version"]) == ("rolled-back", 3, "2.0")
+    human = run("--status", env=environ)
+    assert "environment gone" in human.stdout and newer in human.stdout and "rolled-back" in human.stdout
+    (live.log_file(newer)).write_text("[t] backup: ok in 0.1 s: saved\n")
+    waited = run("--status", "--wait", "--run", newer, env=environ)  # finished: its log, its result, its code
+    assert waited.code == 3 and "backup: ok" in waited.stderr
+    assert f"run {newer}: rolled-back (exit 3); sicext 1.0 -> 2.0" in waited.stdout
+    latest = run("--status", "--wait", "--python", str(tmp_path / "gone" / "bin" / "python"), env=environ)
+    assert latest.code == 2 and "error:" in latest.stderr  # no interpreter there any more
+    unknown = run("--status", "--wait", "--run", "20991231T000000Z-1", "--json", env=environ)
+    assert unknown.code == 2 and "no run 20991231T000000Z-1" in unknown.json["errors"][0]["message"]
+
+    forgotten = run("--forget", "--json", env=environ)
+    assert forgotten.code == 0, forgotten.stdout + forgotten.stderr
+    assert forgotten.json["data"]["forgotten"] == [{"prefix": str(gone_prefix), "state_dir": str(gone.dir)}]
+    assert not gone.dir.exists() and live.dir.is_dir() and outside.is_dir()
+    assert run("--forget", env=environ).stdout.startswith("nothing to forget")
+    unknown = run("--forget", "--python", str(tmp_path / "never"), env=environ)
+    assert unknown.code == 2 and "error: no safeinstall state for" in unknown.stderr
+    named = run("--forget", "--python", str(live_prefix), "--json", env=environ)  # explicitly named
+    assert named.code == 0 and not live.dir.exists() and outside.is_dir()

@@ -1,0 +1,731 @@
+"""Threat model, files and wheels: each row an attack, tried for real.
+
+safeinstall runs as root; the environment may belong to a service account (here uid 65534, whose unit
+runs its code under that uid), and the wheel comes from a directory others can write. Every attack
+below uses real wheels built at test time (hostile ones written with zipfile, with a consistent
+RECORD), venvs made and filled by the real uv, units of the private systemd manager, and the real
+``safeinstall`` and ``safeinstall --recover``. Each asserts the exact refusal or behaviour, and that
+nothing outside the environment changed (a snapshot of a directory beside it: content, type, owner).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import tempfile
+import zipfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests import wheelhouse
+from tests.bed_nvml import FakeNvml
+from tests.bed_systemd import UserManager, wait_until
+from tests.clirun import run
+from tests.test_crash_safety import UNIT_TEXT, Bed, small_disk
+from tests.wheelhouse import Wheelhouse
+
+__all__ = ["small_disk"]  # the tmpfs fixture, used here too
+
+NOBODY = 65534
+AS_ROOT = os.geteuid() == 0
+needs_root = pytest.mark.skipif(not AS_ROOT, reason="the attacks are on a run as root")
+
+
+# --- helpers ----------------------------------------------------------------------------------------
+
+
+def snapshot(top: Path, skip: Path | None = None) -> dict[str, tuple[object, ...]]:
+    """Every entry below ``top`` (``skip`` aside): its type, content hash or link target, owner, mode."""
+    found: dict[str, tuple[object, ...]] = {}
+    for directory, dirnames, filenames in os.walk(top):
+        dirnames[:] = [d for d in dirnames if Path(directory, d) != skip and d != "__pycache__"]
+        for name in [*filenames, *dirnames]:
+            path = Path(directory, name)
+            info = os.lstat(path)
+            if stat.S_ISLNK(info.st_mode):
+                what: object = "link:" + os.readlink(path)
+            elif stat.S_ISREG(info.st_mode):
+                what = hashlib.sha256(path.read_bytes()).hexdigest()
+            else:
+                what = stat.S_IFMT(info.st_mode)
+            found[str(path.relative_to(top))] = (what, info.st_uid, info.st_gid, stat.S_IMODE(info.st_mode))
+    return found
+
+
+def _digest(data: bytes, algorithm: str = "sha256") -> str:
+    return base64.urlsafe_b64encode(hashlib.new(algorithm, data).digest()).rstrip(b"=").decode()
+
+
+def members_of(wheel: Path) -> tuple[dict[str, bytes], str]:
+    with zipfile.ZipFile(wheel) as archive:
+        members = {i.filename: archive.read(i) for i in archive.infolist() if not i.is_dir()}
+    dist_info = next(n.split("/")[0] for n in members if n.endswith(".dist-info/METADATA"))
+    members.pop(f"{dist_info}/RECORD")
+    return members, dist_info
+
+
+def rebuilt(wheel: Path, out: Path, changes: dict[str, bytes], algorithm: str = "sha256") -> Path:
+    """A copy of ``wheel`` with ``changes`` (members added or replaced), its RECORD consistent with them
+    (digests with ``algorithm``)."""
+    members, dist_info = members_of(wheel)
+    members.update(changes)
+    out.mkdir(parents=True, exist_ok=True)
+    record = [f"{n},{algorithm}={_digest(d, algorithm)},{len(d)}" for n, d in members.items()]
+    record.append(f"{dist_info}/RECORD,,")
+    path = out / wheel.name
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+        archive.writestr(f"{dist_info}/RECORD", "\n".join(record) + "\n")
+    return path
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A directory others can traverse (pytest's are 0700): the service account's venv lives here."""
+    made = Path(tempfile.mkdtemp(prefix="si-hostile-"))
+    made.chmod(0o755)
+    try:
+        yield made
+    finally:
+        shutil.rmtree(made, ignore_errors=True)
+
+
+def chown_tree(top: Path, uid: int) -> None:
+    for directory, dirnames, filenames in os.walk(top):
+        os.lchown(directory, uid, uid)
+        for name in [*dirnames, *filenames]:
+            os.lchown(os.path.join(directory, name), uid, uid)
+
+
+def as_nobody(*argv: str) -> None:
+    subprocess.run(
+        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *argv],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+
+
+class ServiceAccountBed(Bed):
+    """A venv owned by uid 65534, its unit running as that uid; a victim directory beside it."""
+
+    def __init__(self, base: Path, state: Path, manager: UserManager, nvml: FakeNvml, wheels: Wheelhouse):
+        python = wheelhouse.make_venv(base / "venv")
+        wheelhouse.uv_install(python, wheels["sicext-1"])
+        chown_tree(base / "venv", NOBODY)
+        super().__init__(python, state, manager, nvml, wheels)
+        self.base = base
+        self.elsewhere = base / "elsewhere"
+        self.elsewhere.mkdir()
+        (self.elsewhere / "victim.txt").write_text("not the environment's\n")
+        chown_tree(self.elsewhere, NOBODY)
+
+    def unit(self, stem: str, enable: bool = False) -> str:
+        name = self.manager.unique_name(stem)
+        drop = f"setpriv --reuid={NOBODY} --regid={NOBODY} --clear-groups"
+        self.manager.write_unit(name, UNIT_TEXT.format(exec=f"{drop} {self.python.parent}/sicext-serve"))
+        self.manager.start(name)
+        self.units.append(name)
+        self.manager.wait_active(name)
+        return name
+
+    def outside(self) -> dict[str, tuple[object, ...]]:
+        return snapshot(self.base, skip=self.base / "venv")
+
+
+@pytest.fixture
+def account(
+    open_dir: Path, tmp_path: Path, user_manager: UserManager, fake_nvml: FakeNvml, wheels: Wheelhouse
+) -> Iterator[ServiceAccountBed]:
+    if not AS_ROOT:
+        pytest.skip("the attacks are on a run as root")
+    made = ServiceAccountBed(open_dir, tmp_path / "state", user_manager, fake_nvml, wheels)
+    yield made
+    for name in made.units:
+        user_manager.remove_unit(name)
+
+
+SWAP_AND_CRASH = """
+import os
+_here = os.path.dirname(os.path.abspath(__file__))
+if not os.path.islink(_here):
+    os.rename(_here, os.path.join(os.path.dirname(_here), ".sicext-moved"))
+    os.symlink({target!r}, _here)
+raise SystemExit("the new code swapped its package for a symlink, then crashed")
+"""
+
+
+# --- 1. writes through symlinks ---------------------------------------------------------------------
+
+
+def test_new_code_swaps_its_package_for_a_symlink_then_crashes_rollback(
+    account: ServiceAccountBed, tmp_path: Path
+) -> None:
+    """Row: new code (run as the service account) replaces its package directory with a symlink to a
+    directory elsewhere, then crashes. The rollback replaces the symlink with the real directory and
+    restores there: nothing is written into (or deleted from) the other directory."""
+    evil = rebuilt(
+        account.wheels["sicext-2"],
+        tmp_path / "evil",
+        {"sicext/__init__.py": SWAP_AND_CRASH.format(target=str(account.elsewhere)).encode()},
+    )
+    before = account.snapshot()
+    outside = account.outside()
+    name = account.unit("swap")
+    result = account.cli("sicext", "--wheel", str(evil), "--yes", "--settle", "1", "--json")
+    assert result.code == 3, result.stdout + result.stderr
+    message = result.json["errors"][0]["message"]
+    assert "restored the previous installation" in message and f"started {name} again" in message
+    package = account.site / "sicext"
+    assert package.is_dir() and not package.is_symlink()
+    assert account.snapshot() == before and account.version() == "1.0"
+    assert os.stat(package).st_uid == NOBODY  # the directory comes back as it was, the owner's
+    account.manager.wait_active(name)
+    outside_now = account.outside()
+    assert outside_now == outside, "root wrote or deleted outside the environment"
+    account.no_trace()
+
+
+def test_new_code_swaps_its_package_for_a_symlink_then_recover(
+    account: ServiceAccountBed, tmp_path: Path
+) -> None:
+    """Row: the run dies during the install (power loss, SIGKILL), and the service account swaps the
+    package directory for a symlink before ``--recover`` runs: the recovery restores into the real
+    directory, never into the symlink's target."""
+    slow = rebuilt(account.wheels["sicext-2"], tmp_path / "slow", {"sicext/blob.bin": os.urandom(48 << 20)})
+    before = account.snapshot()
+    name = account.unit("swap-recover")
+    proc = account.start_run("sicext", "--wheel", str(slow), "--settle", "1")
+    try:
+        account.wait_phase(proc, "installing", "installed")
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+        proc.communicate()
+    wait_until(lambda: not account.installers(), 10, "no uv process left installing")
+    journal = account.journal()
+    assert journal is not None and journal["phase"] in ("installing", "installed")
+    copy = Path(journal["wheel"])  # the run's own copy, in its state directory: what --recover reads
+    assert copy.is_relative_to(account.state) and copy.parent.parent.name == "wheels" and copy.is_file()
+    assert stat.S_IMODE(os.stat(copy.parent.parent).st_mode) == 0o700
+    package = account.site / "sicext"
+    if package.is_dir():  # what the new code would do when it ran: as the service account
+        as_nobody("mv", str(package), str(account.site / ".sicext-moved"))
+    as_nobody("ln", "-s", str(account.elsewhere), str(package))
+    outside = account.outside()
+
+    recovered = account.cli("--recover", "--json")
+
+    assert recovered.code == 0, recovered.stdout + recovered.stderr
+    (recovery,) = recovered.json["data"]["recoveries"]
+    assert recovery["restored"] is True and recovery["started"] == [name]
+    assert package.is_dir() and not package.is_symlink()
+    assert account.snapshot() == before and account.version() == "1.0"
+    assert account.outside() == outside, "root wrote or deleted outside the environment"
+    account.manager.wait_active(name)
+    account.no_trace()
+    assert not copy.exists()
+
+
+def test_prune_saves_a_leftover_symlink_as_a_link(
+    account: ServiceAccountBed, small_disk: Callable[[int], Path]
+) -> None:
+    """Row: ``--prune`` with leftovers that are symlinks (to ``/dev/zero``, to a file outside): the links
+    themselves are saved and removed; their targets are never read. (The state directory is a 16 MiB
+    tmpfs: following ``/dev/zero`` could not fill the machine's disk.)"""
+    account.state = small_disk(16) / "state"
+    package = account.site / "sicext"
+    secret = account.elsewhere / "victim.txt"
+    as_nobody("ln", "-s", "/dev/zero", str(package / "leftover_zero"))
+    as_nobody("ln", "-s", str(secret), str(package / "leftover_secret"))
+    outside = account.outside()
+    result = account.cli("sicext", "--wheel", str(account.wheels["sicext-2"]), "--prune", "--yes", "--json")
+    assert result.code == 0, result.stdout + result.stderr
+    data = result.json["data"]
+    assert sorted(data["pruned"]) == [str(package / "leftover_secret"), str(package / "leftover_zero")]
+    relative = package.relative_to(account.python.parent.parent)
+    saved = Path(data["backup_dir"]) / "pruned" / relative
+    assert os.readlink(saved / "leftover_zero") == "/dev/zero"
+    assert os.readlink(saved / "leftover_secret") == str(secret)
+    assert not (package / "leftover_zero").is_symlink() and not (package / "leftover_secret").is_symlink()
+    assert account.outside() == outside
+    account.no_trace()
+
+
+# --- 2. the put-back sequence: files found unchanged -------------------------------------------------
+
+
+@pytest.fixture
+def read_only() -> Iterator[Callable[[Path], None]]:
+    """Makes a directory read-only with a read-only bind mount of itself (undone at the end)."""
+    mounted: list[Path] = []
+
+    def make(path: Path) -> None:
+        for args in (["--bind", str(path), str(path)], ["-o", "remount,bind,ro", str(path)]):
+            done = subprocess.run(["mount", *args], capture_output=True, text=True)
+            if done.returncode != 0:
+                message = f"cannot make {path} read-only: {done.stderr.strip()}"
+                if os.environ.get("CI"):
+                    pytest.fail(message)
+                pytest.skip(message)
+            if args[0] == "--bind":
+                mounted.append(path)
+
+    try:
+        yield make
+    finally:
+        for path in reversed(mounted):
+            subprocess.run(["umount", "--lazy", str(path)], check=False, capture_output=True)
+
+
+@pytest.fixture
+def bed(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path, user_manager: UserManager, fake_nvml: FakeNvml
+) -> Iterator[Bed]:
+    if not AS_ROOT:
+        pytest.skip("the attacks are on a run as root")
+    wheelhouse.uv_install(venv, wheels["sicext-1"])
+    made = Bed(venv, tmp_path / "state", user_manager, fake_nvml, wheels)
+    yield made
+    for name in made.units:
+        user_manager.remove_unit(name)
+
+
+def test_a_read_only_site_packages_is_refused_before_anything_stops(
+    bed: Bed, read_only: Callable[[Path], None]
+) -> None:
+    name = bed.unit("ro-preflight")
+    main = bed.manager.main_pid(name)
+    read_only(bed.site)
+    result = bed.cli("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--yes")
+    assert result.code == 2, result.stdout + result.stderr
+    assert "the install could not write" in result.stderr
+    assert f"{bed.site}: a read-only file system" in result.stderr and "nothing was stopped" in result.stderr
+    assert bed.manager.main_pid(name) == main and bed.version() == "1.0"
+    bed.no_trace()
+
+
+def test_site_packages_read_only_during_the_downtime_rollback_starts_the_units(
+    bed: Bed, read_only: Callable[[Path], None]
+) -> None:
+    """Row: the install fails before it writes anything (site-packages became read-only after the
+    preflight): the restore finds the files unchanged, writes nothing, and the units are started."""
+    before = bed.snapshot()
+    name = bed.unit("ro-rollback")
+    bed.hold_gpu(name, 3.0, "f1")  # time to make it read-only
+    proc = bed.start_run("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json")
+    try:
+        bed.wait_phase(proc, "stopped")
+        read_only(bed.site)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode == 3, out + err
+    message = json.loads(out)["errors"][0]["message"]
+    # uv removed the console script (bin/ is writable) before it failed on site-packages: only that is
+    # put back; nothing is written to the read-only site-packages, and the unit is started
+    assert "uv pip install failed" in message and "Read-only file system" in message, message
+    assert f"restored the previous installation; started {name} again" in message
+    bed.manager.wait_active(name)
+    assert bed.snapshot() == before and bed.version() == "1.0"
+    bed.no_trace()
+
+
+def test_site_packages_read_only_then_killed_recover_starts_the_units(
+    bed: Bed, read_only: Callable[[Path], None]
+) -> None:
+    """Row: the same, but the run is killed during the install: ``--recover`` finds the files unchanged
+    (it could not write a thing: read-only), and starts the unit."""
+    before = bed.snapshot()
+    name = bed.unit("ro-recover")
+    bed.hold_gpu(name, 3.0, "f2")
+    proc = bed.start_run("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5")
+    try:
+        bed.wait_phase(proc, "stopped")
+        read_only(bed.site)
+        bed.wait_phase(proc, "installing", timeout=60)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+        proc.communicate()
+    wait_until(lambda: not bed.installers(), 10, "no uv process left installing")
+    journal = bed.journal()
+    assert journal is not None and journal["phase"] in ("installing", "rolling-back"), journal
+    recovered = bed.cli("--recover", "--json")
+    assert recovered.code == 0, recovered.stdout + recovered.stderr
+    (recovery,) = recovered.json["data"]["recoveries"]
+    assert recovery["started"] == [name]
+    if not recovery["restored"]:  # uv was stopped before it removed anything
+        assert "the files were found as they were before the run: nothing to restore" in recovery["notes"]
+    bed.manager.wait_active(name)
+    assert bed.snapshot() == before and bed.version() == "1.0"
+    bed.no_trace()
+
+
+# --- 3. wheels checked at preflight ------------------------------------------------------------------
+
+
+def test_a_wheel_replaced_in_its_directory_during_the_run_is_not_what_gets_installed(
+    bed: Bed, tmp_path: Path
+) -> None:
+    """Row: whoever can write the wheel's directory replaces it after the preflight checked it (here
+    during the downtime): the run installs its own copy, checked at preflight, not the new file."""
+    downloads = tmp_path / "downloads"
+    downloads.mkdir()
+    wheel = downloads / bed.wheels["sicext-2"].name
+    shutil.copyfile(bed.wheels["sicext-2"], wheel)
+    evil = rebuilt(
+        bed.wheels["sicext-2"], tmp_path / "evil", {"sicext/__init__.py": b"raise SystemExit('replaced')\n"}
+    )
+    name = bed.unit("replaced")
+    bed.hold_gpu(name, 2.0, "f3")
+    proc = bed.start_run("sicext", "--wheel", str(wheel), "--settle", "0.5", "--json")
+    try:
+        bed.wait_phase(proc, "stopped")
+        shutil.copyfile(evil, wheel)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode == 0, out + err
+    assert bed.version() == "2.0"
+    bed.manager.wait_active(name)
+    bed.no_trace()
+    assert not list(bed.state.glob("*/wheels/*"))  # the copy went with the run
+
+
+def _non_utf8_name(wheel: Path, out: Path) -> Path:
+    """A wheel with a member whose name is flagged UTF-8 but is not (bytes patched in after writing)."""
+    path = rebuilt(wheel, out, {"sicext/AAAA.py": b""})
+    raw = bytearray(path.read_bytes().replace(b"sicext/AAAA.py", b"sicext/\xff\xfe\xfd\xfc.py", 2))
+    at = 0
+    while (at := raw.find(b"PK\x01\x02", at)) >= 0:  # its central directory entry: set flag bit 11
+        name_len = int.from_bytes(raw[at + 28 : at + 30], "little")
+        if raw[at + 46 : at + 46 + name_len] == b"sicext/\xff\xfe\xfd\xfc.py":
+            flags = int.from_bytes(raw[at + 8 : at + 10], "little") | 0x800
+            raw[at + 8 : at + 10] = flags.to_bytes(2, "little")
+        at += 4
+    path.write_bytes(bytes(raw))
+    return path
+
+
+def _big_metadata(wheel: Path, out: Path) -> Path:
+    members, _dist_info = members_of(wheel)
+    name = next(n for n in members if n.endswith(".dist-info/METADATA"))
+    return rebuilt(wheel, out, {name: members[name] + b"\n" + b"x" * (64 << 20)})
+
+
+def _digest_algorithm(wheel: Path, out: Path, algorithm: str, spoil: bool) -> Path:
+    """``wheel`` with a RECORD of ``algorithm`` digests; ``spoil``: one member changed after the RECORD
+    was written, at the same size (only its digest can tell)."""
+    members, dist_info = members_of(wheel)
+    record = [f"{n},{algorithm}={_digest(d, algorithm)},{len(d)}" for n, d in members.items()]
+    record.append(f"{dist_info}/RECORD,,")
+    if spoil:
+        content = members["sicext/serve.py"]
+        members["sicext/serve.py"] = content[:-2] + (b"#" if content[-2:-1] != b"#" else b" ") + content[-1:]
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / wheel.name
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+        archive.writestr(f"{dist_info}/RECORD", "\n".join(record) + "\n")
+    return path
+
+
+def _console_script_python(wheel: Path, out: Path) -> Path:
+    members, _dist_info = members_of(wheel)
+    name = next(n for n in members if n.endswith(".dist-info/entry_points.txt"))
+    text = members[name].decode() + "python = sicext.serve:main\n"
+    return rebuilt(wheel, out, {name: text.encode()})
+
+
+@pytest.fixture(scope="module")
+def target(
+    tmp_path_factory: pytest.TempPathFactory, wheels: Wheelhouse, user_manager: UserManager
+) -> Iterator[tuple[Path, str, Path]]:
+    """One venv (sipure 1.0, sicext 1.0), its unit, and a directory beside it, for the refusals: each
+    changes nothing, so they can share them."""
+    if not AS_ROOT:
+        pytest.skip("the attacks are on a run as root")
+    base = tmp_path_factory.mktemp("refusals")
+    python = wheelhouse.make_venv(base / "venv")
+    wheelhouse.uv_install(python, wheels["sipure-1"], wheels["sicext-1"])
+    (base / "venv" / "share").mkdir()
+    (base / "venv" / "share" / "notes.txt").write_text("the operator's notes, in no RECORD\n")
+    (base / "outside").mkdir()
+    (base / "outside" / "x").write_text("outside the environment\n")
+    name = user_manager.unique_name("refusals")
+    user_manager.write_unit(name, UNIT_TEXT.format(exec=f"{python.parent}/sicext-serve"))
+    user_manager.start(name)
+    user_manager.wait_active(name)
+    try:
+        yield python, name, base
+    finally:
+        user_manager.remove_unit(name)
+
+
+def _absolute_member(wheel: Path, out: Path, absolute: str) -> Path:
+    """zipfile strips a leading "/" when writing; patch the name in after."""
+    placeholder = "A" * len(absolute)
+    path = rebuilt(wheel, out, {placeholder: b"x"})
+    raw = path.read_bytes().replace(placeholder.encode(), absolute.encode())
+    path.write_bytes(raw)
+    return path
+
+
+ATTACKS: dict[str, tuple[Callable[[Path, Path, Path], Path], str]] = {
+    # row: a consistent RECORD that lists a member outside the package: never installed, never deleted
+    "dotdot-bin-python": (
+        lambda w, out, _b: rebuilt(w, out, {"../../../bin/python": b"#!/bin/sh\necho pwned\n"}),
+        "member '../../../bin/python' has an empty, '.' or '..' component",
+    ),
+    "absolute-member": (
+        lambda w, out, b: _absolute_member(w, out, str(b / "outside" / "x")),
+        "member '{base}/outside/x' is not a plain relative path",
+    ),
+    "data-pyvenv-cfg": (
+        lambda w, out, _b: rebuilt(w, out, {"sicext-2.0.data/data/pyvenv.cfg": b"home = /tmp/evil\n"}),
+        "sicext-2.0.data/data/pyvenv.cfg would replace the environment's own",
+    ),
+    "scripts-python3": (
+        lambda w, out, _b: rebuilt(w, out, {"sicext-2.0.data/scripts/python3": b"#!/bin/sh\n"}),
+        "sicext-2.0.data/scripts/python3 would replace the environment's own",
+    ),
+    "data-unowned-file": (
+        lambda w, out, _b: rebuilt(w, out, {"sicext-2.0.data/data/share/notes.txt": b"gone\n"}),
+        "share/notes.txt, which no distribution being replaced holds",
+    ),
+    "other-distribution": (
+        lambda w, out, _b: rebuilt(w, out, {"sipure/__init__.py": b"print('hijacked')\n"}),
+        "sipure/__init__.py would replace",
+    ),
+    "unknown-scheme": (
+        lambda w, out, _b: rebuilt(w, out, {"sicext-2.0.data/elsewhere/x": b"x"}),
+        "member 'sicext-2.0.data/elsewhere/x' is not inside a scheme directory",
+    ),
+    "console-script-python": (
+        lambda w, out, _b: _console_script_python(w, out),
+        "console script python would replace the environment's own",
+    ),
+    "metadata-64-mib": (
+        lambda w, out, _b: _big_metadata(w, out),
+        "dist-info/METADATA unpacks to 671",
+    ),
+    "non-utf8-name": (lambda w, out, _b: _non_utf8_name(w, out), "is not valid UTF-8"),
+    "sha512-spoiled": (
+        lambda w, out, _b: _digest_algorithm(w, out, "sha512", spoil=True),
+        "sicext/serve.py: RECORD sha512 hash does not match the content",
+    ),
+    "md5-record": (
+        lambda w, out, _b: _digest_algorithm(w, out, "md5", spoil=False),
+        "hash algorithm 'md5' is not accepted",
+    ),
+}
+
+
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_hostile_wheels_are_refused_at_preflight(
+    attack: str,
+    target: tuple[Path, str, Path],
+    wheels: Wheelhouse,
+    user_manager: UserManager,
+    tmp_path: Path,
+) -> None:
+    python, unit, base = target
+    build, expected = ATTACKS[attack]
+    wheel = build(wheels["sicext-2"], tmp_path / "w", base)
+    before = snapshot(base)
+    main = user_manager.main_pid(unit)
+    env = {**user_manager.env, "SAFEINSTALL_STATE_DIR": str(tmp_path / "state")}
+
+    result = run("sicext", "--user", "--python", str(python), "--wheel", str(wheel), "--yes", env=env)
+
+    assert result.code == 2, result.stdout + result.stderr
+    assert expected.format(base=base) in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert user_manager.main_pid(unit) == main
+    assert snapshot(base) == before  # the environment and what is beside it: untouched
+    assert not list((tmp_path / "state").glob("*/wheels/*"))  # the run's copy went with it
+
+
+def test_a_wheel_whose_record_uses_sha512_is_accepted(
+    target: tuple[Path, str, Path], wheels: Wheelhouse, user_manager: UserManager, tmp_path: Path
+) -> None:
+    python, _unit, _base = target
+    wheel = _digest_algorithm(wheels["sicext-2"], tmp_path / "w", "sha512", spoil=False)
+    env = {**user_manager.env, "SAFEINSTALL_STATE_DIR": str(tmp_path / "state")}
+    result = run(
+        "sicext", "--user", "--python", str(python), "--wheel", str(wheel), "--dry-run", "--json", env=env
+    )
+    assert result.code == 0, result.stdout + result.stderr
+    assert result.json["data"]["proceeds"] is True
+
+
+def test_a_fifo_given_as_the_wheel_is_refused(
+    target: tuple[Path, str, Path], wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    python, _unit, _base = target
+    fifo = tmp_path / wheels["sicext-2"].name
+    os.mkfifo(fifo)
+    result = run("sicext", "--verify-only", "--python", str(python), "--wheel", str(fifo), timeout=60)
+    assert result.code == 2 and "not a regular file (a FIFO)" in result.stderr, result.stderr
+
+
+# --- 4. reads outside the environment ----------------------------------------------------------------
+
+
+@pytest.fixture
+def verified(venv: Path, wheels: Wheelhouse, tmp_path: Path) -> tuple[Path, Path, Path]:
+    """sicext 1.0 in a venv, and a secret file outside it: (python, site-packages, secret)."""
+    wheelhouse.uv_install(venv, wheels["sicext-1"])
+    secret = tmp_path / "secret.txt"
+    secret.write_text("TOP-SECRET-CONTENT\n")
+    return venv, wheelhouse.site_packages(venv), secret
+
+
+@pytest.mark.parametrize("how", ["relative", "absolute"])
+def test_verify_never_reads_what_a_wheel_member_points_at(
+    verified: tuple[Path, Path, Path], wheels: Wheelhouse, tmp_path: Path, how: str
+) -> None:
+    python, site, secret = verified
+    if how == "relative":
+        member = os.path.relpath(secret, site)
+        wheel = rebuilt(wheels["sicext-1"], tmp_path / "w", {member: b"other\n"})
+    else:
+        member = str(secret)
+        wheel = _absolute_member(wheels["sicext-1"], tmp_path / "w", member)
+    patch = tmp_path / "out.patch"
+    result = run(
+        "sicext", "--verify-only", "--python", str(python), "--wheel", str(wheel),
+        "--diff", "--save-patch", str(patch),
+    )  # fmt: skip
+    assert result.code == 2, result.stdout + result.stderr
+    assert f"member '{member}'" in result.stderr and "refusing the wheel" in result.stderr
+    assert "TOP-SECRET" not in result.stdout + result.stderr and not patch.exists()
+
+
+def test_diff_does_not_follow_a_symlinked_installed_file(
+    verified: tuple[Path, Path, Path], wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    python, site, secret = verified
+    served = site / "sicext" / "serve.py"
+    served.unlink()
+    served.symlink_to(secret)
+    patch = tmp_path / "out.patch"
+    result = run(
+        "sicext", "--verify-only", "--python", str(python), "--wheel", str(wheels["sicext-1"]),
+        "--diff", "--save-patch", str(patch), "--json",
+    )  # fmt: skip
+    assert result.code == 1, result.stdout + result.stderr
+    assert "TOP-SECRET" not in result.stdout + result.stderr
+    assert "TOP-SECRET" not in (patch.read_text() if patch.exists() else "")
+    finding = next(f for f in result.json["data"]["findings"] if f["path"] == str(served))
+    assert (finding["kind"], finding["detail"]) == ("modified", "no longer a regular file")
+
+
+def test_a_fifo_in_a_package_is_reported_not_waited_on(
+    verified: tuple[Path, Path, Path], wheels: Wheelhouse
+) -> None:
+    python, site, _secret = verified
+    fifos = [site / "sicext" / "serve.py", python.parent / "sicext-serve"]
+    for fifo in fifos:
+        fifo.unlink()
+        os.mkfifo(fifo)
+    against_wheel = run(
+        "sicext", "--verify-only", "--python", str(python), "--wheel", str(wheels["sicext-1"]),
+        "--diff", "--json", timeout=60,
+    )  # fmt: skip
+    against_record = run("sicext", "--verify-only", "--python", str(python), "--json", timeout=60)
+    for result, expected in ((against_wheel, fifos[:1]), (against_record, fifos)):  # scripts: generated
+        assert result.code == 1, result.stdout + result.stderr
+        found = {f["path"]: (f["kind"], f["detail"]) for f in result.json["data"]["findings"]}
+        for fifo in expected:
+            assert found[str(fifo)] == ("modified", "no longer a regular file")
+
+
+def test_installed_record_digests_are_checked_with_their_own_algorithm(
+    verified: tuple[Path, Path, Path],
+) -> None:
+    python, site, _secret = verified
+    served = site / "sicext" / "serve.py"
+    record = next(site.glob("sicext-1.0.dist-info")) / "RECORD"
+    lines = record.read_text().splitlines()
+    content = served.read_bytes()
+    lines = [
+        f"sicext/serve.py,sha512={_digest(content, 'sha512')},{len(content)}"
+        if line.startswith("sicext/serve.py,")
+        else line
+        for line in lines
+    ]
+    record.write_text("\n".join(lines) + "\n")
+    clean = run("sicext", "--verify-only", "--python", str(python))
+    assert clean.code == 0, clean.stdout + clean.stderr
+    changed = bytearray(content)
+    changed[-2] = ord("#") if changed[-2] != ord("#") else ord(" ")  # same size: only the digest tells
+    served.write_bytes(bytes(changed))
+    drift = run("sicext", "--verify-only", "--python", str(python), "--json")
+    assert drift.code == 1, drift.stdout + drift.stderr
+    finding = next(f for f in drift.json["data"]["findings"] if f["path"] == str(served))
+    assert (finding["kind"], finding["detail"]) == ("modified", "sha512 differs")
+
+
+# --- the pure checks behind the rows ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "problem"),
+    [
+        ("sicext/serve.py", None),
+        ("sicext-2.0.data/scripts/tool", None),
+        ("sicext-2.0.data/data/share/x", None),
+        ("../../../bin/python", "has an empty, '.' or '..' component"),
+        ("sicext/./x", "has an empty, '.' or '..' component"),
+        ("sicext//x", "has an empty, '.' or '..' component"),
+        ("/etc/x", "is not a plain relative path"),
+        ("sicext\\..\\..\\x", "is not a plain relative path"),
+        ("sicext/x\0", "is not a plain relative path"),
+        ("sicext-2.0.data/scripts", "is not inside a scheme directory"),
+        ("sicext-2.0.data/lib/x", "is not inside a scheme directory"),
+    ],
+)
+def test_member_names(name: str, problem: str | None) -> None:
+    from safeinstall.wheel import member_problem
+
+    found = member_problem(name, "sicext-2.0.data")
+    assert (found is None) if problem is None else (found is not None and found.startswith(problem))
+
+
+def test_paths_below_a_tree_and_copies_of_wheels(tmp_path: Path) -> None:
+    from safeinstall.safefs import Tree, parts_of
+    from safeinstall.wheelcopy import is_wheel_copy
+
+    assert parts_of("a/b/c") == ("a", "b", "c")
+    for bad in ("", "/a", "a/../b", "a/./b", "a//b", "a\0b"):
+        with pytest.raises(ValueError):
+            parts_of(bad)
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "f").write_text("x")
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with Tree(tmp_path) as tree:
+        assert tree.relative(tmp_path / "real" / ".." / "real" / "f") == "real/f"
+        assert tree.relative(tmp_path.parent / "x") is None and tree.relative(tmp_path) is None
+        assert tree.files_below("real") == ["real/f"] and tree.files_below("link") == []
+        assert tree.lstat("link/f") is None and not tree.unlink("link/f")  # never through the link
+        assert tree.sha256("link/f") is None and tree.readlink("link") == str(tmp_path / "real")
+    assert (tmp_path / "real" / "f").read_text() == "x"
+    envdir = tmp_path / "env"
+    assert is_wheel_copy(envdir / "wheels" / "1-ab" / "x-1.0-py3-none-any.whl", envdir)
+    assert not is_wheel_copy(tmp_path / "downloads" / "x-1.0-py3-none-any.whl", envdir)
+    assert not is_wheel_copy(envdir / "wheels" / ".." / "journal.json", envdir)
+    assert not is_wheel_copy(envdir / "wheels" / "x-1.0-py3-none-any.whl", envdir)

@@ -1,0 +1,634 @@
+"""The threat model, as attacks (README "Threat model"): what the state directory, a journal, a service
+account's environment, option values and cgroup names can make safeinstall do as root. Nothing.
+
+Each attack runs the real ``safeinstall`` (as root, as at boot) against real venvs made by uv with real
+fixture wheels; each asserts the exact refusal (error line, exit code) and that nothing outside changed:
+the interpreter a journal names never ran (it would leave a marker), the files it names are still there.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import zipfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from safeinstall.errors import StepFailed
+from safeinstall.journal import JournalUnit, Phase, advance, journal_to_dict, new_journal
+from safeinstall.reinstall import _wait_healthy
+from safeinstall.state import environment_key
+from tests import wheelhouse
+from tests.bed_systemd import CGROUP_ROOTS, UserManager, wait_until
+from tests.clirun import Result, run
+from tests.test_crash_safety import small_disk  # noqa: F401  (a fixture: tmpfs disks that can be full)
+from tests.wheelhouse import Wheelhouse
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the attacks are on root")
+
+OTHER_UID = 65534  # nobody: the service account that owns an environment, or a state directory
+RUN_ID = "20261130T031201Z-1234"
+
+
+# --------------------------------------------------------------------------------------------- helpers
+
+
+class Attack:
+    """One attacker's setting: a trap interpreter (it leaves a marker when run) and a victim file."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.marker = base / "ran-as-root"
+        self.victim = base / "victim.conf"
+        self.victim.write_text("precious\n")
+        self.trap = base / "trap-python"
+        self.trap.write_text(f"#!/bin/sh\ntouch {self.marker}\n")
+        self.trap.chmod(0o755)
+
+    def nothing_happened(self) -> None:
+        assert not self.marker.exists(), "root ran what the attacker named"
+        assert self.victim.read_text() == "precious\n", "root deleted or changed what the attacker named"
+
+
+def journal_doc(prefix: Path, envdir: Path, /, **fields: Any) -> dict[str, Any]:
+    """A journal as a run of ``prefix`` writes it (phase installing), with ``fields`` changed."""
+    journal = new_journal(
+        RUN_ID, 1234, None, str(prefix / "bin" / "python"), str(prefix), "sipure", None, ["uv"]
+    )
+    journal = advance(journal, Phase.BACKED_UP, backup_dir=str(envdir / "backups" / RUN_ID))
+    journal = advance(journal, Phase.INSTALLING)
+    return {**journal_to_dict(journal), **fields}
+
+
+def plant(root: Path, prefix: Path, /, **fields: Any) -> Path:
+    """An environment directory under the state ``root`` with a journal; its directory."""
+    envdir = root / environment_key(prefix)
+    envdir.mkdir(parents=True, mode=0o700, exist_ok=True)
+    root.chmod(0o700)
+    (envdir / "prefix").write_text(f"{prefix}\n")
+    (envdir / "prefix").chmod(0o600)
+    path = envdir / "journal.json"
+    path.write_text(json.dumps(journal_doc(prefix, envdir, **fields)))
+    path.chmod(0o600)
+    return envdir
+
+
+def cli(state: Path, *args: str, env: dict[str, str] | None = None) -> Result:
+    return run(*args, env={**(env or os.environ), "SAFEINSTALL_STATE_DIR": str(state)}, timeout=120)
+
+
+def error_lines(result: Result) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.startswith("error:")]
+
+
+@pytest.fixture
+def attack(tmp_path: Path) -> Attack:
+    return Attack(tmp_path)
+
+
+@pytest.fixture
+def sipure_venv(venv: Path, wheels: Wheelhouse) -> Path:
+    wheelhouse.uv_install(venv, wheels["sipure-1"])
+    return venv
+
+
+# ------------------------------------------------- 1. the state directory: owner and modes, parents too
+
+
+def _hostile_journal(attack: Attack, state: Path) -> Path:
+    """A journal that names the trap as the interpreter and the victim as a gate to delete."""
+    prefix = attack.base / "venv"
+    return plant(state, prefix, python=str(attack.trap), gate=[str(attack.victim)])
+
+
+WRITABLE = "it is mode 0777: its group or other users may write to it"
+FOREIGN = f"it is owned by uid {OTHER_UID}, not by root or uid 0 which runs safeinstall"
+
+#: attack -> (what is attacked: root, parent, envdir or journal; how: writable, foreign or a special)
+STATE_ATTACKS = {
+    "state-dir-writable-by-others": ("root", "writable"),
+    "state-dir-owned-by-another-user": ("root", "foreign"),
+    "parent-writable-by-others-not-sticky": ("parent", "writable"),
+    "parent-owned-by-another-user": ("parent", "foreign"),
+    "environment-dir-writable-by-others": ("envdir", "writable"),
+    "environment-dir-owned-by-another-user": ("envdir", "foreign"),
+    "journal-writable-by-others": ("journal", "writable"),
+    "journal-owned-by-another-user": ("journal", "foreign"),
+    "journal-is-a-symlink": ("journal", "symlink"),
+    "journal-is-a-fifo": ("journal", "fifo"),
+    "journal-too-large": ("journal", "huge"),
+}
+
+
+def _do_state_attack(root: Path, envdir: Path, target: str, how: str) -> str:
+    """Carry out one attack; the error line safeinstall must print."""
+    path = {"root": root, "parent": root.parent, "envdir": envdir, "journal": envdir / "journal.json"}[target]
+    if how == "writable":
+        path.chmod(0o666 if target == "journal" else 0o777)
+        reason = WRITABLE.replace("0777", "0666") if target == "journal" else WRITABLE
+    elif how == "foreign":
+        os.chown(path, OTHER_UID, OTHER_UID)
+        reason = FOREIGN
+    elif how == "symlink":
+        elsewhere = root.parent / "elsewhere.json"
+        path.rename(elsewhere)
+        path.symlink_to(elsewhere)
+        reason = "it is a symbolic link"
+    elif how == "fifo":
+        path.unlink()
+        os.mkfifo(path, 0o600)
+        reason = "it is not a regular file"
+    else:
+        path.write_text(path.read_text() + " " * (2 * 1024 * 1024))
+        reason = f"it is {path.stat().st_size} bytes, more than the 1048576 such a file ever needs"
+    if target == "journal":
+        return f"error: refusing to read {path}: {reason}"
+    if target == "parent":
+        return f"error: refusing to use the state directory {root}: its parent {path}: {reason}"
+    return f"error: refusing to use the state directory {path}: {reason}"
+
+
+@pytest.mark.parametrize("command", ["--recover", "--status"])
+@pytest.mark.parametrize("name", sorted(STATE_ATTACKS))
+def test_untrusted_state_is_refused(attack: Attack, tmp_path: Path, name: str, command: str) -> None:
+    """A state directory (or journal) that another user could have written: root acts on nothing in it,
+    neither the interpreter it names nor the paths it says to delete, for --recover as for --status."""
+    root = tmp_path / "home" / "state"
+    root.parent.mkdir()
+    envdir = _hostile_journal(attack, root)
+    expected = _do_state_attack(root, envdir, *STATE_ATTACKS[name])
+    result = cli(root, command)
+    assert result.code == 2, result.stdout + result.stderr
+    assert error_lines(result) == [expected]
+    assert "Traceback" not in result.stderr
+    attack.nothing_happened()
+    assert (envdir / "journal.json").exists() or (envdir / "journal.json").is_symlink()
+
+
+@pytest.mark.parametrize("command", ["--recover", "--status"])
+def test_an_untrusted_environment_dir_is_refused_when_named_with_python(
+    attack: Attack, sipure_venv: Path, tmp_path: Path, command: str
+) -> None:
+    root = tmp_path / "state"
+    prefix = Path(os.path.realpath(sipure_venv.parent.parent))
+    envdir = plant(root, prefix, gate=[str(attack.victim)])
+    envdir.chmod(0o777)
+    result = cli(root, command, "--python", str(sipure_venv))
+    assert result.code == 2, result.stdout + result.stderr
+    assert error_lines(result) == [f"error: refusing to use the state directory {envdir}: {WRITABLE}"]
+    attack.nothing_happened()
+
+
+def test_a_root_owned_sticky_parent_is_trusted(tmp_path: Path) -> None:
+    """/tmp-like parents (root, mode 1777) are fine, as with OpenSSH's StrictModes."""
+    sticky = tmp_path / "tmp"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    result = cli(sticky / "state", "--status", "--json")
+    assert result.code == 0, result.stderr
+    assert result.json["status"] == "idle"
+
+
+# ---------------------------------------------------- 2. journal fields: each checked before it is used
+
+
+def _fields(attack: Attack, venv: Path, envdir: Path) -> dict[str, tuple[dict[str, Any], str]]:
+    prefix = Path(os.path.realpath(venv.parent.parent))
+    config = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+    unit = {
+        "name": "si-victim.service",
+        "user_manager": True,
+        "was_active": True,
+        "unit_file_state": "enabled",
+        "stopped": True,
+        "restarted": False,
+    }
+    return {
+        "python-outside-the-environment": (
+            {"python": str(attack.trap)},
+            f"its python {str(attack.trap)!r} is not the interpreter of {prefix} (PREFIX/bin/python*)",
+        ),
+        "gate-path-elsewhere": (
+            {"units": [unit], "gate": [str(attack.victim)]},
+            f"gate paths that are not the boot-gate drop-ins of its units: {str(attack.victim)!r}",
+        ),
+        "gate-path-of-a-unit-not-in-the-journal": (
+            {
+                "units": [unit],
+                "gate": [str(config / "systemd/user/other.service.d/50-safeinstall-gate.conf")],
+            },
+            "gate paths that are not the boot-gate drop-ins of its units: "
+            + repr(str(config / "systemd/user/other.service.d/50-safeinstall-gate.conf")),
+        ),
+        "backup-outside-the-state-directory": (
+            {"backup_dir": str(attack.base)},
+            f"its backup {str(attack.base)!r} is not this run's backup directory "
+            f"{envdir / 'backups' / RUN_ID}",
+        ),
+        "unit-name-with-glob-characters": (
+            {"units": [{**unit, "name": "si-*.service"}]},
+            "unit names that are not valid systemd unit names: 'si-*.service'",
+        ),
+        "prefix-of-another-environment": (
+            {"prefix": "/etc", "python": "/etc/bin/python"},
+            f"its prefix /etc is not the environment this directory ({envdir.name}) is for",
+        ),
+        "run-id-that-walks-out": (
+            {"run_id": "../../../etc"},
+            "its run id '../../../etc' is not one safeinstall makes",
+        ),
+    }
+
+
+FIELD_ATTACKS = [
+    "python-outside-the-environment",
+    "gate-path-elsewhere",
+    "gate-path-of-a-unit-not-in-the-journal",
+    "backup-outside-the-state-directory",
+    "unit-name-with-glob-characters",
+    "prefix-of-another-environment",
+    "run-id-that-walks-out",
+]
+
+
+@pytest.mark.parametrize("name", FIELD_ATTACKS)
+def test_journal_fields_are_validated_before_recover_acts(
+    attack: Attack, sipure_venv: Path, tmp_path: Path, name: str
+) -> None:
+    """A journal in a trusted directory whose fields are not what a run of this environment writes:
+    that environment is refused and listed (exit 2); another environment is still recovered."""
+    root = tmp_path / "state"
+    prefix = Path(os.path.realpath(sipure_venv.parent.parent))
+    envdir = root / environment_key(prefix)
+    changes, problem = _fields(attack, sipure_venv, envdir)[name]
+    plant(root, prefix, **changes)
+    # another environment, whose run died before it changed anything: recovered all the same
+    other_prefix = Path(os.path.realpath(wheelhouse.make_venv(tmp_path / "other").parent.parent))
+    other = plant(root, other_prefix)
+    doc = json.loads((other / "journal.json").read_text())
+    doc.update(phase="planned", backup_dir=None, history=doc["history"][:1])
+    (other / "journal.json").write_text(json.dumps(doc))
+    result = cli(root, "--recover")
+    assert result.code == 2, result.stdout + result.stderr
+    assert error_lines(result) == [f"error: refusing the run journal {envdir / 'journal.json'}: {problem}"]
+    assert f"recovered run {RUN_ID} in {other_prefix} (died in phase planned)" in result.stdout
+    assert not (other / "journal.json").exists() and (envdir / "journal.json").exists()
+    attack.nothing_happened()
+    status = cli(root, "--status")
+    assert status.code == 2 and error_lines(status) == error_lines(result)
+
+
+def test_a_wheel_outside_the_state_directory_is_not_read_again(sipure_venv: Path, tmp_path: Path) -> None:
+    """--recover restores from the backup; the wheel the journal names outside the state directory
+    (its download directory may have been rewritten since) is not opened: it is said."""
+    from safeinstall.backup import create_backup
+    from safeinstall.distributions import find_distribution
+    from safeinstall.environment import inspect_environment
+
+    root = tmp_path / "state"
+    prefix = Path(os.path.realpath(sipure_venv.parent.parent))
+    envdir = root / environment_key(prefix)
+    fifo = tmp_path / "downloads" / "sipure-2.0-py3-none-any.whl"
+    fifo.parent.mkdir()
+    os.mkfifo(fifo)  # reading it would hang: it is never opened
+    plant(root, prefix, wheel=str(fifo))
+    env = inspect_environment(sipure_venv)
+    create_backup(env, [find_distribution(env, "sipure")], envdir / "backups" / RUN_ID, ())
+    result = cli(root, "--recover")
+    assert result.code == 0, result.stdout + result.stderr
+    assert f"note: the wheel {fifo} is outside the state directory and was not read again" in result.stdout
+
+
+# ------------------------------------------------- 3. no code of the target environment runs as root
+
+
+def _pth(site: Path, marker: Path) -> None:
+    (site / "zz-hostile.pth").write_text(f"import os; open({str(marker)!r}, 'w').write(str(os.geteuid()))\n")
+
+
+def test_a_pth_file_does_not_run_as_root_even_for_verify_only(sipure_venv: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "pth-ran"
+    _pth(wheelhouse.site_packages(sipure_venv), marker)
+    result = run("sipure", "--verify-only", "--python", str(sipure_venv))
+    assert result.code == 0, result.stdout + result.stderr
+    assert "sipure 1.0: " in result.stdout and "files checked against RECORD: OK" in result.stdout
+    assert not marker.exists(), f"the .pth file ran, as uid {marker.read_text()}"
+
+
+@pytest.fixture
+def service_account_venv(wheels: Wheelhouse) -> Iterator[Path]:
+    """A venv owned by another uid (a service account), on a base interpreter that uid can run."""
+    base = shutil.which("python3.11", path="/usr/bin") or pytest.skip("no /usr/bin/python3.11")
+    top = Path(tempfile.mkdtemp(prefix="si-svc-"))
+    try:
+        subprocess.run(
+            [wheelhouse.UV, "venv", "--quiet", "--python", base, str(top / "venv")],
+            check=True,
+            capture_output=True,
+            env=wheelhouse.uv_env(),
+        )
+        python = top / "venv" / "bin" / "python"
+        wheelhouse.uv_install(python, wheels["sipure-1"])
+        subprocess.run(["chown", "-R", f"{OTHER_UID}:{OTHER_UID}", str(top)], check=True)
+        yield python
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def test_a_service_accounts_environment_is_probed_as_that_account(
+    service_account_venv: Path, wheels: Wheelhouse
+) -> None:
+    top = service_account_venv.parent.parent.parent
+    marker = top / "pth-ran"
+    _pth(wheelhouse.site_packages(service_account_venv), marker)
+    result = run("sipure", "--verify-only", "--python", str(service_account_venv))
+    assert result.code == 0, result.stdout + result.stderr
+    prefix = service_account_venv.parent.parent
+    assert (
+        f"note: the environment {prefix} belongs to uid {OTHER_UID}: its interpreter was asked for its paths "
+        f"as uid {OTHER_UID}, never as root, and without site (no .pth file runs)"
+    ) in result.stderr
+    assert "files checked against RECORD: OK" in result.stdout
+    assert not marker.exists()
+    dry = run(
+        "sipure",
+        "--dry-run",
+        "--python",
+        str(service_account_venv),
+        "--wheel",
+        str(wheels["sipure-2"]),
+        "--json",
+    )
+    assert dry.code == 0, dry.stdout + dry.stderr
+    assert f"belongs to uid {OTHER_UID}" in dry.json["data"]["warnings"][0]
+
+
+def test_an_interpreter_that_lies_about_its_prefix_is_refused(sipure_venv: Path, tmp_path: Path) -> None:
+    """A venv whose python answers for another prefix (root would then act there): refused."""
+    fake = sipure_venv.parent / "python-liar"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'echo \'{"executable": "/usr/bin/python3", "prefix": "/etc", "base_prefix": "/usr", '
+        '"purelib": "/etc", "platlib": "/etc", "scripts": "/etc", "data": "/etc", "version": [3, 11, 0], '
+        '"implementation": "cpython", "soabi": null, "platform": "linux-x86_64", "uid": 0}\'\n'
+    )
+    fake.chmod(0o755)
+    result = run("sipure", "--verify-only", "--python", str(fake))
+    assert result.code == 2
+    assert error_lines(result) == [
+        f"error: refusing the environment of {fake}: it reports the prefix /etc, but its pyvenv.cfg is in "
+        f"{sipure_venv.parent.parent}"
+    ]
+
+
+# ---------------------------------------------------------- 4. values, URLs, names and text
+
+
+VALUE_ATTACKS = {
+    "settle-nan": (["--settle", "nan"], "--settle nan: seconds must be a finite number, 0 or more"),
+    "stop-timeout-infinite": (
+        ["--stop-timeout", "inf"],
+        "--stop-timeout inf: seconds must be a finite number, 0 or more",
+    ),
+    "gpu-timeout-negative": (
+        ["--gpu-timeout", "-1"],
+        "--gpu-timeout -1: seconds must be a finite number, 0 or more",
+    ),
+    "health-timeout-nan": (
+        ["--health-url", "http://127.0.0.1:9/health", "--health-timeout", "nan"],
+        "--health-timeout nan: seconds must be a finite number, 0 or more",
+    ),
+    "keep-backups-negative": (
+        ["--keep-backups", "-1"],
+        "--keep-backups -1: keep at least 1 (the run's own backup)",
+    ),
+    "health-url-file": (
+        ["--health-url", "file:///etc/shadow"],
+        "--health-url file:///etc/shadow: only http:// and https:// URLs with a host are asked",
+    ),
+}
+
+
+@pytest.mark.parametrize("mode", ["run", "dry-run"])
+@pytest.mark.parametrize("name", sorted(VALUE_ATTACKS))
+def test_values_are_refused_before_anything(
+    sipure_venv: Path, wheels: Wheelhouse, tmp_path: Path, name: str, mode: str
+) -> None:
+    args, message = VALUE_ATTACKS[name]
+    state = tmp_path / "state"
+    extra = ["--dry-run"] if mode == "dry-run" else ["--yes"]
+    result = cli(
+        state, "sipure", "--wheel", str(wheels["sipure-2"]), "--python", str(sipure_venv), *args, *extra
+    )
+    assert result.code == 2, result.stdout + result.stderr
+    assert error_lines(result) == [f"error: {message}"]
+    assert not state.exists()  # nothing was touched, not even the state directory
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        if self.path == "/moved":
+            self.send_response(302)
+            self.send_header("Location", self.server.location)  # type: ignore[attr-defined]
+            self.end_headers()
+            return
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def health_server() -> Iterator[http.server.HTTPServer]:
+    server = http.server.HTTPServer(("127.0.0.1", 0), _Health)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_health_redirect_to_another_host_is_not_healthy(health_server: http.server.HTTPServer) -> None:
+    """A service's /health that redirects root's request to another host (here the same server under
+    the name "localhost") is never counted as healthy; one to its own origin is followed."""
+    port = health_server.server_address[1]
+    health_server.location = f"http://localhost:{port}/health"  # type: ignore[attr-defined]
+    with pytest.raises(StepFailed) as caught:
+        _wait_healthy(f"http://127.0.0.1:{port}/moved", 0.5)
+    assert caught.value.message == (
+        f"http://127.0.0.1:{port}/moved did not answer 200 within 0.5 s (last: HTTP 302 redirect to another "
+        f"host (http://localhost:{port}/health), refused)"
+    )
+    health_server.location = f"http://127.0.0.1:{port}/health"  # type: ignore[attr-defined]
+    _wait_healthy(f"http://127.0.0.1:{port}/moved", 5)
+
+
+@pytest.fixture
+def glob_cgroup() -> Iterator[Path]:
+    """A real cgroup named like a unit with glob characters: ``/si-hostile-PID/si-*.service``."""
+    unified = next((r for r in CGROUP_ROOTS if (r / "cgroup.subtree_control").exists()), None)
+    if unified is None:
+        pytest.skip("no cgroup2 hierarchy")
+    top = unified / f"si-hostile-{os.getpid()}"
+    cgroup = top / "si-*.service"
+    cgroup.mkdir(parents=True)
+    try:
+        yield cgroup
+    finally:
+        for directory in (cgroup, top):
+            wait_until(lambda d=directory: not d.exists() or _rmdir(d), 10, f"{directory} removed")
+
+
+def _rmdir(directory: Path) -> bool:
+    try:
+        directory.rmdir()
+    except OSError:
+        return False
+    return True
+
+
+def test_a_unit_name_with_glob_characters_from_a_cgroup_is_never_passed_to_systemctl(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path, glob_cgroup: Path, user_manager: UserManager
+) -> None:
+    wheelhouse.uv_install(venv, wheels["sicext-1"])
+    user = subprocess.Popen([str(venv), "-c", "import sicext, time; time.sleep(120)"])
+    try:
+        (glob_cgroup / "cgroup.procs").write_text(f"{user.pid}\n")
+        site = wheelhouse.site_packages(venv)
+        wait_until(lambda: str(site) in Path(f"/proc/{user.pid}/maps").read_text(), 15, "sicext imported")
+        args = ["sicext", "--user", "--python", str(venv), "--wheel", str(wheels["sicext-2"])]
+        dry = cli(tmp_path / "state", *args, "--dry-run", env=user_manager.env)
+        assert dry.code == 2, dry.stdout + dry.stderr
+        refusal = (
+            f"the cgroup /{glob_cgroup.parent.name}/si-*.service names 'si-*.service', which is not a "
+            "valid systemd unit name: it is never passed to systemctl (it could match other units there) "
+            "nor gated; stop its processes yourself"
+        )
+        assert f"  - {refusal}" in dry.stdout
+        real = cli(tmp_path / "state", *args, "--yes", env=user_manager.env)
+        assert real.code == 2
+        assert error_lines(real) == [f"error: the run would refuse: {refusal}"]
+        assert not list(user_manager.unit_dir.glob("*.d")) and user.poll() is None
+    finally:
+        user.kill()
+        user.wait()
+
+
+def test_rich_markup_in_names_and_paths_is_printed_not_interpreted(sipure_venv: Path, tmp_path: Path) -> None:
+    result = run("evil[/]", "--verify-only", "--python", str(sipure_venv))
+    assert result.code == 2 and "Traceback" not in result.stderr
+    assert error_lines(result) == [f"error: evil[/] is not installed in {sipure_venv.parent.parent}"]
+    marked = tmp_path / "evil[" / "]x"  # the path reads .../evil[/]x
+    marked.mkdir(parents=True)
+    marked.chmod(0o777)
+    recover = cli(marked / "state", "--recover")
+    assert recover.code == 2 and "Traceback" not in recover.stderr
+    assert error_lines(recover) == [
+        f"error: refusing to use the state directory {marked / 'state'}: its parent {marked}: "
+        "it is mode 0777: its group or other users may write to it"
+    ]
+
+
+# ------------------------------------------------------------------ 5. faults before the stop
+
+
+def test_a_run_that_fails_before_the_stop_leaves_no_backup(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    """The prefetch fails (a new dependency cannot be unpacked): exit 2, and this run's backup is gone."""
+    wheelhouse.uv_install(venv, wheels["sicext-1"])
+    v2, links = wheelhouse.with_broken_dependency(wheels["sicext-2"], tmp_path)
+    state = tmp_path / "state"
+    result = cli(
+        state,
+        "sicext",
+        "--python",
+        str(venv),
+        "--wheel",
+        str(v2),
+        "--yes",
+        "--json",
+        "--",
+        "--offline",
+        "--find-links",
+        str(links),
+    )
+    assert result.code == 2, result.stdout + result.stderr
+    assert [(s["name"], s["status"]) for s in result.json["data"]["steps"]] == [
+        ("backup", "ok"),
+        ("prefetch", "failed"),
+    ]
+    assert result.json["data"]["backup_dir"] is None
+    assert [p.name for p in state.glob("*/backups/*")] == []
+    assert not list(state.glob("*/journal.json"))
+
+
+def test_the_space_check_counts_the_prefetch(
+    venv: Path,
+    wheels: Wheelhouse,
+    tmp_path: Path,
+    small_disk: Callable[[int], Path],  # noqa: F811
+) -> None:
+    """The backup fits on the state disk, the new version unpacked beside it does not: refused at
+    preflight, before any backup is taken."""
+    wheelhouse.uv_install(venv, wheels["sipure-1"])
+    with zipfile.ZipFile(wheels["sipure-2"]) as archive:
+        members = {i.filename: archive.read(i) for i in archive.infolist() if not i.is_dir()}
+    dist_info = next(n.split("/")[0] for n in members if n.endswith(".dist-info/METADATA"))
+    members.pop(f"{dist_info}/RECORD")
+    members["sipure/blob.bin"] = os.urandom(24 * 1024 * 1024)
+    (tmp_path / "big").mkdir()
+    big = wheelhouse.write_wheel(tmp_path / "big" / wheels["sipure-2"].name, members, dist_info)
+    state = small_disk(16) / "state"
+    result = cli(state, "sipure", "--python", str(venv), "--wheel", str(big), "--yes")
+    assert result.code == 2, result.stdout + result.stderr
+    [line] = error_lines(result)
+    assert line.startswith(
+        "error: the backup and the prefetch (the new version unpacked beside it) needs 24."
+    )
+    assert (
+        f"but {state / environment_key(Path(os.path.realpath(venv.parent.parent))) / 'backups'} has" in line
+    )
+    assert not list(state.glob("*/backups/*"))
+
+
+def test_unit_names_are_checked_before_every_systemctl_call() -> None:
+    """The systemctl layer takes nothing systemd would read as a pattern or an option."""
+    from safeinstall.cgroups import valid_unit_name
+    from safeinstall.errors import SystemdError
+    from safeinstall.systemd import Systemd
+
+    for name in ("foo*.service", "foo?.service", "foo[ab].service", "-x.service", "a b.service", "x"):
+        assert not valid_unit_name(name)
+        with pytest.raises(SystemdError, match="not a valid unit name"):
+            Systemd(user=True, environ={"PATH": os.environ["PATH"]}).start(name)
+    assert valid_unit_name("vllm@0.service") and valid_unit_name("a\\x2db.service")
+
+
+def test_journal_json_is_what_the_run_writes(tmp_path: Path) -> None:
+    """The journal written by a run passes the checks --recover applies (units of the user manager)."""
+    from safeinstall.journal import journal_problems
+
+    prefix = tmp_path / "venv"
+    envdir = tmp_path / "state" / environment_key(prefix)
+    unit = JournalUnit("si-a.service", True, True, "enabled", stopped=True)
+    root = tmp_path / "config" / "systemd" / "user"
+    doc = journal_doc(prefix, envdir)
+    journal = advance(
+        new_journal(RUN_ID, 1, None, doc["python"], doc["prefix"], "sipure", None, ["uv"], [unit]),
+        Phase.GATED,
+        backup_dir=doc["backup_dir"],
+        gate=[str(root / "si-a.service.d" / "50-safeinstall-gate.conf")],
+    )
+    assert journal_problems(journal, envdir, {True: (root,)}) == []

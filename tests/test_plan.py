@@ -1,0 +1,76 @@
+"""safeinstall.plan (pure): how the evidence's strength decides what is planned."""
+
+from __future__ import annotations
+
+from safeinstall.gpus import GpuSnapshot
+from safeinstall.plan import Plan, build_plan
+from safeinstall.processes import Evidence, EvidenceKind, ProcessRecord, ScanResult
+from safeinstall.uvplan import UvPlan
+
+ENVIRONMENT = Evidence(
+    EvidenceKind.ENVIRONMENT, "", "/v/bin/python", False, "runs the environment's interpreter"
+)
+MAPPED = Evidence(EvidenceKind.MAPPED, "sicext", "/v/lib/sicext/_native.so", False, "path")
+
+
+def process(pid: int, unit: str | None, *evidence: Evidence) -> ProcessRecord:
+    group = f"/app.slice/{unit}" if unit else "/user.slice/session-1.scope"
+    return ProcessRecord(
+        pid=pid,
+        ppid=1,
+        uid=0,
+        user="root",
+        name="python",
+        state="S",
+        cmdline=("/v/bin/python",),
+        cgroup_text=f"0::{group}\n",
+        start_time=pid,
+        evidence=evidence,
+    )
+
+
+def plan(*records: ProcessRecord, only_loaded: bool) -> Plan:
+    return build_plan(
+        package="sicext",
+        python="/v/bin/python",
+        prefix="/v",
+        user=False,
+        with_deps=False,
+        kill_strays=True,
+        only_loaded=only_loaded,
+        uv_plan=UvPlan((), (), ""),
+        installed_versions={"sicext": "1.0"},
+        wheel_version="2.0",
+        scan=ScanResult(records, (), len(records), 999),
+        units={},
+        gpus=GpuSnapshot(False, "none", (), (), (), (), 0.0),
+    )
+
+
+def test_strength_decides_what_only_loaded_leaves_out() -> None:
+    records = (
+        process(10, "engine.service", MAPPED),  # certain
+        process(11, "engine.service", ENVIRONMENT),  # the API server of that unit: certain by its unit
+        process(12, "engine.service"),  # no evidence of its own: unit evidence, certain
+        process(20, "pure.service", ENVIRONMENT),  # only possible
+        process(21, "pure.service"),
+        process(30, None, ENVIRONMENT),  # a stray of the environment
+    )
+    everything = plan(*records, only_loaded=False)
+    found = {p.pid: (p.evidence, p.strength) for p in everything.processes}
+    assert found == {
+        10: (("mapped",), "certain"),
+        11: (("environment", "unit"), "certain"),
+        12: (("unit",), "certain"),
+        20: (("environment",), "possible"),
+        21: (("unit",), "possible"),
+        30: (("environment",), "possible"),
+    }
+    assert {u.name for u in everything.units} == {"engine.service", "pure.service"}
+    assert [s.pid for s in everything.strays] == [30] and everything.left_out == ()
+
+    narrowed = plan(*records, only_loaded=True)
+    assert {p.pid for p in narrowed.processes} == {10, 11, 12}
+    assert [u.name for u in narrowed.units] == ["engine.service"] and narrowed.strays == ()
+    assert narrowed.left_out == (20, 30) and narrowed.only_loaded
+    assert any("--only-loaded leaves out 2 process(es)" in w for w in narrowed.warnings)
