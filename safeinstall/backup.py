@@ -401,11 +401,11 @@ def _link(
     try:
         with tree.parent(item.relative) as (src_fd, src), dest.parent(item.relative) as (dst_fd, dst):
             os.link(src, dst, src_dir_fd=src_fd, dst_dir_fd=dst_fd, follow_symlinks=False)
+            linked = os.stat(dst, dir_fd=dst_fd, follow_symlinks=False)
+            if (linked.st_dev, linked.st_ino, linked.st_size, linked.st_mtime_ns) != identity:
+                os.unlink(dst, dir_fd=dst_fd)  # replaced or written since the lstat: copy what is there now
+                return None
     except OSError:
-        return None
-    linked = dest.lstat(item.relative)
-    if linked is None or (linked.st_dev, linked.st_ino, linked.st_size, linked.st_mtime_ns) != identity:
-        dest.unlink(item.relative)  # replaced or written since the lstat: copy what is there now
         return None
     if (
         known is not None
@@ -536,23 +536,33 @@ def create_backup(
     done = 0
     try:
         count = workers or default_workers()
+
+        def record(item: _Item, result: BackupFile | None) -> None:
+            nonlocal done
+            if result is None:
+                missing.append(item.relative)
+            else:
+                saved.append(result)
+            done += sizes[item.relative]
+            if on_progress is not None:
+                on_progress(done, total)
+
+        # On the same filesystem a RECORD entry is a hardlink and a hash already known: a thread per
+        # file would cost more than the work. Copies (other files, another filesystem) go to threads.
+        linking = os.stat(env.prefix).st_dev == os.stat(files_dir).st_dev
         with (
             Tree(env.prefix) as tree,
             Tree(files_dir) as dest,
             ThreadPoolExecutor(max_workers=count, thread_name_prefix="backup") as pool,
         ):
-            futures = {pool.submit(_save, item, tree, dest, known or {}): item for item in ordered}
+            for item in ordered:
+                if linking and item.in_record:
+                    record(item, _save(item, tree, dest, known or {}))
+            pooled = [i for i in ordered if not (linking and i.in_record)]
+            futures = {pool.submit(_save, item, tree, dest, known or {}): item for item in pooled}
             try:
                 for future in as_completed(futures):
-                    item = futures[future]
-                    result = future.result()
-                    if result is None:
-                        missing.append(item.relative)
-                    else:
-                        saved.append(result)
-                    done += sizes[item.relative]
-                    if on_progress is not None:
-                        on_progress(done, total)
+                    record(futures[future], future.result())
             except BaseException:
                 for pending in futures:
                     pending.cancel()
