@@ -5,6 +5,16 @@ Usage: python bench/verify.py [--package torch] [--python VENV_PYTHON] [--rounds
 Without --python it makes ``.bench/torch-venv`` and runs ``pip install torch==2.13.0`` there (a CPU
 build this machine keeps on disk). Each round runs the three contenders one after another on a warm
 page cache; the medians are compared. Absolute times mean little on these machines: read the ratios.
+
+What the ratio against distlib depends on (printed with the result):
+
+* the installer: pip compiles bytecode and lists every ``.pyc`` in RECORD (12k more lines for torch,
+  which distlib checks one by one), uv does neither;
+* hardlinks into uv's cache (uv's default link mode) add one ``hardlinked`` warning per file;
+* safeinstall's own bytecode: ``PYTHONDONTWRITEBYTECODE=1`` (set on these machines) keeps an editable
+  checkout from caching it, so every run compiles safeinstall again (~0.2 s); the bench compiles it
+  first, as an installed tool is;
+* typer >= 0.2x builds a pydantic adapter per option at every start (~0.2 s).
 """
 
 from __future__ import annotations
@@ -50,6 +60,20 @@ def ensure_torch_venv() -> Path:
     return python
 
 
+def describe(python: Path, package: str) -> str:
+    """Which installer, whether RECORD lists bytecode, whether the files are hardlinked (a sample)."""
+    probe = (
+        "import os, sys; from importlib.metadata import distribution; d = distribution(sys.argv[1]); "
+        "files = [f for f in d.files or () if f.hash]; rec = d.read_text('RECORD') or ''; "
+        "links = sum(os.stat(d.locate_file(f)).st_nlink > 1 for f in files[:200]); "
+        "print((d.read_text('INSTALLER') or '?').strip(), rec.count('.pyc,'), links)"
+    )
+    out = subprocess.run(
+        [str(python), "-I", "-c", probe, package], check=True, capture_output=True, text=True
+    ).stdout.split()
+    return f"installed by {out[0]}, {out[1]} .pyc lines in RECORD, {out[2]}/200 sampled files hardlinked"
+
+
 def timed(cmd: list[str], **kwargs: object) -> float:
     start = time.perf_counter()
     subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL, **kwargs)  # type: ignore[call-overload]
@@ -65,6 +89,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     python = Path(args.python) if args.python else ensure_torch_venv()
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(ROOT / "safeinstall")], check=True)
     site = subprocess.run(
         [str(python), "-I", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         check=True,
@@ -84,6 +109,7 @@ def main() -> int:
         "distlib": [sys.executable, "-c", DISTLIB, site, args.package],
     }
     print(f"{args.package}: {count} hashed files, {size / 1e9:.2f} GB, {cores} cores, {args.rounds} rounds")
+    print(f"  {describe(python, args.package)}; load {os.getloadavg()[0]:.1f}")
     for cmd in contenders.values():  # warm the page cache
         timed(cmd)
     times: dict[str, list[float]] = {name: [] for name in contenders}

@@ -8,6 +8,13 @@ lies inside the environment's prefix (entries outside are listed, never read), t
 (in no RECORD; bytecode of listed sources aside). Locally patched files are saved as they are now, and
 the manifest lists the ones the caller says are patched.
 
+A RECORD entry on the backup's filesystem is saved as a hardlink (no copy of a GB package before the
+stop; the old version's bytes stay alive in it, as in a copy): uv's uninstall unlinks every RECORD
+entry before the install creates the new files, so the old inode, and the backup, keep the old
+content. Everything else (files added by hand, ``.dist-info`` files no RECORD lists), and every file
+on another filesystem, is copied. Restores always copy, so a restored file shares its inode with
+nothing.
+
 A restore first removes what is installed now under those distribution names (the paths the caller
 passes, the files the current ``.dist-info`` RECORDs of those names list, and those ``.dist-info``
 directories, found by name so a half-finished install is cleaned too) and every file in the saved
@@ -24,7 +31,7 @@ import json
 import os
 import shutil
 import stat
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -37,8 +44,8 @@ from safeinstall.distributions import InstalledDistribution, dist_info_dirs, fin
 from safeinstall.drift import own_roots, pyc_source
 from safeinstall.environment import Environment
 from safeinstall.errors import SafeInstallError
-from safeinstall.hashing import default_workers
-from safeinstall.records import parse_record
+from safeinstall.hashing import FileState, default_workers
+from safeinstall.records import decode_digest, parse_record
 from safeinstall.safefs import NotRegularFile, Tree
 from safeinstall.state import PRIVATE_MODE, atomic_write, ensure_dir, fsync_dir
 
@@ -147,6 +154,9 @@ class _Item:
     relative: str
     distribution: str
     listed: bool = True
+    #: a RECORD entry: uv's uninstall unlinks it before the install writes anything at its path, so a
+    #: hardlink of it in the backup keeps the old content (files in no RECORD are copied)
+    in_record: bool = False
 
 
 # --- pure helpers -----------------------------------------------------------------------------------
@@ -337,7 +347,7 @@ def _collect(
                 if relative is None:
                     outside.append(f"{dist.name}: {entry.path} ({location})")
                 elif relative not in items:
-                    items[relative] = _Item(Path(location), relative, dist.name)
+                    items[relative] = _Item(Path(location), relative, dist.name, in_record=True)
             # the .dist-info tree, symlinks as links (never followed)
             for location in _files_below(tree, os.fspath(dist.dist_info)):
                 relative = inside.relative(location)
@@ -373,7 +383,44 @@ def free_space(path: Path) -> int:
 # --- taking a backup --------------------------------------------------------------------------------
 
 
-def _save(item: _Item, tree: Tree, dest: Tree) -> BackupFile | None:
+def _link(
+    item: _Item, tree: Tree, dest: Tree, info: os.stat_result, known: FileState | None
+) -> str | None:
+    """Hardlink a RECORD entry into the backup (by descriptor on both sides, never following a
+    symlink); its sha256 hex, taken from ``known`` (a hash of this very inode, unchanged since: same
+    device, inode, size and mtime) or read now. None when it cannot be linked (another filesystem, or
+    it changed under us): the caller copies it instead.
+
+    The backup then holds the installed inode itself. That is safe because the install never writes
+    into it: uv's uninstall unlinks every RECORD entry first, and the install creates new files (a
+    hardlink from the run's cache, or a copy) at those paths. Nothing is chmod-ed or touched here: it
+    is the installed file."""
+    if not stat.S_ISREG(info.st_mode):
+        return None
+    identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+    try:
+        with tree.parent(item.relative) as (src_fd, src), dest.parent(item.relative) as (dst_fd, dst):
+            os.link(src, dst, src_dir_fd=src_fd, dst_dir_fd=dst_fd, follow_symlinks=False)
+            linked = os.stat(dst, dir_fd=dst_fd, follow_symlinks=False)
+            if (linked.st_dev, linked.st_ino, linked.st_size, linked.st_mtime_ns) != identity:
+                os.unlink(dst, dir_fd=dst_fd)  # replaced or written since the lstat: copy what is there now
+                return None
+    except OSError:
+        return None
+    if (
+        known is not None
+        and known.algorithm == "sha256"
+        and known.digest is not None
+        and (known.device, known.inode, known.size, known.mtime_ns) == identity
+    ):
+        return decode_digest(known.digest).hex()
+    digest = dest.sha256(item.relative)
+    if digest is None:
+        dest.unlink(item.relative)
+    return digest
+
+
+def _save(item: _Item, tree: Tree, dest: Tree, known: Mapping[str, FileState]) -> BackupFile | None:
     """Copy one file into the backup (read by descriptor below the prefix: a symlink on the way is never
     followed, a FIFO or a device never opened); None when it is absent or not a regular file or
     symlink."""
@@ -398,6 +445,19 @@ def _save(item: _Item, tree: Tree, dest: Tree) -> BackupFile | None:
             mtime_ns=info.st_mtime_ns,
             sha256=None,
             link_target=target,
+            listed=item.listed,
+        )
+    linked = _link(item, tree, dest, info, known.get(str(item.source))) if item.in_record else None
+    if linked is not None:
+        return BackupFile(
+            path=item.relative,
+            distribution=item.distribution,
+            size=info.st_size,
+            mode=stat.S_IMODE(info.st_mode),
+            uid=info.st_uid,
+            gid=info.st_gid,
+            mtime_ns=info.st_mtime_ns,
+            sha256=linked,
             listed=item.listed,
         )
     try:
@@ -448,8 +508,12 @@ def create_backup(
     on_progress: ProgressCallback | None = None,
     workers: int | None = None,
     now: datetime | None = None,
+    known: Mapping[str, FileState] | None = None,
 ) -> Backup:
-    """Save ``dists`` into ``backup_dir`` (new or empty; made 0700). Raises BackupError, leaving no backup."""
+    """Save ``dists`` into ``backup_dir`` (new or empty; made 0700). Raises BackupError, leaving no backup.
+
+    ``known``: files just hashed (a verify's observations, by location): a hardlinked file that has not
+    changed since is not read again."""
     ensure_dir(backup_dir)
     if any(backup_dir.iterdir()):
         raise BackupError(
@@ -472,23 +536,33 @@ def create_backup(
     done = 0
     try:
         count = workers or default_workers()
+
+        def record(item: _Item, result: BackupFile | None) -> None:
+            nonlocal done
+            if result is None:
+                missing.append(item.relative)
+            else:
+                saved.append(result)
+            done += sizes[item.relative]
+            if on_progress is not None:
+                on_progress(done, total)
+
+        # On the same filesystem a RECORD entry is a hardlink and a hash already known: a thread per
+        # file would cost more than the work. Copies (other files, another filesystem) go to threads.
+        linking = os.stat(env.prefix).st_dev == os.stat(files_dir).st_dev
         with (
             Tree(env.prefix) as tree,
             Tree(files_dir) as dest,
             ThreadPoolExecutor(max_workers=count, thread_name_prefix="backup") as pool,
         ):
-            futures = {pool.submit(_save, item, tree, dest): item for item in ordered}
+            for item in ordered:
+                if linking and item.in_record:
+                    record(item, _save(item, tree, dest, known or {}))
+            pooled = [i for i in ordered if not (linking and i.in_record)]
+            futures = {pool.submit(_save, item, tree, dest, known or {}): item for item in pooled}
             try:
                 for future in as_completed(futures):
-                    item = futures[future]
-                    result = future.result()
-                    if result is None:
-                        missing.append(item.relative)
-                    else:
-                        saved.append(result)
-                    done += sizes[item.relative]
-                    if on_progress is not None:
-                        on_progress(done, total)
+                    record(futures[future], future.result())
             except BaseException:
                 for pending in futures:
                     pending.cancel()

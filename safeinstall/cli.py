@@ -9,7 +9,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.markup import escape
@@ -42,6 +42,9 @@ from safeinstall.state import (
 )
 from safeinstall.uvplan import parse_requirement
 from safeinstall.verify import VerifyReport, verify_environment
+
+if TYPE_CHECKING:
+    from safeinstall.wheel import Wheel
 
 EXIT_CODES = (
     "Exit codes: 0 success (clean); 1 drift found (--verify-only); 2 could not check or refused, "
@@ -134,6 +137,11 @@ def _run_verify(
     if env.owner_note and not as_json:
         err.print(f"[dim]note:[/] {escape(env.owner_note)}", soft_wrap=True)
     names = None if all_ else [package or ""]
+    read: Wheel | None = None
+    if wheel is not None:
+        from safeinstall.wheel import read_wheel
+
+        read = read_wheel(wheel)
     if err.is_terminal:  # rich.progress is loaded only for a terminal: scripts start faster
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -150,9 +158,9 @@ def _run_verify(
             def on_progress(done: int, total: int) -> None:
                 progress.update(task, completed=done, total=total)
 
-            report = verify_environment(env, names, wheel, on_progress)
+            report = verify_environment(env, names, read, on_progress)
     else:
-        report = verify_environment(env, names, wheel)
+        report = verify_environment(env, names, read)
     diffs = None
     if wheel is not None and (diff or save_patch):
         from safeinstall.diffs import diffs_for, patch_text

@@ -5,6 +5,7 @@ from __future__ import annotations
 import configparser
 import difflib
 import os
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,6 +140,31 @@ def dist_info_dirs(env: Environment) -> list[Path]:
             if c.name.endswith(".dist-info") and c.is_dir(follow_symlinks=False)
         )
     return found
+
+
+def dist_info_name(dirname: str) -> str | None:
+    """Pure: the canonical distribution name of a ``<name>-<version>.dist-info`` directory name."""
+    if not dirname.endswith(".dist-info"):
+        return None
+    stem = dirname[: -len(".dist-info")]
+    name = stem.rsplit("-", 1)[0] if "-" in stem else stem
+    return canonicalize_name(name) if name else None
+
+
+def reload_distributions(
+    env: Environment, previous: Sequence[InstalledDistribution], names: Collection[str]
+) -> list[InstalledDistribution]:
+    """The environment's distributions after an install that changed only ``names``: those are read
+    again from disk (new RECORDs, new versions, gone), the others are taken from ``previous``."""
+    changed = frozenset(names)
+    found: dict[str, InstalledDistribution] = {d.name: d for d in previous if d.name not in changed}
+    for directory in dist_info_dirs(env):
+        if dist_info_name(directory.name) not in changed:
+            continue
+        dist = load_distribution(directory)
+        if dist is not None and dist.name not in found:
+            found[dist.name] = dist
+    return sorted(found.values(), key=lambda d: d.name)
 
 
 def find_distributions(env: Environment) -> list[InstalledDistribution]:

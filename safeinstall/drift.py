@@ -120,7 +120,7 @@ def own_roots(
     for name, files in files_by_distribution.items():
         seen: set[str] = set()
         for file in files:
-            parent = os.path.dirname(file)
+            parent = file.rpartition("/")[0]  # os.path.dirname of a normalised absolute path, faster
             if parent in seen or not file.startswith(sites):  # most files share a seen directory
                 continue
             site = next(s for s in sites if file.startswith(s))[:-1]

@@ -30,6 +30,7 @@ class FileState:
     device: int = 0
     inode: int = 0
     error: str | None = None  # set when the file exists but could not be read
+    mtime_ns: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +46,13 @@ def default_workers() -> int:
 #: Files at least this large are streamed, on worker threads (hashlib releases the GIL while it hashes
 #: large buffers); smaller ones are read whole, on one thread, where no GIL hand-offs slow them down.
 BIG_FILE = 1 << 20
+
+#: The usual RECORD algorithms, called directly: ``hashlib.new`` costs more than hashing a small file.
+_CONSTRUCTORS: dict[str, Callable[[bytes], hashlib._Hash]] = {
+    "sha256": hashlib.sha256,
+    "sha384": hashlib.sha384,
+    "sha512": hashlib.sha512,
+}
 
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
@@ -75,16 +83,29 @@ def _observe(request: HashRequest) -> FileState:
         regular = stat.S_ISREG(info.st_mode)
         if request.algorithm is None or not regular:
             return FileState(
-                path, True, regular, info.st_size, None, None, info.st_nlink, info.st_dev, info.st_ino
+                path,
+                True,
+                regular,
+                info.st_size,
+                None,
+                None,
+                info.st_nlink,
+                info.st_dev,
+                info.st_ino,
+                mtime_ns=info.st_mtime_ns,
             )
         if info.st_size < BIG_FILE:
+            # One read: asking for one byte more than the size returns the whole file and shows that
+            # it ended there (a file that grew under us hashes differently, as it should).
             data = os.read(fd, info.st_size + 1)
-            while len(data) <= info.st_size:  # a short read (or a file growing under us)
+            while len(data) < info.st_size:  # a short read (network filesystems)
                 more = os.read(fd, BIG_FILE)
                 if not more:
                     break
                 data += more
-            digest = hashlib.new(request.algorithm, data).digest()
+            constructor = _CONSTRUCTORS.get(request.algorithm)
+            hashed = constructor(data) if constructor else hashlib.new(request.algorithm, data)
+            digest = hashed.digest()
         else:
             with os.fdopen(os.dup(fd), "rb", buffering=0) as handle:
                 digest = hashlib.file_digest(handle, request.algorithm).digest()
@@ -102,6 +123,7 @@ def _observe(request: HashRequest) -> FileState:
         info.st_nlink,
         info.st_dev,
         info.st_ino,
+        mtime_ns=info.st_mtime_ns,
     )
 
 

@@ -48,6 +48,11 @@ def encode_digest(raw: bytes) -> str:
     return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
 
 
+def decode_digest(text: str) -> bytes:
+    """The raw digest of its RECORD spelling (padding restored)."""
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
 def digest_bytes(data: bytes, algorithm: str = "sha256") -> str:
     return encode_digest(hashlib.new(algorithm, data).digest())
 

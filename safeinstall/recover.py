@@ -37,6 +37,7 @@ from safeinstall.state import (
     check_trusted,
     environment_state,
     list_environment_dirs,
+    remove_uv_caches,
     state_root,
     trusted_environment_state,
 )
@@ -255,6 +256,9 @@ def recover_one(state: EnvironmentState, environ: Mapping[str, str], settle: flo
                         "was not read again: only what the installed RECORDs list was removed"
                     )
                 restore = (env, load_backup(Path(journal.backup_dir)))
+            # the dead run's own uv cache first: nothing may share inodes with it, and on a full disk
+            # the restore needs the room it holds
+            remove_uv_caches(state)
             done = put_back(
                 state.dir, journal, environ, restore, lambda units: _start(units, environ, settle)
             )

@@ -19,7 +19,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import psutil
 
 from safeinstall.backup import Backup, create_backup, prune_into
-from safeinstall.distributions import find_distributions
+from safeinstall.distributions import InstalledDistribution, reload_distributions
 from safeinstall.drift import Expectation, FindingKind
 from safeinstall.environment import Environment, interpreter_in_prefix
 from safeinstall.errors import (
@@ -63,7 +63,7 @@ from safeinstall.recover import put_back
 from safeinstall.retention import prune_backups
 from safeinstall.runlog import append_line
 from safeinstall.signals import interrupts_deferred, interrupts_raise
-from safeinstall.state import EnvironmentState, atomic_write, new_run_id
+from safeinstall.state import EnvironmentState, atomic_write, ensure_dir, new_run_id, remove_uv_caches
 from safeinstall.survey import Survey, scan_again, systemd_for
 from safeinstall.systemd import StopOutcome, Systemd, start_wait_s
 from safeinstall.uvplan import install as uv_install
@@ -273,7 +273,7 @@ class _Run:
     def do_backup(self) -> str:
         assert self.env is not None and self.state is not None and self.survey is not None
         names = [d.name for d in self.survey.affected]
-        before = verify_environment(self.env, names)
+        before = verify_environment(self.env, names, installed=self.survey.installed)
         self.patched = tuple(
             f.path for f in before.findings if f.kind in (FindingKind.MODIFIED, FindingKind.MISSING)
         )
@@ -289,6 +289,7 @@ class _Run:
             self.state.backup_dir(self.run_id),
             self.patched,
             on_progress,
+            known=before.observed,
         )
         self._journal(Phase.BACKED_UP, backup_dir=str(self.backup.dir))
         size = self.backup.manifest.files
@@ -297,14 +298,17 @@ class _Run:
         )
 
     def do_prefetch(self) -> str:
-        """Warm uv's cache with the new artefacts so that the install in the downtime is a copy."""
+        """Fill the run's own uv cache with the new artefacts, so that the install in the downtime only
+        links (or copies) files from it."""
         assert self.state is not None and self.env is not None and self.survey is not None
         scratch = self.state.dir / f"prefetch-{self.run_id}"
         request = self.survey.request
+        cache = self.state.uv_cache(self.run_id)
+        ensure_dir(cache)
         command = prefetch_command(request, uv_binary(), scratch, self.survey.uv_plan.changes)
-        self._log("prefetch: " + " ".join(command))
+        self._log(f"prefetch (UV_CACHE_DIR={cache}): " + " ".join(command))
         try:
-            result = uv_install(command, self.options.environ)
+            result = uv_install(command, self.options.environ, cache_dir=cache)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         self._log(f"uv exit {result.returncode}:\n{result.output}")
@@ -314,7 +318,7 @@ class _Run:
                 f"uv could not fetch or unpack the new version (exit {result.returncode}): {tail}",
                 hint="nothing was stopped; check the wheel, the index options or the network",
             )
-        return "uv's cache holds the new version"
+        return f"the run's uv cache holds the new version ({request.link_mode} from it)"
 
     # ------------------------------------------------------------------ 3. gate
 
@@ -436,12 +440,13 @@ class _Run:
     # ------------------------------------------------------------------ 6. install
 
     def do_install(self) -> str:
-        assert self.env is not None
+        assert self.env is not None and self.state is not None
         late = self._check_no_late_users()
         self._journal(Phase.INSTALLING)
         command = self.plan.uv_command
-        self._log("install: " + " ".join(command))
-        result = uv_install(command, self.options.environ)
+        cache = self.state.uv_cache(self.run_id)
+        self._log(f"install (UV_CACHE_DIR={cache}): " + " ".join(command))
+        result = uv_install(command, self.options.environ, cache_dir=cache)
         self._log(f"uv exit {result.returncode}:\n{result.output}")
         if result.returncode != 0:
             tail = "\n".join(result.output.strip().splitlines()[-6:])
@@ -459,6 +464,7 @@ class _Run:
             self.plan.package,
             self.wheel,
             [d.name for d in self.survey.affected],
+            self.survey.installed,
             self.patches.expected() if self.patches is not None else None,
         )
         failures = [f for f in report.findings if f.kind in _INSTALL_FAILURES]
@@ -570,6 +576,10 @@ class _Run:
                     for unit in self._units_to_restart():
                         self.systemd.stop(unit, self._stop_timeout(90.0))
                 installed = _phase_at_least(self.journal, Phase.INSTALLING)
+                if installed:
+                    # the run's cache first: the installed files are its hardlinks, and on a full disk
+                    # the restore needs the room that removing them frees only once the cache is gone
+                    remove_uv_caches(self.state, self.run_id)
                 restore = None
                 if installed and self.env is not None and self.backup is not None:
                     restore = (self.env, self.backup)
@@ -719,15 +729,20 @@ def _verify_installed(
     package: str,
     wheel: Wheel | None,
     affected: list[str],
+    before: Sequence[InstalledDistribution],
     carried: dict[str, Expectation] | None = None,
 ) -> VerifyReport:
     """The new installation: the package against the wheel (or its RECORD), the others their RECORD;
-    the local patches carried over (``carried``) against the merge."""
-    main = verify_environment(env, [package], wheel.path if wheel else None, expected=carried)
-    others = [n for n in affected if n != package and n in {d.name for d in find_distributions(env)}]
+    the local patches carried over (``carried``) against the merge. Only the affected distributions
+    are read again (the install changed nothing else), and the wheel is the one read and checked at
+    preflight."""
+    installed = reload_distributions(env, before, affected)
+    main = verify_environment(env, [package], wheel, installed=installed, expected=carried)
+    present = {d.name for d in installed}
+    others = [n for n in affected if n != package and n in present]
     if not others:
         return main
-    rest = verify_environment(env, others)
+    rest = verify_environment(env, others, installed=installed)
     return replace(main, distributions=(*main.distributions, *rest.distributions))
 
 
@@ -835,6 +850,8 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
         not_restarted = tuple(run._units_to_restart()) if options.no_restart else ()
         return _result(run, "done", ExitCode.OK, None, not_restarted, tuple(map(str, old.removed)))
     finally:
+        if run.state is not None and run.run_id:
+            remove_uv_caches(run.state, run.run_id)  # installed files then share inodes with nothing
         _discard_wheel_copy(run)
         if run.lock is not None:
             run.lock.release()

@@ -10,6 +10,8 @@ Layout::
         journal.json                the running (or crashed) run (see :mod:`safeinstall.journal`)
         backups/<run-id>/           the files replaced by that run (see :mod:`safeinstall.backup`)
         logs/<run-id>.log
+        uv-cache-<run-id>/          uv's cache for that run only (filled by the prefetch, the install
+                                    hardlinks from it); deleted when the run ends
         history/<run-id>.json       the final result of each finished run (see :mod:`safeinstall.history`)
         patches/<run-id>.patch      the local patches a --keep-patches run carried to the new version
 
@@ -30,6 +32,7 @@ import errno
 import hashlib
 import os
 import re
+import shutil
 import stat
 import tempfile
 from collections.abc import Mapping
@@ -46,6 +49,7 @@ LOCK_FILE = "lock"
 JOURNAL_FILE = "journal.json"
 BACKUPS_DIR = "backups"
 LOGS_DIR = "logs"
+UV_CACHE_PREFIX = "uv-cache-"
 HISTORY_DIR = "history"
 PATCHES_DIR = "patches"
 PRIVATE_MODE = 0o700
@@ -111,6 +115,21 @@ class EnvironmentState:
 
     def log_file(self, run_id: str) -> Path:
         return self.logs / f"{run_id}.log"
+
+    def uv_cache(self, run_id: str) -> Path:
+        return self.dir / f"{UV_CACHE_PREFIX}{run_id}"
+
+
+def remove_uv_caches(state: EnvironmentState, run_id: str | None = None) -> None:
+    """Delete the run-private uv cache of ``run_id`` (None: every one left by runs that died). Installed
+    files hardlinked from it then share their inodes with nothing. Symlinks are not followed."""
+    try:
+        names = os.listdir(state.dir)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(UV_CACHE_PREFIX) and (run_id is None or name == UV_CACHE_PREFIX + run_id):
+            shutil.rmtree(state.dir / name, ignore_errors=True)
 
 
 @dataclass(frozen=True, slots=True)

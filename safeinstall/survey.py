@@ -23,8 +23,9 @@ from safeinstall.processes import (
     load_targets,
     scan_processes,
 )
+from safeinstall.state import state_root
 from safeinstall.systemd import Systemd, UnitInfo
-from safeinstall.uvplan import UvPlan, UvRequest, dry_run
+from safeinstall.uvplan import UvPlan, UvRequest, dry_run, link_mode_for, same_filesystem
 from safeinstall.wheel import Wheel, read_wheel
 
 
@@ -71,6 +72,9 @@ def survey(options: RunOptions, env: Environment | None = None, wheel: Wheel | N
         installed_version=target.version,
         with_deps=options.with_deps,
         extra_args=options.extra_args,
+        link_mode=link_mode_for(
+            options.extra_args, same_filesystem(state_root(options.environ, os.geteuid()), env.prefix)
+        ),
     )
     uv_plan = dry_run(request, options.environ)
     by_name = {d.name: d for d in installed}

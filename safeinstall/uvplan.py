@@ -2,8 +2,14 @@
 
 By default only the named package is reinstalled (``--reinstall-package NAME``): uv's
 ``--force-reinstall``/``--reinstall`` would reinstall every dependency (torch included, for vllm).
-``with_deps`` widens it to ``--reinstall``. Installs use ``--link-mode copy`` so installed files never
-share inodes with uv's cache (uv #10579).
+``with_deps`` widens it to ``--reinstall``.
+
+Installed files must never share inodes with uv's shared cache (uv #10579: an edit in place would edit
+the cache too). A run therefore gives uv a cache of its own (``UV_CACHE_DIR`` in the run's state
+directory, filled by the prefetch, deleted after the run): when that cache is on the prefix's
+filesystem the install hardlinks from it (no copy of the package's bytes while the services are down),
+and once it is deleted the installed files share their inodes with nothing. Otherwise, or when the
+extra uv arguments choose a cache or a link mode themselves, the install uses ``--link-mode copy``.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ class UvRequest:
     installed_version: str | None = None
     with_deps: bool = False
     extra_args: tuple[str, ...] = ()
+    link_mode: str = "copy"  # "hardlink" only from a run-private cache (see private_cache_usable)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +127,8 @@ def install_command(request: UvRequest, uv_bin: str, dry_run: bool = False) -> l
     """Pure: the exact ``uv pip install`` command line."""
     cmd = [uv_bin, "pip", "install", "--python", str(request.python)]
     cmd += ["--reinstall"] if request.with_deps else ["--reinstall-package", request.package]
-    cmd += ["--link-mode", "copy"]
+    if not _chooses(request.extra_args, ("--link-mode",)):  # uv refuses the option twice
+        cmd += ["--link-mode", request.link_mode]
     if dry_run:
         cmd.append("--dry-run")
     cmd += [*request.extra_args, requirement(request)]
@@ -138,13 +146,30 @@ def prefetch_command(
     dependency of a nightly, or everything with ``--with-deps``), pinned, without resolving again.
     """
     cmd = [uv_bin, "pip", "install", "--python", str(request.python), "--target", str(target), "--no-deps"]
+    # the scratch copy is thrown away: link it from the cache (uv copies where it cannot link)
+    cmd += ["--link-mode", "hardlink"]
     wanted = canonicalize_name(request.package)
     others = [
         text
         for change in changes
         if change.action != "uninstall" and change.name != wanted and (text := pinned(change)) is not None
     ]
-    return [*cmd, *request.extra_args, requirement(request), *dict.fromkeys(others)]
+    extra = _without(request.extra_args, "--link-mode")
+    return [*cmd, *extra, requirement(request), *dict.fromkeys(others)]
+
+
+def _without(extra_args: Sequence[str], option: str) -> list[str]:
+    """Pure: the extra arguments less ``option`` and its value."""
+    kept: list[str] = []
+    skip = False
+    for arg in extra_args:
+        if skip:
+            skip = False
+        elif arg == option:
+            skip = True
+        elif not arg.startswith(option + "="):
+            kept.append(arg)
+    return kept
 
 
 def pinned(change: UvChange) -> str | None:
@@ -179,10 +204,43 @@ def parse_changes(text: str) -> tuple[UvChange, ...]:
     return tuple(changes)
 
 
-def uv_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """uv's environment: the caller's (index settings stay), without VIRTUAL_ENV (``--python`` rules)."""
+#: uv options that choose the cache or the link mode: with them the run leaves uv's cache alone and copies
+_CACHE_OPTIONS = ("--cache-dir", "--no-cache", "-n", "--link-mode")
+
+
+def link_mode_for(extra_args: Sequence[str], same_filesystem: bool) -> str:
+    """Pure: ``hardlink`` (from the run-private cache) when that cache shares the prefix's filesystem and
+    the extra arguments leave the cache and the link mode to the run; ``copy`` otherwise."""
+    return "hardlink" if same_filesystem and not _chooses(extra_args, _CACHE_OPTIONS) else "copy"
+
+
+def _chooses(extra_args: Sequence[str], options: Sequence[str]) -> bool:
+    """Pure: do the extra uv arguments give one of ``options`` (``--opt v`` or ``--opt=v``)?"""
+    return any(arg == opt or arg.startswith(opt + "=") for arg in extra_args for opt in options)
+
+
+def same_filesystem(a: Path, b: Path) -> bool:
+    """Do ``a`` and ``b`` (or, where they do not exist yet, their nearest existing parents) share a device?"""
+
+    def device(path: Path) -> int:
+        probe = Path(os.path.abspath(path))
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        return probe.stat().st_dev
+
+    try:
+        return device(a) == device(b)
+    except OSError:
+        return False
+
+
+def uv_environment(environ: Mapping[str, str], cache_dir: Path | None = None) -> dict[str, str]:
+    """uv's environment: the caller's (index settings stay), without VIRTUAL_ENV (``--python`` rules);
+    with ``cache_dir``, uv's cache is that directory (the run's own)."""
     env = {k: v for k, v in environ.items() if k != "VIRTUAL_ENV"}
     env["UV_NO_PROGRESS"] = "1"
+    if cache_dir is not None:
+        env["UV_CACHE_DIR"] = str(cache_dir)
     return env
 
 
@@ -214,7 +272,10 @@ class UvResult:
 
 
 def install(
-    command: Sequence[str], environ: Mapping[str, str] | None = None, timeout: float = 3600
+    command: Sequence[str],
+    environ: Mapping[str, str] | None = None,
+    timeout: float = 3600,
+    cache_dir: Path | None = None,
 ) -> UvResult:
     """Run the install; the caller logs the command and the output.
 
@@ -223,7 +284,9 @@ def install(
     """
     try:
         proc = children.run(
-            command, env=uv_environment(os.environ if environ is None else environ), timeout=timeout
+            command,
+            env=uv_environment(os.environ if environ is None else environ, cache_dir),
+            timeout=timeout,
         )
     except subprocess.TimeoutExpired as exc:
         return UvResult(tuple(command), -1, f"uv did not finish in {timeout:.0f} s: {exc}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
@@ -65,6 +65,8 @@ class VerifyReport:
     prefix: str
     distributions: tuple[DistributionReport, ...]
     wheel: WheelSummary | None
+    #: every file as it was observed (location -> state): a backup reuses these hashes
+    observed: dict[str, FileState] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def findings(self) -> tuple[Finding, ...]:
@@ -106,7 +108,7 @@ class _Containment:
     def outside(self, location: str) -> bool:
         if not is_within(location, self.prefix):
             return True
-        return not self._inside(os.path.dirname(location))
+        return not self._inside(location.rpartition("/")[0])  # its directory (normalised absolute)
 
     def _inside(self, directory: str) -> bool:
         inside = self._real_dirs.get(directory)
@@ -158,13 +160,9 @@ def _script_expectation(wheel: Wheel, member: str, location: Path, env: Environm
     """Scripts shipped as ``#!python`` get their first line rewritten on install into a launcher for
     the environment's interpreter: the launcher is the installer's, the rest must be the wheel's."""
     from safeinstall.safefs import NotRegularFile, Tree
-    from safeinstall.wheel import read_member
 
-    try:
-        content = read_member(wheel.path, member, _SCRIPT_MAX_BYTES)
-    except ValueError:
-        return None  # too large for a script: compared as it is
-    if not content.startswith(b"#!python"):
+    content = wheel.python_scripts.get(member)
+    if content is None:
         return None
     try:  # by descriptor below the prefix: a symlink is not followed, a FIFO not opened
         with Tree(env.prefix) as tree:
@@ -272,29 +270,28 @@ def _listed_locations(installed: Sequence[InstalledDistribution]) -> frozenset[s
 def verify_environment(
     env: Environment,
     names: Sequence[str] | None,
-    wheel_path: Path | None = None,
+    wheel: Wheel | None = None,
     on_progress: ProgressCallback | None = None,
     workers: int | None = None,
+    installed: Sequence[InstalledDistribution] | None = None,
     expected: Mapping[str, Expectation] | None = None,
 ) -> VerifyReport:
     """Verify the named distributions (or all, with ``names=None``) of ``env``.
 
-    ``expected`` replaces what some files must hold (location -> expectation): the local patches a
-    ``--keep-patches`` run carried over are checked against the merge, not the RECORD or the wheel.
+    ``wheel``: judge the one named distribution against it (read once by the caller). ``installed``:
+    the environment's distributions when the caller has found them already (a run reloads only what
+    its install changed); otherwise the environment is scanned here, once. ``expected`` replaces what
+    some files must hold (location -> expectation): the local patches a ``--keep-patches`` run carried
+    over are checked against the merge, not the RECORD or the wheel.
     """
-    installed = find_distributions(env)
-    selected = installed if names is None else [find_distribution(env, name, installed) for name in names]
-    wheel: Wheel | None = None
-    if wheel_path is not None:
-        from safeinstall.wheel import read_wheel
-
-        wheel = read_wheel(wheel_path)
-        if len(selected) != 1 or selected[0].name != wheel.name:
-            raise WheelError(
-                f"the wheel {wheel_path.name} is for {wheel.name}, not "
-                f"{', '.join(d.name for d in selected) or 'nothing'}",
-                hint="pass the wheel of the package being verified",
-            )
+    found = list(installed) if installed is not None else find_distributions(env)
+    selected = found if names is None else [find_distribution(env, name, found) for name in names]
+    if wheel is not None and (len(selected) != 1 or selected[0].name != wheel.name):
+        raise WheelError(
+            f"the wheel {wheel.path.name} is for {wheel.name}, not "
+            f"{', '.join(d.name for d in selected) or 'nothing'}",
+            hint="pass the wheel of the package being verified",
+        )
     plans = [_plan(dist, env, wheel) for dist in selected]
     if expected:
         plans = [
@@ -312,8 +309,8 @@ def verify_environment(
             on_progress(done, total)
 
     states = observe_files(requests, workers=workers, on_done=tick, sizes=sizes)
-    listed = _listed_locations(installed)
-    roots = own_roots({d.name: d.locations for d in installed}, [os.fspath(s) for s in env.site_dirs])
+    listed = _listed_locations(found)
+    roots = own_roots({d.name: d.locations for d in found}, [os.fspath(s) for s in env.site_dirs])
     reports: list[DistributionReport] = []
     for plan in plans:
         findings = list(plan.findings)
@@ -346,4 +343,4 @@ def verify_environment(
         if wheel is None
         else WheelSummary(str(wheel.path), wheel.name, wheel.version, wheel.record_ok, wheel.problems)
     )
-    return VerifyReport(str(env.python), str(env.prefix), tuple(reports), summary)
+    return VerifyReport(str(env.python), str(env.prefix), tuple(reports), summary, states)

@@ -11,7 +11,7 @@ import os
 import re
 import zipfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from email.parser import HeaderParser
 from pathlib import Path, PurePosixPath
 
@@ -58,6 +58,9 @@ class WheelProblem:
     reason: str
 
 
+_SCRIPT_MAX = 1 << 20  # a larger "script" is data: compared byte for byte
+
+
 @dataclass(frozen=True, slots=True)
 class Wheel:
     path: Path
@@ -72,6 +75,9 @@ class Wheel:
     record: Record
     problems: tuple[WheelProblem, ...]
     console_scripts: tuple[str, ...]
+    #: the content of each ``#!python`` script under ``<data_dir>/scripts/`` (an installer rewrites its
+    #: first line), kept so that a verify never opens the wheel again
+    python_scripts: dict[str, bytes] = field(default_factory=dict)
 
     @property
     def record_ok(self) -> bool:
@@ -251,6 +257,13 @@ def read_wheel(path: Path) -> Wheel:
             )
             algorithms = {e.path: e.hash.algorithm for e in record.entries if e.hash is not None}
             members = {i.filename: _hash_member(archive, i, algorithms.get(i.filename)) for i in infos}
+            python_scripts = {
+                i.filename: content
+                for i in infos
+                if PurePosixPath(i.filename).parts[:2] == (data_dir, "scripts")
+                and i.file_size <= _SCRIPT_MAX
+                and (content := archive.read(i)).startswith(b"#!python")
+            }
             wheel_meta = HeaderParser().parsestr(
                 _read_limited(archive, by_name[f"{dist_info}/WHEEL"], METADATA_LIMIT, path).decode("utf-8")
             )
@@ -291,6 +304,7 @@ def read_wheel(path: Path) -> Wheel:
         record=record,
         problems=record_problems(members, record, dist_info),
         console_scripts=parse_console_scripts(entry_points),
+        python_scripts=python_scripts,
     )
 
 

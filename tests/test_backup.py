@@ -16,7 +16,6 @@ from safeinstall.backup import (
     BackupError,
     create_backup,
     disk_space_needed,
-    dist_info_name,
     free_space,
     load_backup,
     manifest_from_dict,
@@ -26,7 +25,7 @@ from safeinstall.backup import (
     space_problem,
     stale_bytecode,
 )
-from safeinstall.distributions import find_distribution, find_distributions
+from safeinstall.distributions import dist_info_name, find_distribution, find_distributions
 from safeinstall.drift import FindingKind
 from safeinstall.environment import Environment, inspect_environment
 from safeinstall.verify import verify_environment
@@ -248,6 +247,57 @@ def test_a_manifest_from_before_package_roots_still_loads(
         del entry["listed"]
     old = manifest_from_dict(data)
     assert old.roots == () and all(f.listed for f in old.files)
+
+
+@pytest.mark.parametrize("link_mode", ["copy", "hardlink"])
+def test_record_entries_are_saved_as_hardlinks_that_the_install_never_writes_into(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path, link_mode: str
+) -> None:
+    """A backup hardlinks RECORD entries (no copy of a GB package): safe only because uv unlinks them
+    before it writes the new version, by copy or by hardlink. A file in no RECORD is copied: an install
+    that finds a file at a path it writes (here v2's new module, made by hand in v1) writes into it."""
+    wheelhouse.uv_install(venv, wheels["sipure-1"])
+    env = inspect_environment(venv)
+    package = env.purelib / "sipure"
+    by_hand = package / "extra_v2.py"
+    by_hand.write_text("# made by hand where v2 ships a module\n")
+    backup = create_backup(env, [find_distribution(env, "sipure")], tmp_path / "backup", [])
+
+    def saved(path: Path) -> Path:
+        return backup.files_dir / os.path.relpath(path, env.prefix)
+
+    assert os.path.samefile(saved(package / "__init__.py"), package / "__init__.py")  # a hardlink
+    assert not os.path.samefile(saved(by_hand), by_hand)  # a copy
+
+    wheelhouse.uv_install(venv, wheels["sipure-2"], link_mode=link_mode, reinstall=True)
+
+    assert "version 2" in (package / "__init__.py").read_text()
+    assert "version 1" in saved(package / "__init__.py").read_text()
+    assert saved(by_hand).read_text() == "# made by hand where v2 ships a module\n"
+    for entry in backup.manifest.files:
+        path = backup.files_dir / entry.path
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == entry.sha256, entry.path
+        assert os.stat(path).st_nlink == 1, entry.path  # the install unlinked the old file: ours alone
+
+
+def test_a_backup_reuses_a_verifys_hashes_only_for_files_unchanged_since(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    """The run hashes every file once before the stop (to find local patches); the hardlinked backup
+    takes those hashes, except for a file written since (same inode and size, new mtime)."""
+    wheelhouse.uv_install(venv, wheels["sipure-1"])
+    env = inspect_environment(venv)
+    before = verify_environment(env, ["sipure"])
+    cli = env.purelib / "sipure" / "cli.py"
+    content = cli.read_bytes()
+    with open(cli, "r+b") as handle:  # in place: same inode, same size
+        handle.write(b"#" + content[1:])
+    os.utime(cli, ns=(os.stat(cli).st_atime_ns, os.stat(cli).st_mtime_ns + 1_000_000))
+    backup = create_backup(env, [find_distribution(env, "sipure")], tmp_path / "b", [], known=before.observed)
+    saved = {f.path: f.sha256 for f in backup.manifest.files}
+    assert saved[os.path.relpath(cli, env.prefix)] == hashlib.sha256(b"#" + content[1:]).hexdigest()
+    for entry in backup.manifest.files:
+        assert hashlib.sha256((backup.files_dir / entry.path).read_bytes()).hexdigest() == entry.sha256
 
 
 def test_restore_leaves_paths_outside_and_shared_alone(

@@ -152,6 +152,7 @@ class Bed:
     def no_trace(self) -> None:
         assert self.journal() is None
         assert not list(self.state.glob("*/gate"))
+        assert not list(self.state.glob("*/uv-cache-*"))  # the run's own uv cache: gone, even after a kill
         assert not list(self.manager.unit_dir.glob("*.d/*safeinstall*"))
 
 
@@ -467,15 +468,18 @@ def test_disk_full_in_the_middle_of_the_install_rolls_back(
     installation, local patch included, and the service come back; also with the state directory (the
     journal, the backup) on that full disk, as in the default layout."""
     # room for the 160 MiB the wheel unpacks to when the run starts (and, with the state directory on
-    # that disk too, for the run's own copy of the wheel)
-    bed = bed_on_disk(416 if state_on_the_same_disk else 256)
+    # that disk too, for the run's own copy of the wheel and the run's own uv cache)
+    bed = bed_on_disk(608 if state_on_the_same_disk else 256)
     disk = bed.python.parent.parent.parent
     if state_on_the_same_disk:
         bed.state = disk / "state"
     before = _patch(bed)
     name = bed.unit("diskfull")
     bed.hold_gpu(name, 3.0, "e4")  # time to fill the disk
-    proc = bed.start_run("sicext", "--wheel", str(big_wheel), "--settle", "0.5", "--json")
+    # With the state on that disk the run's uv cache is there too, and the install would hardlink from
+    # it, needing no room; copying (the arguments after -- choose the link mode) needs the 160 MiB.
+    copy = ("--", "--link-mode", "copy") if state_on_the_same_disk else ()
+    proc = bed.start_run("sicext", "--wheel", str(big_wheel), "--settle", "0.5", "--json", *copy)
     filler = disk / "filler"
     frozen: list[int] = []
     try:

@@ -143,6 +143,36 @@ def test_happy_path(bed: Bed) -> None:
     assert not any(bed.state.glob("*/gate"))
 
 
+def test_the_install_hardlinks_from_the_runs_own_cache_and_nothing_shares_an_inode_after(bed: Bed) -> None:
+    """No copy of the package's bytes in the downtime: the run's own uv cache (in its state directory,
+    on the prefix's filesystem) is filled before the stop and the install hardlinks from it. The cache
+    is deleted when the run ends, so every installed file, and every file of the backup (hardlinks of
+    the old version's files), has exactly one link, and the backup still holds the old version."""
+    import hashlib
+
+    from safeinstall.backup import load_backup
+    from safeinstall.distributions import find_distribution
+    from safeinstall.environment import inspect_environment
+
+    bed.service("links")
+    result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json")
+
+    assert result.code == 0, result.stdout + result.stderr
+    data = result.json["data"]
+    command = data["plan"]["uv_command"]
+    assert command[command.index("--link-mode") + 1] == "hardlink"
+    assert bed.state.is_dir() and not list(bed.state.glob("*/uv-cache-*"))
+    installed = find_distribution(inspect_environment(bed.python), "sicext")
+    assert installed.version == "2.0"
+    assert {os.lstat(location).st_nlink for location in installed.locations} == {1}
+    backup = load_backup(Path(data["backup_dir"]))
+    for saved in backup.manifest.files:
+        path = backup.files_dir / saved.path
+        assert os.lstat(path).st_nlink == 1, saved.path
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == saved.sha256, saved.path
+    assert any(saved.path.endswith("sicext/__init__.py") for saved in backup.manifest.files)
+
+
 def test_human_output_names_every_step_and_the_downtime(bed: Bed) -> None:
     name = bed.service("human")
     result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5")

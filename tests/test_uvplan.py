@@ -7,7 +7,15 @@ from pathlib import Path
 import pytest
 
 from safeinstall.errors import PlanError
-from safeinstall.uvplan import UvRequest, dry_run, install_command, parse_changes, prefetch_command
+from safeinstall.uvplan import (
+    UvRequest,
+    dry_run,
+    install_command,
+    link_mode_for,
+    parse_changes,
+    prefetch_command,
+    same_filesystem,
+)
 from tests import wheelhouse
 from tests.wheelhouse import Wheelhouse
 
@@ -44,6 +52,23 @@ def test_named_package_only_unless_with_deps() -> None:
     assert again[-3:] == ["--index-url", "x", "vllm==0.9.1"]
 
 
+def test_hardlinks_only_from_the_runs_own_cache_on_the_prefixs_filesystem(tmp_path: Path) -> None:
+    """The install hardlinks from the run's cache when that cache can be on the prefix's filesystem;
+    arguments after -- that choose a cache or a link mode leave the run to copy (or to their own link
+    mode, given once: uv refuses --link-mode twice)."""
+    assert link_mode_for((), same_filesystem=True) == "hardlink"
+    assert link_mode_for((), same_filesystem=False) == "copy"
+    chosen = (("--cache-dir", "/c"), ("--cache-dir=/c",), ("--no-cache",), ("-n",), ("--link-mode", "clone"))
+    for args in chosen:
+        assert link_mode_for(args, same_filesystem=True) == "copy", args
+    assert same_filesystem(tmp_path / "not" / "yet", tmp_path)
+    request = UvRequest(Path("/p"), "vllm", extra_args=("--link-mode", "symlink"), link_mode="copy")
+    cmd = install_command(request, "uv")
+    assert cmd.count("--link-mode") == 1 and cmd[cmd.index("--link-mode") + 1] == "symlink"
+    hard = install_command(UvRequest(Path("/p"), "vllm", link_mode="hardlink"), "uv")
+    assert hard[hard.index("--link-mode") + 1] == "hardlink"
+
+
 def test_prefetch_pins_every_new_distribution_of_the_plan() -> None:
     """A nightly that needs a new dependency: the dependency is fetched before the stop as well."""
     request = UvRequest(
@@ -54,7 +79,7 @@ def test_prefetch_pins_every_new_distribution_of_the_plan() -> None:
         " + newdep @ https://example.invalid/newdep-1.0-py3-none-any.whl\n + torch==2.13.0\n"
     )
     cmd = prefetch_command(request, "uv", Path("/scratch"), changes)
-    assert cmd[:8] == [
+    assert cmd[:10] == [
         "uv",
         "pip",
         "install",
@@ -63,8 +88,10 @@ def test_prefetch_pins_every_new_distribution_of_the_plan() -> None:
         "--target",
         "/scratch",
         "--no-deps",
+        "--link-mode",  # the scratch copy is thrown away: hardlinked from the run's cache
+        "hardlink",
     ]
-    assert cmd[8:] == [
+    assert cmd[10:] == [
         "--index-url",
         "x",
         "/w/vllm.whl",
@@ -72,6 +99,14 @@ def test_prefetch_pins_every_new_distribution_of_the_plan() -> None:
         "newdep @ https://example.invalid/newdep-1.0-py3-none-any.whl",
     ]
     assert prefetch_command(request, "uv", Path("/scratch"))[-1] == "/w/vllm.whl"
+    copying = UvRequest(Path("/p"), "vllm", wheel=Path("/w/vllm.whl"), extra_args=("--link-mode=copy", "-q"))
+    assert prefetch_command(copying, "uv", Path("/s"))[-5:] == [
+        "--no-deps",
+        "--link-mode",
+        "hardlink",
+        "-q",
+        "/w/vllm.whl",
+    ]
 
 
 def test_real_dry_run(venv: Path, wheels: Wheelhouse) -> None:

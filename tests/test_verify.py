@@ -166,6 +166,34 @@ def test_python_scripts_rewritten_by_the_installer_are_not_drift(tmp_path: Path,
     assert [(f["kind"], f["path"]) for f in doc["data"]["findings"]] == [("modified", str(script))]
 
 
+def test_a_wheel_read_once_is_enough_and_a_corrupted_file_is_still_found(tmp_path: Path) -> None:
+    """A run verifies its install against the wheel it read and checked before the stop (its member
+    hashes, its #!python scripts) and never opens the wheel again; a corrupted file is still found."""
+    from safeinstall.distributions import find_distributions
+    from safeinstall.drift import FindingKind
+    from safeinstall.environment import inspect_environment
+    from safeinstall.verify import verify_environment
+    from safeinstall.wheel import read_wheel
+
+    wheel_path = wheelhouse.make_wheel(
+        tmp_path,
+        "sidata",
+        "1.0",
+        {"sidata/__init__.py": b"X = 1\n", "sidata-1.0.data/scripts/hello": b"#!python\nprint('hi')\n"},
+    )
+    python = wheelhouse.make_venv(tmp_path / "v")
+    wheelhouse.uv_install(python, wheel_path)
+    wheel = read_wheel(wheel_path)
+    wheel_path.unlink()  # what the verify needs from the wheel was read at preflight
+    env = inspect_environment(python)
+    installed = find_distributions(env)
+    assert verify_environment(env, ["sidata"], wheel, installed=installed).findings == ()
+    module = env.purelib / "sidata" / "__init__.py"
+    module.write_bytes(b"X = 2\n")  # same size: only the hash tells
+    report = verify_environment(env, ["sidata"], wheel, installed=installed)
+    assert [(f.kind, f.path) for f in report.findings] == [(FindingKind.MODIFIED, str(module))]
+
+
 def test_malformed_record_line(env: Path) -> None:
     _append_record(env, "sipure-1.0.dist-info", "sipure/x.py,md5=abc,3,extra-field")
     doc = run("sipure", "--verify-only", "--python", str(env), "--json").json
