@@ -518,7 +518,6 @@ def main_command(
         typer.Option(
             "--keep-backups",
             metavar="N",
-            min=1,
             help="After a good run, keep this many newest backups of the environment; delete older ones.",
         ),
     ] = 3,

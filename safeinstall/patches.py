@@ -321,9 +321,14 @@ def write_carried(prefix: Path, location: str, data: bytes) -> None:
     try:
         with Tree(prefix) as tree:
             relative = tree.relative(location)
-            info = tree.lstat(relative) if relative is not None else None
-            if relative is None or info is None or not stat.S_ISREG(info.st_mode):
-                raise StepFailed(f"refusing to write {location}: not a regular file inside {prefix}")
+            if relative is None:
+                raise StepFailed(f"refusing to write {location}: it is not inside {prefix}")
+            info = tree.lstat(relative)
+            if info is None or not stat.S_ISREG(info.st_mode):
+                raise StepFailed(
+                    f"could not write the merged {location}: it is not a regular file (a symlink, a "
+                    "special file or nothing) below the prefix"
+                )
             source = os.memfd_create("safeinstall-merge", os.MFD_CLOEXEC)
             try:
                 view = memoryview(data)

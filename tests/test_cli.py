@@ -114,6 +114,11 @@ def test_a_detached_run_gets_exactly_the_callers_options() -> None:
         prune=True,
         keep_backups=7,
         run_id="20261201T000000Z-42",
+        only_loaded=True,
+        strict=True,
+        keep_patches=True,
+        base_wheel=Path("/w/vllm-0.15.0-py3-none-any.whl"),
+        drop_conflicting=True,
     )
     variants = [
         dataclasses.replace(common, wheel=Path("/w/vllm-0.16.0-py3-none-any.whl")),

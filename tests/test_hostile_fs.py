@@ -119,7 +119,10 @@ class ServiceAccountBed(Bed):
     """A venv owned by uid 65534, its unit running as that uid; a victim directory beside it."""
 
     def __init__(self, base: Path, state: Path, manager: UserManager, nvml: FakeNvml, wheels: Wheelhouse):
-        python = wheelhouse.make_venv(base / "venv")
+        shared = wheelhouse.shared_interpreter()
+        if shared is None:
+            pytest.skip("no interpreter of this Python version that uid 65534 may run")
+        python = wheelhouse.make_venv(base / "venv", shared)
         wheelhouse.uv_install(python, wheels["sicext-1"])
         chown_tree(base / "venv", NOBODY)
         super().__init__(python, state, manager, nvml, wheels)

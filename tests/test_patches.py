@@ -193,20 +193,20 @@ def test_a_patch_in_a_region_both_versions_share_is_carried_and_runs_after_the_r
     bed: Bed, tmp_path: Path, source: str
 ) -> None:
     """The pristine 1.0 from --base-wheel, or fetched by uv from a flat index of the fixture wheels (and
-    with --version instead of --wheel, the new version's files fetched the same way)."""
+    with the requirement sicext==2.0 instead of --wheel, the new version's files fetched the same way)."""
     marker = tmp_path / "marker"
     _patch_serve(bed, marker)
     _append_to_init(bed)
     bed.service("carry")
     wait_until(lambda: _read(marker) == "1.0 with a local fix", 15, "the patched 1.0 service")
     v2 = bed.wheels["sicext-2"]
-    new = ("--version", "2.0") if source == "fetched-both" else ("--wheel", str(v2))
+    new = ("sicext==2.0",) if source == "fetched-both" else ("sicext", "--wheel", str(v2))
     where = (
         ("--base-wheel", str(bed.wheels["sicext-1"]))
         if source == "base-wheel"
         else _find_links(bed, tmp_path)
     )
-    result = bed.safeinstall("sicext", *new, "--keep-patches", "--settle", "0.5", "--json", *where)
+    result = bed.safeinstall(*new, "--keep-patches", "--settle", "0.5", "--json", *where)
 
     assert result.code == 0, result.stdout + result.stderr
     data = result.json["data"]

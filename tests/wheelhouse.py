@@ -84,16 +84,30 @@ def uv_env() -> dict[str, str]:
     return env
 
 
-def make_venv(path: Path) -> Path:
-    """A fresh venv made by uv; returns its python."""
+def make_venv(path: Path, base: str | None = None) -> Path:
+    """A fresh venv made by uv (from ``base``, default this interpreter); returns its python."""
     subprocess.run(
-        [UV, "venv", "--quiet", "--python", sys.executable, str(path)],
+        [UV, "venv", "--quiet", "--python", base or sys.executable, str(path)],
         check=True,
         capture_output=True,
         text=True,
         env=uv_env(),
     )
     return path / "bin" / "python"
+
+
+def shared_interpreter() -> str | None:
+    """An interpreter of this Python version that every user may run (a service account's venv is
+    made from it): this one when its directories let others through, else the system's; None: none."""
+    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    for candidate in (os.path.realpath(sys.executable), f"/usr/bin/{version}", f"/usr/local/bin/{version}"):
+        path = Path(candidate)
+        if not path.is_file():
+            continue
+        steps = [path, *path.parents]
+        if all(os.stat(step).st_mode & 0o001 for step in steps):  # others may pass and run it
+            return str(path)
+    return None
 
 
 def uv_install(python: Path, *wheels: Path, link_mode: str = "copy", reinstall: bool = False) -> None:
@@ -121,13 +135,15 @@ def _record_line(name: str, data: bytes) -> str:
     return f"{name},sha256={digest},{len(data)}"
 
 
-def write_wheel(path: Path, members: dict[str, bytes], dist_info: str) -> Path:
-    """A wheel with ``members`` and a correct RECORD (written last), stored uncompressed."""
+def write_wheel(path: Path, members: dict[str, bytes], dist_info: str, *, deflate: bool = False) -> Path:
+    """A wheel with ``members`` and a correct RECORD (written last), stored uncompressed unless
+    ``deflate``."""
     import zipfile
 
     record = [_record_line(name, data) for name, data in members.items()]
     record.append(f"{dist_info}/RECORD,,")
-    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as archive:
+    compression = zipfile.ZIP_DEFLATED if deflate else zipfile.ZIP_STORED
+    with zipfile.ZipFile(path, "w", compression=compression) as archive:
         for name, data in members.items():
             archive.writestr(name, data)
         archive.writestr(f"{dist_info}/RECORD", "\n".join(record) + "\n")
