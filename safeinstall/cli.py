@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
-from rich.markup import escape
+import typer.core
 
 from safeinstall.environment import Environment, inspect_environment, resolve_python
 from safeinstall.errors import ExitCode, SafeInstallError, UsageError
@@ -21,7 +21,9 @@ from safeinstall.options import RunOptions, check_options
 from safeinstall.output import dumps, envelope, finding_json, jsonable, plan_json, run_json
 from safeinstall.render import (
     ConsoleReporter,
+    literal,
     make_console,
+    printable,
     render_entry,
     render_error,
     render_forgotten,
@@ -135,7 +137,7 @@ def _run_verify(
     env = inspect_environment(resolve_python(python, os.environ))
     err = make_console(stderr=True)
     if env.owner_note and not as_json:
-        err.print(f"[dim]note:[/] {escape(env.owner_note)}", soft_wrap=True)
+        err.print(f"[dim]note:[/] {literal(env.owner_note, lines=True)}", soft_wrap=True)
     names = None if all_ else [package or ""]
     read: Wheel | None = None
     if wheel is not None:
@@ -179,7 +181,7 @@ def _run_verify(
         if save_patch is not None:
             err.print(
                 f"patch of {sum(1 for d in diffs or [] if d.text)} modified files written to "
-                f"{escape(str(save_patch))}"
+                f"{literal(save_patch)}"
             )
     _exit(report.exit_code)
 
@@ -189,19 +191,22 @@ def _environment_state(options: RunOptions) -> tuple[Environment, EnvironmentSta
     return env, environment_state(state_root(options.environ, os.geteuid()), env.prefix)
 
 
-def _keep(state: EnvironmentState, entry: dict[str, Any]) -> tuple[str, ...]:
-    """The single place where a run's result is final: into its log and the environment's history."""
-    from safeinstall.history import append
+def _keep(
+    state: EnvironmentState, run_id: str, package: str, started: str, result: dict[str, Any]
+) -> tuple[str, ...]:
+    """The single place where a run's result is final: into its log and the environment's history,
+    which names the log whenever there is one (a run refused or declined has one too)."""
+    from safeinstall.history import append, new_entry
 
-    result = entry["result"]
+    log = state.log_file(run_id)
     for error in result["errors"]:
-        append_line(state.log_file(entry["run_id"]), f"error: {error['message']}")
-    append_line(state.log_file(entry["run_id"]), f"result: {result['status']} (exit {result['exit_code']})")
-    return append(state, entry)
+        append_line(log, f"error: {error['message']}")
+    append_line(log, f"result: {result['status']} (exit {result['exit_code']})")
+    log_file = str(log) if os.path.isfile(log) else None
+    return append(state, new_entry(run_id, package, started, now_iso(), result, log_file=log_file))
 
 
 def _run_reinstall(options: RunOptions, as_json: bool, interactive: bool) -> None:
-    from safeinstall.history import new_entry
     from safeinstall.reinstall import run_reinstall
 
     _env, state = _environment_state(options)
@@ -213,19 +218,19 @@ def _run_reinstall(options: RunOptions, as_json: bool, interactive: bool) -> Non
         result = run_reinstall(replace(options, run_id=run_id), reporter, interactive)
     except SafeInstallError as error:
         document = envelope("reinstall", "error", error.exit_code, None, [error])
-        _keep(state, new_entry(run_id, options.package, started, now_iso(), jsonable(document)))
+        _keep(state, run_id, options.package, started, jsonable(document))
         raise
     errors = [result.error] if result.error else []
     data = {"run_id": run_id, **run_json(result)}
     document = jsonable(envelope("reinstall", result.status, result.exit_code, data, errors))
-    notes = _keep(state, new_entry(run_id, options.package, started, now_iso(), document))
+    notes = _keep(state, run_id, options.package, started, document)
     with contextlib.suppress(OSError):  # the terminal may be gone (SIGHUP): the exit code still tells
         if as_json:
             print(dumps(document))
         else:
             render_result(out, err, result, run_id)
         for note in notes:
-            err.print(f"[dim]note:[/] {note}", soft_wrap=True, highlight=False)
+            err.print(f"[dim]note:[/] {literal(note, lines=True)}", soft_wrap=True)
     _exit(result.exit_code)
 
 
@@ -256,10 +261,14 @@ def _run_detached(options: RunOptions, as_json: bool, interactive: bool) -> None
         print(dumps(envelope("reinstall", "detached", ExitCode.OK, data)))
     else:
         manager = "systemd --user" if started.user_manager else "systemd"
-        out.print(f"detached: run {run_id} goes on as {started.unit} ({manager})", soft_wrap=True)
         out.print(
-            f"follow it with: safeinstall --status --wait --run {run_id} --python {env.python}"
-            + (" --user" if started.user_manager else ""),
+            f"detached: run {literal(run_id)} goes on as {literal(started.unit)} ({manager})", soft_wrap=True
+        )
+        out.print(
+            literal(
+                f"follow it with: safeinstall --status --wait --run {run_id} --python {env.python}"
+                + (" --user" if started.user_manager else "")
+            ),
             soft_wrap=True,
         )
     _exit(ExitCode.OK)
@@ -286,9 +295,9 @@ def _run_wait(python: str | None, run_id: str | None, as_json: bool) -> None:
     else:
         state = locate(list_environment_dirs(root), run_id)
 
-    def show(line: str) -> None:
+    def show(line: str) -> None:  # the log holds uv's output and other users' names: never raw
         with contextlib.suppress(OSError):
-            sys.stderr.write(line + "\n")
+            sys.stderr.write(printable(line, lines=True) + "\n")
             sys.stderr.flush()
 
     _print_entry(wait_for_run(state, run_id, show), as_json)
@@ -374,6 +383,46 @@ def command_for(flags: Collection[str]) -> str:
     return next((name for flag, name in _COMMANDS if flag in flags), "reinstall")
 
 
+#: The flags that each choose what safeinstall does: no two of them go together.
+_MODES = ("--verify-only", "--dry-run", "--detach", "--recover", "--status", "--forget")
+
+
+def mode_conflict(flags: Collection[str]) -> UsageError | None:
+    """Pure: the usage error of two modes given together (None: at most one). None takes precedence
+    over another in silence: ``--status --forget`` would otherwise forget, ``--verify-only --dry-run``
+    only verify."""
+    given = [flag for flag in _MODES if flag in flags]
+    if len(given) < 2:
+        return None
+    if set(given) == {"--dry-run", "--detach"}:
+        return UsageError("--dry-run changes nothing: there is nothing to detach", hint="drop --detach")
+    return UsageError(
+        f"{' and '.join(given)} do not go together: each chooses what safeinstall does",
+        hint=f"give one of {', '.join(given)}: each is a command of its own (see safeinstall --help)",
+    )
+
+
+class _PlainHelp(typer.core.TyperCommand):
+    """Help as uv and pip print it: an argument by its name alone (``REQUIREMENT``, no ``<str>``)."""
+
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        params = self.get_params(ctx)
+        arguments = [
+            (param.metavar or (param.name or "").upper(), getattr(param, "help", None) or "")
+            for param in params
+            if param.param_type_name == "argument" and not getattr(param, "hidden", False)
+        ]
+        options = [
+            record
+            for param in params
+            if param.param_type_name == "option" and (record := param.get_help_record(ctx)) is not None
+        ]
+        for title, rows in (("Arguments", arguments), ("Options", options)):
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+
+
 def _tool_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -428,6 +477,7 @@ def _flag(name: str, help_text: str, *short: str) -> Any:
 
 
 @app.command(
+    cls=_PlainHelp,
     context_settings={
         "allow_extra_args": True,
         "ignore_unknown_options": False,
@@ -596,19 +646,19 @@ def main_command(
 
     Arguments after -- go to uv unchanged (index options and the like).
     """
-    command = command_for(
-        {
-            flag
-            for flag, on in (
-                ("--verify-only", verify_only),
-                ("--dry-run", dry_run),
-                ("--recover", recover_),
-                ("--status", status_),
-                ("--forget", forget_),
-            )
-            if on
-        }
-    )
+    modes = {
+        flag
+        for flag, on in (
+            ("--verify-only", verify_only),
+            ("--dry-run", dry_run),
+            ("--detach", detach_),
+            ("--recover", recover_),
+            ("--status", status_),
+            ("--forget", forget_),
+        )
+        if on
+    }
+    command = command_for(modes)
     try:
         if show_version:
             given = [
@@ -630,6 +680,9 @@ def main_command(
             environ = take_environ(environ_from)
             os.environ.clear()
             os.environ.update(environ)
+        conflict = mode_conflict(modes)
+        if conflict is not None:
+            raise conflict
         if (wait or run) and not status_:
             raise UsageError(
                 "--wait and --run go with --status", hint="safeinstall --status --wait [--run RUN_ID]"
@@ -650,6 +703,15 @@ def main_command(
             if wait:
                 _run_wait(python, run, as_json)
             _run_status(python, as_json)
+        if all_ and not verify_only:
+            raise UsageError(
+                "--all goes with --verify-only", hint="safeinstall --verify-only --all [--python PATH]"
+            )
+        if (diff or save_patch is not None) and not verify_only:
+            raise UsageError(
+                "--diff and --save-patch go with --verify-only",
+                hint=f"safeinstall {package or 'PACKAGE'} --verify-only --wheel W --diff [--save-patch FILE]",
+            )
         if (base_wheel is not None or drop_conflicting) and not keep_patches:
             raise UsageError(
                 "--base-wheel and --drop-conflicting go with --keep-patches",
@@ -676,10 +738,6 @@ def main_command(
         check_options(options)
         interactive = not yes and not as_json and sys.stdin.isatty()
         if detach_:
-            if dry_run:
-                raise UsageError(
-                    "--dry-run changes nothing: there is nothing to detach", hint="drop --detach"
-                )
             _run_detached(options, as_json, interactive)
         if dry_run:
             _run_dry_run(options, as_json)
@@ -700,9 +758,18 @@ def _usage_error(exc: typer.TyperException) -> UsageError:
 
 
 def _main(argv: list[str]) -> int:
-    if not argv:  # as uv: the help, and the status of a usage error
-        app(args=["--help"], prog_name="safeinstall", standalone_mode=False)
-        return int(ExitCode.REFUSED)
+    if not argv:  # as uv: the help and the status of a usage error; on stderr, with the error's lines
+        with contextlib.redirect_stdout(sys.stderr):
+            app(args=["--help"], prog_name="safeinstall", standalone_mode=False)
+        _fail(
+            UsageError(
+                "no REQUIREMENT and no command given",
+                hint="safeinstall PACKAGE [--wheel W], safeinstall PACKAGE --verify-only or "
+                "safeinstall --status (see safeinstall --help)",
+            ),
+            "reinstall",
+            False,
+        )
     words = _words(argv)
     try:
         code = app(args=argv, prog_name="safeinstall", standalone_mode=False)

@@ -261,7 +261,10 @@ def locate(environ_states: list[EnvironmentState], run_id: str | None) -> Enviro
         return running[0]
     latest = [(h.runs[0].finished_at or "", s) for s in environ_states if (h := read_history(s)).runs]
     if not latest:
-        raise UsageError("no run to wait for: none is in progress and none has finished", hint="")
+        raise UsageError(
+            "no run to wait for: none is in progress and none has finished",
+            hint="start one (safeinstall PACKAGE --wheel W --detach), then wait for it",
+        )
     return max(latest, key=lambda pair: pair[0])[1]
 
 
