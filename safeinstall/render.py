@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
+from rich.padding import Padding
 from rich.table import Table
 
 from safeinstall.drift import Finding, FindingKind
@@ -450,7 +451,7 @@ def render_status(out: Console, found: list[EnvironmentStatus], last: int = 5) -
         shown = s.runs[:last]
         if shown:
             out.print("  last runs:")
-            out.print(_runs_table(shown))
+            out.print(Padding(_runs_table(shown), (0, 0, 0, 2), expand=False))
             for r in shown:
                 out.print(f"  log of {literal(r.run_id)}: {literal(r.log_file or '-')}", soft_wrap=True)
         for problem in s.history_problems:
