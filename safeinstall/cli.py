@@ -660,14 +660,20 @@ def main_command(
     }
     command = command_for(modes)
     try:
+        given = [
+            name
+            for name in ctx.params
+            if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"
+        ]
+        if not given and not ctx.args:  # as uv: the help, and the status of a usage error; on stderr
+            typer.echo(ctx.get_help(), err=True)
+            raise UsageError(
+                "no REQUIREMENT and no command given",
+                hint="safeinstall PACKAGE [--wheel W], safeinstall PACKAGE --verify-only or "
+                "safeinstall --status (see safeinstall --help)",
+            )
         if show_version:
-            given = [
-                name
-                for name in ctx.params
-                if name != "show_version"
-                and getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"
-            ]
-            if given or ctx.args:
+            if given != ["show_version"] or ctx.args:
                 raise UsageError(
                     "--version prints safeinstall's version and takes nothing else",
                     hint="to install a version, give it in the requirement: safeinstall 'vllm==0.16.0'",
@@ -758,18 +764,6 @@ def _usage_error(exc: typer.TyperException) -> UsageError:
 
 
 def _main(argv: list[str]) -> int:
-    if not argv:  # as uv: the help and the status of a usage error; on stderr, with the error's lines
-        with contextlib.redirect_stdout(sys.stderr):
-            app(args=["--help"], prog_name="safeinstall", standalone_mode=False)
-        _fail(
-            UsageError(
-                "no REQUIREMENT and no command given",
-                hint="safeinstall PACKAGE [--wheel W], safeinstall PACKAGE --verify-only or "
-                "safeinstall --status (see safeinstall --help)",
-            ),
-            "reinstall",
-            False,
-        )
     words = _words(argv)
     try:
         code = app(args=argv, prog_name="safeinstall", standalone_mode=False)
