@@ -607,10 +607,14 @@ def main_command(
         bool, _flag("--verify-only", "Only check installed files against RECORD; change nothing.")
     ] = False,
     all_: Annotated[bool, _flag("--all", "With --verify-only: every distribution.")] = False,
-    diff: Annotated[bool, _flag("--diff", "With --wheel: unified diffs of modified files.")] = False,
+    diff: Annotated[
+        bool, _flag("--diff", "With --verify-only --wheel: unified diffs of modified files.")
+    ] = False,
     save_patch: Annotated[
         Path | None,
-        typer.Option("--save-patch", metavar="FILE", help="With --wheel: write those diffs to FILE."),
+        typer.Option(
+            "--save-patch", metavar="FILE", help="With --verify-only --wheel: write those diffs to FILE."
+        ),
     ] = None,
     recover_: Annotated[
         bool, _flag("--recover", "Finish runs that died (restore, restart units, clear the journal).")
