@@ -4,8 +4,9 @@ dry-run refuses exactly when the run would (same decision, same exit code 2).
 In the run's order: the interpreter; the state directory; the lock; the wheel (a valid zip whose
 RECORD matches its contents, for PACKAGE, fitting the interpreter's tags); uv's plan and the /proc scan
 (:func:`safeinstall.survey.survey`); the plan's refusals; room for the backup and for the install; the
-environment's directories writable. A failure before there is a plan raises; later ones are the plan's
-refusals, so that a dry-run still shows the plan and why it would refuse.
+environment's directories writable (by its owner, when uv runs as that account). A failure before
+there is a plan raises; later ones are the plan's refusals, so that a dry-run still shows the plan and
+why it would refuse.
 
 The only difference: the run creates its state directory and takes the lock (and keeps it); a dry-run
 creates nothing and takes no lock: it checks that the directory could be made and that no live run
@@ -30,8 +31,10 @@ from safeinstall.safefs import unwritable
 from safeinstall.state import (
     EnvironmentState,
     check_environment_dir,
+    check_passable,
     ensure_environment_dir,
     environment_state,
+    let_through,
     state_root,
 )
 from safeinstall.survey import Survey, survey
@@ -75,8 +78,12 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
     state = environment_state(state_root(options.environ, os.geteuid()), env.prefix)
     notes: list[str] = [env.owner_note] if env.owner_note else []
     lock: HeldLock | None = None
+    if env.account is not None:  # uv runs as the environment's owner: it must reach the run's directories
+        check_passable(state.root, env.account)
     if take_lock:
         notes.extend(s.warning for s in ensure_environment_dir(state) if s.warning)
+        if env.account is not None:
+            let_through(state)
         lock = acquire_lock(state.lock, str(env.prefix))
         if lock.takeover_note:
             notes.append(lock.takeover_note)
@@ -182,5 +189,7 @@ def writability_problems(env: Environment, found: Survey, wheel: Wheel | None) -
     where the wheel's members land: a read-only one would fail the install during the downtime."""
     return tuple(
         f"the install could not write {problem} (it is not writable)"
-        for problem in unwritable(install_directories(env, found.affected, wheel))
+        for problem in unwritable(
+            install_directories(env, found.affected, wheel), None if env.account is None else env.account.ids
+        )
     )

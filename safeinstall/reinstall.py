@@ -63,7 +63,14 @@ from safeinstall.recover import put_back
 from safeinstall.retention import prune_backups
 from safeinstall.runlog import append_line
 from safeinstall.signals import interrupts_deferred, interrupts_raise
-from safeinstall.state import EnvironmentState, atomic_write, ensure_dir, new_run_id, remove_uv_caches
+from safeinstall.state import (
+    EnvironmentState,
+    atomic_write,
+    make_run_dir,
+    new_run_id,
+    remove_run_dir,
+    remove_uv_caches,
+)
 from safeinstall.survey import Survey, scan_again, systemd_for
 from safeinstall.systemd import StopOutcome, Systemd, start_wait_s
 from safeinstall.uvplan import install as uv_install
@@ -249,7 +256,7 @@ class _Run:
         self.patches = prepare_patches(
             self.survey,
             self.options.base_wheel,
-            self.state.dir / f"keep-patches-{self.run_id}",  # scratch: removed once read
+            self.state.keep_patches_dir(self.run_id),  # scratch: removed once read
             self.options.environ,
             self.options.drop_conflicting,
         )
@@ -301,16 +308,16 @@ class _Run:
         """Fill the run's own uv cache with the new artefacts, so that the install in the downtime only
         links (or copies) files from it."""
         assert self.state is not None and self.env is not None and self.survey is not None
-        scratch = self.state.dir / f"prefetch-{self.run_id}"
+        account = self.env.account  # uv runs as the environment's owner: the directories are its own
         request = self.survey.request
-        cache = self.state.uv_cache(self.run_id)
-        ensure_dir(cache)
+        cache = make_run_dir(self.state.uv_cache(self.run_id), account)
+        scratch = make_run_dir(self.state.prefetch_dir(self.run_id), account)
         command = prefetch_command(request, uv_binary(), scratch, self.survey.uv_plan.changes)
         self._log(f"prefetch (UV_CACHE_DIR={cache}): " + " ".join(command))
         try:
-            result = uv_install(command, self.options.environ, cache_dir=cache)
+            result = uv_install(command, self.options.environ, cache_dir=cache, account=account)
         finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+            remove_run_dir(scratch)
         self._log(f"uv exit {result.returncode}:\n{result.output}")
         if result.returncode != 0:
             tail = "\n".join(result.output.strip().splitlines()[-6:])
@@ -446,7 +453,7 @@ class _Run:
         command = self.plan.uv_command
         cache = self.state.uv_cache(self.run_id)
         self._log(f"install (UV_CACHE_DIR={cache}): " + " ".join(command))
-        result = uv_install(command, self.options.environ, cache_dir=cache)
+        result = uv_install(command, self.options.environ, cache_dir=cache, account=self.env.account)
         self._log(f"uv exit {result.returncode}:\n{result.output}")
         if result.returncode != 0:
             tail = "\n".join(result.output.strip().splitlines()[-6:])

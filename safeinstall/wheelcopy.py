@@ -4,7 +4,9 @@ A wheel usually comes from a download directory (``/tmp``, a shared cache) that 
 could replace it between the preflight check and uv's install, or before ``--recover`` reads it again.
 So a run copies it into ``<state>/<env>/wheels/<random>/<the wheel's file name>`` (the state directory
 is root's, mode 0700) and checks, installs and journals that copy only; the copy goes when the run (or
-its recovery) ends.
+its recovery) ends. The copy is root's and read-only for others (0644, in directories others may enter
+but not list, 0711): uv reads it as the environment's owner when the environment is another account's
+(:mod:`safeinstall.state`), which can read it, never replace it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from safeinstall.errors import WheelError
 from safeinstall.safefs import Tree, open_regular
 
 WHEELS_DIR = "wheels"
+COPY_DIR_MODE = 0o711
+COPY_MODE = 0o644
 
 
 def copy_wheel(source: Path, envdir: Path) -> Path:
@@ -31,8 +35,9 @@ def copy_wheel(source: Path, envdir: Path) -> Path:
         ) from exc
     try:
         with Tree(envdir) as tree:
-            tree.make_dirs(directory, 0o700)
-            tree.write_from(f"{directory}/{source.name}", source_fd, 0o600, atomic=False)
+            tree.make_dirs(directory, COPY_DIR_MODE)
+            tree.set_mode(WHEELS_DIR, COPY_DIR_MODE)  # made 0700 by an older release
+            tree.write_from(f"{directory}/{source.name}", source_fd, COPY_MODE, atomic=False)
     except OSError as exc:
         discard_wheel_copy(envdir / directory / source.name, envdir)
         raise WheelError(
