@@ -47,7 +47,7 @@ from safeinstall.wheel import (
     read_wheel,
     target_tags,
 )
-from safeinstall.wheelcopy import copy_wheel, discard_wheel_copy
+from safeinstall.wheelcopy import copy_wheel, discard_wheel_copy, temporary_copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +102,11 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
             except WheelError as exc:  # named as the user gave it
                 raise WheelError(exc.message.replace(str(use), str(given)), exc.hint) from exc
             check_wheel(wheel, options.package, env)
-        found = survey(options, env, wheel)
+        if given is not None and not take_lock and env.account is not None:
+            with temporary_copy(given) as copy:  # uv reads it as the owner, who may not read `given`
+                found = _named_as_given(survey(replace(options, wheel=copy), env, wheel), copy, given)
+        else:
+            found = survey(options, env, wheel)
         if wheel is not None:
             check_landing(wheel, env, found.affected, found.installed)
         more = (*room_problems(found, env, state.backups, wheel), *writability_problems(env, found, wheel))
@@ -115,6 +119,20 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
             lock.release()
         raise
     return Prepared(options, env, state, wheel, found, lock, tuple(notes))
+
+
+def _named_as_given(found: Survey, copy: Path, given: Path) -> Survey:
+    """Pure: the dry-run's plan with the wheel named as the user gave it, not as its temporary copy."""
+
+    def named(command: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(str(given) if arg == str(copy) else arg for arg in command)
+
+    return replace(
+        found,
+        request=replace(found.request, wheel=given),
+        uv_plan=replace(found.uv_plan, command=named(found.uv_plan.command)),
+        plan=replace(found.plan, uv_command=named(found.plan.uv_command)),
+    )
 
 
 def refusal(plan: Plan) -> PlanError | None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from safeinstall.errors import WheelError
@@ -72,3 +74,17 @@ def discard_wheel_copy(path: Path, envdir: Path) -> None:
         return
     with contextlib.suppress(OSError), Tree(envdir) as tree:
         tree.remove_tree(directory)
+
+
+@contextlib.contextmanager
+def temporary_copy(source: Path) -> Iterator[Path]:
+    """A copy of ``source`` in a new temporary directory that others may enter (0711; the copy 0644),
+    removed afterwards: what a dry-run gives uv when uv runs as the environment's owner, who may not be
+    able to read the wheel where it lies (a run gives it the run's own copy, in the state directory)."""
+    top = Path(tempfile.mkdtemp(prefix="safeinstall-"))
+    try:
+        os.chmod(top, COPY_DIR_MODE)
+        yield copy_wheel(source, top)
+    finally:
+        with contextlib.suppress(OSError), Tree(top.parent) as tree:
+            tree.remove_tree(top.name)
