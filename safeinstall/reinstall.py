@@ -31,7 +31,7 @@ import psutil
 from safeinstall.backup import Backup, create_backup, prune_into
 from safeinstall.distributions import InstalledDistribution, reload_distributions
 from safeinstall.drift import Expectation, FindingKind
-from safeinstall.environment import Environment, interpreter_in_prefix
+from safeinstall.environment import Account, Environment, interpreter_in_prefix
 from safeinstall.errors import (
     Aborted,
     ExitCode,
@@ -313,7 +313,7 @@ class _Run:
         cache = make_run_dir(self.state.uv_cache(self.run_id), account)
         scratch = make_run_dir(self.state.prefetch_dir(self.run_id), account)
         command = prefetch_command(request, uv_binary(), scratch, self.survey.uv_plan.changes)
-        self._log(f"prefetch (UV_CACHE_DIR={cache}): " + " ".join(command))
+        self._log(f"prefetch (UV_CACHE_DIR={cache}{_as(account)}): " + " ".join(command))
         try:
             result = uv_install(command, self.options.environ, cache_dir=cache, account=account)
         finally:
@@ -452,7 +452,7 @@ class _Run:
         self._journal(Phase.INSTALLING)
         command = self.plan.uv_command
         cache = self.state.uv_cache(self.run_id)
-        self._log(f"install (UV_CACHE_DIR={cache}): " + " ".join(command))
+        self._log(f"install (UV_CACHE_DIR={cache}{_as(self.env.account)}): " + " ".join(command))
         result = uv_install(command, self.options.environ, cache_dir=cache, account=self.env.account)
         self._log(f"uv exit {result.returncode}:\n{result.output}")
         if result.returncode != 0:
@@ -862,6 +862,11 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
         _discard_wheel_copy(run)
         if run.lock is not None:
             run.lock.release()
+
+
+def _as(account: Account | None) -> str:
+    """Pure: how the log says whom uv runs as (nothing: the caller)."""
+    return "" if account is None else f", as uid {account.uid}"
 
 
 def _discard_wheel_copy(run: _Run) -> None:
