@@ -379,7 +379,7 @@ def test_a_state_directory_the_owner_cannot_reach_is_refused_before_anything(
 ) -> None:
     """uv runs as the environment's owner and must reach the run's uv cache in the state directory:
     one below a directory closed to the owner (pytest's are 0700) is refused, for a run and a dry run,
-    before anything is created (exit 2)."""
+    before the wheel is copied or anything else is done (exit 2)."""
     closed = next(d for d in reversed(tmp_path.parents) if not d.stat().st_mode & 0o001)  # to others
     state = tmp_path / "state"
     for extra in ("--dry-run", "--yes"):
@@ -391,7 +391,8 @@ def test_a_state_directory_the_owner_cannot_reach_is_refused_before_anything(
             f"error: uv runs as uid {OTHER_UID}, the environment's owner, and could not reach the run's uv "
             f"cache in the state directory {state}: {closed} is mode 0700"
         ) in " ".join(result.stderr.split())
-        assert not state.exists()
+        assert not list(state.glob("*/wheels")) and not list(state.glob("*/journal.json"))  # nothing copied
+    assert list(state.glob("*/history/*.json"))  # only the refused run's result, as for every refusal
 
 
 def test_who_may_enter_or_write_a_directory() -> None:
