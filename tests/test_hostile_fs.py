@@ -308,13 +308,10 @@ def _plant_journal(account: ServiceAccountBed, unit: str) -> Path:
     return envdir
 
 
-def test_uv_runs_as_the_environments_owner_never_as_root(account: ServiceAccountBed) -> None:
-    """Row: a ``.pth`` file in the service account's venv. uv asks the interpreter with ``-I``, which
-    still runs ``site``, so the file runs in every uv call: the dry-run's plan, the prefetch, the
-    install. It must never run as root: not for ``--dry-run``, a run, ``--verify-only``, a run that
-    rolls back, nor ``--recover``. uv runs as uid 65534, so the files it installs are that account's,
-    and the rollback and the recovery restore into its environment as before."""
-    uids = account.base / "venv" / "pth-uids"  # beside the environment's files, writable by its owner
+def _pth_uids(account: ServiceAccountBed) -> Callable[[str], None]:
+    """A ``.pth`` file in the account's venv that appends the uid it runs as to a file (beside the
+    environment's files, writable by its owner); returns the check that it never ran as root."""
+    uids = account.base / "venv" / "pth-uids"
     uids.touch()
     os.chown(uids, NOBODY, NOBODY)
     pth = account.site / "zz-uids.pth"
@@ -325,6 +322,17 @@ def test_uv_runs_as_the_environments_owner_never_as_root(account: ServiceAccount
         ran = set(uids.read_text().split())
         assert "0" not in ran, f"the environment's .pth file ran as root during {after}"
         assert ran <= {str(NOBODY)}
+
+    return never_root
+
+
+def test_uv_runs_as_the_environments_owner_never_as_root(account: ServiceAccountBed) -> None:
+    """Row: a ``.pth`` file in the service account's venv. uv asks the interpreter with ``-I``, which
+    still runs ``site``, so the file runs in every uv call: the dry-run's plan, the prefetch, the
+    install. It must never run as root: not for ``--dry-run``, a run, ``--verify-only``, a run that
+    rolls back, nor ``--recover``. uv runs as uid 65534, so the files it installs are that account's,
+    and the rollback and the recovery restore into its environment as before."""
+    never_root = _pth_uids(account)
 
     def version() -> str:  # Bed.version would run the environment's python as root (the test's uid)
         versions = [
@@ -386,6 +394,32 @@ def test_uv_runs_as_the_environments_owner_never_as_root(account: ServiceAccount
     assert account.snapshot() == before and os.lstat(account.site / "sicext" / "serve.py").st_uid == NOBODY
     assert not cache.exists() and account.outside() == outside, "root deleted or wrote outside"
     account.manager.wait_active(name)
+    account.no_trace()
+
+
+def test_keep_patches_fetches_as_the_environments_owner(account: ServiceAccountBed) -> None:
+    """Row: ``--keep-patches`` without wheels: uv fetches the installed and the new version into the
+    run's scratch directory, as the environment's owner (the ``.pth`` file never runs as root); root
+    reads what uv wrote there by descriptor, and the carried patch is in the owner's new files."""
+    never_root = _pth_uids(account)
+    links = account.base / "links"  # a flat index the account can read
+    links.mkdir(mode=0o755)
+    for key in ("sicext-1", "sicext-2"):
+        shutil.copy(account.wheels[key], links)
+        (links / account.wheels[key].name).chmod(0o644)
+    init = account.site / "sicext" / "__init__.py"
+    init.write_text(init.read_text() + 'PATCH = " with a local fix"\n')  # shared by 1.0 and 2.0
+    name = account.unit("keep-patches")
+    result = account.cli(
+        "sicext==2.0", "--keep-patches", "--yes", "--settle", "1", "--json",
+        "--", "--offline", "--find-links", str(links),
+    )  # fmt: skip
+    assert result.code == 0, result.stdout + result.stderr
+    never_root("a --keep-patches run")
+    assert [(p["path"], p["status"]) for p in result.json["data"]["patches"]] == [(str(init), "carried")]
+    assert init.read_text().endswith('PATCH = " with a local fix"\n') and os.lstat(init).st_uid == NOBODY
+    account.manager.wait_active(name)
+    assert not list(account.state.glob("*/keep-patches-*")) and not list(account.state.glob("*/prefetch-*"))
     account.no_trace()
 
 
