@@ -315,9 +315,14 @@ def let_through(state: EnvironmentState) -> None:
     """Make the state root and the environment's directory :data:`PASSABLE_MODE` (0711), so that the
     environment's owner reaches the run's own directories in it by name (see the module)."""
     for directory in (Path(os.path.realpath(state.root)), state.dir):
-        info = os.lstat(directory)
-        if stat.S_IMODE(info.st_mode) != PASSABLE_MODE:
-            os.chmod(directory, PASSABLE_MODE)  # root's own directories (ensure_dir checked them)
+        try:
+            if stat.S_IMODE(os.lstat(directory).st_mode) != PASSABLE_MODE:
+                os.chmod(directory, PASSABLE_MODE)  # root's own directories (ensure_dir checked them)
+        except OSError as exc:
+            raise StateDirError(
+                f"cannot let the environment's owner through {directory}: {exc.strerror or exc}",
+                hint=f"run chmod {PASSABLE_MODE:04o} {directory}; nothing was stopped",
+            ) from exc
 
 
 def _usable(path: Path, *, missing_ok: bool) -> os.stat_result | None:

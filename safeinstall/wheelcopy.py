@@ -81,7 +81,14 @@ def temporary_copy(source: Path) -> Iterator[Path]:
     """A copy of ``source`` in a new temporary directory that others may enter (0711; the copy 0644),
     removed afterwards: what a dry-run gives uv when uv runs as the environment's owner, who may not be
     able to read the wheel where it lies (a run gives it the run's own copy, in the state directory)."""
-    top = Path(tempfile.mkdtemp(prefix="safeinstall-"))
+    try:
+        top = Path(tempfile.mkdtemp(prefix="safeinstall-"))
+    except OSError as exc:
+        raise WheelError(
+            f"cannot make a temporary directory for a copy of the wheel {source}: {exc.strerror or exc}",
+            hint="uv reads the wheel as the environment's owner: free some space in the temporary "
+            "directory (TMPDIR), or run without --dry-run",
+        ) from exc
     try:
         os.chmod(top, COPY_DIR_MODE)
         yield copy_wheel(source, top)
