@@ -97,6 +97,29 @@ def open_regular(path: Path) -> int:
     return fd
 
 
+def read_small(path: Path, limit: int) -> bytes:
+    """The bytes of a small file that others may control (an installed distribution's METADATA, RECORD,
+    INSTALLER): the last component is not followed if it is a symlink, a FIFO or a device is refused
+    without blocking, and a file larger than ``limit`` is refused before it is read. Raises OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise NotRegularFile(str(path), describe(info.st_mode))
+        if info.st_size > limit:
+            raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
+        chunks: list[bytes] = []
+        size = 0
+        while chunk := os.read(fd, min(1 << 20, limit + 1 - size)):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:  # it grew since the fstat
+                raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 class Tree:
     """A directory opened once; every operation below it walks by descriptor, never through a symlink.
 
