@@ -35,7 +35,7 @@ from safeinstall.state import EnvironmentState, atomic_write, ensure_dir, make_r
 from safeinstall.uvplan import UvRequest, prefetch_command, requirement, uv_binary
 from safeinstall.uvplan import install as uv_install
 from safeinstall.verify import verify_environment
-from safeinstall.wheel import MEMBER_LIMIT, Wheel, install_location, read_member, read_wheel
+from safeinstall.wheel import Wheel, install_location, read_member, read_wheel
 
 if TYPE_CHECKING:
     from safeinstall.survey import Survey
@@ -181,19 +181,20 @@ def site_relative(env: Environment, location: str) -> str | None:
 # ---------------------------------------------------------------------------------------------- I/O
 
 
-def read_regular(location: str) -> bytes | None:
-    """The bytes of a regular file, never following a symlink (None: missing, or not a regular file)."""
+#: The largest file a patch is carried for (source files; anything larger is not a local patch)
+READ_LIMIT = 64 << 20
+
+
+def read_regular(top: Path, location: str) -> bytes | None:
+    """The bytes of the regular file ``location`` below ``top``, walked by descriptor from ``top`` with
+    no symlink followed in any component (:class:`~safeinstall.safefs.Tree`); None: missing, not a
+    regular file, outside ``top`` or larger than :data:`READ_LIMIT`."""
     try:
-        fd = os.open(location, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+        with Tree(top) as tree:
+            relative = tree.relative(location)
+            return None if relative is None else tree.read_bytes(relative, READ_LIMIT)
+    except (OSError, ValueError):
         return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        with os.fdopen(os.dup(fd), "rb") as handle:
-            return handle.read()
-    finally:
-        os.close(fd)
 
 
 def _wheel_files(wheel: Wheel, env: Environment, wanted: frozenset[str]) -> dict[str, bytes]:
@@ -209,19 +210,11 @@ def _tree_files(tree: Path, env: Environment, wanted: frozenset[str]) -> dict[st
     """Files of a ``uv pip install --target`` tree: site-packages' contents sit at its top. Read by
     descriptor: uv wrote the tree as the environment's owner, who may have put symlinks in it."""
     found: dict[str, bytes] = {}
-    try:
-        opened = Tree(tree)
-    except OSError:  # not a real directory: nothing was fetched
-        return found
-    with opened:
-        for location in wanted:
-            relative = site_relative(env, location)
-            if relative is None:
-                continue
-            try:
-                found[location] = opened.read_bytes(Path(relative).as_posix(), MEMBER_LIMIT)
-            except (OSError, ValueError):  # missing, not a regular file, or beyond a member's bound
-                continue
+    for location in wanted:
+        relative = site_relative(env, location)
+        data = None if relative is None else read_regular(tree, os.fspath(tree / relative))
+        if data is not None:
+            found[location] = data
     return found
 
 
@@ -312,7 +305,7 @@ def prepare_patches(
             location,
             os.path.relpath(location, env.prefix),
             base.get(location),
-            read_regular(location),
+            read_regular(env.prefix, location),
             theirs.get(location),
             _problem(env, location, base, source),
         )

@@ -82,7 +82,7 @@ def temporary_copy(source: Path) -> Iterator[Path]:
     removed afterwards: what a dry-run gives uv when uv runs as the environment's owner, who may not be
     able to read the wheel where it lies (a run gives it the run's own copy, in the state directory)."""
     try:
-        top = Path(tempfile.mkdtemp(prefix="safeinstall-"))
+        top = Path(os.path.realpath(tempfile.mkdtemp(prefix="safeinstall-")))  # safefs opens real paths
     except OSError as exc:
         raise WheelError(
             f"cannot make a temporary directory for a copy of the wheel {source}: {exc.strerror or exc}",
