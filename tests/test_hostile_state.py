@@ -673,3 +673,23 @@ def test_journal_json_is_what_the_run_writes(tmp_path: Path) -> None:
         gate=[str(root / "si-a.service.d" / "50-safeinstall-gate.conf")],
     )
     assert journal_problems(journal, envdir, {True: (root,)}) == []
+
+
+def test_a_uv_configuration_in_the_working_directory_or_above_is_never_read(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    """Row: anyone may put a `uv.toml` in `/tmp`, and a service account one in its own directories;
+    uv discovers it in its working directory and every directory above, and would then take its index
+    (and run the build backend of a source distribution found there) as root. uv runs in `/`: a
+    configuration above the caller's directory (here one uv cannot even parse) changes nothing."""
+    wheelhouse.uv_install(venv, wheels["sipure-1"])
+    above = tmp_path / "downloads"
+    (above / "here").mkdir(parents=True)
+    (above / "uv.toml").write_text("[pip]\nindex-url = 'http://127.0.0.1:9/simple'\nthis is not toml\n")
+    (above / "pyproject.toml").write_text("[tool.uv]\nnot toml either = = =\n")
+    args = ("sipure", "--wheel", str(wheels["sipure-2"]), "--python", str(venv), "--dry-run", "--json")
+    result = run(
+        *args, env={**os.environ, "SAFEINSTALL_STATE_DIR": str(tmp_path / "state")}, cwd=above / "here"
+    )
+    assert result.code == 0, result.stdout + result.stderr
+    assert result.json["status"] == "would-proceed"
