@@ -46,6 +46,7 @@ from safeinstall.uvplan import parse_requirement
 from safeinstall.verify import VerifyReport, verify_environment
 
 if TYPE_CHECKING:
+    from safeinstall.detach import PrivateInputs
     from safeinstall.wheel import Wheel
 
 EXIT_CODES = (
@@ -434,8 +435,19 @@ def _tool_version() -> str:
         return __version__
 
 
-def run_options(params: Mapping[str, Any], extra_args: Sequence[str]) -> RunOptions:
-    """The run the parsed command line asks for (``params``: the command's parameters by name)."""
+def run_options(
+    params: Mapping[str, Any], extra_args: Sequence[str], private: PrivateInputs | None = None
+) -> RunOptions:
+    """The run the parsed command line asks for (``params``: the command's parameters by name); a
+    detached run's health URL and uv arguments come from its ``private`` file, never its command line."""
+    if private is not None:
+        if params["health_url"] is not None or extra_args:
+            raise UsageError(
+                "a detached run takes --health-url and uv's arguments from its --environ-from file only",
+                hint="start detached runs with safeinstall --detach",
+            )
+        params = {**params, "health_url": private.health_url}
+        extra_args = private.extra_args
     requirement = parse_requirement(params["package"])
     wheel: Path | None = params["wheel"]
     if wheel is not None and requirement.specifier:
@@ -684,12 +696,13 @@ def main_command(
                 )
             print(f"safeinstall {_tool_version()}")
             _exit(ExitCode.OK)
+        private = None
         if environ_from is not None:  # a detached run: the caller's environment, as it was
-            from safeinstall.detach import take_environ
+            from safeinstall.detach import take_private
 
-            environ = take_environ(environ_from)
+            private = take_private(environ_from)
             os.environ.clear()
-            os.environ.update(environ)
+            os.environ.update(private.environ)
         conflict = mode_conflict(modes)
         if conflict is not None:
             raise conflict
@@ -744,7 +757,7 @@ def main_command(
             _run_verify(package, all_, python, wheel, diff, save_patch, as_json)
         if not package:
             raise UsageError("no PACKAGE given", hint="safeinstall PACKAGE [--wheel W] (see --help)")
-        options = run_options(ctx.params, ctx.args)
+        options = run_options(ctx.params, ctx.args, private)
         check_options(options)
         interactive = not yes and not as_json and sys.stdin.isatty()
         if detach_:

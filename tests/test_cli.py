@@ -98,7 +98,8 @@ def test_a_detached_run_gets_exactly_the_callers_options() -> None:
     from typer.main import get_command
 
     from safeinstall.cli import app, run_options
-    from safeinstall.detach import child_arguments
+    from safeinstall.detach import PrivateInputs, child_arguments
+    from safeinstall.errors import UsageError
     from safeinstall.options import RunOptions
 
     common = RunOptions(
@@ -137,9 +138,14 @@ def test_a_detached_run_gets_exactly_the_callers_options() -> None:
         args = child_arguments(
             options, Path(options.python or ""), options.run_id, Path("/state/environ.json")
         )
+        # what may hold a credential is not on the unit's command line (any user may read it)
+        assert not any("127.0.0.1:8000" in a or "example.com" in a for a in args)
         context = get_command(app).make_context("safeinstall", args)
-        parsed = run_options(context.params, context.args)
+        private = PrivateInputs({}, options.health_url, options.extra_args)
+        parsed = run_options(context.params, context.args, private)
         assert parsed == dataclasses.replace(options, environ=parsed.environ)
+        with pytest.raises(UsageError, match="from its --environ-from file only"):
+            run_options(context.params, ["--index-url", "https://elsewhere.example/simple"], private)
 
 
 def test_a_detached_runs_environment_file_must_be_private_and_ours(tmp_path: Path) -> None:
@@ -147,20 +153,25 @@ def test_a_detached_runs_environment_file_must_be_private_and_ours(tmp_path: Pat
     regular file of ours, mode 0600, in a directory only we can change; then removed."""
     import os
 
-    from safeinstall.detach import take_environ, write_environ
+    from safeinstall.detach import PrivateInputs, take_private, write_private
     from safeinstall.errors import UsageError
     from safeinstall.state import ensure_environment_dir, environment_state
 
     state = environment_state(tmp_path / "state", tmp_path / "venv")
     ensure_environment_dir(state)
-    path = write_environ(state, "20261201T000000Z-1", {"UV_INDEX_URL": "https://token@example.com/simple"})
+    given = PrivateInputs(
+        {"UV_INDEX_URL": "https://token@example.com/simple"},
+        "http://user:pw@127.0.0.1:8000/health",
+        ("--extra-index-url", "https://user:token@example.com/simple"),
+    )
+    path = write_private(state, "20261201T000000Z-1", given)
     assert oct(path.stat().st_mode & 0o777) == "0o600"
-    assert take_environ(path) == {"UV_INDEX_URL": "https://token@example.com/simple"}
+    assert take_private(path) == given
     assert not path.exists()
-    loose = write_environ(state, "20261201T000000Z-2", {"A": "b"})
+    loose = write_private(state, "20261201T000000Z-2", PrivateInputs({"A": "b"}))
     loose.chmod(0o644)
     link = state.dir / "link.json"
-    link.symlink_to(write_environ(state, "20261201T000000Z-3", {"A": "b"}))
+    link.symlink_to(write_private(state, "20261201T000000Z-3", PrivateInputs({"A": "b"})))
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o777)
     shared.chmod(0o777)
@@ -168,7 +179,7 @@ def test_a_detached_runs_environment_file_must_be_private_and_ours(tmp_path: Pat
     (shared / "environ.json").chmod(0o600)
     for bad in (loose, link, shared / "environ.json", tmp_path / "missing.json"):
         with pytest.raises(UsageError):
-            take_environ(bad)
+            take_private(bad)
     assert loose.exists() and os.path.lexists(link)  # refused files are left alone
 
 
