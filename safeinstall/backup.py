@@ -150,7 +150,7 @@ class RestoreResult:
 
 @dataclass(frozen=True, slots=True)
 class _Item:
-    source: Path
+    source: str  # absolute
     relative: str
     distribution: str
     listed: bool = True
@@ -339,7 +339,7 @@ def _collect(
                 for location in _unlisted(tree, root, listed):
                     relative = inside.relative(location)
                     if relative is not None and relative not in items:
-                        items[relative] = _Item(Path(location), relative, dist.name, listed=False)
+                        items[relative] = _Item(location, relative, dist.name, listed=False)
         for dist in dists:
             for entry in dist.record.entries:
                 location = os.path.normpath(os.path.join(dist.site, entry.path))
@@ -347,12 +347,12 @@ def _collect(
                 if relative is None:
                     outside.append(f"{dist.name}: {entry.path} ({location})")
                 elif relative not in items:
-                    items[relative] = _Item(Path(location), relative, dist.name, in_record=True)
+                    items[relative] = _Item(location, relative, dist.name, in_record=True)
             # the .dist-info tree, symlinks as links (never followed)
             for location in _files_below(tree, os.fspath(dist.dist_info)):
                 relative = inside.relative(location)
                 if relative is not None and relative not in items:
-                    items[relative] = _Item(Path(location), relative, dist.name)
+                    items[relative] = _Item(location, relative, dist.name)
     relative_roots = sorted(
         {r for r in (inside.relative(root) for dist in dists for root in roots[dist.name]) if r is not None}
     )
@@ -427,9 +427,6 @@ def _save(item: _Item, tree: Tree, dest: Tree, known: Mapping[str, FileState]) -
     info = tree.lstat(item.relative)
     if info is None or not (stat.S_ISLNK(info.st_mode) or stat.S_ISREG(info.st_mode)):
         return None
-    parent = PurePosixPath(item.relative).parent.as_posix()
-    if parent != ".":
-        dest.make_dirs(parent, PRIVATE_MODE)
     if stat.S_ISLNK(info.st_mode):
         target = tree.readlink(item.relative)
         if target is None:  # replaced meanwhile
@@ -447,7 +444,7 @@ def _save(item: _Item, tree: Tree, dest: Tree, known: Mapping[str, FileState]) -
             link_target=target,
             listed=item.listed,
         )
-    linked = _link(item, tree, dest, info, known.get(str(item.source))) if item.in_record else None
+    linked = _link(item, tree, dest, info, known.get(item.source)) if item.in_record else None
     if linked is not None:
         return BackupFile(
             path=item.relative,
@@ -484,20 +481,26 @@ def _save(item: _Item, tree: Tree, dest: Tree, known: Mapping[str, FileState]) -
     )
 
 
-def _directories(files: Iterable[BackupFile], prefix: Path) -> tuple[BackupDirectory, ...]:
+def parent_directories(paths: Iterable[str]) -> set[str]:
+    """Pure: every directory above the "/"-separated relative ``paths``."""
     wanted: set[str] = set()
-    for saved in files:
-        parent = PurePosixPath(saved.path).parent
-        while str(parent) not in (".", ""):
-            wanted.add(parent.as_posix())
-            parent = parent.parent
+    for path in paths:
+        parent = path.rpartition("/")[0]
+        while parent and parent not in wanted:
+            wanted.add(parent)
+            parent = parent.rpartition("/")[0]
+    return wanted
+
+
+def _directories(files: Iterable[BackupFile], prefix: Path) -> tuple[BackupDirectory, ...]:
+    wanted = parent_directories(f.path for f in files)
     found: list[BackupDirectory] = []
-    with Tree(prefix) as tree:
-        for relative in sorted(wanted, key=lambda p: (p.count("/"), p)):
+    with Tree(prefix) as tree, tree.batch():
+        for relative in sorted(wanted):  # a directory's subtree together: each opened once
             info = tree.lstat(relative)
             if info is not None and stat.S_ISDIR(info.st_mode):
                 found.append(BackupDirectory(relative, stat.S_IMODE(info.st_mode), info.st_uid, info.st_gid))
-    return tuple(found)
+    return tuple(sorted(found, key=lambda d: (d.path.count("/"), d.path)))
 
 
 def create_backup(
@@ -553,9 +556,17 @@ def create_backup(
         with (
             Tree(env.prefix) as tree,
             Tree(files_dir) as dest,
+            tree.batch(),
+            dest.batch(),
             ThreadPoolExecutor(max_workers=count, thread_name_prefix="backup") as pool,
         ):
-            for item in ordered:
+            # parents first; a path that is an item itself (a RECORD listing "a" and "a/b") is not
+            # made a directory: one of the two is not in the prefix, nothing is saved for it
+            paths = {i.relative for i in items}
+            directories = sorted(parent_directories(paths) - paths)
+            for directory in directories:
+                dest.make_dir(directory, PRIVATE_MODE)
+            for item in items:  # in path order: each directory is opened once on each side
                 if linking and item.in_record:
                     record(item, _save(item, tree, dest, known or {}))
             pooled = [i for i in ordered if not (linking and i.in_record)]
@@ -567,9 +578,10 @@ def create_backup(
                 for pending in futures:
                     pending.cancel()
                 raise
+            for directory in directories:
+                dest.fsync_dir(directory)
+        fsync_dir(files_dir)
         saved.sort(key=lambda f: f.path)
-        for directory in {files_dir / PurePosixPath(f.path).parent for f in saved}:
-            fsync_dir(directory)
         manifest = BackupManifest(
             version=MANIFEST_VERSION,
             created_at=(now or datetime.now(UTC)).astimezone(UTC).isoformat(timespec="seconds"),
@@ -585,7 +597,7 @@ def create_backup(
             patched=tuple(patched),
             roots=tuple(roots),
         )
-        text = json.dumps(manifest_to_dict(manifest), indent=1) + "\n"
+        text = json.dumps(manifest_to_dict(manifest), separators=(",", ":")) + "\n"  # the C encoder
         atomic_write(backup_dir / MANIFEST_NAME, text.encode("utf-8", "surrogateescape"))
     except OSError as exc:
         shutil.rmtree(backup_dir, ignore_errors=True)
@@ -850,7 +862,7 @@ def restore_backup(
             f"cannot open {exc.filename}: {exc.strerror or exc}",
             hint="the environment's prefix and the backup must be real directories",
         ) from exc
-    with tree, source:
+    with tree, source, tree.batch(), source.batch():
         return _restore(backup, env, tree, source, remove, workers)
 
 
