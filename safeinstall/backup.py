@@ -303,12 +303,17 @@ class _Inside:
         return relative if inside else None
 
 
-def package_roots(env: Environment, dists: Sequence[InstalledDistribution]) -> dict[str, list[str]]:
+def package_roots(
+    env: Environment,
+    dists: Sequence[InstalledDistribution],
+    installed: Sequence[InstalledDistribution] | None = None,
+) -> dict[str, list[str]]:
     """Each of ``dists``' own package directories (absolute; see :func:`safeinstall.drift.own_roots`):
-    no other installed distribution has files below them."""
-    installed = {d.name: d.locations for d in find_distributions(env)}
-    installed.update({d.name: d.locations for d in dists})
-    roots = own_roots(installed, [os.fspath(s) for s in env.site_dirs])
+    no other installed distribution has files below them. ``installed``: the environment's
+    distributions when the caller has found them already (else it is scanned here)."""
+    found = {d.name: d.locations for d in (find_distributions(env) if installed is None else installed)}
+    found.update({d.name: d.locations for d in dists})
+    roots = own_roots(found, [os.fspath(s) for s in env.site_dirs])
     return {d.name: roots.get(d.name, []) for d in dists}
 
 
@@ -324,14 +329,16 @@ def _unlisted(tree: Tree, root: str, listed: set[str]) -> Iterator[str]:
 
 
 def _collect(
-    env: Environment, dists: Sequence[InstalledDistribution]
+    env: Environment,
+    dists: Sequence[InstalledDistribution],
+    installed: Sequence[InstalledDistribution] | None,
 ) -> tuple[list[_Item], list[str], list[str]]:
     """Files to save (RECORD entries inside the prefix, the .dist-info trees, and the files added to
     the distributions' own directories by hand), the entries outside, and those directories."""
     inside = _Inside(env.prefix)
     items: dict[str, _Item] = {}
     outside: list[str] = []
-    roots = package_roots(env, dists)
+    roots = package_roots(env, dists, installed)
     listed = {location for dist in dists for location in dist.locations}
     with Tree(env.prefix) as tree:
         for dist in dists:
@@ -359,9 +366,14 @@ def _collect(
     return sorted(items.values(), key=lambda i: i.relative), outside, relative_roots
 
 
-def disk_space_needed(dists: Sequence[InstalledDistribution], env: Environment) -> int:
-    """Bytes a backup of ``dists`` takes: file sizes rounded up to blocks, plus the manifest."""
-    items, _outside, _roots = _collect(env, dists)
+def disk_space_needed(
+    dists: Sequence[InstalledDistribution],
+    env: Environment,
+    installed: Sequence[InstalledDistribution] | None = None,
+) -> int:
+    """Bytes a backup of ``dists`` takes: file sizes rounded up to blocks, plus the manifest.
+    ``installed``: as for :func:`package_roots`."""
+    items, _outside, _roots = _collect(env, dists, installed)
     total = 0
     for item in items:
         try:
@@ -383,9 +395,7 @@ def free_space(path: Path) -> int:
 # --- taking a backup --------------------------------------------------------------------------------
 
 
-def _link(
-    item: _Item, tree: Tree, dest: Tree, info: os.stat_result, known: FileState | None
-) -> str | None:
+def _link(item: _Item, tree: Tree, dest: Tree, info: os.stat_result, known: FileState | None) -> str | None:
     """Hardlink a RECORD entry into the backup (by descriptor on both sides, never following a
     symlink); its sha256 hex, taken from ``known`` (a hash of this very inode, unchanged since: same
     device, inode, size and mtime) or read now. None when it cannot be linked (another filesystem, or
@@ -512,18 +522,19 @@ def create_backup(
     workers: int | None = None,
     now: datetime | None = None,
     known: Mapping[str, FileState] | None = None,
+    installed: Sequence[InstalledDistribution] | None = None,
 ) -> Backup:
     """Save ``dists`` into ``backup_dir`` (new or empty; made 0700). Raises BackupError, leaving no backup.
 
     ``known``: files just hashed (a verify's observations, by location): a hardlinked file that has not
-    changed since is not read again."""
+    changed since is not read again. ``installed``: as for :func:`package_roots`."""
     ensure_dir(backup_dir)
     if any(backup_dir.iterdir()):
         raise BackupError(
             f"the backup directory {backup_dir} is not empty",
             hint="use a new run id (each run backs up into its own directory)",
         )
-    items, outside, roots = _collect(env, dists)
+    items, outside, roots = _collect(env, dists, installed)
     files_dir = backup_dir / FILES_DIR
     ensure_dir(files_dir)
     sizes: dict[str, int] = {}

@@ -290,6 +290,7 @@ class _Run:
             self.patched,
             on_progress,
             known=before.observed,
+            installed=self.survey.installed,
         )
         self._journal(Phase.BACKED_UP, backup_dir=str(self.backup.dir))
         size = self.backup.manifest.files

@@ -112,7 +112,9 @@ def _open_child(fd: int, name: str) -> int:
         return os.open(name, _DIR_FLAGS, dir_fd=fd)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise NotADirectoryError(errno.ENOTDIR, "not a real directory (a symlink or a file)", name) from None
+            raise NotADirectoryError(
+                errno.ENOTDIR, "not a real directory (a symlink or a file)", name
+            ) from None
         raise
 
 
