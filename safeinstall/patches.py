@@ -182,19 +182,20 @@ def site_relative(env: Environment, location: str) -> str | None:
 # ---------------------------------------------------------------------------------------------- I/O
 
 
-def read_regular(location: str) -> bytes | None:
-    """The bytes of a regular file, never following a symlink (None: missing, or not a regular file)."""
+#: The largest file a patch is carried for (source files; anything larger is not a local patch)
+READ_LIMIT = 64 << 20
+
+
+def read_regular(top: Path, location: str) -> bytes | None:
+    """The bytes of the regular file ``location`` below ``top``, walked by descriptor from ``top`` with
+    no symlink followed in any component (:class:`~safeinstall.safefs.Tree`); None: missing, not a
+    regular file, outside ``top`` or larger than :data:`READ_LIMIT`."""
     try:
-        fd = os.open(location, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+        with Tree(top) as tree:
+            relative = tree.relative(location)
+            return None if relative is None else tree.read_bytes(relative, READ_LIMIT)
+    except (OSError, ValueError):
         return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        with os.fdopen(os.dup(fd), "rb") as handle:
-            return handle.read()
-    finally:
-        os.close(fd)
 
 
 def _wheel_files(wheel: Wheel, env: Environment, wanted: frozenset[str]) -> dict[str, bytes]:
@@ -211,7 +212,7 @@ def _tree_files(tree: Path, env: Environment, wanted: frozenset[str]) -> dict[st
     found: dict[str, bytes] = {}
     for location in wanted:
         relative = site_relative(env, location)
-        data = None if relative is None else read_regular(os.fspath(tree / relative))
+        data = None if relative is None else read_regular(tree, os.fspath(tree / relative))
         if data is not None:
             found[location] = data
     return found
@@ -299,7 +300,7 @@ def prepare_patches(
             location,
             os.path.relpath(location, env.prefix),
             base.get(location),
-            read_regular(location),
+            read_regular(env.prefix, location),
             theirs.get(location),
             _problem(env, location, base, source),
         )

@@ -52,12 +52,12 @@ from safeinstall.journal import (
     start_journal,
     write_journal,
 )
-from safeinstall.lock import HeldLock, process_start
+from safeinstall.lock import process_start
 from safeinstall.options import RunOptions
 from safeinstall.patches import PatchOutcome, PatchSet, carry, prepare_patches, save_patch_set
 from safeinstall.plan import OldCodeProcess, Plan, PlannedProcess, PlannedUnit, left_on_old_code
+from safeinstall.preflight import Prepared, refusal
 from safeinstall.preflight import preflight as shared_preflight
-from safeinstall.preflight import refusal
 from safeinstall.processes import scan_processes
 from safeinstall.recover import put_back
 from safeinstall.retention import prune_backups
@@ -129,21 +129,22 @@ class Reporter(Protocol):
 
 @dataclass
 class _Run:
-    """One run's mutable state; the steps are its methods, in order."""
+    """One run, once its journal exists: the preflight's frozen value (``prepared``: the environment,
+    the wheel read once, the distributions found once, the plan, the lock), the run's identity, and
+    what the steps record as they go. Each step is a function of its own over it (``*_step`` below),
+    in the order of :func:`run_reinstall`."""
 
-    options: RunOptions
+    prepared: Prepared
     reporter: Reporter
-    env: Environment | None = None
-    state: EnvironmentState | None = None
-    lock: HeldLock | None = None
-    wheel: Wheel | None = None
-    survey: Survey | None = None
-    journal: Journal | None = None
-    backup: Backup | None = None
-    systemd: Systemd | None = None
-    run_id: str = ""
+    systemd: Systemd
+    run_id: str
+    log_file: Path
+    journal: Journal
+    notes: list[str]
     steps: list[StepOutcome] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
+    backup: Backup | None = None  # None until the backup step has saved it
+    patches: PatchSet | None = None  # --keep-patches: set by the patches step
+    patch_file: Path | None = None  # --keep-patches: the carried set, saved after a good run
     patched: tuple[str, ...] = ()
     extras: tuple[str, ...] = ()
     pruned: tuple[str, ...] = ()
@@ -151,17 +152,31 @@ class _Run:
     downtime: dict[str, float] = field(default_factory=dict)
     strays_killed: tuple[int, ...] = ()
     restart_started: bool = False
-    log_file: Path | None = None
     old_code: tuple[OldCodeProcess, ...] = ()
-    patches: PatchSet | None = None  # --keep-patches
-    patch_file: Path | None = None
 
-    # ------------------------------------------------------------------ helpers
+    @property
+    def options(self) -> RunOptions:
+        return self.prepared.options  # the wheel: the run's own copy in the state directory
+
+    @property
+    def env(self) -> Environment:
+        return self.prepared.env
+
+    @property
+    def state(self) -> EnvironmentState:
+        return self.prepared.state
+
+    @property
+    def wheel(self) -> Wheel | None:
+        return self.prepared.wheel
+
+    @property
+    def survey(self) -> Survey:
+        return self.prepared.survey
 
     @property
     def plan(self) -> Plan:
-        assert self.survey is not None
-        return self.survey.plan
+        return self.prepared.survey.plan
 
     def _timed(self, name: str, action: Callable[[], str]) -> None:
         started = time.monotonic()
@@ -178,7 +193,6 @@ class _Run:
         self.reporter.step(outcome)
 
     def _journal(self, phase: Phase, note: str = "", **changes: Any) -> None:
-        assert self.journal is not None and self.state is not None
         self.journal = advance(self.journal, phase, note, **changes)
         write_journal(self.state.dir, self.journal)
 
@@ -195,453 +209,465 @@ class _Run:
         append_line(self.log_file, text)
 
     def _units_to_restart(self) -> list[str]:
-        assert self.journal is not None
         return [u.name for u in self.journal.units if u.stopped and u.was_active]
-
-    # ------------------------------------------------------------------ 1. preflight
-
-    def preflight(self) -> None:
-        """The checks shared with --dry-run (safeinstall.preflight); the run holds the lock from here."""
-        prepared = shared_preflight(self.options, take_lock=True)
-        self.options = prepared.options  # the wheel: the run's own copy in the state directory
-        self.env, self.state, self.lock = prepared.env, prepared.state, prepared.lock
-        self.wheel, self.survey = prepared.wheel, prepared.survey
-        self.notes.extend(prepared.notes)
-        error = refusal(self.plan)
-        if error is not None:
-            raise error
-        self.systemd = systemd_for(self.options)
-
-    def start_journal(self) -> None:
-        assert self.env is not None and self.state is not None and self.survey is not None
-        self.run_id = self.options.run_id or new_run_id(datetime.now(UTC), os.getpid())
-        self.log_file = self.state.log_file(self.run_id)
-        units = [
-            JournalUnit(
-                name=u.name,
-                user_manager=self.options.user,
-                was_active=u.active_state in ("active", "activating", "reloading"),
-                unit_file_state=u.unit_file_state,
-            )
-            for u in self.plan.units
-        ]
-        self.journal = start_journal(
-            self.state.dir,
-            new_journal(
-                self.run_id,
-                os.getpid(),
-                process_start(os.getpid()),
-                str(interpreter_in_prefix(self.env)),
-                str(self.env.prefix),
-                self.plan.package,
-                str(self.wheel.path) if self.wheel else None,
-                self.plan.uv_command,
-                units,
-            ),
-        )
-        self._log("plan: " + " ".join(self.plan.uv_command))
-
-    # ------------------------------------------------------------------ 1b. local patches (--keep-patches)
-
-    def do_patches(self) -> str:
-        """Before anything stops: merge each local patch into the new version's file, or refuse (exit 2)."""
-        assert self.survey is not None and self.state is not None
-        self.patches = prepare_patches(
-            self.survey,
-            self.options.base_wheel,
-            self.state.dir / f"keep-patches-{self.run_id}",  # scratch: removed once read
-            self.options.environ,
-            self.options.drop_conflicting,
-        )
-        refusal = self.patches.refusal()
-        if refusal is not None:
-            raise refusal
-        return self.patches.summary()
-
-    def save_patches(self) -> None:
-        """After a good run: keep the carried set in the state directory (best effort: it is also what
-        ``--verify-only --wheel NEW --save-patch`` writes)."""
-        if self.patches is None or self.state is None:
-            return
-        try:
-            self.patch_file = save_patch_set(self.state, self.run_id, self.patches)
-        except (OSError, SafeInstallError) as exc:
-            self.notes.append(f"the carried patch set was not saved: {exc}")
-
-    # ------------------------------------------------------------------ 2. backup
-
-    def do_backup(self) -> str:
-        assert self.env is not None and self.state is not None and self.survey is not None
-        names = [d.name for d in self.survey.affected]
-        before = verify_environment(self.env, names, installed=self.survey.installed)
-        self.patched = tuple(
-            f.path for f in before.findings if f.kind in (FindingKind.MODIFIED, FindingKind.MISSING)
-        )
-        for path in self.patched:
-            self.notes.append(f"locally patched: {path} (kept in the backup)")
-
-        def on_progress(done: int, total: int) -> None:
-            self.reporter.progress("backup", done, total, "bytes")
-
-        self.backup = create_backup(
-            self.env,
-            list(self.survey.affected),
-            self.state.backup_dir(self.run_id),
-            self.patched,
-            on_progress,
-            known=before.observed,
-            installed=self.survey.installed,
-        )
-        self._journal(Phase.BACKED_UP, backup_dir=str(self.backup.dir))
-        size = self.backup.manifest.files
-        return f"{len(size)} files saved in {self.backup.dir}" + (
-            f"; {len(self.patched)} locally patched" if self.patched else ""
-        )
-
-    def do_prefetch(self) -> str:
-        """Fill the run's own uv cache with the new artefacts, so that the install in the downtime only
-        links (or copies) files from it."""
-        assert self.state is not None and self.env is not None and self.survey is not None
-        scratch = self.state.dir / f"prefetch-{self.run_id}"
-        request = self.survey.request
-        cache = self.state.uv_cache(self.run_id)
-        ensure_dir(cache)
-        command = prefetch_command(request, uv_binary(), scratch, self.survey.uv_plan.changes)
-        self._log(f"prefetch (UV_CACHE_DIR={cache}): " + " ".join(command))
-        try:
-            result = uv_install(command, self.options.environ, cache_dir=cache)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-        self._log(f"uv exit {result.returncode}:\n{result.output}")
-        if result.returncode != 0:
-            tail = "\n".join(result.output.strip().splitlines()[-6:])
-            raise PlanError(
-                f"uv could not fetch or unpack the new version (exit {result.returncode}): {tail}",
-                hint="nothing was stopped; check the wheel, the index options or the network",
-            )
-        return f"the run's uv cache holds the new version ({request.link_mode} from it)"
-
-    # ------------------------------------------------------------------ 3. gate
-
-    def do_gate(self) -> str:
-        """Keep the units from starting on a half-installed package (a crash, a reboot)."""
-        assert self.systemd is not None and self.state is not None and self.journal is not None
-        units = [u.name for u in self.journal.units]
-        if not units:
-            return "no units"
-        marker = gate_marker(self.state.dir)
-        paths = [str(self.systemd.dropin_path(u, GATE_DROPIN, persistent=True)) for u in units]
-        atomic_write(marker, f"{self.run_id}\n".encode())
-        self._journal(Phase.GATED, gate=paths)  # journalled before written: recovery removes them
-        text = gate_dropin_text(marker, self.run_id)
-        for unit in units:
-            self.systemd.add_dropin(unit, GATE_DROPIN, text, persistent=True)
-        return f"{len(units)} unit(s) gated on {marker}"
-
-    def remove_gate(self) -> None:
-        assert self.state is not None
-        gate_marker(self.state.dir).unlink(missing_ok=True)
-
-    def remove_dropins(self) -> None:
-        assert self.systemd is not None and self.journal is not None
-        for unit in self.journal.units:
-            self.systemd.remove_dropin(unit.name, GATE_DROPIN, persistent=True)
-
-    # ------------------------------------------------------------------ 4. stop
-
-    def do_stop(self) -> str:
-        assert self.systemd is not None and self.journal is not None
-        systemd = self.systemd
-        units = list(self.plan.units)
-        for unit in units:
-            self.journal = _mark(self.journal, unit.name, stopped=True)
-        self._journal(Phase.STOPPING)
-
-        def stop(unit: PlannedUnit) -> StopOutcome:
-            self.stop_issued[unit.name] = time.monotonic()
-            return systemd.stop(unit.name, self._stop_timeout(unit.stop_timeout_s))
-
-        outcomes: list[StopOutcome] = []
-        if units:
-            with ThreadPoolExecutor(max_workers=len(units)) as pool:
-                outcomes = list(pool.map(stop, units))
-        failed = [o for o in outcomes if not o.stopped]
-        if failed:
-            first = failed[0]
-            timeout = self._stop_timeout(next(u.stop_timeout_s for u in units if u.name == first.unit))
-            raise StepFailed(f"unit {first.unit} did not stop in {timeout:g} s ({first.reason})")
-        killed = self._kill_strays()
-        leftover = _wait_gone(self.plan.processes, self._stop_timeout(90.0))
-        if leftover:
-            raise StepFailed(f"processes {', '.join(map(str, leftover))} still run after their units stopped")
-        self._journal(Phase.STOPPED, strays_killed=list(killed))
-        detail = f"{len(units)} unit(s) stopped, {len(self.plan.processes)} process(es) gone"
-        if killed:
-            detail += f"; stray PIDs {', '.join(map(str, killed))} ended (not restarted)"
-        return detail
 
     def _stop_timeout(self, unit_timeout: float) -> float:
         if self.options.stop_timeout is not None:
             return self.options.stop_timeout
         return (unit_timeout if unit_timeout != float("inf") else 90.0) + 10.0
 
-    def _kill_strays(self) -> tuple[int, ...]:
-        self.strays_killed = _end_processes([(p.pid, p.start_time) for p in self.plan.strays])
-        return self.strays_killed
+    def saved(self) -> Backup:
+        """The backup, once the backup step has made it (every step after it may rely on that)."""
+        if self.backup is None:
+            raise StepFailed("internal error: no backup was made before this step")
+        return self.backup
 
-    def _check_no_late_users(self) -> str:
-        """Scan again just before the install: a process that started using the package after the plan
-        was made (a cron job, a tmux session) would have its files replaced under it."""
-        assert self.survey is not None
-        scan = scan_again(self.survey, self.options)
-        every = not self.options.only_loaded  # --only-loaded: certain evidence only, as in the plan
-        late = [p for p in scan.affected if not p.is_self and p.state != "Z" and (every or p.certain)]
-        if not late:
-            return ""
-        listed = ", ".join(f"{p.pid} ({' '.join(p.cmdline)[:60] or p.name})" for p in late)
-        if not self.options.kill_strays:
-            raise StepFailed(
-                f"process(es) {listed} started using {self.plan.package} after the plan was made",
-                hint="stop them, or pass --kill-strays to end them (they are not restarted)",
-            )
-        ended = _end_processes([(p.pid, p.start_time) for p in late])
-        self.strays_killed = (*self.strays_killed, *ended)
-        return f"; late user(s) {listed} ended (not restarted)"
 
-    # ------------------------------------------------------------------ 5. GPU release
+# ------------------------------------------------------------------ 1. the journal
 
-    def do_gpu_wait(self, session: NvmlSession, baseline: GpuSnapshot) -> str:
-        if not session.available:
-            self._journal(Phase.GPU_RELEASED, note=f"GPU check skipped: {session.reason}")
-            return f"skipped: {session.reason}"
 
-        def on_poll(status: ReleaseStatus) -> None:
-            holders = ", ".join(f"PID {h.pid}" for h in status.holders) or "memory not yet freed"
-            self.reporter.progress(
-                f"waiting for GPU memory ({holders})", status.waited_s, self.options.gpu_timeout, "s"
-            )
-
-        stopped = frozenset(p.pid for p in self.plan.processes)
-        status = wait_for_release(session, baseline, stopped, self.options.gpu_timeout, on_poll)
-        if status.skipped:
-            self._journal(Phase.GPU_RELEASED, note=f"GPU check skipped: {status.reason}")
-            return f"skipped: {status.reason}"
-        if not status.released:
-            holders = ", ".join(
-                f"PID {h.pid} on GPU {h.gpu_index}" + (f" ({h.used_bytes} bytes)" if h.used_bytes else "")
-                for h in status.holders
-            )
-            raise StepFailed(
-                f"GPU memory was not released within {self.options.gpu_timeout:g} s"
-                + (f": still held by {holders}" if holders else f": {status.reason}")
-            )
-        self._journal(Phase.GPU_RELEASED)
-        return f"released after {status.waited_s:.1f} s"
-
-    # ------------------------------------------------------------------ 6. install
-
-    def do_install(self) -> str:
-        assert self.env is not None and self.state is not None
-        late = self._check_no_late_users()
-        self._journal(Phase.INSTALLING)
-        command = self.plan.uv_command
-        cache = self.state.uv_cache(self.run_id)
-        self._log(f"install (UV_CACHE_DIR={cache}): " + " ".join(command))
-        result = uv_install(command, self.options.environ, cache_dir=cache)
-        self._log(f"uv exit {result.returncode}:\n{result.output}")
-        if result.returncode != 0:
-            tail = "\n".join(result.output.strip().splitlines()[-6:])
-            raise StepFailed(f"uv pip install failed (exit {result.returncode}): {tail}")
-        carried = carry(self.env.prefix, self.patches) if self.patches is not None else 0
-        self._journal(Phase.INSTALLED)
-        return " ".join(command) + late + (f"; {carried} local patch(es) carried" if carried else "")
-
-    # ------------------------------------------------------------------ 7. verify
-
-    def do_verify(self) -> str:
-        assert self.env is not None and self.survey is not None
-        report = _verify_installed(
-            self.env,
-            self.plan.package,
-            self.wheel,
-            [d.name for d in self.survey.affected],
-            self.survey.installed,
-            self.patches.expected() if self.patches is not None else None,
+def start(prepared: Prepared, reporter: Reporter) -> _Run:
+    """The run begins: its id, its log, its journal (before anything changes), its systemd."""
+    options, env, plan = prepared.options, prepared.env, prepared.survey.plan
+    run_id = options.run_id or new_run_id(datetime.now(UTC), os.getpid())
+    units = [
+        JournalUnit(
+            name=u.name,
+            user_manager=options.user,
+            was_active=u.active_state in ("active", "activating", "reloading"),
+            unit_file_state=u.unit_file_state,
         )
-        failures = [f for f in report.findings if f.kind in _INSTALL_FAILURES]
-        if failures:
-            listed = "; ".join(f"{f.kind.value} {f.path}" for f in failures[:5])
-            raise StepFailed(f"the installed files do not match the wheel: {listed}")
-        self.extras = tuple(f.path for f in report.findings if f.kind == FindingKind.EXTRA)
-        if self.extras and self.options.prune:
-            self.pruned = self._prune(self.extras)
-        self._journal(Phase.VERIFIED)
-        self.remove_gate()
-        checked = sum(d.files_checked for d in report.distributions)
-        detail = f"{checked} files match"
-        if self.extras and not self.pruned:
-            detail += f"; {len(self.extras)} leftover file(s) not in the new version (--prune removes them)"
-        elif self.pruned:
-            detail += f"; {len(self.pruned)} leftover file(s) pruned (saved in the backup)"
-        return detail
+        for u in plan.units
+    ]
+    journal = start_journal(
+        prepared.state.dir,
+        new_journal(
+            run_id,
+            os.getpid(),
+            process_start(os.getpid()),
+            str(interpreter_in_prefix(env)),
+            str(env.prefix),
+            plan.package,
+            str(prepared.wheel.path) if prepared.wheel else None,
+            plan.uv_command,
+            units,
+        ),
+    )
+    run = _Run(
+        prepared,
+        reporter,
+        systemd_for(options),
+        run_id,
+        prepared.state.log_file(run_id),
+        journal,
+        notes=list(prepared.notes),
+    )
+    run._log("plan: " + " ".join(plan.uv_command))
+    return run
 
-    def _prune(self, extras: tuple[str, ...]) -> tuple[str, ...]:
-        assert self.backup is not None and self.env is not None
-        pruned, notes = prune_into(self.backup, self.env.prefix, extras)
-        self.notes.extend(notes)
-        return pruned
 
-    # ------------------------------------------------------------------ 8. restart
+# ------------------------------------------------------------------ 1b. local patches (--keep-patches)
 
-    def do_restart(self) -> str:
-        assert self.systemd is not None and self.journal is not None
-        units = self._units_to_restart()
-        if self.options.no_restart:
-            self._journal(Phase.RESTARTING, note="--no-restart: units left stopped")
-            return "left stopped (--no-restart): " + (", ".join(units) or "none")
-        if not units:
-            self._journal(Phase.RESTARTING)
-            return "no unit was running"
-        self._journal(Phase.RESTARTING)
-        self.restart_started = True
-        detail = self._start_and_settle(units, self.options.settle)
-        for unit in units:
-            self.journal = _mark(self.journal, unit, restarted=True)
-        if self.options.health_url:
-            _wait_healthy(self.options.health_url, self.options.health_timeout)
-            detail += f"; {self.options.health_url} answers 200"
-        return detail
 
-    def _start_and_settle(self, units: list[str], settle: float) -> str:
-        assert self.systemd is not None
-        systemd = self.systemd
-        befores = systemd.show(units)
-        issued = time.monotonic()
-        for unit in units:
-            systemd.start(unit)
+def patches_step(run: _Run) -> str:
+    """Before anything stops: merge each local patch into the new version's file, or refuse (exit 2)."""
+    run.patches = prepare_patches(
+        run.survey,
+        run.options.base_wheel,
+        run.state.dir / f"keep-patches-{run.run_id}",  # scratch: removed once read
+        run.options.environ,
+        run.options.drop_conflicting,
+    )
+    refused = run.patches.refusal()
+    if refused is not None:
+        raise refused
+    return run.patches.summary()
+
+
+def save_patches(run: _Run) -> None:
+    """After a good run: keep the carried set in the state directory (best effort: it is also what
+    ``--verify-only --wheel NEW --save-patch`` writes)."""
+    if run.patches is None:
+        return
+    try:
+        run.patch_file = save_patch_set(run.state, run.run_id, run.patches)
+    except (OSError, SafeInstallError) as exc:
+        run.notes.append(f"the carried patch set was not saved: {exc}")
+
+
+# ------------------------------------------------------------------ 2. backup
+
+
+def backup_step(run: _Run) -> str:
+    names = [d.name for d in run.survey.affected]
+    before = verify_environment(run.env, names, installed=run.survey.installed)
+    run.patched = tuple(
+        f.path for f in before.findings if f.kind in (FindingKind.MODIFIED, FindingKind.MISSING)
+    )
+    for path in run.patched:
+        run.notes.append(f"locally patched: {path} (kept in the backup)")
+
+    def on_progress(done: int, total: int) -> None:
+        run.reporter.progress("backup", done, total, "bytes")
+
+    run.backup = create_backup(
+        run.env,
+        list(run.survey.affected),
+        run.state.backup_dir(run.run_id),
+        run.patched,
+        on_progress,
+        known=before.observed,
+        installed=run.survey.installed,
+    )
+    run._journal(Phase.BACKED_UP, backup_dir=str(run.backup.dir))
+    size = run.backup.manifest.files
+    return f"{len(size)} files saved in {run.backup.dir}" + (
+        f"; {len(run.patched)} locally patched" if run.patched else ""
+    )
+
+
+def prefetch_step(run: _Run) -> str:
+    """Fill the run's own uv cache with the new artefacts, so that the install in the downtime only
+    links (or copies) files from it."""
+    scratch = run.state.dir / f"prefetch-{run.run_id}"
+    request = run.survey.request
+    cache = run.state.uv_cache(run.run_id)
+    ensure_dir(cache)
+    command = prefetch_command(request, uv_binary(), scratch, run.survey.uv_plan.changes)
+    run._log(f"prefetch (UV_CACHE_DIR={cache}): " + " ".join(command))
+    try:
+        result = uv_install(command, run.options.environ, cache_dir=cache)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    run._log(f"uv exit {result.returncode}:\n{result.output}")
+    if result.returncode != 0:
+        tail = "\n".join(result.output.strip().splitlines()[-6:])
+        raise PlanError(
+            f"uv could not fetch or unpack the new version (exit {result.returncode}): {tail}",
+            hint="nothing was stopped; check the wheel, the index options or the network",
+        )
+    return f"the run's uv cache holds the new version ({request.link_mode} from it)"
+
+
+# ------------------------------------------------------------------ 3. gate
+
+
+def gate_step(run: _Run) -> str:
+    """Keep the units from starting on a half-installed package (a crash, a reboot)."""
+    units = [u.name for u in run.journal.units]
+    if not units:
+        return "no units"
+    marker = gate_marker(run.state.dir)
+    paths = [str(run.systemd.dropin_path(u, GATE_DROPIN, persistent=True)) for u in units]
+    atomic_write(marker, f"{run.run_id}\n".encode())
+    run._journal(Phase.GATED, gate=paths)  # journalled before written: recovery removes them
+    text = gate_dropin_text(marker, run.run_id)
+    for unit in units:
+        run.systemd.add_dropin(unit, GATE_DROPIN, text, persistent=True)
+    return f"{len(units)} unit(s) gated on {marker}"
+
+
+def remove_gate(run: _Run) -> None:
+    gate_marker(run.state.dir).unlink(missing_ok=True)
+
+
+def remove_dropins(run: _Run) -> None:
+    for unit in run.journal.units:
+        run.systemd.remove_dropin(unit.name, GATE_DROPIN, persistent=True)
+
+
+# ------------------------------------------------------------------ 4. stop
+
+
+def stop_step(run: _Run) -> str:
+    systemd = run.systemd
+    units = list(run.plan.units)
+    for unit in units:
+        run.journal = _mark(run.journal, unit.name, stopped=True)
+    run._journal(Phase.STOPPING)
+
+    def stop(unit: PlannedUnit) -> StopOutcome:
+        run.stop_issued[unit.name] = time.monotonic()
+        return systemd.stop(unit.name, run._stop_timeout(unit.stop_timeout_s))
+
+    outcomes: list[StopOutcome] = []
+    if units:
         with ThreadPoolExecutor(max_workers=len(units)) as pool:
-            futures = {
-                u: pool.submit(
-                    systemd.wait_settled, u, settle, start_wait_s(befores.get(u)), before=befores.get(u)
-                )
-                for u in units
-            }
-            outcomes = {u: f.result() for u, f in futures.items()}
-        bad = [o for o in outcomes.values() if not o.ok]
-        if bad:
-            raise StepFailed("; ".join(o.reason or f"{o.unit} did not settle" for o in bad))
-        for unit, outcome in outcomes.items():
-            active_at = issued + max(0.0, outcome.waited_s - settle)
-            if unit in self.stop_issued:
-                self.downtime[unit] = active_at - self.stop_issued[unit]
-        return ", ".join(f"{u} active for {settle:g} s" for u in units)
+            outcomes = list(pool.map(stop, units))
+    failed = [o for o in outcomes if not o.stopped]
+    if failed:
+        first = failed[0]
+        timeout = run._stop_timeout(next(u.stop_timeout_s for u in units if u.name == first.unit))
+        raise StepFailed(f"unit {first.unit} did not stop in {timeout:g} s ({first.reason})")
+    killed = _kill_strays(run)
+    leftover = _wait_gone(run.plan.processes, run._stop_timeout(90.0))
+    if leftover:
+        raise StepFailed(f"processes {', '.join(map(str, leftover))} still run after their units stopped")
+    run._journal(Phase.STOPPED, strays_killed=list(killed))
+    detail = f"{len(units)} unit(s) stopped, {len(run.plan.processes)} process(es) gone"
+    if killed:
+        detail += f"; stray PIDs {', '.join(map(str, killed))} ended (not restarted)"
+    return detail
 
-    # ------------------------------------------------------------------ 9. end check
 
-    def do_end_check(self) -> str:
-        """One more scan: a process anywhere on the host that still maps a replaced file of an affected
-        distribution runs old code (it was not in the plan: it could not be read, or started using the
-        package in the last instant before the install). Said, or with --strict a failure (rolled back:
-        then every process agrees on the old version again)."""
-        assert self.survey is not None
-        self.old_code = left_on_old_code(scan_processes(self.survey.targets, self.options.proc_root))
-        if not self.old_code:
-            return "no process runs replaced files"
-        listed = "; ".join(p.describe() for p in self.old_code)
-        self._log(f"end check: {listed}")
-        if self.options.strict:
-            raise StepFailed(
-                f"{listed}: still running old code after the restart (--strict)",
-                hint="restart or end those processes, then run again",
-            )
-        return f"warning: {listed}: restart them to run the new version"
+def _kill_strays(run: _Run) -> tuple[int, ...]:
+    run.strays_killed = _end_processes([(p.pid, p.start_time) for p in run.plan.strays])
+    return run.strays_killed
 
-    # ------------------------------------------------------------------ rollback
 
-    def rollback(self, error: SafeInstallError) -> SafeInstallError:
-        """Put everything back; returns the error to report (StepFailed, or RollbackFailed)."""
-        assert self.journal is not None and self.state is not None and self.systemd is not None
+def _check_no_late_users(run: _Run) -> str:
+    """Scan again just before the install: a process that started using the package after the plan
+    was made (a cron job, a tmux session) would have its files replaced under it."""
+    scan = scan_again(run.survey, run.options)
+    every = not run.options.only_loaded  # --only-loaded: certain evidence only, as in the plan
+    late = [p for p in scan.affected if not p.is_self and p.state != "Z" and (every or p.certain)]
+    if not late:
+        return ""
+    listed = ", ".join(f"{p.pid} ({' '.join(p.cmdline)[:60] or p.name})" for p in late)
+    if not run.options.kill_strays:
+        raise StepFailed(
+            f"process(es) {listed} started using {run.plan.package} after the plan was made",
+            hint="stop them, or pass --kill-strays to end them (they are not restarted)",
+        )
+    ended = _end_processes([(p.pid, p.start_time) for p in late])
+    run.strays_killed = (*run.strays_killed, *ended)
+    return f"; late user(s) {listed} ended (not restarted)"
 
-        def announce(signum: int) -> None:
-            self.reporter.note(
-                f"{signal.Signals(signum).name} received during rollback: finishing it first so the "
-                "services are not abandoned"
-            )
 
-        with interrupts_deferred(announce):
-            done: list[str] = []
-            stopped_any = _phase_at_least(self.journal, Phase.STOPPING)
-            try:
-                self._journal_if_possible(Phase.ROLLING_BACK, note=error.message)
-                if self.restart_started:
-                    for unit in self._units_to_restart():
-                        self.systemd.stop(unit, self._stop_timeout(90.0))
-                installed = _phase_at_least(self.journal, Phase.INSTALLING)
-                if installed:
-                    # the run's cache first: the installed files are its hardlinks, and on a full disk
-                    # the restore needs the room that removing them frees only once the cache is gone
-                    remove_uv_caches(self.state, self.run_id)
-                restore = None
-                if installed and self.env is not None and self.backup is not None:
-                    restore = (self.env, self.backup)
-                outcome = put_back(
-                    self.state.dir,
-                    self.journal,
-                    self.options.environ,
-                    restore,
-                    self._start_again,
-                    lambda: self._journal_if_possible(Phase.ROLLED_BACK),
-                )
-                self.notes.extend(outcome.notes)
-                if outcome.restored:
-                    done.append("restored the previous installation")
-                else:
-                    done.append("nothing was installed" if not installed else "the files were unchanged")
-                if outcome.started:
-                    done.append("started " + ", ".join(outcome.started) + " again")
-            except SafeInstallError as second:
-                return self._rollback_failed(error, second)
-            except Exception as second:
-                return self._rollback_failed(error, SafeInstallError(str(second)))
-        if not stopped_any:  # the run ended before the stop: nothing changed, exit 2 as for a refusal
-            self._remove_own_backup()
-            if error.exit_code == ExitCode.REFUSED:
-                return error
-            return Aborted(f"{error.message}; nothing was stopped or installed", hint=error.hint)
-        return StepFailed(f"{error.message}; {'; '.join(done)}", hint=error.hint)
+# ------------------------------------------------------------------ 5. GPU release
 
-    def _start_again(self, units: list[JournalUnit]) -> None:
-        if units:
-            self._start_and_settle([u.name for u in units], min(self.options.settle, 2.0))
 
-    def _remove_own_backup(self) -> None:
-        """Nothing was installed: this run's backup (whole or partial) is of no use; it goes."""
-        assert self.state is not None
-        backup_dir = self.state.backup_dir(self.run_id)
-        shutil.rmtree(backup_dir, ignore_errors=True)
-        if backup_dir.exists():
-            self.notes.append(f"could not remove this run's unused backup {backup_dir}")
-        self.backup = None
+def gpu_release_step(run: _Run, session: NvmlSession, baseline: GpuSnapshot) -> str:
+    if not session.available:
+        run._journal(Phase.GPU_RELEASED, note=f"GPU check skipped: {session.reason}")
+        return f"skipped: {session.reason}"
 
-    def _rollback_failed(self, error: SafeInstallError, second: SafeInstallError) -> RollbackFailed:
-        assert self.journal is not None and self.env is not None
-        commands = [f"safeinstall --recover --python {self.env.python}"]
-        flag = "--user " if self.options.user else ""
-        commands += [f"systemctl {flag}start {u}" for u in self._units_to_restart()]
-        return RollbackFailed(
-            f"{error.message}; then putting things back failed too: {second.message}. "
-            f"The backup ({self.journal.backup_dir}) and the journal are kept. To finish: "
-            + " && ".join(commands),
-            hint="run the commands above; safeinstall --status shows what is pending",
-            commands=tuple(commands),
+    def on_poll(status: ReleaseStatus) -> None:
+        holders = ", ".join(f"PID {h.pid}" for h in status.holders) or "memory not yet freed"
+        run.reporter.progress(
+            f"waiting for GPU memory ({holders})", status.waited_s, run.options.gpu_timeout, "s"
         )
 
+    stopped = frozenset(p.pid for p in run.plan.processes)
+    status = wait_for_release(session, baseline, stopped, run.options.gpu_timeout, on_poll)
+    if status.skipped:
+        run._journal(Phase.GPU_RELEASED, note=f"GPU check skipped: {status.reason}")
+        return f"skipped: {status.reason}"
+    if not status.released:
+        holders = ", ".join(
+            f"PID {h.pid} on GPU {h.gpu_index}" + (f" ({h.used_bytes} bytes)" if h.used_bytes else "")
+            for h in status.holders
+        )
+        raise StepFailed(
+            f"GPU memory was not released within {run.options.gpu_timeout:g} s"
+            + (f": still held by {holders}" if holders else f": {status.reason}")
+        )
+    run._journal(Phase.GPU_RELEASED)
+    return f"released after {status.waited_s:.1f} s"
 
-def _device(path: Path) -> int:
-    probe = Path(os.path.abspath(path))
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    return probe.stat().st_dev
+
+# ------------------------------------------------------------------ 6. install
+
+
+def install_step(run: _Run) -> str:
+    late = _check_no_late_users(run)
+    run._journal(Phase.INSTALLING)
+    command = run.plan.uv_command
+    cache = run.state.uv_cache(run.run_id)
+    run._log(f"install (UV_CACHE_DIR={cache}): " + " ".join(command))
+    result = uv_install(command, run.options.environ, cache_dir=cache)
+    run._log(f"uv exit {result.returncode}:\n{result.output}")
+    if result.returncode != 0:
+        tail = "\n".join(result.output.strip().splitlines()[-6:])
+        raise StepFailed(f"uv pip install failed (exit {result.returncode}): {tail}")
+    carried = carry(run.env.prefix, run.patches) if run.patches is not None else 0
+    run._journal(Phase.INSTALLED)
+    return " ".join(command) + late + (f"; {carried} local patch(es) carried" if carried else "")
+
+
+# ------------------------------------------------------------------ 7. verify
+
+
+def verify_step(run: _Run) -> str:
+    report = _verify_installed(
+        run.env,
+        run.plan.package,
+        run.wheel,
+        [d.name for d in run.survey.affected],
+        run.survey.installed,
+        run.patches.expected() if run.patches is not None else None,
+    )
+    failures = [f for f in report.findings if f.kind in _INSTALL_FAILURES]
+    if failures:
+        listed = "; ".join(f"{f.kind.value} {f.path}" for f in failures[:5])
+        raise StepFailed(f"the installed files do not match the wheel: {listed}")
+    run.extras = tuple(f.path for f in report.findings if f.kind == FindingKind.EXTRA)
+    if run.extras and run.options.prune:
+        run.pruned = _prune(run, run.extras)
+    run._journal(Phase.VERIFIED)
+    remove_gate(run)
+    checked = sum(d.files_checked for d in report.distributions)
+    detail = f"{checked} files match"
+    if run.extras and not run.pruned:
+        detail += f"; {len(run.extras)} leftover file(s) not in the new version (--prune removes them)"
+    elif run.pruned:
+        detail += f"; {len(run.pruned)} leftover file(s) pruned (saved in the backup)"
+    return detail
+
+
+def _prune(run: _Run, extras: tuple[str, ...]) -> tuple[str, ...]:
+    pruned, notes = prune_into(run.saved(), run.env.prefix, extras)
+    run.notes.extend(notes)
+    return pruned
+
+
+# ------------------------------------------------------------------ 8. restart
+
+
+def restart_step(run: _Run) -> str:
+    units = run._units_to_restart()
+    if run.options.no_restart:
+        run._journal(Phase.RESTARTING, note="--no-restart: units left stopped")
+        return "left stopped (--no-restart): " + (", ".join(units) or "none")
+    if not units:
+        run._journal(Phase.RESTARTING)
+        return "no unit was running"
+    run._journal(Phase.RESTARTING)
+    run.restart_started = True
+    detail = _start_and_settle(run, units, run.options.settle)
+    for unit in units:
+        run.journal = _mark(run.journal, unit, restarted=True)
+    if run.options.health_url:
+        _wait_healthy(run.options.health_url, run.options.health_timeout)
+        detail += f"; {run.options.health_url} answers 200"
+    return detail
+
+
+def _start_and_settle(run: _Run, units: list[str], settle: float) -> str:
+    systemd = run.systemd
+    befores = systemd.show(units)
+    issued = time.monotonic()
+    for unit in units:
+        systemd.start(unit)
+    with ThreadPoolExecutor(max_workers=len(units)) as pool:
+        futures = {
+            u: pool.submit(
+                systemd.wait_settled, u, settle, start_wait_s(befores.get(u)), before=befores.get(u)
+            )
+            for u in units
+        }
+        outcomes = {u: f.result() for u, f in futures.items()}
+    bad = [o for o in outcomes.values() if not o.ok]
+    if bad:
+        raise StepFailed("; ".join(o.reason or f"{o.unit} did not settle" for o in bad))
+    for unit, outcome in outcomes.items():
+        active_at = issued + max(0.0, outcome.waited_s - settle)
+        if unit in run.stop_issued:
+            run.downtime[unit] = active_at - run.stop_issued[unit]
+    return ", ".join(f"{u} active for {settle:g} s" for u in units)
+
+
+# ------------------------------------------------------------------ 9. end check
+
+
+def end_check_step(run: _Run) -> str:
+    """One more scan: a process anywhere on the host that still maps a replaced file of an affected
+    distribution runs old code (it was not in the plan: it could not be read, or started using the
+    package in the last instant before the install). Said, or with --strict a failure (rolled back:
+    then every process agrees on the old version again)."""
+    run.old_code = left_on_old_code(scan_processes(run.survey.targets, run.options.proc_root))
+    if not run.old_code:
+        return "no process runs replaced files"
+    listed = "; ".join(p.describe() for p in run.old_code)
+    run._log(f"end check: {listed}")
+    if run.options.strict:
+        raise StepFailed(
+            f"{listed}: still running old code after the restart (--strict)",
+            hint="restart or end those processes, then run again",
+        )
+    return f"warning: {listed}: restart them to run the new version"
+
+
+# ------------------------------------------------------------------ rollback
+
+
+def rollback(run: _Run, error: SafeInstallError) -> SafeInstallError:
+    """Put everything back; returns the error to report (StepFailed, or RollbackFailed)."""
+
+    def announce(signum: int) -> None:
+        run.reporter.note(
+            f"{signal.Signals(signum).name} received during rollback: finishing it first so the "
+            "services are not abandoned"
+        )
+
+    with interrupts_deferred(announce):
+        done: list[str] = []
+        stopped_any = _phase_at_least(run.journal, Phase.STOPPING)
+        try:
+            run._journal_if_possible(Phase.ROLLING_BACK, note=error.message)
+            if run.restart_started:
+                for unit in run._units_to_restart():
+                    run.systemd.stop(unit, run._stop_timeout(90.0))
+            installed = _phase_at_least(run.journal, Phase.INSTALLING)
+            if installed:
+                # the run's cache first: the installed files are its hardlinks, and on a full disk
+                # the restore needs the room that removing them frees only once the cache is gone
+                remove_uv_caches(run.state, run.run_id)
+            restore = None
+            if installed and run.backup is not None:
+                restore = (run.env, run.backup)
+            outcome = put_back(
+                run.state.dir,
+                run.journal,
+                run.options.environ,
+                restore,
+                lambda units: _start_again(run, units),
+                lambda: run._journal_if_possible(Phase.ROLLED_BACK),
+            )
+            run.notes.extend(outcome.notes)
+            if outcome.restored:
+                done.append("restored the previous installation")
+            else:
+                done.append("nothing was installed" if not installed else "the files were unchanged")
+            if outcome.started:
+                done.append("started " + ", ".join(outcome.started) + " again")
+        except SafeInstallError as second:
+            return _rollback_failed(run, error, second)
+        except Exception as second:
+            return _rollback_failed(run, error, SafeInstallError(str(second)))
+    if not stopped_any:  # the run ended before the stop: nothing changed, exit 2 as for a refusal
+        _remove_own_backup(run)
+        if error.exit_code == ExitCode.REFUSED:
+            return error
+        return Aborted(f"{error.message}; nothing was stopped or installed", hint=error.hint)
+    return StepFailed(f"{error.message}; {'; '.join(done)}", hint=error.hint)
+
+
+def _start_again(run: _Run, units: list[JournalUnit]) -> None:
+    if units:
+        _start_and_settle(run, [u.name for u in units], min(run.options.settle, 2.0))
+
+
+def _remove_own_backup(run: _Run) -> None:
+    """Nothing was installed: this run's backup (whole or partial) is of no use; it goes."""
+    backup_dir = run.state.backup_dir(run.run_id)
+    shutil.rmtree(backup_dir, ignore_errors=True)
+    if backup_dir.exists():
+        run.notes.append(f"could not remove this run's unused backup {backup_dir}")
+    run.backup = None
+
+
+def _rollback_failed(run: _Run, error: SafeInstallError, second: SafeInstallError) -> RollbackFailed:
+    commands = [f"safeinstall --recover --python {run.env.python}"]
+    flag = "--user " if run.options.user else ""
+    commands += [f"systemctl {flag}start {u}" for u in run._units_to_restart()]
+    return RollbackFailed(
+        f"{error.message}; then putting things back failed too: {second.message}. "
+        f"The backup ({run.journal.backup_dir}) and the journal are kept. To finish: "
+        + " && ".join(commands),
+        hint="run the commands above; safeinstall --status shows what is pending",
+        commands=tuple(commands),
+    )
 
 
 def _mark(
@@ -793,39 +819,41 @@ def _wait_healthy(url: str, timeout: float) -> None:
 
 def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) -> RunResult:
     """The whole run. Raises SafeInstallError only before anything changed (exit 2)."""
-    run = _Run(options, reporter)
+    prepared = shared_preflight(options, take_lock=True)
     try:
-        run.preflight()
-        if interactive and not reporter.confirm(run.plan):
-            _discard_wheel_copy(run)
-            return _result(run, "declined", ExitCode.REFUSED, None)
-        run.start_journal()
+        refused = refusal(prepared.plan)
+        if refused is not None:
+            raise refused
+        if interactive and not reporter.confirm(prepared.plan):
+            _discard_wheel_copy(prepared)
+            return _declined(prepared)
+        run = start(prepared, reporter)
     except BaseException:
-        _discard_wheel_copy(run)
-        if run.lock is not None:
-            run.lock.release()
+        _discard_wheel_copy(prepared)
+        if prepared.lock is not None:
+            prepared.lock.release()
         raise
     try:
         with interrupts_raise():
             try:
                 if options.keep_patches:
-                    run._timed("patches", run.do_patches)
-                run._timed("backup", run.do_backup)
-                run._timed("prefetch", run.do_prefetch)
-                run._timed("gate", run.do_gate)
+                    run._timed("patches", lambda: patches_step(run))
+                run._timed("backup", lambda: backup_step(run))
+                run._timed("prefetch", lambda: prefetch_step(run))
+                run._timed("gate", lambda: gate_step(run))
                 with NvmlSession(options.environ, options.proc_root) as session:
                     baseline = session.snapshot()  # before the stop: what the processes held
-                    run._timed("stop", run.do_stop)
-                    run._timed("gpu-release", lambda: run.do_gpu_wait(session, baseline))
-                run._timed("install", run.do_install)
-                run._timed("verify", run.do_verify)
-                run._timed("restart", run.do_restart)
-                run._timed("end-check", run.do_end_check)
+                    run._timed("stop", lambda: stop_step(run))
+                    run._timed("gpu-release", lambda: gpu_release_step(run, session, baseline))
+                run._timed("install", lambda: install_step(run))
+                run._timed("verify", lambda: verify_step(run))
+                run._timed("restart", lambda: restart_step(run))
+                run._timed("end-check", lambda: end_check_step(run))
             except Exception as exc:  # any failure once the run started rolls back, bugs included
                 error = (
                     exc if isinstance(exc, SafeInstallError) else StepFailed(f"{type(exc).__name__}: {exc}")
                 )
-                outcome = run.rollback(error)
+                outcome = rollback(run, error)
                 status = {
                     ExitCode.ROLLED_BACK: "rolled-back",
                     ExitCode.ROLLBACK_FAILED: "rollback-failed",
@@ -835,15 +863,14 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
         # failure there is said, and must not turn a good run into an error (nor leave a journal that
         # blocks the next run): the gate marker is gone already, so a leftover drop-in is inert.
         run._journal_if_possible(Phase.DONE)
-        run.save_patches()
+        save_patches(run)
         try:
-            run.remove_dropins()
+            remove_dropins(run)
         except SafeInstallError as exc:
             run.notes.append(
                 f"could not remove the boot gate drop-ins ({GATE_DROPIN}.conf; inert, the gate is open): "
                 f"{exc.message}"
             )
-        assert run.state is not None
         with contextlib.suppress(OSError):
             clear_journal(run.state.dir)
         old = prune_backups(run.state.backups, options.keep_backups, protected={run.run_id})
@@ -851,21 +878,37 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
         not_restarted = tuple(run._units_to_restart()) if options.no_restart else ()
         return _result(run, "done", ExitCode.OK, None, not_restarted, tuple(map(str, old.removed)))
     finally:
-        if run.state is not None and run.run_id:
-            remove_uv_caches(run.state, run.run_id)  # installed files then share inodes with nothing
-        _discard_wheel_copy(run)
-        if run.lock is not None:
-            run.lock.release()
+        remove_uv_caches(run.state, run.run_id)  # installed files then share inodes with nothing
+        if not run.state.journal.exists():  # else the wheel copy is kept for --recover
+            _discard_wheel_copy(prepared)
+        if prepared.lock is not None:
+            prepared.lock.release()
 
 
-def _discard_wheel_copy(run: _Run) -> None:
-    """The run's copy of the wheel goes with it, unless its journal is kept for ``--recover``."""
-    wheel = run.options.wheel
-    if wheel is None or run.state is None:
-        return
-    if run.journal is not None and run.state.journal.exists():
-        return
-    discard_wheel_copy(wheel, run.state.dir)
+def _discard_wheel_copy(prepared: Prepared) -> None:
+    """The run's copy of the wheel (``prepared.options.wheel``) goes with it."""
+    if prepared.options.wheel is not None:
+        discard_wheel_copy(prepared.options.wheel, prepared.state.dir)
+
+
+def _declined(prepared: Prepared) -> RunResult:
+    """The user said no at the prompt: nothing was journalled, nothing changed."""
+    return RunResult(
+        status="declined",
+        exit_code=ExitCode.REFUSED,
+        plan=prepared.plan,
+        steps=(),
+        downtime_s={},
+        patched=(),
+        extras=(),
+        pruned=(),
+        backup_dir=None,
+        log_file=None,
+        not_restarted=(),
+        strays_killed=(),
+        error=None,
+        notes=prepared.notes,
+    )
 
 
 def _result(
@@ -879,14 +922,14 @@ def _result(
     return RunResult(
         status=status,
         exit_code=code,
-        plan=run.survey.plan if run.survey else None,
+        plan=run.plan,
         steps=tuple(run.steps),
         downtime_s=dict(run.downtime),
         patched=run.patched,
         extras=run.extras,
         pruned=run.pruned,
         backup_dir=str(run.backup.dir) if run.backup else None,
-        log_file=str(run.log_file) if run.log_file else None,
+        log_file=str(run.log_file),
         not_restarted=not_restarted,
         strays_killed=run.strays_killed,
         error=error,

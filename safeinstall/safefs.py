@@ -105,6 +105,57 @@ def open_regular(path: Path) -> int:
     return fd
 
 
+def read_small(path: Path, limit: int) -> bytes:
+    """The bytes of a small file that others may control (an installed distribution's METADATA, RECORD,
+    INSTALLER): the last component is not followed if it is a symlink, a FIFO or a device is refused
+    without blocking, and a file larger than ``limit`` is refused before it is read. Raises OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise NotRegularFile(str(path), describe(info.st_mode))
+        if info.st_size > limit:
+            raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
+        chunks: list[bytes] = []
+        size = 0
+        while chunk := os.read(fd, min(1 << 20, limit + 1 - size)):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:  # it grew since the fstat
+                raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def open_directory(path: Path) -> int:
+    """Open an absolute directory path walking from ``/`` by descriptor, following no symlink in any
+    component: whoever owns a directory above the prefix (a service account's home) cannot swap it for a
+    symlink into another environment between the probe and a write. Raises OSError (``ELOOP`` or
+    ``ENOTDIR`` for a symlink, ``EINVAL`` for a relative path or one with ``..``)."""
+    text = os.fspath(path)
+    parts = [part for part in text.split("/") if part not in ("", ".")]
+    if not text.startswith("/") or ".." in parts:
+        raise OSError(errno.EINVAL, "not an absolute, normal path", text)
+    fd = os.open("/", _DIR_FLAGS)
+    walked = ""
+    try:
+        for part in parts:
+            walked += "/" + part
+            try:
+                child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise OSError(exc.errno, f"{walked} is a symlink or not a directory", text) from exc
+                raise OSError(exc.errno, exc.strerror, text) from exc
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _open_child(fd: int, name: str) -> int:
     """A new descriptor of the real directory ``name`` in the directory ``fd``; NotADirectoryError
     for a symlink or a file, FileNotFoundError when it is not there."""
@@ -155,14 +206,16 @@ class _Cursor:
 class Tree:
     """A directory opened once; every operation below it walks by descriptor, never through a symlink.
 
-    Use as a context manager (the root's descriptor is closed at the end). Safe to share between
-    threads: each operation opens and closes its own descriptors or, inside :meth:`batch`, uses its
-    own thread's cursor.
+    The root itself is opened component by component from ``/``, no symlink followed on the way (the
+    paths it is given are real paths: the probe's prefix, the state directory). Use as a context
+    manager (the root's descriptor is closed at the end). Safe to share between threads: each
+    operation opens and closes its own descriptors or, inside :meth:`batch`, uses its own thread's
+    cursor.
     """
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.fd = os.open(root, _DIR_FLAGS)
+        self.fd = open_directory(root)
         self._cursors: list[_Cursor] | None = None  # inside a batch: every thread's cursor
         self._local = threading.local()
         self._lock = threading.Lock()

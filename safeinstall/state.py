@@ -149,7 +149,12 @@ class DirStatus:
 
 
 def state_root(environ: Mapping[str, str], euid: int) -> Path:
-    """Pure: where the state lives, from the environment variables and the effective uid."""
+    """Where the state lives, from the environment variables and the effective uid; a real path (the
+    trust check and the safe filesystem layer then see no symlink in it)."""
+    return Path(os.path.realpath(_state_root(environ, euid)))
+
+
+def _state_root(environ: Mapping[str, str], euid: int) -> Path:
     override = environ.get(STATE_DIR_VARIABLE)
     if override:
         return Path(os.path.abspath(os.path.expanduser(override)))

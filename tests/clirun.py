@@ -38,3 +38,21 @@ def run(*args: str, env: Mapping[str, str] | None = None, timeout: float = 120, 
         check=False,
     )
     return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
+#: The fields of one finished run in the history (``--status``, ``data.environments[].runs``): the
+#: contract of issue 11, stated here once for the tests that check it.
+RUN_FIELDS = frozenset(
+    {
+        "run_id",
+        "status",
+        "exit_code",
+        "package",
+        "old_version",
+        "new_version",
+        "started_at",
+        "finished_at",
+        "downtime_s",
+        "log_file",
+    }
+)

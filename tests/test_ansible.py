@@ -479,3 +479,44 @@ def test_the_exit_codes_map_to_failed_and_changed() -> None:
         missing.failed
         and missing.msg == "safeinstall exited 127 without a --json result: safeinstall: not found"
     )
+
+
+def test_the_reinstall_modules_command_line_is_what_the_cli_parses() -> None:
+    """The module's argv, parsed by safeinstall's own command line, gives the options the play asked
+    for: the requirement as the positional argument, every value as given."""
+    from typer.main import get_command
+
+    from ansible_collections.safeinstall.fleet.plugins.module_utils.cli import reinstall_argv
+    from safeinstall.cli import app, run_options
+
+    params: dict[str, Any] = {
+        "name": "vllm",
+        "requirement": "vllm>=0.16,<1",
+        "wheel": None,
+        "python": "/opt/vllm venv/bin/python",
+        "user": True,
+        "with_deps": True,
+        "stop_timeout": 30.0,
+        "gpu_timeout": 12.5,
+        "settle": 2.5,
+        "health_url": "http://127.0.0.1:8000/health",
+        "health_timeout": 600.0,
+        "kill_strays": True,
+        "prune": True,
+        "keep_patches": True,
+        "keep_backups": 2,
+    }
+    argv = reinstall_argv(["safeinstall"], params, check_mode=False)
+    context = get_command(app).make_context("safeinstall", argv[1:])
+    assert context.params["as_json"] is True and context.params["yes"] is True
+    options = run_options(context.params, context.args)
+    assert (options.package, options.version_spec, options.wheel) == ("vllm", "<1,>=0.16", None)
+    assert (options.python, options.user, options.with_deps) == ("/opt/vllm venv/bin/python", True, True)
+    assert (options.stop_timeout, options.gpu_timeout, options.settle) == (30.0, 12.5, 2.5)
+    assert (options.health_url, options.health_timeout) == ("http://127.0.0.1:8000/health", 600.0)
+    assert (options.kill_strays, options.prune, options.keep_patches, options.keep_backups) == (
+        True,
+        True,
+        True,
+        2,
+    )

@@ -13,23 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from tests.bed_systemd import wait_until
-from tests.clirun import SAFEINSTALL
+from tests.clirun import RUN_FIELDS, SAFEINSTALL
 from tests.test_reinstall import Bed, bed, maps_so
 
 __all__ = ["bed"]  # the fixture, shared with test_reinstall
-
-RUN_FIELDS = {
-    "run_id",
-    "status",
-    "exit_code",
-    "package",
-    "old_version",
-    "new_version",
-    "started_at",
-    "finished_at",
-    "downtime_s",
-    "log_file",
-}
 
 
 def _document(path: Path) -> dict[str, Any] | None:

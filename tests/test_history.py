@@ -11,20 +11,7 @@ from typing import Any
 from safeinstall import history
 from safeinstall.output import envelope
 from safeinstall.state import EnvironmentState, ensure_environment_dir, environment_state
-from tests.clirun import run
-
-FIELDS = {
-    "run_id",
-    "status",
-    "exit_code",
-    "package",
-    "old_version",
-    "new_version",
-    "started_at",
-    "finished_at",
-    "downtime_s",
-    "log_file",
-}
+from tests.clirun import RUN_FIELDS, run
 
 
 def env_state(root: Path, prefix: Path) -> EnvironmentState:
@@ -129,7 +116,7 @@ def test_status_lists_finished_runs_and_gone_environments_and_forget_removes_onl
     assert by_prefix[str(gone_prefix)]["prefix_exists"] is False
     runs = by_prefix[str(live_prefix)]["runs"]
     assert [r["run_id"] for r in runs] == [newer, older]  # newest first
-    assert all(set(r) == FIELDS for r in runs)
+    assert all(set(r) == RUN_FIELDS for r in runs)
     assert (runs[0]["status"], runs[0]["exit_code"], runs[0]["new_version"]) == ("rolled-back", 3, "2.0")
     human = run("--status", env=environ)
     assert "environment gone" in human.stdout and newer in human.stdout and "rolled-back" in human.stdout

@@ -732,3 +732,70 @@ def test_paths_below_a_tree_and_copies_of_wheels(tmp_path: Path) -> None:
     assert not is_wheel_copy(tmp_path / "downloads" / "x-1.0-py3-none-any.whl", envdir)
     assert not is_wheel_copy(envdir / "wheels" / ".." / "journal.json", envdir)
     assert not is_wheel_copy(envdir / "wheels" / "x-1.0-py3-none-any.whl", envdir)
+
+
+# --- metadata files of the environment ---------------------------------------------------------------
+
+
+def test_an_installed_distributions_metadata_is_never_read_through_a_fifo_a_symlink_or_whole(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    """Row: the environment's owner makes another distribution's METADATA a FIFO (reading it would
+    hang every run, and a rollback while the services are down), its RECORD a symlink to a file only
+    root may read, and a third one's RECORD larger than any real one: `--verify-only --all` finishes,
+    reads none of them, and reports those distributions as damaged."""
+    wheelhouse.uv_install(venv, wheels["sipure-1"])
+    site = wheelhouse.site_packages(venv)
+    fifo_dist = site / "fifo_meta-1.0.dist-info"
+    fifo_dist.mkdir()
+    os.mkfifo(fifo_dist / "METADATA")
+    (fifo_dist / "RECORD").write_text("")
+    secret = tmp_path / "secret"
+    secret.write_text("secretline.py,sha256=AAAA,1\n")
+    secret.chmod(0o600)
+    link_dist = site / "link_record-1.0.dist-info"
+    link_dist.mkdir()
+    (link_dist / "METADATA").write_text("Metadata-Version: 2.1\nName: link-record\nVersion: 1.0\n")
+    (link_dist / "RECORD").symlink_to(secret)
+    huge_dist = site / "huge_record-1.0.dist-info"
+    huge_dist.mkdir()
+    (huge_dist / "METADATA").write_text("Metadata-Version: 2.1\nName: huge-record\nVersion: 1.0\n")
+    with open(huge_dist / "RECORD", "wb") as handle:
+        handle.truncate((64 << 20) + 1)  # sparse: one byte more than the limit
+    result = run("--verify-only", "--all", "--python", str(venv), "--json", timeout=120)
+    assert result.code in (0, 1), result.stdout + result.stderr
+    assert "secretline" not in result.stdout + result.stderr
+    assert "sipure" in {d["name"] for d in result.json["data"]["distributions"]}
+
+
+def test_a_directory_above_the_prefix_swapped_for_a_symlink_leads_nowhere(
+    open_dir: Path, wheels: Wheelhouse
+) -> None:
+    """Row: the service account owns a directory above the prefix (its home holds the venv). After the
+    backup it swaps that directory for a symlink to where another, root-owned environment of the same
+    layout lives. The restore then refuses the prefix (it is walked from / without following a
+    symlink): nothing is written into the other environment."""
+    if not AS_ROOT:
+        pytest.skip("the attack is on a run as root")
+    home = open_dir / "home"
+    (home / "envs").mkdir(parents=True)
+    python = wheelhouse.make_venv(home / "envs" / "app")
+    wheelhouse.uv_install(python, wheels["sipure-1"])
+    victim_python = wheelhouse.make_venv(open_dir / "victim" / "app")
+    wheelhouse.uv_install(victim_python, wheels["sipure-2"])
+    victim_site = wheelhouse.site_packages(victim_python)
+    before = {p: p.read_bytes() for p in sorted((victim_site / "sipure").rglob("*.py"))}
+    os.lchown(home, NOBODY, NOBODY)  # the account owns its home, not the venv itself
+
+    from safeinstall.backup import create_backup, restore_backup
+    from safeinstall.distributions import find_distribution
+    from safeinstall.environment import inspect_environment
+    from safeinstall.errors import SafeInstallError
+
+    env = inspect_environment(python)
+    backup = create_backup(env, [find_distribution(env, "sipure")], open_dir / "state" / "b1", ())
+    as_nobody("sh", "-c", f"cd {home} && mv envs envs.real && ln -s {open_dir / 'victim'} envs")
+    with pytest.raises(SafeInstallError, match=f"{home / 'envs'} is a symlink or not a directory"):
+        restore_backup(backup, env, remove=[])
+    assert {p: p.read_bytes() for p in sorted((victim_site / "sipure").rglob("*.py"))} == before
+    assert all(p.stat().st_uid == 0 for p in before)
