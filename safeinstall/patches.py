@@ -15,7 +15,6 @@ write after the install, :func:`save_patch_set` keeps the carried set in the sta
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -28,11 +27,11 @@ from merge3 import Merge3
 from safeinstall.diffs import text_lines, unified
 from safeinstall.distributions import InstalledDistribution
 from safeinstall.drift import Expectation, FindingKind, is_within
-from safeinstall.environment import Environment
+from safeinstall.environment import Account, Environment
 from safeinstall.errors import PatchConflict, PlanError, StepFailed, WheelError
 from safeinstall.records import RecordHash, digest_bytes
 from safeinstall.safefs import Tree
-from safeinstall.state import EnvironmentState, atomic_write, ensure_dir
+from safeinstall.state import EnvironmentState, atomic_write, ensure_dir, make_run_dir, remove_run_dir
 from safeinstall.uvplan import UvRequest, prefetch_command, requirement, uv_binary
 from safeinstall.uvplan import install as uv_install
 from safeinstall.verify import verify_environment
@@ -208,7 +207,8 @@ def _wheel_files(wheel: Wheel, env: Environment, wanted: frozenset[str]) -> dict
 
 
 def _tree_files(tree: Path, env: Environment, wanted: frozenset[str]) -> dict[str, bytes]:
-    """Files of a ``uv pip install --target`` tree: site-packages' contents sit at its top."""
+    """Files of a ``uv pip install --target`` tree: site-packages' contents sit at its top. Read by
+    descriptor: uv wrote the tree as the environment's owner, who may have put symlinks in it."""
     found: dict[str, bytes] = {}
     for location in wanted:
         relative = site_relative(env, location)
@@ -218,9 +218,12 @@ def _tree_files(tree: Path, env: Environment, wanted: frozenset[str]) -> dict[st
     return found
 
 
-def _fetch(request: UvRequest, target: Path, environ: Mapping[str, str], what: str) -> Path:
-    """``uv pip install --target`` the requirement into the scratch directory (uv's cache, or its index)."""
-    result = uv_install(prefetch_command(request, uv_binary(), target), environ)
+def _fetch(
+    request: UvRequest, target: Path, environ: Mapping[str, str], what: str, account: Account | None
+) -> Path:
+    """``uv pip install --target`` the requirement into the scratch directory (uv's cache, or its
+    index), as ``account`` (the environment's owner) when given."""
+    result = uv_install(prefetch_command(request, uv_binary(), target), environ, account=account)
     if result.returncode != 0:
         said = " / ".join(line.strip() for line in result.output.strip().splitlines()[-4:] if line.strip())
         raise PlanError(
@@ -278,6 +281,8 @@ def prepare_patches(
     if not changed:
         return PatchSet(versions, ())
     wanted = frozenset(changed)
+    if base_wheel is None or new_wheel is None:  # uv fetches into it, as the environment's owner
+        make_run_dir(scratch, env.account)
     try:
         if base_wheel is not None:
             source = base_wheel.name
@@ -286,14 +291,14 @@ def prepare_patches(
             source = f"{dist.name}=={dist.version} fetched by uv"
             pinned = replace(request, wheel=None, version_spec=f"=={dist.version}", with_deps=False)
             what = f"the pristine files of the installed {dist.name} {dist.version}"
-            base = _tree_files(_fetch(pinned, scratch / "base", environ, what), env, wanted)
+            base = _tree_files(_fetch(pinned, scratch / "base", environ, what, env.account), env, wanted)
         if new_wheel is not None:
             theirs = _wheel_files(new_wheel, env, wanted)
         else:
             what = f"the files of the new {dist.name} {new_version}"
-            theirs = _tree_files(_fetch(request, scratch / "new", environ, what), env, wanted)
+            theirs = _tree_files(_fetch(request, scratch / "new", environ, what, env.account), env, wanted)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        remove_run_dir(scratch)
     _check_base(base, dict(zip(dist.locations, (e.hash for e in dist.record.entries), strict=True)), source)
     patches = [
         LocalPatch(

@@ -4,8 +4,9 @@ dry-run refuses exactly when the run would (same decision, same exit code 2).
 In the run's order: the interpreter; the state directory; the lock; the wheel (a valid zip whose
 RECORD matches its contents, for PACKAGE, fitting the interpreter's tags); uv's plan and the /proc scan
 (:func:`safeinstall.survey.survey`); the plan's refusals; room for the backup and for the install; the
-environment's directories writable. A failure before there is a plan raises; later ones are the plan's
-refusals, so that a dry-run still shows the plan and why it would refuse.
+environment's directories writable (by its owner, when uv runs as that account). A failure before
+there is a plan raises; later ones are the plan's refusals, so that a dry-run still shows the plan and
+why it would refuse.
 
 The only difference: the run creates its state directory and takes the lock (and keeps it); a dry-run
 creates nothing and takes no lock: it checks that the directory could be made and that no live run
@@ -30,8 +31,10 @@ from safeinstall.safefs import unwritable
 from safeinstall.state import (
     EnvironmentState,
     check_environment_dir,
+    check_passable,
     ensure_environment_dir,
     environment_state,
+    let_through,
     state_root,
 )
 from safeinstall.survey import Survey, survey
@@ -44,7 +47,7 @@ from safeinstall.wheel import (
     read_wheel,
     target_tags,
 )
-from safeinstall.wheelcopy import copy_wheel, discard_wheel_copy
+from safeinstall.wheelcopy import copy_wheel, discard_wheel_copy, temporary_copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +78,12 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
     state = environment_state(state_root(options.environ, os.geteuid()), env.prefix)
     notes: list[str] = [env.owner_note] if env.owner_note else []
     lock: HeldLock | None = None
+    if env.account is not None:  # uv runs as the environment's owner: it must reach the run's directories
+        check_passable(state.root, env.account)
     if take_lock:
         notes.extend(s.warning for s in ensure_environment_dir(state) if s.warning)
+        if env.account is not None:
+            let_through(state)
         lock = acquire_lock(state.lock, str(env.prefix))
         if lock.takeover_note:
             notes.append(lock.takeover_note)
@@ -95,7 +102,11 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
             except WheelError as exc:  # named as the user gave it
                 raise WheelError(exc.message.replace(str(use), str(given)), exc.hint) from exc
             check_wheel(wheel, options.package, env)
-        found = survey(options, env, wheel)
+        if given is not None and not take_lock and env.account is not None:
+            with temporary_copy(given) as copy:  # uv reads it as the owner, who may not read `given`
+                found = _named_as_given(survey(replace(options, wheel=copy), env, wheel), copy, given)
+        else:
+            found = survey(options, env, wheel)
         if wheel is not None:
             check_landing(wheel, env, found.affected, found.installed)
         more = (*room_problems(found, env, state.backups, wheel), *writability_problems(env, found, wheel))
@@ -108,6 +119,20 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
             lock.release()
         raise
     return Prepared(options, env, state, wheel, found, lock, tuple(notes))
+
+
+def _named_as_given(found: Survey, copy: Path, given: Path) -> Survey:
+    """Pure: the dry-run's plan with the wheel named as the user gave it, not as its temporary copy."""
+
+    def named(command: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(str(given) if arg == str(copy) else arg for arg in command)
+
+    return replace(
+        found,
+        request=replace(found.request, wheel=given),
+        uv_plan=replace(found.uv_plan, command=named(found.uv_plan.command)),
+        plan=replace(found.plan, uv_command=named(found.plan.uv_command)),
+    )
 
 
 def refusal(plan: Plan) -> PlanError | None:
@@ -182,5 +207,7 @@ def writability_problems(env: Environment, found: Survey, wheel: Wheel | None) -
     where the wheel's members land: a read-only one would fail the install during the downtime."""
     return tuple(
         f"the install could not write {problem} (it is not writable)"
-        for problem in unwritable(install_directories(env, found.affected, wheel))
+        for problem in unwritable(
+            install_directories(env, found.affected, wheel), None if env.account is None else env.account.ids
+        )
     )

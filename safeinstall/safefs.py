@@ -507,6 +507,14 @@ class Tree:
             finally:
                 os.close(child)
 
+    def set_mode(self, relative: str, mode: int) -> None:
+        """Set the mode of the real directory ``relative`` (by descriptor: a symlink is not followed)."""
+        fd = self._open_dir(parts_of(relative))
+        try:
+            os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+
     def make_dirs(self, relative: str, mode: int) -> None:
         """Every missing directory of ``relative`` (in a tree of safeinstall's own: the backup)."""
         parts = parts_of(relative)
@@ -621,9 +629,19 @@ class Tree:
         return "file"
 
 
-def unwritable(directories: Iterable[Path]) -> list[str]:
+def permitted(mode: int, owner: int, group: int, ids: tuple[int, int], want: int) -> bool:
+    """Pure: does a file of this ``st_mode``, ``st_uid`` and ``st_gid`` grant ``want`` (the bits as for
+    others: 4 read, 2 write, 1 execute/enter, or'ed) to ``ids`` (uid, gid), a process with no
+    supplementary groups (as safeinstall runs another account's code)? Access control lists are not
+    read."""
+    shift = 6 if owner == ids[0] else 3 if group == ids[1] else 0
+    return (mode >> shift) & want == want
+
+
+def unwritable(directories: Iterable[Path], as_user: tuple[int, int] | None = None) -> list[str]:
     """Which of ``directories`` (each, or its nearest existing parent) cannot be written, and why: a
-    read-only mount, or no write permission (as root, only the mount and immutable files say no)."""
+    read-only mount, or no write permission (as root, only the mount and immutable files say no).
+    ``as_user`` (uid, gid): whether that account, rather than the caller, may write them."""
     problems: list[str] = []
     for directory in sorted(set(directories)):
         probe = directory
@@ -631,11 +649,15 @@ def unwritable(directories: Iterable[Path]) -> list[str]:
             probe = probe.parent
         try:
             read_only = bool(os.statvfs(probe).f_flag & os.ST_RDONLY)
+            info = os.stat(probe)
         except OSError as exc:
             problems.append(f"{directory}: {exc.strerror or exc}")
             continue
         if read_only:
             problems.append(f"{probe}: a read-only file system")
+        elif as_user is not None:
+            if not permitted(info.st_mode, info.st_uid, info.st_gid, as_user, 0o3):
+                problems.append(f"{probe}: not writable by uid {as_user[0]}")
         elif not os.access(probe, os.W_OK, effective_ids=os.access in os.supports_effective_ids):
             problems.append(f"{probe}: not writable")
     return problems
