@@ -1,9 +1,17 @@
-"""Observe installed files: stat them and hash them, streaming and in parallel.
+"""Observe installed files: stat them and hash them, in parallel, each opened once.
 
-The one place that reads file contents for verification. Each file is opened once (symlinks are not
-followed, FIFOs never block). Large files stream through ``hashlib.file_digest`` on worker threads,
-largest first (hashlib releases the GIL on large buffers); small ones are read whole on the calling
-thread at the same time.
+The one place that reads file contents for verification. The requested files are grouped by
+directory; each directory is opened once (by its path: what an absolute open would walk, the caller
+having checked containment) and its files relative to its descriptor with ``O_NOFOLLOW``. Only what
+the directory's listing shows as a regular file is opened: a symlink, a FIFO or a device node is
+reported from an ``lstat``, never opened. What is opened is checked again (``fstat`` on the
+descriptor, ``O_NONBLOCK``): a file swapped for a FIFO meanwhile is never read and never blocks.
+
+The work is split into tasks, costliest first: each large file alone (streamed through
+``hashlib.file_digest``), the small files in chunks of one directory each (each read whole in one
+call). A pool of threads takes the tasks in that order: ``open``, ``read``, ``fstat``, ``close`` and
+hashlib on buffers over 2 KiB run without the GIL, so the per-file system calls and hashing of one
+thread overlap another's Python. The result is the same whatever the number of threads.
 """
 
 from __future__ import annotations
@@ -12,8 +20,9 @@ import hashlib
 import os
 import stat
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from safeinstall.records import encode_digest
 
@@ -33,19 +42,34 @@ class FileState:
     mtime_ns: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class HashRequest:
-    path: str  # absolute; a plain string: pathlib costs more than the hashing of a small file
-    algorithm: str | None  # None: stat only
+class Wanted(Protocol):
+    """What :func:`observe_files` needs of each file (a :class:`~safeinstall.drift.Expectation` is one)."""
+
+    @property
+    def location(self) -> str: ...  # absolute, normalised (pathlib costs more than a small file's hash)
+
+    @property
+    def algorithm(self) -> str | None: ...  # None: stat only
+
+    @property
+    def size(self) -> int | None: ...  # expected: orders the work, costliest first
 
 
 def default_workers() -> int:
-    return min(32, os.cpu_count() or 1)
+    """Threads for file work: one per CPU this process may run on (at most 32)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(32, cpus))
 
 
-#: Files at least this large are streamed, on worker threads (hashlib releases the GIL while it hashes
-#: large buffers); smaller ones are read whole, on one thread, where no GIL hand-offs slow them down.
+#: Files at least this large are a task of their own, streamed in chunks; smaller ones are read whole.
 BIG_FILE = 1 << 20
+#: A task holds at most this many small files of one directory (torch has 7,048 in one directory).
+CHUNK_FILES = 128
+#: What opening, reading and closing a small file costs, counted in bytes hashed (about 15 us).
+_PER_FILE_COST = 20_000
 
 #: The usual RECORD algorithms, called directly: ``hashlib.new`` costs more than hashing a small file.
 _CONSTRUCTORS: dict[str, Callable[[bytes], hashlib._Hash]] = {
@@ -55,68 +79,81 @@ _CONSTRUCTORS: dict[str, Callable[[bytes], hashlib._Hash]] = {
 }
 
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
-#: A directory only to open files relative to (O_PATH: searching it is enough, as for a path walk).
-_DIR_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
+#: A directory to list and to open files relative to; where it cannot be read, one only searched.
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
+_DIR_SEARCH_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
 
 
-def _observe(request: HashRequest, dir_fd: int | None = None, name: str | None = None) -> FileState:
-    """One file: opened once (never following a symlink, never blocking on a FIFO), fstat, hashed.
+def _not_regular(path: str, info: os.stat_result) -> FileState:
+    """A symlink, FIFO, device, socket or directory where a file is expected: never opened or read."""
+    return FileState(
+        path,
+        True,
+        False,
+        info.st_size,
+        None,
+        None,
+        info.st_nlink,
+        info.st_dev,
+        info.st_ino,
+        None,
+        info.st_mtime_ns,
+    )
 
-    ``dir_fd``: the descriptor of the directory that holds it (opened by its path, as the kernel walks
-    an absolute path) and ``name`` its name there: the file is opened relative to it.
-    Small files are read in one call; large ones stream through ``hashlib.file_digest``.
-    """
-    path = request.path
+
+def _unopened(path: str, name: str, dir_fd: int | None) -> FileState | None:
+    """``lstat`` a file before it is opened: its state when it is not a regular file (or is not
+    there), ``None`` when it is one and may be opened."""
     try:
-        fd = (
-            os.open(path, _OPEN_FLAGS)
-            if dir_fd is None
-            else os.open(name or path, _OPEN_FLAGS, dir_fd=dir_fd)
-        )
+        info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
         return FileState(path, False)
     except OSError as exc:
-        # ELOOP: a symlink (not followed); other errors: exists but unreadable
-        try:
-            info = os.lstat(path)
-        except OSError:
-            return FileState(path, True, error=exc.strerror or str(exc))
-        if stat.S_ISLNK(info.st_mode):
-            return FileState(
-                path, True, False, info.st_size, None, None, info.st_nlink, info.st_dev, info.st_ino
-            )
         return FileState(path, True, error=exc.strerror or str(exc))
+    return None if stat.S_ISREG(info.st_mode) else _not_regular(path, info)
+
+
+def _observe(
+    path: str, name: str, dir_fd: int | None, algorithm: str | None, regular: frozenset[str] | None
+) -> FileState:
+    """One file, by ``name`` relative to ``dir_fd`` (``path`` itself where there is no directory
+    descriptor). ``regular``: the names the directory's listing shows as regular files; any other name
+    is looked at with ``lstat`` first and, unless that shows a regular file, never opened.
+
+    A small file is read in one call: asking for one byte more than its size returns the whole file
+    and shows that it ended there (a file that grew under us hashes differently, as it should). A
+    large one streams through ``hashlib.file_digest``."""
+    if regular is None or name not in regular:
+        unopened = _unopened(path, name, dir_fd)
+        if unopened is not None:
+            return unopened
+    try:
+        fd = os.open(name, _OPEN_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return FileState(path, False)
+    except OSError as exc:  # ELOOP: swapped for a symlink since the listing (not followed)
+        return _unopened(path, name, dir_fd) or FileState(path, True, error=exc.strerror or str(exc))
     try:
         info = os.fstat(fd)
-        regular = stat.S_ISREG(info.st_mode)
-        if request.algorithm is None or not regular:
-            return FileState(
-                path,
-                True,
-                regular,
-                info.st_size,
-                None,
-                None,
-                info.st_nlink,
-                info.st_dev,
-                info.st_ino,
-                mtime_ns=info.st_mtime_ns,
-            )
-        if info.st_size < BIG_FILE:
-            # One read: asking for one byte more than the size returns the whole file and shows that
-            # it ended there (a file that grew under us hashes differently, as it should).
-            data = os.read(fd, info.st_size + 1)
-            while len(data) < info.st_size:  # a short read (network filesystems)
+        if not stat.S_ISREG(info.st_mode):  # swapped since the listing: not read
+            return _not_regular(path, info)
+        size = info.st_size
+        if algorithm is None:
+            digest = None
+        elif size < BIG_FILE:
+            data = os.read(fd, size + 1)
+            while len(data) < size:  # a short read (network filesystems)
                 more = os.read(fd, BIG_FILE)
                 if not more:
                     break
                 data += more
-            constructor = _CONSTRUCTORS.get(request.algorithm)
-            hashed = constructor(data) if constructor else hashlib.new(request.algorithm, data)
-            digest = hashed.digest()
+            constructor = _CONSTRUCTORS.get(algorithm)
+            digest = encode_digest(
+                (constructor(data) if constructor else hashlib.new(algorithm, data)).digest()
+            )
         else:
             with os.fdopen(os.dup(fd), "rb", buffering=0) as handle:
-                digest = hashlib.file_digest(handle, request.algorithm).digest()
+                digest = encode_digest(hashlib.file_digest(handle, algorithm).digest())
     except OSError as exc:
         return FileState(path, True, error=exc.strerror or str(exc))
     finally:
@@ -125,77 +162,166 @@ def _observe(request: HashRequest, dir_fd: int | None = None, name: str | None =
         path,
         True,
         True,
-        info.st_size,
-        encode_digest(digest),
-        request.algorithm,
+        size,
+        digest,
+        algorithm,
         info.st_nlink,
         info.st_dev,
         info.st_ino,
-        mtime_ns=info.st_mtime_ns,
+        None,
+        info.st_mtime_ns,
     )
 
 
-def _observe_in_directories(requests: Sequence[HashRequest], record: Callable[[FileState], None]) -> None:
-    """:func:`_observe` each request, opening each directory once (by its path: what an absolute open
-    would walk) and each file relative to it; a directory that cannot be opened leaves its files to
-    absolute opens (the same errors, reported per file)."""
-    by_directory: dict[str | None, list[HashRequest]] = {}
-    for request in requests:
-        directory = request.path.rpartition("/")[0] or "/"
-        by_directory.setdefault(directory if request.path.startswith("/") else None, []).append(request)
-    for held, listed in by_directory.items():
+class _Directory:
+    """One directory of requested files, shared by the tasks of its chunks: opened and listed once, by
+    the first task that needs it, and closed by the last one done with it."""
+
+    __slots__ = ("_fd", "_list", "_lock", "_opened", "_regular", "_users", "path")
+
+    def __init__(self, path: str, users: int, list_it: bool) -> None:
+        self.path = path
+        self._list = list_it  # a listing costs about 1 us an entry: worth it for several files
+        self._lock = threading.Lock()
+        self._users = users
+        self._fd: int | None = None
+        self._regular: frozenset[str] | None = None
+        self._opened = False
+
+    def enter(self) -> tuple[int | None, frozenset[str] | None]:
+        """The directory's descriptor (``None``: it could not be opened, its files are opened by their
+        paths, after an ``lstat`` each) and the names of its regular files (``None``: not listed)."""
+        with self._lock:
+            if not self._opened:
+                self._opened = True
+                self._fd, self._regular = _open_directory(self.path, self._list)
+            return self._fd, self._regular
+
+    def leave(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0 and self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+
+def _open_directory(path: str, list_it: bool) -> tuple[int | None, frozenset[str] | None]:
+    if list_it:
         try:
-            dir_fd = None if held is None else os.open(held, _DIR_FLAGS)
+            fd = os.open(path, _DIR_FLAGS)
         except OSError:
-            dir_fd = None
+            pass  # e.g. searchable but not readable: opened below without a listing
+        else:
+            try:
+                with os.scandir(fd) as entries:
+                    return fd, frozenset(e.name for e in entries if e.is_file(follow_symlinks=False))
+            except OSError:
+                return fd, None
+    try:
+        return os.open(path, _DIR_SEARCH_FLAGS), None
+    except OSError:
+        return None, None
+
+
+#: (path, name in its directory, algorithm, expected size)
+_File = tuple[str, str, str | None, int]
+
+
+@dataclass(frozen=True, slots=True)
+class _Task:
+    directory: _Directory | None  # None: paths that are not absolute, opened as given
+    files: tuple[_File, ...]
+    cost: int
+
+    def run(self) -> list[FileState]:
+        directory = self.directory
+        dir_fd, regular = (None, None) if directory is None else directory.enter()
         try:
-            for request in listed:
-                record(_observe(request, dir_fd, request.path.rpartition("/")[2]))
+            return [
+                _observe(path, path if dir_fd is None else name, dir_fd, algorithm, regular)
+                for path, name, algorithm, _size in self.files
+            ]
         finally:
-            if dir_fd is not None:
-                os.close(dir_fd)
+            if directory is not None:
+                directory.leave()
+
+
+#: A directory with at least this many requested files is listed (one ``getdents`` pass) instead of
+#: an ``lstat`` for each file.
+_LIST_FROM = 4
+
+
+def plan_tasks(wanted: Sequence[Wanted]) -> list[_Task]:
+    """The work, costliest first (by expected size): each file of ``BIG_FILE`` bytes or more a task of
+    its own, the others in chunks of at most ``CHUNK_FILES`` files of one directory."""
+    by_directory: dict[str | None, tuple[list[_File], list[_File]]] = {}
+    for want in wanted:
+        path = want.location
+        directory, _, name = path.rpartition("/")
+        key = (directory or "/") if path[:1] == "/" else None
+        groups = by_directory.get(key)
+        if groups is None:
+            groups = by_directory[key] = ([], [])
+        size = want.size or 0
+        groups[size >= BIG_FILE].append((path, name, want.algorithm, size))
+    tasks: list[_Task] = []
+    for key, (small, big) in by_directory.items():
+        chunks = [small[i : i + CHUNK_FILES] for i in range(0, len(small), CHUNK_FILES)]
+        shared = None if key is None else _Directory(key, len(big) + len(chunks), len(small) >= _LIST_FROM)
+        for file in big:
+            tasks.append(_Task(shared, (file,), file[3] + _PER_FILE_COST))
+        for chunk in chunks:
+            tasks.append(_Task(shared, tuple(chunk), sum(f[3] for f in chunk) + _PER_FILE_COST * len(chunk)))
+    tasks.sort(key=lambda task: -task.cost)
+    return tasks
 
 
 def observe_files(
-    requests: Sequence[HashRequest],
+    wanted: Sequence[Wanted],
     workers: int | None = None,
-    on_done: Callable[[FileState], None] | None = None,
-    sizes: dict[str, int] | None = None,
+    on_progress: Callable[[int], None] | None = None,
 ) -> dict[str, FileState]:
-    """Stat (and hash, where asked) every requested file; results keyed by path.
+    """Stat (and hash, where an algorithm is given) every wanted file; results keyed by location.
 
-    ``sizes`` (expected sizes, e.g. from RECORD) sends large files, largest first, to worker threads
-    while the calling thread works through the small ones. Python threads only help where hashlib
-    runs without the GIL, that is on large buffers: measured on torch, threads over thousands of
-    small files were twice as slow as one thread.
+    ``workers``: threads (this one included; default :func:`default_workers`). ``on_progress`` gets the
+    number of files done so far, after each task, on the thread that did it (one at a time).
     """
-    known = sizes or {}
-    big = sorted((r for r in requests if known.get(r.path, 0) >= BIG_FILE), key=lambda r: -known[r.path])
-    small = [r for r in requests if known.get(r.path, 0) < BIG_FILE]
+    tasks = plan_tasks(wanted)
     results: dict[str, FileState] = {}
+    failures: list[BaseException] = []
     lock = threading.Lock()
-    pending = iter(big)
+    pending: Iterator[_Task] = iter(tasks)
+    done = 0
 
-    def record(state: FileState) -> None:
-        with lock:
-            results[state.path] = state
-            if on_done:
-                on_done(state)
-
-    def work_big() -> None:
+    def work() -> None:
+        nonlocal done
         while True:
             with lock:
-                request = next(pending, None)
-            if request is None:
+                task = None if failures else next(pending, None)
+            if task is None:
                 return
-            record(_observe(request))
+            try:
+                states = task.run()
+            except BaseException as exc:  # a bug, not a file's problem: raised on the calling thread
+                with lock:
+                    failures.append(exc)
+                return
+            with lock:
+                for state in states:
+                    results[state.path] = state
+                done += len(states)
+                if on_progress is not None:
+                    on_progress(done)
 
-    count = min(workers or default_workers(), len(big))
-    threads = [threading.Thread(target=work_big, name=f"hash-{n}", daemon=True) for n in range(count)]
+    count = min(workers or default_workers(), len(tasks))
+    threads = [threading.Thread(target=work, name=f"hash-{n}", daemon=True) for n in range(1, count)]
     for thread in threads:
         thread.start()
-    _observe_in_directories(small, record)
-    work_big()  # then help with what is left of the large ones
-    for thread in threads:
-        thread.join()
+    try:
+        work()
+    finally:
+        for thread in threads:
+            thread.join()
+    if failures:
+        raise failures[0]
     return results

@@ -6,6 +6,7 @@ Everything else in safeinstall works on :class:`RecordEntry`; nothing re-reads t
 from __future__ import annotations
 
 import base64
+import binascii
 import csv
 import hashlib
 from dataclasses import dataclass
@@ -43,9 +44,13 @@ class Record:
     problems: tuple[RecordProblem, ...]
 
 
+_URLSAFE = bytes.maketrans(b"+/", b"-_")
+
+
 def encode_digest(raw: bytes) -> str:
-    """The RECORD spelling of a digest: urlsafe base64 without '=' padding."""
-    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
+    """The RECORD spelling of a digest: urlsafe base64 without '=' padding (once per file verified:
+    ``binascii`` directly, without ``base64``'s wrappers)."""
+    return binascii.b2a_base64(raw, newline=False).rstrip(b"=").translate(_URLSAFE).decode("ascii")
 
 
 def decode_digest(text: str) -> bytes:

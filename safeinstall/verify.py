@@ -27,7 +27,7 @@ from safeinstall.drift import (
 )
 from safeinstall.environment import Environment
 from safeinstall.errors import ExitCode, WheelError
-from safeinstall.hashing import FileState, HashRequest, observe_files
+from safeinstall.hashing import FileState, observe_files
 from safeinstall.records import digest_bytes
 
 if TYPE_CHECKING:  # the wheel module (zipfile, packaging.tags) is loaded only when a wheel is given
@@ -259,10 +259,40 @@ def _plan(dist: InstalledDistribution, env: Environment, wheel: Wheel | None) ->
 
 
 def _walk(root: str) -> list[str]:
+    """Every non-directory below ``root``, as ``os.walk`` lists them (a symlink to a directory is not
+    entered and not listed; errors are skipped), without its ``lstat`` of each directory: the listing's
+    file types say which entries are symlinks."""
     found: list[str] = []
-    for directory, _dirs, files in os.walk(root):
-        found.extend(os.path.join(directory, name) for name in files)
+    pending = [root]
+    while pending:
+        try:
+            listing = os.scandir(pending.pop())
+        except OSError:
+            continue
+        with listing:
+            while True:
+                try:
+                    entry = next(listing, None)
+                except OSError:
+                    break
+                if entry is None:
+                    break
+                try:
+                    is_dir = entry.is_dir()
+                except OSError:
+                    is_dir = False
+                if not is_dir:
+                    found.append(entry.path)
+                elif not _is_symlink(entry):
+                    pending.append(entry.path)
     return found
+
+
+def _is_symlink(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_symlink()
+    except OSError:
+        return False
 
 
 def _listed_locations(installed: Sequence[InstalledDistribution]) -> frozenset[str]:
@@ -299,18 +329,14 @@ def verify_environment(
         plans = [
             replace(p, expectations=tuple(expected.get(e.location, e) for e in p.expectations)) for p in plans
         ]
-    requests = [HashRequest(e.location, e.algorithm) for p in plans for e in p.expectations]
-    sizes = {e.location: e.size or 0 for p in plans for e in p.expectations}
-    total = len(requests)
-    done = 0
+    wanted = [e for p in plans for e in p.expectations]
+    total = len(wanted)
 
-    def tick(_state: FileState) -> None:
-        nonlocal done
-        done += 1
-        if on_progress is not None and (done % 64 == 0 or done == total):
+    def tick(done: int) -> None:
+        if on_progress is not None:
             on_progress(done, total)
 
-    states = observe_files(requests, workers=workers, on_done=tick, sizes=sizes)
+    states = observe_files(wanted, workers=workers, on_progress=tick)
     listed = _listed_locations(found)
     roots = own_roots({d.name: d.locations for d in found}, [os.fspath(s) for s in env.site_dirs])
     reports: list[DistributionReport] = []
