@@ -95,7 +95,14 @@ def parse_record(text: str) -> Record:
     lines = text.splitlines()
     # Without a quote anywhere, CSV is a plain split on commas (and a torch RECORD has 15k lines).
     rows = csv.reader(lines) if '"' in text else (line.split(",") for line in lines)
+    accepted = ACCEPTED_ALGORITHMS
     for number, row in enumerate(rows, start=1):
+        if len(row) == 3 and row[0]:  # the usual hashed line, as _parse_row takes it, without a call
+            algorithm, _, digest = row[1].partition("=")
+            size_text = row[2]
+            if digest and algorithm in accepted and size_text.isascii() and size_text.isdigit():
+                entries.append(RecordEntry(row[0], RecordHash(algorithm, digest), int(size_text)))
+                continue
         if not row or row == [""]:
             continue
         parsed = _parse_row(row)
