@@ -1,7 +1,7 @@
 """Benchmark ``safeinstall PKG --verify-only`` against parallel sha256sum and distlib, side by side.
 
 Usage: python bench/verify.py [--package torch] [--python VENV_PYTHON | --installer uv|pip] [--rounds 5]
-                              [--sha256sum]
+                              [--sha256sum] [--workers 1,2,4]
 
 Without --python it makes a torch venv: ``--installer uv`` (the default) installs the torch 2.13.0 CPU
 wheel kept in ``.bench/`` (see bench/downtime.py) into ``.bench/torch-uv`` with ``uv pip install
@@ -13,7 +13,9 @@ read the ratios. ``--sha256sum`` adds ``xargs -0 -P<cores> sha256sum`` over the 
 
 Then the same pair inside one process (no interpreter start, no argument parsing, no imports):
 ``verify_environment`` against distlib's ``check_installed_files()``, alternating, which shows what
-the command line's fixed costs take from the ratio.
+the command line's fixed costs take from the ratio; ``--workers 1,2,4`` repeats it for each number of
+threads (a scaling curve; the CPU time printed is all threads'). ``taskset -c 0 python bench/verify.py``
+measures one CPU.
 
 What the ratio against distlib depends on (printed with the result):
 
@@ -116,22 +118,30 @@ import statistics, sys, time
 from pathlib import Path
 from distlib.database import DistributionPath
 from safeinstall.environment import inspect_environment
+from safeinstall.hashing import default_workers
 from safeinstall.verify import verify_environment
 python, site, package, rounds = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 env = inspect_environment(python)
-def ours():
-    verify_environment(env, [package])
 def theirs():
     DistributionPath([site]).get_distribution(package).check_installed_files()
-times = {ours: [], theirs: []}
-for round_ in range(rounds):
-    for contender in (ours, theirs) if round_ % 2 == 0 else (theirs, ours):
-        start = time.perf_counter()
-        contender()
-        times[contender].append(time.perf_counter() - start)
-a, b = statistics.median(times[ours]), statistics.median(times[theirs])
-pairs = [round(t / o, 2) for o, t in zip(times[ours], times[theirs])]
-print(f"  in one process: verify_environment {a:.3f} s, distlib {b:.3f} s: {b / a:.2f}x (pairs {pairs})")
+for workers in [int(w) or default_workers() for w in sys.argv[5].split(",")]:
+    def ours():
+        verify_environment(env, [package], workers=workers)
+    times = {ours: [], theirs: []}
+    cpu = []
+    for round_ in range(rounds):
+        for contender in (ours, theirs) if round_ % 2 == 0 else (theirs, ours):
+            start, start_cpu = time.perf_counter(), time.process_time()
+            contender()
+            times[contender].append(time.perf_counter() - start)
+            if contender is ours:
+                cpu.append(time.process_time() - start_cpu)
+    a, b, c = statistics.median(times[ours]), statistics.median(times[theirs]), statistics.median(cpu)
+    pairs = [round(t / o, 2) for o, t in zip(times[ours], times[theirs])]
+    print(
+        f"  in one process, {workers} worker(s): verify_environment {a:.3f} s (cpu {c:.3f} s),"
+        f" distlib {b:.3f} s: {b / a:.2f}x (pairs {pairs})"
+    )
 """
 
 
@@ -144,6 +154,12 @@ def main() -> int:
     parser.add_argument("--installer", choices=("uv", "pip"), default="uv")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--sha256sum", action="store_true")
+    parser.add_argument(
+        "--workers",
+        default="0",
+        help="in-process only: comma-separated thread counts to measure one after the other "
+        "(0: the default, one per CPU this process may use), e.g. 1,2,4,8 for a scaling curve",
+    )
     args = parser.parse_args()
     if args.python:
         python = Path(args.python)
@@ -162,7 +178,7 @@ def main() -> int:
         file_list = handle.name
     count = listing.stdout.count(b"\0")
     size = sum(os.path.getsize(p) for p in listing.stdout.decode().split("\0") if p and os.path.exists(p))
-    cores = str(os.cpu_count() or 1)
+    cores = str(len(os.sched_getaffinity(0)))
     contenders = {
         "safeinstall": [str(SAFEINSTALL), args.package, "--verify-only", "--python", str(python)],
         "distlib": [sys.executable, "-c", DISTLIB, site, args.package],
@@ -188,7 +204,8 @@ def main() -> int:
     print(f"distlib / safeinstall            = {medians['distlib'] / ours:.2f}x  (pairs {pairs}; goal >= 2x)")
     os.unlink(file_list)
     subprocess.run(
-        [sys.executable, "-c", IN_PROCESS, str(python), site, args.package, str(args.rounds)], check=True
+        [sys.executable, "-c", IN_PROCESS, str(python), site, args.package, str(args.rounds), args.workers],
+        check=True,
     )
     print(f"  load {os.getloadavg()[0]:.1f}")
     return 0
