@@ -391,6 +391,97 @@ def test_an_interpreter_that_lies_about_its_prefix_is_refused(sipure_venv: Path,
     ]
 
 
+@pytest.fixture
+def nobody_interpreter() -> Iterator[Path]:
+    """``TOP/bin/python``, a shell script in a directory owned by the service account (no pyvenv.cfg): it
+    runs as that account and prints whatever its owner likes."""
+    top = Path(tempfile.mkdtemp(prefix="si-liar-"))
+    try:
+        (top / "bin").mkdir()
+        yield top / "bin" / "python"
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def _lying_probe(python: Path, prefix: Path, site: Path, *, uid: int = 0) -> None:
+    """Make ``python`` answer the probe with ``prefix`` and ``site``, claiming to run as ``uid``; then hand
+    its directory to the service account."""
+    answer = {
+        "executable": str(python), "prefix": str(prefix), "base_prefix": str(prefix), "purelib": str(site),
+        "platlib": str(site), "scripts": str(prefix / "bin"), "data": str(prefix), "version": [3, 11, 0],
+        "implementation": "cpython", "soabi": None, "platform": "linux-x86_64", "uid": uid,
+    }
+    python.write_text(f"#!/bin/sh\ncat <<'EOF'\n{json.dumps(answer)}\nEOF\n")
+    python.chmod(0o755)
+    subprocess.run(["chown", "-R", f"{OTHER_UID}:{OTHER_UID}", str(python.parent.parent)], check=True)
+
+
+def _own_site(top: Path, victim_site: Path) -> Path:
+    """A copy of the victim's site-packages inside ``top`` (so that a check of it would pass)."""
+    site = top / "lib" / "python3.11" / "site-packages"
+    shutil.copytree(victim_site, site, symlinks=True)
+    return site
+
+
+#: how the service account's interpreter names what is not its own -> the refusal (TOP, VICTIM: prefixes)
+NAMING_ATTACKS = {
+    "another-prefix": "it reports the prefix VICTIM, but its interpreter TOP/bin/python is in TOP",
+    "own-prefix-another-site": "it reports directories outside its prefix TOP: SITE, SITE",
+    "own-prefix-site-symlinked-to-another": "it reports directories outside its prefix TOP: SITE, SITE",
+    "a-third-accounts-directory": "it reports TOP/lib/python3.11/site-packages, owned by uid 4242: "
+    f"neither its owner (uid {OTHER_UID}) nor root",
+}
+
+
+@pytest.mark.parametrize("name", sorted(NAMING_ATTACKS))
+def test_a_service_accounts_interpreter_cannot_name_another_environment(
+    sipure_venv: Path, nobody_interpreter: Path, name: str
+) -> None:
+    """No pyvenv.cfg, an interpreter its owner wrote: its answer must still be its own prefix (the one above
+    its real binary's bin/), directories inside it, owned by it or root; else root would verify, back up,
+    prune and restore the root-owned victim venv."""
+    top = nobody_interpreter.parent.parent
+    victim = Path(os.path.realpath(sipure_venv.parent.parent))
+    victim_site = Path(os.path.realpath(wheelhouse.site_packages(sipure_venv)))
+    if name == "another-prefix":
+        _lying_probe(nobody_interpreter, victim, victim_site)
+    elif name == "own-prefix-another-site":
+        _lying_probe(nobody_interpreter, top, victim_site)
+    elif name == "own-prefix-site-symlinked-to-another":
+        (top / "lib" / "python3.11").mkdir(parents=True)
+        (top / "lib" / "python3.11" / "site-packages").symlink_to(victim_site)
+        _lying_probe(nobody_interpreter, top, top / "lib" / "python3.11" / "site-packages")
+    else:
+        site = _own_site(top, victim_site)
+        _lying_probe(nobody_interpreter, top, site)
+        subprocess.run(["chown", "-R", "4242:4242", str(site)], check=True)
+    result = run("sipure", "--verify-only", "--python", str(nobody_interpreter))
+    assert result.code == 2, result.stdout + result.stderr
+    problem = NAMING_ATTACKS[name].replace("VICTIM", str(victim)).replace("SITE", str(victim_site))
+    assert error_lines(result) == [
+        f"error: refusing the environment of {nobody_interpreter}: {problem.replace('TOP', str(top))}"
+    ]
+    assert "sipure 1.0" not in result.stdout
+
+
+def test_the_probe_is_said_to_run_as_the_uid_it_was_started_as(
+    sipure_venv: Path, nobody_interpreter: Path
+) -> None:
+    """An interpreter that claims it ran as root is not believed: the note names the uid root started it
+    as. (Its own prefix, a copy of the package inside it: accepted, and checked.)"""
+    top = nobody_interpreter.parent.parent
+    site = _own_site(top, Path(os.path.realpath(wheelhouse.site_packages(sipure_venv))))
+    shutil.copy2(sipure_venv.parent / "sipure", top / "bin" / "sipure")
+    _lying_probe(nobody_interpreter, top, site, uid=0)
+    result = run("sipure", "--verify-only", "--python", str(nobody_interpreter))
+    assert result.code == 0, result.stdout + result.stderr
+    assert "files checked against RECORD: OK" in result.stdout
+    assert (
+        f"note: the environment {top} belongs to uid {OTHER_UID}: its interpreter was asked for its paths "
+        f"as uid {OTHER_UID}, never as root, and without site (no .pth file runs)"
+    ) in result.stderr
+
+
 # ---------------------------------------------------------- 4. values, URLs, names and text
 
 
