@@ -16,9 +16,6 @@ import os
 import shutil
 import signal
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -42,6 +39,7 @@ from safeinstall.errors import (
 )
 from safeinstall.gate import GATE_DROPIN, gate_dropin_text, gate_marker
 from safeinstall.gpus import GpuSnapshot, NvmlSession, ReleaseStatus, wait_for_release
+from safeinstall.health import wait_healthy
 from safeinstall.journal import (
     Journal,
     JournalUnit,
@@ -537,7 +535,7 @@ def restart_step(run: _Run) -> str:
     for unit in units:
         run.journal = _mark(run.journal, unit, restarted=True)
     if run.options.health_url:
-        _wait_healthy(run.options.health_url, run.options.health_timeout)
+        wait_healthy(run.options.health_url, run.options.health_timeout)
         detail += f"; {run.options.health_url} answers 200"
     return detail
 
@@ -770,50 +768,6 @@ def _verify_installed(
         return main
     rest = verify_environment(env, others, installed=installed)
     return replace(main, distributions=(*main.distributions, *rest.distributions))
-
-
-def _origin(url: str) -> tuple[str, str | None, int | None]:
-    parts = urllib.parse.urlsplit(url)
-    return parts.scheme, parts.hostname, parts.port
-
-
-class _OffOrigin(urllib.error.URLError):
-    pass
-
-
-class _SameOriginRedirects(urllib.request.HTTPRedirectHandler):
-    """Follows a redirect only to the health URL's own scheme, host and port: a service cannot send
-    root's request elsewhere, nor have another host's 200 count as its own health."""
-
-    def __init__(self, url: str) -> None:
-        self.origin = _origin(url)
-
-    def redirect_request(
-        self, req: urllib.request.Request, fp: Any, code: int, msg: str, headers: Any, newurl: str
-    ) -> urllib.request.Request | None:
-        if _origin(newurl) != self.origin:
-            raise _OffOrigin(f"HTTP {code} redirect to another host ({newurl}), refused")
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
-
-
-def _wait_healthy(url: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    last = "no answer"
-    opener = urllib.request.build_opener(_SameOriginRedirects(url))
-    while time.monotonic() < deadline:
-        try:
-            with opener.open(url, timeout=5) as response:
-                if response.status == 200:
-                    return
-                last = f"HTTP {response.status}"
-        except _OffOrigin as exc:
-            last = str(exc.reason)
-        except urllib.error.HTTPError as exc:
-            last = f"HTTP {exc.code}"
-        except (urllib.error.URLError, OSError) as exc:
-            last = str(exc)
-        time.sleep(0.5)
-    raise StepFailed(f"{url} did not answer 200 within {timeout:g} s (last: {last})")
 
 
 def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) -> RunResult:

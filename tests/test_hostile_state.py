@@ -8,10 +8,12 @@ the interpreter a journal names never ran (it would leave a marker), the files i
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
 import shutil
+import socketserver
 import subprocess
 import tempfile
 import threading
@@ -23,8 +25,8 @@ from typing import Any
 import pytest
 
 from safeinstall.errors import StepFailed
+from safeinstall.health import wait_healthy
 from safeinstall.journal import JournalUnit, Phase, advance, journal_to_dict, new_journal
-from safeinstall.reinstall import _wait_healthy
 from safeinstall.state import environment_key
 from tests import wheelhouse
 from tests.bed_systemd import CGROUP_ROOTS, UserManager, wait_until
@@ -558,13 +560,93 @@ def test_a_health_redirect_to_another_host_is_not_healthy(health_server: http.se
     port = health_server.server_address[1]
     health_server.location = f"http://localhost:{port}/health"  # type: ignore[attr-defined]
     with pytest.raises(StepFailed) as caught:
-        _wait_healthy(f"http://127.0.0.1:{port}/moved", 0.5)
+        wait_healthy(f"http://127.0.0.1:{port}/moved", 0.5)
     assert caught.value.message == (
         f"http://127.0.0.1:{port}/moved did not answer 200 within 0.5 s (last: HTTP 302 redirect to another "
         f"host (http://localhost:{port}/health), refused)"
     )
     health_server.location = f"http://127.0.0.1:{port}/health"  # type: ignore[attr-defined]
-    _wait_healthy(f"http://127.0.0.1:{port}/moved", 5)
+    wait_healthy(f"http://127.0.0.1:{port}/moved", 5)
+
+
+class _RawAnswer(socketserver.StreamRequestHandler):
+    """Answers any request with the server's ``head`` at once, then its ``trickle`` a byte every ``pace``
+    seconds (until the client goes, or the server stops)."""
+
+    server: _RawServer
+
+    def handle(self) -> None:
+        self.rfile.readline()
+        try:
+            self.wfile.write(self.server.head)
+            for byte in self.server.trickle:
+                if self.server.stopping.wait(self.server.pace):
+                    return
+                self.wfile.write(bytes([byte]))
+        except OSError:
+            return  # the client shut its socket: what a bounded health check does
+
+
+class _RawServer(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+
+    def __init__(self, head: bytes, trickle: bytes = b"", pace: float = 0.0) -> None:
+        super().__init__(("127.0.0.1", 0), _RawAnswer)
+        self.head, self.trickle, self.pace = head, trickle, pace
+        self.stopping = threading.Event()
+
+
+@contextlib.contextmanager
+def raw_server(head: bytes, trickle: bytes = b"", pace: float = 0.0) -> Iterator[str]:
+    """A real local HTTP server that answers as told; yields its /health URL."""
+    server = _RawServer(head, trickle, pace)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/health"
+    finally:
+        server.stopping.set()
+        server.shutdown()
+        server.server_close()
+
+
+def _outcome(url: str, timeout: float) -> BaseException | None:
+    """What ``wait_healthy`` ended with (None: healthy); it must end within the harness's generous bound."""
+    outcome: list[BaseException | None] = []
+
+    def wait() -> None:
+        try:
+            wait_healthy(url, timeout)
+            outcome.append(None)
+        except StepFailed as exc:
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    waiter.join(30)
+    assert outcome, f"the health check with --health-timeout {timeout:g} is still waiting after 30 s"
+    return outcome[0]
+
+
+def test_a_health_answer_trickled_a_byte_at_a_time_cannot_outlast_the_timeout() -> None:
+    """A service that sends its 200 status line and then its headers a byte every half second (a whole
+    minute; the answer would be healthy at its end) does not hold root's run: the wait fails within its
+    1 s, not at the answer's end."""
+    with raw_server(b"HTTP/1.1 200 OK\r\n", b"X-Slow: " + b"a" * 110 + b"\r\n\r\n", pace=0.5) as url:
+        outcome = _outcome(url, 1)
+    assert isinstance(outcome, StepFailed)
+    assert outcome.message == (
+        f"{url} did not answer 200 within 1 s (last: no complete answer in the time left)"
+    )
+
+
+def test_a_health_answer_with_oversized_headers_is_not_healthy() -> None:
+    """90 KiB of headers (each within what http.client allows) after a 200: not read on, not healthy."""
+    pad = b"".join(b"X-Pad-%02d: %s\r\n" % (n, b"a" * 1000) for n in range(90))
+    with raw_server(b"HTTP/1.1 200 OK\r\n" + pad + b"\r\n") as url:
+        outcome = _outcome(url, 1)
+    assert isinstance(outcome, StepFailed)
+    assert outcome.message == f"{url} did not answer 200 within 1 s (last: headers larger than 64 KiB)"
 
 
 @pytest.fixture
