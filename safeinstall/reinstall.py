@@ -619,7 +619,7 @@ def rollback(run: _Run, error: SafeInstallError) -> SafeInstallError:
                 run.options.environ,
                 restore,
                 lambda units: _start_again(run, units),
-                lambda: run._journal_if_possible(Phase.ROLLED_BACK),
+                lambda _done: run._journal_if_possible(Phase.ROLLED_BACK),
             )
             run.notes.extend(outcome.notes)
             if outcome.restored:
