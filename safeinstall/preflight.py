@@ -9,12 +9,14 @@ refusals, so that a dry-run still shows the plan and why it would refuse.
 
 The only difference: the run creates its state directory and takes the lock (and keeps it); a dry-run
 creates nothing and takes no lock: it checks that the directory could be made and that no live run
-holds the lock.
+holds the lock. With ``--keep-patches``, the run's next step (the patch merge) is made by the dry-run
+too (:func:`dry_run_patches`), its scratch in a private temporary directory.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from safeinstall.environment import Environment, inspect_environment, resolve_py
 from safeinstall.errors import PlanError, WheelError
 from safeinstall.lock import HeldLock, acquire_lock, check_lock
 from safeinstall.options import RunOptions, check_options
+from safeinstall.patches import PatchSet, prepare_patches
 from safeinstall.plan import Plan
 from safeinstall.safefs import unwritable
 from safeinstall.state import (
@@ -108,6 +111,25 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
             lock.release()
         raise
     return Prepared(options, env, state, wheel, found, lock, tuple(notes))
+
+
+def dry_run_patches(prepared: Prepared) -> tuple[Plan, PatchSet | None]:
+    """``--keep-patches --dry-run``: the run's patches step, the same merge (its scratch in a private
+    temporary directory: a dry-run creates nothing in the state directory), made as the run makes it,
+    once the plan proceeds. A patch that cannot be carried is then one of the plan's refusals; pristine
+    files that cannot be had raise, as in the run. The plan, and the patches (None without the step)."""
+    options, plan = prepared.options, prepared.plan
+    if not options.keep_patches or not plan.proceeds:
+        return plan, None
+    with tempfile.TemporaryDirectory(prefix="safeinstall-keep-patches-") as scratch:
+        merge = Path(scratch) / "merge"
+        patches = prepare_patches(
+            prepared.survey, options.base_wheel, merge, options.environ, options.drop_conflicting
+        )
+    refused = patches.refusal()
+    if refused is not None:
+        plan = replace(plan, refusals=(*plan.refusals, refused.message))
+    return plan, patches
 
 
 def refusal(plan: Plan) -> PlanError | None:
