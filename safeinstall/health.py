@@ -23,6 +23,7 @@ MAX_HEAD_BYTES = 64 * 1024  # status line and headers together
 MAX_REDIRECTS = 5
 PAUSE_S = 0.5  # between attempts
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
+LATE = "no complete answer in the time left"
 
 
 class _BadAnswer(Exception):
@@ -127,12 +128,14 @@ def _attempt(url: str, seconds: float) -> str | None:
 
     thread = threading.Thread(target=work, name="safeinstall-health", daemon=True)
     thread.start()
+    late = True  # also when a signal interrupts the wait: the attempt is ended either way
     try:
         thread.join(seconds)
+        late = thread.is_alive()
     finally:
-        if thread.is_alive():
-            sockets.shut()
-    return answers[0] if answers else "no complete answer in the time left"
+        if late:
+            sockets.shut()  # decided before: what the shut attempt answers then does not count
+    return LATE if late or not answers else answers[0]
 
 
 def wait_healthy(url: str, timeout: float) -> None:
@@ -143,6 +146,7 @@ def wait_healthy(url: str, timeout: float) -> None:
         answer = _attempt(url, left)
         if answer is None:
             return
-        last = answer
+        if answer != LATE or last == "no answer":  # one cut short by the deadline hides no earlier answer
+            last = answer
         time.sleep(max(0.0, min(PAUSE_S, deadline - time.monotonic())))
     raise StepFailed(f"{url} did not answer 200 within {timeout:g} s (last: {last})")
