@@ -104,6 +104,8 @@ def run(
     """Like ``subprocess.run(argv, capture_output=True, text=True)``, without the gaps above.
 
     ``as_user`` (uid, gid): the child runs as that user and group only (no supplementary groups).
+    The child's working directory is ``/``: nothing in the caller's (a ``uv.toml`` or ``pyproject.toml``
+    that uv would discover there or in a directory above it, such as ``/tmp``) can steer it.
 
     Raises ``subprocess.TimeoutExpired`` (the child killed and reaped) and ``OSError`` (it could not
     start) as ``subprocess.run`` does; an exception from a signal handler propagates once the child is
@@ -124,7 +126,7 @@ def run(
             user=None if as_user is None else as_user[0],
             group=None if as_user is None else as_user[1],
             extra_groups=None if as_user is None else [],
-            cwd=None if as_user is None else "/",
+            cwd="/",  # never the caller's: a uv.toml there (or above, e.g. in /tmp) would steer uv
         )
     except BaseException:
         _release(previous, held)

@@ -14,6 +14,7 @@ from packaging.utils import canonicalize_name
 from safeinstall.environment import Environment
 from safeinstall.errors import UnknownDistributionError
 from safeinstall.records import Record, RecordEntry, parse_record
+from safeinstall.safefs import read_small
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,9 +45,17 @@ def entry_location(site: Path | str, entry: RecordEntry) -> str:
     return os.path.normpath(os.path.join(site, path))
 
 
-def _read_text(path: Path) -> str | None:
+#: The most of an installed METADATA, INSTALLER or entry_points.txt that is read (a wheel's are
+#: refused beyond the same), and of a RECORD (torch's is 2 MB)
+METADATA_LIMIT = 16 << 20
+RECORD_LIMIT = 64 << 20
+
+
+def _read_text(path: Path, limit: int = METADATA_LIMIT) -> str | None:
+    """A metadata file of the environment (its owner may have made it a symlink, a FIFO or huge): read
+    only when it is a regular file within ``limit``; else None, as for a missing file."""
     try:
-        return path.read_text(encoding="utf-8", errors="replace")
+        return read_small(path, limit).decode("utf-8", errors="replace")
     except OSError:
         return None
 
@@ -107,7 +116,7 @@ def load_distribution(dist_info: Path) -> InstalledDistribution | None:
     version = headers.get("Version")
     if not name or not version:
         return None
-    record_text = _read_text(dist_info / "RECORD") or ""
+    record_text = _read_text(dist_info / "RECORD", RECORD_LIMIT) or ""
     installer = _read_text(dist_info / "INSTALLER")
     record = parse_record(record_text)
     site = dist_info.parent

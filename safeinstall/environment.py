@@ -4,7 +4,9 @@ The interpreter is asked for its paths in isolated mode without ``site`` (``-I -
 environment: nothing the caller's variables say (PYTHONPATH, PYTHONHOME, ...) is trusted, and no
 ``.pth`` file or ``sitecustomize`` of the environment runs. The probe finds a venv's prefix from its
 ``pyvenv.cfg`` as ``site`` would. When the environment belongs to another user (a service account),
-root asks its interpreter as that user: root never runs code that another account can change.
+root asks its interpreter as that user: root never runs code that another account can change. That
+account (:class:`Account`) is also who uv runs as (:mod:`safeinstall.uvplan`): uv asks the interpreter
+with ``site``, so every ``.pth`` file of the environment runs in each uv call.
 """
 
 from __future__ import annotations
@@ -50,6 +52,20 @@ print(json.dumps({
 
 
 @dataclass(frozen=True, slots=True)
+class Account:
+    """The account (not root's) that owns an environment: whatever runs the environment's code (its
+    interpreter, uv) runs as this uid and gid only, with no supplementary groups."""
+
+    uid: int
+    gid: int
+    home: str  # from the password database; "/" for a uid it does not know
+
+    @property
+    def ids(self) -> tuple[int, int]:
+        return self.uid, self.gid
+
+
+@dataclass(frozen=True, slots=True)
 class Environment:
     python: Path  # the interpreter as given/resolved (symlink kept: it is how the venv is named)
     executable: Path
@@ -63,8 +79,13 @@ class Environment:
     implementation: str
     soabi: str | None
     platform: str
-    owner: int | None = None  # the uid (not root's) that owns the environment; its probe ran as that user
+    account: Account | None = None  # who owns the environment (not root): its probe and uv run as it
     probed_as: int | None = None  # the uid the probe was started as (never what it printed)
+
+    @property
+    def owner(self) -> int | None:
+        """The uid that owns the environment when that is not root (nor the caller)."""
+        return None if self.account is None else self.account.uid
 
     @property
     def owner_note(self) -> str | None:
@@ -73,7 +94,8 @@ class Environment:
             return None
         return (
             f"the environment {self.prefix} belongs to uid {self.owner}: its interpreter was asked for its "
-            f"paths as uid {self.probed_as}, never as root, and without site (no .pth file runs)"
+            f"paths as uid {self.probed_as}, never as root, and without site (no .pth file runs); "
+            f"uv runs as uid {self.owner} too"
         )
 
     @property
@@ -144,20 +166,20 @@ def _owner_of(paths: tuple[Path, ...], euid: int) -> os.stat_result | None:
     return None
 
 
-def environment_owner(python: Path) -> tuple[int, int] | None:
-    """(uid, gid) of the account that owns the environment of ``python`` when that is neither root nor
-    the caller: the owner of the interpreter (or the binary it links to), its ``bin/``, the environment
-    directory, or its ``pyvenv.cfg`` (whoever can change one of them can change what it runs)."""
+def environment_owner(python: Path) -> Account | None:
+    """The account that owns the environment of ``python`` when that is neither root nor the caller:
+    the owner of the interpreter (or the binary it links to), its ``bin/``, the environment directory,
+    or its ``pyvenv.cfg`` (whoever can change one of them can change what it runs)."""
     venv = python.parent.parent
     real = Path(os.path.realpath(python))  # the binary a venv's symlink leads to
     info = _owner_of((python, real, python.parent, venv, venv / "pyvenv.cfg"), os.geteuid())
     if info is None:
         return None
     try:
-        gid = pwd.getpwuid(info.st_uid).pw_gid
+        entry = pwd.getpwuid(info.st_uid)
     except KeyError:
-        gid = info.st_gid
-    return info.st_uid, gid
+        return Account(info.st_uid, info.st_gid, "/")
+    return Account(info.st_uid, entry.pw_gid, entry.pw_dir or "/")
 
 
 def _inside(path: Path, prefix: Path) -> bool:
@@ -217,17 +239,17 @@ def inspect_environment(python: Path, timeout: float = 30.0) -> Environment:
             [str(python), "-I", "-S", "-c", _PROBE],
             env={"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"},
             timeout=timeout,
-            as_user=owner,
+            as_user=None if owner is None else owner.ids,
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise InterpreterError(
-            f"could not run {python}" + (f" as uid {owner[0]} (its owner)" if owner else "") + f": {exc}",
+            f"could not run {python}" + (f" as uid {owner.uid} (its owner)" if owner else "") + f": {exc}",
             hint="check that --python names a working interpreter",
         ) from exc
     if proc.returncode != 0:
         raise InterpreterError(
             f"{python} failed to report its paths"
-            + (f" (run as uid {owner[0]}, its owner)" if owner else "")
+            + (f" (run as uid {owner.uid}, its owner)" if owner else "")
             + f": {proc.stderr.strip()[-400:]}",
             hint="check that --python names a working Python 3 interpreter",
         )
@@ -247,8 +269,8 @@ def inspect_environment(python: Path, timeout: float = 30.0) -> Environment:
             implementation=str(info["implementation"]),
             soabi=info.get("soabi"),
             platform=str(info["platform"]),
-            owner=owner[0] if owner else None,
-            probed_as=owner[0] if owner else os.geteuid(),  # as started, never as the child says
+            account=owner,
+            probed_as=os.geteuid() if owner is None else owner.uid,  # as started, never as it says
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise InterpreterError(f"{python} printed something unexpected: {proc.stdout[:200]!r}") from exc

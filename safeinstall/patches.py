@@ -15,7 +15,6 @@ write after the install, :func:`save_patch_set` keeps the carried set in the sta
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -28,11 +27,11 @@ from merge3 import Merge3
 from safeinstall.diffs import text_lines, unified
 from safeinstall.distributions import InstalledDistribution
 from safeinstall.drift import Expectation, FindingKind, is_within
-from safeinstall.environment import Environment
+from safeinstall.environment import Account, Environment
 from safeinstall.errors import PatchConflict, PlanError, StepFailed, WheelError
 from safeinstall.records import RecordHash, digest_bytes
 from safeinstall.safefs import Tree
-from safeinstall.state import EnvironmentState, atomic_write, ensure_dir
+from safeinstall.state import EnvironmentState, atomic_write, ensure_dir, make_run_dir, remove_run_dir
 from safeinstall.uvplan import UvRequest, prefetch_command, requirement, uv_binary
 from safeinstall.uvplan import install as uv_install
 from safeinstall.verify import verify_environment
@@ -182,19 +181,20 @@ def site_relative(env: Environment, location: str) -> str | None:
 # ---------------------------------------------------------------------------------------------- I/O
 
 
-def read_regular(location: str) -> bytes | None:
-    """The bytes of a regular file, never following a symlink (None: missing, or not a regular file)."""
+#: The largest file a patch is carried for (source files; anything larger is not a local patch)
+READ_LIMIT = 64 << 20
+
+
+def read_regular(top: Path, location: str) -> bytes | None:
+    """The bytes of the regular file ``location`` below ``top``, walked by descriptor from ``top`` with
+    no symlink followed in any component (:class:`~safeinstall.safefs.Tree`); None: missing, not a
+    regular file, outside ``top`` or larger than :data:`READ_LIMIT`."""
     try:
-        fd = os.open(location, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+        with Tree(top) as tree:
+            relative = tree.relative(location)
+            return None if relative is None else tree.read_bytes(relative, READ_LIMIT)
+    except (OSError, ValueError):
         return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        with os.fdopen(os.dup(fd), "rb") as handle:
-            return handle.read()
-    finally:
-        os.close(fd)
 
 
 def _wheel_files(wheel: Wheel, env: Environment, wanted: frozenset[str]) -> dict[str, bytes]:
@@ -207,19 +207,23 @@ def _wheel_files(wheel: Wheel, env: Environment, wanted: frozenset[str]) -> dict
 
 
 def _tree_files(tree: Path, env: Environment, wanted: frozenset[str]) -> dict[str, bytes]:
-    """Files of a ``uv pip install --target`` tree: site-packages' contents sit at its top."""
+    """Files of a ``uv pip install --target`` tree: site-packages' contents sit at its top. Read by
+    descriptor: uv wrote the tree as the environment's owner, who may have put symlinks in it."""
     found: dict[str, bytes] = {}
     for location in wanted:
         relative = site_relative(env, location)
-        data = None if relative is None else read_regular(os.fspath(tree / relative))
+        data = None if relative is None else read_regular(tree, os.fspath(tree / relative))
         if data is not None:
             found[location] = data
     return found
 
 
-def _fetch(request: UvRequest, target: Path, environ: Mapping[str, str], what: str) -> Path:
-    """``uv pip install --target`` the requirement into the scratch directory (uv's cache, or its index)."""
-    result = uv_install(prefetch_command(request, uv_binary(), target), environ)
+def _fetch(
+    request: UvRequest, target: Path, environ: Mapping[str, str], what: str, account: Account | None
+) -> Path:
+    """``uv pip install --target`` the requirement into the scratch directory (uv's cache, or its
+    index), as ``account`` (the environment's owner) when given."""
+    result = uv_install(prefetch_command(request, uv_binary(), target), environ, account=account)
     if result.returncode != 0:
         said = " / ".join(line.strip() for line in result.output.strip().splitlines()[-4:] if line.strip())
         raise PlanError(
@@ -277,6 +281,8 @@ def prepare_patches(
     if not changed:
         return PatchSet(versions, ())
     wanted = frozenset(changed)
+    if base_wheel is None or new_wheel is None:  # uv fetches into it, as the environment's owner
+        make_run_dir(scratch, env.account)
     try:
         if base_wheel is not None:
             source = base_wheel.name
@@ -285,21 +291,21 @@ def prepare_patches(
             source = f"{dist.name}=={dist.version} fetched by uv"
             pinned = replace(request, wheel=None, version_spec=f"=={dist.version}", with_deps=False)
             what = f"the pristine files of the installed {dist.name} {dist.version}"
-            base = _tree_files(_fetch(pinned, scratch / "base", environ, what), env, wanted)
+            base = _tree_files(_fetch(pinned, scratch / "base", environ, what, env.account), env, wanted)
         if new_wheel is not None:
             theirs = _wheel_files(new_wheel, env, wanted)
         else:
             what = f"the files of the new {dist.name} {new_version}"
-            theirs = _tree_files(_fetch(request, scratch / "new", environ, what), env, wanted)
+            theirs = _tree_files(_fetch(request, scratch / "new", environ, what, env.account), env, wanted)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        remove_run_dir(scratch)
     _check_base(base, dict(zip(dist.locations, (e.hash for e in dist.record.entries), strict=True)), source)
     patches = [
         LocalPatch(
             location,
             os.path.relpath(location, env.prefix),
             base.get(location),
-            read_regular(location),
+            read_regular(env.prefix, location),
             theirs.get(location),
             _problem(env, location, base, source),
         )

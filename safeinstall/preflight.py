@@ -4,19 +4,19 @@ dry-run refuses exactly when the run would (same decision, same exit code 2).
 In the run's order: the interpreter; the state directory; the lock; the wheel (a valid zip whose
 RECORD matches its contents, for PACKAGE, fitting the interpreter's tags); uv's plan and the /proc scan
 (:func:`safeinstall.survey.survey`); the plan's refusals; room for the backup and for the install; the
-environment's directories writable. A failure before there is a plan raises; later ones are the plan's
-refusals, so that a dry-run still shows the plan and why it would refuse.
+environment's directories writable (by its owner, when uv runs as that account). A failure before
+there is a plan raises; later ones are the plan's refusals, so that a dry-run still shows the plan and
+why it would refuse.
 
 The only difference: the run creates its state directory and takes the lock (and keeps it); a dry-run
 creates nothing and takes no lock: it checks that the directory could be made and that no live run
 holds the lock. With ``--keep-patches``, the run's next step (the patch merge) is made by the dry-run
-too (:func:`dry_run_patches`), its scratch in a private temporary directory.
+too (:func:`dry_run_patches`), its scratch in a temporary directory.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -33,8 +33,10 @@ from safeinstall.safefs import unwritable
 from safeinstall.state import (
     EnvironmentState,
     check_environment_dir,
+    check_passable,
     ensure_environment_dir,
     environment_state,
+    let_through,
     state_root,
 )
 from safeinstall.survey import Survey, survey
@@ -47,7 +49,7 @@ from safeinstall.wheel import (
     read_wheel,
     target_tags,
 )
-from safeinstall.wheelcopy import copy_wheel, discard_wheel_copy
+from safeinstall.wheelcopy import copy_wheel, discard_wheel_copy, passable_temporary_dir, temporary_copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,8 +80,12 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
     state = environment_state(state_root(options.environ, os.geteuid()), env.prefix)
     notes: list[str] = [env.owner_note] if env.owner_note else []
     lock: HeldLock | None = None
+    if env.account is not None:  # uv runs as the environment's owner: it must reach the run's directories
+        check_passable(state.root, env.account)
     if take_lock:
         notes.extend(s.warning for s in ensure_environment_dir(state) if s.warning)
+        if env.account is not None:
+            let_through(state)
         lock = acquire_lock(state.lock, str(env.prefix))
         if lock.takeover_note:
             notes.append(lock.takeover_note)
@@ -98,7 +104,11 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
             except WheelError as exc:  # named as the user gave it
                 raise WheelError(exc.message.replace(str(use), str(given)), exc.hint) from exc
             check_wheel(wheel, options.package, env)
-        found = survey(options, env, wheel)
+        if given is not None and not take_lock and env.account is not None:
+            with temporary_copy(given) as copy:  # uv reads it as the owner, who may not read `given`
+                found = _named_as_given(survey(replace(options, wheel=copy), env, wheel), copy, given)
+        else:
+            found = survey(options, env, wheel)
         if wheel is not None:
             check_landing(wheel, env, found.affected, found.installed)
         more = (*room_problems(found, env, state.backups, wheel), *writability_problems(env, found, wheel))
@@ -113,18 +123,32 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
     return Prepared(options, env, state, wheel, found, lock, tuple(notes))
 
 
+def _named_as_given(found: Survey, copy: Path, given: Path) -> Survey:
+    """Pure: the dry-run's plan with the wheel named as the user gave it, not as its temporary copy."""
+
+    def named(command: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(str(given) if arg == str(copy) else arg for arg in command)
+
+    return replace(
+        found,
+        request=replace(found.request, wheel=given),
+        uv_plan=replace(found.uv_plan, command=named(found.uv_plan.command)),
+        plan=replace(found.plan, uv_command=named(found.plan.uv_command)),
+    )
+
+
 def dry_run_patches(prepared: Prepared) -> tuple[Plan, PatchSet | None]:
-    """``--keep-patches --dry-run``: the run's patches step, the same merge (its scratch in a private
-    temporary directory: a dry-run creates nothing in the state directory), made as the run makes it,
-    once the plan proceeds. A patch that cannot be carried is then one of the plan's refusals; pristine
-    files that cannot be had raise, as in the run. The plan, and the patches (None without the step)."""
+    """``--keep-patches --dry-run``: the run's patches step, the same merge, made as the run makes it once
+    the plan proceeds; its scratch (the environment owner's, as in the run) in a temporary directory: a
+    dry-run creates nothing in the state directory. A patch that cannot be carried is then one of the
+    plan's refusals; pristine files that cannot be had raise, as in the run. The plan, and the patches
+    (None without the step)."""
     options, plan = prepared.options, prepared.plan
     if not options.keep_patches or not plan.proceeds:
         return plan, None
-    with tempfile.TemporaryDirectory(prefix="safeinstall-keep-patches-") as scratch:
-        merge = Path(scratch) / "merge"
+    with passable_temporary_dir("the --keep-patches merge") as top:  # uv makes its scratch as the owner
         patches = prepare_patches(
-            prepared.survey, options.base_wheel, merge, options.environ, options.drop_conflicting
+            prepared.survey, options.base_wheel, top / "merge", options.environ, options.drop_conflicting
         )
     refused = patches.refusal()
     if refused is not None:
@@ -204,5 +228,7 @@ def writability_problems(env: Environment, found: Survey, wheel: Wheel | None) -
     where the wheel's members land: a read-only one would fail the install during the downtime."""
     return tuple(
         f"the install could not write {problem} (it is not writable)"
-        for problem in unwritable(install_directories(env, found.affected, wheel))
+        for problem in unwritable(
+            install_directories(env, found.affected, wheel), None if env.account is None else env.account.ids
+        )
     )

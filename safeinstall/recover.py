@@ -319,8 +319,8 @@ def recover_one(state: EnvironmentState, environ: Mapping[str, str], settle: flo
                         "was not read again: only what the installed RECORDs list was removed"
                     )
                 restore = (env, load_backup(Path(journal.backup_dir)))
-            # the dead run's own uv cache first: nothing may share inodes with it, and on a full disk
-            # the restore needs the room it holds
+            # the dead run's own uv cache (and scratch) first: nothing may share inodes with it, and on a
+            # full disk the restore needs the room it holds
             remove_uv_caches(state)
             done = put_back(
                 state.dir, journal, environ, restore, lambda units: _start(units, environ, settle), finished

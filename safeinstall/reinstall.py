@@ -28,7 +28,7 @@ import psutil
 from safeinstall.backup import Backup, create_backup, prune_into
 from safeinstall.distributions import InstalledDistribution, reload_distributions
 from safeinstall.drift import Expectation, FindingKind
-from safeinstall.environment import Environment, interpreter_in_prefix
+from safeinstall.environment import Account, Environment, interpreter_in_prefix
 from safeinstall.errors import (
     Aborted,
     ExitCode,
@@ -61,7 +61,14 @@ from safeinstall.recover import put_back
 from safeinstall.retention import prune_backups
 from safeinstall.runlog import append_line
 from safeinstall.signals import interrupts_deferred, interrupts_raise
-from safeinstall.state import EnvironmentState, atomic_write, ensure_dir, new_run_id, remove_uv_caches
+from safeinstall.state import (
+    EnvironmentState,
+    atomic_write,
+    make_run_dir,
+    new_run_id,
+    remove_run_dir,
+    remove_uv_caches,
+)
 from safeinstall.survey import Survey, scan_again, systemd_for
 from safeinstall.systemd import StopOutcome, Systemd, start_wait_s
 from safeinstall.uvplan import install as uv_install
@@ -272,7 +279,7 @@ def patches_step(run: _Run) -> str:
     run.patches = prepare_patches(
         run.survey,
         run.options.base_wheel,
-        run.state.dir / f"keep-patches-{run.run_id}",  # scratch: removed once read
+        run.state.keep_patches_dir(run.run_id),  # scratch: removed once read
         run.options.environ,
         run.options.drop_conflicting,
     )
@@ -326,16 +333,16 @@ def backup_step(run: _Run) -> str:
 def prefetch_step(run: _Run) -> str:
     """Fill the run's own uv cache with the new artefacts, so that the install in the downtime only
     links (or copies) files from it."""
-    scratch = run.state.dir / f"prefetch-{run.run_id}"
+    account = run.env.account  # uv runs as the environment's owner: the directories are its own
     request = run.survey.request
-    cache = run.state.uv_cache(run.run_id)
-    ensure_dir(cache)
+    cache = make_run_dir(run.state.uv_cache(run.run_id), account)
+    scratch = make_run_dir(run.state.prefetch_dir(run.run_id), account)
     command = prefetch_command(request, uv_binary(), scratch, run.survey.uv_plan.changes)
-    run._log(f"prefetch (UV_CACHE_DIR={cache}): " + " ".join(command))
+    run._log(f"prefetch (UV_CACHE_DIR={cache}{_as(account)}): " + " ".join(command))
     try:
-        result = uv_install(command, run.options.environ, cache_dir=cache)
+        result = uv_install(command, run.options.environ, cache_dir=cache, account=account)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        remove_run_dir(scratch)
     run._log(f"uv exit {result.returncode}:\n{result.output}")
     if result.returncode != 0:
         tail = "\n".join(result.output.strip().splitlines()[-6:])
@@ -471,8 +478,8 @@ def install_step(run: _Run) -> str:
     run._journal(Phase.INSTALLING)
     command = run.plan.uv_command
     cache = run.state.uv_cache(run.run_id)
-    run._log(f"install (UV_CACHE_DIR={cache}): " + " ".join(command))
-    result = uv_install(command, run.options.environ, cache_dir=cache)
+    run._log(f"install (UV_CACHE_DIR={cache}{_as(run.env.account)}): " + " ".join(command))
+    result = uv_install(command, run.options.environ, cache_dir=cache, account=run.env.account)
     run._log(f"uv exit {result.returncode}:\n{result.output}")
     if result.returncode != 0:
         tail = "\n".join(result.output.strip().splitlines()[-6:])
@@ -836,6 +843,11 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
             _discard_wheel_copy(prepared)
         if prepared.lock is not None:
             prepared.lock.release()
+
+
+def _as(account: Account | None) -> str:
+    """Pure: how the log says whom uv runs as (nothing: the caller)."""
+    return "" if account is None else f", as uid {account.uid}"
 
 
 def _discard_wheel_copy(prepared: Prepared) -> None:

@@ -97,16 +97,69 @@ def open_regular(path: Path) -> int:
     return fd
 
 
+def read_small(path: Path, limit: int) -> bytes:
+    """The bytes of a small file that others may control (an installed distribution's METADATA, RECORD,
+    INSTALLER): the last component is not followed if it is a symlink, a FIFO or a device is refused
+    without blocking, and a file larger than ``limit`` is refused before it is read. Raises OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise NotRegularFile(str(path), describe(info.st_mode))
+        if info.st_size > limit:
+            raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
+        chunks: list[bytes] = []
+        size = 0
+        while chunk := os.read(fd, min(1 << 20, limit + 1 - size)):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:  # it grew since the fstat
+                raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def open_directory(path: Path) -> int:
+    """Open an absolute directory path walking from ``/`` by descriptor, following no symlink in any
+    component: whoever owns a directory above the prefix (a service account's home) cannot swap it for a
+    symlink into another environment between the probe and a write. Raises OSError (``ELOOP`` or
+    ``ENOTDIR`` for a symlink, ``EINVAL`` for a relative path or one with ``..``)."""
+    text = os.fspath(path)
+    parts = [part for part in text.split("/") if part not in ("", ".")]
+    if not text.startswith("/") or ".." in parts:
+        raise OSError(errno.EINVAL, "not an absolute, normal path", text)
+    fd = os.open("/", _DIR_FLAGS)
+    walked = ""
+    try:
+        for part in parts:
+            walked += "/" + part
+            try:
+                child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise OSError(exc.errno, f"{walked} is a symlink or not a directory", text) from exc
+                raise OSError(exc.errno, exc.strerror, text) from exc
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class Tree:
     """A directory opened once; every operation below it walks by descriptor, never through a symlink.
 
-    Use as a context manager (the root's descriptor is closed at the end). Safe to share between
-    threads: each operation opens and closes its own descriptors.
+    The root itself is opened component by component from ``/``, no symlink followed on the way (the
+    paths it is given are real paths: the probe's prefix, the state directory). Use as a context
+    manager (the root's descriptor is closed at the end). Safe to share between threads: each
+    operation opens and closes its own descriptors.
     """
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.fd = os.open(root, _DIR_FLAGS)
+        self.fd = open_directory(root)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -344,6 +397,14 @@ class Tree:
             finally:
                 os.close(child)
 
+    def set_mode(self, relative: str, mode: int) -> None:
+        """Set the mode of the real directory ``relative`` (by descriptor: a symlink is not followed)."""
+        fd = self._open_dir(parts_of(relative))
+        try:
+            os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+
     def make_dirs(self, relative: str, mode: int) -> None:
         """Every missing directory of ``relative`` (in a tree of safeinstall's own: the backup)."""
         parts = parts_of(relative)
@@ -455,9 +516,19 @@ class Tree:
         return "file"
 
 
-def unwritable(directories: Iterable[Path]) -> list[str]:
+def permitted(mode: int, owner: int, group: int, ids: tuple[int, int], want: int) -> bool:
+    """Pure: does a file of this ``st_mode``, ``st_uid`` and ``st_gid`` grant ``want`` (the bits as for
+    others: 4 read, 2 write, 1 execute/enter, or'ed) to ``ids`` (uid, gid), a process with no
+    supplementary groups (as safeinstall runs another account's code)? Access control lists are not
+    read."""
+    shift = 6 if owner == ids[0] else 3 if group == ids[1] else 0
+    return (mode >> shift) & want == want
+
+
+def unwritable(directories: Iterable[Path], as_user: tuple[int, int] | None = None) -> list[str]:
     """Which of ``directories`` (each, or its nearest existing parent) cannot be written, and why: a
-    read-only mount, or no write permission (as root, only the mount and immutable files say no)."""
+    read-only mount, or no write permission (as root, only the mount and immutable files say no).
+    ``as_user`` (uid, gid): whether that account, rather than the caller, may write them."""
     problems: list[str] = []
     for directory in sorted(set(directories)):
         probe = directory
@@ -465,11 +536,15 @@ def unwritable(directories: Iterable[Path]) -> list[str]:
             probe = probe.parent
         try:
             read_only = bool(os.statvfs(probe).f_flag & os.ST_RDONLY)
+            info = os.stat(probe)
         except OSError as exc:
             problems.append(f"{directory}: {exc.strerror or exc}")
             continue
         if read_only:
             problems.append(f"{probe}: a read-only file system")
+        elif as_user is not None:
+            if not permitted(info.st_mode, info.st_uid, info.st_gid, as_user, 0o3):
+                problems.append(f"{probe}: not writable by uid {as_user[0]}")
         elif not os.access(probe, os.W_OK, effective_ids=os.access in os.supports_effective_ids):
             problems.append(f"{probe}: not writable")
     return problems

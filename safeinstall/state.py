@@ -2,9 +2,9 @@
 
 Layout::
 
-    <root>/                         0700; $SAFEINSTALL_STATE_DIR, /var/lib/safeinstall (root) or
-                                    $XDG_STATE_HOME/safeinstall (default ~/.local/state/safeinstall)
-    <root>/<basename>-<sha256[:12]>/  one per target environment, keyed by its (real) prefix
+    <root>/                         0700 (0711, see below); $SAFEINSTALL_STATE_DIR, /var/lib/safeinstall
+                                    (root) or $XDG_STATE_HOME/safeinstall (default ~/.local/state/safeinstall)
+    <root>/<basename>-<sha256[:12]>/  one per target environment, keyed by its (real) prefix; 0700 (0711)
         prefix                      the prefix, as text (so --status/--recover can name it)
         lock                        held by the running run (see :mod:`safeinstall.lock`)
         journal.json                the running (or crashed) run (see :mod:`safeinstall.journal`)
@@ -12,6 +12,8 @@ Layout::
         logs/<run-id>.log
         uv-cache-<run-id>/          uv's cache for that run only (filled by the prefetch, the install
                                     hardlinks from it); deleted when the run ends
+        prefetch-<run-id>/, keep-patches-<run-id>/   uv's scratch ``--target`` directories of that run
+        wheels/<random>/<name>.whl  the run's own copy of the wheel (see :mod:`safeinstall.wheelcopy`)
         history/<run-id>.json       the final result of each finished run (see :mod:`safeinstall.history`)
         patches/<run-id>.patch      the local patches a --keep-patches run carried to the new version
 
@@ -23,6 +25,15 @@ backup to restore), so every command first checks that nobody else could have pu
 root, each of its parents and each environment directory must be owned by root or the caller and
 writable by nobody else (:func:`trust_problem`; a root-owned sticky directory such as ``/tmp`` is fine
 as a parent, as OpenSSH's StrictModes treats it).
+
+An environment that belongs to another account (a service account) has uv run as that account
+(:mod:`safeinstall.uvplan`), which must reach the run's uv cache, its scratch directories and its copy
+of the wheel by name: a run of such an environment makes the state root and the environment's directory
+0711 (entered by name, never listed nor written by others; :func:`let_through`), the run's uv cache and
+scratch directories that account's own (0700, :func:`make_run_dir`), and the wheel copy readable (root's,
+0644). Everything else stays root's and private: journals, backups, logs, the lock (0700/0600). What the
+account owned is deleted by directory descriptor (:mod:`safeinstall.safefs`): a symlink it put there is
+removed, never followed.
 """
 
 from __future__ import annotations
@@ -32,7 +43,6 @@ import errno
 import hashlib
 import os
 import re
-import shutil
 import stat
 import tempfile
 from collections.abc import Mapping
@@ -40,7 +50,9 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
+from safeinstall.environment import Account
 from safeinstall.errors import SafeInstallError
+from safeinstall.safefs import Tree, permitted
 
 STATE_DIR_VARIABLE = "SAFEINSTALL_STATE_DIR"
 SYSTEM_STATE_ROOT = Path("/var/lib/safeinstall")
@@ -50,9 +62,16 @@ JOURNAL_FILE = "journal.json"
 BACKUPS_DIR = "backups"
 LOGS_DIR = "logs"
 UV_CACHE_PREFIX = "uv-cache-"
+PREFETCH_PREFIX = "prefetch-"
+KEEP_PATCHES_PREFIX = "keep-patches-"
+#: The run's own directories for uv: its cache and its scratch ``--target`` directories
+RUN_DIR_PREFIXES = (UV_CACHE_PREFIX, PREFETCH_PREFIX, KEEP_PATCHES_PREFIX)
 HISTORY_DIR = "history"
 PATCHES_DIR = "patches"
 PRIVATE_MODE = 0o700
+#: The state root and an environment's directory when uv runs as the environment's owner: it may enter
+#: them (to reach its own directories by name), not list or write them
+PASSABLE_MODE = 0o711
 _KEY_DIGEST_CHARS = 12
 #: Temp files of :func:`atomic_write`: ``.<name>.<random>.tmp`` beside the target.
 TMP_SUFFIX = ".tmp"
@@ -119,24 +138,49 @@ class EnvironmentState:
     def uv_cache(self, run_id: str) -> Path:
         return self.dir / f"{UV_CACHE_PREFIX}{run_id}"
 
+    def prefetch_dir(self, run_id: str) -> Path:
+        return self.dir / f"{PREFETCH_PREFIX}{run_id}"
+
+    def keep_patches_dir(self, run_id: str) -> Path:
+        return self.dir / f"{KEEP_PATCHES_PREFIX}{run_id}"
+
+
+def make_run_dir(path: Path, account: Account | None) -> Path:
+    """Make the run's directory ``path`` (its uv cache, a scratch directory: a child of an environment's
+    state directory), 0700; with ``account``, the directory is that account's (uv runs as it). What
+    is in the way (a leftover) is removed first, by descriptor. Returns ``path``."""
+    with Tree(path.parent) as tree:
+        tree.remove_tree(path.name)
+        tree.make_dir(path.name, PRIVATE_MODE, None if account is None else account.ids)
+    return path
+
+
+def remove_run_dir(path: Path) -> None:
+    """Delete the run's directory ``path`` (best effort) by descriptor: whatever uv, or the account it
+    ran as, left in it (a symlink above all) is removed, never followed; nothing outside is touched."""
+    with contextlib.suppress(OSError), Tree(path.parent) as tree:
+        tree.remove_tree(path.name)
+
 
 def remove_uv_caches(state: EnvironmentState, run_id: str | None = None) -> None:
-    """Delete the run-private uv cache of ``run_id`` (None: every one left by runs that died). Installed
-    files hardlinked from it then share their inodes with nothing. Symlinks are not followed."""
+    """Delete the run-private uv cache and scratch directories of ``run_id`` (None: every one left by
+    runs that died), as :func:`remove_run_dir` does. Installed files hardlinked from the cache then
+    share their inodes with nothing."""
     try:
         names = os.listdir(state.dir)
     except OSError:
         return
     for name in names:
-        if name.startswith(UV_CACHE_PREFIX) and (run_id is None or name == UV_CACHE_PREFIX + run_id):
-            shutil.rmtree(state.dir / name, ignore_errors=True)
+        for prefix in RUN_DIR_PREFIXES:
+            if name.startswith(prefix) and (run_id is None or name == prefix + run_id):
+                remove_run_dir(state.dir / name)
 
 
 @dataclass(frozen=True, slots=True)
 class DirStatus:
     path: Path
     created: bool
-    old_mode: int | None = None  # set when the mode was looser than 0700 and was tightened
+    old_mode: int | None = None  # set when group/other could read it and it was tightened to 0700
 
     @property
     def warning(self) -> str | None:
@@ -149,7 +193,12 @@ class DirStatus:
 
 
 def state_root(environ: Mapping[str, str], euid: int) -> Path:
-    """Pure: where the state lives, from the environment variables and the effective uid."""
+    """Where the state lives, from the environment variables and the effective uid; a real path (the
+    trust check and the safe filesystem layer then see no symlink in it)."""
+    return Path(os.path.realpath(_state_root(environ, euid)))
+
+
+def _state_root(environ: Mapping[str, str], euid: int) -> Path:
     override = environ.get(STATE_DIR_VARIABLE)
     if override:
         return Path(os.path.abspath(os.path.expanduser(override)))
@@ -239,6 +288,48 @@ def check_trusted(path: Path, euid: int | None = None) -> None:
         problem = trust_problem(info.st_mode, info.st_uid, uid, parent=directory != real)
         if problem is not None:
             raise _untrusted(path, problem if directory == real else f"its parent {directory}: {problem}")
+
+
+def check_passable(root: Path, account: Account) -> None:
+    """Refuse (StateDirError) a state root that ``account`` (the environment's owner, as whom uv runs)
+    could not reach: one of the directories above it is closed to it (its uid and primary group only, as
+    uv runs; access control lists are not read). The root and the environment's directory themselves
+    are made passable by the run (:func:`let_through`)."""
+    real = Path(os.path.realpath(root))
+    for directory in reversed(real.parents):
+        try:
+            info = os.stat(directory)
+        except FileNotFoundError:
+            return  # created by the run, with the default mode
+        except OSError as exc:
+            raise StateDirError(
+                f"cannot inspect {directory} (above the state directory {root}): {exc.strerror or exc}",
+                hint=f"check the path, or set {STATE_DIR_VARIABLE} to another directory",
+            ) from exc
+        if not permitted(info.st_mode, info.st_uid, info.st_gid, account.ids, 0o1):
+            raise StateDirError(
+                f"uv runs as uid {account.uid}, the environment's owner, and could not reach the run's uv "
+                f"cache in the state directory {root}: {directory} is mode {stat.S_IMODE(info.st_mode):04o}, "
+                f"closed to uid {account.uid}",
+                hint=f"set {STATE_DIR_VARIABLE} to a directory whose parents others may enter (the default "
+                f"{SYSTEM_STATE_ROOT} is one), or let them in (chmod o+x {directory}); nothing was stopped",
+            )
+
+
+def let_through(state: EnvironmentState) -> None:
+    """Make the state root and the environment's directory :data:`PASSABLE_MODE` (0711), so that the
+    environment's owner reaches the run's own directories in it by name (see the module)."""
+    for directory in (Path(os.path.realpath(state.root)), state.dir):
+        try:
+            if stat.S_IMODE(os.lstat(directory).st_mode) != PASSABLE_MODE:
+                os.chmod(directory, PASSABLE_MODE)  # root's own directories (ensure_dir checked them)
+        except OSError as exc:
+            raise StateDirError(
+                f"cannot let the environment's owner through {directory}: {exc.strerror or exc}",
+                hint=f"run chmod {PASSABLE_MODE:04o} {directory}; nothing was stopped",
+            ) from exc
+
+
 def _usable(path: Path, *, missing_ok: bool) -> os.stat_result | None:
     """The stat of the state directory ``path``; None when it is missing and that is ok. Refuses one
     that cannot be inspected, is not a directory or is not ours."""
@@ -281,7 +372,7 @@ def ensure_dir(path: Path, mode: int = PRIVATE_MODE) -> DirStatus:
         raise _untrusted(path, trust_problem(info.st_mode, info.st_uid, os.geteuid(), parent=False) or "")
     if created and current != mode:  # mkdir's mode is masked by the umask
         os.chmod(path, mode)
-    if not created and current & 0o077:
+    if not created and current & 0o066:  # 0711 (PASSABLE_MODE) stays: nobody else may list it
         try:
             os.chmod(path, mode)
         except OSError as exc:

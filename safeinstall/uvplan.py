@@ -10,6 +10,13 @@ directory, filled by the prefetch, deleted after the run): when that cache is on
 filesystem the install hardlinks from it (no copy of the package's bytes while the services are down),
 and once it is deleted the installed files share their inodes with nothing. Otherwise, or when the
 extra uv arguments choose a cache or a link mode themselves, the install uses ``--link-mode copy``.
+
+uv asks the target interpreter for its paths by running it with ``site`` (``-I`` still processes the
+environment's ``.pth`` files): whoever owns the environment decides what that runs. So when the
+environment belongs to another account (:class:`~safeinstall.environment.Account`), root runs every uv
+call as that account (its uid and gid, no supplementary groups; see :func:`uv_environment` for what
+uv's environment becomes): uv does nothing that the owner could not do itself, and the files it
+installs are the owner's, as the environment's other files are.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import uv
 from packaging.utils import canonicalize_name
 
 from safeinstall import children
+from safeinstall.environment import Account
 from safeinstall.errors import PlanError, UsageError
 
 _CHANGE = re.compile(r"^\s*(?P<sign>[-+~])\s+(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)(?P<rest>.*)$")
@@ -234,24 +242,70 @@ def same_filesystem(a: Path, b: Path) -> bool:
         return False
 
 
-def uv_environment(environ: Mapping[str, str], cache_dir: Path | None = None) -> dict[str, str]:
-    """uv's environment: the caller's (index settings stay), without VIRTUAL_ENV (``--python`` rules);
-    with ``cache_dir``, uv's cache is that directory (the run's own)."""
+#: Variables that name the caller's own directories (root's): uv as the environment's owner gets none
+_CALLERS_DIRECTORIES = (
+    "XDG_CONFIG_HOME",
+    "XDG_CACHE_HOME",
+    "XDG_DATA_HOME",
+    "XDG_STATE_HOME",
+    "XDG_RUNTIME_DIR",
+    "TMPDIR",
+)
+
+
+def uv_environment(
+    environ: Mapping[str, str], cache_dir: Path | None = None, account: Account | None = None
+) -> dict[str, str]:
+    """Pure: uv's environment: the caller's (index settings stay), without VIRTUAL_ENV (``--python``
+    rules); with ``cache_dir``, uv's cache is that directory (the run's own).
+
+    With ``account`` (uv runs as the environment's owner): ``HOME`` is the owner's and the variables
+    that name the caller's own directories are dropped, so uv reads the system's configuration
+    (``/etc/uv/uv.toml``) and the owner's own (``~/.config/uv/uv.toml``, which steers only what the owner
+    could do anyway), as when the owner runs uv; root's own files are never offered to it (the owner
+    could not read them). Without ``cache_dir`` uv uses a temporary cache of its own (``UV_NO_CACHE``):
+    the caller's cache is root's, and the owner's home may not exist (``nobody``'s is ``/nonexistent``)."""
     env = {k: v for k, v in environ.items() if k != "VIRTUAL_ENV"}
     env["UV_NO_PROGRESS"] = "1"
+    if account is not None:
+        for name in _CALLERS_DIRECTORIES:
+            env.pop(name, None)
+        env["HOME"] = account.home
+        if cache_dir is None:
+            env["UV_NO_CACHE"] = "1"
     if cache_dir is not None:
         env["UV_CACHE_DIR"] = str(cache_dir)
     return env
 
 
-def dry_run(request: UvRequest, environ: Mapping[str, str] | None = None, timeout: float = 300) -> UvPlan:
-    """Ask uv what it would uninstall and install; PlanError when it cannot resolve."""
+def _run_uv(
+    command: Sequence[str],
+    environ: Mapping[str, str] | None,
+    timeout: float,
+    cache_dir: Path | None,
+    account: Account | None,
+) -> subprocess.CompletedProcess[str]:
+    """Run uv (as ``account`` when given); raises OSError and subprocess.TimeoutExpired."""
+    return children.run(
+        command,
+        env=uv_environment(os.environ if environ is None else environ, cache_dir, account),
+        timeout=timeout,
+        as_user=None if account is None else account.ids,
+    )
+
+
+def dry_run(
+    request: UvRequest,
+    environ: Mapping[str, str] | None = None,
+    timeout: float = 300,
+    account: Account | None = None,
+) -> UvPlan:
+    """Ask uv (as ``account``, the environment's owner, when given) what it would uninstall and
+    install; PlanError when it cannot resolve."""
     uv_bin = uv_binary()
     cmd = install_command(request, uv_bin, dry_run=True)
     try:
-        proc = children.run(
-            cmd, env=uv_environment(os.environ if environ is None else environ), timeout=timeout
-        )
+        proc = _run_uv(cmd, environ, timeout, None, account)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise PlanError(f"uv did not answer: {exc}", hint="check that uv runs: " + uv_bin) from exc
     output = proc.stdout + proc.stderr
@@ -276,18 +330,16 @@ def install(
     environ: Mapping[str, str] | None = None,
     timeout: float = 3600,
     cache_dir: Path | None = None,
+    account: Account | None = None,
 ) -> UvResult:
-    """Run the install; the caller logs the command and the output.
+    """Run the install (as ``account``, the environment's owner, when given); the caller logs the
+    command and the output.
 
     uv never outlives the run (:mod:`safeinstall.children`): interrupted, it is killed and reaped before
     the rollback starts; if safeinstall is killed, uv dies with it.
     """
     try:
-        proc = children.run(
-            command,
-            env=uv_environment(os.environ if environ is None else environ, cache_dir),
-            timeout=timeout,
-        )
+        proc = _run_uv(command, environ, timeout, cache_dir, account)
     except subprocess.TimeoutExpired as exc:
         return UvResult(tuple(command), -1, f"uv did not finish in {timeout:.0f} s: {exc}")
     except OSError as exc:

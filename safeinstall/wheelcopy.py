@@ -4,19 +4,25 @@ A wheel usually comes from a download directory (``/tmp``, a shared cache) that 
 could replace it between the preflight check and uv's install, or before ``--recover`` reads it again.
 So a run copies it into ``<state>/<env>/wheels/<random>/<the wheel's file name>`` (the state directory
 is root's, mode 0700) and checks, installs and journals that copy only; the copy goes when the run (or
-its recovery) ends.
+its recovery) ends. The copy is root's and read-only for others (0644, in directories others may enter
+but not list, 0711): uv reads it as the environment's owner when the environment is another account's
+(:mod:`safeinstall.state`), which can read it, never replace it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from safeinstall.errors import WheelError
 from safeinstall.safefs import Tree, open_regular
 
 WHEELS_DIR = "wheels"
+COPY_DIR_MODE = 0o711
+COPY_MODE = 0o644
 
 
 def copy_wheel(source: Path, envdir: Path) -> Path:
@@ -31,8 +37,9 @@ def copy_wheel(source: Path, envdir: Path) -> Path:
         ) from exc
     try:
         with Tree(envdir) as tree:
-            tree.make_dirs(directory, 0o700)
-            tree.write_from(f"{directory}/{source.name}", source_fd, 0o600, atomic=False)
+            tree.make_dirs(directory, COPY_DIR_MODE)
+            tree.set_mode(WHEELS_DIR, COPY_DIR_MODE)  # made 0700 by an older release
+            tree.write_from(f"{directory}/{source.name}", source_fd, COPY_MODE, atomic=False)
     except OSError as exc:
         discard_wheel_copy(envdir / directory / source.name, envdir)
         raise WheelError(
@@ -67,3 +74,33 @@ def discard_wheel_copy(path: Path, envdir: Path) -> None:
         return
     with contextlib.suppress(OSError), Tree(envdir) as tree:
         tree.remove_tree(directory)
+
+
+@contextlib.contextmanager
+def passable_temporary_dir(what: str) -> Iterator[Path]:
+    """A new temporary directory for ``what`` that others may enter but not list (0711), removed
+    afterwards by descriptor: where a dry-run puts what uv, run as the environment's owner, reaches by
+    name (a copy of the wheel, the ``--keep-patches`` scratch directory)."""
+    try:
+        top = Path(os.path.realpath(tempfile.mkdtemp(prefix="safeinstall-")))  # safefs opens real paths
+    except OSError as exc:
+        raise WheelError(
+            f"cannot make a temporary directory for {what}: {exc.strerror or exc}",
+            hint="uv runs as the environment's owner: free some space in the temporary directory (TMPDIR), "
+            "or run without --dry-run",
+        ) from exc
+    try:
+        os.chmod(top, COPY_DIR_MODE)
+        yield top
+    finally:
+        with contextlib.suppress(OSError), Tree(top.parent) as tree:
+            tree.remove_tree(top.name)
+
+
+@contextlib.contextmanager
+def temporary_copy(source: Path) -> Iterator[Path]:
+    """A copy of ``source`` in a :func:`passable_temporary_dir` (the copy 0644): what a dry-run gives uv
+    when uv runs as the environment's owner, who may not be able to read the wheel where it lies (a run
+    gives it the run's own copy, in the state directory)."""
+    with passable_temporary_dir(f"a copy of the wheel {source}") as top:
+        yield copy_wheel(source, top)

@@ -25,11 +25,18 @@ class Result:
         return json.loads(self.stdout)
 
 
-def run(*args: str, env: Mapping[str, str] | None = None, timeout: float = 120, stdin: str = "") -> Result:
+def run(
+    *args: str,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 120,
+    stdin: str = "",
+    cwd: Path | None = None,
+) -> Result:
     full_env = dict(os.environ if env is None else env)
     full_env.setdefault("COLUMNS", "200")
     proc = subprocess.run(
         [SAFEINSTALL, *args],
+        cwd=cwd,
         capture_output=True,
         text=True,
         env=full_env,

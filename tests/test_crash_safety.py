@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -392,9 +393,12 @@ def small_disk(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
         pytest.skip("mounting a tmpfs needs root")
     mounted: list[Path] = []
 
-    def mount(mib: int) -> Path:
-        where = tmp_path / f"disk-{len(mounted)}"
-        where.mkdir()
+    def mount(mib: int, under: Path | None = None) -> Path:
+        """A tmpfs of ``mib`` MiB in the test's directory, or in ``under`` (one others may enter)."""
+        where = (
+            Path(tempfile.mkdtemp(prefix="disk-", dir=under)) if under else tmp_path / f"disk-{len(mounted)}"
+        )
+        where.mkdir(exist_ok=True)
         options = f"size={mib}m,mode=0755"
         done = subprocess.run(
             ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True, text=True

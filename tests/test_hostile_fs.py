@@ -116,7 +116,9 @@ def as_nobody(*argv: str) -> None:
 
 
 class ServiceAccountBed(Bed):
-    """A venv owned by uid 65534, its unit running as that uid; a victim directory beside it."""
+    """A venv owned by uid 65534, its unit running as that uid; a victim directory beside it. The state
+    directory is below directories others may enter (pytest's are 0700): uv runs as uid 65534 and must
+    reach the run's uv cache there."""
 
     def __init__(self, base: Path, state: Path, manager: UserManager, nvml: FakeNvml, wheels: Wheelhouse):
         shared = wheelhouse.shared_interpreter()
@@ -146,12 +148,23 @@ class ServiceAccountBed(Bed):
 
 
 @pytest.fixture
+def open_state() -> Iterator[Path]:
+    """A state directory below directories others may enter (only root writes them)."""
+    made = Path(tempfile.mkdtemp(prefix="si-state-"))
+    made.chmod(0o755)
+    try:
+        yield made / "state"
+    finally:
+        shutil.rmtree(made, ignore_errors=True)
+
+
+@pytest.fixture
 def account(
-    open_dir: Path, tmp_path: Path, user_manager: UserManager, fake_nvml: FakeNvml, wheels: Wheelhouse
+    open_dir: Path, open_state: Path, user_manager: UserManager, fake_nvml: FakeNvml, wheels: Wheelhouse
 ) -> Iterator[ServiceAccountBed]:
     if not AS_ROOT:
         pytest.skip("the attacks are on a run as root")
-    made = ServiceAccountBed(open_dir, tmp_path / "state", user_manager, fake_nvml, wheels)
+    made = ServiceAccountBed(open_dir, open_state, user_manager, fake_nvml, wheels)
     yield made
     for name in made.units:
         user_manager.remove_unit(name)
@@ -219,7 +232,10 @@ def test_new_code_swaps_its_package_for_a_symlink_then_recover(
     assert journal is not None and journal["phase"] in ("installing", "installed")
     copy = Path(journal["wheel"])  # the run's own copy, in its state directory: what --recover reads
     assert copy.is_relative_to(account.state) and copy.parent.parent.name == "wheels" and copy.is_file()
-    assert stat.S_IMODE(os.stat(copy.parent.parent).st_mode) == 0o700
+    assert (
+        stat.S_IMODE(os.stat(copy.parent.parent).st_mode) == 0o711
+    )  # entered by uv (as uid 65534), not listed
+    assert stat.S_IMODE(os.stat(copy).st_mode) == 0o644 and os.stat(copy).st_uid == 0  # read, never replaced
     package = account.site / "sicext"
     if package.is_dir():  # what the new code would do when it ran: as the service account
         as_nobody("mv", str(package), str(account.site / ".sicext-moved"))
@@ -240,12 +256,12 @@ def test_new_code_swaps_its_package_for_a_symlink_then_recover(
 
 
 def test_prune_saves_a_leftover_symlink_as_a_link(
-    account: ServiceAccountBed, small_disk: Callable[[int], Path]
+    account: ServiceAccountBed, small_disk: Callable[[int, Path], Path]
 ) -> None:
     """Row: ``--prune`` with leftovers that are symlinks (to ``/dev/zero``, to a file outside): the links
     themselves are saved and removed; their targets are never read. (The state directory is a 16 MiB
     tmpfs: following ``/dev/zero`` could not fill the machine's disk.)"""
-    account.state = small_disk(16) / "state"
+    account.state = small_disk(16, account.base.parent) / "state"  # a tmpfs others may enter: uv's cache
     package = account.site / "sicext"
     secret = account.elsewhere / "victim.txt"
     as_nobody("ln", "-s", "/dev/zero", str(package / "leftover_zero"))
@@ -261,6 +277,149 @@ def test_prune_saves_a_leftover_symlink_as_a_link(
     assert os.readlink(saved / "leftover_secret") == str(secret)
     assert not (package / "leftover_zero").is_symlink() and not (package / "leftover_secret").is_symlink()
     assert account.outside() == outside
+    account.no_trace()
+
+
+# --- 1b. no code of the environment runs as root: uv runs as its owner -------------------------------
+
+RUN_ID = "20261130T031201Z-1234"
+
+
+def _plant_journal(account: ServiceAccountBed, unit: str) -> Path:
+    """A run of this environment that died during the install (phase installing, its unit stopped,
+    its backup taken): what ``--recover`` finds after a power loss. Its environment directory."""
+    from safeinstall.backup import create_backup
+    from safeinstall.distributions import find_distribution
+    from safeinstall.environment import inspect_environment
+    from safeinstall.journal import JournalUnit, Phase, advance, journal_to_dict, new_journal
+    from safeinstall.state import environment_key
+
+    env = inspect_environment(account.python)
+    envdir = account.state / environment_key(env.prefix)
+    backup = envdir / "backups" / RUN_ID
+    create_backup(env, [find_distribution(env, "sicext")], backup, ())
+    unit_entry = JournalUnit(unit, user_manager=True, was_active=True, unit_file_state="static", stopped=True)
+    python = str(env.prefix / "bin" / account.python.name)
+    journal = new_journal(RUN_ID, 1234, None, python, str(env.prefix), "sicext", None, ["uv"], [unit_entry])
+    journal = advance(advance(journal, Phase.BACKED_UP, backup_dir=str(backup)), Phase.INSTALLING)
+    path = envdir / "journal.json"
+    path.write_text(json.dumps(journal_to_dict(journal)))
+    path.chmod(0o600)
+    return envdir
+
+
+def _pth_uids(account: ServiceAccountBed) -> Callable[[str], None]:
+    """A ``.pth`` file in the account's venv that appends the uid it runs as to a file (beside the
+    environment's files, writable by its owner); returns the check that it never ran as root."""
+    uids = account.base / "venv" / "pth-uids"
+    uids.touch()
+    os.chown(uids, NOBODY, NOBODY)
+    pth = account.site / "zz-uids.pth"
+    pth.write_text(f"import os; open({str(uids)!r}, 'a').write('%d\\n' % os.getuid())\n")
+    os.chown(pth, NOBODY, NOBODY)
+
+    def never_root(after: str) -> None:
+        ran = set(uids.read_text().split())
+        assert "0" not in ran, f"the environment's .pth file ran as root during {after}"
+        assert ran <= {str(NOBODY)}
+
+    return never_root
+
+
+def test_uv_runs_as_the_environments_owner_never_as_root(account: ServiceAccountBed) -> None:
+    """Row: a ``.pth`` file in the service account's venv. uv asks the interpreter with ``-I``, which
+    still runs ``site``, so the file runs in every uv call: the dry-run's plan, the prefetch, the
+    install. It must never run as root: not for ``--dry-run``, a run, ``--verify-only``, a run that
+    rolls back, nor ``--recover``. uv runs as uid 65534, so the files it installs are that account's,
+    and the rollback and the recovery restore into its environment as before."""
+    never_root = _pth_uids(account)
+
+    def version() -> str:  # Bed.version would run the environment's python as root (the test's uid)
+        versions = [
+            p.name.removesuffix(".dist-info").split("-")[1] for p in account.site.glob("sicext-*.dist-info")
+        ]
+        assert len(versions) == 1, versions
+        return versions[0]
+
+    name = account.unit("as-owner")
+    outside = account.outside()
+
+    dry = account.cli("sicext", "--wheel", str(account.wheels["sicext-2"]), "--dry-run", "--json")
+    assert dry.code == 0, dry.stdout + dry.stderr
+    never_root("--dry-run")
+    assert f"uv runs as uid {NOBODY} too" in dry.json["data"]["warnings"][0]
+
+    main = account.manager.main_pid(name)
+    done = account.cli(
+        "sicext", "--wheel", str(account.wheels["sicext-2"]), "--yes", "--settle", "1", "--json"
+    )
+    assert done.code == 0, done.stdout + done.stderr
+    never_root("a run")
+    assert version() == "2.0" and name in done.json["data"]["downtime_s"]
+    account.manager.wait_active(name)
+    assert account.manager.main_pid(name) != main
+    installed = [p for p in account.site.glob("sicext*/**/*") if "__pycache__" not in p.parts]
+    assert installed and all(os.lstat(p).st_uid == NOBODY for p in installed), "uv installed as root"
+    check = account.cli("sicext", "--verify-only", "--wheel", str(account.wheels["sicext-2"]))
+    assert check.code == 0, check.stdout + check.stderr
+    never_root("--verify-only")
+    account.no_trace()
+
+    before = account.snapshot()
+    crash = account.cli(
+        "sicext", "--wheel", str(account.wheels["sicext-3"]), "--yes", "--settle", "1", "--json"
+    )
+    assert crash.code == 3, crash.stdout + crash.stderr
+    assert "restored the previous installation" in crash.json["errors"][0]["message"]
+    never_root("a run that rolled back")
+    assert account.snapshot() == before and version() == "2.0"
+    restored = [p for p in (account.site / "sicext").rglob("*") if "__pycache__" not in p.parts]
+    assert all(os.lstat(p).st_uid == NOBODY for p in restored)  # put back as its owner's
+    account.manager.wait_active(name)
+    account.no_trace()
+
+    envdir = _plant_journal(account, name)
+    account.manager.systemctl("stop", name)
+    as_nobody("rm", str(account.site / "sicext" / "serve.py"))  # the dead run's half-done install
+    cache = envdir / f"uv-cache-{RUN_ID}"  # the dead run's uv cache, its owner's: a link to a victim
+    cache.mkdir()
+    os.chown(cache, NOBODY, NOBODY)
+    as_nobody("ln", "-s", str(account.elsewhere / "victim.txt"), str(cache / "victim"))
+    as_nobody("ln", "-s", str(account.elsewhere), str(cache / "elsewhere"))
+    recovered = account.cli("--recover", "--json")
+    assert recovered.code == 0, recovered.stdout + recovered.stderr
+    (recovery,) = recovered.json["data"]["recoveries"]
+    assert recovery["restored"] is True and recovery["started"] == [name]
+    never_root("--recover")
+    assert account.snapshot() == before and os.lstat(account.site / "sicext" / "serve.py").st_uid == NOBODY
+    assert not cache.exists() and account.outside() == outside, "root deleted or wrote outside"
+    account.manager.wait_active(name)
+    account.no_trace()
+
+
+def test_keep_patches_fetches_as_the_environments_owner(account: ServiceAccountBed) -> None:
+    """Row: ``--keep-patches`` without wheels: uv fetches the installed and the new version into the
+    run's scratch directory, as the environment's owner (the ``.pth`` file never runs as root); root
+    reads what uv wrote there by descriptor, and the carried patch is in the owner's new files."""
+    never_root = _pth_uids(account)
+    links = account.base / "links"  # a flat index the account can read
+    links.mkdir(mode=0o755)
+    for key in ("sicext-1", "sicext-2"):
+        shutil.copy(account.wheels[key], links)
+        (links / account.wheels[key].name).chmod(0o644)
+    init = account.site / "sicext" / "__init__.py"
+    init.write_text(init.read_text() + 'PATCH = " with a local fix"\n')  # shared by 1.0 and 2.0
+    name = account.unit("keep-patches")
+    result = account.cli(
+        "sicext==2.0", "--keep-patches", "--yes", "--settle", "1", "--json",
+        "--", "--offline", "--find-links", str(links),
+    )  # fmt: skip
+    assert result.code == 0, result.stdout + result.stderr
+    never_root("a --keep-patches run")
+    assert [(p["path"], p["status"]) for p in result.json["data"]["patches"]] == [(str(init), "carried")]
+    assert init.read_text().endswith('PATCH = " with a local fix"\n') and os.lstat(init).st_uid == NOBODY
+    account.manager.wait_active(name)
+    assert not list(account.state.glob("*/keep-patches-*")) and not list(account.state.glob("*/prefetch-*"))
     account.no_trace()
 
 
@@ -732,3 +891,70 @@ def test_paths_below_a_tree_and_copies_of_wheels(tmp_path: Path) -> None:
     assert not is_wheel_copy(tmp_path / "downloads" / "x-1.0-py3-none-any.whl", envdir)
     assert not is_wheel_copy(envdir / "wheels" / ".." / "journal.json", envdir)
     assert not is_wheel_copy(envdir / "wheels" / "x-1.0-py3-none-any.whl", envdir)
+
+
+# --- metadata files of the environment ---------------------------------------------------------------
+
+
+def test_an_installed_distributions_metadata_is_never_read_through_a_fifo_a_symlink_or_whole(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    """Row: the environment's owner makes another distribution's METADATA a FIFO (reading it would
+    hang every run, and a rollback while the services are down), its RECORD a symlink to a file only
+    root may read, and a third one's RECORD larger than any real one: `--verify-only --all` finishes,
+    reads none of them, and reports those distributions as damaged."""
+    wheelhouse.uv_install(venv, wheels["sipure-1"])
+    site = wheelhouse.site_packages(venv)
+    fifo_dist = site / "fifo_meta-1.0.dist-info"
+    fifo_dist.mkdir()
+    os.mkfifo(fifo_dist / "METADATA")
+    (fifo_dist / "RECORD").write_text("")
+    secret = tmp_path / "secret"
+    secret.write_text("secretline.py,sha256=AAAA,1\n")
+    secret.chmod(0o600)
+    link_dist = site / "link_record-1.0.dist-info"
+    link_dist.mkdir()
+    (link_dist / "METADATA").write_text("Metadata-Version: 2.1\nName: link-record\nVersion: 1.0\n")
+    (link_dist / "RECORD").symlink_to(secret)
+    huge_dist = site / "huge_record-1.0.dist-info"
+    huge_dist.mkdir()
+    (huge_dist / "METADATA").write_text("Metadata-Version: 2.1\nName: huge-record\nVersion: 1.0\n")
+    with open(huge_dist / "RECORD", "wb") as handle:
+        handle.truncate((64 << 20) + 1)  # sparse: one byte more than the limit
+    result = run("--verify-only", "--all", "--python", str(venv), "--json", timeout=120)
+    assert result.code in (0, 1), result.stdout + result.stderr
+    assert "secretline" not in result.stdout + result.stderr
+    assert "sipure" in {d["name"] for d in result.json["data"]["distributions"]}
+
+
+def test_a_directory_above_the_prefix_swapped_for_a_symlink_leads_nowhere(
+    open_dir: Path, wheels: Wheelhouse
+) -> None:
+    """Row: the service account owns a directory above the prefix (its home holds the venv). After the
+    backup it swaps that directory for a symlink to where another, root-owned environment of the same
+    layout lives. The restore then refuses the prefix (it is walked from / without following a
+    symlink): nothing is written into the other environment."""
+    if not AS_ROOT:
+        pytest.skip("the attack is on a run as root")
+    home = open_dir / "home"
+    (home / "envs").mkdir(parents=True)
+    python = wheelhouse.make_venv(home / "envs" / "app")
+    wheelhouse.uv_install(python, wheels["sipure-1"])
+    victim_python = wheelhouse.make_venv(open_dir / "victim" / "app")
+    wheelhouse.uv_install(victim_python, wheels["sipure-2"])
+    victim_site = wheelhouse.site_packages(victim_python)
+    before = {p: p.read_bytes() for p in sorted((victim_site / "sipure").rglob("*.py"))}
+    os.lchown(home, NOBODY, NOBODY)  # the account owns its home, not the venv itself
+
+    from safeinstall.backup import create_backup, restore_backup
+    from safeinstall.distributions import find_distribution
+    from safeinstall.environment import inspect_environment
+    from safeinstall.errors import SafeInstallError
+
+    env = inspect_environment(python)
+    backup = create_backup(env, [find_distribution(env, "sipure")], open_dir / "state" / "b1", ())
+    as_nobody("sh", "-c", f"cd {home} && mv envs envs.real && ln -s {open_dir / 'victim'} envs")
+    with pytest.raises(SafeInstallError, match=f"{home / 'envs'} is a symlink or not a directory"):
+        restore_backup(backup, env, remove=[])
+    assert {p: p.read_bytes() for p in sorted((victim_site / "sipure").rglob("*.py"))} == before
+    assert all(p.stat().st_uid == 0 for p in before)

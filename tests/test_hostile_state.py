@@ -27,6 +27,7 @@ import pytest
 from safeinstall.errors import StepFailed
 from safeinstall.health import wait_healthy
 from safeinstall.journal import JournalUnit, Phase, advance, journal_to_dict, new_journal
+from safeinstall.safefs import permitted
 from safeinstall.state import environment_key
 from tests import wheelhouse
 from tests.bed_systemd import CGROUP_ROOTS, UserManager, wait_until
@@ -373,6 +374,36 @@ def test_a_service_accounts_environment_is_probed_as_that_account(
     )
     assert dry.code == 0, dry.stdout + dry.stderr
     assert f"belongs to uid {OTHER_UID}" in dry.json["data"]["warnings"][0]
+
+
+def test_a_state_directory_the_owner_cannot_reach_is_refused_before_anything(
+    service_account_venv: Path, wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    """uv runs as the environment's owner and must reach the run's uv cache in the state directory:
+    one below a directory closed to the owner (pytest's are 0700) is refused, for a run and a dry run,
+    before the wheel is copied or anything else is done (exit 2)."""
+    closed = next(d for d in reversed(tmp_path.parents) if not d.stat().st_mode & 0o001)  # to others
+    state = tmp_path / "state"
+    for extra in ("--dry-run", "--yes"):
+        result = cli(
+            state, "sipure", extra, "--python", str(service_account_venv), "--wheel", str(wheels["sipure-2"])
+        )
+        assert result.code == 2, result.stdout + result.stderr
+        assert (
+            f"error: uv runs as uid {OTHER_UID}, the environment's owner, and could not reach the run's uv "
+            f"cache in the state directory {state}: {closed} is mode 0700"
+        ) in " ".join(result.stderr.split())
+        assert not list(state.glob("*/wheels")) and not list(state.glob("*/journal.json"))  # nothing copied
+    assert list(state.glob("*/history/*.json"))  # only the refused run's result, as for every refusal
+
+
+def test_who_may_enter_or_write_a_directory() -> None:
+    nobody = (OTHER_UID, OTHER_UID)
+    assert permitted(0o40700, OTHER_UID, 0, nobody, 0o3)  # its owner
+    assert not permitted(0o40577, OTHER_UID, 0, nobody, 0o3)  # its owner, without write: not others' bits
+    assert permitted(0o40710, 0, OTHER_UID, nobody, 0o1) and not permitted(0o40701, 0, OTHER_UID, nobody, 0o1)
+    assert permitted(0o40711, 0, 0, nobody, 0o1) and not permitted(0o40711, 0, 0, nobody, 0o3)
+    assert not permitted(0o40700, 0, 0, nobody, 0o1)
 
 
 def test_an_interpreter_that_lies_about_its_prefix_is_refused(sipure_venv: Path, tmp_path: Path) -> None:
@@ -815,3 +846,23 @@ def test_journal_json_is_what_the_run_writes(tmp_path: Path) -> None:
         gate=[str(root / "si-a.service.d" / "50-safeinstall-gate.conf")],
     )
     assert journal_problems(journal, envdir, {True: (root,)}) == []
+
+
+def test_a_uv_configuration_in_the_working_directory_or_above_is_never_read(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    """Row: anyone may put a `uv.toml` in `/tmp`, and a service account one in its own directories;
+    uv discovers it in its working directory and every directory above, and would then take its index
+    (and run the build backend of a source distribution found there) as root. uv runs in `/`: a
+    configuration above the caller's directory (here one uv cannot even parse) changes nothing."""
+    wheelhouse.uv_install(venv, wheels["sipure-1"])
+    above = tmp_path / "downloads"
+    (above / "here").mkdir(parents=True)
+    (above / "uv.toml").write_text("[pip]\nindex-url = 'http://127.0.0.1:9/simple'\nthis is not toml\n")
+    (above / "pyproject.toml").write_text("[tool.uv]\nnot toml either = = =\n")
+    args = ("sipure", "--wheel", str(wheels["sipure-2"]), "--python", str(venv), "--dry-run", "--json")
+    result = run(
+        *args, env={**os.environ, "SAFEINSTALL_STATE_DIR": str(tmp_path / "state")}, cwd=above / "here"
+    )
+    assert result.code == 0, result.stdout + result.stderr
+    assert result.json["status"] == "would-proceed"

@@ -150,6 +150,25 @@ def test_the_write_follows_no_symlink_below_the_prefix(tmp_path: Path) -> None:
     assert sorted(os.listdir(prefix / "lib")) == ["mod.py", "pkg"]
 
 
+def test_the_local_version_is_read_through_no_symlink_below_the_prefix(tmp_path: Path) -> None:
+    """The environment's owner makes the package directory a symlink into a directory only root may
+    read: the "local version" of a file there is not read (so never diffed, merged or written back)."""
+    from safeinstall.patches import read_regular
+
+    prefix, secret = tmp_path / "prefix", tmp_path / "root-only"
+    (prefix / "lib").mkdir(parents=True)
+    secret.mkdir(mode=0o700)
+    (secret / "mod.py").write_bytes(b"root's secret\n")
+    (prefix / "lib" / "pkg").symlink_to(secret, target_is_directory=True)
+    (prefix / "lib" / "own.py").write_bytes(b"the package's own\n")
+    (prefix / "lib" / "fifo.py").parent.mkdir(exist_ok=True)
+    os.mkfifo(prefix / "lib" / "fifo.py")
+    assert read_regular(prefix, str(prefix / "lib" / "pkg" / "mod.py")) is None
+    assert read_regular(prefix, str(secret / "mod.py")) is None  # outside the prefix
+    assert read_regular(prefix, str(prefix / "lib" / "fifo.py")) is None  # never waited on
+    assert read_regular(prefix, str(prefix / "lib" / "own.py")) == b"the package's own\n"
+
+
 # ---------------------------------------------------------------------------------------------- end to end
 
 SERVING = '        print(f"sicext {sicext.version()} serving", flush=True)\n'

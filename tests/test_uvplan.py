@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from safeinstall.environment import Account
 from safeinstall.errors import PlanError
 from safeinstall.uvplan import (
     UvRequest,
@@ -15,6 +16,7 @@ from safeinstall.uvplan import (
     parse_changes,
     prefetch_command,
     same_filesystem,
+    uv_environment,
 )
 from tests import wheelhouse
 from tests.wheelhouse import Wheelhouse
@@ -117,3 +119,33 @@ def test_real_dry_run(venv: Path, wheels: Wheelhouse) -> None:
     assert "--dry-run" not in plan.command
     with pytest.raises(PlanError, match="uv cannot resolve"):
         dry_run(UvRequest(python=venv, package="sicext", version_spec="==9.9", extra_args=("--offline",)))
+
+
+def test_uv_as_the_environments_owner_gets_its_home_and_none_of_roots_directories() -> None:
+    caller = {
+        "PATH": "/usr/bin",
+        "HOME": "/root",
+        "XDG_CONFIG_HOME": "/root/.config",
+        "XDG_CACHE_HOME": "/root/.cache",
+        "TMPDIR": "/root/tmp",
+        "VIRTUAL_ENV": "/elsewhere",
+        "UV_INDEX_URL": "https://index.example/simple",
+    }
+    owner = Account(65534, 65534, "/nonexistent")
+    as_root = uv_environment(caller, Path("/state/uv-cache-1"))
+    assert as_root == {
+        **{k: v for k, v in caller.items() if k != "VIRTUAL_ENV"},
+        "UV_NO_PROGRESS": "1",
+        "UV_CACHE_DIR": "/state/uv-cache-1",
+    }
+    as_owner = uv_environment(caller, Path("/state/uv-cache-1"), owner)
+    assert as_owner == {
+        "PATH": "/usr/bin",
+        "HOME": "/nonexistent",
+        "UV_INDEX_URL": "https://index.example/simple",  # the caller's uv settings still apply
+        "UV_NO_PROGRESS": "1",
+        "UV_CACHE_DIR": "/state/uv-cache-1",
+    }
+    # no run cache (a dry-run): uv's own temporary one, never root's cache nor a home that may not exist
+    assert uv_environment(caller, None, owner)["UV_NO_CACHE"] == "1"
+    assert "UV_NO_CACHE" not in uv_environment(caller, None)
