@@ -410,10 +410,12 @@ def test_keep_patches_fetches_as_the_environments_owner(account: ServiceAccountB
     init = account.site / "sicext" / "__init__.py"
     init.write_text(init.read_text() + 'PATCH = " with a local fix"\n')  # shared by 1.0 and 2.0
     name = account.unit("keep-patches")
-    result = account.cli(
-        "sicext==2.0", "--keep-patches", "--yes", "--settle", "1", "--json",
-        "--", "--offline", "--find-links", str(links),
-    )  # fmt: skip
+    index = ("--", "--offline", "--find-links", str(links))
+    dry = account.cli("sicext==2.0", "--keep-patches", "--dry-run", "--json", *index)  # its scratch: /tmp
+    assert dry.code == 0, dry.stdout + dry.stderr
+    never_root("a --keep-patches dry-run")
+    assert [(p["path"], p["status"]) for p in dry.json["data"]["patches"]] == [(str(init), "carried")]
+    result = account.cli("sicext==2.0", "--keep-patches", "--yes", "--settle", "1", "--json", *index)
     assert result.code == 0, result.stdout + result.stderr
     never_root("a --keep-patches run")
     assert [(p["path"], p["status"]) for p in result.json["data"]["patches"]] == [(str(init), "carried")]
