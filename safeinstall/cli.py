@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
-from rich.markup import escape
+import typer.core
 
 from safeinstall.environment import Environment, inspect_environment, resolve_python
 from safeinstall.errors import ExitCode, SafeInstallError, UsageError
@@ -21,7 +21,9 @@ from safeinstall.options import RunOptions, check_options
 from safeinstall.output import dumps, envelope, finding_json, jsonable, patches_json, plan_json, run_json
 from safeinstall.render import (
     ConsoleReporter,
+    literal,
     make_console,
+    printable,
     render_entry,
     render_error,
     render_forgotten,
@@ -45,6 +47,7 @@ from safeinstall.uvplan import parse_requirement
 from safeinstall.verify import VerifyReport, verify_environment
 
 if TYPE_CHECKING:
+    from safeinstall.detach import PrivateInputs
     from safeinstall.wheel import Wheel
 
 EXIT_CODES = (
@@ -136,7 +139,7 @@ def _run_verify(
     env = inspect_environment(resolve_python(python, os.environ))
     err = make_console(stderr=True)
     if env.owner_note and not as_json:
-        err.print(f"[dim]note:[/] {escape(env.owner_note)}", soft_wrap=True)
+        err.print(f"[dim]note:[/] {literal(env.owner_note, lines=True)}", soft_wrap=True)
     names = None if all_ else [package or ""]
     read: Wheel | None = None
     if wheel is not None:
@@ -180,7 +183,7 @@ def _run_verify(
         if save_patch is not None:
             err.print(
                 f"patch of {sum(1 for d in diffs or [] if d.text)} modified files written to "
-                f"{escape(str(save_patch))}"
+                f"{literal(save_patch)}"
             )
     _exit(report.exit_code)
 
@@ -190,19 +193,22 @@ def _environment_state(options: RunOptions) -> tuple[Environment, EnvironmentSta
     return env, environment_state(state_root(options.environ, os.geteuid()), env.prefix)
 
 
-def _keep(state: EnvironmentState, entry: dict[str, Any]) -> tuple[str, ...]:
-    """The single place where a run's result is final: into its log and the environment's history."""
-    from safeinstall.history import append
+def _keep(
+    state: EnvironmentState, run_id: str, package: str, started: str, result: dict[str, Any]
+) -> tuple[str, ...]:
+    """The single place where a run's result is final: into its log and the environment's history,
+    which names the log whenever there is one (a run refused or declined has one too)."""
+    from safeinstall.history import append, new_entry
 
-    result = entry["result"]
+    log = state.log_file(run_id)
     for error in result["errors"]:
-        append_line(state.log_file(entry["run_id"]), f"error: {error['message']}")
-    append_line(state.log_file(entry["run_id"]), f"result: {result['status']} (exit {result['exit_code']})")
-    return append(state, entry)
+        append_line(log, f"error: {error['message']}")
+    append_line(log, f"result: {result['status']} (exit {result['exit_code']})")
+    log_file = str(log) if os.path.isfile(log) else None
+    return append(state, new_entry(run_id, package, started, now_iso(), result, log_file=log_file))
 
 
 def _run_reinstall(options: RunOptions, as_json: bool, interactive: bool) -> None:
-    from safeinstall.history import new_entry
     from safeinstall.reinstall import run_reinstall
 
     _env, state = _environment_state(options)
@@ -214,19 +220,19 @@ def _run_reinstall(options: RunOptions, as_json: bool, interactive: bool) -> Non
         result = run_reinstall(replace(options, run_id=run_id), reporter, interactive)
     except SafeInstallError as error:
         document = envelope("reinstall", "error", error.exit_code, None, [error])
-        _keep(state, new_entry(run_id, options.package, started, now_iso(), jsonable(document)))
+        _keep(state, run_id, options.package, started, jsonable(document))
         raise
     errors = [result.error] if result.error else []
     data = {"run_id": run_id, **run_json(result)}
     document = jsonable(envelope("reinstall", result.status, result.exit_code, data, errors))
-    notes = _keep(state, new_entry(run_id, options.package, started, now_iso(), document))
+    notes = _keep(state, run_id, options.package, started, document)
     with contextlib.suppress(OSError):  # the terminal may be gone (SIGHUP): the exit code still tells
         if as_json:
             print(dumps(document))
         else:
             render_result(out, err, result, run_id)
         for note in notes:
-            err.print(f"[dim]note:[/] {note}", soft_wrap=True, highlight=False)
+            err.print(f"[dim]note:[/] {literal(note, lines=True)}", soft_wrap=True)
     _exit(result.exit_code)
 
 
@@ -257,10 +263,14 @@ def _run_detached(options: RunOptions, as_json: bool, interactive: bool) -> None
         print(dumps(envelope("reinstall", "detached", ExitCode.OK, data)))
     else:
         manager = "systemd --user" if started.user_manager else "systemd"
-        out.print(f"detached: run {run_id} goes on as {started.unit} ({manager})", soft_wrap=True)
         out.print(
-            f"follow it with: safeinstall --status --wait --run {run_id} --python {env.python}"
-            + (" --user" if started.user_manager else ""),
+            f"detached: run {literal(run_id)} goes on as {literal(started.unit)} ({manager})", soft_wrap=True
+        )
+        out.print(
+            literal(
+                f"follow it with: safeinstall --status --wait --run {run_id} --python {env.python}"
+                + (" --user" if started.user_manager else "")
+            ),
             soft_wrap=True,
         )
     _exit(ExitCode.OK)
@@ -287,9 +297,9 @@ def _run_wait(python: str | None, run_id: str | None, as_json: bool) -> None:
     else:
         state = locate(list_environment_dirs(root), run_id)
 
-    def show(line: str) -> None:
+    def show(line: str) -> None:  # the log holds uv's output and other users' names: never raw
         with contextlib.suppress(OSError):
-            sys.stderr.write(line + "\n")
+            sys.stderr.write(printable(line, lines=True) + "\n")
             sys.stderr.flush()
 
     _print_entry(wait_for_run(state, run_id, show), as_json)
@@ -379,6 +389,46 @@ def command_for(flags: Collection[str]) -> str:
     return next((name for flag, name in _COMMANDS if flag in flags), "reinstall")
 
 
+#: The flags that each choose what safeinstall does: no two of them go together.
+_MODES = ("--verify-only", "--dry-run", "--detach", "--recover", "--status", "--forget")
+
+
+def mode_conflict(flags: Collection[str]) -> UsageError | None:
+    """Pure: the usage error of two modes given together (None: at most one). None takes precedence
+    over another in silence: ``--status --forget`` would otherwise forget, ``--verify-only --dry-run``
+    only verify."""
+    given = [flag for flag in _MODES if flag in flags]
+    if len(given) < 2:
+        return None
+    if set(given) == {"--dry-run", "--detach"}:
+        return UsageError("--dry-run changes nothing: there is nothing to detach", hint="drop --detach")
+    return UsageError(
+        f"{' and '.join(given)} do not go together: each chooses what safeinstall does",
+        hint=f"give one of {', '.join(given)}: each is a command of its own (see safeinstall --help)",
+    )
+
+
+class _PlainHelp(typer.core.TyperCommand):
+    """Help as uv and pip print it: an argument by its name alone (``REQUIREMENT``, no ``<str>``)."""
+
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        params = self.get_params(ctx)
+        arguments = [
+            (param.metavar or (param.name or "").upper(), getattr(param, "help", None) or "")
+            for param in params
+            if param.param_type_name == "argument" and not getattr(param, "hidden", False)
+        ]
+        options = [
+            record
+            for param in params
+            if param.param_type_name == "option" and (record := param.get_help_record(ctx)) is not None
+        ]
+        for title, rows in (("Arguments", arguments), ("Options", options)):
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+
+
 def _tool_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -390,8 +440,19 @@ def _tool_version() -> str:
         return __version__
 
 
-def run_options(params: Mapping[str, Any], extra_args: Sequence[str]) -> RunOptions:
-    """The run the parsed command line asks for (``params``: the command's parameters by name)."""
+def run_options(
+    params: Mapping[str, Any], extra_args: Sequence[str], private: PrivateInputs | None = None
+) -> RunOptions:
+    """The run the parsed command line asks for (``params``: the command's parameters by name); a
+    detached run's health URL and uv arguments come from its ``private`` file, never its command line."""
+    if private is not None:
+        if params["health_url"] is not None or extra_args:
+            raise UsageError(
+                "a detached run takes --health-url and uv's arguments from its --environ-from file only",
+                hint="start detached runs with safeinstall --detach",
+            )
+        params = {**params, "health_url": private.health_url}
+        extra_args = private.extra_args
     requirement = parse_requirement(params["package"])
     wheel: Path | None = params["wheel"]
     if wheel is not None and requirement.specifier:
@@ -433,6 +494,7 @@ def _flag(name: str, help_text: str, *short: str) -> Any:
 
 
 @app.command(
+    cls=_PlainHelp,
     context_settings={
         "allow_extra_args": True,
         "ignore_unknown_options": False,
@@ -562,10 +624,14 @@ def main_command(
         bool, _flag("--verify-only", "Only check installed files against RECORD; change nothing.")
     ] = False,
     all_: Annotated[bool, _flag("--all", "With --verify-only: every distribution.")] = False,
-    diff: Annotated[bool, _flag("--diff", "With --wheel: unified diffs of modified files.")] = False,
+    diff: Annotated[
+        bool, _flag("--diff", "With --verify-only --wheel: unified diffs of modified files.")
+    ] = False,
     save_patch: Annotated[
         Path | None,
-        typer.Option("--save-patch", metavar="FILE", help="With --wheel: write those diffs to FILE."),
+        typer.Option(
+            "--save-patch", metavar="FILE", help="With --verify-only --wheel: write those diffs to FILE."
+        ),
     ] = None,
     recover_: Annotated[
         bool, _flag("--recover", "Finish runs that died (restore, restart units, clear the journal).")
@@ -601,40 +667,50 @@ def main_command(
 
     Arguments after -- go to uv unchanged (index options and the like).
     """
-    command = command_for(
-        {
-            flag
-            for flag, on in (
-                ("--verify-only", verify_only),
-                ("--dry-run", dry_run),
-                ("--recover", recover_),
-                ("--status", status_),
-                ("--forget", forget_),
-            )
-            if on
-        }
-    )
+    modes = {
+        flag
+        for flag, on in (
+            ("--verify-only", verify_only),
+            ("--dry-run", dry_run),
+            ("--detach", detach_),
+            ("--recover", recover_),
+            ("--status", status_),
+            ("--forget", forget_),
+        )
+        if on
+    }
+    command = command_for(modes)
     try:
+        given = [
+            name
+            for name in ctx.params
+            if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"
+        ]
+        if not given and not ctx.args:  # as uv: the help, and the status of a usage error; on stderr
+            typer.echo(ctx.get_help(), err=True)
+            raise UsageError(
+                "no REQUIREMENT and no command given",
+                hint="safeinstall PACKAGE [--wheel W], safeinstall PACKAGE --verify-only or "
+                "safeinstall --status (see safeinstall --help)",
+            )
         if show_version:
-            given = [
-                name
-                for name in ctx.params
-                if name != "show_version"
-                and getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"
-            ]
-            if given or ctx.args:
+            if given != ["show_version"] or ctx.args:
                 raise UsageError(
                     "--version prints safeinstall's version and takes nothing else",
                     hint="to install a version, give it in the requirement: safeinstall 'vllm==0.16.0'",
                 )
             print(f"safeinstall {_tool_version()}")
             _exit(ExitCode.OK)
+        private = None
         if environ_from is not None:  # a detached run: the caller's environment, as it was
-            from safeinstall.detach import take_environ
+            from safeinstall.detach import take_private
 
-            environ = take_environ(environ_from)
+            private = take_private(environ_from)
             os.environ.clear()
-            os.environ.update(environ)
+            os.environ.update(private.environ)
+        conflict = mode_conflict(modes)
+        if conflict is not None:
+            raise conflict
         if (wait or run) and not status_:
             raise UsageError(
                 "--wait and --run go with --status", hint="safeinstall --status --wait [--run RUN_ID]"
@@ -655,6 +731,15 @@ def main_command(
             if wait:
                 _run_wait(python, run, as_json)
             _run_status(python, as_json)
+        if all_ and not verify_only:
+            raise UsageError(
+                "--all goes with --verify-only", hint="safeinstall --verify-only --all [--python PATH]"
+            )
+        if (diff or save_patch is not None) and not verify_only:
+            raise UsageError(
+                "--diff and --save-patch go with --verify-only",
+                hint=f"safeinstall {package or 'PACKAGE'} --verify-only --wheel W --diff [--save-patch FILE]",
+            )
         if (base_wheel is not None or drop_conflicting) and not keep_patches:
             raise UsageError(
                 "--base-wheel and --drop-conflicting go with --keep-patches",
@@ -677,14 +762,10 @@ def main_command(
             _run_verify(package, all_, python, wheel, diff, save_patch, as_json)
         if not package:
             raise UsageError("no PACKAGE given", hint="safeinstall PACKAGE [--wheel W] (see --help)")
-        options = run_options(ctx.params, ctx.args)
+        options = run_options(ctx.params, ctx.args, private)
         check_options(options)
         interactive = not yes and not as_json and sys.stdin.isatty()
         if detach_:
-            if dry_run:
-                raise UsageError(
-                    "--dry-run changes nothing: there is nothing to detach", hint="drop --detach"
-                )
             _run_detached(options, as_json, interactive)
         if dry_run:
             _run_dry_run(options, as_json)
@@ -705,9 +786,6 @@ def _usage_error(exc: typer.TyperException) -> UsageError:
 
 
 def _main(argv: list[str]) -> int:
-    if not argv:  # as uv: the help, and the status of a usage error
-        app(args=["--help"], prog_name="safeinstall", standalone_mode=False)
-        return int(ExitCode.REFUSED)
     words = _words(argv)
     try:
         code = app(args=argv, prog_name="safeinstall", standalone_mode=False)

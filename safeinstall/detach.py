@@ -13,9 +13,10 @@ has ended (a refused preflight: its error is printed and the foreground exits 2,
 ``--detach``). So nothing can slip in between a check and the run, and no check goes stale: the one
 preflight that counts is made under the lock, by the run itself.
 
-The caller's environment (index settings, proxies, uv's cache, ``XDG_RUNTIME_DIR``) reaches the unit
-through a file in the environment's state directory (mode 0600, checked to be ours, read once and
-removed by the run), never on a command line or in the unit's properties, which any user can read.
+The caller's environment (index settings, proxies, uv's cache, ``XDG_RUNTIME_DIR``), the health URL
+and uv's arguments (``--index-url https://user:token@...``) reach the unit through a file in the
+environment's state directory (mode 0600, checked to be ours, read once and removed by the run),
+never on a command line or in the unit's properties, which any user can read (``systemctl show``).
 
 **Waiting.** A run's log shows what it does as it does it; its history entry (written last) says
 it finished and holds its result; its journal and its lock say it is still running, and which
@@ -30,7 +31,7 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,8 +67,9 @@ def unit_name(state: EnvironmentState, run_id: str) -> str:
 
 
 def child_arguments(options: RunOptions, python: Path, run_id: str, environ_file: Path) -> list[str]:
-    """Pure: the arguments that make the detached safeinstall run exactly ``options`` (``--opt=value``
-    forms, so that no value is ever taken for an option)."""
+    """Pure: the arguments that, with the private file :func:`write_private` wrote, make the detached
+    safeinstall run exactly ``options`` (``--opt=value`` forms, so that no value is ever taken for an
+    option). What may hold a credential (the health URL, uv's arguments) is only in the file."""
     args = [options.package + (options.version_spec or ""), f"--python={python}", "--yes"]
     args += [f"--run-id={run_id}", f"--environ-from={environ_file}"]
     flags = {
@@ -86,8 +88,6 @@ def child_arguments(options: RunOptions, python: Path, run_id: str, environ_file
         args.append(f"--wheel={options.wheel}")
     if options.stop_timeout is not None:
         args.append(f"--stop-timeout={options.stop_timeout!r}")
-    if options.health_url is not None:
-        args.append(f"--health-url={options.health_url}")
     if options.base_wheel is not None:
         args.append(f"--base-wheel={options.base_wheel}")
     args += [
@@ -96,7 +96,7 @@ def child_arguments(options: RunOptions, python: Path, run_id: str, environ_file
         f"--health-timeout={options.health_timeout!r}",
         f"--keep-backups={options.keep_backups}",
     ]
-    return [*args, "--", *options.extra_args]
+    return args
 
 
 def systemd_run_command(unit: str, user: bool, description: str, cwd: str, command: list[str]) -> list[str]:
@@ -119,14 +119,24 @@ def systemd_run_command(unit: str, user: bool, description: str, cwd: str, comma
     ]
 
 
-def write_environ(state: EnvironmentState, run_id: str, environ: Mapping[str, str]) -> Path:
+@dataclass(frozen=True, slots=True)
+class PrivateInputs:
+    """What a detached run gets through its private file, not its command line."""
+
+    environ: dict[str, str]
+    health_url: str | None = None
+    extra_args: tuple[str, ...] = ()
+
+
+def write_private(state: EnvironmentState, run_id: str, inputs: PrivateInputs) -> Path:
     path = state.dir / f"environ-{run_id}.json"
-    atomic_write(path, json.dumps(dict(environ)).encode("utf-8", "surrogateescape"))
+    document = {"environ": inputs.environ, "health_url": inputs.health_url, "extra_args": inputs.extra_args}
+    atomic_write(path, json.dumps(document).encode("utf-8", "surrogateescape"))
     return path
 
 
-def take_environ(path: Path) -> dict[str, str]:
-    """The environment a detached run was given; the file must be ours, private and regular. Removed."""
+def take_private(path: Path) -> PrivateInputs:
+    """What a detached run was given; the file must be ours, private and regular. Removed."""
     bad = UsageError(f"--environ-from {path}: not an environment file written by safeinstall --detach")
     try:
         parent = os.stat(path.parent)
@@ -150,14 +160,21 @@ def take_environ(path: Path) -> dict[str, str]:
         os.close(fd)
     path.unlink(missing_ok=True)
     try:
-        environ = json.loads(raw.decode("utf-8", "surrogateescape"))
+        document = json.loads(raw.decode("utf-8", "surrogateescape"))
     except ValueError as exc:
         raise bad from exc
-    if not isinstance(environ, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in environ.items()
+    if not isinstance(document, dict):
+        raise bad
+    environ, url, extra = document.get("environ"), document.get("health_url"), document.get("extra_args")
+    if (
+        not isinstance(environ, dict)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in environ.items())
+        or not (url is None or isinstance(url, str))
+        or not isinstance(extra, list)
+        or not all(isinstance(a, str) for a in extra)
     ):
         raise bad
-    return environ
+    return PrivateInputs(environ, url, tuple(extra))
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +188,9 @@ class Detached:
 
 def detach(options: RunOptions, env: Environment, state: EnvironmentState, run_id: str) -> Detached:
     """Start the run as a transient unit; return once it has journalled (or has already ended)."""
-    environ_file = write_environ(state, run_id, options.environ)
+    environ_file = write_private(
+        state, run_id, PrivateInputs(dict(options.environ), options.health_url, options.extra_args)
+    )
     unit = unit_name(state, run_id)
     command = [
         sys.executable,
@@ -261,7 +280,10 @@ def locate(environ_states: list[EnvironmentState], run_id: str | None) -> Enviro
         return running[0]
     latest = [(h.runs[0].finished_at or "", s) for s in environ_states if (h := read_history(s)).runs]
     if not latest:
-        raise UsageError("no run to wait for: none is in progress and none has finished", hint="")
+        raise UsageError(
+            "no run to wait for: none is in progress and none has finished",
+            hint="start one (safeinstall PACKAGE --wheel W --detach), then wait for it",
+        )
     return max(latest, key=lambda pair: pair[0])[1]
 
 

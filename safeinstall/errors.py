@@ -23,18 +23,26 @@ class ExitCode(IntEnum):
 
 
 class SafeInstallError(Exception):
-    """Base of all errors safeinstall reports to the user (never as a traceback)."""
+    """Base of all errors safeinstall reports to the user (never as a traceback). Every error reported
+    has a hint, never empty, saying what to do next (:attr:`advice`): the raiser's ``hint``, else
+    :attr:`default_hint`, by what the exit code promises."""
 
     exit_code: ExitCode = ExitCode.REFUSED
     code: str = "error"
+    default_hint: str = "nothing was changed; fix what the error says and run again (safeinstall --help)"
 
     def __init__(self, message: str, hint: str | None = None) -> None:
         super().__init__(message)
         self.message = message
-        self.hint = hint
+        self.hint = hint  # the raiser's own (None: none; an error that wraps this one may give its own)
 
-    def to_json(self) -> dict[str, str | None]:
-        return {"code": self.code, "message": self.message, "hint": self.hint}
+    @property
+    def advice(self) -> str:
+        """What the user is told to do next: never empty."""
+        return self.hint or self.default_hint
+
+    def to_json(self) -> dict[str, str]:
+        return {"code": self.code, "message": self.message, "hint": self.advice}
 
 
 class UsageError(SafeInstallError):
@@ -92,6 +100,9 @@ class StepFailed(SafeInstallError):
 
     exit_code = ExitCode.ROLLED_BACK
     code = "rolled-back"
+    default_hint = (
+        "everything was put back; fix what failed, then run again (safeinstall --status lists the run)"
+    )
 
 
 class RollbackFailed(SafeInstallError):
@@ -100,6 +111,7 @@ class RollbackFailed(SafeInstallError):
 
     exit_code = ExitCode.ROLLBACK_FAILED
     code = "rollback-failed"
+    default_hint = "run safeinstall --recover; safeinstall --status shows what is pending"
 
     def __init__(self, message: str, hint: str | None = None, commands: tuple[str, ...] = ()) -> None:
         super().__init__(message, hint)

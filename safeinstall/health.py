@@ -149,4 +149,7 @@ def wait_healthy(url: str, timeout: float) -> None:
         if answer != LATE or last == "no answer":  # one cut short by the deadline hides no earlier answer
             last = answer
         time.sleep(max(0.0, min(PAUSE_S, deadline - time.monotonic())))
-    raise StepFailed(f"{url} did not answer 200 within {timeout:g} s (last: {last})")
+    raise StepFailed(
+        f"{url} did not answer 200 within {timeout:g} s (last: {last})",
+        hint=f"if the service needs longer than {timeout:g} s to come up, raise --health-timeout",
+    )

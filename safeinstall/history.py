@@ -59,15 +59,22 @@ class History:
 
 
 def new_entry(
-    run_id: str, package: str, started_at: str, finished_at: str, result: dict[str, Any]
+    run_id: str,
+    package: str,
+    started_at: str,
+    finished_at: str,
+    result: dict[str, Any],
+    log_file: str | None = None,
 ) -> dict[str, Any]:
-    """Pure: the history entry of a finished run; ``result`` is the run's ``--json`` document."""
+    """Pure: the history entry of a finished run; ``result`` is the run's ``--json`` document;
+    ``log_file`` its log, also for a run whose result names none (refused, declined)."""
     return {
         "history_version": HISTORY_VERSION,
         "run_id": run_id,
         "package": package,
         "started_at": started_at,
         "finished_at": finished_at,
+        "log_file": log_file,
         "result": result,
     }
 
@@ -111,7 +118,7 @@ def summary(entry: dict[str, Any]) -> RunSummary:
         started_at=_str(entry.get("started_at")),
         finished_at=_str(entry.get("finished_at")),
         downtime_s=downtime,
-        log_file=_str(data.get("log_file")),
+        log_file=_str(data.get("log_file")) or _str(entry.get("log_file")),
     )
 
 

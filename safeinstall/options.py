@@ -42,34 +42,63 @@ class RunOptions:
     environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
 
 
-def option_problems(options: RunOptions) -> list[str]:
+@dataclass(frozen=True, slots=True)
+class OptionProblem:
+    """A value that could not be honoured, and what to give instead."""
+
+    message: str
+    hint: str
+
+
+def option_problems(options: RunOptions) -> list[OptionProblem]:
     """Pure: every value that could not be honoured, found before anything is stopped. (A ``nan``
-    deadline never passes: the run, and its rollback, would wait forever.)"""
-    problems: list[str] = []
+    deadline never passes: the run, and its rollback, would wait forever. A stop timeout of 0 would
+    fail every stop at once, and to systemd ``TimeoutStopSec=0`` means no timeout at all.)"""
+    problems: list[OptionProblem] = []
+    stop = options.stop_timeout
+    if stop is not None and not (math.isfinite(stop) and stop > 0):
+        problems.append(
+            OptionProblem(
+                f"--stop-timeout {stop:g}: seconds must be a finite number more than 0",
+                "give the seconds each unit may take to stop, or leave --stop-timeout out for each unit's "
+                "own TimeoutStopSec",
+            )
+        )
     timeouts = {
-        "--stop-timeout": options.stop_timeout,
         "--gpu-timeout": options.gpu_timeout,
         "--settle": options.settle,
         "--health-timeout": options.health_timeout,
     }
     for flag, value in timeouts.items():
-        if value is not None and not (math.isfinite(value) and value >= 0):
-            problems.append(f"{flag} {value:g}: seconds must be a finite number, 0 or more")
+        if not (math.isfinite(value) and value >= 0):
+            problems.append(
+                OptionProblem(
+                    f"{flag} {value:g}: seconds must be a finite number, 0 or more",
+                    f"give {flag} a number of seconds, or leave it out for its default (safeinstall --help)",
+                )
+            )
     if options.keep_backups < 1:
-        problems.append(f"--keep-backups {options.keep_backups}: keep at least 1 (the run's own backup)")
+        problems.append(
+            OptionProblem(
+                f"--keep-backups {options.keep_backups}: keep at least 1 (the run's own backup)",
+                "--keep-backups 1 keeps only the newest backup",
+            )
+        )
     if options.health_url is not None:
         url = urllib.parse.urlsplit(options.health_url)
         if url.scheme not in ("http", "https") or not url.hostname:
             problems.append(
-                f"--health-url {options.health_url}: only http:// and https:// URLs with a host are asked"
+                OptionProblem(
+                    f"--health-url {options.health_url}: "
+                    "only http:// and https:// URLs with a host are asked",
+                    "e.g. --health-url http://127.0.0.1:8000/health",
+                )
             )
     return problems
 
 
 def check_options(options: RunOptions) -> None:
-    """Refuse (UsageError, exit 2) options that :func:`option_problems` finds wrong."""
+    """Refuse (UsageError, exit 2) options that :func:`option_problems` finds wrong; nothing was done."""
     problems = option_problems(options)
     if problems:
-        raise UsageError(
-            "; ".join(problems), hint="fix these options (see safeinstall --help); nothing was done"
-        )
+        raise UsageError("; ".join(p.message for p in problems), hint="; ".join(p.hint for p in problems))

@@ -563,7 +563,11 @@ def _start_and_settle(run: _Run, units: list[str], settle: float) -> str:
         outcomes = {u: f.result() for u, f in futures.items()}
     bad = [o for o in outcomes.values() if not o.ok]
     if bad:
-        raise StepFailed("; ".join(o.reason or f"{o.unit} did not settle" for o in bad))
+        flag = "--user " if run.options.user else ""
+        raise StepFailed(
+            "; ".join(o.reason or f"{o.unit} did not settle" for o in bad),
+            hint=f"see why in its journal: journalctl {flag}" + " ".join(f"-u {o.unit}" for o in bad),
+        )
     for unit, outcome in outcomes.items():
         active_at = issued + max(0.0, outcome.waited_s - settle)
         if unit in run.stop_issued:
@@ -644,7 +648,10 @@ def rollback(run: _Run, error: SafeInstallError) -> SafeInstallError:
         if error.exit_code == ExitCode.REFUSED:
             return error
         return Aborted(f"{error.message}; nothing was stopped or installed", hint=error.hint)
-    return StepFailed(f"{error.message}; {'; '.join(done)}", hint=error.hint)
+    return StepFailed(
+        f"{error.message}; {'; '.join(done)}",
+        hint=f"{error.hint or StepFailed.default_hint}; the run's log: {run.log_file}",
+    )
 
 
 def _start_again(run: _Run, units: list[JournalUnit]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator, Sequence
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
+from rich.padding import Padding
 from rich.table import Table
 
 from safeinstall.drift import Finding, FindingKind
@@ -39,15 +41,35 @@ _KIND_STYLE = {
 }
 
 
+#: C0 and C1 control characters and DEL: an ESC/CSI/OSC sequence among them rewrites a terminal.
+_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f]")
+#: The same, less newline and tab (text of several lines: a message with uv's output, a diff).
+_CONTROLS_BUT_LINES = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str, lines: bool = False) -> str:
+    """Pure: ``text`` that cannot drive a terminal: each C0/C1 control character and DEL shown as
+    ``\\xNN`` (other unicode unchanged). A command line, file or unit name written by another user must
+    not clear, retitle or rewrite root's terminal. ``lines``: newlines and tabs are kept."""
+    pattern = _CONTROLS_BUT_LINES if lines else _CONTROLS
+    return pattern.sub(lambda found: f"\\x{ord(found.group()):02x}", text)
+
+
+def literal(value: object, lines: bool = False) -> str:
+    """Pure: a value from outside (a path, a name, a command line, a message, a detail) as rich markup
+    that prints it exactly: :func:`printable`, with every ``[`` that could open a tag escaped. Every
+    such value that human output shows goes through here."""
+    return escape(printable(str(value), lines))
+
+
 def make_console(stderr: bool = False) -> Console:
     probe = Console(stderr=stderr)
     return Console(stderr=stderr, width=None if probe.is_terminal else 200, highlight=False)
 
 
 def render_error(console: Console, error: SafeInstallError) -> None:
-    console.print(f"[bold red]error:[/] {escape(error.message)}", soft_wrap=True)
-    if error.hint:
-        console.print(f"[dim]hint:[/] {escape(error.hint)}", soft_wrap=True)
+    console.print(f"[bold red]error:[/] {literal(error.message, lines=True)}", soft_wrap=True)
+    console.print(f"[dim]hint:[/] {literal(error.advice, lines=True)}", soft_wrap=True)
 
 
 def _findings_table(findings: list[Finding]) -> Table:
@@ -60,9 +82,9 @@ def _findings_table(findings: list[Finding]) -> Table:
         style = _KIND_STYLE.get(f.kind, "")
         table.add_row(
             f"[{style}]{f.kind.value}[/]" if style else f.kind.value,
-            escape(f.distribution),
-            escape(f.path),
-            escape(f.detail),
+            literal(f.distribution),
+            literal(f.path),
+            literal(f.detail),
         )
     return table
 
@@ -70,7 +92,7 @@ def _findings_table(findings: list[Finding]) -> Table:
 def render_verify(out: Console, err: Console, report: VerifyReport, diffs: list[FileDiff] | None) -> None:
     if report.wheel is not None and not report.wheel.record_ok:
         err.print(
-            f"[yellow]warning:[/] the wheel {escape(str(report.wheel.path))} has a RECORD that does not "
+            f"[yellow]warning:[/] the wheel {literal(str(report.wheel.path))} has a RECORD that does not "
             f"match its own contents ({len(report.wheel.problems)} problems); that is the wheel's fault, "
             "not drift: installed files were compared with the wheel's actual contents",
             soft_wrap=True,
@@ -84,17 +106,17 @@ def render_verify(out: Console, err: Console, report: VerifyReport, diffs: list[
             hardlinked[finding.distribution].append(finding)
     for name, links in hardlinked.items():
         err.print(
-            f"[yellow]warning:[/] {escape(name)}: {len(links)} installed files share their inode with "
-            f"another file (uv's cache, e.g. {escape(links[0].path)}); editing them in place also edits the "
+            f"[yellow]warning:[/] {literal(name)}: {len(links)} installed files share their inode with "
+            f"another file (uv's cache, e.g. {literal(links[0].path)}); editing them in place also edits the "
             "cache, and a later offline reinstall brings the edit back (uv #10579). "
             "Reinstall with --link-mode copy.",
             soft_wrap=True,
         )
     for d in diffs or []:
         if d.text:
-            out.print(d.text, end="", markup=False, highlight=False, soft_wrap=True)
+            out.print(literal(d.text, lines=True), end="", soft_wrap=True)
         else:
-            err.print(f"[dim]no diff for {escape(d.path)}: {escape(d.reason)}[/]")
+            err.print(f"[dim]no diff for {literal(d.path)}: {literal(d.reason)}[/]")
     for dist in report.distributions:
         kinds = Counter(f.kind.value for f in dist.findings if f.is_drift)
         state = (
@@ -104,8 +126,8 @@ def render_verify(out: Console, err: Console, report: VerifyReport, diffs: list[
         )
         against = "RECORD" if dist.against == "record" else dist.against
         out.print(
-            f"{escape(dist.name)} {escape(dist.version)}: {dist.files_checked} files checked against "
-            f"{escape(against)}: {state}"
+            f"{literal(dist.name)} {literal(dist.version)}: {dist.files_checked} files checked against "
+            f"{literal(against)}: {state}"
         )
 
 
@@ -115,13 +137,13 @@ def _seconds(value: float) -> str:
 
 def render_plan(out: Console, err: Console, plan: Plan) -> None:
     out.print(
-        f"[bold]plan[/] for {escape(plan.package)} in {escape(plan.prefix)} (python {escape(plan.python)})"
+        f"[bold]plan[/] for {literal(plan.package)} in {literal(plan.prefix)} (python {literal(plan.python)})"
     )
     out.print("distributions:" + ("  (--with-deps: dependencies reinstalled too)" if plan.with_deps else ""))
     for dist in plan.distributions:
         mark = " (named)" if dist.requested else ""
         versions = f"{dist.old_version or '(not installed)'} -> {dist.new_version or '?'}"
-        out.print(f"  {escape(dist.name)} {escape(versions)}{mark}")
+        out.print(f"  {literal(dist.name)} {literal(versions)}{mark}")
     if plan.processes:
         table = Table(title="processes using them", title_justify="left", box=None, pad_edge=False)
         for column in ("PID", "UNIT", "USER", "EVIDENCE", "GPU MEM", "COMMAND"):
@@ -129,21 +151,21 @@ def render_plan(out: Console, err: Console, plan: Plan) -> None:
         for p in plan.processes:
             evidence = ",".join(p.evidence) + f" ({p.strength})"
             evidence += " [red](running old code)[/]" if p.running_old_code else ""
-            unit = escape(p.unit) if p.unit else f"[yellow]stray[/] ({escape(p.scope or 'no unit')})"
+            unit = literal(p.unit) if p.unit else f"[yellow]stray[/] ({literal(p.scope or 'no unit')})"
             command = " ".join(p.cmdline) or p.name
             table.add_row(
                 str(p.pid),
                 unit,
-                escape(p.user),
+                literal(p.user),
                 evidence,
                 human_bytes(p.gpu_bytes),
-                escape(f"{p.name}: {command}"),
+                literal(f"{p.name}: {command}"),
             )
         out.print(table)
         for p in plan.processes:  # what the kinds alone do not say: which dependent, which interpreter
             for detail in p.details:
                 if detail.startswith(("depends:", "environment:")):
-                    out.print(f"  PID {p.pid}: {detail}", soft_wrap=True, markup=False)
+                    out.print(f"  PID {p.pid}: {literal(detail)}", soft_wrap=True)
     else:
         out.print("processes using them: none")
     if plan.units:
@@ -152,13 +174,13 @@ def render_plan(out: Console, err: Console, plan: Plan) -> None:
             table.add_column(column)
         for u in plan.units:
             table.add_row(
-                escape(u.name),
-                escape(u.active_state),
-                escape(u.unit_file_state or "-"),
+                literal(u.name),
+                literal(u.active_state),
+                literal(u.unit_file_state or "-"),
                 _seconds(u.stop_timeout_s),
                 str(u.main_pid or "-"),
                 " ".join(map(str, u.pids))
-                or (f"(stops with {escape(u.stopped_with)})" if u.stopped_with else ""),
+                or (f"(stops with {literal(u.stopped_with)})" if u.stopped_with else ""),
             )
         out.print(table)
     if plan.gpus.available:
@@ -169,29 +191,29 @@ def render_plan(out: Console, err: Console, plan: Plan) -> None:
             procs = " ".join(f"{p.pid}:{human_bytes(p.used_bytes)}" for p in gpu.processes)
             table.add_row(
                 str(gpu.index),
-                escape(gpu.name),
-                escape(gpu.uuid),
+                literal(gpu.name),
+                literal(gpu.uuid),
                 human_bytes(gpu.used_bytes),
                 human_bytes(gpu.total_bytes),
-                escape(procs or gpu.processes_error or "-"),
+                literal(procs or gpu.processes_error or "-"),
             )
         out.print(table)
     else:
-        out.print(f"GPUs: check unavailable ({escape(plan.gpus.reason or '')})")
-    out.print("uv command: " + escape(" ".join(plan.uv_command)), soft_wrap=True)
+        out.print(f"GPUs: check unavailable ({literal(plan.gpus.reason or '')})")
+    out.print("uv command: " + literal(" ".join(plan.uv_command)), soft_wrap=True)
     for problem in plan.scan_problems:
         err.print(
-            f"[dim]note: PID {problem.pid}: could not read {escape(problem.reading)}: "
-            f"{escape(problem.reason)}[/]"
+            f"[dim]note: PID {problem.pid}: could not read {literal(problem.reading)}: "
+            f"{literal(problem.reason)}[/]"
         )
     for warning in plan.warnings:
-        err.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True)
+        err.print(f"[yellow]warning:[/] {literal(warning)}", soft_wrap=True)
     if plan.proceeds:
         out.print("[green]the run would proceed[/]")
     else:
         out.print("[red]the run would refuse:[/]")
         for refusal in plan.refusals:
-            out.print(f"  - {escape(refusal)}", soft_wrap=True)
+            out.print(f"  - {literal(refusal)}", soft_wrap=True)
 
 
 _STEP_MARK = {"ok": "[green]ok[/]", "failed": "[bold red]FAILED[/]", "skipped": "[yellow]skipped[/]"}
@@ -237,7 +259,8 @@ class ConsoleReporter:
             return
         mark = _STEP_MARK.get(outcome.status, outcome.status)
         self.out.print(
-            f"{outcome.name:<12} {mark:<8} {outcome.seconds:6.1f} s  {escape(outcome.detail)}", soft_wrap=True
+            f"{outcome.name:<12} {mark:<8} {outcome.seconds:6.1f} s  {literal(outcome.detail)}",
+            soft_wrap=True,
         )
 
     def progress(self, what: str, done: float | None, total: float | None, unit: str = "") -> None:
@@ -253,9 +276,7 @@ class ConsoleReporter:
             now = time.monotonic()
             if now - self._last_line >= PROGRESS_EVERY_S:
                 self._last_line = now
-                self.err.print(
-                    progress_text(what, done, total, unit), soft_wrap=True, highlight=False, markup=False
-                )
+                self.err.print(literal(progress_text(what, done, total, unit)), soft_wrap=True)
             return
         if self._progress is None:
             from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
@@ -271,8 +292,8 @@ class ConsoleReporter:
             self._progress.start()
         key = what.split(" (", 1)[0]
         if key not in self._tasks:
-            self._tasks[key] = self._progress.add_task(escape(what), total=total)
-        self._progress.update(self._tasks[key], description=escape(what), completed=done or 0, total=total)
+            self._tasks[key] = self._progress.add_task(literal(what), total=total)
+        self._progress.update(self._tasks[key], description=literal(what), completed=done or 0, total=total)
 
     def _end_progress(self) -> None:
         if self._progress is not None:
@@ -282,7 +303,7 @@ class ConsoleReporter:
 
     def note(self, text: str) -> None:
         with _output_best_effort():
-            self.err.print(f"[yellow]note:[/] {escape(text)}", soft_wrap=True)
+            self.err.print(f"[yellow]note:[/] {literal(text, lines=True)}", soft_wrap=True)
 
     def confirm(self, plan: Plan) -> bool:
         render_plan(self.out, self.err, plan)
@@ -292,40 +313,40 @@ class ConsoleReporter:
 
 def render_result(out: Console, err: Console, result: RunResult, run_id: str) -> None:
     for note in result.notes:
-        err.print(f"[dim]note:[/] {escape(note)}", soft_wrap=True)
+        err.print(f"[dim]note:[/] {literal(note, lines=True)}", soft_wrap=True)
     if result.status == "declined":
         out.print("nothing done (not confirmed)")
         return
     plan = result.plan
     if result.status == "done" and plan is not None:
         changes = ", ".join(f"{d.name} {d.old_version} -> {d.new_version or '?'}" for d in plan.distributions)
-        out.print(f"[green]done:[/] {escape(changes)}; installed and verified", soft_wrap=True)
+        out.print(f"[green]done:[/] {literal(changes)}; installed and verified", soft_wrap=True)
     for unit, seconds in sorted(result.downtime_s.items()):
-        out.print(f"  {escape(unit)} was down for {seconds:.1f} s")
+        out.print(f"  {literal(unit)} was down for {seconds:.1f} s")
     for unit in result.not_restarted:
-        out.print(f"  [yellow]{escape(unit)} left stopped (--no-restart)[/]")
+        out.print(f"  [yellow]{literal(unit)} left stopped (--no-restart)[/]")
     for pid in result.strays_killed:
         out.print(f"  stray PID {pid} was ended and not restarted")
     for process in result.old_code:
         err.print(
-            f"[yellow]warning:[/] {escape(process.describe())} ({escape(', '.join(process.paths[:3]))}): "
+            f"[yellow]warning:[/] {literal(process.describe())} ({literal(', '.join(process.paths[:3]))}): "
             "it runs old code; restart it",
             soft_wrap=True,
         )
     render_patches(out, result.patches, result.patch_file)
     if result.patched:
-        out.print(f"locally patched files (copies kept in {escape(result.backup_dir or '')}):")
+        out.print(f"locally patched files (copies kept in {literal(result.backup_dir or '')}):")
         for path in result.patched:
-            out.print(f"  {escape(path)}")
+            out.print(f"  {literal(path)}")
     for path in result.extras:
         state = (
             "pruned (copy kept in the backup)" if path in result.pruned else "left in place (--prune removes)"
         )
-        out.print(f"  leftover {escape(path)}: {state}", soft_wrap=True)
+        out.print(f"  leftover {literal(path)}: {state}", soft_wrap=True)
     if result.backup_dir:
         err.print(
-            f"[dim]run {escape(run_id)}; backup: {escape(result.backup_dir)}; "
-            f"log: {escape(str(result.log_file))}[/]",
+            f"[dim]run {literal(run_id)}; backup: {literal(result.backup_dir)}; "
+            f"log: {literal(str(result.log_file))}[/]",
             soft_wrap=True,
         )
     if result.backups_removed:
@@ -347,11 +368,13 @@ def render_patches(out: Console, patches: Sequence[PatchOutcome], patch_file: st
             continue
         out.print(title)
         for patch in found:
-            out.print(f"  {status} {patch.path}: {patch.detail}", soft_wrap=True)
+            out.print(
+                f"  {status} {literal(patch.path)}: {literal(patch.detail, lines=True)}", soft_wrap=True
+            )
             if status != "carried" and patch.diff:
-                out.print(patch.diff, end="", markup=False, highlight=False, soft_wrap=True)
+                out.print(literal(patch.diff, lines=True), end="", soft_wrap=True)
     if patch_file:
-        out.print(f"carried patch set saved as {patch_file}", soft_wrap=True)
+        out.print(f"carried patch set saved as {literal(patch_file)}", soft_wrap=True)
 
 
 def render_recoveries(out: Console, recoveries: list[Recovery]) -> None:
@@ -367,10 +390,10 @@ def render_recoveries(out: Console, recoveries: list[Recovery]) -> None:
         if r.gates_removed:
             did.append(f"removed {len(r.gates_removed)} boot gate(s)")
         out.print(
-            escape(f"recovered run {r.run_id} in {r.prefix} (died in phase {r.phase}): " + "; ".join(did))
+            literal(f"recovered run {r.run_id} in {r.prefix} (died in phase {r.phase}): " + "; ".join(did))
         )
         for note in r.notes:
-            out.print(f"  note: {escape(note)}")
+            out.print(f"  note: {literal(note)}")
 
 
 def _when(iso: str | None) -> str:
@@ -378,9 +401,11 @@ def _when(iso: str | None) -> str:
 
 
 def _runs_table(runs: tuple[RunSummary, ...]) -> Table:
+    """The finished runs, without their log files: a path is never folded across lines (it is printed
+    whole, on a line of its own, by :func:`render_status`)."""
     table = Table(box=None, pad_edge=False)
-    for column in ("RUN", "STATUS", "EXIT", "PACKAGE", "VERSION", "STARTED", "FINISHED", "DOWNTIME", "LOG"):
-        table.add_column(column, overflow="fold")
+    for column in ("RUN", "STATUS", "EXIT", "PACKAGE", "VERSION", "STARTED", "FINISHED", "DOWNTIME"):
+        table.add_column(column, overflow="fold", no_wrap=column in ("RUN", "STATUS"))
     for r in runs:
         style = "green" if r.exit_code == 0 else "yellow" if r.exit_code in (2, 3) else "red"
         versions = (
@@ -388,51 +413,50 @@ def _runs_table(runs: tuple[RunSummary, ...]) -> Table:
         )
         downtime = ", ".join(f"{u} {s:.1f} s" for u, s in sorted(r.downtime_s.items())) or "-"
         table.add_row(
-            escape(r.run_id),
-            f"[{style}]{escape(r.status)}[/]",
+            literal(r.run_id),
+            f"[{style}]{literal(r.status)}[/]",
             str(r.exit_code),
-            escape(r.package or "-"),
-            escape(versions),
+            literal(r.package or "-"),
+            literal(versions),
             _when(r.started_at),
             _when(r.finished_at),
-            escape(downtime),
-            escape(r.log_file or "-"),
+            literal(downtime),
         )
     return table
 
 
 def render_status(out: Console, found: list[EnvironmentStatus], last: int = 5) -> None:
+    """Each environment: its prefix and state on one line, then its last runs; paths (the prefix, the
+    logs) are printed whole on lines of their own, never folded in the middle."""
     if not found:
         out.print("no safeinstall state: no run in progress, nothing to recover")
         return
-    table = Table(box=None, pad_edge=False)
-    for column in ("ENVIRONMENT", "STATE", "PACKAGE", "PHASE", "UNITS"):
-        table.add_column(column, overflow="fold")
-    for s in found:
+    for number, s in enumerate(found):
         if s.running and s.holder is not None:
-            state = f"[yellow]running[/] (PID {s.holder.pid}, since {escape(s.holder.started_display)})"
+            state = f"[yellow]running[/] (PID {s.holder.pid}, since {literal(s.holder.started_display)})"
             if s.run_id:
-                state += f" run {escape(s.run_id)}"
+                state += f" run {literal(s.run_id)}"
         elif s.needs_recovery:
             state = "[red]needs recovery[/]: run safeinstall --recover"
         else:
             state = "[green]idle[/]"
         if s.prefix_exists is False:
             state += " [dim](environment gone: safeinstall --forget removes its state)[/]"
-        table.add_row(
-            escape(s.prefix),
-            state,
-            escape(s.package or "-"),
-            escape(s.journal_phase or "-"),
-            escape(" ".join(s.units) or "-"),
-        )
-    out.print(table)
-    for s in found:
-        if s.runs:
-            out.print(f"\nlast runs in {escape(s.prefix)}:", soft_wrap=True)
-            out.print(_runs_table(s.runs[:last]))
+        out.print(("\n" if number else "") + f"environment {literal(s.prefix)}: {state}", soft_wrap=True)
+        if s.package or s.journal_phase or s.units:
+            out.print(
+                f"  package {literal(s.package or '-')}; phase {literal(s.journal_phase or '-')}; "
+                f"units {literal(' '.join(s.units) or '-')}",
+                soft_wrap=True,
+            )
+        shown = s.runs[:last]
+        if shown:
+            out.print("  last runs:")
+            out.print(Padding(_runs_table(shown), (0, 0, 0, 2), expand=False))
+            for r in shown:
+                out.print(f"  log of {literal(r.run_id)}: {literal(r.log_file or '-')}", soft_wrap=True)
         for problem in s.history_problems:
-            out.print(f"[yellow]note:[/] {escape(problem)}", soft_wrap=True)
+            out.print(f"[yellow]note:[/] {literal(problem)}", soft_wrap=True)
 
 
 def render_entry(out: Console, err: Console, entry: dict[str, Any]) -> None:
@@ -443,18 +467,18 @@ def render_entry(out: Console, err: Console, entry: dict[str, Any]) -> None:
     result = entry["result"]
     data = result.get("data") if isinstance(result.get("data"), dict) else {}
     for note in data.get("notes") or []:
-        err.print(f"[dim]note:[/] {escape(str(note))}", soft_wrap=True, highlight=False)
+        err.print(f"[dim]note:[/] {literal(note, lines=True)}", soft_wrap=True)
     style = "green" if run.exit_code == 0 else "red"
     versions = f" {run.old_version} -> {run.new_version}" if run.old_version or run.new_version else ""
     out.print(
-        f"run {escape(run.run_id)}: [{style}]{escape(run.status)}[/] (exit {run.exit_code}); "
-        + escape(f"{run.package or '?'}{versions}"),
+        f"run {literal(run.run_id)}: [{style}]{literal(run.status)}[/] (exit {run.exit_code}); "
+        + literal(f"{run.package or '?'}{versions}"),
         soft_wrap=True,
     )
     for unit, seconds in sorted(run.downtime_s.items()):
-        out.print(escape(f"  {unit} was down for {seconds:.1f} s"))
+        out.print(literal(f"  {unit} was down for {seconds:.1f} s"))
     if run.log_file:
-        err.print(f"[dim]log: {escape(run.log_file)}[/]", soft_wrap=True)
+        err.print(f"[dim]log: {literal(run.log_file)}[/]", soft_wrap=True)
     for error in result.get("errors") or []:
         render_error(err, SafeInstallError(str(error.get("message")), hint=error.get("hint")))
 
@@ -463,4 +487,4 @@ def render_forgotten(out: Console, forgotten: list[Forgotten]) -> None:
     if not forgotten:
         out.print("nothing to forget: every environment with state still exists")
     for item in forgotten:
-        out.print(escape(f"forgot {item.prefix} (removed {item.state_dir})"), soft_wrap=True)
+        out.print(literal(f"forgot {item.prefix} (removed {item.state_dir})"), soft_wrap=True)

@@ -208,16 +208,17 @@ def read_wheel(path: Path) -> Wheel:
     """Open and check a wheel. Raises WheelError when it is not a usable wheel at all, or an unsafe one:
     a member that could land outside its directory, a name that is not UTF-8, sizes beyond the bounds.
     Every member is hashed with the algorithm its RECORD line names (sha256 too)."""
-    try:
-        name, version, _build, tags = parse_wheel_filename(path.name)
-    except InvalidWheelFilename as exc:
-        raise _fail(path, f"not a wheel file name ({exc})") from exc
-    try:
+    try:  # a missing file is said as such, whatever its name
         fd = open_regular(path)
     except FileNotFoundError:
         raise _fail(path, "no such file") from None
     except OSError as exc:
         raise _fail(path, exc.strerror or str(exc)) from exc
+    try:
+        name, version, _build, tags = parse_wheel_filename(path.name)
+    except InvalidWheelFilename as exc:
+        os.close(fd)
+        raise _fail(path, f"not a wheel file name ({exc})") from exc
     try:
         with os.fdopen(fd, "rb") as handle, zipfile.ZipFile(handle) as archive:
             infos = [i for i in archive.infolist() if not i.is_dir()]

@@ -3,6 +3,8 @@ argument, usage errors as every other error, shell completion, "did you mean", p
 
 from __future__ import annotations
 
+import os
+import sys
 from importlib.metadata import version
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import pytest
 from safeinstall.plan import unreadable_warning
 from safeinstall.processes import ScanProblem
 from safeinstall.runlog import progress_text
+from safeinstall.state import ensure_environment_dir, environment_state
 from tests import wheelhouse
 from tests.clirun import run
 from tests.wheelhouse import Wheelhouse
@@ -95,7 +98,8 @@ def test_a_detached_run_gets_exactly_the_callers_options() -> None:
     from typer.main import get_command
 
     from safeinstall.cli import app, run_options
-    from safeinstall.detach import child_arguments
+    from safeinstall.detach import PrivateInputs, child_arguments
+    from safeinstall.errors import UsageError
     from safeinstall.options import RunOptions
 
     common = RunOptions(
@@ -134,9 +138,14 @@ def test_a_detached_run_gets_exactly_the_callers_options() -> None:
         args = child_arguments(
             options, Path(options.python or ""), options.run_id, Path("/state/environ.json")
         )
+        # what may hold a credential is not on the unit's command line (any user may read it)
+        assert not any("127.0.0.1:8000" in a or "example.com" in a for a in args)
         context = get_command(app).make_context("safeinstall", args)
-        parsed = run_options(context.params, context.args)
+        private = PrivateInputs({}, options.health_url, options.extra_args)
+        parsed = run_options(context.params, context.args, private)
         assert parsed == dataclasses.replace(options, environ=parsed.environ)
+        with pytest.raises(UsageError, match="from its --environ-from file only"):
+            run_options(context.params, ["--index-url", "https://elsewhere.example/simple"], private)
 
 
 def test_a_detached_runs_environment_file_must_be_private_and_ours(tmp_path: Path) -> None:
@@ -144,20 +153,25 @@ def test_a_detached_runs_environment_file_must_be_private_and_ours(tmp_path: Pat
     regular file of ours, mode 0600, in a directory only we can change; then removed."""
     import os
 
-    from safeinstall.detach import take_environ, write_environ
+    from safeinstall.detach import PrivateInputs, take_private, write_private
     from safeinstall.errors import UsageError
     from safeinstall.state import ensure_environment_dir, environment_state
 
     state = environment_state(tmp_path / "state", tmp_path / "venv")
     ensure_environment_dir(state)
-    path = write_environ(state, "20261201T000000Z-1", {"UV_INDEX_URL": "https://token@example.com/simple"})
+    given = PrivateInputs(
+        {"UV_INDEX_URL": "https://token@example.com/simple"},
+        "http://user:pw@127.0.0.1:8000/health",
+        ("--extra-index-url", "https://user:token@example.com/simple"),
+    )
+    path = write_private(state, "20261201T000000Z-1", given)
     assert oct(path.stat().st_mode & 0o777) == "0o600"
-    assert take_environ(path) == {"UV_INDEX_URL": "https://token@example.com/simple"}
+    assert take_private(path) == given
     assert not path.exists()
-    loose = write_environ(state, "20261201T000000Z-2", {"A": "b"})
+    loose = write_private(state, "20261201T000000Z-2", PrivateInputs({"A": "b"}))
     loose.chmod(0o644)
     link = state.dir / "link.json"
-    link.symlink_to(write_environ(state, "20261201T000000Z-3", {"A": "b"}))
+    link.symlink_to(write_private(state, "20261201T000000Z-3", PrivateInputs({"A": "b"})))
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o777)
     shared.chmod(0o777)
@@ -165,5 +179,79 @@ def test_a_detached_runs_environment_file_must_be_private_and_ours(tmp_path: Pat
     (shared / "environ.json").chmod(0o600)
     for bad in (loose, link, shared / "environ.json", tmp_path / "missing.json"):
         with pytest.raises(UsageError):
-            take_environ(bad)
+            take_private(bad)
     assert loose.exists() and os.path.lexists(link)  # refused files are left alone
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--status", "--forget"],
+        ["--status", "--recover"],
+        ["--forget", "--recover"],
+        ["--status", "--dry-run"],
+        ["sipure", "--detach", "--verify-only"],
+        ["sipure", "--verify-only", "--dry-run"],
+        ["sipure", "--dry-run", "--detach"],
+    ],
+)
+def test_modes_given_together_are_a_usage_error_not_a_silent_choice(args: list[str], tmp_path: Path) -> None:
+    """Each of these flags chooses what safeinstall does: two of them are refused before anything (the
+    state of a gone environment is not forgotten by --status --forget)."""
+    root = tmp_path / "state"
+    gone = environment_state(root, tmp_path / "gone")
+    ensure_environment_dir(gone)
+    environ = {**os.environ, "SAFEINSTALL_STATE_DIR": str(root)}
+    result = run(*args, env=environ)
+    assert result.code == 2 and result.stdout == "", result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("error: ") and lines[1].startswith("hint: "), lines
+    assert gone.dir.is_dir()
+    doc = run(*args, "--json", env=environ).json
+    assert doc["status"] == "error" and doc["errors"][0]["code"] == "usage" and doc["errors"][0]["hint"]
+
+
+@pytest.mark.parametrize(
+    ("args", "hint"),
+    [
+        (["--all"], "--verify-only --all"),
+        (["sipure", "--all"], "--verify-only --all"),
+        (["sipure", "--diff"], "--verify-only --wheel W --diff"),
+    ],
+)
+def test_verify_only_flags_without_verify_only_say_so(args: list[str], hint: str) -> None:
+    result = run(*args)
+    assert result.code == 2 and "go" in result.stderr and "with --verify-only" in result.stderr
+    assert hint in result.stderr.splitlines()[-1] and result.stderr.splitlines()[-1].startswith("hint: ")
+
+
+def test_no_arguments_is_a_usage_error_with_the_help_on_stderr() -> None:
+    result = run()
+    assert result.code == 2 and result.stdout == ""
+    assert "Usage: safeinstall [OPTIONS] [REQUIREMENT]" in result.stderr
+    error, hint = result.stderr.strip().splitlines()[-2:]
+    assert error.startswith("error: no REQUIREMENT") and hint.startswith("hint: safeinstall PACKAGE")
+
+
+def test_help_names_the_argument_without_a_type() -> None:
+    text = run("--help").stdout
+    assert "<str>" not in text and "REQUIREMENT  The distribution to reinstall" in text
+
+
+@pytest.mark.parametrize("name", ["nope.whl", "sipure-2.0-py3-none-any.whl", "nope.txt", "x-y.whl"])
+@pytest.mark.parametrize("mode", ["reinstall", "dry-run", "verify-only"])
+def test_a_missing_wheel_is_no_such_file_whatever_its_name(name: str, mode: str, tmp_path: Path) -> None:
+    wheel = tmp_path / "wh" / name
+    extra = {"reinstall": ["--yes"], "dry-run": ["--dry-run"], "verify-only": ["--verify-only"]}[mode]
+    environ = {**os.environ, "SAFEINSTALL_STATE_DIR": str(tmp_path / "state")}
+    result = run("sipure", "--wheel", str(wheel), "--python", sys.executable, *extra, env=environ)
+    assert result.code == 2, result.stdout + result.stderr
+    first = result.stderr.splitlines()[0]
+    assert first.startswith(f"error: cannot read wheel {wheel}: ") and "no such file" in first.lower(), first
+
+
+def test_waiting_with_no_run_is_an_error_with_a_hint(tmp_path: Path) -> None:
+    environ = {**os.environ, "SAFEINSTALL_STATE_DIR": str(tmp_path / "state")}
+    doc = run("--status", "--wait", "--json", env=environ).json
+    assert doc["exit_code"] == 2 and "no run to wait for" in doc["errors"][0]["message"]
+    assert isinstance(doc["errors"][0]["hint"], str) and doc["errors"][0]["hint"].strip()

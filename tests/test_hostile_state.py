@@ -522,7 +522,11 @@ VALUE_ATTACKS = {
     "settle-nan": (["--settle", "nan"], "--settle nan: seconds must be a finite number, 0 or more"),
     "stop-timeout-infinite": (
         ["--stop-timeout", "inf"],
-        "--stop-timeout inf: seconds must be a finite number, 0 or more",
+        "--stop-timeout inf: seconds must be a finite number more than 0",
+    ),
+    "stop-timeout-zero": (  # to systemd, TimeoutStopSec=0 is no timeout; here every stop would fail
+        ["--stop-timeout", "0"],
+        "--stop-timeout 0: seconds must be a finite number more than 0",
     ),
     "gpu-timeout-negative": (
         ["--gpu-timeout", "-1"],
@@ -556,6 +560,10 @@ def test_values_are_refused_before_anything(
     )
     assert result.code == 2, result.stdout + result.stderr
     assert error_lines(result) == [f"error: {message}"]
+    hint = result.stderr.splitlines()[-1]
+    assert hint.startswith("hint: ") and hint[len("hint: ") :].strip()
+    if name.startswith("stop-timeout"):
+        assert "TimeoutStopSec" in hint
     assert not state.exists()  # nothing was touched, not even the state directory
 
 

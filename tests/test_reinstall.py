@@ -292,6 +292,7 @@ def test_unit_that_ignores_sigterm_aborts_after_stop_timeout(bed: Bed) -> None:
     assert result.code == 3, result.stdout + result.stderr
     message = result.json["errors"][0]["message"]
     assert f"unit {name} did not stop in 1 s" in message
+    assert result.json["errors"][0]["hint"]  # every error says what to do next
     assert "nothing was installed" in message and f"started {name} again" in message
     assert bed.manager.active_state(name) == "active"
     assert bed.installed_version() == "1.0"
@@ -341,8 +342,12 @@ def test_new_version_that_crashes_is_rolled_back(bed: Bed) -> None:
     name = bed.service("crash")
     result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-3"]), "--settle", "1", "--json")
     assert result.code == 3, result.stdout + result.stderr
-    message = result.json["errors"][0]["message"]
+    (error,) = result.json["errors"]
+    message = error["message"]
     assert name in message and "restored the previous installation" in message
+    # what to do next: the unit's own journal, and the run's log
+    assert f"journalctl --user -u {name}" in error["hint"]
+    assert result.json["data"]["log_file"] in error["hint"]
     wait_until(lambda: bed.manager.active_state(name) == "active", 10, "unit active again")
     assert maps_so(bed.manager.main_pid(name)) == bed.so.stat().st_ino
     assert bed.installed_version() == "1.0"
@@ -582,6 +587,7 @@ def test_health_url_must_answer_200(bed: Bed, tmp_path: Path) -> None:
     )
     assert bad.code == 3, bad.stdout + bad.stderr
     assert "did not answer 200 within 2 s (last: HTTP 404)" in bad.json["errors"][0]["message"]
+    assert "raise --health-timeout" in bad.json["errors"][0]["hint"]
     wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running again")
     assert bed.installed_version() == "2.0"
 

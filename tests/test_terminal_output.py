@@ -1,0 +1,126 @@
+"""Human output prints what others wrote as text: rich markup in a path is printed, not interpreted
+(and never crashes a run that already installed), and terminal control sequences in another user's
+command line, a file name or a log line are shown escaped, never sent to root's terminal. JSON stays
+exact."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from safeinstall import history
+from safeinstall.output import envelope
+from safeinstall.render import literal, printable
+from safeinstall.state import ensure_environment_dir, environment_state
+from tests import wheelhouse
+from tests.bed_systemd import UserManager, wait_until
+from tests.clirun import run
+from tests.test_hostile_state import sipure_venv as sipure_venv  # a venv with sipure 1.0
+from tests.wheelhouse import Wheelhouse
+
+#: Clear the screen, set the window title, and a C1 CSI: what a hostile command line would send.
+HOSTILE = "\x1b[2J\x1b]0;owned\x07\x9b31m"
+SHOWN = "\\x1b[2J\\x1b]0;owned\\x07\\x9b31m"
+
+
+def test_printable_shows_control_characters_and_keeps_other_unicode() -> None:
+    assert printable(HOSTILE) == SHOWN
+    assert printable("del\x7f nul\x00 tab\t nl\n") == "del\\x7f nul\\x00 tab\\x09 nl\\x0a"
+    assert printable("a\tb\nc\rd", lines=True) == "a\tb\nc\\x0dd"
+    assert printable("vllm ünïcode → ✓ 模型") == "vllm ünïcode → ✓ 模型"
+    assert literal("evil[/]x\x1b[0m") == "evil\\[/]x\\x1b[0m"
+
+
+def _no_control_characters(text: str) -> bool:
+    return not any((ord(c) < 0x20 and c != "\n") or 0x7F <= ord(c) <= 0x9F for c in text)
+
+
+def test_a_stray_with_escape_sequences_in_its_command_line_is_shown_escaped(
+    venv: Path, wheels: Wheelhouse, user_manager: UserManager
+) -> None:
+    wheelhouse.uv_install(venv, wheels["sicext-1"])
+    stray = subprocess.Popen([str(venv), "-c", "import sicext, time; time.sleep(600)", HOSTILE])
+    try:
+        wait_until(lambda: "_native" in Path(f"/proc/{stray.pid}/maps").read_text(), 15, "maps the .so")
+        args = ("--user", "sicext", "--wheel", str(wheels["sicext-2"]), "--python", str(venv), "--dry-run")
+        environ = {**user_manager.env, "SAFEINSTALL_NVML_LIBRARY": "/nonexistent/libnvidia-ml.so.1"}
+        human = run(*args, env=environ)
+        assert human.code == 2 and "the run would refuse" in human.stdout, human.stdout + human.stderr
+        assert SHOWN in human.stdout and str(stray.pid) in human.stdout
+        assert _no_control_characters(human.stdout + human.stderr)
+        doc = run(*args, "--json", env=environ).json  # JSON keeps the command line exactly
+        (process,) = [p for p in doc["data"]["strays"] if p["pid"] == stray.pid]
+        assert process["cmdline"][-1] == HOSTILE
+    finally:
+        stray.kill()
+        stray.wait()
+
+
+def test_a_carried_patch_whose_path_reads_as_markup_does_not_turn_a_done_run_into_an_error(
+    wheels: Wheelhouse, user_manager: UserManager, tmp_path: Path
+) -> None:
+    """The prefix reads ``.../evil[/]venv``: printing the carried file's path as markup raised
+    MarkupError after the install, and the run that installed exited 2 ("internal error")."""
+    python = wheelhouse.make_venv(tmp_path / "evil[" / "]venv")
+    wheelhouse.uv_install(python, wheels["sicext-1"])
+    serve = wheelhouse.site_packages(python) / "sicext" / "serve.py"
+    serve.write_text(serve.read_text() + "# a local fix\n")  # serve.py is the same in 1.0 and 2.0
+    environ = {
+        **user_manager.env,
+        "SAFEINSTALL_STATE_DIR": str(tmp_path / "state"),
+        "SAFEINSTALL_NVML_LIBRARY": "/nonexistent/libnvidia-ml.so.1",
+    }
+    result = run(
+        "--user",
+        "--python",
+        str(python),
+        "--yes",
+        "sicext",
+        "--wheel",
+        str(wheels["sicext-2"]),
+        "--keep-patches",
+        "--base-wheel",
+        str(wheels["sicext-1"]),
+        env=environ,
+    )
+    assert result.code == 0, result.stdout + result.stderr
+    assert f"carried {serve}: merged" in result.stdout and "error" not in result.stderr
+    assert serve.read_text().endswith("# a local fix\n")
+
+
+def test_status_wait_replays_log_lines_escaped_and_status_prints_paths_whole(tmp_path: Path) -> None:
+    """The log holds uv's output and names others chose: replayed escaped. A long log path is printed
+    on a line of its own, never folded in the middle; a run that ended in an error names its log."""
+    root = tmp_path / "state"
+    prefix = tmp_path / ("p" * 120) / ("q" * 120)
+    prefix.mkdir(parents=True)
+    state = environment_state(root, prefix)
+    ensure_environment_dir(state)
+    run_id = "20261201T010000Z-100"
+    log = state.log_file(run_id)
+    log.write_text(f"[t] install: uv says {HOSTILE}\n")
+    result = envelope("reinstall", "error", 2, None)
+    finished = "2026-12-01T01:00:00+00:00"
+    history.append(state, history.new_entry(run_id, "sicext", finished, finished, result, str(log)))
+    environ = {**os.environ, "SAFEINSTALL_STATE_DIR": str(root), "COLUMNS": "80"}
+
+    waited = run("--status", "--wait", "--run", run_id, env=environ)
+    assert waited.code == 2 and f"uv says {SHOWN}" in waited.stderr
+    assert _no_control_characters(waited.stderr)
+    status = run("--status", env=environ)
+    assert status.code == 0 and len(str(log)) > 200
+    assert f"log of {run_id}: {log}\n" in status.stdout and f"environment {prefix}: idle" in status.stdout
+    (environment,) = run("--status", "--json", env=environ).json["data"]["environments"]
+    assert environment["runs"][0]["log_file"] == str(log)
+
+
+def test_a_run_refused_at_preflight_keeps_its_log_in_the_history(sipure_venv: Path, tmp_path: Path) -> None:
+    environ = {**os.environ, "SAFEINSTALL_STATE_DIR": str(tmp_path / "state")}
+    missing = tmp_path / "sipure-2.0-py3-none-any.whl"
+    refused = run("sipure", "--python", str(sipure_venv), "--wheel", str(missing), "--yes", env=environ)
+    assert refused.code == 2 and "hint:" in refused.stderr
+    (environment,) = run("--status", "--json", env=environ).json["data"]["environments"]
+    (entry,) = environment["runs"]
+    assert entry["status"] == "error" and Path(entry["log_file"]).is_file()
+    assert f"cannot read wheel {missing}" in Path(entry["log_file"]).read_text()
