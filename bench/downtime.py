@@ -200,7 +200,11 @@ def report(case: Case, rounds: int, settle: float) -> None:
         f"  downtime safeinstall / hand = {ours / hand:.2f}x "
         f"(per round {[round(r, 2) for r in ratios]}; goal <= 1.0x)"
     )
-    print(f"  whole run safeinstall / hand = {ours_w / hand_w:.2f}x (goal <= 3x)")
+    walls = [o / h for h, o in zip(case.walls["hand"], case.walls["safeinstall"], strict=True)]
+    print(
+        f"  whole run safeinstall / hand = {ours_w / hand_w:.2f}x "
+        f"(per round {[round(r, 2) for r in walls]}; goal <= 3x)"
+    )
     steps = ", ".join(f"{name} {statistics.median(values):.2f}" for name, values in case.steps.items())
     print(f"  safeinstall median step seconds: {steps}")
 

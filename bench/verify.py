@@ -1,10 +1,19 @@
 """Benchmark ``safeinstall PKG --verify-only`` against parallel sha256sum and distlib, side by side.
 
-Usage: python bench/verify.py [--package torch] [--python VENV_PYTHON] [--rounds 5]
+Usage: python bench/verify.py [--package torch] [--python VENV_PYTHON | --installer uv|pip] [--rounds 5]
+                              [--sha256sum]
 
-Without --python it makes ``.bench/torch-venv`` and runs ``pip install torch==2.13.0`` there (a CPU
-build this machine keeps on disk). Each round runs the three contenders one after another on a warm
-page cache; the medians are compared. Absolute times mean little on these machines: read the ratios.
+Without --python it makes a torch venv: ``--installer uv`` (the default) installs the torch 2.13.0 CPU
+wheel kept in ``.bench/`` (see bench/downtime.py) into ``.bench/torch-uv`` with ``uv pip install
+--link-mode copy`` and a cache deleted afterwards (the files then share inodes with nothing, as after
+a safeinstall run); ``--installer pip`` runs ``pip install torch==2.13.0`` into ``.bench/torch-venv``.
+Each round runs safeinstall and distlib as a pair, the order flipping every round, on a warm page
+cache; the per-pair ratios and the medians are printed. Absolute times mean little on these machines:
+read the ratios. ``--sha256sum`` adds ``xargs -0 -P<cores> sha256sum`` over the same files.
+
+Then the same pair inside one process (no interpreter start, no argument parsing, no imports):
+``verify_environment`` against distlib's ``check_installed_files()``, alternating, which shows what
+the command line's fixed costs take from the ratio.
 
 What the ratio against distlib depends on (printed with the result):
 
@@ -49,6 +58,28 @@ for row in csv.reader(dist.read_text("RECORD").splitlines()):
 """
 
 
+def ensure_torch_uv_venv() -> Path:
+    venv = ROOT / ".bench" / "torch-uv"
+    python = venv / "bin" / "python"
+    probe = (
+        subprocess.run([str(python), "-c", "import torch"], capture_output=True) if python.exists() else None
+    )
+    if probe is None or probe.returncode != 0:
+        sys.path.insert(0, str(ROOT))
+        from bench.downtime import torch_wheel
+        from tests import wheelhouse
+
+        wheelhouse.make_venv(venv)
+        with tempfile.TemporaryDirectory(dir=ROOT / ".bench") as cache:
+            command = [wheelhouse.UV, "pip", "install", "--quiet", "--python", str(python)]
+            subprocess.run(
+                [*command, "--link-mode", "copy", str(torch_wheel())],
+                check=True,
+                env={**wheelhouse.uv_env(), "UV_CACHE_DIR": cache},
+            )
+    return python
+
+
 def ensure_torch_venv() -> Path:
     venv = ROOT / ".bench" / "torch-venv"
     python = venv / "bin" / "python"
@@ -80,15 +111,44 @@ def timed(cmd: list[str], **kwargs: object) -> float:
     return time.perf_counter() - start
 
 
+IN_PROCESS = """
+import statistics, sys, time
+from pathlib import Path
+from distlib.database import DistributionPath
+from safeinstall.environment import inspect_environment
+from safeinstall.verify import verify_environment
+python, site, package, rounds = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+env = inspect_environment(python)
+def ours():
+    verify_environment(env, [package])
+def theirs():
+    DistributionPath([site]).get_distribution(package).check_installed_files()
+times = {ours: [], theirs: []}
+for round_ in range(rounds):
+    for contender in (ours, theirs) if round_ % 2 == 0 else (theirs, ours):
+        start = time.perf_counter()
+        contender()
+        times[contender].append(time.perf_counter() - start)
+a, b = statistics.median(times[ours]), statistics.median(times[theirs])
+pairs = [round(t / o, 2) for o, t in zip(times[ours], times[theirs])]
+print(f"  in one process: verify_environment {a:.3f} s, distlib {b:.3f} s: {b / a:.2f}x (pairs {pairs})")
+"""
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--package", default="torch")
     parser.add_argument("--python", default=None)
+    parser.add_argument("--installer", choices=("uv", "pip"), default="uv")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--sha256sum", action="store_true")
     args = parser.parse_args()
-    python = Path(args.python) if args.python else ensure_torch_venv()
+    if args.python:
+        python = Path(args.python)
+    else:
+        python = ensure_torch_uv_venv() if args.installer == "uv" else ensure_torch_venv()
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(ROOT / "safeinstall")], check=True)
     site = subprocess.run(
         [str(python), "-I", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
@@ -105,24 +165,32 @@ def main() -> int:
     cores = str(os.cpu_count() or 1)
     contenders = {
         "safeinstall": [str(SAFEINSTALL), args.package, "--verify-only", "--python", str(python)],
-        "sha256sum -P": ["sh", "-c", f"xargs -0 -P {cores} -n 64 sha256sum < {file_list}"],
         "distlib": [sys.executable, "-c", DISTLIB, site, args.package],
     }
+    if args.sha256sum:
+        contenders["sha256sum -P"] = ["sh", "-c", f"xargs -0 -P {cores} -n 64 sha256sum < {file_list}"]
     print(f"{args.package}: {count} hashed files, {size / 1e9:.2f} GB, {cores} cores, {args.rounds} rounds")
     print(f"  {describe(python, args.package)}; load {os.getloadavg()[0]:.1f}")
     for cmd in contenders.values():  # warm the page cache
         timed(cmd)
     times: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(args.rounds):
-        for name, cmd in contenders.items():
-            times[name].append(timed(cmd))
+    names = list(contenders)
+    for round_ in range(args.rounds):
+        for name in names if round_ % 2 == 0 else reversed(names):
+            times[name].append(timed(contenders[name]))
     medians = {name: statistics.median(values) for name, values in times.items()}
     for name, value in medians.items():
-        print(f"  {name:<14} median {value:7.3f} s")
+        print(f"  {name:<14} median {value:7.3f} s  {[round(t, 2) for t in times[name]]}")
     ours = medians["safeinstall"]
-    print(f"safeinstall / parallel sha256sum = {ours / medians['sha256sum -P']:.2f}x  (goal <= 1.2x)")
-    print(f"distlib / safeinstall            = {medians['distlib'] / ours:.2f}x  (goal >= 3x)")
+    pairs = [round(d / o, 2) for o, d in zip(times["safeinstall"], times["distlib"], strict=True)]
+    if args.sha256sum:
+        print(f"safeinstall / parallel sha256sum = {ours / medians['sha256sum -P']:.2f}x  (goal <= 1.2x)")
+    print(f"distlib / safeinstall            = {medians['distlib'] / ours:.2f}x  (pairs {pairs}; goal >= 2x)")
     os.unlink(file_list)
+    subprocess.run(
+        [sys.executable, "-c", IN_PROCESS, str(python), site, args.package, str(args.rounds)], check=True
+    )
+    print(f"  load {os.getloadavg()[0]:.1f}")
     return 0
 
 

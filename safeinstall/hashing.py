@@ -55,16 +55,24 @@ _CONSTRUCTORS: dict[str, Callable[[bytes], hashlib._Hash]] = {
 }
 
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+#: A directory only to open files relative to (O_PATH: searching it is enough, as for a path walk).
+_DIR_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
 
 
-def _observe(request: HashRequest) -> FileState:
+def _observe(request: HashRequest, dir_fd: int | None = None, name: str | None = None) -> FileState:
     """One file: opened once (never following a symlink, never blocking on a FIFO), fstat, hashed.
 
+    ``dir_fd``: the descriptor of the directory that holds it (opened by its path, as the kernel walks
+    an absolute path) and ``name`` its name there: the file is opened relative to it.
     Small files are read in one call; large ones stream through ``hashlib.file_digest``.
     """
     path = request.path
     try:
-        fd = os.open(path, _OPEN_FLAGS)
+        fd = (
+            os.open(path, _OPEN_FLAGS)
+            if dir_fd is None
+            else os.open(name or path, _OPEN_FLAGS, dir_fd=dir_fd)
+        )
     except FileNotFoundError:
         return FileState(path, False)
     except OSError as exc:
@@ -127,6 +135,27 @@ def _observe(request: HashRequest) -> FileState:
     )
 
 
+def _observe_in_directories(requests: Sequence[HashRequest], record: Callable[[FileState], None]) -> None:
+    """:func:`_observe` each request, opening each directory once (by its path: what an absolute open
+    would walk) and each file relative to it; a directory that cannot be opened leaves its files to
+    absolute opens (the same errors, reported per file)."""
+    by_directory: dict[str | None, list[HashRequest]] = {}
+    for request in requests:
+        directory = request.path.rpartition("/")[0] or "/"
+        by_directory.setdefault(directory if request.path.startswith("/") else None, []).append(request)
+    for held, listed in by_directory.items():
+        try:
+            dir_fd = None if held is None else os.open(held, _DIR_FLAGS)
+        except OSError:
+            dir_fd = None
+        try:
+            for request in listed:
+                record(_observe(request, dir_fd, request.path.rpartition("/")[2]))
+        finally:
+            if dir_fd is not None:
+                os.close(dir_fd)
+
+
 def observe_files(
     requests: Sequence[HashRequest],
     workers: int | None = None,
@@ -147,10 +176,9 @@ def observe_files(
     lock = threading.Lock()
     pending = iter(big)
 
-    def record(request: HashRequest) -> None:
-        state = _observe(request)
+    def record(state: FileState) -> None:
         with lock:
-            results[request.path] = state
+            results[state.path] = state
             if on_done:
                 on_done(state)
 
@@ -160,14 +188,13 @@ def observe_files(
                 request = next(pending, None)
             if request is None:
                 return
-            record(request)
+            record(_observe(request))
 
     count = min(workers or default_workers(), len(big))
     threads = [threading.Thread(target=work_big, name=f"hash-{n}", daemon=True) for n in range(count)]
     for thread in threads:
         thread.start()
-    for request in small:
-        record(request)
+    _observe_in_directories(small, record)
     work_big()  # then help with what is left of the large ones
     for thread in threads:
         thread.join()

@@ -194,7 +194,7 @@ def room_problems(found: Survey, env: Environment, backups: Path, wheel: Wheel |
     directory), and for the install (in the environment; the backup stays during it when both share a
     filesystem)."""
     problems: list[str] = []
-    backup = disk_space_needed(list(found.affected), env)
+    backup = disk_space_needed(list(found.affected), env, found.installed)
     prefetch = installed_size(wheel) if wheel is not None else 0
     what = "the backup and the prefetch (the new version unpacked beside it)"
     problem = space_problem(

@@ -322,6 +322,7 @@ def backup_step(run: _Run) -> str:
         run.patched,
         on_progress,
         known=before.observed,
+        installed=run.survey.installed,
     )
     run._journal(Phase.BACKED_UP, backup_dir=str(run.backup.dir))
     size = run.backup.manifest.files

@@ -10,6 +10,13 @@ through it), and a restore replaces it with the real directory. What is opened i
 (``fstat`` on the descriptor): a FIFO or a device is never read, and opening never blocks
 (``O_NONBLOCK``). Paths are "/"-separated and relative to the root; ``..``, ``.``, empty and absolute
 ones are refused before anything is opened.
+
+Inside :meth:`Tree.batch` (a backup, a restore: thousands of files in a few hundred directories) each
+thread keeps the descriptors of the directories it walked last (a cursor: the root's descriptor down
+to the last directory used) and walks only the components that differ, so a directory is opened once
+per batch, not once per file below it. What a cursor holds was opened exactly as above (by descriptor,
+``O_NOFOLLOW``, a real directory). A directory that safeinstall removes (``rmdir``, ``remove_tree``, a
+directory replaced by a file) makes every cursor start again from the root at its next use.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import hashlib
 import os
 import shutil
 import stat
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,23 +156,108 @@ def open_directory(path: Path) -> int:
     return fd
 
 
+def _open_child(fd: int, name: str) -> int:
+    """A new descriptor of the real directory ``name`` in the directory ``fd``; NotADirectoryError
+    for a symlink or a file, FileNotFoundError when it is not there."""
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise NotADirectoryError(
+                errno.ENOTDIR, "not a real directory (a symlink or a file)", name
+            ) from None
+        raise
+
+
+class _Cursor:
+    """One thread's open directories in a batch: ``fds[i]`` is the directory ``names[: i + 1]``."""
+
+    __slots__ = ("busy", "fds", "generation", "names")
+
+    def __init__(self, generation: int) -> None:
+        self.names: list[str] = []
+        self.fds: list[int] = []
+        self.busy = False  # a descriptor of it is in use: a nested walk opens its own
+        self.generation = generation
+
+    def truncate(self, keep: int) -> None:
+        while len(self.fds) > keep:
+            os.close(self.fds.pop())
+            self.names.pop()
+
+    def move(self, root: int, parts: tuple[str, ...], generation: int) -> int:
+        """The descriptor of the directory ``parts`` (the root's for none), opening only the components
+        that differ from the last walk; valid until the next move."""
+        if generation != self.generation:  # a directory was removed meanwhile: walk again
+            self.truncate(0)
+            self.generation = generation
+        common = 0
+        for have, want in zip(self.names, parts, strict=False):
+            if have != want:
+                break
+            common += 1
+        self.truncate(common)
+        for name in parts[common:]:
+            self.fds.append(_open_child(self.fds[-1] if self.fds else root, name))
+            self.names.append(name)
+        return self.fds[-1] if self.fds else root
+
+
 class Tree:
     """A directory opened once; every operation below it walks by descriptor, never through a symlink.
 
     The root itself is opened component by component from ``/``, no symlink followed on the way (the
     paths it is given are real paths: the probe's prefix, the state directory). Use as a context
     manager (the root's descriptor is closed at the end). Safe to share between threads: each
-    operation opens and closes its own descriptors.
+    operation opens and closes its own descriptors or, inside :meth:`batch`, uses its own thread's
+    cursor.
     """
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.fd = open_directory(root)
+        self._cursors: list[_Cursor] | None = None  # inside a batch: every thread's cursor
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._generation = 0  # bumped when a directory is removed: cursors walk again
 
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[Tree]:
+        """Keep each thread's directory descriptors until the end of the block (see the module's
+        docstring). Every thread that works in the tree must be done before the block ends."""
+        if self._cursors is not None:  # nested: the outer batch keeps them
+            yield self
+            return
+        cursors: list[_Cursor] = []
+        self._cursors = cursors
+        try:
+            yield self
+        finally:
+            self._cursors = None
+            self._local = threading.local()
+            for cursor in cursors:
+                cursor.truncate(0)
+
+    def _cursor(self) -> _Cursor | None:
+        cursors = self._cursors
+        if cursors is None:
+            return None
+        cursor: _Cursor | None = getattr(self._local, "cursor", None)
+        if cursor is None:
+            cursor = _Cursor(self._generation)
+            with self._lock:
+                cursors.append(cursor)
+            self._local.cursor = cursor
+        return cursor
+
+    def _removed_directory(self) -> None:
+        with self._lock:
+            self._generation += 1
 
     def __enter__(self) -> Tree:
         return self
@@ -185,20 +278,30 @@ class Tree:
 
     # --- walking ---------------------------------------------------------------------------------
 
-    def _open_dir(self, parts: tuple[str, ...]) -> int:
-        """A new descriptor of the directory ``parts`` (relative to the root). FileNotFoundError when a
-        component is missing; NotADirectoryError when one is not a real directory (a symlink too)."""
+    @contextlib.contextmanager
+    def _directory(self, parts: tuple[str, ...]) -> Iterator[int]:
+        """A descriptor of the directory ``parts`` (relative to the root), valid inside the block.
+        FileNotFoundError when a component is missing; NotADirectoryError when one is not a real
+        directory (a symlink too)."""
+        cursor = self._cursor()
+        if cursor is None or cursor.busy:
+            fd = self._walk_from_root(parts)
+            try:
+                yield fd
+            finally:
+                os.close(fd)
+            return
+        cursor.busy = True
+        try:
+            yield cursor.move(self.fd, parts, self._generation)
+        finally:
+            cursor.busy = False
+
+    def _walk_from_root(self, parts: tuple[str, ...]) -> int:
         fd = os.dup(self.fd)
         try:
             for name in parts:
-                try:
-                    child = os.open(name, _DIR_FLAGS, dir_fd=fd)
-                except OSError as exc:
-                    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                        raise NotADirectoryError(
-                            errno.ENOTDIR, "not a real directory (a symlink or a file)", name
-                        ) from None
-                    raise
+                child = _open_child(fd, name)
                 os.close(fd)
                 fd = child
         except BaseException:
@@ -206,15 +309,20 @@ class Tree:
             raise
         return fd
 
+    def _open_dir(self, parts: tuple[str, ...]) -> int:
+        """A new descriptor of the directory ``parts`` (the caller closes it); errors as
+        :meth:`_directory`."""
+        if not parts:
+            return os.dup(self.fd)
+        with self._directory(parts[:-1]) as fd:
+            return _open_child(fd, parts[-1])
+
     @contextlib.contextmanager
     def parent(self, relative: str) -> Iterator[tuple[int, str]]:
-        """(descriptor of the directory holding ``relative``, its last name); closed afterwards."""
+        """(descriptor of the directory holding ``relative``, its last name), valid inside the block."""
         parts = parts_of(relative)
-        fd = self._open_dir(parts[:-1])
-        try:
+        with self._directory(parts[:-1]) as fd:
             yield fd, parts[-1]
-        finally:
-            os.close(fd)
 
     def lstat(self, relative: str) -> os.stat_result | None:
         """The entry itself (a symlink is not followed), or None when it, or a real directory on its
@@ -360,6 +468,7 @@ class Tree:
             with self.parent(relative) as (fd, name):
                 info = os.stat(name, dir_fd=fd, follow_symlinks=False)
                 if stat.S_ISDIR(info.st_mode):
+                    self._removed_directory()
                     shutil.rmtree(name, dir_fd=fd)
                 else:
                     os.unlink(name, dir_fd=fd)
@@ -369,6 +478,7 @@ class Tree:
 
     def rmdir(self, relative: str) -> None:
         with self.parent(relative) as (fd, name):
+            self._removed_directory()
             os.rmdir(name, dir_fd=fd)
 
     def make_dir(self, relative: str, mode: int, owner: tuple[int, int] | None = None) -> None:
@@ -408,6 +518,8 @@ class Tree:
     def make_dirs(self, relative: str, mode: int) -> None:
         """Every missing directory of ``relative`` (in a tree of safeinstall's own: the backup)."""
         parts = parts_of(relative)
+        if self.is_dir(relative):  # the usual case in a backup: made for an earlier file
+            return
         for end in range(1, len(parts) + 1):
             self.make_dir("/".join(parts[:end]), mode)
 
@@ -424,6 +536,7 @@ class Tree:
             info = os.stat(name, dir_fd=fd, follow_symlinks=False)
             if not stat.S_ISDIR(info.st_mode):
                 raise
+            self._removed_directory()
             shutil.rmtree(name, dir_fd=fd)
             os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
 

@@ -185,7 +185,7 @@ def _script_expectation(wheel: Wheel, member: str, location: Path, env: Environm
 def _wheel_plan(
     dist: InstalledDistribution, env: Environment, wheel: Wheel, containment: _Containment
 ) -> tuple[list[Expectation], dict[str, str], list[Finding]]:
-    from safeinstall.wheel import install_location, is_installer_written
+    from safeinstall.wheel import install_locations, is_installer_written
 
     expectations: list[Expectation] = []
     members: dict[str, str] = {}
@@ -202,35 +202,37 @@ def _wheel_plan(
         )
     signatures = {f"{wheel.dist_info}/RECORD.jws", f"{wheel.dist_info}/RECORD.p7s"}
     other_version = dist.version != wheel.version  # then the metadata differs: the mismatch says it all
+    locations = install_locations(wheel, env)
+    scripts = f"{wheel.data_dir}/scripts/"
     for name, member in wheel.members.items():
         if is_installer_written(wheel, name) or name in signatures:
             continue
         if other_version and name.startswith(wheel.dist_info + "/"):
             continue
-        location = install_location(wheel, name, env)
+        location = locations.get(name)
         if location is None:
             continue
-        members[str(location)] = name
+        members[location] = name
         expectation: Expectation | None = None
-        if PurePosixPath(name).parts[:2] == (wheel.data_dir, "scripts"):
-            expectation = _script_expectation(wheel, name, location, env)
-        expectations.append(expectation or Expectation(str(location), "sha256", member.sha256, member.size))
+        if name.startswith(scripts):
+            expectation = _script_expectation(wheel, name, Path(location), env)
+        expectations.append(expectation or Expectation(location, "sha256", member.sha256, member.size))
     for problem in wheel.problems:
         findings.append(
             Finding(dist.name, problem.path, FindingKind.WHEEL_RECORD, problem.reason, baseline="wheel")
         )
     # Installed files the wheel does not have: old leftovers recorded by the installer.
     generated_scripts = {os.path.join(env.scripts, script) for script in wheel.console_scripts}
-    installed_dist_info = dist.dist_info.name
+    installed_dist_info = dist.dist_info.name + "/"
     for entry, text in zip(dist.record.entries, dist.locations, strict=True):
-        relative = PurePosixPath(entry.path)
-        if text in members or text in generated_scripts or pyc_source(relative) is not None:
+        if text in members or text in generated_scripts:
             continue
-        if relative.parts[:1] == (installed_dist_info,) and other_version:
+        if entry.path.endswith(".pyc") and pyc_source(PurePosixPath(entry.path)) is not None:
             continue
-        if relative.parts[:1] == (installed_dist_info,) and is_installer_written(
-            wheel, f"{wheel.dist_info}/{relative.name}"
-        ):
+        in_dist_info = entry.path.startswith(installed_dist_info)
+        if in_dist_info and other_version:
+            continue
+        if in_dist_info and is_installer_written(wheel, f"{wheel.dist_info}/{entry.path.rpartition('/')[2]}"):
             continue
         if containment.outside(text):
             continue

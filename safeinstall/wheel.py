@@ -10,7 +10,8 @@ import hashlib
 import os
 import re
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from email.parser import HeaderParser
 from pathlib import Path, PurePosixPath
@@ -106,6 +107,30 @@ _METADATA_FILES = {
     "entry_points.txt": METADATA_LIMIT,
     "RECORD": RECORD_LIMIT,
 }
+
+
+#: Members at least this large are inflated and hashed on worker threads (zlib and hashlib release the
+#: GIL on large buffers; zipfile serialises only the reads of the archive); smaller ones on the calling
+#: thread, where thousands of them cost no GIL hand-offs.
+_BIG_MEMBER = 1 << 20
+
+
+def _hash_members(
+    archive: zipfile.ZipFile, infos: Sequence[zipfile.ZipInfo], algorithms: dict[str, str]
+) -> dict[str, WheelMember]:
+    """Every member of ``infos`` hashed (in their order): the large ones, largest first, on threads."""
+    big = sorted((i for i in infos if i.file_size >= _BIG_MEMBER), key=lambda i: -i.file_size)
+    workers = min(len(big), os.cpu_count() or 1)
+    if workers < 1:
+        return {i.filename: _hash_member(archive, i, algorithms.get(i.filename)) for i in infos}
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="wheel-hash") as pool:
+        futures = {i.filename: pool.submit(_hash_member, archive, i, algorithms.get(i.filename)) for i in big}
+        small = {
+            i.filename: _hash_member(archive, i, algorithms.get(i.filename))
+            for i in infos
+            if i.filename not in futures
+        }
+        return {i.filename: small.get(i.filename) or futures[i.filename].result() for i in infos}
 
 
 def _hash_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, algorithm: str | None) -> WheelMember:
@@ -257,7 +282,7 @@ def read_wheel(path: Path) -> Wheel:
                 )
             )
             algorithms = {e.path: e.hash.algorithm for e in record.entries if e.hash is not None}
-            members = {i.filename: _hash_member(archive, i, algorithms.get(i.filename)) for i in infos}
+            members = _hash_members(archive, infos, algorithms)
             python_scripts = {
                 i.filename: content
                 for i in infos
@@ -327,13 +352,27 @@ def scheme_roots(wheel: Wheel, env: Environment) -> dict[str, Path]:
 def install_location(wheel: Wheel, member: str, env: Environment) -> Path | None:
     """Pure: where an installer puts a wheel member in ``env``; None for a member that would not land
     inside its scheme directory (such a wheel is refused by :func:`read_wheel` already)."""
-    if member_problem(member, wheel.data_dir) is not None:
-        return None
-    parts = member.split("/")
-    if parts[0] == wheel.data_dir:
-        return scheme_roots(wheel, env)[parts[1]].joinpath(*parts[2:])
-    root = env.purelib if wheel.root_is_purelib else env.platlib
-    return root.joinpath(*parts)
+    location = install_locations(wheel, env, (member,)).get(member)
+    return None if location is None else Path(location)
+
+
+def install_locations(wheel: Wheel, env: Environment, members: Iterable[str] | None = None) -> dict[str, str]:
+    """Pure: :func:`install_location` of each of ``members`` (default: all), as absolute path text
+    (member -> location; members that would not land inside their scheme directory are left out). By
+    string operations: a wheel of 12k members costs pathlib more than the rest of the check."""
+    roots = {scheme: os.fspath(root) for scheme, root in scheme_roots(wheel, env).items()}
+    base = os.fspath(env.purelib if wheel.root_is_purelib else env.platlib)
+    found: dict[str, str] = {}
+    for member in wheel.members if members is None else members:
+        if member_problem(member, wheel.data_dir) is not None:
+            continue
+        head, _, rest = member.partition("/")
+        if head == wheel.data_dir:
+            scheme, _, rest = rest.partition("/")
+            found[member] = os.path.join(roots[scheme], rest)
+        else:
+            found[member] = os.path.join(base, member)
+    return found
 
 
 _INTERPRETER = re.compile(r"^(python|pypy|pythonw)(\d+(\.\d+)?t?)?$")
@@ -380,11 +419,7 @@ def check_landing(
     from safeinstall.drift import own_roots
     from safeinstall.safefs import Tree
 
-    locations = {
-        member: os.fspath(location)
-        for member in wheel.members
-        if (location := install_location(wheel, member, env)) is not None
-    }
+    locations = install_locations(wheel, env)
     for script in wheel.console_scripts:
         locations[f"console script {script}"] = os.path.join(env.scripts, script)
     affected_names = {d.name for d in affected}
@@ -422,22 +457,19 @@ def install_directories(
 ) -> set[Path]:
     """The directories an install writes: the site and scripts directories, every directory holding a
     file of the distributions it replaces, and where each of the wheel's members lands."""
-    found = {*env.site_dirs, env.scripts}
+    found = {os.fspath(d) for d in (*env.site_dirs, env.scripts)}
     for dist in affected:
-        found.update(Path(os.path.dirname(location)) for location in dist.locations)
+        found.update(os.path.dirname(location) for location in dist.locations)
     if wheel is not None:
-        for member in wheel.members:
-            location = install_location(wheel, member, env)
-            if location is not None:
-                found.add(location.parent)
+        found.update(os.path.dirname(location) for location in install_locations(wheel, env).values())
     prefix = os.path.join(os.fspath(env.prefix), "")
-    return {d for d in found if os.path.join(os.fspath(d), "").startswith(prefix)}
+    return {Path(d) for d in found if os.path.join(d, "").startswith(prefix)}
 
 
 def is_installer_written(wheel: Wheel, relative: str) -> bool:
     """Pure: a dist-info file that installers write themselves (not expected to match the wheel)."""
-    parts = PurePosixPath(relative).parts
-    return len(parts) == 2 and parts[0] == wheel.dist_info and parts[1] in INSTALLER_WRITTEN
+    head, _, name = relative.partition("/")
+    return head == wheel.dist_info and "/" not in name and name in INSTALLER_WRITTEN
 
 
 def installed_size(wheel: Wheel, block: int = 4096) -> int:
