@@ -23,6 +23,7 @@ from pathlib import Path
 from packaging.utils import canonicalize_name
 
 from safeinstall.backup import disk_space_needed, free_space, space_problem
+from safeinstall.drift import FindingKind
 from safeinstall.environment import Environment, inspect_environment, resolve_python
 from safeinstall.errors import PlanError, WheelError
 from safeinstall.lock import HeldLock, acquire_lock, check_lock
@@ -40,6 +41,7 @@ from safeinstall.state import (
     state_root,
 )
 from safeinstall.survey import Survey, survey
+from safeinstall.verify import VerifyReport, verify_environment
 from safeinstall.wheel import (
     Wheel,
     check_landing,
@@ -65,6 +67,9 @@ class Prepared:
     survey: Survey
     lock: HeldLock | None
     notes: tuple[str, ...]
+    #: the affected distributions' files as installed, hashed once before anything stops: the plan's
+    #: ``locally_modified`` comes from it, and the run's backup reuses its hashes
+    before: VerifyReport
 
     @property
     def plan(self) -> Plan:
@@ -114,13 +119,32 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
         more = (*room_problems(found, env, state.backups, wheel), *writability_problems(env, found, wheel))
         if more:
             found = replace(found, plan=replace(found.plan, refusals=(*found.plan.refusals, *more)))
+        before = verify_environment(env, [d.name for d in found.affected], installed=found.installed)
+        modified = locally_modified(before)
+        if modified:
+            found = replace(found, plan=with_local_changes(found.plan, modified))
     except BaseException:
         if options.wheel is not None and options.wheel != given:
             discard_wheel_copy(options.wheel, state.dir)
         if lock is not None:
             lock.release()
         raise
-    return Prepared(options, env, state, wheel, found, lock, tuple(notes))
+    return Prepared(options, env, state, wheel, found, lock, tuple(notes), before)
+
+
+def locally_modified(report: VerifyReport) -> tuple[str, ...]:
+    """Pure: the installed files that differ from their RECORD (changed or deleted locally)."""
+    return tuple(f.path for f in report.findings if f.kind in (FindingKind.MODIFIED, FindingKind.MISSING))
+
+
+def with_local_changes(plan: Plan, modified: tuple[str, ...]) -> Plan:
+    """Pure: the plan says that the reinstall replaces files changed locally, before anything stops."""
+    warning = (
+        f"{len(modified)} installed file(s) of {plan.package}'s distributions were changed locally "
+        f"(e.g. {modified[0]}): the reinstall replaces them with the new version's; they are kept in the "
+        "backup, and --keep-patches carries them over"
+    )
+    return replace(plan, locally_modified=modified, warnings=(*plan.warnings, warning))
 
 
 def _named_as_given(found: Survey, copy: Path, given: Path) -> Survey:

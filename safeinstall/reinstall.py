@@ -54,7 +54,7 @@ from safeinstall.lock import process_start
 from safeinstall.options import RunOptions
 from safeinstall.patches import PatchOutcome, PatchSet, carry, prepare_patches, save_patch_set
 from safeinstall.plan import OldCodeProcess, Plan, PlannedProcess, PlannedUnit, left_on_old_code
-from safeinstall.preflight import Prepared, refusal
+from safeinstall.preflight import Prepared, locally_modified, refusal
 from safeinstall.preflight import preflight as shared_preflight
 from safeinstall.processes import scan_processes
 from safeinstall.recover import put_back
@@ -304,11 +304,8 @@ def save_patches(run: _Run) -> None:
 
 
 def backup_step(run: _Run) -> str:
-    names = [d.name for d in run.survey.affected]
-    before = verify_environment(run.env, names, installed=run.survey.installed)
-    run.patched = tuple(
-        f.path for f in before.findings if f.kind in (FindingKind.MODIFIED, FindingKind.MISSING)
-    )
+    before = run.prepared.before  # hashed at preflight, just before this step: not read again
+    run.patched = locally_modified(before)
     for path in run.patched:
         run.notes.append(f"locally patched: {path} (kept in the backup)")
 
