@@ -18,7 +18,7 @@ from safeinstall.environment import Environment, inspect_environment, resolve_py
 from safeinstall.errors import ExitCode, SafeInstallError, UsageError
 from safeinstall.journal import now_iso
 from safeinstall.options import RunOptions, check_options
-from safeinstall.output import dumps, envelope, finding_json, jsonable, plan_json, run_json
+from safeinstall.output import dumps, envelope, finding_json, jsonable, patches_json, plan_json, run_json
 from safeinstall.render import (
     ConsoleReporter,
     literal,
@@ -27,6 +27,7 @@ from safeinstall.render import (
     render_entry,
     render_error,
     render_forgotten,
+    render_patches,
     render_plan,
     render_recoveries,
     render_result,
@@ -357,15 +358,19 @@ def _run_status(python: str | None, as_json: bool) -> None:
 
 
 def _run_dry_run(options: RunOptions, as_json: bool) -> None:
-    from safeinstall.preflight import preflight
+    from safeinstall.preflight import dry_run_patches, preflight
 
-    plan = preflight(options, take_lock=False).plan  # the run's own checks: it refuses when the run would
+    # the run's own checks (and, with --keep-patches, its patch merge): it refuses when the run would
+    plan, patches = dry_run_patches(preflight(options, take_lock=False))
     code = ExitCode.OK if plan.proceeds else ExitCode.REFUSED
     if as_json:
         status = "would-proceed" if plan.proceeds else "would-refuse"
-        print(dumps(envelope("dry-run", status, code, plan_json(plan))))
+        data = plan_json(plan) | ({"patches": patches_json(patches.outcomes)} if patches is not None else {})
+        print(dumps(envelope("dry-run", status, code, data)))
     else:
         render_plan(make_console(), make_console(stderr=True), plan)
+        if patches is not None:
+            render_patches(make_console(), patches.outcomes)
     _exit(code)
 
 
@@ -740,10 +745,10 @@ def main_command(
                 "--base-wheel and --drop-conflicting go with --keep-patches",
                 hint=f"safeinstall {package or 'PACKAGE'} --wheel W --keep-patches [--base-wheel W]",
             )
-        if keep_patches and (verify_only or dry_run):
+        if keep_patches and verify_only:
             raise UsageError(
-                "--keep-patches is for the reinstall",
-                hint="run it without --verify-only/--dry-run: the merge is checked before anything stops, "
+                "--keep-patches is for the reinstall (and its --dry-run)",
+                hint="run it without --verify-only: the merge is checked before anything stops, "
                 "and a patch that cannot be carried refuses the run (exit 2)",
             )
         if verify_only:

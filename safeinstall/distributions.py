@@ -51,11 +51,13 @@ METADATA_LIMIT = 16 << 20
 RECORD_LIMIT = 64 << 20
 
 
-def _read_text(path: Path, limit: int = METADATA_LIMIT) -> str | None:
-    """A metadata file of the environment (its owner may have made it a symlink, a FIFO or huge): read
-    only when it is a regular file within ``limit``; else None, as for a missing file."""
+def _read_text(path: Path, reader: tuple[int, int] | None, limit: int = METADATA_LIMIT) -> str | None:
+    """A metadata file of the environment (its owner may have made it a FIFO, huge, or a symlink: uv's
+    ``--link-mode symlink`` links them into its cache): read only when it is a regular file within
+    ``limit`` that ``reader`` (the environment's owner, when it is another account) may read itself;
+    else None, as for a missing file."""
     try:
-        return read_small(path, limit).decode("utf-8", errors="replace")
+        return read_small(path, limit, reader).decode("utf-8", errors="replace")
     except OSError:
         return None
 
@@ -106,9 +108,10 @@ def metadata_values(text: str, wanted: str) -> tuple[str, ...]:
     return tuple(values)
 
 
-def load_distribution(dist_info: Path) -> InstalledDistribution | None:
-    """Read one ``.dist-info`` directory; None if it is not a readable distribution."""
-    metadata = _read_text(dist_info / "METADATA")
+def load_distribution(dist_info: Path, reader: tuple[int, int] | None = None) -> InstalledDistribution | None:
+    """Read one ``.dist-info`` directory; None if it is not a readable distribution. ``reader`` (uid,
+    gid): read only what that account (the environment's owner) may read itself."""
+    metadata = _read_text(dist_info / "METADATA", reader)
     if metadata is None:
         return None
     headers = metadata_headers(metadata, ("Name", "Version"))
@@ -116,8 +119,8 @@ def load_distribution(dist_info: Path) -> InstalledDistribution | None:
     version = headers.get("Version")
     if not name or not version:
         return None
-    record_text = _read_text(dist_info / "RECORD", RECORD_LIMIT) or ""
-    installer = _read_text(dist_info / "INSTALLER")
+    record_text = _read_text(dist_info / "RECORD", reader, RECORD_LIMIT) or ""
+    installer = _read_text(dist_info / "INSTALLER", reader)
     record = parse_record(record_text)
     site = dist_info.parent
     site_text = os.fspath(site)
@@ -128,7 +131,7 @@ def load_distribution(dist_info: Path) -> InstalledDistribution | None:
         site=site,
         dist_info=dist_info,
         record=record,
-        console_scripts=parse_console_scripts(_read_text(dist_info / "entry_points.txt")),
+        console_scripts=parse_console_scripts(_read_text(dist_info / "entry_points.txt", reader)),
         installer=installer.strip() if installer else None,
         locations=tuple(entry_location(site_text, entry) for entry in record.entries),
         requires=metadata_values(metadata, "Requires-Dist"),
@@ -170,17 +173,21 @@ def reload_distributions(
     for directory in dist_info_dirs(env):
         if dist_info_name(directory.name) not in changed:
             continue
-        dist = load_distribution(directory)
+        dist = load_distribution(directory, _reader(env))
         if dist is not None and dist.name not in found:
             found[dist.name] = dist
     return sorted(found.values(), key=lambda d: d.name)
+
+
+def _reader(env: Environment) -> tuple[int, int] | None:
+    return env.account.ids if env.account is not None else None
 
 
 def find_distributions(env: Environment) -> list[InstalledDistribution]:
     """Every distribution installed in the environment's site directories, sorted by name."""
     found: dict[str, InstalledDistribution] = {}
     for directory in dist_info_dirs(env):
-        dist = load_distribution(directory)
+        dist = load_distribution(directory, _reader(env))
         if dist is not None and dist.name not in found:
             found[dist.name] = dist
     return sorted(found.values(), key=lambda d: d.name)

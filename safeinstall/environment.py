@@ -47,7 +47,6 @@ print(json.dumps({
     "soabi": sysconfig.get_config_var("SOABI"),
     "ext_suffix": sysconfig.get_config_var("EXT_SUFFIX"),
     "platform": sysconfig.get_platform(),
-    "uid": os.geteuid(),
 }))
 """
 
@@ -81,7 +80,7 @@ class Environment:
     soabi: str | None
     platform: str
     account: Account | None = None  # who owns the environment (not root): its probe and uv run as it
-    probed_as: int | None = None  # the uid the probe ran as
+    probed_as: int | None = None  # the uid the probe was started as (never what it printed)
 
     @property
     def owner(self) -> int | None:
@@ -187,18 +186,48 @@ def _inside(path: Path, prefix: Path) -> bool:
     return path == prefix or path.is_relative_to(prefix)
 
 
-def _venv_problem(python: Path, prefix: Path, paths: tuple[Path, ...]) -> str | None:
-    """Why a venv interpreter's answer cannot be its own (its prefix is not the directory holding its
-    pyvenv.cfg, or its site-packages or scripts lie outside it), or None."""
+def _own_prefix(python: Path) -> tuple[Path, str]:
+    """The prefix ``python`` belongs to, and why: a venv's directory (its ``pyvenv.cfg`` beside or above the
+    interpreter, as site finds it), else the directory above the real binary's ``bin/`` (``/usr/bin/python3``
+    -> ``/usr/bin/python3.11`` -> ``/usr``; conda, pyenv and uv's ``PREFIX/bin/python3.11``)."""
     venv = python.parent.parent
-    if not (venv / "pyvenv.cfg").is_file():
-        return None
-    if prefix != Path(os.path.realpath(venv)):
-        return f"it reports the prefix {prefix}, but its pyvenv.cfg is in {venv}"
-    outside = [str(path) for path in paths if not _inside(path, prefix)]
-    if outside:
-        return f"it reports directories outside its prefix {prefix}: {', '.join(outside)}"
+    if (python.parent / "pyvenv.cfg").is_file() or (venv / "pyvenv.cfg").is_file():
+        return Path(os.path.realpath(venv)), f"its pyvenv.cfg is in {venv}"
+    real = Path(os.path.realpath(python))
+    return real.parent.parent, f"its interpreter {real} is in {real.parent.parent}"
+
+
+def _foreign_owner(paths: tuple[Path, ...], owner: int) -> tuple[Path, int] | None:
+    """The first of ``paths`` owned by neither ``owner`` nor root, with its uid (a missing one is skipped)."""
+    for path in paths:
+        try:
+            uid = os.stat(path).st_uid
+        except OSError:
+            continue
+        if uid not in (0, owner):
+            return path, uid
     return None
+
+
+def _answer_problem(python: Path, env: Environment) -> str | None:
+    """Why an interpreter's answer cannot be its own, or None: its prefix is not the one its location makes
+    it (a venv's directory, or the directory above its real binary's ``bin/``), its site-packages, scripts
+    or data directory lie outside that prefix, or (asked as the environment's owner) one of them belongs
+    to an account that is neither that owner nor root."""
+    expected, why = _own_prefix(python)
+    if env.prefix != expected:
+        return f"it reports the prefix {env.prefix}, but {why}"
+    paths = (env.purelib, env.platlib, env.scripts, env.data)
+    outside = [str(path) for path in paths if not _inside(path, env.prefix)]
+    if outside:
+        return f"it reports directories outside its prefix {env.prefix}: {', '.join(outside)}"
+    if env.owner is None:
+        return None
+    foreign = _foreign_owner((env.prefix, *paths), env.owner)
+    if foreign is None:
+        return None
+    path, uid = foreign
+    return f"it reports {path}, owned by uid {uid}: neither its owner (uid {env.owner}) nor root"
 
 
 def inspect_environment(python: Path, timeout: float = 30.0) -> Environment:
@@ -241,11 +270,11 @@ def inspect_environment(python: Path, timeout: float = 30.0) -> Environment:
             soabi=info.get("soabi"),
             platform=str(info["platform"]),
             account=owner,
-            probed_as=int(info["uid"]),
+            probed_as=os.geteuid() if owner is None else owner.uid,  # as started, never as it says
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise InterpreterError(f"{python} printed something unexpected: {proc.stdout[:200]!r}") from exc
-    problem = _venv_problem(python, env.prefix, (env.purelib, env.platlib, env.scripts, env.data))
+    problem = _answer_problem(python, env)
     if problem is not None:
         raise InterpreterError(
             f"refusing the environment of {python}: {problem}",

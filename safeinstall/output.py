@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Sequence
 from enum import Enum
 from pathlib import PurePath
 from typing import TYPE_CHECKING, Any
@@ -16,6 +17,7 @@ from safeinstall.drift import Finding
 from safeinstall.errors import SafeInstallError
 
 if TYPE_CHECKING:
+    from safeinstall.patches import PatchOutcome
     from safeinstall.plan import Plan
     from safeinstall.reinstall import RunResult
 
@@ -83,6 +85,11 @@ def plan_json(plan: Plan) -> dict[str, Any]:
     return data
 
 
+def patches_json(patches: Sequence[PatchOutcome]) -> list[dict[str, Any]]:
+    """--keep-patches: each local patch (a run's ``patches``, and a dry-run's)."""
+    return [{"path": p.path, "status": p.status.value, "detail": p.detail, "diff": p.diff} for p in patches]
+
+
 def run_json(result: RunResult) -> dict[str, Any]:
     """A reinstall's result for ``--json``: the plan, each step with its time, the downtime."""
     return {
@@ -99,10 +106,7 @@ def run_json(result: RunResult) -> dict[str, Any]:
         "strays_killed": list(result.strays_killed),
         "notes": list(result.notes),
         "old_code": jsonable(result.old_code),
-        "patches": [
-            {"path": p.path, "status": p.status.value, "detail": p.detail, "diff": p.diff}
-            for p in result.patches
-        ],
+        "patches": patches_json(result.patches),
         "patch_file": result.patch_file,
         "manual_commands": list(result.manual_commands),
     }

@@ -77,6 +77,9 @@ class Plan:
     only_loaded: bool = False  # --only-loaded: processes with only possible evidence are left out
     #: PIDs of the processes --only-loaded leaves out (only ``environment`` evidence); they keep running
     left_out: tuple[int, ...] = ()
+    #: installed files of the affected distributions that differ from their RECORD (local patches,
+    #: deletions): the reinstall replaces them (kept in the backup; --keep-patches carries them)
+    locally_modified: tuple[str, ...] = ()
 
     @property
     def proceeds(self) -> bool:

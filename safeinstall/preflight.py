@@ -10,7 +10,8 @@ why it would refuse.
 
 The only difference: the run creates its state directory and takes the lock (and keeps it); a dry-run
 creates nothing and takes no lock: it checks that the directory could be made and that no live run
-holds the lock.
+holds the lock. With ``--keep-patches``, the run's next step (the patch merge) is made by the dry-run
+too (:func:`dry_run_patches`), its scratch in a temporary directory.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ from pathlib import Path
 from packaging.utils import canonicalize_name
 
 from safeinstall.backup import disk_space_needed, free_space, space_problem
+from safeinstall.drift import FindingKind
 from safeinstall.environment import Environment, inspect_environment, resolve_python
 from safeinstall.errors import PlanError, WheelError
 from safeinstall.lock import HeldLock, acquire_lock, check_lock
 from safeinstall.options import RunOptions, check_options
+from safeinstall.patches import PatchSet, prepare_patches
 from safeinstall.plan import Plan
 from safeinstall.safefs import unwritable
 from safeinstall.state import (
@@ -38,6 +41,7 @@ from safeinstall.state import (
     state_root,
 )
 from safeinstall.survey import Survey, survey
+from safeinstall.verify import VerifyReport, verify_environment
 from safeinstall.wheel import (
     Wheel,
     check_landing,
@@ -47,7 +51,7 @@ from safeinstall.wheel import (
     read_wheel,
     target_tags,
 )
-from safeinstall.wheelcopy import copy_wheel, discard_wheel_copy, temporary_copy
+from safeinstall.wheelcopy import copy_wheel, discard_wheel_copy, passable_temporary_dir, temporary_copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +67,9 @@ class Prepared:
     survey: Survey
     lock: HeldLock | None
     notes: tuple[str, ...]
+    #: the affected distributions' files as installed, hashed once before anything stops: the plan's
+    #: ``locally_modified`` comes from it, and the run's backup reuses its hashes
+    before: VerifyReport
 
     @property
     def plan(self) -> Plan:
@@ -112,13 +119,32 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
         more = (*room_problems(found, env, state.backups, wheel), *writability_problems(env, found, wheel))
         if more:
             found = replace(found, plan=replace(found.plan, refusals=(*found.plan.refusals, *more)))
+        before = verify_environment(env, [d.name for d in found.affected], installed=found.installed)
+        modified = locally_modified(before)
+        if modified:
+            found = replace(found, plan=with_local_changes(found.plan, modified))
     except BaseException:
         if options.wheel is not None and options.wheel != given:
             discard_wheel_copy(options.wheel, state.dir)
         if lock is not None:
             lock.release()
         raise
-    return Prepared(options, env, state, wheel, found, lock, tuple(notes))
+    return Prepared(options, env, state, wheel, found, lock, tuple(notes), before)
+
+
+def locally_modified(report: VerifyReport) -> tuple[str, ...]:
+    """Pure: the installed files that differ from their RECORD (changed or deleted locally)."""
+    return tuple(f.path for f in report.findings if f.kind in (FindingKind.MODIFIED, FindingKind.MISSING))
+
+
+def with_local_changes(plan: Plan, modified: tuple[str, ...]) -> Plan:
+    """Pure: the plan says that the reinstall replaces files changed locally, before anything stops."""
+    warning = (
+        f"{len(modified)} installed file(s) of {plan.package}'s distributions were changed locally "
+        f"(e.g. {modified[0]}): the reinstall replaces them with the new version's; they are kept in the "
+        "backup, and --keep-patches carries them over"
+    )
+    return replace(plan, locally_modified=modified, warnings=(*plan.warnings, warning))
 
 
 def _named_as_given(found: Survey, copy: Path, given: Path) -> Survey:
@@ -133,6 +159,25 @@ def _named_as_given(found: Survey, copy: Path, given: Path) -> Survey:
         uv_plan=replace(found.uv_plan, command=named(found.uv_plan.command)),
         plan=replace(found.plan, uv_command=named(found.plan.uv_command)),
     )
+
+
+def dry_run_patches(prepared: Prepared) -> tuple[Plan, PatchSet | None]:
+    """``--keep-patches --dry-run``: the run's patches step, the same merge, made as the run makes it once
+    the plan proceeds; its scratch (the environment owner's, as in the run) in a temporary directory: a
+    dry-run creates nothing in the state directory. A patch that cannot be carried is then one of the
+    plan's refusals; pristine files that cannot be had raise, as in the run. The plan, and the patches
+    (None without the step)."""
+    options, plan = prepared.options, prepared.plan
+    if not options.keep_patches or not plan.proceeds:
+        return plan, None
+    with passable_temporary_dir("the --keep-patches merge") as top:  # uv makes its scratch as the owner
+        patches = prepare_patches(
+            prepared.survey, options.base_wheel, top / "merge", options.environ, options.drop_conflicting
+        )
+    refused = patches.refusal()
+    if refused is not None:
+        plan = replace(plan, refusals=(*plan.refusals, refused.message))
+    return plan, patches
 
 
 def refusal(plan: Plan) -> PlanError | None:

@@ -13,24 +13,30 @@ import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from safeinstall.backup import Backup, load_backup, restore_backup
 from safeinstall.environment import Environment, inspect_environment, resolve_python
-from safeinstall.errors import ExitCode, RollbackFailed, SafeInstallError, UsageError
+from safeinstall.errors import ExitCode, RollbackFailed, SafeInstallError, StepFailed, UsageError
 from safeinstall.gate import GATE_DROPIN, gate_marker
-from safeinstall.history import RunSummary, read_history
+from safeinstall.history import RunSummary, new_entry, read_history
+from safeinstall.history import append as append_history
 from safeinstall.journal import (
     Journal,
     JournalError,
     JournalUnit,
+    Phase,
     clear_journal,
     effective_phase,
     journal_problems,
     needs_restore,
+    now_iso,
     read_journal,
     units_to_start,
 )
 from safeinstall.lock import LockHolder, acquire_lock, read_holder
+from safeinstall.output import envelope, jsonable
+from safeinstall.runlog import append_line
 from safeinstall.state import (
     EnvironmentState,
     StateDirError,
@@ -125,14 +131,14 @@ def put_back(
     environ: Mapping[str, str],
     restore: tuple[Environment, Backup] | None,
     start: Callable[[list[JournalUnit]], None],
-    finished: Callable[[], None] = lambda: None,
+    finished: Callable[[PutBack], None] = lambda done: None,
 ) -> PutBack:
     """The one put-back sequence, for the rollback and for ``--recover``: restore the backup (when
     ``restore`` is given), open the gate, start the units the run stopped that were running (also when
     the restore found nothing changed), remove the gate drop-ins, clear the journal and drop the run's
     copy of the wheel. ``start`` starts and watches units (raises SafeInstallError when one does not come
-    up); ``finished`` runs just before the journal is cleared. Raises SafeInstallError; the journal is
-    then kept."""
+    up); ``finished`` is given what was done just before the journal is cleared. Raises SafeInstallError;
+    the journal is then kept."""
     notes: list[str] = []
     restored = unchanged = False
     if restore is not None:
@@ -145,11 +151,12 @@ def put_back(
     units = units_to_start(journal)
     start(units)
     gates = _remove_gates(journal, environ, notes)
-    finished()
+    done = PutBack(restored, unchanged, tuple(u.name for u in units), gates, tuple(notes))
+    finished(done)
     clear_journal(state_dir)
     if journal.wheel:
         discard_wheel_copy(Path(journal.wheel), state_dir)
-    return PutBack(restored, unchanged, tuple(u.name for u in units), gates, tuple(notes))
+    return done
 
 
 def _states(environ: Mapping[str, str], python: str | None) -> list[EnvironmentState]:
@@ -228,6 +235,52 @@ def _start(units: list[JournalUnit], environ: Mapping[str, str], settle: float) 
         raise SafeInstallError("; ".join(failures))
 
 
+#: A run that died in one of these had verified its new version: a recovery keeps it.
+KEPT_PHASES = frozenset({Phase.VERIFIED, Phase.RESTARTING, Phase.DONE})
+
+
+def recovered_result(journal: Journal, recovery: Recovery, log_file: str) -> dict[str, Any]:
+    """Pure: the ``reinstall`` document of a run that died and that ``--recover`` finished, as its history
+    keeps it: status ``recovered``; exit 0 when the new version, verified before the run died, was kept;
+    3 when the environment is as it was before the run (the backup restored, or nothing installed yet)."""
+    phase = effective_phase(journal)
+    died = f"the run {journal.run_id} died in phase {phase} (PID {journal.pid}) without a result"
+    notes = [f"{died}; safeinstall --recover finished it"]
+    errors: list[SafeInstallError] = []
+    if phase in KEPT_PHASES:
+        code = ExitCode.OK
+        if phase != Phase.DONE:
+            notes.append(
+                "its new version was verified and is kept; the checks after its restart were not made"
+            )
+    else:
+        code = ExitCode.ROLLED_BACK
+        how = "restored the backup" if recovery.restored else "had nothing to restore"
+        errors.append(
+            StepFailed(
+                f"{died}: safeinstall --recover {how}, and the environment is as it was before the run",
+                hint="run it again",
+            )
+        )
+    if recovery.started:
+        notes.append("started again: " + ", ".join(recovery.started))
+    data = {**jsonable(recovery), "log_file": log_file, "notes": [*notes, *recovery.notes]}
+    return envelope("reinstall", "recovered", code, data, errors)
+
+
+def _keep_recovered(state: EnvironmentState, journal: Journal, recovery: Recovery) -> tuple[str, ...]:
+    """The recovered run's end, as a run's own: notes and result in its log, an entry in the history
+    (so that ``--status`` lists it and ``--status --wait --run`` returns it); what went wrong, if anything."""
+    log = state.log_file(journal.run_id)
+    result = recovered_result(journal, recovery, str(log))
+    for line in (*result["data"]["notes"], *(f"error: {e['message']}" for e in result["errors"])):
+        append_line(log, f"recover: {line}")
+    append_line(log, f"result: {result['status']} (exit {result['exit_code']})")
+    return append_history(
+        state, new_entry(journal.run_id, journal.package, journal.started_at, now_iso(), result)
+    )
+
+
 def recover_one(state: EnvironmentState, environ: Mapping[str, str], settle: float = 2.0) -> Recovery:
     prefix = str(state.prefix or state.dir)
     if read_checked_journal(state, environ) is None:
@@ -238,6 +291,16 @@ def recover_one(state: EnvironmentState, environ: Mapping[str, str], settle: flo
             return Recovery(prefix, None, None, notes=("nothing to recover",))
         notes: list[str] = [lock.takeover_note] if lock.takeover_note else []
         phase = str(effective_phase(journal))
+
+        def recovery(done: PutBack) -> Recovery:
+            return Recovery(
+                prefix, journal.run_id, phase, done.restored, done.started, done.gates_removed,
+                (*notes, *done.notes),
+            )
+
+        def finished(done: PutBack) -> None:  # before the journal goes: a waiter finds the entry
+            notes.extend(_keep_recovered(state, journal, recovery(done)))
+
         try:
             restore: tuple[Environment, Backup] | None = None
             if needs_restore(journal):
@@ -260,7 +323,7 @@ def recover_one(state: EnvironmentState, environ: Mapping[str, str], settle: flo
             # full disk the restore needs the room it holds
             remove_uv_caches(state)
             done = put_back(
-                state.dir, journal, environ, restore, lambda units: _start(units, environ, settle)
+                state.dir, journal, environ, restore, lambda units: _start(units, environ, settle), finished
             )
         except JournalError:
             raise  # refused before anything was done: exit 2, as for any refusal
@@ -275,15 +338,7 @@ def recover_one(state: EnvironmentState, environ: Mapping[str, str], settle: flo
                 hint="the journal and the backup are kept; fix the cause and run safeinstall --recover again"
                 + (f"; units to start: {'; '.join(commands)}" if commands else ""),
             ) from exc
-        return Recovery(
-            prefix,
-            journal.run_id,
-            phase,
-            done.restored,
-            done.started,
-            done.gates_removed,
-            (*notes, *done.notes),
-        )
+        return recovery(done)
 
 
 @dataclass(frozen=True, slots=True)

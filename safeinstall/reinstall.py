@@ -16,9 +16,6 @@ import os
 import shutil
 import signal
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -42,6 +39,7 @@ from safeinstall.errors import (
 )
 from safeinstall.gate import GATE_DROPIN, gate_dropin_text, gate_marker
 from safeinstall.gpus import GpuSnapshot, NvmlSession, ReleaseStatus, wait_for_release
+from safeinstall.health import wait_healthy
 from safeinstall.journal import (
     Journal,
     JournalUnit,
@@ -56,7 +54,7 @@ from safeinstall.lock import process_start
 from safeinstall.options import RunOptions
 from safeinstall.patches import PatchOutcome, PatchSet, carry, prepare_patches, save_patch_set
 from safeinstall.plan import OldCodeProcess, Plan, PlannedProcess, PlannedUnit, left_on_old_code
-from safeinstall.preflight import Prepared, refusal
+from safeinstall.preflight import Prepared, locally_modified, refusal
 from safeinstall.preflight import preflight as shared_preflight
 from safeinstall.processes import scan_processes
 from safeinstall.recover import put_back
@@ -306,11 +304,8 @@ def save_patches(run: _Run) -> None:
 
 
 def backup_step(run: _Run) -> str:
-    names = [d.name for d in run.survey.affected]
-    before = verify_environment(run.env, names, installed=run.survey.installed)
-    run.patched = tuple(
-        f.path for f in before.findings if f.kind in (FindingKind.MODIFIED, FindingKind.MISSING)
-    )
+    before = run.prepared.before  # hashed at preflight, just before this step: not read again
+    run.patched = locally_modified(before)
     for path in run.patched:
         run.notes.append(f"locally patched: {path} (kept in the backup)")
 
@@ -545,7 +540,7 @@ def restart_step(run: _Run) -> str:
     for unit in units:
         run.journal = _mark(run.journal, unit, restarted=True)
     if run.options.health_url:
-        _wait_healthy(run.options.health_url, run.options.health_timeout)
+        wait_healthy(run.options.health_url, run.options.health_timeout)
         detail += f"; {run.options.health_url} answers 200"
     return detail
 
@@ -633,7 +628,7 @@ def rollback(run: _Run, error: SafeInstallError) -> SafeInstallError:
                 run.options.environ,
                 restore,
                 lambda units: _start_again(run, units),
-                lambda: run._journal_if_possible(Phase.ROLLED_BACK),
+                lambda _done: run._journal_if_possible(Phase.ROLLED_BACK),
             )
             run.notes.extend(outcome.notes)
             if outcome.restored:
@@ -785,53 +780,6 @@ def _verify_installed(
         return main
     rest = verify_environment(env, others, installed=installed)
     return replace(main, distributions=(*main.distributions, *rest.distributions))
-
-
-def _origin(url: str) -> tuple[str, str | None, int | None]:
-    parts = urllib.parse.urlsplit(url)
-    return parts.scheme, parts.hostname, parts.port
-
-
-class _OffOrigin(urllib.error.URLError):
-    pass
-
-
-class _SameOriginRedirects(urllib.request.HTTPRedirectHandler):
-    """Follows a redirect only to the health URL's own scheme, host and port: a service cannot send
-    root's request elsewhere, nor have another host's 200 count as its own health."""
-
-    def __init__(self, url: str) -> None:
-        self.origin = _origin(url)
-
-    def redirect_request(
-        self, req: urllib.request.Request, fp: Any, code: int, msg: str, headers: Any, newurl: str
-    ) -> urllib.request.Request | None:
-        if _origin(newurl) != self.origin:
-            raise _OffOrigin(f"HTTP {code} redirect to another host ({newurl}), refused")
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
-
-
-def _wait_healthy(url: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    last = "no answer"
-    opener = urllib.request.build_opener(_SameOriginRedirects(url))
-    while time.monotonic() < deadline:
-        try:
-            with opener.open(url, timeout=5) as response:
-                if response.status == 200:
-                    return
-                last = f"HTTP {response.status}"
-        except _OffOrigin as exc:
-            last = str(exc.reason)
-        except urllib.error.HTTPError as exc:
-            last = f"HTTP {exc.code}"
-        except (urllib.error.URLError, OSError) as exc:
-            last = str(exc)
-        time.sleep(0.5)
-    raise StepFailed(
-        f"{url} did not answer 200 within {timeout:g} s (last: {last})",
-        hint=f"if the service needs longer than {timeout:g} s to come up, raise --health-timeout",
-    )
 
 
 def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) -> RunResult:

@@ -6,7 +6,7 @@ import contextlib
 import re
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
     from safeinstall.diffs import FileDiff
     from safeinstall.history import RunSummary
+    from safeinstall.patches import PatchOutcome
     from safeinstall.plan import Plan
     from safeinstall.recover import EnvironmentStatus, Forgotten, Recovery
     from safeinstall.reinstall import RunResult, StepOutcome
@@ -332,7 +333,7 @@ def render_result(out: Console, err: Console, result: RunResult, run_id: str) ->
             "it runs old code; restart it",
             soft_wrap=True,
         )
-    _render_patches(out, result)
+    render_patches(out, result.patches, result.patch_file)
     if result.patched:
         out.print(f"locally patched files (copies kept in {literal(result.backup_dir or '')}):")
         for path in result.patched:
@@ -354,7 +355,7 @@ def render_result(out: Console, err: Console, result: RunResult, run_id: str) ->
         render_error(err, result.error)
 
 
-def _render_patches(out: Console, result: RunResult) -> None:
+def render_patches(out: Console, patches: Sequence[PatchOutcome], patch_file: str | None = None) -> None:
     """--keep-patches: what was carried, what was dropped, and where each conflict is (as a diff)."""
     heading = {
         "carried": "local patches carried to the new version:",
@@ -362,7 +363,7 @@ def _render_patches(out: Console, result: RunResult) -> None:
         "conflict": "local patches that cannot be carried:",
     }
     for status, title in heading.items():
-        found = [p for p in result.patches if p.status.value == status]
+        found = [p for p in patches if p.status.value == status]
         if not found:
             continue
         out.print(title)
@@ -372,8 +373,8 @@ def _render_patches(out: Console, result: RunResult) -> None:
             )
             if status != "carried" and patch.diff:
                 out.print(literal(patch.diff, lines=True), end="", soft_wrap=True)
-    if result.patch_file:
-        out.print(f"carried patch set saved as {literal(result.patch_file)}", soft_wrap=True)
+    if patch_file:
+        out.print(f"carried patch set saved as {literal(patch_file)}", soft_wrap=True)
 
 
 def render_recoveries(out: Console, recoveries: list[Recovery]) -> None:

@@ -105,15 +105,18 @@ def open_regular(path: Path) -> int:
     return fd
 
 
-def read_small(path: Path, limit: int) -> bytes:
+def read_small(path: Path, limit: int, reader: tuple[int, int] | None = None) -> bytes:
     """The bytes of a small file that others may control (an installed distribution's METADATA, RECORD,
-    INSTALLER): the last component is not followed if it is a symlink, a FIFO or a device is refused
-    without blocking, and a file larger than ``limit`` is refused before it is read. Raises OSError."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    INSTALLER): a FIFO or a device is refused without blocking, a file larger than ``limit`` before it
+    is read, and with ``reader`` (uid, gid) a file that account could not read itself (a symlink the
+    environment's owner made to a file of root's). Raises OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise NotRegularFile(str(path), describe(info.st_mode))
+        if reader is not None and not permitted(info.st_mode, info.st_uid, info.st_gid, reader, 4):
+            raise PermissionError(errno.EACCES, f"uid {reader[0]} may not read it", str(path))
         if info.st_size > limit:
             raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
         chunks: list[bytes] = []

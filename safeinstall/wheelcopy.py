@@ -77,21 +77,30 @@ def discard_wheel_copy(path: Path, envdir: Path) -> None:
 
 
 @contextlib.contextmanager
-def temporary_copy(source: Path) -> Iterator[Path]:
-    """A copy of ``source`` in a new temporary directory that others may enter (0711; the copy 0644),
-    removed afterwards: what a dry-run gives uv when uv runs as the environment's owner, who may not be
-    able to read the wheel where it lies (a run gives it the run's own copy, in the state directory)."""
+def passable_temporary_dir(what: str) -> Iterator[Path]:
+    """A new temporary directory for ``what`` that others may enter but not list (0711), removed
+    afterwards by descriptor: where a dry-run puts what uv, run as the environment's owner, reaches by
+    name (a copy of the wheel, the ``--keep-patches`` scratch directory)."""
     try:
         top = Path(os.path.realpath(tempfile.mkdtemp(prefix="safeinstall-")))  # safefs opens real paths
     except OSError as exc:
         raise WheelError(
-            f"cannot make a temporary directory for a copy of the wheel {source}: {exc.strerror or exc}",
-            hint="uv reads the wheel as the environment's owner: free some space in the temporary "
-            "directory (TMPDIR), or run without --dry-run",
+            f"cannot make a temporary directory for {what}: {exc.strerror or exc}",
+            hint="uv runs as the environment's owner: free some space in the temporary directory (TMPDIR), "
+            "or run without --dry-run",
         ) from exc
     try:
         os.chmod(top, COPY_DIR_MODE)
-        yield copy_wheel(source, top)
+        yield top
     finally:
         with contextlib.suppress(OSError), Tree(top.parent) as tree:
             tree.remove_tree(top.name)
+
+
+@contextlib.contextmanager
+def temporary_copy(source: Path) -> Iterator[Path]:
+    """A copy of ``source`` in a :func:`passable_temporary_dir` (the copy 0644): what a dry-run gives uv
+    when uv runs as the environment's owner, who may not be able to read the wheel where it lies (a run
+    gives it the run's own copy, in the state directory)."""
+    with passable_temporary_dir(f"a copy of the wheel {source}") as top:
+        yield copy_wheel(source, top)

@@ -184,6 +184,7 @@ def _patch(bed: Bed) -> dict[str, str]:
         ("during-gpu-wait", ("stopped",), 0.5),
         ("during-install", ("installing",), 0.0),
         ("after-install", ("installed", "verified"), 0.0),
+        ("after-verify", ("verified", "restarting"), 0.0),
     ],
 )
 def test_sigkill_at_step_boundary_then_recover(
@@ -212,15 +213,27 @@ def test_sigkill_at_step_boundary_then_recover(
             os.kill(pid, signal.SIGKILL)
     status = bed.cli("--status", "--json").json
     assert status["status"] == "needs-recovery", status
+    run_id = status["data"]["environments"][0]["run_id"]
+    lost = bed.cli("--status", "--wait", "--run", run_id)
+    assert lost.code == 4 and "run safeinstall --recover" in lost.stderr, lost.stdout + lost.stderr
     recovered = bed.cli("--recover", "--json")
     assert recovered.code == 0, recovered.stdout + recovered.stderr
     (recovery,) = recovered.json["data"]["recoveries"]
-    assert recovery["run_id"] is not None
+    assert recovery["run_id"] == run_id
     wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running again")
     which = bed.consistent(before, big_wheel)
     if boundary in ("after-stop", "during-gpu-wait"):
         assert which == "old" and recovery["restored"] is False
+    if boundary == "after-verify":
+        assert which == "new" and recovery["restored"] is False
     bed.no_trace()
+    # the run that died is in the history, as recovered: kept (exit 0) or put back as it was (exit 3)
+    waited = bed.cli("--status", "--wait", "--run", run_id, "--json")
+    assert waited.code == (0 if which == "new" else 3), waited.stdout + waited.stderr
+    assert (waited.json["status"], waited.json["data"]["restored"]) == ("recovered", recovery["restored"])
+    assert f"recover: the run {run_id} died in phase {recovery['phase']}" in waited.stderr  # its log
+    (listed,) = bed.cli("--status", "--json").json["data"]["environments"][0]["runs"]
+    assert (listed["run_id"], listed["status"], listed["exit_code"]) == (run_id, "recovered", waited.code)
     assert bed.cli("--recover").stdout.strip() == "nothing to recover"
     assert bed.cli("--status", "--json").json["status"] == "idle"
 

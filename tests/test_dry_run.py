@@ -350,3 +350,23 @@ def test_depends_and_environment_evidence_and_only_loaded(
     human = safeinstall(user_manager, None, *args, "--only-loaded")
     assert "--only-loaded leaves out 1 process(es)" in human.stderr and str(possible_pid) in human.stderr
     assert "depends (certain)" in human.stdout and "maps sicext 1.0, which requires sipure" in human.stdout
+
+
+def test_local_changes_are_said_before_anything_stops(
+    env: Path, wheels: Wheelhouse, user_manager: UserManager
+) -> None:
+    """A file of the package was patched locally and another deleted: the dry-run (and so the prompt,
+    which shows the same plan) lists both as what the reinstall replaces, before anything stops."""
+    site = wheelhouse.site_packages(env)
+    serve, init = site / "sicext" / "serve.py", site / "sicext" / "__init__.py"
+    serve.write_text(serve.read_text() + "# a local fix\n")
+    init.unlink()
+    result = dry_run(user_manager, None, env, wheels["sicext-2"], "--json")
+    assert result.code == 0, result.stdout + result.stderr
+    plan = result.json["data"]
+    assert sorted(plan["locally_modified"]) == sorted([str(init), str(serve)])
+    assert any("2 installed file(s)" in w and "--keep-patches" in w for w in plan["warnings"])
+    human = dry_run(user_manager, None, env, wheels["sicext-2"])
+    assert "were changed locally" in human.stdout + human.stderr
+    clean = run("sipure", "--wheel", str(wheels["sipure-2"]), "--python", str(env), "--dry-run", "--json")
+    assert clean.json["data"]["locally_modified"] == []

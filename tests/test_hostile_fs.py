@@ -410,10 +410,12 @@ def test_keep_patches_fetches_as_the_environments_owner(account: ServiceAccountB
     init = account.site / "sicext" / "__init__.py"
     init.write_text(init.read_text() + 'PATCH = " with a local fix"\n')  # shared by 1.0 and 2.0
     name = account.unit("keep-patches")
-    result = account.cli(
-        "sicext==2.0", "--keep-patches", "--yes", "--settle", "1", "--json",
-        "--", "--offline", "--find-links", str(links),
-    )  # fmt: skip
+    index = ("--", "--offline", "--find-links", str(links))
+    dry = account.cli("sicext==2.0", "--keep-patches", "--dry-run", "--json", *index)  # its scratch: /tmp
+    assert dry.code == 0, dry.stdout + dry.stderr
+    never_root("a --keep-patches dry-run")
+    assert [(p["path"], p["status"]) for p in dry.json["data"]["patches"]] == [(str(init), "carried")]
+    result = account.cli("sicext==2.0", "--keep-patches", "--yes", "--settle", "1", "--json", *index)
     assert result.code == 0, result.stdout + result.stderr
     never_root("a --keep-patches run")
     assert [(p["path"], p["status"]) for p in result.json["data"]["patches"]] == [(str(init), "carried")]
@@ -897,12 +899,19 @@ def test_paths_below_a_tree_and_copies_of_wheels(tmp_path: Path) -> None:
 
 
 def test_an_installed_distributions_metadata_is_never_read_through_a_fifo_a_symlink_or_whole(
-    venv: Path, wheels: Wheelhouse, tmp_path: Path
+    open_dir: Path, wheels: Wheelhouse, tmp_path: Path
 ) -> None:
-    """Row: the environment's owner makes another distribution's METADATA a FIFO (reading it would
-    hang every run, and a rollback while the services are down), its RECORD a symlink to a file only
-    root may read, and a third one's RECORD larger than any real one: `--verify-only --all` finishes,
-    reads none of them, and reports those distributions as damaged."""
+    """Row: the environment's owner (uid 65534) makes another distribution's METADATA a FIFO (reading it
+    would hang every run, and a rollback while the services are down), its RECORD a symlink to a file
+    only root may read, and a third one's RECORD larger than any real one: `--verify-only --all`
+    finishes, reads none of them, and reports those distributions as damaged. (A symlink to a file the
+    owner may read is followed: uv's `--link-mode symlink` links metadata into its cache.)"""
+    if not AS_ROOT:
+        pytest.skip("the attack is on a run as root")
+    shared = wheelhouse.shared_interpreter()
+    if shared is None:
+        pytest.skip("no interpreter of this Python version that uid 65534 may run")
+    venv = wheelhouse.make_venv(open_dir / "venv", shared)
     wheelhouse.uv_install(venv, wheels["sipure-1"])
     site = wheelhouse.site_packages(venv)
     fifo_dist = site / "fifo_meta-1.0.dist-info"
@@ -921,7 +930,10 @@ def test_an_installed_distributions_metadata_is_never_read_through_a_fifo_a_syml
     (huge_dist / "METADATA").write_text("Metadata-Version: 2.1\nName: huge-record\nVersion: 1.0\n")
     with open(huge_dist / "RECORD", "wb") as handle:
         handle.truncate((64 << 20) + 1)  # sparse: one byte more than the limit
-    result = run("--verify-only", "--all", "--python", str(venv), "--json", timeout=120)
+    chown_tree(open_dir / "venv", NOBODY)
+    state = open_dir / "state"
+    environ = {**os.environ, "SAFEINSTALL_STATE_DIR": str(state)}
+    result = run("--verify-only", "--all", "--python", str(venv), "--json", env=environ, timeout=120)
     assert result.code in (0, 1), result.stdout + result.stderr
     assert "secretline" not in result.stdout + result.stderr
     assert "sipure" in {d["name"] for d in result.json["data"]["distributions"]}

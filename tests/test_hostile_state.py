@@ -8,10 +8,12 @@ the interpreter a journal names never ran (it would leave a marker), the files i
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
 import shutil
+import socketserver
 import subprocess
 import tempfile
 import threading
@@ -23,8 +25,8 @@ from typing import Any
 import pytest
 
 from safeinstall.errors import StepFailed
+from safeinstall.health import wait_healthy
 from safeinstall.journal import JournalUnit, Phase, advance, journal_to_dict, new_journal
-from safeinstall.reinstall import _wait_healthy
 from safeinstall.safefs import permitted
 from safeinstall.state import environment_key
 from tests import wheelhouse
@@ -422,6 +424,97 @@ def test_an_interpreter_that_lies_about_its_prefix_is_refused(sipure_venv: Path,
     ]
 
 
+@pytest.fixture
+def nobody_interpreter() -> Iterator[Path]:
+    """``TOP/bin/python``, a shell script in a directory owned by the service account (no pyvenv.cfg): it
+    runs as that account and prints whatever its owner likes."""
+    top = Path(tempfile.mkdtemp(prefix="si-liar-"))
+    try:
+        (top / "bin").mkdir()
+        yield top / "bin" / "python"
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def _lying_probe(python: Path, prefix: Path, site: Path, *, uid: int = 0) -> None:
+    """Make ``python`` answer the probe with ``prefix`` and ``site``, claiming to run as ``uid``; then hand
+    its directory to the service account."""
+    answer = {
+        "executable": str(python), "prefix": str(prefix), "base_prefix": str(prefix), "purelib": str(site),
+        "platlib": str(site), "scripts": str(prefix / "bin"), "data": str(prefix), "version": [3, 11, 0],
+        "implementation": "cpython", "soabi": None, "platform": "linux-x86_64", "uid": uid,
+    }
+    python.write_text(f"#!/bin/sh\ncat <<'EOF'\n{json.dumps(answer)}\nEOF\n")
+    python.chmod(0o755)
+    subprocess.run(["chown", "-R", f"{OTHER_UID}:{OTHER_UID}", str(python.parent.parent)], check=True)
+
+
+def _own_site(top: Path, victim_site: Path) -> Path:
+    """A copy of the victim's site-packages inside ``top`` (so that a check of it would pass)."""
+    site = top / "lib" / "python3.11" / "site-packages"
+    shutil.copytree(victim_site, site, symlinks=True)
+    return site
+
+
+#: how the service account's interpreter names what is not its own -> the refusal (TOP, VICTIM: prefixes)
+NAMING_ATTACKS = {
+    "another-prefix": "it reports the prefix VICTIM, but its interpreter TOP/bin/python is in TOP",
+    "own-prefix-another-site": "it reports directories outside its prefix TOP: SITE, SITE",
+    "own-prefix-site-symlinked-to-another": "it reports directories outside its prefix TOP: SITE, SITE",
+    "a-third-accounts-directory": "it reports TOP/lib/python3.11/site-packages, owned by uid 4242: "
+    f"neither its owner (uid {OTHER_UID}) nor root",
+}
+
+
+@pytest.mark.parametrize("name", sorted(NAMING_ATTACKS))
+def test_a_service_accounts_interpreter_cannot_name_another_environment(
+    sipure_venv: Path, nobody_interpreter: Path, name: str
+) -> None:
+    """No pyvenv.cfg, an interpreter its owner wrote: its answer must still be its own prefix (the one above
+    its real binary's bin/), directories inside it, owned by it or root; else root would verify, back up,
+    prune and restore the root-owned victim venv."""
+    top = nobody_interpreter.parent.parent
+    victim = Path(os.path.realpath(sipure_venv.parent.parent))
+    victim_site = Path(os.path.realpath(wheelhouse.site_packages(sipure_venv)))
+    if name == "another-prefix":
+        _lying_probe(nobody_interpreter, victim, victim_site)
+    elif name == "own-prefix-another-site":
+        _lying_probe(nobody_interpreter, top, victim_site)
+    elif name == "own-prefix-site-symlinked-to-another":
+        (top / "lib" / "python3.11").mkdir(parents=True)
+        (top / "lib" / "python3.11" / "site-packages").symlink_to(victim_site)
+        _lying_probe(nobody_interpreter, top, top / "lib" / "python3.11" / "site-packages")
+    else:
+        site = _own_site(top, victim_site)
+        _lying_probe(nobody_interpreter, top, site)
+        subprocess.run(["chown", "-R", "4242:4242", str(site)], check=True)
+    result = run("sipure", "--verify-only", "--python", str(nobody_interpreter))
+    assert result.code == 2, result.stdout + result.stderr
+    problem = NAMING_ATTACKS[name].replace("VICTIM", str(victim)).replace("SITE", str(victim_site))
+    assert error_lines(result) == [
+        f"error: refusing the environment of {nobody_interpreter}: {problem.replace('TOP', str(top))}"
+    ]
+    assert "sipure 1.0" not in result.stdout
+
+
+def test_the_probe_is_said_to_run_as_the_uid_it_was_started_as(
+    sipure_venv: Path, nobody_interpreter: Path
+) -> None:
+    """An interpreter that claims it ran as root is not believed: the note names the uid root started it
+    as. (Its own prefix, a copy of the package inside it: accepted, and checked.)"""
+    top = nobody_interpreter.parent.parent
+    site = _own_site(top, Path(os.path.realpath(wheelhouse.site_packages(sipure_venv))))
+    shutil.copy2(sipure_venv.parent / "sipure", top / "bin" / "sipure")
+    _lying_probe(nobody_interpreter, top, site, uid=0)
+    result = run("sipure", "--verify-only", "--python", str(nobody_interpreter))
+    assert result.code == 0, result.stdout + result.stderr
+    assert "files checked against RECORD: OK" in result.stdout
+    assert (
+        f"note: the environment {top} belongs to uid {OTHER_UID}: its interpreter was asked for its paths "
+        f"as uid {OTHER_UID}, never as root, and without site (no .pth file runs)"
+    ) in result.stderr
+
+
 # ---------------------------------------------------------- 4. values, URLs, names and text
 
 
@@ -506,13 +599,93 @@ def test_a_health_redirect_to_another_host_is_not_healthy(health_server: http.se
     port = health_server.server_address[1]
     health_server.location = f"http://localhost:{port}/health"  # type: ignore[attr-defined]
     with pytest.raises(StepFailed) as caught:
-        _wait_healthy(f"http://127.0.0.1:{port}/moved", 0.5)
+        wait_healthy(f"http://127.0.0.1:{port}/moved", 0.5)
     assert caught.value.message == (
         f"http://127.0.0.1:{port}/moved did not answer 200 within 0.5 s (last: HTTP 302 redirect to another "
         f"host (http://localhost:{port}/health), refused)"
     )
     health_server.location = f"http://127.0.0.1:{port}/health"  # type: ignore[attr-defined]
-    _wait_healthy(f"http://127.0.0.1:{port}/moved", 5)
+    wait_healthy(f"http://127.0.0.1:{port}/moved", 5)
+
+
+class _RawAnswer(socketserver.StreamRequestHandler):
+    """Answers any request with the server's ``head`` at once, then its ``trickle`` a byte every ``pace``
+    seconds (until the client goes, or the server stops)."""
+
+    server: _RawServer
+
+    def handle(self) -> None:
+        self.rfile.readline()
+        try:
+            self.wfile.write(self.server.head)
+            for byte in self.server.trickle:
+                if self.server.stopping.wait(self.server.pace):
+                    return
+                self.wfile.write(bytes([byte]))
+        except OSError:
+            return  # the client shut its socket: what a bounded health check does
+
+
+class _RawServer(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+
+    def __init__(self, head: bytes, trickle: bytes = b"", pace: float = 0.0) -> None:
+        super().__init__(("127.0.0.1", 0), _RawAnswer)
+        self.head, self.trickle, self.pace = head, trickle, pace
+        self.stopping = threading.Event()
+
+
+@contextlib.contextmanager
+def raw_server(head: bytes, trickle: bytes = b"", pace: float = 0.0) -> Iterator[str]:
+    """A real local HTTP server that answers as told; yields its /health URL."""
+    server = _RawServer(head, trickle, pace)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/health"
+    finally:
+        server.stopping.set()
+        server.shutdown()
+        server.server_close()
+
+
+def _outcome(url: str, timeout: float) -> BaseException | None:
+    """What ``wait_healthy`` ended with (None: healthy); it must end within the harness's generous bound."""
+    outcome: list[BaseException | None] = []
+
+    def wait() -> None:
+        try:
+            wait_healthy(url, timeout)
+            outcome.append(None)
+        except StepFailed as exc:
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    waiter.join(30)
+    assert outcome, f"the health check with --health-timeout {timeout:g} is still waiting after 30 s"
+    return outcome[0]
+
+
+def test_a_health_answer_trickled_a_byte_at_a_time_cannot_outlast_the_timeout() -> None:
+    """A service that sends its 200 status line and then its headers a byte every half second (a whole
+    minute; the answer would be healthy at its end) does not hold root's run: the wait fails within its
+    1 s, not at the answer's end."""
+    with raw_server(b"HTTP/1.1 200 OK\r\n", b"X-Slow: " + b"a" * 110 + b"\r\n\r\n", pace=0.5) as url:
+        outcome = _outcome(url, 1)
+    assert isinstance(outcome, StepFailed)
+    assert outcome.message == (
+        f"{url} did not answer 200 within 1 s (last: no complete answer in the time left)"
+    )
+
+
+def test_a_health_answer_with_oversized_headers_is_not_healthy() -> None:
+    """90 KiB of headers (each within what http.client allows) after a 200: not read on, not healthy."""
+    pad = b"".join(b"X-Pad-%02d: %s\r\n" % (n, b"a" * 1000) for n in range(90))
+    with raw_server(b"HTTP/1.1 200 OK\r\n" + pad + b"\r\n") as url:
+        outcome = _outcome(url, 1)
+    assert isinstance(outcome, StepFailed)
+    assert outcome.message == f"{url} did not answer 200 within 1 s (last: headers larger than 64 KiB)"
 
 
 @pytest.fixture

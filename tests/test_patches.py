@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ from safeinstall.patches import (
 )
 from safeinstall.records import digest_bytes
 from tests.bed_systemd import wait_until
-from tests.clirun import run
+from tests.clirun import SAFEINSTALL, run
 from tests.test_reinstall import Bed
 from tests.test_reinstall import bed as bed  # the reinstall tests' bed: sicext 1.0 in a venv, units, NVML
 
@@ -320,6 +321,76 @@ def test_a_patched_extension_or_a_file_the_new_version_lacks_is_refused(
     assert patch["path"] == str(path) and patch["status"] == "conflict" and detail in patch["detail"]
     assert result.json["errors"][0]["code"] == "patch-conflict"
     assert bed.manager.main_pid(name) == main and bed.installed_version() == "1.0"
+
+
+def test_a_dry_run_makes_the_runs_patch_merge_and_refuses_exactly_when_the_run_would(
+    bed: Bed, tmp_path: Path
+) -> None:
+    """--keep-patches --dry-run: the run's own merge (the pristine files fetched into a private temporary
+    directory: nothing in the state directory), listed in the plan; a conflict refuses as the run does."""
+    _patch_serve(bed, tmp_path / "marker")
+    _append_to_init(bed)
+    init, serve = bed.site / "sicext" / "__init__.py", bed.site / "sicext" / "serve.py"
+    args = ("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--keep-patches")
+
+    carried = bed.safeinstall(*args, "--dry-run", "--json", *_find_links(bed, tmp_path))
+
+    assert carried.code == 0, carried.stdout + carried.stderr
+    assert carried.json["status"] == "would-proceed"
+    assert [(p["path"], p["status"]) for p in carried.json["data"]["patches"]] == [
+        (str(init), "carried"),
+        (str(serve), "carried"),
+    ]
+    assert not bed.state.exists()  # the dry-run created nothing, not even the state directory
+
+    init.write_text(init.read_text().replace(V1_FIRST_LINE, '"""sicext 1.0 with a local docstring."""\n'))
+    base = ("--base-wheel", str(bed.wheels["sicext-1"]))
+    refused = bed.safeinstall(*args, *base, "--dry-run", "--json")
+    run_refused = bed.safeinstall(*args, *base, "--json")
+
+    assert (refused.code, run_refused.code) == (2, 2), refused.stdout + refused.stderr
+    assert refused.json["status"] == "would-refuse"
+    assert refused.json["data"]["refusals"] == [run_refused.json["errors"][0]["message"]]
+    assert refused.json["data"]["patches"] == run_refused.json["data"]["patches"]
+    assert [(p["path"], p["status"]) for p in refused.json["data"]["patches"]] == [
+        (str(init), "conflict"),
+        (str(serve), "carried"),
+    ]
+    human = bed.safeinstall(*args, *base, "--dry-run")
+    assert human.code == 2 and f"conflict {init}: the local patch and sicext 2.0 change the same lines" in (
+        human.stdout
+    )
+    dropped = bed.safeinstall(*args, *base, "--drop-conflicting", "--dry-run", "--json")
+    assert dropped.code == 0, dropped.stdout + dropped.stderr
+    assert [p["status"] for p in dropped.json["data"]["patches"]] == ["dropped", "carried"]
+    assert bed.installed_version() == "1.0"
+
+
+def test_the_ansible_modules_check_mode_with_keep_patches_is_the_dry_run_of_the_merge(
+    bed: Bed, tmp_path: Path
+) -> None:
+    """The reinstall module in check mode (``--dry-run`` with ``--keep-patches``, as the play asks) runs
+    and reports the merge; it was refused as a usage error."""
+    from ansible_collections.safeinstall.fleet.plugins.module_utils.cli import (
+        parse_result,
+        reinstall_argv,
+        reinstall_outcome,
+    )
+
+    _patch_serve(bed, tmp_path / "marker")
+    links = _find_links(bed, tmp_path)[-1]
+    params = {"name": "sicext", "wheel": str(bed.wheels["sicext-2"]), "python": str(bed.python)}
+    argv = reinstall_argv([SAFEINSTALL], {**params, "user": True, "keep_patches": True}, check_mode=True)
+    assert "--dry-run" in argv and "--keep-patches" in argv
+    env = {**bed.environ(), "UV_FIND_LINKS": links, "UV_OFFLINE": "1"}  # the base fetched by uv
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=180)
+    outcome = reinstall_outcome(done.returncode, parse_result(done.stdout), done.stderr, check_mode=True)
+    assert (outcome.failed, outcome.status) == (False, "would-proceed"), done.stdout + done.stderr
+    result = parse_result(done.stdout)
+    assert result is not None
+    assert [(p["path"], p["status"]) for p in result["data"]["patches"]] == [
+        (str(bed.site / "sicext" / "serve.py"), "carried")
+    ]
 
 
 def test_without_an_index_or_a_base_wheel_the_run_is_refused_clearly(bed: Bed, tmp_path: Path) -> None:
