@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from safeinstall.forking import cpu_count
 from safeinstall.records import encode_digest
 
 
@@ -57,11 +58,7 @@ class Wanted(Protocol):
 
 def default_workers() -> int:
     """Threads for file work: one per CPU this process may run on (at most 32)."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return max(1, min(32, cpus))
+    return max(1, min(32, cpu_count()))
 
 
 #: Files at least this large are a task of their own, streamed in chunks; smaller ones are read whole.
@@ -200,9 +197,18 @@ class _Directory:
     def leave(self) -> None:
         with self._lock:
             self._users -= 1
-            if self._users == 0 and self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+            if self._users == 0:
+                self._close()
+
+    def close(self) -> None:
+        """Closes it once the pool has stopped, whatever tasks of it never ran (after a failure)."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def _open_directory(path: str, list_it: bool) -> tuple[int | None, frozenset[str] | None]:
@@ -322,6 +328,8 @@ def observe_files(
     finally:
         for thread in threads:
             thread.join()
+        for directory in {task.directory for task in tasks if task.directory is not None}:
+            directory.close()  # already closed unless a failure stopped its other tasks
     if failures:
         raise failures[0]
     return results
