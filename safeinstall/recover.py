@@ -294,7 +294,12 @@ def recover_one(state: EnvironmentState, environ: Mapping[str, str], settle: flo
 
         def recovery(done: PutBack) -> Recovery:
             return Recovery(
-                prefix, journal.run_id, phase, done.restored, done.started, done.gates_removed,
+                prefix,
+                journal.run_id,
+                phase,
+                done.restored,
+                done.started,
+                done.gates_removed,
                 (*notes, *done.notes),
             )
 

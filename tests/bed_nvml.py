@@ -58,8 +58,18 @@ def build_library(out_dir: Path, *defines: str) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / SONAME
     subprocess.run(
-        [gcc, "-shared", "-fPIC", "-O1", "-Wall", *(f"-D{d}" for d in defines),
-         f"-Wl,-soname,{SONAME}", "-o", str(out), str(SOURCE)],
+        [
+            gcc,
+            "-shared",
+            "-fPIC",
+            "-O1",
+            "-Wall",
+            *(f"-D{d}" for d in defines),
+            f"-Wl,-soname,{SONAME}",
+            "-o",
+            str(out),
+            str(SOURCE),
+        ],
         check=True,
         capture_output=True,
         text=True,
@@ -74,7 +84,7 @@ def build_all(out_dir: Path) -> FakeNvmlBuild:
 def process_start_time(pid: int) -> int:
     """Field 22 of /proc/<pid>/stat (clock ticks since boot), as the fake library compares it."""
     stat = Path(f"/proc/{pid}/stat").read_text()
-    return int(stat[stat.rindex(")") + 2:].split()[19])
+    return int(stat[stat.rindex(")") + 2 :].split()[19])
 
 
 def _write(path: Path, text: str) -> None:
@@ -130,8 +140,14 @@ class FakeNvml:
         _write(self.directory / "gpus", "# uuid total reserved used name\n" + "".join(lines))
 
     # -- holders
-    def hold(self, pid: int, gpu_index: int = 0, nbytes: int | None = None, linger: float = 0.0,
-             start: int | None = None) -> None:
+    def hold(
+        self,
+        pid: int,
+        gpu_index: int = 0,
+        nbytes: int | None = None,
+        linger: float = 0.0,
+        start: int | None = None,
+    ) -> None:
         """``pid`` holds ``nbytes`` (None = N/A) on a GPU while alive, then ``linger`` seconds more.
 
         ``start`` defaults to the process's start time (so a reused PID does not count); 0 = no check.
@@ -145,8 +161,11 @@ class FakeNvml:
         """A holder whose PID does not exist in this PID namespace (as NVML reports from a container)."""
         if pid is None:
             taken = {int(f.name) for f in (self.directory / "procs").iterdir() if f.name.isdigit()}
-            pid = next(p for p in range(HOST_PID_BASE, HOST_PID_BASE + 10_000)
-                       if p not in taken and not Path(f"/proc/{p}").exists())
+            pid = next(
+                p
+                for p in range(HOST_PID_BASE, HOST_PID_BASE + 10_000)
+                if p not in taken and not Path(f"/proc/{p}").exists()
+            )
         mem = "NA" if nbytes is None else str(nbytes)
         self._add_holding(pid, f"gpu={gpu_index} mem={mem} host=1\n")
         return pid
@@ -219,8 +238,15 @@ def snapshot_in_subprocess(env: Mapping[str, str | None]) -> dict[str, Any]:
             full.pop(key, None)
         else:
             full[key] = value
-    done = subprocess.run([sys.executable, "-c", _SNAPSHOT_SCRIPT], env=full, cwd=ROOT,
-                          capture_output=True, text=True, timeout=60, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", _SNAPSHOT_SCRIPT],
+        env=full,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     if done.returncode != 0:
         raise AssertionError(f"snapshot subprocess failed ({done.returncode}):\n{done.stderr}")
     result: dict[str, Any] = json.loads(done.stdout)

@@ -21,5 +21,3 @@ def wheels(tmp_path_factory: pytest.TempPathFactory) -> wheelhouse.Wheelhouse:
 def venv(tmp_path: Path) -> Iterator[Path]:
     """A fresh, empty venv (made by uv); yields its python."""
     yield wheelhouse.make_venv(tmp_path / "venv")
-
-

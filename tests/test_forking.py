@@ -56,9 +56,7 @@ def test_an_exception_here_kills_and_reaps_the_children() -> None:
     with pytest.raises(RuntimeError, match="interrupted"):
         map_forked(work, [[1], [2], [3]])
     children = {
-        pid
-        for pid in set(os.listdir("/proc")) - before
-        if pid.isdigit() and _parent_of(pid) == PARENT
+        pid for pid in set(os.listdir("/proc")) - before if pid.isdigit() and _parent_of(pid) == PARENT
     }
     assert children == set()
 

@@ -189,8 +189,9 @@ def test_session_shuts_nvml_down_on_exit(fake_nvml: FakeNvml) -> None:
 # ---------------------------------------------------------------------------------------------- unavailable
 
 
-def test_missing_v3_reports_the_process_list_unavailable(fake_nvml: FakeNvml,
-                                                         fake_nvml_build: FakeNvmlBuild) -> None:
+def test_missing_v3_reports_the_process_list_unavailable(
+    fake_nvml: FakeNvml, fake_nvml_build: FakeNvmlBuild
+) -> None:
     fake_nvml.add_gpu(H100, UUID0, TOTAL)
     with holder_process() as proc:
         fake_nvml.hold(proc.pid, nbytes=GiB)
@@ -203,8 +204,9 @@ def test_missing_v3_reports_the_process_list_unavailable(fake_nvml: FakeNvml,
     assert any("library mismatch" in w.lower() for w in snap["warnings"])
 
 
-def test_pynvml_reports_a_missing_v3_as_library_mismatch(fake_nvml: FakeNvml,
-                                                         fake_nvml_build: FakeNvmlBuild) -> None:
+def test_pynvml_reports_a_missing_v3_as_library_mismatch(
+    fake_nvml: FakeNvml, fake_nvml_build: FakeNvmlBuild
+) -> None:
     """What the binding does (not our code): the unversioned call raises NVMLLibraryMismatchError, which
     is not an NVMLError; the _v3 call itself raises NVMLError_FunctionNotFound."""
     script = (
@@ -219,8 +221,9 @@ def test_pynvml_reports_a_missing_v3_as_library_mismatch(fake_nvml: FakeNvml,
     )
     fake_nvml.add_gpu(H100, UUID0, TOTAL)
     env = {**fake_nvml.env_with(fake_nvml_build.library_no_v3), "PATH": "/usr/bin:/bin"}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                          check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=False
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["mismatch", "function-not-found"]
 
@@ -266,8 +269,9 @@ def test_other_init_error_is_unavailable(fake_nvml: FakeNvml) -> None:
     assert snap.available is False and snap.reason is not None and "nvmlInit failed" in snap.reason
 
 
-def test_fake_without_config_dir_acts_as_no_driver(fake_nvml: FakeNvml,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fake_without_config_dir_acts_as_no_driver(
+    fake_nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("FAKE_NVML_DIR")
     snap = snapshot_gpus()
     assert snap.available is False and snap.reason is not None and "not loaded" in snap.reason.lower()
@@ -314,11 +318,14 @@ def fake_proc(root: Path, links: dict[int, dict[int, str]]) -> Path:
 
 
 def test_fd_holders_when_nvml_lists_nobody_but_memory_is_used(fake_nvml: FakeNvml, tmp_path: Path) -> None:
-    proc = fake_proc(tmp_path / "proc", {
-        4242: {0: "/dev/null", 3: "/dev/nvidia0", 4: "/dev/nvidiactl"},
-        4243: {0: "/dev/null", 1: "pipe:[1234]"},
-        4244: {5: "/dev/nvidia-uvm"},
-    })
+    proc = fake_proc(
+        tmp_path / "proc",
+        {
+            4242: {0: "/dev/null", 3: "/dev/nvidia0", 4: "/dev/nvidiactl"},
+            4243: {0: "/dev/null", 1: "pipe:[1234]"},
+            4244: {5: "/dev/nvidia-uvm"},
+        },
+    )
     (proc / "self").mkdir()  # not a PID: ignored
     fake_nvml.add_gpu(H100, UUID0, TOTAL, used=GiB)  # used, but no process listed
     snap = snapshot_gpus(proc_root=proc)
@@ -378,8 +385,9 @@ def test_not_released_while_lingering_and_times_out_naming_the_holder(fake_nvml:
         baseline = nvml.snapshot()
         kill(proc)
         polls: list[ReleaseStatus] = []
-        status = wait_for_release(nvml, baseline, [proc.pid], timeout=0.5, on_poll=polls.append,
-                                  poll_interval=0.05)
+        status = wait_for_release(
+            nvml, baseline, [proc.pid], timeout=0.5, on_poll=polls.append, poll_interval=0.05
+        )
     assert not status.released and status.timed_out and not status.skipped
     assert status.holders[0].pid == proc.pid and status.holders[0].gpu_index == 0
     assert status.reason is not None and "timed out" in status.reason and f"PID {proc.pid}" in status.reason
@@ -484,10 +492,23 @@ def snapshot(*gpus: Gpu, fd_holders: tuple[FdHolder, ...] = (), errors: tuple[st
     return GpuSnapshot(True, None, gpus, fd_holders, (), errors, 0.0)
 
 
-def gpu(used: int, *procs: tuple[int, int | None], uuid: str = UUID0, in_ns: bool = True,
-        processes_error: str | None = None) -> Gpu:
-    return Gpu(0, H100, uuid, TOTAL, used, "v2",
-               tuple(GpuProcess(pid, 0, size, in_ns) for pid, size in procs), processes_error)
+def gpu(
+    used: int,
+    *procs: tuple[int, int | None],
+    uuid: str = UUID0,
+    in_ns: bool = True,
+    processes_error: str | None = None,
+) -> Gpu:
+    return Gpu(
+        0,
+        H100,
+        uuid,
+        TOTAL,
+        used,
+        "v2",
+        tuple(GpuProcess(pid, 0, size, in_ns) for pid, size in procs),
+        processes_error,
+    )
 
 
 def test_release_of_a_gpu_missing_from_the_current_snapshot_is_an_error() -> None:

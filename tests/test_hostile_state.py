@@ -440,9 +440,18 @@ def _lying_probe(python: Path, prefix: Path, site: Path, *, uid: int = 0) -> Non
     """Make ``python`` answer the probe with ``prefix`` and ``site``, claiming to run as ``uid``; then hand
     its directory to the service account."""
     answer = {
-        "executable": str(python), "prefix": str(prefix), "base_prefix": str(prefix), "purelib": str(site),
-        "platlib": str(site), "scripts": str(prefix / "bin"), "data": str(prefix), "version": [3, 11, 0],
-        "implementation": "cpython", "soabi": None, "platform": "linux-x86_64", "uid": uid,
+        "executable": str(python),
+        "prefix": str(prefix),
+        "base_prefix": str(prefix),
+        "purelib": str(site),
+        "platlib": str(site),
+        "scripts": str(prefix / "bin"),
+        "data": str(prefix),
+        "version": [3, 11, 0],
+        "implementation": "cpython",
+        "soabi": None,
+        "platform": "linux-x86_64",
+        "uid": uid,
     }
     python.write_text(f"#!/bin/sh\ncat <<'EOF'\n{json.dumps(answer)}\nEOF\n")
     python.chmod(0o755)

@@ -354,7 +354,6 @@ def test_new_version_that_crashes_is_rolled_back(bed: Bed) -> None:
     assert bed.verify().code == 0
 
 
-
 def test_a_rollback_that_fails_lists_the_commands_to_finish(bed: Bed, tmp_path: Path) -> None:
     """Exit 4: the unit starts neither on the new version nor, after the restore, on the old one (its
     ExecStopPost leaves a flag that makes every later start fail). The commands that finish the job
@@ -376,6 +375,8 @@ def test_a_rollback_that_fails_lists_the_commands_to_finish(bed: Bed, tmp_path: 
     assert commands == [f"safeinstall --recover --python {bed.python}", f"systemctl --user start {name}"]
     assert " && ".join(commands) in doc["errors"][0]["message"]
     assert bed.installed_version() == "1.0"  # the restore itself worked; the start did not
+
+
 def test_only_a_good_run_deletes_backups_beyond_keep_backups(bed: Bed) -> None:
     """A vLLM backup is GBs: a good run keeps the newest --keep-backups; a failed run deletes none,
     and a directory that is not a run's backup is never touched."""
