@@ -1,4 +1,4 @@
-"""The project's own checks run with the tests: ruff and mypy --strict must be clean."""
+"""The project's own checks run with the tests: ruff (lint and format) and mypy --strict must be clean."""
 
 from __future__ import annotations
 
@@ -22,4 +22,14 @@ def test_ruff_clean() -> None:
 
 def test_mypy_strict_clean() -> None:
     result = subprocess.run([str(BIN / "mypy"), "--strict"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_ruff_format_clean() -> None:
+    result = subprocess.run(
+        [str(BIN / "ruff"), "format", "--check", "safeinstall", "tests", "bench", "ansible_collections"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
