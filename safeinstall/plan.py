@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from packaging.version import InvalidVersion, Version
+
 from safeinstall.cgroups import CgroupPlacement, placement_of_proc_cgroup, valid_unit_name
 from safeinstall.gpus import GpuSnapshot
 from safeinstall.processes import EvidenceKind, ProcessRecord, ScanProblem, ScanResult, Strength
@@ -22,6 +24,18 @@ class AffectedDistribution:
     old_version: str | None  # None: not installed now
     new_version: str | None  # None: uv did not say (a wheel path or URL without a version)
     requested: bool  # the package named on the command line
+
+    @property
+    def change(self) -> str:
+        """Pure: "upgrade", "downgrade", "same version" (a clean reinstall), or "" when either version
+        is unknown or not a PEP 440 version."""
+        if self.old_version is None or self.new_version is None:
+            return ""
+        try:
+            old, new = Version(self.old_version), Version(self.new_version)
+        except InvalidVersion:
+            return ""
+        return "upgrade" if new > old else "downgrade" if new < old else "same version"
 
 
 @dataclass(frozen=True, slots=True)

@@ -141,7 +141,7 @@ def render_plan(out: Console, err: Console, plan: Plan) -> None:
     )
     out.print("distributions:" + ("  (--with-deps: dependencies reinstalled too)" if plan.with_deps else ""))
     for dist in plan.distributions:
-        mark = " (named)" if dist.requested else ""
+        mark = "".join(f" ({m})" for m in ("named" if dist.requested else "", dist.change) if m)
         versions = f"{dist.old_version or '(not installed)'} -> {dist.new_version or '?'}"
         out.print(f"  {literal(dist.name)} {literal(versions)}{mark}")
     if plan.processes:

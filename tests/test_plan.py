@@ -74,3 +74,16 @@ def test_strength_decides_what_only_loaded_leaves_out() -> None:
     assert [u.name for u in narrowed.units] == ["engine.service"] and narrowed.strays == ()
     assert narrowed.left_out == (20, 30) and narrowed.only_loaded
     assert any("--only-loaded leaves out 2 process(es)" in w for w in narrowed.warnings)
+
+
+def test_the_plan_says_whether_a_version_is_an_upgrade_a_downgrade_or_the_same() -> None:
+    from safeinstall.plan import AffectedDistribution
+
+    def change(old: str | None, new: str | None) -> str:
+        return AffectedDistribution("idna", old, new, True).change
+
+    assert change("3.10", "3.20") == "upgrade"
+    assert change("3.20", "3.10") == "downgrade"  # 3.20 > 3.10 as versions, not as strings
+    assert change("2.13.0", "2.13.0") == "same version"
+    assert change("0.16.0.dev5+g1234", "0.16.0") == "upgrade"
+    assert change(None, "1.0") == "" and change("1.0", None) == "" and change("x!y", "1.0") == ""
