@@ -15,6 +15,7 @@ import contextlib
 import os
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -551,14 +552,24 @@ def _start_and_settle(run: _Run, units: list[str], settle: float) -> str:
     issued = time.monotonic()
     for unit in units:
         systemd.start(unit)
+    cancel = threading.Event()
     with ThreadPoolExecutor(max_workers=len(units)) as pool:
         futures = {
             u: pool.submit(
-                systemd.wait_settled, u, settle, start_wait_s(befores.get(u)), before=befores.get(u)
+                systemd.wait_settled,
+                u,
+                settle,
+                start_wait_s(befores.get(u)),
+                before=befores.get(u),
+                cancel=cancel,
             )
             for u in units
         }
-        outcomes = {u: f.result() for u, f in futures.items()}
+        try:
+            outcomes = {u: f.result() for u, f in futures.items()}
+        except BaseException:  # Ctrl-C, SIGTERM: the waits end at their next poll, the rollback starts
+            cancel.set()
+            raise
     bad = [o for o in outcomes.values() if not o.ok]
     if bad:
         flag = "--user " if run.options.user else ""

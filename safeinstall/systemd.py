@@ -24,6 +24,7 @@ import math
 import os
 import re
 import subprocess
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -317,7 +318,7 @@ class StopOutcome:
     reason: str | None  # why it did not stop, for the user
 
 
-SettleVerdict = Literal["settled", "failed", "inactive", "activating", "restarted"]
+SettleVerdict = Literal["settled", "failed", "inactive", "activating", "restarted", "interrupted"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -503,14 +504,22 @@ class Systemd:
             time.sleep(self.poll_s)
 
     def wait_settled(
-        self, unit: str, settle_s: float, timeout_s: float, *, before: UnitInfo | None = None
+        self,
+        unit: str,
+        settle_s: float,
+        timeout_s: float,
+        *,
+        before: UnitInfo | None = None,
+        cancel: threading.Event | None = None,
     ) -> SettleOutcome:
         """Wait until ``unit`` is active and stays so (same main process, no restart) for ``settle_s``.
 
         ``timeout_s`` bounds the wait for it to become active; the whole call takes at most about
         ``timeout_s + settle_s``. Pass ``before`` (its state before the start) so that an automatic
         restart that happened before the first look is noticed too. (systemd zeroes ``NRestarts`` when
-        a start is not automatic, so only a rise of the counter counts as a restart.)
+        a start is not automatic, so only a rise of the counter counts as a restart.) ``cancel``, once
+        set, ends the wait at the next poll (verdict ``interrupted``): a Ctrl-C need not wait out the
+        settle time before the rollback starts.
         """
         started = time.monotonic()
         deadline = started + timeout_s
@@ -552,7 +561,10 @@ class Systemd:
             last_restarts = info.n_restarts
             if verdict is not None:
                 return SettleOutcome(unit, verdict, info, time.monotonic() - started, reason)
-            time.sleep(self.poll_s)
+            if cancel is None:
+                time.sleep(self.poll_s)
+            elif cancel.wait(self.poll_s):
+                return SettleOutcome(unit, "interrupted", info, time.monotonic() - started, "interrupted")
 
     # ---- drop-ins
 

@@ -657,6 +657,29 @@ def test_sigint_rolls_back_and_a_second_one_does_not_abandon_services(
     bed.no_trace()
 
 
+def test_sigint_while_the_restarted_units_settle_rolls_back_without_waiting_them_out(bed: Bed) -> None:
+    """Ctrl-C while the restarted unit settles (--settle 600): the settle wait ends at its next poll and
+    the rollback starts; it does not wait out the ten minutes (the test would time out)."""
+    before = _patch(bed)
+    name = bed.unit("settling")
+    proc = bed.start_run("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "600", "--json")
+    try:
+        bed.wait_phase(proc, "restarting")
+        wait_until(lambda: bed.manager.active_state(name) == "active", 30, "the new version started")
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 3, out + err
+    doc = json.loads(out)
+    assert doc["status"] == "rolled-back" and "interrupted by SIGINT" in doc["errors"][0]["message"]
+    wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running again")
+    assert bed.version() == "1.0" and bed.snapshot() == before
+    bed.no_trace()
+
+
 @pytest.mark.parametrize("strict", [False, True], ids=["warning", "strict"])
 def test_the_end_check_reports_a_process_left_on_old_code(bed: Bed, strict: bool) -> None:
     """A unit outside the plan starts using the package after the last scan before the install (uv is
