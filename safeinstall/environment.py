@@ -15,9 +15,10 @@ import json
 import os
 import pwd
 import shutil
+import stat
 import subprocess
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from safeinstall import children
@@ -166,6 +167,94 @@ def _owner_of(paths: tuple[Path, ...], euid: int) -> os.stat_result | None:
     return None
 
 
+def _account(uid: int, gid: int) -> Account:
+    try:
+        entry = pwd.getpwuid(uid)
+    except KeyError:
+        return Account(uid, gid, "/")
+    return Account(uid, entry.pw_gid, entry.pw_dir or "/")
+
+
+def _ancestors(path: Path) -> list[Path]:
+    """``/``, then each directory above ``path``, down to its parent."""
+    return list(reversed(path.parents))
+
+
+def steering(env: Environment, euid: int) -> tuple[dict[int, str], list[str]]:
+    """Who besides root (and ``euid``) can change what the environment runs once ``site`` runs (as uv
+    runs it), found after the probe: by uid, the first path that makes it so; and what no single account
+    can be held to (refusals).
+
+    * the site directories, each directory between the prefix and them, and their ``.pth``,
+      ``sitecustomize`` and ``usercustomize`` files: their owner can add or change code that ``site``
+      runs; one writable by others (or by a group other than root's) is refused;
+    * each directory above the prefix: its owner can rename the environment away and put another in
+      its place between the probe and a use (a root-owned sticky directory such as ``/tmp`` is fine:
+      there only the entry's owner may rename it); one writable by others, not sticky, is refused."""
+    owners: dict[int, str] = {}
+    problems: list[str] = []
+
+    def look(path: Path, what: str, ancestor: bool) -> None:
+        try:
+            info = os.lstat(path)
+        except OSError:
+            return
+        if info.st_uid not in (0, euid):
+            owners.setdefault(info.st_uid, f"{path} ({what})")
+        mode = info.st_mode
+        if ancestor and mode & stat.S_ISVTX:
+            return  # only an entry's owner (or the directory's) may rename it
+        if mode & stat.S_IWOTH or (mode & stat.S_IWGRP and info.st_gid != 0):
+            who = "every user" if mode & stat.S_IWOTH else f"group {info.st_gid}"
+            problems.append(f"{path} ({what}) may be written by {who}")
+
+    for directory in _ancestors(env.prefix):
+        look(directory, "a directory above the prefix", ancestor=True)
+    for site in env.site_dirs:
+        if not _inside(site, env.prefix):
+            continue
+        between = [
+            env.prefix / Path(*site.relative_to(env.prefix).parts[:n])
+            for n in range(len(site.relative_to(env.prefix).parts) + 1)
+        ]
+        for directory in between:
+            look(
+                directory,
+                "the site directory" if directory == site else "a directory of the environment",
+                ancestor=False,
+            )
+        try:
+            names = sorted(os.listdir(site))
+        except OSError:
+            continue
+        for name in names:
+            if name.endswith(".pth") or name in ("sitecustomize.py", "usercustomize.py"):
+                look(site / name, "run by site", ancestor=False)
+    return owners, problems
+
+
+def _held_to_one_account(env: Environment) -> Environment:
+    """As root: the environment as one account may steer it (uv then runs as that account), or refused
+    when others may write what site runs or may swap the environment away (see :func:`steering`)."""
+    owners, problems = steering(env, os.geteuid())
+    if env.account is not None:
+        owners.setdefault(env.account.uid, "its interpreter")
+    if len(owners) > 1:
+        listed = "; ".join(f"uid {uid} owns {where}" for uid, where in sorted(owners.items()))
+        problems.append(f"more than one account may change what it runs: {listed}")
+    if problems:
+        raise InterpreterError(
+            f"refusing the environment {env.prefix}: " + "; ".join(problems),
+            hint="as root, safeinstall acts only on an environment that root or one account controls "
+            "(the environment, its site-packages, what site runs and the directories above it); "
+            "chmod go-w, or chown to that account",
+        )
+    if env.account is None and owners:
+        ((uid, _),) = owners.items()
+        return replace(env, account=_account(uid, os.lstat(env.prefix).st_gid))
+    return env
+
+
 def environment_owner(python: Path) -> Account | None:
     """The account that owns the environment of ``python`` when that is neither root nor the caller:
     the owner of the interpreter (or the binary it links to), its ``bin/``, the environment directory,
@@ -173,13 +262,7 @@ def environment_owner(python: Path) -> Account | None:
     venv = python.parent.parent
     real = Path(os.path.realpath(python))  # the binary a venv's symlink leads to
     info = _owner_of((python, real, python.parent, venv, venv / "pyvenv.cfg"), os.geteuid())
-    if info is None:
-        return None
-    try:
-        entry = pwd.getpwuid(info.st_uid)
-    except KeyError:
-        return Account(info.st_uid, info.st_gid, "/")
-    return Account(info.st_uid, entry.pw_gid, entry.pw_dir or "/")
+    return None if info is None else _account(info.st_uid, info.st_gid)
 
 
 def _inside(path: Path, prefix: Path) -> bool:
@@ -233,6 +316,7 @@ def _answer_problem(python: Path, env: Environment) -> str | None:
 def inspect_environment(python: Path, timeout: float = 30.0) -> Environment:
     """Ask ``python`` (isolated, no site, empty environment) for its installation paths; as root, an
     environment that another account owns is asked as that account."""
+    python = Path(os.path.abspath(python))  # children run in /
     owner = environment_owner(python) if os.geteuid() == 0 else None
     try:
         proc = children.run(
@@ -280,4 +364,4 @@ def inspect_environment(python: Path, timeout: float = 30.0) -> Environment:
             f"refusing the environment of {python}: {problem}",
             hint="safeinstall acts only inside the environment the interpreter belongs to; check the venv",
         )
-    return env
+    return _held_to_one_account(env) if os.geteuid() == 0 else env

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from safeinstall.cgroups import placement_of_proc_cgroup, valid_unit_name
 from safeinstall.dependents import dependents, marker_environment
 from safeinstall.distributions import InstalledDistribution, find_distribution, find_distributions
-from safeinstall.environment import Environment, inspect_environment, resolve_python
+from safeinstall.environment import Environment, inspect_environment, interpreter_in_prefix, resolve_python
 from safeinstall.gpus import GpuSnapshot, snapshot_gpus
 from safeinstall.options import RunOptions
 from safeinstall.plan import Plan, build_plan
@@ -65,7 +65,7 @@ def survey(options: RunOptions, env: Environment | None = None, wheel: Wheel | N
     if wheel is None and options.wheel is not None:
         wheel = read_wheel(options.wheel)
     request = UvRequest(
-        python=env.python,
+        python=interpreter_in_prefix(env),  # the checked path, not one through a link others may change
         package=target.name,
         wheel=options.wheel,
         version_spec=options.version_spec,

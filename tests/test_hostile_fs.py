@@ -28,7 +28,7 @@ import pytest
 from tests import wheelhouse
 from tests.bed_nvml import FakeNvml
 from tests.bed_systemd import UserManager, wait_until
-from tests.clirun import run
+from tests.clirun import Result, run
 from tests.test_crash_safety import UNIT_TEXT, Bed, small_disk
 from tests.wheelhouse import Wheelhouse
 
@@ -970,3 +970,82 @@ def test_a_directory_above_the_prefix_swapped_for_a_symlink_leads_nowhere(
         restore_backup(backup, env, remove=[])
     assert {p: p.read_bytes() for p in sorted((victim_site / "sipure").rglob("*.py"))} == before
     assert all(p.stat().st_uid == 0 for p in before)
+
+
+# --- who steers the environment ---------------------------------------------------------------------
+
+
+def _root_venv_with_pth(base: Path, wheels: Wheelhouse) -> tuple[Path, Path, Path]:
+    """A venv made by root (interpreter, bin/, pyvenv.cfg root's) with sipure 1.0, and a .pth file that
+    appends the uid it runs as to a file anyone may write; (python, site, uids file)."""
+    shared = wheelhouse.shared_interpreter()
+    if shared is None:
+        pytest.skip("no interpreter of this Python version that uid 65534 may run")
+    python = wheelhouse.make_venv(base / "venv", shared)
+    wheelhouse.uv_install(python, wheels["sipure-1"])
+    site = wheelhouse.site_packages(python)
+    uids = base / "pth-uids"
+    uids.touch()
+    uids.chmod(0o666)
+    (site / "zz-uids.pth").write_text(f"import os; open({str(uids)!r}, 'a').write('%d\\n' % os.getuid())\n")
+    return python, site, uids
+
+
+def _dry_run(python: Path, wheels: Wheelhouse, state: Path) -> Result:
+    environ = {**os.environ, "SAFEINSTALL_STATE_DIR": str(state)}
+    args = ("sipure", "--wheel", str(wheels["sipure-2"]), "--python", str(python), "--dry-run", "--json")
+    return run(*args, env=environ, timeout=120)
+
+
+@pytest.mark.parametrize("handed", ["site-packages", "site-packages-and-bin"])
+def test_a_site_packages_handed_to_an_account_makes_the_environment_that_accounts(
+    open_dir: Path, wheels: Wheelhouse, handed: str
+) -> None:
+    """Row: root made the venv, then gave its site-packages (and maybe bin/) to the service account, a
+    common setup. The account's .pth files would run as root in uv: the environment is that account's,
+    and uv runs as it; where the account cannot write all the install writes (bin/ still root's), the
+    run refuses at preflight. Either way nothing of the environment runs as root."""
+    if not AS_ROOT:
+        pytest.skip("the attack is on a run as root")
+    python, site, uids = _root_venv_with_pth(open_dir, wheels)
+    chown_tree(site, NOBODY)
+    if handed == "site-packages-and-bin":
+        chown_tree(python.parent, NOBODY)
+    result = _dry_run(python, wheels, open_dir / "state")
+    ran = set(uids.read_text().split())
+    assert ran == {str(NOBODY)}, f"the .pth ran as {ran}"
+    assert any("belongs to uid 65534" in w for w in result.json["data"]["warnings"])
+    if handed == "site-packages":
+        assert result.code == 2 and "not writable by uid 65534" in result.stdout
+    else:
+        assert result.code == 0, result.stdout + result.stderr
+
+
+def test_an_account_that_owns_a_directory_above_the_prefix_steers_the_environment(
+    open_dir: Path, wheels: Wheelhouse
+) -> None:
+    """Row: root made the venv inside a directory the service account owns: the account can rename it
+    away and put its own in its place between the probe and uv's start. So it is that account's: uv
+    runs as the account (which cannot write root's files: the run refuses, nothing runs as root)."""
+    if not AS_ROOT:
+        pytest.skip("the attack is on a run as root")
+    home = open_dir / "home"
+    home.mkdir()
+    python, _site, uids = _root_venv_with_pth(home, wheels)
+    os.lchown(home, NOBODY, NOBODY)
+    result = _dry_run(python, wheels, open_dir / "state")
+    assert "0" not in uids.read_text().split(), "the .pth ran as root"
+    assert result.code == 2, result.stdout + result.stderr
+    assert "not writable" in result.stdout + result.stderr
+
+
+def test_a_site_packages_others_may_write_is_refused(open_dir: Path, wheels: Wheelhouse) -> None:
+    """Row: anyone may add a .pth file to a world-writable site-packages: refused before uv runs."""
+    if not AS_ROOT:
+        pytest.skip("the attack is on a run as root")
+    python, site, uids = _root_venv_with_pth(open_dir, wheels)
+    site.chmod(0o777)
+    result = _dry_run(python, wheels, open_dir / "state")
+    assert result.code == 2, result.stdout + result.stderr
+    assert "may be written by every user" in result.stdout + result.stderr
+    assert uids.read_text() == ""
