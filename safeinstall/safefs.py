@@ -9,7 +9,9 @@ followed: where a directory is expected it counts as "not there" (nothing is rea
 through it), and a restore replaces it with the real directory. What is opened is what is checked
 (``fstat`` on the descriptor): a FIFO or a device is never read, and opening never blocks
 (``O_NONBLOCK``). Paths are "/"-separated and relative to the root; ``..``, ``.``, empty and absolute
-ones are refused before anything is opened.
+ones are refused before anything is opened. A recursive delete (:func:`remove_at`, never
+``shutil.rmtree``, which opens a directory by name after an ``lstat``) opens each directory the same way,
+so a symlink to a FIFO swapped in for a directory while root deletes is unlinked, never opened.
 
 Inside :meth:`Tree.batch` (a backup, a restore: thousands of files in a few hundred directories) each
 thread keeps the descriptors of the directories it walked last (a cursor: the root's descriptor down
