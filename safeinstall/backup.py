@@ -619,7 +619,7 @@ def create_backup(
         text = json.dumps(manifest_to_dict(manifest), separators=(",", ":")) + "\n"  # the C encoder
         atomic_write(backup_dir / MANIFEST_NAME, text.encode("utf-8", "surrogateescape"))
     except OSError as exc:
-        shutil.rmtree(backup_dir, ignore_errors=True)
+        shutil.rmtree(backup_dir, ignore_errors=True)  # root's 0700 tree: nobody else writes in it
         where = f" ({exc.filename})" if exc.filename else ""
         raise BackupError(
             f"could not back up {', '.join(d.name for d in dists)} into {backup_dir}: "

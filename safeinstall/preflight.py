@@ -102,7 +102,7 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
         wheel = None
         if given is not None:
             # checked, installed and journalled: the run's own copy, not a path others can write
-            use = copy_wheel(given, state.dir) if take_lock else given
+            use = copy_wheel(given, state.dir, env.account) if take_lock else given
             options = replace(options, wheel=use)
             try:
                 wheel = read_wheel(use)
@@ -110,7 +110,8 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
                 raise WheelError(exc.message.replace(str(use), str(given)), exc.hint) from exc
             check_wheel(wheel, options.package, env)
         if given is not None and not take_lock and env.account is not None:
-            with temporary_copy(given) as copy:  # uv reads it as the owner, who may not read `given`
+            # uv reads it as the owner, who may not read `given`
+            with temporary_copy(given, env.account) as copy:
                 found = _named_as_given(survey(replace(options, wheel=copy), env, wheel), copy, given)
         else:
             found = survey(options, env, wheel)

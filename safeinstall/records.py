@@ -69,6 +69,8 @@ def _parse_row(row: list[str]) -> RecordEntry | str:
     path, hash_text, size_text = row
     if not path:
         return "empty path"
+    if "\0" in path:  # no file can be named so; looking it up would raise, not fail
+        return "a NUL byte in the path"
     record_hash: RecordHash | None = None
     if hash_text:
         algorithm, sep, digest = hash_text.partition("=")
@@ -96,8 +98,11 @@ def parse_record(text: str) -> Record:
     # Without a quote anywhere, CSV is a plain split on commas (and a torch RECORD has 15k lines).
     rows = csv.reader(lines) if '"' in text else (line.split(",") for line in lines)
     accepted = ACCEPTED_ALGORITHMS
+    plain = "\0" not in text  # else every line goes through _parse_row, which refuses a NUL in a path
     for number, row in enumerate(rows, start=1):
-        if len(row) == 3 and row[0]:  # the usual hashed line, as _parse_row takes it, without a call
+        if (
+            plain and len(row) == 3 and row[0]
+        ):  # the usual hashed line, as _parse_row takes it, without a call
             algorithm, _, digest = row[1].partition("=")
             size_text = row[2]
             if digest and algorithm in accepted and size_text.isascii() and size_text.isdigit():

@@ -9,7 +9,6 @@ reboot gate (marker and drop-ins) and clears the journal. It is what the shipped
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +36,7 @@ from safeinstall.journal import (
 from safeinstall.lock import LockHolder, acquire_lock, read_holder
 from safeinstall.output import envelope, jsonable
 from safeinstall.runlog import append_line
+from safeinstall.safefs import Tree
 from safeinstall.state import (
     EnvironmentState,
     StateDirError,
@@ -447,7 +447,8 @@ def forget_one(state: EnvironmentState) -> Forgotten:
     with acquire_lock(state.lock, prefix):
         if read_journal(state.dir) is not None:
             raise unfinished
-        shutil.rmtree(state.dir)  # fd-based on Linux: never follows a symlink inside
+        with Tree(state.dir.parent) as tree:  # a uv cache a crashed run left there is the owner's
+            tree.remove_tree(state.dir.name)
     return Forgotten(prefix, str(state.dir))
 
 

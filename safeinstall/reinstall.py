@@ -671,7 +671,7 @@ def _start_again(run: _Run, units: list[JournalUnit]) -> None:
 def _remove_own_backup(run: _Run) -> None:
     """Nothing was installed: this run's backup (whole or partial) is of no use; it goes."""
     backup_dir = run.state.backup_dir(run.run_id)
-    shutil.rmtree(backup_dir, ignore_errors=True)
+    shutil.rmtree(backup_dir, ignore_errors=True)  # root's 0700 tree: nobody else writes in it
     if backup_dir.exists():
         run.notes.append(f"could not remove this run's unused backup {backup_dir}")
     run.backup = None

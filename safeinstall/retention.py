@@ -42,7 +42,9 @@ def backups_to_remove(names: Iterable[str], keep: int, protected: Collection[str
 
 
 def _remove_tree(path: Path) -> list[str]:
-    """``rm -r path``, going on past errors; each error as "path: reason"."""
+    """``rm -r path``, going on past errors; each error as "path: reason". Only for a backup: root's
+    0700 tree, which nobody else can change meanwhile (unlike uv's run directories, which go through
+    :func:`safeinstall.safefs.remove_at`)."""
     failures: list[str] = []
 
     def note(_function: object, where: str, error: BaseException) -> None:

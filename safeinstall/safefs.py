@@ -9,7 +9,9 @@ followed: where a directory is expected it counts as "not there" (nothing is rea
 through it), and a restore replaces it with the real directory. What is opened is what is checked
 (``fstat`` on the descriptor): a FIFO or a device is never read, and opening never blocks
 (``O_NONBLOCK``). Paths are "/"-separated and relative to the root; ``..``, ``.``, empty and absolute
-ones are refused before anything is opened.
+ones are refused before anything is opened. A recursive delete (:func:`remove_at`, never
+``shutil.rmtree``, which opens a directory by name after an ``lstat``) opens each directory the same way,
+so a symlink to a FIFO swapped in for a directory while root deletes is unlinked, never opened.
 
 Inside :meth:`Tree.batch` (a backup, a restore: thousands of files in a few hundred directories) each
 thread keeps the descriptors of the directories it walked last (a cursor: the root's descriptor down
@@ -25,7 +27,6 @@ import contextlib
 import errno
 import hashlib
 import os
-import shutil
 import stat
 import threading
 from collections.abc import Iterable, Iterator
@@ -36,7 +37,14 @@ from types import TracebackType
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+#: A directory to empty: never a symlink's target, and a FIFO swapped in is never waited on.
+_REMOVE_DIR_FLAGS = _DIR_FLAGS | os.O_NONBLOCK
 _CHUNK = 1 << 20
+#: :func:`remove_at` refuses a tree deeper than this (each level holds a descriptor).
+MAX_REMOVE_DEPTH = 4096
+#: How often :func:`remove_at` tries an entry that keeps changing between a file and a directory, or a
+#: directory that keeps being refilled, before it gives up.
+_REMOVE_TRIES = 8
 
 
 class NotRegularFile(OSError):
@@ -170,6 +178,101 @@ def _open_child(fd: int, name: str) -> int:
                 errno.ENOTDIR, "not a real directory (a symlink or a file)", name
             ) from None
         raise
+
+
+def _unlink_or_open(dir_fd: int, name: str, is_dir: bool) -> int | None:
+    """Unlink the entry ``name`` of the directory ``dir_fd`` when it is not a directory, or open it (a
+    new descriptor, :data:`_REMOVE_DIR_FLAGS`) when it is one; None when it is gone. ``is_dir`` is the
+    listing's word: when the entry changed kind since (swapped), the other way is tried (Linux says
+    ``EISDIR`` to unlinking a directory, ``ENOTDIR``/``ELOOP`` to opening anything else as one)."""
+    for _ in range(_REMOVE_TRIES):
+        try:
+            if is_dir:
+                return os.open(name, _REMOVE_DIR_FLAGS, dir_fd=dir_fd)
+            os.unlink(name, dir_fd=dir_fd)
+            return None
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            swapped = (errno.ENOTDIR, errno.ELOOP) if is_dir else (errno.EISDIR,)
+            if exc.errno not in swapped:
+                raise
+            is_dir = not is_dir
+    raise OSError(errno.EAGAIN, "it keeps changing between a file and a directory", name)
+
+
+def _listing(fd: int) -> list[tuple[str, bool]]:
+    """The entries of the directory ``fd``: (name, whether the listing says it is a real directory)."""
+    with os.scandir(fd) as entries:
+        return [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in entries]
+
+
+@dataclass(slots=True)
+class _Emptying:
+    """A directory that :func:`remove_at` empties: its descriptor, its name in its parent, the entries
+    left to remove, and how often it was listed."""
+
+    fd: int
+    name: str
+    left: list[tuple[str, bool]]
+    listed: int = 1
+
+
+def _descend(stack: list[_Emptying], fd: int, name: str) -> None:
+    """Push the directory ``fd`` (taken: closed with the stack) onto ``stack``, listed."""
+    stack.append(_Emptying(fd, name, []))
+    if len(stack) > MAX_REMOVE_DEPTH:
+        raise OSError(errno.ELOOP, f"more than {MAX_REMOVE_DEPTH} directories deep", name)
+    stack[-1].left = _listing(fd)
+
+
+def remove_at(dir_fd: int, name: str) -> bool:
+    """Remove the entry ``name`` of the directory ``dir_fd`` and, when it is a directory, everything
+    below it (``rm -r``), in a tree that others may change meanwhile; False when it is not there.
+
+    Each directory is opened relative to its parent's descriptor with ``O_NOFOLLOW|O_NONBLOCK`` and
+    listed by that descriptor: a symlink is unlinked, never followed nor opened, even one that replaced
+    a directory after the listing, and a FIFO never blocks. An entry that changed between a file and a
+    directory is tried the other way; a directory refilled meanwhile is listed again (a few times).
+    Iterative: a tree more than :data:`MAX_REMOVE_DEPTH` directories deep is refused with an OSError.
+    Raises OSError (what was removed before stays removed)."""
+    try:
+        info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    top = _unlink_or_open(dir_fd, name, stat.S_ISDIR(info.st_mode))
+    if top is None:
+        return True
+    stack: list[_Emptying] = []
+    try:
+        _descend(stack, top, name)
+        while stack:
+            here = stack[-1]
+            if here.left:
+                child_name, is_dir = here.left.pop()
+                child = _unlink_or_open(here.fd, child_name, is_dir)
+                if child is not None:
+                    _descend(stack, child, child_name)
+                continue
+            parent = stack[-2].fd if len(stack) > 1 else dir_fd
+            try:
+                os.rmdir(here.name, dir_fd=parent)
+            except FileNotFoundError:
+                pass  # moved away meanwhile: not in this tree any more
+            except OSError as exc:
+                if exc.errno == errno.ENOTEMPTY and here.listed < _REMOVE_TRIES:  # refilled meanwhile
+                    here.listed += 1
+                    here.left = _listing(here.fd)
+                    continue
+                if exc.errno != errno.ENOTDIR:
+                    raise
+                with contextlib.suppress(FileNotFoundError):  # swapped for a symlink or a file meanwhile
+                    os.unlink(here.name, dir_fd=parent)
+            os.close(stack.pop().fd)
+    finally:
+        for emptying in stack:
+            os.close(emptying.fd)
+    return True
 
 
 class _Cursor:
@@ -472,12 +575,9 @@ class Tree:
                 info = os.stat(name, dir_fd=fd, follow_symlinks=False)
                 if stat.S_ISDIR(info.st_mode):
                     self._removed_directory()
-                    shutil.rmtree(name, dir_fd=fd)
-                else:
-                    os.unlink(name, dir_fd=fd)
+                return remove_at(fd, name)
         except (FileNotFoundError, NotADirectoryError):
             return False
-        return True
 
     def rmdir(self, relative: str) -> None:
         with self.parent(relative) as (fd, name):
@@ -540,7 +640,7 @@ class Tree:
             if not stat.S_ISDIR(info.st_mode):
                 raise
             self._removed_directory()
-            shutil.rmtree(name, dir_fd=fd)
+            remove_at(fd, name)
             os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
 
     def write_from(

@@ -4,9 +4,10 @@ A wheel usually comes from a download directory (``/tmp``, a shared cache) that 
 could replace it between the preflight check and uv's install, or before ``--recover`` reads it again.
 So a run copies it into ``<state>/<env>/wheels/<random>/<the wheel's file name>`` (the state directory
 is root's, mode 0700) and checks, installs and journals that copy only; the copy goes when the run (or
-its recovery) ends. The copy is root's and read-only for others (0644, in directories others may enter
-but not list, 0711): uv reads it as the environment's owner when the environment is another account's
-(:mod:`safeinstall.state`), which can read it, never replace it.
+its recovery) ends. The copy is root's, in directories others may enter but not list (0711), and only
+the account uv runs as may read it: 0640 with that account's group when the environment is another
+account's (uv reads it as that account, :mod:`safeinstall.state`, which can read it, never replace it),
+0600 otherwise. Its path is in uv's command line, which every local user can read in ``/proc``.
 """
 
 from __future__ import annotations
@@ -17,16 +18,28 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from safeinstall.environment import Account
 from safeinstall.errors import WheelError
 from safeinstall.safefs import Tree, open_regular
 
 WHEELS_DIR = "wheels"
 COPY_DIR_MODE = 0o711
-COPY_MODE = 0o644
+#: The copy when uv reads it as the environment's owner (the group is that account's); else 0600.
+READER_MODE = 0o640
+PRIVATE_MODE = 0o600
 
 
-def copy_wheel(source: Path, envdir: Path) -> Path:
-    """Copy ``source`` (a regular file: a FIFO or a device is refused) into ``envdir``; the copy's path."""
+def copy_access(account: Account | None, euid: int, egid: int) -> tuple[int, tuple[int, int]]:
+    """Pure: the mode and (uid, gid) of a copy of the wheel that only ``account`` (uv runs as it; None:
+    as the caller, ``euid``/``egid``) may read besides the caller."""
+    if account is None:
+        return PRIVATE_MODE, (euid, egid)
+    return READER_MODE, (euid, account.gid)
+
+
+def copy_wheel(source: Path, envdir: Path, account: Account | None) -> Path:
+    """Copy ``source`` (a regular file: a FIFO or a device is refused) into ``envdir``, readable by
+    ``account`` (see :func:`copy_access`); the copy's path."""
     directory = f"{WHEELS_DIR}/{os.getpid()}-{os.urandom(6).hex()}"
     try:
         source_fd = open_regular(source)
@@ -39,7 +52,8 @@ def copy_wheel(source: Path, envdir: Path) -> Path:
         with Tree(envdir) as tree:
             tree.make_dirs(directory, COPY_DIR_MODE)
             tree.set_mode(WHEELS_DIR, COPY_DIR_MODE)  # made 0700 by an older release
-            tree.write_from(f"{directory}/{source.name}", source_fd, COPY_MODE, atomic=False)
+            mode, owner = copy_access(account, os.geteuid(), os.getegid())
+            tree.write_from(f"{directory}/{source.name}", source_fd, mode, owner, atomic=False)
     except OSError as exc:
         discard_wheel_copy(envdir / directory / source.name, envdir)
         raise WheelError(
@@ -98,9 +112,9 @@ def passable_temporary_dir(what: str) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def temporary_copy(source: Path) -> Iterator[Path]:
-    """A copy of ``source`` in a :func:`passable_temporary_dir` (the copy 0644): what a dry-run gives uv
-    when uv runs as the environment's owner, who may not be able to read the wheel where it lies (a run
-    gives it the run's own copy, in the state directory)."""
+def temporary_copy(source: Path, account: Account) -> Iterator[Path]:
+    """A copy of ``source`` in a :func:`passable_temporary_dir` that ``account`` may read (0640, its
+    group): what a dry-run gives uv when uv runs as the environment's owner, who may not be able to read
+    the wheel where it lies (a run gives it the run's own copy, in the state directory)."""
     with passable_temporary_dir(f"a copy of the wheel {source}") as top:
-        yield copy_wheel(source, top)
+        yield copy_wheel(source, top, account)

@@ -35,6 +35,7 @@ from tests.wheelhouse import Wheelhouse
 __all__ = ["small_disk"]  # the tmpfs fixture, used here too
 
 NOBODY = 65534
+OTHER = 65533  # another local account: neither the environment's owner nor root
 AS_ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not AS_ROOT, reason="the attacks are on a run as root")
 
@@ -106,13 +107,17 @@ def chown_tree(top: Path, uid: int) -> None:
             os.lchown(os.path.join(directory, name), uid, uid)
 
 
-def as_nobody(*argv: str) -> None:
+def as_user(uid: int, *argv: str) -> None:
     subprocess.run(
-        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *argv],
+        ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *argv],
         check=True,
         capture_output=True,
         text=True,
     )
+
+
+def as_nobody(*argv: str) -> None:
+    as_user(NOBODY, *argv)
 
 
 class ServiceAccountBed(Bed):
@@ -235,7 +240,10 @@ def test_new_code_swaps_its_package_for_a_symlink_then_recover(
     assert (
         stat.S_IMODE(os.stat(copy.parent.parent).st_mode) == 0o711
     )  # entered by uv (as uid 65534), not listed
-    assert stat.S_IMODE(os.stat(copy).st_mode) == 0o644 and os.stat(copy).st_uid == 0  # read, never replaced
+    info = os.stat(copy)  # read by uv (as uid 65534, group 65534), never replaced; no other user reads it
+    assert (stat.S_IMODE(info.st_mode), info.st_uid, info.st_gid) == (0o640, 0, NOBODY)
+    with pytest.raises(subprocess.CalledProcessError):
+        as_user(OTHER, "head", "-c1", str(copy))
     package = account.site / "sicext"
     if package.is_dir():  # what the new code would do when it ran: as the service account
         as_nobody("mv", str(package), str(account.site / ".sicext-moved"))
@@ -893,6 +901,40 @@ def test_paths_below_a_tree_and_copies_of_wheels(tmp_path: Path) -> None:
     assert not is_wheel_copy(tmp_path / "downloads" / "x-1.0-py3-none-any.whl", envdir)
     assert not is_wheel_copy(envdir / "wheels" / ".." / "journal.json", envdir)
     assert not is_wheel_copy(envdir / "wheels" / "x-1.0-py3-none-any.whl", envdir)
+
+
+def test_a_copy_of_the_wheel_is_readable_only_by_the_account_uv_runs_as(
+    tmp_path: Path, open_dir: Path
+) -> None:
+    """The copy's path is in uv's command line (any user reads it in ``/proc``): only the account uv
+    runs as may read the copy. Another account's environment: 0640, that account's group (the
+    dry-run's temporary copy too); root's own: 0600 root:root. Checked as those users, not by mode."""
+    from safeinstall.environment import Account
+    from safeinstall.wheelcopy import copy_wheel, temporary_copy
+
+    source = tmp_path / "downloads" / "x-1.0-py3-none-any.whl"
+    source.parent.mkdir()
+    source.write_bytes(b"PK wheel bytes")
+    envdir = open_dir / "env"  # as a state directory of another account's environment: 0711
+    envdir.mkdir(mode=0o711)
+    account = Account(NOBODY, NOBODY, "/")
+
+    def access(copy: Path) -> tuple[int, int, int, bool, bool]:
+        info = os.stat(copy)
+        readers = []
+        for uid in (NOBODY, OTHER):
+            try:
+                as_user(uid, "head", "-c1", str(copy))
+                readers.append(True)
+            except subprocess.CalledProcessError:
+                readers.append(False)
+        return stat.S_IMODE(info.st_mode), info.st_uid, info.st_gid, *readers
+
+    assert access(copy_wheel(source, envdir, account)) == (0o640, 0, NOBODY, True, False)
+    assert access(copy_wheel(source, envdir, None)) == (0o600, 0, 0, False, False)
+    with temporary_copy(source, account) as copy:
+        assert copy.read_bytes() == source.read_bytes()
+        assert access(copy) == (0o640, 0, NOBODY, True, False)
 
 
 # --- metadata files of the environment ---------------------------------------------------------------

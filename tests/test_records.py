@@ -63,6 +63,17 @@ def test_quoted_paths_go_through_csv() -> None:
     assert [e.path for e in parse_record(text).entries] == ["pkg/a,b.py", "pkg/c.py"]
 
 
+def test_a_nul_byte_in_a_path_is_a_problem_quoted_or_not() -> None:
+    for text in (
+        '"pkg/a\0b.py",sha256=AAAA,1\npkg/c.py,sha256=BBBB,2\n',
+        "pkg/a\0b.py,sha256=AAAA,1\npkg/c.py,sha256=BBBB,2\n",
+    ):
+        record = parse_record(text)
+        assert [e.path for e in record.entries] == ["pkg/c.py"]
+        (problem,) = record.problems
+        assert problem.line == 1 and "NUL" in problem.reason
+
+
 def test_metadata_headers_stop_at_the_body_and_skip_folded_lines() -> None:
     text = (
         "Metadata-Version: 2.1\n"

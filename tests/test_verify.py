@@ -201,6 +201,17 @@ def test_malformed_record_line(env: Path) -> None:
     assert [f["kind"] for f in doc["data"]["findings"]] == ["malformed"]
 
 
+def test_a_nul_byte_in_a_record_path_is_a_malformed_line(env: Path) -> None:
+    """A RECORD path with a NUL byte (no file can have one) is a malformed line, never an internal
+    error (an ``embedded null byte`` ValueError when the path is looked up)."""
+    _append_record(env, "sipure-1.0.dist-info", '"sipure/a\0b.py",sha256=abc,1')
+    result = run("sipure", "--verify-only", "--python", str(env), "--json")
+    assert result.code == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    (finding,) = result.json["data"]["findings"]
+    assert finding["kind"] == "malformed" and "NUL" in finding["detail"]
+
+
 def test_unknown_package_and_bad_interpreter_exit_2(env: Path, tmp_path: Path) -> None:
     result = run("no-such-dist", "--verify-only", "--python", str(env))
     assert result.code == 2
