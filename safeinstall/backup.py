@@ -38,9 +38,12 @@ from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from packaging.utils import canonicalize_name
-
-from safeinstall.distributions import InstalledDistribution, dist_info_dirs, find_distributions
+from safeinstall.distributions import (
+    InstalledDistribution,
+    dist_info_dirs,
+    dist_info_name,
+    find_distributions,
+)
 from safeinstall.drift import own_roots, pyc_source
 from safeinstall.environment import Environment
 from safeinstall.errors import SafeInstallError
@@ -176,15 +179,6 @@ def relative_to_prefix(location: Path | str, prefix: Path | str) -> str | None:
     if not normal.startswith(base) or len(normal) == len(base):
         return None
     return normal[len(base) :]
-
-
-def dist_info_name(dirname: str) -> str | None:
-    """Pure: the canonical distribution name of a ``<name>-<version>.dist-info`` directory name."""
-    if not dirname.endswith(".dist-info"):
-        return None
-    stem = dirname[: -len(".dist-info")]
-    name = stem.rsplit("-", 1)[0] if "-" in stem else stem
-    return canonicalize_name(name) if name else None
 
 
 def space_problem(
@@ -442,31 +436,10 @@ def _save(item: _Item, tree: Tree, dest: Tree, known: Mapping[str, FileState]) -
         if target is None:  # replaced meanwhile
             return None
         dest.symlink(item.relative, target, atomic=False)
-        return BackupFile(
-            path=item.relative,
-            distribution=item.distribution,
-            size=info.st_size,
-            mode=stat.S_IMODE(info.st_mode),
-            uid=info.st_uid,
-            gid=info.st_gid,
-            mtime_ns=info.st_mtime_ns,
-            sha256=None,
-            link_target=target,
-            listed=item.listed,
-        )
+        return _saved(item, info, info.st_size, None, target)
     linked = _link(item, tree, dest, info, known.get(item.source)) if item.in_record else None
     if linked is not None:
-        return BackupFile(
-            path=item.relative,
-            distribution=item.distribution,
-            size=info.st_size,
-            mode=stat.S_IMODE(info.st_mode),
-            uid=info.st_uid,
-            gid=info.st_gid,
-            mtime_ns=info.st_mtime_ns,
-            sha256=linked,
-            listed=item.listed,
-        )
+        return _saved(item, info, info.st_size, linked)
     try:
         source_fd = tree.open_read(item.relative)
     except (FileNotFoundError, NotRegularFile):
@@ -478,15 +451,23 @@ def _save(item: _Item, tree: Tree, dest: Tree, known: Mapping[str, FileState]) -
         )
     finally:
         os.close(source_fd)
+    return _saved(item, info, copied.size, copied.sha256)
+
+
+def _saved(
+    item: _Item, info: os.stat_result, size: int, sha256: str | None, link_target: str | None = None
+) -> BackupFile:
+    """Pure: the manifest entry of ``item`` as saved (``info``: what was opened or linked)."""
     return BackupFile(
         path=item.relative,
         distribution=item.distribution,
-        size=copied.size,
+        size=size,
         mode=stat.S_IMODE(info.st_mode),
         uid=info.st_uid,
         gid=info.st_gid,
         mtime_ns=info.st_mtime_ns,
-        sha256=copied.sha256,
+        sha256=sha256,
+        link_target=link_target,
         listed=item.listed,
     )
 
