@@ -29,18 +29,25 @@ import json, os, sys
 # what site.venv() does (site is not imported: -S): a pyvenv.cfg beside or above the executable's
 # directory makes that directory's parent the prefix. Before sysconfig is imported, which reads it.
 exe_dir = os.path.dirname(os.path.abspath(sys.executable))
+include_system = True  # a system interpreter: site adds its own site directories
 for conf in (os.path.join(exe_dir, "pyvenv.cfg"), os.path.join(os.path.dirname(exe_dir), "pyvenv.cfg")):
     if os.path.isfile(conf):
         sys.prefix = sys.exec_prefix = os.path.dirname(exe_dir)
+        with open(conf, encoding="utf-8", errors="replace") as handle:
+            pairs = [line.split("=", 1) for line in handle.read(65536).splitlines() if "=" in line]
+        settings = {k.strip().lower(): v.strip().lower() for k, v in pairs}
+        include_system = settings.get("include-system-site-packages") == "true"
         break
-import sysconfig
+import site, sysconfig  # site is imported, not run (-S): getsitepackages only computes paths
 paths = sysconfig.get_paths()
+base_sites = site.getsitepackages([sys.base_prefix]) if include_system else []
 print(json.dumps({
     "executable": sys.executable,
     "prefix": sys.prefix,
     "base_prefix": sys.base_prefix,
     "purelib": paths["purelib"],
     "platlib": paths["platlib"],
+    "base_site_dirs": base_sites,
     "scripts": paths["scripts"],
     "data": paths["data"],
     "version": [sys.version_info[0], sys.version_info[1], sys.version_info[2]],
@@ -82,6 +89,9 @@ class Environment:
     platform: str
     account: Account | None = None  # who owns the environment (not root): its probe and uv run as it
     probed_as: int | None = None  # the uid the probe was started as (never what it printed)
+    #: the base installation's site directories that site adds too (a system interpreter's own, or a
+    #: venv's with include-system-site-packages)
+    base_site_dirs: tuple[Path, ...] = ()
 
     @property
     def owner(self) -> int | None:
@@ -102,6 +112,11 @@ class Environment:
     @property
     def site_dirs(self) -> tuple[Path, ...]:
         return (self.purelib,) if self.purelib == self.platlib else (self.purelib, self.platlib)
+
+    @property
+    def run_site_dirs(self) -> tuple[Path, ...]:
+        """Every site directory ``site`` adds when the interpreter runs with it (as uv runs it)."""
+        return tuple(dict.fromkeys((*self.site_dirs, *self.base_site_dirs)))
 
     @property
     def is_venv(self) -> bool:
@@ -180,57 +195,170 @@ def _ancestors(path: Path) -> list[Path]:
     return list(reversed(path.parents))
 
 
-def steering(env: Environment, euid: int) -> tuple[dict[int, str], list[str]]:
-    """Who besides root (and ``euid``) can change what the environment runs once ``site`` runs (as uv
-    runs it), found after the probe: by uid, the first path that makes it so; and what no single account
-    can be held to (refusals).
+#: ``system.posix_acl_access`` entry tags (linux/posix_acl_xattr.h) and the write permission bit
+_ACL_USER, _ACL_GROUP, _ACL_MASK, _ACL_WRITE = 0x02, 0x08, 0x10, 0x02
 
-    * the site directories, each directory between the prefix and them, and their ``.pth``,
-      ``sitecustomize`` and ``usercustomize`` files: their owner can add or change code that ``site``
-      runs; one writable by others (or by a group other than root's) is refused;
-    * each directory above the prefix: its owner can rename the environment away and put another in
-      its place between the probe and a use (a root-owned sticky directory such as ``/tmp`` is fine:
-      there only the entry's owner may rename it); one writable by others, not sticky, is refused."""
-    owners: dict[int, str] = {}
-    problems: list[str] = []
 
-    def look(path: Path, what: str, ancestor: bool) -> None:
+def acl_writers(raw: bytes) -> tuple[set[int], set[int]]:
+    """Pure: the uids and gids that a POSIX access ACL (the xattr's bytes) names with write permission,
+    when its mask lets write through."""
+    users: set[int] = set()
+    groups: set[int] = set()
+    mask_writes = True
+    for offset in range(4, len(raw) - 7, 8):
+        tag = int.from_bytes(raw[offset : offset + 2], "little")
+        perm = int.from_bytes(raw[offset + 2 : offset + 4], "little")
+        ident = int.from_bytes(raw[offset + 4 : offset + 8], "little")
+        if tag == _ACL_MASK:
+            mask_writes = bool(perm & _ACL_WRITE)
+        elif tag == _ACL_USER and perm & _ACL_WRITE:
+            users.add(ident)
+        elif tag == _ACL_GROUP and perm & _ACL_WRITE:
+            groups.add(ident)
+    return (users, groups) if mask_writes else (set(), set())
+
+
+class _Control:
+    """Who besides root (and ``euid``) controls a set of paths: by uid, the first path that shows it;
+    and what no single account can be held to (written by every user or by a group other than root's,
+    through mode bits or an access ACL)."""
+
+    def __init__(self, euid: int) -> None:
+        self.euid = euid
+        self.owners: dict[int, str] = {}
+        self.problems: list[str] = []
+
+    def look(self, path: Path, what: str, *, ancestor: bool = False) -> bool:
+        """One path (not followed); False when it does not exist. ``ancestor``: a directory above what
+        matters, where a sticky bit (only an entry's owner may rename it) makes others' write harmless."""
         try:
             info = os.lstat(path)
         except OSError:
-            return
-        if info.st_uid not in (0, euid):
-            owners.setdefault(info.st_uid, f"{path} ({what})")
+            return False
+        if info.st_uid not in (0, self.euid):
+            self.owners.setdefault(info.st_uid, f"{path} ({what})")
         mode = info.st_mode
-        if ancestor and mode & stat.S_ISVTX:
-            return  # only an entry's owner (or the directory's) may rename it
-        if mode & stat.S_IWOTH or (mode & stat.S_IWGRP and info.st_gid != 0):
+        if stat.S_ISLNK(mode):
+            return True
+        sticky = ancestor and bool(mode & stat.S_ISVTX)
+        if not sticky and (mode & stat.S_IWOTH or (mode & stat.S_IWGRP and info.st_gid != 0)):
             who = "every user" if mode & stat.S_IWOTH else f"group {info.st_gid}"
-            problems.append(f"{path} ({what}) may be written by {who}")
-
-    for directory in _ancestors(env.prefix):
-        look(directory, "a directory above the prefix", ancestor=True)
-    for site in env.site_dirs:
-        if not _inside(site, env.prefix):
-            continue
-        between = [
-            env.prefix / Path(*site.relative_to(env.prefix).parts[:n])
-            for n in range(len(site.relative_to(env.prefix).parts) + 1)
-        ]
-        for directory in between:
-            look(
-                directory,
-                "the site directory" if directory == site else "a directory of the environment",
-                ancestor=False,
-            )
+            self.problems.append(f"{path} ({what}) may be written by {who}")
         try:
-            names = sorted(os.listdir(site))
+            raw = os.getxattr(path, "system.posix_acl_access", follow_symlinks=False)
+        except OSError:
+            raw = b""
+        users, groups = acl_writers(raw)
+        for uid in sorted(users - {0, self.euid}):
+            self.owners.setdefault(uid, f"{path} ({what}, by its ACL)")
+        if groups - {0} and not sticky:
+            self.problems.append(f"{path} ({what}) may be written by group(s) {sorted(groups)} (its ACL)")
+        return True
+
+    def look_up(self, path: Path, what: str) -> None:
+        """``path`` and every directory above it; a symlink is followed (its target looked at too), and
+        for a path that does not exist yet, the nearest one that does must not let others create it."""
+        seen: set[str] = set()
+        todo = [Path(os.path.abspath(path))]
+        while todo:
+            current = todo.pop()
+            if str(current) in seen or len(seen) > 64:
+                continue
+            seen.add(str(current))
+            exists = self.look(current, what)
+            for directory in _ancestors(current):
+                self.look(directory, f"a directory above {what}", ancestor=True)
+            if not exists:
+                probe = current.parent
+                while not os.path.lexists(probe) and probe != probe.parent:
+                    probe = probe.parent
+                self.look(probe, f"where {current} ({what}) could be made")  # sticky does not help
+            elif os.path.islink(current):
+                todo.append(Path(os.path.realpath(current)))
+
+
+def _pth_paths(site: Path) -> list[Path]:
+    """Pure-ish: the directories the ``.pth`` files of ``site`` add to ``sys.path`` (as
+    ``site.addpackage`` reads them; import lines are code and are covered by the owners of what
+    they import, the site directory's entries)."""
+    found: list[Path] = []
+    try:
+        names = sorted(n for n in os.listdir(site) if n.endswith(".pth"))
+    except OSError:
+        return found
+    for name in names:
+        try:
+            with open(site / name, "rb") as handle:
+                text = handle.read(1 << 20).decode("utf-8", "replace")
         except OSError:
             continue
-        for name in names:
-            if name.endswith(".pth") or name in ("sitecustomize.py", "usercustomize.py"):
-                look(site / name, "run by site", ancestor=False)
-    return owners, problems
+        for line in text.splitlines():
+            line = line.rstrip()
+            if line and not line.startswith(("#", "import ", "import\t")):
+                found.append(Path(os.path.normpath(os.path.join(site, line))))
+    return found
+
+
+def steering(env: Environment, euid: int) -> tuple[dict[int, str], list[str]]:
+    """Who besides root (and ``euid``) can change what the environment runs once ``site`` runs (as uv
+    runs it), found after the probe: by uid, the first path that makes it so; and what no single account
+    can be held to (refusals). Looked at: the prefix and each directory above it (whose owner could
+    rename the environment away between the probe and a use; a root-owned sticky one such as ``/tmp`` is
+    fine), every site directory ``site`` would add (the base's too) and each directory above it, every
+    entry of those (``.pth`` files, ``sitecustomize``, the packages their import lines load), and the
+    directories the ``.pth`` files add (a missing one: who could create it)."""
+    control = _Control(euid)
+    control.look_up(env.prefix, "the prefix")
+    for site in env.run_site_dirs:
+        control.look_up(site, "a site directory")
+        try:
+            entries = sorted(os.listdir(site))
+        except OSError:
+            continue
+        for name in entries:
+            entry = site / name
+            control.look(entry, "in a site directory")
+            if os.path.islink(entry):
+                control.look_up(entry, "linked from a site directory")
+        for added in _pth_paths(site):
+            control.look_up(added, "added by a .pth file")
+    return control.owners, control.problems
+
+
+def before_the_probe(python: Path, euid: int) -> tuple[dict[int, str], list[str]]:
+    """Who controls what the interpreter runs before ``site`` (the probe runs it with ``-I -S``): each
+    link on the way from ``python`` to its real binary, and the directories above each; the environment
+    and the directories above it; its ``pyvenv.cfg`` and the base installation it names (``home``),
+    whose standard library the interpreter loads."""
+    control = _Control(euid)
+    hop, hops = Path(os.path.abspath(python)), 0
+    while True:
+        control.look_up(hop, "the interpreter")
+        if not os.path.islink(hop) or hops > 40:
+            break
+        hop = Path(os.path.normpath(os.path.join(hop.parent, os.readlink(hop))))
+        hops += 1
+    real = Path(os.path.realpath(python))
+    venv = python.parent.parent
+    control.look_up(venv, "the environment")
+    bases = [real.parent.parent]
+    config = venv / "pyvenv.cfg"
+    if control.look(config, "its pyvenv.cfg"):
+        try:
+            with open(config, "rb") as handle:
+                text = handle.read(1 << 16).decode("utf-8", "replace")
+        except OSError:
+            text = ""
+        for line in text.splitlines():
+            key, _, value = line.partition("=")
+            if key.strip().lower() == "home" and value.strip():
+                home = Path(value.strip())
+                control.look_up(home, "its base interpreter's directory")
+                bases.append(home.parent)
+    for base in bases:
+        for lib in sorted(base.glob("lib*/python3*")):
+            control.look_up(lib, "a standard library")
+    return control.owners, control.problems
 
 
 def _held_to_one_account(env: Environment) -> Environment:
@@ -256,13 +384,29 @@ def _held_to_one_account(env: Environment) -> Environment:
 
 
 def environment_owner(python: Path) -> Account | None:
-    """The account that owns the environment of ``python`` when that is neither root nor the caller:
-    the owner of the interpreter (or the binary it links to), its ``bin/``, the environment directory,
-    or its ``pyvenv.cfg`` (whoever can change one of them can change what it runs)."""
-    venv = python.parent.parent
-    real = Path(os.path.realpath(python))  # the binary a venv's symlink leads to
-    info = _owner_of((python, real, python.parent, venv, venv / "pyvenv.cfg"), os.geteuid())
-    return None if info is None else _account(info.st_uid, info.st_gid)
+    """The account that controls what ``python`` runs before ``site`` when that is neither root nor the
+    caller (:func:`before_the_probe`): the probe then runs as it. Refused (InterpreterError) when two
+    accounts do, or when every user or another group may write any of it."""
+    owners, problems = before_the_probe(python, os.geteuid())
+    if len(owners) > 1:
+        listed = "; ".join(f"uid {uid} owns {where}" for uid, where in sorted(owners.items()))
+        problems.append(f"more than one account controls its interpreter: {listed}")
+    if problems:
+        raise InterpreterError(
+            f"refusing the interpreter {python}: " + "; ".join(problems),
+            hint="as root, safeinstall runs an interpreter only when root or one account controls it "
+            "(the links to it, its installation, the environment and the directories above them); "
+            "chmod go-w, or chown to that account",
+        )
+    if not owners:
+        return None
+    ((uid, where),) = owners.items()
+    path = Path(where.split(" (", 1)[0])
+    try:
+        gid = os.lstat(path).st_gid
+    except OSError:
+        gid = uid
+    return _account(uid, gid)
 
 
 def _inside(path: Path, prefix: Path) -> bool:
@@ -355,6 +499,7 @@ def inspect_environment(python: Path, timeout: float = 30.0) -> Environment:
             platform=str(info["platform"]),
             account=owner,
             probed_as=os.geteuid() if owner is None else owner.uid,  # as started, never as it says
+            base_site_dirs=tuple(Path(os.path.realpath(p)) for p in info.get("base_site_dirs", [])),
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise InterpreterError(f"{python} printed something unexpected: {proc.stdout[:200]!r}") from exc

@@ -1091,3 +1091,67 @@ def test_a_site_packages_others_may_write_is_refused(open_dir: Path, wheels: Whe
     assert result.code == 2, result.stdout + result.stderr
     assert "may be written by every user" in result.stdout + result.stderr
     assert uids.read_text() == ""
+
+
+def _acl(entries: list[tuple[int, int, int]]) -> bytes:
+    """A ``system.posix_acl_access`` value: version 2, then (tag, permissions, id) entries."""
+    import struct
+
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", t, p, i) for t, p, i in entries)
+
+
+@pytest.mark.parametrize("how", ["pth-path-line", "imported-package", "acl", "interpreter-link"])
+def test_whoever_controls_what_site_or_the_interpreter_runs_is_the_environments_account(
+    open_dir: Path, wheels: Wheelhouse, how: str
+) -> None:
+    """Rows: code that runs when uv starts the interpreter (with `site`) or when the probe does, which
+    the service account controls although every file of the venv itself is root's: a directory a
+    root-owned `.pth` file adds (an editable install's source tree) holding `sitecustomize.py`; a
+    package that a `.pth` import line loads; write access granted by an access ACL; a link on the way
+    to the interpreter. The account is the environment's: nothing of it runs as root."""
+    if not AS_ROOT:
+        pytest.skip("the attack is on a run as root")
+    shared = wheelhouse.shared_interpreter()
+    if shared is None:
+        pytest.skip("no interpreter of this Python version that uid 65534 may run")
+    uids = open_dir / "uids"
+    uids.touch()
+    uids.chmod(0o666)
+    record = f"import os; open({str(uids)!r}, 'a').write('%d\\n' % os.getuid())\n"
+    base = shared
+    if how == "interpreter-link":
+        own = open_dir / "alice-bin"
+        own.mkdir()
+        (own / "python3").symlink_to(shared)
+        chown_tree(own, NOBODY)
+        base = str(own / "python3")
+    python = wheelhouse.make_venv(open_dir / "venv", base)
+    wheelhouse.uv_install(python, wheels["sipure-1"])
+    site = wheelhouse.site_packages(python)
+    if how == "pth-path-line":
+        source = open_dir / "src"
+        source.mkdir()
+        (source / "sitecustomize.py").write_text(record)
+        chown_tree(source, NOBODY)
+        (site / "__editable__.app-0.1.pth").write_text(f"{source}\n")
+    elif how == "imported-package":
+        (site / "hack").mkdir()
+        (site / "hack" / "__init__.py").write_text(record)
+        chown_tree(site / "hack", NOBODY)
+        (site / "zz-hack.pth").write_text("import hack\n")
+    elif how == "acl":
+        (site / "zz-uids.pth").write_text(record)
+        try:  # u::rwx u:65534:rwx g::r-x m::rwx o::r-x
+            os.setxattr(
+                site,
+                "system.posix_acl_access",
+                _acl([(1, 7, 0), (2, 7, NOBODY), (4, 5, 0), (16, 7, 0), (32, 5, 0)]),
+            )
+        except OSError:
+            pytest.skip("no POSIX ACLs on this filesystem")
+    else:
+        (site / "zz-uids.pth").write_text(record)
+    result = _dry_run(python, wheels, open_dir / "state")
+    ran = set(uids.read_text().split())
+    assert "0" not in ran, f"ran as root: {result.stdout}{result.stderr}"
+    assert "belongs to uid 65534" in result.stdout + result.stderr, result.stdout + result.stderr
