@@ -92,6 +92,8 @@ class Environment:
     #: the base installation's site directories that site adds too (a system interpreter's own, or a
     #: venv's with include-system-site-packages)
     base_site_dirs: tuple[Path, ...] = ()
+    #: purelib and platlib as the interpreter spelled them (before symlinks were resolved)
+    given_site_dirs: tuple[Path, ...] = ()
 
     @property
     def owner(self) -> int | None:
@@ -309,6 +311,8 @@ def steering(env: Environment, euid: int) -> tuple[dict[int, str], list[str]]:
     directories the ``.pth`` files add (a missing one: who could create it)."""
     control = _Control(euid)
     control.look_up(env.prefix, "the prefix")
+    for given in env.given_site_dirs:  # a symlinked site-packages: the link and the directories above it
+        control.look_up(given, "a site directory as the interpreter names it")
     for site in env.run_site_dirs:
         control.look_up(site, "a site directory")
         try:
@@ -500,6 +504,7 @@ def inspect_environment(python: Path, timeout: float = 30.0) -> Environment:
             account=owner,
             probed_as=os.geteuid() if owner is None else owner.uid,  # as started, never as it says
             base_site_dirs=tuple(Path(os.path.realpath(p)) for p in info.get("base_site_dirs", [])),
+            given_site_dirs=tuple(Path(os.path.abspath(info[key])) for key in ("purelib", "platlib")),
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise InterpreterError(f"{python} printed something unexpected: {proc.stdout[:200]!r}") from exc

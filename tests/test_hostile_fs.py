@@ -1155,3 +1155,25 @@ def test_whoever_controls_what_site_or_the_interpreter_runs_is_the_environments_
     ran = set(uids.read_text().split())
     assert "0" not in ran, f"ran as root: {result.stdout}{result.stderr}"
     assert "belongs to uid 65534" in result.stdout + result.stderr, result.stdout + result.stderr
+
+
+def test_a_symlinked_site_packages_in_a_directory_the_account_owns_is_the_accounts(
+    open_dir: Path, wheels: Wheelhouse
+) -> None:
+    """Row: the venv's `lib/python3.X/` belongs to the account and its `site-packages` is a symlink to a
+    root-owned directory elsewhere in the venv: the account can swap the link for its own directory
+    (with a `.pth`) after the probe. The link's directory counts: the environment is the account's.
+    (A site-packages that resolves outside the prefix is refused outright.)"""
+    if not AS_ROOT:
+        pytest.skip("the attack is on a run as root")
+    python, site, uids = _root_venv_with_pth(open_dir, wheels)
+    moved = open_dir / "venv" / "sp-real"
+    site.rename(moved)
+    site.symlink_to(moved, target_is_directory=True)
+    os.lchown(site.parent, NOBODY, NOBODY)
+    from safeinstall.environment import inspect_environment
+
+    account = inspect_environment(python).account
+    assert account is not None and account.uid == NOBODY
+    result = _dry_run(python, wheels, open_dir / "state")
+    assert "0" not in set(uids.read_text().split()), result.stdout + result.stderr
