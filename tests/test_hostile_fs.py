@@ -990,9 +990,12 @@ def test_a_directory_above_the_prefix_swapped_for_a_symlink_leads_nowhere(
     symlink): nothing is written into the other environment."""
     if not AS_ROOT:
         pytest.skip("the attack is on a run as root")
+    shared = wheelhouse.shared_interpreter()
+    if shared is None:
+        pytest.skip("no interpreter of this Python version that uid 65534 may run")
     home = open_dir / "home"
     (home / "envs").mkdir(parents=True)
-    python = wheelhouse.make_venv(home / "envs" / "app")
+    python = wheelhouse.make_venv(home / "envs" / "app", shared)
     wheelhouse.uv_install(python, wheels["sipure-1"])
     victim_python = wheelhouse.make_venv(open_dir / "victim" / "app")
     wheelhouse.uv_install(victim_python, wheels["sipure-2"])
