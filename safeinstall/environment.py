@@ -23,6 +23,7 @@ from pathlib import Path
 
 from safeinstall import children
 from safeinstall.errors import InterpreterError
+from safeinstall.safefs import read_small
 
 _PROBE = r"""
 import json, os, sys
@@ -173,17 +174,6 @@ def resolve_python(given: str | None, environ: Mapping[str, str]) -> Path:
     )
 
 
-def _owner_of(paths: tuple[Path, ...], euid: int) -> os.stat_result | None:
-    for path in paths:
-        try:
-            info = os.lstat(path)
-        except OSError:
-            continue
-        if info.st_uid not in (0, euid):
-            return info
-    return None
-
-
 def _account(uid: int, gid: int) -> Account:
     try:
         entry = pwd.getpwuid(uid)
@@ -228,6 +218,7 @@ class _Control:
     def __init__(self, euid: int) -> None:
         self.euid = euid
         self.owners: dict[int, str] = {}
+        self.gids: dict[int, int] = {}  # the group of the first path each account owns
         self.problems: list[str] = []
 
     def look(self, path: Path, what: str, *, ancestor: bool = False) -> bool:
@@ -237,8 +228,9 @@ class _Control:
             info = os.lstat(path)
         except OSError:
             return False
-        if info.st_uid not in (0, self.euid):
-            self.owners.setdefault(info.st_uid, f"{path} ({what})")
+        if info.st_uid not in (0, self.euid) and info.st_uid not in self.owners:
+            self.owners[info.st_uid] = f"{path} ({what})"
+            self.gids[info.st_uid] = info.st_gid
         mode = info.st_mode
         if stat.S_ISLNK(mode):
             return True
@@ -251,8 +243,9 @@ class _Control:
         except OSError:
             raw = b""
         users, groups = acl_writers(raw)
-        for uid in sorted(users - {0, self.euid}):
-            self.owners.setdefault(uid, f"{path} ({what}, by its ACL)")
+        for uid in sorted(users - {0, self.euid} - set(self.owners)):
+            self.owners[uid] = f"{path} ({what}, by its ACL)"
+            self.gids[uid] = info.st_gid
         if groups - {0} and not sticky:
             self.problems.append(f"{path} ({what}) may be written by group(s) {sorted(groups)} (its ACL)")
         return True
@@ -278,6 +271,21 @@ class _Control:
             elif os.path.islink(current):
                 todo.append(Path(os.path.realpath(current)))
 
+    def one_account(self, refusing: str, hint: str, gid: int | None = None) -> Account | None:
+        """The one account that controls what was looked at (None: root, or the caller), with ``gid``
+        when given, else the group of the first path it owns; InterpreterError (``refusing ...``) when
+        two accounts do, or anything may be written by every user or another group."""
+        problems = list(self.problems)
+        if len(self.owners) > 1:
+            listed = "; ".join(f"uid {uid} owns {where}" for uid, where in sorted(self.owners.items()))
+            problems.append(f"more than one account may change what it runs: {listed}")
+        if problems:
+            raise InterpreterError(f"refusing {refusing}: " + "; ".join(problems), hint=hint)
+        if not self.owners:
+            return None
+        ((uid, _),) = self.owners.items()
+        return _account(uid, self.gids[uid] if gid is None else gid)
+
 
 def _pth_paths(site: Path) -> list[Path]:
     """Pure-ish: the directories the ``.pth`` files of ``site`` add to ``sys.path`` (as
@@ -289,9 +297,8 @@ def _pth_paths(site: Path) -> list[Path]:
     except OSError:
         return found
     for name in names:
-        try:
-            with open(site / name, "rb") as handle:
-                text = handle.read(1 << 20).decode("utf-8", "replace")
+        try:  # the account may have made it a FIFO or a huge file: never waited on, bounded
+            text = read_small(site / name, 1 << 20).decode("utf-8", "replace")
         except OSError:
             continue
         for line in text.splitlines():
@@ -301,14 +308,14 @@ def _pth_paths(site: Path) -> list[Path]:
     return found
 
 
-def steering(env: Environment, euid: int) -> tuple[dict[int, str], list[str]]:
+def steering(env: Environment, euid: int) -> _Control:
     """Who besides root (and ``euid``) can change what the environment runs once ``site`` runs (as uv
-    runs it), found after the probe: by uid, the first path that makes it so; and what no single account
-    can be held to (refusals). Looked at: the prefix and each directory above it (whose owner could
-    rename the environment away between the probe and a use; a root-owned sticky one such as ``/tmp`` is
-    fine), every site directory ``site`` would add (the base's too) and each directory above it, every
-    entry of those (``.pth`` files, ``sitecustomize``, the packages their import lines load), and the
-    directories the ``.pth`` files add (a missing one: who could create it)."""
+    runs it), found after the probe (see :class:`_Control`). Looked at: the prefix and each directory
+    above it (whose owner could rename the environment away between the probe and a use; a root-owned
+    sticky one such as ``/tmp`` is fine), every site directory ``site`` would add (the base's too) and
+    each directory above it, every entry of those (``.pth`` files, ``sitecustomize``, the packages
+    their import lines load), and the directories the ``.pth`` files add (a missing one: who could
+    create it)."""
     control = _Control(euid)
     control.look_up(env.prefix, "the prefix")
     for given in env.given_site_dirs:  # a symlinked site-packages: the link and the directories above it
@@ -326,10 +333,10 @@ def steering(env: Environment, euid: int) -> tuple[dict[int, str], list[str]]:
                 control.look_up(entry, "linked from a site directory")
         for added in _pth_paths(site):
             control.look_up(added, "added by a .pth file")
-    return control.owners, control.problems
+    return control
 
 
-def before_the_probe(python: Path, euid: int) -> tuple[dict[int, str], list[str]]:
+def before_the_probe(python: Path, euid: int) -> _Control:
     """Who controls what the interpreter runs before ``site`` (the probe runs it with ``-I -S``): each
     link on the way from ``python`` to its real binary, and the directories above each; the environment
     and the directories above it; its ``pyvenv.cfg`` and the base installation it names (``home``),
@@ -349,8 +356,7 @@ def before_the_probe(python: Path, euid: int) -> tuple[dict[int, str], list[str]
     config = venv / "pyvenv.cfg"
     if control.look(config, "its pyvenv.cfg"):
         try:
-            with open(config, "rb") as handle:
-                text = handle.read(1 << 16).decode("utf-8", "replace")
+            text = read_small(config, 1 << 16).decode("utf-8", "replace")
         except OSError:
             text = ""
         for line in text.splitlines():
@@ -362,55 +368,35 @@ def before_the_probe(python: Path, euid: int) -> tuple[dict[int, str], list[str]
     for base in bases:
         for lib in sorted(base.glob("lib*/python3*")):
             control.look_up(lib, "a standard library")
-    return control.owners, control.problems
+    return control
 
 
 def _held_to_one_account(env: Environment) -> Environment:
     """As root: the environment as one account may steer it (uv then runs as that account), or refused
     when others may write what site runs or may swap the environment away (see :func:`steering`)."""
-    owners, problems = steering(env, os.geteuid())
+    control = steering(env, os.geteuid())
     if env.account is not None:
-        owners.setdefault(env.account.uid, "its interpreter")
-    if len(owners) > 1:
-        listed = "; ".join(f"uid {uid} owns {where}" for uid, where in sorted(owners.items()))
-        problems.append(f"more than one account may change what it runs: {listed}")
-    if problems:
-        raise InterpreterError(
-            f"refusing the environment {env.prefix}: " + "; ".join(problems),
-            hint="as root, safeinstall acts only on an environment that root or one account controls "
-            "(the environment, its site-packages, what site runs and the directories above it); "
-            "chmod go-w, or chown to that account",
-        )
-    if env.account is None and owners:
-        ((uid, _),) = owners.items()
-        return replace(env, account=_account(uid, os.lstat(env.prefix).st_gid))
-    return env
+        control.owners.setdefault(env.account.uid, "its interpreter")
+    account = control.one_account(
+        f"the environment {env.prefix}",
+        hint="as root, safeinstall acts only on an environment that root or one account controls "
+        "(the environment, its site-packages, what site runs and the directories above it); "
+        "chmod go-w, or chown to that account",
+        gid=os.lstat(env.prefix).st_gid,
+    )
+    return env if env.account is not None else replace(env, account=account)
 
 
 def environment_owner(python: Path) -> Account | None:
     """The account that controls what ``python`` runs before ``site`` when that is neither root nor the
     caller (:func:`before_the_probe`): the probe then runs as it. Refused (InterpreterError) when two
     accounts do, or when every user or another group may write any of it."""
-    owners, problems = before_the_probe(python, os.geteuid())
-    if len(owners) > 1:
-        listed = "; ".join(f"uid {uid} owns {where}" for uid, where in sorted(owners.items()))
-        problems.append(f"more than one account controls its interpreter: {listed}")
-    if problems:
-        raise InterpreterError(
-            f"refusing the interpreter {python}: " + "; ".join(problems),
-            hint="as root, safeinstall runs an interpreter only when root or one account controls it "
-            "(the links to it, its installation, the environment and the directories above them); "
-            "chmod go-w, or chown to that account",
-        )
-    if not owners:
-        return None
-    ((uid, where),) = owners.items()
-    path = Path(where.split(" (", 1)[0])
-    try:
-        gid = os.lstat(path).st_gid
-    except OSError:
-        gid = uid
-    return _account(uid, gid)
+    return before_the_probe(python, os.geteuid()).one_account(
+        f"the interpreter {python}",
+        hint="as root, safeinstall runs an interpreter only when root or one account controls it "
+        "(the links to it, its installation, the environment and the directories above them); "
+        "chmod go-w, or chown to that account",
+    )
 
 
 def _inside(path: Path, prefix: Path) -> bool:

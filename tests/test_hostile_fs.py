@@ -18,6 +18,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import sys
 import tempfile
 import zipfile
 from collections.abc import Callable, Iterator
@@ -1180,3 +1181,25 @@ def test_a_symlinked_site_packages_in_a_directory_the_account_owns_is_the_accoun
     assert account is not None and account.uid == NOBODY
     result = _dry_run(python, wheels, open_dir / "state")
     assert "0" not in set(uids.read_text().split()), result.stdout + result.stderr
+
+
+def test_a_fifo_pth_file_or_pyvenv_cfg_is_never_waited_on(open_dir: Path, wheels: Wheelhouse) -> None:
+    """Row: the account that owns site-packages (or the venv) makes a `.pth` file, or `pyvenv.cfg`, a
+    FIFO: root reads neither while it decides who controls the environment (it would wait forever)."""
+    if not AS_ROOT:
+        pytest.skip("the attack is on a run as root")
+    python, site, _uids = _root_venv_with_pth(open_dir, wheels)
+    os.mkfifo(site / "zz-fifo.pth")
+    chown_tree(site, NOBODY)
+    code = (
+        "import sys; from pathlib import Path; from safeinstall.environment import before_the_probe, "
+        "inspect_environment; e = inspect_environment(Path(sys.argv[1])); "
+        "print(e.account.uid if e.account else None); "
+        "cfg = Path(sys.argv[1]).parent.parent / 'pyvenv.cfg'; cfg.rename(cfg.with_suffix('.was')); "
+        "import os; os.mkfifo(cfg); before_the_probe(Path(sys.argv[1]), 0)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(python)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(NOBODY)]
