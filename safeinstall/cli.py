@@ -16,8 +16,6 @@ import typer.core
 
 from safeinstall.environment import Environment, inspect_environment, resolve_python
 from safeinstall.errors import ExitCode, SafeInstallError, UsageError
-from safeinstall.journal import now_iso
-from safeinstall.options import RunOptions, check_options
 from safeinstall.output import dumps, envelope, finding_json, jsonable, patches_json, plan_json, run_json
 from safeinstall.render import (
     ConsoleReporter,
@@ -34,20 +32,14 @@ from safeinstall.render import (
     render_status,
     render_verify,
 )
-from safeinstall.runlog import LoggedReporter, append_line
-from safeinstall.state import (
-    EnvironmentState,
-    ensure_environment_dir,
-    environment_state,
-    is_run_id,
-    new_run_id,
-    state_root,
-)
-from safeinstall.uvplan import parse_requirement
 from safeinstall.verify import VerifyReport, verify_environment
 
+# What only a run, a dry run or the state commands need is imported where it is used: ``--verify-only``
+# and ``--help`` start without it (a verification's time is mostly start-up on a small package).
 if TYPE_CHECKING:
     from safeinstall.detach import PrivateInputs
+    from safeinstall.options import RunOptions
+    from safeinstall.state import EnvironmentState
     from safeinstall.wheel import Wheel
 
 EXIT_CODES = (
@@ -189,6 +181,8 @@ def _run_verify(
 
 
 def _environment_state(options: RunOptions) -> tuple[Environment, EnvironmentState]:
+    from safeinstall.state import environment_state, state_root
+
     env = inspect_environment(resolve_python(options.python, options.environ))
     return env, environment_state(state_root(options.environ, os.geteuid()), env.prefix)
 
@@ -199,6 +193,8 @@ def _keep(
     """The single place where a run's result is final: into its log and the environment's history,
     which names the log whenever there is one (a run refused or declined has one too)."""
     from safeinstall.history import append, new_entry
+    from safeinstall.journal import now_iso
+    from safeinstall.runlog import append_line
 
     log = state.log_file(run_id)
     for error in result["errors"]:
@@ -209,7 +205,10 @@ def _keep(
 
 
 def _run_reinstall(options: RunOptions, as_json: bool, interactive: bool) -> None:
+    from safeinstall.journal import now_iso
     from safeinstall.reinstall import run_reinstall
+    from safeinstall.runlog import LoggedReporter
+    from safeinstall.state import new_run_id
 
     _env, state = _environment_state(options)
     run_id = options.run_id or new_run_id(datetime.now(UTC), os.getpid())
@@ -238,6 +237,7 @@ def _run_reinstall(options: RunOptions, as_json: bool, interactive: bool) -> Non
 
 def _run_detached(options: RunOptions, as_json: bool, interactive: bool) -> None:
     from safeinstall.detach import detach
+    from safeinstall.state import ensure_environment_dir, new_run_id
 
     env, state = _environment_state(options)
     ensure_environment_dir(state)
@@ -289,7 +289,7 @@ def _print_entry(entry: dict[str, Any], as_json: bool) -> NoReturn:
 
 def _run_wait(python: str | None, run_id: str | None, as_json: bool) -> None:
     from safeinstall.detach import locate, wait_for_run
-    from safeinstall.state import list_environment_dirs
+    from safeinstall.state import environment_state, list_environment_dirs, state_root
 
     root = state_root(os.environ, os.geteuid())
     if python is not None:
@@ -445,6 +445,10 @@ def run_options(
 ) -> RunOptions:
     """The run the parsed command line asks for (``params``: the command's parameters by name); a
     detached run's health URL and uv arguments come from its ``private`` file, never its command line."""
+    from safeinstall.options import RunOptions
+    from safeinstall.state import is_run_id
+    from safeinstall.uvplan import parse_requirement
+
     if private is not None:
         if params["health_url"] is not None or extra_args:
             raise UsageError(
@@ -454,7 +458,9 @@ def run_options(
         params = {**params, "health_url": private.health_url}
         extra_args = private.extra_args
     requirement = parse_requirement(params["package"])
-    wheel: Path | None = params["wheel"]
+    # typer hands the command's function a Path, but leaves ``ctx.params`` as click parsed it (a str)
+    wheel = Path(params["wheel"]) if params["wheel"] is not None else None
+    base_wheel = Path(params["base_wheel"]) if params["base_wheel"] is not None else None
     if wheel is not None and requirement.specifier:
         raise UsageError(
             "give --wheel or a version in the requirement, not both",
@@ -474,7 +480,7 @@ def run_options(
         only_loaded=params["only_loaded"],
         strict=params["strict"],
         keep_patches=params["keep_patches"],
-        base_wheel=params["base_wheel"].absolute() if params["base_wheel"] else None,
+        base_wheel=base_wheel.absolute() if base_wheel else None,
         drop_conflicting=params["drop_conflicting"],
         extra_args=tuple(extra_args),
         stop_timeout=params["stop_timeout"],
@@ -754,14 +760,20 @@ def main_command(
         if verify_only:
             if ctx.args:
                 raise UsageError(f"unexpected arguments: {' '.join(ctx.args)}", hint="see safeinstall --help")
-            if package and parse_requirement(package).specifier:
-                raise UsageError(
-                    "--verify-only checks the installed version; give the name without a version",
-                    hint="safeinstall NAME --verify-only [--wheel PATH]",
-                )
+            plain = (package or "").replace("-", "").replace("_", "").replace(".", "")
+            if package and not (plain.isascii() and plain.isalnum()):
+                from safeinstall.uvplan import parse_requirement  # more than a plain name: parsed
+
+                if parse_requirement(package).specifier:
+                    raise UsageError(
+                        "--verify-only checks the installed version; give the name without a version",
+                        hint="safeinstall NAME --verify-only [--wheel PATH]",
+                    )
             _run_verify(package, all_, python, wheel, diff, save_patch, as_json)
         if not package:
             raise UsageError("no PACKAGE given", hint="safeinstall PACKAGE [--wheel W] (see --help)")
+        from safeinstall.options import check_options
+
         options = run_options(ctx.params, ctx.args, private)
         check_options(options)
         interactive = not yes and not as_json and sys.stdin.isatty()

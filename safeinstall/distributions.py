@@ -183,14 +183,35 @@ def _reader(env: Environment) -> tuple[int, int] | None:
     return env.account.ids if env.account is not None else None
 
 
-def find_distributions(env: Environment) -> list[InstalledDistribution]:
-    """Every distribution installed in the environment's site directories, sorted by name."""
+def find_distributions(
+    env: Environment, loaded: Sequence[InstalledDistribution] = ()
+) -> list[InstalledDistribution]:
+    """Every distribution installed in the environment's site directories, sorted by name; a directory
+    of ``loaded`` (read just before, by :func:`find_named`) is not read again."""
     found: dict[str, InstalledDistribution] = {}
+    known = {d.dist_info: d for d in loaded}
     for directory in dist_info_dirs(env):
-        dist = load_distribution(directory, _reader(env))
+        dist = known.get(directory) or load_distribution(directory, _reader(env))
         if dist is not None and dist.name not in found:
             found[dist.name] = dist
     return sorted(found.values(), key=lambda d: d.name)
+
+
+def find_named(env: Environment, names: Collection[str]) -> list[InstalledDistribution] | None:
+    """Only the named distributions, found by their ``.dist-info`` directory names
+    and read as :func:`find_distributions` reads them, in its scan order; None when one of them is not
+    found so (its directory may be named otherwise: scan everything). A caller that scans everything
+    later checks that it picks the same directories."""
+    canonical = [canonicalize_name(name) for name in names]
+    wanted = frozenset(canonical)
+    found: dict[str, InstalledDistribution] = {}
+    for directory in dist_info_dirs(env):
+        if dist_info_name(directory.name) not in wanted:
+            continue
+        dist = load_distribution(directory, _reader(env))
+        if dist is not None and dist.name in wanted and dist.name not in found:
+            found[dist.name] = dist
+    return [found[name] for name in canonical] if len(found) == len(wanted) else None
 
 
 def closest_names(name: str, installed: list[str], count: int = 3) -> list[str]:

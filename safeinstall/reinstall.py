@@ -810,21 +810,25 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
             prepared.lock.release()
         raise
     try:
-        with interrupts_raise():
+        with interrupts_raise() as received:
+
+            def step(name: str, action: Callable[[], str]) -> None:
+                run._timed(name, received.checked(action))
+
             try:
                 if options.keep_patches:
-                    run._timed("patches", lambda: patches_step(run))
-                run._timed("backup", lambda: backup_step(run))
-                run._timed("prefetch", lambda: prefetch_step(run))
-                run._timed("gate", lambda: gate_step(run))
+                    step("patches", lambda: patches_step(run))
+                step("backup", lambda: backup_step(run))
+                step("prefetch", lambda: prefetch_step(run))
+                step("gate", lambda: gate_step(run))
                 with NvmlSession(options.environ, options.proc_root) as session:
                     baseline = session.snapshot()  # before the stop: what the processes held
-                    run._timed("stop", lambda: stop_step(run))
-                    run._timed("gpu-release", lambda: gpu_release_step(run, session, baseline))
-                run._timed("install", lambda: install_step(run))
-                run._timed("verify", lambda: verify_step(run))
-                run._timed("restart", lambda: restart_step(run))
-                run._timed("end-check", lambda: end_check_step(run))
+                    step("stop", lambda: stop_step(run))
+                    step("gpu-release", lambda: gpu_release_step(run, session, baseline))
+                step("install", lambda: install_step(run))
+                step("verify", lambda: verify_step(run))
+                step("restart", lambda: restart_step(run))
+                step("end-check", lambda: end_check_step(run))
             except Exception as exc:  # any failure once the run started rolls back, bugs included
                 error = (
                     exc if isinstance(exc, SafeInstallError) else StepFailed(f"{type(exc).__name__}: {exc}")

@@ -7,6 +7,7 @@ import signal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
+from typing import TypeVar
 
 from safeinstall.errors import StepFailed
 
@@ -20,18 +21,49 @@ class Interrupted(StepFailed):
     code = "interrupted"
 
 
+T = TypeVar("T")
+
 Handler = Callable[[int, FrameType | None], object] | int | None
 
 
+class Received:
+    """The signals received under :func:`interrupts_raise`. Its handler raises where Python happens to
+    be, which may be a ``__del__`` or a weakref callback run by the garbage collector: there the
+    exception is printed and dropped (seen in a run that went on to the end after a Ctrl-C); a step's
+    own ``except Exception`` may catch it too. So every step is :meth:`checked`: a step that returns
+    after a signal was received fails as interrupted. (When the raise does reach the run, the run
+    rolls back and checks no more.)"""
+
+    def __init__(self) -> None:
+        self.signals: list[int] = []
+        self._acted_on = 0
+
+    def check(self) -> None:
+        if len(self.signals) > self._acted_on:
+            self._acted_on = len(self.signals)
+            raise Interrupted(f"interrupted by {signal.Signals(self.signals[-1]).name}")
+
+    def checked(self, action: Callable[[], T]) -> Callable[[], T]:
+        def run() -> T:
+            result = action()
+            self.check()
+            return result
+
+        return run
+
+
 @contextmanager
-def interrupts_raise() -> Iterator[None]:
-    """SIGINT/SIGTERM/SIGHUP raise :class:`Interrupted` (the caller rolls back)."""
+def interrupts_raise() -> Iterator[Received]:
+    """SIGINT/SIGTERM/SIGHUP raise :class:`Interrupted` (the caller rolls back), and are recorded for
+    :meth:`Received.check`."""
+    received = Received()
 
     def handler(signum: int, _frame: FrameType | None) -> None:
+        received.signals.append(signum)
         raise Interrupted(f"interrupted by {signal.Signals(signum).name}")
 
     with _handlers(handler):
-        yield
+        yield received
 
 
 @contextmanager

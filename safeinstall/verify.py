@@ -13,7 +13,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
-from safeinstall.distributions import InstalledDistribution, find_distribution, find_distributions
+from safeinstall.distributions import (
+    InstalledDistribution,
+    find_distribution,
+    find_distributions,
+    find_named,
+)
 from safeinstall.drift import (
     Expectation,
     Finding,
@@ -316,8 +321,14 @@ def verify_environment(
     some files must hold (location -> expectation): the local patches a ``--keep-patches`` run carried
     over are checked against the merge, not the RECORD or the wheel.
     """
-    found = list(installed) if installed is not None else find_distributions(env)
-    selected = found if names is None else [find_distribution(env, name, found) for name in names]
+    # Named ones are read first, the others (whose files only say what is "extra") while the large
+    # files hash; read as every distribution is, or everything is done again in the usual order.
+    early = find_named(env, names) if installed is None and names is not None else None
+    found = [] if early is not None else list(installed) if installed is not None else find_distributions(env)
+    if early is not None:
+        selected = early
+    else:
+        selected = found if names is None else [find_distribution(env, name, found) for name in names]
     if wheel is not None and (len(selected) != 1 or selected[0].name != wheel.name):
         raise WheelError(
             f"the wheel {wheel.path.name} is for {wheel.name}, not "
@@ -336,7 +347,15 @@ def verify_environment(
         if on_progress is not None:
             on_progress(done, total)
 
-    states = observe_files(wanted, workers=workers, on_progress=tick)
+    def read_the_others() -> None:
+        found.extend(find_distributions(env, early or ()))
+
+    states = observe_files(
+        wanted, workers=workers, on_progress=tick, meanwhile=None if early is None else read_the_others
+    )
+    if early is not None and any(find_distribution(env, d.name, found) is not d for d in early):
+        # a directory named otherwise holds one of them, earlier in the scan: the usual order
+        return verify_environment(env, names, wheel, on_progress, workers, found, expected)
     listed = _listed_locations(found)
     roots = own_roots({d.name: d.locations for d in found}, [os.fspath(s) for s in env.site_dirs])
     reports: list[DistributionReport] = []

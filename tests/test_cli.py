@@ -4,6 +4,7 @@ argument, usage errors as every other error, shell completion, "did you mean", p
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from importlib.metadata import version
 from pathlib import Path
@@ -255,3 +256,34 @@ def test_waiting_with_no_run_is_an_error_with_a_hint(tmp_path: Path) -> None:
     doc = run("--status", "--wait", "--json", env=environ).json
     assert doc["exit_code"] == 2 and "no run to wait for" in doc["errors"][0]["message"]
     assert isinstance(doc["errors"][0]["hint"], str) and doc["errors"][0]["hint"].strip()
+
+
+_STARTUP_PROBE = """
+import sys
+sys.argv = ["safeinstall", *sys.argv[1:]]
+from safeinstall.cli import main
+try:
+    main()
+except SystemExit:
+    pass
+print(" ".join(sorted(sys.modules)), file=sys.stderr)
+"""
+
+
+def test_verify_only_starts_without_pydantic_or_the_runs_modules(venv: Path, wheels: Wheelhouse) -> None:
+    """A verification's time on a package of one large library is mostly start-up: it loads neither
+    typer's pydantic validators (typer 0.29) nor what only a run needs (journal, uv, systemd, NVML)."""
+    wheelhouse.uv_install(venv, wheels["sipure-1"])
+    proc = subprocess.run(
+        [sys.executable, "-c", _STARTUP_PROBE, "sipure", "--verify-only", "--python", str(venv)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    loaded = set(proc.stderr.strip().splitlines()[-1].split())
+    assert "safeinstall.verify" in loaded
+    never = {"pydantic", "safeinstall.reinstall", "safeinstall.journal", "safeinstall.uvplan"}
+    never |= {"safeinstall.state", "safeinstall.systemd", "safeinstall.gpus", "pynvml", "psutil"}
+    assert not never & loaded

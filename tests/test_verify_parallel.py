@@ -1,6 +1,7 @@
-"""Verification on a pool of threads: the files are split into tasks by directory (a large file alone,
-small ones in chunks of one directory), costliest first, and every thread opens files. The findings
-are those of one thread; a FIFO, a symlink or a directory where a file is listed is reported from the
+"""Verification with helper threads: the files are split into tasks by directory (a large file alone,
+small ones in chunks of one directory); the large files go to helper threads, the small ones stay on
+the calling thread (two threads trading the GIL at every system call went slower than one). The
+findings are those of one thread; a FIFO, a symlink or a directory where a file is listed is reported from the
 directory's listing and an ``lstat``, and never opened.
 
 What opens what is seen through an audit hook (``os.open`` raises the ``open`` audit event with the
@@ -14,15 +15,19 @@ import random
 import re
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
+from safeinstall import distributions
+from safeinstall.distributions import InstalledDistribution
 from safeinstall.drift import Expectation
 from safeinstall.environment import inspect_environment
 from safeinstall.hashing import BIG_FILE, CHUNK_FILES, plan_tasks
 from safeinstall.verify import VerifyReport, verify_environment
 from tests import wheelhouse
+from tests.wheelhouse import Wheelhouse
 
 
 class _Opens:
@@ -59,6 +64,10 @@ class _Opens:
     def stop(self) -> list[tuple[int, str]]:
         self.watching = False
         return self.seen
+
+
+def _opened(name: str) -> bool:
+    return any(seen == name for _thread, seen in _opens.seen)
 
 
 def _own(name: str) -> bool:
@@ -125,7 +134,7 @@ def test_parallel_verification_finds_what_one_thread_finds_and_opens_no_fifo_or_
     _opens.watch()
     alone = verify_environment(env, ["sibulk"], workers=1)
     opened_alone = _opens.stop()
-    _opens.watch(threads=4)
+    _opens.watch(threads=3)  # the calling thread and one helper for each of the two large files
     together = verify_environment(env, ["sibulk"], workers=4)
     opened_together = _opens.stop()
 
@@ -151,9 +160,12 @@ def test_parallel_verification_finds_what_one_thread_finds_and_opens_no_fifo_or_
         assert not {"f8.py", "g3_4.txt", "g4_0.txt", "outside-fifo", "f7.py"} & set(names)
         assert {"f5.py", "f6.py", "big1.bin", "g3_5.txt"} <= set(names)
     assert len({thread for thread, _name in opened_alone}) == 1
-    # the small files themselves are spread over the threads (not only the large ones)
+    # the large files are hashed by two helpers, the small ones by the calling thread alone
+    me = threading.get_ident()
     small_openers = {thread for thread, name in opened_together if _own(name) and not name.startswith("big")}
-    assert len(small_openers) == 4
+    large_openers = [thread for thread, name in opened_together if name.startswith("big")]
+    assert small_openers == {me}
+    assert len(set(large_openers)) == 2 and me not in large_openers
 
 
 def test_tasks_are_costliest_first_one_directory_each_and_cover_every_file_once() -> None:
@@ -168,8 +180,62 @@ def test_tasks_are_costliest_first_one_directory_each_and_cover_every_file_once(
     assert [task.cost for task in tasks] == sorted((task.cost for task in tasks), reverse=True)
     assert [f[0] for f in tasks[0].files] == ["/p/many/big.so"]
     assert [f[0] for f in tasks[1].files] == ["/p/d1/mid.so"]
+    assert [task.large for task in tasks] == [True, True] + [False] * (len(tasks) - 2)
     for task in tasks:
         assert len(task.files) <= CHUNK_FILES
         assert len({path.rpartition("/")[0] for path, _name, _algorithm, _size in task.files}) == 1
         assert all(size < BIG_FILE for _path, _name, _algorithm, size in task.files) or len(task.files) == 1
     assert sum(1 for task in tasks if task.files[0][0].startswith("/p/many/f")) == 3
+
+
+def test_the_named_distribution_is_read_first_and_the_others_while_large_files_hash(
+    bulky: tuple[Path, Path], wheels: Wheelhouse, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--verify-only PKG`` reads PKG's RECORD, starts its large files on helper threads, and reads
+    the other RECORDs (which only say what is extra) on this thread meanwhile: the same report as a
+    verification of distributions read beforehand, every RECORD read once."""
+    python, _package = bulky
+    wheelhouse.uv_install(python, wheels["sipure-1"], wheels["sicext-1"])
+    env = inspect_environment(python)
+    read: list[str] = []
+    hashing_meanwhile: list[bool] = []
+    real = distributions.load_distribution
+
+    def counting(dist_info: Path, reader: tuple[int, int] | None = None) -> InstalledDistribution | None:
+        read.append(dist_info.name)
+        if not dist_info.name.startswith("sibulk"):  # waits (up to 30 s) for a helper to open big1.bin
+            deadline = time.monotonic() + 30
+            while (
+                not any(name == "big1.bin" for _thread, name in _opens.seen) and time.monotonic() < deadline
+            ):
+                time.sleep(0.01)
+            hashing_meanwhile.append(any(name == "big1.bin" for _thread, name in _opens.seen))
+        return real(dist_info, reader)
+
+    beforehand = verify_environment(env, ["sibulk"], installed=distributions.find_distributions(env))
+    monkeypatch.setattr(distributions, "load_distribution", counting)
+    _opens.watch()
+    try:
+        named_first = verify_environment(env, ["sibulk"], workers=2)
+    finally:
+        _opens.stop()
+    assert named_first.findings == beforehand.findings and named_first.observed == beforehand.observed
+    assert read[0].startswith("sibulk-") and len(read) == len(set(read)) > 1
+    assert hashing_meanwhile == [True, True]  # sicext and sipure read while big1.bin hashes
+
+
+def test_a_distribution_found_under_another_directory_name_is_verified_as_a_full_scan_finds_it(
+    bulky: tuple[Path, Path],
+) -> None:
+    """A ``.dist-info`` directory named otherwise but whose METADATA names the package, earlier in the
+    scan: a full scan takes it, so the verification does too (not the one found by its name first)."""
+    python, package = bulky
+    decoy = package.parent / "aaa_other-1.0.dist-info"
+    decoy.mkdir()
+    (decoy / "METADATA").write_text("Metadata-Version: 2.1\nName: sibulk\nVersion: 9.0\n")
+    (decoy / "RECORD").write_text("sibulk/__init__.py,sha256=AAAA,3\n")
+    env = inspect_environment(python)
+    usual = verify_environment(env, ["sibulk"], installed=distributions.find_distributions(env))
+    named_first = verify_environment(env, ["sibulk"], workers=2)
+    assert usual.distributions[0].version == named_first.distributions[0].version == "9.0"
+    assert named_first.findings == usual.findings and named_first.observed == usual.observed
