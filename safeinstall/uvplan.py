@@ -242,15 +242,29 @@ def same_filesystem(a: Path, b: Path) -> bool:
         return False
 
 
-#: Variables that name the caller's own directories (root's): uv as the environment's owner gets none
-_CALLERS_DIRECTORIES = (
-    "XDG_CONFIG_HOME",
-    "XDG_CACHE_HOME",
-    "XDG_DATA_HOME",
-    "XDG_STATE_HOME",
-    "XDG_RUNTIME_DIR",
-    "TMPDIR",
+#: What of the caller's environment reaches uv when it runs as the environment's owner, who can read
+#: uv's environment (``/proc/PID/environ``) while it runs: uv's own settings, what the network needs
+#: (proxies, CA certificates, a netrc), the locale and ``PATH``. Nothing else of root's: no tokens or
+#: cloud keys, no ssh agent, no ``PYTHONPATH`` for the interpreter uv starts, none of the variables that
+#: name root's own directories (``XDG_*``, ``TMPDIR``).
+_FOR_THE_OWNER = frozenset(
+    {
+        "PATH",
+        "LANG",
+        "LANGUAGE",
+        "TZ",
+        "NO_COLOR",
+        "SSL_CERT_FILE",
+        "SSL_CERT_DIR",
+        "NETRC",
+        *(
+            name
+            for proxy in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY")
+            for name in (proxy, proxy.lower())
+        ),
+    }
 )
+_FOR_THE_OWNER_PREFIXES = ("UV_", "LC_")
 
 
 def uv_environment(
@@ -259,8 +273,8 @@ def uv_environment(
     """Pure: uv's environment: the caller's (index settings stay), without VIRTUAL_ENV (``--python``
     rules); with ``cache_dir``, uv's cache is that directory (the run's own).
 
-    With ``account`` (uv runs as the environment's owner): ``HOME`` is the owner's and the variables
-    that name the caller's own directories are dropped, so uv reads the system's configuration
+    With ``account`` (uv runs as the environment's owner): only what ``_FOR_THE_OWNER`` lets through
+    (``UV_*`` and ``LC_*`` too), and ``HOME`` is the owner's, so uv reads the system's configuration
     (``/etc/uv/uv.toml``) and the owner's own (``~/.config/uv/uv.toml``, which steers only what the owner
     could do anyway), as when the owner runs uv; root's own files are never offered to it (the owner
     could not read them). Without ``cache_dir`` uv uses a temporary cache of its own (``UV_NO_CACHE``):
@@ -268,8 +282,7 @@ def uv_environment(
     env = {k: v for k, v in environ.items() if k != "VIRTUAL_ENV"}
     env["UV_NO_PROGRESS"] = "1"
     if account is not None:
-        for name in _CALLERS_DIRECTORIES:
-            env.pop(name, None)
+        env = {k: v for k, v in env.items() if k in _FOR_THE_OWNER or k.startswith(_FOR_THE_OWNER_PREFIXES)}
         env["HOME"] = account.home
         if cache_dir is None:
             env["UV_NO_CACHE"] = "1"

@@ -130,6 +130,16 @@ def test_uv_as_the_environments_owner_gets_its_home_and_none_of_roots_directorie
         "TMPDIR": "/root/tmp",
         "VIRTUAL_ENV": "/elsewhere",
         "UV_INDEX_URL": "https://index.example/simple",
+        "HTTPS_PROXY": "http://proxy:3128",
+        "no_proxy": "localhost",
+        "SSL_CERT_FILE": "/etc/ssl/corp.pem",
+        "LC_ALL": "C.UTF-8",
+        # root's, never the owner's: it can read uv's environment while uv runs
+        "AWS_SECRET_ACCESS_KEY": "secret",
+        "HF_TOKEN": "hf_secret",
+        "SSH_AUTH_SOCK": "/tmp/ssh-root/agent.1",
+        "PYTHONPATH": "/root/lib",
+        "SAFEINSTALL_STATE_DIR": "/var/lib/safeinstall",
     }
     owner = Account(65534, 65534, "/nonexistent")
     as_root = uv_environment(caller, Path("/state/uv-cache-1"))
@@ -143,6 +153,10 @@ def test_uv_as_the_environments_owner_gets_its_home_and_none_of_roots_directorie
         "PATH": "/usr/bin",
         "HOME": "/nonexistent",
         "UV_INDEX_URL": "https://index.example/simple",  # the caller's uv settings still apply
+        "HTTPS_PROXY": "http://proxy:3128",  # and what the network needs
+        "no_proxy": "localhost",
+        "SSL_CERT_FILE": "/etc/ssl/corp.pem",
+        "LC_ALL": "C.UTF-8",
         "UV_NO_PROGRESS": "1",
         "UV_CACHE_DIR": "/state/uv-cache-1",
     }
