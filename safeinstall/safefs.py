@@ -86,6 +86,10 @@ class Copied:
     size: int
 
 
+#: The extended attribute that holds a file's POSIX access ACL.
+ACL_XATTR = "system.posix_acl_access"
+
+
 def _copy_fd(source: int, dest: int) -> Copied:
     hasher = hashlib.sha256()
     size = 0
@@ -652,10 +656,13 @@ class Tree:
         mtime_ns: int | None = None,
         mark: str = ".safeinstall-",
         atomic: bool = True,
+        acl: bytes | None = None,
     ) -> Copied:
         """Write ``relative`` with the content of ``source_fd``. ``atomic``: into a temp file beside it,
-        then renamed over it; else created new (it must not exist). The parent must be a real
-        directory; nothing is ever written through a symlink."""
+        then renamed over it; else created new (it must not exist). ``acl``: a POSIX access ACL
+        (``system.posix_acl_access``) set on it before it is visible (OSError ENOTSUP where the
+        filesystem has none: nothing is left). The parent must be a real directory; nothing is ever
+        written through a symlink."""
         with self.parent(relative) as (fd, name):
             target = self._temp_name(name, mark) if atomic else name
             dest = os.open(target, _CREATE_FLAGS, 0o600, dir_fd=fd)
@@ -665,6 +672,8 @@ class Tree:
                     if owner is not None:
                         os.fchown(dest, *owner)  # before chmod: chown clears set-id bits
                     os.fchmod(dest, mode)
+                    if acl is not None:  # sets the group class bits from its mask
+                        os.setxattr(dest, ACL_XATTR, acl)
                     os.fsync(dest)
                     if mtime_ns is not None:
                         os.utime(dest, ns=(mtime_ns, mtime_ns))

@@ -31,8 +31,8 @@ An environment that belongs to another account (a service account) has uv run as
 of the wheel by name: a run of such an environment makes the state root and the environment's directory
 0711 (entered by name, never listed nor written by others; :func:`let_through`), the run's uv cache and
 scratch directories that account's own (0700, :func:`make_run_dir`), and the wheel copy readable by it
-(root's, 0640, that account's group). Everything else stays root's and private: journals, backups, logs,
-the lock (0700/0600). What the account owned is deleted by directory descriptor
+(root's; an ACL lets that account's uid read it). Everything else stays root's and private: journals,
+backups, logs, the lock (0700/0600). What the account owned is deleted by directory descriptor
 (:func:`safeinstall.safefs.remove_at`): a symlink it put there is removed, never followed nor opened, even
 one swapped in while root deletes.
 """

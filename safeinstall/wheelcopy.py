@@ -5,14 +5,17 @@ could replace it between the preflight check and uv's install, or before ``--rec
 So a run copies it into ``<state>/<env>/wheels/<random>/<the wheel's file name>`` (the state directory
 is root's, mode 0700) and checks, installs and journals that copy only; the copy goes when the run (or
 its recovery) ends. The copy is root's, in directories others may enter but not list (0711), and only
-the account uv runs as may read it: 0640 with that account's group when the environment is another
-account's (uv reads it as that account, :mod:`safeinstall.state`, which can read it, never replace it),
-0600 otherwise. Its path is in uv's command line, which every local user can read in ``/proc``.
+the account uv runs as may read it: when the environment is another account's (uv reads it as that
+account, :mod:`safeinstall.state`), a POSIX ACL gives that account's uid read and nobody else anything
+(root's group included); on a filesystem without ACLs, 0640 with that account's group, which its other
+members can read too; 0600 when the environment is root's own. Its path is in uv's command line, which
+every local user can read in ``/proc``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import tempfile
 from collections.abc import Iterator
@@ -24,17 +27,39 @@ from safeinstall.safefs import Tree, open_regular
 
 WHEELS_DIR = "wheels"
 COPY_DIR_MODE = 0o711
-#: The copy when uv reads it as the environment's owner (the group is that account's); else 0600.
+#: The copy when uv reads it as the environment's owner (the group class: the ACL's mask, or that
+#: account's group without ACLs); else 0600.
 READER_MODE = 0o640
 PRIVATE_MODE = 0o600
 
+_ACL_VERSION = 2
+#: (tag, permissions) of the entries that name no id (linux/posix_acl_xattr.h); ids are 32-bit
+_USER_OBJ, _USER, _GROUP_OBJ, _MASK, _OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
+_NO_ID = 0xFFFFFFFF
 
-def copy_access(account: Account | None, euid: int, egid: int) -> tuple[int, tuple[int, int]]:
-    """Pure: the mode and (uid, gid) of a copy of the wheel that only ``account`` (uv runs as it; None:
-    as the caller, ``euid``/``egid``) may read besides the caller."""
+
+def reader_acl(uid: int) -> bytes:
+    """Pure: a POSIX access ACL (the xattr's bytes) for a file its owner may read and write, ``uid`` may
+    read, and nobody else may touch: ``u::rw-,u:UID:r--,g::---,m::r--,o::---``."""
+    entries = [(_USER_OBJ, 6, _NO_ID), (_USER, 4, uid), (_GROUP_OBJ, 0, _NO_ID), (_MASK, 4, _NO_ID)]
+    entries.append((_OTHER, 0, _NO_ID))
+    return _ACL_VERSION.to_bytes(4, "little") + b"".join(
+        tag.to_bytes(2, "little") + perm.to_bytes(2, "little") + ident.to_bytes(4, "little")
+        for tag, perm, ident in entries
+    )
+
+
+def copy_access(
+    account: Account | None, euid: int, egid: int, acls: bool = True
+) -> tuple[int, tuple[int, int], bytes | None]:
+    """Pure: the mode, (uid, gid) and access ACL of a copy of the wheel that only ``account`` (uv runs as
+    it; None: as the caller, ``euid``/``egid``) may read besides the caller. ``acls``: the filesystem
+    has them; else the account's group may read it."""
     if account is None:
-        return PRIVATE_MODE, (euid, egid)
-    return READER_MODE, (euid, account.gid)
+        return PRIVATE_MODE, (euid, egid), None
+    if acls:
+        return READER_MODE, (euid, egid), reader_acl(account.uid)
+    return READER_MODE, (euid, account.gid), None
 
 
 def copy_wheel(source: Path, envdir: Path, account: Account | None) -> Path:
@@ -52,8 +77,16 @@ def copy_wheel(source: Path, envdir: Path, account: Account | None) -> Path:
         with Tree(envdir) as tree:
             tree.make_dirs(directory, COPY_DIR_MODE)
             tree.set_mode(WHEELS_DIR, COPY_DIR_MODE)  # made 0700 by an older release
-            mode, owner = copy_access(account, os.geteuid(), os.getegid())
-            tree.write_from(f"{directory}/{source.name}", source_fd, mode, owner, atomic=False)
+            target = f"{directory}/{source.name}"
+            mode, owner, acl = copy_access(account, os.geteuid(), os.getegid())
+            try:
+                tree.write_from(target, source_fd, mode, owner, atomic=False, acl=acl)
+            except OSError as exc:
+                if acl is None or exc.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP):
+                    raise
+                os.lseek(source_fd, 0, os.SEEK_SET)  # no ACLs here: the account's group reads it
+                mode, owner, _ = copy_access(account, os.geteuid(), os.getegid(), acls=False)
+                tree.write_from(target, source_fd, mode, owner, atomic=False)
     except OSError as exc:
         discard_wheel_copy(envdir / directory / source.name, envdir)
         raise WheelError(
@@ -113,8 +146,9 @@ def passable_temporary_dir(what: str) -> Iterator[Path]:
 
 @contextlib.contextmanager
 def temporary_copy(source: Path, account: Account) -> Iterator[Path]:
-    """A copy of ``source`` in a :func:`passable_temporary_dir` that ``account`` may read (0640, its
-    group): what a dry-run gives uv when uv runs as the environment's owner, who may not be able to read
-    the wheel where it lies (a run gives it the run's own copy, in the state directory)."""
+    """A copy of ``source`` in a :func:`passable_temporary_dir` that ``account`` may read (as
+    :func:`copy_wheel` makes it): what a dry-run gives uv when uv runs as the environment's owner, who
+    may not be able to read the wheel where it lies (a run gives it the run's own copy, in the state
+    directory)."""
     with passable_temporary_dir(f"a copy of the wheel {source}") as top:
         yield copy_wheel(source, top, account)

@@ -241,8 +241,8 @@ def test_new_code_swaps_its_package_for_a_symlink_then_recover(
     assert (
         stat.S_IMODE(os.stat(copy.parent.parent).st_mode) == 0o711
     )  # entered by uv (as uid 65534), not listed
-    info = os.stat(copy)  # read by uv (as uid 65534, group 65534), never replaced; no other user reads it
-    assert (stat.S_IMODE(info.st_mode), info.st_uid, info.st_gid) == (0o640, 0, NOBODY)
+    info = os.stat(copy)  # read by uv (as uid 65534, by its ACL), never replaced; no other user reads it
+    assert (stat.S_IMODE(info.st_mode), info.st_uid, info.st_gid) == (0o640, 0, 0)
     with pytest.raises(subprocess.CalledProcessError):
         as_user(OTHER, "head", "-c1", str(copy))
     package = account.site / "sicext"
@@ -908,8 +908,9 @@ def test_a_copy_of_the_wheel_is_readable_only_by_the_account_uv_runs_as(
     tmp_path: Path, open_dir: Path
 ) -> None:
     """The copy's path is in uv's command line (any user reads it in ``/proc``): only the account uv
-    runs as may read the copy. Another account's environment: 0640, that account's group (the
-    dry-run's temporary copy too); root's own: 0600 root:root. Checked as those users, not by mode."""
+    runs as may read the copy, not another member of its group (``nogroup`` is shared). Another
+    account's environment: an ACL gives that uid read, the group nothing (the dry-run's temporary copy
+    too); root's own: 0600 root:root. Checked as those users, not by mode."""
     from safeinstall.environment import Account
     from safeinstall.wheelcopy import copy_wheel, temporary_copy
 
@@ -920,22 +921,61 @@ def test_a_copy_of_the_wheel_is_readable_only_by_the_account_uv_runs_as(
     envdir.mkdir(mode=0o711)
     account = Account(NOBODY, NOBODY, "/")
 
-    def access(copy: Path) -> tuple[int, int, int, bool, bool]:
+    def access(copy: Path) -> tuple[int, int, int, bool, bool, bool]:
         info = os.stat(copy)
         readers = []
-        for uid in (NOBODY, OTHER):
+        # the account; another account in the account's group; another account in root's group
+        for uid, gid in ((NOBODY, NOBODY), (OTHER, NOBODY), (OTHER, 0)):
             try:
-                as_user(uid, "head", "-c1", str(copy))
+                subprocess.run(
+                    [
+                        "setpriv",
+                        f"--reuid={uid}",
+                        f"--regid={gid}",
+                        "--clear-groups",
+                        "head",
+                        "-c1",
+                        str(copy),
+                    ],
+                    check=True,
+                    capture_output=True,
+                )
                 readers.append(True)
             except subprocess.CalledProcessError:
                 readers.append(False)
-        return stat.S_IMODE(info.st_mode), info.st_uid, info.st_gid, *readers
+        account_reads, its_group_reads, roots_group_reads = readers
+        return (
+            stat.S_IMODE(info.st_mode),
+            info.st_uid,
+            info.st_gid,
+            account_reads,
+            its_group_reads,
+            roots_group_reads,
+        )
 
-    assert access(copy_wheel(source, envdir, account)) == (0o640, 0, NOBODY, True, False)
-    assert access(copy_wheel(source, envdir, None)) == (0o600, 0, 0, False, False)
+    assert access(copy_wheel(source, envdir, account)) == (0o640, 0, 0, True, False, False)
+    assert access(copy_wheel(source, envdir, None)) == (0o600, 0, 0, False, False, False)
     with temporary_copy(source, account) as copy:
         assert copy.read_bytes() == source.read_bytes()
-        assert access(copy) == (0o640, 0, NOBODY, True, False)
+        assert access(copy) == (0o640, 0, 0, True, False, False)
+
+
+def test_the_acl_of_a_copy_of_the_wheel_names_only_the_account() -> None:
+    """Pure: ``u::rw-,u:UID:r--,g::---,m::r--,o::---`` as the kernel's xattr bytes (read back by
+    ``acl_writers``, which finds no writer in it); without ACLs the account's group reads it."""
+    from safeinstall.environment import Account, acl_writers
+    from safeinstall.wheelcopy import copy_access, reader_acl
+
+    raw = reader_acl(NOBODY)
+    assert raw.hex() == (
+        "02000000" + "01000600ffffffff" + "02000400feff0000" + "04000000ffffffff" + "10000400ffffffff"
+        "20000000ffffffff"
+    )
+    assert acl_writers(raw) == (set(), set())
+    account = Account(NOBODY, NOBODY, "/")
+    assert copy_access(account, 0, 0) == (0o640, (0, 0), raw)
+    assert copy_access(account, 0, 0, acls=False) == (0o640, (0, NOBODY), None)
+    assert copy_access(None, 0, 0) == (0o600, (0, 0), None)
 
 
 # --- metadata files of the environment ---------------------------------------------------------------
