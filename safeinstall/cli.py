@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
@@ -373,6 +374,9 @@ def _run_dry_run(options: RunOptions, as_json: bool) -> None:
             render_patches(make_console(), patches.outcomes)
     _exit(code)
 
+
+#: A valid distribution name (PEP 508) and nothing else: such a PACKAGE needs no requirement parser
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
 
 #: The flags that choose what safeinstall does, and the ``command`` of their JSON envelope.
 _COMMANDS = (
@@ -760,9 +764,8 @@ def main_command(
         if verify_only:
             if ctx.args:
                 raise UsageError(f"unexpected arguments: {' '.join(ctx.args)}", hint="see safeinstall --help")
-            plain = (package or "").replace("-", "").replace("_", "").replace(".", "")
-            if package and not (plain.isascii() and plain.isalnum()):
-                from safeinstall.uvplan import parse_requirement  # more than a plain name: parsed
+            if package and not _PLAIN_NAME.fullmatch(package):
+                from safeinstall.uvplan import parse_requirement  # more than a valid name: parsed
 
                 if parse_requirement(package).specifier:
                     raise UsageError(

@@ -30,9 +30,9 @@ class Received:
     """The signals received under :func:`interrupts_raise`. Its handler raises where Python happens to
     be, which may be a ``__del__`` or a weakref callback run by the garbage collector: there the
     exception is printed and dropped (seen in a run that went on to the end after a Ctrl-C); a step's
-    own ``except Exception`` may catch it too. So every step is :meth:`checked`: a step that returns
-    after a signal was received fails as interrupted. (When the raise does reach the run, the run
-    rolls back and checks no more.)"""
+    own ``except Exception`` may catch it too. So every step is :meth:`checked`: a step does not start
+    after a signal was received, and one that returns after a signal fails as interrupted. (When the
+    raise does reach the run, the run rolls back and checks no more.)"""
 
     def __init__(self) -> None:
         self.signals: list[int] = []
@@ -45,6 +45,7 @@ class Received:
 
     def checked(self, action: Callable[[], T]) -> Callable[[], T]:
         def run() -> T:
+            self.check()  # one dropped between two steps (in what the run does between them)
             result = action()
             self.check()
             return result

@@ -244,9 +244,11 @@ def same_filesystem(a: Path, b: Path) -> bool:
 
 #: What of the caller's environment reaches uv when it runs as the environment's owner, who can read
 #: uv's environment (``/proc/PID/environ``) while it runs: uv's own settings, what the network needs
-#: (proxies, CA certificates, a netrc), the locale and ``PATH``. Nothing else of root's: no tokens or
-#: cloud keys, no ssh agent, no ``PYTHONPATH`` for the interpreter uv starts, none of the variables that
-#: name root's own directories (``XDG_*``, ``TMPDIR``).
+#: (proxies, CA certificates, a netrc), the locale and ``PATH``. Nothing else of root's: no publishing
+#: or GitHub tokens (``UV_PUBLISH_*``, ``UV_GITHUB_TOKEN``), no cloud keys, no ssh agent, no
+#: ``PYTHONPATH`` for the interpreter uv starts, none of the variables that name root's own
+#: directories (``XDG_*_HOME``, ``XDG_RUNTIME_DIR``, ``TMPDIR``). uv settings that name a file
+#: (``UV_CONFIG_FILE``) pass: uv reads it as the owner, so a file only root may read makes it fail.
 _FOR_THE_OWNER = frozenset(
     {
         "PATH",
@@ -257,6 +259,8 @@ _FOR_THE_OWNER = frozenset(
         "SSL_CERT_FILE",
         "SSL_CERT_DIR",
         "NETRC",
+        "SSL_CLIENT_CERT",  # an index that wants a client certificate (the owner must be able to read it)
+        "XDG_CONFIG_DIRS",  # the system's configuration directories (uv reads uv.toml there), not root's
         *(
             name
             for proxy in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY")
@@ -265,6 +269,8 @@ _FOR_THE_OWNER = frozenset(
     }
 )
 _FOR_THE_OWNER_PREFIXES = ("UV_", "LC_")
+#: uv's own variables that an install never reads and that hold credentials for something else
+_NOT_FOR_THE_OWNER_PREFIXES = ("UV_PUBLISH_", "UV_GITHUB_TOKEN", "UV_INSTALLER_")
 
 
 def uv_environment(
@@ -282,7 +288,12 @@ def uv_environment(
     env = {k: v for k, v in environ.items() if k != "VIRTUAL_ENV"}
     env["UV_NO_PROGRESS"] = "1"
     if account is not None:
-        env = {k: v for k, v in env.items() if k in _FOR_THE_OWNER or k.startswith(_FOR_THE_OWNER_PREFIXES)}
+        env = {
+            k: v
+            for k, v in env.items()
+            if (k in _FOR_THE_OWNER or k.startswith(_FOR_THE_OWNER_PREFIXES))
+            and not k.startswith(_NOT_FOR_THE_OWNER_PREFIXES)
+        }
         env["HOME"] = account.home
         if cache_dir is None:
             env["UV_NO_CACHE"] = "1"

@@ -27,6 +27,7 @@ from packaging.utils import (
 from safeinstall.distributions import InstalledDistribution, parse_console_scripts
 from safeinstall.environment import Environment
 from safeinstall.errors import WheelError
+from safeinstall.hashing import LARGEST_FILE
 from safeinstall.records import Record, encode_digest, parse_record
 from safeinstall.safefs import open_regular
 
@@ -96,7 +97,7 @@ def _fail(path: Path, why: str) -> WheelError:
 #: is read into memory) nor of time. Larger members and wheels are refused.
 METADATA_LIMIT = 16 << 20  # WHEEL, METADATA, entry_points.txt
 RECORD_LIMIT = 64 << 20  # torch's RECORD is 2 MB
-MEMBER_LIMIT = 16 << 30
+MEMBER_LIMIT = LARGEST_FILE  # 16 GiB: an installed file larger than this is reported, never hashed
 TOTAL_LIMIT = 64 << 30
 #: Where a ``.data/<scheme>/`` member goes (the wheel spec's schemes; anything else is refused).
 SCHEMES = ("purelib", "platlib", "scripts", "headers", "data")

@@ -262,11 +262,12 @@ _STARTUP_PROBE = """
 import sys
 sys.argv = ["safeinstall", *sys.argv[1:]]
 from safeinstall.cli import main
+code = 0
 try:
     main()
-except SystemExit:
-    pass
-print(" ".join(sorted(sys.modules)), file=sys.stderr)
+except SystemExit as exit:
+    code = exit.code
+print(code, " ".join(sorted(sys.modules)), file=sys.stderr)
 """
 
 
@@ -282,7 +283,9 @@ def test_verify_only_starts_without_pydantic_or_the_runs_modules(venv: Path, whe
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    loaded = set(proc.stderr.strip().splitlines()[-1].split())
+    code, *modules = proc.stderr.strip().splitlines()[-1].split()
+    assert code == "0" and "sipure 1.0" in proc.stdout and "OK" in proc.stdout, proc.stdout + proc.stderr
+    loaded = set(modules)
     assert "safeinstall.verify" in loaded
     never = {"pydantic", "safeinstall.reinstall", "safeinstall.journal", "safeinstall.uvplan"}
     never |= {"safeinstall.state", "safeinstall.systemd", "safeinstall.gpus", "pynvml", "psutil"}

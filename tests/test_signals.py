@@ -44,6 +44,19 @@ def test_a_signal_whose_exception_never_reached_the_run_still_interrupts_the_ste
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped raise
+def test_a_signal_dropped_between_two_steps_keeps_the_next_one_from_starting() -> None:
+    ran: list[str] = []
+    with interrupts_raise() as received:
+        received.checked(lambda: ran.append("gate"))()
+        gc.collect()
+        _SignalsWhenCollected()  # between the steps: in what the run does between them
+        gc.collect()
+        with pytest.raises(Interrupted):
+            received.checked(lambda: ran.append("stop"))()
+    assert ran == ["gate"]
+
+
 def test_without_a_signal_a_step_returns_what_it_returns() -> None:
     with interrupts_raise() as received:
         assert received.checked(lambda: "ok")() == "ok"

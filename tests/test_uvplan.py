@@ -140,6 +140,10 @@ def test_uv_as_the_environments_owner_gets_its_home_and_none_of_roots_directorie
         "SSH_AUTH_SOCK": "/tmp/ssh-root/agent.1",
         "PYTHONPATH": "/root/lib",
         "SAFEINSTALL_STATE_DIR": "/var/lib/safeinstall",
+        "UV_PUBLISH_TOKEN": "pypi-secret",
+        "UV_PUBLISH_PASSWORD": "pw",
+        "UV_GITHUB_TOKEN": "ghp_secret",
+        "UV_INSTALLER_GITHUB_BASE_URL": "https://mirror.example",
     }
     owner = Account(65534, 65534, "/nonexistent")
     as_root = uv_environment(caller, Path("/state/uv-cache-1"))

@@ -10,6 +10,7 @@ name it opens), on a real distribution of ~550 files installed by the real uv an
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import re
@@ -24,7 +25,16 @@ from safeinstall import distributions
 from safeinstall.distributions import InstalledDistribution
 from safeinstall.drift import Expectation
 from safeinstall.environment import inspect_environment
-from safeinstall.hashing import BIG_FILE, CHUNK_FILES, plan_tasks
+from safeinstall.hashing import (
+    BIG_FILE,
+    CHUNK_FILES,
+    LARGEST_FILE,
+    STREAM_CHUNK,
+    _observe,
+    observe_files,
+    plan_tasks,
+)
+from safeinstall.records import encode_digest
 from safeinstall.verify import VerifyReport, verify_environment
 from tests import wheelhouse
 from tests.wheelhouse import Wheelhouse
@@ -239,3 +249,47 @@ def test_a_distribution_found_under_another_directory_name_is_verified_as_a_full
     named_first = verify_environment(env, ["sibulk"], workers=2)
     assert usual.distributions[0].version == named_first.distributions[0].version == "9.0"
     assert named_first.findings == usual.findings and named_first.observed == usual.observed
+
+
+@pytest.mark.parametrize("change", ["shrinks", "grows"])
+def test_a_file_that_changes_between_its_stat_and_its_read_is_hashed_as_it_was_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
+    """Every file is read into the thread's buffer: what a file that shrank after its ``fstat`` leaves
+    there of an earlier file is never hashed, and one that grew hashes as changed: one byte past the
+    size ``fstat`` said is read, never only that size."""
+    original = b"0123456789" * 300
+    path = tmp_path / "f.py"
+    path.write_bytes(original)
+    real_fstat = os.fstat
+
+    def fstat_then_change(fd: int) -> os.stat_result:
+        info = real_fstat(fd)
+        with path.open("r+b") as handle:
+            if change == "shrinks":
+                handle.truncate(1000)
+            else:
+                handle.seek(0, os.SEEK_END)
+                handle.write(b"appended")
+        return info
+
+    buffer = bytearray(b"B" * STREAM_CHUNK)  # what an earlier file left in it
+    monkeypatch.setattr(os, "fstat", fstat_then_change)
+    state = _observe(str(path), str(path), None, "sha256", None, buffer)
+    monkeypatch.undo()
+    assert state.size == len(original)  # as fstat said
+    on_disk = path.read_bytes()
+    read = on_disk if change == "shrinks" else on_disk[: len(original) + 1]  # one byte past fstat's size
+    assert state.digest == encode_digest(hashlib.sha256(read).digest())
+    assert state.digest != encode_digest(hashlib.sha256(original).digest())
+
+
+def test_a_file_larger_than_any_wheel_may_install_is_reported_not_hashed(tmp_path: Path) -> None:
+    """The owner makes an installed file a sparse file of more than 16 GiB (listed so in RECORD): root
+    would hash zeros for minutes; it is reported unreadable instead, at once."""
+    path = tmp_path / "huge.so"
+    with path.open("wb") as handle:
+        handle.truncate(LARGEST_FILE + 1)
+    state = observe_files([Expectation(str(path), "sha256", "x", LARGEST_FILE + 1)])[str(path)]
+    assert state.exists and state.digest is None
+    assert state.error == f"{LARGEST_FILE + 1} bytes: larger than any wheel may install"
