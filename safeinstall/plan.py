@@ -13,7 +13,14 @@ from packaging.version import InvalidVersion, Version
 
 from safeinstall.cgroups import CgroupPlacement, placement_of_proc_cgroup, valid_unit_name
 from safeinstall.gpus import GpuSnapshot
-from safeinstall.processes import EvidenceKind, ProcessRecord, ScanProblem, ScanResult, Strength
+from safeinstall.processes import (
+    TOO_LARGE,
+    EvidenceKind,
+    ProcessRecord,
+    ScanProblem,
+    ScanResult,
+    Strength,
+)
 from safeinstall.systemd import UnitInfo
 from safeinstall.uvplan import UvPlan
 
@@ -283,6 +290,21 @@ def unreadable_warning(problems: Sequence[ScanProblem], as_root: bool) -> str | 
     return text + "; run as root to see every process"
 
 
+def oversized_warning(problems: Sequence[ScanProblem]) -> str | None:
+    """Pure: the processes whose ``maps`` was too large to read: what they map is not known (their
+    open files, command line and environment still count)."""
+    pids = sorted({p.pid for p in problems if p.reason == TOO_LARGE})
+    if not pids:
+        return None
+    listed = ", ".join(f"PID {pid}" for pid in pids[:10]) + (
+        f" and {len(pids) - 10} more" if len(pids) > 10 else ""
+    )
+    return (
+        f"the memory maps of {listed} are {TOO_LARGE.split(':')[0]}: whether they map the package is "
+        "not known (stop them yourself if they use it)"
+    )
+
+
 def build_plan(
     *,
     package: str,
@@ -351,6 +373,9 @@ def build_plan(
             "stop them, or pass --kill-strays to end them (they are not restarted)"
         )
     warnings: list[str] = []
+    oversized = oversized_warning(scan.problems)
+    if oversized:
+        warnings.append(oversized)
     unread = unreadable_warning(scan.problems, as_root)
     if unread:
         warnings.append(unread)

@@ -38,6 +38,7 @@ and :func:`probe_files`.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import pwd
 import re
@@ -936,6 +937,11 @@ _O_DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _O_FILE = os.O_RDONLY | os.O_CLOEXEC
 #: below glibc's mmap threshold: a larger buffer costs an mmap/munmap per read
 _READ_SIZE = 1 << 14
+#: The most of a ``maps`` that is read: a process may map 65,530 files (``vm.max_map_count``) under
+#: 4 KiB names, a quarter of a GB of text for every scan; a real one (a vLLM worker) has a few MB.
+MAPS_LIMIT = 64 << 20
+#: The reason a scan problem gives for a ``maps`` beyond ``MAPS_LIMIT``
+TOO_LARGE = f"larger than {MAPS_LIMIT >> 20} MiB: not read"
 
 
 def _read_at(name: str, dir_fd: int, *, single: bool) -> bytes:
@@ -951,8 +957,12 @@ def _read_at(name: str, dir_fd: int, *, single: bool) -> bytes:
         if (single and len(chunk) < _READ_SIZE) or not chunk:
             return chunk
         chunks = [chunk]
+        total = len(chunk)
         while chunk := os.read(fd, _READ_SIZE):
             chunks.append(chunk)
+            total += len(chunk)
+            if total > MAPS_LIMIT:
+                raise _TooLarge(errno.EFBIG, TOO_LARGE)
         return b"".join(chunks)
     finally:
         os.close(fd)
@@ -1027,7 +1037,13 @@ class _Process:
             return None
 
 
+class _TooLarge(OSError):
+    """A /proc file beyond what a scan reads of it."""
+
+
 def _reason(exc: OSError) -> str:
+    if isinstance(exc, _TooLarge):
+        return TOO_LARGE
     if isinstance(exc, FileNotFoundError | ProcessLookupError):
         return "vanished"
     if isinstance(exc, PermissionError):

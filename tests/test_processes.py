@@ -1011,3 +1011,29 @@ def test_dependents_follow_markers_of_the_target_environment_and_installed_extra
     assert describe_chain(("app", "vllm", "transformers", "tokenizers")) == (
         "which requires tokenizers (through vllm, transformers)"
     )
+
+
+def test_a_maps_larger_than_the_limit_is_a_problem_not_read_whole(tmp_path: Path) -> None:
+    """A process can map 65,530 files under 4 KiB names: a quarter of a GB of ``maps`` text for every
+    scan. Beyond ``MAPS_LIMIT`` the reading stops (a problem, as for a process that denies it), and the
+    plan says what is not known about that process."""
+    from safeinstall.plan import oversized_warning
+
+    directory = tmp_path / "proc" / "4242"
+    directory.mkdir(parents=True)
+    (directory / "maps").write_bytes(
+        b"7f00-7f01 r--p 00000000 fe:00 1 /x\n" * (processes.MAPS_LIMIT // 35 + 100)
+    )
+    (directory / "stat").write_bytes(b"4242 (x) S 1")
+    problems: list[processes.ScanProblem] = []
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        proc = processes._Process(4242, fd, problems)
+        assert proc.read("maps", single=False) is None
+        assert proc.read("stat") == b"4242 (x) S 1"
+    finally:
+        os.close(fd)
+    assert problems == [processes.ScanProblem(4242, "maps", processes.TOO_LARGE)]
+    warning = oversized_warning(problems)
+    assert warning is not None and "PID 4242" in warning and "64 MiB" in warning
+    assert oversized_warning([processes.ScanProblem(1, "maps", "permission denied")]) is None
