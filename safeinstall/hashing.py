@@ -166,7 +166,7 @@ def _observe(
                 (constructor(data) if constructor else hashlib.new(algorithm, data)).digest()
             )
         else:
-            digest = encode_digest(_stream_digest(fd, algorithm, buffer))
+            digest = encode_digest(_stream_digest(fd, algorithm, buffer, size + 1))
     except OSError as exc:
         return FileState(path, True, error=exc.strerror or str(exc))
     finally:
@@ -191,13 +191,17 @@ def _observe(
 STREAM_CHUNK = 4 << 20
 
 
-def _stream_digest(fd: int, algorithm: str, buffer: bytearray) -> bytes:
-    """The raw digest of what ``fd`` reads from where it is to its end, through ``buffer``."""
+def _stream_digest(fd: int, algorithm: str, buffer: bytearray, limit: int) -> bytes:
+    """The raw digest of at most ``limit`` bytes that ``fd`` reads from where it is, through ``buffer``.
+    The caller gives one byte more than ``fstat`` said: a file that grows while it is read (its owner
+    can watch root open it) hashes differently, as it should, and cannot keep root reading."""
     constructor = _CONSTRUCTORS.get(algorithm)
     hasher = constructor(b"") if constructor else hashlib.new(algorithm)
     view = memoryview(buffer)
-    while count := os.readv(fd, [buffer]):
+    left = limit
+    while left > 0 and (count := os.readv(fd, [view[: min(left, len(view))]])):
         hasher.update(view[:count])
+        left -= count
     return hasher.digest()
 
 

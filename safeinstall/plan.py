@@ -293,7 +293,7 @@ def unreadable_warning(problems: Sequence[ScanProblem], as_root: bool) -> str | 
 def oversized_warning(problems: Sequence[ScanProblem]) -> str | None:
     """Pure: the processes whose ``maps`` was too large to read: what they map is not known (their
     open files, command line and environment still count)."""
-    pids = sorted({p.pid for p in problems if p.reason == TOO_LARGE})
+    pids = sorted({p.pid for p in problems if p.reason == TOO_LARGE and p.reading == "maps"})
     if not pids:
         return None
     listed = ", ".join(f"PID {pid}" for pid in pids[:10]) + (

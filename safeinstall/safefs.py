@@ -91,14 +91,19 @@ ACL_XATTR = "system.posix_acl_access"
 
 
 def _copy_fd(source: int, dest: int) -> Copied:
+    """Copy what ``source`` holds, as large as ``fstat`` says it is: one that grew meanwhile (its owner
+    can watch root open it) raises OSError EFBIG, before root writes more than that."""
     hasher = hashlib.sha256()
     size = 0
-    while chunk := os.read(source, _CHUNK):
+    expected = os.fstat(source).st_size
+    while chunk := os.read(source, min(_CHUNK, expected + 1 - size)):
+        size += len(chunk)
+        if size > expected:
+            raise OSError(errno.EFBIG, "it grew while it was copied")
         hasher.update(chunk)
         view = memoryview(chunk)
         while view:
             view = view[os.write(dest, view) :]
-        size += len(chunk)
     return Copied(hasher.hexdigest(), size)
 
 
@@ -671,8 +676,9 @@ class Tree:
                     copied = _copy_fd(source_fd, dest)
                     if owner is not None:
                         os.fchown(dest, *owner)  # before chmod: chown clears set-id bits
-                    os.fchmod(dest, mode)
-                    if acl is not None:  # sets the group class bits from its mask
+                    # with an ACL, the group and other bits come from it (its mask), never before it
+                    os.fchmod(dest, mode if acl is None else mode & 0o700)
+                    if acl is not None:
                         os.setxattr(dest, ACL_XATTR, acl)
                     os.fsync(dest)
                     if mtime_ns is not None:

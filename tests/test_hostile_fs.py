@@ -11,6 +11,7 @@ nothing outside the environment changed (a snapshot of a directory beside it: co
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import json
 import os
@@ -958,6 +959,31 @@ def test_a_copy_of_the_wheel_is_readable_only_by_the_account_uv_runs_as(
     with temporary_copy(source, account) as copy:
         assert copy.read_bytes() == source.read_bytes()
         assert access(copy) == (0o640, 0, 0, True, False, False)
+
+
+def test_without_acls_the_copy_of_the_wheel_is_the_accounts_group_and_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A filesystem without ACLs (ramfs: EOPNOTSUPP): the copy is made again from the start of the
+    wheel, 0640 with the account's group; nothing else is left."""
+    from safeinstall.environment import Account
+    from safeinstall.wheelcopy import copy_wheel
+
+    source = tmp_path / "x-1.0-py3-none-any.whl"
+    source.write_bytes(os.urandom(3 << 20))
+    envdir = tmp_path / "env"
+    envdir.mkdir()
+
+    def no_acls(*_args: object, **_kwargs: object) -> None:
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(os, "setxattr", no_acls)
+    copy = copy_wheel(source, envdir, Account(NOBODY, NOBODY, "/"))
+    monkeypatch.undo()
+    info = os.stat(copy)
+    assert (stat.S_IMODE(info.st_mode), info.st_gid) == (0o640, NOBODY)
+    assert copy.read_bytes() == source.read_bytes()
+    assert os.listdir(copy.parent) == [copy.name]
 
 
 def test_the_acl_of_a_copy_of_the_wheel_names_only_the_account() -> None:

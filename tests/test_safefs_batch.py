@@ -10,12 +10,16 @@ swapped for a symlink meanwhile, one removed and made again, nested operations, 
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+
+import pytest
 
 from safeinstall.backup import create_backup
 from safeinstall.distributions import InstalledDistribution, find_distributions
@@ -142,3 +146,32 @@ def test_nested_operations_and_threads_in_a_batch(tmp_path: Path) -> None:
             digests = list(pool.map(tree.sha256, paths * 3))
     with Tree(tmp_path) as tree:
         assert digests == [tree.sha256(p) for p in paths * 3]
+
+
+def test_a_file_that_grows_while_it_is_copied_is_refused_before_more_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backup copies a file of the environment (across filesystems): its owner can watch root open
+    it and make it terabytes long. The copy stops one byte past the size ``fstat`` gave and fails."""
+    source = tmp_path / "grows.bin"
+    source.write_bytes(b"x" * 5000)
+    real_fstat = os.fstat
+
+    def fstat_then_grow(fd: int) -> os.stat_result:
+        info = real_fstat(fd)
+        if stat.S_ISREG(info.st_mode) and info.st_size == 5000:
+            with source.open("r+b") as handle:
+                handle.truncate(64 << 20)
+        return info
+
+    (tmp_path / "dest").mkdir()
+    fd = os.open(source, os.O_RDONLY)
+    try:
+        monkeypatch.setattr(os, "fstat", fstat_then_grow)
+        with Tree(tmp_path / "dest") as dest, pytest.raises(OSError) as refused:
+            dest.write_from("copy.bin", fd, 0o600, atomic=False)
+    finally:
+        monkeypatch.undo()
+        os.close(fd)
+    assert refused.value.errno == errno.EFBIG
+    assert os.listdir(tmp_path / "dest") == []  # nothing left

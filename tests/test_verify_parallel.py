@@ -251,14 +251,16 @@ def test_a_distribution_found_under_another_directory_name_is_verified_as_a_full
     assert named_first.findings == usual.findings and named_first.observed == usual.observed
 
 
+@pytest.mark.parametrize("size", [3000, BIG_FILE + 4096])  # read whole; streamed
 @pytest.mark.parametrize("change", ["shrinks", "grows"])
 def test_a_file_that_changes_between_its_stat_and_its_read_is_hashed_as_it_was_read(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str, size: int
 ) -> None:
     """Every file is read into the thread's buffer: what a file that shrank after its ``fstat`` leaves
     there of an earlier file is never hashed, and one that grew hashes as changed: one byte past the
-    size ``fstat`` said is read, never only that size."""
-    original = b"0123456789" * 300
+    size ``fstat`` said is read, never only that size, and never more (its owner can watch root open it
+    and make it terabytes long: root would hash zeros for hours)."""
+    original = (b"0123456789" * (size // 10 + 1))[:size]
     path = tmp_path / "f.py"
     path.write_bytes(original)
     real_fstat = os.fstat
@@ -269,8 +271,7 @@ def test_a_file_that_changes_between_its_stat_and_its_read_is_hashed_as_it_was_r
             if change == "shrinks":
                 handle.truncate(1000)
             else:
-                handle.seek(0, os.SEEK_END)
-                handle.write(b"appended")
+                handle.truncate(size + (64 << 20))  # sparse (an attacker's: a terabyte)
         return info
 
     buffer = bytearray(b"B" * STREAM_CHUNK)  # what an earlier file left in it
@@ -278,8 +279,8 @@ def test_a_file_that_changes_between_its_stat_and_its_read_is_hashed_as_it_was_r
     state = _observe(str(path), str(path), None, "sha256", None, buffer)
     monkeypatch.undo()
     assert state.size == len(original)  # as fstat said
-    on_disk = path.read_bytes()
-    read = on_disk if change == "shrinks" else on_disk[: len(original) + 1]  # one byte past fstat's size
+    with path.open("rb") as handle:
+        read = handle.read(len(original) + 1)  # one byte past fstat's size (all of a shrunk one)
     assert state.digest == encode_digest(hashlib.sha256(read).digest())
     assert state.digest != encode_digest(hashlib.sha256(original).digest())
 
