@@ -215,10 +215,13 @@ def _unit_refusal(unit: str, info: UnitInfo | None, user: bool, placement: Cgrou
     if info is None or not info.found:
         other = "without --user" if user else "with --user"
         return f"{unit} is not known to the {manager} manager: try {other}"
-    if (
-        info.control_group
-        and placement.path != info.control_group
-        and not placement.path.startswith(info.control_group.rstrip("/") + "/")
+    if not info.control_group:  # a unit with processes has a cgroup: a process is never in one without
+        return (
+            f"{unit} of the {manager} manager is not running (it has no cgroup), yet a process sits in "
+            f"{placement.path}: the process belongs to another manager"
+        )
+    if placement.path != info.control_group and not placement.path.startswith(
+        info.control_group.rstrip("/") + "/"
     ):
         return (
             f"{unit} of the {manager} manager runs in {info.control_group}, not in {placement.path}: "

@@ -205,8 +205,9 @@ def test_unit_of_the_other_manager_is_refused(
 ) -> None:
     """A process in a unit of another manager is not this manager's to stop, even when this manager
     has a unit of the same name (a unit is its cgroup), nor when it has none: the plan refuses and says
-    why. (Two private user managers: the refusal is reached whether or not the host runs a system
-    manager.)"""
+    why; nor when this manager's unit of that name is not running (a delegated cgroup may carry any
+    unit's name: that unit would be gated). (Two private user managers: the refusal is reached whether
+    or not the host runs a system manager.)"""
     other = start_user_manager(tmp_path / "other-manager")
     name = user_manager.unique_name("theirs")
     try:
@@ -234,6 +235,16 @@ def test_unit_of_the_other_manager_is_refused(
         assert same_name.json["data"]["refusals"] == [
             f"{name} of the user manager runs in {ours}, not in {group}: "
             "the process belongs to another manager"
+        ]
+
+        user_manager.stop(name)  # ours known but not running: it has no cgroup, nothing to compare
+        user_manager.wait_state(name, ("inactive", "failed"))
+        assert user_manager.show(name, "ControlGroup")["ControlGroup"] == ""
+        stopped = dry_run(user_manager, None, env, wheels["sicext-2"], "--json")
+        assert stopped.code == 2 and stopped.json["errors"] == []
+        assert stopped.json["data"]["refusals"] == [
+            f"{name} of the user manager is not running (it has no cgroup), yet a process sits in "
+            f"{group}: the process belongs to another manager"
         ]
     finally:
         other.remove_unit(name)
