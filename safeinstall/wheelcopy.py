@@ -91,11 +91,23 @@ def copy_wheel(source: Path, envdir: Path, account: Account | None) -> Path:
         discard_wheel_copy(envdir / directory / source.name, envdir)
         raise WheelError(
             f"cannot copy the wheel {source} into {envdir}: {exc.strerror or exc}; nothing was changed",
-            hint="free some space there (the run installs from its own copy of the wheel)",
+            hint=_copy_hint(exc, envdir),
         ) from exc
     finally:
         os.close(source_fd)
     return envdir / directory / source.name
+
+
+def _copy_hint(exc: OSError, envdir: Path) -> str:
+    """Pure: what to do when the copy of the wheel failed so."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "free some space there (the run installs from its own copy of the wheel)"
+    if exc.errno == errno.EFBIG:
+        return "the wheel changed while it was copied: give a wheel that nobody else is writing"
+    return (
+        f"the run installs from its own copy of the wheel: make {envdir} writable by root, on a "
+        "filesystem with POSIX ACLs when the environment is another account's"
+    )
 
 
 def _copy_dir(path: Path, envdir: Path) -> str | None:

@@ -1269,3 +1269,19 @@ def test_a_fifo_pth_file_or_pyvenv_cfg_is_never_waited_on(open_dir: Path, wheels
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [str(NOBODY)]
+
+
+@pytest.mark.parametrize(
+    ("code", "advice"),
+    [
+        (errno.ENOSPC, "free some space"),
+        (errno.EFBIG, "nobody else is writing"),
+        (errno.EINVAL, "POSIX ACLs"),
+    ],
+)
+def test_a_failed_copy_of_the_wheel_says_what_to_do_for_its_cause(code: int, advice: str) -> None:
+    """A full disk, a wheel that grew while copied, an ACL the filesystem refused (EINVAL on an idmapped
+    mount): each hint names its own remedy, not "free some space" for all."""
+    from safeinstall.wheelcopy import _copy_hint
+
+    assert advice in _copy_hint(OSError(code, os.strerror(code)), Path("/var/lib/safeinstall/env"))
