@@ -498,6 +498,8 @@ def inspect_environment(python: Path, timeout: float = 30.0) -> Environment:
     if problem is not None:
         raise InterpreterError(
             f"refusing the environment of {python}: {problem}",
-            hint="safeinstall acts only inside the environment the interpreter belongs to; check the venv",
+            hint="safeinstall acts only inside the environment the interpreter belongs to; if "
+            f"{python} is a wrapper (a pyenv shim) name the interpreter it runs (it said "
+            f"{env.executable}) with --python; else check the venv",
         )
     return _held_to_one_account(env) if os.geteuid() == 0 else env

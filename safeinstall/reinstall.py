@@ -418,12 +418,22 @@ def _kill_strays(run: _Run) -> tuple[int, ...]:
     return run.strays_killed
 
 
+#: How long a process that started using the package after the plan may take to go away by itself
+#: before the install (a `python -c` check, another safeinstall's probe of the environment)
+LATE_GRACE_S = 2.0
+
+
 def _check_no_late_users(run: _Run) -> str:
     """Scan again just before the install: a process that started using the package after the plan
-    was made (a cron job, a tmux session) would have its files replaced under it."""
+    was made (a cron job, a tmux session) would have its files replaced under it, unless it ends
+    within ``LATE_GRACE_S`` (while the services are down: only when there is one)."""
     scan = scan_again(run.survey, run.options)
     every = not run.options.only_loaded  # --only-loaded: certain evidence only, as in the plan
     late = [p for p in scan.affected if not p.is_self and p.state != "Z" and (every or p.certain)]
+    if late:  # a short-lived one (a cron job's check, another safeinstall's probe) that is gone is none
+        seen = {p.pid: _same_process(p.pid, p.start_time) for p in late}
+        still = {proc.pid for proc in _wait_exited([proc for proc in seen.values() if proc], LATE_GRACE_S)}
+        late = [p for p in late if p.pid in still]
     if not late:
         return ""
     listed = ", ".join(f"{p.pid} ({' '.join(p.cmdline)[:60] or p.name})" for p in late)

@@ -334,8 +334,9 @@ def dry_run(
         raise PlanError(f"uv did not answer: {exc}", hint="check that uv runs: " + uv_bin) from exc
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:
+        said = " / ".join(line.strip() for line in output.strip().splitlines() if line.strip())
         raise PlanError(
-            "uv cannot resolve the install: " + output.strip()[-800:],
+            "uv cannot resolve the install: " + said[-800:],  # one line: uv's own "error:" is not ours
             hint="fix the requirement, the wheel or the index options (arguments after -- go to uv); "
             "nothing was stopped",
         )

@@ -290,3 +290,19 @@ def test_verify_only_starts_without_pydantic_or_the_runs_modules(venv: Path, whe
     never = {"pydantic", "safeinstall.reinstall", "safeinstall.journal", "safeinstall.uvplan"}
     never |= {"safeinstall.state", "safeinstall.systemd", "safeinstall.gpus", "pynvml", "psutil"}
     assert not never & loaded
+
+
+def test_a_wrapper_script_as_python_is_refused_with_the_interpreter_it_runs(
+    venv: Path, tmp_path: Path
+) -> None:
+    """A pyenv shim is a script that runs another interpreter: its environment is not the shim's, so it is
+    refused, and the hint names what the shim said it runs."""
+    shim = tmp_path / "shims" / "python3"
+    shim.parent.mkdir()
+    shim.write_text(f'#!/bin/sh\nexec {venv} "$@"\n')
+    shim.chmod(0o755)
+    result = run("pip", "--verify-only", "--python", str(shim))
+    assert result.code == 2 and f"error: refusing the environment of {shim}" in result.stderr
+    executable = os.path.realpath(venv)
+    assert "(a pyenv shim) name the interpreter it runs (it said" in result.stderr
+    assert any(part in result.stderr for part in (str(venv), executable)), result.stderr

@@ -309,6 +309,9 @@ def test_unresolvable_request_is_a_clear_error(env: Path, user_manager: UserMana
     )
     assert result.code == 2
     assert "error: uv cannot resolve" in result.stderr and "Traceback" not in result.stderr
+    # one error line and one hint line: uv's own lines (its "error:" among them) joined into ours
+    lines = result.stderr.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["error", "hint"], result.stderr
 
 
 def test_dry_run_changes_nothing(
