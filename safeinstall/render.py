@@ -109,7 +109,8 @@ def render_verify(out: Console, err: Console, report: VerifyReport, diffs: list[
             f"[yellow]warning:[/] {literal(name)}: {len(links)} installed files share their inode with "
             f"another file (uv's cache, e.g. {literal(links[0].path)}); editing them in place also edits the "
             "cache, and a later offline reinstall brings the edit back (uv #10579). "
-            "Reinstall with --link-mode copy.",
+            f"Reinstall it with safeinstall {literal(name)} (once its run's cache is gone the files share "
+            "no inode), or uv's --link-mode copy.",
             soft_wrap=True,
         )
     for d in diffs or []:
@@ -307,7 +308,8 @@ class ConsoleReporter:
 
     def confirm(self, plan: Plan) -> bool:
         render_plan(self.out, self.err, plan)
-        answer = self.err.input("stop these units and reinstall? \\[y/N] ")
+        question = "stop these units and reinstall?" if plan.units else "reinstall (no unit to stop)?"
+        answer = self.err.input(f"{question} \\[y/N] ")
         return answer.strip().lower() in ("y", "yes")
 
 
