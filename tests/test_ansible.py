@@ -10,6 +10,7 @@ test's temporary directories.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -197,7 +198,7 @@ def fleet(
             wheelhouse.uv_install(python, wheels["sicext-1"])
             port = _free_port()
             unit = units.started(name, f"{python} {server} {port}")
-            wait_until(lambda port=port: _answers(port), 15, f"{name} serving on {port}")
+            wait_until(functools.partial(_answers, port), 15, f"{name} serving on {port}")
             (base / name / "staging").mkdir()
             hosts.append(
                 Host(

@@ -100,7 +100,7 @@ class Bed:
                 return doc
         return None
 
-    def wait_phase(self, proc: subprocess.Popen[str], *phases: str, timeout: float = 60) -> str:
+    def wait_phase(self, proc: subprocess.Popen[Any], *phases: str, timeout: float = 60) -> str:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             doc = self.journal()

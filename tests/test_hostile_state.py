@@ -9,6 +9,7 @@ the interpreter a journal names never ran (it would leave a marker), the files i
 from __future__ import annotations
 
 import contextlib
+import functools
 import http.server
 import json
 import os
@@ -710,7 +711,11 @@ def glob_cgroup() -> Iterator[Path]:
         yield cgroup
     finally:
         for directory in (cgroup, top):
-            wait_until(lambda d=directory: not d.exists() or _rmdir(d), 10, f"{directory} removed")
+            wait_until(functools.partial(_gone, directory), 10, f"{directory} removed")
+
+
+def _gone(directory: Path) -> bool:
+    return not directory.exists() or _rmdir(directory)
 
 
 def _rmdir(directory: Path) -> bool:

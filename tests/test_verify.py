@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 from distlib.database import DistributionPath
@@ -42,7 +43,7 @@ def site(python: Path) -> Path:
     return wheelhouse.site_packages(python)
 
 
-def kinds(result_json: dict) -> set[tuple[str, str]]:
+def kinds(result_json: dict[str, Any]) -> set[tuple[str, str]]:
     return {(f["kind"], os.path.basename(f["path"])) for f in result_json["data"]["findings"] if f["drift"]}
 
 
