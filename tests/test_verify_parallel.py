@@ -294,3 +294,29 @@ def test_a_file_larger_than_any_wheel_may_install_is_reported_not_hashed(tmp_pat
     state = observe_files([Expectation(str(path), "sha256", "x", LARGEST_FILE + 1)])[str(path)]
     assert state.exists and state.digest is None
     assert state.error == f"{LARGEST_FILE + 1} bytes: larger than any wheel may install"
+
+
+def test_an_exception_on_the_calling_thread_stops_the_helpers(tmp_path: Path) -> None:
+    """A Ctrl-C (here: an error in the progress callback) on the calling thread, outside a task: the
+    helpers take no more files; they do not hash every large file left before the error is raised."""
+    content = os.urandom(BIG_FILE)
+    wanted = []
+    for n in range(200):
+        path = tmp_path / f"big{n}.bin"
+        path.write_bytes(content)
+        wanted.append(Expectation(str(path), "sha256", None, BIG_FILE))
+
+    class Stop(Exception):
+        pass
+
+    def on_progress(_done: int) -> None:
+        if threading.current_thread() is threading.main_thread():
+            raise Stop
+
+    _opens.watch()
+    try:
+        with pytest.raises(Stop):
+            observe_files(wanted, workers=2, on_progress=on_progress)
+    finally:
+        opened = _opens.stop()
+    assert len([name for _thread, name in opened if name.startswith("big")]) < len(wanted)
