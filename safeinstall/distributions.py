@@ -170,13 +170,24 @@ def reload_distributions(
     again from disk (new RECORDs, new versions, gone), the others are taken from ``previous``."""
     changed = frozenset(names)
     found: dict[str, InstalledDistribution] = {d.name: d for d in previous if d.name not in changed}
-    for directory in dist_info_dirs(env):
-        if dist_info_name(directory.name) not in changed:
-            continue
-        dist = load_distribution(directory, _reader(env))
+    directories = [d for d in dist_info_dirs(env) if dist_info_name(d.name) in changed]
+    return sorted(_first_of_each(env, directories, found).values(), key=lambda d: d.name)
+
+
+def _first_of_each(
+    env: Environment,
+    directories: Sequence[Path],
+    found: dict[str, InstalledDistribution],
+    loaded: Sequence[InstalledDistribution] = (),
+) -> dict[str, InstalledDistribution]:
+    """``found`` with the first distribution of each name read from ``directories`` (in their order)
+    added; a directory of ``loaded`` is not read again."""
+    known = {d.dist_info: d for d in loaded}
+    for directory in directories:
+        dist = known.get(directory) or load_distribution(directory, _reader(env))
         if dist is not None and dist.name not in found:
             found[dist.name] = dist
-    return sorted(found.values(), key=lambda d: d.name)
+    return found
 
 
 def _reader(env: Environment) -> tuple[int, int] | None:
@@ -188,12 +199,7 @@ def find_distributions(
 ) -> list[InstalledDistribution]:
     """Every distribution installed in the environment's site directories, sorted by name; a directory
     of ``loaded`` (read just before, by :func:`find_named`) is not read again."""
-    found: dict[str, InstalledDistribution] = {}
-    known = {d.dist_info: d for d in loaded}
-    for directory in dist_info_dirs(env):
-        dist = known.get(directory) or load_distribution(directory, _reader(env))
-        if dist is not None and dist.name not in found:
-            found[dist.name] = dist
+    found = _first_of_each(env, dist_info_dirs(env), {}, loaded)
     return sorted(found.values(), key=lambda d: d.name)
 
 
@@ -204,13 +210,8 @@ def find_named(env: Environment, names: Collection[str]) -> list[InstalledDistri
     later checks that it picks the same directories."""
     canonical = [canonicalize_name(name) for name in names]
     wanted = frozenset(canonical)
-    found: dict[str, InstalledDistribution] = {}
-    for directory in dist_info_dirs(env):
-        if dist_info_name(directory.name) not in wanted:
-            continue
-        dist = load_distribution(directory, _reader(env))
-        if dist is not None and dist.name in wanted and dist.name not in found:
-            found[dist.name] = dist
+    directories = [d for d in dist_info_dirs(env) if dist_info_name(d.name) in wanted]
+    found = {n: d for n, d in _first_of_each(env, directories, {}).items() if n in wanted}
     return [found[name] for name in canonical] if len(found) == len(wanted) else None
 
 

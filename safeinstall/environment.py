@@ -23,7 +23,7 @@ from pathlib import Path
 
 from safeinstall import children
 from safeinstall.errors import InterpreterError
-from safeinstall.safefs import read_small
+from safeinstall.safefs import ACL_XATTR, acl_writers, read_small
 
 _PROBE = r"""
 import json, os, sys
@@ -187,29 +187,6 @@ def _ancestors(path: Path) -> list[Path]:
     return list(reversed(path.parents))
 
 
-#: ``system.posix_acl_access`` entry tags (linux/posix_acl_xattr.h) and the write permission bit
-_ACL_USER, _ACL_GROUP, _ACL_MASK, _ACL_WRITE = 0x02, 0x08, 0x10, 0x02
-
-
-def acl_writers(raw: bytes) -> tuple[set[int], set[int]]:
-    """Pure: the uids and gids that a POSIX access ACL (the xattr's bytes) names with write permission,
-    when its mask lets write through."""
-    users: set[int] = set()
-    groups: set[int] = set()
-    mask_writes = True
-    for offset in range(4, len(raw) - 7, 8):
-        tag = int.from_bytes(raw[offset : offset + 2], "little")
-        perm = int.from_bytes(raw[offset + 2 : offset + 4], "little")
-        ident = int.from_bytes(raw[offset + 4 : offset + 8], "little")
-        if tag == _ACL_MASK:
-            mask_writes = bool(perm & _ACL_WRITE)
-        elif tag == _ACL_USER and perm & _ACL_WRITE:
-            users.add(ident)
-        elif tag == _ACL_GROUP and perm & _ACL_WRITE:
-            groups.add(ident)
-    return (users, groups) if mask_writes else (set(), set())
-
-
 class _Control:
     """Who besides root (and ``euid``) controls a set of paths: by uid, the first path that shows it;
     and what no single account can be held to (written by every user or by a group other than root's,
@@ -239,7 +216,7 @@ class _Control:
             who = "every user" if mode & stat.S_IWOTH else f"group {info.st_gid}"
             self.problems.append(f"{path} ({what}) may be written by {who}")
         try:
-            raw = os.getxattr(path, "system.posix_acl_access", follow_symlinks=False)
+            raw = os.getxattr(path, ACL_XATTR, follow_symlinks=False)
         except OSError:
             raw = b""
         users, groups = acl_writers(raw)

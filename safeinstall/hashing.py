@@ -80,6 +80,12 @@ _CONSTRUCTORS: dict[str, Callable[[bytes | memoryview], hashlib._Hash]] = {
     "sha512": hashlib.sha512,
 }
 
+
+def _new_hash(algorithm: str, data: bytes | memoryview = b"") -> hashlib._Hash:
+    constructor = _CONSTRUCTORS.get(algorithm)
+    return constructor(data) if constructor else hashlib.new(algorithm, data)
+
+
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 #: A directory to list and to open files relative to; where it cannot be read, one only searched.
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
@@ -160,11 +166,7 @@ def _observe(
                 if not more:
                     break
                 count += more
-            constructor = _CONSTRUCTORS.get(algorithm)
-            data = view[:count]
-            digest = encode_digest(
-                (constructor(data) if constructor else hashlib.new(algorithm, data)).digest()
-            )
+            digest = encode_digest(_new_hash(algorithm, view[:count]).digest())
         else:
             digest = encode_digest(_stream_digest(fd, algorithm, buffer, size + 1))
     except OSError as exc:
@@ -195,8 +197,7 @@ def _stream_digest(fd: int, algorithm: str, buffer: bytearray, limit: int) -> by
     """The raw digest of at most ``limit`` bytes that ``fd`` reads from where it is, through ``buffer``.
     The caller gives one byte more than ``fstat`` said: a file that grows while it is read (its owner
     can watch root open it) hashes differently, as it should, and cannot keep root reading."""
-    constructor = _CONSTRUCTORS.get(algorithm)
-    hasher = constructor(b"") if constructor else hashlib.new(algorithm)
+    hasher = _new_hash(algorithm)
     view = memoryview(buffer)
     left = limit
     while left > 0 and (count := os.readv(fd, [view[: min(left, len(view))]])):
@@ -372,16 +373,11 @@ def observe_files(
     for thread in threads:
         thread.start()
     try:
-        if meanwhile is not None:
-            try:
-                meanwhile()
-            except BaseException as exc:
-                with lock:
-                    failures.append(exc)  # the helpers take no more tasks
-                raise
         try:
+            if meanwhile is not None:
+                meanwhile()
             work(small, large)
-        except BaseException as exc:  # a signal, say, outside a task (in on_progress, at a lock)
+        except BaseException as exc:  # in meanwhile, or a signal outside a task (on_progress, a lock)
             with lock:
                 failures.append(exc)  # the helpers take no more tasks
             raise

@@ -431,8 +431,8 @@ def _check_no_late_users(run: _Run) -> str:
     every = not run.options.only_loaded  # --only-loaded: certain evidence only, as in the plan
     late = [p for p in scan.affected if not p.is_self and p.state != "Z" and (every or p.certain)]
     if late:  # a short-lived one (a cron job's check, another safeinstall's probe) that is gone is none
-        seen = {p.pid: _same_process(p.pid, p.start_time) for p in late}
-        still = {proc.pid for proc in _wait_exited([proc for proc in seen.values() if proc], LATE_GRACE_S)}
+        procs = [proc for p in late if (proc := _same_process(p.pid, p.start_time)) is not None]
+        still = {proc.pid for proc in _wait_exited(procs, LATE_GRACE_S)}
         late = [p for p in late if p.pid in still]
     if not late:
         return ""

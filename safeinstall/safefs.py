@@ -86,8 +86,56 @@ class Copied:
     size: int
 
 
-#: The extended attribute that holds a file's POSIX access ACL.
+#: The extended attribute that holds a file's POSIX access ACL: version 2, then (tag, permissions,
+#: id) entries of 2, 2 and 4 little-endian bytes (linux/posix_acl_xattr.h).
 ACL_XATTR = "system.posix_acl_access"
+_ACL_VERSION = 2
+_ACL_USER_OBJ, _ACL_USER, _ACL_GROUP_OBJ, _ACL_GROUP, _ACL_MASK, _ACL_OTHER = (
+    0x01,
+    0x02,
+    0x04,
+    0x08,
+    0x10,
+    0x20,
+)
+_ACL_WRITE = 0x02
+#: the id of the entries that name none (the owner, the owning group, the mask, others)
+_ACL_NO_ID = 0xFFFFFFFF
+
+
+def acl_writers(raw: bytes) -> tuple[set[int], set[int]]:
+    """Pure: the uids and gids that a POSIX access ACL (the xattr's bytes) names with write permission,
+    when its mask lets write through."""
+    users: set[int] = set()
+    groups: set[int] = set()
+    mask_writes = True
+    for offset in range(4, len(raw) - 7, 8):
+        tag = int.from_bytes(raw[offset : offset + 2], "little")
+        perm = int.from_bytes(raw[offset + 2 : offset + 4], "little")
+        ident = int.from_bytes(raw[offset + 4 : offset + 8], "little")
+        if tag == _ACL_MASK:
+            mask_writes = bool(perm & _ACL_WRITE)
+        elif tag == _ACL_USER and perm & _ACL_WRITE:
+            users.add(ident)
+        elif tag == _ACL_GROUP and perm & _ACL_WRITE:
+            groups.add(ident)
+    return (users, groups) if mask_writes else (set(), set())
+
+
+def reader_acl(uid: int) -> bytes:
+    """Pure: a POSIX access ACL (the xattr's bytes) for a file its owner may read and write, ``uid`` may
+    read, and nobody else may touch: ``u::rw-,u:UID:r--,g::---,m::r--,o::---``."""
+    entries = [
+        (_ACL_USER_OBJ, 6, _ACL_NO_ID),
+        (_ACL_USER, 4, uid),
+        (_ACL_GROUP_OBJ, 0, _ACL_NO_ID),
+        (_ACL_MASK, 4, _ACL_NO_ID),
+        (_ACL_OTHER, 0, _ACL_NO_ID),
+    ]
+    return _ACL_VERSION.to_bytes(4, "little") + b"".join(
+        tag.to_bytes(2, "little") + perm.to_bytes(2, "little") + ident.to_bytes(4, "little")
+        for tag, perm, ident in entries
+    )
 
 
 def _copy_fd(source: int, dest: int) -> Copied:

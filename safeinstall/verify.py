@@ -324,10 +324,11 @@ def verify_environment(
     # Named ones are read first, the others (whose files only say what is "extra") while the large
     # files hash; read as every distribution is, or everything is done again in the usual order.
     early = find_named(env, names) if installed is None and names is not None else None
-    found = [] if early is not None else list(installed) if installed is not None else find_distributions(env)
+    found: list[InstalledDistribution] = []
     if early is not None:
         selected = early
     else:
+        found = list(installed) if installed is not None else find_distributions(env)
         selected = found if names is None else [find_distribution(env, name, found) for name in names]
     if wheel is not None and (len(selected) != 1 or selected[0].name != wheel.name):
         raise WheelError(

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from safeinstall.environment import Account
 from safeinstall.errors import WheelError
-from safeinstall.safefs import Tree, open_regular
+from safeinstall.safefs import Tree, open_regular, reader_acl
 
 WHEELS_DIR = "wheels"
 COPY_DIR_MODE = 0o711
@@ -31,22 +31,6 @@ COPY_DIR_MODE = 0o711
 #: account's group without ACLs); else 0600.
 READER_MODE = 0o640
 PRIVATE_MODE = 0o600
-
-_ACL_VERSION = 2
-#: (tag, permissions) of the entries that name no id (linux/posix_acl_xattr.h); ids are 32-bit
-_USER_OBJ, _USER, _GROUP_OBJ, _MASK, _OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
-_NO_ID = 0xFFFFFFFF
-
-
-def reader_acl(uid: int) -> bytes:
-    """Pure: a POSIX access ACL (the xattr's bytes) for a file its owner may read and write, ``uid`` may
-    read, and nobody else may touch: ``u::rw-,u:UID:r--,g::---,m::r--,o::---``."""
-    entries = [(_USER_OBJ, 6, _NO_ID), (_USER, 4, uid), (_GROUP_OBJ, 0, _NO_ID), (_MASK, 4, _NO_ID)]
-    entries.append((_OTHER, 0, _NO_ID))
-    return _ACL_VERSION.to_bytes(4, "little") + b"".join(
-        tag.to_bytes(2, "little") + perm.to_bytes(2, "little") + ident.to_bytes(4, "little")
-        for tag, perm, ident in entries
-    )
 
 
 def copy_access(

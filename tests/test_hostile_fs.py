@@ -118,6 +118,14 @@ def as_user(uid: int, *argv: str) -> None:
     )
 
 
+def shared_interpreter() -> str:
+    """An interpreter of this Python version that uid 65534 may run; the test is skipped without one."""
+    shared = wheelhouse.shared_interpreter()
+    if shared is None:
+        pytest.skip("no interpreter of this Python version that uid 65534 may run")
+    return shared
+
+
 def as_nobody(*argv: str) -> None:
     as_user(NOBODY, *argv)
 
@@ -128,9 +136,7 @@ class ServiceAccountBed(Bed):
     reach the run's uv cache there."""
 
     def __init__(self, base: Path, state: Path, manager: UserManager, nvml: FakeNvml, wheels: Wheelhouse):
-        shared = wheelhouse.shared_interpreter()
-        if shared is None:
-            pytest.skip("no interpreter of this Python version that uid 65534 may run")
+        shared = shared_interpreter()
         python = wheelhouse.make_venv(base / "venv", shared)
         wheelhouse.uv_install(python, wheels["sicext-1"])
         chown_tree(base / "venv", NOBODY)
@@ -989,8 +995,9 @@ def test_without_acls_the_copy_of_the_wheel_is_the_accounts_group_and_whole(
 def test_the_acl_of_a_copy_of_the_wheel_names_only_the_account() -> None:
     """Pure: ``u::rw-,u:UID:r--,g::---,m::r--,o::---`` as the kernel's xattr bytes (read back by
     ``acl_writers``, which finds no writer in it); without ACLs the account's group reads it."""
-    from safeinstall.environment import Account, acl_writers
-    from safeinstall.wheelcopy import copy_access, reader_acl
+    from safeinstall.environment import Account
+    from safeinstall.safefs import acl_writers, reader_acl
+    from safeinstall.wheelcopy import copy_access
 
     raw = reader_acl(NOBODY)
     assert raw.hex() == (
@@ -1017,9 +1024,7 @@ def test_an_installed_distributions_metadata_is_never_read_through_a_fifo_a_syml
     owner may read is followed: uv's `--link-mode symlink` links metadata into its cache.)"""
     if not AS_ROOT:
         pytest.skip("the attack is on a run as root")
-    shared = wheelhouse.shared_interpreter()
-    if shared is None:
-        pytest.skip("no interpreter of this Python version that uid 65534 may run")
+    shared = shared_interpreter()
     venv = wheelhouse.make_venv(open_dir / "venv", shared)
     wheelhouse.uv_install(venv, wheels["sipure-1"])
     site = wheelhouse.site_packages(venv)
@@ -1057,9 +1062,7 @@ def test_a_directory_above_the_prefix_swapped_for_a_symlink_leads_nowhere(
     symlink): nothing is written into the other environment."""
     if not AS_ROOT:
         pytest.skip("the attack is on a run as root")
-    shared = wheelhouse.shared_interpreter()
-    if shared is None:
-        pytest.skip("no interpreter of this Python version that uid 65534 may run")
+    shared = shared_interpreter()
     home = open_dir / "home"
     (home / "envs").mkdir(parents=True)
     python = wheelhouse.make_venv(home / "envs" / "app", shared)
@@ -1090,9 +1093,7 @@ def test_a_directory_above_the_prefix_swapped_for_a_symlink_leads_nowhere(
 def _root_venv_with_pth(base: Path, wheels: Wheelhouse) -> tuple[Path, Path, Path]:
     """A venv made by root (interpreter, bin/, pyvenv.cfg root's) with sipure 1.0, and a .pth file that
     appends the uid it runs as to a file anyone may write; (python, site, uids file)."""
-    shared = wheelhouse.shared_interpreter()
-    if shared is None:
-        pytest.skip("no interpreter of this Python version that uid 65534 may run")
+    shared = shared_interpreter()
     python = wheelhouse.make_venv(base / "venv", shared)
     wheelhouse.uv_install(python, wheels["sipure-1"])
     site = wheelhouse.site_packages(python)
@@ -1181,9 +1182,7 @@ def test_whoever_controls_what_site_or_the_interpreter_runs_is_the_environments_
     to the interpreter. The account is the environment's: nothing of it runs as root."""
     if not AS_ROOT:
         pytest.skip("the attack is on a run as root")
-    shared = wheelhouse.shared_interpreter()
-    if shared is None:
-        pytest.skip("no interpreter of this Python version that uid 65534 may run")
+    shared = shared_interpreter()
     uids = open_dir / "uids"
     uids.touch()
     uids.chmod(0o666)
