@@ -15,7 +15,8 @@ Then the same pair inside one process (no interpreter start, no argument parsing
 ``verify_environment`` against distlib's ``check_installed_files()``, alternating, which shows what
 the command line's fixed costs take from the ratio; ``--workers 1,2,4`` repeats it for each number of
 threads (a scaling curve; the CPU time printed is all threads'). ``taskset -c 0 python bench/verify.py``
-measures one CPU.
+measures one CPU. ``--copy`` times reading the package's largest file from the page cache into a
+``bytearray`` against into :func:`safeinstall.hashing.read_buffer` (page-aligned), alternating.
 
 What the ratio against distlib depends on (printed with the result):
 
@@ -145,6 +146,29 @@ for workers in [int(w) or default_workers() for w in sys.argv[5].split(",")]:
 """
 
 
+COPY = """
+import os, statistics, sys, time
+from safeinstall.hashing import STREAM_CHUNK, read_buffer
+path, rounds = sys.argv[1], int(sys.argv[2])
+def read_into(buffer):
+    fd = os.open(path, os.O_RDONLY)
+    start = time.perf_counter()
+    while os.readv(fd, [buffer]):
+        pass
+    os.close(fd)
+    return time.perf_counter() - start
+heap, aligned = memoryview(bytearray(STREAM_CHUNK)), read_buffer()
+times = {"bytearray": [], "read_buffer": []}
+for round_ in range(rounds):
+    for name, buffer in (("bytearray", heap), ("read_buffer", aligned))[:: 1 if round_ % 2 == 0 else -1]:
+        times[name].append(read_into(buffer))
+a, b = statistics.median(times["bytearray"]), statistics.median(times["read_buffer"])
+size, chunk = os.path.getsize(path), STREAM_CHUNK >> 20
+print(f"  reading {os.path.basename(path)} ({size / 1e6:.0f} MB, page cache) in {chunk} MiB reads:")
+print(f"    into a bytearray {a:.3f} s, into read_buffer() {b:.3f} s: {a / b:.2f}x")
+"""
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -154,6 +178,11 @@ def main() -> int:
     parser.add_argument("--installer", choices=("uv", "pip"), default="uv")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--sha256sum", action="store_true")
+    parser.add_argument(
+        "--copy",
+        action="store_true",
+        help="also: the package's largest file read into a bytearray against hashing.read_buffer()",
+    )
     parser.add_argument(
         "--workers",
         default="0",
@@ -203,6 +232,9 @@ def main() -> int:
         print(f"safeinstall / parallel sha256sum = {ours / medians['sha256sum -P']:.2f}x  (goal <= 1.2x)")
     print(f"distlib / safeinstall            = {medians['distlib'] / ours:.2f}x  (pairs {pairs}; goal >= 2x)")
     os.unlink(file_list)
+    if args.copy:
+        largest = max((p for p in listing.stdout.decode().split("\0") if p), key=os.path.getsize)
+        subprocess.run([sys.executable, "-c", COPY, largest, str(args.rounds)], check=True)
     subprocess.run(
         [sys.executable, "-c", IN_PROCESS, str(python), site, args.package, str(args.rounds), args.workers],
         check=True,

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import PurePath
+from typing import NamedTuple
 
 from safeinstall.hashing import FileState
 
@@ -31,9 +32,9 @@ class FindingKind(StrEnum):
 WARNING_KINDS = frozenset({FindingKind.HARDLINKED, FindingKind.WHEEL_RECORD})
 
 
-@dataclass(frozen=True, slots=True)
-class Expectation:
-    """One file that should be installed, with what it should contain."""
+class Expectation(NamedTuple):
+    """One file that should be installed, with what it should contain (one per file verified: a
+    NamedTuple, as :class:`~safeinstall.hashing.FileState` is)."""
 
     location: str  # absolute, normalised
     algorithm: str | None  # None: unhashed (like RECORD itself): existence is all that is checked

@@ -25,12 +25,14 @@ RESULT_VERSION = 1
 
 
 def jsonable(value: Any) -> Any:
-    """Dataclasses, enums, paths, tuples and sets to plain JSON values; an infinite or NaN float (a
-    unit's ``TimeoutStopSec=infinity``) becomes null: JSON has no Infinity."""
+    """Dataclasses and NamedTuples (as objects), enums, paths, tuples and sets to plain JSON values; an
+    infinite or NaN float (a unit's ``TimeoutStopSec=infinity``) becomes null: JSON has no Infinity."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a NamedTuple: an object, as a dataclass
+        return {name: jsonable(getattr(value, name)) for name in value._fields}
     if isinstance(value, Enum):
         return value.value
     if isinstance(value, PurePath):

@@ -10,13 +10,17 @@ import binascii
 import csv
 import hashlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 #: Hash algorithms a RECORD may use; anything weaker (md5, sha1) is refused by the spec.
 ACCEPTED_ALGORITHMS = frozenset({"sha256", "sha384", "sha512", "sha3_256", "blake2b"})
 
 
-@dataclass(frozen=True, slots=True)
-class RecordHash:
+class RecordHash(NamedTuple):
+    """NamedTuples, not frozen dataclasses, for what there is one of per RECORD line (torch: 12k): a
+    frozen dataclass's ``__init__`` sets each field with ``object.__setattr__``, which made building
+    them most of a RECORD's parse time."""
+
     algorithm: str
     digest: str  # urlsafe base64, no padding, as written in RECORD
 
@@ -24,8 +28,7 @@ class RecordHash:
         return f"{self.algorithm}={self.digest}"
 
 
-@dataclass(frozen=True, slots=True)
-class RecordEntry:
+class RecordEntry(NamedTuple):
     path: str  # as written: relative to the directory holding the .dist-info, "/" separated
     hash: RecordHash | None
     size: int | None

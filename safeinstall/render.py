@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.markup import escape
 from rich.padding import Padding
-from rich.table import Table
 
 from safeinstall.drift import Finding, FindingKind
 from safeinstall.errors import SafeInstallError
@@ -21,6 +20,7 @@ from safeinstall.runlog import PROGRESS_EVERY_S, human_bytes, progress_text
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
+    from rich.table import Table
 
     from safeinstall.diffs import FileDiff
     from safeinstall.history import RunSummary
@@ -72,8 +72,15 @@ def render_error(console: Console, error: SafeInstallError) -> None:
     console.print(f"[dim]hint:[/] {literal(error.advice, lines=True)}", soft_wrap=True)
 
 
+def _table(**options: Any) -> Table:
+    """A rich table, imported when one is drawn: a clean verification draws none."""
+    from rich.table import Table
+
+    return Table(box=None, pad_edge=False, **options)
+
+
 def _findings_table(findings: list[Finding]) -> Table:
-    table = Table(box=None, pad_edge=False, show_edge=False)
+    table = _table(show_edge=False)
     table.add_column("KIND", no_wrap=True)
     table.add_column("DISTRIBUTION", no_wrap=True)
     table.add_column("PATH", overflow="fold")
@@ -146,7 +153,7 @@ def render_plan(out: Console, err: Console, plan: Plan) -> None:
         versions = f"{dist.old_version or '(not installed)'} -> {dist.new_version or '?'}"
         out.print(f"  {literal(dist.name)} {literal(versions)}{mark}")
     if plan.processes:
-        table = Table(title="processes using them", title_justify="left", box=None, pad_edge=False)
+        table = _table(title="processes using them", title_justify="left")
         for column in ("PID", "UNIT", "USER", "EVIDENCE", "GPU MEM", "COMMAND"):
             table.add_column(column, overflow="fold")
         for p in plan.processes:
@@ -170,7 +177,7 @@ def render_plan(out: Console, err: Console, plan: Plan) -> None:
     else:
         out.print("processes using them: none")
     if plan.units:
-        table = Table(title="units that would be stopped", title_justify="left", box=None, pad_edge=False)
+        table = _table(title="units that would be stopped", title_justify="left")
         for column in ("UNIT", "STATE", "ENABLED", "STOP TIMEOUT", "MAIN PID", "PIDS"):
             table.add_column(column)
         for u in plan.units:
@@ -185,7 +192,7 @@ def render_plan(out: Console, err: Console, plan: Plan) -> None:
             )
         out.print(table)
     if plan.gpus.available:
-        table = Table(title="GPUs", title_justify="left", box=None, pad_edge=False)
+        table = _table(title="GPUs", title_justify="left")
         for column in ("GPU", "NAME", "UUID", "USED", "TOTAL", "PROCESSES"):
             table.add_column(column)
         for gpu in plan.gpus.gpus:
@@ -405,7 +412,7 @@ def _when(iso: str | None) -> str:
 def _runs_table(runs: tuple[RunSummary, ...]) -> Table:
     """The finished runs, without their log files: a path is never folded across lines (it is printed
     whole, on a line of its own, by :func:`render_status`)."""
-    table = Table(box=None, pad_edge=False)
+    table = _table()
     for column in ("RUN", "STATUS", "EXIT", "PACKAGE", "VERSION", "STARTED", "FINISHED", "DOWNTIME"):
         table.add_column(column, overflow="fold", no_wrap=column in ("RUN", "STATUS"))
     for r in runs:

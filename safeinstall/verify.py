@@ -6,9 +6,11 @@ the judging to the pure functions of :mod:`safeinstall.drift`.
 
 from __future__ import annotations
 
+import gc
 import os
 import stat
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
@@ -304,6 +306,20 @@ def _listed_locations(installed: Sequence[InstalledDistribution]) -> frozenset[s
     return frozenset(location for d in installed for location in d.locations)
 
 
+@contextmanager
+def _cycle_collection_paused() -> Iterator[None]:
+    """Python's cycle collector stays off during a verification: it creates no cycles, but its objects
+    (torch: 12k RECORD entries, expectations, results) set off over a hundred collections that walk
+    every object (about 0.05 s of the calling thread, the one that also reads the small files)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def verify_environment(
     env: Environment,
     names: Sequence[str] | None,
@@ -321,6 +337,19 @@ def verify_environment(
     some files must hold (location -> expectation): the local patches a ``--keep-patches`` run carried
     over are checked against the merge, not the RECORD or the wheel.
     """
+    with _cycle_collection_paused():
+        return _verify(env, names, wheel, on_progress, workers, installed, expected)
+
+
+def _verify(
+    env: Environment,
+    names: Sequence[str] | None,
+    wheel: Wheel | None,
+    on_progress: ProgressCallback | None,
+    workers: int | None,
+    installed: Sequence[InstalledDistribution] | None,
+    expected: Mapping[str, Expectation] | None,
+) -> VerifyReport:
     # Named ones are read first, the others (whose files only say what is "extra") while the large
     # files hash; read as every distribution is, or everything is done again in the usual order.
     early = find_named(env, names) if installed is None and names is not None else None
@@ -348,17 +377,21 @@ def verify_environment(
         if on_progress is not None:
             on_progress(done, total)
 
-    def read_the_others() -> None:
-        found.extend(find_distributions(env, early or ()))
+    unlisted: dict[str, list[Finding]] = {}
 
-    states = observe_files(
-        wanted, workers=workers, on_progress=tick, meanwhile=None if early is None else read_the_others
-    )
+    def look_for_extras() -> None:  # on this thread, while the helpers hash the large files
+        if early is not None:
+            found.extend(find_distributions(env, early))
+        listed = _listed_locations(found)
+        roots = own_roots({d.name: d.locations for d in found}, [os.fspath(s) for s in env.site_dirs])
+        for plan in plans:
+            name = plan.dist.name
+            unlisted[name] = [f for root in roots.get(name, []) for f in extras(name, _walk(root), listed)]
+
+    states = observe_files(wanted, workers=workers, on_progress=tick, meanwhile=look_for_extras)
     if early is not None and any(find_distribution(env, d.name, found) is not d for d in early):
         # a directory named otherwise holds one of them, earlier in the scan: the usual order
-        return verify_environment(env, names, wheel, on_progress, workers, found, expected)
-    listed = _listed_locations(found)
-    roots = own_roots({d.name: d.locations for d in found}, [os.fspath(s) for s in env.site_dirs])
+        return _verify(env, names, wheel, on_progress, workers, found, expected)
     reports: list[DistributionReport] = []
     for plan in plans:
         findings = list(plan.findings)
@@ -372,8 +405,7 @@ def verify_environment(
             warning = hardlink_warning(plan.dist.name, state)
             if warning is not None:
                 findings.append(warning)
-        for root in roots.get(plan.dist.name, []):
-            findings.extend(extras(plan.dist.name, _walk(root), listed))
+        findings.extend(unlisted[plan.dist.name])
         reports.append(
             DistributionReport(
                 name=plan.dist.name,

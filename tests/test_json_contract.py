@@ -6,6 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from safeinstall.hashing import FileState
+from safeinstall.output import jsonable
+from safeinstall.records import RecordEntry, RecordHash
 from tests import wheelhouse
 from tests.clirun import run
 from tests.wheelhouse import Wheelhouse
@@ -81,3 +84,14 @@ def test_help_documents_exit_codes() -> None:
 def test_recover_unit_is_shipped() -> None:
     unit = (ROOT / "safeinstall" / "data" / "safeinstall-recover.service").read_text()
     assert "ExecStart=/usr/local/bin/safeinstall --recover" in unit and "Before=multi-user.target" in unit
+
+
+def test_named_tuples_are_objects_in_json_as_dataclasses_are() -> None:
+    """The per-file records are NamedTuples (cheaper to build than frozen dataclasses): in JSON they are
+    objects with their field names, as they were as dataclasses, not arrays."""
+    entry = RecordEntry("pkg/a.py", RecordHash("sha256", "abc"), 3)
+    state = FileState("/env/pkg/a.py", True, True, 3, "abc", "sha256")
+    doc = jsonable({"entry": entry, "states": [state]})
+    assert doc["entry"] == {"path": "pkg/a.py", "hash": {"algorithm": "sha256", "digest": "abc"}, "size": 3}
+    assert doc["states"][0]["path"] == "/env/pkg/a.py" and doc["states"][0]["digest"] == "abc"
+    assert jsonable(("a", 1)) == ["a", 1]  # a plain tuple is still an array

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -64,11 +65,12 @@ def spawn() -> Iterator[Spawn]:
     started: list[subprocess.Popen[bytes]] = []
 
     def start(
-        argv: list[str], cwd: Path | None = None, stdin: int = subprocess.DEVNULL
+        argv: list[str],
+        cwd: Path | None = None,
+        stdin: int = subprocess.DEVNULL,
+        stdout: int = subprocess.DEVNULL,
     ) -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen(
-            argv, cwd=cwd, stdin=stdin, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
+        proc = subprocess.Popen(argv, cwd=cwd, stdin=stdin, stdout=stdout, stderr=subprocess.DEVNULL)
         started.append(proc)
         return proc
 
@@ -115,6 +117,15 @@ def wait_mapped(proc: subprocess.Popen[bytes], needle: str = SO) -> None:
 
 def wait_imported(proc: subprocess.Popen[bytes]) -> None:
     wait_for("imports done", proc, functools.partial(holds_no_open, proc.pid, "/site-packages/"))
+
+
+def wait_serving(proc: subprocess.Popen[bytes]) -> None:
+    """Until a fixture's server (started with ``stdout=PIPE``) says it serves: its imports are over.
+    (No file of the package held open at one look is not enough: between two imports it holds none.)"""
+    stdout = proc.stdout
+    assert stdout is not None
+    wait_for("serving", proc, lambda: bool(select.select([stdout], [], [], 0.5)[0]))
+    assert b"serving" in stdout.readline()
 
 
 def wait_exec(proc: subprocess.Popen[bytes], needle: str) -> None:
@@ -204,8 +215,11 @@ def test_console_scripts_in_argv(sicext_venv: Path, spawn: Spawn) -> None:
     _, targets = env_and_targets(sicext_venv, "sicext", "sipure")
     bin_dir = sicext_venv.parent
     sicext_serve = spawn([str(bin_dir / "sicext-serve"), "--lazy"])
-    sipure_serve = spawn([str(bin_dir / "sipure"), "--serve"])
-    relative = spawn(["bin/sipure", "--serve"], cwd=bin_dir.parent)  # resolved through /proc/PID/cwd
+    sipure_serve = spawn([str(bin_dir / "sipure"), "--serve"], stdout=subprocess.PIPE)
+    # a relative path, resolved through /proc/PID/cwd
+    relative = spawn(["bin/sipure", "--serve"], cwd=bin_dir.parent, stdout=subprocess.PIPE)
+    for proc in (relative, sipure_serve):
+        wait_serving(proc)
     for proc in (sicext_serve, relative, sipure_serve):
         wait_exec(proc, "bin/si")
         # the kernel runs the shebang: argv becomes [venv python, script, ...]
