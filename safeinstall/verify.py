@@ -113,12 +113,18 @@ class _Containment:
         self._real_dirs: dict[str, bool] = {self.prefix: True}
 
     def outside(self, location: str) -> bool:
-        if not is_within(location, self.prefix):
-            return True
-        return not self._inside(location.rpartition("/")[0])  # its directory (normalised absolute)
+        directory = location.rpartition("/")[0]  # normalised absolute: its name has no ".."
+        inside = self._real_dirs.get(directory)  # known: within the prefix (nothing else is cached)
+        if inside is None:
+            if not is_within(location, self.prefix):
+                return True
+            inside = self._inside(directory)
+        return not inside
 
     def _inside(self, directory: str) -> bool:
         inside = self._real_dirs.get(directory)
+        if inside is None and not is_within(directory, self.prefix):
+            return False  # above the prefix (a RECORD path naming the prefix itself): never climbed to "/"
         if inside is None:
             try:
                 is_link = stat.S_ISLNK(os.lstat(directory).st_mode)

@@ -127,6 +127,19 @@ def test_package_directory_symlinked_out_of_the_prefix_is_outside_and_never_read
     assert f"sipure/{victim.name}" in {f["path"] for f in findings}
 
 
+@pytest.mark.parametrize("line", ["../../..", "../../../..", "../../../../.."])
+def test_a_record_path_naming_the_prefix_or_above_is_outside(env: Path, line: str) -> None:
+    """A RECORD line that resolves to the environment's own directory (or one above it) is reported as
+    outside; the containment check climbed from its directory to "/" and never stopped (an internal
+    error, exit 2, instead of a report)."""
+    record = next(site(env).glob("sipure-*.dist-info")) / "RECORD"
+    with record.open("a") as handle:
+        handle.write(f"{line},sha256=AAAA,1\n")
+    result = run("sipure", "--verify-only", "--python", str(env), "--json", timeout=60)
+    assert result.code == 1, result.stderr
+    assert [(f["kind"], f["path"]) for f in result.json["data"]["findings"]] == [("outside", line)]
+
+
 def test_package_directory_symlinked_within_the_prefix_is_checked(env: Path) -> None:
     prefix = env.parent.parent
     package = site(env) / "sipure"
