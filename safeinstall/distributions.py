@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import configparser
 import difflib
+import importlib.metadata
 import os
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -62,20 +62,28 @@ def _read_text(path: Path, reader: tuple[int, int] | None, limit: int = METADATA
         return None
 
 
+class _EntryPointsText(importlib.metadata.Distribution):
+    """``entry_points.txt`` as text safeinstall read itself, for importlib.metadata's own parser of it
+    (configparser's parser refers to itself: a cycle, left for the collector, for each distribution)."""
+
+    def __init__(self, text: str) -> None:
+        self._text = text
+
+    def read_text(self, filename: str) -> str | None:
+        return self._text if filename == "entry_points.txt" else None
+
+    def locate_file(self, path: str | os.PathLike[str]) -> Path:
+        raise FileNotFoundError(path)  # nothing is read from disk through it
+
+
 def parse_console_scripts(entry_points: str | None) -> tuple[str, ...]:
     if not entry_points:
         return ()
-    parser = configparser.ConfigParser(delimiters=("=",), interpolation=None)
-    parser.optionxform = str  # type: ignore[assignment,method-assign]
     try:
-        parser.read_string(entry_points)
-    except configparser.Error:
+        found = _EntryPointsText(entry_points).entry_points
+    except (ValueError, TypeError):  # a line that is not "name = value"
         return ()
-    names: list[str] = []
-    for section in ("console_scripts", "gui_scripts"):
-        if parser.has_section(section):
-            names.extend(parser.options(section))
-    return tuple(sorted(names))
+    return tuple(sorted({e.name for e in found if e.group in ("console_scripts", "gui_scripts")}))
 
 
 def metadata_headers(text: str, wanted: tuple[str, ...]) -> dict[str, str]:

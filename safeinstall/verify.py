@@ -6,11 +6,9 @@ the judging to the pure functions of :mod:`safeinstall.drift`.
 
 from __future__ import annotations
 
-import gc
 import os
 import stat
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
@@ -34,7 +32,7 @@ from safeinstall.drift import (
 )
 from safeinstall.environment import Environment
 from safeinstall.errors import ExitCode, WheelError
-from safeinstall.hashing import FileState, observe_files
+from safeinstall.hashing import FileState, cycle_collection_paused, observe_files
 from safeinstall.records import digest_bytes
 
 if TYPE_CHECKING:  # the wheel module (zipfile, packaging.tags) is loaded only when a wheel is given
@@ -312,20 +310,6 @@ def _listed_locations(installed: Sequence[InstalledDistribution]) -> frozenset[s
     return frozenset(location for d in installed for location in d.locations)
 
 
-@contextmanager
-def _cycle_collection_paused() -> Iterator[None]:
-    """Python's cycle collector stays off during a verification: it creates no cycles, but its objects
-    (torch: 12k RECORD entries, expectations, results) set off over a hundred collections that walk
-    every object (about 0.05 s of the calling thread, the one that also reads the small files)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 def verify_environment(
     env: Environment,
     names: Sequence[str] | None,
@@ -343,8 +327,7 @@ def verify_environment(
     some files must hold (location -> expectation): the local patches a ``--keep-patches`` run carried
     over are checked against the merge, not the RECORD or the wheel.
     """
-    with _cycle_collection_paused():
-        return _verify(env, names, wheel, on_progress, workers, installed, expected)
+    return _verify(env, names, wheel, on_progress, workers, installed, expected)
 
 
 def _verify(
@@ -357,8 +340,12 @@ def _verify(
     expected: Mapping[str, Expectation] | None,
 ) -> VerifyReport:
     # Named ones are read first, the others (whose files only say what is "extra") while the large
-    # files hash; read as every distribution is, or everything is done again in the usual order.
-    early = find_named(env, names) if installed is None and names is not None else None
+    # files hash; read as every distribution is, or everything is done again in the usual order. The
+    # named ones and the plans (torch: 12k RECORD entries, 12k expectations) are built with the cycle
+    # collector paused: reading a distribution makes no cycles (a test checks), or the environment's
+    # owner could keep root's memory growing with as many as it likes.
+    with cycle_collection_paused():
+        early = find_named(env, names) if installed is None and names is not None else None
     found: list[InstalledDistribution] = []
     if early is not None:
         selected = early
@@ -371,11 +358,13 @@ def _verify(
             f"{', '.join(d.name for d in selected) or 'nothing'}",
             hint="pass the wheel of the package being verified",
         )
-    plans = [_plan(dist, env, wheel) for dist in selected]
-    if expected:
-        plans = [
-            replace(p, expectations=tuple(expected.get(e.location, e) for e in p.expectations)) for p in plans
-        ]
+    with cycle_collection_paused():
+        plans = [_plan(dist, env, wheel) for dist in selected]
+        if expected:
+            plans = [
+                replace(p, expectations=tuple(expected.get(e.location, e) for e in p.expectations))
+                for p in plans
+            ]
     wanted = [e for p in plans for e in p.expectations]
     total = len(wanted)
 

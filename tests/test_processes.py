@@ -82,8 +82,9 @@ def spawn() -> Iterator[Spawn]:
                 os.kill(proc.pid, signal.SIGKILL)
         for proc in started:
             proc.wait(timeout=30)
-            if proc.stdin:
-                proc.stdin.close()
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe:
+                    pipe.close()
 
 
 def wait_for(
