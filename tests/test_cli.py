@@ -311,3 +311,15 @@ def test_a_wrapper_script_as_python_is_refused_with_the_interpreter_it_runs(
     executable = os.path.realpath(venv)
     assert "(a pyenv shim) name the interpreter it runs (it said" in result.stderr
     assert any(part in result.stderr for part in (str(venv), executable)), result.stderr
+
+
+def test_the_options_annotations_are_objects_not_strings() -> None:
+    """typer evaluates each option's annotation given as a string at every start (0.015 s of every
+    command, before the command does anything): cli.py is written without postponed annotations."""
+    import inspect
+
+    from safeinstall import cli
+
+    annotations = inspect.get_annotations(cli.main_command)
+    assert len(annotations) > 20
+    assert not [name for name, annotation in annotations.items() if isinstance(annotation, str)]
