@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import difflib
-import importlib.metadata
+import io
 import os
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -45,9 +45,11 @@ def entry_location(site: Path | str, entry: RecordEntry) -> str:
     return os.path.normpath(os.path.join(site, path))
 
 
-#: The most of an installed METADATA, INSTALLER or entry_points.txt that is read (a wheel's are
-#: refused beyond the same), and of a RECORD (torch's is 2 MB)
+#: The most of an installed METADATA or INSTALLER that is read (a wheel's are refused beyond the same),
+#: of an installed entry_points.txt (the largest on PyPI are tens of KiB; read for each distribution,
+#: and how many there are is the environment owner's choice), and of a RECORD (torch's is 2 MB)
 METADATA_LIMIT = 16 << 20
+ENTRY_POINTS_LIMIT = 1 << 20
 RECORD_LIMIT = 64 << 20
 
 
@@ -62,28 +64,37 @@ def _read_text(path: Path, reader: tuple[int, int] | None, limit: int = METADATA
         return None
 
 
-class _EntryPointsText(importlib.metadata.Distribution):
-    """``entry_points.txt`` as text safeinstall read itself, for importlib.metadata's own parser of it
-    (configparser's parser refers to itself: a cycle, left for the collector, for each distribution)."""
-
-    def __init__(self, text: str) -> None:
-        self._text = text
-
-    def read_text(self, filename: str) -> str | None:
-        return self._text if filename == "entry_points.txt" else None
-
-    def locate_file(self, path: str | os.PathLike[str]) -> Path:
-        raise FileNotFoundError(path)  # nothing is read from disk through it
+_SCRIPT_SECTIONS = frozenset({"console_scripts", "gui_scripts"})
 
 
 def parse_console_scripts(entry_points: str | None) -> tuple[str, ...]:
+    """Pure: the names in the ``[console_scripts]`` and ``[gui_scripts]`` sections of an
+    ``entry_points.txt``, read as configparser reads it (lines split at "\\n" only; ``#`` and ``;``
+    comment lines; an indented line continues the value above it; the name ends at the first "=").
+
+    Not configparser or importlib.metadata themselves: the file is the environment owner's, and on a
+    hostile one configparser's option regex is quadratic (64 KiB of one line: 31 s), importlib.metadata
+    builds an object for every line of every section (16 MiB: 60 s and 2.2 GB), and configparser's
+    objects are reference cycles. This keeps nothing but the names, one line at a time."""
     if not entry_points:
         return ()
-    try:
-        found = _EntryPointsText(entry_points).entry_points
-    except (ValueError, TypeError):  # a line that is not "name = value"
-        return ()
-    return tuple(sorted({e.name for e in found if e.group in ("console_scripts", "gui_scripts")}))
+    names: set[str] = set()
+    section: str | None = None
+    for raw in io.StringIO(entry_points, newline="\n"):
+        line = raw.strip()
+        if not line or line[0] in "#;":
+            continue
+        if raw[0] in " \t" and section is not None:
+            continue  # a continuation of the previous value
+        if line[0] == "[":
+            end = line.rfind("]")
+            section = line[1:end] if end > 1 else None
+            continue
+        if section in _SCRIPT_SECTIONS:
+            name, equals, _value = line.partition("=")
+            if equals and name.strip():
+                names.add(name.strip())
+    return tuple(sorted(names))
 
 
 def metadata_headers(text: str, wanted: tuple[str, ...]) -> dict[str, str]:
@@ -139,7 +150,9 @@ def load_distribution(dist_info: Path, reader: tuple[int, int] | None = None) ->
         site=site,
         dist_info=dist_info,
         record=record,
-        console_scripts=parse_console_scripts(_read_text(dist_info / "entry_points.txt", reader)),
+        console_scripts=parse_console_scripts(
+            _read_text(dist_info / "entry_points.txt", reader, ENTRY_POINTS_LIMIT)
+        ),
         installer=installer.strip() if installer else None,
         locations=tuple(entry_location(site_text, entry) for entry in record.entries),
         requires=metadata_values(metadata, "Requires-Dist"),

@@ -243,25 +243,28 @@ class _Directory:
     """One directory of requested files, shared by the tasks of its chunks: opened and listed once, by
     the first task that needs it, and closed by the last one done with it."""
 
-    __slots__ = ("_fd", "_list", "_lock", "_opened", "_regular", "_users", "path")
+    __slots__ = ("_fd", "_list", "_lock", "_opened", "_problem", "_regular", "_users", "path", "within")
 
-    def __init__(self, path: str, users: int, list_it: bool) -> None:
+    def __init__(self, path: str, users: int, list_it: bool, within: str | None) -> None:
         self.path = path
+        self.within = within
         self._list = list_it  # a listing costs about 1 us an entry: worth it for several files
         self._lock = threading.Lock()
         self._users = users
         self._fd: int | None = None
         self._regular: frozenset[str] | None = None
+        self._problem: str | None = None
         self._opened = False
 
-    def enter(self) -> tuple[int | None, frozenset[str] | None]:
+    def enter(self) -> tuple[int | None, frozenset[str] | None, str | None]:
         """The directory's descriptor (``None``: it could not be opened, its files are opened by their
-        paths, after an ``lstat`` each) and the names of its regular files (``None``: not listed)."""
+        paths, after an ``lstat`` each), the names of its regular files (``None``: not listed), and
+        why none of its files may be opened at all (``MISSING``, or what was wrong), or ``None``."""
         with self._lock:
             if not self._opened:
                 self._opened = True
-                self._fd, self._regular = _open_directory(self.path, self._list)
-            return self._fd, self._regular
+                self._fd, self._regular, self._problem = _open_directory(self.path, self._list, self.within)
+            return self._fd, self._regular, self._problem
 
     def leave(self) -> None:
         with self._lock:
@@ -280,7 +283,21 @@ class _Directory:
             self._fd = None
 
 
-def _open_directory(path: str, list_it: bool) -> tuple[int | None, frozenset[str] | None]:
+#: A directory's problem: it is not there (nor are its files).
+MISSING = "missing"
+
+
+def _open_directory(
+    path: str, list_it: bool, within: str | None
+) -> tuple[int | None, frozenset[str] | None, str | None]:
+    """Opens (and lists) ``path`` as it leads, following a symlink on the way, as the caller's
+    containment check resolved it. With ``within``, what was opened must be below that real
+    directory: its owner may have swapped a directory for a symlink to one outside since the check
+    (root would read a root-only file and report its hash and size); and a directory that cannot be
+    opened gets no file opened by its path (a symlink could be swapped in on the way meanwhile)."""
+    fd: int | None = None
+    regular: frozenset[str] | None = None
+    failure: OSError | None = None
     if list_it:
         try:
             fd = os.open(path, _DIR_FLAGS)
@@ -289,13 +306,35 @@ def _open_directory(path: str, list_it: bool) -> tuple[int | None, frozenset[str
         else:
             try:
                 with os.scandir(fd) as entries:
-                    return fd, frozenset(e.name for e in entries if e.is_file(follow_symlinks=False))
+                    regular = frozenset(e.name for e in entries if e.is_file(follow_symlinks=False))
             except OSError:
-                return fd, None
+                regular = None
+    if fd is None:
+        try:
+            fd = os.open(path, _DIR_SEARCH_FLAGS)
+        except OSError as exc:
+            failure = exc
+    if within is None:
+        return fd, regular, None
+    if fd is None:
+        return None, None, MISSING if isinstance(failure, FileNotFoundError) else _reason(failure)
+    real = _opened_path(fd)
+    if real is None or not (real == within or real.startswith(within.rstrip("/") + "/")):
+        os.close(fd)
+        return None, None, f"its directory now resolves to {real or 'an unknown place'}, outside {within}"
+    return fd, regular, None
+
+
+def _reason(failure: OSError | None) -> str:
+    return "unknown" if failure is None else failure.strerror or str(failure)
+
+
+def _opened_path(fd: int) -> str | None:
+    """Where the directory open as ``fd`` is, as the kernel knows it (None: not known)."""
     try:
-        return os.open(path, _DIR_SEARCH_FLAGS), None
+        return os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
-        return None, None
+        return None
 
 
 #: (path, name in its directory, algorithm, expected size)
@@ -311,8 +350,13 @@ class _Task:
 
     def run(self, buffer: memoryview) -> list[FileState]:
         directory = self.directory
-        dir_fd, regular = (None, None) if directory is None else directory.enter()
+        dir_fd, regular, problem = (None, None, None) if directory is None else directory.enter()
         try:
+            if problem is not None:  # none of its files is opened
+                return [
+                    FileState(path, False) if problem == MISSING else FileState(path, True, error=problem)
+                    for path, _name, _algorithm, _size in self.files
+                ]
             return [
                 _observe(path, path if dir_fd is None else name, dir_fd, algorithm, regular, buffer)
                 for path, name, algorithm, _size in self.files
@@ -327,7 +371,7 @@ class _Task:
 _LIST_FROM = 4
 
 
-def plan_tasks(wanted: Sequence[Wanted]) -> list[_Task]:
+def plan_tasks(wanted: Sequence[Wanted], within: str | None = None) -> list[_Task]:
     """The work, costliest first (by expected size): each file of ``BIG_FILE`` bytes or more a task of
     its own, the others in chunks of at most ``CHUNK_FILES`` files of one directory."""
     by_directory: dict[str | None, tuple[list[_File], list[_File]]] = {}
@@ -343,7 +387,8 @@ def plan_tasks(wanted: Sequence[Wanted]) -> list[_Task]:
     tasks: list[_Task] = []
     for key, (small, big) in by_directory.items():
         chunks = [small[i : i + CHUNK_FILES] for i in range(0, len(small), CHUNK_FILES)]
-        shared = None if key is None else _Directory(key, len(big) + len(chunks), len(small) >= _LIST_FROM)
+        users = len(big) + len(chunks)
+        shared = None if key is None else _Directory(key, users, len(small) >= _LIST_FROM, within)
         for file in big:
             tasks.append(_Task(shared, (file,), file[3] + _PER_FILE_COST, True))
         for chunk in chunks:
@@ -358,6 +403,7 @@ def observe_files(
     workers: int | None = None,
     on_progress: Callable[[int], None] | None = None,
     meanwhile: Callable[[], object] | None = None,
+    within: str | None = None,
 ) -> dict[str, FileState]:
     """Stat (and hash, where an algorithm is given) every wanted file; results keyed by location.
 
@@ -366,9 +412,11 @@ def observe_files(
     helps with what large ones are left. ``on_progress`` gets the number of files done so far, after
     each task, on the thread that did it (one at a time). ``meanwhile``: other work for this thread,
     done once the helpers have started on the large files and before the small ones (a verification
-    reads the other distributions' RECORDs there while torch's 434 MB library hashes).
+    reads the other distributions' RECORDs there while torch's 434 MB library hashes). ``within``: a
+    real directory every file must be in, checked as each directory is opened (see
+    :func:`_open_directory`); a file of one that is not is reported with the reason, never opened.
     """
-    tasks = plan_tasks(wanted)
+    tasks = plan_tasks(wanted, within)
     large: Iterator[_Task] = iter([task for task in tasks if task.large])
     small: Iterator[_Task] = iter([task for task in tasks if not task.large])
     results: dict[str, FileState] = {}

@@ -120,10 +120,15 @@ class _Containment:
         return not inside
 
     def _inside(self, directory: str) -> bool:
+        """Climbs (a loop: a RECORD path may be thousands of directories deep) to a directory known,
+        a symlink (resolved) or the prefix's parent; every directory on the way gets the answer."""
+        climbed: list[str] = []
         inside = self._real_dirs.get(directory)
-        if inside is None and not is_within(directory, self.prefix):
-            return False  # above the prefix (a RECORD path naming the prefix itself): never climbed to "/"
-        if inside is None:
+        while inside is None:
+            if not is_within(directory, self.prefix):
+                inside = False  # above the prefix (a RECORD path naming the prefix itself)
+                break
+            climbed.append(directory)
             try:
                 is_link = stat.S_ISLNK(os.lstat(directory).st_mode)
             except OSError:
@@ -131,8 +136,10 @@ class _Containment:
             if is_link:
                 inside = is_within(os.path.realpath(directory), self.prefix)
             else:
-                inside = self._inside(os.path.dirname(directory))
-            self._real_dirs[directory] = inside
+                directory = os.path.dirname(directory)
+                inside = self._real_dirs.get(directory)
+        for each in climbed:
+            self._real_dirs[each] = inside
         return inside
 
 
@@ -383,7 +390,9 @@ def _verify(
             name = plan.dist.name
             unlisted[name] = [f for root in roots.get(name, []) for f in extras(name, _walk(root), listed)]
 
-    states = observe_files(wanted, workers=workers, on_progress=tick, meanwhile=look_for_extras)
+    states = observe_files(
+        wanted, workers=workers, on_progress=tick, meanwhile=look_for_extras, within=os.fspath(env.prefix)
+    )
     if early is not None and any(find_distribution(env, d.name, found) is not d for d in early):
         # a directory named otherwise holds one of them, earlier in the scan: the usual order
         return _verify(env, names, wheel, on_progress, workers, found, expected)

@@ -1284,3 +1284,49 @@ def test_a_failed_copy_of_the_wheel_says_what_to_do_for_its_cause(code: int, adv
     from safeinstall.wheelcopy import _copy_hint
 
     assert advice in _copy_hint(OSError(code, os.strerror(code)), Path("/var/lib/safeinstall/env"))
+
+
+@pytest.mark.parametrize(
+    ("text", "names"),
+    [
+        (
+            "[console_scripts]\ntorchrun = torch.distributed.run:main\n[torchrun.logs_specs]\nx = a:b\n",
+            ["torchrun"],
+        ),
+        ("; c\n# d\n[console_scripts] # c\nfoo = a:b\n  continued = no\nbar=c:d\n", ["bar", "foo"]),
+        ("[gui_scripts]\ng = a:b\n[console_scripts]\r\nc = a:b\r\n", ["c", "g"]),
+        (
+            "[console_scripts]\nfoo = a:b\x1cevil = c:d\nname with space = q\n = nameless\nnovalue\n",
+            ["foo", "name with space"],
+        ),
+        ("[console_scripts]\na = x:y\na = z:w\n", ["a"]),
+    ],
+)
+def test_console_scripts_are_read_as_configparser_reads_them(text: str, names: list[str]) -> None:
+    """The names of ``[console_scripts]`` and ``[gui_scripts]``: lines split at "\\n" only (not at the
+    other characters str.splitlines splits at), comment lines, indented continuation lines skipped."""
+    from safeinstall.distributions import parse_console_scripts
+
+    assert list(parse_console_scripts(text)) == names
+
+
+def test_a_huge_or_hostile_entry_points_file_costs_little(venv: Path, wheels: Wheelhouse) -> None:
+    """The owner's entry_points.txt: beyond 1 MiB it is not read (no scripts, as for a missing one);
+    within it, lines of one "=" each (importlib.metadata built an object for each: 16 MiB took 60 s and
+    2.2 GB) leave nothing behind but the scripts' names."""
+    from safeinstall.distributions import ENTRY_POINTS_LIMIT, find_distribution, find_distributions
+    from safeinstall.environment import inspect_environment
+
+    wheelhouse.uv_install(venv, wheels["sipure-1"])
+    info = next(wheelhouse.site_packages(venv).glob("sipure-*.dist-info"))
+    entry_points = info / "entry_points.txt"
+    real = entry_points.read_text()
+    env = inspect_environment(venv)
+    assert find_distribution(env, "sipure", find_distributions(env)).console_scripts == ("sipure",)
+    filler = "[x]\n" + "=\n" * ((ENTRY_POINTS_LIMIT - len(real) - 8) // 2)
+    entry_points.write_text(filler + real)
+    assert len(entry_points.read_bytes()) <= ENTRY_POINTS_LIMIT
+    assert find_distribution(env, "sipure", find_distributions(env)).console_scripts == ("sipure",)
+    entry_points.write_text(filler + "=" * 64 + "\n" + real)
+    assert len(entry_points.read_bytes()) > ENTRY_POINTS_LIMIT
+    assert find_distribution(env, "sipure", find_distributions(env)).console_scripts == ()

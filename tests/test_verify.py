@@ -140,6 +140,18 @@ def test_a_record_path_naming_the_prefix_or_above_is_outside(env: Path, line: st
     assert [(f["kind"], f["path"]) for f in result.json["data"]["findings"]] == [("outside", line)]
 
 
+def test_a_record_path_thousands_of_directories_deep_is_checked(env: Path) -> None:
+    """The containment check climbed one call per directory: a RECORD line 1,200 directories deep was
+    an internal error (RecursionError) instead of a report."""
+    deep = "sipure/" + "x/" * 1200 + "f.py"
+    _append_record(env, "sipure-1.0.dist-info", f"{deep},sha256=AAAA,4")
+    result = run("sipure", "--verify-only", "--python", str(env), "--json", timeout=60)
+    assert result.code == 1, result.stderr
+    assert [(f["kind"], f["path"].endswith("/x/f.py")) for f in result.json["data"]["findings"]] == [
+        ("missing", True)
+    ]
+
+
 def test_package_directory_symlinked_within_the_prefix_is_checked(env: Path) -> None:
     prefix = env.parent.parent
     package = site(env) / "sipure"

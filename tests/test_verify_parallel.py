@@ -17,6 +17,7 @@ import mmap
 import os
 import random
 import re
+import shutil
 import sys
 import threading
 import time
@@ -236,6 +237,39 @@ def test_the_named_distribution_is_read_first_and_the_others_while_large_files_h
     assert named_first.findings == beforehand.findings and named_first.observed == beforehand.observed
     assert read[0].startswith("sibulk-") and len(read) == len(set(read)) > 1
     assert hashing_meanwhile == [True, True]  # sicext and sipure read while big1.bin hashes
+
+
+def test_a_directory_swapped_for_a_symlink_after_the_check_is_not_read(
+    bulky: tuple[Path, Path], wheels: Wheelhouse, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The owner swaps a package directory for a symlink to a root-only directory between the
+    containment check (when the plan is made) and the reading of its small files (after the other
+    RECORDs are read, which the owner can make slow): its files are reported, never read there."""
+    python, package = bulky
+    wheelhouse.uv_install(python, wheels["sipure-1"])
+    env = inspect_environment(python)
+    secret_dir = tmp_path / "root-only" / "d3"
+    secret_dir.mkdir(parents=True)
+    secret = b"root's secret\n"
+    for name in os.listdir(package / "d3"):
+        (secret_dir / name).write_bytes(secret)
+    real = distributions.load_distribution
+
+    def swapping(dist_info: Path, reader: tuple[int, int] | None = None) -> InstalledDistribution | None:
+        # while the others are read: after sibulk's plan, before d3's files are read
+        if not dist_info.name.startswith("sibulk") and not (package / "d3").is_symlink():
+            shutil.rmtree(package / "d3")
+            (package / "d3").symlink_to(secret_dir, target_is_directory=True)
+        return real(dist_info, reader)
+
+    monkeypatch.setattr(distributions, "load_distribution", swapping)
+    report = verify_environment(env, ["sibulk"], workers=1)
+    secret_digest = encode_digest(hashlib.sha256(secret).digest())
+    assert (package / "d3").is_symlink()
+    assert not [s for s in report.observed.values() if s.digest == secret_digest]
+    d3 = [f for f in report.findings if "/d3/" in f.path]
+    assert len(d3) == 10 and {f.kind.value for f in d3} == {"unreadable"}
+    assert all(f"resolves to {secret_dir}" in f.detail for f in d3)
 
 
 def test_a_distribution_found_under_another_directory_name_is_verified_as_a_full_scan_finds_it(
