@@ -166,11 +166,6 @@ class _Item:
 # --- pure helpers -----------------------------------------------------------------------------------
 
 
-def is_within(path: Path, root: Path) -> bool:
-    """Pure: ``path`` is ``root`` or below it (lexically)."""
-    return path == root or root in path.parents
-
-
 def relative_to_prefix(location: Path | str, prefix: Path | str) -> str | None:
     """Pure: ``location`` (normalised lexically) relative to ``prefix``, or None when outside it."""
     normal = os.path.normpath(location)

@@ -60,11 +60,6 @@ class Finding:
         return self.kind not in WARNING_KINDS
 
 
-def is_within(path: str, root: str) -> bool:
-    """String containment of normalised absolute paths (pathlib is too slow for 100k checks)."""
-    return path == root or path.startswith(root if root.endswith(os.sep) else root + os.sep)
-
-
 def compare(distribution: str, expected: Expectation, state: FileState, baseline: str) -> Finding | None:
     """One expected file against what is on disk."""
 

@@ -66,6 +66,11 @@ class Wanted(Protocol):
     def size(self) -> int | None: ...  # expected: orders the work, costliest first
 
 
+def is_within(path: str, root: str) -> bool:
+    """String containment of normalised absolute paths (pathlib is too slow for 100k checks)."""
+    return path == root or path.startswith(root if root.endswith(os.sep) else root + os.sep)
+
+
 def default_workers() -> int:
     """Threads for file work: one per CPU this process may run on (at most 32)."""
     return max(1, min(32, cpu_count()))
@@ -166,14 +171,13 @@ def _observe(
         elif size > LARGEST_FILE:  # a sparse file of terabytes would keep root hashing zeros for hours
             return FileState(path, True, error=f"{size} bytes: larger than any wheel may install")
         elif size < BIG_FILE:
-            view = buffer
-            count = os.readv(fd, [view[: size + 1]])
+            count = os.readv(fd, [buffer[: size + 1]])
             while 0 < count < size:  # a short read (network filesystems)
-                more = os.readv(fd, [view[count : size + 1]])
+                more = os.readv(fd, [buffer[count : size + 1]])
                 if not more:
                     break
                 count += more
-            digest = encode_digest(_new_hash(algorithm, view[:count]).digest())
+            digest = encode_digest(_new_hash(algorithm, buffer[:count]).digest())
         else:
             digest = encode_digest(_stream_digest(fd, algorithm, buffer, size + 1))
     except OSError as exc:
@@ -220,7 +224,7 @@ def read_buffer() -> memoryview:
 
     Where the buffer starts matters: the kernel copies each read from the page cache (page-aligned)
     into it, and on AMD EPYC (Zen) that copy ran 4-5x slower into a ``bytearray``, whose data ``malloc``
-    places 16 bytes past a page boundary (torch's 414 MB ``libtorch_cpu.so``: 0.28 s against 0.06 s,
+    places 16 bytes past a page boundary (torch's 434 MB ``libtorch_cpu.so``: 0.28 s against 0.06 s,
     measured with ``bench/verify.py --copy``). An anonymous mapping starts on one; it is unmapped
     when the last view of it goes."""
     return memoryview(mmap.mmap(-1, STREAM_CHUNK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
@@ -231,10 +235,9 @@ def _stream_digest(fd: int, algorithm: str, buffer: memoryview, limit: int) -> b
     The caller gives one byte more than ``fstat`` said: a file that grows while it is read (its owner
     can watch root open it) hashes differently, as it should, and cannot keep root reading."""
     hasher = _new_hash(algorithm)
-    view = buffer
     left = limit
-    while left > 0 and (count := os.readv(fd, [view[: min(left, len(view))]])):
-        hasher.update(view[:count])
+    while left > 0 and (count := os.readv(fd, [buffer[: min(left, len(buffer))]])):
+        hasher.update(buffer[:count])
         left -= count
     return hasher.digest()
 
@@ -319,7 +322,7 @@ def _open_directory(
     if fd is None:
         return None, None, MISSING if isinstance(failure, FileNotFoundError) else _reason(failure)
     real = _opened_path(fd)
-    if real is None or not (real == within or real.startswith(within.rstrip("/") + "/")):
+    if real is None or not is_within(real, within):
         os.close(fd)
         return None, None, f"its directory now resolves to {real or 'an unknown place'}, outside {within}"
     return fd, regular, None

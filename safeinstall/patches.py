@@ -26,9 +26,10 @@ from merge3 import Merge3
 
 from safeinstall.diffs import text_lines, unified
 from safeinstall.distributions import InstalledDistribution
-from safeinstall.drift import Expectation, FindingKind, is_within
+from safeinstall.drift import Expectation, FindingKind
 from safeinstall.environment import Account, Environment
 from safeinstall.errors import PatchConflict, PlanError, StepFailed, WheelError
+from safeinstall.hashing import is_within
 from safeinstall.records import RecordHash, digest_bytes
 from safeinstall.safefs import Tree
 from safeinstall.state import EnvironmentState, atomic_write, ensure_dir, make_run_dir, remove_run_dir

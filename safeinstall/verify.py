@@ -26,13 +26,12 @@ from safeinstall.drift import (
     compare,
     extras,
     hardlink_warning,
-    is_within,
     own_roots,
     pyc_source,
 )
 from safeinstall.environment import Environment
 from safeinstall.errors import ExitCode, WheelError
-from safeinstall.hashing import FileState, cycle_collection_paused, observe_files
+from safeinstall.hashing import FileState, cycle_collection_paused, is_within, observe_files
 from safeinstall.records import digest_bytes
 
 if TYPE_CHECKING:  # the wheel module (zipfile, packaging.tags) is loaded only when a wheel is given
@@ -334,18 +333,6 @@ def verify_environment(
     some files must hold (location -> expectation): the local patches a ``--keep-patches`` run carried
     over are checked against the merge, not the RECORD or the wheel.
     """
-    return _verify(env, names, wheel, on_progress, workers, installed, expected)
-
-
-def _verify(
-    env: Environment,
-    names: Sequence[str] | None,
-    wheel: Wheel | None,
-    on_progress: ProgressCallback | None,
-    workers: int | None,
-    installed: Sequence[InstalledDistribution] | None,
-    expected: Mapping[str, Expectation] | None,
-) -> VerifyReport:
     # Named ones are read first, the others (whose files only say what is "extra") while the large
     # files hash; read as every distribution is, or everything is done again in the usual order. The
     # named ones and the plans (torch: 12k RECORD entries, 12k expectations) are built with the cycle
@@ -395,7 +382,7 @@ def _verify(
     )
     if early is not None and any(find_distribution(env, d.name, found) is not d for d in early):
         # a directory named otherwise holds one of them, earlier in the scan: the usual order
-        return _verify(env, names, wheel, on_progress, workers, found, expected)
+        return verify_environment(env, names, wheel, on_progress, workers, found, expected)
     reports: list[DistributionReport] = []
     for plan in plans:
         findings = list(plan.findings)
