@@ -101,7 +101,8 @@ def run(
     timeout: float | None,
     as_user: tuple[int, int] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Like ``subprocess.run(argv, capture_output=True, text=True)``, without the gaps above.
+    """Like ``subprocess.run(argv, capture_output=True, text=True)``, without the gaps above; bytes of
+    the output that are not UTF-8 are replaced (U+FFFD), never an exception.
 
     ``as_user`` (uid, gid): the child runs as that user and group only (no supplementary groups).
     The child's working directory is ``/``: nothing in the caller's (a ``uv.toml`` or ``pyproject.toml``
@@ -122,6 +123,7 @@ def run(
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            errors="replace",  # what a child prints is text to show or parse, never to fail on
             preexec_fn=_die_with(os.getpid()),
             user=None if as_user is None else as_user[0],
             group=None if as_user is None else as_user[1],

@@ -63,8 +63,10 @@ def literal(value: object, lines: bool = False) -> str:
 
 
 def make_console(stderr: bool = False) -> Console:
+    """No emoji codes: a file named ``:warning:`` is shown as named, not as a sign (``literal`` escapes
+    markup, not ``:name:``), and no highlighting."""
     probe = Console(stderr=stderr)
-    return Console(stderr=stderr, width=None if probe.is_terminal else 200, highlight=False)
+    return Console(stderr=stderr, width=None if probe.is_terminal else 200, highlight=False, emoji=False)
 
 
 def render_error(console: Console, error: SafeInstallError) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from safeinstall.environment import inspect_environment
 from safeinstall.errors import StepFailed
 from safeinstall.health import wait_healthy
 from safeinstall.journal import JournalUnit, Phase, advance, journal_to_dict, new_journal
@@ -410,12 +411,11 @@ def test_who_may_enter_or_write_a_directory() -> None:
 def test_an_interpreter_that_lies_about_its_prefix_is_refused(sipure_venv: Path, tmp_path: Path) -> None:
     """A venv whose python answers for another prefix (root would then act there): refused."""
     fake = sipure_venv.parent / "python-liar"
-    fake.write_text(
-        "#!/bin/sh\n"
-        'echo \'{"executable": "/usr/bin/python3", "prefix": "/etc", "base_prefix": "/usr", '
-        '"purelib": "/etc", "platlib": "/etc", "scripts": "/etc", "data": "/etc", "version": [3, 11, 0], '
-        '"implementation": "cpython", "soabi": null, "platform": "linux-x86_64", "uid": 0}\'\n'
-    )
+    answer: dict[str, object] = {"executable": "/usr/bin/python3", "prefix": "/etc", "base_prefix": "/usr"}
+    answer["purelib"] = "/etc"
+    answer |= {"platlib": "/etc", "scripts": "/etc", "data": "/etc", "version": [3, 11, 0], "uid": 0}
+    answer |= {"implementation": "cpython", "soabi": None, "platform": "linux-x86_64"}
+    fake.write_text(f'#!/bin/sh\necho "{answer!r}"\n')
     fake.chmod(0o755)
     result = run("sipure", "--verify-only", "--python", str(fake))
     assert result.code == 2
@@ -454,7 +454,13 @@ def _lying_probe(python: Path, prefix: Path, site: Path, *, uid: int = 0) -> Non
         "platform": "linux-x86_64",
         "uid": uid,
     }
-    python.write_text(f"#!/bin/sh\ncat <<'EOF'\n{json.dumps(answer)}\nEOF\n")
+    _printing(python, f"cat <<'EOF'\n{answer!r}\nEOF\n")
+
+
+def _printing(python: Path, script: str) -> None:
+    """Make ``python`` a shell script that runs ``script`` (whatever the probe asks), owned with its
+    directory by the service account."""
+    python.write_text(f"#!/bin/sh\n{script}")
     python.chmod(0o755)
     subprocess.run(["chown", "-R", f"{OTHER_UID}:{OTHER_UID}", str(python.parent.parent)], check=True)
 
@@ -523,6 +529,45 @@ def test_the_probe_is_said_to_run_as_the_uid_it_was_started_as(
         f"note: the environment {top} belongs to uid {OTHER_UID}: its interpreter was asked for its paths "
         f"as uid {OTHER_UID}, never as root, and without site (no .pth file runs)"
     ) in result.stderr
+
+
+#: what the service account's interpreter prints instead of its answer -> what the error quotes of it
+PROBE_ANSWERS = {
+    "not-utf-8": ("printf '\\377\\376'", "'\ufffd\ufffd'"),
+    "code-not-a-literal": (
+        "echo \"__import__('os').system('touch /tmp/si-probe-ran')\"",
+        "\"__import__('os').system('touch /tmp/si-probe-ran')",
+    ),
+    "nested-beyond-the-parser": ("printf '%.0s[' $(seq 100000)", "'[[[["),
+    "huge": ("head -c 3000000 /dev/zero | tr '\\0' 1", "'1111"),
+    "not-a-dict": ("echo '[1, 2]'", "'[1, 2]"),
+    "a-path-not-a-string": ("echo \"{'executable': b'/x'}\"", "\"{'executable': b'/x'}"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PROBE_ANSWERS))
+def test_whatever_the_interpreter_prints_is_read_as_a_literal_or_refused(
+    nobody_interpreter: Path, name: str
+) -> None:
+    """The probe's answer is a Python literal (ascii()) read with ast.literal_eval: what a service
+    account's interpreter prints instead (bytes that are not UTF-8, code, nesting past the parser's
+    limits, megabytes) is refused with an error and a hint, never run, never an internal error."""
+    script, quoted = PROBE_ANSWERS[name]
+    _printing(nobody_interpreter, script + "\n")
+    result = run("sipure", "--verify-only", "--python", str(nobody_interpreter))
+    assert result.code == 2, result.stdout + result.stderr
+    first, hint = result.stderr.strip().splitlines()[-2:]
+    assert first.startswith(f"error: {nobody_interpreter} printed something unexpected: {quoted}"), first
+    assert hint == "hint: check that --python names a working Python 3 interpreter"
+    assert "internal error" not in result.stderr and not Path("/tmp/si-probe-ran").exists()
+
+
+def test_the_probe_answers_in_ascii_whatever_its_paths_hold(tmp_path: Path) -> None:
+    """A prefix whose name is not UTF-8 comes back from the probe intact (as surrogate escapes)."""
+    prefix = Path(os.fsdecode(os.fsencode(str(tmp_path)) + b"/venv-\xff"))
+    os.rename(wheelhouse.make_venv(tmp_path / "venv").parent.parent, prefix)  # uv makes none so named
+    env = inspect_environment(prefix / "bin" / "python")
+    assert os.fsencode(env.prefix).endswith(b"/venv-\xff") and env.purelib.is_relative_to(env.prefix)
 
 
 # ---------------------------------------------------------- 4. values, URLs, names and text
@@ -765,6 +810,9 @@ def test_rich_markup_in_names_and_paths_is_printed_not_interpreted(sipure_venv: 
     missing = run("sipure", "--verify-only", "--python", str(absent))
     assert missing.code == 2 and "Traceback" not in missing.stderr
     assert str(absent) in missing.stderr
+    emoji = tmp_path / ":warning:" / ":white_check_mark: OK" / "bin" / "python"  # not shown as signs
+    named = run("sipure", "--verify-only", "--python", str(emoji))
+    assert named.code == 2 and str(emoji) in named.stderr, named.stderr
     marked.mkdir(parents=True)
     marked.chmod(0o777)
     recover = cli(marked / "state", "--recover")
