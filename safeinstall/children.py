@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+import selectors
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
 
@@ -83,7 +85,7 @@ def _release(previous: dict[int, _Handler], held: list[int]) -> None:
         signal.raise_signal(signum)
 
 
-def _reap(proc: subprocess.Popen[str]) -> None:
+def _reap(proc: subprocess.Popen[bytes]) -> None:
     """Kill ``proc`` and wait for it, whatever arrives meanwhile (SIGKILL makes this short)."""
     proc.kill()
     while True:
@@ -94,12 +96,23 @@ def _reap(proc: subprocess.Popen[str]) -> None:
             continue
 
 
+#: What a child may print on each of stdout and stderr: beyond it the child is ended. The probe and uv
+#: run as the environment's owner (and uv runs the owner's build backends): unbounded, what they print
+#: could fill root's memory.
+OUTPUT_LIMIT = 16 << 20
+
+
+class TooMuchOutput(OSError):
+    """A child printed more than :data:`OUTPUT_LIMIT` on one stream (it was killed and reaped)."""
+
+
 def run(
     argv: Sequence[str],
     *,
     env: Mapping[str, str],
     timeout: float | None,
     as_user: tuple[int, int] | None = None,
+    limit: int = OUTPUT_LIMIT,
 ) -> subprocess.CompletedProcess[str]:
     """Like ``subprocess.run(argv, capture_output=True, text=True)``, without the gaps above; bytes of
     the output that are not UTF-8 are replaced (U+FFFD), never an exception.
@@ -108,9 +121,9 @@ def run(
     The child's working directory is ``/``: nothing in the caller's (a ``uv.toml`` or ``pyproject.toml``
     that uv would discover there or in a directory above it, such as ``/tmp``) can steer it.
 
-    Raises ``subprocess.TimeoutExpired`` (the child killed and reaped) and ``OSError`` (it could not
-    start) as ``subprocess.run`` does; an exception from a signal handler propagates once the child is
-    gone.
+    Raises ``subprocess.TimeoutExpired`` (the child killed and reaped), :class:`TooMuchOutput` (more
+    than ``limit`` bytes on stdout or stderr: killed and reaped) and ``OSError`` (it could not start);
+    an exception from a signal handler propagates once the child is gone.
     """
     command = list(argv)
     held: list[int] = []
@@ -122,8 +135,6 @@ def run(
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            text=True,
-            errors="replace",  # what a child prints is text to show or parse, never to fail on
             preexec_fn=_die_with(os.getpid()),
             user=None if as_user is None else as_user[0],
             group=None if as_user is None else as_user[1],
@@ -135,7 +146,7 @@ def run(
         raise
     try:
         _release(previous, held)  # a signal held back during the spawn is handled now: the child is known
-        stdout, stderr = proc.communicate(timeout=timeout)
+        stdout, stderr = _collect(proc, timeout, limit)
     except BaseException:
         _reap(proc)
         raise
@@ -143,4 +154,31 @@ def run(
         for stream in (proc.stdout, proc.stderr):
             if stream is not None:
                 stream.close()
-    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+    # what a child prints is text to show or parse, never to fail on
+    text = [data.decode("utf-8", "replace") for data in (stdout, stderr)]
+    return subprocess.CompletedProcess(command, proc.returncode, text[0], text[1])
+
+
+def _collect(proc: subprocess.Popen[bytes], timeout: float | None, limit: int) -> tuple[bytes, bytes]:
+    """``proc.communicate(timeout=timeout)`` keeping at most ``limit`` bytes of each stream."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    names = {pipe.fileno(): name for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)) if pipe}
+    kept = {name: bytearray() for name in ("stdout", "stderr")}
+    with selectors.DefaultSelector() as selector:
+        for fd in names:
+            selector.register(fd, selectors.EVENT_READ)
+        while selector.get_map():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(proc.args, timeout or 0)
+            for key, _events in selector.select(left):
+                data = os.read(key.fd, 1 << 16)
+                if not data:
+                    selector.unregister(key.fd)
+                    continue
+                stream = kept[names[key.fd]]
+                stream += data
+                if len(stream) > limit:
+                    raise TooMuchOutput(f"it printed more than {limit} bytes on {names[key.fd]}")
+    proc.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    return bytes(kept["stdout"]), bytes(kept["stderr"])

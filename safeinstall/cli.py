@@ -780,6 +780,14 @@ def main_command(
             raise UsageError("no PACKAGE given", hint="safeinstall PACKAGE [--wheel W] (see --help)")
         from safeinstall.options import check_options
 
+        uv_args: tuple[str, ...] = ctx.obj or ()
+        stray = ctx.args[: len(ctx.args) - len(uv_args)]
+        if stray:  # uv would take them as more requirements: `safeinstall vllm torch` installing torch
+            raise UsageError(
+                f"unexpected arguments: {' '.join(stray)}",
+                hint="one REQUIREMENT per run; uv's own arguments go after --: "
+                "safeinstall PACKAGE [--wheel W] -- UV_ARGS",
+            )
         options = run_options(ctx.params, ctx.args, private)
         check_options(options)
         interactive = not yes and not as_json and sys.stdin.isatty()
@@ -790,6 +798,11 @@ def main_command(
         _run_reinstall(options, as_json, interactive)
     except SafeInstallError as error:
         _fail(error, command, as_json)
+
+
+def _after_dashes(argv: Sequence[str]) -> tuple[str, ...]:
+    """The arguments after ``--``: uv's."""
+    return tuple(argv[argv.index("--") + 1 :]) if "--" in argv else ()
 
 
 def _words(argv: Sequence[str]) -> list[str]:
@@ -806,7 +819,7 @@ def _usage_error(exc: typer.TyperException) -> UsageError:
 def _main(argv: list[str]) -> int:
     words = _words(argv)
     try:
-        code = app(args=argv, prog_name="safeinstall", standalone_mode=False)
+        code = app(args=argv, prog_name="safeinstall", standalone_mode=False, obj=_after_dashes(argv))
     except typer.TyperException as exc:  # unknown option, missing value, bad value
         _fail(_usage_error(exc), command_for(set(words)), "--json" in words)
     return int(code or 0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import errno
 import io
 import os
 from collections.abc import Collection, Sequence
@@ -12,7 +13,7 @@ from pathlib import Path
 from packaging.utils import canonicalize_name
 
 from safeinstall.environment import Environment
-from safeinstall.errors import UnknownDistributionError
+from safeinstall.errors import RecordError, UnknownDistributionError
 from safeinstall.records import Record, RecordEntry, parse_record
 from safeinstall.safefs import read_small
 
@@ -32,6 +33,9 @@ class InstalledDistribution:
     locations: tuple[str, ...]
     #: its ``Requires-Dist`` headers, as written (markers included); read, never evaluated here
     requires: tuple[str, ...] = ()
+    #: why its RECORD could not be read (then ``record`` is empty): :data:`NO_RECORD` when there is
+    #: none, else the reason (a FIFO, larger than the limit, not readable by the environment's owner)
+    record_problem: str | None = None
 
     def location(self, entry: RecordEntry) -> Path:
         """Where an entry lives, normalised lexically (``../../../bin/x`` -> ``<prefix>/bin/x``)."""
@@ -53,15 +57,49 @@ ENTRY_POINTS_LIMIT = 1 << 20
 RECORD_LIMIT = 64 << 20
 
 
-def _read_text(path: Path, reader: tuple[int, int] | None, limit: int = METADATA_LIMIT) -> str | None:
-    """A metadata file of the environment (its owner may have made it a FIFO, huge, or a symlink: uv's
-    ``--link-mode symlink`` links them into its cache): read only when it is a regular file within
-    ``limit`` that ``reader`` (the environment's owner, when it is another account) may read itself;
-    else None, as for a missing file."""
-    try:
-        return read_small(path, limit, reader).decode("utf-8", errors="replace")
-    except OSError:
-        return None
+#: The most of an environment's ``.dist-info`` files one scan reads in all (a large vLLM environment's
+#: RECORDs hold about 20 MB): their owner decides how many there are, and hardlinks make them free.
+SCAN_LIMIT = 128 << 20
+
+#: A distribution's RECORD problem when it has none.
+NO_RECORD = "missing"
+
+
+class MetadataReader:
+    """Reads the ``.dist-info`` files of one environment, for one scan: only a regular file within its
+    limit that ``account`` (the environment's owner, when it is another account) may read itself (its
+    owner may have made one a FIFO, huge, or a symlink: uv's ``--link-mode symlink`` links them into its
+    cache), and at most :data:`SCAN_LIMIT` bytes in all, beyond which the scan stops with RecordError
+    (root's memory would grow with every RECORD the owner adds)."""
+
+    __slots__ = ("account", "left")
+
+    def __init__(self, account: tuple[int, int] | None = None, total: int = SCAN_LIMIT) -> None:
+        self.account = account
+        self.left = total
+
+    def text(self, path: Path, limit: int = METADATA_LIMIT) -> str | None:
+        """The file's text; None where it could not be read, as for a missing file."""
+        return self.text_or_why(path, limit)[0]
+
+    def text_or_why(self, path: Path, limit: int) -> tuple[str | None, str | None]:
+        """The file's text, or None and why not (:data:`NO_RECORD` when it is not there)."""
+        allowed = min(limit, self.left)
+        try:
+            data = read_small(path, allowed, self.account)
+        except FileNotFoundError:
+            return None, NO_RECORD
+        except OSError as exc:
+            if exc.errno == errno.EFBIG and allowed < limit:
+                raise RecordError(
+                    f"the .dist-info files in {path.parent.parent} hold more than {SCAN_LIMIT} bytes "
+                    f"in all (reading {path})",
+                    hint=f"look for copies of .dist-info directories in {path.parent.parent}; "
+                    "nothing was changed",
+                ) from exc
+            return None, exc.strerror or str(exc)
+        self.left -= len(data)
+        return data.decode("utf-8", errors="replace"), None
 
 
 _SCRIPT_SECTIONS = frozenset({"console_scripts", "gui_scripts"})
@@ -127,10 +165,11 @@ def metadata_values(text: str, wanted: str) -> tuple[str, ...]:
     return tuple(values)
 
 
-def load_distribution(dist_info: Path, reader: tuple[int, int] | None = None) -> InstalledDistribution | None:
-    """Read one ``.dist-info`` directory; None if it is not a readable distribution. ``reader`` (uid,
-    gid): read only what that account (the environment's owner) may read itself."""
-    metadata = _read_text(dist_info / "METADATA", reader)
+def load_distribution(dist_info: Path, reader: MetadataReader | None = None) -> InstalledDistribution | None:
+    """Read one ``.dist-info`` directory; None if it is not a readable distribution. ``reader``: the
+    scan's (reads only what the environment's owner may read; a default one reads as this process)."""
+    reader = reader or MetadataReader()
+    metadata = reader.text(dist_info / "METADATA")
     if metadata is None:
         return None
     headers = metadata_headers(metadata, ("Name", "Version"))
@@ -138,9 +177,9 @@ def load_distribution(dist_info: Path, reader: tuple[int, int] | None = None) ->
     version = headers.get("Version")
     if not name or not version:
         return None
-    record_text = _read_text(dist_info / "RECORD", reader, RECORD_LIMIT) or ""
-    installer = _read_text(dist_info / "INSTALLER", reader)
-    record = parse_record(record_text)
+    record_text, record_problem = reader.text_or_why(dist_info / "RECORD", RECORD_LIMIT)
+    installer = reader.text(dist_info / "INSTALLER")
+    record = parse_record(record_text or "")
     site = dist_info.parent
     site_text = os.fspath(site)
     return InstalledDistribution(
@@ -151,11 +190,12 @@ def load_distribution(dist_info: Path, reader: tuple[int, int] | None = None) ->
         dist_info=dist_info,
         record=record,
         console_scripts=parse_console_scripts(
-            _read_text(dist_info / "entry_points.txt", reader, ENTRY_POINTS_LIMIT)
+            reader.text(dist_info / "entry_points.txt", ENTRY_POINTS_LIMIT)
         ),
         installer=installer.strip() if installer else None,
         locations=tuple(entry_location(site_text, entry) for entry in record.entries),
         requires=metadata_values(metadata, "Requires-Dist"),
+        record_problem=record_problem,
     )
 
 
@@ -204,15 +244,12 @@ def _first_of_each(
     """``found`` with the first distribution of each name read from ``directories`` (in their order)
     added; a directory of ``loaded`` is not read again."""
     known = {d.dist_info: d for d in loaded}
+    reader = MetadataReader(env.account.ids if env.account is not None else None, SCAN_LIMIT)
     for directory in directories:
-        dist = known.get(directory) or load_distribution(directory, _reader(env))
+        dist = known.get(directory) or load_distribution(directory, reader)
         if dist is not None and dist.name not in found:
             found[dist.name] = dist
     return found
-
-
-def _reader(env: Environment) -> tuple[int, int] | None:
-    return env.account.ids if env.account is not None else None
 
 
 def find_distributions(

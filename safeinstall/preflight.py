@@ -115,9 +115,14 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
                 found = _named_as_given(survey(replace(options, wheel=copy), env, wheel), copy, given)
         else:
             found = survey(options, env, wheel)
-        if wheel is not None:
+        unrecorded = record_problems(found)
+        if wheel is not None and not unrecorded:  # without a RECORD, what it would replace is unknown
             check_landing(wheel, env, found.affected, found.installed)
-        more = (*room_problems(found, env, state.backups, wheel), *writability_problems(env, found, wheel))
+        more = (
+            *unrecorded,
+            *room_problems(found, env, state.backups, wheel),
+            *writability_problems(env, found, wheel),
+        )
         if more:
             found = replace(found, plan=replace(found.plan, refusals=(*found.plan.refusals, *more)))
         before = verify_environment(env, [d.name for d in found.affected], installed=found.installed)
@@ -212,6 +217,18 @@ def check_wheel(wheel: Wheel, package: str, env: Environment) -> None:
             hint="use a wheel built for that interpreter, or pass --python for the right environment; "
             "nothing was stopped",
         )
+
+
+def record_problems(found: Survey) -> tuple[str, ...]:
+    """Pure: an affected distribution whose RECORD could not be read: what it installed is not known,
+    so its files could be neither backed up nor checked (uv, which reads it as the owner, would remove
+    files no backup holds)."""
+    return tuple(
+        f"the RECORD of {dist.name} {dist.version} ({dist.dist_info}/RECORD) could not be read "
+        f"({dist.record_problem}): its files can be neither backed up nor checked"
+        for dist in found.affected
+        if dist.record_problem is not None
+    )
 
 
 def room_problems(found: Survey, env: Environment, backups: Path, wheel: Wheel | None) -> tuple[str, ...]:

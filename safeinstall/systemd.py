@@ -389,6 +389,11 @@ class Systemd:
                 f"`{command}` did not answer within {exc.timeout:g}s",
                 hint=f"the service manager may be busy or hung; check `systemctl {self._scope_flag} status`",
             ) from exc
+        except OSError as exc:  # it could not start, or printed without end
+            raise SystemdError(
+                f"`{command}` failed: {exc}",
+                hint=f"check that `systemctl {self._scope_flag} status` works here",
+            ) from exc
         if proc.returncode != 0:
             detail = proc.stderr.strip() or proc.stdout.strip() or f"exit status {proc.returncode}"
             if "Failed to connect to bus" in detail or "Failed to get D-Bus connection" in detail:

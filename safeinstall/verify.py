@@ -14,6 +14,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
 from safeinstall.distributions import (
+    NO_RECORD,
     InstalledDistribution,
     find_distribution,
     find_distributions,
@@ -150,6 +151,14 @@ def _record_plan(
         Finding(dist.name, f"{dist.dist_info}/RECORD:{p.line}", FindingKind.MALFORMED, p.reason)
         for p in dist.record.problems
     ]
+    if dist.record_problem is not None:  # nothing to check its files against: never "OK"
+        kind = FindingKind.MISSING if dist.record_problem == NO_RECORD else FindingKind.UNREADABLE
+        detail = "no RECORD" if kind == FindingKind.MISSING else f"RECORD: {dist.record_problem}"
+        findings.append(
+            Finding(
+                dist.name, f"{dist.dist_info}/RECORD", kind, f"{detail}: none of its files can be checked"
+            )
+        )
     for entry, location in zip(dist.record.entries, dist.locations, strict=True):
         if containment.outside(location):
             findings.append(

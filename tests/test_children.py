@@ -129,3 +129,28 @@ def test_the_child_dies_with_a_killed_parent(tmp_path: Path) -> None:
 def test_a_child_that_cannot_start_is_an_os_error() -> None:
     with pytest.raises(FileNotFoundError):
         children.run(["/nonexistent/uv"], env={}, timeout=5)
+
+
+def test_a_child_that_prints_without_end_is_killed_at_the_limit(tmp_path: Path) -> None:
+    """The probe and uv run as the environment's owner: what they print is kept up to a limit, then
+    the child is killed and reaped (unbounded, `yes` would fill root's memory before any timeout)."""
+    pid_file = tmp_path / "pid"
+    with pytest.raises(children.TooMuchOutput, match="printed more than 1048576 bytes on stderr"):
+        children.run(
+            ["/bin/sh", "-c", f"echo $$ >{pid_file}; exec yes >&2"],
+            env={"PATH": os.environ["PATH"]},
+            timeout=60,
+            limit=1 << 20,
+        )
+    assert not _alive(int(pid_file.read_text()))
+    assert issubclass(children.TooMuchOutput, OSError)  # callers report it as a child that failed
+
+
+def test_output_up_to_the_limit_and_bytes_that_are_not_utf8() -> None:
+    done = children.run(
+        ["/bin/sh", "-c", "head -c 1048576 /dev/zero; printf 'a\\377b' >&2"],
+        env={"PATH": os.environ["PATH"]},
+        timeout=60,
+        limit=1 << 20,
+    )
+    assert done.returncode == 0 and done.stdout == "\0" * (1 << 20) and done.stderr == "a\ufffdb"

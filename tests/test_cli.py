@@ -40,6 +40,9 @@ def test_short_help_and_flags_without_a_value_type() -> None:
         (["sipure", "--no-such-flag"], "error: no such option: --no-such-flag"),
         (["sipure", "--settle"], "error: option '--settle' requires an argument"),
         (["sipure", "--settle", "soon"], "error: invalid value for '--settle'"),
+        # uv would have taken it as one more requirement (installing torch too)
+        (["sipure", "torch", "--dry-run"], "error: unexpected arguments: torch"),
+        (["sipure", "torch", "--dry-run", "--", "--offline"], "error: unexpected arguments: torch"),
     ],
 )
 def test_a_usage_error_is_one_error_line_and_a_hint(args: list[str], message: str) -> None:
@@ -48,6 +51,13 @@ def test_a_usage_error_is_one_error_line_and_a_hint(args: list[str], message: st
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 2 and lines[0].startswith(message) and lines[1].startswith("hint: "), lines
     assert "╭" not in result.stderr and "Usage:" not in result.stderr
+
+
+def test_arguments_after_two_dashes_go_to_uv(venv: Path, wheels: Wheelhouse) -> None:
+    wheelhouse.uv_install(venv, wheels["sipure-1"])
+    result = run("sipure", "--dry-run", "--python", str(venv), "--", "--offline")
+    assert "unexpected arguments" not in result.stderr
+    assert "network was disabled" in result.stderr, result.stderr  # uv was given --offline
 
 
 def test_a_usage_error_with_json_is_the_error_envelope() -> None:

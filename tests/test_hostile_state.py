@@ -562,6 +562,17 @@ def test_whatever_the_interpreter_prints_is_read_as_a_literal_or_refused(
     assert "internal error" not in result.stderr and not Path("/tmp/si-probe-ran").exists()
 
 
+def test_an_interpreter_that_prints_without_end_is_stopped(nobody_interpreter: Path) -> None:
+    """Root keeps at most 16 MiB of what the owner's interpreter prints; then it is killed."""
+    _printing(nobody_interpreter, "exec yes\n")
+    result = run("sipure", "--verify-only", "--python", str(nobody_interpreter))
+    assert result.code == 2, result.stdout + result.stderr
+    assert error_lines(result) == [
+        f"error: could not run {nobody_interpreter} as uid {OTHER_UID} (its owner): "
+        f"it printed more than {16 << 20} bytes on stdout"
+    ]
+
+
 def test_the_probe_answers_in_ascii_whatever_its_paths_hold(tmp_path: Path) -> None:
     """A prefix whose name is not UTF-8 comes back from the probe intact (as surrogate escapes)."""
     prefix = Path(os.fsdecode(os.fsencode(str(tmp_path)) + b"/venv-\xff"))

@@ -383,3 +383,64 @@ def test_usage_errors(env: Path) -> None:
     assert result.code == 2 and "no PACKAGE given" in result.stderr
     result = run("sipure", "--verify-only", "--diff", "--python", str(env))
     assert result.code == 2 and "--wheel" in result.stderr
+
+
+RECORD_PROBLEMS = {
+    "missing": ("missing", "no RECORD: none of its files can be checked", "missing"),
+    "fifo": ("unreadable", "RECORD: not a regular file (a FIFO): none of its files", "not a regular file"),
+    "too-large": ("unreadable", f"RECORD: larger than {64 << 20} bytes: none of its files", "larger than"),
+}
+
+
+@pytest.mark.parametrize("how", sorted(RECORD_PROBLEMS))
+def test_a_record_that_cannot_be_read_is_never_ok(env: Path, wheels: Wheelhouse, how: str) -> None:
+    """Without its RECORD nothing of a distribution can be checked (and a run could back up none of
+    its files): verification reports it as drift, never "0 files checked: OK", and a run refuses."""
+    record = site(env) / "sipure-1.0.dist-info" / "RECORD"
+    record.unlink()
+    if how == "fifo":
+        os.mkfifo(record)
+    elif how == "too-large":
+        with open(record, "wb") as sparse:
+            sparse.truncate((64 << 20) + 1)
+    kind, detail, reason = RECORD_PROBLEMS[how]
+    result = run("sipure", "--verify-only", "--python", str(env), "--json")
+    assert result.code == 1, result.stdout + result.stderr
+    (finding,) = result.json["data"]["findings"]
+    assert (finding["kind"], finding["path"]) == (kind, str(record)) and finding["detail"].startswith(detail)
+    human = run("sipure", "--verify-only", "--python", str(env))
+    assert "sipure 1.0: 0 files checked against RECORD: DRIFT 1 " + kind in human.stdout
+    plan = run("sipure", "--wheel", str(wheels["sipure-2"]), "--python", str(env), "--dry-run", "--json")
+    assert plan.json["data"] is not None, plan.stdout + plan.stderr
+    (refusal,) = [r for r in plan.json["data"]["refusals"] if "RECORD" in r]
+    assert refusal.startswith(f"the RECORD of sipure 1.0 ({record}) could not be read ({reason}")
+    assert refusal.endswith("its files can be neither backed up nor checked")
+
+
+def test_the_dist_info_files_read_in_one_scan_are_bounded(
+    env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The environment's owner decides how many .dist-info directories there are, and hardlinks to one
+    RECORD make them free: a scan reads at most distributions.SCAN_LIMIT bytes of them in all (128 MiB;
+    1 MiB here), then stops with an error instead of parsing on into root's memory."""
+    from safeinstall import distributions
+    from safeinstall.environment import inspect_environment
+    from safeinstall.errors import RecordError
+    from safeinstall.verify import verify_environment
+
+    inspected = inspect_environment(env)
+    assert verify_environment(inspected, ["sipure"]).findings == ()
+    shared = tmp_path / "RECORD"
+    shared.write_text("".join(f"zz/f{n},sha256=x,1\n" for n in range(5000)))  # about 100 KB
+    for n in range(20):
+        dist_info = site(env) / f"zz{n}-1.0.dist-info"
+        dist_info.mkdir()
+        (dist_info / "METADATA").write_text(f"Name: zz{n}\nVersion: 1.0\n")
+        os.link(shared, dist_info / "RECORD")
+    monkeypatch.setattr(distributions, "SCAN_LIMIT", 1 << 20)
+    with pytest.raises(RecordError) as raised:
+        verify_environment(inspected, ["sipure"])
+    assert raised.value.message.startswith(
+        f"the .dist-info files in {site(env)} hold more than {1 << 20} bytes in all (reading {site(env)}/zz"
+    )
+    assert "look for copies of .dist-info directories" in raised.value.advice

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from safeinstall import distributions
-from safeinstall.distributions import InstalledDistribution
+from safeinstall.distributions import InstalledDistribution, MetadataReader
 from safeinstall.drift import Expectation
 from safeinstall.environment import inspect_environment
 from safeinstall.hashing import (
@@ -216,7 +216,7 @@ def test_the_named_distribution_is_read_first_and_the_others_while_large_files_h
     hashing_meanwhile: list[bool] = []
     real = distributions.load_distribution
 
-    def counting(dist_info: Path, reader: tuple[int, int] | None = None) -> InstalledDistribution | None:
+    def counting(dist_info: Path, reader: MetadataReader | None = None) -> InstalledDistribution | None:
         read.append(dist_info.name)
         if not dist_info.name.startswith("sibulk"):  # waits (up to 30 s) for a helper to open big1.bin
             deadline = time.monotonic() + 30
@@ -255,7 +255,7 @@ def test_a_directory_swapped_for_a_symlink_after_the_check_is_not_read(
         (secret_dir / name).write_bytes(secret)
     real = distributions.load_distribution
 
-    def swapping(dist_info: Path, reader: tuple[int, int] | None = None) -> InstalledDistribution | None:
+    def swapping(dist_info: Path, reader: MetadataReader | None = None) -> InstalledDistribution | None:
         # while the others are read: after sibulk's plan, before d3's files are read
         if not dist_info.name.startswith("sibulk") and not (package / "d3").is_symlink():
             shutil.rmtree(package / "d3")
