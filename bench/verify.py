@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -108,10 +109,12 @@ def describe(python: Path, package: str) -> str:
     return f"installed by {out[0]}, {out[1]} .pyc lines in RECORD, {out[2]}/200 sampled files hardlinked"
 
 
-def timed(cmd: list[str], **kwargs: object) -> float:
-    start = time.perf_counter()
+def timed(cmd: list[str], **kwargs: object) -> tuple[float, float]:
+    """Wall-clock seconds and CPU seconds (user + system, the command and its children) of one run."""
+    before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL, **kwargs)  # type: ignore[call-overload]
-    return time.perf_counter() - start
+    wall, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
 
 
 IN_PROCESS = """
@@ -219,13 +222,17 @@ def main() -> int:
     for cmd in contenders.values():  # warm the page cache
         timed(cmd)
     times: dict[str, list[float]] = {name: [] for name in contenders}
+    cpu: dict[str, list[float]] = {name: [] for name in contenders}
     names = list(contenders)
     for round_ in range(args.rounds):
         for name in names if round_ % 2 == 0 else reversed(names):
-            times[name].append(timed(contenders[name]))
+            wall, used = timed(contenders[name])
+            times[name].append(wall)
+            cpu[name].append(used)
     medians = {name: statistics.median(values) for name, values in times.items()}
     for name, value in medians.items():
-        print(f"  {name:<14} median {value:7.3f} s  {[round(t, 2) for t in times[name]]}")
+        spent = statistics.median(cpu[name])
+        print(f"  {name:<14} median {value:7.3f} s (cpu {spent:.3f} s)  {[round(t, 2) for t in times[name]]}")
     ours = medians["safeinstall"]
     pairs = [round(d / o, 2) for o, d in zip(times["safeinstall"], times["distlib"], strict=True)]
     if args.sha256sum:

@@ -180,5 +180,8 @@ def _collect(proc: subprocess.Popen[bytes], timeout: float | None, limit: int) -
                 stream += data
                 if len(stream) > limit:
                     raise TooMuchOutput(f"it printed more than {limit} bytes on {names[key.fd]}")
-    proc.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    try:
+        proc.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:  # it closed its output but runs on: said with the whole timeout
+        raise subprocess.TimeoutExpired(proc.args, timeout or 0) from None
     return bytes(kept["stdout"]), bytes(kept["stderr"])

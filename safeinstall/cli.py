@@ -781,7 +781,7 @@ def main_command(
         from safeinstall.options import check_options
 
         uv_args: tuple[str, ...] = ctx.obj or ()
-        stray = ctx.args[: len(ctx.args) - len(uv_args)]
+        stray = ctx.args[: max(0, len(ctx.args) - len(uv_args))]  # the requirement may follow --
         if stray:  # uv would take them as more requirements: `safeinstall vllm torch` installing torch
             raise UsageError(
                 f"unexpected arguments: {' '.join(stray)}",

@@ -14,7 +14,7 @@ from packaging.utils import canonicalize_name
 
 from safeinstall.environment import Environment
 from safeinstall.errors import RecordError, UnknownDistributionError
-from safeinstall.records import Record, RecordEntry, parse_record
+from safeinstall.records import Record, RecordEntry, count_lines, parse_record
 from safeinstall.safefs import read_small
 
 
@@ -57,9 +57,12 @@ ENTRY_POINTS_LIMIT = 1 << 20
 RECORD_LIMIT = 64 << 20
 
 
-#: The most of an environment's ``.dist-info`` files one scan reads in all (a large vLLM environment's
-#: RECORDs hold about 20 MB): their owner decides how many there are, and hardlinks make them free.
+#: The most of an environment's ``.dist-info`` files one scan reads in all (bytes), and the most RECORD
+#: lines it parses (a large vLLM environment's RECORDs hold about 20 MB in 150k lines): their owner
+#: decides how many there are (hardlinks make them free), and a parsed line costs root hundreds of
+#: bytes of memory, however short it is.
 SCAN_LIMIT = 128 << 20
+SCAN_LINES_LIMIT = 1_000_000
 
 #: A distribution's RECORD problem when it has none.
 NO_RECORD = "missing"
@@ -72,11 +75,36 @@ class MetadataReader:
     cache), and at most :data:`SCAN_LIMIT` bytes in all, beyond which the scan stops with RecordError
     (root's memory would grow with every RECORD the owner adds)."""
 
-    __slots__ = ("account", "left")
+    __slots__ = ("account", "left", "lines_left")
 
-    def __init__(self, account: tuple[int, int] | None = None, total: int = SCAN_LIMIT) -> None:
+    def __init__(
+        self, account: tuple[int, int] | None = None, total: int = SCAN_LIMIT, lines: int = SCAN_LINES_LIMIT
+    ) -> None:
         self.account = account
         self.left = total
+        self.lines_left = lines
+
+    @classmethod
+    def of(cls, env: Environment) -> MetadataReader:
+        """A reader for one scan of ``env``, as its owner (the limits as they are now)."""
+        return cls(env.account.ids if env.account is not None else None, SCAN_LIMIT, SCAN_LINES_LIMIT)
+
+    def record(self, path: Path) -> tuple[Record, str | None]:
+        """A RECORD parsed, or an empty one and why it could not be read (:data:`NO_RECORD`: there is
+        none). Its lines are counted before they are split (RecordError beyond the scan's limit)."""
+        text, problem = self.text_or_why(path, RECORD_LIMIT)
+        if text is None:
+            return parse_record(""), problem
+        lines = count_lines(text)
+        if lines > self.lines_left:
+            raise RecordError(
+                f"the RECORDs in {path.parent.parent} list more than {SCAN_LINES_LIMIT} files in all "
+                f"(reading {path})",
+                hint=f"look for copies of .dist-info directories in {path.parent.parent} (its owner can "
+                "make them)",
+            )
+        self.lines_left -= lines
+        return parse_record(text), None
 
     def text(self, path: Path, limit: int = METADATA_LIMIT) -> str | None:
         """The file's text; None where it could not be read, as for a missing file."""
@@ -94,8 +122,8 @@ class MetadataReader:
                 raise RecordError(
                     f"the .dist-info files in {path.parent.parent} hold more than {SCAN_LIMIT} bytes "
                     f"in all (reading {path})",
-                    hint=f"look for copies of .dist-info directories in {path.parent.parent}; "
-                    "nothing was changed",
+                    hint=f"look for copies of .dist-info directories in {path.parent.parent} (its "
+                    "owner can make them)",
                 ) from exc
             return None, exc.strerror or str(exc)
         self.left -= len(data)
@@ -177,9 +205,8 @@ def load_distribution(dist_info: Path, reader: MetadataReader | None = None) -> 
     version = headers.get("Version")
     if not name or not version:
         return None
-    record_text, record_problem = reader.text_or_why(dist_info / "RECORD", RECORD_LIMIT)
+    record, record_problem = reader.record(dist_info / "RECORD")
     installer = reader.text(dist_info / "INSTALLER")
-    record = parse_record(record_text or "")
     site = dist_info.parent
     site_text = os.fspath(site)
     return InstalledDistribution(
@@ -232,19 +259,19 @@ def reload_distributions(
     changed = frozenset(names)
     found: dict[str, InstalledDistribution] = {d.name: d for d in previous if d.name not in changed}
     directories = [d for d in dist_info_dirs(env) if dist_info_name(d.name) in changed]
-    return sorted(_first_of_each(env, directories, found).values(), key=lambda d: d.name)
+    found = _first_of_each(directories, found, MetadataReader.of(env))
+    return sorted(found.values(), key=lambda d: d.name)
 
 
 def _first_of_each(
-    env: Environment,
     directories: Sequence[Path],
     found: dict[str, InstalledDistribution],
+    reader: MetadataReader,
     loaded: Sequence[InstalledDistribution] = (),
 ) -> dict[str, InstalledDistribution]:
     """``found`` with the first distribution of each name read from ``directories`` (in their order)
     added; a directory of ``loaded`` is not read again."""
     known = {d.dist_info: d for d in loaded}
-    reader = MetadataReader(env.account.ids if env.account is not None else None, SCAN_LIMIT)
     for directory in directories:
         dist = known.get(directory) or load_distribution(directory, reader)
         if dist is not None and dist.name not in found:
@@ -253,15 +280,18 @@ def _first_of_each(
 
 
 def find_distributions(
-    env: Environment, loaded: Sequence[InstalledDistribution] = ()
+    env: Environment, loaded: Sequence[InstalledDistribution] = (), reader: MetadataReader | None = None
 ) -> list[InstalledDistribution]:
     """Every distribution installed in the environment's site directories, sorted by name; a directory
-    of ``loaded`` (read just before, by :func:`find_named`) is not read again."""
-    found = _first_of_each(env, dist_info_dirs(env), {}, loaded)
+    of ``loaded`` (read just before, by :func:`find_named`) is not read again. ``reader``: the scan's
+    (its limits shared with :func:`find_named`'s part of it), else a new one."""
+    found = _first_of_each(dist_info_dirs(env), {}, reader or MetadataReader.of(env), loaded)
     return sorted(found.values(), key=lambda d: d.name)
 
 
-def find_named(env: Environment, names: Collection[str]) -> list[InstalledDistribution] | None:
+def find_named(
+    env: Environment, names: Collection[str], reader: MetadataReader | None = None
+) -> list[InstalledDistribution] | None:
     """Only the named distributions, found by their ``.dist-info`` directory names
     and read as :func:`find_distributions` reads them, in its scan order; None when one of them is not
     found so (its directory may be named otherwise: scan everything). A caller that scans everything
@@ -269,7 +299,8 @@ def find_named(env: Environment, names: Collection[str]) -> list[InstalledDistri
     canonical = [canonicalize_name(name) for name in names]
     wanted = frozenset(canonical)
     directories = [d for d in dist_info_dirs(env) if dist_info_name(d.name) in wanted]
-    found = {n: d for n, d in _first_of_each(env, directories, {}).items() if n in wanted}
+    read = _first_of_each(directories, {}, reader or MetadataReader.of(env))
+    found = {n: d for n, d in read.items() if n in wanted}
     return [found[name] for name in canonical] if len(found) == len(wanted) else None
 
 

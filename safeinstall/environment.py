@@ -426,14 +426,26 @@ def _answer_problem(python: Path, env: Environment) -> str | None:
     return f"it reports {path}, owned by uid {uid}: neither its owner (uid {env.owner}) nor root"
 
 
-#: The probe's answer is a few hundred bytes; what its owner makes it print beyond this is not parsed.
-ANSWER_LIMIT = 1 << 20
+#: The probe's answer is a few hundred bytes; beyond this the interpreter is stopped (what its owner
+#: makes it print is parsed by root: 1 MiB of nested literals would cost about 500 MB).
+ANSWER_LIMIT = 64 << 10
 
 
 def _optional_text(value: object) -> str | None:
     if value is None or isinstance(value, str):
         return value
     raise TypeError(f"{value!r} is not a string")
+
+
+def _version(value: object) -> tuple[int, int, int]:
+    """Pure: ``[major, minor, micro]`` as the probe reports it; ValueError for anything else (a float
+    such as ``1e999`` is not a version part)."""
+    if not isinstance(value, list | tuple) or len(value) != 3:
+        raise ValueError(f"version {value!r}")
+    parts = tuple(part for part in value if type(part) is int and 0 <= part < 10_000)
+    if len(parts) != 3:
+        raise ValueError(f"version {value!r}")
+    return parts[0], parts[1], parts[2]
 
 
 def _answer(text: str) -> dict[str, Any]:
@@ -461,6 +473,7 @@ def inspect_environment(python: Path, timeout: float = 30.0) -> Environment:
             env={"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"},
             timeout=timeout,
             as_user=None if owner is None else owner.ids,
+            limit=ANSWER_LIMIT,
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise InterpreterError(
@@ -476,7 +489,7 @@ def inspect_environment(python: Path, timeout: float = 30.0) -> Environment:
         )
     try:
         info = _answer(proc.stdout)
-        major, minor, micro = (int(part) for part in info["version"])
+        major, minor, micro = _version(info["version"])
         env = Environment(
             python=python,
             executable=Path(info["executable"]),

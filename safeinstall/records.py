@@ -9,6 +9,7 @@ import base64
 import binascii
 import csv
 import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -93,13 +94,46 @@ def _parse_row(row: list[str]) -> RecordEntry | str:
     return RecordEntry(path=path, hash=record_hash, size=size)
 
 
-def parse_record(text: str) -> Record:
-    """Parse RECORD text. Malformed lines become problems, never exceptions."""
+#: A RECORD's malformed lines reported one by one; those beyond are counted in one more problem (a
+#: RECORD of millions of 2-byte lines must not become millions of problems in root's memory).
+PROBLEMS_LIMIT = 100
+#: A RECORD of more lines than this is not parsed (one problem says so): each parsed line costs root
+#: hundreds of bytes of memory, however short it is (torch's RECORD has 15k lines).
+LINES_LIMIT = 1_000_000
+
+
+def count_lines(text: str) -> int:
+    """Pure: how many lines :func:`parse_record` splits ``text`` into, at most (one pass, no copy)."""
+    return text.count("\n") + 1
+
+
+class _NotCsv(list[str]):
+    """What is left of a RECORD once the CSV reader failed: one item, why."""
+
+
+def _csv_rows(lines: list[str]) -> Iterator[list[str]]:
+    """The rows of quoted CSV; where the reader fails (a field over its 128 KiB limit, a stray
+    "\r"), one :class:`_NotCsv` row, and no more."""
+    reader = csv.reader(line + "\n" for line in lines)  # ended: a newline in a quoted path is kept
+    try:
+        yield from reader
+    except csv.Error as exc:
+        yield _NotCsv([f"not CSV from here on ({exc})"])
+
+
+def parse_record(text: str, max_lines: int = LINES_LIMIT) -> Record:
+    """Parse RECORD text. Malformed lines become problems, never exceptions.
+
+    Lines end at "\\n" ("\\r\\n" read as one), as CSV and uv's installer split a RECORD; a RECORD
+    of more than ``max_lines`` lines is not split at all (one problem)."""
+    if count_lines(text) > max_lines:
+        return Record((), (RecordProblem(1, "", f"more than {max_lines} lines: not parsed"),))
     entries: list[RecordEntry] = []
     problems: list[RecordProblem] = []
-    lines = text.splitlines()
+    unlisted = first_unlisted = 0  # malformed lines beyond PROBLEMS_LIMIT, the first of them
+    lines = (text.replace("\r\n", "\n") if "\r" in text else text).split("\n")
     # Without a quote anywhere, CSV is a plain split on commas (and a torch RECORD has 15k lines).
-    rows = csv.reader(lines) if '"' in text else (line.split(",") for line in lines)
+    rows = _csv_rows(lines) if '"' in text else (line.split(",") for line in lines)
     accepted = ACCEPTED_ALGORITHMS
     plain = "\0" not in text  # else every line goes through _parse_row, which refuses a NUL in a path
     for number, row in enumerate(rows, start=1):
@@ -113,10 +147,16 @@ def parse_record(text: str) -> Record:
                 continue
         if not row or row == [""]:
             continue
-        parsed = _parse_row(row)
-        if isinstance(parsed, str):
-            raw = lines[number - 1] if number - 1 < len(lines) else ",".join(row)
+        parsed = row[0] if isinstance(row, _NotCsv) else _parse_row(row)
+        if not isinstance(parsed, str):
+            entries.append(parsed)
+        elif len(problems) < PROBLEMS_LIMIT:
+            raw = lines[number - 1][:1024] if number - 1 < len(lines) else ",".join(row)[:1024]
             problems.append(RecordProblem(line=number, text=raw, reason=parsed))
         else:
-            entries.append(parsed)
+            first_unlisted = number if not unlisted else first_unlisted
+            unlisted += 1
+    if unlisted:
+        more = f"this and {unlisted - 1} more malformed lines after it, not listed one by one"
+        problems.append(RecordProblem(line=first_unlisted, text="", reason=more))
     return Record(entries=tuple(entries), problems=tuple(problems))

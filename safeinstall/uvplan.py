@@ -367,6 +367,8 @@ def install(
         proc = _run_uv(command, environ, timeout, cache_dir, account)
     except subprocess.TimeoutExpired as exc:
         return UvResult(tuple(command), -1, f"uv did not finish in {timeout:.0f} s: {exc}")
+    except children.TooMuchOutput as exc:
+        return UvResult(tuple(command), -1, f"uv was stopped: {exc}")
     except OSError as exc:
         return UvResult(tuple(command), -1, f"uv could not run: {exc}")
     return UvResult(tuple(command), proc.returncode, proc.stdout + proc.stderr)

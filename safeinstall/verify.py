@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from safeinstall.distributions import (
     NO_RECORD,
     InstalledDistribution,
+    MetadataReader,
     find_distribution,
     find_distributions,
     find_named,
@@ -347,8 +348,9 @@ def verify_environment(
     # named ones and the plans (torch: 12k RECORD entries, 12k expectations) are built with the cycle
     # collector paused: reading a distribution makes no cycles (a test checks), or the environment's
     # owner could keep root's memory growing with as many as it likes.
+    reader = MetadataReader.of(env)  # one scan: its limits cover the named ones and the others
     with cycle_collection_paused():
-        early = find_named(env, names) if installed is None and names is not None else None
+        early = find_named(env, names, reader) if installed is None and names is not None else None
     found: list[InstalledDistribution] = []
     if early is not None:
         selected = early
@@ -379,7 +381,7 @@ def verify_environment(
 
     def look_for_extras() -> None:  # on this thread, while the helpers hash the large files
         if early is not None:
-            found.extend(find_distributions(env, early))
+            found.extend(find_distributions(env, early, reader))
         listed = _listed_locations(found)
         roots = own_roots({d.name: d.locations for d in found}, [os.fspath(s) for s in env.site_dirs])
         for plan in plans:

@@ -56,6 +56,12 @@ def test_output_and_exit_status(tmp_path: Path) -> None:
     assert (done.returncode, done.stdout, done.stderr) == (3, "out\n", "err\n")
 
 
+def test_a_child_that_closes_its_output_and_runs_on_times_out_with_the_whole_timeout() -> None:
+    with pytest.raises(subprocess.TimeoutExpired) as raised:
+        children.run(["/bin/sh", "-c", "exec >&- 2>&-; exec sleep 60"], env={}, timeout=1)
+    assert raised.value.timeout == 1
+
+
 def test_timeout_kills_and_reaps_the_child(tmp_path: Path) -> None:
     pid_file = tmp_path / "pid"
     with pytest.raises(subprocess.TimeoutExpired):

@@ -58,6 +58,8 @@ def test_arguments_after_two_dashes_go_to_uv(venv: Path, wheels: Wheelhouse) -> 
     result = run("sipure", "--dry-run", "--python", str(venv), "--", "--offline")
     assert "unexpected arguments" not in result.stderr
     assert "network was disabled" in result.stderr, result.stderr  # uv was given --offline
+    after = run("--dry-run", "--python", str(venv), "--", "sipure", "--offline", "--no-cache")
+    assert "unexpected arguments" not in after.stderr and "network was disabled" in after.stderr
 
 
 def test_a_usage_error_with_json_is_the_error_envelope() -> None:

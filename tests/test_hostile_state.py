@@ -538,8 +538,8 @@ PROBE_ANSWERS = {
         "echo \"__import__('os').system('touch /tmp/si-probe-ran')\"",
         "\"__import__('os').system('touch /tmp/si-probe-ran')",
     ),
-    "nested-beyond-the-parser": ("printf '%.0s[' $(seq 100000)", "'[[[["),
-    "huge": ("head -c 3000000 /dev/zero | tr '\\0' 1", "'1111"),
+    "nested-beyond-the-parser": ("printf '%.0s[' $(seq 1000)", "'[[[["),
+    "a-float-in-the-version": ("echo \"{'version': [1e999, 11, 0]}\"", "\"{'version': [1e999, 11, 0]}"),
     "not-a-dict": ("echo '[1, 2]'", "'[1, 2]"),
     "a-path-not-a-string": ("echo \"{'executable': b'/x'}\"", "\"{'executable': b'/x'}"),
 }
@@ -551,7 +551,8 @@ def test_whatever_the_interpreter_prints_is_read_as_a_literal_or_refused(
 ) -> None:
     """The probe's answer is a Python literal (ascii()) read with ast.literal_eval: what a service
     account's interpreter prints instead (bytes that are not UTF-8, code, nesting past the parser's
-    limits, megabytes) is refused with an error and a hint, never run, never an internal error."""
+    limits, a version of floats) is refused with an error and a hint, never run, never an internal
+    error."""
     script, quoted = PROBE_ANSWERS[name]
     _printing(nobody_interpreter, script + "\n")
     result = run("sipure", "--verify-only", "--python", str(nobody_interpreter))
@@ -562,14 +563,18 @@ def test_whatever_the_interpreter_prints_is_read_as_a_literal_or_refused(
     assert "internal error" not in result.stderr and not Path("/tmp/si-probe-ran").exists()
 
 
-def test_an_interpreter_that_prints_without_end_is_stopped(nobody_interpreter: Path) -> None:
-    """Root keeps at most 16 MiB of what the owner's interpreter prints; then it is killed."""
-    _printing(nobody_interpreter, "exec yes\n")
+@pytest.mark.parametrize("script", ["exec yes", "head -c 70000 /dev/zero | tr '\\0' 1"])
+def test_an_interpreter_that_prints_more_than_an_answer_is_stopped(
+    nobody_interpreter: Path, script: str
+) -> None:
+    """Root keeps at most 64 KiB of what the owner's interpreter prints (its answer is a few hundred
+    bytes; parsed, a MiB of nested literals would cost root about 500 MB); then it is killed."""
+    _printing(nobody_interpreter, script + "\n")
     result = run("sipure", "--verify-only", "--python", str(nobody_interpreter))
     assert result.code == 2, result.stdout + result.stderr
     assert error_lines(result) == [
         f"error: could not run {nobody_interpreter} as uid {OTHER_UID} (its owner): "
-        f"it printed more than {16 << 20} bytes on stdout"
+        f"it printed more than {64 << 10} bytes on stdout"
     ]
 
 

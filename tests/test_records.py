@@ -8,7 +8,7 @@ import os
 import pytest
 
 from safeinstall.distributions import entry_location, metadata_headers
-from safeinstall.records import RecordEntry, RecordHash, parse_record
+from safeinstall.records import PROBLEMS_LIMIT, RecordEntry, RecordHash, count_lines, parse_record
 
 SITE = "/srv/venv/lib/python3.11/site-packages"
 
@@ -87,3 +87,43 @@ def test_metadata_headers_stop_at_the_body_and_skip_folded_lines() -> None:
     )
     assert metadata_headers(text, ("Name", "Version")) == {"Name": "torch", "Version": "2.13.0"}
     assert metadata_headers("Name: x\n", ("Name", "Version")) == {"Name": "x"}
+
+
+def test_malformed_lines_beyond_the_limit_are_one_problem() -> None:
+    """A RECORD of a million 2-byte lines costs root one problem per line up to PROBLEMS_LIMIT, then
+    one more that counts the rest (they were each an object holding its line)."""
+    text = "ok.py,sha256=abc,3\n" + "x\n" * 250 + "ok2.py,,\n" + "y\n" * 5
+    record = parse_record(text)
+    assert [e.path for e in record.entries] == ["ok.py", "ok2.py"]
+    assert len(record.problems) == PROBLEMS_LIMIT + 1
+    assert [p.line for p in record.problems[:PROBLEMS_LIMIT]] == list(range(2, PROBLEMS_LIMIT + 2))
+    last = record.problems[-1]
+    assert last.line == PROBLEMS_LIMIT + 2
+    assert last.reason == "this and 154 more malformed lines after it, not listed one by one"
+
+
+def test_a_field_over_the_csv_limit_is_a_problem_not_an_exception() -> None:
+    """A quoted path over csv's 128 KiB field limit made parsing raise (every --verify-only of the
+    environment, and every run's preflight, ended with an internal error)."""
+    text = 'ok.py,sha256=AAAA,1\n"' + "a" * 200_000 + '",sha256=BBBB,2\n'
+    record = parse_record(text)
+    assert [e.path for e in record.entries] == ["ok.py"]
+    (problem,) = record.problems
+    assert problem.line == 2 and problem.reason.startswith("not CSV from here on (field larger than")
+
+
+def test_lines_end_at_newline_as_csv_and_uv_split_them() -> None:
+    """ "\\r\\n" ends a line; other characters str.splitlines splits at ("\\x1c", "\\u2028") are part of
+    the path, as uv's CSV reader takes them; a quoted path may hold a newline."""
+    text = 'a.py,sha256=AAAA,1\r\nb\x1cc.py,sha256=BBBB,2\nd\u2028e.py,,\n"f\ng.py",sha256=CCCC,3\n'
+    paths = [e.path for e in parse_record(text).entries]
+    assert paths == ["a.py", "b\x1cc.py", "d\u2028e.py", "f\ng.py"]
+    assert count_lines(text) == 6  # at most: the quoted newline is not a row of its own
+
+
+def test_a_record_of_more_lines_than_the_limit_is_not_split() -> None:
+    record = parse_record("x.py,,\n" * 20, max_lines=10)
+    assert record.entries == ()
+    (problem,) = record.problems
+    assert problem.reason == "more than 10 lines: not parsed"
+    assert len(parse_record("x.py,,\n" * 9, max_lines=10).entries) == 9

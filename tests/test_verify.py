@@ -444,3 +444,18 @@ def test_the_dist_info_files_read_in_one_scan_are_bounded(
         f"the .dist-info files in {site(env)} hold more than {1 << 20} bytes in all (reading {site(env)}/zz"
     )
     assert "look for copies of .dist-info directories" in raised.value.advice
+    # lines, however short: each parsed one costs root memory
+    monkeypatch.setattr(distributions, "SCAN_LIMIT", 128 << 20)
+    monkeypatch.setattr(distributions, "SCAN_LINES_LIMIT", 50_000)
+    with pytest.raises(RecordError) as raised:
+        verify_environment(inspected, ["sipure"])
+    assert raised.value.message.startswith(f"the RECORDs in {site(env)} list more than 50000 files in all")
+    # the named distribution and the others are one scan: the limit is for both together
+    for n in range(5, 20):
+        shutil.rmtree(site(env) / f"zz{n}-1.0.dist-info")
+    every = sum(record.read_text().count("\n") + 1 for record in site(env).glob("*.dist-info/RECORD"))
+    monkeypatch.setattr(distributions, "SCAN_LINES_LIMIT", every)
+    assert verify_environment(inspected, ["zz0"]).distributions[0].name == "zz0"  # each RECORD read once
+    monkeypatch.setattr(distributions, "SCAN_LINES_LIMIT", every - 1)
+    with pytest.raises(RecordError):
+        verify_environment(inspected, ["zz0"])
