@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from email.parser import HeaderParser
 from pathlib import Path, PurePosixPath
+from typing import BinaryIO
 
 from packaging.tags import Tag
 from packaging.utils import (
@@ -99,6 +100,9 @@ METADATA_LIMIT = 16 << 20  # WHEEL, METADATA, entry_points.txt
 RECORD_LIMIT = 64 << 20  # torch's RECORD is 2 MB
 MEMBER_LIMIT = LARGEST_FILE  # 16 GiB: an installed file larger than this is reported, never hashed
 TOTAL_LIMIT = 64 << 30
+#: The most a wheel's central directory (its list of members) may take: zipfile reads it whole and
+#: makes an object of about 500 bytes for each entry of at least 46 (torch's is 1.3 MB, 12k members).
+CENTRAL_DIRECTORY_LIMIT = 16 << 20
 #: Where a ``.data/<scheme>/`` member goes (the wheel spec's schemes; anything else is refused).
 SCHEMES = ("purelib", "platlib", "scripts", "headers", "data")
 _UTF8_FLAG = 0x800
@@ -246,7 +250,7 @@ def read_wheel(path: Path) -> Wheel:
         os.close(fd)
         raise _fail(path, f"not a wheel file name ({exc})") from exc
     try:
-        with os.fdopen(fd, "rb") as handle, zipfile.ZipFile(handle) as archive:
+        with os.fdopen(fd, "rb") as handle, zipfile.ZipFile(_listing_bounded(handle, path)) as archive:
             infos = [i for i in archive.infolist() if not i.is_dir()]
             _check_names(infos, path)
             dist_infos = {
@@ -333,6 +337,46 @@ def read_wheel(path: Path) -> Wheel:
         console_scripts=parse_console_scripts(entry_points),
         python_scripts=python_scripts,
     )
+
+
+_END = b"PK\x05\x06"  # the end of central directory record (22 bytes, then a comment)
+_END64_LOCATOR = b"PK\x06\x07"  # 20 bytes, just before it in a zip64 archive
+_END64 = b"PK\x06\x06"  # 56 bytes, just before the locator
+
+
+def central_directory_size(handle: BinaryIO) -> int | None:
+    """How many bytes of central directory a zip's end record gives, found as zipfile finds it (the
+    last end record in the final 64 KiB; a zip64 record just before its locator, if there is one);
+    None where there is none (zipfile then refuses the archive)."""
+    size = handle.seek(0, os.SEEK_END)
+    start = max(0, size - 22 - 0xFFFF)
+    handle.seek(start)
+    tail = handle.read()
+    if tail[-22:-18] == _END and tail[-2:] == b"\0\0":  # no comment: the last 22 bytes
+        at = len(tail) - 22
+    else:
+        at = tail.rfind(_END)
+        if at < 0 or len(tail) - at < 22:
+            return None
+    listed = int.from_bytes(tail[at + 12 : at + 16], "little")
+    locator = start + at - 20
+    if locator >= 56:
+        handle.seek(locator - 56)
+        before = handle.read(76)
+        if before[56:60] == _END64_LOCATOR and before[:4] == _END64:
+            listed = int.from_bytes(before[40:48], "little")
+    return listed
+
+
+def _listing_bounded(handle: BinaryIO, path: Path) -> BinaryIO:
+    """``handle``, back at its start, once its central directory is known to fit the limit."""
+    listed = central_directory_size(handle)
+    if listed is not None and listed > CENTRAL_DIRECTORY_LIMIT:
+        raise _fail(
+            path, f"its list of members takes {listed} bytes, more than the {CENTRAL_DIRECTORY_LIMIT} allowed"
+        )
+    handle.seek(0)
+    return handle
 
 
 def scheme_roots(wheel: Wheel, env: Environment) -> dict[str, Path]:
@@ -479,13 +523,18 @@ def installed_size(wheel: Wheel, block: int = 4096) -> int:
 
 
 def read_member(wheel_path: Path, member: str, limit: int = METADATA_LIMIT) -> bytes:
-    """One member's content, at most ``limit`` bytes (ValueError when larger)."""
-    with zipfile.ZipFile(wheel_path) as archive:
-        info = archive.getinfo(member)
-        if info.file_size > limit:
-            raise ValueError(f"{member} is larger than {limit} bytes")
-        with archive.open(info) as handle:
-            return handle.read(limit)
+    """One member's content, at most ``limit`` bytes (ValueError when larger), the wheel opened as
+    :func:`read_wheel` opens it (WheelError if it is no longer a wheel of a bounded list)."""
+    fd = open_regular(wheel_path)
+    try:
+        with os.fdopen(fd, "rb") as handle, zipfile.ZipFile(_listing_bounded(handle, wheel_path)) as archive:
+            info = archive.getinfo(member)
+            if info.file_size > limit:
+                raise ValueError(f"{member} is larger than {limit} bytes")
+            with archive.open(info) as stream:
+                return stream.read(limit)
+    except (zipfile.BadZipFile, KeyError) as exc:  # replaced since it was read
+        raise _fail(wheel_path, f"not the wheel it was ({exc})") from exc
 
 
 def target_tags(env: Environment) -> list[Tag]:

@@ -1,14 +1,18 @@
-"""RECORD and METADATA parsing, and where entries live: the fast paths agree with the slow ones."""
+"""RECORD and METADATA parsing, where entries live, and a wheel's list of members: the fast paths
+agree with the slow ones, and the checks with what zipfile reads."""
 
 from __future__ import annotations
 
 import csv
 import os
+import zipfile
+from pathlib import Path
 
 import pytest
 
 from safeinstall.distributions import entry_location, metadata_headers
 from safeinstall.records import PROBLEMS_LIMIT, RecordEntry, RecordHash, count_lines, parse_record
+from safeinstall.wheel import central_directory_size
 
 SITE = "/srv/venv/lib/python3.11/site-packages"
 
@@ -127,3 +131,34 @@ def test_a_record_of_more_lines_than_the_limit_is_not_split() -> None:
     (problem,) = record.problems
     assert problem.reason == "more than 10 lines: not parsed"
     assert len(parse_record("x.py,,\n" * 9, max_lines=10).entries) == 9
+
+
+@pytest.mark.parametrize(
+    "kind", ["plain", "comment", "comment-with-signature", "comment-with-record", "zip64"]
+)
+def test_the_central_directory_size_is_read_as_zipfile_reads_it(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wheel's list of members is bounded before zipfile reads it: the size checked must be the one
+    zipfile will use (a comment can hold an end record's signature; zip64 archives have two records)."""
+    path = tmp_path / "x.zip"
+    if kind == "zip64":  # zipfile writes zip64 end records past this many entries
+        monkeypatch.setattr(zipfile, "ZIP_FILECOUNT_LIMIT", 3)
+    with zipfile.ZipFile(path, "w") as archive:
+        for n in range(5):
+            archive.writestr(f"pkg/m{n}.py", b"x" * n)
+        if kind.startswith("comment"):
+            archive.comment = (
+                b"a comment"
+                + {
+                    "comment": b"",
+                    "comment-with-signature": b"PK\x05\x06",  # too short for a record: not a zip
+                    "comment-with-record": b"PK\x05\x06" + bytes(range(1, 19)),  # zipfile takes this one
+                }[kind]
+            )
+    with open(path, "rb") as handle:
+        end = zipfile._EndRecData(handle)  # type: ignore[attr-defined]
+        theirs = None if end is None else end[zipfile._ECD_SIZE]  # type: ignore[attr-defined]
+        assert central_directory_size(handle) == theirs
+        assert (theirs is None) == (kind == "comment-with-signature")
+    assert (kind == "zip64") == (b"PK\x06\x06" in path.read_bytes())
