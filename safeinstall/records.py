@@ -9,6 +9,8 @@ import base64
 import binascii
 import csv
 import hashlib
+import io
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -66,10 +68,14 @@ def digest_bytes(data: bytes, algorithm: str = "sha256") -> str:
     return encode_digest(hashlib.new(algorithm, data).digest())
 
 
+#: The most digits of a size (no file is larger than 10**20 bytes).
+_SIZE_DIGITS = 20
+
+
 def _parse_row(row: list[str]) -> RecordEntry | str:
     """One CSV row to an entry, or the reason it is malformed."""
     if len(row) != 3:
-        return f"expected 3 fields (path,hash,size), found {len(row)}"
+        return f"expected 3 fields (path,hash,size), found {len(row) if len(row) < 4 else 'more'}"
     path, hash_text, size_text = row
     if not path:
         return "empty path"
@@ -79,16 +85,18 @@ def _parse_row(row: list[str]) -> RecordEntry | str:
     if hash_text:
         algorithm, sep, digest = hash_text.partition("=")
         if not sep or not digest:
-            return f"hash {hash_text!r} is not of the form algorithm=digest"
+            return f"hash {hash_text[:80]!r} is not of the form algorithm=digest"
         if algorithm not in ACCEPTED_ALGORITHMS:
-            return f"hash algorithm {algorithm!r} is not accepted"
+            return f"hash algorithm {algorithm[:80]!r} is not accepted"
         record_hash = RecordHash(algorithm, digest)
     size: int | None = None
     if size_text:
+        if len(size_text) > _SIZE_DIGITS:  # int() refuses over 4,300 digits (ValueError) anyway
+            return f"size {size_text[:40]!r}... is too large"
         try:
             size = int(size_text)
         except ValueError:
-            return f"size {size_text!r} is not an integer"
+            return f"size {size_text[:40]!r} is not an integer"
         if size < 0:
             return f"size {size} is negative"
     return RecordEntry(path=path, hash=record_hash, size=size)
@@ -103,18 +111,24 @@ LINES_LIMIT = 1_000_000
 
 
 def count_lines(text: str) -> int:
-    """Pure: how many lines :func:`parse_record` splits ``text`` into, at most (one pass, no copy)."""
-    return text.count("\n") + 1
+    """Pure: how many lines :func:`parse_record` splits ``text`` into, at most (no copy)."""
+    return text.count("\n") + text.count("\r") + 1
+
+
+#: Where a line ends, as uv's CSV reader (Rust's csv crate) and Python's csv module end one outside
+#: quotes: "\r\n", "\r" or "\n".
+_LINE_END = re.compile("\r\n?|\n")
 
 
 class _NotCsv(list[str]):
     """What is left of a RECORD once the CSV reader failed: one item, why."""
 
 
-def _csv_rows(lines: list[str]) -> Iterator[list[str]]:
-    """The rows of quoted CSV; where the reader fails (a field over its 128 KiB limit, a stray
-    "\r"), one :class:`_NotCsv` row, and no more."""
-    reader = csv.reader(line + "\n" for line in lines)  # ended: a newline in a quoted path is kept
+def _csv_rows(text: str) -> Iterator[list[str]]:
+    """The rows of quoted CSV, lines ended as :data:`_LINE_END` says (within quotes they are part of
+    the field, "\r\n" as written); where the reader fails (a field over its 128 KiB limit), one
+    :class:`_NotCsv` row, and no more."""
+    reader = csv.reader(io.StringIO(text, newline=""))
     try:
         yield from reader
     except csv.Error as exc:
@@ -124,16 +138,23 @@ def _csv_rows(lines: list[str]) -> Iterator[list[str]]:
 def parse_record(text: str, max_lines: int = LINES_LIMIT) -> Record:
     """Parse RECORD text. Malformed lines become problems, never exceptions.
 
-    Lines end at "\\n" ("\\r\\n" read as one), as CSV and uv's installer split a RECORD; a RECORD
-    of more than ``max_lines`` lines is not split at all (one problem)."""
-    if count_lines(text) > max_lines:
+    Lines end at "\\r\\n", "\\r" or "\\n" outside quotes, as CSV readers and uv's installer
+    split a RECORD (``str.splitlines`` also splits at "\\x1c" or "\\u2028", which uv takes as part of a
+    path). A RECORD of more than ``max_lines`` lines, or with quotes and more than three commas a line,
+    is not split at all (one problem): each line and field parsed costs root memory, however short."""
+    lines_at_most = count_lines(text)
+    if lines_at_most > max_lines:
         return Record((), (RecordProblem(1, "", f"more than {max_lines} lines: not parsed"),))
+    quoted = '"' in text
+    if quoted and text.count(",") > 3 * lines_at_most + 4096:  # csv makes a field of each
+        return Record((), (RecordProblem(1, "", "more than 3 commas a line: not parsed"),))
     entries: list[RecordEntry] = []
     problems: list[RecordProblem] = []
     unlisted = first_unlisted = 0  # malformed lines beyond PROBLEMS_LIMIT, the first of them
-    lines = (text.replace("\r\n", "\n") if "\r" in text else text).split("\n")
-    # Without a quote anywhere, CSV is a plain split on commas (and a torch RECORD has 15k lines).
-    rows = _csv_rows(lines) if '"' in text else (line.split(",") for line in lines)
+    # Without a quote anywhere, CSV is a plain split on commas (and a torch RECORD has 15k lines); a
+    # fourth field is not split off (a line of a million commas would be a million fields).
+    lines = _LINE_END.split(text) if "\r" in text else text.split("\n")
+    rows = _csv_rows(text) if quoted else (line.split(",", 3) for line in lines)
     accepted = ACCEPTED_ALGORITHMS
     plain = "\0" not in text  # else every line goes through _parse_row, which refuses a NUL in a path
     for number, row in enumerate(rows, start=1):
@@ -142,7 +163,13 @@ def parse_record(text: str, max_lines: int = LINES_LIMIT) -> Record:
         ):  # the usual hashed line, as _parse_row takes it, without a call
             algorithm, _, digest = row[1].partition("=")
             size_text = row[2]
-            if digest and algorithm in accepted and size_text.isascii() and size_text.isdigit():
+            if (
+                digest
+                and algorithm in accepted
+                and size_text.isascii()
+                and size_text.isdigit()
+                and len(size_text) <= _SIZE_DIGITS
+            ):
                 entries.append(RecordEntry(row[0], RecordHash(algorithm, digest), int(size_text)))
                 continue
         if not row or row == [""]:
@@ -151,7 +178,7 @@ def parse_record(text: str, max_lines: int = LINES_LIMIT) -> Record:
         if not isinstance(parsed, str):
             entries.append(parsed)
         elif len(problems) < PROBLEMS_LIMIT:
-            raw = lines[number - 1][:1024] if number - 1 < len(lines) else ",".join(row)[:1024]
+            raw = ",".join(row)[:1024]
             problems.append(RecordProblem(line=number, text=raw, reason=parsed))
         else:
             first_unlisted = number if not unlisted else first_unlisted

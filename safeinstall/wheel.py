@@ -7,15 +7,17 @@ one, uv #11723); those are reported as :class:`WheelProblem`, never as drift of 
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import re
 import zipfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from email.parser import HeaderParser
 from pathlib import Path, PurePosixPath
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 from packaging.tags import Tag
 from packaging.utils import (
@@ -250,7 +252,7 @@ def read_wheel(path: Path) -> Wheel:
         os.close(fd)
         raise _fail(path, f"not a wheel file name ({exc})") from exc
     try:
-        with os.fdopen(fd, "rb") as handle, zipfile.ZipFile(_listing_bounded(handle, path)) as archive:
+        with os.fdopen(fd, "rb") as handle, _archive(handle, path) as archive:
             infos = [i for i in archive.infolist() if not i.is_dir()]
             _check_names(infos, path)
             dist_infos = {
@@ -339,44 +341,52 @@ def read_wheel(path: Path) -> Wheel:
     )
 
 
-_END = b"PK\x05\x06"  # the end of central directory record (22 bytes, then a comment)
-_END64_LOCATOR = b"PK\x06\x07"  # 20 bytes, just before it in a zip64 archive
-_END64 = b"PK\x06\x06"  # 56 bytes, just before the locator
+class _ListingBounded(io.RawIOBase):
+    """A wheel's file as zipfile sees it while it reads the list of members: a read of more than
+    :data:`CENTRAL_DIRECTORY_LIMIT` bytes is refused (zipfile reads the whole central directory in
+    one read, where its end record says, and makes an object of each entry). The bound is on the read
+    itself: nothing can differ between a check and zipfile's own reading, even if the file is
+    rewritten meanwhile. Lifted once the list is read (members are read in any size)."""
+
+    def __init__(self, handle: BinaryIO, path: Path) -> None:
+        super().__init__()
+        self._handle = handle
+        self._path = path
+        self.bounded = True
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        return self._handle.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._handle.tell()
+
+    def read(self, size: int | None = -1) -> bytes:
+        size = -1 if size is None else size
+        if self.bounded:
+            here = self._handle.tell()
+            wanted = size if size >= 0 else self._handle.seek(0, os.SEEK_END) - here
+            self._handle.seek(here)
+            if wanted > CENTRAL_DIRECTORY_LIMIT:
+                limit = CENTRAL_DIRECTORY_LIMIT
+                raise _fail(
+                    self._path, f"its list of members takes {wanted} bytes, more than the {limit} allowed"
+                )
+        return self._handle.read(size)
 
 
-def central_directory_size(handle: BinaryIO) -> int | None:
-    """How many bytes of central directory a zip's end record gives, found as zipfile finds it (the
-    last end record in the final 64 KiB; a zip64 record just before its locator, if there is one);
-    None where there is none (zipfile then refuses the archive)."""
-    size = handle.seek(0, os.SEEK_END)
-    start = max(0, size - 22 - 0xFFFF)
-    handle.seek(start)
-    tail = handle.read()
-    if tail[-22:-18] == _END and tail[-2:] == b"\0\0":  # no comment: the last 22 bytes
-        at = len(tail) - 22
-    else:
-        at = tail.rfind(_END)
-        if at < 0 or len(tail) - at < 22:
-            return None
-    listed = int.from_bytes(tail[at + 12 : at + 16], "little")
-    locator = start + at - 20
-    if locator >= 56:
-        handle.seek(locator - 56)
-        before = handle.read(76)
-        if before[56:60] == _END64_LOCATOR and before[:4] == _END64:
-            listed = int.from_bytes(before[40:48], "little")
-    return listed
-
-
-def _listing_bounded(handle: BinaryIO, path: Path) -> BinaryIO:
-    """``handle``, back at its start, once its central directory is known to fit the limit."""
-    listed = central_directory_size(handle)
-    if listed is not None and listed > CENTRAL_DIRECTORY_LIMIT:
-        raise _fail(
-            path, f"its list of members takes {listed} bytes, more than the {CENTRAL_DIRECTORY_LIMIT} allowed"
-        )
-    handle.seek(0)
-    return handle
+@contextmanager
+def _archive(handle: BinaryIO, path: Path) -> Iterator[zipfile.ZipFile]:
+    """The wheel open as a zip archive whose list of members fit :data:`CENTRAL_DIRECTORY_LIMIT`."""
+    listing = _ListingBounded(handle, path)
+    with zipfile.ZipFile(cast(BinaryIO, listing)) as archive:
+        listing.bounded = False
+        yield archive
 
 
 def scheme_roots(wheel: Wheel, env: Environment) -> dict[str, Path]:
@@ -527,7 +537,7 @@ def read_member(wheel_path: Path, member: str, limit: int = METADATA_LIMIT) -> b
     :func:`read_wheel` opens it (WheelError if it is no longer a wheel of a bounded list)."""
     fd = open_regular(wheel_path)
     try:
-        with os.fdopen(fd, "rb") as handle, zipfile.ZipFile(_listing_bounded(handle, wheel_path)) as archive:
+        with os.fdopen(fd, "rb") as handle, _archive(handle, wheel_path) as archive:
             info = archive.getinfo(member)
             if info.file_size > limit:
                 raise ValueError(f"{member} is larger than {limit} bytes")

@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from safeinstall import wheel
 from safeinstall.distributions import entry_location, metadata_headers
+from safeinstall.errors import WheelError
 from safeinstall.records import PROBLEMS_LIMIT, RecordEntry, RecordHash, count_lines, parse_record
-from safeinstall.wheel import central_directory_size
+from safeinstall.wheel import read_wheel
 
 SITE = "/srv/venv/lib/python3.11/site-packages"
 
@@ -116,13 +118,35 @@ def test_a_field_over_the_csv_limit_is_a_problem_not_an_exception() -> None:
     assert problem.line == 2 and problem.reason.startswith("not CSV from here on (field larger than")
 
 
-def test_lines_end_at_newline_as_csv_and_uv_split_them() -> None:
-    """ "\\r\\n" ends a line; other characters str.splitlines splits at ("\\x1c", "\\u2028") are part of
-    the path, as uv's CSV reader takes them; a quoted path may hold a newline."""
-    text = 'a.py,sha256=AAAA,1\r\nb\x1cc.py,sha256=BBBB,2\nd\u2028e.py,,\n"f\ng.py",sha256=CCCC,3\n'
-    paths = [e.path for e in parse_record(text).entries]
-    assert paths == ["a.py", "b\x1cc.py", "d\u2028e.py", "f\ng.py"]
-    assert count_lines(text) == 6  # at most: the quoted newline is not a row of its own
+def test_lines_end_as_uv_ends_them() -> None:
+    """Lines end at "\\r\\n", "\\r" or "\\n" outside quotes, as uv's CSV reader ends them (the files
+    safeinstall checks and backs up are the files uv removes): a line that starts with "\\r" names
+    the file after it; within quotes a newline or "\\r\\n" is part of the path, as written; what
+    str.splitlines also split at ("\\x1c", "\\u2028") is part of the path, as uv reads it."""
+    for quote in ("", '"q.py",,\n'):  # the plain split and the csv module
+        text = (
+            quote + "a.py,sha256=AAAA,1\r\n"
+            "\rdemo_top.py,sha256=BBBB,6\n"
+            "b\x1cc.py,sha256=CCCC,2\r"
+            "d\u2028e.py,,\n"
+        )
+        paths = [e.path for e in parse_record(text).entries]
+        assert paths == ["q.py"] * bool(quote) + ["a.py", "demo_top.py", "b\x1cc.py", "d\u2028e.py"]
+        assert parse_record(text).problems == ()
+    quoted = '"f\ng.py",sha256=DDDD,3\n"h\r\ni.py",,\n'
+    assert [e.path for e in parse_record(quoted).entries] == ["f\ng.py", "h\r\ni.py"]
+    assert count_lines(quoted) == 6  # at most: the quoted line ends are not rows of their own
+
+
+def test_what_would_cost_root_memory_or_raise_is_a_problem() -> None:
+    """A size of 5,000 digits made int() raise (an internal error for every verification of the
+    environment); a line of commas was a list of as many fields."""
+    (problem,) = parse_record("x.py,sha256=AAAA," + "1" * 5000 + "\n").problems
+    assert problem.reason.startswith("size '1111") and problem.reason.endswith("is too large")
+    (problem,) = parse_record("x.py" + "," * 100_000 + "\n").problems
+    assert problem.reason == "expected 3 fields (path,hash,size), found more" and len(problem.text) <= 1024
+    (problem,) = parse_record('"x.py"' + "," * 100_000 + "\n").problems
+    assert problem.reason == "more than 3 commas a line: not parsed"
 
 
 def test_a_record_of_more_lines_than_the_limit_is_not_split() -> None:
@@ -133,32 +157,27 @@ def test_a_record_of_more_lines_than_the_limit_is_not_split() -> None:
     assert len(parse_record("x.py,,\n" * 9, max_lines=10).entries) == 9
 
 
-@pytest.mark.parametrize(
-    "kind", ["plain", "comment", "comment-with-signature", "comment-with-record", "zip64"]
-)
-def test_the_central_directory_size_is_read_as_zipfile_reads_it(
-    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("trailing", [0, 65_536])
+def test_a_wheels_list_of_members_is_bounded_where_zipfile_reads_it(
+    trailing: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A wheel's list of members is bounded before zipfile reads it: the size checked must be the one
-    zipfile will use (a comment can hold an end record's signature; zip64 archives have two records)."""
-    path = tmp_path / "x.zip"
-    if kind == "zip64":  # zipfile writes zip64 end records past this many entries
-        monkeypatch.setattr(zipfile, "ZIP_FILECOUNT_LIMIT", 3)
+    """zipfile reads a wheel's whole central directory in one read and makes an object of each 46-byte
+    entry: the read itself is bounded (here to 1 KiB), so nothing can differ between a check and
+    zipfile's own reading (an end record 65,536 bytes before the end, which it still finds; the file
+    rewritten in between)."""
+    path = tmp_path / "demo-1.0-py3-none-any.whl"
     with zipfile.ZipFile(path, "w") as archive:
-        for n in range(5):
-            archive.writestr(f"pkg/m{n}.py", b"x" * n)
-        if kind.startswith("comment"):
-            archive.comment = (
-                b"a comment"
-                + {
-                    "comment": b"",
-                    "comment-with-signature": b"PK\x05\x06",  # too short for a record: not a zip
-                    "comment-with-record": b"PK\x05\x06" + bytes(range(1, 19)),  # zipfile takes this one
-                }[kind]
-            )
-    with open(path, "rb") as handle:
-        end = zipfile._EndRecData(handle)  # type: ignore[attr-defined]
-        theirs = None if end is None else end[zipfile._ECD_SIZE]  # type: ignore[attr-defined]
-        assert central_directory_size(handle) == theirs
-        assert (theirs is None) == (kind == "comment-with-signature")
-    assert (kind == "zip64") == (b"PK\x06\x06" in path.read_bytes())
+        for n in range(40):
+            archive.writestr(f"demo/module_with_a_long_name_{n}.py", b"")
+        archive.writestr("demo-1.0.dist-info/METADATA", b"Name: demo\nVersion: 1.0\n")
+        archive.writestr("demo-1.0.dist-info/WHEEL", b"Wheel-Version: 1.0\n")
+        archive.writestr("demo-1.0.dist-info/RECORD", b"")
+    with open(path, "ab") as tail:
+        tail.write(bytes(trailing))
+    assert len(zipfile.ZipFile(path).infolist()) == 43  # zipfile reads it
+    assert read_wheel(path).name == "demo"
+    monkeypatch.setattr(wheel, "CENTRAL_DIRECTORY_LIMIT", 1024)
+    with pytest.raises(WheelError) as refused:
+        read_wheel(path)
+    assert "its list of members takes" in refused.value.message
+    assert refused.value.message.endswith("bytes, more than the 1024 allowed")
