@@ -42,6 +42,7 @@ from safeinstall.distributions import (
     InstalledDistribution,
     dist_info_dirs,
     dist_info_name,
+    entry_location,
     find_distributions,
 )
 from safeinstall.drift import own_roots, pyc_source
@@ -654,7 +655,7 @@ def _record_locations(tree: Tree, dist_info: str) -> list[str]:
     except (OSError, ValueError):
         return []
     base = os.path.join(os.fspath(tree.root), os.path.dirname(dist_info))
-    return [os.path.normpath(os.path.join(base, e.path)) for e in parse_record(text).entries]
+    return [entry_location(base, e) for e in parse_record(text).entries]
 
 
 def stale_bytecode(sources: Iterable[Path]) -> list[Path]:

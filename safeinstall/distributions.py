@@ -43,10 +43,12 @@ class InstalledDistribution:
 
 
 def entry_location(site: Path | str, entry: RecordEntry) -> str:
+    """Where an entry lives, as uv (the installer that removes it) takes it: relative to ``site``, a
+    leading "/" dropped (uv removes ``site-packages/etc/x`` for ``/etc/x``), normalised lexically."""
     path = entry.path
     if path[:1] != "/" and "//" not in path and "/." not in path and path[:1] != "." and path[-1:] != "/":
         return f"{os.fspath(site)}/{path}"  # already normal: skip normpath (a torch RECORD has 15k)
-    return os.path.normpath(os.path.join(site, path))
+    return os.path.normpath(os.path.join(site, path.lstrip("/")))
 
 
 #: The most of an installed METADATA or INSTALLER that is read (a wheel's are refused beyond the same),

@@ -220,15 +220,25 @@ def check_wheel(wheel: Wheel, package: str, env: Environment) -> None:
 
 
 def record_problems(found: Survey) -> tuple[str, ...]:
-    """Pure: an affected distribution whose RECORD could not be read: what it installed is not known,
-    so its files could be neither backed up nor checked (uv, which reads it as the owner, would remove
-    files no backup holds)."""
-    return tuple(
-        f"the RECORD of {dist.name} {dist.version} ({dist.dist_info}/RECORD) could not be read "
-        f"({dist.record_problem}): its files can be neither backed up nor checked"
-        for dist in found.affected
-        if dist.record_problem is not None
-    )
+    """Pure: an affected distribution whose RECORD could not be read, or has lines that could not be
+    parsed: what it installed is not (all) known, so some of its files could be neither backed up nor
+    checked, and uv, which reads the RECORD as the owner and may take such a line, would remove files no
+    backup holds."""
+    problems: list[str] = []
+    for dist in found.affected:
+        record = f"the RECORD of {dist.name} {dist.version} ({dist.dist_info}/RECORD)"
+        if dist.record_problem is not None:
+            problems.append(
+                f"{record} could not be read ({dist.record_problem}): its files can be neither backed up "
+                "nor checked"
+            )
+        elif dist.record.problems:
+            first = dist.record.problems[0]
+            problems.append(
+                f"{record} has lines that cannot be parsed (line {first.line}: {first.reason}): the files "
+                "they name can be neither backed up nor checked"
+            )
+    return tuple(problems)
 
 
 def room_problems(found: Survey, env: Environment, backups: Path, wheel: Wheel | None) -> tuple[str, ...]:

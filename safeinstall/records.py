@@ -142,6 +142,7 @@ def parse_record(text: str, max_lines: int = LINES_LIMIT) -> Record:
     split a RECORD (``str.splitlines`` also splits at "\\x1c" or "\\u2028", which uv takes as part of a
     path). A RECORD of more than ``max_lines`` lines, or with quotes and more than three commas a line,
     is not split at all (one problem): each line and field parsed costs root memory, however short."""
+    text = text.removeprefix("\ufeff")  # a byte order mark: CSV readers (uv's) drop it
     lines_at_most = count_lines(text)
     if lines_at_most > max_lines:
         return Record((), (RecordProblem(1, "", f"more than {max_lines} lines: not parsed"),))
@@ -153,8 +154,11 @@ def parse_record(text: str, max_lines: int = LINES_LIMIT) -> Record:
     unlisted = first_unlisted = 0  # malformed lines beyond PROBLEMS_LIMIT, the first of them
     # Without a quote anywhere, CSV is a plain split on commas (and a torch RECORD has 15k lines); a
     # fourth field is not split off (a line of a million commas would be a million fields).
-    lines = _LINE_END.split(text) if "\r" in text else text.split("\n")
-    rows = _csv_rows(text) if quoted else (line.split(",", 3) for line in lines)
+    if quoted:
+        rows = _csv_rows(text)
+    else:
+        lines = _LINE_END.split(text) if "\r" in text else text.split("\n")
+        rows = (line.split(",", 3) for line in lines)
     accepted = ACCEPTED_ALGORITHMS
     plain = "\0" not in text  # else every line goes through _parse_row, which refuses a NUL in a path
     for number, row in enumerate(rows, start=1):

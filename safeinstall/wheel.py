@@ -253,7 +253,8 @@ def read_wheel(path: Path) -> Wheel:
         raise _fail(path, f"not a wheel file name ({exc})") from exc
     try:
         with os.fdopen(fd, "rb") as handle, _archive(handle, path) as archive:
-            infos = [i for i in archive.infolist() if not i.is_dir()]
+            # not is_dir(): it indexes the name's last character, and a member may have an empty name
+            infos = [i for i in archive.infolist() if not i.filename.endswith("/")]
             _check_names(infos, path)
             dist_infos = {
                 PurePosixPath(i.filename).parts[0]
@@ -345,8 +346,9 @@ class _ListingBounded(io.RawIOBase):
     """A wheel's file as zipfile sees it while it reads the list of members: a read of more than
     :data:`CENTRAL_DIRECTORY_LIMIT` bytes is refused (zipfile reads the whole central directory in
     one read, where its end record says, and makes an object of each entry). The bound is on the read
-    itself: nothing can differ between a check and zipfile's own reading, even if the file is
-    rewritten meanwhile. Lifted once the list is read (members are read in any size)."""
+    itself (a read to the end reads at most one byte more, whatever the file has grown to meanwhile):
+    nothing can differ between a check and zipfile's own reading. Lifted once the list is read
+    (members are read in any size)."""
 
     def __init__(self, handle: BinaryIO, path: Path) -> None:
         super().__init__()
@@ -367,17 +369,18 @@ class _ListingBounded(io.RawIOBase):
         return self._handle.tell()
 
     def read(self, size: int | None = -1) -> bytes:
-        size = -1 if size is None else size
-        if self.bounded:
-            here = self._handle.tell()
-            wanted = size if size >= 0 else self._handle.seek(0, os.SEEK_END) - here
-            self._handle.seek(here)
-            if wanted > CENTRAL_DIRECTORY_LIMIT:
-                limit = CENTRAL_DIRECTORY_LIMIT
-                raise _fail(
-                    self._path, f"its list of members takes {wanted} bytes, more than the {limit} allowed"
-                )
-        return self._handle.read(size)
+        size = -1 if size is None or size < 0 else size
+        if not self.bounded:
+            return self._handle.read(size)
+        limit = CENTRAL_DIRECTORY_LIMIT
+        if size > limit:
+            raise _fail(
+                self._path, f"its list of members takes {size} bytes, more than the {limit} bytes allowed"
+            )
+        data = self._handle.read(limit + 1 if size < 0 else size)  # to the end: as it is now, at most
+        if len(data) > limit:
+            raise _fail(self._path, f"its list of members takes more than the {limit} bytes allowed")
+        return data
 
 
 @contextmanager

@@ -34,13 +34,16 @@ SITE = "/srv/venv/lib/python3.11/site-packages"
         "torch/.hidden",
         "torch/x.py/",
         "/etc/passwd",
+        "//etc/passwd",
+        "/",
         "a..b/c",
         "nvidia/cudnn/lib/libcudnn.so.9",
     ],
 )
 def test_entry_location_is_the_normalised_join(path: str) -> None:
+    """As uv takes a RECORD path: a leading "/" is dropped (uv removes site-packages/etc/passwd)."""
     entry = RecordEntry(path, None, None)
-    assert entry_location(SITE, entry) == os.path.normpath(os.path.join(SITE, path))
+    assert entry_location(SITE, entry) == os.path.normpath(os.path.join(SITE, path.lstrip("/")))
 
 
 def _reference(text: str) -> list[list[str]]:
@@ -162,22 +165,45 @@ def test_a_wheels_list_of_members_is_bounded_where_zipfile_reads_it(
     trailing: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """zipfile reads a wheel's whole central directory in one read and makes an object of each 46-byte
-    entry: the read itself is bounded (here to 1 KiB), so nothing can differ between a check and
+    entry: the read itself is bounded (here to 100 kB), so nothing can differ between a check and
     zipfile's own reading (an end record 65,536 bytes before the end, which it still finds; the file
     rewritten in between)."""
     path = tmp_path / "demo-1.0-py3-none-any.whl"
     with zipfile.ZipFile(path, "w") as archive:
-        for n in range(40):
-            archive.writestr(f"demo/module_with_a_long_name_{n}.py", b"")
+        for n in range(1000):  # a list of about 110 KiB
+            archive.writestr(f"demo/a_module_with_a_name_long_enough_to_fill_a_list_{n}.py", b"")
         archive.writestr("demo-1.0.dist-info/METADATA", b"Name: demo\nVersion: 1.0\n")
         archive.writestr("demo-1.0.dist-info/WHEEL", b"Wheel-Version: 1.0\n")
         archive.writestr("demo-1.0.dist-info/RECORD", b"")
     with open(path, "ab") as tail:
         tail.write(bytes(trailing))
-    assert len(zipfile.ZipFile(path).infolist()) == 43  # zipfile reads it
+    assert len(zipfile.ZipFile(path).infolist()) == 1003  # zipfile reads it
     assert read_wheel(path).name == "demo"
-    monkeypatch.setattr(wheel, "CENTRAL_DIRECTORY_LIMIT", 1024)
+    monkeypatch.setattr(wheel, "CENTRAL_DIRECTORY_LIMIT", 100_000)  # above the end records' 64 KiB
     with pytest.raises(WheelError) as refused:
         read_wheel(path)
-    assert "its list of members takes" in refused.value.message
-    assert refused.value.message.endswith("bytes, more than the 1024 allowed")
+    assert refused.value.message.endswith("bytes, more than the 100000 bytes allowed")
+    assert "its list of members takes 1" in refused.value.message
+
+
+def test_a_byte_order_mark_is_dropped_as_uv_drops_it() -> None:
+    """uv's CSV reader drops a leading BOM: the first path is "a", as uv removes it, not "\\ufeffa"."""
+    for text in ("\ufeffa,,\nb,,\n", '\ufeff"a",,\nb,,\n'):
+        record = parse_record(text)
+        assert [e.path for e in record.entries] == ["a", "b"] and record.problems == ()
+
+
+def test_a_read_to_the_end_of_a_wheels_list_reads_at_most_one_byte_past_the_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """zipfile reads its end records with read() to the end of the file: whatever the file has grown
+    to by then (its writer can grow it after any check), at most the bound and one byte are read."""
+    path = tmp_path / "demo-1.0-py3-none-any.whl"
+    with open(path, "wb") as grown:
+        grown.truncate(64 << 20)
+    monkeypatch.setattr(wheel, "CENTRAL_DIRECTORY_LIMIT", 1000)
+    with open(path, "rb") as handle:
+        listing = wheel._ListingBounded(handle, path)
+        with pytest.raises(WheelError, match="its list of members takes more than the 1000 bytes allowed"):
+            listing.read()
+        assert handle.tell() == 1001
