@@ -8,8 +8,10 @@ wheel kept in ``.bench/`` (see bench/downtime.py) into ``.bench/torch-uv`` with 
 --link-mode copy`` and a cache deleted afterwards (the files then share inodes with nothing, as after
 a safeinstall run); ``--installer pip`` runs ``pip install torch==2.13.0`` into ``.bench/torch-venv``.
 Each round runs safeinstall and distlib as a pair, the order flipping every round, on a warm page
-cache; the per-pair ratios and the medians are printed. Absolute times mean little on these machines:
-read the ratios. ``--sha256sum`` adds ``xargs -0 -P<cores> sha256sum`` over the same files.
+cache; the per-pair ratios and the medians are printed, with each command's CPU time (user and
+system, its children included: what a busier machine would make it wait for). Absolute times mean
+little on these machines: read the ratios. ``--sha256sum`` adds ``xargs -0 -P<cores> sha256sum``
+over the same files.
 
 Then the same pair inside one process (no interpreter start, no argument parsing, no imports):
 ``verify_environment`` against distlib's ``check_installed_files()``, alternating, which shows what
