@@ -99,11 +99,8 @@ class MetadataReader:
             return parse_record(""), problem
         lines = count_lines(text)
         if lines > self.lines_left:
-            raise RecordError(
-                f"the RECORDs in {path.parent.parent} list more than {SCAN_LINES_LIMIT} files in all "
-                f"(reading {path})",
-                hint=f"look for copies of .dist-info directories in {path.parent.parent} (its owner can "
-                "make them)",
+            raise _over_the_scan(
+                path, f"the RECORDs in {path.parent.parent} list more than {SCAN_LINES_LIMIT} files"
             )
         self.lines_left -= lines
         return parse_record(text), None
@@ -121,15 +118,19 @@ class MetadataReader:
             return None, NO_RECORD
         except OSError as exc:
             if exc.errno == errno.EFBIG and allowed < limit:
-                raise RecordError(
-                    f"the .dist-info files in {path.parent.parent} hold more than {SCAN_LIMIT} bytes "
-                    f"in all (reading {path})",
-                    hint=f"look for copies of .dist-info directories in {path.parent.parent} (its "
-                    "owner can make them)",
-                ) from exc
+                what = f"the .dist-info files in {path.parent.parent} hold more than {SCAN_LIMIT} bytes"
+                raise _over_the_scan(path, what) from exc
             return None, exc.strerror or str(exc)
         self.left -= len(data)
         return data.decode("utf-8", errors="replace"), None
+
+
+def _over_the_scan(path: Path, what: str) -> RecordError:
+    """A scan that stops at one of its limits, reading ``path``."""
+    return RecordError(
+        f"{what} in all (reading {path})",
+        hint=f"look for copies of .dist-info directories in {path.parent.parent} (its owner can make them)",
+    )
 
 
 _SCRIPT_SECTIONS = frozenset({"console_scripts", "gui_scripts"})
