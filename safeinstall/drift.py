@@ -61,32 +61,31 @@ class Finding:
 
 
 def compare(distribution: str, expected: Expectation, state: FileState, baseline: str) -> Finding | None:
-    """One expected file against what is on disk."""
-
-    def finding(kind: FindingKind, detail: str) -> Finding:
-        return Finding(
-            distribution=distribution,
-            path=expected.location,
-            kind=kind,
-            detail=detail,
-            baseline=baseline,
-            expected_sha256=expected.digest,
-            actual_sha256=state.digest,
-            expected_size=expected.size,
-            actual_size=state.size,
-        )
-
+    """One expected file against what is on disk (called once per file verified: no closure is made
+    for the files that match)."""
     if not state.exists:
-        return finding(FindingKind.MISSING, "listed but not installed")
-    if state.error is not None:
-        return finding(FindingKind.UNREADABLE, state.error)
-    if not state.is_file:
-        return finding(FindingKind.MODIFIED, "no longer a regular file")
-    if expected.size is not None and state.size != expected.size:
-        return finding(FindingKind.MODIFIED, f"size {state.size}, expected {expected.size}")
-    if expected.digest is not None and state.digest is not None and state.digest != expected.digest:
-        return finding(FindingKind.MODIFIED, f"{expected.algorithm} differs")
-    return None
+        kind, detail = FindingKind.MISSING, "listed but not installed"
+    elif state.error is not None:
+        kind, detail = FindingKind.UNREADABLE, state.error
+    elif not state.is_file:
+        kind, detail = FindingKind.MODIFIED, "no longer a regular file"
+    elif expected.size is not None and state.size != expected.size:
+        kind, detail = FindingKind.MODIFIED, f"size {state.size}, expected {expected.size}"
+    elif expected.digest is not None and state.digest is not None and state.digest != expected.digest:
+        kind, detail = FindingKind.MODIFIED, f"{expected.algorithm} differs"
+    else:
+        return None
+    return Finding(
+        distribution=distribution,
+        path=expected.location,
+        kind=kind,
+        detail=detail,
+        baseline=baseline,
+        expected_sha256=expected.digest,
+        actual_sha256=state.digest,
+        expected_size=expected.size,
+        actual_size=state.size,
+    )
 
 
 def hardlink_warning(distribution: str, state: FileState) -> Finding | None:

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Sequence
 from enum import Enum
@@ -77,6 +76,8 @@ def envelope(
 
 
 def dumps(document: dict[str, Any]) -> str:
+    import json  # here: --verify-only without --json starts without it
+
     return json.dumps(jsonable(document), indent=2, sort_keys=False, allow_nan=False)
 
 

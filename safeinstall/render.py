@@ -15,7 +15,6 @@ from rich.padding import Padding
 
 from safeinstall.drift import Finding, FindingKind
 from safeinstall.errors import SafeInstallError
-from safeinstall.lock import display_time
 from safeinstall.runlog import PROGRESS_EVERY_S, human_bytes, progress_text
 
 if TYPE_CHECKING:
@@ -408,6 +407,8 @@ def render_recoveries(out: Console, recoveries: list[Recovery]) -> None:
 
 
 def _when(iso: str | None) -> str:
+    from safeinstall.lock import display_time  # here: --verify-only starts without the lock's module
+
     return display_time(iso) if iso else "-"
 
 

@@ -34,7 +34,7 @@ from safeinstall.drift import (
 from safeinstall.environment import Environment
 from safeinstall.errors import ExitCode, WheelError
 from safeinstall.hashing import FileState, cycle_collection_paused, is_within, observe_files
-from safeinstall.records import digest_bytes
+from safeinstall.records import built, digest_bytes
 
 if TYPE_CHECKING:  # the wheel module (zipfile, packaging.tags) is loaded only when a wheel is given
     from safeinstall.wheel import Wheel, WheelProblem
@@ -173,7 +173,9 @@ def _record_plan(
             continue
         if entry.hash is None:
             continue  # unhashed entries (RECORD itself, .pyc) are skipped, as installers do
-        expectations.append(Expectation(location, entry.hash.algorithm, entry.hash.digest, entry.size))
+        expectations.append(
+            built(Expectation, (location, entry.hash.algorithm, entry.hash.digest, entry.size))
+        )
     return expectations, findings
 
 

@@ -287,8 +287,9 @@ print(code, gc.get_freeze_count(), " ".join(sorted(sys.modules)), file=sys.stder
 def test_verify_only_starts_without_pydantic_or_the_runs_modules(venv: Path, wheels: Wheelhouse) -> None:
     """A verification's time on a package of one large library is mostly start-up: it loads neither
     typer's pydantic validators (typer 0.29) nor what only a run needs (journal, uv, systemd, NVML),
-    nor rich's tables when there is nothing to tabulate. At its end every object left is frozen: the
-    collection Python runs at shutdown would walk them all."""
+    nor rich's tables when there is nothing to tabulate, nor json (only --json prints it) and the run
+    lock's module. At its end every object left is frozen: the collection Python runs at shutdown would
+    walk them all."""
     wheelhouse.uv_install(venv, wheels["sipure-1"])
     proc = subprocess.run(
         [sys.executable, "-c", _STARTUP_PROBE, "sipure", "--verify-only", "--python", str(venv)],
@@ -305,6 +306,7 @@ def test_verify_only_starts_without_pydantic_or_the_runs_modules(venv: Path, whe
     assert "safeinstall.verify" in loaded
     never = {"pydantic", "safeinstall.reinstall", "safeinstall.journal", "safeinstall.uvplan"}
     never |= {"safeinstall.state", "safeinstall.systemd", "safeinstall.gpus", "pynvml", "psutil"}
+    never |= {"json", "safeinstall.lock"}
     assert not never & loaded, never & loaded
     assert "rich.console" in loaded and "rich.table" not in loaded
 

@@ -62,6 +62,8 @@ def test_record_without_quotes_parses_as_csv_does() -> None:
     record = parse_record(text)
     assert [e.path for e in record.entries] == [row[0] for row in _reference(text)][:4]
     assert record.entries[0] == RecordEntry("pkg/__init__.py", RecordHash("sha256", "AAAA"), 12)
+    first = record.entries[0]  # built without the NamedTuples' own __new__ (records.built): still them
+    assert type(first) is RecordEntry and type(first.hash) is RecordHash and first.size == 12
     assert record.entries[2] == RecordEntry("pkg-1.0.dist-info/RECORD", None, None)
     (problem,) = record.problems
     assert problem.line == 6 and "expected 3 fields" in problem.reason
