@@ -39,6 +39,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from safeinstall.distributions import (
+    RECORD_LIMIT,
     InstalledDistribution,
     dist_info_dirs,
     dist_info_name,
@@ -60,7 +61,6 @@ MANIFEST_VERSION = 1
 _CHUNK = 1 << 20
 _BLOCK = 4096
 _TMP_MARK = ".safeinstall-restore-"
-_RECORD_LIMIT = 256 << 20  # a RECORD larger than this is not read (torch's is 2 MB)
 _FSYNC_THREADS = 16
 
 ProgressCallback = Callable[[int, int], None]  # (bytes copied, bytes total)
@@ -651,7 +651,7 @@ def _current_dist_infos(env: Environment, names: frozenset[str], tree: Tree) -> 
 def _record_locations(tree: Tree, dist_info: str) -> list[str]:
     """What the RECORD in ``dist_info`` lists (relative to the prefix; outside ones as absolute paths)."""
     try:
-        text = tree.read_bytes(f"{dist_info}/RECORD", _RECORD_LIMIT).decode("utf-8", errors="replace")
+        text = tree.read_bytes(f"{dist_info}/RECORD", RECORD_LIMIT).decode("utf-8", errors="replace")
     except (OSError, ValueError):
         return []
     base = os.path.join(os.fspath(tree.root), os.path.dirname(dist_info))

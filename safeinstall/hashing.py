@@ -418,7 +418,8 @@ def observe_files(
     ``workers``: threads (this one included; default :func:`default_workers`): up to ``workers - 1``
     helpers take the large files, costliest first, while this thread does the small ones and then
     helps with what large ones are left. ``on_progress`` gets the number of files done so far, after
-    each task, on the thread that did it (one at a time). ``meanwhile``: other work for this thread,
+    each task, on the thread that did it (one at a time); what it raises on any thread is raised here
+    once the helpers have stopped. ``meanwhile``: other work for this thread,
     done once the helpers have started on the large files and before the small ones (a verification
     reads the other distributions' RECORDs there while torch's 434 MB library hashes). ``within``: a
     real directory every file must be in, checked as each directory is opened (see
@@ -441,12 +442,7 @@ def observe_files(
                     task = None if failures else next(queue, None)
                 if task is None:
                     break
-                try:
-                    states = task.run(buffer)
-                except BaseException as exc:  # a bug, not a file's problem: raised on the calling thread
-                    with lock:
-                        failures.append(exc)
-                    return
+                states = task.run(buffer)
                 with lock:
                     for state in states:
                         results[state.path] = state
@@ -454,9 +450,16 @@ def observe_files(
                     if on_progress is not None:
                         on_progress(done)
 
+    def helper(queue: Iterator[_Task]) -> None:
+        try:
+            work(queue)
+        except BaseException as exc:  # a bug or on_progress's, not a file's problem: raised on the
+            with lock:  # calling thread (here it would end this thread with a traceback, and be lost)
+                failures.append(exc)
+
     helpers = min((workers or default_workers()) - 1, sum(task.large for task in tasks))
     threads = [
-        threading.Thread(target=work, args=(large,), name=f"hash-{n}", daemon=True)
+        threading.Thread(target=helper, args=(large,), name=f"hash-{n}", daemon=True)
         for n in range(1, helpers + 1)
     ]
     for thread in threads:
@@ -467,7 +470,7 @@ def observe_files(
                 meanwhile()
             with cycle_collection_paused():
                 work(small, large)
-        except BaseException as exc:  # in meanwhile, or a signal outside a task (on_progress, a lock)
+        except BaseException as exc:  # a bug, on_progress's, meanwhile's, or a signal
             with lock:
                 failures.append(exc)  # the helpers take no more tasks
             raise

@@ -27,7 +27,12 @@ from packaging.utils import (
     parse_wheel_filename,
 )
 
-from safeinstall.distributions import InstalledDistribution, parse_console_scripts
+from safeinstall.distributions import (
+    METADATA_LIMIT,
+    RECORD_LIMIT,
+    InstalledDistribution,
+    parse_console_scripts,
+)
 from safeinstall.environment import Environment
 from safeinstall.errors import WheelError
 from safeinstall.hashing import LARGEST_FILE
@@ -97,9 +102,8 @@ def _fail(path: Path, why: str) -> WheelError:
 
 
 #: Bounds on what a wheel may unpack to: a small wheel must not take gigabytes of memory (its metadata
-#: is read into memory) nor of time. Larger members and wheels are refused.
-METADATA_LIMIT = 16 << 20  # WHEEL, METADATA, entry_points.txt
-RECORD_LIMIT = 64 << 20  # torch's RECORD is 2 MB
+#: is read into memory) nor of time. Larger members and wheels are refused. Its WHEEL, METADATA,
+#: entry_points.txt and RECORD are bounded as installed ones are (``METADATA_LIMIT``, ``RECORD_LIMIT``).
 MEMBER_LIMIT = LARGEST_FILE  # 16 GiB: an installed file larger than this is reported, never hashed
 TOTAL_LIMIT = 64 << 30
 #: The most a wheel's central directory (its list of members) may take: zipfile reads it whole and

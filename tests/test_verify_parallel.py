@@ -34,6 +34,7 @@ from safeinstall.hashing import (
     CHUNK_FILES,
     LARGEST_FILE,
     STREAM_CHUNK,
+    FileState,
     _observe,
     observe_files,
     plan_tasks,
@@ -398,12 +399,16 @@ def test_reading_many_distributions_leaves_no_cycles(bulky: tuple[Path, Path]) -
     assert left == 0
 
 
-def _resident_kib(start: int) -> int:
-    """How much of the mapping that begins at ``start`` is in memory (``/proc/self/smaps``)."""
-    lines = Path("/proc/self/smaps").read_text().splitlines()
-    at = next(i for i, line in enumerate(lines) if line.startswith(f"{start:x}-"))
-    rss = next(line for line in lines[at + 1 :] if line.startswith("Rss:"))
-    return int(rss.split()[1])
+def _present_pages(start: int, size: int) -> int:
+    """How many of the pages from ``start`` for ``size`` bytes are in memory: their "present" bit
+    (63) in ``/proc/self/pagemap``, which any process may read of its own pages (smaps would count
+    a neighbouring mapping the kernel merged with this one)."""
+    first, count = start // mmap.PAGESIZE, size // mmap.PAGESIZE
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(first * 8)
+        data = pagemap.read(count * 8)
+    entries = [int.from_bytes(data[i : i + 8], "little") for i in range(0, len(data), 8)]
+    return sum(entry >> 63 for entry in entries)
 
 
 def test_files_are_read_into_a_private_buffer_that_starts_on_a_page() -> None:
@@ -415,7 +420,7 @@ def test_files_are_read_into_a_private_buffer_that_starts_on_a_page() -> None:
     assert len(buffer) == STREAM_CHUNK and not buffer.readonly
     start = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
     assert start % mmap.PAGESIZE == 0
-    assert _resident_kib(start) == STREAM_CHUNK // 1024
+    assert _present_pages(start, STREAM_CHUNK) == STREAM_CHUNK // mmap.PAGESIZE
     buffer[:4] = b"AAAA"
     child = os.fork()
     if child == 0:
@@ -460,3 +465,61 @@ def test_an_exception_on_the_calling_thread_stops_the_helpers(tmp_path: Path) ->
     finally:
         opened = _opens.stop()
     assert len([name for _thread, name in opened if name.startswith("big")]) < len(wanted)
+
+
+def test_an_exception_of_the_progress_callback_on_a_helper_is_raised_on_the_calling_thread(
+    tmp_path: Path,
+) -> None:
+    """What the progress callback raises on a helper thread is the caller's to see, as on its own
+    thread: raised by observe_files once the helpers have stopped, not printed by the thread as a
+    traceback and lost (the verification then reported as if nothing had happened)."""
+    content = os.urandom(BIG_FILE)
+    wanted = []
+    for n in range(8):
+        path = tmp_path / f"big{n}.bin"
+        path.write_bytes(content)
+        wanted.append(Expectation(str(path), "sha256", None, BIG_FILE))
+
+    class Stop(Exception):
+        pass
+
+    helper_reported = threading.Event()
+
+    def on_progress(_done: int) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            helper_reported.set()
+            raise Stop
+
+    seen: list[threading.ExceptHookArgs] = []
+    previous, threading.excepthook = threading.excepthook, seen.append
+    try:
+        with pytest.raises(Stop):  # this thread waits (meanwhile) until a helper has done a file
+            observe_files(
+                wanted, workers=2, on_progress=on_progress, meanwhile=lambda: helper_reported.wait(30)
+            )
+    finally:
+        threading.excepthook = previous
+    assert seen == []
+
+
+def test_a_file_state_has_each_field_where_its_name_says(tmp_path: Path) -> None:
+    """A file's state is built from a plain tuple (records.built, for speed): every field by name is
+    what stat and sha256 say, none swapped."""
+    path = tmp_path / "f.py"
+    path.write_bytes(b"print('x')\n")
+    os.link(path, tmp_path / "twin.py")
+    info = os.stat(path)
+    state = observe_files([Expectation(str(path), "sha256", None, info.st_size)])[str(path)]
+    assert type(state) is FileState and state._asdict() == {
+        "path": str(path),
+        "exists": True,
+        "is_file": True,
+        "size": info.st_size,
+        "digest": encode_digest(hashlib.sha256(b"print('x')\n").digest()),
+        "algorithm": "sha256",
+        "nlink": 2,
+        "device": info.st_dev,
+        "inode": info.st_ino,
+        "error": None,
+        "mtime_ns": info.st_mtime_ns,
+    }
