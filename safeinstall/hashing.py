@@ -430,6 +430,7 @@ def observe_files(
     small: Iterator[_Task] = iter([task for task in tasks if not task.large])
     results: dict[str, FileState] = {}
     failures: list[BaseException] = []
+    stop = threading.Event()  # set: no thread starts another task
     lock = threading.Lock()
     done = 0
 
@@ -439,7 +440,7 @@ def observe_files(
         for queue in queues:
             while True:
                 with lock:
-                    task = None if failures else next(queue, None)
+                    task = None if stop.is_set() else next(queue, None)
                 if task is None:
                     break
                 states = task.run(buffer)
@@ -456,6 +457,7 @@ def observe_files(
         except BaseException as exc:  # a bug or on_progress's, not a file's problem: raised on the
             with lock:  # calling thread (here it would end this thread with a traceback, and be lost)
                 failures.append(exc)
+            stop.set()
 
     helpers = min((workers or default_workers()) - 1, sum(task.large for task in tasks))
     threads = [
@@ -465,20 +467,32 @@ def observe_files(
     for thread in threads:
         thread.start()
     try:
-        try:
-            if meanwhile is not None:
-                meanwhile()
-            with cycle_collection_paused():
-                work(small, large)
-        except BaseException as exc:  # a bug, on_progress's, meanwhile's, or a signal
-            with lock:
-                failures.append(exc)  # the helpers take no more tasks
-            raise
-    finally:
-        for thread in threads:
-            thread.join()
+        if meanwhile is not None:
+            meanwhile()
+        with cycle_collection_paused():
+            work(small, large)
+    finally:  # done, or stopped by an exception (a bug, on_progress's, meanwhile's, a signal)
+        stop.set()  # the helpers end after their current file (none is left unless this thread failed)
+        _join(threads)
         for directory in {task.directory for task in tasks if task.directory is not None}:
             directory.close()  # already closed unless a failure stopped its other tasks
     if failures:
         raise failures[0]
     return results
+
+
+def _join(threads: Sequence[threading.Thread]) -> None:
+    """Waits for every thread to end; a signal meanwhile (Ctrl-C) is raised once they have: a helper
+    still reading a file through its directory's descriptor must not have it closed under it (the
+    number could be reused by the next ``open``, and the helper would open a name relative to
+    another directory). Each ends after its current file."""
+    pending: BaseException | None = None
+    for thread in threads:
+        while True:
+            try:
+                thread.join()
+                break
+            except BaseException as exc:
+                pending = pending or exc
+    if pending is not None:
+        raise pending

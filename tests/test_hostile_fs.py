@@ -1172,8 +1172,10 @@ def _acls_supported(directory: Path) -> bool:
     probe.write_bytes(b"")
     try:  # u::rw- g::--- o::---: the file's own mode as an ACL
         os.setxattr(probe, "system.posix_acl_access", _acl([(1, 6, 0), (4, 0, 0), (32, 0, 0)]))
-    except OSError:
-        return False
+    except OSError as exc:  # what safeinstall falls back on (wheelcopy); anything else is a failure
+        if exc.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
+            return False
+        raise
     finally:
         probe.unlink()
     return True

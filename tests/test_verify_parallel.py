@@ -484,9 +484,10 @@ def test_an_exception_of_the_progress_callback_on_a_helper_is_raised_on_the_call
         pass
 
     helper_reported = threading.Event()
+    calling = threading.current_thread()
 
     def on_progress(_done: int) -> None:
-        if threading.current_thread() is not threading.main_thread():
+        if threading.current_thread() is not calling:
             helper_reported.set()
             raise Stop
 
@@ -523,3 +524,37 @@ def test_a_file_state_has_each_field_where_its_name_says(tmp_path: Path) -> None
         "error": None,
         "mtime_ns": info.st_mtime_ns,
     }
+
+
+def test_a_ctrl_c_while_waiting_for_the_helpers_is_raised_once_they_have_ended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C while the calling thread waits for a helper still hashing a large file: the helper
+    takes no further file and its directory's descriptor stays open until it has ended (closed under
+    it, the number could be reused by the next open and the helper would open a name relative to
+    another directory); then the Ctrl-C is raised, and no helper is left running."""
+    huge = tmp_path / "huge.bin"
+    with huge.open("wb") as handle:
+        handle.truncate(512 << 20)  # sparse: 512 MiB of zeros to hash, a third of a second
+    wanted = [Expectation(str(huge), "sha256", None, 512 << 20)]
+    for n in range(4):
+        path = tmp_path / f"big{n}.bin"
+        path.write_bytes(os.urandom(BIG_FILE))
+        wanted.append(Expectation(str(path), "sha256", None, BIG_FILE))
+    real_join = threading.Thread.join
+    interrupted: list[bool] = []
+
+    def join(thread: threading.Thread, timeout: float | None = None) -> None:
+        if not interrupted:  # the first wait for a helper is interrupted, as by a Ctrl-C
+            interrupted.append(thread.is_alive())
+            raise KeyboardInterrupt
+        real_join(thread, timeout)
+
+    before = set(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(threading.Thread, "join", join)
+    with pytest.raises(KeyboardInterrupt):  # the helper starts on the costliest file meanwhile
+        observe_files(wanted, workers=2, meanwhile=lambda: time.sleep(0.05))
+    monkeypatch.undo()
+    assert interrupted == [True]  # the helper was still hashing when the Ctrl-C came
+    assert not [t for t in threading.enumerate() if t.name.startswith("hash-")]
+    assert set(os.listdir("/proc/self/fd")) <= before
