@@ -441,26 +441,33 @@ def test_a_file_larger_than_any_wheel_may_install_is_reported_not_hashed(tmp_pat
     assert state.error == f"{LARGEST_FILE + 1} bytes: larger than any wheel may install"
 
 
+def _big_files(directory: Path, count: int) -> list[Expectation]:
+    """``count`` files of ``BIG_FILE`` random bytes (each a task of its own), to be hashed."""
+    content = os.urandom(BIG_FILE)
+    wanted = []
+    for n in range(count):
+        path = directory / f"big{n}.bin"
+        path.write_bytes(content)
+        wanted.append(Expectation(str(path), "sha256", None, BIG_FILE))
+    return wanted
+
+
+class _Stop(Exception):
+    """What a test's progress callback raises."""
+
+
 def test_an_exception_on_the_calling_thread_stops_the_helpers(tmp_path: Path) -> None:
     """A Ctrl-C (here: an error in the progress callback) on the calling thread, outside a task: the
     helpers take no more files; they do not hash every large file left before the error is raised."""
-    content = os.urandom(BIG_FILE)
-    wanted = []
-    for n in range(200):
-        path = tmp_path / f"big{n}.bin"
-        path.write_bytes(content)
-        wanted.append(Expectation(str(path), "sha256", None, BIG_FILE))
-
-    class Stop(Exception):
-        pass
+    wanted = _big_files(tmp_path, 200)
 
     def on_progress(_done: int) -> None:
         if threading.current_thread() is threading.main_thread():
-            raise Stop
+            raise _Stop
 
     _opens.watch()
     try:
-        with pytest.raises(Stop):
+        with pytest.raises(_Stop):
             observe_files(wanted, workers=2, on_progress=on_progress)
     finally:
         opened = _opens.stop()
@@ -473,28 +480,19 @@ def test_an_exception_of_the_progress_callback_on_a_helper_is_raised_on_the_call
     """What the progress callback raises on a helper thread is the caller's to see, as on its own
     thread: raised by observe_files once the helpers have stopped, not printed by the thread as a
     traceback and lost (the verification then reported as if nothing had happened)."""
-    content = os.urandom(BIG_FILE)
-    wanted = []
-    for n in range(8):
-        path = tmp_path / f"big{n}.bin"
-        path.write_bytes(content)
-        wanted.append(Expectation(str(path), "sha256", None, BIG_FILE))
-
-    class Stop(Exception):
-        pass
-
+    wanted = _big_files(tmp_path, 8)
     helper_reported = threading.Event()
     calling = threading.current_thread()
 
     def on_progress(_done: int) -> None:
         if threading.current_thread() is not calling:
             helper_reported.set()
-            raise Stop
+            raise _Stop
 
     seen: list[threading.ExceptHookArgs] = []
     previous, threading.excepthook = threading.excepthook, seen.append
     try:
-        with pytest.raises(Stop):  # this thread waits (meanwhile) until a helper has done a file
+        with pytest.raises(_Stop):  # this thread waits (meanwhile) until a helper has done a file
             observe_files(
                 wanted, workers=2, on_progress=on_progress, meanwhile=lambda: helper_reported.wait(30)
             )
@@ -536,11 +534,7 @@ def test_a_ctrl_c_while_waiting_for_the_helpers_is_raised_once_they_have_ended(
     huge = tmp_path / "huge.bin"
     with huge.open("wb") as handle:
         handle.truncate(512 << 20)  # sparse: 512 MiB of zeros to hash, a third of a second
-    wanted = [Expectation(str(huge), "sha256", None, 512 << 20)]
-    for n in range(4):
-        path = tmp_path / f"big{n}.bin"
-        path.write_bytes(os.urandom(BIG_FILE))
-        wanted.append(Expectation(str(path), "sha256", None, BIG_FILE))
+    wanted = [Expectation(str(huge), "sha256", None, 512 << 20), *_big_files(tmp_path, 4)]
     real_join = threading.Thread.join
     interrupted: list[bool] = []
 
