@@ -61,8 +61,8 @@ class Finding:
 
 
 def compare(distribution: str, expected: Expectation, state: FileState, baseline: str) -> Finding | None:
-    """One expected file against what is on disk (called once per file verified: no closure is made
-    for the files that match)."""
+    """One expected file against what is on disk (called once per file verified: it makes no closure,
+    and nothing at all for a file that matches)."""
     if not state.exists:
         kind, detail = FindingKind.MISSING, "listed but not installed"
     elif state.error is not None:
