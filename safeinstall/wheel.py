@@ -136,12 +136,17 @@ def _hash_members(
         return {i.filename: _hash_member(archive, i, algorithms.get(i.filename)) for i in infos}
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="wheel-hash") as pool:
         futures = {i.filename: pool.submit(_hash_member, archive, i, algorithms.get(i.filename)) for i in big}
-        small = {
-            i.filename: _hash_member(archive, i, algorithms.get(i.filename))
-            for i in infos
-            if i.filename not in futures
-        }
-        return {i.filename: small.get(i.filename) or futures[i.filename].result() for i in infos}
+        try:
+            small = {
+                i.filename: _hash_member(archive, i, algorithms.get(i.filename))
+                for i in infos
+                if i.filename not in futures
+            }
+            return {i.filename: small.get(i.filename) or futures[i.filename].result() for i in infos}
+        except BaseException:  # a damaged member or a Ctrl-C: the pool's exit waits only for those
+            for future in futures.values():  # already inflating, not for every large member left
+                future.cancel()
+            raise
 
 
 def _hash_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, algorithm: str | None) -> WheelMember:

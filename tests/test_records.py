@@ -7,6 +7,7 @@ import csv
 import os
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -209,3 +210,30 @@ def test_a_read_to_the_end_of_a_wheels_list_reads_at_most_one_byte_past_the_boun
         with pytest.raises(WheelError, match="its list of members takes more than the 1000 bytes allowed"):
             listing.read()
         assert handle.tell() == 1001
+
+
+def test_a_damaged_member_stops_the_hashing_of_the_large_members_not_yet_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A small member that fails its CRC (or a Ctrl-C) while the wheel's large members hash on worker
+    threads: the error comes once the members already inflating are done, not after every large
+    member left (torch: seconds before a Ctrl-C took effect)."""
+    from tests import wheelhouse
+
+    files = {"demo/__init__.py": b"x = 1\n" * 100}
+    files |= {f"demo/big{n}.bin": os.urandom(4 << 20) for n in range(16)}
+    path = wheelhouse.make_wheel(tmp_path, "demo", "1.0", files)
+    wheelhouse.corrupt_member(path, "demo/__init__.py")
+    opened: list[str] = []
+    real_open = zipfile.ZipFile.open
+
+    def open_member(archive: zipfile.ZipFile, name: Any, *args: Any, **kwargs: Any) -> Any:
+        opened.append(name if isinstance(name, str) else name.filename)
+        return real_open(archive, name, *args, **kwargs)
+
+    monkeypatch.setattr(zipfile.ZipFile, "open", open_member)
+    with pytest.raises(WheelError):
+        read_wheel(path)
+    monkeypatch.undo()
+    started = [name for name in opened if name.startswith("demo/big")]
+    assert len(started) < len(files) - 1, started
