@@ -473,19 +473,24 @@ def observe_files(
             work(small, large)
     finally:  # done, or stopped by an exception (a bug, on_progress's, meanwhile's, a signal)
         stop.set()  # the helpers end after their current file (none is left unless this thread failed)
-        _join(threads)
+        interrupted = _join(threads)
         for directory in {task.directory for task in tasks if task.directory is not None}:
             directory.close()  # already closed unless a failure stopped its other tasks
+        if interrupted is not None:
+            raise interrupted
     if failures:
         raise failures[0]
     return results
 
 
-def _join(threads: Sequence[threading.Thread]) -> None:
-    """Waits for every thread to end; a signal meanwhile (Ctrl-C) is raised once they have: a helper
-    still reading a file through its directory's descriptor must not have it closed under it (the
-    number could be reused by the next ``open``, and the helper would open a name relative to
-    another directory). Each ends after its current file."""
+def _join(threads: Sequence[threading.Thread]) -> BaseException | None:
+    """Waits for every thread to end (each does after its current file) and returns the signal
+    (Ctrl-C) that came meanwhile, for the caller to raise once it has closed the directories: a
+    helper still reading a file through its directory's descriptor must not have it closed under it
+    (the number could be reused by the next ``open``, and the helper would open a name relative to
+    another directory). A second signal is raised at once (a helper stuck on a hung network
+    filesystem must not hold the process): nothing is closed then, and the descriptors stay open,
+    never reused, until the process ends."""
     pending: BaseException | None = None
     for thread in threads:
         while True:
@@ -493,6 +498,7 @@ def _join(threads: Sequence[threading.Thread]) -> None:
                 thread.join()
                 break
             except BaseException as exc:
-                pending = pending or exc
-    if pending is not None:
-        raise pending
+                if pending is not None:
+                    raise
+                pending = exc
+    return pending

@@ -11,6 +11,7 @@ import io
 import os
 import re
 import zipfile
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -35,6 +36,7 @@ from safeinstall.distributions import (
 )
 from safeinstall.environment import Environment
 from safeinstall.errors import WheelError
+from safeinstall.forking import cpu_count
 from safeinstall.hashing import LARGEST_FILE
 from safeinstall.records import Record, encode_digest, parse_record
 from safeinstall.safefs import open_regular
@@ -131,7 +133,7 @@ def _hash_members(
 ) -> dict[str, WheelMember]:
     """Every member of ``infos`` hashed (in their order): the large ones, largest first, on threads."""
     big = sorted((i for i in infos if i.file_size >= _BIG_MEMBER), key=lambda i: -i.file_size)
-    workers = min(len(big), os.cpu_count() or 1)
+    workers = min(len(big), cpu_count())
     if workers < 1:
         return {i.filename: _hash_member(archive, i, algorithms.get(i.filename)) for i in infos}
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="wheel-hash") as pool:
@@ -323,8 +325,8 @@ def read_wheel(path: Path) -> Wheel:
                 if entry_points_info is not None
                 else None
             )
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError) as exc:
-        raise _fail(path, f"not a valid zip archive ({exc})") from exc
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, zlib.error) as exc:  # zlib: a damaged
+        raise _fail(path, f"not a valid zip archive ({exc})") from exc  # deflated member
     except UnicodeDecodeError as exc:  # a member name flagged as UTF-8 that is not, or a WHEEL file
         raise _fail(path, f"a name or metadata file is not valid UTF-8 ({exc.reason})") from exc
     except NotImplementedError as exc:  # an unsupported compression method
@@ -555,7 +557,7 @@ def read_member(wheel_path: Path, member: str, limit: int = METADATA_LIMIT) -> b
                 raise ValueError(f"{member} is larger than {limit} bytes")
             with archive.open(info) as stream:
                 return stream.read(limit)
-    except (zipfile.BadZipFile, KeyError) as exc:  # replaced since it was read
+    except (zipfile.BadZipFile, KeyError, EOFError, zlib.error) as exc:  # replaced since it was read
         raise _fail(wheel_path, f"not the wheel it was ({exc})") from exc
 
 

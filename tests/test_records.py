@@ -232,8 +232,29 @@ def test_a_damaged_member_stops_the_hashing_of_the_large_members_not_yet_started
         return real_open(archive, name, *args, **kwargs)
 
     monkeypatch.setattr(zipfile.ZipFile, "open", open_member)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})  # two workers, whatever the host
     with pytest.raises(WheelError):
         read_wheel(path)
     monkeypatch.undo()
     started = [name for name in opened if name.startswith("demo/big")]
     assert len(started) < len(files) - 1, started
+
+
+@pytest.mark.parametrize("member", ["demo/__init__.py", "demo/big.bin"])
+def test_a_damaged_deflated_member_is_a_wheel_error(tmp_path: Path, member: str) -> None:
+    """A deflated member whose data the wheel's owner damaged fails in zlib, not in zipfile: an
+    error and a hint about the wheel (exit 2), not an internal error, whether the calling thread or a
+    worker inflates it."""
+    from tests import wheelhouse
+
+    dist_info = "demo-1.0.dist-info"
+    members = {
+        "demo/__init__.py": b"x = 1\n" * 1000,
+        "demo/big.bin": os.urandom(1 << 20) + b"\0" * (1 << 20),
+        f"{dist_info}/METADATA": b"Metadata-Version: 2.1\nName: demo\nVersion: 1.0\n",
+        f"{dist_info}/WHEEL": b"Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    path = wheelhouse.write_wheel(tmp_path / "demo-1.0-py3-none-any.whl", members, dist_info, deflate=True)
+    wheelhouse.corrupt_member(path, member)
+    with pytest.raises(WheelError, match="not a valid zip archive"):
+        read_wheel(path)

@@ -552,3 +552,31 @@ def test_a_ctrl_c_while_waiting_for_the_helpers_is_raised_once_they_have_ended(
     assert interrupted == [True]  # the helper was still hashing when the Ctrl-C came
     assert not [t for t in threading.enumerate() if t.name.startswith("hash-")]
     assert set(os.listdir("/proc/self/fd")) <= before
+
+
+def test_a_second_ctrl_c_while_waiting_for_the_helpers_is_raised_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A helper stuck on a file (a hung network filesystem) must not hold the process: a second Ctrl-C
+    while waiting for it is raised at once, and no directory is closed under the helper."""
+    huge = tmp_path / "huge.bin"
+    with huge.open("wb") as handle:
+        handle.truncate(512 << 20)
+    wanted = [Expectation(str(huge), "sha256", None, 512 << 20), *_big_files(tmp_path, 4)]
+    real_join = threading.Thread.join
+    alive: list[bool] = []
+
+    def join(thread: threading.Thread, timeout: float | None = None) -> None:
+        if len(alive) < 2:  # two Ctrl-C while waiting
+            alive.append(thread.is_alive())
+            raise KeyboardInterrupt
+        real_join(thread, timeout)
+
+    monkeypatch.setattr(threading.Thread, "join", join)
+    with pytest.raises(KeyboardInterrupt):
+        observe_files(wanted, workers=2, meanwhile=lambda: time.sleep(0.05))
+    still = [t for t in threading.enumerate() if t.name.startswith("hash-")]
+    monkeypatch.undo()
+    assert alive == [True, True] and still  # raised while the helper still hashed
+    for thread in still:
+        thread.join()  # it ends after its file, and closes its directory itself
