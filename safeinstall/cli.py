@@ -800,14 +800,10 @@ def main_command(
         _fail(error, command, as_json)
 
 
-def _after_dashes(argv: Sequence[str]) -> tuple[str, ...]:
-    """The arguments after ``--``: uv's."""
-    return tuple(argv[argv.index("--") + 1 :]) if "--" in argv else ()
-
-
-def _words(argv: Sequence[str]) -> list[str]:
-    """The arguments before ``--`` (after it they are uv's)."""
-    return list(argv[: argv.index("--")]) if "--" in argv else list(argv)
+def _split_at_dashes(argv: Sequence[str]) -> tuple[list[str], tuple[str, ...]]:
+    """The arguments before ``--`` (safeinstall's) and after it (uv's)."""
+    at = argv.index("--") if "--" in argv else len(argv)
+    return list(argv[:at]), tuple(argv[at + 1 :])
 
 
 def _usage_error(exc: typer.TyperException) -> UsageError:
@@ -817,9 +813,9 @@ def _usage_error(exc: typer.TyperException) -> UsageError:
 
 
 def _main(argv: list[str]) -> int:
-    words = _words(argv)
+    words, uv_args = _split_at_dashes(argv)
     try:
-        code = app(args=argv, prog_name="safeinstall", standalone_mode=False, obj=_after_dashes(argv))
+        code = app(args=argv, prog_name="safeinstall", standalone_mode=False, obj=uv_args)
     except typer.TyperException as exc:  # unknown option, missing value, bad value
         _fail(_usage_error(exc), command_for(set(words)), "--json" in words)
     return int(code or 0)

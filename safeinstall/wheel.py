@@ -111,6 +111,9 @@ TOTAL_LIMIT = 64 << 30
 #: The most a wheel's central directory (its list of members) may take: zipfile reads it whole and
 #: makes an object of about 500 bytes for each entry of at least 46 (torch's is 1.3 MB, 12k members).
 CENTRAL_DIRECTORY_LIMIT = 16 << 20
+#: What zipfile and zlib raise for an archive that is not a (whole) zip: a damaged end record, member
+#: or deflated stream (zlib's own error), one cut short.
+_DAMAGED = (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, zlib.error)
 #: Where a ``.data/<scheme>/`` member goes (the wheel spec's schemes; anything else is refused).
 SCHEMES = ("purelib", "platlib", "scripts", "headers", "data")
 _UTF8_FLAG = 0x800
@@ -325,8 +328,8 @@ def read_wheel(path: Path) -> Wheel:
                 if entry_points_info is not None
                 else None
             )
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, zlib.error) as exc:  # zlib: a damaged
-        raise _fail(path, f"not a valid zip archive ({exc})") from exc  # deflated member
+    except _DAMAGED as exc:
+        raise _fail(path, f"not a valid zip archive ({exc})") from exc
     except UnicodeDecodeError as exc:  # a member name flagged as UTF-8 that is not, or a WHEEL file
         raise _fail(path, f"a name or metadata file is not valid UTF-8 ({exc.reason})") from exc
     except NotImplementedError as exc:  # an unsupported compression method
@@ -557,7 +560,7 @@ def read_member(wheel_path: Path, member: str, limit: int = METADATA_LIMIT) -> b
                 raise ValueError(f"{member} is larger than {limit} bytes")
             with archive.open(info) as stream:
                 return stream.read(limit)
-    except (zipfile.BadZipFile, KeyError, EOFError, zlib.error) as exc:  # replaced since it was read
+    except (*_DAMAGED, KeyError) as exc:  # replaced since it was read
         raise _fail(wheel_path, f"not the wheel it was ({exc})") from exc
 
 
