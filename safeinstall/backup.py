@@ -38,6 +38,7 @@ from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from safeinstall import owner, worker
 from safeinstall.distributions import (
     RECORD_LIMIT,
     InstalledDistribution,
@@ -144,6 +145,9 @@ class RestoreResult:
     failures: tuple[str, ...]  # "path: reason" for files that could not be removed or restored
     skipped_outside: tuple[str, ...]  # paths asked to be removed that lie outside the prefix: left alone
     kept_shared: tuple[str, ...]  # paths asked to be removed that another distribution lists: left alone
+    #: "path: reason": asked to be removed, but the environment's owner may not remove them (so the
+    #: install, which ran as that owner, did not write them): left alone
+    not_removed: tuple[str, ...] = ()
     #: the files were found exactly as saved (nothing was installed, or the install failed before it
     #: wrote anything, e.g. on a read-only site-packages): nothing was written
     unchanged: bool = False
@@ -394,8 +398,8 @@ def _link(item: _Item, tree: Tree, dest: Tree, info: os.stat_result, known: File
     The backup then holds the installed inode itself. That is safe because the install never writes
     into it: uv's uninstall unlinks every RECORD entry first, and the install creates new files (a
     hardlink from the run's cache, or a copy) at those paths. Nothing is chmod-ed or touched here: it
-    is the installed file."""
-    if not stat.S_ISREG(info.st_mode):
+    is the installed file. Only an inode that root alone can write is linked (:func:`_only_root_writes`)."""
+    if not stat.S_ISREG(info.st_mode) or not _only_root_writes(info):
         return None
     identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
     try:
@@ -418,6 +422,14 @@ def _link(item: _Item, tree: Tree, dest: Tree, info: os.stat_result, known: File
     if digest is None:
         dest.unlink(item.relative)
     return digest
+
+
+def _only_root_writes(info: os.stat_result) -> bool:
+    """Pure: nobody but root (the caller) can write this inode: a hardlink of it in the backup stays as
+    saved. An inode its owner (a service account) can write is copied instead: the owner could write
+    it later through a descriptor opened before the backup (or a link of its own), and the restore
+    would then fail its check through the owner's doing."""
+    return info.st_uid == os.geteuid() and not info.st_mode & 0o022
 
 
 def _save(item: _Item, tree: Tree, dest: Tree, known: Mapping[str, FileState]) -> BackupFile | None:
@@ -549,7 +561,8 @@ def create_backup(
 
         # On the same filesystem a RECORD entry is a hardlink and a hash already known: a thread per
         # file would cost more than the work. Copies (other files, another filesystem) go to threads.
-        linking = os.stat(env.prefix).st_dev == os.stat(files_dir).st_dev
+        # (a service account's files are copied: see _only_root_writes)
+        linking = env.account is None and os.stat(env.prefix).st_dev == os.stat(files_dir).st_dev
         with (
             Tree(env.prefix) as tree,
             Tree(files_dir) as dest,
@@ -759,17 +772,6 @@ def _same(saved: BackupFile, tree: Tree) -> bool:
     )
 
 
-def _prune_empty(tree: Tree, directories: Iterable[str], stop: frozenset[str]) -> None:
-    for start in sorted(set(directories), key=lambda p: p.count("/"), reverse=True):
-        directory = start
-        while directory and directory not in stop:
-            try:
-                tree.rmdir(directory)
-            except (OSError, ValueError):
-                break
-            directory = os.path.dirname(directory)
-
-
 def _make_directories(manifest: BackupManifest, tree: Tree, as_root: bool) -> list[str]:
     """Recreate missing directories with their saved mode and owner (a symlink or a file where one was is
     removed, never followed); failures as "path: reason"."""
@@ -843,6 +845,10 @@ def restore_backup(
     installed distribution lists, are left alone (and reported). When the environment already holds
     exactly what was saved, nothing is written (:attr:`RestoreResult.unchanged`). Never raises for one
     file: failures are collected; check :attr:`RestoreResult.ok`.
+
+    What is removed is named by files the environment's owner could write (the installed RECORDs):
+    the removal runs in a worker that is that owner (:func:`_remove_as_owner`), so it removes nothing
+    the owner could not. The put-back writes only what root saved, at the paths root recorded.
     """
     manifest = backup.manifest
     prefix = env.prefix
@@ -852,45 +858,81 @@ def restore_backup(
             hint="pass the --python of the environment the backup was taken from",
         )
     try:
-        tree, source = Tree(prefix), Tree(backup.files_dir)
+        with Tree(prefix) as tree, tree.batch():
+            removal = _removal(backup, env, tree, remove)
+            stop = [
+                r
+                for r in (tree.relative(p) for p in (*env.site_dirs, env.scripts, env.data))
+                if r is not None
+            ]
+        removed = _remove_as_owner(env, removal, stop)
+        tree, source = Tree(prefix), Tree(backup.files_dir)  # opened anew: the worker changed directories
     except OSError as exc:
         raise BackupError(
             f"cannot open {exc.filename}: {exc.strerror or exc}",
             hint="the environment's prefix and the backup must be real directories",
         ) from exc
     with tree, source, tree.batch(), source.batch():
-        return _restore(backup, env, tree, source, remove, workers)
+        return _restore(backup, tree, source, removal, removed, workers)
+
+
+@dataclass(frozen=True, slots=True)
+class _Removed:
+    """What the owner's worker removed (paths relative to the prefix), and what it could not."""
+
+    files: tuple[str, ...]
+    dist_infos: tuple[str, ...]
+    denied: tuple[str, ...]  # "path: reason": the owner may not remove it, so it is not the install's
+    failures: tuple[str, ...]
+
+
+#: How long the owner's worker may take to remove an installed version (tens of thousands of files)
+REMOVAL_TIMEOUT_S = 600.0
+
+
+def _remove_as_owner(env: Environment, removal: _Removal, stop: list[str]) -> _Removed:
+    """Remove ``removal`` in a worker that is the environment's owner (root's own, isolated alike, for a
+    root-owned environment); its answer is checked: only paths that were asked count as removed."""
+    files = [*removal.files, *removal.debris]
+    asked_files, asked_dirs = frozenset(files), frozenset(removal.dist_infos)
+    if not files and not asked_dirs:
+        return _Removed((), (), (), ())
+    ids = None if env.account is None else env.account.ids
+    prefix = str(env.prefix)
+    try:
+        answer = worker.call(
+            ids,
+            lambda: owner.remove_installed(prefix, files, list(removal.dist_infos), stop),
+            timeout=REMOVAL_TIMEOUT_S,
+            what=f"removes the installed version's files from {prefix}",
+        )
+    except worker.WorkerError as exc:
+        return _Removed((), (), (), (exc.message,))
+
+    def strings(key: str, allowed: frozenset[str] | None = None) -> tuple[str, ...]:
+        value = answer.get(key) if isinstance(answer, dict) else None
+        if not isinstance(value, list):
+            return ()
+        texts = [v[:1000] for v in value if isinstance(v, str)]
+        return tuple(t for t in texts if allowed is None or t in allowed)
+
+    if not isinstance(answer, dict):
+        return _Removed((), (), (), ("the worker that removed the installed version answered nonsense",))
+    return _Removed(
+        strings("removed", asked_files),
+        strings("removed_dist_infos", asked_dirs),
+        tuple(f"{prefix}/{t}" for t in strings("denied")[:100]),
+        tuple(f"{prefix}/{t}: could not remove it" for t in strings("failures")[:100]),
+    )
 
 
 def _restore(
-    backup: Backup, env: Environment, tree: Tree, source: Tree, remove: Iterable[Path], workers: int | None
+    backup: Backup, tree: Tree, source: Tree, removal: _Removal, removed: _Removed, workers: int | None
 ) -> RestoreResult:
     manifest = backup.manifest
     as_root = os.geteuid() == 0
-    removal = _removal(backup, env, tree, remove)
     restoring = {f.path for f in manifest.files}
-    failures: list[str] = []
-    removed = 0
-    touched: set[str] = set()
-    for relative in (*removal.files, *removal.debris):
-        try:
-            if tree.unlink(relative):
-                removed += 1
-                touched.add(os.path.dirname(relative))
-        except OSError as exc:
-            failures.append(f"{tree.root / relative}: could not remove it: {exc.strerror or exc}")
-    removed_dist_infos: list[str] = []
-    for dist_info in removal.dist_infos:
-        try:
-            tree.remove_tree(dist_info)
-            removed_dist_infos.append(str(tree.root / dist_info))
-        except OSError as exc:
-            failures.append(f"{tree.root / dist_info}: could not remove it: {exc.strerror or exc}")
-    stop = frozenset(
-        r for r in (tree.relative(p) for p in (*env.site_dirs, env.scripts, env.data)) if r is not None
-    )
-    _prune_empty(tree, touched, stop)
-
+    failures = list(removed.failures)
     failures.extend(_make_directories(manifest, tree, as_root))
     _remove_own_temp_files(tree, {os.path.dirname(p) for p in restoring})  # left by a restore that crashed
     rewritten: list[str] = []
@@ -904,7 +946,7 @@ def _restore(
                 where = tree.root / futures[future].path
                 failures.append(f"{where}: could not restore it: {exc.strerror or exc}")
     # bytecode of removed or rewritten sources could be stale (saved .pyc files are back already)
-    for pyc in stale_bytecode([tree.root / p for p in (*removal.files, *rewritten)]):
+    for pyc in stale_bytecode([tree.root / p for p in (*removed.files, *rewritten)]):
         stale = tree.relative(pyc)
         if stale is not None and stale not in restoring:
             with contextlib.suppress(OSError):
@@ -913,13 +955,14 @@ def _restore(
         fsync_dirs(tree, sorted({os.path.dirname(p) for p in rewritten}))
     return RestoreResult(
         restored=len(manifest.files),
-        removed=removed,
-        removed_dist_infos=tuple(removed_dist_infos),
+        removed=len(removed.files),
+        removed_dist_infos=tuple(str(tree.root / d) for d in removed.dist_infos),
         mismatches=tuple(_check(manifest, tree)),
         failures=tuple(sorted(failures)),
         skipped_outside=removal.skipped_outside,
         kept_shared=removal.kept_shared,
-        unchanged=not (rewritten or removed or removed_dist_infos or failures),
+        not_removed=removed.denied,
+        unchanged=not (rewritten or removed.files or removed.dist_infos or failures),
     )
 
 

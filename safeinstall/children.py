@@ -11,12 +11,18 @@
   would finish (or half-finish) an install while ``safeinstall --recover`` restores the backup.
   Every child gets the parent-death signal SIGKILL (``prctl(PR_SET_PDEATHSIG)``), so it dies with
   the run.
+
+Every child is also a worker in the sense of :mod:`safeinstall.worker` (:func:`isolate`): a session
+of its own (no controlling terminal: code the environment's owner wrote, run by the probe or by uv,
+cannot open root's ``/dev/tty``, and a terminal's Ctrl-C reaches safeinstall alone), the ids it is
+given, no inherited descriptors, no core dumps, ``/`` as its working directory.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import selectors
 import signal
 import subprocess
@@ -43,16 +49,54 @@ def _find_prctl() -> Callable[[int, int], int] | None:
 _PRCTL = _find_prctl()
 
 
+def isolate(
+    parent: int, ids: tuple[int, int] | None, *, new_session: bool, keep: tuple[int, ...] | None = None
+) -> None:
+    """In a freshly forked child, before its work (or its ``exec``): the worker's isolation
+    (:mod:`safeinstall.worker`). ``ids`` (uid, gid): become them, no supplementary groups (a program
+    started by :func:`run` has them set by ``subprocess`` before this runs). ``new_session``: ``setsid``
+    (no controlling terminal; ``subprocess`` does it for a program). ``keep``: close every descriptor
+    but these, standard streams to ``/dev/null`` (``subprocess`` closes them for a program).
+
+    The parent-death signal is armed after the ids change (the kernel clears it on a change of
+    credentials); if the parent died before, the child exits (status 255)."""
+    if new_session:
+        os.setsid()
+    if keep is not None:
+        _close_all_but(keep)
+    if ids is not None:
+        os.setgroups([])
+        os.setgid(ids[1])
+        os.setuid(ids[0])
+        if (os.getuid(), os.geteuid(), os.getgid(), os.getegid()) != (ids[0], ids[0], ids[1], ids[1]):
+            os._exit(254)
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if os.getppid() != parent:  # the parent died before prctl: no signal would come
+        os._exit(255)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file of what root's memory held
+    os.umask(0o022)
+    os.chdir("/")
+
+
+def _close_all_but(keep: tuple[int, ...]) -> None:
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):  # a stray print must not fail, nor reach root's terminal
+        if fd not in keep:
+            os.dup2(null, fd)
+    low = 3
+    for fd in sorted(k for k in keep if k >= 3):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, os.sysconf("SC_OPEN_MAX"))
+
+
 def _die_with(parent: int) -> Callable[[], None]:
-    """The code the child runs between fork and exec: SIGKILL when ``parent`` dies."""
-    prctl = _PRCTL
-    kill = int(signal.SIGKILL)
+    """The code a program's child runs between fork and exec: :func:`isolate` (``subprocess`` made the
+    new session and set the ids already)."""
 
     def in_child() -> None:
-        if prctl is not None:
-            prctl(_PR_SET_PDEATHSIG, kill)
-        if os.getppid() != parent:  # the parent died before prctl: no signal would come
-            os._exit(255)
+        isolate(parent, None, new_session=False)
 
     return in_child
 
@@ -113,6 +157,7 @@ def run(
     timeout: float | None,
     as_user: tuple[int, int] | None = None,
     limit: int = OUTPUT_LIMIT,
+    program_fd: int | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Like ``subprocess.run(argv, capture_output=True, text=True)``, without the gaps above; bytes of
     the output that are not UTF-8 are replaced (U+FFFD), never an exception.
@@ -120,6 +165,10 @@ def run(
     ``as_user`` (uid, gid): the child runs as that user and group only (no supplementary groups).
     The child's working directory is ``/``: nothing in the caller's (a ``uv.toml`` or ``pyproject.toml``
     that uv would discover there or in a directory above it, such as ``/tmp``) can steer it.
+
+    ``program_fd``: an open descriptor of the program ``argv[0]`` names, executed through it (the
+    program may lie where ``as_user`` cannot reach, such as below ``/root``: uv installed beside
+    safeinstall).
 
     Raises ``subprocess.TimeoutExpired`` (the child killed and reaped), :class:`TooMuchOutput` (more
     than ``limit`` bytes on stdout or stderr: killed and reaped) and ``OSError`` (it could not start);
@@ -131,6 +180,8 @@ def run(
     try:
         proc = subprocess.Popen(
             command,
+            executable=None if program_fd is None else f"/proc/self/fd/{program_fd}",
+            pass_fds=() if program_fd is None else (program_fd,),
             env=dict(env),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
@@ -140,6 +191,7 @@ def run(
             group=None if as_user is None else as_user[1],
             extra_groups=None if as_user is None else [],
             cwd="/",  # never the caller's: a uv.toml there (or above, e.g. in /tmp) would steer uv
+            start_new_session=True,  # no controlling terminal: root's /dev/tty is out of its reach
         )
     except BaseException:
         _release(previous, held)

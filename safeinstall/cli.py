@@ -454,7 +454,7 @@ def run_options(
     detached run's health URL and uv arguments come from its ``private`` file, never its command line."""
     from safeinstall.options import RunOptions
     from safeinstall.state import is_run_id
-    from safeinstall.uvplan import parse_requirement
+    from safeinstall.uvplan import index_settings, parse_requirement
 
     if private is not None:
         if params["health_url"] is not None or extra_args:
@@ -464,6 +464,9 @@ def run_options(
             )
         params = {**params, "health_url": private.health_url}
         extra_args = private.extra_args
+    # index options (their URLs may hold credentials) reach uv in its environment, never on a command
+    # line that every local user can read in /proc
+    extra_args, index_environ = index_settings(extra_args)
     requirement = parse_requirement(params["package"])
     # typer hands the command's function a Path, but leaves ``ctx.params`` as click parsed it (a str)
     wheel = Path(params["wheel"]) if params["wheel"] is not None else None
@@ -499,6 +502,7 @@ def run_options(
         prune=params["prune"],
         keep_backups=params["keep_backups"],
         run_id=run_id,
+        environ={**os.environ, **index_environ},
     )
 
 
@@ -580,7 +584,12 @@ def main_command(
     health_url: Annotated[
         str | None,
         typer.Option(
-            "--health-url", metavar="URL", help="After the restart, wait until this URL answers 200."
+            "--health-url",
+            metavar="URL",
+            envvar="SAFEINSTALL_HEALTH_URL",
+            show_envvar=False,
+            help="After the restart, wait until this URL answers 200 (or from SAFEINSTALL_HEALTH_URL: "
+            "a URL with a token stays off the command line, which every local user can read).",
         ),
     ] = None,
     health_timeout: Annotated[

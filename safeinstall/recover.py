@@ -38,6 +38,7 @@ from safeinstall.output import envelope, jsonable
 from safeinstall.runlog import append_line
 from safeinstall.safefs import Tree
 from safeinstall.state import (
+    PUT_BACK_CACHE_S,
     EnvironmentState,
     StateDirError,
     check_trusted,
@@ -325,11 +326,16 @@ def recover_one(state: EnvironmentState, environ: Mapping[str, str], settle: flo
                     )
                 restore = (env, load_backup(Path(journal.backup_dir)))
             # the dead run's own uv cache (and scratch) first: nothing may share inodes with it, and on a
-            # full disk the restore needs the room it holds
-            remove_uv_caches(state)
+            # full disk the restore needs the room it holds (bounded: its owner may keep filling it)
+            left = remove_uv_caches(state, seconds=PUT_BACK_CACHE_S)
             done = put_back(
                 state.dir, journal, environ, restore, lambda units: _start(units, environ, settle), finished
             )
+            if left:
+                left = remove_uv_caches(state)
+                notes.extend(
+                    f"{path} is still being filled by its owner: left for the next run" for path in left
+                )
         except JournalError:
             raise  # refused before anything was done: exit 2, as for any refusal
         except SafeInstallError as exc:

@@ -63,6 +63,8 @@ from safeinstall.retention import prune_backups
 from safeinstall.runlog import append_line
 from safeinstall.signals import interrupts_deferred, interrupts_raise
 from safeinstall.state import (
+    PUT_BACK_CACHE_S,
+    RUN_DIR_REMOVAL_S,
     EnvironmentState,
     atomic_write,
     make_run_dir,
@@ -73,7 +75,7 @@ from safeinstall.state import (
 from safeinstall.survey import Survey, scan_again, systemd_for
 from safeinstall.systemd import StopOutcome, Systemd, start_wait_s
 from safeinstall.uvplan import install as uv_install
-from safeinstall.uvplan import prefetch_command, uv_binary
+from safeinstall.uvplan import prefetch_command, secure_uv_lock, uv_binary
 from safeinstall.verify import VerifyReport, verify_environment
 from safeinstall.wheel import Wheel
 from safeinstall.wheelcopy import discard_wheel_copy
@@ -356,7 +358,10 @@ def prefetch_step(run: _Run) -> str:
 
 
 def gate_step(run: _Run) -> str:
-    """Keep the units from starting on a half-installed package (a crash, a reboot)."""
+    """Keep the units from starting on a half-installed package (a crash, a reboot); and keep anyone but
+    the environment's owner from holding uv's lock while they are down."""
+    lock = secure_uv_lock(run.env.prefix, run.env.account)
+    run._log(lock)
     units = [u.name for u in run.journal.units]
     if not units:
         return "no units"
@@ -638,8 +643,14 @@ def rollback(run: _Run, error: SafeInstallError) -> SafeInstallError:
             installed = _phase_at_least(run.journal, Phase.INSTALLING)
             if installed:
                 # the run's cache first: the installed files are its hardlinks, and on a full disk
-                # the restore needs the room that removing them frees only once the cache is gone
-                remove_uv_caches(run.state, run.run_id)
+                # the restore needs the room that removing them frees only once the cache is gone;
+                # bounded, since its owner may keep filling it (the rest goes after the restart)
+                left = remove_uv_caches(run.state, run.run_id, PUT_BACK_CACHE_S)
+                if left:
+                    run._log(
+                        f"the run's uv cache was still being filled after {PUT_BACK_CACHE_S:g} s: "
+                        "restoring first, removing it afterwards"
+                    )
             restore = None
             if installed and run.backup is not None:
                 restore = (run.env, run.backup)
@@ -868,7 +879,9 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
         not_restarted = tuple(run._units_to_restart()) if options.no_restart else ()
         return _result(run, "done", ExitCode.OK, None, not_restarted, tuple(map(str, old.removed)))
     finally:
-        remove_uv_caches(run.state, run.run_id)  # installed files then share inodes with nothing
+        # installed files then share inodes with nothing; what its owner kept filling stays for the next run
+        for left in remove_uv_caches(run.state, run.run_id):
+            run._log(f"{left} could not be removed in {RUN_DIR_REMOVAL_S:g} s: the next run removes it")
         if not run.state.journal.exists():  # else the wheel copy is kept for --recover
             _discard_wheel_copy(prepared)
         if prepared.lock is not None:

@@ -29,6 +29,7 @@ import hashlib
 import os
 import stat
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -283,7 +284,7 @@ def _descend(stack: list[_Emptying], fd: int, name: str) -> None:
     stack[-1].left = _listing(fd)
 
 
-def remove_at(dir_fd: int, name: str) -> bool:
+def remove_at(dir_fd: int, name: str, deadline: float | None = None) -> bool:
     """Remove the entry ``name`` of the directory ``dir_fd`` and, when it is a directory, everything
     below it (``rm -r``), in a tree that others may change meanwhile; False when it is not there.
 
@@ -292,6 +293,7 @@ def remove_at(dir_fd: int, name: str) -> bool:
     a directory after the listing, and a FIFO never blocks. An entry that changed between a file and a
     directory is tried the other way; a directory refilled meanwhile is listed again (a few times).
     Iterative: a tree more than :data:`MAX_REMOVE_DEPTH` directories deep is refused with an OSError.
+    ``deadline`` (``time.monotonic()``): past it, TimeoutError (something keeps filling the tree).
     Raises OSError (what was removed before stays removed)."""
     try:
         info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
@@ -304,6 +306,8 @@ def remove_at(dir_fd: int, name: str) -> bool:
     try:
         _descend(stack, top, name)
         while stack:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(errno.ETIMEDOUT, "still being filled when time ran out", name)
             here = stack[-1]
             if here.left:
                 child_name, is_dir = here.left.pop()
@@ -624,15 +628,15 @@ class Tree:
             raise exc
         return True
 
-    def remove_tree(self, relative: str) -> bool:
+    def remove_tree(self, relative: str, deadline: float | None = None) -> bool:
         """Remove ``relative`` and everything below it, by descriptor (a symlink is removed, not
-        followed); False when it is not there."""
+        followed); False when it is not there. ``deadline``: as for :func:`remove_at`."""
         try:
             with self.parent(relative) as (fd, name):
                 info = os.stat(name, dir_fd=fd, follow_symlinks=False)
                 if stat.S_ISDIR(info.st_mode):
                     self._removed_directory()
-                return remove_at(fd, name)
+                return remove_at(fd, name, deadline)
         except (FileNotFoundError, NotADirectoryError):
             return False
 

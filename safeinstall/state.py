@@ -46,11 +46,13 @@ import os
 import re
 import stat
 import tempfile
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
+from safeinstall import owner, worker
 from safeinstall.environment import Account
 from safeinstall.errors import SafeInstallError
 from safeinstall.safefs import Tree, permitted
@@ -150,31 +152,70 @@ def make_run_dir(path: Path, account: Account | None) -> Path:
     """Make the run's directory ``path`` (its uv cache, a scratch directory: a child of an environment's
     state directory), 0700; with ``account``, the directory is that account's (uv runs as it). What
     is in the way (a leftover) is removed first, by descriptor. Returns ``path``."""
+    if not remove_run_dir(path):
+        raise OSError(errno.ENOTEMPTY, "a leftover could not be removed", str(path))
     with Tree(path.parent) as tree:
-        tree.remove_tree(path.name)
         tree.make_dir(path.name, PRIVATE_MODE, None if account is None else account.ids)
     return path
 
 
-def remove_run_dir(path: Path) -> None:
-    """Delete the run's directory ``path`` (best effort) by descriptor: whatever uv, or the account it
-    ran as, left in it (a symlink above all) is removed, never followed; nothing outside is touched."""
-    with contextlib.suppress(OSError), Tree(path.parent) as tree:
-        tree.remove_tree(path.name)
+#: How long the run's uv cache (or a scratch directory) may take to delete: its owner may keep filling
+#: it (a ``.pth`` file learns ``UV_CACHE_DIR`` in every uv call). Past it, what is left stays for the
+#: next run or ``--recover``, which try again.
+RUN_DIR_REMOVAL_S = 30.0
+#: The same bound while the services are down (a rollback, ``--recover``): the restore goes on
+#: after it, and the rest is removed once the units run again.
+PUT_BACK_CACHE_S = 10.0
 
 
-def remove_uv_caches(state: EnvironmentState, run_id: str | None = None) -> None:
+def remove_run_dir(path: Path, seconds: float = RUN_DIR_REMOVAL_S) -> bool:
+    """Delete the run's directory ``path`` (best effort, bounded by ``seconds``); True when it is gone.
+
+    Its contents are the directory owner's (uv ran as the environment's account): they are removed by a
+    worker that is that owner (:mod:`safeinstall.worker`), by descriptor, so a symlink left there is
+    removed, never followed, and nothing the owner could not delete is deleted. Root then removes the
+    emptied directory itself, from its own state directory (never what was put back into it)."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    if stat.S_ISDIR(info.st_mode):
+        ids = None if info.st_uid == 0 else (info.st_uid, info.st_gid)
+        with contextlib.suppress(worker.WorkerError):
+            worker.call(
+                ids,
+                lambda: owner.empty_directory(str(path), seconds),
+                timeout=seconds + 5,
+                what=f"empties {path}",
+            )
+    with contextlib.suppress(OSError), Tree(path.parent) as tree, tree.parent(path.name) as (fd, name):
+        try:
+            os.rmdir(name, dir_fd=fd)
+        except NotADirectoryError:  # a file or a symlink in its place: the entry itself goes
+            os.unlink(name, dir_fd=fd)
+    return not os.path.lexists(path)
+
+
+def remove_uv_caches(
+    state: EnvironmentState, run_id: str | None = None, seconds: float = RUN_DIR_REMOVAL_S
+) -> tuple[str, ...]:
     """Delete the run-private uv cache and scratch directories of ``run_id`` (None: every one left by
-    runs that died), as :func:`remove_run_dir` does. Installed files hardlinked from the cache then
-    share their inodes with nothing."""
+    runs that died), as :func:`remove_run_dir` does, within ``seconds`` in all. Installed files
+    hardlinked from the cache then share their inodes with nothing. Returns the ones left."""
     try:
         names = os.listdir(state.dir)
     except OSError:
-        return
+        return ()
+    left: list[str] = []
+    deadline = time.monotonic() + seconds
     for name in names:
         for prefix in RUN_DIR_PREFIXES:
-            if name.startswith(prefix) and (run_id is None or name == prefix + run_id):
-                remove_run_dir(state.dir / name)
+            mine = name.startswith(prefix) and (run_id is None or name == prefix + run_id)
+            if mine and not remove_run_dir(state.dir / name, max(0.0, deadline - time.monotonic())):
+                left.append(str(state.dir / name))
+    return tuple(left)
 
 
 @dataclass(frozen=True, slots=True)

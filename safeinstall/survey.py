@@ -76,7 +76,8 @@ def survey(options: RunOptions, env: Environment | None = None, wheel: Wheel | N
             options.extra_args, same_filesystem(state_root(options.environ, os.geteuid()), env.prefix)
         ),
     )
-    uv_plan = dry_run(request, options.environ, account=env.account)  # as the owner: uv runs its .pth files
+    # as the owner (uv runs its .pth files); uv's lock file, if this made one, goes again
+    uv_plan = dry_run(request, options.environ, account=env.account, prefix=env.prefix)
     by_name = {d.name: d for d in installed}
     affected = tuple(by_name[n] for n in sorted({*uv_plan.affected, target.name}) if n in by_name)
     targets = load_targets(affected, env, installed)

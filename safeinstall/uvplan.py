@@ -21,19 +21,24 @@ installs are the owner's, as the environment's other files are.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import stat
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import uv
 from packaging.utils import canonicalize_name
 
-from safeinstall import children
+from safeinstall import children, owner, worker
 from safeinstall.environment import Account
 from safeinstall.errors import PlanError, UsageError
+from safeinstall.safefs import Tree
+from safeinstall.worker import WorkerError
 
 _CHANGE = re.compile(r"^\s*(?P<sign>[-+~])\s+(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)(?P<rest>.*)$")
 _VERSION = re.compile(r"^==(?P<version>\S+)")
@@ -180,6 +185,78 @@ def _without(extra_args: Sequence[str], option: str) -> list[str]:
     return kept
 
 
+#: uv's options that name an index or a place to find wheels, and the variable uv reads each from
+#: (with the separator uv splits it at, or None where uv takes one value). Their values may hold
+#: credentials (``https://user:TOKEN@host/simple``): on a command line, every local user reads them in
+#: ``/proc/PID/cmdline``; in the environment, only the process's own account can.
+_INDEX_OPTIONS: dict[str, tuple[str, str | None]] = {
+    "--index-url": ("UV_INDEX_URL", None),
+    "-i": ("UV_INDEX_URL", None),
+    "--default-index": ("UV_DEFAULT_INDEX", None),
+    "--extra-index-url": ("UV_EXTRA_INDEX_URL", " "),
+    "--index": ("UV_INDEX", " "),
+    "--find-links": ("UV_FIND_LINKS", ","),
+    "-f": ("UV_FIND_LINKS", ","),
+}
+
+
+def index_settings(extra_args: Sequence[str]) -> tuple[tuple[str, ...], dict[str, str]]:
+    """Pure: ``extra_args`` less uv's index options (``--extra-index-url URL``, ``--index=URL``,
+    ``-i URL``, ``-iURL``, ...), and those options as the ``UV_*`` variables uv reads them from (a value
+    given on uv's command line replaces the variable's, as this does). UsageError for a value uv's
+    variable could not carry (its separator in it), an option without its value, or one that takes a
+    single value given twice."""
+    kept: list[str] = []
+    values: dict[str, list[str]] = {}
+    args = list(extra_args)
+    position = 0
+    while position < len(args):
+        arg = args[position]
+        position += 1
+        found = _index_option(arg)
+        if found is None:
+            kept.append(arg)
+            continue
+        option, value = found
+        if value is None:
+            if position >= len(args):
+                raise UsageError(f"{option} needs a value", hint=f"give it as {option} URL after --")
+            value = args[position]
+            position += 1
+        variable, separator = _INDEX_OPTIONS[option]
+        if separator is None and variable in values:
+            raise UsageError(f"{option} was given twice", hint="uv takes one; give it once")
+        if not value or (separator is not None and separator in value) or "\0" in value:
+            raise UsageError(
+                f"the value of {option} cannot be passed to uv: {value!r}",
+                hint="index URLs and find-links paths must not be empty or hold "
+                + ("a space" if separator == " " else "a comma" if separator == "," else "a NUL"),
+            )
+        values.setdefault(variable, []).append(value)
+    settings = {
+        variable: (_INDEX_OPTIONS_SEPARATOR.get(variable) or "").join(given)
+        for variable, given in values.items()
+    }
+    return tuple(kept), settings
+
+
+_INDEX_OPTIONS_SEPARATOR = {
+    variable: separator for variable, separator in _INDEX_OPTIONS.values() if separator
+}
+
+
+def _index_option(arg: str) -> tuple[str, str | None] | None:
+    """Pure: (option, its value if attached) when ``arg`` is one of uv's index options."""
+    if arg in _INDEX_OPTIONS:
+        return arg, None
+    if arg.startswith("--") and "=" in arg:
+        option, value = arg.split("=", 1)
+        return (option, value) if option in _INDEX_OPTIONS else None
+    if len(arg) > 2 and arg[:2] in ("-i", "-f"):  # clap's attached short value: -iURL, -i=URL
+        return arg[:2], arg[2:].removeprefix("=")
+    return None
+
+
 def pinned(change: UvChange) -> str | None:
     """Pure: the requirement that installs exactly what ``change`` says (None: not enough to say)."""
     if change.version is not None:
@@ -309,13 +386,20 @@ def _run_uv(
     cache_dir: Path | None,
     account: Account | None,
 ) -> subprocess.CompletedProcess[str]:
-    """Run uv (as ``account`` when given); raises OSError and subprocess.TimeoutExpired."""
-    return children.run(
-        command,
-        env=uv_environment(os.environ if environ is None else environ, cache_dir, account),
-        timeout=timeout,
-        as_user=None if account is None else account.ids,
-    )
+    """Run uv (as ``account`` when given, through a descriptor root opened: safeinstall's uv may lie
+    where the account cannot reach); raises OSError and subprocess.TimeoutExpired."""
+    program = os.open(command[0], os.O_RDONLY | os.O_CLOEXEC) if account is not None else None
+    try:
+        return children.run(
+            command,
+            env=uv_environment(os.environ if environ is None else environ, cache_dir, account),
+            timeout=timeout,
+            as_user=None if account is None else account.ids,
+            program_fd=program,
+        )
+    finally:
+        if program is not None:
+            os.close(program)
 
 
 def dry_run(
@@ -323,15 +407,25 @@ def dry_run(
     environ: Mapping[str, str] | None = None,
     timeout: float = 300,
     account: Account | None = None,
+    prefix: Path | None = None,
 ) -> UvPlan:
     """Ask uv (as ``account``, the environment's owner, when given) what it would uninstall and
-    install; PlanError when it cannot resolve."""
+    install; PlanError when it cannot resolve. ``prefix``: the environment's, where uv creates its lock
+    file even for a dry run; one that was not there before is removed again (a dry run leaves nothing
+    in the environment)."""
     uv_bin = uv_binary()
     cmd = install_command(request, uv_bin, dry_run=True)
+    had_lock = prefix is None or _lock_info(prefix) is not None
     try:
         proc = _run_uv(cmd, environ, timeout, None, account)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise PlanError(f"uv did not answer: {exc}", hint="check that uv runs: " + uv_bin) from exc
+    finally:
+        if prefix is not None and not had_lock:
+            with contextlib.suppress(WorkerError):
+                _as_prefix_owner(
+                    prefix, account, lambda p: owner.remove_new_uv_lock(p), "removes uv's new lock file"
+                )
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:
         said = " / ".join(line.strip() for line in output.strip().splitlines() if line.strip())
@@ -372,3 +466,87 @@ def install(
     except OSError as exc:
         return UvResult(tuple(command), -1, f"uv could not run: {exc}")
     return UvResult(tuple(command), proc.returncode, proc.stdout + proc.stderr)
+
+
+# --- uv's lock of the environment ------------------------------------------------------------------
+#
+# uv takes ``PREFIX/.lock`` (flock) for every install and creates it mode 0666: any local user may open
+# it and hold the lock, and uv then waits (300 s by default) while the services are down. Before the
+# stop, the run makes sure that only the environment's owner (and root) can open that file.
+
+
+def _lock_info(prefix: Path) -> os.stat_result | None:
+    """``PREFIX/.lock`` as it is (never followed); None when there is none (or no prefix)."""
+    try:
+        with Tree(prefix) as tree:
+            return tree.lstat(owner.UV_LOCK)
+    except OSError:
+        return None
+
+
+def _as_prefix_owner(prefix: Path, account: Account | None, work: Callable[[str], Any], what: str) -> Any:
+    """``work(prefix)`` in a worker that is the prefix directory's owner: the environment's account, or
+    root (a root-owned prefix, which the account cannot write either)."""
+    ids = account.ids if account is not None and os.lstat(prefix).st_uid == account.uid else None
+    text = str(prefix)
+    return worker.call(ids, lambda: work(text), timeout=60, what=f"{what} in {prefix}")
+
+
+def lock_holders(inode: tuple[int, int], locks: str) -> list[int]:
+    """Pure: the PIDs that hold a lock on ``inode`` (device, inode number) in ``/proc/locks``'s text."""
+    device, number = inode
+    wanted = f"{os.major(device):02x}:{os.minor(device):02x}:{number}"
+    holders: list[int] = []
+    for line in locks.splitlines():
+        fields = line.split()
+        if "->" in fields:  # a waiter, not a holder
+            continue
+        if len(fields) >= 6 and fields[5] == wanted and fields[4].isdigit():
+            holders.append(int(fields[4]))
+    return holders
+
+
+def _uid_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as status:
+            for line in status:
+                if line.startswith("Uid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def secure_uv_lock(prefix: Path, account: Account | None) -> str:
+    """Before the stop: make uv's lock file the environment owner's alone (a new empty file, 0600, put
+    in place of the old one, which whoever holds it may keep). Refuses (PlanError) while the owner or
+    root holds the lock: another uv is installing into the environment. Returns what was done."""
+    info = _lock_info(prefix)
+    own_uid = 0 if account is None else account.uid
+    if info is not None and stat.S_ISREG(info.st_mode):
+        try:
+            with open("/proc/locks", encoding="ascii", errors="replace") as handle:
+                locks = handle.read(1 << 22)
+        except OSError:
+            locks = ""
+        holders = [(pid, _uid_of(pid)) for pid in lock_holders((info.st_dev, info.st_ino), locks)]
+        ours = [pid for pid, uid in holders if uid in (0, own_uid)]
+        if ours:
+            raise PlanError(
+                f"uv's lock of {prefix} ({prefix / owner.UV_LOCK}) is held by PID "
+                + ", ".join(map(str, ours))
+                + ": another uv is installing into this environment",
+                hint="wait until it is done, then run again; nothing was stopped",
+            )
+        safe = info.st_uid == own_uid and not info.st_mode & 0o077 and not holders
+        if safe:
+            return f"uv's lock {prefix / owner.UV_LOCK} is the owner's alone"
+    give = None if account is None else [account.uid, account.gid]
+    try:
+        _as_prefix_owner(prefix, account, lambda p: owner.replace_uv_lock(p, give), "replaces uv's lock file")
+    except WorkerError as exc:
+        raise PlanError(
+            f"could not make uv's lock of {prefix} the owner's alone: {exc.message}",
+            hint="look at PREFIX/.lock; nothing was stopped",
+        ) from exc
+    return f"uv's lock {prefix / owner.UV_LOCK} is new, 0600: no other user can hold the install up"

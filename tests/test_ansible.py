@@ -401,7 +401,11 @@ def test_ansible_galaxy_builds_the_collection(tmp_path: Path) -> None:
 
 
 def test_the_reinstall_command_mirrors_the_cli_and_passes_each_value_as_one_argument() -> None:
-    from ansible_collections.safeinstall.fleet.plugins.module_utils.cli import executable_argv, reinstall_argv
+    from ansible_collections.safeinstall.fleet.plugins.module_utils.cli import (
+        executable_argv,
+        reinstall_argv,
+        reinstall_environ,
+    )
 
     executable = executable_argv("'/opt/safe install/bin/python' -m safeinstall")
     assert executable == ["/opt/safe install/bin/python", "-m", "safeinstall"]
@@ -430,11 +434,13 @@ def test_the_reinstall_command_mirrors_the_cli_and_passes_each_value_as_one_argu
         "--python=/opt/vllm venv",
         "--stop-timeout=30",
         "--settle=2.5",
-        "--health-url=http://127.0.0.1:8000/health?a=$HOME",
         "--keep-backups=2",
         "--user",
         "--prune",
     ]
+    # the health URL (it may hold a token) goes in safeinstall's environment, never on its command line
+    assert reinstall_environ(params) == {"SAFEINSTALL_HEALTH_URL": "http://127.0.0.1:8000/health?a=$HOME"}
+    assert reinstall_environ({**params, "health_url": None}) == {}
     wheel = {**params, "requirement": None, "wheel": "/w/vllm.whl", "keep_patches": True}
     argv = reinstall_argv(["safeinstall"], wheel, check_mode=True)
     assert argv[:5] == ["safeinstall", "vllm", "--json", "--yes", "--dry-run"]
@@ -482,12 +488,16 @@ def test_the_exit_codes_map_to_failed_and_changed() -> None:
     )
 
 
-def test_the_reinstall_modules_command_line_is_what_the_cli_parses() -> None:
-    """The module's argv, parsed by safeinstall's own command line, gives the options the play asked
-    for: the requirement as the positional argument, every value as given."""
+def test_the_reinstall_modules_command_line_is_what_the_cli_parses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The module's argv and environment, parsed by safeinstall's own command line, give the options the
+    play asked for: the requirement as the positional argument, every value as given (the health URL
+    from the environment, never on the command line)."""
     from typer.main import get_command
 
-    from ansible_collections.safeinstall.fleet.plugins.module_utils.cli import reinstall_argv
+    from ansible_collections.safeinstall.fleet.plugins.module_utils.cli import (
+        reinstall_argv,
+        reinstall_environ,
+    )
     from safeinstall.cli import app, run_options
 
     params: dict[str, Any] = {
@@ -508,6 +518,9 @@ def test_the_reinstall_modules_command_line_is_what_the_cli_parses() -> None:
         "keep_backups": 2,
     }
     argv = reinstall_argv(["safeinstall"], params, check_mode=False)
+    assert not any("health" in arg and "url" in arg for arg in argv)
+    for name, value in reinstall_environ(params).items():
+        monkeypatch.setenv(name, value)
     context = get_command(app).make_context("safeinstall", argv[1:])
     assert context.params["as_json"] is True and context.params["yes"] is True
     options = run_options(context.params, context.args)

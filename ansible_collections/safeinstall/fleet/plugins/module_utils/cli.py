@@ -25,7 +25,6 @@ REINSTALL_VALUES = (
     ("stop_timeout", "--stop-timeout"),
     ("gpu_timeout", "--gpu-timeout"),
     ("settle", "--settle"),
-    ("health_url", "--health-url"),
     ("health_timeout", "--health-timeout"),
     ("keep_backups", "--keep-backups"),
 )
@@ -88,6 +87,17 @@ def reinstall_argv(executable: Sequence[str], params: Mapping[str, Any], check_m
     argv += [f"{flag}={_value(params[key])}" for key, flag in REINSTALL_VALUES if params.get(key) is not None]
     argv += [flag for key, flag in REINSTALL_SWITCHES if params.get(key)]
     return argv
+
+
+#: module option -> the environment variable safeinstall reads it from: a value that may hold a
+#: credential (a health URL with a token) is never on a command line, which every local user can read
+#: in ``/proc/PID/cmdline``
+REINSTALL_ENVIRON = (("health_url", "SAFEINSTALL_HEALTH_URL"),)
+
+
+def reinstall_environ(params: Mapping[str, Any]) -> dict[str, str]:
+    """What the reinstall module adds to safeinstall's environment (see ``REINSTALL_ENVIRON``)."""
+    return {name: str(params[key]) for key, name in REINSTALL_ENVIRON if params.get(key) is not None}
 
 
 def verify_argv(executable: Sequence[str], params: Mapping[str, Any]) -> list[str]:

@@ -25,7 +25,12 @@ def safeinstall_executable(module: AnsibleModule) -> list[str]:
     return argv
 
 
-def run_safeinstall(module: AnsibleModule, cmd: list[str]) -> tuple[int, dict[str, Any] | None, str]:
-    """Run ``cmd``; its exit status, its ``--json`` result (None: none printed) and its stderr."""
-    rc, stdout, stderr = module.run_command(cmd, check_rc=False, expand_user_and_vars=False)
+def run_safeinstall(
+    module: AnsibleModule, cmd: list[str], environ: dict[str, str] | None = None
+) -> tuple[int, dict[str, Any] | None, str]:
+    """Run ``cmd`` (with ``environ`` added to its environment); its exit status, its ``--json`` result
+    (None: none printed) and its stderr."""
+    rc, stdout, stderr = module.run_command(
+        cmd, check_rc=False, expand_user_and_vars=False, environ_update=environ or {}
+    )
     return rc, parse_result(stdout), stderr

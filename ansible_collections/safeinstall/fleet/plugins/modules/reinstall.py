@@ -72,6 +72,8 @@ options:
   health_url:
     description:
       - After the restart, wait until this URL answers HTTP 200 (C(--health-url)); vLLM serves C(/health).
+      - It is passed in the environment variable C(SAFEINSTALL_HEALTH_URL), never on the command line
+        (a URL with a token would be readable by every local user).
     type: str
   health_timeout:
     description:
@@ -201,6 +203,7 @@ from ansible_collections.safeinstall.fleet.plugins.module_utils.cli import (
     plan_diff,
     plan_of,
     reinstall_argv,
+    reinstall_environ,
     reinstall_outcome,
 )
 from ansible_collections.safeinstall.fleet.plugins.module_utils.host import (
@@ -239,7 +242,7 @@ def main() -> None:
         cmd = reinstall_argv(executable, module.params, module.check_mode)
     except CommandError as error:
         module.fail_json(msg=str(error), rc=None, status="error", result=None, cmd=[], stderr="")
-    rc, result, stderr = run_safeinstall(module, cmd)
+    rc, result, stderr = run_safeinstall(module, cmd, reinstall_environ(module.params))
     outcome = reinstall_outcome(rc, result, stderr, module.check_mode)
     returned = {
         "changed": outcome.changed,
