@@ -8,7 +8,7 @@ first and this venv's packages after it, with a ``safeinstall`` console script o
 subprocesses, and a detached run's ``python -I -m safeinstall``, all run the mutated code.
 
     .venv/bin/python bench/mutations.py --list
-    .venv/bin/python bench/mutations.py                        # all (about 10 minutes on 2 CPUs)
+    .venv/bin/python bench/mutations.py           # all, after a baseline (about 10 minutes on 2 CPUs)
     .venv/bin/python bench/mutations.py --only forget-journal --only restore-check
 
 The unmutated tree runs first (``--no-baseline`` skips it): every named test must pass there, and a
@@ -54,6 +54,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         "if False:",
         (f"{PROMISES}::test_forget_refuses_an_environment_whose_run_did_not_finish_or_is_running",),
         count=2,
+    ),
+    Mutation(
+        "forget-unlocked",
+        "safeinstall/recover.py",
+        "    with acquire_lock(state.lock, prefix):\n        if read_journal",
+        "    if True:\n        if read_journal",
+        (f"{PROMISES}::test_forget_refuses_an_environment_whose_run_did_not_finish_or_is_running",),
     ),
     Mutation(
         "restore-check",
@@ -116,6 +123,17 @@ MUTATIONS: tuple[Mutation, ...] = (
         "if now - self._last_progress >= PROGRESS_EVERY_S:",
         "if True:",
         (f"{PROMISES}::test_progress_on_a_pipe_is_a_plain_line_at_most_every_5_s",),
+    ),
+    Mutation(
+        "settle-outwaits-a-failure",
+        "safeinstall/systemd.py",
+        "            if verdict is not None:\n                return SettleOutcome(unit, verdict",
+        '            if verdict is not None and (verdict == "settled" or now - started >= settle_s):\n'
+        "                return SettleOutcome(unit, verdict",
+        (
+            "tests/test_systemd.py::test_wait_settled_detects_failure",
+            "tests/test_systemd.py::test_wait_settled_detects_automatic_restart",
+        ),
     ),
     Mutation(
         "detach-stop-kills",
