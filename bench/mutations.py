@@ -219,11 +219,11 @@ def junit_counts(report: Path) -> dict[str, int]:
 
 
 def first_failure(output: str) -> str:
-    """Pure: the first assertion line of pytest's output (``E   ...``), to show why a mutant died."""
-    for line in output.splitlines():
-        if line.startswith("E "):
-            return line[1:].strip()[:200]
-    return ""
+    """Pure: why a mutant died: the first failing comparison of pytest's output (``E   assert ...``),
+    else its first ``E`` line."""
+    lines = [line[1:].strip() for line in output.splitlines() if line.startswith("E ")]
+    chosen = next((line for line in lines if line.startswith("assert ")), lines[0] if lines else "")
+    return chosen[:200]
 
 
 def run_tests(
