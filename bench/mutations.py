@@ -1,0 +1,312 @@
+"""On-demand mutation check: does a test notice when a check that guards data is broken?
+
+Each mutation below is one scripted edit of safeinstall's code (a check turned off, a condition made
+always true); for each, the tests named with it run against a temporary copy of the tree with that
+edit made, and a mutation that no test notices is reported as *survived*. The worktree itself is never
+edited. The copy runs in a throwaway venv (``--without-pip``) whose ``site-packages`` puts the copy
+first and this venv's packages after it, with a ``safeinstall`` console script of its own: the tests'
+subprocesses, and a detached run's ``python -I -m safeinstall``, all run the mutated code.
+
+    .venv/bin/python bench/mutations.py --list
+    .venv/bin/python bench/mutations.py           # all, after a baseline (about 10 minutes on 2 CPUs)
+    .venv/bin/python bench/mutations.py --only forget-journal --only restore-check
+
+The unmutated tree runs first (``--no-baseline`` skips it): every named test must pass there, and a
+test that is skipped (no ``/run/systemd/system``, no cgroup delegation) makes a result inconclusive,
+never "killed". Exit status: 0 when every mutation was killed, 1 otherwise. Needs root, like the
+tests it runs. Not part of the test suite (``testpaths`` is ``tests/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+COPIED = ("safeinstall", "tests", "fixtures", "pyproject.toml")
+PROMISES = "tests/test_promises.py"
+
+
+@dataclass(frozen=True, slots=True)
+class Mutation:
+    name: str
+    path: str  # relative to the repository root
+    old: str  # the text replaced: it must occur exactly ``count`` times
+    new: str
+    tests: tuple[str, ...]  # pytest node ids, relative to the repository root
+    count: int = 1
+
+
+MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(
+        "forget-journal",
+        "safeinstall/recover.py",
+        "if read_journal(state.dir) is not None:",
+        "if False:",
+        (f"{PROMISES}::test_forget_refuses_an_environment_whose_run_did_not_finish_or_is_running",),
+        count=2,
+    ),
+    Mutation(
+        "forget-unlocked",
+        "safeinstall/recover.py",
+        "    with acquire_lock(state.lock, prefix):\n        if read_journal",
+        "    if True:\n        if read_journal",
+        (f"{PROMISES}::test_forget_refuses_an_environment_whose_run_did_not_finish_or_is_running",),
+    ),
+    Mutation(
+        "restore-check",
+        "safeinstall/backup.py",
+        "        if not same:\n            mismatches.append",
+        "        if False:\n            mismatches.append",
+        (
+            f"{PROMISES}::test_a_restored_file_that_differs_from_its_backup_fails_the_rollback_with_the_"
+            "commands",
+        ),
+    ),
+    Mutation(
+        "restore-writes-nothing",
+        "safeinstall/backup.py",
+        "    if _same(saved, tree):\n        return False",
+        "    if True:\n        return False",
+        ("tests/test_backup.py::test_backup_upgrade_restore_gives_back_v1_byte_for_byte",),
+    ),
+    Mutation(
+        "verify-digest",
+        "safeinstall/drift.py",
+        "elif expected.digest is not None and state.digest is not None and state.digest != expected.digest:",
+        "elif False:",
+        (
+            "tests/test_verify.py::test_each_drift_kind_is_reported",
+            "tests/test_verify.py::test_a_wheel_read_once_is_enough_and_a_corrupted_file_is_still_found",
+        ),
+    ),
+    Mutation(
+        "plan-inactive-dependents",
+        "safeinstall/plan.py",
+        "                or not dependent.is_active\n",
+        "",
+        (f"{PROMISES}::test_a_failed_sidecar_bound_to_the_service_is_not_planned",),
+    ),
+    Mutation(
+        "no-restart-restarts",
+        "safeinstall/reinstall.py",
+        "    if run.options.no_restart:\n        run._journal(Phase.RESTARTING",
+        "    if False:\n        run._journal(Phase.RESTARTING",
+        (f"{PROMISES}::test_no_restart_leaves_the_units_stopped_and_says_so",),
+    ),
+    Mutation(
+        "no-restart-silent",
+        "safeinstall/reinstall.py",
+        "tuple(run._units_to_restart()) if options.no_restart else ()",
+        "()",
+        (f"{PROMISES}::test_no_restart_leaves_the_units_stopped_and_says_so",),
+    ),
+    Mutation(
+        "progress-pipe-unthrottled",
+        "safeinstall/render.py",
+        "if now - self._last_line >= PROGRESS_EVERY_S:",
+        "if True:",
+        (f"{PROMISES}::test_progress_on_a_pipe_is_a_plain_line_at_most_every_5_s",),
+    ),
+    Mutation(
+        "progress-log-unthrottled",
+        "safeinstall/runlog.py",
+        "if now - self._last_progress >= PROGRESS_EVERY_S:",
+        "if True:",
+        (f"{PROMISES}::test_progress_on_a_pipe_is_a_plain_line_at_most_every_5_s",),
+    ),
+    Mutation(
+        "settle-outwaits-a-failure",
+        "safeinstall/systemd.py",
+        "            if verdict is not None:\n                return SettleOutcome(unit, verdict",
+        '            if verdict is not None and (verdict == "settled" or now - started >= settle_s):\n'
+        "                return SettleOutcome(unit, verdict",
+        (
+            "tests/test_systemd.py::test_wait_settled_detects_failure",
+            "tests/test_systemd.py::test_wait_settled_detects_automatic_restart",
+        ),
+    ),
+    Mutation(
+        "detach-stop-kills",
+        "safeinstall/detach.py",
+        'STOP_TIMEOUT = "15min"',
+        'STOP_TIMEOUT = "1s"',
+        (f"{PROMISES}::test_systemctl_stop_of_a_detached_runs_unit_rolls_it_back",),
+    ),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    name: str
+    verdict: str  # killed, survived, inconclusive
+    detail: str
+    failure: str  # the first failing assertion (what killed it)
+    seconds: float
+
+
+def mutated(text: str, mutation: Mutation) -> str:
+    """Pure: ``text`` with the mutation made; ValueError when its text is not there as many times as
+    it says (the code moved on: the mutation must be brought up to date, never silently skipped)."""
+    found = text.count(mutation.old)
+    if found != mutation.count:
+        raise ValueError(
+            f"{mutation.name}: {mutation.path} has {found} of {mutation.old!r}, not {mutation.count}"
+        )
+    return text.replace(mutation.old, mutation.new)
+
+
+def verdict(returncode: int, counts: dict[str, int]) -> tuple[str, str]:
+    """Pure: a mutant's verdict from pytest's exit status and its JUnit counts. Only failing tests
+    kill it; all passing (nothing skipped) is a survival; anything else is inconclusive."""
+    summary = ", ".join(f"{key} {value}" for key, value in counts.items())
+    if returncode == 1 and counts["failures"] + counts["errors"] > 0:
+        return "killed", summary
+    if returncode == 0 and counts["skipped"] == 0 and counts["tests"] > 0:
+        return "survived", summary
+    return "inconclusive", f"pytest exit {returncode}; {summary}"
+
+
+def copy_tree(dest: Path) -> None:
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".venv", ".bench")
+    for name in COPIED:
+        source = ROOT / name
+        if source.is_dir():
+            shutil.copytree(source, dest / name, ignore=ignore, symlinks=True)
+        else:
+            shutil.copy2(source, dest / name)
+
+
+def make_venv(venv: Path, tree: Path) -> Path:
+    """A venv that imports safeinstall from ``tree``, everything else from this venv; its python."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    site = Path(
+        subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    )
+    (site / "00-mutant-tree.pth").write_text(f"{tree}\n")  # .pth lines are added in file-name order
+    (site / "50-dev-packages.pth").write_text(f"{sysconfig.get_paths()['purelib']}\n")
+    script = venv / "bin" / "safeinstall"
+    script.write_text(f"#!{python}\nimport sys\nfrom safeinstall.__main__ import main\nsys.exit(main())\n")
+    script.chmod(0o755)
+    return python
+
+
+def junit_counts(report: Path) -> dict[str, int]:
+    counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    try:
+        root = ElementTree.parse(report).getroot()
+    except (OSError, ElementTree.ParseError):
+        return counts
+    for suite in root.iter("testsuite"):
+        for key in counts:
+            counts[key] += int(suite.get(key, "0"))
+    return counts
+
+
+def first_failure(output: str) -> str:
+    """Pure: why a mutant died: the first failing comparison of pytest's output (``E   assert ...``),
+    else its first ``E`` line."""
+    lines = [line[1:].strip() for line in output.splitlines() if line.startswith("E ")]
+    chosen = next((line for line in lines if line.startswith("assert ")), lines[0] if lines else "")
+    return chosen[:200]
+
+
+def run_tests(
+    python: Path, tree: Path, tests: Sequence[str], report: Path, timeout: float
+) -> tuple[int, dict[str, int], str]:
+    """Run ``tests`` in ``tree`` with ``python``: pytest's exit status (-1: timed out), its JUnit
+    counts, and the first failing assertion."""
+    report.unlink(missing_ok=True)
+    command = [str(python), "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", f"--junitxml={report}"]
+    try:
+        proc = subprocess.run(
+            [*command, *tests], cwd=tree, capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return -1, junit_counts(report), "timed out"
+    return proc.returncode, junit_counts(report), first_failure(proc.stdout)
+
+
+def check(mutation: Mutation, python: Path, tree: Path, report: Path, timeout: float) -> Outcome:
+    target = tree / mutation.path
+    original = target.read_text()
+    started = time.monotonic()
+    target.write_text(mutated(original, mutation))
+    try:
+        code, counts, failure = run_tests(python, tree, mutation.tests, report, timeout)
+    finally:
+        target.write_text(original)
+    result, detail = verdict(code, counts)
+    return Outcome(mutation.name, result, detail, failure, time.monotonic() - started)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--list", action="store_true", help="list the mutations and their tests")
+    parser.add_argument("--only", action="append", default=[], metavar="NAME", help="run only these")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the run of the unmutated tree")
+    parser.add_argument("--why", action="store_true", help="show the assertion that killed each mutant")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per pytest run (default 600)")
+    args = parser.parse_args(argv)
+    unknown = set(args.only) - {m.name for m in MUTATIONS}
+    if unknown:
+        parser.error(f"no mutation {', '.join(sorted(unknown))} (--list lists them)")
+    chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}: {m.path}: {m.old.strip()!r} -> {m.new.strip()!r}\n    {' '.join(m.tests)}")
+        return 0
+    for m in chosen:  # every mutation still applies to the code as it is now
+        mutated((ROOT / m.path).read_text(), m)
+    with tempfile.TemporaryDirectory(prefix="safeinstall-mutants-") as scratch:
+        tree = Path(scratch) / "tree"
+        tree.mkdir()
+        copy_tree(tree)
+        python = make_venv(Path(scratch) / "venv", tree)
+        report = Path(scratch) / "report.xml"
+        tests = sorted({t for m in chosen for t in m.tests})
+        if not args.no_baseline:
+            code, counts, failure = run_tests(python, tree, tests, report, args.timeout * 2)
+            if code != 0 or counts["skipped"] or not counts["tests"]:
+                print(
+                    f"baseline: the unmutated tree fails the named tests (exit {code}, {counts}): {failure}"
+                )
+                return 1
+            print(f"baseline: {counts['tests']} tests pass on the unmutated tree")
+        outcomes = []
+        for m in chosen:
+            outcome = check(m, python, tree, report, args.timeout)
+            outcomes.append(outcome)
+            print(
+                f"{outcome.name:<28} {outcome.verdict:<12} {outcome.seconds:6.1f} s  {outcome.detail}",
+                flush=True,
+            )
+            if args.why and outcome.failure:
+                print(f"    {outcome.failure}", flush=True)
+    survivors = [o.name for o in outcomes if o.verdict != "killed"]
+    print(
+        f"{len(outcomes) - len(survivors)} of {len(outcomes)} killed"
+        + (f"; not killed: {', '.join(survivors)}" if survivors else "")
+    )
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
