@@ -726,6 +726,7 @@ def main_command(
         if on
     }
     command = command_for(modes)
+    metrics = None  # --metrics-file, once accepted
     try:
         given = [
             name
@@ -762,14 +763,14 @@ def main_command(
                 "--wait and --run go with --status", hint="safeinstall --status --wait [--run RUN_ID]"
             )
         if metrics_file is not None:
-            metrics_file = _metrics_target(metrics_file, command, detach_ or wait)
+            metrics = _metrics_target(metrics_file, command, detach_ or wait)
         if recover_ or status_ or forget_:
             if package or ctx.args:
                 raise UsageError(
                     f"--{command} takes no PACKAGE", hint=f"safeinstall --{command} [--python PATH] [--json]"
                 )
             if recover_:
-                _run_recover(python, as_json, metrics_file)
+                _run_recover(python, as_json, metrics)
             if forget_:
                 _run_forget(python, as_json)
             if run and not wait:
@@ -778,7 +779,7 @@ def main_command(
                 )
             if wait:
                 _run_wait(python, run, as_json)
-            _run_status(python, as_json, metrics_file)
+            _run_status(python, as_json, metrics)
         if all_ and not verify_only:
             raise UsageError(
                 "--all goes with --verify-only", hint="safeinstall --verify-only --all [--python PATH]"
@@ -810,7 +811,7 @@ def main_command(
                         "--verify-only checks the installed version; give the name without a version",
                         hint="safeinstall NAME --verify-only [--wheel PATH]",
                     )
-            _run_verify(package, all_, python, wheel, diff, save_patch, as_json, metrics_file)
+            _run_verify(package, all_, python, wheel, diff, save_patch, as_json, metrics)
         if not package:
             raise UsageError("no PACKAGE given", hint="safeinstall PACKAGE [--wheel W] (see --help)")
         from safeinstall.options import check_options
@@ -830,10 +831,10 @@ def main_command(
             _run_detached(options, as_json, interactive)
         if dry_run:
             _run_dry_run(options, as_json)
-        _run_reinstall(options, as_json, interactive, metrics_file)
+        _run_reinstall(options, as_json, interactive, metrics)
     except SafeInstallError as error:
-        if metrics_file is not None and error.code != "metrics-file":
-            _failed_metrics(metrics_file, command, python, package, error)
+        if metrics is not None:
+            _failed_metrics(metrics, command, python, package, error)
         _fail(error, command, as_json)
 
 

@@ -325,29 +325,21 @@ def check_metrics_path(path: Path) -> Path:
 
 
 def write_metrics_file(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` whole or not at all, mode 0644: a temporary file beside it (not
-    ``*.prom``: the collector never reads it), then renamed over it, through a directory opened from
-    ``/`` without following a symlink; on any error nothing is left behind. MetricsFileError."""
-    from safeinstall.safefs import Tree
+    """Write ``text`` to ``path`` whole or not at all, mode 0644 (:func:`safeinstall.state.atomic_write`:
+    a temporary file beside it, ``.NAME.*.tmp``, which the collector never reads, then renamed over
+    it; on any error nothing is left behind). The directory is checked first (:func:`check_metrics_path`):
+    nobody else can rename what is on the way. MetricsFileError."""
+    from safeinstall.state import atomic_write
 
     target = check_metrics_path(path)
-    source = os.memfd_create("safeinstall-metrics", os.MFD_CLOEXEC)
     try:
-        data = memoryview(text.encode("utf-8"))
-        while data:
-            data = data[os.write(source, data) :]
-        os.lseek(source, 0, os.SEEK_SET)
-        with Tree(target.parent) as tree:
-            tree.write_from(target.name, source, METRICS_MODE, mark=".tmp-")
-            tree.fsync_dir("")
+        atomic_write(target, text.encode("utf-8"), METRICS_MODE)
     except OSError as exc:
         raise MetricsFileError(
             f"could not write the metrics file {target}: {exc.strerror or exc}",
             hint="nothing was left there; check that the directory exists and has room (the command's "
             "own result and exit code are unchanged)",
         ) from exc
-    finally:
-        os.close(source)
 
 
 def write_or_fail(path: Path | None, families: Sequence[Family]) -> SafeInstallError | None:
