@@ -7,7 +7,9 @@ metrics``, which also lints the names, units and help texts.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import resource
 import shutil
 import stat
@@ -16,10 +18,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml  # type: ignore[import-untyped]  # PyYAML, with ansible-core
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample as ParsedSample
 
-from safeinstall.metrics import Family, Sample, render
+from safeinstall.metrics import Family, Sample, render, verify_families
 from tests import wheelhouse
 from tests.bed_systemd import Units, UserManager
 from tests.clirun import SAFEINSTALL, Result, run
@@ -331,3 +334,131 @@ def test_a_run_refused_before_it_starts_is_an_error_in_the_metrics(
     samples = read_metrics(out)
     assert value(samples, "safeinstall_run_status", status="error") == 1
     assert value(samples, "safeinstall_run_exit_code", prefix=str(python.parent.parent)) == 2
+
+
+ROOT = Path(__file__).resolve().parent.parent
+RULES = ROOT / "contrib" / "prometheus" / "safeinstall.rules.yml"
+
+
+def _annotations(name: str, labels: dict[str, str], value: str) -> dict[str, str]:
+    """The annotations of the shipped rule ``name``, its templates filled as Prometheus fills them."""
+    rules = yaml.safe_load(RULES.read_text())["groups"][0]["rules"]
+    (rule,) = [r for r in rules if r["alert"] == name]
+    filled = {}
+    for key, template in rule["annotations"].items():
+        text = re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda m: labels[m.group(1)], template)
+        filled[key] = text.replace("{{ $value }}", value)
+    return filled
+
+
+def _alerts(at: str, name: str, *expected: dict[str, str], value: str = "") -> dict[str, object]:
+    return {
+        "eval_time": at,
+        "alertname": name,
+        "exp_alerts": [{"exp_labels": e, "exp_annotations": _annotations(name, e, value)} for e in expected],
+    }
+
+
+def test_the_alert_rules_fire_on_drift_a_run_not_done_and_a_check_failing(tmp_path: Path) -> None:
+    """The shipped rules, run by Prometheus' own rule engine (``promtool test rules``) over series as
+    safeinstall writes them (names and labels taken from files written by :func:`render`)."""
+    if PROMTOOL is None:
+        pytest.skip("promtool is not installed (Debian: apt-get install prometheus; .ci/run installs it)")
+    check = subprocess.run([PROMTOOL, "check", "rules", str(RULES)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    host = {"instance": "gpu-02", "prefix": "/opt/vllm/venv"}
+    drift = {**host, "distribution": "vllm"}
+    series = [
+        ('safeinstall_verify_drift_findings{%s,kind="modified"}', drift, "0 0 0 1 1 1"),
+        ('safeinstall_verify_drift_findings{%s,kind="missing"}', drift, "0 0 0 0 2 2"),
+        ('safeinstall_run_status{%s,status="done"}', host, "1 1 0 0 0 0"),
+        ('safeinstall_run_status{%s,status="rolled-back"}', host, "0 0 1 1 1 1"),
+        ("safeinstall_status_needs_recovery{%s}", host, "0x300"),
+        ("safeinstall_verify_success{%s}", host, "1x60 0x240"),
+        ("safeinstall_verify_timestamp_seconds{%s}", host, "0+60x300"),  # written every minute
+        ('safeinstall_verify_success{instance="gpu-03",prefix="/opt/vllm/venv"}', None, "1x300"),
+        ('safeinstall_verify_timestamp_seconds{instance="gpu-03",prefix="/opt/vllm/venv"}', None, "0x300"),
+    ]
+
+    def labels(pattern: str, values: dict[str, str] | None) -> str:
+        text = ",".join(f'{k}="{v}"' for k, v in (values or {}).items())
+        return pattern % text if values is not None else pattern
+
+    stale = {"instance": "gpu-03", "prefix": "/opt/vllm/venv"}
+    tests = {
+        "rule_files": [str(RULES)],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [{"series": labels(p, v), "values": values} for p, v, values in series],
+                "alert_rule_test": [
+                    _alerts("1m", "SafeinstallDrift"),
+                    _alerts("3m", "SafeinstallDrift", {**drift, "severity": "warning"}, value="1"),
+                    _alerts("1m", "SafeinstallLastRunNotDone"),
+                    _alerts(
+                        "2m",
+                        "SafeinstallLastRunNotDone",
+                        {**host, "status": "rolled-back", "severity": "critical"},
+                    ),
+                    _alerts("100m", "SafeinstallNeedsRecovery"),
+                    _alerts("90m", "SafeinstallCheckFailing"),
+                    _alerts("3h", "SafeinstallCheckFailing", {**host, "severity": "warning"}),
+                    _alerts(
+                        "4h30m",
+                        "SafeinstallCheckFailing",
+                        {**host, "severity": "warning"},
+                        {**stale, "severity": "warning"},
+                    ),
+                ],
+            }
+        ],
+    }
+    test_file = tmp_path / "rules.test.yml"
+    test_file.write_text(json.dumps(tests))  # YAML is a superset of JSON
+    result = subprocess.run([PROMTOOL, "test", "rules", str(test_file)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    written = parsed(render(verify_families("/opt/vllm/venv", None, 2, 1.8e9)))  # the names the rules use
+    assert {"safeinstall_verify_success", "safeinstall_verify_timestamp_seconds"} <= set(written)
+
+
+def test_the_shipped_service_and_timer_write_the_metrics(
+    patched_env: Path, textfile_dir: Path, user_manager: UserManager, tmp_path: Path
+) -> None:
+    """safeinstall-verify@.service as shipped (only safeinstall's path and the textfile directory
+    changed, as an installation does), an instance per environment, started by the real manager."""
+    shipped = ROOT / "safeinstall" / "data"
+    prefix = patched_env.parent.parent
+    instance = subprocess.run(
+        ["systemd-escape", "--path", str(prefix)], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    service, timer = f"safeinstall-verify@{instance}.service", f"safeinstall-verify@{instance}.timer"
+    for name in ("safeinstall-verify@.service", "safeinstall-verify@.timer"):
+        text = (shipped / name).read_text().replace("/usr/local/bin/safeinstall", SAFEINSTALL)
+        (user_manager.unit_dir / name).write_text(text)
+    dropin = user_manager.unit_dir / "safeinstall-verify@.service.d"
+    dropin.mkdir(exist_ok=True)
+    (dropin / "test.conf").write_text(
+        f'[Service]\nEnvironment="SAFEINSTALL_TEXTFILE_DIR={textfile_dir}" '
+        f'"SAFEINSTALL_STATE_DIR={tmp_path / "state"}"\n'
+    )
+    user_manager.daemon_reload()
+    try:
+        user_manager.systemctl("start", service, timeout=120)  # a oneshot: returns when it is done
+        assert user_manager.show(service, "Result")["Result"] == "success"
+        verify = read_metrics(textfile_dir / f"safeinstall-verify-{instance}.prom")
+        assert value(verify, "safeinstall_verify_drift_findings", distribution="sipure", kind="modified") == 1
+        assert value(verify, "safeinstall_verify_exit_code", prefix=str(prefix)) == 1  # drift: not a failure
+        status = read_metrics(textfile_dir / f"safeinstall-status-{instance}.prom")
+        assert value(status, "safeinstall_status_success") == 1
+        user_manager.systemctl("start", timer)
+        shown = user_manager.show(timer, "ActiveState", "NextElapseUSecRealtime", "RandomizedDelayUSec")
+        assert shown["ActiveState"] == "active" and shown["NextElapseUSecRealtime"] not in ("", "0")
+        assert shown["RandomizedDelayUSec"] == "30min"
+    finally:
+        user_manager.systemctl("stop", timer, service, check=False)
+        for name in ("safeinstall-verify@.service", "safeinstall-verify@.timer"):
+            (user_manager.unit_dir / name).unlink()
+        shutil.rmtree(dropin)
+        user_manager.systemctl("reset-failed", check=False)
+        user_manager.daemon_reload()
