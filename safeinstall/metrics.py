@@ -89,6 +89,8 @@ def render(families: Iterable[Family]) -> str:
         )
     lines: list[str] = []
     for family in merged.values():
+        if not family.samples:  # nothing to say (no environment): no HELP and TYPE lines either
+            continue
         lines.append(f"# HELP {family.name} {escape_help(family.help)}")
         lines.append(f"# TYPE {family.name} {family.type}")
         for sample in family.samples:
@@ -216,26 +218,29 @@ def run_families(prefix: str, run: RunSummary) -> list[Family]:
     return families
 
 
+def _per_prefix(name: str, help_text: str, values: Iterable[tuple[str, float]]) -> Family:
+    return Family(name, help_text, tuple(Sample((("prefix", prefix),), float(v)) for prefix, v in values))
+
+
 def status_families(report: StatusReport, now: float) -> list[Family]:
     """Pure: ``--status``: each environment's state and its last finished run."""
+    envs = report.environments
     families = check_families("status", not report.failures, int(report.exit_code), now)
-    for env in report.environments:
-        families.append(
-            _one(
-                "safeinstall_status_running",
-                "1 while a run holds the environment's lock",
-                float(env.running),
-                prefix=env.prefix,
-            )
+    families.append(
+        _per_prefix(
+            "safeinstall_status_running",
+            "1 while a run holds the environment's lock",
+            [(e.prefix, e.running) for e in envs],
         )
-        families.append(
-            _one(
-                "safeinstall_status_needs_recovery",
-                "1 when a run died and safeinstall --recover must finish it",
-                float(env.needs_recovery),
-                prefix=env.prefix,
-            )
+    )
+    families.append(
+        _per_prefix(
+            "safeinstall_status_needs_recovery",
+            "1 when a run died and safeinstall --recover must finish it",
+            [(e.prefix, e.needs_recovery) for e in envs],
         )
+    )
+    for env in envs:
         if env.runs:
             families += run_families(env.prefix, env.runs[0])
     return families
@@ -243,33 +248,25 @@ def status_families(report: StatusReport, now: float) -> list[Family]:
 
 def recover_families(recovered: Recovered, now: float) -> list[Family]:
     """Pure: ``--recover``: what it did for each environment."""
-    families = check_families("recover", not recovered.failures, int(recovered.exit_code), now)
-    for one in recovered.recoveries:
-        families.append(
-            _one(
-                "safeinstall_recover_recovered",
-                "1 when a run had died here and was finished",
-                float(one.run_id is not None),
-                prefix=one.prefix,
-            )
-        )
-        families.append(
-            _one(
-                "safeinstall_recover_restored",
-                "1 when the recovery restored the backup",
-                float(one.restored),
-                prefix=one.prefix,
-            )
-        )
-        families.append(
-            _one(
-                "safeinstall_recover_units_started",
-                "Units the recovery started again",
-                len(one.started),
-                prefix=one.prefix,
-            )
-        )
-    return families
+    done = recovered.recoveries
+    return [
+        *check_families("recover", not recovered.failures, int(recovered.exit_code), now),
+        _per_prefix(
+            "safeinstall_recover_recovered",
+            "1 when a run had died here and was finished",
+            [(r.prefix, r.run_id is not None) for r in done],
+        ),
+        _per_prefix(
+            "safeinstall_recover_restored",
+            "1 when the recovery restored the backup",
+            [(r.prefix, r.restored) for r in done],
+        ),
+        _per_prefix(
+            "safeinstall_recover_units_started",
+            "Units the recovery started again",
+            [(r.prefix, len(r.started)) for r in done],
+        ),
+    ]
 
 
 def _untrusted(path: Path, problem: str) -> MetricsFileError:

@@ -462,3 +462,46 @@ def test_the_shipped_service_and_timer_write_the_metrics(
         shutil.rmtree(dropin)
         user_manager.systemctl("reset-failed", check=False)
         user_manager.daemon_reload()
+
+
+def test_status_and_recover_name_each_environment_by_its_prefix() -> None:
+    """Pure: ``--status`` and ``--recover`` of several environments, one with an odd prefix, a run
+    whose status is unknown to this version, and a failure."""
+    from safeinstall.errors import SafeInstallError
+    from safeinstall.history import RunSummary
+    from safeinstall.metrics import recover_families, status_families
+    from safeinstall.recover import EnvironmentStatus, Recovered, Recovery, StatusReport
+
+    odd = '/srv/a "b"\nc'
+    run_ = RunSummary(
+        "R1", "someday-new", 7, "vllm", "1", "2", "2026-12-01T00:00:00+00:00", "nonsense", {}, None
+    )
+    report = StatusReport(
+        (
+            EnvironmentStatus(odd, True, None, "install", False, False, "vllm", runs=(run_,)),
+            EnvironmentStatus("/opt/b", False, None, None, True, True, None),
+        ),
+        (SafeInstallError("refused", hint="h"),),
+    )
+    samples = parsed(render(status_families(report, 1.8e9)))
+    assert (
+        value(samples, "safeinstall_status_success") == 0
+        and value(samples, "safeinstall_status_exit_code") == 2
+    )
+    assert value(samples, "safeinstall_status_running", prefix=odd) == 1
+    assert value(samples, "safeinstall_status_needs_recovery", prefix="/opt/b") == 1
+    assert value(samples, "safeinstall_run_status", prefix=odd, status="someday-new") == 1
+    assert value(samples, "safeinstall_run_start_timestamp_seconds", prefix=odd) == 1796083200
+    assert "safeinstall_run_end_timestamp_seconds" not in samples  # not a time: left out, not invented
+    recovered = Recovered(
+        (
+            Recovery(odd, "R1", "install", restored=True, started=("a.service", "b.service")),
+            Recovery("/opt/b", None, None),
+        ),
+        (),
+    )
+    samples = parsed(render(recover_families(recovered, 1.8e9)))
+    assert value(samples, "safeinstall_recover_success") == 1
+    assert value(samples, "safeinstall_recover_restored", prefix=odd) == 1
+    assert value(samples, "safeinstall_recover_units_started", prefix=odd) == 2
+    assert value(samples, "safeinstall_recover_recovered", prefix="/opt/b") == 0
