@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.metrics_core import Metric
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample as ParsedSample
 
 from tests import wheelhouse
 from tests.bed_systemd import Units, UserManager, wait_until
+from tests.promcheck import read_metrics
 from tests.wheelhouse import Wheelhouse
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -326,7 +326,8 @@ def test_verify_reports_a_patched_file_on_one_host_only(fleet: Fleet) -> None:
             "safeinstall.fleet.verify", "name=sicext python={{ safeinstall_python }} fail_on_drift=true"
         )
         for host in fleet.hosts:  # the same check, written for Prometheus
-            out = fleet.base / f"{host.name}.prom"
+            out = fleet.base / "metrics" / f"{host.name}.prom"
+            out.parent.mkdir(mode=0o755, exist_ok=True)
             subprocess.run(
                 [
                     str(BIN / "safeinstall"),
@@ -340,7 +341,7 @@ def test_verify_reports_a_patched_file_on_one_host_only(fleet: Fleet) -> None:
                 capture_output=True,
                 check=False,
             )
-            metrics[host.name] = list(text_string_to_metric_families(out.read_text()))
+            metrics[host.name] = read_metrics(out)
     finally:
         patched.write_bytes(original)
         removed.write_bytes(removed_bytes)
@@ -378,11 +379,11 @@ def test_verify_reports_a_patched_file_on_one_host_only(fleet: Fleet) -> None:
     }
 
 
-def _metric_counts(families: list[Metric]) -> dict[str, dict[str, Any]]:
+def _metric_counts(samples: dict[str, list[ParsedSample]]) -> dict[str, dict[str, Any]]:
     """The per-distribution counts of a --metrics-file, in the verify module's shape."""
     counts: dict[str, dict[str, Any]] = {}
-    for family in families:
-        for sample in family.samples:
+    for named in samples.values():
+        for sample in named:
             entry = counts.setdefault(sample.labels.get("distribution", ""), {"drift": {}, "warnings": {}})
             if sample.name == "safeinstall_verify_files_checked":
                 entry["files_checked"] = int(sample.value)
