@@ -869,17 +869,20 @@ def _write_metrics(path: Path | None, families: "Callable[[ModuleType, float], S
 
 def _failed_metrics(path: Path, command: str, python: str | None, package: str | None, error: Any) -> None:
     """A command that failed before its result: ``--metrics-file`` says so (the check could not run)."""
+    code = int(error.exit_code)
+    if command != "verify" and command != "reinstall":  # --status, --recover: of every environment
+        _write_metrics(path, lambda m, now: m.check_families(command, False, code, now))
+        return
     prefix = os.path.abspath(python) if python else ""
     with contextlib.suppress(SafeInstallError):  # the prefix the interpreter reports, when it answers
         prefix = str(inspect_environment(resolve_python(python, os.environ)).prefix)
-    code = int(error.exit_code)
-    if command == "reinstall":
-        from safeinstall.history import RunSummary
-
-        run = RunSummary("", "error", code, package, None, None, None, None, {}, None)
-        _write_metrics(path, lambda m, _now: m.run_families(prefix, run))
-    else:
+    if command == "verify":
         _write_metrics(path, lambda m, now: m.check_families(command, False, code, now, prefix=prefix))
+        return
+    from safeinstall.history import RunSummary
+
+    run = RunSummary("", "error", code, package, None, None, None, None, {}, None)
+    _write_metrics(path, lambda m, _now: m.run_families(prefix, run))
 
 
 def _split_at_dashes(argv: Sequence[str]) -> tuple[list[str], tuple[str, ...]]:

@@ -476,3 +476,20 @@ def test_status_and_recover_name_each_environment_by_its_prefix() -> None:
     assert value(samples, "safeinstall_recover_restored", prefix=odd) == 1
     assert value(samples, "safeinstall_recover_units_started", prefix=odd) == 2
     assert value(samples, "safeinstall_recover_recovered", prefix="/opt/b") == 0
+
+
+def test_a_status_that_cannot_read_the_state_says_so(textfile_dir: Path, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    state.chmod(0o777)  # others could plant a journal: refused
+    out = textfile_dir / "status.prom"
+    result = run(
+        "--status", "--metrics-file", str(out), env={**os.environ, "SAFEINSTALL_STATE_DIR": str(state)}
+    )
+    assert result.code == 2 and "error:" in result.stderr, result.stdout + result.stderr
+    samples = read_metrics(out)
+    assert (
+        value(samples, "safeinstall_status_success") == 0
+        and value(samples, "safeinstall_status_exit_code") == 2
+    )
+    assert all(not s.labels for s in samples["safeinstall_status_success"])
