@@ -173,6 +173,7 @@ def _run_verify(
     patch = None if diffs is None else patch_text(diffs)
     if save_patch is not None:
         save_patch.write_text(patch or "", encoding="utf-8")
+    _write_metrics(metrics, lambda m, now: m.verify_families(report.prefix, report, report.exit_code, now))
     if as_json:
         status = "drift" if report.drift else "clean"
         print(
@@ -185,7 +186,6 @@ def _run_verify(
                 f"patch of {sum(1 for d in diffs or [] if d.text)} modified files written to "
                 f"{literal(save_patch)}"
             )
-    _write_metrics(metrics, lambda m, now: m.verify_families(report.prefix, report, report.exit_code, now))
     _exit(report.exit_code)
 
 
@@ -867,7 +867,9 @@ def _write_metrics(path: Path | None, families: "Callable[[ModuleType, float], S
             render_error(make_console(stderr=True), error)
 
 
-def _failed_metrics(path: Path, command: str, python: str | None, package: str | None, error: Any) -> None:
+def _failed_metrics(
+    path: Path, command: str, python: str | None, package: str | None, error: SafeInstallError
+) -> None:
     """A command that failed before its result: ``--metrics-file`` says so (the check could not run)."""
     code = int(error.exit_code)
     if command != "verify" and command != "reinstall":  # --status, --recover: of every environment
