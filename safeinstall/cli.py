@@ -9,7 +9,7 @@ import gc
 import os
 import re
 import sys
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -41,7 +41,10 @@ from safeinstall.verify import VerifyReport, verify_environment
 # What only a run, a dry run or the state commands need is imported where it is used: ``--verify-only``
 # and ``--help`` start without it (a verification's time is mostly start-up on a small package).
 if TYPE_CHECKING:
+    from types import ModuleType
+
     from safeinstall.detach import PrivateInputs
+    from safeinstall.metrics import Family
     from safeinstall.options import RunOptions
     from safeinstall.state import EnvironmentState
     from safeinstall.wheel import Wheel
@@ -118,6 +121,7 @@ def _run_verify(
     diff: bool,
     save_patch: Path | None,
     as_json: bool,
+    metrics: Path | None = None,
 ) -> None:
     if all_ and package:
         raise UsageError("give either a PACKAGE or --all, not both", hint="safeinstall --verify-only --all")
@@ -169,6 +173,7 @@ def _run_verify(
     patch = None if diffs is None else patch_text(diffs)
     if save_patch is not None:
         save_patch.write_text(patch or "", encoding="utf-8")
+    _write_metrics(metrics, lambda m, now: m.verify_families(report.prefix, report, report.exit_code, now))
     if as_json:
         status = "drift" if report.drift else "clean"
         print(
@@ -208,7 +213,22 @@ def _keep(
     return append(state, new_entry(run_id, package, started, now_iso(), result, log_file=log_file))
 
 
-def _run_reinstall(options: "RunOptions", as_json: bool, interactive: bool) -> None:
+def _run_metrics(
+    path: Path | None, env: Environment, package: str, run_id: str, started: str, doc: Any
+) -> None:
+    """A run's result (``doc``, its JSON document) into ``--metrics-file``, as its history keeps it."""
+    if path is None:
+        return
+    from safeinstall.history import new_entry, summary
+    from safeinstall.journal import now_iso
+
+    run = summary(new_entry(run_id, package, started, now_iso(), doc))
+    _write_metrics(path, lambda m, now: m.run_families(str(env.prefix), run))
+
+
+def _run_reinstall(
+    options: "RunOptions", as_json: bool, interactive: bool, metrics: Path | None = None
+) -> None:
     from safeinstall.journal import now_iso
     from safeinstall.reinstall import run_reinstall
     from safeinstall.runlog import LoggedReporter
@@ -224,11 +244,13 @@ def _run_reinstall(options: "RunOptions", as_json: bool, interactive: bool) -> N
     except SafeInstallError as error:
         document = envelope("reinstall", "error", error.exit_code, None, [error])
         _keep(state, run_id, options.package, started, jsonable(document))
-        raise
+        _run_metrics(metrics, _env, options.package, run_id, started, jsonable(document))
+        _fail(error, "reinstall", as_json)
     errors = [result.error] if result.error else []
     data = {"run_id": run_id, **run_json(result)}
     document = jsonable(envelope("reinstall", result.status, result.exit_code, data, errors))
     notes = _keep(state, run_id, options.package, started, document)
+    _run_metrics(metrics, _env, options.package, run_id, started, document)
     with contextlib.suppress(OSError):  # the terminal may be gone (SIGHUP): the exit code still tells
         if as_json:
             print(dumps(document))
@@ -325,10 +347,11 @@ def _run_forget(python: str | None, as_json: bool) -> None:
     _exit(code)
 
 
-def _run_recover(python: str | None, as_json: bool) -> None:
+def _run_recover(python: str | None, as_json: bool, metrics: Path | None = None) -> None:
     from safeinstall.recover import recover
 
     outcome = recover(os.environ, python)
+    _write_metrics(metrics, lambda m, now: m.recover_families(outcome, now))
     code = outcome.exit_code
     if as_json:
         data = {"recoveries": jsonable(outcome.recoveries)}
@@ -342,10 +365,11 @@ def _run_recover(python: str | None, as_json: bool) -> None:
     _exit(code)
 
 
-def _run_status(python: str | None, as_json: bool) -> None:
+def _run_status(python: str | None, as_json: bool, metrics: Path | None = None) -> None:
     from safeinstall.recover import status
 
     report = status(os.environ, python)
+    _write_metrics(metrics, lambda m, now: m.status_families(report, now))
     found = list(report.environments)
     pending = any(s.needs_recovery for s in found)
     if as_json:
@@ -681,6 +705,15 @@ def main_command(
         ),
     ] = False,
     as_json: Annotated[bool, _flag("--json", "Print the versioned JSON result on stdout.")] = False,
+    metrics_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--metrics-file",
+            metavar="FILE",
+            help="Also write the result as Prometheus metrics to FILE, atomically, mode 0644 (for "
+            "node_exporter's textfile collector): with --verify-only, a run, --recover and --status.",
+        ),
+    ] = None,
     show_version: Annotated[bool, _flag("--version", "Print safeinstall's version and exit.", "-V")] = False,
     run_id: Annotated[str | None, typer.Option("--run-id", hidden=True)] = None,
     environ_from: Annotated[Path | None, typer.Option("--environ-from", hidden=True)] = None,
@@ -702,6 +735,7 @@ def main_command(
         if on
     }
     command = command_for(modes)
+    metrics = None  # --metrics-file, once accepted
     try:
         given = [
             name
@@ -737,13 +771,15 @@ def main_command(
             raise UsageError(
                 "--wait and --run go with --status", hint="safeinstall --status --wait [--run RUN_ID]"
             )
+        if metrics_file is not None:
+            metrics = _metrics_target(metrics_file, command, detach_ or wait)
         if recover_ or status_ or forget_:
             if package or ctx.args:
                 raise UsageError(
                     f"--{command} takes no PACKAGE", hint=f"safeinstall --{command} [--python PATH] [--json]"
                 )
             if recover_:
-                _run_recover(python, as_json)
+                _run_recover(python, as_json, metrics)
             if forget_:
                 _run_forget(python, as_json)
             if run and not wait:
@@ -752,7 +788,7 @@ def main_command(
                 )
             if wait:
                 _run_wait(python, run, as_json)
-            _run_status(python, as_json)
+            _run_status(python, as_json, metrics)
         if all_ and not verify_only:
             raise UsageError(
                 "--all goes with --verify-only", hint="safeinstall --verify-only --all [--python PATH]"
@@ -784,7 +820,7 @@ def main_command(
                         "--verify-only checks the installed version; give the name without a version",
                         hint="safeinstall NAME --verify-only [--wheel PATH]",
                     )
-            _run_verify(package, all_, python, wheel, diff, save_patch, as_json)
+            _run_verify(package, all_, python, wheel, diff, save_patch, as_json, metrics)
         if not package:
             raise UsageError("no PACKAGE given", hint="safeinstall PACKAGE [--wheel W] (see --help)")
         from safeinstall.options import check_options
@@ -804,9 +840,60 @@ def main_command(
             _run_detached(options, as_json, interactive)
         if dry_run:
             _run_dry_run(options, as_json)
-        _run_reinstall(options, as_json, interactive)
+        _run_reinstall(options, as_json, interactive, metrics)
     except SafeInstallError as error:
+        if metrics is not None:
+            _failed_metrics(metrics, command, python, package, error)
         _fail(error, command, as_json)
+
+
+def _metrics_target(path: Path, command: str, other_mode: bool) -> Path:
+    """``--metrics-file``: for which commands, and whether root may write there (before any work)."""
+    from safeinstall.metrics import check_metrics_path
+
+    if other_mode or command not in ("verify", "reinstall", "recover", "status"):
+        raise UsageError(
+            "--metrics-file goes with --verify-only, a run (not --detach), --recover or --status "
+            "(not --wait)",
+            hint="e.g. safeinstall --verify-only --all --python PY --metrics-file "
+            "/var/lib/node_exporter/textfile_collector/safeinstall.prom (see docs/metrics.md)",
+        )
+    return check_metrics_path(path)
+
+
+def _write_metrics(path: Path | None, families: "Callable[[ModuleType, float], Sequence[Family]]") -> None:
+    """``families(safeinstall.metrics, now)`` into ``path`` (None: not asked); a file that cannot be
+    written is an error on stderr, the command's own result and exit code stay."""
+    if path is None:
+        return
+    import time
+
+    from safeinstall import metrics
+
+    error = metrics.write_or_fail(path, families(metrics, time.time()))
+    if error is not None:
+        with contextlib.suppress(OSError):
+            render_error(make_console(stderr=True), error)
+
+
+def _failed_metrics(
+    path: Path, command: str, python: str | None, package: str | None, error: SafeInstallError
+) -> None:
+    """A command that failed before its result: ``--metrics-file`` says so (the check could not run)."""
+    code = int(error.exit_code)
+    if command != "verify" and command != "reinstall":  # --status, --recover: of every environment
+        _write_metrics(path, lambda m, now: m.check_families(command, False, code, now))
+        return
+    prefix = os.path.abspath(python) if python else ""
+    with contextlib.suppress(SafeInstallError):  # the prefix the interpreter reports, when it answers
+        prefix = str(inspect_environment(resolve_python(python, os.environ)).prefix)
+    if command == "verify":
+        _write_metrics(path, lambda m, now: m.check_families(command, False, code, now, prefix=prefix))
+        return
+    from safeinstall.history import RunSummary
+
+    run = RunSummary("", "error", code, package, None, None, None, None, {}, None)
+    _write_metrics(path, lambda m, _now: m.run_families(prefix, run))
 
 
 def _split_at_dashes(argv: Sequence[str]) -> tuple[list[str], tuple[str, ...]]:

@@ -11,8 +11,11 @@ test's temporary directories.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -24,9 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.samples import Sample as ParsedSample
 
 from tests import wheelhouse
 from tests.bed_systemd import Units, UserManager, wait_until
+from tests.promcheck import read_metrics
 from tests.wheelhouse import Wheelhouse
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -311,13 +316,35 @@ def test_verify_reports_a_patched_file_on_one_host_only(fleet: Fleet) -> None:
     patched = fleet["host3"].site / "sicext" / "serve.py"
     original = patched.read_bytes()
     patched.write_bytes(original + b"# a local fix\n")
+    removed = fleet["host1"].site / "sicext" / "serve.py"  # drift of another kind on another host
+    removed_bytes = removed.read_bytes()
+    removed.unlink()
+    metrics = {}
     try:
         report = fleet.playbook("examples/drift-report.yml")
         strict = fleet.adhoc(
             "safeinstall.fleet.verify", "name=sicext python={{ safeinstall_python }} fail_on_drift=true"
         )
+        for host in fleet.hosts:  # the same check, written for Prometheus
+            out = fleet.base / "metrics" / f"{host.name}.prom"
+            out.parent.mkdir(mode=0o755, exist_ok=True)
+            subprocess.run(
+                [
+                    str(BIN / "safeinstall"),
+                    "--verify-only",
+                    "--all",
+                    "--python",
+                    str(host.python),
+                    "--metrics-file",
+                    str(out),
+                ],
+                capture_output=True,
+                check=False,
+            )
+            metrics[host.name] = read_metrics(out)
     finally:
         patched.write_bytes(original)
+        removed.write_bytes(removed_bytes)
 
     assert report.code == 0, report.output
     for host in fleet.hosts:
@@ -326,20 +353,54 @@ def test_verify_reports_a_patched_file_on_one_host_only(fleet: Fleet) -> None:
         if host.name == "host3":
             assert result["drifted"] is True and result["status"] == "drift" and result["rc"] == 1
             assert [(f["kind"], f["path"]) for f in result["drift"]] == [("modified", str(patched))]
-        else:
+        elif host.name == "host2":
             assert result["drifted"] is False and result["drift"] == [] and result["status"] == "clean"
-    (table,) = [r["result"]["msg"] for r in report.results if r["task"] == "Drift per host"]
-    assert table[0].split() == ["HOST", "STATUS", "DRIFT", "FILES"]
+        # the module's counts are the ones --metrics-file writes, kind by kind, zeros included
+        assert result["counts"] == _metric_counts(metrics[host.name]), host.name
+    counted = {h.name: report.of(h.name, "Check the installed")["result"]["counts"] for h in fleet.hosts}
+    assert counted["host3"]["sicext"]["drift"]["modified"] == 1
+    assert counted["host1"]["sicext"]["drift"]["missing"] == 1
+    (table,) = [r["result"]["msg"] for r in report.results if r["task"].startswith("Drift per host")]
+    assert table[0].split() == ["HOST", "STATUS", "DRIFT", "sicext"]  # hosts x distributions with drift
     rows = {row.split()[0]: row.split() for row in table[1:]}
-    assert rows["host3"] == ["host3", "drift", "1", "modified", str(patched)]
-    assert rows["host1"] == ["host1", "clean", "0"] and rows["host2"] == ["host2", "clean", "0"]
+    assert rows == {
+        "host1": ["host1", "drift", "1", "1"],
+        "host2": ["host2", "clean", "0", "0"],
+        "host3": ["host3", "drift", "1", "1"],
+    }
+    files = report.of("host3", "The drifted files")["result"]["msg"]
+    assert files == [f"modified {patched}"]
     # fail_on_drift fails the patched host only
     assert strict.code != 0
     assert {r["host"]: r["outcome"] for r in strict.results} == {
-        "host1": "ok",
+        "host1": "failed",
         "host2": "ok",
         "host3": "failed",
     }
+
+
+def _metric_counts(samples: dict[str, list[ParsedSample]]) -> dict[str, dict[str, Any]]:
+    """The per-distribution counts of a --metrics-file, in the verify module's shape."""
+    counts: dict[str, dict[str, Any]] = {}
+    for named in samples.values():
+        for sample in named:
+            entry = counts.setdefault(sample.labels.get("distribution", ""), {"drift": {}, "warnings": {}})
+            if sample.name == "safeinstall_verify_files_checked":
+                entry["files_checked"] = int(sample.value)
+            elif sample.name == "safeinstall_verify_drift_findings":
+                entry["drift"][sample.labels["kind"]] = int(sample.value)
+            elif sample.name == "safeinstall_verify_warning_findings":
+                entry["warnings"][sample.labels["kind"]] = int(sample.value)
+    counts.pop("", None)  # the check's own metrics, of no distribution
+    return counts
+
+
+def test_the_collection_counts_the_kinds_that_safeinstall_reports() -> None:
+    from ansible_collections.safeinstall.fleet.plugins.module_utils import cli as module_cli
+    from safeinstall.metrics import DRIFT_KINDS, WARNING_KIND_NAMES
+
+    assert (module_cli.DRIFT_KINDS, module_cli.WARNING_KINDS) == (DRIFT_KINDS, WARNING_KIND_NAMES)
+    assert module_cli.finding_counts(None) == {}
 
 
 def test_ansible_doc_documents_each_option_as_the_module_declares_it(tmp_path: Path) -> None:
@@ -534,3 +595,52 @@ def test_the_reinstall_modules_command_line_is_what_the_cli_parses(monkeypatch: 
         True,
         2,
     )
+
+
+#: A stand-in for the get-pip.py that ansible-test downloads from its own CI host: pip from the package
+#: registry (as this machine's pip is set up to reach it), installed by the test's own pip into the
+#: empty venv that ansible-test made
+GET_PIP = """\
+import subprocess, sys
+args = [a for a in sys.argv[1:] if a not in ("--no-setuptools", "--no-wheel")]
+sys.exit(subprocess.call([{python!r}, "-m", "pip", "--python", sys.executable, "install", *args]))
+"""
+
+
+@pytest.mark.slow  # about 1.5 minutes: each sanity test gets a venv of its own, from the registry
+def test_ansible_test_sanity_passes(tmp_path: Path) -> None:
+    """Ansible's own checks of a collection (``ansible-test sanity``, the real ansible-core, each test in
+    a venv of its own), on a copy of the collection; only the ``author`` format and the GPLv3 header
+    of the two modules are ignored (tests/sanity/ignore-*.txt: the collection is MIT-licensed)."""
+    spec = importlib.util.find_spec("ansible_test")  # ansible-core's, beside ansible
+    assert spec is not None and spec.origin is not None
+    source = Path(spec.origin).parent / "_internal" / "python_requirements.py"
+    found = re.search(r"pip='([0-9.]+)'", source.read_text())
+    assert found, f"the pip version ansible-test bootstraps is no longer in {source}"
+    home = tmp_path / "home"
+    cache = home / ".ansible" / "test" / "cache"
+    cache.mkdir(parents=True)
+    (cache / f"get_pip_{found.group(1).replace('.', '_')}.py").write_text(
+        GET_PIP.format(python=sys.executable)
+    )
+    copy = tmp_path / "ansible_collections" / "safeinstall" / "fleet"
+    shutil.copytree(COLLECTION, copy, ignore=shutil.ignore_patterns("__pycache__", "output"))
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    proc = subprocess.run(
+        [str(BIN / "ansible-test"), "sanity", "--venv", "--python", version, "--color", "no"],
+        cwd=copy,
+        env={**ansible_environ(tmp_path, os.environ), "HOME": str(home)},
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    assert 'Running sanity test "validate-modules"' in output and "ERROR" not in output, output[-6000:]
+    ignored = {
+        line.split()[1]
+        for ignore in (copy / "tests" / "sanity").glob("ignore-*.txt")
+        for line in ignore.read_text().splitlines()
+    }
+    assert ignored == {"validate-modules:invalid-documentation", "validate-modules:missing-gplv3-license"}

@@ -230,6 +230,32 @@ def plan_diff(plan: Mapping[str, Any]) -> dict[str, str]:
     }
 
 
+#: The kinds of finding (safeinstall.drift.FindingKind), drift apart from warnings: :func:`finding_counts`
+#: lists each of them, zeros included, as ``--metrics-file`` does
+DRIFT_KINDS = ("missing", "modified", "extra", "outside", "unreadable", "malformed", "version-mismatch")
+WARNING_KINDS = ("hardlinked", "wheel-record")
+
+
+def finding_counts(result: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """Per distribution, the counts that ``--metrics-file`` writes: ``files_checked``, and the findings
+    per kind, ``drift`` (every drift kind) apart from ``warnings`` (every warning kind)."""
+    data = (result or {}).get("data") or {}
+    counts: dict[str, dict[str, Any]] = {}
+    for dist in data.get("distributions") or []:
+        counts[str(dist.get("name"))] = {
+            "files_checked": int(dist.get("files_checked") or 0),
+            "drift": dict.fromkeys(DRIFT_KINDS, 0),
+            "warnings": dict.fromkeys(WARNING_KINDS, 0),
+        }
+    for finding in data.get("findings") or []:
+        entry = counts.get(str(finding.get("distribution")))
+        if entry is not None:
+            group = entry["drift"] if finding.get("drift") else entry["warnings"]
+            kind = str(finding.get("kind"))
+            group[kind] = group.get(kind, 0) + 1
+    return counts
+
+
 def drift_findings(result: Mapping[str, Any] | None) -> list[Mapping[str, Any]]:
     """The findings that are drift (warnings such as ``hardlinked`` are not)."""
     findings = ((result or {}).get("data") or {}).get("findings") or []

@@ -110,6 +110,20 @@ summary:
   description: Counts, from the result (C(distributions), C(files_checked), C(drift), C(warnings)).
   returned: when safeinstall printed a result
   type: dict
+counts:
+  description:
+    - Per distribution, the counts that C(safeinstall --metrics-file) writes for Prometheus
+      (C(safeinstall_verify_files_checked), C(safeinstall_verify_drift_findings),
+      C(safeinstall_verify_warning_findings)) - C(files_checked), and the findings per kind, the drift
+      kinds (C(drift)) apart from the warnings (C(warnings)), every kind listed, zeros included.
+    - Empty when the check could not run.
+  returned: always
+  type: dict
+  sample:
+    sipure:
+      files_checked: 6
+      drift: {missing: 0, modified: 1, extra: 0, outside: 0, unreadable: 0, malformed: 0, version-mismatch: 0}
+      warnings: {hardlinked: 0, wheel-record: 0}
 result:
   description: safeinstall's whole C(--json) envelope; null when it printed none.
   returned: always
@@ -130,6 +144,7 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.safeinstall.fleet.plugins.module_utils.cli import (
     CommandError,
     drift_findings,
+    finding_counts,
     verify_argv,
     verify_outcome,
 )
@@ -154,7 +169,7 @@ def main() -> None:
     try:
         cmd = verify_argv(executable, module.params)
     except CommandError as error:
-        module.fail_json(msg=str(error), rc=None, status="error", result=None, cmd=[], stderr="")
+        module.fail_json(msg=str(error), rc=None, status="error", counts={}, result=None, cmd=[], stderr="")
     rc, result, stderr = run_safeinstall(module, cmd)
     outcome = verify_outcome(rc, result, stderr, module.params["fail_on_drift"])
     drift = drift_findings(result)
@@ -165,6 +180,7 @@ def main() -> None:
         "status": outcome.status,
         "drift": drift,
         "drifted": bool(drift),
+        "counts": finding_counts(result),
         "result": result,
         "cmd": cmd,
         "stderr": stderr,
