@@ -126,17 +126,33 @@ def render_verify(out: Console, err: Console, report: VerifyReport, diffs: list[
             out.print(literal(d.text, lines=True), end="", soft_wrap=True)
         else:
             err.print(f"[dim]no diff for {literal(d.path)}: {literal(d.reason)}[/]")
+    several = len(report.site_dirs) > 1  # a system interpreter, or a venv with its base's: say where
     for dist in report.distributions:
         kinds = Counter(f.kind.value for f in dist.findings if f.is_drift)
         state = (
-            "[green]OK[/]"
-            if not kinds
-            else "[red]DRIFT[/] " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+            "[red]DRIFT[/] " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+            if kinds
+            else "[green]OK[/]"
+            if dist.files_checked
+            else "[yellow]nothing checked[/]"
         )
         against = "RECORD" if dist.against == "record" else dist.against
+        where = (
+            f" in {literal(dist.site)}{' (the base installation)' if dist.from_base else ''}"
+            if several
+            else ""
+        )
+        owner = dist.system_package
+        system = (
+            ""
+            if owner is None
+            else f" ({literal(owner.manager)} package {literal(owner.package)}: {literal(owner.check)} "
+            "checks it)"
+        )
         out.print(
-            f"{literal(dist.name)} {literal(dist.version)}: {dist.files_checked} files checked against "
-            f"{literal(against)}: {state}"
+            f"{literal(dist.name)} {literal(dist.version)}{where}{system}: {dist.files_checked} files "
+            f"checked against {literal(against)}: {state}",
+            soft_wrap=True,
         )
 
 
