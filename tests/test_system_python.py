@@ -333,3 +333,30 @@ def test_the_pep_668_marker_error_is_read_as_pep_668_says() -> None:
     )
     assert marker_error_text(marker) == "To install system-wide, try apt. See README."
     assert marker_error_text("[externally-managed]\n") == ""
+
+
+def test_a_dependency_from_the_base_is_one_of_the_plans_refusals(
+    system_site_venv: Path,
+    pip_sipure: Path,
+    wheels: wheelhouse.Wheelhouse,
+    tmp_path: Path,
+    state: dict[str, str],
+) -> None:
+    requiring = wheelhouse.with_requirement(wheels["sins-a"], tmp_path / "requiring", "sipure")
+    install = [wheelhouse.UV, "pip", "install", "-q", "--offline", "--no-deps", "--reinstall", "--python"]
+    subprocess.run(  # --no-deps: its sipure is the base's
+        [*install, str(system_site_venv), str(requiring)],
+        check=True,
+        env=wheelhouse.uv_env(),
+    )
+    offline = ("--offline", "--find-links", str(wheels.directory))
+    result = run(
+        "sins-a", "--dry-run", "--with-deps", "--python", str(system_site_venv), "--wheel", str(requiring),
+        "--json", "--", *offline, env=state,
+    )  # fmt: skip
+    assert result.code == 2, result.stdout + result.stderr
+    refusals = result.json["data"]["refusals"]
+    assert any("sipure 1.0 in " + str(pip_sipure) in r and "base installation /usr" in r for r in refusals), (
+        refusals
+    )
+    assert [p.name for p in pip_sipure.glob("sipure-*.dist-info")] == ["sipure-1.0.dist-info"]
