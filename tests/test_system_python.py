@@ -360,3 +360,27 @@ def test_a_dependency_from_the_base_is_one_of_the_plans_refusals(
         refusals
     )
     assert [p.name for p in pip_sipure.glob("sipure-*.dist-info")] == ["sipure-1.0.dist-info"]
+
+
+def test_the_plan_says_once_what_every_process_of_the_system_interpreter_shares(
+    pip_sipure: Path, wheels: wheelhouse.Wheelhouse, state: dict[str, str]
+) -> None:
+    """Every process of /usr/bin/python3 is a possible user of the system environment (the same
+    evidence rules as a venv's): the plan lists each in its table and says why once, not once each."""
+    sleepers = [
+        subprocess.Popen([str(SYSTEM_PYTHON), "-c", "import time; time.sleep(600)"]) for _ in range(3)
+    ]
+    try:
+        args = ("sipure", "--dry-run", "--python", str(SYSTEM_PYTHON), "--wheel", str(wheels["sipure-2"]))
+        plan = run(*args, "--json", "--", "--break-system-packages", env=state)
+        processes = {p["pid"]: p for p in plan.json["data"]["processes"]}
+        pids = [s.pid for s in sleepers]
+        assert all(processes[pid]["evidence"] == ["environment"] for pid in pids), processes
+        human = run(*args, "--", "--break-system-packages", env=state).stdout
+        lines = [line for line in human.splitlines() if "runs the environment's interpreter" in line]
+        assert len(lines) == 1, human
+        assert lines[0].lstrip().startswith("PIDs ") and all(str(pid) in lines[0] for pid in pids)
+    finally:
+        for sleeper in sleepers:  # only what this test started, by PID
+            sleeper.kill()
+            sleeper.wait()
