@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from safeinstall.diffs import FileDiff
     from safeinstall.history import RunSummary
     from safeinstall.patches import PatchOutcome
-    from safeinstall.plan import Plan
+    from safeinstall.plan import Plan, PlannedProcess
     from safeinstall.recover import EnvironmentStatus, Forgotten, Recovery
     from safeinstall.reinstall import RunResult, StepOutcome
     from safeinstall.verify import VerifyReport
@@ -160,6 +160,26 @@ def _seconds(value: float) -> str:
     return "infinity" if value == float("inf") else f"{value:g} s"
 
 
+def grouped_details(processes: Sequence[PlannedProcess]) -> list[tuple[tuple[int, ...], str]]:
+    """Pure: each ``depends``/``environment`` detail of the processes once, with every PID it is said of
+    (in the order first seen): every process of a system interpreter says "runs the environment's
+    interpreter", in one line, not one line each."""
+    groups: dict[str, list[int]] = {}
+    for process in processes:
+        for detail in process.details:
+            if detail.startswith(("depends:", "environment:")):
+                groups.setdefault(detail, []).append(process.pid)
+    return [(tuple(pids), detail) for detail, pids in groups.items()]
+
+
+def _pids(pids: Sequence[int], shown: int = 10) -> str:
+    """Pure: "PID 12", or "PIDs 12, 13, ... (25)" (the table above lists each one)."""
+    if len(pids) == 1:
+        return f"PID {pids[0]}"
+    more = ", …" if len(pids) > shown else ""
+    return f"PIDs {', '.join(map(str, pids[:shown]))}{more} ({len(pids)})"
+
+
 def render_plan(out: Console, err: Console, plan: Plan) -> None:
     out.print(
         f"[bold]plan[/] for {literal(plan.package)} in {literal(plan.prefix)} (python {literal(plan.python)})"
@@ -187,10 +207,8 @@ def render_plan(out: Console, err: Console, plan: Plan) -> None:
                 literal(f"{p.name}: {command}"),
             )
         out.print(table)
-        for p in plan.processes:  # what the kinds alone do not say: which dependent, which interpreter
-            for detail in p.details:
-                if detail.startswith(("depends:", "environment:")):
-                    out.print(f"  PID {p.pid}: {literal(detail)}", soft_wrap=True)
+        for pids, detail in grouped_details(plan.processes):  # which dependent, which interpreter
+            out.print(f"  {_pids(pids)}: {literal(detail)}", soft_wrap=True)
     else:
         out.print("processes using them: none")
     if plan.units:
