@@ -63,7 +63,9 @@ def survey(options: RunOptions, env: Environment | None = None, wheel: Wheel | N
         env = inspect_environment(resolve_python(options.python, options.environ))
     installed = tuple(find_distributions(env))
     target = find_distribution(env, options.package, list(installed))
-    check_target(env, target, options.extra_args)  # dpkg's, the base's, PEP 668: before uv is asked
+    check_target(
+        env, target, options.extra_args, options.environ
+    )  # dpkg's, the base's, PEP 668: before uv is asked
     if wheel is None and options.wheel is not None:
         wheel = read_wheel(options.wheel)
     request = UvRequest(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import stat
 import textwrap
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -193,12 +193,19 @@ def externally_managed(env: Environment) -> str | None:
         return ""
 
 
+def breaks_system_packages(extra_args: Collection[str], environ: Mapping[str, str]) -> bool:
+    """Pure: does uv get ``--break-system-packages`` (after ``--``, or as ``UV_BREAK_SYSTEM_PACKAGES``,
+    which uv reads as a boolean)?"""
+    value = environ.get("UV_BREAK_SYSTEM_PACKAGES", "").strip().lower()
+    return BREAK_SYSTEM_PACKAGES in extra_args or value in ("1", "true", "yes", "on")
+
+
 def externally_managed_problem(
-    env: Environment, marker: str | None, extra_args: Collection[str]
+    env: Environment, marker: str | None, extra_args: Collection[str], environ: Mapping[str, str]
 ) -> ExternallyManagedError | None:
     """Pure: the refusal of an install into an externally managed interpreter (PEP 668), unless
     ``--break-system-packages`` is passed on to uv."""
-    if marker is None or BREAK_SYSTEM_PACKAGES in extra_args:
+    if marker is None or breaks_system_packages(extra_args, environ):
         return None
     said = f"; it says: {textwrap.shorten(marker, 300, placeholder=' …')}" if marker else ""
     return ExternallyManagedError(
@@ -215,6 +222,7 @@ def check_target(
     env: Environment,
     target: InstalledDistribution,
     extra_args: Collection[str],
+    environ: Mapping[str, str],
     info_dir: Path = DPKG_INFO,
 ) -> None:
     """Refuse (before uv is asked, before anything stops) a reinstall of ``target`` that a system
@@ -222,7 +230,7 @@ def check_target(
     externally managed interpreter without ``--break-system-packages``."""
     owner = system_packages(env, [target], info_dir).get(target.name)
     problem = placement_problem(env, target, owner) or externally_managed_problem(
-        env, externally_managed(env), extra_args
+        env, externally_managed(env), extra_args, environ
     )
     if problem is not None:
         raise problem

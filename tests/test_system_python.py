@@ -230,6 +230,9 @@ def test_pep_668_is_refused_at_preflight_and_break_system_packages_lets_the_run_
     )  # fmt: skip
     assert plan.code == 0, plan.stdout + plan.stderr
     assert plan.json["data"]["proceeds"] and "--break-system-packages" in plan.json["data"]["uv_command"]
+    args = ("sipure", "--dry-run", "--python", str(SYSTEM_PYTHON), "--wheel", new, "--json")
+    from_uvs_variable = run(*args, env={**state, "UV_BREAK_SYSTEM_PACKAGES": "1"})  # uv reads it too
+    assert from_uvs_variable.code == 0, from_uvs_variable.stdout + from_uvs_variable.stderr
     done = run(
         "sipure", "--python", str(SYSTEM_PYTHON), "--wheel", new, "--yes", "--json",
         "--", "--break-system-packages", env=state,
