@@ -89,6 +89,7 @@ def _verify_json(report: VerifyReport, patch: str | None) -> dict[str, Any]:
         "prefix": report.prefix,
         "wheel": jsonable(report.wheel),
         "site_dirs": list(report.site_dirs),
+        "egg_info": list(report.egg_info),
         "distributions": [
             {
                 "name": d.name,

@@ -241,6 +241,20 @@ def every_dist_info_dir(env: Environment) -> list[Path]:
     return _dist_info_dirs_in(distribution_sites(env))
 
 
+def egg_info_paths(env: Environment) -> list[Path]:
+    """Every ``*.egg-info`` (a directory or a file: setup.py installs, many of a Linux distribution's own
+    packages) in the site directories the interpreter imports from: distributions without a RECORD,
+    that nothing here can check."""
+    found: list[Path] = []
+    for site in distribution_sites(env):
+        try:
+            with os.scandir(site) as listing:
+                found.extend(sorted(Path(e.path) for e in listing if e.name.endswith(".egg-info")))
+        except OSError:
+            continue
+    return found
+
+
 def _dist_info_dirs_in(sites: Sequence[Path]) -> list[Path]:
     found: list[Path] = []
     for site in sites:

@@ -126,6 +126,13 @@ def render_verify(out: Console, err: Console, report: VerifyReport, diffs: list[
             out.print(literal(d.text, lines=True), end="", soft_wrap=True)
         else:
             err.print(f"[dim]no diff for {literal(d.path)}: {literal(d.reason)}[/]")
+    if report.egg_info:
+        err.print(
+            f"[dim]note:[/] {len(report.egg_info)} .egg-info distribution(s) have no RECORD and were not "
+            f"checked (e.g. {literal(report.egg_info[0])}); a system package's are its package manager's "
+            "to check (debsums)",
+            soft_wrap=True,
+        )
     several = len(report.site_dirs) > 1  # a system interpreter, or a venv with its base's: say where
     for dist in report.distributions:
         kinds = Counter(f.kind.value for f in dist.findings if f.is_drift)

@@ -18,6 +18,7 @@ from safeinstall.distributions import (
     NO_RECORD,
     InstalledDistribution,
     MetadataReader,
+    egg_info_paths,
     find_distribution,
     find_distributions,
     find_named,
@@ -83,6 +84,8 @@ class VerifyReport:
     observed: dict[str, FileState] = field(default_factory=dict, repr=False, compare=False)
     #: every site directory looked in, in the interpreter's order
     site_dirs: tuple[str, ...] = ()
+    #: with every distribution asked for: the ``.egg-info`` ones found, not checked (they have no RECORD)
+    egg_info: tuple[str, ...] = ()
 
     @property
     def findings(self) -> tuple[Finding, ...]:
@@ -450,8 +453,15 @@ def verify_environment(
         if wheel is None
         else WheelSummary(str(wheel.path), wheel.name, wheel.version, wheel.record_ok, wheel.problems)
     )
+    eggs = tuple(os.fspath(p) for p in egg_info_paths(env)) if names is None else ()
     return VerifyReport(
-        str(env.python), str(env.prefix), tuple(reports), summary, states, tuple(os.fspath(s) for s in sites)
+        str(env.python),
+        str(env.prefix),
+        tuple(reports),
+        summary,
+        states,
+        tuple(os.fspath(s) for s in sites),
+        eggs,
     )
 
 

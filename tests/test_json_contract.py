@@ -26,6 +26,7 @@ def test_verify_envelope_shape(venv: Path, wheels: Wheelhouse) -> None:
         "prefix",
         "wheel",
         "site_dirs",
+        "egg_info",
         "distributions",
         "findings",
         "summary",

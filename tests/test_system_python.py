@@ -109,6 +109,7 @@ def deb_without_record(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pat
     (site / "sitest-1.0.dist-info" / "METADATA").write_text(
         "Metadata-Version: 2.1\nName: sitest\nVersion: 1.0\n"
     )
+    (site / "sitest_egg-1.0.egg-info").write_text("Metadata-Version: 1.1\nName: sitest-egg\nVersion: 1.0\n")
     (root / "DEBIAN").mkdir()
     (root / "DEBIAN" / "control").write_text(
         "Package: python3-sitest\nVersion: 1.0-1\nArchitecture: all\nMaintainer: safeinstall tests <t@t>\n"
@@ -179,6 +180,15 @@ def test_a_dpkg_distribution_without_record_is_dpkgs_to_check_not_drift(deb_with
     )
     assert "debsums python3-sitest checks it" in text.stdout and "nothing checked" in text.stdout
     assert "OK" not in text.stdout
+
+
+def test_egg_info_distributions_are_said_not_to_be_checked(deb_without_record: Path) -> None:
+    egg = deb_without_record.parent / "sitest_egg-1.0.egg-info"
+    result = run("--verify-only", "--all", "--python", str(SYSTEM_PYTHON), "--json")
+    assert str(egg) in result.json["data"]["egg_info"]
+    assert "sitest-egg" not in {d["name"] for d in result.json["data"]["distributions"]}
+    text = run("--verify-only", "--all", "--python", str(SYSTEM_PYTHON), env={**os.environ, "COLUMNS": "400"})
+    assert ".egg-info distribution(s) have no RECORD and were not checked" in text.stderr
 
 
 def test_a_check_that_found_nothing_says_so_and_is_not_clean(venv: Path) -> None:
