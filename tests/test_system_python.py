@@ -24,6 +24,7 @@ from safeinstall.systemsite import dpkg_package_name, marker_error_text, owners_
 from safeinstall.uvplan import UvRequest, dry_run, uv_said
 from tests import wheelhouse
 from tests.clirun import run
+from tests.test_hostile_state import _printing, nobody_interpreter  # noqa: F401  (a fixture)
 
 SYSTEM_PYTHON = Path("/usr/bin/python3")
 DPKG_INFO = Path("/var/lib/dpkg/info")
@@ -324,6 +325,40 @@ def test_a_system_site_packages_venv_shows_and_refuses_what_comes_from_the_base(
     dpkgs = run("pyyaml", "--dry-run", "--python", str(system_site_venv), "--json", env=state)
     assert dpkgs.code == 2 and "python3-yaml" in dpkgs.json["errors"][0]["message"]
     assert [p.name for p in pip_sipure.glob("sipure-*.dist-info")] == ["sipure-1.0.dist-info"]
+
+
+def test_a_base_site_directory_another_account_controls_is_not_read_for_its_environment(
+    nobody_interpreter: Path,  # noqa: F811  (the fixture)
+) -> None:
+    """A service account's interpreter says its base installation is "/" with a site directory the
+    account writes, holding a RECORD that names a file of root's: that directory is not looked in (root
+    would hash the file and report its digest), only a base directory that root alone controls is."""
+    top = nobody_interpreter.parent.parent
+    site = top / "lib" / "python3.11" / "site-packages"
+    site.mkdir(parents=True)
+    fake = top / "base-site" / "evil-1.0.dist-info"
+    fake.mkdir(parents=True)
+    (fake / "METADATA").write_text("Metadata-Version: 2.1\nName: evil\nVersion: 1.0\n")
+    (fake / "RECORD").write_text("../../../../../../../../etc/hostname,sha256=AAAA,1\n")
+    answer = {
+        "executable": str(nobody_interpreter),
+        "prefix": str(top),
+        "base_prefix": "/",
+        "purelib": str(site),
+        "platlib": str(site),
+        "scripts": str(top / "bin"),
+        "data": str(top),
+        "base_site_dirs": [str(top / "base-site")],
+        "version": [3, 11, 0],
+        "implementation": "cpython",
+        "soabi": None,
+        "platform": "linux-x86_64",
+    }
+    _printing(nobody_interpreter, f"cat <<'EOF'\n{answer!r}\nEOF\n")
+    result = run("--verify-only", "--all", "--python", str(nobody_interpreter), "--json")
+    assert "evil" not in result.stdout and "/etc/hostname" not in result.stdout, result.stdout
+    assert result.code == 2 and result.json["errors"][0]["code"] == "nothing-to-check"
+    assert result.json["errors"][0]["message"].endswith(f"no .dist-info directory in {site}")
 
 
 # ----------------------------------------------------------------------------------------- pure parts
