@@ -19,7 +19,7 @@ import typer
 import typer.core
 
 from safeinstall.environment import Environment, inspect_environment, resolve_python
-from safeinstall.errors import ExitCode, SafeInstallError, UsageError
+from safeinstall.errors import ExitCode, NothingToCheck, SafeInstallError, UsageError
 from safeinstall.output import dumps, envelope, finding_json, jsonable, patches_json, plan_json, run_json
 from safeinstall.render import (
     ConsoleReporter,
@@ -91,6 +91,8 @@ def _verify_json(report: VerifyReport, patch: str | None) -> dict[str, Any]:
         "python": report.python,
         "prefix": report.prefix,
         "wheel": jsonable(report.wheel),
+        "site_dirs": list(report.site_dirs),
+        "egg_info": list(report.egg_info),
         "distributions": [
             {
                 "name": d.name,
@@ -99,6 +101,11 @@ def _verify_json(report: VerifyReport, patch: str | None) -> dict[str, Any]:
                 "files_checked": d.files_checked,
                 "against": d.against,
                 "drift": d.drift,
+                "site": d.site,
+                "from_base": d.from_base,
+                "system_package": None
+                if d.system_package is None
+                else jsonable(d.system_package) | {"check": d.system_package.check},
             }
             for d in report.distributions
         ],
@@ -165,6 +172,13 @@ def _run_verify(
             report = verify_environment(env, names, read, on_progress)
     else:
         report = verify_environment(env, names, read)
+    if not report.distributions:  # --all in an environment with none: a check of nothing is no pass
+        raise NothingToCheck(
+            f"no distribution to check in {env.prefix}: no .dist-info directory in "
+            + ", ".join(report.site_dirs or ["its site directories"]),
+            hint="pass --python with the environment to check (a venv directory or its interpreter); "
+            "an .egg-info distribution has no RECORD and is not checked",
+        )
     diffs = None
     if wheel is not None and (diff or save_patch):
         from safeinstall.diffs import diffs_for, patch_text

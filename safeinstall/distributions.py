@@ -12,7 +12,7 @@ from pathlib import Path
 
 from packaging.utils import canonicalize_name
 
-from safeinstall.environment import Environment
+from safeinstall.environment import Environment, distribution_sites
 from safeinstall.errors import RecordError, UnknownDistributionError
 from safeinstall.records import Record, RecordEntry, count_lines, parse_record
 from safeinstall.safefs import read_small
@@ -230,9 +230,34 @@ def load_distribution(dist_info: Path, reader: MetadataReader | None = None) -> 
 
 
 def dist_info_dirs(env: Environment) -> list[Path]:
-    """Every ``*.dist-info`` directory in the environment's site directories, in scan order."""
+    """Every ``*.dist-info`` directory in the environment's own site directories (where uv installs),
+    in scan order."""
+    return _dist_info_dirs_in(env.site_dirs)
+
+
+def every_dist_info_dir(env: Environment) -> list[Path]:
+    """Every ``*.dist-info`` directory the interpreter imports from, in ``sys.path`` order: its own site
+    directories, then the base installation's (:func:`~safeinstall.environment.distribution_sites`)."""
+    return _dist_info_dirs_in(distribution_sites(env))
+
+
+def egg_info_paths(env: Environment) -> list[Path]:
+    """Every ``*.egg-info`` (a directory or a file: setup.py installs, many of a Linux distribution's own
+    packages) in the site directories the interpreter imports from: distributions without a RECORD,
+    that nothing here can check."""
     found: list[Path] = []
-    for site in env.site_dirs:
+    for site in distribution_sites(env):
+        try:
+            with os.scandir(site) as listing:
+                found.extend(sorted(Path(e.path) for e in listing if e.name.endswith(".egg-info")))
+        except OSError:
+            continue
+    return found
+
+
+def _dist_info_dirs_in(sites: Sequence[Path]) -> list[Path]:
+    found: list[Path] = []
+    for site in sites:
         try:
             children = sorted(os.scandir(site), key=lambda e: e.name)
         except OSError:
@@ -261,7 +286,7 @@ def reload_distributions(
     again from disk (new RECORDs, new versions, gone), the others are taken from ``previous``."""
     changed = frozenset(names)
     found: dict[str, InstalledDistribution] = {d.name: d for d in previous if d.name not in changed}
-    directories = [d for d in dist_info_dirs(env) if dist_info_name(d.name) in changed]
+    directories = [d for d in every_dist_info_dir(env) if dist_info_name(d.name) in changed]
     found = _first_of_each(directories, found, MetadataReader.of(env))
     return sorted(found.values(), key=lambda d: d.name)
 
@@ -288,7 +313,7 @@ def find_distributions(
     """Every distribution installed in the environment's site directories, sorted by name; a directory
     of ``loaded`` (read just before, by :func:`find_named`) is not read again. ``reader``: the scan's
     (its limits shared with :func:`find_named`'s part of it), else a new one."""
-    found = _first_of_each(dist_info_dirs(env), {}, reader or MetadataReader.of(env), loaded)
+    found = _first_of_each(every_dist_info_dir(env), {}, reader or MetadataReader.of(env), loaded)
     return sorted(found.values(), key=lambda d: d.name)
 
 
@@ -301,7 +326,7 @@ def find_named(
     later checks that it picks the same directories."""
     canonical = [canonicalize_name(name) for name in names]
     wanted = frozenset(canonical)
-    directories = [d for d in dist_info_dirs(env) if dist_info_name(d.name) in wanted]
+    directories = [d for d in every_dist_info_dir(env) if dist_info_name(d.name) in wanted]
     read = _first_of_each(directories, {}, reader or MetadataReader.of(env))
     found = {n: d for n, d in read.items() if n in wanted}
     return [found[name] for name in canonical] if len(found) == len(wanted) else None
@@ -325,5 +350,5 @@ def find_distribution(
     raise UnknownDistributionError(
         f"{name} is not installed in {env.prefix}{guess}",
         hint=f"check the name, or pass --python for the environment that has it "
-        f"(looked in {', '.join(str(s) for s in env.site_dirs)})",
+        f"(looked in {', '.join(str(s) for s in distribution_sites(env))})",
     )

@@ -54,6 +54,7 @@ print(ascii({
     "base_site_dirs": base_sites,
     "scripts": paths["scripts"],
     "data": paths["data"],
+    "stdlib": paths["stdlib"],
     "version": [sys.version_info[0], sys.version_info[1], sys.version_info[2]],
     "implementation": sys.implementation.name,
     "soabi": sysconfig.get_config_var("SOABI"),
@@ -97,6 +98,8 @@ class Environment:
     base_site_dirs: tuple[Path, ...] = ()
     #: purelib and platlib as the interpreter spelled them (before symlinks were resolved)
     given_site_dirs: tuple[Path, ...] = ()
+    #: the standard library's directory (a system interpreter's PEP 668 ``EXTERNALLY-MANAGED`` marker)
+    stdlib: Path | None = None
 
     @property
     def owner(self) -> int | None:
@@ -315,6 +318,36 @@ def steering(env: Environment, euid: int) -> _Control:
     return control
 
 
+def _root_controlled(site: Path) -> bool:
+    """Is ``site`` (the directories above it, and its entries) controlled by root alone?"""
+    control = _Control(0)
+    control.look_up(site, "a base site directory")
+    try:
+        entries = sorted(os.listdir(site))
+    except OSError:
+        entries = []
+    for name in entries:
+        control.look(site / name, "in a base site directory")
+    return not control.owners and not control.problems
+
+
+def distribution_sites(env: Environment) -> tuple[Path, ...]:
+    """Every site directory whose distributions the interpreter imports, in ``sys.path`` order: its own
+    (purelib, platlib), then the base installation's that ``site`` adds (a system interpreter's
+    ``/usr/lib/python3/dist-packages``, or a venv's base with include-system-site-packages), those
+    inside the base prefix only. For another account's environment (its interpreter said where the base
+    is) a base directory is read only when root alone controls it: root hashes the files its RECORDs
+    name, and the account could otherwise write such RECORDs itself."""
+    base = [
+        site
+        for site in env.base_site_dirs
+        if site not in env.site_dirs
+        and _inside(site, env.base_prefix)
+        and (env.account is None or _root_controlled(site))
+    ]
+    return (*env.site_dirs, *dict.fromkeys(base))
+
+
 def before_the_probe(python: Path, euid: int) -> _Control:
     """Who controls what the interpreter runs before ``site`` (the probe runs it with ``-I -S``): each
     link on the way from ``python`` to its real binary, and the directories above each; the environment
@@ -505,6 +538,7 @@ def inspect_environment(python: Path, timeout: float = 30.0) -> Environment:
             probed_as=os.geteuid() if owner is None else owner.uid,  # as started, never as it says
             base_site_dirs=tuple(Path(os.path.realpath(p)) for p in info.get("base_site_dirs", [])),
             given_site_dirs=tuple(Path(os.path.abspath(info[key])) for key in ("purelib", "platlib")),
+            stdlib=Path(os.path.realpath(info["stdlib"])) if isinstance(info.get("stdlib"), str) else None,
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise InterpreterError(

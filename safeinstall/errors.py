@@ -116,3 +116,22 @@ class RollbackFailed(SafeInstallError):
     def __init__(self, message: str, hint: str | None = None, commands: tuple[str, ...] = ()) -> None:
         super().__init__(message, hint)
         self.commands = commands
+
+
+class SystemPackageError(SafeInstallError):
+    """A reinstall of a distribution that the system's package manager owns, or that lies in a base
+    site directory where uv does not install (refused before anything stops)."""
+
+    code = "system-package"
+
+
+class ExternallyManagedError(SafeInstallError):
+    """A reinstall into an externally managed interpreter (PEP 668) without --break-system-packages."""
+
+    code = "externally-managed"
+
+
+class NothingToCheck(SafeInstallError):
+    """``--verify-only --all`` found no distribution to check: that is not a clean result."""
+
+    code = "nothing-to-check"

@@ -41,6 +41,7 @@ from safeinstall.state import (
     state_root,
 )
 from safeinstall.survey import Survey, survey
+from safeinstall.systemsite import placement_refusals
 from safeinstall.verify import VerifyReport, verify_environment
 from safeinstall.wheel import (
     Wheel,
@@ -119,6 +120,7 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
         if wheel is not None and not unrecorded:  # without a RECORD, what it would replace is unknown
             check_landing(wheel, env, found.affected, found.installed)
         more = (
+            *placement_refusals(env, found.affected),
             *unrecorded,
             *room_problems(found, env, state.backups, wheel),
             *writability_problems(env, found, wheel),

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from safeinstall.diffs import FileDiff
     from safeinstall.history import RunSummary
     from safeinstall.patches import PatchOutcome
-    from safeinstall.plan import Plan
+    from safeinstall.plan import Plan, PlannedProcess
     from safeinstall.recover import EnvironmentStatus, Forgotten, Recovery
     from safeinstall.reinstall import RunResult, StepOutcome
     from safeinstall.verify import VerifyReport
@@ -126,22 +126,65 @@ def render_verify(out: Console, err: Console, report: VerifyReport, diffs: list[
             out.print(literal(d.text, lines=True), end="", soft_wrap=True)
         else:
             err.print(f"[dim]no diff for {literal(d.path)}: {literal(d.reason)}[/]")
+    if report.egg_info:
+        err.print(
+            f"[dim]note:[/] {len(report.egg_info)} .egg-info distribution(s) have no RECORD and were not "
+            f"checked (e.g. {literal(report.egg_info[0])}); a system package's are its package manager's "
+            "to check (debsums)",
+            soft_wrap=True,
+        )
+    several = len(report.site_dirs) > 1  # a system interpreter, or a venv with its base's: say where
     for dist in report.distributions:
         kinds = Counter(f.kind.value for f in dist.findings if f.is_drift)
         state = (
-            "[green]OK[/]"
-            if not kinds
-            else "[red]DRIFT[/] " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+            "[red]DRIFT[/] " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+            if kinds
+            else "[green]OK[/]"
+            if dist.files_checked
+            else "[yellow]nothing checked[/]"
         )
         against = "RECORD" if dist.against == "record" else dist.against
+        where = (
+            f" in {literal(dist.site)}{' (the base installation)' if dist.from_base else ''}"
+            if several
+            else ""
+        )
+        owner = dist.system_package
+        system = (
+            ""
+            if owner is None
+            else f" ({literal(owner.manager)} package {literal(owner.package)}: {literal(owner.check)} "
+            "checks it)"
+        )
         out.print(
-            f"{literal(dist.name)} {literal(dist.version)}: {dist.files_checked} files checked against "
-            f"{literal(against)}: {state}"
+            f"{literal(dist.name)} {literal(dist.version)}{where}{system}: {dist.files_checked} files "
+            f"checked against {literal(against)}: {state}",
+            soft_wrap=True,
         )
 
 
 def _seconds(value: float) -> str:
     return "infinity" if value == float("inf") else f"{value:g} s"
+
+
+def grouped_details(processes: Sequence[PlannedProcess]) -> list[tuple[tuple[int, ...], str]]:
+    """Pure: each ``depends``/``environment`` detail of the processes once, with every PID it is said of
+    (in the order first seen): every process of a system interpreter says "runs the environment's
+    interpreter", in one line, not one line each."""
+    groups: dict[str, list[int]] = {}
+    for process in processes:
+        for detail in process.details:
+            if detail.startswith(("depends:", "environment:")):
+                groups.setdefault(detail, []).append(process.pid)
+    return [(tuple(pids), detail) for detail, pids in groups.items()]
+
+
+def _pids(pids: Sequence[int], shown: int = 10) -> str:
+    """Pure: "PID 12", or "PIDs 12, 13, ... (25)" (the table above lists each one)."""
+    if len(pids) == 1:
+        return f"PID {pids[0]}"
+    more = ", …" if len(pids) > shown else ""
+    return f"PIDs {', '.join(map(str, pids[:shown]))}{more} ({len(pids)})"
 
 
 def render_plan(out: Console, err: Console, plan: Plan) -> None:
@@ -171,10 +214,8 @@ def render_plan(out: Console, err: Console, plan: Plan) -> None:
                 literal(f"{p.name}: {command}"),
             )
         out.print(table)
-        for p in plan.processes:  # what the kinds alone do not say: which dependent, which interpreter
-            for detail in p.details:
-                if detail.startswith(("depends:", "environment:")):
-                    out.print(f"  PID {p.pid}: {literal(detail)}", soft_wrap=True)
+        for pids, detail in grouped_details(plan.processes):  # which dependent, which interpreter
+            out.print(f"  {_pids(pids)}: {literal(detail)}", soft_wrap=True)
     else:
         out.print("processes using them: none")
     if plan.units:

@@ -25,6 +25,7 @@ from safeinstall.processes import (
 )
 from safeinstall.state import state_root
 from safeinstall.systemd import Systemd, UnitInfo
+from safeinstall.systemsite import check_target
 from safeinstall.uvplan import UvPlan, UvRequest, dry_run, link_mode_for, same_filesystem
 from safeinstall.wheel import Wheel, read_wheel
 
@@ -62,6 +63,9 @@ def survey(options: RunOptions, env: Environment | None = None, wheel: Wheel | N
         env = inspect_environment(resolve_python(options.python, options.environ))
     installed = tuple(find_distributions(env))
     target = find_distribution(env, options.package, list(installed))
+    check_target(
+        env, target, options.extra_args, options.environ
+    )  # dpkg's, the base's, PEP 668: before uv is asked
     if wheel is None and options.wheel is not None:
         wheel = read_wheel(options.wheel)
     request = UvRequest(

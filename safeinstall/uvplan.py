@@ -26,6 +26,7 @@ import os
 import re
 import stat
 import subprocess
+import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -402,6 +403,21 @@ def _run_uv(
             os.close(program)
 
 
+#: The most of uv's message a PlanError quotes (uv's own error and its hints; a resolver's explanation
+#: can run to pages: the log holds all of it)
+SAID_LIMIT = 1200
+
+
+def uv_said(output: str, limit: int = SAID_LIMIT) -> str:
+    """Pure: uv's message on one line (its lines joined with " / "), from its first ``error:`` line
+    (what comes before it is uv's progress, "Using Python 3.11 environment at: /usr"), shortened to
+    ``limit`` characters at a word boundary, never in the middle of a word."""
+    lines = [line.strip() for line in output.strip().splitlines() if line.strip()]
+    first = next((i for i, line in enumerate(lines) if line.startswith("error:")), 0)
+    said = " / ".join(lines[first:])
+    return said if len(said) <= limit else textwrap.shorten(said, limit, placeholder=" …")
+
+
 def dry_run(
     request: UvRequest,
     environ: Mapping[str, str] | None = None,
@@ -428,9 +444,8 @@ def dry_run(
                 )
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:
-        said = " / ".join(line.strip() for line in output.strip().splitlines() if line.strip())
         raise PlanError(
-            "uv cannot resolve the install: " + said[-800:],  # one line: uv's own "error:" is not ours
+            "uv cannot resolve the install: " + uv_said(output),  # one line: uv's own "error:" is not ours
             hint="fix the requirement, the wheel or the index options (arguments after -- go to uv); "
             "nothing was stopped",
         )

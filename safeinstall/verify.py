@@ -6,6 +6,7 @@ the judging to the pure functions of :mod:`safeinstall.drift`.
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 from collections.abc import Callable, Mapping, Sequence
@@ -17,6 +18,7 @@ from safeinstall.distributions import (
     NO_RECORD,
     InstalledDistribution,
     MetadataReader,
+    egg_info_paths,
     find_distribution,
     find_distributions,
     find_named,
@@ -31,10 +33,11 @@ from safeinstall.drift import (
     own_roots,
     pyc_source,
 )
-from safeinstall.environment import Environment
+from safeinstall.environment import Environment, distribution_sites
 from safeinstall.errors import ExitCode, WheelError
 from safeinstall.hashing import FileState, cycle_collection_paused, is_within, observe_files
 from safeinstall.records import built, digest_bytes
+from safeinstall.systemsite import SystemPackage, from_base, system_packages
 
 if TYPE_CHECKING:  # the wheel module (zipfile, packaging.tags) is loaded only when a wheel is given
     from safeinstall.wheel import Wheel, WheelProblem
@@ -59,6 +62,12 @@ class DistributionReport:
     files_checked: int
     findings: tuple[Finding, ...]
     against: str  # "record", or the wheel's file name
+    site: str = ""  # the site directory that holds its .dist-info
+    #: the system package that installed it (dpkg's), None when none did
+    system_package: SystemPackage | None = None
+    #: in a site directory of the base installation (a system interpreter's own, or a venv's base with
+    #: include-system-site-packages), not where uv installs
+    from_base: bool = False
 
     @property
     def drift(self) -> bool:
@@ -73,6 +82,10 @@ class VerifyReport:
     wheel: WheelSummary | None
     #: every file as it was observed (location -> state): a backup reuses these hashes
     observed: dict[str, FileState] = field(default_factory=dict, repr=False, compare=False)
+    #: every site directory looked in, in the interpreter's order
+    site_dirs: tuple[str, ...] = ()
+    #: with every distribution asked for: the ``.egg-info`` ones found, not checked (they have no RECORD)
+    egg_info: tuple[str, ...] = ()
 
     @property
     def findings(self) -> tuple[Finding, ...]:
@@ -145,14 +158,16 @@ class _Containment:
 
 
 def _record_plan(
-    dist: InstalledDistribution, env: Environment, containment: _Containment
+    dist: InstalledDistribution, env: Environment, containment: _Containment, system_owned: bool = False
 ) -> tuple[list[Expectation], list[Finding]]:
     expectations: list[Expectation] = []
     findings = [
         Finding(dist.name, f"{dist.dist_info}/RECORD:{p.line}", FindingKind.MALFORMED, p.reason)
         for p in dist.record.problems
     ]
-    if dist.record_problem is not None:  # nothing to check its files against: never "OK"
+    if system_owned and dist.record_problem == NO_RECORD:
+        pass  # a system package's files are its package manager's to check (debsums), not drift
+    elif dist.record_problem is not None:  # nothing to check its files against: never "OK"
         kind = FindingKind.MISSING if dist.record_problem == NO_RECORD else FindingKind.UNREADABLE
         detail = "no RECORD" if kind == FindingKind.MISSING else f"RECORD: {dist.record_problem}"
         findings.append(
@@ -167,7 +182,7 @@ def _record_plan(
                     dist.name,
                     entry.path,
                     FindingKind.OUTSIDE,
-                    f"resolves to {location}, outside {env.prefix}",
+                    f"resolves to {location}, outside {containment.prefix}",
                 )
             )
             continue
@@ -277,9 +292,17 @@ def _wheel_plan(
     return expectations, members, findings
 
 
-def _plan(dist: InstalledDistribution, env: Environment, wheel: Wheel | None) -> _Plan:
-    containment = _Containment(env.prefix)
-    record_expectations, findings = _record_plan(dist, env, containment)
+def containment_root(env: Environment, dist: InstalledDistribution) -> Path:
+    """Pure: the prefix a distribution's files must stay in: the environment's, or for a distribution
+    of the base installation (a venv's, with include-system-site-packages) the base's."""
+    return env.base_prefix if from_base(env, dist) else env.prefix
+
+
+def _plan(
+    dist: InstalledDistribution, env: Environment, wheel: Wheel | None, system_owned: bool = False
+) -> _Plan:
+    containment = _Containment(containment_root(env, dist))
+    record_expectations, findings = _record_plan(dist, env, containment, system_owned)
     if wheel is None:
         return _Plan(dist, tuple(record_expectations), {}, tuple(findings), "record")
     expectations, members, wheel_findings = _wheel_plan(dist, env, wheel, containment)
@@ -365,8 +388,9 @@ def verify_environment(
             f"{', '.join(d.name for d in selected) or 'nothing'}",
             hint="pass the wheel of the package being verified",
         )
+    owners = system_packages(env, selected)
     with cycle_collection_paused():
-        plans = [_plan(dist, env, wheel) for dist in selected]
+        plans = [_plan(dist, env, wheel, dist.name in owners) for dist in selected]
         if expected:
             plans = [
                 replace(p, expectations=tuple(expected.get(e.location, e) for e in p.expectations))
@@ -380,19 +404,18 @@ def verify_environment(
             on_progress(done, total)
 
     unlisted: dict[str, list[Finding]] = {}
+    sites = distribution_sites(env)
 
     def look_for_extras() -> None:  # on this thread, while the helpers hash the large files
         if early is not None:
             found.extend(find_distributions(env, early, reader))
         listed = _listed_locations(found)
-        roots = own_roots({d.name: d.locations for d in found}, [os.fspath(s) for s in env.site_dirs])
+        roots = own_roots({d.name: d.locations for d in found}, [os.fspath(s) for s in sites])
         for plan in plans:
             name = plan.dist.name
             unlisted[name] = [f for root in roots.get(name, []) for f in extras(name, _walk(root), listed)]
 
-    states = observe_files(
-        wanted, workers=workers, on_progress=tick, meanwhile=look_for_extras, within=os.fspath(env.prefix)
-    )
+    states = _observe(plans, env, workers, tick, look_for_extras)
     if early is not None and any(find_distribution(env, d.name, found) is not d for d in early):
         # a directory named otherwise holds one of them, earlier in the scan: the usual order
         return verify_environment(env, names, wheel, on_progress, workers, found, expected)
@@ -420,6 +443,9 @@ def verify_environment(
                     sorted(findings, key=lambda f: (f.kind != FindingKind.VERSION_MISMATCH, f.path))
                 ),
                 against=plan.against,
+                site=os.fspath(plan.dist.site),
+                system_package=owners.get(plan.dist.name),
+                from_base=from_base(env, plan.dist),
             )
         )
     summary = (
@@ -427,4 +453,43 @@ def verify_environment(
         if wheel is None
         else WheelSummary(str(wheel.path), wheel.name, wheel.version, wheel.record_ok, wheel.problems)
     )
-    return VerifyReport(str(env.python), str(env.prefix), tuple(reports), summary, states)
+    eggs = tuple(os.fspath(p) for p in egg_info_paths(env)) if names is None else ()
+    return VerifyReport(
+        str(env.python),
+        str(env.prefix),
+        tuple(reports),
+        summary,
+        states,
+        tuple(os.fspath(s) for s in sites),
+        eggs,
+    )
+
+
+def _ticked(tick: Callable[[int], None], before: int, done: int) -> None:
+    tick(before + done)
+
+
+def _observe(
+    plans: Sequence[_Plan],
+    env: Environment,
+    workers: int | None,
+    tick: Callable[[int], None],
+    meanwhile: Callable[[], object],
+) -> dict[str, FileState]:
+    """Every expected file observed, each within the prefix its distribution belongs to (the base's, for
+    a venv's distributions of the base installation): one pass for each such prefix."""
+    by_root: dict[str, list[Expectation]] = {os.fspath(env.prefix): []}
+    for plan in plans:
+        by_root.setdefault(os.fspath(containment_root(env, plan.dist)), []).extend(plan.expectations)
+    states: dict[str, FileState] = {}
+    for root, wanted in by_root.items():
+        states.update(
+            observe_files(
+                wanted,
+                workers=workers,
+                on_progress=functools.partial(_ticked, tick, len(states)),
+                meanwhile=meanwhile if root == os.fspath(env.prefix) else None,
+                within=root,
+            )
+        )
+    return states

@@ -21,7 +21,17 @@ def test_verify_envelope_shape(venv: Path, wheels: Wheelhouse) -> None:
     wheelhouse.uv_install(venv, wheels["sipure-1"])
     doc = run("sipure", "--verify-only", "--python", str(venv), "--json").json
     assert set(doc) == ENVELOPE and doc["safeinstall_result_version"] == 1
-    assert set(doc["data"]) == {"python", "prefix", "wheel", "distributions", "findings", "summary", "patch"}
+    assert set(doc["data"]) == {
+        "python",
+        "prefix",
+        "wheel",
+        "site_dirs",
+        "egg_info",
+        "distributions",
+        "findings",
+        "summary",
+        "patch",
+    }
     assert set(doc["data"]["distributions"][0]) == {
         "name",
         "version",
@@ -29,6 +39,9 @@ def test_verify_envelope_shape(venv: Path, wheels: Wheelhouse) -> None:
         "files_checked",
         "against",
         "drift",
+        "site",
+        "from_base",
+        "system_package",
     }
     assert set(doc["data"]["summary"]) == {"distributions", "files_checked", "drift", "warnings"}
 
