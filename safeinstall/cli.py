@@ -118,6 +118,7 @@ def _run_verify(
     diff: bool,
     save_patch: Path | None,
     as_json: bool,
+    verbosity: int = 0,
 ) -> None:
     if all_ and package:
         raise UsageError("give either a PACKAGE or --all, not both", hint="safeinstall --verify-only --all")
@@ -134,7 +135,7 @@ def _run_verify(
         raise UsageError("--wheel checks one package", hint="name the package instead of --all")
     env = inspect_environment(resolve_python(python, os.environ))
     err = make_console(stderr=True)
-    if env.owner_note and not as_json:
+    if env.owner_note and not as_json and verbosity >= 0:
         err.print(f"[dim]note:[/] {literal(env.owner_note, lines=True)}", soft_wrap=True)
     names = None if all_ else [package or ""]
     read: Wheel | None = None
@@ -142,7 +143,7 @@ def _run_verify(
         from safeinstall.wheel import read_wheel
 
         read = read_wheel(wheel)
-    if err.is_terminal:  # rich.progress is loaded only for a terminal: scripts start faster
+    if err.is_terminal and verbosity >= 0:  # rich.progress is loaded only for a terminal: scripts start fast
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         with Progress(
@@ -175,7 +176,7 @@ def _run_verify(
             dumps(envelope("verify", status, report.exit_code, _verify_json(report, patch if diff else None)))
         )
     else:
-        render_verify(make_console(), err, report, diffs if diff else None)
+        render_verify(make_console(), err, report, diffs if diff else None, verbosity)
         if save_patch is not None:
             err.print(
                 f"patch of {sum(1 for d in diffs or [] if d.text)} modified files written to "
@@ -672,6 +673,19 @@ def main_command(
         ),
     ] = False,
     as_json: Annotated[bool, _flag("--json", "Print the versioned JSON result on stdout.")] = False,
+    verbose: Annotated[
+        int,
+        typer.Option(
+            "--verbose",
+            "-v",
+            count=True,
+            help="Say more: every warning and finding, the plan's evidence chains, each distribution.",
+        ),
+    ] = 0,
+    quiet: Annotated[
+        int,
+        typer.Option("--quiet", "-q", count=True, help="Say less: no notes, warnings summaries or progress."),
+    ] = 0,
     show_version: Annotated[bool, _flag("--version", "Print safeinstall's version and exit.", "-V")] = False,
     run_id: Annotated[str | None, typer.Option("--run-id", hidden=True)] = None,
     environ_from: Annotated[Path | None, typer.Option("--environ-from", hidden=True)] = None,
@@ -694,6 +708,9 @@ def main_command(
     }
     command = command_for(modes)
     try:
+        if verbose and quiet:
+            raise UsageError("-v and -q do not go together", hint="give one of --verbose, --quiet")
+        verbosity = -1 if quiet else 1 if verbose else 0
         given = [
             name
             for name in ctx.params
@@ -775,7 +792,7 @@ def main_command(
                         "--verify-only checks the installed version; give the name without a version",
                         hint="safeinstall NAME --verify-only [--wheel PATH]",
                     )
-            _run_verify(package, all_, python, wheel, diff, save_patch, as_json)
+            _run_verify(package, all_, python, wheel, diff, save_patch, as_json, verbosity)
         if not package:
             raise UsageError("no PACKAGE given", hint="safeinstall PACKAGE [--wheel W] (see --help)")
         from safeinstall.options import check_options

@@ -80,25 +80,80 @@ def _table(**options: Any) -> Table:
     return Table(box=None, pad_edge=False, **options)
 
 
-def _findings_table(findings: list[Finding]) -> Table:
-    table = _table(show_edge=False)
-    table.add_column("KIND", no_wrap=True)
-    table.add_column("DISTRIBUTION", no_wrap=True)
-    table.add_column("PATH", overflow="fold")
-    table.add_column("DETAIL", overflow="fold")
+def print_table(console: Console, table: Table) -> None:
+    """A table without the padding rich adds to the right of each line (to the console's width, 200
+    columns on a pipe): lines end where their text ends."""
+    from rich.text import Text
+
+    for line in console.render_lines(table, console.options, pad=False):
+        text = Text.assemble(*((s.text, s.style or "") for s in line if not s.control))
+        text.rstrip()
+        console.print(text, soft_wrap=True)
+
+
+def _finding_lines(out: Console, findings: Sequence[Finding]) -> None:
+    """Each finding: its kind, distribution and path on one line (a path is never broken: the line is
+    not wrapped), its detail indented below (wrapped between words)."""
     for f in findings:
         style = _KIND_STYLE.get(f.kind, "")
-        table.add_row(
-            f"[{style}]{f.kind.value}[/]" if style else f.kind.value,
-            literal(f.distribution),
-            literal(f.path),
-            literal(f.detail),
+        kind = f"[{style}]{f.kind.value}[/]" if style else f.kind.value
+        out.print(f"{kind} {literal(f.distribution)} {literal(f.path)}", soft_wrap=True)
+        if f.detail:
+            out.print(f"    {literal(f.detail)}", soft_wrap=True)
+
+
+def _example(findings: Sequence[Finding]) -> str:
+    return literal(findings[0].path) + (f" and {len(findings) - 1} more" if len(findings) > 1 else "")
+
+
+def _warning_summaries(err: Console, findings: Sequence[Finding], more: str) -> None:
+    """One line per kind of warning (per pair of distributions for shared files), with a count and an
+    example; ``more`` says where the whole list is."""
+    hardlinked = [f for f in findings if f.kind == FindingKind.HARDLINKED]
+    if hardlinked:
+        names = sorted({f.distribution for f in hardlinked})
+        whose, how = (
+            (
+                literal(names[0]),
+                f"with safeinstall {literal(names[0])} (once its run's cache is gone the files "
+                "share no inode), or uv's --link-mode copy",
+            )
+            if len(names) == 1
+            else (f"{len(names)} distributions", "with uv's --link-mode copy, or each with safeinstall NAME")
         )
-    return table
+        err.print(
+            f"[yellow]warning:[/] {_count(len(hardlinked), 'installed file')} of {whose} share their inode "
+            f"with another file (uv's cache; e.g. {literal(hardlinked[0].path)}); editing one in place also "
+            f"edits the cache, and a later offline reinstall brings the edit back (uv #10579). Reinstall "
+            f"{how}{more}",
+            soft_wrap=True,
+        )
+    pairs: dict[tuple[str, str], list[Finding]] = defaultdict(list)
+    for f in findings:
+        if f.kind == FindingKind.SHARED:
+            pairs[(f.distribution, f.shared_with or "?")].append(f)
+    for (name, other), shared in sorted(pairs.items()):
+        err.print(
+            f"[yellow]note:[/] {_count(len(shared), 'file')} of {literal(name)} "
+            f"{'holds' if len(shared) == 1 else 'hold'} {literal(other)}'s copy "
+            f"(both RECORDs list them; {literal(other)} was installed over them; e.g. {_example(shared)}): "
+            f"{FindingKind.SHARED.value}, not drift; reinstalling {literal(name)} alone would put its own "
+            f"copies back over {literal(other)}'s{more}",
+            soft_wrap=True,
+        )
 
 
-def render_verify(out: Console, err: Console, report: VerifyReport, diffs: list[FileDiff] | None) -> None:
-    if report.wheel is not None and not report.wheel.record_ok:
+def _count(number: int, what: str) -> str:
+    return f"{number} {what}" + ("" if number == 1 else "s")
+
+
+def render_verify(
+    out: Console, err: Console, report: VerifyReport, diffs: list[FileDiff] | None, verbosity: int = 0
+) -> None:
+    """The drift, each finding on its lines; warnings summarised (one line per kind, with ``-v`` each
+    finding); a line per distribution checked (with ``--all`` and without ``-v``: those with drift and
+    one line for the rest). ``verbosity``: -1 ``-q`` (no warnings), 0, 1 ``-v``."""
+    if report.wheel is not None and not report.wheel.record_ok and verbosity >= 0:
         err.print(
             f"[yellow]warning:[/] the wheel {literal(str(report.wheel.path))} has a RECORD that does not "
             f"match its own contents ({len(report.wheel.problems)} problems); that is the wheel's fault, "
@@ -106,28 +161,22 @@ def render_verify(out: Console, err: Console, report: VerifyReport, diffs: list[
             soft_wrap=True,
         )
     drift = [f for f in report.findings if f.is_drift]
-    if drift:
-        out.print(_findings_table(drift))
-    hardlinked: dict[str, list[Finding]] = defaultdict(list)
-    for finding in report.findings:
-        if finding.kind == FindingKind.HARDLINKED:
-            hardlinked[finding.distribution].append(finding)
-    for name, links in hardlinked.items():
-        err.print(
-            f"[yellow]warning:[/] {literal(name)}: {len(links)} installed files share their inode with "
-            f"another file (uv's cache, e.g. {literal(links[0].path)}); editing them in place also edits the "
-            "cache, and a later offline reinstall brings the edit back (uv #10579). "
-            f"Reinstall it with safeinstall {literal(name)} (once its run's cache is gone the files share "
-            "no inode), or uv's --link-mode copy.",
-            soft_wrap=True,
-        )
+    _finding_lines(out, drift)
+    warnings = [f for f in report.findings if not f.is_drift and f.kind != FindingKind.WHEEL_RECORD]
+    if verbosity > 0:
+        _finding_lines(err, warnings)
+    elif verbosity == 0:
+        _warning_summaries(err, warnings, " (-v lists them; --json has all)")
     for d in diffs or []:
         if d.text:
             out.print(literal(d.text, lines=True), end="", soft_wrap=True)
         else:
             err.print(f"[dim]no diff for {literal(d.path)}: {literal(d.reason)}[/]")
+    many = len(report.distributions) > 1 and verbosity <= 0
     for dist in report.distributions:
         kinds = Counter(f.kind.value for f in dist.findings if f.is_drift)
+        if many and not kinds:
+            continue
         state = (
             "[green]OK[/]"
             if not kinds
@@ -137,6 +186,13 @@ def render_verify(out: Console, err: Console, report: VerifyReport, diffs: list[
         out.print(
             f"{literal(dist.name)} {literal(dist.version)}: {dist.files_checked} files checked against "
             f"{literal(against)}: {state}"
+        )
+    if many:
+        drifted = sum(1 for d in report.distributions if d.drift)
+        files = sum(d.files_checked for d in report.distributions)
+        state = "[green]OK[/]" if not drifted else f"[red]{drifted} with drift[/], the others OK"
+        out.print(
+            f"{len(report.distributions)} distributions, {files} files checked against their RECORD: {state}"
         )
 
 

@@ -29,6 +29,7 @@ FINDING_KEYS = {
     "expected",
     "actual",
     "wheel_member",
+    "shared_with",
 }
 
 
@@ -471,3 +472,85 @@ def test_the_dist_info_files_read_in_one_scan_are_bounded(
     monkeypatch.setattr(distributions, "SCAN_LINES_LIMIT", every - 1)
     with pytest.raises(RecordError):
         verify_environment(inspected, ["zz0"])
+
+
+def _two_owners(venv: Path, tmp_path: Path) -> Path:
+    """siownera, then siownerb installed over one of its files (both RECORDs list ``sishared/core.py``,
+    as cuda-python's and cuda-bindings' list ``cuda/bindings/*``): the file on disk is b's."""
+    out = tmp_path / "owners"
+    out.mkdir()
+    first = wheelhouse.make_wheel(
+        out, "siownera", "1.0", {"sishared/core.py": b"A = 1\n", "siownera.py": b"x = 1\n"}
+    )
+    second = wheelhouse.make_wheel(out, "siownerb", "1.0", {"sishared/core.py": b"B = 2\n"})
+    wheelhouse.uv_install(venv, first)
+    wheelhouse.uv_install(venv, second)
+    return site(venv) / "sishared" / "core.py"
+
+
+def test_a_file_two_records_list_belongs_to_the_one_whose_copy_is_there(venv: Path, tmp_path: Path) -> None:
+    shared = _two_owners(venv, tmp_path)
+    assert shared.read_bytes() == b"B = 2\n"
+    result = run("--verify-only", "--all", "--python", str(venv), "--json")
+    assert result.code == 0, result.stdout  # not drift
+    (finding,) = result.json["data"]["findings"]
+    assert finding["kind"] == "shared" and finding["drift"] is False
+    assert finding["distribution"] == "siownera" and finding["shared_with"] == "siownerb"
+    assert "siownerb 1.0 lists it too" in finding["detail"]
+    named = run("siownera", "--verify-only", "--python", str(venv), "--json")  # the others read too
+    assert named.code == 0 and [f["kind"] for f in named.json["data"]["findings"]] == ["shared"]
+    assert run("siownerb", "--verify-only", "--python", str(venv), "--json").json["data"]["findings"] == []
+    human = run("--verify-only", "--all", "--python", str(venv))
+    assert human.code == 0
+    assert "1 file of siownera holds siownerb's copy" in human.stderr and "not drift" in human.stderr
+    shared.write_text("C = 3\n")  # neither's: drift of both, each naming the other
+    doc = run("--verify-only", "--all", "--python", str(venv), "--json").json
+    assert doc["exit_code"] == 1
+    details = {f["distribution"]: f["detail"] for f in doc["data"]["findings"]}
+    assert {f["kind"] for f in doc["data"]["findings"]} == {"modified"}
+    assert "siownerb 1.0 lists it too, and it matches neither" in details["siownera"]
+    assert "siownera 1.0 lists it too, and it matches neither" in details["siownerb"]
+
+
+def test_a_file_whose_wheel_lied_in_its_record_says_so(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    """uv installs a wheel whose RECORD does not match a member (pynvvideocodec 2.0.4) without a word;
+    the file was never edited: without the wheel it is still drift, but says the wheel may be at fault
+    and how to settle it; with the wheel it is wheel-record. A file edited after the install says not."""
+    (tmp_path / "w").mkdir()
+    broken = _rewrite_record_hash(
+        wheels["sipure-1"], tmp_path / "w" / wheels["sipure-1"].name, "sipure/cli.py"
+    )
+    wheelhouse.uv_install(venv, broken)
+    doc = run("sipure", "--verify-only", "--python", str(venv), "--json").json
+    (finding,) = doc["data"]["findings"]
+    assert finding["kind"] == "modified" and "the wheel's own RECORD may be wrong" in finding["detail"]
+    assert "safeinstall sipure --verify-only --wheel W" in finding["detail"]
+    with_wheel = run("sipure", "--verify-only", "--python", str(venv), "--wheel", str(broken), "--json")
+    assert with_wheel.code == 0 and {f["kind"] for f in with_wheel.json["data"]["findings"]} == {
+        "wheel-record"
+    }
+    edited = site(venv) / "sipure" / "__init__.py"
+    edited.write_text(edited.read_text() + "# patched\n")
+    doc = run("sipure", "--verify-only", "--python", str(venv), "--json").json
+    details = {os.path.basename(f["path"]): f["detail"] for f in doc["data"]["findings"]}
+    assert "RECORD may be wrong" not in details["__init__.py"]
+
+
+def test_warnings_are_summarised_once_per_kind(venv: Path, wheels: Wheelhouse) -> None:
+    wheelhouse.uv_install(venv, wheels["sipure-1"], wheels["sins-a"], wheels["sins-b"], link_mode="hardlink")
+    result = run("--verify-only", "--all", "--python", str(venv))
+    assert result.code == 0
+    assert result.stderr.count("share their inode") == 1, result.stderr
+    assert "of 3 distributions" in result.stderr and "-v lists them" in result.stderr
+    assert "distributions," in result.stdout and "sins-a 1.0" not in result.stdout  # no clean line each
+    verbose = run("--verify-only", "--all", "--python", str(venv), "-v")
+    listed = [line for line in verbose.stderr.splitlines() if line.startswith("hardlinked ")]
+    doc = run("--verify-only", "--all", "--python", str(venv), "--json").json
+    assert len(listed) == len(doc["data"]["findings"]) > 3
+    assert "sins-a 1.0" in verbose.stdout
+    quiet = run("--verify-only", "--all", "--python", str(venv), "-q")
+    assert quiet.code == 0 and quiet.stderr == ""
+    both = run("--verify-only", "--all", "--python", str(venv), "-q", "-v")
+    assert both.code == 2 and "error:" in both.stderr
