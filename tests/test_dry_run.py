@@ -384,3 +384,24 @@ def test_local_changes_are_said_before_anything_stops(
     assert "were changed locally" in human.stdout + human.stderr
     clean = run("sipure", "--wheel", str(wheels["sipure-2"]), "--python", str(env), "--dry-run", "--json")
     assert clean.json["data"]["locally_modified"] == []
+
+
+def test_a_wheel_landing_on_another_distributions_files_is_a_refusal_that_names_it(
+    venv: Path, tmp_path: Path
+) -> None:
+    """siownerb was installed over a file of siownera: the plan says so (not a local change), and a
+    reinstall of siownera, whose wheel lands on that file of siownerb, would refuse, naming siownerb and
+    what to do; the dry-run shows the plan with it (exit 2), not an error about a hostile wheel."""
+    _shared, wheel_a, _wheel_b = wheelhouse.two_owners(venv, tmp_path / "owners")
+    result = run("siownera", "--wheel", str(wheel_a), "--python", str(venv), "--dry-run", "--json")
+    assert result.code == 2, result.stdout + result.stderr
+    doc = result.json
+    assert doc["status"] == "would-refuse", doc["errors"]
+    plan = doc["data"]
+    assert plan["locally_modified"] == []
+    assert any("1 file(s) of siownera hold siownerb's copy" in w for w in plan["warnings"]), plan["warnings"]
+    (refusal,) = plan["refusals"]
+    assert "1 file(s) of siownerb 1.0" in refusal and "uv pip uninstall siownerb" in refusal
+    assert "--with-deps" in refusal and "source you trust" not in refusal
+    human = run("siownera", "--wheel", str(wheel_a), "--python", str(venv), "--dry-run")
+    assert human.code == 2 and "siownerb 1.0" in human.stdout and "the run would refuse" in human.stdout

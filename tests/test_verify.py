@@ -474,22 +474,8 @@ def test_the_dist_info_files_read_in_one_scan_are_bounded(
         verify_environment(inspected, ["zz0"])
 
 
-def _two_owners(venv: Path, tmp_path: Path) -> Path:
-    """siownera, then siownerb installed over one of its files (both RECORDs list ``sishared/core.py``,
-    as cuda-python's and cuda-bindings' list ``cuda/bindings/*``): the file on disk is b's."""
-    out = tmp_path / "owners"
-    out.mkdir()
-    first = wheelhouse.make_wheel(
-        out, "siownera", "1.0", {"sishared/core.py": b"A = 1\n", "siownera.py": b"x = 1\n"}
-    )
-    second = wheelhouse.make_wheel(out, "siownerb", "1.0", {"sishared/core.py": b"B = 2\n"})
-    wheelhouse.uv_install(venv, first)
-    wheelhouse.uv_install(venv, second)
-    return site(venv) / "sishared" / "core.py"
-
-
 def test_a_file_two_records_list_belongs_to_the_one_whose_copy_is_there(venv: Path, tmp_path: Path) -> None:
-    shared = _two_owners(venv, tmp_path)
+    shared = wheelhouse.two_owners(venv, tmp_path / "owners")[0]
     assert shared.read_bytes() == b"B = 2\n"
     result = run("--verify-only", "--all", "--python", str(venv), "--json")
     assert result.code == 0, result.stdout  # not drift
