@@ -362,7 +362,7 @@ def _run_status(python: str | None, as_json: bool) -> None:
     _exit(report.exit_code)
 
 
-def _run_dry_run(options: "RunOptions", as_json: bool) -> None:
+def _run_dry_run(options: "RunOptions", as_json: bool, verbosity: int = 0) -> None:
     from safeinstall.preflight import dry_run_patches, preflight
 
     # the run's own checks (and, with --keep-patches, its patch merge): it refuses when the run would
@@ -373,7 +373,7 @@ def _run_dry_run(options: "RunOptions", as_json: bool) -> None:
         data = plan_json(plan) | ({"patches": patches_json(patches.outcomes)} if patches is not None else {})
         print(dumps(envelope("dry-run", status, code, data)))
     else:
-        render_plan(make_console(), make_console(stderr=True), plan)
+        render_plan(make_console(), make_console(stderr=True), plan, verbosity)
         if patches is not None:
             render_patches(make_console(), patches.outcomes)
     _exit(code)
@@ -811,7 +811,7 @@ def main_command(
         if detach_:
             _run_detached(options, as_json, interactive)
         if dry_run:
-            _run_dry_run(options, as_json)
+            _run_dry_run(options, as_json, verbosity)
         _run_reinstall(options, as_json, interactive)
     except SafeInstallError as error:
         _fail(error, command, as_json)

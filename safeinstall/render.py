@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import time
 from collections import Counter, defaultdict
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from safeinstall.history import RunSummary
     from safeinstall.patches import PatchOutcome
     from safeinstall.plan import Plan
+    from safeinstall.processes import ScanProblem
     from safeinstall.recover import EnvironmentStatus, Forgotten, Recovery
     from safeinstall.reinstall import RunResult, StepOutcome
     from safeinstall.verify import VerifyReport
@@ -65,7 +67,9 @@ def make_console(stderr: bool = False) -> Console:
     """No emoji codes: a file named ``:warning:`` is shown as named, not as a sign (``literal`` escapes
     markup, not ``:name:``), and no highlighting."""
     probe = Console(stderr=stderr)
-    return Console(stderr=stderr, width=None if probe.is_terminal else 200, highlight=False, emoji=False)
+    given = os.environ.get("COLUMNS", "").isdigit()  # on a pipe too: the width a script asks for
+    wide = probe.is_terminal or given
+    return Console(stderr=stderr, width=None if wide else 200, highlight=False, emoji=False)
 
 
 def render_error(console: Console, error: SafeInstallError) -> None:
@@ -200,43 +204,73 @@ def _seconds(value: float) -> str:
     return "infinity" if value == float("inf") else f"{value:g} s"
 
 
-def render_plan(out: Console, err: Console, plan: Plan) -> None:
+def _scan_problems(err: Console, problems: Sequence[ScanProblem], verbosity: int) -> None:
+    """What the scan could not read, each problem, with ``-v``: the plan's warnings already say once
+    which processes denied access or mapped too much (a process that vanished meanwhile is no matter)."""
+    if verbosity <= 0:
+        return
+    for problem in problems:
+        err.print(
+            f"[dim]note: PID {problem.pid}: could not read {literal(problem.reading)}: "
+            f"{literal(problem.reason)}[/]",
+            soft_wrap=True,
+        )
+
+
+def render_plan(out: Console, err: Console, plan: Plan, verbosity: int = 0) -> None:
+    """The plan at a glance: one row per process (its strongest evidence, as one reason) and per unit;
+    every piece of evidence with ``-v`` (and in ``--json``). Tables take the terminal's width and are not
+    padded on a pipe; a path or command too long for its column ends in an ellipsis, never broken."""
     out.print(
-        f"[bold]plan[/] for {literal(plan.package)} in {literal(plan.prefix)} (python {literal(plan.python)})"
+        f"[bold]plan[/] for {literal(plan.package)} in {literal(plan.prefix)} "
+        f"(python {literal(plan.python)})",
+        soft_wrap=True,
     )
     out.print("distributions:" + ("  (--with-deps: dependencies reinstalled too)" if plan.with_deps else ""))
     for dist in plan.distributions:
         mark = "".join(f" ({m})" for m in ("named" if dist.requested else "", dist.change) if m)
         versions = f"{dist.old_version or '(not installed)'} -> {dist.new_version or '?'}"
-        out.print(f"  {literal(dist.name)} {literal(versions)}{mark}")
+        out.print(f"  {literal(dist.name)} {literal(versions)}{mark}", soft_wrap=True)
     if plan.processes:
-        table = _table(title="processes using them", title_justify="left")
-        for column in ("PID", "UNIT", "USER", "EVIDENCE", "GPU MEM", "COMMAND"):
-            table.add_column(column, overflow="fold")
+        more = "" if verbosity > 0 else " (-v: every piece of evidence)"
+        rows: list[tuple[str, ...]] = []
         for p in plan.processes:
-            evidence = ",".join(p.evidence) + f" ({p.strength})"
-            evidence += " [red](running old code)[/]" if p.running_old_code else ""
-            unit = literal(p.unit) if p.unit else f"[yellow]stray[/] ({literal(p.scope or 'no unit')})"
-            command = " ".join(p.cmdline) or p.name
-            table.add_row(
-                str(p.pid),
-                unit,
-                literal(p.user),
-                evidence,
-                human_bytes(p.gpu_bytes),
-                literal(f"{p.name}: {command}"),
+            kind = p.evidence[0] if len(p.evidence) == 1 else _strongest_kind(p.evidence)
+            old = " running old code" if p.running_old_code else ""
+            command = " ".join(w for w in " ".join(p.cmdline).split(" ") if w) or p.name  # setproctitle pads
+            rows.append(
+                (
+                    str(p.pid),
+                    p.unit or f"stray ({p.scope or 'no unit'})",
+                    f"{kind} ({p.strength}){old}",
+                    human_bytes(p.gpu_bytes),
+                    p.reason or "; ".join(p.details[:1]),
+                    command if command.startswith(p.name) else f"{p.name}: {command}",
+                )
             )
-        out.print(table)
-        for p in plan.processes:  # what the kinds alone do not say: which dependent, which interpreter
-            for detail in p.details:
-                if detail.startswith(("depends:", "environment:")):
+        header: tuple[str, ...] = ("PID", "UNIT", "EVIDENCE", "GPU MEM", "WHY", "COMMAND")
+        if all(p.gpu_bytes is None for p in plan.processes):  # no GPU memory listed: no column for it
+            header, rows = header[:3] + header[4:], [row[:3] + row[4:] for row in rows]
+        out.print(f"processes using them{more}")
+        for line in columns(header, rows, out.width):
+            out.print(literal(line), soft_wrap=True)
+        for stray in plan.strays:  # they refuse the run (or are ended): their whole command line
+            command = " ".join(stray.cmdline) or stray.name
+            out.print(
+                f"  stray PID {stray.pid} ({literal(stray.scope or 'no unit')}): {literal(command)}",
+                soft_wrap=True,
+            )
+        if verbosity > 0:
+            for p in plan.processes:
+                for detail in p.details:
                     out.print(f"  PID {p.pid}: {literal(detail)}", soft_wrap=True)
     else:
         out.print("processes using them: none")
     if plan.units:
         table = _table(title="units that would be stopped", title_justify="left")
-        for column in ("UNIT", "STATE", "ENABLED", "STOP TIMEOUT", "MAIN PID", "PIDS"):
-            table.add_column(column)
+        for column in ("UNIT", "STATE", "ENABLED", "STOP TIMEOUT", "MAIN PID"):
+            table.add_column(column, no_wrap=True)
+        table.add_column("PIDS")
         for u in plan.units:
             table.add_row(
                 literal(u.name),
@@ -247,11 +281,12 @@ def render_plan(out: Console, err: Console, plan: Plan) -> None:
                 " ".join(map(str, u.pids))
                 or (f"(stops with {literal(u.stopped_with)})" if u.stopped_with else ""),
             )
-        out.print(table)
+        print_table(out, table)
     if plan.gpus.available:
         table = _table(title="GPUs", title_justify="left")
-        for column in ("GPU", "NAME", "UUID", "USED", "TOTAL", "PROCESSES"):
-            table.add_column(column)
+        for column in ("GPU", "NAME", "UUID", "USED", "TOTAL"):
+            table.add_column(column, no_wrap=True)
+        table.add_column("PROCESSES")
         for gpu in plan.gpus.gpus:
             procs = " ".join(f"{p.pid}:{human_bytes(p.used_bytes)}" for p in gpu.processes)
             table.add_row(
@@ -262,15 +297,11 @@ def render_plan(out: Console, err: Console, plan: Plan) -> None:
                 human_bytes(gpu.total_bytes),
                 literal(procs or gpu.processes_error or "-"),
             )
-        out.print(table)
+        print_table(out, table)
     else:
-        out.print(f"GPUs: check unavailable ({literal(plan.gpus.reason or '')})")
+        out.print(f"GPUs: check unavailable ({literal(plan.gpus.reason or '')})", soft_wrap=True)
     out.print("uv command: " + literal(" ".join(plan.uv_command)), soft_wrap=True)
-    for problem in plan.scan_problems:
-        err.print(
-            f"[dim]note: PID {problem.pid}: could not read {literal(problem.reading)}: "
-            f"{literal(problem.reason)}[/]"
-        )
+    _scan_problems(err, plan.scan_problems, verbosity)
     for warning in plan.warnings:
         err.print(f"[yellow]warning:[/] {literal(warning)}", soft_wrap=True)
     if plan.proceeds:
@@ -279,6 +310,40 @@ def render_plan(out: Console, err: Console, plan: Plan) -> None:
         out.print("[red]the run would refuse:[/]")
         for refusal in plan.refusals:
             out.print(f"  - {literal(refusal)}", soft_wrap=True)
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
+
+
+def columns(header: Sequence[str], rows: Sequence[Sequence[str]], width: int) -> list[str]:
+    """Pure: a table as lines of at most ``width`` characters, each cell on one line: every column but the
+    last two as wide as its widest cell (at most 40; on a narrow terminal the widest are cut down to
+    12); the last two (a reason and a command) share the rest, the reason first (up to 60, leaving
+    the command 20 where it can); a cell too long for its column ends in "…", never wrapped in the
+    middle of a word. Cells are :func:`printable`; lines carry no trailing spaces."""
+    table = [[printable(cell) for cell in row] for row in (header, *rows)]
+    fixed = [min(max(len(row[i]) for row in table), 40) for i in range(len(header) - 2)]
+    why, command = (max(len(row[i]) for row in table) for i in (-2, -1))
+    while width - sum(fixed) - 2 * (len(header) - 1) < 16 and max(fixed) > 12:  # a narrow terminal
+        fixed[fixed.index(max(fixed))] -= 1
+    room = max(width - sum(fixed) - 2 * (len(header) - 1), 16)
+    if why + command > room:
+        why = max(min(why, 60, max(room * 3 // 5, room - 20), room - 8), 8)
+        command = room - why
+    widths = [*fixed, why, command]
+    return [
+        "  ".join(_cut(cell, w).ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in table
+    ]
+
+
+#: The evidence kinds of the plan, strongest first (``unit`` and ``environment`` last).
+_KIND_ORDER = ("mapped", "open", "argv", "depends", "unit", "environment")
+
+
+def _strongest_kind(kinds: Sequence[str]) -> str:
+    return min(kinds, key=lambda k: _KIND_ORDER.index(k) if k in _KIND_ORDER else len(_KIND_ORDER))
 
 
 _STEP_MARK = {"ok": "[green]ok[/]", "failed": "[bold red]FAILED[/]", "skipped": "[yellow]skipped[/]"}
@@ -303,10 +368,11 @@ class ConsoleReporter:
     """Step lines on stdout; a rich progress display for slow steps and notes on stderr; asks before
     stopping anything."""
 
-    def __init__(self, out: Console, err: Console, quiet: bool = False) -> None:
+    def __init__(self, out: Console, err: Console, quiet: bool = False, verbosity: int = 0) -> None:
         self.out = out
         self.err = err
         self.quiet = quiet
+        self.verbosity = verbosity
         self._progress: Progress | None = None
         self._tasks: dict[str, TaskID] = {}
         self._last_line = time.monotonic()
@@ -371,7 +437,7 @@ class ConsoleReporter:
             self.err.print(f"[yellow]note:[/] {literal(text, lines=True)}", soft_wrap=True)
 
     def confirm(self, plan: Plan) -> bool:
-        render_plan(self.out, self.err, plan)
+        render_plan(self.out, self.err, plan, self.verbosity)
         question = "stop these units and reinstall?" if plan.units else "reinstall (no unit to stop)?"
         answer = self.err.input(f"{question} \\[y/N] ")
         return answer.strip().lower() in ("y", "yes")

@@ -405,3 +405,44 @@ def test_a_wheel_landing_on_another_distributions_files_is_a_refusal_that_names_
     assert "--with-deps" in refusal and "source you trust" not in refusal
     human = run("siownera", "--wheel", str(wheel_a), "--python", str(venv), "--dry-run")
     assert human.code == 2 and "siownerb 1.0" in human.stdout and "the run would refuse" in human.stdout
+
+
+def test_the_plan_reads_at_a_glance(
+    env: Path, wheels: Wheelhouse, units: Units, user_manager: UserManager
+) -> None:
+    """One row per process with its strongest evidence as one reason; every piece of evidence with -v;
+    no padding on a pipe; at 60 columns a path ends in an ellipsis, never broken across lines."""
+    shell = units.started(
+        "glance", f"/bin/sh -c '{env} -c \"import sicext, time; time.sleep(600)\" & exec sleep 600'"
+    )
+    group = user_manager.show(shell, "ControlGroup")["ControlGroup"]
+    main = user_manager.main_pid(shell)
+
+    def child() -> int | None:
+        from tests.bed_systemd import cgroup_pids
+
+        return next((p for p in cgroup_pids(group) - {main} if so_mapped(p)), None)
+
+    wait_until(lambda: child() is not None, 15, "the child maps the .so")
+    pid = child()
+    args = ("--user", "sicext", "--wheel", str(wheels["sicext-2"]), "--python", str(env), "--dry-run")
+    environ = {**user_manager.env, "SAFEINSTALL_NVML_LIBRARY": "/nonexistent/libnvidia-ml.so.1"}
+    wide = run(*args, env={**environ, "COLUMNS": "160"})
+    assert wide.code == 0, wide.stdout + wide.stderr
+    lines = wide.stdout.splitlines()
+    (row,) = [line for line in lines if line.startswith(f"{pid} ")] or [wide.stdout]
+    assert "mapped (certain)" in row and "maps sicext/_native." in row, row
+    (shell_row,) = [line for line in lines if line.startswith(f"{main} ")]
+    assert "unit (certain)" in shell_row and f"shares {shell} with an affected process" in shell_row
+    assert not any(line != line.rstrip() for line in lines), "padded lines on a pipe"
+    assert f"PID {pid}: mapped:" not in wide.stdout and "-v: every piece of evidence" in wide.stdout
+    verbose = run(*args, "-v", env={**environ, "COLUMNS": "160"})
+    assert f"PID {pid}: mapped: sicext" in verbose.stdout and f"PID {main}: shares {shell}" in verbose.stdout
+    narrow = run(*args, env={**environ, "COLUMNS": "60"})
+    assert narrow.code == 0
+    start = narrow.stdout.index("processes using them")
+    table = narrow.stdout[start : narrow.stdout.index("units that would be stopped")].splitlines()
+    assert all(len(line) <= 60 for line in table), table
+    for token in " ".join(table).split():  # a broken path leaves its tail as a word of its own
+        assert "native" not in token or token.startswith(("sicext/", "/")), table
+        assert not token.startswith(("gnu.so", "x86_64", "linux-gnu")), table
