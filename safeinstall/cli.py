@@ -133,6 +133,11 @@ def _run_verify(
         )
     if all_ and wheel is not None:
         raise UsageError("--wheel checks one package", hint="name the package instead of --all")
+    if save_patch is not None and os.path.lexists(save_patch):
+        raise UsageError(
+            f"{save_patch} exists: --save-patch does not overwrite a file",
+            hint="remove it first, or give another file name",
+        )
     env = inspect_environment(resolve_python(python, os.environ))
     err = make_console(stderr=True)
     if env.owner_note and not as_json and verbosity >= 0:
@@ -169,7 +174,14 @@ def _run_verify(
         diffs = diffs_for(report.findings, wheel, Path(report.prefix))
     patch = None if diffs is None else patch_text(diffs)
     if save_patch is not None:
-        save_patch.write_text(patch or "", encoding="utf-8")
+        try:  # "x": created here, never an existing file (nor one a symlink names) written over
+            with open(save_patch, "x", encoding="utf-8") as saved:
+                saved.write(patch or "")
+        except FileExistsError:
+            raise UsageError(
+                f"{save_patch} exists: --save-patch does not overwrite a file",
+                hint="remove it first, or give another file name",
+            ) from None
     if as_json:
         status = "drift" if report.drift else "clean"
         print(
@@ -209,7 +221,7 @@ def _keep(
     return append(state, new_entry(run_id, package, started, now_iso(), result, log_file=log_file))
 
 
-def _run_reinstall(options: "RunOptions", as_json: bool, interactive: bool) -> None:
+def _run_reinstall(options: "RunOptions", as_json: bool, interactive: bool, verbosity: int = 0) -> None:
     from safeinstall.journal import now_iso
     from safeinstall.reinstall import run_reinstall
     from safeinstall.runlog import LoggedReporter
@@ -219,7 +231,8 @@ def _run_reinstall(options: "RunOptions", as_json: bool, interactive: bool) -> N
     run_id = options.run_id or new_run_id(datetime.now(UTC), os.getpid())
     started = now_iso()
     out, err = make_console(), make_console(stderr=True)
-    reporter = LoggedReporter(ConsoleReporter(out, err, quiet=as_json), state.log_file(run_id))
+    console = ConsoleReporter(out, err, quiet=as_json or verbosity < 0, verbosity=verbosity)
+    reporter = LoggedReporter(console, state.log_file(run_id))
     try:
         result = run_reinstall(replace(options, run_id=run_id), reporter, interactive)
     except SafeInstallError as error:
@@ -240,17 +253,21 @@ def _run_reinstall(options: "RunOptions", as_json: bool, interactive: bool) -> N
     _exit(result.exit_code)
 
 
-def _run_detached(options: "RunOptions", as_json: bool, interactive: bool) -> None:
+def _run_detached(options: "RunOptions", as_json: bool, interactive: bool, verbosity: int = 0) -> None:
     from safeinstall.detach import detach
     from safeinstall.state import ensure_environment_dir, new_run_id
 
     env, state = _environment_state(options)
     ensure_environment_dir(state)
     out, err = make_console(), make_console(stderr=True)
-    if interactive:
-        from safeinstall.survey import survey
+    if interactive:  # the plan the foreground prompt shows: the preflight's, local changes included
+        from safeinstall.preflight import preflight, refusal
 
-        if not ConsoleReporter(out, err).confirm(survey(options, env).plan):
+        plan = preflight(options, take_lock=False).plan
+        refused = refusal(plan)
+        if refused is not None:
+            raise refused
+        if not ConsoleReporter(out, err, verbosity=verbosity).confirm(plan):
             out.print("nothing done (not confirmed)")
             _exit(ExitCode.REFUSED)
     run_id = options.run_id or new_run_id(datetime.now(UTC), os.getpid())
@@ -781,6 +798,14 @@ def main_command(
                 hint="run it without --verify-only: the merge is checked before anything stops, "
                 "and a patch that cannot be carried refuses the run (exit 2)",
             )
+        if package and package.endswith(".whl"):  # a wheel's path given as the requirement
+            named = wheel_package(Path(package))
+            raise UsageError(
+                f"{package!r} is a wheel file, not a requirement",
+                hint=f"give the wheel with --wheel: safeinstall {named or 'NAME'} --wheel {package}",
+            )
+        if not package and not all_ and wheel is not None:  # the wheel names its package
+            package = wheel_package(wheel)
         if verify_only:
             if ctx.args:
                 raise UsageError(f"unexpected arguments: {' '.join(ctx.args)}", hint="see safeinstall --help")
@@ -805,16 +830,27 @@ def main_command(
                 hint="one REQUIREMENT per run; uv's own arguments go after --: "
                 "safeinstall PACKAGE [--wheel W] -- UV_ARGS",
             )
-        options = run_options(ctx.params, ctx.args, private)
+        options = run_options({**ctx.params, "package": package}, ctx.args, private)
         check_options(options)
         interactive = not yes and not as_json and sys.stdin.isatty()
         if detach_:
-            _run_detached(options, as_json, interactive)
+            _run_detached(options, as_json, interactive, verbosity)
         if dry_run:
             _run_dry_run(options, as_json, verbosity)
-        _run_reinstall(options, as_json, interactive)
+        _run_reinstall(options, as_json, interactive, verbosity)
     except SafeInstallError as error:
         _fail(error, command, as_json)
+
+
+def wheel_package(wheel: Path) -> str | None:
+    """Pure: the distribution a wheel's file name names (``vllm-0.16.0-cp38-abi3-...whl`` -> ``vllm``);
+    None for a name that is not a wheel's. The wheel itself is checked against it at preflight."""
+    from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+
+    try:
+        return str(parse_wheel_filename(wheel.name)[0])
+    except InvalidWheelFilename:
+        return None
 
 
 def _split_at_dashes(argv: Sequence[str]) -> tuple[list[str], tuple[str, ...]]:

@@ -812,7 +812,12 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
             raise refused
         if interactive and not reporter.confirm(prepared.plan):
             _discard_wheel_copy(prepared)
+            if prepared.lock is not None:  # a declined run is finished: the next is not told it died
+                prepared.lock.release()
             return _declined(prepared)
+        if not interactive:  # --yes, --json, no terminal: what will be lost is still said, and logged
+            for warning in prepared.plan.warnings:
+                reporter.note(f"before the stop: {warning}")
         run = start(prepared, reporter)
     except BaseException:
         _discard_wheel_copy(prepared)

@@ -620,6 +620,28 @@ def test_interactive_run_shows_the_plan_and_asks_first(bed: Bed) -> None:
     assert "stop these units and reinstall? [y/N]" in err
     assert "nothing done (not confirmed)" in out
     assert bed.manager.main_pid(name) == main and bed.installed_version() == "1.0"
+    # a declined run finished: the next run takes no stale lock over, nor says the last one died
+    again = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--json")
+    assert again.code == 0, again.stdout + again.stderr
+    assert not any("stale lock" in note for note in again.json["data"]["notes"]), again.json["data"]["notes"]
+    wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running again")
+
+
+def test_yes_still_says_what_will_be_lost_before_the_stop(bed: Bed) -> None:
+    """Without the prompt (--yes), the plan's warnings (here: a local patch the reinstall replaces) are
+    printed before anything stops, and kept in the run's log."""
+    name = bed.service("lost")
+    serve = bed.site / "sicext" / "serve.py"
+    serve.write_text(serve.read_text() + "# a local fix\n")
+    result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]))
+    assert result.code == 0, result.stdout + result.stderr
+    said = result.stderr.index("were changed locally")
+    assert "before the stop:" in result.stderr[:said]
+    assert "stop" in result.stdout  # the step lines follow on stdout; the log keeps both, in order
+    (log,) = bed.state.glob("*/logs/*.log")
+    text = log.read_text()
+    assert "were changed locally" in text and text.index("were changed locally") < text.index("stop: ok")
+    wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running again")
 
 
 def test_a_pure_package_imported_by_a_unit_is_stopped_and_restarted_on_the_new_version(

@@ -286,6 +286,21 @@ def test_against_wheel_clean_then_diff_and_patch(env: Path, wheels: Wheelhouse, 
     )
     assert target.read_text() == original
     assert run("sipure", "--verify-only", "--python", str(env), "--wheel", wheel).code == 0
+    saved = patch.read_text()  # an existing file (or a symlink in its place) is never written over
+    args = ("sipure", "--verify-only", "--python", str(env), "--wheel", wheel, "--diff", "--save-patch")
+    again = run(*args, str(patch))
+    assert again.code == 2 and "does not overwrite" in again.stderr and patch.read_text() == saved
+    victim, link = tmp_path / "victim", tmp_path / "link.patch"
+    victim.write_text("keep\n")
+    link.symlink_to(victim)
+    assert run(*args, str(link)).code == 2 and victim.read_text() == "keep\n"
+    # the wheel names its package: no PACKAGE needed
+    assert (
+        run("--verify-only", "--python", str(env), "--wheel", wheel, "--json").json["data"]["distributions"][
+            0
+        ]["name"]
+        == "sipure"
+    )
 
 
 def test_version_mismatch_against_other_wheel(env: Path, wheels: Wheelhouse) -> None:
