@@ -324,7 +324,13 @@ def _run_wait(python: str | None, run_id: str | None, as_json: bool) -> None:
             sys.stderr.write(printable(line, lines=True) + "\n")
             sys.stderr.flush()
 
-    _print_entry(wait_for_run(state, run_id, show), as_json)
+    try:
+        entry = wait_for_run(state, run_id, show)
+    except KeyboardInterrupt:  # only the following stops: the run is another process, and goes on
+        again = "safeinstall --status --wait" + (f" --run {run_id}" if run_id else "")
+        show(f"stopped following; the run goes on (its own process is not interrupted): {again} follows it")
+        _exit(130)
+    _print_entry(entry, as_json)
 
 
 def _run_forget(python: str | None, as_json: bool) -> None:
@@ -350,7 +356,8 @@ def _run_recover(python: str | None, as_json: bool) -> None:
     code = outcome.exit_code
     if as_json:
         data = {"recoveries": jsonable(outcome.recoveries)}
-        status = "recovered" if code == ExitCode.OK else "error"
+        did = any(r.run_id for r in outcome.recoveries)
+        status = "error" if code != ExitCode.OK else "recovered" if did else "nothing-to-recover"
         print(dumps(envelope("recover", status, code, data, list(outcome.failures))))
     else:
         render_recoveries(make_console(), list(outcome.recoveries))
@@ -360,7 +367,7 @@ def _run_recover(python: str | None, as_json: bool) -> None:
     _exit(code)
 
 
-def _run_status(python: str | None, as_json: bool) -> None:
+def _run_status(python: str | None, as_json: bool, verbosity: int = 0) -> None:
     from safeinstall.recover import status
 
     report = status(os.environ, python)
@@ -372,7 +379,7 @@ def _run_status(python: str | None, as_json: bool) -> None:
         data = {"environments": jsonable(found)}
         print(dumps(envelope("status", state, report.exit_code, data, list(report.failures))))
     else:
-        render_status(make_console(), found)
+        render_status(make_console(), found, last=0 if verbosity > 0 else 5)
         err = make_console(stderr=True)
         for failure in report.failures:
             render_error(err, failure)
@@ -777,7 +784,7 @@ def main_command(
                 )
             if wait:
                 _run_wait(python, run, as_json)
-            _run_status(python, as_json)
+            _run_status(python, as_json, verbosity)
         if all_ and not verify_only:
             raise UsageError(
                 "--all goes with --verify-only", hint="safeinstall --verify-only --all [--python PATH]"

@@ -16,7 +16,7 @@ from rich.padding import Padding
 
 from safeinstall.drift import Finding, FindingKind
 from safeinstall.errors import SafeInstallError
-from safeinstall.runlog import PROGRESS_EVERY_S, human_bytes, progress_text
+from safeinstall.runlog import PROGRESS_EVERY_S, human_bytes, progress_key, progress_text
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
@@ -376,6 +376,7 @@ class ConsoleReporter:
         self._progress: Progress | None = None
         self._tasks: dict[str, TaskID] = {}
         self._last_line = time.monotonic()
+        self._last_key = ""
 
     # Output is best effort: a terminal that went away (a dropped SSH session: EIO) or a closed pipe
     # must never interrupt a run, least of all its rollback. The run's log keeps everything.
@@ -386,6 +387,7 @@ class ConsoleReporter:
 
     def _step(self, outcome: StepOutcome) -> None:
         self._end_progress()
+        self._last_key = ""  # the next step's first progress line is a change
         if self.quiet:
             return
         mark = _STEP_MARK.get(outcome.status, outcome.status)
@@ -403,10 +405,11 @@ class ConsoleReporter:
         terminal (logs, scripts) a plain line every few seconds, in human units."""
         if self.quiet:
             return
-        if not self.err.is_terminal:
+        key = progress_key(what)
+        if not self.err.is_terminal:  # one line per change, then a heartbeat every few seconds
             now = time.monotonic()
-            if now - self._last_line >= PROGRESS_EVERY_S:
-                self._last_line = now
+            if key != self._last_key or now - self._last_line >= PROGRESS_EVERY_S:
+                self._last_line, self._last_key = now, key
                 self.err.print(literal(progress_text(what, done, total, unit)), soft_wrap=True)
             return
         if self._progress is None:
@@ -421,7 +424,6 @@ class ConsoleReporter:
                 transient=True,
             )
             self._progress.start()
-        key = what.split(" (", 1)[0]
         if key not in self._tasks:
             self._tasks[key] = self._progress.add_task(literal(what), total=total)
         self._progress.update(self._tasks[key], description=literal(what), completed=done or 0, total=total)
@@ -493,6 +495,7 @@ def render_patches(out: Console, patches: Sequence[PatchOutcome], patch_file: st
         "carried": "local patches carried to the new version:",
         "dropped": "local patches dropped (--drop-conflicting; the backup keeps them):",
         "conflict": "local patches that cannot be carried:",
+        "rolled-back": "local patches not carried (the run rolled back; the installed files keep them):",
     }
     for status, title in heading.items():
         found = [p for p in patches if p.status.value == status]
@@ -503,7 +506,7 @@ def render_patches(out: Console, patches: Sequence[PatchOutcome], patch_file: st
             out.print(
                 f"  {status} {literal(patch.path)}: {literal(patch.detail, lines=True)}", soft_wrap=True
             )
-            if status != "carried" and patch.diff:
+            if status in ("dropped", "conflict") and patch.diff:
                 out.print(literal(patch.diff, lines=True), end="", soft_wrap=True)
     if patch_file:
         out.print(f"carried patch set saved as {literal(patch_file)}", soft_wrap=True)
@@ -560,8 +563,9 @@ def _runs_table(runs: tuple[RunSummary, ...]) -> Table:
 
 
 def render_status(out: Console, found: list[EnvironmentStatus], last: int = 5) -> None:
-    """Each environment: its prefix and state on one line, then its last runs; paths (the prefix, the
-    logs) are printed whole on lines of their own, never folded in the middle."""
+    """Each environment: its prefix and state on one line, then its last runs (``last``; 0: all, and
+    how many are left out is said); paths (the prefix, the logs) are printed whole on lines of their
+    own, never folded in the middle."""
     if not found:
         out.print("no safeinstall state: no run in progress, nothing to recover")
         return
@@ -583,9 +587,14 @@ def render_status(out: Console, found: list[EnvironmentStatus], last: int = 5) -
                 f"units {literal(' '.join(s.units) or '-')}",
                 soft_wrap=True,
             )
-        shown = s.runs[:last]
+        shown = s.runs if last <= 0 else s.runs[:last]
         if shown:
-            out.print("  last runs:")
+            more = (
+                f" ({len(shown)} of {len(s.runs)}; -v lists all, --json too)"
+                if len(shown) < len(s.runs)
+                else ""
+            )
+            out.print(f"  last runs{more}:")
             out.print(Padding(_runs_table(shown), (0, 0, 0, 2), expand=False))
             for r in shown:
                 out.print(f"  log of {literal(r.run_id)}: {literal(r.log_file or '-')}", soft_wrap=True)

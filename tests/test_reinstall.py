@@ -352,6 +352,15 @@ def test_new_version_that_crashes_is_rolled_back(bed: Bed) -> None:
     assert maps_so(bed.manager.main_pid(name)) == bed.so.stat().st_ino
     assert bed.installed_version() == "1.0"
     assert bed.verify().code == 0
+    # the rollback is a step of its own, said as it begins and when it ends (here and in the log)
+    rollback = result.json["data"]["steps"][-1]
+    assert (rollback["name"], rollback["status"]) == ("rollback", "ok")
+    assert "restored the previous installation" in rollback["detail"]
+    log = Path(result.json["data"]["log_file"]).read_text()
+    assert "rolling back (" in log and "rollback: ok" in log
+    human = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-3"]), "--settle", "1")
+    assert human.code == 3 and "rolling back (" in human.stderr
+    assert any(line.startswith("rollback ") for line in human.stdout.splitlines()), human.stdout
 
 
 def test_a_rollback_that_fails_lists_the_commands_to_finish(bed: Bed, tmp_path: Path) -> None:
@@ -591,6 +600,13 @@ def test_health_url_must_answer_200(bed: Bed, tmp_path: Path) -> None:
     assert "raise --health-timeout" in bad.json["errors"][0]["hint"]
     wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running again")
     assert bed.installed_version() == "2.0"
+    # no silent wait: the stop, the settle and the health check each say what they wait for (the log,
+    # which --status --wait shows; on a pipe, stderr too)
+    log = Path(bad.json["data"]["log_file"]).read_text()
+    assert f"waiting for {name} to be stopped" in log or "stop: ok" in log
+    assert f"waiting for {name} to be 0.5 s active" in log
+    assert f"waiting for http://127.0.0.1:{port}/missing to answer 200 (last: " in log
+    assert "of 2 s" in log
 
 
 def test_interactive_run_shows_the_plan_and_asks_first(bed: Bed) -> None:
