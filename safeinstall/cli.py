@@ -805,7 +805,7 @@ def main_command(
                 hint="run it without --verify-only: the merge is checked before anything stops, "
                 "and a patch that cannot be carried refuses the run (exit 2)",
             )
-        if package and package.endswith(".whl"):  # a wheel's path given as the requirement
+        if package and package.endswith(".whl") and "@" not in package:  # a wheel's path as the requirement
             named = wheel_package(Path(package))
             raise UsageError(
                 f"{package!r} is a wheel file, not a requirement",

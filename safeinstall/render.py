@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import sys
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator, Sequence
@@ -354,13 +355,18 @@ def _output_best_effort() -> Iterator[None]:
     """Drop an OSError of the output (a terminal that went away: EIO; a closed pipe), but never what it
     hid: a SIGINT/SIGTERM/SIGHUP handler that raised while rich was writing is followed, as rich
     flushes on the way out, by the dead terminal's OSError, and the interruption must not be lost."""
+    handling = sys.exc_info()[1]  # an error being handled already (a rollback's) was not hidden here
     try:
         yield
     except OSError as exc:
         hidden = exc.__context__
-        while hidden is not None and not isinstance(hidden, SafeInstallError | KeyboardInterrupt):
+        while (
+            hidden is not None
+            and hidden is not handling
+            and not isinstance(hidden, SafeInstallError | KeyboardInterrupt)
+        ):
             hidden = hidden.__context__
-        if hidden is not None:
+        if hidden is not None and hidden is not handling:
             raise hidden from None
 
 

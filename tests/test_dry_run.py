@@ -436,6 +436,8 @@ def test_the_plan_reads_at_a_glance(
     assert "unit (certain)" in shell_row and f"shares {shell} with an affected process" in shell_row
     assert not any(line != line.rstrip() for line in lines), "padded lines on a pipe"
     assert f"PID {pid}: mapped:" not in wide.stdout and "-v: every piece of evidence" in wide.stdout
+    reasons = {p["pid"]: p["reason"] for p in run(*args, "--json", env=environ).json["data"]["processes"]}
+    assert reasons[pid].startswith("maps sicext/_native.") and reasons[main].startswith(f"shares {shell}")
     verbose = run(*args, "-v", env={**environ, "COLUMNS": "160"})
     assert f"PID {pid}: mapped: sicext" in verbose.stdout and f"PID {main}: shares {shell}" in verbose.stdout
     narrow = run(*args, env={**environ, "COLUMNS": "60"})

@@ -714,3 +714,30 @@ def test_a_pure_package_imported_by_a_unit_is_stopped_and_restarted_on_the_new_v
     wait_until(lambda: our_report.exists(), 15, "the restarted unit reports its version")
     assert our_report.read_text() == "2.0" and bed.manager.main_pid(our_unit) != our_pid
     assert bed.manager.main_pid(their_unit) == their_pid and their_report.read_text() == "1.0"
+
+
+def test_the_runs_verification_takes_a_file_two_records_list_as_the_ones_whose_copy_is_there(
+    venv: Path, tmp_path: Path
+) -> None:
+    """siownera requires siownerb and both install ``sishared/core.py``: reinstalled together
+    (--with-deps), the one uv writes last owns the file, and the other's verification finds it
+    ``shared``, not modified: the run is done, not rolled back."""
+    out = tmp_path / "links"
+    out.mkdir()
+    a = wheelhouse.make_wheel(
+        out, "siownera", "1.0", {"sishared/core.py": b"A = 1\n", "siownera.py": b"x = 1\n"}, ("siownerb",)
+    )
+    b = wheelhouse.make_wheel(out, "siownerb", "1.0", {"sishared/core.py": b"B = 2\n"})
+    wheelhouse.uv_install(venv, b)
+    wheelhouse.uv_install(venv, a)  # a over b's file
+    environ = {
+        **os.environ,
+        "SAFEINSTALL_STATE_DIR": str(tmp_path / "state"),
+        "SAFEINSTALL_NVML_LIBRARY": "/nonexistent/libnvidia-ml.so.1",
+    }
+    args = ("siownera", "--wheel", str(a), "--python", str(venv), "--with-deps", "--yes", "--json")
+    result = run(*args, "--", "--offline", "--find-links", str(out), env=environ, timeout=300)
+    assert result.code == 0, result.stdout + result.stderr
+    assert result.json["status"] == "done"
+    doc = run("--verify-only", "--all", "--python", str(venv), "--json").json
+    assert doc["exit_code"] == 0 and [f["kind"] for f in doc["data"]["findings"]] == ["shared"]
