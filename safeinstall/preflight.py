@@ -157,8 +157,8 @@ def shared_files(report: VerifyReport) -> tuple[str, ...]:
             pairs.setdefault((f.distribution, f.shared_with or "?"), []).append(f.path)
     return tuple(
         f"{len(paths)} file(s) of {name} hold {other}'s copy (both RECORDs list them, e.g. {paths[0]}): the "
-        f"reinstall puts {name}'s own back over them, and {other}'s are lost unless it is reinstalled too "
-        f"(--with-deps, when it is a dependency; or uninstall one of them)"
+        f"reinstall of {name} removes or replaces them, and {other}'s copies are lost unless it is "
+        f"reinstalled too (--with-deps, when it is a dependency; or uninstall one of them)"
         for (name, other), paths in sorted(pairs.items())
     )
 

@@ -448,3 +448,25 @@ def test_the_plan_reads_at_a_glance(
     for token in " ".join(table).split():  # a broken path leaves its tail as a word of its own
         assert "native" not in token or token.startswith(("sicext/", "/")), table
         assert not token.startswith(("gnu.so", "x86_64", "linux-gnu")), table
+
+
+def test_keep_patches_takes_a_file_another_record_holds_for_no_local_patch(
+    venv: Path, tmp_path: Path
+) -> None:
+    """siownerb was installed over a file of siownera: --keep-patches carries siownera's real local
+    patch and does not take that file for one (as a patch of a file the new version no longer ships,
+    it would refuse the run)."""
+    _shared, wheel_a, _wheel_b = wheelhouse.two_owners(venv, tmp_path / "owners")
+    new = wheelhouse.make_wheel(
+        tmp_path, "siownera", "2.0", {"siownera.py": b"y = 0\n\n\n\nx = 1\n"}
+    )  # no longer ships sishared/core.py
+    patched = wheelhouse.site_packages(venv) / "siownera.py"
+    patched.write_text("x = 1\n# a local fix\n")
+    args = ("siownera", "--wheel", str(new), "--python", str(venv), "--keep-patches", "--base-wheel")
+    result = run(*args, str(wheel_a), "--dry-run", "--json")
+    assert result.code == 0, result.stdout + result.stderr
+    data = result.json["data"]
+    assert [(os.path.basename(p["path"]), p["status"]) for p in data["patches"]] == [
+        ("siownera.py", "carried")
+    ]
+    assert data["locally_modified"] == [str(patched)]
