@@ -11,7 +11,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.markup import escape
 from rich.padding import Padding
 
@@ -85,9 +85,9 @@ def _table(**options: Any) -> Table:
     return Table(box=None, pad_edge=False, **options)
 
 
-def print_table(console: Console, table: Table) -> None:
-    """A table without the padding rich adds to the right of each line (to the console's width, 200
-    columns on a pipe): lines end where their text ends."""
+def print_table(console: Console, table: RenderableType) -> None:
+    """A table (or any renderable) without the padding rich adds to the right of each line (to the
+    console's width, 200 columns on a pipe): lines end where their text ends."""
     from rich.text import Text
 
     for line in console.render_lines(table, console.options, pad=False):
@@ -601,7 +601,7 @@ def render_status(out: Console, found: list[EnvironmentStatus], last: int = 5) -
                 else ""
             )
             out.print(f"  last runs{more}:")
-            out.print(Padding(_runs_table(shown), (0, 0, 0, 2), expand=False))
+            print_table(out, Padding(_runs_table(shown), (0, 0, 0, 2), expand=False))
             for r in shown:
                 out.print(f"  log of {literal(r.run_id)}: {literal(r.log_file or '-')}", soft_wrap=True)
         for problem in s.history_problems:

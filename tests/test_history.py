@@ -153,6 +153,7 @@ def test_status_says_how_many_runs_it_leaves_out_and_recover_says_when_there_was
     environ = {**os.environ, "SAFEINSTALL_STATE_DIR": str(root)}
     human = run("--status", env=environ)
     assert "last runs (5 of 8; -v lists all" in human.stdout and ids[0] not in human.stdout
+    assert all(line == line.rstrip() for line in human.stdout.splitlines())  # no padding on a pipe
     verbose = run("--status", "-v", env=environ)
     assert all(run_id in verbose.stdout for run_id in ids) and "of 8" not in verbose.stdout
     nothing = run("--recover", "--json", env=environ)
