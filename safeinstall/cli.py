@@ -129,6 +129,7 @@ def _run_verify(
     save_patch: Path | None,
     as_json: bool,
     metrics: Path | None = None,
+    verbosity: int = 0,
 ) -> None:
     if all_ and package:
         raise UsageError("give either a PACKAGE or --all, not both", hint="safeinstall --verify-only --all")
@@ -143,9 +144,14 @@ def _run_verify(
         )
     if all_ and wheel is not None:
         raise UsageError("--wheel checks one package", hint="name the package instead of --all")
+    if save_patch is not None and os.path.lexists(save_patch):
+        raise UsageError(
+            f"{save_patch} exists: --save-patch does not overwrite a file",
+            hint="remove it first, or give another file name",
+        )
     env = inspect_environment(resolve_python(python, os.environ))
     err = make_console(stderr=True)
-    if env.owner_note and not as_json:
+    if env.owner_note and not as_json and verbosity >= 0:
         err.print(f"[dim]note:[/] {literal(env.owner_note, lines=True)}", soft_wrap=True)
     names = None if all_ else [package or ""]
     read: Wheel | None = None
@@ -153,7 +159,7 @@ def _run_verify(
         from safeinstall.wheel import read_wheel
 
         read = read_wheel(wheel)
-    if err.is_terminal:  # rich.progress is loaded only for a terminal: scripts start faster
+    if err.is_terminal and verbosity >= 0:  # rich.progress is loaded only for a terminal: scripts start fast
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         with Progress(
@@ -186,7 +192,14 @@ def _run_verify(
         diffs = diffs_for(report.findings, wheel, Path(report.prefix))
     patch = None if diffs is None else patch_text(diffs)
     if save_patch is not None:
-        save_patch.write_text(patch or "", encoding="utf-8")
+        try:  # "x": created here, never an existing file (nor one a symlink names) written over
+            with open(save_patch, "x", encoding="utf-8") as saved:
+                saved.write(patch or "")
+        except FileExistsError:
+            raise UsageError(
+                f"{save_patch} exists: --save-patch does not overwrite a file",
+                hint="remove it first, or give another file name",
+            ) from None
     _write_metrics(metrics, lambda m, now: m.verify_families(report.prefix, report, report.exit_code, now))
     if as_json:
         status = "drift" if report.drift else "clean"
@@ -194,7 +207,7 @@ def _run_verify(
             dumps(envelope("verify", status, report.exit_code, _verify_json(report, patch if diff else None)))
         )
     else:
-        render_verify(make_console(), err, report, diffs if diff else None)
+        render_verify(make_console(), err, report, diffs if diff else None, verbosity)
         if save_patch is not None:
             err.print(
                 f"patch of {sum(1 for d in diffs or [] if d.text)} modified files written to "
@@ -241,7 +254,7 @@ def _run_metrics(
 
 
 def _run_reinstall(
-    options: "RunOptions", as_json: bool, interactive: bool, metrics: Path | None = None
+    options: "RunOptions", as_json: bool, interactive: bool, metrics: Path | None = None, verbosity: int = 0
 ) -> None:
     from safeinstall.journal import now_iso
     from safeinstall.reinstall import run_reinstall
@@ -252,7 +265,8 @@ def _run_reinstall(
     run_id = options.run_id or new_run_id(datetime.now(UTC), os.getpid())
     started = now_iso()
     out, err = make_console(), make_console(stderr=True)
-    reporter = LoggedReporter(ConsoleReporter(out, err, quiet=as_json), state.log_file(run_id))
+    console = ConsoleReporter(out, err, quiet=as_json or verbosity < 0, verbosity=verbosity)
+    reporter = LoggedReporter(console, state.log_file(run_id))
     try:
         result = run_reinstall(replace(options, run_id=run_id), reporter, interactive)
     except SafeInstallError as error:
@@ -275,17 +289,21 @@ def _run_reinstall(
     _exit(result.exit_code)
 
 
-def _run_detached(options: "RunOptions", as_json: bool, interactive: bool) -> None:
+def _run_detached(options: "RunOptions", as_json: bool, interactive: bool, verbosity: int = 0) -> None:
     from safeinstall.detach import detach
     from safeinstall.state import ensure_environment_dir, new_run_id
 
     env, state = _environment_state(options)
     ensure_environment_dir(state)
     out, err = make_console(), make_console(stderr=True)
-    if interactive:
-        from safeinstall.survey import survey
+    if interactive:  # the plan the foreground prompt shows: the preflight's, local changes included
+        from safeinstall.preflight import preflight, refusal
 
-        if not ConsoleReporter(out, err).confirm(survey(options, env).plan):
+        plan = preflight(options, take_lock=False).plan
+        refused = refusal(plan)
+        if refused is not None:
+            raise refused
+        if not ConsoleReporter(out, err, verbosity=verbosity).confirm(plan):
             out.print("nothing done (not confirmed)")
             _exit(ExitCode.REFUSED)
     run_id = options.run_id or new_run_id(datetime.now(UTC), os.getpid())
@@ -342,7 +360,13 @@ def _run_wait(python: str | None, run_id: str | None, as_json: bool) -> None:
             sys.stderr.write(printable(line, lines=True) + "\n")
             sys.stderr.flush()
 
-    _print_entry(wait_for_run(state, run_id, show), as_json)
+    try:
+        entry = wait_for_run(state, run_id, show)
+    except KeyboardInterrupt:  # only the following stops: the run is another process, and goes on
+        again = "safeinstall --status --wait" + (f" --run {run_id}" if run_id else "")
+        show(f"stopped following; the run goes on (its own process is not interrupted): {again} follows it")
+        _exit(130)
+    _print_entry(entry, as_json)
 
 
 def _run_forget(python: str | None, as_json: bool) -> None:
@@ -369,7 +393,8 @@ def _run_recover(python: str | None, as_json: bool, metrics: Path | None = None)
     code = outcome.exit_code
     if as_json:
         data = {"recoveries": jsonable(outcome.recoveries)}
-        status = "recovered" if code == ExitCode.OK else "error"
+        did = any(r.run_id for r in outcome.recoveries)
+        status = "error" if code != ExitCode.OK else "recovered" if did else "nothing-to-recover"
         print(dumps(envelope("recover", status, code, data, list(outcome.failures))))
     else:
         render_recoveries(make_console(), list(outcome.recoveries))
@@ -379,7 +404,7 @@ def _run_recover(python: str | None, as_json: bool, metrics: Path | None = None)
     _exit(code)
 
 
-def _run_status(python: str | None, as_json: bool, metrics: Path | None = None) -> None:
+def _run_status(python: str | None, as_json: bool, metrics: Path | None = None, verbosity: int = 0) -> None:
     from safeinstall.recover import status
 
     report = status(os.environ, python)
@@ -392,14 +417,14 @@ def _run_status(python: str | None, as_json: bool, metrics: Path | None = None) 
         data = {"environments": jsonable(found)}
         print(dumps(envelope("status", state, report.exit_code, data, list(report.failures))))
     else:
-        render_status(make_console(), found)
+        render_status(make_console(), found, last=0 if verbosity > 0 else 5)
         err = make_console(stderr=True)
         for failure in report.failures:
             render_error(err, failure)
     _exit(report.exit_code)
 
 
-def _run_dry_run(options: "RunOptions", as_json: bool) -> None:
+def _run_dry_run(options: "RunOptions", as_json: bool, verbosity: int = 0) -> None:
     from safeinstall.preflight import dry_run_patches, preflight
 
     # the run's own checks (and, with --keep-patches, its patch merge): it refuses when the run would
@@ -410,7 +435,7 @@ def _run_dry_run(options: "RunOptions", as_json: bool) -> None:
         data = plan_json(plan) | ({"patches": patches_json(patches.outcomes)} if patches is not None else {})
         print(dumps(envelope("dry-run", status, code, data)))
     else:
-        render_plan(make_console(), make_console(stderr=True), plan)
+        render_plan(make_console(), make_console(stderr=True), plan, verbosity)
         if patches is not None:
             render_patches(make_console(), patches.outcomes)
     _exit(code)
@@ -728,6 +753,19 @@ def main_command(
             "node_exporter's textfile collector): with --verify-only, a run, --recover and --status.",
         ),
     ] = None,
+    verbose: Annotated[
+        int,
+        typer.Option(
+            "--verbose",
+            "-v",
+            count=True,
+            help="Say more: every warning and finding, the plan's evidence chains, each distribution.",
+        ),
+    ] = 0,
+    quiet: Annotated[
+        int,
+        typer.Option("--quiet", "-q", count=True, help="Say less: no notes, warnings summaries or progress."),
+    ] = 0,
     show_version: Annotated[bool, _flag("--version", "Print safeinstall's version and exit.", "-V")] = False,
     run_id: Annotated[str | None, typer.Option("--run-id", hidden=True)] = None,
     environ_from: Annotated[Path | None, typer.Option("--environ-from", hidden=True)] = None,
@@ -751,6 +789,9 @@ def main_command(
     command = command_for(modes)
     metrics = None  # --metrics-file, once accepted
     try:
+        if verbose and quiet:
+            raise UsageError("-v and -q do not go together", hint="give one of --verbose, --quiet")
+        verbosity = -1 if quiet else 1 if verbose else 0
         given = [
             name
             for name in ctx.params
@@ -802,7 +843,7 @@ def main_command(
                 )
             if wait:
                 _run_wait(python, run, as_json)
-            _run_status(python, as_json, metrics)
+            _run_status(python, as_json, metrics, verbosity)
         if all_ and not verify_only:
             raise UsageError(
                 "--all goes with --verify-only", hint="safeinstall --verify-only --all [--python PATH]"
@@ -823,6 +864,14 @@ def main_command(
                 hint="run it without --verify-only: the merge is checked before anything stops, "
                 "and a patch that cannot be carried refuses the run (exit 2)",
             )
+        if package and package.endswith(".whl") and "@" not in package:  # a wheel's path as the requirement
+            named = wheel_package(Path(package))
+            raise UsageError(
+                f"{package!r} is a wheel file, not a requirement",
+                hint=f"give the wheel with --wheel: safeinstall {named or 'NAME'} --wheel {package}",
+            )
+        if not package and not all_ and wheel is not None:  # the wheel names its package
+            package = wheel_package(wheel)
         if verify_only:
             if ctx.args:
                 raise UsageError(f"unexpected arguments: {' '.join(ctx.args)}", hint="see safeinstall --help")
@@ -834,7 +883,7 @@ def main_command(
                         "--verify-only checks the installed version; give the name without a version",
                         hint="safeinstall NAME --verify-only [--wheel PATH]",
                     )
-            _run_verify(package, all_, python, wheel, diff, save_patch, as_json, metrics)
+            _run_verify(package, all_, python, wheel, diff, save_patch, as_json, metrics, verbosity)
         if not package:
             raise UsageError("no PACKAGE given", hint="safeinstall PACKAGE [--wheel W] (see --help)")
         from safeinstall.options import check_options
@@ -847,14 +896,14 @@ def main_command(
                 hint="one REQUIREMENT per run; uv's own arguments go after --: "
                 "safeinstall PACKAGE [--wheel W] -- UV_ARGS",
             )
-        options = run_options(ctx.params, ctx.args, private)
+        options = run_options({**ctx.params, "package": package}, ctx.args, private)
         check_options(options)
         interactive = not yes and not as_json and sys.stdin.isatty()
         if detach_:
-            _run_detached(options, as_json, interactive)
+            _run_detached(options, as_json, interactive, verbosity)
         if dry_run:
-            _run_dry_run(options, as_json)
-        _run_reinstall(options, as_json, interactive, metrics)
+            _run_dry_run(options, as_json, verbosity)
+        _run_reinstall(options, as_json, interactive, metrics, verbosity)
     except SafeInstallError as error:
         if metrics is not None:
             _failed_metrics(metrics, command, python, package, error)
@@ -908,6 +957,17 @@ def _failed_metrics(
 
     run = RunSummary("", "error", code, package, None, None, None, None, {}, None)
     _write_metrics(path, lambda m, _now: m.run_families(prefix, run))
+
+
+def wheel_package(wheel: Path) -> str | None:
+    """Pure: the distribution a wheel's file name names (``vllm-0.16.0-cp38-abi3-...whl`` -> ``vllm``);
+    None for a name that is not a wheel's. The wheel itself is checked against it at preflight."""
+    from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+
+    try:
+        return str(parse_wheel_filename(wheel.name)[0])
+    except InvalidWheelFilename:
+        return None
 
 
 def _split_at_dashes(argv: Sequence[str]) -> tuple[list[str], tuple[str, ...]]:

@@ -7,8 +7,8 @@ Inputs are typed expectations (from an installed RECORD or from a wheel) and obs
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import PurePath
 from typing import NamedTuple
@@ -26,10 +26,11 @@ class FindingKind(StrEnum):
     VERSION_MISMATCH = "version-mismatch"  # installed version is not the wheel's
     HARDLINKED = "hardlinked"  # shares its inode (uv's cache): editing it edits the cache too
     WHEEL_RECORD = "wheel-record"  # the wheel's own RECORD is wrong: the wheel's fault, not drift
+    SHARED = "shared"  # listed by another distribution's RECORD too, whose copy is there: not drift
 
 
 #: Findings that are worth a warning but are not drift (exit code stays 0).
-WARNING_KINDS = frozenset({FindingKind.HARDLINKED, FindingKind.WHEEL_RECORD})
+WARNING_KINDS = frozenset({FindingKind.HARDLINKED, FindingKind.WHEEL_RECORD, FindingKind.SHARED})
 
 
 class Expectation(NamedTuple):
@@ -54,6 +55,7 @@ class Finding:
     expected_size: int | None = None
     actual_size: int | None = None
     wheel_member: str | None = None  # with --wheel: the archive member this file comes from
+    shared_with: str | None = None  # kind shared: the other distribution whose copy of the file is there
 
     @property
     def is_drift(self) -> bool:
@@ -85,6 +87,60 @@ def compare(distribution: str, expected: Expectation, state: FileState, baseline
         actual_sha256=state.digest,
         expected_size=expected.size,
         actual_size=state.size,
+    )
+
+
+def shared_file(
+    finding: Finding, expected: Expectation, listed_by: Sequence[tuple[str, str, Expectation]]
+) -> Finding:
+    """Pure: a ``modified`` file that other installed distributions' RECORDs list too (``listed_by``:
+    their name, version and entry for it). When the file is what one of them lists, it belongs to that
+    one (installed over this distribution's copy, as cuda-bindings installs over cuda-python): a
+    ``shared`` finding naming both, not drift. A file that matches none of them stays ``modified``,
+    and says who else lists it."""
+    if finding.kind != FindingKind.MODIFIED or not listed_by:
+        return finding
+    for name, version, other in listed_by:
+        if (
+            other.algorithm == expected.algorithm
+            and other.digest is not None
+            and other.digest == finding.actual_sha256
+            and other.size in (None, finding.actual_size)
+        ):
+            return replace(
+                finding,
+                kind=FindingKind.SHARED,
+                detail=f"{name} {version} lists it too, and the file is {name}'s (installed over "
+                f"{finding.distribution}'s copy)",
+                shared_with=name,
+            )
+    names = ", ".join(f"{name} {version}" for name, version, _ in listed_by)
+    return replace(finding, detail=f"{finding.detail}; {names} lists it too, and it matches neither")
+
+
+#: What a ``modified`` file says when it was not changed after its install: the wheel may be at fault.
+RECORD_MAY_BE_WRONG = (
+    "not changed since it was installed (no newer than its RECORD): the wheel's own RECORD may be "
+    "wrong (uv installs such a wheel without a word); compare with the wheel: safeinstall {name} "
+    "--verify-only --wheel W (the wheel's fault shows as wheel-record)"
+)
+
+
+def untouched_since_install(finding: Finding, mtime_ns: int, record_mtime_ns: int | None) -> Finding:
+    """Pure: a file checked against its installed RECORD that differs from it, but was last written
+    no later than the installer wrote that RECORD (after every file), was not edited here: the wheel's
+    own RECORD may be wrong (pynvvideocodec 2.0.4 ships one). It stays ``modified`` (this cannot be
+    known without the wheel), and says so and how to settle it."""
+    if (
+        finding.kind != FindingKind.MODIFIED
+        or finding.baseline != "record"
+        or record_mtime_ns is None
+        or mtime_ns == 0
+        or mtime_ns > record_mtime_ns
+    ):
+        return finding
+    return replace(
+        finding, detail=f"{finding.detail}; {RECORD_MAY_BE_WRONG.format(name=finding.distribution)}"
     )
 
 

@@ -16,6 +16,7 @@ import ssl
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 
 from safeinstall.errors import StepFailed
 
@@ -138,11 +139,15 @@ def _attempt(url: str, seconds: float) -> str | None:
     return LATE if late or not answers else answers[0]
 
 
-def wait_healthy(url: str, timeout: float) -> None:
-    """Return once ``url`` answers 200; raise StepFailed when it has not within ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
+def wait_healthy(url: str, timeout: float, on_poll: Callable[[float, str], None] | None = None) -> None:
+    """Return once ``url`` answers 200; raise StepFailed when it has not within ``timeout`` seconds.
+    ``on_poll``: before each attempt, the seconds waited and the last answer (a progress line)."""
+    started = time.monotonic()
+    deadline = started + timeout
     last = "no answer"
     while (left := deadline - time.monotonic()) > 0:
+        if on_poll is not None:
+            on_poll(time.monotonic() - started, last)
         answer = _attempt(url, left)
         if answer is None:
             return

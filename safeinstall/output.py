@@ -55,6 +55,7 @@ def finding_json(finding: Finding) -> dict[str, Any]:
         "expected": {"sha256": finding.expected_sha256, "size": finding.expected_size},
         "actual": {"sha256": finding.actual_sha256, "size": finding.actual_size},
         "wheel_member": finding.wheel_member,
+        "shared_with": finding.shared_with,
     }
 
 

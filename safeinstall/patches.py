@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
@@ -48,6 +48,7 @@ class PatchStatus(StrEnum):
     CARRIED = "carried"  # merged into the new version's file, written after the install
     DROPPED = "dropped"  # could not be carried; --drop-conflicting: the new version's file stays
     CONFLICT = "conflict"  # could not be carried: the run is refused
+    ROLLED_BACK = "rolled-back"  # would have been carried, but the run rolled back: the old file is back
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +79,21 @@ class PatchOutcome:
     #: new version's file against the merge with conflict markers), or the local change itself
     diff: str = ""
     merged: bytes | None = None  # carried: the file written after the install
+
+
+def rolled_back(outcomes: Sequence[PatchOutcome]) -> tuple[PatchOutcome, ...]:
+    """Pure: a run that rolled back carried nothing: each patch it would have carried is the installed
+    version's again, with the old version (restored byte for byte, the patch in it)."""
+    return tuple(
+        replace(
+            o,
+            status=PatchStatus.ROLLED_BACK,
+            detail="not carried: the run rolled back, and the installed file keeps the local patch",
+        )
+        if o.status == PatchStatus.CARRIED
+        else o
+        for o in outcomes
+    )
 
 
 @dataclass(frozen=True, slots=True)

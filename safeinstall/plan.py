@@ -15,6 +15,7 @@ from safeinstall.cgroups import CgroupPlacement, placement_of_proc_cgroup, valid
 from safeinstall.gpus import GpuSnapshot
 from safeinstall.processes import (
     TOO_LARGE,
+    Evidence,
     EvidenceKind,
     ProcessRecord,
     ScanProblem,
@@ -62,6 +63,8 @@ class PlannedProcess:
     #: "certain": it runs the package's code (or shares a unit with such a process); "possible": it
     #: (or the affected processes of its unit) only runs the environment's Python (``environment``)
     strength: str = Strength.CERTAIN.value
+    #: its strongest evidence in a few words, for the plan at a glance ("maps torch/lib/x.so")
+    reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +173,42 @@ def _gpu_bytes(gpus: GpuSnapshot) -> dict[int, int]:
     return held
 
 
+#: Evidence kinds from the strongest (it runs the package's code, old code first) to the weakest.
+_STRONGEST_FIRST = (EvidenceKind.MAPPED, EvidenceKind.OPEN, EvidenceKind.ARGV, EvidenceKind.DEPENDS)
+_SITE_MARKERS = ("/site-packages/", "/dist-packages/")
+
+
+def short_path(path: str) -> str:
+    """Pure: a path below a site directory as the package sees it (``torch/lib/libtorch_cpu.so``);
+    any other path whole."""
+    for marker in _SITE_MARKERS:
+        head, found, tail = path.rpartition(marker)
+        if found and head:
+            return tail
+    return path
+
+
+def strongest_reason(evidence: Sequence[Evidence], unit: str | None, shares_unit: bool) -> str:
+    """Pure: one reason, from the strongest piece of evidence: "maps torch/lib/libtorch_cpu.so (deleted:
+    old code)", "runs vllm", "maps xgrammar 0.2.8, which requires torch", "shares vllm.service with an
+    affected process", or what makes it the environment's."""
+    ranked = sorted(
+        (e for e in evidence if e.kind in _STRONGEST_FIRST),
+        key=lambda e: (not e.deleted, _STRONGEST_FIRST.index(e.kind)),
+    )
+    if ranked:
+        best = ranked[0]
+        old = " (deleted: old code)" if best.deleted else ""
+        if best.kind is EvidenceKind.DEPENDS:
+            return best.detail or f"depends on {best.distribution}"
+        verb = {EvidenceKind.MAPPED: "maps", EvidenceKind.OPEN: "holds open"}.get(best.kind, "runs")
+        return f"{verb} {short_path(best.path)}{old}"
+    if shares_unit:
+        return f"shares {unit} with an affected process"
+    environment = next((e for e in evidence if e.kind is EvidenceKind.ENVIRONMENT), None)
+    return environment.detail if environment is not None else ""
+
+
 def _planned(
     record: ProcessRecord,
     placement: CgroupPlacement,
@@ -182,6 +221,7 @@ def _planned(
     for kind in extra_evidence:
         kinds.append(kind)
         details.append(f"shares {placement.unit} with an affected process")
+    reason = strongest_reason(record.evidence, placement.unit, len(kinds) > len(record.evidence))
     return PlannedProcess(
         pid=record.pid,
         start_time=record.start_time,
@@ -196,6 +236,7 @@ def _planned(
         running_old_code=record.running_old_code,
         gpu_bytes=held.get(record.pid),
         strength=(strength or record.strength or Strength.CERTAIN).value,
+        reason=reason,
     )
 
 

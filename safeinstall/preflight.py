@@ -117,10 +117,12 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
         else:
             found = survey(options, env, wheel)
         unrecorded = record_problems(found)
+        landing: tuple[str, ...] = ()
         if wheel is not None and not unrecorded:  # without a RECORD, what it would replace is unknown
-            check_landing(wheel, env, found.affected, found.installed)
+            landing = check_landing(wheel, env, found.affected, found.installed)
         more = (
             *placement_refusals(env, found.affected),
+            *landing,
             *unrecorded,
             *room_problems(found, env, state.backups, wheel),
             *writability_problems(env, found, wheel),
@@ -131,6 +133,9 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
         modified = locally_modified(before)
         if modified:
             found = replace(found, plan=with_local_changes(found.plan, modified))
+        shared = shared_files(before)
+        if shared:
+            found = replace(found, plan=replace(found.plan, warnings=(*found.plan.warnings, *shared)))
     except BaseException:
         if options.wheel is not None and options.wheel != given:
             discard_wheel_copy(options.wheel, state.dir)
@@ -143,6 +148,21 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
 def locally_modified(report: VerifyReport) -> tuple[str, ...]:
     """Pure: the installed files that differ from their RECORD (changed or deleted locally)."""
     return tuple(f.path for f in report.findings if f.kind in (FindingKind.MODIFIED, FindingKind.MISSING))
+
+
+def shared_files(report: VerifyReport) -> tuple[str, ...]:
+    """Pure: the plan's warnings for the affected distributions' files that another distribution's
+    RECORD lists too and whose copy is there (``shared``, not local changes): one per pair, naming both."""
+    pairs: dict[tuple[str, str], list[str]] = {}
+    for f in report.findings:
+        if f.kind == FindingKind.SHARED:
+            pairs.setdefault((f.distribution, f.shared_with or "?"), []).append(f.path)
+    return tuple(
+        f"{len(paths)} file(s) of {name} hold {other}'s copy (both RECORDs list them, e.g. {paths[0]}): the "
+        f"reinstall of {name} removes or replaces them, and {other}'s copies are lost unless it is "
+        f"reinstalled too (--with-deps, when it is a dependency; or uninstall one of them)"
+        for (name, other), paths in sorted(pairs.items())
+    )
 
 
 def with_local_changes(plan: Plan, modified: tuple[str, ...]) -> Plan:

@@ -12,13 +12,15 @@ journal), and each kind of I/O sits behind its own module (systemd, gpus, uvplan
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -53,7 +55,14 @@ from safeinstall.journal import (
 )
 from safeinstall.lock import process_start
 from safeinstall.options import RunOptions
-from safeinstall.patches import PatchOutcome, PatchSet, carry, prepare_patches, save_patch_set
+from safeinstall.patches import (
+    PatchOutcome,
+    PatchSet,
+    carry,
+    prepare_patches,
+    rolled_back,
+    save_patch_set,
+)
 from safeinstall.plan import OldCodeProcess, Plan, PlannedProcess, PlannedUnit, left_on_old_code
 from safeinstall.preflight import Prepared, locally_modified, refusal
 from safeinstall.preflight import preflight as shared_preflight
@@ -401,7 +410,9 @@ def stop_step(run: _Run) -> str:
     outcomes: list[StopOutcome] = []
     if units:
         with ThreadPoolExecutor(max_workers=len(units)) as pool:
-            outcomes = list(pool.map(stop, units))
+            stops = {u.name: pool.submit(stop, u) for u in units}
+            _report_waits(run, stops, "stopped", max(run._stop_timeout(u.stop_timeout_s) for u in units))
+            outcomes = [f.result() for f in stops.values()]
     failed = [o for o in outcomes if not o.stopped]
     if failed:
         first = failed[0]
@@ -416,6 +427,28 @@ def stop_step(run: _Run) -> str:
     if killed:
         detail += f"; stray PIDs {', '.join(map(str, killed))} ended (not restarted)"
     return detail
+
+
+#: How often a wait on units (stop, start and settle) says what it still waits for.
+WAIT_POLL_S = 1.0
+
+
+def _report_waits(run: _Run, waits: Mapping[str, Future[Any]], state: str, limit: float) -> None:
+    """Until every unit's wait is done: a progress line saying which units are not yet ``state`` and
+    how long the wait may still take (``limit`` seconds in all; infinity: no bound)."""
+    started = time.monotonic()
+    while True:
+        pending = [unit for unit, future in waits.items() if not future.done()]
+        if not pending:
+            return
+        bound = limit if math.isfinite(limit) else None
+        run.reporter.progress(
+            f"waiting for {', '.join(pending)} to be {state} ({len(pending)} of {len(waits)})",
+            time.monotonic() - started,
+            bound,
+            "s",
+        )
+        futures_wait([waits[unit] for unit in pending], timeout=WAIT_POLL_S, return_when=FIRST_COMPLETED)
 
 
 def _kill_strays(run: _Run) -> tuple[int, ...]:
@@ -556,8 +589,13 @@ def restart_step(run: _Run) -> str:
     for unit in units:
         run.journal = _mark(run.journal, unit, restarted=True)
     if run.options.health_url:
-        wait_healthy(run.options.health_url, run.options.health_timeout)
-        detail += f"; {run.options.health_url} answers 200"
+        url, timeout = run.options.health_url, run.options.health_timeout
+
+        def on_poll(waited: float, last: str) -> None:
+            run.reporter.progress(f"waiting for {url} to answer 200 (last: {last})", waited, timeout, "s")
+
+        wait_healthy(url, timeout, on_poll)
+        detail += f"; {url} answers 200"
     return detail
 
 
@@ -581,6 +619,12 @@ def _start_and_settle(run: _Run, units: list[str], settle: float) -> str:
             for u in units
         }
         try:
+            _report_waits(
+                run,
+                futures,
+                f"{settle:g} s active",
+                settle + max(start_wait_s(befores.get(u)) for u in units),
+            )
             outcomes = {u: f.result() for u, f in futures.items()}
         except BaseException:  # Ctrl-C, SIGTERM: the waits end at their next poll, the rollback starts
             cancel.set()
@@ -682,6 +726,23 @@ def rollback(run: _Run, error: SafeInstallError) -> SafeInstallError:
         f"{error.message}; {'; '.join(done)}",
         hint=f"{error.hint or StepFailed.default_hint}; the run's log: {run.log_file}",
     )
+
+
+def _rollback_step(run: _Run, error: SafeInstallError) -> SafeInstallError:
+    """:func:`rollback`, as a step of its own once something was stopped: a progress line when it
+    begins, then its step line (what it put back, or why it failed), as every step has."""
+    started = time.monotonic()
+    stopped = _phase_at_least(run.journal, Phase.STOPPING)
+    if stopped:
+        run.reporter.progress(f"rolling back ({error.message})", None, None)
+    outcome = rollback(run, error)
+    if stopped:
+        ok = outcome.exit_code == ExitCode.ROLLED_BACK
+        detail = outcome.message.removeprefix(f"{error.message}; ") if ok else outcome.message
+        step = StepOutcome("rollback", "ok" if ok else "failed", time.monotonic() - started, detail)
+        run.steps.append(step)
+        run.reporter.step(step)
+    return outcome
 
 
 def _start_again(run: _Run, units: list[JournalUnit]) -> None:
@@ -823,7 +884,12 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
             raise refused
         if interactive and not reporter.confirm(prepared.plan):
             _discard_wheel_copy(prepared)
+            if prepared.lock is not None:  # a declined run is finished: the next is not told it died
+                prepared.lock.release()
             return _declined(prepared)
+        if not interactive:  # --yes, --json, no terminal: what will be lost is still said, and logged
+            for warning in prepared.plan.warnings:
+                reporter.note(f"before the stop: {warning}")
         run = start(prepared, reporter)
     except BaseException:
         _discard_wheel_copy(prepared)
@@ -854,7 +920,7 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
                 error = (
                     exc if isinstance(exc, SafeInstallError) else StepFailed(f"{type(exc).__name__}: {exc}")
                 )
-                outcome = rollback(run, error)
+                outcome = _rollback_step(run, error)
                 status = {
                     ExitCode.ROLLED_BACK: "rolled-back",
                     ExitCode.ROLLBACK_FAILED: "rollback-failed",
@@ -945,6 +1011,12 @@ def _result(
         manual_commands=error.commands if isinstance(error, RollbackFailed) else (),
         backups_removed=backups_removed,
         old_code=run.old_code,
-        patches=run.patches.outcomes if run.patches is not None else (),
+        patches=(
+            ()
+            if run.patches is None
+            else rolled_back(run.patches.outcomes)
+            if status == "rolled-back"
+            else run.patches.outcomes
+        ),
         patch_file=str(run.patch_file) if run.patch_file else None,
     )

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import sys
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.markup import escape
 from rich.padding import Padding
 
 from safeinstall.drift import Finding, FindingKind
 from safeinstall.errors import SafeInstallError
-from safeinstall.runlog import PROGRESS_EVERY_S, human_bytes, progress_text
+from safeinstall.runlog import PROGRESS_EVERY_S, human_bytes, progress_key, progress_text
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
     from safeinstall.history import RunSummary
     from safeinstall.patches import PatchOutcome
     from safeinstall.plan import Plan, PlannedProcess
+    from safeinstall.processes import ScanProblem
     from safeinstall.recover import EnvironmentStatus, Forgotten, Recovery
     from safeinstall.reinstall import RunResult, StepOutcome
     from safeinstall.verify import VerifyReport
@@ -65,7 +68,9 @@ def make_console(stderr: bool = False) -> Console:
     """No emoji codes: a file named ``:warning:`` is shown as named, not as a sign (``literal`` escapes
     markup, not ``:name:``), and no highlighting."""
     probe = Console(stderr=stderr)
-    return Console(stderr=stderr, width=None if probe.is_terminal else 200, highlight=False, emoji=False)
+    given = os.environ.get("COLUMNS", "").isdigit()  # on a pipe too: the width a script asks for
+    wide = probe.is_terminal or given
+    return Console(stderr=stderr, width=None if wide else 200, highlight=False, emoji=False)
 
 
 def render_error(console: Console, error: SafeInstallError) -> None:
@@ -80,25 +85,80 @@ def _table(**options: Any) -> Table:
     return Table(box=None, pad_edge=False, **options)
 
 
-def _findings_table(findings: list[Finding]) -> Table:
-    table = _table(show_edge=False)
-    table.add_column("KIND", no_wrap=True)
-    table.add_column("DISTRIBUTION", no_wrap=True)
-    table.add_column("PATH", overflow="fold")
-    table.add_column("DETAIL", overflow="fold")
+def print_table(console: Console, table: RenderableType) -> None:
+    """A table (or any renderable) without the padding rich adds to the right of each line (to the
+    console's width, 200 columns on a pipe): lines end where their text ends."""
+    from rich.text import Text
+
+    for line in console.render_lines(table, console.options, pad=False):
+        text = Text.assemble(*((s.text, s.style or "") for s in line if not s.control))
+        text.rstrip()
+        console.print(text, soft_wrap=True)
+
+
+def _finding_lines(out: Console, findings: Sequence[Finding]) -> None:
+    """Each finding: its kind, distribution and path on one line (a path is never broken: the line is
+    not wrapped), its detail indented below (wrapped between words)."""
     for f in findings:
         style = _KIND_STYLE.get(f.kind, "")
-        table.add_row(
-            f"[{style}]{f.kind.value}[/]" if style else f.kind.value,
-            literal(f.distribution),
-            literal(f.path),
-            literal(f.detail),
+        kind = f"[{style}]{f.kind.value}[/]" if style else f.kind.value
+        out.print(f"{kind} {literal(f.distribution)} {literal(f.path)}", soft_wrap=True)
+        if f.detail:
+            out.print(f"    {literal(f.detail)}", soft_wrap=True)
+
+
+def _example(findings: Sequence[Finding]) -> str:
+    return literal(findings[0].path) + (f" and {len(findings) - 1} more" if len(findings) > 1 else "")
+
+
+def _warning_summaries(err: Console, findings: Sequence[Finding], more: str) -> None:
+    """One line per kind of warning (per pair of distributions for shared files), with a count and an
+    example; ``more`` says where the whole list is."""
+    hardlinked = [f for f in findings if f.kind == FindingKind.HARDLINKED]
+    if hardlinked:
+        names = sorted({f.distribution for f in hardlinked})
+        whose, how = (
+            (
+                literal(names[0]),
+                f"with safeinstall {literal(names[0])} (once its run's cache is gone the files "
+                "share no inode), or uv's --link-mode copy",
+            )
+            if len(names) == 1
+            else (f"{len(names)} distributions", "with uv's --link-mode copy, or each with safeinstall NAME")
         )
-    return table
+        err.print(
+            f"[yellow]warning:[/] {_count(len(hardlinked), 'installed file')} of {whose} share their inode "
+            f"with another file (uv's cache; e.g. {literal(hardlinked[0].path)}); editing one in place also "
+            f"edits the cache, and a later offline reinstall brings the edit back (uv #10579). Reinstall "
+            f"{how}{more}",
+            soft_wrap=True,
+        )
+    pairs: dict[tuple[str, str], list[Finding]] = defaultdict(list)
+    for f in findings:
+        if f.kind == FindingKind.SHARED:
+            pairs[(f.distribution, f.shared_with or "?")].append(f)
+    for (name, other), shared in sorted(pairs.items()):
+        err.print(
+            f"[yellow]note:[/] {_count(len(shared), 'file')} of {literal(name)} "
+            f"{'holds' if len(shared) == 1 else 'hold'} {literal(other)}'s copy "
+            f"(both RECORDs list them; {literal(other)} was installed over them; e.g. {_example(shared)}): "
+            f"{FindingKind.SHARED.value}, not drift; reinstalling {literal(name)} alone would put its own "
+            f"copies back over {literal(other)}'s{more}",
+            soft_wrap=True,
+        )
 
 
-def render_verify(out: Console, err: Console, report: VerifyReport, diffs: list[FileDiff] | None) -> None:
-    if report.wheel is not None and not report.wheel.record_ok:
+def _count(number: int, what: str) -> str:
+    return f"{number} {what}" + ("" if number == 1 else "s")
+
+
+def render_verify(
+    out: Console, err: Console, report: VerifyReport, diffs: list[FileDiff] | None, verbosity: int = 0
+) -> None:
+    """The drift, each finding on its lines; warnings summarised (one line per kind, with ``-v`` each
+    finding); a line per distribution checked (with ``--all`` and without ``-v``: those with drift and
+    one line for the rest). ``verbosity``: -1 ``-q`` (no warnings), 0, 1 ``-v``."""
+    if report.wheel is not None and not report.wheel.record_ok and verbosity >= 0:
         err.print(
             f"[yellow]warning:[/] the wheel {literal(str(report.wheel.path))} has a RECORD that does not "
             f"match its own contents ({len(report.wheel.problems)} problems); that is the wheel's fault, "
@@ -106,21 +166,12 @@ def render_verify(out: Console, err: Console, report: VerifyReport, diffs: list[
             soft_wrap=True,
         )
     drift = [f for f in report.findings if f.is_drift]
-    if drift:
-        out.print(_findings_table(drift))
-    hardlinked: dict[str, list[Finding]] = defaultdict(list)
-    for finding in report.findings:
-        if finding.kind == FindingKind.HARDLINKED:
-            hardlinked[finding.distribution].append(finding)
-    for name, links in hardlinked.items():
-        err.print(
-            f"[yellow]warning:[/] {literal(name)}: {len(links)} installed files share their inode with "
-            f"another file (uv's cache, e.g. {literal(links[0].path)}); editing them in place also edits the "
-            "cache, and a later offline reinstall brings the edit back (uv #10579). "
-            f"Reinstall it with safeinstall {literal(name)} (once its run's cache is gone the files share "
-            "no inode), or uv's --link-mode copy.",
-            soft_wrap=True,
-        )
+    _finding_lines(out, drift)
+    warnings = [f for f in report.findings if not f.is_drift and f.kind != FindingKind.WHEEL_RECORD]
+    if verbosity > 0:
+        _finding_lines(err, warnings)
+    elif verbosity == 0:
+        _warning_summaries(err, warnings, " (-v lists them; --json has all)")
     for d in diffs or []:
         if d.text:
             out.print(literal(d.text, lines=True), end="", soft_wrap=True)
@@ -134,8 +185,11 @@ def render_verify(out: Console, err: Console, report: VerifyReport, diffs: list[
             soft_wrap=True,
         )
     several = len(report.site_dirs) > 1  # a system interpreter, or a venv with its base's: say where
+    many = len(report.distributions) > 1 and verbosity <= 0
     for dist in report.distributions:
         kinds = Counter(f.kind.value for f in dist.findings if f.is_drift)
+        if many and not kinds:
+            continue
         state = (
             "[red]DRIFT[/] " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
             if kinds
@@ -161,6 +215,13 @@ def render_verify(out: Console, err: Console, report: VerifyReport, diffs: list[
             f"checked against {literal(against)}: {state}",
             soft_wrap=True,
         )
+    if many:
+        drifted = sum(1 for d in report.distributions if d.drift)
+        files = sum(d.files_checked for d in report.distributions)
+        state = "[green]OK[/]" if not drifted else f"[red]{drifted} with drift[/], the others OK"
+        out.print(
+            f"{len(report.distributions)} distributions, {files} files checked against their RECORD: {state}"
+        )
 
 
 def _seconds(value: float) -> str:
@@ -168,14 +229,13 @@ def _seconds(value: float) -> str:
 
 
 def grouped_details(processes: Sequence[PlannedProcess]) -> list[tuple[tuple[int, ...], str]]:
-    """Pure: each ``depends``/``environment`` detail of the processes once, with every PID it is said of
-    (in the order first seen): every process of a system interpreter says "runs the environment's
-    interpreter", in one line, not one line each."""
+    """Pure: each piece of evidence of the processes once, with every PID it is said of (in the order
+    first seen): every process of a system interpreter says "runs the environment's interpreter", in
+    one line, not one line each."""
     groups: dict[str, list[int]] = {}
     for process in processes:
         for detail in process.details:
-            if detail.startswith(("depends:", "environment:")):
-                groups.setdefault(detail, []).append(process.pid)
+            groups.setdefault(detail, []).append(process.pid)
     return [(tuple(pids), detail) for detail, pids in groups.items()]
 
 
@@ -187,41 +247,72 @@ def _pids(pids: Sequence[int], shown: int = 10) -> str:
     return f"PIDs {', '.join(map(str, pids[:shown]))}{more} ({len(pids)})"
 
 
-def render_plan(out: Console, err: Console, plan: Plan) -> None:
+def _scan_problems(err: Console, problems: Sequence[ScanProblem], verbosity: int) -> None:
+    """What the scan could not read, each problem, with ``-v``: the plan's warnings already say once
+    which processes denied access or mapped too much (a process that vanished meanwhile is no matter)."""
+    if verbosity <= 0:
+        return
+    for problem in problems:
+        err.print(
+            f"[dim]note: PID {problem.pid}: could not read {literal(problem.reading)}: "
+            f"{literal(problem.reason)}[/]",
+            soft_wrap=True,
+        )
+
+
+def render_plan(out: Console, err: Console, plan: Plan, verbosity: int = 0) -> None:
+    """The plan at a glance: one row per process (its strongest evidence, as one reason) and per unit;
+    every piece of evidence with ``-v`` (and in ``--json``). Tables take the terminal's width and are not
+    padded on a pipe; a path or command too long for its column ends in an ellipsis, never broken."""
     out.print(
-        f"[bold]plan[/] for {literal(plan.package)} in {literal(plan.prefix)} (python {literal(plan.python)})"
+        f"[bold]plan[/] for {literal(plan.package)} in {literal(plan.prefix)} "
+        f"(python {literal(plan.python)})",
+        soft_wrap=True,
     )
     out.print("distributions:" + ("  (--with-deps: dependencies reinstalled too)" if plan.with_deps else ""))
     for dist in plan.distributions:
         mark = "".join(f" ({m})" for m in ("named" if dist.requested else "", dist.change) if m)
         versions = f"{dist.old_version or '(not installed)'} -> {dist.new_version or '?'}"
-        out.print(f"  {literal(dist.name)} {literal(versions)}{mark}")
+        out.print(f"  {literal(dist.name)} {literal(versions)}{mark}", soft_wrap=True)
     if plan.processes:
-        table = _table(title="processes using them", title_justify="left")
-        for column in ("PID", "UNIT", "USER", "EVIDENCE", "GPU MEM", "COMMAND"):
-            table.add_column(column, overflow="fold")
+        more = "" if verbosity > 0 else " (-v: every piece of evidence)"
+        rows: list[tuple[str, ...]] = []
         for p in plan.processes:
-            evidence = ",".join(p.evidence) + f" ({p.strength})"
-            evidence += " [red](running old code)[/]" if p.running_old_code else ""
-            unit = literal(p.unit) if p.unit else f"[yellow]stray[/] ({literal(p.scope or 'no unit')})"
-            command = " ".join(p.cmdline) or p.name
-            table.add_row(
-                str(p.pid),
-                unit,
-                literal(p.user),
-                evidence,
-                human_bytes(p.gpu_bytes),
-                literal(f"{p.name}: {command}"),
+            kind = p.evidence[0] if len(p.evidence) == 1 else _strongest_kind(p.evidence)
+            old = " running old code" if p.running_old_code else ""
+            command = " ".join(w for w in " ".join(p.cmdline).split(" ") if w) or p.name  # setproctitle pads
+            rows.append(
+                (
+                    str(p.pid),
+                    p.unit or f"stray ({p.scope or 'no unit'})",
+                    f"{kind} ({p.strength}){old}",
+                    human_bytes(p.gpu_bytes),
+                    p.reason or "; ".join(p.details[:1]),
+                    command if command.startswith(p.name) else f"{p.name}: {command}",
+                )
             )
-        out.print(table)
-        for pids, detail in grouped_details(plan.processes):  # which dependent, which interpreter
-            out.print(f"  {_pids(pids)}: {literal(detail)}", soft_wrap=True)
+        header: tuple[str, ...] = ("PID", "UNIT", "EVIDENCE", "GPU MEM", "WHY", "COMMAND")
+        if all(p.gpu_bytes is None for p in plan.processes):  # no GPU memory listed: no column for it
+            header, rows = header[:3] + header[4:], [row[:3] + row[4:] for row in rows]
+        out.print(f"processes using them{more}")
+        for line in columns(header, rows, out.width):
+            out.print(literal(line), soft_wrap=True)
+        for stray in plan.strays:  # they refuse the run (or are ended): their whole command line
+            command = " ".join(stray.cmdline) or stray.name
+            out.print(
+                f"  stray PID {stray.pid} ({literal(stray.scope or 'no unit')}): {literal(command)}",
+                soft_wrap=True,
+            )
+        if verbosity > 0:  # each piece of evidence once, with every PID it is said of
+            for pids, detail in grouped_details(plan.processes):
+                out.print(f"  {_pids(pids)}: {literal(detail)}", soft_wrap=True)
     else:
         out.print("processes using them: none")
     if plan.units:
         table = _table(title="units that would be stopped", title_justify="left")
-        for column in ("UNIT", "STATE", "ENABLED", "STOP TIMEOUT", "MAIN PID", "PIDS"):
-            table.add_column(column)
+        for column in ("UNIT", "STATE", "ENABLED", "STOP TIMEOUT", "MAIN PID"):
+            table.add_column(column, no_wrap=True)
+        table.add_column("PIDS")
         for u in plan.units:
             table.add_row(
                 literal(u.name),
@@ -232,11 +323,12 @@ def render_plan(out: Console, err: Console, plan: Plan) -> None:
                 " ".join(map(str, u.pids))
                 or (f"(stops with {literal(u.stopped_with)})" if u.stopped_with else ""),
             )
-        out.print(table)
+        print_table(out, table)
     if plan.gpus.available:
         table = _table(title="GPUs", title_justify="left")
-        for column in ("GPU", "NAME", "UUID", "USED", "TOTAL", "PROCESSES"):
-            table.add_column(column)
+        for column in ("GPU", "NAME", "UUID", "USED", "TOTAL"):
+            table.add_column(column, no_wrap=True)
+        table.add_column("PROCESSES")
         for gpu in plan.gpus.gpus:
             procs = " ".join(f"{p.pid}:{human_bytes(p.used_bytes)}" for p in gpu.processes)
             table.add_row(
@@ -247,15 +339,11 @@ def render_plan(out: Console, err: Console, plan: Plan) -> None:
                 human_bytes(gpu.total_bytes),
                 literal(procs or gpu.processes_error or "-"),
             )
-        out.print(table)
+        print_table(out, table)
     else:
-        out.print(f"GPUs: check unavailable ({literal(plan.gpus.reason or '')})")
+        out.print(f"GPUs: check unavailable ({literal(plan.gpus.reason or '')})", soft_wrap=True)
     out.print("uv command: " + literal(" ".join(plan.uv_command)), soft_wrap=True)
-    for problem in plan.scan_problems:
-        err.print(
-            f"[dim]note: PID {problem.pid}: could not read {literal(problem.reading)}: "
-            f"{literal(problem.reason)}[/]"
-        )
+    _scan_problems(err, plan.scan_problems, verbosity)
     for warning in plan.warnings:
         err.print(f"[yellow]warning:[/] {literal(warning)}", soft_wrap=True)
     if plan.proceeds:
@@ -266,6 +354,40 @@ def render_plan(out: Console, err: Console, plan: Plan) -> None:
             out.print(f"  - {literal(refusal)}", soft_wrap=True)
 
 
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
+
+
+def columns(header: Sequence[str], rows: Sequence[Sequence[str]], width: int) -> list[str]:
+    """Pure: a table as lines of at most ``width`` characters, each cell on one line: every column but the
+    last two as wide as its widest cell (at most 40; on a narrow terminal the widest are cut down to
+    12); the last two (a reason and a command) share the rest, the reason first (up to 60, leaving
+    the command 20 where it can); a cell too long for its column ends in "…", never wrapped in the
+    middle of a word. Cells are :func:`printable`; lines carry no trailing spaces."""
+    table = [[printable(cell) for cell in row] for row in (header, *rows)]
+    fixed = [min(max(len(row[i]) for row in table), 40) for i in range(len(header) - 2)]
+    why, command = (max(len(row[i]) for row in table) for i in (-2, -1))
+    while width - sum(fixed) - 2 * (len(header) - 1) < 16 and max(fixed) > 12:  # a narrow terminal
+        fixed[fixed.index(max(fixed))] -= 1
+    room = max(width - sum(fixed) - 2 * (len(header) - 1), 16)
+    if why + command > room:
+        why = max(min(why, 60, max(room * 3 // 5, room - 20), room - 8), 8)
+        command = room - why
+    widths = [*fixed, why, command]
+    return [
+        "  ".join(_cut(cell, w).ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in table
+    ]
+
+
+#: The evidence kinds of the plan, strongest first (``unit`` and ``environment`` last).
+_KIND_ORDER = ("mapped", "open", "argv", "depends", "unit", "environment")
+
+
+def _strongest_kind(kinds: Sequence[str]) -> str:
+    return min(kinds, key=lambda k: _KIND_ORDER.index(k) if k in _KIND_ORDER else len(_KIND_ORDER))
+
+
 _STEP_MARK = {"ok": "[green]ok[/]", "failed": "[bold red]FAILED[/]", "skipped": "[yellow]skipped[/]"}
 
 
@@ -274,13 +396,18 @@ def _output_best_effort() -> Iterator[None]:
     """Drop an OSError of the output (a terminal that went away: EIO; a closed pipe), but never what it
     hid: a SIGINT/SIGTERM/SIGHUP handler that raised while rich was writing is followed, as rich
     flushes on the way out, by the dead terminal's OSError, and the interruption must not be lost."""
+    handling = sys.exc_info()[1]  # an error being handled already (a rollback's) was not hidden here
     try:
         yield
     except OSError as exc:
         hidden = exc.__context__
-        while hidden is not None and not isinstance(hidden, SafeInstallError | KeyboardInterrupt):
+        while (
+            hidden is not None
+            and hidden is not handling
+            and not isinstance(hidden, SafeInstallError | KeyboardInterrupt)
+        ):
             hidden = hidden.__context__
-        if hidden is not None:
+        if hidden is not None and hidden is not handling:
             raise hidden from None
 
 
@@ -288,13 +415,15 @@ class ConsoleReporter:
     """Step lines on stdout; a rich progress display for slow steps and notes on stderr; asks before
     stopping anything."""
 
-    def __init__(self, out: Console, err: Console, quiet: bool = False) -> None:
+    def __init__(self, out: Console, err: Console, quiet: bool = False, verbosity: int = 0) -> None:
         self.out = out
         self.err = err
         self.quiet = quiet
+        self.verbosity = verbosity
         self._progress: Progress | None = None
         self._tasks: dict[str, TaskID] = {}
         self._last_line = time.monotonic()
+        self._last_key = ""
 
     # Output is best effort: a terminal that went away (a dropped SSH session: EIO) or a closed pipe
     # must never interrupt a run, least of all its rollback. The run's log keeps everything.
@@ -305,6 +434,7 @@ class ConsoleReporter:
 
     def _step(self, outcome: StepOutcome) -> None:
         self._end_progress()
+        self._last_key = ""  # the next step's first progress line is a change
         if self.quiet:
             return
         mark = _STEP_MARK.get(outcome.status, outcome.status)
@@ -322,10 +452,11 @@ class ConsoleReporter:
         terminal (logs, scripts) a plain line every few seconds, in human units."""
         if self.quiet:
             return
-        if not self.err.is_terminal:
+        key = progress_key(what)
+        if not self.err.is_terminal:  # one line per change, then a heartbeat every few seconds
             now = time.monotonic()
-            if now - self._last_line >= PROGRESS_EVERY_S:
-                self._last_line = now
+            if key != self._last_key or now - self._last_line >= PROGRESS_EVERY_S:
+                self._last_line, self._last_key = now, key
                 self.err.print(literal(progress_text(what, done, total, unit)), soft_wrap=True)
             return
         if self._progress is None:
@@ -340,7 +471,6 @@ class ConsoleReporter:
                 transient=True,
             )
             self._progress.start()
-        key = what.split(" (", 1)[0]
         if key not in self._tasks:
             self._tasks[key] = self._progress.add_task(literal(what), total=total)
         self._progress.update(self._tasks[key], description=literal(what), completed=done or 0, total=total)
@@ -356,7 +486,7 @@ class ConsoleReporter:
             self.err.print(f"[yellow]note:[/] {literal(text, lines=True)}", soft_wrap=True)
 
     def confirm(self, plan: Plan) -> bool:
-        render_plan(self.out, self.err, plan)
+        render_plan(self.out, self.err, plan, self.verbosity)
         question = "stop these units and reinstall?" if plan.units else "reinstall (no unit to stop)?"
         answer = self.err.input(f"{question} \\[y/N] ")
         return answer.strip().lower() in ("y", "yes")
@@ -412,6 +542,7 @@ def render_patches(out: Console, patches: Sequence[PatchOutcome], patch_file: st
         "carried": "local patches carried to the new version:",
         "dropped": "local patches dropped (--drop-conflicting; the backup keeps them):",
         "conflict": "local patches that cannot be carried:",
+        "rolled-back": "local patches not carried (the run rolled back; the installed files keep them):",
     }
     for status, title in heading.items():
         found = [p for p in patches if p.status.value == status]
@@ -422,7 +553,7 @@ def render_patches(out: Console, patches: Sequence[PatchOutcome], patch_file: st
             out.print(
                 f"  {status} {literal(patch.path)}: {literal(patch.detail, lines=True)}", soft_wrap=True
             )
-            if status != "carried" and patch.diff:
+            if status in ("dropped", "conflict") and patch.diff:
                 out.print(literal(patch.diff, lines=True), end="", soft_wrap=True)
     if patch_file:
         out.print(f"carried patch set saved as {literal(patch_file)}", soft_wrap=True)
@@ -479,8 +610,9 @@ def _runs_table(runs: tuple[RunSummary, ...]) -> Table:
 
 
 def render_status(out: Console, found: list[EnvironmentStatus], last: int = 5) -> None:
-    """Each environment: its prefix and state on one line, then its last runs; paths (the prefix, the
-    logs) are printed whole on lines of their own, never folded in the middle."""
+    """Each environment: its prefix and state on one line, then its last runs (``last``; 0: all, and
+    how many are left out is said); paths (the prefix, the logs) are printed whole on lines of their
+    own, never folded in the middle."""
     if not found:
         out.print("no safeinstall state: no run in progress, nothing to recover")
         return
@@ -502,10 +634,15 @@ def render_status(out: Console, found: list[EnvironmentStatus], last: int = 5) -
                 f"units {literal(' '.join(s.units) or '-')}",
                 soft_wrap=True,
             )
-        shown = s.runs[:last]
+        shown = s.runs if last <= 0 else s.runs[:last]
         if shown:
-            out.print("  last runs:")
-            out.print(Padding(_runs_table(shown), (0, 0, 0, 2), expand=False))
+            more = (
+                f" ({len(shown)} of {len(s.runs)}; -v lists all, --json too)"
+                if len(shown) < len(s.runs)
+                else ""
+            )
+            out.print(f"  last runs{more}:")
+            print_table(out, Padding(_runs_table(shown), (0, 0, 0, 2), expand=False))
             for r in shown:
                 out.print(f"  log of {literal(r.run_id)}: {literal(r.log_file or '-')}", soft_wrap=True)
         for problem in s.history_problems:

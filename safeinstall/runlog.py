@@ -44,6 +44,12 @@ def human_bytes(n: float | None) -> str:
     return f"{value:.1f} TiB"
 
 
+def progress_key(what: str) -> str:
+    """Pure: what a progress line is about, without its changing part: ``waiting for GPU memory (PID
+    7)`` -> ``waiting for GPU memory``. A new key is a change: said at once, not at the next heartbeat."""
+    return what.split(" (", 1)[0]
+
+
 def progress_text(what: str, done: float | None, total: float | None, unit: str = "") -> str:
     """Pure: one plain progress line, e.g. ``backup: 213.1 MiB of 666.9 MiB (32%)``.
 
@@ -97,8 +103,10 @@ class LoggedReporter:
     inner: Reporter
     log: Path
     _last_progress: float = field(default_factory=time.monotonic)
+    _last_key: str = ""
 
     def step(self, outcome: StepOutcome) -> None:
+        self._last_key = ""
         append_line(
             self.log, f"{outcome.name}: {outcome.status} in {outcome.seconds:.1f} s: {outcome.detail}"
         )
@@ -106,8 +114,9 @@ class LoggedReporter:
 
     def progress(self, what: str, done: float | None, total: float | None, unit: str = "") -> None:
         now = time.monotonic()
-        if now - self._last_progress >= PROGRESS_EVERY_S:
-            self._last_progress = now
+        key = progress_key(what)
+        if key != self._last_key or now - self._last_progress >= PROGRESS_EVERY_S:
+            self._last_progress, self._last_key = now, key
             append_line(self.log, progress_text(what, done, total, unit))
         self.inner.progress(what, done, total, unit)
 

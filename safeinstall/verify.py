@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import stat
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
@@ -32,6 +32,8 @@ from safeinstall.drift import (
     hardlink_warning,
     own_roots,
     pyc_source,
+    shared_file,
+    untouched_since_install,
 )
 from safeinstall.environment import Environment, distribution_sites
 from safeinstall.errors import ExitCode, WheelError
@@ -351,6 +353,31 @@ def _listed_locations(installed: Sequence[InstalledDistribution]) -> frozenset[s
     return frozenset(location for d in installed for location in d.locations)
 
 
+def _mtime_ns(path: str) -> int | None:
+    """The modification time of ``path`` itself (a symlink is not followed), or None."""
+    try:
+        return os.lstat(path).st_mtime_ns
+    except OSError:
+        return None
+
+
+def _listed_by(
+    installed: Sequence[InstalledDistribution], mismatched: Collection[str]
+) -> dict[str, list[tuple[str, str, Expectation]]]:
+    """Every distribution whose RECORD lists one of the ``mismatched`` locations, with its entry:
+    location -> (name, version, entry). One pass over the RECORDs, only when something did not match."""
+    found: dict[str, list[tuple[str, str, Expectation]]] = {}
+    if not mismatched:
+        return found
+    for dist in installed:
+        for entry, location in zip(dist.record.entries, dist.locations, strict=True):
+            if location not in mismatched or entry.hash is None:
+                continue
+            expectation = Expectation(location, entry.hash.algorithm, entry.hash.digest, entry.size)
+            found.setdefault(location, []).append((dist.name, dist.version, expectation))
+    return found
+
+
 def verify_environment(
     env: Environment,
     names: Sequence[str] | None,
@@ -420,19 +447,41 @@ def verify_environment(
         # a directory named otherwise holds one of them, earlier in the scan: the usual order
         return verify_environment(env, names, wheel, on_progress, workers, found, expected)
     reports: list[DistributionReport] = []
+    baseline = "record" if wheel is None else "wheel"
+    per_plan: list[list[Finding]] = []
+    mismatched: dict[str, Expectation] = {}  # modified files: another RECORD may list them too
     for plan in plans:
         findings = list(plan.findings)
-        baseline = "record" if wheel is None else "wheel"
         for expectation in plan.expectations:
             state = states[expectation.location]
             finding = compare(plan.dist.name, expectation, state, baseline)
             if finding is not None:
                 member = plan.members.get(expectation.location)
                 findings.append(replace(finding, wheel_member=member) if member else finding)
+                if finding.kind == FindingKind.MODIFIED:
+                    mismatched[expectation.location] = expectation
             warning = hardlink_warning(plan.dist.name, state)
             if warning is not None:
                 findings.append(warning)
         findings.extend(unlisted[plan.dist.name])
+        per_plan.append(findings)
+    listed_by = _listed_by(found, mismatched)
+    for plan, findings in zip(plans, per_plan, strict=True):
+        if listed_by:
+            findings = [
+                shared_file(f, mismatched[f.path], [o for o in listed_by[f.path] if o[0] != f.distribution])
+                if f.kind == FindingKind.MODIFIED and f.path in listed_by
+                else f
+                for f in findings
+            ]
+        if wheel is None and any(f.kind == FindingKind.MODIFIED for f in findings):
+            record_mtime = _mtime_ns(os.path.join(plan.dist.dist_info, "RECORD"))
+            findings = [
+                untouched_since_install(f, states[f.path].mtime_ns, record_mtime)
+                if f.kind == FindingKind.MODIFIED
+                else f
+                for f in findings
+            ]
         reports.append(
             DistributionReport(
                 name=plan.dist.name,

@@ -479,15 +479,40 @@ def landing_problems(
     return problems
 
 
+def shared_landing(wheel: Wheel, locations: dict[str, str], others: dict[str, tuple[str, str]]) -> list[str]:
+    """Pure: the plan's refusals for members that would land on files another installed distribution's
+    RECORD lists (``others``: location -> its name and version), one per such distribution, naming it
+    and saying what to do. Two RECORDs listing one file is how cuda-python's files came to be
+    cuda-bindings' (dpkg refuses the same: "trying to overwrite ..., which is also in package ...")."""
+    by_owner: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    for member, location in sorted(locations.items()):
+        if location in others:
+            by_owner.setdefault(others[location], []).append((member, location))
+    refusals: list[str] = []
+    for (name, version), landed in sorted(by_owner.items()):
+        member, location = landed[0]
+        more = f" and {len(landed) - 1} more" if len(landed) > 1 else ""
+        refusals.append(
+            f"the wheel {wheel.path.name} would replace {len(landed)} file(s) of {name} {version}, which is "
+            f"not being reinstalled ({member} would replace {location}, a file of {name}{more}): both "
+            f"would then list them, and {name}'s would be lost. Uninstall one of them (uv pip uninstall "
+            f"{name}); or, if the run should replace both, add --with-deps when {name} is among "
+            f"{wheel.name}'s dependencies"
+        )
+    return refusals
+
+
 def check_landing(
     wheel: Wheel,
     env: Environment,
     affected: Sequence[InstalledDistribution],
     installed: Sequence[InstalledDistribution],
-) -> None:
+) -> tuple[str, ...]:
     """Refuse a wheel (WheelError, exit 2) a member (or a console script) of which would land on a file
-    that is the environment's own (the interpreter, ``pyvenv.cfg``), another distribution's, or any
-    existing file that the distributions being replaced do not hold (the run would not back it up)."""
+    that is the environment's own (the interpreter, ``pyvenv.cfg``), or any existing file that no
+    distribution lists and the distributions being replaced do not hold (the run would not back it
+    up). Members that would land on another distribution's files are the plan's refusals, returned
+    (see :func:`shared_landing`): the dry-run shows them, naming that distribution."""
     from safeinstall.drift import own_roots
     from safeinstall.safefs import Tree
 
@@ -505,13 +530,13 @@ def check_landing(
                 if relative is not None:
                     owned.update(os.path.join(env.prefix, p) for p in tree.files_below(relative))
     others = {
-        location: dist.name
+        location: (dist.name, dist.version)
         for dist in installed
         if dist.name not in affected_names
         for location in dist.locations
     }
     protected = environment_files(env)
-    problems = landing_problems(locations, protected, frozenset(owned), others)
+    problems = landing_problems(locations, protected, frozenset(owned), {})
     problems += [
         f"{member} would replace {location}, which no distribution being replaced holds"
         for member, location in sorted(locations.items())
@@ -522,6 +547,9 @@ def check_landing(
     ]
     if problems:
         raise _unsafe(wheel.path, problems)
+    return tuple(
+        shared_landing(wheel, {m: loc for m, loc in locations.items() if loc not in protected}, others)
+    )
 
 
 def install_directories(

@@ -376,3 +376,15 @@ def test_the_options_annotations_are_objects_not_strings() -> None:
     annotations = inspect.get_annotations(cli.main_command)
     assert len(annotations) > 20
     assert not [name for name, annotation in annotations.items() if isinstance(annotation, str)]
+
+
+def test_a_wheel_path_as_the_requirement_gets_a_hint_and_a_wheel_names_its_package(
+    venv: Path, wheels: Wheelhouse
+) -> None:
+    wheelhouse.uv_install(venv, wheels["sipure-1"])
+    given = run(str(wheels["sipure-2"]), "--python", str(venv), "--dry-run")
+    assert given.code == 2 and "is a wheel file, not a requirement" in given.stderr
+    assert f"safeinstall sipure --wheel {wheels['sipure-2']}" in given.stderr
+    named = run("--wheel", str(wheels["sipure-2"]), "--python", str(venv), "--dry-run", "--json")
+    assert named.code == 0, named.stdout + named.stderr
+    assert named.json["data"]["package"] == "sipure"

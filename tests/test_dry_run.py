@@ -384,3 +384,89 @@ def test_local_changes_are_said_before_anything_stops(
     assert "were changed locally" in human.stdout + human.stderr
     clean = run("sipure", "--wheel", str(wheels["sipure-2"]), "--python", str(env), "--dry-run", "--json")
     assert clean.json["data"]["locally_modified"] == []
+
+
+def test_a_wheel_landing_on_another_distributions_files_is_a_refusal_that_names_it(
+    venv: Path, tmp_path: Path
+) -> None:
+    """siownerb was installed over a file of siownera: the plan says so (not a local change), and a
+    reinstall of siownera, whose wheel lands on that file of siownerb, would refuse, naming siownerb and
+    what to do; the dry-run shows the plan with it (exit 2), not an error about a hostile wheel."""
+    _shared, wheel_a, _wheel_b = wheelhouse.two_owners(venv, tmp_path / "owners")
+    result = run("siownera", "--wheel", str(wheel_a), "--python", str(venv), "--dry-run", "--json")
+    assert result.code == 2, result.stdout + result.stderr
+    doc = result.json
+    assert doc["status"] == "would-refuse", doc["errors"]
+    plan = doc["data"]
+    assert plan["locally_modified"] == []
+    assert any("1 file(s) of siownera hold siownerb's copy" in w for w in plan["warnings"]), plan["warnings"]
+    (refusal,) = plan["refusals"]
+    assert "1 file(s) of siownerb 1.0" in refusal and "uv pip uninstall siownerb" in refusal
+    assert "--with-deps" in refusal and "source you trust" not in refusal
+    human = run("siownera", "--wheel", str(wheel_a), "--python", str(venv), "--dry-run")
+    assert human.code == 2 and "siownerb 1.0" in human.stdout and "the run would refuse" in human.stdout
+
+
+def test_the_plan_reads_at_a_glance(
+    env: Path, wheels: Wheelhouse, units: Units, user_manager: UserManager
+) -> None:
+    """One row per process with its strongest evidence as one reason; every piece of evidence with -v;
+    no padding on a pipe; at 60 columns a path ends in an ellipsis, never broken across lines."""
+    shell = units.started(
+        "glance", f"/bin/sh -c '{env} -c \"import sicext, time; time.sleep(600)\" & exec sleep 600'"
+    )
+    group = user_manager.show(shell, "ControlGroup")["ControlGroup"]
+    main = user_manager.main_pid(shell)
+
+    def child() -> int | None:
+        from tests.bed_systemd import cgroup_pids
+
+        return next((p for p in cgroup_pids(group) - {main} if so_mapped(p)), None)
+
+    wait_until(lambda: child() is not None, 15, "the child maps the .so")
+    pid = child()
+    args = ("--user", "sicext", "--wheel", str(wheels["sicext-2"]), "--python", str(env), "--dry-run")
+    environ = {**user_manager.env, "SAFEINSTALL_NVML_LIBRARY": "/nonexistent/libnvidia-ml.so.1"}
+    wide = run(*args, env={**environ, "COLUMNS": "160"})
+    assert wide.code == 0, wide.stdout + wide.stderr
+    lines = wide.stdout.splitlines()
+    (row,) = [line for line in lines if line.startswith(f"{pid} ")] or [wide.stdout]
+    assert "mapped (certain)" in row and "maps sicext/_native." in row, row
+    (shell_row,) = [line for line in lines if line.startswith(f"{main} ")]
+    assert "unit (certain)" in shell_row and f"shares {shell} with an affected process" in shell_row
+    assert not any(line != line.rstrip() for line in lines), "padded lines on a pipe"
+    assert f"PID {pid}: mapped:" not in wide.stdout and "-v: every piece of evidence" in wide.stdout
+    reasons = {p["pid"]: p["reason"] for p in run(*args, "--json", env=environ).json["data"]["processes"]}
+    assert reasons[pid].startswith("maps sicext/_native.") and reasons[main].startswith(f"shares {shell}")
+    verbose = run(*args, "-v", env={**environ, "COLUMNS": "160"})
+    assert f"PID {pid}: mapped: sicext" in verbose.stdout and f"PID {main}: shares {shell}" in verbose.stdout
+    narrow = run(*args, env={**environ, "COLUMNS": "60"})
+    assert narrow.code == 0
+    start = narrow.stdout.index("processes using them")
+    table = narrow.stdout[start : narrow.stdout.index("units that would be stopped")].splitlines()
+    assert all(len(line) <= 60 for line in table), table
+    for token in " ".join(table).split():  # a broken path leaves its tail as a word of its own
+        assert "native" not in token or token.startswith(("sicext/", "/")), table
+        assert not token.startswith(("gnu.so", "x86_64", "linux-gnu")), table
+
+
+def test_keep_patches_takes_a_file_another_record_holds_for_no_local_patch(
+    venv: Path, tmp_path: Path
+) -> None:
+    """siownerb was installed over a file of siownera: --keep-patches carries siownera's real local
+    patch and does not take that file for one (as a patch of a file the new version no longer ships,
+    it would refuse the run)."""
+    _shared, wheel_a, _wheel_b = wheelhouse.two_owners(venv, tmp_path / "owners")
+    new = wheelhouse.make_wheel(
+        tmp_path, "siownera", "2.0", {"siownera.py": b"y = 0\n\n\n\nx = 1\n"}
+    )  # no longer ships sishared/core.py
+    patched = wheelhouse.site_packages(venv) / "siownera.py"
+    patched.write_text("x = 1\n# a local fix\n")
+    args = ("siownera", "--wheel", str(new), "--python", str(venv), "--keep-patches", "--base-wheel")
+    result = run(*args, str(wheel_a), "--dry-run", "--json")
+    assert result.code == 0, result.stdout + result.stderr
+    data = result.json["data"]
+    assert [(os.path.basename(p["path"]), p["status"]) for p in data["patches"]] == [
+        ("siownera.py", "carried")
+    ]
+    assert data["locally_modified"] == [str(patched)]

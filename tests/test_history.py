@@ -138,3 +138,55 @@ def test_status_lists_finished_runs_and_gone_environments_and_forget_removes_onl
     assert unknown.code == 2 and "error: no safeinstall state for" in unknown.stderr
     named = run("--forget", "--python", str(live_prefix), "--json", env=environ)  # explicitly named
     assert named.code == 0 and not live.dir.exists() and outside.is_dir()
+
+
+def test_status_says_how_many_runs_it_leaves_out_and_recover_says_when_there_was_nothing(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "state"
+    prefix = tmp_path / "venv"
+    prefix.mkdir()
+    state = env_state(root, prefix)
+    ids = run_ids(8)
+    for run_id in ids:
+        history.append(state, entry(run_id))
+    environ = {**os.environ, "SAFEINSTALL_STATE_DIR": str(root)}
+    human = run("--status", env=environ)
+    assert "last runs (5 of 8; -v lists all" in human.stdout and ids[0] not in human.stdout
+    assert all(line == line.rstrip() for line in human.stdout.splitlines())  # no padding on a pipe
+    verbose = run("--status", "-v", env=environ)
+    assert all(run_id in verbose.stdout for run_id in ids) and "of 8" not in verbose.stdout
+    nothing = run("--recover", "--json", env=environ)
+    assert nothing.code == 0 and nothing.json["status"] == "nothing-to-recover", nothing.stdout
+
+
+def test_ctrl_c_while_following_a_run_says_the_run_goes_on(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+
+    from safeinstall.lock import acquire_lock
+    from tests.clirun import SAFEINSTALL
+
+    prefix = tmp_path / "venv"
+    prefix.mkdir()
+    state = env_state(tmp_path / "state", prefix)
+    (run_id,) = run_ids(1)
+    state.log_file(run_id).parent.mkdir(parents=True, exist_ok=True)
+    state.log_file(run_id).write_text("[t] backup: ok in 0.1 s: saved\n")
+    lock = acquire_lock(state.lock, str(prefix))  # a run in progress: this test process
+    try:
+        proc = subprocess.Popen(
+            [SAFEINSTALL, "--status", "--wait", "--run", run_id],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "SAFEINSTALL_STATE_DIR": str(tmp_path / "state")},
+            text=True,
+        )
+        assert proc.stderr is not None
+        assert "backup: ok" in proc.stderr.readline()  # it follows the run: in its loop now
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        lock.release()
+    assert proc.returncode == 130, out + err
+    assert "the run goes on" in err and f"--status --wait --run {run_id}" in err and "Traceback" not in err

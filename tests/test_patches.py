@@ -431,7 +431,8 @@ def test_a_crashing_new_version_is_rolled_back_with_the_local_patches(bed: Bed, 
     )
     assert result.code == 3, result.stdout + result.stderr
     data = result.json["data"]
-    assert [p["status"] for p in data["patches"]] == ["carried"] and data["patch_file"] is None
+    assert [p["status"] for p in data["patches"]] == ["rolled-back"] and data["patch_file"] is None
+    assert "the run rolled back" in data["patches"][0]["detail"]
     assert "restored the previous installation" in result.json["errors"][0]["message"]
     assert (bed.site / "sicext" / "serve.py").read_bytes() == patched
     wait_until(lambda: _read(marker) == "1.0 patched", 15, "the restarted service runs 1.0 with its patch")

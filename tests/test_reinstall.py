@@ -352,6 +352,15 @@ def test_new_version_that_crashes_is_rolled_back(bed: Bed) -> None:
     assert maps_so(bed.manager.main_pid(name)) == bed.so.stat().st_ino
     assert bed.installed_version() == "1.0"
     assert bed.verify().code == 0
+    # the rollback is a step of its own, said as it begins and when it ends (here and in the log)
+    rollback = result.json["data"]["steps"][-1]
+    assert (rollback["name"], rollback["status"]) == ("rollback", "ok")
+    assert "restored the previous installation" in rollback["detail"]
+    log = Path(result.json["data"]["log_file"]).read_text()
+    assert "rolling back (" in log and "rollback: ok" in log
+    human = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-3"]), "--settle", "1")
+    assert human.code == 3 and "rolling back (" in human.stderr
+    assert any(line.startswith("rollback ") for line in human.stdout.splitlines()), human.stdout
 
 
 def test_a_rollback_that_fails_lists_the_commands_to_finish(bed: Bed, tmp_path: Path) -> None:
@@ -591,6 +600,13 @@ def test_health_url_must_answer_200(bed: Bed, tmp_path: Path) -> None:
     assert "raise --health-timeout" in bad.json["errors"][0]["hint"]
     wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running again")
     assert bed.installed_version() == "2.0"
+    # no silent wait: the stop, the settle and the health check each say what they wait for (the log,
+    # which --status --wait shows; on a pipe, stderr too)
+    log = Path(bad.json["data"]["log_file"]).read_text()
+    assert f"waiting for {name} to be stopped" in log or "stop: ok" in log
+    assert f"waiting for {name} to be 0.5 s active" in log
+    assert f"waiting for http://127.0.0.1:{port}/missing to answer 200 (last: " in log
+    assert "of 2 s" in log
 
 
 def test_interactive_run_shows_the_plan_and_asks_first(bed: Bed) -> None:
@@ -620,6 +636,28 @@ def test_interactive_run_shows_the_plan_and_asks_first(bed: Bed) -> None:
     assert "stop these units and reinstall? [y/N]" in err
     assert "nothing done (not confirmed)" in out
     assert bed.manager.main_pid(name) == main and bed.installed_version() == "1.0"
+    # a declined run finished: the next run takes no stale lock over, nor says the last one died
+    again = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--json")
+    assert again.code == 0, again.stdout + again.stderr
+    assert not any("stale lock" in note for note in again.json["data"]["notes"]), again.json["data"]["notes"]
+    wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running again")
+
+
+def test_yes_still_says_what_will_be_lost_before_the_stop(bed: Bed) -> None:
+    """Without the prompt (--yes), the plan's warnings (here: a local patch the reinstall replaces) are
+    printed before anything stops, and kept in the run's log."""
+    name = bed.service("lost")
+    serve = bed.site / "sicext" / "serve.py"
+    serve.write_text(serve.read_text() + "# a local fix\n")
+    result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]))
+    assert result.code == 0, result.stdout + result.stderr
+    said = result.stderr.index("were changed locally")
+    assert "before the stop:" in result.stderr[:said]
+    assert "stop" in result.stdout  # the step lines follow on stdout; the log keeps both, in order
+    (log,) = bed.state.glob("*/logs/*.log")
+    text = log.read_text()
+    assert "were changed locally" in text and text.index("were changed locally") < text.index("stop: ok")
+    wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running again")
 
 
 def test_a_pure_package_imported_by_a_unit_is_stopped_and_restarted_on_the_new_version(
@@ -676,3 +714,30 @@ def test_a_pure_package_imported_by_a_unit_is_stopped_and_restarted_on_the_new_v
     wait_until(lambda: our_report.exists(), 15, "the restarted unit reports its version")
     assert our_report.read_text() == "2.0" and bed.manager.main_pid(our_unit) != our_pid
     assert bed.manager.main_pid(their_unit) == their_pid and their_report.read_text() == "1.0"
+
+
+def test_the_runs_verification_takes_a_file_two_records_list_as_the_ones_whose_copy_is_there(
+    venv: Path, tmp_path: Path
+) -> None:
+    """siownera requires siownerb and both install ``sishared/core.py``: reinstalled together
+    (--with-deps), the one uv writes last owns the file, and the other's verification finds it
+    ``shared``, not modified: the run is done, not rolled back."""
+    out = tmp_path / "links"
+    out.mkdir()
+    a = wheelhouse.make_wheel(
+        out, "siownera", "1.0", {"sishared/core.py": b"A = 1\n", "siownera.py": b"x = 1\n"}, ("siownerb",)
+    )
+    b = wheelhouse.make_wheel(out, "siownerb", "1.0", {"sishared/core.py": b"B = 2\n"})
+    wheelhouse.uv_install(venv, b)
+    wheelhouse.uv_install(venv, a)  # a over b's file
+    environ = {
+        **os.environ,
+        "SAFEINSTALL_STATE_DIR": str(tmp_path / "state"),
+        "SAFEINSTALL_NVML_LIBRARY": "/nonexistent/libnvidia-ml.so.1",
+    }
+    args = ("siownera", "--wheel", str(a), "--python", str(venv), "--with-deps", "--yes", "--json")
+    result = run(*args, "--", "--offline", "--find-links", str(out), env=environ, timeout=300)
+    assert result.code == 0, result.stdout + result.stderr
+    assert result.json["status"] == "done"
+    doc = run("--verify-only", "--all", "--python", str(venv), "--json").json
+    assert doc["exit_code"] == 0 and [f["kind"] for f in doc["data"]["findings"]] == ["shared"]

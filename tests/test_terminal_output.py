@@ -124,3 +124,20 @@ def test_a_run_refused_at_preflight_keeps_its_log_in_the_history(sipure_venv: Pa
     (entry,) = environment["runs"]
     assert entry["status"] == "error" and Path(entry["log_file"]).is_file()
     assert f"cannot read wheel {missing}" in Path(entry["log_file"]).read_text()
+
+
+def test_columns_fit_the_width_end_a_cut_cell_in_an_ellipsis_and_carry_no_padding() -> None:
+    from safeinstall.render import columns
+
+    rows = [("1", "api.service", "maps torch/lib/libtorch_cpu.so", "python -m vllm.entrypoints " + "x" * 80)]
+    header = ("PID", "UNIT", "WHY", "COMMAND")
+    wide = columns(header, rows, 400)
+    assert wide[1].endswith("x" * 80) and all(line == line.rstrip() for line in wide)
+    for width in (120, 80, 60, 40):
+        lines = columns(header, rows, width)
+        assert all(len(line) <= width for line in lines), (width, lines)
+        assert lines[1].endswith("…")
+        words = lines[1].split()
+        assert "maps" in words and any(w.startswith("torch/") for w in words)  # cut, never broken
+    assert "maps torch/lib/libtorch_cpu.so" in columns(header, rows, 120)[1]  # the reason comes first
+    assert columns(("A", "B", "C"), [("\x1b[2J", "b", "c")], 80)[1].startswith("\\x1b[2J")

@@ -29,6 +29,7 @@ FINDING_KEYS = {
     "expected",
     "actual",
     "wheel_member",
+    "shared_with",
 }
 
 
@@ -285,6 +286,21 @@ def test_against_wheel_clean_then_diff_and_patch(env: Path, wheels: Wheelhouse, 
     )
     assert target.read_text() == original
     assert run("sipure", "--verify-only", "--python", str(env), "--wheel", wheel).code == 0
+    saved = patch.read_text()  # an existing file (or a symlink in its place) is never written over
+    args = ("sipure", "--verify-only", "--python", str(env), "--wheel", wheel, "--diff", "--save-patch")
+    again = run(*args, str(patch))
+    assert again.code == 2 and "does not overwrite" in again.stderr and patch.read_text() == saved
+    victim, link = tmp_path / "victim", tmp_path / "link.patch"
+    victim.write_text("keep\n")
+    link.symlink_to(victim)
+    assert run(*args, str(link)).code == 2 and victim.read_text() == "keep\n"
+    # the wheel names its package: no PACKAGE needed
+    assert (
+        run("--verify-only", "--python", str(env), "--wheel", wheel, "--json").json["data"]["distributions"][
+            0
+        ]["name"]
+        == "sipure"
+    )
 
 
 def test_version_mismatch_against_other_wheel(env: Path, wheels: Wheelhouse) -> None:
@@ -471,3 +487,71 @@ def test_the_dist_info_files_read_in_one_scan_are_bounded(
     monkeypatch.setattr(distributions, "SCAN_LINES_LIMIT", every - 1)
     with pytest.raises(RecordError):
         verify_environment(inspected, ["zz0"])
+
+
+def test_a_file_two_records_list_belongs_to_the_one_whose_copy_is_there(venv: Path, tmp_path: Path) -> None:
+    shared = wheelhouse.two_owners(venv, tmp_path / "owners")[0]
+    assert shared.read_bytes() == b"B = 2\n"
+    result = run("--verify-only", "--all", "--python", str(venv), "--json")
+    assert result.code == 0, result.stdout  # not drift
+    (finding,) = result.json["data"]["findings"]
+    assert finding["kind"] == "shared" and finding["drift"] is False
+    assert finding["distribution"] == "siownera" and finding["shared_with"] == "siownerb"
+    assert "siownerb 1.0 lists it too" in finding["detail"]
+    named = run("siownera", "--verify-only", "--python", str(venv), "--json")  # the others read too
+    assert named.code == 0 and [f["kind"] for f in named.json["data"]["findings"]] == ["shared"]
+    assert run("siownerb", "--verify-only", "--python", str(venv), "--json").json["data"]["findings"] == []
+    human = run("--verify-only", "--all", "--python", str(venv))
+    assert human.code == 0
+    assert "1 file of siownera holds siownerb's copy" in human.stderr and "not drift" in human.stderr
+    shared.write_text("C = 3\n")  # neither's: drift of both, each naming the other
+    doc = run("--verify-only", "--all", "--python", str(venv), "--json").json
+    assert doc["exit_code"] == 1
+    details = {f["distribution"]: f["detail"] for f in doc["data"]["findings"]}
+    assert {f["kind"] for f in doc["data"]["findings"]} == {"modified"}
+    assert "siownerb 1.0 lists it too, and it matches neither" in details["siownera"]
+    assert "siownera 1.0 lists it too, and it matches neither" in details["siownerb"]
+
+
+def test_a_file_whose_wheel_lied_in_its_record_says_so(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    """uv installs a wheel whose RECORD does not match a member (pynvvideocodec 2.0.4) without a word;
+    the file was never edited: without the wheel it is still drift, but says the wheel may be at fault
+    and how to settle it; with the wheel it is wheel-record. A file edited after the install says not."""
+    (tmp_path / "w").mkdir()
+    broken = _rewrite_record_hash(
+        wheels["sipure-1"], tmp_path / "w" / wheels["sipure-1"].name, "sipure/cli.py"
+    )
+    wheelhouse.uv_install(venv, broken)
+    doc = run("sipure", "--verify-only", "--python", str(venv), "--json").json
+    (finding,) = doc["data"]["findings"]
+    assert finding["kind"] == "modified" and "the wheel's own RECORD may be wrong" in finding["detail"]
+    assert "safeinstall sipure --verify-only --wheel W" in finding["detail"]
+    with_wheel = run("sipure", "--verify-only", "--python", str(venv), "--wheel", str(broken), "--json")
+    assert with_wheel.code == 0 and {f["kind"] for f in with_wheel.json["data"]["findings"]} == {
+        "wheel-record"
+    }
+    edited = site(venv) / "sipure" / "__init__.py"
+    edited.write_text(edited.read_text() + "# patched\n")
+    doc = run("sipure", "--verify-only", "--python", str(venv), "--json").json
+    details = {os.path.basename(f["path"]): f["detail"] for f in doc["data"]["findings"]}
+    assert "RECORD may be wrong" not in details["__init__.py"]
+
+
+def test_warnings_are_summarised_once_per_kind(venv: Path, wheels: Wheelhouse) -> None:
+    wheelhouse.uv_install(venv, wheels["sipure-1"], wheels["sins-a"], wheels["sins-b"], link_mode="hardlink")
+    result = run("--verify-only", "--all", "--python", str(venv))
+    assert result.code == 0
+    assert result.stderr.count("share their inode") == 1, result.stderr
+    assert "of 3 distributions" in result.stderr and "-v lists them" in result.stderr
+    assert "distributions," in result.stdout and "sins-a 1.0" not in result.stdout  # no clean line each
+    verbose = run("--verify-only", "--all", "--python", str(venv), "-v")
+    listed = [line for line in verbose.stderr.splitlines() if line.startswith("hardlinked ")]
+    doc = run("--verify-only", "--all", "--python", str(venv), "--json").json
+    assert len(listed) == len(doc["data"]["findings"]) > 3
+    assert "sins-a 1.0" in verbose.stdout
+    quiet = run("--verify-only", "--all", "--python", str(venv), "-q")
+    assert quiet.code == 0 and quiet.stderr == ""
+    both = run("--verify-only", "--all", "--python", str(venv), "-q", "-v")
+    assert both.code == 2 and "error:" in both.stderr

@@ -204,3 +204,15 @@ def with_broken_dependency(wheel: Path, out_dir: Path) -> tuple[Path, Path]:
     dep = make_wheel(links, "sidep", "1.0", {"sidep/__init__.py": b"X = 1\n" * 100})
     corrupt_member(dep, "sidep/__init__.py")
     return with_requirement(wheel, out_dir / "new", "sidep"), links
+
+
+def two_owners(python: Path, out: Path) -> tuple[Path, Path, Path]:
+    """siownera 1.0, then siownerb 1.0 installed over one of its files (both RECORDs list
+    ``sishared/core.py``, as cuda-python's and cuda-bindings' list ``cuda/bindings/*``): the file on
+    disk is siownerb's. (the shared file, siownera's wheel, siownerb's wheel)"""
+    out.mkdir(parents=True)
+    first = make_wheel(out, "siownera", "1.0", {"sishared/core.py": b"A = 1\n", "siownera.py": b"x = 1\n"})
+    second = make_wheel(out, "siownerb", "1.0", {"sishared/core.py": b"B = 2\n"})
+    uv_install(python, first)
+    uv_install(python, second)
+    return site_packages(python) / "sishared" / "core.py", first, second
