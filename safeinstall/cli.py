@@ -332,7 +332,7 @@ def _run_recover(python: str | None, as_json: bool) -> None:
     code = outcome.exit_code
     if as_json:
         data = {"recoveries": jsonable(outcome.recoveries)}
-        status = "recovered" if code == ExitCode.OK else "error"
+        status = {ExitCode.OK: "recovered", ExitCode.ROLLED_BACK: "rolled-back"}.get(code, "error")
         print(dumps(envelope("recover", status, code, data, list(outcome.failures))))
     else:
         render_recoveries(make_console(), list(outcome.recoveries))

@@ -8,6 +8,7 @@ reboot gate (marker and drop-ins) and clears the journal. It is what the shipped
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -47,7 +48,7 @@ from safeinstall.state import (
     state_root,
     trusted_environment_state,
 )
-from safeinstall.systemd import Systemd, default_dropin_root, start_wait_s
+from safeinstall.systemd import Systemd, default_dropin_root, start_wait_s, stop_wait_s
 from safeinstall.wheel import environment_files, install_location, read_wheel
 from safeinstall.wheelcopy import discard_wheel_copy, is_wheel_copy
 
@@ -61,6 +62,11 @@ class Recovery:
     started: tuple[str, ...] = ()
     gates_removed: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+
+    @property
+    def put_back_new_version(self) -> bool:
+        """The run's new version, verified and started, did not come up: the backup was restored."""
+        return self.restored and self.phase in KEPT_PHASES
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,12 +248,13 @@ KEPT_PHASES = frozenset({Phase.VERIFIED, Phase.RESTARTING, Phase.DONE})
 def recovered_result(journal: Journal, recovery: Recovery, log_file: str) -> dict[str, Any]:
     """Pure: the ``reinstall`` document of a run that died and that ``--recover`` finished, as its history
     keeps it: status ``recovered``; exit 0 when the new version, verified before the run died, was kept;
-    3 when the environment is as it was before the run (the backup restored, or nothing installed yet)."""
+    3 when the environment is as it was before the run (the backup restored, or nothing installed yet;
+    also when the new version, verified and started, did not come up)."""
     phase = effective_phase(journal)
     died = f"the run {journal.run_id} died in phase {phase} (PID {journal.pid}) without a result"
     notes = [f"{died}; safeinstall --recover finished it"]
     errors: list[SafeInstallError] = []
-    if phase in KEPT_PHASES:
+    if phase in KEPT_PHASES and not recovery.restored:
         code = ExitCode.OK
         if phase != Phase.DONE:
             notes.append(
@@ -256,6 +263,8 @@ def recovered_result(journal: Journal, recovery: Recovery, log_file: str) -> dic
     else:
         code = ExitCode.ROLLED_BACK
         how = "restored the backup" if recovery.restored else "had nothing to restore"
+        if phase in KEPT_PHASES:  # its new version did not come up (see restarted_new_version)
+            how = "found that its new version did not come up, restored the backup"
         errors.append(
             StepFailed(
                 f"{died}: safeinstall --recover {how}, and the environment is as it was before the run",
@@ -303,36 +312,40 @@ def recover_one(state: EnvironmentState, environ: Mapping[str, str], settle: flo
                 (*notes, *done.notes),
             )
 
+        def start_units(units: list[JournalUnit]) -> None:
+            _start(units, environ, settle)
+
         def finished(done: PutBack) -> None:  # before the journal goes: a waiter finds the entry
             notes.extend(_keep_recovered(state, journal, recovery(done)))
 
         try:
             restore: tuple[Environment, Backup] | None = None
             if needs_restore(journal):
-                if journal.backup_dir is None:
-                    raise SafeInstallError("the journal names no backup")
-                env = inspect_environment(Path(journal.python))
-                if env.prefix != Path(journal.prefix):
-                    raise JournalError(
-                        f"{journal.python} reports the prefix {env.prefix}, not {journal.prefix}: "
-                        "refusing to restore into another environment",
-                        hint="look at the journal and the environment, then put things back by hand",
-                    )
                 if journal.wheel is not None and not is_wheel_copy(Path(journal.wheel), state.dir):
                     notes.append(
                         f"the wheel {journal.wheel} is not the run's own copy in the state directory and "
                         "was not read again: only what the installed RECORDs list was removed"
                     )
-                restore = (env, load_backup(Path(journal.backup_dir)))
+                restore = _restore_of(journal, state)
             # the dead run's own uv cache (and scratch) first: nothing may share inodes with it, and on a
             # full disk the restore needs the room it holds
             remove_uv_caches(state)
-            done = put_back(
-                state.dir, journal, environ, restore, lambda units: _start(units, environ, settle), finished
-            )
+            try:
+                done = put_back(state.dir, journal, environ, restore, start_units, finished)
+            except SafeInstallError as exc:
+                if restore is not None or not restarted_new_version(journal):
+                    raise
+                # the new version was verified and started, and does not come up: as the live run would
+                # have, the units are stopped, the previous installation is put back, they start again
+                notes.append(f"the new version did not come up: {exc.message}; the previous one is put back")
+                _stop(units_to_start(journal), environ)
+                restore = _restore_of(journal, state)
+                done = put_back(state.dir, journal, environ, restore, start_units, finished)
         except JournalError:
             raise  # refused before anything was done: exit 2, as for any refusal
         except SafeInstallError as exc:
+            if restarted_new_version(journal):  # the best attempt: the units run on what is there
+                _start_best_effort(units_to_start(journal), environ, settle)
             commands = [
                 f"systemctl {'--user ' if u.user_manager else ''}start {u.name}"
                 for u in units_to_start(journal)
@@ -346,6 +359,41 @@ def recover_one(state: EnvironmentState, environ: Mapping[str, str], settle: flo
         return recovery(done)
 
 
+def _restore_of(journal: Journal, state: EnvironmentState) -> tuple[Environment, Backup]:
+    """The environment and the backup to put back, as the journal names them (checked)."""
+    if journal.backup_dir is None:
+        raise SafeInstallError("the journal names no backup")
+    env = inspect_environment(Path(journal.python))
+    if env.prefix != Path(journal.prefix):
+        raise JournalError(
+            f"{journal.python} reports the prefix {env.prefix}, not {journal.prefix}: "
+            "refusing to restore into another environment",
+            hint="look at the journal and the environment, then put things back by hand",
+        )
+    return env, load_backup(Path(journal.backup_dir))
+
+
+def restarted_new_version(journal: Journal) -> bool:
+    """Pure: the run died once its new version was verified, before it saw the units settle on it: if
+    one does not come up, the recovery puts the previous installation back, as the run would have."""
+    return effective_phase(journal) in (Phase.VERIFIED, Phase.RESTARTING) and journal.backup_dir is not None
+
+
+def _stop(units: list[JournalUnit], environ: Mapping[str, str]) -> None:
+    """Stop the units again (each within its own ``TimeoutStopSec``), before the restore."""
+    for unit in units:
+        systemd = Systemd(user=unit.user_manager, environ=environ)
+        outcome = systemd.stop(unit.name, stop_wait_s(systemd.info(unit.name).timeout_stop_s))
+        if not outcome.stopped:
+            raise SafeInstallError(outcome.reason or f"{unit.name} did not stop")
+
+
+def _start_best_effort(units: list[JournalUnit], environ: Mapping[str, str], settle: float) -> None:
+    """The put-back failed: the units still get a start on what is installed (what failed is said)."""
+    with contextlib.suppress(SafeInstallError):
+        _start(units, environ, settle)
+
+
 @dataclass(frozen=True, slots=True)
 class Recovered:
     recoveries: tuple[Recovery, ...]
@@ -353,9 +401,11 @@ class Recovered:
 
     @property
     def exit_code(self) -> ExitCode:
-        """0; 4 when a recovery failed (its services may be down); else the first failure's code."""
+        """0; 4 when a recovery failed (its services may be down); else the first failure's code; 3 when
+        every environment was recovered but a new version that did not come up was put back."""
         if not self.failures:
-            return ExitCode.OK
+            put_back = any(r.put_back_new_version for r in self.recoveries)
+            return ExitCode.ROLLED_BACK if put_back else ExitCode.OK
         if any(f.exit_code == ExitCode.ROLLBACK_FAILED for f in self.failures):
             return ExitCode.ROLLBACK_FAILED
         return self.failures[0].exit_code

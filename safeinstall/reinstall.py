@@ -71,7 +71,7 @@ from safeinstall.state import (
     remove_uv_caches,
 )
 from safeinstall.survey import Survey, scan_again, systemd_for
-from safeinstall.systemd import StopOutcome, Systemd, start_wait_s
+from safeinstall.systemd import StopOutcome, Systemd, start_wait_s, stop_wait_s
 from safeinstall.uvplan import install as uv_install
 from safeinstall.uvplan import prefetch_command, uv_binary
 from safeinstall.verify import VerifyReport, verify_environment
@@ -220,7 +220,7 @@ class _Run:
     def _stop_timeout(self, unit_timeout: float) -> float:
         if self.options.stop_timeout is not None:
             return self.options.stop_timeout
-        return (unit_timeout if unit_timeout != float("inf") else 90.0) + 10.0
+        return stop_wait_s(unit_timeout)
 
     def saved(self) -> Backup:
         """The backup, once the backup step has made it (every step after it may rely on that)."""

@@ -211,6 +211,15 @@ def start_wait_s(info: UnitInfo | None) -> float:
     return timeout + START_MARGIN_S
 
 
+#: Beyond a unit's own TimeoutStopSec, how long to go on waiting for it to stop (90 s when "infinity").
+STOP_MARGIN_S = 10.0
+
+
+def stop_wait_s(timeout_stop_s: float) -> float:
+    """Pure: how long a unit whose ``TimeoutStopSec`` is ``timeout_stop_s`` may take to stop."""
+    return (timeout_stop_s if timeout_stop_s != float("inf") else 90.0) + STOP_MARGIN_S
+
+
 @dataclass(frozen=True, slots=True)
 class ManagerInfo:
     version: str

@@ -1,0 +1,101 @@
+"""Faults at the worst moments (issue 22): a signal or a kill at each point of a run ends with the units
+running, on the old or the new version, and nothing left that blocks the next run.
+
+Each test reproduces one row of the issue's table against the real parts (a private ``systemd --user``
+with real units, real wheels installed by the real uv); moments are found from the outside, by reading
+the run's journal or ``/proc``, never by test-only hooks. The randomized soak is in ``test_soak.py``.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests import wheelhouse
+from tests.bed_nvml import FakeNvml
+from tests.bed_systemd import UserManager, wait_until
+from tests.test_crash_safety import Bed
+from tests.wheelhouse import Wheelhouse
+
+#: a unit whose start takes a second before its main process runs: a window to kill the run in while
+#: its restart is under way, before the crash of a broken new version can be seen
+SLOW_START_UNIT = (
+    "[Unit]\nDescription=safeinstall fault test\n\n[Service]\nExecStartPre=/bin/sleep 1\nExecStart={exec}\n"
+)
+
+
+@pytest.fixture
+def bed(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path, user_manager: UserManager, fake_nvml: FakeNvml
+) -> Iterator[Bed]:
+    wheelhouse.uv_install(venv, wheels["sicext-1"])
+    made = Bed(venv, tmp_path / "state", user_manager, fake_nvml, wheels)
+    yield made
+    for name in made.units:
+        user_manager.systemctl("kill", "--signal=SIGKILL", name, check=False)
+        user_manager.systemctl("stop", name, check=False)
+        user_manager.remove_unit(name)
+
+
+def _unit(bed: Bed, stem: str, text: str) -> str:
+    name = bed.manager.unique_name(stem)
+    bed.manager.write_unit(name, text.format(exec=f"{bed.python.parent}/sicext-serve"))
+    bed.manager.start(name)
+    bed.units.append(name)
+    bed.manager.wait_active(name)
+    return name
+
+
+def _patch(bed: Bed) -> dict[str, str]:
+    target = bed.site / "sicext" / "serve.py"
+    target.write_text(target.read_text() + "# local hotfix\n")
+    return bed.snapshot()
+
+
+def _finish(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    try:
+        return proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def test_recover_of_a_run_killed_while_a_broken_version_restarts_puts_the_old_one_back(bed: Bed) -> None:
+    """SIGKILL in phase ``restarting`` (the broken new version verified and starting, its crash not yet
+    seen), then ``--recover`` (what runs at boot after an OOM kill): the unit does not come up on the new
+    version, so the previous installation is put back and started, exactly as the live run would have
+    (exit 3), and nothing is left that blocks the next run."""
+    before = _patch(bed)
+    name = _unit(bed, "broken-restart", SLOW_START_UNIT)
+    proc = bed.start_run("sicext", "--wheel", str(bed.wheels["sicext-3"]), "--settle", "1")
+    try:
+        bed.wait_phase(proc, "restarting")
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+        proc.communicate()
+    journal = bed.journal()
+    assert journal is not None and journal["phase"] == "restarting", journal
+    run_id = journal["run_id"]
+
+    recovered = bed.cli("--recover", "--json")
+
+    assert recovered.code == 3, recovered.stdout + recovered.stderr
+    assert recovered.json["status"] == "rolled-back"
+    (recovery,) = recovered.json["data"]["recoveries"]
+    assert (recovery["run_id"], recovery["phase"], recovery["restored"]) == (run_id, "restarting", True)
+    assert any("did not come up" in note for note in recovery["notes"]), recovery
+    wait_until(lambda: bed.manager.active_state(name) == "active", 20, "the unit running on the old version")
+    assert bed.version() == "1.0" and bed.snapshot() == before  # old bytes, the local patch included
+    bed.no_trace()
+    waited = bed.cli("--status", "--wait", "--run", run_id, "--json")
+    assert waited.code == 3 and waited.json["status"] == "recovered", waited.stdout + waited.stderr
+    assert "did not come up" in waited.json["errors"][0]["message"]
+    again = bed.cli("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--yes")
+    assert again.code == 0, again.stdout + again.stderr  # the next run is not refused
+    assert bed.version() == "2.0"
