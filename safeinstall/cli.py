@@ -212,6 +212,7 @@ def _run_reinstall(options: "RunOptions", as_json: bool, interactive: bool) -> N
     from safeinstall.journal import now_iso
     from safeinstall.reinstall import run_reinstall
     from safeinstall.runlog import LoggedReporter
+    from safeinstall.signals import interrupts_deferred
     from safeinstall.state import new_run_id
 
     _env, state = _environment_state(options)
@@ -228,14 +229,16 @@ def _run_reinstall(options: "RunOptions", as_json: bool, interactive: bool) -> N
     errors = [result.error] if result.error else []
     data = {"run_id": run_id, **run_json(result)}
     document = jsonable(envelope("reinstall", result.status, result.exit_code, data, errors))
-    notes = _keep(state, run_id, options.package, started, document)
-    with contextlib.suppress(OSError):  # the terminal may be gone (SIGHUP): the exit code still tells
-        if as_json:
-            print(dumps(document))
-        else:
-            render_result(out, err, result, run_id)
-        for note in notes:
-            err.print(f"[dim]note:[/] {literal(note, lines=True)}", soft_wrap=True)
+    # the run has its result: a signal now does not change it (held back until the exit)
+    with interrupts_deferred(lambda _signum: None):
+        notes = _keep(state, run_id, options.package, started, document)
+        with contextlib.suppress(OSError):  # the terminal may be gone (SIGHUP): the exit code still tells
+            if as_json:
+                print(dumps(document))
+            else:
+                render_result(out, err, result, run_id)
+            for note in notes:
+                err.print(f"[dim]note:[/] {literal(note, lines=True)}", soft_wrap=True)
     _exit(result.exit_code)
 
 
@@ -826,6 +829,12 @@ def main() -> None:
         code = _main(sys.argv[1:])
     except typer.Exit as done:
         code = done.exit_code
+    except SafeInstallError as error:  # a signal while the command line was parsed (signals.py)
+        if "--json" in sys.argv[1:]:
+            print(dumps(envelope(command_for(set(sys.argv[1:])), "error", error.exit_code, None, [error])))
+        else:
+            render_error(make_console(stderr=True), error)
+        code = int(error.exit_code)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         code = 130

@@ -804,8 +804,23 @@ def _verify_installed(
 
 
 def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) -> RunResult:
-    """The whole run. Raises SafeInstallError only before anything changed (exit 2)."""
+    """The whole run. Raises SafeInstallError only before anything changed (exit 2).
+
+    Signals (see :mod:`safeinstall.signals`): until the journal is written they end the run with exit 2
+    (the early handlers); one that arrives while it is written is held back and stops the first step
+    (the run then ends as one interrupted before the stop: exit 2); during the steps they interrupt and
+    the run rolls back; during the rollback and the tidy-up after a good run they are held back and
+    announced (the tidy-up is short: the run finishes with its result)."""
     prepared = shared_preflight(options, take_lock=True)
+    tidying: list[bool] = []
+
+    def held_back(signum: int) -> None:
+        if tidying:
+            reporter.note(
+                f"{signal.Signals(signum).name} received while the run tidies up: finishing it first"
+            )
+
+    deferral = contextlib.ExitStack()  # from the journal to the end, signals are held back unless raised
     try:
         refused = refusal(prepared.plan)
         if refused is not None:
@@ -813,14 +828,17 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
         if interactive and not reporter.confirm(prepared.plan):
             _discard_wheel_copy(prepared)
             return _declined(prepared)
+        held = deferral.enter_context(interrupts_deferred(held_back))
         run = start(prepared, reporter)
     except BaseException:
+        deferral.close()
         _discard_wheel_copy(prepared)
         if prepared.lock is not None:
             prepared.lock.release()
         raise
     try:
         with interrupts_raise() as received:
+            received.signals.extend(held)  # held back while the journal was written: no step starts
 
             def step(name: str, action: Callable[[], str]) -> None:
                 run._timed(name, received.checked(action))
@@ -849,9 +867,11 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
                     ExitCode.ROLLBACK_FAILED: "rollback-failed",
                 }.get(outcome.exit_code, "error")
                 return _result(run, status, outcome.exit_code, outcome)
-        # The run succeeded: the services run the new, verified version. What is left is tidying up; a
-        # failure there is said, and must not turn a good run into an error (nor leave a journal that
-        # blocks the next run): the gate marker is gone already, so a leftover drop-in is inert.
+        # The run succeeded: the services run the new, verified version. What is left is tidying up
+        # (signals held back meanwhile); a failure there is said, and must not turn a good run into an
+        # error (nor leave a journal that blocks the next run): the gate marker is gone already, so a
+        # leftover drop-in is inert.
+        tidying.append(True)
         run._journal_if_possible(Phase.DONE)
         save_patches(run)
         try:
@@ -873,6 +893,7 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
             _discard_wheel_copy(prepared)
         if prepared.lock is not None:
             prepared.lock.release()
+        deferral.close()
 
 
 def _as(account: Account | None) -> str:

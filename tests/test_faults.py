@@ -8,6 +8,7 @@ the run's journal or ``/proc``, never by test-only hooks. The randomized soak is
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -99,3 +100,64 @@ def test_recover_of_a_run_killed_while_a_broken_version_restarts_puts_the_old_on
     again = bed.cli("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--yes")
     assert again.code == 0, again.stdout + again.stderr  # the next run is not refused
     assert bed.version() == "2.0"
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """``pid`` has a handler for ``signum`` (``SigCgt`` in /proc/PID/status): Python code installed it."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next(int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(mask & (1 << (signum - 1)))
+
+
+def _wheel_copies(bed: Bed) -> list[Path]:
+    return list(bed.state.glob("*/wheels/*/*.whl"))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("moment", ["loading", "preflight"])
+def test_a_signal_before_the_journal_is_exit_2_with_an_error_line(bed: Bed, moment: str, signum: int) -> None:
+    """SIGTERM or SIGINT in the first instants of a run, while the CLI loads (the handlers are installed
+    before anything slow is imported) or during the preflight (the wheel copied, no journal yet):
+    nothing was changed, so exit 2 with an ``error:`` and a ``hint:`` line; not a death by SIGTERM, a
+    silent 130 or a traceback."""
+    name = bed.unit(f"early-{moment}")
+    main = bed.manager.main_pid(name)
+    proc = bed.start_run("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5")
+    try:
+        wait_until(lambda: _catches(proc.pid, signal.SIGTERM), 30, "the handlers installed", interval=0.001)
+        if moment == "preflight":
+            wait_until(lambda: bool(_wheel_copies(bed)), 30, "the wheel copied", interval=0.001)
+        assert bed.journal() is None  # nothing journalled, nothing changed yet
+        proc.send_signal(signum)
+    finally:
+        out, err = _finish(proc)
+    assert proc.returncode == 2, (proc.returncode, out, err)
+    assert f"error: interrupted by {signum.name}" in err and "hint:" in err and "Traceback" not in err, err
+    assert bed.manager.main_pid(name) == main and bed.version() == "1.0"
+    bed.no_trace()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_while_a_good_run_tidies_up_lets_it_finish(bed: Bed, signum: int) -> None:
+    """SIGINT or SIGTERM in phase ``done`` (the new version verified and settled, the run removing its
+    gate drop-ins and journal): the tidy-up is short and finishes, the run keeps its result (exit 0),
+    and nothing is left that blocks the next run."""
+    name = bed.unit("tidy")
+    proc = bed.start_run("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json")
+    try:
+        bed.wait_phase(proc, "done", timeout=120)
+        proc.send_signal(signum)
+    finally:
+        out, err = _finish(proc)
+    assert proc.returncode == 0, (proc.returncode, out, err)
+    assert json.loads(out)["status"] == "done"
+    assert f"{signum.name} received while the run tidies up" in err
+    assert bed.manager.active_state(name) == "active" and bed.version() == "2.0"
+    bed.no_trace()
+    status = bed.cli("--status", "--json").json
+    assert status["status"] == "idle", status
+    again = bed.cli("sicext", "--wheel", str(bed.wheels["sicext-1"]), "--settle", "0.5", "--yes")
+    assert again.code == 0, again.stdout + again.stderr
