@@ -118,7 +118,9 @@ def _wheel_copies(bed: Bed) -> list[Path]:
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 @pytest.mark.parametrize("moment", ["loading", "preflight"])
-def test_a_signal_before_the_journal_is_exit_2_with_an_error_line(bed: Bed, moment: str, signum: int) -> None:
+def test_a_signal_before_the_journal_is_exit_2_with_an_error_line(
+    bed: Bed, moment: str, signum: signal.Signals
+) -> None:
     """SIGTERM or SIGINT in the first instants of a run, while the CLI loads (the handlers are installed
     before anything slow is imported) or during the preflight (the wheel copied, no journal yet):
     nothing was changed, so exit 2 with an ``error:`` and a ``hint:`` line; not a death by SIGTERM, a
@@ -141,7 +143,7 @@ def test_a_signal_before_the_journal_is_exit_2_with_an_error_line(bed: Bed, mome
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_signal_while_a_good_run_tidies_up_lets_it_finish(bed: Bed, signum: int) -> None:
+def test_a_signal_while_a_good_run_tidies_up_lets_it_finish(bed: Bed, signum: signal.Signals) -> None:
     """SIGINT or SIGTERM in phase ``done`` (the new version verified and settled, the run removing its
     gate drop-ins and journal): the tidy-up is short and finishes, the run keeps its result (exit 0),
     and nothing is left that blocks the next run."""
