@@ -140,6 +140,7 @@ def run(
             group=None if as_user is None else as_user[1],
             extra_groups=None if as_user is None else [],
             cwd="/",  # never the caller's: a uv.toml there (or above, e.g. in /tmp) would steer uv
+            start_new_session=True,  # its own process group: a terminal's Ctrl-C reaches safeinstall only
         )
     except BaseException:
         _release(previous, held)

@@ -154,7 +154,7 @@ class _Run:
     patched: tuple[str, ...] = ()
     extras: tuple[str, ...] = ()
     pruned: tuple[str, ...] = ()
-    stop_issued: dict[str, float] = field(default_factory=dict)
+    down_since: dict[str, float] = field(default_factory=dict)  # units the stop took down: since when
     downtime: dict[str, float] = field(default_factory=dict)
     strays_killed: tuple[int, ...] = ()
     restart_started: bool = False
@@ -389,19 +389,26 @@ def stop_step(run: _Run) -> str:
         run.journal = _mark(run.journal, unit.name, stopped=True)
     run._journal(Phase.STOPPING)
 
+    cancel = threading.Event()
+
     def stop(unit: PlannedUnit) -> StopOutcome:
-        run.stop_issued[unit.name] = time.monotonic()
-        return systemd.stop(unit.name, run._stop_timeout(unit.stop_timeout_s))
+        return systemd.stop(unit.name, run._stop_timeout(unit.stop_timeout_s), cancel=cancel)
 
     outcomes: list[StopOutcome] = []
     if units:
         with ThreadPoolExecutor(max_workers=len(units)) as pool:
-            outcomes = list(pool.map(stop, units))
+            try:
+                outcomes = list(pool.map(stop, units))
+            except BaseException:  # Ctrl-C, SIGTERM: the waits end at their next poll, the rollback starts
+                cancel.set()
+                raise
+    run.down_since.update((o.unit, o.down_since) for o in outcomes if o.down_since is not None)
     failed = [o for o in outcomes if not o.stopped]
     if failed:
         first = failed[0]
         timeout = run._stop_timeout(next(u.stop_timeout_s for u in units if u.name == first.unit))
-        raise StepFailed(f"unit {first.unit} did not stop in {timeout:g} s ({first.reason})")
+        waited = f" in {timeout:g} s" if first.waited_s >= timeout else ""  # else: said at once, why
+        raise StepFailed(f"unit {first.unit} did not stop{waited} ({first.reason})")
     killed = _kill_strays(run)
     leftover = _wait_gone(run.plan.processes, run._stop_timeout(90.0))
     if leftover:
@@ -559,7 +566,6 @@ def restart_step(run: _Run) -> str:
 def _start_and_settle(run: _Run, units: list[str], settle: float) -> str:
     systemd = run.systemd
     befores = systemd.show(units)
-    issued = time.monotonic()
     for unit in units:
         systemd.start(unit)
     cancel = threading.Event()
@@ -587,10 +593,11 @@ def _start_and_settle(run: _Run, units: list[str], settle: float) -> str:
             "; ".join(o.reason or f"{o.unit} did not settle" for o in bad),
             hint=f"see why in its journal: journalctl {flag}" + " ".join(f"-u {o.unit}" for o in bad),
         )
-    for unit, outcome in outcomes.items():
-        active_at = issued + max(0.0, outcome.waited_s - settle)
-        if unit in run.stop_issued:
-            run.downtime[unit] = active_at - run.stop_issued[unit]
+    for unit, outcome in outcomes.items():  # what systemd reports; none for a unit that never went down
+        before, down_since = befores.get(unit), run.down_since.get(unit)
+        up = outcome.info.active_enter_us / 1e6
+        if before is not None and not before.is_active and down_since is not None and up > down_since:
+            run.downtime[unit] = up - down_since
     return ", ".join(f"{u} active for {settle:g} s" for u in units)
 
 

@@ -50,6 +50,9 @@ SHOW_PROPERTIES: tuple[str, ...] = (
     "Result",
     "NRestarts",
     "ExecMainStartTimestampMonotonic",
+    "ExecMainExitTimestampMonotonic",
+    "InactiveEnterTimestampMonotonic",
+    "ActiveEnterTimestampMonotonic",
     "FragmentPath",
     "Job",
     "RequiredBy",
@@ -149,6 +152,9 @@ class UnitInfo:
     #: a start of this one does not start again
     dependents: tuple[str, ...] = ()
     timeout_start_s: float = 90.0  # TimeoutStartSec (math.inf for "infinity"): systemd fails a start after it
+    exec_main_exit_us: int = 0  # CLOCK_MONOTONIC exit of the (last) main process, 0 if none since its start
+    inactive_enter_us: int = 0  # CLOCK_MONOTONIC when it last became inactive (or failed), 0 if never
+    active_enter_us: int = 0  # CLOCK_MONOTONIC when it last became active, 0 if never
 
     @property
     def found(self) -> bool:
@@ -191,6 +197,9 @@ def unit_info(name: str, props: Mapping[str, str]) -> UnitInfo:
         fragment_path=props.get("FragmentPath") or None,
         job_id=_int(job) or None,
         timeout_start_s=parse_timespan(props.get("TimeoutStartUSec", "") or "1min 30s"),
+        exec_main_exit_us=_int(props.get("ExecMainExitTimestampMonotonic", "")),
+        inactive_enter_us=_int(props.get("InactiveEnterTimestampMonotonic", "")),
+        active_enter_us=_int(props.get("ActiveEnterTimestampMonotonic", "")),
         dependents=tuple(
             dict.fromkeys(
                 name for key in ("RequiredBy", "BoundBy", "ConsistsOf") for name in props.get(key, "").split()
@@ -213,6 +222,14 @@ def start_wait_s(info: UnitInfo | None) -> float:
 
 #: Beyond a unit's own TimeoutStopSec, how long to go on waiting for it to stop (90 s when "infinity").
 STOP_MARGIN_S = 10.0
+
+
+def down_since_s(stopped: UnitInfo, seen_at: float) -> float:
+    """Pure: when a unit that was seen stopped at ``seen_at`` (CLOCK_MONOTONIC seconds) went down, as
+    systemd reports it: the exit of its main process or, without one, when it became inactive; else
+    (a unit that is unloaded once inactive keeps no timestamps) when it was seen stopped."""
+    reported = stopped.exec_main_exit_us or stopped.inactive_enter_us
+    return reported / 1e6 if reported else seen_at
 
 
 def stop_wait_s(timeout_stop_s: float) -> float:
@@ -325,6 +342,7 @@ class StopOutcome:
     leftover_pids: frozenset[int]  # processes still in the unit's cgroup when we gave up
     waited_s: float
     reason: str | None  # why it did not stop, for the user
+    down_since: float | None = None  # stopped: when it went down (CLOCK_MONOTONIC s, see down_since_s)
 
 
 SettleVerdict = Literal["settled", "failed", "inactive", "activating", "restarted", "interrupted"]
@@ -486,8 +504,13 @@ class Systemd:
         else:
             self.systemctl("start", "--no-block", "--", unit)
 
-    def stop(self, unit: str, timeout_s: float) -> StopOutcome:
-        """Stop ``unit`` and wait until it is down and its cgroup is empty, for at most ``timeout_s``."""
+    def stop(self, unit: str, timeout_s: float, *, cancel: threading.Event | None = None) -> StopOutcome:
+        """Stop ``unit`` and wait until it is down and its cgroup is empty, for at most ``timeout_s``.
+
+        A stop that systemd did not carry out (systemctl failed, and the unit is still active with no
+        job: refused, or systemctl was killed before it asked) is said at once, not waited out.
+        ``cancel``, once set, ends the wait at the next poll (not stopped, reason ``interrupted``).
+        """
         started = time.monotonic()
         before = self.info(unit)
         if not before.found:
@@ -495,8 +518,11 @@ class Systemd:
         control_group = before.control_group
         # Blocks until systemd's stop job is done: no polling latency on the common path. A timeout
         # (the job goes on) or a failure is judged below from the unit's state.
-        with contextlib.suppress(SystemdError):
+        refused: SystemdError | None = None
+        try:
             self.systemctl("stop", "--", unit, timeout_s=timeout_s)
+        except SystemdError as exc:
+            refused = exc
         deadline = started + timeout_s
         while True:
             info = self.info(unit)
@@ -504,7 +530,17 @@ class Systemd:
             pids = self.pids_in_cgroup(control_group) if control_group else frozenset()
             now = time.monotonic()
             if info.active_state in _STOPPED_STATES and not pids:
-                return StopOutcome(unit, True, info.active_state, info.sub_state, pids, now - started, None)
+                down = down_since_s(info, now)
+                return StopOutcome(
+                    unit, True, info.active_state, info.sub_state, pids, now - started, None, down
+                )
+            interrupted = cancel is not None and cancel.is_set()
+            not_done = refused is not None and info.active_state == "active" and info.job_id is None
+            if not_done or interrupted:
+                reason = "interrupted" if interrupted else f"the stop was not carried out: {refused}"
+                return StopOutcome(
+                    unit, False, info.active_state, info.sub_state, pids, now - started, reason
+                )
             if now >= deadline:
                 return StopOutcome(
                     unit,

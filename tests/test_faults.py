@@ -39,6 +39,7 @@ def bed(
     for name in made.units:
         user_manager.systemctl("kill", "--signal=SIGKILL", name, check=False)
         user_manager.systemctl("stop", name, check=False)
+        user_manager.systemctl("disable", name, check=False)
         user_manager.remove_unit(name)
 
 
@@ -163,3 +164,55 @@ def test_a_signal_while_a_good_run_tidies_up_lets_it_finish(bed: Bed, signum: si
     assert status["status"] == "idle", status
     again = bed.cli("sicext", "--wheel", str(bed.wheels["sicext-1"]), "--settle", "0.5", "--yes")
     assert again.code == 0, again.stdout + again.stderr
+
+
+#: a unit that systemd refuses to stop by hand: ``systemctl stop`` fails at once and the unit runs on
+REFUSED_STOP_UNIT = (
+    "[Unit]\nDescription=safeinstall fault test\nRefuseManualStop=yes\n\n"
+    "[Service]\nExecStart={exec}\nTimeoutStopSec=600\n"
+)
+
+
+def test_a_stop_that_does_not_happen_is_said_at_once_and_costs_no_downtime(bed: Bed) -> None:
+    """A stop that systemd does not carry out (here refused; in the issue, ``systemctl stop`` killed by a
+    terminal's Ctrl-C before it asked) is not waited out for the unit's TimeoutStopSec (600 s here: the
+    test's 120 s would run out), and no downtime is reported for a unit that never went down."""
+    name = _unit(bed, "no-stop", REFUSED_STOP_UNIT)
+    main = bed.manager.main_pid(name)
+    proc = bed.start_run("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json")
+    out, err = _finish(proc)
+    assert proc.returncode == 3, (proc.returncode, out, err)
+    doc = json.loads(out)
+    message = doc["errors"][0]["message"]
+    assert f"unit {name} did not stop (the stop was not carried out" in message, message
+    assert "nothing was installed" in message
+    assert doc["data"]["downtime_s"] == {}, doc["data"]["downtime_s"]
+    assert bed.manager.main_pid(name) == main and bed.version() == "1.0"
+    bed.no_trace()
+
+
+def test_downtime_is_what_systemd_reports(bed: Bed) -> None:
+    """The downtime of a restarted unit runs from the exit of its main process (after systemd began to
+    stop it, before it became inactive) to its return to active, as systemd's own timestamps say; not
+    from when safeinstall asked for the stop."""
+    name = bed.unit("downtime", enable=True)  # enabled: loaded while stopped, systemd keeps its timestamps
+    proc = bed.start_run("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json")
+    out, err = _finish(proc)
+    assert proc.returncode == 0, (proc.returncode, out, err)
+    (seconds,) = json.loads(out)["data"]["downtime_s"].values()
+    shown = bed.manager.show(
+        name,
+        "ActiveExitTimestampMonotonic",
+        "InactiveEnterTimestampMonotonic",
+        "ActiveEnterTimestampMonotonic",
+    )
+    stop_began, inactive, active = (
+        int(shown[key])
+        for key in (
+            "ActiveExitTimestampMonotonic",
+            "InactiveEnterTimestampMonotonic",
+            "ActiveEnterTimestampMonotonic",
+        )
+    )
+    assert 0 < stop_began <= inactive < active, shown
+    assert active - inactive <= round(seconds * 1e6) <= active - stop_began, (seconds, shown)
