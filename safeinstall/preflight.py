@@ -51,7 +51,13 @@ from safeinstall.wheel import (
     read_wheel,
     target_tags,
 )
-from safeinstall.wheelcopy import copy_wheel, discard_wheel_copy, passable_temporary_dir, temporary_copy
+from safeinstall.wheelcopy import (
+    copy_wheel,
+    discard_dead_copies,
+    discard_wheel_copy,
+    passable_temporary_dir,
+    temporary_copy,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +100,8 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
         lock = acquire_lock(state.lock, str(env.prefix))
         if lock.takeover_note:
             notes.append(lock.takeover_note)
+        if not state.journal.exists():  # under the lock, no run to recover: copies left are dead runs'
+            discard_dead_copies(state.dir)
     else:
         check_environment_dir(state)
         check_lock(state.lock, str(env.prefix))

@@ -50,7 +50,7 @@ from safeinstall.state import (
 )
 from safeinstall.systemd import Systemd, default_dropin_root, start_wait_s, stop_wait_s
 from safeinstall.wheel import environment_files, install_location, read_wheel
-from safeinstall.wheelcopy import discard_wheel_copy, is_wheel_copy
+from safeinstall.wheelcopy import discard_dead_copies, discard_wheel_copy, is_wheel_copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,7 +273,13 @@ def recovered_result(journal: Journal, recovery: Recovery, log_file: str) -> dic
         )
     if recovery.started:
         notes.append("started again: " + ", ".join(recovery.started))
-    data = {**jsonable(recovery), "log_file": log_file, "notes": [*notes, *recovery.notes]}
+    data = {
+        **jsonable(recovery),
+        "log_file": log_file,
+        "notes": [*notes, *recovery.notes],
+        "old_version": journal.old_version,
+        "new_version": journal.new_version,
+    }
     return envelope("reinstall", "recovered", code, data, errors)
 
 
@@ -341,6 +347,7 @@ def recover_one(state: EnvironmentState, environ: Mapping[str, str], settle: flo
                 _stop(units_to_start(journal), environ)
                 restore = _restore_of(journal, state)
                 done = put_back(state.dir, journal, environ, restore, start_units, finished)
+            discard_dead_copies(state.dir)  # the journal is gone: no copy of a wheel is of use now
         except JournalError:
             raise  # refused before anything was done: exit 2, as for any refusal
         except SafeInstallError as exc:

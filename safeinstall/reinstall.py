@@ -257,6 +257,9 @@ def start(prepared: Prepared, reporter: Reporter) -> _Run:
             str(prepared.wheel.path) if prepared.wheel else None,
             plan.uv_command,
             units,
+            versions=next(
+                ((d.old_version, d.new_version) for d in plan.distributions if d.requested), (None, None)
+            ),
         ),
     )
     run = _Run(
@@ -873,7 +876,9 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
                     ExitCode.ROLLED_BACK: "rolled-back",
                     ExitCode.ROLLBACK_FAILED: "rollback-failed",
                 }.get(outcome.exit_code, "error")
-                return _result(run, status, outcome.exit_code, outcome)
+                # put back whole: its backup counts under --keep-backups as a good run's (they piled up)
+                removed = _prune_old_backups(run) if outcome.exit_code == ExitCode.ROLLED_BACK else ()
+                return _result(run, status, outcome.exit_code, outcome, backups_removed=removed)
         # The run succeeded: the services run the new, verified version. What is left is tidying up
         # (signals held back meanwhile); a failure there is said, and must not turn a good run into an
         # error (nor leave a journal that blocks the next run): the gate marker is gone already, so a
@@ -890,10 +895,9 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
             )
         with contextlib.suppress(OSError):
             clear_journal(run.state.dir)
-        old = prune_backups(run.state.backups, options.keep_backups, protected={run.run_id})
-        run.notes.extend(f"old backup not deleted: {problem}" for problem in old.problems)
+        removed = _prune_old_backups(run)
         not_restarted = tuple(run._units_to_restart()) if options.no_restart else ()
-        return _result(run, "done", ExitCode.OK, None, not_restarted, tuple(map(str, old.removed)))
+        return _result(run, "done", ExitCode.OK, None, not_restarted, removed)
     finally:
         remove_uv_caches(run.state, run.run_id)  # installed files then share inodes with nothing
         if not run.state.journal.exists():  # else the wheel copy is kept for --recover
@@ -901,6 +905,14 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
         if prepared.lock is not None:
             prepared.lock.release()
         deferral.close()
+
+
+def _prune_old_backups(run: _Run) -> tuple[str, ...]:
+    """After a run that ended with the environment whole (done, or rolled back): the newest
+    ``--keep-backups`` backups stay, this run's among them; the ones deleted."""
+    old = prune_backups(run.state.backups, run.options.keep_backups, protected={run.run_id})
+    run.notes.extend(f"old backup not deleted: {problem}" for problem in old.problems)
+    return tuple(map(str, old.removed))
 
 
 def _as(account: Account | None) -> str:

@@ -98,6 +98,8 @@ def test_recover_of_a_run_killed_while_a_broken_version_restarts_puts_the_old_on
     waited = bed.cli("--status", "--wait", "--run", run_id, "--json")
     assert waited.code == 3 and waited.json["status"] == "recovered", waited.stdout + waited.stderr
     assert "did not come up" in waited.json["errors"][0]["message"]
+    (listed,) = bed.cli("--status", "--json").json["data"]["environments"][0]["runs"]
+    assert (listed["run_id"], listed["old_version"], listed["new_version"]) == (run_id, "1.0", "3.0"), listed
     again = bed.cli("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--yes")
     assert again.code == 0, again.stdout + again.stderr  # the next run is not refused
     assert bed.version() == "2.0"
@@ -216,3 +218,43 @@ def test_downtime_is_what_systemd_reports(bed: Bed) -> None:
     )
     assert 0 < stop_began <= inactive < active, shown
     assert active - inactive <= round(seconds * 1e6) <= active - stop_began, (seconds, shown)
+
+
+def test_the_wheel_copy_of_a_run_killed_before_its_journal_goes_with_the_next_run(bed: Bed) -> None:
+    """A run killed between copying the wheel into the state directory and writing its journal leaves
+    nothing to recover; its copy is removed by the next run (it piled up, one per killed run)."""
+    name = bed.unit("copy-leak")
+    proc = bed.start_run("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5")
+    try:
+        wait_until(lambda: bool(_wheel_copies(bed)), 60, "the wheel copied", interval=0.001)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+        proc.communicate()
+    assert _wheel_copies(bed) and bed.journal() is None
+    done = bed.cli("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--yes")
+    assert done.code == 0, done.stdout + done.stderr
+    assert not list(bed.state.glob("*/wheels/*")), list(bed.state.glob("*/wheels/*"))
+    assert bed.manager.active_state(name) == "active" and bed.version() == "2.0"
+
+
+def test_backups_of_rolled_back_runs_fall_under_keep_backups(bed: Bed) -> None:
+    """Every rolled-back run kept its backup until the next good run (3 -> 15 in the issue's soak):
+    a run that put everything back counts under --keep-backups as a good one does."""
+    name = bed.unit("backups")
+    for _ in range(2):
+        result = bed.cli(
+            "sicext",
+            "--wheel",
+            str(bed.wheels["sicext-3"]),
+            "--settle",
+            "0.5",
+            "--keep-backups",
+            "1",
+            "--yes",
+        )
+        assert result.code == 3, result.stdout + result.stderr
+    backups = list(bed.state.glob("*/backups/*"))
+    assert len(backups) == 1, backups
+    assert bed.manager.active_state(name) == "active" and bed.version() == "1.0"
+    bed.no_trace()
