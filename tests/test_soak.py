@@ -147,7 +147,8 @@ def _trial(bed: Bed, unit: str, version: str, rng: random.Random, tally: Tally, 
         assert code in (0, 2, 3), f"{where}: exit {code}: {out}{err}"
         assert code == 0 or "error:" in err, f"{where}: exit {code} without an error line: {err}"
         assert bed.journal() is None, f"{where}: exit {code} left a journal: {bed.journal()}"
-    tally.outcomes[f"{signum.name}:{code}" + ("" if recovered is None else f"+recover:{recovered.code}")] += 1
+    outcome = f"{signum.name}:{code}" + ("" if recovered is None else f"+recover:{recovered.code}")
+    tally.outcomes[outcome] += 1
     wait_until(lambda: bed.manager.active_state(unit) == "active", 30, f"{where}: the unit running")
     now = bed.version()
     assert now in VERSIONS, f"{where}: installed version {now!r}"
@@ -156,6 +157,7 @@ def _trial(bed: Bed, unit: str, version: str, rng: random.Random, tally: Tally, 
     )
     assert check.code == 0, f"{where}: version {now} does not verify against its wheel: {check.stdout}"
     bed.no_trace()
+    print(f"{where} hit {hit}: {outcome}, {version} -> {now}")  # with -s: a long soak's progress
     return now
 
 
