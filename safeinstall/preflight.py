@@ -263,9 +263,8 @@ def room_problems(found: Survey, env: Environment, backups: Path, wheel: Wheel |
     if problem:
         problems.append(problem)
     if wheel is not None:
-        shared = _device(backups) == _device(env.prefix)
         problem = space_problem(
-            installed_size(wheel) + (backup if shared else 0),
+            install_room(installed_size(wheel), backup, _device(backups) == _device(env.prefix)),
             free_space(env.prefix),
             env.prefix,
             what=f"the install of {wheel.path.name}",
@@ -274,6 +273,16 @@ def room_problems(found: Survey, env: Environment, backups: Path, wheel: Wheel |
         if problem:
             problems.append(problem)
     return tuple(problems)
+
+
+def install_room(new: int, old: int, shared: bool) -> int:
+    """Pure: the room the install of ``new`` bytes needs in the environment, where the distributions it
+    replaces take ``old`` bytes. With the backup on another filesystem (a copy), uv's uninstall frees
+    the old files before it writes: the install needs what the new version takes beyond them, and the
+    rollback (new files removed before the old ones are written back) no more. With the backup on the
+    environment's filesystem it holds the old files' inodes, so nothing is freed: the install needs all
+    of it, and so much again for the backup, should it have to copy."""
+    return new + old if shared else max(0, new - old)
 
 
 def _device(path: Path) -> int:

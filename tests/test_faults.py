@@ -9,6 +9,7 @@ the run's journal or ``/proc``, never by test-only hooks. The randomized soak is
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -258,3 +259,61 @@ def test_backups_of_rolled_back_runs_fall_under_keep_backups(bed: Bed) -> None:
     assert len(backups) == 1, backups
     assert bed.manager.active_state(name) == "active" and bed.version() == "1.0"
     bed.no_trace()
+
+
+def _with_blob(wheel: Path, out: Path, mib: int) -> Path:
+    """A copy of ``wheel`` with a random file of ``mib`` MiB (RECORD rewritten to match)."""
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as archive:
+        members = {i.filename: archive.read(i) for i in archive.infolist() if not i.is_dir()}
+    dist_info = next(n.split("/")[0] for n in members if n.endswith(".dist-info/METADATA"))
+    members.pop(f"{dist_info}/RECORD")
+    members["sicext/blob.bin"] = os.urandom(mib << 20)
+    out.mkdir(parents=True, exist_ok=True)
+    return wheelhouse.write_wheel(out / wheel.name, members, dist_info)
+
+
+def test_room_messages_say_what_they_mean() -> None:
+    """A room check that fails by less than 0.1 MiB said 'needs 0.1 MiB but has 0.1 MiB free'."""
+    from safeinstall.backup import space_problem
+
+    problem = space_problem(150_000, 60_000, Path("/srv"))
+    assert problem is not None and "needs 146.5 KiB but /srv has 58.6 KiB free" in problem, problem
+
+
+def test_the_room_check_counts_what_the_uninstall_frees(
+    wheels: Wheelhouse, tmp_path: Path, user_manager: UserManager, fake_nvml: FakeNvml
+) -> None:
+    """The environment's disk holds the old version (96 MiB) and 60 MiB more: the new version (96 MiB)
+    fits once uv's uninstall has freed the old files (the backup copies them to the state directory,
+    on another disk). It was refused at preflight ("needs 96 MiB"), though the run goes through."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=176m", "tmpfs", str(disk)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr!r}")
+    bed: Bed | None = None
+    try:
+        old = _with_blob(wheels["sicext-1"], tmp_path / "old", 96)
+        new = _with_blob(wheels["sicext-2"], tmp_path / "new", 96)
+        python = wheelhouse.make_venv(disk / "venv")
+        wheelhouse.uv_install(python, old)
+        bed = Bed(python, tmp_path / "state", user_manager, fake_nvml, wheels)
+        name = bed.unit("room")
+        free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+        assert 32 << 20 < free < 96 << 20, free  # the new version does not fit beside the old one
+        result = bed.cli("sicext", "--wheel", str(new), "--settle", "0.5", "--yes")
+        assert result.code == 0, result.stdout + result.stderr
+        assert bed.version() == "2.0" and bed.manager.active_state(name) == "active"
+        bed.no_trace()
+    finally:
+        if bed is not None:
+            for unit in bed.units:
+                user_manager.systemctl("stop", unit, check=False)
+                user_manager.remove_unit(unit)
+        subprocess.run(["umount", "--lazy", str(disk)], check=False)
