@@ -138,7 +138,8 @@ def _trial(bed: Bed, unit: str, version: str, rng: random.Random, tally: Tally, 
     tally.hit[hit] += 1
     code = proc.returncode
     assert "Traceback" not in err, f"{where}: {err}"
-    assert "did not finish" not in err and "holds the lock" not in err, f"{where}: refused: {err}"
+    # refused by what an earlier trial left: its journal, or its run still holding the lock
+    assert "a previous run (" not in err and "holds the lock" not in err, f"{where}: refused: {err}"
     recovered = None
     if code == -signal.SIGKILL:
         recovered = bed.cli("--recover")
