@@ -21,6 +21,7 @@ from safeinstall.errors import ExitCode, RollbackFailed, SafeInstallError, StepF
 from safeinstall.gate import GATE_DROPIN, gate_marker
 from safeinstall.history import RunSummary, new_entry, read_history
 from safeinstall.history import append as append_history
+from safeinstall.history import find as find_entry
 from safeinstall.journal import (
     Journal,
     JournalError,
@@ -245,13 +246,18 @@ def _start(units: list[JournalUnit], environ: Mapping[str, str], settle: float) 
 KEPT_PHASES = frozenset({Phase.VERIFIED, Phase.RESTARTING, Phase.DONE})
 
 
-def recovered_result(journal: Journal, recovery: Recovery, log_file: str) -> dict[str, Any]:
+def recovered_result(
+    journal: Journal, recovery: Recovery, log_file: str, ended: int | None = None
+) -> dict[str, Any]:
     """Pure: the ``reinstall`` document of a run that died and that ``--recover`` finished, as its history
     keeps it: status ``recovered``; exit 0 when the new version, verified before the run died, was kept;
     3 when the environment is as it was before the run (the backup restored, or nothing installed yet;
-    also when the new version, verified and started, did not come up)."""
+    also when the new version, verified and started, did not come up). ``ended``: the exit code the run
+    itself reported (4: its put-back failed), None when it died without a result."""
     phase = effective_phase(journal)
     died = f"the run {journal.run_id} died in phase {phase} (PID {journal.pid}) without a result"
+    if ended is not None:
+        died = f"the run {journal.run_id} ended in phase {phase} with exit {ended}, its put-back unfinished"
     notes = [f"{died}; safeinstall --recover finished it"]
     errors: list[SafeInstallError] = []
     if phase in KEPT_PHASES and not recovery.restored:
@@ -287,13 +293,28 @@ def _keep_recovered(state: EnvironmentState, journal: Journal, recovery: Recover
     """The recovered run's end, as a run's own: notes and result in its log, an entry in the history
     (so that ``--status`` lists it and ``--status --wait --run`` returns it); what went wrong, if anything."""
     log = state.log_file(journal.run_id)
-    result = recovered_result(journal, recovery, str(log))
-    for line in (*result["data"]["notes"], *(f"error: {e['message']}" for e in result["errors"])):
+    ended = _reported_exit(state, journal.run_id)
+    result = recovered_result(journal, recovery, str(log), ended)
+    # a run that ended with a result said its error; what the recovery did is then no error
+    said = "error: " if ended is None else ""
+    for line in (*result["data"]["notes"], *(f"{said}{e['message']}" for e in result["errors"])):
         append_line(log, f"recover: {line}")
     append_line(log, f"result: {result['status']} (exit {result['exit_code']})")
     return append_history(
         state, new_entry(journal.run_id, journal.package, journal.started_at, now_iso(), result)
     )
+
+
+def _reported_exit(state: EnvironmentState, run_id: str) -> int | None:
+    """The exit code the run reported in its history entry (a run whose put-back failed has one), or
+    None (it died without a result; or its entry is damaged)."""
+    try:
+        entry = find_entry(state, run_id)
+    except SafeInstallError:
+        return None
+    result = entry.get("result") if entry is not None else None
+    code = result.get("exit_code") if isinstance(result, dict) else None
+    return code if isinstance(code, int) and not isinstance(code, bool) else None
 
 
 def recover_one(state: EnvironmentState, environ: Mapping[str, str], settle: float = 2.0) -> Recovery:

@@ -317,3 +317,32 @@ def test_the_room_check_counts_what_the_uninstall_frees(
                 user_manager.systemctl("stop", unit, check=False)
                 user_manager.remove_unit(unit)
         subprocess.run(["umount", "--lazy", str(disk)], check=False)
+
+
+def test_recover_after_a_run_that_ended_with_exit_4_does_not_say_it_died(bed: Bed) -> None:
+    """A run whose put-back failed (its backup out of reach: moved away during the downtime, back
+    afterwards) ended with a result (exit 4); ``--recover`` then finishes it. Its log and history say
+    so: not that the run "died without a result", under ``error:``."""
+    name = bed.unit("exit4")
+    bed.hold_gpu(name, 3.0, "f4")  # a downtime to move the backup away in
+    proc = bed.start_run("sicext", "--wheel", str(bed.wheels["sicext-3"]), "--settle", "0.5", "--json")
+    try:
+        bed.wait_phase(proc, "stopped")
+        journal = bed.journal()
+        assert journal is not None and journal["backup_dir"]
+        backup = Path(journal["backup_dir"])
+        hidden = backup.with_name(backup.name + ".away")
+        backup.rename(hidden)
+    finally:
+        out, err = _finish(proc)
+    assert proc.returncode == 4, (proc.returncode, out, err)
+    run_id = json.loads(out)["data"]["run_id"]
+    hidden.rename(backup)
+    recovered = bed.cli("--recover")
+    assert recovered.code == 0, recovered.stdout + recovered.stderr
+    wait_until(lambda: bed.manager.active_state(name) == "active", 20, "the unit running on the old version")
+    assert bed.version() == "1.0"
+    log = next(bed.state.glob(f"*/logs/{run_id}.log")).read_text()
+    assert "without a result" not in log and "recover: error:" not in log, log
+    assert f"the run {run_id} ended in phase rolling-back with exit 4" in log, log
+    bed.no_trace()
