@@ -346,3 +346,15 @@ def test_recover_after_a_run_that_ended_with_exit_4_does_not_say_it_died(bed: Be
     assert "without a result" not in log and "recover: error:" not in log, log
     assert f"the run {run_id} ended in phase rolling-back with exit 4" in log, log
     bed.no_trace()
+
+
+def test_children_run_in_a_session_of_their_own() -> None:
+    """A terminal's Ctrl-C goes to its foreground process group: a child in safeinstall's (a
+    ``systemctl stop`` half-way) died of it, the stop not asked, and the run then waited it out."""
+    from safeinstall import children
+
+    done = children.run(["/bin/sh", "-c", "cat /proc/$$/stat"], env={"PATH": "/usr/bin:/bin"}, timeout=30)
+    fields = done.stdout.rsplit(")", 1)[1].split()
+    pid, pgrp, session = int(done.stdout.split()[0]), int(fields[2]), int(fields[3])
+    assert pgrp == pid and session == pid, done.stdout
+    assert session != os.getsid(0)
