@@ -50,8 +50,7 @@ SHOW_PROPERTIES: tuple[str, ...] = (
     "Result",
     "NRestarts",
     "ExecMainStartTimestampMonotonic",
-    "ExecMainExitTimestampMonotonic",
-    "InactiveEnterTimestampMonotonic",
+    "ActiveExitTimestampMonotonic",
     "ActiveEnterTimestampMonotonic",
     "FragmentPath",
     "Job",
@@ -152,8 +151,7 @@ class UnitInfo:
     #: a start of this one does not start again
     dependents: tuple[str, ...] = ()
     timeout_start_s: float = 90.0  # TimeoutStartSec (math.inf for "infinity"): systemd fails a start after it
-    exec_main_exit_us: int = 0  # CLOCK_MONOTONIC exit of the (last) main process, 0 if none since its start
-    inactive_enter_us: int = 0  # CLOCK_MONOTONIC when it last became inactive (or failed), 0 if never
+    active_exit_us: int = 0  # CLOCK_MONOTONIC when it last left active (a stop began), 0 if never
     active_enter_us: int = 0  # CLOCK_MONOTONIC when it last became active, 0 if never
 
     @property
@@ -197,8 +195,7 @@ def unit_info(name: str, props: Mapping[str, str]) -> UnitInfo:
         fragment_path=props.get("FragmentPath") or None,
         job_id=_int(job) or None,
         timeout_start_s=parse_timespan(props.get("TimeoutStartUSec", "") or "1min 30s"),
-        exec_main_exit_us=_int(props.get("ExecMainExitTimestampMonotonic", "")),
-        inactive_enter_us=_int(props.get("InactiveEnterTimestampMonotonic", "")),
+        active_exit_us=_int(props.get("ActiveExitTimestampMonotonic", "")),
         active_enter_us=_int(props.get("ActiveEnterTimestampMonotonic", "")),
         dependents=tuple(
             dict.fromkeys(
@@ -224,12 +221,13 @@ def start_wait_s(info: UnitInfo | None) -> float:
 STOP_MARGIN_S = 10.0
 
 
-def down_since_s(stopped: UnitInfo, seen_at: float) -> float:
-    """Pure: when a unit that was seen stopped at ``seen_at`` (CLOCK_MONOTONIC seconds) went down, as
-    systemd reports it: the exit of its main process or, without one, when it became inactive; else
-    (a unit that is unloaded once inactive keeps no timestamps) when it was seen stopped."""
-    reported = stopped.exec_main_exit_us or stopped.inactive_enter_us
-    return reported / 1e6 if reported else seen_at
+def down_since_s(stopped: UnitInfo, asked_at: float) -> float:
+    """Pure: when a unit that a stop asked for at ``asked_at`` (CLOCK_MONOTONIC seconds) took down
+    went down, as systemd reports it: when it left active (its main process told to stop: it serves no
+    more); a unit that is unloaded once inactive keeps no timestamps, and one from before the stop
+    is another stop's: then when the stop was asked for."""
+    left = stopped.active_exit_us / 1e6
+    return left if left >= asked_at else asked_at
 
 
 def stop_wait_s(timeout_stop_s: float) -> float:
@@ -530,7 +528,7 @@ class Systemd:
             pids = self.pids_in_cgroup(control_group) if control_group else frozenset()
             now = time.monotonic()
             if info.active_state in _STOPPED_STATES and not pids:
-                down = down_since_s(info, now)
+                down = down_since_s(info, started)
                 return StopOutcome(
                     unit, True, info.active_state, info.sub_state, pids, now - started, None, down
                 )
