@@ -2,14 +2,23 @@
 collector off, and what loading it made is frozen (never walked by a collection again)."""
 
 import gc
+import sys
+
+from safeinstall.signals import InterruptedEarly, install_early_handlers
 
 
 def main() -> None:
+    # First: a signal from now on is an error line and exit 2 (nothing was changed), also while the
+    # CLI loads; signals.py imports nothing slow.
+    install_early_handlers()
     # Loading typer, rich and safeinstall's modules makes about 100k objects and no garbage; the
     # collections they set off walked all of them again and again (0.02 s of every command's start).
     gc.disable()
     try:
         from safeinstall.cli import main as run_command
+    except InterruptedEarly as interrupted:  # rich is not loaded (yet): plain lines
+        sys.stderr.write(f"error: {interrupted.message}\nhint: {interrupted.advice}\n")
+        sys.exit(int(interrupted.exit_code))
     finally:
         gc.enable()
     gc.freeze()

@@ -52,6 +52,7 @@ from safeinstall.environment import Environment
 from safeinstall.errors import SafeInstallError
 from safeinstall.hashing import FileState, default_workers
 from safeinstall.records import decode_digest, parse_record
+from safeinstall.runlog import human_bytes
 from safeinstall.safefs import NotRegularFile, Tree
 from safeinstall.state import PRIVATE_MODE, atomic_write, ensure_dir, fsync_dir
 
@@ -191,7 +192,7 @@ def space_problem(
     """Pure: why ``what`` (``needed`` bytes) does not fit in ``free`` bytes at ``where``, or None."""
     if needed <= free:
         return None
-    return f"{what} needs {needed / 2**20:.1f} MiB but {where} has {free / 2**20:.1f} MiB free; {remedy}"
+    return f"{what} needs {human_bytes(needed)} but {where} has {human_bytes(free)} free; {remedy}"
 
 
 def manifest_to_dict(manifest: BackupManifest) -> dict[str, Any]:

@@ -191,7 +191,7 @@ def run(
             group=None if as_user is None else as_user[1],
             extra_groups=None if as_user is None else [],
             cwd="/",  # never the caller's: a uv.toml there (or above, e.g. in /tmp) would steer uv
-            start_new_session=True,  # no controlling terminal: root's /dev/tty is out of its reach
+            start_new_session=True,  # no controlling terminal (root's /dev/tty), its own process group
         )
     except BaseException:
         _release(previous, held)

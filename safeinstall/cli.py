@@ -259,6 +259,7 @@ def _run_reinstall(
     from safeinstall.journal import now_iso
     from safeinstall.reinstall import run_reinstall
     from safeinstall.runlog import LoggedReporter
+    from safeinstall.signals import interrupts_deferred
     from safeinstall.state import new_run_id
 
     _env, state = _environment_state(options)
@@ -277,15 +278,17 @@ def _run_reinstall(
     errors = [result.error] if result.error else []
     data = {"run_id": run_id, **run_json(result)}
     document = jsonable(envelope("reinstall", result.status, result.exit_code, data, errors))
-    notes = _keep(state, run_id, options.package, started, document)
-    _run_metrics(metrics, _env, options.package, run_id, started, document)
-    with contextlib.suppress(OSError):  # the terminal may be gone (SIGHUP): the exit code still tells
-        if as_json:
-            print(dumps(document))
-        else:
-            render_result(out, err, result, run_id)
-        for note in notes:
-            err.print(f"[dim]note:[/] {literal(note, lines=True)}", soft_wrap=True)
+    # the run has its result: a signal now does not change it (held back until the exit)
+    with interrupts_deferred(lambda _signum: None):
+        notes = _keep(state, run_id, options.package, started, document)
+        _run_metrics(metrics, _env, options.package, run_id, started, document)
+        with contextlib.suppress(OSError):  # the terminal may be gone (SIGHUP): the exit code still tells
+            if as_json:
+                print(dumps(document))
+            else:
+                render_result(out, err, result, run_id)
+            for note in notes:
+                err.print(f"[dim]note:[/] {literal(note, lines=True)}", soft_wrap=True)
     _exit(result.exit_code)
 
 
@@ -394,7 +397,8 @@ def _run_recover(python: str | None, as_json: bool, metrics: Path | None = None)
     if as_json:
         data = {"recoveries": jsonable(outcome.recoveries)}
         did = any(r.run_id for r in outcome.recoveries)
-        status = "error" if code != ExitCode.OK else "recovered" if did else "nothing-to-recover"
+        recovered = "recovered" if did else "nothing-to-recover"
+        status = {ExitCode.OK: recovered, ExitCode.ROLLED_BACK: "rolled-back"}.get(code, "error")
         print(dumps(envelope("recover", status, code, data, list(outcome.failures))))
     else:
         render_recoveries(make_console(), list(outcome.recoveries))
@@ -996,6 +1000,12 @@ def main() -> None:
         code = _main(sys.argv[1:])
     except typer.Exit as done:
         code = done.exit_code
+    except SafeInstallError as error:  # a signal while the command line was parsed (signals.py)
+        if "--json" in sys.argv[1:]:
+            print(dumps(envelope(command_for(set(sys.argv[1:])), "error", error.exit_code, None, [error])))
+        else:
+            render_error(make_console(stderr=True), error)
+        code = int(error.exit_code)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         code = 130

@@ -93,7 +93,7 @@ def _versions(data: dict[str, Any], package: str | None) -> tuple[str | None, st
         dist = _dict(dist)
         if dist.get("name") == wanted or (wanted is None and dist.get("requested")):
             return _str(dist.get("old_version")), _str(dist.get("new_version"))
-    return None, None
+    return _str(data.get("old_version")), _str(data.get("new_version"))  # a recovered run's (no plan)
 
 
 def summary(entry: dict[str, Any]) -> RunSummary:

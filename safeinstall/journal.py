@@ -106,6 +106,8 @@ class Journal:
     strays_killed: tuple[int, ...] = ()
     history: tuple[HistoryEntry, ...] = ()
     version: int = JOURNAL_VERSION
+    old_version: str | None = None  # the package's version before the run (for the history of a recovery)
+    new_version: str | None = None  # the version it installs
 
 
 def now_iso(now: datetime | None = None) -> str:
@@ -124,8 +126,9 @@ def new_journal(
     units: Iterable[JournalUnit] = (),
     note: str = "",
     now: datetime | None = None,
+    versions: tuple[str | None, str | None] = (None, None),
 ) -> Journal:
-    """Pure: a new journal in phase ``planned``."""
+    """Pure: a new journal in phase ``planned``; ``versions``: the package's (old, new)."""
     at = now_iso(now)
     return Journal(
         run_id=run_id,
@@ -140,6 +143,8 @@ def new_journal(
         phase=Phase.PLANNED,
         units=tuple(units),
         history=(HistoryEntry(Phase.PLANNED, at, note),),
+        old_version=versions[0],
+        new_version=versions[1],
     )
 
 
@@ -235,6 +240,8 @@ def journal_to_dict(journal: Journal) -> dict[str, Any]:
         "gate": list(journal.gate),
         "strays_killed": list(journal.strays_killed),
         "history": [{"phase": h.phase.value, "at": h.at, "note": h.note} for h in journal.history],
+        "old_version": journal.old_version,
+        "new_version": journal.new_version,
     }
 
 
@@ -311,6 +318,8 @@ def journal_from_dict(data: Any) -> Journal:
         gate=tuple(_list_of(data, "gate", str)),
         strays_killed=tuple(_list_of(data, "strays_killed", int)),
         history=tuple(history),
+        old_version=_get(data, "old_version", str, optional=True),
+        new_version=_get(data, "new_version", str, optional=True),
     )
 
 

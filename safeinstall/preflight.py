@@ -52,7 +52,13 @@ from safeinstall.wheel import (
     read_wheel,
     target_tags,
 )
-from safeinstall.wheelcopy import copy_wheel, discard_wheel_copy, passable_temporary_dir, temporary_copy
+from safeinstall.wheelcopy import (
+    copy_wheel,
+    discard_dead_copies,
+    discard_wheel_copy,
+    passable_temporary_dir,
+    temporary_copy,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +101,8 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
         lock = acquire_lock(state.lock, str(env.prefix))
         if lock.takeover_note:
             notes.append(lock.takeover_note)
+        if not state.journal.exists():  # under the lock, no run to recover: copies left are dead runs'
+            discard_dead_copies(state.dir)
     else:
         check_environment_dir(state)
         check_lock(state.lock, str(env.prefix))
@@ -277,9 +285,8 @@ def room_problems(found: Survey, env: Environment, backups: Path, wheel: Wheel |
     if problem:
         problems.append(problem)
     if wheel is not None:
-        shared = _device(backups) == _device(env.prefix)
         problem = space_problem(
-            installed_size(wheel) + (backup if shared else 0),
+            install_room(installed_size(wheel), backup, _device(backups) == _device(env.prefix)),
             free_space(env.prefix),
             env.prefix,
             what=f"the install of {wheel.path.name}",
@@ -288,6 +295,16 @@ def room_problems(found: Survey, env: Environment, backups: Path, wheel: Wheel |
         if problem:
             problems.append(problem)
     return tuple(problems)
+
+
+def install_room(new: int, old: int, shared: bool) -> int:
+    """Pure: the room the install of ``new`` bytes needs in the environment, where the distributions it
+    replaces take ``old`` bytes. With the backup on another filesystem (a copy), uv's uninstall frees
+    the old files before it writes: the install needs what the new version takes beyond them, and the
+    rollback (new files removed before the old ones are written back) no more. With the backup on the
+    environment's filesystem it holds the old files' inodes, so nothing is freed: the install needs all
+    of it, and so much again for the backup, should it have to copy."""
+    return new + old if shared else max(0, new - old)
 
 
 def _device(path: Path) -> int:

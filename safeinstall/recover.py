@@ -8,6 +8,7 @@ reboot gate (marker and drop-ins) and clears the journal. It is what the shipped
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from safeinstall.errors import ExitCode, RollbackFailed, SafeInstallError, StepF
 from safeinstall.gate import GATE_DROPIN, gate_marker
 from safeinstall.history import RunSummary, new_entry, read_history
 from safeinstall.history import append as append_history
+from safeinstall.history import find as find_entry
 from safeinstall.journal import (
     Journal,
     JournalError,
@@ -48,9 +50,9 @@ from safeinstall.state import (
     state_root,
     trusted_environment_state,
 )
-from safeinstall.systemd import Systemd, default_dropin_root, start_wait_s
+from safeinstall.systemd import Systemd, default_dropin_root, start_wait_s, stop_wait_s
 from safeinstall.wheel import environment_files, install_location, read_wheel
-from safeinstall.wheelcopy import discard_wheel_copy, is_wheel_copy
+from safeinstall.wheelcopy import discard_dead_copies, discard_wheel_copy, is_wheel_copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +64,11 @@ class Recovery:
     started: tuple[str, ...] = ()
     gates_removed: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+
+    @property
+    def put_back_new_version(self) -> bool:
+        """The run's new version, verified and started, did not come up: the backup was restored."""
+        return self.restored and self.phase in KEPT_PHASES
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,15 +247,21 @@ def _start(units: list[JournalUnit], environ: Mapping[str, str], settle: float) 
 KEPT_PHASES = frozenset({Phase.VERIFIED, Phase.RESTARTING, Phase.DONE})
 
 
-def recovered_result(journal: Journal, recovery: Recovery, log_file: str) -> dict[str, Any]:
+def recovered_result(
+    journal: Journal, recovery: Recovery, log_file: str, ended: int | None = None
+) -> dict[str, Any]:
     """Pure: the ``reinstall`` document of a run that died and that ``--recover`` finished, as its history
     keeps it: status ``recovered``; exit 0 when the new version, verified before the run died, was kept;
-    3 when the environment is as it was before the run (the backup restored, or nothing installed yet)."""
+    3 when the environment is as it was before the run (the backup restored, or nothing installed yet;
+    also when the new version, verified and started, did not come up). ``ended``: the exit code the run
+    itself reported (4: its put-back failed), None when it died without a result."""
     phase = effective_phase(journal)
     died = f"the run {journal.run_id} died in phase {phase} (PID {journal.pid}) without a result"
+    if ended is not None:
+        died = f"the run {journal.run_id} ended in phase {phase} with exit {ended}, its put-back unfinished"
     notes = [f"{died}; safeinstall --recover finished it"]
     errors: list[SafeInstallError] = []
-    if phase in KEPT_PHASES:
+    if phase in KEPT_PHASES and not recovery.restored:
         code = ExitCode.OK
         if phase != Phase.DONE:
             notes.append(
@@ -257,6 +270,8 @@ def recovered_result(journal: Journal, recovery: Recovery, log_file: str) -> dic
     else:
         code = ExitCode.ROLLED_BACK
         how = "restored the backup" if recovery.restored else "had nothing to restore"
+        if phase in KEPT_PHASES:  # its new version did not come up (see restarted_new_version)
+            how = "found that its new version did not come up, restored the backup"
         errors.append(
             StepFailed(
                 f"{died}: safeinstall --recover {how}, and the environment is as it was before the run",
@@ -265,7 +280,13 @@ def recovered_result(journal: Journal, recovery: Recovery, log_file: str) -> dic
         )
     if recovery.started:
         notes.append("started again: " + ", ".join(recovery.started))
-    data = {**jsonable(recovery), "log_file": log_file, "notes": [*notes, *recovery.notes]}
+    data = {
+        **jsonable(recovery),
+        "log_file": log_file,
+        "notes": [*notes, *recovery.notes],
+        "old_version": journal.old_version,
+        "new_version": journal.new_version,
+    }
     return envelope("reinstall", "recovered", code, data, errors)
 
 
@@ -273,13 +294,28 @@ def _keep_recovered(state: EnvironmentState, journal: Journal, recovery: Recover
     """The recovered run's end, as a run's own: notes and result in its log, an entry in the history
     (so that ``--status`` lists it and ``--status --wait --run`` returns it); what went wrong, if anything."""
     log = state.log_file(journal.run_id)
-    result = recovered_result(journal, recovery, str(log))
-    for line in (*result["data"]["notes"], *(f"error: {e['message']}" for e in result["errors"])):
+    ended = _reported_exit(state, journal.run_id)
+    result = recovered_result(journal, recovery, str(log), ended)
+    # a run that ended with a result said its error; what the recovery did is then no error
+    said = "error: " if ended is None else ""
+    for line in (*result["data"]["notes"], *(f"{said}{e['message']}" for e in result["errors"])):
         append_line(log, f"recover: {line}")
     append_line(log, f"result: {result['status']} (exit {result['exit_code']})")
     return append_history(
         state, new_entry(journal.run_id, journal.package, journal.started_at, now_iso(), result)
     )
+
+
+def _reported_exit(state: EnvironmentState, run_id: str) -> int | None:
+    """The exit code the run reported in its history entry (a run whose put-back failed has one), or
+    None (it died without a result; or its entry is damaged)."""
+    try:
+        entry = find_entry(state, run_id)
+    except SafeInstallError:
+        return None
+    result = entry.get("result") if entry is not None else None
+    code = result.get("exit_code") if isinstance(result, dict) else None
+    return code if isinstance(code, int) and not isinstance(code, bool) else None
 
 
 def recover_one(state: EnvironmentState, environ: Mapping[str, str], settle: float = 2.0) -> Recovery:
@@ -304,41 +340,46 @@ def recover_one(state: EnvironmentState, environ: Mapping[str, str], settle: flo
                 (*notes, *done.notes),
             )
 
+        def start_units(units: list[JournalUnit]) -> None:
+            _start(units, environ, settle)
+
         def finished(done: PutBack) -> None:  # before the journal goes: a waiter finds the entry
             notes.extend(_keep_recovered(state, journal, recovery(done)))
 
         try:
             restore: tuple[Environment, Backup] | None = None
             if needs_restore(journal):
-                if journal.backup_dir is None:
-                    raise SafeInstallError("the journal names no backup")
-                env = inspect_environment(Path(journal.python))
-                if env.prefix != Path(journal.prefix):
-                    raise JournalError(
-                        f"{journal.python} reports the prefix {env.prefix}, not {journal.prefix}: "
-                        "refusing to restore into another environment",
-                        hint="look at the journal and the environment, then put things back by hand",
-                    )
                 if journal.wheel is not None and not is_wheel_copy(Path(journal.wheel), state.dir):
                     notes.append(
                         f"the wheel {journal.wheel} is not the run's own copy in the state directory and "
                         "was not read again: only what the installed RECORDs list was removed"
                     )
-                restore = (env, load_backup(Path(journal.backup_dir)))
+                restore = _restore_of(journal, state)
             # the dead run's own uv cache (and scratch) first: nothing may share inodes with it, and on a
             # full disk the restore needs the room it holds (bounded: its owner may keep filling it)
             left = remove_uv_caches(state, seconds=PUT_BACK_CACHE_S)
-            done = put_back(
-                state.dir, journal, environ, restore, lambda units: _start(units, environ, settle), finished
-            )
+            try:
+                done = put_back(state.dir, journal, environ, restore, start_units, finished)
+            except SafeInstallError as exc:
+                if restore is not None or not restarted_new_version(journal):
+                    raise
+                # the new version was verified and started, and does not come up: as the live run would
+                # have, the units are stopped, the previous installation is put back, they start again
+                notes.append(f"the new version did not come up: {exc.message}; the previous one is put back")
+                _stop(units_to_start(journal), environ)
+                restore = _restore_of(journal, state)
+                done = put_back(state.dir, journal, environ, restore, start_units, finished)
             if left:
                 left = remove_uv_caches(state)
                 notes.extend(
                     f"{path} is still being filled by its owner: left for the next run" for path in left
                 )
+            discard_dead_copies(state.dir)  # the journal is gone: no copy of a wheel is of use now
         except JournalError:
             raise  # refused before anything was done: exit 2, as for any refusal
         except SafeInstallError as exc:
+            if restarted_new_version(journal):  # the best attempt: the units run on what is there
+                _start_best_effort(units_to_start(journal), environ, settle)
             commands = [
                 f"systemctl {'--user ' if u.user_manager else ''}start {u.name}"
                 for u in units_to_start(journal)
@@ -352,6 +393,41 @@ def recover_one(state: EnvironmentState, environ: Mapping[str, str], settle: flo
         return recovery(done)
 
 
+def _restore_of(journal: Journal, state: EnvironmentState) -> tuple[Environment, Backup]:
+    """The environment and the backup to put back, as the journal names them (checked)."""
+    if journal.backup_dir is None:
+        raise SafeInstallError("the journal names no backup")
+    env = inspect_environment(Path(journal.python))
+    if env.prefix != Path(journal.prefix):
+        raise JournalError(
+            f"{journal.python} reports the prefix {env.prefix}, not {journal.prefix}: "
+            "refusing to restore into another environment",
+            hint="look at the journal and the environment, then put things back by hand",
+        )
+    return env, load_backup(Path(journal.backup_dir))
+
+
+def restarted_new_version(journal: Journal) -> bool:
+    """Pure: the run died once its new version was verified, before it saw the units settle on it: if
+    one does not come up, the recovery puts the previous installation back, as the run would have."""
+    return effective_phase(journal) in (Phase.VERIFIED, Phase.RESTARTING) and journal.backup_dir is not None
+
+
+def _stop(units: list[JournalUnit], environ: Mapping[str, str]) -> None:
+    """Stop the units again (each within its own ``TimeoutStopSec``), before the restore."""
+    for unit in units:
+        systemd = Systemd(user=unit.user_manager, environ=environ)
+        outcome = systemd.stop(unit.name, stop_wait_s(systemd.info(unit.name).timeout_stop_s))
+        if not outcome.stopped:
+            raise SafeInstallError(outcome.reason or f"{unit.name} did not stop")
+
+
+def _start_best_effort(units: list[JournalUnit], environ: Mapping[str, str], settle: float) -> None:
+    """The put-back failed: the units still get a start on what is installed (what failed is said)."""
+    with contextlib.suppress(SafeInstallError):
+        _start(units, environ, settle)
+
+
 @dataclass(frozen=True, slots=True)
 class Recovered:
     recoveries: tuple[Recovery, ...]
@@ -359,9 +435,11 @@ class Recovered:
 
     @property
     def exit_code(self) -> ExitCode:
-        """0; 4 when a recovery failed (its services may be down); else the first failure's code."""
+        """0; 4 when a recovery failed (its services may be down); else the first failure's code; 3 when
+        every environment was recovered but a new version that did not come up was put back."""
         if not self.failures:
-            return ExitCode.OK
+            put_back = any(r.put_back_new_version for r in self.recoveries)
+            return ExitCode.ROLLED_BACK if put_back else ExitCode.OK
         if any(f.exit_code == ExitCode.ROLLBACK_FAILED for f in self.failures):
             return ExitCode.ROLLBACK_FAILED
         return self.failures[0].exit_code

@@ -82,7 +82,7 @@ from safeinstall.state import (
     remove_uv_caches,
 )
 from safeinstall.survey import Survey, scan_again, systemd_for
-from safeinstall.systemd import StopOutcome, Systemd, start_wait_s
+from safeinstall.systemd import StopOutcome, Systemd, start_wait_s, stop_wait_s
 from safeinstall.uvplan import install as uv_install
 from safeinstall.uvplan import prefetch_command, secure_uv_lock, uv_binary
 from safeinstall.verify import VerifyReport, verify_environment
@@ -165,7 +165,7 @@ class _Run:
     patched: tuple[str, ...] = ()
     extras: tuple[str, ...] = ()
     pruned: tuple[str, ...] = ()
-    stop_issued: dict[str, float] = field(default_factory=dict)
+    down_since: dict[str, float] = field(default_factory=dict)  # units the stop took down: since when
     downtime: dict[str, float] = field(default_factory=dict)
     strays_killed: tuple[int, ...] = ()
     restart_started: bool = False
@@ -231,7 +231,7 @@ class _Run:
     def _stop_timeout(self, unit_timeout: float) -> float:
         if self.options.stop_timeout is not None:
             return self.options.stop_timeout
-        return (unit_timeout if unit_timeout != float("inf") else 90.0) + 10.0
+        return stop_wait_s(unit_timeout)
 
     def saved(self) -> Backup:
         """The backup, once the backup step has made it (every step after it may rely on that)."""
@@ -268,6 +268,9 @@ def start(prepared: Prepared, reporter: Reporter) -> _Run:
             str(prepared.wheel.path) if prepared.wheel else None,
             plan.uv_command,
             units,
+            versions=next(
+                ((d.old_version, d.new_version) for d in plan.distributions if d.requested), (None, None)
+            ),
         ),
     )
     run = _Run(
@@ -403,21 +406,28 @@ def stop_step(run: _Run) -> str:
         run.journal = _mark(run.journal, unit.name, stopped=True)
     run._journal(Phase.STOPPING)
 
+    cancel = threading.Event()
+
     def stop(unit: PlannedUnit) -> StopOutcome:
-        run.stop_issued[unit.name] = time.monotonic()
-        return systemd.stop(unit.name, run._stop_timeout(unit.stop_timeout_s))
+        return systemd.stop(unit.name, run._stop_timeout(unit.stop_timeout_s), cancel=cancel)
 
     outcomes: list[StopOutcome] = []
     if units:
         with ThreadPoolExecutor(max_workers=len(units)) as pool:
             stops = {u.name: pool.submit(stop, u) for u in units}
-            _report_waits(run, stops, "stopped", max(run._stop_timeout(u.stop_timeout_s) for u in units))
-            outcomes = [f.result() for f in stops.values()]
+            try:
+                _report_waits(run, stops, "stopped", max(run._stop_timeout(u.stop_timeout_s) for u in units))
+                outcomes = [f.result() for f in stops.values()]
+            except BaseException:  # Ctrl-C, SIGTERM: the waits end at their next poll, the rollback starts
+                cancel.set()
+                raise
+    run.down_since.update((o.unit, o.down_since) for o in outcomes if o.down_since is not None)
     failed = [o for o in outcomes if not o.stopped]
     if failed:
         first = failed[0]
         timeout = run._stop_timeout(next(u.stop_timeout_s for u in units if u.name == first.unit))
-        raise StepFailed(f"unit {first.unit} did not stop in {timeout:g} s ({first.reason})")
+        waited = f" in {timeout:g} s" if first.waited_s >= timeout else ""  # else: said at once, why
+        raise StepFailed(f"unit {first.unit} did not stop{waited} ({first.reason})")
     killed = _kill_strays(run)
     leftover = _wait_gone(run.plan.processes, run._stop_timeout(90.0))
     if leftover:
@@ -602,7 +612,6 @@ def restart_step(run: _Run) -> str:
 def _start_and_settle(run: _Run, units: list[str], settle: float) -> str:
     systemd = run.systemd
     befores = systemd.show(units)
-    issued = time.monotonic()
     for unit in units:
         systemd.start(unit)
     cancel = threading.Event()
@@ -636,10 +645,11 @@ def _start_and_settle(run: _Run, units: list[str], settle: float) -> str:
             "; ".join(o.reason or f"{o.unit} did not settle" for o in bad),
             hint=f"see why in its journal: journalctl {flag}" + " ".join(f"-u {o.unit}" for o in bad),
         )
-    for unit, outcome in outcomes.items():
-        active_at = issued + max(0.0, outcome.waited_s - settle)
-        if unit in run.stop_issued:
-            run.downtime[unit] = active_at - run.stop_issued[unit]
+    for unit, outcome in outcomes.items():  # what systemd reports; none for a unit that never went down
+        before, down_since = befores.get(unit), run.down_since.get(unit)
+        up = outcome.info.active_enter_us / 1e6
+        if before is not None and not before.is_active and down_since is not None and up > down_since:
+            run.downtime[unit] = up - down_since
     return ", ".join(f"{u} active for {settle:g} s" for u in units)
 
 
@@ -876,8 +886,23 @@ def _verify_installed(
 
 
 def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) -> RunResult:
-    """The whole run. Raises SafeInstallError only before anything changed (exit 2)."""
+    """The whole run. Raises SafeInstallError only before anything changed (exit 2).
+
+    Signals (see :mod:`safeinstall.signals`): until the journal is written they end the run with exit 2
+    (the early handlers); one that arrives while it is written is held back and stops the first step
+    (the run then ends as one interrupted before the stop: exit 2); during the steps they interrupt and
+    the run rolls back; during the rollback and the tidy-up after a good run they are held back and
+    announced (the tidy-up is short: the run finishes with its result)."""
     prepared = shared_preflight(options, take_lock=True)
+    tidying: list[bool] = []
+
+    def held_back(signum: int) -> None:
+        if tidying:
+            reporter.note(
+                f"{signal.Signals(signum).name} received while the run tidies up: finishing it first"
+            )
+
+    deferral = contextlib.ExitStack()  # from the journal to the end, signals are held back unless raised
     try:
         refused = refusal(prepared.plan)
         if refused is not None:
@@ -890,14 +915,17 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
         if not interactive:  # --yes, --json, no terminal: what will be lost is still said, and logged
             for warning in prepared.plan.warnings:
                 reporter.note(f"before the stop: {warning}")
+        held = deferral.enter_context(interrupts_deferred(held_back))
         run = start(prepared, reporter)
     except BaseException:
+        deferral.close()
         _discard_wheel_copy(prepared)
         if prepared.lock is not None:
             prepared.lock.release()
         raise
     try:
         with interrupts_raise() as received:
+            received.signals.extend(held)  # held back while the journal was written: no step starts
 
             def step(name: str, action: Callable[[], str]) -> None:
                 run._timed(name, received.checked(action))
@@ -925,10 +953,14 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
                     ExitCode.ROLLED_BACK: "rolled-back",
                     ExitCode.ROLLBACK_FAILED: "rollback-failed",
                 }.get(outcome.exit_code, "error")
-                return _result(run, status, outcome.exit_code, outcome)
-        # The run succeeded: the services run the new, verified version. What is left is tidying up; a
-        # failure there is said, and must not turn a good run into an error (nor leave a journal that
-        # blocks the next run): the gate marker is gone already, so a leftover drop-in is inert.
+                # put back whole: its backup counts under --keep-backups as a good run's (they piled up)
+                removed = _prune_old_backups(run) if outcome.exit_code == ExitCode.ROLLED_BACK else ()
+                return _result(run, status, outcome.exit_code, outcome, backups_removed=removed)
+        # The run succeeded: the services run the new, verified version. What is left is tidying up
+        # (signals held back meanwhile); a failure there is said, and must not turn a good run into an
+        # error (nor leave a journal that blocks the next run): the gate marker is gone already, so a
+        # leftover drop-in is inert.
+        tidying.append(True)
         run._journal_if_possible(Phase.DONE)
         save_patches(run)
         try:
@@ -940,10 +972,9 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
             )
         with contextlib.suppress(OSError):
             clear_journal(run.state.dir)
-        old = prune_backups(run.state.backups, options.keep_backups, protected={run.run_id})
-        run.notes.extend(f"old backup not deleted: {problem}" for problem in old.problems)
+        removed = _prune_old_backups(run)
         not_restarted = tuple(run._units_to_restart()) if options.no_restart else ()
-        return _result(run, "done", ExitCode.OK, None, not_restarted, tuple(map(str, old.removed)))
+        return _result(run, "done", ExitCode.OK, None, not_restarted, removed)
     finally:
         # installed files then share inodes with nothing; what its owner kept filling stays for the next run
         for left in remove_uv_caches(run.state, run.run_id):
@@ -952,6 +983,15 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
             _discard_wheel_copy(prepared)
         if prepared.lock is not None:
             prepared.lock.release()
+        deferral.close()
+
+
+def _prune_old_backups(run: _Run) -> tuple[str, ...]:
+    """After a run that ended with the environment whole (done, or rolled back): the newest
+    ``--keep-backups`` backups stay, this run's among them; the ones deleted."""
+    old = prune_backups(run.state.backups, run.options.keep_backups, protected={run.run_id})
+    run.notes.extend(f"old backup not deleted: {problem}" for problem in old.problems)
+    return tuple(map(str, old.removed))
 
 
 def _as(account: Account | None) -> str:

@@ -1,5 +1,9 @@
-"""SIGINT/SIGTERM/SIGHUP during a run: the first one interrupts the step in progress (and the run rolls
-back); during the rollback they are held back, so the services are never abandoned half-way."""
+"""SIGINT/SIGTERM/SIGHUP have one meaning at each point of a run: before the run's journal exists they
+end safeinstall with exit 2 and an ``error:`` line (:func:`install_early_handlers`, from its first
+instruction: nothing was changed); during the run the first one interrupts the step in progress (and the
+run rolls back: exit 2 before the stop, 3 after it); during the rollback and the tidy-up after a good run
+they are held back and announced, so the services are never abandoned half-way and a finished run
+finishes."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import TypeVar
 
-from safeinstall.errors import StepFailed
+from safeinstall.errors import Aborted, StepFailed
 
 #: SIGHUP too: a dropped SSH session must roll back like Ctrl-C, not kill the run with the units down.
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -19,6 +23,32 @@ class Interrupted(StepFailed):
     """Raised in the main thread when SIGINT, SIGTERM or SIGHUP arrives during a run."""
 
     code = "interrupted"
+
+
+class InterruptedEarly(Aborted):
+    """SIGINT, SIGTERM or SIGHUP before the run's journal exists (or in a command that changes nothing):
+    exit 2, nothing was changed."""
+
+    code = "interrupted"
+
+
+def interrupted_early(signum: int) -> InterruptedEarly:
+    return InterruptedEarly(
+        f"interrupted by {signal.Signals(signum).name}; nothing was changed",
+        hint="nothing was stopped or installed; run it again when you are ready",
+    )
+
+
+def raise_interrupted_early(signum: int, _frame: FrameType | None) -> None:
+    raise interrupted_early(signum)
+
+
+def install_early_handlers() -> None:
+    """SIGINT/SIGTERM/SIGHUP raise :class:`InterruptedEarly` (exit 2) from now on: a Ctrl-C while the CLI
+    loads or the preflight runs is an ``error:`` line, not a traceback, a silent 130 or a death by
+    SIGTERM. The run puts its own handlers on top once its journal exists."""
+    for sig in _SIGNALS:
+        signal.signal(sig, raise_interrupted_early)
 
 
 T = TypeVar("T")

@@ -50,6 +50,8 @@ SHOW_PROPERTIES: tuple[str, ...] = (
     "Result",
     "NRestarts",
     "ExecMainStartTimestampMonotonic",
+    "ActiveExitTimestampMonotonic",
+    "ActiveEnterTimestampMonotonic",
     "FragmentPath",
     "Job",
     "RequiredBy",
@@ -149,6 +151,8 @@ class UnitInfo:
     #: a start of this one does not start again
     dependents: tuple[str, ...] = ()
     timeout_start_s: float = 90.0  # TimeoutStartSec (math.inf for "infinity"): systemd fails a start after it
+    active_exit_us: int = 0  # CLOCK_MONOTONIC when it last left active (a stop began), 0 if never
+    active_enter_us: int = 0  # CLOCK_MONOTONIC when it last became active, 0 if never
 
     @property
     def found(self) -> bool:
@@ -191,6 +195,8 @@ def unit_info(name: str, props: Mapping[str, str]) -> UnitInfo:
         fragment_path=props.get("FragmentPath") or None,
         job_id=_int(job) or None,
         timeout_start_s=parse_timespan(props.get("TimeoutStartUSec", "") or "1min 30s"),
+        active_exit_us=_int(props.get("ActiveExitTimestampMonotonic", "")),
+        active_enter_us=_int(props.get("ActiveEnterTimestampMonotonic", "")),
         dependents=tuple(
             dict.fromkeys(
                 name for key in ("RequiredBy", "BoundBy", "ConsistsOf") for name in props.get(key, "").split()
@@ -209,6 +215,24 @@ def start_wait_s(info: UnitInfo | None) -> float:
     roll back a good install of a slow-starting service."""
     timeout = 90.0 if info is None else info.timeout_start_s
     return timeout + START_MARGIN_S
+
+
+#: Beyond a unit's own TimeoutStopSec, how long to go on waiting for it to stop (90 s when "infinity").
+STOP_MARGIN_S = 10.0
+
+
+def down_since_s(stopped: UnitInfo, asked_at: float) -> float:
+    """Pure: when a unit that a stop asked for at ``asked_at`` (CLOCK_MONOTONIC seconds) took down
+    went down, as systemd reports it: when it left active (its main process told to stop: it serves no
+    more); a unit that is unloaded once inactive keeps no timestamps, and one from before the stop
+    is another stop's: then when the stop was asked for."""
+    left = stopped.active_exit_us / 1e6
+    return left if left >= asked_at else asked_at
+
+
+def stop_wait_s(timeout_stop_s: float) -> float:
+    """Pure: how long a unit whose ``TimeoutStopSec`` is ``timeout_stop_s`` may take to stop."""
+    return (timeout_stop_s if timeout_stop_s != float("inf") else 90.0) + STOP_MARGIN_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,6 +340,7 @@ class StopOutcome:
     leftover_pids: frozenset[int]  # processes still in the unit's cgroup when we gave up
     waited_s: float
     reason: str | None  # why it did not stop, for the user
+    down_since: float | None = None  # stopped: when it went down (CLOCK_MONOTONIC s, see down_since_s)
 
 
 SettleVerdict = Literal["settled", "failed", "inactive", "activating", "restarted", "interrupted"]
@@ -477,8 +502,13 @@ class Systemd:
         else:
             self.systemctl("start", "--no-block", "--", unit)
 
-    def stop(self, unit: str, timeout_s: float) -> StopOutcome:
-        """Stop ``unit`` and wait until it is down and its cgroup is empty, for at most ``timeout_s``."""
+    def stop(self, unit: str, timeout_s: float, *, cancel: threading.Event | None = None) -> StopOutcome:
+        """Stop ``unit`` and wait until it is down and its cgroup is empty, for at most ``timeout_s``.
+
+        A stop that systemd did not carry out (systemctl failed, and the unit is still active with no
+        job: refused, or systemctl was killed before it asked) is said at once, not waited out.
+        ``cancel``, once set, ends the wait at the next poll (not stopped, reason ``interrupted``).
+        """
         started = time.monotonic()
         before = self.info(unit)
         if not before.found:
@@ -486,8 +516,11 @@ class Systemd:
         control_group = before.control_group
         # Blocks until systemd's stop job is done: no polling latency on the common path. A timeout
         # (the job goes on) or a failure is judged below from the unit's state.
-        with contextlib.suppress(SystemdError):
+        refused: SystemdError | None = None
+        try:
             self.systemctl("stop", "--", unit, timeout_s=timeout_s)
+        except SystemdError as exc:
+            refused = exc
         deadline = started + timeout_s
         while True:
             info = self.info(unit)
@@ -495,7 +528,17 @@ class Systemd:
             pids = self.pids_in_cgroup(control_group) if control_group else frozenset()
             now = time.monotonic()
             if info.active_state in _STOPPED_STATES and not pids:
-                return StopOutcome(unit, True, info.active_state, info.sub_state, pids, now - started, None)
+                down = down_since_s(info, started)
+                return StopOutcome(
+                    unit, True, info.active_state, info.sub_state, pids, now - started, None, down
+                )
+            interrupted = cancel is not None and cancel.is_set()
+            not_done = refused is not None and info.active_state == "active" and info.job_id is None
+            if not_done or interrupted:
+                reason = "interrupted" if interrupted else f"the stop was not carried out: {refused}"
+                return StopOutcome(
+                    unit, False, info.active_state, info.sub_state, pids, now - started, reason
+                )
             if now >= deadline:
                 return StopOutcome(
                     unit,

@@ -119,6 +119,15 @@ def discard_wheel_copy(path: Path, envdir: Path) -> None:
         tree.remove_tree(directory)
 
 
+def discard_dead_copies(envdir: Path) -> None:
+    """Remove every run's copy in ``envdir`` (best effort): those of runs that died between copying the
+    wheel and writing their journal, or whose recovery ended. Call it holding the environment's lock,
+    with no journal left: then no run, live or to recover, uses one."""
+    with contextlib.suppress(OSError), Tree(envdir) as tree:
+        for name in tree.names(WHEELS_DIR):
+            tree.remove_tree(f"{WHEELS_DIR}/{name}")
+
+
 @contextlib.contextmanager
 def passable_temporary_dir(what: str) -> Iterator[Path]:
     """A new temporary directory for ``what`` that others may enter but not list (0711), removed

@@ -1,0 +1,185 @@
+"""The fault soak (issue 22): a bounded, seeded, randomized harness that sends SIGKILL, SIGTERM or SIGINT
+to real runs under a real ``systemd --user`` unit (real wheels, the real uv), at a uniform delay or
+aimed at a journal phase, and checks after each trial:
+
+* a SIGTERM or SIGINT run ends by itself with exit 0, 2 or 3 (an ``error:`` line for 2 and 3, never a
+  traceback) and leaves no journal; after a SIGKILL, ``safeinstall --recover`` exits 0 or 3;
+* the unit is active (or was started again by ``--recover``);
+* the installed version is the old or the new one, and ``--verify-only`` against its wheel is clean;
+* no journal, gate marker, gate drop-in or uv cache of the run is left;
+* the next run is not refused (each trial's run is the previous trial's "next run"), and after the
+  last trial a run without a signal succeeds and leaves no wheel copy behind.
+
+The default suite runs a short soak (``SOAK_TRIALS`` trials); ``SAFEINSTALL_SOAK=500`` runs 500 (before a
+release; see docs/faults.md), ``SAFEINSTALL_SOAK_SEED=N`` replays a seed. The seed is printed (``-s``)
+and is in every failure's message.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests import wheelhouse
+from tests.bed_nvml import FakeNvml
+from tests.bed_systemd import UserManager, wait_until
+from tests.clirun import run
+from tests.test_crash_safety import Bed
+from tests.wheelhouse import Wheelhouse
+
+SOAK_TRIALS = 40
+#: the phases a good run passes, in order (safeinstall.journal.Phase)
+PHASES = (
+    "planned",
+    "backed-up",
+    "gated",
+    "stopping",
+    "stopped",
+    "gpu-released",
+    "installing",
+    "installed",
+    "verified",
+    "restarting",
+    "done",
+)
+SIGNALS = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT)
+#: a uniform delay is drawn from [0, UNIFORM_MAX_S) once the run's signal handlers are installed
+UNIFORM_MAX_S = 3.0
+VERSIONS = {"1.0": "sicext-1", "2.0": "sicext-2"}
+
+
+@dataclass
+class Tally:
+    trials: int = 0
+    seconds: float = 0.0
+    hit: collections.Counter[str] = field(default_factory=collections.Counter)
+    outcomes: collections.Counter[str] = field(default_factory=collections.Counter)
+
+    def report(self, seed: int) -> str:
+        per = self.seconds / self.trials if self.trials else 0.0
+        return (
+            f"soak seed {seed}: {self.trials} trials, {per:.2f} s per trial; phases hit "
+            f"{dict(sorted(self.hit.items()))}; outcomes {dict(sorted(self.outcomes.items()))}"
+        )
+
+
+@pytest.fixture
+def soak_bed(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path, user_manager: UserManager, fake_nvml: FakeNvml
+) -> Iterator[Bed]:
+    wheelhouse.uv_install(venv, wheels["sicext-1"])
+    made = Bed(venv, tmp_path / "state", user_manager, fake_nvml, wheels)
+    yield made
+    for name in made.units:
+        user_manager.systemctl("kill", "--signal=SIGKILL", name, check=False)
+        user_manager.systemctl("stop", name, check=False)
+        user_manager.remove_unit(name)
+
+
+def _catches_sigterm(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next(int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(mask & (1 << (signal.SIGTERM - 1)))
+
+
+def _aim(bed: Bed, proc: subprocess.Popen[str], target: str | None, delay: float) -> str:
+    """Wait for the moment (the journal in ``target``, or ``delay`` seconds once the handlers are in);
+    the phase the journal is in then ("-": none yet; "ended": the run finished first)."""
+    while not _catches_sigterm(proc.pid):
+        if proc.poll() is not None:
+            return "ended"
+        time.sleep(0.001)
+    if target is None:
+        deadline = time.monotonic() + delay
+        while time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.001)
+    else:
+        while proc.poll() is None:
+            journal = bed.journal()
+            if journal is not None and journal["phase"] == target:
+                break
+            time.sleep(0.0005)
+    if proc.poll() is not None:
+        return "ended"
+    journal = bed.journal()
+    return "-" if journal is None else str(journal["phase"])
+
+
+def _trial(bed: Bed, unit: str, version: str, rng: random.Random, tally: Tally, where: str) -> str:
+    """One trial from ``version`` installed; the version installed after it."""
+    other = "2.0" if version == "1.0" else "1.0"
+    wheel = bed.wheels[VERSIONS[other]]
+    signum = rng.choice(SIGNALS)
+    target = rng.choice((None, *PHASES))  # None: a uniform delay
+    delay = rng.uniform(0.0, UNIFORM_MAX_S)
+    where += f" {signum.name} at " + (target or f"{delay:.3f} s")
+    proc = bed.start_run("sicext", "--wheel", str(wheel), "--settle", "0.3")
+    try:
+        hit = _aim(bed, proc, target, delay)
+        if proc.poll() is None:
+            proc.send_signal(signum)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    tally.hit[hit] += 1
+    code = proc.returncode
+    assert "Traceback" not in err, f"{where}: {err}"
+    # refused by what an earlier trial left: its journal, or its run still holding the lock
+    assert "a previous run (" not in err and "holds the lock" not in err, f"{where}: refused: {err}"
+    recovered = None
+    if code == -signal.SIGKILL:
+        recovered = bed.cli("--recover")
+        assert recovered.code in (0, 3), f"{where}: --recover exit {recovered.code}: {recovered.stderr}"
+    else:
+        assert code in (0, 2, 3), f"{where}: exit {code}: {out}{err}"
+        assert code == 0 or "error:" in err, f"{where}: exit {code} without an error line: {err}"
+        assert bed.journal() is None, f"{where}: exit {code} left a journal: {bed.journal()}"
+    outcome = f"{signum.name}:{code}" + ("" if recovered is None else f"+recover:{recovered.code}")
+    tally.outcomes[outcome] += 1
+    wait_until(lambda: bed.manager.active_state(unit) == "active", 30, f"{where}: the unit running")
+    now = bed.version()
+    assert now in VERSIONS, f"{where}: installed version {now!r}"
+    check = run(
+        "sicext", "--verify-only", "--python", str(bed.python), "--wheel", str(bed.wheels[VERSIONS[now]])
+    )
+    assert check.code == 0, f"{where}: version {now} does not verify against its wheel: {check.stdout}"
+    bed.no_trace()
+    print(f"{where} hit {hit}: {outcome}, {version} -> {now}")  # with -s: a long soak's progress
+    return now
+
+
+def test_fault_soak(soak_bed: Bed) -> None:
+    bed = soak_bed
+    trials = int(os.environ.get("SAFEINSTALL_SOAK") or SOAK_TRIALS)
+    seed = int(os.environ.get("SAFEINSTALL_SOAK_SEED") or random.SystemRandom().randrange(2**32))
+    print(f"soak seed {seed}, {trials} trials (replay: SAFEINSTALL_SOAK_SEED={seed})")
+    rng = random.Random(seed)
+    unit = bed.unit("soak")
+    tally = Tally()
+    version = bed.version()
+    for trial in range(trials):
+        started = time.monotonic()
+        version = _trial(bed, unit, version, rng, tally, f"seed {seed} trial {trial}:")
+        tally.seconds += time.monotonic() - started
+        tally.trials += 1
+    other = "2.0" if bed.version() == "1.0" else "1.0"
+    last = bed.cli("sicext", "--wheel", str(bed.wheels[VERSIONS[other]]), "--settle", "0.3", "--yes")
+    assert last.code == 0, f"seed {seed}: the run after the soak: {last.stdout}{last.stderr}"
+    assert bed.version() == other
+    bed.no_trace()
+    assert not list(bed.state.glob("*/wheels/*")), f"seed {seed}: wheel copies left"
+    print(tally.report(seed))
