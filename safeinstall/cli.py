@@ -350,6 +350,7 @@ def _print_entry(entry: dict[str, Any], as_json: bool) -> NoReturn:
 
 def _run_wait(python: str | None, run_id: str | None, as_json: bool) -> None:
     from safeinstall.detach import locate, wait_for_run
+    from safeinstall.signals import InterruptedEarly
     from safeinstall.state import environment_state, list_environment_dirs, state_root
 
     root = state_root(os.environ, os.geteuid())
@@ -365,7 +366,7 @@ def _run_wait(python: str | None, run_id: str | None, as_json: bool) -> None:
 
     try:
         entry = wait_for_run(state, run_id, show)
-    except KeyboardInterrupt:  # only the following stops: the run is another process, and goes on
+    except (KeyboardInterrupt, InterruptedEarly):  # only the following stops: the run goes on
         again = "safeinstall --status --wait" + (f" --run {run_id}" if run_id else "")
         show(f"stopped following; the run goes on (its own process is not interrupted): {again} follows it")
         _exit(130)

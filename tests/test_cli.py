@@ -156,7 +156,10 @@ def test_a_detached_run_gets_exactly_the_callers_options() -> None:
         context = get_command(app).make_context("safeinstall", args)
         private = PrivateInputs({}, options.health_url, options.extra_args)
         parsed = run_options(context.params, context.args, private)
-        assert parsed == dataclasses.replace(options, environ=parsed.environ)
+        # uv's index options reach uv in its environment, never on a command line (issue 21)
+        assert parsed.environ["UV_INDEX_URL"] == "https://example.com/simple"
+        uv_args = ("--detach", "-h", "--")
+        assert parsed == dataclasses.replace(options, environ=parsed.environ, extra_args=uv_args)
         with pytest.raises(UsageError, match="from its --environ-from file only"):
             run_options(context.params, ["--index-url", "https://elsewhere.example/simple"], private)
 

@@ -156,7 +156,10 @@ def test_verify_all_finds_every_site_directory_of_the_system_python_and_says_whi
     assert found["pyyaml"]["files_checked"] > 0  # verified against its RECORD
     assert found["sipure"]["site"] == str(pip_sipure) and found["sipure"]["system_package"] is None
     assert not found["sipure"]["drift"]
-    text = run("--verify-only", "--all", "--python", str(SYSTEM_PYTHON), env={**os.environ, "COLUMNS": "400"})
+    # -v: every distribution (without it, --all lists only those with drift)
+    text = run(
+        "--verify-only", "--all", "-v", "--python", str(SYSTEM_PYTHON), env={**os.environ, "COLUMNS": "400"}
+    )
     assert f"pyyaml 6.0 in {python3_yaml} (dpkg package python3-yaml: debsums python3-yaml checks it)" in (
         text.stdout.replace("\n", " ")
     )
@@ -188,7 +191,10 @@ def test_egg_info_distributions_are_said_not_to_be_checked(deb_without_record: P
     result = run("--verify-only", "--all", "--python", str(SYSTEM_PYTHON), "--json")
     assert str(egg) in result.json["data"]["egg_info"]
     assert "sitest-egg" not in {d["name"] for d in result.json["data"]["distributions"]}
-    text = run("--verify-only", "--all", "--python", str(SYSTEM_PYTHON), env={**os.environ, "COLUMNS": "400"})
+    # -v: every distribution (without it, --all lists only those with drift)
+    text = run(
+        "--verify-only", "--all", "-v", "--python", str(SYSTEM_PYTHON), env={**os.environ, "COLUMNS": "400"}
+    )
     assert ".egg-info distribution(s) have no RECORD and were not checked" in text.stderr
 
 
@@ -310,7 +316,12 @@ def test_a_system_site_packages_venv_shows_and_refuses_what_comes_from_the_base(
     assert not found["sipure"]["drift"]  # its files are checked within the base installation
     assert not found["sins-a"]["from_base"]
     text = run(
-        "--verify-only", "--all", "--python", str(system_site_venv), env={**os.environ, "COLUMNS": "400"}
+        "--verify-only",
+        "--all",
+        "-v",
+        "--python",
+        str(system_site_venv),
+        env={**os.environ, "COLUMNS": "400"},
     )
     assert f"sipure 1.0 in {pip_sipure} (the base installation): " in text.stdout
     new = str(wheels["sipure-2"])
@@ -424,8 +435,13 @@ def test_the_plan_says_once_what_every_process_of_the_system_interpreter_shares(
         processes = {p["pid"]: p for p in plan.json["data"]["processes"]}
         pids = [s.pid for s in sleepers]
         assert all(processes[pid]["evidence"] == ["environment"] for pid in pids), processes
-        human = run(*args, "--", "--break-system-packages", env=state).stdout
-        lines = [line for line in human.splitlines() if "runs the environment's interpreter" in line]
+        # at a glance: one row per process (its one reason); with -v, each piece of evidence once
+        human = run(*args, "-v", "--", "--break-system-packages", env=state).stdout
+        lines = [
+            line
+            for line in human.splitlines()
+            if "runs the environment's interpreter" in line and line.lstrip().startswith("PID")
+        ]
         assert len(lines) == 1, human
         assert lines[0].lstrip().startswith("PIDs ") and all(str(pid) in lines[0] for pid in pids)
     finally:

@@ -233,7 +233,7 @@ def plan_diff(plan: Mapping[str, Any]) -> dict[str, str]:
 #: The kinds of finding (safeinstall.drift.FindingKind), drift apart from warnings: :func:`finding_counts`
 #: lists each of them, zeros included, as ``--metrics-file`` does
 DRIFT_KINDS = ("missing", "modified", "extra", "outside", "unreadable", "malformed", "version-mismatch")
-WARNING_KINDS = ("hardlinked", "wheel-record")
+WARNING_KINDS = ("hardlinked", "wheel-record", "shared")
 
 
 def finding_counts(result: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
