@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from safeinstall.errors import StepFailed
 from safeinstall.safefs import Tree, remove_at
 
 #: Errors that mean "the account may not do this": the path is not the account's to remove.
@@ -160,3 +161,33 @@ def remove_new_uv_lock(prefix: str) -> dict[str, Any]:
         return {"removed": False}
     with Tree(Path(prefix)) as tree:
         return {"removed": tree.unlink(UV_LOCK)}
+
+
+def write_carried(prefix: Path, location: str, data: bytes) -> None:
+    """Put one merged file in place of the new version's, through the one safe filesystem layer
+    (:class:`safeinstall.safefs.Tree`): walked by descriptor from the prefix, no symlink followed, the
+    file replaced atomically (temp file, fsync, rename); it keeps the installed file's mode and owner."""
+    try:
+        with Tree(prefix) as tree:
+            relative = tree.relative(location)
+            if relative is None:
+                raise StepFailed(f"refusing to write {location}: it is not inside {prefix}")
+            info = tree.lstat(relative)
+            if info is None or not stat.S_ISREG(info.st_mode):
+                raise StepFailed(
+                    f"could not write the merged {location}: it is not a regular file (a symlink, a "
+                    "special file or nothing) below the prefix"
+                )
+            source = os.memfd_create("safeinstall-merge", os.MFD_CLOEXEC)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(source, view) :]
+                os.lseek(source, 0, os.SEEK_SET)
+                owner = (info.st_uid, info.st_gid) if os.geteuid() == 0 else None
+                tree.write_from(relative, source, stat.S_IMODE(info.st_mode), owner)
+            finally:
+                os.close(source)
+            tree.fsync_dir(os.path.dirname(relative))
+    except OSError as exc:
+        raise StepFailed(f"could not write the merged {location}: {exc.strerror or exc}") from exc

@@ -8,14 +8,13 @@ longer has, or a file outside site-packages refuses the run before anything stop
 ``--drop-conflicting`` carries the rest.
 
 The core is pure (:func:`merge_file`, :func:`settle`, :class:`PatchSet`); the I/O sits at the edges:
-:func:`prepare_patches` reads the three versions before the stop, :func:`write_carried` is the one
-write after the install, :func:`save_patch_set` keeps the carried set in the state directory.
+:func:`prepare_patches` reads the three versions before the stop, :func:`carry` is the one write after
+the install (as the environment's owner), :func:`save_patch_set` keeps the carried set in the state directory.
 """
 
 from __future__ import annotations
 
 import os
-import stat
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
@@ -24,12 +23,14 @@ from typing import TYPE_CHECKING
 
 from merge3 import Merge3
 
+from safeinstall import worker
 from safeinstall.diffs import text_lines, unified
 from safeinstall.distributions import InstalledDistribution
 from safeinstall.drift import Expectation, FindingKind
 from safeinstall.environment import Account, Environment
 from safeinstall.errors import PatchConflict, PlanError, StepFailed, WheelError
 from safeinstall.hashing import is_within
+from safeinstall.owner import write_carried
 from safeinstall.records import RecordHash, digest_bytes
 from safeinstall.safefs import Tree
 from safeinstall.state import EnvironmentState, atomic_write, ensure_dir, make_run_dir, remove_run_dir
@@ -337,44 +338,36 @@ def _planned_version(survey: Survey) -> str:
     return next((v for v in planned if v), survey.target.version)
 
 
-def write_carried(prefix: Path, location: str, data: bytes) -> None:
-    """Put one merged file in place of the new version's, through the one safe filesystem layer
-    (:class:`safeinstall.safefs.Tree`): walked by descriptor from the prefix, no symlink followed, the
-    file replaced atomically (temp file, fsync, rename); it keeps the installed file's mode and owner."""
+def carry(prefix: Path, patches: PatchSet, account: Account | None) -> int:
+    """After the install: write every carried file, how many. The files are the new version's, which uv
+    installed as the environment's owner, at paths its RECORDs name: they are written by a worker that
+    is that owner (:func:`safeinstall.owner.write_carried`), so nothing the owner could not write is
+    written."""
+    files = [(o.path, o.merged) for o in patches.with_status(PatchStatus.CARRIED) if o.merged is not None]
+    if not files:
+        return 0
+
+    def write_all() -> int:
+        for location, data in files:
+            write_carried(prefix, location, data)
+        return len(files)
+
     try:
-        with Tree(prefix) as tree:
-            relative = tree.relative(location)
-            if relative is None:
-                raise StepFailed(f"refusing to write {location}: it is not inside {prefix}")
-            info = tree.lstat(relative)
-            if info is None or not stat.S_ISREG(info.st_mode):
-                raise StepFailed(
-                    f"could not write the merged {location}: it is not a regular file (a symlink, a "
-                    "special file or nothing) below the prefix"
-                )
-            source = os.memfd_create("safeinstall-merge", os.MFD_CLOEXEC)
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(source, view) :]
-                os.lseek(source, 0, os.SEEK_SET)
-                owner = (info.st_uid, info.st_gid) if os.geteuid() == 0 else None
-                tree.write_from(relative, source, stat.S_IMODE(info.st_mode), owner)
-            finally:
-                os.close(source)
-            tree.fsync_dir(os.path.dirname(relative))
-    except OSError as exc:
-        raise StepFailed(f"could not write the merged {location}: {exc.strerror or exc}") from exc
+        written = worker.call(
+            None if account is None else account.ids,
+            write_all,
+            timeout=CARRY_TIMEOUT_S,
+            what=f"writes the carried local patches into {prefix}",
+        )
+    except worker.WorkerError as exc:
+        raise StepFailed(exc.message.replace("StepFailed: ", ""), hint=StepFailed.default_hint) from exc
+    if written != len(files):
+        raise StepFailed(f"the worker that carried the local patches into {prefix} answered {written!r}")
+    return len(files)
 
 
-def carry(prefix: Path, patches: PatchSet) -> int:
-    """After the install: write every carried file; how many."""
-    written = 0
-    for outcome in patches.with_status(PatchStatus.CARRIED):
-        if outcome.merged is not None:
-            write_carried(prefix, outcome.path, outcome.merged)
-            written += 1
-    return written
+#: How long writing the carried files may take (a few merged source files)
+CARRY_TIMEOUT_S = 300.0
 
 
 def save_patch_set(state: EnvironmentState, run_id: str, patches: PatchSet) -> Path | None:

@@ -541,7 +541,7 @@ def install_step(run: _Run) -> str:
     if result.returncode != 0:
         tail = "\n".join(result.output.strip().splitlines()[-6:])
         raise StepFailed(f"uv pip install failed (exit {result.returncode}): {tail}")
-    carried = carry(run.env.prefix, run.patches) if run.patches is not None else 0
+    carried = carry(run.env.prefix, run.patches, run.env.account) if run.patches is not None else 0
     run._journal(Phase.INSTALLED)
     return " ".join(command) + late + (f"; {carried} local patch(es) carried" if carried else "")
 

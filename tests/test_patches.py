@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from safeinstall.errors import StepFailed
+from safeinstall.owner import write_carried
 from safeinstall.patches import (
     LocalPatch,
     PatchOutcome,
@@ -25,7 +26,6 @@ from safeinstall.patches import (
     Versions,
     merge_file,
     settle,
-    write_carried,
 )
 from safeinstall.records import digest_bytes
 from tests.bed_systemd import wait_until

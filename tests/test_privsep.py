@@ -522,3 +522,32 @@ def test_a_worker_that_runs_past_its_deadline_or_answers_too_much_is_ended() -> 
         worker.call(None, lambda: "x" * (worker.ANSWER_LIMIT + 10), timeout=30, what="talks")
     with pytest.raises(worker.WorkerError, match="ZeroDivisionError"):
         worker.call(None, lambda: 1 // 0, timeout=30, what="divides")
+
+
+def test_the_carried_local_patches_are_written_as_the_owner(open_dir: Path) -> None:
+    """``--keep-patches`` writes the merged files after the install, at paths the environment's RECORDs
+    name: as the owner, so a path the owner may not write (root's file in root's directory, named by a
+    RECORD the owner wrote) is refused, not written by root."""
+    from safeinstall.environment import Account
+    from safeinstall.errors import StepFailed
+    from safeinstall.patches import PatchOutcome, PatchSet, PatchStatus, Versions, carry
+
+    prefix = open_dir / "venv"
+    (prefix / "lib").mkdir(parents=True)
+    chown_tree(prefix / "lib", NOBODY)
+    mine = prefix / "lib" / "mod.py"
+    mine.write_text("new version\n")
+    os.chown(mine, NOBODY, NOBODY)
+    roots = prefix / "root.txt"
+    roots.write_text("root's own\n")
+
+    def carried(path: Path) -> PatchSet:
+        outcome = PatchOutcome(str(path), PatchStatus.CARRIED, "merged", merged=b"merged\n")
+        return PatchSet(Versions("pkg", "1", "2"), (outcome,))
+
+    nobody = Account(NOBODY, NOBODY, "/")
+    assert carry(prefix, carried(mine), nobody) == 1
+    assert mine.read_bytes() == b"merged\n" and os.lstat(mine).st_uid == NOBODY
+    with pytest.raises(StepFailed, match="could not write the merged"):
+        carry(prefix, carried(roots), nobody)
+    assert roots.read_text() == "root's own\n"
