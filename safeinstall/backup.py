@@ -888,7 +888,7 @@ class _Removed:
 
 
 #: How long the owner's worker may take to remove an installed version (tens of thousands of files)
-REMOVAL_TIMEOUT_S = 600.0
+REMOVAL_TIMEOUT_S = 300.0
 
 
 def _remove_as_owner(env: Environment, removal: _Removal, stop: list[str]) -> _Removed:

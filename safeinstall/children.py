@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_DUMPABLE = 4
 _HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 _Handler = Callable[[int, FrameType | None], object] | int | None
@@ -65,12 +66,17 @@ def isolate(
     if keep is not None:
         _close_all_but(keep)
     if ids is not None:
+        # A forked worker runs safeinstall's own code, never the account's: its files are checked as the
+        # account (the effective and filesystem ids), while its real and saved uid stay root's, so the
+        # account cannot signal it (kill, SIGSTOP: a rollback held or failed at the account's will).
+        # Not dumpable: the account cannot ptrace it nor read its memory (a copy of root's).
         os.setgroups([])
-        os.setgid(ids[1])
-        os.setuid(ids[0])
-        if (os.getuid(), os.geteuid(), os.getgid(), os.getegid()) != (ids[0], ids[0], ids[1], ids[1]):
+        os.setresgid(ids[1], ids[1], ids[1])
+        os.setresuid(0, ids[0], 0)
+        if os.getresuid() != (0, ids[0], 0) or os.getresgid() != (ids[1],) * 3 or os.getgroups():
             os._exit(254)
     if _PRCTL is not None:
+        _PRCTL(_PR_SET_DUMPABLE, 0)
         _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
     if os.getppid() != parent:  # the parent died before prctl: no signal would come
         os._exit(255)
@@ -91,12 +97,16 @@ def _close_all_but(keep: tuple[int, ...]) -> None:
     os.closerange(low, os.sysconf("SC_OPEN_MAX"))
 
 
-def _die_with(parent: int) -> Callable[[], None]:
+def _die_with(parent: int, program_fd: int | None = None) -> Callable[[], None]:
     """The code a program's child runs between fork and exec: :func:`isolate` (``subprocess`` made the
-    new session and set the ids already)."""
+    new session and set the ids already). ``program_fd`` (kept open by ``subprocess`` for the exec
+    through it) is made close-on-exec: the exec of an ELF program through ``/proc/self/fd`` still
+    works, and the program and what it runs never hold it."""
 
     def in_child() -> None:
         isolate(parent, None, new_session=False)
+        if program_fd is not None:
+            os.set_inheritable(program_fd, False)
 
     return in_child
 
@@ -186,7 +196,7 @@ def run(
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            preexec_fn=_die_with(os.getpid()),
+            preexec_fn=_die_with(os.getpid(), program_fd),
             user=None if as_user is None else as_user[0],
             group=None if as_user is None else as_user[1],
             extra_groups=None if as_user is None else [],

@@ -139,6 +139,18 @@ def _attempt(url: str, seconds: float) -> str | None:
     return LATE if late or not answers else answers[0]
 
 
+def shown(url: str) -> str:
+    """Pure: ``url`` as the run says it (log, progress, result): without its user information, query
+    and fragment, where a token may be (``http://u:TOKEN@host/health?key=...`` -> ``http://host/health``)."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    netloc = f"[{host}]" if ":" in host else host
+    with contextlib.suppress(ValueError):
+        if parts.port is not None:
+            netloc += f":{parts.port}"
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
 def wait_healthy(url: str, timeout: float, on_poll: Callable[[float, str], None] | None = None) -> None:
     """Return once ``url`` answers 200; raise StepFailed when it has not within ``timeout`` seconds.
     ``on_poll``: before each attempt, the seconds waited and the last answer (a progress line)."""
@@ -155,6 +167,6 @@ def wait_healthy(url: str, timeout: float, on_poll: Callable[[float, str], None]
             last = answer
         time.sleep(max(0.0, min(PAUSE_S, deadline - time.monotonic())))
     raise StepFailed(
-        f"{url} did not answer 200 within {timeout:g} s (last: {last})",
+        f"{shown(url)} did not answer 200 within {timeout:g} s (last: {last})",
         hint=f"if the service needs longer than {timeout:g} s to come up, raise --health-timeout",
     )

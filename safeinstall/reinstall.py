@@ -42,6 +42,7 @@ from safeinstall.errors import (
 )
 from safeinstall.gate import GATE_DROPIN, gate_dropin_text, gate_marker
 from safeinstall.gpus import GpuSnapshot, NvmlSession, ReleaseStatus, wait_for_release
+from safeinstall.health import shown as shown_url
 from safeinstall.health import wait_healthy
 from safeinstall.journal import (
     Journal,
@@ -600,12 +601,13 @@ def restart_step(run: _Run) -> str:
         run.journal = _mark(run.journal, unit, restarted=True)
     if run.options.health_url:
         url, timeout = run.options.health_url, run.options.health_timeout
+        said = shown_url(url)  # never a token the URL may hold
 
         def on_poll(waited: float, last: str) -> None:
-            run.reporter.progress(f"waiting for {url} to answer 200 (last: {last})", waited, timeout, "s")
+            run.reporter.progress(f"waiting for {said} to answer 200 (last: {last})", waited, timeout, "s")
 
         wait_healthy(url, timeout, on_poll)
-        detail += f"; {url} answers 200"
+        detail += f"; {said} answers 200"
     return detail
 
 

@@ -218,7 +218,9 @@ def index_settings(extra_args: Sequence[str]) -> tuple[tuple[str, ...], dict[str
         if found is None:
             kept.append(arg)
             continue
-        option, value = found
+        flags, option, value = found
+        if flags:  # the other options of a cluster (-qi URL: -q) stay on the command line
+            kept.append(flags)
         if value is None:
             if position >= len(args):
                 raise UsageError(f"{option} needs a value", hint=f"give it as {option} URL after --")
@@ -246,15 +248,35 @@ _INDEX_OPTIONS_SEPARATOR = {
 }
 
 
-def _index_option(arg: str) -> tuple[str, str | None] | None:
-    """Pure: (option, its value if attached) when ``arg`` is one of uv's index options."""
+def _index_option(arg: str) -> tuple[str, str, str | None] | None:
+    """Pure: (the other short options of its cluster, the option, its value if attached) when ``arg``
+    is, or holds, one of uv's index options."""
     if arg in _INDEX_OPTIONS:
-        return arg, None
+        return "", arg, None
     if arg.startswith("--") and "=" in arg:
         option, value = arg.split("=", 1)
-        return (option, value) if option in _INDEX_OPTIONS else None
-    if len(arg) > 2 and arg[:2] in ("-i", "-f"):  # clap's attached short value: -iURL, -i=URL
-        return arg[:2], arg[2:].removeprefix("=")
+        return ("", option, value) if option in _INDEX_OPTIONS else None
+    if arg.startswith("-") and not arg.startswith("--") and len(arg) > 2:
+        return _clustered(arg)
+    return None
+
+
+#: uv's short options that take a value (the rest of a cluster, or the next argument, is it)
+_SHORT_WITH_VALUE = frozenset("iferctpCPb")
+
+
+def _clustered(arg: str) -> tuple[str, str, str | None] | None:
+    """Pure: a cluster of short options as clap reads it (``-qi URL``, ``-qiURL``, ``-i=URL``): the
+    index option in it and its value (None: the next argument), or None when it holds none (the first
+    option that takes a value ends the cluster: ``-rfile.txt`` is ``-r file.txt``)."""
+    for position, letter in enumerate(arg[1:], start=1):
+        if letter in _SHORT_WITH_VALUE:
+            if f"-{letter}" not in _INDEX_OPTIONS:
+                return None
+            rest = arg[position + 1 :].removeprefix("=")
+            return (arg[:position] if position > 1 else ""), f"-{letter}", rest or None
+        if letter == "=":
+            return None
     return None
 
 
@@ -502,7 +524,11 @@ def _lock_info(prefix: Path) -> os.stat_result | None:
 def _as_prefix_owner(prefix: Path, account: Account | None, work: Callable[[str], Any], what: str) -> Any:
     """``work(prefix)`` in a worker that is the prefix directory's owner: the environment's account, or
     root (a root-owned prefix, which the account cannot write either)."""
-    ids = account.ids if account is not None and os.lstat(prefix).st_uid == account.uid else None
+    try:
+        owned = account is not None and os.lstat(prefix).st_uid == account.uid
+    except OSError as exc:
+        raise WorkerError(f"cannot look at {prefix}: {exc.strerror or exc}") from exc
+    ids = account.ids if account is not None and owned else None
     text = str(prefix)
     return worker.call(ids, lambda: work(text), timeout=60, what=f"{what} in {prefix}")
 

@@ -50,6 +50,32 @@ def _owned_file(path: Path, text: str = "") -> Path:
     return path
 
 
+def _setpriv(uid: int) -> list[str]:
+    """The command prefix that runs a program as ``uid`` alone (its own gid, no other group)."""
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+
+
+def _started_as(uid: int, ready: Path, *argv: str) -> subprocess.Popen[bytes]:
+    """``python ARGV... READY`` as ``uid`` (its own gid, no other group), once it has made ``READY``
+    (or 30 s have passed): the test kills it by its PID."""
+    proc = subprocess.Popen(
+        [
+            "setpriv",
+            f"--reuid={uid}",
+            f"--regid={uid}",
+            "--clear-groups",
+            shared_interpreter(),
+            *argv,
+            str(ready),
+        ],
+        cwd="/",
+    )
+    deadline = time.monotonic() + 30
+    while not ready.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    return proc
+
+
 # --- 1. code run as the owner reaches root's terminal ------------------------------------------------
 
 TTY_PROBE = (
@@ -203,9 +229,6 @@ for pid in os.listdir("/proc"):
         found.append("+".join(os.path.basename(a).decode(errors="replace") for a in argv[:2]))
 print(" ".join(found))
 """
-
-
-_AS_OTHER = ("setpriv", f"--reuid={OTHER}", f"--regid={OTHER}", "--clear-groups")
 
 
 class _Index(http.server.BaseHTTPRequestHandler):
@@ -379,23 +402,8 @@ def test_a_backup_is_never_an_inode_its_owner_can_write(account: ServiceAccountB
     ready = account.base / "tamper-ready"
     script = _owned_file(account.base / "tamper.py", TAMPER_BACKUP)
     os.chown(account.base, NOBODY, NOBODY)
-    tamperer = subprocess.Popen(
-        [
-            "setpriv",
-            f"--reuid={NOBODY}",
-            f"--regid={NOBODY}",
-            "--clear-groups",
-            shared_interpreter(),
-            str(script),
-            str(record),
-            str(ready),
-        ],
-        cwd="/",
-    )
+    tamperer = _started_as(NOBODY, ready, str(script), str(record))
     try:
-        deadline = time.monotonic() + 30
-        while not ready.exists() and time.monotonic() < deadline:
-            time.sleep(0.01)
         name = account.unit("tampered")
         result = account.cli(
             "sicext", "--wheel", str(account.wheels["sicext-3"]), "--yes", "--settle", "1", "--json"
@@ -436,24 +444,8 @@ def test_another_user_holding_uvs_lock_cannot_hold_the_window_open(account: Serv
     lock.chmod(0o666)  # as uv makes it
     held = os.stat(lock).st_ino
     ready = Path(f"/tmp/si-lock-ready-{os.getpid()}")
-    holder = subprocess.Popen(
-        [
-            "setpriv",
-            f"--reuid={OTHER}",
-            f"--regid={OTHER}",
-            "--clear-groups",
-            shared_interpreter(),
-            "-c",
-            HOLD,
-            str(lock),
-            str(ready),
-        ],
-        cwd="/",
-    )
+    holder = _started_as(OTHER, ready, "-c", HOLD, str(lock))
     try:
-        deadline = time.monotonic() + 30
-        while not ready.exists() and time.monotonic() < deadline:
-            time.sleep(0.01)
         assert ready.exists(), "the other user could not take the lock"
         name = account.unit("locked")
         environ = {**account.environ(), "UV_LOCK_TIMEOUT": "5"}
@@ -490,14 +482,15 @@ def test_a_dry_run_leaves_no_lock_file_in_the_environment(account: ServiceAccoun
 
 
 def test_a_worker_is_the_account_alone_in_a_session_of_its_own() -> None:
-    """What a worker is (the boundary the rows above rely on): the account's uid and gid, no
+    """What a worker is (the boundary the rows above rely on): the account's effective uid and gid, no
     supplementary group, a new session, no descriptor of root's, an environment it was given."""
     from safeinstall import worker
 
     seen = worker.call(
         (NOBODY, NOBODY),
         lambda: {
-            "ids": [os.getuid(), os.geteuid(), os.getgid(), os.getegid()],
+            "uids": list(os.getresuid()),
+            "gids": list(os.getresgid()),
             "groups": os.getgroups(),
             "leader": os.getsid(0) == os.getpid(),
             "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
@@ -507,7 +500,9 @@ def test_a_worker_is_the_account_alone_in_a_session_of_its_own() -> None:
         timeout=30,
         what="describes itself",
     )
-    assert seen["ids"] == [NOBODY] * 4 and seen["groups"] == []
+    # files are checked as the account (effective ids); the real and saved uid stay root's, so that the
+    # account cannot signal it (test_the_account_cannot_signal_its_worker)
+    assert seen["uids"] == [0, NOBODY, 0] and seen["gids"] == [NOBODY] * 3 and seen["groups"] == []
     assert seen["leader"] and seen["cwd"] == "/"
     assert len(seen["fds"]) <= 5  # stdin/out/err (/dev/null), the answer pipe, and listdir's own
     assert seen["environ"] == {"PATH": "/usr/bin:/bin"}
@@ -551,3 +546,103 @@ def test_the_carried_local_patches_are_written_as_the_owner(open_dir: Path) -> N
     with pytest.raises(StepFailed, match="could not write the merged"):
         carry(prefix, carried(roots), nobody)
     assert roots.read_text() == "root's own\n"
+
+
+def test_the_account_cannot_signal_its_worker(open_dir: Path) -> None:
+    """The review's medium finding: the account could SIGKILL (or SIGSTOP) the forked workers, which ran
+    as its uid, and so fail (or hold) a rollback with its units down. A worker's files are checked as
+    the account, but its real and saved uid are root's: the account's signals are refused."""
+    import psutil
+
+    from safeinstall import worker
+
+    flag = open_dir / "flag"
+    answers: list[object] = []
+
+    def wait_for_flag() -> str:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return "finished"
+
+    caller = threading.Thread(
+        target=lambda: answers.append(worker.call((NOBODY, NOBODY), wait_for_flag, timeout=90, what="waits"))
+    )
+    caller.start()
+    try:
+        deadline = time.monotonic() + 30
+        workers: list[psutil.Process] = []
+        while not workers and time.monotonic() < deadline:
+            workers = [p for p in psutil.Process().children() if p.uids().effective == NOBODY]
+            time.sleep(0.01)
+        assert workers, "no worker started"
+        for signame in ("STOP", "KILL"):
+            tried = subprocess.run([*_setpriv(NOBODY), "kill", f"-{signame}", str(workers[0].pid)], cwd="/")
+            assert tried.returncode != 0, f"the account could send SIG{signame} to its worker"
+        assert workers[0].status() != psutil.STATUS_STOPPED
+    finally:
+        flag.touch()
+        caller.join(timeout=120)
+    assert answers == ["finished"]
+
+
+def test_index_options_in_every_form_leave_the_command_line() -> None:
+    """Row 3, every spelling clap accepts (the review found ``-qi URL`` left on uv's command line): the
+    index options go to uv's environment, the other options of a cluster stay."""
+    from safeinstall.errors import UsageError
+    from safeinstall.uvplan import index_settings
+
+    url = f"http://agent:{TOKEN}@127.0.0.1/simple"
+    for given, kept in [
+        (["--index-url", url], ()),
+        ([f"--index-url={url}"], ()),
+        (["-i", url], ()),
+        ([f"-i{url}"], ()),
+        ([f"-i={url}"], ()),
+        (["-qi", url], ("-q",)),
+        ([f"-vqi{url}", "-n"], ("-vq", "-n")),
+    ]:
+        assert index_settings(given) == (kept, {"UV_INDEX_URL": url}), given
+    assert index_settings(["--extra-index-url", url, "--index", "a", "--index=b"]) == (
+        (),
+        {"UV_EXTRA_INDEX_URL": url, "UV_INDEX": "a b"},
+    )
+    assert index_settings(["-qf", "/w", "--find-links=/v", "--default-index", url]) == (
+        ("-q",),
+        {"UV_FIND_LINKS": "/w,/v", "UV_DEFAULT_INDEX": url},
+    )
+    # a short option that takes a value ends the cluster: -rfile.txt is -r file.txt, not -f
+    assert index_settings(["-rfile.txt", "-qr", "req.txt"]) == (("-rfile.txt", "-qr", "req.txt"), {})
+    for bad in (
+        ["--index-url"],
+        ["-i", "a", "--index-url", "b"],
+        ["--find-links", "a,b"],
+        ["--index", "a b"],
+    ):
+        with pytest.raises(UsageError):
+            index_settings(bad)
+
+
+def test_a_health_url_is_said_without_what_may_be_a_token() -> None:
+    """A health URL with a token (user information, a query) is never in the log, the progress lines or
+    the result: the run says the URL without them (the review's low finding)."""
+    from safeinstall.health import shown
+
+    assert shown(f"http://u:{TOKEN}@127.0.0.1:8000/health?key={TOKEN}#x") == "http://127.0.0.1:8000/health"
+    assert shown("https://[::1]:8443/v1/health") == "https://[::1]:8443/v1/health"
+
+
+def test_uv_and_what_it_runs_never_hold_the_descriptor_it_was_started_through() -> None:
+    """uv is executed through a descriptor root opened (it may lie where the account cannot read); the
+    descriptor is close-on-exec, so neither uv nor what it runs (a .pth, a build backend) holds it."""
+    from safeinstall import children
+
+    program = os.open("/bin/sh", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        done = children.run(
+            ["sh", "-c", "ls /proc/$$/fd"], env={}, timeout=30, as_user=(NOBODY, NOBODY), program_fd=program
+        )
+    finally:
+        os.close(program)
+    assert done.returncode == 0, done.stderr
+    assert set(done.stdout.split()) <= {"0", "1", "2"}, done.stdout

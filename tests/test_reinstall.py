@@ -581,7 +581,7 @@ def test_health_url_must_answer_200(bed: Bed, tmp_path: Path) -> None:
     )
     assert ok.code == 0, ok.stdout + ok.stderr
     restart = next(s for s in ok.json["data"]["steps"] if s["name"] == "restart")
-    assert f"http://127.0.0.1:{port}/health answers 200" in restart["detail"]
+    assert f"http://127.0.0.1:{port}/health answers 200" in restart["detail"]  # shown without a token
     # A URL that never answers 200 fails the restart: rolled back to what was there (2.0 now).
     bad = bed.safeinstall(
         "sicext",

@@ -221,7 +221,7 @@ ARGUMENT_SPEC = {
     "stop_timeout": {"type": "float"},
     "gpu_timeout": {"type": "float"},
     "settle": {"type": "float"},
-    "health_url": {"type": "str"},
+    "health_url": {"type": "str", "no_log": True},
     "health_timeout": {"type": "float"},
     "kill_strays": {"type": "bool", "default": False},
     "prune": {"type": "bool", "default": False},
