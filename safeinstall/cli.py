@@ -175,9 +175,9 @@ def _run_verify(
             def on_progress(done: int, total: int) -> None:
                 progress.update(task, completed=done, total=total)
 
-            report = verify_environment(env, names, read, on_progress)
+            report = verify_environment(env, names, read, on_progress, settle_shared=read is None)
     else:
-        report = verify_environment(env, names, read)
+        report = verify_environment(env, names, read, settle_shared=read is None)
     if not report.distributions:  # --all in an environment with none: a check of nothing is no pass
         raise NothingToCheck(
             f"no distribution to check in {env.prefix}: no .dist-info directory in "

@@ -91,13 +91,18 @@ def compare(distribution: str, expected: Expectation, state: FileState, baseline
 
 
 def shared_file(
-    finding: Finding, expected: Expectation, listed_by: Sequence[tuple[str, str, Expectation]]
+    finding: Finding,
+    expected: Expectation,
+    listed_by: Sequence[tuple[str, str, Expectation]],
+    settle: bool = True,
 ) -> Finding:
     """Pure: a ``modified`` file that other installed distributions' RECORDs list too (``listed_by``:
     their name, version and entry for it). When the file is what one of them lists, it belongs to that
     one (installed over this distribution's copy, as cuda-bindings installs over cuda-python): a
     ``shared`` finding naming both, not drift. A file that matches none of them stays ``modified``,
-    and says who else lists it."""
+    and says who else lists it. ``settle`` False (the baseline is a wheel the user gave, which the
+    installed RECORDs may not overrule: whoever can write site-packages can write a RECORD that lists
+    its own copy): a file another RECORD vouches for stays ``modified`` too, and says so."""
     if finding.kind != FindingKind.MODIFIED or not listed_by:
         return finding
     for name, version, other in listed_by:
@@ -107,6 +112,12 @@ def shared_file(
             and other.digest == finding.actual_sha256
             and other.size in (None, finding.actual_size)
         ):
+            if not settle:
+                return replace(
+                    finding,
+                    detail=f"{finding.detail}; {name} {version}'s RECORD lists this very file, but an "
+                    "installed RECORD does not overrule the wheel",
+                )
             return replace(
                 finding,
                 kind=FindingKind.SHARED,

@@ -386,8 +386,13 @@ def verify_environment(
     workers: int | None = None,
     installed: Sequence[InstalledDistribution] | None = None,
     expected: Mapping[str, Expectation] | None = None,
+    settle_shared: bool = True,
 ) -> VerifyReport:
     """Verify the named distributions (or all, with ``names=None``) of ``env``.
+
+    ``settle_shared`` False: a ``modified`` file is never settled as another distribution's ``shared``
+    one on the word of that distribution's installed RECORD (``--verify-only --wheel``: the wheel is
+    the baseline, and the environment's owner writes the RECORDs).
 
     ``wheel``: judge the one named distribution against it (read once by the caller). ``installed``:
     the environment's distributions when the caller has found them already (a run reloads only what
@@ -445,7 +450,7 @@ def verify_environment(
     states = _observe(plans, env, workers, tick, look_for_extras)
     if early is not None and any(find_distribution(env, d.name, found) is not d for d in early):
         # a directory named otherwise holds one of them, earlier in the scan: the usual order
-        return verify_environment(env, names, wheel, on_progress, workers, found, expected)
+        return verify_environment(env, names, wheel, on_progress, workers, found, expected, settle_shared)
     reports: list[DistributionReport] = []
     baseline = "record" if wheel is None else "wheel"
     per_plan: list[list[Finding]] = []
@@ -469,7 +474,12 @@ def verify_environment(
     for plan, findings in zip(plans, per_plan, strict=True):
         if listed_by:
             findings = [
-                shared_file(f, mismatched[f.path], [o for o in listed_by[f.path] if o[0] != f.distribution])
+                shared_file(
+                    f,
+                    mismatched[f.path],
+                    [o for o in listed_by[f.path] if o[0] != f.distribution],
+                    settle_shared,
+                )
                 if f.kind == FindingKind.MODIFIED and f.path in listed_by
                 else f
                 for f in findings

@@ -3,10 +3,11 @@
 safeinstall runs as root; the environment it works on usually belongs to a service account. Whatever
 reads, writes, deletes or runs something in that account's files on the strength of what the account
 could have written (a RECORD, a cache directory uv filled, uv's lock file) runs in a *worker*: a
-process that is that account and nothing more, as OpenSSH's privilege separation and needrestart since
-CVE-2024-48990 do it. The kernel, not a check of ours, then decides what it may touch: what the worker
-can do is what the account could do anyway. A root-owned environment gets a root worker with the same
-isolation.
+process whose file access is that account's, as OpenSSH's privilege separation and needrestart since
+CVE-2024-48990 do it. The kernel's file checks, not checks of ours, then decide what it may touch:
+what the worker can do to files is what the account could do anyway (a forked worker keeps root's
+real and saved uid so that the account cannot signal it; see docs/privsep.md for that trade-off). A
+root-owned environment gets a root worker with the same isolation.
 
 Every worker, a program started by :func:`safeinstall.children.run` (the interpreter probe, uv) or a
 function of safeinstall forked by :func:`call` (``safeinstall.owner``), is isolated the same way, by

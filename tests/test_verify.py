@@ -489,6 +489,40 @@ def test_the_dist_info_files_read_in_one_scan_are_bounded(
         verify_environment(inspected, ["zz0"])
 
 
+def test_a_record_the_owner_writes_cannot_hide_a_tampered_file_from_the_wheel(
+    venv: Path, tmp_path: Path
+) -> None:
+    """The second review's finding: with ``--wheel`` the wheel is the baseline; a RECORD written into
+    site-packages (a fake ``.dist-info`` listing the tampered file with its own hash) made the file
+    ``shared``, exit 0, "OK". An installed RECORD never overrules the wheel: it stays ``modified``."""
+    import base64
+    import hashlib
+
+    out = tmp_path / "w"
+    out.mkdir()
+    wheel = wheelhouse.make_wheel(
+        out, "siownera", "1.0", {"sishared/core.py": b"A = 1\n", "siownera.py": b"x = 1\n"}
+    )
+    wheelhouse.uv_install(venv, wheel)
+    site = wheelhouse.site_packages(venv)
+    evil = b"import os\n"
+    (site / "sishared" / "core.py").write_bytes(evil)
+    digest = base64.urlsafe_b64encode(hashlib.sha256(evil).digest()).rstrip(b"=").decode()
+    fake = site / "zzfake-1.0.dist-info"
+    fake.mkdir()
+    (fake / "METADATA").write_text("Metadata-Version: 2.1\nName: zzfake\nVersion: 1.0\n")
+    (fake / "RECORD").write_text(
+        f"sishared/core.py,sha256={digest},{len(evil)}\nzzfake-1.0.dist-info/METADATA,,\nzzfake-1.0.dist-info/RECORD,,\n"
+    )
+    result = run("siownera", "--verify-only", "--wheel", str(wheel), "--python", str(venv), "--json")
+    assert result.code == 1, result.stdout
+    (finding,) = [f for f in result.json["data"]["findings"] if f["path"].endswith("core.py")]
+    assert finding["kind"] == "modified" and finding["drift"] is True
+    assert "does not overrule the wheel" in finding["detail"]
+    # against the RECORDs alone, the file is the other distribution's, as before
+    assert run("siownera", "--verify-only", "--python", str(venv)).code == 0
+
+
 def test_a_file_two_records_list_belongs_to_the_one_whose_copy_is_there(venv: Path, tmp_path: Path) -> None:
     shared = wheelhouse.two_owners(venv, tmp_path / "owners")[0]
     assert shared.read_bytes() == b"B = 2\n"
