@@ -18,11 +18,29 @@ def main() -> None:
         from safeinstall.cli import main as run_command
     except InterruptedEarly as interrupted:  # rich is not loaded (yet): plain lines
         sys.stderr.write(f"error: {interrupted.message}\nhint: {interrupted.advice}\n")
+        if "--json" in sys.argv[1:]:  # --json promises one document on stdout, whatever happens
+            _early_envelope(interrupted)
         sys.exit(int(interrupted.exit_code))
     finally:
         gc.enable()
     gc.freeze()
     run_command()
+
+
+def _early_envelope(interrupted: InterruptedEarly) -> None:
+    """The ``--json`` document of a command interrupted while the CLI loaded (the envelope's module is
+    small; the CLI's parsing is not loaded)."""
+    import json
+
+    from safeinstall.output import command_for, envelope
+
+    command = command_for({arg.split("=", 1)[0] for arg in sys.argv[1:]})
+    document = envelope(command, "error", int(interrupted.exit_code), None, [interrupted])
+    try:
+        sys.stdout.write(json.dumps(document, indent=2) + "\n")
+        sys.stdout.flush()
+    except OSError:
+        pass
 
 
 if __name__ == "__main__":

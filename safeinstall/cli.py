@@ -20,7 +20,16 @@ import typer.core
 
 from safeinstall.environment import Environment, inspect_environment, resolve_python
 from safeinstall.errors import ExitCode, NothingToCheck, SafeInstallError, UsageError
-from safeinstall.output import dumps, envelope, finding_json, jsonable, patches_json, plan_json, run_json
+from safeinstall.output import (
+    command_for,
+    dumps,
+    envelope,
+    finding_json,
+    jsonable,
+    patches_json,
+    plan_json,
+    run_json,
+)
 from safeinstall.render import (
     ConsoleReporter,
     literal,
@@ -50,9 +59,11 @@ if TYPE_CHECKING:
     from safeinstall.wheel import Wheel
 
 EXIT_CODES = (
-    "Exit codes: 0 success (clean); 1 drift found (--verify-only); 2 could not check or refused, "
-    "nothing changed; 3 failed after services were stopped, everything put back; 4 failed and putting "
-    "things back failed too (the message lists the commands to finish)."
+    "Exit codes: 0 success (clean); 1 drift found (--verify-only); 2 could not check, refused or "
+    "declined, nothing changed; 3 failed after services were stopped, everything put back (--recover: "
+    "the new version did not come up, the previous one was put back); 4 failed and putting things back "
+    "failed too (the message lists the commands to finish; --status --wait: the run died without a "
+    "result). --status --wait exits with the run's own code."
 )
 
 app = typer.Typer(
@@ -448,21 +459,6 @@ def _run_dry_run(options: "RunOptions", as_json: bool, verbosity: int = 0) -> No
 
 #: A valid distribution name (PEP 508) and nothing else: such a PACKAGE needs no requirement parser
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
-
-#: The flags that choose what safeinstall does, and the ``command`` of their JSON envelope.
-_COMMANDS = (
-    ("--verify-only", "verify"),
-    ("--dry-run", "dry-run"),
-    ("--recover", "recover"),
-    ("--status", "status"),
-    ("--forget", "forget"),
-)
-
-
-def command_for(flags: Collection[str]) -> str:
-    """Pure: the command that the given flags select (``reinstall`` by default)."""
-    return next((name for flag, name in _COMMANDS if flag in flags), "reinstall")
-
 
 #: The flags that each choose what safeinstall does: no two of them go together.
 _MODES = ("--verify-only", "--dry-run", "--detach", "--recover", "--status", "--forget")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from enum import Enum
 from pathlib import PurePath
 from typing import TYPE_CHECKING, Any
@@ -57,6 +57,21 @@ def finding_json(finding: Finding) -> dict[str, Any]:
         "wheel_member": finding.wheel_member,
         "shared_with": finding.shared_with,
     }
+
+
+#: The flags that choose what safeinstall does, and the ``command`` of their JSON envelope.
+_COMMANDS = (
+    ("--verify-only", "verify"),
+    ("--dry-run", "dry-run"),
+    ("--recover", "recover"),
+    ("--status", "status"),
+    ("--forget", "forget"),
+)
+
+
+def command_for(flags: Collection[str]) -> str:
+    """Pure: the command that the given flags select (``reinstall`` by default)."""
+    return next((name for flag, name in _COMMANDS if flag in flags), "reinstall")
 
 
 def envelope(

@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -144,6 +145,30 @@ def test_a_signal_before_the_journal_is_exit_2_with_an_error_line(
     assert f"error: interrupted by {signum.name}" in err and "hint:" in err and "Traceback" not in err, err
     assert bed.manager.main_pid(name) == main and bed.version() == "1.0"
     bed.no_trace()
+
+
+def test_a_signal_while_the_cli_loads_still_prints_the_json_document(tmp_path: Path) -> None:
+    """With ``--json`` every command prints one JSON document, also when a signal arrives while the
+    CLI loads (the second review found nothing on stdout then)."""
+    from tests.clirun import SAFEINSTALL
+
+    proc = subprocess.Popen(
+        [SAFEINSTALL, "--verify-only", "--all", "--python", sys.executable, "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "SAFEINSTALL_STATE_DIR": str(tmp_path / "state")},
+    )
+    try:
+        wait_until(lambda: _catches(proc.pid, signal.SIGTERM), 30, "the handlers installed", interval=0.0005)
+        proc.send_signal(signal.SIGINT)
+    finally:
+        out, err = _finish(proc)
+    if proc.returncode != 2:  # it finished before the signal came: nothing to see
+        pytest.skip(f"the command ended first (exit {proc.returncode})")
+    document = json.loads(out)
+    assert document["command"] == "verify" and document["exit_code"] == 2, out
+    assert "interrupted by SIGINT" in document["errors"][0]["message"] and "Traceback" not in err
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
