@@ -268,16 +268,21 @@ def _run_reinstall(
     out, err = make_console(), make_console(stderr=True)
     console = ConsoleReporter(out, err, quiet=as_json or verbosity < 0, verbosity=verbosity)
     reporter = LoggedReporter(console, state.log_file(run_id))
+    command = "reinstall" if options.undo is None else "undo"
     try:
         result = run_reinstall(replace(options, run_id=run_id), reporter, interactive)
     except SafeInstallError as error:
-        document = envelope("reinstall", "error", error.exit_code, None, [error])
+        document = envelope(command, "error", error.exit_code, None, [error])
         _keep(state, run_id, options.package, started, jsonable(document))
         _run_metrics(metrics, _env, options.package, run_id, started, jsonable(document))
-        _fail(error, "reinstall", as_json)
+        _fail(error, command, as_json)
     errors = [result.error] if result.error else []
-    data = {"run_id": run_id, **run_json(result)}
-    document = jsonable(envelope("reinstall", result.status, result.exit_code, data, errors))
+    data = {
+        "run_id": run_id,
+        **({} if options.undo is None else {"undo_of": options.undo}),
+        **run_json(result),
+    }
+    document = jsonable(envelope(command, result.status, result.exit_code, data, errors))
     # the run has its result: a signal now does not change it (held back until the exit)
     with interrupts_deferred(lambda _signum: None):
         notes = _keep(state, run_id, options.package, started, document)
@@ -426,6 +431,32 @@ def _run_status(python: str | None, as_json: bool, metrics: Path | None = None, 
         for failure in report.failures:
             render_error(err, failure)
     _exit(report.exit_code)
+
+
+def _undo_choice(
+    python: str | None,
+    run: str | None,
+    package: str | None,
+    wheel: Path | None,
+    args: Sequence[str],
+    modes: Collection[str],
+) -> tuple[str, str]:
+    """``--undo``: the package and id of the run it undoes (its history names it); the run itself is chosen
+    again, under the lock, by the preflight. Usage errors for what does not go with it."""
+    from safeinstall.undo import choose_run
+
+    others = sorted(set(modes) - {"--dry-run", "--detach"})
+    if package or wheel is not None or args or others:
+        given = " ".join([*others, *(["PACKAGE"] if package else []), *(["--wheel"] if wheel else []), *args])
+        raise UsageError(
+            f"--undo takes no {given}: it puts back what the run it undoes replaced",
+            hint="safeinstall --undo --python ENV [--run RUN_ID] [--dry-run | --detach] [--json]",
+        )
+    from safeinstall.options import RunOptions
+
+    _env, state = _environment_state(RunOptions(package="", python=python))
+    chosen = choose_run(state, run)
+    return chosen.package or "", chosen.run_id
 
 
 def _run_dry_run(options: "RunOptions", as_json: bool, verbosity: int = 0) -> None:
@@ -737,8 +768,21 @@ def main_command(
         ),
     ] = False,
     run: Annotated[
-        str | None, typer.Option("--run", metavar="RUN_ID", help="With --status --wait: the run to follow.")
+        str | None,
+        typer.Option(
+            "--run",
+            metavar="RUN_ID",
+            help="With --status --wait: the run to follow; with --undo: the run to undo.",
+        ),
     ] = None,
+    undo_: Annotated[
+        bool,
+        _flag(
+            "--undo",
+            "Put back what ran before the environment's last run (--run: an older one), byte for byte, "
+            "through the same safe sequence (see docs/undo.md).",
+        ),
+    ] = False,
     forget_: Annotated[
         bool,
         _flag(
@@ -826,6 +870,9 @@ def main_command(
         conflict = mode_conflict(modes)
         if conflict is not None:
             raise conflict
+        if undo_:
+            package, undone = _undo_choice(python, run, package, wheel, ctx.args, modes)
+            run = None
         if (wait or run) and not status_:
             raise UsageError(
                 "--wait and --run go with --status", hint="safeinstall --status --wait [--run RUN_ID]"
@@ -901,6 +948,8 @@ def main_command(
                 "safeinstall PACKAGE [--wheel W] -- UV_ARGS",
             )
         options = run_options({**ctx.params, "package": package}, ctx.args, private)
+        if undo_:
+            options = replace(options, undo=undone)
         check_options(options)
         interactive = not yes and not as_json and sys.stdin.isatty()
         if detach_:

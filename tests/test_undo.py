@@ -1,0 +1,124 @@
+"""``--undo``: back to exactly what ran before a run, through the run's own safe sequence.
+
+Real parts: a systemd --user unit running the package, real wheels installed by real uv, the fake NVML
+driver. What is checked is what is on disk and what the unit maps, from the outside.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from tests.test_reinstall import Bed, maps_so
+from tests.test_reinstall import bed as bed  # sicext 1.0 in a venv, a user manager, the fake NVML
+
+UNDO_STEPS = ["backup", "gate", "stop", "gpu-release", "restore", "verify", "restart", "end-check"]
+
+
+def _files(site: Path) -> dict[str, str]:
+    """Every file of the package and its .dist-info, by content (bytecode caches aside)."""
+    found: dict[str, str] = {}
+    for top in (site / "sicext", *site.glob("sicext-*.dist-info")):
+        for path in top.rglob("*"):
+            if path.is_file() and "__pycache__" not in path.parts:
+                found[str(path.relative_to(site))] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return found
+
+
+def _patch(bed: Bed) -> bytes:
+    patched = bed.site / "sicext" / "serve.py"
+    patched.write_text(patched.read_text() + "# a local hotfix\n")
+    return patched.read_bytes()
+
+
+def _upgrade(bed: Bed) -> str:
+    result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json")
+    assert result.code == 0, result.stdout + result.stderr
+    assert bed.installed_version() == "2.0"
+    run_id: str = result.json["data"]["run_id"]
+    return run_id
+
+
+def test_upgrade_then_undo_puts_back_the_old_version_and_its_patch_and_restarts_on_it(bed: Bed) -> None:
+    name = bed.service("undo")
+    patch = _patch(bed)
+    before = _files(bed.site)
+    upgrade = _upgrade(bed)
+    upgraded_main = bed.manager.main_pid(name)
+
+    result = bed.safeinstall("--undo", "--settle", "0.5", "--json")
+
+    assert result.code == 0, result.stdout + result.stderr
+    doc = result.json
+    assert doc["command"] == "undo" and doc["status"] == "done" and doc["errors"] == []
+    assert doc["data"]["undo_of"] == upgrade
+    assert [s["name"] for s in doc["data"]["steps"]] == UNDO_STEPS
+    plan = doc["data"]["plan"]
+    assert plan["uv_command"][0] == "restore-backup"
+    assert [(d["name"], d["old_version"], d["new_version"]) for d in plan["distributions"]] == [
+        ("sicext", "2.0", "1.0")
+    ]
+    assert bed.installed_version() == "1.0"
+    assert _files(bed.site) == before  # byte for byte, the .dist-info and the local patch included
+    assert (bed.site / "sicext" / "serve.py").read_bytes() == patch
+    main = bed.manager.main_pid(name)
+    assert main != upgraded_main and bed.manager.active_state(name) == "active"
+    assert maps_so(main) == bed.so.stat().st_ino  # the restarted unit runs the restored extension
+    assert not any(bed.state.glob("*/journal.json"))
+    assert not list(bed.manager.unit_dir.glob(f"{name}.d/*safeinstall*"))
+
+
+def test_the_undo_of_an_undo_goes_forward_again(bed: Bed) -> None:
+    name = bed.service("redo")
+    _upgrade(bed)
+    upgraded = _files(bed.site)
+    first = bed.safeinstall("--undo", "--settle", "0.5", "--json")
+    assert first.code == 0, first.stdout + first.stderr
+    assert bed.installed_version() == "1.0"
+
+    again = bed.safeinstall("--undo", "--settle", "0.5", "--json")
+
+    assert again.code == 0, again.stdout + again.stderr
+    assert again.json["data"]["undo_of"] == first.json["data"]["run_id"]
+    assert bed.installed_version() == "2.0"
+    assert _files(bed.site) == upgraded
+    assert maps_so(bed.manager.main_pid(name)) == bed.so.stat().st_ino
+
+
+def test_a_change_since_the_run_refuses_the_undo_before_anything_stops(bed: Bed) -> None:
+    name = bed.service("changed")
+    _upgrade(bed)
+    main = bed.manager.main_pid(name)
+    edited = bed.site / "sicext" / "serve.py"
+    edited.write_text(edited.read_text() + "# edited after the upgrade\n")
+    after = _files(bed.site)
+
+    result = bed.safeinstall("--undo", "--settle", "0.5", "--json")
+
+    assert result.code == 2, result.stdout + result.stderr
+    message = result.json["errors"][0]["message"]
+    assert "changed since run" in message and f"changed: {edited}" in message
+    assert bed.manager.main_pid(name) == main  # nothing stopped
+    assert _files(bed.site) == after  # nothing touched
+
+
+def test_a_pruned_backup_refuses_and_says_which_runs_can_be_undone(bed: Bed) -> None:
+    bed.service("pruned")
+    first = _upgrade(bed)
+    second = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json")
+    assert second.code == 0, second.stdout + second.stderr
+    kept = second.json["data"]["run_id"]
+    backup = bed.state.glob(f"*/backups/{first}")
+    for path in backup:  # as --keep-backups would have deleted it
+        for sub in sorted(path.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+            sub.rmdir() if sub.is_dir() and not sub.is_symlink() else sub.unlink()
+        path.rmdir()
+
+    result = bed.safeinstall("--undo", "--run", first, "--json")
+
+    assert result.code == 2, result.stdout + result.stderr
+    error = result.json["errors"][0]
+    assert "backup was deleted" in error["message"] and kept in error["hint"]
+    assert first not in error["hint"]
+    assert os.path.exists(bed.site / "sicext")
