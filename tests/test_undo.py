@@ -8,10 +8,24 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
+from tests.bed_systemd import wait_until
+from tests.test_crash_safety import Bed as CrashBed
+from tests.test_crash_safety import bed as crash_bed_fixture  # noqa: F401  (a fixture, by name)
 from tests.test_reinstall import Bed, maps_so
 from tests.test_reinstall import bed as bed  # sicext 1.0 in a venv, a user manager, the fake NVML
+
+
+@pytest.fixture
+def crash_bed(request: pytest.FixtureRequest) -> Iterator[CrashBed]:
+    """The crash-safety tests' bed (runs killed at a phase, units torn down after)."""
+    yield request.getfixturevalue("crash_bed_fixture")
+
 
 UNDO_STEPS = ["backup", "gate", "stop", "gpu-release", "restore", "verify", "restart", "end-check"]
 
@@ -122,3 +136,39 @@ def test_a_pruned_backup_refuses_and_says_which_runs_can_be_undone(bed: Bed) -> 
     assert "backup was deleted" in error["message"] and kept in error["hint"]
     assert first not in error["hint"]
     assert os.path.exists(bed.site / "sicext")
+
+
+@pytest.mark.parametrize(
+    ("phases", "linger"), [(("stopped",), 2.0), (("installing", "installed", "verified", "restarting"), 0.0)]
+)
+def test_an_undo_killed_in_the_middle_is_finished_by_recover(
+    crash_bed: CrashBed, phases: tuple[str, ...], linger: float
+) -> None:
+    patched = crash_bed.site / "sicext" / "serve.py"
+    patched.write_text(patched.read_text() + "# local hotfix\n")
+    before = crash_bed.snapshot()
+    name = crash_bed.unit("undo-kill")
+    wheel = str(crash_bed.wheels["sicext-2"])
+    upgrade = crash_bed.cli("sicext", "--wheel", wheel, "--yes", "--settle", "0.5")
+    assert upgrade.code == 0, upgrade.stdout + upgrade.stderr
+    upgraded = crash_bed.snapshot()
+    crash_bed.hold_gpu(name, linger, "u1")
+    proc = crash_bed.start_run("--undo", "--settle", "1")
+    try:
+        crash_bed.wait_phase(proc, *phases)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+        proc.communicate()
+    assert crash_bed.cli("--status", "--json").json["status"] == "needs-recovery"
+
+    recovered = crash_bed.cli("--recover", "--json")
+
+    assert recovered.code == 0, recovered.stdout + recovered.stderr
+    wait_until(lambda: crash_bed.manager.active_state(name) == "active", 20, "unit running again")
+    # exactly one of the two states, whole: the upgraded one (the undo put back) or the one before it
+    assert crash_bed.snapshot() in (upgraded, before)
+    assert crash_bed.version() == ("2.0" if crash_bed.snapshot() == upgraded else "1.0")
+    if phases == ("stopped",):
+        assert crash_bed.snapshot() == upgraded
+    crash_bed.no_trace()
