@@ -277,11 +277,7 @@ def _run_reinstall(
         _run_metrics(metrics, _env, options.package, run_id, started, jsonable(document))
         _fail(error, command, as_json)
     errors = [result.error] if result.error else []
-    data = {
-        "run_id": run_id,
-        **({} if options.undo is None else {"undo_of": options.undo}),
-        **run_json(result),
-    }
+    data = {"run_id": run_id, **_undo_of(options), **run_json(result)}
     document = jsonable(envelope(command, result.status, result.exit_code, data, errors))
     # the run has its result: a signal now does not change it (held back until the exit)
     with interrupts_deferred(lambda _signum: None):
@@ -326,7 +322,8 @@ def _run_detached(options: "RunOptions", as_json: bool, interactive: bool, verbo
         "log_file": started.log_file,
     }
     if as_json:
-        print(dumps(envelope("reinstall", "detached", ExitCode.OK, data)))
+        command = "reinstall" if options.undo is None else "undo"
+        print(dumps(envelope(command, "detached", ExitCode.OK, data | _undo_of(options))))
     else:
         manager = "systemd --user" if started.user_manager else "systemd"
         out.print(
@@ -433,6 +430,11 @@ def _run_status(python: str | None, as_json: bool, metrics: Path | None = None, 
     _exit(report.exit_code)
 
 
+def _undo_of(options: "RunOptions") -> dict[str, str]:
+    """Pure: the JSON field that names the run an undo undoes (none for a reinstall)."""
+    return {} if options.undo is None else {"undo_of": options.undo}
+
+
 def _undo_choice(
     python: str | None,
     run: str | None,
@@ -442,12 +444,22 @@ def _undo_choice(
     modes: Collection[str],
 ) -> tuple[str, str]:
     """``--undo``: the package and id of the run it undoes (its history names it); the run itself is chosen
-    again, under the lock, by the preflight. Usage errors for what does not go with it."""
-    from safeinstall.undo import choose_run
+    again, under the lock, by the preflight. ``package``, when given, is a guard: the run must be of it.
+    Usage errors for what does not go with it."""
+    from packaging.utils import canonicalize_name
 
-    others = sorted(set(modes) - {"--dry-run", "--detach"})
-    if package or wheel is not None or args or others:
-        given = " ".join([*others, *(["PACKAGE"] if package else []), *(["--wheel"] if wheel else []), *args])
+    from safeinstall.undo import UndoError, choose_run
+
+    others = sorted(set(modes) - {"--undo", "--dry-run", "--detach"})
+    if (package and not _PLAIN_NAME.fullmatch(package)) or wheel is not None or args or others:
+        given = " ".join(
+            [
+                *others,
+                *(["--wheel"] if wheel else []),
+                *(["a version"] if package and not _PLAIN_NAME.fullmatch(package) else []),
+                *args,
+            ]
+        )
         raise UsageError(
             f"--undo takes no {given}: it puts back what the run it undoes replaced",
             hint="safeinstall --undo --python ENV [--run RUN_ID] [--dry-run | --detach] [--json]",
@@ -456,6 +468,11 @@ def _undo_choice(
 
     _env, state = _environment_state(RunOptions(package="", python=python))
     chosen = choose_run(state, run)
+    if package and canonicalize_name(package) != canonicalize_name(chosen.package or ""):
+        raise UndoError(
+            f"run {chosen.run_id} was of {chosen.package}, not {package}: nothing was undone",
+            hint="safeinstall --status --python ENV lists the runs; pick one with --undo --run RUN_ID",
+        )
     return chosen.package or "", chosen.run_id
 
 
@@ -468,6 +485,7 @@ def _run_dry_run(options: "RunOptions", as_json: bool, verbosity: int = 0) -> No
     if as_json:
         status = "would-proceed" if plan.proceeds else "would-refuse"
         data = plan_json(plan) | ({"patches": patches_json(patches.outcomes)} if patches is not None else {})
+        data |= _undo_of(options)
         print(dumps(envelope("dry-run", status, code, data)))
     else:
         render_plan(make_console(), make_console(stderr=True), plan, verbosity)
@@ -483,6 +501,7 @@ _PLAIN_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
 _COMMANDS = (
     ("--verify-only", "verify"),
     ("--dry-run", "dry-run"),
+    ("--undo", "undo"),
     ("--recover", "recover"),
     ("--status", "status"),
     ("--forget", "forget"),
@@ -831,6 +850,7 @@ def main_command(
             ("--recover", recover_),
             ("--status", status_),
             ("--forget", forget_),
+            ("--undo", undo_),
         )
         if on
     }

@@ -30,7 +30,7 @@ from safeinstall.distributions import InstalledDistribution, entry_location, rel
 from safeinstall.drift import FindingKind
 from safeinstall.errors import SafeInstallError, StepFailed
 from safeinstall.hashing import FileState
-from safeinstall.history import read_history
+from safeinstall.history import RunSummary, find, read_history
 from safeinstall.journal import Phase
 from safeinstall.plan import Plan
 from safeinstall.state import EnvironmentState, StateDirError, atomic_write, read_private_file
@@ -181,11 +181,49 @@ def _why_not(state: EnvironmentState, run_id: str, status: str) -> str | None:
     return None
 
 
+def _undo_of(state: EnvironmentState, run_id: str) -> str | None:
+    """The run that the run ``run_id`` undid, as its history entry says (None: it undid none)."""
+    try:
+        entry = find(state, run_id) or {}
+    except SafeInstallError:  # damaged: --status says so (read_history skips it)
+        return None
+    result = entry.get("result")
+    data = result.get("data") if isinstance(result, dict) else None
+    undone = data.get("undo_of") if isinstance(data, dict) else None
+    return undone if isinstance(undone, str) else None
+
+
+def _reasons(state: EnvironmentState, runs: Sequence[RunSummary]) -> list[str | None]:
+    """Why each run (newest first) cannot be undone (None: it can). A run that a later undo undid
+    (that undo not undone in turn) left nothing that is still there."""
+    undone_by: dict[str, str] = {}
+    for run in runs:
+        if run.status == "done" and run.run_id not in undone_by:
+            undid = _undo_of(state, run.run_id)
+            if undid is not None:
+                undone_by.setdefault(undid, run.run_id)
+    return [
+        f"undone by run {undone_by[run.run_id]} (undo that one to go forward again)"
+        if run.run_id in undone_by
+        else _why_not(state, run.run_id, run.status)
+        for run in runs
+    ]
+
+
+def with_undo(state: EnvironmentState, runs: Sequence[RunSummary]) -> tuple[RunSummary, ...]:
+    """The runs as ``--status`` lists them: each saying whether it can be undone, and if not why."""
+    return tuple(
+        replace(run, can_undo=reason is None, cannot_undo=reason)
+        for run, reason in zip(runs, _reasons(state, runs), strict=True)
+    )
+
+
 def undoable_runs(state: EnvironmentState) -> tuple[Undoable, ...]:
     """Every run in the environment's history, newest first, and whether it can be undone."""
+    runs = read_history(state).runs
     return tuple(
-        Undoable(run.run_id, run.package, run.status, _why_not(state, run.run_id, run.status))
-        for run in read_history(state).runs
+        Undoable(run.run_id, run.package, run.status, reason)
+        for run, reason in zip(runs, _reasons(state, runs), strict=True)
     )
 
 

@@ -7,6 +7,7 @@ driver. What is checked is what is on disk and what the unit maps, from the outs
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 from collections.abc import Iterator
@@ -172,3 +173,117 @@ def test_an_undo_killed_in_the_middle_is_finished_by_recover(
     if phases == ("stopped",):
         assert crash_bed.snapshot() == upgraded
     crash_bed.no_trace()
+
+
+def test_dry_run_json_shapes_history_and_status_of_an_undo(bed: Bed) -> None:
+    name = bed.service("shapes")
+    upgrade = _upgrade(bed)
+    main = bed.manager.main_pid(name)
+    upgraded = _files(bed.site)
+
+    other = bed.safeinstall("sipure", "--undo", "--dry-run", "--json")  # PACKAGE: a guard
+    assert (
+        other.code == 2 and f"run {upgrade} was of sicext, not sipure" in other.json["errors"][0]["message"]
+    )
+    dry = bed.safeinstall("sicext", "--undo", "--dry-run", "--json")
+
+    assert dry.code == 0, dry.stdout + dry.stderr
+    assert (dry.json["command"], dry.json["status"], dry.json["data"]["undo_of"]) == (
+        "dry-run",
+        "would-proceed",
+        upgrade,
+    )
+    assert [u["name"] for u in dry.json["data"]["units"]] == [name]
+    assert dry.json["data"]["uv_command"][0] == "restore-backup"
+    assert bed.manager.main_pid(name) == main and _files(bed.site) == upgraded  # nothing done
+    status = bed.safeinstall("--status", "--json").json["data"]["environments"][0]["runs"]
+    assert [(r["run_id"], r["can_undo"], r["cannot_undo"]) for r in status] == [(upgrade, True, None)]
+
+    undone = bed.safeinstall("--undo", "--settle", "0.5", "--json")
+
+    assert undone.code == 0, undone.stdout + undone.stderr
+    runs = bed.safeinstall("--status", "--json").json["data"]["environments"][0]["runs"]
+    assert [(r["run_id"], r["status"], r["package"]) for r in runs] == [
+        (undone.json["data"]["run_id"], "done", "sicext"),
+        (upgrade, "done", "sicext"),
+    ]
+    assert [r["can_undo"] for r in runs] == [True, False]  # the upgrade is undone: its files are gone
+    assert runs[1]["cannot_undo"].startswith(f"undone by run {undone.json['data']['run_id']}")
+    history = list(bed.state.glob(f"*/history/{undone.json['data']['run_id']}.json"))
+    assert [json.loads(h.read_text())["result"]["command"] for h in history] == ["undo"]
+    human = bed.safeinstall("--status")
+    assert "UNDO" in human.stdout and human.code == 0
+    again = bed.safeinstall("--undo", "--run", upgrade, "--json")  # the state it left is gone
+    assert again.code == 2 and "undone by run" in again.json["errors"][0]["message"]
+    assert bed.installed_version() == "1.0"
+
+
+def test_undo_takes_no_package_nor_wheel_and_nothing_to_undo_says_so(bed: Bed) -> None:
+    nothing = bed.safeinstall("--undo", "--json")
+    assert nothing.code == 2 and "nothing to undo" in nothing.json["errors"][0]["message"]
+    assert nothing.json["command"] == "undo"
+    mixed = bed.safeinstall("sicext", "--undo", "--wheel", str(bed.wheels["sicext-2"]))
+    assert mixed.code == 2 and "--undo takes no --wheel" in mixed.stderr
+    unknown = bed.safeinstall("--undo", "--run", "20991231T000000Z-1")
+    assert unknown.code == 2 and "no run 20991231T000000Z-1" in unknown.stderr
+
+
+def test_a_detached_undo_goes_on_as_a_unit_and_wait_returns_its_result(bed: Bed) -> None:
+    name = bed.service("detached-undo")
+    patch = _patch(bed)
+    upgrade = _upgrade(bed)
+
+    detached = bed.safeinstall("--undo", "--settle", "0.5", "--detach", "--json")
+
+    assert detached.code == 0, detached.stdout + detached.stderr
+    assert (detached.json["command"], detached.json["status"]) == ("undo", "detached")
+    assert detached.json["data"]["undo_of"] == upgrade
+    run_id = detached.json["data"]["run_id"]
+    waited = bed.safeinstall("--status", "--wait", "--run", run_id, "--json", timeout=240)
+    assert waited.code == 0, waited.stdout + waited.stderr
+    assert (waited.json["command"], waited.json["status"], waited.json["data"]["undo_of"]) == (
+        "undo",
+        "done",
+        upgrade,
+    )
+    assert bed.installed_version() == "1.0"
+    assert (bed.site / "sicext" / "serve.py").read_bytes() == patch
+    assert maps_so(bed.manager.main_pid(name)) == bed.so.stat().st_ino
+
+
+def test_the_ansible_reinstall_module_undoes_with_the_package_as_a_guard() -> None:
+    from ansible_collections.safeinstall.fleet.plugins.module_utils.cli import (
+        CommandError,
+        reinstall_argv,
+        reinstall_outcome,
+    )
+
+    params = {
+        "name": "vllm",
+        "undo": True,
+        "undo_run": "20261202T040000Z-7",
+        "python": "/opt/v",
+        "settle": 2.0,
+    }
+    assert reinstall_argv(["safeinstall"], params, check_mode=True) == [
+        "safeinstall",
+        "vllm",
+        "--undo",
+        "--run=20261202T040000Z-7",
+        "--json",
+        "--yes",
+        "--dry-run",
+        "--python=/opt/v",
+        "--settle=2",
+    ]
+    last = reinstall_argv(["safeinstall"], {"name": "vllm", "undo": True}, check_mode=False)
+    assert last == ["safeinstall", "vllm", "--undo", "--json", "--yes"]
+    for wrong in ({"wheel": "/w.whl"}, {"requirement": "vllm==1"}):
+        with pytest.raises(CommandError, match="takes no wheel nor requirement"):
+            reinstall_argv(["safeinstall"], {**params, **wrong}, check_mode=False)
+    with pytest.raises(CommandError, match="undo_run goes with undo"):
+        reinstall_argv(["safeinstall"], {"name": "vllm", "undo_run": "x"}, check_mode=False)
+    plan = {"distributions": [{"name": "vllm", "old_version": "2", "new_version": "1"}], "units": []}
+    done = {"command": "undo", "status": "done", "data": {"undo_of": "R1", "plan": plan}, "errors": []}
+    outcome = reinstall_outcome(0, done, "", check_mode=False)
+    assert (outcome.changed, outcome.msg) == (True, "undid run R1: vllm 2 -> 1; restarted no unit")
