@@ -33,7 +33,7 @@ from safeinstall.hashing import FileState
 from safeinstall.history import RunSummary, find, read_history
 from safeinstall.journal import Phase
 from safeinstall.plan import Plan
-from safeinstall.state import EnvironmentState, StateDirError, atomic_write, read_private_file
+from safeinstall.state import EnvironmentState, StateDirError, atomic_write, is_run_id, read_private_file
 from safeinstall.uvplan import UvChange, UvPlan
 from safeinstall.verify import VerifyReport, verify_environment
 
@@ -166,6 +166,8 @@ def load_left(backup_dir: Path) -> Left:
 
 
 def _why_not(state: EnvironmentState, run_id: str, status: str) -> str | None:
+    if not is_run_id(run_id):  # never a path below the state directory made of what an entry says
+        return "its history entry names no valid run id"
     if status != "done":
         return f"it changed nothing ({status})"
     backup_dir = state.backup_dir(run_id)

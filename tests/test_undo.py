@@ -287,3 +287,37 @@ def test_the_ansible_reinstall_module_undoes_with_the_package_as_a_guard() -> No
     done = {"command": "undo", "status": "done", "data": {"undo_of": "R1", "plan": plan}, "errors": []}
     outcome = reinstall_outcome(0, done, "", check_mode=False)
     assert (outcome.changed, outcome.msg) == (True, "undid run R1: vllm 2 -> 1; restarted no unit")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[]",
+        '{"left_version": 2, "versions": {}, "files": {}}',
+        '{"left_version": 1, "versions": {"a": 1}, "files": {}}',
+        '{"left_version": 1, "versions": {}, "files": {"a": ["x"]}}',
+        '{"left_version": 1, "versions": {}, "files": {"a": {"/x": null}}}',
+        "NaN",
+    ],
+)
+def test_a_damaged_record_of_what_a_run_left_is_not_believed(tmp_path: Path, text: str) -> None:
+    from safeinstall.undo import UndoError, load_left
+
+    (tmp_path / "left.json").write_text(text)
+    os.chmod(tmp_path / "left.json", 0o600)
+    with pytest.raises(UndoError, match="is damaged"):
+        load_left(tmp_path)
+
+
+def test_a_record_that_is_a_symlink_or_a_fifo_is_not_read(tmp_path: Path) -> None:
+    from safeinstall.state import StateDirError
+    from safeinstall.undo import load_left
+
+    (tmp_path / "elsewhere").write_text('{"left_version": 1, "versions": {}, "files": {}}')
+    (tmp_path / "left.json").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(StateDirError):
+        load_left(tmp_path)
+    (tmp_path / "left.json").unlink()
+    os.mkfifo(tmp_path / "left.json")
+    with pytest.raises(StateDirError):
+        load_left(tmp_path)  # returns at once: a FIFO is never opened for a blocking read
