@@ -100,10 +100,11 @@ options:
     default: false
   undo:
     description:
-      - Undo the environment's last run that changed it (C(--undo)) instead of installing anything: what
+      - Undo the environment's last run that changed it (C(--undo)) instead of installing anything. What
         ran before it is put back byte for byte (local patches included) from that run's backup, through
-        the same safe sequence. O(name) is a guard: safeinstall refuses (nothing changed) when that run
-        was of another package, or when the environment changed since it.
+        the same safe sequence.
+      - O(name) is a guard. safeinstall refuses (nothing changed) when that run was of another package,
+        or when the environment changed since it.
       - Takes neither O(wheel) nor O(requirement).
     type: bool
     default: false
