@@ -619,6 +619,7 @@ def run_options(
         prune=params["prune"],
         keep_backups=params["keep_backups"],
         run_id=run_id,
+        undo=params["run"] if params.get("undo_") else None,  # without --run: the last, set by the caller
         environ={**os.environ, **index_environ},
     )
 

@@ -169,7 +169,7 @@ def _why_not(state: EnvironmentState, run_id: str, status: str) -> str | None:
     if not is_run_id(run_id):  # never a path below the state directory made of what an entry says
         return "its history entry names no valid run id"
     if status != "done":
-        return f"it changed nothing ({status})"
+        return f"only a run that ended done can be undone (this one: {status})"
     backup_dir = state.backup_dir(run_id)
     if not backup_dir.is_dir():
         return "its backup was deleted (--keep-backups keeps the newest ones)"
