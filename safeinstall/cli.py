@@ -892,7 +892,18 @@ def main_command(
         if conflict is not None:
             raise conflict
         if undo_:
-            package, undone = _undo_choice(python, run, package, wheel, ctx.args, modes)
+            unfit = {  # what a backup put back cannot honour: said, not ignored
+                flag
+                for flag, on in (
+                    ("--with-deps", with_deps),
+                    ("--keep-patches", keep_patches),
+                    ("--base-wheel", base_wheel is not None),
+                    ("--drop-conflicting", drop_conflicting),
+                    ("--prune", prune),
+                )
+                if on
+            }
+            package, undone = _undo_choice(python, run, package, wheel, ctx.args, modes | unfit)
             run = None
         if (wait or run) and not status_:
             raise UsageError(

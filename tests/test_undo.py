@@ -224,6 +224,8 @@ def test_undo_takes_no_package_nor_wheel_and_nothing_to_undo_says_so(bed: Bed) -
     assert nothing.json["command"] == "undo"
     mixed = bed.safeinstall("sicext", "--undo", "--wheel", str(bed.wheels["sicext-2"]))
     assert mixed.code == 2 and "--undo takes no --wheel" in mixed.stderr
+    patches = bed.safeinstall("--undo", "--keep-patches", "--prune")
+    assert patches.code == 2 and "--undo takes no --keep-patches --prune" in patches.stderr
     unknown = bed.safeinstall("--undo", "--run", "20991231T000000Z-1")
     assert unknown.code == 2 and "no run 20991231T000000Z-1" in unknown.stderr
 
