@@ -18,6 +18,7 @@ import pytest
 from tests.bed_systemd import wait_until
 from tests.test_crash_safety import Bed as CrashBed
 from tests.test_crash_safety import bed as crash_bed_fixture  # noqa: F401  (a fixture, by name)
+from tests.test_crash_safety import big_wheel as big_wheel  # sicext 2.0 with a 160 MiB file
 from tests.test_reinstall import Bed, maps_so
 from tests.test_reinstall import bed as bed  # sicext 1.0 in a venv, a user manager, the fake NVML
 
@@ -39,6 +40,14 @@ def _files(site: Path) -> dict[str, str]:
             if path.is_file() and "__pycache__" not in path.parts:
                 found[str(path.relative_to(site))] = hashlib.sha256(path.read_bytes()).hexdigest()
     return found
+
+
+def _restoring(package: Path) -> bool:
+    """The restore is writing a file back: its temporary copy is there (the large one takes a while)."""
+    try:
+        return any(".safeinstall-restore-" in p.name for p in package.iterdir())
+    except OSError:
+        return False
 
 
 def _patch(bed: Bed) -> bytes:
@@ -140,7 +149,7 @@ def test_a_pruned_backup_refuses_and_says_which_runs_can_be_undone(bed: Bed) -> 
 
 
 @pytest.mark.parametrize(
-    ("phases", "linger"), [(("stopped",), 2.0), (("installing", "installed", "verified", "restarting"), 0.0)]
+    ("phases", "linger"), [(("stopped",), 2.0), (("installed", "verified", "restarting"), 0.0)]
 )
 def test_an_undo_killed_in_the_middle_is_finished_by_recover(
     crash_bed: CrashBed, phases: tuple[str, ...], linger: float
@@ -323,3 +332,32 @@ def test_a_record_that_is_a_symlink_or_a_fifo_is_not_read(tmp_path: Path) -> Non
     os.mkfifo(tmp_path / "left.json")
     with pytest.raises(StateDirError):
         load_left(tmp_path)  # returns at once: a FIFO is never opened for a blocking read
+
+
+def test_an_undo_killed_while_it_puts_the_backup_back_is_put_back_by_recover(
+    crash_bed: CrashBed, big_wheel: Path
+) -> None:
+    """The run undone replaced a large version (its backup holds 160 MiB): the kill lands in the restore
+    itself. --recover puts back the state before the undo, whole, from the undo's own backup."""
+    name = crash_bed.unit("undo-kill-restore")
+    for wheel in (big_wheel, crash_bed.wheels["sicext-2"]):
+        done = crash_bed.cli("sicext", "--wheel", str(wheel), "--yes", "--settle", "0.5")
+        assert done.code == 0, done.stdout + done.stderr
+    upgraded = crash_bed.snapshot()
+    assert not (crash_bed.site / "sicext" / "blob.bin").exists()
+    proc = crash_bed.start_run("--undo", "--settle", "1")
+    try:
+        wait_until(lambda: _restoring(crash_bed.site / "sicext"), 30, "the restore under way", interval=0.002)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+        proc.communicate()
+    assert crash_bed.journal() is not None and crash_bed.journal()["phase"] == "installing"  # type: ignore[index]
+
+    recovered = crash_bed.cli("--recover", "--json")
+
+    assert recovered.code == 0, recovered.stdout + recovered.stderr
+    assert recovered.json["data"]["recoveries"][0]["restored"] is True
+    wait_until(lambda: crash_bed.manager.active_state(name) == "active", 20, "unit running again")
+    assert crash_bed.snapshot() == upgraded and crash_bed.version() == "2.0"
+    crash_bed.no_trace()
