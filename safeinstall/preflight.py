@@ -150,7 +150,8 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
         if shared:
             found = replace(found, plan=replace(found.plan, warnings=(*found.plan.warnings, *shared)))
         if undo is not None:
-            found = replace(found, plan=undo_plan(found.plan, undo, before, found.installed))
+            owner = os.geteuid() if env.account is None else env.account.uid
+            found = replace(found, plan=undo_plan(found.plan, undo, before, found.installed, owner))
     except BaseException:
         if options.wheel is not None and options.wheel != given:
             discard_wheel_copy(options.wheel, state.dir)

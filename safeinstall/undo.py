@@ -326,13 +326,34 @@ def added_warnings(target: UndoTarget) -> tuple[str, ...]:
     )
 
 
+def owner_refusal(target: UndoTarget, owner_uid: int) -> str | None:
+    """Pure: the refusal when the backup holds files of another account than the environment's owner
+    now (the environment changed hands since the run: root would give its files to the old owner)."""
+    others = sorted({f.uid for f in target.backup.manifest.files} - {owner_uid})
+    if not others:
+        return None
+    return (
+        f"the backup of run {target.run_id} holds files of uid {', '.join(map(str, others))}, and the "
+        f"environment is uid {owner_uid}'s now: it changed hands since that run, and putting the backup "
+        "back would give its files to the old owner"
+    )
+
+
 def undo_plan(
-    plan: Plan, target: UndoTarget, now: VerifyReport, installed: Sequence[InstalledDistribution]
+    plan: Plan,
+    target: UndoTarget,
+    now: VerifyReport,
+    installed: Sequence[InstalledDistribution],
+    owner_uid: int,
 ) -> Plan:
-    """Pure: the run's plan, refused when the environment changed since the undone run, and saying
-    which distributions that run added stay."""
+    """Pure: the run's plan, refused when the environment changed since the undone run (its files, or
+    its owner: ``owner_uid`` now), and saying which distributions that run added stay."""
     changed = changes_since(target.left, now, installed)
-    refusals = (change_refusal(target, changed),) if changed else ()
+    owner = owner_refusal(target, owner_uid)
+    refusals = (
+        *((change_refusal(target, changed),) if changed else ()),
+        *((owner,) if owner is not None else ()),
+    )
     return replace(
         plan,
         refusals=(*plan.refusals, *refusals),

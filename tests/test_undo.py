@@ -361,3 +361,19 @@ def test_an_undo_killed_while_it_puts_the_backup_back_is_put_back_by_recover(
     wait_until(lambda: crash_bed.manager.active_state(name) == "active", 20, "unit running again")
     assert crash_bed.snapshot() == upgraded and crash_bed.version() == "2.0"
     crash_bed.no_trace()
+
+
+def test_a_backup_of_files_of_another_owner_than_the_environments_now_is_refused(tmp_path: Path) -> None:
+    from safeinstall.backup import Backup, BackupDistribution, BackupFile, BackupManifest
+    from safeinstall.undo import Left, UndoTarget, owner_refusal
+
+    def saved(uid: int) -> BackupFile:
+        return BackupFile(f"lib/f{uid}.py", "sicext", 1, 0o644, uid, uid, 0, "0" * 64)
+
+    manifest = BackupManifest(
+        1, "t", "/venv", (BackupDistribution("sicext", "1.0", "x.dist-info"),), (saved(1000),), (), (), (), ()
+    )
+    target = UndoTarget("20261202T040000Z-1", "sicext", Backup(tmp_path, manifest), Left({}, {}))
+    assert owner_refusal(target, 1000) is None
+    refused = owner_refusal(target, 1001)
+    assert refused is not None and "uid 1000" in refused and "uid 1001's now" in refused
