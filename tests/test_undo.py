@@ -19,6 +19,10 @@ from tests.bed_systemd import wait_until
 from tests.test_crash_safety import Bed as CrashBed
 from tests.test_crash_safety import bed as crash_bed_fixture  # noqa: F401  (a fixture, by name)
 from tests.test_crash_safety import big_wheel as big_wheel  # sicext 2.0 with a 160 MiB file
+from tests.test_hostile_fs import NOBODY, ServiceAccountBed, chown_tree
+from tests.test_hostile_fs import account as account  # the fixture: uid 65534's venv and unit
+from tests.test_hostile_fs import open_dir as open_dir
+from tests.test_hostile_fs import open_state as open_state
 from tests.test_reinstall import Bed, maps_so
 from tests.test_reinstall import bed as bed  # sicext 1.0 in a venv, a user manager, the fake NVML
 
@@ -377,3 +381,34 @@ def test_a_backup_of_files_of_another_owner_than_the_environments_now_is_refused
     assert owner_refusal(target, 1000) is None
     refused = owner_refusal(target, 1001)
     assert refused is not None and "uid 1000" in refused and "uid 1001's now" in refused
+
+
+def test_an_undo_in_another_accounts_environment_gives_it_back_its_own_files(
+    account: ServiceAccountBed,
+) -> None:
+    """uid 65534's venv: the undo puts back its files as its own (the restore's removal runs as that
+    account); once the environment changed hands, the undo is refused before anything stops."""
+    name = account.unit("undo-owned")
+    before = account.snapshot()
+    owners = {p.stat().st_uid for p in (account.site / "sicext").rglob("*")}
+    upgrade = account.cli("sicext", "--wheel", str(account.wheels["sicext-2"]), "--yes", "--settle", "0.5")
+    assert upgrade.code == 0, upgrade.stdout + upgrade.stderr
+
+    undone = account.cli("--undo", "--yes", "--settle", "0.5", "--json")
+
+    assert undone.code == 0, undone.stdout + undone.stderr
+    assert account.version() == "1.0" and account.snapshot() == before
+    assert {p.stat().st_uid for p in (account.site / "sicext").rglob("*")} == owners == {NOBODY}
+    account.manager.wait_active(name)
+    again = account.cli("--undo", "--yes", "--settle", "0.5", "--json")  # forward: 2.0 again
+    assert again.code == 0, again.stdout + again.stderr
+    chown_tree(account.base / "venv", NOBODY - 1)  # the environment changes hands
+    main = account.manager.main_pid(name)
+
+    refused = account.cli("--undo", "--yes", "--json")
+
+    assert refused.code == 2, refused.stdout + refused.stderr
+    assert (
+        f"uid {NOBODY}, and the environment is uid {NOBODY - 1}'s now" in refused.json["errors"][0]["message"]
+    )
+    assert account.manager.main_pid(name) == main and account.version() == "2.0"
