@@ -836,6 +836,13 @@ def _check(manifest: BackupManifest, tree: Tree) -> list[str]:
     return sorted(mismatches)
 
 
+def check_restored(backup: Backup, prefix: Path) -> list[str]:
+    """The saved files (absolute paths) whose content or link target in ``prefix`` is not the
+    backup's: empty once a restore put them all back (an undo's verification)."""
+    with Tree(prefix) as tree, tree.batch():
+        return _check(backup.manifest, tree)
+
+
 def restore_backup(
     backup: Backup, env: Environment, remove: Iterable[Path], workers: int | None = None
 ) -> RestoreResult:

@@ -279,16 +279,17 @@ def _run_reinstall(
     out, err = make_console(), make_console(stderr=True)
     console = ConsoleReporter(out, err, quiet=as_json or verbosity < 0, verbosity=verbosity)
     reporter = LoggedReporter(console, state.log_file(run_id))
+    command = "reinstall" if options.undo is None else "undo"
     try:
         result = run_reinstall(replace(options, run_id=run_id), reporter, interactive)
     except SafeInstallError as error:
-        document = envelope("reinstall", "error", error.exit_code, None, [error])
+        document = envelope(command, "error", error.exit_code, None, [error])
         _keep(state, run_id, options.package, started, jsonable(document))
         _run_metrics(metrics, _env, options.package, run_id, started, jsonable(document))
-        _fail(error, "reinstall", as_json)
+        _fail(error, command, as_json)
     errors = [result.error] if result.error else []
-    data = {"run_id": run_id, **run_json(result)}
-    document = jsonable(envelope("reinstall", result.status, result.exit_code, data, errors))
+    data = {"run_id": run_id, **_undo_of(options), **run_json(result)}
+    document = jsonable(envelope(command, result.status, result.exit_code, data, errors))
     # the run has its result: a signal now does not change it (held back until the exit)
     with interrupts_deferred(lambda _signum: None):
         notes = _keep(state, run_id, options.package, started, document)
@@ -332,7 +333,8 @@ def _run_detached(options: "RunOptions", as_json: bool, interactive: bool, verbo
         "log_file": started.log_file,
     }
     if as_json:
-        print(dumps(envelope("reinstall", "detached", ExitCode.OK, data)))
+        command = "reinstall" if options.undo is None else "undo"
+        print(dumps(envelope(command, "detached", ExitCode.OK, data | _undo_of(options))))
     else:
         manager = "systemd --user" if started.user_manager else "systemd"
         out.print(
@@ -440,6 +442,52 @@ def _run_status(python: str | None, as_json: bool, metrics: Path | None = None, 
     _exit(report.exit_code)
 
 
+def _undo_of(options: "RunOptions") -> dict[str, str]:
+    """Pure: the JSON field that names the run an undo undoes (none for a reinstall)."""
+    return {} if options.undo is None else {"undo_of": options.undo}
+
+
+def _undo_choice(
+    python: str | None,
+    run: str | None,
+    package: str | None,
+    wheel: Path | None,
+    args: Sequence[str],
+    modes: Collection[str],
+) -> tuple[str, str]:
+    """``--undo``: the package and id of the run it undoes (its history names it); the run itself is chosen
+    again, under the lock, by the preflight. ``package``, when given, is a guard: the run must be of it.
+    Usage errors for what does not go with it."""
+    from packaging.utils import canonicalize_name
+
+    from safeinstall.undo import UndoError, choose_run
+
+    others = sorted(set(modes) - {"--undo", "--dry-run", "--detach"})
+    if (package and not _PLAIN_NAME.fullmatch(package)) or wheel is not None or args or others:
+        given = " ".join(
+            [
+                *others,
+                *(["--wheel"] if wheel else []),
+                *(["a version"] if package and not _PLAIN_NAME.fullmatch(package) else []),
+                *args,
+            ]
+        )
+        raise UsageError(
+            f"--undo takes no {given}: it puts back what the run it undoes replaced",
+            hint="safeinstall --undo --python ENV [--run RUN_ID] [--dry-run | --detach] [--json]",
+        )
+    from safeinstall.options import RunOptions
+
+    _env, state = _environment_state(RunOptions(package="", python=python))
+    chosen = choose_run(state, run)
+    if package and canonicalize_name(package) != canonicalize_name(chosen.package or ""):
+        raise UndoError(
+            f"run {chosen.run_id} was of {chosen.package}, not {package}: nothing was undone",
+            hint="safeinstall --status --python ENV lists the runs; pick one with --undo --run RUN_ID",
+        )
+    return chosen.package or "", chosen.run_id
+
+
 def _run_dry_run(options: "RunOptions", as_json: bool, verbosity: int = 0) -> None:
     from safeinstall.preflight import dry_run_patches, preflight
 
@@ -449,6 +497,7 @@ def _run_dry_run(options: "RunOptions", as_json: bool, verbosity: int = 0) -> No
     if as_json:
         status = "would-proceed" if plan.proceeds else "would-refuse"
         data = plan_json(plan) | ({"patches": patches_json(patches.outcomes)} if patches is not None else {})
+        data |= _undo_of(options)
         print(dumps(envelope("dry-run", status, code, data)))
     else:
         render_plan(make_console(), make_console(stderr=True), plan, verbosity)
@@ -566,6 +615,7 @@ def run_options(
         prune=params["prune"],
         keep_backups=params["keep_backups"],
         run_id=run_id,
+        undo=params["run"] if params.get("undo_") else None,  # without --run: the last, set by the caller
         environ={**os.environ, **index_environ},
     )
 
@@ -734,8 +784,21 @@ def main_command(
         ),
     ] = False,
     run: Annotated[
-        str | None, typer.Option("--run", metavar="RUN_ID", help="With --status --wait: the run to follow.")
+        str | None,
+        typer.Option(
+            "--run",
+            metavar="RUN_ID",
+            help="With --status --wait: the run to follow; with --undo: the run to undo.",
+        ),
     ] = None,
+    undo_: Annotated[
+        bool,
+        _flag(
+            "--undo",
+            "Put back what ran before the environment's last run (--run: an older one), byte for byte, "
+            "through the same safe sequence (see docs/undo.md).",
+        ),
+    ] = False,
     forget_: Annotated[
         bool,
         _flag(
@@ -784,6 +847,7 @@ def main_command(
             ("--recover", recover_),
             ("--status", status_),
             ("--forget", forget_),
+            ("--undo", undo_),
         )
         if on
     }
@@ -823,6 +887,20 @@ def main_command(
         conflict = mode_conflict(modes)
         if conflict is not None:
             raise conflict
+        if undo_:
+            unfit = {  # what a backup put back cannot honour: said, not ignored
+                flag
+                for flag, on in (
+                    ("--with-deps", with_deps),
+                    ("--keep-patches", keep_patches),
+                    ("--base-wheel", base_wheel is not None),
+                    ("--drop-conflicting", drop_conflicting),
+                    ("--prune", prune),
+                )
+                if on
+            }
+            package, undone = _undo_choice(python, run, package, wheel, ctx.args, modes | unfit)
+            run = None
         if (wait or run) and not status_:
             raise UsageError(
                 "--wait and --run go with --status", hint="safeinstall --status --wait [--run RUN_ID]"
@@ -898,6 +976,8 @@ def main_command(
                 "safeinstall PACKAGE [--wheel W] -- UV_ARGS",
             )
         options = run_options({**ctx.params, "package": package}, ctx.args, private)
+        if undo_:
+            options = replace(options, undo=undone)
         check_options(options)
         interactive = not yes and not as_json and sys.stdin.isatty()
         if detach_:

@@ -70,7 +70,8 @@ def child_arguments(options: RunOptions, python: Path, run_id: str, environ_file
     """Pure: the arguments that, with the private file :func:`write_private` wrote, make the detached
     safeinstall run exactly ``options`` (``--opt=value`` forms, so that no value is ever taken for an
     option). What may hold a credential (the health URL, uv's arguments) is only in the file."""
-    args = [options.package + (options.version_spec or ""), f"--python={python}", "--yes"]
+    undo = [] if options.undo is None else ["--undo", f"--run={options.undo}"]  # the package: a guard
+    args = [options.package + (options.version_spec or ""), *undo, f"--python={python}", "--yes"]
     args += [f"--run-id={run_id}", f"--environ-from={environ_file}"]
     flags = {
         "--user": options.user,

@@ -50,6 +50,9 @@ class RunSummary:
     finished_at: str | None
     downtime_s: dict[str, float]
     log_file: str | None
+    #: --status: whether ``safeinstall --undo --run RUN_ID`` can undo it, and if not why (None: not asked)
+    can_undo: bool | None = None
+    cannot_undo: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,6 +38,7 @@ class RunOptions:
     keep_patches: bool = False  # carry the package's local patches over to the new version
     base_wheel: Path | None = None  # --keep-patches: the installed version's wheel (else fetched by uv)
     drop_conflicting: bool = False  # --keep-patches: drop what cannot be carried instead of refusing
+    undo: str | None = None  # --undo: the run whose backup is put back (safeinstall.undo); None: a reinstall
     proc_root: Path = Path("/proc")
     environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
 

@@ -63,6 +63,7 @@ def finding_json(finding: Finding) -> dict[str, Any]:
 _COMMANDS = (
     ("--verify-only", "verify"),
     ("--dry-run", "dry-run"),
+    ("--undo", "undo"),
     ("--recover", "recover"),
     ("--status", "status"),
     ("--forget", "forget"),

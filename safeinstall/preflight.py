@@ -42,6 +42,7 @@ from safeinstall.state import (
 )
 from safeinstall.survey import Survey, survey
 from safeinstall.systemsite import placement_refusals
+from safeinstall.undo import UndoTarget, undo_plan, undo_target, undo_uv_plan
 from safeinstall.verify import VerifyReport, verify_environment
 from safeinstall.wheel import (
     Wheel,
@@ -77,6 +78,7 @@ class Prepared:
     #: the affected distributions' files as installed, hashed once before anything stops: the plan's
     #: ``locally_modified`` comes from it, and the run's backup reuses its hashes
     before: VerifyReport
+    undo: UndoTarget | None = None  # --undo: the run undone, its backup the version put back
 
     @property
     def plan(self) -> Plan:
@@ -108,6 +110,7 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
         check_lock(state.lock, str(env.prefix))
     given = options.wheel
     try:
+        undo = undo_target(state, options.undo) if options.undo is not None else None
         wheel = None
         if given is not None:
             # checked, installed and journalled: the run's own copy, not a path others can write
@@ -122,6 +125,8 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
             # uv reads it as the owner, who may not read `given`
             with temporary_copy(given, env.account) as copy:
                 found = _named_as_given(survey(replace(options, wheel=copy), env, wheel), copy, given)
+        elif undo is not None:
+            found = survey(options, env, None, undo_uv_plan(undo.backup))
         else:
             found = survey(options, env, wheel)
         unrecorded = record_problems(found)
@@ -144,13 +149,16 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
         shared = shared_files(before)
         if shared:
             found = replace(found, plan=replace(found.plan, warnings=(*found.plan.warnings, *shared)))
+        if undo is not None:
+            owner = os.geteuid() if env.account is None else env.account.uid
+            found = replace(found, plan=undo_plan(found.plan, undo, before, found.installed, owner))
     except BaseException:
         if options.wheel is not None and options.wheel != given:
             discard_wheel_copy(options.wheel, state.dir)
         if lock is not None:
             lock.release()
         raise
-    return Prepared(options, env, state, wheel, found, lock, tuple(notes), before)
+    return Prepared(options, env, state, wheel, found, lock, tuple(notes), before, undo)
 
 
 def locally_modified(report: VerifyReport) -> tuple[str, ...]:

@@ -51,6 +51,7 @@ from safeinstall.state import (
     trusted_environment_state,
 )
 from safeinstall.systemd import Systemd, default_dropin_root, start_wait_s, stop_wait_s
+from safeinstall.undo import with_undo
 from safeinstall.wheel import environment_files, install_location, read_wheel
 from safeinstall.wheelcopy import discard_dead_copies, discard_wheel_copy, is_wheel_copy
 
@@ -497,7 +498,7 @@ def status(environ: Mapping[str, str], python: str | None) -> StatusReport:
                 state_dir=str(state.dir),
                 prefix_exists=prefix_exists(state),
                 run_id=journal.run_id if journal else None,
-                runs=history.runs,
+                runs=with_undo(state, history.runs),
                 history_problems=history.problems,
             )
         )

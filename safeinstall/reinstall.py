@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import psutil
 
+from safeinstall import undo
 from safeinstall.backup import Backup, create_backup, prune_into
 from safeinstall.distributions import InstalledDistribution, reload_distributions
 from safeinstall.drift import Expectation, FindingKind
@@ -84,6 +85,7 @@ from safeinstall.state import (
 )
 from safeinstall.survey import Survey, scan_again, systemd_for
 from safeinstall.systemd import StopOutcome, Systemd, start_wait_s, stop_wait_s
+from safeinstall.undo import Left, left_of
 from safeinstall.uvplan import install as uv_install
 from safeinstall.uvplan import prefetch_command, secure_uv_lock, uv_binary
 from safeinstall.verify import VerifyReport, verify_environment
@@ -171,6 +173,7 @@ class _Run:
     strays_killed: tuple[int, ...] = ()
     restart_started: bool = False
     old_code: tuple[OldCodeProcess, ...] = ()
+    left: Left | None = None  # set by the verify step: what the run leaves (kept for --undo)
 
     @property
     def options(self) -> RunOptions:
@@ -314,6 +317,17 @@ def save_patches(run: _Run) -> None:
         run.patch_file = save_patch_set(run.state, run.run_id, run.patches)
     except (OSError, SafeInstallError) as exc:
         run.notes.append(f"the carried patch set was not saved: {exc}")
+
+
+def save_left(run: _Run) -> None:
+    """After a good run: what it left, beside its backup, so that ``--undo`` can tell whether the
+    environment is still as the run left it (best effort: without it the run cannot be undone)."""
+    if run.left is None or run.backup is None:
+        return
+    try:
+        undo.save_left(run.backup.dir, run.left)
+    except (OSError, SafeInstallError) as exc:
+        run.notes.append(f"what the run left was not recorded (it cannot be undone): {exc}")
 
 
 # ------------------------------------------------------------------ 2. backup
@@ -563,6 +577,8 @@ def verify_step(run: _Run) -> str:
     if failures:
         listed = "; ".join(f"{f.kind.value} {f.path}" for f in failures[:5])
         raise StepFailed(f"the installed files do not match the wheel: {listed}")
+    names = [d.name for d in run.survey.affected]
+    run.left = left_of(report, reload_distributions(run.env, run.survey.installed, names), names)
     run.extras = tuple(f.path for f in report.findings if f.kind == FindingKind.EXTRA)
     if run.extras and run.options.prune:
         run.pruned = _prune(run, run.extras)
@@ -884,7 +900,11 @@ def _verify_installed(
     if not others:
         return main
     rest = verify_environment(env, others, installed=installed)
-    return replace(main, distributions=(*main.distributions, *rest.distributions))
+    return replace(
+        main,
+        distributions=(*main.distributions, *rest.distributions),
+        observed={**main.observed, **rest.observed},
+    )
 
 
 def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) -> RunResult:
@@ -936,14 +956,19 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
                 if options.keep_patches:
                     step("patches", lambda: patches_step(run))
                 step("backup", lambda: backup_step(run))
-                step("prefetch", lambda: prefetch_step(run))
+                if options.undo is None:  # an undo installs from a backup: nothing to fetch
+                    step("prefetch", lambda: prefetch_step(run))
                 step("gate", lambda: gate_step(run))
                 with NvmlSession(options.environ, options.proc_root) as session:
                     baseline = session.snapshot()  # before the stop: what the processes held
                     step("stop", lambda: stop_step(run))
                     step("gpu-release", lambda: gpu_release_step(run, session, baseline))
-                step("install", lambda: install_step(run))
-                step("verify", lambda: verify_step(run))
+                if options.undo is not None:  # the swap: the undone run's backup put back
+                    step("restore", lambda: undo.restore_step(run, lambda: _check_no_late_users(run)))
+                    step("verify", lambda: undo.verify_step(run, lambda: remove_gate(run)))
+                else:
+                    step("install", lambda: install_step(run))
+                    step("verify", lambda: verify_step(run))
                 step("restart", lambda: restart_step(run))
                 step("end-check", lambda: end_check_step(run))
             except Exception as exc:  # any failure once the run started rolls back, bugs included
@@ -965,6 +990,7 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
         tidying.append(True)
         run._journal_if_possible(Phase.DONE)
         save_patches(run)
+        save_left(run)
         try:
             remove_dropins(run)
         except SafeInstallError as exc:

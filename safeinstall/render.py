@@ -588,7 +588,7 @@ def _runs_table(runs: tuple[RunSummary, ...]) -> Table:
     """The finished runs, without their log files: a path is never folded across lines (it is printed
     whole, on a line of its own, by :func:`render_status`)."""
     table = _table()
-    for column in ("RUN", "STATUS", "EXIT", "PACKAGE", "VERSION", "STARTED", "FINISHED", "DOWNTIME"):
+    for column in ("RUN", "STATUS", "EXIT", "PACKAGE", "VERSION", "STARTED", "FINISHED", "DOWNTIME", "UNDO"):
         table.add_column(column, overflow="fold", no_wrap=column in ("RUN", "STATUS"))
     for r in runs:
         style = "green" if r.exit_code == 0 else "yellow" if r.exit_code in (2, 3) else "red"
@@ -605,6 +605,7 @@ def _runs_table(runs: tuple[RunSummary, ...]) -> Table:
             _when(r.started_at),
             _when(r.finished_at),
             literal(downtime),
+            "yes" if r.can_undo else "-",  # why not: --status --json (cannot_undo)
         )
     return table
 

@@ -57,8 +57,14 @@ def _dependent(name: str) -> bool:
     return name.endswith(".service") and valid_unit_name(name)
 
 
-def survey(options: RunOptions, env: Environment | None = None, wheel: Wheel | None = None) -> Survey:
-    """Gather every fact the plan needs. Changes nothing."""
+def survey(
+    options: RunOptions,
+    env: Environment | None = None,
+    wheel: Wheel | None = None,
+    swap: UvPlan | None = None,
+) -> Survey:
+    """Gather every fact the plan needs. Changes nothing. ``swap``: what replaces uv's plan (an undo's
+    restore, :func:`safeinstall.undo.undo_uv_plan`): uv is not asked."""
     if env is None:
         env = inspect_environment(resolve_python(options.python, options.environ))
     installed = tuple(find_distributions(env))
@@ -81,7 +87,7 @@ def survey(options: RunOptions, env: Environment | None = None, wheel: Wheel | N
         ),
     )
     # as the owner (uv runs its .pth files); uv's lock file, if this made one, goes again
-    uv_plan = dry_run(request, options.environ, account=env.account, prefix=env.prefix)
+    uv_plan = swap or dry_run(request, options.environ, account=env.account, prefix=env.prefix)
     by_name = {d.name: d for d in installed}
     affected = tuple(by_name[n] for n in sorted({*uv_plan.affected, target.name}) if n in by_name)
     targets = load_targets(affected, env, installed)

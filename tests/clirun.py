@@ -61,5 +61,7 @@ RUN_FIELDS = frozenset(
         "finished_at",
         "downtime_s",
         "log_file",
+        "can_undo",
+        "cannot_undo",
     }
 )

@@ -140,6 +140,7 @@ def test_a_detached_run_gets_exactly_the_callers_options() -> None:
     variants = [
         dataclasses.replace(common, wheel=Path("/w/vllm-0.16.0-py3-none-any.whl")),
         dataclasses.replace(common, version_spec="<1,>=0.16"),
+        dataclasses.replace(common, undo="20261201T000000Z-41"),
     ]
     default = RunOptions(package="x")
     not_options = {"environ", "proc_root"}  # the environment travels in a file; proc_root is for tests

@@ -80,8 +80,18 @@ def _value(value: Any) -> str:
 
 
 def reinstall_argv(executable: Sequence[str], params: Mapping[str, Any], check_mode: bool) -> list[str]:
-    """The one command line of the reinstall module; in check mode, its ``--dry-run``."""
-    argv = [*executable, reinstall_target(params["name"], params.get("requirement")), "--json", "--yes"]
+    """The one command line of the reinstall module; in check mode, its ``--dry-run``. With ``undo``:
+    ``--undo`` (of the last run, or of ``undo_run``), ``name`` a guard (the run must be of it)."""
+    if params.get("undo"):
+        if params.get("wheel") or params.get("requirement"):
+            raise CommandError("undo puts back what a run replaced: it takes no wheel nor requirement")
+        undo_run = params.get("undo_run")
+        target = [_checked_name(params["name"]), "--undo", *([f"--run={undo_run}"] if undo_run else [])]
+    elif params.get("undo_run"):
+        raise CommandError("undo_run goes with undo: true")
+    else:
+        target = [reinstall_target(params["name"], params.get("requirement"))]
+    argv = [*executable, *target, "--json", "--yes"]
     if check_mode:
         argv.append("--dry-run")
     argv += [f"{flag}={_value(params[key])}" for key, flag in REINSTALL_VALUES if params.get(key) is not None]
@@ -183,7 +193,8 @@ def reinstall_outcome(rc: int, result: Mapping[str, Any] | None, stderr: str, ch
     if rc == 0 and check_mode:
         changed = would_change(plan)
         units = ", ".join(_units(plan)) or "no unit"
-        verb = "would reinstall" if changed else "nothing to do for"
+        undo = "undo_of" in (result.get("data") or {})
+        verb = ("would undo" if undo else "would reinstall") if changed else "nothing to do for"
         return Outcome(
             False, changed, status, f"{verb} {_versions(plan) or plan.get('package')}; restarts {units}"
         )
@@ -191,7 +202,9 @@ def reinstall_outcome(rc: int, result: Mapping[str, Any] | None, stderr: str, ch
         if status != "done":  # declined (an interactive run only; --yes never asks)
             return Outcome(False, False, status, f"safeinstall ended with status {status}")
         units = ", ".join(_units(plan)) or "no unit"
-        return Outcome(False, True, status, f"reinstalled {_versions(plan)}; restarted {units}")
+        undone = (result.get("data") or {}).get("undo_of")
+        verb = f"undid run {undone}:" if undone else "reinstalled"
+        return Outcome(False, True, status, f"{verb} {_versions(plan)}; restarted {units}")
     if rc == 2:
         reasons = _errors(result) or "; ".join(plan.get("refusals") or []) or status
         return Outcome(True, False, status, f"refused, nothing changed: {reasons}")

@@ -98,6 +98,20 @@ options:
         set it.
     type: bool
     default: false
+  undo:
+    description:
+      - Undo the environment's last run that changed it (C(--undo)) instead of installing anything. What
+        ran before it is put back byte for byte (local patches included) from that run's backup, through
+        the same safe sequence.
+      - O(name) is a guard. safeinstall refuses (nothing changed) when that run was of another package,
+        or when the environment changed since it.
+      - Takes neither O(wheel) nor O(requirement).
+    type: bool
+    default: false
+  undo_run:
+    description:
+      - With O(undo), the run to undo (C(--run)), as C(safeinstall --status) lists it; default the last.
+    type: str
   keep_backups:
     description:
       - After a good run, keep this many newest backups of the environment (C(--keep-backups)); safeinstall's
@@ -149,6 +163,12 @@ EXAMPLES = r"""
     python: /opt/vllm/venv
   environment:
     UV_INDEX_URL: https://pypi.example.internal/simple
+
+- name: Go back to what ran before the last run (the old version, its local patches included)
+  safeinstall.fleet.reinstall:
+    name: vllm
+    undo: true
+    python: /opt/vllm/venv
 
 - name: A clean reinstall of the installed version (wipes local patches)
   safeinstall.fleet.reinstall:
@@ -226,6 +246,8 @@ ARGUMENT_SPEC = {
     "kill_strays": {"type": "bool", "default": False},
     "prune": {"type": "bool", "default": False},
     "keep_patches": {"type": "bool", "default": False},
+    "undo": {"type": "bool", "default": False},
+    "undo_run": {"type": "str"},
     "keep_backups": {"type": "int"},
     "executable": {"type": "str", "default": "safeinstall"},
 }
