@@ -72,7 +72,7 @@ from safeinstall.processes import scan_processes
 from safeinstall.recover import put_back
 from safeinstall.retention import prune_backups
 from safeinstall.runlog import append_line
-from safeinstall.signals import interrupts_deferred, interrupts_raise
+from safeinstall.signals import held_while_threads_start, interrupts_deferred, interrupts_raise
 from safeinstall.state import (
     PUT_BACK_CACHE_S,
     RUN_DIR_REMOVAL_S,
@@ -429,7 +429,8 @@ def stop_step(run: _Run) -> str:
     outcomes: list[StopOutcome] = []
     if units:
         with ThreadPoolExecutor(max_workers=len(units)) as pool:
-            stops = {u.name: pool.submit(stop, u) for u in units}
+            with held_while_threads_start():
+                stops = {u.name: pool.submit(stop, u) for u in units}
             try:
                 _report_waits(run, stops, "stopped", max(run._stop_timeout(u.stop_timeout_s) for u in units))
                 outcomes = [f.result() for f in stops.values()]
@@ -634,17 +635,18 @@ def _start_and_settle(run: _Run, units: list[str], settle: float) -> str:
         systemd.start(unit)
     cancel = threading.Event()
     with ThreadPoolExecutor(max_workers=len(units)) as pool:
-        futures = {
-            u: pool.submit(
-                systemd.wait_settled,
-                u,
-                settle,
-                start_wait_s(befores.get(u)),
-                before=befores.get(u),
-                cancel=cancel,
-            )
-            for u in units
-        }
+        with held_while_threads_start():
+            futures = {
+                u: pool.submit(
+                    systemd.wait_settled,
+                    u,
+                    settle,
+                    start_wait_s(befores.get(u)),
+                    before=befores.get(u),
+                    cancel=cancel,
+                )
+                for u in units
+            }
         try:
             _report_waits(
                 run,

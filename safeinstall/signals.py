@@ -124,3 +124,17 @@ def _handlers(handler: Callable[[int, FrameType | None], None]) -> Iterator[None
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+@contextmanager
+def held_while_threads_start() -> Iterator[None]:
+    """Block SIGINT/SIGTERM/SIGHUP while threads are started (a pool's ``submit``): a handler that raises
+    inside ``Thread.start`` can leave a started thread that Python no longer knows of ("Exception ignored
+    in thread started by", a traceback on stderr). A signal that came meanwhile is handled on leaving,
+    once every thread is known; the threads started here keep them blocked (Python handles signals on
+    the main thread only)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
