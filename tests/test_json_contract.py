@@ -90,7 +90,15 @@ def test_help_documents_exit_codes() -> None:
     result = run("--help")
     assert result.code == 0
     text = " ".join(result.stdout.split())
-    for code in ("0 success", "1 drift found", "2 could not check or refused", "3 failed after services"):
+    for code in (
+        "0 success",
+        "1 drift found",
+        "2 could not check, refused or declined",
+        "3 failed after services",
+        "4 failed and putting things back failed too",
+        "--recover: the new version did not come up",
+        "--status --wait exits with the run's own code",
+    ):
         assert code in text
 
 
