@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from tests import wheelhouse
 from tests.bed_nvml import FakeNvml
 from tests.bed_systemd import UserManager, wait_until
 from tests.test_crash_safety import Bed
+from tests.test_crash_safety import bed as bed  # the crash tests' bed: sicext 1.0 in a venv, units, NVML
 from tests.wheelhouse import Wheelhouse
 
 #: a unit whose start takes a second before its main process runs: a window to kill the run in while
@@ -29,20 +29,6 @@ from tests.wheelhouse import Wheelhouse
 SLOW_START_UNIT = (
     "[Unit]\nDescription=safeinstall fault test\n\n[Service]\nExecStartPre=/bin/sleep 1\nExecStart={exec}\n"
 )
-
-
-@pytest.fixture
-def bed(
-    venv: Path, wheels: Wheelhouse, tmp_path: Path, user_manager: UserManager, fake_nvml: FakeNvml
-) -> Iterator[Bed]:
-    wheelhouse.uv_install(venv, wheels["sicext-1"])
-    made = Bed(venv, tmp_path / "state", user_manager, fake_nvml, wheels)
-    yield made
-    for name in made.units:
-        user_manager.systemctl("kill", "--signal=SIGKILL", name, check=False)
-        user_manager.systemctl("stop", name, check=False)
-        user_manager.systemctl("disable", name, check=False)
-        user_manager.remove_unit(name)
 
 
 def _unit(bed: Bed, stem: str, text: str) -> str:

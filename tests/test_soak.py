@@ -23,18 +23,13 @@ import random
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
-
-from tests import wheelhouse
-from tests.bed_nvml import FakeNvml
-from tests.bed_systemd import UserManager, wait_until
+from tests.bed_systemd import wait_until
 from tests.clirun import run
 from tests.test_crash_safety import Bed
-from tests.wheelhouse import Wheelhouse
+from tests.test_crash_safety import bed as bed  # the crash tests' bed: sicext 1.0 in a venv, units, NVML
 
 SOAK_TRIALS = 40
 #: the phases a good run passes, in order (safeinstall.journal.Phase)
@@ -70,19 +65,6 @@ class Tally:
             f"soak seed {seed}: {self.trials} trials, {per:.2f} s per trial; phases hit "
             f"{dict(sorted(self.hit.items()))}; outcomes {dict(sorted(self.outcomes.items()))}"
         )
-
-
-@pytest.fixture
-def soak_bed(
-    venv: Path, wheels: Wheelhouse, tmp_path: Path, user_manager: UserManager, fake_nvml: FakeNvml
-) -> Iterator[Bed]:
-    wheelhouse.uv_install(venv, wheels["sicext-1"])
-    made = Bed(venv, tmp_path / "state", user_manager, fake_nvml, wheels)
-    yield made
-    for name in made.units:
-        user_manager.systemctl("kill", "--signal=SIGKILL", name, check=False)
-        user_manager.systemctl("stop", name, check=False)
-        user_manager.remove_unit(name)
 
 
 def _catches_sigterm(pid: int) -> bool:
@@ -162,8 +144,7 @@ def _trial(bed: Bed, unit: str, version: str, rng: random.Random, tally: Tally, 
     return now
 
 
-def test_fault_soak(soak_bed: Bed) -> None:
-    bed = soak_bed
+def test_fault_soak(bed: Bed) -> None:
     trials = int(os.environ.get("SAFEINSTALL_SOAK") or SOAK_TRIALS)
     seed = int(os.environ.get("SAFEINSTALL_SOAK_SEED") or random.SystemRandom().randrange(2**32))
     print(f"soak seed {seed}, {trials} trials (replay: SAFEINSTALL_SOAK_SEED={seed})")
