@@ -14,7 +14,7 @@ from typing import Any
 
 from tests.bed_systemd import wait_until
 from tests.clirun import RUN_FIELDS, SAFEINSTALL
-from tests.test_reinstall import Bed, bed, maps_so
+from tests.test_reinstall import Bed, bed, declined_on_a_terminal, maps_so
 
 __all__ = ["bed"]  # the fixture, shared with test_reinstall
 
@@ -126,37 +126,12 @@ def test_a_detached_run_refused_in_its_preflight_fails_at_once(bed: Bed) -> None
 def test_the_detach_prompt_shows_what_the_foreground_prompt_shows(bed: Bed) -> None:
     """On a terminal, --detach shows the run's own plan before asking: the local patch the reinstall
     replaces included (it showed a plan without the preflight's warnings)."""
-    import pty
-
     name = bed.service("detach-ask")
     main = bed.manager.main_pid(name)
     serve = bed.site / "sicext" / "serve.py"
     serve.write_text(serve.read_text() + "# a local fix\n")
-    master, slave = pty.openpty()
-    try:
-        args = [
-            "--user",
-            "--python",
-            str(bed.python),
-            "sicext",
-            "--wheel",
-            str(bed.wheels["sicext-2"]),
-            "--detach",
-        ]
-        proc = subprocess.Popen(
-            [SAFEINSTALL, *args],
-            stdin=slave,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env={**bed.environ(), "COLUMNS": "200"},
-            text=True,
-        )
-        os.write(master, b"n\n")
-        out, err = proc.communicate(timeout=120)
-    finally:
-        os.close(master)
-        os.close(slave)
-    assert proc.returncode == 2, out + err
+    code, out, err = declined_on_a_terminal(bed, "--detach")
+    assert code == 2, out + err
     assert "were changed locally" in out + err and "[y/N]" in err
     assert "nothing done (not confirmed)" in out
     assert bed.manager.main_pid(name) == main and bed.installed_version() == "1.0"

@@ -609,15 +609,22 @@ def test_health_url_must_answer_200(bed: Bed, tmp_path: Path) -> None:
     assert "of 2 s" in log
 
 
-def test_interactive_run_shows_the_plan_and_asks_first(bed: Bed) -> None:
-    """On a terminal, the plan is shown and nothing is stopped without a yes."""
+def declined_on_a_terminal(bed: Bed, *extra: str) -> tuple[int, str, str]:
+    """``safeinstall sicext --wheel sicext-2 EXTRA`` with a terminal as its input, answered ``n`` at the
+    prompt: its exit status, stdout and stderr."""
     import pty
 
-    name = bed.service("ask")
-    main = bed.manager.main_pid(name)
     master, slave = pty.openpty()
     try:
-        args = ["--user", "--python", str(bed.python), "sicext", "--wheel", str(bed.wheels["sicext-2"])]
+        args = [
+            "--user",
+            "--python",
+            str(bed.python),
+            "sicext",
+            "--wheel",
+            str(bed.wheels["sicext-2"]),
+            *extra,
+        ]
         proc = subprocess.Popen(
             [SAFEINSTALL, *args],
             stdin=slave,
@@ -631,7 +638,15 @@ def test_interactive_run_shows_the_plan_and_asks_first(bed: Bed) -> None:
     finally:
         os.close(master)
         os.close(slave)
-    assert proc.returncode == 2, out + err
+    return proc.returncode, out, err
+
+
+def test_interactive_run_shows_the_plan_and_asks_first(bed: Bed) -> None:
+    """On a terminal, the plan is shown and nothing is stopped without a yes."""
+    name = bed.service("ask")
+    main = bed.manager.main_pid(name)
+    code, out, err = declined_on_a_terminal(bed)
+    assert code == 2, out + err
     assert "units that would be stopped" in out and name in out
     assert "stop these units and reinstall? [y/N]" in err
     assert "nothing done (not confirmed)" in out
