@@ -52,6 +52,7 @@ from safeinstall.verify import VerifyReport, verify_environment
 if TYPE_CHECKING:
     from types import ModuleType
 
+    from safeinstall.baseline import Vouched
     from safeinstall.detach import PrivateInputs
     from safeinstall.metrics import Family
     from safeinstall.options import RunOptions
@@ -96,7 +97,7 @@ def _fail(error: SafeInstallError, command: str, as_json: bool) -> NoReturn:
     _exit(error.exit_code)
 
 
-def _verify_json(report: VerifyReport, patch: str | None) -> dict[str, Any]:
+def _verify_json(report: VerifyReport, patch: str | None, notes: Sequence[str] = ()) -> dict[str, Any]:
     findings = [finding_json(f) for f in report.findings]
     return {
         "python": report.python,
@@ -128,7 +129,30 @@ def _verify_json(report: VerifyReport, patch: str | None) -> dict[str, Any]:
             "warnings": sum(1 for f in report.findings if not f.is_drift),
         },
         "patch": patch,
+        "notes": list(notes),
     }
+
+
+def _baseline_loader(env: Environment, notes: list[str]) -> "Callable[[], Mapping[str, Vouched]]":
+    """The environment's baseline (:mod:`safeinstall.baseline`), read once and only when asked (a
+    clean check reads no state); one that cannot be believed is not used, and ``notes`` say why."""
+    loaded: list[Mapping[str, Vouched]] = []
+
+    def load() -> "Mapping[str, Vouched]":
+        if not loaded:
+            loaded.append(_read_baseline(env, notes))
+        return loaded[0]
+
+    return load
+
+
+def _read_baseline(env: Environment, notes: list[str]) -> "Mapping[str, Vouched]":
+    from safeinstall.baseline import read_vouched
+    from safeinstall.state import state_root
+
+    vouched, note = read_vouched(state_root(os.environ, os.geteuid()), env.prefix)
+    notes.extend([note] if note else [])
+    return vouched
 
 
 def _run_verify(
@@ -165,6 +189,8 @@ def _run_verify(
     if env.owner_note and not as_json and verbosity >= 0:
         err.print(f"[dim]note:[/] {literal(env.owner_note, lines=True)}", soft_wrap=True)
     names = None if all_ else [package or ""]
+    notes: list[str] = []
+    vouched = _baseline_loader(env, notes)
     read: Wheel | None = None
     if wheel is not None:
         from safeinstall.wheel import read_wheel
@@ -186,9 +212,14 @@ def _run_verify(
             def on_progress(done: int, total: int) -> None:
                 progress.update(task, completed=done, total=total)
 
-            report = verify_environment(env, names, read, on_progress, settle_shared=read is None)
+            report = verify_environment(
+                env, names, read, on_progress, settle_shared=read is None, vouched=vouched
+            )
     else:
-        report = verify_environment(env, names, read, settle_shared=read is None)
+        report = verify_environment(env, names, read, settle_shared=read is None, vouched=vouched)
+    if not as_json and verbosity >= 0:
+        for note in notes:
+            err.print(f"[yellow]note:[/] {literal(note)}", soft_wrap=True)
     if not report.distributions:  # --all in an environment with none: a check of nothing is no pass
         raise NothingToCheck(
             f"no distribution to check in {env.prefix}: no .dist-info directory in "
@@ -214,9 +245,8 @@ def _run_verify(
     _write_metrics(metrics, lambda m, now: m.verify_families(report.prefix, report, report.exit_code, now))
     if as_json:
         status = "drift" if report.drift else "clean"
-        print(
-            dumps(envelope("verify", status, report.exit_code, _verify_json(report, patch if diff else None)))
-        )
+        data = _verify_json(report, patch if diff else None, notes)
+        print(dumps(envelope("verify", status, report.exit_code, data)))
     else:
         render_verify(make_console(), err, report, diffs if diff else None, verbosity)
         if save_patch is not None:
@@ -605,6 +635,7 @@ def run_options(
         keep_patches=params["keep_patches"],
         base_wheel=base_wheel.absolute() if base_wheel else None,
         drop_conflicting=params["drop_conflicting"],
+        accept_record_mismatch=params["accept_record_mismatch"],
         extra_args=tuple(extra_args),
         stop_timeout=params["stop_timeout"],
         gpu_timeout=params["gpu_timeout"],
@@ -745,6 +776,15 @@ def main_command(
         _flag(
             "--drop-conflicting",
             "With --keep-patches: carry what merges; drop (and list) the rest instead of refusing.",
+        ),
+    ] = False,
+    accept_record_mismatch: Annotated[
+        bool,
+        _flag(
+            "--accept-record-mismatch",
+            "With --wheel: install a wheel whose own RECORD is wrong about its members' hashes or sizes "
+            "(its packaging's fault); verified against its contents, and kept as the environment's "
+            "baseline (--verify-only: wheel-record, not drift).",
         ),
     ] = False,
     yes: Annotated[bool, _flag("--yes", "Do not ask before stopping anything.", "-y")] = False,
@@ -936,6 +976,11 @@ def main_command(
             raise UsageError(
                 "--base-wheel and --drop-conflicting go with --keep-patches",
                 hint=f"safeinstall {package or 'PACKAGE'} --wheel W --keep-patches [--base-wheel W]",
+            )
+        if accept_record_mismatch and (wheel is None or verify_only):
+            raise UsageError(
+                "--accept-record-mismatch goes with a run's --wheel",
+                hint=f"safeinstall {package or 'PACKAGE'} --wheel W --accept-record-mismatch [--dry-run]",
             )
         if keep_patches and verify_only:
             raise UsageError(

@@ -81,6 +81,7 @@ def child_arguments(options: RunOptions, python: Path, run_id: str, environ_file
         "--strict": options.strict,
         "--keep-patches": options.keep_patches,
         "--drop-conflicting": options.drop_conflicting,
+        "--accept-record-mismatch": options.accept_record_mismatch,
         "--no-restart": options.no_restart,
         "--prune": options.prune,
     }

@@ -38,6 +38,9 @@ class RunOptions:
     keep_patches: bool = False  # carry the package's local patches over to the new version
     base_wheel: Path | None = None  # --keep-patches: the installed version's wheel (else fetched by uv)
     drop_conflicting: bool = False  # --keep-patches: drop what cannot be carried instead of refusing
+    #: --wheel: install a wheel whose own RECORD is wrong about its members' hashes or sizes (verified
+    #: against its contents; the environment's baseline keeps what it is wrong about)
+    accept_record_mismatch: bool = False
     undo: str | None = None  # --undo: the run whose backup is put back (safeinstall.undo); None: a reinstall
     proc_root: Path = Path("/proc")
     environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))

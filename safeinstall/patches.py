@@ -40,6 +40,7 @@ from safeinstall.verify import verify_environment
 from safeinstall.wheel import Wheel, install_location, read_member, read_wheel
 
 if TYPE_CHECKING:
+    from safeinstall.baseline import Vouched
     from safeinstall.survey import Survey
 
 _NOTHING_STOPPED = "nothing was stopped"
@@ -286,7 +287,12 @@ def _problem(env: Environment, location: str, base: Mapping[str, bytes], source:
 
 
 def prepare_patches(
-    survey: Survey, base_wheel: Path | None, scratch: Path, environ: Mapping[str, str], drop_conflicting: bool
+    survey: Survey,
+    base_wheel: Path | None,
+    scratch: Path,
+    environ: Mapping[str, str],
+    drop_conflicting: bool,
+    vouched: Mapping[str, Vouched] | None = None,
 ) -> PatchSet:
     """Before the stop: every local patch of the package, merged into the new version's files (the run's
     wheel, or its requirement fetched by uv into ``scratch``). Raises PlanError when the pristine files
@@ -294,7 +300,7 @@ def prepare_patches(
     env, dist, request, new_wheel = survey.env, survey.target, survey.request, survey.wheel
     new_version = new_wheel.version if new_wheel is not None else _planned_version(survey)
     versions = Versions(dist.name, dist.version, new_version)
-    report = verify_environment(env, [dist.name])
+    report = verify_environment(env, [dist.name], vouched=None if vouched is None else lambda: vouched)
     changed = [f.path for f in report.findings if f.kind in (FindingKind.MODIFIED, FindingKind.MISSING)]
     if not changed:
         return PatchSet(versions, ())

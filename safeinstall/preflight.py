@@ -17,12 +17,15 @@ too (:func:`dry_run_patches`), its scratch in a temporary directory.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from packaging.utils import canonicalize_name
 
 from safeinstall.backup import disk_space_needed, free_space, space_problem
+from safeinstall.baseline import Vouched, read_vouched
 from safeinstall.drift import FindingKind
 from safeinstall.environment import Environment, inspect_environment, resolve_python
 from safeinstall.errors import PlanError, WheelError
@@ -79,6 +82,9 @@ class Prepared:
     #: ``locally_modified`` comes from it, and the run's backup reuses its hashes
     before: VerifyReport
     undo: UndoTarget | None = None  # --undo: the run undone, its backup the version put back
+    #: the environment's baseline (:mod:`safeinstall.baseline`): what earlier runs verified against
+    #: their wheels where the wheel's RECORD says otherwise (such a file is no local change)
+    vouched: Mapping[str, Vouched] = field(default_factory=dict)
 
     @property
     def plan(self) -> Plan:
@@ -120,7 +126,9 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
                 wheel = read_wheel(use)
             except WheelError as exc:  # named as the user gave it
                 raise WheelError(exc.message.replace(str(use), str(given)), exc.hint) from exc
-            check_wheel(wheel, options.package, env)
+            check_wheel(wheel, options.package, env, options.accept_record_mismatch)
+            if wheel.problems:  # accepted: the plan says so (and a run with --yes, before the stop)
+                notes.append(record_mismatch_note(wheel))
         if given is not None and not take_lock and env.account is not None:
             # uv reads it as the owner, who may not read `given`
             with temporary_copy(given, env.account) as copy:
@@ -142,7 +150,11 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
         )
         if more:
             found = replace(found, plan=replace(found.plan, refusals=(*found.plan.refusals, *more)))
-        before = verify_environment(env, [d.name for d in found.affected], installed=found.installed)
+        vouched, unused = read_vouched(state.root, env.prefix)
+        notes.extend([unused] if unused else [])
+        before = verify_environment(
+            env, [d.name for d in found.affected], installed=found.installed, vouched=lambda: vouched
+        )
         modified = locally_modified(before)
         if modified:
             found = replace(found, plan=with_local_changes(found.plan, modified))
@@ -158,7 +170,7 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
         if lock is not None:
             lock.release()
         raise
-    return Prepared(options, env, state, wheel, found, lock, tuple(notes), before, undo)
+    return Prepared(options, env, state, wheel, found, lock, tuple(notes), before, undo, vouched)
 
 
 def locally_modified(report: VerifyReport) -> tuple[str, ...]:
@@ -216,7 +228,12 @@ def dry_run_patches(prepared: Prepared) -> tuple[Plan, PatchSet | None]:
         return plan, None
     with passable_temporary_dir("the --keep-patches merge") as top:  # uv makes its scratch as the owner
         patches = prepare_patches(
-            prepared.survey, options.base_wheel, top / "merge", options.environ, options.drop_conflicting
+            prepared.survey,
+            options.base_wheel,
+            top / "merge",
+            options.environ,
+            options.drop_conflicting,
+            prepared.vouched,
         )
     refused = patches.refusal()
     if refused is not None:
@@ -234,18 +251,47 @@ def refusal(plan: Plan) -> PlanError | None:
     )
 
 
-def check_wheel(wheel: Wheel, package: str, env: Environment) -> None:
-    """The wheel is for ``package``, its RECORD matches its contents, and it fits ``env``'s tags."""
+#: the reasons of :func:`safeinstall.wheel.record_problems` that are about a listed member's content
+_CONTENT_MISMATCH = re.compile(
+    r"RECORD \w+ hash does not match the content|RECORD size \d+ does not match the content \(\d+\)"
+)
+
+
+def only_content_mismatches(wheel: Wheel) -> bool:
+    """Pure: the wheel's RECORD lists each of its members, and is wrong only about some hashes or sizes
+    (pynvvideocodec 2.0.4's packaging error), not about which members there are."""
+    return bool(wheel.problems) and all(_CONTENT_MISMATCH.fullmatch(p.reason) for p in wheel.problems)
+
+
+def record_mismatch_note(wheel: Wheel) -> str:
+    """Pure: what an accepted wheel whose RECORD is wrong gets said (the plan's notes, and the log)."""
+    members = sorted({p.path for p in wheel.problems})
+    return (
+        f"--accept-record-mismatch: the wheel's own RECORD is wrong about {len(members)} member(s) "
+        f"(e.g. {members[0]}): the installed files are verified against the wheel's contents, and the "
+        "environment's baseline keeps them (--verify-only reports them as wheel-record, not drift)"
+    )
+
+
+def check_wheel(wheel: Wheel, package: str, env: Environment, accept_record_mismatch: bool = False) -> None:
+    """The wheel is for ``package``, its RECORD matches its contents (or, ``accept_record_mismatch``,
+    is wrong only about hashes or sizes), and it fits ``env``'s tags."""
     if wheel.name != canonicalize_name(package):
         raise WheelError(
             f"the wheel {wheel.path.name} is for {wheel.name}, not {package}",
             hint="pass the wheel of the package being reinstalled; nothing was stopped",
         )
-    if not wheel.record_ok:
+    if not wheel.record_ok and not (accept_record_mismatch and only_content_mismatches(wheel)):
         listed = "; ".join(f"{p.path}: {p.reason}" for p in wheel.problems[:3])
+        accept = (
+            "; if it is the wheel as its publisher shipped it (compare its sha256 with the index's), "
+            "--accept-record-mismatch installs it and verifies it against its contents"
+            if only_content_mismatches(wheel)
+            else ""
+        )
         raise WheelError(
             f"the wheel {wheel.path.name} is damaged: its RECORD does not match its contents ({listed})",
-            hint="download or build the wheel again; nothing was stopped",
+            hint=f"download or build the wheel again{accept}; nothing was stopped",
         )
     if not fits(wheel, target_tags(env)):
         tags = ", ".join(sorted(str(t) for t in wheel.tags))

@@ -30,6 +30,7 @@ import psutil
 
 from safeinstall import undo
 from safeinstall.backup import Backup, create_backup, prune_into
+from safeinstall.baseline import Vouched, record_run, vouched_of
 from safeinstall.distributions import InstalledDistribution, reload_distributions
 from safeinstall.drift import Expectation, FindingKind
 from safeinstall.environment import Account, Environment, interpreter_in_prefix
@@ -89,7 +90,7 @@ from safeinstall.undo import Left, left_of
 from safeinstall.uvplan import install as uv_install
 from safeinstall.uvplan import prefetch_command, secure_uv_lock, uv_binary
 from safeinstall.verify import VerifyReport, verify_environment
-from safeinstall.wheel import Wheel
+from safeinstall.wheel import Wheel, install_locations
 from safeinstall.wheelcopy import discard_wheel_copy
 
 #: Failing findings after the install: anything but leftovers (those are reported, --prune removes them).
@@ -174,6 +175,8 @@ class _Run:
     restart_started: bool = False
     old_code: tuple[OldCodeProcess, ...] = ()
     left: Left | None = None  # set by the verify step: what the run leaves (kept for --undo)
+    #: set by the verify step: the files verified against the wheel that its RECORD does not describe
+    vouched: Vouched | None = None
 
     @property
     def options(self) -> RunOptions:
@@ -301,6 +304,7 @@ def patches_step(run: _Run) -> str:
         run.state.keep_patches_dir(run.run_id),  # scratch: removed once read
         run.options.environ,
         run.options.drop_conflicting,
+        run.prepared.vouched,
     )
     refused = run.patches.refusal()
     if refused is not None:
@@ -579,7 +583,9 @@ def verify_step(run: _Run) -> str:
         listed = "; ".join(f"{f.kind.value} {f.path}" for f in failures[:5])
         raise StepFailed(f"the installed files do not match the wheel: {listed}")
     names = [d.name for d in run.survey.affected]
-    run.left = left_of(report, reload_distributions(run.env, run.survey.installed, names), names)
+    installed = reload_distributions(run.env, run.survey.installed, names)
+    run.left = left_of(report, installed, names)
+    run.vouched = _vouched(run, report, installed)
     run.extras = tuple(f.path for f in report.findings if f.kind == FindingKind.EXTRA)
     if run.extras and run.options.prune:
         run.pruned = _prune(run, run.extras)
@@ -592,6 +598,19 @@ def verify_step(run: _Run) -> str:
     elif run.pruned:
         detail += f"; {len(run.pruned)} leftover file(s) pruned (saved in the backup)"
     return detail
+
+
+def _vouched(run: _Run, report: VerifyReport, installed: Sequence[InstalledDistribution]) -> Vouched | None:
+    """The package's files that its wheel's RECORD does not describe, as verified against the wheel's
+    members (the environment's baseline keeps them: :mod:`safeinstall.baseline`); a carried patch is
+    the run's merge, not the wheel's, and is left out."""
+    wheel = run.wheel
+    dist = next((d for d in installed if wheel is not None and d.name == wheel.name), None)
+    if wheel is None or dist is None:
+        return None
+    carried = frozenset(run.patches.expected()) if run.patches is not None else frozenset()
+    verified = frozenset(install_locations(wheel, run.env).values()) - carried
+    return vouched_of(dist, report.observed, verified, run.run_id, wheel.path.name)
 
 
 def _prune(run: _Run, extras: tuple[str, ...]) -> tuple[str, ...]:
@@ -993,6 +1012,10 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
         run._journal_if_possible(Phase.DONE)
         save_patches(run)
         save_left(run)
+        note = record_run(
+            run.state, run.env.prefix, [d.name for d in run.survey.affected], run.vouched, run.plan.package
+        )
+        run.notes.extend([note] if note else [])
         try:
             remove_dropins(run)
         except SafeInstallError as exc:

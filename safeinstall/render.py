@@ -133,6 +133,19 @@ def _warning_summaries(err: Console, findings: Sequence[Finding], more: str) -> 
             f"{how}{more}",
             soft_wrap=True,
         )
+    vouched: dict[str, list[Finding]] = defaultdict(list)
+    for f in findings:
+        if f.kind == FindingKind.WHEEL_RECORD:
+            vouched[f.distribution].append(f)
+    for name, lying in sorted(vouched.items()):
+        err.print(
+            f"[yellow]note:[/] {_count(len(lying), 'file')} of {literal(name)} "
+            f"{'differs' if len(lying) == 1 else 'differ'} from {literal(name)}'s RECORD but "
+            f"{'holds' if len(lying) == 1 else 'hold'} the very bytes safeinstall installed and verified "
+            f"against its wheel (e.g. {_example(lying)}): the wheel's own RECORD is wrong; "
+            f"{FindingKind.WHEEL_RECORD.value}, not drift{more}",
+            soft_wrap=True,
+        )
     pairs: dict[tuple[str, str], list[Finding]] = defaultdict(list)
     for f in findings:
         if f.kind == FindingKind.SHARED:
@@ -167,7 +180,11 @@ def render_verify(
         )
     drift = [f for f in report.findings if f.is_drift]
     _finding_lines(out, drift)
-    warnings = [f for f in report.findings if not f.is_drift and f.kind != FindingKind.WHEEL_RECORD]
+    warnings = [  # the wheel's own problems are the line above; the baseline's are summarised below
+        f
+        for f in report.findings
+        if not f.is_drift and (f.kind != FindingKind.WHEEL_RECORD or f.baseline == "run")
+    ]
     if verbosity > 0:
         _finding_lines(err, warnings)
     elif verbosity == 0:

@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from safeinstall.backup import Backup, BackupError, check_restored, load_backup, restore_backup
+from safeinstall.baseline import file_key
 from safeinstall.distributions import InstalledDistribution, entry_location, reload_distributions
 from safeinstall.drift import FindingKind
 from safeinstall.errors import SafeInstallError, StepFailed
-from safeinstall.hashing import FileState
 from safeinstall.history import RunSummary, find, read_history
 from safeinstall.journal import Phase
 from safeinstall.plan import Plan
@@ -90,17 +90,6 @@ class Undoable:
 
 
 # ------------------------------------------------------------------ what a run left
-
-
-def file_key(state: FileState | None) -> str:
-    """Pure: one file's state as compared between what a run left and now."""
-    if state is None or not state.exists:
-        return "absent"
-    if state.error is not None:
-        return "unreadable"
-    if not state.is_file:
-        return "not a file"
-    return f"{state.algorithm}={state.digest}:{state.size}"
 
 
 def left_of(report: VerifyReport, installed: Iterable[InstalledDistribution], names: Iterable[str]) -> Left:

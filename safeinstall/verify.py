@@ -42,6 +42,7 @@ from safeinstall.records import built, digest_bytes
 from safeinstall.systemsite import SystemPackage, from_base, system_packages
 
 if TYPE_CHECKING:  # the wheel module (zipfile, packaging.tags) is loaded only when a wheel is given
+    from safeinstall.baseline import Vouched
     from safeinstall.wheel import Wheel, WheelProblem
 
 ProgressCallback = Callable[[int, int], None]  # (files done, files total)
@@ -387,12 +388,17 @@ def verify_environment(
     installed: Sequence[InstalledDistribution] | None = None,
     expected: Mapping[str, Expectation] | None = None,
     settle_shared: bool = True,
+    vouched: Callable[[], Mapping[str, Vouched]] | None = None,
 ) -> VerifyReport:
     """Verify the named distributions (or all, with ``names=None``) of ``env``.
 
     ``settle_shared`` False: a ``modified`` file is never settled as another distribution's ``shared``
     one on the word of that distribution's installed RECORD (``--verify-only --wheel``: the wheel is
     the baseline, and the environment's owner writes the RECORDs).
+
+    ``vouched``: the environment's baseline (:mod:`safeinstall.baseline`: name -> what a run verified
+    against the wheel), asked for only when a file differs from its RECORD (a clean check reads no
+    state): a file that holds the very bytes a run verified against its wheel is ``wheel-record``.
 
     ``wheel``: judge the one named distribution against it (read once by the caller). ``installed``:
     the environment's distributions when the caller has found them already (a run reloads only what
@@ -450,7 +456,9 @@ def verify_environment(
     states = _observe(plans, env, workers, tick, look_for_extras)
     if early is not None and any(find_distribution(env, d.name, found) is not d for d in early):
         # a directory named otherwise holds one of them, earlier in the scan: the usual order
-        return verify_environment(env, names, wheel, on_progress, workers, found, expected, settle_shared)
+        return verify_environment(
+            env, names, wheel, on_progress, workers, found, expected, settle_shared, vouched
+        )
     reports: list[DistributionReport] = []
     baseline = "record" if wheel is None else "wheel"
     per_plan: list[list[Finding]] = []
@@ -484,6 +492,8 @@ def verify_environment(
                 else f
                 for f in findings
             ]
+        if wheel is None and vouched is not None and any(f.kind == FindingKind.MODIFIED for f in findings):
+            findings = _settled(plan.dist, findings, states, vouched)
         if wheel is None and any(f.kind == FindingKind.MODIFIED for f in findings):
             record_mtime = _mtime_ns(os.path.join(plan.dist.dist_info, "RECORD"))
             findings = [
@@ -522,6 +532,22 @@ def verify_environment(
         tuple(os.fspath(s) for s in sites),
         eggs,
     )
+
+
+def _settled(
+    dist: InstalledDistribution,
+    findings: list[Finding],
+    states: Mapping[str, FileState],
+    vouched: Callable[[], Mapping[str, Vouched]],
+) -> list[Finding]:
+    """The ``modified`` findings of ``dist`` that hold the very bytes a run verified against its wheel
+    (the environment's baseline, when it describes ``dist`` as installed now) become ``wheel-record``."""
+    from safeinstall.baseline import applies, settle  # the state's modules: only when something differs
+
+    entry = vouched().get(dist.name)
+    if entry is None or not applies(entry, dist):
+        return findings
+    return [settle(f, states[f.path], entry) if f.kind == FindingKind.MODIFIED else f for f in findings]
 
 
 def _ticked(tick: Callable[[int], None], before: int, done: int) -> None:

@@ -1,0 +1,289 @@
+"""The environment's baseline: what safeinstall itself installed and verified against a wheel, where
+the wheel's own RECORD says otherwise (as AIDE keeps a database of what it checked).
+
+A wheel may ship a RECORD that does not describe its own members (pynvvideocodec 2.0.4: a member of
+2,439,136 bytes that its RECORD says is 2,402,945); uv installs it without a word, and ``--verify-only``
+against the installed RECORD then reports a file nobody changed as ``modified``. A run given the wheel
+(``--wheel``) verifies every file against the wheel's actual members; what it verified and the RECORD
+does not describe is kept here, per distribution, in ``<state>/<env>/baseline.json``. A later
+``--verify-only`` (without the wheel) reports such a file as ``wheel-record`` (the wheel's fault, not
+drift) only when the file still holds exactly those bytes; anything else stays ``modified``.
+
+Trust: the file is root's (the state directory's rules: :func:`safeinstall.state.read_private_file`
+refuses one the environment's owner could have written) and every field is checked when read. An entry
+is bound to the environment (its prefix), to the distribution's version and ``.dist-info`` directory and
+to its installed RECORD as the run left it (a digest of its entries): after another installer changed
+the distribution (another version, another RECORD), the entry does not apply. And it vouches for
+content, never for a path alone: the environment's owner can only make a file match by putting back the
+very bytes the wheel shipped.
+
+Pure functions over frozen dataclasses; :func:`load_baseline` and :func:`save_baseline` are the I/O.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from safeinstall.distributions import InstalledDistribution
+from safeinstall.drift import Expectation, Finding, FindingKind, compare
+from safeinstall.hashing import FileState
+from safeinstall.state import (
+    EnvironmentState,
+    StateDirError,
+    atomic_write,
+    check_trusted,
+    is_run_id,
+    read_private_file,
+    trusted_environment_state,
+)
+
+BASELINE_NAME = "baseline.json"
+BASELINE_VERSION = 1
+#: the most bytes a baseline may have (one line per file a wheel's RECORD is wrong about: a few)
+BASELINE_LIMIT = 16 << 20
+#: how a ``wheel-record`` finding that the baseline settled names its baseline in ``--json``
+RUN_BASELINE = "run"
+
+
+@dataclass(frozen=True, slots=True)
+class Vouched:
+    """One distribution as a run left it after verifying it against its wheel: the files whose bytes
+    are the wheel's members but not what its RECORD says (location -> :func:`file_key`)."""
+
+    version: str
+    dist_info: str
+    record: str  # :func:`record_digest` of its installed RECORD, as the run left it
+    run_id: str
+    wheel: str  # the wheel's file name
+    files: Mapping[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class Baseline:
+    prefix: str
+    distributions: Mapping[str, Vouched]
+
+
+EMPTY = Baseline("", {})
+
+
+def file_key(state: FileState | None) -> str:
+    """Pure: one file's state as compared between what a run left and now."""
+    if state is None or not state.exists:
+        return "absent"
+    if state.error is not None:
+        return "unreadable"
+    if not state.is_file:
+        return "not a file"
+    return f"{state.algorithm}={state.digest}:{state.size}"
+
+
+def record_digest(dist: InstalledDistribution) -> str:
+    """Pure: a digest of the installed RECORD's entries (path, hash, size), as parsed."""
+    digest = hashlib.sha256()
+    for entry in dist.record.entries:
+        digest.update(f"{entry.path}\0{entry.hash or ''}\0{entry.size}\n".encode("utf-8", "surrogateescape"))
+    return digest.hexdigest()
+
+
+def vouched_of(
+    dist: InstalledDistribution,
+    observed: Mapping[str, FileState],
+    verified: Collection[str],
+    run_id: str,
+    wheel: str,
+) -> Vouched | None:
+    """Pure: after a run verified ``dist`` against its wheel, the files (``verified``: the locations
+    checked against the wheel's members, carried patches left out) that its installed RECORD does not
+    describe, as they were observed; None when the RECORD describes them all."""
+    files: dict[str, str] = {}
+    for entry, location in zip(dist.record.entries, dist.locations, strict=True):
+        state = observed.get(location)
+        if entry.hash is None or location not in verified or state is None:
+            continue
+        if not state.is_file or state.error is not None or state.digest is None:
+            continue
+        expected = Expectation(location, entry.hash.algorithm, entry.hash.digest, entry.size)
+        if compare(dist.name, expected, state, "record") is not None:
+            files[location] = file_key(state)
+    if not files:
+        return None
+    return Vouched(dist.version, os.fspath(dist.dist_info), record_digest(dist), run_id, wheel, files)
+
+
+def applies(vouched: Vouched | None, dist: InstalledDistribution) -> bool:
+    """Pure: whether an entry describes the distribution as installed now (same version, same
+    ``.dist-info``, same RECORD): after another installer changed it, it does not."""
+    return (
+        vouched is not None
+        and vouched.version == dist.version
+        and vouched.dist_info == os.fspath(dist.dist_info)
+        and vouched.record == record_digest(dist)
+    )
+
+
+def settle(finding: Finding, state: FileState, vouched: Vouched) -> Finding:
+    """Pure: a ``modified`` file (against its installed RECORD) that holds exactly the bytes a run
+    installed and verified against the wheel is the wheel's RECORD's fault: ``wheel-record``, not
+    drift. Anything else (a local patch of it too) stays ``modified``."""
+    if (
+        finding.kind != FindingKind.MODIFIED
+        or finding.baseline != "record"
+        or vouched.files.get(finding.path) != file_key(state)
+        or not state.is_file
+    ):
+        return finding
+    return replace(
+        finding,
+        kind=FindingKind.WHEEL_RECORD,
+        baseline=RUN_BASELINE,
+        detail=f"{finding.detail}; the very bytes safeinstall installed from {vouched.wheel} and verified "
+        f"against the wheel's member (run {vouched.run_id}): the wheel's own RECORD is wrong, not drift",
+    )
+
+
+def updated(
+    baseline: Baseline, prefix: str, changed: Iterable[str], vouched: Mapping[str, Vouched]
+) -> Baseline:
+    """Pure: the baseline after a run: the distributions it ``changed`` forget what an earlier run
+    vouched for; those it verified against a wheel (``vouched``) are what it left."""
+    gone = frozenset(changed) | frozenset(vouched)
+    kept = {name: v for name, v in baseline.distributions.items() if name not in gone}
+    return Baseline(prefix, dict(sorted({**kept, **vouched}.items())))
+
+
+def to_dict(baseline: Baseline) -> dict[str, Any]:
+    return {
+        "baseline_version": BASELINE_VERSION,
+        "prefix": baseline.prefix,
+        "distributions": {
+            name: {
+                "version": v.version,
+                "dist_info": v.dist_info,
+                "record": v.record,
+                "run_id": v.run_id,
+                "wheel": v.wheel,
+                "files": dict(sorted(v.files.items())),
+            }
+            for name, v in sorted(baseline.distributions.items())
+        },
+    }
+
+
+def _text(data: Mapping[str, Any], key: str) -> str:
+    value = data.get(key)
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{key} must be a non-empty string")
+    return value
+
+
+def _vouched(data: Any) -> Vouched:
+    if not isinstance(data, dict):
+        raise ValueError("each distribution must be an object")
+    dist_info, run_id = _text(data, "dist_info"), _text(data, "run_id")
+    if not os.path.isabs(dist_info) or os.path.normpath(dist_info) != dist_info:
+        raise ValueError(f"dist_info {dist_info!r} is not a normalised absolute path")
+    if not is_run_id(run_id):
+        raise ValueError(f"run_id {run_id!r} is not a run id")
+    files = data.get("files")
+    if not isinstance(files, dict) or not files:
+        raise ValueError("files must be a non-empty object")
+    for location, key in files.items():
+        if not isinstance(location, str) or not isinstance(key, str):
+            raise ValueError("files must map locations to strings")
+        if not os.path.isabs(location) or os.path.normpath(location) != location:
+            raise ValueError(f"{location!r} is not a normalised absolute path")
+        if not key.startswith(("sha256=", "sha384=", "sha512=")):
+            raise ValueError(f"{location!r}: {key!r} is not the state of a regular file")
+    version, record, wheel = _text(data, "version"), _text(data, "record"), _text(data, "wheel")
+    return Vouched(version, dist_info, record, run_id, wheel, files)
+
+
+def from_dict(data: Any, prefix: str) -> Baseline:
+    """Pure: a baseline read back, every field checked (ValueError: damaged). One of another
+    environment (its prefix is not ``prefix``) is refused too."""
+    if not isinstance(data, dict) or data.get("baseline_version") != BASELINE_VERSION:
+        raise ValueError("not a baseline of this version")
+    if data.get("prefix") != prefix:
+        raise ValueError(f"it is the baseline of {data.get('prefix')!r}, not of {prefix}")
+    distributions = data.get("distributions")
+    if not isinstance(distributions, dict):
+        raise ValueError("distributions must be an object")
+    if not all(isinstance(name, str) and name for name in distributions):
+        raise ValueError("distributions must be keyed by name")
+    return Baseline(prefix, {name: _vouched(v) for name, v in distributions.items()})
+
+
+def baseline_file(state: EnvironmentState) -> Path:
+    return state.dir / BASELINE_NAME
+
+
+def load_baseline(state: EnvironmentState, prefix: str) -> Baseline:
+    """The environment's baseline (EMPTY when there is none). Raises StateDirError when the file
+    cannot be believed (not root's or the caller's, writable by others, a symlink) and ValueError when
+    it is damaged or another environment's."""
+    try:
+        raw = read_private_file(baseline_file(state), BASELINE_LIMIT)
+    except FileNotFoundError:
+        return EMPTY
+    try:
+        return from_dict(json.loads(raw), prefix)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"not JSON ({exc})") from exc
+
+
+def save_baseline(state: EnvironmentState, baseline: Baseline) -> None:
+    """Written atomically, 0600, in the environment's state directory (root's)."""
+    path = baseline_file(state)
+    if not baseline.distributions:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return
+    atomic_write(path, json.dumps(to_dict(baseline), sort_keys=True).encode())
+
+
+def read_vouched(root: Path, prefix: Path) -> tuple[Mapping[str, Vouched], str | None]:
+    """The environment's baseline under the state ``root`` (empty when there is none), or empty and
+    why it was not used: a state directory or file others could have written, a damaged file."""
+    state = trusted_environment_state(root, prefix)
+    try:
+        check_trusted(root)
+        if state.problem is not None:
+            raise StateDirError(f"its directory {state.dir}: {state.problem}")
+        return load_baseline(state, os.fspath(prefix)).distributions, None
+    except StateDirError as exc:
+        why = exc.message
+    except ValueError as exc:
+        why = f"it is damaged ({exc})"
+    except OSError as exc:
+        why = f"it could not be read ({exc.strerror or exc})"
+    return {}, f"the environment's baseline {baseline_file(state)} was not used: {why}"
+
+
+def record_run(
+    state: EnvironmentState, prefix: Path, changed: Iterable[str], vouched: Vouched | None, name: str
+) -> str | None:
+    """After a good run (under its lock): the distributions it ``changed`` forget what an earlier run
+    vouched for, and ``name`` keeps what this one verified against its wheel (``vouched``). Returns
+    a note when the baseline could not be kept (best effort: the run itself is done)."""
+    note = None
+    try:
+        current = load_baseline(state, os.fspath(prefix))
+    except (StateDirError, ValueError, OSError) as exc:  # written over: it is the run's own state
+        current = EMPTY
+        note = f"the environment's baseline was unusable and is written anew ({exc})"
+    new = updated(current, os.fspath(prefix), changed, {} if vouched is None else {name: vouched})
+    if new == current:
+        return note
+    try:
+        save_baseline(state, new)
+    except OSError as exc:
+        return f"the environment's baseline was not kept ({exc.strerror or exc})"
+    return note

@@ -1,0 +1,158 @@
+"""The environment's baseline (issue 23): a wheel whose RECORD lies about a member (pynvvideocodec 2.0.4
+ships one) is the wheel's fault once safeinstall itself installed it and verified the file against the
+wheel's member: ``--verify-only`` (without the wheel) then reports the file as ``wheel-record``, not drift.
+Anything else about that file (a local patch, another installer's copy) stays ``modified``; the baseline is
+root's, and one its owner could have written is not used.
+
+Real parts: a venv owned by uid 65534 (the service account), a real run as root with the lying wheel,
+the environment's owner acting as itself (``setpriv``).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import stat
+import subprocess
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from safeinstall.baseline import from_dict
+from tests import wheelhouse
+from tests.clirun import Result, run
+from tests.test_hostile_fs import NOBODY, ServiceAccountBed, as_nobody, chown_tree, rebuilt
+from tests.test_hostile_fs import account as account  # the fixture: uid 65534's venv, sicext 1.0
+from tests.test_hostile_fs import open_dir as open_dir
+from tests.test_hostile_fs import open_state as open_state
+
+MEMBER = "sicext/serve.py"
+
+
+def lying(wheel: Path, out: Path, member: str) -> Path:
+    """A copy of ``wheel`` whose RECORD says ``member`` is 7 bytes longer, with another digest, than it
+    is (what pynvvideocodec 2.0.4's RECORD says of two of its members); uv installs it without a word."""
+    out.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(out / wheel.name, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename.endswith(".dist-info/RECORD"):
+                lines = []
+                for line in data.decode().splitlines():
+                    if line.startswith(member + ","):
+                        size = int(line.rsplit(",", 1)[1]) + 7
+                        fake = base64.urlsafe_b64encode(hashlib.sha256(b"x").digest()).rstrip(b"=").decode()
+                        line = f"{member},sha256={fake},{size}"
+                    lines.append(line)
+                data = ("\n".join(lines) + "\n").encode()
+            dst.writestr(info, data)
+    return out / wheel.name
+
+
+def _verify(bed: ServiceAccountBed, *extra: str) -> Result:
+    return run("sicext", "--verify-only", "--python", str(bed.python), *extra, env=bed.environ())
+
+
+def _findings(bed: ServiceAccountBed) -> tuple[int, dict[str, dict[str, object]], list[str]]:
+    result = _verify(bed, "--json")
+    doc = result.json
+    found = {os.path.relpath(f["path"], bed.site): f for f in doc["data"]["findings"]}
+    return result.code, found, doc["data"]["notes"]
+
+
+def _owner_writes(bed: ServiceAccountBed, path: Path, data: bytes) -> None:
+    """The environment's owner writes ``path`` as itself (with the environment's interpreter)."""
+    as_nobody(str(bed.python), "-c", f"open({str(path)!r}, 'wb').write({data!r})")
+
+
+def test_a_file_the_wheels_record_lies_about_is_wheel_record_after_a_verified_run(
+    account: ServiceAccountBed, tmp_path: Path
+) -> None:
+    wheel = lying(account.wheels["sicext-2"], tmp_path / "lying", MEMBER)
+    served = account.site / MEMBER
+    before = _verify(account, "--json").json
+    assert before["exit_code"] == 0 and before["data"]["findings"] == []
+
+    refused = account.cli("sicext", "--wheel", str(wheel), "--yes", "--json").json
+    assert refused["exit_code"] == 2 and "--accept-record-mismatch" in refused["errors"][0]["hint"]
+    accept = ("--wheel", str(wheel), "--accept-record-mismatch")
+    result = account.cli("sicext", *accept, "--yes", "--settle", "0.5", "--json")
+    assert result.code == 0, result.stdout + result.stderr
+    assert any("the wheel's own RECORD is wrong about 1 member" in n for n in result.json["data"]["notes"])
+    shipped = served.read_bytes()
+
+    # without the baseline, the file is drift: the installed RECORD is the wheel's lie
+    (state_dir,) = [p for p in account.state.iterdir() if (p / "prefix").is_file()]
+    kept = state_dir / "baseline.json"
+    info = kept.stat()
+    assert info.st_uid == 0 and stat.S_IMODE(info.st_mode) == 0o600  # root's: its owner cannot write it
+    with pytest.raises(subprocess.CalledProcessError) as denied:
+        _owner_writes(account, kept, b"{}")
+    assert "PermissionError" in denied.value.stderr
+    assert set(json.loads(kept.read_bytes())["distributions"]["sicext"]["files"]) == {str(served)}
+
+    code, found, notes = _findings(account)
+    assert code == 0 and notes == [], (found, notes)
+    assert set(found) == {MEMBER}
+    assert found[MEMBER]["kind"] == "wheel-record" and found[MEMBER]["drift"] is False
+    assert found[MEMBER]["baseline"] == "run" and "the wheel's own RECORD is wrong" in str(found[MEMBER]["detail"])
+    human = _verify(account)
+    assert human.code == 0 and "the very bytes safeinstall installed and verified against its wheel" in human.stderr
+    assert "wheel-record, not drift" in human.stderr
+    plan = account.cli("sicext", *accept, "--dry-run", "--json").json
+    assert plan["exit_code"] == 0 and plan["data"]["locally_modified"] == []  # no local change to lose
+
+    # a local patch of that very file is drift
+    _owner_writes(account, served, shipped + b"# a local hotfix\n")
+    code, found, _ = _findings(account)
+    assert code == 1 and found[MEMBER]["kind"] == "modified"
+    assert "RECORD may be wrong" not in str(found[MEMBER]["detail"])
+
+    # the bytes the wheel shipped, put back: the wheel's fault again (the baseline vouches for content)
+    _owner_writes(account, served, shipped)
+    code, found, _ = _findings(account)
+    assert code == 0 and found[MEMBER]["kind"] == "wheel-record"
+
+    # a baseline its owner could have written is not believed
+    os.chown(kept, NOBODY, NOBODY)
+    code, found, notes = _findings(account)
+    assert code == 1 and found[MEMBER]["kind"] == "modified"
+    assert len(notes) == 1 and "was not used" in notes[0] and "owned by uid 65534" in notes[0], notes
+    os.chown(kept, 0, 0)
+
+    # another installer changed the distribution (the same version, another build): the baseline is stale
+    other = rebuilt(wheel, tmp_path / "other", {MEMBER: shipped + b"# another build\n"})
+    wheelhouse.uv_install(account.python, other, link_mode="copy", reinstall=True)
+    chown_tree(account.site, NOBODY)
+    assert _findings(account)[0] == 0  # its own RECORD is true
+    _owner_writes(account, served, shipped)  # the owner puts the first build's bytes back
+    code, found, _ = _findings(account)
+    assert code == 1 and found[MEMBER]["kind"] == "modified"
+
+
+def test_a_baseline_is_checked_when_read() -> None:
+    entry = {
+        "version": "2.0",
+        "dist_info": "/v/lib/python3.11/site-packages/sicext-2.0.dist-info",
+        "record": "ab" * 32,
+        "run_id": "20261202T060000Z-42",
+        "wheel": "sicext-2.0-cp311-cp311-linux_x86_64.whl",
+        "files": {"/v/lib/python3.11/site-packages/sicext/serve.py": "sha256=abc:12"},
+    }
+    good = {"baseline_version": 1, "prefix": "/v", "distributions": {"sicext": entry}}
+    assert from_dict(good, "/v").distributions["sicext"].files == entry["files"]
+    with pytest.raises(ValueError, match="not of /w"):
+        from_dict(good, "/w")  # another environment's
+    for field, value in [
+        ("run_id", "../../etc"),
+        ("files", {"relative/serve.py": "sha256=abc:12"}),
+        ("files", {"/v/a/../../etc/passwd": "sha256=abc:12"}),
+        ("files", {"/v/x.py": "absent"}),  # it vouches only for a regular file's content
+        ("dist_info", "relative.dist-info"),
+        ("version", ""),
+    ]:
+        with pytest.raises(ValueError):
+            from_dict({**good, "distributions": {"sicext": {**entry, field: value}}}, "/v")
