@@ -136,6 +136,7 @@ def test_a_detached_run_gets_exactly_the_callers_options() -> None:
         keep_patches=True,
         base_wheel=Path("/w/vllm-0.15.0-py3-none-any.whl"),
         drop_conflicting=True,
+        accept_record_mismatch=True,
     )
     variants = [
         dataclasses.replace(common, wheel=Path("/w/vllm-0.16.0-py3-none-any.whl")),

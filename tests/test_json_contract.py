@@ -31,6 +31,7 @@ def test_verify_envelope_shape(venv: Path, wheels: Wheelhouse) -> None:
         "findings",
         "summary",
         "patch",
+        "notes",
     }
     assert set(doc["data"]["distributions"][0]) == {
         "name",
