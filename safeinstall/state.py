@@ -16,6 +16,8 @@ Layout::
         wheels/<random>/<name>.whl  the run's own copy of the wheel (see :mod:`safeinstall.wheelcopy`)
         history/<run-id>.json       the final result of each finished run (see :mod:`safeinstall.history`)
         patches/<run-id>.patch      the local patches a --keep-patches run carried to the new version
+        baseline.json               what runs verified against their wheels where the wheel's RECORD is
+                                    wrong (see :mod:`safeinstall.baseline`)
 
 Path computation is pure (``environ`` and ``euid`` are parameters); :func:`ensure_dir` and
 :func:`ensure_environment_dir` are the only functions that touch the disk, plus the listing.
