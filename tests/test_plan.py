@@ -87,3 +87,25 @@ def test_the_plan_says_whether_a_version_is_an_upgrade_a_downgrade_or_the_same()
     assert change("2.13.0", "2.13.0") == "same version"
     assert change("0.16.0.dev5+g1234", "0.16.0") == "upgrade"
     assert change(None, "1.0") == "" and change("1.0", None) == "" and change("x!y", "1.0") == ""
+
+
+def test_what_the_scan_cannot_read_is_said_once_each_reading_only_with_v() -> None:
+    """A VM's init (PID 1) that denies root its maps and fds is one warning, not a line per reading
+    (issue 23: three lines about PID 1 on every plan of such a machine); ``-v`` lists each."""
+    import io
+
+    from rich.console import Console
+
+    from safeinstall.plan import unreadable_warning
+    from safeinstall.processes import ScanProblem
+    from safeinstall.render import _scan_problems
+
+    problems = [ScanProblem(1, reading, "permission denied") for reading in ("maps", "fd", "environ")]
+    warning = unreadable_warning(problems, as_root=True)
+    assert warning is not None
+    assert warning.startswith("could not read 1 process(es): PID 1 (maps, fd, environ)")
+    assert "even to root" in warning and "run as root" not in warning
+    for verbosity, lines in ((0, 0), (1, 3)):
+        out = io.StringIO()
+        _scan_problems(Console(file=out, width=120), problems, verbosity)
+        assert len(out.getvalue().splitlines()) == lines
