@@ -26,7 +26,7 @@ import contextlib
 import hashlib
 import json
 import os
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -96,19 +96,19 @@ def record_digest(dist: InstalledDistribution) -> str:
 def vouched_of(
     dist: InstalledDistribution,
     observed: Mapping[str, FileState],
-    verified: Collection[str],
+    shipped: Mapping[str, str],
     run_id: str,
     wheel: str,
 ) -> Vouched | None:
-    """Pure: after a run verified ``dist`` against its wheel, the files (``verified``: the locations
-    checked against the wheel's members, carried patches left out) that its installed RECORD does not
-    describe, as they were observed; None when the RECORD describes them all."""
+    """Pure: after a run verified ``dist`` against its wheel, the files that hold exactly what the wheel
+    shipped (``shipped``: location -> :func:`file_key` of the member's bytes; the caller leaves out
+    scripts, whose first line the installer rewrites, and carried patches) and that its installed
+    RECORD does not describe, as they were observed; None when the RECORD describes them all. Only the
+    wheel's own bytes are ever vouched for, whatever happened to the file meanwhile."""
     files: dict[str, str] = {}
     for entry, location in zip(dist.record.entries, dist.locations, strict=True):
         state = observed.get(location)
-        if entry.hash is None or location not in verified or state is None:
-            continue
-        if not state.is_file or state.error is not None or state.digest is None:
+        if entry.hash is None or state is None or shipped.get(location) != file_key(state):
             continue
         expected = Expectation(location, entry.hash.algorithm, entry.hash.digest, entry.size)
         if compare(dist.name, expected, state, "record") is not None:

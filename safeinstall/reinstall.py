@@ -601,16 +601,21 @@ def verify_step(run: _Run) -> str:
 
 
 def _vouched(run: _Run, report: VerifyReport, installed: Sequence[InstalledDistribution]) -> Vouched | None:
-    """The package's files that its wheel's RECORD does not describe, as verified against the wheel's
-    members (the environment's baseline keeps them: :mod:`safeinstall.baseline`); a carried patch is
-    the run's merge, not the wheel's, and is left out."""
+    """The package's files that its wheel's RECORD does not describe and that hold the wheel's own
+    bytes (the environment's baseline keeps them: :mod:`safeinstall.baseline`); a carried patch is the
+    run's merge and a script's first line the installer's, not the wheel's: both are left out."""
     wheel = run.wheel
     dist = next((d for d in installed if wheel is not None and d.name == wheel.name), None)
     if wheel is None or dist is None:
         return None
-    carried = frozenset(run.patches.expected()) if run.patches is not None else frozenset()
-    verified = frozenset(install_locations(wheel, run.env).values()) - carried
-    return vouched_of(dist, report.observed, verified, run.run_id, wheel.path.name)
+    carried = run.patches.expected() if run.patches is not None else {}
+    scripts = f"{wheel.data_dir}/scripts/"  # their first line is the installer's, not the wheel's
+    shipped = {
+        location: f"sha256={wheel.members[member].sha256}:{wheel.members[member].size}"
+        for member, location in install_locations(wheel, run.env).items()
+        if not member.startswith(scripts) and location not in carried
+    }
+    return vouched_of(dist, report.observed, shipped, run.run_id, wheel.path.name)
 
 
 def _prune(run: _Run, extras: tuple[str, ...]) -> tuple[str, ...]:

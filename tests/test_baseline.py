@@ -158,3 +158,43 @@ def test_a_baseline_is_checked_when_read() -> None:
     ]:
         with pytest.raises(ValueError):
             from_dict({**good, "distributions": {"sicext": {**entry, field: value}}}, "/v")
+
+
+def test_only_the_wheels_own_bytes_are_vouched_for() -> None:
+    """What a run keeps is a file that holds exactly the wheel's member and that the RECORD does not
+    describe: not a file changed after the verification (or a script whose first line the installer
+    wrote), nor one the RECORD describes."""
+    from safeinstall.baseline import file_key, vouched_of
+    from safeinstall.distributions import InstalledDistribution
+    from safeinstall.hashing import FileState
+    from safeinstall.records import Record, RecordEntry, RecordHash
+
+    site = "/v/lib/python3.11/site-packages"
+    entries = (
+        RecordEntry("p/lies.py", RecordHash("sha256", "LIE"), 9),
+        RecordEntry("p/true.py", RecordHash("sha256", "TRUE"), 4),
+        RecordEntry("p/changed.py", RecordHash("sha256", "LIE2"), 9),
+    )
+    dist = InstalledDistribution(
+        "p",
+        "p",
+        "1.0",
+        Path(site),
+        Path(f"{site}/p-1.0.dist-info"),
+        Record(entries, ()),
+        (),
+        "uv",
+        tuple(f"{site}/{e.path}" for e in entries),
+    )
+    observed = {
+        f"{site}/p/lies.py": FileState(f"{site}/p/lies.py", True, True, 8, "REAL", "sha256"),
+        f"{site}/p/true.py": FileState(f"{site}/p/true.py", True, True, 4, "TRUE", "sha256"),
+        f"{site}/p/changed.py": FileState(f"{site}/p/changed.py", True, True, 8, "EVIL", "sha256"),
+    }
+    shipped = {
+        loc: "sha256=REAL:8" if "lies" in loc or "changed" in loc else file_key(s)
+        for loc, s in observed.items()
+    }
+    vouched = vouched_of(dist, observed, shipped, "20261202T060000Z-1", "p-1.0-py3-none-any.whl")
+    assert vouched is not None and dict(vouched.files) == {f"{site}/p/lies.py": "sha256=REAL:8"}
+    assert vouched_of(dist, observed, {}, "20261202T060000Z-1", "p.whl") is None
