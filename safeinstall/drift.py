@@ -133,7 +133,8 @@ def shared_file(
 RECORD_MAY_BE_WRONG = (
     "not changed since it was installed (no newer than its RECORD): the wheel's own RECORD may be "
     "wrong (uv installs such a wheel without a word); compare with the wheel: safeinstall {name} "
-    "--verify-only --wheel W (the wheel's fault shows as wheel-record)"
+    "--verify-only --wheel W (the wheel's fault shows as wheel-record); a reinstall with --wheel W "
+    "--accept-record-mismatch keeps it in the environment's baseline"
 )
 
 
