@@ -48,6 +48,8 @@ BASELINE_NAME = "baseline.json"
 BASELINE_VERSION = 1
 #: the most bytes a baseline may have (one line per file a wheel's RECORD is wrong about: a few)
 BASELINE_LIMIT = 16 << 20
+#: the entries kept per distribution (each for another version or RECORD), newest first
+KEPT_PER_DISTRIBUTION = 5
 #: how a ``wheel-record`` finding that the baseline settled names its baseline in ``--json``
 RUN_BASELINE = "run"
 
@@ -68,7 +70,9 @@ class Vouched:
 @dataclass(frozen=True, slots=True)
 class Baseline:
     prefix: str
-    distributions: Mapping[str, Vouched]
+    #: name -> what runs vouched for, newest first (one per version and RECORD, at most
+    #: :data:`KEPT_PER_DISTRIBUTION`): an ``--undo`` back to an older version finds that one's
+    distributions: Mapping[str, tuple[Vouched, ...]]
 
 
 EMPTY = Baseline("", {})
@@ -129,6 +133,11 @@ def applies(vouched: Vouched | None, dist: InstalledDistribution) -> bool:
     )
 
 
+def entry_for(entries: Iterable[Vouched], dist: InstalledDistribution) -> Vouched | None:
+    """Pure: the entry that describes ``dist`` as installed now, if any (:func:`applies`)."""
+    return next((v for v in entries if applies(v, dist)), None)
+
+
 def settle(finding: Finding, state: FileState, vouched: Vouched) -> Finding:
     """Pure: a ``modified`` file (against its installed RECORD) that holds exactly the bytes a run
     installed and verified against the wheel is the wheel's RECORD's fault: ``wheel-record``, not
@@ -149,14 +158,15 @@ def settle(finding: Finding, state: FileState, vouched: Vouched) -> Finding:
     )
 
 
-def updated(
-    baseline: Baseline, prefix: str, changed: Iterable[str], vouched: Mapping[str, Vouched]
-) -> Baseline:
-    """Pure: the baseline after a run: the distributions it ``changed`` forget what an earlier run
-    vouched for; those it verified against a wheel (``vouched``) are what it left."""
-    gone = frozenset(changed) | frozenset(vouched)
-    kept = {name: v for name, v in baseline.distributions.items() if name not in gone}
-    return Baseline(prefix, dict(sorted({**kept, **vouched}.items())))
+def updated(baseline: Baseline, prefix: str, name: str, vouched: Vouched) -> Baseline:
+    """Pure: the baseline after a run verified ``name`` against a wheel whose RECORD is wrong: its
+    entry first, replacing one for the same version and RECORD; the newest
+    :data:`KEPT_PER_DISTRIBUTION` kept (the others describe versions that may come back with ``--undo``;
+    each is bound to its version and RECORD, and vouches only for content)."""
+    same = (vouched.version, vouched.dist_info, vouched.record)
+    older = [v for v in baseline.distributions.get(name, ()) if (v.version, v.dist_info, v.record) != same]
+    entries = (vouched, *older)[:KEPT_PER_DISTRIBUTION]
+    return Baseline(prefix, dict(sorted({**baseline.distributions, name: entries}.items())))
 
 
 def to_dict(baseline: Baseline) -> dict[str, Any]:
@@ -164,15 +174,18 @@ def to_dict(baseline: Baseline) -> dict[str, Any]:
         "baseline_version": BASELINE_VERSION,
         "prefix": baseline.prefix,
         "distributions": {
-            name: {
-                "version": v.version,
-                "dist_info": v.dist_info,
-                "record": v.record,
-                "run_id": v.run_id,
-                "wheel": v.wheel,
-                "files": dict(sorted(v.files.items())),
-            }
-            for name, v in sorted(baseline.distributions.items())
+            name: [
+                {
+                    "version": v.version,
+                    "dist_info": v.dist_info,
+                    "record": v.record,
+                    "run_id": v.run_id,
+                    "wheel": v.wheel,
+                    "files": dict(sorted(v.files.items())),
+                }
+                for v in entries
+            ]
+            for name, entries in sorted(baseline.distributions.items())
         },
     }
 
@@ -218,7 +231,12 @@ def from_dict(data: Any, prefix: str) -> Baseline:
         raise ValueError("distributions must be an object")
     if not all(isinstance(name, str) and name for name in distributions):
         raise ValueError("distributions must be keyed by name")
-    return Baseline(prefix, {name: _vouched(v) for name, v in distributions.items()})
+    for entries in distributions.values():
+        if not isinstance(entries, list) or not 0 < len(entries) <= KEPT_PER_DISTRIBUTION:
+            raise ValueError(f"each distribution must list 1 to {KEPT_PER_DISTRIBUTION} entries")
+    return Baseline(
+        prefix, {name: tuple(_vouched(v) for v in entries) for name, entries in distributions.items()}
+    )
 
 
 def baseline_file(state: EnvironmentState) -> Path:
@@ -249,7 +267,7 @@ def save_baseline(state: EnvironmentState, baseline: Baseline) -> None:
     atomic_write(path, json.dumps(to_dict(baseline), sort_keys=True).encode())
 
 
-def read_vouched(root: Path, prefix: Path) -> tuple[Mapping[str, Vouched], str | None]:
+def read_vouched(root: Path, prefix: Path) -> tuple[Mapping[str, tuple[Vouched, ...]], str | None]:
     """The environment's baseline under the state ``root`` (empty when there is none), or empty and
     why it was not used: a state directory or file others could have written, a damaged file."""
     state = trusted_environment_state(root, prefix)
@@ -267,23 +285,20 @@ def read_vouched(root: Path, prefix: Path) -> tuple[Mapping[str, Vouched], str |
     return {}, f"the environment's baseline {baseline_file(state)} was not used: {why}"
 
 
-def record_run(
-    state: EnvironmentState, prefix: Path, changed: Iterable[str], vouched: Vouched | None, name: str
-) -> str | None:
-    """After a good run (under its lock): the distributions it ``changed`` forget what an earlier run
-    vouched for, and ``name`` keeps what this one verified against its wheel (``vouched``). Returns
-    a note when the baseline could not be kept (best effort: the run itself is done)."""
+def record_run(state: EnvironmentState, prefix: Path, name: str, vouched: Vouched | None) -> str | None:
+    """After a good run (under its lock) that verified ``name`` against a wheel whose RECORD is wrong
+    (``vouched``; None: nothing to keep): its entry into the baseline. Returns a note when the baseline
+    could not be kept (best effort: the run itself is done)."""
+    if vouched is None:
+        return None
     note = None
     try:
         current = load_baseline(state, os.fspath(prefix))
     except (StateDirError, ValueError, OSError) as exc:  # written over: it is the run's own state
         current = EMPTY
         note = f"the environment's baseline was unusable and is written anew ({exc})"
-    new = updated(current, os.fspath(prefix), changed, {} if vouched is None else {name: vouched})
-    if new == current:
-        return note
     try:
-        save_baseline(state, new)
+        save_baseline(state, updated(current, os.fspath(prefix), name, vouched))
     except OSError as exc:
         return f"the environment's baseline was not kept ({exc.strerror or exc})"
     return note

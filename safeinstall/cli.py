@@ -133,12 +133,12 @@ def _verify_json(report: VerifyReport, patch: str | None, notes: Sequence[str] =
     }
 
 
-def _baseline_loader(env: Environment, notes: list[str]) -> "Callable[[], Mapping[str, Vouched]]":
+def _baseline_loader(env: Environment, notes: list[str]) -> "Callable[[], Mapping[str, tuple[Vouched, ...]]]":
     """The environment's baseline (:mod:`safeinstall.baseline`), read once and only when asked (a
     clean check reads no state); one that cannot be believed is not used, and ``notes`` say why."""
-    loaded: list[Mapping[str, Vouched]] = []
+    loaded: list[Mapping[str, tuple[Vouched, ...]]] = []
 
-    def load() -> "Mapping[str, Vouched]":
+    def load() -> "Mapping[str, tuple[Vouched, ...]]":
         if not loaded:
             loaded.append(_read_baseline(env, notes))
         return loaded[0]
@@ -146,7 +146,7 @@ def _baseline_loader(env: Environment, notes: list[str]) -> "Callable[[], Mappin
     return load
 
 
-def _read_baseline(env: Environment, notes: list[str]) -> "Mapping[str, Vouched]":
+def _read_baseline(env: Environment, notes: list[str]) -> "Mapping[str, tuple[Vouched, ...]]":
     from safeinstall.baseline import read_vouched
     from safeinstall.state import state_root
 

@@ -292,7 +292,7 @@ def prepare_patches(
     scratch: Path,
     environ: Mapping[str, str],
     drop_conflicting: bool,
-    vouched: Mapping[str, Vouched] | None = None,
+    vouched: Mapping[str, tuple[Vouched, ...]] | None = None,
 ) -> PatchSet:
     """Before the stop: every local patch of the package, merged into the new version's files (the run's
     wheel, or its requirement fetched by uv into ``scratch``). Raises PlanError when the pristine files

@@ -84,7 +84,7 @@ class Prepared:
     undo: UndoTarget | None = None  # --undo: the run undone, its backup the version put back
     #: the environment's baseline (:mod:`safeinstall.baseline`): what earlier runs verified against
     #: their wheels where the wheel's RECORD says otherwise (such a file is no local change)
-    vouched: Mapping[str, Vouched] = field(default_factory=dict)
+    vouched: Mapping[str, tuple[Vouched, ...]] = field(default_factory=dict)
 
     @property
     def plan(self) -> Plan:

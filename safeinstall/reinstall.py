@@ -577,6 +577,7 @@ def verify_step(run: _Run) -> str:
         [d.name for d in run.survey.affected],
         run.survey.installed,
         run.patches.expected() if run.patches is not None else None,
+        run.prepared.vouched,
     )
     failures = [f for f in report.findings if f.kind in _INSTALL_FAILURES]
     if failures:
@@ -914,18 +915,21 @@ def _verify_installed(
     affected: list[str],
     before: Sequence[InstalledDistribution],
     carried: dict[str, Expectation] | None = None,
+    vouched: Mapping[str, tuple[Vouched, ...]] | None = None,
 ) -> VerifyReport:
     """The new installation: the package against the wheel (or its RECORD), the others their RECORD;
     the local patches carried over (``carried``) against the merge. Only the affected distributions
     are read again (the install changed nothing else), and the wheel is the one read and checked at
-    preflight."""
+    preflight. Against a RECORD, a file that holds the very bytes an earlier run verified against its
+    wheel (``vouched``, the environment's baseline, for that version and RECORD) is ``wheel-record``."""
     installed = reload_distributions(env, before, affected)
-    main = verify_environment(env, [package], wheel, installed=installed, expected=carried)
+    baseline = None if not vouched else lambda: vouched
+    main = verify_environment(env, [package], wheel, installed=installed, expected=carried, vouched=baseline)
     present = {d.name for d in installed}
     others = [n for n in affected if n != package and n in present]
     if not others:
         return main
-    rest = verify_environment(env, others, installed=installed)
+    rest = verify_environment(env, others, installed=installed, vouched=baseline)
     return replace(
         main,
         distributions=(*main.distributions, *rest.distributions),
@@ -1017,9 +1021,7 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
         run._journal_if_possible(Phase.DONE)
         save_patches(run)
         save_left(run)
-        note = record_run(
-            run.state, run.env.prefix, [d.name for d in run.survey.affected], run.vouched, run.plan.package
-        )
+        note = record_run(run.state, run.env.prefix, run.wheel.name if run.wheel else "", run.vouched)
         run.notes.extend([note] if note else [])
         try:
             remove_dropins(run)

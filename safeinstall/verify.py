@@ -388,7 +388,7 @@ def verify_environment(
     installed: Sequence[InstalledDistribution] | None = None,
     expected: Mapping[str, Expectation] | None = None,
     settle_shared: bool = True,
-    vouched: Callable[[], Mapping[str, Vouched]] | None = None,
+    vouched: Callable[[], Mapping[str, tuple[Vouched, ...]]] | None = None,
 ) -> VerifyReport:
     """Verify the named distributions (or all, with ``names=None``) of ``env``.
 
@@ -538,14 +538,14 @@ def _settled(
     dist: InstalledDistribution,
     findings: list[Finding],
     states: Mapping[str, FileState],
-    vouched: Callable[[], Mapping[str, Vouched]],
+    vouched: Callable[[], Mapping[str, tuple[Vouched, ...]]],
 ) -> list[Finding]:
     """The ``modified`` findings of ``dist`` that hold the very bytes a run verified against its wheel
     (the environment's baseline, when it describes ``dist`` as installed now) become ``wheel-record``."""
-    from safeinstall.baseline import applies, settle  # the state's modules: only when something differs
+    from safeinstall.baseline import entry_for, settle  # the state's modules: only when something differs
 
-    entry = vouched().get(dist.name)
-    if entry is None or not applies(entry, dist):
+    entry = entry_for(vouched().get(dist.name, ()), dist)
+    if entry is None:
         return findings
     return [settle(f, states[f.path], entry) if f.kind == FindingKind.MODIFIED else f for f in findings]
 

@@ -92,7 +92,8 @@ def test_a_file_the_wheels_record_lies_about_is_wheel_record_after_a_verified_ru
     with pytest.raises(subprocess.CalledProcessError) as denied:
         _owner_writes(account, kept, b"{}")
     assert "PermissionError" in denied.value.stderr
-    assert set(json.loads(kept.read_bytes())["distributions"]["sicext"]["files"]) == {str(served)}
+    (entry,) = json.loads(kept.read_bytes())["distributions"]["sicext"]
+    assert entry["version"] == "2.0" and set(entry["files"]) == {str(served)}
 
     code, found, notes = _findings(account)
     assert code == 0 and notes == [], (found, notes)
@@ -144,8 +145,8 @@ def test_a_baseline_is_checked_when_read() -> None:
         "wheel": "sicext-2.0-cp311-cp311-linux_x86_64.whl",
         "files": {"/v/lib/python3.11/site-packages/sicext/serve.py": "sha256=abc:12"},
     }
-    good = {"baseline_version": 1, "prefix": "/v", "distributions": {"sicext": entry}}
-    assert from_dict(good, "/v").distributions["sicext"].files == entry["files"]
+    good = {"baseline_version": 1, "prefix": "/v", "distributions": {"sicext": [entry]}}
+    assert from_dict(good, "/v").distributions["sicext"][0].files == entry["files"]
     with pytest.raises(ValueError, match="not of /w"):
         from_dict(good, "/w")  # another environment's
     for field, value in [
@@ -157,7 +158,9 @@ def test_a_baseline_is_checked_when_read() -> None:
         ("version", ""),
     ]:
         with pytest.raises(ValueError):
-            from_dict({**good, "distributions": {"sicext": {**entry, field: value}}}, "/v")
+            from_dict({**good, "distributions": {"sicext": [{**entry, field: value}]}}, "/v")
+    with pytest.raises(ValueError, match="1 to 5 entries"):
+        from_dict({**good, "distributions": {"sicext": [entry] * 6}}, "/v")
 
 
 def test_only_the_wheels_own_bytes_are_vouched_for() -> None:
@@ -198,3 +201,23 @@ def test_only_the_wheels_own_bytes_are_vouched_for() -> None:
     vouched = vouched_of(dist, observed, shipped, "20261202T060000Z-1", "p-1.0-py3-none-any.whl")
     assert vouched is not None and dict(vouched.files) == {f"{site}/p/lies.py": "sha256=REAL:8"}
     assert vouched_of(dist, observed, {}, "20261202T060000Z-1", "p.whl") is None
+
+
+def test_an_undo_back_to_a_version_whose_wheels_record_lies_verifies_against_the_baseline(
+    account: ServiceAccountBed, tmp_path: Path
+) -> None:
+    """The baseline keeps each version's entry: a run away from the lying version, then ``--undo``
+    back to it, verifies the restored files as the first run did (they are the wheel's bytes), where
+    the installed RECORD alone would fail the undo and roll it back."""
+    wheel = lying(account.wheels["sicext-2"], tmp_path / "lying", MEMBER)
+    first = account.cli(
+        "sicext", "--wheel", str(wheel), "--accept-record-mismatch", "--yes", "--settle", "0.5"
+    )
+    assert first.code == 0, first.stdout + first.stderr
+    back = account.cli("sicext", "--wheel", str(account.wheels["sicext-1"]), "--yes", "--settle", "0.5")
+    assert back.code == 0, back.stdout + back.stderr
+    assert _findings(account)[0] == 0  # 1.0's RECORD is true
+    undo = account.cli("--undo", "--yes", "--settle", "0.5", "--json")
+    assert undo.code == 0, undo.stdout + undo.stderr
+    code, found, _ = _findings(account)
+    assert code == 0 and found[MEMBER]["kind"] == "wheel-record"
