@@ -127,8 +127,6 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
             except WheelError as exc:  # named as the user gave it
                 raise WheelError(exc.message.replace(str(use), str(given)), exc.hint) from exc
             check_wheel(wheel, options.package, env, options.accept_record_mismatch)
-            if wheel.problems:  # accepted: the plan says so (and a run with --yes, before the stop)
-                notes.append(record_mismatch_note(wheel))
         if given is not None and not take_lock and env.account is not None:
             # uv reads it as the owner, who may not read `given`
             with temporary_copy(given, env.account) as copy:
@@ -158,6 +156,9 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
         modified = locally_modified(before)
         if modified:
             found = replace(found, plan=with_local_changes(found.plan, modified))
+        if wheel is not None and wheel.problems:  # accepted: the plan says so (--yes: before the stop)
+            warned = (*found.plan.warnings, record_mismatch_note(wheel))
+            found = replace(found, plan=replace(found.plan, warnings=warned))
         shared = shared_files(before)
         if shared:
             found = replace(found, plan=replace(found.plan, warnings=(*found.plan.warnings, *shared)))

@@ -81,7 +81,8 @@ def test_a_file_the_wheels_record_lies_about_is_wheel_record_after_a_verified_ru
     accept = ("--wheel", str(wheel), "--accept-record-mismatch")
     result = account.cli("sicext", *accept, "--yes", "--settle", "0.5", "--json")
     assert result.code == 0, result.stdout + result.stderr
-    assert any("the wheel's own RECORD is wrong about 1 member" in n for n in result.json["data"]["notes"])
+    warnings = result.json["data"]["plan"]["warnings"]
+    assert any("the wheel's own RECORD is wrong about 1 member" in w for w in warnings), warnings
     shipped = served.read_bytes()
 
     # without the baseline, the file is drift: the installed RECORD is the wheel's lie
