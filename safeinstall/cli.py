@@ -269,7 +269,7 @@ def _run_reinstall(
 ) -> None:
     from safeinstall.journal import now_iso
     from safeinstall.reinstall import run_reinstall
-    from safeinstall.runlog import LoggedReporter
+    from safeinstall.results import LoggedReporter
     from safeinstall.signals import interrupts_deferred
     from safeinstall.state import new_run_id
 

@@ -18,7 +18,7 @@ from safeinstall.errors import SafeInstallError
 if TYPE_CHECKING:
     from safeinstall.patches import PatchOutcome
     from safeinstall.plan import Plan
-    from safeinstall.reinstall import RunResult
+    from safeinstall.results import RunResult
 
 RESULT_VERSION = 1
 

@@ -24,12 +24,12 @@ from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import psutil
 
 from safeinstall import undo
-from safeinstall.backup import Backup, create_backup, prune_into
+from safeinstall.backup import Backup, check_restored, create_backup, prune_into, restore_backup
 from safeinstall.distributions import InstalledDistribution, reload_distributions
 from safeinstall.drift import Expectation, FindingKind
 from safeinstall.environment import Account, Environment, interpreter_in_prefix
@@ -58,7 +58,6 @@ from safeinstall.journal import (
 from safeinstall.lock import process_start
 from safeinstall.options import RunOptions
 from safeinstall.patches import (
-    PatchOutcome,
     PatchSet,
     carry,
     prepare_patches,
@@ -69,7 +68,8 @@ from safeinstall.plan import OldCodeProcess, Plan, PlannedProcess, PlannedUnit, 
 from safeinstall.preflight import Prepared, locally_modified, refusal
 from safeinstall.preflight import preflight as shared_preflight
 from safeinstall.processes import scan_processes
-from safeinstall.recover import put_back
+from safeinstall.putback import put_back
+from safeinstall.results import Reporter, RunResult, StepOutcome
 from safeinstall.retention import prune_backups
 from safeinstall.runlog import append_line
 from safeinstall.signals import held_while_threads_start, interrupts_deferred, interrupts_raise
@@ -85,7 +85,7 @@ from safeinstall.state import (
 )
 from safeinstall.survey import Survey, scan_again, systemd_for
 from safeinstall.systemd import StopOutcome, Systemd, start_wait_s, stop_wait_s
-from safeinstall.undo import Left, left_of
+from safeinstall.undo import Left, UndoTarget, left_of
 from safeinstall.uvplan import install as uv_install
 from safeinstall.uvplan import prefetch_command, secure_uv_lock, uv_binary
 from safeinstall.verify import VerifyReport, verify_environment
@@ -103,48 +103,6 @@ _INSTALL_FAILURES = frozenset(
         FindingKind.OUTSIDE,
     }
 )
-
-
-@dataclass(frozen=True, slots=True)
-class StepOutcome:
-    name: str
-    status: str  # "ok" | "failed" | "skipped"
-    seconds: float
-    detail: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class RunResult:
-    status: str  # "done" | "declined" | "rolled-back" | "rollback-failed"
-    exit_code: ExitCode
-    plan: Plan | None
-    steps: tuple[StepOutcome, ...]
-    downtime_s: dict[str, float]
-    patched: tuple[str, ...]
-    extras: tuple[str, ...]
-    pruned: tuple[str, ...]
-    backup_dir: str | None
-    log_file: str | None
-    not_restarted: tuple[str, ...]
-    strays_killed: tuple[int, ...]
-    error: SafeInstallError | None
-    notes: tuple[str, ...]
-    manual_commands: tuple[str, ...] = ()
-    backups_removed: tuple[str, ...] = ()  # older backups deleted after a good run (--keep-backups)
-    old_code: tuple[OldCodeProcess, ...] = ()  # found by the end check: still mapping replaced files
-    patches: tuple[PatchOutcome, ...] = ()  # --keep-patches: each local patch, carried/dropped/conflict
-    patch_file: str | None = None  # --keep-patches: the carried set, one patch against the new version
-
-
-class Reporter(Protocol):
-    def step(self, outcome: StepOutcome) -> None: ...
-
-    def progress(self, what: str, done: float | None, total: float | None, unit: str = "") -> None:
-        """``unit``: "bytes", "s" (seconds) or "" (a count); see :func:`safeinstall.runlog.progress_text`."""
-
-    def note(self, text: str) -> None: ...
-
-    def confirm(self, plan: Plan) -> bool: ...
 
 
 @dataclass
@@ -909,6 +867,64 @@ def _verify_installed(
     )
 
 
+# ------------------------------------------------------------------ the two steps of an undo run
+
+
+def _undo_target(run: _Run) -> UndoTarget:
+    target = run.prepared.undo
+    if target is None:
+        raise StepFailed("internal error: an undo step in a run that undoes nothing")
+    return target
+
+
+def undo_restore_step(run: _Run, late_users: Callable[[], str]) -> str:
+    """The swap: the undone run's backup put back into the environment, byte for byte (the put-back
+    of a rollback: what is installed now under those names removed by the owner's worker, then every
+    saved file written back and hashed again)."""
+    target = _undo_target(run)
+    late = late_users()
+    run._journal(Phase.INSTALLING)
+    run._log(f"restore the backup of run {target.run_id}: {target.backup.dir}")
+    result = restore_backup(target.backup, run.env, ())
+    if not result.ok:
+        problems = [*result.mismatches, *result.failures]
+        raise StepFailed(f"the backup of run {target.run_id} could not be put back: {undo.listed(problems)}")
+    run._journal(Phase.INSTALLED)
+    return f"{result.restored} file(s) of run {target.run_id}'s backup put back" + late
+
+
+def undo_verify_step(run: _Run, open_gate: Callable[[], None]) -> str:
+    """The environment against the backup's manifest: each distribution at its saved version, each
+    saved file (a local patch included) with its saved content, and the RECORDs' other files intact."""
+    target = _undo_target(run)
+    manifest = target.backup.manifest
+    names = [d.name for d in manifest.distributions]
+    installed = reload_distributions(run.env, run.survey.installed, names)
+    versions = {d.name: d.version for d in installed}
+    wrong = [
+        f"{d.name} is {versions.get(d.name, 'not installed')}, not {d.version}"
+        for d in manifest.distributions
+        if versions.get(d.name) != d.version
+    ]
+    report = verify_environment(run.env, names, installed=installed)
+    patched = set(manifest.patched)
+    failing = {FindingKind.MISSING, FindingKind.MODIFIED, FindingKind.UNREADABLE, FindingKind.MALFORMED}
+    wrong += [
+        f"{f.kind.value} {f.path}" for f in report.findings if f.kind in failing and f.path not in patched
+    ]
+    wrong += [f"differs from the backup: {path}" for path in check_restored(target.backup, run.env.prefix)]
+    if wrong:
+        raise StepFailed(
+            f"the restored files do not match the backup of run {target.run_id}: {undo.listed(wrong)}"
+        )
+    run.left = left_of(report, installed, names)
+    run._journal(Phase.VERIFIED)
+    open_gate()
+    return (
+        f"{sum(d.files_checked for d in report.distributions)} files match the backup of run {target.run_id}"
+    )
+
+
 def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) -> RunResult:
     """The whole run. Raises SafeInstallError only before anything changed (exit 2).
 
@@ -966,8 +982,8 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
                     step("stop", lambda: stop_step(run))
                     step("gpu-release", lambda: gpu_release_step(run, session, baseline))
                 if options.undo is not None:  # the swap: the undone run's backup put back
-                    step("restore", lambda: undo.restore_step(run, lambda: _check_no_late_users(run)))
-                    step("verify", lambda: undo.verify_step(run, lambda: remove_gate(run)))
+                    step("restore", lambda: undo_restore_step(run, lambda: _check_no_late_users(run)))
+                    step("verify", lambda: undo_verify_step(run, lambda: remove_gate(run)))
                 else:
                     step("install", lambda: install_step(run))
                     step("verify", lambda: verify_step(run))

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from safeinstall.plan import Plan, PlannedProcess
     from safeinstall.processes import ScanProblem
     from safeinstall.recover import EnvironmentStatus, Forgotten, Recovery
-    from safeinstall.reinstall import RunResult, StepOutcome
+    from safeinstall.results import RunResult, StepOutcome
     from safeinstall.verify import VerifyReport
 
 _KIND_STYLE = {
