@@ -18,8 +18,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -261,18 +260,6 @@ def _take(path: Path, fd: int, argv: Sequence[str] | None, now: datetime | None)
     stale = previous if previous is not None and previous.pid != pid else None
     note = None if stale is None else takeover_message(stale, holder_alive(stale))
     return HeldLock(path, fd, holder, stale, note)
-
-
-@contextmanager
-def environment_lock(
-    path: Path, target: str, argv: Sequence[str] | None = None, grace_s: float = DEFAULT_GRACE_S
-) -> Iterator[HeldLock]:
-    """``with environment_lock(state.lock, str(env.prefix)) as lock: ...`` (see :func:`acquire_lock`)."""
-    lock = acquire_lock(path, target, argv=argv, grace_s=grace_s)
-    try:
-        yield lock
-    finally:
-        lock.release()
 
 
 def read_holder(path: Path) -> tuple[bool, LockHolder | None]:

@@ -53,6 +53,7 @@ from safeinstall.journal import (
     clear_journal,
     new_journal,
     start_journal,
+    update_unit,
     write_journal,
 )
 from safeinstall.lock import process_start
@@ -376,7 +377,7 @@ def stop_step(run: _Run) -> str:
     systemd = run.systemd
     units = list(run.plan.units)
     for unit in units:
-        run.journal = _mark(run.journal, unit.name, stopped=True)
+        run.journal = update_unit(run.journal, unit.name, systemd.user, stopped=True)
     run._journal(Phase.STOPPING)
 
     cancel = threading.Event()
@@ -572,8 +573,9 @@ def restart_step(run: _Run) -> str:
     run._journal(Phase.RESTARTING)
     run.restart_started = True
     detail = _start_and_settle(run, units, run.options.settle)
-    for unit in units:
-        run.journal = _mark(run.journal, unit, restarted=True)
+    for journalled in run.journal.units:
+        if journalled.name in units and journalled.stopped and journalled.was_active:
+            run.journal = update_unit(run.journal, journalled.name, journalled.user_manager, restarted=True)
     if run.options.health_url:
         url, timeout = run.options.health_url, run.options.health_timeout
         said = shown_url(url)  # never a token the URL may hold
@@ -758,20 +760,6 @@ def _rollback_failed(run: _Run, error: SafeInstallError, second: SafeInstallErro
         hint="run the commands above; safeinstall --status shows what is pending",
         commands=tuple(commands),
     )
-
-
-def _mark(
-    journal: Journal, unit: str, *, stopped: bool | None = None, restarted: bool | None = None
-) -> Journal:
-    def changed(u: JournalUnit) -> JournalUnit:
-        return replace(
-            u,
-            stopped=u.stopped if stopped is None else stopped,
-            restarted=u.restarted if restarted is None else restarted,
-        )
-
-    units = tuple(changed(u) if u.name == unit else u for u in journal.units)
-    return replace(journal, units=units)
 
 
 def _phase_at_least(journal: Journal, phase: Phase) -> bool:
