@@ -25,6 +25,7 @@ from pathlib import Path
 from types import TracebackType
 
 from safeinstall.errors import LockHeldError
+from safeinstall.identity import alive, process_start
 
 _HOLDER_VERSION = 1
 #: While the file names no live holder, a busy lock is retried this long (the holder may be between
@@ -91,34 +92,9 @@ def parse_holder(text: str) -> LockHolder | None:
     return LockHolder(pid=pid, process_start=start, started_at=started_at, argv=tuple(argv))
 
 
-def parse_stat_start(text: str) -> int | None:
-    """Pure: field 22 (starttime) of ``/proc/PID/stat``; the command name may hold spaces and ')'."""
-    _, sep, rest = text.rpartition(")")
-    if not sep:
-        return None
-    fields = rest.split()
-    # rest starts at field 3 (state); starttime is field 22
-    try:
-        return int(fields[22 - 3])
-    except (IndexError, ValueError):
-        return None
-
-
-def process_start(pid: int, proc: Path = Path("/proc")) -> int | None:
-    """The start time of ``pid`` in clock ticks after boot; None when there is no such process."""
-    try:
-        text = (proc / str(pid) / "stat").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return None
-    return parse_stat_start(text)
-
-
 def holder_alive(holder: LockHolder, proc: Path = Path("/proc")) -> bool:
     """Whether the process the file names still runs (same pid *and* same start time: no pid reuse)."""
-    start = process_start(holder.pid, proc)
-    if start is None:
-        return False
-    return holder.process_start is None or start == holder.process_start
+    return alive(holder.pid, holder.process_start, proc)
 
 
 def held_message(holder: LockHolder | None, target: str) -> str:

@@ -26,8 +26,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from safeinstall import undo
 from safeinstall.backup import Backup, check_restored, create_backup, prune_into, restore_backup
 from safeinstall.distributions import InstalledDistribution, reload_distributions
@@ -45,6 +43,7 @@ from safeinstall.gate import GATE_DROPIN, gate_dropin_text, gate_marker
 from safeinstall.gpus import GpuSnapshot, NvmlSession, ReleaseStatus, wait_for_release
 from safeinstall.health import shown as shown_url
 from safeinstall.health import wait_healthy
+from safeinstall.identity import end_processes, process_start, same_process, wait_exited
 from safeinstall.journal import (
     Journal,
     JournalUnit,
@@ -56,7 +55,6 @@ from safeinstall.journal import (
     update_unit,
     write_journal,
 )
-from safeinstall.lock import process_start
 from safeinstall.options import RunOptions
 from safeinstall.patches import (
     PatchSet,
@@ -437,7 +435,7 @@ def _report_waits(run: _Run, waits: Mapping[str, Future[Any]], state: str, limit
 
 
 def _kill_strays(run: _Run) -> tuple[int, ...]:
-    run.strays_killed = _end_processes([(p.pid, p.start_time) for p in run.plan.strays])
+    run.strays_killed = end_processes([(p.pid, p.start_time) for p in run.plan.strays])
     return run.strays_killed
 
 
@@ -454,8 +452,8 @@ def _check_no_late_users(run: _Run) -> str:
     every = not run.options.only_loaded  # --only-loaded: certain evidence only, as in the plan
     late = [p for p in scan.affected if not p.is_self and p.state != "Z" and (every or p.certain)]
     if late:  # a short-lived one (a cron job's check, another safeinstall's probe) that is gone is none
-        procs = [proc for p in late if (proc := _same_process(p.pid, p.start_time)) is not None]
-        still = {proc.pid for proc in _wait_exited(procs, LATE_GRACE_S)}
+        procs = [proc for p in late if (proc := same_process(p.pid, p.start_time)) is not None]
+        still = {proc.pid for proc in wait_exited(procs, LATE_GRACE_S)}
         late = [p for p in late if p.pid in still]
     if not late:
         return ""
@@ -465,7 +463,7 @@ def _check_no_late_users(run: _Run) -> str:
             f"process(es) {listed} started using {run.plan.package} after the plan was made",
             hint="stop them, or pass --kill-strays to end them (they are not restarted)",
         )
-    ended = _end_processes([(p.pid, p.start_time) for p in late])
+    ended = end_processes([(p.pid, p.start_time) for p in late])
     run.strays_killed = (*run.strays_killed, *ended)
     return f"; late user(s) {listed} ended (not restarted)"
 
@@ -766,67 +764,11 @@ def _phase_at_least(journal: Journal, phase: Phase) -> bool:
     return any(entry.phase == phase for entry in journal.history)
 
 
-def _same_process(pid: int, start_time: int) -> psutil.Process | None:
-    """The live process that was seen (same PID and start time), or None if it is gone."""
-    try:
-        proc = psutil.Process(pid)
-        start = process_start(pid)
-    except psutil.Error:
-        return None
-    if start is not None and start != start_time:
-        return None
-    return proc
-
-
-def _end_processes(seen: list[tuple[int, int]]) -> tuple[int, ...]:
-    """SIGTERM each (PID, start time) still running, SIGKILL after 10 s; the PIDs that were ended."""
-    ended: list[int] = []
-    procs: list[psutil.Process] = []
-    for pid, start_time in seen:
-        proc = _same_process(pid, start_time)
-        if proc is None:
-            continue
-        try:
-            proc.send_signal(signal.SIGTERM)
-        except psutil.Error:
-            continue
-        procs.append(proc)
-        ended.append(pid)
-    alive = _wait_exited(procs, timeout=10)
-    for proc in alive:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-    _wait_exited(alive, timeout=10)
-    return tuple(ended)
-
-
-def _running(proc: psutil.Process) -> bool:
-    """Alive and not a zombie: a zombie holds no files, no mappings, no GPU memory."""
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def _wait_exited(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
-    """Wait until every process has exited (zombies count as exited); those still running.
-
-    Not ``psutil.wait_procs``: for processes that are not our children it waits on ``is_running()``,
-    which stays true for a zombie whose parent has not reaped it, i.e. until the timeout.
-    """
-    deadline = time.monotonic() + timeout
-    alive = [p for p in procs if _running(p)]
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.02)
-        alive = [p for p in alive if _running(p)]
-    return alive
-
-
 def _wait_gone(processes: tuple[PlannedProcess, ...], timeout: float) -> list[int]:
     procs = [
-        p for p in (_same_process(planned.pid, planned.start_time) for planned in processes) if p is not None
+        p for p in (same_process(planned.pid, planned.start_time) for planned in processes) if p is not None
     ]
-    return [p.pid for p in _wait_exited(procs, timeout)]
+    return [p.pid for p in wait_exited(procs, timeout)]
 
 
 def _verify_installed(

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from safeinstall.errors import ExitCode, LockHeldError
+from safeinstall.identity import parse_stat, process_start
 from safeinstall.lock import (
     LockHolder,
     acquire_lock,
@@ -21,8 +22,6 @@ from safeinstall.lock import (
     holder_alive,
     holder_to_json,
     parse_holder,
-    parse_stat_start,
-    process_start,
     read_holder,
     takeover_message,
 )
@@ -139,11 +138,12 @@ def test_busy_lock_with_no_details_is_refused_after_the_grace(tmp_path: Path) ->
             acquire_lock(path, "/v", grace_s=0.1)
 
 
-def test_parse_stat_start_handles_odd_command_names() -> None:
+def test_a_process_start_is_read_past_odd_command_names() -> None:
     fields = " ".join(str(n) for n in range(3, 53))
-    assert parse_stat_start(f"42 (we) (ird) {fields}") == 22
-    assert parse_stat_start("garbage") is None
-    assert parse_stat_start("1 (x) S 1") is None
+    assert parse_stat(f"42 (we) (ird) {fields}").start_time == 22
+    for malformed in ("garbage", "1 (x) S 1"):
+        with pytest.raises(ValueError):
+            parse_stat(malformed)
     own = process_start(os.getpid())
     assert own is not None and own > 0
     assert process_start(2**22 + 1) is None
