@@ -91,6 +91,14 @@ def test_the_readme_is_a_one_sitting_read() -> None:
     assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move reference text into docs/"
 
 
+def test_ci_runs_exactly_the_readmes_test_command() -> None:
+    """``.ci/run`` ends with the README's test command, word for word (the README promises it)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    ci_command = (ROOT / ".ci" / "run").read_text(encoding="utf-8").strip().splitlines()[-1]
+    assert ci_command in readme
+    assert ci_command.endswith("-m pytest -q")
+
+
 def test_every_relative_link_names_a_file_and_a_heading_that_exist() -> None:
     problems = [problem for page in markdown_files() for problem in broken_links(page)]
     assert not problems, "\n".join(problems)
