@@ -104,6 +104,20 @@ def test_every_relative_link_names_a_file_and_a_heading_that_exist() -> None:
     assert not problems, "\n".join(problems)
 
 
+def test_every_docs_page_the_code_names_exists() -> None:
+    """Hints, help texts, docstrings and shipped units name ``docs/<page>.md``: each page exists."""
+    named = {
+        (match.group(0), source.relative_to(ROOT).as_posix())
+        for folder in ("safeinstall", "ansible_collections", "bench", "tests")
+        for source in sorted((ROOT / folder).rglob("*"))
+        if source.is_file() and source.suffix in {".py", ".service", ".timer", ".yml"}
+        for match in re.finditer(r"docs/[\w-]+\.md", source.read_text(encoding="utf-8", errors="replace"))
+    }
+    assert named, "no page named: the search is broken"
+    missing = sorted(f"{where}: {page}" for page, where in named if not (ROOT / page).is_file())
+    assert not missing, "\n".join(missing)
+
+
 def test_the_link_check_sees_a_missing_file_and_a_missing_heading(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
     (tmp_path / "other.md").write_text("# Other\n\n## `--json`: the result\n", encoding="utf-8")
