@@ -1,4 +1,4 @@
-"""The ``--json`` envelope: one versioned shape for every command (schema in the README).
+"""The ``--json`` envelope: one versioned shape for every command (schema in docs/json.md).
 
 ``{"safeinstall_result_version": 1, "command", "status", "exit_code", "data", "errors"}``
 """

@@ -1,4 +1,4 @@
-"""The threat model, as attacks (README "Threat model"): what the state directory, a journal, a service
+"""The threat model, as attacks (docs/threat-model.md): what the state directory, a journal, a service
 account's environment, option values and cgroup names can make safeinstall do as root. Nothing.
 
 Each attack runs the real ``safeinstall`` (as root, as at boot) against real venvs made by uv with real

@@ -98,7 +98,7 @@ def test_happy_path(bed: Bed) -> None:
     assert result.code == 0, result.stdout + result.stderr
     doc = result.json
     assert doc["command"] == "reinstall" and doc["status"] == "done" and doc["errors"] == []
-    assert set(doc["data"]) == {  # the fields the README documents
+    assert set(doc["data"]) == {  # the fields docs/json.md documents
         "run_id",
         "plan",
         "steps",
