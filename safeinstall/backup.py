@@ -39,6 +39,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from safeinstall import owner, worker
+from safeinstall.containment import Containment, relative_to_prefix
 from safeinstall.distributions import (
     RECORD_LIMIT,
     InstalledDistribution,
@@ -172,16 +173,6 @@ class _Item:
 # --- pure helpers -----------------------------------------------------------------------------------
 
 
-def relative_to_prefix(location: Path | str, prefix: Path | str) -> str | None:
-    """Pure: ``location`` (normalised lexically) relative to ``prefix``, or None when outside it."""
-    normal = os.path.normpath(location)
-    root = os.fspath(prefix)
-    base = root if root.endswith(os.sep) else root + os.sep
-    if not normal.startswith(base) or len(normal) == len(base):
-        return None
-    return normal[len(base) :]
-
-
 def space_problem(
     needed: int,
     free: int,
@@ -278,27 +269,6 @@ def manifest_from_dict(data: Any) -> BackupManifest:
 # --- what to save -----------------------------------------------------------------------------------
 
 
-class _Inside:
-    """Where a location lies relative to the prefix: lexically, and with its directory's symlinks
-    resolved (the file itself may be a symlink). Directories are resolved once each."""
-
-    def __init__(self, prefix: Path) -> None:
-        self._prefix = os.fspath(prefix)
-        self._dirs: dict[str, bool] = {}
-
-    def relative(self, location: Path | str) -> str | None:
-        relative = relative_to_prefix(location, self._prefix)
-        if relative is None:
-            return None
-        parent = os.path.dirname(os.path.normpath(location))
-        inside = self._dirs.get(parent)
-        if inside is None:
-            real = os.path.realpath(parent)
-            inside = real == self._prefix or relative_to_prefix(real, self._prefix) is not None
-            self._dirs[parent] = inside
-        return relative if inside else None
-
-
 def package_roots(
     env: Environment,
     dists: Sequence[InstalledDistribution],
@@ -331,7 +301,7 @@ def _collect(
 ) -> tuple[list[_Item], list[str], list[str]]:
     """Files to save (RECORD entries inside the prefix, the .dist-info trees, and the files added to
     the distributions' own directories by hand), the entries outside, and those directories."""
-    inside = _Inside(env.prefix)
+    inside = Containment(env.prefix)
     items: dict[str, _Item] = {}
     outside: list[str] = []
     roots = package_roots(env, dists, installed)

@@ -20,11 +20,11 @@ from safeinstall.backup import (
     load_backup,
     manifest_from_dict,
     manifest_to_dict,
-    relative_to_prefix,
     restore_backup,
     space_problem,
     stale_bytecode,
 )
+from safeinstall.containment import relative_to_prefix
 from safeinstall.distributions import dist_info_name, find_distribution, find_distributions
 from safeinstall.drift import FindingKind
 from safeinstall.environment import Environment, inspect_environment
