@@ -293,7 +293,7 @@ def metrics_path_problem(path: Path, euid: int) -> str | None:
             info = os.lstat(each)
         except OSError as exc:
             return f"cannot inspect {each}: {exc.strerror or exc}"
-        problem = trust_problem(info.st_mode, info.st_uid, euid, parent=True)
+        problem = trust_problem(info.st_mode, info.st_uid, euid, parent=True, gid=info.st_gid)
         if problem is not None:
             return f"{each}: {problem}"
     try:

@@ -114,7 +114,7 @@ def _hostile_journal(attack: Attack, state: Path) -> Path:
     return plant(state, prefix, python=str(attack.trap), gate=[str(attack.victim)])
 
 
-WRITABLE = "it is mode 0777: its group or other users may write to it"
+WRITABLE = "it is mode 0777: every user may write to it"
 FOREIGN = f"it is owned by uid {OTHER_UID}, not by root or uid 0 which runs safeinstall"
 
 #: attack -> (what is attacked: root, parent, envdir or journal; how: writable, foreign or a special)
@@ -835,7 +835,7 @@ def test_rich_markup_in_names_and_paths_is_printed_not_interpreted(sipure_venv: 
     assert recover.code == 2 and "Traceback" not in recover.stderr
     assert error_lines(recover) == [
         f"error: refusing to use the state directory {marked / 'state'}: its parent {marked}: "
-        "it is mode 0777: its group or other users may write to it"
+        "it is mode 0777: every user may write to it"
     ]
 
 
