@@ -237,18 +237,11 @@ def _environment_state(options: "RunOptions") -> "tuple[Environment, Environment
 def _keep(
     state: "EnvironmentState", run_id: str, package: str, started: str, result: dict[str, Any]
 ) -> tuple[str, ...]:
-    """The single place where a run's result is final: into its log and the environment's history,
-    which names the log whenever there is one (a run refused or declined has one too)."""
-    from safeinstall.history import append, new_entry
-    from safeinstall.journal import now_iso
-    from safeinstall.runlog import append_line
+    """The run's result, final (:func:`safeinstall.history.keep_result`), its errors in its log."""
+    from safeinstall.history import keep_result
 
-    log = state.log_file(run_id)
-    for error in result["errors"]:
-        append_line(log, f"error: {error['message']}")
-    append_line(log, f"result: {result['status']} (exit {result['exit_code']})")
-    log_file = str(log) if os.path.isfile(log) else None
-    return append(state, new_entry(run_id, package, started, now_iso(), result, log_file=log_file))
+    errors = tuple(f"error: {error['message']}" for error in result["errors"])
+    return keep_result(state, run_id, package, started, result, errors)
 
 
 def _run_metrics(

@@ -19,8 +19,7 @@ from safeinstall.backup import Backup, load_backup
 from safeinstall.environment import Environment, inspect_environment, resolve_python
 from safeinstall.errors import ExitCode, RollbackFailed, SafeInstallError, StepFailed, UsageError
 from safeinstall.gate import gate_marker
-from safeinstall.history import RunSummary, new_entry, read_history
-from safeinstall.history import append as append_history
+from safeinstall.history import RunSummary, keep_result, read_history
 from safeinstall.history import find as find_entry
 from safeinstall.journal import (
     Journal,
@@ -30,14 +29,12 @@ from safeinstall.journal import (
     effective_phase,
     journal_problems,
     needs_restore,
-    now_iso,
     read_journal,
     units_to_start,
 )
 from safeinstall.lock import LockHolder, acquire_lock, read_holder
 from safeinstall.output import envelope, jsonable
 from safeinstall.putback import PutBack, put_back
-from safeinstall.runlog import append_line
 from safeinstall.safefs import Tree
 from safeinstall.state import (
     PUT_BACK_CACHE_S,
@@ -208,11 +205,14 @@ def _keep_recovered(state: EnvironmentState, journal: Journal, recovery: Recover
     result = recovered_result(journal, recovery, str(log), ended)
     # a run that ended with a result said its error; what the recovery did is then no error
     said = "error: " if ended is None else ""
-    for line in (*result["data"]["notes"], *(f"{said}{e['message']}" for e in result["errors"])):
-        append_line(log, f"recover: {line}")
-    append_line(log, f"result: {result['status']} (exit {result['exit_code']})")
-    return append_history(
-        state, new_entry(journal.run_id, journal.package, journal.started_at, now_iso(), result)
+    lines = (*result["data"]["notes"], *(f"{said}{e['message']}" for e in result["errors"]))
+    return keep_result(
+        state,
+        journal.run_id,
+        journal.package,
+        journal.started_at,
+        result,
+        tuple(f"recover: {x}" for x in lines),
     )
 
 
