@@ -41,7 +41,7 @@ from safeinstall.render import (
     render_patches,
     render_plan,
     render_recoveries,
-    render_result,
+    render_run,
     render_status,
     render_verify,
 )
@@ -291,7 +291,7 @@ def _run_reinstall(
             if as_json:
                 print(dumps(document))
             else:
-                render_result(out, err, result, run_id)
+                render_run(out, err, document, run_id)
             for note in notes:
                 err.print(f"[dim]note:[/] {literal(note, lines=True)}", soft_wrap=True)
     _exit(result.exit_code)
@@ -495,7 +495,7 @@ def _run_dry_run(options: "RunOptions", as_json: bool, verbosity: int = 0) -> No
     else:
         render_plan(make_console(), make_console(stderr=True), plan, verbosity)
         if patches is not None:
-            render_patches(make_console(), patches.outcomes)
+            render_patches(make_console(), patches_json(patches.outcomes))
     _exit(code)
 
 
