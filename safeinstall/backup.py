@@ -272,12 +272,12 @@ def manifest_from_dict(data: Any) -> BackupManifest:
 def package_roots(
     env: Environment,
     dists: Sequence[InstalledDistribution],
-    installed: Sequence[InstalledDistribution] | None = None,
+    installed: Sequence[InstalledDistribution],
 ) -> dict[str, list[str]]:
     """Each of ``dists``' own package directories (absolute; see :func:`safeinstall.drift.own_roots`):
     no other installed distribution has files below them. ``installed``: the environment's
     distributions when the caller has found them already (else it is scanned here)."""
-    found = {d.name: d.locations for d in (find_distributions(env) if installed is None else installed)}
+    found = {d.name: d.locations for d in installed}
     found.update({d.name: d.locations for d in dists})
     roots = own_roots(found, [os.fspath(s) for s in env.site_dirs])
     return {d.name: roots.get(d.name, []) for d in dists}
@@ -297,7 +297,7 @@ def _unlisted(tree: Tree, root: str, listed: set[str]) -> Iterator[str]:
 def _collect(
     env: Environment,
     dists: Sequence[InstalledDistribution],
-    installed: Sequence[InstalledDistribution] | None,
+    installed: Sequence[InstalledDistribution],
 ) -> tuple[list[_Item], list[str], list[str]]:
     """Files to save (RECORD entries inside the prefix, the .dist-info trees, and the files added to
     the distributions' own directories by hand), the entries outside, and those directories."""
@@ -334,7 +334,7 @@ def _collect(
 def disk_space_needed(
     dists: Sequence[InstalledDistribution],
     env: Environment,
-    installed: Sequence[InstalledDistribution] | None = None,
+    installed: Sequence[InstalledDistribution],
 ) -> int:
     """Bytes a backup of ``dists`` takes: file sizes rounded up to blocks, plus the manifest.
     ``installed``: as for :func:`package_roots`."""
@@ -491,7 +491,8 @@ def create_backup(
     workers: int | None = None,
     now: datetime | None = None,
     known: Mapping[str, FileState] | None = None,
-    installed: Sequence[InstalledDistribution] | None = None,
+    *,
+    installed: Sequence[InstalledDistribution],
 ) -> Backup:
     """Save ``dists`` into ``backup_dir`` (new or empty; made 0700). Raises BackupError, leaving no backup.
 

@@ -49,7 +49,7 @@ from pathlib import Path
 from stat import S_ISLNK
 
 from safeinstall.dependents import describe_chain
-from safeinstall.distributions import InstalledDistribution, find_distributions
+from safeinstall.distributions import InstalledDistribution
 from safeinstall.environment import Environment
 from safeinstall.forking import can_fork, cpu_count, map_forked, split
 from safeinstall.identity import PF_KTHREAD, StatInfo, parse_stat
@@ -281,10 +281,11 @@ def probe_directories(paths: Iterable[str]) -> frozenset[tuple[int, int]]:
 def load_targets(
     dists: Iterable[InstalledDistribution],
     env: Environment,
-    installed: Iterable[InstalledDistribution] | None = None,
+    installed: Iterable[InstalledDistribution],
     requires: Mapping[str, tuple[tuple[str, ...], ...]] | None = None,
 ) -> tuple[Target, ...]:
-    """Targets for ``dists`` of ``env``: stats their files once; ``installed`` defaults to a fresh look.
+    """Targets for ``dists`` of ``env``: stats their files once; ``installed``: the environment's
+    distributions, found once per run.
 
     ``requires`` marks distributions that only require affected ones (their chains, see
     :func:`safeinstall.dependents.dependents`): evidence against them becomes ``depends`` evidence.
@@ -293,7 +294,7 @@ def load_targets(
     the same inodes for every environment linking that wheel: another environment's process using
     them is found too (the safe side).
     """
-    everything = list(find_distributions(env) if installed is None else installed)
+    everything = list(installed)
     # Outside a venv the interpreter is the real binary: let /proc/PID/exe recognise it too.
     extra = () if env.is_venv else (os.path.realpath(env.executable),)
     targets: list[Target] = []

@@ -295,7 +295,7 @@ def test_a_wheel_outside_the_state_directory_is_not_read_again(sipure_venv: Path
     """--recover restores from the backup; the wheel the journal names outside the state directory
     (its download directory may have been rewritten since) is not opened: it is said."""
     from safeinstall.backup import create_backup
-    from safeinstall.distributions import find_distribution
+    from safeinstall.distributions import find_distribution, find_distributions
     from safeinstall.environment import inspect_environment
 
     root = tmp_path / "state"
@@ -306,7 +306,13 @@ def test_a_wheel_outside_the_state_directory_is_not_read_again(sipure_venv: Path
     os.mkfifo(fifo)  # reading it would hang: it is never opened
     plant(root, prefix, wheel=str(fifo))
     env = inspect_environment(sipure_venv)
-    create_backup(env, [find_distribution(env, "sipure")], envdir / "backups" / RUN_ID, ())
+    create_backup(
+        env,
+        [find_distribution(env, "sipure", find_distributions(env))],
+        envdir / "backups" / RUN_ID,
+        (),
+        installed=find_distributions(env),
+    )
     result = cli(root, "--recover")
     assert result.code == 0, result.stdout + result.stderr
     assert (
