@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from safeinstall.distributions import find_distribution  # noqa: E402
+from safeinstall.distributions import find_distribution, find_distributions  # noqa: E402
 from safeinstall.environment import inspect_environment  # noqa: E402
 from safeinstall.processes import (  # noqa: E402
     TargetIndex,
@@ -101,7 +101,7 @@ def main() -> int:
         python = wheelhouse.make_venv(work / "venv")
         wheelhouse.uv_install(python, wheel)
         env = inspect_environment(python)
-        dist = find_distribution(env, "sicext")
+        dist = find_distribution(env, "sicext", find_distributions(env))
         try:
             importers = min(args.importers, args.processes)
             for _ in range(importers):
@@ -115,7 +115,7 @@ def main() -> int:
                 started.append(_start(["sleep", "3600"]))
             _wait_mapped([p.pid for p in started[:importers]], "_native.")
 
-            index = TargetIndex.of(load_targets([dist], env))
+            index = TargetIndex.of(load_targets([dist], env, find_distributions(env)))
             scope = environment_scope(env)
             mine = {p.pid for p in started}
             result = scan_processes(index)

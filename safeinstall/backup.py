@@ -39,6 +39,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from safeinstall import owner, worker
+from safeinstall.containment import Containment, relative_to_prefix
 from safeinstall.distributions import (
     RECORD_LIMIT,
     InstalledDistribution,
@@ -172,16 +173,6 @@ class _Item:
 # --- pure helpers -----------------------------------------------------------------------------------
 
 
-def relative_to_prefix(location: Path | str, prefix: Path | str) -> str | None:
-    """Pure: ``location`` (normalised lexically) relative to ``prefix``, or None when outside it."""
-    normal = os.path.normpath(location)
-    root = os.fspath(prefix)
-    base = root if root.endswith(os.sep) else root + os.sep
-    if not normal.startswith(base) or len(normal) == len(base):
-        return None
-    return normal[len(base) :]
-
-
 def space_problem(
     needed: int,
     free: int,
@@ -278,36 +269,15 @@ def manifest_from_dict(data: Any) -> BackupManifest:
 # --- what to save -----------------------------------------------------------------------------------
 
 
-class _Inside:
-    """Where a location lies relative to the prefix: lexically, and with its directory's symlinks
-    resolved (the file itself may be a symlink). Directories are resolved once each."""
-
-    def __init__(self, prefix: Path) -> None:
-        self._prefix = os.fspath(prefix)
-        self._dirs: dict[str, bool] = {}
-
-    def relative(self, location: Path | str) -> str | None:
-        relative = relative_to_prefix(location, self._prefix)
-        if relative is None:
-            return None
-        parent = os.path.dirname(os.path.normpath(location))
-        inside = self._dirs.get(parent)
-        if inside is None:
-            real = os.path.realpath(parent)
-            inside = real == self._prefix or relative_to_prefix(real, self._prefix) is not None
-            self._dirs[parent] = inside
-        return relative if inside else None
-
-
 def package_roots(
     env: Environment,
     dists: Sequence[InstalledDistribution],
-    installed: Sequence[InstalledDistribution] | None = None,
+    installed: Sequence[InstalledDistribution],
 ) -> dict[str, list[str]]:
     """Each of ``dists``' own package directories (absolute; see :func:`safeinstall.drift.own_roots`):
     no other installed distribution has files below them. ``installed``: the environment's
     distributions when the caller has found them already (else it is scanned here)."""
-    found = {d.name: d.locations for d in (find_distributions(env) if installed is None else installed)}
+    found = {d.name: d.locations for d in installed}
     found.update({d.name: d.locations for d in dists})
     roots = own_roots(found, [os.fspath(s) for s in env.site_dirs])
     return {d.name: roots.get(d.name, []) for d in dists}
@@ -327,11 +297,11 @@ def _unlisted(tree: Tree, root: str, listed: set[str]) -> Iterator[str]:
 def _collect(
     env: Environment,
     dists: Sequence[InstalledDistribution],
-    installed: Sequence[InstalledDistribution] | None,
+    installed: Sequence[InstalledDistribution],
 ) -> tuple[list[_Item], list[str], list[str]]:
     """Files to save (RECORD entries inside the prefix, the .dist-info trees, and the files added to
     the distributions' own directories by hand), the entries outside, and those directories."""
-    inside = _Inside(env.prefix)
+    inside = Containment(env.prefix)
     items: dict[str, _Item] = {}
     outside: list[str] = []
     roots = package_roots(env, dists, installed)
@@ -364,7 +334,7 @@ def _collect(
 def disk_space_needed(
     dists: Sequence[InstalledDistribution],
     env: Environment,
-    installed: Sequence[InstalledDistribution] | None = None,
+    installed: Sequence[InstalledDistribution],
 ) -> int:
     """Bytes a backup of ``dists`` takes: file sizes rounded up to blocks, plus the manifest.
     ``installed``: as for :func:`package_roots`."""
@@ -521,7 +491,8 @@ def create_backup(
     workers: int | None = None,
     now: datetime | None = None,
     known: Mapping[str, FileState] | None = None,
-    installed: Sequence[InstalledDistribution] | None = None,
+    *,
+    installed: Sequence[InstalledDistribution],
 ) -> Backup:
     """Save ``dists`` into ``backup_dir`` (new or empty; made 0700). Raises BackupError, leaving no backup.
 

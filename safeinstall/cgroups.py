@@ -135,24 +135,3 @@ def valid_unit_name(name: str) -> bool:
     """Pure: whether ``name`` is one systemd unit name (``foo.service``, ``foo@1.service``), as systemd
     itself would accept it, and nothing systemctl could read as a glob pattern or an option."""
     return len(name) <= UNIT_NAME_MAX and _UNIT_NAME.fullmatch(name) is not None
-
-
-@dataclass(frozen=True, slots=True)
-class UnitName:
-    prefix: str  # "foo" in "foo@1.service"
-    instance: str | None  # "1" in "foo@1.service"; "" for the template "foo@.service"; None: no "@"
-    suffix: str  # "service"
-
-    @property
-    def template(self) -> str | None:
-        """``foo@.service`` for ``foo@1.service``; None when the unit is not a template instance."""
-        return f"{self.prefix}@.{self.suffix}" if self.instance else None
-
-
-def split_unit_name(name: str) -> UnitName:
-    """Split ``prefix[@instance].suffix``; raises ValueError when ``name`` has no type suffix."""
-    stem, dot, suffix = name.rpartition(".")
-    if not dot or not stem or not suffix:
-        raise ValueError(f"not a unit name (no .type suffix): {name!r}")
-    prefix, at, instance = stem.partition("@")
-    return UnitName(prefix=prefix, instance=instance if at else None, suffix=suffix)

@@ -7,7 +7,6 @@
 import contextlib
 import gc
 import os
-import re
 import sys
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
@@ -41,10 +40,11 @@ from safeinstall.render import (
     render_patches,
     render_plan,
     render_recoveries,
-    render_result,
+    render_run,
     render_status,
     render_verify,
 )
+from safeinstall.usage import PLAIN_NAME, Usage, usage_problem, wheel_package
 from safeinstall.verify import VerifyReport, verify_environment
 
 # What only a run, a dry run or the state commands need is imported where it is used: ``--verify-only``
@@ -267,18 +267,11 @@ def _environment_state(options: "RunOptions") -> "tuple[Environment, Environment
 def _keep(
     state: "EnvironmentState", run_id: str, package: str, started: str, result: dict[str, Any]
 ) -> tuple[str, ...]:
-    """The single place where a run's result is final: into its log and the environment's history,
-    which names the log whenever there is one (a run refused or declined has one too)."""
-    from safeinstall.history import append, new_entry
-    from safeinstall.journal import now_iso
-    from safeinstall.runlog import append_line
+    """The run's result, final (:func:`safeinstall.history.keep_result`), its errors in its log."""
+    from safeinstall.history import keep_result
 
-    log = state.log_file(run_id)
-    for error in result["errors"]:
-        append_line(log, f"error: {error['message']}")
-    append_line(log, f"result: {result['status']} (exit {result['exit_code']})")
-    log_file = str(log) if os.path.isfile(log) else None
-    return append(state, new_entry(run_id, package, started, now_iso(), result, log_file=log_file))
+    errors = tuple(f"error: {error['message']}" for error in result["errors"])
+    return keep_result(state, run_id, package, started, result, errors)
 
 
 def _run_metrics(
@@ -299,7 +292,7 @@ def _run_reinstall(
 ) -> None:
     from safeinstall.journal import now_iso
     from safeinstall.reinstall import run_reinstall
-    from safeinstall.runlog import LoggedReporter
+    from safeinstall.results import LoggedReporter
     from safeinstall.signals import interrupts_deferred
     from safeinstall.state import new_run_id
 
@@ -328,7 +321,7 @@ def _run_reinstall(
             if as_json:
                 print(dumps(document))
             else:
-                render_result(out, err, result, run_id)
+                render_run(out, err, document, run_id)
             for note in notes:
                 err.print(f"[dim]note:[/] {literal(note, lines=True)}", soft_wrap=True)
     _exit(result.exit_code)
@@ -493,12 +486,12 @@ def _undo_choice(
     from safeinstall.undo import UndoError, choose_run
 
     others = sorted(set(modes) - {"--undo", "--dry-run", "--detach"})
-    if (package and not _PLAIN_NAME.fullmatch(package)) or wheel is not None or args or others:
+    if (package and not PLAIN_NAME.fullmatch(package)) or wheel is not None or args or others:
         given = " ".join(
             [
                 *others,
                 *(["--wheel"] if wheel else []),
-                *(["a version"] if package and not _PLAIN_NAME.fullmatch(package) else []),
+                *(["a version"] if package and not PLAIN_NAME.fullmatch(package) else []),
                 *args,
             ]
         )
@@ -532,30 +525,11 @@ def _run_dry_run(options: "RunOptions", as_json: bool, verbosity: int = 0) -> No
     else:
         render_plan(make_console(), make_console(stderr=True), plan, verbosity)
         if patches is not None:
-            render_patches(make_console(), patches.outcomes)
+            render_patches(make_console(), patches_json(patches.outcomes))
     _exit(code)
 
 
 #: A valid distribution name (PEP 508) and nothing else: such a PACKAGE needs no requirement parser
-_PLAIN_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
-
-#: The flags that each choose what safeinstall does: no two of them go together.
-_MODES = ("--verify-only", "--dry-run", "--detach", "--recover", "--status", "--forget")
-
-
-def mode_conflict(flags: Collection[str]) -> UsageError | None:
-    """Pure: the usage error of two modes given together (None: at most one). None takes precedence
-    over another in silence: ``--status --forget`` would otherwise forget, ``--verify-only --dry-run``
-    only verify."""
-    given = [flag for flag in _MODES if flag in flags]
-    if len(given) < 2:
-        return None
-    if set(given) == {"--dry-run", "--detach"}:
-        return UsageError("--dry-run changes nothing: there is nothing to detach", hint="drop --detach")
-    return UsageError(
-        f"{' and '.join(given)} do not go together: each chooses what safeinstall does",
-        hint=f"give one of {', '.join(given)}: each is a command of its own (see safeinstall --help)",
-    )
 
 
 class _PlainHelp(typer.core.TyperCommand):
@@ -894,14 +868,11 @@ def main_command(
     command = command_for(modes)
     metrics = None  # --metrics-file, once accepted
     try:
-        if verbose and quiet:
-            raise UsageError("-v and -q do not go together", hint="give one of --verbose, --quiet")
-        verbosity = -1 if quiet else 1 if verbose else 0
-        given = [
+        given = tuple(
             name
             for name in ctx.params
             if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"
-        ]
+        )
         if not given and not ctx.args:  # as uv: the help, and the status of a usage error; on stderr
             typer.echo(ctx.get_help(), err=True)
             raise UsageError(
@@ -909,12 +880,34 @@ def main_command(
                 hint="safeinstall PACKAGE [--wheel W], safeinstall PACKAGE --verify-only or "
                 "safeinstall --status (see safeinstall --help)",
             )
+        uv_args: tuple[str, ...] = ctx.obj or ()
+        problem = usage_problem(
+            Usage(
+                frozenset(modes),
+                package,
+                wheel,
+                given,
+                tuple(ctx.args),
+                uv_args,
+                verbose,
+                quiet,
+                show_version,
+                wait,
+                run,
+                metrics_file is not None,
+                all_,
+                diff,
+                save_patch is not None,
+                keep_patches,
+                base_wheel is not None,
+                drop_conflicting,
+                accept_record_mismatch,
+            )
+        )
+        if problem is not None:
+            raise problem
+        verbosity = -1 if quiet else 1 if verbose else 0
         if show_version:
-            if given != ["show_version"] or ctx.args:
-                raise UsageError(
-                    "--version prints safeinstall's version and takes nothing else",
-                    hint="to install a version, give it in the requirement: safeinstall 'vllm==0.16.0'",
-                )
             print(f"safeinstall {_tool_version()}")
             _exit(ExitCode.OK)
         private = None
@@ -924,9 +917,6 @@ def main_command(
             private = take_private(environ_from)
             os.environ.clear()
             os.environ.update(private.environ)
-        conflict = mode_conflict(modes)
-        if conflict is not None:
-            raise conflict
         if undo_:
             unfit = {  # what a backup put back cannot honour: said, not ignored
                 flag
@@ -935,91 +925,30 @@ def main_command(
                     ("--keep-patches", keep_patches),
                     ("--base-wheel", base_wheel is not None),
                     ("--drop-conflicting", drop_conflicting),
+                    ("--accept-record-mismatch", accept_record_mismatch),
                     ("--prune", prune),
                 )
                 if on
             }
             package, undone = _undo_choice(python, run, package, wheel, ctx.args, modes | unfit)
             run = None
-        if (wait or run) and not status_:
-            raise UsageError(
-                "--wait and --run go with --status", hint="safeinstall --status --wait [--run RUN_ID]"
-            )
         if metrics_file is not None:
-            metrics = _metrics_target(metrics_file, command, detach_ or wait)
-        if recover_ or status_ or forget_:
-            if package or ctx.args:
-                raise UsageError(
-                    f"--{command} takes no PACKAGE", hint=f"safeinstall --{command} [--python PATH] [--json]"
-                )
-            if recover_:
-                _run_recover(python, as_json, metrics)
-            if forget_:
-                _run_forget(python, as_json)
-            if run and not wait:
-                raise UsageError(
-                    "--run goes with --status --wait", hint="safeinstall --status --wait --run RUN_ID"
-                )
-            if wait:
-                _run_wait(python, run, as_json)
+            metrics = _metrics_target(metrics_file)
+        if recover_:
+            _run_recover(python, as_json, metrics)
+        if forget_:
+            _run_forget(python, as_json)
+        if wait:
+            _run_wait(python, run, as_json)
+        if status_:
             _run_status(python, as_json, metrics, verbosity)
-        if all_ and not verify_only:
-            raise UsageError(
-                "--all goes with --verify-only", hint="safeinstall --verify-only --all [--python PATH]"
-            )
-        if (diff or save_patch is not None) and not verify_only:
-            raise UsageError(
-                "--diff and --save-patch go with --verify-only",
-                hint=f"safeinstall {package or 'PACKAGE'} --verify-only --wheel W --diff [--save-patch FILE]",
-            )
-        if (base_wheel is not None or drop_conflicting) and not keep_patches:
-            raise UsageError(
-                "--base-wheel and --drop-conflicting go with --keep-patches",
-                hint=f"safeinstall {package or 'PACKAGE'} --wheel W --keep-patches [--base-wheel W]",
-            )
-        if accept_record_mismatch and (wheel is None or verify_only):
-            raise UsageError(
-                "--accept-record-mismatch goes with a run's --wheel",
-                hint=f"safeinstall {package or 'PACKAGE'} --wheel W --accept-record-mismatch [--dry-run]",
-            )
-        if keep_patches and verify_only:
-            raise UsageError(
-                "--keep-patches is for the reinstall (and its --dry-run)",
-                hint="run it without --verify-only: the merge is checked before anything stops, "
-                "and a patch that cannot be carried refuses the run (exit 2)",
-            )
-        if package and package.endswith(".whl") and "@" not in package:  # a wheel's path as the requirement
-            named = wheel_package(Path(package))
-            raise UsageError(
-                f"{package!r} is a wheel file, not a requirement",
-                hint=f"give the wheel with --wheel: safeinstall {named or 'NAME'} --wheel {package}",
-            )
         if not package and not all_ and wheel is not None:  # the wheel names its package
             package = wheel_package(wheel)
         if verify_only:
-            if ctx.args:
-                raise UsageError(f"unexpected arguments: {' '.join(ctx.args)}", hint="see safeinstall --help")
-            if package and not _PLAIN_NAME.fullmatch(package):
-                from safeinstall.uvplan import parse_requirement  # more than a valid name: parsed
-
-                if parse_requirement(package).specifier:
-                    raise UsageError(
-                        "--verify-only checks the installed version; give the name without a version",
-                        hint="safeinstall NAME --verify-only [--wheel PATH]",
-                    )
             _run_verify(package, all_, python, wheel, diff, save_patch, as_json, metrics, verbosity)
-        if not package:
-            raise UsageError("no PACKAGE given", hint="safeinstall PACKAGE [--wheel W] (see --help)")
+        assert package is not None  # usage_problem: a run names its package, or its wheel does
         from safeinstall.options import check_options
 
-        uv_args: tuple[str, ...] = ctx.obj or ()
-        stray = ctx.args[: max(0, len(ctx.args) - len(uv_args))]  # the requirement may follow --
-        if stray:  # uv would take them as more requirements: `safeinstall vllm torch` installing torch
-            raise UsageError(
-                f"unexpected arguments: {' '.join(stray)}",
-                hint="one REQUIREMENT per run; uv's own arguments go after --: "
-                "safeinstall PACKAGE [--wheel W] -- UV_ARGS",
-            )
         options = run_options({**ctx.params, "package": package}, ctx.args, private)
         if undo_:
             options = replace(options, undo=undone)
@@ -1036,17 +965,11 @@ def main_command(
         _fail(error, command, as_json)
 
 
-def _metrics_target(path: Path, command: str, other_mode: bool) -> Path:
-    """``--metrics-file``: for which commands, and whether root may write there (before any work)."""
+def _metrics_target(path: Path) -> Path:
+    """``--metrics-file`` (its command checked by :func:`safeinstall.usage.usage_problem`): whether
+    root may write there, before any work."""
     from safeinstall.metrics import check_metrics_path
 
-    if other_mode or command not in ("verify", "reinstall", "recover", "status"):
-        raise UsageError(
-            "--metrics-file goes with --verify-only, a run (not --detach), --recover or --status "
-            "(not --wait)",
-            hint="e.g. safeinstall --verify-only --all --python PY --metrics-file "
-            "/var/lib/node_exporter/textfile_collector/safeinstall.prom (see docs/metrics.md)",
-        )
     return check_metrics_path(path)
 
 
@@ -1083,17 +1006,6 @@ def _failed_metrics(
 
     run = RunSummary("", "error", code, package, None, None, None, None, {}, None)
     _write_metrics(path, lambda m, _now: m.run_families(prefix, run))
-
-
-def wheel_package(wheel: Path) -> str | None:
-    """Pure: the distribution a wheel's file name names (``vllm-0.16.0-cp38-abi3-...whl`` -> ``vllm``);
-    None for a name that is not a wheel's. The wheel itself is checked against it at preflight."""
-    from packaging.utils import InvalidWheelFilename, parse_wheel_filename
-
-    try:
-        return str(parse_wheel_filename(wheel.name)[0])
-    except InvalidWheelFilename:
-        return None
 
 
 def _split_at_dashes(argv: Sequence[str]) -> tuple[list[str], tuple[str, ...]]:

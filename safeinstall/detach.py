@@ -41,8 +41,9 @@ from safeinstall.environment import Environment
 from safeinstall.errors import Aborted, ExitCode, SafeInstallError, SystemdError, UsageError
 from safeinstall.history import find as find_entry
 from safeinstall.history import read_history
+from safeinstall.identity import alive
 from safeinstall.journal import Journal, JournalError, read_journal
-from safeinstall.lock import process_start, read_holder
+from safeinstall.lock import read_holder
 from safeinstall.options import RunOptions
 from safeinstall.state import EnvironmentState, atomic_write, is_run_id
 from safeinstall.systemd import Systemd
@@ -255,11 +256,6 @@ def _await_start(
 # ---------------------------------------------------------------------------------------- waiting
 
 
-def _alive(pid: int, start: int | None) -> bool:
-    now = process_start(pid)
-    return now is not None and (start is None or now == start)
-
-
 def locate(environ_states: list[EnvironmentState], run_id: str | None) -> EnvironmentState:
     """The environment to wait in: the one that knows ``run_id``; else the one with a run in progress;
     else the one whose last run finished last."""
@@ -341,7 +337,7 @@ def wait_for_run(
                     hint="safeinstall --status lists the runs",
                 )
             watched = (holder.pid, holder.process_start)  # a run in its preflight: maybe this one
-        if not _alive(*watched):
+        if not alive(*watched):
             entry = find_entry(state, run_id)
             if entry is not None:
                 continue

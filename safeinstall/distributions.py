@@ -338,10 +338,12 @@ def closest_names(name: str, installed: list[str], count: int = 3) -> list[str]:
 
 
 def find_distribution(
-    env: Environment, name: str, installed: list[InstalledDistribution] | None = None
+    env: Environment, name: str, installed: Sequence[InstalledDistribution]
 ) -> InstalledDistribution:
+    """``name`` among the environment's distributions (found once per run: ``installed``), or a
+    usage error that names the closest ones."""
     wanted = canonicalize_name(name)
-    dists = installed if installed is not None else find_distributions(env)
+    dists = installed
     for dist in dists:
         if dist.name == wanted:
             return dist

@@ -24,7 +24,7 @@ from typing import Any
 
 from safeinstall import children
 from safeinstall.errors import InterpreterError
-from safeinstall.safefs import ACL_XATTR, acl_writers, read_small
+from safeinstall.safefs import ACL_XATTR, acl_writers, others_who_write, read_small
 
 _PROBE = r"""
 import os, sys
@@ -217,9 +217,6 @@ class _Control:
         if stat.S_ISLNK(mode):
             return True
         sticky = ancestor and bool(mode & stat.S_ISVTX)
-        if not sticky and (mode & stat.S_IWOTH or (mode & stat.S_IWGRP and info.st_gid != 0)):
-            who = "every user" if mode & stat.S_IWOTH else f"group {info.st_gid}"
-            self.problems.append(f"{path} ({what}) may be written by {who}")
         try:
             raw = os.getxattr(path, ACL_XATTR, follow_symlinks=False)
         except OSError:
@@ -228,8 +225,9 @@ class _Control:
         for uid in sorted(users - {0, self.euid} - set(self.owners)):
             self.owners[uid] = f"{path} ({what}, by its ACL)"
             self.gids[uid] = info.st_gid
-        if groups - {0} and not sticky:
-            self.problems.append(f"{path} ({what}) may be written by group(s) {sorted(groups)} (its ACL)")
+        who = None if sticky else others_who_write(mode, info.st_gid, groups)
+        if who is not None:
+            self.problems.append(f"{path} ({what}) may be written by {who}")
         return True
 
     def look_up(self, path: Path, what: str) -> None:

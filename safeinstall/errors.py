@@ -79,10 +79,6 @@ class SystemdError(SafeInstallError):
     code = "systemd"
 
 
-class NvmlError(SafeInstallError):
-    code = "nvml"
-
-
 class PatchConflict(SafeInstallError):
     """--keep-patches: a local patch cannot be carried to the new version (refused before the stop)."""
 

@@ -20,10 +20,10 @@ import ctypes
 import os
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import Literal
 
 import pynvml
 
@@ -56,9 +56,6 @@ class GpuProcess:
     #: False: NVML reported a PID that has no ``<proc_root>/<pid>`` here (a host PID seen from a container).
     in_namespace: bool
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass(frozen=True)
 class Gpu:
@@ -73,9 +70,6 @@ class Gpu:
     #: Why the process list is unavailable (then ``processes`` is empty and means nothing); None if listed.
     processes_error: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass(frozen=True)
 class FdHolder:
@@ -83,9 +77,6 @@ class FdHolder:
 
     pid: int
     devices: tuple[str, ...]
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -103,9 +94,6 @@ class GpuSnapshot:
     taken_at: float
     driver_version: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
     def all_processes(self) -> tuple[GpuProcess, ...]:
         return tuple(p for g in self.gpus for p in g.processes)
 
@@ -118,9 +106,6 @@ class Holder:
     gpu_index: int | None
     used_bytes: int | None
     source: HolderSource
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -139,9 +124,6 @@ class GpuRelease:
     #: None = unknown: only the process list decides.
     memory_released: bool | None
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass(frozen=True)
 class ReleaseStatus:
@@ -157,9 +139,6 @@ class ReleaseStatus:
     notes: tuple[str, ...]
     timed_out: bool = False
     waited_s: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 # ---------------------------------------------------------------------------------------------- pure

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
+from safeinstall.containment import is_within
 from safeinstall.forking import cpu_count
 from safeinstall.records import built, encode_digest
 
@@ -64,11 +65,6 @@ class Wanted(Protocol):
 
     @property
     def size(self) -> int | None: ...  # expected: orders the work, costliest first
-
-
-def is_within(path: str, root: str) -> bool:
-    """String containment of normalised absolute paths (pathlib is too slow for 100k checks)."""
-    return path == root or path.startswith(root if root.endswith(os.sep) else root + os.sep)
 
 
 def default_workers() -> int:

@@ -22,6 +22,8 @@ from typing import Any
 from packaging.utils import canonicalize_name
 
 from safeinstall.errors import SafeInstallError
+from safeinstall.journal import now_iso
+from safeinstall.runlog import append_line
 from safeinstall.state import EnvironmentState, atomic_write, ensure_dir, is_run_id
 
 HISTORY_VERSION = 1
@@ -173,6 +175,25 @@ def append(state: EnvironmentState, entry: dict[str, Any]) -> tuple[str, ...]:
         except OSError as exc:
             problems.append(f"could not remove the old history entry {name}: {exc.strerror or exc}")
     return tuple(problems)
+
+
+def keep_result(
+    state: EnvironmentState,
+    run_id: str,
+    package: str,
+    started_at: str,
+    result: dict[str, Any],
+    lines: tuple[str, ...] = (),
+) -> tuple[str, ...]:
+    """The single place where a run's result becomes final, for a run and for its recovery: ``lines``
+    and the result into the run's log, then the entry into the environment's history, naming the log
+    whenever there is one (a run refused or declined has one too). What went wrong, if anything."""
+    log = state.log_file(run_id)
+    for line in lines:
+        append_line(log, line)
+    append_line(log, f"result: {result['status']} (exit {result['exit_code']})")
+    log_file = str(log) if os.path.isfile(log) else None
+    return append(state, new_entry(run_id, package, started_at, now_iso(), result, log_file=log_file))
 
 
 def _run_files(state: EnvironmentState) -> list[str]:

@@ -377,16 +377,6 @@ def journal_problems(
     return problems
 
 
-def wheel_to_read(journal: Journal, envdir: Path) -> Path | None:
-    """Pure: the journal's wheel if it lies inside the environment's state directory (the run's own
-    copy); a wheel anywhere else is never read again as root (whoever can write its directory may
-    have replaced it), and None is returned."""
-    if journal.wheel is None or not _normal_absolute(journal.wheel):
-        return None
-    wheel = Path(journal.wheel)
-    return wheel if wheel.is_relative_to(envdir) and wheel != envdir else None
-
-
 def journal_to_json(journal: Journal) -> str:
     return json.dumps(journal_to_dict(journal), indent=2, ensure_ascii=False) + "\n"
 

@@ -18,14 +18,14 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
 
 from safeinstall.errors import LockHeldError
+from safeinstall.identity import alive, process_start
 
 _HOLDER_VERSION = 1
 #: While the file names no live holder, a busy lock is retried this long (the holder may be between
@@ -92,34 +92,9 @@ def parse_holder(text: str) -> LockHolder | None:
     return LockHolder(pid=pid, process_start=start, started_at=started_at, argv=tuple(argv))
 
 
-def parse_stat_start(text: str) -> int | None:
-    """Pure: field 22 (starttime) of ``/proc/PID/stat``; the command name may hold spaces and ')'."""
-    _, sep, rest = text.rpartition(")")
-    if not sep:
-        return None
-    fields = rest.split()
-    # rest starts at field 3 (state); starttime is field 22
-    try:
-        return int(fields[22 - 3])
-    except (IndexError, ValueError):
-        return None
-
-
-def process_start(pid: int, proc: Path = Path("/proc")) -> int | None:
-    """The start time of ``pid`` in clock ticks after boot; None when there is no such process."""
-    try:
-        text = (proc / str(pid) / "stat").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return None
-    return parse_stat_start(text)
-
-
 def holder_alive(holder: LockHolder, proc: Path = Path("/proc")) -> bool:
     """Whether the process the file names still runs (same pid *and* same start time: no pid reuse)."""
-    start = process_start(holder.pid, proc)
-    if start is None:
-        return False
-    return holder.process_start is None or start == holder.process_start
+    return alive(holder.pid, holder.process_start, proc)
 
 
 def held_message(holder: LockHolder | None, target: str) -> str:
@@ -261,18 +236,6 @@ def _take(path: Path, fd: int, argv: Sequence[str] | None, now: datetime | None)
     stale = previous if previous is not None and previous.pid != pid else None
     note = None if stale is None else takeover_message(stale, holder_alive(stale))
     return HeldLock(path, fd, holder, stale, note)
-
-
-@contextmanager
-def environment_lock(
-    path: Path, target: str, argv: Sequence[str] | None = None, grace_s: float = DEFAULT_GRACE_S
-) -> Iterator[HeldLock]:
-    """``with environment_lock(state.lock, str(env.prefix)) as lock: ...`` (see :func:`acquire_lock`)."""
-    lock = acquire_lock(path, target, argv=argv, grace_s=grace_s)
-    try:
-        yield lock
-    finally:
-        lock.release()
 
 
 def read_holder(path: Path) -> tuple[bool, LockHolder | None]:

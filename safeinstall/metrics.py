@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # the run's and the state's modules are not loaded by --verif
 
 #: Mode of the written file: node_exporter runs as an account of its own and must read it
 METRICS_MODE = 0o644
-#: Every status a run's result may have (safeinstall.output's README list); each is a state of
+#: Every status a run's result may have (the list in docs/json.md); each is a state of
 #: ``safeinstall_run_status``, 1 for the run's own, 0 for the others
 RUN_STATUSES = ("done", "declined", "rolled-back", "rollback-failed", "error", "recovered")
 DRIFT_KINDS = tuple(k.value for k in FindingKind if k not in WARNING_KINDS)
@@ -293,7 +293,7 @@ def metrics_path_problem(path: Path, euid: int) -> str | None:
             info = os.lstat(each)
         except OSError as exc:
             return f"cannot inspect {each}: {exc.strerror or exc}"
-        problem = trust_problem(info.st_mode, info.st_uid, euid, parent=True)
+        problem = trust_problem(info.st_mode, info.st_uid, euid, parent=True, gid=info.st_gid)
         if problem is not None:
             return f"{each}: {problem}"
     try:

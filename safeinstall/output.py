@@ -1,4 +1,4 @@
-"""The ``--json`` envelope: one versioned shape for every command (schema in the README).
+"""The ``--json`` envelope: one versioned shape for every command (schema in docs/json.md).
 
 ``{"safeinstall_result_version": 1, "command", "status", "exit_code", "data", "errors"}``
 """
@@ -18,7 +18,7 @@ from safeinstall.errors import SafeInstallError
 if TYPE_CHECKING:
     from safeinstall.patches import PatchOutcome
     from safeinstall.plan import Plan
-    from safeinstall.reinstall import RunResult
+    from safeinstall.results import RunResult
 
 RESULT_VERSION = 1
 

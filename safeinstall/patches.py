@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING
 from merge3 import Merge3
 
 from safeinstall import worker
+from safeinstall.containment import is_within
 from safeinstall.diffs import text_lines, unified
 from safeinstall.distributions import InstalledDistribution
 from safeinstall.drift import Expectation, FindingKind
 from safeinstall.environment import Account, Environment
 from safeinstall.errors import PatchConflict, PlanError, StepFailed, WheelError
-from safeinstall.hashing import is_within
 from safeinstall.owner import write_carried
 from safeinstall.records import RecordHash, digest_bytes
 from safeinstall.safefs import Tree

@@ -49,9 +49,10 @@ from pathlib import Path
 from stat import S_ISLNK
 
 from safeinstall.dependents import describe_chain
-from safeinstall.distributions import InstalledDistribution, find_distributions
+from safeinstall.distributions import InstalledDistribution
 from safeinstall.environment import Environment
 from safeinstall.forking import can_fork, cpu_count, map_forked, split
+from safeinstall.identity import PF_KTHREAD, StatInfo, parse_stat
 
 __all__ = [
     "EnvironmentScope",
@@ -62,7 +63,6 @@ __all__ = [
     "PythonInvocation",
     "ScanProblem",
     "ScanResult",
-    "StatInfo",
     "Strength",
     "Target",
     "TargetIndex",
@@ -81,13 +81,10 @@ __all__ = [
     "parse_cmdline",
     "parse_maps_line",
     "parse_python_argv",
-    "parse_stat",
     "probe_files",
     "scan_processes",
 ]
 
-#: ``PF_KTHREAD`` in the flags field of ``/proc/PID/stat``: a kernel thread (no user space to check).
-PF_KTHREAD = 0x00200000
 DELETED_SUFFIX = " (deleted)"
 #: Directories at the top of site-packages that never belong to one distribution.
 _NEVER_OWNED = frozenset({"__pycache__", "..", "."})
@@ -284,10 +281,11 @@ def probe_directories(paths: Iterable[str]) -> frozenset[tuple[int, int]]:
 def load_targets(
     dists: Iterable[InstalledDistribution],
     env: Environment,
-    installed: Iterable[InstalledDistribution] | None = None,
+    installed: Iterable[InstalledDistribution],
     requires: Mapping[str, tuple[tuple[str, ...], ...]] | None = None,
 ) -> tuple[Target, ...]:
-    """Targets for ``dists`` of ``env``: stats their files once; ``installed`` defaults to a fresh look.
+    """Targets for ``dists`` of ``env``: stats their files once; ``installed``: the environment's
+    distributions, found once per run.
 
     ``requires`` marks distributions that only require affected ones (their chains, see
     :func:`safeinstall.dependents.dependents`): evidence against them becomes ``depends`` evidence.
@@ -296,7 +294,7 @@ def load_targets(
     the same inodes for every environment linking that wheel: another environment's process using
     them is found too (the safe side).
     """
-    everything = list(find_distributions(env) if installed is None else installed)
+    everything = list(installed)
     # Outside a venv the interpreter is the real binary: let /proc/PID/exe recognise it too.
     extra = () if env.is_venv else (os.path.realpath(env.executable),)
     targets: list[Target] = []
@@ -822,39 +820,6 @@ def match_environment_environ(data: bytes, scope: EnvironmentScope) -> tuple[Evi
             if item.startswith("/") and _under(os.path.normpath(item), scope.roots):
                 return _environment(item, f"{os.fsdecode(name)} points into the environment")
     return ()
-
-
-@dataclass(frozen=True, slots=True)
-class StatInfo:
-    pid: int
-    name: str  # comm, as the process may have renamed itself
-    state: str
-    ppid: int
-    flags: int
-    start_time: int  # clock ticks after boot: with the pid, it names one process (pid reuse)
-
-    @property
-    def kernel_thread(self) -> bool:
-        return bool(self.flags & PF_KTHREAD)
-
-
-def parse_stat(text: str) -> StatInfo:
-    """``/proc/PID/stat``; the name may hold spaces and parentheses. ValueError if malformed."""
-    open_paren = text.find("(")
-    close_paren = text.rfind(")")
-    if open_paren < 0 or close_paren < open_paren:
-        raise ValueError(f"no (comm) in stat: {text[:80]!r}")
-    fields = text[close_paren + 2 :].split(None, 20)
-    if len(fields) < 20:
-        raise ValueError(f"stat has {len(fields) + 2} fields, expected at least 22")
-    return StatInfo(
-        pid=int(text[:open_paren]),
-        name=text[open_paren + 1 : close_paren],
-        state=fields[0],
-        ppid=int(fields[1]),
-        flags=int(fields[6]),
-        start_time=int(fields[19]),
-    )
 
 
 def parse_cmdline(data: bytes) -> tuple[str, ...]:

@@ -24,12 +24,10 @@ from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol
-
-import psutil
+from typing import Any
 
 from safeinstall import undo
-from safeinstall.backup import Backup, create_backup, prune_into
+from safeinstall.backup import Backup, check_restored, create_backup, prune_into, restore_backup
 from safeinstall.baseline import Vouched, record_run, vouched_of
 from safeinstall.distributions import InstalledDistribution, reload_distributions
 from safeinstall.drift import Expectation, FindingKind
@@ -46,6 +44,7 @@ from safeinstall.gate import GATE_DROPIN, gate_dropin_text, gate_marker
 from safeinstall.gpus import GpuSnapshot, NvmlSession, ReleaseStatus, wait_for_release
 from safeinstall.health import shown as shown_url
 from safeinstall.health import wait_healthy
+from safeinstall.identity import end_processes, process_start, same_process, wait_exited
 from safeinstall.journal import (
     Journal,
     JournalUnit,
@@ -54,12 +53,11 @@ from safeinstall.journal import (
     clear_journal,
     new_journal,
     start_journal,
+    update_unit,
     write_journal,
 )
-from safeinstall.lock import process_start
 from safeinstall.options import RunOptions
 from safeinstall.patches import (
-    PatchOutcome,
     PatchSet,
     carry,
     prepare_patches,
@@ -70,7 +68,8 @@ from safeinstall.plan import OldCodeProcess, Plan, PlannedProcess, PlannedUnit, 
 from safeinstall.preflight import Prepared, locally_modified, refusal
 from safeinstall.preflight import preflight as shared_preflight
 from safeinstall.processes import scan_processes
-from safeinstall.recover import put_back
+from safeinstall.putback import put_back
+from safeinstall.results import Reporter, RunResult, StepOutcome
 from safeinstall.retention import prune_backups
 from safeinstall.runlog import append_line
 from safeinstall.signals import held_while_threads_start, interrupts_deferred, interrupts_raise
@@ -86,7 +85,7 @@ from safeinstall.state import (
 )
 from safeinstall.survey import Survey, scan_again, systemd_for
 from safeinstall.systemd import StopOutcome, Systemd, start_wait_s, stop_wait_s
-from safeinstall.undo import Left, left_of
+from safeinstall.undo import Left, UndoTarget, left_of
 from safeinstall.uvplan import install as uv_install
 from safeinstall.uvplan import prefetch_command, secure_uv_lock, uv_binary
 from safeinstall.verify import VerifyReport, verify_environment
@@ -104,48 +103,6 @@ _INSTALL_FAILURES = frozenset(
         FindingKind.OUTSIDE,
     }
 )
-
-
-@dataclass(frozen=True, slots=True)
-class StepOutcome:
-    name: str
-    status: str  # "ok" | "failed" | "skipped"
-    seconds: float
-    detail: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class RunResult:
-    status: str  # "done" | "declined" | "rolled-back" | "rollback-failed"
-    exit_code: ExitCode
-    plan: Plan | None
-    steps: tuple[StepOutcome, ...]
-    downtime_s: dict[str, float]
-    patched: tuple[str, ...]
-    extras: tuple[str, ...]
-    pruned: tuple[str, ...]
-    backup_dir: str | None
-    log_file: str | None
-    not_restarted: tuple[str, ...]
-    strays_killed: tuple[int, ...]
-    error: SafeInstallError | None
-    notes: tuple[str, ...]
-    manual_commands: tuple[str, ...] = ()
-    backups_removed: tuple[str, ...] = ()  # older backups deleted after a good run (--keep-backups)
-    old_code: tuple[OldCodeProcess, ...] = ()  # found by the end check: still mapping replaced files
-    patches: tuple[PatchOutcome, ...] = ()  # --keep-patches: each local patch, carried/dropped/conflict
-    patch_file: str | None = None  # --keep-patches: the carried set, one patch against the new version
-
-
-class Reporter(Protocol):
-    def step(self, outcome: StepOutcome) -> None: ...
-
-    def progress(self, what: str, done: float | None, total: float | None, unit: str = "") -> None:
-        """``unit``: "bytes", "s" (seconds) or "" (a count); see :func:`safeinstall.runlog.progress_text`."""
-
-    def note(self, text: str) -> None: ...
-
-    def confirm(self, plan: Plan) -> bool: ...
 
 
 @dataclass
@@ -422,7 +379,7 @@ def stop_step(run: _Run) -> str:
     systemd = run.systemd
     units = list(run.plan.units)
     for unit in units:
-        run.journal = _mark(run.journal, unit.name, stopped=True)
+        run.journal = update_unit(run.journal, unit.name, systemd.user, stopped=True)
     run._journal(Phase.STOPPING)
 
     cancel = threading.Event()
@@ -482,7 +439,7 @@ def _report_waits(run: _Run, waits: Mapping[str, Future[Any]], state: str, limit
 
 
 def _kill_strays(run: _Run) -> tuple[int, ...]:
-    run.strays_killed = _end_processes([(p.pid, p.start_time) for p in run.plan.strays])
+    run.strays_killed = end_processes([(p.pid, p.start_time) for p in run.plan.strays])
     return run.strays_killed
 
 
@@ -499,8 +456,8 @@ def _check_no_late_users(run: _Run) -> str:
     every = not run.options.only_loaded  # --only-loaded: certain evidence only, as in the plan
     late = [p for p in scan.affected if not p.is_self and p.state != "Z" and (every or p.certain)]
     if late:  # a short-lived one (a cron job's check, another safeinstall's probe) that is gone is none
-        procs = [proc for p in late if (proc := _same_process(p.pid, p.start_time)) is not None]
-        still = {proc.pid for proc in _wait_exited(procs, LATE_GRACE_S)}
+        procs = [proc for p in late if (proc := same_process(p.pid, p.start_time)) is not None]
+        still = {proc.pid for proc in wait_exited(procs, LATE_GRACE_S)}
         late = [p for p in late if p.pid in still]
     if not late:
         return ""
@@ -510,7 +467,7 @@ def _check_no_late_users(run: _Run) -> str:
             f"process(es) {listed} started using {run.plan.package} after the plan was made",
             hint="stop them, or pass --kill-strays to end them (they are not restarted)",
         )
-    ended = _end_processes([(p.pid, p.start_time) for p in late])
+    ended = end_processes([(p.pid, p.start_time) for p in late])
     run.strays_killed = (*run.strays_killed, *ended)
     return f"; late user(s) {listed} ended (not restarted)"
 
@@ -639,8 +596,9 @@ def restart_step(run: _Run) -> str:
     run._journal(Phase.RESTARTING)
     run.restart_started = True
     detail = _start_and_settle(run, units, run.options.settle)
-    for unit in units:
-        run.journal = _mark(run.journal, unit, restarted=True)
+    for journalled in run.journal.units:
+        if journalled.name in units and journalled.stopped and journalled.was_active:
+            run.journal = update_unit(run.journal, journalled.name, journalled.user_manager, restarted=True)
     if run.options.health_url:
         url, timeout = run.options.health_url, run.options.health_timeout
         said = shown_url(url)  # never a token the URL may hold
@@ -827,85 +785,15 @@ def _rollback_failed(run: _Run, error: SafeInstallError, second: SafeInstallErro
     )
 
 
-def _mark(
-    journal: Journal, unit: str, *, stopped: bool | None = None, restarted: bool | None = None
-) -> Journal:
-    def changed(u: JournalUnit) -> JournalUnit:
-        return replace(
-            u,
-            stopped=u.stopped if stopped is None else stopped,
-            restarted=u.restarted if restarted is None else restarted,
-        )
-
-    units = tuple(changed(u) if u.name == unit else u for u in journal.units)
-    return replace(journal, units=units)
-
-
 def _phase_at_least(journal: Journal, phase: Phase) -> bool:
     return any(entry.phase == phase for entry in journal.history)
 
 
-def _same_process(pid: int, start_time: int) -> psutil.Process | None:
-    """The live process that was seen (same PID and start time), or None if it is gone."""
-    try:
-        proc = psutil.Process(pid)
-        start = process_start(pid)
-    except psutil.Error:
-        return None
-    if start is not None and start != start_time:
-        return None
-    return proc
-
-
-def _end_processes(seen: list[tuple[int, int]]) -> tuple[int, ...]:
-    """SIGTERM each (PID, start time) still running, SIGKILL after 10 s; the PIDs that were ended."""
-    ended: list[int] = []
-    procs: list[psutil.Process] = []
-    for pid, start_time in seen:
-        proc = _same_process(pid, start_time)
-        if proc is None:
-            continue
-        try:
-            proc.send_signal(signal.SIGTERM)
-        except psutil.Error:
-            continue
-        procs.append(proc)
-        ended.append(pid)
-    alive = _wait_exited(procs, timeout=10)
-    for proc in alive:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-    _wait_exited(alive, timeout=10)
-    return tuple(ended)
-
-
-def _running(proc: psutil.Process) -> bool:
-    """Alive and not a zombie: a zombie holds no files, no mappings, no GPU memory."""
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def _wait_exited(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
-    """Wait until every process has exited (zombies count as exited); those still running.
-
-    Not ``psutil.wait_procs``: for processes that are not our children it waits on ``is_running()``,
-    which stays true for a zombie whose parent has not reaped it, i.e. until the timeout.
-    """
-    deadline = time.monotonic() + timeout
-    alive = [p for p in procs if _running(p)]
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.02)
-        alive = [p for p in alive if _running(p)]
-    return alive
-
-
 def _wait_gone(processes: tuple[PlannedProcess, ...], timeout: float) -> list[int]:
     procs = [
-        p for p in (_same_process(planned.pid, planned.start_time) for planned in processes) if p is not None
+        p for p in (same_process(planned.pid, planned.start_time) for planned in processes) if p is not None
     ]
-    return [p.pid for p in _wait_exited(procs, timeout)]
+    return [p.pid for p in wait_exited(procs, timeout)]
 
 
 def _verify_installed(
@@ -934,6 +822,65 @@ def _verify_installed(
         main,
         distributions=(*main.distributions, *rest.distributions),
         observed={**main.observed, **rest.observed},
+    )
+
+
+# ------------------------------------------------------------------ the two steps of an undo run
+
+
+def _undo_target(run: _Run) -> UndoTarget:
+    target = run.prepared.undo
+    if target is None:
+        raise StepFailed("internal error: an undo step in a run that undoes nothing")
+    return target
+
+
+def undo_restore_step(run: _Run, late_users: Callable[[], str]) -> str:
+    """The swap: the undone run's backup put back into the environment, byte for byte (the put-back
+    of a rollback: what is installed now under those names removed by the owner's worker, then every
+    saved file written back and hashed again)."""
+    target = _undo_target(run)
+    late = late_users()
+    run._journal(Phase.INSTALLING)
+    run._log(f"restore the backup of run {target.run_id}: {target.backup.dir}")
+    result = restore_backup(target.backup, run.env, ())
+    if not result.ok:
+        problems = [*result.mismatches, *result.failures]
+        raise StepFailed(f"the backup of run {target.run_id} could not be put back: {undo.listed(problems)}")
+    run._journal(Phase.INSTALLED)
+    return f"{result.restored} file(s) of run {target.run_id}'s backup put back" + late
+
+
+def undo_verify_step(run: _Run, open_gate: Callable[[], None]) -> str:
+    """The environment against the backup's manifest: each distribution at its saved version, each
+    saved file (a local patch included) with its saved content, and the RECORDs' other files intact."""
+    target = _undo_target(run)
+    manifest = target.backup.manifest
+    names = [d.name for d in manifest.distributions]
+    installed = reload_distributions(run.env, run.survey.installed, names)
+    versions = {d.name: d.version for d in installed}
+    wrong = [
+        f"{d.name} is {versions.get(d.name, 'not installed')}, not {d.version}"
+        for d in manifest.distributions
+        if versions.get(d.name) != d.version
+    ]
+    vouched = run.prepared.vouched  # an older version whose wheel's RECORD is wrong: verified as before
+    report = verify_environment(run.env, names, installed=installed, vouched=lambda: vouched)
+    patched = set(manifest.patched)
+    failing = {FindingKind.MISSING, FindingKind.MODIFIED, FindingKind.UNREADABLE, FindingKind.MALFORMED}
+    wrong += [
+        f"{f.kind.value} {f.path}" for f in report.findings if f.kind in failing and f.path not in patched
+    ]
+    wrong += [f"differs from the backup: {path}" for path in check_restored(target.backup, run.env.prefix)]
+    if wrong:
+        raise StepFailed(
+            f"the restored files do not match the backup of run {target.run_id}: {undo.listed(wrong)}"
+        )
+    run.left = left_of(report, installed, names)
+    run._journal(Phase.VERIFIED)
+    open_gate()
+    return (
+        f"{sum(d.files_checked for d in report.distributions)} files match the backup of run {target.run_id}"
     )
 
 
@@ -994,8 +941,8 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
                     step("stop", lambda: stop_step(run))
                     step("gpu-release", lambda: gpu_release_step(run, session, baseline))
                 if options.undo is not None:  # the swap: the undone run's backup put back
-                    step("restore", lambda: undo.restore_step(run, lambda: _check_no_late_users(run)))
-                    step("verify", lambda: undo.verify_step(run, lambda: remove_gate(run)))
+                    step("restore", lambda: undo_restore_step(run, lambda: _check_no_late_users(run)))
+                    step("verify", lambda: undo_verify_step(run, lambda: remove_gate(run)))
                 else:
                     step("install", lambda: install_step(run))
                     step("verify", lambda: verify_step(run))

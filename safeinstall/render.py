@@ -8,7 +8,7 @@ import re
 import sys
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console, RenderableType
@@ -25,11 +25,10 @@ if TYPE_CHECKING:
 
     from safeinstall.diffs import FileDiff
     from safeinstall.history import RunSummary
-    from safeinstall.patches import PatchOutcome
     from safeinstall.plan import Plan, PlannedProcess
     from safeinstall.processes import ScanProblem
     from safeinstall.recover import EnvironmentStatus, Forgotten, Recovery
-    from safeinstall.reinstall import RunResult, StepOutcome
+    from safeinstall.results import StepOutcome
     from safeinstall.verify import VerifyReport
 
 _KIND_STYLE = {
@@ -509,52 +508,81 @@ class ConsoleReporter:
         return answer.strip().lower() in ("y", "yes")
 
 
-def render_result(out: Console, err: Console, result: RunResult, run_id: str) -> None:
-    for note in result.notes:
+def _items(data: Mapping[str, Any], key: str) -> list[Any]:
+    value = data.get(key)
+    return value if isinstance(value, list) else []
+
+
+def _old_code_line(process: Mapping[str, Any]) -> str:
+    """One process left on old code, from its JSON form (``OldCodeProcess``)."""
+    unit, scope = process.get("unit"), process.get("scope")
+    where = f"unit {unit}" if unit else f"no unit ({scope or 'no scope'})"
+    names = ", ".join(str(d) for d in _items(process, "distributions"))
+    paths = ", ".join(str(p) for p in _items(process, "paths")[:3])
+    who = f"PID {process.get('pid')} ({process.get('name')}, {where})"
+    return f"{who} still maps replaced files of {names} ({paths})"
+
+
+def render_run(out: Console, err: Console, document: Mapping[str, Any], run_id: str) -> None:
+    """A run's result from its ``--json`` document: the one renderer of the foreground run and of
+    ``--status --wait`` (which reads the document from the run's history entry)."""
+    raw = document.get("data")
+    data: Mapping[str, Any] = raw if isinstance(raw, dict) else {}
+    for note in _items(data, "notes"):
         err.print(f"[dim]note:[/] {literal(note, lines=True)}", soft_wrap=True)
-    if result.status == "declined":
+    status = document.get("status")
+    if status == "declined":
         out.print("nothing done (not confirmed)")
         return
-    plan = result.plan
-    if result.status == "done" and plan is not None:
-        changes = ", ".join(f"{d.name} {d.old_version} -> {d.new_version or '?'}" for d in plan.distributions)
+    plan = data.get("plan") if isinstance(data.get("plan"), dict) else None
+    if status == "done" and plan is not None:
+        changes = ", ".join(
+            f"{d.get('name')} {d.get('old_version')} -> {d.get('new_version') or '?'}"
+            for d in _items(plan, "distributions")
+            if isinstance(d, dict)
+        )
         out.print(f"[green]done:[/] {literal(changes)}; installed and verified", soft_wrap=True)
-    for unit, seconds in sorted(result.downtime_s.items()):
-        out.print(f"  {literal(unit)} was down for {seconds:.1f} s")
-    for unit in result.not_restarted:
+    downtime = data.get("downtime_s")
+    for unit, seconds in sorted(downtime.items() if isinstance(downtime, dict) else ()):
+        if isinstance(seconds, int | float):
+            out.print(f"  {literal(unit)} was down for {seconds:.1f} s")
+    for unit in _items(data, "not_restarted"):
         out.print(f"  [yellow]{literal(unit)} left stopped (--no-restart)[/]")
-    for pid in result.strays_killed:
-        out.print(f"  stray PID {pid} was ended and not restarted")
-    for process in result.old_code:
-        err.print(
-            f"[yellow]warning:[/] {literal(process.describe())} ({literal(', '.join(process.paths[:3]))}): "
-            "it runs old code; restart it",
-            soft_wrap=True,
-        )
-    render_patches(out, result.patches, result.patch_file)
-    if result.patched:
-        out.print(f"locally patched files (copies kept in {literal(result.backup_dir or '')}):")
-        for path in result.patched:
+    for pid in _items(data, "strays_killed"):
+        out.print(f"  stray PID {literal(pid)} was ended and not restarted")
+    for process in _items(data, "old_code"):
+        if isinstance(process, dict):
+            err.print(
+                f"[yellow]warning:[/] {literal(_old_code_line(process))}: it runs old code; restart it",
+                soft_wrap=True,
+            )
+    render_patches(out, [p for p in _items(data, "patches") if isinstance(p, dict)], data.get("patch_file"))
+    backup_dir, log_file = data.get("backup_dir"), data.get("log_file")
+    patched = _items(data, "patched")
+    if patched:
+        out.print(f"locally patched files (copies kept in {literal(backup_dir or '')}):")
+        for path in patched:
             out.print(f"  {literal(path)}")
-    for path in result.extras:
-        state = (
-            "pruned (copy kept in the backup)" if path in result.pruned else "left in place (--prune removes)"
-        )
+    pruned = set(map(str, _items(data, "pruned")))
+    for path in _items(data, "extras"):
+        state = "pruned (copy kept in the backup)" if path in pruned else "left in place (--prune removes)"
         out.print(f"  leftover {literal(path)}: {state}", soft_wrap=True)
-    if result.backup_dir:
+    if backup_dir:
         err.print(
-            f"[dim]run {literal(run_id)}; backup: {literal(result.backup_dir)}; "
-            f"log: {literal(str(result.log_file))}[/]",
+            f"[dim]run {literal(run_id)}; backup: {literal(backup_dir)}; log: {literal(str(log_file))}[/]",
             soft_wrap=True,
         )
-    if result.backups_removed:
-        err.print(f"[dim]deleted {len(result.backups_removed)} older backup(s) (--keep-backups)[/]")
-    if result.error is not None:
-        render_error(err, result.error)
+    removed = _items(data, "backups_removed")
+    if removed:
+        err.print(f"[dim]deleted {len(removed)} older backup(s) (--keep-backups)[/]")
+    for error in _items(document, "errors"):
+        if isinstance(error, dict):
+            render_error(err, SafeInstallError(str(error.get("message")), hint=error.get("hint")))
 
 
-def render_patches(out: Console, patches: Sequence[PatchOutcome], patch_file: str | None = None) -> None:
-    """--keep-patches: what was carried, what was dropped, and where each conflict is (as a diff)."""
+def render_patches(out: Console, patches: Sequence[Mapping[str, Any]], patch_file: object = None) -> None:
+    """--keep-patches: what was carried, what was dropped, and where each conflict is (as a diff); each
+    patch as ``--json`` has it (:func:`safeinstall.output.patches_json`)."""
     heading = {
         "carried": "local patches carried to the new version:",
         "dropped": "local patches dropped (--drop-conflicting; the backup keeps them):",
@@ -562,16 +590,18 @@ def render_patches(out: Console, patches: Sequence[PatchOutcome], patch_file: st
         "rolled-back": "local patches not carried (the run rolled back; the installed files keep them):",
     }
     for status, title in heading.items():
-        found = [p for p in patches if p.status.value == status]
+        found = [p for p in patches if p.get("status") == status]
         if not found:
             continue
         out.print(title)
         for patch in found:
             out.print(
-                f"  {status} {literal(patch.path)}: {literal(patch.detail, lines=True)}", soft_wrap=True
+                f"  {status} {literal(patch.get('path'))}: {literal(patch.get('detail'), lines=True)}",
+                soft_wrap=True,
             )
-            if status in ("dropped", "conflict") and patch.diff:
-                out.print(literal(patch.diff, lines=True), end="", soft_wrap=True)
+            diff = patch.get("diff")
+            if status in ("dropped", "conflict") and diff:
+                out.print(literal(diff, lines=True), end="", soft_wrap=True)
     if patch_file:
         out.print(f"carried patch set saved as {literal(patch_file)}", soft_wrap=True)
 
@@ -668,14 +698,11 @@ def render_status(out: Console, found: list[EnvironmentStatus], last: int = 5) -
 
 
 def render_entry(out: Console, err: Console, entry: dict[str, Any]) -> None:
-    """A finished run's result as its history keeps it (``--status --wait``, a refused ``--detach``)."""
+    """A finished run's result as its history keeps it (``--status --wait``, a refused ``--detach``): a
+    headline naming the run, then what the foreground run showed (:func:`render_run`)."""
     from safeinstall.history import summary
 
     run = summary(entry)
-    result = entry["result"]
-    data = result.get("data") if isinstance(result.get("data"), dict) else {}
-    for note in data.get("notes") or []:
-        err.print(f"[dim]note:[/] {literal(note, lines=True)}", soft_wrap=True)
     style = "green" if run.exit_code == 0 else "red"
     versions = f" {run.old_version} -> {run.new_version}" if run.old_version or run.new_version else ""
     out.print(
@@ -683,12 +710,11 @@ def render_entry(out: Console, err: Console, entry: dict[str, Any]) -> None:
         + literal(f"{run.package or '?'}{versions}"),
         soft_wrap=True,
     )
-    for unit, seconds in sorted(run.downtime_s.items()):
-        out.print(literal(f"  {unit} was down for {seconds:.1f} s"))
-    if run.log_file:
+    result = entry.get("result")
+    render_run(out, err, result if isinstance(result, dict) else {}, run.run_id)
+    data = result.get("data") if isinstance(result, dict) else None
+    if run.log_file and not (isinstance(data, dict) and data.get("backup_dir")):
         err.print(f"[dim]log: {literal(run.log_file)}[/]", soft_wrap=True)
-    for error in result.get("errors") or []:
-        render_error(err, SafeInstallError(str(error.get("message")), hint=error.get("hint")))
 
 
 def render_forgotten(out: Console, forgotten: list[Forgotten]) -> None:

@@ -9,15 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from safeinstall.plan import Plan
-    from safeinstall.reinstall import Reporter, StepOutcome
 
 #: A plain progress line (stderr off a terminal, the run's log) at most this often.
 PROGRESS_EVERY_S = 5.0
@@ -93,36 +87,3 @@ class LogTail:
         data = self.partial + b"".join(chunks)
         *lines, self.partial = data.split(b"\n")
         return [line.decode("utf-8", "replace") for line in lines]
-
-
-@dataclass
-class LoggedReporter:
-    """A run's reporter that also writes its step lines, notes and (every few seconds) its progress
-    to the run's log, so that ``--status --wait`` can show them from anywhere."""
-
-    inner: Reporter
-    log: Path
-    _last_progress: float = field(default_factory=time.monotonic)
-    _last_key: str = ""
-
-    def step(self, outcome: StepOutcome) -> None:
-        self._last_key = ""
-        append_line(
-            self.log, f"{outcome.name}: {outcome.status} in {outcome.seconds:.1f} s: {outcome.detail}"
-        )
-        self.inner.step(outcome)
-
-    def progress(self, what: str, done: float | None, total: float | None, unit: str = "") -> None:
-        now = time.monotonic()
-        key = progress_key(what)
-        if key != self._last_key or now - self._last_progress >= PROGRESS_EVERY_S:
-            self._last_progress, self._last_key = now, key
-            append_line(self.log, progress_text(what, done, total, unit))
-        self.inner.progress(what, done, total, unit)
-
-    def note(self, text: str) -> None:
-        append_line(self.log, f"note: {text}")
-        self.inner.note(text)
-
-    def confirm(self, plan: Plan) -> bool:
-        return self.inner.confirm(plan)

@@ -123,6 +123,18 @@ def acl_writers(raw: bytes) -> tuple[set[int], set[int]]:
     return (users, groups) if mask_writes else (set(), set())
 
 
+def others_who_write(mode: int, gid: int, acl_groups: Iterable[int] = ()) -> str | None:
+    """Pure: the one rule of who, besides a path's owner and root, may write it through its mode bits or
+    the groups its access ACL names: ``"every user"``, ``"group N"``, ``"group(s) [...] (its ACL)"``, or
+    None. The group root (gid 0) counts as root's; a sticky directory is the caller's to judge."""
+    if mode & stat.S_IWOTH:
+        return "every user"
+    if mode & stat.S_IWGRP and gid != 0:
+        return f"group {gid}"
+    groups = sorted(set(acl_groups) - {0})
+    return f"group(s) {groups} (its ACL)" if groups else None
+
+
 def reader_acl(uid: int) -> bytes:
     """Pure: a POSIX access ACL (the xattr's bytes) for a file its owner may read and write, ``uid`` may
     read, and nobody else may touch: ``u::rw-,u:UID:r--,g::---,m::r--,o::---``."""

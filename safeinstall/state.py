@@ -57,7 +57,7 @@ from pathlib import Path
 from safeinstall import owner, worker
 from safeinstall.environment import Account
 from safeinstall.errors import SafeInstallError
-from safeinstall.safefs import Tree, permitted
+from safeinstall.safefs import Tree, others_who_write, permitted
 
 STATE_DIR_VARIABLE = "SAFEINSTALL_STATE_DIR"
 SYSTEM_STATE_ROOT = Path("/var/lib/safeinstall")
@@ -290,17 +290,20 @@ def mode_problem(mode: int, owner: int, euid: int) -> str | None:
     return None
 
 
-def trust_problem(mode: int, owner: int, euid: int, *, parent: bool) -> str | None:
+def trust_problem(mode: int, owner: int, euid: int, *, parent: bool, gid: int = -1) -> str | None:
     """Pure: why another user could change what a directory (the state directory, or one of its
-    ``parent`` directories) holds, or None. Owned by root or the caller, writable by nobody else; a
-    parent may be a root-owned sticky directory (``/tmp``: others cannot rename or delete what is ours).
+    ``parent`` directories) holds, or None. Owned by root or the caller, writable by nobody else
+    (:func:`safeinstall.safefs.others_who_write`, the rule the environment's owner check uses too; an
+    unknown ``gid`` counts as another group's); a parent may be a root-owned sticky directory (``/tmp``:
+    others cannot rename or delete what is ours).
     """
     if not stat.S_ISDIR(mode):
         return "it is not a directory"
     if owner not in (0, euid):
         return f"it is owned by uid {owner}, not by root or uid {euid} which runs safeinstall"
-    if mode & 0o022 and not (parent and owner == 0 and mode & stat.S_ISVTX):
-        return f"it is mode {stat.S_IMODE(mode):04o}: its group or other users may write to it"
+    who = others_who_write(mode, gid)
+    if who is not None and not (parent and owner == 0 and mode & stat.S_ISVTX):
+        return f"it is mode {stat.S_IMODE(mode):04o}: {who} may write to it"
     return None
 
 
@@ -329,7 +332,7 @@ def check_trusted(path: Path, euid: int | None = None) -> None:
                 f"cannot inspect {directory} (above the state directory {path}): {exc.strerror or exc}",
                 hint=f"check the path, or set {STATE_DIR_VARIABLE} to another directory",
             ) from exc
-        problem = trust_problem(info.st_mode, info.st_uid, uid, parent=directory != real)
+        problem = trust_problem(info.st_mode, info.st_uid, uid, parent=directory != real, gid=info.st_gid)
         if problem is not None:
             raise _untrusted(path, problem if directory == real else f"its parent {directory}: {problem}")
 
@@ -412,8 +415,10 @@ def ensure_dir(path: Path, mode: int = PRIVATE_MODE) -> DirStatus:
     info = _usable(path, missing_ok=False)
     assert info is not None
     current = stat.S_IMODE(info.st_mode)
-    if not created and current & 0o022:  # others could have put anything in it: do not adopt it
-        raise _untrusted(path, trust_problem(info.st_mode, info.st_uid, os.geteuid(), parent=False) or "")
+    if not created and others_who_write(info.st_mode, info.st_gid) is not None:  # do not adopt it
+        raise _untrusted(
+            path, trust_problem(info.st_mode, info.st_uid, os.geteuid(), parent=False, gid=info.st_gid) or ""
+        )
     if created and current != mode:  # mkdir's mode is masked by the umask
         os.chmod(path, mode)
     if not created and current & 0o066:  # 0711 (PASSABLE_MODE) stays: nobody else may list it
@@ -493,14 +498,15 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
     fsync_dir(path.parent)
 
 
-def file_problem(mode: int, owner: int, size: int, euid: int, max_bytes: int) -> str | None:
+def file_problem(mode: int, owner: int, size: int, euid: int, max_bytes: int, gid: int = -1) -> str | None:
     """Pure: why a file of the state directory (a journal, a prefix file) must not be believed, or None."""
     if not stat.S_ISREG(mode):
         return "it is not a regular file"
     if owner not in (0, euid):
         return f"it is owned by uid {owner}, not by root or uid {euid} which runs safeinstall"
-    if mode & 0o022:
-        return f"it is mode {stat.S_IMODE(mode):04o}: its group or other users may write to it"
+    who = others_who_write(mode, gid)
+    if who is not None:
+        return f"it is mode {stat.S_IMODE(mode):04o}: {who} may write to it"
     if size > max_bytes:
         return f"it is {size} bytes, more than the {max_bytes} such a file ever needs"
     return None
@@ -522,7 +528,7 @@ def read_private_file(path: Path, max_bytes: int) -> bytes:
         raise
     try:
         info = os.fstat(fd)
-        problem = file_problem(info.st_mode, info.st_uid, info.st_size, os.geteuid(), max_bytes)
+        problem = file_problem(info.st_mode, info.st_uid, info.st_size, os.geteuid(), max_bytes, info.st_gid)
         if problem is not None:
             raise StateDirError(
                 f"refusing to read {path}: {problem}",
@@ -556,7 +562,7 @@ def directory_problem(directory: Path) -> str | None:
         return None
     except OSError as exc:
         return f"cannot inspect it: {exc.strerror or exc}"
-    return trust_problem(info.st_mode, info.st_uid, os.geteuid(), parent=False)
+    return trust_problem(info.st_mode, info.st_uid, os.geteuid(), parent=False, gid=info.st_gid)
 
 
 def trusted_environment_state(root: Path, prefix: Path) -> EnvironmentState:

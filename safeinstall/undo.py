@@ -20,25 +20,20 @@ Everything read here is root's own: the backup and ``left.json`` are in root's p
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from safeinstall.backup import Backup, BackupError, check_restored, load_backup, restore_backup
+from safeinstall.backup import Backup, BackupError, load_backup
 from safeinstall.baseline import file_key
-from safeinstall.distributions import InstalledDistribution, entry_location, reload_distributions
-from safeinstall.drift import FindingKind
-from safeinstall.errors import SafeInstallError, StepFailed
+from safeinstall.distributions import InstalledDistribution, entry_location
+from safeinstall.errors import SafeInstallError
 from safeinstall.history import RunSummary, find, read_history
-from safeinstall.journal import Phase
 from safeinstall.plan import Plan
 from safeinstall.state import EnvironmentState, StateDirError, atomic_write, is_run_id, read_private_file
 from safeinstall.uvplan import UvChange, UvPlan
-from safeinstall.verify import VerifyReport, verify_environment
-
-if TYPE_CHECKING:
-    from safeinstall.reinstall import _Run
+from safeinstall.verify import VerifyReport
 
 LEFT_NAME = "left.json"
 LEFT_VERSION = 1
@@ -264,7 +259,7 @@ def undo_uv_plan(backup: Backup) -> UvPlan:
     return UvPlan((RESTORE, str(backup.dir)), changes, "")
 
 
-def _listed(items: Sequence[str]) -> str:
+def listed(items: Sequence[str]) -> str:
     more = f" and {len(items) - LISTED} more" if len(items) > LISTED else ""
     return "; ".join(items[:LISTED]) + more
 
@@ -299,7 +294,7 @@ def change_refusal(target: UndoTarget, changed: Sequence[str]) -> str:
     """Pure: the plan's refusal when the environment changed since the run."""
     return (
         f"the environment changed since run {target.run_id}, so undoing it would not put back "
-        f"exactly what ran before: {_listed(changed)}; reinstall what you want instead "
+        f"exactly what ran before: {listed(changed)}; reinstall what you want instead "
         "(safeinstall PACKAGE --wheel W), or put these files back first"
     )
 
@@ -347,63 +342,4 @@ def undo_plan(
         plan,
         refusals=(*plan.refusals, *refusals),
         warnings=(*plan.warnings, *added_warnings(target)),
-    )
-
-
-# ------------------------------------------------------------------ the two steps of its own
-
-
-def _target(run: _Run) -> UndoTarget:
-    target = run.prepared.undo
-    if target is None:
-        raise StepFailed("internal error: an undo step in a run that undoes nothing")
-    return target
-
-
-def restore_step(run: _Run, late_users: Callable[[], str]) -> str:
-    """The swap: the undone run's backup put back into the environment, byte for byte (the put-back
-    of a rollback: what is installed now under those names removed by the owner's worker, then every
-    saved file written back and hashed again)."""
-    target = _target(run)
-    late = late_users()
-    run._journal(Phase.INSTALLING)
-    run._log(f"restore the backup of run {target.run_id}: {target.backup.dir}")
-    result = restore_backup(target.backup, run.env, ())
-    if not result.ok:
-        problems = [*result.mismatches, *result.failures]
-        raise StepFailed(f"the backup of run {target.run_id} could not be put back: {_listed(problems)}")
-    run._journal(Phase.INSTALLED)
-    return f"{result.restored} file(s) of run {target.run_id}'s backup put back" + late
-
-
-def verify_step(run: _Run, open_gate: Callable[[], None]) -> str:
-    """The environment against the backup's manifest: each distribution at its saved version, each
-    saved file (a local patch included) with its saved content, and the RECORDs' other files intact."""
-    target = _target(run)
-    manifest = target.backup.manifest
-    names = [d.name for d in manifest.distributions]
-    installed = reload_distributions(run.env, run.survey.installed, names)
-    versions = {d.name: d.version for d in installed}
-    wrong = [
-        f"{d.name} is {versions.get(d.name, 'not installed')}, not {d.version}"
-        for d in manifest.distributions
-        if versions.get(d.name) != d.version
-    ]
-    vouched = run.prepared.vouched  # an older version whose wheel's RECORD is wrong: verified as before
-    report = verify_environment(run.env, names, installed=installed, vouched=lambda: vouched)
-    patched = set(manifest.patched)
-    failing = {FindingKind.MISSING, FindingKind.MODIFIED, FindingKind.UNREADABLE, FindingKind.MALFORMED}
-    wrong += [
-        f"{f.kind.value} {f.path}" for f in report.findings if f.kind in failing and f.path not in patched
-    ]
-    wrong += [f"differs from the backup: {path}" for path in check_restored(target.backup, run.env.prefix)]
-    if wrong:
-        raise StepFailed(
-            f"the restored files do not match the backup of run {target.run_id}: {_listed(wrong)}"
-        )
-    run.left = left_of(report, installed, names)
-    run._journal(Phase.VERIFIED)
-    open_gate()
-    return (
-        f"{sum(d.files_checked for d in report.distributions)} files match the backup of run {target.run_id}"
     )

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import functools
 import os
-import stat
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
+from safeinstall.containment import Containment
 from safeinstall.distributions import (
     NO_RECORD,
     InstalledDistribution,
@@ -37,7 +37,7 @@ from safeinstall.drift import (
 )
 from safeinstall.environment import Environment, distribution_sites
 from safeinstall.errors import ExitCode, WheelError
-from safeinstall.hashing import FileState, cycle_collection_paused, is_within, observe_files
+from safeinstall.hashing import FileState, cycle_collection_paused, observe_files
 from safeinstall.records import built, digest_bytes
 from safeinstall.systemsite import SystemPackage, from_base, system_packages
 
@@ -114,54 +114,8 @@ class _Plan:
     against: str
 
 
-class _Containment:
-    """Is a path inside the prefix, lexically and after resolving its directory's symlinks?
-
-    Files themselves are never followed (the hashing stage does not follow symlinks), so resolving
-    the directory, cached, is enough. The prefix is real (:class:`Environment` resolves it); a
-    directory below it is inside unless one of the directories between them is a symlink that leads
-    out, so each directory costs one ``lstat`` (``realpath`` would cost one per component).
-    """
-
-    def __init__(self, prefix: Path) -> None:
-        self.prefix = os.fspath(prefix)
-        self._real_dirs: dict[str, bool] = {self.prefix: True}
-
-    def outside(self, location: str) -> bool:
-        directory = location.rpartition("/")[0]  # normalised absolute: its name has no ".."
-        inside = self._real_dirs.get(directory)  # known: within the prefix (nothing else is cached)
-        if inside is None:
-            if not is_within(location, self.prefix):
-                return True
-            inside = self._inside(directory)
-        return not inside
-
-    def _inside(self, directory: str) -> bool:
-        """Climbs (a loop: a RECORD path may be thousands of directories deep) to a directory known,
-        a symlink (resolved) or the prefix's parent; every directory on the way gets the answer."""
-        climbed: list[str] = []
-        inside = self._real_dirs.get(directory)
-        while inside is None:
-            if not is_within(directory, self.prefix):
-                inside = False  # above the prefix (a RECORD path naming the prefix itself)
-                break
-            climbed.append(directory)
-            try:
-                is_link = stat.S_ISLNK(os.lstat(directory).st_mode)
-            except OSError:
-                is_link = False  # missing: reported as missing, never read
-            if is_link:
-                inside = is_within(os.path.realpath(directory), self.prefix)
-            else:
-                directory = os.path.dirname(directory)
-                inside = self._real_dirs.get(directory)
-        for each in climbed:
-            self._real_dirs[each] = inside
-        return inside
-
-
 def _record_plan(
-    dist: InstalledDistribution, env: Environment, containment: _Containment, system_owned: bool = False
+    dist: InstalledDistribution, env: Environment, containment: Containment, system_owned: bool = False
 ) -> tuple[list[Expectation], list[Finding]]:
     expectations: list[Expectation] = []
     findings = [
@@ -230,7 +184,7 @@ def _script_expectation(wheel: Wheel, member: str, location: Path, env: Environm
 
 
 def _wheel_plan(
-    dist: InstalledDistribution, env: Environment, wheel: Wheel, containment: _Containment
+    dist: InstalledDistribution, env: Environment, wheel: Wheel, containment: Containment
 ) -> tuple[list[Expectation], dict[str, str], list[Finding]]:
     from safeinstall.wheel import install_locations, is_installer_written
 
@@ -304,7 +258,7 @@ def containment_root(env: Environment, dist: InstalledDistribution) -> Path:
 def _plan(
     dist: InstalledDistribution, env: Environment, wheel: Wheel | None, system_owned: bool = False
 ) -> _Plan:
-    containment = _Containment(containment_root(env, dist))
+    containment = Containment(containment_root(env, dist))
     record_expectations, findings = _record_plan(dist, env, containment, system_owned)
     if wheel is None:
         return _Plan(dist, tuple(record_expectations), {}, tuple(findings), "record")

@@ -222,7 +222,8 @@ def kill(proc: subprocess.Popen[bytes]) -> None:
 # ---------------------------------------------------------------------------------------------- subprocess
 
 _SNAPSHOT_SCRIPT = (
-    "import json; from safeinstall.gpus import snapshot_gpus; print(json.dumps(snapshot_gpus().to_dict()))"
+    "import json; from safeinstall.gpus import snapshot_gpus; from safeinstall.output import jsonable; "
+    "print(json.dumps(jsonable(snapshot_gpus())))"
 )
 
 

@@ -20,11 +20,11 @@ from safeinstall.backup import (
     load_backup,
     manifest_from_dict,
     manifest_to_dict,
-    relative_to_prefix,
     restore_backup,
     space_problem,
     stale_bytecode,
 )
+from safeinstall.containment import relative_to_prefix
 from safeinstall.distributions import dist_info_name, find_distribution, find_distributions
 from safeinstall.drift import FindingKind
 from safeinstall.environment import Environment, inspect_environment
@@ -85,7 +85,7 @@ def installed_v1(python: Path, wheels: Wheelhouse) -> tuple[Environment, Path]:
         os.chown(env.purelib / "sipure" / "cli.py", 4321, 4322)
     os.chmod(env.purelib / "sipure" / "data" / "notes.txt", 0o640)
     # a symlink inside a .dist-info: saved and restored as a link
-    dist_info = find_distribution(env, "sipure").dist_info
+    dist_info = find_distribution(env, "sipure", find_distributions(env)).dist_info
     os.symlink("METADATA", dist_info / "METADATA.link")
     assert sicext_version(python) == "1.0"  # leaves v1 bytecode in __pycache__
     return env, patched
@@ -94,7 +94,7 @@ def installed_v1(python: Path, wheels: Wheelhouse) -> tuple[Environment, Path]:
 def backup_v1(env: Environment, tmp_path: Path) -> tuple[Backup, set[tuple[str, str]]]:
     before_findings = findings(env)
     patched = sorted(p for kind, p in before_findings if kind in (FindingKind.MODIFIED, FindingKind.MISSING))
-    dists = [find_distribution(env, n) for n in NAMES]
+    dists = [find_distribution(env, n, find_distributions(env)) for n in NAMES]
     progress: list[tuple[int, int]] = []
     backup = create_backup(
         env,
@@ -102,6 +102,7 @@ def backup_v1(env: Environment, tmp_path: Path) -> tuple[Backup, set[tuple[str, 
         tmp_path / "state" / "backups" / "run1",
         patched,
         on_progress=lambda done, total: progress.append((done, total)),
+        installed=find_distributions(env),
     )
     assert progress and progress[-1][0] == progress[-1][1] == backup.total_bytes
     return backup, before_findings
@@ -261,7 +262,13 @@ def test_record_entries_are_saved_as_hardlinks_that_the_install_never_writes_int
     package = env.purelib / "sipure"
     by_hand = package / "extra_v2.py"
     by_hand.write_text("# made by hand where v2 ships a module\n")
-    backup = create_backup(env, [find_distribution(env, "sipure")], tmp_path / "backup", [])
+    backup = create_backup(
+        env,
+        [find_distribution(env, "sipure", find_distributions(env))],
+        tmp_path / "backup",
+        [],
+        installed=find_distributions(env),
+    )
 
     def saved(path: Path) -> Path:
         return backup.files_dir / os.path.relpath(path, env.prefix)
@@ -293,7 +300,14 @@ def test_a_backup_reuses_a_verifys_hashes_only_for_files_unchanged_since(
     with open(cli, "r+b") as handle:  # in place: same inode, same size
         handle.write(b"#" + content[1:])
     os.utime(cli, ns=(os.stat(cli).st_atime_ns, os.stat(cli).st_mtime_ns + 1_000_000))
-    backup = create_backup(env, [find_distribution(env, "sipure")], tmp_path / "b", [], known=before.observed)
+    backup = create_backup(
+        env,
+        [find_distribution(env, "sipure", find_distributions(env))],
+        tmp_path / "b",
+        [],
+        known=before.observed,
+        installed=find_distributions(env),
+    )
     saved = {f.path: f.sha256 for f in backup.manifest.files}
     assert saved[os.path.relpath(cli, env.prefix)] == hashlib.sha256(b"#" + content[1:]).hexdigest()
     for entry in backup.manifest.files:
@@ -305,10 +319,16 @@ def test_restore_leaves_paths_outside_and_shared_alone(
 ) -> None:
     wheelhouse.uv_install(venv, wheels["sipure-1"], wheels["sins-a"])
     env = inspect_environment(venv)
-    backup = create_backup(env, [find_distribution(env, "sipure")], tmp_path / "b", [])
+    backup = create_backup(
+        env,
+        [find_distribution(env, "sipure", find_distributions(env))],
+        tmp_path / "b",
+        [],
+        installed=find_distributions(env),
+    )
     outside = tmp_path / "outside.txt"
     outside.write_text("keep me")
-    shared = find_distribution(env, "sins-a")
+    shared = find_distribution(env, "sins-a", find_distributions(env))
     shared_file = next(shared.location(e) for e in shared.record.entries if e.path.endswith(".py"))
     result = restore_backup(backup, env, [outside, shared_file])
     assert result.ok
@@ -319,12 +339,12 @@ def test_restore_leaves_paths_outside_and_shared_alone(
 def test_refusals(venv: Path, wheels: Wheelhouse, tmp_path: Path) -> None:
     wheelhouse.uv_install(venv, wheels["sipure-1"])
     env = inspect_environment(venv)
-    dist = find_distribution(env, "sipure")
+    dist = find_distribution(env, "sipure", find_distributions(env))
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "x").write_text("")
     with pytest.raises(BackupError, match="not empty"):
-        create_backup(env, [dist], busy, [])
+        create_backup(env, [dist], busy, [], installed=find_distributions(env))
     (tmp_path / "incomplete").mkdir()
     with pytest.raises(BackupError, match="never completed") as caught:
         load_backup(tmp_path / "incomplete")
@@ -334,7 +354,7 @@ def test_refusals(venv: Path, wheels: Wheelhouse, tmp_path: Path) -> None:
     (damaged / "manifest.json").write_text('{"version": 1}')
     with pytest.raises(BackupError, match="damaged"):
         load_backup(damaged)
-    backup = create_backup(env, [dist], tmp_path / "ok", [])
+    backup = create_backup(env, [dist], tmp_path / "ok", [], installed=find_distributions(env))
     other = inspect_environment(wheelhouse.make_venv(tmp_path / "other"))
     with pytest.raises(BackupError, match="not of"):
         restore_backup(backup, other, [])
@@ -343,9 +363,9 @@ def test_refusals(venv: Path, wheels: Wheelhouse, tmp_path: Path) -> None:
 def test_space_helpers(venv: Path, wheels: Wheelhouse, tmp_path: Path) -> None:
     wheelhouse.uv_install(venv, wheels["sipure-1"], wheels["sicext-1"])
     env = inspect_environment(venv)
-    dists = [find_distribution(env, n) for n in NAMES]
-    needed = disk_space_needed(dists, env)
-    backup = create_backup(env, dists, tmp_path / "b", [])
+    dists = [find_distribution(env, n, find_distributions(env)) for n in NAMES]
+    needed = disk_space_needed(dists, env, find_distributions(env))
+    backup = create_backup(env, dists, tmp_path / "b", [], installed=find_distributions(env))
     assert needed >= backup.total_bytes > 0
     assert free_space(tmp_path / "not" / "yet" / "there") > 0
     assert space_problem(10, 100, tmp_path) is None

@@ -4,11 +4,9 @@ import pytest
 
 from safeinstall.cgroups import (
     CgroupPlacement,
-    UnitName,
     parse_proc_cgroup,
     placement_of_path,
     placement_of_proc_cgroup,
-    split_unit_name,
     unescape_component,
 )
 
@@ -181,24 +179,3 @@ def test_deepest_user_manager_wins() -> None:
 )
 def test_unescape_component(component: str, expected: str) -> None:
     assert unescape_component(component) == expected
-
-
-@pytest.mark.parametrize(
-    ("name", "expected", "template"),
-    [
-        ("vllm.service", UnitName("vllm", None, "service"), None),
-        ("vllm@gpu0.service", UnitName("vllm", "gpu0", "service"), "vllm@.service"),
-        ("vllm@.service", UnitName("vllm", "", "service"), None),
-        ("a.b.service", UnitName("a.b", None, "service"), None),
-        ("user@1000.service", UnitName("user", "1000", "service"), "user@.service"),
-    ],
-)
-def test_split_unit_name(name: str, expected: UnitName, template: str | None) -> None:
-    assert split_unit_name(name) == expected
-    assert split_unit_name(name).template == template
-
-
-@pytest.mark.parametrize("name", ["vllm", "", ".service", "vllm."])
-def test_split_unit_name_rejects(name: str) -> None:
-    with pytest.raises(ValueError, match="not a unit name"):
-        split_unit_name(name)

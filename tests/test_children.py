@@ -114,7 +114,7 @@ def test_the_child_dies_with_a_killed_parent(tmp_path: Path) -> None:
     """SIGKILL (or the OOM killer) on safeinstall: its uv must not go on installing alone."""
     pid_file = tmp_path / "pid"
     script = (
-        "import sys; from safeinstall import children; "
+        "import sys; import safeinstall.children as children; "
         f"children.run(['/bin/sh', '-c', 'echo $$ >{pid_file}; exec sleep 60'], env={{}}, timeout=120)"
     )
     parent = subprocess.Popen([sys.executable, "-c", script])

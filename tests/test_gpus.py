@@ -29,6 +29,7 @@ from safeinstall.gpus import (
     snapshot_gpus,
     wait_for_release,
 )
+from safeinstall.output import jsonable
 from tests.bed_nvml import FakeNvml, FakeNvmlBuild, GiB, MiB, holder_process, kill, snapshot_in_subprocess
 
 pytest_plugins = ("tests.bed_nvml",)  # the fake_nvml / fake_nvml_build fixtures
@@ -169,7 +170,7 @@ def test_snapshot_is_json_able(fake_nvml: FakeNvml) -> None:
     fake_nvml.add_gpu(H100, UUID0, TOTAL)
     with holder_process() as proc:
         fake_nvml.hold(proc.pid, nbytes=None)
-        data = json.loads(json.dumps(snapshot_gpus().to_dict()))
+        data = json.loads(json.dumps(jsonable(snapshot_gpus())))
     assert data["gpus"][0]["processes"] == [
         {"pid": proc.pid, "gpu_index": 0, "used_bytes": None, "in_namespace": True}
     ]
@@ -375,7 +376,7 @@ def test_released_after_the_holder_dies(fake_nvml: FakeNvml) -> None:
     assert (gpu.baseline_used_bytes, gpu.held_by_stopped_bytes) == (MiB + 4 * GiB, 4 * GiB)
     assert (gpu.expected_used_bytes, gpu.used_bytes, gpu.memory_released) == (MiB, MiB, True)
     assert polls and polls[-1] == status
-    json.dumps(status.to_dict())
+    json.dumps(jsonable(status))
 
 
 def test_not_released_while_lingering_and_times_out_naming_the_holder(fake_nvml: FakeNvml) -> None:

@@ -305,7 +305,7 @@ def _plant_journal(account: ServiceAccountBed, unit: str) -> Path:
     """A run of this environment that died during the install (phase installing, its unit stopped,
     its backup taken): what ``--recover`` finds after a power loss. Its environment directory."""
     from safeinstall.backup import create_backup
-    from safeinstall.distributions import find_distribution
+    from safeinstall.distributions import find_distribution, find_distributions
     from safeinstall.environment import inspect_environment
     from safeinstall.journal import JournalUnit, Phase, advance, journal_to_dict, new_journal
     from safeinstall.state import environment_key
@@ -313,7 +313,13 @@ def _plant_journal(account: ServiceAccountBed, unit: str) -> Path:
     env = inspect_environment(account.python)
     envdir = account.state / environment_key(env.prefix)
     backup = envdir / "backups" / RUN_ID
-    create_backup(env, [find_distribution(env, "sicext")], backup, ())
+    create_backup(
+        env,
+        [find_distribution(env, "sicext", find_distributions(env))],
+        backup,
+        (),
+        installed=find_distributions(env),
+    )
     unit_entry = JournalUnit(unit, user_manager=True, was_active=True, unit_file_state="static", stopped=True)
     python = str(env.prefix / "bin" / account.python.name)
     journal = new_journal(RUN_ID, 1234, None, python, str(env.prefix), "sicext", None, ["uv"], [unit_entry])
@@ -1076,12 +1082,18 @@ def test_a_directory_above_the_prefix_swapped_for_a_symlink_leads_nowhere(
     os.lchown(home, NOBODY, NOBODY)  # the account owns its home, not the venv itself
 
     from safeinstall.backup import create_backup, restore_backup
-    from safeinstall.distributions import find_distribution
+    from safeinstall.distributions import find_distribution, find_distributions
     from safeinstall.environment import inspect_environment
     from safeinstall.errors import SafeInstallError
 
     env = inspect_environment(python)
-    backup = create_backup(env, [find_distribution(env, "sipure")], open_dir / "state" / "b1", ())
+    backup = create_backup(
+        env,
+        [find_distribution(env, "sipure", find_distributions(env))],
+        open_dir / "state" / "b1",
+        (),
+        installed=find_distributions(env),
+    )
     as_nobody("sh", "-c", f"cd {home} && mv envs envs.real && ln -s {open_dir / 'victim'} envs")
     with pytest.raises(SafeInstallError, match=f"{home / 'envs'} is a symlink or not a directory"):
         restore_backup(backup, env, remove=[])

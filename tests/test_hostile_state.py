@@ -1,4 +1,4 @@
-"""The threat model, as attacks (README "Threat model"): what the state directory, a journal, a service
+"""The threat model, as attacks (docs/threat-model.md): what the state directory, a journal, a service
 account's environment, option values and cgroup names can make safeinstall do as root. Nothing.
 
 Each attack runs the real ``safeinstall`` (as root, as at boot) against real venvs made by uv with real
@@ -114,7 +114,7 @@ def _hostile_journal(attack: Attack, state: Path) -> Path:
     return plant(state, prefix, python=str(attack.trap), gate=[str(attack.victim)])
 
 
-WRITABLE = "it is mode 0777: its group or other users may write to it"
+WRITABLE = "it is mode 0777: every user may write to it"
 FOREIGN = f"it is owned by uid {OTHER_UID}, not by root or uid 0 which runs safeinstall"
 
 #: attack -> (what is attacked: root, parent, envdir or journal; how: writable, foreign or a special)
@@ -295,7 +295,7 @@ def test_a_wheel_outside_the_state_directory_is_not_read_again(sipure_venv: Path
     """--recover restores from the backup; the wheel the journal names outside the state directory
     (its download directory may have been rewritten since) is not opened: it is said."""
     from safeinstall.backup import create_backup
-    from safeinstall.distributions import find_distribution
+    from safeinstall.distributions import find_distribution, find_distributions
     from safeinstall.environment import inspect_environment
 
     root = tmp_path / "state"
@@ -306,7 +306,13 @@ def test_a_wheel_outside_the_state_directory_is_not_read_again(sipure_venv: Path
     os.mkfifo(fifo)  # reading it would hang: it is never opened
     plant(root, prefix, wheel=str(fifo))
     env = inspect_environment(sipure_venv)
-    create_backup(env, [find_distribution(env, "sipure")], envdir / "backups" / RUN_ID, ())
+    create_backup(
+        env,
+        [find_distribution(env, "sipure", find_distributions(env))],
+        envdir / "backups" / RUN_ID,
+        (),
+        installed=find_distributions(env),
+    )
     result = cli(root, "--recover")
     assert result.code == 0, result.stdout + result.stderr
     assert (
@@ -835,7 +841,7 @@ def test_rich_markup_in_names_and_paths_is_printed_not_interpreted(sipure_venv: 
     assert recover.code == 2 and "Traceback" not in recover.stderr
     assert error_lines(recover) == [
         f"error: refusing to use the state directory {marked / 'state'}: its parent {marked}: "
-        "it is mode 0777: its group or other users may write to it"
+        "it is mode 0777: every user may write to it"
     ]
 
 

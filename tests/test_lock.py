@@ -13,17 +13,15 @@ from pathlib import Path
 import pytest
 
 from safeinstall.errors import ExitCode, LockHeldError
+from safeinstall.identity import parse_stat, process_start
 from safeinstall.lock import (
     LockHolder,
     acquire_lock,
     display_time,
-    environment_lock,
     held_message,
     holder_alive,
     holder_to_json,
     parse_holder,
-    parse_stat_start,
-    process_start,
     read_holder,
     takeover_message,
 )
@@ -96,7 +94,7 @@ def test_lock_of_a_killed_run_is_taken_over_and_reported(
 
 def test_acquire_release_and_reacquire(tmp_path: Path) -> None:
     path = tmp_path / "lock"
-    with environment_lock(path, "/v") as lock:
+    with acquire_lock(path, "/v") as lock:
         assert lock.held
         with pytest.raises(LockHeldError):  # a second open file description conflicts, even in-process
             acquire_lock(path, "/v", grace_s=0)
@@ -140,11 +138,12 @@ def test_busy_lock_with_no_details_is_refused_after_the_grace(tmp_path: Path) ->
             acquire_lock(path, "/v", grace_s=0.1)
 
 
-def test_parse_stat_start_handles_odd_command_names() -> None:
+def test_a_process_start_is_read_past_odd_command_names() -> None:
     fields = " ".join(str(n) for n in range(3, 53))
-    assert parse_stat_start(f"42 (we) (ird) {fields}") == 22
-    assert parse_stat_start("garbage") is None
-    assert parse_stat_start("1 (x) S 1") is None
+    assert parse_stat(f"42 (we) (ird) {fields}").start_time == 22
+    for malformed in ("garbage", "1 (x) S 1"):
+        with pytest.raises(ValueError):
+            parse_stat(malformed)
     own = process_start(os.getpid())
     assert own is not None and own > 0
     assert process_start(2**22 + 1) is None

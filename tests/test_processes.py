@@ -30,8 +30,8 @@ from safeinstall.distributions import (
     load_distribution,
 )
 from safeinstall.environment import Environment, inspect_environment
+from safeinstall.identity import PF_KTHREAD, parse_stat
 from safeinstall.processes import (
-    PF_KTHREAD,
     Evidence,
     EvidenceKind,
     ScanProblem,
@@ -47,7 +47,6 @@ from safeinstall.processes import (
     parse_cmdline,
     parse_maps_line,
     parse_python_argv,
-    parse_stat,
     scan_processes,
 )
 from tests import wheelhouse

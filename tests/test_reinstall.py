@@ -98,7 +98,7 @@ def test_happy_path(bed: Bed) -> None:
     assert result.code == 0, result.stdout + result.stderr
     doc = result.json
     assert doc["command"] == "reinstall" and doc["status"] == "done" and doc["errors"] == []
-    assert set(doc["data"]) == {  # the fields the README documents
+    assert set(doc["data"]) == {  # the fields docs/json.md documents
         "run_id",
         "plan",
         "steps",
@@ -151,7 +151,7 @@ def test_the_install_hardlinks_from_the_runs_own_cache_and_nothing_shares_an_ino
     import hashlib
 
     from safeinstall.backup import load_backup
-    from safeinstall.distributions import find_distribution
+    from safeinstall.distributions import find_distribution, find_distributions
     from safeinstall.environment import inspect_environment
 
     bed.service("links")
@@ -162,7 +162,9 @@ def test_the_install_hardlinks_from_the_runs_own_cache_and_nothing_shares_an_ino
     command = data["plan"]["uv_command"]
     assert command[command.index("--link-mode") + 1] == "hardlink"
     assert bed.state.is_dir() and not list(bed.state.glob("*/uv-cache-*"))
-    installed = find_distribution(inspect_environment(bed.python), "sicext")
+    installed = find_distribution(
+        inspect_environment(bed.python), "sicext", find_distributions(inspect_environment(bed.python))
+    )
     assert installed.version == "2.0"
     assert {os.lstat(location).st_nlink for location in installed.locations} == {1}
     backup = load_backup(Path(data["backup_dir"]))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from safeinstall.safefs import others_who_write
 from safeinstall.state import (
     SYSTEM_STATE_ROOT,
     StateDirError,
@@ -94,7 +95,7 @@ def test_ensure_dir_tightens_a_readable_mode_and_refuses_a_writable_one(tmp_path
     assert status.warning is not None and "0755" in status.warning
     assert mode_of(loose) == 0o700
     os.chmod(loose, 0o777)  # others could have put anything there: never adopted
-    with pytest.raises(StateDirError, match="mode 0777: its group or other users may write to it"):
+    with pytest.raises(StateDirError, match="mode 0777: every user may write to it"):
         ensure_dir(loose)
     assert mode_of(loose) == 0o777
 
@@ -161,3 +162,15 @@ def test_trust_problem_is_pure() -> None:
     assert trust_problem(directory | 0o1777, 0, 0, parent=False) is not None  # but not as the state dir
     assert trust_problem(directory | 0o1777, 1000, 0, parent=True) is not None  # a user's sticky dir
     assert "not a directory" in (trust_problem(stat.S_IFLNK | 0o777, 0, 0, parent=False) or "")
+
+
+def test_one_rule_says_who_else_may_write_for_the_state_and_the_environment() -> None:
+    """``others_who_write`` is the rule of both the state directory's trust check and the environment's
+    owner check: the group root is root's, any other group or everyone is someone else."""
+    directory = stat.S_IFDIR
+    assert others_who_write(directory | 0o775, 0) is None
+    assert others_who_write(directory | 0o775, 1000) == "group 1000"
+    assert others_who_write(directory | 0o757, 0) == "every user"
+    assert others_who_write(directory | 0o755, 0, {0, 27}) == "group(s) [27] (its ACL)"
+    assert trust_problem(directory | 0o775, 0, 0, parent=False, gid=0) is None
+    assert "group 1000 may write" in (trust_problem(directory | 0o775, 0, 0, parent=False, gid=1000) or "")

@@ -193,8 +193,9 @@ status:
 result:
   description:
     - safeinstall's whole C(--json) envelope (C(safeinstall_result_version), C(command), C(status),
-      C(exit_code), C(data), C(errors)), as documented in safeinstall's README. For a run, C(data.plan) is
-      the plan, C(data.steps) the steps with their times, C(data.downtime_s) each unit's downtime.
+      C(exit_code), C(data), C(errors)), as documented in safeinstall's docs/json.md. For a run,
+      C(data.plan) is the plan, C(data.steps) the steps with their times, C(data.downtime_s) each unit's
+      downtime.
     - Null when safeinstall printed no result (it could not start, or is too old).
   returned: always
   type: dict

@@ -1,0 +1,79 @@
+"""The one containment rule: is a path inside the environment's prefix, lexically and after
+resolving the symlinks of the directories above it (the file itself is never followed). Verification
+refuses to read what lies outside; the backup never saves it.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+
+def is_within(path: str, root: str) -> bool:
+    """String containment of normalised absolute paths (pathlib is too slow for 100k checks)."""
+    return path == root or path.startswith(root if root.endswith(os.sep) else root + os.sep)
+
+
+def relative_to_prefix(location: Path | str, prefix: Path | str) -> str | None:
+    """Pure: ``location`` (normalised lexically) relative to ``prefix``, or None when outside it."""
+    normal = os.path.normpath(location)
+    root = os.fspath(prefix)
+    base = root if root.endswith(os.sep) else root + os.sep
+    if not normal.startswith(base) or len(normal) == len(base):
+        return None
+    return normal[len(base) :]
+
+
+class Containment:
+    """Is a path inside the prefix, lexically and after resolving its directory's symlinks?
+
+    Files themselves are never followed (the hashing stage does not follow symlinks), so resolving
+    the directory, cached, is enough. The prefix is real (:class:`Environment` resolves it); a
+    directory below it is inside unless one of the directories between them is a symlink that leads
+    out, so each directory costs one ``lstat`` (``realpath`` would cost one per component).
+    """
+
+    def __init__(self, prefix: Path) -> None:
+        self.prefix = os.fspath(prefix)
+        self._real_dirs: dict[str, bool] = {self.prefix: True}
+
+    def relative(self, location: Path | str) -> str | None:
+        """``location`` relative to the prefix when it lies inside (lexically and after resolving its
+        directory's symlinks), else None."""
+        relative = relative_to_prefix(location, self.prefix)
+        if relative is None or self.outside(os.path.normpath(location)):
+            return None
+        return relative
+
+    def outside(self, location: str) -> bool:
+        directory = location.rpartition("/")[0]  # normalised absolute: its name has no ".."
+        inside = self._real_dirs.get(directory)  # known: within the prefix (nothing else is cached)
+        if inside is None:
+            if not is_within(location, self.prefix):
+                return True
+            inside = self._inside(directory)
+        return not inside
+
+    def _inside(self, directory: str) -> bool:
+        """Climbs (a loop: a RECORD path may be thousands of directories deep) to a directory known,
+        a symlink (resolved) or the prefix's parent; every directory on the way gets the answer."""
+        climbed: list[str] = []
+        inside = self._real_dirs.get(directory)
+        while inside is None:
+            if not is_within(directory, self.prefix):
+                inside = False  # above the prefix (a RECORD path naming the prefix itself)
+                break
+            climbed.append(directory)
+            try:
+                is_link = stat.S_ISLNK(os.lstat(directory).st_mode)
+            except OSError:
+                is_link = False  # missing: reported as missing, never read
+            if is_link:
+                inside = is_within(os.path.realpath(directory), self.prefix)
+            else:
+                directory = os.path.dirname(directory)
+                inside = self._real_dirs.get(directory)
+        for each in climbed:
+            self._real_dirs[each] = inside
+        return inside

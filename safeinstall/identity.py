@@ -1,0 +1,122 @@
+"""Process identity: a PID and its start time (``/proc/PID/stat`` field 22, clock ticks after boot)
+name one process across PID reuse. The one place that parses ``stat``, asks whether a process seen
+earlier still runs, and ends processes that were seen (by identity, never by PID alone).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+#: ``PF_KTHREAD`` in the flags field of ``/proc/PID/stat``: a kernel thread (no user space to check).
+PF_KTHREAD = 0x00200000
+
+
+@dataclass(frozen=True, slots=True)
+class StatInfo:
+    pid: int
+    name: str  # comm, as the process may have renamed itself
+    state: str
+    ppid: int
+    flags: int
+    start_time: int  # clock ticks after boot: with the pid, it names one process (pid reuse)
+
+    @property
+    def kernel_thread(self) -> bool:
+        return bool(self.flags & PF_KTHREAD)
+
+
+def parse_stat(text: str) -> StatInfo:
+    """``/proc/PID/stat``; the name may hold spaces and parentheses. ValueError if malformed."""
+    open_paren = text.find("(")
+    close_paren = text.rfind(")")
+    if open_paren < 0 or close_paren < open_paren:
+        raise ValueError(f"no (comm) in stat: {text[:80]!r}")
+    fields = text[close_paren + 2 :].split(None, 20)
+    if len(fields) < 20:
+        raise ValueError(f"stat has {len(fields) + 2} fields, expected at least 22")
+    return StatInfo(
+        pid=int(text[:open_paren]),
+        name=text[open_paren + 1 : close_paren],
+        state=fields[0],
+        ppid=int(fields[1]),
+        flags=int(fields[6]),
+        start_time=int(fields[19]),
+    )
+
+
+def process_start(pid: int, proc: Path = Path("/proc")) -> int | None:
+    """The start time of ``pid`` in clock ticks after boot; None when there is no such process."""
+    try:
+        text = (proc / str(pid) / "stat").read_text(encoding="utf-8", errors="replace")
+        return parse_stat(text).start_time
+    except (OSError, ValueError):
+        return None
+
+
+def alive(pid: int, start: int | None, proc: Path = Path("/proc")) -> bool:
+    """Whether the process seen as (``pid``, ``start``) still runs: same PID *and* start time (None:
+    the start was not known, the PID alone decides)."""
+    now = process_start(pid, proc)
+    return now is not None and (start is None or now == start)
+
+
+def same_process(pid: int, start_time: int) -> psutil.Process | None:
+    """The live process that was seen (same PID and start time), or None if it is gone."""
+    try:
+        proc = psutil.Process(pid)
+        start = process_start(pid)
+    except psutil.Error:
+        return None
+    if start is not None and start != start_time:
+        return None
+    return proc
+
+
+def end_processes(seen: list[tuple[int, int]]) -> tuple[int, ...]:
+    """SIGTERM each (PID, start time) still running, SIGKILL after 10 s; the PIDs that were ended."""
+    ended: list[int] = []
+    procs: list[psutil.Process] = []
+    for pid, start_time in seen:
+        proc = same_process(pid, start_time)
+        if proc is None:
+            continue
+        try:
+            proc.send_signal(signal.SIGTERM)
+        except psutil.Error:
+            continue
+        procs.append(proc)
+        ended.append(pid)
+    alive = wait_exited(procs, timeout=10)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    wait_exited(alive, timeout=10)
+    return tuple(ended)
+
+
+def running(proc: psutil.Process) -> bool:
+    """Alive and not a zombie: a zombie holds no files, no mappings, no GPU memory."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def wait_exited(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait until every process has exited (zombies count as exited); those still running.
+
+    Not ``psutil.wait_procs``: for processes that are not our children it waits on ``is_running()``,
+    which stays true for a zombie whose parent has not reaped it, i.e. until the timeout.
+    """
+    deadline = time.monotonic() + timeout
+    alive = [p for p in procs if running(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.02)
+        alive = [p for p in alive if running(p)]
+    return alive

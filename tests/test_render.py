@@ -1,0 +1,77 @@
+"""One renderer over the run's JSON document: the foreground run and ``--status --wait`` (which reads
+the same document from the run's history entry) show the same lines."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+from rich.console import Console
+
+from safeinstall.history import new_entry
+from safeinstall.render import render_entry, render_run
+
+RUN_ID = "20261202T060000Z-42"
+
+
+def _document() -> dict[str, Any]:
+    return {
+        "safeinstall_result_version": 1,
+        "command": "reinstall",
+        "status": "done",
+        "exit_code": 0,
+        "data": {
+            "run_id": RUN_ID,
+            "plan": {"distributions": [{"name": "sipure", "old_version": "1.0", "new_version": "2.0"}]},
+            "downtime_s": {"api.service": 1.25},
+            "not_restarted": ["batch.service"],
+            "strays_killed": [4242],
+            "old_code": [
+                {
+                    "pid": 77,
+                    "name": "worker",
+                    "cmdline": ["python"],
+                    "unit": None,
+                    "scope": "session-1.scope",
+                    "distributions": ["sipure"],
+                    "paths": ["/v/lib/sipure/_x.so"],
+                }
+            ],
+            "patches": [{"path": "sipure/a.py", "status": "carried", "detail": "merged", "diff": ""}],
+            "patch_file": "/state/patches/x.patch",
+            "patched": ["sipure/b.py"],
+            "extras": ["sipure/stale.py"],
+            "pruned": [],
+            "backup_dir": "/state/backups/x",
+            "backups_removed": ["/state/backups/old"],
+            "log_file": "/state/logs/x.log",
+            "notes": ["[bold]a note[/] with markup"],
+        },
+        "errors": [],
+    }
+
+
+def _render(draw: Any) -> list[str]:
+    out, err = io.StringIO(), io.StringIO()
+    draw(Console(file=out, width=200, no_color=True), Console(file=err, width=200, no_color=True))
+    return (out.getvalue() + err.getvalue()).splitlines()
+
+
+def test_status_wait_shows_every_line_the_foreground_run_shows() -> None:
+    document = _document()
+    foreground = _render(lambda out, err: render_run(out, err, document, RUN_ID))
+    entry = new_entry(RUN_ID, "sipure", "2026-12-02T06:00:00+00:00", "2026-12-02T06:01:00+00:00", document)
+    waited = _render(lambda out, err: render_entry(out, err, entry))
+    for expected in (
+        "done: sipure 1.0 -> 2.0; installed and verified",
+        "api.service was down for 1.2 s",
+        "batch.service left stopped (--no-restart)",
+        "stray PID 4242 was ended and not restarted",
+        "still maps replaced files of sipure (/v/lib/sipure/_x.so): it runs old code",
+        "carried sipure/a.py: merged",
+        "leftover sipure/stale.py: left in place (--prune removes)",
+        "note: [bold]a note[/] with markup",  # markup in a note is shown, never interpreted
+    ):
+        assert any(expected in line for line in foreground), (expected, foreground)
+    assert set(foreground) <= set(waited), sorted(set(foreground) - set(waited))
+    assert waited[0].startswith(f"run {RUN_ID}: done (exit 0); sipure 1.0 -> 2.0")

@@ -1,0 +1,63 @@
+"""The command line's one validation, :func:`safeinstall.usage.usage_problem`: pure, from what was
+given, before anything is read or changed (the CLI tests run the same lines end to end)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from safeinstall.usage import Usage, usage_problem
+
+
+def _usage(*modes: str, **given: object) -> Usage:
+    return Usage(frozenset(modes), **given)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("usage", "message"),
+    [
+        (_usage(package="vllm", verbose=1, quiet=1), "-v and -q do not go together"),
+        (_usage(show_version=True, given=("show_version", "package"), package="x"), "--version prints"),
+        (_usage("--status", "--forget"), "--status and --forget do not go together"),
+        (_usage("--dry-run", "--detach", package="x"), "there is nothing to detach"),
+        (_usage(package="x", wait=True), "--wait and --run go with --status"),
+        (_usage("--dry-run", package="x", metrics_file=True), "--metrics-file goes with"),
+        (_usage("--status", wait=True, metrics_file=True), "--metrics-file goes with"),
+        (_usage("--recover", package="x"), "--recover takes no PACKAGE"),
+        (_usage("--status", run="20261202T060000Z-1"), "--run goes with --status --wait"),
+        (_usage(package="x", all_=True), "--all goes with --verify-only"),
+        (_usage(package="x", diff=True), "--diff and --save-patch go with --verify-only"),
+        (_usage(package="x", base_wheel=True), "go with --keep-patches"),
+        (_usage("--verify-only", package="x", keep_patches=True), "--keep-patches is for the reinstall"),
+        (_usage(package="./x-1.0-py3-none-any.whl"), "is a wheel file, not a requirement"),
+        (_usage("--verify-only", package="x==1.0"), "give the name without a version"),
+        (_usage("--verify-only", package="x", args=("y",)), "unexpected arguments: y"),
+        (_usage(), "no PACKAGE given"),
+        (_usage(wheel=Path("not-a-wheel.zip")), "no PACKAGE given"),
+        (
+            _usage(package="vllm", args=("torch", "-i", "URL"), uv_args=("-i", "URL")),
+            "unexpected arguments: torch",
+        ),
+    ],
+)
+def test_each_problem_is_said(usage: Usage, message: str) -> None:
+    problem = usage_problem(usage)
+    assert problem is not None and message in problem.message, (problem, message)
+
+
+@pytest.mark.parametrize(
+    "usage",
+    [
+        _usage(show_version=True, given=("show_version",)),
+        _usage(package="vllm"),
+        _usage(wheel=Path("vllm-0.16.0-cp38-abi3-manylinux_2_28_x86_64.whl")),  # the wheel names it
+        _usage(package="vllm", args=("-i", "URL"), uv_args=("-i", "URL")),
+        _usage("--verify-only", all_=True),
+        _usage("--status", wait=True, run="20261202T060000Z-1"),
+        _usage("--verify-only", package="vllm", metrics_file=True),
+        _usage("--undo", run="20261202T060000Z-1"),
+    ],
+)
+def test_a_sensible_command_line_has_no_problem(usage: Usage) -> None:
+    assert usage_problem(usage) is None
