@@ -410,7 +410,7 @@ def _run_wait(python: str | None, run_id: str | None, as_json: bool) -> None:
 
 
 def _run_forget(python: str | None, as_json: bool) -> None:
-    from safeinstall.recover import forget
+    from safeinstall.status import forget
 
     forgotten, failures = forget(os.environ, python)
     code = failures[0].exit_code if failures else ExitCode.OK
@@ -446,7 +446,7 @@ def _run_recover(python: str | None, as_json: bool, metrics: Path | None = None)
 
 
 def _run_status(python: str | None, as_json: bool, metrics: Path | None = None, verbosity: int = 0) -> None:
-    from safeinstall.recover import status
+    from safeinstall.status import status
 
     report = status(os.environ, python)
     _write_metrics(metrics, lambda m, now: m.status_families(report, now))

@@ -26,7 +26,8 @@ from safeinstall.errors import SafeInstallError
 
 if TYPE_CHECKING:  # the run's and the state's modules are not loaded by --verify-only
     from safeinstall.history import RunSummary
-    from safeinstall.recover import Recovered, StatusReport
+    from safeinstall.recover import Recovered
+    from safeinstall.status import StatusReport
     from safeinstall.verify import VerifyReport
 
 #: Mode of the written file: node_exporter runs as an account of its own and must read it

@@ -27,8 +27,9 @@ if TYPE_CHECKING:
     from safeinstall.history import RunSummary
     from safeinstall.plan import Plan, PlannedProcess
     from safeinstall.processes import ScanProblem
-    from safeinstall.recover import EnvironmentStatus, Forgotten, Recovery
+    from safeinstall.recover import Recovery
     from safeinstall.results import StepOutcome
+    from safeinstall.status import EnvironmentStatus, Forgotten
     from safeinstall.verify import VerifyReport
 
 _KIND_STYLE = {

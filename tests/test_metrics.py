@@ -443,7 +443,8 @@ def test_status_and_recover_name_each_environment_by_its_prefix() -> None:
     from safeinstall.errors import SafeInstallError
     from safeinstall.history import RunSummary
     from safeinstall.metrics import recover_families, status_families
-    from safeinstall.recover import EnvironmentStatus, Recovered, Recovery, StatusReport
+    from safeinstall.recover import Recovered, Recovery
+    from safeinstall.status import EnvironmentStatus, StatusReport
 
     odd = '/srv/a "b"\nc'
     run_ = RunSummary(
