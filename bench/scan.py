@@ -30,13 +30,9 @@ sys.path.insert(0, str(ROOT))
 
 from safeinstall.distributions import find_distribution, find_distributions  # noqa: E402
 from safeinstall.environment import inspect_environment  # noqa: E402
-from safeinstall.processes import (  # noqa: E402
-    TargetIndex,
-    default_workers,
-    environment_scope,
-    load_targets,
-    scan_processes,
-)
+from safeinstall.evidence import TargetIndex  # noqa: E402
+from safeinstall.processes import default_workers, scan_processes  # noqa: E402
+from safeinstall.targets import environment_scope, load_targets  # noqa: E402
 from tests import wheelhouse  # noqa: E402
 
 _IMPORTER = "import sicext, time; time.sleep(3600)"

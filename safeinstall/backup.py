@@ -47,8 +47,9 @@ from safeinstall.distributions import (
     dist_info_name,
     entry_location,
     find_distributions,
+    package_roots,
 )
-from safeinstall.drift import own_roots, pyc_source
+from safeinstall.drift import pyc_source
 from safeinstall.environment import Environment
 from safeinstall.errors import SafeInstallError
 from safeinstall.hashing import FileState, default_workers
@@ -269,20 +270,6 @@ def manifest_from_dict(data: Any) -> BackupManifest:
 # --- what to save -----------------------------------------------------------------------------------
 
 
-def package_roots(
-    env: Environment,
-    dists: Sequence[InstalledDistribution],
-    installed: Sequence[InstalledDistribution],
-) -> dict[str, list[str]]:
-    """Each of ``dists``' own package directories (absolute; see :func:`safeinstall.drift.own_roots`):
-    no other installed distribution has files below them. ``installed``: the environment's
-    distributions when the caller has found them already (else it is scanned here)."""
-    found = {d.name: d.locations for d in installed}
-    found.update({d.name: d.locations for d in dists})
-    roots = own_roots(found, [os.fspath(s) for s in env.site_dirs])
-    return {d.name: roots.get(d.name, []) for d in dists}
-
-
 def _unlisted(tree: Tree, root: str, listed: set[str]) -> Iterator[str]:
     """Files (and symlinks) below ``root`` that no RECORD lists; bytecode of a listed source is left
     out (a cache: Python writes it again)."""
@@ -304,7 +291,8 @@ def _collect(
     inside = Containment(env.prefix)
     items: dict[str, _Item] = {}
     outside: list[str] = []
-    roots = package_roots(env, dists, installed)
+    mine = {d.name for d in dists}
+    roots = package_roots(env, [*(d for d in installed if d.name not in mine), *dists])
     listed = {location for dist in dists for location in dist.locations}
     with Tree(env.prefix) as tree:
         for dist in dists:

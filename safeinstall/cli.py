@@ -23,11 +23,11 @@ from safeinstall.output import (
     command_for,
     dumps,
     envelope,
-    finding_json,
     jsonable,
     patches_json,
     plan_json,
     run_json,
+    verify_json,
 )
 from safeinstall.render import (
     ConsoleReporter,
@@ -45,12 +45,14 @@ from safeinstall.render import (
     render_verify,
 )
 from safeinstall.usage import PLAIN_NAME, Usage, usage_problem, wheel_package
-from safeinstall.verify import VerifyReport, verify_environment
+from safeinstall.verify import verify_environment
 
 # What only a run, a dry run or the state commands need is imported where it is used: ``--verify-only``
 # and ``--help`` start without it (a verification's time is mostly start-up on a small package).
 if TYPE_CHECKING:
     from types import ModuleType
+
+    from rich.console import Console
 
     from safeinstall.baseline import Vouched
     from safeinstall.detach import PrivateInputs
@@ -97,40 +99,23 @@ def _fail(error: SafeInstallError, command: str, as_json: bool) -> NoReturn:
     _exit(error.exit_code)
 
 
-def _verify_json(report: VerifyReport, patch: str | None, notes: Sequence[str] = ()) -> dict[str, Any]:
-    findings = [finding_json(f) for f in report.findings]
-    return {
-        "python": report.python,
-        "prefix": report.prefix,
-        "wheel": jsonable(report.wheel),
-        "site_dirs": list(report.site_dirs),
-        "egg_info": list(report.egg_info),
-        "distributions": [
-            {
-                "name": d.name,
-                "version": d.version,
-                "dist_info": d.dist_info,
-                "files_checked": d.files_checked,
-                "against": d.against,
-                "drift": d.drift,
-                "site": d.site,
-                "from_base": d.from_base,
-                "system_package": None
-                if d.system_package is None
-                else jsonable(d.system_package) | {"check": d.system_package.check},
-            }
-            for d in report.distributions
-        ],
-        "findings": findings,
-        "summary": {
-            "distributions": len(report.distributions),
-            "files_checked": sum(d.files_checked for d in report.distributions),
-            "drift": sum(1 for f in report.findings if f.is_drift),
-            "warnings": sum(1 for f in report.findings if not f.is_drift),
-        },
-        "patch": patch,
-        "notes": list(notes),
-    }
+def _finish(
+    document: dict[str, Any],
+    as_json: bool,
+    draw: "Callable[[Console, Console], None]",
+    failures: Sequence[SafeInstallError] = (),
+) -> NoReturn:
+    """The one end of a command: its JSON document, or what ``draw`` renders and each failure; then
+    the document's exit code. A terminal that is gone (SIGHUP) does not change the exit code."""
+    with contextlib.suppress(OSError):
+        if as_json:
+            print(dumps(document))
+        else:
+            out, err = make_console(), make_console(stderr=True)
+            draw(out, err)
+            for failure in failures:
+                render_error(err, failure)
+    _exit(int(document["exit_code"]))
 
 
 def _baseline_loader(env: Environment, notes: list[str]) -> "Callable[[], Mapping[str, tuple[Vouched, ...]]]":
@@ -166,19 +151,6 @@ def _run_verify(
     metrics: Path | None = None,
     verbosity: int = 0,
 ) -> None:
-    if all_ and package:
-        raise UsageError("give either a PACKAGE or --all, not both", hint="safeinstall --verify-only --all")
-    if not all_ and not package:
-        raise UsageError(
-            "no PACKAGE given", hint="safeinstall PACKAGE --verify-only, or --all for everything"
-        )
-    if (diff or save_patch) and wheel is None:
-        raise UsageError(
-            "--diff and --save-patch compare against a wheel's contents",
-            hint="add --wheel PATH (the wheel that was installed)",
-        )
-    if all_ and wheel is not None:
-        raise UsageError("--wheel checks one package", hint="name the package instead of --all")
     if save_patch is not None and os.path.lexists(save_patch):
         raise UsageError(
             f"{save_patch} exists: --save-patch does not overwrite a file",
@@ -245,7 +217,7 @@ def _run_verify(
     _write_metrics(metrics, lambda m, now: m.verify_families(report.prefix, report, report.exit_code, now))
     if as_json:
         status = "drift" if report.drift else "clean"
-        data = _verify_json(report, patch if diff else None, notes)
+        data = verify_json(report, patch if diff else None, notes)
         print(dumps(envelope("verify", status, report.exit_code, data)))
     else:
         render_verify(make_console(), err, report, diffs if diff else None, verbosity)
@@ -375,13 +347,7 @@ def _run_detached(options: "RunOptions", as_json: bool, interactive: bool, verbo
 
 def _print_entry(entry: dict[str, Any], as_json: bool) -> NoReturn:
     """A finished run's result, from its history entry; exits with the run's own exit code."""
-    result = entry["result"]
-    with contextlib.suppress(OSError):
-        if as_json:
-            print(dumps(result))
-        else:
-            render_entry(make_console(), make_console(stderr=True), entry)
-    _exit(int(result["exit_code"]))
+    _finish(entry["result"], as_json, lambda out, err: render_entry(out, err, entry))
 
 
 def _run_wait(python: str | None, run_id: str | None, as_json: bool) -> None:
@@ -414,15 +380,9 @@ def _run_forget(python: str | None, as_json: bool) -> None:
 
     forgotten, failures = forget(os.environ, python)
     code = failures[0].exit_code if failures else ExitCode.OK
-    if as_json:
-        status = "error" if failures else "forgotten"
-        print(dumps(envelope("forget", status, code, {"forgotten": jsonable(forgotten)}, list(failures))))
-    else:
-        render_forgotten(make_console(), list(forgotten))
-        err = make_console(stderr=True)
-        for failure in failures:
-            render_error(err, failure)
-    _exit(code)
+    status = "error" if failures else "forgotten"
+    document = envelope("forget", status, code, {"forgotten": jsonable(forgotten)}, list(failures))
+    _finish(document, as_json, lambda out, _err: render_forgotten(out, list(forgotten)), failures)
 
 
 def _run_recover(python: str | None, as_json: bool, metrics: Path | None = None) -> None:
@@ -431,18 +391,16 @@ def _run_recover(python: str | None, as_json: bool, metrics: Path | None = None)
     outcome = recover(os.environ, python)
     _write_metrics(metrics, lambda m, now: m.recover_families(outcome, now))
     code = outcome.exit_code
-    if as_json:
-        data = {"recoveries": jsonable(outcome.recoveries)}
-        did = any(r.run_id for r in outcome.recoveries)
-        recovered = "recovered" if did else "nothing-to-recover"
-        status = {ExitCode.OK: recovered, ExitCode.ROLLED_BACK: "rolled-back"}.get(code, "error")
-        print(dumps(envelope("recover", status, code, data, list(outcome.failures))))
-    else:
-        render_recoveries(make_console(), list(outcome.recoveries))
-        err = make_console(stderr=True)
-        for failure in outcome.failures:
-            render_error(err, failure)
-    _exit(code)
+    data = {"recoveries": jsonable(outcome.recoveries)}
+    recovered = "recovered" if any(r.run_id for r in outcome.recoveries) else "nothing-to-recover"
+    status = {ExitCode.OK: recovered, ExitCode.ROLLED_BACK: "rolled-back"}.get(code, "error")
+    document = envelope("recover", status, code, data, list(outcome.failures))
+    _finish(
+        document,
+        as_json,
+        lambda out, _err: render_recoveries(out, list(outcome.recoveries)),
+        outcome.failures,
+    )
 
 
 def _run_status(python: str | None, as_json: bool, metrics: Path | None = None, verbosity: int = 0) -> None:
@@ -452,17 +410,17 @@ def _run_status(python: str | None, as_json: bool, metrics: Path | None = None, 
     _write_metrics(metrics, lambda m, now: m.status_families(report, now))
     found = list(report.environments)
     pending = any(s.needs_recovery for s in found)
-    if as_json:
-        state = "needs-recovery" if pending else "running" if any(s.running for s in found) else "idle"
-        state = "error" if report.failures else state
-        data = {"environments": jsonable(found)}
-        print(dumps(envelope("status", state, report.exit_code, data, list(report.failures))))
-    else:
-        render_status(make_console(), found, last=0 if verbosity > 0 else 5)
-        err = make_console(stderr=True)
-        for failure in report.failures:
-            render_error(err, failure)
-    _exit(report.exit_code)
+    state = "needs-recovery" if pending else "running" if any(s.running for s in found) else "idle"
+    state = "error" if report.failures else state
+    document = envelope(
+        "status", state, report.exit_code, {"environments": jsonable(found)}, list(report.failures)
+    )
+    _finish(
+        document,
+        as_json,
+        lambda out, _err: render_status(out, found, last=0 if verbosity > 0 else 5),
+        report.failures,
+    )
 
 
 def _undo_of(options: "RunOptions") -> dict[str, str]:
@@ -517,16 +475,16 @@ def _run_dry_run(options: "RunOptions", as_json: bool, verbosity: int = 0) -> No
     # the run's own checks (and, with --keep-patches, its patch merge): it refuses when the run would
     plan, patches = dry_run_patches(preflight(options, take_lock=False))
     code = ExitCode.OK if plan.proceeds else ExitCode.REFUSED
-    if as_json:
-        status = "would-proceed" if plan.proceeds else "would-refuse"
-        data = plan_json(plan) | ({"patches": patches_json(patches.outcomes)} if patches is not None else {})
-        data |= _undo_of(options)
-        print(dumps(envelope("dry-run", status, code, data)))
-    else:
-        render_plan(make_console(), make_console(stderr=True), plan, verbosity)
-        if patches is not None:
-            render_patches(make_console(), patches_json(patches.outcomes))
-    _exit(code)
+    status = "would-proceed" if plan.proceeds else "would-refuse"
+    patched = patches_json(patches.outcomes) if patches is not None else None
+    data = plan_json(plan) | ({"patches": patched} if patched is not None else {}) | _undo_of(options)
+
+    def draw(out: "Console", err: "Console") -> None:
+        render_plan(out, err, plan, verbosity)
+        if patched is not None:
+            render_patches(out, patched)
+
+    _finish(envelope("dry-run", status, code, data), as_json, draw)
 
 
 #: A valid distribution name (PEP 508) and nothing else: such a PACKAGE needs no requirement parser

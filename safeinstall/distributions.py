@@ -12,6 +12,7 @@ from pathlib import Path
 
 from packaging.utils import canonicalize_name
 
+from safeinstall.drift import own_roots
 from safeinstall.environment import Environment, distribution_sites
 from safeinstall.errors import RecordError, UnknownDistributionError
 from safeinstall.records import Record, RecordEntry, count_lines, parse_record
@@ -354,3 +355,12 @@ def find_distribution(
         hint=f"check the name, or pass --python for the environment that has it "
         f"(looked in {', '.join(str(s) for s in distribution_sites(env))})",
     )
+
+
+def package_roots(env: Environment, installed: Sequence[InstalledDistribution]) -> dict[str, list[str]]:
+    """Each installed distribution's own package directories (:func:`safeinstall.drift.own_roots`: no
+    other distribution has files below them) in the sites the interpreter imports from: the one
+    answer verification (what is "extra"), the backup (what it saves besides the RECORD) and the
+    wheel check (whose directories a new wheel writes into) use."""
+    sites = [os.fspath(site) for site in distribution_sites(env)]
+    return own_roots({d.name: d.locations for d in installed}, sites)

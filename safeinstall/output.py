@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from safeinstall.patches import PatchOutcome
     from safeinstall.plan import Plan
     from safeinstall.results import RunResult
+    from safeinstall.verify import VerifyReport
 
 RESULT_VERSION = 1
 
@@ -129,4 +130,42 @@ def run_json(result: RunResult) -> dict[str, Any]:
         "patches": patches_json(result.patches),
         "patch_file": result.patch_file,
         "manual_commands": list(result.manual_commands),
+    }
+
+
+def verify_json(report: VerifyReport, patch: str | None, notes: Sequence[str] = ()) -> dict[str, Any]:
+    """``--verify-only --json``: the report, each finding, a summary, the patch of ``--diff``, and
+    ``notes`` (why the environment's baseline was not used)."""
+    findings = [finding_json(f) for f in report.findings]
+    return {
+        "python": report.python,
+        "prefix": report.prefix,
+        "wheel": jsonable(report.wheel),
+        "site_dirs": list(report.site_dirs),
+        "egg_info": list(report.egg_info),
+        "distributions": [
+            {
+                "name": d.name,
+                "version": d.version,
+                "dist_info": d.dist_info,
+                "files_checked": d.files_checked,
+                "against": d.against,
+                "drift": d.drift,
+                "site": d.site,
+                "from_base": d.from_base,
+                "system_package": None
+                if d.system_package is None
+                else jsonable(d.system_package) | {"check": d.system_package.check},
+            }
+            for d in report.distributions
+        ],
+        "findings": findings,
+        "summary": {
+            "distributions": len(report.distributions),
+            "files_checked": sum(d.files_checked for d in report.distributions),
+            "drift": sum(1 for f in report.findings if f.is_drift),
+            "warnings": sum(1 for f in report.findings if not f.is_drift),
+        },
+        "patch": patch,
+        "notes": list(notes),
     }

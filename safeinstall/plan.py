@@ -12,16 +12,9 @@ from dataclasses import dataclass
 from packaging.version import InvalidVersion, Version
 
 from safeinstall.cgroups import CgroupPlacement, placement_of_proc_cgroup, valid_unit_name
+from safeinstall.evidence import Evidence, EvidenceKind, Strength
 from safeinstall.gpus import GpuSnapshot
-from safeinstall.processes import (
-    TOO_LARGE,
-    Evidence,
-    EvidenceKind,
-    ProcessRecord,
-    ScanProblem,
-    ScanResult,
-    Strength,
-)
+from safeinstall.processes import TOO_LARGE, ProcessRecord, ScanProblem, ScanResult
 from safeinstall.systemd import UnitInfo
 from safeinstall.uvplan import UvPlan
 

@@ -15,17 +15,11 @@ from safeinstall.environment import Environment, inspect_environment, interprete
 from safeinstall.gpus import GpuSnapshot, snapshot_gpus
 from safeinstall.options import RunOptions
 from safeinstall.plan import Plan, build_plan
-from safeinstall.processes import (
-    EnvironmentScope,
-    ScanResult,
-    Target,
-    environment_scope,
-    load_targets,
-    scan_processes,
-)
+from safeinstall.processes import ScanResult, scan_processes
 from safeinstall.state import state_root
 from safeinstall.systemd import Systemd, UnitInfo
 from safeinstall.systemsite import check_target
+from safeinstall.targets import EnvironmentScope, Target, environment_scope, load_targets
 from safeinstall.uvplan import UvPlan, UvRequest, dry_run, link_mode_for, same_filesystem
 from safeinstall.wheel import Wheel, read_wheel
 

@@ -155,6 +155,21 @@ def usage_problem(u: Usage) -> UsageError | None:
             hint=f"give the wheel with --wheel: safeinstall {named or 'NAME'} --wheel {u.package}",
         )
     if verify:
+        if u.all_ and u.package:
+            return UsageError(
+                "give either a PACKAGE or --all, not both", hint="safeinstall --verify-only --all"
+            )
+        if not u.all_ and not u.package and not (u.wheel is not None and wheel_package(u.wheel)):
+            return UsageError(
+                "no PACKAGE given", hint="safeinstall PACKAGE --verify-only, or --all for everything"
+            )
+        if (u.diff or u.save_patch) and u.wheel is None:
+            return UsageError(
+                "--diff and --save-patch compare against a wheel's contents",
+                hint="add --wheel PATH (the wheel that was installed)",
+            )
+        if u.all_ and u.wheel is not None:
+            return UsageError("--wheel checks one package", hint="name the package instead of --all")
         if u.args:
             return UsageError(f"unexpected arguments: {' '.join(u.args)}", hint="see safeinstall --help")
         if u.package and not PLAIN_NAME.fullmatch(u.package):

@@ -22,6 +22,7 @@ from safeinstall.distributions import (
     find_distribution,
     find_distributions,
     find_named,
+    package_roots,
 )
 from safeinstall.drift import (
     Expectation,
@@ -30,7 +31,6 @@ from safeinstall.drift import (
     compare,
     extras,
     hardlink_warning,
-    own_roots,
     pyc_source,
     shared_file,
     untouched_since_install,
@@ -402,7 +402,7 @@ def verify_environment(
         if early is not None:
             found.extend(find_distributions(env, early, reader))
         listed = _listed_locations(found)
-        roots = own_roots({d.name: d.locations for d in found}, [os.fspath(s) for s in sites])
+        roots = package_roots(env, found)
         for plan in plans:
             name = plan.dist.name
             unlisted[name] = [f for root in roots.get(name, []) for f in extras(name, _walk(root), listed)]

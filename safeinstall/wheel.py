@@ -32,6 +32,7 @@ from safeinstall.distributions import (
     METADATA_LIMIT,
     RECORD_LIMIT,
     InstalledDistribution,
+    package_roots,
     parse_console_scripts,
 )
 from safeinstall.environment import Environment
@@ -513,7 +514,6 @@ def check_landing(
     distribution lists and the distributions being replaced do not hold (the run would not back it
     up). Members that would land on another distribution's files are the plan's refusals, returned
     (see :func:`shared_landing`): the dry-run shows them, naming that distribution."""
-    from safeinstall.drift import own_roots
     from safeinstall.safefs import Tree
 
     locations = install_locations(wheel, env)
@@ -521,7 +521,7 @@ def check_landing(
         locations[f"console script {script}"] = os.path.join(env.scripts, script)
     affected_names = {d.name for d in affected}
     owned: set[str] = set()
-    roots = own_roots({d.name: d.locations for d in installed}, [os.fspath(s) for s in env.site_dirs])
+    roots = package_roots(env, installed)
     with Tree(env.prefix) as tree:
         for dist in affected:
             owned.update(dist.locations)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from safeinstall.evidence import Evidence, EvidenceKind
 from safeinstall.gpus import GpuSnapshot
 from safeinstall.plan import Plan, build_plan
-from safeinstall.processes import Evidence, EvidenceKind, ProcessRecord, ScanResult
+from safeinstall.processes import ProcessRecord, ScanResult
 from safeinstall.uvplan import UvPlan
 
 ENVIRONMENT = Evidence(

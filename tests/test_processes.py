@@ -30,25 +30,22 @@ from safeinstall.distributions import (
     load_distribution,
 )
 from safeinstall.environment import Environment, inspect_environment
-from safeinstall.identity import PF_KTHREAD, parse_stat
-from safeinstall.processes import (
+from safeinstall.evidence import (
     Evidence,
     EvidenceKind,
-    ScanProblem,
-    ScanResult,
-    Target,
+    Strength,
     TargetIndex,
     argv_needs_links,
-    build_target,
-    load_targets,
     match_argv,
     match_fds,
     match_maps,
     parse_cmdline,
     parse_maps_line,
     parse_python_argv,
-    scan_processes,
 )
+from safeinstall.identity import PF_KTHREAD, parse_stat
+from safeinstall.processes import ScanProblem, ScanResult, scan_processes
+from safeinstall.targets import Target, build_target, environment_scope, load_targets
 from tests import wheelhouse
 
 SO = "_native.cpython-"  # the mapped file of sicext, whatever the ABI tag
@@ -893,7 +890,7 @@ def test_a_pure_package_leaves_no_trace_but_the_environment_is_seen(
     for python in (here, there):
         wheelhouse.uv_install(python, wheels["sipure-1"], link_mode="hardlink")
     env, targets = env_and_targets(here, "sipure")
-    scope = processes.environment_scope(env)
+    scope = environment_scope(env)
     site = wheelhouse.site_packages(here)
     code = "import sipure, time; time.sleep(60)"
     ours = spawn([str(here), "-c", code])
@@ -918,9 +915,9 @@ def test_a_pure_package_leaves_no_trace_but_the_environment_is_seen(
 
         (evidence,) = evidence_of(result, ours.pid)
         assert (evidence.kind, evidence.path) == (EvidenceKind.ENVIRONMENT, str(here))
-        assert evidence.strength is processes.Strength.POSSIBLE and "interpreter" in evidence.detail
+        assert evidence.strength is Strength.POSSIBLE and "interpreter" in evidence.detail
         record = result.by_pid()[ours.pid]
-        assert record.strength is processes.Strength.POSSIBLE and not record.certain
+        assert record.strength is Strength.POSSIBLE and not record.certain
         assert record.distributions == frozenset()
         assert evidence_of(result, theirs.pid) == ()  # the other environment's twin
         (venv_evidence,) = evidence_of(result, by_venv.pid)
@@ -956,12 +953,12 @@ def test_a_dependent_that_is_mapped_gives_depends_evidence(
     user = spawn([str(venv), "-c", "import sicext, time; time.sleep(60)"])
     wait_mapped(user)
 
-    evidence = evidence_of(scan_processes(targets, scope=processes.environment_scope(env)), user.pid)
+    evidence = evidence_of(scan_processes(targets, scope=environment_scope(env)), user.pid)
 
     (depends,) = evidence
     assert depends.kind is EvidenceKind.DEPENDS and depends.distribution == "sipure"
     assert depends.detail == "maps sicext 1.0, which requires sipure" and SO in depends.path
-    assert depends.strength is processes.Strength.CERTAIN and not depends.deleted
+    assert depends.strength is Strength.CERTAIN and not depends.deleted
 
 
 def _dist(name: str, *requires: str) -> InstalledDistribution:

@@ -33,6 +33,13 @@ def _usage(*modes: str, **given: object) -> Usage:
         (_usage(package="./x-1.0-py3-none-any.whl"), "is a wheel file, not a requirement"),
         (_usage("--verify-only", package="x==1.0"), "give the name without a version"),
         (_usage("--verify-only", package="x", args=("y",)), "unexpected arguments: y"),
+        (_usage("--verify-only", package="x", all_=True), "give either a PACKAGE or --all"),
+        (_usage("--verify-only"), "no PACKAGE given"),
+        (_usage("--verify-only", package="x", diff=True), "compare against a wheel's contents"),
+        (
+            _usage("--verify-only", all_=True, wheel=Path("x-1.0-py3-none-any.whl")),
+            "--wheel checks one package",
+        ),
         (_usage(), "no PACKAGE given"),
         (_usage(wheel=Path("not-a-wheel.zip")), "no PACKAGE given"),
         (
@@ -54,6 +61,7 @@ def test_each_problem_is_said(usage: Usage, message: str) -> None:
         _usage(wheel=Path("vllm-0.16.0-cp38-abi3-manylinux_2_28_x86_64.whl")),  # the wheel names it
         _usage(package="vllm", args=("-i", "URL"), uv_args=("-i", "URL")),
         _usage("--verify-only", all_=True),
+        _usage("--verify-only", wheel=Path("x-1.0-py3-none-any.whl")),  # the wheel names the package
         _usage("--status", wait=True, run="20261202T060000Z-1"),
         _usage("--verify-only", package="vllm", metrics_file=True),
         _usage("--undo", run="20261202T060000Z-1"),
