@@ -54,11 +54,11 @@ if TYPE_CHECKING:
 
     from rich.console import Console
 
-    from safeinstall.baseline import Vouched
     from safeinstall.detach import PrivateInputs
     from safeinstall.metrics import Family
     from safeinstall.options import RunOptions
     from safeinstall.state import EnvironmentState
+    from safeinstall.vouched import Vouched
     from safeinstall.wheel import Wheel
 
 EXIT_CODES = (

@@ -40,8 +40,8 @@ from safeinstall.verify import verify_environment
 from safeinstall.wheel import Wheel, install_location, read_member, read_wheel
 
 if TYPE_CHECKING:
-    from safeinstall.baseline import Vouched
     from safeinstall.survey import Survey
+    from safeinstall.vouched import Vouched
 
 _NOTHING_STOPPED = "nothing was stopped"
 

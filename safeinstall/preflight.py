@@ -25,7 +25,7 @@ from pathlib import Path
 from packaging.utils import canonicalize_name
 
 from safeinstall.backup import disk_space_needed, free_space, space_problem
-from safeinstall.baseline import Vouched, read_vouched
+from safeinstall.baseline import read_vouched
 from safeinstall.drift import FindingKind
 from safeinstall.environment import Environment, inspect_environment, resolve_python
 from safeinstall.errors import PlanError, WheelError
@@ -47,6 +47,7 @@ from safeinstall.survey import Survey, survey
 from safeinstall.systemsite import placement_refusals
 from safeinstall.undo import UndoTarget, undo_plan, undo_target, undo_uv_plan
 from safeinstall.verify import VerifyReport, verify_environment
+from safeinstall.vouched import Vouched
 from safeinstall.wheel import (
     Wheel,
     check_landing,

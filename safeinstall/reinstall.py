@@ -28,7 +28,7 @@ from typing import Any
 
 from safeinstall import undo
 from safeinstall.backup import Backup, check_restored, create_backup, prune_into, restore_backup
-from safeinstall.baseline import Vouched, record_run, vouched_of
+from safeinstall.baseline import record_run
 from safeinstall.distributions import InstalledDistribution, reload_distributions
 from safeinstall.drift import Expectation, FindingKind
 from safeinstall.environment import Account, Environment, interpreter_in_prefix
@@ -89,6 +89,7 @@ from safeinstall.undo import Left, UndoTarget, left_of
 from safeinstall.uvplan import install as uv_install
 from safeinstall.uvplan import prefetch_command, secure_uv_lock, uv_binary
 from safeinstall.verify import VerifyReport, verify_environment
+from safeinstall.vouched import Vouched, vouched_of
 from safeinstall.wheel import Wheel, install_locations
 from safeinstall.wheelcopy import discard_wheel_copy
 

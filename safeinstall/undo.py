@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 from safeinstall.backup import Backup, BackupError, load_backup
-from safeinstall.baseline import file_key
 from safeinstall.distributions import InstalledDistribution, entry_location
 from safeinstall.errors import SafeInstallError
 from safeinstall.history import RunSummary, find, read_history
@@ -34,6 +33,7 @@ from safeinstall.plan import Plan
 from safeinstall.state import EnvironmentState, StateDirError, atomic_write, is_run_id, read_private_file
 from safeinstall.uvplan import UvChange, UvPlan
 from safeinstall.verify import VerifyReport
+from safeinstall.vouched import file_key
 
 LEFT_NAME = "left.json"
 LEFT_VERSION = 1

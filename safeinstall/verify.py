@@ -42,7 +42,7 @@ from safeinstall.records import built, digest_bytes
 from safeinstall.systemsite import SystemPackage, from_base, system_packages
 
 if TYPE_CHECKING:  # the wheel module (zipfile, packaging.tags) is loaded only when a wheel is given
-    from safeinstall.baseline import Vouched
+    from safeinstall.vouched import Vouched
     from safeinstall.wheel import Wheel, WheelProblem
 
 ProgressCallback = Callable[[int, int], None]  # (files done, files total)
@@ -496,7 +496,7 @@ def _settled(
 ) -> list[Finding]:
     """The ``modified`` findings of ``dist`` that hold the very bytes a run verified against its wheel
     (the environment's baseline, when it describes ``dist`` as installed now) become ``wheel-record``."""
-    from safeinstall.baseline import entry_for, settle  # the state's modules: only when something differs
+    from safeinstall.vouched import entry_for, settle  # only when something differs
 
     entry = entry_for(vouched().get(dist.name, ()), dist)
     if entry is None:

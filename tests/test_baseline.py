@@ -168,10 +168,10 @@ def test_only_the_wheels_own_bytes_are_vouched_for() -> None:
     """What a run keeps is a file that holds exactly the wheel's member and that the RECORD does not
     describe: not a file changed after the verification (or a script whose first line the installer
     wrote), nor one the RECORD describes."""
-    from safeinstall.baseline import file_key, vouched_of
     from safeinstall.distributions import InstalledDistribution
     from safeinstall.hashing import FileState
     from safeinstall.records import Record, RecordEntry, RecordHash
+    from safeinstall.vouched import file_key, vouched_of
 
     site = "/v/lib/python3.11/site-packages"
     entries = (
