@@ -28,12 +28,11 @@ from typing import Any
 import pytest
 
 from tests import wheelhouse
-from tests.bed_nvml import FakeNvml
+from tests.bed_nvml import FakeNvml, GiB
 from tests.bed_systemd import Units, UserManager, wait_until
 from tests.clirun import SAFEINSTALL, Result, run
 from tests.wheelhouse import Wheelhouse
 
-GiB = 1024**3
 NOBODY = 65534  # the service account that owns an environment (or a state directory) in the attacks
 OTHER = 65533  # another local account: neither the environment's owner nor root
 AS_ROOT = os.geteuid() == 0

@@ -22,7 +22,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.register_assert_rewrite("tests.beds")  # its asserts (Bed.consistent, Bed.no_trace) explain themselves
+# imported here before pytest loads them as plugins: their asserts (Bed.consistent, Bed.no_trace...)
+# still explain themselves (tests.bed_nvml is never rewritten: PYTEST_DONT_REWRITE)
+pytest.register_assert_rewrite("tests.beds", "tests.bed_systemd")
 
 from tests import wheelhouse  # noqa: E402
 from tests.bed_nvml import FakeNvml  # noqa: E402

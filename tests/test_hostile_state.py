@@ -32,13 +32,13 @@ from safeinstall.safefs import permitted
 from safeinstall.state import environment_key
 from tests import wheelhouse
 from tests.bed_systemd import CGROUP_ROOTS, UserManager, wait_until
-from tests.beds import printing_interpreter
+from tests.beds import NOBODY, printing_interpreter
 from tests.clirun import Result, run
 from tests.wheelhouse import Wheelhouse
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the attacks are on root")
 
-OTHER_UID = 65534  # nobody: the service account that owns an environment, or a state directory
+OTHER_UID = NOBODY  # the service account that owns an environment, or a state directory
 RUN_ID = "20261130T031201Z-1234"
 
 

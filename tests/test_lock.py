@@ -17,7 +17,6 @@ from safeinstall.lock import (
     LockHolder,
     acquire_lock,
     display_time,
-    environment_lock,
     held_message,
     holder_alive,
     holder_to_json,
@@ -96,7 +95,7 @@ def test_lock_of_a_killed_run_is_taken_over_and_reported(
 
 def test_acquire_release_and_reacquire(tmp_path: Path) -> None:
     path = tmp_path / "lock"
-    with environment_lock(path, "/v") as lock:
+    with acquire_lock(path, "/v") as lock:
         assert lock.held
         with pytest.raises(LockHeldError):  # a second open file description conflicts, even in-process
             acquire_lock(path, "/v", grace_s=0)

@@ -15,11 +15,10 @@ from typing import Any
 from safeinstall.journal import new_journal, start_journal
 from safeinstall.lock import acquire_lock
 from safeinstall.state import ensure_environment_dir, environment_state
+from tests.bed_nvml import GiB
 from tests.bed_systemd import wait_until
 from tests.beds import Bed
 from tests.clirun import run
-
-GiB = 1024**3
 
 
 def _journal_doc(bed: Bed) -> dict[str, Any] | None:

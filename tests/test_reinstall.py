@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from tests import wheelhouse
+from tests.bed_nvml import GiB
 from tests.bed_systemd import cgroup_pids, wait_until
-from tests.beds import Bed, GiB, declined_on_a_terminal, maps_so
+from tests.beds import Bed, declined_on_a_terminal, maps_so
 from tests.clirun import run
 
 
