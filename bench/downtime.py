@@ -36,7 +36,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,12 +78,8 @@ def torch_wheel() -> Path:
 
 def with_blob(wheel: Path, out_dir: Path, megabytes: int) -> Path:
     """The wheel with an extra data file, so that the install itself takes measurable time."""
-    with zipfile.ZipFile(wheel) as archive:
-        members = {i.filename: archive.read(i) for i in archive.infolist() if not i.is_dir()}
-    dist_info = next(n.split("/")[0] for n in members if n.endswith(".dist-info/METADATA"))
-    members.pop(f"{dist_info}/RECORD")
-    members["sicext/blob.bin"] = os.urandom(megabytes * 1024 * 1024)
-    return wheelhouse.write_wheel(out_dir / wheel.name, members, dist_info)
+    blob = {"sicext/blob.bin": os.urandom(megabytes * 1024 * 1024)}
+    return wheelhouse.rebuilt(wheel, out_dir, blob, deflate=False)
 
 
 def uv_run(env: dict[str, str], *args: str) -> None:

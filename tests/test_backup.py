@@ -31,10 +31,10 @@ from safeinstall.environment import Environment, inspect_environment
 from safeinstall.verify import verify_environment
 from safeinstall.wheel import install_location, read_wheel
 from tests import wheelhouse
+from tests.beds import AS_ROOT
 from tests.wheelhouse import Wheelhouse
 
 NAMES = ("sipure", "sicext")
-AS_ROOT = os.geteuid() == 0
 
 
 def tree(env: Environment) -> dict[str, tuple[object, ...]]:

@@ -23,11 +23,9 @@ import pytest
 
 from safeinstall.baseline import from_dict
 from tests import wheelhouse
+from tests.beds import NOBODY, ServiceAccountBed, as_nobody, chown_tree
 from tests.clirun import Result, run
-from tests.test_hostile_fs import NOBODY, ServiceAccountBed, as_nobody, chown_tree, rebuilt
-from tests.test_hostile_fs import account as account  # the fixture: uid 65534's venv, sicext 1.0
-from tests.test_hostile_fs import open_dir as open_dir
-from tests.test_hostile_fs import open_state as open_state
+from tests.wheelhouse import rebuilt
 
 MEMBER = "sicext/serve.py"
 

@@ -5,176 +5,23 @@ Step boundaries are found from the outside, by reading the run's journal, never 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests import wheelhouse
 from tests.bed_nvml import FakeNvml
 from tests.bed_systemd import UserManager, start_user_manager, stop_user_manager, wait_until
-from tests.clirun import SAFEINSTALL, Result, run
+from tests.beds import Bed
+from tests.clirun import SAFEINSTALL, run
 from tests.wheelhouse import Wheelhouse
-
-GiB = 1024**3
-UNIT_TEXT = (
-    "[Unit]\nDescription=safeinstall crash test\n\n"
-    "[Service]\nExecStart={exec}\n\n"
-    "[Install]\nWantedBy=default.target\n"
-)
-
-
-@pytest.fixture(scope="module")
-def big_wheel(wheels: Wheelhouse, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """sicext 2.0 with a large file, so that the install takes long enough to be interrupted."""
-    import zipfile
-
-    with zipfile.ZipFile(wheels["sicext-2"]) as archive:
-        members = {i.filename: archive.read(i) for i in archive.infolist() if not i.is_dir()}
-    dist_info = next(n.split("/")[0] for n in members if n.endswith(".dist-info/METADATA"))
-    members.pop(f"{dist_info}/RECORD")
-    members["sicext/blob.bin"] = os.urandom(160 * 1024 * 1024)
-    out = tmp_path_factory.mktemp("big")
-    return wheelhouse.write_wheel(out / wheels["sicext-2"].name, members, dist_info)
-
-
-class Bed:
-    def __init__(
-        self, python: Path, state: Path, manager: UserManager, nvml: FakeNvml, wheels: Wheelhouse
-    ) -> None:
-        self.python = python
-        self.site = wheelhouse.site_packages(python)
-        self.state = state
-        self.manager = manager
-        self.nvml = nvml
-        self.wheels = wheels
-        self.units: list[str] = []
-
-    def environ(self) -> dict[str, str]:
-        return {**self.manager.env, **self.nvml.env, "SAFEINSTALL_STATE_DIR": str(self.state)}
-
-    def unit(self, stem: str, enable: bool = False) -> str:
-        name = self.manager.unique_name(stem)
-        self.manager.write_unit(name, UNIT_TEXT.format(exec=f"{self.python.parent}/sicext-serve"))
-        if enable:
-            self.manager.systemctl("enable", name)
-        self.manager.start(name)
-        self.units.append(name)
-        self.manager.wait_active(name)
-        return name
-
-    def hold_gpu(self, unit: str, linger: float, uuid: str, gib: int = 10) -> None:
-        """The unit's main process holds GPU memory (fake driver), kept listed ``linger`` s after it exits."""
-        gpu = self.nvml.add_gpu("NVIDIA H200", f"GPU-00000000-0000-0000-0000-0000000000{uuid}", 141 * GiB)
-        self.nvml.hold(self.manager.main_pid(unit), gpu, gib * GiB, linger=linger)
-
-    def args(self, *extra: str) -> list[str]:
-        return [SAFEINSTALL, "--user", "--python", str(self.python), "--yes", *extra]
-
-    def start_run(self, *extra: str) -> subprocess.Popen[str]:
-        return subprocess.Popen(
-            self.args(*extra), env=self.environ(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-
-    def cli(self, *extra: str) -> Result:
-        return run("--user", "--python", str(self.python), *extra, env=self.environ(), timeout=240)
-
-    def journal(self) -> dict[str, Any] | None:
-        """This environment's journal (the state directory may hold other environments' too)."""
-        prefix = os.path.realpath(self.python.parent.parent)
-        for path in self.state.glob("*/journal.json"):
-            try:
-                doc = dict(json.loads(path.read_text()))
-            except (OSError, ValueError):
-                continue
-            if doc.get("prefix") == prefix:
-                return doc
-        return None
-
-    def wait_phase(self, proc: subprocess.Popen[Any], *phases: str, timeout: float = 60) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            doc = self.journal()
-            if doc is not None and doc["phase"] in phases:
-                return str(doc["phase"])
-            if proc.poll() is not None:
-                out, err = proc.communicate()
-                raise AssertionError(f"the run ended (rc {proc.returncode}) before {phases}: {out}{err}")
-            time.sleep(0.002)
-        raise AssertionError(f"no journal phase {phases} within {timeout} s (last: {self.journal()})")
-
-    def installers(self) -> list[int]:
-        """PIDs of uv processes installing into this venv (there must be none once the run is gone)."""
-        venv = str(self.python.parent.parent).encode()
-        found = []
-        for entry in Path("/proc").iterdir():
-            try:
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if entry.name.isdigit() and b"install" in argv and any(a.startswith(venv) for a in argv):
-                found.append(int(entry.name))
-        return found
-
-    def version(self) -> str:
-        out = subprocess.run(
-            [str(self.python), "-c", "import sicext; print(sicext.version())"], capture_output=True, text=True
-        )
-        return out.stdout.strip()
-
-    def snapshot(self) -> dict[str, str]:
-        """Every file of the package (bytecode aside) and its sha256: small enough for pytest to diff."""
-        return {
-            str(p): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in (self.site / "sicext").rglob("*")
-            if p.is_file() and "__pycache__" not in p.parts
-        }
-
-    def consistent(self, before: dict[str, str], wheel: Path) -> str:
-        """Either exactly the old bytes (local patch included), or the new version verified."""
-        version = self.version()
-        if version == "1.0":
-            assert self.snapshot() == before
-            return "old"
-        assert version == "2.0"
-        check = run("sicext", "--verify-only", "--python", str(self.python), "--wheel", str(wheel))
-        assert check.code == 0, check.stdout
-        return "new"
-
-    def no_trace(self) -> None:
-        assert self.journal() is None
-        assert not list(self.state.glob("*/gate"))
-        assert not list(self.state.glob("*/uv-cache-*"))  # the run's own uv cache: gone, even after a kill
-        assert not list(self.manager.unit_dir.glob("*.d/*safeinstall*"))
-
-
-@pytest.fixture
-def bed(
-    venv: Path, wheels: Wheelhouse, tmp_path: Path, user_manager: UserManager, fake_nvml: FakeNvml
-) -> Iterator[Bed]:
-    wheelhouse.uv_install(venv, wheels["sicext-1"])
-    made = Bed(venv, tmp_path / "state", user_manager, fake_nvml, wheels)
-    yield made
-    for name in made.units:
-        user_manager.systemctl("kill", "--signal=SIGKILL", name, check=False)
-        user_manager.systemctl("stop", name, check=False)
-        user_manager.systemctl("disable", name, check=False)
-        user_manager.remove_unit(name)
-
-
-def _patch(bed: Bed) -> dict[str, str]:
-    target = bed.site / "sicext" / "serve.py"
-    target.write_text(target.read_text() + "# local hotfix\n")
-    return bed.snapshot()
 
 
 @pytest.mark.parametrize(
@@ -190,7 +37,7 @@ def _patch(bed: Bed) -> dict[str, str]:
 def test_sigkill_at_step_boundary_then_recover(
     bed: Bed, big_wheel: Path, boundary: str, phases: tuple[str, ...], delay: float
 ) -> None:
-    before = _patch(bed)
+    before = bed.hotfix()
     name = bed.unit(f"kill-{boundary}")
     bed.hold_gpu(name, 2.0 if boundary == "during-gpu-wait" else 0.0, "e1")
     proc = bed.start_run("sicext", "--wheel", str(big_wheel), "--settle", "1")
@@ -278,8 +125,7 @@ def test_recover_goes_on_past_an_environment_it_cannot_recover(
         wait_until(lambda: other.manager.active_state(fine) == "active", 20, "the other unit running again")
         assert bed.manager.active_state(lost) != "active"  # its run could not be finished: said, not hidden
     finally:
-        for name in other.units:
-            user_manager.remove_unit(name)
+        other.cleanup()
 
 
 def _power_loss_mid_install(bed: Bed, manager: UserManager, wheel: Path, stem: str) -> str:
@@ -313,7 +159,7 @@ def test_simulated_reboot_mid_install(
     base.mkdir()
     manager = start_user_manager(base)
     bed = Bed(venv, tmp_path / "state", manager, fake_nvml, wheels)
-    before = _patch(bed)
+    before = bed.hotfix()
     try:
         name = _power_loss_mid_install(bed, manager, big_wheel, "reboot")
         manager = start_user_manager(base)  # "boot": same unit files and drop-ins, fresh runtime dir
@@ -328,7 +174,7 @@ def test_simulated_reboot_mid_install(
         bed.consistent(before, big_wheel)
         bed.no_trace()
     finally:
-        manager.systemctl("disable", *bed.units, check=False)
+        manager.systemctl("disable", *bed.units.names, check=False)
         stop_user_manager(manager)
 
 
@@ -343,7 +189,7 @@ def test_shipped_recover_unit_finishes_the_run_at_boot(
     base.mkdir()
     manager = start_user_manager(base)
     bed = Bed(venv, tmp_path / "state", manager, fake_nvml, wheels)
-    before = _patch(bed)
+    before = bed.hotfix()
     shipped = Path(__file__).resolve().parent.parent / "safeinstall" / "data" / "safeinstall-recover.service"
     recover_unit = "safeinstall-recover.service"
     (manager.unit_dir / recover_unit).write_text(shipped.read_text())
@@ -382,40 +228,8 @@ def test_shipped_recover_unit_finishes_the_run_at_boot(
         bed.consistent(before, big_wheel)
         bed.no_trace()
     finally:
-        manager.systemctl("disable", *bed.units, check=False)
+        manager.systemctl("disable", *bed.units.names, check=False)
         stop_user_manager(manager)
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
-    """Mounts tmpfs filesystems of the test's own (size in MiB): disks that can be full."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mounted: list[Path] = []
-
-    def mount(mib: int, under: Path | None = None) -> Path:
-        """A tmpfs of ``mib`` MiB in the test's directory, or in ``under`` (one others may enter)."""
-        where = (
-            Path(tempfile.mkdtemp(prefix="disk-", dir=under)) if under else tmp_path / f"disk-{len(mounted)}"
-        )
-        where.mkdir(exist_ok=True)
-        options = f"size={mib}m,mode=0755"
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True, text=True
-        )
-        if done.returncode != 0:
-            message = f"cannot mount a tmpfs: {done.stderr.strip()}"
-            if os.environ.get("CI"):
-                pytest.fail(message)
-            pytest.skip(message)
-        mounted.append(where)
-        return where
-
-    try:
-        yield mount
-    finally:
-        for where in mounted:
-            subprocess.run(["umount", "--lazy", str(where)], check=False)
 
 
 @pytest.fixture
@@ -437,8 +251,7 @@ def bed_on_disk(
 
     yield make
     for bed in beds:
-        for unit in bed.units:
-            user_manager.remove_unit(unit)
+        bed.cleanup()
 
 
 def test_too_little_room_for_the_install_is_refused_before_anything_stops(
@@ -490,7 +303,7 @@ def test_disk_full_in_the_middle_of_the_install_rolls_back(
     disk = bed.python.parent.parent.parent
     if state_on_the_same_disk:
         bed.state = disk / "state"
-    before = _patch(bed)
+    before = bed.hotfix()
     name = bed.unit("diskfull")
     bed.hold_gpu(name, 3.0, "e4")  # time to fill the disk
     # With the state on that disk the run's uv cache is there too, and the install would hardlink from
@@ -651,7 +464,7 @@ def test_two_runs_at_once(bed: Bed) -> None:
 def test_sigint_rolls_back_and_a_second_one_does_not_abandon_services(
     bed: Bed, big_wheel: Path, where: str
 ) -> None:
-    before = _patch(bed)
+    before = bed.hotfix()
     name = bed.unit(f"sigint-{where}")
     bed.hold_gpu(name, 30.0 if where == "gpu-wait" else 0.0, "e3")
     proc = bed.start_run(
@@ -676,7 +489,7 @@ def test_sigint_rolls_back_and_a_second_one_does_not_abandon_services(
 def test_sigint_while_the_restarted_units_settle_rolls_back_without_waiting_them_out(bed: Bed) -> None:
     """Ctrl-C while the restarted unit settles (--settle 600): the settle wait ends at its next poll and
     the rollback starts; it does not wait out the ten minutes (the test would time out)."""
-    before = _patch(bed)
+    before = bed.hotfix()
     name = bed.unit("settling")
     proc = bed.start_run("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "600", "--json")
     try:

@@ -13,10 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from tests.bed_systemd import wait_until
+from tests.beds import Bed, declined_on_a_terminal, maps_so
 from tests.clirun import RUN_FIELDS, SAFEINSTALL
-from tests.test_reinstall import Bed, bed, declined_on_a_terminal, maps_so
-
-__all__ = ["bed"]  # the fixture, shared with test_reinstall
 
 
 def _document(path: Path) -> dict[str, Any] | None:
@@ -74,7 +72,7 @@ def test_a_detached_run_survives_its_callers_session_and_wait_returns_its_result
     assert (doc["command"], doc["status"], doc["exit_code"]) == ("reinstall", "done", 0)
     assert doc["data"]["run_id"] == run_id and name in doc["data"]["downtime_s"]
     assert "restart: ok" in waited.stderr and "result: done (exit 0)" in waited.stderr  # its log
-    assert bed.installed_version() == "2.0"
+    assert bed.version() == "2.0"
     new_main = bed.manager.main_pid(name)
     assert new_main != old_main and maps_so(new_main) == bed.so.stat().st_ino
     again = bed.safeinstall("--status", "--wait", "--run", run_id, "--json")  # finished: at once
@@ -93,7 +91,7 @@ def test_a_detached_run_whose_new_version_crashes_rolls_back_and_the_history_say
     assert waited.json["status"] == "rolled-back" and name in waited.json["errors"][0]["message"]
     run_id = waited.json["data"]["run_id"]
     wait_until(lambda: bed.manager.active_state(name) == "active", 10, "unit active again")
-    assert bed.installed_version() == "1.0"
+    assert bed.version() == "1.0"
     (environment,) = bed.safeinstall("--status", "--json").json["data"]["environments"]
     (run,) = environment["runs"]
     assert set(run) == RUN_FIELDS
@@ -118,7 +116,7 @@ def test_a_detached_run_refused_in_its_preflight_fails_at_once(bed: Bed) -> None
         refused.json["status"] == "error"
         and "is for sipure, not sicext" in refused.json["errors"][0]["message"]
     )
-    assert bed.manager.main_pid(name) == main and bed.installed_version() == "1.0"
+    assert bed.manager.main_pid(name) == main and bed.version() == "1.0"
     (environment,) = bed.safeinstall("--status", "--json").json["data"]["environments"]
     assert [(r["status"], r["exit_code"]) for r in environment["runs"]] == [("error", 2)]
 
@@ -134,4 +132,4 @@ def test_the_detach_prompt_shows_what_the_foreground_prompt_shows(bed: Bed) -> N
     assert code == 2, out + err
     assert "were changed locally" in out + err and "[y/N]" in err
     assert "nothing done (not confirmed)" in out
-    assert bed.manager.main_pid(name) == main and bed.installed_version() == "1.0"
+    assert bed.manager.main_pid(name) == main and bed.version() == "1.0"

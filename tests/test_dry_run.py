@@ -14,12 +14,11 @@ from typing import Any
 import pytest
 
 from tests import wheelhouse
-from tests.bed_nvml import FakeNvml
+from tests.bed_nvml import FakeNvml, GiB
 from tests.bed_systemd import Units, UserManager, start_user_manager, stop_user_manager, wait_until
+from tests.beds import maps_so
 from tests.clirun import Result, run
 from tests.wheelhouse import Wheelhouse
-
-GiB = 1024**3
 
 
 @pytest.fixture
@@ -29,10 +28,7 @@ def env(venv: Path, wheels: Wheelhouse) -> Path:
 
 
 def so_mapped(pid: int) -> bool:
-    try:
-        return "_native" in Path(f"/proc/{pid}/maps").read_text()
-    except OSError:
-        return False
+    return maps_so(pid) is not None
 
 
 def safeinstall(user_manager: UserManager, nvml: FakeNvml | None, *args: str, timeout: float = 120) -> Result:

@@ -20,8 +20,7 @@ import pytest
 from tests import wheelhouse
 from tests.bed_nvml import FakeNvml
 from tests.bed_systemd import UserManager, wait_until
-from tests.test_crash_safety import Bed
-from tests.test_crash_safety import bed as bed  # the crash tests' bed: sicext 1.0 in a venv, units, NVML
+from tests.beds import Bed
 from tests.wheelhouse import Wheelhouse
 
 #: a unit whose start takes a second before its main process runs: a window to kill the run in while
@@ -29,21 +28,6 @@ from tests.wheelhouse import Wheelhouse
 SLOW_START_UNIT = (
     "[Unit]\nDescription=safeinstall fault test\n\n[Service]\nExecStartPre=/bin/sleep 1\nExecStart={exec}\n"
 )
-
-
-def _unit(bed: Bed, stem: str, text: str) -> str:
-    name = bed.manager.unique_name(stem)
-    bed.manager.write_unit(name, text.format(exec=f"{bed.python.parent}/sicext-serve"))
-    bed.manager.start(name)
-    bed.units.append(name)
-    bed.manager.wait_active(name)
-    return name
-
-
-def _patch(bed: Bed) -> dict[str, str]:
-    target = bed.site / "sicext" / "serve.py"
-    target.write_text(target.read_text() + "# local hotfix\n")
-    return bed.snapshot()
 
 
 def _finish(proc: subprocess.Popen[str]) -> tuple[str, str]:
@@ -60,8 +44,8 @@ def test_recover_of_a_run_killed_while_a_broken_version_restarts_puts_the_old_on
     seen), then ``--recover`` (what runs at boot after an OOM kill): the unit does not come up on the new
     version, so the previous installation is put back and started, exactly as the live run would have
     (exit 3), and nothing is left that blocks the next run."""
-    before = _patch(bed)
-    name = _unit(bed, "broken-restart", SLOW_START_UNIT)
+    before = bed.hotfix()
+    name = bed.unit("broken-restart", text=SLOW_START_UNIT)
     proc = bed.start_run("sicext", "--wheel", str(bed.wheels["sicext-3"]), "--settle", "1")
     try:
         bed.wait_phase(proc, "restarting")
@@ -191,7 +175,7 @@ def test_a_stop_that_does_not_happen_is_said_at_once_and_costs_no_downtime(bed: 
     """A stop that systemd does not carry out (here refused; in the issue, ``systemctl stop`` killed by a
     terminal's Ctrl-C before it asked) is not waited out for the unit's TimeoutStopSec (600 s here: the
     test's 120 s would run out), and no downtime is reported for a unit that never went down."""
-    name = _unit(bed, "no-stop", REFUSED_STOP_UNIT)
+    name = bed.unit("no-stop", text=REFUSED_STOP_UNIT)
     main = bed.manager.main_pid(name)
     proc = bed.start_run("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json")
     out, err = _finish(proc)
@@ -274,15 +258,7 @@ def test_backups_of_rolled_back_runs_fall_under_keep_backups(bed: Bed) -> None:
 
 def _with_blob(wheel: Path, out: Path, mib: int) -> Path:
     """A copy of ``wheel`` with a random file of ``mib`` MiB (RECORD rewritten to match)."""
-    import zipfile
-
-    with zipfile.ZipFile(wheel) as archive:
-        members = {i.filename: archive.read(i) for i in archive.infolist() if not i.is_dir()}
-    dist_info = next(n.split("/")[0] for n in members if n.endswith(".dist-info/METADATA"))
-    members.pop(f"{dist_info}/RECORD")
-    members["sicext/blob.bin"] = os.urandom(mib << 20)
-    out.mkdir(parents=True, exist_ok=True)
-    return wheelhouse.write_wheel(out / wheel.name, members, dist_info)
+    return wheelhouse.rebuilt(wheel, out, {"sicext/blob.bin": os.urandom(mib << 20)}, deflate=False)
 
 
 def test_room_messages_say_what_they_mean() -> None:
@@ -324,9 +300,7 @@ def test_the_room_check_counts_what_the_uninstall_frees(
         bed.no_trace()
     finally:
         if bed is not None:
-            for unit in bed.units:
-                user_manager.systemctl("stop", unit, check=False)
-                user_manager.remove_unit(unit)
+            bed.cleanup()
         subprocess.run(["umount", "--lazy", str(disk)], check=False)
 
 

@@ -10,9 +10,7 @@ nothing outside the environment changed (a snapshot of a directory beside it: co
 
 from __future__ import annotations
 
-import base64
 import errno
-import hashlib
 import json
 import os
 import shutil
@@ -20,7 +18,6 @@ import signal
 import stat
 import subprocess
 import sys
-import tempfile
 import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,159 +25,24 @@ from pathlib import Path
 import pytest
 
 from tests import wheelhouse
-from tests.bed_nvml import FakeNvml
 from tests.bed_systemd import UserManager, wait_until
+from tests.beds import (
+    AS_ROOT,
+    NOBODY,
+    OTHER,
+    UNIT_TEXT,
+    Bed,
+    ServiceAccountBed,
+    as_nobody,
+    as_user,
+    chown_tree,
+    shared_interpreter_or_skip,
+    tree_snapshot,
+)
 from tests.clirun import Result, run
-from tests.test_crash_safety import UNIT_TEXT, Bed, small_disk
 from tests.wheelhouse import Wheelhouse
 
-__all__ = ["small_disk"]  # the tmpfs fixture, used here too
-
-NOBODY = 65534
-OTHER = 65533  # another local account: neither the environment's owner nor root
-AS_ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not AS_ROOT, reason="the attacks are on a run as root")
-
-
-# --- helpers ----------------------------------------------------------------------------------------
-
-
-def snapshot(top: Path, skip: Path | None = None) -> dict[str, tuple[object, ...]]:
-    """Every entry below ``top`` (``skip`` aside): its type, content hash or link target, owner, mode."""
-    found: dict[str, tuple[object, ...]] = {}
-    for directory, dirnames, filenames in os.walk(top):
-        dirnames[:] = [d for d in dirnames if Path(directory, d) != skip and d != "__pycache__"]
-        for name in [*filenames, *dirnames]:
-            path = Path(directory, name)
-            info = os.lstat(path)
-            if stat.S_ISLNK(info.st_mode):
-                what: object = "link:" + os.readlink(path)
-            elif stat.S_ISREG(info.st_mode):
-                what = hashlib.sha256(path.read_bytes()).hexdigest()
-            else:
-                what = stat.S_IFMT(info.st_mode)
-            found[str(path.relative_to(top))] = (what, info.st_uid, info.st_gid, stat.S_IMODE(info.st_mode))
-    return found
-
-
-def _digest(data: bytes, algorithm: str = "sha256") -> str:
-    return base64.urlsafe_b64encode(hashlib.new(algorithm, data).digest()).rstrip(b"=").decode()
-
-
-def members_of(wheel: Path) -> tuple[dict[str, bytes], str]:
-    with zipfile.ZipFile(wheel) as archive:
-        members = {i.filename: archive.read(i) for i in archive.infolist() if not i.is_dir()}
-    dist_info = next(n.split("/")[0] for n in members if n.endswith(".dist-info/METADATA"))
-    members.pop(f"{dist_info}/RECORD")
-    return members, dist_info
-
-
-def rebuilt(wheel: Path, out: Path, changes: dict[str, bytes], algorithm: str = "sha256") -> Path:
-    """A copy of ``wheel`` with ``changes`` (members added or replaced), its RECORD consistent with them
-    (digests with ``algorithm``)."""
-    members, dist_info = members_of(wheel)
-    members.update(changes)
-    out.mkdir(parents=True, exist_ok=True)
-    record = [f"{n},{algorithm}={_digest(d, algorithm)},{len(d)}" for n, d in members.items()]
-    record.append(f"{dist_info}/RECORD,,")
-    path = out / wheel.name
-    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as archive:
-        for name, data in members.items():
-            archive.writestr(name, data)
-        archive.writestr(f"{dist_info}/RECORD", "\n".join(record) + "\n")
-    return path
-
-
-@pytest.fixture
-def open_dir() -> Iterator[Path]:
-    """A directory others can traverse (pytest's are 0700): the service account's venv lives here."""
-    made = Path(tempfile.mkdtemp(prefix="si-hostile-"))
-    made.chmod(0o755)
-    try:
-        yield made
-    finally:
-        shutil.rmtree(made, ignore_errors=True)
-
-
-def chown_tree(top: Path, uid: int) -> None:
-    for directory, dirnames, filenames in os.walk(top):
-        os.lchown(directory, uid, uid)
-        for name in [*dirnames, *filenames]:
-            os.lchown(os.path.join(directory, name), uid, uid)
-
-
-def as_user(uid: int, *argv: str) -> None:
-    subprocess.run(
-        ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *argv],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-
-
-def shared_interpreter() -> str:
-    """An interpreter of this Python version that uid 65534 may run; the test is skipped without one."""
-    shared = wheelhouse.shared_interpreter()
-    if shared is None:
-        pytest.skip("no interpreter of this Python version that uid 65534 may run")
-    return shared
-
-
-def as_nobody(*argv: str) -> None:
-    as_user(NOBODY, *argv)
-
-
-class ServiceAccountBed(Bed):
-    """A venv owned by uid 65534, its unit running as that uid; a victim directory beside it. The state
-    directory is below directories others may enter (pytest's are 0700): uv runs as uid 65534 and must
-    reach the run's uv cache there."""
-
-    def __init__(self, base: Path, state: Path, manager: UserManager, nvml: FakeNvml, wheels: Wheelhouse):
-        shared = shared_interpreter()
-        python = wheelhouse.make_venv(base / "venv", shared)
-        wheelhouse.uv_install(python, wheels["sicext-1"])
-        chown_tree(base / "venv", NOBODY)
-        super().__init__(python, state, manager, nvml, wheels)
-        self.base = base
-        self.elsewhere = base / "elsewhere"
-        self.elsewhere.mkdir()
-        (self.elsewhere / "victim.txt").write_text("not the environment's\n")
-        chown_tree(self.elsewhere, NOBODY)
-
-    def unit(self, stem: str, enable: bool = False) -> str:
-        name = self.manager.unique_name(stem)
-        drop = f"setpriv --reuid={NOBODY} --regid={NOBODY} --clear-groups"
-        self.manager.write_unit(name, UNIT_TEXT.format(exec=f"{drop} {self.python.parent}/sicext-serve"))
-        self.manager.start(name)
-        self.units.append(name)
-        self.manager.wait_active(name)
-        return name
-
-    def outside(self) -> dict[str, tuple[object, ...]]:
-        return snapshot(self.base, skip=self.base / "venv")
-
-
-@pytest.fixture
-def open_state() -> Iterator[Path]:
-    """A state directory below directories others may enter (only root writes them)."""
-    made = Path(tempfile.mkdtemp(prefix="si-state-"))
-    made.chmod(0o755)
-    try:
-        yield made / "state"
-    finally:
-        shutil.rmtree(made, ignore_errors=True)
-
-
-@pytest.fixture
-def account(
-    open_dir: Path, open_state: Path, user_manager: UserManager, fake_nvml: FakeNvml, wheels: Wheelhouse
-) -> Iterator[ServiceAccountBed]:
-    if not AS_ROOT:
-        pytest.skip("the attacks are on a run as root")
-    made = ServiceAccountBed(open_dir, open_state, user_manager, fake_nvml, wheels)
-    yield made
-    for name in made.units:
-        user_manager.remove_unit(name)
 
 
 SWAP_AND_CRASH = """
@@ -202,7 +64,7 @@ def test_new_code_swaps_its_package_for_a_symlink_then_crashes_rollback(
     """Row: new code (run as the service account) replaces its package directory with a symlink to a
     directory elsewhere, then crashes. The rollback replaces the symlink with the real directory and
     restores there: nothing is written into (or deleted from) the other directory."""
-    evil = rebuilt(
+    evil = wheelhouse.rebuilt(
         account.wheels["sicext-2"],
         tmp_path / "evil",
         {"sicext/__init__.py": SWAP_AND_CRASH.format(target=str(account.elsewhere)).encode()},
@@ -230,7 +92,9 @@ def test_new_code_swaps_its_package_for_a_symlink_then_recover(
     """Row: the run dies during the install (power loss, SIGKILL), and the service account swaps the
     package directory for a symlink before ``--recover`` runs: the recovery restores into the real
     directory, never into the symlink's target."""
-    slow = rebuilt(account.wheels["sicext-2"], tmp_path / "slow", {"sicext/blob.bin": os.urandom(48 << 20)})
+    slow = wheelhouse.rebuilt(
+        account.wheels["sicext-2"], tmp_path / "slow", {"sicext/blob.bin": os.urandom(48 << 20)}
+    )
     before = account.snapshot()
     name = account.unit("swap-recover")
     proc = account.start_run("sicext", "--wheel", str(slow), "--settle", "1")
@@ -473,19 +337,7 @@ def read_only() -> Iterator[Callable[[Path], None]]:
             subprocess.run(["umount", "--lazy", str(path)], check=False, capture_output=True)
 
 
-@pytest.fixture
-def bed(
-    venv: Path, wheels: Wheelhouse, tmp_path: Path, user_manager: UserManager, fake_nvml: FakeNvml
-) -> Iterator[Bed]:
-    if not AS_ROOT:
-        pytest.skip("the attacks are on a run as root")
-    wheelhouse.uv_install(venv, wheels["sicext-1"])
-    made = Bed(venv, tmp_path / "state", user_manager, fake_nvml, wheels)
-    yield made
-    for name in made.units:
-        user_manager.remove_unit(name)
-
-
+@needs_root
 def test_a_read_only_site_packages_is_refused_before_anything_stops(
     bed: Bed, read_only: Callable[[Path], None]
 ) -> None:
@@ -500,6 +352,7 @@ def test_a_read_only_site_packages_is_refused_before_anything_stops(
     bed.no_trace()
 
 
+@needs_root
 def test_site_packages_read_only_during_the_downtime_rollback_starts_the_units(
     bed: Bed, read_only: Callable[[Path], None]
 ) -> None:
@@ -527,6 +380,7 @@ def test_site_packages_read_only_during_the_downtime_rollback_starts_the_units(
     bed.no_trace()
 
 
+@needs_root
 def test_site_packages_read_only_then_killed_recover_starts_the_units(
     bed: Bed, read_only: Callable[[Path], None]
 ) -> None:
@@ -561,6 +415,7 @@ def test_site_packages_read_only_then_killed_recover_starts_the_units(
 # --- 3. wheels checked at preflight ------------------------------------------------------------------
 
 
+@needs_root
 def test_a_wheel_replaced_in_its_directory_during_the_run_is_not_what_gets_installed(
     bed: Bed, tmp_path: Path
 ) -> None:
@@ -570,7 +425,7 @@ def test_a_wheel_replaced_in_its_directory_during_the_run_is_not_what_gets_insta
     downloads.mkdir()
     wheel = downloads / bed.wheels["sicext-2"].name
     shutil.copyfile(bed.wheels["sicext-2"], wheel)
-    evil = rebuilt(
+    evil = wheelhouse.rebuilt(
         bed.wheels["sicext-2"], tmp_path / "evil", {"sicext/__init__.py": b"raise SystemExit('replaced')\n"}
     )
     name = bed.unit("replaced")
@@ -592,7 +447,7 @@ def test_a_wheel_replaced_in_its_directory_during_the_run_is_not_what_gets_insta
 
 def _non_utf8_name(wheel: Path, out: Path) -> Path:
     """A wheel with a member whose name is flagged UTF-8 but is not (bytes patched in after writing)."""
-    path = rebuilt(wheel, out, {"sicext/AAAA.py": b""})
+    path = wheelhouse.rebuilt(wheel, out, {"sicext/AAAA.py": b""})
     raw = bytearray(path.read_bytes().replace(b"sicext/AAAA.py", b"sicext/\xff\xfe\xfd\xfc.py", 2))
     at = 0
     while (at := raw.find(b"PK\x01\x02", at)) >= 0:  # its central directory entry: set flag bit 11
@@ -606,16 +461,18 @@ def _non_utf8_name(wheel: Path, out: Path) -> Path:
 
 
 def _big_metadata(wheel: Path, out: Path) -> Path:
-    members, _dist_info = members_of(wheel)
+    members, _dist_info = wheelhouse.members_of(wheel)
     name = next(n for n in members if n.endswith(".dist-info/METADATA"))
-    return rebuilt(wheel, out, {name: members[name] + b"\n" + b"x" * (64 << 20)})
+    return wheelhouse.rebuilt(wheel, out, {name: members[name] + b"\n" + b"x" * (64 << 20)})
 
 
 def _digest_algorithm(wheel: Path, out: Path, algorithm: str, spoil: bool) -> Path:
     """``wheel`` with a RECORD of ``algorithm`` digests; ``spoil``: one member changed after the RECORD
     was written, at the same size (only its digest can tell)."""
-    members, dist_info = members_of(wheel)
-    record = [f"{n},{algorithm}={_digest(d, algorithm)},{len(d)}" for n, d in members.items()]
+    members, dist_info = wheelhouse.members_of(wheel)
+    record = [
+        f"{n},{algorithm}={wheelhouse.record_digest(d, algorithm)},{len(d)}" for n, d in members.items()
+    ]
     record.append(f"{dist_info}/RECORD,,")
     if spoil:
         content = members["sicext/serve.py"]
@@ -630,10 +487,10 @@ def _digest_algorithm(wheel: Path, out: Path, algorithm: str, spoil: bool) -> Pa
 
 
 def _console_script_python(wheel: Path, out: Path) -> Path:
-    members, _dist_info = members_of(wheel)
+    members, _dist_info = wheelhouse.members_of(wheel)
     name = next(n for n in members if n.endswith(".dist-info/entry_points.txt"))
     text = members[name].decode() + "python = sicext.serve:main\n"
-    return rebuilt(wheel, out, {name: text.encode()})
+    return wheelhouse.rebuilt(wheel, out, {name: text.encode()})
 
 
 @pytest.fixture(scope="module")
@@ -664,7 +521,7 @@ def target(
 def _absolute_member(wheel: Path, out: Path, absolute: str) -> Path:
     """zipfile strips a leading "/" when writing; patch the name in after."""
     placeholder = "A" * len(absolute)
-    path = rebuilt(wheel, out, {placeholder: b"x"})
+    path = wheelhouse.rebuilt(wheel, out, {placeholder: b"x"})
     raw = path.read_bytes().replace(placeholder.encode(), absolute.encode())
     path.write_bytes(raw)
     return path
@@ -673,7 +530,7 @@ def _absolute_member(wheel: Path, out: Path, absolute: str) -> Path:
 ATTACKS: dict[str, tuple[Callable[[Path, Path, Path], Path], str]] = {
     # row: a consistent RECORD that lists a member outside the package: never installed, never deleted
     "dotdot-bin-python": (
-        lambda w, out, _b: rebuilt(w, out, {"../../../bin/python": b"#!/bin/sh\necho pwned\n"}),
+        lambda w, out, _b: wheelhouse.rebuilt(w, out, {"../../../bin/python": b"#!/bin/sh\necho pwned\n"}),
         "member '../../../bin/python' has an empty, '.' or '..' component",
     ),
     "absolute-member": (
@@ -681,23 +538,25 @@ ATTACKS: dict[str, tuple[Callable[[Path, Path, Path], Path], str]] = {
         "member '{base}/outside/x' is not a plain relative path",
     ),
     "data-pyvenv-cfg": (
-        lambda w, out, _b: rebuilt(w, out, {"sicext-2.0.data/data/pyvenv.cfg": b"home = /tmp/evil\n"}),
+        lambda w, out, _b: wheelhouse.rebuilt(
+            w, out, {"sicext-2.0.data/data/pyvenv.cfg": b"home = /tmp/evil\n"}
+        ),
         "sicext-2.0.data/data/pyvenv.cfg would replace the environment's own",
     ),
     "scripts-python3": (
-        lambda w, out, _b: rebuilt(w, out, {"sicext-2.0.data/scripts/python3": b"#!/bin/sh\n"}),
+        lambda w, out, _b: wheelhouse.rebuilt(w, out, {"sicext-2.0.data/scripts/python3": b"#!/bin/sh\n"}),
         "sicext-2.0.data/scripts/python3 would replace the environment's own",
     ),
     "data-unowned-file": (
-        lambda w, out, _b: rebuilt(w, out, {"sicext-2.0.data/data/share/notes.txt": b"gone\n"}),
+        lambda w, out, _b: wheelhouse.rebuilt(w, out, {"sicext-2.0.data/data/share/notes.txt": b"gone\n"}),
         "share/notes.txt, which no distribution being replaced holds",
     ),
     "other-distribution": (
-        lambda w, out, _b: rebuilt(w, out, {"sipure/__init__.py": b"print('hijacked')\n"}),
+        lambda w, out, _b: wheelhouse.rebuilt(w, out, {"sipure/__init__.py": b"print('hijacked')\n"}),
         "sipure/__init__.py would replace",
     ),
     "unknown-scheme": (
-        lambda w, out, _b: rebuilt(w, out, {"sicext-2.0.data/elsewhere/x": b"x"}),
+        lambda w, out, _b: wheelhouse.rebuilt(w, out, {"sicext-2.0.data/elsewhere/x": b"x"}),
         "member 'sicext-2.0.data/elsewhere/x' is not inside a scheme directory",
     ),
     "console-script-python": (
@@ -731,7 +590,7 @@ def test_hostile_wheels_are_refused_at_preflight(
     python, unit, base = target
     build, expected = ATTACKS[attack]
     wheel = build(wheels["sicext-2"], tmp_path / "w", base)
-    before = snapshot(base)
+    before = tree_snapshot(base)
     main = user_manager.main_pid(unit)
     env = {**user_manager.env, "SAFEINSTALL_STATE_DIR": str(tmp_path / "state")}
 
@@ -741,7 +600,7 @@ def test_hostile_wheels_are_refused_at_preflight(
     assert expected.format(base=base) in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
     assert user_manager.main_pid(unit) == main
-    assert snapshot(base) == before  # the environment and what is beside it: untouched
+    assert tree_snapshot(base) == before  # the environment and what is beside it: untouched
     assert not list((tmp_path / "state").glob("*/wheels/*"))  # the run's copy went with it
 
 
@@ -787,7 +646,7 @@ def test_verify_never_reads_what_a_wheel_member_points_at(
     python, site, secret = verified
     if how == "relative":
         member = os.path.relpath(secret, site)
-        wheel = rebuilt(wheels["sicext-1"], tmp_path / "w", {member: b"other\n"})
+        wheel = wheelhouse.rebuilt(wheels["sicext-1"], tmp_path / "w", {member: b"other\n"})
     else:
         member = str(secret)
         wheel = _absolute_member(wheels["sicext-1"], tmp_path / "w", member)
@@ -849,7 +708,7 @@ def test_installed_record_digests_are_checked_with_their_own_algorithm(
     lines = record.read_text().splitlines()
     content = served.read_bytes()
     lines = [
-        f"sicext/serve.py,sha512={_digest(content, 'sha512')},{len(content)}"
+        f"sicext/serve.py,sha512={wheelhouse.record_digest(content, 'sha512')},{len(content)}"
         if line.startswith("sicext/serve.py,")
         else line
         for line in lines
@@ -1032,7 +891,7 @@ def test_an_installed_distributions_metadata_is_never_read_through_a_fifo_a_syml
     owner may read is followed: uv's `--link-mode symlink` links metadata into its cache.)"""
     if not AS_ROOT:
         pytest.skip("the attack is on a run as root")
-    shared = shared_interpreter()
+    shared = shared_interpreter_or_skip()
     venv = wheelhouse.make_venv(open_dir / "venv", shared)
     wheelhouse.uv_install(venv, wheels["sipure-1"])
     site = wheelhouse.site_packages(venv)
@@ -1070,7 +929,7 @@ def test_a_directory_above_the_prefix_swapped_for_a_symlink_leads_nowhere(
     symlink): nothing is written into the other environment."""
     if not AS_ROOT:
         pytest.skip("the attack is on a run as root")
-    shared = shared_interpreter()
+    shared = shared_interpreter_or_skip()
     home = open_dir / "home"
     (home / "envs").mkdir(parents=True)
     python = wheelhouse.make_venv(home / "envs" / "app", shared)
@@ -1107,7 +966,7 @@ def test_a_directory_above_the_prefix_swapped_for_a_symlink_leads_nowhere(
 def _root_venv_with_pth(base: Path, wheels: Wheelhouse) -> tuple[Path, Path, Path]:
     """A venv made by root (interpreter, bin/, pyvenv.cfg root's) with sipure 1.0, and a .pth file that
     appends the uid it runs as to a file anyone may write; (python, site, uids file)."""
-    shared = shared_interpreter()
+    shared = shared_interpreter_or_skip()
     python = wheelhouse.make_venv(base / "venv", shared)
     wheelhouse.uv_install(python, wheels["sipure-1"])
     site = wheelhouse.site_packages(python)
@@ -1211,7 +1070,7 @@ def test_whoever_controls_what_site_or_the_interpreter_runs_is_the_environments_
     to the interpreter. The account is the environment's: nothing of it runs as root."""
     if not AS_ROOT:
         pytest.skip("the attack is on a run as root")
-    shared = shared_interpreter()
+    shared = shared_interpreter_or_skip()
     uids = open_dir / "uids"
     uids.touch()
     uids.chmod(0o666)

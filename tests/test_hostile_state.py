@@ -18,7 +18,6 @@ import socketserver
 import subprocess
 import tempfile
 import threading
-import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -33,13 +32,13 @@ from safeinstall.safefs import permitted
 from safeinstall.state import environment_key
 from tests import wheelhouse
 from tests.bed_systemd import CGROUP_ROOTS, UserManager, wait_until
+from tests.beds import NOBODY, printing_interpreter
 from tests.clirun import Result, run
-from tests.test_crash_safety import small_disk  # noqa: F401  (a fixture: tmpfs disks that can be full)
 from tests.wheelhouse import Wheelhouse
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the attacks are on root")
 
-OTHER_UID = 65534  # nobody: the service account that owns an environment, or a state directory
+OTHER_UID = NOBODY  # the service account that owns an environment, or a state directory
 RUN_ID = "20261130T031201Z-1234"
 
 
@@ -97,12 +96,6 @@ def error_lines(result: Result) -> list[str]:
 @pytest.fixture
 def attack(tmp_path: Path) -> Attack:
     return Attack(tmp_path)
-
-
-@pytest.fixture
-def sipure_venv(venv: Path, wheels: Wheelhouse) -> Path:
-    wheelhouse.uv_install(venv, wheels["sipure-1"])
-    return venv
 
 
 # ------------------------------------------------- 1. the state directory: owner and modes, parents too
@@ -431,18 +424,6 @@ def test_an_interpreter_that_lies_about_its_prefix_is_refused(sipure_venv: Path,
     ]
 
 
-@pytest.fixture
-def nobody_interpreter() -> Iterator[Path]:
-    """``TOP/bin/python``, a shell script in a directory owned by the service account (no pyvenv.cfg): it
-    runs as that account and prints whatever its owner likes."""
-    top = Path(tempfile.mkdtemp(prefix="si-liar-"))
-    try:
-        (top / "bin").mkdir()
-        yield top / "bin" / "python"
-    finally:
-        shutil.rmtree(top, ignore_errors=True)
-
-
 def _lying_probe(python: Path, prefix: Path, site: Path, *, uid: int = 0) -> None:
     """Make ``python`` answer the probe with ``prefix`` and ``site``, claiming to run as ``uid``; then hand
     its directory to the service account."""
@@ -460,15 +441,7 @@ def _lying_probe(python: Path, prefix: Path, site: Path, *, uid: int = 0) -> Non
         "platform": "linux-x86_64",
         "uid": uid,
     }
-    _printing(python, f"cat <<'EOF'\n{answer!r}\nEOF\n")
-
-
-def _printing(python: Path, script: str) -> None:
-    """Make ``python`` a shell script that runs ``script`` (whatever the probe asks), owned with its
-    directory by the service account."""
-    python.write_text(f"#!/bin/sh\n{script}")
-    python.chmod(0o755)
-    subprocess.run(["chown", "-R", f"{OTHER_UID}:{OTHER_UID}", str(python.parent.parent)], check=True)
+    printing_interpreter(python, f"cat <<'EOF'\n{answer!r}\nEOF\n")
 
 
 def _own_site(top: Path, victim_site: Path) -> Path:
@@ -560,7 +533,7 @@ def test_whatever_the_interpreter_prints_is_read_as_a_literal_or_refused(
     limits, a version of floats) is refused with an error and a hint, never run, never an internal
     error."""
     script, quoted = PROBE_ANSWERS[name]
-    _printing(nobody_interpreter, script + "\n")
+    printing_interpreter(nobody_interpreter, script + "\n")
     result = run("sipure", "--verify-only", "--python", str(nobody_interpreter))
     assert result.code == 2, result.stdout + result.stderr
     first, hint = result.stderr.strip().splitlines()[-2:]
@@ -575,7 +548,7 @@ def test_an_interpreter_that_prints_more_than_an_answer_is_stopped(
 ) -> None:
     """Root keeps at most 64 KiB of what the owner's interpreter prints (its answer is a few hundred
     bytes; parsed, a MiB of nested literals would cost root about 500 MB); then it is killed."""
-    _printing(nobody_interpreter, script + "\n")
+    printing_interpreter(nobody_interpreter, script + "\n")
     result = run("sipure", "--verify-only", "--python", str(nobody_interpreter))
     assert result.code == 2, result.stdout + result.stderr
     assert error_lines(result) == [
@@ -883,18 +856,13 @@ def test_the_space_check_counts_the_prefetch(
     venv: Path,
     wheels: Wheelhouse,
     tmp_path: Path,
-    small_disk: Callable[[int], Path],  # noqa: F811
+    small_disk: Callable[[int], Path],
 ) -> None:
     """The backup fits on the state disk, the new version unpacked beside it does not: refused at
     preflight, before any backup is taken."""
     wheelhouse.uv_install(venv, wheels["sipure-1"])
-    with zipfile.ZipFile(wheels["sipure-2"]) as archive:
-        members = {i.filename: archive.read(i) for i in archive.infolist() if not i.is_dir()}
-    dist_info = next(n.split("/")[0] for n in members if n.endswith(".dist-info/METADATA"))
-    members.pop(f"{dist_info}/RECORD")
-    members["sipure/blob.bin"] = bytes(24 * 1024 * 1024)  # the wheel (deflated) fits; unpacked, it does not
-    (tmp_path / "big").mkdir()
-    big = wheelhouse.write_wheel(tmp_path / "big" / wheels["sipure-2"].name, members, dist_info, deflate=True)
+    blob = {"sipure/blob.bin": bytes(24 * 1024 * 1024)}  # the wheel (deflated) fits; unpacked, it does not
+    big = wheelhouse.rebuilt(wheels["sipure-2"], tmp_path / "big", blob)
     state = small_disk(16) / "state"
     result = cli(state, "sipure", "--python", str(venv), "--wheel", str(big), "--yes")
     assert result.code == 2, result.stdout + result.stderr

@@ -29,9 +29,8 @@ from safeinstall.patches import (
 )
 from safeinstall.records import digest_bytes
 from tests.bed_systemd import wait_until
+from tests.beds import Bed
 from tests.clirun import SAFEINSTALL, run
-from tests.test_reinstall import Bed
-from tests.test_reinstall import bed as bed  # the reinstall tests' bed: sicext 1.0 in a venv, units, NVML
 
 V = Versions("pkg", "1.0", "2.0")
 BASE = b"".join(f"line {n}\n".encode() for n in range(1, 21))
@@ -275,7 +274,7 @@ def test_a_patch_in_a_region_the_new_version_changed_is_refused_before_the_stop(
     assert f"conflict {init}: the local patch and sicext 2.0 change the same lines" in refused.stdout
     for line in ("<<<<<<< local patch", '+"""sicext 1.0 with a local docstring."""', ">>>>>>> sicext 2.0"):
         assert line in refused.stdout  # the conflict, shown as a diff against 2.0's file
-    assert bed.manager.main_pid(name) == main and bed.installed_version() == "1.0"
+    assert bed.manager.main_pid(name) == main and bed.version() == "1.0"
     assert not any(bed.state.glob("*/journal.json")) and not any(bed.state.glob("*/keep-patches-*"))
     as_json = bed.safeinstall(*args, *base, "--json").json["data"]
     assert [(p["path"], p["status"]) for p in as_json["patches"]] == [
@@ -320,7 +319,7 @@ def test_a_patched_extension_or_a_file_the_new_version_lacks_is_refused(
     (patch,) = result.json["data"]["patches"]
     assert patch["path"] == str(path) and patch["status"] == "conflict" and detail in patch["detail"]
     assert result.json["errors"][0]["code"] == "patch-conflict"
-    assert bed.manager.main_pid(name) == main and bed.installed_version() == "1.0"
+    assert bed.manager.main_pid(name) == main and bed.version() == "1.0"
 
 
 def test_a_dry_run_makes_the_runs_patch_merge_and_refuses_exactly_when_the_run_would(
@@ -363,7 +362,7 @@ def test_a_dry_run_makes_the_runs_patch_merge_and_refuses_exactly_when_the_run_w
     dropped = bed.safeinstall(*args, *base, "--drop-conflicting", "--dry-run", "--json")
     assert dropped.code == 0, dropped.stdout + dropped.stderr
     assert [p["status"] for p in dropped.json["data"]["patches"]] == ["dropped", "carried"]
-    assert bed.installed_version() == "1.0"
+    assert bed.version() == "1.0"
 
 
 def test_the_ansible_modules_check_mode_with_keep_patches_is_the_dry_run_of_the_merge(
@@ -404,7 +403,7 @@ def test_without_an_index_or_a_base_wheel_the_run_is_refused_clearly(bed: Bed, t
     assert "uv could not fetch sicext==1.0" in offline.stderr and "hint: pass --base-wheel" in offline.stderr
     wrong = run(*ours, "--base-wheel", v2, env=env)
     assert wrong.code == 2 and "is sicext 2.0; the installed version is sicext 1.0" in wrong.stderr
-    assert bed.installed_version() == "1.0" and "Traceback" not in offline.stderr + wrong.stderr
+    assert bed.version() == "1.0" and "Traceback" not in offline.stderr + wrong.stderr
     usage = run("sicext", "--wheel", v2, "--drop-conflicting", env=env)
     assert (
         usage.code == 2

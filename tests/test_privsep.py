@@ -27,20 +27,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.clirun import SAFEINSTALL, run
-from tests.test_hostile_fs import (
+from tests import wheelhouse
+from tests.beds import (
+    AS_ROOT,
     NOBODY,
     OTHER,
     ServiceAccountBed,
     chown_tree,
-    rebuilt,
-    shared_interpreter,
+    shared_interpreter_or_skip,
 )
-from tests.test_hostile_fs import account as account  # the fixture: uid 65534's venv and unit
-from tests.test_hostile_fs import open_dir as open_dir
-from tests.test_hostile_fs import open_state as open_state
+from tests.clirun import SAFEINSTALL, run
 
-AS_ROOT = os.geteuid() == 0
 pytestmark = pytest.mark.skipif(not AS_ROOT, reason="the attacks are on a run as root")
 
 
@@ -64,7 +61,7 @@ def _started_as(uid: int, ready: Path, *argv: str) -> subprocess.Popen[bytes]:
             f"--reuid={uid}",
             f"--regid={uid}",
             "--clear-groups",
-            shared_interpreter(),
+            shared_interpreter_or_skip(),
             *argv,
             str(ready),
         ],
@@ -197,7 +194,7 @@ def test_a_record_the_owner_wrote_never_makes_root_delete_what_the_owner_could_n
     removed what that RECORD lists, as root, and so deleted two root-owned files the account could not
     delete itself. Now the removal runs as the account: both files stay, and the rollback succeeds."""
     prefix = handed.base / "venv"
-    wheel = rebuilt(
+    wheel = wheelhouse.rebuilt(
         handed.wheels["sicext-2"], tmp_path / "tamper", {"sicext/serve.py": TAMPER_THEN_CRASH.encode()}
     )
     name = handed.unit("tamper")
@@ -265,7 +262,7 @@ class _Index(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def index() -> Iterator[tuple[int, type[_Index]]]:
-    handler = type("Index", (_Index,), {"seen": [], "interpreter": shared_interpreter()})
+    handler = type("Index", (_Index,), {"seen": [], "interpreter": shared_interpreter_or_skip()})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

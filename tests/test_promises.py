@@ -15,13 +15,10 @@ from typing import Any
 from safeinstall.journal import new_journal, start_journal
 from safeinstall.lock import acquire_lock
 from safeinstall.state import ensure_environment_dir, environment_state
+from tests.bed_nvml import GiB
 from tests.bed_systemd import wait_until
+from tests.beds import Bed
 from tests.clirun import run
-from tests.test_reinstall import Bed, bed
-
-__all__ = ["bed"]  # the fixture, shared with test_reinstall
-
-GiB = 1024**3
 
 
 def _journal_doc(bed: Bed) -> dict[str, Any] | None:
@@ -136,7 +133,7 @@ def test_a_failed_sidecar_bound_to_the_service_is_not_planned(bed: Bed) -> None:
 
     assert result.code == 0, result.stdout + result.stderr
     assert set(result.json["data"]["downtime_s"]) == {served}
-    assert bed.manager.active_state(sidecar) == "failed" and bed.installed_version() == "2.0"
+    assert bed.manager.active_state(sidecar) == "failed" and bed.version() == "2.0"
 
 
 # --- --no-restart -----------------------------------------------------------------------------------
@@ -151,7 +148,7 @@ def test_no_restart_leaves_the_units_stopped_and_says_so(bed: Bed) -> None:
     assert result.code == 0, result.stdout + result.stderr
     assert f"{name} left stopped (--no-restart)" in result.stdout
     assert bed.manager.active_state(name) == "inactive" and not Path(f"/proc/{main}").exists()
-    assert bed.installed_version() == "2.0" and bed.verify("--wheel", str(bed.wheels["sicext-2"])).code == 0
+    assert bed.version() == "2.0" and bed.verify("--wheel", str(bed.wheels["sicext-2"])).code == 0
     assert _journal_doc(bed) is None and not list(bed.state.glob("*/gate"))
     assert not list(bed.manager.unit_dir.glob(f"{name}.d/*safeinstall*"))
     doc = bed.safeinstall("--status", "--wait", "--json").json  # the run's own document
@@ -219,5 +216,5 @@ def test_systemctl_stop_of_a_detached_runs_unit_rolls_it_back(bed: Bed) -> None:
     waited = bed.safeinstall("--status", "--wait", "--run", run_id, "--json")
     assert waited.code == 3, waited.stdout + waited.stderr
     assert waited.json["status"] == "rolled-back" and "SIGTERM" in waited.json["errors"][0]["message"]
-    assert _journal_doc(bed) is None and bed.installed_version() == "1.0"
+    assert _journal_doc(bed) is None and bed.version() == "1.0"
     assert bed.manager.active_state(name) == "active" and bed.manager.main_pid(name) != old_main

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -33,3 +34,30 @@ def test_ruff_format_clean() -> None:
         text=True,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _imports_of_test_modules(path: Path) -> list[str]:
+    """The ``tests.test_*`` modules ``path`` imports (``from tests.test_x import y``, ``import tests.test_x``,
+    ``from tests import test_x``, ``from . import test_x``, ``from .test_x import y``)."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names if alias.name.startswith("tests.test_")]
+        elif isinstance(node, ast.ImportFrom):
+            module = "." * node.level + (node.module or "")
+            if module.startswith(("tests.test_", ".test_")):
+                found.append(module)
+            elif module in ("tests", "."):
+                found += [f"{module}.{alias.name}" for alias in node.names if alias.name.startswith("test_")]
+    return found
+
+
+def test_no_test_module_imports_from_another() -> None:
+    """Beds, fixtures and helpers live in shared modules (tests/beds.py, tests/conftest.py, ...): a test
+    module never imports from another test module."""
+    found = {
+        str(path.relative_to(ROOT)): imported
+        for path in sorted((ROOT / "tests").rglob("*.py"))
+        if (imported := _imports_of_test_modules(path))
+    }
+    assert found == {}, "move what they share into tests/beds.py or tests/conftest.py"

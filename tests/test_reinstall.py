@@ -11,82 +11,15 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from tests import wheelhouse
-from tests.bed_nvml import FakeNvml
-from tests.bed_systemd import Units, UserManager, cgroup_pids, wait_until
-from tests.clirun import SAFEINSTALL, Result, run
-from tests.wheelhouse import Wheelhouse
-
-GiB = 1024**3
-
-
-@dataclass
-class Bed:
-    python: Path
-    site: Path
-    state: Path
-    manager: UserManager
-    units: Units
-    nvml: FakeNvml
-    wheels: Wheelhouse
-
-    @property
-    def so(self) -> Path:
-        return next((self.site / "sicext").glob("_native*.so"))
-
-    def environ(self) -> dict[str, str]:
-        return {**self.manager.env, **self.nvml.env, "SAFEINSTALL_STATE_DIR": str(self.state)}
-
-    def safeinstall(self, *args: str, timeout: float = 180) -> Result:
-        """Run safeinstall against the bed (arguments after "--" go to uv, so ours come first)."""
-        ours = ("--user", "--python", str(self.python), "--yes")
-        return run(*ours, *args, env=self.environ(), timeout=timeout)
-
-    def installed_version(self) -> str:
-        out = subprocess.run(
-            [str(self.python), "-c", "import sicext; print(sicext.version())"], capture_output=True, text=True
-        )
-        return out.stdout.strip() or out.stderr.strip().splitlines()[-1]
-
-    def verify(self, *extra: str) -> Result:
-        return run("sicext", "--verify-only", "--python", str(self.python), "--json", *extra)
-
-    def service(self, stem: str, args: str = "", **settings: str) -> str:
-        name = self.units.started(stem, f"{self.python.parent}/sicext-serve {args}".strip(), **settings)
-        main = self.manager.main_pid(name)
-        wait_until(lambda: maps_so(main) is not None or args.startswith("--lazy"), 15, "service maps the .so")
-        return name
-
-
-def maps_so(pid: int) -> int | None:
-    """The inode of the sicext extension the process has mapped (None: not mapped)."""
-    try:
-        for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-            if "_native" in line and ".so" in line:
-                return int(line.split()[4])
-    except OSError:
-        return None
-    return None
-
-
-@pytest.fixture
-def bed(
-    venv: Path,
-    wheels: Wheelhouse,
-    tmp_path: Path,
-    units: Units,
-    user_manager: UserManager,
-    fake_nvml: FakeNvml,
-) -> Bed:
-    wheelhouse.uv_install(venv, wheels["sicext-1"])
-    return Bed(
-        venv, wheelhouse.site_packages(venv), tmp_path / "state", user_manager, units, fake_nvml, wheels
-    )
+from tests.bed_nvml import GiB
+from tests.bed_systemd import cgroup_pids, wait_until
+from tests.beds import Bed, declined_on_a_terminal, maps_so
+from tests.clirun import run
 
 
 def test_happy_path(bed: Bed) -> None:
@@ -135,7 +68,7 @@ def test_happy_path(bed: Bed) -> None:
     new_main = bed.manager.main_pid(name)
     assert new_main != old_main and bed.manager.active_state(name) == "active"
     assert maps_so(new_main) == bed.so.stat().st_ino  # the new process runs the new extension
-    assert bed.installed_version() == "2.0"
+    assert bed.version() == "2.0"
     assert bed.verify("--wheel", str(bed.wheels["sicext-2"])).code == 0
     # No trace left in the unit, nothing left to recover.
     assert not list(bed.manager.unit_dir.glob(f"{name}.d/*safeinstall*"))
@@ -237,7 +170,7 @@ def test_gpu_release_timeout_restarts_unit_and_installs_nothing(bed: Bed) -> Non
     assert "GPU memory was not released" in message and f"PID {main}" in message
     assert "nothing was installed" in message
     assert bed.manager.active_state(name) == "active" and bed.manager.main_pid(name) != main
-    assert bed.installed_version() == "1.0"
+    assert bed.version() == "1.0"
     assert bed.verify().code == 0
 
 
@@ -268,7 +201,7 @@ def test_bad_wheels_are_refused_before_anything_stops(bed: Bed, tmp_path: Path, 
     assert result.code == 2, result.stdout + result.stderr
     assert expected in result.stderr and "Traceback" not in result.stderr
     assert bed.manager.main_pid(name) == main
-    assert bed.installed_version() == "1.0"
+    assert bed.version() == "1.0"
 
 
 def _with_edited_member(wheel: Path, out_dir: Path, member: str) -> Path:
@@ -297,7 +230,7 @@ def test_unit_that_ignores_sigterm_aborts_after_stop_timeout(bed: Bed) -> None:
     assert result.json["errors"][0]["hint"]  # every error says what to do next
     assert "nothing was installed" in message and f"started {name} again" in message
     assert bed.manager.active_state(name) == "active"
-    assert bed.installed_version() == "1.0"
+    assert bed.version() == "1.0"
 
 
 def test_a_new_dependency_that_cannot_be_unpacked_is_found_before_anything_stops(
@@ -336,7 +269,7 @@ def test_a_new_dependency_that_cannot_be_unpacked_is_found_before_anything_stops
     after = {p: p.read_bytes() for p in (bed.site / "sicext").rglob("*") if p.is_file()}
     assert after == before  # v1 bytes and the local patch
     assert bed.manager.active_state(name) == "active" and bed.manager.main_pid(name) == main
-    assert bed.installed_version() == "1.0"
+    assert bed.version() == "1.0"
     assert not any(bed.state.glob("*/journal.json")) and not any(bed.state.glob("*/gate"))
 
 
@@ -352,7 +285,7 @@ def test_new_version_that_crashes_is_rolled_back(bed: Bed) -> None:
     assert result.json["data"]["log_file"] in error["hint"]
     wait_until(lambda: bed.manager.active_state(name) == "active", 10, "unit active again")
     assert maps_so(bed.manager.main_pid(name)) == bed.so.stat().st_ino
-    assert bed.installed_version() == "1.0"
+    assert bed.version() == "1.0"
     assert bed.verify().code == 0
     # the rollback is a step of its own, said as it begins and when it ends (here and in the log)
     rollback = result.json["data"]["steps"][-1]
@@ -385,7 +318,7 @@ def test_a_rollback_that_fails_lists_the_commands_to_finish(bed: Bed, tmp_path: 
     commands = doc["data"]["manual_commands"]
     assert commands == [f"safeinstall --recover --python {bed.python}", f"systemctl --user start {name}"]
     assert " && ".join(commands) in doc["errors"][0]["message"]
-    assert bed.installed_version() == "1.0"  # the restore itself worked; the start did not
+    assert bed.version() == "1.0"  # the restore itself worked; the start did not
 
 
 def test_only_a_good_run_deletes_backups_beyond_keep_backups(bed: Bed) -> None:
@@ -440,7 +373,7 @@ def test_a_file_pruned_by_a_run_that_fails_later_comes_back(bed: Bed) -> None:
     assert str(notes) in result.json["data"]["pruned"]
     assert notes.read_text() == "ops notes\n"
     wait_until(lambda: bed.manager.active_state(name) == "active", 10, "unit active again")
-    assert bed.installed_version() == "1.0"
+    assert bed.version() == "1.0"
 
 
 @pytest.mark.parametrize("dependency", ["BindsTo", "Requires", "PartOf"])
@@ -465,7 +398,7 @@ def test_a_unit_that_stops_with_an_affected_one_is_started_again(bed: Bed, depen
     assert result.code == 0, result.stdout + result.stderr
     assert set(result.json["data"]["downtime_s"]) == {served, sidecar}
     assert bed.manager.active_state(sidecar) == "active" and bed.manager.main_pid(sidecar) != sidecar_main
-    assert bed.manager.active_state(served) == "active" and bed.installed_version() == "2.0"
+    assert bed.manager.active_state(served) == "active" and bed.version() == "2.0"
     assert not list(bed.manager.unit_dir.glob(f"{sidecar}.d/*safeinstall*"))
 
 
@@ -506,7 +439,7 @@ def test_stray_refused_then_killed_with_kill_strays(
     assert dry.code == 2 and dry.json["status"] == "would-refuse"  # the same decision as the run's
     refused = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]))
     assert refused.code == 2 and "--kill-strays" in refused.stderr
-    assert proc.poll() is None and bed.installed_version() == "1.0"
+    assert proc.poll() is None and bed.version() == "1.0"
     result = bed.safeinstall(
         "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--kill-strays", "--settle", "0.5", "--json"
     )
@@ -601,7 +534,7 @@ def test_health_url_must_answer_200(bed: Bed, tmp_path: Path) -> None:
     assert "did not answer 200 within 2 s (last: HTTP 404)" in bad.json["errors"][0]["message"]
     assert "raise --health-timeout" in bad.json["errors"][0]["hint"]
     wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running again")
-    assert bed.installed_version() == "2.0"
+    assert bed.version() == "2.0"
     # no silent wait: the stop, the settle and the health check each say what they wait for (the log,
     # which --status --wait shows; on a pipe, stderr too)
     log = Path(bad.json["data"]["log_file"]).read_text()
@@ -609,38 +542,6 @@ def test_health_url_must_answer_200(bed: Bed, tmp_path: Path) -> None:
     assert f"waiting for {name} to be 0.5 s active" in log
     assert f"waiting for http://127.0.0.1:{port}/missing to answer 200 (last: " in log
     assert "of 2 s" in log
-
-
-def declined_on_a_terminal(bed: Bed, *extra: str) -> tuple[int, str, str]:
-    """``safeinstall sicext --wheel sicext-2 EXTRA`` with a terminal as its input, answered ``n`` at the
-    prompt: its exit status, stdout and stderr."""
-    import pty
-
-    master, slave = pty.openpty()
-    try:
-        args = [
-            "--user",
-            "--python",
-            str(bed.python),
-            "sicext",
-            "--wheel",
-            str(bed.wheels["sicext-2"]),
-            *extra,
-        ]
-        proc = subprocess.Popen(
-            [SAFEINSTALL, *args],
-            stdin=slave,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env={**bed.environ(), "COLUMNS": "200"},
-            text=True,
-        )
-        os.write(master, b"n\n")
-        out, err = proc.communicate(timeout=120)
-    finally:
-        os.close(master)
-        os.close(slave)
-    return proc.returncode, out, err
 
 
 def test_interactive_run_shows_the_plan_and_asks_first(bed: Bed) -> None:
@@ -652,7 +553,7 @@ def test_interactive_run_shows_the_plan_and_asks_first(bed: Bed) -> None:
     assert "units that would be stopped" in out and name in out
     assert "stop these units and reinstall? [y/N]" in err
     assert "nothing done (not confirmed)" in out
-    assert bed.manager.main_pid(name) == main and bed.installed_version() == "1.0"
+    assert bed.manager.main_pid(name) == main and bed.version() == "1.0"
     # a declined run finished: the next run takes no stale lock over, nor says the last one died
     again = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--json")
     assert again.code == 0, again.stdout + again.stderr

@@ -26,15 +26,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from safeinstall.journal import PHASE_ORDER, Phase
 from tests.bed_systemd import wait_until
+from tests.beds import Bed
 from tests.clirun import run
-from tests.test_crash_safety import Bed
-from tests.test_crash_safety import bed as bed  # the crash tests' bed: sicext 1.0 in a venv, units, NVML
 
 SOAK_TRIALS = 40
 #: the phases a good run passes, in order (safeinstall.journal.Phase, up to "done")
-PHASES = tuple(p.value for p in PHASE_ORDER[: PHASE_ORDER.index(Phase.DONE) + 1])
 PHASES = (
     "planned",
     "backed-up",

@@ -23,8 +23,8 @@ from safeinstall.errors import PlanError
 from safeinstall.systemsite import dpkg_package_name, marker_error_text, owners_in
 from safeinstall.uvplan import UvRequest, dry_run, uv_said
 from tests import wheelhouse
+from tests.beds import printing_interpreter
 from tests.clirun import run
-from tests.test_hostile_state import _printing, nobody_interpreter  # noqa: F401  (a fixture)
 
 SYSTEM_PYTHON = Path("/usr/bin/python3")
 DPKG_INFO = Path("/var/lib/dpkg/info")
@@ -339,7 +339,7 @@ def test_a_system_site_packages_venv_shows_and_refuses_what_comes_from_the_base(
 
 
 def test_a_base_site_directory_another_account_controls_is_not_read_for_its_environment(
-    nobody_interpreter: Path,  # noqa: F811  (the fixture)
+    nobody_interpreter: Path,
 ) -> None:
     """A service account's interpreter says its base installation is "/" with a site directory the
     account writes, holding a RECORD that names a file of root's: that directory is not looked in (root
@@ -365,7 +365,7 @@ def test_a_base_site_directory_another_account_controls_is_not_read_for_its_envi
         "soabi": None,
         "platform": "linux-x86_64",
     }
-    _printing(nobody_interpreter, f"cat <<'EOF'\n{answer!r}\nEOF\n")
+    printing_interpreter(nobody_interpreter, f"cat <<'EOF'\n{answer!r}\nEOF\n")
     result = run("--verify-only", "--all", "--python", str(nobody_interpreter), "--json")
     assert "evil" not in result.stdout and "/etc/hostname" not in result.stdout, result.stdout
     assert result.code == 2 and result.json["errors"][0]["code"] == "nothing-to-check"

@@ -441,13 +441,13 @@ def test_runtime_dropin_sets_environment(svc: Systemd, units: Units, user_manage
     path = svc.add_dropin(name, "50-safeinstall-test", "[Service]\nEnvironment=SI_MARK=1", persistent=False)
     assert path == user_manager.runtime_unit_dir / f"{name}.d" / "50-safeinstall-test.conf"
     assert path.read_text() == "[Service]\nEnvironment=SI_MARK=1\n"
-    props = svc.properties(name, "Environment", "DropInPaths")
+    props = user_manager.show(name, "Environment", "DropInPaths")
     assert "SI_MARK=1" in props["Environment"].split()
     assert str(path) in props["DropInPaths"].split()
 
     assert svc.remove_dropin(name, "50-safeinstall-test", persistent=False)
     assert not path.exists() and not path.parent.exists()
-    assert "SI_MARK=1" not in svc.properties(name, "Environment")["Environment"]
+    assert "SI_MARK=1" not in user_manager.show(name, "Environment")["Environment"]
     assert not svc.remove_dropin(name, "50-safeinstall-test", persistent=False)
 
 
@@ -465,7 +465,7 @@ def test_persistent_gate_dropin_blocks_start(svc: Systemd, units: Units, user_ma
     assert info.active_state == "failed" and info.result == "exit-code"
 
     # the same gate seen through a non-blocking start
-    svc.reset_failed(name)
+    user_manager.systemctl("reset-failed", name)
     svc.start(name)
     assert svc.wait_settled(name, settle_s=1, timeout_s=10).verdict == "failed"
 

@@ -16,7 +16,6 @@ from safeinstall.state import ensure_environment_dir, environment_state
 from tests import wheelhouse
 from tests.bed_systemd import UserManager, wait_until
 from tests.clirun import run
-from tests.test_hostile_state import sipure_venv as sipure_venv  # a venv with sipure 1.0
 from tests.wheelhouse import Wheelhouse
 
 #: Clear the screen, set the window title, and a C1 CSI: what a hostile command line would send.

@@ -10,28 +10,12 @@ import hashlib
 import json
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.bed_systemd import wait_until
-from tests.test_crash_safety import Bed as CrashBed
-from tests.test_crash_safety import bed as crash_bed_fixture  # noqa: F401  (a fixture, by name)
-from tests.test_crash_safety import big_wheel as big_wheel  # sicext 2.0 with a 160 MiB file
-from tests.test_hostile_fs import NOBODY, ServiceAccountBed, chown_tree
-from tests.test_hostile_fs import account as account  # the fixture: uid 65534's venv and unit
-from tests.test_hostile_fs import open_dir as open_dir
-from tests.test_hostile_fs import open_state as open_state
-from tests.test_reinstall import Bed, maps_so
-from tests.test_reinstall import bed as bed  # sicext 1.0 in a venv, a user manager, the fake NVML
-
-
-@pytest.fixture
-def crash_bed(request: pytest.FixtureRequest) -> Iterator[CrashBed]:
-    """The crash-safety tests' bed (runs killed at a phase, units torn down after)."""
-    yield request.getfixturevalue("crash_bed_fixture")
-
+from tests.beds import NOBODY, Bed, ServiceAccountBed, chown_tree, maps_so
 
 UNDO_STEPS = ["backup", "gate", "stop", "gpu-release", "restore", "verify", "restart", "end-check"]
 
@@ -63,7 +47,7 @@ def _patch(bed: Bed) -> bytes:
 def _upgrade(bed: Bed) -> str:
     result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json")
     assert result.code == 0, result.stdout + result.stderr
-    assert bed.installed_version() == "2.0"
+    assert bed.version() == "2.0"
     run_id: str = result.json["data"]["run_id"]
     return run_id
 
@@ -87,7 +71,7 @@ def test_upgrade_then_undo_puts_back_the_old_version_and_its_patch_and_restarts_
     assert [(d["name"], d["old_version"], d["new_version"]) for d in plan["distributions"]] == [
         ("sicext", "2.0", "1.0")
     ]
-    assert bed.installed_version() == "1.0"
+    assert bed.version() == "1.0"
     assert _files(bed.site) == before  # byte for byte, the .dist-info and the local patch included
     assert (bed.site / "sicext" / "serve.py").read_bytes() == patch
     main = bed.manager.main_pid(name)
@@ -103,13 +87,13 @@ def test_the_undo_of_an_undo_goes_forward_again(bed: Bed) -> None:
     upgraded = _files(bed.site)
     first = bed.safeinstall("--undo", "--settle", "0.5", "--json")
     assert first.code == 0, first.stdout + first.stderr
-    assert bed.installed_version() == "1.0"
+    assert bed.version() == "1.0"
 
     again = bed.safeinstall("--undo", "--settle", "0.5", "--json")
 
     assert again.code == 0, again.stdout + again.stderr
     assert again.json["data"]["undo_of"] == first.json["data"]["run_id"]
-    assert bed.installed_version() == "2.0"
+    assert bed.version() == "2.0"
     assert _files(bed.site) == upgraded
     assert maps_so(bed.manager.main_pid(name)) == bed.so.stat().st_ino
 
@@ -156,36 +140,34 @@ def test_a_pruned_backup_refuses_and_says_which_runs_can_be_undone(bed: Bed) -> 
     ("phases", "linger"), [(("stopped",), 2.0), (("installed", "verified", "restarting"), 0.0)]
 )
 def test_an_undo_killed_in_the_middle_is_finished_by_recover(
-    crash_bed: CrashBed, phases: tuple[str, ...], linger: float
+    bed: Bed, phases: tuple[str, ...], linger: float
 ) -> None:
-    patched = crash_bed.site / "sicext" / "serve.py"
-    patched.write_text(patched.read_text() + "# local hotfix\n")
-    before = crash_bed.snapshot()
-    name = crash_bed.unit("undo-kill")
-    wheel = str(crash_bed.wheels["sicext-2"])
-    upgrade = crash_bed.cli("sicext", "--wheel", wheel, "--yes", "--settle", "0.5")
+    before = bed.hotfix()
+    name = bed.unit("undo-kill")
+    wheel = str(bed.wheels["sicext-2"])
+    upgrade = bed.cli("sicext", "--wheel", wheel, "--yes", "--settle", "0.5")
     assert upgrade.code == 0, upgrade.stdout + upgrade.stderr
-    upgraded = crash_bed.snapshot()
-    crash_bed.hold_gpu(name, linger, "u1")
-    proc = crash_bed.start_run("--undo", "--settle", "1")
+    upgraded = bed.snapshot()
+    bed.hold_gpu(name, linger, "u1")
+    proc = bed.start_run("--undo", "--settle", "1")
     try:
-        crash_bed.wait_phase(proc, *phases)
+        bed.wait_phase(proc, *phases)
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.wait()
         proc.communicate()
-    assert crash_bed.cli("--status", "--json").json["status"] == "needs-recovery"
+    assert bed.cli("--status", "--json").json["status"] == "needs-recovery"
 
-    recovered = crash_bed.cli("--recover", "--json")
+    recovered = bed.cli("--recover", "--json")
 
     assert recovered.code == 0, recovered.stdout + recovered.stderr
-    wait_until(lambda: crash_bed.manager.active_state(name) == "active", 20, "unit running again")
+    wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running again")
     # exactly one of the two states, whole: the upgraded one (the undo put back) or the one before it
-    assert crash_bed.snapshot() in (upgraded, before)
-    assert crash_bed.version() == ("2.0" if crash_bed.snapshot() == upgraded else "1.0")
+    assert bed.snapshot() in (upgraded, before)
+    assert bed.version() == ("2.0" if bed.snapshot() == upgraded else "1.0")
     if phases == ("stopped",):
-        assert crash_bed.snapshot() == upgraded
-    crash_bed.no_trace()
+        assert bed.snapshot() == upgraded
+    bed.no_trace()
 
 
 def test_dry_run_json_shapes_history_and_status_of_an_undo(bed: Bed) -> None:
@@ -228,7 +210,7 @@ def test_dry_run_json_shapes_history_and_status_of_an_undo(bed: Bed) -> None:
     assert "UNDO" in human.stdout and human.code == 0
     again = bed.safeinstall("--undo", "--run", upgrade, "--json")  # the state it left is gone
     assert again.code == 2 and "undone by run" in again.json["errors"][0]["message"]
-    assert bed.installed_version() == "1.0"
+    assert bed.version() == "1.0"
 
 
 def test_undo_takes_no_package_nor_wheel_and_nothing_to_undo_says_so(bed: Bed) -> None:
@@ -261,7 +243,7 @@ def test_a_detached_undo_goes_on_as_a_unit_and_wait_returns_its_result(bed: Bed)
         "done",
         upgrade,
     )
-    assert bed.installed_version() == "1.0"
+    assert bed.version() == "1.0"
     assert (bed.site / "sicext" / "serve.py").read_bytes() == patch
     assert maps_so(bed.manager.main_pid(name)) == bed.so.stat().st_ino
 
@@ -339,32 +321,32 @@ def test_a_record_that_is_a_symlink_or_a_fifo_is_not_read(tmp_path: Path) -> Non
 
 
 def test_an_undo_killed_while_it_puts_the_backup_back_is_put_back_by_recover(
-    crash_bed: CrashBed, big_wheel: Path
+    bed: Bed, big_wheel: Path
 ) -> None:
     """The run undone replaced a large version (its backup holds 160 MiB): the kill lands in the restore
     itself. --recover puts back the state before the undo, whole, from the undo's own backup."""
-    name = crash_bed.unit("undo-kill-restore")
-    for wheel in (big_wheel, crash_bed.wheels["sicext-2"]):
-        done = crash_bed.cli("sicext", "--wheel", str(wheel), "--yes", "--settle", "0.5")
+    name = bed.unit("undo-kill-restore")
+    for wheel in (big_wheel, bed.wheels["sicext-2"]):
+        done = bed.cli("sicext", "--wheel", str(wheel), "--yes", "--settle", "0.5")
         assert done.code == 0, done.stdout + done.stderr
-    upgraded = crash_bed.snapshot()
-    assert not (crash_bed.site / "sicext" / "blob.bin").exists()
-    proc = crash_bed.start_run("--undo", "--settle", "1")
+    upgraded = bed.snapshot()
+    assert not (bed.site / "sicext" / "blob.bin").exists()
+    proc = bed.start_run("--undo", "--settle", "1")
     try:
-        wait_until(lambda: _restoring(crash_bed.site / "sicext"), 30, "the restore under way", interval=0.002)
+        wait_until(lambda: _restoring(bed.site / "sicext"), 30, "the restore under way", interval=0.002)
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.wait()
         proc.communicate()
-    assert crash_bed.journal() is not None and crash_bed.journal()["phase"] == "installing"  # type: ignore[index]
+    assert bed.journal() is not None and bed.journal()["phase"] == "installing"  # type: ignore[index]
 
-    recovered = crash_bed.cli("--recover", "--json")
+    recovered = bed.cli("--recover", "--json")
 
     assert recovered.code == 0, recovered.stdout + recovered.stderr
     assert recovered.json["data"]["recoveries"][0]["restored"] is True
-    wait_until(lambda: crash_bed.manager.active_state(name) == "active", 20, "unit running again")
-    assert crash_bed.snapshot() == upgraded and crash_bed.version() == "2.0"
-    crash_bed.no_trace()
+    wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running again")
+    assert bed.snapshot() == upgraded and bed.version() == "2.0"
+    bed.no_trace()
 
 
 def test_a_backup_of_files_of_another_owner_than_the_environments_now_is_refused(tmp_path: Path) -> None:

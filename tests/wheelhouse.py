@@ -127,20 +127,24 @@ def site_packages(python: Path) -> Path:
     return Path(out.stdout.strip())
 
 
-def _record_line(name: str, data: bytes) -> str:
+def record_digest(data: bytes, algorithm: str = "sha256") -> str:
+    """``data``'s digest as a RECORD line writes it (urlsafe base64, no padding)."""
     import base64
     import hashlib
 
-    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-    return f"{name},sha256={digest},{len(data)}"
+    return base64.urlsafe_b64encode(hashlib.new(algorithm, data).digest()).rstrip(b"=").decode()
 
 
-def write_wheel(path: Path, members: dict[str, bytes], dist_info: str, *, deflate: bool = False) -> Path:
-    """A wheel with ``members`` and a correct RECORD (written last), stored uncompressed unless
-    ``deflate``."""
+def write_wheel(
+    path: Path, members: dict[str, bytes], dist_info: str, *, deflate: bool = False, algorithm: str = "sha256"
+) -> Path:
+    """A wheel with ``members`` and a correct RECORD (written last, digests with ``algorithm``), stored
+    uncompressed unless ``deflate``."""
     import zipfile
 
-    record = [_record_line(name, data) for name, data in members.items()]
+    record = [
+        f"{name},{algorithm}={record_digest(data, algorithm)},{len(data)}" for name, data in members.items()
+    ]
     record.append(f"{dist_info}/RECORD,,")
     compression = zipfile.ZIP_DEFLATED if deflate else zipfile.ZIP_STORED
     with zipfile.ZipFile(path, "w", compression=compression) as archive:
@@ -148,6 +152,28 @@ def write_wheel(path: Path, members: dict[str, bytes], dist_info: str, *, deflat
             archive.writestr(name, data)
         archive.writestr(f"{dist_info}/RECORD", "\n".join(record) + "\n")
     return path
+
+
+def members_of(wheel: Path) -> tuple[dict[str, bytes], str]:
+    """The members of ``wheel`` but its RECORD, and the name of its .dist-info directory."""
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as archive:
+        members = {i.filename: archive.read(i) for i in archive.infolist() if not i.is_dir()}
+    dist_info = next(n.split("/")[0] for n in members if n.endswith(".dist-info/METADATA"))
+    members.pop(f"{dist_info}/RECORD")
+    return members, dist_info
+
+
+def rebuilt(
+    wheel: Path, out: Path, changes: dict[str, bytes], algorithm: str = "sha256", *, deflate: bool = True
+) -> Path:
+    """A copy of ``wheel`` in ``out`` with ``changes`` (members added or replaced), its RECORD consistent
+    with them (digests with ``algorithm``), deflated unless not ``deflate``."""
+    members, dist_info = members_of(wheel)
+    members.update(changes)
+    out.mkdir(parents=True, exist_ok=True)
+    return write_wheel(out / wheel.name, members, dist_info, deflate=deflate, algorithm=algorithm)
 
 
 def make_wheel(
@@ -166,12 +192,7 @@ def make_wheel(
 
 def with_requirement(wheel: Path, out_dir: Path, requirement: str) -> Path:
     """A copy of ``wheel`` whose METADATA also requires ``requirement`` (RECORD rewritten to match)."""
-    import zipfile
-
-    with zipfile.ZipFile(wheel) as archive:
-        members = {i.filename: archive.read(i) for i in archive.infolist() if not i.is_dir()}
-    dist_info = next(n.split("/")[0] for n in members if n.endswith(".dist-info/METADATA"))
-    members.pop(f"{dist_info}/RECORD")
+    members, dist_info = members_of(wheel)
     metadata = members[f"{dist_info}/METADATA"].decode()
     head, _sep, body = metadata.partition("\n\n")
     headers = head.rstrip("\n") + f"\nRequires-Dist: {requirement}\n"

@@ -1,0 +1,340 @@
+"""The test beds the end-to-end tests share: what a run of safeinstall acts on, made of real parts.
+
+Test-bed code, not safeinstall's. A bed is a venv made and filled by the real uv with the fixture package
+``sicext`` (a C extension and a ``sicext-serve`` service), units of the private ``systemd --user`` manager
+(:mod:`tests.bed_systemd`), the fake NVML driver (:mod:`tests.bed_nvml`) and a state directory of its
+own. The fixtures that make them (``bed``, ``account``, ``big_wheel``, ``small_disk``...) are registered
+in ``tests/conftest.py``, so a test module asks for them by name and imports only the classes and
+helpers below; no test module imports from another test module (``tests/test_quality.py`` checks it).
+
+* :class:`Bed`: sicext in a venv of the test's own, its units, the fake NVML, a state directory;
+* :class:`ServiceAccountBed`: the same, the venv owned by uid 65534 and its unit running as that uid,
+  with a victim directory beside the venv (the threat-model tests);
+* helpers: :func:`maps_so` (which sicext extension a process runs), :func:`declined_on_a_terminal`,
+  :func:`chown_tree`, :func:`as_user`, :func:`tree_snapshot`, :func:`printing_interpreter`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import wheelhouse
+from tests.bed_nvml import FakeNvml, GiB
+from tests.bed_systemd import Units, UserManager, wait_until
+from tests.clirun import SAFEINSTALL, Result, run
+from tests.wheelhouse import Wheelhouse
+
+NOBODY = 65534  # the service account that owns an environment (or a state directory) in the attacks
+OTHER = 65533  # another local account: neither the environment's owner nor root
+AS_ROOT = os.geteuid() == 0
+#: a unit that runs sicext-serve ({exec}), and may be enabled (``[Install]``)
+UNIT_TEXT = (
+    "[Unit]\nDescription=safeinstall crash test\n\n"
+    "[Service]\nExecStart={exec}\n\n"
+    "[Install]\nWantedBy=default.target\n"
+)
+
+
+def maps_so(pid: int) -> int | None:
+    """The inode of the sicext extension the process has mapped (None: not mapped)."""
+    try:
+        for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+            if "_native" in line and ".so" in line:
+                return int(line.split()[4])
+    except OSError:
+        return None
+    return None
+
+
+class Bed:
+    """sicext in a venv (``python``), units of the private manager, the fake NVML and a state directory.
+
+    ``units`` removes every unit the bed started when the test ends (the ``bed`` fixture passes the
+    test's own :class:`Units`; a bed made in a test gets one of its own, removed by :meth:`cleanup`).
+    """
+
+    def __init__(
+        self,
+        python: Path,
+        state: Path,
+        manager: UserManager,
+        nvml: FakeNvml,
+        wheels: Wheelhouse,
+        units: Units | None = None,
+    ) -> None:
+        self.python = python
+        self.site = wheelhouse.site_packages(python)
+        self.state = state
+        self.manager = manager
+        self.nvml = nvml
+        self.wheels = wheels
+        self.units = units if units is not None else Units(manager)
+        self.enabled: list[str] = []
+        self.exec_prefix = ""  # what runs sicext-serve (a ServiceAccountBed: setpriv to its account)
+
+    # --- the package --------------------------------------------------------------------------------
+
+    @property
+    def so(self) -> Path:
+        """The installed sicext extension."""
+        return next((self.site / "sicext").glob("_native*.so"))
+
+    def version(self) -> str:
+        """What ``sicext.version()`` says in the venv (or the last line of the error when it fails)."""
+        out = subprocess.run(
+            [str(self.python), "-c", "import sicext; print(sicext.version())"], capture_output=True, text=True
+        )
+        return out.stdout.strip() or next(iter(out.stderr.strip().splitlines()[-1:]), "")
+
+    def snapshot(self) -> dict[str, str]:
+        """Every file of the package (bytecode aside) and its sha256: small enough for pytest to diff."""
+        return {
+            str(p): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in (self.site / "sicext").rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts
+        }
+
+    def hotfix(self) -> dict[str, str]:
+        """A local patch of sicext/serve.py (a line appended); the package's :meth:`snapshot` after it."""
+        target = self.site / "sicext" / "serve.py"
+        target.write_text(target.read_text() + "# local hotfix\n")
+        return self.snapshot()
+
+    def consistent(self, before: dict[str, str], wheel: Path) -> str:
+        """Either exactly the old bytes (local patch included), or the new version verified."""
+        version = self.version()
+        if version == "1.0":
+            assert self.snapshot() == before
+            return "old"
+        assert version == "2.0"
+        check = self.verify("--wheel", str(wheel))
+        assert check.code == 0, check.stdout
+        return "new"
+
+    # --- units --------------------------------------------------------------------------------------
+
+    def unit(self, stem: str, enable: bool = False, text: str = UNIT_TEXT) -> str:
+        """A unit running sicext-serve (``text`` with ``{exec}``), started and active; its name."""
+        name = self.units.create(
+            stem, text.format(exec=f"{self.exec_prefix}{self.python.parent}/sicext-serve")
+        )
+        if enable:
+            self.manager.systemctl("enable", name)
+            self.enabled.append(name)
+        self.manager.start(name)
+        self.manager.wait_active(name)
+        return name
+
+    def service(self, stem: str, args: str = "", **settings: str) -> str:
+        """A unit running ``sicext-serve ARGS`` (unit settings as keywords), active and its main process
+        running the extension (unless ``--lazy``); its name."""
+        name = self.units.started(stem, f"{self.python.parent}/sicext-serve {args}".strip(), **settings)
+        main = self.manager.main_pid(name)
+        wait_until(lambda: maps_so(main) is not None or args.startswith("--lazy"), 15, "service maps the .so")
+        return name
+
+    def hold_gpu(self, unit: str, linger: float, uuid: str, gib: int = 10) -> None:
+        """The unit's main process holds GPU memory (fake driver), kept listed ``linger`` s after it exits."""
+        gpu = self.nvml.add_gpu("NVIDIA H200", f"GPU-00000000-0000-0000-0000-0000000000{uuid}", 141 * GiB)
+        self.nvml.hold(self.manager.main_pid(unit), gpu, gib * GiB, linger=linger)
+
+    def cleanup(self) -> None:
+        """Disable the units the bed enabled, then kill, stop and remove every unit it made."""
+        if self.enabled:
+            self.manager.systemctl("disable", *self.enabled, check=False)
+            self.enabled.clear()
+        self.units.cleanup()
+
+    # --- safeinstall --------------------------------------------------------------------------------
+
+    def environ(self) -> dict[str, str]:
+        return {**self.manager.env, **self.nvml.env, "SAFEINSTALL_STATE_DIR": str(self.state)}
+
+    def cli(self, *extra: str, timeout: float = 240) -> Result:
+        """``safeinstall --user --python PYTHON EXTRA...`` against the bed."""
+        return run("--user", "--python", str(self.python), *extra, env=self.environ(), timeout=timeout)
+
+    def safeinstall(self, *args: str, timeout: float = 180) -> Result:
+        """Like :meth:`cli` with ``--yes`` (arguments after "--" go to uv, so ours come first)."""
+        return self.cli("--yes", *args, timeout=timeout)
+
+    def args(self, *extra: str) -> list[str]:
+        return [SAFEINSTALL, "--user", "--python", str(self.python), "--yes", *extra]
+
+    def start_run(self, *extra: str) -> subprocess.Popen[str]:
+        """A run of safeinstall (with ``--yes``) in the background, for a test to interrupt."""
+        return subprocess.Popen(
+            self.args(*extra), env=self.environ(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+
+    def verify(self, *extra: str) -> Result:
+        return run("sicext", "--verify-only", "--python", str(self.python), "--json", *extra)
+
+    # --- what a run left ----------------------------------------------------------------------------
+
+    def journal(self) -> dict[str, Any] | None:
+        """This environment's journal (the state directory may hold other environments' too)."""
+        prefix = os.path.realpath(self.python.parent.parent)
+        for path in self.state.glob("*/journal.json"):
+            try:
+                doc = dict(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                continue
+            if doc.get("prefix") == prefix:
+                return doc
+        return None
+
+    def wait_phase(self, proc: subprocess.Popen[Any], *phases: str, timeout: float = 60) -> str:
+        """Wait until the run's journal is at one of ``phases``; that phase."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            doc = self.journal()
+            if doc is not None and doc["phase"] in phases:
+                return str(doc["phase"])
+            if proc.poll() is not None:
+                out, err = proc.communicate()
+                raise AssertionError(f"the run ended (rc {proc.returncode}) before {phases}: {out}{err}")
+            time.sleep(0.002)
+        raise AssertionError(f"no journal phase {phases} within {timeout} s (last: {self.journal()})")
+
+    def installers(self) -> list[int]:
+        """PIDs of uv processes installing into this venv (there must be none once the run is gone)."""
+        venv = str(self.python.parent.parent).encode()
+        found = []
+        for entry in Path("/proc").iterdir():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if entry.name.isdigit() and b"install" in argv and any(a.startswith(venv) for a in argv):
+                found.append(int(entry.name))
+        return found
+
+    def no_trace(self) -> None:
+        assert self.journal() is None
+        assert not list(self.state.glob("*/gate"))
+        assert not list(self.state.glob("*/uv-cache-*"))  # the run's own uv cache: gone, even after a kill
+        assert not list(self.manager.unit_dir.glob("*.d/*safeinstall*"))
+
+
+# --- the service account (uid 65534) -----------------------------------------------------------------
+
+
+def chown_tree(top: Path, uid: int) -> None:
+    for directory, dirnames, filenames in os.walk(top):
+        os.lchown(directory, uid, uid)
+        for name in [*dirnames, *filenames]:
+            os.lchown(os.path.join(directory, name), uid, uid)
+
+
+def as_user(uid: int, *argv: str) -> None:
+    """Run ``argv`` as ``uid`` alone (its own gid, no other group)."""
+    subprocess.run(
+        ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *argv],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+
+
+def as_nobody(*argv: str) -> None:
+    as_user(NOBODY, *argv)
+
+
+def shared_interpreter_or_skip() -> str:
+    """An interpreter of this Python version that uid 65534 may run; the test is skipped without one."""
+    shared = wheelhouse.shared_interpreter()
+    if shared is None:
+        pytest.skip("no interpreter of this Python version that uid 65534 may run")
+    return shared
+
+
+def tree_snapshot(top: Path, skip: Path | None = None) -> dict[str, tuple[object, ...]]:
+    """Every entry below ``top`` (``skip`` aside): its type, content hash or link target, owner, mode."""
+    found: dict[str, tuple[object, ...]] = {}
+    for directory, dirnames, filenames in os.walk(top):
+        dirnames[:] = [d for d in dirnames if Path(directory, d) != skip and d != "__pycache__"]
+        for name in [*filenames, *dirnames]:
+            path = Path(directory, name)
+            info = os.lstat(path)
+            if stat.S_ISLNK(info.st_mode):
+                what: object = "link:" + os.readlink(path)
+            elif stat.S_ISREG(info.st_mode):
+                what = hashlib.sha256(path.read_bytes()).hexdigest()
+            else:
+                what = stat.S_IFMT(info.st_mode)
+            found[str(path.relative_to(top))] = (what, info.st_uid, info.st_gid, stat.S_IMODE(info.st_mode))
+    return found
+
+
+class ServiceAccountBed(Bed):
+    """A venv owned by uid 65534, its unit running as that uid; a victim directory beside it. The state
+    directory is below directories others may enter (pytest's are 0700): uv runs as uid 65534 and must
+    reach the run's uv cache there."""
+
+    def __init__(self, base: Path, state: Path, manager: UserManager, nvml: FakeNvml, wheels: Wheelhouse):
+        python = wheelhouse.make_venv(base / "venv", shared_interpreter_or_skip())
+        wheelhouse.uv_install(python, wheels["sicext-1"])
+        chown_tree(base / "venv", NOBODY)
+        super().__init__(python, state, manager, nvml, wheels)
+        self.exec_prefix = f"setpriv --reuid={NOBODY} --regid={NOBODY} --clear-groups "
+        self.base = base
+        self.elsewhere = base / "elsewhere"
+        self.elsewhere.mkdir()
+        (self.elsewhere / "victim.txt").write_text("not the environment's\n")
+        chown_tree(self.elsewhere, NOBODY)
+
+    def outside(self) -> dict[str, tuple[object, ...]]:
+        return tree_snapshot(self.base, skip=self.base / "venv")
+
+
+def printing_interpreter(python: Path, script: str, uid: int = NOBODY) -> None:
+    """Make ``python`` a shell script that runs ``script`` (whatever the probe asks), owned with its
+    directory by ``uid`` (the service account)."""
+    python.write_text(f"#!/bin/sh\n{script}")
+    python.chmod(0o755)
+    subprocess.run(["chown", "-R", f"{uid}:{uid}", str(python.parent.parent)], check=True)
+
+
+# --- a terminal ---------------------------------------------------------------------------------------
+
+
+def declined_on_a_terminal(bed: Bed, *extra: str) -> tuple[int, str, str]:
+    """``safeinstall sicext --wheel sicext-2 EXTRA`` with a terminal as its input, answered ``n`` at the
+    prompt: its exit status, stdout and stderr."""
+    import pty
+
+    master, slave = pty.openpty()
+    try:
+        args = [
+            "--user",
+            "--python",
+            str(bed.python),
+            "sicext",
+            "--wheel",
+            str(bed.wheels["sicext-2"]),
+            *extra,
+        ]
+        proc = subprocess.Popen(
+            [SAFEINSTALL, *args],
+            stdin=slave,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**bed.environ(), "COLUMNS": "200"},
+            text=True,
+        )
+        os.write(master, b"n\n")
+        out, err = proc.communicate(timeout=120)
+    finally:
+        os.close(master)
+        os.close(slave)
+    return proc.returncode, out, err
