@@ -68,7 +68,6 @@ PHASE_ORDER: tuple[Phase, ...] = tuple(Phase)
 #: The package may be half-installed: recovery must restore the backup.
 RESTORE_PHASES = frozenset({Phase.INSTALLING, Phase.INSTALLED, Phase.ROLLING_BACK})
 #: A run in one of these ended; nothing is left to do.
-FINISHED_PHASES = frozenset({Phase.DONE, Phase.ROLLED_BACK})
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,10 +202,6 @@ def needs_restore(journal: Journal) -> bool:
 def units_to_start(journal: Journal) -> list[JournalUnit]:
     """Pure: units this run stopped that were running before it (start them again when recovering)."""
     return [unit for unit in journal.units if unit.stopped and unit.was_active]
-
-
-def is_finished(journal: Journal) -> bool:
-    return journal.phase in FINISHED_PHASES
 
 
 # --- serialisation (pure) ---------------------------------------------------------------------------
@@ -450,7 +445,3 @@ def clear_journal(envdir: Path) -> None:
             pass
     if removed:
         fsync_dir(envdir)
-
-
-def leftover_temp_files(envdir: Path) -> list[Path]:
-    return sorted(envdir.glob(f"{_TMP_PREFIX}*{TMP_SUFFIX}"))

@@ -444,14 +444,6 @@ class Systemd:
             unit_path=tuple(first.get("UnitPath", "").split()),
         )
 
-    def properties(self, unit: str, *names: str) -> dict[str, str]:
-        """Arbitrary properties of one unit, as ``systemctl show`` prints them."""
-        check_unit_name(unit)
-        if not names:
-            raise ValueError("name at least one property")
-        blocks = parse_show(self.systemctl("show", "-p", ",".join(names), "--", unit))
-        return blocks[0] if blocks else {}
-
     def show(self, units: Iterable[str]) -> dict[str, UnitInfo]:
         """State of ``units`` in one ``systemctl show`` call; unknown units have load_state "not-found"."""
         names = list(dict.fromkeys(check_unit_name(unit) for unit in units))
@@ -475,23 +467,10 @@ class Systemd:
         """Every PID in ``control_group`` (as ``ControlGroup`` shows it) and below."""
         return read_cgroup_pids(control_group, self.cgroup_roots)
 
-    def wait_for_state(self, unit: str, states: Iterable[str], timeout_s: float) -> UnitInfo:
-        """Poll until the unit's ActiveState is one of ``states``; the last state seen (check it)."""
-        wanted = frozenset(states)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            info = self.info(unit)
-            if info.active_state in wanted or time.monotonic() >= deadline:
-                return info
-            time.sleep(self.poll_s)
-
     # ---- changing state
 
     def daemon_reload(self) -> None:
         self.systemctl("daemon-reload", timeout_s=max(self.call_timeout_s, 90.0))
-
-    def reset_failed(self, unit: str) -> None:
-        self.systemctl("reset-failed", "--", check_unit_name(unit))
 
     def start(self, unit: str, *, wait: bool = False, timeout_s: float | None = None) -> None:
         """Start ``unit``. Without ``wait`` the start job is only enqueued (watch it with

@@ -480,14 +480,3 @@ def test_dropin_names_are_checked(svc: Systemd, units: Units) -> None:
     for bad in ("../escape", ".hidden", "a/b"):
         with pytest.raises(SystemdError, match="drop-in name"):
             svc.add_dropin(name, bad, "[Service]\n", persistent=False)
-
-
-@pytest.mark.systemd
-def test_wait_for_state(svc: Systemd, units: Units) -> None:
-    name = units.service("state", "/bin/sleep 1000")
-    svc.start(name)
-    assert svc.wait_for_state(name, ["active"], timeout_s=10).is_active
-    started = time.monotonic()
-    info = svc.wait_for_state(name, ["failed"], timeout_s=0.3)
-    assert info.active_state == "active"
-    assert time.monotonic() - started >= 0.3
