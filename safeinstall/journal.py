@@ -67,7 +67,6 @@ class Phase(StrEnum):
 PHASE_ORDER: tuple[Phase, ...] = tuple(Phase)
 #: The package may be half-installed: recovery must restore the backup.
 RESTORE_PHASES = frozenset({Phase.INSTALLING, Phase.INSTALLED, Phase.ROLLING_BACK})
-#: A run in one of these ended; nothing is left to do.
 
 
 @dataclass(frozen=True, slots=True)
