@@ -5,35 +5,30 @@ point can be finished by ``safeinstall --recover``. Any failure after the stop r
 is restored byte for byte and the units that were running are started again (exit 3). If that fails
 too, the backup and the journal are kept and the commands that finish the job are printed (exit 4).
 
-This module orchestrates; the decisions it relies on are pure functions elsewhere (plan, drift,
-journal), and each kind of I/O sits behind its own module (systemd, gpus, uvplan, backup, ...).
+This module holds the steps, each a function of the one :class:`~safeinstall.running.Run`, and
+:func:`run_reinstall`, which calls them in order; the way back is :mod:`safeinstall.rollback`. The
+decisions they rely on are pure functions elsewhere (plan, drift, journal), and each kind of I/O sits
+behind its own module (systemd, gpus, uvplan, backup, ...).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
-import shutil
 import signal
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass, field, replace
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from datetime import UTC, datetime
-from pathlib import Path
-from typing import Any
 
 from safeinstall import undo
-from safeinstall.backup import Backup, check_restored, create_backup, prune_into, restore_backup
+from safeinstall.backup import check_restored, create_backup, prune_into, restore_backup
 from safeinstall.baseline import record_run
 from safeinstall.distributions import InstalledDistribution, reload_distributions
 from safeinstall.drift import Expectation, FindingKind
 from safeinstall.environment import Account, Environment, interpreter_in_prefix
 from safeinstall.errors import (
-    Aborted,
     ExitCode,
     PlanError,
     RollbackFailed,
@@ -46,46 +41,40 @@ from safeinstall.health import shown as shown_url
 from safeinstall.health import wait_healthy
 from safeinstall.identity import end_processes, process_start, same_process, wait_exited
 from safeinstall.journal import (
-    Journal,
     JournalUnit,
     Phase,
-    advance,
     clear_journal,
     new_journal,
     start_journal,
     update_unit,
-    write_journal,
 )
 from safeinstall.options import RunOptions
 from safeinstall.patches import (
-    PatchSet,
     carry,
     prepare_patches,
     rolled_back,
     save_patch_set,
 )
-from safeinstall.plan import OldCodeProcess, Plan, PlannedProcess, PlannedUnit, left_on_old_code
+from safeinstall.plan import PlannedProcess, PlannedUnit, left_on_old_code
 from safeinstall.preflight import Prepared, locally_modified, refusal
 from safeinstall.preflight import preflight as shared_preflight
 from safeinstall.processes import scan_processes
-from safeinstall.putback import put_back
-from safeinstall.results import Reporter, RunResult, StepOutcome
+from safeinstall.results import Reporter, RunResult
 from safeinstall.retention import prune_backups
-from safeinstall.runlog import append_line
+from safeinstall.rollback import rollback_step
+from safeinstall.running import Run, report_waits, start_and_settle
 from safeinstall.signals import held_while_threads_start, interrupts_deferred, interrupts_raise
 from safeinstall.state import (
-    PUT_BACK_CACHE_S,
     RUN_DIR_REMOVAL_S,
-    EnvironmentState,
     atomic_write,
     make_run_dir,
     new_run_id,
     remove_run_dir,
     remove_uv_caches,
 )
-from safeinstall.survey import Survey, scan_again, systemd_for
-from safeinstall.systemd import StopOutcome, Systemd, start_wait_s, stop_wait_s
-from safeinstall.undo import Left, UndoTarget, left_of
+from safeinstall.survey import scan_again, systemd_for
+from safeinstall.systemd import StopOutcome
+from safeinstall.undo import UndoTarget, left_of
 from safeinstall.uvplan import install as uv_install
 from safeinstall.uvplan import prefetch_command, secure_uv_lock, uv_binary
 from safeinstall.verify import VerifyReport, verify_environment
@@ -106,109 +95,10 @@ _INSTALL_FAILURES = frozenset(
 )
 
 
-@dataclass
-class _Run:
-    """One run, once its journal exists: the preflight's frozen value (``prepared``: the environment,
-    the wheel read once, the distributions found once, the plan, the lock), the run's identity, and
-    what the steps record as they go. Each step is a function of its own over it (``*_step`` below),
-    in the order of :func:`run_reinstall`."""
-
-    prepared: Prepared
-    reporter: Reporter
-    systemd: Systemd
-    run_id: str
-    log_file: Path
-    journal: Journal
-    notes: list[str]
-    steps: list[StepOutcome] = field(default_factory=list)
-    backup: Backup | None = None  # None until the backup step has saved it
-    patches: PatchSet | None = None  # --keep-patches: set by the patches step
-    patch_file: Path | None = None  # --keep-patches: the carried set, saved after a good run
-    patched: tuple[str, ...] = ()
-    extras: tuple[str, ...] = ()
-    pruned: tuple[str, ...] = ()
-    down_since: dict[str, float] = field(default_factory=dict)  # units the stop took down: since when
-    downtime: dict[str, float] = field(default_factory=dict)
-    strays_killed: tuple[int, ...] = ()
-    restart_started: bool = False
-    old_code: tuple[OldCodeProcess, ...] = ()
-    left: Left | None = None  # set by the verify step: what the run leaves (kept for --undo)
-    #: set by the verify step: the files verified against the wheel that its RECORD does not describe
-    vouched: Vouched | None = None
-
-    @property
-    def options(self) -> RunOptions:
-        return self.prepared.options  # the wheel: the run's own copy in the state directory
-
-    @property
-    def env(self) -> Environment:
-        return self.prepared.env
-
-    @property
-    def state(self) -> EnvironmentState:
-        return self.prepared.state
-
-    @property
-    def wheel(self) -> Wheel | None:
-        return self.prepared.wheel
-
-    @property
-    def survey(self) -> Survey:
-        return self.prepared.survey
-
-    @property
-    def plan(self) -> Plan:
-        return self.prepared.survey.plan
-
-    def _timed(self, name: str, action: Callable[[], str]) -> None:
-        started = time.monotonic()
-        try:
-            detail = action()
-        except BaseException as exc:
-            message = exc.message if isinstance(exc, SafeInstallError) else str(exc) or type(exc).__name__
-            outcome = StepOutcome(name, "failed", time.monotonic() - started, message)
-            self.steps.append(outcome)
-            self.reporter.step(outcome)
-            raise
-        outcome = StepOutcome(name, "ok", time.monotonic() - started, detail)
-        self.steps.append(outcome)
-        self.reporter.step(outcome)
-
-    def _journal(self, phase: Phase, note: str = "", **changes: Any) -> None:
-        self.journal = advance(self.journal, phase, note, **changes)
-        write_journal(self.state.dir, self.journal)
-
-    def _journal_if_possible(self, phase: Phase, note: str = "") -> None:
-        """During the rollback the journal is best effort: a full disk must not stop the restore (which
-        frees the space) nor the restart."""
-        try:
-            self._journal(phase, note)
-        except SafeInstallError as exc:
-            self.notes.append(f"the rollback went on without its journal: {exc.message}")
-
-    def _log(self, text: str) -> None:
-        """Append to the run's log; best effort (a full disk must not turn into the run's failure)."""
-        append_line(self.log_file, text)
-
-    def _units_to_restart(self) -> list[str]:
-        return [u.name for u in self.journal.units if u.stopped and u.was_active]
-
-    def _stop_timeout(self, unit_timeout: float) -> float:
-        if self.options.stop_timeout is not None:
-            return self.options.stop_timeout
-        return stop_wait_s(unit_timeout)
-
-    def saved(self) -> Backup:
-        """The backup, once the backup step has made it (every step after it may rely on that)."""
-        if self.backup is None:
-            raise StepFailed("internal error: no backup was made before this step")
-        return self.backup
-
-
 # ------------------------------------------------------------------ 1. the journal
 
 
-def start(prepared: Prepared, reporter: Reporter) -> _Run:
+def start(prepared: Prepared, reporter: Reporter) -> Run:
     """The run begins: its id, its log, its journal (before anything changes), its systemd."""
     options, env, plan = prepared.options, prepared.env, prepared.survey.plan
     run_id = options.run_id or new_run_id(datetime.now(UTC), os.getpid())
@@ -238,7 +128,7 @@ def start(prepared: Prepared, reporter: Reporter) -> _Run:
             ),
         ),
     )
-    run = _Run(
+    run = Run(
         prepared,
         reporter,
         systemd_for(options),
@@ -254,7 +144,7 @@ def start(prepared: Prepared, reporter: Reporter) -> _Run:
 # ------------------------------------------------------------------ 1b. local patches (--keep-patches)
 
 
-def patches_step(run: _Run) -> str:
+def patches_step(run: Run) -> str:
     """Before anything stops: merge each local patch into the new version's file, or refuse (exit 2)."""
     run.patches = prepare_patches(
         run.survey,
@@ -270,7 +160,7 @@ def patches_step(run: _Run) -> str:
     return run.patches.summary()
 
 
-def save_patches(run: _Run) -> None:
+def save_patches(run: Run) -> None:
     """After a good run: keep the carried set in the state directory (best effort: it is also what
     ``--verify-only --wheel NEW --save-patch`` writes)."""
     if run.patches is None:
@@ -281,7 +171,7 @@ def save_patches(run: _Run) -> None:
         run.notes.append(f"the carried patch set was not saved: {exc}")
 
 
-def save_left(run: _Run) -> None:
+def save_left(run: Run) -> None:
     """After a good run: what it left, beside its backup, so that ``--undo`` can tell whether the
     environment is still as the run left it (best effort: without it the run cannot be undone)."""
     if run.left is None or run.backup is None:
@@ -295,7 +185,7 @@ def save_left(run: _Run) -> None:
 # ------------------------------------------------------------------ 2. backup
 
 
-def backup_step(run: _Run) -> str:
+def backup_step(run: Run) -> str:
     before = run.prepared.before  # hashed at preflight, just before this step: not read again
     run.patched = locally_modified(before)
     for path in run.patched:
@@ -320,7 +210,7 @@ def backup_step(run: _Run) -> str:
     )
 
 
-def prefetch_step(run: _Run) -> str:
+def prefetch_step(run: Run) -> str:
     """Fill the run's own uv cache with the new artefacts, so that the install in the downtime only
     links (or copies) files from it."""
     account = run.env.account  # uv runs as the environment's owner: the directories are its own
@@ -346,7 +236,7 @@ def prefetch_step(run: _Run) -> str:
 # ------------------------------------------------------------------ 3. gate
 
 
-def gate_step(run: _Run) -> str:
+def gate_step(run: Run) -> str:
     """Keep the units from starting on a half-installed package (a crash, a reboot); and keep anyone but
     the environment's owner from holding uv's lock while they are down."""
     lock = secure_uv_lock(run.env.prefix, run.env.account)
@@ -364,11 +254,11 @@ def gate_step(run: _Run) -> str:
     return f"{len(units)} unit(s) gated on {marker}"
 
 
-def remove_gate(run: _Run) -> None:
+def remove_gate(run: Run) -> None:
     gate_marker(run.state.dir).unlink(missing_ok=True)
 
 
-def remove_dropins(run: _Run) -> None:
+def remove_dropins(run: Run) -> None:
     for unit in run.journal.units:
         run.systemd.remove_dropin(unit.name, GATE_DROPIN, persistent=True)
 
@@ -376,7 +266,7 @@ def remove_dropins(run: _Run) -> None:
 # ------------------------------------------------------------------ 4. stop
 
 
-def stop_step(run: _Run) -> str:
+def stop_step(run: Run) -> str:
     systemd = run.systemd
     units = list(run.plan.units)
     for unit in units:
@@ -394,7 +284,7 @@ def stop_step(run: _Run) -> str:
             with held_while_threads_start():
                 stops = {u.name: pool.submit(stop, u) for u in units}
             try:
-                _report_waits(run, stops, "stopped", max(run._stop_timeout(u.stop_timeout_s) for u in units))
+                report_waits(run, stops, "stopped", max(run._stop_timeout(u.stop_timeout_s) for u in units))
                 outcomes = [f.result() for f in stops.values()]
             except BaseException:  # Ctrl-C, SIGTERM: the waits end at their next poll, the rollback starts
                 cancel.set()
@@ -418,28 +308,7 @@ def stop_step(run: _Run) -> str:
 
 
 #: How often a wait on units (stop, start and settle) says what it still waits for.
-WAIT_POLL_S = 1.0
-
-
-def _report_waits(run: _Run, waits: Mapping[str, Future[Any]], state: str, limit: float) -> None:
-    """Until every unit's wait is done: a progress line saying which units are not yet ``state`` and
-    how long the wait may still take (``limit`` seconds in all; infinity: no bound)."""
-    started = time.monotonic()
-    while True:
-        pending = [unit for unit, future in waits.items() if not future.done()]
-        if not pending:
-            return
-        bound = limit if math.isfinite(limit) else None
-        run.reporter.progress(
-            f"waiting for {', '.join(pending)} to be {state} ({len(pending)} of {len(waits)})",
-            time.monotonic() - started,
-            bound,
-            "s",
-        )
-        futures_wait([waits[unit] for unit in pending], timeout=WAIT_POLL_S, return_when=FIRST_COMPLETED)
-
-
-def _kill_strays(run: _Run) -> tuple[int, ...]:
+def _kill_strays(run: Run) -> tuple[int, ...]:
     run.strays_killed = end_processes([(p.pid, p.start_time) for p in run.plan.strays])
     return run.strays_killed
 
@@ -449,7 +318,7 @@ def _kill_strays(run: _Run) -> tuple[int, ...]:
 LATE_GRACE_S = 2.0
 
 
-def _check_no_late_users(run: _Run) -> str:
+def _check_no_late_users(run: Run) -> str:
     """Scan again just before the install: a process that started using the package after the plan
     was made (a cron job, a tmux session) would have its files replaced under it, unless it ends
     within ``LATE_GRACE_S`` (while the services are down: only when there is one)."""
@@ -476,7 +345,7 @@ def _check_no_late_users(run: _Run) -> str:
 # ------------------------------------------------------------------ 5. GPU release
 
 
-def gpu_release_step(run: _Run, session: NvmlSession, baseline: GpuSnapshot) -> str:
+def gpu_release_step(run: Run, session: NvmlSession, baseline: GpuSnapshot) -> str:
     if not session.available:
         run._journal(Phase.GPU_RELEASED, note=f"GPU check skipped: {session.reason}")
         return f"skipped: {session.reason}"
@@ -508,7 +377,7 @@ def gpu_release_step(run: _Run, session: NvmlSession, baseline: GpuSnapshot) -> 
 # ------------------------------------------------------------------ 6. install
 
 
-def install_step(run: _Run) -> str:
+def install_step(run: Run) -> str:
     late = _check_no_late_users(run)
     run._journal(Phase.INSTALLING)
     command = run.plan.uv_command
@@ -527,7 +396,7 @@ def install_step(run: _Run) -> str:
 # ------------------------------------------------------------------ 7. verify
 
 
-def verify_step(run: _Run) -> str:
+def verify_step(run: Run) -> str:
     report = _verify_installed(
         run.env,
         run.plan.package,
@@ -559,7 +428,7 @@ def verify_step(run: _Run) -> str:
     return detail
 
 
-def _vouched(run: _Run, report: VerifyReport, installed: Sequence[InstalledDistribution]) -> Vouched | None:
+def _vouched(run: Run, report: VerifyReport, installed: Sequence[InstalledDistribution]) -> Vouched | None:
     """The package's files that its wheel's RECORD does not describe and that hold the wheel's own
     bytes (the environment's baseline keeps them: :mod:`safeinstall.baseline`); a carried patch is the
     run's merge and a script's first line the installer's, not the wheel's: both are left out."""
@@ -577,7 +446,7 @@ def _vouched(run: _Run, report: VerifyReport, installed: Sequence[InstalledDistr
     return vouched_of(dist, report.observed, shipped, run.run_id, wheel.path.name)
 
 
-def _prune(run: _Run, extras: tuple[str, ...]) -> tuple[str, ...]:
+def _prune(run: Run, extras: tuple[str, ...]) -> tuple[str, ...]:
     pruned, notes = prune_into(run.saved(), run.env.prefix, extras)
     run.notes.extend(notes)
     return pruned
@@ -586,7 +455,7 @@ def _prune(run: _Run, extras: tuple[str, ...]) -> tuple[str, ...]:
 # ------------------------------------------------------------------ 8. restart
 
 
-def restart_step(run: _Run) -> str:
+def restart_step(run: Run) -> str:
     units = run._units_to_restart()
     if run.options.no_restart:
         run._journal(Phase.RESTARTING, note="--no-restart: units left stopped")
@@ -596,7 +465,7 @@ def restart_step(run: _Run) -> str:
         return "no unit was running"
     run._journal(Phase.RESTARTING)
     run.restart_started = True
-    detail = _start_and_settle(run, units, run.options.settle)
+    detail = start_and_settle(run, units, run.options.settle)
     for journalled in run.journal.units:
         if journalled.name in units and journalled.stopped and journalled.was_active:
             run.journal = update_unit(run.journal, journalled.name, journalled.user_manager, restarted=True)
@@ -612,55 +481,10 @@ def restart_step(run: _Run) -> str:
     return detail
 
 
-def _start_and_settle(run: _Run, units: list[str], settle: float) -> str:
-    systemd = run.systemd
-    befores = systemd.show(units)
-    for unit in units:
-        systemd.start(unit)
-    cancel = threading.Event()
-    with ThreadPoolExecutor(max_workers=len(units)) as pool:
-        with held_while_threads_start():
-            futures = {
-                u: pool.submit(
-                    systemd.wait_settled,
-                    u,
-                    settle,
-                    start_wait_s(befores.get(u)),
-                    before=befores.get(u),
-                    cancel=cancel,
-                )
-                for u in units
-            }
-        try:
-            _report_waits(
-                run,
-                futures,
-                f"{settle:g} s active",
-                settle + max(start_wait_s(befores.get(u)) for u in units),
-            )
-            outcomes = {u: f.result() for u, f in futures.items()}
-        except BaseException:  # Ctrl-C, SIGTERM: the waits end at their next poll, the rollback starts
-            cancel.set()
-            raise
-    bad = [o for o in outcomes.values() if not o.ok]
-    if bad:
-        flag = "--user " if run.options.user else ""
-        raise StepFailed(
-            "; ".join(o.reason or f"{o.unit} did not settle" for o in bad),
-            hint=f"see why in its journal: journalctl {flag}" + " ".join(f"-u {o.unit}" for o in bad),
-        )
-    for unit, outcome in outcomes.items():  # what systemd reports; none for a unit that never went down
-        before, down_since = befores.get(unit), run.down_since.get(unit)
-        up = outcome.info.active_enter_us / 1e6
-        if before is not None and not before.is_active and down_since is not None and up > down_since:
-            run.downtime[unit] = up - down_since
-    return ", ".join(f"{u} active for {settle:g} s" for u in units)
-
-
 # ------------------------------------------------------------------ 9. end check
 
 
-def end_check_step(run: _Run) -> str:
+def end_check_step(run: Run) -> str:
     """One more scan: a process anywhere on the host that still maps a replaced file of an affected
     distribution runs old code (it was not in the plan: it could not be read, or started using the
     package in the last instant before the install). Said, or with --strict a failure (rolled back:
@@ -676,118 +500,6 @@ def end_check_step(run: _Run) -> str:
             hint="restart or end those processes, then run again",
         )
     return f"warning: {listed}: restart them to run the new version"
-
-
-# ------------------------------------------------------------------ rollback
-
-
-def rollback(run: _Run, error: SafeInstallError) -> SafeInstallError:
-    """Put everything back; returns the error to report (StepFailed, or RollbackFailed)."""
-
-    def announce(signum: int) -> None:
-        run.reporter.note(
-            f"{signal.Signals(signum).name} received during rollback: finishing it first so the "
-            "services are not abandoned"
-        )
-
-    with interrupts_deferred(announce):
-        done: list[str] = []
-        stopped_any = _phase_at_least(run.journal, Phase.STOPPING)
-        try:
-            run._journal_if_possible(Phase.ROLLING_BACK, note=error.message)
-            if run.restart_started:
-                for unit in run._units_to_restart():
-                    run.systemd.stop(unit, run._stop_timeout(90.0))
-            installed = _phase_at_least(run.journal, Phase.INSTALLING)
-            if installed:
-                # the run's cache first: the installed files are its hardlinks, and on a full disk
-                # the restore needs the room that removing them frees only once the cache is gone;
-                # bounded, since its owner may keep filling it (the rest goes after the restart)
-                left = remove_uv_caches(run.state, run.run_id, PUT_BACK_CACHE_S)
-                if left:
-                    run._log(
-                        f"the run's uv cache was still being filled after {PUT_BACK_CACHE_S:g} s: "
-                        "restoring first, removing it afterwards"
-                    )
-            restore = None
-            if installed and run.backup is not None:
-                restore = (run.env, run.backup)
-            outcome = put_back(
-                run.state.dir,
-                run.journal,
-                run.options.environ,
-                restore,
-                lambda units: _start_again(run, units),
-                lambda _done: run._journal_if_possible(Phase.ROLLED_BACK),
-            )
-            run.notes.extend(outcome.notes)
-            if outcome.restored:
-                done.append("restored the previous installation")
-            else:
-                done.append("nothing was installed" if not installed else "the files were unchanged")
-            if outcome.started:
-                done.append("started " + ", ".join(outcome.started) + " again")
-        except SafeInstallError as second:
-            return _rollback_failed(run, error, second)
-        except Exception as second:
-            return _rollback_failed(run, error, SafeInstallError(str(second)))
-    if not stopped_any:  # the run ended before the stop: nothing changed, exit 2 as for a refusal
-        _remove_own_backup(run)
-        if error.exit_code == ExitCode.REFUSED:
-            return error
-        return Aborted(f"{error.message}; nothing was stopped or installed", hint=error.hint)
-    return StepFailed(
-        f"{error.message}; {'; '.join(done)}",
-        hint=f"{error.hint or StepFailed.default_hint}; the run's log: {run.log_file}",
-    )
-
-
-def _rollback_step(run: _Run, error: SafeInstallError) -> SafeInstallError:
-    """:func:`rollback`, as a step of its own once something was stopped: a progress line when it
-    begins, then its step line (what it put back, or why it failed), as every step has."""
-    started = time.monotonic()
-    stopped = _phase_at_least(run.journal, Phase.STOPPING)
-    if stopped:
-        run.reporter.progress(f"rolling back ({error.message})", None, None)
-    outcome = rollback(run, error)
-    if stopped:
-        ok = outcome.exit_code == ExitCode.ROLLED_BACK
-        detail = outcome.message.removeprefix(f"{error.message}; ") if ok else outcome.message
-        step = StepOutcome("rollback", "ok" if ok else "failed", time.monotonic() - started, detail)
-        run.steps.append(step)
-        run.reporter.step(step)
-    return outcome
-
-
-def _start_again(run: _Run, units: list[JournalUnit]) -> None:
-    if units:
-        _start_and_settle(run, [u.name for u in units], min(run.options.settle, 2.0))
-
-
-def _remove_own_backup(run: _Run) -> None:
-    """Nothing was installed: this run's backup (whole or partial) is of no use; it goes."""
-    backup_dir = run.state.backup_dir(run.run_id)
-    shutil.rmtree(backup_dir, ignore_errors=True)  # root's 0700 tree: nobody else writes in it
-    if backup_dir.exists():
-        run.notes.append(f"could not remove this run's unused backup {backup_dir}")
-    run.backup = None
-
-
-def _rollback_failed(run: _Run, error: SafeInstallError, second: SafeInstallError) -> RollbackFailed:
-    commands = [f"safeinstall --recover --python {run.env.python}"]
-    flag = "--user " if run.options.user else ""
-    commands += [f"systemctl {flag}start {u}" for u in run._units_to_restart()]
-    return RollbackFailed(
-        f"{error.message}; then putting things back failed too: {second.message}. "
-        f"The backup ({run.journal.backup_dir}) and the journal are kept. To finish: "
-        + " && ".join(commands),
-        hint="run the commands above; safeinstall --status shows what is pending",
-        commands=tuple(commands),
-    )
-
-
-def _phase_at_least(journal: Journal, phase: Phase) -> bool:
-    return any(entry.phase == phase for entry in journal.history)
 
 
 def _wait_gone(processes: tuple[PlannedProcess, ...], timeout: float) -> list[int]:
@@ -829,14 +541,14 @@ def _verify_installed(
 # ------------------------------------------------------------------ the two steps of an undo run
 
 
-def _undo_target(run: _Run) -> UndoTarget:
+def _undo_target(run: Run) -> UndoTarget:
     target = run.prepared.undo
     if target is None:
         raise StepFailed("internal error: an undo step in a run that undoes nothing")
     return target
 
 
-def undo_restore_step(run: _Run, late_users: Callable[[], str]) -> str:
+def undo_restore_step(run: Run, late_users: Callable[[], str]) -> str:
     """The swap: the undone run's backup put back into the environment, byte for byte (the put-back
     of a rollback: what is installed now under those names removed by the owner's worker, then every
     saved file written back and hashed again)."""
@@ -852,7 +564,7 @@ def undo_restore_step(run: _Run, late_users: Callable[[], str]) -> str:
     return f"{result.restored} file(s) of run {target.run_id}'s backup put back" + late
 
 
-def undo_verify_step(run: _Run, open_gate: Callable[[], None]) -> str:
+def undo_verify_step(run: Run, open_gate: Callable[[], None]) -> str:
     """The environment against the backup's manifest: each distribution at its saved version, each
     saved file (a local patch included) with its saved content, and the RECORDs' other files intact."""
     target = _undo_target(run)
@@ -953,7 +665,7 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
                 error = (
                     exc if isinstance(exc, SafeInstallError) else StepFailed(f"{type(exc).__name__}: {exc}")
                 )
-                outcome = _rollback_step(run, error)
+                outcome = rollback_step(run, error)
                 status = {
                     ExitCode.ROLLED_BACK: "rolled-back",
                     ExitCode.ROLLBACK_FAILED: "rollback-failed",
@@ -994,7 +706,7 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
         deferral.close()
 
 
-def _prune_old_backups(run: _Run) -> tuple[str, ...]:
+def _prune_old_backups(run: Run) -> tuple[str, ...]:
     """After a run that ended with the environment whole (done, or rolled back): the newest
     ``--keep-backups`` backups stay, this run's among them; the ones deleted."""
     old = prune_backups(run.state.backups, run.options.keep_backups, protected={run.run_id})
@@ -1034,7 +746,7 @@ def _declined(prepared: Prepared) -> RunResult:
 
 
 def _result(
-    run: _Run,
+    run: Run,
     status: str,
     code: ExitCode,
     error: SafeInstallError | None,
