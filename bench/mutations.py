@@ -49,7 +49,7 @@ class Mutation:
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "forget-journal",
-        "safeinstall/recover.py",
+        "safeinstall/run/recover.py",
         "if read_journal(state.dir) is not None:",
         "if False:",
         (f"{PROMISES}::test_forget_refuses_an_environment_whose_run_did_not_finish_or_is_running",),
@@ -57,14 +57,14 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "forget-unlocked",
-        "safeinstall/recover.py",
+        "safeinstall/run/recover.py",
         "    with acquire_lock(state.lock, prefix):\n        if read_journal",
         "    if True:\n        if read_journal",
         (f"{PROMISES}::test_forget_refuses_an_environment_whose_run_did_not_finish_or_is_running",),
     ),
     Mutation(
         "restore-check",
-        "safeinstall/backup.py",
+        "safeinstall/store/backup.py",
         "        if not same:\n            mismatches.append",
         "        if False:\n            mismatches.append",
         (
@@ -74,14 +74,14 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "restore-writes-nothing",
-        "safeinstall/backup.py",
+        "safeinstall/store/backup.py",
         "    if _same(saved, tree):\n        return False",
         "    if True:\n        return False",
         ("tests/test_backup.py::test_backup_upgrade_restore_gives_back_v1_byte_for_byte",),
     ),
     Mutation(
         "verify-digest",
-        "safeinstall/drift.py",
+        "safeinstall/env/drift.py",
         "elif expected.digest is not None and state.digest is not None and state.digest != expected.digest:",
         "elif False:",
         (
@@ -91,42 +91,42 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "plan-inactive-dependents",
-        "safeinstall/plan.py",
+        "safeinstall/scan/plan.py",
         "                or not dependent.is_active\n",
         "",
         (f"{PROMISES}::test_a_failed_sidecar_bound_to_the_service_is_not_planned",),
     ),
     Mutation(
         "no-restart-restarts",
-        "safeinstall/reinstall.py",
+        "safeinstall/run/reinstall.py",
         "    if run.options.no_restart:\n        run._journal(Phase.RESTARTING",
         "    if False:\n        run._journal(Phase.RESTARTING",
         (f"{PROMISES}::test_no_restart_leaves_the_units_stopped_and_says_so",),
     ),
     Mutation(
         "no-restart-silent",
-        "safeinstall/reinstall.py",
+        "safeinstall/run/reinstall.py",
         "tuple(run._units_to_restart()) if options.no_restart else ()",
         "()",
         (f"{PROMISES}::test_no_restart_leaves_the_units_stopped_and_says_so",),
     ),
     Mutation(
         "progress-pipe-unthrottled",
-        "safeinstall/render.py",
+        "safeinstall/cli/render.py",
         "if now - self._last_line >= PROGRESS_EVERY_S:",
         "if True:",
         (f"{PROMISES}::test_progress_on_a_pipe_is_a_plain_line_at_most_every_5_s",),
     ),
     Mutation(
         "progress-log-unthrottled",
-        "safeinstall/runlog.py",
+        "safeinstall/store/runlog.py",
         "if now - self._last_progress >= PROGRESS_EVERY_S:",
         "if True:",
         (f"{PROMISES}::test_progress_on_a_pipe_is_a_plain_line_at_most_every_5_s",),
     ),
     Mutation(
         "settle-outwaits-a-failure",
-        "safeinstall/systemd.py",
+        "safeinstall/system/systemd.py",
         "            if verdict is not None:\n                return SettleOutcome(unit, verdict",
         '            if verdict is not None and (verdict == "settled" or now - started >= settle_s):\n'
         "                return SettleOutcome(unit, verdict",
@@ -137,7 +137,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "detach-stop-kills",
-        "safeinstall/detach.py",
+        "safeinstall/run/detach.py",
         'STOP_TIMEOUT = "15min"',
         'STOP_TIMEOUT = "1s"',
         (f"{PROMISES}::test_systemctl_stop_of_a_detached_runs_unit_rolls_it_back",),

@@ -28,11 +28,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from safeinstall.distributions import find_distribution, find_distributions  # noqa: E402
-from safeinstall.environment import inspect_environment  # noqa: E402
-from safeinstall.evidence import TargetIndex  # noqa: E402
-from safeinstall.processes import default_workers, scan_processes  # noqa: E402
-from safeinstall.targets import environment_scope, load_targets  # noqa: E402
+from safeinstall.env.distributions import find_distribution, find_distributions  # noqa: E402
+from safeinstall.env.environment import inspect_environment  # noqa: E402
+from safeinstall.scan.evidence import TargetIndex  # noqa: E402
+from safeinstall.scan.processes import default_workers, scan_processes  # noqa: E402
+from safeinstall.scan.targets import environment_scope, load_targets  # noqa: E402
 from tests import wheelhouse  # noqa: E402
 
 _IMPORTER = "import sicext, time; time.sleep(3600)"

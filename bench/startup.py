@@ -20,7 +20,7 @@ before = [s["collections"] for s in gc.get_stats()]
 if {entry!r}:
     from safeinstall.__main__ import main
 else:
-    from safeinstall.cli import main
+    from safeinstall.cli.app import main
 try:
     main()
 except SystemExit:
@@ -40,7 +40,7 @@ def collections(entry: bool) -> str:
 def main() -> int:
     print("collections per generation (young, middle, old) while loading and running --version:")
     print(f"  console script entry (collector off, then frozen): {collections(True)}")
-    print(f"  plain import of safeinstall.cli (collector on):    {collections(False)}")
+    print(f"  plain import of safeinstall.cli.app (collector on):    {collections(False)}")
     return 0
 
 

@@ -18,7 +18,7 @@ Then the same pair inside one process (no interpreter start, no argument parsing
 the command line's fixed costs take from the ratio; ``--workers 1,2,4`` repeats it for each number of
 threads (a scaling curve; the CPU time printed is all threads'). ``taskset -c 0 python bench/verify.py``
 measures one CPU. ``--copy`` times reading the package's largest file from the page cache into a
-``bytearray`` against into :func:`safeinstall.hashing.read_buffer` (page-aligned), alternating.
+``bytearray`` against into :func:`safeinstall.env.hashing.read_buffer` (page-aligned), alternating.
 
 What the ratio against distlib depends on (printed with the result):
 
@@ -123,9 +123,9 @@ IN_PROCESS = """
 import statistics, sys, time
 from pathlib import Path
 from distlib.database import DistributionPath
-from safeinstall.environment import inspect_environment
-from safeinstall.hashing import default_workers
-from safeinstall.verify import verify_environment
+from safeinstall.env.environment import inspect_environment
+from safeinstall.env.hashing import default_workers
+from safeinstall.env.verify import verify_environment
 python, site, package, rounds = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 env = inspect_environment(python)
 def theirs():
@@ -153,7 +153,7 @@ for workers in [int(w) or default_workers() for w in sys.argv[5].split(",")]:
 
 COPY = """
 import os, statistics, sys, time
-from safeinstall.hashing import STREAM_CHUNK, read_buffer
+from safeinstall.env.hashing import STREAM_CHUNK, read_buffer
 path, rounds = sys.argv[1], int(sys.argv[2])
 def read_into(buffer):
     fd = os.open(path, os.O_RDONLY)

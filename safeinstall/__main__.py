@@ -4,7 +4,7 @@ collector off, and what loading it made is frozen (never walked by a collection 
 import gc
 import sys
 
-from safeinstall.signals import InterruptedEarly, install_early_handlers
+from safeinstall.system.signals import InterruptedEarly, install_early_handlers
 
 
 def main() -> None:
@@ -15,7 +15,7 @@ def main() -> None:
     # collections they set off walked all of them again and again (0.02 s of every command's start).
     gc.disable()
     try:
-        from safeinstall.cli import main as run_command
+        from safeinstall.cli.app import main as run_command
     except InterruptedEarly as interrupted:  # rich is not loaded (yet): plain lines
         sys.stderr.write(f"error: {interrupted.message}\nhint: {interrupted.advice}\n")
         if "--json" in sys.argv[1:]:  # --json promises one document on stdout, whatever happens
@@ -32,7 +32,7 @@ def _early_envelope(interrupted: InterruptedEarly) -> None:
     small; the CLI's parsing is not loaded)."""
     import json
 
-    from safeinstall.output import command_for, envelope
+    from safeinstall.run.output import command_for, envelope
 
     command = command_for({arg.split("=", 1)[0] for arg in sys.argv[1:]})
     document = envelope(command, "error", int(interrupted.exit_code), None, [interrupted])

@@ -222,8 +222,8 @@ def kill(proc: subprocess.Popen[bytes]) -> None:
 # ---------------------------------------------------------------------------------------------- subprocess
 
 _SNAPSHOT_SCRIPT = (
-    "import json; from safeinstall.gpus import snapshot_gpus; from safeinstall.output import jsonable; "
-    "print(json.dumps(jsonable(snapshot_gpus())))"
+    "import json; from safeinstall.system.gpus import snapshot_gpus; "
+    "from safeinstall.run.output import jsonable; print(json.dumps(jsonable(snapshot_gpus())))"
 )
 
 

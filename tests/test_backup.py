@@ -11,7 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from safeinstall.backup import (
+from safeinstall.env.containment import relative_to_prefix
+from safeinstall.env.distributions import dist_info_name, find_distribution, find_distributions
+from safeinstall.env.drift import FindingKind
+from safeinstall.env.environment import Environment, inspect_environment
+from safeinstall.env.verify import verify_environment
+from safeinstall.env.wheel import install_location, read_wheel
+from safeinstall.store.backup import (
     Backup,
     BackupError,
     create_backup,
@@ -24,12 +30,6 @@ from safeinstall.backup import (
     space_problem,
     stale_bytecode,
 )
-from safeinstall.containment import relative_to_prefix
-from safeinstall.distributions import dist_info_name, find_distribution, find_distributions
-from safeinstall.drift import FindingKind
-from safeinstall.environment import Environment, inspect_environment
-from safeinstall.verify import verify_environment
-from safeinstall.wheel import install_location, read_wheel
 from tests import wheelhouse
 from tests.beds import AS_ROOT
 from tests.wheelhouse import Wheelhouse

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from safeinstall.baseline import from_dict
+from safeinstall.store.baseline import from_dict
 from tests import wheelhouse
 from tests.beds import NOBODY, ServiceAccountBed, as_nobody, chown_tree
 from tests.clirun import Result, run
@@ -166,10 +166,10 @@ def test_only_the_wheels_own_bytes_are_vouched_for() -> None:
     """What a run keeps is a file that holds exactly the wheel's member and that the RECORD does not
     describe: not a file changed after the verification (or a script whose first line the installer
     wrote), nor one the RECORD describes."""
-    from safeinstall.distributions import InstalledDistribution
-    from safeinstall.hashing import FileState
-    from safeinstall.records import Record, RecordEntry, RecordHash
-    from safeinstall.vouched import file_key, vouched_of
+    from safeinstall.env.distributions import InstalledDistribution
+    from safeinstall.env.hashing import FileState
+    from safeinstall.env.records import Record, RecordEntry, RecordHash
+    from safeinstall.env.vouched import file_key, vouched_of
 
     site = "/v/lib/python3.11/site-packages"
     entries = (

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from safeinstall.cgroups import (
+from safeinstall.system.cgroups import (
     CgroupPlacement,
     parse_proc_cgroup,
     placement_of_path,

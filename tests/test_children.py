@@ -13,7 +13,7 @@ from types import FrameType
 
 import pytest
 
-from safeinstall import children
+from safeinstall.system import children
 from tests.bed_systemd import wait_until
 
 
@@ -37,7 +37,7 @@ class Interrupted(Exception):
 
 @pytest.fixture
 def raising_sigint() -> Iterator[None]:
-    """SIGINT raises, as during a safeinstall run (:mod:`safeinstall.signals`)."""
+    """SIGINT raises, as during a safeinstall run (:mod:`safeinstall.system.signals`)."""
 
     def handler(signum: int, _frame: FrameType | None) -> None:
         raise Interrupted(signal.Signals(signum).name)
@@ -114,7 +114,7 @@ def test_the_child_dies_with_a_killed_parent(tmp_path: Path) -> None:
     """SIGKILL (or the OOM killer) on safeinstall: its uv must not go on installing alone."""
     pid_file = tmp_path / "pid"
     script = (
-        "import sys; import safeinstall.children as children; "
+        "import sys; import safeinstall.system.children as children; "
         f"children.run(['/bin/sh', '-c', 'echo $$ >{pid_file}; exec sleep 60'], env={{}}, timeout=120)"
     )
     parent = subprocess.Popen([sys.executable, "-c", script])

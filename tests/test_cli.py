@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from safeinstall.plan import unreadable_warning
-from safeinstall.processes import ScanProblem
-from safeinstall.runlog import progress_text
-from safeinstall.state import ensure_environment_dir, environment_state
+from safeinstall.scan.plan import unreadable_warning
+from safeinstall.scan.processes import ScanProblem
+from safeinstall.store.runlog import progress_text
+from safeinstall.store.state import ensure_environment_dir, environment_state
 from tests import wheelhouse
 from tests.clirun import run
 from tests.wheelhouse import Wheelhouse
@@ -110,10 +110,10 @@ def test_a_detached_run_gets_exactly_the_callers_options() -> None:
 
     from typer.main import get_command
 
-    from safeinstall.cli import app, run_options
-    from safeinstall.detach import PrivateInputs, child_arguments
+    from safeinstall.cli.app import app, run_options
     from safeinstall.errors import UsageError
-    from safeinstall.options import RunOptions
+    from safeinstall.run.detach import PrivateInputs, child_arguments
+    from safeinstall.run.options import RunOptions
 
     common = RunOptions(
         package="vllm",
@@ -171,9 +171,9 @@ def test_a_detached_runs_environment_file_must_be_private_and_ours(tmp_path: Pat
     regular file of ours, mode 0600, in a directory only we can change; then removed."""
     import os
 
-    from safeinstall.detach import PrivateInputs, take_private, write_private
     from safeinstall.errors import UsageError
-    from safeinstall.state import ensure_environment_dir, environment_state
+    from safeinstall.run.detach import PrivateInputs, take_private, write_private
+    from safeinstall.store.state import ensure_environment_dir, environment_state
 
     state = environment_state(tmp_path / "state", tmp_path / "venv")
     ensure_environment_dir(state)
@@ -278,7 +278,7 @@ def test_waiting_with_no_run_is_an_error_with_a_hint(tmp_path: Path) -> None:
 _STARTUP_PROBE = """
 import sys
 sys.argv = ["safeinstall", *sys.argv[1:]]
-from safeinstall.cli import main
+from safeinstall.cli.app import main
 code = 0
 try:
     main()
@@ -308,10 +308,16 @@ def test_verify_only_starts_without_pydantic_or_the_runs_modules(venv: Path, whe
     assert int(frozen) > 1000
     assert code == "0" and "sipure 1.0" in proc.stdout and "OK" in proc.stdout, proc.stdout + proc.stderr
     loaded = set(modules)
-    assert "safeinstall.verify" in loaded
-    never = {"pydantic", "safeinstall.reinstall", "safeinstall.journal", "safeinstall.uvplan"}
-    never |= {"safeinstall.state", "safeinstall.systemd", "safeinstall.gpus", "pynvml", "psutil"}
-    never |= {"json", "safeinstall.lock"}
+    assert "safeinstall.env.verify" in loaded
+    never = {"pydantic", "safeinstall.run.reinstall", "safeinstall.store.journal", "safeinstall.env.uvplan"}
+    never |= {
+        "safeinstall.store.state",
+        "safeinstall.system.systemd",
+        "safeinstall.system.gpus",
+        "pynvml",
+        "psutil",
+    }
+    never |= {"json", "safeinstall.system.lock"}
     assert not never & loaded, never & loaded
     assert "rich.console" in loaded and "rich.table" not in loaded
 
@@ -324,8 +330,8 @@ def hook(event, args):
         return
     if not gc.isenabled():
         off.add(args[0])
-    elif "safeinstall.cli" in sys.modules and not tracked:  # the command runs: the CLI is loaded
-        cli = vars(sys.modules["safeinstall.cli"])
+    elif "safeinstall.cli.app" in sys.modules and not tracked:  # the command runs: the CLI is loaded
+        cli = vars(sys.modules["safeinstall.cli.app"])
         tracked.append(any(o is cli for o in gc.get_objects()))  # frozen: in no generation
 sys.addaudithook(hook)
 sys.argv = ["safeinstall", "--version"]
@@ -334,7 +340,7 @@ try:
     main()
 except SystemExit:
     pass
-print(len(off), "safeinstall.cli" in off and "typer" in off, gc.isenabled(), tracked, file=sys.stderr)
+print(len(off), "safeinstall.cli.app" in off and "typer" in off, gc.isenabled(), tracked, file=sys.stderr)
 """
 
 
@@ -376,7 +382,7 @@ def test_the_options_annotations_are_objects_not_strings() -> None:
     command, before the command does anything): cli.py is written without postponed annotations."""
     import inspect
 
-    from safeinstall import cli
+    from safeinstall.cli import app as cli
 
     annotations = inspect.get_annotations(cli.main_command)
     assert len(annotations) > 20

@@ -263,7 +263,7 @@ def _with_blob(wheel: Path, out: Path, mib: int) -> Path:
 
 def test_room_messages_say_what_they_mean() -> None:
     """A room check that fails by less than 0.1 MiB said 'needs 0.1 MiB but has 0.1 MiB free'."""
-    from safeinstall.backup import space_problem
+    from safeinstall.store.backup import space_problem
 
     problem = space_problem(150_000, 60_000, Path("/srv"))
     assert problem is not None and "needs 146.5 KiB but /srv has 58.6 KiB free" in problem, problem
@@ -336,7 +336,7 @@ def test_recover_after_a_run_that_ended_with_exit_4_does_not_say_it_died(bed: Be
 def test_children_run_in_a_session_of_their_own() -> None:
     """A terminal's Ctrl-C goes to its foreground process group: a child in safeinstall's (a
     ``systemctl stop`` half-way) died of it, the stop not asked, and the run then waited it out."""
-    from safeinstall import children
+    from safeinstall.system import children
 
     done = children.run(["/bin/sh", "-c", "cat /proc/$$/stat"], env={"PATH": "/usr/bin:/bin"}, timeout=30)
     fields = done.stdout.rsplit(")", 1)[1].split()

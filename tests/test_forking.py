@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from safeinstall import forking
-from safeinstall.forking import can_fork, map_forked, split
+from safeinstall.system import forking
+from safeinstall.system.forking import can_fork, map_forked, split
 
 
 def _square_all(share: list[int]) -> list[tuple[int, int, bool]]:

@@ -1,4 +1,4 @@
-"""safeinstall.gpus against the real pynvml and the fake libnvidia-ml.so.1 (tests/bed_nvml.py).
+"""safeinstall.system.gpus against the real pynvml and the fake libnvidia-ml.so.1 (tests/bed_nvml.py).
 
 In-process tests share one loaded library (pynvml loads once per process); tests that need another build
 or no library run their NVML part in a subprocess.
@@ -17,7 +17,8 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from safeinstall.gpus import (
+from safeinstall.run.output import jsonable
+from safeinstall.system.gpus import (
     FdHolder,
     Gpu,
     GpuProcess,
@@ -29,7 +30,6 @@ from safeinstall.gpus import (
     snapshot_gpus,
     wait_for_release,
 )
-from safeinstall.output import jsonable
 from tests.bed_nvml import FakeNvml, FakeNvmlBuild, GiB, MiB, holder_process, kill, snapshot_in_subprocess
 
 pytest_plugins = ("tests.bed_nvml",)  # the fake_nvml / fake_nvml_build fixtures

@@ -8,9 +8,9 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from safeinstall import history
-from safeinstall.output import envelope
-from safeinstall.state import EnvironmentState, ensure_environment_dir, environment_state
+from safeinstall.run.output import envelope
+from safeinstall.store import history
+from safeinstall.store.state import EnvironmentState, ensure_environment_dir, environment_state
 from tests.clirun import RUN_FIELDS, run
 
 
@@ -164,7 +164,7 @@ def test_ctrl_c_while_following_a_run_says_the_run_goes_on(tmp_path: Path) -> No
     import signal
     import subprocess
 
-    from safeinstall.lock import acquire_lock
+    from safeinstall.system.lock import acquire_lock
     from tests.clirun import SAFEINSTALL
 
     prefix = tmp_path / "venv"

@@ -168,11 +168,11 @@ RUN_ID = "20261130T031201Z-1234"
 def _plant_journal(account: ServiceAccountBed, unit: str) -> Path:
     """A run of this environment that died during the install (phase installing, its unit stopped,
     its backup taken): what ``--recover`` finds after a power loss. Its environment directory."""
-    from safeinstall.backup import create_backup
-    from safeinstall.distributions import find_distribution, find_distributions
-    from safeinstall.environment import inspect_environment
-    from safeinstall.journal import JournalUnit, Phase, advance, journal_to_dict, new_journal
-    from safeinstall.state import environment_key
+    from safeinstall.env.distributions import find_distribution, find_distributions
+    from safeinstall.env.environment import inspect_environment
+    from safeinstall.store.backup import create_backup
+    from safeinstall.store.journal import JournalUnit, Phase, advance, journal_to_dict, new_journal
+    from safeinstall.store.state import environment_key
 
     env = inspect_environment(account.python)
     envdir = account.state / environment_key(env.prefix)
@@ -745,15 +745,15 @@ def test_installed_record_digests_are_checked_with_their_own_algorithm(
     ],
 )
 def test_member_names(name: str, problem: str | None) -> None:
-    from safeinstall.wheel import member_problem
+    from safeinstall.env.wheel import member_problem
 
     found = member_problem(name, "sicext-2.0.data")
     assert (found is None) if problem is None else (found is not None and found.startswith(problem))
 
 
 def test_paths_below_a_tree_and_copies_of_wheels(tmp_path: Path) -> None:
-    from safeinstall.safefs import Tree, parts_of
-    from safeinstall.wheelcopy import is_wheel_copy
+    from safeinstall.env.wheelcopy import is_wheel_copy
+    from safeinstall.system.safefs import Tree, parts_of
 
     assert parts_of("a/b/c") == ("a", "b", "c")
     for bad in ("", "/a", "a/../b", "a/./b", "a//b", "a\0b"):
@@ -783,8 +783,8 @@ def test_a_copy_of_the_wheel_is_readable_only_by_the_account_uv_runs_as(
     runs as may read the copy, not another member of its group (``nogroup`` is shared). Another
     account's environment: an ACL gives that uid read, the group nothing (the dry-run's temporary copy
     too); root's own: 0600 root:root. Checked as those users, not by mode."""
-    from safeinstall.environment import Account
-    from safeinstall.wheelcopy import copy_wheel, temporary_copy
+    from safeinstall.env.environment import Account
+    from safeinstall.env.wheelcopy import copy_wheel, temporary_copy
 
     source = tmp_path / "downloads" / "x-1.0-py3-none-any.whl"
     source.parent.mkdir()
@@ -839,8 +839,8 @@ def test_without_acls_the_copy_of_the_wheel_is_the_accounts_group_and_whole(
 ) -> None:
     """A filesystem without ACLs (ramfs: EOPNOTSUPP): the copy is made again from the start of the
     wheel, 0640 with the account's group; nothing else is left."""
-    from safeinstall.environment import Account
-    from safeinstall.wheelcopy import copy_wheel
+    from safeinstall.env.environment import Account
+    from safeinstall.env.wheelcopy import copy_wheel
 
     source = tmp_path / "x-1.0-py3-none-any.whl"
     source.write_bytes(os.urandom(3 << 20))
@@ -862,9 +862,9 @@ def test_without_acls_the_copy_of_the_wheel_is_the_accounts_group_and_whole(
 def test_the_acl_of_a_copy_of_the_wheel_names_only_the_account() -> None:
     """Pure: ``u::rw-,u:UID:r--,g::---,m::r--,o::---`` as the kernel's xattr bytes (read back by
     ``acl_writers``, which finds no writer in it); without ACLs the account's group reads it."""
-    from safeinstall.environment import Account
-    from safeinstall.safefs import acl_writers, reader_acl
-    from safeinstall.wheelcopy import copy_access
+    from safeinstall.env.environment import Account
+    from safeinstall.env.wheelcopy import copy_access
+    from safeinstall.system.safefs import acl_writers, reader_acl
 
     raw = reader_acl(NOBODY)
     assert raw.hex() == (
@@ -940,10 +940,10 @@ def test_a_directory_above_the_prefix_swapped_for_a_symlink_leads_nowhere(
     before = {p: p.read_bytes() for p in sorted((victim_site / "sipure").rglob("*.py"))}
     os.lchown(home, NOBODY, NOBODY)  # the account owns its home, not the venv itself
 
-    from safeinstall.backup import create_backup, restore_backup
-    from safeinstall.distributions import find_distribution, find_distributions
-    from safeinstall.environment import inspect_environment
+    from safeinstall.env.distributions import find_distribution, find_distributions
+    from safeinstall.env.environment import inspect_environment
     from safeinstall.errors import SafeInstallError
+    from safeinstall.store.backup import create_backup, restore_backup
 
     env = inspect_environment(python)
     backup = create_backup(
@@ -1128,7 +1128,7 @@ def test_a_symlinked_site_packages_in_a_directory_the_account_owns_is_the_accoun
     site.rename(moved)
     site.symlink_to(moved, target_is_directory=True)
     os.lchown(site.parent, NOBODY, NOBODY)
-    from safeinstall.environment import inspect_environment
+    from safeinstall.env.environment import inspect_environment
 
     account = inspect_environment(python).account
     assert account is not None and account.uid == NOBODY
@@ -1145,7 +1145,7 @@ def test_a_fifo_pth_file_or_pyvenv_cfg_is_never_waited_on(open_dir: Path, wheels
     os.mkfifo(site / "zz-fifo.pth")
     chown_tree(site, NOBODY)
     code = (
-        "import sys; from pathlib import Path; from safeinstall.environment import before_the_probe, "
+        "import sys; from pathlib import Path; from safeinstall.env.environment import before_the_probe, "
         "inspect_environment; e = inspect_environment(Path(sys.argv[1])); "
         "print(e.account.uid if e.account else None); "
         "cfg = Path(sys.argv[1]).parent.parent / 'pyvenv.cfg'; cfg.rename(cfg.with_suffix('.was')); "
@@ -1169,7 +1169,7 @@ def test_a_fifo_pth_file_or_pyvenv_cfg_is_never_waited_on(open_dir: Path, wheels
 def test_a_failed_copy_of_the_wheel_says_what_to_do_for_its_cause(code: int, advice: str) -> None:
     """A full disk, a wheel that grew while copied, an ACL the filesystem refused (EINVAL on an idmapped
     mount): each hint names its own remedy, not "free some space" for all."""
-    from safeinstall.wheelcopy import _copy_hint
+    from safeinstall.env.wheelcopy import _copy_hint
 
     assert advice in _copy_hint(OSError(code, os.strerror(code)), Path("/var/lib/safeinstall/env"))
 
@@ -1193,7 +1193,7 @@ def test_a_failed_copy_of_the_wheel_says_what_to_do_for_its_cause(code: int, adv
 def test_console_scripts_are_read_as_configparser_reads_them(text: str, names: list[str]) -> None:
     """The names of ``[console_scripts]`` and ``[gui_scripts]``: lines split at "\\n" only (not at the
     other characters str.splitlines splits at), comment lines, indented continuation lines skipped."""
-    from safeinstall.distributions import parse_console_scripts
+    from safeinstall.env.distributions import parse_console_scripts
 
     assert list(parse_console_scripts(text)) == names
 
@@ -1202,8 +1202,8 @@ def test_a_huge_or_hostile_entry_points_file_costs_little(venv: Path, wheels: Wh
     """The owner's entry_points.txt: beyond 1 MiB it is not read (no scripts, as for a missing one);
     within it, lines of one "=" each (importlib.metadata built an object for each: 16 MiB took 60 s and
     2.2 GB) leave nothing behind but the scripts' names."""
-    from safeinstall.distributions import ENTRY_POINTS_LIMIT, find_distribution, find_distributions
-    from safeinstall.environment import inspect_environment
+    from safeinstall.env.distributions import ENTRY_POINTS_LIMIT, find_distribution, find_distributions
+    from safeinstall.env.environment import inspect_environment
 
     wheelhouse.uv_install(venv, wheels["sipure-1"])
     info = next(wheelhouse.site_packages(venv).glob("sipure-*.dist-info"))

@@ -24,12 +24,12 @@ from typing import Any
 
 import pytest
 
-from safeinstall.environment import inspect_environment
+from safeinstall.env.environment import inspect_environment
 from safeinstall.errors import StepFailed
-from safeinstall.health import wait_healthy
-from safeinstall.journal import JournalUnit, Phase, advance, journal_to_dict, new_journal
-from safeinstall.safefs import permitted
-from safeinstall.state import environment_key
+from safeinstall.store.journal import JournalUnit, Phase, advance, journal_to_dict, new_journal
+from safeinstall.store.state import environment_key
+from safeinstall.system.health import wait_healthy
+from safeinstall.system.safefs import permitted
 from tests import wheelhouse
 from tests.bed_systemd import CGROUP_ROOTS, UserManager, wait_until
 from tests.beds import NOBODY, printing_interpreter
@@ -287,9 +287,9 @@ def test_journal_fields_are_validated_before_recover_acts(
 def test_a_wheel_outside_the_state_directory_is_not_read_again(sipure_venv: Path, tmp_path: Path) -> None:
     """--recover restores from the backup; the wheel the journal names outside the state directory
     (its download directory may have been rewritten since) is not opened: it is said."""
-    from safeinstall.backup import create_backup
-    from safeinstall.distributions import find_distribution, find_distributions
-    from safeinstall.environment import inspect_environment
+    from safeinstall.env.distributions import find_distribution, find_distributions
+    from safeinstall.env.environment import inspect_environment
+    from safeinstall.store.backup import create_backup
 
     root = tmp_path / "state"
     prefix = Path(os.path.realpath(sipure_venv.parent.parent))
@@ -879,9 +879,9 @@ def test_the_space_check_counts_the_prefetch(
 
 def test_unit_names_are_checked_before_every_systemctl_call() -> None:
     """The systemctl layer takes nothing systemd would read as a pattern or an option."""
-    from safeinstall.cgroups import valid_unit_name
     from safeinstall.errors import SystemdError
-    from safeinstall.systemd import Systemd
+    from safeinstall.system.cgroups import valid_unit_name
+    from safeinstall.system.systemd import Systemd
 
     for name in ("foo*.service", "foo?.service", "foo[ab].service", "-x.service", "a b.service", "x"):
         assert not valid_unit_name(name)
@@ -892,7 +892,7 @@ def test_unit_names_are_checked_before_every_systemctl_call() -> None:
 
 def test_journal_json_is_what_the_run_writes(tmp_path: Path) -> None:
     """The journal written by a run passes the checks --recover applies (units of the user manager)."""
-    from safeinstall.journal import journal_problems
+    from safeinstall.store.journal import journal_problems
 
     prefix = tmp_path / "venv"
     envdir = tmp_path / "state" / environment_key(prefix)

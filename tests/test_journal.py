@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from safeinstall.errors import SafeInstallError
-from safeinstall.journal import (
+from safeinstall.store.journal import (
     PHASE_ORDER,
     HistoryEntry,
     Journal,

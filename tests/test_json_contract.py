@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from safeinstall.hashing import FileState
-from safeinstall.output import jsonable
-from safeinstall.records import RecordEntry, RecordHash
+from safeinstall.env.hashing import FileState
+from safeinstall.env.records import RecordEntry, RecordHash
+from safeinstall.run.output import jsonable
 from tests import wheelhouse
 from tests.clirun import run
 from tests.wheelhouse import Wheelhouse

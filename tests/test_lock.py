@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from safeinstall.errors import ExitCode, LockHeldError
-from safeinstall.identity import parse_stat, process_start
-from safeinstall.lock import (
+from safeinstall.system.identity import parse_stat, process_start
+from safeinstall.system.lock import (
     LockHolder,
     acquire_lock,
     display_time,
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 HOLDER = """
 import sys, time
 sys.path.insert(0, sys.argv[2])
-from safeinstall.lock import acquire_lock
+from safeinstall.system.lock import acquire_lock
 lock = acquire_lock(__import__("pathlib").Path(sys.argv[1]), "/some/venv", argv=["safeinstall", "pkg"])
 print("acquired", flush=True)
 time.sleep(120)

@@ -20,7 +20,7 @@ import pytest
 import yaml  # type: ignore[import-untyped]  # PyYAML, with ansible-core
 from prometheus_client.parser import text_string_to_metric_families
 
-from safeinstall.metrics import Family, Sample, render, verify_families
+from safeinstall.run.metrics import Family, Sample, render, verify_families
 from tests import wheelhouse
 from tests.bed_systemd import Units, UserManager
 from tests.clirun import SAFEINSTALL, Result, run
@@ -441,10 +441,10 @@ def test_status_and_recover_name_each_environment_by_its_prefix() -> None:
     """Pure: ``--status`` and ``--recover`` of several environments, one with an odd prefix, a run
     whose status is unknown to this version, and a failure."""
     from safeinstall.errors import SafeInstallError
-    from safeinstall.history import RunSummary
-    from safeinstall.metrics import recover_families, status_families
-    from safeinstall.recover import Recovered, Recovery
-    from safeinstall.status import EnvironmentStatus, StatusReport
+    from safeinstall.run.metrics import recover_families, status_families
+    from safeinstall.run.recover import Recovered, Recovery
+    from safeinstall.run.status import EnvironmentStatus, StatusReport
+    from safeinstall.store.history import RunSummary
 
     odd = '/srv/a "b"\nc'
     run_ = RunSummary(

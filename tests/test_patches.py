@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from safeinstall.env.records import digest_bytes
 from safeinstall.errors import StepFailed
-from safeinstall.owner import write_carried
-from safeinstall.patches import (
+from safeinstall.run.patches import (
     LocalPatch,
     PatchOutcome,
     PatchSet,
@@ -27,7 +27,7 @@ from safeinstall.patches import (
     merge_file,
     settle,
 )
-from safeinstall.records import digest_bytes
+from safeinstall.system.owner import write_carried
 from tests.bed_systemd import wait_until
 from tests.beds import Bed
 from tests.clirun import SAFEINSTALL, run
@@ -152,7 +152,7 @@ def test_the_write_follows_no_symlink_below_the_prefix(tmp_path: Path) -> None:
 def test_the_local_version_is_read_through_no_symlink_below_the_prefix(tmp_path: Path) -> None:
     """The environment's owner makes the package directory a symlink into a directory only root may
     read: the "local version" of a file there is not read (so never diffed, merged or written back)."""
-    from safeinstall.patches import read_regular
+    from safeinstall.run.patches import read_regular
 
     prefix, secret = tmp_path / "prefix", tmp_path / "root-only"
     (prefix / "lib").mkdir(parents=True)

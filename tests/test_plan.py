@@ -1,12 +1,12 @@
-"""safeinstall.plan (pure): how the evidence's strength decides what is planned."""
+"""safeinstall.scan.plan (pure): how the evidence's strength decides what is planned."""
 
 from __future__ import annotations
 
-from safeinstall.evidence import Evidence, EvidenceKind
-from safeinstall.gpus import GpuSnapshot
-from safeinstall.plan import Plan, build_plan
-from safeinstall.processes import ProcessRecord, ScanResult
-from safeinstall.uvplan import UvPlan
+from safeinstall.env.uvplan import UvPlan
+from safeinstall.scan.evidence import Evidence, EvidenceKind
+from safeinstall.scan.plan import Plan, build_plan
+from safeinstall.scan.processes import ProcessRecord, ScanResult
+from safeinstall.system.gpus import GpuSnapshot
 
 ENVIRONMENT = Evidence(
     EvidenceKind.ENVIRONMENT, "", "/v/bin/python", False, "runs the environment's interpreter"
@@ -78,7 +78,7 @@ def test_strength_decides_what_only_loaded_leaves_out() -> None:
 
 
 def test_the_plan_says_whether_a_version_is_an_upgrade_a_downgrade_or_the_same() -> None:
-    from safeinstall.plan import AffectedDistribution
+    from safeinstall.scan.plan import AffectedDistribution
 
     def change(old: str | None, new: str | None) -> str:
         return AffectedDistribution("idna", old, new, True).change
@@ -97,9 +97,9 @@ def test_what_the_scan_cannot_read_is_said_once_each_reading_only_with_v() -> No
 
     from rich.console import Console
 
-    from safeinstall.plan import unreadable_warning
-    from safeinstall.processes import ScanProblem
-    from safeinstall.render import _scan_problems
+    from safeinstall.cli.render import _scan_problems
+    from safeinstall.scan.plan import unreadable_warning
+    from safeinstall.scan.processes import ScanProblem
 
     problems = [ScanProblem(1, reading, "permission denied") for reading in ("maps", "fd", "environ")]
     warning = unreadable_warning(problems, as_root=True)

@@ -4,7 +4,7 @@ Each test is an attack an unprivileged account tried on a run as root (issue 21)
 (uid 65534 owns the environment and runs its unit; uid 65533 is another local user), real uv, real
 wheels and a unit of the private systemd manager. Since the fix, everything done to an account's
 environment on the strength of what the account wrote runs as that account, in a session of its own
-(:mod:`safeinstall.worker`, :mod:`safeinstall.owner`).
+(:mod:`safeinstall.system.worker`, :mod:`safeinstall.system.owner`).
 """
 
 from __future__ import annotations
@@ -481,7 +481,7 @@ def test_a_dry_run_leaves_no_lock_file_in_the_environment(account: ServiceAccoun
 def test_a_worker_is_the_account_alone_in_a_session_of_its_own() -> None:
     """What a worker is (the boundary the rows above rely on): the account's effective uid and gid, no
     supplementary group, a new session, no descriptor of root's, an environment it was given."""
-    from safeinstall import worker
+    from safeinstall.system import worker
 
     seen = worker.call(
         (NOBODY, NOBODY),
@@ -506,7 +506,7 @@ def test_a_worker_is_the_account_alone_in_a_session_of_its_own() -> None:
 
 
 def test_a_worker_that_runs_past_its_deadline_or_answers_too_much_is_ended() -> None:
-    from safeinstall import worker
+    from safeinstall.system import worker
 
     with pytest.raises(worker.WorkerError, match=r"did not finish in 0\.5 s"):
         worker.call((NOBODY, NOBODY), lambda: time.sleep(30), timeout=0.5, what="sleeps")
@@ -520,9 +520,9 @@ def test_the_carried_local_patches_are_written_as_the_owner(open_dir: Path) -> N
     """``--keep-patches`` writes the merged files after the install, at paths the environment's RECORDs
     name: as the owner, so a path the owner may not write (root's file in root's directory, named by a
     RECORD the owner wrote) is refused, not written by root."""
-    from safeinstall.environment import Account
+    from safeinstall.env.environment import Account
     from safeinstall.errors import StepFailed
-    from safeinstall.patches import PatchOutcome, PatchSet, PatchStatus, Versions, carry
+    from safeinstall.run.patches import PatchOutcome, PatchSet, PatchStatus, Versions, carry
 
     prefix = open_dir / "venv"
     (prefix / "lib").mkdir(parents=True)
@@ -551,7 +551,7 @@ def test_the_account_cannot_signal_its_worker(open_dir: Path) -> None:
     the account, but its real and saved uid are root's: the account's signals are refused."""
     import psutil
 
-    from safeinstall import worker
+    from safeinstall.system import worker
 
     flag = open_dir / "flag"
     answers: list[object] = []
@@ -586,8 +586,8 @@ def test_the_account_cannot_signal_its_worker(open_dir: Path) -> None:
 def test_index_options_in_every_form_leave_the_command_line() -> None:
     """Row 3, every spelling clap accepts (the review found ``-qi URL`` left on uv's command line): the
     index options go to uv's environment, the other options of a cluster stay."""
+    from safeinstall.env.uvplan import index_settings
     from safeinstall.errors import UsageError
-    from safeinstall.uvplan import index_settings
 
     url = f"http://agent:{TOKEN}@127.0.0.1/simple"
     for given, kept in [
@@ -623,7 +623,7 @@ def test_index_options_in_every_form_leave_the_command_line() -> None:
 def test_a_health_url_is_said_without_what_may_be_a_token() -> None:
     """A health URL with a token (user information, a query) is never in the log, the progress lines or
     the result: the run says the URL without them (the review's low finding)."""
-    from safeinstall.health import shown
+    from safeinstall.system.health import shown
 
     assert shown(f"http://u:{TOKEN}@127.0.0.1:8000/health?key={TOKEN}#x") == "http://127.0.0.1:8000/health"
     assert shown("https://[::1]:8443/v1/health") == "https://[::1]:8443/v1/health"
@@ -632,7 +632,7 @@ def test_a_health_url_is_said_without_what_may_be_a_token() -> None:
 def test_uv_and_what_it_runs_never_hold_the_descriptor_it_was_started_through() -> None:
     """uv is executed through a descriptor root opened (it may lie where the account cannot read); the
     descriptor is close-on-exec, so neither uv nor what it runs (a .pth, a build backend) holds it."""
-    from safeinstall import children
+    from safeinstall.system import children
 
     program = os.open("/bin/sh", os.O_RDONLY | os.O_CLOEXEC)
     try:

@@ -1,4 +1,4 @@
-"""safeinstall.processes: real processes of real uv-made venvs, a fake /proc for the odd cases."""
+"""safeinstall.scan.processes: real processes of real uv-made venvs, a fake /proc for the odd cases."""
 
 from __future__ import annotations
 
@@ -21,16 +21,16 @@ from typing import Any
 
 import pytest
 
-from safeinstall import forking, processes
-from safeinstall.dependents import dependents, describe_chain, marker_environment
-from safeinstall.distributions import (
+from safeinstall.env.dependents import dependents, describe_chain, marker_environment
+from safeinstall.env.distributions import (
     InstalledDistribution,
     find_distribution,
     find_distributions,
     load_distribution,
 )
-from safeinstall.environment import Environment, inspect_environment
-from safeinstall.evidence import (
+from safeinstall.env.environment import Environment, inspect_environment
+from safeinstall.scan import processes
+from safeinstall.scan.evidence import (
     Evidence,
     EvidenceKind,
     Strength,
@@ -43,9 +43,10 @@ from safeinstall.evidence import (
     parse_maps_line,
     parse_python_argv,
 )
-from safeinstall.identity import PF_KTHREAD, parse_stat
-from safeinstall.processes import ScanProblem, ScanResult, scan_processes
-from safeinstall.targets import Target, build_target, environment_scope, load_targets
+from safeinstall.scan.processes import ScanProblem, ScanResult, scan_processes
+from safeinstall.scan.targets import Target, build_target, environment_scope, load_targets
+from safeinstall.system import forking
+from safeinstall.system.identity import PF_KTHREAD, parse_stat
 from tests import wheelhouse
 
 SO = "_native.cpython-"  # the mapped file of sicext, whatever the ABI tag
@@ -962,7 +963,7 @@ def test_a_dependent_that_is_mapped_gives_depends_evidence(
 
 
 def _dist(name: str, *requires: str) -> InstalledDistribution:
-    from safeinstall.records import parse_record
+    from safeinstall.env.records import parse_record
 
     return InstalledDistribution(
         name=name,
@@ -1028,7 +1029,7 @@ def test_a_maps_larger_than_the_limit_is_a_problem_not_read_whole(tmp_path: Path
     """A process can map 65,530 files under 4 KiB names: a quarter of a GB of ``maps`` text for every
     scan. Beyond ``MAPS_LIMIT`` the reading stops (a problem, as for a process that denies it), and the
     plan says what is not known about that process."""
-    from safeinstall.plan import oversized_warning
+    from safeinstall.scan.plan import oversized_warning
 
     directory = tmp_path / "proc" / "4242"
     directory.mkdir(parents=True)

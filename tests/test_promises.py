@@ -12,9 +12,9 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from safeinstall.journal import new_journal, start_journal
-from safeinstall.lock import acquire_lock
-from safeinstall.state import ensure_environment_dir, environment_state
+from safeinstall.store.journal import new_journal, start_journal
+from safeinstall.store.state import ensure_environment_dir, environment_state
+from safeinstall.system.lock import acquire_lock
 from tests.bed_nvml import GiB
 from tests.bed_systemd import wait_until
 from tests.beds import Bed

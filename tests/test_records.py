@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from safeinstall import wheel
-from safeinstall.distributions import entry_location, metadata_headers
+from safeinstall.env import wheel
+from safeinstall.env.distributions import entry_location, metadata_headers
+from safeinstall.env.records import PROBLEMS_LIMIT, RecordEntry, RecordHash, count_lines, parse_record
+from safeinstall.env.wheel import read_wheel
 from safeinstall.errors import WheelError
-from safeinstall.records import PROBLEMS_LIMIT, RecordEntry, RecordHash, count_lines, parse_record
-from safeinstall.wheel import read_wheel
 
 SITE = "/srv/venv/lib/python3.11/site-packages"
 

@@ -83,9 +83,9 @@ def test_the_install_hardlinks_from_the_runs_own_cache_and_nothing_shares_an_ino
     the old version's files), has exactly one link, and the backup still holds the old version."""
     import hashlib
 
-    from safeinstall.backup import load_backup
-    from safeinstall.distributions import find_distribution, find_distributions
-    from safeinstall.environment import inspect_environment
+    from safeinstall.env.distributions import find_distribution, find_distributions
+    from safeinstall.env.environment import inspect_environment
+    from safeinstall.store.backup import load_backup
 
     bed.service("links")
     result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json")
@@ -324,7 +324,7 @@ def test_a_rollback_that_fails_lists_the_commands_to_finish(bed: Bed, tmp_path: 
 def test_only_a_good_run_deletes_backups_beyond_keep_backups(bed: Bed) -> None:
     """A vLLM backup is GBs: a good run keeps the newest --keep-backups; a failed run deletes none,
     and a directory that is not a run's backup is never touched."""
-    from safeinstall.state import environment_key
+    from safeinstall.store.state import environment_key
 
     bed.service("retention")
     prefix = Path(os.path.realpath(bed.python.parent.parent))

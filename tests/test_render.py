@@ -8,8 +8,8 @@ from typing import Any
 
 from rich.console import Console
 
-from safeinstall.history import new_entry
-from safeinstall.render import render_entry, render_run
+from safeinstall.cli.render import render_entry, render_run
+from safeinstall.store.history import new_entry
 
 RUN_ID = "20261202T060000Z-42"
 

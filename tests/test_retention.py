@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from safeinstall.retention import backups_to_remove, is_run_id, prune_backups
+from safeinstall.store.retention import backups_to_remove, is_run_id, prune_backups
 
 OLD, MID, NEW = "20261101T000000Z-7", "20261115T120000Z-99", "20261130T041125Z-19214"
 

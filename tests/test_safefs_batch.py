@@ -1,6 +1,6 @@
 """The safe filesystem layer's batches: each directory opened once, and still never a symlink followed.
 
-A backup of torch (12k files in 800 directories) went through :class:`~safeinstall.safefs.Tree` one
+A backup of torch (12k files in 800 directories) went through :class:`~safeinstall.system.safefs.Tree` one
 file at a time, each operation walking every directory from the prefix down again (about 620k
 ``open`` calls). Inside :meth:`Tree.batch` each thread keeps the directories it walked last. These
 tests count the directory opens with an audit hook (``os.open`` raises the ``open`` audit event with
@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from safeinstall.backup import create_backup
-from safeinstall.distributions import InstalledDistribution, find_distributions
-from safeinstall.environment import inspect_environment
-from safeinstall.safefs import Tree
+from safeinstall.env.distributions import InstalledDistribution, find_distributions
+from safeinstall.env.environment import inspect_environment
+from safeinstall.store.backup import create_backup
+from safeinstall.system.safefs import Tree
 from tests import wheelhouse
 
 _counting: list[list[int]] = []  # the counter of the block being counted, when one is

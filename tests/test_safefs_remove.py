@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from safeinstall.safefs import MAX_REMOVE_DEPTH, Tree, remove_at
-from safeinstall.state import remove_run_dir
+from safeinstall.store.state import remove_run_dir
+from safeinstall.system.safefs import MAX_REMOVE_DEPTH, Tree, remove_at
 
 _recording: list[list[tuple[str, int]]] = []  # the list of the block recording opens, when one is
 

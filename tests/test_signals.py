@@ -11,7 +11,7 @@ import signal
 
 import pytest
 
-from safeinstall.signals import Interrupted, interrupts_raise
+from safeinstall.system.signals import Interrupted, interrupts_raise
 
 
 class _SignalsWhenCollected:

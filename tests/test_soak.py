@@ -31,7 +31,7 @@ from tests.beds import Bed
 from tests.clirun import run
 
 SOAK_TRIALS = 40
-#: the phases a good run passes, in order (safeinstall.journal.Phase, up to "done")
+#: the phases a good run passes, in order (safeinstall.store.journal.Phase, up to "done")
 PHASES = (
     "planned",
     "backed-up",

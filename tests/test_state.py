@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from safeinstall.safefs import others_who_write
-from safeinstall.state import (
+from safeinstall.store.state import (
     SYSTEM_STATE_ROOT,
     StateDirError,
     atomic_write,
@@ -25,6 +24,7 @@ from safeinstall.state import (
     state_root,
     trust_problem,
 )
+from safeinstall.system.safefs import others_who_write
 
 
 def mode_of(path: Path) -> int:

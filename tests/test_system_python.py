@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from safeinstall.environment import inspect_environment
+from safeinstall.env.environment import inspect_environment
+from safeinstall.env.systemsite import dpkg_package_name, marker_error_text, owners_in
+from safeinstall.env.uvplan import UvRequest, dry_run, uv_said
 from safeinstall.errors import PlanError
-from safeinstall.systemsite import dpkg_package_name, marker_error_text, owners_in
-from safeinstall.uvplan import UvRequest, dry_run, uv_said
 from tests import wheelhouse
 from tests.beds import printing_interpreter
 from tests.clirun import run

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 import psutil
 import pytest
 
-from safeinstall.cgroups import placement_of_proc_cgroup
 from safeinstall.errors import SystemdError
-from safeinstall.systemd import (
+from safeinstall.system.cgroups import placement_of_proc_cgroup
+from safeinstall.system.systemd import (
     DropinRoots,
     Systemd,
     check_unit_name,

@@ -9,10 +9,10 @@ import os
 import subprocess
 from pathlib import Path
 
-from safeinstall import history
-from safeinstall.output import envelope
-from safeinstall.render import literal, printable
-from safeinstall.state import ensure_environment_dir, environment_state
+from safeinstall.cli.render import literal, printable
+from safeinstall.run.output import envelope
+from safeinstall.store import history
+from safeinstall.store.state import ensure_environment_dir, environment_state
 from tests import wheelhouse
 from tests.bed_systemd import UserManager, wait_until
 from tests.clirun import run
@@ -126,7 +126,7 @@ def test_a_run_refused_at_preflight_keeps_its_log_in_the_history(sipure_venv: Pa
 
 
 def test_columns_fit_the_width_end_a_cut_cell_in_an_ellipsis_and_carry_no_padding() -> None:
-    from safeinstall.render import columns
+    from safeinstall.cli.render import columns
 
     rows = [("1", "api.service", "maps torch/lib/libtorch_cpu.so", "python -m vllm.entrypoints " + "x" * 80)]
     header = ("PID", "UNIT", "WHY", "COMMAND")

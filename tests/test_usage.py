@@ -1,4 +1,4 @@
-"""The command line's one validation, :func:`safeinstall.usage.usage_problem`: pure, from what was
+"""The command line's one validation, :func:`safeinstall.cli.usage.usage_problem`: pure, from what was
 given, before anything is read or changed (the CLI tests run the same lines end to end)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from safeinstall.usage import Usage, usage_problem
+from safeinstall.cli.usage import Usage, usage_problem
 
 
 def _usage(*modes: str, **given: object) -> Usage:

@@ -6,9 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from safeinstall.environment import Account
-from safeinstall.errors import PlanError
-from safeinstall.uvplan import (
+from safeinstall.env.environment import Account
+from safeinstall.env.uvplan import (
     UvRequest,
     dry_run,
     install_command,
@@ -18,6 +17,7 @@ from safeinstall.uvplan import (
     same_filesystem,
     uv_environment,
 )
+from safeinstall.errors import PlanError
 from tests import wheelhouse
 from tests.wheelhouse import Wheelhouse
 

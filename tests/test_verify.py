@@ -196,11 +196,11 @@ def test_python_scripts_rewritten_by_the_installer_are_not_drift(tmp_path: Path,
 def test_a_wheel_read_once_is_enough_and_a_corrupted_file_is_still_found(tmp_path: Path) -> None:
     """A run verifies its install against the wheel it read and checked before the stop (its member
     hashes, its #!python scripts) and never opens the wheel again; a corrupted file is still found."""
-    from safeinstall.distributions import find_distributions
-    from safeinstall.drift import FindingKind
-    from safeinstall.environment import inspect_environment
-    from safeinstall.verify import verify_environment
-    from safeinstall.wheel import read_wheel
+    from safeinstall.env.distributions import find_distributions
+    from safeinstall.env.drift import FindingKind
+    from safeinstall.env.environment import inspect_environment
+    from safeinstall.env.verify import verify_environment
+    from safeinstall.env.wheel import read_wheel
 
     wheel_path = wheelhouse.make_wheel(
         tmp_path,
@@ -451,10 +451,10 @@ def test_the_dist_info_files_read_in_one_scan_are_bounded(
     """The environment's owner decides how many .dist-info directories there are, and hardlinks to one
     RECORD make them free: a scan reads at most distributions.SCAN_LIMIT bytes of them in all (128 MiB;
     1 MiB here), then stops with an error instead of parsing on into root's memory."""
-    from safeinstall import distributions
-    from safeinstall.environment import inspect_environment
+    from safeinstall.env import distributions
+    from safeinstall.env.environment import inspect_environment
+    from safeinstall.env.verify import verify_environment
     from safeinstall.errors import RecordError
-    from safeinstall.verify import verify_environment
 
     inspected = inspect_environment(env)
     assert verify_environment(inspected, ["sipure"]).findings == ()

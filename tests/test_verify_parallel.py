@@ -25,11 +25,11 @@ from pathlib import Path
 
 import pytest
 
-from safeinstall import distributions
-from safeinstall.distributions import InstalledDistribution, MetadataReader
-from safeinstall.drift import Expectation
-from safeinstall.environment import inspect_environment
-from safeinstall.hashing import (
+from safeinstall.env import distributions
+from safeinstall.env.distributions import InstalledDistribution, MetadataReader
+from safeinstall.env.drift import Expectation
+from safeinstall.env.environment import inspect_environment
+from safeinstall.env.hashing import (
     BIG_FILE,
     CHUNK_FILES,
     LARGEST_FILE,
@@ -40,8 +40,8 @@ from safeinstall.hashing import (
     plan_tasks,
     read_buffer,
 )
-from safeinstall.records import encode_digest
-from safeinstall.verify import VerifyReport, verify_environment
+from safeinstall.env.records import encode_digest
+from safeinstall.env.verify import VerifyReport, verify_environment
 from tests import wheelhouse
 from tests.wheelhouse import Wheelhouse
 

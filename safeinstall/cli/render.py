@@ -1,0 +1,725 @@
+"""Human output with rich: tables on stdout, warnings and progress on stderr. No logic lives here."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console, RenderableType
+from rich.markup import escape
+from rich.padding import Padding
+
+from safeinstall.env.drift import Finding, FindingKind
+from safeinstall.errors import SafeInstallError
+from safeinstall.store.runlog import PROGRESS_EVERY_S, human_bytes, progress_key, progress_text
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
+    from rich.table import Table
+
+    from safeinstall.env.diffs import FileDiff
+    from safeinstall.env.verify import VerifyReport
+    from safeinstall.run.recover import Recovery
+    from safeinstall.run.results import StepOutcome
+    from safeinstall.run.status import EnvironmentStatus, Forgotten
+    from safeinstall.scan.plan import Plan, PlannedProcess
+    from safeinstall.scan.processes import ScanProblem
+    from safeinstall.store.history import RunSummary
+
+_KIND_STYLE = {
+    FindingKind.MISSING: "bold red",
+    FindingKind.MODIFIED: "bold yellow",
+    FindingKind.EXTRA: "cyan",
+    FindingKind.OUTSIDE: "bold magenta",
+    FindingKind.UNREADABLE: "red",
+    FindingKind.MALFORMED: "magenta",
+    FindingKind.VERSION_MISMATCH: "bold red",
+}
+
+
+#: C0 and C1 control characters and DEL: an ESC/CSI/OSC sequence among them rewrites a terminal.
+_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f]")
+#: The same, less newline and tab (text of several lines: a message with uv's output, a diff).
+_CONTROLS_BUT_LINES = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str, lines: bool = False) -> str:
+    """Pure: ``text`` that cannot drive a terminal: each C0/C1 control character and DEL shown as
+    ``\\xNN`` (other unicode unchanged). A command line, file or unit name written by another user must
+    not clear, retitle or rewrite root's terminal. ``lines``: newlines and tabs are kept."""
+    pattern = _CONTROLS_BUT_LINES if lines else _CONTROLS
+    return pattern.sub(lambda found: f"\\x{ord(found.group()):02x}", text)
+
+
+def literal(value: object, lines: bool = False) -> str:
+    """Pure: a value from outside (a path, a name, a command line, a message, a detail) as rich markup
+    that prints it exactly: :func:`printable`, with every ``[`` that could open a tag escaped. Every
+    such value that human output shows goes through here."""
+    return escape(printable(str(value), lines))
+
+
+def make_console(stderr: bool = False) -> Console:
+    """No emoji codes: a file named ``:warning:`` is shown as named, not as a sign (``literal`` escapes
+    markup, not ``:name:``), and no highlighting."""
+    probe = Console(stderr=stderr)
+    given = os.environ.get("COLUMNS", "").isdigit()  # on a pipe too: the width a script asks for
+    wide = probe.is_terminal or given
+    return Console(stderr=stderr, width=None if wide else 200, highlight=False, emoji=False)
+
+
+def render_error(console: Console, error: SafeInstallError) -> None:
+    console.print(f"[bold red]error:[/] {literal(error.message, lines=True)}", soft_wrap=True)
+    console.print(f"[dim]hint:[/] {literal(error.advice, lines=True)}", soft_wrap=True)
+
+
+def _table(**options: Any) -> Table:
+    """A rich table, imported when one is drawn: a clean verification draws none."""
+    from rich.table import Table
+
+    return Table(box=None, pad_edge=False, **options)
+
+
+def print_table(console: Console, table: RenderableType) -> None:
+    """A table (or any renderable) without the padding rich adds to the right of each line (to the
+    console's width, 200 columns on a pipe): lines end where their text ends."""
+    from rich.text import Text
+
+    for line in console.render_lines(table, console.options, pad=False):
+        text = Text.assemble(*((s.text, s.style or "") for s in line if not s.control))
+        text.rstrip()
+        console.print(text, soft_wrap=True)
+
+
+def _finding_lines(out: Console, findings: Sequence[Finding]) -> None:
+    """Each finding: its kind, distribution and path on one line (a path is never broken: the line is
+    not wrapped), its detail indented below (wrapped between words)."""
+    for f in findings:
+        style = _KIND_STYLE.get(f.kind, "")
+        kind = f"[{style}]{f.kind.value}[/]" if style else f.kind.value
+        out.print(f"{kind} {literal(f.distribution)} {literal(f.path)}", soft_wrap=True)
+        if f.detail:
+            out.print(f"    {literal(f.detail)}", soft_wrap=True)
+
+
+def _example(findings: Sequence[Finding]) -> str:
+    return literal(findings[0].path) + (f" and {len(findings) - 1} more" if len(findings) > 1 else "")
+
+
+def _warning_summaries(err: Console, findings: Sequence[Finding], more: str) -> None:
+    """One line per kind of warning (per pair of distributions for shared files), with a count and an
+    example; ``more`` says where the whole list is."""
+    hardlinked = [f for f in findings if f.kind == FindingKind.HARDLINKED]
+    if hardlinked:
+        names = sorted({f.distribution for f in hardlinked})
+        whose, how = (
+            (
+                literal(names[0]),
+                f"with safeinstall {literal(names[0])} (once its run's cache is gone the files "
+                "share no inode), or uv's --link-mode copy",
+            )
+            if len(names) == 1
+            else (f"{len(names)} distributions", "with uv's --link-mode copy, or each with safeinstall NAME")
+        )
+        err.print(
+            f"[yellow]warning:[/] {_count(len(hardlinked), 'installed file')} of {whose} share their inode "
+            f"with another file (uv's cache; e.g. {literal(hardlinked[0].path)}); editing one in place also "
+            f"edits the cache, and a later offline reinstall brings the edit back (uv #10579). Reinstall "
+            f"{how}{more}",
+            soft_wrap=True,
+        )
+    vouched: dict[str, list[Finding]] = defaultdict(list)
+    for f in findings:
+        if f.kind == FindingKind.WHEEL_RECORD:
+            vouched[f.distribution].append(f)
+    for name, lying in sorted(vouched.items()):
+        err.print(
+            f"[yellow]note:[/] {_count(len(lying), 'file')} of {literal(name)} "
+            f"{'differs' if len(lying) == 1 else 'differ'} from {literal(name)}'s RECORD but "
+            f"{'holds' if len(lying) == 1 else 'hold'} the very bytes safeinstall installed and verified "
+            f"against its wheel (e.g. {_example(lying)}): the wheel's own RECORD is wrong; "
+            f"{FindingKind.WHEEL_RECORD.value}, not drift{more}",
+            soft_wrap=True,
+        )
+    pairs: dict[tuple[str, str], list[Finding]] = defaultdict(list)
+    for f in findings:
+        if f.kind == FindingKind.SHARED:
+            pairs[(f.distribution, f.shared_with or "?")].append(f)
+    for (name, other), shared in sorted(pairs.items()):
+        err.print(
+            f"[yellow]note:[/] {_count(len(shared), 'file')} of {literal(name)} "
+            f"{'holds' if len(shared) == 1 else 'hold'} {literal(other)}'s copy "
+            f"(both RECORDs list them; {literal(other)} was installed over them; e.g. {_example(shared)}): "
+            f"{FindingKind.SHARED.value}, not drift; reinstalling {literal(name)} alone would put its own "
+            f"copies back over {literal(other)}'s{more}",
+            soft_wrap=True,
+        )
+
+
+def _count(number: int, what: str) -> str:
+    return f"{number} {what}" + ("" if number == 1 else "s")
+
+
+def render_verify(
+    out: Console, err: Console, report: VerifyReport, diffs: list[FileDiff] | None, verbosity: int = 0
+) -> None:
+    """The drift, each finding on its lines; warnings summarised (one line per kind, with ``-v`` each
+    finding); a line per distribution checked (with ``--all`` and without ``-v``: those with drift and
+    one line for the rest). ``verbosity``: -1 ``-q`` (no warnings), 0, 1 ``-v``."""
+    if report.wheel is not None and not report.wheel.record_ok and verbosity >= 0:
+        err.print(
+            f"[yellow]warning:[/] the wheel {literal(str(report.wheel.path))} has a RECORD that does not "
+            f"match its own contents ({len(report.wheel.problems)} problems); that is the wheel's fault, "
+            "not drift: installed files were compared with the wheel's actual contents",
+            soft_wrap=True,
+        )
+    drift = [f for f in report.findings if f.is_drift]
+    _finding_lines(out, drift)
+    warnings = [  # the wheel's own problems are the line above; the baseline's are summarised below
+        f
+        for f in report.findings
+        if not f.is_drift and (f.kind != FindingKind.WHEEL_RECORD or f.baseline == "run")
+    ]
+    if verbosity > 0:
+        _finding_lines(err, warnings)
+    elif verbosity == 0:
+        _warning_summaries(err, warnings, " (-v lists them; --json has all)")
+    for d in diffs or []:
+        if d.text:
+            out.print(literal(d.text, lines=True), end="", soft_wrap=True)
+        else:
+            err.print(f"[dim]no diff for {literal(d.path)}: {literal(d.reason)}[/]")
+    if report.egg_info:
+        err.print(
+            f"[dim]note:[/] {len(report.egg_info)} .egg-info distribution(s) have no RECORD and were not "
+            f"checked (e.g. {literal(report.egg_info[0])}); a system package's are its package manager's "
+            "to check (debsums)",
+            soft_wrap=True,
+        )
+    several = len(report.site_dirs) > 1  # a system interpreter, or a venv with its base's: say where
+    many = len(report.distributions) > 1 and verbosity <= 0
+    for dist in report.distributions:
+        kinds = Counter(f.kind.value for f in dist.findings if f.is_drift)
+        if many and not kinds:
+            continue
+        state = (
+            "[red]DRIFT[/] " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+            if kinds
+            else "[green]OK[/]"
+            if dist.files_checked
+            else "[yellow]nothing checked[/]"
+        )
+        against = "RECORD" if dist.against == "record" else dist.against
+        where = (
+            f" in {literal(dist.site)}{' (the base installation)' if dist.from_base else ''}"
+            if several
+            else ""
+        )
+        owner = dist.system_package
+        system = (
+            ""
+            if owner is None
+            else f" ({literal(owner.manager)} package {literal(owner.package)}: {literal(owner.check)} "
+            "checks it)"
+        )
+        out.print(
+            f"{literal(dist.name)} {literal(dist.version)}{where}{system}: {dist.files_checked} files "
+            f"checked against {literal(against)}: {state}",
+            soft_wrap=True,
+        )
+    if many:
+        drifted = sum(1 for d in report.distributions if d.drift)
+        files = sum(d.files_checked for d in report.distributions)
+        state = "[green]OK[/]" if not drifted else f"[red]{drifted} with drift[/], the others OK"
+        out.print(
+            f"{len(report.distributions)} distributions, {files} files checked against their RECORD: {state}"
+        )
+
+
+def _seconds(value: float) -> str:
+    return "infinity" if value == float("inf") else f"{value:g} s"
+
+
+def grouped_details(processes: Sequence[PlannedProcess]) -> list[tuple[tuple[int, ...], str]]:
+    """Pure: each piece of evidence of the processes once, with every PID it is said of (in the order
+    first seen): every process of a system interpreter says "runs the environment's interpreter", in
+    one line, not one line each."""
+    groups: dict[str, list[int]] = {}
+    for process in processes:
+        for detail in process.details:
+            groups.setdefault(detail, []).append(process.pid)
+    return [(tuple(pids), detail) for detail, pids in groups.items()]
+
+
+def _pids(pids: Sequence[int], shown: int = 10) -> str:
+    """Pure: "PID 12", or "PIDs 12, 13, ... (25)" (the table above lists each one)."""
+    if len(pids) == 1:
+        return f"PID {pids[0]}"
+    more = ", …" if len(pids) > shown else ""
+    return f"PIDs {', '.join(map(str, pids[:shown]))}{more} ({len(pids)})"
+
+
+def _scan_problems(err: Console, problems: Sequence[ScanProblem], verbosity: int) -> None:
+    """What the scan could not read, each problem, with ``-v``: the plan's warnings already say once
+    which processes denied access or mapped too much (a process that vanished meanwhile is no matter)."""
+    if verbosity <= 0:
+        return
+    for problem in problems:
+        err.print(
+            f"[dim]note: PID {problem.pid}: could not read {literal(problem.reading)}: "
+            f"{literal(problem.reason)}[/]",
+            soft_wrap=True,
+        )
+
+
+def render_plan(out: Console, err: Console, plan: Plan, verbosity: int = 0) -> None:
+    """The plan at a glance: one row per process (its strongest evidence, as one reason) and per unit;
+    every piece of evidence with ``-v`` (and in ``--json``). Tables take the terminal's width and are not
+    padded on a pipe; a path or command too long for its column ends in an ellipsis, never broken."""
+    out.print(
+        f"[bold]plan[/] for {literal(plan.package)} in {literal(plan.prefix)} "
+        f"(python {literal(plan.python)})",
+        soft_wrap=True,
+    )
+    out.print("distributions:" + ("  (--with-deps: dependencies reinstalled too)" if plan.with_deps else ""))
+    for dist in plan.distributions:
+        mark = "".join(f" ({m})" for m in ("named" if dist.requested else "", dist.change) if m)
+        versions = f"{dist.old_version or '(not installed)'} -> {dist.new_version or '?'}"
+        out.print(f"  {literal(dist.name)} {literal(versions)}{mark}", soft_wrap=True)
+    if plan.processes:
+        more = "" if verbosity > 0 else " (-v: every piece of evidence)"
+        rows: list[tuple[str, ...]] = []
+        for p in plan.processes:
+            kind = p.evidence[0] if len(p.evidence) == 1 else _strongest_kind(p.evidence)
+            old = " running old code" if p.running_old_code else ""
+            command = " ".join(w for w in " ".join(p.cmdline).split(" ") if w) or p.name  # setproctitle pads
+            rows.append(
+                (
+                    str(p.pid),
+                    p.unit or f"stray ({p.scope or 'no unit'})",
+                    f"{kind} ({p.strength}){old}",
+                    human_bytes(p.gpu_bytes),
+                    p.reason or "; ".join(p.details[:1]),
+                    command if command.startswith(p.name) else f"{p.name}: {command}",
+                )
+            )
+        header: tuple[str, ...] = ("PID", "UNIT", "EVIDENCE", "GPU MEM", "WHY", "COMMAND")
+        if all(p.gpu_bytes is None for p in plan.processes):  # no GPU memory listed: no column for it
+            header, rows = header[:3] + header[4:], [row[:3] + row[4:] for row in rows]
+        out.print(f"processes using them{more}")
+        for line in columns(header, rows, out.width):
+            out.print(literal(line), soft_wrap=True)
+        for stray in plan.strays:  # they refuse the run (or are ended): their whole command line
+            command = " ".join(stray.cmdline) or stray.name
+            out.print(
+                f"  stray PID {stray.pid} ({literal(stray.scope or 'no unit')}): {literal(command)}",
+                soft_wrap=True,
+            )
+        if verbosity > 0:  # each piece of evidence once, with every PID it is said of
+            for pids, detail in grouped_details(plan.processes):
+                out.print(f"  {_pids(pids)}: {literal(detail)}", soft_wrap=True)
+    else:
+        out.print("processes using them: none")
+    if plan.units:
+        table = _table(title="units that would be stopped", title_justify="left")
+        for column in ("UNIT", "STATE", "ENABLED", "STOP TIMEOUT", "MAIN PID"):
+            table.add_column(column, no_wrap=True)
+        table.add_column("PIDS")
+        for u in plan.units:
+            table.add_row(
+                literal(u.name),
+                literal(u.active_state),
+                literal(u.unit_file_state or "-"),
+                _seconds(u.stop_timeout_s),
+                str(u.main_pid or "-"),
+                " ".join(map(str, u.pids))
+                or (f"(stops with {literal(u.stopped_with)})" if u.stopped_with else ""),
+            )
+        print_table(out, table)
+    if plan.gpus.available:
+        table = _table(title="GPUs", title_justify="left")
+        for column in ("GPU", "NAME", "UUID", "USED", "TOTAL"):
+            table.add_column(column, no_wrap=True)
+        table.add_column("PROCESSES")
+        for gpu in plan.gpus.gpus:
+            procs = " ".join(f"{p.pid}:{human_bytes(p.used_bytes)}" for p in gpu.processes)
+            table.add_row(
+                str(gpu.index),
+                literal(gpu.name),
+                literal(gpu.uuid),
+                human_bytes(gpu.used_bytes),
+                human_bytes(gpu.total_bytes),
+                literal(procs or gpu.processes_error or "-"),
+            )
+        print_table(out, table)
+    else:
+        out.print(f"GPUs: check unavailable ({literal(plan.gpus.reason or '')})", soft_wrap=True)
+    out.print("uv command: " + literal(" ".join(plan.uv_command)), soft_wrap=True)
+    _scan_problems(err, plan.scan_problems, verbosity)
+    for warning in plan.warnings:
+        err.print(f"[yellow]warning:[/] {literal(warning)}", soft_wrap=True)
+    if plan.proceeds:
+        out.print("[green]the run would proceed[/]")
+    else:
+        out.print("[red]the run would refuse:[/]")
+        for refusal in plan.refusals:
+            out.print(f"  - {literal(refusal)}", soft_wrap=True)
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
+
+
+def columns(header: Sequence[str], rows: Sequence[Sequence[str]], width: int) -> list[str]:
+    """Pure: a table as lines of at most ``width`` characters, each cell on one line: every column but the
+    last two as wide as its widest cell (at most 40; on a narrow terminal the widest are cut down to
+    12); the last two (a reason and a command) share the rest, the reason first (up to 60, leaving
+    the command 20 where it can); a cell too long for its column ends in "…", never wrapped in the
+    middle of a word. Cells are :func:`printable`; lines carry no trailing spaces."""
+    table = [[printable(cell) for cell in row] for row in (header, *rows)]
+    fixed = [min(max(len(row[i]) for row in table), 40) for i in range(len(header) - 2)]
+    why, command = (max(len(row[i]) for row in table) for i in (-2, -1))
+    while width - sum(fixed) - 2 * (len(header) - 1) < 16 and max(fixed) > 12:  # a narrow terminal
+        fixed[fixed.index(max(fixed))] -= 1
+    room = max(width - sum(fixed) - 2 * (len(header) - 1), 16)
+    if why + command > room:
+        why = max(min(why, 60, max(room * 3 // 5, room - 20), room - 8), 8)
+        command = room - why
+    widths = [*fixed, why, command]
+    return [
+        "  ".join(_cut(cell, w).ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in table
+    ]
+
+
+#: The evidence kinds of the plan, strongest first (``unit`` and ``environment`` last).
+_KIND_ORDER = ("mapped", "open", "argv", "depends", "unit", "environment")
+
+
+def _strongest_kind(kinds: Sequence[str]) -> str:
+    return min(kinds, key=lambda k: _KIND_ORDER.index(k) if k in _KIND_ORDER else len(_KIND_ORDER))
+
+
+_STEP_MARK = {"ok": "[green]ok[/]", "failed": "[bold red]FAILED[/]", "skipped": "[yellow]skipped[/]"}
+
+
+@contextlib.contextmanager
+def _output_best_effort() -> Iterator[None]:
+    """Drop an OSError of the output (a terminal that went away: EIO; a closed pipe), but never what it
+    hid: a SIGINT/SIGTERM/SIGHUP handler that raised while rich was writing is followed, as rich
+    flushes on the way out, by the dead terminal's OSError, and the interruption must not be lost."""
+    handling = sys.exc_info()[1]  # an error being handled already (a rollback's) was not hidden here
+    try:
+        yield
+    except OSError as exc:
+        hidden = exc.__context__
+        while (
+            hidden is not None
+            and hidden is not handling
+            and not isinstance(hidden, SafeInstallError | KeyboardInterrupt)
+        ):
+            hidden = hidden.__context__
+        if hidden is not None and hidden is not handling:
+            raise hidden from None
+
+
+class ConsoleReporter:
+    """Step lines on stdout; a rich progress display for slow steps and notes on stderr; asks before
+    stopping anything."""
+
+    def __init__(self, out: Console, err: Console, quiet: bool = False, verbosity: int = 0) -> None:
+        self.out = out
+        self.err = err
+        self.quiet = quiet
+        self.verbosity = verbosity
+        self._progress: Progress | None = None
+        self._tasks: dict[str, TaskID] = {}
+        self._last_line = time.monotonic()
+        self._last_key = ""
+
+    # Output is best effort: a terminal that went away (a dropped SSH session: EIO) or a closed pipe
+    # must never interrupt a run, least of all its rollback. The run's log keeps everything.
+
+    def step(self, outcome: StepOutcome) -> None:
+        with _output_best_effort():
+            self._step(outcome)
+
+    def _step(self, outcome: StepOutcome) -> None:
+        self._end_progress()
+        self._last_key = ""  # the next step's first progress line is a change
+        if self.quiet:
+            return
+        mark = _STEP_MARK.get(outcome.status, outcome.status)
+        self.out.print(
+            f"{outcome.name:<12} {mark:<8} {outcome.seconds:6.1f} s  {literal(outcome.detail)}",
+            soft_wrap=True,
+        )
+
+    def progress(self, what: str, done: float | None, total: float | None, unit: str = "") -> None:
+        with _output_best_effort():
+            self._show_progress(what, done, total, unit)
+
+    def _show_progress(self, what: str, done: float | None, total: float | None, unit: str) -> None:
+        """Slow work (the backup's bytes, the GPU wait's seconds): a transient bar on a terminal; off a
+        terminal (logs, scripts) a plain line every few seconds, in human units."""
+        if self.quiet:
+            return
+        key = progress_key(what)
+        if not self.err.is_terminal:  # one line per change, then a heartbeat every few seconds
+            now = time.monotonic()
+            if key != self._last_key or now - self._last_line >= PROGRESS_EVERY_S:
+                self._last_line, self._last_key = now, key
+                self.err.print(literal(progress_text(what, done, total, unit)), soft_wrap=True)
+            return
+        if self._progress is None:
+            from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+
+            self._progress = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                TaskProgressColumn(),
+                TimeElapsedColumn(),
+                console=self.err,
+                transient=True,
+            )
+            self._progress.start()
+        if key not in self._tasks:
+            self._tasks[key] = self._progress.add_task(literal(what), total=total)
+        self._progress.update(self._tasks[key], description=literal(what), completed=done or 0, total=total)
+
+    def _end_progress(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+            self._tasks.clear()
+
+    def note(self, text: str) -> None:
+        with _output_best_effort():
+            self.err.print(f"[yellow]note:[/] {literal(text, lines=True)}", soft_wrap=True)
+
+    def confirm(self, plan: Plan) -> bool:
+        render_plan(self.out, self.err, plan, self.verbosity)
+        question = "stop these units and reinstall?" if plan.units else "reinstall (no unit to stop)?"
+        answer = self.err.input(f"{question} \\[y/N] ")
+        return answer.strip().lower() in ("y", "yes")
+
+
+def _items(data: Mapping[str, Any], key: str) -> list[Any]:
+    value = data.get(key)
+    return value if isinstance(value, list) else []
+
+
+def _old_code_line(process: Mapping[str, Any]) -> str:
+    """One process left on old code, from its JSON form (``OldCodeProcess``)."""
+    unit, scope = process.get("unit"), process.get("scope")
+    where = f"unit {unit}" if unit else f"no unit ({scope or 'no scope'})"
+    names = ", ".join(str(d) for d in _items(process, "distributions"))
+    paths = ", ".join(str(p) for p in _items(process, "paths")[:3])
+    who = f"PID {process.get('pid')} ({process.get('name')}, {where})"
+    return f"{who} still maps replaced files of {names} ({paths})"
+
+
+def render_run(out: Console, err: Console, document: Mapping[str, Any], run_id: str) -> None:
+    """A run's result from its ``--json`` document: the one renderer of the foreground run and of
+    ``--status --wait`` (which reads the document from the run's history entry)."""
+    raw = document.get("data")
+    data: Mapping[str, Any] = raw if isinstance(raw, dict) else {}
+    for note in _items(data, "notes"):
+        err.print(f"[dim]note:[/] {literal(note, lines=True)}", soft_wrap=True)
+    status = document.get("status")
+    if status == "declined":
+        out.print("nothing done (not confirmed)")
+        return
+    plan = data.get("plan") if isinstance(data.get("plan"), dict) else None
+    if status == "done" and plan is not None:
+        changes = ", ".join(
+            f"{d.get('name')} {d.get('old_version')} -> {d.get('new_version') or '?'}"
+            for d in _items(plan, "distributions")
+            if isinstance(d, dict)
+        )
+        out.print(f"[green]done:[/] {literal(changes)}; installed and verified", soft_wrap=True)
+    downtime = data.get("downtime_s")
+    for unit, seconds in sorted(downtime.items() if isinstance(downtime, dict) else ()):
+        if isinstance(seconds, int | float):
+            out.print(f"  {literal(unit)} was down for {seconds:.1f} s")
+    for unit in _items(data, "not_restarted"):
+        out.print(f"  [yellow]{literal(unit)} left stopped (--no-restart)[/]")
+    for pid in _items(data, "strays_killed"):
+        out.print(f"  stray PID {literal(pid)} was ended and not restarted")
+    for process in _items(data, "old_code"):
+        if isinstance(process, dict):
+            err.print(
+                f"[yellow]warning:[/] {literal(_old_code_line(process))}: it runs old code; restart it",
+                soft_wrap=True,
+            )
+    render_patches(out, [p for p in _items(data, "patches") if isinstance(p, dict)], data.get("patch_file"))
+    backup_dir, log_file = data.get("backup_dir"), data.get("log_file")
+    patched = _items(data, "patched")
+    if patched:
+        out.print(f"locally patched files (copies kept in {literal(backup_dir or '')}):")
+        for path in patched:
+            out.print(f"  {literal(path)}")
+    pruned = set(map(str, _items(data, "pruned")))
+    for path in _items(data, "extras"):
+        state = "pruned (copy kept in the backup)" if path in pruned else "left in place (--prune removes)"
+        out.print(f"  leftover {literal(path)}: {state}", soft_wrap=True)
+    if backup_dir:
+        err.print(
+            f"[dim]run {literal(run_id)}; backup: {literal(backup_dir)}; log: {literal(str(log_file))}[/]",
+            soft_wrap=True,
+        )
+    removed = _items(data, "backups_removed")
+    if removed:
+        err.print(f"[dim]deleted {len(removed)} older backup(s) (--keep-backups)[/]")
+    for error in _items(document, "errors"):
+        if isinstance(error, dict):
+            render_error(err, SafeInstallError(str(error.get("message")), hint=error.get("hint")))
+
+
+def render_patches(out: Console, patches: Sequence[Mapping[str, Any]], patch_file: object = None) -> None:
+    """--keep-patches: what was carried, what was dropped, and where each conflict is (as a diff); each
+    patch as ``--json`` has it (:func:`safeinstall.run.output.patches_json`)."""
+    heading = {
+        "carried": "local patches carried to the new version:",
+        "dropped": "local patches dropped (--drop-conflicting; the backup keeps them):",
+        "conflict": "local patches that cannot be carried:",
+        "rolled-back": "local patches not carried (the run rolled back; the installed files keep them):",
+    }
+    for status, title in heading.items():
+        found = [p for p in patches if p.get("status") == status]
+        if not found:
+            continue
+        out.print(title)
+        for patch in found:
+            out.print(
+                f"  {status} {literal(patch.get('path'))}: {literal(patch.get('detail'), lines=True)}",
+                soft_wrap=True,
+            )
+            diff = patch.get("diff")
+            if status in ("dropped", "conflict") and diff:
+                out.print(literal(diff, lines=True), end="", soft_wrap=True)
+    if patch_file:
+        out.print(f"carried patch set saved as {literal(patch_file)}", soft_wrap=True)
+
+
+def render_recoveries(out: Console, recoveries: list[Recovery]) -> None:
+    if not any(r.run_id for r in recoveries):
+        out.print("nothing to recover")
+        return
+    for r in recoveries:
+        if r.run_id is None:
+            continue
+        did = ["restored the previous installation" if r.restored else "the installed package was consistent"]
+        if r.started:
+            did.append("started " + ", ".join(r.started))
+        if r.gates_removed:
+            did.append(f"removed {len(r.gates_removed)} boot gate(s)")
+        out.print(
+            literal(f"recovered run {r.run_id} in {r.prefix} (died in phase {r.phase}): " + "; ".join(did))
+        )
+        for note in r.notes:
+            out.print(f"  note: {literal(note)}")
+
+
+def _when(iso: str | None) -> str:
+    from safeinstall.system.lock import display_time  # here: --verify-only starts without the lock's module
+
+    return display_time(iso) if iso else "-"
+
+
+def _runs_table(runs: tuple[RunSummary, ...]) -> Table:
+    """The finished runs, without their log files: a path is never folded across lines (it is printed
+    whole, on a line of its own, by :func:`render_status`)."""
+    table = _table()
+    for column in ("RUN", "STATUS", "EXIT", "PACKAGE", "VERSION", "STARTED", "FINISHED", "DOWNTIME", "UNDO"):
+        table.add_column(column, overflow="fold", no_wrap=column in ("RUN", "STATUS"))
+    for r in runs:
+        style = "green" if r.exit_code == 0 else "yellow" if r.exit_code in (2, 3) else "red"
+        versions = (
+            f"{r.old_version or '?'} -> {r.new_version or '?'}" if r.old_version or r.new_version else "-"
+        )
+        downtime = ", ".join(f"{u} {s:.1f} s" for u, s in sorted(r.downtime_s.items())) or "-"
+        table.add_row(
+            literal(r.run_id),
+            f"[{style}]{literal(r.status)}[/]",
+            str(r.exit_code),
+            literal(r.package or "-"),
+            literal(versions),
+            _when(r.started_at),
+            _when(r.finished_at),
+            literal(downtime),
+            "yes" if r.can_undo else "-",  # why not: --status --json (cannot_undo)
+        )
+    return table
+
+
+def render_status(out: Console, found: list[EnvironmentStatus], last: int = 5) -> None:
+    """Each environment: its prefix and state on one line, then its last runs (``last``; 0: all, and
+    how many are left out is said); paths (the prefix, the logs) are printed whole on lines of their
+    own, never folded in the middle."""
+    if not found:
+        out.print("no safeinstall state: no run in progress, nothing to recover")
+        return
+    for number, s in enumerate(found):
+        if s.running and s.holder is not None:
+            state = f"[yellow]running[/] (PID {s.holder.pid}, since {literal(s.holder.started_display)})"
+            if s.run_id:
+                state += f" run {literal(s.run_id)}"
+        elif s.needs_recovery:
+            state = "[red]needs recovery[/]: run safeinstall --recover"
+        else:
+            state = "[green]idle[/]"
+        if s.prefix_exists is False:
+            state += " [dim](environment gone: safeinstall --forget removes its state)[/]"
+        out.print(("\n" if number else "") + f"environment {literal(s.prefix)}: {state}", soft_wrap=True)
+        if s.package or s.journal_phase or s.units:
+            out.print(
+                f"  package {literal(s.package or '-')}; phase {literal(s.journal_phase or '-')}; "
+                f"units {literal(' '.join(s.units) or '-')}",
+                soft_wrap=True,
+            )
+        shown = s.runs if last <= 0 else s.runs[:last]
+        if shown:
+            more = (
+                f" ({len(shown)} of {len(s.runs)}; -v lists all, --json too)"
+                if len(shown) < len(s.runs)
+                else ""
+            )
+            out.print(f"  last runs{more}:")
+            print_table(out, Padding(_runs_table(shown), (0, 0, 0, 2), expand=False))
+            for r in shown:
+                out.print(f"  log of {literal(r.run_id)}: {literal(r.log_file or '-')}", soft_wrap=True)
+        for problem in s.history_problems:
+            out.print(f"[yellow]note:[/] {literal(problem)}", soft_wrap=True)
+
+
+def render_entry(out: Console, err: Console, entry: dict[str, Any]) -> None:
+    """A finished run's result as its history keeps it (``--status --wait``, a refused ``--detach``): a
+    headline naming the run, then what the foreground run showed (:func:`render_run`)."""
+    from safeinstall.store.history import summary
+
+    run = summary(entry)
+    style = "green" if run.exit_code == 0 else "red"
+    versions = f" {run.old_version} -> {run.new_version}" if run.old_version or run.new_version else ""
+    out.print(
+        f"run {literal(run.run_id)}: [{style}]{literal(run.status)}[/] (exit {run.exit_code}); "
+        + literal(f"{run.package or '?'}{versions}"),
+        soft_wrap=True,
+    )
+    result = entry.get("result")
+    render_run(out, err, result if isinstance(result, dict) else {}, run.run_id)
+    data = result.get("data") if isinstance(result, dict) else None
+    if run.log_file and not (isinstance(data, dict) and data.get("backup_dir")):
+        err.print(f"[dim]log: {literal(run.log_file)}[/]", soft_wrap=True)
+
+
+def render_forgotten(out: Console, forgotten: list[Forgotten]) -> None:
+    if not forgotten:
+        out.print("nothing to forget: every environment with state still exists")
+    for item in forgotten:
+        out.print(literal(f"forgot {item.prefix} (removed {item.state_dir})"), soft_wrap=True)

@@ -1,0 +1,193 @@
+"""The command line's one validation: :func:`usage_problem` says, from what was given and nothing
+else, why a command line does not make sense (a :class:`UsageError`, exit 2), before anything is read,
+asked or changed. The CLI (:mod:`safeinstall.cli.app`) parses into a :class:`Usage`, asks this, then calls
+one command, renders and exits.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+from safeinstall.errors import UsageError
+
+#: A bare distribution name (anything more is parsed as a requirement).
+PLAIN_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
+
+#: The flags that each choose what safeinstall does: no two of them go together.
+MODES = ("--verify-only", "--dry-run", "--detach", "--recover", "--status", "--forget")
+
+#: The commands that take no PACKAGE.
+_NO_PACKAGE = ("--recover", "--status", "--forget")
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """What the command line gave, as the validation needs it (flags by their long name)."""
+
+    modes: frozenset[str]  # of MODES and --undo
+    package: str | None = None
+    wheel: Path | None = None
+    given: tuple[str, ...] = ()  # the parameters given on the command line, by name
+    args: tuple[str, ...] = ()  # extra arguments (uv's after --, and any stray ones)
+    uv_args: tuple[str, ...] = ()  # those after --
+    verbose: int = 0
+    quiet: int = 0
+    show_version: bool = False
+    wait: bool = False
+    run: str | None = None
+    metrics_file: bool = False
+    all_: bool = False
+    diff: bool = False
+    save_patch: bool = False
+    keep_patches: bool = False
+    base_wheel: bool = False
+    drop_conflicting: bool = False
+    accept_record_mismatch: bool = False
+
+
+def mode_conflict(flags: Collection[str]) -> UsageError | None:
+    """Pure: the usage error of two modes given together (None: at most one). None takes precedence
+    over another in silence: ``--status --forget`` would otherwise forget, ``--verify-only --dry-run``
+    only verify."""
+    given = [flag for flag in MODES if flag in flags]
+    if len(given) < 2:
+        return None
+    if set(given) == {"--dry-run", "--detach"}:
+        return UsageError("--dry-run changes nothing: there is nothing to detach", hint="drop --detach")
+    return UsageError(
+        f"{' and '.join(given)} do not go together: each chooses what safeinstall does",
+        hint=f"give one of {', '.join(given)}: each is a command of its own (see safeinstall --help)",
+    )
+
+
+def wheel_package(wheel: Path) -> str | None:
+    """Pure: the distribution a wheel's file name names (``vllm-0.16.0-cp38-abi3-...whl`` -> ``vllm``);
+    None for a name that is not a wheel's. The wheel itself is checked against it at preflight."""
+    from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+
+    try:
+        return str(parse_wheel_filename(wheel.name)[0])
+    except InvalidWheelFilename:
+        return None
+
+
+def _metrics_problem(u: Usage) -> UsageError | None:
+    command_ok = not (u.modes & {"--dry-run", "--forget", "--undo", "--detach"}) and not u.wait
+    if command_ok:
+        return None
+    return UsageError(
+        "--metrics-file goes with --verify-only, a run (not --detach), --recover or --status (not --wait)",
+        hint="e.g. safeinstall --verify-only --all --python PY --metrics-file "
+        "/var/lib/node_exporter/textfile_collector/safeinstall.prom (see docs/metrics.md)",
+    )
+
+
+def usage_problem(u: Usage) -> UsageError | None:
+    """Pure: why this command line does not make sense, the first reason in the order a user reads
+    it; None when it does. What needs the environment (the run ``--undo`` names, the wheel itself, uv's
+    options) is checked later, by the command."""
+    if u.verbose and u.quiet:
+        return UsageError("-v and -q do not go together", hint="give one of --verbose, --quiet")
+    if u.show_version:
+        if list(u.given) == ["show_version"] and not u.args:
+            return None
+        return UsageError(
+            "--version prints safeinstall's version and takes nothing else",
+            hint="to install a version, give it in the requirement: safeinstall 'vllm==0.16.0'",
+        )
+    conflict = mode_conflict(u.modes)
+    if conflict is not None:
+        return conflict
+    status = "--status" in u.modes
+    if (u.wait or (u.run and "--undo" not in u.modes)) and not status:
+        return UsageError(
+            "--wait and --run go with --status", hint="safeinstall --status --wait [--run RUN_ID]"
+        )
+    if u.metrics_file and (problem := _metrics_problem(u)) is not None:
+        return problem
+    own = next((flag for flag in _NO_PACKAGE if flag in u.modes), None)
+    if own is not None:
+        if u.package or u.args:
+            command = own.removeprefix("--")
+            return UsageError(
+                f"--{command} takes no PACKAGE", hint=f"safeinstall --{command} [--python PATH] [--json]"
+            )
+        if status and u.run and not u.wait:
+            return UsageError(
+                "--run goes with --status --wait", hint="safeinstall --status --wait --run RUN_ID"
+            )
+        return None
+    verify = "--verify-only" in u.modes
+    if u.all_ and not verify:
+        return UsageError(
+            "--all goes with --verify-only", hint="safeinstall --verify-only --all [--python PATH]"
+        )
+    if (u.diff or u.save_patch) and not verify:
+        return UsageError(
+            "--diff and --save-patch go with --verify-only",
+            hint=f"safeinstall {u.package or 'PACKAGE'} --verify-only --wheel W --diff [--save-patch FILE]",
+        )
+    if "--undo" in u.modes:
+        return None  # its package and run come from the history; what it cannot honour, said by --undo
+    if (u.base_wheel or u.drop_conflicting) and not u.keep_patches:
+        return UsageError(
+            "--base-wheel and --drop-conflicting go with --keep-patches",
+            hint=f"safeinstall {u.package or 'PACKAGE'} --wheel W --keep-patches [--base-wheel W]",
+        )
+    if u.accept_record_mismatch and (u.wheel is None or verify):
+        return UsageError(
+            "--accept-record-mismatch goes with a run's --wheel",
+            hint=f"safeinstall {u.package or 'PACKAGE'} --wheel W --accept-record-mismatch [--dry-run]",
+        )
+    if u.keep_patches and verify:
+        return UsageError(
+            "--keep-patches is for the reinstall (and its --dry-run)",
+            hint="run it without --verify-only: the merge is checked before anything stops, "
+            "and a patch that cannot be carried refuses the run (exit 2)",
+        )
+    if u.package and u.package.endswith(".whl") and "@" not in u.package:  # a wheel's path, as requirement
+        named = wheel_package(Path(u.package))
+        return UsageError(
+            f"{u.package!r} is a wheel file, not a requirement",
+            hint=f"give the wheel with --wheel: safeinstall {named or 'NAME'} --wheel {u.package}",
+        )
+    if verify:
+        if u.all_ and u.package:
+            return UsageError(
+                "give either a PACKAGE or --all, not both", hint="safeinstall --verify-only --all"
+            )
+        if not u.all_ and not u.package and not (u.wheel is not None and wheel_package(u.wheel)):
+            return UsageError(
+                "no PACKAGE given", hint="safeinstall PACKAGE --verify-only, or --all for everything"
+            )
+        if (u.diff or u.save_patch) and u.wheel is None:
+            return UsageError(
+                "--diff and --save-patch compare against a wheel's contents",
+                hint="add --wheel PATH (the wheel that was installed)",
+            )
+        if u.all_ and u.wheel is not None:
+            return UsageError("--wheel checks one package", hint="name the package instead of --all")
+        if u.args:
+            return UsageError(f"unexpected arguments: {' '.join(u.args)}", hint="see safeinstall --help")
+        if u.package and not PLAIN_NAME.fullmatch(u.package):
+            from safeinstall.env.uvplan import parse_requirement  # more than a valid name: parsed
+
+            if parse_requirement(u.package).specifier:
+                return UsageError(
+                    "--verify-only checks the installed version; give the name without a version",
+                    hint="safeinstall NAME --verify-only [--wheel PATH]",
+                )
+        return None
+    if not u.package and not (u.wheel is not None and wheel_package(u.wheel)):
+        return UsageError("no PACKAGE given", hint="safeinstall PACKAGE [--wheel W] (see --help)")
+    stray = u.args[: max(0, len(u.args) - len(u.uv_args))]  # the requirement may follow --
+    if stray:  # uv would take them as more requirements: `safeinstall vllm torch` installing torch
+        return UsageError(
+            f"unexpected arguments: {' '.join(stray)}",
+            hint="one REQUIREMENT per run; uv's own arguments go after --: "
+            "safeinstall PACKAGE [--wheel W] -- UV_ARGS",
+        )
+    return None

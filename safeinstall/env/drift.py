@@ -1,0 +1,228 @@
+"""Drift: what differs between installed files and what was installed. Pure functions only.
+
+Inputs are typed expectations (from an installed RECORD or from a wheel) and observed
+:class:`~safeinstall.env.hashing.FileState`; outputs are :class:`Finding` values.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from pathlib import PurePath
+from typing import NamedTuple
+
+from safeinstall.env.hashing import FileState
+
+
+class FindingKind(StrEnum):
+    MISSING = "missing"  # listed, not there
+    MODIFIED = "modified"  # sha256 or size differs (or no longer a regular file)
+    EXTRA = "extra"  # in the distribution's own directories, listed by no RECORD (or not in the wheel)
+    OUTSIDE = "outside"  # a RECORD path that resolves outside the environment: reported, never read
+    UNREADABLE = "unreadable"  # exists but could not be read
+    MALFORMED = "malformed"  # a RECORD line that could not be parsed
+    VERSION_MISMATCH = "version-mismatch"  # installed version is not the wheel's
+    HARDLINKED = "hardlinked"  # shares its inode (uv's cache): editing it edits the cache too
+    WHEEL_RECORD = "wheel-record"  # the wheel's own RECORD is wrong: the wheel's fault, not drift
+    SHARED = "shared"  # listed by another distribution's RECORD too, whose copy is there: not drift
+
+
+#: Findings that are worth a warning but are not drift (exit code stays 0).
+WARNING_KINDS = frozenset({FindingKind.HARDLINKED, FindingKind.WHEEL_RECORD, FindingKind.SHARED})
+
+
+class Expectation(NamedTuple):
+    """One file that should be installed, with what it should contain (one per file verified: a
+    NamedTuple, as :class:`~safeinstall.env.hashing.FileState` is)."""
+
+    location: str  # absolute, normalised
+    algorithm: str | None  # None: unhashed (like RECORD itself): existence is all that is checked
+    digest: str | None
+    size: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    distribution: str
+    path: str
+    kind: FindingKind
+    detail: str = ""
+    baseline: str = "record"  # "record" or "wheel"
+    expected_sha256: str | None = None
+    actual_sha256: str | None = None
+    expected_size: int | None = None
+    actual_size: int | None = None
+    wheel_member: str | None = None  # with --wheel: the archive member this file comes from
+    shared_with: str | None = None  # kind shared: the other distribution whose copy of the file is there
+
+    @property
+    def is_drift(self) -> bool:
+        return self.kind not in WARNING_KINDS
+
+
+def compare(distribution: str, expected: Expectation, state: FileState, baseline: str) -> Finding | None:
+    """One expected file against what is on disk (called once per file verified: it makes no closure,
+    and nothing at all for a file that matches)."""
+    if not state.exists:
+        kind, detail = FindingKind.MISSING, "listed but not installed"
+    elif state.error is not None:
+        kind, detail = FindingKind.UNREADABLE, state.error
+    elif not state.is_file:
+        kind, detail = FindingKind.MODIFIED, "no longer a regular file"
+    elif expected.size is not None and state.size != expected.size:
+        kind, detail = FindingKind.MODIFIED, f"size {state.size}, expected {expected.size}"
+    elif expected.digest is not None and state.digest is not None and state.digest != expected.digest:
+        kind, detail = FindingKind.MODIFIED, f"{expected.algorithm} differs"
+    else:
+        return None
+    return Finding(
+        distribution=distribution,
+        path=expected.location,
+        kind=kind,
+        detail=detail,
+        baseline=baseline,
+        expected_sha256=expected.digest,
+        actual_sha256=state.digest,
+        expected_size=expected.size,
+        actual_size=state.size,
+    )
+
+
+def shared_file(
+    finding: Finding,
+    expected: Expectation,
+    listed_by: Sequence[tuple[str, str, Expectation]],
+    settle: bool = True,
+) -> Finding:
+    """Pure: a ``modified`` file that other installed distributions' RECORDs list too (``listed_by``:
+    their name, version and entry for it). When the file is what one of them lists, it belongs to that
+    one (installed over this distribution's copy, as cuda-bindings installs over cuda-python): a
+    ``shared`` finding naming both, not drift. A file that matches none of them stays ``modified``,
+    and says who else lists it. ``settle`` False (the baseline is a wheel the user gave, which the
+    installed RECORDs may not overrule: whoever can write site-packages can write a RECORD that lists
+    its own copy): a file another RECORD vouches for stays ``modified`` too, and says so."""
+    if finding.kind != FindingKind.MODIFIED or not listed_by:
+        return finding
+    for name, version, other in listed_by:
+        if (
+            other.algorithm == expected.algorithm
+            and other.digest is not None
+            and other.digest == finding.actual_sha256
+            and other.size in (None, finding.actual_size)
+        ):
+            if not settle:
+                return replace(
+                    finding,
+                    detail=f"{finding.detail}; {name} {version}'s RECORD lists this very file, but an "
+                    "installed RECORD does not overrule the wheel",
+                )
+            return replace(
+                finding,
+                kind=FindingKind.SHARED,
+                detail=f"{name} {version} lists it too, and the file is {name}'s (installed over "
+                f"{finding.distribution}'s copy)",
+                shared_with=name,
+            )
+    names = ", ".join(f"{name} {version}" for name, version, _ in listed_by)
+    return replace(finding, detail=f"{finding.detail}; {names} lists it too, and it matches neither")
+
+
+#: What a ``modified`` file says when it was not changed after its install: the wheel may be at fault.
+RECORD_MAY_BE_WRONG = (
+    "not changed since it was installed (no newer than its RECORD): the wheel's own RECORD may be "
+    "wrong (uv installs such a wheel without a word); compare with the wheel: safeinstall {name} "
+    "--verify-only --wheel W (the wheel's fault shows as wheel-record); a reinstall with --wheel W "
+    "--accept-record-mismatch keeps it in the environment's baseline"
+)
+
+
+def untouched_since_install(finding: Finding, mtime_ns: int, record_mtime_ns: int | None) -> Finding:
+    """Pure: a file checked against its installed RECORD that differs from it, but was last written
+    no later than the installer wrote that RECORD (after every file), was not edited here: the wheel's
+    own RECORD may be wrong (pynvvideocodec 2.0.4 ships one). It stays ``modified`` (this cannot be
+    known without the wheel), and says so and how to settle it."""
+    if (
+        finding.kind != FindingKind.MODIFIED
+        or finding.baseline != "record"
+        or record_mtime_ns is None
+        or mtime_ns == 0
+        or mtime_ns > record_mtime_ns
+    ):
+        return finding
+    return replace(
+        finding, detail=f"{finding.detail}; {RECORD_MAY_BE_WRONG.format(name=finding.distribution)}"
+    )
+
+
+def hardlink_warning(distribution: str, state: FileState) -> Finding | None:
+    if state.exists and state.is_file and state.nlink > 1:
+        return Finding(
+            distribution=distribution,
+            path=state.path,
+            kind=FindingKind.HARDLINKED,
+            detail=f"{state.nlink} links: shared with uv's cache; editing it in place edits the cache "
+            "too (reinstall with --link-mode copy)",
+        )
+    return None
+
+
+def own_roots(
+    files_by_distribution: Mapping[str, Iterable[str]], site_dirs: Iterable[str]
+) -> dict[str, list[str]]:
+    """Each distribution's own package directories inside the site directories.
+
+    A directory is a distribution's own when it lies strictly below a site directory and no other
+    distribution has files below it. Shared directories (namespace packages such as ``nvidia/``)
+    are never roots, so files of other distributions there are never reported against this one.
+    The ``.dist-info`` directories are left out. Paths are normalised absolute strings.
+    """
+    sites = tuple(s.rstrip(os.sep) + os.sep for s in site_dirs)
+    owners: dict[str, set[str]] = {}
+    for name, files in files_by_distribution.items():
+        seen: set[str] = set()
+        for file in files:
+            parent = file.rpartition("/")[0]  # os.path.dirname of a normalised absolute path, faster
+            if parent in seen or not file.startswith(sites):  # most files share a seen directory
+                continue
+            site = next(s for s in sites if file.startswith(s))[:-1]
+            while parent != site and parent not in seen and len(parent) > len(site):
+                seen.add(parent)
+                owners.setdefault(parent, set()).add(name)
+                parent = os.path.dirname(parent)
+    roots: dict[str, list[str]] = {name: [] for name in files_by_distribution}
+    for directory, names in owners.items():
+        if len(names) != 1 or directory.endswith(".dist-info"):
+            continue
+        parent_owners = owners.get(os.path.dirname(directory))
+        if parent_owners is None or len(parent_owners) > 1:
+            roots[next(iter(names))].append(directory)
+    return {name: sorted(dirs) for name, dirs in roots.items()}
+
+
+def pyc_source(path: PurePath) -> PurePath | None:
+    """``pkg/__pycache__/mod.cpython-311.pyc`` -> ``pkg/mod.py``; None for anything else."""
+    if path.suffix != ".pyc" or path.parent.name != "__pycache__":
+        return None
+    return path.parent.parent / (path.name.split(".", 1)[0] + ".py")
+
+
+def extras(distribution: str, candidates: Iterable[str], listed: frozenset[str]) -> list[Finding]:
+    """Files found under a distribution's own directories that no RECORD lists."""
+    found: list[Finding] = []
+    for text in candidates:
+        if text in listed:
+            continue
+        source = pyc_source(PurePath(text)) if text.endswith(".pyc") else None
+        if source is not None and os.fspath(source) in listed:
+            continue
+        found.append(
+            Finding(
+                distribution=distribution,
+                path=text,
+                kind=FindingKind.EXTRA,
+                detail="in the distribution's directories but in no RECORD",
+            )
+        )
+    return found

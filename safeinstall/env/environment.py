@@ -1,0 +1,554 @@
+"""The target Python environment: which interpreter, and where its files live.
+
+The interpreter is asked for its paths in isolated mode without ``site`` (``-I -S``) and with an empty
+environment: nothing the caller's variables say (PYTHONPATH, PYTHONHOME, ...) is trusted, and no
+``.pth`` file or ``sitecustomize`` of the environment runs. The probe finds a venv's prefix from its
+``pyvenv.cfg`` as ``site`` would. When the environment belongs to another user (a service account),
+root asks its interpreter as that user: root never runs code that another account can change. That
+account (:class:`Account`) is also who uv runs as (:mod:`safeinstall.env.uvplan`): uv asks the interpreter
+with ``site``, so every ``.pth`` file of the environment runs in each uv call.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import pwd
+import shutil
+import stat
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from safeinstall.errors import InterpreterError
+from safeinstall.system import children
+from safeinstall.system.safefs import ACL_XATTR, acl_writers, others_who_write, read_small
+
+_PROBE = r"""
+import os, sys
+# what site.venv() does (site is not imported: -S): a pyvenv.cfg beside or above the executable's
+# directory makes that directory's parent the prefix. Before sysconfig is imported, which reads it.
+exe_dir = os.path.dirname(os.path.abspath(sys.executable))
+include_system = True  # a system interpreter: site adds its own site directories
+for conf in (os.path.join(exe_dir, "pyvenv.cfg"), os.path.join(os.path.dirname(exe_dir), "pyvenv.cfg")):
+    if os.path.isfile(conf):
+        sys.prefix = sys.exec_prefix = os.path.dirname(exe_dir)
+        with open(conf, encoding="utf-8", errors="replace") as handle:
+            pairs = [line.split("=", 1) for line in handle.read(65536).splitlines() if "=" in line]
+        settings = {k.strip().lower(): v.strip().lower() for k, v in pairs}
+        include_system = settings.get("include-system-site-packages") == "true"
+        break
+import site, sysconfig  # site is imported, not run (-S): getsitepackages only computes paths
+paths = sysconfig.get_paths()
+base_sites = site.getsitepackages([sys.base_prefix]) if include_system else []
+# ascii(): a Python literal in ASCII (undecodable path bytes as \udcXX escapes), read back with
+# ast.literal_eval; json would cost every command 0.01 s of the probe's 0.03 s to import
+print(ascii({
+    "executable": sys.executable,
+    "prefix": sys.prefix,
+    "base_prefix": sys.base_prefix,
+    "purelib": paths["purelib"],
+    "platlib": paths["platlib"],
+    "base_site_dirs": base_sites,
+    "scripts": paths["scripts"],
+    "data": paths["data"],
+    "stdlib": paths["stdlib"],
+    "version": [sys.version_info[0], sys.version_info[1], sys.version_info[2]],
+    "implementation": sys.implementation.name,
+    "soabi": sysconfig.get_config_var("SOABI"),
+    "platform": sysconfig.get_platform(),
+}))
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Account:
+    """The account (not root's) that owns an environment: whatever runs the environment's code (its
+    interpreter, uv) runs as this uid and gid only, with no supplementary groups."""
+
+    uid: int
+    gid: int
+    home: str  # from the password database; "/" for a uid it does not know
+
+    @property
+    def ids(self) -> tuple[int, int]:
+        return self.uid, self.gid
+
+
+@dataclass(frozen=True, slots=True)
+class Environment:
+    python: Path  # the interpreter as given/resolved (symlink kept: it is how the venv is named)
+    executable: Path
+    prefix: Path
+    base_prefix: Path
+    purelib: Path
+    platlib: Path
+    scripts: Path
+    data: Path
+    version: tuple[int, int, int]
+    implementation: str
+    soabi: str | None
+    platform: str
+    account: Account | None = None  # who owns the environment (not root): its probe and uv run as it
+    probed_as: int | None = None  # the uid the probe was started as (never what it printed)
+    #: the base installation's site directories that site adds too (a system interpreter's own, or a
+    #: venv's with include-system-site-packages)
+    base_site_dirs: tuple[Path, ...] = ()
+    #: purelib and platlib as the interpreter spelled them (before symlinks were resolved)
+    given_site_dirs: tuple[Path, ...] = ()
+    #: the standard library's directory (a system interpreter's PEP 668 ``EXTERNALLY-MANAGED`` marker)
+    stdlib: Path | None = None
+
+    @property
+    def owner(self) -> int | None:
+        """The uid that owns the environment when that is not root (nor the caller)."""
+        return None if self.account is None else self.account.uid
+
+    @property
+    def owner_note(self) -> str | None:
+        """Said to the user when the environment belongs to another account."""
+        if self.owner is None:
+            return None
+        return (
+            f"the environment {self.prefix} belongs to uid {self.owner}: its interpreter was asked for its "
+            f"paths as uid {self.probed_as}, never as root, and without site (no .pth file runs); "
+            f"uv runs as uid {self.owner} too"
+        )
+
+    @property
+    def site_dirs(self) -> tuple[Path, ...]:
+        return (self.purelib,) if self.purelib == self.platlib else (self.purelib, self.platlib)
+
+    @property
+    def run_site_dirs(self) -> tuple[Path, ...]:
+        """Every site directory ``site`` adds when the interpreter runs with it (as uv runs it)."""
+        return tuple(dict.fromkeys((*self.site_dirs, *self.base_site_dirs)))
+
+    @property
+    def is_venv(self) -> bool:
+        return self.prefix != self.base_prefix
+
+
+def interpreter_in_prefix(env: Environment) -> Path:
+    """The interpreter as ``PREFIX/bin/NAME`` when that is the same file (what a journal records, so
+    that --recover can tell it is the environment's own); else as it was given."""
+    own = env.prefix / "bin" / env.python.name
+    try:
+        return own if os.path.samefile(own, env.python) else env.python
+    except OSError:
+        return env.python
+
+
+def resolve_python(given: str | None, environ: Mapping[str, str]) -> Path:
+    """Find the interpreter the way uv does: ``--python``, then ``VIRTUAL_ENV``, then ``python3``.
+
+    ``given`` may be an interpreter or a virtual environment directory.
+    """
+    if given:
+        candidate = Path(given).expanduser()
+        if candidate.is_dir():
+            interpreter = candidate / "bin" / "python"
+            if not interpreter.exists():
+                raise InterpreterError(
+                    f"{candidate} is a directory but holds no bin/python",
+                    hint="pass a virtual environment directory or the path of a python executable",
+                )
+            return interpreter.absolute()
+        if candidate.exists():
+            return candidate.absolute()
+        found = shutil.which(given, path=environ.get("PATH"))
+        if found:
+            return Path(found)
+        raise InterpreterError(
+            f"no such interpreter: {given}",
+            hint="pass --python with a python executable or a virtual environment directory",
+        )
+    venv = environ.get("VIRTUAL_ENV")
+    if venv:
+        interpreter = Path(venv) / "bin" / "python"
+        if interpreter.exists():
+            return interpreter
+    found = shutil.which("python3", path=environ.get("PATH"))
+    if found:
+        return Path(found)
+    raise InterpreterError(
+        "no python interpreter found (no --python, no VIRTUAL_ENV, no python3 on PATH)",
+        hint="pass --python PATH",
+    )
+
+
+def _account(uid: int, gid: int) -> Account:
+    try:
+        entry = pwd.getpwuid(uid)
+    except KeyError:
+        return Account(uid, gid, "/")
+    return Account(uid, entry.pw_gid, entry.pw_dir or "/")
+
+
+def _ancestors(path: Path) -> list[Path]:
+    """``/``, then each directory above ``path``, down to its parent."""
+    return list(reversed(path.parents))
+
+
+class _Control:
+    """Who besides root (and ``euid``) controls a set of paths: by uid, the first path that shows it;
+    and what no single account can be held to (written by every user or by a group other than root's,
+    through mode bits or an access ACL)."""
+
+    def __init__(self, euid: int) -> None:
+        self.euid = euid
+        self.owners: dict[int, str] = {}
+        self.gids: dict[int, int] = {}  # the group of the first path each account owns
+        self.problems: list[str] = []
+
+    def look(self, path: Path, what: str, *, ancestor: bool = False) -> bool:
+        """One path (not followed); False when it does not exist. ``ancestor``: a directory above what
+        matters, where a sticky bit (only an entry's owner may rename it) makes others' write harmless."""
+        try:
+            info = os.lstat(path)
+        except OSError:
+            return False
+        if info.st_uid not in (0, self.euid) and info.st_uid not in self.owners:
+            self.owners[info.st_uid] = f"{path} ({what})"
+            self.gids[info.st_uid] = info.st_gid
+        mode = info.st_mode
+        if stat.S_ISLNK(mode):
+            return True
+        sticky = ancestor and bool(mode & stat.S_ISVTX)
+        try:
+            raw = os.getxattr(path, ACL_XATTR, follow_symlinks=False)
+        except OSError:
+            raw = b""
+        users, groups = acl_writers(raw)
+        for uid in sorted(users - {0, self.euid} - set(self.owners)):
+            self.owners[uid] = f"{path} ({what}, by its ACL)"
+            self.gids[uid] = info.st_gid
+        who = None if sticky else others_who_write(mode, info.st_gid, groups)
+        if who is not None:
+            self.problems.append(f"{path} ({what}) may be written by {who}")
+        return True
+
+    def look_up(self, path: Path, what: str) -> None:
+        """``path`` and every directory above it; a symlink is followed (its target looked at too), and
+        for a path that does not exist yet, the nearest one that does must not let others create it."""
+        seen: set[str] = set()
+        todo = [Path(os.path.abspath(path))]
+        while todo:
+            current = todo.pop()
+            if str(current) in seen or len(seen) > 64:
+                continue
+            seen.add(str(current))
+            exists = self.look(current, what)
+            for directory in _ancestors(current):
+                self.look(directory, f"a directory above {what}", ancestor=True)
+            if not exists:
+                probe = current.parent
+                while not os.path.lexists(probe) and probe != probe.parent:
+                    probe = probe.parent
+                self.look(probe, f"where {current} ({what}) could be made")  # sticky does not help
+            elif os.path.islink(current):
+                todo.append(Path(os.path.realpath(current)))
+
+    def one_account(self, refusing: str, hint: str, gid: int | None = None) -> Account | None:
+        """The one account that controls what was looked at (None: root, or the caller), with ``gid``
+        when given, else the group of the first path it owns; InterpreterError (``refusing ...``) when
+        two accounts do, or anything may be written by every user or another group."""
+        problems = list(self.problems)
+        if len(self.owners) > 1:
+            listed = "; ".join(f"uid {uid} owns {where}" for uid, where in sorted(self.owners.items()))
+            problems.append(f"more than one account may change what it runs: {listed}")
+        if problems:
+            raise InterpreterError(f"refusing {refusing}: " + "; ".join(problems), hint=hint)
+        if not self.owners:
+            return None
+        ((uid, _),) = self.owners.items()
+        return _account(uid, self.gids[uid] if gid is None else gid)
+
+
+def _pth_paths(site: Path) -> list[Path]:
+    """Pure-ish: the directories the ``.pth`` files of ``site`` add to ``sys.path`` (as
+    ``site.addpackage`` reads them; import lines are code and are covered by the owners of what
+    they import, the site directory's entries)."""
+    found: list[Path] = []
+    try:
+        names = sorted(n for n in os.listdir(site) if n.endswith(".pth"))
+    except OSError:
+        return found
+    for name in names:
+        try:  # the account may have made it a FIFO or a huge file: never waited on, bounded
+            text = read_small(site / name, 1 << 20).decode("utf-8", "replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            line = line.rstrip()
+            if line and not line.startswith(("#", "import ", "import\t")):
+                found.append(Path(os.path.normpath(os.path.join(site, line))))
+    return found
+
+
+def steering(env: Environment, euid: int) -> _Control:
+    """Who besides root (and ``euid``) can change what the environment runs once ``site`` runs (as uv
+    runs it), found after the probe (see :class:`_Control`). Looked at: the prefix and each directory
+    above it (whose owner could rename the environment away between the probe and a use; a root-owned
+    sticky one such as ``/tmp`` is fine), every site directory ``site`` would add (the base's too) and
+    each directory above it, every entry of those (``.pth`` files, ``sitecustomize``, the packages
+    their import lines load), and the directories the ``.pth`` files add (a missing one: who could
+    create it)."""
+    control = _Control(euid)
+    control.look_up(env.prefix, "the prefix")
+    for given in env.given_site_dirs:  # a symlinked site-packages: the link and the directories above it
+        control.look_up(given, "a site directory as the interpreter names it")
+    for site in env.run_site_dirs:
+        control.look_up(site, "a site directory")
+        try:
+            entries = sorted(os.listdir(site))
+        except OSError:
+            continue
+        for name in entries:
+            entry = site / name
+            control.look(entry, "in a site directory")
+            if os.path.islink(entry):
+                control.look_up(entry, "linked from a site directory")
+        for added in _pth_paths(site):
+            control.look_up(added, "added by a .pth file")
+    return control
+
+
+def _root_controlled(site: Path) -> bool:
+    """Is ``site`` (the directories above it, and its entries) controlled by root alone?"""
+    control = _Control(0)
+    control.look_up(site, "a base site directory")
+    try:
+        entries = sorted(os.listdir(site))
+    except OSError:
+        entries = []
+    for name in entries:
+        control.look(site / name, "in a base site directory")
+    return not control.owners and not control.problems
+
+
+def distribution_sites(env: Environment) -> tuple[Path, ...]:
+    """Every site directory whose distributions the interpreter imports, in ``sys.path`` order: its own
+    (purelib, platlib), then the base installation's that ``site`` adds (a system interpreter's
+    ``/usr/lib/python3/dist-packages``, or a venv's base with include-system-site-packages), those
+    inside the base prefix only. For another account's environment (its interpreter said where the base
+    is) a base directory is read only when root alone controls it: root hashes the files its RECORDs
+    name, and the account could otherwise write such RECORDs itself."""
+    base = [
+        site
+        for site in env.base_site_dirs
+        if site not in env.site_dirs
+        and _inside(site, env.base_prefix)
+        and (env.account is None or _root_controlled(site))
+    ]
+    return (*env.site_dirs, *dict.fromkeys(base))
+
+
+def before_the_probe(python: Path, euid: int) -> _Control:
+    """Who controls what the interpreter runs before ``site`` (the probe runs it with ``-I -S``): each
+    link on the way from ``python`` to its real binary, and the directories above each; the environment
+    and the directories above it; its ``pyvenv.cfg`` and the base installation it names (``home``),
+    whose standard library the interpreter loads."""
+    control = _Control(euid)
+    hop, hops = Path(os.path.abspath(python)), 0
+    while True:
+        control.look_up(hop, "the interpreter")
+        if not os.path.islink(hop) or hops > 40:
+            break
+        hop = Path(os.path.normpath(os.path.join(hop.parent, os.readlink(hop))))
+        hops += 1
+    real = Path(os.path.realpath(python))
+    venv = python.parent.parent
+    control.look_up(venv, "the environment")
+    bases = [real.parent.parent]
+    config = venv / "pyvenv.cfg"
+    if control.look(config, "its pyvenv.cfg"):
+        try:
+            text = read_small(config, 1 << 16).decode("utf-8", "replace")
+        except OSError:
+            text = ""
+        for line in text.splitlines():
+            key, _, value = line.partition("=")
+            if key.strip().lower() == "home" and value.strip():
+                home = Path(value.strip())
+                control.look_up(home, "its base interpreter's directory")
+                bases.append(home.parent)
+    for base in bases:
+        for lib in sorted(base.glob("lib*/python3*")):
+            control.look_up(lib, "a standard library")
+    return control
+
+
+def _held_to_one_account(env: Environment) -> Environment:
+    """As root: the environment as one account may steer it (uv then runs as that account), or refused
+    when others may write what site runs or may swap the environment away (see :func:`steering`)."""
+    control = steering(env, os.geteuid())
+    if env.account is not None:
+        control.owners.setdefault(env.account.uid, "its interpreter")
+    account = control.one_account(
+        f"the environment {env.prefix}",
+        hint="as root, safeinstall acts only on an environment that root or one account controls "
+        "(the environment, its site-packages, what site runs and the directories above it); "
+        "chmod go-w, or chown to that account",
+        gid=os.lstat(env.prefix).st_gid,
+    )
+    return env if env.account is not None else replace(env, account=account)
+
+
+def environment_owner(python: Path) -> Account | None:
+    """The account that controls what ``python`` runs before ``site`` when that is neither root nor the
+    caller (:func:`before_the_probe`): the probe then runs as it. Refused (InterpreterError) when two
+    accounts do, or when every user or another group may write any of it."""
+    return before_the_probe(python, os.geteuid()).one_account(
+        f"the interpreter {python}",
+        hint="as root, safeinstall runs an interpreter only when root or one account controls it "
+        "(the links to it, its installation, the environment and the directories above them); "
+        "chmod go-w, or chown to that account",
+    )
+
+
+def _inside(path: Path, prefix: Path) -> bool:
+    return path == prefix or path.is_relative_to(prefix)
+
+
+def _own_prefix(python: Path) -> tuple[Path, str]:
+    """The prefix ``python`` belongs to, and why: a venv's directory (its ``pyvenv.cfg`` beside or above the
+    interpreter, as site finds it), else the directory above the real binary's ``bin/`` (``/usr/bin/python3``
+    -> ``/usr/bin/python3.11`` -> ``/usr``; conda, pyenv and uv's ``PREFIX/bin/python3.11``)."""
+    venv = python.parent.parent
+    if (python.parent / "pyvenv.cfg").is_file() or (venv / "pyvenv.cfg").is_file():
+        return Path(os.path.realpath(venv)), f"its pyvenv.cfg is in {venv}"
+    real = Path(os.path.realpath(python))
+    return real.parent.parent, f"its interpreter {real} is in {real.parent.parent}"
+
+
+def _foreign_owner(paths: tuple[Path, ...], owner: int) -> tuple[Path, int] | None:
+    """The first of ``paths`` owned by neither ``owner`` nor root, with its uid (a missing one is skipped)."""
+    for path in paths:
+        try:
+            uid = os.stat(path).st_uid
+        except OSError:
+            continue
+        if uid not in (0, owner):
+            return path, uid
+    return None
+
+
+def _answer_problem(python: Path, env: Environment) -> str | None:
+    """Why an interpreter's answer cannot be its own, or None: its prefix is not the one its location makes
+    it (a venv's directory, or the directory above its real binary's ``bin/``), its site-packages, scripts
+    or data directory lie outside that prefix, or (asked as the environment's owner) one of them belongs
+    to an account that is neither that owner nor root."""
+    expected, why = _own_prefix(python)
+    if env.prefix != expected:
+        return f"it reports the prefix {env.prefix}, but {why}"
+    paths = (env.purelib, env.platlib, env.scripts, env.data)
+    outside = [str(path) for path in paths if not _inside(path, env.prefix)]
+    if outside:
+        return f"it reports directories outside its prefix {env.prefix}: {', '.join(outside)}"
+    if env.owner is None:
+        return None
+    foreign = _foreign_owner((env.prefix, *paths), env.owner)
+    if foreign is None:
+        return None
+    path, uid = foreign
+    return f"it reports {path}, owned by uid {uid}: neither its owner (uid {env.owner}) nor root"
+
+
+#: The probe's answer is a few hundred bytes; beyond this the interpreter is stopped (what its owner
+#: makes it print is parsed by root: 1 MiB of nested literals would cost about 500 MB).
+ANSWER_LIMIT = 64 << 10
+
+
+def _optional_text(value: object) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise TypeError(f"{value!r} is not a string")
+
+
+def _version(value: object) -> tuple[int, int, int]:
+    """Pure: ``[major, minor, micro]`` as the probe reports it; ValueError for anything else (a float
+    such as ``1e999`` is not a version part)."""
+    if not isinstance(value, list | tuple) or len(value) != 3:
+        raise ValueError(f"version {value!r}")
+    parts = tuple(part for part in value if type(part) is int and 0 <= part < 10_000)
+    if len(parts) != 3:
+        raise ValueError(f"version {value!r}")
+    return parts[0], parts[1], parts[2]
+
+
+def _answer(text: str) -> dict[str, Any]:
+    """Pure: the probe's answer (a dict literal), or ValueError. Only literals are read (nothing is
+    run); the interpreter (maybe the environment owner's) was stopped past ``ANSWER_LIMIT`` bytes."""
+    try:
+        info = ast.literal_eval(text.strip())
+    except (SyntaxError, MemoryError, RecursionError) as exc:  # nested beyond the parser's limits
+        raise ValueError(str(exc)) from exc
+    if not isinstance(info, dict):
+        raise ValueError("not a dict")
+    return info
+
+
+def inspect_environment(python: Path, timeout: float = 30.0) -> Environment:
+    """Ask ``python`` (isolated, no site, empty environment) for its installation paths; as root, an
+    environment that another account owns is asked as that account."""
+    python = Path(os.path.abspath(python))  # children run in /
+    owner = environment_owner(python) if os.geteuid() == 0 else None
+    try:
+        proc = children.run(
+            [str(python), "-I", "-S", "-c", _PROBE],
+            env={"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"},
+            timeout=timeout,
+            as_user=None if owner is None else owner.ids,
+            limit=ANSWER_LIMIT,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise InterpreterError(
+            f"could not run {python}" + (f" as uid {owner.uid} (its owner)" if owner else "") + f": {exc}",
+            hint="check that --python names a working interpreter",
+        ) from exc
+    if proc.returncode != 0:
+        raise InterpreterError(
+            f"{python} failed to report its paths"
+            + (f" (run as uid {owner.uid}, its owner)" if owner else "")
+            + f": {proc.stderr.strip()[-400:]}",
+            hint="check that --python names a working Python 3 interpreter",
+        )
+    try:
+        info = _answer(proc.stdout)
+        major, minor, micro = _version(info["version"])
+        env = Environment(
+            python=python,
+            executable=Path(info["executable"]),
+            prefix=Path(os.path.realpath(info["prefix"])),
+            base_prefix=Path(os.path.realpath(info["base_prefix"])),
+            purelib=Path(os.path.realpath(info["purelib"])),
+            platlib=Path(os.path.realpath(info["platlib"])),
+            scripts=Path(os.path.realpath(info["scripts"])),
+            data=Path(os.path.realpath(info["data"])),
+            version=(major, minor, micro),
+            implementation=str(info["implementation"]),
+            soabi=_optional_text(info.get("soabi")),
+            platform=str(info["platform"]),
+            account=owner,
+            probed_as=os.geteuid() if owner is None else owner.uid,  # as started, never as it says
+            base_site_dirs=tuple(Path(os.path.realpath(p)) for p in info.get("base_site_dirs", [])),
+            given_site_dirs=tuple(Path(os.path.abspath(info[key])) for key in ("purelib", "platlib")),
+            stdlib=Path(os.path.realpath(info["stdlib"])) if isinstance(info.get("stdlib"), str) else None,
+        )
+    except (ValueError, KeyError, TypeError) as exc:
+        raise InterpreterError(
+            f"{python} printed something unexpected: {proc.stdout[:200]!r}",
+            hint="check that --python names a working Python 3 interpreter",
+        ) from exc
+    problem = _answer_problem(python, env)
+    if problem is not None:
+        raise InterpreterError(
+            f"refusing the environment of {python}: {problem}",
+            hint="safeinstall acts only inside the environment the interpreter belongs to; if "
+            f"{python} is a wrapper (a pyenv shim) name the interpreter it runs (it said "
+            f"{env.executable}) with --python; else check the venv",
+        )
+    return _held_to_one_account(env) if os.geteuid() == 0 else env

@@ -1,0 +1,501 @@
+"""Observe installed files: stat them and hash them, in parallel, each opened once.
+
+The one place that reads file contents for verification. The requested files are grouped by
+directory; each directory is opened once (by its path: what an absolute open would walk, the caller
+having checked containment) and its files relative to its descriptor with ``O_NOFOLLOW``. Only what
+the directory's listing shows as a regular file is opened: a symlink, a FIFO or a device node is
+reported from an ``lstat``, never opened. What is opened is checked again (``fstat`` on the
+descriptor, ``O_NONBLOCK``): a file swapped for a FIFO meanwhile is never read and never blocks.
+
+The work is split into tasks: each large file alone (streamed in large chunks), the small files in
+chunks of one directory each (each read whole in one call). Large files go to a pool of helper threads,
+costliest first: ``read`` and hashlib on buffers over 2 KiB run without the GIL, so a large file hashes
+on another CPU while this thread works through the small ones. Small files stay on this one thread:
+their cost is Python and a system call each, under the GIL, and two threads handing the GIL to each
+other at every call went slower than one (torch's 12,227 small files, warm cache, 2 CPUs: 0.46 s on two
+threads, 0.36 s on one). Once the small files are done this thread takes large ones too. The result is
+the same whatever the number of threads.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import mmap
+import os
+import stat
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+from safeinstall.env.containment import is_within
+from safeinstall.env.records import built, encode_digest
+from safeinstall.system.forking import cpu_count
+
+
+class FileState(NamedTuple):
+    """What one file was found to be. Immutable like the frozen dataclasses elsewhere, but a
+    ``NamedTuple``: one is built for every file verified (12k for torch), and a frozen dataclass's
+    ``__init__`` (one ``object.__setattr__`` per field) cost 0.05 s of the thread that reads the small
+    files, a ``NamedTuple`` a fifth of it."""
+
+    path: str
+    exists: bool
+    is_file: bool = False
+    size: int | None = None
+    digest: str | None = None  # RECORD spelling, for `algorithm`
+    algorithm: str | None = None
+    nlink: int = 0
+    device: int = 0
+    inode: int = 0
+    error: str | None = None  # set when the file exists but could not be read
+    mtime_ns: int = 0
+
+
+class Wanted(Protocol):
+    """What :func:`observe_files` needs of each file (a :class:`~safeinstall.env.drift.Expectation` is
+    one)."""
+
+    @property
+    def location(self) -> str: ...  # absolute, normalised (pathlib costs more than a small file's hash)
+
+    @property
+    def algorithm(self) -> str | None: ...  # None: stat only
+
+    @property
+    def size(self) -> int | None: ...  # expected: orders the work, costliest first
+
+
+def default_workers() -> int:
+    """Threads for file work: one per CPU this process may run on (at most 32)."""
+    return max(1, min(32, cpu_count()))
+
+
+#: No file is hashed beyond this (a wheel's members are refused beyond it too): larger is reported.
+LARGEST_FILE = 16 << 30
+#: Files at least this large are a task of their own, streamed in chunks; smaller ones are read whole.
+BIG_FILE = 1 << 20
+#: A task holds at most this many small files of one directory (torch has 7,048 in one directory).
+CHUNK_FILES = 128
+#: What opening, reading and closing a small file costs, counted in bytes hashed (about 15 us).
+_PER_FILE_COST = 20_000
+
+#: The usual RECORD algorithms, called directly: ``hashlib.new`` costs more than hashing a small file.
+_CONSTRUCTORS: dict[str, Callable[[bytes | memoryview], hashlib._Hash]] = {
+    "sha256": hashlib.sha256,
+    "sha384": hashlib.sha384,
+    "sha512": hashlib.sha512,
+}
+
+
+def _new_hash(algorithm: str, data: bytes | memoryview = b"") -> hashlib._Hash:
+    constructor = _CONSTRUCTORS.get(algorithm)
+    return constructor(data) if constructor else hashlib.new(algorithm, data)
+
+
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+#: A directory to list and to open files relative to; where it cannot be read, one only searched.
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
+_DIR_SEARCH_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
+
+
+def _not_regular(path: str, info: os.stat_result) -> FileState:
+    """A symlink, FIFO, device, socket or directory where a file is expected: never opened or read."""
+    return FileState(
+        path,
+        True,
+        False,
+        info.st_size,
+        None,
+        None,
+        info.st_nlink,
+        info.st_dev,
+        info.st_ino,
+        None,
+        info.st_mtime_ns,
+    )
+
+
+def _unopened(path: str, name: str, dir_fd: int | None) -> FileState | None:
+    """``lstat`` a file before it is opened: its state when it is not a regular file (or is not
+    there), ``None`` when it is one and may be opened."""
+    try:
+        info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return FileState(path, False)
+    except OSError as exc:
+        return FileState(path, True, error=exc.strerror or str(exc))
+    return None if stat.S_ISREG(info.st_mode) else _not_regular(path, info)
+
+
+def _observe(
+    path: str,
+    name: str,
+    dir_fd: int | None,
+    algorithm: str | None,
+    regular: frozenset[str] | None,
+    buffer: memoryview,
+) -> FileState:
+    """One file, by ``name`` relative to ``dir_fd`` (``path`` itself where there is no directory
+    descriptor). ``regular``: the names the directory's listing shows as regular files; any other name
+    is looked at with ``lstat`` first and, unless that shows a regular file, never opened.
+
+    A small file is read in one call: asking for one byte more than its size returns the whole file
+    and shows that it ended there (a file that grew under us hashes differently, as it should). A
+    large one streams in ``STREAM_CHUNK`` chunks. Both are read into ``buffer`` (the thread's own, of
+    ``STREAM_CHUNK`` bytes, from :func:`read_buffer`): a new ``bytes`` for each file cost the first
+    verification in a process 4,096 page faults on torch, about 0.05 s of system time (fresh heap pages
+    for 157 MB of small files)."""
+    if regular is None or name not in regular:
+        unopened = _unopened(path, name, dir_fd)
+        if unopened is not None:
+            return unopened
+    try:
+        fd = os.open(name, _OPEN_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return FileState(path, False)
+    except OSError as exc:  # ELOOP: swapped for a symlink since the listing (not followed)
+        return _unopened(path, name, dir_fd) or FileState(path, True, error=exc.strerror or str(exc))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):  # swapped since the listing: not read
+            return _not_regular(path, info)
+        size = info.st_size
+        if algorithm is None:
+            digest = None
+        elif size > LARGEST_FILE:  # a sparse file of terabytes would keep root hashing zeros for hours
+            return FileState(path, True, error=f"{size} bytes: larger than any wheel may install")
+        elif size < BIG_FILE:
+            count = os.readv(fd, [buffer[: size + 1]])
+            while 0 < count < size:  # a short read (network filesystems)
+                more = os.readv(fd, [buffer[count : size + 1]])
+                if not more:
+                    break
+                count += more
+            digest = encode_digest(_new_hash(algorithm, buffer[:count]).digest())
+        else:
+            digest = encode_digest(_stream_digest(fd, algorithm, buffer, size + 1))
+    except OSError as exc:
+        return FileState(path, True, error=exc.strerror or str(exc))
+    finally:
+        os.close(fd)
+    return built(
+        FileState,
+        (
+            path,
+            True,
+            True,
+            size,
+            digest,
+            algorithm,
+            info.st_nlink,
+            info.st_dev,
+            info.st_ino,
+            None,
+            info.st_mtime_ns,
+        ),
+    )
+
+
+#: A large file is hashed in chunks this big: each chunk takes the GIL twice (after ``readv`` and after
+#: hashing it), and a thread that must wait for it behind Python work waits less often.
+STREAM_CHUNK = 4 << 20
+
+
+@contextmanager
+def cycle_collection_paused() -> Iterator[None]:
+    """Python's cycle collector off inside the block, then as it was. Only around work that builds many
+    objects and no cycles (torch: 12k RECORD entries, expectations, file states, which set off over a
+    hundred collections that walk every object: about 0.05 s): a cycle made inside stays until the
+    block ends, and the environment's owner decides how much of some work there is."""
+    enabled = gc.isenabled()
+    try:
+        gc.disable()
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def read_buffer() -> memoryview:
+    """A thread's buffer for reading files: ``STREAM_CHUNK`` bytes starting on a page boundary.
+
+    Where the buffer starts matters: the kernel copies each read from the page cache (page-aligned)
+    into it, and on AMD EPYC (Zen) that copy ran 4-5x slower into a ``bytearray``, whose data ``malloc``
+    places 16 bytes past a page boundary (torch's 434 MB ``libtorch_cpu.so``: 0.28 s against 0.06 s,
+    measured with ``bench/verify.py --copy``). An anonymous mapping starts on one; it is unmapped
+    when the last view of it goes. Its pages are made at once (``MAP_POPULATE``), not at a page fault
+    each on first use (1,024 of them, about 3.4 us each on a cloud VM)."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    return memoryview(mmap.mmap(-1, STREAM_CHUNK, flags=flags))
+
+
+def _stream_digest(fd: int, algorithm: str, buffer: memoryview, limit: int) -> bytes:
+    """The raw digest of at most ``limit`` bytes that ``fd`` reads from where it is, through ``buffer``.
+    The caller gives one byte more than ``fstat`` said: a file that grows while it is read (its owner
+    can watch root open it) hashes differently, as it should, and cannot keep root reading."""
+    hasher = _new_hash(algorithm)
+    left = limit
+    while left > 0 and (count := os.readv(fd, [buffer[: min(left, len(buffer))]])):
+        hasher.update(buffer[:count])
+        left -= count
+    return hasher.digest()
+
+
+class _Directory:
+    """One directory of requested files, shared by the tasks of its chunks: opened and listed once, by
+    the first task that needs it, and closed by the last one done with it."""
+
+    __slots__ = ("_fd", "_list", "_lock", "_opened", "_problem", "_regular", "_users", "path", "within")
+
+    def __init__(self, path: str, users: int, list_it: bool, within: str | None) -> None:
+        self.path = path
+        self.within = within
+        self._list = list_it  # a listing costs about 1 us an entry: worth it for several files
+        self._lock = threading.Lock()
+        self._users = users
+        self._fd: int | None = None
+        self._regular: frozenset[str] | None = None
+        self._problem: str | None = None
+        self._opened = False
+
+    def enter(self) -> tuple[int | None, frozenset[str] | None, str | None]:
+        """The directory's descriptor (``None``: it could not be opened, its files are opened by their
+        paths, after an ``lstat`` each), the names of its regular files (``None``: not listed), and
+        why none of its files may be opened at all (``MISSING``, or what was wrong), or ``None``."""
+        with self._lock:
+            if not self._opened:
+                self._opened = True
+                self._fd, self._regular, self._problem = _open_directory(self.path, self._list, self.within)
+            return self._fd, self._regular, self._problem
+
+    def leave(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                self._close()
+
+    def close(self) -> None:
+        """Closes it once the pool has stopped, whatever tasks of it never ran (after a failure)."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+#: A directory's problem: it is not there (nor are its files).
+MISSING = "missing"
+
+
+def _open_directory(
+    path: str, list_it: bool, within: str | None
+) -> tuple[int | None, frozenset[str] | None, str | None]:
+    """Opens (and lists) ``path`` as it leads, following a symlink on the way, as the caller's
+    containment check resolved it. With ``within``, what was opened must be below that real
+    directory: its owner may have swapped a directory for a symlink to one outside since the check
+    (root would read a root-only file and report its hash and size); and a directory that cannot be
+    opened gets no file opened by its path (a symlink could be swapped in on the way meanwhile)."""
+    fd: int | None = None
+    regular: frozenset[str] | None = None
+    failure: OSError | None = None
+    if list_it:
+        try:
+            fd = os.open(path, _DIR_FLAGS)
+        except OSError:
+            pass  # e.g. searchable but not readable: opened below without a listing
+        else:
+            try:
+                with os.scandir(fd) as entries:
+                    regular = frozenset(e.name for e in entries if e.is_file(follow_symlinks=False))
+            except OSError:
+                regular = None
+    if fd is None:
+        try:
+            fd = os.open(path, _DIR_SEARCH_FLAGS)
+        except OSError as exc:
+            failure = exc
+    if within is None:
+        return fd, regular, None
+    if fd is None:
+        return None, None, MISSING if isinstance(failure, FileNotFoundError) else _reason(failure)
+    real = _opened_path(fd)
+    if real is None or not is_within(real, within):
+        os.close(fd)
+        return None, None, f"its directory now resolves to {real or 'an unknown place'}, outside {within}"
+    return fd, regular, None
+
+
+def _reason(failure: OSError | None) -> str:
+    return "unknown" if failure is None else failure.strerror or str(failure)
+
+
+def _opened_path(fd: int) -> str | None:
+    """Where the directory open as ``fd`` is, as the kernel knows it (None: not known)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+
+
+#: (path, name in its directory, algorithm, expected size)
+_File = tuple[str, str, str | None, int]
+
+
+@dataclass(frozen=True, slots=True)
+class _Task:
+    directory: _Directory | None  # None: paths that are not absolute, opened as given
+    files: tuple[_File, ...]
+    cost: int
+    large: bool  # one file of BIG_FILE bytes or more
+
+    def run(self, buffer: memoryview) -> list[FileState]:
+        directory = self.directory
+        dir_fd, regular, problem = (None, None, None) if directory is None else directory.enter()
+        try:
+            if problem is not None:  # none of its files is opened
+                return [
+                    FileState(path, False) if problem == MISSING else FileState(path, True, error=problem)
+                    for path, _name, _algorithm, _size in self.files
+                ]
+            return [
+                _observe(path, path if dir_fd is None else name, dir_fd, algorithm, regular, buffer)
+                for path, name, algorithm, _size in self.files
+            ]
+        finally:
+            if directory is not None:
+                directory.leave()
+
+
+#: A directory with at least this many requested files is listed (one ``getdents`` pass) instead of
+#: an ``lstat`` for each file.
+_LIST_FROM = 4
+
+
+def plan_tasks(wanted: Sequence[Wanted], within: str | None = None) -> list[_Task]:
+    """The work, costliest first (by expected size): each file of ``BIG_FILE`` bytes or more a task of
+    its own, the others in chunks of at most ``CHUNK_FILES`` files of one directory."""
+    by_directory: dict[str | None, tuple[list[_File], list[_File]]] = {}
+    for want in wanted:
+        path = want.location
+        directory, _, name = path.rpartition("/")
+        key = (directory or "/") if path[:1] == "/" else None
+        groups = by_directory.get(key)
+        if groups is None:
+            groups = by_directory[key] = ([], [])
+        size = want.size or 0
+        groups[size >= BIG_FILE].append((path, name, want.algorithm, size))
+    tasks: list[_Task] = []
+    for key, (small, big) in by_directory.items():
+        chunks = [small[i : i + CHUNK_FILES] for i in range(0, len(small), CHUNK_FILES)]
+        users = len(big) + len(chunks)
+        shared = None if key is None else _Directory(key, users, len(small) >= _LIST_FROM, within)
+        for file in big:
+            tasks.append(_Task(shared, (file,), file[3] + _PER_FILE_COST, True))
+        for chunk in chunks:
+            cost = sum(f[3] for f in chunk) + _PER_FILE_COST * len(chunk)
+            tasks.append(_Task(shared, tuple(chunk), cost, False))
+    tasks.sort(key=lambda task: -task.cost)
+    return tasks
+
+
+def observe_files(
+    wanted: Sequence[Wanted],
+    workers: int | None = None,
+    on_progress: Callable[[int], None] | None = None,
+    meanwhile: Callable[[], object] | None = None,
+    within: str | None = None,
+) -> dict[str, FileState]:
+    """Stat (and hash, where an algorithm is given) every wanted file; results keyed by location.
+
+    ``workers``: threads (this one included; default :func:`default_workers`): up to ``workers - 1``
+    helpers take the large files, costliest first, while this thread does the small ones and then
+    helps with what large ones are left. ``on_progress`` gets the number of files done so far, after
+    each task, on the thread that did it (one at a time); what it raises on any thread is raised here
+    once the helpers have stopped. ``meanwhile``: other work for this thread,
+    done once the helpers have started on the large files and before the small ones (a verification
+    reads the other distributions' RECORDs there while torch's 434 MB library hashes). ``within``: a
+    real directory every file must be in, checked as each directory is opened (see
+    :func:`_open_directory`); a file of one that is not is reported with the reason, never opened.
+    """
+    tasks = plan_tasks(wanted, within)
+    large: Iterator[_Task] = iter([task for task in tasks if task.large])
+    small: Iterator[_Task] = iter([task for task in tasks if not task.large])
+    results: dict[str, FileState] = {}
+    failures: list[BaseException] = []
+    stop = threading.Event()  # set: no thread starts another task
+    lock = threading.Lock()
+    done = 0
+
+    def work(*queues: Iterator[_Task]) -> None:
+        nonlocal done
+        buffer = read_buffer()  # this thread's: every file is read into it
+        for queue in queues:
+            while True:
+                with lock:
+                    task = None if stop.is_set() else next(queue, None)
+                if task is None:
+                    break
+                states = task.run(buffer)
+                with lock:
+                    for state in states:
+                        results[state.path] = state
+                    done += len(states)
+                    if on_progress is not None:
+                        on_progress(done)
+
+    def helper(queue: Iterator[_Task]) -> None:
+        try:
+            work(queue)
+        except BaseException as exc:  # a bug or on_progress's, not a file's problem: raised on the
+            with lock:  # calling thread (here it would end this thread with a traceback, and be lost)
+                failures.append(exc)
+            stop.set()
+
+    helpers = min((workers or default_workers()) - 1, sum(task.large for task in tasks))
+    threads = [
+        threading.Thread(target=helper, args=(large,), name=f"hash-{n}", daemon=True)
+        for n in range(1, helpers + 1)
+    ]
+    for thread in threads:
+        thread.start()
+    try:
+        if meanwhile is not None:
+            meanwhile()
+        with cycle_collection_paused():
+            work(small, large)
+    finally:  # done, or stopped by an exception (a bug, on_progress's, meanwhile's, a signal)
+        stop.set()  # the helpers end after their current file (none is left unless this thread failed)
+        interrupted = _join(threads)
+        for directory in {task.directory for task in tasks if task.directory is not None}:
+            directory.close()  # already closed unless a failure stopped its other tasks
+        if interrupted is not None:
+            raise interrupted
+    if failures:
+        raise failures[0]
+    return results
+
+
+def _join(threads: Sequence[threading.Thread]) -> BaseException | None:
+    """Waits for every thread to end (each does after its current file) and returns the signal
+    (Ctrl-C) that came meanwhile, for the caller to raise once it has closed the directories: a
+    helper still reading a file through its directory's descriptor must not have it closed under it
+    (the number could be reused by the next ``open``, and the helper would open a name relative to
+    another directory). A second signal is raised at once (a helper stuck on a hung network
+    filesystem must not hold the process): nothing is closed then, and the descriptors stay open,
+    never reused, until the process ends."""
+    pending: BaseException | None = None
+    for thread in threads:
+        while True:
+            try:
+                thread.join()
+                break
+            except BaseException as exc:
+                if pending is not None:
+                    raise
+                pending = exc
+    return pending

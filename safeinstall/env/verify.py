@@ -1,0 +1,534 @@
+"""Verification: installed files against their RECORD (or a wheel), like ``rpm -V``.
+
+Gathers expectations, observes every file once in parallel (:mod:`safeinstall.env.hashing`), and leaves
+the judging to the pure functions of :mod:`safeinstall.env.drift`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
+
+from safeinstall.env.containment import Containment
+from safeinstall.env.distributions import (
+    NO_RECORD,
+    InstalledDistribution,
+    MetadataReader,
+    egg_info_paths,
+    find_distribution,
+    find_distributions,
+    find_named,
+    package_roots,
+)
+from safeinstall.env.drift import (
+    Expectation,
+    Finding,
+    FindingKind,
+    compare,
+    extras,
+    hardlink_warning,
+    pyc_source,
+    shared_file,
+    untouched_since_install,
+)
+from safeinstall.env.environment import Environment, distribution_sites
+from safeinstall.env.hashing import FileState, cycle_collection_paused, observe_files
+from safeinstall.env.records import built, digest_bytes
+from safeinstall.env.systemsite import SystemPackage, from_base, system_packages
+from safeinstall.errors import ExitCode, WheelError
+
+if TYPE_CHECKING:  # the wheel module (zipfile, packaging.tags) is loaded only when a wheel is given
+    from safeinstall.env.vouched import Vouched
+    from safeinstall.env.wheel import Wheel, WheelProblem
+
+ProgressCallback = Callable[[int, int], None]  # (files done, files total)
+
+
+@dataclass(frozen=True, slots=True)
+class WheelSummary:
+    path: str
+    name: str
+    version: str
+    record_ok: bool
+    problems: tuple[WheelProblem, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DistributionReport:
+    name: str
+    version: str
+    dist_info: str
+    files_checked: int
+    findings: tuple[Finding, ...]
+    against: str  # "record", or the wheel's file name
+    site: str = ""  # the site directory that holds its .dist-info
+    #: the system package that installed it (dpkg's), None when none did
+    system_package: SystemPackage | None = None
+    #: in a site directory of the base installation (a system interpreter's own, or a venv's base with
+    #: include-system-site-packages), not where uv installs
+    from_base: bool = False
+
+    @property
+    def drift(self) -> bool:
+        return any(f.is_drift for f in self.findings)
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    python: str
+    prefix: str
+    distributions: tuple[DistributionReport, ...]
+    wheel: WheelSummary | None
+    #: every file as it was observed (location -> state): a backup reuses these hashes
+    observed: dict[str, FileState] = field(default_factory=dict, repr=False, compare=False)
+    #: every site directory looked in, in the interpreter's order
+    site_dirs: tuple[str, ...] = ()
+    #: with every distribution asked for: the ``.egg-info`` ones found, not checked (they have no RECORD)
+    egg_info: tuple[str, ...] = ()
+
+    @property
+    def findings(self) -> tuple[Finding, ...]:
+        return tuple(f for d in self.distributions for f in d.findings)
+
+    @property
+    def drift(self) -> bool:
+        return any(d.drift for d in self.distributions)
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return ExitCode.DRIFT if self.drift else ExitCode.OK
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What to check for one distribution: expectations plus findings known without reading."""
+
+    dist: InstalledDistribution
+    expectations: tuple[Expectation, ...]
+    members: dict[str, str]  # location -> wheel member (with --wheel)
+    findings: tuple[Finding, ...]
+    against: str
+
+
+def _record_plan(
+    dist: InstalledDistribution, env: Environment, containment: Containment, system_owned: bool = False
+) -> tuple[list[Expectation], list[Finding]]:
+    expectations: list[Expectation] = []
+    findings = [
+        Finding(dist.name, f"{dist.dist_info}/RECORD:{p.line}", FindingKind.MALFORMED, p.reason)
+        for p in dist.record.problems
+    ]
+    if system_owned and dist.record_problem == NO_RECORD:
+        pass  # a system package's files are its package manager's to check (debsums), not drift
+    elif dist.record_problem is not None:  # nothing to check its files against: never "OK"
+        kind = FindingKind.MISSING if dist.record_problem == NO_RECORD else FindingKind.UNREADABLE
+        detail = "no RECORD" if kind == FindingKind.MISSING else f"RECORD: {dist.record_problem}"
+        findings.append(
+            Finding(
+                dist.name, f"{dist.dist_info}/RECORD", kind, f"{detail}: none of its files can be checked"
+            )
+        )
+    for entry, location in zip(dist.record.entries, dist.locations, strict=True):
+        if containment.outside(location):
+            findings.append(
+                Finding(
+                    dist.name,
+                    entry.path,
+                    FindingKind.OUTSIDE,
+                    f"resolves to {location}, outside {containment.prefix}",
+                )
+            )
+            continue
+        if entry.hash is None:
+            continue  # unhashed entries (RECORD itself, .pyc) are skipped, as installers do
+        expectations.append(
+            built(Expectation, (location, entry.hash.algorithm, entry.hash.digest, entry.size))
+        )
+    return expectations, findings
+
+
+#: An installer's launcher in place of ``#!python``: one shebang line or, for an interpreter path too
+#: long for a shebang (or with a space in it), the three-line ``#!/bin/sh`` + ``exec`` form.
+_LAUNCHER_MAX_LINES = 3
+_SCRIPT_MAX_BYTES = 1 << 20
+
+
+def _script_expectation(wheel: Wheel, member: str, location: Path, env: Environment) -> Expectation | None:
+    """Scripts shipped as ``#!python`` get their first line rewritten on install into a launcher for
+    the environment's interpreter: the launcher is the installer's, the rest must be the wheel's."""
+    from safeinstall.system.safefs import NotRegularFile, Tree
+
+    content = wheel.python_scripts.get(member)
+    if content is None:
+        return None
+    try:  # by descriptor below the prefix: a symlink is not followed, a FIFO not opened
+        with Tree(env.prefix) as tree:
+            relative = tree.relative(location)
+            if relative is None:
+                return None
+            installed = tree.read_bytes(relative, _SCRIPT_MAX_BYTES + len(content))
+    except (OSError, NotRegularFile, ValueError):
+        return None
+    if not installed.startswith(b"#!"):
+        return None
+    rest = content.split(b"\n", 1)[1] if b"\n" in content else b""
+    launcher = installed[: len(installed) - len(rest)] if installed.endswith(rest) else b""
+    if not launcher.startswith(b"#!") or launcher.count(b"\n") > _LAUNCHER_MAX_LINES:
+        launcher = installed.split(b"\n", 1)[0] + b"\n"  # changed beyond the launcher: that is drift
+    expected = launcher + rest
+    return Expectation(str(location), "sha256", digest_bytes(expected), len(expected))
+
+
+def _wheel_plan(
+    dist: InstalledDistribution, env: Environment, wheel: Wheel, containment: Containment
+) -> tuple[list[Expectation], dict[str, str], list[Finding]]:
+    from safeinstall.env.wheel import install_locations, is_installer_written
+
+    expectations: list[Expectation] = []
+    members: dict[str, str] = {}
+    findings: list[Finding] = []
+    if dist.version != wheel.version:
+        findings.append(
+            Finding(
+                dist.name,
+                str(dist.dist_info),
+                FindingKind.VERSION_MISMATCH,
+                f"installed {dist.version}, the wheel is {wheel.version}",
+                baseline="wheel",
+            )
+        )
+    signatures = {f"{wheel.dist_info}/RECORD.jws", f"{wheel.dist_info}/RECORD.p7s"}
+    other_version = dist.version != wheel.version  # then the metadata differs: the mismatch says it all
+    locations = install_locations(wheel, env)
+    scripts = f"{wheel.data_dir}/scripts/"
+    for name, member in wheel.members.items():
+        if is_installer_written(wheel, name) or name in signatures:
+            continue
+        if other_version and name.startswith(wheel.dist_info + "/"):
+            continue
+        location = locations.get(name)
+        if location is None:
+            continue
+        members[location] = name
+        expectation: Expectation | None = None
+        if name.startswith(scripts):
+            expectation = _script_expectation(wheel, name, Path(location), env)
+        expectations.append(expectation or Expectation(location, "sha256", member.sha256, member.size))
+    for problem in wheel.problems:
+        findings.append(
+            Finding(dist.name, problem.path, FindingKind.WHEEL_RECORD, problem.reason, baseline="wheel")
+        )
+    # Installed files the wheel does not have: old leftovers recorded by the installer.
+    generated_scripts = {os.path.join(env.scripts, script) for script in wheel.console_scripts}
+    installed_dist_info = dist.dist_info.name + "/"
+    for entry, text in zip(dist.record.entries, dist.locations, strict=True):
+        if text in members or text in generated_scripts:
+            continue
+        if entry.path.endswith(".pyc") and pyc_source(PurePosixPath(entry.path)) is not None:
+            continue
+        in_dist_info = entry.path.startswith(installed_dist_info)
+        if in_dist_info and other_version:
+            continue
+        if in_dist_info and is_installer_written(wheel, f"{wheel.dist_info}/{entry.path.rpartition('/')[2]}"):
+            continue
+        if containment.outside(text):
+            continue
+        findings.append(
+            Finding(
+                dist.name,
+                text,
+                FindingKind.EXTRA,
+                "installed, but not in the wheel",
+                baseline="wheel",
+            )
+        )
+    return expectations, members, findings
+
+
+def containment_root(env: Environment, dist: InstalledDistribution) -> Path:
+    """Pure: the prefix a distribution's files must stay in: the environment's, or for a distribution
+    of the base installation (a venv's, with include-system-site-packages) the base's."""
+    return env.base_prefix if from_base(env, dist) else env.prefix
+
+
+def _plan(
+    dist: InstalledDistribution, env: Environment, wheel: Wheel | None, system_owned: bool = False
+) -> _Plan:
+    containment = Containment(containment_root(env, dist))
+    record_expectations, findings = _record_plan(dist, env, containment, system_owned)
+    if wheel is None:
+        return _Plan(dist, tuple(record_expectations), {}, tuple(findings), "record")
+    expectations, members, wheel_findings = _wheel_plan(dist, env, wheel, containment)
+    # RECORD-only findings (outside, malformed) still stand; file content is judged against the wheel.
+    return _Plan(dist, tuple(expectations), members, (*findings, *wheel_findings), wheel.path.name)
+
+
+def _walk(root: str) -> list[str]:
+    """Every non-directory below ``root``, as ``os.walk`` lists them (a symlink to a directory is not
+    entered and not listed; errors are skipped), without its ``lstat`` of each directory: the listing's
+    file types say which entries are symlinks."""
+    found: list[str] = []
+    pending = [root]
+    while pending:
+        try:
+            listing = os.scandir(pending.pop())
+        except OSError:
+            continue
+        with listing:
+            while True:
+                try:
+                    entry = next(listing, None)
+                except OSError:
+                    break
+                if entry is None:
+                    break
+                try:
+                    is_dir = entry.is_dir()
+                except OSError:
+                    is_dir = False
+                if not is_dir:
+                    found.append(entry.path)
+                elif not _is_symlink(entry):
+                    pending.append(entry.path)
+    return found
+
+
+def _is_symlink(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_symlink()
+    except OSError:
+        return False
+
+
+def _listed_locations(installed: Sequence[InstalledDistribution]) -> frozenset[str]:
+    return frozenset(location for d in installed for location in d.locations)
+
+
+def _mtime_ns(path: str) -> int | None:
+    """The modification time of ``path`` itself (a symlink is not followed), or None."""
+    try:
+        return os.lstat(path).st_mtime_ns
+    except OSError:
+        return None
+
+
+def _listed_by(
+    installed: Sequence[InstalledDistribution], mismatched: Collection[str]
+) -> dict[str, list[tuple[str, str, Expectation]]]:
+    """Every distribution whose RECORD lists one of the ``mismatched`` locations, with its entry:
+    location -> (name, version, entry). One pass over the RECORDs, only when something did not match."""
+    found: dict[str, list[tuple[str, str, Expectation]]] = {}
+    if not mismatched:
+        return found
+    for dist in installed:
+        for entry, location in zip(dist.record.entries, dist.locations, strict=True):
+            if location not in mismatched or entry.hash is None:
+                continue
+            expectation = Expectation(location, entry.hash.algorithm, entry.hash.digest, entry.size)
+            found.setdefault(location, []).append((dist.name, dist.version, expectation))
+    return found
+
+
+def verify_environment(
+    env: Environment,
+    names: Sequence[str] | None,
+    wheel: Wheel | None = None,
+    on_progress: ProgressCallback | None = None,
+    workers: int | None = None,
+    installed: Sequence[InstalledDistribution] | None = None,
+    expected: Mapping[str, Expectation] | None = None,
+    settle_shared: bool = True,
+    vouched: Callable[[], Mapping[str, tuple[Vouched, ...]]] | None = None,
+) -> VerifyReport:
+    """Verify the named distributions (or all, with ``names=None``) of ``env``.
+
+    ``settle_shared`` False: a ``modified`` file is never settled as another distribution's ``shared``
+    one on the word of that distribution's installed RECORD (``--verify-only --wheel``: the wheel is
+    the baseline, and the environment's owner writes the RECORDs).
+
+    ``vouched``: the environment's baseline (:mod:`safeinstall.store.baseline`: name -> what a run verified
+    against the wheel), asked for only when a file differs from its RECORD (a clean check reads no
+    state): a file that holds the very bytes a run verified against its wheel is ``wheel-record``.
+
+    ``wheel``: judge the one named distribution against it (read once by the caller). ``installed``:
+    the environment's distributions when the caller has found them already (a run reloads only what
+    its install changed); otherwise the environment is scanned here, once. ``expected`` replaces what
+    some files must hold (location -> expectation): the local patches a ``--keep-patches`` run carried
+    over are checked against the merge, not the RECORD or the wheel.
+    """
+    # Named ones are read first, the others (whose files only say what is "extra") while the large
+    # files hash; read as every distribution is, or everything is done again in the usual order. The
+    # named ones and the plans (torch: 12k RECORD entries, 12k expectations) are built with the cycle
+    # collector paused: reading a distribution makes no cycles (a test checks), or the environment's
+    # owner could keep root's memory growing with as many as it likes.
+    reader = MetadataReader.of(env)  # one scan: its limits cover the named ones and the others
+    with cycle_collection_paused():
+        early = find_named(env, names, reader) if installed is None and names is not None else None
+    found: list[InstalledDistribution] = []
+    if early is not None:
+        selected = early
+    else:
+        found = list(installed) if installed is not None else find_distributions(env)
+        selected = found if names is None else [find_distribution(env, name, found) for name in names]
+    if wheel is not None and (len(selected) != 1 or selected[0].name != wheel.name):
+        raise WheelError(
+            f"the wheel {wheel.path.name} is for {wheel.name}, not "
+            f"{', '.join(d.name for d in selected) or 'nothing'}",
+            hint="pass the wheel of the package being verified",
+        )
+    owners = system_packages(env, selected)
+    with cycle_collection_paused():
+        plans = [_plan(dist, env, wheel, dist.name in owners) for dist in selected]
+        if expected:
+            plans = [
+                replace(p, expectations=tuple(expected.get(e.location, e) for e in p.expectations))
+                for p in plans
+            ]
+    wanted = [e for p in plans for e in p.expectations]
+    total = len(wanted)
+
+    def tick(done: int) -> None:
+        if on_progress is not None:
+            on_progress(done, total)
+
+    unlisted: dict[str, list[Finding]] = {}
+    sites = distribution_sites(env)
+
+    def look_for_extras() -> None:  # on this thread, while the helpers hash the large files
+        if early is not None:
+            found.extend(find_distributions(env, early, reader))
+        listed = _listed_locations(found)
+        roots = package_roots(env, found)
+        for plan in plans:
+            name = plan.dist.name
+            unlisted[name] = [f for root in roots.get(name, []) for f in extras(name, _walk(root), listed)]
+
+    states = _observe(plans, env, workers, tick, look_for_extras)
+    if early is not None and any(find_distribution(env, d.name, found) is not d for d in early):
+        # a directory named otherwise holds one of them, earlier in the scan: the usual order
+        return verify_environment(
+            env, names, wheel, on_progress, workers, found, expected, settle_shared, vouched
+        )
+    reports: list[DistributionReport] = []
+    baseline = "record" if wheel is None else "wheel"
+    per_plan: list[list[Finding]] = []
+    mismatched: dict[str, Expectation] = {}  # modified files: another RECORD may list them too
+    for plan in plans:
+        findings = list(plan.findings)
+        for expectation in plan.expectations:
+            state = states[expectation.location]
+            finding = compare(plan.dist.name, expectation, state, baseline)
+            if finding is not None:
+                member = plan.members.get(expectation.location)
+                findings.append(replace(finding, wheel_member=member) if member else finding)
+                if finding.kind == FindingKind.MODIFIED:
+                    mismatched[expectation.location] = expectation
+            warning = hardlink_warning(plan.dist.name, state)
+            if warning is not None:
+                findings.append(warning)
+        findings.extend(unlisted[plan.dist.name])
+        per_plan.append(findings)
+    listed_by = _listed_by(found, mismatched)
+    for plan, findings in zip(plans, per_plan, strict=True):
+        if listed_by:
+            findings = [
+                shared_file(
+                    f,
+                    mismatched[f.path],
+                    [o for o in listed_by[f.path] if o[0] != f.distribution],
+                    settle_shared,
+                )
+                if f.kind == FindingKind.MODIFIED and f.path in listed_by
+                else f
+                for f in findings
+            ]
+        if wheel is None and vouched is not None and any(f.kind == FindingKind.MODIFIED for f in findings):
+            findings = _settled(plan.dist, findings, states, vouched)
+        if wheel is None and any(f.kind == FindingKind.MODIFIED for f in findings):
+            record_mtime = _mtime_ns(os.path.join(plan.dist.dist_info, "RECORD"))
+            findings = [
+                untouched_since_install(f, states[f.path].mtime_ns, record_mtime)
+                if f.kind == FindingKind.MODIFIED
+                else f
+                for f in findings
+            ]
+        reports.append(
+            DistributionReport(
+                name=plan.dist.name,
+                version=plan.dist.version,
+                dist_info=str(plan.dist.dist_info),
+                files_checked=len(plan.expectations),
+                findings=tuple(
+                    sorted(findings, key=lambda f: (f.kind != FindingKind.VERSION_MISMATCH, f.path))
+                ),
+                against=plan.against,
+                site=os.fspath(plan.dist.site),
+                system_package=owners.get(plan.dist.name),
+                from_base=from_base(env, plan.dist),
+            )
+        )
+    summary = (
+        None
+        if wheel is None
+        else WheelSummary(str(wheel.path), wheel.name, wheel.version, wheel.record_ok, wheel.problems)
+    )
+    eggs = tuple(os.fspath(p) for p in egg_info_paths(env)) if names is None else ()
+    return VerifyReport(
+        str(env.python),
+        str(env.prefix),
+        tuple(reports),
+        summary,
+        states,
+        tuple(os.fspath(s) for s in sites),
+        eggs,
+    )
+
+
+def _settled(
+    dist: InstalledDistribution,
+    findings: list[Finding],
+    states: Mapping[str, FileState],
+    vouched: Callable[[], Mapping[str, tuple[Vouched, ...]]],
+) -> list[Finding]:
+    """The ``modified`` findings of ``dist`` that hold the very bytes a run verified against its wheel
+    (the environment's baseline, when it describes ``dist`` as installed now) become ``wheel-record``."""
+    from safeinstall.env.vouched import entry_for, settle  # only when something differs
+
+    entry = entry_for(vouched().get(dist.name, ()), dist)
+    if entry is None:
+        return findings
+    return [settle(f, states[f.path], entry) if f.kind == FindingKind.MODIFIED else f for f in findings]
+
+
+def _ticked(tick: Callable[[int], None], before: int, done: int) -> None:
+    tick(before + done)
+
+
+def _observe(
+    plans: Sequence[_Plan],
+    env: Environment,
+    workers: int | None,
+    tick: Callable[[int], None],
+    meanwhile: Callable[[], object],
+) -> dict[str, FileState]:
+    """Every expected file observed, each within the prefix its distribution belongs to (the base's, for
+    a venv's distributions of the base installation): one pass for each such prefix."""
+    by_root: dict[str, list[Expectation]] = {os.fspath(env.prefix): []}
+    for plan in plans:
+        by_root.setdefault(os.fspath(containment_root(env, plan.dist)), []).extend(plan.expectations)
+    states: dict[str, FileState] = {}
+    for root, wanted in by_root.items():
+        states.update(
+            observe_files(
+                wanted,
+                workers=workers,
+                on_progress=functools.partial(_ticked, tick, len(states)),
+                meanwhile=meanwhile if root == os.fspath(env.prefix) else None,
+                within=root,
+            )
+        )
+    return states

@@ -1,0 +1,354 @@
+"""Runs that outlive their caller: ``--detach`` hands the run to a transient systemd unit, and
+``--status --wait`` follows a run (detached or not) to its end.
+
+**Detaching.** The foreground checks what it can at once (the arguments, the interpreter; on a
+terminal it shows the plan and asks), then starts the same safeinstall (``sys.executable -I -m
+safeinstall``, the same options, arguments passed literally, no shell) as a transient unit of the
+manager that runs the run's own units: ``systemd-run [--user] --unit=safeinstall-<env>-<run-id>
+--collect``. Nothing that happens to the caller's terminal or session reaches it.
+
+The unit runs the *whole* run, preflight included, under the environment's lock. The foreground
+waits only until that run has journalled (it then holds the lock and has passed its preflight) or
+has ended (a refused preflight: its error is printed and the foreground exits 2, as without
+``--detach``). So nothing can slip in between a check and the run, and no check goes stale: the one
+preflight that counts is made under the lock, by the run itself.
+
+The caller's environment (index settings, proxies, uv's cache, ``XDG_RUNTIME_DIR``), the health URL
+and uv's arguments (``--index-url https://user:token@...``) reach the unit through a file in the
+environment's state directory (mode 0600, checked to be ours, read once and removed by the run),
+never on a command line or in the unit's properties, which any user can read (``systemctl show``).
+
+**Waiting.** A run's log shows what it does as it does it; its history entry (written last) says
+it finished and holds its result; its journal and its lock say it is still running, and which
+process runs it. A run whose process is gone with its journal left died (``--recover``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from safeinstall.env.environment import Environment
+from safeinstall.errors import Aborted, ExitCode, SafeInstallError, SystemdError, UsageError
+from safeinstall.run.options import RunOptions
+from safeinstall.store.history import find as find_entry
+from safeinstall.store.history import read_history
+from safeinstall.store.journal import Journal, JournalError, read_journal
+from safeinstall.store.state import EnvironmentState, atomic_write, is_run_id
+from safeinstall.system import children
+from safeinstall.system.identity import alive
+from safeinstall.system.lock import read_holder
+from safeinstall.system.systemd import Systemd
+
+UNIT_PREFIX = "safeinstall-"
+#: The most an environment file may hold (it is the caller's environment, a few KiB).
+_MAX_ENVIRON_BYTES = 1024 * 1024
+#: A detached run gets SIGTERM (and rolls back) when its unit is stopped; SIGKILL only this much later.
+STOP_TIMEOUT = "15min"
+
+
+class RunLost(SafeInstallError):
+    """The run's process is gone and it left no result: it died (SIGKILL, OOM, power loss)."""
+
+    exit_code = ExitCode.ROLLBACK_FAILED
+    code = "run-lost"
+
+
+def unit_name(state: EnvironmentState, run_id: str) -> str:
+    """Pure: the transient unit of a detached run, named after the environment and the run."""
+    return f"{UNIT_PREFIX}{state.key}-{run_id}.service"
+
+
+def child_arguments(options: RunOptions, python: Path, run_id: str, environ_file: Path) -> list[str]:
+    """Pure: the arguments that, with the private file :func:`write_private` wrote, make the detached
+    safeinstall run exactly ``options`` (``--opt=value`` forms, so that no value is ever taken for an
+    option). What may hold a credential (the health URL, uv's arguments) is only in the file."""
+    undo = [] if options.undo is None else ["--undo", f"--run={options.undo}"]  # the package: a guard
+    args = [options.package + (options.version_spec or ""), *undo, f"--python={python}", "--yes"]
+    args += [f"--run-id={run_id}", f"--environ-from={environ_file}"]
+    flags = {
+        "--user": options.user,
+        "--with-deps": options.with_deps,
+        "--kill-strays": options.kill_strays,
+        "--only-loaded": options.only_loaded,
+        "--strict": options.strict,
+        "--keep-patches": options.keep_patches,
+        "--drop-conflicting": options.drop_conflicting,
+        "--accept-record-mismatch": options.accept_record_mismatch,
+        "--no-restart": options.no_restart,
+        "--prune": options.prune,
+    }
+    args += [flag for flag, on in flags.items() if on]
+    if options.wheel is not None:
+        args.append(f"--wheel={options.wheel}")
+    if options.stop_timeout is not None:
+        args.append(f"--stop-timeout={options.stop_timeout!r}")
+    if options.base_wheel is not None:
+        args.append(f"--base-wheel={options.base_wheel}")
+    args += [
+        f"--gpu-timeout={options.gpu_timeout!r}",
+        f"--settle={options.settle!r}",
+        f"--health-timeout={options.health_timeout!r}",
+        f"--keep-backups={options.keep_backups}",
+    ]
+    return args
+
+
+def systemd_run_command(unit: str, user: bool, description: str, cwd: str, command: list[str]) -> list[str]:
+    """Pure: ``systemd-run`` for a detached run. ``KillMode=mixed``: stopping the unit sends SIGTERM to
+    safeinstall alone (it rolls back and ends its children itself)."""
+    return [
+        "systemd-run",
+        "--user" if user else "--system",
+        f"--unit={unit}",
+        f"--description={description}",
+        "--collect",
+        "--quiet",
+        "--no-ask-password",
+        "--service-type=exec",
+        f"--working-directory={cwd}",
+        "--property=KillMode=mixed",
+        f"--property=TimeoutStopSec={STOP_TIMEOUT}",
+        "--",
+        *command,
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class PrivateInputs:
+    """What a detached run gets through its private file, not its command line."""
+
+    environ: dict[str, str]
+    health_url: str | None = None
+    extra_args: tuple[str, ...] = ()
+
+
+def write_private(state: EnvironmentState, run_id: str, inputs: PrivateInputs) -> Path:
+    path = state.dir / f"environ-{run_id}.json"
+    document = {"environ": inputs.environ, "health_url": inputs.health_url, "extra_args": inputs.extra_args}
+    atomic_write(path, json.dumps(document).encode("utf-8", "surrogateescape"))
+    return path
+
+
+def take_private(path: Path) -> PrivateInputs:
+    """What a detached run was given; the file must be ours, private and regular. Removed."""
+    bad = UsageError(f"--environ-from {path}: not an environment file written by safeinstall --detach")
+    try:
+        parent = os.stat(path.parent)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        raise UsageError(f"--environ-from {path}: {exc.strerror or exc}") from exc
+    if parent.st_uid != os.geteuid() or parent.st_mode & 0o022:  # a directory only we can change
+        os.close(fd)
+        raise bad
+    try:
+        info = os.fstat(fd)
+        if (
+            not stat.S_ISREG(info.st_mode)
+            or info.st_uid != os.geteuid()
+            or info.st_mode & 0o077
+            or info.st_size > _MAX_ENVIRON_BYTES
+        ):
+            raise bad
+        raw = os.read(fd, _MAX_ENVIRON_BYTES + 1)
+    finally:
+        os.close(fd)
+    path.unlink(missing_ok=True)
+    try:
+        document = json.loads(raw.decode("utf-8", "surrogateescape"))
+    except ValueError as exc:
+        raise bad from exc
+    if not isinstance(document, dict):
+        raise bad
+    environ, url, extra = document.get("environ"), document.get("health_url"), document.get("extra_args")
+    if (
+        not isinstance(environ, dict)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in environ.items())
+        or not (url is None or isinstance(url, str))
+        or not isinstance(extra, list)
+        or not all(isinstance(a, str) for a in extra)
+    ):
+        raise bad
+    return PrivateInputs(environ, url, tuple(extra))
+
+
+@dataclass(frozen=True, slots=True)
+class Detached:
+    run_id: str
+    unit: str
+    user_manager: bool
+    log_file: str
+    finished: dict[str, Any] | None  # the history entry, when the run ended before it journalled
+
+
+def detach(options: RunOptions, env: Environment, state: EnvironmentState, run_id: str) -> Detached:
+    """Start the run as a transient unit; return once it has journalled (or has already ended)."""
+    environ_file = write_private(
+        state, run_id, PrivateInputs(dict(options.environ), options.health_url, options.extra_args)
+    )
+    unit = unit_name(state, run_id)
+    command = [
+        sys.executable,
+        "-I",
+        "-m",
+        "safeinstall",
+        *child_arguments(options, env.python, run_id, environ_file),
+    ]
+    description = f"safeinstall {options.package} in {env.prefix} (run {run_id})"
+    argv = systemd_run_command(unit, options.user, description, os.getcwd(), command)
+    try:
+        proc = children.run(argv, env=options.environ, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        environ_file.unlink(missing_ok=True)
+        raise SystemdError(f"systemd-run could not start the detached run: {exc}") from exc
+    if proc.returncode != 0:
+        environ_file.unlink(missing_ok=True)
+        detail = (proc.stderr or proc.stdout).strip() or f"exit status {proc.returncode}"
+        raise SystemdError(
+            f"systemd-run could not start the detached run: {detail}",
+            hint="nothing was changed; run without --detach, or check that the "
+            + ("user manager runs (XDG_RUNTIME_DIR)" if options.user else "system manager runs"),
+        )
+    finished = _await_start(state, run_id, Systemd(user=options.user, environ=options.environ), unit)
+    environ_file.unlink(missing_ok=True)  # the run took it; or it never will
+    return Detached(run_id, unit, options.user, str(state.log_file(run_id)), finished)
+
+
+def _own_journal(state: EnvironmentState, run_id: str) -> Journal | None:
+    try:
+        journal = read_journal(state.dir)
+    except JournalError:  # being replaced, or damaged: the run itself will say
+        return None
+    return journal if journal is not None and journal.run_id == run_id else None
+
+
+def _await_start(
+    state: EnvironmentState, run_id: str, systemd: Systemd, unit: str, poll_s: float = 0.1
+) -> dict[str, Any] | None:
+    """Wait until the detached run has journalled (None) or has ended (its history entry)."""
+    while True:
+        entry = find_entry(state, run_id)
+        if entry is not None:
+            return entry
+        if _own_journal(state, run_id) is not None:
+            return None
+        info = systemd.info(unit)
+        if info.active_state not in ("active", "activating", "reloading"):
+            entry = find_entry(state, run_id)  # it writes its result before it exits
+            if entry is not None or _own_journal(state, run_id) is not None:
+                return entry
+            flag = "--user " if systemd.user else ""
+            raise Aborted(
+                f"the detached run {run_id} ended before it started (unit {unit}: {info.active_state})",
+                hint=f"nothing was changed; see journalctl {flag}-u {unit}",
+            )
+        time.sleep(poll_s)
+
+
+# ---------------------------------------------------------------------------------------- waiting
+
+
+def locate(environ_states: list[EnvironmentState], run_id: str | None) -> EnvironmentState:
+    """The environment to wait in: the one that knows ``run_id``; else the one with a run in progress;
+    else the one whose last run finished last."""
+    if run_id is not None:
+        for state in environ_states:
+            journal = _own_journal(state, run_id)
+            if journal is not None or (state.history / f"{run_id}.json").exists():
+                return state
+            if state.log_file(run_id).exists():
+                return state
+        raise UsageError(f"no run {run_id} is known here", hint="safeinstall --status lists the runs")
+    running = [s for s in environ_states if s.journal.exists()]
+    if len(running) > 1:
+        raise UsageError(
+            "runs are in progress in several environments: "
+            + ", ".join(str(s.prefix or s.dir) for s in running),
+            hint="name one with --python PATH or --run RUN_ID",
+        )
+    if running:
+        return running[0]
+    latest = [(h.runs[0].finished_at or "", s) for s in environ_states if (h := read_history(s)).runs]
+    if not latest:
+        raise UsageError(
+            "no run to wait for: none is in progress and none has finished",
+            hint="start one (safeinstall PACKAGE --wheel W --detach), then wait for it",
+        )
+    return max(latest, key=lambda pair: pair[0])[1]
+
+
+def wait_for_run(
+    state: EnvironmentState,
+    run_id: str | None,
+    on_line: Callable[[str], None],
+    poll_s: float = 0.2,
+) -> dict[str, Any]:
+    """Follow a run to its end, passing each new line of its log to ``on_line``; its history entry.
+
+    ``run_id`` None: the run in progress, else the last finished one. Raises :class:`RunLost` when the
+    run's process is gone without a result (a journal left: it needs ``--recover``).
+    """
+    from safeinstall.store.runlog import LogTail
+
+    if run_id is not None and not is_run_id(run_id):
+        raise UsageError(f"{run_id!r} is not a run id", hint="run ids look like 20261130T031201Z-1234")
+    watched: tuple[int, int | None] | None = None
+    tail: LogTail | None = None
+    while True:
+        journal = read_journal(state.dir)
+        if run_id is None:
+            if journal is not None:
+                run_id = journal.run_id
+            elif read_holder(state.lock)[0]:  # a run in its preflight: its id comes with its journal
+                time.sleep(poll_s)
+                continue
+            else:
+                runs = read_history(state).runs
+                if not runs:
+                    raise UsageError(
+                        f"no run to wait for in {state.prefix or state.dir}",
+                        hint="safeinstall --status lists the runs",
+                    )
+                run_id = runs[0].run_id
+        if tail is None:
+            tail = LogTail(state.log_file(run_id))
+        for line in tail.new_lines():
+            on_line(line)
+        entry = find_entry(state, run_id)
+        if entry is not None:
+            for line in tail.new_lines():
+                on_line(line)
+            return entry
+        if journal is not None and journal.run_id == run_id:
+            watched = (journal.pid, journal.process_start)
+        elif watched is None:
+            held, holder = read_holder(state.lock)
+            if not (held and holder is not None):
+                raise UsageError(
+                    f"the run {run_id} is neither running nor finished in {state.prefix or state.dir}",
+                    hint="safeinstall --status lists the runs",
+                )
+            watched = (holder.pid, holder.process_start)  # a run in its preflight: maybe this one
+        if not alive(*watched):
+            entry = find_entry(state, run_id)
+            if entry is not None:
+                continue
+            left = _own_journal(state, run_id)
+            if left is not None:
+                raise RunLost(
+                    f"the run {run_id} died in phase {left.phase} without finishing (PID {left.pid} is gone)",
+                    hint="run safeinstall --recover to put its changes back or finish them",
+                )
+            raise UsageError(
+                f"the run {run_id} is neither running nor finished in {state.prefix or state.dir}",
+                hint="safeinstall --status lists the runs",
+            )
+        time.sleep(poll_s)

@@ -1,0 +1,352 @@
+"""``--metrics-file``: a result as Prometheus text exposition format, for node_exporter's textfile
+collector (see docs/metrics.md for every metric and its labels).
+
+The rendering is pure: typed results (a verification, a run's summary, ``--status``, ``--recover``) to
+metric families, and families to text, label values and help text escaped as the format requires. An
+environment is named by its prefix (label ``prefix``). The one function with I/O,
+:func:`write_metrics_file`, writes the text atomically (a temporary file beside it, then a rename;
+mode 0644 so that the exporter's account may read it) into a directory the caller chose, refusing one
+that others could redirect (the state directory's rules), and a final path that is not a regular file
+(a symlink or a FIFO is never followed nor opened).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from safeinstall.env.drift import WARNING_KINDS, FindingKind
+from safeinstall.errors import SafeInstallError
+
+if TYPE_CHECKING:  # the run's and the state's modules are not loaded by --verify-only
+    from safeinstall.env.verify import VerifyReport
+    from safeinstall.run.recover import Recovered
+    from safeinstall.run.status import StatusReport
+    from safeinstall.store.history import RunSummary
+
+#: Mode of the written file: node_exporter runs as an account of its own and must read it
+METRICS_MODE = 0o644
+#: Every status a run's result may have (the list in docs/json.md); each is a state of
+#: ``safeinstall_run_status``, 1 for the run's own, 0 for the others
+RUN_STATUSES = ("done", "declined", "rolled-back", "rollback-failed", "error", "recovered")
+DRIFT_KINDS = tuple(k.value for k in FindingKind if k not in WARNING_KINDS)
+WARNING_KIND_NAMES = tuple(k.value for k in FindingKind if k in WARNING_KINDS)
+
+
+class MetricsFileError(SafeInstallError):
+    code = "metrics-file"
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    labels: tuple[tuple[str, str], ...]
+    value: float
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    name: str
+    help: str
+    samples: tuple[Sample, ...]
+    type: str = "gauge"
+
+
+def escape_label_value(value: str) -> str:
+    """Pure: a label value as the text format writes it between quotes (backslash, double quote and
+    line feed escaped); bytes that are not UTF-8 (a path's, kept by ``surrogateescape``) as ``\\xNN``."""
+    text = value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def escape_help(text: str) -> str:
+    """Pure: HELP text as the format writes it (backslash and line feed escaped)."""
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def format_value(value: float) -> str:
+    """Pure: a sample value (``NaN``, ``+Inf`` and ``-Inf`` spelled as the format spells them)."""
+    value = float(value)  # an int (a count, an exit code) too
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return str(int(value)) if value.is_integer() and abs(value) < 2**53 else repr(value)
+
+
+def render(families: Iterable[Family]) -> str:
+    """Pure: the exposition text of ``families`` (one HELP and TYPE line each, then its samples; a
+    family given twice is merged, the format allows each name once)."""
+    merged: dict[str, Family] = {}
+    for family in families:
+        known = merged.get(family.name)
+        merged[family.name] = (
+            family if known is None else Family(known.name, known.help, known.samples + family.samples)
+        )
+    lines: list[str] = []
+    for family in merged.values():
+        if not family.samples:  # nothing to say (no environment): no HELP and TYPE lines either
+            continue
+        lines.append(f"# HELP {family.name} {escape_help(family.help)}")
+        lines.append(f"# TYPE {family.name} {family.type}")
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{escape_label_value(v)}"' for k, v in sample.labels)
+            lines.append(
+                f"{family.name}{{{labels}}} {format_value(sample.value)}"
+                if labels
+                else f"{family.name} {format_value(sample.value)}"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _one(name: str, help_text: str, value: float, **labels: str) -> Family:
+    return Family(name, help_text, (Sample(tuple(labels.items()), value),))
+
+
+def check_families(command: str, ok: bool, exit_code: int, now: float, **labels: str) -> list[Family]:
+    """Pure: whether ``command`` could do its work, its exit code and when it ran."""
+    flag = "--verify-only" if command == "verify" else f"--{command}"
+    return [
+        _one(
+            f"safeinstall_{command}_success",
+            f"1 when safeinstall {flag} could run, 0 when it failed (see its exit code)",
+            float(ok),
+            **labels,
+        ),
+        _one(
+            f"safeinstall_{command}_exit_code",
+            f"Exit code of the last safeinstall {flag}",
+            exit_code,
+            **labels,
+        ),
+        _one(
+            f"safeinstall_{command}_timestamp_seconds",
+            f"When the last safeinstall {flag} ran (Unix time)",
+            now,
+            **labels,
+        ),
+    ]
+
+
+def verify_families(prefix: str, report: VerifyReport | None, exit_code: int, now: float) -> list[Family]:
+    """Pure: a ``--verify-only`` (``report`` None: it could not run) of the environment ``prefix``."""
+    families = check_families("verify", report is not None, exit_code, now, prefix=prefix)
+    if report is None:
+        return families
+    checked, drift, warnings = [], [], []
+    for dist in report.distributions:
+        base = (("prefix", prefix), ("distribution", dist.name))
+        checked.append(Sample(base, dist.files_checked))
+        counts: dict[str, int] = {}
+        for finding in dist.findings:
+            counts[finding.kind.value] = counts.get(finding.kind.value, 0) + 1
+        drift += [Sample((*base, ("kind", kind)), counts.get(kind, 0)) for kind in DRIFT_KINDS]
+        warnings += [Sample((*base, ("kind", kind)), counts.get(kind, 0)) for kind in WARNING_KIND_NAMES]
+    return [
+        *families,
+        Family(
+            "safeinstall_verify_files_checked",
+            "Installed files checked against RECORD (or the wheel)",
+            tuple(checked),
+        ),
+        Family(
+            "safeinstall_verify_drift_findings",
+            "Drift findings of the last check, by kind (missing, modified, extra, ...): local changes",
+            tuple(drift),
+        ),
+        Family(
+            "safeinstall_verify_warning_findings",
+            "Findings that are warnings, not drift (hardlinked, wheel-record), by kind",
+            tuple(warnings),
+        ),
+    ]
+
+
+def _timestamp(text: str | None) -> float | None:
+    if text is None:
+        return None
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        return None
+
+
+def run_families(prefix: str, run: RunSummary) -> list[Family]:
+    """Pure: a finished run of the environment ``prefix`` (its history summary)."""
+    info = (
+        ("prefix", prefix),
+        ("run_id", run.run_id),
+        ("package", run.package or ""),
+        ("old_version", run.old_version or ""),
+        ("new_version", run.new_version or ""),
+    )
+    states = RUN_STATUSES if run.status in RUN_STATUSES else (*RUN_STATUSES, run.status)
+    families = [
+        _one(
+            "safeinstall_run_info",
+            "The last run: its id, package and versions (old and new), value 1",
+            1,
+            **dict(info),
+        ),
+        Family(
+            "safeinstall_run_status",
+            "The last run's status: 1 for its own, 0 for the others",
+            tuple(Sample((("prefix", prefix), ("status", s)), float(s == run.status)) for s in states),
+        ),
+        _one("safeinstall_run_exit_code", "The last run's exit code", run.exit_code, prefix=prefix),
+        Family(
+            "safeinstall_run_unit_downtime_seconds",
+            "How long each unit was not active in the last run",
+            tuple(Sample((("prefix", prefix), ("unit", u)), s) for u, s in sorted(run.downtime_s.items())),
+        ),
+    ]
+    for edge, when in (("start", run.started_at), ("end", run.finished_at)):
+        seconds = _timestamp(when)
+        if seconds is not None:
+            families.append(
+                _one(
+                    f"safeinstall_run_{edge}_timestamp_seconds",
+                    f"When the last run {'started' if edge == 'start' else 'ended'} (Unix time)",
+                    seconds,
+                    prefix=prefix,
+                )
+            )
+    return families
+
+
+def _per_prefix(name: str, help_text: str, values: Iterable[tuple[str, float]]) -> Family:
+    return Family(name, help_text, tuple(Sample((("prefix", prefix),), float(v)) for prefix, v in values))
+
+
+def status_families(report: StatusReport, now: float) -> list[Family]:
+    """Pure: ``--status``: each environment's state and its last finished run."""
+    envs = report.environments
+    families = check_families("status", not report.failures, int(report.exit_code), now)
+    families.append(
+        _per_prefix(
+            "safeinstall_status_running",
+            "1 while a run holds the environment's lock",
+            [(e.prefix, e.running) for e in envs],
+        )
+    )
+    families.append(
+        _per_prefix(
+            "safeinstall_status_needs_recovery",
+            "1 when a run died and safeinstall --recover must finish it",
+            [(e.prefix, e.needs_recovery) for e in envs],
+        )
+    )
+    for env in envs:
+        if env.runs:
+            families += run_families(env.prefix, env.runs[0])
+    return families
+
+
+def recover_families(recovered: Recovered, now: float) -> list[Family]:
+    """Pure: ``--recover``: what it did for each environment."""
+    done = recovered.recoveries
+    return [
+        *check_families("recover", not recovered.failures, int(recovered.exit_code), now),
+        _per_prefix(
+            "safeinstall_recover_recovered",
+            "1 when a run had died here and was finished",
+            [(r.prefix, r.run_id is not None) for r in done],
+        ),
+        _per_prefix(
+            "safeinstall_recover_restored",
+            "1 when the recovery restored the backup",
+            [(r.prefix, r.restored) for r in done],
+        ),
+        _per_prefix(
+            "safeinstall_recover_units_started",
+            "Units the recovery started again",
+            [(r.prefix, len(r.started)) for r in done],
+        ),
+    ]
+
+
+def _untrusted(path: Path, problem: str) -> MetricsFileError:
+    return MetricsFileError(
+        f"refusing to write the metrics file {path}: {problem}",
+        hint="another user could redirect what root writes there; give --metrics-file a path in a "
+        "directory owned by root (or you) and writable by nobody else, e.g. node_exporter's textfile "
+        "directory made with: install -d -m 0755 /var/lib/node_exporter/textfile_collector",
+    )
+
+
+def metrics_path_problem(path: Path, euid: int) -> str | None:
+    """Why ``path`` must not be written as root, or None: its directory and every one above it must be
+    owned by root or the caller and writable by nobody else (a root-owned sticky directory is fine, as
+    for the state directory); the file itself, if there, must be a regular file (not a symlink, a FIFO
+    or a directory). Looks at the disk, writes nothing."""
+    from safeinstall.store.state import trust_problem
+
+    if not path.name or path.name in (".", ".."):
+        return "it names no file"
+    directory = Path(os.path.realpath(path.parent))
+    for each in (*reversed(directory.parents), directory):
+        try:
+            info = os.lstat(each)
+        except OSError as exc:
+            return f"cannot inspect {each}: {exc.strerror or exc}"
+        problem = trust_problem(info.st_mode, info.st_uid, euid, parent=True, gid=info.st_gid)
+        if problem is not None:
+            return f"{each}: {problem}"
+    try:
+        info = os.lstat(directory / path.name)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"cannot inspect it: {exc.strerror or exc}"
+    if stat.S_ISLNK(info.st_mode):
+        return "it is a symbolic link"
+    if not stat.S_ISREG(info.st_mode):
+        from safeinstall.system.safefs import describe
+
+        return f"it is {describe(info.st_mode)}, not a regular file"
+    return None
+
+
+def check_metrics_path(path: Path) -> Path:
+    """The absolute path to write, after :func:`metrics_path_problem`; MetricsFileError (exit 2) if
+    it must not be written. Called before the command does its work."""
+    absolute = Path(os.path.abspath(path))
+    problem = metrics_path_problem(absolute, os.geteuid())
+    if problem is not None:
+        raise _untrusted(absolute, problem)
+    return Path(os.path.realpath(absolute.parent)) / absolute.name
+
+
+def write_metrics_file(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all, mode 0644
+    (:func:`safeinstall.store.state.atomic_write`: a temporary file beside it, ``.NAME.*.tmp``, which
+    the collector never reads, then renamed over it; on any error nothing is left behind). The
+    directory is checked first (:func:`check_metrics_path`): nobody else can rename what is on the
+    way. MetricsFileError."""
+    from safeinstall.store.state import atomic_write
+
+    target = check_metrics_path(path)
+    try:
+        atomic_write(target, text.encode("utf-8"), METRICS_MODE)
+    except OSError as exc:
+        raise MetricsFileError(
+            f"could not write the metrics file {target}: {exc.strerror or exc}",
+            hint="nothing was left there; check that the directory exists and has room (the command's "
+            "own result and exit code are unchanged)",
+        ) from exc
+
+
+def write_or_fail(path: Path | None, families: Sequence[Family]) -> SafeInstallError | None:
+    """Write ``families`` to ``path`` (None: no ``--metrics-file``); the error, if it could not be."""
+    if path is None:
+        return None
+    try:
+        write_metrics_file(path, render(families))
+    except SafeInstallError as error:
+        return error
+    return None

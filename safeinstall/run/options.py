@@ -1,0 +1,109 @@
+"""What the user asked for, as parsed by the command line: one typed value for every run."""
+
+from __future__ import annotations
+
+import math
+import os
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from safeinstall.errors import UsageError
+
+
+@dataclass(frozen=True, slots=True)
+class RunOptions:
+    """Everything the user asked for, as parsed by the CLI."""
+
+    package: str  # the distribution's name, as the requirement spelled it
+    python: str | None = None
+    wheel: Path | None = None
+    version_spec: str | None = None  # the requirement's specifier ("==0.16.0", ">=0.16"); None: none
+    with_deps: bool = False
+    user: bool = False
+    kill_strays: bool = False
+    extra_args: tuple[str, ...] = ()
+    stop_timeout: float | None = None  # None: each unit's own TimeoutStopSec
+    gpu_timeout: float = 120.0
+    settle: float = 5.0
+    health_url: str | None = None
+    health_timeout: float = 300.0
+    no_restart: bool = False
+    prune: bool = False
+    only_loaded: bool = False  # plan only processes with certain evidence (not ``environment`` alone)
+    strict: bool = False  # a process left on old code after the restart fails the run (rolled back)
+    keep_backups: int = 3  # safeinstall.store.retention.DEFAULT_KEEP: backups kept per environment
+    run_id: str | None = None  # given by the caller (a detached run's foreground); None: a new one
+    keep_patches: bool = False  # carry the package's local patches over to the new version
+    base_wheel: Path | None = None  # --keep-patches: the installed version's wheel (else fetched by uv)
+    drop_conflicting: bool = False  # --keep-patches: drop what cannot be carried instead of refusing
+    #: --wheel: install a wheel whose own RECORD is wrong about its members' hashes or sizes (verified
+    #: against its contents; the environment's baseline keeps what it is wrong about)
+    accept_record_mismatch: bool = False
+    #: --undo: the run whose backup is put back (safeinstall.run.undo); None: a reinstall
+    undo: str | None = None
+    proc_root: Path = Path("/proc")
+    environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+
+
+@dataclass(frozen=True, slots=True)
+class OptionProblem:
+    """A value that could not be honoured, and what to give instead."""
+
+    message: str
+    hint: str
+
+
+def option_problems(options: RunOptions) -> list[OptionProblem]:
+    """Pure: every value that could not be honoured, found before anything is stopped. (A ``nan``
+    deadline never passes: the run, and its rollback, would wait forever. A stop timeout of 0 would
+    fail every stop at once, and to systemd ``TimeoutStopSec=0`` means no timeout at all.)"""
+    problems: list[OptionProblem] = []
+    stop = options.stop_timeout
+    if stop is not None and not (math.isfinite(stop) and stop > 0):
+        problems.append(
+            OptionProblem(
+                f"--stop-timeout {stop:g}: seconds must be a finite number more than 0",
+                "give the seconds each unit may take to stop, or leave --stop-timeout out for each unit's "
+                "own TimeoutStopSec",
+            )
+        )
+    timeouts = {
+        "--gpu-timeout": options.gpu_timeout,
+        "--settle": options.settle,
+        "--health-timeout": options.health_timeout,
+    }
+    for flag, value in timeouts.items():
+        if not (math.isfinite(value) and value >= 0):
+            problems.append(
+                OptionProblem(
+                    f"{flag} {value:g}: seconds must be a finite number, 0 or more",
+                    f"give {flag} a number of seconds, or leave it out for its default (safeinstall --help)",
+                )
+            )
+    if options.keep_backups < 1:
+        problems.append(
+            OptionProblem(
+                f"--keep-backups {options.keep_backups}: keep at least 1 (the run's own backup)",
+                "--keep-backups 1 keeps only the newest backup",
+            )
+        )
+    if options.health_url is not None:
+        url = urllib.parse.urlsplit(options.health_url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            problems.append(
+                OptionProblem(
+                    f"--health-url {options.health_url}: "
+                    "only http:// and https:// URLs with a host are asked",
+                    "e.g. --health-url http://127.0.0.1:8000/health",
+                )
+            )
+    return problems
+
+
+def check_options(options: RunOptions) -> None:
+    """Refuse (UsageError, exit 2) options that :func:`option_problems` finds wrong; nothing was done."""
+    problems = option_problems(options)
+    if problems:
+        raise UsageError("; ".join(p.message for p in problems), hint="; ".join(p.hint for p in problems))

@@ -1,0 +1,171 @@
+"""The ``--json`` envelope: one versioned shape for every command (schema in docs/json.md).
+
+``{"safeinstall_result_version": 1, "command", "status", "exit_code", "data", "errors"}``
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Collection, Sequence
+from enum import Enum
+from pathlib import PurePath
+from typing import TYPE_CHECKING, Any
+
+from safeinstall.env.drift import Finding
+from safeinstall.errors import SafeInstallError
+
+if TYPE_CHECKING:
+    from safeinstall.env.verify import VerifyReport
+    from safeinstall.run.patches import PatchOutcome
+    from safeinstall.run.results import RunResult
+    from safeinstall.scan.plan import Plan
+
+RESULT_VERSION = 1
+
+
+def jsonable(value: Any) -> Any:
+    """Dataclasses and NamedTuples (as objects), enums, paths, tuples and sets to plain JSON values; an
+    infinite or NaN float (a unit's ``TimeoutStopSec=infinity``) becomes null: JSON has no Infinity."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a NamedTuple: an object, as a dataclass
+        return {name: jsonable(getattr(value, name)) for name in value._fields}
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, PurePath):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        items = [jsonable(v) for v in value]
+        return sorted(items) if isinstance(value, set | frozenset) else items
+    return value
+
+
+def finding_json(finding: Finding) -> dict[str, Any]:
+    return {
+        "distribution": finding.distribution,
+        "path": finding.path,
+        "kind": finding.kind.value,
+        "detail": finding.detail,
+        "drift": finding.is_drift,
+        "baseline": finding.baseline,
+        "expected": {"sha256": finding.expected_sha256, "size": finding.expected_size},
+        "actual": {"sha256": finding.actual_sha256, "size": finding.actual_size},
+        "wheel_member": finding.wheel_member,
+        "shared_with": finding.shared_with,
+    }
+
+
+#: The flags that choose what safeinstall does, and the ``command`` of their JSON envelope.
+_COMMANDS = (
+    ("--verify-only", "verify"),
+    ("--dry-run", "dry-run"),
+    ("--undo", "undo"),
+    ("--recover", "recover"),
+    ("--status", "status"),
+    ("--forget", "forget"),
+)
+
+
+def command_for(flags: Collection[str]) -> str:
+    """Pure: the command that the given flags select (``reinstall`` by default)."""
+    return next((name for flag, name in _COMMANDS if flag in flags), "reinstall")
+
+
+def envelope(
+    command: str,
+    status: str,
+    exit_code: int,
+    data: Any = None,
+    errors: list[SafeInstallError] | None = None,
+) -> dict[str, Any]:
+    return {
+        "safeinstall_result_version": RESULT_VERSION,
+        "command": command,
+        "status": status,
+        "exit_code": int(exit_code),
+        "data": data,
+        "errors": [e.to_json() for e in errors or []],
+    }
+
+
+def dumps(document: dict[str, Any]) -> str:
+    import json  # here: --verify-only without --json starts without it
+
+    return json.dumps(jsonable(document), indent=2, sort_keys=False, allow_nan=False)
+
+
+def plan_json(plan: Plan) -> dict[str, Any]:
+    """A plan for ``--dry-run --json`` (and inside a reinstall's result)."""
+    data: dict[str, Any] = jsonable(plan)
+    data["proceeds"] = plan.proceeds
+    return data
+
+
+def patches_json(patches: Sequence[PatchOutcome]) -> list[dict[str, Any]]:
+    """--keep-patches: each local patch (a run's ``patches``, and a dry-run's)."""
+    return [{"path": p.path, "status": p.status.value, "detail": p.detail, "diff": p.diff} for p in patches]
+
+
+def run_json(result: RunResult) -> dict[str, Any]:
+    """A reinstall's result for ``--json``: the plan, each step with its time, the downtime."""
+    return {
+        "plan": plan_json(result.plan) if result.plan is not None else None,
+        "steps": jsonable(result.steps),
+        "downtime_s": result.downtime_s,
+        "patched": list(result.patched),
+        "extras": list(result.extras),
+        "pruned": list(result.pruned),
+        "backup_dir": result.backup_dir,
+        "backups_removed": list(result.backups_removed),
+        "log_file": result.log_file,
+        "not_restarted": list(result.not_restarted),
+        "strays_killed": list(result.strays_killed),
+        "notes": list(result.notes),
+        "old_code": jsonable(result.old_code),
+        "patches": patches_json(result.patches),
+        "patch_file": result.patch_file,
+        "manual_commands": list(result.manual_commands),
+    }
+
+
+def verify_json(report: VerifyReport, patch: str | None, notes: Sequence[str] = ()) -> dict[str, Any]:
+    """``--verify-only --json``: the report, each finding, a summary, the patch of ``--diff``, and
+    ``notes`` (why the environment's baseline was not used)."""
+    findings = [finding_json(f) for f in report.findings]
+    return {
+        "python": report.python,
+        "prefix": report.prefix,
+        "wheel": jsonable(report.wheel),
+        "site_dirs": list(report.site_dirs),
+        "egg_info": list(report.egg_info),
+        "distributions": [
+            {
+                "name": d.name,
+                "version": d.version,
+                "dist_info": d.dist_info,
+                "files_checked": d.files_checked,
+                "against": d.against,
+                "drift": d.drift,
+                "site": d.site,
+                "from_base": d.from_base,
+                "system_package": None
+                if d.system_package is None
+                else jsonable(d.system_package) | {"check": d.system_package.check},
+            }
+            for d in report.distributions
+        ],
+        "findings": findings,
+        "summary": {
+            "distributions": len(report.distributions),
+            "files_checked": sum(d.files_checked for d in report.distributions),
+            "drift": sum(1 for f in report.findings if f.is_drift),
+            "warnings": sum(1 for f in report.findings if not f.is_drift),
+        },
+        "patch": patch,
+        "notes": list(notes),
+    }

@@ -1,0 +1,381 @@
+"""The checks before the first stop, shared by the run and ``--dry-run``: one function, so that the
+dry-run refuses exactly when the run would (same decision, same exit code 2).
+
+In the run's order: the interpreter; the state directory; the lock; the wheel (a valid zip whose
+RECORD matches its contents, for PACKAGE, fitting the interpreter's tags); uv's plan and the /proc scan
+(:func:`safeinstall.run.survey.survey`); the plan's refusals; room for the backup and for the install; the
+environment's directories writable (by its owner, when uv runs as that account). A failure before
+there is a plan raises; later ones are the plan's refusals, so that a dry-run still shows the plan and
+why it would refuse.
+
+The only difference: the run creates its state directory and takes the lock (and keeps it); a dry-run
+creates nothing and takes no lock: it checks that the directory could be made and that no live run
+holds the lock. With ``--keep-patches``, the run's next step (the patch merge) is made by the dry-run
+too (:func:`dry_run_patches`), its scratch in a temporary directory.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from packaging.utils import canonicalize_name
+
+from safeinstall.env.drift import FindingKind
+from safeinstall.env.environment import Environment, inspect_environment, resolve_python
+from safeinstall.env.systemsite import placement_refusals
+from safeinstall.env.verify import VerifyReport, verify_environment
+from safeinstall.env.vouched import Vouched
+from safeinstall.env.wheel import (
+    Wheel,
+    check_landing,
+    fits,
+    install_directories,
+    installed_size,
+    read_wheel,
+    target_tags,
+)
+from safeinstall.env.wheelcopy import (
+    copy_wheel,
+    discard_dead_copies,
+    discard_wheel_copy,
+    passable_temporary_dir,
+    temporary_copy,
+)
+from safeinstall.errors import PlanError, WheelError
+from safeinstall.run.options import RunOptions, check_options
+from safeinstall.run.patches import PatchSet, prepare_patches
+from safeinstall.run.survey import Survey, survey
+from safeinstall.run.undo import UndoTarget, undo_plan, undo_target, undo_uv_plan
+from safeinstall.scan.plan import Plan
+from safeinstall.store.backup import disk_space_needed, free_space, space_problem
+from safeinstall.store.baseline import read_vouched
+from safeinstall.store.state import (
+    EnvironmentState,
+    check_environment_dir,
+    check_passable,
+    ensure_environment_dir,
+    environment_state,
+    let_through,
+    state_root,
+)
+from safeinstall.system.lock import HeldLock, acquire_lock, check_lock
+from safeinstall.system.safefs import unwritable
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """What the preflight found; ``lock`` is held (the caller releases it) only when it was asked to.
+    ``options`` are the run's: with ``take_lock``, ``wheel`` is the run's own copy in the state
+    directory (checked, installed and journalled; the caller discards it with the run)."""
+
+    options: RunOptions
+    env: Environment
+    state: EnvironmentState
+    wheel: Wheel | None
+    survey: Survey
+    lock: HeldLock | None
+    notes: tuple[str, ...]
+    #: the affected distributions' files as installed, hashed once before anything stops: the plan's
+    #: ``locally_modified`` comes from it, and the run's backup reuses its hashes
+    before: VerifyReport
+    undo: UndoTarget | None = None  # --undo: the run undone, its backup the version put back
+    #: the environment's baseline (:mod:`safeinstall.store.baseline`): what earlier runs verified against
+    #: their wheels where the wheel's RECORD says otherwise (such a file is no local change)
+    vouched: Mapping[str, tuple[Vouched, ...]] = field(default_factory=dict)
+
+    @property
+    def plan(self) -> Plan:
+        return self.survey.plan
+
+
+def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
+    """Every check of the run before its first stop (see the module). Raises a SafeInstallError (exit
+    2) for a failure before the plan; the plan's ``refusals`` hold the rest (see :func:`refusal`).
+    ``take_lock``: create the state directory and hold the lock (the run); else check both (dry-run)."""
+    check_options(options)
+    env = inspect_environment(resolve_python(options.python, options.environ))
+    state = environment_state(state_root(options.environ, os.geteuid()), env.prefix)
+    notes: list[str] = [env.owner_note] if env.owner_note else []
+    lock: HeldLock | None = None
+    if env.account is not None:  # uv runs as the environment's owner: it must reach the run's directories
+        check_passable(state.root, env.account)
+    if take_lock:
+        notes.extend(s.warning for s in ensure_environment_dir(state) if s.warning)
+        if env.account is not None:
+            let_through(state)
+        lock = acquire_lock(state.lock, str(env.prefix))
+        if lock.takeover_note:
+            notes.append(lock.takeover_note)
+        if not state.journal.exists():  # under the lock, no run to recover: copies left are dead runs'
+            discard_dead_copies(state.dir)
+    else:
+        check_environment_dir(state)
+        check_lock(state.lock, str(env.prefix))
+    given = options.wheel
+    try:
+        undo = undo_target(state, options.undo) if options.undo is not None else None
+        wheel = None
+        if given is not None:
+            # checked, installed and journalled: the run's own copy, not a path others can write
+            use = copy_wheel(given, state.dir, env.account) if take_lock else given
+            options = replace(options, wheel=use)
+            try:
+                wheel = read_wheel(use)
+            except WheelError as exc:  # named as the user gave it
+                raise WheelError(exc.message.replace(str(use), str(given)), exc.hint) from exc
+            check_wheel(wheel, options.package, env, options.accept_record_mismatch)
+        if given is not None and not take_lock and env.account is not None:
+            # uv reads it as the owner, who may not read `given`
+            with temporary_copy(given, env.account) as copy:
+                found = _named_as_given(survey(replace(options, wheel=copy), env, wheel), copy, given)
+        elif undo is not None:
+            found = survey(options, env, None, undo_uv_plan(undo.backup))
+        else:
+            found = survey(options, env, wheel)
+        unrecorded = record_problems(found)
+        landing: tuple[str, ...] = ()
+        if wheel is not None and not unrecorded:  # without a RECORD, what it would replace is unknown
+            landing = check_landing(wheel, env, found.affected, found.installed)
+        more = (
+            *placement_refusals(env, found.affected),
+            *landing,
+            *unrecorded,
+            *room_problems(found, env, state.backups, wheel),
+            *writability_problems(env, found, wheel),
+        )
+        if more:
+            found = replace(found, plan=replace(found.plan, refusals=(*found.plan.refusals, *more)))
+        vouched, unused = read_vouched(state.root, env.prefix)
+        notes.extend([unused] if unused else [])
+        before = verify_environment(
+            env, [d.name for d in found.affected], installed=found.installed, vouched=lambda: vouched
+        )
+        modified = locally_modified(before)
+        if modified:
+            found = replace(found, plan=with_local_changes(found.plan, modified))
+        if wheel is not None and wheel.problems:  # accepted: the plan says so (--yes: before the stop)
+            warned = (*found.plan.warnings, record_mismatch_note(wheel))
+            found = replace(found, plan=replace(found.plan, warnings=warned))
+        shared = shared_files(before)
+        if shared:
+            found = replace(found, plan=replace(found.plan, warnings=(*found.plan.warnings, *shared)))
+        if undo is not None:
+            owner = os.geteuid() if env.account is None else env.account.uid
+            found = replace(found, plan=undo_plan(found.plan, undo, before, found.installed, owner))
+    except BaseException:
+        if options.wheel is not None and options.wheel != given:
+            discard_wheel_copy(options.wheel, state.dir)
+        if lock is not None:
+            lock.release()
+        raise
+    return Prepared(options, env, state, wheel, found, lock, tuple(notes), before, undo, vouched)
+
+
+def locally_modified(report: VerifyReport) -> tuple[str, ...]:
+    """Pure: the installed files that differ from their RECORD (changed or deleted locally)."""
+    return tuple(f.path for f in report.findings if f.kind in (FindingKind.MODIFIED, FindingKind.MISSING))
+
+
+def shared_files(report: VerifyReport) -> tuple[str, ...]:
+    """Pure: the plan's warnings for the affected distributions' files that another distribution's
+    RECORD lists too and whose copy is there (``shared``, not local changes): one per pair, naming both."""
+    pairs: dict[tuple[str, str], list[str]] = {}
+    for f in report.findings:
+        if f.kind == FindingKind.SHARED:
+            pairs.setdefault((f.distribution, f.shared_with or "?"), []).append(f.path)
+    return tuple(
+        f"{len(paths)} file(s) of {name} hold {other}'s copy (both RECORDs list them, e.g. {paths[0]}): the "
+        f"reinstall of {name} removes or replaces them, and {other}'s copies are lost unless it is "
+        f"reinstalled too (--with-deps, when it is a dependency; or uninstall one of them)"
+        for (name, other), paths in sorted(pairs.items())
+    )
+
+
+def with_local_changes(plan: Plan, modified: tuple[str, ...]) -> Plan:
+    """Pure: the plan says that the reinstall replaces files changed locally, before anything stops."""
+    warning = (
+        f"{len(modified)} installed file(s) of {plan.package}'s distributions were changed locally "
+        f"(e.g. {modified[0]}): the reinstall replaces them with the new version's; they are kept in the "
+        "backup, and --keep-patches carries them over"
+    )
+    return replace(plan, locally_modified=modified, warnings=(*plan.warnings, warning))
+
+
+def _named_as_given(found: Survey, copy: Path, given: Path) -> Survey:
+    """Pure: the dry-run's plan with the wheel named as the user gave it, not as its temporary copy."""
+
+    def named(command: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(str(given) if arg == str(copy) else arg for arg in command)
+
+    return replace(
+        found,
+        request=replace(found.request, wheel=given),
+        uv_plan=replace(found.uv_plan, command=named(found.uv_plan.command)),
+        plan=replace(found.plan, uv_command=named(found.plan.uv_command)),
+    )
+
+
+def dry_run_patches(prepared: Prepared) -> tuple[Plan, PatchSet | None]:
+    """``--keep-patches --dry-run``: the run's patches step, the same merge, made as the run makes it once
+    the plan proceeds; its scratch (the environment owner's, as in the run) in a temporary directory: a
+    dry-run creates nothing in the state directory. A patch that cannot be carried is then one of the
+    plan's refusals; pristine files that cannot be had raise, as in the run. The plan, and the patches
+    (None without the step)."""
+    options, plan = prepared.options, prepared.plan
+    if not options.keep_patches or not plan.proceeds:
+        return plan, None
+    with passable_temporary_dir("the --keep-patches merge") as top:  # uv makes its scratch as the owner
+        patches = prepare_patches(
+            prepared.survey,
+            options.base_wheel,
+            top / "merge",
+            options.environ,
+            options.drop_conflicting,
+            prepared.vouched,
+        )
+    refused = patches.refusal()
+    if refused is not None:
+        plan = replace(plan, refusals=(*plan.refusals, refused.message))
+    return plan, patches
+
+
+def refusal(plan: Plan) -> PlanError | None:
+    """The error a run stops with before anything changed when its plan refuses; None if it proceeds."""
+    if plan.proceeds:
+        return None
+    return PlanError(
+        "the run would refuse: " + "; ".join(plan.refusals),
+        hint=f"see safeinstall {plan.package} --dry-run; nothing was stopped",
+    )
+
+
+#: the reasons of :func:`safeinstall.env.wheel.record_problems` that are about a listed member's content
+_CONTENT_MISMATCH = re.compile(
+    r"RECORD \w+ hash does not match the content|RECORD size \d+ does not match the content \(\d+\)"
+)
+
+
+def only_content_mismatches(wheel: Wheel) -> bool:
+    """Pure: the wheel's RECORD lists each of its members, and is wrong only about some hashes or sizes
+    (pynvvideocodec 2.0.4's packaging error), not about which members there are."""
+    return bool(wheel.problems) and all(_CONTENT_MISMATCH.fullmatch(p.reason) for p in wheel.problems)
+
+
+def record_mismatch_note(wheel: Wheel) -> str:
+    """Pure: what an accepted wheel whose RECORD is wrong gets said (the plan's notes, and the log)."""
+    members = sorted({p.path for p in wheel.problems})
+    return (
+        f"--accept-record-mismatch: the wheel's own RECORD is wrong about {len(members)} member(s) "
+        f"(e.g. {members[0]}): the installed files are verified against the wheel's contents, and the "
+        "environment's baseline keeps them (--verify-only reports them as wheel-record, not drift)"
+    )
+
+
+def check_wheel(wheel: Wheel, package: str, env: Environment, accept_record_mismatch: bool = False) -> None:
+    """The wheel is for ``package``, its RECORD matches its contents (or, ``accept_record_mismatch``,
+    is wrong only about hashes or sizes), and it fits ``env``'s tags."""
+    if wheel.name != canonicalize_name(package):
+        raise WheelError(
+            f"the wheel {wheel.path.name} is for {wheel.name}, not {package}",
+            hint="pass the wheel of the package being reinstalled; nothing was stopped",
+        )
+    if not wheel.record_ok and not (accept_record_mismatch and only_content_mismatches(wheel)):
+        listed = "; ".join(f"{p.path}: {p.reason}" for p in wheel.problems[:3])
+        accept = (
+            "; if it is the wheel as its publisher shipped it (compare its sha256 with the index's), "
+            "--accept-record-mismatch installs it and verifies it against its contents"
+            if only_content_mismatches(wheel)
+            else ""
+        )
+        raise WheelError(
+            f"the wheel {wheel.path.name} is damaged: its RECORD does not match its contents ({listed})",
+            hint=f"download or build the wheel again{accept}; nothing was stopped",
+        )
+    if not fits(wheel, target_tags(env)):
+        tags = ", ".join(sorted(str(t) for t in wheel.tags))
+        raise WheelError(
+            f"the wheel {wheel.path.name} ({tags}) does not fit Python "
+            f"{env.version[0]}.{env.version[1]} ({env.implementation}) at {env.python}",
+            hint="use a wheel built for that interpreter, or pass --python for the right environment; "
+            "nothing was stopped",
+        )
+
+
+def record_problems(found: Survey) -> tuple[str, ...]:
+    """Pure: an affected distribution whose RECORD could not be read, or has lines that could not be
+    parsed: what it installed is not (all) known, so some of its files could be neither backed up nor
+    checked, and uv, which reads the RECORD as the owner and may take such a line, would remove files no
+    backup holds."""
+    problems: list[str] = []
+    for dist in found.affected:
+        record = f"the RECORD of {dist.name} {dist.version} ({dist.dist_info}/RECORD)"
+        if dist.record_problem is not None:
+            problems.append(
+                f"{record} could not be read ({dist.record_problem}): its files can be neither backed up "
+                "nor checked"
+            )
+        elif dist.record.problems:
+            first = dist.record.problems[0]
+            problems.append(
+                f"{record} has lines that cannot be parsed (line {first.line}: {first.reason}): the files "
+                "they name can be neither backed up nor checked"
+            )
+    return tuple(problems)
+
+
+def room_problems(found: Survey, env: Environment, backups: Path, wheel: Wheel | None) -> tuple[str, ...]:
+    """Room for the backup and the prefetch (the new version unpacked beside it, in the state
+    directory), and for the install (in the environment; the backup stays during it when both share a
+    filesystem)."""
+    problems: list[str] = []
+    backup = disk_space_needed(list(found.affected), env, found.installed)
+    prefetch = installed_size(wheel) if wheel is not None else 0
+    what = "the backup and the prefetch (the new version unpacked beside it)"
+    problem = space_problem(
+        backup + prefetch, free_space(backups), backups, what if prefetch else "the backup"
+    )
+    if problem:
+        problems.append(problem)
+    if wheel is not None:
+        problem = space_problem(
+            install_room(installed_size(wheel), backup, _device(backups) == _device(env.prefix)),
+            free_space(env.prefix),
+            env.prefix,
+            what=f"the install of {wheel.path.name}",
+            remedy="free some space on that filesystem",
+        )
+        if problem:
+            problems.append(problem)
+    return tuple(problems)
+
+
+def install_room(new: int, old: int, shared: bool) -> int:
+    """Pure: the room the install of ``new`` bytes needs in the environment, where the distributions it
+    replaces take ``old`` bytes. With the backup on another filesystem (a copy), uv's uninstall frees
+    the old files before it writes: the install needs what the new version takes beyond them, and the
+    rollback (new files removed before the old ones are written back) no more. With the backup on the
+    environment's filesystem it holds the old files' inodes, so nothing is freed: the install needs all
+    of it, and so much again for the backup, should it have to copy."""
+    return new + old if shared else max(0, new - old)
+
+
+def _device(path: Path) -> int:
+    probe = Path(os.path.abspath(path))
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return probe.stat().st_dev
+
+
+def writability_problems(env: Environment, found: Survey, wheel: Wheel | None) -> tuple[str, ...]:
+    """uv writes into the site and scripts directories, the directories of the files it replaces and
+    where the wheel's members land: a read-only one would fail the install during the downtime."""
+    return tuple(
+        f"the install could not write {problem} (it is not writable)"
+        for problem in unwritable(
+            install_directories(env, found.affected, wheel), None if env.account is None else env.account.ids
+        )
+    )

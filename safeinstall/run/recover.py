@@ -1,0 +1,342 @@
+"""Recovery: finish a run that died (SIGKILL, OOM, power loss). ``--status`` and ``--forget`` read the
+same state: :mod:`safeinstall.run.status`.
+
+``safeinstall --recover`` reads each environment's journal: if the install was not verified complete
+it restores the backup; it starts every unit the run stopped that was active before; it removes the
+reboot gate (marker and drop-ins) and clears the journal. It is what the shipped
+``safeinstall-recover.service`` runs early at boot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from safeinstall.env.environment import Environment, inspect_environment, resolve_python
+from safeinstall.env.wheelcopy import discard_dead_copies, is_wheel_copy
+from safeinstall.errors import ExitCode, RollbackFailed, SafeInstallError, StepFailed
+from safeinstall.run.output import envelope, jsonable
+from safeinstall.store.backup import Backup, load_backup
+from safeinstall.store.history import find as find_entry
+from safeinstall.store.history import keep_result
+from safeinstall.store.journal import (
+    Journal,
+    JournalError,
+    JournalUnit,
+    Phase,
+    effective_phase,
+    journal_problems,
+    needs_restore,
+    read_journal,
+    units_to_start,
+)
+from safeinstall.store.putback import PutBack, put_back
+from safeinstall.store.state import (
+    PUT_BACK_CACHE_S,
+    EnvironmentState,
+    StateDirError,
+    check_trusted,
+    list_environment_dirs,
+    remove_uv_caches,
+    state_root,
+    trusted_environment_state,
+)
+from safeinstall.system.lock import acquire_lock
+from safeinstall.system.systemd import Systemd, default_dropin_root, start_wait_s, stop_wait_s
+
+
+@dataclass(frozen=True, slots=True)
+class Recovery:
+    prefix: str
+    run_id: str | None  # None: there was nothing to recover
+    phase: str | None
+    restored: bool = False
+    started: tuple[str, ...] = ()
+    gates_removed: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    @property
+    def put_back_new_version(self) -> bool:
+        """The run's new version, verified and started, did not come up: the backup was restored."""
+        return self.restored and self.phase in KEPT_PHASES
+
+
+def states_of(environ: Mapping[str, str], python: str | None) -> list[EnvironmentState]:
+    """The environments to look at; refuses (StateDirError) an untrusted state root. A listed
+    environment directory that is not trusted comes with its ``problem``."""
+    root = state_root(environ, os.geteuid())
+    if python is None:
+        return list_environment_dirs(root)
+    check_trusted(root)
+    env = inspect_environment(resolve_python(python, environ))
+    return [trusted_environment_state(root, env.prefix)]
+
+
+def _dropin_roots(journal: Journal, environ: Mapping[str, str]) -> dict[bool, tuple[Path, ...]]:
+    """Where each of the journal's managers reads persistent drop-ins: asked of the manager, or its
+    default when it cannot be asked (a user manager that is not running at boot)."""
+    roots: dict[bool, tuple[Path, ...]] = {}
+    for user in sorted({unit.user_manager for unit in journal.units}):
+        try:
+            roots[user] = (Systemd(user=user, environ=environ).dropin_roots().persistent,)
+        except SafeInstallError:
+            roots[user] = (default_dropin_root(user, environ),)
+    return roots
+
+
+def read_checked_journal(state: EnvironmentState, environ: Mapping[str, str]) -> Journal | None:
+    """The environment's journal, or None; refused (exit 2) unless its directory is trusted, the file
+    is one safeinstall wrote, and every field a recovery acts on is as a run of this environment
+    writes it (see :func:`safeinstall.store.journal.journal_problems`)."""
+    if state.problem is not None:
+        raise StateDirError(
+            f"refusing to use the state directory {state.dir}: {state.problem}",
+            hint="another user could have planted a journal there for root to act on; look at it, then "
+            "remove it or make it owned by root (or you) and writable by nobody else",
+        )
+    journal = read_journal(state.dir)
+    if journal is None:
+        return None
+    problems = journal_problems(journal, state.dir, _dropin_roots(journal, environ))
+    if problems:
+        raise JournalError(
+            f"refusing the run journal {state.journal}: " + "; ".join(problems),
+            hint="safeinstall did not write this journal as it is, so nothing it names is run, started "
+            "or deleted; look at it, put things back by hand if needed, then remove it",
+        )
+    return journal
+
+
+def _start(units: list[JournalUnit], environ: Mapping[str, str], settle: float) -> None:
+    failures: list[str] = []
+    for unit in units:
+        systemd = Systemd(user=unit.user_manager, environ=environ)
+        before = systemd.info(unit.name)
+        systemd.start(unit.name)
+        outcome = systemd.wait_settled(unit.name, settle, start_wait_s(before), before=before)
+        if not outcome.ok:
+            failures.append(outcome.reason or f"{unit.name} did not come up")
+    if failures:
+        raise SafeInstallError("; ".join(failures))
+
+
+#: A run that died in one of these had verified its new version: a recovery keeps it.
+KEPT_PHASES = frozenset({Phase.VERIFIED, Phase.RESTARTING, Phase.DONE})
+
+
+def recovered_result(
+    journal: Journal, recovery: Recovery, log_file: str, ended: int | None = None
+) -> dict[str, Any]:
+    """Pure: the ``reinstall`` document of a run that died and that ``--recover`` finished, as its history
+    keeps it: status ``recovered``; exit 0 when the new version, verified before the run died, was kept;
+    3 when the environment is as it was before the run (the backup restored, or nothing installed yet;
+    also when the new version, verified and started, did not come up). ``ended``: the exit code the run
+    itself reported (4: its put-back failed), None when it died without a result."""
+    phase = effective_phase(journal)
+    died = f"the run {journal.run_id} died in phase {phase} (PID {journal.pid}) without a result"
+    if ended is not None:
+        died = f"the run {journal.run_id} ended in phase {phase} with exit {ended}, its put-back unfinished"
+    notes = [f"{died}; safeinstall --recover finished it"]
+    errors: list[SafeInstallError] = []
+    if phase in KEPT_PHASES and not recovery.restored:
+        code = ExitCode.OK
+        if phase != Phase.DONE:
+            notes.append(
+                "its new version was verified and is kept; the checks after its restart were not made"
+            )
+    else:
+        code = ExitCode.ROLLED_BACK
+        how = "restored the backup" if recovery.restored else "had nothing to restore"
+        if phase in KEPT_PHASES:  # its new version did not come up (see restarted_new_version)
+            how = "found that its new version did not come up, restored the backup"
+        errors.append(
+            StepFailed(
+                f"{died}: safeinstall --recover {how}, and the environment is as it was before the run",
+                hint="run it again",
+            )
+        )
+    if recovery.started:
+        notes.append("started again: " + ", ".join(recovery.started))
+    data = {
+        **jsonable(recovery),
+        "log_file": log_file,
+        "notes": [*notes, *recovery.notes],
+        "old_version": journal.old_version,
+        "new_version": journal.new_version,
+    }
+    return envelope("reinstall", "recovered", code, data, errors)
+
+
+def _keep_recovered(state: EnvironmentState, journal: Journal, recovery: Recovery) -> tuple[str, ...]:
+    """The recovered run's end, as a run's own: notes and result in its log, an entry in the history
+    (so that ``--status`` lists it and ``--status --wait --run`` returns it); what went wrong, if anything."""
+    log = state.log_file(journal.run_id)
+    ended = _reported_exit(state, journal.run_id)
+    result = recovered_result(journal, recovery, str(log), ended)
+    # a run that ended with a result said its error; what the recovery did is then no error
+    said = "error: " if ended is None else ""
+    lines = (*result["data"]["notes"], *(f"{said}{e['message']}" for e in result["errors"]))
+    return keep_result(
+        state,
+        journal.run_id,
+        journal.package,
+        journal.started_at,
+        result,
+        tuple(f"recover: {x}" for x in lines),
+    )
+
+
+def _reported_exit(state: EnvironmentState, run_id: str) -> int | None:
+    """The exit code the run reported in its history entry (a run whose put-back failed has one), or
+    None (it died without a result; or its entry is damaged)."""
+    try:
+        entry = find_entry(state, run_id)
+    except SafeInstallError:
+        return None
+    result = entry.get("result") if entry is not None else None
+    code = result.get("exit_code") if isinstance(result, dict) else None
+    return code if isinstance(code, int) and not isinstance(code, bool) else None
+
+
+def recover_one(state: EnvironmentState, environ: Mapping[str, str], settle: float = 2.0) -> Recovery:
+    prefix = str(state.prefix or state.dir)
+    if read_checked_journal(state, environ) is None:
+        return Recovery(prefix, None, None, notes=("nothing to recover",))
+    with acquire_lock(state.lock, prefix) as lock:
+        journal = read_checked_journal(state, environ)  # again, under the lock
+        if journal is None:
+            return Recovery(prefix, None, None, notes=("nothing to recover",))
+        notes: list[str] = [lock.takeover_note] if lock.takeover_note else []
+        phase = str(effective_phase(journal))
+
+        def recovery(done: PutBack) -> Recovery:
+            return Recovery(
+                prefix,
+                journal.run_id,
+                phase,
+                done.restored,
+                done.started,
+                done.gates_removed,
+                (*notes, *done.notes),
+            )
+
+        def start_units(units: list[JournalUnit]) -> None:
+            _start(units, environ, settle)
+
+        def finished(done: PutBack) -> None:  # before the journal goes: a waiter finds the entry
+            notes.extend(_keep_recovered(state, journal, recovery(done)))
+
+        try:
+            restore: tuple[Environment, Backup] | None = None
+            if needs_restore(journal):
+                if journal.wheel is not None and not is_wheel_copy(Path(journal.wheel), state.dir):
+                    notes.append(
+                        f"the wheel {journal.wheel} is not the run's own copy in the state directory and "
+                        "was not read again: only what the installed RECORDs list was removed"
+                    )
+                restore = _restore_of(journal, state)
+            # the dead run's own uv cache (and scratch) first: nothing may share inodes with it, and on a
+            # full disk the restore needs the room it holds (bounded: its owner may keep filling it)
+            left = remove_uv_caches(state, seconds=PUT_BACK_CACHE_S)
+            try:
+                done = put_back(state.dir, journal, environ, restore, start_units, finished)
+            except SafeInstallError as exc:
+                if restore is not None or not restarted_new_version(journal):
+                    raise
+                # the new version was verified and started, and does not come up: as the live run would
+                # have, the units are stopped, the previous installation is put back, they start again
+                notes.append(f"the new version did not come up: {exc.message}; the previous one is put back")
+                _stop(units_to_start(journal), environ)
+                restore = _restore_of(journal, state)
+                done = put_back(state.dir, journal, environ, restore, start_units, finished)
+            if left:
+                left = remove_uv_caches(state)
+                notes.extend(
+                    f"{path} is still being filled by its owner: left for the next run" for path in left
+                )
+            discard_dead_copies(state.dir)  # the journal is gone: no copy of a wheel is of use now
+        except JournalError:
+            raise  # refused before anything was done: exit 2, as for any refusal
+        except SafeInstallError as exc:
+            if restarted_new_version(journal):  # the best attempt: the units run on what is there
+                _start_best_effort(units_to_start(journal), environ, settle)
+            commands = [
+                f"systemctl {'--user ' if u.user_manager else ''}start {u.name}"
+                for u in units_to_start(journal)
+            ]
+            raise RollbackFailed(
+                f"recovering the run {journal.run_id} ({journal.package} in {journal.prefix}, died in phase "
+                f"{phase}) failed: {exc.message}",
+                hint="the journal and the backup are kept; fix the cause and run safeinstall --recover again"
+                + (f"; units to start: {'; '.join(commands)}" if commands else ""),
+            ) from exc
+        return recovery(done)
+
+
+def _restore_of(journal: Journal, state: EnvironmentState) -> tuple[Environment, Backup]:
+    """The environment and the backup to put back, as the journal names them (checked)."""
+    if journal.backup_dir is None:
+        raise SafeInstallError("the journal names no backup")
+    env = inspect_environment(Path(journal.python))
+    if env.prefix != Path(journal.prefix):
+        raise JournalError(
+            f"{journal.python} reports the prefix {env.prefix}, not {journal.prefix}: "
+            "refusing to restore into another environment",
+            hint="look at the journal and the environment, then put things back by hand",
+        )
+    return env, load_backup(Path(journal.backup_dir))
+
+
+def restarted_new_version(journal: Journal) -> bool:
+    """Pure: the run died once its new version was verified, before it saw the units settle on it: if
+    one does not come up, the recovery puts the previous installation back, as the run would have."""
+    return effective_phase(journal) in (Phase.VERIFIED, Phase.RESTARTING) and journal.backup_dir is not None
+
+
+def _stop(units: list[JournalUnit], environ: Mapping[str, str]) -> None:
+    """Stop the units again (each within its own ``TimeoutStopSec``), before the restore."""
+    for unit in units:
+        systemd = Systemd(user=unit.user_manager, environ=environ)
+        outcome = systemd.stop(unit.name, stop_wait_s(systemd.info(unit.name).timeout_stop_s))
+        if not outcome.stopped:
+            raise SafeInstallError(outcome.reason or f"{unit.name} did not stop")
+
+
+def _start_best_effort(units: list[JournalUnit], environ: Mapping[str, str], settle: float) -> None:
+    """The put-back failed: the units still get a start on what is installed (what failed is said)."""
+    with contextlib.suppress(SafeInstallError):
+        _start(units, environ, settle)
+
+
+@dataclass(frozen=True, slots=True)
+class Recovered:
+    recoveries: tuple[Recovery, ...]
+    failures: tuple[SafeInstallError, ...]  # environments that could not be recovered (each says why)
+
+    @property
+    def exit_code(self) -> ExitCode:
+        """0; 4 when a recovery failed (its services may be down); else the first failure's code; 3 when
+        every environment was recovered but a new version that did not come up was put back."""
+        if not self.failures:
+            put_back = any(r.put_back_new_version for r in self.recoveries)
+            return ExitCode.ROLLED_BACK if put_back else ExitCode.OK
+        if any(f.exit_code == ExitCode.ROLLBACK_FAILED for f in self.failures):
+            return ExitCode.ROLLBACK_FAILED
+        return self.failures[0].exit_code
+
+
+def recover(environ: Mapping[str, str], python: str | None, settle: float = 2.0) -> Recovered:
+    """Recover every environment with a journal left (or the one ``python`` names). One that fails
+    does not stop the others: at boot, every environment's units matter."""
+    recoveries: list[Recovery] = []
+    failures: list[SafeInstallError] = []
+    for state in states_of(environ, python):
+        try:
+            recoveries.append(recover_one(state, environ, settle))
+        except SafeInstallError as exc:
+            failures.append(exc)
+    return Recovered(tuple(recoveries), tuple(failures))

@@ -1,0 +1,782 @@
+"""The safe reinstall: preflight, backup, gate, stop, GPU release, install, verify, restart.
+
+Every step is journalled before it starts (:mod:`safeinstall.store.journal`), so that a run killed at any
+point can be finished by ``safeinstall --recover``. Any failure after the stop rolls back: the backup
+is restored byte for byte and the units that were running are started again (exit 3). If that fails
+too, the backup and the journal are kept and the commands that finish the job are printed (exit 4).
+
+This module holds the steps, each a function of the one :class:`~safeinstall.run.running.Run`, and
+:func:`run_reinstall`, which calls them in order; the way back is :mod:`safeinstall.run.rollback`. The
+decisions they rely on are pure functions elsewhere (plan, drift, journal), and each kind of I/O sits
+behind its own module (systemd, gpus, uvplan, backup, ...).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from datetime import UTC, datetime
+
+from safeinstall.env.distributions import InstalledDistribution, reload_distributions
+from safeinstall.env.drift import Expectation, FindingKind
+from safeinstall.env.environment import Account, Environment, interpreter_in_prefix
+from safeinstall.env.uvplan import install as uv_install
+from safeinstall.env.uvplan import prefetch_command, secure_uv_lock, uv_binary
+from safeinstall.env.verify import VerifyReport, verify_environment
+from safeinstall.env.vouched import Vouched, vouched_of
+from safeinstall.env.wheel import Wheel, install_locations
+from safeinstall.env.wheelcopy import discard_wheel_copy
+from safeinstall.errors import (
+    ExitCode,
+    PlanError,
+    RollbackFailed,
+    SafeInstallError,
+    StepFailed,
+)
+from safeinstall.run import undo
+from safeinstall.run.options import RunOptions
+from safeinstall.run.patches import (
+    carry,
+    prepare_patches,
+    rolled_back,
+    save_patch_set,
+)
+from safeinstall.run.preflight import Prepared, locally_modified, refusal
+from safeinstall.run.preflight import preflight as shared_preflight
+from safeinstall.run.results import Reporter, RunResult
+from safeinstall.run.rollback import rollback_step
+from safeinstall.run.running import Run, report_waits, start_and_settle
+from safeinstall.run.survey import scan_again, systemd_for
+from safeinstall.run.undo import UndoTarget, left_of
+from safeinstall.scan.plan import PlannedProcess, PlannedUnit, left_on_old_code
+from safeinstall.scan.processes import scan_processes
+from safeinstall.store.backup import check_restored, create_backup, prune_into, restore_backup
+from safeinstall.store.baseline import record_run
+from safeinstall.store.journal import (
+    JournalUnit,
+    Phase,
+    clear_journal,
+    new_journal,
+    start_journal,
+    update_unit,
+)
+from safeinstall.store.retention import prune_backups
+from safeinstall.store.state import (
+    RUN_DIR_REMOVAL_S,
+    atomic_write,
+    make_run_dir,
+    new_run_id,
+    remove_run_dir,
+    remove_uv_caches,
+)
+from safeinstall.system.gate import GATE_DROPIN, gate_dropin_text, gate_marker
+from safeinstall.system.gpus import GpuSnapshot, NvmlSession, ReleaseStatus, wait_for_release
+from safeinstall.system.health import shown as shown_url
+from safeinstall.system.health import wait_healthy
+from safeinstall.system.identity import end_processes, process_start, same_process, wait_exited
+from safeinstall.system.signals import held_while_threads_start, interrupts_deferred, interrupts_raise
+from safeinstall.system.systemd import StopOutcome
+
+#: Failing findings after the install: anything but leftovers (those are reported, --prune removes them).
+_INSTALL_FAILURES = frozenset(
+    {
+        FindingKind.MISSING,
+        FindingKind.MODIFIED,
+        FindingKind.VERSION_MISMATCH,
+        FindingKind.UNREADABLE,
+        FindingKind.MALFORMED,
+        FindingKind.OUTSIDE,
+    }
+)
+
+
+# ------------------------------------------------------------------ 1. the journal
+
+
+def start(prepared: Prepared, reporter: Reporter) -> Run:
+    """The run begins: its id, its log, its journal (before anything changes), its systemd."""
+    options, env, plan = prepared.options, prepared.env, prepared.survey.plan
+    run_id = options.run_id or new_run_id(datetime.now(UTC), os.getpid())
+    units = [
+        JournalUnit(
+            name=u.name,
+            user_manager=options.user,
+            was_active=u.active_state in ("active", "activating", "reloading"),
+            unit_file_state=u.unit_file_state,
+        )
+        for u in plan.units
+    ]
+    journal = start_journal(
+        prepared.state.dir,
+        new_journal(
+            run_id,
+            os.getpid(),
+            process_start(os.getpid()),
+            str(interpreter_in_prefix(env)),
+            str(env.prefix),
+            plan.package,
+            str(prepared.wheel.path) if prepared.wheel else None,
+            plan.uv_command,
+            units,
+            versions=next(
+                ((d.old_version, d.new_version) for d in plan.distributions if d.requested), (None, None)
+            ),
+        ),
+    )
+    run = Run(
+        prepared,
+        reporter,
+        systemd_for(options),
+        run_id,
+        prepared.state.log_file(run_id),
+        journal,
+        notes=list(prepared.notes),
+    )
+    run._log("plan: " + " ".join(plan.uv_command))
+    return run
+
+
+# ------------------------------------------------------------------ 1b. local patches (--keep-patches)
+
+
+def patches_step(run: Run) -> str:
+    """Before anything stops: merge each local patch into the new version's file, or refuse (exit 2)."""
+    run.patches = prepare_patches(
+        run.survey,
+        run.options.base_wheel,
+        run.state.keep_patches_dir(run.run_id),  # scratch: removed once read
+        run.options.environ,
+        run.options.drop_conflicting,
+        run.prepared.vouched,
+    )
+    refused = run.patches.refusal()
+    if refused is not None:
+        raise refused
+    return run.patches.summary()
+
+
+def save_patches(run: Run) -> None:
+    """After a good run: keep the carried set in the state directory (best effort: it is also what
+    ``--verify-only --wheel NEW --save-patch`` writes)."""
+    if run.patches is None:
+        return
+    try:
+        run.patch_file = save_patch_set(run.state, run.run_id, run.patches)
+    except (OSError, SafeInstallError) as exc:
+        run.notes.append(f"the carried patch set was not saved: {exc}")
+
+
+def save_left(run: Run) -> None:
+    """After a good run: what it left, beside its backup, so that ``--undo`` can tell whether the
+    environment is still as the run left it (best effort: without it the run cannot be undone)."""
+    if run.left is None or run.backup is None:
+        return
+    try:
+        undo.save_left(run.backup.dir, run.left)
+    except (OSError, SafeInstallError) as exc:
+        run.notes.append(f"what the run left was not recorded (it cannot be undone): {exc}")
+
+
+# ------------------------------------------------------------------ 2. backup
+
+
+def backup_step(run: Run) -> str:
+    before = run.prepared.before  # hashed at preflight, just before this step: not read again
+    run.patched = locally_modified(before)
+    for path in run.patched:
+        run.notes.append(f"locally patched: {path} (kept in the backup)")
+
+    def on_progress(done: int, total: int) -> None:
+        run.reporter.progress("backup", done, total, "bytes")
+
+    run.backup = create_backup(
+        run.env,
+        list(run.survey.affected),
+        run.state.backup_dir(run.run_id),
+        run.patched,
+        on_progress,
+        known=before.observed,
+        installed=run.survey.installed,
+    )
+    run._journal(Phase.BACKED_UP, backup_dir=str(run.backup.dir))
+    size = run.backup.manifest.files
+    return f"{len(size)} files saved in {run.backup.dir}" + (
+        f"; {len(run.patched)} locally patched" if run.patched else ""
+    )
+
+
+def prefetch_step(run: Run) -> str:
+    """Fill the run's own uv cache with the new artefacts, so that the install in the downtime only
+    links (or copies) files from it."""
+    account = run.env.account  # uv runs as the environment's owner: the directories are its own
+    request = run.survey.request
+    cache = make_run_dir(run.state.uv_cache(run.run_id), account)
+    scratch = make_run_dir(run.state.prefetch_dir(run.run_id), account)
+    command = prefetch_command(request, uv_binary(), scratch, run.survey.uv_plan.changes)
+    run._log(f"prefetch (UV_CACHE_DIR={cache}{_as(account)}): " + " ".join(command))
+    try:
+        result = uv_install(command, run.options.environ, cache_dir=cache, account=account)
+    finally:
+        remove_run_dir(scratch)
+    run._log(f"uv exit {result.returncode}:\n{result.output}")
+    if result.returncode != 0:
+        tail = "\n".join(result.output.strip().splitlines()[-6:])
+        raise PlanError(
+            f"uv could not fetch or unpack the new version (exit {result.returncode}): {tail}",
+            hint="nothing was stopped; check the wheel, the index options or the network",
+        )
+    return f"the run's uv cache holds the new version ({request.link_mode} from it)"
+
+
+# ------------------------------------------------------------------ 3. gate
+
+
+def gate_step(run: Run) -> str:
+    """Keep the units from starting on a half-installed package (a crash, a reboot); and keep anyone but
+    the environment's owner from holding uv's lock while they are down."""
+    lock = secure_uv_lock(run.env.prefix, run.env.account)
+    run._log(lock)
+    units = [u.name for u in run.journal.units]
+    if not units:
+        return "no units"
+    marker = gate_marker(run.state.dir)
+    paths = [str(run.systemd.dropin_path(u, GATE_DROPIN, persistent=True)) for u in units]
+    atomic_write(marker, f"{run.run_id}\n".encode())
+    run._journal(Phase.GATED, gate=paths)  # journalled before written: recovery removes them
+    text = gate_dropin_text(marker, run.run_id)
+    for unit in units:
+        run.systemd.add_dropin(unit, GATE_DROPIN, text, persistent=True)
+    return f"{len(units)} unit(s) gated on {marker}"
+
+
+def remove_gate(run: Run) -> None:
+    gate_marker(run.state.dir).unlink(missing_ok=True)
+
+
+def remove_dropins(run: Run) -> None:
+    for unit in run.journal.units:
+        run.systemd.remove_dropin(unit.name, GATE_DROPIN, persistent=True)
+
+
+# ------------------------------------------------------------------ 4. stop
+
+
+def stop_step(run: Run) -> str:
+    systemd = run.systemd
+    units = list(run.plan.units)
+    for unit in units:
+        run.journal = update_unit(run.journal, unit.name, systemd.user, stopped=True)
+    run._journal(Phase.STOPPING)
+
+    cancel = threading.Event()
+
+    def stop(unit: PlannedUnit) -> StopOutcome:
+        return systemd.stop(unit.name, run._stop_timeout(unit.stop_timeout_s), cancel=cancel)
+
+    outcomes: list[StopOutcome] = []
+    if units:
+        with ThreadPoolExecutor(max_workers=len(units)) as pool:
+            with held_while_threads_start():
+                stops = {u.name: pool.submit(stop, u) for u in units}
+            try:
+                report_waits(run, stops, "stopped", max(run._stop_timeout(u.stop_timeout_s) for u in units))
+                outcomes = [f.result() for f in stops.values()]
+            except BaseException:  # Ctrl-C, SIGTERM: the waits end at their next poll, the rollback starts
+                cancel.set()
+                raise
+    run.down_since.update((o.unit, o.down_since) for o in outcomes if o.down_since is not None)
+    failed = [o for o in outcomes if not o.stopped]
+    if failed:
+        first = failed[0]
+        timeout = run._stop_timeout(next(u.stop_timeout_s for u in units if u.name == first.unit))
+        waited = f" in {timeout:g} s" if first.waited_s >= timeout else ""  # else: said at once, why
+        raise StepFailed(f"unit {first.unit} did not stop{waited} ({first.reason})")
+    killed = _kill_strays(run)
+    leftover = _wait_gone(run.plan.processes, run._stop_timeout(90.0))
+    if leftover:
+        raise StepFailed(f"processes {', '.join(map(str, leftover))} still run after their units stopped")
+    run._journal(Phase.STOPPED, strays_killed=list(killed))
+    detail = f"{len(units)} unit(s) stopped, {len(run.plan.processes)} process(es) gone"
+    if killed:
+        detail += f"; stray PIDs {', '.join(map(str, killed))} ended (not restarted)"
+    return detail
+
+
+#: How often a wait on units (stop, start and settle) says what it still waits for.
+def _kill_strays(run: Run) -> tuple[int, ...]:
+    run.strays_killed = end_processes([(p.pid, p.start_time) for p in run.plan.strays])
+    return run.strays_killed
+
+
+#: How long a process that started using the package after the plan may take to go away by itself
+#: before the install (a `python -c` check, another safeinstall's probe of the environment)
+LATE_GRACE_S = 2.0
+
+
+def _check_no_late_users(run: Run) -> str:
+    """Scan again just before the install: a process that started using the package after the plan
+    was made (a cron job, a tmux session) would have its files replaced under it, unless it ends
+    within ``LATE_GRACE_S`` (while the services are down: only when there is one)."""
+    scan = scan_again(run.survey, run.options)
+    every = not run.options.only_loaded  # --only-loaded: certain evidence only, as in the plan
+    late = [p for p in scan.affected if not p.is_self and p.state != "Z" and (every or p.certain)]
+    if late:  # a short-lived one (a cron job's check, another safeinstall's probe) that is gone is none
+        procs = [proc for p in late if (proc := same_process(p.pid, p.start_time)) is not None]
+        still = {proc.pid for proc in wait_exited(procs, LATE_GRACE_S)}
+        late = [p for p in late if p.pid in still]
+    if not late:
+        return ""
+    listed = ", ".join(f"{p.pid} ({' '.join(p.cmdline)[:60] or p.name})" for p in late)
+    if not run.options.kill_strays:
+        raise StepFailed(
+            f"process(es) {listed} started using {run.plan.package} after the plan was made",
+            hint="stop them, or pass --kill-strays to end them (they are not restarted)",
+        )
+    ended = end_processes([(p.pid, p.start_time) for p in late])
+    run.strays_killed = (*run.strays_killed, *ended)
+    return f"; late user(s) {listed} ended (not restarted)"
+
+
+# ------------------------------------------------------------------ 5. GPU release
+
+
+def gpu_release_step(run: Run, session: NvmlSession, baseline: GpuSnapshot) -> str:
+    if not session.available:
+        run._journal(Phase.GPU_RELEASED, note=f"GPU check skipped: {session.reason}")
+        return f"skipped: {session.reason}"
+
+    def on_poll(status: ReleaseStatus) -> None:
+        holders = ", ".join(f"PID {h.pid}" for h in status.holders) or "memory not yet freed"
+        run.reporter.progress(
+            f"waiting for GPU memory ({holders})", status.waited_s, run.options.gpu_timeout, "s"
+        )
+
+    stopped = frozenset(p.pid for p in run.plan.processes)
+    status = wait_for_release(session, baseline, stopped, run.options.gpu_timeout, on_poll)
+    if status.skipped:
+        run._journal(Phase.GPU_RELEASED, note=f"GPU check skipped: {status.reason}")
+        return f"skipped: {status.reason}"
+    if not status.released:
+        holders = ", ".join(
+            f"PID {h.pid} on GPU {h.gpu_index}" + (f" ({h.used_bytes} bytes)" if h.used_bytes else "")
+            for h in status.holders
+        )
+        raise StepFailed(
+            f"GPU memory was not released within {run.options.gpu_timeout:g} s"
+            + (f": still held by {holders}" if holders else f": {status.reason}")
+        )
+    run._journal(Phase.GPU_RELEASED)
+    return f"released after {status.waited_s:.1f} s"
+
+
+# ------------------------------------------------------------------ 6. install
+
+
+def install_step(run: Run) -> str:
+    late = _check_no_late_users(run)
+    run._journal(Phase.INSTALLING)
+    command = run.plan.uv_command
+    cache = run.state.uv_cache(run.run_id)
+    run._log(f"install (UV_CACHE_DIR={cache}{_as(run.env.account)}): " + " ".join(command))
+    result = uv_install(command, run.options.environ, cache_dir=cache, account=run.env.account)
+    run._log(f"uv exit {result.returncode}:\n{result.output}")
+    if result.returncode != 0:
+        tail = "\n".join(result.output.strip().splitlines()[-6:])
+        raise StepFailed(f"uv pip install failed (exit {result.returncode}): {tail}")
+    carried = carry(run.env.prefix, run.patches, run.env.account) if run.patches is not None else 0
+    run._journal(Phase.INSTALLED)
+    return " ".join(command) + late + (f"; {carried} local patch(es) carried" if carried else "")
+
+
+# ------------------------------------------------------------------ 7. verify
+
+
+def verify_step(run: Run) -> str:
+    report = _verify_installed(
+        run.env,
+        run.plan.package,
+        run.wheel,
+        [d.name for d in run.survey.affected],
+        run.survey.installed,
+        run.patches.expected() if run.patches is not None else None,
+        run.prepared.vouched,
+    )
+    failures = [f for f in report.findings if f.kind in _INSTALL_FAILURES]
+    if failures:
+        listed = "; ".join(f"{f.kind.value} {f.path}" for f in failures[:5])
+        raise StepFailed(f"the installed files do not match the wheel: {listed}")
+    names = [d.name for d in run.survey.affected]
+    installed = reload_distributions(run.env, run.survey.installed, names)
+    run.left = left_of(report, installed, names)
+    run.vouched = _vouched(run, report, installed)
+    run.extras = tuple(f.path for f in report.findings if f.kind == FindingKind.EXTRA)
+    if run.extras and run.options.prune:
+        run.pruned = _prune(run, run.extras)
+    run._journal(Phase.VERIFIED)
+    remove_gate(run)
+    checked = sum(d.files_checked for d in report.distributions)
+    detail = f"{checked} files match"
+    if run.extras and not run.pruned:
+        detail += f"; {len(run.extras)} leftover file(s) not in the new version (--prune removes them)"
+    elif run.pruned:
+        detail += f"; {len(run.pruned)} leftover file(s) pruned (saved in the backup)"
+    return detail
+
+
+def _vouched(run: Run, report: VerifyReport, installed: Sequence[InstalledDistribution]) -> Vouched | None:
+    """The package's files that its wheel's RECORD does not describe and that hold the wheel's own
+    bytes (the environment's baseline keeps them: :mod:`safeinstall.store.baseline`); a carried patch is the
+    run's merge and a script's first line the installer's, not the wheel's: both are left out."""
+    wheel = run.wheel
+    dist = next((d for d in installed if wheel is not None and d.name == wheel.name), None)
+    if wheel is None or dist is None:
+        return None
+    carried = run.patches.expected() if run.patches is not None else {}
+    scripts = f"{wheel.data_dir}/scripts/"  # their first line is the installer's, not the wheel's
+    shipped = {
+        location: f"sha256={wheel.members[member].sha256}:{wheel.members[member].size}"
+        for member, location in install_locations(wheel, run.env).items()
+        if not member.startswith(scripts) and location not in carried
+    }
+    return vouched_of(dist, report.observed, shipped, run.run_id, wheel.path.name)
+
+
+def _prune(run: Run, extras: tuple[str, ...]) -> tuple[str, ...]:
+    pruned, notes = prune_into(run.saved(), run.env.prefix, extras)
+    run.notes.extend(notes)
+    return pruned
+
+
+# ------------------------------------------------------------------ 8. restart
+
+
+def restart_step(run: Run) -> str:
+    units = run._units_to_restart()
+    if run.options.no_restart:
+        run._journal(Phase.RESTARTING, note="--no-restart: units left stopped")
+        return "left stopped (--no-restart): " + (", ".join(units) or "none")
+    if not units:
+        run._journal(Phase.RESTARTING)
+        return "no unit was running"
+    run._journal(Phase.RESTARTING)
+    run.restart_started = True
+    detail = start_and_settle(run, units, run.options.settle)
+    for journalled in run.journal.units:
+        if journalled.name in units and journalled.stopped and journalled.was_active:
+            run.journal = update_unit(run.journal, journalled.name, journalled.user_manager, restarted=True)
+    if run.options.health_url:
+        url, timeout = run.options.health_url, run.options.health_timeout
+        said = shown_url(url)  # never a token the URL may hold
+
+        def on_poll(waited: float, last: str) -> None:
+            run.reporter.progress(f"waiting for {said} to answer 200 (last: {last})", waited, timeout, "s")
+
+        wait_healthy(url, timeout, on_poll)
+        detail += f"; {said} answers 200"
+    return detail
+
+
+# ------------------------------------------------------------------ 9. end check
+
+
+def end_check_step(run: Run) -> str:
+    """One more scan: a process anywhere on the host that still maps a replaced file of an affected
+    distribution runs old code (it was not in the plan: it could not be read, or started using the
+    package in the last instant before the install). Said, or with --strict a failure (rolled back:
+    then every process agrees on the old version again)."""
+    run.old_code = left_on_old_code(scan_processes(run.survey.targets, run.options.proc_root))
+    if not run.old_code:
+        return "no process runs replaced files"
+    listed = "; ".join(p.describe() for p in run.old_code)
+    run._log(f"end check: {listed}")
+    if run.options.strict:
+        raise StepFailed(
+            f"{listed}: still running old code after the restart (--strict)",
+            hint="restart or end those processes, then run again",
+        )
+    return f"warning: {listed}: restart them to run the new version"
+
+
+def _wait_gone(processes: tuple[PlannedProcess, ...], timeout: float) -> list[int]:
+    procs = [
+        p for p in (same_process(planned.pid, planned.start_time) for planned in processes) if p is not None
+    ]
+    return [p.pid for p in wait_exited(procs, timeout)]
+
+
+def _verify_installed(
+    env: Environment,
+    package: str,
+    wheel: Wheel | None,
+    affected: list[str],
+    before: Sequence[InstalledDistribution],
+    carried: dict[str, Expectation] | None = None,
+    vouched: Mapping[str, tuple[Vouched, ...]] | None = None,
+) -> VerifyReport:
+    """The new installation: the package against the wheel (or its RECORD), the others their RECORD;
+    the local patches carried over (``carried``) against the merge. Only the affected distributions
+    are read again (the install changed nothing else), and the wheel is the one read and checked at
+    preflight. Against a RECORD, a file that holds the very bytes an earlier run verified against its
+    wheel (``vouched``, the environment's baseline, for that version and RECORD) is ``wheel-record``."""
+    installed = reload_distributions(env, before, affected)
+    baseline = None if not vouched else lambda: vouched
+    main = verify_environment(env, [package], wheel, installed=installed, expected=carried, vouched=baseline)
+    present = {d.name for d in installed}
+    others = [n for n in affected if n != package and n in present]
+    if not others:
+        return main
+    rest = verify_environment(env, others, installed=installed, vouched=baseline)
+    return replace(
+        main,
+        distributions=(*main.distributions, *rest.distributions),
+        observed={**main.observed, **rest.observed},
+    )
+
+
+# ------------------------------------------------------------------ the two steps of an undo run
+
+
+def _undo_target(run: Run) -> UndoTarget:
+    target = run.prepared.undo
+    if target is None:
+        raise StepFailed("internal error: an undo step in a run that undoes nothing")
+    return target
+
+
+def undo_restore_step(run: Run, late_users: Callable[[], str]) -> str:
+    """The swap: the undone run's backup put back into the environment, byte for byte (the put-back
+    of a rollback: what is installed now under those names removed by the owner's worker, then every
+    saved file written back and hashed again)."""
+    target = _undo_target(run)
+    late = late_users()
+    run._journal(Phase.INSTALLING)
+    run._log(f"restore the backup of run {target.run_id}: {target.backup.dir}")
+    result = restore_backup(target.backup, run.env, ())
+    if not result.ok:
+        problems = [*result.mismatches, *result.failures]
+        raise StepFailed(f"the backup of run {target.run_id} could not be put back: {undo.listed(problems)}")
+    run._journal(Phase.INSTALLED)
+    return f"{result.restored} file(s) of run {target.run_id}'s backup put back" + late
+
+
+def undo_verify_step(run: Run, open_gate: Callable[[], None]) -> str:
+    """The environment against the backup's manifest: each distribution at its saved version, each
+    saved file (a local patch included) with its saved content, and the RECORDs' other files intact."""
+    target = _undo_target(run)
+    manifest = target.backup.manifest
+    names = [d.name for d in manifest.distributions]
+    installed = reload_distributions(run.env, run.survey.installed, names)
+    versions = {d.name: d.version for d in installed}
+    wrong = [
+        f"{d.name} is {versions.get(d.name, 'not installed')}, not {d.version}"
+        for d in manifest.distributions
+        if versions.get(d.name) != d.version
+    ]
+    vouched = run.prepared.vouched  # an older version whose wheel's RECORD is wrong: verified as before
+    report = verify_environment(run.env, names, installed=installed, vouched=lambda: vouched)
+    patched = set(manifest.patched)
+    failing = {FindingKind.MISSING, FindingKind.MODIFIED, FindingKind.UNREADABLE, FindingKind.MALFORMED}
+    wrong += [
+        f"{f.kind.value} {f.path}" for f in report.findings if f.kind in failing and f.path not in patched
+    ]
+    wrong += [f"differs from the backup: {path}" for path in check_restored(target.backup, run.env.prefix)]
+    if wrong:
+        raise StepFailed(
+            f"the restored files do not match the backup of run {target.run_id}: {undo.listed(wrong)}"
+        )
+    run.left = left_of(report, installed, names)
+    run._journal(Phase.VERIFIED)
+    open_gate()
+    return (
+        f"{sum(d.files_checked for d in report.distributions)} files match the backup of run {target.run_id}"
+    )
+
+
+def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) -> RunResult:
+    """The whole run. Raises SafeInstallError only before anything changed (exit 2).
+
+    Signals (see :mod:`safeinstall.system.signals`): until the journal is written they end the run with exit 2
+    (the early handlers); one that arrives while it is written is held back and stops the first step
+    (the run then ends as one interrupted before the stop: exit 2); during the steps they interrupt and
+    the run rolls back; during the rollback and the tidy-up after a good run they are held back and
+    announced (the tidy-up is short: the run finishes with its result)."""
+    prepared = shared_preflight(options, take_lock=True)
+    tidying: list[bool] = []
+
+    def held_back(signum: int) -> None:
+        if tidying:
+            reporter.note(
+                f"{signal.Signals(signum).name} received while the run tidies up: finishing it first"
+            )
+
+    deferral = contextlib.ExitStack()  # from the journal to the end, signals are held back unless raised
+    try:
+        refused = refusal(prepared.plan)
+        if refused is not None:
+            raise refused
+        if interactive and not reporter.confirm(prepared.plan):
+            _discard_wheel_copy(prepared)
+            if prepared.lock is not None:  # a declined run is finished: the next is not told it died
+                prepared.lock.release()
+            return _declined(prepared)
+        if not interactive:  # --yes, --json, no terminal: what will be lost is still said, and logged
+            for warning in prepared.plan.warnings:
+                reporter.note(f"before the stop: {warning}")
+        held = deferral.enter_context(interrupts_deferred(held_back))
+        run = start(prepared, reporter)
+    except BaseException:
+        deferral.close()
+        _discard_wheel_copy(prepared)
+        if prepared.lock is not None:
+            prepared.lock.release()
+        raise
+    try:
+        with interrupts_raise() as received:
+            received.signals.extend(held)  # held back while the journal was written: no step starts
+
+            def step(name: str, action: Callable[[], str]) -> None:
+                run._timed(name, received.checked(action))
+
+            try:
+                if options.keep_patches:
+                    step("patches", lambda: patches_step(run))
+                step("backup", lambda: backup_step(run))
+                if options.undo is None:  # an undo installs from a backup: nothing to fetch
+                    step("prefetch", lambda: prefetch_step(run))
+                step("gate", lambda: gate_step(run))
+                with NvmlSession(options.environ, options.proc_root) as session:
+                    baseline = session.snapshot()  # before the stop: what the processes held
+                    step("stop", lambda: stop_step(run))
+                    step("gpu-release", lambda: gpu_release_step(run, session, baseline))
+                if options.undo is not None:  # the swap: the undone run's backup put back
+                    step("restore", lambda: undo_restore_step(run, lambda: _check_no_late_users(run)))
+                    step("verify", lambda: undo_verify_step(run, lambda: remove_gate(run)))
+                else:
+                    step("install", lambda: install_step(run))
+                    step("verify", lambda: verify_step(run))
+                step("restart", lambda: restart_step(run))
+                step("end-check", lambda: end_check_step(run))
+            except Exception as exc:  # any failure once the run started rolls back, bugs included
+                error = (
+                    exc if isinstance(exc, SafeInstallError) else StepFailed(f"{type(exc).__name__}: {exc}")
+                )
+                outcome = rollback_step(run, error)
+                status = {
+                    ExitCode.ROLLED_BACK: "rolled-back",
+                    ExitCode.ROLLBACK_FAILED: "rollback-failed",
+                }.get(outcome.exit_code, "error")
+                # put back whole: its backup counts under --keep-backups as a good run's (they piled up)
+                removed = _prune_old_backups(run) if outcome.exit_code == ExitCode.ROLLED_BACK else ()
+                return _result(run, status, outcome.exit_code, outcome, backups_removed=removed)
+        # The run succeeded: the services run the new, verified version. What is left is tidying up
+        # (signals held back meanwhile); a failure there is said, and must not turn a good run into an
+        # error (nor leave a journal that blocks the next run): the gate marker is gone already, so a
+        # leftover drop-in is inert.
+        tidying.append(True)
+        run._journal_if_possible(Phase.DONE)
+        save_patches(run)
+        save_left(run)
+        note = record_run(run.state, run.env.prefix, run.wheel.name if run.wheel else "", run.vouched)
+        run.notes.extend([note] if note else [])
+        try:
+            remove_dropins(run)
+        except SafeInstallError as exc:
+            run.notes.append(
+                f"could not remove the boot gate drop-ins ({GATE_DROPIN}.conf; inert, the gate is open): "
+                f"{exc.message}"
+            )
+        with contextlib.suppress(OSError):
+            clear_journal(run.state.dir)
+        removed = _prune_old_backups(run)
+        not_restarted = tuple(run._units_to_restart()) if options.no_restart else ()
+        return _result(run, "done", ExitCode.OK, None, not_restarted, removed)
+    finally:
+        # installed files then share inodes with nothing; what its owner kept filling stays for the next run
+        for left in remove_uv_caches(run.state, run.run_id):
+            run._log(f"{left} could not be removed in {RUN_DIR_REMOVAL_S:g} s: the next run removes it")
+        if not run.state.journal.exists():  # else the wheel copy is kept for --recover
+            _discard_wheel_copy(prepared)
+        if prepared.lock is not None:
+            prepared.lock.release()
+        deferral.close()
+
+
+def _prune_old_backups(run: Run) -> tuple[str, ...]:
+    """After a run that ended with the environment whole (done, or rolled back): the newest
+    ``--keep-backups`` backups stay, this run's among them; the ones deleted."""
+    old = prune_backups(run.state.backups, run.options.keep_backups, protected={run.run_id})
+    run.notes.extend(f"old backup not deleted: {problem}" for problem in old.problems)
+    return tuple(map(str, old.removed))
+
+
+def _as(account: Account | None) -> str:
+    """Pure: how the log says whom uv runs as (nothing: the caller)."""
+    return "" if account is None else f", as uid {account.uid}"
+
+
+def _discard_wheel_copy(prepared: Prepared) -> None:
+    """The run's copy of the wheel (``prepared.options.wheel``) goes with it."""
+    if prepared.options.wheel is not None:
+        discard_wheel_copy(prepared.options.wheel, prepared.state.dir)
+
+
+def _declined(prepared: Prepared) -> RunResult:
+    """The user said no at the prompt: nothing was journalled, nothing changed."""
+    return RunResult(
+        status="declined",
+        exit_code=ExitCode.REFUSED,
+        plan=prepared.plan,
+        steps=(),
+        downtime_s={},
+        patched=(),
+        extras=(),
+        pruned=(),
+        backup_dir=None,
+        log_file=None,
+        not_restarted=(),
+        strays_killed=(),
+        error=None,
+        notes=prepared.notes,
+    )
+
+
+def _result(
+    run: Run,
+    status: str,
+    code: ExitCode,
+    error: SafeInstallError | None,
+    not_restarted: tuple[str, ...] = (),
+    backups_removed: tuple[str, ...] = (),
+) -> RunResult:
+    return RunResult(
+        status=status,
+        exit_code=code,
+        plan=run.plan,
+        steps=tuple(run.steps),
+        downtime_s=dict(run.downtime),
+        patched=run.patched,
+        extras=run.extras,
+        pruned=run.pruned,
+        backup_dir=str(run.backup.dir) if run.backup else None,
+        log_file=str(run.log_file),
+        not_restarted=not_restarted,
+        strays_killed=run.strays_killed,
+        error=error,
+        notes=tuple(run.notes),
+        manual_commands=error.commands if isinstance(error, RollbackFailed) else (),
+        backups_removed=backups_removed,
+        old_code=run.old_code,
+        patches=(
+            ()
+            if run.patches is None
+            else rolled_back(run.patches.outcomes)
+            if status == "rolled-back"
+            else run.patches.outcomes
+        ),
+        patch_file=str(run.patch_file) if run.patch_file else None,
+    )

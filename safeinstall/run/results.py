@@ -1,0 +1,90 @@
+"""What a run returns and how it reports as it goes: the types every layer above the steps shares
+(the CLI renders a :class:`RunResult`; ``--status --wait`` reads what :class:`LoggedReporter` wrote)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from safeinstall.errors import ExitCode, SafeInstallError
+from safeinstall.run.patches import PatchOutcome
+from safeinstall.scan.plan import OldCodeProcess, Plan
+from safeinstall.store.runlog import PROGRESS_EVERY_S, append_line, progress_key, progress_text
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutcome:
+    name: str
+    status: str  # "ok" | "failed" | "skipped"
+    seconds: float
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    status: str  # "done" | "declined" | "rolled-back" | "rollback-failed"
+    exit_code: ExitCode
+    plan: Plan | None
+    steps: tuple[StepOutcome, ...]
+    downtime_s: dict[str, float]
+    patched: tuple[str, ...]
+    extras: tuple[str, ...]
+    pruned: tuple[str, ...]
+    backup_dir: str | None
+    log_file: str | None
+    not_restarted: tuple[str, ...]
+    strays_killed: tuple[int, ...]
+    error: SafeInstallError | None
+    notes: tuple[str, ...]
+    manual_commands: tuple[str, ...] = ()
+    backups_removed: tuple[str, ...] = ()  # older backups deleted after a good run (--keep-backups)
+    old_code: tuple[OldCodeProcess, ...] = ()  # found by the end check: still mapping replaced files
+    patches: tuple[PatchOutcome, ...] = ()  # --keep-patches: each local patch, carried/dropped/conflict
+    patch_file: str | None = None  # --keep-patches: the carried set, one patch against the new version
+
+
+class Reporter(Protocol):
+    def step(self, outcome: StepOutcome) -> None: ...
+
+    def progress(self, what: str, done: float | None, total: float | None, unit: str = "") -> None:
+        """``unit``: "bytes", "s" (seconds) or "" (a count); see
+        :func:`safeinstall.store.runlog.progress_text`."""
+
+    def note(self, text: str) -> None: ...
+
+    def confirm(self, plan: Plan) -> bool: ...
+
+
+@dataclass
+class LoggedReporter:
+    """A run's reporter that also writes its step lines, notes and (every few seconds) its progress
+    to the run's log, so that ``--status --wait`` can show them from anywhere."""
+
+    inner: Reporter
+    log: Path
+    _last_progress: float = field(default_factory=time.monotonic)
+    _last_key: str = ""
+
+    def step(self, outcome: StepOutcome) -> None:
+        self._last_key = ""
+        append_line(
+            self.log, f"{outcome.name}: {outcome.status} in {outcome.seconds:.1f} s: {outcome.detail}"
+        )
+        self.inner.step(outcome)
+
+    def progress(self, what: str, done: float | None, total: float | None, unit: str = "") -> None:
+        now = time.monotonic()
+        key = progress_key(what)
+        if key != self._last_key or now - self._last_progress >= PROGRESS_EVERY_S:
+            self._last_progress, self._last_key = now, key
+            append_line(self.log, progress_text(what, done, total, unit))
+        self.inner.progress(what, done, total, unit)
+
+    def note(self, text: str) -> None:
+        append_line(self.log, f"note: {text}")
+        self.inner.note(text)
+
+    def confirm(self, plan: Plan) -> bool:
+        return self.inner.confirm(plan)

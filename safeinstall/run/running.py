@@ -1,0 +1,215 @@
+"""One run, once its journal exists: :class:`Run`, the value every step of a run is a function of
+(:mod:`safeinstall.run.reinstall` holds the steps, :mod:`safeinstall.run.rollback` the way back), and the unit
+waits that the steps and the rollback share.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from safeinstall.env.environment import Environment
+from safeinstall.env.vouched import Vouched
+from safeinstall.env.wheel import Wheel
+from safeinstall.errors import (
+    SafeInstallError,
+    StepFailed,
+)
+from safeinstall.run.options import RunOptions
+from safeinstall.run.patches import (
+    PatchSet,
+)
+from safeinstall.run.preflight import Prepared
+from safeinstall.run.results import Reporter, StepOutcome
+from safeinstall.run.survey import Survey
+from safeinstall.run.undo import Left
+from safeinstall.scan.plan import OldCodeProcess, Plan
+from safeinstall.store.backup import Backup
+from safeinstall.store.journal import (
+    Journal,
+    Phase,
+    advance,
+    write_journal,
+)
+from safeinstall.store.runlog import append_line
+from safeinstall.store.state import (
+    EnvironmentState,
+)
+from safeinstall.system.signals import held_while_threads_start
+from safeinstall.system.systemd import Systemd, start_wait_s, stop_wait_s
+
+
+@dataclass
+class Run:
+    """One run, once its journal exists: the preflight's frozen value (``prepared``: the environment,
+    the wheel read once, the distributions found once, the plan, the lock), the run's identity, and
+    what the steps record as they go. Each step is a function of its own over it (``*_step`` below),
+    in the order of :func:`run_reinstall`."""
+
+    prepared: Prepared
+    reporter: Reporter
+    systemd: Systemd
+    run_id: str
+    log_file: Path
+    journal: Journal
+    notes: list[str]
+    steps: list[StepOutcome] = field(default_factory=list)
+    backup: Backup | None = None  # None until the backup step has saved it
+    patches: PatchSet | None = None  # --keep-patches: set by the patches step
+    patch_file: Path | None = None  # --keep-patches: the carried set, saved after a good run
+    patched: tuple[str, ...] = ()
+    extras: tuple[str, ...] = ()
+    pruned: tuple[str, ...] = ()
+    down_since: dict[str, float] = field(default_factory=dict)  # units the stop took down: since when
+    downtime: dict[str, float] = field(default_factory=dict)
+    strays_killed: tuple[int, ...] = ()
+    restart_started: bool = False
+    old_code: tuple[OldCodeProcess, ...] = ()
+    left: Left | None = None  # set by the verify step: what the run leaves (kept for --undo)
+    #: set by the verify step: the files verified against the wheel that its RECORD does not describe
+    vouched: Vouched | None = None
+
+    @property
+    def options(self) -> RunOptions:
+        return self.prepared.options  # the wheel: the run's own copy in the state directory
+
+    @property
+    def env(self) -> Environment:
+        return self.prepared.env
+
+    @property
+    def state(self) -> EnvironmentState:
+        return self.prepared.state
+
+    @property
+    def wheel(self) -> Wheel | None:
+        return self.prepared.wheel
+
+    @property
+    def survey(self) -> Survey:
+        return self.prepared.survey
+
+    @property
+    def plan(self) -> Plan:
+        return self.prepared.survey.plan
+
+    def _timed(self, name: str, action: Callable[[], str]) -> None:
+        started = time.monotonic()
+        try:
+            detail = action()
+        except BaseException as exc:
+            message = exc.message if isinstance(exc, SafeInstallError) else str(exc) or type(exc).__name__
+            outcome = StepOutcome(name, "failed", time.monotonic() - started, message)
+            self.steps.append(outcome)
+            self.reporter.step(outcome)
+            raise
+        outcome = StepOutcome(name, "ok", time.monotonic() - started, detail)
+        self.steps.append(outcome)
+        self.reporter.step(outcome)
+
+    def _journal(self, phase: Phase, note: str = "", **changes: Any) -> None:
+        self.journal = advance(self.journal, phase, note, **changes)
+        write_journal(self.state.dir, self.journal)
+
+    def _journal_if_possible(self, phase: Phase, note: str = "") -> None:
+        """During the rollback the journal is best effort: a full disk must not stop the restore (which
+        frees the space) nor the restart."""
+        try:
+            self._journal(phase, note)
+        except SafeInstallError as exc:
+            self.notes.append(f"the rollback went on without its journal: {exc.message}")
+
+    def _log(self, text: str) -> None:
+        """Append to the run's log; best effort (a full disk must not turn into the run's failure)."""
+        append_line(self.log_file, text)
+
+    def _units_to_restart(self) -> list[str]:
+        return [u.name for u in self.journal.units if u.stopped and u.was_active]
+
+    def _stop_timeout(self, unit_timeout: float) -> float:
+        if self.options.stop_timeout is not None:
+            return self.options.stop_timeout
+        return stop_wait_s(unit_timeout)
+
+    def saved(self) -> Backup:
+        """The backup, once the backup step has made it (every step after it may rely on that)."""
+        if self.backup is None:
+            raise StepFailed("internal error: no backup was made before this step")
+        return self.backup
+
+
+def phase_at_least(journal: Journal, phase: Phase) -> bool:
+    return any(entry.phase == phase for entry in journal.history)
+
+
+WAIT_POLL_S = 1.0
+
+
+def report_waits(run: Run, waits: Mapping[str, Future[Any]], state: str, limit: float) -> None:
+    """Until every unit's wait is done: a progress line saying which units are not yet ``state`` and
+    how long the wait may still take (``limit`` seconds in all; infinity: no bound)."""
+    started = time.monotonic()
+    while True:
+        pending = [unit for unit, future in waits.items() if not future.done()]
+        if not pending:
+            return
+        bound = limit if math.isfinite(limit) else None
+        run.reporter.progress(
+            f"waiting for {', '.join(pending)} to be {state} ({len(pending)} of {len(waits)})",
+            time.monotonic() - started,
+            bound,
+            "s",
+        )
+        futures_wait([waits[unit] for unit in pending], timeout=WAIT_POLL_S, return_when=FIRST_COMPLETED)
+
+
+def start_and_settle(run: Run, units: list[str], settle: float) -> str:
+    systemd = run.systemd
+    befores = systemd.show(units)
+    for unit in units:
+        systemd.start(unit)
+    cancel = threading.Event()
+    with ThreadPoolExecutor(max_workers=len(units)) as pool:
+        with held_while_threads_start():
+            futures = {
+                u: pool.submit(
+                    systemd.wait_settled,
+                    u,
+                    settle,
+                    start_wait_s(befores.get(u)),
+                    before=befores.get(u),
+                    cancel=cancel,
+                )
+                for u in units
+            }
+        try:
+            report_waits(
+                run,
+                futures,
+                f"{settle:g} s active",
+                settle + max(start_wait_s(befores.get(u)) for u in units),
+            )
+            outcomes = {u: f.result() for u, f in futures.items()}
+        except BaseException:  # Ctrl-C, SIGTERM: the waits end at their next poll, the rollback starts
+            cancel.set()
+            raise
+    bad = [o for o in outcomes.values() if not o.ok]
+    if bad:
+        flag = "--user " if run.options.user else ""
+        raise StepFailed(
+            "; ".join(o.reason or f"{o.unit} did not settle" for o in bad),
+            hint=f"see why in its journal: journalctl {flag}" + " ".join(f"-u {o.unit}" for o in bad),
+        )
+    for unit, outcome in outcomes.items():  # what systemd reports; none for a unit that never went down
+        before, down_since = befores.get(unit), run.down_since.get(unit)
+        up = outcome.info.active_enter_us / 1e6
+        if before is not None and not before.is_active and down_since is not None and up > down_since:
+            run.downtime[unit] = up - down_since
+    return ", ".join(f"{u} active for {settle:g} s" for u in units)

@@ -1,0 +1,166 @@
+"""``--status`` (what each environment's state holds: a run in progress, one to recover, the last runs)
+and ``--forget`` (the state of environments that are gone). Reads the same checked journal as
+``--recover`` (:func:`safeinstall.run.recover.read_checked_journal`) and never acts on it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from safeinstall.env.environment import inspect_environment, resolve_python
+from safeinstall.errors import ExitCode, SafeInstallError, UsageError
+from safeinstall.run.recover import read_checked_journal, states_of
+from safeinstall.run.undo import with_undo
+from safeinstall.store.history import RunSummary, read_history
+from safeinstall.store.journal import read_journal
+from safeinstall.store.state import (
+    EnvironmentState,
+    StateDirError,
+    check_trusted,
+    environment_state,
+    list_environment_dirs,
+    state_root,
+)
+from safeinstall.system.gate import gate_marker
+from safeinstall.system.lock import LockHolder, acquire_lock, read_holder
+from safeinstall.system.safefs import Tree
+
+
+@dataclass(frozen=True, slots=True)
+class EnvironmentStatus:
+    prefix: str
+    running: bool  # a live run holds the lock
+    holder: LockHolder | None
+    journal_phase: str | None
+    needs_recovery: bool  # a journal is left and no run holds the lock
+    gated: bool
+    package: str | None
+    units: tuple[str, ...] = field(default_factory=tuple)
+    state_dir: str = ""
+    prefix_exists: bool | None = None  # False: the environment is gone (--forget removes its state)
+    run_id: str | None = None  # the run in progress (or that needs recovery), from its journal
+    runs: tuple[RunSummary, ...] = ()  # the last finished runs, newest first
+    history_problems: tuple[str, ...] = ()  # damaged history entries, skipped
+
+
+@dataclass(frozen=True, slots=True)
+class Forgotten:
+    prefix: str
+    state_dir: str
+
+
+def prefix_exists(state: EnvironmentState) -> bool | None:
+    """Whether the environment is still there (None: its prefix was never recorded)."""
+    return None if state.prefix is None else os.path.isdir(state.prefix)
+
+
+@dataclass(frozen=True, slots=True)
+class StatusReport:
+    environments: tuple[EnvironmentStatus, ...]
+    failures: tuple[SafeInstallError, ...]  # environments whose state was refused (each says why)
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return ExitCode.REFUSED if self.failures else ExitCode.OK
+
+
+def status(environ: Mapping[str, str], python: str | None) -> StatusReport:
+    found: list[EnvironmentStatus] = []
+    failures: list[SafeInstallError] = []
+    for state in states_of(environ, python):
+        try:
+            journal = read_checked_journal(state, environ)
+        except SafeInstallError as exc:
+            failures.append(exc)
+            continue
+        running, holder = read_holder(state.lock) if state.lock.exists() else (False, None)
+        history = read_history(state)
+        found.append(
+            EnvironmentStatus(
+                prefix=str(state.prefix or state.dir),
+                running=running,
+                holder=holder if running else None,
+                journal_phase=str(journal.phase) if journal else None,
+                needs_recovery=journal is not None and not running,
+                gated=gate_marker(state.dir).exists(),
+                package=journal.package if journal else None,
+                units=tuple(u.name for u in journal.units) if journal else (),
+                state_dir=str(state.dir),
+                prefix_exists=prefix_exists(state),
+                run_id=journal.run_id if journal else None,
+                runs=with_undo(state, history.runs),
+                history_problems=history.problems,
+            )
+        )
+    return StatusReport(tuple(found), tuple(failures))
+
+
+def _named(states: list[EnvironmentState], python: str, environ: Mapping[str, str]) -> list[EnvironmentState]:
+    """The state of the environment ``python`` names: a live interpreter or venv, or the prefix (or
+    the interpreter path) of one that is gone."""
+    try:
+        env = inspect_environment(resolve_python(python, environ))
+    except SafeInstallError:
+        given = os.path.abspath(python)
+        candidates = {given, os.path.dirname(os.path.dirname(given))}
+        return [s for s in states if s.prefix is not None and os.fspath(s.prefix) in candidates]
+    key = environment_state(state_root(environ, os.geteuid()), env.prefix).key
+    return [s for s in states if s.key == key]
+
+
+def forget_one(state: EnvironmentState) -> Forgotten:
+    """Remove one environment's state directory (its backups, logs and history), under its lock;
+    refused while a run holds it or a journal says a run did not finish."""
+    prefix = str(state.prefix or state.dir)
+    unfinished = SafeInstallError(
+        f"not forgetting {prefix}: a run there did not finish (its journal is in {state.dir})",
+        hint="run safeinstall --recover first; or, if the environment is gone for good, remove "
+        f"{state.dir} by hand",
+    )
+    if read_journal(state.dir) is not None:
+        raise unfinished
+    with acquire_lock(state.lock, prefix):
+        if read_journal(state.dir) is not None:
+            raise unfinished
+        with Tree(state.dir.parent) as tree:  # a uv cache a crashed run left there is the owner's
+            tree.remove_tree(state.dir.name)
+    return Forgotten(prefix, str(state.dir))
+
+
+def forget(
+    environ: Mapping[str, str], python: str | None
+) -> tuple[tuple[Forgotten, ...], tuple[SafeInstallError, ...]]:
+    """``--forget``: the state of every environment whose prefix is gone, or of the one ``python``
+    names. Only directories listed under the state root are ever removed."""
+    root = state_root(environ, os.geteuid())
+    check_trusted(root)
+    states = list_environment_dirs(root)
+    if python is None:
+        chosen = [s for s in states if prefix_exists(s) is False]
+    else:
+        chosen = _named(states, python, environ)
+        if not chosen:
+            raise UsageError(
+                f"no safeinstall state for {python}",
+                hint="safeinstall --status lists the environments it keeps state for",
+            )
+    forgotten: list[Forgotten] = []
+    failures: list[SafeInstallError] = []
+    for state in chosen:
+        if state.problem is not None:
+            failures.append(
+                StateDirError(
+                    f"not forgetting {state.dir}: {state.problem}",
+                    hint="make it owned by root (or you) and writable by nobody else, or remove it by hand",
+                )
+            )
+            continue
+        try:
+            forgotten.append(forget_one(state))
+        except SafeInstallError as exc:
+            failures.append(exc)
+        except OSError as exc:
+            failures.append(SafeInstallError(f"could not remove {state.dir}: {exc.strerror or exc}"))
+    return tuple(forgotten), tuple(failures)

@@ -1,0 +1,150 @@
+"""Survey the host for a plan: ask uv, scan /proc, ask systemd, ask NVML; then :func:`build_plan`.
+
+Only gathering happens here; every decision is in :mod:`safeinstall.scan.plan`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from safeinstall.env.dependents import dependents, marker_environment
+from safeinstall.env.distributions import InstalledDistribution, find_distribution, find_distributions
+from safeinstall.env.environment import (
+    Environment,
+    inspect_environment,
+    interpreter_in_prefix,
+    resolve_python,
+)
+from safeinstall.env.systemsite import check_target
+from safeinstall.env.uvplan import UvPlan, UvRequest, dry_run, link_mode_for, same_filesystem
+from safeinstall.env.wheel import Wheel, read_wheel
+from safeinstall.run.options import RunOptions
+from safeinstall.scan.plan import Plan, build_plan
+from safeinstall.scan.processes import ScanResult, scan_processes
+from safeinstall.scan.targets import EnvironmentScope, Target, environment_scope, load_targets
+from safeinstall.store.state import state_root
+from safeinstall.system.cgroups import placement_of_proc_cgroup, valid_unit_name
+from safeinstall.system.gpus import GpuSnapshot, snapshot_gpus
+from safeinstall.system.systemd import Systemd, UnitInfo
+
+
+@dataclass(frozen=True, slots=True)
+class Survey:
+    env: Environment
+    installed: tuple[InstalledDistribution, ...]
+    target: InstalledDistribution
+    wheel: Wheel | None
+    request: UvRequest
+    uv_plan: UvPlan
+    affected: tuple[InstalledDistribution, ...]  # installed distributions the install replaces
+    targets: tuple[Target, ...]  # the affected distributions as the /proc scan recognises them
+    #: the distributions of the environment that require an affected one (``depends`` evidence)
+    dependent_targets: tuple[Target, ...]
+    scope: EnvironmentScope  # the environment itself (``environment`` evidence)
+    scan: ScanResult
+    units: dict[str, UnitInfo]
+    gpus: GpuSnapshot
+    plan: Plan
+
+
+def systemd_for(options: RunOptions) -> Systemd:
+    return Systemd(user=options.user, environ=options.environ)
+
+
+def _dependent(name: str) -> bool:
+    return name.endswith(".service") and valid_unit_name(name)
+
+
+def survey(
+    options: RunOptions,
+    env: Environment | None = None,
+    wheel: Wheel | None = None,
+    swap: UvPlan | None = None,
+) -> Survey:
+    """Gather every fact the plan needs. Changes nothing. ``swap``: what replaces uv's plan (an undo's
+    restore, :func:`safeinstall.run.undo.undo_uv_plan`): uv is not asked."""
+    if env is None:
+        env = inspect_environment(resolve_python(options.python, options.environ))
+    installed = tuple(find_distributions(env))
+    target = find_distribution(env, options.package, list(installed))
+    check_target(
+        env, target, options.extra_args, options.environ
+    )  # dpkg's, the base's, PEP 668: before uv is asked
+    if wheel is None and options.wheel is not None:
+        wheel = read_wheel(options.wheel)
+    request = UvRequest(
+        python=interpreter_in_prefix(env),  # the checked path, not one through a link others may change
+        package=target.name,
+        wheel=options.wheel,
+        version_spec=options.version_spec,
+        installed_version=target.version,
+        with_deps=options.with_deps,
+        extra_args=options.extra_args,
+        link_mode=link_mode_for(
+            options.extra_args, same_filesystem(state_root(options.environ, os.geteuid()), env.prefix)
+        ),
+    )
+    # as the owner (uv runs its .pth files); uv's lock file, if this made one, goes again
+    uv_plan = swap or dry_run(request, options.environ, account=env.account, prefix=env.prefix)
+    by_name = {d.name: d for d in installed}
+    affected = tuple(by_name[n] for n in sorted({*uv_plan.affected, target.name}) if n in by_name)
+    targets = load_targets(affected, env, installed)
+    chains = dependents(installed, [d.name for d in affected], marker_environment(env))
+    dependent_targets = load_targets([by_name[n] for n in chains], env, installed, requires=chains)
+    scope = environment_scope(env)
+    scan = scan_processes((*targets, *dependent_targets), options.proc_root, scope=scope)
+    unit_names = {
+        placement.unit
+        for record in scan.processes
+        if record.affected and not record.is_self
+        for placement in [placement_of_proc_cgroup(record.cgroup_text)]
+        if placement.unit and valid_unit_name(placement.unit)  # the plan refuses the others
+    }
+    systemd = systemd_for(options)
+    units = systemd.show(sorted(unit_names)) if unit_names else {}
+    wanted = {d for info in units.values() for d in info.dependents if _dependent(d)} - set(units)
+    while wanted:  # the units a stop of these stops too, transitively (see plan._dependents)
+        more = systemd.show(sorted(wanted))
+        units.update(more)
+        wanted = {d for info in more.values() for d in info.dependents if _dependent(d)} - set(units)
+    gpus = snapshot_gpus(options.environ, options.proc_root)
+    plan = build_plan(
+        package=target.name,
+        python=str(env.python),
+        prefix=str(env.prefix),
+        user=options.user,
+        with_deps=options.with_deps,
+        kill_strays=options.kill_strays,
+        only_loaded=options.only_loaded,
+        uv_plan=uv_plan,
+        installed_versions={d.name: d.version for d in installed},
+        wheel_version=wheel.version if wheel else None,
+        scan=scan,
+        units=units,
+        gpus=gpus,
+        as_root=os.geteuid() == 0,
+    )
+    if env.owner_note:  # said in the plan too: a dry run shows whose environment this is
+        plan = replace(plan, warnings=(env.owner_note, *plan.warnings))
+    return Survey(
+        env,
+        installed,
+        target,
+        wheel,
+        request,
+        uv_plan,
+        affected,
+        targets,
+        dependent_targets,
+        scope,
+        scan,
+        units,
+        gpus,
+        plan,
+    )
+
+
+def scan_again(found: Survey, options: RunOptions) -> ScanResult:
+    """The same scan as the plan's (every kind of evidence), now: who uses the package at this moment."""
+    return scan_processes((*found.targets, *found.dependent_targets), options.proc_root, scope=found.scope)

@@ -1,0 +1,961 @@
+"""Backups of the distributions a run replaces, taken before any service stops, and their restore.
+
+A backup is ``<backup_dir>/files/<path relative to the prefix>`` (each file byte for byte, with its
+mode, owner and mtime; symlinks as symlinks) plus ``<backup_dir>/manifest.json``, written last: a
+backup without a manifest is incomplete. What is saved: every RECORD entry of each distribution that
+lies inside the environment's prefix (entries outside are listed, never read), the whole
+``.dist-info`` directory, and the files someone added to the distribution's own package directories
+(in no RECORD; bytecode of listed sources aside). Locally patched files are saved as they are now, and
+the manifest lists the ones the caller says are patched.
+
+A RECORD entry on the backup's filesystem is saved as a hardlink (no copy of a GB package before the
+stop; the old version's bytes stay alive in it, as in a copy): uv's uninstall unlinks every RECORD
+entry before the install creates the new files, so the old inode, and the backup, keep the old
+content. Everything else (files added by hand, ``.dist-info`` files no RECORD lists), and every file
+on another filesystem, is copied. Restores always copy, so a restored file shares its inode with
+nothing.
+
+A restore first removes what is installed now under those distribution names (the paths the caller
+passes, the files the current ``.dist-info`` RECORDs of those names list, and those ``.dist-info``
+directories, found by name so a half-finished install is cleaned too) and every file in the saved
+package directories that the backup does not hold (a failed install's temp files: on a full disk,
+their space is what the restore needs), then puts every saved file back atomically (temp file beside
+it, ``os.replace``), then hashes every restored file again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import stat
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from safeinstall.env.containment import Containment, relative_to_prefix
+from safeinstall.env.distributions import (
+    RECORD_LIMIT,
+    InstalledDistribution,
+    dist_info_dirs,
+    dist_info_name,
+    entry_location,
+    find_distributions,
+    package_roots,
+)
+from safeinstall.env.drift import pyc_source
+from safeinstall.env.environment import Environment
+from safeinstall.env.hashing import FileState, default_workers
+from safeinstall.env.records import decode_digest, parse_record
+from safeinstall.errors import SafeInstallError
+from safeinstall.store.runlog import human_bytes
+from safeinstall.store.state import PRIVATE_MODE, atomic_write, ensure_dir, fsync_dir
+from safeinstall.system import owner, worker
+from safeinstall.system.safefs import NotRegularFile, Tree
+
+MANIFEST_NAME = "manifest.json"
+FILES_DIR = "files"
+PRUNED_DIR = "pruned"  # leftovers removed by --prune after a good install
+MANIFEST_VERSION = 1
+_CHUNK = 1 << 20
+_BLOCK = 4096
+_TMP_MARK = ".safeinstall-restore-"
+_FSYNC_THREADS = 16
+
+ProgressCallback = Callable[[int, int], None]  # (bytes copied, bytes total)
+
+
+class BackupError(SafeInstallError):
+    """A backup could not be taken or read (before anything was changed: exit 2)."""
+
+    code = "backup"
+
+
+@dataclass(frozen=True, slots=True)
+class BackupDistribution:
+    name: str  # canonical
+    version: str
+    dist_info: str  # relative to the prefix, "/" separated
+
+
+@dataclass(frozen=True, slots=True)
+class BackupFile:
+    path: str  # relative to the prefix, "/" separated
+    distribution: str
+    size: int  # bytes (of a symlink: its target's length, as lstat says)
+    mode: int  # permission bits (stat.S_IMODE)
+    uid: int
+    gid: int
+    mtime_ns: int
+    sha256: str | None  # hex; None for a symlink
+    link_target: str | None = None  # set for a symlink
+    listed: bool = True  # False: in the distribution's own directories but in no RECORD (added by hand)
+
+    @property
+    def is_symlink(self) -> bool:
+        return self.link_target is not None
+
+
+@dataclass(frozen=True, slots=True)
+class BackupDirectory:
+    path: str  # relative to the prefix: every directory above a saved file, recreated on restore
+    mode: int
+    uid: int
+    gid: int
+
+
+@dataclass(frozen=True, slots=True)
+class BackupManifest:
+    version: int
+    created_at: str
+    prefix: str
+    distributions: tuple[BackupDistribution, ...]
+    files: tuple[BackupFile, ...]
+    directories: tuple[BackupDirectory, ...]
+    missing: tuple[str, ...]  # listed by a RECORD but absent (or not a file/symlink): nothing to save
+    outside: tuple[str, ...]  # RECORD entries outside the prefix: not saved (reported elsewhere)
+    patched: tuple[str, ...]  # locally modified/missing files, as the caller's verifier reported them
+    #: the distributions' own package directories (relative): a restore leaves in them exactly the
+    #: files saved, so whatever a failed install left there (uv's temp files, new files) goes
+    roots: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Backup:
+    dir: Path
+    manifest: BackupManifest
+
+    @property
+    def files_dir(self) -> Path:
+        return self.dir / FILES_DIR
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.manifest.files)
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreResult:
+    restored: int
+    removed: int  # files removed (the installed version's, not in the backup)
+    removed_dist_infos: tuple[str, ...]
+    mismatches: tuple[str, ...]  # restored files whose content is not what was saved: must be empty
+    failures: tuple[str, ...]  # "path: reason" for files that could not be removed or restored
+    skipped_outside: tuple[str, ...]  # paths asked to be removed that lie outside the prefix: left alone
+    kept_shared: tuple[str, ...]  # paths asked to be removed that another distribution lists: left alone
+    #: "path: reason": asked to be removed, but the environment's owner may not remove them (so the
+    #: install, which ran as that owner, did not write them): left alone
+    not_removed: tuple[str, ...] = ()
+    #: the files were found exactly as saved (nothing was installed, or the install failed before it
+    #: wrote anything, e.g. on a read-only site-packages): nothing was written
+    unchanged: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches and not self.failures
+
+
+@dataclass(frozen=True, slots=True)
+class _Item:
+    source: str  # absolute
+    relative: str
+    distribution: str
+    listed: bool = True
+    #: a RECORD entry: uv's uninstall unlinks it before the install writes anything at its path, so a
+    #: hardlink of it in the backup keeps the old content (files in no RECORD are copied)
+    in_record: bool = False
+
+
+# --- pure helpers -----------------------------------------------------------------------------------
+
+
+def space_problem(
+    needed: int,
+    free: int,
+    where: Path,
+    what: str = "the backup",
+    remedy: str = "free some space there or point SAFEINSTALL_STATE_DIR at a larger filesystem",
+) -> str | None:
+    """Pure: why ``what`` (``needed`` bytes) does not fit in ``free`` bytes at ``where``, or None."""
+    if needed <= free:
+        return None
+    return f"{what} needs {human_bytes(needed)} but {where} has {human_bytes(free)} free; {remedy}"
+
+
+def manifest_to_dict(manifest: BackupManifest) -> dict[str, Any]:
+    return {
+        "version": manifest.version,
+        "created_at": manifest.created_at,
+        "prefix": manifest.prefix,
+        "distributions": [
+            {"name": d.name, "version": d.version, "dist_info": d.dist_info} for d in manifest.distributions
+        ],
+        "files": [
+            {
+                "path": f.path,
+                "distribution": f.distribution,
+                "size": f.size,
+                "mode": f.mode,
+                "uid": f.uid,
+                "gid": f.gid,
+                "mtime_ns": f.mtime_ns,
+                "sha256": f.sha256,
+                "link_target": f.link_target,
+                "listed": f.listed,
+            }
+            for f in manifest.files
+        ],
+        "directories": [
+            {"path": d.path, "mode": d.mode, "uid": d.uid, "gid": d.gid} for d in manifest.directories
+        ],
+        "missing": list(manifest.missing),
+        "outside": list(manifest.outside),
+        "patched": list(manifest.patched),
+        "roots": list(manifest.roots),
+    }
+
+
+def _safe_relative(text: Any) -> str:
+    if not isinstance(text, str) or not text:
+        raise ValueError(f"bad path {text!r}")
+    parts = PurePosixPath(text).parts
+    if PurePosixPath(text).is_absolute() or any(p in ("..", ".") for p in parts):
+        raise ValueError(f"path {text!r} escapes the prefix")
+    return text
+
+
+def manifest_from_dict(data: Any) -> BackupManifest:
+    """Pure: raises ValueError/KeyError/TypeError on a malformed manifest."""
+    if not isinstance(data, dict) or data.get("version") != MANIFEST_VERSION:
+        raise ValueError(f"not a version {MANIFEST_VERSION} backup manifest")
+    return BackupManifest(
+        version=MANIFEST_VERSION,
+        created_at=str(data["created_at"]),
+        prefix=str(data["prefix"]),
+        distributions=tuple(
+            BackupDistribution(str(d["name"]), str(d["version"]), str(d["dist_info"]))
+            for d in data["distributions"]
+        ),
+        files=tuple(
+            BackupFile(
+                path=_safe_relative(f["path"]),
+                distribution=str(f["distribution"]),
+                size=int(f["size"]),
+                mode=int(f["mode"]),
+                uid=int(f["uid"]),
+                gid=int(f["gid"]),
+                mtime_ns=int(f["mtime_ns"]),
+                sha256=None if f["sha256"] is None else str(f["sha256"]),
+                link_target=None if f["link_target"] is None else str(f["link_target"]),
+                listed=bool(f.get("listed", True)),
+            )
+            for f in data["files"]
+        ),
+        directories=tuple(
+            BackupDirectory(_safe_relative(d["path"]), int(d["mode"]), int(d["uid"]), int(d["gid"]))
+            for d in data["directories"]
+        ),
+        missing=tuple(str(p) for p in data["missing"]),
+        outside=tuple(str(p) for p in data["outside"]),
+        patched=tuple(str(p) for p in data["patched"]),
+        roots=tuple(_safe_relative(p) for p in data.get("roots", ())),
+    )
+
+
+# --- what to save -----------------------------------------------------------------------------------
+
+
+def _unlisted(tree: Tree, root: str, listed: set[str]) -> Iterator[str]:
+    """Files (and symlinks) below ``root`` that no RECORD lists; bytecode of a listed source is left
+    out (a cache: Python writes it again)."""
+    for location in _files_below(tree, root):
+        if location in listed:
+            continue
+        source = pyc_source(PurePosixPath(location)) if location.endswith(".pyc") else None
+        if source is None or str(source) not in listed:
+            yield location
+
+
+def _collect(
+    env: Environment,
+    dists: Sequence[InstalledDistribution],
+    installed: Sequence[InstalledDistribution],
+) -> tuple[list[_Item], list[str], list[str]]:
+    """Files to save (RECORD entries inside the prefix, the .dist-info trees, and the files added to
+    the distributions' own directories by hand), the entries outside, and those directories."""
+    inside = Containment(env.prefix)
+    items: dict[str, _Item] = {}
+    outside: list[str] = []
+    mine = {d.name for d in dists}
+    roots = package_roots(env, [*(d for d in installed if d.name not in mine), *dists])
+    listed = {location for dist in dists for location in dist.locations}
+    with Tree(env.prefix) as tree:
+        for dist in dists:
+            for root in roots[dist.name]:
+                for location in _unlisted(tree, root, listed):
+                    relative = inside.relative(location)
+                    if relative is not None and relative not in items:
+                        items[relative] = _Item(location, relative, dist.name, listed=False)
+        for dist in dists:
+            for entry, location in zip(dist.record.entries, dist.locations, strict=True):
+                relative = inside.relative(location)
+                if relative is None:
+                    outside.append(f"{dist.name}: {entry.path} ({location})")
+                elif relative not in items:
+                    items[relative] = _Item(location, relative, dist.name, in_record=True)
+            # the .dist-info tree, symlinks as links (never followed)
+            for location in _files_below(tree, os.fspath(dist.dist_info)):
+                relative = inside.relative(location)
+                if relative is not None and relative not in items:
+                    items[relative] = _Item(location, relative, dist.name)
+    relative_roots = sorted(
+        {r for r in (inside.relative(root) for dist in dists for root in roots[dist.name]) if r is not None}
+    )
+    return sorted(items.values(), key=lambda i: i.relative), outside, relative_roots
+
+
+def disk_space_needed(
+    dists: Sequence[InstalledDistribution],
+    env: Environment,
+    installed: Sequence[InstalledDistribution],
+) -> int:
+    """Bytes a backup of ``dists`` takes: file sizes rounded up to blocks, plus the manifest.
+    ``installed``: as for :func:`package_roots`."""
+    items, _outside, _roots = _collect(env, dists, installed)
+    total = 0
+    for item in items:
+        try:
+            size = os.lstat(item.source).st_size
+        except OSError:
+            size = 0
+        total += -(-size // _BLOCK) * _BLOCK + 512  # content + a manifest line / inode
+    return total + _BLOCK
+
+
+def free_space(path: Path) -> int:
+    """Free bytes on the filesystem that holds (or will hold) ``path``."""
+    probe = Path(os.path.abspath(path))
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
+# --- taking a backup --------------------------------------------------------------------------------
+
+
+def _link(item: _Item, tree: Tree, dest: Tree, info: os.stat_result, known: FileState | None) -> str | None:
+    """Hardlink a RECORD entry into the backup (by descriptor on both sides, never following a
+    symlink); its sha256 hex, taken from ``known`` (a hash of this very inode, unchanged since: same
+    device, inode, size and mtime) or read now. None when it cannot be linked (another filesystem, or
+    it changed under us): the caller copies it instead.
+
+    The backup then holds the installed inode itself. That is safe because the install never writes
+    into it: uv's uninstall unlinks every RECORD entry first, and the install creates new files (a
+    hardlink from the run's cache, or a copy) at those paths. Nothing is chmod-ed or touched here: it
+    is the installed file. Only an inode that root alone can write is linked (:func:`_only_root_writes`)."""
+    if not stat.S_ISREG(info.st_mode) or not _only_root_writes(info):
+        return None
+    identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+    try:
+        with tree.parent(item.relative) as (src_fd, src), dest.parent(item.relative) as (dst_fd, dst):
+            os.link(src, dst, src_dir_fd=src_fd, dst_dir_fd=dst_fd, follow_symlinks=False)
+            linked = os.stat(dst, dir_fd=dst_fd, follow_symlinks=False)
+            if (linked.st_dev, linked.st_ino, linked.st_size, linked.st_mtime_ns) != identity:
+                os.unlink(dst, dir_fd=dst_fd)  # replaced or written since the lstat: copy what is there now
+                return None
+    except OSError:
+        return None
+    if (
+        known is not None
+        and known.algorithm == "sha256"
+        and known.digest is not None
+        and (known.device, known.inode, known.size, known.mtime_ns) == identity
+    ):
+        return decode_digest(known.digest).hex()
+    digest = dest.sha256(item.relative)
+    if digest is None:
+        dest.unlink(item.relative)
+    return digest
+
+
+def _only_root_writes(info: os.stat_result) -> bool:
+    """Pure: nobody but root (the caller) can write this inode: a hardlink of it in the backup stays as
+    saved. An inode its owner (a service account) can write is copied instead: the owner could write
+    it later through a descriptor opened before the backup (or a link of its own), and the restore
+    would then fail its check through the owner's doing."""
+    return info.st_uid == os.geteuid() and not info.st_mode & 0o022
+
+
+def _save(item: _Item, tree: Tree, dest: Tree, known: Mapping[str, FileState]) -> BackupFile | None:
+    """Copy one file into the backup (read by descriptor below the prefix: a symlink on the way is never
+    followed, a FIFO or a device never opened); None when it is absent or not a regular file or
+    symlink."""
+    info = tree.lstat(item.relative)
+    if info is None or not (stat.S_ISLNK(info.st_mode) or stat.S_ISREG(info.st_mode)):
+        return None
+    if stat.S_ISLNK(info.st_mode):
+        target = tree.readlink(item.relative)
+        if target is None:  # replaced meanwhile
+            return None
+        dest.symlink(item.relative, target, atomic=False)
+        return _saved(item, info, info.st_size, None, target)
+    linked = _link(item, tree, dest, info, known.get(item.source)) if item.in_record else None
+    if linked is not None:
+        return _saved(item, info, info.st_size, linked)
+    try:
+        source_fd = tree.open_read(item.relative)
+    except (FileNotFoundError, NotRegularFile):
+        return None
+    try:
+        info = os.fstat(source_fd)  # what was opened, not what was listed
+        copied = dest.write_from(
+            item.relative, source_fd, stat.S_IMODE(info.st_mode), mtime_ns=info.st_mtime_ns, atomic=False
+        )
+    finally:
+        os.close(source_fd)
+    return _saved(item, info, copied.size, copied.sha256)
+
+
+def _saved(
+    item: _Item, info: os.stat_result, size: int, sha256: str | None, link_target: str | None = None
+) -> BackupFile:
+    """Pure: the manifest entry of ``item`` as saved (``info``: what was opened or linked)."""
+    return BackupFile(
+        path=item.relative,
+        distribution=item.distribution,
+        size=size,
+        mode=stat.S_IMODE(info.st_mode),
+        uid=info.st_uid,
+        gid=info.st_gid,
+        mtime_ns=info.st_mtime_ns,
+        sha256=sha256,
+        link_target=link_target,
+        listed=item.listed,
+    )
+
+
+def parent_directories(paths: Iterable[str]) -> set[str]:
+    """Pure: every directory above the "/"-separated relative ``paths``."""
+    wanted: set[str] = set()
+    for path in paths:
+        parent = path.rpartition("/")[0]
+        while parent and parent not in wanted:
+            wanted.add(parent)
+            parent = parent.rpartition("/")[0]
+    return wanted
+
+
+def _directories(files: Iterable[BackupFile], prefix: Path) -> tuple[BackupDirectory, ...]:
+    wanted = parent_directories(f.path for f in files)
+    found: list[BackupDirectory] = []
+    with Tree(prefix) as tree, tree.batch():
+        for relative in sorted(wanted):  # a directory's subtree together: each opened once
+            info = tree.lstat(relative)
+            if info is not None and stat.S_ISDIR(info.st_mode):
+                found.append(BackupDirectory(relative, stat.S_IMODE(info.st_mode), info.st_uid, info.st_gid))
+    return tuple(sorted(found, key=lambda d: (d.path.count("/"), d.path)))
+
+
+def fsync_dirs(tree: Tree, directories: Sequence[str]) -> None:
+    """fsync each of ``directories`` (relative to ``tree``), concurrently: fsyncs that overlap share
+    one journal commit (ext4, xfs), where one after the other each waits for its own (torch's 800
+    directories: 2 s one by one, 0.1 s on 16 threads). Raises the first OSError."""
+    with ThreadPoolExecutor(max_workers=_FSYNC_THREADS, thread_name_prefix="fsync") as pool:
+        for _done in pool.map(tree.fsync_dir, directories):
+            pass
+
+
+def create_backup(
+    env: Environment,
+    dists: Sequence[InstalledDistribution],
+    backup_dir: Path,
+    patched: Sequence[str],
+    on_progress: ProgressCallback | None = None,
+    workers: int | None = None,
+    now: datetime | None = None,
+    known: Mapping[str, FileState] | None = None,
+    *,
+    installed: Sequence[InstalledDistribution],
+) -> Backup:
+    """Save ``dists`` into ``backup_dir`` (new or empty; made 0700). Raises BackupError, leaving no backup.
+
+    ``known``: files just hashed (a verify's observations, by location): a hardlinked file that has not
+    changed since is not read again. ``installed``: as for :func:`package_roots`."""
+    ensure_dir(backup_dir)
+    if any(backup_dir.iterdir()):
+        raise BackupError(
+            f"the backup directory {backup_dir} is not empty",
+            hint="use a new run id (each run backs up into its own directory)",
+        )
+    items, outside, roots = _collect(env, dists, installed)
+    files_dir = backup_dir / FILES_DIR
+    ensure_dir(files_dir)
+    sizes: dict[str, int] = {}
+    for item in items:
+        try:
+            sizes[item.relative] = os.lstat(item.source).st_size
+        except OSError:
+            sizes[item.relative] = 0
+    total = sum(sizes.values())
+    ordered = sorted(items, key=lambda i: sizes[i.relative], reverse=True)
+    saved: list[BackupFile] = []
+    missing: list[str] = []
+    done = 0
+    try:
+        count = workers or default_workers()
+
+        def record(item: _Item, result: BackupFile | None) -> None:
+            nonlocal done
+            if result is None:
+                missing.append(item.relative)
+            else:
+                saved.append(result)
+            done += sizes[item.relative]
+            if on_progress is not None:
+                on_progress(done, total)
+
+        # On the same filesystem a RECORD entry is a hardlink and a hash already known: a thread per
+        # file would cost more than the work. Copies (other files, another filesystem) go to threads.
+        # (a service account's files are copied: see _only_root_writes)
+        linking = env.account is None and os.stat(env.prefix).st_dev == os.stat(files_dir).st_dev
+        with (
+            Tree(env.prefix) as tree,
+            Tree(files_dir) as dest,
+            tree.batch(),
+            dest.batch(),
+            ThreadPoolExecutor(max_workers=count, thread_name_prefix="backup") as pool,
+        ):
+            # parents first; a path that is an item itself (a RECORD listing "a" and "a/b") is not
+            # made a directory: one of the two is not in the prefix, nothing is saved for it
+            paths = {i.relative for i in items}
+            directories = sorted(parent_directories(paths) - paths)
+            for directory in directories:
+                dest.make_dir(directory, PRIVATE_MODE)
+            for item in items:  # in path order: each directory is opened once on each side
+                if linking and item.in_record:
+                    record(item, _save(item, tree, dest, known or {}))
+            pooled = [i for i in ordered if not (linking and i.in_record)]
+            futures = {pool.submit(_save, item, tree, dest, known or {}): item for item in pooled}
+            try:
+                for future in as_completed(futures):
+                    record(futures[future], future.result())
+            except BaseException:
+                for pending in futures:
+                    pending.cancel()
+                raise
+            fsync_dirs(dest, directories)
+        fsync_dir(files_dir)
+        saved.sort(key=lambda f: f.path)
+        manifest = BackupManifest(
+            version=MANIFEST_VERSION,
+            created_at=(now or datetime.now(UTC)).astimezone(UTC).isoformat(timespec="seconds"),
+            prefix=str(env.prefix),
+            distributions=tuple(
+                BackupDistribution(d.name, d.version, relative_to_prefix(d.dist_info, env.prefix) or "")
+                for d in dists
+            ),
+            files=tuple(saved),
+            directories=_directories(saved, env.prefix),
+            missing=tuple(sorted(missing)),
+            outside=tuple(outside),
+            patched=tuple(patched),
+            roots=tuple(roots),
+        )
+        text = json.dumps(manifest_to_dict(manifest), separators=(",", ":")) + "\n"  # the C encoder
+        atomic_write(backup_dir / MANIFEST_NAME, text.encode("utf-8", "surrogateescape"))
+    except OSError as exc:
+        shutil.rmtree(backup_dir, ignore_errors=True)  # root's 0700 tree: nobody else writes in it
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise BackupError(
+            f"could not back up {', '.join(d.name for d in dists)} into {backup_dir}: "
+            f"{exc.strerror or exc}{where}; nothing was changed",
+            hint="free space on that filesystem (or point SAFEINSTALL_STATE_DIR elsewhere) and run again",
+        ) from exc
+    return Backup(backup_dir, manifest)
+
+
+def load_backup(backup_dir: Path) -> Backup:
+    """Read a backup's manifest. Raises BackupError when it is missing (incomplete backup) or damaged."""
+    path = backup_dir / MANIFEST_NAME
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError as exc:
+        raise BackupError(
+            f"{backup_dir} holds no {MANIFEST_NAME}: the backup was never completed",
+            hint="nothing was installed from an incomplete backup's run; if files were changed by hand, "
+            "reinstall the package with uv",
+        ) from exc
+    except OSError as exc:
+        raise BackupError(
+            f"cannot read {path}: {exc.strerror or exc}", hint="run as the user that took the backup (root)"
+        ) from exc
+    try:
+        manifest = manifest_from_dict(json.loads(raw))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BackupError(
+            f"the backup manifest {path} is damaged ({exc})",
+            hint=f"the saved files are still under {backup_dir / FILES_DIR}; copy them back by hand",
+        ) from exc
+    return Backup(backup_dir, manifest)
+
+
+# --- restoring --------------------------------------------------------------------------------------
+#
+# Every change below goes through a :class:`~safeinstall.system.safefs.Tree` of the prefix: a symlink that the
+# environment's owner put anywhere below it is never followed (a saved directory that became a symlink
+# is replaced by the real directory again), so nothing outside the environment is written or deleted.
+
+
+def _current_dist_infos(env: Environment, names: frozenset[str], tree: Tree) -> list[str]:
+    """The installed ``.dist-info`` directories of ``names`` (relative; real directories only)."""
+    found: list[str] = []
+    for path in dist_info_dirs(env):
+        relative = tree.relative(path)
+        if dist_info_name(path.name) in names and relative is not None and tree.is_dir(relative):
+            found.append(relative)
+    return found
+
+
+def _record_locations(tree: Tree, dist_info: str) -> list[str]:
+    """What the RECORD in ``dist_info`` lists (relative to the prefix; outside ones as absolute paths)."""
+    try:
+        text = tree.read_bytes(f"{dist_info}/RECORD", RECORD_LIMIT).decode("utf-8", errors="replace")
+    except (OSError, ValueError):
+        return []
+    base = os.path.join(os.fspath(tree.root), os.path.dirname(dist_info))
+    return [entry_location(base, e) for e in parse_record(text).entries]
+
+
+def stale_bytecode(sources: Iterable[Path]) -> list[Path]:
+    """``__pycache__/<stem>.*.pyc`` of each ``.py`` source: a stale one is used when mtime and size match."""
+    stems: dict[Path, set[str]] = {}
+    for source in sources:
+        if source.suffix == ".py":
+            stems.setdefault(source.parent / "__pycache__", set()).add(source.stem)
+    found: list[Path] = []
+    for cache, wanted in stems.items():
+        try:
+            with Tree(cache) as listing:  # a symlinked __pycache__ is not listed
+                names = os.listdir(listing.fd)
+        except OSError:
+            continue
+        for name in names:
+            if name.endswith(".pyc") and name.split(".", 1)[0] in wanted:
+                found.append(cache / name)
+    return sorted(found)
+
+
+def _files_below(tree: Tree, root: str) -> list[str]:
+    """Files and symlinks below ``root`` (absolute; symlinked directories as links, never entered)."""
+    relative = tree.relative(root)
+    if relative is None:
+        return []
+    return [os.path.join(os.fspath(tree.root), p) for p in tree.files_below(relative)]
+
+
+@dataclass(frozen=True, slots=True)
+class _Removal:
+    """What a restore removes before it puts the saved files back (paths relative to the prefix)."""
+
+    files: tuple[str, ...]  # the installed version's files that the backup does not hold
+    debris: tuple[str, ...]  # in the saved package and .dist-info directories, not in the backup
+    dist_infos: tuple[str, ...]  # installed .dist-info directories of those names that were not saved
+    skipped_outside: tuple[str, ...]
+    kept_shared: tuple[str, ...]
+
+
+def _removal(backup: Backup, env: Environment, tree: Tree, remove: Iterable[Path]) -> _Removal:
+    manifest = backup.manifest
+    names = frozenset(d.name for d in manifest.distributions)
+    saved_paths = frozenset(f.path for f in manifest.files)
+    saved_dist_infos = {d.dist_info for d in manifest.distributions}
+    dist_infos = _current_dist_infos(env, names, tree)
+    candidates: set[str] = set()
+    for given in remove:
+        candidates.add(os.path.normpath(given if given.is_absolute() else env.prefix / given))
+    for dist_info in dist_infos:
+        candidates.update(_record_locations(tree, dist_info))
+    others = [d for d in find_distributions(env) if d.name not in names]
+    shared = {os.path.normpath(os.path.join(d.site, e.path)) for d in others for e in d.record.entries}
+    removed_whole = tuple(os.path.join(d, "") for d in dist_infos if d not in saved_dist_infos)
+    skipped_outside: list[str] = []
+    kept_shared: list[str] = []
+    files: list[str] = []
+    for path in sorted(candidates):
+        relative = tree.relative(path)
+        if relative is None:
+            skipped_outside.append(path)
+        elif relative.startswith(removed_whole) or relative in saved_paths:
+            continue  # removed with its .dist-info / put back below
+        elif path in shared:
+            kept_shared.append(path)
+        else:
+            files.append(relative)
+    debris: list[str] = []
+    # the package directories and the saved .dist-info hold exactly what was saved, nothing new;
+    # bytecode of a saved source is a cache (removed below when its source is rewritten)
+    for root in (*manifest.roots, *(d for d in dist_infos if d in saved_dist_infos)):
+        for relative in tree.files_below(root):
+            if relative in saved_paths or relative in files:
+                continue
+            source = pyc_source(PurePosixPath(relative)) if relative.endswith(".pyc") else None
+            if source is None or str(source) not in saved_paths:
+                debris.append(relative)
+    return _Removal(
+        tuple(files),
+        tuple(debris),
+        tuple(d for d in dist_infos if d not in saved_dist_infos),
+        tuple(skipped_outside),
+        tuple(kept_shared),
+    )
+
+
+def _same(saved: BackupFile, tree: Tree) -> bool:
+    """The file is there exactly as saved (content or link target, mode, owner, mtime): nothing to write."""
+    info = tree.lstat(saved.path)
+    if info is None or (stat.S_IMODE(info.st_mode), info.st_uid, info.st_gid, info.st_mtime_ns) != (
+        saved.mode,
+        saved.uid,
+        saved.gid,
+        saved.mtime_ns,
+    ):
+        return False
+    if saved.link_target is not None:
+        return stat.S_ISLNK(info.st_mode) and tree.readlink(saved.path) == saved.link_target
+    return (
+        stat.S_ISREG(info.st_mode) and info.st_size == saved.size and tree.sha256(saved.path) == saved.sha256
+    )
+
+
+def _make_directories(manifest: BackupManifest, tree: Tree, as_root: bool) -> list[str]:
+    """Recreate missing directories with their saved mode and owner (a symlink or a file where one was is
+    removed, never followed); failures as "path: reason"."""
+    failures: list[str] = []
+    for saved in manifest.directories:  # parents first
+        try:
+            tree.make_dir(saved.path, saved.mode, (saved.uid, saved.gid) if as_root else None)
+        except OSError as exc:
+            where = tree.root / saved.path
+            failures.append(f"{where}: could not recreate the directory: {exc.strerror or exc}")
+    return failures
+
+
+def _remove_own_temp_files(tree: Tree, directories: Iterable[str]) -> None:
+    for directory in directories:
+        for name in tree.names(directory) if directory else []:
+            if _TMP_MARK in name and name.startswith("."):
+                with contextlib.suppress(OSError):
+                    tree.unlink(f"{directory}/{name}")
+
+
+def _put_back(saved: BackupFile, source: Tree, tree: Tree, as_root: bool) -> bool:
+    """Put one file back atomically (temp file beside it, rename), unless it is there as saved already
+    (False: nothing written; a read-only file system that the install never changed is left alone).
+    On a full disk the file it replaces is removed first, to make the room that the copy needs: the
+    services are stopped during a restore, so atomicity matters less than finishing it."""
+    if _same(saved, tree):
+        return False
+    try:
+        _put_back_atomically(saved, source, tree, as_root)
+    except OSError as exc:
+        info = tree.lstat(saved.path)
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or info is None or stat.S_ISDIR(info.st_mode):
+            raise
+        tree.unlink(saved.path)
+        _put_back_atomically(saved, source, tree, as_root)
+    return True
+
+
+def _put_back_atomically(saved: BackupFile, source: Tree, tree: Tree, as_root: bool) -> None:
+    owner = (saved.uid, saved.gid) if as_root else None
+    if saved.link_target is not None:
+        tree.symlink(saved.path, saved.link_target, owner, saved.mtime_ns, mark=_TMP_MARK)
+        return
+    source_fd = source.open_read(saved.path)
+    try:
+        tree.write_from(saved.path, source_fd, saved.mode, owner, saved.mtime_ns, mark=_TMP_MARK)
+    finally:
+        os.close(source_fd)
+
+
+def _check(manifest: BackupManifest, tree: Tree) -> list[str]:
+    mismatches: list[str] = []
+    for saved in manifest.files:
+        if saved.link_target is None:
+            same = tree.sha256(saved.path) == saved.sha256
+        else:
+            same = tree.readlink(saved.path) == saved.link_target
+        if not same:
+            mismatches.append(str(tree.root / saved.path))
+    return sorted(mismatches)
+
+
+def check_restored(backup: Backup, prefix: Path) -> list[str]:
+    """The saved files (absolute paths) whose content or link target in ``prefix`` is not the
+    backup's: empty once a restore put them all back (an undo's verification)."""
+    with Tree(prefix) as tree, tree.batch():
+        return _check(backup.manifest, tree)
+
+
+def restore_backup(
+    backup: Backup, env: Environment, remove: Iterable[Path], workers: int | None = None
+) -> RestoreResult:
+    """Put ``backup`` back into ``env``: remove what is installed now under its names, copy back, check.
+
+    ``remove``: the files the installed (or half-installed) version has, e.g. its RECORD locations
+    and the locations of the new wheel's members. Paths outside the prefix, and paths another
+    installed distribution lists, are left alone (and reported). When the environment already holds
+    exactly what was saved, nothing is written (:attr:`RestoreResult.unchanged`). Never raises for one
+    file: failures are collected; check :attr:`RestoreResult.ok`.
+
+    What is removed is named by files the environment's owner could write (the installed RECORDs):
+    the removal runs in a worker that is that owner (:func:`_remove_as_owner`), so it removes nothing
+    the owner could not. The put-back writes only what root saved, at the paths root recorded.
+    """
+    manifest = backup.manifest
+    prefix = env.prefix
+    if Path(manifest.prefix) != prefix:
+        raise BackupError(
+            f"the backup {backup.dir} is of {manifest.prefix}, not of {prefix}",
+            hint="pass the --python of the environment the backup was taken from",
+        )
+    try:
+        with Tree(prefix) as tree, tree.batch():
+            removal = _removal(backup, env, tree, remove)
+            stop = [
+                r
+                for r in (tree.relative(p) for p in (*env.site_dirs, env.scripts, env.data))
+                if r is not None
+            ]
+        removed = _remove_as_owner(env, removal, stop)
+        tree, source = Tree(prefix), Tree(backup.files_dir)  # opened anew: the worker changed directories
+    except OSError as exc:
+        raise BackupError(
+            f"cannot open {exc.filename}: {exc.strerror or exc}",
+            hint="the environment's prefix and the backup must be real directories",
+        ) from exc
+    with tree, source, tree.batch(), source.batch():
+        return _restore(backup, tree, source, removal, removed, workers)
+
+
+@dataclass(frozen=True, slots=True)
+class _Removed:
+    """What the owner's worker removed (paths relative to the prefix), and what it could not."""
+
+    files: tuple[str, ...]
+    dist_infos: tuple[str, ...]
+    denied: tuple[str, ...]  # "path: reason": the owner may not remove it, so it is not the install's
+    failures: tuple[str, ...]
+
+
+#: How long the owner's worker may take to remove an installed version (tens of thousands of files)
+REMOVAL_TIMEOUT_S = 300.0
+
+
+def _remove_as_owner(env: Environment, removal: _Removal, stop: list[str]) -> _Removed:
+    """Remove ``removal`` in a worker that is the environment's owner (root's own, isolated alike, for a
+    root-owned environment); its answer is checked: only paths that were asked count as removed."""
+    files = [*removal.files, *removal.debris]
+    asked_files, asked_dirs = frozenset(files), frozenset(removal.dist_infos)
+    if not files and not asked_dirs:
+        return _Removed((), (), (), ())
+    ids = None if env.account is None else env.account.ids
+    prefix = str(env.prefix)
+    try:
+        answer = worker.call(
+            ids,
+            lambda: owner.remove_installed(prefix, files, list(removal.dist_infos), stop),
+            timeout=REMOVAL_TIMEOUT_S,
+            what=f"removes the installed version's files from {prefix}",
+        )
+    except worker.WorkerError as exc:
+        return _Removed((), (), (), (exc.message,))
+
+    def strings(key: str, allowed: frozenset[str] | None = None) -> tuple[str, ...]:
+        value = answer.get(key) if isinstance(answer, dict) else None
+        if not isinstance(value, list):
+            return ()
+        texts = [v[:1000] for v in value if isinstance(v, str)]
+        return tuple(t for t in texts if allowed is None or t in allowed)
+
+    if not isinstance(answer, dict):
+        return _Removed((), (), (), ("the worker that removed the installed version answered nonsense",))
+    return _Removed(
+        strings("removed", asked_files),
+        strings("removed_dist_infos", asked_dirs),
+        tuple(f"{prefix}/{t}" for t in strings("denied")[:100]),
+        tuple(f"{prefix}/{t}: could not remove it" for t in strings("failures")[:100]),
+    )
+
+
+def _restore(
+    backup: Backup, tree: Tree, source: Tree, removal: _Removal, removed: _Removed, workers: int | None
+) -> RestoreResult:
+    manifest = backup.manifest
+    as_root = os.geteuid() == 0
+    restoring = {f.path for f in manifest.files}
+    failures = list(removed.failures)
+    failures.extend(_make_directories(manifest, tree, as_root))
+    _remove_own_temp_files(tree, {os.path.dirname(p) for p in restoring})  # left by a restore that crashed
+    rewritten: list[str] = []
+    with ThreadPoolExecutor(max_workers=workers or default_workers(), thread_name_prefix="restore") as pool:
+        futures = {pool.submit(_put_back, f, source, tree, as_root): f for f in manifest.files}
+        for future in as_completed(futures):
+            try:
+                if future.result():
+                    rewritten.append(futures[future].path)
+            except OSError as exc:
+                where = tree.root / futures[future].path
+                failures.append(f"{where}: could not restore it: {exc.strerror or exc}")
+    # bytecode of removed or rewritten sources could be stale (saved .pyc files are back already)
+    for pyc in stale_bytecode([tree.root / p for p in (*removed.files, *rewritten)]):
+        stale = tree.relative(pyc)
+        if stale is not None and stale not in restoring:
+            with contextlib.suppress(OSError):
+                tree.unlink(stale)
+    with contextlib.suppress(OSError, ValueError):
+        fsync_dirs(tree, sorted({os.path.dirname(p) for p in rewritten}))
+    return RestoreResult(
+        restored=len(manifest.files),
+        removed=len(removed.files),
+        removed_dist_infos=tuple(str(tree.root / d) for d in removed.dist_infos),
+        mismatches=tuple(_check(manifest, tree)),
+        failures=tuple(sorted(failures)),
+        skipped_outside=removal.skipped_outside,
+        kept_shared=removal.kept_shared,
+        not_removed=removed.denied,
+        unchanged=not (rewritten or removed.files or removed.dist_infos or failures),
+    )
+
+
+# --- --prune ----------------------------------------------------------------------------------------
+
+
+def prune_into(backup: Backup, prefix: Path, paths: Iterable[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Move leftover files (absolute paths inside ``prefix``) into ``<backup>/pruned/``: a regular file by
+    content, a symlink as the link itself (its target is never read); a FIFO, a device, or anything
+    outside the prefix or below a symlink is left alone. (the paths pruned, notes on those left)."""
+    pruned: list[str] = []
+    notes: list[str] = []
+    ensure_dir(backup.dir / PRUNED_DIR)
+    with Tree(prefix) as tree, Tree(backup.dir / PRUNED_DIR) as dest:
+        for path in paths:
+            relative = tree.relative(path)
+            if relative is None:
+                notes.append(f"not pruned: {path} is outside {prefix}")
+                continue
+            try:
+                tree.copy_out(relative, dest, relative)
+            except NotRegularFile as exc:
+                notes.append(f"not pruned: {path} is {exc.what}")
+                continue
+            except FileNotFoundError:
+                continue
+            tree.unlink(relative)
+            pruned.append(path)
+    return tuple(pruned), tuple(notes)

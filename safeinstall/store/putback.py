@@ -1,0 +1,112 @@
+"""The one put-back sequence, for a run's rollback and for ``--recover``: the backup written back, the
+gate opened, the stopped units started again, the gate drop-ins removed, the journal cleared.
+
+It sits beside the backup and the journal it drives; the run (:mod:`safeinstall.run.reinstall`) and the
+recovery (:mod:`safeinstall.run.recover`) both call :func:`put_back` and nothing else to put things back.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from safeinstall.env.environment import Environment
+from safeinstall.env.wheel import environment_files, install_location, read_wheel
+from safeinstall.env.wheelcopy import discard_wheel_copy, is_wheel_copy
+from safeinstall.errors import SafeInstallError
+from safeinstall.store.backup import Backup, restore_backup
+from safeinstall.store.journal import Journal, JournalUnit, clear_journal, units_to_start
+from safeinstall.system.gate import GATE_DROPIN, gate_marker
+from safeinstall.system.systemd import Systemd
+
+
+def restore_previous(env: Environment, backup: Backup, wheel_path: Path | None, state_dir: Path) -> bool:
+    """Put the backed-up distributions back, removing whatever (half-)install is there now; False when
+    the files were found exactly as saved (nothing was written: nothing had been installed).
+
+    :func:`restore_backup` removes what the installed ``.dist-info`` of those names list; the new
+    wheel's files are added here, for an install that died before it wrote its RECORD. Only the run's
+    own copy of the wheel, in the state directory, is read: never a path others can write.
+    """
+    remove: list[Path] = []
+    if wheel_path is not None and is_wheel_copy(wheel_path, state_dir):
+        try:
+            wheel = read_wheel(wheel_path)
+        except SafeInstallError:
+            wheel = None
+        if wheel is not None:
+            own = environment_files(env)  # never removed, whatever a wheel says (preflight refuses those)
+            for member in wheel.members:
+                location = install_location(wheel, member, env)
+                if location is not None and str(location) not in own:
+                    remove.append(location)
+    result = restore_backup(backup, env, remove)
+    if not result.ok:
+        problems = [*result.mismatches, *result.failures][:5]
+        raise SafeInstallError(
+            f"restoring the backup {backup.dir} failed: {problems}",
+            hint="the backup is kept; fix the cause (disk full? permissions?) and run safeinstall --recover",
+        )
+    return not result.unchanged
+
+
+@dataclass(frozen=True, slots=True)
+class PutBack:
+    restored: bool  # the backup was written back
+    unchanged: bool  # a restore was due, but the files were found exactly as saved: nothing written
+    started: tuple[str, ...]
+    gates_removed: tuple[str, ...]
+    notes: tuple[str, ...]
+
+
+def put_back(
+    state_dir: Path,
+    journal: Journal,
+    environ: Mapping[str, str],
+    restore: tuple[Environment, Backup] | None,
+    start: Callable[[list[JournalUnit]], None],
+    finished: Callable[[PutBack], None] = lambda done: None,
+) -> PutBack:
+    """The one put-back sequence, for the rollback and for ``--recover``: restore the backup (when
+    ``restore`` is given), open the gate, start the units the run stopped that were running (also when
+    the restore found nothing changed), remove the gate drop-ins, clear the journal and drop the run's
+    copy of the wheel. ``start`` starts and watches units (raises SafeInstallError when one does not come
+    up); ``finished`` is given what was done just before the journal is cleared. Raises SafeInstallError;
+    the journal is then kept."""
+    notes: list[str] = []
+    restored = unchanged = False
+    if restore is not None:
+        env, backup = restore
+        restored = restore_previous(env, backup, Path(journal.wheel) if journal.wheel else None, state_dir)
+        unchanged = not restored
+        if unchanged:
+            notes.append("the files were found as they were before the run: nothing to restore")
+    gate_marker(state_dir).unlink(missing_ok=True)
+    units = units_to_start(journal)
+    start(units)
+    gates = remove_gates(journal, environ, notes)
+    done = PutBack(restored, unchanged, tuple(u.name for u in units), gates, tuple(notes))
+    finished(done)
+    clear_journal(state_dir)
+    if journal.wheel:
+        discard_wheel_copy(Path(journal.wheel), state_dir)
+    return done
+
+
+def remove_gates(journal: Journal, environ: Mapping[str, str], notes: list[str]) -> tuple[str, ...]:
+    removed: list[str] = []
+    managers: dict[bool, Systemd] = {}
+    for unit in journal.units:
+        systemd = managers.setdefault(unit.user_manager, Systemd(user=unit.user_manager, environ=environ))
+        try:
+            if systemd.remove_dropin(unit.name, GATE_DROPIN, persistent=True):
+                removed.append(unit.name)
+        except SafeInstallError as exc:
+            notes.append(f"could not ask the manager to remove the gate of {unit.name}: {exc.message}")
+    for path in journal.gate:  # checked: only these units' own gate drop-ins (read_checked_journal)
+        if os.path.lexists(path):
+            os.unlink(path)
+            removed.append(path)
+    return tuple(removed)

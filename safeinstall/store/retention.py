@@ -1,0 +1,81 @@
+"""Which old backups go: after a successful run, an environment keeps only its newest backups.
+
+A backup holds every file of the distributions a run replaced (for vLLM, a few GB). Kept forever they
+fill the disk, and a full disk is how one of the machines this tool is for died mid-job. After a run
+that ended well, the newest ``keep`` backups of that environment stay (the run's own among them) and
+older ones are deleted. Nothing else is touched: a failed run ends before this, keeping its backup
+with its journal, and a directory whose name is not a run id is never deleted.
+
+:func:`backups_to_remove` is the pure choice; :func:`prune_backups` does the deleting.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+#: Backups kept per environment unless ``--keep-backups`` says otherwise.
+DEFAULT_KEEP = 3
+#: A run id as :func:`safeinstall.store.state.new_run_id` makes it: ``20261130T041125Z-19214``.
+_RUN_ID = re.compile(r"\d{8}T\d{6}Z-\d+")
+
+
+def is_run_id(name: str) -> bool:
+    return _RUN_ID.fullmatch(name) is not None
+
+
+def backups_to_remove(names: Iterable[str], keep: int, protected: Collection[str]) -> tuple[str, ...]:
+    """The backups to delete, oldest first: all run ids but the newest ``keep``, never ``protected``.
+
+    Run ids start with their UTC time, so they sort by age. Names that are not run ids are not
+    counted and never chosen.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, not {keep}")
+    newest_first = sorted((name for name in names if is_run_id(name)), reverse=True)
+    return tuple(sorted(name for name in newest_first[keep:] if name not in protected))
+
+
+def _remove_tree(path: Path) -> list[str]:
+    """``rm -r path``, going on past errors; each error as "path: reason". Only for a backup: root's
+    0700 tree, which nobody else can change meanwhile (unlike uv's run directories, which go through
+    :func:`safeinstall.system.safefs.remove_at`)."""
+    failures: list[str] = []
+
+    def note(_function: object, where: str, error: BaseException) -> None:
+        failures.append(f"{where}: {getattr(error, 'strerror', None) or error}")
+
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=note)
+    else:
+        shutil.rmtree(path, onerror=lambda function, where, info: note(function, where, info[1]))
+    return failures
+
+
+@dataclass(frozen=True, slots=True)
+class Pruned:
+    removed: tuple[Path, ...]
+    problems: tuple[str, ...]  # "path: reason" for each backup that could not be deleted
+
+
+def prune_backups(backups: Path, keep: int, protected: Collection[str]) -> Pruned:
+    """Delete the old backups under ``backups`` (see :func:`backups_to_remove`); never raises."""
+    try:
+        names = [entry.name for entry in os.scandir(backups) if entry.is_dir(follow_symlinks=False)]
+    except OSError as exc:
+        return Pruned((), (f"{backups}: could not list it: {exc.strerror or exc}",))
+    removed: list[Path] = []
+    problems: list[str] = []
+    for name in backups_to_remove(names, keep, protected):
+        path = backups / name
+        failures = _remove_tree(path)
+        if failures:
+            problems.append(f"{path}: could not delete it all ({failures[0]})")
+        else:
+            removed.append(path)
+    return Pruned(tuple(removed), tuple(problems))

@@ -1,0 +1,599 @@
+"""The state directory: where locks, journals, backups and logs of runs live.
+
+Layout::
+
+    <root>/                         0700 (0711, see below); $SAFEINSTALL_STATE_DIR, /var/lib/safeinstall
+                                    (root) or $XDG_STATE_HOME/safeinstall (default ~/.local/state/safeinstall)
+    <root>/<basename>-<sha256[:12]>/  one per target environment, keyed by its (real) prefix; 0700 (0711)
+        prefix                      the prefix, as text (so --status/--recover can name it)
+        lock                        held by the running run (see :mod:`safeinstall.system.lock`)
+        journal.json                the running (or crashed) run (see :mod:`safeinstall.store.journal`)
+        backups/<run-id>/           the files replaced by that run (see :mod:`safeinstall.store.backup`)
+        logs/<run-id>.log
+        uv-cache-<run-id>/          uv's cache for that run only (filled by the prefetch, the install
+                                    hardlinks from it); deleted when the run ends
+        prefetch-<run-id>/, keep-patches-<run-id>/   uv's scratch ``--target`` directories of that run
+        wheels/<random>/<name>.whl  the run's own copy of the wheel (see :mod:`safeinstall.env.wheelcopy`)
+        history/<run-id>.json       the final result of each finished run (:mod:`safeinstall.store.history`)
+        patches/<run-id>.patch      the local patches a --keep-patches run carried to the new version
+        baseline.json               what runs verified against their wheels where the wheel's RECORD is
+                                    wrong (see :mod:`safeinstall.store.baseline`)
+
+Path computation is pure (``environ`` and ``euid`` are parameters); :func:`ensure_dir` and
+:func:`ensure_environment_dir` are the only functions that touch the disk, plus the listing.
+
+Trust: safeinstall runs as root and acts on what it finds here (a journal names units to start and a
+backup to restore), so every command first checks that nobody else could have put it there: the state
+root, each of its parents and each environment directory must be owned by root or the caller and
+writable by nobody else (:func:`trust_problem`; a root-owned sticky directory such as ``/tmp`` is fine
+as a parent, as OpenSSH's StrictModes treats it).
+
+An environment that belongs to another account (a service account) has uv run as that account
+(:mod:`safeinstall.env.uvplan`), which must reach the run's uv cache, its scratch directories and its copy
+of the wheel by name: a run of such an environment makes the state root and the environment's directory
+0711 (entered by name, never listed nor written by others; :func:`let_through`), the run's uv cache and
+scratch directories that account's own (0700, :func:`make_run_dir`), and the wheel copy readable by it
+(root's; an ACL lets that account's uid read it). Everything else stays root's and private: journals,
+backups, logs, the lock (0700/0600). What the account owned is deleted by directory descriptor
+(:func:`safeinstall.system.safefs.remove_at`): a symlink it put there is removed, never followed nor
+opened, even one swapped in while root deletes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import re
+import stat
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+
+from safeinstall.env.environment import Account
+from safeinstall.errors import SafeInstallError
+from safeinstall.system import owner, worker
+from safeinstall.system.safefs import Tree, others_who_write, permitted
+
+STATE_DIR_VARIABLE = "SAFEINSTALL_STATE_DIR"
+SYSTEM_STATE_ROOT = Path("/var/lib/safeinstall")
+PREFIX_FILE = "prefix"
+LOCK_FILE = "lock"
+JOURNAL_FILE = "journal.json"
+BACKUPS_DIR = "backups"
+LOGS_DIR = "logs"
+UV_CACHE_PREFIX = "uv-cache-"
+PREFETCH_PREFIX = "prefetch-"
+KEEP_PATCHES_PREFIX = "keep-patches-"
+#: The run's own directories for uv: its cache and its scratch ``--target`` directories
+RUN_DIR_PREFIXES = (UV_CACHE_PREFIX, PREFETCH_PREFIX, KEEP_PATCHES_PREFIX)
+HISTORY_DIR = "history"
+PATCHES_DIR = "patches"
+PRIVATE_MODE = 0o700
+#: The state root and an environment's directory when uv runs as the environment's owner: it may enter
+#: them (to reach its own directories by name), not list or write them
+PASSABLE_MODE = 0o711
+_KEY_DIGEST_CHARS = 12
+#: Temp files of :func:`atomic_write`: ``.<name>.<random>.tmp`` beside the target.
+TMP_SUFFIX = ".tmp"
+_PREFIX_MAX = 64 * 1024
+
+
+class StateDirError(SafeInstallError):
+    """The state directory cannot be used safely (wrong owner, not a directory, not writable)."""
+
+    code = "state-dir"
+
+
+@dataclass(frozen=True, slots=True)
+class EnvironmentState:
+    """The state paths of one target environment."""
+
+    root: Path  # the state root
+    dir: Path  # <root>/<key>
+    prefix: Path | None  # None when listed and its prefix file is missing/unreadable
+    #: why this (listed) directory must not be used: not owned by root or the caller, writable by others
+    problem: str | None = None
+
+    @property
+    def key(self) -> str:
+        return self.dir.name
+
+    @property
+    def prefix_file(self) -> Path:
+        return self.dir / PREFIX_FILE
+
+    @property
+    def lock(self) -> Path:
+        return self.dir / LOCK_FILE
+
+    @property
+    def journal(self) -> Path:
+        return self.dir / JOURNAL_FILE
+
+    @property
+    def backups(self) -> Path:
+        return self.dir / BACKUPS_DIR
+
+    @property
+    def logs(self) -> Path:
+        return self.dir / LOGS_DIR
+
+    @property
+    def history(self) -> Path:
+        return self.dir / HISTORY_DIR
+
+    @property
+    def patches(self) -> Path:
+        return self.dir / PATCHES_DIR
+
+    def patch_file(self, run_id: str) -> Path:
+        return self.patches / f"{run_id}.patch"
+
+    def backup_dir(self, run_id: str) -> Path:
+        return self.backups / run_id
+
+    def log_file(self, run_id: str) -> Path:
+        return self.logs / f"{run_id}.log"
+
+    def uv_cache(self, run_id: str) -> Path:
+        return self.dir / f"{UV_CACHE_PREFIX}{run_id}"
+
+    def prefetch_dir(self, run_id: str) -> Path:
+        return self.dir / f"{PREFETCH_PREFIX}{run_id}"
+
+    def keep_patches_dir(self, run_id: str) -> Path:
+        return self.dir / f"{KEEP_PATCHES_PREFIX}{run_id}"
+
+
+def make_run_dir(path: Path, account: Account | None) -> Path:
+    """Make the run's directory ``path`` (its uv cache, a scratch directory: a child of an environment's
+    state directory), 0700; with ``account``, the directory is that account's (uv runs as it). What
+    is in the way (a leftover) is removed first, by descriptor. Returns ``path``."""
+    if not remove_run_dir(path):
+        raise OSError(errno.ENOTEMPTY, "a leftover could not be removed", str(path))
+    with Tree(path.parent) as tree:
+        tree.make_dir(path.name, PRIVATE_MODE, None if account is None else account.ids)
+    return path
+
+
+#: How long the run's uv cache (or a scratch directory) may take to delete: its owner may keep filling
+#: it (a ``.pth`` file learns ``UV_CACHE_DIR`` in every uv call). Past it, what is left stays for the
+#: next run or ``--recover``, which try again.
+RUN_DIR_REMOVAL_S = 30.0
+#: The same bound while the services are down (a rollback, ``--recover``): the restore goes on
+#: after it, and the rest is removed once the units run again.
+PUT_BACK_CACHE_S = 10.0
+
+
+def remove_run_dir(path: Path, seconds: float = RUN_DIR_REMOVAL_S) -> bool:
+    """Delete the run's directory ``path`` (best effort, bounded by ``seconds``); True when it is gone.
+
+    Its contents are the directory owner's (uv ran as the environment's account): they are removed by a
+    worker that is that owner (:mod:`safeinstall.system.worker`), by descriptor, so a symlink left there is
+    removed, never followed, and nothing the owner could not delete is deleted. Root then removes the
+    emptied directory itself, from its own state directory (never what was put back into it)."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    if stat.S_ISDIR(info.st_mode):
+        ids = None if info.st_uid == 0 else (info.st_uid, info.st_gid)
+        with contextlib.suppress(worker.WorkerError):
+            worker.call(
+                ids,
+                lambda: owner.empty_directory(str(path), seconds),
+                timeout=seconds + 5,
+                what=f"empties {path}",
+            )
+    with contextlib.suppress(OSError), Tree(path.parent) as tree, tree.parent(path.name) as (fd, name):
+        try:
+            os.rmdir(name, dir_fd=fd)
+        except NotADirectoryError:  # a file or a symlink in its place: the entry itself goes
+            os.unlink(name, dir_fd=fd)
+    return not os.path.lexists(path)
+
+
+def remove_uv_caches(
+    state: EnvironmentState, run_id: str | None = None, seconds: float = RUN_DIR_REMOVAL_S
+) -> tuple[str, ...]:
+    """Delete the run-private uv cache and scratch directories of ``run_id`` (None: every one left by
+    runs that died), as :func:`remove_run_dir` does, within ``seconds`` in all. Installed files
+    hardlinked from the cache then share their inodes with nothing. Returns the ones left."""
+    try:
+        names = os.listdir(state.dir)
+    except OSError:
+        return ()
+    left: list[str] = []
+    deadline = time.monotonic() + seconds
+    for name in names:
+        for prefix in RUN_DIR_PREFIXES:
+            mine = name.startswith(prefix) and (run_id is None or name == prefix + run_id)
+            if mine and not remove_run_dir(state.dir / name, max(0.0, deadline - time.monotonic())):
+                left.append(str(state.dir / name))
+    return tuple(left)
+
+
+@dataclass(frozen=True, slots=True)
+class DirStatus:
+    path: Path
+    created: bool
+    old_mode: int | None = None  # set when group/other could read it and it was tightened to 0700
+
+    @property
+    def warning(self) -> str | None:
+        if self.old_mode is None:
+            return None
+        return (
+            f"{self.path} was mode {self.old_mode:04o} (group/other could read it); "
+            f"tightened it to {PRIVATE_MODE:04o}"
+        )
+
+
+def state_root(environ: Mapping[str, str], euid: int) -> Path:
+    """Where the state lives, from the environment variables and the effective uid; a real path (the
+    trust check and the safe filesystem layer then see no symlink in it)."""
+    return Path(os.path.realpath(_state_root(environ, euid)))
+
+
+def _state_root(environ: Mapping[str, str], euid: int) -> Path:
+    override = environ.get(STATE_DIR_VARIABLE)
+    if override:
+        return Path(os.path.abspath(os.path.expanduser(override)))
+    if euid == 0:
+        return SYSTEM_STATE_ROOT
+    xdg = environ.get("XDG_STATE_HOME")
+    if xdg and os.path.isabs(xdg):  # the XDG spec: relative values are invalid and ignored
+        return Path(xdg) / "safeinstall"
+    home = environ.get("HOME") or os.path.expanduser("~")
+    return Path(home) / ".local" / "state" / "safeinstall"
+
+
+def environment_key(prefix: Path) -> str:
+    """Pure: ``<basename>-<first 12 hex of sha256(prefix)>``; pass the real path (Environment.prefix is)."""
+    text = os.fspath(prefix)
+    digest = hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:_KEY_DIGEST_CHARS]
+    base = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in prefix.name) or "root"
+    return f"{base.lstrip('.') or 'env'}-{digest}"
+
+
+def environment_state(root: Path, prefix: Path) -> EnvironmentState:
+    """Pure: the state paths of the environment whose real prefix is ``prefix``."""
+    return EnvironmentState(root=root, dir=root / environment_key(prefix), prefix=prefix)
+
+
+def new_run_id(now: datetime, pid: int) -> str:
+    """Pure: a sortable run id, e.g. ``20261130T031201Z-1234``."""
+    return f"{now.astimezone(UTC).strftime('%Y%m%dT%H%M%SZ')}-{pid}"
+
+
+_RUN_ID = re.compile(r"\d{8}T\d{6}Z-\d{1,10}")
+
+
+def is_run_id(text: str) -> bool:
+    """Pure: whether ``text`` has the shape :func:`new_run_id` gives (and so is safe in a file name)."""
+    return _RUN_ID.fullmatch(text) is not None
+
+
+def mode_problem(mode: int, owner: int, euid: int) -> str | None:
+    """Pure: why a directory with this ``st_mode``/``st_uid`` must not be used, or None."""
+    if not stat.S_ISDIR(mode):
+        return "it is not a directory"
+    if owner != euid:
+        return f"it is owned by uid {owner}, not by uid {euid} which runs safeinstall"
+    return None
+
+
+def trust_problem(mode: int, owner: int, euid: int, *, parent: bool, gid: int = -1) -> str | None:
+    """Pure: why another user could change what a directory (the state directory, or one of its
+    ``parent`` directories) holds, or None. Owned by root or the caller, writable by nobody else
+    (:func:`safeinstall.system.safefs.others_who_write`, the rule the environment's owner check uses too; an
+    unknown ``gid`` counts as another group's); a parent may be a root-owned sticky directory (``/tmp``:
+    others cannot rename or delete what is ours).
+    """
+    if not stat.S_ISDIR(mode):
+        return "it is not a directory"
+    if owner not in (0, euid):
+        return f"it is owned by uid {owner}, not by root or uid {euid} which runs safeinstall"
+    who = others_who_write(mode, gid)
+    if who is not None and not (parent and owner == 0 and mode & stat.S_ISVTX):
+        return f"it is mode {stat.S_IMODE(mode):04o}: {who} may write to it"
+    return None
+
+
+def _untrusted(path: Path, problem: str) -> StateDirError:
+    return StateDirError(
+        f"refusing to use the state directory {path}: {problem}",
+        hint="another user could have planted what safeinstall would act on as root there; make it "
+        f"(and its parents) owned by root or you and writable by nobody else (chmod go-w), "
+        f"or set {STATE_DIR_VARIABLE} to another directory",
+    )
+
+
+def check_trusted(path: Path, euid: int | None = None) -> None:
+    """Refuse (StateDirError) unless ``path`` and every directory above it is trusted (see
+    :func:`trust_problem`). The chain checked is that of the real path: a symlink on the way counts
+    as the directories it leads to. A ``path`` that does not exist yet is fine if its parents are."""
+    uid = os.geteuid() if euid is None else euid
+    real = Path(os.path.realpath(path))
+    for directory in (*reversed(real.parents), real):
+        try:
+            info = os.lstat(directory)
+        except FileNotFoundError:
+            return  # created later, by us, below directories already checked
+        except OSError as exc:
+            raise StateDirError(
+                f"cannot inspect {directory} (above the state directory {path}): {exc.strerror or exc}",
+                hint=f"check the path, or set {STATE_DIR_VARIABLE} to another directory",
+            ) from exc
+        problem = trust_problem(info.st_mode, info.st_uid, uid, parent=directory != real, gid=info.st_gid)
+        if problem is not None:
+            raise _untrusted(path, problem if directory == real else f"its parent {directory}: {problem}")
+
+
+def check_passable(root: Path, account: Account) -> None:
+    """Refuse (StateDirError) a state root that ``account`` (the environment's owner, as whom uv runs)
+    could not reach: one of the directories above it is closed to it (its uid and primary group only, as
+    uv runs; access control lists are not read). The root and the environment's directory themselves
+    are made passable by the run (:func:`let_through`)."""
+    real = Path(os.path.realpath(root))
+    for directory in reversed(real.parents):
+        try:
+            info = os.stat(directory)
+        except FileNotFoundError:
+            return  # created by the run, with the default mode
+        except OSError as exc:
+            raise StateDirError(
+                f"cannot inspect {directory} (above the state directory {root}): {exc.strerror or exc}",
+                hint=f"check the path, or set {STATE_DIR_VARIABLE} to another directory",
+            ) from exc
+        if not permitted(info.st_mode, info.st_uid, info.st_gid, account.ids, 0o1):
+            raise StateDirError(
+                f"uv runs as uid {account.uid}, the environment's owner, and could not reach the run's uv "
+                f"cache in the state directory {root}: {directory} is mode {stat.S_IMODE(info.st_mode):04o}, "
+                f"closed to uid {account.uid}",
+                hint=f"set {STATE_DIR_VARIABLE} to a directory whose parents others may enter (the default "
+                f"{SYSTEM_STATE_ROOT} is one), or let them in (chmod o+x {directory}); nothing was stopped",
+            )
+
+
+def let_through(state: EnvironmentState) -> None:
+    """Make the state root and the environment's directory :data:`PASSABLE_MODE` (0711), so that the
+    environment's owner reaches the run's own directories in it by name (see the module)."""
+    for directory in (Path(os.path.realpath(state.root)), state.dir):
+        try:
+            if stat.S_IMODE(os.lstat(directory).st_mode) != PASSABLE_MODE:
+                os.chmod(directory, PASSABLE_MODE)  # root's own directories (ensure_dir checked them)
+        except OSError as exc:
+            raise StateDirError(
+                f"cannot let the environment's owner through {directory}: {exc.strerror or exc}",
+                hint=f"run chmod {PASSABLE_MODE:04o} {directory}; nothing was stopped",
+            ) from exc
+
+
+def _usable(path: Path, *, missing_ok: bool) -> os.stat_result | None:
+    """The stat of the state directory ``path``; None when it is missing and that is ok. Refuses one
+    that cannot be inspected, is not a directory or is not ours."""
+    try:
+        info = os.lstat(path)  # a symlink is not a directory: it could lead anywhere
+    except OSError as exc:
+        if missing_ok and isinstance(exc, FileNotFoundError):
+            return None
+        raise StateDirError(
+            f"cannot inspect the state directory {path}: {exc.strerror or exc}",
+            hint=f"check the path, or set {STATE_DIR_VARIABLE} to another directory",
+        ) from exc
+    problem = mode_problem(info.st_mode, info.st_uid, os.geteuid())
+    if problem is not None:
+        raise StateDirError(
+            f"refusing to use the state directory {path}: {problem}",
+            hint=f"remove or fix it (it must be a directory owned by you, mode {PRIVATE_MODE:04o}), "
+            f"or set {STATE_DIR_VARIABLE} to another directory",
+        )
+    return info
+
+
+def ensure_dir(path: Path, mode: int = PRIVATE_MODE) -> DirStatus:
+    """Create ``path`` (and parents) with ``mode``; refuse foreign or odd ones, tighten loose modes."""
+    created = False
+    try:
+        path.mkdir(parents=True, mode=mode)
+        created = True
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise StateDirError(
+            f"cannot create the state directory {path}: {exc.strerror or exc}",
+            hint=f"check its parent's permissions, or set {STATE_DIR_VARIABLE} to a writable directory",
+        ) from exc
+    info = _usable(path, missing_ok=False)
+    assert info is not None
+    current = stat.S_IMODE(info.st_mode)
+    if not created and others_who_write(info.st_mode, info.st_gid) is not None:  # do not adopt it
+        raise _untrusted(
+            path, trust_problem(info.st_mode, info.st_uid, os.geteuid(), parent=False, gid=info.st_gid) or ""
+        )
+    if created and current != mode:  # mkdir's mode is masked by the umask
+        os.chmod(path, mode)
+    if not created and current & 0o066:  # 0711 (PASSABLE_MODE) stays: nobody else may list it
+        try:
+            os.chmod(path, mode)
+        except OSError as exc:
+            raise StateDirError(
+                f"the state directory {path} is mode {current:04o} and could not be tightened: "
+                f"{exc.strerror or exc}",
+                hint=f"run chmod {mode:04o} {path}",
+            ) from exc
+        return DirStatus(path=path, created=False, old_mode=current)
+    return DirStatus(path=path, created=created)
+
+
+def ensure_environment_dir(state: EnvironmentState) -> tuple[DirStatus, ...]:
+    """Create the state root and the environment's directories; record its prefix for listings.
+    Refuses (StateDirError) a state root that is not trusted, parents included (:func:`check_trusted`)."""
+    check_trusted(state.root)
+    root = Path(os.path.realpath(state.root))  # a symlinked root is checked (and used) where it leads
+    statuses = tuple(ensure_dir(p) for p in (root, state.dir, state.backups, state.logs))
+    if state.prefix is not None:
+        text = os.fspath(state.prefix) + "\n"
+        try:
+            current: str | None = read_private_file(state.prefix_file, _PREFIX_MAX).decode(
+                "utf-8", errors="surrogateescape"
+            )
+        except (OSError, StateDirError):
+            current = None
+        if current != text:
+            atomic_write(state.prefix_file, text.encode("utf-8", "surrogateescape"))
+    return statuses
+
+
+def check_environment_dir(state: EnvironmentState) -> None:
+    """For a dry-run: refuse as :func:`ensure_environment_dir` would, creating nothing (a directory that
+    is there must be usable; one that is not must be creatable in its nearest existing parent)."""
+    check_trusted(state.root)
+    for path in (state.root, state.dir, state.backups, state.logs):
+        if _usable(path, missing_ok=True) is None:
+            parent = path.parent
+            while not parent.exists() and parent != parent.parent:
+                parent = parent.parent
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise StateDirError(
+                    f"cannot create the state directory {path}: {parent} is not writable",
+                    hint=f"check its permissions, or set {STATE_DIR_VARIABLE} to a writable directory",
+                )
+            return  # the ones below it are made with it
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Write ``path`` whole or not at all: temp file beside it, fsync, rename, fsync the directory."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
+    try:
+        try:
+            os.fchmod(fd, mode)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def file_problem(mode: int, owner: int, size: int, euid: int, max_bytes: int, gid: int = -1) -> str | None:
+    """Pure: why a file of the state directory (a journal, a prefix file) must not be believed, or None."""
+    if not stat.S_ISREG(mode):
+        return "it is not a regular file"
+    if owner not in (0, euid):
+        return f"it is owned by uid {owner}, not by root or uid {euid} which runs safeinstall"
+    who = others_who_write(mode, gid)
+    if who is not None:
+        return f"it is mode {stat.S_IMODE(mode):04o}: {who} may write to it"
+    if size > max_bytes:
+        return f"it is {size} bytes, more than the {max_bytes} such a file ever needs"
+    return None
+
+
+def read_private_file(path: Path, max_bytes: int) -> bytes:
+    """The bytes of a file safeinstall wrote in its state directory, checked before it is believed:
+    not a symlink (``O_NOFOLLOW``), not a FIFO or device (``O_NONBLOCK``, then regular), owned by root
+    or the caller, writable by nobody else, at most ``max_bytes``. FileNotFoundError when absent;
+    StateDirError saying what is wrong otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise StateDirError(
+                f"refusing to read {path}: it is a symbolic link",
+                hint="safeinstall never writes one there; remove it",
+            ) from exc
+        raise
+    try:
+        info = os.fstat(fd)
+        problem = file_problem(info.st_mode, info.st_uid, info.st_size, os.geteuid(), max_bytes, info.st_gid)
+        if problem is not None:
+            raise StateDirError(
+                f"refusing to read {path}: {problem}",
+                hint="safeinstall writes its state files itself, mode 0600; someone else put this one "
+                "there: look at it, then remove it",
+            )
+        chunks: list[bytes] = []
+        while chunk := os.read(fd, max_bytes + 1 - sum(map(len, chunks))):
+            chunks.append(chunk)
+            if sum(map(len, chunks)) > max_bytes:
+                raise StateDirError(f"refusing to read {path}: it grew past {max_bytes} bytes")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _read_prefix(path: Path) -> Path | None:
+    try:
+        text = read_private_file(path, _PREFIX_MAX).decode("utf-8", errors="surrogateescape").strip()
+    except (OSError, StateDirError):
+        return None
+    return Path(text) if text and os.path.isabs(text) else None
+
+
+def directory_problem(directory: Path) -> str | None:
+    """Why an existing environment directory must not be used (see :func:`trust_problem`); None when it
+    is fine or does not exist."""
+    try:
+        info = os.lstat(directory)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"cannot inspect it: {exc.strerror or exc}"
+    return trust_problem(info.st_mode, info.st_uid, os.geteuid(), parent=False, gid=info.st_gid)
+
+
+def trusted_environment_state(root: Path, prefix: Path) -> EnvironmentState:
+    """:func:`environment_state`, with the ``problem`` of its directory if it is not trusted."""
+    state = environment_state(root, prefix)
+    return replace(state, problem=directory_problem(state.dir))
+
+
+def list_environment_dirs(root: Path) -> list[EnvironmentState]:
+    """Every environment directory under the state root (for a global --status / --recover), by key.
+
+    Refuses (StateDirError) an untrusted root; an environment directory that is not trusted is listed
+    with its ``problem`` (and its prefix file is not read)."""
+    check_trusted(root)
+    try:
+        entries = sorted(os.scandir(root), key=lambda e: e.name)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise StateDirError(
+            f"cannot list the state directory {root}: {exc.strerror or exc}",
+            hint=f"run as the user that owns it, or set {STATE_DIR_VARIABLE}",
+        ) from exc
+    found: list[EnvironmentState] = []
+    for entry in entries:
+        if entry.name.startswith(".") or not entry.is_dir(follow_symlinks=False):
+            continue
+        directory = Path(entry.path)
+        problem = directory_problem(directory)
+        if problem is not None:
+            found.append(EnvironmentState(root, directory, None, problem))
+            continue
+        found.append(EnvironmentState(root=root, dir=directory, prefix=_read_prefix(directory / PREFIX_FILE)))
+    return found

@@ -1,0 +1,249 @@
+"""Child processes (uv, systemctl, the target interpreter), started so that none escapes the run.
+
+``subprocess.run`` leaves two gaps that matter to a tool that rolls back:
+
+* A SIGINT/SIGTERM handler that raises (:mod:`safeinstall.system.signals`) can run inside ``Popen()``
+  after the fork but before the child is known to the caller; then nobody kills or reaps the child,
+  and an interrupted run rolls back while uv goes on writing into site-packages. Here the spawn is a
+  critical section: a signal that arrives during it is held back and handled as soon as the child
+  is known, and the child is then killed and reaped before the interruption goes on.
+* When safeinstall itself is killed (SIGKILL, the OOM killer), its children live on: an orphaned uv
+  would finish (or half-finish) an install while ``safeinstall --recover`` restores the backup.
+  Every child gets the parent-death signal SIGKILL (``prctl(PR_SET_PDEATHSIG)``), so it dies with
+  the run.
+
+Every child is also a worker in the sense of :mod:`safeinstall.system.worker` (:func:`isolate`): a session
+of its own (no controlling terminal: code the environment's owner wrote, run by the probe or by uv,
+cannot open root's ``/dev/tty``, and a terminal's Ctrl-C reaches safeinstall alone), the ids it is
+given, no inherited descriptors, no core dumps, ``/`` as its working directory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+import selectors
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from types import FrameType
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_DUMPABLE = 4
+_HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+_Handler = Callable[[int, FrameType | None], object] | int | None
+
+
+def _find_prctl() -> Callable[[int, int], int] | None:
+    try:
+        prctl: Callable[[int, int], int] = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux (or no libc symbol): children just cannot follow us
+        return None
+    return prctl
+
+
+#: Resolved once, before any fork: the child only calls it.
+_PRCTL = _find_prctl()
+
+
+def isolate(
+    parent: int, ids: tuple[int, int] | None, *, new_session: bool, keep: tuple[int, ...] | None = None
+) -> None:
+    """In a freshly forked child, before its work (or its ``exec``): the worker's isolation
+    (:mod:`safeinstall.system.worker`). ``ids`` (uid, gid): become them, no supplementary groups (a program
+    started by :func:`run` has them set by ``subprocess`` before this runs). ``new_session``: ``setsid``
+    (no controlling terminal; ``subprocess`` does it for a program). ``keep``: close every descriptor
+    but these, standard streams to ``/dev/null`` (``subprocess`` closes them for a program).
+
+    The parent-death signal is armed after the ids change (the kernel clears it on a change of
+    credentials); if the parent died before, the child exits (status 255)."""
+    if new_session:
+        os.setsid()
+    if keep is not None:
+        _close_all_but(keep)
+    if ids is not None:
+        # A forked worker runs safeinstall's own code, never the account's: its files are checked as the
+        # account (the effective and filesystem ids), while its real and saved uid stay root's, so the
+        # account cannot signal it (kill, SIGSTOP: a rollback held or failed at the account's will).
+        # Not dumpable: the account cannot ptrace it nor read its memory (a copy of root's).
+        os.setgroups([])
+        os.setresgid(ids[1], ids[1], ids[1])
+        os.setresuid(0, ids[0], 0)
+        if os.getresuid() != (0, ids[0], 0) or os.getresgid() != (ids[1],) * 3 or os.getgroups():
+            os._exit(254)
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_DUMPABLE, 0)
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if os.getppid() != parent:  # the parent died before prctl: no signal would come
+        os._exit(255)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file of what root's memory held
+    os.umask(0o022)
+    os.chdir("/")
+
+
+def _close_all_but(keep: tuple[int, ...]) -> None:
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):  # a stray print must not fail, nor reach root's terminal
+        if fd not in keep:
+            os.dup2(null, fd)
+    low = 3
+    for fd in sorted(k for k in keep if k >= 3):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, os.sysconf("SC_OPEN_MAX"))
+
+
+def _die_with(parent: int, program_fd: int | None = None) -> Callable[[], None]:
+    """The code a program's child runs between fork and exec: :func:`isolate` (``subprocess`` made the
+    new session and set the ids already). ``program_fd`` (kept open by ``subprocess`` for the exec
+    through it) is made close-on-exec: the exec of an ELF program through ``/proc/self/fd`` still
+    works, and the program and what it runs never hold it."""
+
+    def in_child() -> None:
+        isolate(parent, None, new_session=False)
+        if program_fd is not None:
+            os.set_inheritable(program_fd, False)
+
+    return in_child
+
+
+def _hold(held: list[int]) -> dict[int, _Handler]:
+    """Record SIGINT/SIGTERM in ``held`` instead of handling them; the handlers to put back.
+
+    Only the main thread can change handlers, and only there do handlers run: elsewhere this is a
+    no-op (a signal then interrupts the main thread, not this spawn).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def record(signum: int, _frame: FrameType | None) -> None:
+        held.append(signum)
+
+    previous: dict[int, _Handler] = {}
+    for sig in _HELD_SIGNALS:
+        if signal.getsignal(sig) is None:  # a handler installed outside Python: cannot be put back
+            continue
+        previous[sig] = signal.signal(sig, record)
+    return previous
+
+
+def _release(previous: dict[int, _Handler], held: list[int]) -> None:
+    """Put the handlers back, then deliver what was held back (the handler may raise here)."""
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+    for signum in dict.fromkeys(held):
+        signal.raise_signal(signum)
+
+
+def _reap(proc: subprocess.Popen[bytes]) -> None:
+    """Kill ``proc`` and wait for it, whatever arrives meanwhile (SIGKILL makes this short)."""
+    proc.kill()
+    while True:
+        try:
+            proc.wait()
+            return
+        except BaseException:
+            continue
+
+
+#: What a child may print on each of stdout and stderr: beyond it the child is ended. The probe and uv
+#: run as the environment's owner (and uv runs the owner's build backends): unbounded, what they print
+#: could fill root's memory.
+OUTPUT_LIMIT = 16 << 20
+
+
+class TooMuchOutput(OSError):
+    """A child printed more than :data:`OUTPUT_LIMIT` on one stream (it was killed and reaped)."""
+
+
+def run(
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    timeout: float | None,
+    as_user: tuple[int, int] | None = None,
+    limit: int = OUTPUT_LIMIT,
+    program_fd: int | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Like ``subprocess.run(argv, capture_output=True, text=True)``, without the gaps above; bytes of
+    the output that are not UTF-8 are replaced (U+FFFD), never an exception.
+
+    ``as_user`` (uid, gid): the child runs as that user and group only (no supplementary groups).
+    The child's working directory is ``/``: nothing in the caller's (a ``uv.toml`` or ``pyproject.toml``
+    that uv would discover there or in a directory above it, such as ``/tmp``) can steer it.
+
+    ``program_fd``: an open descriptor of the program ``argv[0]`` names, executed through it (the
+    program may lie where ``as_user`` cannot reach, such as below ``/root``: uv installed beside
+    safeinstall).
+
+    Raises ``subprocess.TimeoutExpired`` (the child killed and reaped), :class:`TooMuchOutput` (more
+    than ``limit`` bytes on stdout or stderr: killed and reaped) and ``OSError`` (it could not start);
+    an exception from a signal handler propagates once the child is gone.
+    """
+    command = list(argv)
+    held: list[int] = []
+    previous = _hold(held)
+    try:
+        proc = subprocess.Popen(
+            command,
+            executable=None if program_fd is None else f"/proc/self/fd/{program_fd}",
+            pass_fds=() if program_fd is None else (program_fd,),
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            preexec_fn=_die_with(os.getpid(), program_fd),
+            user=None if as_user is None else as_user[0],
+            group=None if as_user is None else as_user[1],
+            extra_groups=None if as_user is None else [],
+            cwd="/",  # never the caller's: a uv.toml there (or above, e.g. in /tmp) would steer uv
+            start_new_session=True,  # no controlling terminal (root's /dev/tty), its own process group
+        )
+    except BaseException:
+        _release(previous, held)
+        raise
+    try:
+        _release(previous, held)  # a signal held back during the spawn is handled now: the child is known
+        stdout, stderr = _collect(proc, timeout, limit)
+    except BaseException:
+        _reap(proc)
+        raise
+    finally:
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+    # what a child prints is text to show or parse, never to fail on
+    text = [data.decode("utf-8", "replace") for data in (stdout, stderr)]
+    return subprocess.CompletedProcess(command, proc.returncode, text[0], text[1])
+
+
+def _collect(proc: subprocess.Popen[bytes], timeout: float | None, limit: int) -> tuple[bytes, bytes]:
+    """``proc.communicate(timeout=timeout)`` keeping at most ``limit`` bytes of each stream."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    names = {pipe.fileno(): name for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)) if pipe}
+    kept = {name: bytearray() for name in ("stdout", "stderr")}
+    with selectors.DefaultSelector() as selector:
+        for fd in names:
+            selector.register(fd, selectors.EVENT_READ)
+        while selector.get_map():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(proc.args, timeout or 0)
+            for key, _events in selector.select(left):
+                data = os.read(key.fd, 1 << 16)
+                if not data:
+                    selector.unregister(key.fd)
+                    continue
+                stream = kept[names[key.fd]]
+                stream += data
+                if len(stream) > limit:
+                    raise TooMuchOutput(f"it printed more than {limit} bytes on {names[key.fd]}")
+    try:
+        proc.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:  # it closed its output but runs on: said with the whole timeout
+        raise subprocess.TimeoutExpired(proc.args, timeout or 0) from None
+    return bytes(kept["stdout"]), bytes(kept["stderr"])

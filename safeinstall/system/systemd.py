@@ -1,0 +1,658 @@
+"""Talking to systemd: the only module that runs ``systemctl``.
+
+:class:`Systemd` is parameterised by ``user`` (``systemctl --user``) and the environment handed to
+``systemctl`` (the user manager is found through ``XDG_RUNTIME_DIR``). Parsing is done by pure
+functions (:func:`parse_show`, :func:`parse_timespan`, :func:`unit_info`, :func:`dropin_roots`).
+
+Semantics worth knowing:
+
+* :meth:`Systemd.stop` enqueues the stop and waits with our own timeout until the unit is inactive (or
+  failed) *and* no process is left in its cgroup. A stop that times out cannot be taken back: systemd
+  keeps its stop job and kills the unit at its ``TimeoutStopSec``. A :meth:`Systemd.start` issued
+  meanwhile is queued behind that stop job, so the unit comes back only after it was killed.
+* :meth:`Systemd.wait_settled` watches a started unit until it has been ``active`` with the same main
+  process and no automatic restart for ``settle_s`` seconds.
+* Drop-ins are plain files in the manager's own configuration directories (asked from the manager via
+  its ``UnitPath``, so a user manager's ``XDG_CONFIG_HOME`` is honoured even when ours differs),
+  followed by ``daemon-reload``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import subprocess
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from safeinstall.errors import SystemdError
+from safeinstall.system import children
+from safeinstall.system.cgroups import valid_unit_name
+
+#: Properties :meth:`Systemd.show` asks for, in one ``systemctl show`` call.
+SHOW_PROPERTIES: tuple[str, ...] = (
+    "Id",
+    "LoadState",
+    "ActiveState",
+    "SubState",
+    "UnitFileState",
+    "Type",
+    "MainPID",
+    "ControlGroup",
+    "TimeoutStopUSec",
+    "TimeoutStartUSec",
+    "Result",
+    "NRestarts",
+    "ExecMainStartTimestampMonotonic",
+    "ActiveExitTimestampMonotonic",
+    "ActiveEnterTimestampMonotonic",
+    "FragmentPath",
+    "Job",
+    "RequiredBy",
+    "BoundBy",
+    "ConsistsOf",
+)
+
+#: Where cgroup hierarchies may be mounted: cgroup2 in the hybrid layout, the v1 ``name=systemd``
+#: hierarchy (legacy and hybrid), and cgroup2 in the unified layout. Every one that exists is read.
+DEFAULT_CGROUP_ROOTS: tuple[Path, ...] = (
+    Path("/sys/fs/cgroup/unified"),
+    Path("/sys/fs/cgroup/systemd"),
+    Path("/sys/fs/cgroup"),
+)
+
+_STOPPED_STATES = frozenset({"inactive", "failed"})
+
+_TIMESPAN_UNITS: dict[str, float] = {
+    **dict.fromkeys(("us", "usec", "\u00b5s", "\u03bcs"), 1e-6),  # systemd prints MICRO SIGN + "s"
+    **dict.fromkeys(("ms", "msec"), 1e-3),
+    **dict.fromkeys(("s", "sec", "second", "seconds"), 1.0),
+    **dict.fromkeys(("m", "min", "minute", "minutes"), 60.0),
+    **dict.fromkeys(("h", "hr", "hour", "hours"), 3600.0),
+    **dict.fromkeys(("d", "day", "days"), 86400.0),
+    **dict.fromkeys(("w", "week", "weeks"), 604800.0),
+    **dict.fromkeys(("M", "month", "months"), 2629800.0),  # systemd's month: 30.44 days
+    **dict.fromkeys(("y", "year", "years"), 31557600.0),  # systemd's year: 365.25 days
+}
+_TIMESPAN_TOKEN = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([^\d\s.]*)")
+
+
+# --------------------------------------------------------------------------------------------- parsing
+
+
+def parse_timespan(text: str) -> float:
+    """Seconds from a systemd time span as ``systemctl show`` prints it.
+
+    ``"1min 30s"`` -> 90.0, ``"1.500000s"`` -> 1.5, ``"500ms"``, ``"2h"``, ``"infinity"`` -> ``math.inf``;
+    a bare number counts as seconds. Raises ValueError on anything else.
+    """
+    stripped = text.strip()
+    if stripped == "infinity":
+        return math.inf
+    if not stripped:
+        raise ValueError("empty time span")
+    total = 0.0
+    position = 0
+    while position < len(stripped):
+        match = _TIMESPAN_TOKEN.match(stripped, position)
+        if match is None or match.end() == position:
+            raise ValueError(f"not a systemd time span: {text!r}")
+        number, unit = match.groups()
+        factor = _TIMESPAN_UNITS.get(unit or "s")
+        if factor is None:
+            raise ValueError(f"unknown time unit {unit!r} in {text!r}")
+        total += float(number) * factor
+        position = match.end()
+    return total
+
+
+def parse_show(text: str) -> list[dict[str, str]]:
+    """``systemctl show`` output to one ``{property: value}`` dict per unit, in output order."""
+    blocks: list[dict[str, str]] = []
+    current: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            if current:
+                blocks.append(current)
+                current = {}
+            continue
+        key, sep, value = line.partition("=")
+        if sep:
+            current[key] = value
+    if current:
+        blocks.append(current)
+    return blocks
+
+
+@dataclass(frozen=True, slots=True)
+class UnitInfo:
+    name: str  # the name asked for (an alias resolves to a different ``id``)
+    id: str
+    load_state: str  # "loaded", "not-found", "masked", "bad-setting", "error"
+    active_state: str  # "active", "activating", "deactivating", "inactive", "failed", "reloading"
+    sub_state: str
+    unit_file_state: str  # "enabled", "static", "disabled", ... ("" when unknown)
+    type: str  # "simple", "exec", "notify", "forking", "oneshot", ... ("" when not a service)
+    main_pid: int | None
+    control_group: str | None
+    timeout_stop_s: float  # math.inf for "infinity"
+    result: str  # "success", "exit-code", "signal", "timeout", ...
+    n_restarts: int  # automatic restarts (Restart=) since the unit was last started by hand
+    exec_main_start_us: int  # CLOCK_MONOTONIC start of the main process, 0 if none
+    fragment_path: str | None
+    job_id: int | None  # a queued or running job (start/stop) for the unit
+    #: units that a stop of this one stops too (their Requires=, BindsTo=, PartOf= name it), and that
+    #: a start of this one does not start again
+    dependents: tuple[str, ...] = ()
+    timeout_start_s: float = 90.0  # TimeoutStartSec (math.inf for "infinity"): systemd fails a start after it
+    active_exit_us: int = 0  # CLOCK_MONOTONIC when it last left active (a stop began), 0 if never
+    active_enter_us: int = 0  # CLOCK_MONOTONIC when it last became active, 0 if never
+
+    @property
+    def found(self) -> bool:
+        return self.load_state != "not-found"
+
+    @property
+    def is_active(self) -> bool:
+        return self.active_state == "active"
+
+
+def _int(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        return 0
+
+
+def unit_info(name: str, props: Mapping[str, str]) -> UnitInfo:
+    """Build a :class:`UnitInfo` from one block of ``systemctl show -p SHOW_PROPERTIES`` output."""
+    try:
+        timeout_stop_s = parse_timespan(props.get("TimeoutStopUSec", "") or "infinity")
+    except ValueError as exc:
+        raise SystemdError(f"cannot read TimeoutStopUSec of {name}: {exc}") from exc
+    main_pid = _int(props.get("MainPID", ""))
+    job = props.get("Job", "").split(" ", 1)[0]
+    return UnitInfo(
+        name=name,
+        id=props.get("Id", name),
+        load_state=props.get("LoadState", ""),
+        active_state=props.get("ActiveState", ""),
+        sub_state=props.get("SubState", ""),
+        unit_file_state=props.get("UnitFileState", ""),
+        type=props.get("Type", ""),
+        main_pid=main_pid or None,
+        control_group=props.get("ControlGroup") or None,
+        timeout_stop_s=timeout_stop_s,
+        result=props.get("Result", ""),
+        n_restarts=_int(props.get("NRestarts", "")),
+        exec_main_start_us=_int(props.get("ExecMainStartTimestampMonotonic", "")),
+        fragment_path=props.get("FragmentPath") or None,
+        job_id=_int(job) or None,
+        timeout_start_s=parse_timespan(props.get("TimeoutStartUSec", "") or "1min 30s"),
+        active_exit_us=_int(props.get("ActiveExitTimestampMonotonic", "")),
+        active_enter_us=_int(props.get("ActiveEnterTimestampMonotonic", "")),
+        dependents=tuple(
+            dict.fromkeys(
+                name for key in ("RequiredBy", "BoundBy", "ConsistsOf") for name in props.get(key, "").split()
+            )
+        ),
+    )
+
+
+#: Beyond a unit's own TimeoutStartSec, how long to go on watching it (systemd fails the start itself).
+START_MARGIN_S = 30.0
+
+
+def start_wait_s(info: UnitInfo | None) -> float:
+    """Pure: how long a started unit may take to become active. Its own ``TimeoutStartSec`` decides
+    (a model server may load for many minutes, with ``TimeoutStartSec=infinity``): a fixed bound would
+    roll back a good install of a slow-starting service."""
+    timeout = 90.0 if info is None else info.timeout_start_s
+    return timeout + START_MARGIN_S
+
+
+#: Beyond a unit's own TimeoutStopSec, how long to go on waiting for it to stop (90 s when "infinity").
+STOP_MARGIN_S = 10.0
+
+
+def down_since_s(stopped: UnitInfo, asked_at: float) -> float:
+    """Pure: when a unit that a stop asked for at ``asked_at`` (CLOCK_MONOTONIC seconds) took down
+    went down, as systemd reports it: when it left active (its main process told to stop: it serves no
+    more); a unit that is unloaded once inactive keeps no timestamps, and one from before the stop
+    is another stop's: then when the stop was asked for."""
+    left = stopped.active_exit_us / 1e6
+    return left if left >= asked_at else asked_at
+
+
+def stop_wait_s(timeout_stop_s: float) -> float:
+    """Pure: how long a unit whose ``TimeoutStopSec`` is ``timeout_stop_s`` may take to stop."""
+    return (timeout_stop_s if timeout_stop_s != float("inf") else 90.0) + STOP_MARGIN_S
+
+
+@dataclass(frozen=True, slots=True)
+class ManagerInfo:
+    version: str
+    system_state: str  # "running", "degraded", "starting", "stopping", ...
+    control_group: str  # the manager's own cgroup ("/" for PID 1, ".../user@UID.service" for users)
+    unit_path: tuple[str, ...]  # unit search path, highest priority first
+
+
+@dataclass(frozen=True, slots=True)
+class DropinRoots:
+    persistent: Path  # /etc/systemd/system, or $XDG_CONFIG_HOME/systemd/user
+    runtime: Path  # /run/systemd/system, or $XDG_RUNTIME_DIR/systemd/user
+
+    def directory(self, unit: str, *, persistent: bool) -> Path:
+        return (self.persistent if persistent else self.runtime) / f"{unit}.d"
+
+
+def dropin_roots(unit_path: Sequence[str]) -> DropinRoots:
+    """The manager's admin configuration directories, from its ``UnitPath``.
+
+    systemd lists the persistent control directory first and the runtime one second
+    (``/etc/systemd/system.control``, ``/run/systemd/system.control``; for a user manager under
+    ``$XDG_CONFIG_HOME`` and ``$XDG_RUNTIME_DIR``); the admin directories are their siblings without
+    ``.control``, and must be on the search path too.
+    """
+    controls = [entry for entry in unit_path if entry.endswith(".control")]
+    if len(controls) < 2:
+        raise SystemdError(
+            "cannot tell where the service manager reads drop-ins from "
+            f"(its UnitPath has no persistent and runtime control directories: {' '.join(unit_path)})",
+            hint="this systemd may be too old; safeinstall needs systemd 240 or newer",
+        )
+    persistent, runtime = (entry.removesuffix(".control") for entry in controls[:2])
+    missing = [entry for entry in (persistent, runtime) if entry not in unit_path]
+    if missing:
+        raise SystemdError(f"the service manager does not read units from {', '.join(missing)}")
+    return DropinRoots(persistent=Path(persistent), runtime=Path(runtime))
+
+
+def default_dropin_root(user: bool, environ: Mapping[str, str]) -> Path:
+    """Pure: where a manager reads persistent drop-ins by default (``/etc/systemd/system``, or
+    ``$XDG_CONFIG_HOME/systemd/user``), for when the manager itself cannot be asked."""
+    if not user:
+        return Path("/etc/systemd/system")
+    config = environ.get("XDG_CONFIG_HOME", "")
+    if not os.path.isabs(config):
+        config = os.path.join(environ.get("HOME") or os.path.expanduser("~"), ".config")
+    return Path(config) / "systemd" / "user"
+
+
+def check_unit_name(name: str) -> str:
+    """``name`` if it can be passed to systemctl as one unit name; SystemdError otherwise."""
+    if not valid_unit_name(name):
+        raise SystemdError(
+            f"not a valid unit name: {name!r}",
+            hint="unit names are passed to systemctl literally, never as patterns: pass full unit names "
+            "such as vllm.service (escape odd characters with systemd-escape)",
+        )
+    return name
+
+
+def _check_dropin_name(name: str) -> str:
+    filename = name if name.endswith(".conf") else f"{name}.conf"
+    if "/" in filename or filename.startswith(".") or filename == ".conf":
+        raise SystemdError(f"not a valid drop-in name: {name!r}")
+    return filename
+
+
+# ------------------------------------------------------------------------------------------- cgroups
+
+
+def read_cgroup_pids(control_group: str, roots: Iterable[Path] = DEFAULT_CGROUP_ROOTS) -> frozenset[int]:
+    """Every PID in ``control_group`` and its sub-cgroups, across all mounted hierarchies.
+
+    A cgroup that does not exist (any more) holds no processes.
+    """
+    relative = control_group.strip("/")
+    pids: set[int] = set()
+    for root in roots:
+        if not (root / "cgroup.procs").is_file():
+            continue  # not a cgroup hierarchy (e.g. the tmpfs at /sys/fs/cgroup in the hybrid layout)
+        top = root / relative if relative else root
+        for directory, _dirs, files in os.walk(top):
+            if "cgroup.procs" not in files:
+                continue
+            try:
+                text = Path(directory, "cgroup.procs").read_text()
+            except OSError:
+                continue  # removed while we walked
+            pids.update(int(line) for line in text.split() if line.isdigit())
+    return frozenset(pids)
+
+
+# ------------------------------------------------------------------------------------------ outcomes
+
+
+@dataclass(frozen=True, slots=True)
+class StopOutcome:
+    unit: str
+    stopped: bool  # inactive/failed and no process left in its cgroup, within the timeout
+    active_state: str
+    sub_state: str
+    leftover_pids: frozenset[int]  # processes still in the unit's cgroup when we gave up
+    waited_s: float
+    reason: str | None  # why it did not stop, for the user
+    down_since: float | None = None  # stopped: when it went down (CLOCK_MONOTONIC s, see down_since_s)
+
+
+SettleVerdict = Literal["settled", "failed", "inactive", "activating", "restarted", "interrupted"]
+
+
+@dataclass(frozen=True, slots=True)
+class SettleOutcome:
+    unit: str
+    verdict: SettleVerdict
+    info: UnitInfo  # the last state seen
+    waited_s: float
+    reason: str | None  # why it did not settle, for the user
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict == "settled"
+
+
+# --------------------------------------------------------------------------------------- the manager
+
+
+@dataclass(frozen=True, slots=True)
+class Systemd:
+    """One service manager: the system one, or (``user=True``) the calling user's."""
+
+    user: bool = False
+    environ: Mapping[str, str] | None = None  # for systemctl; None: os.environ at call time
+    call_timeout_s: float = 30.0  # for one systemctl call
+    poll_s: float = 0.02
+    cgroup_roots: tuple[Path, ...] = DEFAULT_CGROUP_ROOTS
+
+    # ---- running systemctl
+
+    @property
+    def _scope_flag(self) -> str:
+        return "--user" if self.user else "--system"
+
+    def _env(self) -> dict[str, str]:
+        return dict(os.environ if self.environ is None else self.environ)
+
+    def _unreachable(self, env: Mapping[str, str], detail: str) -> SystemdError:
+        if self.user:
+            runtime_dir = env.get("XDG_RUNTIME_DIR") or "unset"
+            return SystemdError(
+                f"systemctl --user not reachable: is a user manager running? "
+                f"(XDG_RUNTIME_DIR={runtime_dir}; {detail})",
+                hint="run as the user that owns the services with XDG_RUNTIME_DIR=/run/user/$UID set "
+                "(`loginctl enable-linger USER` keeps their manager running without a login)",
+            )
+        return SystemdError(
+            f"systemctl cannot reach the system manager: is systemd running as PID 1 here? ({detail})",
+            hint="for services of a user manager pass --user; without systemd there are no units to stop",
+        )
+
+    def systemctl(self, *args: str, timeout_s: float | None = None) -> str:
+        """Run ``systemctl [--user] ARGS``; its stdout, or SystemdError with an actionable message."""
+        argv = ["systemctl", self._scope_flag, "--no-pager", "--no-ask-password", *args]
+        command = " ".join(argv)
+        env = self._env()
+        try:
+            proc = children.run(
+                argv, env=env, timeout=self.call_timeout_s if timeout_s is None else timeout_s
+            )
+        except FileNotFoundError as exc:
+            raise SystemdError(
+                "systemctl not found on PATH",
+                hint="safeinstall stops and starts services through systemd; install it or fix PATH",
+            ) from exc
+        except subprocess.TimeoutExpired as exc:
+            raise SystemdError(
+                f"`{command}` did not answer within {exc.timeout:g}s",
+                hint=f"the service manager may be busy or hung; check `systemctl {self._scope_flag} status`",
+            ) from exc
+        except OSError as exc:  # it could not start, or printed without end
+            raise SystemdError(
+                f"`{command}` failed: {exc}",
+                hint=f"check that `systemctl {self._scope_flag} status` works here",
+            ) from exc
+        if proc.returncode != 0:
+            detail = proc.stderr.strip() or proc.stdout.strip() or f"exit status {proc.returncode}"
+            if "Failed to connect to bus" in detail or "Failed to get D-Bus connection" in detail:
+                raise self._unreachable(env, detail)
+            if "Access denied" in detail or "authentication required" in detail.lower():
+                raise SystemdError(
+                    f"`{command}` was refused: {detail}",
+                    hint="run as root (sudo), or pass --user for services of your own user manager",
+                )
+            raise SystemdError(f"`{command}` failed: {detail}")
+        return proc.stdout
+
+    # ---- reading state
+
+    def manager(self) -> ManagerInfo:
+        """The manager's own properties; also the cheapest check that it can be reached."""
+        props = parse_show(self.systemctl("show", "-p", "Version,SystemState,ControlGroup,UnitPath"))
+        first = props[0] if props else {}
+        return ManagerInfo(
+            version=first.get("Version", ""),
+            system_state=first.get("SystemState", ""),
+            control_group=first.get("ControlGroup", ""),
+            unit_path=tuple(first.get("UnitPath", "").split()),
+        )
+
+    def show(self, units: Iterable[str]) -> dict[str, UnitInfo]:
+        """State of ``units`` in one ``systemctl show`` call; unknown units have load_state "not-found"."""
+        names = list(dict.fromkeys(check_unit_name(unit) for unit in units))
+        if not names:
+            return {}
+        output = self.systemctl("show", "-p", ",".join(SHOW_PROPERTIES), "--", *names)
+        blocks = parse_show(output)
+        if len(blocks) != len(names):
+            raise SystemdError(
+                f"systemctl show answered {len(blocks)} blocks for {len(names)} units: {output[:300]!r}"
+            )
+        return {name: unit_info(name, block) for name, block in zip(names, blocks, strict=True)}
+
+    def info(self, unit: str) -> UnitInfo:
+        return self.show([unit])[unit]
+
+    def is_active(self, unit: str) -> bool:
+        return self.info(unit).is_active
+
+    def pids_in_cgroup(self, control_group: str) -> frozenset[int]:
+        """Every PID in ``control_group`` (as ``ControlGroup`` shows it) and below."""
+        return read_cgroup_pids(control_group, self.cgroup_roots)
+
+    # ---- changing state
+
+    def daemon_reload(self) -> None:
+        self.systemctl("daemon-reload", timeout_s=max(self.call_timeout_s, 90.0))
+
+    def start(self, unit: str, *, wait: bool = False, timeout_s: float | None = None) -> None:
+        """Start ``unit``. Without ``wait`` the start job is only enqueued (watch it with
+        :meth:`wait_settled`); with ``wait`` systemctl waits for the job and a failed start raises."""
+        check_unit_name(unit)
+        if wait:
+            self.systemctl("start", "--", unit, timeout_s=timeout_s)
+        else:
+            self.systemctl("start", "--no-block", "--", unit)
+
+    def stop(self, unit: str, timeout_s: float, *, cancel: threading.Event | None = None) -> StopOutcome:
+        """Stop ``unit`` and wait until it is down and its cgroup is empty, for at most ``timeout_s``.
+
+        A stop that systemd did not carry out (systemctl failed, and the unit is still active with no
+        job: refused, or systemctl was killed before it asked) is said at once, not waited out.
+        ``cancel``, once set, ends the wait at the next poll (not stopped, reason ``interrupted``).
+        """
+        started = time.monotonic()
+        before = self.info(unit)
+        if not before.found:
+            raise SystemdError(f"cannot stop {unit}: no such unit ({self._scope_flag} manager)")
+        control_group = before.control_group
+        # Blocks until systemd's stop job is done: no polling latency on the common path. A timeout
+        # (the job goes on) or a failure is judged below from the unit's state.
+        refused: SystemdError | None = None
+        try:
+            self.systemctl("stop", "--", unit, timeout_s=timeout_s)
+        except SystemdError as exc:
+            refused = exc
+        deadline = started + timeout_s
+        while True:
+            info = self.info(unit)
+            control_group = control_group or info.control_group
+            pids = self.pids_in_cgroup(control_group) if control_group else frozenset()
+            now = time.monotonic()
+            if info.active_state in _STOPPED_STATES and not pids:
+                down = down_since_s(info, started)
+                return StopOutcome(
+                    unit, True, info.active_state, info.sub_state, pids, now - started, None, down
+                )
+            interrupted = cancel is not None and cancel.is_set()
+            not_done = refused is not None and info.active_state == "active" and info.job_id is None
+            if not_done or interrupted:
+                reason = "interrupted" if interrupted else f"the stop was not carried out: {refused}"
+                return StopOutcome(
+                    unit, False, info.active_state, info.sub_state, pids, now - started, reason
+                )
+            if now >= deadline:
+                return StopOutcome(
+                    unit,
+                    False,
+                    info.active_state,
+                    info.sub_state,
+                    pids,
+                    now - started,
+                    _stop_failure_reason(info, control_group, pids, timeout_s),
+                )
+            time.sleep(self.poll_s)
+
+    def wait_settled(
+        self,
+        unit: str,
+        settle_s: float,
+        timeout_s: float,
+        *,
+        before: UnitInfo | None = None,
+        cancel: threading.Event | None = None,
+    ) -> SettleOutcome:
+        """Wait until ``unit`` is active and stays so (same main process, no restart) for ``settle_s``.
+
+        ``timeout_s`` bounds the wait for it to become active; the whole call takes at most about
+        ``timeout_s + settle_s``. Pass ``before`` (its state before the start) so that an automatic
+        restart that happened before the first look is noticed too. (systemd zeroes ``NRestarts`` when
+        a start is not automatic, so only a rise of the counter counts as a restart.) ``cancel``, once
+        set, ends the wait at the next poll (verdict ``interrupted``): a Ctrl-C need not wait out the
+        settle time before the rollback starts.
+        """
+        started = time.monotonic()
+        deadline = started + timeout_s
+        last_restarts = before.n_restarts if before is not None else None
+        seen: tuple[int | None, int] | None = None  # (MainPID, start time) of the active main process
+        active_since: float | None = None
+        while True:
+            info = self.info(unit)
+            now = time.monotonic()
+            if not info.found:
+                raise SystemdError(f"cannot watch {unit}: no such unit ({self._scope_flag} manager)")
+            verdict: SettleVerdict | None = None
+            reason: str | None = None
+            state = info.active_state
+            if last_restarts is not None and info.n_restarts > last_restarts:
+                verdict = "restarted"
+                reason = (
+                    f"{unit} was restarted automatically (NRestarts {last_restarts} -> {info.n_restarts}, "
+                    f"Result={info.result}): its main process exited"
+                )
+            elif state == "active":
+                key = (info.main_pid, info.exec_main_start_us)
+                if seen is not None and key != seen:
+                    verdict = "restarted"
+                    reason = f"{unit} changed its main process (PID {seen[0]} -> {info.main_pid})"
+                else:
+                    seen = key
+                    active_since = now if active_since is None else active_since
+                    verdict = "settled" if now - active_since >= settle_s else None
+            elif state == "failed" and info.job_id is None:
+                verdict, reason = "failed", f"{unit} failed ({info.sub_state}, Result={info.result})"
+            elif state in ("inactive", "deactivating") and info.job_id is None:
+                verdict, reason = "inactive", f"{unit} is {state} ({info.sub_state}, Result={info.result})"
+            else:  # activating, reloading, or a job still queued (a start behind a stop that is running)
+                active_since = None
+            if verdict is None and active_since is None and now >= deadline:
+                verdict = "activating"
+                reason = f"{unit} is still {state} ({info.sub_state}) after {timeout_s:g}s"
+            last_restarts = info.n_restarts
+            if verdict is not None:
+                return SettleOutcome(unit, verdict, info, time.monotonic() - started, reason)
+            if cancel is None:
+                time.sleep(self.poll_s)
+            elif cancel.wait(self.poll_s):
+                return SettleOutcome(unit, "interrupted", info, time.monotonic() - started, "interrupted")
+
+    # ---- drop-ins
+
+    def dropin_roots(self) -> DropinRoots:
+        return dropin_roots(self.manager().unit_path)
+
+    def dropin_path(self, unit: str, name: str, *, persistent: bool) -> Path:
+        """Where drop-in ``name`` (``.conf`` added) of ``unit`` lives."""
+        check_unit_name(unit)
+        return self.dropin_roots().directory(unit, persistent=persistent) / _check_dropin_name(name)
+
+    def add_dropin(self, unit: str, name: str, text: str, *, persistent: bool) -> Path:
+        """Write drop-in ``name`` for ``unit`` and reload the manager.
+
+        ``persistent`` drop-ins survive a reboot (``/etc/systemd/system/UNIT.d``, or
+        ``$XDG_CONFIG_HOME/systemd/user/UNIT.d``); runtime ones live under ``/run`` (or
+        ``$XDG_RUNTIME_DIR``) and vanish with it.
+        """
+        path = self.dropin_path(unit, name, persistent=persistent)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f".{path.name}.partial")
+            partial.write_text(text if text.endswith("\n") else f"{text}\n")
+            partial.chmod(0o644)
+            partial.replace(path)
+        except OSError as exc:
+            raise SystemdError(
+                f"cannot write drop-in {path}: {exc}",
+                hint="run as root for system services, or as their user with --user",
+            ) from exc
+        self.daemon_reload()
+        return path
+
+    def remove_dropin(self, unit: str, name: str, *, persistent: bool) -> bool:
+        """Remove drop-in ``name`` of ``unit`` (and its directory if now empty) and reload.
+
+        False (and no reload) when it was not there.
+        """
+        path = self.dropin_path(unit, name, persistent=persistent)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise SystemdError(f"cannot remove drop-in {path}: {exc}") from exc
+        with contextlib.suppress(OSError):  # other drop-ins remain
+            path.parent.rmdir()
+        self.daemon_reload()
+        return True
+
+
+def _stop_failure_reason(
+    info: UnitInfo, control_group: str | None, pids: frozenset[int], timeout_s: float
+) -> str:
+    shown = ", ".join(str(pid) for pid in sorted(pids)[:10]) + (" ..." if len(pids) > 10 else "")
+    if info.active_state not in _STOPPED_STATES:
+        return (
+            f"{info.name} is still {info.active_state} ({info.sub_state}) after {timeout_s:g}s; "
+            f"systemd goes on stopping it and kills it after TimeoutStopSec={info.timeout_stop_s:g}s"
+        )
+    return (
+        f"{info.name} is {info.active_state} but {len(pids)} process(es) remain in "
+        f"{control_group or 'its cgroup'}: {shown} (KillMode=process or none?)"
+    )

@@ -1,0 +1,183 @@
+"""The privilege boundary, root's side: the one way to start work on an environment's files.
+
+safeinstall runs as root; the environment it works on usually belongs to a service account. Whatever
+reads, writes, deletes or runs something in that account's files on the strength of what the account
+could have written (a RECORD, a cache directory uv filled, uv's lock file) runs in a *worker*: a
+process whose file access is that account's, as OpenSSH's privilege separation and needrestart since
+CVE-2024-48990 do it. The kernel's file checks, not checks of ours, then decide what it may touch:
+what the worker can do to files is what the account could do anyway (a forked worker keeps root's
+real and saved uid so that the account cannot signal it; see docs/privsep.md for that trade-off). A
+root-owned environment gets a root worker with the same isolation.
+
+Every worker, a program started by :func:`safeinstall.system.children.run` (the interpreter probe, uv) or a
+function of safeinstall forked by :func:`call` (``safeinstall.system.owner``), is isolated the same way, by
+:func:`safeinstall.system.children.isolate` between the fork and its work:
+
+* a new session (``setsid``): no controlling terminal, so nothing it runs can open root's ``/dev/tty``
+  (TIOCSTI, escape sequences), and a terminal's Ctrl-C reaches safeinstall alone;
+* the account's uid and primary gid, no supplementary groups (root's worker: root);
+* no descriptor but the ones it is given (the answer pipe; standard input is ``/dev/null``);
+* an environment built from an allowlist by the caller (never root's as it is);
+* working directory ``/``, umask 022, no core dumps, and SIGKILL when safeinstall dies;
+* a deadline: past it, the worker is killed and reaped, and the caller goes on without it.
+
+A forked worker's answer comes back through a pipe as JSON (never pickle: root must not run what the
+worker sends), at most :data:`ANSWER_LIMIT` bytes, and the caller validates it as data from the account.
+Forking, not a new interpreter: the worker needs no access to safeinstall's own files, which may sit
+where the account cannot read (a tool installed under ``/root``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import selectors
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+from safeinstall.errors import SafeInstallError
+from safeinstall.system.children import isolate
+
+#: The most a worker's answer may hold (counts and short lists of paths).
+ANSWER_LIMIT = 4 << 20
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE)
+
+
+class WorkerError(SafeInstallError):
+    """A worker did not answer as it must (died, ran past its deadline, answered nonsense)."""
+
+    default_hint = "the environment's owner may be interfering; see the run's log and run again"
+
+
+def call(
+    ids: tuple[int, int] | None,
+    work: Callable[[], Any],
+    *,
+    timeout: float,
+    what: str,
+    environ: dict[str, str] | None = None,
+) -> Any:
+    """Run ``work()`` in a forked worker as ``ids`` (uid, gid; None: root, isolated alike) and return its
+    JSON answer (a dict, list, str, number, bool or None: validate it, it is the account's word).
+
+    ``environ`` becomes the worker's whole environment (default: ``PATH`` alone). Raises
+    :class:`WorkerError` when the worker fails, dies, answers more than :data:`ANSWER_LIMIT` bytes or
+    runs past ``timeout`` seconds (it is then killed and reaped); an exception of ``work`` comes back
+    as a WorkerError saying what it was."""
+    read_fd, write_fd = os.pipe()
+    parent = os.getpid()
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS[:3])
+    try:
+        child = os.fork()
+    except OSError as exc:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        os.close(read_fd)
+        os.close(write_fd)
+        raise WorkerError(f"could not start the worker that {what}: {exc.strerror or exc}") from exc
+    if child == 0:  # pragma: no cover - the worker (its coverage is its answer)
+        _worker_main(parent, ids, work, read_fd, write_fd, environ)
+    os.close(write_fd)
+    signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+    try:
+        data, status = _collect(child, read_fd, timeout, what)
+    finally:
+        os.close(read_fd)
+    return _answer(data, status, what)
+
+
+def _worker_main(
+    parent: int,
+    ids: tuple[int, int] | None,
+    work: Callable[[], Any],
+    read_fd: int,
+    write_fd: int,
+    environ: dict[str, str] | None,
+) -> None:
+    status = 1
+    try:
+        for signum in _SIGNALS:
+            signal.signal(signum, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
+        os.close(read_fd)
+        isolate(parent, ids, new_session=True, keep=(write_fd,))
+        os.environ.clear()
+        os.environ.update(environ if environ is not None else {"PATH": "/usr/bin:/bin"})
+        try:
+            answer: dict[str, Any] = {"ok": work()}
+        except Exception as exc:  # said to root, which decides
+            answer = {"error": f"{type(exc).__name__}: {exc}"}
+        data = memoryview(json.dumps(answer, ensure_ascii=True).encode("ascii"))
+        while data:
+            data = data[os.write(write_fd, data) :]
+        status = 0
+    finally:
+        os._exit(status)
+
+
+def _collect(child: int, read_fd: int, timeout: float, what: str) -> tuple[bytes, int]:
+    """The worker's output (bounded) and its wait status; kills and reaps it past the deadline, past
+    the limit, or when this process is interrupted."""
+    deadline = time.monotonic() + timeout
+    kept = bytearray()
+    reaped = False
+    try:
+        with selectors.DefaultSelector() as selector:
+            selector.register(read_fd, selectors.EVENT_READ)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WorkerError(f"the worker that {what} did not finish in {timeout:g} s; it was ended")
+                if not selector.select(left):
+                    continue
+                chunk = os.read(read_fd, 1 << 16)
+                if not chunk:
+                    break
+                kept += chunk
+                if len(kept) > ANSWER_LIMIT:
+                    raise WorkerError(f"the worker that {what} answered more than {ANSWER_LIMIT} bytes")
+        while True:  # it closed its pipe: it exits now (os._exit right after the write)
+            pid, status = os.waitpid(child, os.WNOHANG)
+            if pid:
+                reaped = True
+                return bytes(kept), status
+            if time.monotonic() > deadline:
+                raise WorkerError(f"the worker that {what} did not exit in {timeout:g} s; it was ended")
+            time.sleep(0.001)
+    finally:
+        if not reaped:
+            _reap(child)
+
+
+def _reap(child: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(child, signal.SIGKILL)
+    while True:
+        try:
+            os.waitpid(child, 0)
+            return
+        except ChildProcessError:
+            return
+        except BaseException:  # a signal handler raised: the child must still be reaped first
+            continue
+
+
+def _answer(data: bytes, status: int, what: str) -> Any:
+    """Pure: the worker's JSON answer, or WorkerError."""
+    if not os.WIFEXITED(status) or os.WEXITSTATUS(status) != 0:
+        code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else -os.WTERMSIG(status)
+        raise WorkerError(f"the worker that {what} failed (status {code})")
+    try:
+        document = json.loads(data)
+    except ValueError as exc:
+        raise WorkerError(f"the worker that {what} answered something that is not JSON") from exc
+    if not isinstance(document, dict) or len(document) != 1:
+        raise WorkerError(f"the worker that {what} answered an unexpected document")
+    if "error" in document:
+        raise WorkerError(f"the worker that {what} failed: {str(document['error'])[:500]}")
+    if "ok" not in document:
+        raise WorkerError(f"the worker that {what} answered an unexpected document")
+    return document["ok"]

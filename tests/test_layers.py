@@ -1,0 +1,149 @@
+"""The layout shows the layers, and the import rule between them holds (docs/architecture.md).
+
+    cli  ->  run  ->  scan | store  ->  env  ->  system  ->  errors
+
+A module imports only from its own layer or a lower one; ``scan`` and ``store`` never import each
+other; no two modules import each other, directly or around a circle. Every import counts: at the
+top, inside a function, or under ``TYPE_CHECKING``.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import safeinstall
+
+PACKAGE = Path(safeinstall.__file__).parent
+
+#: Each layer's rank: a module may import what ranks the same or lower.
+RANK = {"errors": 0, "system": 1, "env": 2, "scan": 3, "store": 3, "run": 4, "cli": 5}
+#: Same rank, yet never importing each other.
+APART = frozenset({"scan", "store"})
+#: The entry points sit on top of everything.
+ENTRY = frozenset({"safeinstall", "safeinstall.__main__"})
+
+
+def _module_of(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {_module_of(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports(path: Path, known: Iterable[str]) -> set[str]:
+    """The safeinstall modules ``path`` imports, wherever the import statement is."""
+    names = set(known)
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name in names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if not node.module.startswith("safeinstall"):
+                continue
+            for alias in node.names:
+                child = f"{node.module}.{alias.name}"
+                found.add(child if child in names else node.module)
+    return found
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def violations(edges: Mapping[str, Iterable[str]]) -> list[str]:
+    """Pure: every import that breaks the rule, as ``a -> b (why)``."""
+    problems = []
+    for source, targets in sorted(edges.items()):
+        if source in ENTRY:
+            continue
+        for target in sorted(targets):
+            if target in ENTRY or target == source:
+                continue
+            low, high = layer(target), layer(source)
+            if low not in RANK or high not in RANK:
+                problems.append(f"{source} -> {target} (a module outside the layers)")
+            elif RANK[low] > RANK[high]:
+                problems.append(f"{source} -> {target} (upward: {high} imports {low})")
+            elif low != high and {low, high} <= APART:
+                problems.append(f"{source} -> {target} ({high} and {low} never import each other)")
+    return problems
+
+
+def circles(edges: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """Pure: the import circles (strongly connected components of more than one module)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in edges.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    found = modules()
+    packages = {m for m, p in found.items() if p.name == "__init__.py"}
+    return {
+        m: {t for t in imports(p, found) if t not in packages} - {m}
+        for m, p in found.items()
+        if m not in packages or m == "safeinstall"
+    }
+
+
+def test_every_import_follows_the_layer_rule() -> None:
+    assert violations(graph()) == []
+
+
+def test_no_import_circle() -> None:
+    assert circles(graph()) == []
+
+
+def test_at_most_eight_modules_at_the_top_and_every_module_in_a_layer() -> None:
+    top = [p.name for p in PACKAGE.glob("*.py")]
+    assert len(top) <= 8, top
+    assert {layer(m) for m in modules()} <= {*RANK, ""} | {"errors", "__main__"}
+
+
+def test_the_rule_catches_an_upward_import_a_crossing_and_a_circle() -> None:
+    """The checks above would fail: an import against the rule is named, and a circle is found."""
+    edges = {
+        "safeinstall.system.safefs": {"safeinstall.env.records"},
+        "safeinstall.scan.plan": {"safeinstall.store.state"},
+        "safeinstall.run.a": {"safeinstall.run.b"},
+        "safeinstall.run.b": {"safeinstall.run.a"},
+        "safeinstall.cli.app": {"safeinstall.run.a", "safeinstall.errors"},
+    }
+    assert violations(edges) == [
+        "safeinstall.scan.plan -> safeinstall.store.state (scan and store never import each other)",
+        "safeinstall.system.safefs -> safeinstall.env.records (upward: system imports env)",
+    ]
+    assert circles(edges) == [["safeinstall.run.a", "safeinstall.run.b"]]
