@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import psutil
 
-from safeinstall import undo
+from safeinstall import identity, undo
 from safeinstall.backup import Backup, create_backup, prune_into
 from safeinstall.distributions import InstalledDistribution, reload_distributions
 from safeinstall.drift import Expectation, FindingKind
@@ -43,6 +43,7 @@ from safeinstall.errors import (
 )
 from safeinstall.gate import GATE_DROPIN, gate_dropin_text, gate_marker
 from safeinstall.gpus import GpuSnapshot, NvmlSession, ReleaseStatus, wait_for_release
+from safeinstall.hashing import Known
 from safeinstall.health import shown as shown_url
 from safeinstall.health import wait_healthy
 from safeinstall.journal import (
@@ -174,6 +175,9 @@ class _Run:
     restart_started: bool = False
     old_code: tuple[OldCodeProcess, ...] = ()
     left: Left | None = None  # set by the verify step: what the run leaves (kept for --undo)
+    #: the run's cache, hashed after the prefetch and looked at again before the stop (identity.py)
+    hashed: identity.Hashed = field(default_factory=dict)
+    installed_ns: int | None = None  # time.time_ns() once uv's install in the window has exited
 
     @property
     def options(self) -> RunOptions:
@@ -378,7 +382,12 @@ def prefetch_step(run: _Run) -> str:
             f"uv could not fetch or unpack the new version (exit {result.returncode}): {tail}",
             hint="nothing was stopped; check the wheel, the index options or the network",
         )
-    return f"the run's uv cache holds the new version ({request.link_mode} from it)"
+    detail = f"the run's uv cache holds the new version ({request.link_mode} from it)"
+    if request.link_mode == "hardlink":  # then what the install links is what is hashed here
+        run.hashed = identity.hash_cache(cache)
+        run._log(f"prefetch: {len(run.hashed)} files of the run's uv cache hashed")
+        detail += f"; {len(run.hashed)} files hashed"
+    return detail
 
 
 # ------------------------------------------------------------------ 3. gate
@@ -389,6 +398,13 @@ def gate_step(run: _Run) -> str:
     the environment's owner from holding uv's lock while they are down."""
     lock = secure_uv_lock(run.env.prefix, run.env.account)
     run._log(lock)
+    if run.hashed:  # the last look before the stop: an entry changed since its hash is read in the window
+        before = len(run.hashed)
+        run.hashed = identity.still_hashed(run.hashed)
+        if len(run.hashed) != before:
+            run._log(
+                f"gate: {before - len(run.hashed)} cache files changed since hashed: read after the install"
+            )
     units = [u.name for u in run.journal.units]
     if not units:
         return "no units"
@@ -553,6 +569,7 @@ def install_step(run: _Run) -> str:
     cache = run.state.uv_cache(run.run_id)
     run._log(f"install (UV_CACHE_DIR={cache}{_as(run.env.account)}): " + " ".join(command))
     result = uv_install(command, run.options.environ, cache_dir=cache, account=run.env.account)
+    run.installed_ns = time.time_ns()  # a file changed after this is read in the verification
     run._log(f"uv exit {result.returncode}:\n{result.output}")
     if result.returncode != 0:
         tail = "\n".join(result.output.strip().splitlines()[-6:])
@@ -566,6 +583,11 @@ def install_step(run: _Run) -> str:
 
 
 def verify_step(run: _Run) -> str:
+    known = (
+        identity.checker(run.hashed, run.installed_ns)
+        if run.hashed and run.installed_ns is not None
+        else None
+    )
     report = _verify_installed(
         run.env,
         run.plan.package,
@@ -573,6 +595,7 @@ def verify_step(run: _Run) -> str:
         [d.name for d in run.survey.affected],
         run.survey.installed,
         run.patches.expected() if run.patches is not None else None,
+        known,
     )
     failures = [f for f in report.findings if f.kind in _INSTALL_FAILURES]
     if failures:
@@ -586,7 +609,10 @@ def verify_step(run: _Run) -> str:
     run._journal(Phase.VERIFIED)
     remove_gate(run)
     checked = sum(d.files_checked for d in report.distributions)
-    detail = f"{checked} files match"
+    proven = sum(1 for state in report.observed.values() if state.by_identity)
+    detail = f"{checked} files match" + (
+        f" ({proven} of them links of the run's cache, hashed before the stop)" if proven else ""
+    )
     if run.extras and not run.pruned:
         detail += f"; {len(run.extras)} leftover file(s) not in the new version (--prune removes them)"
     elif run.pruned:
@@ -890,18 +916,20 @@ def _verify_installed(
     affected: list[str],
     before: Sequence[InstalledDistribution],
     carried: dict[str, Expectation] | None = None,
+    known: Known | None = None,
 ) -> VerifyReport:
     """The new installation: the package against the wheel (or its RECORD), the others their RECORD;
     the local patches carried over (``carried``) against the merge. Only the affected distributions
     are read again (the install changed nothing else), and the wheel is the one read and checked at
-    preflight."""
+    preflight. ``known``: installed files proven to be inodes hashed before the stop are not read
+    (:mod:`safeinstall.identity`)."""
     installed = reload_distributions(env, before, affected)
-    main = verify_environment(env, [package], wheel, installed=installed, expected=carried)
+    main = verify_environment(env, [package], wheel, installed=installed, expected=carried, known=known)
     present = {d.name for d in installed}
     others = [n for n in affected if n != package and n in present]
     if not others:
         return main
-    rest = verify_environment(env, others, installed=installed)
+    rest = verify_environment(env, others, installed=installed, known=known)
     return replace(
         main,
         distributions=(*main.distributions, *rest.distributions),
