@@ -12,7 +12,7 @@ from pathlib import Path
 
 from safeinstall import identity
 from safeinstall.drift import Expectation
-from safeinstall.hashing import FileState, observe_files
+from safeinstall.hashing import FileState, Known, observe_files
 from safeinstall.records import encode_digest
 
 CONTENT = b"print('the new version')\n" * 100
@@ -44,7 +44,7 @@ def _installed(tmp_path: Path, entry: Path, link: bool = True) -> Path:
     return target
 
 
-def _observe(path: Path, known: identity.Known | None) -> FileState:
+def _observe(path: Path, known: Known | None) -> FileState:
     wanted = [Expectation(str(path), "sha256", _digest(CONTENT), len(CONTENT))]
     return observe_files(wanted, workers=1, within=str(path.parent.parent.parent), known=known)[str(path)]
 
