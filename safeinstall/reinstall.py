@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import psutil
 
-from safeinstall import identity, undo
+from safeinstall import cachefill, identity, undo
 from safeinstall.backup import Backup, create_backup, prune_into
 from safeinstall.distributions import InstalledDistribution, reload_distributions
 from safeinstall.drift import Expectation, FindingKind
@@ -370,6 +370,7 @@ def prefetch_step(run: _Run) -> str:
     cache = make_run_dir(run.state.uv_cache(run.run_id), account)
     scratch = make_run_dir(run.state.prefetch_dir(run.run_id), account)
     command = prefetch_command(request, uv_binary(), scratch, run.survey.uv_plan.changes)
+    filled = _fill_from_owners_cache(run, cache)
     run._log(f"prefetch (UV_CACHE_DIR={cache}{_as(account)}): " + " ".join(command))
     try:
         result = uv_install(command, run.options.environ, cache_dir=cache, account=account)
@@ -382,12 +383,29 @@ def prefetch_step(run: _Run) -> str:
             f"uv could not fetch or unpack the new version (exit {result.returncode}): {tail}",
             hint="nothing was stopped; check the wheel, the index options or the network",
         )
-    detail = f"the run's uv cache holds the new version ({request.link_mode} from it)"
+    detail = f"the run's uv cache holds the new version ({request.link_mode} from it)" + filled
     if request.link_mode == "hardlink":  # then what the install links is what is hashed here
         run.hashed = identity.hash_cache(cache)
         run._log(f"prefetch: {len(run.hashed)} files of the run's uv cache hashed")
         detail += f"; {len(run.hashed)} files hashed"
     return detail
+
+
+def _fill_from_owners_cache(run: _Run, cache: Path) -> str:
+    """Copy into the run's cache what the owner's uv cache already holds of what the plan installs
+    (:mod:`safeinstall.cachefill`); the step's detail about it ("" when nothing was copied)."""
+    source = cachefill.source_cache(run.options.environ, run.env.account)
+    if source is None or run.survey.request.link_mode != "hardlink":  # uv's cache options: left to uv
+        return ""
+    filled = cachefill.fill(source, cache, run.survey.uv_plan.changes, run.env.account)
+    if filled.problem is not None:
+        run._log(f"prefetch: nothing copied from {source}: {filled.problem}")
+        return ""
+    if not filled.archives:
+        return ""
+    run._log(f"prefetch: copied from {source}: {', '.join(filled.entries)} ({filled.bytes} bytes)")
+    size = f"{filled.bytes / 1e6:.0f} MB"
+    return f"; {filled.archives} unpacked wheel(s) copied from {source} ({size}, not fetched)"
 
 
 # ------------------------------------------------------------------ 3. gate

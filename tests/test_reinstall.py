@@ -166,7 +166,7 @@ def test_the_install_hardlinks_from_the_runs_own_cache_and_nothing_shares_an_ino
     # hashed before the stop, the linked files (every member of the wheel: what uv writes itself, the
     # RECORD, INSTALLER, the console script, is not the wheel's) are verified by their identity
     steps = {step["name"]: step["detail"] for step in data["steps"]}
-    hashed = int(steps["prefetch"].split("; ")[1].split()[0])
+    hashed = int(re.findall(r"(\d+) files hashed", steps["prefetch"])[0])
     checked, proven = (
         int(n) for n in re.findall(r"(\d+) files match \((\d+) of them links", steps["verify"])[0]
     )
