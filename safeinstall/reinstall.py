@@ -88,7 +88,7 @@ from safeinstall.survey import Survey, scan_again, systemd_for
 from safeinstall.systemd import StopOutcome, Systemd, start_wait_s, stop_wait_s
 from safeinstall.undo import Left, left_of
 from safeinstall.uvplan import install as uv_install
-from safeinstall.uvplan import prefetch_command, secure_uv_lock, uv_binary
+from safeinstall.uvplan import prefetch_command, secure_uv_lock, uv_binary, window_command
 from safeinstall.verify import VerifyReport, verify_environment
 from safeinstall.wheel import Wheel
 from safeinstall.wheelcopy import discard_wheel_copy
@@ -583,12 +583,17 @@ def gpu_release_step(run: _Run, session: NvmlSession, baseline: GpuSnapshot) -> 
 def install_step(run: _Run) -> str:
     late = _check_no_late_users(run)
     run._journal(Phase.INSTALLING)
-    command = run.plan.uv_command
+    command = window_command(run.plan.uv_command, run.survey.request)
     cache = run.state.uv_cache(run.run_id)
     run._log(f"install (UV_CACHE_DIR={cache}{_as(run.env.account)}): " + " ".join(command))
     result = uv_install(command, run.options.environ, cache_dir=cache, account=run.env.account)
-    run.installed_ns = time.time_ns()  # a file changed after this is read in the verification
     run._log(f"uv exit {result.returncode}:\n{result.output}")
+    if result.returncode > 0 and tuple(command) != run.plan.uv_command:  # offline did not do: the plan's
+        command = run.plan.uv_command
+        run._log("install again, as planned (not offline): " + " ".join(command))
+        result = uv_install(command, run.options.environ, cache_dir=cache, account=run.env.account)
+        run._log(f"uv exit {result.returncode}:\n{result.output}")
+    run.installed_ns = time.time_ns()  # a file changed after this is read in the verification
     if result.returncode != 0:
         tail = "\n".join(result.output.strip().splitlines()[-6:])
         raise StepFailed(f"uv pip install failed (exit {result.returncode}): {tail}")

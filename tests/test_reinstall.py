@@ -171,6 +171,7 @@ def test_the_install_hardlinks_from_the_runs_own_cache_and_nothing_shares_an_ino
         int(n) for n in re.findall(r"(\d+) files match \((\d+) of them links", steps["verify"])[0]
     )
     assert 0 < proven == checked <= hashed, steps
+    assert steps["install"].startswith(f"{command[0]} pip install --offline "), steps  # see window_command
     installed = find_distribution(inspect_environment(bed.python), "sicext")
     assert installed.version == "2.0"
     assert {os.lstat(location).st_nlink for location in installed.locations} == {1}
