@@ -80,6 +80,7 @@ class Case:
     hand_cache: Path | None = None  # the hand's uv cache (None: the bench's own)
     cold: bool = False  # vllm-cold: the hand's cache is new and empty each round
     extra: tuple[str, ...] = ()  # more safeinstall options
+    order: dict[str, list[int]] = field(default_factory=lambda: {"hand": [], "safeinstall": []})
 
 
 def torch_wheel() -> Path:
@@ -185,6 +186,7 @@ def bench_case(
                     hand_env["UV_CACHE_DIR"] = str(target / "cold-cache")
                 if case.switch is not None:
                     wanted = case.switch[installs % 2]
+                    case.order[who].append(installs)
                     installs += 1
                     requirement = wanted
                     if who == "hand":
@@ -277,6 +279,21 @@ def report(case: Case, rounds: int, settle: float) -> None:
         f"  whole run safeinstall / hand = {ours_w / hand_w:.2f}x "
         f"(per round {[round(r, 2) for r in walls]}; goal <= {'4x' if case.name == 'vllm' else '3x'})"
     )
+    if case.switch is not None:  # each direction by itself: the hand and safeinstall doing the same switch
+        for index, target in enumerate(case.switch):
+            label = target.rsplit("/", 1)[-1]
+            for what, series in (("downtime", case.times), ("whole run", case.walls)):
+                # the n-th install of the case goes to switch[n % 2]: the hand's and safeinstall's
+                mine = {
+                    who: [t for n, t in zip(case.order[who], series[who], strict=True) if n % 2 == index]
+                    for who in ("hand", "safeinstall")
+                }
+                if mine["hand"] and mine["safeinstall"]:
+                    h, o = statistics.median(mine["hand"]), statistics.median(mine["safeinstall"])
+                    print(
+                        f"  -> {label:<24} {what:<9} hand {h:6.2f} s {[round(t, 2) for t in mine['hand']]}"
+                        f"  safeinstall {o:6.2f} s {[round(t, 2) for t in mine['safeinstall']]}  {o / h:.2f}x"
+                    )
     steps = ", ".join(f"{name} {statistics.median(values):.2f}" for name, values in case.steps.items())
     print(f"  safeinstall median step seconds: {steps}")
 
