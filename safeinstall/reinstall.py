@@ -388,6 +388,8 @@ def prefetch_step(run: _Run) -> str:
         run.hashed = identity.hash_cache(cache)
         run._log(f"prefetch: {len(run.hashed)} files of the run's uv cache hashed")
         detail += f"; {len(run.hashed)} files hashed"
+    written = identity.flush(cache)  # on disk now, not in the window
+    run._log(f"prefetch: the run's cache written to disk in {written:.1f} s")
     return detail
 
 
