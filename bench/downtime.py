@@ -19,7 +19,7 @@ Cases:
 * ``torch-warm``: the same torch wheel, the same path every round (a clean reinstall, a rollback to
   yesterday's build): the hand's uv cache has it unpacked already (filled once before the rounds).
 * ``vllm``: a venv with vLLM 0.33.0 from the index (``--vllm-wheel``: the 0.32.0 wheel); every install
-  switches it to the other release: 0.33.0 -> 0.32.0 (``--wheel``) and back (``vllm==0.33.0``), ten
+  switches it to the other release: 0.33.0 -> 0.32.0 (``--wheel``) and back (``vllm==0.33.0``), nine
   distributions each way (torch, triton, flashinfer, nvidia-cudnn, ...: about 4 GB). The hand uses the
   host's own uv cache (``--hand-cache``, default uv's: ``~/.cache/uv``), filled with both releases
   before the rounds: warm. The unit's process imports torch (which both releases change). With an even
