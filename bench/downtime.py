@@ -29,7 +29,9 @@ Cases:
 
 Each round installs a fresh copy of the wheel (a new path: uv has not seen it, as with a new nightly),
 so both contenders start from a cold uv cache; both use one cache of the bench's own (deleted at the
-end). The downtime is what the unit itself writes: ``ExecStopPost`` appends a timestamp when the main
+end). Before each command the bench syncs the disks (``sync``): what the previous command left for
+the kernel to write back (a run's deleted cache, a pruned backup) does not slow the next one's window.
+The downtime is what the unit itself writes: ``ExecStopPost`` appends a timestamp when the main
 process has exited, ``ExecStartPre`` when the next start begins; the difference is the downtime. The
 whole run is the wall time of each command. Medians and ratios are printed, and safeinstall's median
 step times (from its ``--json``).
@@ -129,6 +131,7 @@ def run_round(
     command: list[str],
     env: dict[str, str],
 ) -> None:
+    os.sync()  # what the previous command left to write back (a run's deletions) does not land in this one's
     started = time.monotonic()
     proc = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     wall = time.monotonic() - started
