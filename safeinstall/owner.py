@@ -210,7 +210,10 @@ def copy_cached_wheels(source: str, target: str, wanted: list[list[str]]) -> dic
     cache's top: a link that leads anywhere else is not copied), its files copied, never linked: the
     run's cache shares no inode with a cache that outlives the run. Runs as the owner of both (a
     worker): it copies only what that account may read. Symlinks and special files inside an archive
-    are not copied (uv's archives hold regular files and directories).
+    are not copied (uv's archives hold regular files and directories). Plain ``os`` calls, each file
+    opened with ``O_NOFOLLOW``, rather than :mod:`safeinstall.safefs`: both caches are the account's own
+    and this worker is the account, so the kernel's checks are the boundary (a symlink the account put
+    on the way leads only where the account could read and write anyway).
     ``{"archives": int, "bytes": int, "entries": ["NAME VERSION"]}``."""
     archives: set[tuple[str, str]] = set()
     copied = 0
