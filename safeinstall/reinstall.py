@@ -87,6 +87,7 @@ from safeinstall.state import (
 from safeinstall.survey import Survey, scan_again, systemd_for
 from safeinstall.systemd import StopOutcome, Systemd, start_wait_s, stop_wait_s
 from safeinstall.undo import Left, left_of
+from safeinstall.uvplan import dry_run as uv_dry_run
 from safeinstall.uvplan import install as uv_install
 from safeinstall.uvplan import prefetch_command, secure_uv_lock, uv_binary, window_command
 from safeinstall.verify import VerifyReport, verify_environment
@@ -384,6 +385,8 @@ def prefetch_step(run: _Run) -> str:
             hint="nothing was stopped; check the wheel, the index options or the network",
         )
     detail = f"the run's uv cache holds the new version ({request.link_mode} from it)" + filled
+    if window_command(run.plan.uv_command, request) != run.plan.uv_command:
+        _resolve_into(run, cache)
     if request.link_mode == "hardlink":  # then what the install links is what is hashed here
         run.hashed = identity.hash_cache(cache)
         run._log(f"prefetch: {len(run.hashed)} files of the run's uv cache hashed")
@@ -391,6 +394,26 @@ def prefetch_step(run: _Run) -> str:
     written = identity.flush(cache)  # on disk now, not in the window
     run._log(f"prefetch: the run's cache written to disk in {written:.1f} s")
     return detail
+
+
+def _resolve_into(run: _Run, cache: Path) -> None:
+    """The plan's resolution once more, with the run's cache: the prefetch (``--no-deps``) stores the
+    new wheels but not their metadata, which the window's offline install resolves with (without it,
+    uv offline says the wheel "needs to be downloaded from a registry"). Best effort: the window runs
+    the planned command should the offline one fail."""
+    started = time.monotonic()
+    try:
+        uv_dry_run(
+            run.survey.request,
+            run.options.environ,
+            account=run.env.account,
+            prefix=run.env.prefix,
+            cache_dir=cache,
+        )
+    except SafeInstallError as exc:
+        run._log(f"prefetch: the plan's resolution with the run's cache failed: {exc.message}")
+        return
+    run._log(f"prefetch: the plan resolved again with the run's cache in {time.monotonic() - started:.1f} s")
 
 
 def _fill_from_owners_cache(run: _Run, cache: Path) -> str:

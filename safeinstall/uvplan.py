@@ -471,16 +471,18 @@ def dry_run(
     timeout: float = 300,
     account: Account | None = None,
     prefix: Path | None = None,
+    cache_dir: Path | None = None,
 ) -> UvPlan:
     """Ask uv (as ``account``, the environment's owner, when given) what it would uninstall and
     install; PlanError when it cannot resolve. ``prefix``: the environment's, where uv creates its lock
     file even for a dry run; one that was not there before is removed again (a dry run leaves nothing
-    in the environment)."""
+    in the environment). ``cache_dir``: uv's cache (the run's own, which the resolution then holds the
+    metadata of the new distributions in: the window's offline install needs it)."""
     uv_bin = uv_binary()
     cmd = install_command(request, uv_bin, dry_run=True)
     had_lock = prefix is None or _lock_info(prefix) is not None
     try:
-        proc = _run_uv(cmd, environ, timeout, None, account)
+        proc = _run_uv(cmd, environ, timeout, cache_dir, account)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise PlanError(f"uv did not answer: {exc}", hint="check that uv runs: " + uv_bin) from exc
     finally:

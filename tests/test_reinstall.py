@@ -172,7 +172,8 @@ def test_the_install_hardlinks_from_the_runs_own_cache_and_nothing_shares_an_ino
     )
     assert 0 < proven == checked <= hashed, steps
     assert steps["install"].startswith(f"{command[0]} pip install --offline "), steps  # see window_command
-    assert "the run's cache written to disk" in Path(data["log_file"]).read_text()  # before the stop
+    log = Path(data["log_file"]).read_text()
+    assert "the run's cache written to disk" in log and "the plan resolved again with the run's cache" in log
     installed = find_distribution(inspect_environment(bed.python), "sicext")
     assert installed.version == "2.0"
     assert {os.lstat(location).st_nlink for location in installed.locations} == {1}
