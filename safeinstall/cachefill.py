@@ -13,7 +13,7 @@ Which cache is the owner's: for an environment of another account, the one uv us
 (``~ACCOUNT/.cache/uv``: root's ``UV_CACHE_DIR`` names root's, not the account's); for a root-owned
 one, the caller's (``UV_CACHE_DIR``, else ``$XDG_CACHE_HOME/uv``, else ``~/.cache/uv``). What the copy
 brings is checked like anything uv unpacks: every installed file is verified against the wheel or its
-RECORD, and the cache is hashed before the stop (:mod:`safeinstall.identity`).
+RECORD, and the cache is hashed before the stop (:mod:`safeinstall.inodes`).
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ class FileState(NamedTuple):
 
 
 #: Given a file's ``lstat`` and the algorithm wanted, the digest of that very inode when it was hashed
-#: earlier and is proven unchanged since (:mod:`safeinstall.identity`); None: read and hash it.
+#: earlier and is proven unchanged since (:mod:`safeinstall.inodes`); None: read and hash it.
 Known = Callable[[os.stat_result, str], str | None]
 
 

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import psutil
 
-from safeinstall import cachefill, identity, undo
+from safeinstall import cachefill, inodes, undo
 from safeinstall.backup import Backup, create_backup, prune_into
 from safeinstall.distributions import InstalledDistribution, reload_distributions
 from safeinstall.drift import Expectation, FindingKind
@@ -176,8 +176,8 @@ class _Run:
     restart_started: bool = False
     old_code: tuple[OldCodeProcess, ...] = ()
     left: Left | None = None  # set by the verify step: what the run leaves (kept for --undo)
-    #: the run's cache, hashed after the prefetch and looked at again before the stop (identity.py)
-    hashed: identity.Hashed = field(default_factory=dict)
+    #: the run's cache, hashed after the prefetch and looked at again before the stop (inodes.py)
+    hashed: inodes.Hashed = field(default_factory=dict)
     installed_ns: int | None = None  # time.time_ns() once uv's install in the window has exited
 
     @property
@@ -388,10 +388,10 @@ def prefetch_step(run: _Run) -> str:
     if window_command(run.plan.uv_command, request) != run.plan.uv_command:
         _resolve_into(run, cache)
     if request.link_mode == "hardlink":  # then what the install links is what is hashed here
-        run.hashed = identity.hash_cache(cache)
+        run.hashed = inodes.hash_cache(cache)
         run._log(f"prefetch: {len(run.hashed)} files of the run's uv cache hashed")
         detail += f"; {len(run.hashed)} files hashed"
-    written = identity.flush(cache)  # on disk now, not in the window
+    written = inodes.flush(cache)  # on disk now, not in the window
     run._log(f"prefetch: the run's cache written to disk in {written:.1f} s")
     return detail
 
@@ -443,7 +443,7 @@ def gate_step(run: _Run) -> str:
     run._log(lock)
     if run.hashed:  # the last look before the stop: an entry changed since its hash is read in the window
         before = len(run.hashed)
-        run.hashed = identity.still_hashed(run.hashed)
+        run.hashed = inodes.still_hashed(run.hashed)
         if len(run.hashed) != before:
             run._log(
                 f"gate: {before - len(run.hashed)} cache files changed since hashed: read after the install"
@@ -632,9 +632,7 @@ def install_step(run: _Run) -> str:
 
 def verify_step(run: _Run) -> str:
     known = (
-        identity.checker(run.hashed, run.installed_ns)
-        if run.hashed and run.installed_ns is not None
-        else None
+        inodes.checker(run.hashed, run.installed_ns) if run.hashed and run.installed_ns is not None else None
     )
     report = _verify_installed(
         run.env,
@@ -970,7 +968,7 @@ def _verify_installed(
     the local patches carried over (``carried``) against the merge. Only the affected distributions
     are read again (the install changed nothing else), and the wheel is the one read and checked at
     preflight. ``known``: installed files proven to be inodes hashed before the stop are not read
-    (:mod:`safeinstall.identity`)."""
+    (:mod:`safeinstall.inodes`)."""
     installed = reload_distributions(env, before, affected)
     main = verify_environment(env, [package], wheel, installed=installed, expected=carried, known=known)
     present = {d.name for d in installed}

@@ -400,7 +400,7 @@ def verify_environment(
     its install changed); otherwise the environment is scanned here, once. ``expected`` replaces what
     some files must hold (location -> expectation): the local patches a ``--keep-patches`` run carried
     over are checked against the merge, not the RECORD or the wheel. ``known``: files it proves to be
-    inodes hashed earlier and unchanged since are not read again (:mod:`safeinstall.identity`).
+    inodes hashed earlier and unchanged since are not read again (:mod:`safeinstall.inodes`).
     """
     # Named ones are read first, the others (whose files only say what is "extra") while the large
     # files hash; read as every distribution is, or everything is done again in the usual order. The

@@ -524,7 +524,7 @@ def test_a_file_state_has_each_field_where_its_name_says(tmp_path: Path) -> None
         "ctime_ns": info.st_ctime_ns,
         "by_identity": False,
     }
-    # taken on its identity (safeinstall.identity): the same fields from the lstat, the digest given
+    # taken on its identity (safeinstall.inodes): the same fields from the lstat, the digest given
     proven = observe_files(
         [Expectation(str(path), "sha256", None, info.st_size)], known=lambda _info, _algorithm: "D"
     )[str(path)]

@@ -1,4 +1,4 @@
-"""Verification by identity (safeinstall/identity.py): a file that is a hardlink of a run-cache inode
+"""Verification by identity (safeinstall/inodes.py): a file that is a hardlink of a run-cache inode
 hashed before the stop, unchanged since, is verified from an lstat; anything else is read and hashed.
 
 Real files on the test's filesystem, the real hashing stage; no timing."""
@@ -10,7 +10,7 @@ import os
 import time
 from pathlib import Path
 
-from safeinstall import identity
+from safeinstall import inodes
 from safeinstall.drift import Expectation
 from safeinstall.hashing import FileState, Known, observe_files
 from safeinstall.records import encode_digest
@@ -51,9 +51,9 @@ def _observe(path: Path, known: Known | None) -> FileState:
 
 def test_a_link_of_a_hashed_cache_file_is_verified_by_its_identity(tmp_path: Path) -> None:
     cache, entry = _cache(tmp_path)
-    hashed = identity.still_hashed(identity.hash_cache(cache))
+    hashed = inodes.still_hashed(inodes.hash_cache(cache))
     installed = _installed(tmp_path, entry)
-    state = _observe(installed, identity.checker(hashed, time.time_ns()))
+    state = _observe(installed, inodes.checker(hashed, time.time_ns()))
     assert state.by_identity and state.digest == _digest(CONTENT) and state.size == len(CONTENT)
     assert _observe(installed, None).by_identity is False  # without it: read and hashed, same digest
     assert _observe(installed, None).digest == state.digest
@@ -62,13 +62,13 @@ def test_a_link_of_a_hashed_cache_file_is_verified_by_its_identity(tmp_path: Pat
 def test_a_file_that_is_not_the_hashed_inode_is_read_and_hashed(tmp_path: Path) -> None:
     """A copy with the same bytes, size and even modification time is another inode: it is hashed."""
     cache, entry = _cache(tmp_path)
-    hashed = identity.hash_cache(cache)
+    hashed = inodes.hash_cache(cache)
     installed = _installed(tmp_path, entry, link=False)
     info = entry.stat()
     os.utime(installed, ns=(info.st_atime_ns, info.st_mtime_ns))
     installed.write_bytes(b"X" + CONTENT[1:])  # tampered, same size
     os.utime(installed, ns=(info.st_atime_ns, info.st_mtime_ns))
-    state = _observe(installed, identity.checker(hashed, time.time_ns()))
+    state = _observe(installed, inodes.checker(hashed, time.time_ns()))
     assert not state.by_identity and state.digest == _digest(b"X" + CONTENT[1:]) != _digest(CONTENT)
 
 
@@ -76,7 +76,7 @@ def test_a_cache_entry_written_after_its_hash_is_read_and_the_change_caught(tmp_
     """Its owner writes the entry after the hash and puts its modification time back: the change time
     moved, so the look before the stop drops it, and its link in the environment is read and hashed."""
     cache, entry = _cache(tmp_path)
-    hashed = identity.hash_cache(cache)
+    hashed = inodes.hash_cache(cache)
     assert len(hashed) == 1
     info = entry.stat()
     time.sleep(0.02)  # past the filesystem's timestamp granularity (a later tick), not a timed assertion
@@ -84,15 +84,15 @@ def test_a_cache_entry_written_after_its_hash_is_read_and_the_change_caught(tmp_
         handle.write(b"X")
     os.utime(entry, ns=(info.st_atime_ns, info.st_mtime_ns))
     assert entry.stat().st_mtime_ns == info.st_mtime_ns and entry.stat().st_size == info.st_size
-    assert identity.still_hashed(hashed) == {}
+    assert inodes.still_hashed(hashed) == {}
     installed = _installed(tmp_path, entry)
-    state = _observe(installed, identity.checker(identity.still_hashed(hashed), time.time_ns()))
+    state = _observe(installed, inodes.checker(inodes.still_hashed(hashed), time.time_ns()))
     assert not state.by_identity and state.digest == _digest(b"X" + CONTENT[1:])
 
 
 def test_an_installed_file_changed_after_the_install_ended_is_read(tmp_path: Path) -> None:
     cache, entry = _cache(tmp_path)
-    hashed = identity.still_hashed(identity.hash_cache(cache))
+    hashed = inodes.still_hashed(inodes.hash_cache(cache))
     installed = _installed(tmp_path, entry)
     installed_ns = time.time_ns()
     time.sleep(0.02)  # a later timestamp tick than the install's end
@@ -100,19 +100,19 @@ def test_an_installed_file_changed_after_the_install_ended_is_read(tmp_path: Pat
     with installed.open("r+b") as handle:
         handle.write(b"Y")
     os.utime(installed, ns=(info.st_atime_ns, info.st_mtime_ns))
-    state = _observe(installed, identity.checker(hashed, installed_ns))
+    state = _observe(installed, inodes.checker(hashed, installed_ns))
     assert not state.by_identity and state.digest == _digest(b"Y" + CONTENT[1:])
 
 
 def test_an_inode_others_may_write_is_never_taken_on_its_identity(tmp_path: Path) -> None:
     cache, entry = _cache(tmp_path)
     entry.chmod(0o664)  # its group may write it
-    assert identity.hash_cache(cache) == {}
+    assert inodes.hash_cache(cache) == {}
     entry.chmod(0o644)
-    hashed = identity.hash_cache(cache)
+    hashed = inodes.hash_cache(cache)
     installed = _installed(tmp_path, entry)
     installed.chmod(0o666)  # made writable by others after the hash
-    state = _observe(installed, identity.checker(hashed, time.time_ns()))
+    state = _observe(installed, inodes.checker(hashed, time.time_ns()))
     assert not state.by_identity and state.digest == _digest(CONTENT)
 
 
@@ -122,6 +122,6 @@ def test_what_a_symlink_in_the_cache_leads_to_is_never_hashed(tmp_path: Path) ->
     outside.write_bytes(CONTENT)
     (entry.parent / "link.py").symlink_to(outside)
     (cache / "archive-v0" / "dirlink").symlink_to(tmp_path, target_is_directory=True)
-    hashed = identity.hash_cache(cache)
+    hashed = inodes.hash_cache(cache)
     assert [e.path for e in hashed.values()] == [str(entry)]
     assert (outside.stat().st_dev, outside.stat().st_ino) not in hashed
