@@ -7,6 +7,7 @@ when a process died), never from safeinstall's own log.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import threading
 import time
@@ -95,6 +96,17 @@ def test_the_install_hardlinks_from_the_runs_own_cache_and_nothing_shares_an_ino
     command = data["plan"]["uv_command"]
     assert command[command.index("--link-mode") + 1] == "hardlink"
     assert bed.state.is_dir() and not list(bed.state.glob("*/uv-cache-*"))
+    # hashed before the stop, the linked files (every member of the wheel: what uv writes itself, the
+    # RECORD, INSTALLER, the console script, is not the wheel's) are verified by their identity
+    steps = {step["name"]: step["detail"] for step in data["steps"]}
+    hashed = int(re.findall(r"(\d+) files hashed", steps["prefetch"])[0])
+    checked, proven = (
+        int(n) for n in re.findall(r"(\d+) files match \((\d+) of them links", steps["verify"])[0]
+    )
+    assert 0 < proven == checked <= hashed, steps
+    assert steps["install"].startswith(f"{command[0]} pip install --offline "), steps  # see window_command
+    log = Path(data["log_file"]).read_text()
+    assert "the run's cache written to disk" in log and "the plan resolved again with the run's cache" in log
     installed = find_distribution(
         inspect_environment(bed.python), "sicext", find_distributions(inspect_environment(bed.python))
     )

@@ -16,6 +16,7 @@ from safeinstall.env.uvplan import (
     prefetch_command,
     same_filesystem,
     uv_environment,
+    window_command,
 )
 from safeinstall.errors import PlanError
 from tests import wheelhouse
@@ -69,6 +70,21 @@ def test_hardlinks_only_from_the_runs_own_cache_on_the_prefixs_filesystem(tmp_pa
     assert cmd.count("--link-mode") == 1 and cmd[cmd.index("--link-mode") + 1] == "symlink"
     hard = install_command(UvRequest(Path("/p"), "vllm", link_mode="hardlink"), "uv")
     assert hard[hard.index("--link-mode") + 1] == "hardlink"
+
+
+def test_the_window_installs_offline_from_the_runs_own_cache_unless_told_otherwise() -> None:
+    """--reinstall-package implies --refresh-package in uv: online, the window would download again the
+    wheel the prefetch fetched. From the run's own cache (hardlink) the window's install is offline;
+    with a cache, a link mode or network options of the caller's it is the plan's command."""
+    request = UvRequest(Path("/p"), "vllm", version_spec="==0.33.0", link_mode="hardlink")
+    plan = install_command(request, "uv")
+    window = window_command(plan, request)
+    assert window == ("uv", "pip", "install", "--offline", *plan[3:]) and "--offline" not in plan
+    copied = UvRequest(Path("/p"), "vllm", link_mode="copy")
+    assert window_command(install_command(copied, "uv"), copied) == tuple(install_command(copied, "uv"))
+    for extra in (("--offline",), ("--no-offline",), ("--refresh",), ("--refresh-package", "x"), ("-n",)):
+        told = UvRequest(Path("/p"), "vllm", extra_args=extra, link_mode="hardlink")
+        assert window_command(install_command(told, "uv"), told) == tuple(install_command(told, "uv")), extra
 
 
 def test_prefetch_pins_every_new_distribution_of_the_plan() -> None:

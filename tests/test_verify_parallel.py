@@ -521,7 +521,14 @@ def test_a_file_state_has_each_field_where_its_name_says(tmp_path: Path) -> None
         "inode": info.st_ino,
         "error": None,
         "mtime_ns": info.st_mtime_ns,
+        "ctime_ns": info.st_ctime_ns,
+        "by_identity": False,
     }
+    # taken on its identity (safeinstall.env.inodes): the same fields from the lstat, the digest given
+    proven = observe_files(
+        [Expectation(str(path), "sha256", None, info.st_size)], known=lambda _info, _algorithm: "D"
+    )[str(path)]
+    assert proven._asdict() == {**state._asdict(), "digest": "D", "by_identity": True}
 
 
 def test_a_ctrl_c_while_waiting_for_the_helpers_is_raised_once_they_have_ended(

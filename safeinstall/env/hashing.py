@@ -52,6 +52,14 @@ class FileState(NamedTuple):
     inode: int = 0
     error: str | None = None  # set when the file exists but could not be read
     mtime_ns: int = 0
+    ctime_ns: int = 0
+    #: the digest is a hash taken earlier of this very inode, proven unchanged (see :data:`Known`)
+    by_identity: bool = False
+
+
+#: Given a file's ``lstat`` and the algorithm wanted, the digest of that very inode when it was hashed
+#: earlier and is proven unchanged since (:mod:`safeinstall.env.inodes`); None: read and hash it.
+Known = Callable[[os.stat_result, str], str | None]
 
 
 class Wanted(Protocol):
@@ -115,6 +123,7 @@ def _not_regular(path: str, info: os.stat_result) -> FileState:
         info.st_ino,
         None,
         info.st_mtime_ns,
+        info.st_ctime_ns,
     )
 
 
@@ -137,6 +146,7 @@ def _observe(
     algorithm: str | None,
     regular: frozenset[str] | None,
     buffer: memoryview,
+    known: Known | None = None,
 ) -> FileState:
     """One file, by ``name`` relative to ``dir_fd`` (``path`` itself where there is no directory
     descriptor). ``regular``: the names the directory's listing shows as regular files; any other name
@@ -147,7 +157,14 @@ def _observe(
     large one streams in ``STREAM_CHUNK`` chunks. Both are read into ``buffer`` (the thread's own, of
     ``STREAM_CHUNK`` bytes, from :func:`read_buffer`): a new ``bytes`` for each file cost the first
     verification in a process 4,096 page faults on torch, about 0.05 s of system time (fresh heap pages
-    for 157 MB of small files)."""
+    for 157 MB of small files).
+
+    ``known``: a file whose ``lstat`` shows an inode hashed earlier and unchanged since gets that digest
+    without being opened (``by_identity``); any other is read and hashed."""
+    if known is not None and algorithm is not None:
+        proven = _by_identity(path, name, dir_fd, algorithm, known)
+        if proven is not None:
+            return proven
     if regular is None or name not in regular:
         unopened = _unopened(path, name, dir_fd)
         if unopened is not None:
@@ -195,6 +212,40 @@ def _observe(
             info.st_ino,
             None,
             info.st_mtime_ns,
+            info.st_ctime_ns,
+            False,
+        ),
+    )
+
+
+def _by_identity(path: str, name: str, dir_fd: int | None, algorithm: str, known: Known) -> FileState | None:
+    """The file's state from an ``lstat`` alone when ``known`` proves it to be an inode hashed earlier
+    and unchanged since; None: it must be read (not there, not a regular file, not proven)."""
+    try:
+        info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return None
+    if not stat.S_ISREG(info.st_mode):
+        return None
+    digest = known(info, algorithm)
+    if digest is None:
+        return None
+    return built(
+        FileState,
+        (
+            path,
+            True,
+            True,
+            info.st_size,
+            digest,
+            algorithm,
+            info.st_nlink,
+            info.st_dev,
+            info.st_ino,
+            None,
+            info.st_mtime_ns,
+            info.st_ctime_ns,
+            True,
         ),
     )
 
@@ -352,6 +403,7 @@ class _Task:
     files: tuple[_File, ...]
     cost: int
     large: bool  # one file of BIG_FILE bytes or more
+    known: Known | None = None
 
     def run(self, buffer: memoryview) -> list[FileState]:
         directory = self.directory
@@ -363,7 +415,9 @@ class _Task:
                     for path, _name, _algorithm, _size in self.files
                 ]
             return [
-                _observe(path, path if dir_fd is None else name, dir_fd, algorithm, regular, buffer)
+                _observe(
+                    path, path if dir_fd is None else name, dir_fd, algorithm, regular, buffer, self.known
+                )
                 for path, name, algorithm, _size in self.files
             ]
         finally:
@@ -376,7 +430,9 @@ class _Task:
 _LIST_FROM = 4
 
 
-def plan_tasks(wanted: Sequence[Wanted], within: str | None = None) -> list[_Task]:
+def plan_tasks(
+    wanted: Sequence[Wanted], within: str | None = None, known: Known | None = None
+) -> list[_Task]:
     """The work, costliest first (by expected size): each file of ``BIG_FILE`` bytes or more a task of
     its own, the others in chunks of at most ``CHUNK_FILES`` files of one directory."""
     by_directory: dict[str | None, tuple[list[_File], list[_File]]] = {}
@@ -395,10 +451,10 @@ def plan_tasks(wanted: Sequence[Wanted], within: str | None = None) -> list[_Tas
         users = len(big) + len(chunks)
         shared = None if key is None else _Directory(key, users, len(small) >= _LIST_FROM, within)
         for file in big:
-            tasks.append(_Task(shared, (file,), file[3] + _PER_FILE_COST, True))
+            tasks.append(_Task(shared, (file,), file[3] + _PER_FILE_COST, True, known))
         for chunk in chunks:
             cost = sum(f[3] for f in chunk) + _PER_FILE_COST * len(chunk)
-            tasks.append(_Task(shared, tuple(chunk), cost, False))
+            tasks.append(_Task(shared, tuple(chunk), cost, False, known))
     tasks.sort(key=lambda task: -task.cost)
     return tasks
 
@@ -409,6 +465,7 @@ def observe_files(
     on_progress: Callable[[int], None] | None = None,
     meanwhile: Callable[[], object] | None = None,
     within: str | None = None,
+    known: Known | None = None,
 ) -> dict[str, FileState]:
     """Stat (and hash, where an algorithm is given) every wanted file; results keyed by location.
 
@@ -421,8 +478,9 @@ def observe_files(
     reads the other distributions' RECORDs there while torch's 434 MB library hashes). ``within``: a
     real directory every file must be in, checked as each directory is opened (see
     :func:`_open_directory`); a file of one that is not is reported with the reason, never opened.
+    ``known``: see :func:`_observe` (a file it proves is not read).
     """
-    tasks = plan_tasks(wanted, within)
+    tasks = plan_tasks(wanted, within, known)
     large: Iterator[_Task] = iter([task for task in tasks if task.large])
     small: Iterator[_Task] = iter([task for task in tasks if not task.large])
     results: dict[str, FileState] = {}

@@ -36,7 +36,7 @@ from safeinstall.env.drift import (
     untouched_since_install,
 )
 from safeinstall.env.environment import Environment, distribution_sites
-from safeinstall.env.hashing import FileState, cycle_collection_paused, observe_files
+from safeinstall.env.hashing import FileState, Known, cycle_collection_paused, observe_files
 from safeinstall.env.records import built, digest_bytes
 from safeinstall.env.systemsite import SystemPackage, from_base, system_packages
 from safeinstall.errors import ExitCode, WheelError
@@ -343,6 +343,7 @@ def verify_environment(
     expected: Mapping[str, Expectation] | None = None,
     settle_shared: bool = True,
     vouched: Callable[[], Mapping[str, tuple[Vouched, ...]]] | None = None,
+    known: Known | None = None,
 ) -> VerifyReport:
     """Verify the named distributions (or all, with ``names=None``) of ``env``.
 
@@ -358,7 +359,8 @@ def verify_environment(
     the environment's distributions when the caller has found them already (a run reloads only what
     its install changed); otherwise the environment is scanned here, once. ``expected`` replaces what
     some files must hold (location -> expectation): the local patches a ``--keep-patches`` run carried
-    over are checked against the merge, not the RECORD or the wheel.
+    over are checked against the merge, not the RECORD or the wheel. ``known``: files it proves to be
+    inodes hashed earlier and unchanged since are not read again (:mod:`safeinstall.env.inodes`).
     """
     # Named ones are read first, the others (whose files only say what is "extra") while the large
     # files hash; read as every distribution is, or everything is done again in the usual order. The
@@ -407,11 +409,11 @@ def verify_environment(
             name = plan.dist.name
             unlisted[name] = [f for root in roots.get(name, []) for f in extras(name, _walk(root), listed)]
 
-    states = _observe(plans, env, workers, tick, look_for_extras)
+    states = _observe(plans, env, workers, tick, look_for_extras, known)
     if early is not None and any(find_distribution(env, d.name, found) is not d for d in early):
         # a directory named otherwise holds one of them, earlier in the scan: the usual order
         return verify_environment(
-            env, names, wheel, on_progress, workers, found, expected, settle_shared, vouched
+            env, names, wheel, on_progress, workers, found, expected, settle_shared, vouched, known
         )
     reports: list[DistributionReport] = []
     baseline = "record" if wheel is None else "wheel"
@@ -514,6 +516,7 @@ def _observe(
     workers: int | None,
     tick: Callable[[int], None],
     meanwhile: Callable[[], object],
+    known: Known | None = None,
 ) -> dict[str, FileState]:
     """Every expected file observed, each within the prefix its distribution belongs to (the base's, for
     a venv's distributions of the base installation): one pass for each such prefix."""
@@ -529,6 +532,7 @@ def _observe(
                 on_progress=functools.partial(_ticked, tick, len(states)),
                 meanwhile=meanwhile if root == os.fspath(env.prefix) else None,
                 within=root,
+                known=known,
             )
         )
     return states

@@ -17,16 +17,21 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from datetime import UTC, datetime
+from pathlib import Path
 
+from safeinstall.env import cachefill, inodes
 from safeinstall.env.distributions import InstalledDistribution, reload_distributions
 from safeinstall.env.drift import Expectation, FindingKind
 from safeinstall.env.environment import Account, Environment, interpreter_in_prefix
+from safeinstall.env.hashing import Known
+from safeinstall.env.uvplan import dry_run as uv_dry_run
 from safeinstall.env.uvplan import install as uv_install
-from safeinstall.env.uvplan import prefetch_command, secure_uv_lock, uv_binary
+from safeinstall.env.uvplan import prefetch_command, secure_uv_lock, uv_binary, window_command
 from safeinstall.env.verify import VerifyReport, verify_environment
 from safeinstall.env.vouched import Vouched, vouched_of
 from safeinstall.env.wheel import Wheel, install_locations
@@ -218,6 +223,7 @@ def prefetch_step(run: Run) -> str:
     cache = make_run_dir(run.state.uv_cache(run.run_id), account)
     scratch = make_run_dir(run.state.prefetch_dir(run.run_id), account)
     command = prefetch_command(request, uv_binary(), scratch, run.survey.uv_plan.changes)
+    filled = _fill_from_owners_cache(run, cache)
     run._log(f"prefetch (UV_CACHE_DIR={cache}{_as(account)}): " + " ".join(command))
     try:
         result = uv_install(command, run.options.environ, cache_dir=cache, account=account)
@@ -230,7 +236,54 @@ def prefetch_step(run: Run) -> str:
             f"uv could not fetch or unpack the new version (exit {result.returncode}): {tail}",
             hint="nothing was stopped; check the wheel, the index options or the network",
         )
-    return f"the run's uv cache holds the new version ({request.link_mode} from it)"
+    detail = f"the run's uv cache holds the new version ({request.link_mode} from it)" + filled
+    if window_command(run.plan.uv_command, request) != run.plan.uv_command:
+        _resolve_into(run, cache)
+    if request.link_mode == "hardlink":  # then what the install links is what is hashed here
+        run.hashed = inodes.hash_cache(cache)
+        run._log(f"prefetch: {len(run.hashed)} files of the run's uv cache hashed")
+        detail += f"; {len(run.hashed)} files hashed"
+    written = inodes.flush(cache)  # on disk now, not in the window
+    run._log(f"prefetch: the run's cache written to disk in {written:.1f} s")
+    return detail
+
+
+def _resolve_into(run: Run, cache: Path) -> None:
+    """The plan's resolution once more, with the run's cache: the prefetch (``--no-deps``) stores the
+    new wheels but not their metadata, which the window's offline install resolves with (without it,
+    uv offline says the wheel "needs to be downloaded from a registry"). Best effort: the window runs
+    the planned command should the offline one fail."""
+    started = time.monotonic()
+    try:
+        uv_dry_run(
+            run.survey.request,
+            run.options.environ,
+            account=run.env.account,
+            prefix=run.env.prefix,
+            cache_dir=cache,
+        )
+    except SafeInstallError as exc:
+        run._log(f"prefetch: the plan's resolution with the run's cache failed: {exc.message}")
+        return
+    took = time.monotonic() - started
+    run._log(f"prefetch: the plan resolved again with the run's cache in {took:.1f} s")
+
+
+def _fill_from_owners_cache(run: Run, cache: Path) -> str:
+    """Copy into the run's cache what the owner's uv cache already holds of what the plan installs
+    (:mod:`safeinstall.env.cachefill`); the step's detail about it ("" when nothing was copied)."""
+    source = cachefill.source_cache(run.options.environ, run.env.account)
+    if source is None or run.survey.request.link_mode != "hardlink":  # uv's cache options: left to uv
+        return ""
+    filled = cachefill.fill(source, cache, run.survey.uv_plan.changes, run.env.account)
+    if filled.problem is not None:
+        run._log(f"prefetch: nothing copied from {source}: {filled.problem}")
+        return ""
+    if not filled.archives:
+        return ""
+    run._log(f"prefetch: copied from {source}: {', '.join(filled.entries)} ({filled.bytes} bytes)")
+    size = f"{filled.bytes / 1e6:.0f} MB"
+    return f"; {filled.archives} unpacked wheel(s) copied from {source} ({size}, not fetched)"
 
 
 # ------------------------------------------------------------------ 3. gate
@@ -241,6 +294,13 @@ def gate_step(run: Run) -> str:
     the environment's owner from holding uv's lock while they are down."""
     lock = secure_uv_lock(run.env.prefix, run.env.account)
     run._log(lock)
+    if run.hashed:  # the last look before the stop: an entry changed since its hash is read in the window
+        before = len(run.hashed)
+        run.hashed = inodes.still_hashed(run.hashed)
+        if len(run.hashed) != before:
+            run._log(
+                f"gate: {before - len(run.hashed)} cache files changed since hashed: read after the install"
+            )
     units = [u.name for u in run.journal.units]
     if not units:
         return "no units"
@@ -380,11 +440,17 @@ def gpu_release_step(run: Run, session: NvmlSession, baseline: GpuSnapshot) -> s
 def install_step(run: Run) -> str:
     late = _check_no_late_users(run)
     run._journal(Phase.INSTALLING)
-    command = run.plan.uv_command
+    command = window_command(run.plan.uv_command, run.survey.request)
     cache = run.state.uv_cache(run.run_id)
     run._log(f"install (UV_CACHE_DIR={cache}{_as(run.env.account)}): " + " ".join(command))
     result = uv_install(command, run.options.environ, cache_dir=cache, account=run.env.account)
     run._log(f"uv exit {result.returncode}:\n{result.output}")
+    if result.returncode > 0 and tuple(command) != run.plan.uv_command:  # offline did not do: the plan's
+        command = run.plan.uv_command
+        run._log("install again, as planned (not offline): " + " ".join(command))
+        result = uv_install(command, run.options.environ, cache_dir=cache, account=run.env.account)
+        run._log(f"uv exit {result.returncode}:\n{result.output}")
+    run.installed_ns = time.time_ns()  # a file changed after this is read in the verification
     if result.returncode != 0:
         tail = "\n".join(result.output.strip().splitlines()[-6:])
         raise StepFailed(f"uv pip install failed (exit {result.returncode}): {tail}")
@@ -397,6 +463,9 @@ def install_step(run: Run) -> str:
 
 
 def verify_step(run: Run) -> str:
+    known = (
+        inodes.checker(run.hashed, run.installed_ns) if run.hashed and run.installed_ns is not None else None
+    )
     report = _verify_installed(
         run.env,
         run.plan.package,
@@ -405,6 +474,7 @@ def verify_step(run: Run) -> str:
         run.survey.installed,
         run.patches.expected() if run.patches is not None else None,
         run.prepared.vouched,
+        known,
     )
     failures = [f for f in report.findings if f.kind in _INSTALL_FAILURES]
     if failures:
@@ -420,7 +490,10 @@ def verify_step(run: Run) -> str:
     run._journal(Phase.VERIFIED)
     remove_gate(run)
     checked = sum(d.files_checked for d in report.distributions)
-    detail = f"{checked} files match"
+    proven = sum(1 for state in report.observed.values() if state.by_identity)
+    detail = f"{checked} files match" + (
+        f" ({proven} of them links of the run's cache, hashed before the stop)" if proven else ""
+    )
     if run.extras and not run.pruned:
         detail += f"; {len(run.extras)} leftover file(s) not in the new version (--prune removes them)"
     elif run.pruned:
@@ -517,20 +590,25 @@ def _verify_installed(
     before: Sequence[InstalledDistribution],
     carried: dict[str, Expectation] | None = None,
     vouched: Mapping[str, tuple[Vouched, ...]] | None = None,
+    known: Known | None = None,
 ) -> VerifyReport:
     """The new installation: the package against the wheel (or its RECORD), the others their RECORD;
     the local patches carried over (``carried``) against the merge. Only the affected distributions
     are read again (the install changed nothing else), and the wheel is the one read and checked at
     preflight. Against a RECORD, a file that holds the very bytes an earlier run verified against its
-    wheel (``vouched``, the environment's baseline, for that version and RECORD) is ``wheel-record``."""
+    wheel (``vouched``, the environment's baseline, for that version and RECORD) is ``wheel-record``.
+    ``known``: installed files proven to be inodes hashed before the stop are not read
+    (:mod:`safeinstall.env.inodes`)."""
     installed = reload_distributions(env, before, affected)
     baseline = None if not vouched else lambda: vouched
-    main = verify_environment(env, [package], wheel, installed=installed, expected=carried, vouched=baseline)
+    main = verify_environment(
+        env, [package], wheel, installed=installed, expected=carried, vouched=baseline, known=known
+    )
     present = {d.name for d in installed}
     others = [n for n in affected if n != package and n in present]
     if not others:
         return main
-    rest = verify_environment(env, others, installed=installed, vouched=baseline)
+    rest = verify_environment(env, others, installed=installed, vouched=baseline, known=known)
     return replace(
         main,
         distributions=(*main.distributions, *rest.distributions),

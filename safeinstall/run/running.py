@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from safeinstall.env import inodes
 from safeinstall.env.environment import Environment
 from safeinstall.env.vouched import Vouched
 from safeinstall.env.wheel import Wheel
@@ -73,6 +74,9 @@ class Run:
     restart_started: bool = False
     old_code: tuple[OldCodeProcess, ...] = ()
     left: Left | None = None  # set by the verify step: what the run leaves (kept for --undo)
+    #: the run's cache, hashed after the prefetch and looked at again before the stop (inodes.py)
+    hashed: inodes.Hashed = field(default_factory=dict)
+    installed_ns: int | None = None  # time.time_ns() once uv's install in the window has exited
     #: set by the verify step: the files verified against the wheel that its RECORD does not describe
     vouched: Vouched | None = None
 

@@ -18,6 +18,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import re
 import stat
 import time
 from pathlib import Path
@@ -191,3 +192,133 @@ def write_carried(prefix: Path, location: str, data: bytes) -> None:
             tree.fsync_dir(os.path.dirname(relative))
     except OSError as exc:
         raise StepFailed(f"could not write the merged {location}: {exc.strerror or exc}") from exc
+
+
+#: uv's link from a wheel's entry to its unpacked archive: ``../../../archive-v0/ID`` (one ``..`` per
+#: directory between the entry and the cache's top)
+_ARCHIVE_LINK = re.compile(r"^(?:\.\./)+(?P<bucket>archive-v[0-9]+)/(?P<id>[A-Za-z0-9_-]{1,64})$")
+#: what of a wheel's entry is copied besides the link: uv's HTTP cache policy, metadata and revision
+_ENTRY_SUFFIXES = (".http", ".msgpack", ".rev")
+_COPY_CHUNK = 64 << 20
+
+
+def copy_cached_wheels(source: str, target: str, wanted: list[list[str]]) -> dict[str, Any]:
+    """Copy from the uv cache ``source`` into the run's own cache ``target`` the unpacked wheels of the
+    distributions ``wanted`` (``[name, version]``, canonical names): each wheel entry uv keeps for
+    that version (``wheels-vN/pypi/NAME/VERSION-TAGS`` and ``wheels-vN/index/HASH/NAME/...``: the link
+    to its archive and the files beside it) and the archive it links to (``archive-vN/ID`` at the
+    cache's top: a link that leads anywhere else is not copied), its files copied, never linked: the
+    run's cache shares no inode with a cache that outlives the run. Runs as the owner of both (a
+    worker): it copies only what that account may read. Symlinks and special files inside an archive
+    are not copied (uv's archives hold regular files and directories). Plain ``os`` calls, each file
+    opened with ``O_NOFOLLOW``, rather than :mod:`safeinstall.system.safefs`: both caches are the
+    account's own and this worker is the account, so the kernel's checks are the boundary (a symlink
+    the account put on the way leads only where the account could read and write anyway).
+    ``{"archives": int, "bytes": int, "entries": ["NAME VERSION"]}``."""
+    archives: set[tuple[str, str]] = set()
+    copied = 0
+    entries: list[str] = []
+    top = Path(source)
+    try:
+        buckets = sorted(n for n in os.listdir(top) if re.fullmatch(r"wheels-v[0-9]+", n))
+    except OSError:
+        buckets = []
+    for bucket in buckets:
+        for index_dir in _index_dirs(top / bucket):
+            depth = len(index_dir.relative_to(top).parts) + 1  # the name's directory below the top
+            for name, version in wanted:
+                entry_dir = index_dir / name
+                try:
+                    names = os.listdir(entry_dir)
+                except OSError:
+                    continue
+                for entry in names:
+                    if not entry.startswith(f"{version}-"):
+                        continue
+                    link = _archive_of(entry_dir / entry, depth)
+                    if link is None:
+                        continue
+                    bucket_name, archive_id, text = link
+                    if (bucket_name, archive_id) not in archives:
+                        try:
+                            copied += _copy_tree(
+                                top / bucket_name / archive_id, Path(target) / bucket_name / archive_id
+                            )
+                        except FileNotFoundError:
+                            continue  # a link to an archive uv has removed since
+                        archives.add((bucket_name, archive_id))
+                    destination = Path(target) / entry_dir.relative_to(top)
+                    destination.mkdir(parents=True, exist_ok=True)
+                    for suffix in _ENTRY_SUFFIXES:
+                        with contextlib.suppress(FileNotFoundError, FileExistsError):
+                            copied += _copy_file(entry_dir / (entry + suffix), destination / (entry + suffix))
+                    with contextlib.suppress(FileExistsError):
+                        os.symlink(text, destination / entry)
+                    entries.append(f"{name} {version}")
+    return {"archives": len(archives), "bytes": copied, "entries": sorted(set(entries))}
+
+
+def _index_dirs(bucket: Path) -> list[Path]:
+    """The directories of a wheel bucket that hold one directory per distribution name."""
+    found = [bucket / "pypi"] if (bucket / "pypi").is_dir() else []
+    with contextlib.suppress(OSError):
+        found += [bucket / "index" / h for h in sorted(os.listdir(bucket / "index"))]
+    return found
+
+
+def _archive_of(entry: Path, depth: int) -> tuple[str, str, str] | None:
+    """(bucket, id, the link's text) when ``entry`` is uv's link to an archive at the cache's top."""
+    try:
+        text = os.readlink(entry)
+    except OSError:
+        return None
+    match = _ARCHIVE_LINK.match(text)
+    if match is None or text.count("../") != depth:
+        return None
+    return match["bucket"], match["id"], text
+
+
+def _copy_file(source: Path, destination: Path) -> int:
+    """Copy one regular file (never following a symlink; a new file, not a link); bytes copied."""
+    src = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        info = os.fstat(src)
+        if not stat.S_ISREG(info.st_mode):
+            return 0
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        dst = os.open(destination, flags, info.st_mode & 0o755)
+        try:
+            done = 0
+            while True:
+                try:
+                    count = os.copy_file_range(src, dst, _COPY_CHUNK)
+                except OSError as exc:  # another filesystem (EXDEV), or none that copies in the kernel
+                    if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                        raise
+                    chunk = os.read(src, _COPY_CHUNK)
+                    count = os.write(dst, chunk) if chunk else 0
+                if count == 0:
+                    break
+                done += count
+            return done
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)
+
+
+def _copy_tree(source: Path, destination: Path) -> int:
+    """Copy a directory of regular files and directories (anything else is left out); bytes copied."""
+    copied = 0
+    pending = [(source, destination)]
+    while pending:
+        here, there = pending.pop()
+        with os.scandir(here) as listing:  # FileNotFoundError for a missing archive: the caller's
+            os.makedirs(there, 0o755, exist_ok=True)
+            for item in listing:
+                if item.is_dir(follow_symlinks=False):
+                    pending.append((Path(item.path), there / item.name))
+                elif item.is_file(follow_symlinks=False):
+                    with contextlib.suppress(FileExistsError):
+                        copied += _copy_file(Path(item.path), there / item.name)
+    return copied

@@ -1,0 +1,85 @@
+"""Never fetch twice what the host already has: the run's uv cache is filled from the account's.
+
+The prefetch gives uv a cache of the run's own (:mod:`safeinstall.env.uvplan`: installed files must share
+no inode with a cache that outlives the run). Before it runs, the unpacked wheels of the distributions
+uv's plan installs, where the environment owner's uv cache already holds them (a clean reinstall, a
+rollback to yesterday's nightly, most dependencies of a nightly), are copied into the run's cache
+(:func:`safeinstall.system.owner.copy_cached_wheels`, as that owner: what it copies is what the account may
+read): uv then finds them there and downloads only what is missing. Copied, never linked: the run's
+cache shares no inode with the account's, so removing it at the end still leaves every installed file
+sharing its inodes with nothing.
+
+Which cache is the owner's: for an environment of another account, the one uv uses by default for it
+(``~ACCOUNT/.cache/uv``: root's ``UV_CACHE_DIR`` names root's, not the account's); for a root-owned
+one, the caller's (``UV_CACHE_DIR``, else ``$XDG_CACHE_HOME/uv``, else ``~/.cache/uv``). What the copy
+brings is checked like anything uv unpacks: every installed file is verified against the wheel or its
+RECORD, and the cache is hashed before the stop (:mod:`safeinstall.env.inodes`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from safeinstall.env.environment import Account
+from safeinstall.env.uvplan import UvChange
+from safeinstall.system import owner, worker
+from safeinstall.system.worker import WorkerError
+
+#: How long the copy may take (4 GB of a vLLM nightly's dependencies: about 10 s on a cloud disk)
+FILL_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class Filled:
+    archives: int  # unpacked wheels copied
+    bytes: int
+    entries: tuple[str, ...]  # "name version"
+    problem: str | None = None  # why nothing was copied (the prefetch then fetches everything)
+
+
+def source_cache(environ: Mapping[str, str], account: Account | None) -> Path | None:
+    """Pure: the uv cache of the environment's owner (see the module), None when none can be named."""
+    if account is not None:
+        return Path(account.home) / ".cache" / "uv" if account.home not in ("", "/") else None
+    if environ.get("UV_CACHE_DIR"):
+        return Path(environ["UV_CACHE_DIR"])
+    if environ.get("XDG_CACHE_HOME"):
+        return Path(environ["XDG_CACHE_HOME"]) / "uv"
+    return Path(environ["HOME"]) / ".cache" / "uv" if environ.get("HOME") else None
+
+
+def wanted(changes: Sequence[UvChange]) -> list[list[str]]:
+    """Pure: ``[name, version]`` of every distribution uv's plan installs from an index (a wheel given
+    by its path is not in the cache under its name)."""
+    found = {
+        (c.name, c.version)
+        for c in changes
+        if c.action != "uninstall" and c.version is not None and c.source is None
+    }
+    return [[name, version] for name, version in sorted(found)]
+
+
+def fill(source: Path, run_cache: Path, changes: Sequence[UvChange], account: Account | None) -> Filled:
+    """Copy what ``changes`` install from ``source`` into ``run_cache``, as ``account`` (root for a
+    root-owned environment); best effort: a failure is said, and the prefetch fetches what is missing."""
+    want = wanted(changes)
+    if not want or not source.is_dir():
+        return Filled(0, 0, ())
+    text_source, text_target = str(source), str(run_cache)
+    try:
+        answer = worker.call(
+            None if account is None else account.ids,
+            lambda: owner.copy_cached_wheels(text_source, text_target, want),
+            timeout=FILL_TIMEOUT_S,
+            what=f"copies cached wheels from {source}",
+        )
+    except WorkerError as exc:
+        return Filled(0, 0, (), exc.message)
+    if not isinstance(answer, dict):
+        return Filled(0, 0, (), "the worker's answer was not understood")
+    archives, size, entries = answer.get("archives"), answer.get("bytes"), answer.get("entries")
+    if not isinstance(archives, int) or not isinstance(size, int) or not isinstance(entries, list):
+        return Filled(0, 0, (), "the worker's answer was not understood")
+    return Filled(archives, size, tuple(str(e)[:200] for e in entries[:1000]))

@@ -1,0 +1,190 @@
+"""Verification by identity: an installed file that is a hardlink of an inode of the run's own uv cache,
+hashed before the stop and unchanged since, needs an ``lstat``, not a read.
+
+The install in the window hardlinks every file of the new version from the run's cache (``uv pip
+install --link-mode hardlink``, :mod:`safeinstall.env.uvplan`), so the bytes it puts in place are bytes
+that can be hashed before the stop. :func:`hash_cache` does that once uv has filled the cache (every
+regular file of uv's unpacked archives, by descriptor, never following a symlink, within the cache
+directory), :func:`still_hashed` looks at each again just before the stop, and :func:`checker` is what
+the verification in the window asks (:data:`safeinstall.env.hashing.Known`): given a file's ``lstat``, the
+digest of that inode when
+
+* its device and inode number are those of a cache entry hashed before the stop (an inode number is
+  only reused once the inode is gone, and the cache entry keeps it alive until the run ends),
+* its size and modification time (nanoseconds) are those it had when it was hashed (read from the
+  descriptor before its bytes were read): every ``write``, ``truncate`` or writable mapping's first
+  write after a writeback moves the modification time,
+* its owner is the cache's owner and neither its group nor others may write it,
+* its change time (which no one can set: ``utimensat`` sets it to *now*) is no later than the end of
+  the install: nothing changed it after uv linked it into the environment;
+
+and anything else (a copy, a file uv wrote itself such as ``RECORD`` or a console script, a carried
+local patch, a changed inode) is read and hashed as before. Every installed file is verified: by
+its hash, or by its proven identity with an inode whose hash was taken.
+
+Who could defeat it, and why that does not weaken the verification. The run's cache is a directory
+the run created (0700): root's for a root-owned environment, else the environment's account's, since uv
+runs as that account (``docs/privsep.md``). Nobody else can open a file in it, nor, once it is linked
+into the environment, write the inode (the owner check above). Its owner could write an entry between
+the hash and the install and restore its modification time with ``utimensat``; that moves the change
+time, which :func:`still_hashed` catches up to the stop, but the hardlink the install makes moves the
+change time again (``link`` updates it), so a change by the owner *while the units are down and before
+the install* is not seen. The same account can write every installed file after the verification and
+before the start anyway (it owns them): against it, hashing in the window proves no more than this
+does. What the verification guards against (a wrong or broken install, a cache something else wrote,
+uv #10579's shared inodes, the disk) it still proves for every file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import stat
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from safeinstall.env.hashing import Known, observe_files
+
+#: The only algorithm kept (wheels and uv's RECORDs use it); a RECORD that names another is hashed.
+ALGORITHM = "sha256"
+#: The cache's directories that uv links installed files from: its unpacked archives.
+_ARCHIVES = "archive-v"
+
+
+@dataclass(frozen=True, slots=True)
+class HashedInode:
+    """One inode of the run's cache as it was when its bytes were hashed."""
+
+    path: str  # the cache entry it was found as
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    uid: int
+    digest: str  # sha256, RECORD spelling
+
+
+#: (device, inode) -> what it was when hashed
+Hashed = Mapping[tuple[int, int], HashedInode]
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    """What :func:`observe_files` needs to hash one cache entry."""
+
+    location: str
+    algorithm: str | None
+    size: int | None
+
+
+def _entries(cache: Path) -> list[_Entry]:
+    """Every regular-looking file below the cache's archive directories (a symlink to a directory is
+    not entered; what replaced a directory since is refused by ``observe_files``'s ``within``)."""
+    found: list[_Entry] = []
+    try:
+        tops = [
+            e.path
+            for e in os.scandir(cache)
+            if e.name.startswith(_ARCHIVES) and e.is_dir(follow_symlinks=False)
+        ]
+    except OSError:
+        return found
+    for top in tops:
+        for directory, _dirs, files in os.walk(top, followlinks=False):
+            found.extend(_Entry(os.path.join(directory, name), ALGORITHM, None) for name in files)
+    return found
+
+
+def hash_cache(cache: Path, workers: int | None = None) -> dict[tuple[int, int], HashedInode]:
+    """Before the stop: hash every file of uv's unpacked archives in the run's cache (as root, by
+    descriptor within ``cache``, never following a symlink). An entry whose size, times or owner moved
+    while it was read, or whose owner is not the cache's, or that its group or others may write, is
+    left out (then its hardlinks in the environment are read and hashed in the window)."""
+    try:
+        owner = os.lstat(cache).st_uid
+    except OSError:
+        return {}
+    real = os.path.realpath(cache)
+    states = observe_files(_entries(cache), workers=workers, within=real)
+    hashed: dict[tuple[int, int], HashedInode] = {}
+    for path, state in states.items():
+        if not state.is_file or state.digest is None or state.size is None or state.error is not None:
+            continue
+        entry = HashedInode(path, state.size, state.mtime_ns, state.ctime_ns, owner, state.digest)
+        if _unchanged(entry, state.device, state.inode):  # as it was before its bytes were read
+            hashed[(state.device, state.inode)] = entry
+    return hashed
+
+
+def _unchanged(entry: HashedInode, device: int, inode: int) -> bool:
+    """Is the cache entry still that inode, as it was hashed, with the owner and mode it must have?"""
+    try:
+        info = os.lstat(entry.path)
+    except OSError:
+        return False
+    return (
+        stat.S_ISREG(info.st_mode)
+        and (info.st_dev, info.st_ino) == (device, inode)
+        and info.st_size == entry.size
+        and info.st_mtime_ns == entry.mtime_ns
+        and info.st_ctime_ns == entry.ctime_ns
+        and info.st_uid == entry.uid
+        and not info.st_mode & 0o022
+    )
+
+
+def still_hashed(hashed: Hashed) -> dict[tuple[int, int], HashedInode]:
+    """Just before the stop: the entries that are still as they were hashed (change time included:
+    any write, ``chmod``, ``utimensat`` or link since is a change); the others are left out."""
+    return {key: entry for key, entry in hashed.items() if _unchanged(entry, *key)}
+
+
+def checker(hashed: Hashed, installed_ns: int) -> Known:
+    """The verification's question (see the module): the digest of an installed file proven to be a
+    hashed inode of the run's cache, unchanged, and untouched since the install ended at
+    ``installed_ns`` (``time.time_ns()``, taken after uv exited); None: read and hash it."""
+
+    def known(info: os.stat_result, algorithm: str) -> str | None:
+        entry = hashed.get((info.st_dev, info.st_ino))
+        if entry is None or algorithm != ALGORITHM:
+            return None
+        if (
+            info.st_size != entry.size
+            or info.st_mtime_ns != entry.mtime_ns
+            or info.st_uid != entry.uid
+            or info.st_mode & 0o022
+            or info.st_ctime_ns > installed_ns
+            or info.st_ctime_ns < entry.ctime_ns
+        ):
+            return None
+        return entry.digest
+
+    return known
+
+
+def flush(directory: Path) -> float:
+    """Write the filesystem of ``directory`` (the run's cache) to disk (``syncfs``), before the stop;
+    the seconds it took. The prefetch has just written gigabytes there (uv's unpacking, the copy from
+    the owner's cache): left to the kernel, that writeback starts about 30 s later
+    (``vm.dirty_expire_centisecs``), in the window, where every unlink and link of the install then
+    waits on the journal behind it."""
+    started = time.monotonic()
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return 0.0
+    try:
+        if _syncfs(fd) != 0:
+            os.sync()
+    finally:
+        os.close(fd)
+    return time.monotonic() - started
+
+
+def _syncfs(fd: int) -> int:
+    try:
+        call = ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):
+        return -1
+    return int(call(fd))
