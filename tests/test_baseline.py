@@ -81,6 +81,9 @@ def test_a_file_the_wheels_record_lies_about_is_wheel_record_after_a_verified_ru
     assert result.code == 0, result.stdout + result.stderr
     warnings = result.json["data"]["plan"]["warnings"]
     assert any("the wheel's own RECORD is wrong about 1 member" in w for w in warnings), warnings
+    # an account's run cache is the account's: no installed file is taken on its identity (docs/window.md)
+    steps = {step["name"]: step["detail"] for step in result.json["data"]["steps"]}
+    assert "hashed" not in steps["prefetch"] and "links of the run's cache" not in steps["verify"], steps
     shipped = served.read_bytes()
 
     # without the baseline, the file is drift: the installed RECORD is the wheel's lie
@@ -220,3 +223,16 @@ def test_an_undo_back_to_a_version_whose_wheels_record_lies_verifies_against_the
     assert undo.code == 0, undo.stdout + undo.stderr
     code, found, _ = _findings(account)
     assert code == 0 and found[MEMBER]["kind"] == "wheel-record"
+
+
+def test_a_baseline_nested_too_deep_is_damaged_not_a_crash(tmp_path: Path) -> None:
+    """JSON nested deeper than the parser goes raises RecursionError, not ValueError: it is said as a
+    damaged baseline like any other (ignored by --verify-only, written over after a good run)."""
+    from safeinstall.store.baseline import BASELINE_NAME, load_baseline
+    from safeinstall.store.state import EnvironmentState
+
+    state = EnvironmentState(tmp_path.parent, tmp_path, Path("/v"))
+    (tmp_path / BASELINE_NAME).write_bytes(b"[" * 200_000 + b"]" * 200_000)
+    os.chmod(tmp_path / BASELINE_NAME, 0o600)
+    with pytest.raises(ValueError, match="nested too deep"):
+        load_baseline(state, "/v")

@@ -102,3 +102,31 @@ def test_only_what_the_plan_installs_is_copied_and_a_link_that_leads_elsewhere_i
             UvChange("install", "sipure", "2.0", None),
         ]
     ) == [["sipure", "2.0"]]
+
+
+def test_root_never_copies_a_cache_another_user_could_write(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    """A root-owned environment's fill runs as root over the caller's cache (``sudo -E`` may keep a
+    user's ``HOME``; ``UV_CACHE_DIR`` may be a shared cache): a file or directory in it that is not
+    root's, or that others may write, stops the fill before its entry is made, and uv fetches it."""
+    if os.geteuid() != 0:
+        import pytest
+
+        pytest.skip("needs root")
+    owners = tmp_path / "owners-cache"
+    _uv_fills(owners, wheels, venv, tmp_path / "t1", "sipure==1.0")
+    (archive,) = (owners / "archive-v0").iterdir()
+    planted = next(p for p in archive.rglob("*.py"))
+    os.chown(planted, 65534, 65534)  # another user's file in the archive (it could write it)
+    run_cache = tmp_path / "run-cache"
+    run_cache.mkdir(mode=0o700)
+    filled = cachefill.fill(owners, run_cache, [UvChange("install", "sipure", "1.0", None)], None)
+    assert filled.problem is not None and "not this account's own" in filled.problem, filled
+    assert not list(run_cache.glob("wheels-v*/index/*/sipure/1.0-*")), "no entry names the copy"
+    os.chown(planted, 0, 0)
+    os.chmod(planted, 0o666)  # root's, but everyone may write it
+    filled = cachefill.fill(
+        owners, tmp_path / "run-cache-2", [UvChange("install", "sipure", "1.0", None)], None
+    )
+    assert filled.problem is not None, filled

@@ -14,6 +14,7 @@ from safeinstall.store.state import (
     StateDirError,
     atomic_write,
     check_environment_dir,
+    check_trusted,
     ensure_dir,
     ensure_environment_dir,
     environment_key,
@@ -166,11 +167,32 @@ def test_trust_problem_is_pure() -> None:
 
 def test_one_rule_says_who_else_may_write_for_the_state_and_the_environment() -> None:
     """``others_who_write`` is the rule of both the state directory's trust check and the environment's
-    owner check: the group root is root's, any other group or everyone is someone else."""
+    owner check. Everyone, another group and an ACL's groups are someone else for both; the group root
+    is root's in an environment (``/usr/local``), never for what root keeps for itself: an account may
+    have gid 0, and with an access ACL the group bits are its mask, which named users' writes pass."""
     directory = stat.S_IFDIR
     assert others_who_write(directory | 0o775, 0) is None
+    assert others_who_write(directory | 0o775, 0, group_root_is_root=False) == "group 0"
     assert others_who_write(directory | 0o775, 1000) == "group 1000"
     assert others_who_write(directory | 0o757, 0) == "every user"
     assert others_who_write(directory | 0o755, 0, {0, 27}) == "group(s) [27] (its ACL)"
-    assert trust_problem(directory | 0o775, 0, 0, parent=False, gid=0) is None
+    assert "group 0 may write" in (trust_problem(directory | 0o775, 0, 0, parent=False, gid=0) or "")
     assert "group 1000 may write" in (trust_problem(directory | 0o775, 0, 0, parent=False, gid=1000) or "")
+
+
+def test_a_state_directory_an_acl_lets_another_user_write_is_refused(tmp_path: Path) -> None:
+    """root:root, mode 0770 because an ACL grants uid 65534 write: the group bits are the ACL's mask."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    entries = [(0x01, 7, 0xFFFFFFFF), (0x02, 7, 65534), (0x04, 0, 0xFFFFFFFF), (0x10, 7, 0xFFFFFFFF)]
+    entries.append((0x20, 0, 0xFFFFFFFF))  # u::rwx,u:65534:rwx,g::---,m::rwx,o::---
+    acl = (2).to_bytes(4, "little") + b"".join(
+        tag.to_bytes(2, "little") + perm.to_bytes(2, "little") + ident.to_bytes(4, "little")
+        for tag, perm, ident in entries
+    )
+    os.setxattr(state, "system.posix_acl_access", acl)
+    assert stat.S_IMODE(os.stat(state).st_mode) & 0o020  # the mask shows as the group's write bit
+    with pytest.raises(StateDirError, match="group 0 may write"):
+        check_trusted(state)

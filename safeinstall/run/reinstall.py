@@ -73,7 +73,9 @@ from safeinstall.store.journal import (
 from safeinstall.store.retention import prune_backups
 from safeinstall.store.state import (
     RUN_DIR_REMOVAL_S,
+    StateDirError,
     atomic_write,
+    check_trusted,
     make_run_dir,
     new_run_id,
     remove_run_dir,
@@ -239,7 +241,10 @@ def prefetch_step(run: Run) -> str:
     detail = f"the run's uv cache holds the new version ({request.link_mode} from it)" + filled
     if window_command(run.plan.uv_command, request) != run.plan.uv_command:
         _resolve_into(run, cache)
-    if request.link_mode == "hardlink":  # then what the install links is what is hashed here
+    # what the install links is what is hashed here; only in root's own cache: an account that owns the
+    # run's cache could change a hashed file's bytes through a shared writable mapping without moving
+    # its times (docs/window.md), so its installed files are read again in the window
+    if request.link_mode == "hardlink" and run.env.account is None:
         run.hashed = inodes.hash_cache(cache)
         run._log(f"prefetch: {len(run.hashed)} files of the run's uv cache hashed")
         detail += f"; {len(run.hashed)} files hashed"
@@ -275,6 +280,12 @@ def _fill_from_owners_cache(run: Run, cache: Path) -> str:
     source = cachefill.source_cache(run.options.environ, run.env.account)
     if source is None or run.survey.request.link_mode != "hardlink":  # uv's cache options: left to uv
         return ""
+    if run.env.account is None:  # root's environment: the caller's cache, only if nobody else can write it
+        try:
+            check_trusted(source)
+        except StateDirError as exc:
+            run._log(f"prefetch: nothing copied from {source}: {exc.message}")
+            return ""
     filled = cachefill.fill(source, cache, run.survey.uv_plan.changes, run.env.account)
     if filled.problem is not None:
         run._log(f"prefetch: nothing copied from {source}: {filled.problem}")

@@ -132,6 +132,8 @@ def load_baseline(state: EnvironmentState, prefix: str) -> Baseline:
         return from_dict(json.loads(raw), prefix)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"not JSON ({exc})") from exc
+    except RecursionError as exc:  # nested deeper than the parser goes: never a baseline safeinstall wrote
+        raise ValueError("nested too deep") from exc
 
 
 def save_baseline(state: EnvironmentState, baseline: Baseline) -> None:

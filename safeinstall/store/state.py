@@ -293,15 +293,15 @@ def mode_problem(mode: int, owner: int, euid: int) -> str | None:
 def trust_problem(mode: int, owner: int, euid: int, *, parent: bool, gid: int = -1) -> str | None:
     """Pure: why another user could change what a directory (the state directory, or one of its
     ``parent`` directories) holds, or None. Owned by root or the caller, writable by nobody else
-    (:func:`safeinstall.system.safefs.others_who_write`, the rule the environment's owner check uses too; an
-    unknown ``gid`` counts as another group's); a parent may be a root-owned sticky directory (``/tmp``:
-    others cannot rename or delete what is ours).
+    (:func:`safeinstall.system.safefs.others_who_write`, the rule the environment's owner check uses too,
+    with any group's write, the group root's included, counted as another's); a parent may be a
+    root-owned sticky directory (``/tmp``: others cannot rename or delete what is ours).
     """
     if not stat.S_ISDIR(mode):
         return "it is not a directory"
     if owner not in (0, euid):
         return f"it is owned by uid {owner}, not by root or uid {euid} which runs safeinstall"
-    who = others_who_write(mode, gid)
+    who = others_who_write(mode, gid, group_root_is_root=False)
     if who is not None and not (parent and owner == 0 and mode & stat.S_ISVTX):
         return f"it is mode {stat.S_IMODE(mode):04o}: {who} may write to it"
     return None
@@ -415,7 +415,7 @@ def ensure_dir(path: Path, mode: int = PRIVATE_MODE) -> DirStatus:
     info = _usable(path, missing_ok=False)
     assert info is not None
     current = stat.S_IMODE(info.st_mode)
-    if not created and others_who_write(info.st_mode, info.st_gid) is not None:  # do not adopt it
+    if not created and others_who_write(info.st_mode, info.st_gid, group_root_is_root=False) is not None:
         raise _untrusted(
             path, trust_problem(info.st_mode, info.st_uid, os.geteuid(), parent=False, gid=info.st_gid) or ""
         )
@@ -504,7 +504,7 @@ def file_problem(mode: int, owner: int, size: int, euid: int, max_bytes: int, gi
         return "it is not a regular file"
     if owner not in (0, euid):
         return f"it is owned by uid {owner}, not by root or uid {euid} which runs safeinstall"
-    who = others_who_write(mode, gid)
+    who = others_who_write(mode, gid, group_root_is_root=False)
     if who is not None:
         return f"it is mode {stat.S_IMODE(mode):04o}: {who} may write to it"
     if size > max_bytes:

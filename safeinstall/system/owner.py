@@ -229,11 +229,17 @@ def copy_cached_wheels(source: str, target: str, wanted: list[list[str]]) -> dic
             for name, version in wanted:
                 entry_dir = index_dir / name
                 try:
+                    _check_controlled(os.lstat(entry_dir), entry_dir)
                     names = os.listdir(entry_dir)
                 except OSError:
                     continue
                 for entry in names:
                     if not entry.startswith(f"{version}-"):
+                        continue
+                    try:  # a link names the archive: it must be this worker's own
+                        if os.lstat(entry_dir / entry).st_uid != os.geteuid():
+                            continue
+                    except OSError:
                         continue
                     link = _archive_of(entry_dir / entry, depth)
                     if link is None:
@@ -285,6 +291,7 @@ def _copy_file(source: Path, destination: Path) -> int:
         info = os.fstat(src)
         if not stat.S_ISREG(info.st_mode):
             return 0
+        _check_controlled(info, source)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         dst = os.open(destination, flags, info.st_mode & 0o755)
         try:
@@ -307,6 +314,15 @@ def _copy_file(source: Path, destination: Path) -> int:
         os.close(src)
 
 
+def _check_controlled(info: os.stat_result, path: Path) -> None:
+    """What is copied must be this worker's own and writable by nobody else: else PermissionError, and
+    the fill stops (uv fetches what is missing). As the account, its own cache passes; as root (a
+    root-owned environment), a cache another user could write (a ``HOME`` or ``UV_CACHE_DIR`` that
+    ``sudo -E`` kept, a shared cache) is never copied into root's run."""
+    if info.st_uid != os.geteuid() or info.st_mode & 0o022:
+        raise PermissionError(f"{path} is not this account's own (uid {info.st_uid}, mode {info.st_mode:o})")
+
+
 def _copy_tree(source: Path, destination: Path) -> int:
     """Copy a directory of regular files and directories (anything else is left out); bytes copied."""
     copied = 0
@@ -317,6 +333,7 @@ def _copy_tree(source: Path, destination: Path) -> int:
             os.makedirs(there, 0o755, exist_ok=True)
             for item in listing:
                 if item.is_dir(follow_symlinks=False):
+                    _check_controlled(item.stat(follow_symlinks=False), Path(item.path))
                     pending.append((Path(item.path), there / item.name))
                 elif item.is_file(follow_symlinks=False):
                     with contextlib.suppress(FileExistsError):

@@ -123,13 +123,22 @@ def acl_writers(raw: bytes) -> tuple[set[int], set[int]]:
     return (users, groups) if mask_writes else (set(), set())
 
 
-def others_who_write(mode: int, gid: int, acl_groups: Iterable[int] = ()) -> str | None:
+def others_who_write(
+    mode: int, gid: int, acl_groups: Iterable[int] = (), *, group_root_is_root: bool = True
+) -> str | None:
     """Pure: the one rule of who, besides a path's owner and root, may write it through its mode bits or
     the groups its access ACL names: ``"every user"``, ``"group N"``, ``"group(s) [...] (its ACL)"``, or
-    None. The group root (gid 0) counts as root's; a sticky directory is the caller's to judge."""
+    None. A sticky directory is the caller's to judge.
+
+    ``group_root_is_root``: whether the group root (gid 0) counts as root's. An environment's files
+    (``/usr/local`` and the like) are often group-writable by root's group, and the owner check lets
+    them be; what root keeps for itself (the state directory, its journal, its baseline) counts any
+    group write, gid 0 included, as another's: an account may have gid 0 as its primary group, and with
+    an access ACL the group bits are the ACL's mask, which named users' and groups' writes pass through.
+    """
     if mode & stat.S_IWOTH:
         return "every user"
-    if mode & stat.S_IWGRP and gid != 0:
+    if mode & stat.S_IWGRP and (gid != 0 or not group_root_is_root):
         return f"group {gid}"
     groups = sorted(set(acl_groups) - {0})
     return f"group(s) {groups} (its ACL)" if groups else None
