@@ -148,6 +148,26 @@ def _requirement(text: str) -> list[str]:
     return ["vllm", "--wheel", text] if text.endswith(".whl") else [text]
 
 
+def _hand_command(unit: str, case: Case, target: str) -> list[str]:
+    """The hand sequence: stop, ``uv pip install --reinstall-package`` of ``target``, start."""
+    return [
+        "sh",
+        "-c",
+        f"systemctl --user stop {unit} && "
+        f"{wheelhouse.UV} pip install --quiet --python {case.python} "
+        f"--reinstall-package {case.package} {target} && "
+        f"systemctl --user start {unit}",
+    ]
+
+
+def _safeinstall_command(
+    safeinstall: str, case: Case, settle: float, args: list[str], extra: tuple[str, ...] = ()
+) -> list[str]:
+    """safeinstall doing the same: ``args`` name what it installs, ``extra`` goes last."""
+    options = ["--python", str(case.python), "--user", "--yes", "--json", "--settle", f"{settle:g}"]
+    return [safeinstall, *args, *options, *extra]
+
+
 def bench_case(
     case: Case,
     manager: UserManager,
@@ -188,27 +208,10 @@ def bench_case(
                     installs += 1
                     requirement = wanted
                     if who == "hand":
-                        command = [
-                            "sh",
-                            "-c",
-                            f"systemctl --user stop {unit} && "
-                            f"{wheelhouse.UV} pip install --quiet --python {case.python} "
-                            f"--reinstall-package {case.package} '{requirement}' && "
-                            f"systemctl --user start {unit}",
-                        ]
+                        command = _hand_command(unit, case, f"'{requirement}'")
                     else:
-                        command = [
-                            safeinstall,
-                            *_requirement(requirement),
-                            "--python",
-                            str(case.python),
-                            "--user",
-                            "--yes",
-                            "--json",
-                            "--settle",
-                            f"{settle:g}",
-                            *case.extra,
-                        ]
+                        args = _requirement(requirement)
+                        command = _safeinstall_command(safeinstall, case, settle, args, case.extra)
                     run_round(case, who, manager, unit, stamps, command, hand_env)  # the host's cache
                     shutil.rmtree(target)
                     print(
@@ -222,28 +225,10 @@ def bench_case(
                 else:
                     wheel = Path(shutil.copy(case.wheel, target / case.wheel.name))
                 if who == "hand":
-                    command = [
-                        "sh",
-                        "-c",
-                        f"systemctl --user stop {unit} && "
-                        f"{wheelhouse.UV} pip install --quiet --python {case.python} "
-                        f"--reinstall-package {case.package} {wheel} && "
-                        f"systemctl --user start {unit}",
-                    ]
+                    command = _hand_command(unit, case, str(wheel))
                 else:
-                    command = [
-                        safeinstall,
-                        case.package,
-                        "--wheel",
-                        str(wheel),
-                        "--python",
-                        str(case.python),
-                        "--user",
-                        "--yes",
-                        "--json",
-                        "--settle",
-                        f"{settle:g}",
-                    ]
+                    args = [case.package, "--wheel", str(wheel)]
+                    command = _safeinstall_command(safeinstall, case, settle, args)
                 run_round(case, who, manager, unit, stamps, command, hand_env if who == "hand" else env)
                 shutil.rmtree(target)
                 print(
