@@ -26,25 +26,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from safeinstall.store.journal import PHASE_ORDER, Phase
 from tests.bed_systemd import wait_until
 from tests.beds import Bed
 from tests.clirun import run
 
 SOAK_TRIALS = 40
 #: the phases a good run passes, in order (safeinstall.store.journal.Phase, up to "done")
-PHASES = (
-    "planned",
-    "backed-up",
-    "gated",
-    "stopping",
-    "stopped",
-    "gpu-released",
-    "installing",
-    "installed",
-    "verified",
-    "restarting",
-    "done",
-)
+PHASES = tuple(phase.value for phase in PHASE_ORDER[: PHASE_ORDER.index(Phase.DONE) + 1])
 SIGNALS = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT)
 #: a uniform delay is drawn from [0, UNIFORM_MAX_S) once the run's signal handlers are installed
 UNIFORM_MAX_S = 3.0
