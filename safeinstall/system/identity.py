@@ -10,8 +10,11 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import psutil
+if TYPE_CHECKING:  # loaded by what ends processes, not by the lock's and --status's alive()
+    import psutil
+
 
 #: ``PF_KTHREAD`` in the flags field of ``/proc/PID/stat``: a kernel thread (no user space to check).
 PF_KTHREAD = 0x00200000
@@ -68,6 +71,8 @@ def alive(pid: int, start: int | None, proc: Path = Path("/proc")) -> bool:
 
 def same_process(pid: int, start_time: int) -> psutil.Process | None:
     """The live process that was seen (same PID and start time), or None if it is gone."""
+    import psutil
+
     try:
         proc = psutil.Process(pid)
         start = process_start(pid)
@@ -80,6 +85,8 @@ def same_process(pid: int, start_time: int) -> psutil.Process | None:
 
 def end_processes(seen: list[tuple[int, int]]) -> tuple[int, ...]:
     """SIGTERM each (PID, start time) still running, SIGKILL after 10 s; the PIDs that were ended."""
+    import psutil
+
     ended: list[int] = []
     procs: list[psutil.Process] = []
     for pid, start_time in seen:
@@ -92,16 +99,18 @@ def end_processes(seen: list[tuple[int, int]]) -> tuple[int, ...]:
             continue
         procs.append(proc)
         ended.append(pid)
-    alive = wait_exited(procs, timeout=10)
-    for proc in alive:
+    lingering = wait_exited(procs, timeout=10)
+    for proc in lingering:
         with contextlib.suppress(psutil.Error):
             proc.kill()
-    wait_exited(alive, timeout=10)
+    wait_exited(lingering, timeout=10)
     return tuple(ended)
 
 
 def running(proc: psutil.Process) -> bool:
     """Alive and not a zombie: a zombie holds no files, no mappings, no GPU memory."""
+    import psutil
+
     try:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
@@ -114,6 +123,7 @@ def wait_exited(procs: list[psutil.Process], timeout: float) -> list[psutil.Proc
     Not ``psutil.wait_procs``: for processes that are not our children it waits on ``is_running()``,
     which stays true for a zombie whose parent has not reaped it, i.e. until the timeout.
     """
+
     deadline = time.monotonic() + timeout
     alive = [p for p in procs if running(p)]
     while alive and time.monotonic() < deadline:
