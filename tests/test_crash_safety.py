@@ -40,7 +40,10 @@ def test_sigkill_at_step_boundary_then_recover(
     before = bed.hotfix()
     name = bed.unit(f"kill-{boundary}")
     bed.hold_gpu(name, 2.0 if boundary == "during-gpu-wait" else 0.0, "e1")
-    proc = bed.start_run("sicext", "--wheel", str(big_wheel), "--settle", "1")
+    # uv's install in the window (--no-swap) is what "during-install" freezes; the swap's own kills are
+    # in test_swap.py
+    no_swap = ("--no-swap",) if boundary == "during-install" else ()
+    proc = bed.start_run("sicext", "--wheel", str(big_wheel), "--settle", "1", *no_swap)
     try:
         bed.wait_phase(proc, *phases)
         if boundary == "during-install":  # uv itself is running, not only the journal's phase
@@ -102,7 +105,7 @@ def test_recover_goes_on_past_an_environment_it_cannot_recover(
         fine = other.unit("fine")
         other.hold_gpu(fine, 5.0, "e7", gib=1)  # holds it at "stopped"
         for crashed, phase in ((bed, "installing"), (other, "stopped")):
-            proc = crashed.start_run("sicext", "--wheel", str(big_wheel), "--settle", "0.5")
+            proc = crashed.start_run("sicext", "--wheel", str(big_wheel), "--settle", "0.5", "--no-swap")
             try:
                 crashed.wait_phase(proc, phase)
                 proc.send_signal(signal.SIGKILL)
@@ -131,7 +134,7 @@ def test_recover_goes_on_past_an_environment_it_cannot_recover(
 def _power_loss_mid_install(bed: Bed, manager: UserManager, wheel: Path, stem: str) -> str:
     """An enabled unit, a run of safeinstall, and a power loss during the install; the unit's name."""
     name = bed.unit(stem, enable=True)
-    proc = bed.start_run("sicext", "--wheel", str(wheel), "--settle", "1")
+    proc = bed.start_run("sicext", "--wheel", str(wheel), "--settle", "1", "--no-swap")  # uv in the window
     try:
         bed.wait_phase(proc, "installing")
     finally:
@@ -467,8 +470,9 @@ def test_sigint_rolls_back_and_a_second_one_does_not_abandon_services(
     before = bed.hotfix()
     name = bed.unit(f"sigint-{where}")
     bed.hold_gpu(name, 30.0 if where == "gpu-wait" else 0.0, "e3")
+    no_swap = ("--no-swap",) if where == "install" else ()  # uv's install in the window, to interrupt
     proc = bed.start_run(
-        "sicext", "--wheel", str(big_wheel), "--settle", "0.5", "--gpu-timeout", "60", "--json"
+        "sicext", "--wheel", str(big_wheel), "--settle", "0.5", "--gpu-timeout", "60", "--json", *no_swap
     )
     try:
         bed.wait_phase(proc, "stopped" if where == "gpu-wait" else "installing")
@@ -523,6 +527,7 @@ def test_the_end_check_reports_a_process_left_on_old_code(bed: Bed, strict: bool
         "--settle",
         "0.5",
         "--json",
+        "--no-swap",  # uv's install in the window is held while the late user starts
         *(["--strict"] * strict),
     )
     frozen: list[int] = []

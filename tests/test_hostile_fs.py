@@ -353,15 +353,19 @@ def test_a_read_only_site_packages_is_refused_before_anything_stops(
 
 
 @needs_root
+@pytest.mark.parametrize("swap", [True, False], ids=["swap", "no-swap"])
 def test_site_packages_read_only_during_the_downtime_rollback_starts_the_units(
-    bed: Bed, read_only: Callable[[Path], None]
+    bed: Bed, read_only: Callable[[Path], None], swap: bool
 ) -> None:
     """Row: the install fails before it writes anything (site-packages became read-only after the
     preflight): the restore finds the files unchanged, writes nothing, and the units are started."""
     before = bed.snapshot()
     name = bed.unit("ro-rollback")
     bed.hold_gpu(name, 3.0, "f1")  # time to make it read-only
-    proc = bed.start_run("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json")
+    no_swap = () if swap else ("--no-swap",)
+    proc = bed.start_run(
+        "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json", *no_swap
+    )
     try:
         bed.wait_phase(proc, "stopped")
         read_only(bed.site)
@@ -371,10 +375,12 @@ def test_site_packages_read_only_during_the_downtime_rollback_starts_the_units(
         proc.communicate()
     assert proc.returncode == 3, out + err
     message = json.loads(out)["errors"][0]["message"]
-    # uv removed the console script (bin/ is writable) before it failed on site-packages: only that is
-    # put back; nothing is written to the read-only site-packages, and the unit is started
-    assert "uv pip install failed" in message and "Read-only file system" in message, message
-    assert f"restored the previous installation; started {name} again" in message
+    if swap:  # the read-only mount came after the plan: the first rename fails, nothing was changed
+        assert "the swap failed" in message and f"the files were unchanged; started {name} again" in message
+    else:  # uv removed the console script (bin/ is writable) before it failed on site-packages: only that
+        # is put back; nothing is written to the read-only site-packages, and the unit is started
+        assert "uv pip install failed" in message and "Read-only file system" in message, message
+        assert f"restored the previous installation; started {name} again" in message
     bed.manager.wait_active(name)
     assert bed.snapshot() == before and bed.version() == "1.0"
     bed.no_trace()
@@ -389,7 +395,8 @@ def test_site_packages_read_only_then_killed_recover_starts_the_units(
     before = bed.snapshot()
     name = bed.unit("ro-recover")
     bed.hold_gpu(name, 3.0, "f2")
-    proc = bed.start_run("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5")
+    # uv's install in the window (the swap's failures: test_swap.py)
+    proc = bed.start_run("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--no-swap")
     try:
         bed.wait_phase(proc, "stopped")
         read_only(bed.site)

@@ -176,6 +176,8 @@ def test_start_refuses_while_a_previous_journal_is_there_and_clear(tmp_path: Pat
         (Phase.DONE, False),
         (Phase.ROLLING_BACK, True),
         (Phase.ROLLED_BACK, False),
+        (Phase.STAGED, False),
+        (Phase.SWAPPING, True),
     ],
 )
 def test_needs_restore_per_phase(phase: Phase, restore: bool) -> None:
@@ -186,11 +188,13 @@ def test_phases_are_in_order() -> None:
     assert [p.value for p in PHASE_ORDER] == [
         "planned",
         "backed-up",
+        "staged",
         "gated",
         "stopping",
         "stopped",
         "gpu-released",
         "installing",
+        "swapping",
         "installed",
         "verified",
         "restarting",

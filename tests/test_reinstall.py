@@ -61,6 +61,7 @@ def test_happy_path(bed: Bed) -> None:
         "install",
         "verify",
         "restart",
+        "verify-in-place",  # swapped: the files verified in place again once the units run
         "end-check",
     ]
     assert all(s["status"] == "ok" for s in doc["data"]["steps"])
@@ -77,11 +78,15 @@ def test_happy_path(bed: Bed) -> None:
     assert not any(bed.state.glob("*/gate"))
 
 
-def test_the_install_hardlinks_from_the_runs_own_cache_and_nothing_shares_an_inode_after(bed: Bed) -> None:
+@pytest.mark.parametrize("swap", [True, False], ids=["swap", "no-swap"])
+def test_the_install_hardlinks_from_the_runs_own_cache_and_nothing_shares_an_inode_after(
+    bed: Bed, swap: bool
+) -> None:
     """No copy of the package's bytes in the downtime: the run's own uv cache (in its state directory,
-    on the prefix's filesystem) is filled before the stop and the install hardlinks from it. The cache
-    is deleted when the run ends, so every installed file, and every file of the backup (hardlinks of
-    the old version's files), has exactly one link, and the backup still holds the old version."""
+    on the prefix's filesystem) is filled before the stop and the install hardlinks from it (into the
+    staging tree, before the stop, when the run swaps). The cache is deleted when the run ends, so
+    every installed file, and every file of the backup (hardlinks of the old version's files), has
+    exactly one link, and the backup still holds the old version."""
     import hashlib
 
     from safeinstall.env.distributions import find_distribution, find_distributions
@@ -89,24 +94,34 @@ def test_the_install_hardlinks_from_the_runs_own_cache_and_nothing_shares_an_ino
     from safeinstall.store.backup import load_backup
 
     bed.service("links")
-    result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json")
+    extra = () if swap else ("--no-swap",)
+    result = bed.safeinstall(
+        "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json", *extra
+    )
 
     assert result.code == 0, result.stdout + result.stderr
     data = result.json["data"]
     command = data["plan"]["uv_command"]
     assert command[command.index("--link-mode") + 1] == "hardlink"
     assert bed.state.is_dir() and not list(bed.state.glob("*/uv-cache-*"))
+    assert not list(bed.python.parent.parent.glob(".safeinstall-swap-*"))  # the staging tree: gone
     # hashed before the stop, the linked files (every member of the wheel: what uv writes itself, the
     # RECORD, INSTALLER, the console script, is not the wheel's) are verified by their identity
     steps = {step["name"]: step["detail"] for step in data["steps"]}
     hashed = int(re.findall(r"(\d+) files hashed", steps["prefetch"])[0])
-    checked, proven = (
-        int(n) for n in re.findall(r"(\d+) files match \((\d+) of them links", steps["verify"])[0]
-    )
+    in_place = steps["verify-in-place" if swap else "verify"]
+    checked, proven = (int(n) for n in re.findall(r"(\d+) files match \((\d+) of them links", in_place)[0])
     assert 0 < proven == checked <= hashed, steps
-    assert steps["install"].startswith(f"{command[0]} pip install --offline "), steps  # see window_command
+    if swap:
+        assert steps["install"].startswith("swapped: "), steps
+        assert "files verified in the staging tree before the stop" in steps["verify"], steps
+    else:
+        assert steps["install"].startswith(f"{command[0]} pip install --offline "), (
+            steps
+        )  # see window_command
     log = Path(data["log_file"]).read_text()
-    assert "the run's cache written to disk" in log and "the plan resolved again with the run's cache" in log
+    assert "the run's cache written to disk" in log
+    assert ("the plan resolved again with the run's cache" in log) is not swap
     installed = find_distribution(
         inspect_environment(bed.python), "sicext", find_distributions(inspect_environment(bed.python))
     )

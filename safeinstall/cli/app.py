@@ -576,6 +576,7 @@ def run_options(
         health_timeout=params["health_timeout"],
         no_restart=params["no_restart"],
         prune=params["prune"],
+        no_swap=params["no_swap"],
         keep_backups=params["keep_backups"],
         run_id=run_id,
         undo=params["run"] if params.get("undo_") else None,  # without --run: the last, set by the caller
@@ -676,6 +677,14 @@ def main_command(
         ),
     ] = 300.0,
     no_restart: Annotated[bool, _flag("--no-restart", "Leave the units stopped after the install.")] = False,
+    no_swap: Annotated[
+        bool,
+        _flag(
+            "--no-swap",
+            "Install with uv while the units are down, instead of staging the new version before the "
+            "stop and renaming it into place (docs/window.md).",
+        ),
+    ] = False,
     prune: Annotated[
         bool, _flag("--prune", "Remove files the old version left behind (kept in the backup).")
     ] = False,

@@ -175,7 +175,7 @@ def window_command(command: Sequence[str], request: UvRequest) -> tuple[str, ...
 
 
 def prefetch_command(
-    request: UvRequest, uv_bin: str, target: Path, changes: Sequence[UvChange] = ()
+    request: UvRequest, uv_bin: str, target: Path, changes: Sequence[UvChange] = (), staging: bool = False
 ) -> list[str]:
     """Pure: install the same artefacts into a scratch ``--target`` directory, before any stop.
 
@@ -183,8 +183,11 @@ def prefetch_command(
     copies files; and it proves that the artefacts can be fetched and installed at all. The artefacts
     are the requirement and every other distribution uv's dry-run will install (``changes``: a new
     dependency of a nightly, or everything with ``--with-deps``), pinned, without resolving again.
+    ``staging``: into ``--prefix target`` instead, laid out as the environment (a swap's staging tree,
+    :mod:`safeinstall.env.swap`).
     """
-    cmd = [uv_bin, "pip", "install", "--python", str(request.python), "--target", str(target), "--no-deps"]
+    where = ["--prefix" if staging else "--target", str(target)]
+    cmd = [uv_bin, "pip", "install", "--python", str(request.python), *where, "--no-deps"]
     # the scratch copy is thrown away: link it from the cache (uv copies where it cannot link)
     cmd += ["--link-mode", "hardlink"]
     wanted = canonicalize_name(request.package)

@@ -85,6 +85,7 @@ def child_arguments(options: RunOptions, python: Path, run_id: str, environ_file
         "--accept-record-mismatch": options.accept_record_mismatch,
         "--no-restart": options.no_restart,
         "--prune": options.prune,
+        "--no-swap": options.no_swap,
     }
     args += [flag for flag, on in flags.items() if on]
     if options.wheel is not None:

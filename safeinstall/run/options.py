@@ -31,6 +31,8 @@ class RunOptions:
     health_timeout: float = 300.0
     no_restart: bool = False
     prune: bool = False
+    #: install with uv in the window instead of swapping a staged version in (safeinstall.env.swap)
+    no_swap: bool = False
     only_loaded: bool = False  # plan only processes with certain evidence (not ``environment`` alone)
     strict: bool = False  # a process left on old code after the restart fails the run (rolled back)
     keep_backups: int = 3  # safeinstall.store.retention.DEFAULT_KEEP: backups kept per environment

@@ -24,7 +24,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
-from safeinstall.env import cachefill, inodes
+from safeinstall.env import cachefill, inodes, swap
 from safeinstall.env.distributions import InstalledDistribution, reload_distributions
 from safeinstall.env.drift import Expectation, FindingKind
 from safeinstall.env.environment import Account, Environment, interpreter_in_prefix
@@ -43,7 +43,7 @@ from safeinstall.errors import (
     SafeInstallError,
     StepFailed,
 )
-from safeinstall.run import undo
+from safeinstall.run import staging, undo
 from safeinstall.run.options import RunOptions
 from safeinstall.run.patches import (
     carry,
@@ -219,28 +219,43 @@ def backup_step(run: Run) -> str:
 
 def prefetch_step(run: Run) -> str:
     """Fill the run's own uv cache with the new artefacts, so that the install in the downtime only
-    links (or copies) files from it."""
+    links (or copies) files from it; where the run may swap (:mod:`safeinstall.run.staging`), install
+    them into the staging tree instead, verify them there and plan the renames, all before the stop."""
     account = run.env.account  # uv runs as the environment's owner: the directories are its own
     request = run.survey.request
     cache = make_run_dir(run.state.uv_cache(run.run_id), account)
-    scratch = make_run_dir(run.state.prefetch_dir(run.run_id), account)
-    command = prefetch_command(request, uv_binary(), scratch, run.survey.uv_plan.changes)
+    why_not = staging.refusal(run.env, request, run.survey.uv_plan.changes, _swap_rulers(run))
+    root: Path | None = None
+    if why_not is None:
+        try:
+            root = staging.make_staging(run.env, run.run_id)
+        except (staging.NotStaged, OSError) as exc:
+            why_not = str(exc)
+    scratch = (
+        root / swap.STAGED_TREE
+        if root is not None
+        else make_run_dir(run.state.prefetch_dir(run.run_id), account)
+    )
+    command = prefetch_command(
+        request, uv_binary(), scratch, run.survey.uv_plan.changes, staging=root is not None
+    )
     filled = _fill_from_owners_cache(run, cache)
     run._log(f"prefetch (UV_CACHE_DIR={cache}{_as(account)}): " + " ".join(command))
     try:
         result = uv_install(command, run.options.environ, cache_dir=cache, account=account)
     finally:
-        remove_run_dir(scratch)
+        if root is None:
+            remove_run_dir(scratch)
     run._log(f"uv exit {result.returncode}:\n{result.output}")
     if result.returncode != 0:
+        if root is not None:
+            swap.discard_staging(run.env.prefix, root.name, RUN_DIR_REMOVAL_S)
         tail = "\n".join(result.output.strip().splitlines()[-6:])
         raise PlanError(
             f"uv could not fetch or unpack the new version (exit {result.returncode}): {tail}",
             hint="nothing was stopped; check the wheel, the index options or the network",
         )
     detail = f"the run's uv cache holds the new version ({request.link_mode} from it)" + filled
-    if window_command(run.plan.uv_command, request) != run.plan.uv_command:
-        _resolve_into(run, cache)
     # what the install links is what is hashed here; only in root's own cache: an account that owns the
     # run's cache could change a hashed file's bytes through a shared writable mapping without moving
     # its times (docs/window.md), so its installed files are read again in the window
@@ -248,9 +263,62 @@ def prefetch_step(run: Run) -> str:
         run.hashed = inodes.hash_cache(cache)
         run._log(f"prefetch: {len(run.hashed)} files of the run's uv cache hashed")
         detail += f"; {len(run.hashed)} files hashed"
+    if root is not None:
+        why_not = _stage(run, root)
+    if run.staged is None and window_command(run.plan.uv_command, request) != run.plan.uv_command:
+        _resolve_into(run, cache)
     written = inodes.flush(cache)  # on disk now, not in the window
     run._log(f"prefetch: the run's cache written to disk in {written:.1f} s")
+    if run.staged is not None:
+        plan = run.staged.plan
+        run._journal(Phase.STAGED)
+        return detail + (
+            f"; staged and verified ({run.staged.files} files): the window renames {len(plan.moves)} "
+            f"entries in and {len(plan.out)} out"
+        )
+    run._log(f"prefetch: no swap: {why_not}")
     return detail
+
+
+def _swap_rulers(run: Run) -> dict[str, bool]:
+    """The run's options that rule a swap out (:func:`safeinstall.run.staging.refusal`)."""
+    options = run.options
+    return {
+        "--no-swap": options.no_swap,
+        "--keep-patches": options.keep_patches,
+        "--prune": options.prune,
+        "--accept-record-mismatch": options.accept_record_mismatch,
+        "a baseline of files whose RECORD is wrong": bool(run.prepared.vouched),
+    }
+
+
+def _stage(run: Run, root: Path) -> str | None:
+    """The staging tree uv filled: checked, verified and planned (``run.staged``); else removed, and
+    why (the install then runs in the window). Raises PlanError when the new version fails its
+    verification there: nothing is stopped."""
+    known = inodes.checker(run.hashed, time.time_ns()) if run.hashed else None
+    try:
+        run.staged = staging.stage(
+            run.env,
+            root,
+            run.plan.package,
+            run.wheel,
+            run.survey.uv_plan.changes,
+            run.survey.installed,
+            run.survey.affected,
+            run.saved(),
+            known,
+        )
+        return None
+    except (staging.NotStaged, OSError) as exc:
+        swap.discard_staging(run.env.prefix, root.name, RUN_DIR_REMOVAL_S)
+        return str(exc)
+    except staging.StagedMismatch as exc:
+        swap.discard_staging(run.env.prefix, root.name, RUN_DIR_REMOVAL_S)
+        raise PlanError(
+            f"the new version's files do not match the wheel: {exc}",
+            hint="nothing was stopped; check the wheel (or the index) it comes from",
+        ) from exc
 
 
 def _resolve_into(run: Run, cache: Path) -> None:
@@ -470,10 +538,53 @@ def install_step(run: Run) -> str:
     return " ".join(command) + late + (f"; {carried} local patch(es) carried" if carried else "")
 
 
+def swap_step(run: Run) -> str:
+    """The staged version renamed into place (:mod:`safeinstall.env.swap`): the window's install when
+    the run staged one. Each entry in place must then be the inode verified in the staging tree."""
+    staged = run.staged
+    if staged is None:
+        raise StepFailed("internal error: a swap without a staging tree")
+    late = _check_no_late_users(run)
+    run._journal(Phase.SWAPPING)
+    try:
+        swap.execute(staged, run.env.prefix)
+    except OSError as exc:
+        raise StepFailed(f"the swap failed: {exc}") from exc
+    run.installed_ns = time.time_ns()
+    wrong = swap.moved_as_staged(staged, run.env.prefix)
+    if wrong:
+        raise StepFailed(f"not the verified files in place after the swap: {', '.join(wrong[:5])}")
+    run._journal(Phase.INSTALLED)
+    plan = staged.plan
+    return f"swapped: {len(plan.moves)} entries renamed into place, {len(plan.out)} old ones out" + late
+
+
 # ------------------------------------------------------------------ 7. verify
 
 
 def verify_step(run: Run) -> str:
+    if run.staged is not None:  # verified in the staging tree; the swap put those very inodes in place
+        run._journal(Phase.VERIFIED)
+        remove_gate(run)
+        return (
+            f"{run.staged.files} files verified in the staging tree before the stop; every entry in place "
+            "is the inode verified there"
+        )
+    detail = _check_in_place(run)
+    run._journal(Phase.VERIFIED)
+    remove_gate(run)
+    return detail
+
+
+def confirm_step(run: Run) -> str:
+    """After a swap, once the units run: the installed files verified in place, as a run that installed
+    in the window does before the start (what the run leaves is taken from it); a failure rolls back."""
+    return _check_in_place(run)
+
+
+def _check_in_place(run: Run) -> str:
+    """Every installed file of the affected distributions against the wheel or its RECORD (StepFailed on
+    a mismatch); what the run leaves, vouches for and left over are taken from it."""
     known = (
         inodes.checker(run.hashed, run.installed_ns) if run.hashed and run.installed_ns is not None else None
     )
@@ -498,8 +609,6 @@ def verify_step(run: Run) -> str:
     run.extras = tuple(f.path for f in report.findings if f.kind == FindingKind.EXTRA)
     if run.extras and run.options.prune:
         run.pruned = _prune(run, run.extras)
-    run._journal(Phase.VERIFIED)
-    remove_gate(run)
     checked = sum(d.files_checked for d in report.distributions)
     proven = sum(1 for state in report.observed.values() if state.by_identity)
     detail = f"{checked} files match" + (
@@ -746,9 +855,11 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
                     step("restore", lambda: undo_restore_step(run, lambda: _check_no_late_users(run)))
                     step("verify", lambda: undo_verify_step(run, lambda: remove_gate(run)))
                 else:
-                    step("install", lambda: install_step(run))
+                    step("install", lambda: swap_step(run) if run.staged else install_step(run))
                     step("verify", lambda: verify_step(run))
                 step("restart", lambda: restart_step(run))
+                if run.staged is not None:
+                    step("verify-in-place", lambda: confirm_step(run))
                 step("end-check", lambda: end_check_step(run))
             except Exception as exc:  # any failure once the run started rolls back, bugs included
                 error = (
@@ -779,6 +890,7 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
                 f"could not remove the boot gate drop-ins ({GATE_DROPIN}.conf; inert, the gate is open): "
                 f"{exc.message}"
             )
+        _discard_staged(run)
         with contextlib.suppress(OSError):
             clear_journal(run.state.dir)
         removed = _prune_old_backups(run)
@@ -793,6 +905,35 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
         if prepared.lock is not None:
             prepared.lock.release()
         deferral.close()
+
+
+def _discard_staged(run: Run) -> None:
+    """After a good swap: the old files it moved out and the staging directory go (the backup keeps the
+    old version); before the journal is cleared, so that a kill here leaves it to ``--recover``."""
+    if run.staged is None:
+        return
+    try:
+        swap.tidy(run.staged.plan, run.env.prefix)
+    except OSError as exc:
+        run._log(f"the bytecode and empty directories of moved-out files were not all removed: {exc}")
+    unknown: list[tuple[str, str]] = []
+    try:
+        known = frozenset(f.path for f in run.saved().manifest.files)
+        unknown = swap.unknown_in_old(run.staged.root, known)
+        left = swap.put_back_unknown(run.staged.root, run.env.prefix, unknown)
+    except OSError as exc:
+        left = [f"(the old files could not be listed: {exc})"]
+    if unknown:
+        run._log(f"put back where they were (they appeared after the backup): {[p for _, p in unknown]}")
+    if left:  # never deleted unseen
+        kept = swap.keep_staging(run.env.prefix, run.staged.root.name) or run.staged.root
+        run.notes.append(
+            f"{len(left)} file(s) that appeared in the old version's directories after the backup could "
+            f"not be put back (first: {left[0]}): kept in {kept}; copy back what you need, then delete it"
+        )
+        return
+    if not swap.discard_staging(run.env.prefix, run.staged.root.name, RUN_DIR_REMOVAL_S):
+        run.notes.append(f"{run.staged.root} could not be removed: the next run removes it")
 
 
 def _prune_old_backups(run: Run) -> tuple[str, ...]:

@@ -47,7 +47,10 @@ def rollback(run: Run, error: SafeInstallError) -> SafeInstallError:
             if run.restart_started:
                 for unit in run._units_to_restart():
                     run.systemd.stop(unit, run._stop_timeout(90.0))
-            installed = phase_at_least(run.journal, Phase.INSTALLING)
+            # the install (uv's, or the swap's renames) may have begun: the backup goes back
+            installed = phase_at_least(run.journal, Phase.INSTALLING) or phase_at_least(
+                run.journal, Phase.SWAPPING
+            )
             if installed:
                 # the run's cache first: the installed files are its hardlinks, and on a full disk
                 # the restore needs the room that removing them frees only once the cache is gone;

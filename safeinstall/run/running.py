@@ -17,6 +17,7 @@ from typing import Any
 
 from safeinstall.env import inodes
 from safeinstall.env.environment import Environment
+from safeinstall.env.swap import Staged
 from safeinstall.env.vouched import Vouched
 from safeinstall.env.wheel import Wheel
 from safeinstall.errors import (
@@ -79,6 +80,8 @@ class Run:
     installed_ns: int | None = None  # time.time_ns() once uv's install in the window has exited
     #: set by the verify step: the files verified against the wheel that its RECORD does not describe
     vouched: Vouched | None = None
+    #: set by the prefetch when the run swaps: the verified staging tree and its renames (env/swap.py)
+    staged: Staged | None = None
 
     @property
     def options(self) -> RunOptions:

@@ -50,11 +50,13 @@ class Phase(StrEnum):
 
     PLANNED = "planned"
     BACKED_UP = "backed-up"
+    STAGED = "staged"  # the new version installed and verified in the staging tree (env/swap.py)
     GATED = "gated"
     STOPPING = "stopping"
     STOPPED = "stopped"
     GPU_RELEASED = "gpu-released"
     INSTALLING = "installing"
+    SWAPPING = "swapping"  # the staged version renamed into place (instead of uv's install)
     INSTALLED = "installed"
     VERIFIED = "verified"
     RESTARTING = "restarting"
@@ -66,7 +68,7 @@ class Phase(StrEnum):
 
 PHASE_ORDER: tuple[Phase, ...] = tuple(Phase)
 #: The package may be half-installed: recovery must restore the backup.
-RESTORE_PHASES = frozenset({Phase.INSTALLING, Phase.INSTALLED, Phase.ROLLING_BACK})
+RESTORE_PHASES = frozenset({Phase.INSTALLING, Phase.SWAPPING, Phase.INSTALLED, Phase.ROLLING_BACK})
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +194,8 @@ def effective_phase(journal: Journal) -> Phase:
 def needs_restore(journal: Journal) -> bool:
     """Pure: whether the package may be half-installed, so recovery must restore the backup.
 
-    False before the install started (planned .. gpu-released: nothing was changed), after the new
+    False before the install started (planned .. gpu-released: nothing was changed; a staging tree is
+    not the environment), after the new
     version was verified (verified, restarting, done), and once rolled back.
     """
     return effective_phase(journal) in RESTORE_PHASES

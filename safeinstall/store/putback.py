@@ -13,11 +13,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from safeinstall.env.environment import Environment
+from safeinstall.env.swap import (
+    STAGING_PREFIX,
+    discard_staging,
+    keep_staging,
+    put_back_unknown,
+    unknown_in_old,
+)
 from safeinstall.env.wheel import environment_files, install_location, read_wheel
 from safeinstall.env.wheelcopy import discard_wheel_copy, is_wheel_copy
 from safeinstall.errors import SafeInstallError
-from safeinstall.store.backup import Backup, restore_backup
-from safeinstall.store.journal import Journal, JournalUnit, clear_journal, units_to_start
+from safeinstall.store.backup import Backup, load_backup, restore_backup
+from safeinstall.store.journal import (
+    Journal,
+    JournalUnit,
+    Phase,
+    clear_journal,
+    effective_phase,
+    units_to_start,
+)
+from safeinstall.store.state import PUT_BACK_CACHE_S, RUN_DIR_REMOVAL_S
 from safeinstall.system.gate import GATE_DROPIN, gate_marker
 from safeinstall.system.systemd import Systemd
 
@@ -77,6 +92,12 @@ def put_back(
     the journal is then kept."""
     notes: list[str] = []
     restored = unchanged = False
+    # the run's staging tree (a swap's): new files not put in place, or the old trees it exchanged
+    # (the backup holds those too); bounded while the units are down, tried again once they run
+    staging = Path(journal.prefix), f"{STAGING_PREFIX}{journal.run_id}"
+    if restore is None and _swapped(journal) and os.path.lexists(os.path.join(*staging)):
+        notes.extend(_keep_late_files(journal, *staging))
+    discard_staging(*staging, PUT_BACK_CACHE_S)
     if restore is not None:
         env, backup = restore
         restored = restore_previous(env, backup, Path(journal.wheel) if journal.wheel else None, state_dir)
@@ -87,12 +108,40 @@ def put_back(
     units = units_to_start(journal)
     start(units)
     gates = remove_gates(journal, environ, notes)
+    if os.path.lexists(os.path.join(*staging)) and not discard_staging(*staging, RUN_DIR_REMOVAL_S):
+        notes.append(f"{os.path.join(*staging)} could not be removed: remove it by hand")
     done = PutBack(restored, unchanged, tuple(u.name for u in units), gates, tuple(notes))
     finished(done)
     clear_journal(state_dir)
     if journal.wheel:
         discard_wheel_copy(Path(journal.wheel), state_dir)
     return done
+
+
+def _swapped(journal: Journal) -> bool:
+    """Pure: the run's swap was done and verified (its staging directory holds only old entries)."""
+    return effective_phase(journal) in (Phase.VERIFIED, Phase.RESTARTING, Phase.DONE)
+
+
+def _keep_late_files(journal: Journal, prefix: Path, name: str) -> list[str]:
+    """A swap that died after its verification left the old entries in its staging directory: files in
+    them that its backup does not hold (they appeared after the backup) are put back where they were,
+    as the run would have; if one cannot be, the directory is kept aside (never deleted unseen)."""
+    root = prefix / name
+    try:
+        if journal.backup_dir is None:
+            raise OSError("the journal names no backup")
+        known = frozenset(f.path for f in load_backup(Path(journal.backup_dir)).manifest.files)
+        left = put_back_unknown(root, prefix, unknown_in_old(root, known))
+    except (OSError, SafeInstallError) as exc:
+        left = [f"(the old files could not be compared with the backup: {exc})"]
+    if not left:
+        return []
+    kept = keep_staging(prefix, name) or root
+    return [
+        f"{len(left)} file(s) that appeared in the old version's directories after the backup could not be "
+        f"put back (first: {left[0]}): kept in {kept}"
+    ]
 
 
 def remove_gates(journal: Journal, environ: Mapping[str, str], notes: list[str]) -> tuple[str, ...]:

@@ -24,6 +24,7 @@ directory replaced by a file) makes every cursor start again from the root at it
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import hashlib
 import os
@@ -38,6 +39,9 @@ from types import TracebackType
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+#: ``renameat2(2)`` flags: exchange two entries atomically; never replace what is at the destination.
+RENAME_EXCHANGE = 2
+RENAME_NOREPLACE = 1
 #: A directory to empty: never a symlink's target, and a FIFO swapped in is never waited on.
 _REMOVE_DIR_FLAGS = _DIR_FLAGS | os.O_NONBLOCK
 _CHUNK = 1 << 20
@@ -357,6 +361,25 @@ def remove_at(dir_fd: int, name: str, deadline: float | None = None) -> bool:
     return True
 
 
+_libc: ctypes.CDLL | None = None
+
+
+def renameat2(src_fd: int, src: str, dst_fd: int, dst: str, flags: int) -> None:
+    """``renameat2(2)``: ``src`` in the directory ``src_fd`` to ``dst`` in ``dst_fd``; ``flags`` 0 (replace
+    what is there), :data:`RENAME_NOREPLACE` or :data:`RENAME_EXCHANGE` (both entries must exist; each
+    takes the other's place in one step). Both names are single components: nothing is walked, no
+    symlink followed (the entries themselves move, whatever they are). Raises OSError."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    for name in (src, dst):
+        if not name or "/" in name or name in (".", "..") or "\0" in name:
+            raise OSError(errno.EINVAL, "not one path component", name)
+    if _libc.renameat2(src_fd, os.fsencode(src), dst_fd, os.fsencode(dst), ctypes.c_uint(flags)) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), f"{src} -> {dst}")
+
+
 class _Cursor:
     """One thread's open directories in a batch: ``fds[i]`` is the directory ``names[: i + 1]``."""
 
@@ -521,6 +544,27 @@ class Tree:
         except (FileNotFoundError, NotADirectoryError):
             return None
 
+    def mount_id(self, relative: str) -> int | None:
+        """The id of the mount that holds the entry ``relative`` itself ("": the root), as the kernel
+        says in ``/proc/self/fdinfo`` (a rename cannot cross mounts, even on one device); None when it
+        is not there."""
+        try:
+            if relative:
+                with self.parent(relative) as (fd, name):
+                    opened = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            else:
+                opened = os.dup(self.fd)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        try:
+            with open(f"/proc/self/fdinfo/{opened}", encoding="ascii") as info:
+                for line in info:
+                    if line.startswith("mnt_id:"):
+                        return int(line.split()[1])
+        finally:
+            os.close(opened)
+        return None
+
     def is_dir(self, relative: str) -> bool:
         info = self.lstat(relative)
         return info is not None and stat.S_ISDIR(info.st_mode)
@@ -556,9 +600,9 @@ class Tree:
             os.close(fd)
 
     def names(self, relative: str) -> list[str]:
-        """Names in the directory ``relative`` ([] when it is not a real directory)."""
+        """Names in the directory ``relative`` ("": the root; [] when it is not a real directory)."""
         try:
-            fd = self._open_dir(parts_of(relative))
+            fd = self._open_dir(parts_of(relative)) if relative else os.dup(self.fd)
         except (FileNotFoundError, NotADirectoryError):
             return []
         try:
@@ -660,6 +704,19 @@ class Tree:
                 return remove_at(fd, name, deadline)
         except (FileNotFoundError, NotADirectoryError):
             return False
+
+    def move_to(
+        self, relative: str, dest: Tree, dest_relative: str, flags: int, directory: bool = True
+    ) -> None:
+        """Move the entry ``relative`` (a file, a symlink, a whole directory) to ``dest_relative`` in
+        ``dest`` (the same filesystem) with :func:`renameat2` ``flags``; both parents are walked by
+        descriptor, no symlink followed. Raises OSError (FileNotFoundError: not there, or below a
+        symlink)."""
+        with self.parent(relative) as (src_fd, src), dest.parent(dest_relative) as (dst_fd, dst):
+            renameat2(src_fd, src, dst_fd, dst, flags)
+        self._removed_directory()
+        if dest is not self:
+            dest._removed_directory()
 
     def rmdir(self, relative: str) -> None:
         with self.parent(relative) as (fd, name):

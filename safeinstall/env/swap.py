@@ -1,0 +1,412 @@
+"""The swap: the new version installed into a staging tree before the stop, put in place by renames.
+
+Before the stop, uv installs the distributions the plan changes into ``<prefix>/.safeinstall-swap-RUN/tree``
+(``uv pip install --prefix``: the environment's own layout, scripts pointing at its interpreter), where
+they are verified like an install (every file against its wheel or RECORD). :func:`plan_swap` (pure)
+then decides how each staged entry takes its place, from what the environment holds:
+
+* a directory that the environment does not have is **placed** whole (``renameat2`` with
+  ``RENAME_NOREPLACE``);
+* a directory that is one of the replaced distributions' own (a package directory or a ``.dist-info``
+  no other distribution has files in, holding no file that no RECORD lists) is **exchanged** whole with
+  the live one (``RENAME_EXCHANGE``: both move in one step; the old tree is then in the staging tree);
+* any other directory (``site-packages``, ``bin``, ``nvidia/``, which several distributions share) is
+  entered, and each staged file in it is exchanged with the live one or placed;
+
+and what the old versions had that the new ones do not (a ``.dist-info`` of another version, a package
+directory the new version dropped, single files) is **moved out** into the staging directory's attic.
+The new ``.dist-info`` directories go first and the old ones out last, so that at every moment each
+file of the new version is listed by a RECORD in place: a restore of the backup (the rollback, or
+``--recover`` after a kill) finds and removes them, whatever step the swap died at.
+
+Every rename is one ``renameat2`` call with a flag (never a plain ``rename`` that drops the old inode
+in the window): an old file's last link goes with the staging directory, after the restart. In the
+window, :func:`execute` does only those renames (a few dozen for torch or vLLM, plus the files
+of shared directories) and the fsync of the directories they changed; :func:`moved_as_staged` then
+checks that each entry in place is the very inode that was verified in the staging tree, which only
+root could change (it is root's, 0700, for a root-owned environment: the only kind swapped). What was
+moved out, and the old trees the exchanges left in the staging directory, are deleted with it once the
+units run again (:func:`discard_staging`); the backup holds the old version all along.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from pathlib import Path, PurePosixPath
+
+from safeinstall.env.drift import pyc_source
+from safeinstall.env.environment import Environment
+from safeinstall.system.safefs import RENAME_EXCHANGE, RENAME_NOREPLACE, Tree
+
+#: The staging directory's name in the prefix: this, then the run's id.
+STAGING_PREFIX = ".safeinstall-swap-"
+STAGED_TREE = "tree"  # the new version, laid out as the prefix
+ATTIC = "attic"  # what was moved out of the environment
+_FSYNC_THREADS = 16
+
+
+class How(StrEnum):
+    PLACE = "place"  # nothing there: renamed in, never replacing
+    EXCHANGE = "exchange"  # the live entry and the staged one trade places (the old one stays staged)
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    path: str  # relative to the prefix, and to the staging tree
+    how: How
+    directory: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SwapPlan:
+    moves: tuple[Move, ...]  # the new ``.dist-info`` directories first
+    out: tuple[Move, ...]  # old entries moved into the attic (``.dist-info`` directories last)
+    problems: tuple[str, ...] = ()  # why it cannot be done (then the install runs in the window)
+
+    @property
+    def touched(self) -> tuple[str, ...]:
+        """The directories whose entries change (fsync'ed after the swap)."""
+        return tuple(sorted({m.path.rpartition("/")[0] for m in (*self.moves, *self.out)}))
+
+
+@dataclass(frozen=True, slots=True)
+class Staged:
+    """A verified staging tree and how it takes its place."""
+
+    root: Path  # <prefix>/.safeinstall-swap-RUN
+    plan: SwapPlan
+    identities: Mapping[str, tuple[int, int]]  # each move's (device, inode), as verified
+    files: int  # files of the new version in it
+
+
+def staging_dir(prefix: Path, run_id: str) -> Path:
+    return prefix / f"{STAGING_PREFIX}{run_id}"
+
+
+def staging_environment(env: Environment, tree: Path) -> Environment:
+    """Pure: ``env`` as if its prefix were ``tree`` (uv's ``--prefix`` layout): the interpreter stays
+    the environment's own (the scripts' first lines name it)."""
+
+    def moved(path: Path) -> Path:
+        return tree / path.relative_to(env.prefix)
+
+    sites = tuple(moved(p) for p in env.site_dirs)
+    return replace(
+        env,
+        prefix=tree,
+        purelib=moved(env.purelib),
+        platlib=moved(env.platlib),
+        scripts=moved(env.scripts),
+        data=moved(env.data),
+        base_site_dirs=(),
+        given_site_dirs=sites,
+    )
+
+
+def _ancestors(paths: Iterable[str]) -> set[str]:
+    found: set[str] = set()
+    for path in paths:
+        parent = path.rpartition("/")[0]
+        while parent and parent not in found:
+            found.add(parent)
+            parent = parent.rpartition("/")[0]
+    return found
+
+
+def plan_swap(
+    staged_files: frozenset[str],
+    staged_dirs: frozenset[str],
+    live: Mapping[str, str],
+    old_files: frozenset[str],
+    own_dirs: frozenset[str],
+    held: frozenset[str],
+    differs: frozenset[str] = frozenset(),
+) -> SwapPlan:
+    """Pure: how the staged entries take their place. Every path is relative to the prefix.
+
+    ``live``: what the environment has at the staged paths and the old files ("dir", "file", "link",
+    "other"; absent: nothing); ``old_files``: the replaced distributions' RECORD entries in the prefix;
+    ``own_dirs``: their own directories (package directories and ``.dist-info``, in no other RECORD);
+    ``held``: files that must stay where they are (other distributions' RECORD entries, files no RECORD
+    lists in the replaced distributions' directories): a directory above one is never moved whole;
+    ``differs``: directories whose owner or mode in the environment is not the staged one's (a cache
+    directory handed to the service's account): never replaced whole either, as uv keeps them."""
+    keep = held | differs | _ancestors(held | differs)
+    children: dict[str, list[str]] = {}
+    for path in staged_files | staged_dirs:
+        children.setdefault(path.rpartition("/")[0], []).append(path)
+    moves: list[Move] = []
+    problems: list[str] = []
+
+    def visit(directory: str) -> None:
+        for child in sorted(children.get(directory, ())):
+            kind = live.get(child)
+            is_dir = child in staged_dirs
+            if kind is None:
+                moves.append(Move(child, How.PLACE, is_dir))
+            elif is_dir and kind != "dir":
+                problems.append(f"{child} is a directory in the new version and a {kind} in the environment")
+            elif not is_dir and kind not in ("file", "link"):
+                problems.append(f"{child} is a file in the new version and a {kind} in the environment")
+            elif is_dir and child in own_dirs and child not in keep:
+                moves.append(Move(child, How.EXCHANGE, True))
+            elif is_dir:
+                visit(child)
+            else:
+                moves.append(Move(child, How.EXCHANGE, False))
+
+    visit("")
+    whole = {m.path for m in moves if m.directory}
+    out: list[Move] = []
+    for directory in sorted(own_dirs):
+        if directory in staged_dirs or directory in keep or live.get(directory) != "dir":
+            continue
+        if not _below(directory, whole) and not _below(directory, {m.path for m in out}):
+            out.append(Move(directory, How.PLACE, True))
+    gone = whole | {m.path for m in out}
+    for path in sorted(old_files):
+        if path in staged_files or path in keep or live.get(path) not in ("file", "link"):
+            continue
+        if not _below(path, gone):
+            out.append(Move(path, How.PLACE, False))
+    first = sorted(moves, key=lambda m: not _is_dist_info(m.path))  # stable: the rest keep their order
+    last = sorted(out, key=lambda m: _is_dist_info(m.path))
+    return SwapPlan(tuple(first), tuple(last), tuple(problems))
+
+
+def _below(path: str, directories: Iterable[str] | set[str]) -> bool:
+    """Pure: ``path`` is one of ``directories`` or lies below one."""
+    wanted = directories if isinstance(directories, set) else set(directories)
+    while path:
+        if path in wanted:
+            return True
+        path = path.rpartition("/")[0]
+    return False
+
+
+def _is_dist_info(path: str) -> bool:
+    return path.endswith(".dist-info") and path.count("/") >= 1
+
+
+# --- I/O ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    kind: str  # "dir", "file", "link", "other"
+    owner: tuple[int, int, int]  # uid, gid, permission bits
+
+
+def entries(tree: Tree, paths: Iterable[str]) -> dict[str, Entry]:
+    """What ``tree`` holds at each of ``paths`` (by descriptor, no symlink followed; absent: left out)."""
+    found: dict[str, Entry] = {}
+    with tree.batch():
+        for path in paths:
+            info = tree.lstat(path)
+            if info is None:
+                continue
+            mode = info.st_mode
+            kind = (
+                "dir"
+                if stat.S_ISDIR(mode)
+                else "file"
+                if stat.S_ISREG(mode)
+                else "link"
+                if stat.S_ISLNK(mode)
+                else "other"
+            )
+            found[path] = Entry(kind, (info.st_uid, info.st_gid, stat.S_IMODE(mode)))
+    return found
+
+
+def prepare_attic(root: Path, plan: SwapPlan) -> None:
+    """The attic's directories, mirroring the prefix, for every entry the swap moves out (made before
+    the stop: the window only renames). Raises OSError."""
+    with Tree(root) as tree:
+        tree.make_dir(ATTIC, 0o700)
+    with Tree(root / ATTIC) as attic:
+        for directory in sorted(_ancestors(m.path for m in plan.out), key=lambda p: p.count("/")):
+            attic.make_dir(directory, 0o700)
+
+
+def crossings(tree: Tree, plan: SwapPlan, staging_mount: int | None) -> list[str]:
+    """Entries the swap renames, and their directories, that lie on another mount than the staging
+    tree (a bind mount inside the environment): a rename cannot cross it."""
+    paths = {m.path for m in (*plan.moves, *plan.out)}
+    paths |= {p.rpartition("/")[0] for p in paths}
+    return sorted(p for p in paths if tree.mount_id(p) not in (staging_mount, None))
+
+
+def walk_staged(tree: Tree) -> tuple[frozenset[str], frozenset[str]]:
+    """Every file and every directory of the staging tree (relative), uv's lock file aside."""
+    files: set[str] = set()
+    dirs: set[str] = set()
+    pending = [""]
+    with tree.batch():
+        while pending:
+            directory = pending.pop()
+            for name in tree.names(directory):
+                path = f"{directory}/{name}" if directory else name
+                info = tree.lstat(path)
+                if info is None:
+                    continue
+                if stat.S_ISDIR(info.st_mode):
+                    dirs.add(path)
+                    pending.append(path)
+                elif path != ".lock":
+                    files.add(path)
+    return frozenset(files), frozenset(dirs)
+
+
+def identities(tree: Tree, moves: Sequence[Move]) -> dict[str, tuple[int, int]]:
+    """(device, inode) of each move's entry in ``tree``; an entry that is not there is left out."""
+    found: dict[str, tuple[int, int]] = {}
+    with tree.batch():
+        for move in moves:
+            info = tree.lstat(move.path)
+            if info is not None:
+                found[move.path] = (info.st_dev, info.st_ino)
+    return found
+
+
+def execute(staged: Staged, prefix: Path) -> None:
+    """The swap itself: every move, then every old entry out into the attic, then the changed
+    directories made durable. Raises OSError at the first failure (what was done stays done: the
+    caller restores the backup)."""
+    plan = staged.plan
+    with Tree(staged.root / STAGED_TREE) as new, Tree(staged.root / ATTIC) as attic, Tree(prefix) as live:
+        for move in plan.moves:
+            flags = RENAME_NOREPLACE if move.how == How.PLACE else RENAME_EXCHANGE
+            new.move_to(move.path, live, move.path, flags, directory=move.directory)
+        for move in plan.out:  # the attic mirrors the prefix (its directories made before the stop)
+            live.move_to(move.path, attic, move.path, RENAME_NOREPLACE, directory=move.directory)
+        with ThreadPoolExecutor(max_workers=_FSYNC_THREADS, thread_name_prefix="fsync") as pool:
+            for _done in pool.map(live.fsync_dir, plan.touched):
+                pass
+
+
+def moved_as_staged(staged: Staged, prefix: Path) -> list[str]:
+    """The moved entries that are not, in place, the inodes verified in the staging tree (empty: all are)."""
+    with Tree(prefix) as live:
+        now = identities(live, staged.plan.moves)
+    return [m.path for m in staged.plan.moves if now.get(m.path) != staged.identities.get(m.path)]
+
+
+KEPT_PREFIX = ".safeinstall-kept-"
+
+
+def unknown_in_old(root: Path, known: frozenset[str]) -> list[tuple[str, str]]:
+    """After the swap: the files the exchanged and moved-out old entries hold (the staging tree and the
+    attic both mirror the prefix) that are not in ``known`` (what the backup saved), nor bytecode of a
+    saved source, as (where it is below ``root``, where it was in the prefix): files that appeared in
+    the old version's directories after the backup (a service writing into its package directory
+    before the stop). uv's install would have left them in place."""
+    found: list[tuple[str, str]] = []
+    for part in (STAGED_TREE, ATTIC):
+        try:
+            with Tree(root / part) as old:
+                files, _dirs = walk_staged(old)
+        except FileNotFoundError:
+            continue
+        found += [
+            (f"{part}/{path}", path) for path in files if path not in known and not _cached(path, known)
+        ]
+    return sorted(found)
+
+
+def _cached(path: str, known: frozenset[str]) -> bool:
+    """Pure: bytecode that Python writes again (in ``__pycache__``, or of a saved source)."""
+    if not path.endswith(".pyc"):
+        return False
+    source = pyc_source(PurePosixPath(path))
+    return "__pycache__/" in path or (source is not None and str(source) in known)
+
+
+def put_back_unknown(root: Path, prefix: Path, unknown: Sequence[tuple[str, str]]) -> list[str]:
+    """Each of ``unknown`` renamed back to where it was in the prefix, where its directory still is and
+    nothing took its place (as uv's install leaves such a file); the ones that could not be."""
+    left: list[str] = []
+    with Tree(root) as staged, Tree(prefix) as live:
+        for where, path in unknown:
+            info = staged.lstat(where)
+            parent = live.lstat(path.rpartition("/")[0]) if "/" in path else None
+            # a regular file of root's or of the directory's owner: nothing else is given a new place
+            fits = (
+                info is not None
+                and stat.S_ISREG(info.st_mode)
+                and parent is not None
+                and info.st_uid in (0, parent.st_uid)
+            )
+            try:
+                if not fits:
+                    raise OSError("not put back")
+                staged.move_to(where, live, path, RENAME_NOREPLACE, directory=False)
+            except OSError:
+                left.append(path)
+    return left
+
+
+def keep_staging(prefix: Path, name: str) -> Path | None:
+    """The staging directory renamed to ``.safeinstall-kept-RUN`` (never removed by a later run); None
+    when it cannot be."""
+    kept = KEPT_PREFIX + name.removeprefix(STAGING_PREFIX)
+    try:
+        with Tree(prefix) as tree:
+            tree.move_to(name, tree, kept, RENAME_NOREPLACE)
+    except OSError:
+        return None
+    return prefix / kept
+
+
+def tidy(plan: SwapPlan, prefix: Path) -> None:
+    """After the swap (best effort): the bytecode of the single files moved out, and the directories
+    that moving them emptied, as uv's uninstall removes them."""
+    with Tree(prefix) as live:
+        emptied: set[str] = set()
+        for move in plan.out:
+            parent, _, name = move.path.rpartition("/")
+            if not move.directory and name.endswith(".py"):
+                cache = f"{parent}/__pycache__" if parent else "__pycache__"
+                for cached in live.names(cache):
+                    if cached.startswith(name[:-3] + ".") and cached.endswith(".pyc"):
+                        live.unlink(f"{cache}/{cached}")
+                emptied.add(cache)
+            if parent:
+                emptied.add(parent)
+        for directory in sorted(emptied | _ancestors(emptied), key=lambda p: -p.count("/")):
+            if directory in plan.touched or directory in emptied:
+                try:
+                    if not live.names(directory):
+                        live.rmdir(directory)
+                except OSError:
+                    continue
+
+
+def discard_staging(prefix: Path, name: str, seconds: float) -> bool:
+    """Remove the staging directory ``name`` of the prefix (by descriptor, never following a symlink),
+    only in a prefix that root owns (the only kind a run stages in); True when it is gone."""
+    if not name.startswith(STAGING_PREFIX) or "/" in name:
+        return False
+    try:
+        with Tree(prefix) as tree:
+            info = os.fstat(tree.fd)
+            if info.st_uid != os.geteuid() or info.st_mode & 0o022:
+                return False
+            tree.remove_tree(name, time.monotonic() + seconds)
+            return tree.lstat(name) is None
+    except OSError:
+        return False
+
+
+def leftover_stagings(prefix: Path) -> list[str]:
+    """The staging directories runs that died left in the prefix (their names)."""
+    try:
+        return sorted(n for n in os.listdir(prefix) if n.startswith(STAGING_PREFIX))
+    except OSError:
+        return []

@@ -1,0 +1,189 @@
+"""The staging tree of a swap (:mod:`safeinstall.env.swap`): whether a run may swap, and the tree made,
+checked and planned before the stop.
+
+A run swaps only where every part of the swap is root's own doing on root's own files: a root-owned
+virtual environment (an account's environment keeps uv's install in the window, run as that account),
+no ``--keep-patches``, ``--prune`` or ``--accept-record-mismatch`` (each changes what is verified in
+the window), uv's own hardlinks from the run's cache, and no bytecode compiled by uv (its files are
+compiled where they land). Anything unexpected in the staging tree drops the swap: the install then runs
+in the window, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from safeinstall.env import swap
+from safeinstall.env.containment import Containment
+from safeinstall.env.distributions import InstalledDistribution, find_distributions
+from safeinstall.env.drift import FindingKind
+from safeinstall.env.environment import Environment
+from safeinstall.env.hashing import Known
+from safeinstall.env.uvplan import UvChange, UvRequest
+from safeinstall.env.verify import verify_environment
+from safeinstall.env.wheel import Wheel
+from safeinstall.store.backup import Backup
+from safeinstall.store.state import PRIVATE_MODE
+from safeinstall.system.safefs import Tree
+
+#: uv's options that change what an install writes beyond the wheels' files, or where
+_NOT_SWAPPED = ("--compile-bytecode", "--compile", "--target", "--prefix", "--user", "--system")
+#: what the verification of the staged files must not find
+_FAILING = frozenset(
+    {
+        FindingKind.MISSING,
+        FindingKind.MODIFIED,
+        FindingKind.VERSION_MISMATCH,
+        FindingKind.UNREADABLE,
+        FindingKind.MALFORMED,
+        FindingKind.OUTSIDE,
+        FindingKind.EXTRA,
+    }
+)
+
+
+class NotStaged(Exception):
+    """The staging tree is not what a swap needs: the install runs in the window instead."""
+
+
+class StagedMismatch(Exception):
+    """A staged file fails its verification: the new version itself is wrong (nothing is stopped)."""
+
+
+def refusal(
+    env: Environment,
+    request: UvRequest,
+    changes: Sequence[UvChange],
+    flags: dict[str, bool],
+) -> str | None:
+    """Pure: why this run installs in the window rather than swapping (None: it swaps). ``flags``:
+    the run's options that rule a swap out, by name (``--keep-patches``: True when given)."""
+    given = [name for name, on in flags.items() if on]
+    if given:
+        return f"{given[0]} is given"
+    if env.account is not None:
+        return "the environment belongs to another account"
+    if not env.is_venv:
+        return "the environment is not a virtual environment"
+    if request.link_mode != "hardlink":
+        return "the run's uv cache is not on the environment's filesystem"
+    if any(a == o or a.startswith(o + "=") for a in request.extra_args for o in _NOT_SWAPPED):
+        return "uv's options after -- change what it writes"
+    if not any(c.action != "uninstall" for c in changes) or any(
+        c.action == "uninstall" and not any(o.name == c.name and o.action != "uninstall" for o in changes)
+        for c in changes
+    ):
+        return "the plan removes a distribution without installing it again"
+    return None
+
+
+def make_staging(env: Environment, run_id: str) -> Path:
+    """The run's staging directory in the prefix (root's, 0700), after removing what runs that died
+    left there. Raises NotStaged when a directory uv installs into is on another filesystem (a rename
+    cannot reach it), OSError when it cannot be made."""
+    prefix = env.prefix
+    root = swap.staging_dir(prefix, run_id)
+    for name in swap.leftover_stagings(prefix):
+        swap.discard_staging(prefix, name, 30.0)
+    with Tree(prefix) as tree:
+        tree.make_dir(root.name, PRIVATE_MODE)
+        info = tree.lstat(root.name)
+        devices = {found.st_dev for r in _install_dirs(env) if (found := tree.lstat(r)) is not None}
+    if info is None or devices - {info.st_dev}:
+        swap.discard_staging(prefix, root.name, 30.0)
+        raise NotStaged("a directory uv installs into is on another filesystem than the prefix")
+    return root
+
+
+def _install_dirs(env: Environment) -> list[str]:
+    """The prefix's directories uv installs into, relative to it."""
+    inside = Containment(env.prefix)
+    return [r for r in (inside.relative(str(p)) for p in (*env.site_dirs, env.scripts)) if r is not None]
+
+
+def _relative(inside: Containment, paths: Sequence[str]) -> frozenset[str]:
+    return frozenset(r for r in map(inside.relative, paths) if r is not None)
+
+
+def stage(
+    env: Environment,
+    root: Path,
+    package: str,
+    wheel: Wheel | None,
+    changes: Sequence[UvChange],
+    installed: Sequence[InstalledDistribution],
+    affected: Sequence[InstalledDistribution],
+    backup: Backup,
+    known: Known | None,
+) -> swap.Staged:
+    """Check, verify and plan the staging tree uv has installed into ``root/tree``: exactly the planned
+    distributions at their versions, every file verified (against ``wheel`` for ``package``, else its
+    RECORD), nothing else in it, and a plan without problems. Raises NotStaged (the install then runs in
+    the window) or, when a staged file fails its verification, StagedMismatch with the findings."""
+    tree_path = root / swap.STAGED_TREE
+    staged_env = swap.staging_environment(env, tree_path)
+    staged = find_distributions(staged_env)
+    versions = {c.name: c.version for c in changes if c.action != "uninstall"}
+    if wheel is not None:
+        versions[wheel.name] = wheel.version
+    found = {(d.name, d.version) for d in staged}
+    wanted = {(name, version) for name, version in versions.items()}
+    if {n for n, _ in found} != set(versions) or any(
+        v is not None and (n, v) not in found for n, v in wanted
+    ):
+        raise NotStaged(f"the staging tree holds {sorted(found)}, not the planned {sorted(wanted)}")
+    names = [d.name for d in staged]
+    first = [n for n in names if n == package]
+    report = verify_environment(
+        staged_env, first or names, wheel if first else None, installed=staged, known=known
+    )
+    rest = [n for n in names if n not in first]
+    findings = list(report.findings)
+    checked = sum(d.files_checked for d in report.distributions)
+    if first and rest:
+        others = verify_environment(staged_env, rest, installed=staged, known=known)
+        findings += others.findings
+        checked += sum(d.files_checked for d in others.distributions)
+    failing = [f for f in findings if f.kind in _FAILING]
+    if failing:
+        listed = "; ".join(f"{f.kind.value} {f.path}" for f in failing[:5])
+        raise StagedMismatch(listed)
+    inside_staged = Containment(tree_path)
+    recorded = _relative(inside_staged, [loc for d in staged for loc in d.locations])
+    with Tree(tree_path) as new:
+        files, dirs = swap.walk_staged(new)
+    if files != recorded:
+        odd = sorted(files ^ recorded)[:3]
+        raise NotStaged(f"the staging tree's files are not its RECORDs' ({', '.join(odd)})")
+    inside = Containment(env.prefix)
+    mine = {d.name for d in affected}
+    old_files = _relative(inside, [loc for d in affected for loc in d.locations])
+    held = _relative(inside, [loc for d in installed if d.name not in mine for loc in d.locations])
+    unlisted = frozenset(f.path for f in backup.manifest.files if not f.listed)
+    own = frozenset(backup.manifest.roots) | _relative(inside, [str(d.dist_info) for d in affected])
+    if any(path.startswith("include/") for path in files):  # uv's --prefix puts headers elsewhere
+        raise NotStaged("the new version installs headers (include/)")
+    with Tree(tree_path) as new:
+        staged_entries = swap.entries(new, sorted(dirs))
+    with Tree(env.prefix) as live:
+        there = swap.entries(live, sorted(files | dirs | old_files | own))
+    differs = frozenset(
+        d for d in dirs if d in there and there[d].kind == "dir" and there[d].owner != staged_entries[d].owner
+    )
+    kinds = {path: entry.kind for path, entry in there.items()}
+    plan = swap.plan_swap(files, dirs, kinds, old_files, own, held | unlisted, differs)
+    if plan.problems:
+        raise NotStaged(plan.problems[0])
+    with Tree(root) as staging_root:
+        mount = staging_root.mount_id("")
+    with Tree(env.prefix) as live:
+        crossing = swap.crossings(live, plan, mount)
+    if crossing:
+        raise NotStaged(f"{crossing[0]} is on another mount than the prefix")
+    swap.prepare_attic(root, plan)
+    with Tree(tree_path) as new:
+        ids = swap.identities(new, plan.moves)
+    if len(ids) != len(plan.moves):
+        raise NotStaged("an entry of the staging tree went away")
+    return swap.Staged(root, plan, ids, checked)

@@ -1,0 +1,347 @@
+"""The swap (issue 26): the new version staged and verified before the stop, renamed into place in the
+window (``safeinstall/env/swap.py``, ``safeinstall/run/staging.py``).
+
+The plan is pure and tested on made-up trees; the runs use the real uv, the private ``systemd --user``
+manager and sicext's wheels. Kills and failures in the middle of the swap are injected from the outside by
+strace (``-e inject=renameat2:...``: the Nth ``renameat2`` call of the run, the swap's only kind of call,
+is killed or fails), never by a hook in safeinstall.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+from collections.abc import Set
+from pathlib import Path
+
+import pytest
+
+from safeinstall.env.swap import How, Move, SwapPlan, plan_swap
+from tests import wheelhouse
+from tests.bed_systemd import wait_until
+from tests.beds import Bed
+from tests.beds import tree_snapshot as _snapshot
+
+SITE = "lib/python3.11/site-packages"
+
+
+def tree_snapshot(top: Path) -> dict[str, tuple[object, ...]]:
+    """The venv as :func:`tests.beds.tree_snapshot` sees it, uv's lock file aside (the gate makes it
+    root's own, 0600, whatever becomes of the run: see uvplan.secure_uv_lock)."""
+    return {path: what for path, what in _snapshot(top).items() if path != ".lock"}
+
+
+def _plan(
+    staged: dict[str, str], live: dict[str, str], old: set[str], own: set[str], held: Set[str] = frozenset()
+) -> SwapPlan:
+    files = frozenset(p for p, kind in staged.items() if kind == "file")
+    dirs = frozenset(p for p, kind in staged.items() if kind == "dir")
+    return plan_swap(files, dirs, live, frozenset(old), frozenset(own), frozenset(held))
+
+
+def _tree(*paths: str) -> dict[str, str]:
+    """Pure: every path given a file, every directory above one a directory."""
+    found: dict[str, str] = {}
+    for path in paths:
+        found[path] = "file"
+        parent = path.rpartition("/")[0]
+        while parent:
+            found[parent] = "dir"
+            parent = parent.rpartition("/")[0]
+    return found
+
+
+def test_a_replaced_distributions_own_directories_trade_places_whole_and_its_dist_info_goes_first() -> None:
+    new = _tree(
+        f"{SITE}/pkg/__init__.py",
+        f"{SITE}/pkg/sub/a.py",
+        f"{SITE}/pkg-2.0.dist-info/RECORD",
+        f"{SITE}/newpkg/__init__.py",
+        "bin/pkg-cli",
+    )
+    live = _tree(
+        f"{SITE}/pkg/__init__.py",
+        f"{SITE}/pkg/gone.py",
+        f"{SITE}/pkg-1.0.dist-info/RECORD",
+        f"{SITE}/oldonly/__init__.py",
+        f"{SITE}/other/__init__.py",
+        "bin/pkg-cli",
+        "bin/pkg-old-cli",
+        "bin/python",
+    )
+    old = {
+        f"{SITE}/pkg/__init__.py",
+        f"{SITE}/pkg/gone.py",
+        f"{SITE}/pkg-1.0.dist-info/RECORD",
+        f"{SITE}/oldonly/__init__.py",
+        "bin/pkg-cli",
+        "bin/pkg-old-cli",
+    }
+    own = {f"{SITE}/pkg", f"{SITE}/oldonly", f"{SITE}/pkg-1.0.dist-info"}
+    plan = _plan(new, live, old, own, {f"{SITE}/other/__init__.py"})
+    assert plan.problems == ()
+    assert plan.moves == (
+        Move(f"{SITE}/pkg-2.0.dist-info", How.PLACE, True),  # first: the new RECORD lists what follows
+        Move("bin/pkg-cli", How.EXCHANGE, False),  # bin/ holds the interpreter: entered, file by file
+        Move(f"{SITE}/newpkg", How.PLACE, True),
+        Move(f"{SITE}/pkg", How.EXCHANGE, True),  # pkg/gone.py leaves with the old tree
+    )
+    assert plan.out == (
+        Move(f"{SITE}/oldonly", How.PLACE, True),
+        Move("bin/pkg-old-cli", How.PLACE, False),
+        Move(f"{SITE}/pkg-1.0.dist-info", How.PLACE, True),  # last: its RECORD lists the old files
+    )
+    assert plan.touched == ("bin", SITE)
+
+
+def test_a_directory_that_holds_what_must_stay_is_entered_never_moved_whole() -> None:
+    """nvidia/ (several distributions' files), or a package directory with a file no RECORD lists (a
+    hand-added config): their staged files replace the live ones one by one, the rest stays."""
+    new = _tree(f"{SITE}/nvidia/cudnn/lib/a.so", f"{SITE}/pkg/__init__.py")
+    live = _tree(
+        f"{SITE}/nvidia/cudnn/lib/a.so",
+        f"{SITE}/nvidia/nccl/lib/b.so",
+        f"{SITE}/pkg/__init__.py",
+        f"{SITE}/pkg/local.cfg",
+    )
+    old = {f"{SITE}/nvidia/cudnn/lib/a.so", f"{SITE}/pkg/__init__.py"}
+    own = {f"{SITE}/nvidia/cudnn", f"{SITE}/pkg"}
+    held = {f"{SITE}/nvidia/nccl/lib/b.so", f"{SITE}/pkg/local.cfg"}
+    plan = _plan(new, live, old, own, held)
+    assert plan.moves == (
+        Move(f"{SITE}/nvidia/cudnn", How.EXCHANGE, True),  # cudnn's own: whole
+        Move(f"{SITE}/pkg/__init__.py", How.EXCHANGE, False),
+    )
+    assert plan.out == ()
+
+
+def test_a_file_in_the_way_of_a_directory_is_a_problem_not_a_guess() -> None:
+    new = _tree(f"{SITE}/pkg/__init__.py", f"{SITE}/mod.py")
+    live = {**_tree(f"{SITE}/mod.py"), f"{SITE}/pkg": "link", f"{SITE}/mod.py": "dir"}
+    plan = _plan(new, live, set(), set())
+    assert len(plan.problems) == 2, plan.problems
+
+
+def test_same_version_again_exchanges_its_dist_info() -> None:
+    new = _tree(f"{SITE}/pkg/__init__.py", f"{SITE}/pkg-1.0.dist-info/RECORD")
+    old = {f"{SITE}/pkg/__init__.py", f"{SITE}/pkg-1.0.dist-info/RECORD"}
+    plan = _plan(new, _tree(*old), old, {f"{SITE}/pkg", f"{SITE}/pkg-1.0.dist-info"})
+    assert plan.moves == (
+        Move(f"{SITE}/pkg-1.0.dist-info", How.EXCHANGE, True),
+        Move(f"{SITE}/pkg", How.EXCHANGE, True),
+    )
+    assert plan.out == ()
+
+
+# --- real runs --------------------------------------------------------------------------------------
+
+
+def _files(python: Path) -> dict[str, str]:
+    """Every file and directory of the venv's site-packages with its content (what uv records about
+    where it found the wheel aside: the two installs read it from different places), and the package's
+    console script after its first line (which names the venv's interpreter)."""
+    found = {
+        path: str(what[0])
+        for path, what in tree_snapshot(wheelhouse.site_packages(python)).items()
+        if not path.endswith(("direct_url.json", "uv_cache.json", "/RECORD"))
+    }
+    script = python.parent / "sicext-serve"
+    found["bin/sicext-serve"] = script.read_text().partition("\n")[2]
+    return found
+
+
+def test_a_swapped_install_is_the_install_uv_makes_in_place(bed: Bed, tmp_path: Path) -> None:
+    """The same files, the same bytes, as ``uv pip install`` into the venv itself; a file someone added
+    to the package directory stays (its directory is entered, not exchanged) and is reported left over."""
+    (bed.site / "sicext" / "local.cfg").write_text("kept\n")
+    bed.service("swap-same")
+    result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json")
+    assert result.code == 0, result.stdout + result.stderr
+    steps = {s["name"]: s["detail"] for s in result.json["data"]["steps"]}
+    assert steps["install"].startswith("swapped: "), steps
+    assert "1 leftover file(s)" in steps["verify-in-place"], steps
+    assert (bed.site / "sicext" / "local.cfg").read_text() == "kept\n"
+    hand = wheelhouse.make_venv(tmp_path / "hand", str(bed.python.resolve()))
+    wheelhouse.uv_install(hand, bed.wheels["sicext-1"])
+    (wheelhouse.site_packages(hand) / "sicext" / "local.cfg").write_text("kept\n")
+    wheelhouse.uv_install(hand, bed.wheels["sicext-2"], link_mode="copy", reinstall=True)
+    assert _files(bed.python) == _files(hand)
+    assert not list(bed.python.parent.parent.glob(".safeinstall-swap-*"))
+    assert bed.version() == "2.0"
+
+
+def _strace() -> str:
+    found = shutil.which("strace")
+    if found is None:
+        pytest.skip("strace is not installed: the faults in the middle of the swap are injected with it")
+    return found
+
+
+def _under_strace(bed: Bed, inject: str) -> subprocess.CompletedProcess[str]:
+    """A run of safeinstall 1.0 -> 2.0 under strace, with ``inject`` on its ``renameat2`` calls (only
+    the main thread is traced: the swap runs there; uv and the threads are left alone)."""
+    args = bed.args("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json")
+    return subprocess.run(
+        [
+            _strace(),
+            "-qq",
+            "-o",
+            "/dev/null",
+            "-e",
+            "trace=renameat2",
+            "-e",
+            f"inject=renameat2:{inject}",
+            *args,
+        ],
+        env=bed.environ(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+def test_a_kill_at_each_rename_of_the_swap_then_recover_puts_the_old_version_back(bed: Bed) -> None:
+    """SIGKILL at the first, each middle and the last rename of the swap (journal phase ``swapping``):
+    ``--recover`` restores the old version byte for byte, removes the staging tree, starts the unit."""
+    name = bed.unit("swap-kill")
+    venv = bed.python.parent.parent
+    before = tree_snapshot(venv)
+    count = None
+    when = 1
+    while count is None or when <= count:
+        done = _under_strace(bed, f"signal=SIGKILL:when={when}")
+        assert done.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL, 137), (when, done.stderr[-2000:])
+        journal = bed.journal()
+        assert journal is not None and journal["phase"] == "swapping", (when, journal)
+        if count is None:  # the plan's numbers, from the run's log: renames in and out
+            log = next((bed.state).glob("*/logs/*.log")).read_text()
+            counts = re.findall(r"the window renames (\d+) entries in and (\d+) out", log)
+            count = int(counts[-1][0]) + int(counts[-1][1])
+            assert count >= 3, log
+        assert list(venv.glob(".safeinstall-swap-*")), "the staging tree is there until the recovery"
+        recovered = bed.cli("--recover", "--json")
+        assert recovered.code == 0, recovered.stdout + recovered.stderr
+        (recovery,) = recovered.json["data"]["recoveries"]
+        # killed before its first rename, the swap changed nothing: the restore finds it so
+        assert recovery["phase"] == "swapping" and recovery["restored"] is (when > 1), recovery
+        wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running again")
+        assert tree_snapshot(venv) == before, when
+        assert not list(venv.glob(".safeinstall-swap-*"))
+        bed.no_trace()
+        when += 1
+
+
+def test_a_rename_that_fails_in_the_middle_of_the_swap_rolls_back(bed: Bed) -> None:
+    name = bed.unit("swap-fail")
+    venv = bed.python.parent.parent
+    before = tree_snapshot(venv)
+    done = _under_strace(bed, "error=EIO:when=2")
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "the swap failed" in done.stdout, done.stdout
+    assert tree_snapshot(venv) == before
+    assert bed.manager.active_state(name) == "active"
+    assert not list(venv.glob(".safeinstall-swap-*"))
+    bed.no_trace()
+
+
+@pytest.mark.parametrize(
+    ("phase", "phases"),
+    [
+        ("staged", ("staged",)),
+        ("installed", ("installed", "verified", "restarting")),
+        ("restarting", ("restarting",)),  # the new version verified in place again, the units up
+        ("done", ("done",)),  # the old files and the staging tree being removed
+    ],
+)
+def test_a_kill_at_each_phase_around_the_swap_then_recover(
+    bed: Bed, phase: str, phases: tuple[str, ...]
+) -> None:
+    """Killed once the staging tree is verified (nothing in the environment changed yet), once the swap
+    is done, once the units run the new version, or while the staging tree is removed after a good run:
+    ``--recover`` leaves one whole version, no staging tree, the unit up."""
+    name = bed.unit(f"swap-{phase}")
+    venv = bed.python.parent.parent
+    before = tree_snapshot(venv)
+    proc = bed.start_run("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "1")
+    try:
+        caught = bed.wait_phase(proc, *phases, timeout=120)
+        os.kill(proc.pid, signal.SIGKILL)
+    except AssertionError:  # "done" lasts milliseconds: the run may finish before it is seen
+        if phase != "done":
+            raise
+        caught = None
+    finally:
+        proc.wait()
+        proc.communicate()
+    if bed.journal() is not None:
+        recovered = bed.cli("--recover", "--json")
+        assert recovered.code == 0, recovered.stdout + recovered.stderr
+        (recovery,) = recovered.json["data"]["recoveries"]
+        assert recovery["phase"] == caught, recovery
+    wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running again")
+    assert not list(venv.glob(".safeinstall-swap-*"))
+    if caught in ("staged", "installed"):
+        assert bed.version() == "1.0" and tree_snapshot(venv) == before
+    else:
+        check = bed.verify("--wheel", str(bed.wheels["sicext-2"]))
+        assert bed.version() == "2.0" and check.code == 0, check.stdout
+    bed.no_trace()
+
+
+@pytest.mark.parametrize("killed", [False, True], ids=["finished", "killed-then-recovered"])
+def test_a_file_that_appears_in_the_old_package_after_the_backup_is_put_back_not_deleted(
+    bed: Bed, killed: bool
+) -> None:
+    """The service (or anyone) writes a file into the package's directory after the backup, before the
+    stop: the exchange takes it away with the old tree, and once the new version runs it is renamed back
+    where it was, as uv's install would have left it, by the run or, when the run was killed after its
+    verification, by ``--recover``; nothing is kept aside."""
+    name = bed.unit("swap-late")
+    late = bed.site / "sicext" / "late.txt"
+    proc = bed.start_run("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "2", "--json")
+    try:
+        bed.wait_phase(proc, "staged", "gated", "stopping", timeout=120)
+        late.write_text("written after the backup\n")
+        if killed:
+            bed.wait_phase(proc, "restarting", timeout=120)
+            os.kill(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    if killed:
+        recovered = bed.cli("--recover", "--json")
+        assert recovered.code == 0, recovered.stdout + recovered.stderr
+        wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running again")
+    else:
+        assert proc.returncode == 0, out + err
+    assert late.read_text() == "written after the backup\n"
+    venv = bed.python.parent.parent
+    assert not list(venv.glob(".safeinstall-swap-*")) and not list(venv.glob(".safeinstall-kept-*"))
+    assert bed.version() == "2.0"
+
+
+def test_a_directory_whose_owner_or_mode_changed_is_entered_not_replaced() -> None:
+    """uv keeps the directories it installs into: one handed to another account (a cache the service
+    writes) keeps its owner, so it, and every directory above it, is never exchanged whole."""
+    new = _tree(f"{SITE}/pkg/__init__.py", f"{SITE}/pkg/cache/x.py")
+    old = {f"{SITE}/pkg/__init__.py", f"{SITE}/pkg/cache/x.py"}
+    files = frozenset(p for p, kind in new.items() if kind == "file")
+    dirs = frozenset(p for p, kind in new.items() if kind == "dir")
+    plan = plan_swap(
+        files,
+        dirs,
+        _tree(*old),
+        frozenset(old),
+        frozenset({f"{SITE}/pkg"}),
+        frozenset(),
+        frozenset({f"{SITE}/pkg/cache"}),
+    )
+    assert plan.moves == (
+        Move(f"{SITE}/pkg/__init__.py", How.EXCHANGE, False),
+        Move(f"{SITE}/pkg/cache/x.py", How.EXCHANGE, False),
+    )
