@@ -1,7 +1,7 @@
 """Service downtime and whole-run time: safeinstall against the hand sequence, on the same unit and wheel.
 
 Usage: python bench/downtime.py [--case torch|torch-warm|vllm|vllm-cold|synthetic|both] [--rounds 3]
-                                [--blob-mb 64] [--settle 1] [--safeinstall PATH]
+                                [--blob-mb 64] [--settle 1] [--safeinstall PATH] [--logs DIR]
 
 Starts a private ``systemd --user`` manager (needs /run/systemd/system, as the tests do) and, for each
 case, a venv and a unit whose process imports the package, then alternates (the order flips every round):
@@ -298,6 +298,7 @@ def main() -> int:
     )
     parser.add_argument("--work", type=Path, default=BENCH_DIR, help="where the bench's files go")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--logs", type=Path, help="copy safeinstall's run logs here before the work goes")
     parser.add_argument("--blob-mb", type=int, default=64)
     parser.add_argument("--settle", type=float, default=1.0)
     args = parser.parse_args()
@@ -353,6 +354,10 @@ def main() -> int:
             bench_case(case, manager, work, args.rounds, args.settle, uv_cache, args.safeinstall)
     finally:
         stop_user_manager(manager)
+        if args.logs is not None:  # the runs' own step times (what the summary's medians come from)
+            args.logs.mkdir(parents=True, exist_ok=True)
+            for log in (work / "state").glob("*/logs/*.log"):
+                shutil.copy(log, args.logs / log.name)
         shutil.rmtree(work, ignore_errors=True)
     for case in cases:
         report(case, args.rounds, args.settle)

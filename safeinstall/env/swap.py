@@ -364,9 +364,10 @@ def keep_staging(prefix: Path, name: str) -> Path | None:
     return prefix / kept
 
 
-def tidy(plan: SwapPlan, prefix: Path) -> None:
+def tidy(plan: SwapPlan, prefix: Path, keep: frozenset[str]) -> None:
     """After the swap (best effort): the bytecode of the single files moved out, and the directories
-    that moving them emptied, as uv's uninstall removes them."""
+    that moving them emptied, as uv's uninstall removes them; never one of ``keep`` (the directories uv
+    installs into and those above them)."""
     with Tree(prefix) as live:
         emptied: set[str] = set()
         for move in plan.out:
@@ -380,12 +381,13 @@ def tidy(plan: SwapPlan, prefix: Path) -> None:
             if parent:
                 emptied.add(parent)
         for directory in sorted(emptied | _ancestors(emptied), key=lambda p: -p.count("/")):
-            if directory in plan.touched or directory in emptied:
-                try:
-                    if not live.names(directory):
-                        live.rmdir(directory)
-                except OSError:
-                    continue
+            if directory in keep:
+                continue
+            try:
+                if not live.names(directory) and live.is_dir(directory):
+                    live.rmdir(directory)
+            except OSError:
+                continue
 
 
 def discard_staging(prefix: Path, name: str, seconds: float) -> bool:

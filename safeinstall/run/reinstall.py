@@ -313,6 +313,9 @@ def _stage(run: Run, root: Path) -> str | None:
     except (staging.NotStaged, OSError) as exc:
         swap.discard_staging(run.env.prefix, root.name, RUN_DIR_REMOVAL_S)
         return str(exc)
+    except SafeInstallError as exc:  # a staged RECORD it cannot read: uv's install in the window, verified
+        swap.discard_staging(run.env.prefix, root.name, RUN_DIR_REMOVAL_S)
+        return exc.message
     except staging.StagedMismatch as exc:
         swap.discard_staging(run.env.prefix, root.name, RUN_DIR_REMOVAL_S)
         raise PlanError(
@@ -913,7 +916,7 @@ def _discard_staged(run: Run) -> None:
     if run.staged is None:
         return
     try:
-        swap.tidy(run.staged.plan, run.env.prefix)
+        swap.tidy(run.staged.plan, run.env.prefix, staging.frame(run.env))
     except OSError as exc:
         run._log(f"the bytecode and empty directories of moved-out files were not all removed: {exc}")
     unknown: list[tuple[str, str]] = []

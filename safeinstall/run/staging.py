@@ -102,6 +102,16 @@ def _install_dirs(env: Environment) -> list[str]:
     return [r for r in (inside.relative(str(p)) for p in (*env.site_dirs, env.scripts)) if r is not None]
 
 
+def frame(env: Environment) -> frozenset[str]:
+    """The directories uv installs into and every directory above them (relative): never removed."""
+    found: set[str] = set()
+    for directory in _install_dirs(env):
+        while directory:
+            found.add(directory)
+            directory = directory.rpartition("/")[0]
+    return frozenset(found)
+
+
 def _relative(inside: Containment, paths: Sequence[str]) -> frozenset[str]:
     return frozenset(r for r in map(inside.relative, paths) if r is not None)
 
