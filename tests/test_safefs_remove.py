@@ -282,3 +282,33 @@ def test_a_file_written_over_a_directory_removes_it_by_descriptor(
         os.close(fd)
     assert ended and failure is None, failure
     assert (tmp_path / "tree" / "name").read_text() == "content\n" and fifo.is_fifo()
+
+
+def test_a_mount_point_below_is_never_emptied(tmp_path: Path) -> None:
+    """``rm -r`` by descriptor stops at a mount point (a bind mount of another directory, on the same
+    device): EXDEV, and what the mounted filesystem holds is left whole."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "precious").write_text("not the tree's\n")
+    tree = tmp_path / "tree"
+    (tree / "sub" / "mounted").mkdir(parents=True)
+    (tree / "sub" / "file").write_text("x")
+    done = subprocess.run(
+        ["mount", "--bind", str(elsewhere), str(tree / "sub" / "mounted")], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        message = f"cannot bind-mount: {done.stderr.strip()}"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    try:
+        fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            with pytest.raises(OSError) as raised:
+                remove_at(fd, "tree")
+        finally:
+            os.close(fd)
+        assert raised.value.errno == errno.EXDEV
+        assert (elsewhere / "precious").read_text() == "not the tree's\n"
+    finally:
+        subprocess.run(["umount", "--lazy", str(tree / "sub" / "mounted")], check=False, capture_output=True)

@@ -345,3 +345,58 @@ def test_a_directory_whose_owner_or_mode_changed_is_entered_not_replaced() -> No
         Move(f"{SITE}/pkg/__init__.py", How.EXCHANGE, False),
         Move(f"{SITE}/pkg/cache/x.py", How.EXCHANGE, False),
     )
+
+
+def test_a_mount_inside_the_environment_is_never_swapped(bed: Bed) -> None:
+    """A rename cannot cross a mount, and an exchange would carry a mount point off with the old tree
+    (whose removal would then empty another filesystem): with a mount point below the prefix (here the
+    package's own directory, bind-mounted) the run does not swap. uv's install in the window then fails
+    too (it cannot remove a mount point), and the run rolls back: the old version, the unit up, the
+    mounted directory's files all there."""
+    target = bed.site / "sicext"
+    before = {p.name for p in target.iterdir()}
+    done = subprocess.run(["mount", "--bind", str(target), str(target)], capture_output=True, text=True)
+    if done.returncode != 0:
+        message = f"cannot bind-mount {target}: {done.stderr.strip()}"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    try:
+        name = bed.service("swap-mount")
+        result = bed.safeinstall(
+            "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json"
+        )
+        assert result.code in (0, 3), result.stdout + result.stderr
+        log = Path(result.json["data"]["log_file"]).read_text()
+        assert f"no swap: {target} is a mount point inside the environment" in log
+        steps = {s["name"]: s["detail"] for s in result.json["data"]["steps"]}
+        assert "verify-in-place" not in steps and not steps.get("install", "").startswith("swapped"), steps
+        assert not list(bed.python.parent.parent.glob(".safeinstall-swap-*"))
+        assert bed.manager.active_state(name) == "active"
+        if result.code == 3:
+            assert bed.version() == "1.0" and {p.name for p in target.iterdir()} >= before
+    finally:
+        subprocess.run(["umount", "--lazy", str(target)], check=False, capture_output=True)
+
+
+def test_a_file_changed_once_the_units_run_again_fails_the_verification_in_place_and_rolls_back(
+    bed: Bed, tmp_path: Path
+) -> None:
+    """The new version was verified in the staging tree; once the units run, every file is verified
+    where it lies again. Here the unit's ExecStartPre changes the new version's ``__init__.py`` (only the
+    new one's): the run says so and rolls back, the old version and the unit as before."""
+    tamper = tmp_path / "tamper.sh"
+    tamper.write_text(
+        f"[ -d {bed.site}/sicext-2.0.dist-info ] && "
+        f"echo '# changed at start' >> {bed.site}/sicext/__init__.py\nexit 0\n"
+    )
+    venv = bed.python.parent.parent
+    before = tree_snapshot(venv)
+    name = bed.service("swap-tampered", ExecStartPre=f"/bin/sh {tamper}")
+    result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json")
+    assert result.code == 3, result.stdout + result.stderr
+    message = result.json["errors"][0]["message"]
+    assert "once the units ran again" in message and "sicext/__init__.py" in message, message
+    bed.manager.wait_active(name)
+    assert bed.version() == "1.0" and tree_snapshot(venv) == before
+    bed.no_trace()

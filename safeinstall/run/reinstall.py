@@ -582,10 +582,10 @@ def verify_step(run: Run) -> str:
 def confirm_step(run: Run) -> str:
     """After a swap, once the units run: the installed files verified in place, as a run that installed
     in the window does before the start (what the run leaves is taken from it); a failure rolls back."""
-    return _check_in_place(run)
+    return _check_in_place(run, "once the units ran again (they had been verified in the staging tree)")
 
 
-def _check_in_place(run: Run) -> str:
+def _check_in_place(run: Run, when: str = "") -> str:
     """Every installed file of the affected distributions against the wheel or its RECORD (StepFailed on
     a mismatch); what the run leaves, vouches for and left over are taken from it."""
     known = (
@@ -604,7 +604,8 @@ def _check_in_place(run: Run) -> str:
     failures = [f for f in report.findings if f.kind in _INSTALL_FAILURES]
     if failures:
         listed = "; ".join(f"{f.kind.value} {f.path}" for f in failures[:5])
-        raise StepFailed(f"the installed files do not match the wheel: {listed}")
+        said = f" {when}" if when else ""
+        raise StepFailed(f"the installed files do not match the wheel{said}: {listed}")
     names = [d.name for d in run.survey.affected]
     installed = reload_distributions(run.env, run.survey.installed, names)
     run.left = left_of(report, installed, names)

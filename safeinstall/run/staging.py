@@ -25,7 +25,7 @@ from safeinstall.env.verify import verify_environment
 from safeinstall.env.wheel import Wheel
 from safeinstall.store.backup import Backup
 from safeinstall.store.state import PRIVATE_MODE
-from safeinstall.system.safefs import Tree
+from safeinstall.system.safefs import Tree, mounts_below
 
 #: uv's options that change what an install writes beyond the wheels' files, or where
 _NOT_SWAPPED = ("--compile-bytecode", "--compile", "--target", "--prefix", "--user", "--system")
@@ -83,6 +83,9 @@ def make_staging(env: Environment, run_id: str) -> Path:
     left there. Raises NotStaged when a directory uv installs into is on another filesystem (a rename
     cannot reach it), OSError when it cannot be made."""
     prefix = env.prefix
+    mounted = mounts_below(prefix)
+    if mounted:  # an exchange would carry it off with the old tree
+        raise NotStaged(f"{mounted[0]} is a mount point inside the environment")
     root = swap.staging_dir(prefix, run_id)
     for name in swap.leftover_stagings(prefix):
         swap.discard_staging(prefix, name, 30.0)

@@ -28,6 +28,7 @@ import ctypes
 import errno
 import hashlib
 import os
+import re
 import stat
 import threading
 import time
@@ -284,6 +285,35 @@ def _unlink_or_open(dir_fd: int, name: str, is_dir: bool) -> int | None:
     raise OSError(errno.EAGAIN, "it keeps changing between a file and a directory", name)
 
 
+def mount_of(fd: int) -> int | None:
+    """The id of the mount that holds the open file ``fd`` (``/proc/self/fdinfo``); None when unknown."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}", encoding="ascii") as info:
+            for line in info:
+                if line.startswith("mnt_id:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def mounts_below(path: Path) -> list[str]:
+    """Mount points strictly below ``path`` (absolute), from ``/proc/self/mountinfo``."""
+    base = os.path.join(os.fspath(path), "")
+    found: list[str] = []
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as table:
+            for line in table:
+                fields = line.split(" ")
+                if len(fields) > 4:
+                    point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+                    if point.startswith(base):
+                        found.append(point)
+    except OSError:
+        return found
+    return found
+
+
 def _listing(fd: int) -> list[tuple[str, bool]]:
     """The entries of the directory ``fd``: (name, whether the listing says it is a real directory)."""
     with os.scandir(fd) as entries:
@@ -317,7 +347,8 @@ def remove_at(dir_fd: int, name: str, deadline: float | None = None) -> bool:
     listed by that descriptor: a symlink is unlinked, never followed nor opened, even one that replaced
     a directory after the listing, and a FIFO never blocks. An entry that changed between a file and a
     directory is tried the other way; a directory refilled meanwhile is listed again (a few times).
-    Iterative: a tree more than :data:`MAX_REMOVE_DEPTH` directories deep is refused with an OSError.
+    Iterative: a tree more than :data:`MAX_REMOVE_DEPTH` directories deep is refused with an OSError,
+    and so is a mount point below ``name`` (EXDEV: what another filesystem holds is never emptied).
     ``deadline`` (``time.monotonic()``): past it, TimeoutError (something keeps filling the tree).
     Raises OSError (what was removed before stays removed)."""
     try:
@@ -328,6 +359,7 @@ def remove_at(dir_fd: int, name: str, deadline: float | None = None) -> bool:
     if top is None:
         return True
     stack: list[_Emptying] = []
+    mount = mount_of(top)
     try:
         _descend(stack, top, name)
         while stack:
@@ -337,6 +369,9 @@ def remove_at(dir_fd: int, name: str, deadline: float | None = None) -> bool:
             if here.left:
                 child_name, is_dir = here.left.pop()
                 child = _unlink_or_open(here.fd, child_name, is_dir)
+                if child is not None and mount_of(child) != mount:  # another filesystem's: never emptied
+                    os.close(child)
+                    raise OSError(errno.EXDEV, "a mount point below: not removed", child_name)
                 if child is not None:
                     _descend(stack, child, child_name)
                 continue
@@ -557,13 +592,9 @@ class Tree:
         except (FileNotFoundError, NotADirectoryError):
             return None
         try:
-            with open(f"/proc/self/fdinfo/{opened}", encoding="ascii") as info:
-                for line in info:
-                    if line.startswith("mnt_id:"):
-                        return int(line.split()[1])
+            return mount_of(opened)
         finally:
             os.close(opened)
-        return None
 
     def is_dir(self, relative: str) -> bool:
         info = self.lstat(relative)
