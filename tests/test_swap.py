@@ -140,11 +140,11 @@ def test_same_version_again_exchanges_its_dist_info() -> None:
 
 
 def _files(python: Path) -> dict[str, str]:
-    """Every file and directory of the venv's site-packages with its content (what uv records about
-    where it found the wheel aside: the two installs read it from different places), and the package's
-    console script after its first line (which names the venv's interpreter)."""
+    """Every file and directory of the venv's site-packages with its content, owner and mode (what uv
+    records about where it found the wheel aside: the two installs read it from different places),
+    and the package's console script after its first line (which names the venv's interpreter)."""
     found = {
-        path: str(what[0])
+        path: str(what)
         for path, what in tree_snapshot(wheelhouse.site_packages(python)).items()
         if not path.endswith(("direct_url.json", "uv_cache.json", "/RECORD"))
     }
@@ -153,20 +153,32 @@ def _files(python: Path) -> dict[str, str]:
     return found
 
 
-def test_a_swapped_install_is_the_install_uv_makes_in_place(bed: Bed, tmp_path: Path) -> None:
-    """The same files, the same bytes, as ``uv pip install`` into the venv itself; a file someone added
-    to the package directory stays (its directory is entered, not exchanged) and is reported left over."""
-    (bed.site / "sicext" / "local.cfg").write_text("kept\n")
+@pytest.mark.parametrize(
+    "added", ["", "file", "directory"], ids=["exchanged-whole", "added-file", "added-dir"]
+)
+def test_a_swapped_install_is_the_install_uv_makes_in_place(bed: Bed, tmp_path: Path, added: str) -> None:
+    """The same files and directories, the same bytes, owners and modes, as ``uv pip install`` into
+    the venv itself: whether the package's directory is exchanged whole, or entered because someone
+    added a file to it (which stays, reported left over) and handed an empty directory in it to the
+    service's account, an empty one (which stays too, as uv leaves it)."""
+
+    def prepare(site: Path) -> None:
+        if added == "file":
+            (site / "sicext" / "local.cfg").write_text("kept\n")
+        if added == "directory":
+            (site / "sicext" / "state").mkdir()
+            os.chown(site / "sicext" / "state", 65534, 65534)
+
+    prepare(bed.site)
     bed.service("swap-same")
     result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json")
     assert result.code == 0, result.stdout + result.stderr
     steps = {s["name"]: s["detail"] for s in result.json["data"]["steps"]}
     assert steps["install"].startswith("swapped: "), steps
-    assert "1 leftover file(s)" in steps["verify-in-place"], steps
-    assert (bed.site / "sicext" / "local.cfg").read_text() == "kept\n"
+    assert ("1 leftover file(s)" in steps["verify-in-place"]) is (added == "file"), steps
     hand = wheelhouse.make_venv(tmp_path / "hand", str(bed.python.resolve()))
     wheelhouse.uv_install(hand, bed.wheels["sicext-1"])
-    (wheelhouse.site_packages(hand) / "sicext" / "local.cfg").write_text("kept\n")
+    prepare(wheelhouse.site_packages(hand))
     wheelhouse.uv_install(hand, bed.wheels["sicext-2"], link_mode="copy", reinstall=True)
     assert _files(bed.python) == _files(hand)
     assert not list(bed.python.parent.parent.glob(".safeinstall-swap-*"))

@@ -894,7 +894,10 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
                 f"could not remove the boot gate drop-ins ({GATE_DROPIN}.conf; inert, the gate is open): "
                 f"{exc.message}"
             )
-        _discard_staged(run)
+        try:
+            _discard_staged(run)
+        except Exception as exc:  # a good run stays one: the next run (or --recover) removes what is left
+            run.notes.append(f"the staging directory was not removed: {exc}")
         with contextlib.suppress(OSError):
             clear_journal(run.state.dir)
         removed = _prune_old_backups(run)
@@ -918,14 +921,14 @@ def _discard_staged(run: Run) -> None:
         return
     try:
         swap.tidy(run.staged.plan, run.env.prefix, staging.frame(run.env))
-    except OSError as exc:
+    except (OSError, SafeInstallError) as exc:
         run._log(f"the bytecode and empty directories of moved-out files were not all removed: {exc}")
     unknown: list[tuple[str, str]] = []
     try:
         known = frozenset(f.path for f in run.saved().manifest.files)
         unknown = swap.unknown_in_old(run.staged.root, known)
         left = swap.put_back_unknown(run.staged.root, run.env.prefix, unknown)
-    except OSError as exc:
+    except (OSError, SafeInstallError) as exc:
         left = [f"(the old files could not be listed: {exc})"]
     if unknown:
         run._log(f"put back where they were (they appeared after the backup): {[p for _, p in unknown]}")

@@ -115,6 +115,33 @@ def frame(env: Environment) -> frozenset[str]:
     return frozenset(found)
 
 
+def _kept_directories(
+    prefix: Path, own: frozenset[str], staged: frozenset[str], old_files: frozenset[str]
+) -> frozenset[str]:
+    """Directories below the replaced distributions' own ones that uv's install would keep and an
+    exchange would carry off: one the new version does not have that holds no old file (an empty
+    directory, or one handed to the service; ``__pycache__`` aside), and one whose owner or mode is not
+    the staged one's (compared by the caller for those the new version has)."""
+    old_parents = {path.rpartition("/")[0] for path in old_files}
+    holding = old_parents | {a for p in old_parents for a in _above(p)}
+    kept: set[str] = set()
+    with Tree(prefix) as live:
+        for root in sorted(own):
+            for directory in live.directories_below(root):
+                cached = "__pycache__" in directory.split("/")
+                if directory not in staged and directory not in holding and not cached:
+                    kept.add(directory)
+    return frozenset(kept)
+
+
+def _above(path: str) -> list[str]:
+    found: list[str] = []
+    while "/" in path:
+        path = path.rpartition("/")[0]
+        found.append(path)
+    return found
+
+
 def _relative(inside: Containment, paths: Sequence[str]) -> frozenset[str]:
     return frozenset(r for r in map(inside.relative, paths) if r is not None)
 
@@ -183,13 +210,15 @@ def stage(
         there = swap.entries(live, sorted(files | dirs | old_files | own))
     differs = frozenset(
         d for d in dirs if d in there and there[d].kind == "dir" and there[d].owner != staged_entries[d].owner
-    )
+    ) | _kept_directories(env.prefix, own, dirs, old_files)
     kinds = {path: entry.kind for path, entry in there.items()}
     plan = swap.plan_swap(files, dirs, kinds, old_files, own, held | unlisted, differs)
     if plan.problems:
         raise NotStaged(plan.problems[0])
     with Tree(root) as staging_root:
         mount = staging_root.mount_id("")
+    if mount is None:  # no /proc: a mount inside could not be told
+        raise NotStaged("the mounts below the prefix cannot be told (/proc/self/fdinfo)")
     with Tree(env.prefix) as live:
         crossing = swap.crossings(live, plan, mount)
     if crossing:
