@@ -16,12 +16,14 @@ helpers below; no test module imports from another test module (``tests/test_qua
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import stat
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -256,6 +258,22 @@ def shared_interpreter_or_skip() -> str:
     if shared is None:
         pytest.skip("no interpreter of this Python version that uid 65534 may run")
     return shared
+
+
+@contextlib.contextmanager
+def bind_mount(source: Path, target: Path) -> Iterator[None]:
+    """``source`` bind-mounted on ``target`` for the block (skipped where mounts are not allowed, a
+    failure on CI); unmounted at the end."""
+    done = subprocess.run(["mount", "--bind", str(source), str(target)], capture_output=True, text=True)
+    if done.returncode != 0:
+        message = f"cannot bind-mount {source} on {target}: {done.stderr.strip()}"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", "--lazy", str(target)], check=False, capture_output=True)
 
 
 def tree_snapshot(top: Path, skip: Path | None = None) -> dict[str, tuple[object, ...]]:

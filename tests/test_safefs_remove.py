@@ -23,6 +23,7 @@ import pytest
 
 from safeinstall.store.state import remove_run_dir
 from safeinstall.system.safefs import MAX_REMOVE_DEPTH, Tree, remove_at
+from tests.beds import bind_mount
 
 _recording: list[list[tuple[str, int]]] = []  # the list of the block recording opens, when one is
 
@@ -293,15 +294,7 @@ def test_a_mount_point_below_is_never_emptied(tmp_path: Path) -> None:
     tree = tmp_path / "tree"
     (tree / "sub" / "mounted").mkdir(parents=True)
     (tree / "sub" / "file").write_text("x")
-    done = subprocess.run(
-        ["mount", "--bind", str(elsewhere), str(tree / "sub" / "mounted")], capture_output=True, text=True
-    )
-    if done.returncode != 0:
-        message = f"cannot bind-mount: {done.stderr.strip()}"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    try:
+    with bind_mount(elsewhere, tree / "sub" / "mounted"):
         fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
         try:
             with pytest.raises(OSError) as raised:
@@ -310,5 +303,3 @@ def test_a_mount_point_below_is_never_emptied(tmp_path: Path) -> None:
             os.close(fd)
         assert raised.value.errno == errno.EXDEV
         assert (elsewhere / "precious").read_text() == "not the tree's\n"
-    finally:
-        subprocess.run(["umount", "--lazy", str(tree / "sub" / "mounted")], check=False, capture_output=True)

@@ -42,7 +42,7 @@ from pathlib import Path, PurePosixPath
 
 from safeinstall.env.drift import pyc_source
 from safeinstall.env.environment import Environment
-from safeinstall.system.safefs import RENAME_EXCHANGE, RENAME_NOREPLACE, Tree
+from safeinstall.system.safefs import RENAME_EXCHANGE, RENAME_NOREPLACE, Tree, parent_directories
 
 #: The staging directory's name in the prefix: this, then the run's id.
 STAGING_PREFIX = ".safeinstall-swap-"
@@ -109,16 +109,6 @@ def staging_environment(env: Environment, tree: Path) -> Environment:
     )
 
 
-def _ancestors(paths: Iterable[str]) -> set[str]:
-    found: set[str] = set()
-    for path in paths:
-        parent = path.rpartition("/")[0]
-        while parent and parent not in found:
-            found.add(parent)
-            parent = parent.rpartition("/")[0]
-    return found
-
-
 def plan_swap(
     staged_files: frozenset[str],
     staged_dirs: frozenset[str],
@@ -137,7 +127,7 @@ def plan_swap(
     lists in the replaced distributions' directories): a directory above one is never moved whole;
     ``differs``: directories whose owner or mode in the environment is not the staged one's (a cache
     directory handed to the service's account): never replaced whole either, as uv keeps them."""
-    keep = held | differs | _ancestors(held | differs)
+    keep = held | differs | parent_directories(held | differs)
     children: dict[str, list[str]] = {}
     for path in staged_files | staged_dirs:
         children.setdefault(path.rpartition("/")[0], []).append(path)
@@ -231,7 +221,7 @@ def prepare_attic(root: Path, plan: SwapPlan) -> None:
     with Tree(root) as tree:
         tree.make_dir(ATTIC, 0o700)
     with Tree(root / ATTIC) as attic:
-        for directory in sorted(_ancestors(m.path for m in plan.out), key=lambda p: p.count("/")):
+        for directory in sorted(parent_directories(m.path for m in plan.out), key=lambda p: p.count("/")):
             attic.make_dir(directory, 0o700)
 
 
@@ -380,7 +370,7 @@ def tidy(plan: SwapPlan, prefix: Path, keep: frozenset[str]) -> None:
                 emptied.add(cache)
             if parent:
                 emptied.add(parent)
-        for directory in sorted(emptied | _ancestors(emptied), key=lambda p: -p.count("/")):
+        for directory in sorted(emptied | parent_directories(emptied), key=lambda p: -p.count("/")):
             if directory in keep:
                 continue
             try:

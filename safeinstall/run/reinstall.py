@@ -89,19 +89,6 @@ from safeinstall.system.identity import end_processes, process_start, same_proce
 from safeinstall.system.signals import held_while_threads_start, interrupts_deferred, interrupts_raise
 from safeinstall.system.systemd import StopOutcome
 
-#: Failing findings after the install: anything but leftovers (those are reported, --prune removes them).
-_INSTALL_FAILURES = frozenset(
-    {
-        FindingKind.MISSING,
-        FindingKind.MODIFIED,
-        FindingKind.VERSION_MISMATCH,
-        FindingKind.UNREADABLE,
-        FindingKind.MALFORMED,
-        FindingKind.OUTSIDE,
-    }
-)
-
-
 # ------------------------------------------------------------------ 1. the journal
 
 
@@ -601,7 +588,7 @@ def _check_in_place(run: Run, when: str = "") -> str:
         run.prepared.vouched,
         known,
     )
-    failures = [f for f in report.findings if f.kind in _INSTALL_FAILURES]
+    failures = [f for f in report.findings if f.kind in staging.INSTALL_FAILURES]
     if failures:
         listed = "; ".join(f"{f.kind.value} {f.path}" for f in failures[:5])
         said = f" {when}" if when else ""

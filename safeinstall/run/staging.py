@@ -25,12 +25,12 @@ from safeinstall.env.verify import verify_environment
 from safeinstall.env.wheel import Wheel
 from safeinstall.store.backup import Backup
 from safeinstall.store.state import PRIVATE_MODE
-from safeinstall.system.safefs import Tree, mounts_below
+from safeinstall.system.safefs import Tree, mounts_below, parent_directories
 
 #: uv's options that change what an install writes beyond the wheels' files, or where
 _NOT_SWAPPED = ("--compile-bytecode", "--compile", "--target", "--prefix", "--user", "--system")
-#: what the verification of the staged files must not find
-_FAILING = frozenset(
+#: Failing findings after an install: anything but leftovers (those are reported, --prune removes them).
+INSTALL_FAILURES = frozenset(
     {
         FindingKind.MISSING,
         FindingKind.MODIFIED,
@@ -38,9 +38,10 @@ _FAILING = frozenset(
         FindingKind.UNREADABLE,
         FindingKind.MALFORMED,
         FindingKind.OUTSIDE,
-        FindingKind.EXTRA,
     }
 )
+#: what the verification of the staged files must not find: a staging tree has no leftovers either
+_FAILING = INSTALL_FAILURES | {FindingKind.EXTRA}
 
 
 class NotStaged(Exception):
@@ -122,8 +123,7 @@ def _kept_directories(
     exchange would carry off: one the new version does not have that holds no old file (an empty
     directory, or one handed to the service; ``__pycache__`` aside), and one whose owner or mode is not
     the staged one's (compared by the caller for those the new version has)."""
-    old_parents = {path.rpartition("/")[0] for path in old_files}
-    holding = old_parents | {a for p in old_parents for a in _above(p)}
+    holding = parent_directories(old_files)
     kept: set[str] = set()
     with Tree(prefix) as live:
         for root in sorted(own):
@@ -132,14 +132,6 @@ def _kept_directories(
                 if directory not in staged and directory not in holding and not cached:
                     kept.add(directory)
     return frozenset(kept)
-
-
-def _above(path: str) -> list[str]:
-    found: list[str] = []
-    while "/" in path:
-        path = path.rpartition("/")[0]
-        found.append(path)
-    return found
 
 
 def _relative(inside: Containment, paths: Sequence[str]) -> frozenset[str]:

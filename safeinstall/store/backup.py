@@ -56,7 +56,7 @@ from safeinstall.errors import SafeInstallError
 from safeinstall.store.runlog import human_bytes
 from safeinstall.store.state import PRIVATE_MODE, atomic_write, ensure_dir, fsync_dir
 from safeinstall.system import owner, worker
-from safeinstall.system.safefs import NotRegularFile, Tree
+from safeinstall.system.safefs import NotRegularFile, Tree, parent_directories
 
 MANIFEST_NAME = "manifest.json"
 FILES_DIR = "files"
@@ -437,17 +437,6 @@ def _saved(
         link_target=link_target,
         listed=item.listed,
     )
-
-
-def parent_directories(paths: Iterable[str]) -> set[str]:
-    """Pure: every directory above the "/"-separated relative ``paths``."""
-    wanted: set[str] = set()
-    for path in paths:
-        parent = path.rpartition("/")[0]
-        while parent and parent not in wanted:
-            wanted.add(parent)
-            parent = parent.rpartition("/")[0]
-    return wanted
 
 
 def _directories(files: Iterable[BackupFile], prefix: Path) -> tuple[BackupDirectory, ...]:

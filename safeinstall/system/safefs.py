@@ -73,6 +73,17 @@ def parts_of(relative: str) -> tuple[str, ...]:
     return parts
 
 
+def parent_directories(paths: Iterable[str]) -> set[str]:
+    """Pure: every directory above the "/"-separated relative ``paths``."""
+    wanted: set[str] = set()
+    for path in paths:
+        parent = path.rpartition("/")[0]
+        while parent and parent not in wanted:
+            wanted.add(parent)
+            parent = parent.rpartition("/")[0]
+    return wanted
+
+
 def describe(mode: int) -> str:
     """Pure: what kind of file a ``st_mode`` is, in words."""
     kinds = (
