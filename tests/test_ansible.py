@@ -576,6 +576,7 @@ def test_the_reinstall_modules_command_line_is_what_the_cli_parses(monkeypatch: 
         "kill_strays": True,
         "prune": True,
         "keep_patches": True,
+        "no_swap": True,
         "keep_backups": 2,
     }
     argv = reinstall_argv(["safeinstall"], params, check_mode=False)
@@ -595,6 +596,7 @@ def test_the_reinstall_modules_command_line_is_what_the_cli_parses(monkeypatch: 
         True,
         2,
     )
+    assert options.no_swap is True
 
 
 #: A stand-in for the get-pip.py that ansible-test downloads from its own CI host: pip from the package

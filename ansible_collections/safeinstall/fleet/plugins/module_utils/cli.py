@@ -36,6 +36,7 @@ REINSTALL_SWITCHES = (
     ("kill_strays", "--kill-strays"),
     ("prune", "--prune"),
     ("keep_patches", "--keep-patches"),
+    ("no_swap", "--no-swap"),
 )
 
 

@@ -90,6 +90,12 @@ options:
       - Remove files the old version left behind (C(--prune)); copies are kept in the backup.
     type: bool
     default: false
+  no_swap:
+    description:
+      - Install with uv while the units are down (C(--no-swap)), instead of staging the new version before
+        the stop and renaming it into place; passed only when true.
+    type: bool
+    default: false
   keep_patches:
     description:
       - Carry the local patches of the package forward into the new version, by a three-way merge
@@ -247,6 +253,7 @@ ARGUMENT_SPEC = {
     "kill_strays": {"type": "bool", "default": False},
     "prune": {"type": "bool", "default": False},
     "keep_patches": {"type": "bool", "default": False},
+    "no_swap": {"type": "bool", "default": False},
     "undo": {"type": "bool", "default": False},
     "undo_run": {"type": "str"},
     "keep_backups": {"type": "int"},
