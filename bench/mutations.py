@@ -142,6 +142,49 @@ MUTATIONS: tuple[Mutation, ...] = (
         'STOP_TIMEOUT = "1s"',
         (f"{PROMISES}::test_systemctl_stop_of_a_detached_runs_unit_rolls_it_back",),
     ),
+    # the swap (issue 26)
+    Mutation(
+        "swap-dist-info-last",
+        "safeinstall/env/swap.py",
+        "first = sorted(moves, key=lambda m: not _is_dist_info(m.path))",
+        "first = sorted(moves, key=lambda m: _is_dist_info(m.path))",
+        (
+            "tests/test_swap.py::test_a_replaced_distributions_own_directories_trade_places_whole_and_its_dist_info_goes_first",
+        ),
+    ),
+    Mutation(
+        "swap-rollback-no-restore",
+        "safeinstall/run/rollback.py",
+        "phase_at_least(\n                run.journal, Phase.SWAPPING\n            )",
+        "False",
+        ("tests/test_swap.py::test_a_rename_that_fails_in_the_middle_of_the_swap_rolls_back",),
+    ),
+    Mutation(
+        "swap-staging-never-removed",
+        "safeinstall/env/swap.py",
+        '    if not name.startswith(STAGING_PREFIX) or "/" in name:',
+        "    if True:",
+        ("tests/test_swap.py::test_a_kill_at_each_phase_around_the_swap_then_recover",),
+    ),
+    Mutation(
+        "swap-held-ignored",
+        "safeinstall/env/swap.py",
+        "elif is_dir and child in own_dirs and child not in keep:",
+        "elif is_dir and child in own_dirs:",
+        (
+            "tests/test_swap.py::test_a_directory_that_holds_what_must_stay_is_entered_never_moved_whole",
+            "tests/test_swap.py::test_a_swapped_install_is_the_install_uv_makes_in_place",
+        ),
+    ),
+    Mutation(
+        "swap-identity-unchecked",
+        "safeinstall/run/reinstall.py",
+        "    wrong = swap.moved_as_staged(staged, run.env.prefix)\n",
+        "    wrong: list[str] = []\n",
+        (
+            "tests/test_swap.py::test_an_entry_of_the_staging_tree_replaced_before_the_swap_is_caught_in_the_window",
+        ),
+    ),
 )
 
 

@@ -404,3 +404,29 @@ def test_a_file_changed_once_the_units_run_again_fails_the_verification_in_place
     bed.manager.wait_active(name)
     assert bed.version() == "1.0" and tree_snapshot(venv) == before
     bed.no_trace()
+
+
+def test_an_entry_of_the_staging_tree_replaced_before_the_swap_is_caught_in_the_window(bed: Bed) -> None:
+    """What the window renames must be the very inodes verified in the staging tree: here the package's
+    staged directory is replaced by a copy (another inode) while the unit stops; the window's check
+    says so and the run rolls back before any unit starts on it."""
+    name = bed.service("swap-identity", ExecStopPost="/bin/sleep 2")  # time to replace it
+    venv = bed.python.parent.parent
+    before = tree_snapshot(venv)
+    proc = bed.start_run("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json")
+    try:
+        bed.wait_phase(proc, "stopping", timeout=120)
+        (staged,) = venv.glob(f".safeinstall-swap-*/tree/{SITE}/sicext")
+        shutil.copytree(staged, staged.with_name("sicext.copy"))
+        staged.rename(staged.with_name("sicext.verified"))
+        staged.with_name("sicext.copy").rename(staged)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 3, out + err
+    assert "not the verified files in place after the swap" in out, out
+    bed.manager.wait_active(name)
+    assert bed.version() == "1.0" and tree_snapshot(venv) == before
+    bed.no_trace()
