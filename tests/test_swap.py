@@ -24,6 +24,7 @@ from tests import wheelhouse
 from tests.bed_systemd import wait_until
 from tests.beds import Bed, bind_mount
 from tests.beds import tree_snapshot as _snapshot
+from tests.clirun import run
 
 SITE = "lib/python3.11/site-packages"
 
@@ -430,3 +431,29 @@ def test_an_entry_of_the_staging_tree_replaced_before_the_swap_is_caught_in_the_
     bed.manager.wait_active(name)
     assert bed.version() == "1.0" and tree_snapshot(venv) == before
     bed.no_trace()
+
+
+def test_bytecode_uv_compiles_by_its_environment_drops_the_swap_not_the_run(bed: Bed) -> None:
+    """``UV_COMPILE_BYTECODE=1`` in the caller's environment: uv writes bytecode into the staging tree
+    that no RECORD lists; the run does not swap (its log says why) and installs with uv in the window."""
+    bed.service("swap-bytecode")
+    result = run(
+        "--user",
+        "--python",
+        str(bed.python),
+        "--yes",
+        "sicext",
+        "--wheel",
+        str(bed.wheels["sicext-2"]),
+        "--settle",
+        "0.5",
+        "--json",
+        env={**bed.environ(), "UV_COMPILE_BYTECODE": "1"},
+    )
+    assert result.code == 0, result.stdout + result.stderr
+    steps = {s["name"]: s["detail"] for s in result.json["data"]["steps"]}
+    assert "pip install" in steps["install"] and "verify-in-place" not in steps, steps
+    log = Path(result.json["data"]["log_file"]).read_text()
+    assert "no swap: the staging tree's files are not its RECORDs'" in log
+    assert not list(bed.python.parent.parent.glob(".safeinstall-swap-*"))
+    assert bed.version() == "2.0"

@@ -165,6 +165,14 @@ def stage(
         v is not None and (n, v) not in found for n, v in wanted
     ):
         raise NotStaged(f"the staging tree holds {sorted(found)}, not the planned {sorted(wanted)}")
+    # what uv wrote besides the RECORDs' files (bytecode, say: UV_COMPILE_BYTECODE) drops the swap
+    inside_staged = Containment(tree_path)
+    recorded = _relative(inside_staged, [loc for d in staged for loc in d.locations])
+    with Tree(tree_path) as new:
+        files, dirs = swap.walk_staged(new)
+    if files != recorded:
+        odd = sorted(files ^ recorded)[:3]
+        raise NotStaged(f"the staging tree's files are not its RECORDs' ({', '.join(odd)})")
     names = [d.name for d in staged]
     first = [n for n in names if n == package]
     report = verify_environment(
@@ -181,13 +189,6 @@ def stage(
     if failing:
         listed = "; ".join(f"{f.kind.value} {f.path}" for f in failing[:5])
         raise StagedMismatch(listed)
-    inside_staged = Containment(tree_path)
-    recorded = _relative(inside_staged, [loc for d in staged for loc in d.locations])
-    with Tree(tree_path) as new:
-        files, dirs = swap.walk_staged(new)
-    if files != recorded:
-        odd = sorted(files ^ recorded)[:3]
-        raise NotStaged(f"the staging tree's files are not its RECORDs' ({', '.join(odd)})")
     inside = Containment(env.prefix)
     mine = {d.name for d in affected}
     old_files = _relative(inside, [loc for d in affected for loc in d.locations])
