@@ -81,6 +81,7 @@ from safeinstall.store.state import (
     remove_run_dir,
     remove_uv_caches,
 )
+from safeinstall.system import signals
 from safeinstall.system.gate import GATE_DROPIN, gate_dropin_text, gate_marker
 from safeinstall.system.gpus import GpuSnapshot, NvmlSession, ReleaseStatus, wait_for_release
 from safeinstall.system.health import shown as shown_url
@@ -825,13 +826,17 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
             prepared.lock.release()
         raise
     try:
+        # the raising handlers go in with the signals blocked, and they are unblocked first thing in the
+        # try: a signal that comes at the switch (the journal just written) rolls back, never escapes
+        mask = signals.block()
         with interrupts_raise() as received:
-            received.signals.extend(held)  # held back while the journal was written: no step starts
 
             def step(name: str, action: Callable[[], str]) -> None:
                 run._timed(name, received.checked(action))
 
             try:
+                signals.unblock(mask)
+                received.signals.extend(held)  # held back while the journal was written: no step starts
                 if options.keep_patches:
                     step("patches", lambda: patches_step(run))
                 step("backup", lambda: backup_step(run))
@@ -852,6 +857,7 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
                 if run.staged is not None:
                     step("verify-in-place", lambda: confirm_step(run))
                 step("end-check", lambda: end_check_step(run))
+                signals.block()  # done: a signal now waits for the tidy-up's handler (held back, said)
             except Exception as exc:  # any failure once the run started rolls back, bugs included
                 error = (
                     exc if isinstance(exc, SafeInstallError) else StepFailed(f"{type(exc).__name__}: {exc}")
@@ -869,6 +875,7 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
         # error (nor leave a journal that blocks the next run): the gate marker is gone already, so a
         # leftover drop-in is inert.
         tidying.append(True)
+        signals.unblock(mask)  # the deferral's handler is back in place: a pending signal is held back
         run._journal_if_possible(Phase.DONE)
         save_patches(run)
         save_left(run)

@@ -126,6 +126,18 @@ def _handlers(handler: Callable[[int, FrameType | None], None]) -> Iterator[None
             signal.signal(sig, old)
 
 
+def block() -> set[int | signal.Signals]:
+    """Block SIGINT/SIGTERM/SIGHUP (one that comes meanwhile waits, pending); the mask before, for
+    :func:`unblock`. Around a switch of handlers: a signal is then handled by the handler in place
+    when it is unblocked, inside the ``try`` that is ready for it, never in between."""
+    return signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+
+
+def unblock(mask: set[int | signal.Signals]) -> None:
+    """Back to ``mask`` (from :func:`block`): a pending signal is handled now."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
 @contextmanager
 def held_while_threads_start() -> Iterator[None]:
     """Block SIGINT/SIGTERM/SIGHUP while threads are started (a pool's ``submit``): a handler that raises
