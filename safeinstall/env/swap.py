@@ -152,14 +152,14 @@ def plan_swap(
                 moves.append(Move(child, How.EXCHANGE, False))
 
     visit("")
-    whole = {m.path for m in moves if m.directory}
+    gone = {m.path for m in moves if m.directory}  # what leaves whole: exchanged, or moved out below
     out: list[Move] = []
-    for directory in sorted(own_dirs):
+    for directory in sorted(own_dirs):  # a directory before those below it
         if directory in staged_dirs or directory in keep or live.get(directory) != "dir":
             continue
-        if not _below(directory, whole) and not _below(directory, {m.path for m in out}):
+        if not _below(directory, gone):
             out.append(Move(directory, How.PLACE, True))
-    gone = whole | {m.path for m in out}
+            gone.add(directory)
     for path in sorted(old_files):
         if path in staged_files or path in keep or live.get(path) not in ("file", "link"):
             continue
@@ -170,11 +170,10 @@ def plan_swap(
     return SwapPlan(tuple(first), tuple(last), tuple(problems))
 
 
-def _below(path: str, directories: Iterable[str] | set[str]) -> bool:
+def _below(path: str, directories: set[str]) -> bool:
     """Pure: ``path`` is one of ``directories`` or lies below one."""
-    wanted = directories if isinstance(directories, set) else set(directories)
     while path:
-        if path in wanted:
+        if path in directories:
             return True
         path = path.rpartition("/")[0]
     return False
@@ -235,23 +234,8 @@ def crossings(tree: Tree, plan: SwapPlan, staging_mount: int | None) -> list[str
 
 def walk_staged(tree: Tree) -> tuple[frozenset[str], frozenset[str]]:
     """Every file and every directory of the staging tree (relative), uv's lock file aside."""
-    files: set[str] = set()
-    dirs: set[str] = set()
-    pending = [""]
-    with tree.batch():
-        while pending:
-            directory = pending.pop()
-            for name in tree.names(directory):
-                path = f"{directory}/{name}" if directory else name
-                info = tree.lstat(path)
-                if info is None:
-                    continue
-                if stat.S_ISDIR(info.st_mode):
-                    dirs.add(path)
-                    pending.append(path)
-                elif path != ".lock":
-                    files.add(path)
-    return frozenset(files), frozenset(dirs)
+    files, directories = tree.walk("")
+    return frozenset(files) - {".lock"}, frozenset(directories)
 
 
 def identities(tree: Tree, moves: Sequence[Move]) -> dict[str, tuple[int, int]]:

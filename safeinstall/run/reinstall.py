@@ -297,19 +297,16 @@ def _stage(run: Run, root: Path) -> str | None:
             run.saved(),
             known,
         )
-        return None
-    except (staging.NotStaged, OSError) as exc:
+    except (staging.NotStaged, staging.StagedMismatch, OSError, SafeInstallError) as exc:
         swap.discard_staging(run.env.prefix, root.name, RUN_DIR_REMOVAL_S)
-        return str(exc)
-    except SafeInstallError as exc:  # a staged RECORD it cannot read: uv's install in the window, verified
-        swap.discard_staging(run.env.prefix, root.name, RUN_DIR_REMOVAL_S)
-        return exc.message
-    except staging.StagedMismatch as exc:
-        swap.discard_staging(run.env.prefix, root.name, RUN_DIR_REMOVAL_S)
-        raise PlanError(
-            f"the new version's files do not match the wheel: {exc}",
-            hint="nothing was stopped; check the wheel (or the index) it comes from",
-        ) from exc
+        if isinstance(exc, staging.StagedMismatch):
+            raise PlanError(
+                f"the new version's files do not match the wheel: {exc}",
+                hint="nothing was stopped; check the wheel (or the index) it comes from",
+            ) from exc
+        # else (a staged RECORD it cannot read, too): uv's install in the window, verified there
+        return exc.message if isinstance(exc, SafeInstallError) else str(exc)
+    return None
 
 
 def _resolve_into(run: Run, cache: Path) -> None:

@@ -24,7 +24,7 @@ from safeinstall.env.uvplan import UvChange, UvRequest
 from safeinstall.env.verify import verify_environment
 from safeinstall.env.wheel import Wheel
 from safeinstall.store.backup import Backup
-from safeinstall.store.state import PRIVATE_MODE
+from safeinstall.store.state import PRIVATE_MODE, RUN_DIR_REMOVAL_S
 from safeinstall.system.safefs import Tree, mounts_below, parent_directories
 
 #: uv's options that change what an install writes beyond the wheels' files, or where
@@ -89,13 +89,13 @@ def make_staging(env: Environment, run_id: str) -> Path:
         raise NotStaged(f"{mounted[0]} is a mount point inside the environment")
     root = swap.staging_dir(prefix, run_id)
     for name in swap.leftover_stagings(prefix):
-        swap.discard_staging(prefix, name, 30.0)
+        swap.discard_staging(prefix, name, RUN_DIR_REMOVAL_S)
     with Tree(prefix) as tree:
         tree.make_dir(root.name, PRIVATE_MODE)
         info = tree.lstat(root.name)
         devices = {found.st_dev for r in _install_dirs(env) if (found := tree.lstat(r)) is not None}
     if info is None or devices - {info.st_dev}:
-        swap.discard_staging(prefix, root.name, 30.0)
+        swap.discard_staging(prefix, root.name, RUN_DIR_REMOVAL_S)
         raise NotStaged("a directory uv installs into is on another filesystem than the prefix")
     return root
 
@@ -127,7 +127,7 @@ def _kept_directories(
     kept: set[str] = set()
     with Tree(prefix) as live:
         for root in sorted(own):
-            for directory in live.directories_below(root):
+            for directory in live.walk(root)[1]:
                 cached = "__pycache__" in directory.split("/")
                 if directory not in staged and directory not in holding and not cached:
                     kept.add(directory)

@@ -641,25 +641,29 @@ class Tree:
         finally:
             os.close(fd)
 
-    def directories_below(self, relative: str) -> list[str]:
-        """Every real directory below the directory ``relative`` (relative to the root; symlinks are
-        never entered), found by listing each with its descriptor (no ``stat`` of the files)."""
-        found: list[str] = []
+    def walk(self, relative: str) -> tuple[list[str], list[str]]:
+        """Everything below the directory ``relative`` ("": the root), found by listing each directory
+        by its descriptor, without a ``stat`` of the files: (what is not a real directory, the real
+        directories), relative to the root, sorted. A symlink is listed, never entered."""
+        files: list[str] = []
+        directories: list[str] = []
         pending = [relative]
         while pending:
             here = pending.pop()
             try:
-                fd = self._open_dir(parts_of(here))
+                fd = self._open_dir(parts_of(here)) if here else os.dup(self.fd)
             except (FileNotFoundError, NotADirectoryError):
                 continue
             try:
-                names = [name for name, is_dir in _listing(fd) if is_dir]
+                listed = _listing(fd)
             finally:
                 os.close(fd)
-            for name in names:
-                pending.append(f"{here}/{name}")
-                found.append(f"{here}/{name}")
-        return sorted(found)
+            for name, is_dir in listed:
+                path = f"{here}/{name}" if here else name
+                (directories if is_dir else files).append(path)
+                if is_dir:
+                    pending.append(path)
+        return sorted(files), sorted(directories)
 
     def names(self, relative: str) -> list[str]:
         """Names in the directory ``relative`` ("": the root; [] when it is not a real directory)."""
