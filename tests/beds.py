@@ -161,13 +161,15 @@ class Bed:
     def environ(self) -> dict[str, str]:
         return {**self.manager.env, **self.nvml.env, "SAFEINSTALL_STATE_DIR": str(self.state)}
 
-    def cli(self, *extra: str, timeout: float = 240) -> Result:
-        """``safeinstall --user --python PYTHON EXTRA...`` against the bed."""
-        return run("--user", "--python", str(self.python), *extra, env=self.environ(), timeout=timeout)
+    def cli(self, *extra: str, timeout: float = 240, more_env: dict[str, str] | None = None) -> Result:
+        """``safeinstall --user --python PYTHON EXTRA...`` against the bed (``more_env``: variables added
+        to its environment)."""
+        env = {**self.environ(), **(more_env or {})}
+        return run("--user", "--python", str(self.python), *extra, env=env, timeout=timeout)
 
-    def safeinstall(self, *args: str, timeout: float = 180) -> Result:
+    def safeinstall(self, *args: str, timeout: float = 180, more_env: dict[str, str] | None = None) -> Result:
         """Like :meth:`cli` with ``--yes`` (arguments after "--" go to uv, so ours come first)."""
-        return self.cli("--yes", *args, timeout=timeout)
+        return self.cli("--yes", *args, timeout=timeout, more_env=more_env)
 
     def args(self, *extra: str) -> list[str]:
         return [SAFEINSTALL, "--user", "--python", str(self.python), "--yes", *extra]

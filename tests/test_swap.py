@@ -24,7 +24,6 @@ from tests import wheelhouse
 from tests.bed_systemd import wait_until
 from tests.beds import Bed, bind_mount
 from tests.beds import tree_snapshot as _snapshot
-from tests.clirun import run
 
 SITE = "lib/python3.11/site-packages"
 
@@ -437,18 +436,14 @@ def test_bytecode_uv_compiles_by_its_environment_drops_the_swap_not_the_run(bed:
     """``UV_COMPILE_BYTECODE=1`` in the caller's environment: uv writes bytecode into the staging tree
     that no RECORD lists; the run does not swap (its log says why) and installs with uv in the window."""
     bed.service("swap-bytecode")
-    result = run(
-        "--user",
-        "--python",
-        str(bed.python),
-        "--yes",
+    result = bed.safeinstall(
         "sicext",
         "--wheel",
         str(bed.wheels["sicext-2"]),
         "--settle",
         "0.5",
         "--json",
-        env={**bed.environ(), "UV_COMPILE_BYTECODE": "1"},
+        more_env={"UV_COMPILE_BYTECODE": "1"},
     )
     assert result.code == 0, result.stdout + result.stderr
     steps = {s["name"]: s["detail"] for s in result.json["data"]["steps"]}
