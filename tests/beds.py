@@ -20,14 +20,19 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import stat
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from tests import wheelhouse
 from tests.bed_nvml import FakeNvml, GiB
@@ -82,6 +87,7 @@ class Bed:
         self.units = units if units is not None else Units(manager)
         self.enabled: list[str] = []
         self.exec_prefix = ""  # what runs sicext-serve (a ServiceAccountBed: setpriv to its account)
+        self.tool: tuple[str, ...] = (SAFEINSTALL,)  # the command that is safeinstall (see hidden_tool)
 
     # --- the package --------------------------------------------------------------------------------
 
@@ -165,14 +171,14 @@ class Bed:
         """``safeinstall --user --python PYTHON EXTRA...`` against the bed (``more_env``: variables added
         to its environment)."""
         env = {**self.environ(), **(more_env or {})}
-        return run("--user", "--python", str(self.python), *extra, env=env, timeout=timeout)
+        return run("--user", "--python", str(self.python), *extra, env=env, timeout=timeout, tool=self.tool)
 
     def safeinstall(self, *args: str, timeout: float = 180, more_env: dict[str, str] | None = None) -> Result:
         """Like :meth:`cli` with ``--yes`` (arguments after "--" go to uv, so ours come first)."""
         return self.cli("--yes", *args, timeout=timeout, more_env=more_env)
 
     def args(self, *extra: str) -> list[str]:
-        return [SAFEINSTALL, "--user", "--python", str(self.python), "--yes", *extra]
+        return [*self.tool, "--user", "--python", str(self.python), "--yes", *extra]
 
     def start_run(self, *extra: str) -> subprocess.Popen[str]:
         """A run of safeinstall (with ``--yes``) in the background, for a test to interrupt."""
@@ -315,6 +321,60 @@ class ServiceAccountBed(Bed):
 
     def outside(self) -> dict[str, tuple[object, ...]]:
         return tree_snapshot(self.base, skip=self.base / "venv")
+
+
+#: what a copy of the standard library leaves out (none of it is safeinstall's)
+_STDLIB_SKIP = ("site-packages", "test", "idlelib", "tkinter", "turtledemo", "ensurepip", "config-*")
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)  # its own name below a 0700 directory: what the account reaches it by
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def hidden_tool(top: Path) -> tuple[str, ...]:
+    """safeinstall installed where the service account cannot read, as ``uv tool install`` under a pyenv
+    in ``/root`` has it: this interpreter, its standard library, safeinstall and what it requires, below
+    ``top`` (made 0700, root's). The command that runs it (``python -I -m safeinstall``)."""
+    top.mkdir(mode=0o700)
+    top.chmod(0o700)
+    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    (top / "bin").mkdir()
+    python = top / "bin" / version
+    shutil.copy2(os.path.realpath(sys.executable), python)
+    lib = top / "lib" / version
+    shutil.copytree(
+        Path(sys.base_prefix, "lib", version),
+        lib,
+        ignore=shutil.ignore_patterns(*_STDLIB_SKIP),
+        copy_function=_link_or_copy,
+    )
+    site = lib / "site-packages"
+    import safeinstall
+
+    shutil.copytree(Path(safeinstall.__file__).parent, site / "safeinstall", copy_function=_link_or_copy)
+    wanted, seen = ["safeinstall"], set()
+    while wanted:
+        dist = metadata.distribution(wanted.pop())
+        name = canonicalize_name(dist.metadata["Name"])
+        if name in seen:
+            continue
+        seen.add(name)
+        for text in dist.requires or ():
+            requirement = Requirement(text)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                wanted.append(requirement.name)
+        if name == "safeinstall":
+            continue
+        for file in dist.files or ():
+            source = Path(str(dist.locate_file(file)))
+            target = Path(os.path.normpath(site / file))
+            if source.is_file() and "__pycache__" not in file.parts:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                _link_or_copy(str(source), str(target))
+    return (str(python), "-I", "-m", "safeinstall")
 
 
 def printing_interpreter(python: Path, script: str, uid: int = NOBODY) -> None:

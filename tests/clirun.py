@@ -6,7 +6,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,11 +31,13 @@ def run(
     timeout: float = 120,
     stdin: str = "",
     cwd: Path | None = None,
+    tool: Sequence[str] = (SAFEINSTALL,),
 ) -> Result:
+    """``safeinstall ARGS`` (``tool``: the command that is safeinstall, as :func:`tests.beds.hidden_tool`)."""
     full_env = dict(os.environ if env is None else env)
     full_env.setdefault("COLUMNS", "200")
     proc = subprocess.run(
-        [SAFEINSTALL, *args],
+        [*tool, *args],
         cwd=cwd,
         capture_output=True,
         text=True,

@@ -20,7 +20,7 @@ import pytest
 from tests import wheelhouse
 from tests.bed_nvml import FakeNvml
 from tests.bed_systemd import UserManager, wait_until
-from tests.beds import Bed
+from tests.beds import Bed, ServiceAccountBed, hidden_tool
 from tests.wheelhouse import Wheelhouse
 
 #: a unit whose start takes a second before its main process runs: a window to kill the run in while
@@ -343,3 +343,27 @@ def test_children_run_in_a_session_of_their_own() -> None:
     pid, pgrp, session = int(done.stdout.split()[0]), int(fields[2]), int(fields[3])
     assert pgrp == pid and session == pid, done.stdout
     assert session != os.getsid(0)
+
+
+def test_recover_of_an_account_environment_from_a_tool_the_account_cannot_read(
+    account: ServiceAccountBed, tmp_path: Path
+) -> None:
+    """safeinstall's interpreter lives below a 0700 directory (pyenv under ``/root``, ``uv tool install``).
+    SIGKILL in phase ``installed``, then ``--recover``: its removal worker, uid 65534, imported a codec
+    lazily (``open(..., encoding="ascii")``) it could not read: ``LookupError: unknown encoding: ascii``,
+    exit 4 on every retry, the unit down. Now the old version is back and the unit runs."""
+    account.tool = hidden_tool(tmp_path / "tool")
+    name = account.unit("hidden-tool")
+    proc = account.start_run("sicext", "--wheel", str(account.wheels["sicext-2"]), "--settle", "0.5")
+    try:
+        account.wait_phase(proc, "installed")
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+        proc.communicate()
+    recovered = account.cli("--recover")
+    assert recovered.code == 0, recovered.stdout + recovered.stderr
+    assert "restored the previous installation" in recovered.stdout
+    wait_until(lambda: account.manager.active_state(name) == "active", 20, "the unit running again")
+    assert account.version() == "1.0"
+    account.no_trace()

@@ -24,16 +24,22 @@ function of safeinstall forked by :func:`call` (``safeinstall.system.owner``), i
 A forked worker's answer comes back through a pipe as JSON (never pickle: root must not run what the
 worker sends), at most :data:`ANSWER_LIMIT` bytes, and the caller validates it as data from the account.
 Forking, not a new interpreter: the worker needs no access to safeinstall's own files, which may sit
-where the account cannot read (a tool installed under ``/root``).
+where the account cannot read (a tool installed under ``/root``). For the same reason a worker never
+imports: what it needs (modules, the text codecs :data:`CODECS` that ``open(..., encoding=...)`` loads)
+is loaded by root before the fork, and an import in the worker fails at once, whoever can read the
+interpreter (:class:`_NoImports`), so that no test passes only because its interpreter was readable.
 """
 
 from __future__ import annotations
 
+import codecs
 import contextlib
+import importlib.abc
 import json
 import os
 import selectors
 import signal
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -45,6 +51,24 @@ from safeinstall.system.children import isolate
 ANSWER_LIMIT = 4 << 20
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE)
+
+#: The text codecs a worker's work may name (``open(..., encoding=...)``, ``bytes.decode``): each is
+#: an ``encodings`` module the first lookup imports, so root looks them up once, before any fork.
+CODECS = ("ascii", "utf-8", "latin-1")
+for _codec in CODECS:
+    codecs.lookup(_codec)
+
+
+class _NoImports(importlib.abc.MetaPathFinder):
+    """In a worker, first on ``sys.meta_path``: an import of a module not loaded yet (a built-in one
+    aside, which needs no file) fails, as it would where the account cannot read the interpreter's
+    files (``LookupError: unknown encoding``). Load it in root before the fork (a top-level import of
+    the module whose function the worker runs; a codec in :data:`CODECS`)."""
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> None:
+        if fullname in sys.builtin_module_names:
+            return None
+        raise ImportError(f"a worker imported {fullname}: load it before the fork (system/worker.py)")
 
 
 class WorkerError(SafeInstallError):
@@ -106,6 +130,7 @@ def _worker_main(
         isolate(parent, ids, new_session=True, keep=(write_fd,))
         os.environ.clear()
         os.environ.update(environ if environ is not None else {"PATH": "/usr/bin:/bin"})
+        sys.meta_path.insert(0, _NoImports())
         try:
             answer: dict[str, Any] = {"ok": work()}
         except Exception as exc:  # said to root, which decides
