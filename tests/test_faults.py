@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -367,3 +368,18 @@ def test_recover_of_an_account_environment_from_a_tool_the_account_cannot_read(
     wait_until(lambda: account.manager.active_state(name) == "active", 20, "the unit running again")
     assert account.version() == "1.0"
     account.no_trace()
+
+
+def test_verify_reports_a_second_dist_info_of_the_package(bed: Bed) -> None:
+    """A run killed while uv wrote the new version can leave two ``.dist-info`` directories of the
+    package: the first one's files all match its RECORD, and ``--verify-only`` said OK. The second one is
+    drift: said, with its path (exit 1)."""
+    first = bed.site / "sicext-1.0.dist-info"
+    second = bed.site / "sicext-2.0.dist-info"
+    shutil.copytree(first, second)
+    checked = bed.verify()
+    assert checked.code == 1, checked.stdout
+    found = [(f["kind"], f["path"], f["drift"]) for f in checked.json["data"]["findings"]]
+    assert ("extra", str(second), True) in found, found
+    shutil.rmtree(second)
+    assert bed.verify().code == 0

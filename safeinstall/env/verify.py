@@ -18,6 +18,7 @@ from safeinstall.env.distributions import (
     NO_RECORD,
     InstalledDistribution,
     MetadataReader,
+    dist_info_name,
     egg_info_paths,
     find_distribution,
     find_distributions,
@@ -433,6 +434,7 @@ def verify_environment(
             if warning is not None:
                 findings.append(warning)
         findings.extend(unlisted[plan.dist.name])
+        findings.extend(_second_dist_infos(plan.dist))
         per_plan.append(findings)
     listed_by = _listed_by(found, mismatched)
     for plan, findings in zip(plans, per_plan, strict=True):
@@ -488,6 +490,26 @@ def verify_environment(
         tuple(os.fspath(s) for s in sites),
         eggs,
     )
+
+
+def _second_dist_infos(dist: InstalledDistribution) -> list[Finding]:
+    """Another ``.dist-info`` of the distribution in its own site directory (a run killed while uv wrote
+    the new version): two installations in one place, which the first one's RECORD cannot show. Drift
+    (``extra``), each with its path; one of the base installation's that this one shadows is not."""
+    try:
+        names = sorted(os.listdir(dist.site))
+    except OSError:
+        return []
+    return [
+        Finding(
+            dist.name,
+            os.path.join(dist.site, name),
+            FindingKind.EXTRA,
+            f"a second .dist-info of {dist.display_name} beside {dist.dist_info.name}: two installations",
+        )
+        for name in names
+        if name != dist.dist_info.name and dist_info_name(name) == dist.name
+    ]
 
 
 def _settled(
