@@ -8,12 +8,14 @@ the run's journal or ``/proc``, never by test-only hooks. The randomized soak is
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -383,3 +385,34 @@ def test_verify_reports_a_second_dist_info_of_the_package(bed: Bed) -> None:
     assert ("extra", str(second), True) in found, found
     shutil.rmtree(second)
     assert bed.verify().code == 0
+
+
+@pytest.mark.parametrize("state", ["used", "new"])
+def test_a_full_disk_before_the_run_begins_is_a_plain_error(
+    bed: Bed, small_disk: Callable[[int], Path], state: str
+) -> None:
+    """The state directory's filesystem is full: writing the lock's holder (a state directory a run
+    used before) or the environment's prefix file (a new one) failed with ``internal error: OSError
+    ENOSPC``. Now it is an ``error:`` line naming the filesystem, and a ``hint:`` (exit 2)."""
+    disk = small_disk(8)
+    bed.state = disk / "state"
+    name = bed.unit("full-state")
+    wheel = bed.wheels["sicext-2"]
+    if state == "used":
+        first = bed.cli("sicext", "--wheel", str(wheel), "--yes", "--settle", "0.3")
+        assert first.code == 0, first.stdout + first.stderr
+        wheel = bed.wheels["sicext-1"]
+    before = bed.version()
+    filler = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+    with contextlib.suppress(OSError):
+        while os.write(filler, b"\0" * 65536):
+            pass
+    os.close(filler)
+    result = bed.cli("sicext", "--wheel", str(wheel), "--yes")
+    assert result.code == 2, result.stdout + result.stderr
+    assert "internal error" not in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert "error:" in result.stderr and "hint:" in result.stderr, result.stderr
+    assert f"the filesystem at {disk})" in result.stderr, result.stderr
+    assert "No space left on device" in result.stderr, result.stderr
+    assert ("lock" in result.stderr) == (state == "used"), result.stderr
+    assert bed.version() == before and bed.manager.active_state(name) == "active"

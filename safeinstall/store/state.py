@@ -57,6 +57,7 @@ from pathlib import Path
 from safeinstall.env.environment import Account
 from safeinstall.errors import SafeInstallError
 from safeinstall.system import owner, worker
+from safeinstall.system.lock import filesystem_of
 from safeinstall.system.safefs import Tree, others_who_write, permitted
 
 STATE_DIR_VARIABLE = "SAFEINSTALL_STATE_DIR"
@@ -449,7 +450,15 @@ def ensure_environment_dir(state: EnvironmentState) -> tuple[DirStatus, ...]:
         except (OSError, StateDirError):
             current = None
         if current != text:
-            atomic_write(state.prefix_file, text.encode("utf-8", "surrogateescape"))
+            try:
+                atomic_write(state.prefix_file, text.encode("utf-8", "surrogateescape"))
+            except OSError as exc:  # a full disk: the run has not begun
+                where = filesystem_of(state.dir)
+                raise StateDirError(
+                    f"cannot write {state.prefix_file}: {exc.strerror or exc} (the filesystem at {where}); "
+                    "nothing was changed",
+                    hint=f"free some space on {where}, or set {STATE_DIR_VARIABLE} to another filesystem",
+                ) from exc
     return statuses
 
 

@@ -24,7 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
 
-from safeinstall.errors import LockHeldError
+from safeinstall.errors import LockHeldError, SafeInstallError
 from safeinstall.system.identity import alive, process_start
 
 _HOLDER_VERSION = 1
@@ -230,12 +230,39 @@ def _take(path: Path, fd: int, argv: Sequence[str] | None, now: datetime | None)
         argv=tuple(sys.argv if argv is None else argv),
     )
     data = (holder_to_json(holder) + "\n").encode("utf-8", errors="surrogateescape")
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, data, 0)
-    os.fsync(fd)
+    try:
+        os.ftruncate(fd, 0)
+        if os.pwrite(fd, data, 0) != len(data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        os.fsync(fd)
+    except OSError as exc:  # a full disk, a quota, an I/O error: the run has not begun
+        where = filesystem_of(path)
+        raise SafeInstallError(
+            f"cannot write the lock {path}: {exc.strerror or exc} (the filesystem at {where}); "
+            "nothing was changed",
+            hint=f"free some space on {where}, or set SAFEINSTALL_STATE_DIR to another filesystem",
+        ) from exc
     stale = previous if previous is not None and previous.pid != pid else None
     note = None if stale is None else takeover_message(stale, holder_alive(stale))
     return HeldLock(path, fd, holder, stale, note)
+
+
+def filesystem_of(path: Path) -> Path:
+    """Where the filesystem that holds ``path`` is mounted (the highest directory above it on the
+    same device; ``path`` itself when it cannot be looked at)."""
+    try:
+        device = os.stat(path).st_dev
+    except OSError:
+        return path
+    mount = path
+    for parent in path.parents:
+        try:
+            if os.stat(parent).st_dev != device:
+                break
+        except OSError:
+            break
+        mount = parent
+    return mount
 
 
 def read_holder(path: Path) -> tuple[bool, LockHolder | None]:
