@@ -416,3 +416,39 @@ def test_a_full_disk_before_the_run_begins_is_a_plain_error(
     assert "No space left on device" in result.stderr, result.stderr
     assert ("lock" in result.stderr) == (state == "used"), result.stderr
     assert bed.version() == before and bed.manager.active_state(name) == "active"
+
+
+def test_recover_with_nothing_to_recover_removes_what_dead_runs_left(bed: Bed) -> None:
+    """What a run killed at the wrong moment leaves in the state directory, with no journal to recover:
+    its copy of the wheel (``wheels/<run>``), its uv cache and prefetch directory, the temporary file of
+    the gate marker (a kill at its rename). ``--recover`` says there is nothing to recover and removes
+    them (docs/faults.md), root's own files only: a file someone else owns there stays."""
+    first = bed.cli("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.3", "--yes")
+    assert first.code == 0, first.stdout + first.stderr
+    (envdir,) = [p.parent for p in bed.state.glob("*/prefix")]
+    run_id = "20261203T000000Z-4242"
+    copy = envdir / "wheels" / "abcdefgh" / bed.wheels["sicext-2"].name
+    copy.parent.mkdir(parents=True)
+    shutil.copy(bed.wheels["sicext-2"], copy)
+    for made in (envdir / f"uv-cache-{run_id}" / "wheels-v5", envdir / f"prefetch-{run_id}" / "sicext"):
+        made.mkdir(parents=True)
+        (made / "file").write_text("left\n")
+    gate_temp = envdir / ".gate.k1ll3d.tmp"
+    gate_temp.write_text(f"{run_id}\n")
+    foreign = envdir / ".gate.foreign.tmp"
+    foreign.write_text("not root's\n")
+    os.chown(foreign, 65534, 65534)
+
+    recovered = bed.cli("--recover")
+
+    assert recovered.code == 0, recovered.stdout + recovered.stderr
+    assert "nothing to recover" in recovered.stdout
+    left = sorted(p.name for p in envdir.iterdir())
+    assert not list(envdir.glob("wheels/*")), left
+    assert not list(envdir.glob("uv-cache-*")) and not list(envdir.glob("prefetch-*")), left
+    assert not gate_temp.exists(), left
+    assert foreign.exists(), left
+    gate_temp.write_text(f"{run_id}\n")  # the next run, under the lock with no journal, removes it too
+    after = bed.cli("sicext", "--wheel", str(bed.wheels["sicext-1"]), "--settle", "0.3", "--yes")
+    assert after.code == 0, after.stdout + after.stderr
+    assert not gate_temp.exists() and foreign.exists()

@@ -60,6 +60,7 @@ from safeinstall.store.state import (
     ensure_environment_dir,
     environment_state,
     let_through,
+    remove_dead_temps,
     state_root,
 )
 from safeinstall.system.lock import HeldLock, acquire_lock, check_lock
@@ -112,6 +113,7 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
             notes.append(lock.takeover_note)
         if not state.journal.exists():  # under the lock, no run to recover: copies left are dead runs'
             discard_dead_copies(state.dir)
+            remove_dead_temps(state)
     else:
         check_environment_dir(state)
         check_lock(state.lock, str(env.prefix))

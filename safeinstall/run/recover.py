@@ -41,6 +41,7 @@ from safeinstall.store.state import (
     StateDirError,
     check_trusted,
     list_environment_dirs,
+    remove_dead_temps,
     remove_uv_caches,
     state_root,
     trusted_environment_state,
@@ -202,9 +203,25 @@ def _reported_exit(state: EnvironmentState, run_id: str) -> int | None:
     return code if isinstance(code, int) and not isinstance(code, bool) else None
 
 
+def _tidy(state: EnvironmentState, prefix: str) -> None:
+    """No run to recover: under the lock (unless a live run holds it: what is there is its own), what
+    runs that died left without a journal goes: their copies of the wheel, uv caches and scratch
+    directories, temp files of the gate marker (docs/faults.md). A lock that cannot be taken (held,
+    a full disk) leaves them for the next run."""
+    try:
+        with acquire_lock(state.lock, prefix):
+            if not state.journal.exists():
+                discard_dead_copies(state.dir)
+                remove_uv_caches(state)
+                remove_dead_temps(state)
+    except SafeInstallError:
+        return
+
+
 def recover_one(state: EnvironmentState, environ: Mapping[str, str], settle: float = 2.0) -> Recovery:
     prefix = str(state.prefix or state.dir)
     if read_checked_journal(state, environ) is None:
+        _tidy(state, prefix)
         return Recovery(prefix, None, None, notes=("nothing to recover",))
     with acquire_lock(state.lock, prefix) as lock:
         journal = read_checked_journal(state, environ)  # again, under the lock
@@ -259,6 +276,7 @@ def recover_one(state: EnvironmentState, environ: Mapping[str, str], settle: flo
                     f"{path} is still being filled by its owner: left for the next run" for path in left
                 )
             discard_dead_copies(state.dir)  # the journal is gone: no copy of a wheel is of use now
+            remove_dead_temps(state)
         except JournalError:
             raise  # refused before anything was done: exit 2, as for any refusal
         except SafeInstallError as exc:

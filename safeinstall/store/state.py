@@ -81,6 +81,9 @@ PASSABLE_MODE = 0o711
 _KEY_DIGEST_CHARS = 12
 #: Temp files of :func:`atomic_write`: ``.<name>.<random>.tmp`` beside the target.
 TMP_SUFFIX = ".tmp"
+#: Files of an environment's directory that only a run holding its lock writes (the gate marker, the
+#: journal, the baseline): a temp file of one of them found under the lock is a dead run's
+LOCKED_FILES = ("gate", JOURNAL_FILE, "baseline.json")
 _PREFIX_MAX = 64 * 1024
 
 
@@ -219,6 +222,22 @@ def remove_uv_caches(
             if mine and not remove_run_dir(state.dir / name, max(0.0, deadline - time.monotonic())):
                 left.append(str(state.dir / name))
     return tuple(left)
+
+
+def is_dead_temp(name: str) -> bool:
+    """Pure: ``name`` is a temp file of :func:`atomic_write` for one of :data:`LOCKED_FILES`."""
+    return name.endswith(TMP_SUFFIX) and any(name.startswith(f".{locked}.") for locked in LOCKED_FILES)
+
+
+def remove_dead_temps(state: EnvironmentState) -> None:
+    """Holding the environment's lock: remove what :func:`atomic_write` left of a run killed between
+    writing one of :data:`LOCKED_FILES` and renaming it (best effort). Root's own regular files only,
+    by descriptor (a symlink or another's file there is left alone)."""
+    with contextlib.suppress(OSError), Tree(state.dir) as tree:
+        for name in tree.names(""):
+            info = tree.lstat(name) if is_dead_temp(name) else None
+            if info is not None and stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
+                tree.unlink(name)
 
 
 @dataclass(frozen=True, slots=True)
