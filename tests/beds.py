@@ -354,7 +354,7 @@ def hidden_tool(top: Path) -> tuple[str, ...]:
     site = lib / "site-packages"
     import safeinstall
 
-    shutil.copytree(Path(safeinstall.__file__).parent, site / "safeinstall", copy_function=_link_or_copy)
+    shutil.copytree(Path(safeinstall.__file__).parent, site / "safeinstall")  # a copy: edits stay out
     wanted, seen = ["safeinstall"], set()
     while wanted:
         dist = metadata.distribution(wanted.pop())
