@@ -452,3 +452,50 @@ def test_recover_with_nothing_to_recover_removes_what_dead_runs_left(bed: Bed) -
     after = bed.cli("sicext", "--wheel", str(bed.wheels["sicext-1"]), "--settle", "0.3", "--yes")
     assert after.code == 0, after.stdout + after.stderr
     assert not gate_temp.exists() and foreign.exists()
+
+
+@pytest.mark.xfail(strict=True, reason="issue 35 item 2: the restore copies the old files back (new blocks)")
+def test_a_disk_filled_before_the_window_install_rolls_back_with_the_unit_running(
+    wheels: Wheelhouse,
+    tmp_path: Path,
+    user_manager: UserManager,
+    fake_nvml: FakeNvml,
+    small_disk: Callable[[int], Path],
+) -> None:
+    """The venv is on a small filesystem, its files hardlinks of a uv cache on that filesystem (uv's
+    default link mode): uv's uninstall frees none of their blocks. The new version is bigger, and another
+    writer takes all the room once the unit is stopped (after the room check): uv's install in the
+    window fails (ENOSPC), then the restore, which copies the old files back from the backup (on
+    another filesystem), fails for lack of room too: a half-restored package, exit 4, the unit down
+    until a person acts. It must end exit 3 with the old version back and the unit running (the
+    restore needing no new blocks, or room reserved before the stop): not done yet."""
+    disk = small_disk(96)
+    old = _with_blob(wheels["sicext-1"], tmp_path / "old", 12)
+    new = _with_blob(wheels["sicext-2"], tmp_path / "new", 20)
+    python = wheelhouse.make_venv(disk / "venv")
+    install = [wheelhouse.UV, "pip", "install", "--quiet", "--offline", "--python", str(python)]
+    uv_env = {**wheelhouse.uv_env(), "UV_CACHE_DIR": str(disk / "uv-cache")}
+    subprocess.run([*install, "--link-mode", "hardlink", str(old)], check=True, env=uv_env)
+    bed = Bed(python, tmp_path / "state", user_manager, fake_nvml, wheels)
+    try:
+        before = bed.snapshot()
+        name = bed.unit("fill")
+        bed.hold_gpu(name, 2.0, "fd")  # the GPU is released 2 s after the stop: the moment to fill in
+        proc = bed.start_run("sicext", "--wheel", str(new), "--settle", "0.3")
+        try:
+            bed.wait_phase(proc, "stopped")
+            filler = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+            for chunk in (1 << 20, 4096):
+                with contextlib.suppress(OSError):
+                    while os.write(filler, b"\0" * chunk):
+                        pass
+            os.close(filler)
+        finally:
+            out, err = _finish(proc)
+        assert "No space left on device" in err, err
+        assert proc.returncode == 3, (proc.returncode, out, err)
+        wait_until(lambda: bed.manager.active_state(name) == "active", 20, "the unit running again")
+        assert bed.version() == "1.0" and bed.snapshot() == before
+        bed.no_trace()
+    finally:
+        bed.cleanup()
