@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -185,6 +186,16 @@ class Bed:
         return subprocess.Popen(
             self.args(*extra), env=self.environ(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
+
+    def kill_in(self, phase: str, *extra: str) -> None:
+        """A run of safeinstall (with ``--yes``) killed (SIGKILL) once its journal is in ``phase``."""
+        proc = self.start_run(*extra)
+        try:
+            self.wait_phase(proc, phase)
+            proc.send_signal(signal.SIGKILL)
+        finally:
+            proc.wait()
+            proc.communicate()
 
     def verify(self, *extra: str) -> Result:
         return run("sicext", "--verify-only", "--python", str(self.python), "--json", *extra)

@@ -105,13 +105,7 @@ def test_recover_goes_on_past_an_environment_it_cannot_recover(
         fine = other.unit("fine")
         other.hold_gpu(fine, 5.0, "e7", gib=1)  # holds it at "stopped"
         for crashed, phase in ((bed, "installing"), (other, "stopped")):
-            proc = crashed.start_run("sicext", "--wheel", str(big_wheel), "--settle", "0.5", "--no-swap")
-            try:
-                crashed.wait_phase(proc, phase)
-                proc.send_signal(signal.SIGKILL)
-            finally:
-                proc.wait()
-                proc.communicate()
+            crashed.kill_in(phase, "sicext", "--wheel", str(big_wheel), "--settle", "0.5", "--no-swap")
         broken, killed_early = bed.journal(), other.journal()
         assert broken is not None and killed_early is not None
         assert (broken["phase"], killed_early["phase"]) == ("installing", "stopped")

@@ -49,13 +49,7 @@ def test_recover_of_a_run_killed_while_a_broken_version_restarts_puts_the_old_on
     (exit 3), and nothing is left that blocks the next run."""
     before = bed.hotfix()
     name = bed.unit("broken-restart", text=SLOW_START_UNIT)
-    proc = bed.start_run("sicext", "--wheel", str(bed.wheels["sicext-3"]), "--settle", "1")
-    try:
-        bed.wait_phase(proc, "restarting")
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.wait()
-        proc.communicate()
+    bed.kill_in("restarting", "sicext", "--wheel", str(bed.wheels["sicext-3"]), "--settle", "1")
     journal = bed.journal()
     assert journal is not None and journal["phase"] == "restarting", journal
     run_id = journal["run_id"]
@@ -357,13 +351,7 @@ def test_recover_of_an_account_environment_from_a_tool_the_account_cannot_read(
     exit 4 on every retry, the unit down. Now the old version is back and the unit runs."""
     account.tool = hidden_tool(tmp_path / "tool")
     name = account.unit("hidden-tool")
-    proc = account.start_run("sicext", "--wheel", str(account.wheels["sicext-2"]), "--settle", "0.5")
-    try:
-        account.wait_phase(proc, "installed")
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.wait()
-        proc.communicate()
+    account.kill_in("installed", "sicext", "--wheel", str(account.wheels["sicext-2"]), "--settle", "0.5")
     recovered = account.cli("--recover")
     assert recovered.code == 0, recovered.stdout + recovered.stderr
     assert "restored the previous installation" in recovered.stdout
