@@ -35,6 +35,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import importlib.abc
+import importlib.machinery
 import json
 import os
 import selectors
@@ -60,13 +61,13 @@ for _codec in CODECS:
 
 
 class _NoImports(importlib.abc.MetaPathFinder):
-    """In a worker, first on ``sys.meta_path``: an import of a module not loaded yet (a built-in one
-    aside, which needs no file) fails, as it would where the account cannot read the interpreter's
-    files (``LookupError: unknown encoding``). Load it in root before the fork (a top-level import of
-    the module whose function the worker runs; a codec in :data:`CODECS`)."""
+    """In a worker, first on ``sys.meta_path``: an import of a module not loaded yet (a built-in or
+    frozen one aside, which needs no file) fails, as it would where the account cannot read the
+    interpreter's files (``LookupError: unknown encoding``). Load it in root before the fork (a
+    top-level import of the module whose function the worker runs; a codec in :data:`CODECS`)."""
 
     def find_spec(self, fullname: str, path: object = None, target: object = None) -> None:
-        if fullname in sys.builtin_module_names:
+        if fullname in sys.builtin_module_names or importlib.machinery.FrozenImporter.find_spec(fullname):
             return None
         raise ImportError(f"a worker imported {fullname}: load it before the fork (system/worker.py)")
 
