@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import py_compile
 import shutil
 import signal
 import stat
@@ -1066,15 +1067,19 @@ def _acl(entries: list[tuple[int, int, int]]) -> bytes:
     return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", t, p, i) for t, p, i in entries)
 
 
-@pytest.mark.parametrize("how", ["pth-path-line", "imported-package", "acl", "interpreter-link"])
+@pytest.mark.parametrize(
+    "how",
+    ["pth-path-line", "imported-package", "imported-module", "imported-pycache", "acl", "interpreter-link"],
+)
 def test_whoever_controls_what_site_or_the_interpreter_runs_is_the_environments_account(
     open_dir: Path, wheels: Wheelhouse, how: str
 ) -> None:
     """Rows: code that runs when uv starts the interpreter (with `site`) or when the probe does, which
     the service account controls although every file of the venv itself is root's: a directory a
     root-owned `.pth` file adds (an editable install's source tree) holding `sitecustomize.py`; a
-    package that a `.pth` import line loads; write access granted by an access ACL; a link on the way
-    to the interpreter. The account is the environment's: nothing of it runs as root."""
+    package that a `.pth` import line loads, or only a module deep in it (`zzpkg/sub.py`) or a
+    compiled file in its `__pycache__` (issue 35); write access granted by an access ACL; a link on the
+    way to the interpreter. The account is the environment's: nothing of it runs as root."""
     if not AS_ROOT:
         pytest.skip("the attack is on a run as root")
     shared = shared_interpreter_or_skip()
@@ -1103,6 +1108,19 @@ def test_whoever_controls_what_site_or_the_interpreter_runs_is_the_environments_
         (site / "hack" / "__init__.py").write_text(record)
         chown_tree(site / "hack", NOBODY)
         (site / "zz-hack.pth").write_text("import hack\n")
+    elif how == "imported-module":  # root's package and .pth; one module deep in it the account's
+        (site / "zzpkg" / "inner").mkdir(parents=True)
+        (site / "zzpkg" / "__init__.py").write_text("from zzpkg.inner import sub\n")
+        (site / "zzpkg" / "inner" / "__init__.py").write_text("")
+        (site / "zzpkg" / "inner" / "sub.py").write_text(record)
+        os.chown(site / "zzpkg" / "inner" / "sub.py", NOBODY, NOBODY)
+        (site / "zz-pkg.pth").write_text("import zzpkg\n")
+    elif how == "imported-pycache":  # root's source; its compiled file (what runs) the account's
+        (site / "zzpkg").mkdir()
+        (site / "zzpkg" / "__init__.py").write_text(record)
+        compiled = py_compile.compile(str(site / "zzpkg" / "__init__.py"), doraise=True)
+        os.chown(compiled, NOBODY, NOBODY)
+        (site / "zz-pkg.pth").write_text("import zzpkg\n")
     elif how == "acl":
         (site / "zz-uids.pth").write_text(record)
         try:  # u::rwx u:65534:rwx g::r-x m::rwx o::r-x
@@ -1119,6 +1137,30 @@ def test_whoever_controls_what_site_or_the_interpreter_runs_is_the_environments_
     ran = set(uids.read_text().split())
     assert "0" not in ran, f"ran as root: {result.stdout}{result.stderr}"
     assert "belongs to uid 65534" in result.stdout + result.stderr, result.stdout + result.stderr
+
+
+def test_a_link_out_of_a_package_a_pth_line_imports_is_not_followed_but_refused(
+    open_dir: Path, wheels: Wheelhouse
+) -> None:
+    """Row (issue 35): a `.pth` import line loads a root-owned package whose tree holds a link to a
+    directory elsewhere (where the account's files could be): the walk of what `site` may import never
+    follows a link out of the tree; the environment is refused rather than judged root's."""
+    if not AS_ROOT:
+        pytest.skip("the attack is on a run as root")
+    python, site, _uids = _root_venv_with_pth(open_dir, wheels)
+    elsewhere = open_dir / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "sub.py").write_text("")
+    os.chown(elsewhere / "sub.py", NOBODY, NOBODY)
+    (site / "zzpkg").mkdir()
+    (site / "zzpkg" / "__init__.py").write_text("")
+    (site / "zzpkg" / "inner").symlink_to(elsewhere, target_is_directory=True)
+    (site / "zz-pkg.pth").write_text("import zzpkg\n")
+    from safeinstall.env.environment import inspect_environment
+    from safeinstall.errors import InterpreterError
+
+    with pytest.raises(InterpreterError, match="links to the directory"):
+        inspect_environment(python)
 
 
 def test_a_symlinked_site_packages_in_a_directory_the_account_owns_is_the_accounts(
