@@ -668,6 +668,39 @@ def test_verify_never_reads_what_a_wheel_member_points_at(
     assert "TOP-SECRET" not in result.stdout + result.stderr and not patch.exists()
 
 
+@pytest.mark.parametrize("where", ["in-the-users-directory", "the-users-link-in-a-sticky-directory"])
+def test_an_output_file_is_never_written_through_another_users_link(
+    verified: tuple[Path, Path, Path], wheels: Wheelhouse, open_dir: Path, where: str
+) -> None:
+    """Row (issue 35): `--save-patch DIR/link/FILE` (and `--metrics-file`, the same rule) where another
+    user's symlink leads into a root-only directory, the link in that user's directory or in a
+    root-owned sticky one (`/tmp`): refused (exit 2), nothing written there. A link of root's on the way
+    is followed (the file is written where it leads)."""
+    if not AS_ROOT:
+        pytest.skip("the attack is on a run as root")
+    python, _site, _secret = verified
+    root_only = open_dir / "root-only"
+    root_only.mkdir(mode=0o700)
+    users = open_dir / ("evil" if where == "in-the-users-directory" else "sticky")
+    users.mkdir()
+    if where == "in-the-users-directory":
+        os.chown(users, NOBODY, NOBODY)
+    else:
+        users.chmod(0o1777)
+    (users / "link").symlink_to(root_only, target_is_directory=True)
+    os.lchown(users / "link", NOBODY, NOBODY)
+    base = ("sicext", "--verify-only", "--python", str(python), "--wheel", str(wheels["sicext-1"]))
+    patch = run(*base, "--diff", "--save-patch", str(users / "link" / "p.diff"))
+    assert patch.code == 2 and "refusing to write" in patch.stderr, patch.stdout + patch.stderr
+    assert "owned by uid 65534" in patch.stderr and "hint:" in patch.stderr
+    metrics = run(*base, "--metrics-file", str(users / "link" / "m.prom"))
+    assert metrics.code == 2 and "owned by uid 65534" in metrics.stderr, metrics.stderr
+    assert list(root_only.iterdir()) == []
+    (open_dir / "roots-link").symlink_to(root_only, target_is_directory=True)
+    ok = run(*base, "--diff", "--save-patch", str(open_dir / "roots-link" / "p.diff"))
+    assert ok.code == 0 and (root_only / "p.diff").is_file(), ok.stdout + ok.stderr
+
+
 def test_diff_does_not_follow_a_symlinked_installed_file(
     verified: tuple[Path, Path, Path], wheels: Wheelhouse, tmp_path: Path
 ) -> None:
