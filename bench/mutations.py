@@ -10,11 +10,14 @@ subprocesses, and a detached run's ``python -I -m safeinstall``, all run the mut
     .venv/bin/python bench/mutations.py --list
     .venv/bin/python bench/mutations.py           # all, after a baseline (about 10 minutes on 2 CPUs)
     .venv/bin/python bench/mutations.py --only forget-journal --only restore-check
+    .venv/bin/python bench/mutations.py --check   # each mutation still applies (no test run; CI)
 
 The unmutated tree runs first (``--no-baseline`` skips it): every named test must pass there, and a
 test that is skipped (no ``/run/systemd/system``, no cgroup delegation) makes a result inconclusive,
 never "killed". Exit status: 0 when every mutation was killed, 1 otherwise. Needs root, like the
-tests it runs. Not part of the test suite (``testpaths`` is ``tests/``).
+tests it runs. Not part of the test suite (``testpaths`` is ``tests/``); its ``--check`` is
+(``tests/test_quality.py``): a mutation whose text the code no longer has, or that names a test that
+is not there, fails CI instead of being found out on demand.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ class Mutation:
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "forget-journal",
-        "safeinstall/run/recover.py",
+        "safeinstall/run/status.py",
         "if read_journal(state.dir) is not None:",
         "if False:",
         (f"{PROMISES}::test_forget_refuses_an_environment_whose_run_did_not_finish_or_is_running",),
@@ -57,7 +60,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "forget-unlocked",
-        "safeinstall/run/recover.py",
+        "safeinstall/run/status.py",
         "    with acquire_lock(state.lock, prefix):\n        if read_journal",
         "    if True:\n        if read_journal",
         (f"{PROMISES}::test_forget_refuses_an_environment_whose_run_did_not_finish_or_is_running",),
@@ -113,15 +116,15 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "progress-pipe-unthrottled",
         "safeinstall/cli/render.py",
-        "if now - self._last_line >= PROGRESS_EVERY_S:",
-        "if True:",
+        "or now - self._last_line >= PROGRESS_EVERY_S:",
+        "or True:",
         (f"{PROMISES}::test_progress_on_a_pipe_is_a_plain_line_at_most_every_5_s",),
     ),
     Mutation(
         "progress-log-unthrottled",
-        "safeinstall/store/runlog.py",
-        "if now - self._last_progress >= PROGRESS_EVERY_S:",
-        "if True:",
+        "safeinstall/run/results.py",
+        "or now - self._last_progress >= PROGRESS_EVERY_S:",
+        "or True:",
         (f"{PROMISES}::test_progress_on_a_pipe_is_a_plain_line_at_most_every_5_s",),
     ),
     Mutation(
@@ -206,6 +209,30 @@ def mutated(text: str, mutation: Mutation) -> str:
             f"{mutation.name}: {mutation.path} has {found} of {mutation.old!r}, not {mutation.count}"
         )
     return text.replace(mutation.old, mutation.new)
+
+
+def _test_is_there(node: str) -> bool:
+    """Whether the test a pytest node id names is defined in its file (a parametrized id's parameters
+    aside): looked up in the source text, nothing imported."""
+    path, _, name = node.partition("::")
+    try:
+        source = (ROOT / path).read_text()
+    except OSError:
+        return False
+    return f"def {name.partition('[')[0]}(" in source
+
+
+def problems(chosen: Sequence[Mutation]) -> list[str]:
+    """What keeps ``chosen`` from running as written: a mutation whose text is not in its file as many
+    times as it says, or a test it names that is not there. Nothing is run."""
+    found: list[str] = []
+    for m in chosen:
+        try:
+            mutated((ROOT / m.path).read_text(), m)
+        except (OSError, ValueError) as exc:
+            found.append(str(exc))
+        found.extend(f"{m.name}: no test {node}" for node in m.tests if not _test_is_there(node))
+    return found
 
 
 def verdict(returncode: int, counts: dict[str, int]) -> tuple[str, str]:
@@ -303,6 +330,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--list", action="store_true", help="list the mutations and their tests")
+    parser.add_argument(
+        "--check", action="store_true", help="only check that each mutation applies and its tests exist"
+    )
     parser.add_argument("--only", action="append", default=[], metavar="NAME", help="run only these")
     parser.add_argument("--no-baseline", action="store_true", help="skip the run of the unmutated tree")
     parser.add_argument("--why", action="store_true", help="show the assertion that killed each mutant")
@@ -316,8 +346,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         for m in chosen:
             print(f"{m.name}: {m.path}: {m.old.strip()!r} -> {m.new.strip()!r}\n    {' '.join(m.tests)}")
         return 0
-    for m in chosen:  # every mutation still applies to the code as it is now
-        mutated((ROOT / m.path).read_text(), m)
+    broken = problems(chosen)  # every mutation still applies to the code as it is now
+    for problem in broken:
+        print(f"mutation out of date: {problem}")
+    if broken or args.check:
+        if not broken:
+            print(f"{len(chosen)} mutations apply")
+        return 1 if broken else 0
     with tempfile.TemporaryDirectory(prefix="safeinstall-mutants-") as scratch:
         tree = Path(scratch) / "tree"
         tree.mkdir()
