@@ -188,6 +188,35 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/test_swap.py::test_an_entry_of_the_staging_tree_replaced_before_the_swap_is_caught_in_the_window",
         ),
     ),
+    # issue 35's audit: the tests that were missing
+    Mutation(
+        "marker-without-error-passes",
+        "safeinstall/env/systemsite.py",
+        "if marker is None or breaks_system_packages(extra_args, environ):",
+        "if not marker or breaks_system_packages(extra_args, environ):",
+        ("tests/test_system_python.py::test_a_marker_without_its_error_or_not_a_regular_file_still_refuses",),
+    ),
+    Mutation(
+        "marker-not-a-file-ignored",
+        "safeinstall/env/systemsite.py",
+        '        return ""  # there, but not read (a FIFO, a link): still a marker',
+        "        return None",
+        ("tests/test_system_python.py::test_a_marker_without_its_error_or_not_a_regular_file_still_refuses",),
+    ),
+    Mutation(
+        "containment-prefix-as-text",
+        "safeinstall/env/containment.py",
+        "return path == root or path.startswith(root if root.endswith(os.sep) else root + os.sep)",
+        "return path == root or path.startswith(root)",
+        ("tests/test_verify.py::test_a_link_to_a_sibling_whose_name_starts_with_the_prefixs_is_outside",),
+    ),
+    Mutation(
+        "plan-lock-wait-unbounded",
+        "safeinstall/env/uvplan.py",
+        '    return {**environ, "UV_LOCK_TIMEOUT": str(wait)}',
+        "    return dict(environ)",
+        ("tests/test_privsep.py::test_another_user_holding_uvs_lock_cannot_stall_the_plan",),
+    ),
 )
 
 

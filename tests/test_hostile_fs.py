@@ -1152,6 +1152,7 @@ def test_whoever_controls_what_site_or_the_interpreter_runs_is_the_environments_
         (site / "zzpkg").mkdir()
         (site / "zzpkg" / "__init__.py").write_text(record)
         compiled = py_compile.compile(str(site / "zzpkg" / "__init__.py"), doraise=True)
+        assert compiled is not None
         os.chown(compiled, NOBODY, NOBODY)
         (site / "zz-pkg.pth").write_text("import zzpkg\n")
     elif how == "acl":

@@ -153,6 +153,22 @@ def test_a_record_path_thousands_of_directories_deep_is_checked(env: Path) -> No
     ]
 
 
+def test_a_link_to_a_sibling_whose_name_starts_with_the_prefixs_is_outside(env: Path) -> None:
+    """Issue 35: the package directory is a symlink to ``<prefix>-evil/sipure``, a sibling directory whose
+    name starts with the prefix's (``venv`` -> ``venv-evil``): outside the prefix (a path is inside only
+    below ``PREFIX/``, never because it starts with the prefix's text), never read."""
+    prefix = env.parent.parent
+    package = site(env) / "sipure"
+    sibling = prefix.parent / (prefix.name + "-evil") / "sipure"
+    sibling.parent.mkdir()
+    shutil.move(package, sibling)
+    package.symlink_to(sibling, target_is_directory=True)
+    result = run("sipure", "--verify-only", "--python", str(env), "--json", timeout=60)
+    assert result.code == 1, result.stdout + result.stderr
+    kinds = {(f["kind"], f["path"].startswith("sipure/")) for f in result.json["data"]["findings"]}
+    assert kinds == {("outside", True)}, result.json["data"]["findings"]
+
+
 def test_package_directory_symlinked_within_the_prefix_is_checked(env: Path) -> None:
     prefix = env.parent.parent
     package = site(env) / "sipure"
