@@ -217,6 +217,28 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    return dict(environ)",
         ("tests/test_privsep.py::test_another_user_holding_uvs_lock_cannot_stall_the_plan",),
     ),
+    Mutation(
+        "steering-skips-what-pth-imports",
+        "safeinstall/env/environment.py",
+        '            _walk_loaded(control, loaded, "what site may import", budget)',
+        "            pass",
+        (
+            "tests/test_hostile_fs.py::test_whoever_controls_what_site_or_the_interpreter_runs_is_the_"
+            "environments_account[imported-module]",
+            "tests/test_hostile_fs.py::test_whoever_controls_what_site_or_the_interpreter_runs_is_the_"
+            "environments_account[imported-pycache]",
+        ),
+    ),
+    Mutation(
+        "output-through-others-link",
+        "safeinstall/store/state.py",
+        "            if info.st_uid not in (0, euid):",
+        "            if False:",
+        (
+            "tests/test_hostile_fs.py::test_an_output_file_is_never_written_through_another_users_link"
+            "[the-users-link-in-a-sticky-directory]",
+        ),
+    ),
 )
 
 
