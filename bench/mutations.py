@@ -239,6 +239,13 @@ MUTATIONS: tuple[Mutation, ...] = (
             "[the-users-link-in-a-sticky-directory]",
         ),
     ),
+    Mutation(
+        "plan-only-failed-dependents-left",
+        "safeinstall/scan/plan.py",
+        "                or not dependent.is_active\n",
+        '                or dependent.active_state == "failed"\n',
+        (f"{PROMISES}::test_an_inactive_but_loaded_sidecar_bound_to_the_service_is_not_planned",),
+    ),
 )
 
 

@@ -136,6 +136,25 @@ def test_a_failed_sidecar_bound_to_the_service_is_not_planned(bed: Bed) -> None:
     assert bed.manager.active_state(sidecar) == "failed" and bed.version() == "2.0"
 
 
+def test_an_inactive_but_loaded_sidecar_bound_to_the_service_is_not_planned(bed: Bed) -> None:
+    """Issue 35: a BindsTo= sidecar that ran and ended (inactive, not failed, still loaded: the service
+    names it in BoundBy=) is not planned either: only an *active* dependent stops with the service."""
+    served = bed.service("bound-inactive")
+    sidecar = bed.units.create(
+        "done-sidecar",
+        f"[Unit]\nBindsTo={served}\nAfter={served}\n\n[Service]\nType=oneshot\nExecStart=/bin/true\n",
+    )
+    holder = bed.units.create(  # an active unit that wants it keeps it loaded once it has ended
+        "sidecar-holder", f"[Unit]\nWants={sidecar}\n\n[Service]\nExecStart=/bin/sleep infinity\n"
+    )
+    bed.manager.start(holder)
+    bed.manager.wait_state(sidecar, ("inactive",))
+    assert sidecar in bed.manager.show(served, "BoundBy")["BoundBy"].split()
+    dry = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--dry-run", "--json")
+    assert dry.code == 0, dry.stdout + dry.stderr
+    assert [u["name"] for u in dry.json["data"]["units"]] == [served]
+
+
 # --- --no-restart -----------------------------------------------------------------------------------
 
 
