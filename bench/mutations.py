@@ -246,6 +246,20 @@ MUTATIONS: tuple[Mutation, ...] = (
         '                or dependent.active_state == "failed"\n',
         (f"{PROMISES}::test_an_inactive_but_loaded_sidecar_bound_to_the_service_is_not_planned",),
     ),
+    Mutation(
+        "verify-pth-unhashed",
+        "safeinstall/env/verify.py",
+        "        if entry.hash is None:\n            continue  # unhashed entries",
+        '        if entry.hash is None or entry.path.endswith(".pth"):\n            continue  # unhashed entries',
+        ("tests/test_verify.py::test_a_pth_file_listed_in_a_record_is_modified_when_changed",),
+    ),
+    Mutation(
+        "verify-data-scheme-misplaced",
+        "safeinstall/env/wheel.py",
+        '        "data": env.data,',
+        '        "data": env.purelib,',
+        ("tests/test_verify.py::test_a_wheels_data_files_verify_clean_and_a_changed_one_is_found",),
+    ),
 )
 
 
