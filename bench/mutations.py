@@ -260,6 +260,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         '        "data": env.purelib,',
         ("tests/test_verify.py::test_a_wheels_data_files_verify_clean_and_a_changed_one_is_found",),
     ),
+    Mutation(
+        "swap-place-replaces",
+        "safeinstall/env/swap.py",
+        "            flags = RENAME_NOREPLACE if move.how == How.PLACE else RENAME_EXCHANGE",
+        "            flags = 0 if move.how == How.PLACE else RENAME_EXCHANGE",
+        ("tests/test_swap.py::test_a_placed_entry_never_replaces_what_appeared_there_since_the_plan",),
+    ),
 )
 
 
