@@ -250,7 +250,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "verify-pth-unhashed",
         "safeinstall/env/verify.py",
         "        if entry.hash is None:\n            continue  # unhashed entries",
-        '        if entry.hash is None or entry.path.endswith(".pth"):\n            continue  # unhashed entries',
+        '        if entry.hash is None or entry.path.endswith(".pth"):\n'
+        "            continue  # unhashed entries",
         ("tests/test_verify.py::test_a_pth_file_listed_in_a_record_is_modified_when_changed",),
     ),
     Mutation(
@@ -266,6 +267,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            flags = RENAME_NOREPLACE if move.how == How.PLACE else RENAME_EXCHANGE",
         "            flags = 0 if move.how == How.PLACE else RENAME_EXCHANGE",
         ("tests/test_swap.py::test_a_placed_entry_never_replaces_what_appeared_there_since_the_plan",),
+    ),
+    Mutation(
+        "identity-ignores-mtime",
+        "safeinstall/env/inodes.py",
+        "            or info.st_mtime_ns != entry.mtime_ns\n",
+        "",
+        ("tests/test_inodes.py::test_a_hashed_file_rewritten_before_the_install_ended_is_read_again",),
     ),
 )
 
