@@ -275,6 +275,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "",
         ("tests/test_inodes.py::test_a_hashed_file_rewritten_before_the_install_ended_is_read_again",),
     ),
+    Mutation(
+        "end-check-units-only",
+        "safeinstall/scan/plan.py",
+        "        placement = placement_of_proc_cgroup(record.cgroup_text)\n        found.append(",
+        "        placement = placement_of_proc_cgroup(record.cgroup_text)\n"
+        "        if placement.unit is None:\n            continue\n        found.append(",
+        ("tests/test_processes.py::test_the_end_check_reports_a_process_on_old_code_outside_any_unit",),
+    ),
 )
 
 
