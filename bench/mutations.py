@@ -283,6 +283,16 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        if placement.unit is None:\n            continue\n        found.append(",
         ("tests/test_processes.py::test_the_end_check_reports_a_process_on_old_code_outside_any_unit",),
     ),
+    Mutation(
+        "recover-keeps-an-unstarted-verified-version",
+        "safeinstall/run/recover.py",
+        "return effective_phase(journal) in (Phase.VERIFIED, Phase.RESTARTING) and",
+        "return effective_phase(journal) in (Phase.RESTARTING,) and",
+        (
+            "tests/test_crash_safety.py::test_a_kill_once_verified_of_a_version_that_crashes_on_start_then_"
+            "recover_puts_the_old_back",
+        ),
+    ),
 )
 
 
