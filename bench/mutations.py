@@ -97,7 +97,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "safeinstall/scan/plan.py",
         "                or not dependent.is_active\n",
         "",
-        (f"{PROMISES}::test_a_failed_sidecar_bound_to_the_service_is_not_planned",),
+        (f"{PROMISES}::test_a_failed_or_inactive_sidecar_bound_to_the_service_is_not_planned",),
     ),
     Mutation(
         "no-restart-restarts",
@@ -244,7 +244,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "safeinstall/scan/plan.py",
         "                or not dependent.is_active\n",
         '                or dependent.active_state == "failed"\n',
-        (f"{PROMISES}::test_an_inactive_but_loaded_sidecar_bound_to_the_service_is_not_planned",),
+        (f"{PROMISES}::test_a_failed_or_inactive_sidecar_bound_to_the_service_is_not_planned[inactive]",),
     ),
     Mutation(
         "verify-pth-unhashed",
@@ -252,14 +252,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        if entry.hash is None:\n            continue  # unhashed entries",
         '        if entry.hash is None or entry.path.endswith(".pth"):\n'
         "            continue  # unhashed entries",
-        ("tests/test_verify.py::test_a_pth_file_listed_in_a_record_is_modified_when_changed",),
+        ("tests/test_verify.py::test_a_pth_or_data_file_verifies_clean_and_is_modified_when_changed[pth]",),
     ),
     Mutation(
         "verify-data-scheme-misplaced",
         "safeinstall/env/wheel.py",
         '        "data": env.data,',
         '        "data": env.purelib,',
-        ("tests/test_verify.py::test_a_wheels_data_files_verify_clean_and_a_changed_one_is_found",),
+        ("tests/test_verify.py::test_a_pth_or_data_file_verifies_clean_and_is_modified_when_changed[data]",),
     ),
     Mutation(
         "swap-place-replaces",

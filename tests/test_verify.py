@@ -209,44 +209,26 @@ def test_python_scripts_rewritten_by_the_installer_are_not_drift(tmp_path: Path,
     assert [(f["kind"], f["path"]) for f in doc["data"]["findings"]] == [("modified", str(script))]
 
 
-def test_a_pth_file_listed_in_a_record_is_modified_when_changed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["pth", "data"])
+def test_a_pth_or_data_file_verifies_clean_and_is_modified_when_changed(tmp_path: Path, kind: str) -> None:
     """Issue 35: a `.pth` file a wheel installs at the top of site-packages (code that runs at every
-    start) and its RECORD lists: clean as installed; changed, it is `modified`, against its RECORD and
-    against the wheel."""
+    start), or a `.data/data/` member (installed below the prefix, `share/...`): clean as installed,
+    against its RECORD and against the wheel; changed, it is `modified` either way."""
+    member = "sidata.pth" if kind == "pth" else "sidata-1.0.data/data/share/sidata/notes.txt"
     wheel = wheelhouse.make_wheel(
-        tmp_path, "sihook", "1.0", {"sihook/__init__.py": b"X = 1\n", "sihook.pth": b"import sihook\n"}
+        tmp_path, "sidata", "1.0", {"sidata/__init__.py": b"X = 1\n", member: b"import sidata\n"}
     )
     python = wheelhouse.make_venv(tmp_path / "v")
     wheelhouse.uv_install(python, wheel)
-    pth = site(python) / "sihook.pth"
-    for against in ((), ("--wheel", str(wheel))):
-        assert run("sihook", "--verify-only", "--python", str(python), *against).code == 0
-    pth.write_text("import os; os.system('id')\n")
-    for against in ((), ("--wheel", str(wheel))):
-        doc = run("sihook", "--verify-only", "--python", str(python), *against, "--json").json
-        assert [(f["kind"], f["path"].endswith("sihook.pth")) for f in doc["data"]["findings"]] == [
-            ("modified", True)
-        ], against
-
-
-def test_a_wheels_data_files_verify_clean_and_a_changed_one_is_found(tmp_path: Path) -> None:
-    """Issue 35: a wheel with `.data/data/` members (installed below the prefix, `share/...`) verifies
-    clean against its RECORD and against the wheel; a changed data file is `modified` either way."""
-    notes = "sidata-1.0.data/data/share/sidata/notes.txt"
-    wheel = wheelhouse.make_wheel(
-        tmp_path, "sidata", "1.0", {"sidata/__init__.py": b"X = 1\n", notes: b"the wheel's notes\n"}
-    )
-    python = wheelhouse.make_venv(tmp_path / "v")
-    wheelhouse.uv_install(python, wheel)
-    data = tmp_path / "v" / "share" / "sidata" / "notes.txt"
-    assert data.read_bytes() == b"the wheel's notes\n"
+    path = site(python) / member if kind == "pth" else tmp_path / "v" / "share" / "sidata" / "notes.txt"
+    assert path.read_bytes() == b"import sidata\n"
     for against in ((), ("--wheel", str(wheel))):
         result = run("sidata", "--verify-only", "--python", str(python), *against, "--json")
         assert result.code == 0, (against, result.stdout)
-    data.write_text("changed\n")
+    path.write_text("import os; os.system('id')\n")
     for against in ((), ("--wheel", str(wheel))):
         doc = run("sidata", "--verify-only", "--python", str(python), *against, "--json").json
-        assert [(f["kind"], f["path"].endswith("notes.txt")) for f in doc["data"]["findings"]] == [
+        assert [(f["kind"], f["path"].endswith(path.name)) for f in doc["data"]["findings"]] == [
             ("modified", True)
         ], against
 
