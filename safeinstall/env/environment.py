@@ -332,6 +332,8 @@ def _walk_loaded(control: _Control, top: Path, what: str, budget: list[int]) -> 
     (:meth:`_Control.look_up`); a link to a directory outside the tree is a problem (the walk does not
     follow it out). ``budget``: the entries still allowed (shared by every walk of one check); beyond it,
     or past ``LOADED_DEPTH``, a problem."""
+    if budget[0] < 0:  # said once, by the walk that ran out
+        return
     real_top = Path(os.path.realpath(top))
     todo: list[tuple[Path, int]] = [(real_top, 0)]
     if os.path.islink(top):
