@@ -293,6 +293,26 @@ MUTATIONS: tuple[Mutation, ...] = (
             "recover_puts_the_old_back",
         ),
     ),
+    Mutation(
+        "steering-walk-unbounded",
+        "safeinstall/env/environment.py",
+        "        if depth > LOADED_DEPTH:",
+        "        if False:",
+        (
+            "tests/test_hostile_fs.py::test_a_package_a_pth_line_imports_is_walked_within_bounds_never_out_of_it"
+            "[too-deep]",
+        ),
+    ),
+    Mutation(
+        "steering-follows-links-out",
+        "safeinstall/env/environment.py",
+        "                if os.path.isdir(target) and not _inside(target, real_top):",
+        "                if False:",
+        (
+            "tests/test_hostile_fs.py::test_a_package_a_pth_line_imports_is_walked_within_bounds_never_out_of_it"
+            "[link-out]",
+        ),
+    ),
 )
 
 

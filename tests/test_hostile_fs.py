@@ -1173,27 +1173,33 @@ def test_whoever_controls_what_site_or_the_interpreter_runs_is_the_environments_
     assert "belongs to uid 65534" in result.stdout + result.stderr, result.stdout + result.stderr
 
 
-def test_a_link_out_of_a_package_a_pth_line_imports_is_not_followed_but_refused(
-    open_dir: Path, wheels: Wheelhouse
+@pytest.mark.parametrize("how", ["link-out", "too-deep"])
+def test_a_package_a_pth_line_imports_is_walked_within_bounds_never_out_of_it(
+    open_dir: Path, wheels: Wheelhouse, how: str
 ) -> None:
     """Row (issue 35): a `.pth` import line loads a root-owned package whose tree holds a link to a
-    directory elsewhere (where the account's files could be): the walk of what `site` may import never
-    follows a link out of the tree; the environment is refused rather than judged root's."""
+    directory elsewhere (where the account's files could be), or is nested past the walk's bound: the
+    walk of what `site` may import never follows a link out of the tree nor goes on without end; the
+    environment is refused rather than judged root's."""
     if not AS_ROOT:
         pytest.skip("the attack is on a run as root")
     python, site, _uids = _root_venv_with_pth(open_dir, wheels)
-    elsewhere = open_dir / "elsewhere"
-    elsewhere.mkdir()
-    (elsewhere / "sub.py").write_text("")
-    os.chown(elsewhere / "sub.py", NOBODY, NOBODY)
     (site / "zzpkg").mkdir()
     (site / "zzpkg" / "__init__.py").write_text("")
-    (site / "zzpkg" / "inner").symlink_to(elsewhere, target_is_directory=True)
+    if how == "link-out":
+        elsewhere = open_dir / "elsewhere"
+        elsewhere.mkdir()
+        (elsewhere / "sub.py").write_text("")
+        os.chown(elsewhere / "sub.py", NOBODY, NOBODY)
+        (site / "zzpkg" / "inner").symlink_to(elsewhere, target_is_directory=True)
+    else:
+        (site / "zzpkg" / "/".join(["d"] * 70)).mkdir(parents=True)
     (site / "zz-pkg.pth").write_text("import zzpkg\n")
     from safeinstall.env.environment import inspect_environment
     from safeinstall.errors import InterpreterError
 
-    with pytest.raises(InterpreterError, match="links to the directory"):
+    said = "links to the directory" if how == "link-out" else "directories deep"
+    with pytest.raises(InterpreterError, match=said):
         inspect_environment(python)
 
 
