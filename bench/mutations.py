@@ -10,11 +10,14 @@ subprocesses, and a detached run's ``python -I -m safeinstall``, all run the mut
     .venv/bin/python bench/mutations.py --list
     .venv/bin/python bench/mutations.py           # all, after a baseline (about 10 minutes on 2 CPUs)
     .venv/bin/python bench/mutations.py --only forget-journal --only restore-check
+    .venv/bin/python bench/mutations.py --check   # each mutation still applies (no test run; CI)
 
 The unmutated tree runs first (``--no-baseline`` skips it): every named test must pass there, and a
 test that is skipped (no ``/run/systemd/system``, no cgroup delegation) makes a result inconclusive,
 never "killed". Exit status: 0 when every mutation was killed, 1 otherwise. Needs root, like the
-tests it runs. Not part of the test suite (``testpaths`` is ``tests/``).
+tests it runs. Not part of the test suite (``testpaths`` is ``tests/``); its ``--check`` is
+(``tests/test_quality.py``): a mutation whose text the code no longer has, or that names a test that
+is not there, fails CI instead of being found out on demand.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ class Mutation:
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "forget-journal",
-        "safeinstall/run/recover.py",
+        "safeinstall/run/status.py",
         "if read_journal(state.dir) is not None:",
         "if False:",
         (f"{PROMISES}::test_forget_refuses_an_environment_whose_run_did_not_finish_or_is_running",),
@@ -57,7 +60,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "forget-unlocked",
-        "safeinstall/run/recover.py",
+        "safeinstall/run/status.py",
         "    with acquire_lock(state.lock, prefix):\n        if read_journal",
         "    if True:\n        if read_journal",
         (f"{PROMISES}::test_forget_refuses_an_environment_whose_run_did_not_finish_or_is_running",),
@@ -94,7 +97,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "safeinstall/scan/plan.py",
         "                or not dependent.is_active\n",
         "",
-        (f"{PROMISES}::test_a_failed_sidecar_bound_to_the_service_is_not_planned",),
+        (f"{PROMISES}::test_a_failed_or_inactive_sidecar_bound_to_the_service_is_not_planned",),
     ),
     Mutation(
         "no-restart-restarts",
@@ -113,15 +116,15 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "progress-pipe-unthrottled",
         "safeinstall/cli/render.py",
-        "if now - self._last_line >= PROGRESS_EVERY_S:",
-        "if True:",
+        "or now - self._last_line >= PROGRESS_EVERY_S:",
+        "or True:",
         (f"{PROMISES}::test_progress_on_a_pipe_is_a_plain_line_at_most_every_5_s",),
     ),
     Mutation(
         "progress-log-unthrottled",
-        "safeinstall/store/runlog.py",
-        "if now - self._last_progress >= PROGRESS_EVERY_S:",
-        "if True:",
+        "safeinstall/run/results.py",
+        "or now - self._last_progress >= PROGRESS_EVERY_S:",
+        "or True:",
         (f"{PROMISES}::test_progress_on_a_pipe_is_a_plain_line_at_most_every_5_s",),
     ),
     Mutation(
@@ -185,6 +188,131 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/test_swap.py::test_an_entry_of_the_staging_tree_replaced_before_the_swap_is_caught_in_the_window",
         ),
     ),
+    # issue 35's audit: the tests that were missing
+    Mutation(
+        "marker-without-error-passes",
+        "safeinstall/env/systemsite.py",
+        "if marker is None or breaks_system_packages(extra_args, environ):",
+        "if not marker or breaks_system_packages(extra_args, environ):",
+        ("tests/test_system_python.py::test_a_marker_without_its_error_or_not_a_regular_file_still_refuses",),
+    ),
+    Mutation(
+        "marker-not-a-file-ignored",
+        "safeinstall/env/systemsite.py",
+        '        return ""  # there, but not read (a FIFO, a link): still a marker',
+        "        return None",
+        ("tests/test_system_python.py::test_a_marker_without_its_error_or_not_a_regular_file_still_refuses",),
+    ),
+    Mutation(
+        "containment-prefix-as-text",
+        "safeinstall/env/containment.py",
+        "return path == root or path.startswith(root if root.endswith(os.sep) else root + os.sep)",
+        "return path == root or path.startswith(root)",
+        ("tests/test_verify.py::test_a_link_to_a_sibling_whose_name_starts_with_the_prefixs_is_outside",),
+    ),
+    Mutation(
+        "plan-lock-wait-unbounded",
+        "safeinstall/env/uvplan.py",
+        '    return {**environ, "UV_LOCK_TIMEOUT": str(wait)}',
+        "    return dict(environ)",
+        ("tests/test_privsep.py::test_another_user_holding_uvs_lock_cannot_stall_the_plan",),
+    ),
+    Mutation(
+        "steering-skips-what-pth-imports",
+        "safeinstall/env/environment.py",
+        '            _walk_loaded(control, loaded, "what site may import", budget)',
+        "            pass",
+        (
+            "tests/test_hostile_fs.py::test_whoever_controls_what_site_or_the_interpreter_runs_is_the_"
+            "environments_account[imported-module]",
+            "tests/test_hostile_fs.py::test_whoever_controls_what_site_or_the_interpreter_runs_is_the_"
+            "environments_account[imported-pycache]",
+        ),
+    ),
+    Mutation(
+        "output-through-others-link",
+        "safeinstall/store/state.py",
+        "            if info.st_uid not in (0, euid):",
+        "            if False:",
+        (
+            "tests/test_hostile_fs.py::test_an_output_file_is_never_written_through_another_users_link"
+            "[the-users-link-in-a-sticky-directory]",
+        ),
+    ),
+    Mutation(
+        "plan-only-failed-dependents-left",
+        "safeinstall/scan/plan.py",
+        "                or not dependent.is_active\n",
+        '                or dependent.active_state == "failed"\n',
+        (f"{PROMISES}::test_a_failed_or_inactive_sidecar_bound_to_the_service_is_not_planned[inactive]",),
+    ),
+    Mutation(
+        "verify-pth-unhashed",
+        "safeinstall/env/verify.py",
+        "        if entry.hash is None:\n            continue  # unhashed entries",
+        '        if entry.hash is None or entry.path.endswith(".pth"):\n'
+        "            continue  # unhashed entries",
+        ("tests/test_verify.py::test_a_pth_or_data_file_verifies_clean_and_is_modified_when_changed[pth]",),
+    ),
+    Mutation(
+        "verify-data-scheme-misplaced",
+        "safeinstall/env/wheel.py",
+        '        "data": env.data,',
+        '        "data": env.purelib,',
+        ("tests/test_verify.py::test_a_pth_or_data_file_verifies_clean_and_is_modified_when_changed[data]",),
+    ),
+    Mutation(
+        "swap-place-replaces",
+        "safeinstall/env/swap.py",
+        "            flags = RENAME_NOREPLACE if move.how == How.PLACE else RENAME_EXCHANGE",
+        "            flags = 0 if move.how == How.PLACE else RENAME_EXCHANGE",
+        ("tests/test_swap.py::test_a_placed_entry_never_replaces_what_appeared_there_since_the_plan",),
+    ),
+    Mutation(
+        "identity-ignores-mtime",
+        "safeinstall/env/inodes.py",
+        "            or info.st_mtime_ns != entry.mtime_ns\n",
+        "",
+        ("tests/test_inodes.py::test_a_hashed_file_rewritten_before_the_install_ended_is_read_again",),
+    ),
+    Mutation(
+        "end-check-units-only",
+        "safeinstall/scan/plan.py",
+        "        placement = placement_of_proc_cgroup(record.cgroup_text)\n        found.append(",
+        "        placement = placement_of_proc_cgroup(record.cgroup_text)\n"
+        "        if placement.unit is None:\n            continue\n        found.append(",
+        ("tests/test_processes.py::test_the_end_check_reports_a_process_on_old_code_outside_any_unit",),
+    ),
+    Mutation(
+        "recover-keeps-an-unstarted-verified-version",
+        "safeinstall/run/recover.py",
+        "return effective_phase(journal) in (Phase.VERIFIED, Phase.RESTARTING) and",
+        "return effective_phase(journal) in (Phase.RESTARTING,) and",
+        (
+            "tests/test_crash_safety.py::test_a_kill_once_verified_of_a_version_that_crashes_on_start_then_"
+            "recover_puts_the_old_back",
+        ),
+    ),
+    Mutation(
+        "steering-walk-unbounded",
+        "safeinstall/env/environment.py",
+        "        if depth > LOADED_DEPTH:",
+        "        if False:",
+        (
+            "tests/test_hostile_fs.py::test_a_package_a_pth_line_imports_is_walked_within_bounds_never_out_of_it"
+            "[too-deep]",
+        ),
+    ),
+    Mutation(
+        "steering-follows-links-out",
+        "safeinstall/env/environment.py",
+        "                if os.path.isdir(target) and not _inside(target, real_top):",
+        "                if False:",
+        (
+            "tests/test_hostile_fs.py::test_a_package_a_pth_line_imports_is_walked_within_bounds_never_out_of_it"
+            "[link-out]",
+        ),
+    ),
 )
 
 
@@ -206,6 +334,30 @@ def mutated(text: str, mutation: Mutation) -> str:
             f"{mutation.name}: {mutation.path} has {found} of {mutation.old!r}, not {mutation.count}"
         )
     return text.replace(mutation.old, mutation.new)
+
+
+def _test_is_there(node: str) -> bool:
+    """Whether the test a pytest node id names is defined in its file (a parametrized id's parameters
+    aside): looked up in the source text, nothing imported."""
+    path, _, name = node.partition("::")
+    try:
+        source = (ROOT / path).read_text()
+    except OSError:
+        return False
+    return f"def {name.partition('[')[0]}(" in source
+
+
+def problems(chosen: Sequence[Mutation]) -> list[str]:
+    """What keeps ``chosen`` from running as written: a mutation whose text is not in its file as many
+    times as it says, or a test it names that is not there. Nothing is run."""
+    found: list[str] = []
+    for m in chosen:
+        try:
+            mutated((ROOT / m.path).read_text(), m)
+        except (OSError, ValueError) as exc:
+            found.append(str(exc))
+        found.extend(f"{m.name}: no test {node}" for node in m.tests if not _test_is_there(node))
+    return found
 
 
 def verdict(returncode: int, counts: dict[str, int]) -> tuple[str, str]:
@@ -303,6 +455,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--list", action="store_true", help="list the mutations and their tests")
+    parser.add_argument(
+        "--check", action="store_true", help="only check that each mutation applies and its tests exist"
+    )
     parser.add_argument("--only", action="append", default=[], metavar="NAME", help="run only these")
     parser.add_argument("--no-baseline", action="store_true", help="skip the run of the unmutated tree")
     parser.add_argument("--why", action="store_true", help="show the assertion that killed each mutant")
@@ -316,8 +471,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         for m in chosen:
             print(f"{m.name}: {m.path}: {m.old.strip()!r} -> {m.new.strip()!r}\n    {' '.join(m.tests)}")
         return 0
-    for m in chosen:  # every mutation still applies to the code as it is now
-        mutated((ROOT / m.path).read_text(), m)
+    broken = problems(chosen)  # every mutation still applies to the code as it is now
+    for problem in broken:
+        print(f"mutation out of date: {problem}")
+    if broken or args.check:
+        if not broken:
+            print(f"{len(chosen)} mutations apply")
+        return 1 if broken else 0
     with tempfile.TemporaryDirectory(prefix="safeinstall-mutants-") as scratch:
         tree = Path(scratch) / "tree"
         tree.mkdir()

@@ -88,6 +88,37 @@ def test_sigkill_at_step_boundary_then_recover(
     assert bed.cli("--status", "--json").json["status"] == "idle"
 
 
+def test_a_kill_once_verified_of_a_version_that_crashes_on_start_then_recover_puts_the_old_back(
+    bed: Bed,
+) -> None:
+    """Issue 35: the run dies once its new version is verified (phase ``verified``), before it saw the
+    units settle on it, and that version (sicext 3.0) crashes on start: ``--recover`` starts the units,
+    sees them fail, and puts the previous installation back, as the run would have (exit 3).
+
+    The kill lands in ``verified`` or in ``restarting``, whichever the journal shows first (``verified``
+    lasts a few instructions); a journal left in ``restarting`` is put back to ``verified``, the phase
+    the recovery is asked about: everything else of it is what the run wrote."""
+    name = bed.unit("kill-verified-crash")
+    proc = bed.start_run("sicext", "--wheel", str(bed.wheels["sicext-3"]), "--settle", "5")
+    try:
+        bed.wait_phase(proc, "verified", "restarting")
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+        proc.communicate()
+    (path,) = [p for p in bed.state.glob("*/journal.json")]
+    doc = json.loads(path.read_text())
+    assert doc["phase"] in ("verified", "restarting"), doc["phase"]
+    doc["phase"] = "verified"
+    path.write_text(json.dumps(doc))
+    assert "sicext 3.0" in bed.version()  # installed: it crashes on import
+    recovered = bed.cli("--recover", "--json")
+    assert recovered.code == 3, recovered.stdout + recovered.stderr
+    wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running the old version")
+    assert bed.version() == "1.0"
+    assert bed.cli("--recover").stdout.strip() == "nothing to recover"
+
+
 def test_recover_goes_on_past_an_environment_it_cannot_recover(
     bed: Bed,
     big_wheel: Path,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import py_compile
 import shutil
 import signal
 import stat
@@ -667,6 +668,39 @@ def test_verify_never_reads_what_a_wheel_member_points_at(
     assert "TOP-SECRET" not in result.stdout + result.stderr and not patch.exists()
 
 
+@pytest.mark.parametrize("where", ["in-the-users-directory", "the-users-link-in-a-sticky-directory"])
+def test_an_output_file_is_never_written_through_another_users_link(
+    verified: tuple[Path, Path, Path], wheels: Wheelhouse, open_dir: Path, where: str
+) -> None:
+    """Row (issue 35): `--save-patch DIR/link/FILE` (and `--metrics-file`, the same rule) where another
+    user's symlink leads into a root-only directory, the link in that user's directory or in a
+    root-owned sticky one (`/tmp`): refused (exit 2), nothing written there. A link of root's on the way
+    is followed (the file is written where it leads)."""
+    if not AS_ROOT:
+        pytest.skip("the attack is on a run as root")
+    python, _site, _secret = verified
+    root_only = open_dir / "root-only"
+    root_only.mkdir(mode=0o700)
+    users = open_dir / ("evil" if where == "in-the-users-directory" else "sticky")
+    users.mkdir()
+    if where == "in-the-users-directory":
+        os.chown(users, NOBODY, NOBODY)
+    else:
+        users.chmod(0o1777)
+    (users / "link").symlink_to(root_only, target_is_directory=True)
+    os.lchown(users / "link", NOBODY, NOBODY)
+    base = ("sicext", "--verify-only", "--python", str(python), "--wheel", str(wheels["sicext-1"]))
+    patch = run(*base, "--diff", "--save-patch", str(users / "link" / "p.diff"))
+    assert patch.code == 2 and "refusing to write" in patch.stderr, patch.stdout + patch.stderr
+    assert "owned by uid 65534" in patch.stderr and "hint:" in patch.stderr
+    metrics = run(*base, "--metrics-file", str(users / "link" / "m.prom"))
+    assert metrics.code == 2 and "owned by uid 65534" in metrics.stderr, metrics.stderr
+    assert list(root_only.iterdir()) == []
+    (open_dir / "roots-link").symlink_to(root_only, target_is_directory=True)
+    ok = run(*base, "--diff", "--save-patch", str(open_dir / "roots-link" / "p.diff"))
+    assert ok.code == 0 and (root_only / "p.diff").is_file(), ok.stdout + ok.stderr
+
+
 def test_diff_does_not_follow_a_symlinked_installed_file(
     verified: tuple[Path, Path, Path], wheels: Wheelhouse, tmp_path: Path
 ) -> None:
@@ -1066,15 +1100,19 @@ def _acl(entries: list[tuple[int, int, int]]) -> bytes:
     return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", t, p, i) for t, p, i in entries)
 
 
-@pytest.mark.parametrize("how", ["pth-path-line", "imported-package", "acl", "interpreter-link"])
+@pytest.mark.parametrize(
+    "how",
+    ["pth-path-line", "imported-package", "imported-module", "imported-pycache", "acl", "interpreter-link"],
+)
 def test_whoever_controls_what_site_or_the_interpreter_runs_is_the_environments_account(
     open_dir: Path, wheels: Wheelhouse, how: str
 ) -> None:
     """Rows: code that runs when uv starts the interpreter (with `site`) or when the probe does, which
     the service account controls although every file of the venv itself is root's: a directory a
     root-owned `.pth` file adds (an editable install's source tree) holding `sitecustomize.py`; a
-    package that a `.pth` import line loads; write access granted by an access ACL; a link on the way
-    to the interpreter. The account is the environment's: nothing of it runs as root."""
+    package that a `.pth` import line loads, or only a module deep in it (`zzpkg/sub.py`) or a
+    compiled file in its `__pycache__` (issue 35); write access granted by an access ACL; a link on the
+    way to the interpreter. The account is the environment's: nothing of it runs as root."""
     if not AS_ROOT:
         pytest.skip("the attack is on a run as root")
     shared = shared_interpreter_or_skip()
@@ -1103,6 +1141,20 @@ def test_whoever_controls_what_site_or_the_interpreter_runs_is_the_environments_
         (site / "hack" / "__init__.py").write_text(record)
         chown_tree(site / "hack", NOBODY)
         (site / "zz-hack.pth").write_text("import hack\n")
+    elif how == "imported-module":  # root's package and .pth; one module deep in it the account's
+        (site / "zzpkg" / "inner").mkdir(parents=True)
+        (site / "zzpkg" / "__init__.py").write_text("from zzpkg.inner import sub\n")
+        (site / "zzpkg" / "inner" / "__init__.py").write_text("")
+        (site / "zzpkg" / "inner" / "sub.py").write_text(record)
+        os.chown(site / "zzpkg" / "inner" / "sub.py", NOBODY, NOBODY)
+        (site / "zz-pkg.pth").write_text("import zzpkg\n")
+    elif how == "imported-pycache":  # root's source; its compiled file (what runs) the account's
+        (site / "zzpkg").mkdir()
+        (site / "zzpkg" / "__init__.py").write_text(record)
+        compiled = py_compile.compile(str(site / "zzpkg" / "__init__.py"), doraise=True)
+        assert compiled is not None
+        os.chown(compiled, NOBODY, NOBODY)
+        (site / "zz-pkg.pth").write_text("import zzpkg\n")
     elif how == "acl":
         (site / "zz-uids.pth").write_text(record)
         try:  # u::rwx u:65534:rwx g::r-x m::rwx o::r-x
@@ -1119,6 +1171,36 @@ def test_whoever_controls_what_site_or_the_interpreter_runs_is_the_environments_
     ran = set(uids.read_text().split())
     assert "0" not in ran, f"ran as root: {result.stdout}{result.stderr}"
     assert "belongs to uid 65534" in result.stdout + result.stderr, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("how", ["link-out", "too-deep"])
+def test_a_package_a_pth_line_imports_is_walked_within_bounds_never_out_of_it(
+    open_dir: Path, wheels: Wheelhouse, how: str
+) -> None:
+    """Row (issue 35): a `.pth` import line loads a root-owned package whose tree holds a link to a
+    directory elsewhere (where the account's files could be), or is nested past the walk's bound: the
+    walk of what `site` may import never follows a link out of the tree nor goes on without end; the
+    environment is refused rather than judged root's."""
+    if not AS_ROOT:
+        pytest.skip("the attack is on a run as root")
+    python, site, _uids = _root_venv_with_pth(open_dir, wheels)
+    (site / "zzpkg").mkdir()
+    (site / "zzpkg" / "__init__.py").write_text("")
+    if how == "link-out":
+        elsewhere = open_dir / "elsewhere"
+        elsewhere.mkdir()
+        (elsewhere / "sub.py").write_text("")
+        os.chown(elsewhere / "sub.py", NOBODY, NOBODY)
+        (site / "zzpkg" / "inner").symlink_to(elsewhere, target_is_directory=True)
+    else:
+        (site / "zzpkg" / "/".join(["d"] * 70)).mkdir(parents=True)
+    (site / "zz-pkg.pth").write_text("import zzpkg\n")
+    from safeinstall.env.environment import inspect_environment
+    from safeinstall.errors import InterpreterError
+
+    said = "links to the directory" if how == "link-out" else "directories deep"
+    with pytest.raises(InterpreterError, match=said):
+        inspect_environment(python)
 
 
 def test_a_symlinked_site_packages_in_a_directory_the_account_owns_is_the_accounts(

@@ -90,6 +90,23 @@ def test_a_cache_entry_written_after_its_hash_is_read_and_the_change_caught(tmp_
     assert not state.by_identity and state.digest == _digest(b"X" + CONTENT[1:])
 
 
+def test_a_hashed_file_rewritten_before_the_install_ended_is_read_again(tmp_path: Path) -> None:
+    """Issue 35: the linked inode is written (same size, its modification time left as the write made
+    it) after the look before the stop and before the install ended: its change time is under the
+    install's end, so only its modification time tells: it is read and hashed, the change caught."""
+    cache, entry = _cache(tmp_path)
+    hashed = inodes.still_hashed(inodes.hash_cache(cache))
+    installed = _installed(tmp_path, entry)
+    time.sleep(0.02)  # past the filesystem's timestamp granularity (a later tick), not a timed assertion
+    with installed.open("r+b") as handle:
+        handle.write(b"Z")
+    installed_ns = time.time_ns()  # the install ends after the write
+    info = installed.stat()
+    assert info.st_ctime_ns <= installed_ns and info.st_size == len(CONTENT)
+    state = _observe(installed, inodes.checker(hashed, installed_ns))
+    assert not state.by_identity and state.digest == _digest(b"Z" + CONTENT[1:])
+
+
 def test_an_installed_file_changed_after_the_install_ended_is_read(tmp_path: Path) -> None:
     cache, entry = _cache(tmp_path)
     hashed = inodes.still_hashed(inodes.hash_cache(cache))

@@ -466,6 +466,34 @@ def test_another_user_holding_uvs_lock_cannot_hold_the_window_open(account: Serv
         ready.unlink(missing_ok=True)
 
 
+def test_another_user_holding_uvs_lock_cannot_stall_the_plan(
+    open_dir: Path, wheels: wheelhouse.Wheelhouse
+) -> None:
+    """Row 6 (issue 35): in a root-owned venv, uid 65534 holds uv's 0666 lock file before the run: the
+    plan's uv (a dry run takes the lock too) waited for uv's whole lock timeout (300 s), before the
+    stop. Now it waits at most ``PLAN_LOCK_WAIT_S`` and the plan says who holds the lock."""
+    python = wheelhouse.make_venv(open_dir / "venv", shared_interpreter_or_skip())
+    wheelhouse.uv_install(python, wheels["sipure-1"])
+    lock = open_dir / "venv" / ".lock"
+    lock.touch()
+    lock.chmod(0o666)  # as uv makes it
+    ready = Path(f"/tmp/si-plan-lock-ready-{os.getpid()}")
+    holder = _started_as(NOBODY, ready, "-c", HOLD, str(lock))
+    try:
+        assert ready.exists(), "uid 65534 could not take the lock"
+        environ = {k: v for k, v in os.environ.items() if k != "UV_LOCK_TIMEOUT"}
+        environ["SAFEINSTALL_STATE_DIR"] = str(open_dir / "state")
+        args = ("sipure", "--wheel", str(wheels["sipure-2"]), "--python", str(python), "--dry-run", "--json")
+        result = run(*args, env=environ, timeout=200)  # uv's own wait: 300 s
+        assert result.code == 0, result.stdout + result.stderr
+        said = [w for w in result.json["data"]["warnings"] if "uv's lock" in w]
+        assert said and f"PID {holder.pid} (uid {NOBODY})" in said[0], result.json["data"]["warnings"]
+    finally:
+        holder.kill()
+        holder.wait()
+        ready.unlink(missing_ok=True)
+
+
 def test_a_dry_run_leaves_no_lock_file_in_the_environment(account: ServiceAccountBed) -> None:
     """Row 6 too: ``--dry-run`` (and so Ansible's check mode) left uv's 0666 lock file behind."""
     lock = account.base / "venv" / ".lock"

@@ -43,9 +43,11 @@ from safeinstall.scan.evidence import (
     parse_maps_line,
     parse_python_argv,
 )
+from safeinstall.scan.plan import left_on_old_code
 from safeinstall.scan.processes import ScanProblem, ScanResult, scan_processes
 from safeinstall.scan.targets import Target, build_target, environment_scope, load_targets
 from safeinstall.system import forking
+from safeinstall.system.cgroups import placement_of_proc_cgroup
 from safeinstall.system.identity import PF_KTHREAD, parse_stat
 from tests import wheelhouse
 
@@ -287,6 +289,24 @@ def test_reinstall_under_a_running_process_shows_old_code(
         assert SO in evidence.path and not evidence.path.endswith("(deleted)")
         assert "dev/inode" not in evidence.detail  # a deleted file is matched by path only
         assert "running old code" in evidence.describe()
+
+
+def test_the_end_check_reports_a_process_on_old_code_outside_any_unit(
+    sicext_venv: Path, wheels: wheelhouse.Wheelhouse, spawn: Spawn
+) -> None:
+    """Issue 35: a process that is no unit's (started by hand, in this test's own cgroup) and still maps
+    the replaced extension is one the end check reports (``left_on_old_code``), with no unit."""
+    user = spawn([str(sicext_venv), "-c", "import sicext, time; time.sleep(60)"])
+    wait_mapped(user)
+    placement = placement_of_proc_cgroup(Path(f"/proc/{user.pid}/cgroup").read_text())
+    if placement.unit is not None:
+        pytest.skip(f"the test runs in the unit {placement.unit}")
+    wheelhouse.uv_install(sicext_venv, wheels["sicext-2"], link_mode="copy", reinstall=True)
+    wait_mapped(user, ".so (deleted)")
+    _, after = env_and_targets(sicext_venv, "sicext")
+    left = [p for p in left_on_old_code(scan_processes(after)) if p.pid == user.pid]
+    assert [(p.unit, p.distributions) for p in left] == [(None, ("sicext",))]
+    assert any(SO in path for path in left[0].paths)
 
 
 def test_hardlink_twin_in_another_environment_is_not_evidence(

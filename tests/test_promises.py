@@ -12,6 +12,8 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from safeinstall.store.journal import new_journal, start_journal
 from safeinstall.store.state import ensure_environment_dir, environment_state
 from safeinstall.system.lock import acquire_lock
@@ -115,15 +117,24 @@ def test_a_restored_file_that_differs_from_its_backup_fails_the_rollback_with_th
 # --- the plan: only active units stop with a planned one --------------------------------------------
 
 
-def test_a_failed_sidecar_bound_to_the_service_is_not_planned(bed: Bed) -> None:
-    """A stop of the service stops only *active* units that are bound to it: a failed BindsTo= sidecar
-    is not planned, gated, stopped nor started (starting it would fail the run)."""
-    served = bed.service("bound")
+@pytest.mark.parametrize("state", ["failed", "inactive"])
+def test_a_failed_or_inactive_sidecar_bound_to_the_service_is_not_planned(bed: Bed, state: str) -> None:
+    """A stop of the service stops only *active* units that are bound to it: a failed BindsTo= sidecar,
+    or one that ran and ended (inactive, not failed, still loaded: the service names it in BoundBy=;
+    issue 35), is not planned, gated, stopped nor started (starting a failed one would fail the run)."""
+    served = bed.service(f"bound-{state}")
+    service = "ExecStart=/bin/false" if state == "failed" else "Type=oneshot\nExecStart=/bin/true"
     sidecar = bed.units.create(
-        "failed-sidecar", f"[Unit]\nBindsTo={served}\nAfter={served}\n\n[Service]\nExecStart=/bin/false\n"
+        f"{state}-sidecar", f"[Unit]\nBindsTo={served}\nAfter={served}\n\n[Service]\n{service}\n"
     )
-    bed.manager.start(sidecar)
-    bed.manager.wait_state(sidecar, ("failed",))
+    if state == "failed":
+        bed.manager.start(sidecar)
+    else:  # an active unit that wants it keeps it loaded once it has ended
+        holder = bed.units.create(
+            "sidecar-holder", f"[Unit]\nWants={sidecar}\n\n[Service]\nExecStart=/bin/sleep infinity\n"
+        )
+        bed.manager.start(holder)
+    bed.manager.wait_state(sidecar, (state,))
     assert sidecar in bed.manager.show(served, "BoundBy")["BoundBy"].split()
     dry = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--dry-run", "--json")
     assert dry.code == 0, dry.stdout + dry.stderr
@@ -133,7 +144,7 @@ def test_a_failed_sidecar_bound_to_the_service_is_not_planned(bed: Bed) -> None:
 
     assert result.code == 0, result.stdout + result.stderr
     assert set(result.json["data"]["downtime_s"]) == {served}
-    assert bed.manager.active_state(sidecar) == "failed" and bed.version() == "2.0"
+    assert bed.manager.active_state(sidecar) == state and bed.version() == "2.0"
 
 
 # --- --no-restart -----------------------------------------------------------------------------------

@@ -61,3 +61,17 @@ def test_no_test_module_imports_from_another() -> None:
         if (imported := _imports_of_test_modules(path))
     }
     assert found == {}, "move what they share into tests/beds.py or tests/conftest.py"
+
+
+def test_every_mutation_of_the_audit_still_applies() -> None:
+    """``bench/mutations.py --check`` (issue 35): each mutation's text is still in its file as many times
+    as it says and each test it names is there; nothing is run. One the code moved past (the ``--forget``
+    checks went from ``run/recover.py`` to ``run/status.py``) fails here, not in an audit months on."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "mutations.py"), "--check"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

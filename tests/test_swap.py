@@ -9,6 +9,7 @@ is killed or fails), never by a hook in safeinstall.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -19,7 +20,17 @@ from pathlib import Path
 
 import pytest
 
-from safeinstall.env.swap import How, Move, SwapPlan, plan_swap
+from safeinstall.env.swap import (
+    ATTIC,
+    STAGED_TREE,
+    How,
+    Move,
+    Staged,
+    SwapPlan,
+    execute,
+    plan_swap,
+    staging_dir,
+)
 from tests import wheelhouse
 from tests.bed_systemd import wait_until
 from tests.beds import Bed, bind_mount
@@ -123,6 +134,29 @@ def test_a_file_in_the_way_of_a_directory_is_a_problem_not_a_guess() -> None:
     live = {**_tree(f"{SITE}/mod.py"), f"{SITE}/pkg": "link", f"{SITE}/mod.py": "dir"}
     plan = _plan(new, live, set(), set())
     assert len(plan.problems) == 2, plan.problems
+
+
+def test_a_placed_entry_never_replaces_what_appeared_there_since_the_plan(tmp_path: Path) -> None:
+    """Issue 35: the swap places a new entry with ``RENAME_NOREPLACE``: a file that appeared at that
+    path after the plan (written by the service, by its owner) is never replaced: the swap fails there
+    (EEXIST, the run then rolls back), both files as they were. A planned exchange still happens."""
+    prefix = tmp_path / "venv"
+    staged = staging_dir(prefix, "run")
+    for top in (prefix, staged / STAGED_TREE, staged / ATTIC):
+        (top / "lib").mkdir(parents=True)
+    (staged / STAGED_TREE / "lib" / "kept.py").write_text("new kept\n")
+    (prefix / "lib" / "kept.py").write_text("old kept\n")
+    (staged / STAGED_TREE / "lib" / "new.py").write_text("the new version's\n")
+    (prefix / "lib" / "new.py").write_text("appeared since the plan\n")
+    plan = SwapPlan(
+        moves=(Move("lib/kept.py", How.EXCHANGE, False), Move("lib/new.py", How.PLACE, False)), out=()
+    )
+    with pytest.raises(OSError) as raised:
+        execute(Staged(staged, plan, {}, 2), prefix)
+    assert raised.value.errno == errno.EEXIST
+    assert (prefix / "lib" / "kept.py").read_text() == "new kept\n"  # exchanged before the failure
+    assert (prefix / "lib" / "new.py").read_text() == "appeared since the plan\n"
+    assert (staged / STAGED_TREE / "lib" / "new.py").read_text() == "the new version's\n"
 
 
 def test_same_version_again_exchanges_its_dist_info() -> None:

@@ -18,8 +18,14 @@ from typing import Any
 
 import pytest
 
-from safeinstall.env.environment import inspect_environment
-from safeinstall.env.systemsite import dpkg_package_name, marker_error_text, owners_in
+from safeinstall.env.environment import Environment, inspect_environment
+from safeinstall.env.systemsite import (
+    dpkg_package_name,
+    externally_managed,
+    externally_managed_problem,
+    marker_error_text,
+    owners_in,
+)
 from safeinstall.env.uvplan import UvRequest, dry_run, uv_said
 from safeinstall.errors import PlanError
 from tests import wheelhouse
@@ -448,3 +454,47 @@ def test_the_plan_says_once_what_every_process_of_the_system_interpreter_shares(
         for sleeper in sleepers:  # only what this test started, by PID
             sleeper.kill()
             sleeper.wait()
+
+
+def _system_environment(stdlib: Path) -> Environment:
+    """A system interpreter's environment (no venv: prefix and base prefix the same) whose standard
+    library is ``stdlib``: where its PEP 668 marker lies."""
+    prefix = stdlib.parent
+    return Environment(
+        python=prefix / "bin" / "python3",
+        executable=prefix / "bin" / "python3",
+        prefix=prefix,
+        base_prefix=prefix,
+        purelib=prefix / "site-packages",
+        platlib=prefix / "site-packages",
+        scripts=prefix / "bin",
+        data=prefix,
+        version=(3, 11, 2),
+        implementation="cpython",
+        soabi=None,
+        platform="linux-x86_64",
+        stdlib=stdlib,
+    )
+
+
+@pytest.mark.parametrize("marker", ["no-error-line", "fifo", "symlink"])
+def test_a_marker_without_its_error_or_not_a_regular_file_still_refuses(tmp_path: Path, marker: str) -> None:
+    """Issue 35: an ``EXTERNALLY-MANAGED`` marker that gives no ``Error=`` (PEP 668: the installer then
+    uses its own message), or that is a FIFO or a symlink (never opened, never waited on), still makes
+    the interpreter externally managed: the install is refused unless --break-system-packages."""
+    stdlib = tmp_path / "lib" / "python3.11"
+    stdlib.mkdir(parents=True)
+    path = stdlib / "EXTERNALLY-MANAGED"
+    if marker == "no-error-line":
+        path.write_text("[externally-managed]\n")
+    elif marker == "fifo":
+        os.mkfifo(path)
+    else:
+        (tmp_path / "elsewhere").write_text("[externally-managed]\nError=from elsewhere\n")
+        path.symlink_to(tmp_path / "elsewhere")
+    env = _system_environment(stdlib)
+    said = externally_managed(env)
+    assert said == ""
+    problem = externally_managed_problem(env, said, [], {})
+    assert problem is not None and "externally managed" in problem.message
+    assert externally_managed_problem(env, said, ["--break-system-packages"], {}) is None

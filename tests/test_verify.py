@@ -153,6 +153,22 @@ def test_a_record_path_thousands_of_directories_deep_is_checked(env: Path) -> No
     ]
 
 
+def test_a_link_to_a_sibling_whose_name_starts_with_the_prefixs_is_outside(env: Path) -> None:
+    """Issue 35: the package directory is a symlink to ``<prefix>-evil/sipure``, a sibling directory whose
+    name starts with the prefix's (``venv`` -> ``venv-evil``): outside the prefix (a path is inside only
+    below ``PREFIX/``, never because it starts with the prefix's text), never read."""
+    prefix = env.parent.parent
+    package = site(env) / "sipure"
+    sibling = prefix.parent / (prefix.name + "-evil") / "sipure"
+    sibling.parent.mkdir()
+    shutil.move(package, sibling)
+    package.symlink_to(sibling, target_is_directory=True)
+    result = run("sipure", "--verify-only", "--python", str(env), "--json", timeout=60)
+    assert result.code == 1, result.stdout + result.stderr
+    kinds = {(f["kind"], f["path"].startswith("sipure/")) for f in result.json["data"]["findings"]}
+    assert kinds == {("outside", True)}, result.json["data"]["findings"]
+
+
 def test_package_directory_symlinked_within_the_prefix_is_checked(env: Path) -> None:
     prefix = env.parent.parent
     package = site(env) / "sipure"
@@ -191,6 +207,30 @@ def test_python_scripts_rewritten_by_the_installer_are_not_drift(tmp_path: Path,
     script.write_bytes(script.read_bytes() + b"print('patched')\n")
     doc = run("sidata", "--verify-only", "--python", str(python), "--wheel", str(wheel), "--json").json
     assert [(f["kind"], f["path"]) for f in doc["data"]["findings"]] == [("modified", str(script))]
+
+
+@pytest.mark.parametrize("kind", ["pth", "data"])
+def test_a_pth_or_data_file_verifies_clean_and_is_modified_when_changed(tmp_path: Path, kind: str) -> None:
+    """Issue 35: a `.pth` file a wheel installs at the top of site-packages (code that runs at every
+    start), or a `.data/data/` member (installed below the prefix, `share/...`): clean as installed,
+    against its RECORD and against the wheel; changed, it is `modified` either way."""
+    member = "sidata.pth" if kind == "pth" else "sidata-1.0.data/data/share/sidata/notes.txt"
+    wheel = wheelhouse.make_wheel(
+        tmp_path, "sidata", "1.0", {"sidata/__init__.py": b"X = 1\n", member: b"import sidata\n"}
+    )
+    python = wheelhouse.make_venv(tmp_path / "v")
+    wheelhouse.uv_install(python, wheel)
+    path = site(python) / member if kind == "pth" else tmp_path / "v" / "share" / "sidata" / "notes.txt"
+    assert path.read_bytes() == b"import sidata\n"
+    for against in ((), ("--wheel", str(wheel))):
+        result = run("sidata", "--verify-only", "--python", str(python), *against, "--json")
+        assert result.code == 0, (against, result.stdout)
+    path.write_text("import os; os.system('id')\n")
+    for against in ((), ("--wheel", str(wheel))):
+        doc = run("sidata", "--verify-only", "--python", str(python), *against, "--json").json
+        assert [(f["kind"], f["path"].endswith(path.name)) for f in doc["data"]["findings"]] == [
+            ("modified", True)
+        ], against
 
 
 def test_a_wheel_read_once_is_enough_and_a_corrupted_file_is_still_found(tmp_path: Path) -> None:

@@ -151,11 +151,10 @@ def _run_verify(
     metrics: Path | None = None,
     verbosity: int = 0,
 ) -> None:
-    if save_patch is not None and os.path.lexists(save_patch):
-        raise UsageError(
-            f"{save_patch} exists: --save-patch does not overwrite a file",
-            hint="remove it first, or give another file name",
-        )
+    if save_patch is not None:  # the rule of every output file (store/state.py: output_path)
+        from safeinstall.store.state import new_output_file
+
+        save_patch = new_output_file(save_patch, "--save-patch")
     env = inspect_environment(resolve_python(python, os.environ))
     err = make_console(stderr=True)
     if env.owner_note and not as_json and verbosity >= 0:
@@ -206,14 +205,9 @@ def _run_verify(
         diffs = diffs_for(report.findings, wheel, Path(report.prefix))
     patch = None if diffs is None else patch_text(diffs)
     if save_patch is not None:
-        try:  # "x": created here, never an existing file (nor one a symlink names) written over
-            with open(save_patch, "x", encoding="utf-8") as saved:
-                saved.write(patch or "")
-        except FileExistsError:
-            raise UsageError(
-                f"{save_patch} exists: --save-patch does not overwrite a file",
-                hint="remove it first, or give another file name",
-            ) from None
+        from safeinstall.store.state import write_new_output
+
+        write_new_output(save_patch, patch or "", "--save-patch")
     _write_metrics(metrics, lambda m, now: m.verify_families(report.prefix, report, report.exit_code, now))
     if as_json:
         status = "drift" if report.drift else "clean"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import os
 import pwd
+import re
 import shutil
 import stat
 import subprocess
@@ -267,25 +268,107 @@ class _Control:
         return _account(uid, self.gids[uid] if gid is None else gid)
 
 
-def _pth_paths(site: Path) -> list[Path]:
-    """Pure-ish: the directories the ``.pth`` files of ``site`` add to ``sys.path`` (as
-    ``site.addpackage`` reads them; import lines are code and are covered by the owners of what
-    they import, the site directory's entries)."""
-    found: list[Path] = []
+#: What :func:`_walk_loaded` looks at below the modules ``site`` may load: at most this many entries in
+#: all, this many directories deep; more is refused (who could change it cannot be told).
+LOADED_ENTRIES = 100_000
+LOADED_DEPTH = 64
+
+#: Names ``site`` imports itself, after the ``.pth`` files: a module or a package in a site directory.
+_SITE_IMPORTS = frozenset({"sitecustomize", "usercustomize"})
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+@dataclass(frozen=True, slots=True)
+class _PthLines:
+    """What the ``.pth`` files of a site directory make ``site`` do: the directories they add to
+    ``sys.path``, and every name their import lines could import."""
+
+    paths: tuple[Path, ...]
+    names: frozenset[str]
+
+
+def _pth_lines(site: Path) -> _PthLines:
+    """Pure-ish: the ``.pth`` files of ``site`` as ``site.addpackage`` reads them. An import line is
+    code: every identifier in it (an imported name, a string such as ``__import__('_distutils_hack')``)
+    counts as a module it could load, a superset of what it imports by name."""
+    paths: list[Path] = []
+    names: set[str] = set()
     try:
-        names = sorted(n for n in os.listdir(site) if n.endswith(".pth"))
+        found = sorted(n for n in os.listdir(site) if n.endswith(".pth"))
     except OSError:
-        return found
-    for name in names:
+        return _PthLines((), frozenset())
+    for name in found:
         try:  # the account may have made it a FIFO or a huge file: never waited on, bounded
             text = read_small(site / name, 1 << 20).decode("utf-8", "replace")
         except OSError:
             continue
         for line in text.splitlines():
             line = line.rstrip()
-            if line and not line.startswith(("#", "import ", "import\t")):
-                found.append(Path(os.path.normpath(os.path.join(site, line))))
-    return found
+            if line.startswith(("import ", "import\t")):
+                names.update(_NAME.findall(line))
+            elif line and not line.startswith("#"):
+                paths.append(Path(os.path.normpath(os.path.join(site, line))))
+    return _PthLines(tuple(paths), frozenset(names))
+
+
+def _loaded_entries(directory: Path, names: frozenset[str]) -> list[Path]:
+    """The entries of ``directory`` (a ``sys.path`` directory) that importing any of ``names`` may load:
+    ``NAME`` (a package, a namespace directory), ``NAME.py``, ``NAME.*.so``, ``NAME.pyc``, and in its
+    ``__pycache__`` ``NAME.*.pyc``."""
+    loaded: list[Path] = []
+    for where in (directory, directory / "__pycache__"):
+        try:
+            entries = sorted(os.listdir(where))
+        except OSError:
+            continue
+        loaded.extend(where / entry for entry in entries if entry.partition(".")[0] in names)
+    return loaded
+
+
+def _walk_loaded(control: _Control, top: Path, what: str, budget: list[int]) -> None:
+    """Look at ``top`` and, for a directory, at every entry of its whole tree (``__pycache__`` too; each
+    path's owner, mode and ACL). Never through a symlink: a link is looked at with its target
+    (:meth:`_Control.look_up`); a link to a directory outside the tree is a problem (the walk does not
+    follow it out). ``budget``: the entries still allowed (shared by every walk of one check); beyond it,
+    or past ``LOADED_DEPTH``, a problem."""
+    if budget[0] < 0:  # said once, by the walk that ran out
+        return
+    real_top = Path(os.path.realpath(top))
+    todo: list[tuple[Path, int]] = [(real_top, 0)]
+    if os.path.islink(top):
+        control.look_up(top, what)
+    if not os.path.isdir(real_top):
+        control.look(real_top, what)
+        return
+    while todo:
+        directory, depth = todo.pop()
+        control.look(directory, what)
+        if depth > LOADED_DEPTH:
+            control.problems.append(f"{directory} ({what}) is more than {LOADED_DEPTH} directories deep")
+            return
+        try:
+            with os.scandir(directory) as listing:
+                entries = sorted(listing, key=lambda entry: entry.name)
+        except OSError:
+            continue
+        budget[0] -= len(entries)
+        if budget[0] < 0:
+            control.problems.append(
+                f"more than {LOADED_ENTRIES} files below {top} ({what}): who may change them cannot be told"
+            )
+            return
+        for entry in entries:
+            path = Path(entry.path)
+            if entry.is_symlink():
+                control.look_up(path, what)
+                target = Path(os.path.realpath(path))
+                if os.path.isdir(target) and not _inside(target, real_top):
+                    control.problems.append(f"{path} ({what}) links to the directory {target}, outside it")
+            elif entry.is_dir(follow_symlinks=False):
+                todo.append((path, depth + 1))
+            else:
+                control.look(path, what)
 
 
 def steering(env: Environment, euid: int) -> _Control:
@@ -293,15 +376,19 @@ def steering(env: Environment, euid: int) -> _Control:
     runs it), found after the probe (see :class:`_Control`). Looked at: the prefix and each directory
     above it (whose owner could rename the environment away between the probe and a use; a root-owned
     sticky one such as ``/tmp`` is fine), every site directory ``site`` would add (the base's too) and
-    each directory above it, every entry of those (``.pth`` files, ``sitecustomize``, the packages
-    their import lines load), and the directories the ``.pth`` files add (a missing one: who could
-    create it)."""
+    each directory above it, every entry of those, the directories the ``.pth`` files add (a missing
+    one: who could create it), and the whole tree of every module the ``.pth`` files' import lines (and
+    ``sitecustomize``, ``usercustomize``) could load from those directories, ``__pycache__`` included
+    (issue 35: a root-owned package one of whose modules the account owns)."""
     control = _Control(euid)
     control.look_up(env.prefix, "the prefix")
     for given in env.given_site_dirs:  # a symlinked site-packages: the link and the directories above it
         control.look_up(given, "a site directory as the interpreter names it")
+    search: list[Path] = []
+    names = set(_SITE_IMPORTS)
     for site in env.run_site_dirs:
         control.look_up(site, "a site directory")
+        search.append(site)
         try:
             entries = sorted(os.listdir(site))
         except OSError:
@@ -311,8 +398,15 @@ def steering(env: Environment, euid: int) -> _Control:
             control.look(entry, "in a site directory")
             if os.path.islink(entry):
                 control.look_up(entry, "linked from a site directory")
-        for added in _pth_paths(site):
+        lines = _pth_lines(site)
+        names.update(lines.names)
+        for added in lines.paths:
             control.look_up(added, "added by a .pth file")
+            search.append(added)
+    budget = [LOADED_ENTRIES]
+    for directory in dict.fromkeys(search):
+        for loaded in _loaded_entries(directory, frozenset(names)):
+            _walk_loaded(control, loaded, "what site may import", budget)
     return control
 
 

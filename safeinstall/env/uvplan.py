@@ -72,6 +72,8 @@ class UvPlan:
     command: tuple[str, ...]  # the install command that the run will execute
     changes: tuple[UvChange, ...]
     output: str
+    #: who held uv's lock of the environment when the plan's uv started (it waited for it, bounded)
+    lock_note: str | None = None
 
     @property
     def affected(self) -> tuple[str, ...]:
@@ -484,8 +486,11 @@ def dry_run(
     uv_bin = uv_binary()
     cmd = install_command(request, uv_bin, dry_run=True)
     had_lock = prefix is None or _lock_info(prefix) is not None
+    note = None if prefix is None else _held_note(prefix)
     try:
-        proc = _run_uv(cmd, environ, timeout, cache_dir, account)
+        proc = _run_uv(
+            cmd, plan_environ(os.environ if environ is None else environ), timeout, cache_dir, account
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise PlanError(f"uv did not answer: {exc}", hint="check that uv runs: " + uv_bin) from exc
     finally:
@@ -501,7 +506,7 @@ def dry_run(
             hint="fix the requirement, the wheel or the index options (arguments after -- go to uv); "
             "nothing was stopped",
         )
-    return UvPlan(tuple(install_command(request, uv_bin)), parse_changes(output), output)
+    return UvPlan(tuple(install_command(request, uv_bin)), parse_changes(output), output, note)
 
 
 @dataclass(frozen=True, slots=True)
@@ -588,6 +593,46 @@ def _uid_of(pid: int) -> int | None:
     return None
 
 
+def _holders(info: os.stat_result) -> list[tuple[int, int | None]]:
+    """Who holds the lock of the file ``info`` describes: (PID, its uid) from ``/proc/locks``."""
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as handle:
+            locks = handle.read(1 << 22)
+    except OSError:
+        locks = ""
+    return [(pid, _uid_of(pid)) for pid in lock_holders((info.st_dev, info.st_ino), locks)]
+
+
+#: The most the plan's uv waits for uv's lock of the environment (``UV_LOCK_TIMEOUT``; uv then goes on
+#: without it): a dry run takes the lock too, and the lock file (0666 as uv makes it, until the run
+#: replaces it before the stop) may be held by any local user, for uv's default 300 s.
+PLAN_LOCK_WAIT_S = 10
+
+
+def plan_environ(environ: Mapping[str, str]) -> dict[str, str]:
+    """Pure: the environment of the plan's uv: ``UV_LOCK_TIMEOUT`` at most ``PLAN_LOCK_WAIT_S``."""
+    given = environ.get("UV_LOCK_TIMEOUT", "")
+    wait = min(int(given), PLAN_LOCK_WAIT_S) if given.isdigit() else PLAN_LOCK_WAIT_S
+    return {**environ, "UV_LOCK_TIMEOUT": str(wait)}
+
+
+def _held_note(prefix: Path) -> str | None:
+    """What the plan says when uv's lock of ``prefix`` is held as its uv starts: by whom (PID and uid),
+    and that uv waits at most ``PLAN_LOCK_WAIT_S`` for it."""
+    info = _lock_info(prefix)
+    if info is None or not stat.S_ISREG(info.st_mode):
+        return None
+    holders = _holders(info)
+    if not holders:
+        return None
+    who = ", ".join(f"PID {pid} (uid {'?' if uid is None else uid})" for pid, uid in holders)
+    return (
+        f"uv's lock {prefix / owner.UV_LOCK} is held by {who}: the plan's uv waited for it at most "
+        f"{PLAN_LOCK_WAIT_S} s, then went on without it; before the stop the run puts a new lock file, "
+        "the owner's alone, in its place"
+    )
+
+
 def secure_uv_lock(prefix: Path, account: Account | None) -> str:
     """Before the stop: make uv's lock file the environment owner's alone (a new empty file, 0600, put
     in place of the old one, which whoever holds it may keep). Refuses (PlanError) while the owner or
@@ -595,12 +640,7 @@ def secure_uv_lock(prefix: Path, account: Account | None) -> str:
     info = _lock_info(prefix)
     own_uid = 0 if account is None else account.uid
     if info is not None and stat.S_ISREG(info.st_mode):
-        try:
-            with open("/proc/locks", encoding="ascii", errors="replace") as handle:
-                locks = handle.read(1 << 22)
-        except OSError:
-            locks = ""
-        holders = [(pid, _uid_of(pid)) for pid in lock_holders((info.st_dev, info.st_ino), locks)]
+        holders = _holders(info)
         ours = [pid for pid, uid in holders if uid in (0, own_uid)]
         if ours:
             raise PlanError(

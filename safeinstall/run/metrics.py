@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -279,47 +278,18 @@ def _untrusted(path: Path, problem: str) -> MetricsFileError:
     )
 
 
-def metrics_path_problem(path: Path, euid: int) -> str | None:
-    """Why ``path`` must not be written as root, or None: its directory and every one above it must be
-    owned by root or the caller and writable by nobody else (a root-owned sticky directory is fine, as
-    for the state directory); the file itself, if there, must be a regular file (not a symlink, a FIFO
-    or a directory). Looks at the disk, writes nothing."""
-    from safeinstall.store.state import trust_problem
-
-    if not path.name or path.name in (".", ".."):
-        return "it names no file"
-    directory = Path(os.path.realpath(path.parent))
-    for each in (*reversed(directory.parents), directory):
-        try:
-            info = os.lstat(each)
-        except OSError as exc:
-            return f"cannot inspect {each}: {exc.strerror or exc}"
-        problem = trust_problem(info.st_mode, info.st_uid, euid, parent=True, gid=info.st_gid)
-        if problem is not None:
-            return f"{each}: {problem}"
-    try:
-        info = os.lstat(directory / path.name)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        return f"cannot inspect it: {exc.strerror or exc}"
-    if stat.S_ISLNK(info.st_mode):
-        return "it is a symbolic link"
-    if not stat.S_ISREG(info.st_mode):
-        from safeinstall.system.safefs import describe
-
-        return f"it is {describe(info.st_mode)}, not a regular file"
-    return None
-
-
 def check_metrics_path(path: Path) -> Path:
-    """The absolute path to write, after :func:`metrics_path_problem`; MetricsFileError (exit 2) if
-    it must not be written. Called before the command does its work."""
+    """The path to write (its directory's real path, then its name), by the rule of every output file
+    (:func:`safeinstall.store.state.output_path`: each directory on the way root's or the caller's and
+    writable by nobody else, each link on the way theirs, the file a regular one if there);
+    MetricsFileError (exit 2) if it must not be written. Called before the command does its work."""
+    from safeinstall.store.state import output_path
+
     absolute = Path(os.path.abspath(path))
-    problem = metrics_path_problem(absolute, os.geteuid())
-    if problem is not None:
-        raise _untrusted(absolute, problem)
-    return Path(os.path.realpath(absolute.parent)) / absolute.name
+    checked = output_path(Path(path), os.geteuid())
+    if checked.target is None:
+        raise _untrusted(absolute, checked.problem or "")
+    return checked.target
 
 
 def write_metrics_file(path: Path, text: str) -> None:

@@ -127,6 +127,8 @@ def survey(
     )
     if env.owner_note:  # said in the plan too: a dry run shows whose environment this is
         plan = replace(plan, warnings=(env.owner_note, *plan.warnings))
+    if uv_plan.lock_note:  # who held uv's lock while the plan's uv waited for it (issue 35)
+        plan = replace(plan, warnings=(*plan.warnings, uv_plan.lock_note))
     return Survey(
         env,
         installed,

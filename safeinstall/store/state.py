@@ -55,10 +55,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from safeinstall.env.environment import Account
-from safeinstall.errors import SafeInstallError
+from safeinstall.errors import SafeInstallError, UsageError
 from safeinstall.system import owner, worker
 from safeinstall.system.lock import filesystem_of
-from safeinstall.system.safefs import Tree, others_who_write, permitted
+from safeinstall.system.safefs import Tree, describe, others_who_write, permitted
 
 STATE_DIR_VARIABLE = "SAFEINSTALL_STATE_DIR"
 SYSTEM_STATE_ROOT = Path("/var/lib/safeinstall")
@@ -625,3 +625,106 @@ def list_environment_dirs(root: Path) -> list[EnvironmentState]:
             continue
         found.append(EnvironmentState(root=root, dir=directory, prefix=_read_prefix(directory / PREFIX_FILE)))
     return found
+
+
+#: Symbolic links followed on the way to an output file's directory (the kernel's own limit).
+_OUTPUT_LINK_HOPS = 40
+
+
+@dataclass(frozen=True, slots=True)
+class OutputPath:
+    """Where an output file the CLI writes as root (``--metrics-file``, ``--save-patch``) goes:
+    ``target`` (its directory's real path, then its name) or why it must not be written."""
+
+    target: Path | None
+    problem: str | None
+
+
+def output_path(path: Path, euid: int, *, new: bool = False) -> OutputPath:
+    """The one rule for every file the CLI writes where its user says. The directory is reached from
+    ``/`` one component at a time, as the kernel would (``..`` after a link is the parent of where the
+    link led): each directory on the way must be owned by root or ``euid`` and writable by nobody else
+    (:func:`trust_problem`; a root-owned sticky one such as ``/tmp`` is fine), and each symbolic link on
+    the way must be root's or ``euid``'s (one another user made, in a directory of theirs or in
+    ``/tmp``, could point root's write into a root-only directory). Nobody else can then change where
+    the path leads before the write. The file itself, if there, must be a regular file (``new``: must
+    not be there at all). Looks at the disk, writes nothing."""
+    if not path.name or path.name in (".", ".."):
+        return OutputPath(None, "it names no file")
+    given = os.path.join(os.getcwd(), str(path.parent))
+    pending = [part for part in reversed(given.split("/")) if part not in ("", ".")]
+    current, hops = Path("/"), 0
+    info = os.lstat(current)
+    problem = trust_problem(info.st_mode, info.st_uid, euid, parent=True, gid=info.st_gid)
+    if problem is not None:
+        return OutputPath(None, f"/: {problem}")
+    while pending:
+        part = pending.pop()
+        if part == "..":
+            current = current.parent  # current is real: no link in it
+            continue
+        candidate = current / part
+        try:
+            info = os.lstat(candidate)
+        except OSError as exc:
+            return OutputPath(None, f"cannot inspect {candidate}: {exc.strerror or exc}")
+        if stat.S_ISLNK(info.st_mode):
+            hops += 1
+            if info.st_uid not in (0, euid):
+                return OutputPath(None, f"{candidate} is a symbolic link owned by uid {info.st_uid}")
+            if hops > _OUTPUT_LINK_HOPS:
+                return OutputPath(None, f"more than {_OUTPUT_LINK_HOPS} symbolic links on the way")
+            link = os.readlink(candidate)
+            pending.extend(part for part in reversed(link.split("/")) if part not in ("", "."))
+            current = Path("/") if link.startswith("/") else current
+            continue
+        problem = trust_problem(info.st_mode, info.st_uid, euid, parent=True, gid=info.st_gid)
+        if problem is not None:
+            return OutputPath(None, f"{candidate}: {problem}")
+        current = candidate
+    target = current / path.name
+    try:
+        info = os.lstat(target)
+    except FileNotFoundError:
+        return OutputPath(target, None)
+    except OSError as exc:
+        return OutputPath(None, f"cannot inspect it: {exc.strerror or exc}")
+    if new:
+        return OutputPath(None, "it exists")
+    if stat.S_ISLNK(info.st_mode):
+        return OutputPath(None, "it is a symbolic link")
+    if not stat.S_ISREG(info.st_mode):
+        return OutputPath(None, f"it is {describe(info.st_mode)}, not a regular file")
+    return OutputPath(target, None)
+
+
+def new_output_file(path: Path, option: str) -> Path:
+    """Where ``option`` (``--save-patch``) writes a new file (:func:`output_path` with ``new``); UsageError
+    (exit 2) if it exists or must not be written. Called before the command does its work."""
+    checked = output_path(path, os.geteuid(), new=True)
+    if checked.target is not None:
+        return checked.target
+    if checked.problem == "it exists":
+        raise UsageError(f"{path} exists: {option} does not overwrite a file", hint=_ANOTHER_NAME)
+    raise UsageError(
+        f"refusing to write {path} ({option}): {checked.problem}",
+        hint="another user could redirect what root writes there; give a path in a directory owned by "
+        "root (or you) and writable by nobody else, reached through no other user's symbolic link",
+    )
+
+
+_ANOTHER_NAME = "remove it first, or give another file name"
+
+
+def write_new_output(path: Path, text: str, option: str) -> None:
+    """Create ``path`` (checked again, :func:`new_output_file`) with ``text``: ``O_EXCL|O_NOFOLLOW``,
+    never an existing file nor a link written over. UsageError (exit 2) if it cannot be."""
+    target = new_output_file(path, option)
+    try:
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except FileExistsError:
+        raise UsageError(f"{path} exists: {option} does not overwrite a file", hint=_ANOTHER_NAME) from None
+    except OSError as exc:
+        raise UsageError(f"could not write {path} ({option}): {exc.strerror or exc}") from exc
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(text)
