@@ -400,3 +400,13 @@ def test_a_wheel_path_as_the_requirement_gets_a_hint_and_a_wheel_names_its_packa
     named = run("--wheel", str(wheels["sipure-2"]), "--python", str(venv), "--dry-run", "--json")
     assert named.code == 0, named.stdout + named.stderr
     assert named.json["data"]["package"] == "sipure"
+
+
+@pytest.mark.parametrize("program", ["/bin/ls", "/bin/true"])
+def test_a_program_that_is_not_python_is_said_so_without_the_probes_source(program: str) -> None:
+    """Issue 37: ``--python /bin/ls`` showed ls's complaint about its arguments, the probe's source."""
+    result = run("sipure", "--verify-only", "--python", program)
+    error, hint = result.stderr.strip().splitlines()
+    assert result.code == 2 and error.startswith(f"error: {program} is not a Python interpreter"), error
+    assert "sysconfig" not in result.stderr and "paths[" not in result.stderr
+    assert hint == "hint: check that --python names a working Python 3 interpreter"

@@ -30,14 +30,14 @@ def process(pid: int, unit: str | None, *evidence: Evidence) -> ProcessRecord:
     )
 
 
-def plan(*records: ProcessRecord, only_loaded: bool) -> Plan:
+def plan(*records: ProcessRecord, only_loaded: bool, kill_strays: bool = True) -> Plan:
     return build_plan(
         package="sicext",
         python="/v/bin/python",
         prefix="/v",
         user=False,
         with_deps=False,
-        kill_strays=True,
+        kill_strays=kill_strays,
         only_loaded=only_loaded,
         uv_plan=UvPlan((), (), ""),
         installed_versions={"sicext": "1.0"},
@@ -75,6 +75,22 @@ def test_strength_decides_what_only_loaded_leaves_out() -> None:
     assert [u.name for u in narrowed.units] == ["engine.service"] and narrowed.strays == ()
     assert narrowed.left_out == (20, 30) and narrowed.only_loaded
     assert any("--only-loaded leaves out 2 process(es)" in w for w in narrowed.warnings)
+
+
+def test_the_stray_refusal_names_only_loaded_only_for_the_strays_it_leaves_out() -> None:
+    """Issue 37: --only-loaded leaves out a stray with only ``environment`` (possible) evidence, so the
+    refusal names it for that one, and never for a stray that maps the package."""
+    (only_possible,) = plan(process(30, None, ENVIRONMENT), only_loaded=False, kill_strays=False).refusals
+    assert "--kill-strays" in only_possible and "--only-loaded would leave them out" in only_possible
+    (certain,) = plan(process(31, None, MAPPED), only_loaded=False, kill_strays=False).refusals
+    assert "--kill-strays" in certain and "--only-loaded" not in certain
+    records = (process(30, None, ENVIRONMENT), process(31, None, MAPPED))
+    (both,) = plan(*records, only_loaded=False, kill_strays=False).refusals
+    assert "--only-loaded would leave PID 30 out" in both
+    assert plan(*records, only_loaded=True, kill_strays=False).refusals == (
+        "1 process(es) use the package (or run its environment's Python) outside any systemd service: "
+        "31 (python); stop them, or pass --kill-strays to end them (they are not restarted)",
+    )
 
 
 def test_the_plan_says_whether_a_version_is_an_upgrade_a_downgrade_or_the_same() -> None:

@@ -70,6 +70,7 @@ from safeinstall.store.journal import (
     start_journal,
     update_unit,
 )
+from safeinstall.store.history import read_history
 from safeinstall.store.retention import prune_backups
 from safeinstall.store.state import (
     RUN_DIR_REMOVAL_S,
@@ -864,8 +865,8 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
                     ExitCode.ROLLED_BACK: "rolled-back",
                     ExitCode.ROLLBACK_FAILED: "rollback-failed",
                 }.get(outcome.exit_code, "error")
-                # put back whole: its backup counts under --keep-backups as a good run's (they piled up)
-                removed = _prune_old_backups(run) if outcome.exit_code == ExitCode.ROLLED_BACK else ()
+                # put back whole: the backups of earlier rolled-back runs go (they piled up), never a good one's
+                removed = _prune_old_backups(run, status) if outcome.exit_code == ExitCode.ROLLED_BACK else ()
                 return _result(run, status, outcome.exit_code, outcome, backups_removed=removed)
         # The run succeeded: the services run the new, verified version. What is left is tidying up
         # (signals held back meanwhile); a failure there is said, and must not turn a good run into an
@@ -891,7 +892,7 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
             run.notes.append(f"the staging directory was not removed: {exc}")
         with contextlib.suppress(OSError):
             clear_journal(run.state.dir)
-        removed = _prune_old_backups(run)
+        removed = _prune_old_backups(run, "done")
         not_restarted = tuple(run._units_to_restart()) if options.no_restart else ()
         return _result(run, "done", ExitCode.OK, None, not_restarted, removed)
     finally:
@@ -934,10 +935,17 @@ def _discard_staged(run: Run) -> None:
         run.notes.append(f"{run.staged.root} could not be removed: the next run removes it")
 
 
-def _prune_old_backups(run: Run) -> tuple[str, ...]:
-    """After a run that ended with the environment whole (done, or rolled back): the newest
-    ``--keep-backups`` backups stay, this run's among them; the ones deleted."""
-    old = prune_backups(run.state.backups, run.options.keep_backups, protected={run.run_id})
+def _prune_old_backups(run: Run, status: str) -> tuple[str, ...]:
+    """After a run that ended with the environment whole (``status`` done, or rolled back): the backups
+    of the newest ``--keep-backups`` good runs stay (this run's, when it is one), those of rolled-back
+    runs go but this run's; the ones deleted."""
+    try:
+        statuses = {entry.run_id: entry.status for entry in read_history(run.state).runs}
+    except SafeInstallError as exc:  # unreadable: nothing is deleted on a guess
+        run.notes.append(f"old backups not pruned: the history could not be read ({exc.message})")
+        return ()
+    statuses[run.run_id] = status
+    old = prune_backups(run.state.backups, run.options.keep_backups, protected={run.run_id}, statuses=statuses)
     run.notes.extend(f"old backup not deleted: {problem}" for problem in old.problems)
     return tuple(map(str, old.removed))
 

@@ -342,6 +342,25 @@ def oversized_warning(problems: Sequence[ScanProblem]) -> str | None:
     )
 
 
+def stray_refusal(strays: Sequence[PlannedProcess]) -> str:
+    """Pure: why the run refuses over processes outside any service, and each way out that would work:
+    ``--only-loaded`` is named only for strays it leaves out (only possible evidence: they run the
+    environment's Python, no sign of the package loaded), never for one that certainly uses it."""
+    listed = ", ".join(f"{p.pid} ({p.name})" for p in strays)
+    possible = [p.pid for p in strays if p.strength == Strength.POSSIBLE.value]
+    text = (
+        f"{len(strays)} process(es) use the package (or run its environment's Python) outside any "
+        f"systemd service: {listed}; stop them, or pass --kill-strays to end them (they are not restarted)"
+    )
+    if not possible:
+        return text
+    which = "them" if len(possible) == len(strays) else f"PID {', '.join(map(str, possible))}"
+    return (
+        f"{text}; --only-loaded would leave {which} out (only the environment's Python, no sign of the "
+        "package loaded: left running, on the new files once they import it)"
+    )
+
+
 def build_plan(
     *,
     package: str,
@@ -403,12 +422,7 @@ def build_plan(
         planned_units.append(_planned_unit(unit, info, members))
     planned_units.extend(_dependents(planned_units, units))
     if strays and not kill_strays:
-        listed = ", ".join(f"{p.pid} ({p.name})" for p in strays)
-        refusals.append(
-            f"{len(strays)} process(es) use the package (or run its environment's Python) outside any "
-            f"systemd service: {listed}; "
-            "stop them, or pass --kill-strays to end them (they are not restarted)"
-        )
+        refusals.append(stray_refusal(strays))
     warnings: list[str] = []
     oversized = oversized_warning(scan.problems)
     if oversized:
