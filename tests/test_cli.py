@@ -244,6 +244,24 @@ def test_verify_only_flags_without_verify_only_say_so(args: list[str], hint: str
     assert hint in result.stderr.splitlines()[-1] and result.stderr.splitlines()[-1].startswith("hint: ")
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["sipure", "--verify-only", "--settle", "30"],
+        ["sipure", "--verify-only", "--gpu-timeout", "5"],
+        ["--status", "--kill-strays"],
+        ["--recover", "--keep-backups", "2"],
+    ],
+)
+def test_a_runs_options_in_a_mode_that_runs_nothing_are_a_usage_error(args: list[str]) -> None:
+    """Issue 37: they did nothing, in silence."""
+    result = run(*args)
+    error, hint = result.stderr.strip().splitlines()
+    assert result.code == 2 and result.stdout == "" and "does nothing with --" in error, result.stderr
+    assert error.startswith(f"error: {args[-2] if args[-1].isdigit() else args[-1]} ")
+    assert hint.startswith("hint: drop ")
+
+
 def test_no_arguments_is_a_usage_error_with_the_help_on_stderr() -> None:
     result = run()
     assert result.code == 2 and result.stdout == ""

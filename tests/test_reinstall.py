@@ -38,6 +38,7 @@ def test_happy_path(bed: Bed) -> None:
         "steps",
         "downtime_s",
         "patched",
+        "deleted",
         "extras",
         "pruned",
         "backup_dir",

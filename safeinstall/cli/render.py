@@ -127,7 +127,7 @@ def _warning_summaries(err: Console, findings: Sequence[Finding], more: str) -> 
             else (f"{len(names)} distributions", "with uv's --link-mode copy, or each with safeinstall NAME")
         )
         err.print(
-            f"[yellow]warning:[/] {_count(len(hardlinked), 'installed file')} of {whose} share their inode "
+            f"[yellow]warning:[/] {counted(len(hardlinked), 'installed file')} of {whose} share their inode "
             f"with another file (uv's cache; e.g. {literal(hardlinked[0].path)}); editing one in place also "
             f"edits the cache, and a later offline reinstall brings the edit back (uv #10579). Reinstall "
             f"{how}{more}",
@@ -139,7 +139,7 @@ def _warning_summaries(err: Console, findings: Sequence[Finding], more: str) -> 
             vouched[f.distribution].append(f)
     for name, lying in sorted(vouched.items()):
         err.print(
-            f"[yellow]note:[/] {_count(len(lying), 'file')} of {literal(name)} "
+            f"[yellow]note:[/] {counted(len(lying), 'file')} of {literal(name)} "
             f"{'differs' if len(lying) == 1 else 'differ'} from {literal(name)}'s RECORD but "
             f"{'holds' if len(lying) == 1 else 'hold'} the very bytes safeinstall installed and verified "
             f"against its wheel (e.g. {_example(lying)}): the wheel's own RECORD is wrong; "
@@ -152,7 +152,7 @@ def _warning_summaries(err: Console, findings: Sequence[Finding], more: str) -> 
             pairs[(f.distribution, f.shared_with or "?")].append(f)
     for (name, other), shared in sorted(pairs.items()):
         err.print(
-            f"[yellow]note:[/] {_count(len(shared), 'file')} of {literal(name)} "
+            f"[yellow]note:[/] {counted(len(shared), 'file')} of {literal(name)} "
             f"{'holds' if len(shared) == 1 else 'hold'} {literal(other)}'s copy "
             f"(both RECORDs list them; {literal(other)} was installed over them; e.g. {_example(shared)}): "
             f"{FindingKind.SHARED.value}, not drift; reinstalling {literal(name)} alone would put its own "
@@ -161,7 +161,8 @@ def _warning_summaries(err: Console, findings: Sequence[Finding], more: str) -> 
         )
 
 
-def _count(number: int, what: str) -> str:
+def counted(number: int, what: str) -> str:
+    """Pure: "1 file", "2 files"."""
     return f"{number} {what}" + ("" if number == 1 else "s")
 
 
@@ -359,7 +360,12 @@ def render_plan(out: Console, err: Console, plan: Plan, verbosity: int = 0) -> N
         print_table(out, table)
     else:
         out.print(f"GPUs: check unavailable ({literal(plan.gpus.reason or '')})", soft_wrap=True)
-    out.print("uv command: " + literal(" ".join(plan.uv_command)), soft_wrap=True)
+    if plan.install:  # what will run: the staging install and the swap, the install in the stop, a restore
+        out.print("uv command:")
+        for line in plan.install:
+            out.print(f"  {literal(line)}", soft_wrap=True)
+    else:
+        out.print("uv command: " + literal(" ".join(plan.uv_command)), soft_wrap=True)
     _scan_problems(err, plan.scan_problems, verbosity)
     for warning in plan.warnings:
         err.print(f"[yellow]warning:[/] {literal(warning)}", soft_wrap=True)
@@ -405,7 +411,18 @@ def _strongest_kind(kinds: Sequence[str]) -> str:
     return min(kinds, key=lambda k: _KIND_ORDER.index(k) if k in _KIND_ORDER else len(_KIND_ORDER))
 
 
-_STEP_MARK = {"ok": "[green]ok[/]", "failed": "[bold red]FAILED[/]", "skipped": "[yellow]skipped[/]"}
+_STEP_MARK = {"ok": ("ok", "green"), "failed": ("FAILED", "bold red"), "skipped": ("skipped", "yellow")}
+#: the step table's columns: the longest step name (verify-in-place) and status (skipped)
+_STEP_NAME, _STEP_STATUS = 15, 7
+
+
+def step_line(name: str, status: str, seconds: float, detail: str) -> str:
+    """Pure: one row of the run's step table as markup, aligned whatever the status's colour (the
+    padding is counted on the text, not on its markup)."""
+    label, style = _STEP_MARK.get(status, (status, ""))
+    mark = f"[{style}]{literal(label)}[/]" if style else literal(label)
+    pad = " " * max(_STEP_STATUS - len(label), 0)
+    return f"{literal(name).ljust(_STEP_NAME)} {mark}{pad} {seconds:6.1f} s  {literal(detail)}"
 
 
 @contextlib.contextmanager
@@ -454,11 +471,7 @@ class ConsoleReporter:
         self._last_key = ""  # the next step's first progress line is a change
         if self.quiet:
             return
-        mark = _STEP_MARK.get(outcome.status, outcome.status)
-        self.out.print(
-            f"{outcome.name:<12} {mark:<8} {outcome.seconds:6.1f} s  {literal(outcome.detail)}",
-            soft_wrap=True,
-        )
+        self.out.print(step_line(outcome.name, outcome.status, outcome.seconds, outcome.detail), soft_wrap=True)
 
     def progress(self, what: str, done: float | None, total: float | None, unit: str = "") -> None:
         with _output_best_effort():
@@ -559,10 +572,15 @@ def render_run(out: Console, err: Console, document: Mapping[str, Any], run_id: 
             )
     render_patches(out, [p for p in _items(data, "patches") if isinstance(p, dict)], data.get("patch_file"))
     backup_dir, log_file = data.get("backup_dir"), data.get("log_file")
-    patched = _items(data, "patched")
+    deleted = set(map(str, _items(data, "deleted")))
+    patched = [path for path in map(str, _items(data, "patched")) if path not in deleted]
     if patched:
         out.print(f"locally patched files (copies kept in {literal(backup_dir or '')}):")
         for path in patched:
+            out.print(f"  {literal(path)}")
+    if deleted:
+        out.print("files deleted locally (nothing of them to keep):")
+        for path in sorted(deleted):
             out.print(f"  {literal(path)}")
     pruned = set(map(str, _items(data, "pruned")))
     for path in _items(data, "extras"):
@@ -575,7 +593,7 @@ def render_run(out: Console, err: Console, document: Mapping[str, Any], run_id: 
         )
     removed = _items(data, "backups_removed")
     if removed:
-        err.print(f"[dim]deleted {len(removed)} older backup(s) (--keep-backups)[/]")
+        err.print(f"[dim]deleted {counted(len(removed), 'older backup')} (--keep-backups)[/]")
     for error in _items(document, "errors"):
         if isinstance(error, dict):
             render_error(err, SafeInstallError(str(error.get("message")), hint=error.get("hint")))

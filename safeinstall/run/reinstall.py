@@ -184,8 +184,12 @@ def save_left(run: Run) -> None:
 def backup_step(run: Run) -> str:
     before = run.prepared.before  # hashed at preflight, just before this step: not read again
     run.patched = locally_modified(before)
+    run.deleted = tuple(f.path for f in before.findings if f.kind == FindingKind.MISSING)
     for path in run.patched:
-        run.notes.append(f"locally patched: {path} (kept in the backup)")
+        deleted = path in run.deleted
+        run.notes.append(
+            f"locally deleted: {path} (nothing to keep)" if deleted else f"locally patched: {path} (kept in the backup)"
+        )
 
     def on_progress(done: int, total: int) -> None:
         run.reporter.progress("backup", done, total, "bytes")
@@ -201,8 +205,11 @@ def backup_step(run: Run) -> str:
     )
     run._journal(Phase.BACKED_UP, backup_dir=str(run.backup.dir))
     size = run.backup.manifest.files
-    return f"{len(size)} files saved in {run.backup.dir}" + (
-        f"; {len(run.patched)} locally patched" if run.patched else ""
+    patched = len(run.patched) - len(run.deleted)
+    return (
+        f"{len(size)} files saved in {run.backup.dir}"
+        + (f"; {patched} locally patched" if patched else "")
+        + (f"; {len(run.deleted)} deleted locally" if run.deleted else "")
     )
 
 
@@ -271,14 +278,7 @@ def prefetch_step(run: Run) -> str:
 
 def _swap_rulers(run: Run) -> dict[str, bool]:
     """The run's options that rule a swap out (:func:`safeinstall.run.staging.refusal`)."""
-    options = run.options
-    return {
-        "--no-swap": options.no_swap,
-        "--keep-patches": options.keep_patches,
-        "--prune": options.prune,
-        "--accept-record-mismatch": options.accept_record_mismatch,
-        "a baseline of files whose RECORD is wrong": bool(run.prepared.vouched),
-    }
+    return staging.rulers(run.options, bool(run.prepared.vouched))
 
 
 def _stage(run: Run, root: Path) -> str | None:
@@ -545,7 +545,11 @@ def swap_step(run: Run) -> str:
         raise StepFailed(f"not the verified files in place after the swap: {', '.join(wrong[:5])}")
     run._journal(Phase.INSTALLED)
     plan = staged.plan
-    return f"swapped: {len(plan.moves)} entries renamed into place, {len(plan.out)} old ones out" + late
+    moved, out = len(plan.moves), len(plan.out)
+    return (
+        f"swapped: {moved} {'entry' if moved == 1 else 'entries'} renamed into place, "
+        f"{out} old {'one' if out == 1 else 'ones'} out{late}"
+    )
 
 
 # ------------------------------------------------------------------ 7. verify
@@ -945,7 +949,13 @@ def _prune_old_backups(run: Run, status: str) -> tuple[str, ...]:
         run.notes.append(f"old backups not pruned: the history could not be read ({exc.message})")
         return ()
     statuses[run.run_id] = status
-    old = prune_backups(run.state.backups, run.options.keep_backups, protected={run.run_id}, statuses=statuses)
+    old = prune_backups(
+        run.state.backups,
+        run.options.keep_backups,
+        protected={run.run_id},
+        statuses=statuses,
+        good_run=status == "done",
+    )
     run.notes.extend(f"old backup not deleted: {problem}" for problem in old.problems)
     return tuple(map(str, old.removed))
 
@@ -996,6 +1006,7 @@ def _result(
         steps=tuple(run.steps),
         downtime_s=dict(run.downtime),
         patched=run.patched,
+        deleted=run.deleted,
         extras=run.extras,
         pruned=run.pruned,
         backup_dir=str(run.backup.dir) if run.backup else None,

@@ -43,6 +43,7 @@ class RunResult:
     old_code: tuple[OldCodeProcess, ...] = ()  # found by the end check: still mapping replaced files
     patches: tuple[PatchOutcome, ...] = ()  # --keep-patches: each local patch, carried/dropped/conflict
     patch_file: str | None = None  # --keep-patches: the carried set, one patch against the new version
+    deleted: tuple[str, ...] = ()  # those of ``patched`` deleted locally (nothing of them to keep)
 
 
 class Reporter(Protocol):

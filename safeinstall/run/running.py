@@ -67,6 +67,7 @@ class Run:
     patches: PatchSet | None = None  # --keep-patches: set by the patches step
     patch_file: Path | None = None  # --keep-patches: the carried set, saved after a good run
     patched: tuple[str, ...] = ()
+    deleted: tuple[str, ...] = ()  # those of ``patched`` that were deleted locally
     extras: tuple[str, ...] = ()
     pruned: tuple[str, ...] = ()
     down_since: dict[str, float] = field(default_factory=dict)  # units the stop took down: since when

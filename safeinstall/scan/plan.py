@@ -97,6 +97,9 @@ class Plan:
     #: installed files of the affected distributions that differ from their RECORD (local patches,
     #: deletions): the reinstall replaces them (kept in the backup; --keep-patches carries them)
     locally_modified: tuple[str, ...] = ()
+    #: what will run to install, as the preflight found it (:func:`safeinstall.run.staging.install_lines`):
+    #: the staging install and the swap, or the install in the stop, or an undo's restore
+    install: tuple[str, ...] = ()
 
     @property
     def proceeds(self) -> bool:

@@ -41,9 +41,11 @@ def backups_to_remove(
     keep: int,
     protected: Collection[str],
     statuses: Mapping[str, str] | None = None,
+    good_run: bool = True,
 ) -> tuple[str, ...]:
     """The backups to delete, oldest first, never ``protected``: the good runs' beyond the newest
-    ``keep``, and those of runs that were rolled back.
+    ``keep`` (only after a ``good_run``: a rolled-back run never deletes one), and those of runs that
+    were rolled back.
 
     ``statuses``: each run's status (its history entry's; the running run's own). A run that ended
     done, or whose status is not known, counts under ``keep``; one rolled back does not count and its
@@ -57,7 +59,8 @@ def backups_to_remove(
     newest_first = sorted((name for name in names if is_run_id(name)), reverse=True)
     counted = [name for name in newest_first if known.get(name, "") in _COUNTED]
     spent = [name for name in newest_first if known.get(name) == ROLLED_BACK]
-    return tuple(sorted(name for name in (*counted[keep:], *spent) if name not in protected))
+    beyond = counted[keep:] if good_run else []
+    return tuple(sorted(name for name in (*beyond, *spent) if name not in protected))
 
 
 def _remove_tree(path: Path) -> list[str]:
@@ -83,7 +86,11 @@ class Pruned:
 
 
 def prune_backups(
-    backups: Path, keep: int, protected: Collection[str], statuses: Mapping[str, str] | None = None
+    backups: Path,
+    keep: int,
+    protected: Collection[str],
+    statuses: Mapping[str, str] | None = None,
+    good_run: bool = True,
 ) -> Pruned:
     """Delete the old backups under ``backups`` (see :func:`backups_to_remove`); never raises."""
     try:
@@ -92,7 +99,7 @@ def prune_backups(
         return Pruned((), (f"{backups}: could not list it: {exc.strerror or exc}",))
     removed: list[Path] = []
     problems: list[str] = []
-    for name in backups_to_remove(names, keep, protected, statuses):
+    for name in backups_to_remove(names, keep, protected, statuses, good_run):
         path = backups / name
         failures = _remove_tree(path)
         if failures:
