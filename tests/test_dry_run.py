@@ -395,7 +395,9 @@ def test_a_wheel_landing_on_another_distributions_files_is_a_refusal_that_names_
     assert doc["status"] == "would-refuse", doc["errors"]
     plan = doc["data"]
     assert plan["locally_modified"] == []
-    assert any("1 file(s) of siownera hold the copy of siownerb" in w for w in plan["warnings"]), plan["warnings"]
+    assert any("1 file(s) of siownera hold the copy of siownerb" in w for w in plan["warnings"]), plan[
+        "warnings"
+    ]
     (refusal,) = plan["refusals"]
     assert "1 file(s) of siownerb 1.0" in refusal and "uv pip uninstall siownerb" in refusal
     assert "--with-deps" in refusal and "source you trust" not in refusal
@@ -475,9 +477,14 @@ def test_the_plan_says_what_will_run_the_staging_install_and_the_swap_or_the_ins
     the staging tree before the stop and the renames happen during it; --no-swap installs in the stop."""
     swapped = dry_run(user_manager, None, env, wheels["sicext-2"], "--json").json["data"]["install"]
     before, during = swapped
-    assert before.startswith("before the stop: ") and " --prefix " in before and "/.safeinstall-swap-" in before
-    assert during == f"during the stop: the staged files are renamed into {os.path.realpath(env.parent.parent)} (the swap)"
-    before, during = dry_run(user_manager, None, env, wheels["sicext-2"], "--no-swap", "--json").json["data"]["install"]
+    assert (
+        before.startswith("before the stop: ") and " --prefix " in before and "/.safeinstall-swap-" in before
+    )
+    prefix = os.path.realpath(env.parent.parent)
+    assert during == f"during the stop: the staged files are renamed into {prefix} (the swap)"
+    before, during = dry_run(user_manager, None, env, wheels["sicext-2"], "--no-swap", "--json").json["data"][
+        "install"
+    ]
     assert before.startswith("before the stop (fills the run's uv cache): ") and " --target " in before
     assert during.startswith("during the stop (no swap: --no-swap is given): ") and "--offline" in during
     human = dry_run(user_manager, None, env, wheels["sicext-2"])

@@ -572,7 +572,7 @@ def test_health_url_must_answer_200(bed: Bed, tmp_path: Path) -> None:
     assert f"waiting for {name} to be stopped" in log or "stop: ok" in log
     assert f"waiting for {name} to be 0.5 s active" in log
     # the settle's progress counts up to the settle time (issue 37: "0 s of 122 s")
-    assert re.search(rf"to be 0.5 s active \(1 of 1; gives up after [\d.]+ s\): [\d.]+ s of 0.5 s", log), log
+    assert re.search(r"to be 0.5 s active \(1 of 1; gives up after [\d.]+ s\): [\d.]+ s of 0.5 s", log), log
     assert f"waiting for http://127.0.0.1:{port}/missing to answer 200 (last: " in log
     assert "of 2 s" in log
 

@@ -36,7 +36,9 @@ def test_only_good_runs_count_and_rolled_back_ones_go() -> None:
     # after a rolled-back run no good run's backup goes, however many there are
     assert backups_to_remove([NEW, OLD, MID], 1, {NEW}, {NEW: "rolled-back"}, good_run=False) == ()
     # a failed rollback keeps its backup (its journal names it) and does not count
-    assert backups_to_remove([NEW, OLD, MID], keep=1, protected=(), statuses={MID: "rollback-failed"}) == (OLD,)
+    assert backups_to_remove([NEW, OLD, MID], keep=1, protected=(), statuses={MID: "rollback-failed"}) == (
+        OLD,
+    )
     assert backups_to_remove([OLD, MID], keep=1, protected=(), statuses={OLD: "rollback-failed"}) == ()
 
 

@@ -471,7 +471,9 @@ class ConsoleReporter:
         self._last_key = ""  # the next step's first progress line is a change
         if self.quiet:
             return
-        self.out.print(step_line(outcome.name, outcome.status, outcome.seconds, outcome.detail), soft_wrap=True)
+        self.out.print(
+            step_line(outcome.name, outcome.status, outcome.seconds, outcome.detail), soft_wrap=True
+        )
 
     def progress(self, what: str, done: float | None, total: float | None, unit: str = "") -> None:
         with _output_best_effort():

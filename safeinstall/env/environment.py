@@ -501,7 +501,8 @@ def probe_failure(python: Path, returncode: int, stderr: str) -> str:
     interpreter", never with the probe's source; a Python that failed shows the end of its error."""
     text = stderr.strip()
     if not text or any(line in text for line in _PROBE_LINES):
-        return f"{python} is not a Python interpreter (it did not run the probe given with -c; exit {returncode})"
+        why = f"it did not run the probe given with -c; exit {returncode}"
+        return f"{python} is not a Python interpreter ({why})"
     return f"{python} failed to report its paths: {text[-400:]}"
 
 

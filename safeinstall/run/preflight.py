@@ -27,6 +27,7 @@ from packaging.utils import canonicalize_name
 from safeinstall.env.drift import FindingKind
 from safeinstall.env.environment import Environment, inspect_environment, resolve_python
 from safeinstall.env.systemsite import placement_refusals
+from safeinstall.env.uvplan import uv_binary
 from safeinstall.env.verify import VerifyReport, verify_environment
 from safeinstall.env.vouched import Vouched
 from safeinstall.env.wheel import (
@@ -46,7 +47,6 @@ from safeinstall.env.wheelcopy import (
     temporary_copy,
 )
 from safeinstall.errors import PlanError, WheelError
-from safeinstall.env.uvplan import uv_binary
 from safeinstall.run import staging
 from safeinstall.run.options import RunOptions, check_options
 from safeinstall.run.patches import PatchSet, prepare_patches
@@ -169,7 +169,9 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
         if undo is not None:
             owner = os.geteuid() if env.account is None else env.account.uid
             found = replace(found, plan=undo_plan(found.plan, undo, before, found.installed, owner))
-        why_not = staging.refusal(env, found.request, found.uv_plan.changes, staging.rulers(options, bool(vouched)))
+        why_not = staging.refusal(
+            env, found.request, found.uv_plan.changes, staging.rulers(options, bool(vouched))
+        )
         install = staging.install_lines(env, found.request, found.uv_plan, why_not, uv_binary())
         found = replace(found, plan=replace(found.plan, install=install))
     except BaseException:
@@ -217,8 +219,9 @@ def with_local_changes(
         else "the reinstall replaces them with the new version's; they are kept in the backup, and "
         "--keep-patches carries them over"
     )
+    example = modified[0]
     warning = (
-        f"{count} of the distributions of {plan.package} {changed} changed locally (e.g. {modified[0]}): {what}"
+        f"{count} of the distributions of {plan.package} {changed} changed locally (e.g. {example}): {what}"
     )
     return replace(plan, locally_modified=modified, warnings=(*plan.warnings, warning))
 

@@ -62,6 +62,7 @@ from safeinstall.scan.plan import PlannedProcess, PlannedUnit, left_on_old_code
 from safeinstall.scan.processes import scan_processes
 from safeinstall.store.backup import check_restored, create_backup, prune_into, restore_backup
 from safeinstall.store.baseline import record_run
+from safeinstall.store.history import read_history
 from safeinstall.store.journal import (
     JournalUnit,
     Phase,
@@ -70,7 +71,6 @@ from safeinstall.store.journal import (
     start_journal,
     update_unit,
 )
-from safeinstall.store.history import read_history
 from safeinstall.store.retention import prune_backups
 from safeinstall.store.state import (
     RUN_DIR_REMOVAL_S,
@@ -188,7 +188,9 @@ def backup_step(run: Run) -> str:
     for path in run.patched:
         deleted = path in run.deleted
         run.notes.append(
-            f"locally deleted: {path} (nothing to keep)" if deleted else f"locally patched: {path} (kept in the backup)"
+            f"locally deleted: {path} (nothing to keep)"
+            if deleted
+            else f"locally patched: {path} (kept in the backup)"
         )
 
     def on_progress(done: int, total: int) -> None:
@@ -869,7 +871,7 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
                     ExitCode.ROLLED_BACK: "rolled-back",
                     ExitCode.ROLLBACK_FAILED: "rollback-failed",
                 }.get(outcome.exit_code, "error")
-                # put back whole: the backups of earlier rolled-back runs go (they piled up), never a good one's
+                # put back whole: earlier rolled-back runs' backups go (they piled up), never a good one's
                 removed = _prune_old_backups(run, status) if outcome.exit_code == ExitCode.ROLLED_BACK else ()
                 return _result(run, status, outcome.exit_code, outcome, backups_removed=removed)
         # The run succeeded: the services run the new, verified version. What is left is tidying up
