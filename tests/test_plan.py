@@ -126,3 +126,60 @@ def test_what_the_scan_cannot_read_is_said_once_each_reading_only_with_v() -> No
         out = io.StringIO()
         _scan_problems(Console(file=out, width=120), problems, verbosity)
         assert len(out.getvalue().splitlines()) == lines
+
+
+def test_host_state_notes_are_left_out_by_q_and_said_otherwise() -> None:
+    """Issue 37: -q printed on every command that PID 1 is unreadable and NVML missing. They are the
+    plan's ``host_notes`` (still among its warnings, for --json): -q leaves them out, on the plan and
+    in a run's notes before the stop; without -q they are said."""
+    import io
+
+    from rich.console import Console
+
+    from safeinstall.cli.render import ConsoleReporter, render_plan
+    from safeinstall.scan.processes import ScanProblem
+
+    record = process(10, "engine.service", MAPPED)
+    problems = (ScanProblem(1, "maps", "permission denied"),)
+    found = build_plan(
+        package="sicext",
+        python="/v/bin/python",
+        prefix="/v",
+        user=False,
+        with_deps=False,
+        kill_strays=False,
+        uv_plan=UvPlan((), (), ""),
+        installed_versions={"sicext": "1.0"},
+        wheel_version="2.0",
+        scan=ScanResult((record,), problems, 1, 999),
+        units={},
+        gpus=GpuSnapshot(False, "NVML library libnvidia-ml.so.1 not found", (), (), (), (), 0.0),
+        as_root=True,
+    )
+    assert len(found.host_notes) == 2 and set(found.host_notes) <= set(found.warnings)
+    for verbosity, shown in ((-1, False), (0, True), (1, True)):
+        out, err = io.StringIO(), io.StringIO()
+        render_plan(Console(file=out, width=120), Console(file=err, width=200), found, verbosity)
+        assert ("PID 1" in err.getvalue() and "GPU check unavailable" in err.getvalue()) is shown
+        notes = io.StringIO()
+        reporter = ConsoleReporter(
+            Console(file=io.StringIO()), Console(file=notes, width=200), verbosity=verbosity
+        )
+        reporter.note(f"before the stop: {found.host_notes[0]}", host=True)
+        reporter.note("before the stop: a local patch is replaced")
+        assert ("PID 1" in notes.getvalue()) is shown and "a local patch" in notes.getvalue()
+
+
+def test_local_changes_name_keep_patches_only_where_it_can_be_given() -> None:
+    """Issue 37: "--keep-patches carries them over" was said with --keep-patches, and on --undo."""
+    from safeinstall.run.preflight import with_local_changes
+
+    base = plan(process(10, "engine.service", MAPPED), only_loaded=False)
+    (said,) = set(with_local_changes(base, ("/v/lib/sicext/a.py",)).warnings) - set(base.warnings)
+    assert said.startswith("1 installed file of the distributions of sicext was changed locally")
+    assert "--keep-patches carries them over" in said
+    kept = with_local_changes(base, ("/v/a.py", "/v/b.py"), keep_patches=True)
+    assert kept.warnings == base.warnings and kept.locally_modified == ("/v/a.py", "/v/b.py")
+    (undone,) = set(with_local_changes(base, ("/v/a.py", "/v/b.py"), undo=True).warnings) - set(base.warnings)
+    assert "2 installed files" in undone and "were changed" in undone and "--keep-patches" not in undone
+    assert "the undo puts back the backup's copies" in undone

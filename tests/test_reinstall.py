@@ -602,12 +602,12 @@ def test_yes_still_says_what_will_be_lost_before_the_stop(bed: Bed) -> None:
     serve.write_text(serve.read_text() + "# a local fix\n")
     result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]))
     assert result.code == 0, result.stdout + result.stderr
-    said = result.stderr.index("were changed locally")
+    said = result.stderr.index("was changed locally")
     assert "before the stop:" in result.stderr[:said]
     assert "stop" in result.stdout  # the step lines follow on stdout; the log keeps both, in order
     (log,) = bed.state.glob("*/logs/*.log")
     text = log.read_text()
-    assert "were changed locally" in text and text.index("were changed locally") < text.index("stop: ok")
+    assert "was changed locally" in text and text.index("was changed locally") < text.index("stop: ok")
     wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running again")
 
 

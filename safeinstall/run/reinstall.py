@@ -820,7 +820,7 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
             return _declined(prepared)
         if not interactive:  # --yes, --json, no terminal: what will be lost is still said, and logged
             for warning in prepared.plan.warnings:
-                reporter.note(f"before the stop: {warning}")
+                reporter.note(f"before the stop: {warning}", host=warning in prepared.plan.host_notes)
         held = deferral.enter_context(interrupts_deferred(held_back))
         run = start(prepared, reporter)
     except BaseException:

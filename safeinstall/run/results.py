@@ -53,7 +53,8 @@ class Reporter(Protocol):
         """``unit``: "bytes", "s" (seconds) or "" (a count); see
         :func:`safeinstall.store.runlog.progress_text`."""
 
-    def note(self, text: str) -> None: ...
+    def note(self, text: str, host: bool = False) -> None:
+        """``host``: a note about the host, not this run (the same on every command: ``-q`` drops it)."""
 
     def confirm(self, plan: Plan) -> bool: ...
 
@@ -83,9 +84,9 @@ class LoggedReporter:
             append_line(self.log, progress_text(what, done, total, unit))
         self.inner.progress(what, done, total, unit)
 
-    def note(self, text: str) -> None:
+    def note(self, text: str, host: bool = False) -> None:
         append_line(self.log, f"note: {text}")
-        self.inner.note(text)
+        self.inner.note(text, host)
 
     def confirm(self, plan: Plan) -> bool:
         return self.inner.confirm(plan)

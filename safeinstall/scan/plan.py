@@ -100,6 +100,9 @@ class Plan:
     #: what will run to install, as the preflight found it (:func:`safeinstall.run.staging.install_lines`):
     #: the staging install and the swap, or the install in the stop, or an undo's restore
     install: tuple[str, ...] = ()
+    #: those of ``warnings`` about the host, not this run (processes even root cannot read, no NVML): the
+    #: same on every command of that machine, so ``-q`` leaves them out (``--json`` and the log keep them)
+    host_notes: tuple[str, ...] = ()
 
     @property
     def proceeds(self) -> bool:
@@ -433,8 +436,11 @@ def build_plan(
     unread = unreadable_warning(scan.problems, as_root)
     if unread:
         warnings.append(unread)
-    if not gpus.available:
-        warnings.append(f"GPU check unavailable: {gpus.reason}")
+    no_gpu_check = None if gpus.available else f"GPU check unavailable: {gpus.reason}"
+    if no_gpu_check:
+        warnings.append(no_gpu_check)
+    # root that cannot read a process (a VM's init), a machine without NVML: so on every command
+    host = tuple(w for w in (unread if as_root else None, no_gpu_check) if w)
     if left_out:
         warnings.append(
             f"--only-loaded leaves out {len(left_out)} process(es) that run this environment's Python "
@@ -462,4 +468,5 @@ def build_plan(
         warnings=tuple(warnings),
         only_loaded=only_loaded,
         left_out=left_out,
+        host_notes=host,
     )
