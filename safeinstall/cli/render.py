@@ -337,8 +337,8 @@ def render_plan(out: Console, err: Console, plan: Plan, verbosity: int = 0) -> N
         out.print(f"GPUs: check unavailable ({literal(plan.gpus.reason or '')})", soft_wrap=True)
     if plan.install:  # what will run: the staging install and the swap, the install in the stop, a restore
         out.print("uv command:")
-        for line in (wrapped for line in plan.install for wrapped in wrap_words(line, out.width, 2)):
-            out.print(literal(line), soft_wrap=True)
+        for wrapped in (part for line in plan.install for part in wrap_words(line, out.width, 2)):
+            out.print(literal(wrapped), soft_wrap=True)
     else:
         out.print("uv command: " + literal(" ".join(plan.uv_command)), soft_wrap=True)
     _scan_problems(err, plan.scan_problems, verbosity)
