@@ -562,6 +562,10 @@ def test_a_file_whose_wheel_lied_in_its_record_says_so(
     (finding,) = doc["data"]["findings"]
     assert finding["kind"] == "modified" and "the wheel's own RECORD may be wrong" in finding["detail"]
     assert "safeinstall sipure --verify-only --wheel W" in finding["detail"]
+    # on a terminal the hint is said once, not under each file (issue 37)
+    human = run("sipure", "--verify-only", "--python", str(venv))
+    assert "the wheel's own RECORD may be wrong" not in human.stdout and human.stderr.count("hint: ") == 1
+    assert "not changed since it was installed (no newer than its RECORD)" in human.stdout
     with_wheel = run("sipure", "--verify-only", "--python", str(venv), "--wheel", str(broken), "--json")
     assert with_wheel.code == 0 and {f["kind"] for f in with_wheel.json["data"]["findings"]} == {
         "wheel-record"

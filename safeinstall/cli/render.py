@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.markup import escape
 
-from safeinstall.env.drift import Finding, FindingKind
+from safeinstall.env.drift import RECORD_MAY_BE_WRONG_HINT, UNTOUCHED, Finding, FindingKind
 from safeinstall.errors import SafeInstallError
 from safeinstall.store.runlog import PROGRESS_EVERY_S, human_bytes, progress_key, progress_text
 
@@ -76,15 +76,34 @@ def render_error(console: Console, error: SafeInstallError) -> None:
     console.print(f"[dim]hint:[/] {literal(error.advice, lines=True)}", soft_wrap=True)
 
 
-def _finding_lines(out: Console, findings: Sequence[Finding]) -> None:
+def _finding_lines(out: Console, findings: Sequence[Finding]) -> list[str]:
     """Each finding: its kind, distribution and path on one line (a path is never broken: the line is
-    not wrapped), its detail indented below (wrapped between words)."""
+    not wrapped), its detail indented below (wrapped between words). A hint that would be the same for
+    every file is left out of the detail (``--json`` keeps it) and said once by the caller: the
+    distributions whose files it is about, returned."""
+    hinted: list[str] = []
     for f in findings:
         style = _KIND_STYLE.get(f.kind, "")
         kind = f"[{style}]{f.kind.value}[/]" if style else f.kind.value
         out.print(f"{kind} {literal(f.distribution)} {literal(f.path)}", soft_wrap=True)
-        if f.detail:
-            out.print(f"    {literal(f.detail)}", soft_wrap=True)
+        hint = RECORD_MAY_BE_WRONG_HINT.format(name=f.distribution)
+        detail = f.detail.removesuffix(f": {hint}") if f.detail.endswith(f"{UNTOUCHED}: {hint}") else f.detail
+        if detail != f.detail and f.distribution not in hinted:
+            hinted.append(f.distribution)
+        if detail:
+            out.print(f"    {literal(detail)}", soft_wrap=True)
+    return hinted
+
+
+def _record_hint(err: Console, names: Sequence[str]) -> None:
+    """The hint of files not changed since their install (:data:`UNTOUCHED`), once for them all."""
+    if names:
+        name = names[0] if len(names) == 1 else "NAME"
+        err.print(
+            f"[dim]hint:[/] {UNTOUCHED} ({literal(', '.join(names))}): "
+            f"{literal(RECORD_MAY_BE_WRONG_HINT.format(name=name))}",
+            soft_wrap=True,
+        )
 
 
 def _example(findings: Sequence[Finding]) -> str:
@@ -126,6 +145,26 @@ def _warning_summaries(err: Console, findings: Sequence[Finding], more: str) -> 
             f"{FindingKind.WHEEL_RECORD.value}, not drift{more}",
             soft_wrap=True,
         )
+    intact: dict[str, list[Finding]] = defaultdict(list)
+    for f in findings:
+        if f.kind == FindingKind.DPKG_INTACT:
+            intact[f.distribution].append(f)
+    for name, same in sorted(intact.items()):
+        err.print(
+            f"[yellow]note:[/] {counted(len(same), 'file')} of {literal(name)} "
+            f"{'differs' if len(same) == 1 else 'differ'} from its RECORD but dpkg's own md5sums say "
+            f"{'it is' if len(same) == 1 else 'they are'} as the system package shipped "
+            f"{'it' if len(same) == 1 else 'them'} (e.g. {_example(same)})"
+            f"{more}",
+            soft_wrap=True,
+        )
+    if intact:  # the hint once, however many files and packages
+        err.print(
+            f"[dim]hint:[/] {FindingKind.DPKG_INTACT.value}: the distribution changed them after writing "
+            "RECORD (Debian strips its libraries); not drift: debsums PACKAGE (or dpkg --verify PACKAGE) "
+            "checks them against the package",
+            soft_wrap=True,
+        )
     pairs: dict[tuple[str, str], list[Finding]] = defaultdict(list)
     for f in findings:
         if f.kind == FindingKind.SHARED:
@@ -160,7 +199,7 @@ def render_verify(
             soft_wrap=True,
         )
     drift = [f for f in report.findings if f.is_drift]
-    _finding_lines(out, drift)
+    _record_hint(err, _finding_lines(out, drift))
     warnings = [  # the wheel's own problems are the line above; the baseline's are summarised below
         f
         for f in report.findings
