@@ -139,7 +139,7 @@ def _warning_summaries(err: Console, findings: Sequence[Finding], more: str) -> 
     for name, lying in sorted(vouched.items()):
         err.print(
             f"[yellow]note:[/] {counted(len(lying), 'file')} of {literal(name)} "
-            f"{'differs' if len(lying) == 1 else 'differ'} from {literal(name)}'s RECORD but "
+            f"{'differs' if len(lying) == 1 else 'differ'} from {_possessive(literal(name))} RECORD but "
             f"{'holds' if len(lying) == 1 else 'hold'} the very bytes safeinstall installed and verified "
             f"against its wheel (e.g. {_example(lying)}): the wheel's own RECORD is wrong; "
             f"{FindingKind.WHEEL_RECORD.value}, not drift{more}",
@@ -172,12 +172,17 @@ def _warning_summaries(err: Console, findings: Sequence[Finding], more: str) -> 
     for (name, other), shared in sorted(pairs.items()):
         err.print(
             f"[yellow]note:[/] {counted(len(shared), 'file')} of {literal(name)} "
-            f"{'holds' if len(shared) == 1 else 'hold'} {literal(other)}'s copy "
+            f"{'holds' if len(shared) == 1 else 'hold'} {_possessive(literal(other))} copy "
             f"(both RECORDs list them; {literal(other)} was installed over them; e.g. {_example(shared)}): "
             f"{FindingKind.SHARED.value}, not drift; reinstalling {literal(name)} alone would put its own "
-            f"copies back over {literal(other)}'s{more}",
+            f"copies back over {_possessive(literal(other))}{more}",
             soft_wrap=True,
         )
+
+
+def _possessive(name: str) -> str:
+    """Pure: "sipure's", "requests'" (not "requests's")."""
+    return f"{name}'" if name.endswith("s") else f"{name}'s"
 
 
 def counted(number: int, what: str) -> str:
