@@ -5,13 +5,16 @@ from __future__ import annotations
 from safeinstall.env.uvplan import UvPlan
 from safeinstall.scan.evidence import Evidence, EvidenceKind
 from safeinstall.scan.plan import Plan, build_plan
-from safeinstall.scan.processes import ProcessRecord, ScanResult
+from safeinstall.scan.processes import ProcessRecord, ScanProblem, ScanResult
 from safeinstall.system.gpus import GpuSnapshot
 
 ENVIRONMENT = Evidence(
     EvidenceKind.ENVIRONMENT, "", "/v/bin/python", False, "runs the environment's interpreter"
 )
 MAPPED = Evidence(EvidenceKind.MAPPED, "sicext", "/v/lib/sicext/_native.so", False, "path")
+
+
+NO_GPUS = GpuSnapshot(False, "none", (), (), (), (), 0.0)
 
 
 def process(pid: int, unit: str | None, *evidence: Evidence) -> ProcessRecord:
@@ -30,7 +33,13 @@ def process(pid: int, unit: str | None, *evidence: Evidence) -> ProcessRecord:
     )
 
 
-def plan(*records: ProcessRecord, only_loaded: bool, kill_strays: bool = True) -> Plan:
+def plan(
+    *records: ProcessRecord,
+    only_loaded: bool,
+    kill_strays: bool = True,
+    problems: tuple[ScanProblem, ...] = (),
+    gpus: GpuSnapshot = NO_GPUS,
+) -> Plan:
     return build_plan(
         package="sicext",
         python="/v/bin/python",
@@ -42,9 +51,10 @@ def plan(*records: ProcessRecord, only_loaded: bool, kill_strays: bool = True) -
         uv_plan=UvPlan((), (), ""),
         installed_versions={"sicext": "1.0"},
         wheel_version="2.0",
-        scan=ScanResult(records, (), len(records), 999),
+        scan=ScanResult(records, problems, len(records), 999),
         units={},
-        gpus=GpuSnapshot(False, "none", (), (), (), (), 0.0),
+        gpus=gpus,
+        as_root=True,
     )
 
 
@@ -137,25 +147,10 @@ def test_host_state_notes_are_left_out_by_q_and_said_otherwise() -> None:
     from rich.console import Console
 
     from safeinstall.cli.render import ConsoleReporter, render_plan
-    from safeinstall.scan.processes import ScanProblem
 
-    record = process(10, "engine.service", MAPPED)
     problems = (ScanProblem(1, "maps", "permission denied"),)
-    found = build_plan(
-        package="sicext",
-        python="/v/bin/python",
-        prefix="/v",
-        user=False,
-        with_deps=False,
-        kill_strays=False,
-        uv_plan=UvPlan((), (), ""),
-        installed_versions={"sicext": "1.0"},
-        wheel_version="2.0",
-        scan=ScanResult((record,), problems, 1, 999),
-        units={},
-        gpus=GpuSnapshot(False, "NVML library libnvidia-ml.so.1 not found", (), (), (), (), 0.0),
-        as_root=True,
-    )
+    no_nvml = GpuSnapshot(False, "NVML library libnvidia-ml.so.1 not found", (), (), (), (), 0.0)
+    found = plan(process(10, "engine.service", MAPPED), only_loaded=False, problems=problems, gpus=no_nvml)
     assert len(found.host_notes) == 2 and set(found.host_notes) <= set(found.warnings)
     for verbosity, shown in ((-1, False), (0, True), (1, True)):
         out, err = io.StringIO(), io.StringIO()

@@ -132,11 +132,7 @@ def _warning_summaries(err: Console, findings: Sequence[Finding], more: str) -> 
             f"{how}{more}",
             soft_wrap=True,
         )
-    vouched: dict[str, list[Finding]] = defaultdict(list)
-    for f in findings:
-        if f.kind == FindingKind.WHEEL_RECORD:
-            vouched[f.distribution].append(f)
-    for name, lying in sorted(vouched.items()):
+    for name, lying in _by_distribution(findings, FindingKind.WHEEL_RECORD):
         err.print(
             f"[yellow]note:[/] {counted(len(lying), 'file')} of {literal(name)} "
             f"{'differs' if len(lying) == 1 else 'differ'} from {_possessive(literal(name))} RECORD but "
@@ -145,11 +141,8 @@ def _warning_summaries(err: Console, findings: Sequence[Finding], more: str) -> 
             f"{FindingKind.WHEEL_RECORD.value}, not drift{more}",
             soft_wrap=True,
         )
-    intact: dict[str, list[Finding]] = defaultdict(list)
-    for f in findings:
-        if f.kind == FindingKind.DPKG_INTACT:
-            intact[f.distribution].append(f)
-    for name, same in sorted(intact.items()):
+    intact = _by_distribution(findings, FindingKind.DPKG_INTACT)
+    for name, same in intact:
         err.print(
             f"[yellow]note:[/] {counted(len(same), 'file')} of {literal(name)} "
             f"{'differs' if len(same) == 1 else 'differ'} from its RECORD but dpkg's own md5sums say "
@@ -178,6 +171,15 @@ def _warning_summaries(err: Console, findings: Sequence[Finding], more: str) -> 
             f"copies back over {_possessive(literal(other))}{more}",
             soft_wrap=True,
         )
+
+
+def _by_distribution(findings: Sequence[Finding], kind: FindingKind) -> list[tuple[str, list[Finding]]]:
+    """Pure: the findings of ``kind``, by distribution (sorted by name)."""
+    found: dict[str, list[Finding]] = defaultdict(list)
+    for f in findings:
+        if f.kind == kind:
+            found[f.distribution].append(f)
+    return sorted(found.items())
 
 
 def _possessive(name: str) -> str:
