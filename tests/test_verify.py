@@ -279,6 +279,7 @@ def test_against_wheel_clean_then_diff_and_patch(env: Path, wheels: Wheelhouse, 
     assert result.code == 1
     assert '-    return "hello from sipure 1"' in result.stdout
     assert '+    return "hello from a local patch"' in result.stdout
+    assert f"patch of 1 modified file written to {patch}" in result.stderr  # issue 37: not "1 ... files"
     # The saved patch reverses cleanly with patch(1), taking the local edit out.
     prefix = env.parent.parent
     subprocess.run(
