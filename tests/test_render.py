@@ -102,3 +102,10 @@ def test_a_deleted_file_is_not_called_locally_patched_and_counts_read_as_english
     assert lines[patched + 1] == "  sipure/b.py" and "gone.py" not in lines[patched + 2]
     assert "files deleted locally (nothing of them to keep):" in lines
     assert "deleted 1 older backup (--keep-backups)" in lines
+
+
+def test_the_swap_step_counts_in_english() -> None:
+    from safeinstall.run.reinstall import swapped_detail
+
+    assert swapped_detail(1, 1) == "swapped: 1 entry renamed into place, 1 old one out"
+    assert swapped_detail(3, 0) == "swapped: 3 entries renamed into place, 0 old ones out"

@@ -546,11 +546,14 @@ def swap_step(run: Run) -> str:
     if wrong:
         raise StepFailed(f"not the verified files in place after the swap: {', '.join(wrong[:5])}")
     run._journal(Phase.INSTALLED)
-    plan = staged.plan
-    moved, out = len(plan.moves), len(plan.out)
+    return swapped_detail(len(staged.plan.moves), len(staged.plan.out)) + late
+
+
+def swapped_detail(moved: int, out: int) -> str:
+    """Pure: what the swap step says it did ("1 entry ..., 1 old one out", never "1 old ones")."""
     return (
         f"swapped: {moved} {'entry' if moved == 1 else 'entries'} renamed into place, "
-        f"{out} old {'one' if out == 1 else 'ones'} out{late}"
+        f"{out} old {'one' if out == 1 else 'ones'} out"
     )
 
 
