@@ -244,6 +244,24 @@ def test_verify_only_flags_without_verify_only_say_so(args: list[str], hint: str
     assert hint in result.stderr.splitlines()[-1] and result.stderr.splitlines()[-1].startswith("hint: ")
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["sipure", "--verify-only", "--settle", "30"],
+        ["sipure", "--verify-only", "--gpu-timeout", "5"],
+        ["--status", "--kill-strays"],
+        ["--recover", "--keep-backups", "2"],
+    ],
+)
+def test_a_runs_options_in_a_mode_that_runs_nothing_are_a_usage_error(args: list[str]) -> None:
+    """Issue 37: they did nothing, in silence."""
+    result = run(*args)
+    error, hint = result.stderr.strip().splitlines()
+    assert result.code == 2 and result.stdout == "" and "does nothing with --" in error, result.stderr
+    assert error.startswith(f"error: {args[-2] if args[-1].isdigit() else args[-1]} ")
+    assert hint.startswith("hint: drop ")
+
+
 def test_no_arguments_is_a_usage_error_with_the_help_on_stderr() -> None:
     result = run()
     assert result.code == 2 and result.stdout == ""
@@ -400,3 +418,13 @@ def test_a_wheel_path_as_the_requirement_gets_a_hint_and_a_wheel_names_its_packa
     named = run("--wheel", str(wheels["sipure-2"]), "--python", str(venv), "--dry-run", "--json")
     assert named.code == 0, named.stdout + named.stderr
     assert named.json["data"]["package"] == "sipure"
+
+
+@pytest.mark.parametrize("program", ["/bin/ls", "/bin/true"])
+def test_a_program_that_is_not_python_is_said_so_without_the_probes_source(program: str) -> None:
+    """Issue 37: ``--python /bin/ls`` showed ls's complaint about its arguments, the probe's source."""
+    result = run("sipure", "--verify-only", "--python", program)
+    error, hint = result.stderr.strip().splitlines()
+    assert result.code == 2 and error.startswith(f"error: {program} is not a Python interpreter"), error
+    assert "sysconfig" not in result.stderr and "paths[" not in result.stderr
+    assert hint == "hint: check that --python names a working Python 3 interpreter"

@@ -130,6 +130,6 @@ def test_the_detach_prompt_shows_what_the_foreground_prompt_shows(bed: Bed) -> N
     serve.write_text(serve.read_text() + "# a local fix\n")
     code, out, err = declined_on_a_terminal(bed, "--detach")
     assert code == 2, out + err
-    assert "were changed locally" in out + err and "[y/N]" in err
+    assert "was changed locally" in out + err and "[y/N]" in err
     assert "nothing done (not confirmed)" in out
     assert bed.manager.main_pid(name) == main and bed.version() == "1.0"

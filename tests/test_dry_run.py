@@ -375,7 +375,7 @@ def test_local_changes_are_said_before_anything_stops(
     assert result.code == 0, result.stdout + result.stderr
     plan = result.json["data"]
     assert sorted(plan["locally_modified"]) == sorted([str(init), str(serve)])
-    assert any("2 installed file(s)" in w and "--keep-patches" in w for w in plan["warnings"])
+    assert any("2 installed files" in w and "--keep-patches" in w for w in plan["warnings"])
     human = dry_run(user_manager, None, env, wheels["sicext-2"])
     assert "were changed locally" in human.stdout + human.stderr
     clean = run("sipure", "--wheel", str(wheels["sipure-2"]), "--python", str(env), "--dry-run", "--json")
@@ -395,7 +395,9 @@ def test_a_wheel_landing_on_another_distributions_files_is_a_refusal_that_names_
     assert doc["status"] == "would-refuse", doc["errors"]
     plan = doc["data"]
     assert plan["locally_modified"] == []
-    assert any("1 file(s) of siownera hold siownerb's copy" in w for w in plan["warnings"]), plan["warnings"]
+    assert any("1 file(s) of siownera hold the copy of siownerb" in w for w in plan["warnings"]), plan[
+        "warnings"
+    ]
     (refusal,) = plan["refusals"]
     assert "1 file(s) of siownerb 1.0" in refusal and "uv pip uninstall siownerb" in refusal
     assert "--with-deps" in refusal and "source you trust" not in refusal
@@ -407,7 +409,8 @@ def test_the_plan_reads_at_a_glance(
     env: Path, wheels: Wheelhouse, units: Units, user_manager: UserManager
 ) -> None:
     """One row per process with its strongest evidence as one reason; every piece of evidence with -v;
-    no padding on a pipe; at 60 columns a path ends in an ellipsis, never broken across lines."""
+    no padding on a pipe; at 60 columns the reason and command stack below their row, a path never
+    broken across lines."""
     shell = units.started(
         "glance", f"/bin/sh -c '{env} -c \"import sicext, time; time.sleep(600)\" & exec sleep 600'"
     )
@@ -440,7 +443,7 @@ def test_the_plan_reads_at_a_glance(
     assert narrow.code == 0
     start = narrow.stdout.index("processes using them")
     table = narrow.stdout[start : narrow.stdout.index("units that would be stopped")].splitlines()
-    assert all(len(line) <= 60 for line in table), table
+    assert all(len(line) <= 60 or len(line.split()) == 1 for line in table), table  # a long path: whole
     for token in " ".join(table).split():  # a broken path leaves its tail as a word of its own
         assert "native" not in token or token.startswith(("sicext/", "/")), table
         assert not token.startswith(("gnu.so", "x86_64", "linux-gnu")), table
@@ -466,3 +469,24 @@ def test_keep_patches_takes_a_file_another_record_holds_for_no_local_patch(
         ("siownera.py", "carried")
     ]
     assert data["locally_modified"] == [str(patched)]
+
+
+def test_the_plan_says_what_will_run_the_staging_install_and_the_swap_or_the_install_in_the_stop(
+    env: Path, wheels: Wheelhouse, user_manager: UserManager
+) -> None:
+    """Issue 37: the plan showed uv's dry-run command, which no step runs. A venv swaps: uv installs into
+    the staging tree before the stop and the renames happen during it; --no-swap installs in the stop."""
+    swapped = dry_run(user_manager, None, env, wheels["sicext-2"], "--json").json["data"]["install"]
+    before, during = swapped
+    assert (
+        before.startswith("before the stop: ") and " --prefix " in before and "/.safeinstall-swap-" in before
+    )
+    prefix = os.path.realpath(env.parent.parent)
+    assert during == f"during the stop: the staged files are renamed into {prefix} (the swap)"
+    before, during = dry_run(user_manager, None, env, wheels["sicext-2"], "--no-swap", "--json").json["data"][
+        "install"
+    ]
+    assert before.startswith("before the stop (fills the run's uv cache): ") and " --target " in before
+    assert during.startswith("during the stop (no swap: --no-swap is given): ") and "--offline" in during
+    human = dry_run(user_manager, None, env, wheels["sicext-2"])
+    assert "uv command:\n  before the stop: " in human.stdout and "(the swap)" in human.stdout

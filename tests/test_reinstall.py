@@ -38,6 +38,7 @@ def test_happy_path(bed: Bed) -> None:
         "steps",
         "downtime_s",
         "patched",
+        "deleted",
         "extras",
         "pruned",
         "backup_dir",
@@ -348,9 +349,10 @@ def test_a_rollback_that_fails_lists_the_commands_to_finish(bed: Bed, tmp_path: 
     assert bed.version() == "1.0"  # the restore itself worked; the start did not
 
 
-def test_only_a_good_run_deletes_backups_beyond_keep_backups(bed: Bed) -> None:
-    """A vLLM backup is GBs: a good run keeps the newest --keep-backups; a failed run deletes none,
-    and a directory that is not a run's backup is never touched."""
+def test_only_good_runs_count_under_keep_backups(bed: Bed) -> None:
+    """A vLLM backup is GBs: the newest --keep-backups good runs' backups stay; a rolled-back run's
+    goes with the next run (it deletes no good one: issue 37), and a directory that is not a run's
+    backup is never touched."""
     from safeinstall.store.state import environment_key
 
     bed.service("retention")
@@ -360,7 +362,9 @@ def test_only_a_good_run_deletes_backups_beyond_keep_backups(bed: Bed) -> None:
     for name in [*planted, "not-a-backup"]:
         (backups / name / "files").mkdir(parents=True)
         (backups / name / "files" / "x").write_text(name)
-    failed = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-3"]), "--settle", "1", "--json")
+    failed = bed.safeinstall(
+        "sicext", "--wheel", str(bed.wheels["sicext-3"]), "--settle", "1", "--keep-backups", "1", "--json"
+    )
     assert failed.code == 3, failed.stdout + failed.stderr
     failed_backup = Path(failed.json["data"]["backup_dir"])
     assert failed.json["data"]["backups_removed"] == []
@@ -372,12 +376,12 @@ def test_only_a_good_run_deletes_backups_beyond_keep_backups(bed: Bed) -> None:
 
     assert good.code == 0, good.stdout + good.stderr
     kept = Path(good.json["data"]["backup_dir"])
-    assert sorted(good.json["data"]["backups_removed"]) == [str(backups / name) for name in planted]
-    assert {p.name for p in backups.iterdir()} == {failed_backup.name, kept.name, "not-a-backup"}
+    assert sorted(good.json["data"]["backups_removed"]) == [str(backups / planted[0]), str(failed_backup)]
+    assert {p.name for p in backups.iterdir()} == {planted[1], kept.name, "not-a-backup"}
     again = bed.safeinstall(
         "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--keep-backups", "1"
     )
-    assert again.code == 0 and "deleted 2 older backup(s)" in again.stderr, again.stderr
+    assert again.code == 0 and "deleted 2 older backups" in again.stderr, again.stderr
     (newest,) = {p.name for p in backups.iterdir()} - {"not-a-backup"}
     assert newest not in (kept.name, failed_backup.name)
 
@@ -567,6 +571,8 @@ def test_health_url_must_answer_200(bed: Bed, tmp_path: Path) -> None:
     log = Path(bad.json["data"]["log_file"]).read_text()
     assert f"waiting for {name} to be stopped" in log or "stop: ok" in log
     assert f"waiting for {name} to be 0.5 s active" in log
+    # the settle's progress counts up to the settle time (issue 37: "0 s of 122 s")
+    assert re.search(r"to be 0.5 s active \(1 of 1; gives up after [\d.]+ s\): [\d.]+ s of 0.5 s", log), log
     assert f"waiting for http://127.0.0.1:{port}/missing to answer 200 (last: " in log
     assert "of 2 s" in log
 
@@ -596,12 +602,12 @@ def test_yes_still_says_what_will_be_lost_before_the_stop(bed: Bed) -> None:
     serve.write_text(serve.read_text() + "# a local fix\n")
     result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]))
     assert result.code == 0, result.stdout + result.stderr
-    said = result.stderr.index("were changed locally")
+    said = result.stderr.index("was changed locally")
     assert "before the stop:" in result.stderr[:said]
     assert "stop" in result.stdout  # the step lines follow on stdout; the log keeps both, in order
     (log,) = bed.state.glob("*/logs/*.log")
     text = log.read_text()
-    assert "were changed locally" in text and text.index("were changed locally") < text.index("stop: ok")
+    assert "was changed locally" in text and text.index("was changed locally") < text.index("stop: ok")
     wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running again")
 
 

@@ -75,3 +75,37 @@ def test_status_wait_shows_every_line_the_foreground_run_shows() -> None:
         assert any(expected in line for line in foreground), (expected, foreground)
     assert set(foreground) <= set(waited), sorted(set(foreground) - set(waited))
     assert waited[0].startswith(f"run {RUN_ID}: done (exit 0); sipure 1.0 -> 2.0")
+
+
+def test_the_step_table_is_aligned_whatever_the_status_and_the_step() -> None:
+    """Issue 37: the status's markup counted in its padding, and verify-in-place overflowed its column."""
+    from safeinstall.cli.render import ConsoleReporter
+    from safeinstall.run.results import StepOutcome
+
+    out = io.StringIO()
+    console = Console(file=out, width=200, no_color=True)
+    reporter = ConsoleReporter(console, Console(file=io.StringIO(), width=200))
+    for name, status in (("backup", "ok"), ("verify-in-place", "skipped"), ("end-check", "failed")):
+        reporter.step(StepOutcome(name, status, 1.25, "the detail"))
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3 and len({line.index("1.2 s") for line in lines}) == 1, lines
+    assert len({line.index("the detail") for line in lines}) == 1, lines
+    assert lines[2].split()[:2] == ["end-check", "FAILED"]
+
+
+def test_a_deleted_file_is_not_called_locally_patched_and_counts_read_as_english() -> None:
+    document = _document()
+    document["data"]["patched"] = ["sipure/b.py", "sipure/gone.py"]
+    document["data"]["deleted"] = ["sipure/gone.py"]
+    lines = _render(lambda out, err: render_run(out, err, document, RUN_ID))
+    patched = lines.index("locally patched files (copies kept in /state/backups/x):")
+    assert lines[patched + 1] == "  sipure/b.py" and "gone.py" not in lines[patched + 2]
+    assert "files deleted locally (nothing of them to keep):" in lines
+    assert "deleted 1 older backup (--keep-backups)" in lines
+
+
+def test_the_swap_step_counts_in_english() -> None:
+    from safeinstall.run.reinstall import swapped_detail
+
+    assert swapped_detail(1, 1) == "swapped: 1 entry renamed into place, 1 old one out"
+    assert swapped_detail(3, 0) == "swapped: 3 entries renamed into place, 0 old ones out"

@@ -29,6 +29,19 @@ def test_protected_and_foreign_names_are_never_chosen() -> None:
     assert backups_to_remove(["zzz-notes", NEW, OLD], keep=1, protected=()) == (OLD,)
 
 
+def test_only_good_runs_count_and_rolled_back_ones_go() -> None:
+    statuses = {OLD: "done", MID: "rolled-back", NEW: "rolled-back"}
+    # the newest run was rolled back: the good run's backup stays, the earlier rolled-back one goes
+    assert backups_to_remove([NEW, OLD, MID], keep=1, protected={NEW}, statuses=statuses) == (MID,)
+    # after a rolled-back run no good run's backup goes, however many there are
+    assert backups_to_remove([NEW, OLD, MID], 1, {NEW}, {NEW: "rolled-back"}, good_run=False) == ()
+    # a failed rollback keeps its backup (its journal names it) and does not count
+    assert backups_to_remove([NEW, OLD, MID], keep=1, protected=(), statuses={MID: "rollback-failed"}) == (
+        OLD,
+    )
+    assert backups_to_remove([OLD, MID], keep=1, protected=(), statuses={OLD: "rollback-failed"}) == ()
+
+
 def test_keep_must_be_positive() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         backups_to_remove([NEW], keep=0, protected=())

@@ -381,6 +381,50 @@ def test_a_base_site_directory_another_account_controls_is_not_read_for_its_envi
 # ----------------------------------------------------------------------------------------- pure parts
 
 
+def test_a_record_mismatch_dpkg_says_is_intact_is_a_warning_and_one_dpkg_flags_stays_drift(
+    python3_yaml: Path,
+) -> None:
+    """Issue 37: Debian strips its libraries after writing RECORD, so every check of the host's Python
+    alerted (exit 1), each file with the same long hint suggesting what is refused for dpkg's packages.
+    A file dpkg's own md5sums say is intact is ``dpkg-intact`` (a warning, its hint once); one changed
+    here, which dpkg flags too, stays ``modified``."""
+    found = run("pyyaml", "--verify-only", "--python", str(SYSTEM_PYTHON), "--json")
+    kinds = {f["path"]: f for f in found.json["data"]["findings"]}
+    intact = [f for f in kinds.values() if f["kind"] == "dpkg-intact"]
+    if not intact:
+        pytest.skip("this python3-yaml matches its RECORD: nothing of Debian's to tell apart")
+    assert found.code == 0 and found.json["status"] == "clean", found.stdout
+    assert "dpkg's md5sums of python3-yaml say it is as the package shipped it" in intact[0]["detail"]
+    assert all("--accept-record-mismatch" not in f["detail"] for f in kinds.values())
+    text = run(
+        "pyyaml", "--verify-only", "--python", str(SYSTEM_PYTHON), env={**os.environ, "COLUMNS": "400"}
+    )
+    assert text.code == 0 and text.stderr.count("hint: dpkg-intact") == 1, text.stderr
+    changed = python3_yaml / "yaml" / "__init__.py"
+    before = changed.read_bytes()
+    try:
+        changed.write_bytes(before + b"# changed here\n")
+        flagged = run("pyyaml", "--verify-only", "--python", str(SYSTEM_PYTHON), "--json")
+    finally:
+        changed.write_bytes(before)
+    assert flagged.code == 1, flagged.stdout
+    (drift,) = [f for f in flagged.json["data"]["findings"] if f["path"] == str(changed)]
+    assert drift["kind"] == "modified" and "dpkg's md5sums of python3-yaml differ too" in drift["detail"]
+
+
+def test_dpkg_md5sums_are_read_as_dpkg_writes_them() -> None:
+    from safeinstall.env.drift import Finding, FindingKind, against_dpkg
+    from safeinstall.env.systemsite import md5sums_entries
+
+    text = "bf7e4961ea6dc8d307c1cf05889427b2  usr/lib/a.py\nnot a line\nXYZ  usr/lib/b.py\n"
+    assert md5sums_entries(text) == {"/usr/lib/a.py": "bf7e4961ea6dc8d307c1cf05889427b2"}
+    modified = Finding("pyyaml", "/usr/lib/a.py", FindingKind.MODIFIED, "size 1, expected 2")
+    assert against_dpkg(modified, True, "python3-yaml").kind == FindingKind.DPKG_INTACT
+    assert not against_dpkg(modified, True, "python3-yaml").is_drift
+    assert against_dpkg(modified, False, "python3-yaml").kind == FindingKind.MODIFIED
+    assert "do not list it" in against_dpkg(modified, None, "python3-yaml").detail
+
+
 def test_dpkg_list_files_name_their_package() -> None:
     assert dpkg_package_name("python3-yaml.list") == "python3-yaml"
     assert dpkg_package_name("libc6:amd64.list") == "libc6"

@@ -125,18 +125,81 @@ def test_a_run_refused_at_preflight_keeps_its_log_in_the_history(sipure_venv: Pa
     assert f"cannot read wheel {missing}" in Path(entry["log_file"]).read_text()
 
 
-def test_columns_fit_the_width_end_a_cut_cell_in_an_ellipsis_and_carry_no_padding() -> None:
-    from safeinstall.cli.render import columns
+def _whole_words(lines: list[str], cells: list[str], width: int) -> None:
+    """Every line fits ``width`` (but a line of one word longer than any line), and every word printed
+    is a whole word of a cell: none was cut or broken across lines (issue 37)."""
+    words = {word for cell in cells for word in cell.split()}
+    for line in lines:
+        assert len(line) <= width or len(line.split()) == 1, (width, line)
+        for word in line.split():
+            assert word in words, (width, word, lines)
 
-    rows = [("1", "api.service", "maps torch/lib/libtorch_cpu.so", "python -m vllm.entrypoints " + "x" * 80)]
-    header = ("PID", "UNIT", "WHY", "COMMAND")
-    wide = columns(header, rows, 400)
-    assert wide[1].endswith("x" * 80) and all(line == line.rstrip() for line in wide)
-    for width in (120, 80, 60, 40):
-        lines = columns(header, rows, width)
-        assert all(len(line) <= width for line in lines), (width, lines)
-        assert lines[1].endswith("…")
-        words = lines[1].split()
-        assert "maps" in words and any(w.startswith("torch/") for w in words)  # cut, never broken
-    assert "maps torch/lib/libtorch_cpu.so" in columns(header, rows, 120)[1]  # the reason comes first
-    assert columns(("A", "B", "C"), [("\x1b[2J", "b", "c")], 80)[1].startswith("\\x1b[2J")
+
+def test_tables_stack_columns_that_do_not_fit_and_never_cut_a_word() -> None:
+    from safeinstall.cli.render import stacked_table, wrap_words
+
+    rows = [
+        (
+            "1",
+            "api.service",
+            "mapped (certain)",
+            "maps torch/lib/libtorch_cpu.so",
+            "python -m vllm " + "x" * 80,
+        ),
+        ("22", "webapp.service", "unit (certain)", "shares webapp.service", "gunicorn app:app -w 4"),
+    ]
+    header = ("PID", "UNIT", "EVIDENCE", "WHY", "COMMAND")
+    cells = [*header, *(c for row in rows for c in row), *(f"{h.lower()}:" for h in header)]
+    wide = stacked_table(header, rows, 400)
+    assert len(wide) == 3 and wide[1].endswith("x" * 80) and all(line == line.rstrip() for line in wide)
+    for width in (120, 80, 60, 40, 20):
+        lines = stacked_table(header, rows, width)
+        _whole_words(lines, cells, width)
+        for cell in (c for row in rows for c in row):
+            assert cell in " ".join(" ".join(lines).split()), (width, cell, lines)
+    at80 = stacked_table(header, rows, 80)
+    assert at80[0].split() == ["PID", "UNIT", "EVIDENCE", "WHY"] and at80[2].startswith("    command: python")
+    assert stacked_table(("A", "B", "C"), [("\x1b[2J", "b", "c")], 80)[1].startswith("\\x1b[2J")
+    assert wrap_words("a bb " + "c" * 30 + " d", 10, 2) == ["  a bb", "    " + "c" * 30, "    d"]
+
+
+def test_status_at_80_and_120_columns_breaks_no_word(tmp_path: Path) -> None:
+    """Issue 37: --status at 80 columns broke PACKAGE/AGE and mark/upsa, at 120 webapp.servic/e."""
+    root = tmp_path / "state"
+    prefix = tmp_path / "venv"
+    prefix.mkdir()
+    state = environment_state(root, prefix)
+    ensure_environment_dir(state)
+    run_id = "20261201T010000Z-100"
+    data = {
+        "plan": {"distributions": [{"name": "markupsafe", "old_version": "2.1.5", "new_version": "3.0.2"}]},
+        "downtime_s": {"webapp.service": 1.25, "worker-queue.service": 2.5},
+    }
+    finished = "2026-12-01T01:00:00+00:00"
+    result = envelope("reinstall", "done", 0, data)
+    history.append(state, history.new_entry(run_id, "markupsafe", finished, finished, result))
+    for width in (80, 120):
+        status = run(
+            "--status", env={**os.environ, "SAFEINSTALL_STATE_DIR": str(root), "COLUMNS": str(width)}
+        )
+        assert status.code == 0, status.stderr
+        lines = status.stdout.splitlines()
+        runs = lines[lines.index("  last runs:") + 1 : lines.index(f"  log of {run_id}: -")]
+        header = ["RUN", "STATUS", "EXIT", "PACKAGE", "VERSION", "STARTED", "FINISHED", "DOWNTIME", "UNDO"]
+        row = [run_id, "done", "0", "markupsafe", "2.1.5", "->", "3.0.2", "webapp.service", "1.2", "s,"]
+        row += [
+            "worker-queue.service",
+            "2.5",
+            "s",
+            "-",
+            "yes",
+            "UTC",
+            "started:",
+            "finished:",
+            "downtime:",
+            "undo:",
+        ]
+        stamps = " ".join(lines).split()
+        cells = [*header, *row, *(w for w in stamps if w[:4].isdigit() or ":" in w)]
+        _whole_words(runs, cells, width)
+        assert "webapp.service" in " ".join(runs).split() and "markupsafe" in " ".join(runs).split()

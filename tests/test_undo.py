@@ -98,6 +98,27 @@ def test_the_undo_of_an_undo_goes_forward_again(bed: Bed) -> None:
     assert maps_so(bed.manager.main_pid(name)) == bed.so.stat().st_ino
 
 
+def test_rolled_back_runs_never_push_out_the_backup_an_undo_needs(bed: Bed) -> None:
+    """Issue 37: three failed nightlies (each rolled back) once deleted the good run's backup under the
+    default --keep-backups 3, and --undo then had nothing to undo. A rolled-back run's own backup goes
+    with the next run; a good run's stays."""
+    bed.service("nightly")
+    upgrade = _upgrade(bed)
+    failed: list[str] = []
+    for _ in range(3):
+        result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-3"]), "--settle", "1", "--json")
+        assert result.code == 3, result.stdout + result.stderr
+        removed = [Path(p).name for p in result.json["data"]["backups_removed"]]
+        assert removed == failed[-1:]  # the previous rolled-back run's, never the good one's
+        failed.append(result.json["data"]["run_id"])
+    assert bed.version() == "2.0"
+
+    undone = bed.safeinstall("--undo", "--settle", "0.5", "--json")
+
+    assert undone.code == 0, undone.stdout + undone.stderr
+    assert undone.json["data"]["undo_of"] == upgrade and bed.version() == "1.0"
+
+
 def test_a_change_since_the_run_refuses_the_undo_before_anything_stops(bed: Bed) -> None:
     name = bed.service("changed")
     _upgrade(bed)

@@ -41,6 +41,14 @@ def _usage(*modes: str, **given: object) -> Usage:
             "--wheel checks one package",
         ),
         (_usage(), "no PACKAGE given"),
+        # issue 37: a run's options with a mode that runs nothing would do nothing, in silence
+        (_usage("--verify-only", package="x", given=("settle",)), "--settle does nothing with --verify-only"),
+        (
+            _usage("--status", given=("kill_strays", "keep_backups")),
+            "--kill-strays, --keep-backups do nothing with --status",
+        ),
+        (_usage("--recover", given=("gpu_timeout",)), "--gpu-timeout does nothing with --recover"),
+        (_usage("--forget", given=("stop_timeout",)), "--stop-timeout does nothing with --forget"),
         (_usage(wheel=Path("not-a-wheel.zip")), "no PACKAGE given"),
         (
             _usage(package="vllm", args=("torch", "-i", "URL"), uv_args=("-i", "URL")),
@@ -65,6 +73,12 @@ def test_each_problem_is_said(usage: Usage, message: str) -> None:
         _usage("--status", wait=True, run="20261202T060000Z-1"),
         _usage("--verify-only", package="vllm", metrics_file=True),
         _usage("--undo", run="20261202T060000Z-1"),
+        # a run's options with a run, its dry run, its undo; --user and --yes with any mode
+        _usage(package="x", given=("settle", "keep_backups", "gpu_timeout", "kill_strays")),
+        _usage("--dry-run", package="x", given=("settle", "keep_backups", "gpu_timeout", "kill_strays")),
+        _usage("--undo", given=("settle", "stop_timeout")),
+        _usage("--verify-only", package="x", given=("user", "yes")),
+        _usage("--recover", given=("user", "yes")),
     ],
 )
 def test_a_sensible_command_line_has_no_problem(usage: Usage) -> None:

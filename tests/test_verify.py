@@ -319,6 +319,7 @@ def test_against_wheel_clean_then_diff_and_patch(env: Path, wheels: Wheelhouse, 
     assert result.code == 1
     assert '-    return "hello from sipure 1"' in result.stdout
     assert '+    return "hello from a local patch"' in result.stdout
+    assert f"patch of 1 modified file written to {patch}" in result.stderr  # issue 37: not "1 ... files"
     # The saved patch reverses cleanly with patch(1), taking the local edit out.
     prefix = env.parent.parent
     subprocess.run(
@@ -602,6 +603,10 @@ def test_a_file_whose_wheel_lied_in_its_record_says_so(
     (finding,) = doc["data"]["findings"]
     assert finding["kind"] == "modified" and "the wheel's own RECORD may be wrong" in finding["detail"]
     assert "safeinstall sipure --verify-only --wheel W" in finding["detail"]
+    # on a terminal the hint is said once, not under each file (issue 37)
+    human = run("sipure", "--verify-only", "--python", str(venv))
+    assert "the wheel's own RECORD may be wrong" not in human.stdout and human.stderr.count("hint: ") == 1
+    assert "not changed since it was installed (no newer than its RECORD)" in human.stdout
     with_wheel = run("sipure", "--verify-only", "--python", str(venv), "--wheel", str(broken), "--json")
     assert with_wheel.code == 0 and {f["kind"] for f in with_wheel.json["data"]["findings"]} == {
         "wheel-record"

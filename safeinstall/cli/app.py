@@ -19,6 +19,7 @@ import typer.core
 
 from safeinstall.cli.render import (
     ConsoleReporter,
+    counted,
     literal,
     make_console,
     printable,
@@ -217,7 +218,7 @@ def _run_verify(
         render_verify(make_console(), err, report, diffs if diff else None, verbosity)
         if save_patch is not None:
             err.print(
-                f"patch of {sum(1 for d in diffs or [] if d.text)} modified files written to "
+                f"patch of {counted(sum(1 for d in diffs or [] if d.text), 'modified file')} written to "
                 f"{literal(save_patch)}"
             )
     _exit(report.exit_code)

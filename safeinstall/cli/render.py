@@ -11,17 +11,15 @@ from collections import Counter, defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console, RenderableType
+from rich.console import Console
 from rich.markup import escape
-from rich.padding import Padding
 
-from safeinstall.env.drift import Finding, FindingKind
+from safeinstall.env.drift import RECORD_MAY_BE_WRONG_HINT, UNTOUCHED, Finding, FindingKind
 from safeinstall.errors import SafeInstallError
 from safeinstall.store.runlog import PROGRESS_EVERY_S, human_bytes, progress_key, progress_text
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
-    from rich.table import Table
 
     from safeinstall.env.diffs import FileDiff
     from safeinstall.env.verify import VerifyReport
@@ -78,33 +76,34 @@ def render_error(console: Console, error: SafeInstallError) -> None:
     console.print(f"[dim]hint:[/] {literal(error.advice, lines=True)}", soft_wrap=True)
 
 
-def _table(**options: Any) -> Table:
-    """A rich table, imported when one is drawn: a clean verification draws none."""
-    from rich.table import Table
-
-    return Table(box=None, pad_edge=False, **options)
-
-
-def print_table(console: Console, table: RenderableType) -> None:
-    """A table (or any renderable) without the padding rich adds to the right of each line (to the
-    console's width, 200 columns on a pipe): lines end where their text ends."""
-    from rich.text import Text
-
-    for line in console.render_lines(table, console.options, pad=False):
-        text = Text.assemble(*((s.text, s.style or "") for s in line if not s.control))
-        text.rstrip()
-        console.print(text, soft_wrap=True)
-
-
-def _finding_lines(out: Console, findings: Sequence[Finding]) -> None:
+def _finding_lines(out: Console, findings: Sequence[Finding]) -> list[str]:
     """Each finding: its kind, distribution and path on one line (a path is never broken: the line is
-    not wrapped), its detail indented below (wrapped between words)."""
+    not wrapped), its detail indented below (wrapped between words). A hint that would be the same for
+    every file is left out of the detail (``--json`` keeps it) and said once by the caller: the
+    distributions whose files it is about, returned."""
+    hinted: list[str] = []
     for f in findings:
         style = _KIND_STYLE.get(f.kind, "")
         kind = f"[{style}]{f.kind.value}[/]" if style else f.kind.value
         out.print(f"{kind} {literal(f.distribution)} {literal(f.path)}", soft_wrap=True)
-        if f.detail:
-            out.print(f"    {literal(f.detail)}", soft_wrap=True)
+        hint = RECORD_MAY_BE_WRONG_HINT.format(name=f.distribution)
+        detail = f.detail.removesuffix(f": {hint}") if f.detail.endswith(f"{UNTOUCHED}: {hint}") else f.detail
+        if detail != f.detail and f.distribution not in hinted:
+            hinted.append(f.distribution)
+        if detail:
+            out.print(f"    {literal(detail)}", soft_wrap=True)
+    return hinted
+
+
+def _record_hint(err: Console, names: Sequence[str]) -> None:
+    """The hint of files not changed since their install (:data:`UNTOUCHED`), once for them all."""
+    if names:
+        name = names[0] if len(names) == 1 else "NAME"
+        err.print(
+            f"[dim]hint:[/] {UNTOUCHED} ({literal(', '.join(names))}): "
+            f"{literal(RECORD_MAY_BE_WRONG_HINT.format(name=name))}",
+            soft_wrap=True,
+        )
 
 
 def _example(findings: Sequence[Finding]) -> str:
@@ -127,23 +126,36 @@ def _warning_summaries(err: Console, findings: Sequence[Finding], more: str) -> 
             else (f"{len(names)} distributions", "with uv's --link-mode copy, or each with safeinstall NAME")
         )
         err.print(
-            f"[yellow]warning:[/] {_count(len(hardlinked), 'installed file')} of {whose} share their inode "
+            f"[yellow]warning:[/] {counted(len(hardlinked), 'installed file')} of {whose} share their inode "
             f"with another file (uv's cache; e.g. {literal(hardlinked[0].path)}); editing one in place also "
             f"edits the cache, and a later offline reinstall brings the edit back (uv #10579). Reinstall "
             f"{how}{more}",
             soft_wrap=True,
         )
-    vouched: dict[str, list[Finding]] = defaultdict(list)
-    for f in findings:
-        if f.kind == FindingKind.WHEEL_RECORD:
-            vouched[f.distribution].append(f)
-    for name, lying in sorted(vouched.items()):
+    for name, lying in _by_distribution(findings, FindingKind.WHEEL_RECORD):
         err.print(
-            f"[yellow]note:[/] {_count(len(lying), 'file')} of {literal(name)} "
-            f"{'differs' if len(lying) == 1 else 'differ'} from {literal(name)}'s RECORD but "
+            f"[yellow]note:[/] {counted(len(lying), 'file')} of {literal(name)} "
+            f"{'differs' if len(lying) == 1 else 'differ'} from {_possessive(literal(name))} RECORD but "
             f"{'holds' if len(lying) == 1 else 'hold'} the very bytes safeinstall installed and verified "
             f"against its wheel (e.g. {_example(lying)}): the wheel's own RECORD is wrong; "
             f"{FindingKind.WHEEL_RECORD.value}, not drift{more}",
+            soft_wrap=True,
+        )
+    intact = _by_distribution(findings, FindingKind.DPKG_INTACT)
+    for name, same in intact:
+        err.print(
+            f"[yellow]note:[/] {counted(len(same), 'file')} of {literal(name)} "
+            f"{'differs' if len(same) == 1 else 'differ'} from its RECORD but dpkg's own md5sums say "
+            f"{'it is' if len(same) == 1 else 'they are'} as the system package shipped "
+            f"{'it' if len(same) == 1 else 'them'} (e.g. {_example(same)})"
+            f"{more}",
+            soft_wrap=True,
+        )
+    if intact:  # the hint once, however many files and packages
+        err.print(
+            f"[dim]hint:[/] {FindingKind.DPKG_INTACT.value}: the distribution changed them after writing "
+            "RECORD (Debian strips its libraries); not drift: debsums PACKAGE (or dpkg --verify PACKAGE) "
+            "checks them against the package",
             soft_wrap=True,
         )
     pairs: dict[tuple[str, str], list[Finding]] = defaultdict(list)
@@ -152,16 +164,31 @@ def _warning_summaries(err: Console, findings: Sequence[Finding], more: str) -> 
             pairs[(f.distribution, f.shared_with or "?")].append(f)
     for (name, other), shared in sorted(pairs.items()):
         err.print(
-            f"[yellow]note:[/] {_count(len(shared), 'file')} of {literal(name)} "
-            f"{'holds' if len(shared) == 1 else 'hold'} {literal(other)}'s copy "
+            f"[yellow]note:[/] {counted(len(shared), 'file')} of {literal(name)} "
+            f"{'holds' if len(shared) == 1 else 'hold'} {_possessive(literal(other))} copy "
             f"(both RECORDs list them; {literal(other)} was installed over them; e.g. {_example(shared)}): "
             f"{FindingKind.SHARED.value}, not drift; reinstalling {literal(name)} alone would put its own "
-            f"copies back over {literal(other)}'s{more}",
+            f"copies back over {_possessive(literal(other))}{more}",
             soft_wrap=True,
         )
 
 
-def _count(number: int, what: str) -> str:
+def _by_distribution(findings: Sequence[Finding], kind: FindingKind) -> list[tuple[str, list[Finding]]]:
+    """Pure: the findings of ``kind``, by distribution (sorted by name)."""
+    found: dict[str, list[Finding]] = defaultdict(list)
+    for f in findings:
+        if f.kind == kind:
+            found[f.distribution].append(f)
+    return sorted(found.items())
+
+
+def _possessive(name: str) -> str:
+    """Pure: "sipure's", "requests'" (not "requests's")."""
+    return f"{name}'" if name.endswith("s") else f"{name}'s"
+
+
+def counted(number: int, what: str) -> str:
+    """Pure: "1 file", "2 files"."""
     return f"{number} {what}" + ("" if number == 1 else "s")
 
 
@@ -179,7 +206,7 @@ def render_verify(
             soft_wrap=True,
         )
     drift = [f for f in report.findings if f.is_drift]
-    _finding_lines(out, drift)
+    _record_hint(err, _finding_lines(out, drift))
     warnings = [  # the wheel's own problems are the line above; the baseline's are summarised below
         f
         for f in report.findings
@@ -312,56 +339,58 @@ def render_plan(out: Console, err: Console, plan: Plan, verbosity: int = 0) -> N
         if all(p.gpu_bytes is None for p in plan.processes):  # no GPU memory listed: no column for it
             header, rows = header[:3] + header[4:], [row[:3] + row[4:] for row in rows]
         out.print(f"processes using them{more}")
-        for line in columns(header, rows, out.width):
+        for line in stacked_table(header, rows, out.width):  # a stray's whole command is in its row
             out.print(literal(line), soft_wrap=True)
-        for stray in plan.strays:  # they refuse the run (or are ended): their whole command line
-            command = " ".join(stray.cmdline) or stray.name
-            out.print(
-                f"  stray PID {stray.pid} ({literal(stray.scope or 'no unit')}): {literal(command)}",
-                soft_wrap=True,
-            )
         if verbosity > 0:  # each piece of evidence once, with every PID it is said of
             for pids, detail in grouped_details(plan.processes):
                 out.print(f"  {_pids(pids)}: {literal(detail)}", soft_wrap=True)
     else:
         out.print("processes using them: none")
     if plan.units:
-        table = _table(title="units that would be stopped", title_justify="left")
-        for column in ("UNIT", "STATE", "ENABLED", "STOP TIMEOUT", "MAIN PID"):
-            table.add_column(column, no_wrap=True)
-        table.add_column("PIDS")
-        for u in plan.units:
-            table.add_row(
-                literal(u.name),
-                literal(u.active_state),
-                literal(u.unit_file_state or "-"),
+        out.print("units that would be stopped")
+        unit_rows = [
+            (
+                u.name,
+                u.active_state,
+                u.unit_file_state or "-",
                 _seconds(u.stop_timeout_s),
                 str(u.main_pid or "-"),
-                " ".join(map(str, u.pids))
-                or (f"(stops with {literal(u.stopped_with)})" if u.stopped_with else ""),
+                " ".join(map(str, u.pids)) or (f"(stops with {u.stopped_with})" if u.stopped_with else ""),
             )
-        print_table(out, table)
+            for u in plan.units
+        ]
+        header = ("UNIT", "STATE", "ENABLED", "STOP TIMEOUT", "MAIN PID", "PIDS")
+        for line in stacked_table(header, unit_rows, out.width):
+            out.print(literal(line), soft_wrap=True)
     if plan.gpus.available:
-        table = _table(title="GPUs", title_justify="left")
-        for column in ("GPU", "NAME", "UUID", "USED", "TOTAL"):
-            table.add_column(column, no_wrap=True)
-        table.add_column("PROCESSES")
-        for gpu in plan.gpus.gpus:
-            procs = " ".join(f"{p.pid}:{human_bytes(p.used_bytes)}" for p in gpu.processes)
-            table.add_row(
+        out.print("GPUs")
+        gpu_rows = [
+            (
                 str(gpu.index),
-                literal(gpu.name),
-                literal(gpu.uuid),
+                gpu.name,
                 human_bytes(gpu.used_bytes),
                 human_bytes(gpu.total_bytes),
-                literal(procs or gpu.processes_error or "-"),
+                gpu.uuid,
+                " ".join(f"{p.pid}:{human_bytes(p.used_bytes)}" for p in gpu.processes)
+                or gpu.processes_error
+                or "-",
             )
-        print_table(out, table)
+            for gpu in plan.gpus.gpus
+        ]
+        for line in stacked_table(("GPU", "NAME", "USED", "TOTAL", "UUID", "PROCESSES"), gpu_rows, out.width):
+            out.print(literal(line), soft_wrap=True)
     else:
         out.print(f"GPUs: check unavailable ({literal(plan.gpus.reason or '')})", soft_wrap=True)
-    out.print("uv command: " + literal(" ".join(plan.uv_command)), soft_wrap=True)
+    if plan.install:  # what will run: the staging install and the swap, the install in the stop, a restore
+        out.print("uv command:")
+        for wrapped in (part for line in plan.install for part in wrap_words(line, out.width, 2)):
+            out.print(literal(wrapped), soft_wrap=True)
+    else:
+        out.print("uv command: " + literal(" ".join(plan.uv_command)), soft_wrap=True)
     _scan_problems(err, plan.scan_problems, verbosity)
     for warning in plan.warnings:
+        if verbosity < 0 and warning in plan.host_notes:  # the same on every command of this host
+            continue
         err.print(f"[yellow]warning:[/] {literal(warning)}", soft_wrap=True)
     if plan.proceeds:
         out.print("[green]the run would proceed[/]")
@@ -371,30 +400,46 @@ def render_plan(out: Console, err: Console, plan: Plan, verbosity: int = 0) -> N
             out.print(f"  - {literal(refusal)}", soft_wrap=True)
 
 
-def _cut(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
+def wrap_words(text: str, width: int, indent: int = 0, hang: int = 2) -> list[str]:
+    """Pure: ``text`` in lines of at most ``width`` characters, broken only between words: the first
+    line indented by ``indent``, the others by ``indent + hang``. A word longer than a line is never
+    cut: it stands whole on a line of its own (the terminal folds it, the text keeps it)."""
+    lines: list[str] = []
+    line = ""
+    for word in text.split():
+        if line and len(line) + 1 + len(word) <= width:
+            line += " " + word
+            continue
+        if line:
+            lines.append(line)
+        line = " " * (indent + (hang if lines else 0)) + word
+    return [*lines, line] if line else lines
 
 
-def columns(header: Sequence[str], rows: Sequence[Sequence[str]], width: int) -> list[str]:
-    """Pure: a table as lines of at most ``width`` characters, each cell on one line: every column but the
-    last two as wide as its widest cell (at most 40; on a narrow terminal the widest are cut down to
-    12); the last two (a reason and a command) share the rest, the reason first (up to 60, leaving
-    the command 20 where it can); a cell too long for its column ends in "…", never wrapped in the
-    middle of a word. Cells are :func:`printable`; lines carry no trailing spaces."""
+def stacked_table(
+    header: Sequence[str], rows: Sequence[Sequence[str]], width: int, indent: int = 0
+) -> list[str]:
+    """Pure: a table as lines of at most ``width`` characters in which no cell is cut or broken: the
+    leading columns that fit whole side by side form the table (as wide as their widest cell, two
+    spaces apart); each later column goes below its row as "name: value", wrapped between words
+    (:func:`wrap_words`). At 200 columns a plan is one table; at 80 its reason and command stack.
+    Cells are :func:`printable`; lines carry no trailing spaces."""
     table = [[printable(cell) for cell in row] for row in (header, *rows)]
-    fixed = [min(max(len(row[i]) for row in table), 40) for i in range(len(header) - 2)]
-    why, command = (max(len(row[i]) for row in table) for i in (-2, -1))
-    while width - sum(fixed) - 2 * (len(header) - 1) < 16 and max(fixed) > 12:  # a narrow terminal
-        fixed[fixed.index(max(fixed))] -= 1
-    room = max(width - sum(fixed) - 2 * (len(header) - 1), 16)
-    if why + command > room:
-        why = max(min(why, 60, max(room * 3 // 5, room - 20), room - 8), 8)
-        command = room - why
-    widths = [*fixed, why, command]
-    return [
-        "  ".join(_cut(cell, w).ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-        for row in table
-    ]
+    shown = len(header)
+    while shown > 1:
+        widths = [max(len(row[i]) for row in table) for i in range(shown)]
+        if indent + sum(widths) + 2 * (shown - 1) <= width:
+            break
+        shown -= 1
+    widths = [max(len(row[i]) for row in table) for i in range(shown)]
+    lines: list[str] = []
+    for number, row in enumerate(table):
+        cells = "  ".join(cell.ljust(w) for cell, w in zip(row[:shown], widths, strict=True))
+        lines.append((" " * indent + cells).rstrip())
+        for name, cell in zip(table[0][shown:], row[shown:], strict=True):
+            if number and cell:
+                lines.extend(wrap_words(f"{name.lower()}: {cell}", width, indent + 4))
+    return lines
 
 
 #: The evidence kinds of the plan, strongest first (``unit`` and ``environment`` last).
@@ -405,7 +450,25 @@ def _strongest_kind(kinds: Sequence[str]) -> str:
     return min(kinds, key=lambda k: _KIND_ORDER.index(k) if k in _KIND_ORDER else len(_KIND_ORDER))
 
 
-_STEP_MARK = {"ok": "[green]ok[/]", "failed": "[bold red]FAILED[/]", "skipped": "[yellow]skipped[/]"}
+_STEP_MARK = {"ok": ("ok", "green"), "failed": ("FAILED", "bold red"), "skipped": ("skipped", "yellow")}
+#: the step table's columns: the longest step name (verify-in-place) and status (skipped)
+_STEP_NAME, _STEP_STATUS = 15, 7
+
+
+def step_lines(name: str, status: str, seconds: float, detail: str, width: int) -> list[str]:
+    """Pure: one row of the run's step table as markup lines, aligned whatever the status's colour (the
+    padding is counted on the text, not on its markup); the detail wrapped between words in its column
+    (a word longer than the column stands whole on a line of its own)."""
+    label, style = _STEP_MARK.get(status, (status, ""))
+    mark = f"[{style}]{literal(label)}[/]" if style else literal(label)
+    pad = " " * max(_STEP_STATUS - len(label), 0)
+    step = printable(name).ljust(_STEP_NAME)
+    head = f"{step} {label}{pad} {seconds:6.1f} s  "
+    first, *rest = wrap_words(printable(detail), max(width - len(head), 20)) or [""]
+    return [
+        f"{literal(step)} {mark}{pad} {seconds:6.1f} s  {literal(first)}".rstrip(),
+        *(" " * len(head) + literal(line) for line in rest),
+    ]
 
 
 @contextlib.contextmanager
@@ -454,11 +517,8 @@ class ConsoleReporter:
         self._last_key = ""  # the next step's first progress line is a change
         if self.quiet:
             return
-        mark = _STEP_MARK.get(outcome.status, outcome.status)
-        self.out.print(
-            f"{outcome.name:<12} {mark:<8} {outcome.seconds:6.1f} s  {literal(outcome.detail)}",
-            soft_wrap=True,
-        )
+        for line in step_lines(outcome.name, outcome.status, outcome.seconds, outcome.detail, self.out.width):
+            self.out.print(line, soft_wrap=True)
 
     def progress(self, what: str, done: float | None, total: float | None, unit: str = "") -> None:
         with _output_best_effort():
@@ -498,7 +558,11 @@ class ConsoleReporter:
             self._progress = None
             self._tasks.clear()
 
-    def note(self, text: str) -> None:
+    def note(self, text: str, host: bool = False) -> None:
+        """``host``: about the host, not this run (no NVML, a process even root cannot read): the same on
+        every command of that machine, so ``-q`` leaves it out (the log and ``--json`` keep it)."""
+        if host and self.verbosity < 0:
+            return
         with _output_best_effort():
             self.err.print(f"[yellow]note:[/] {literal(text, lines=True)}", soft_wrap=True)
 
@@ -559,10 +623,15 @@ def render_run(out: Console, err: Console, document: Mapping[str, Any], run_id: 
             )
     render_patches(out, [p for p in _items(data, "patches") if isinstance(p, dict)], data.get("patch_file"))
     backup_dir, log_file = data.get("backup_dir"), data.get("log_file")
-    patched = _items(data, "patched")
+    deleted = set(map(str, _items(data, "deleted")))
+    patched = [path for path in map(str, _items(data, "patched")) if path not in deleted]
     if patched:
         out.print(f"locally patched files (copies kept in {literal(backup_dir or '')}):")
         for path in patched:
+            out.print(f"  {literal(path)}")
+    if deleted:
+        out.print("files deleted locally (nothing of them to keep):")
+        for path in sorted(deleted):
             out.print(f"  {literal(path)}")
     pruned = set(map(str, _items(data, "pruned")))
     for path in _items(data, "extras"):
@@ -575,7 +644,7 @@ def render_run(out: Console, err: Console, document: Mapping[str, Any], run_id: 
         )
     removed = _items(data, "backups_removed")
     if removed:
-        err.print(f"[dim]deleted {len(removed)} older backup(s) (--keep-backups)[/]")
+        err.print(f"[dim]deleted {counted(len(removed), 'older backup')} (--keep-backups)[/]")
     for error in _items(document, "errors"):
         if isinstance(error, dict):
             render_error(err, SafeInstallError(str(error.get("message")), hint=error.get("hint")))
@@ -632,30 +701,32 @@ def _when(iso: str | None) -> str:
     return display_time(iso) if iso else "-"
 
 
-def _runs_table(runs: tuple[RunSummary, ...]) -> Table:
-    """The finished runs, without their log files: a path is never folded across lines (it is printed
-    whole, on a line of its own, by :func:`render_status`)."""
-    table = _table()
-    for column in ("RUN", "STATUS", "EXIT", "PACKAGE", "VERSION", "STARTED", "FINISHED", "DOWNTIME", "UNDO"):
-        table.add_column(column, overflow="fold", no_wrap=column in ("RUN", "STATUS"))
+def _runs_rows(runs: tuple[RunSummary, ...]) -> list[tuple[str, ...]]:
+    """The finished runs as rows, without their log files (each printed whole, on a line of its own, by
+    :func:`render_status`)."""
+    rows: list[tuple[str, ...]] = []
     for r in runs:
-        style = "green" if r.exit_code == 0 else "yellow" if r.exit_code in (2, 3) else "red"
         versions = (
             f"{r.old_version or '?'} -> {r.new_version or '?'}" if r.old_version or r.new_version else "-"
         )
         downtime = ", ".join(f"{u} {s:.1f} s" for u, s in sorted(r.downtime_s.items())) or "-"
-        table.add_row(
-            literal(r.run_id),
-            f"[{style}]{literal(r.status)}[/]",
-            str(r.exit_code),
-            literal(r.package or "-"),
-            literal(versions),
-            _when(r.started_at),
-            _when(r.finished_at),
-            literal(downtime),
-            "yes" if r.can_undo else "-",  # why not: --status --json (cannot_undo)
+        rows.append(
+            (
+                r.run_id,
+                r.status,
+                str(r.exit_code),
+                r.package or "-",
+                versions,
+                _when(r.started_at),
+                _when(r.finished_at),
+                downtime,
+                "yes" if r.can_undo else "-",  # why not: --status --json (cannot_undo)
+            )
         )
-    return table
+    return rows
+
+
+_RUNS_HEADER = ("RUN", "STATUS", "EXIT", "PACKAGE", "VERSION", "STARTED", "FINISHED", "DOWNTIME", "UNDO")
 
 
 def render_status(out: Console, found: list[EnvironmentStatus], last: int = 5) -> None:
@@ -691,7 +762,8 @@ def render_status(out: Console, found: list[EnvironmentStatus], last: int = 5) -
                 else ""
             )
             out.print(f"  last runs{more}:")
-            print_table(out, Padding(_runs_table(shown), (0, 0, 0, 2), expand=False))
+            for line in stacked_table(_RUNS_HEADER, _runs_rows(shown), out.width, indent=2):
+                out.print(literal(line), soft_wrap=True)
             for r in shown:
                 out.print(f"  log of {literal(r.run_id)}: {literal(r.log_file or '-')}", soft_wrap=True)
         for problem in s.history_problems:

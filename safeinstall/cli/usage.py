@@ -22,6 +22,28 @@ MODES = ("--verify-only", "--dry-run", "--detach", "--recover", "--status", "--f
 #: The commands that take no PACKAGE.
 _NO_PACKAGE = ("--recover", "--status", "--forget")
 
+#: The modes that run nothing: an option of a run given with one of them would do nothing.
+_NOT_A_RUN = ("--verify-only", "--status", "--recover", "--forget")
+
+#: The options that only a run (its --dry-run, --detach, --undo) uses: parameter name -> flag.
+#: (--keep-patches and --accept-record-mismatch have errors of their own; --user and --yes are
+#: taken by every mode, as a script's habit.)
+RUN_ONLY = (
+    ("with_deps", "--with-deps"),
+    ("kill_strays", "--kill-strays"),
+    ("only_loaded", "--only-loaded"),
+    ("strict", "--strict"),
+    ("stop_timeout", "--stop-timeout"),
+    ("gpu_timeout", "--gpu-timeout"),
+    ("settle", "--settle"),
+    ("health_url", "--health-url"),
+    ("health_timeout", "--health-timeout"),
+    ("no_restart", "--no-restart"),
+    ("no_swap", "--no-swap"),
+    ("prune", "--prune"),
+    ("keep_backups", "--keep-backups"),
+)
+
 
 @dataclass(frozen=True, slots=True)
 class Usage:
@@ -85,6 +107,21 @@ def _metrics_problem(u: Usage) -> UsageError | None:
     )
 
 
+def _idle_options(u: Usage) -> UsageError | None:
+    """Pure: a run's options given with a mode that runs nothing (``--verify-only --settle 30``): they
+    would do nothing, in silence, as ``--all`` would without ``--verify-only``."""
+    mode = next((flag for flag in _NOT_A_RUN if flag in u.modes), None)
+    idle = [flag for name, flag in RUN_ONLY if name in u.given]
+    if mode is None or not idle:
+        return None
+    return UsageError(
+        f"{', '.join(idle)} {'does' if len(idle) == 1 else 'do'} nothing with {mode}: "
+        f"{'it is' if len(idle) == 1 else 'they are'} for a run (and its --dry-run, --detach, --undo)",
+        hint=f"drop {' '.join(idle)}, or give {'it' if len(idle) == 1 else 'them'} to the run: "
+        "safeinstall PACKAGE --wheel W [OPTIONS]",
+    )
+
+
 def usage_problem(u: Usage) -> UsageError | None:
     """Pure: why this command line does not make sense, the first reason in the order a user reads
     it; None when it does. What needs the environment (the run ``--undo`` names, the wheel itself, uv's
@@ -108,6 +145,9 @@ def usage_problem(u: Usage) -> UsageError | None:
         )
     if u.metrics_file and (problem := _metrics_problem(u)) is not None:
         return problem
+    idle = _idle_options(u)
+    if idle is not None:
+        return idle
     own = next((flag for flag in _NO_PACKAGE if flag in u.modes), None)
     if own is not None:
         if u.package or u.args:

@@ -27,10 +27,15 @@ class FindingKind(StrEnum):
     HARDLINKED = "hardlinked"  # shares its inode (uv's cache): editing it edits the cache too
     WHEEL_RECORD = "wheel-record"  # the wheel's own RECORD is wrong: the wheel's fault, not drift
     SHARED = "shared"  # listed by another distribution's RECORD too, whose copy is there: not drift
+    #: of a distribution dpkg installed: differs from its RECORD, but dpkg's own md5sums say it is as the
+    #: package shipped it (Debian changes files after writing RECORD: strips libraries): not drift
+    DPKG_INTACT = "dpkg-intact"
 
 
 #: Findings that are worth a warning but are not drift (exit code stays 0).
-WARNING_KINDS = frozenset({FindingKind.HARDLINKED, FindingKind.WHEEL_RECORD, FindingKind.SHARED})
+WARNING_KINDS = frozenset(
+    {FindingKind.HARDLINKED, FindingKind.WHEEL_RECORD, FindingKind.SHARED, FindingKind.DPKG_INTACT}
+)
 
 
 class Expectation(NamedTuple):
@@ -130,12 +135,14 @@ def shared_file(
 
 
 #: What a ``modified`` file says when it was not changed after its install: the wheel may be at fault.
-RECORD_MAY_BE_WRONG = (
-    "not changed since it was installed (no newer than its RECORD): the wheel's own RECORD may be "
-    "wrong (uv installs such a wheel without a word); compare with the wheel: safeinstall {name} "
-    "--verify-only --wheel W (the wheel's fault shows as wheel-record); a reinstall with --wheel W "
-    "--accept-record-mismatch keeps it in the environment's baseline"
+#: what a ``modified`` file not written since its install says (in its detail), then how to settle it
+UNTOUCHED = "not changed since it was installed (no newer than its RECORD)"
+RECORD_MAY_BE_WRONG_HINT = (
+    "the wheel's own RECORD may be wrong (uv installs such a wheel without a word); compare with the "
+    "wheel: safeinstall {name} --verify-only --wheel W (the wheel's fault shows as wheel-record); a "
+    "reinstall with --wheel W --accept-record-mismatch keeps it in the environment's baseline"
 )
+RECORD_MAY_BE_WRONG = f"{UNTOUCHED}: {RECORD_MAY_BE_WRONG_HINT}"
 
 
 def untouched_since_install(finding: Finding, mtime_ns: int, record_mtime_ns: int | None) -> Finding:
@@ -154,6 +161,25 @@ def untouched_since_install(finding: Finding, mtime_ns: int, record_mtime_ns: in
     return replace(
         finding, detail=f"{finding.detail}; {RECORD_MAY_BE_WRONG.format(name=finding.distribution)}"
     )
+
+
+def against_dpkg(finding: Finding, md5_matches: bool | None, package: str) -> Finding:
+    """Pure: a ``modified`` file of a distribution dpkg installed, as dpkg's own md5sums see it (the
+    check of ``dpkg --verify``): as the package shipped it (``md5_matches`` True: ``dpkg-intact``, a
+    warning: Debian changed it after writing RECORD), changed here too (False: stays drift, and says
+    that dpkg flags it too), or not in dpkg's list (None: stays drift)."""
+    if finding.kind != FindingKind.MODIFIED:
+        return finding
+    if md5_matches:
+        return replace(
+            finding,
+            kind=FindingKind.DPKG_INTACT,
+            detail=f"{finding.detail}; dpkg's md5sums of {package} say it is as the package shipped it",
+        )
+    said = (
+        "dpkg's md5sums of {p} differ too" if md5_matches is False else "dpkg's md5sums of {p} do not list it"
+    )
+    return replace(finding, detail=f"{finding.detail}; {said.format(p=package)}")
 
 
 def hardlink_warning(distribution: str, state: FileState) -> Finding | None:

@@ -585,6 +585,21 @@ def _answer(text: str) -> dict[str, Any]:
     return info
 
 
+#: lines of the probe long enough that a program echoing its arguments is recognised by them
+_PROBE_LINES = tuple(line.strip() for line in _PROBE.splitlines() if len(line.strip()) >= 16)
+
+
+def probe_failure(python: Path, returncode: int, stderr: str) -> str:
+    """Pure: what a probe that exited ``returncode`` says. A program that is not Python (``/bin/ls``)
+    complains about its arguments, the probe's source among them: that is said as "not a Python
+    interpreter", never with the probe's source; a Python that failed shows the end of its error."""
+    text = stderr.strip()
+    if not text or any(line in text for line in _PROBE_LINES):
+        why = f"it did not run the probe given with -c; exit {returncode}"
+        return f"{python} is not a Python interpreter ({why})"
+    return f"{python} failed to report its paths: {text[-400:]}"
+
+
 def inspect_environment(python: Path, timeout: float = 30.0) -> Environment:
     """Ask ``python`` (isolated, no site, empty environment) for its installation paths; as root, an
     environment that another account owns is asked as that account."""
@@ -605,9 +620,8 @@ def inspect_environment(python: Path, timeout: float = 30.0) -> Environment:
         ) from exc
     if proc.returncode != 0:
         raise InterpreterError(
-            f"{python} failed to report its paths"
-            + (f" (run as uid {owner.uid}, its owner)" if owner else "")
-            + f": {proc.stderr.strip()[-400:]}",
+            probe_failure(python, proc.returncode, proc.stderr)
+            + (f" (run as uid {owner.uid}, its owner)" if owner else ""),
             hint="check that --python names a working Python 3 interpreter",
         )
     try:
@@ -634,7 +648,9 @@ def inspect_environment(python: Path, timeout: float = 30.0) -> Environment:
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise InterpreterError(
-            f"{python} printed something unexpected: {proc.stdout[:200]!r}",
+            probe_failure(python, proc.returncode, "")
+            if not proc.stdout.strip()
+            else f"{python} printed something unexpected: {proc.stdout[:200]!r}",
             hint="check that --python names a working Python 3 interpreter",
         ) from exc
     problem = _answer_problem(python, env)

@@ -24,6 +24,8 @@ DPKG_INFO = Path("/var/lib/dpkg/info")
 #: The most of one ``.list`` file read (the largest on a Debian host are a few MiB), and of them all
 LIST_LIMIT = 32 << 20
 LISTS_LIMIT = 512 << 20
+#: The most of one ``.md5sums`` file read (dpkg's own md5 of each file of a package)
+MD5SUMS_LIMIT = 32 << 20
 #: The most of an ``EXTERNALLY-MANAGED`` marker read (Debian's is 600 bytes)
 MARKER_LIMIT = 64 << 10
 MARKER = "EXTERNALLY-MANAGED"
@@ -82,6 +84,44 @@ def dpkg_owners(paths: Iterable[Path], info_dir: Path = DPKG_INFO) -> dict[Path,
         left -= len(data)
         found.update(owners_in(data.decode("utf-8", "replace"), package, wanted - set(found)))
     return {Path(path): SystemPackage("dpkg", package) for path, package in found.items()}
+
+
+def md5sums_entries(text: str) -> dict[str, str]:
+    """Pure: a dpkg ``.md5sums`` text (``HEX  usr/lib/...``, one file a line) as absolute path -> md5
+    (lowercase hex); a line that is not one is skipped."""
+    found: dict[str, str] = {}
+    for line in text.splitlines():
+        digest, separator, path = line.partition("  ")
+        digest = digest.lower()
+        if separator and path and len(digest) == 32 and all(c in "0123456789abcdef" for c in digest):
+            found["/" + path.lstrip("/")] = digest
+    return found
+
+
+def dpkg_md5sums(package: SystemPackage, info_dir: Path = DPKG_INFO) -> dict[str, str]:
+    """dpkg's own md5 of each file of ``package`` (``/var/lib/dpkg/info/PACKAGE[:ARCH].md5sums``, what
+    ``dpkg --verify`` checks against): only root-owned regular files, each up to :data:`MD5SUMS_LIMIT`;
+    {} where there is none."""
+    if package.manager != "dpkg":
+        return {}
+    try:
+        names = sorted(
+            name
+            for name in os.listdir(info_dir)
+            if name.endswith(".md5sums") and name[: -len(".md5sums")].partition(":")[0] == package.package
+        )
+    except OSError:
+        return {}
+    found: dict[str, str] = {}
+    for name in names:
+        path = info_dir / name
+        try:
+            info = os.lstat(path)
+            if stat.S_ISREG(info.st_mode) and info.st_uid == 0:
+                found.update(md5sums_entries(read_small(path, MD5SUMS_LIMIT).decode("utf-8", "replace")))
+        except OSError:
+            continue
+    return found
 
 
 def system_packages(

@@ -29,6 +29,7 @@ from safeinstall.env.drift import (
     Expectation,
     Finding,
     FindingKind,
+    against_dpkg,
     compare,
     extras,
     hardlink_warning,
@@ -38,8 +39,8 @@ from safeinstall.env.drift import (
 )
 from safeinstall.env.environment import Environment, distribution_sites
 from safeinstall.env.hashing import FileState, Known, cycle_collection_paused, observe_files
-from safeinstall.env.records import built, digest_bytes
-from safeinstall.env.systemsite import SystemPackage, from_base, system_packages
+from safeinstall.env.records import built, digest_bytes, encode_digest
+from safeinstall.env.systemsite import SystemPackage, dpkg_md5sums, from_base, system_packages
 from safeinstall.errors import ExitCode, WheelError
 
 if TYPE_CHECKING:  # the wheel module (zipfile, packaging.tags) is loaded only when a wheel is given
@@ -452,7 +453,10 @@ def verify_environment(
             ]
         if wheel is None and vouched is not None and any(f.kind == FindingKind.MODIFIED for f in findings):
             findings = _settled(plan.dist, findings, states, vouched)
-        if wheel is None and any(f.kind == FindingKind.MODIFIED for f in findings):
+        owner = owners.get(plan.dist.name)
+        if wheel is None and owner is not None and any(f.kind == FindingKind.MODIFIED for f in findings):
+            findings = _against_dpkg(env, plan.dist, owner, findings)  # dpkg's: no wheel to settle it with
+        elif wheel is None and any(f.kind == FindingKind.MODIFIED for f in findings):
             record_mtime = _mtime_ns(os.path.join(plan.dist.dist_info, "RECORD"))
             findings = [
                 untouched_since_install(f, states[f.path].mtime_ns, record_mtime)
@@ -526,6 +530,20 @@ def _settled(
     if entry is None:
         return findings
     return [settle(f, states[f.path], entry) if f.kind == FindingKind.MODIFIED else f for f in findings]
+
+
+def _against_dpkg(
+    env: Environment, dist: InstalledDistribution, owner: SystemPackage, findings: list[Finding]
+) -> list[Finding]:
+    """The ``modified`` findings of a distribution a system package installed, against dpkg's own md5sums
+    (what ``dpkg --verify`` checks): those it says are intact become ``dpkg-intact`` (issue 37: Debian
+    strips its libraries after writing RECORD, and every such file alerted on every check)."""
+    sums = dpkg_md5sums(owner)
+    listed = [f.path for f in findings if f.kind == FindingKind.MODIFIED and f.path in sums]
+    wanted = [Expectation(path, "md5", encode_digest(bytes.fromhex(sums[path])), None) for path in listed]
+    states = observe_files(wanted, within=os.fspath(containment_root(env, dist))) if wanted else {}
+    matches = {e.location: compare(dist.name, e, states[e.location], "record") is None for e in wanted}
+    return [against_dpkg(f, matches.get(f.path), owner.package) for f in findings]
 
 
 def _ticked(tick: Callable[[int], None], before: int, done: int) -> None:

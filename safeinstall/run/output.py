@@ -118,6 +118,7 @@ def run_json(result: RunResult) -> dict[str, Any]:
         "steps": jsonable(result.steps),
         "downtime_s": result.downtime_s,
         "patched": list(result.patched),
+        "deleted": list(result.deleted),
         "extras": list(result.extras),
         "pruned": list(result.pruned),
         "backup_dir": result.backup_dir,

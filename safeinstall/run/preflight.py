@@ -27,6 +27,7 @@ from packaging.utils import canonicalize_name
 from safeinstall.env.drift import FindingKind
 from safeinstall.env.environment import Environment, inspect_environment, resolve_python
 from safeinstall.env.systemsite import placement_refusals
+from safeinstall.env.uvplan import uv_binary
 from safeinstall.env.verify import VerifyReport, verify_environment
 from safeinstall.env.vouched import Vouched
 from safeinstall.env.wheel import (
@@ -46,6 +47,7 @@ from safeinstall.env.wheelcopy import (
     temporary_copy,
 )
 from safeinstall.errors import PlanError, WheelError
+from safeinstall.run import staging
 from safeinstall.run.options import RunOptions, check_options
 from safeinstall.run.patches import PatchSet, prepare_patches
 from safeinstall.run.survey import Survey, survey
@@ -158,7 +160,8 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
         )
         modified = locally_modified(before)
         if modified:
-            found = replace(found, plan=with_local_changes(found.plan, modified))
+            local = with_local_changes(found.plan, modified, options.keep_patches, options.undo is not None)
+            found = replace(found, plan=local)
         if wheel is not None and wheel.problems:  # accepted: the plan says so (--yes: before the stop)
             warned = (*found.plan.warnings, record_mismatch_note(wheel))
             found = replace(found, plan=replace(found.plan, warnings=warned))
@@ -168,6 +171,11 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
         if undo is not None:
             owner = os.geteuid() if env.account is None else env.account.uid
             found = replace(found, plan=undo_plan(found.plan, undo, before, found.installed, owner))
+        why_not = staging.refusal(
+            env, found.request, found.uv_plan.changes, staging.rulers(options, bool(vouched))
+        )
+        install = staging.install_lines(env, found.request, found.uv_plan, why_not, uv_binary())
+        found = replace(found, plan=replace(found.plan, install=install))
     except BaseException:
         if options.wheel is not None and options.wheel != given:
             discard_wheel_copy(options.wheel, state.dir)
@@ -190,19 +198,32 @@ def shared_files(report: VerifyReport) -> tuple[str, ...]:
         if f.kind == FindingKind.SHARED:
             pairs.setdefault((f.distribution, f.shared_with or "?"), []).append(f.path)
     return tuple(
-        f"{len(paths)} file(s) of {name} hold {other}'s copy (both RECORDs list them, e.g. {paths[0]}): the "
-        f"reinstall of {name} removes or replaces them, and {other}'s copies are lost unless it is "
-        f"reinstalled too (--with-deps, when it is a dependency; or uninstall one of them)"
+        f"{len(paths)} file(s) of {name} hold the copy of {other} (both RECORDs list them, e.g. {paths[0]}): "
+        f"the reinstall of {name} removes or replaces them, and the copies of {other} are lost unless it "
+        f"is reinstalled too (--with-deps, when it is a dependency; or uninstall one of them)"
         for (name, other), paths in sorted(pairs.items())
     )
 
 
-def with_local_changes(plan: Plan, modified: tuple[str, ...]) -> Plan:
-    """Pure: the plan says that the reinstall replaces files changed locally, before anything stops."""
+def with_local_changes(
+    plan: Plan, modified: tuple[str, ...], keep_patches: bool = False, undo: bool = False
+) -> Plan:
+    """Pure: the plan says that the reinstall replaces files changed locally, before anything stops;
+    ``--keep-patches`` is named only where it is not given and could be (not for an undo, which puts
+    back the backup's copies); with it, its own outcomes say what becomes of each patch."""
+    if keep_patches:
+        return replace(plan, locally_modified=modified)
+    count = f"{len(modified)} installed file" + ("" if len(modified) == 1 else "s")
+    changed = "was" if len(modified) == 1 else "were"
+    what = (
+        "the undo puts back the backup's copies; this run's backup keeps them"
+        if undo
+        else "the reinstall replaces them with the new version's; they are kept in the backup, and "
+        "--keep-patches carries them over"
+    )
+    example = modified[0]
     warning = (
-        f"{len(modified)} installed file(s) of {plan.package}'s distributions were changed locally "
-        f"(e.g. {modified[0]}): the reinstall replaces them with the new version's; they are kept in the "
-        "backup, and --keep-patches carries them over"
+        f"{count} of the distributions of {plan.package} {changed} changed locally (e.g. {example}): {what}"
     )
     return replace(plan, locally_modified=modified, warnings=(*plan.warnings, warning))
 

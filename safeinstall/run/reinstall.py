@@ -62,6 +62,7 @@ from safeinstall.scan.plan import PlannedProcess, PlannedUnit, left_on_old_code
 from safeinstall.scan.processes import scan_processes
 from safeinstall.store.backup import check_restored, create_backup, prune_into, restore_backup
 from safeinstall.store.baseline import record_run
+from safeinstall.store.history import read_history
 from safeinstall.store.journal import (
     JournalUnit,
     Phase,
@@ -183,8 +184,14 @@ def save_left(run: Run) -> None:
 def backup_step(run: Run) -> str:
     before = run.prepared.before  # hashed at preflight, just before this step: not read again
     run.patched = locally_modified(before)
+    run.deleted = tuple(f.path for f in before.findings if f.kind == FindingKind.MISSING)
     for path in run.patched:
-        run.notes.append(f"locally patched: {path} (kept in the backup)")
+        deleted = path in run.deleted
+        run.notes.append(
+            f"locally deleted: {path} (nothing to keep)"
+            if deleted
+            else f"locally patched: {path} (kept in the backup)"
+        )
 
     def on_progress(done: int, total: int) -> None:
         run.reporter.progress("backup", done, total, "bytes")
@@ -200,8 +207,11 @@ def backup_step(run: Run) -> str:
     )
     run._journal(Phase.BACKED_UP, backup_dir=str(run.backup.dir))
     size = run.backup.manifest.files
-    return f"{len(size)} files saved in {run.backup.dir}" + (
-        f"; {len(run.patched)} locally patched" if run.patched else ""
+    patched = len(run.patched) - len(run.deleted)
+    return (
+        f"{len(size)} files saved in {run.backup.dir}"
+        + (f"; {patched} locally patched" if patched else "")
+        + (f"; {len(run.deleted)} deleted locally" if run.deleted else "")
     )
 
 
@@ -270,14 +280,7 @@ def prefetch_step(run: Run) -> str:
 
 def _swap_rulers(run: Run) -> dict[str, bool]:
     """The run's options that rule a swap out (:func:`safeinstall.run.staging.refusal`)."""
-    options = run.options
-    return {
-        "--no-swap": options.no_swap,
-        "--keep-patches": options.keep_patches,
-        "--prune": options.prune,
-        "--accept-record-mismatch": options.accept_record_mismatch,
-        "a baseline of files whose RECORD is wrong": bool(run.prepared.vouched),
-    }
+    return staging.rulers(run.options, bool(run.prepared.vouched))
 
 
 def _stage(run: Run, root: Path) -> str | None:
@@ -543,8 +546,15 @@ def swap_step(run: Run) -> str:
     if wrong:
         raise StepFailed(f"not the verified files in place after the swap: {', '.join(wrong[:5])}")
     run._journal(Phase.INSTALLED)
-    plan = staged.plan
-    return f"swapped: {len(plan.moves)} entries renamed into place, {len(plan.out)} old ones out" + late
+    return swapped_detail(len(staged.plan.moves), len(staged.plan.out)) + late
+
+
+def swapped_detail(moved: int, out: int) -> str:
+    """Pure: what the swap step says it did ("1 entry ..., 1 old one out", never "1 old ones")."""
+    return (
+        f"swapped: {moved} {'entry' if moved == 1 else 'entries'} renamed into place, "
+        f"{out} old {'one' if out == 1 else 'ones'} out"
+    )
 
 
 # ------------------------------------------------------------------ 7. verify
@@ -813,7 +823,7 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
             return _declined(prepared)
         if not interactive:  # --yes, --json, no terminal: what will be lost is still said, and logged
             for warning in prepared.plan.warnings:
-                reporter.note(f"before the stop: {warning}")
+                reporter.note(f"before the stop: {warning}", host=warning in prepared.plan.host_notes)
         held = deferral.enter_context(interrupts_deferred(held_back))
         run = start(prepared, reporter)
     except BaseException:
@@ -864,8 +874,8 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
                     ExitCode.ROLLED_BACK: "rolled-back",
                     ExitCode.ROLLBACK_FAILED: "rollback-failed",
                 }.get(outcome.exit_code, "error")
-                # put back whole: its backup counts under --keep-backups as a good run's (they piled up)
-                removed = _prune_old_backups(run) if outcome.exit_code == ExitCode.ROLLED_BACK else ()
+                # put back whole: earlier rolled-back runs' backups go (they piled up), never a good one's
+                removed = _prune_old_backups(run, status) if outcome.exit_code == ExitCode.ROLLED_BACK else ()
                 return _result(run, status, outcome.exit_code, outcome, backups_removed=removed)
         # The run succeeded: the services run the new, verified version. What is left is tidying up
         # (signals held back meanwhile); a failure there is said, and must not turn a good run into an
@@ -891,7 +901,7 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
             run.notes.append(f"the staging directory was not removed: {exc}")
         with contextlib.suppress(OSError):
             clear_journal(run.state.dir)
-        removed = _prune_old_backups(run)
+        removed = _prune_old_backups(run, "done")
         not_restarted = tuple(run._units_to_restart()) if options.no_restart else ()
         return _result(run, "done", ExitCode.OK, None, not_restarted, removed)
     finally:
@@ -934,10 +944,23 @@ def _discard_staged(run: Run) -> None:
         run.notes.append(f"{run.staged.root} could not be removed: the next run removes it")
 
 
-def _prune_old_backups(run: Run) -> tuple[str, ...]:
-    """After a run that ended with the environment whole (done, or rolled back): the newest
-    ``--keep-backups`` backups stay, this run's among them; the ones deleted."""
-    old = prune_backups(run.state.backups, run.options.keep_backups, protected={run.run_id})
+def _prune_old_backups(run: Run, status: str) -> tuple[str, ...]:
+    """After a run that ended with the environment whole (``status`` done, or rolled back): the backups
+    of the newest ``--keep-backups`` good runs stay (this run's, when it is one), those of rolled-back
+    runs go but this run's; the ones deleted."""
+    try:
+        statuses = {entry.run_id: entry.status for entry in read_history(run.state).runs}
+    except SafeInstallError as exc:  # unreadable: nothing is deleted on a guess
+        run.notes.append(f"old backups not pruned: the history could not be read ({exc.message})")
+        return ()
+    statuses[run.run_id] = status
+    old = prune_backups(
+        run.state.backups,
+        run.options.keep_backups,
+        protected={run.run_id},
+        statuses=statuses,
+        good_run=status == "done",
+    )
     run.notes.extend(f"old backup not deleted: {problem}" for problem in old.problems)
     return tuple(map(str, old.removed))
 
@@ -988,6 +1011,7 @@ def _result(
         steps=tuple(run.steps),
         downtime_s=dict(run.downtime),
         patched=run.patched,
+        deleted=run.deleted,
         extras=run.extras,
         pruned=run.pruned,
         backup_dir=str(run.backup.dir) if run.backup else None,

@@ -43,6 +43,7 @@ class RunResult:
     old_code: tuple[OldCodeProcess, ...] = ()  # found by the end check: still mapping replaced files
     patches: tuple[PatchOutcome, ...] = ()  # --keep-patches: each local patch, carried/dropped/conflict
     patch_file: str | None = None  # --keep-patches: the carried set, one patch against the new version
+    deleted: tuple[str, ...] = ()  # those of ``patched`` deleted locally (nothing of them to keep)
 
 
 class Reporter(Protocol):
@@ -52,7 +53,8 @@ class Reporter(Protocol):
         """``unit``: "bytes", "s" (seconds) or "" (a count); see
         :func:`safeinstall.store.runlog.progress_text`."""
 
-    def note(self, text: str) -> None: ...
+    def note(self, text: str, host: bool = False) -> None:
+        """``host``: a note about the host, not this run (the same on every command: ``-q`` drops it)."""
 
     def confirm(self, plan: Plan) -> bool: ...
 
@@ -82,9 +84,9 @@ class LoggedReporter:
             append_line(self.log, progress_text(what, done, total, unit))
         self.inner.progress(what, done, total, unit)
 
-    def note(self, text: str) -> None:
+    def note(self, text: str, host: bool = False) -> None:
         append_line(self.log, f"note: {text}")
-        self.inner.note(text)
+        self.inner.note(text, host)
 
     def confirm(self, plan: Plan) -> bool:
         return self.inner.confirm(plan)

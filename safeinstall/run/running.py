@@ -67,6 +67,7 @@ class Run:
     patches: PatchSet | None = None  # --keep-patches: set by the patches step
     patch_file: Path | None = None  # --keep-patches: the carried set, saved after a good run
     patched: tuple[str, ...] = ()
+    deleted: tuple[str, ...] = ()  # those of ``patched`` that were deleted locally
     extras: tuple[str, ...] = ()
     pruned: tuple[str, ...] = ()
     down_since: dict[str, float] = field(default_factory=dict)  # units the stop took down: since when
@@ -159,19 +160,24 @@ def phase_at_least(journal: Journal, phase: Phase) -> bool:
 WAIT_POLL_S = 1.0
 
 
-def report_waits(run: Run, waits: Mapping[str, Future[Any]], state: str, limit: float) -> None:
+def report_waits(
+    run: Run, waits: Mapping[str, Future[Any]], state: str, limit: float, total: float | None = None
+) -> None:
     """Until every unit's wait is done: a progress line saying which units are not yet ``state`` and
-    how long the wait may still take (``limit`` seconds in all; infinity: no bound)."""
+    how long the wait may still take (``limit`` seconds in all; infinity: no bound). ``total``: what
+    the progress counts up to when it is not the limit (the settle time; the limit is then said)."""
     started = time.monotonic()
+    bound = limit if math.isfinite(limit) else None
+    upto = f"; gives up after {limit:g} s" if total is not None and bound is not None else ""
     while True:
         pending = [unit for unit, future in waits.items() if not future.done()]
         if not pending:
             return
-        bound = limit if math.isfinite(limit) else None
+        waited = time.monotonic() - started
         run.reporter.progress(
-            f"waiting for {', '.join(pending)} to be {state} ({len(pending)} of {len(waits)})",
-            time.monotonic() - started,
-            bound,
+            f"waiting for {', '.join(pending)} to be {state} ({len(pending)} of {len(waits)}{upto})",
+            waited if total is None else min(waited, total),
+            bound if total is None else total,
             "s",
         )
         futures_wait([waits[unit] for unit in pending], timeout=WAIT_POLL_S, return_when=FIRST_COMPLETED)
@@ -202,6 +208,7 @@ def start_and_settle(run: Run, units: list[str], settle: float) -> str:
                 futures,
                 f"{settle:g} s active",
                 settle + max(start_wait_s(befores.get(u)) for u in units),
+                total=settle,  # the settle time, not the start's allowance (issue 37: "0 s of 122 s")
             )
             outcomes = {u: f.result() for u, f in futures.items()}
         except BaseException:  # Ctrl-C, SIGTERM: the waits end at their next poll, the rollback starts

@@ -20,9 +20,11 @@ from safeinstall.env.distributions import InstalledDistribution, find_distributi
 from safeinstall.env.drift import FindingKind
 from safeinstall.env.environment import Environment
 from safeinstall.env.hashing import Known
-from safeinstall.env.uvplan import UvChange, UvRequest
+from safeinstall.env.uvplan import UvChange, UvPlan, UvRequest, prefetch_command, window_command
 from safeinstall.env.verify import verify_environment
 from safeinstall.env.wheel import Wheel
+from safeinstall.run.options import RunOptions
+from safeinstall.run.undo import RESTORE
 from safeinstall.store.backup import Backup
 from safeinstall.store.state import PRIVATE_MODE, RUN_DIR_REMOVAL_S
 from safeinstall.system.safefs import Tree, mounts_below, parent_directories
@@ -77,6 +79,41 @@ def refusal(
     ):
         return "the plan removes a distribution without installing it again"
     return None
+
+
+def rulers(options: RunOptions, vouched: bool) -> dict[str, bool]:
+    """Pure: the run's options that rule a swap out (:func:`refusal`); ``vouched``: the environment has
+    a baseline of files whose RECORD is wrong."""
+    return {
+        "--no-swap": options.no_swap,
+        "--keep-patches": options.keep_patches,
+        "--prune": options.prune,
+        "--accept-record-mismatch": options.accept_record_mismatch,
+        "a baseline of files whose RECORD is wrong": vouched,
+    }
+
+
+def install_lines(
+    env: Environment, request: UvRequest, uv_plan: UvPlan, why_not: str | None, uv_bin: str
+) -> tuple[str, ...]:
+    """Pure: what the plan says will run to install (issue 37: it showed uv's dry-run command): with a
+    swap, uv's install into the staging tree before the stop and the renames during it; without, the
+    prefetch before the stop and uv's install during it (why no swap); an undo, the restore."""
+    if uv_plan.command[:1] == (RESTORE,):
+        return (f"during the stop: the backup {uv_plan.command[-1]} is put back in place (no uv runs)",)
+    if why_not is None:
+        staged = swap.staging_dir(env.prefix, "RUN_ID") / swap.STAGED_TREE
+        command = prefetch_command(request, uv_bin, staged, uv_plan.changes, staging=True)
+        return (
+            f"before the stop: {' '.join(command)}",
+            f"during the stop: the staged files are renamed into {env.prefix} (the swap)",
+        )
+    scratch = Path("PREFETCH_DIR")
+    return (
+        f"before the stop (fills the run's uv cache): "
+        f"{' '.join(prefetch_command(request, uv_bin, scratch, uv_plan.changes))}",
+        f"during the stop (no swap: {why_not}): {' '.join(window_command(uv_plan.command, request))}",
+    )
 
 
 def make_staging(env: Environment, run_id: str) -> Path:

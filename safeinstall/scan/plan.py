@@ -97,6 +97,12 @@ class Plan:
     #: installed files of the affected distributions that differ from their RECORD (local patches,
     #: deletions): the reinstall replaces them (kept in the backup; --keep-patches carries them)
     locally_modified: tuple[str, ...] = ()
+    #: what will run to install, as the preflight found it (:func:`safeinstall.run.staging.install_lines`):
+    #: the staging install and the swap, or the install in the stop, or an undo's restore
+    install: tuple[str, ...] = ()
+    #: those of ``warnings`` about the host, not this run (processes even root cannot read, no NVML): the
+    #: same on every command of that machine, so ``-q`` leaves them out (``--json`` and the log keep them)
+    host_notes: tuple[str, ...] = ()
 
     @property
     def proceeds(self) -> bool:
@@ -342,6 +348,25 @@ def oversized_warning(problems: Sequence[ScanProblem]) -> str | None:
     )
 
 
+def stray_refusal(strays: Sequence[PlannedProcess]) -> str:
+    """Pure: why the run refuses over processes outside any service, and each way out that would work:
+    ``--only-loaded`` is named only for strays it leaves out (only possible evidence: they run the
+    environment's Python, no sign of the package loaded), never for one that certainly uses it."""
+    listed = ", ".join(f"{p.pid} ({p.name})" for p in strays)
+    possible = [p.pid for p in strays if p.strength == Strength.POSSIBLE.value]
+    text = (
+        f"{len(strays)} process(es) use the package (or run its environment's Python) outside any "
+        f"systemd service: {listed}; stop them, or pass --kill-strays to end them (they are not restarted)"
+    )
+    if not possible:
+        return text
+    which = "them" if len(possible) == len(strays) else f"PID {', '.join(map(str, possible))}"
+    return (
+        f"{text}; --only-loaded would leave {which} out (only the environment's Python, no sign of the "
+        "package loaded: left running, on the new files once they import it)"
+    )
+
+
 def build_plan(
     *,
     package: str,
@@ -403,12 +428,7 @@ def build_plan(
         planned_units.append(_planned_unit(unit, info, members))
     planned_units.extend(_dependents(planned_units, units))
     if strays and not kill_strays:
-        listed = ", ".join(f"{p.pid} ({p.name})" for p in strays)
-        refusals.append(
-            f"{len(strays)} process(es) use the package (or run its environment's Python) outside any "
-            f"systemd service: {listed}; "
-            "stop them, or pass --kill-strays to end them (they are not restarted)"
-        )
+        refusals.append(stray_refusal(strays))
     warnings: list[str] = []
     oversized = oversized_warning(scan.problems)
     if oversized:
@@ -416,8 +436,11 @@ def build_plan(
     unread = unreadable_warning(scan.problems, as_root)
     if unread:
         warnings.append(unread)
-    if not gpus.available:
-        warnings.append(f"GPU check unavailable: {gpus.reason}")
+    no_gpu_check = None if gpus.available else f"GPU check unavailable: {gpus.reason}"
+    if no_gpu_check:
+        warnings.append(no_gpu_check)
+    # root that cannot read a process (a VM's init), a machine without NVML: so on every command
+    host = tuple(w for w in (unread if as_root else None, no_gpu_check) if w)
     if left_out:
         warnings.append(
             f"--only-loaded leaves out {len(left_out)} process(es) that run this environment's Python "
@@ -445,4 +468,5 @@ def build_plan(
         warnings=tuple(warnings),
         only_loaded=only_loaded,
         left_out=left_out,
+        host_notes=host,
     )

@@ -1,10 +1,13 @@
-"""Which old backups go: after a successful run, an environment keeps only its newest backups.
+"""Which old backups go: an environment keeps only the backups of its newest good runs.
 
 A backup holds every file of the distributions a run replaced (for vLLM, a few GB). Kept forever they
 fill the disk, and a full disk is how one of the machines this tool is for died mid-job. After a run
-that ended well, the newest ``keep`` backups of that environment stay (the run's own among them) and
-older ones are deleted. Nothing else is touched: a failed run ends before this, keeping its backup
-with its journal, and a directory whose name is not a run id is never deleted.
+that ended with the environment whole (done, or rolled back), the backups of the newest ``keep`` good
+runs stay (a good run's own among them) and older ones are deleted; the backup of a run that was rolled
+back is deleted by the next run (it put back what it saved; no undo can use it). A run that rolled back
+never deletes the backup of a good run: failed nightlies do not push out the way back (issue 37).
+Nothing else is touched: a run whose rollback failed keeps its backup with its journal, and a directory
+whose name is not a run id is never deleted.
 
 :func:`backups_to_remove` is the pure choice; :func:`prune_backups` does the deleting.
 """
@@ -15,7 +18,7 @@ import os
 import re
 import shutil
 import sys
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,22 +26,41 @@ from pathlib import Path
 DEFAULT_KEEP = 3
 #: A run id as :func:`safeinstall.store.state.new_run_id` makes it: ``20261130T041125Z-19214``.
 _RUN_ID = re.compile(r"\d{8}T\d{6}Z-\d+")
+#: the status of a run that put back what it saved: its backup is no way back, and goes
+ROLLED_BACK = "rolled-back"
+#: a good run, and one whose end is not known (the history keeps the newest 20): counted under keep
+_COUNTED = frozenset({"done", ""})
 
 
 def is_run_id(name: str) -> bool:
     return _RUN_ID.fullmatch(name) is not None
 
 
-def backups_to_remove(names: Iterable[str], keep: int, protected: Collection[str]) -> tuple[str, ...]:
-    """The backups to delete, oldest first: all run ids but the newest ``keep``, never ``protected``.
+def backups_to_remove(
+    names: Iterable[str],
+    keep: int,
+    protected: Collection[str],
+    statuses: Mapping[str, str] | None = None,
+    good_run: bool = True,
+) -> tuple[str, ...]:
+    """The backups to delete, oldest first, never ``protected``: the good runs' beyond the newest
+    ``keep`` (only after a ``good_run``: a rolled-back run never deletes one), and those of runs that
+    were rolled back.
 
-    Run ids start with their UTC time, so they sort by age. Names that are not run ids are not
-    counted and never chosen.
+    ``statuses``: each run's status (its history entry's; the running run's own). A run that ended
+    done, or whose status is not known, counts under ``keep``; one rolled back does not count and its
+    backup goes; any other (a rollback that failed, an error) does not count and is kept. Run ids
+    start with their UTC time, so they sort by age. Names that are not run ids are not counted and
+    never chosen.
     """
     if keep < 1:
         raise ValueError(f"keep must be at least 1, not {keep}")
+    known = statuses or {}
     newest_first = sorted((name for name in names if is_run_id(name)), reverse=True)
-    return tuple(sorted(name for name in newest_first[keep:] if name not in protected))
+    counted = [name for name in newest_first if known.get(name, "") in _COUNTED]
+    spent = [name for name in newest_first if known.get(name) == ROLLED_BACK]
+    beyond = counted[keep:] if good_run else []
+    return tuple(sorted(name for name in (*beyond, *spent) if name not in protected))
 
 
 def _remove_tree(path: Path) -> list[str]:
@@ -63,7 +85,13 @@ class Pruned:
     problems: tuple[str, ...]  # "path: reason" for each backup that could not be deleted
 
 
-def prune_backups(backups: Path, keep: int, protected: Collection[str]) -> Pruned:
+def prune_backups(
+    backups: Path,
+    keep: int,
+    protected: Collection[str],
+    statuses: Mapping[str, str] | None = None,
+    good_run: bool = True,
+) -> Pruned:
     """Delete the old backups under ``backups`` (see :func:`backups_to_remove`); never raises."""
     try:
         names = [entry.name for entry in os.scandir(backups) if entry.is_dir(follow_symlinks=False)]
@@ -71,7 +99,7 @@ def prune_backups(backups: Path, keep: int, protected: Collection[str]) -> Prune
         return Pruned((), (f"{backups}: could not list it: {exc.strerror or exc}",))
     removed: list[Path] = []
     problems: list[str] = []
-    for name in backups_to_remove(names, keep, protected):
+    for name in backups_to_remove(names, keep, protected, statuses, good_run):
         path = backups / name
         failures = _remove_tree(path)
         if failures:

@@ -52,8 +52,8 @@ def progress_text(what: str, done: float | None, total: float | None, unit: str 
     def amount(value: float) -> str:
         if unit == "bytes":
             return human_bytes(value)
-        if unit == "s":
-            return f"{value:.0f} s"
+        if unit == "s":  # a whole number, or a fraction under 10 s as given (--settle 0.5)
+            return f"{value:.0f} s" if value >= 10 or value == int(value) else f"{value:.1f} s"
         return f"{value:.0f}"
 
     if done is None:
