@@ -25,6 +25,7 @@ import mmap
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -55,6 +56,10 @@ class FileState(NamedTuple):
     ctime_ns: int = 0
     #: the digest is a hash taken earlier of this very inode, proven unchanged (see :data:`Known`)
     by_identity: bool = False
+    #: read and hashed here: the clock (``time.time_ns()``) before the ``fstat`` of the descriptor read,
+    #: whose identity (device, inode, size, times) was the same after the read; 0: not so (proven by
+    #: identity, not read, or changed while read). What :mod:`safeinstall.env.verified` may keep.
+    hashed_ns: int = 0
 
 
 #: Given a file's ``lstat`` and the algorithm wanted, the digest of that very inode when it was hashed
@@ -147,6 +152,7 @@ def _observe(
     regular: frozenset[str] | None,
     buffer: memoryview,
     known: Known | None = None,
+    started_ns: int = 0,
 ) -> FileState:
     """One file, by ``name`` relative to ``dir_fd`` (``path`` itself where there is no directory
     descriptor). ``regular``: the names the directory's listing shows as regular files; any other name
@@ -160,7 +166,9 @@ def _observe(
     for 157 MB of small files).
 
     ``known``: a file whose ``lstat`` shows an inode hashed earlier and unchanged since gets that digest
-    without being opened (``by_identity``); any other is read and hashed."""
+    without being opened (``by_identity``); any other is read and hashed. ``started_ns``: the clock
+    read before this file was opened; kept as ``hashed_ns`` when the descriptor's ``fstat`` after the
+    read shows the very identity it showed before (a swap or a write meanwhile: 0)."""
     if known is not None and algorithm is not None:
         proven = _by_identity(path, name, dir_fd, algorithm, known)
         if proven is not None:
@@ -194,6 +202,7 @@ def _observe(
             digest = encode_digest(_new_hash(algorithm, buffer[:count]).digest())
         else:
             digest = encode_digest(_stream_digest(fd, algorithm, buffer, size + 1))
+        hashed_ns = started_ns if digest is not None and _same(info, os.fstat(fd)) else 0
     except OSError as exc:
         return FileState(path, True, error=exc.strerror or str(exc))
     finally:
@@ -214,7 +223,19 @@ def _observe(
             info.st_mtime_ns,
             info.st_ctime_ns,
             False,
+            hashed_ns,
         ),
+    )
+
+
+def _same(before: os.stat_result, after: os.stat_result) -> bool:
+    """Pure: the descriptor's identity did not move while it was read."""
+    return (
+        before.st_dev == after.st_dev
+        and before.st_ino == after.st_ino
+        and before.st_size == after.st_size
+        and before.st_mtime_ns == after.st_mtime_ns
+        and before.st_ctime_ns == after.st_ctime_ns
     )
 
 
@@ -246,6 +267,7 @@ def _by_identity(path: str, name: str, dir_fd: int | None, algorithm: str, known
             info.st_mtime_ns,
             info.st_ctime_ns,
             True,
+            0,
         ),
     )
 
@@ -408,6 +430,7 @@ class _Task:
     def run(self, buffer: memoryview) -> list[FileState]:
         directory = self.directory
         dir_fd, regular, problem = (None, None, None) if directory is None else directory.enter()
+        started_ns = time.time_ns()  # before any of its files is opened: see FileState.hashed_ns
         try:
             if problem is not None:  # none of its files is opened
                 return [
@@ -416,7 +439,14 @@ class _Task:
                 ]
             return [
                 _observe(
-                    path, path if dir_fd is None else name, dir_fd, algorithm, regular, buffer, self.known
+                    path,
+                    path if dir_fd is None else name,
+                    dir_fd,
+                    algorithm,
+                    regular,
+                    buffer,
+                    self.known,
+                    started_ns,
                 )
                 for path, name, algorithm, _size in self.files
             ]

@@ -1,0 +1,198 @@
+"""The verified-inode store of an environment: ``<state>/<env>/inodes.bin``, root's, 0600, beside its
+baseline (the decisions are :mod:`safeinstall.env.verified`'s; docs/verify.md has the argument).
+
+Read as every state file is (:func:`safeinstall.store.state.read_private_file`: no symlink, no FIFO,
+root's or the caller's, writable by nobody else, bounded) and every field checked: a header line (JSON:
+the format's version, the environment's prefix, the boot it was written in, the number of entries),
+then the entries' numbers (six signed 64-bit little-endian integers each: device, inode, size, mtime,
+ctime, moment hashed) and their digests (43 characters each). A store of another environment or of
+another boot (``/proc/sys/kernel/random/boot_id``: a filesystem restored or written offline keeps its
+inode numbers and times, and device numbers are handed out anew at each boot) is not used, nor is one
+that is damaged: everything is then hashed, and the store written anew.
+
+Only what this process read and hashed itself is kept (never a worker's answer, an account's), and only
+on a filesystem whose ``statfs`` type is one that keeps ctime (checked on a descriptor whose ``fstat``
+shows the very device).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import re
+import struct
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from safeinstall.env.hashing import FileState, Known
+from safeinstall.env.verified import MAX_ENTRIES, InodeStore, VerifiedInode, checker, entry_problem, updated
+from safeinstall.store.state import (
+    EnvironmentState,
+    StateDirError,
+    atomic_write,
+    check_trusted,
+    ensure_environment_dir,
+    read_private_file,
+    trusted_environment_state,
+)
+
+STORE_NAME = "inodes.bin"
+STORE_VERSION = 1
+_NUMBERS = struct.Struct("<6q")
+_DIGEST_CHARS = 43
+_HEADER_MAX = 70_000  # the prefix is at most 64 KiB
+#: the most bytes a store may have
+STORE_LIMIT = _HEADER_MAX + MAX_ENTRIES * (_NUMBERS.size + _DIGEST_CHARS)
+_DIGESTS = re.compile(rb"[A-Za-z0-9_-]*")
+_BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def boot_id() -> str | None:
+    """This boot's id (None: not known; then no store is used or kept)."""
+    try:
+        text = _BOOT_ID.read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text or None
+
+
+def to_bytes(store: InodeStore) -> bytes:
+    """Pure: the store as it is written."""
+    entries = list(store.entries.values())
+    header = {
+        "version": STORE_VERSION,
+        "prefix": store.prefix,
+        "boot_id": store.boot_id,
+        "count": len(entries),
+    }
+    numbers = b"".join(
+        _NUMBERS.pack(e.device, e.inode, e.size, e.mtime_ns, e.ctime_ns, e.hashed_ns) for e in entries
+    )
+    digests = "".join(e.digest for e in entries).encode("ascii")
+    return json.dumps(header, sort_keys=True).encode() + b"\n" + numbers + digests
+
+
+def from_bytes(raw: bytes, prefix: str, boot: str, now_ns: int) -> InodeStore:
+    """Pure: a store read back, every field checked (ValueError: damaged, another environment's or
+    another boot's). Entries no longer believable (too old, from the future) are left out."""
+    line, newline, body = raw.partition(b"\n")
+    if not newline or len(line) > _HEADER_MAX:
+        raise ValueError("no header line")
+    header = json.loads(line)
+    if not isinstance(header, dict) or header.get("version") != STORE_VERSION:
+        raise ValueError("not a store of this version")
+    if header.get("prefix") != prefix:
+        raise ValueError(f"it is the store of {header.get('prefix')!r}, not of {prefix}")
+    if header.get("boot_id") != boot:
+        raise ValueError("it was written before the last boot")
+    count = header.get("count")
+    if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= MAX_ENTRIES:
+        raise ValueError(f"count {count!r} is not 0 to {MAX_ENTRIES}")
+    split = count * _NUMBERS.size
+    if len(body) != split + count * _DIGEST_CHARS:
+        raise ValueError(f"{len(body)} bytes of entries, not those of {count}")
+    digests = body[split:]
+    if not _DIGESTS.fullmatch(digests):
+        raise ValueError("a digest is not a sha256 digest")
+    text = digests.decode("ascii")
+    entries: dict[tuple[int, int], VerifiedInode] = {}
+    for index, numbers in enumerate(_NUMBERS.iter_unpack(body[:split])):
+        at = index * _DIGEST_CHARS
+        device, inode, size, mtime_ns, ctime_ns, hashed_ns = numbers
+        entry = VerifiedInode(
+            device, inode, size, mtime_ns, ctime_ns, hashed_ns, text[at : at + _DIGEST_CHARS]
+        )
+        if min(entry.device, entry.inode, entry.size) < 0:
+            raise ValueError(f"entry {index}: a negative device, inode or size")
+        if (entry.device, entry.inode) in entries:
+            raise ValueError(f"entry {index}: its inode is there twice")
+        if entry_problem(entry, now_ns) is None:
+            entries[(entry.device, entry.inode)] = entry
+    return InodeStore(prefix, boot, entries)
+
+
+def store_file(state: EnvironmentState) -> Path:
+    return state.dir / STORE_NAME
+
+
+def read_store(root: Path, prefix: Path) -> tuple[InodeStore | None, str | None]:
+    """The environment's store under the state ``root`` (an empty one when there is none), or None and
+    why it is not used (then every file is read, and none is kept)."""
+    boot = boot_id()
+    if boot is None:
+        return None, "this boot's id is not known: every file is read"
+    state = trusted_environment_state(root, prefix)
+    empty = InodeStore(os.fspath(prefix), boot, {})
+    try:
+        check_trusted(root)
+        if state.problem is not None:
+            raise StateDirError(f"its directory {state.dir}: {state.problem}")
+        raw = read_private_file(store_file(state), STORE_LIMIT)
+        return from_bytes(raw, os.fspath(prefix), boot, time.time_ns()), None
+    except FileNotFoundError:
+        return empty, None
+    except StateDirError as exc:
+        return None, f"the verified-inode store was not used: {exc.message}"
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return empty, None  # damaged, or another boot's: everything is read, and it is written anew
+    except OSError as exc:
+        return None, f"the verified-inode store could not be read ({exc.strerror or exc})"
+
+
+def _fstatfs_magic(fd: int) -> int | None:
+    buffer = ctypes.create_string_buffer(256)  # struct statfs: its first field is the type (a long)
+    try:
+        call = ctypes.CDLL(None, use_errno=True).fstatfs
+    except (OSError, AttributeError):
+        return None
+    if call(fd, buffer) != 0:
+        return None
+    return int(ctypes.c_long.from_buffer(buffer).value) & 0xFFFFFFFF
+
+
+def filesystems(states: Iterable[FileState]) -> dict[int, int]:
+    """device -> ``statfs`` type, for each device a hashed file is on, asked of a descriptor of one of
+    its files whose ``fstat`` shows that device (a path swapped meanwhile cannot lend another's)."""
+    found: dict[int, int] = {}
+    for state in states:
+        if not state.hashed_ns or state.device in found:
+            continue
+        with contextlib.suppress(OSError):
+            fd = os.open(state.path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                magic = _fstatfs_magic(fd)
+                if os.fstat(fd).st_dev == state.device and magic is not None:
+                    found[state.device] = magic
+            finally:
+                os.close(fd)
+    return found
+
+
+def keep(root: Path, prefix: Path, store: InodeStore | None, states: Iterable[FileState]) -> str | None:
+    """After a check: what it hashed, into the environment's store (best effort; a note when it could not
+    be written). ``store`` None: it was not to be used (then it is not written either)."""
+    if store is None:
+        return None
+    observed = list(states)
+    new = updated(store, observed, filesystems(observed), time.time_ns())
+    if new.entries == store.entries:
+        return None
+    try:
+        state = trusted_environment_state(root, prefix)
+        ensure_environment_dir(state)
+        atomic_write(store_file(state), to_bytes(new))
+    except StateDirError as exc:
+        return f"the verified-inode store was not kept: {exc.message}"
+    except OSError as exc:
+        return f"the verified-inode store was not kept ({exc.strerror or exc})"
+    return None
+
+
+def store_checker(store: InodeStore | None, fallback: Known | None = None) -> Known | None:
+    """What the verification asks of the store (and of ``fallback``); None when there is neither."""
+    if store is None or not store.entries:
+        return fallback
+    return checker(store, fallback)
