@@ -28,7 +28,17 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from safeinstall.env.hashing import FileState, Known
-from safeinstall.env.verified import MAX_ENTRIES, InodeStore, VerifiedInode, checker, entry_problem, updated
+from safeinstall.env.records import built
+from safeinstall.env.verified import (
+    MAX_AGE_NS,
+    MAX_ENTRIES,
+    InodeStore,
+    VerifiedInode,
+    checker,
+    is_racy,
+    keepable,
+    updated,
+)
 from safeinstall.store.state import (
     EnvironmentState,
     StateDirError,
@@ -99,18 +109,22 @@ def from_bytes(raw: bytes, prefix: str, boot: str, now_ns: int) -> InodeStore:
         raise ValueError("a digest is not a sha256 digest")
     text = digests.decode("ascii")
     entries: dict[tuple[int, int], VerifiedInode] = {}
-    for index, numbers in enumerate(_NUMBERS.iter_unpack(body[:split])):
-        at = index * _DIGEST_CHARS
-        device, inode, size, mtime_ns, ctime_ns, hashed_ns = numbers
-        entry = VerifiedInode(
-            device, inode, size, mtime_ns, ctime_ns, hashed_ns, text[at : at + _DIGEST_CHARS]
-        )
-        if min(entry.device, entry.inode, entry.size) < 0:
+    oldest = now_ns - MAX_AGE_NS
+    for index, (device, inode, size, mtime_ns, ctime_ns, hashed_ns) in enumerate(
+        _NUMBERS.iter_unpack(body[:split])
+    ):
+        if device < 0 or inode < 0 or size < 0:
             raise ValueError(f"entry {index}: a negative device, inode or size")
-        if (entry.device, entry.inode) in entries:
+        if (device, inode) in entries:
             raise ValueError(f"entry {index}: its inode is there twice")
-        if entry_problem(entry, now_ns) is None:
-            entries[(entry.device, entry.inode)] = entry
+        # entry_problem's checks, written out (61k entries for vLLM, at every check): the digests'
+        # spelling was checked above, all at once
+        if oldest <= hashed_ns <= now_ns and hashed_ns > 0 and not is_racy(ctime_ns, hashed_ns):
+            at = index * _DIGEST_CHARS
+            digest = text[at : at + _DIGEST_CHARS]
+            entries[(device, inode)] = built(
+                VerifiedInode, (device, inode, size, mtime_ns, ctime_ns, hashed_ns, digest)
+            )
     return InodeStore(prefix, boot, entries)
 
 
@@ -177,9 +191,10 @@ def keep(root: Path, prefix: Path, store: InodeStore | None, states: Iterable[Fi
     if store is None:
         return None
     observed = list(states)
-    new = updated(store, observed, filesystems(observed), time.time_ns())
-    if new.entries == store.entries:
-        return None
+    systems = filesystems(observed)
+    if not any(keepable(state, systems) for state in observed):
+        return None  # nothing new (the entries read were checked as they were read)
+    new = updated(store, observed, systems, time.time_ns())
     try:
         state = trusted_environment_state(root, prefix)
         ensure_environment_dir(state)
