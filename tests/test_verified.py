@@ -170,7 +170,8 @@ def test_a_kept_hash_is_taken_for_an_unchanged_inode_and_full_reads_it_again(
     assert _modified(_verify(env, state)) == {"__init__.py"}  # believed: the file was not read
     assert _modified(_verify(env, state, "--full")) == set()  # read again: it is the wheel's
     assert _modified(_verify(env, state, "--no-cache")) == set()
-    os.chmod(target, 0o644)  # the same mode: only its ctime moves
+    _forge(state, env, target, hashed)  # the full reads kept the right hash: forged again
+    os.chmod(target, os.lstat(target).st_mode)  # the same mode: only its ctime moves
     assert _modified(_verify(env, state)) == set()
 
 
