@@ -127,12 +127,20 @@ def updated(
     entries = {key: entry for key, entry in store.entries.items() if entry_problem(entry, now_ns) is None}
     for state in states:
         entry = keepable(state, filesystems)
-        if entry is not None:
-            entries[(state.device, state.inode)] = entry
+        if entry is None:
+            continue
+        key = (state.device, state.inode)
+        kept = entries.get(key)
+        if kept is None or not _same_hash(kept, entry) or now_ns - kept.hashed_ns > MAX_AGE_NS // 2:
+            entries[key] = entry  # else the kept one stands: a --full check rewrites nothing
     if len(entries) > MAX_ENTRIES:
         newest = sorted(entries.items(), key=lambda item: -item[1].hashed_ns)[:MAX_ENTRIES]
         entries = dict(newest)
     return InodeStore(store.prefix, store.boot_id, entries)
+
+
+def _same_hash(kept: VerifiedInode, new: VerifiedInode) -> bool:
+    return kept[:5] == new[:5] and kept.digest == new.digest
 
 
 def trusted_digest(entry: VerifiedInode | None, info: os.stat_result) -> str | None:

@@ -195,6 +195,8 @@ def keep(root: Path, prefix: Path, store: InodeStore | None, states: Iterable[Fi
     if not any(keepable(state, systems) for state in observed):
         return None  # nothing new (the entries read were checked as they were read)
     new = updated(store, observed, systems, time.time_ns())
+    if new.entries == store.entries:
+        return None
     try:
         state = trusted_environment_state(root, prefix)
         ensure_environment_dir(state)
