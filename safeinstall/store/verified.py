@@ -2,8 +2,9 @@
 baseline (the decisions are :mod:`safeinstall.env.verified`'s; docs/verify.md has the argument).
 
 Read as every state file is (:func:`safeinstall.store.state.read_private_file`: no symlink, no FIFO,
-root's or the caller's, writable by nobody else, bounded) and every field checked: a header line (JSON:
-the format's version, the environment's prefix, the boot it was written in, the number of entries),
+root's or the caller's, writable by nobody else, bounded) and every field checked: a header (its
+name, the format's version, the boot it was written in, the number of entries, the environment's
+prefix; each ended by a NUL, the last by NUL and newline),
 then the entries' numbers (six signed 64-bit little-endian integers each: device, inode, size, mtime,
 ctime, moment hashed) and their digests (43 characters each). A store of another environment or of
 another boot (``/proc/sys/kernel/random/boot_id``: a filesystem restored or written offline keeps its
@@ -18,8 +19,6 @@ shows the very device).
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import json
 import os
 import re
 import struct
@@ -69,37 +68,39 @@ def boot_id() -> str | None:
     return text or None
 
 
+_MAGIC = b"safeinstall-inodes"
+
+
 def to_bytes(store: InodeStore) -> bytes:
-    """Pure: the store as it is written."""
+    """Pure: the store as it is written (its header's fields end in NUL, which no path holds; ``json``
+    is not loaded by a check that finds nothing new)."""
     entries = list(store.entries.values())
-    header = {
-        "version": STORE_VERSION,
-        "prefix": store.prefix,
-        "boot_id": store.boot_id,
-        "count": len(entries),
-    }
+    texts = (str(STORE_VERSION), store.boot_id, str(len(entries)), store.prefix)
+    header = b"\0".join([_MAGIC, *(text.encode("utf-8", "surrogateescape") for text in texts)])
     numbers = b"".join(
         _NUMBERS.pack(e.device, e.inode, e.size, e.mtime_ns, e.ctime_ns, e.hashed_ns) for e in entries
     )
     digests = "".join(e.digest for e in entries).encode("ascii")
-    return json.dumps(header, sort_keys=True).encode() + b"\n" + numbers + digests
+    return header + b"\0\n" + numbers + digests
 
 
 def from_bytes(raw: bytes, prefix: str, boot: str, now_ns: int) -> InodeStore:
     """Pure: a store read back, every field checked (ValueError: damaged, another environment's or
     another boot's). Entries no longer believable (too old, from the future) are left out."""
-    line, newline, body = raw.partition(b"\n")
-    if not newline or len(line) > _HEADER_MAX:
-        raise ValueError("no header line")
-    header = json.loads(line)
-    if not isinstance(header, dict) or header.get("version") != STORE_VERSION:
+    header, newline, body = raw.partition(b"\0\n")
+    if not newline or len(header) > _HEADER_MAX:
+        raise ValueError("no header")
+    fields = header.split(b"\0")
+    if len(fields) != 5 or fields[0] != _MAGIC or fields[1] != str(STORE_VERSION).encode():
         raise ValueError("not a store of this version")
-    if header.get("prefix") != prefix:
-        raise ValueError(f"it is the store of {header.get('prefix')!r}, not of {prefix}")
-    if header.get("boot_id") != boot:
+    if fields[4] != prefix.encode("utf-8", "surrogateescape"):
+        raise ValueError(f"it is the store of {fields[4]!r}, not of {prefix}")
+    if fields[2] != boot.encode("utf-8", "surrogateescape"):
         raise ValueError("it was written before the last boot")
-    count = header.get("count")
-    if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= MAX_ENTRIES:
+    if not fields[3].isdigit() or len(fields[3]) > 7:
+        raise ValueError("its count is not a number")
+    count = int(fields[3])
+    if not 0 <= count <= MAX_ENTRIES:
         raise ValueError(f"count {count!r} is not 0 to {MAX_ENTRIES}")
     split = count * _NUMBERS.size
     if len(body) != split + count * _DIGEST_CHARS:
@@ -146,13 +147,15 @@ def read_store(root: Path, prefix: Path) -> tuple[InodeStore | None, str | None]
         return empty, None
     except StateDirError as exc:
         return None, f"the verified-inode store was not used: {exc.message}"
-    except (ValueError, UnicodeDecodeError, RecursionError):
+    except (ValueError, UnicodeError):
         return empty, None  # damaged, or another boot's: everything is read, and it is written anew
     except OSError as exc:
         return None, f"the verified-inode store could not be read ({exc.strerror or exc})"
 
 
 def _fstatfs_magic(fd: int) -> int | None:
+    import ctypes  # only when something was hashed to be kept: a second check never loads it
+
     buffer = ctypes.create_string_buffer(256)  # struct statfs: its first field is the type (a long)
     try:
         call = ctypes.CDLL(None, use_errno=True).fstatfs
