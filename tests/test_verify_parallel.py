@@ -516,8 +516,10 @@ def test_a_file_state_has_each_field_where_its_name_says(tmp_path: Path) -> None
     path.write_bytes(b"print('x')\n")
     os.link(path, tmp_path / "twin.py")
     info = os.stat(path)
+    started = time.time_ns()
     state = observe_files([Expectation(str(path), "sha256", None, info.st_size)])[str(path)]
-    assert type(state) is FileState and state._asdict() == {
+    assert started <= state.hashed_ns <= time.time_ns()  # the clock before its fstat, read and unmoved
+    assert type(state) is FileState and state._replace(hashed_ns=0)._asdict() == {
         "path": str(path),
         "exists": True,
         "is_file": True,
@@ -531,12 +533,13 @@ def test_a_file_state_has_each_field_where_its_name_says(tmp_path: Path) -> None
         "mtime_ns": info.st_mtime_ns,
         "ctime_ns": info.st_ctime_ns,
         "by_identity": False,
+        "hashed_ns": 0,
     }
     # taken on its identity (safeinstall.env.inodes): the same fields from the lstat, the digest given
     proven = observe_files(
         [Expectation(str(path), "sha256", None, info.st_size)], known=lambda _info, _algorithm: "D"
     )[str(path)]
-    assert proven._asdict() == {**state._asdict(), "digest": "D", "by_identity": True}
+    assert proven._asdict() == {**state._asdict(), "digest": "D", "by_identity": True, "hashed_ns": 0}
 
 
 def test_a_ctrl_c_while_waiting_for_the_helpers_is_raised_once_they_have_ended(
