@@ -208,3 +208,38 @@ def test_a_same_size_edit_with_the_mtime_set_back_is_modified_on_the_second_run(
     after = os.lstat(target)
     assert (after.st_size, after.st_mtime_ns, after.st_ino) == (info.st_size, info.st_mtime_ns, info.st_ino)
     assert _modified(_verify(env, state)) == {"__init__.py"}
+
+
+# ------------------------------------------------------------------ beyond content: what rpm -V checks
+
+
+def test_a_mode_no_installer_gives_is_reported_and_a_symlink_is_never_followed(
+    env: Path, tmp_path: Path
+) -> None:
+    """A listed script its owner cannot execute, a setuid file, a file others may write: ``mode``
+    findings (drift); a listed file replaced by a symlink is ``modified``, whatever it points to."""
+    state = tmp_path / "state"
+    sp = wheelhouse.site_packages(env)
+    script = env.parent / "sipure"  # RECORD: ../../../bin/sipure
+    assert _kinds(_verify(env, state)) == set()
+    script.chmod(0o644)
+    (sp / "sipure" / "__init__.py").chmod(0o4755)
+    (sp / "sipure" / "data" / "notes.txt").chmod(0o646)
+    core = sp / "sipure" / "cli.py"
+    target = tmp_path / "cli-copy.py"
+    target.write_bytes(core.read_bytes())  # the very bytes: only the symlink differs
+    core.unlink()
+    core.symlink_to(target)
+    doc = _verify(env, state)
+    assert doc["exit_code"] == 1
+    assert _kinds(doc) == {
+        ("mode", "sipure", "mode 0644: a script its owner cannot execute"),
+        ("mode", "__init__.py", "mode 4755: setuid or setgid"),
+        ("mode", "notes.txt", "mode 0646: writable by others"),
+        ("modified", "cli.py", "no longer a regular file"),
+    }
+
+
+def _kinds(doc: dict[str, object]) -> set[tuple[str, str, str]]:
+    findings = doc["data"]["findings"]  # type: ignore[index]
+    return {(f["kind"], os.path.basename(f["path"]), f["detail"]) for f in findings if f["drift"]}

@@ -534,6 +534,7 @@ def test_a_file_state_has_each_field_where_its_name_says(tmp_path: Path) -> None
         "ctime_ns": info.st_ctime_ns,
         "by_identity": False,
         "hashed_ns": 0,
+        "mode": info.st_mode,
     }
     # taken on its identity (safeinstall.env.inodes): the same fields from the lstat, the digest given
     proven = observe_files(

@@ -61,6 +61,8 @@ class FileState(NamedTuple):
     #: whose identity (device, inode, size, times) was the same after the read; 0: not so (proven by
     #: identity, not read, or changed while read). What :mod:`safeinstall.env.verified` may keep.
     hashed_ns: int = 0
+    #: ``st_mode`` of a regular file (its permission bits: a script's execute bits, setuid), else 0
+    mode: int = 0
 
 
 #: Given a file's ``lstat`` and the algorithm wanted, the digest of that very inode when it was hashed
@@ -219,6 +221,7 @@ def _observe(
             info.st_ctime_ns,
             False,
             hashed_ns,
+            info.st_mode,
         ),
     )
 
@@ -263,6 +266,7 @@ def _by_identity(path: str, name: str, dir_fd: int | None, algorithm: str, known
             info.st_ctime_ns,
             True,
             0,
+            info.st_mode,
         ),
     )
 
