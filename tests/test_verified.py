@@ -243,3 +243,24 @@ def test_a_mode_no_installer_gives_is_reported_and_a_symlink_is_never_followed(
 def _kinds(doc: dict[str, object]) -> set[tuple[str, str, str]]:
     findings = doc["data"]["findings"]  # type: ignore[index]
     return {(f["kind"], os.path.basename(f["path"]), f["detail"]) for f in findings if f["drift"]}
+
+
+def test_a_runs_preflight_takes_the_kept_hashes_and_full_reads_everything(
+    env: Path, wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    """The plan's local changes come from the preflight's check, which takes the store's hashes (and the
+    backup reuses them): a forged entry shows that it was believed; ``--full`` reads the file."""
+    state = tmp_path / "state"
+    target = wheelhouse.site_packages(env) / "sipure" / "__init__.py"
+    hashed = os.lstat(target).st_ctime_ns + GRANULARITY_NS
+    while time.time_ns() <= hashed:
+        time.sleep(0.1)
+    _forge(state, env, target, hashed)
+    dry = ["sipure", "--wheel", str(wheels["sipure-2"]), "--python", str(env), "--dry-run", "--json"]
+    environ = {**os.environ, "SAFEINSTALL_STATE_DIR": str(state)}
+    kept = run(*dry, env=environ)
+    assert kept.code == 0, kept.stderr
+    assert kept.json["data"]["locally_modified"] == [str(target)]
+    full = run(*dry, "--full", env=environ)
+    assert full.code == 0, full.stderr
+    assert full.json["data"]["locally_modified"] == []
