@@ -881,8 +881,9 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
         save_left(run)
         note = record_run(run.state, run.env.prefix, run.wheel.name if run.wheel else "", run.vouched)
         run.notes.extend([note] if note else [])
-        hashed = [*run.prepared.before.observed.values(), *run.in_place.values()]
-        note = keep(run.state.root, run.env.prefix, run.prepared.inodes, hashed)
+        # what the verification in place hashed: the old files the preflight hashed are gone; a file
+        # installed within the store's granularity of its hash is racy, and hashed by the next check
+        note = keep(run.state.root, run.env.prefix, run.prepared.inodes, run.in_place.values())
         run.notes.extend([note] if note else [])
         try:
             remove_dropins(run)

@@ -83,8 +83,8 @@ class Run:
     vouched: Vouched | None = None
     #: set by the prefetch when the run swaps: the verified staging tree and its renames (env/swap.py)
     staged: Staged | None = None
-    #: set by the verification in place: every installed file as it was observed (kept, with the
-    #: preflight's, in the verified-inode store after a good run: store/verified.py)
+    #: set by the verification in place: every installed file as it was observed (kept in the
+    #: verified-inode store after a good run: store/verified.py)
     in_place: Mapping[str, FileState] = field(default_factory=dict)
 
     @property
