@@ -19,6 +19,7 @@ from safeinstall.env.verified import (
     MAX_AGE_NS,
     InodeStore,
     VerifiedInode,
+    checker,
     entry_problem,
     is_racy,
     keepable,
@@ -86,6 +87,10 @@ def test_a_kept_hash_stands_only_for_the_same_inode_size_mtime_and_ctime() -> No
         assert trusted_digest(entry, other) is None
     assert trusted_digest(entry, _stat(42, 7, 10, 110, 222)) is None  # mtime
     assert trusted_digest(entry, _stat(42, 7, 10, 111, 223)) is None  # ctime: no account can set it
+    known = checker(InodeStore("/env", "boot", {(7, 42): entry}))  # what the verification asks
+    assert known(same, "sha256") == "B" * 43 and known(same, "sha512") is None
+    for other in (_stat(42, 7, 11, 111, 222), _stat(42, 7, 10, 110, 222), _stat(42, 7, 10, 111, 223)):
+        assert known(other, "sha256") is None
 
 
 def _stat(inode: int, device: int, size: int, mtime_ns: int, ctime_ns: int) -> os.stat_result:

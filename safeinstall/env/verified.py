@@ -161,13 +161,19 @@ def trusted_digest(entry: VerifiedInode | None, info: os.stat_result) -> str | N
 def checker(store: InodeStore, fallback: Known | None = None) -> Known:
     """The verification's question (:data:`safeinstall.env.hashing.Known`) answered from the store (its
     entries were checked as it was read), else by ``fallback`` (the run's cache identities)."""
-    entries = store.entries
+    entries = store.entries.get
 
     def known(info: os.stat_result, algorithm: str) -> str | None:
-        if algorithm == ALGORITHM:
-            digest = trusted_digest(entries.get((info.st_dev, info.st_ino)), info)
-            if digest is not None:
-                return digest
+        # trusted_digest, written out (once per file of the environment, every check): the device and
+        # inode are the key; then size, mtime, ctime
+        entry = entries((info.st_dev, info.st_ino)) if algorithm == ALGORITHM else None
+        if (
+            entry is not None
+            and entry[2] == info.st_size
+            and entry[3] == info.st_mtime_ns
+            and entry[4] == info.st_ctime_ns
+        ):
+            return entry[6]
         return None if fallback is None else fallback(info, algorithm)
 
     return known
