@@ -130,6 +130,7 @@ def test_a_detached_run_gets_exactly_the_callers_options() -> None:
         no_restart=True,
         prune=True,
         no_swap=True,
+        full=True,
         keep_backups=7,
         run_id="20261201T000000Z-42",
         only_loaded=True,
