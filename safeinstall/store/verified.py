@@ -189,11 +189,11 @@ def keep(root: Path, prefix: Path, store: InodeStore | None, states: Iterable[Fi
     be written). ``store`` None: it was not to be used (then it is not written either)."""
     if store is None:
         return None
-    observed = list(states)
-    systems = filesystems(observed)
-    if not any(keepable(state, systems) for state in observed):
+    hashed = [state for state in states if state.hashed_ns]  # read here (a second check: none)
+    systems = filesystems(hashed)
+    if not any(keepable(state, systems) for state in hashed):
         return None  # nothing new (the entries read were checked as they were read)
-    new = updated(store, observed, systems, time.time_ns())
+    new = updated(store, hashed, systems, time.time_ns())
     if new.entries == store.entries:
         return None
     try:
