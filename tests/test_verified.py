@@ -269,3 +269,23 @@ def test_a_runs_preflight_takes_the_kept_hashes_and_full_reads_everything(
     full = run(*dry, "--full", env=environ)
     assert full.code == 0, full.stderr
     assert full.json["data"]["locally_modified"] == []
+
+
+def test_a_store_someone_else_could_have_written_is_not_used_nor_written_over(
+    env: Path, tmp_path: Path
+) -> None:
+    """The store is read as every state file is: one owned by another uid (its forged entry would hide
+    an edit) is not used, a note says why, and it is left as it is."""
+    state = tmp_path / "state"
+    target = wheelhouse.site_packages(env) / "sipure" / "__init__.py"
+    hashed = os.lstat(target).st_ctime_ns + GRANULARITY_NS
+    while time.time_ns() <= hashed:  # else the forged entry would be dropped as from the future
+        time.sleep(0.1)
+    _forge(state, env, target, hashed)
+    planted = next(state.glob("*/inodes.bin"))
+    os.chown(planted, 65534, 65534)
+    before = planted.read_bytes()
+    doc = _verify(env, state)
+    assert _modified(doc) == set()
+    assert any("verified-inode store was not used" in note for note in doc["data"]["notes"])  # type: ignore[index]
+    assert planted.read_bytes() == before and os.lstat(planted).st_uid == 65534
