@@ -2,6 +2,7 @@
 
 Usage: python bench/verify.py [--package torch] [--python VENV_PYTHON | --installer uv|pip] [--rounds 5]
                               [--sha256sum] [--workers 1,2,4]
+       python bench/verify.py --second-run --python VENV [--package vllm] [--rounds 3]
 
 Without --python it makes a torch venv: ``--installer uv`` (the default) installs the torch 2.13.0 CPU
 wheel kept in ``.bench/`` (see bench/downtime.py) into ``.bench/torch-uv`` with ``uv pip install
@@ -29,13 +30,22 @@ What the ratio against distlib depends on (printed with the result):
   checkout from caching it, so every run compiles safeinstall again (~0.2 s); the bench compiles it
   first, as an installed tool is;
 * typer 0.29 builds a pydantic adapter per option at every start (~0.2 s): pyproject keeps it below.
+
+safeinstall runs here with ``--full`` and a state directory of the bench's own: every file is read, as
+distlib reads them. ``--second-run`` measures the verified-inode store instead (docs/verify.md): each
+round ``--verify-only --all`` with an empty store (the first run: everything read and kept) then again
+with nothing changed (the second run: an ``lstat`` per file), side by side, and the ratio (goal <= 0.1x).
+Then, on an overlay of the environment (the environment itself is not changed), the owner's edit that
+keeps the size and sets the mtime back (``touch -d``): the second run must still say ``modified``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -194,7 +204,21 @@ def main() -> int:
         help="in-process only: comma-separated thread counts to measure one after the other "
         "(0: the default, one per CPU this process may use), e.g. 1,2,4,8 for a scaling curve",
     )
+    parser.add_argument(
+        "--second-run",
+        action="store_true",
+        help="only: --verify-only --all, first run against second run with nothing changed (the "
+        "verified-inode store), then a same-size edit with the mtime set back on an overlay",
+    )
     args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-verify-state-") as state:
+        os.environ["SAFEINSTALL_STATE_DIR"] = state  # the bench's own: its store, never /var/lib's
+        if args.second_run:
+            return second_run(Path(args.python or ensure_torch_uv_venv()), args.package, args.rounds, state)
+        return compare(args)
+
+
+def compare(args: argparse.Namespace) -> int:
     if args.python:
         python = Path(args.python)
     else:
@@ -214,7 +238,7 @@ def main() -> int:
     size = sum(os.path.getsize(p) for p in listing.stdout.decode().split("\0") if p and os.path.exists(p))
     cores = str(len(os.sched_getaffinity(0)))
     contenders = {
-        "safeinstall": [str(SAFEINSTALL), args.package, "--verify-only", "--python", str(python)],
+        "safeinstall": [str(SAFEINSTALL), args.package, "--verify-only", "--full", "--python", str(python)],
         "distlib": [sys.executable, "-c", DISTLIB, site, args.package],
     }
     if args.sha256sum:
@@ -254,6 +278,77 @@ def main() -> int:
     )
     print(f"  load {os.getloadavg()[0]:.1f}")
     return 0
+
+
+def second_run(python: Path, package: str, rounds: int, state: str) -> int:
+    """``--verify-only --all``: the first run (empty store) against the second (nothing changed)."""
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(ROOT / "safeinstall")], check=True)
+    command = [str(SAFEINSTALL), "--verify-only", "--all", "--python", str(python)]
+    stores = Path(state)
+    timed([*command, "--full"])  # warm the page cache (as far as it holds the environment)
+    first: list[float] = []
+    second: list[float] = []
+    for _ in range(rounds):
+        for kept in stores.glob("*/inodes.bin"):
+            kept.unlink()
+        first.append(timed(command)[0])
+        second.append(timed(command)[0])
+    pairs = [round(b / a, 3) for a, b in zip(first, second, strict=True)]
+    print(f"--verify-only --all --python {python}: {rounds} rounds, load {os.getloadavg()[0]:.1f}")
+    for name, values in (("first run (empty store)", first), ("second run (nothing new)", second)):
+        print(f"  {name:<26} median {statistics.median(values):7.3f} s  {[round(t, 2) for t in values]}")
+    print(f"  second / first = {statistics.median(pairs):.3f}x  (pairs {pairs}; goal <= 0.1x)")
+    edited = same_size_edit(python, package, command)
+    print(f"  same-size edit, mtime set back: second run reports it modified: {edited}")
+    return 0 if edited != "no" else 1
+
+
+def same_size_edit(python: Path, package: str, command: list[str]) -> str:
+    """On an overlay of the environment (root only): one file of ``package`` copied up (so that the
+    edit keeps its inode), hashed by a first run once its ctime is older than the store's granularity,
+    then one byte changed in place by its owner and its mtime set back to the nanosecond with ``touch
+    -d``; "yes" when the second run reports it ``modified``, "no" when not, else why it was not tried."""
+    venv = python.parent.parent if python.name.startswith("python") else python
+    top = Path(tempfile.mkdtemp(prefix="bench-verify-overlay-"))
+    merged, upper, work = top / "merged", top / "upper", top / "work"
+    for made in (merged, upper, work):
+        made.mkdir()
+    options = f"lowerdir={venv},upperdir={upper},workdir={work}"
+    mounting = subprocess.run(["mount", "-t", "overlay", "overlay", "-o", options, str(merged)], check=False)
+    if mounting.returncode != 0:
+        return "not tried (no overlay mount: run as root)"
+    try:
+        listed = subprocess.run(
+            [str(merged / "bin" / "python"), "-I", "-c", FILES, package], check=True, capture_output=True
+        ).stdout.decode()
+        target = next(Path(p) for p in listed.split("\0") if p.endswith(".py") and os.path.getsize(p) > 0)
+        os.chmod(target, os.lstat(target).st_mode)  # copied up: the edit below keeps this inode
+        settled = os.lstat(target).st_ctime_ns + 2_000_000_000  # safeinstall.env.verified.GRANULARITY_NS
+        while time.time_ns() <= settled:
+            time.sleep(0.1)
+        on_overlay = [*command[:-1], str(merged)]
+        subprocess.run(on_overlay, check=False, stdout=subprocess.DEVNULL)
+        info = os.lstat(target)
+        with open(target, "r+b") as handle:
+            first = handle.read(1)
+            handle.seek(0)
+            handle.write(bytes([first[0] ^ 1]))
+        stamp = f"@{info.st_mtime_ns // 10**9}.{info.st_mtime_ns % 10**9:09d}"
+        subprocess.run(["touch", "-d", stamp, str(target)], check=True)
+        after = os.lstat(target)
+        assert (after.st_ino, after.st_size, after.st_mtime_ns) == (
+            info.st_ino,
+            info.st_size,
+            info.st_mtime_ns,
+        )
+        report = subprocess.run([*on_overlay, "--json"], check=False, capture_output=True, text=True)
+        findings = json.loads(report.stdout)["data"]["findings"]
+        hit = any(f["kind"] == "modified" and f["path"] == str(target) for f in findings)
+        print(f"  edited {target.relative_to(merged)} ({info.st_size} bytes)")
+        return "yes" if hit else "no"
+    finally:
+        subprocess.run(["umount", str(merged)], check=False)
+        shutil.rmtree(top, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,11 @@ class _Opens:
     def stop(self) -> list[tuple[int, str]]:
         self.watching = False
         return self.seen
+
+
+def _states(observed: Mapping[str, FileState]) -> dict[str, FileState]:
+    """Every file's state, hash, size and identity; not when it was hashed (``hashed_ns``: the clock)."""
+    return {path: state._replace(hashed_ns=0) for path, state in observed.items()}
 
 
 def _opened(name: str) -> bool:
@@ -169,7 +175,8 @@ def test_parallel_verification_finds_what_one_thread_finds_and_opens_no_fifo_or_
         ]
     )
     assert together.findings == alone.findings
-    assert together.observed == alone.observed  # every file's state, hash, size and identity
+    assert _states(together.observed) == _states(alone.observed)
+    assert all(v.hashed_ns for v in together.observed.values() if v.digest is not None)
     assert together.distributions[0].files_checked == alone.distributions[0].files_checked > 503
     for opened in (opened_alone, opened_together):
         names = [name for _thread, name in opened]
@@ -235,7 +242,8 @@ def test_the_named_distribution_is_read_first_and_the_others_while_large_files_h
         named_first = verify_environment(env, ["sibulk"], workers=2)
     finally:
         _opens.stop()
-    assert named_first.findings == beforehand.findings and named_first.observed == beforehand.observed
+    assert named_first.findings == beforehand.findings
+    assert _states(named_first.observed) == _states(beforehand.observed)
     assert read[0].startswith("sibulk-") and len(read) == len(set(read)) > 1
     assert hashing_meanwhile == [True, True]  # sicext and sipure read while big1.bin hashes
 
@@ -287,7 +295,7 @@ def test_a_distribution_found_under_another_directory_name_is_verified_as_a_full
     usual = verify_environment(env, ["sibulk"], installed=distributions.find_distributions(env))
     named_first = verify_environment(env, ["sibulk"], workers=2)
     assert usual.distributions[0].version == named_first.distributions[0].version == "9.0"
-    assert named_first.findings == usual.findings and named_first.observed == usual.observed
+    assert named_first.findings == usual.findings and _states(named_first.observed) == _states(usual.observed)
 
 
 @pytest.mark.parametrize("size", [3000, BIG_FILE + 4096])  # read whole; streamed
@@ -508,8 +516,10 @@ def test_a_file_state_has_each_field_where_its_name_says(tmp_path: Path) -> None
     path.write_bytes(b"print('x')\n")
     os.link(path, tmp_path / "twin.py")
     info = os.stat(path)
+    started = time.time_ns()
     state = observe_files([Expectation(str(path), "sha256", None, info.st_size)])[str(path)]
-    assert type(state) is FileState and state._asdict() == {
+    assert started <= state.hashed_ns <= time.time_ns()  # the clock before its fstat, read and unmoved
+    assert type(state) is FileState and state._replace(hashed_ns=0)._asdict() == {
         "path": str(path),
         "exists": True,
         "is_file": True,
@@ -523,12 +533,14 @@ def test_a_file_state_has_each_field_where_its_name_says(tmp_path: Path) -> None
         "mtime_ns": info.st_mtime_ns,
         "ctime_ns": info.st_ctime_ns,
         "by_identity": False,
+        "hashed_ns": 0,
+        "mode": info.st_mode,
     }
     # taken on its identity (safeinstall.env.inodes): the same fields from the lstat, the digest given
     proven = observe_files(
         [Expectation(str(path), "sha256", None, info.st_size)], known=lambda _info, _algorithm: "D"
     )[str(path)]
-    assert proven._asdict() == {**state._asdict(), "digest": "D", "by_identity": True}
+    assert proven._asdict() == {**state._asdict(), "digest": "D", "by_identity": True, "hashed_ns": 0}
 
 
 def test_a_ctrl_c_while_waiting_for_the_helpers_is_raised_once_they_have_ended(

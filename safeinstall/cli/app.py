@@ -35,8 +35,8 @@ from safeinstall.cli.render import (
 )
 from safeinstall.cli.usage import PLAIN_NAME, Usage, usage_problem, wheel_package
 from safeinstall.env.environment import Environment, inspect_environment, resolve_python
-from safeinstall.env.verify import verify_environment
 from safeinstall.errors import ExitCode, NothingToCheck, SafeInstallError, UsageError
+from safeinstall.run.kept import verify_kept
 from safeinstall.run.output import (
     command_for,
     dumps,
@@ -151,6 +151,7 @@ def _run_verify(
     as_json: bool,
     metrics: Path | None = None,
     verbosity: int = 0,
+    full: bool = False,
 ) -> None:
     if save_patch is not None:  # the rule of every output file (store/state.py: output_path)
         from safeinstall.store.state import new_output_file
@@ -184,11 +185,9 @@ def _run_verify(
             def on_progress(done: int, total: int) -> None:
                 progress.update(task, completed=done, total=total)
 
-            report = verify_environment(
-                env, names, read, on_progress, settle_shared=read is None, vouched=vouched
-            )
+            report = verify_kept(env, names, read, full, notes, vouched, on_progress)
     else:
-        report = verify_environment(env, names, read, settle_shared=read is None, vouched=vouched)
+        report = verify_kept(env, names, read, full, notes, vouched)
     if not as_json and verbosity >= 0:
         for note in notes:
             err.print(f"[yellow]note:[/] {literal(note)}", soft_wrap=True)
@@ -572,6 +571,7 @@ def run_options(
         no_restart=params["no_restart"],
         prune=params["prune"],
         no_swap=params["no_swap"],
+        full=params["full"],
         keep_backups=params["keep_backups"],
         run_id=run_id,
         undo=params["run"] if params.get("undo_") else None,  # without --run: the last, set by the caller
@@ -736,6 +736,15 @@ def main_command(
         bool, _flag("--verify-only", "Only check installed files against RECORD; change nothing.")
     ] = False,
     all_: Annotated[bool, _flag("--all", "With --verify-only: every distribution.")] = False,
+    full: Annotated[
+        bool,
+        _flag(
+            "--full",
+            "Read and hash every file again: take no hash kept from an earlier check of an unchanged "
+            "inode (docs/verify.md).",
+            "--no-cache",
+        ),
+    ] = False,
     diff: Annotated[
         bool, _flag("--diff", "With --verify-only --wheel: unified diffs of modified files.")
     ] = False,
@@ -907,7 +916,7 @@ def main_command(
         if not package and not all_ and wheel is not None:  # the wheel names its package
             package = wheel_package(wheel)
         if verify_only:
-            _run_verify(package, all_, python, wheel, diff, save_patch, as_json, metrics, verbosity)
+            _run_verify(package, all_, python, wheel, diff, save_patch, as_json, metrics, verbosity, full)
         assert package is not None  # usage_problem: a run names its package, or its wheel does
         from safeinstall.run.options import check_options
 

@@ -38,6 +38,7 @@ _KIND_STYLE = {
     FindingKind.UNREADABLE: "red",
     FindingKind.MALFORMED: "magenta",
     FindingKind.VERSION_MISMATCH: "bold red",
+    FindingKind.MODE: "bold red",
 }
 
 

@@ -7,6 +7,7 @@ Inputs are typed expectations (from an installed RECORD or from a wheel) and obs
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
@@ -30,6 +31,7 @@ class FindingKind(StrEnum):
     #: of a distribution dpkg installed: differs from its RECORD, but dpkg's own md5sums say it is as the
     #: package shipped it (Debian changes files after writing RECORD: strips libraries): not drift
     DPKG_INTACT = "dpkg-intact"
+    MODE = "mode"  # its mode is not an installer's: a script not executable, setuid/setgid, others write
 
 
 #: Findings that are worth a warning but are not drift (exit code stays 0).
@@ -192,6 +194,29 @@ def hardlink_warning(distribution: str, state: FileState) -> Finding | None:
             "too (reinstall with --link-mode copy)",
         )
     return None
+
+
+def mode_finding(distribution: str, state: FileState, script: bool) -> Finding | None:
+    """Pure: what ``rpm -V`` checks beyond content, for a file a RECORD lists (a symlink or anything
+    not a regular file there is ``modified`` already, never followed): a mode no installer gives it.
+    ``script``: it is in the environment's scripts directory, where an installer makes it executable."""
+    if not state.is_file or not state.mode:
+        return None
+    mode = state.mode
+    if mode & (stat.S_ISUID | stat.S_ISGID):
+        detail = "setuid or setgid"
+    elif mode & stat.S_IWOTH:
+        detail = "writable by others"
+    elif script and not mode & stat.S_IXUSR:
+        detail = "a script its owner cannot execute"
+    else:
+        return None
+    return Finding(
+        distribution=distribution,
+        path=state.path,
+        kind=FindingKind.MODE,
+        detail=f"mode {stat.S_IMODE(mode):04o}: {detail}",
+    )
 
 
 def own_roots(

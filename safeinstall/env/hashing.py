@@ -19,12 +19,14 @@ the same whatever the number of threads.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import mmap
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -55,6 +57,12 @@ class FileState(NamedTuple):
     ctime_ns: int = 0
     #: the digest is a hash taken earlier of this very inode, proven unchanged (see :data:`Known`)
     by_identity: bool = False
+    #: read and hashed here: the clock (``time.time_ns()``) before the ``fstat`` of the descriptor read,
+    #: whose identity (device, inode, size, times) was the same after the read; 0: not so (proven by
+    #: identity, not read, or changed while read). What :mod:`safeinstall.env.verified` may keep.
+    hashed_ns: int = 0
+    #: ``st_mode`` of a regular file (its permission bits: a script's execute bits, setuid), else 0
+    mode: int = 0
 
 
 #: Given a file's ``lstat`` and the algorithm wanted, the digest of that very inode when it was hashed
@@ -146,7 +154,7 @@ def _observe(
     algorithm: str | None,
     regular: frozenset[str] | None,
     buffer: memoryview,
-    known: Known | None = None,
+    started_ns: int = 0,
 ) -> FileState:
     """One file, by ``name`` relative to ``dir_fd`` (``path`` itself where there is no directory
     descriptor). ``regular``: the names the directory's listing shows as regular files; any other name
@@ -159,12 +167,9 @@ def _observe(
     verification in a process 4,096 page faults on torch, about 0.05 s of system time (fresh heap pages
     for 157 MB of small files).
 
-    ``known``: a file whose ``lstat`` shows an inode hashed earlier and unchanged since gets that digest
-    without being opened (``by_identity``); any other is read and hashed."""
-    if known is not None and algorithm is not None:
-        proven = _by_identity(path, name, dir_fd, algorithm, known)
-        if proven is not None:
-            return proven
+    ``started_ns``: the clock read before this file was opened; kept as ``hashed_ns`` when the
+    descriptor's ``fstat`` after the read shows the very identity it showed before (a swap or a write
+    meanwhile: 0)."""
     if regular is None or name not in regular:
         unopened = _unopened(path, name, dir_fd)
         if unopened is not None:
@@ -194,6 +199,7 @@ def _observe(
             digest = encode_digest(_new_hash(algorithm, buffer[:count]).digest())
         else:
             digest = encode_digest(_stream_digest(fd, algorithm, buffer, size + 1))
+        hashed_ns = started_ns if digest is not None and _same(info, os.fstat(fd)) else 0
     except OSError as exc:
         return FileState(path, True, error=exc.strerror or str(exc))
     finally:
@@ -214,7 +220,20 @@ def _observe(
             info.st_mtime_ns,
             info.st_ctime_ns,
             False,
+            hashed_ns,
+            info.st_mode,
         ),
+    )
+
+
+def _same(before: os.stat_result, after: os.stat_result) -> bool:
+    """Pure: the descriptor's identity did not move while it was read."""
+    return (
+        before.st_dev == after.st_dev
+        and before.st_ino == after.st_ino
+        and before.st_size == after.st_size
+        and before.st_mtime_ns == after.st_mtime_ns
+        and before.st_ctime_ns == after.st_ctime_ns
     )
 
 
@@ -246,6 +265,8 @@ def _by_identity(path: str, name: str, dir_fd: int | None, algorithm: str, known
             info.st_mtime_ns,
             info.st_ctime_ns,
             True,
+            0,
+            info.st_mode,
         ),
     )
 
@@ -299,7 +320,18 @@ class _Directory:
     """One directory of requested files, shared by the tasks of its chunks: opened and listed once, by
     the first task that needs it, and closed by the last one done with it."""
 
-    __slots__ = ("_fd", "_list", "_lock", "_opened", "_problem", "_regular", "_users", "path", "within")
+    __slots__ = (
+        "_fd",
+        "_list",
+        "_listed",
+        "_lock",
+        "_opened",
+        "_problem",
+        "_regular",
+        "_users",
+        "path",
+        "within",
+    )
 
     def __init__(self, path: str, users: int, list_it: bool, within: str | None) -> None:
         self.path = path
@@ -311,16 +343,22 @@ class _Directory:
         self._regular: frozenset[str] | None = None
         self._problem: str | None = None
         self._opened = False
+        self._listed = False
 
-    def enter(self) -> tuple[int | None, frozenset[str] | None, str | None]:
+    def enter(self, listed: bool = True) -> tuple[int | None, frozenset[str] | None, str | None]:
         """The directory's descriptor (``None``: it could not be opened, its files are opened by their
         paths, after an ``lstat`` each), the names of its regular files (``None``: not listed), and
-        why none of its files may be opened at all (``MISSING``, or what was wrong), or ``None``."""
+        why none of its files may be opened at all (``MISSING``, or what was wrong), or ``None``.
+        ``listed`` False: no listing yet (files proven by identity need none; one is made on the
+        first call that asks for it)."""
         with self._lock:
             if not self._opened:
                 self._opened = True
-                self._fd, self._regular, self._problem = _open_directory(self.path, self._list, self.within)
-            return self._fd, self._regular, self._problem
+                self._fd, self._problem = _open_directory(self.path, self._list, self.within)
+            if listed and self._list and not self._listed:
+                self._listed = True
+                self._regular = None if self._fd is None else _regular_names(self._fd)
+            return self._fd, self._regular if listed else None, self._problem
 
     def leave(self) -> None:
         with self._lock:
@@ -343,42 +381,42 @@ class _Directory:
 MISSING = "missing"
 
 
-def _open_directory(
-    path: str, list_it: bool, within: str | None
-) -> tuple[int | None, frozenset[str] | None, str | None]:
-    """Opens (and lists) ``path`` as it leads, following a symlink on the way, as the caller's
-    containment check resolved it. With ``within``, what was opened must be below that real
-    directory: its owner may have swapped a directory for a symlink to one outside since the check
-    (root would read a root-only file and report its hash and size); and a directory that cannot be
-    opened gets no file opened by its path (a symlink could be swapped in on the way meanwhile)."""
+def _open_directory(path: str, list_it: bool, within: str | None) -> tuple[int | None, str | None]:
+    """Opens ``path`` as it leads (readable when it is to be listed: :func:`_regular_names`),
+    following a symlink on the way, as the caller's containment check resolved it. With ``within``,
+    what was opened must be below that real directory: its owner may have swapped a directory for a
+    symlink to one outside since the check (root would read a root-only file and report its hash and
+    size); and a directory that cannot be opened gets no file opened by its path (a symlink could be
+    swapped in on the way meanwhile)."""
     fd: int | None = None
-    regular: frozenset[str] | None = None
     failure: OSError | None = None
     if list_it:
-        try:
+        with contextlib.suppress(OSError):  # e.g. searchable but not readable: opened below, not listed
             fd = os.open(path, _DIR_FLAGS)
-        except OSError:
-            pass  # e.g. searchable but not readable: opened below without a listing
-        else:
-            try:
-                with os.scandir(fd) as entries:
-                    regular = frozenset(e.name for e in entries if e.is_file(follow_symlinks=False))
-            except OSError:
-                regular = None
     if fd is None:
         try:
             fd = os.open(path, _DIR_SEARCH_FLAGS)
         except OSError as exc:
             failure = exc
     if within is None:
-        return fd, regular, None
+        return fd, None
     if fd is None:
-        return None, None, MISSING if isinstance(failure, FileNotFoundError) else _reason(failure)
+        return None, MISSING if isinstance(failure, FileNotFoundError) else _reason(failure)
     real = _opened_path(fd)
     if real is None or not is_within(real, within):
         os.close(fd)
-        return None, None, f"its directory now resolves to {real or 'an unknown place'}, outside {within}"
-    return fd, regular, None
+        return None, f"its directory now resolves to {real or 'an unknown place'}, outside {within}"
+    return fd, None
+
+
+def _regular_names(fd: int) -> frozenset[str] | None:
+    """The names of the regular files the directory open as ``fd`` lists (None: it cannot be listed:
+    opened only to be searched, or the listing failed)."""
+    try:
+        with os.scandir(fd) as entries:
+            return frozenset(e.name for e in entries if e.is_file(follow_symlinks=False))
+    except OSError:
+        return None
 
 
 def _reason(failure: OSError | None) -> str:
@@ -407,19 +445,46 @@ class _Task:
 
     def run(self, buffer: memoryview) -> list[FileState]:
         directory = self.directory
-        dir_fd, regular, problem = (None, None, None) if directory is None else directory.enter()
+        known = self.known
+        listed = known is None  # else only what is not proven by identity needs the listing
+        dir_fd, regular, problem = (None, None, None) if directory is None else directory.enter(listed)
+        started_ns = time.time_ns()  # before any of its files is opened: see FileState.hashed_ns
         try:
             if problem is not None:  # none of its files is opened
                 return [
                     FileState(path, False) if problem == MISSING else FileState(path, True, error=problem)
                     for path, _name, _algorithm, _size in self.files
                 ]
-            return [
+            states: list[FileState] = []
+            rest: Sequence[_File] = self.files
+            if known is not None:
+                rest = []
+                for file in self.files:
+                    path, name, algorithm, _size = file
+                    proven = (
+                        None
+                        if algorithm is None
+                        else _by_identity(path, path if dir_fd is None else name, dir_fd, algorithm, known)
+                    )
+                    if proven is None:
+                        rest.append(file)
+                    else:
+                        states.append(proven)
+                if rest and directory is not None:
+                    regular = directory.enter()[1]
+            states.extend(
                 _observe(
-                    path, path if dir_fd is None else name, dir_fd, algorithm, regular, buffer, self.known
+                    path,
+                    path if dir_fd is None else name,
+                    dir_fd,
+                    algorithm,
+                    regular,
+                    buffer,
+                    started_ns,
                 )
-                for path, name, algorithm, _size in self.files
-            ]
+                for path, name, algorithm, _size in rest
+            )
+            return states
         finally:
             if directory is not None:
                 directory.leave()
@@ -478,7 +543,8 @@ def observe_files(
     reads the other distributions' RECORDs there while torch's 434 MB library hashes). ``within``: a
     real directory every file must be in, checked as each directory is opened (see
     :func:`_open_directory`); a file of one that is not is reported with the reason, never opened.
-    ``known``: see :func:`_observe` (a file it proves is not read).
+    ``known``: a file whose ``lstat`` shows an inode hashed earlier and unchanged since gets that
+    digest without being opened (``by_identity``); any other is read and hashed.
     """
     tasks = plan_tasks(wanted, within, known)
     large: Iterator[_Task] = iter([task for task in tasks if task.large])

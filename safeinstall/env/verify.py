@@ -33,6 +33,7 @@ from safeinstall.env.drift import (
     compare,
     extras,
     hardlink_warning,
+    mode_finding,
     pyc_source,
     shared_file,
     untouched_since_install,
@@ -420,6 +421,7 @@ def verify_environment(
     reports: list[DistributionReport] = []
     baseline = "record" if wheel is None else "wheel"
     per_plan: list[list[Finding]] = []
+    scripts = os.fspath(env.scripts) + os.sep  # an installer makes what it puts there executable
     mismatched: dict[str, Expectation] = {}  # modified files: another RECORD may list them too
     for plan in plans:
         findings = list(plan.findings)
@@ -434,6 +436,9 @@ def verify_environment(
             warning = hardlink_warning(plan.dist.name, state)
             if warning is not None:
                 findings.append(warning)
+            moded = mode_finding(plan.dist.name, state, expectation.location.startswith(scripts))
+            if moded is not None:
+                findings.append(moded)
         findings.extend(unlisted[plan.dist.name])
         findings.extend(_second_dist_infos(plan.dist))
         per_plan.append(findings)

@@ -86,6 +86,7 @@ def child_arguments(options: RunOptions, python: Path, run_id: str, environ_file
         "--no-restart": options.no_restart,
         "--prune": options.prune,
         "--no-swap": options.no_swap,
+        "--full": options.full,
     }
     args += [flag for flag, on in flags.items() if on]
     if options.wheel is not None:

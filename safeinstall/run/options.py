@@ -33,6 +33,8 @@ class RunOptions:
     prune: bool = False
     #: install with uv in the window instead of swapping a staged version in (safeinstall.env.swap)
     no_swap: bool = False
+    #: --full: read every file; take no hash the verified-inode store keeps (safeinstall.env.verified)
+    full: bool = False
     only_loaded: bool = False  # plan only processes with certain evidence (not ``environment`` alone)
     strict: bool = False  # a process left on old code after the restart fails the run (rolled back)
     keep_backups: int = 3  # safeinstall.store.retention.DEFAULT_KEEP: backups kept per environment

@@ -28,6 +28,7 @@ from safeinstall.env.drift import FindingKind
 from safeinstall.env.environment import Environment, inspect_environment, resolve_python
 from safeinstall.env.systemsite import placement_refusals
 from safeinstall.env.uvplan import uv_binary
+from safeinstall.env.verified import InodeStore
 from safeinstall.env.verify import VerifyReport, verify_environment
 from safeinstall.env.vouched import Vouched
 from safeinstall.env.wheel import (
@@ -65,6 +66,7 @@ from safeinstall.store.state import (
     remove_dead_temps,
     state_root,
 )
+from safeinstall.store.verified import read_store, store_checker
 from safeinstall.system.lock import HeldLock, acquire_lock, check_lock
 from safeinstall.system.safefs import unwritable
 
@@ -89,6 +91,9 @@ class Prepared:
     #: the environment's baseline (:mod:`safeinstall.store.baseline`): what earlier runs verified against
     #: their wheels where the wheel's RECORD says otherwise (such a file is no local change)
     vouched: Mapping[str, tuple[Vouched, ...]] = field(default_factory=dict)
+    #: the environment's verified-inode store (:mod:`safeinstall.store.verified`) as read here; None:
+    #: not usable (the run reads every file and keeps nothing)
+    inodes: InodeStore | None = None
 
     @property
     def plan(self) -> Plan:
@@ -155,8 +160,14 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
             found = replace(found, plan=replace(found.plan, refusals=(*found.plan.refusals, *more)))
         vouched, unused = read_vouched(state.root, env.prefix)
         notes.extend([unused] if unused else [])
+        inodes, unread = read_store(state.root, env.prefix)
+        notes.extend([unread] if unread else [])
         before = verify_environment(
-            env, [d.name for d in found.affected], installed=found.installed, vouched=lambda: vouched
+            env,
+            [d.name for d in found.affected],
+            installed=found.installed,
+            vouched=lambda: vouched,
+            known=None if options.full else store_checker(inodes),
         )
         modified = locally_modified(before)
         if modified:
@@ -182,7 +193,7 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
         if lock is not None:
             lock.release()
         raise
-    return Prepared(options, env, state, wheel, found, lock, tuple(notes), before, undo, vouched)
+    return Prepared(options, env, state, wheel, found, lock, tuple(notes), before, undo, vouched, inodes)
 
 
 def locally_modified(report: VerifyReport) -> tuple[str, ...]:

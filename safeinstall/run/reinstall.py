@@ -82,6 +82,7 @@ from safeinstall.store.state import (
     remove_run_dir,
     remove_uv_caches,
 )
+from safeinstall.store.verified import keep, store_checker
 from safeinstall.system import signals
 from safeinstall.system.gate import GATE_DROPIN, gate_dropin_text, gate_marker
 from safeinstall.system.gpus import GpuSnapshot, NvmlSession, ReleaseStatus, wait_for_release
@@ -583,9 +584,10 @@ def confirm_step(run: Run) -> str:
 def _check_in_place(run: Run, when: str = "") -> str:
     """Every installed file of the affected distributions against the wheel or its RECORD (StepFailed on
     a mismatch); what the run leaves, vouches for and left over are taken from it."""
-    known = (
+    cached = (
         inodes.checker(run.hashed, run.installed_ns) if run.hashed and run.installed_ns is not None else None
     )
+    known = cached if run.options.full else store_checker(run.prepared.inodes, cached)
     report = _verify_installed(
         run.env,
         run.plan.package,
@@ -601,6 +603,7 @@ def _check_in_place(run: Run, when: str = "") -> str:
         listed = "; ".join(f"{f.kind.value} {f.path}" for f in failures[:5])
         said = f" {when}" if when else ""
         raise StepFailed(f"the installed files do not match the wheel{said}: {listed}")
+    run.in_place = report.observed
     names = [d.name for d in run.survey.affected]
     installed = reload_distributions(run.env, run.survey.installed, names)
     run.left = left_of(report, installed, names)
@@ -887,6 +890,10 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
         save_patches(run)
         save_left(run)
         note = record_run(run.state, run.env.prefix, run.wheel.name if run.wheel else "", run.vouched)
+        run.notes.extend([note] if note else [])
+        # what the verification in place hashed: the old files the preflight hashed are gone; a file
+        # installed within the store's granularity of its hash is racy, and hashed by the next check
+        note = keep(run.state.root, run.env.prefix, run.prepared.inodes, run.in_place.values())
         run.notes.extend([note] if note else [])
         try:
             remove_dropins(run)

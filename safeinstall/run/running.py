@@ -17,6 +17,7 @@ from typing import Any
 
 from safeinstall.env import inodes
 from safeinstall.env.environment import Environment
+from safeinstall.env.hashing import FileState
 from safeinstall.env.swap import Staged
 from safeinstall.env.vouched import Vouched
 from safeinstall.env.wheel import Wheel
@@ -83,6 +84,9 @@ class Run:
     vouched: Vouched | None = None
     #: set by the prefetch when the run swaps: the verified staging tree and its renames (env/swap.py)
     staged: Staged | None = None
+    #: set by the verification in place: every installed file as it was observed (kept in the
+    #: verified-inode store after a good run: store/verified.py)
+    in_place: Mapping[str, FileState] = field(default_factory=dict)
 
     @property
     def options(self) -> RunOptions:

@@ -56,7 +56,6 @@ from pathlib import Path
 
 from safeinstall.env.environment import Account
 from safeinstall.errors import SafeInstallError, UsageError
-from safeinstall.system import owner, worker
 from safeinstall.system.lock import filesystem_of
 from safeinstall.system.safefs import Tree, describe, others_who_write, permitted
 
@@ -188,6 +187,8 @@ def remove_run_dir(path: Path, seconds: float = RUN_DIR_REMOVAL_S) -> bool:
     except OSError:
         return False
     if stat.S_ISDIR(info.st_mode):
+        from safeinstall.system import owner, worker  # here: every check reads the state (not json)
+
         ids = None if info.st_uid == 0 else (info.st_uid, info.st_gid)
         with contextlib.suppress(worker.WorkerError):
             worker.call(

@@ -1,0 +1,291 @@
+"""The verified-inode store (issue 36): a later ``--verify-only`` takes the hash kept for an inode whose
+device, number, size, mtime and ctime are unchanged, never a racy one, and ``--full`` reads everything.
+
+The store is written by the tests through the module's own pure ``to_bytes`` (a forged entry, whose
+digest is wrong, shows whether the check believed it: a file nobody changed is then ``modified``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from safeinstall.env.hashing import FileState
+from safeinstall.env.verified import (
+    GRANULARITY_NS,
+    MAX_AGE_NS,
+    InodeStore,
+    VerifiedInode,
+    checker,
+    entry_problem,
+    is_racy,
+    keepable,
+    trusted_digest,
+    updated,
+)
+from safeinstall.store.state import environment_state
+from safeinstall.store.verified import boot_id, from_bytes, store_file, to_bytes
+from tests import wheelhouse
+from tests.clirun import run
+from tests.wheelhouse import Wheelhouse
+
+EXT4 = 0xEF53
+WRONG = "A" * 43  # a sha256 in RECORD spelling that no fixture file has
+
+
+def _state(ctime_ns: int, hashed_ns: int, **changes: object) -> FileState:
+    fields: dict[str, object] = {
+        "path": "/p/f.py",
+        "exists": True,
+        "is_file": True,
+        "size": 10,
+        "digest": "B" * 43,
+        "algorithm": "sha256",
+        "device": 7,
+        "inode": 42,
+        "mtime_ns": ctime_ns,
+        "ctime_ns": ctime_ns,
+        "hashed_ns": hashed_ns,
+    }
+    fields.update(changes)
+    return FileState(**fields)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ the decisions (pure)
+
+
+def test_a_hash_taken_within_the_timestamp_granularity_of_the_ctime_is_racy_and_never_kept() -> None:
+    now = 10**18
+    assert is_racy(now - GRANULARITY_NS + 1, now)  # a write just after the fstat could leave this ctime
+    assert is_racy(now + 5, now)  # changed while (or after) it was read
+    assert not is_racy(now - GRANULARITY_NS, now)
+    assert keepable(_state(now - 1, now), {7: EXT4}) is None
+    kept = keepable(_state(now - GRANULARITY_NS, now), {7: EXT4})
+    assert kept is not None and kept.digest == "B" * 43
+    racy = VerifiedInode(7, 42, 10, now - 1, now - 1, now, "B" * 43)
+    assert entry_problem(racy, now + 1) is not None  # read back: not believed either
+
+
+def test_only_what_was_read_whole_here_on_a_filesystem_with_ctime_is_kept() -> None:
+    now = 10**18
+    old = now - 10 * GRANULARITY_NS
+    assert keepable(_state(old, 0), {7: EXT4}) is None  # proven by identity, or changed while read
+    assert keepable(_state(old, now), {7: 0x6969}) is None  # NFS: its ctime is the server's
+    assert keepable(_state(old, now), {}) is None  # the filesystem is not known
+    assert keepable(_state(old, now, algorithm="sha512"), {7: EXT4}) is None
+    assert keepable(_state(old, now, error="EIO"), {7: EXT4}) is None
+
+
+def test_a_kept_hash_stands_only_for_the_same_inode_size_mtime_and_ctime() -> None:
+    entry = VerifiedInode(7, 42, 10, 111, 222, 10**18, "B" * 43)
+    same = _stat(42, 7, 10, 111, 222)
+    assert trusted_digest(entry, same) == "B" * 43
+    for other in (_stat(43, 7, 10, 111, 222), _stat(42, 8, 10, 111, 222), _stat(42, 7, 11, 111, 222)):
+        assert trusted_digest(entry, other) is None
+    assert trusted_digest(entry, _stat(42, 7, 10, 110, 222)) is None  # mtime
+    assert trusted_digest(entry, _stat(42, 7, 10, 111, 223)) is None  # ctime: no account can set it
+    known = checker(InodeStore("/env", "boot", {(7, 42): entry}))  # what the verification asks
+    assert known(same, "sha256") == "B" * 43 and known(same, "sha512") is None
+    for other in (_stat(42, 7, 11, 111, 222), _stat(42, 7, 10, 110, 222), _stat(42, 7, 10, 111, 223)):
+        assert known(other, "sha256") is None
+
+
+def _stat(inode: int, device: int, size: int, mtime_ns: int, ctime_ns: int) -> os.stat_result:
+    # mode, ino, dev, nlink, uid, gid, size, atime, mtime, ctime (s); then atime, mtime, ctime (ns)
+    return os.stat_result(
+        (0o100644, inode, device, 1, 0, 0, size, 0, 0, 0, 0.0, 0.0, 0.0, 0, mtime_ns, ctime_ns)
+    )
+
+
+def test_entries_age_out_and_the_store_is_bound_to_its_environment_and_boot() -> None:
+    now = 10**18
+    fresh = VerifiedInode(7, 42, 10, 1, 1, now - 1000, "B" * 43)
+    stale = VerifiedInode(7, 43, 10, 1, 1, now - MAX_AGE_NS - 1, "B" * 43)
+    store = InodeStore("/env", "boot-a", {(7, 42): fresh, (7, 43): stale})
+    assert entry_problem(stale, now) is not None
+    assert set(updated(store, [], {}, now).entries) == {(7, 42)}
+    raw = to_bytes(store)
+    assert set(from_bytes(raw, "/env", "boot-a", now).entries) == {(7, 42)}
+    for prefix, boot in (("/other", "boot-a"), ("/env", "boot-b")):
+        with pytest.raises(ValueError):
+            from_bytes(raw, prefix, boot, now)
+    damaged = [raw[:-1], raw.replace(b"B" * 43, b"B" * 42 + b"=", 1), raw + b"x"]
+    for bad in damaged:
+        with pytest.raises(ValueError):
+            from_bytes(bad, "/env", "boot-a", now)
+
+
+# ------------------------------------------------------------------ --verify-only with the store
+
+
+@pytest.fixture
+def env(venv: Path, wheels: Wheelhouse) -> Path:
+    wheelhouse.uv_install(venv, wheels["sipure-1"])
+    return venv
+
+
+def _verify(python: Path, state: Path, *extra: str) -> dict[str, object]:
+    result = run(
+        "sipure",
+        "--verify-only",
+        "--python",
+        str(python),
+        "--json",
+        *extra,
+        env={**os.environ, "SAFEINSTALL_STATE_DIR": str(state)},
+    )
+    assert result.code in (0, 1), result.stderr
+    doc: dict[str, object] = result.json
+    return doc
+
+
+def _modified(doc: dict[str, object]) -> set[str]:
+    findings = doc["data"]["findings"]  # type: ignore[index]
+    return {os.path.basename(f["path"]) for f in findings if f["kind"] == "modified"}
+
+
+def _forge(state: Path, python: Path, target: Path, hashed_ns: int) -> None:
+    """A store whose one entry says ``target``, as it is now, hashed at ``hashed_ns`` to WRONG."""
+    boot = boot_id()
+    assert boot is not None
+    prefix = Path(os.path.realpath(python.parent.parent))
+    info = os.lstat(target)
+    entry = VerifiedInode(
+        info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns, hashed_ns, WRONG
+    )
+    store = InodeStore(os.fspath(prefix), boot, {(info.st_dev, info.st_ino): entry})
+    path = store_file(environment_state(state, prefix))
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path.write_bytes(to_bytes(store))
+    path.chmod(0o600)
+
+
+def test_a_kept_hash_is_taken_for_an_unchanged_inode_and_full_reads_it_again(
+    env: Path, tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    target = wheelhouse.site_packages(env) / "sipure" / "__init__.py"
+    hashed = os.lstat(target).st_ctime_ns + GRANULARITY_NS
+    while time.time_ns() <= hashed:  # the forged hash must be later than its ctime, and not racy
+        time.sleep(0.1)
+    _forge(state, env, target, hashed)
+    assert _modified(_verify(env, state)) == {"__init__.py"}  # believed: the file was not read
+    assert _modified(_verify(env, state, "--full")) == set()  # read again: it is the wheel's
+    assert _modified(_verify(env, state, "--no-cache")) == set()
+    _forge(state, env, target, hashed)  # the full reads kept the right hash: forged again
+    os.chmod(target, os.lstat(target).st_mode)  # the same mode: only its ctime moves
+    assert _modified(_verify(env, state)) == set()
+
+
+def test_a_racy_kept_hash_is_not_believed(env: Path, tmp_path: Path) -> None:
+    """An entry whose ctime is within the granularity of its hash (a write just after the fstat could
+    have left that ctime): the file is read again."""
+    state = tmp_path / "state"
+    target = wheelhouse.site_packages(env) / "sipure" / "__init__.py"
+    _forge(state, env, target, os.lstat(target).st_ctime_ns + 1)
+    assert _modified(_verify(env, state)) == set()
+
+
+def test_a_same_size_edit_with_the_mtime_set_back_is_modified_on_the_second_run(
+    env: Path, tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    target = wheelhouse.site_packages(env) / "sipure" / "__init__.py"
+    settled = os.lstat(target).st_ctime_ns + GRANULARITY_NS
+    while time.time_ns() <= settled:  # else the first run's hash is racy and not kept
+        time.sleep(0.1)
+    assert _modified(_verify(env, state)) == set()
+    boot = boot_id()
+    assert boot is not None
+    prefix = os.path.realpath(env.parent.parent)
+    kept = from_bytes(
+        store_file(environment_state(state, Path(prefix))).read_bytes(), prefix, boot, time.time_ns()
+    )
+    info = os.lstat(target)
+    assert (info.st_dev, info.st_ino) in kept.entries  # the first run kept its hash
+    before = f"@{info.st_mtime_ns // 10**9}.{info.st_mtime_ns % 10**9:09d}"  # to the nanosecond
+    content = target.read_bytes()
+    target.write_bytes(bytes([content[0] ^ 1]) + content[1:])  # the same size, as the owner would
+    subprocess.run(["touch", "-d", before, str(target)], check=True)
+    after = os.lstat(target)
+    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (info.st_size, info.st_mtime_ns, info.st_ino)
+    assert _modified(_verify(env, state)) == {"__init__.py"}
+
+
+# ------------------------------------------------------------------ beyond content: what rpm -V checks
+
+
+def test_a_mode_no_installer_gives_is_reported_and_a_symlink_is_never_followed(
+    env: Path, tmp_path: Path
+) -> None:
+    """A listed script its owner cannot execute, a setuid file, a file others may write: ``mode``
+    findings (drift); a listed file replaced by a symlink is ``modified``, whatever it points to."""
+    state = tmp_path / "state"
+    sp = wheelhouse.site_packages(env)
+    script = env.parent / "sipure"  # RECORD: ../../../bin/sipure
+    assert _kinds(_verify(env, state)) == set()
+    script.chmod(0o644)
+    (sp / "sipure" / "__init__.py").chmod(0o4755)
+    (sp / "sipure" / "data" / "notes.txt").chmod(0o646)
+    core = sp / "sipure" / "cli.py"
+    target = tmp_path / "cli-copy.py"
+    target.write_bytes(core.read_bytes())  # the very bytes: only the symlink differs
+    core.unlink()
+    core.symlink_to(target)
+    doc = _verify(env, state)
+    assert doc["exit_code"] == 1
+    assert _kinds(doc) == {
+        ("mode", "sipure", "mode 0644: a script its owner cannot execute"),
+        ("mode", "__init__.py", "mode 4755: setuid or setgid"),
+        ("mode", "notes.txt", "mode 0646: writable by others"),
+        ("modified", "cli.py", "no longer a regular file"),
+    }
+
+
+def _kinds(doc: dict[str, object]) -> set[tuple[str, str, str]]:
+    findings = doc["data"]["findings"]  # type: ignore[index]
+    return {(f["kind"], os.path.basename(f["path"]), f["detail"]) for f in findings if f["drift"]}
+
+
+def test_a_runs_preflight_takes_the_kept_hashes_and_full_reads_everything(
+    env: Path, wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    """The plan's local changes come from the preflight's check, which takes the store's hashes (and the
+    backup reuses them): a forged entry shows that it was believed; ``--full`` reads the file."""
+    state = tmp_path / "state"
+    target = wheelhouse.site_packages(env) / "sipure" / "__init__.py"
+    hashed = os.lstat(target).st_ctime_ns + GRANULARITY_NS
+    while time.time_ns() <= hashed:
+        time.sleep(0.1)
+    _forge(state, env, target, hashed)
+    dry = ["sipure", "--wheel", str(wheels["sipure-2"]), "--python", str(env), "--dry-run", "--json"]
+    environ = {**os.environ, "SAFEINSTALL_STATE_DIR": str(state)}
+    kept = run(*dry, env=environ)
+    assert kept.code == 0, kept.stderr
+    assert kept.json["data"]["locally_modified"] == [str(target)]
+    full = run(*dry, "--full", env=environ)
+    assert full.code == 0, full.stderr
+    assert full.json["data"]["locally_modified"] == []
+
+
+def test_a_store_someone_else_could_have_written_is_not_used_nor_written_over(
+    env: Path, tmp_path: Path
+) -> None:
+    """The store is read as every state file is: one owned by another uid (its forged entry would hide
+    an edit) is not used, a note says why, and it is left as it is."""
+    state = tmp_path / "state"
+    target = wheelhouse.site_packages(env) / "sipure" / "__init__.py"
+    hashed = os.lstat(target).st_ctime_ns + GRANULARITY_NS
+    while time.time_ns() <= hashed:  # else the forged entry would be dropped as from the future
+        time.sleep(0.1)
+    _forge(state, env, target, hashed)
+    planted = next(state.glob("*/inodes.bin"))
+    os.chown(planted, 65534, 65534)
+    before = planted.read_bytes()
+    doc = _verify(env, state)
+    assert _modified(doc) == set()
+    assert any("verified-inode store was not used" in note for note in doc["data"]["notes"])  # type: ignore[index]
+    assert planted.read_bytes() == before and os.lstat(planted).st_uid == 65534
