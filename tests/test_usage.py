@@ -49,6 +49,8 @@ def _usage(*modes: str, **given: object) -> Usage:
         ),
         (_usage("--recover", given=("gpu_timeout",)), "--gpu-timeout does nothing with --recover"),
         (_usage("--forget", given=("stop_timeout",)), "--stop-timeout does nothing with --forget"),
+        (_usage("--status", given=("full",)), "--full does nothing with --status"),
+        (_usage("--recover", given=("full",)), "--full does nothing with --recover"),
         (_usage(wheel=Path("not-a-wheel.zip")), "no PACKAGE given"),
         (
             _usage(package="vllm", args=("torch", "-i", "URL"), uv_args=("-i", "URL")),
@@ -69,6 +71,7 @@ def test_each_problem_is_said(usage: Usage, message: str) -> None:
         _usage(wheel=Path("vllm-0.16.0-cp38-abi3-manylinux_2_28_x86_64.whl")),  # the wheel names it
         _usage(package="vllm", args=("-i", "URL"), uv_args=("-i", "URL")),
         _usage("--verify-only", all_=True),
+        _usage("--verify-only", all_=True, given=("full",)),
         _usage("--verify-only", wheel=Path("x-1.0-py3-none-any.whl")),  # the wheel names the package
         _usage("--status", wait=True, run="20261202T060000Z-1"),
         _usage("--verify-only", package="vllm", metrics_file=True),

@@ -148,6 +148,12 @@ def usage_problem(u: Usage) -> UsageError | None:
     idle = _idle_options(u)
     if idle is not None:
         return idle
+    hashing = next((flag for flag in _NOT_A_RUN[1:] if flag in u.modes), None)
+    if hashing is not None and "full" in u.given:
+        return UsageError(
+            f"--full does nothing with {hashing}: it is for what hashes files (--verify-only, a run)",
+            hint="drop --full",
+        )
     own = next((flag for flag in _NO_PACKAGE if flag in u.modes), None)
     if own is not None:
         if u.package or u.args:
