@@ -37,6 +37,7 @@ def test_happy_path(bed: Bed) -> None:
         "plan",
         "steps",
         "downtime_s",
+        "service_downtime_s",
         "patched",
         "extras",
         "pruned",

@@ -542,7 +542,9 @@ def render_run(out: Console, err: Console, document: Mapping[str, Any], run_id: 
             for d in _items(plan, "distributions")
             if isinstance(d, dict)
         )
-        out.print(f"[green]done:[/] {literal(changes)}; installed and verified", soft_wrap=True)
+        service = data.get("service_downtime_s")
+        users = f"; service down {service:.1f} s until healthy" if isinstance(service, int | float) else ""
+        out.print(f"[green]done:[/] {literal(changes)}; installed and verified{users}", soft_wrap=True)
     downtime = data.get("downtime_s")
     for unit, seconds in sorted(downtime.items() if isinstance(downtime, dict) else ()):
         if isinstance(seconds, int | float):

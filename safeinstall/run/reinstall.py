@@ -53,7 +53,7 @@ from safeinstall.run.patches import (
 )
 from safeinstall.run.preflight import Prepared, locally_modified, refusal
 from safeinstall.run.preflight import preflight as shared_preflight
-from safeinstall.run.results import Reporter, RunResult
+from safeinstall.run.results import Reporter, RunResult, service_downtime_s
 from safeinstall.run.rollback import rollback_step
 from safeinstall.run.running import Run, report_waits, start_and_settle
 from safeinstall.run.survey import scan_again, systemd_for
@@ -658,7 +658,7 @@ def restart_step(run: Run) -> str:
         def on_poll(waited: float, last: str) -> None:
             run.reporter.progress(f"waiting for {said} to answer 200 (last: {last})", waited, timeout, "s")
 
-        wait_healthy(url, timeout, on_poll)
+        run.healthy_at = wait_healthy(url, timeout, on_poll)
         detail += f"; {said} answers 200"
     return detail
 
@@ -987,6 +987,7 @@ def _result(
         plan=run.plan,
         steps=tuple(run.steps),
         downtime_s=dict(run.downtime),
+        service_downtime_s=service_downtime_s(run.down_since, run.healthy_at) if status == "done" else None,
         patched=run.patched,
         extras=run.extras,
         pruned=run.pruned,

@@ -71,6 +71,7 @@ class Run:
     pruned: tuple[str, ...] = ()
     down_since: dict[str, float] = field(default_factory=dict)  # units the stop took down: since when
     downtime: dict[str, float] = field(default_factory=dict)
+    healthy_at: float | None = None  # --health-url: when it answered 200 after the restart (monotonic s)
     strays_killed: tuple[int, ...] = ()
     restart_started: bool = False
     old_code: tuple[OldCodeProcess, ...] = ()

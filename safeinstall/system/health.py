@@ -151,8 +151,9 @@ def shown(url: str) -> str:
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
-def wait_healthy(url: str, timeout: float, on_poll: Callable[[float, str], None] | None = None) -> None:
-    """Return once ``url`` answers 200; raise StepFailed when it has not within ``timeout`` seconds.
+def wait_healthy(url: str, timeout: float, on_poll: Callable[[float, str], None] | None = None) -> float:
+    """Return once ``url`` answers 200: when it did (``time.monotonic()``, CLOCK_MONOTONIC seconds, as
+    systemd's ``*TimestampMonotonic``); raise StepFailed when it has not within ``timeout`` seconds.
     ``on_poll``: before each attempt, the seconds waited and the last answer (a progress line)."""
     started = time.monotonic()
     deadline = started + timeout
@@ -162,7 +163,7 @@ def wait_healthy(url: str, timeout: float, on_poll: Callable[[float, str], None]
             on_poll(time.monotonic() - started, last)
         answer = _attempt(url, left)
         if answer is None:
-            return
+            return time.monotonic()
         if answer != LATE or last == "no answer":  # one cut short by the deadline hides no earlier answer
             last = answer
         time.sleep(max(0.0, min(PAUSE_S, deadline - time.monotonic())))
