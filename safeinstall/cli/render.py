@@ -341,6 +341,12 @@ def render_plan(out: Console, err: Console, plan: Plan, verbosity: int = 0) -> N
                 or (f"(stops with {literal(u.stopped_with)})" if u.stopped_with else ""),
             )
         print_table(out, table)
+    for reset in plan.start_limit_resets:
+        out.print(
+            f"start limit of {literal(reset.unit)}: {literal(reset.reason)}; reset before the stop "
+            "(systemctl reset-failed)",
+            soft_wrap=True,
+        )
     if plan.gpus.available:
         table = _table(title="GPUs", title_justify="left")
         for column in ("GPU", "NAME", "UUID", "USED", "TOTAL"):

@@ -55,7 +55,7 @@ from safeinstall.run.preflight import Prepared, locally_modified, refusal
 from safeinstall.run.preflight import preflight as shared_preflight
 from safeinstall.run.results import Reporter, RunResult, service_downtime_s
 from safeinstall.run.rollback import rollback_step
-from safeinstall.run.running import Run, report_waits, start_and_settle
+from safeinstall.run.running import Run, report_waits, reset_start_limits, start_and_settle
 from safeinstall.run.survey import scan_again, systemd_for
 from safeinstall.run.undo import UndoTarget, left_of
 from safeinstall.scan.plan import PlannedProcess, PlannedUnit, left_on_old_code
@@ -399,6 +399,7 @@ def stop_step(run: Run) -> str:
     for unit in units:
         run.journal = update_unit(run.journal, unit.name, systemd.user, stopped=True)
     run._journal(Phase.STOPPING)
+    reset = reset_start_limits(run, [u.name for u in units])  # before the stop: not in the window
 
     cancel = threading.Event()
 
@@ -429,6 +430,8 @@ def stop_step(run: Run) -> str:
         raise StepFailed(f"processes {', '.join(map(str, leftover))} still run after their units stopped")
     run._journal(Phase.STOPPED, strays_killed=list(killed))
     detail = f"{len(units)} unit(s) stopped, {len(run.plan.processes)} process(es) gone"
+    if reset:
+        detail += f"; start limit reset first (systemctl reset-failed): {', '.join(reset)}"
     if killed:
         detail += f"; stray PIDs {', '.join(map(str, killed))} ended (not restarted)"
     return detail

@@ -23,6 +23,7 @@ from safeinstall.env.wheel import Wheel
 from safeinstall.errors import (
     SafeInstallError,
     StepFailed,
+    SystemdError,
 )
 from safeinstall.run.options import RunOptions
 from safeinstall.run.patches import (
@@ -176,6 +177,24 @@ def report_waits(run: Run, waits: Mapping[str, Future[Any]], state: str, limit: 
             "s",
         )
         futures_wait([waits[unit] for unit in pending], timeout=WAIT_POLL_S, return_when=FIRST_COMPLETED)
+
+
+def reset_start_limits(run: Run, units: list[str]) -> tuple[str, ...]:
+    """``systemctl reset-failed`` for each of ``units`` that the plan says could hit its start limit
+    (:func:`safeinstall.system.systemd.start_limit_risk`): the run's start must not be refused for
+    starts made before it. The units reset."""
+    planned = {reset.unit for reset in run.plan.start_limit_resets}
+    reset: list[str] = []
+    for unit in (unit for unit in units if unit in planned):
+        try:
+            run.systemd.reset_failed(unit)
+        except SystemdError as exc:  # not loaded (an inactive unit systemd let go): no counter to reset
+            run._log(f"start limit of {unit} not reset: {exc.message}")
+            continue
+        reset.append(unit)
+    if reset:
+        run._log(f"start limit reset (systemctl reset-failed): {', '.join(reset)}")
+    return tuple(reset)
 
 
 def start_and_settle(run: Run, units: list[str], settle: float) -> str:

@@ -16,7 +16,7 @@ from safeinstall.scan.evidence import Evidence, EvidenceKind, Strength
 from safeinstall.scan.processes import TOO_LARGE, ProcessRecord, ScanProblem, ScanResult
 from safeinstall.system.cgroups import CgroupPlacement, placement_of_proc_cgroup, valid_unit_name
 from safeinstall.system.gpus import GpuSnapshot
-from safeinstall.system.systemd import UnitInfo
+from safeinstall.system.systemd import StartLimit, UnitInfo, start_limit_risk
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +75,24 @@ class PlannedUnit:
 
 
 @dataclass(frozen=True, slots=True)
+class StartLimitReset:
+    """A unit whose start limit the run's restart could hit: ``systemctl reset-failed`` before the stop
+    (and again before a rollback's start), so that the restart is not refused (needrestart#340)."""
+
+    unit: str
+    reason: str
+
+
+def start_limit_resets(limits: Mapping[str, StartLimit], now_s: float) -> tuple[StartLimitReset, ...]:
+    """Pure: the units (of ``limits``, each planned unit's start limit) that the run resets, and why."""
+    return tuple(
+        StartLimitReset(unit, reason)
+        for unit, limit in sorted(limits.items())
+        if (reason := start_limit_risk(limit, now_s)) is not None
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     package: str
     python: str
@@ -97,6 +115,8 @@ class Plan:
     #: installed files of the affected distributions that differ from their RECORD (local patches,
     #: deletions): the reinstall replaces them (kept in the backup; --keep-patches carries them)
     locally_modified: tuple[str, ...] = ()
+    #: units whose start limit the restart could hit: reset before the stop (systemctl reset-failed)
+    start_limit_resets: tuple[StartLimitReset, ...] = ()
 
     @property
     def proceeds(self) -> bool:

@@ -1,0 +1,70 @@
+"""Restarts that cannot work are said, not waited out (issue 34): a unit whose start limit the restart
+could hit is reset first (needrestart#340), and the plan says so."""
+
+from __future__ import annotations
+
+from safeinstall.system.systemd import StartLimit, start_limit_risk
+from tests.bed_systemd import wait_until
+from tests.beds import Bed, maps_so
+
+
+def test_a_unit_at_its_start_limit_is_reset_before_the_restart(bed: Bed) -> None:
+    """A real unit of the private manager with ``StartLimitBurst=2`` in an hour, started and restarted
+    (two starts: at its limit). Without the reset systemd refuses the run's restart (start-limit-hit),
+    and the rollback's start too: the service would be left down."""
+    name = bed.units.create(
+        "limited",
+        "[Unit]\nDescription=safeinstall test unit\nStartLimitBurst=2\nStartLimitIntervalSec=1h\n\n"
+        f"[Service]\nExecStart={bed.python.parent}/sicext-serve\n",
+    )
+    bed.manager.start(name)
+    bed.manager.systemctl("restart", name)
+    bed.manager.wait_active(name)
+    wait_until(lambda: maps_so(bed.manager.main_pid(name)) is not None, 15, "service maps the .so")
+    wheel = str(bed.wheels["sicext-2"])
+    plan = bed.safeinstall("sicext", "--wheel", wheel, "--dry-run", "--json").json["data"]
+    (reset,) = plan["start_limit_resets"]
+    assert reset["unit"] == name and "StartLimitBurst=2 within 3600 s" in reset["reason"], reset
+    shown = bed.cli("sicext", "--wheel", wheel, "--dry-run")
+    assert f"start limit of {name}: " in shown.stdout and "systemctl reset-failed" in shown.stdout
+    done = bed.safeinstall("sicext", "--wheel", wheel, "--settle", "0.5", "--json")
+    assert done.code == 0, done.stdout + done.stderr
+    stop = next(s for s in done.json["data"]["steps"] if s["name"] == "stop")
+    assert f"start limit reset first (systemctl reset-failed): {name}" in stop["detail"]
+    assert bed.manager.active_state(name) == "active" and bed.version() == "2.0"
+    assert maps_so(bed.manager.main_pid(name)) == bed.so.stat().st_ino
+
+
+def test_a_crash_looping_new_version_does_not_leave_the_service_down(bed: Bed) -> None:
+    """``Restart=on-failure`` and ``StartLimitBurst=1``: the new version (sicext 3) crashes at import,
+    its automatic restart is refused (start-limit-hit: the unit stays failed); the rollback's start is
+    reset first, so the old version runs again (without the reset it is refused too: the service left
+    down, exit 4). On this systemd (252) a ``daemon-reload`` (the gate's) zeroes the counter too, so
+    the starts that count here are the run's own, after it."""
+    name = bed.units.create(
+        "looping",
+        "[Unit]\nDescription=safeinstall test unit\nStartLimitBurst=1\nStartLimitIntervalSec=1h\n\n"
+        f"[Service]\nExecStart={bed.python.parent}/sicext-serve\nRestart=on-failure\nRestartSec=0.1\n",
+    )
+    bed.manager.start(name)
+    bed.manager.wait_active(name)
+    wait_until(lambda: maps_so(bed.manager.main_pid(name)) is not None, 15, "service maps the .so")
+    done = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-3"]), "--settle", "2", "--json")
+    assert done.code == 3, done.stdout + done.stderr  # rolled back
+    wait_until(lambda: bed.manager.active_state(name) == "active", 20, "the old version running again")
+    assert bed.version() == "1.0"
+    wait_until(lambda: maps_so(bed.manager.main_pid(name)) is not None, 15, "service maps the .so")
+
+
+def test_which_start_limits_the_run_resets() -> None:
+    """Pure: only a limit the run's starts could hit; systemd shows when the last start was, not how
+    many starts its counter holds."""
+    now = 10_000.0
+    recent = StartLimit("a.service", burst=5, interval_s=10.0, last_start_s=now - 3)
+    assert "last started 3 s ago" in (start_limit_risk(recent, now) or "")
+    old = StartLimit("a.service", burst=5, interval_s=10.0, last_start_s=now - 3600)
+    assert start_limit_risk(old, now) is None  # a new window: the run's own starts count alone
+    single = StartLimit("a.service", burst=1, interval_s=10.0, last_start_s=now - 3600)
+    assert "fewer than the 2 starts" in (start_limit_risk(single, now) or "")  # the rollback's start
+    for none in (StartLimit("a.service", 0, 10.0, now - 1), StartLimit("a.service", 5, 0.0, now - 1)):
+        assert start_limit_risk(none, now) is None  # StartLimitIntervalSec=0 or burst 0: no limit
