@@ -3,7 +3,10 @@ could hit is reset first (needrestart#340), and the plan says so."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from safeinstall.system.systemd import StartLimit, start_limit_risk
+from tests.bed_nvml import GiB
 from tests.bed_systemd import wait_until
 from tests.beds import Bed, maps_so
 
@@ -68,3 +71,28 @@ def test_which_start_limits_the_run_resets() -> None:
     assert "fewer than the 2 starts" in (start_limit_risk(single, now) or "")  # the rollback's start
     for none in (StartLimit("a.service", 0, 10.0, now - 1), StartLimit("a.service", 5, 0.0, now - 1)):
         assert start_limit_risk(none, now) is None  # StartLimitIntervalSec=0 or burst 0: no limit
+
+
+def test_persistence_mode_off_is_a_plan_warning(bed: Bed) -> None:
+    """The real pynvml call (``nvmlDeviceGetPersistenceMode``) over the fake driver: a GPU the service
+    uses with persistence mode off is a warning of the plan (each start pays its initialisation); the
+    same GPU with it on, or one the service does not use, is none."""
+    name = bed.service("gpu")
+    used = bed.nvml.add_gpu("NVIDIA H200", "GPU-00000000-0000-0000-0000-0000000000b1", 141 * GiB)
+    idle = bed.nvml.add_gpu("NVIDIA H200", "GPU-00000000-0000-0000-0000-0000000000b2", 141 * GiB)
+    bed.nvml.hold(bed.manager.main_pid(name), used, 20 * GiB)
+    bed.nvml.set_persistence_mode(idle, False)  # no planned process on it: no warning
+    wheel = str(bed.wheels["sicext-2"])
+
+    def plan() -> dict[str, Any]:
+        data: dict[str, Any] = bed.safeinstall("sicext", "--wheel", wheel, "--dry-run", "--json").json["data"]
+        return data
+
+    on = plan()
+    assert [g["persistence_mode"] for g in on["gpus"]["gpus"]] == [True, False]
+    assert not any("persistence mode" in w for w in on["warnings"]), on["warnings"]
+    bed.nvml.set_persistence_mode(used, False)
+    off = plan()
+    (warning,) = [w for w in off["warnings"] if "persistence mode" in w]
+    assert warning.startswith("GPU 0 (NVIDIA H200) has NVML persistence mode off"), warning
+    assert "1-3 s per GPU" in warning

@@ -6,7 +6,7 @@ an NVML snapshot) into one :class:`Plan`, and says whether the run would proceed
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from packaging.version import InvalidVersion, Version
@@ -176,6 +176,18 @@ def affected_distributions(
             new = wheel_version
         result.append(AffectedDistribution(name, installed.get(name), new, name == package))
     return tuple(result)
+
+
+def persistence_warnings(gpus: GpuSnapshot, planned: Collection[int]) -> list[str]:
+    """Pure: a warning for each GPU that a planned process uses and whose NVML persistence mode is off:
+    the driver then tears the GPU's state down when its last process exits, and each start pays its
+    initialisation again (1-3 s per GPU)."""
+    return [
+        f"GPU {gpu.index} ({gpu.name}) has NVML persistence mode off: the restart pays its initialisation "
+        "again (1-3 s per GPU); `nvidia-smi -pm 1` (or the nvidia-persistenced service) keeps it"
+        for gpu in gpus.gpus
+        if gpu.persistence_mode is False and any(p.pid in planned for p in gpu.processes)
+    ]
 
 
 def _gpu_bytes(gpus: GpuSnapshot) -> dict[int, int]:
@@ -438,6 +450,7 @@ def build_plan(
         warnings.append(unread)
     if not gpus.available:
         warnings.append(f"GPU check unavailable: {gpus.reason}")
+    warnings.extend(persistence_warnings(gpus, {p.pid for p in processes}))
     if left_out:
         warnings.append(
             f"--only-loaded leaves out {len(left_out)} process(es) that run this environment's Python "
