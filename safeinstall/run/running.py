@@ -161,14 +161,23 @@ def phase_at_least(journal: Journal, phase: Phase) -> bool:
 WAIT_POLL_S = 1.0
 
 
-def report_waits(run: Run, waits: Mapping[str, Future[Any]], state: str, limit: float) -> None:
+def report_waits(
+    run: Run,
+    waits: Mapping[str, Future[Any]],
+    state: str,
+    limit: float,
+    check: Callable[[], None] | None = None,
+) -> None:
     """Until every unit's wait is done: a progress line saying which units are not yet ``state`` and
-    how long the wait may still take (``limit`` seconds in all; infinity: no bound)."""
+    how long the wait may still take (``limit`` seconds in all; infinity: no bound). ``check``, at each
+    poll, may end the wait by raising (a process that cannot end: the caller's rollback starts)."""
     started = time.monotonic()
     while True:
         pending = [unit for unit, future in waits.items() if not future.done()]
         if not pending:
             return
+        if check is not None:
+            check()
         bound = limit if math.isfinite(limit) else None
         run.reporter.progress(
             f"waiting for {', '.join(pending)} to be {state} ({len(pending)} of {len(waits)})",
