@@ -5,40 +5,19 @@ loopback, opened only a while after its import (as a model server loads before i
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 from safeinstall.run.results import service_downtime_s
 from tests.bed_systemd import wait_until
-from tests.beds import Bed, maps_so
+from tests.beds import Bed, health_server, maps_so
 
 #: Seconds the served process loads (after its import, before it listens): what a unit's own
 #: downtime (stop -> active) does not see and the service downtime does.
 LOADING_S = 1.5
 
-HEALTH_SERVER = f"""
-import http.server, sys, time, sicext
-time.sleep({LOADING_S})
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200 if self.path == "/health" else 404)
-        self.end_headers()
-    def log_message(self, *args):
-        pass
-http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
-"""
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
 
 def test_service_downtime_runs_until_the_health_url_answers(bed: Bed, tmp_path: Path) -> None:
-    server = tmp_path / "health_server.py"
-    server.write_text(HEALTH_SERVER)
-    port = _free_port()
+    server, port = health_server(tmp_path, LOADING_S)
     name = bed.units.started("served", f"{bed.python} {server} {port}")
     wait_until(lambda: maps_so(bed.manager.main_pid(name)) is not None, 15, "server maps the .so")
     url = f"http://127.0.0.1:{port}/health"
