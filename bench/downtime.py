@@ -33,6 +33,11 @@ end). Before each command the bench syncs the disks (``sync``): what the previou
 the kernel to write back (a run's deleted cache, a pruned backup) does not slow the next one's window.
 The downtime is what the unit itself writes: ``ExecStopPost`` appends a timestamp when the main
 process has exited, ``ExecStartPre`` when the next start begins; the difference is the downtime. The
+service downtime is what users see: the served process opens a health endpoint on loopback after its
+import (``BENCH_HEALTH_PORT``), which the bench polls every 10 ms through each round; from its first
+unanswered poll (the stop: systemd keeps no timestamps of a unit it unloaded once inactive) until it
+answers 200 again, for both contenders (safeinstall runs with ``--health-url``; its own
+``service_downtime_s``, from the stop it asked for, is shown too). The
 whole run is the wall time of each command. Medians and ratios are printed, and safeinstall's median
 step times (from its ``--json``).
 """
@@ -43,11 +48,14 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,7 +71,15 @@ TORCH = "torch==2.13.0"
 VLLM_NEW = "vllm==0.33.0"
 VLLM_WHEEL = Path("/work/vllm-wheels/vllm-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl")
 
-SERVE_TORCH = "import time, torch; torch.ones(4).sum(); time.sleep(1e9)"
+#: After the import: a health endpoint on 127.0.0.1:$BENCH_HEALTH_PORT that answers 200 (the service
+#: serves); a ``python -c`` line, as a unit's ExecStart holds it.
+HEALTH = (
+    "import http.server as h, os; h.HTTPServer(('127.0.0.1', int(os.environ['BENCH_HEALTH_PORT'])), "
+    "type('H', (h.BaseHTTPRequestHandler,), {'do_GET': lambda r: (r.send_response(200), r.end_headers()), "
+    "'log_message': lambda *a: None})).serve_forever()"
+)
+SERVE_TORCH = "import torch; torch.ones(4).sum(); " + HEALTH
+HEALTH_POLL_S = 0.01
 
 
 @dataclass
@@ -82,6 +98,10 @@ class Case:
     cold: bool = False  # vllm-cold: the hand's cache is new and empty each round
     extra: tuple[str, ...] = ()  # more safeinstall options
     order: dict[str, list[int]] = field(default_factory=lambda: {"hand": [], "safeinstall": []})
+    #: first unit stopped -> the health endpoint answers 200 (the bench's own poll), and safeinstall's
+    #: ``service_downtime_s``
+    service: dict[str, list[float]] = field(default_factory=lambda: {"hand": [], "safeinstall": []})
+    reported: list[float] = field(default_factory=list)
 
 
 def torch_wheel() -> Path:
@@ -117,6 +137,57 @@ def last_stamp(path: Path) -> float:
     return float(path.read_text().split()[-1])
 
 
+class HealthWatch:
+    """Polls ``http://127.0.0.1:PORT/`` every 10 ms in a thread: when it first did not answer 200
+    (``down_at``, monotonic s: just before that poll) and when it answered 200 again (``up_at``)."""
+
+    def __init__(self, port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}/"
+        self.down_at: float | None = None
+        self.up_at: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            asked = time.monotonic()
+            try:
+                with urllib.request.urlopen(self.url, timeout=1) as answer:
+                    ok = answer.status == 200
+            except (OSError, ValueError):
+                ok = False
+            if not ok and self.down_at is None:
+                self.down_at = asked
+            elif ok and self.down_at is not None and self.up_at is None:
+                self.up_at = time.monotonic()
+            time.sleep(HEALTH_POLL_S)
+
+    def __enter__(self) -> HealthWatch:
+        if not self.url.endswith(":0/"):  # port 0: no endpoint to watch
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def downtime(self, timeout: float) -> float:
+        """Seconds from the first unanswered poll until 200 again (waited for up to ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while self.up_at is None or self.down_at is None:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{self.url} did not answer 200 again within {timeout:g} s")
+            time.sleep(HEALTH_POLL_S)
+        return self.up_at - self.down_at
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def run_round(
     case: Case,
     who: str,
@@ -125,22 +196,29 @@ def run_round(
     stamps: Path,
     command: list[str],
     env: dict[str, str],
+    port: int | None = None,
 ) -> None:
     os.sync()  # what the previous command left to write back (a run's deletions) does not land in this one's
-    started = time.monotonic()
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-    wall = time.monotonic() - started
-    if proc.returncode != 0:
-        raise SystemExit(
-            f"{who} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
-        )
-    manager.wait_active(unit, timeout=60)
+    with HealthWatch(port or 0) as watch:
+        started = time.monotonic()
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+        wall = time.monotonic() - started
+        if proc.returncode != 0:
+            raise SystemExit(
+                f"{who} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+            )
+        manager.wait_active(unit, timeout=60)
+        if port is not None:  # the stop -> health 200, as safeinstall's service_downtime_s
+            case.service[who].append(watch.downtime(600))
     down = last_stamp(stamps / "start") - last_stamp(stamps / "stop")
     case.times[who].append(down)
     case.walls[who].append(wall)
     if who == "safeinstall":
-        for step in json.loads(proc.stdout)["data"]["steps"]:
+        data = json.loads(proc.stdout)["data"]
+        for step in data["steps"]:
             case.steps.setdefault(step["name"], []).append(step["seconds"])
+        if data.get("service_downtime_s") is not None:
+            case.reported.append(data["service_downtime_s"])
 
 
 def _requirement(text: str) -> list[str]:
@@ -180,7 +258,9 @@ def bench_case(
     unit = f"bench-{case.name}.service"
     stamps = work / f"stamps-{case.name}"
     stamps.mkdir()
-    manager.write_unit(unit, unit_text(case.exec_start, stamps))
+    port = free_port()  # the served process's health endpoint (HEALTH)
+    manager.write_unit(unit, unit_text(case.exec_start, stamps) + f"Environment=BENCH_HEALTH_PORT={port}\n")
+    case.extra = (*case.extra, "--health-url", f"http://127.0.0.1:{port}/")
     manager.start(unit)
     manager.wait_active(unit, timeout=60)
     env = {
@@ -212,7 +292,7 @@ def bench_case(
                     else:
                         args = _requirement(requirement)
                         command = _safeinstall_command(safeinstall, case, settle, args, case.extra)
-                    run_round(case, who, manager, unit, stamps, command, hand_env)  # the host's cache
+                    run_round(case, who, manager, unit, stamps, command, hand_env, port)  # the host's cache
                     shutil.rmtree(target)
                     print(
                         f"  {case.name} round {round_ + 1} {who:<11} -> {wanted.rsplit('/', 1)[-1]:<24} "
@@ -228,12 +308,12 @@ def bench_case(
                     command = _hand_command(unit, case, str(wheel))
                 else:
                     args = [case.package, "--wheel", str(wheel)]
-                    command = _safeinstall_command(safeinstall, case, settle, args)
-                run_round(case, who, manager, unit, stamps, command, hand_env if who == "hand" else env)
+                    command = _safeinstall_command(safeinstall, case, settle, args, case.extra)
+                run_round(case, who, manager, unit, stamps, command, hand_env if who == "hand" else env, port)
                 shutil.rmtree(target)
                 print(
                     f"  {case.name} round {round_ + 1} {who:<11} downtime {case.times[who][-1]:6.2f} s"
-                    f"  whole run {case.walls[who][-1]:6.2f} s",
+                    f"  service {case.service[who][-1]:6.2f} s  whole run {case.walls[who][-1]:6.2f} s",
                     flush=True,
                 )
     finally:
@@ -257,6 +337,15 @@ def report(case: Case, rounds: int, settle: float) -> None:
         f"  downtime safeinstall / hand = {ours / hand:.2f}x "
         f"(per round {[round(r, 2) for r in ratios]}; goal <= {goal})"
     )
+    if case.service["hand"] and case.service["safeinstall"]:  # first unit stopped -> health answers 200
+        hand_s, ours_s = (statistics.median(case.service[who]) for who in ("hand", "safeinstall"))
+        print(f"  service    hand median {hand_s:6.2f} s {[round(t, 2) for t in case.service['hand']]}")
+        ours_all = [round(t, 2) for t in case.service["safeinstall"]]
+        print(f"             safeinstall {ours_s:6.2f} s {ours_all}")
+        print(
+            f"  service downtime safeinstall / hand = {ours_s / hand_s:.2f}x; safeinstall's own "
+            f"service_downtime_s {[round(t, 2) for t in case.reported]}"
+        )
     walls = [o / h for h, o in zip(case.walls["hand"], case.walls["safeinstall"], strict=True)]
     print(
         f"  whole run safeinstall / hand = {ours_w / hand_w:.2f}x "
@@ -345,9 +434,8 @@ def main() -> int:
         wheel = with_blob(built["sicext-2"], work / "big", args.blob_mb)
         python = wheelhouse.make_venv(work / "sicext-venv")
         wheelhouse.uv_install(python, built["sicext-1"])
-        cases.append(
-            Case(f"synthetic-{args.blob_mb}MiB", "sicext", wheel, python, f"{python.parent}/sicext-serve")
-        )
+        serve = f'{python} -c "import sicext; {HEALTH}"'
+        cases.append(Case(f"synthetic-{args.blob_mb}MiB", "sicext", wheel, python, serve))
     manager = start_user_manager(work / "manager")
     try:
         for case in cases:

@@ -198,6 +198,14 @@ class FakeNvml:
     def set_driver_version(self, version: str) -> None:
         _write(self.directory / "driver_version", version + "\n")
 
+    def set_persistence_mode(self, index: int, enabled: bool) -> None:
+        """A GPU's persistence mode (``nvmlDeviceGetPersistenceMode``); every GPU has it on until set."""
+        path = self.directory / "persistence_mode"
+        uuid = self._gpus[index].uuid
+        text = path.read_text() if path.exists() else ""
+        lines = [line for line in text.splitlines() if line.split()[:1] != [uuid]]
+        _write(path, "".join(f"{ln}\n" for ln in [*lines, f"{uuid} {int(enabled)}"]))
+
 
 # ---------------------------------------------------------------------------------------------- processes
 

@@ -429,3 +429,30 @@ def declined_on_a_terminal(bed: Bed, *extra: str) -> tuple[int, str, str]:
         os.close(master)
         os.close(slave)
     return proc.returncode, out, err
+
+
+#: A service of sicext that serves ``/health`` (200; 404 elsewhere) on 127.0.0.1:ARGV[1], after its
+#: import and ``loading`` seconds more (as a model server loads before it serves).
+HEALTH_SERVER = """
+import http.server, sys, time, sicext
+time.sleep({loading})
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+        self.wfile.write(sicext.version().encode())
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def health_server(directory: Path, loading: float = 0.0) -> tuple[Path, int]:
+    """:data:`HEALTH_SERVER` written into ``directory``, and a free loopback port for it."""
+    import socket
+
+    server = directory / "health_server.py"
+    server.write_text(HEALTH_SERVER.format(loading=loading))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return server, int(sock.getsockname()[1])

@@ -31,29 +31,13 @@ from prometheus_client.samples import Sample as ParsedSample
 
 from tests import wheelhouse
 from tests.bed_systemd import Units, UserManager, wait_until
+from tests.beds import HEALTH_SERVER
 from tests.promcheck import read_metrics
 from tests.wheelhouse import Wheelhouse
 
 ROOT = Path(__file__).resolve().parent.parent
 COLLECTION = ROOT / "ansible_collections" / "safeinstall" / "fleet"
 BIN = Path(sys.executable).parent
-
-#: the service each host runs: it maps sicext's extension (so safeinstall finds it) and serves /health
-HEALTH_SERVER = """\
-import http.server, sys
-import sicext
-
-class Health(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200 if self.path == "/health" else 404)
-        self.end_headers()
-        self.wfile.write(sicext.version().encode())
-
-    def log_message(self, *args):
-        pass
-
-http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
-"""
 
 
 def ansible_environ(base: Path, environ: Mapping[str, str]) -> dict[str, str]:
@@ -192,7 +176,7 @@ def fleet(
     """Three hosts, made once for this module: the scenarios share it (Ansible starts slowly)."""
     base = tmp_path_factory.mktemp("fleet")
     server = base / "health_server.py"
-    server.write_text(HEALTH_SERVER)
+    server.write_text(HEALTH_SERVER.format(loading=0))  # maps sicext's extension, serves /health
     units = Units(user_manager)
     # host2's wheel crashes on import: its unit fails to start on it, and the run rolls back
     upgrades = {"host1": wheels["sicext-2"], "host2": wheels["sicext-3"], "host3": wheels["sicext-2"]}

@@ -19,7 +19,7 @@ import pytest
 from tests import wheelhouse
 from tests.bed_nvml import GiB
 from tests.bed_systemd import cgroup_pids, wait_until
-from tests.beds import Bed, declined_on_a_terminal, maps_so
+from tests.beds import Bed, declined_on_a_terminal, health_server, maps_so
 from tests.clirun import run
 
 
@@ -37,6 +37,7 @@ def test_happy_path(bed: Bed) -> None:
         "plan",
         "steps",
         "downtime_s",
+        "service_downtime_s",
         "patched",
         "deleted",
         "extras",
@@ -508,31 +509,8 @@ def test_vllm_shaped_unit(bed: Bed) -> None:
     assert all(maps_so(p) == bed.so.stat().st_ino for p in cgroup_pids(new_group) if maps_so(p))
 
 
-HEALTH_SERVER = """
-import http.server, sys, sicext
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200 if self.path == "/health" else 404)
-        self.end_headers()
-        self.wfile.write(sicext.version().encode())
-    def log_message(self, *args):
-        pass
-http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
-"""
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_health_url_must_answer_200(bed: Bed, tmp_path: Path) -> None:
-    server = tmp_path / "health_server.py"
-    server.write_text(HEALTH_SERVER)
-    port = _free_port()
+    server, port = health_server(tmp_path)
     name = bed.units.started("health", f"{bed.python} {server} {port}")
     wait_until(lambda: maps_so(bed.manager.main_pid(name)) is not None, 15, "server maps the .so")
     ok = bed.safeinstall(

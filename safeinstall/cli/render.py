@@ -363,6 +363,12 @@ def render_plan(out: Console, err: Console, plan: Plan, verbosity: int = 0) -> N
         header = ("UNIT", "STATE", "ENABLED", "STOP TIMEOUT", "MAIN PID", "PIDS")
         for line in stacked_table(header, unit_rows, out.width):
             out.print(literal(line), soft_wrap=True)
+    for reset in plan.start_limit_resets:
+        out.print(
+            f"start limit of {literal(reset.unit)}: {literal(reset.reason)}; reset before the stop "
+            "(systemctl reset-failed)",
+            soft_wrap=True,
+        )
     if plan.gpus.available:
         out.print("GPUs")
         gpu_rows = [
@@ -607,7 +613,9 @@ def render_run(out: Console, err: Console, document: Mapping[str, Any], run_id: 
             for d in _items(plan, "distributions")
             if isinstance(d, dict)
         )
-        out.print(f"[green]done:[/] {literal(changes)}; installed and verified", soft_wrap=True)
+        service = data.get("service_downtime_s")
+        users = f"; service down {service:.1f} s until healthy" if isinstance(service, int | float) else ""
+        out.print(f"[green]done:[/] {literal(changes)}; installed and verified{users}", soft_wrap=True)
     downtime = data.get("downtime_s")
     for unit, seconds in sorted(downtime.items() if isinstance(downtime, dict) else ()):
         if isinstance(seconds, int | float):

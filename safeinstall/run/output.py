@@ -117,6 +117,7 @@ def run_json(result: RunResult) -> dict[str, Any]:
         "plan": plan_json(result.plan) if result.plan is not None else None,
         "steps": jsonable(result.steps),
         "downtime_s": result.downtime_s,
+        "service_downtime_s": result.service_downtime_s,
         "patched": list(result.patched),
         "deleted": list(result.deleted),
         "extras": list(result.extras),

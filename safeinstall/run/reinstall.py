@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -53,9 +53,9 @@ from safeinstall.run.patches import (
 )
 from safeinstall.run.preflight import Prepared, locally_modified, refusal
 from safeinstall.run.preflight import preflight as shared_preflight
-from safeinstall.run.results import Reporter, RunResult
+from safeinstall.run.results import Reporter, RunResult, service_downtime_s
 from safeinstall.run.rollback import rollback_step
-from safeinstall.run.running import Run, report_waits, start_and_settle
+from safeinstall.run.running import Run, report_waits, reset_start_limits, start_and_settle
 from safeinstall.run.survey import scan_again, systemd_for
 from safeinstall.run.undo import UndoTarget, left_of
 from safeinstall.scan.plan import PlannedProcess, PlannedUnit, left_on_old_code
@@ -72,6 +72,7 @@ from safeinstall.store.journal import (
     update_unit,
 )
 from safeinstall.store.retention import prune_backups
+from safeinstall.store.runlog import human_bytes
 from safeinstall.store.state import (
     RUN_DIR_REMOVAL_S,
     StateDirError,
@@ -88,7 +89,15 @@ from safeinstall.system.gate import GATE_DROPIN, gate_dropin_text, gate_marker
 from safeinstall.system.gpus import GpuSnapshot, NvmlSession, ReleaseStatus, wait_for_release
 from safeinstall.system.health import shown as shown_url
 from safeinstall.system.health import wait_healthy
-from safeinstall.system.identity import end_processes, process_start, same_process, wait_exited
+from safeinstall.system.identity import (
+    StatInfo,
+    end_processes,
+    process_start,
+    read_stat,
+    same_process,
+    uninterruptible,
+    wait_exited,
+)
 from safeinstall.system.signals import held_while_threads_start, interrupts_deferred, interrupts_raise
 from safeinstall.system.systemd import StopOutcome
 
@@ -403,6 +412,7 @@ def stop_step(run: Run) -> str:
     for unit in units:
         run.journal = update_unit(run.journal, unit.name, systemd.user, stopped=True)
     run._journal(Phase.STOPPING)
+    reset = reset_start_limits(run, [u.name for u in units])  # before the stop: not in the window
 
     cancel = threading.Event()
 
@@ -410,12 +420,14 @@ def stop_step(run: Run) -> str:
         return systemd.stop(unit.name, run._stop_timeout(unit.stop_timeout_s), cancel=cancel)
 
     outcomes: list[StopOutcome] = []
+    stuck = _StuckOnGpu.of(run.plan.processes)
     if units:
         with ThreadPoolExecutor(max_workers=len(units)) as pool:
             with held_while_threads_start():
                 stops = {u.name: pool.submit(stop, u) for u in units}
             try:
-                report_waits(run, stops, "stopped", max(run._stop_timeout(u.stop_timeout_s) for u in units))
+                longest = max(run._stop_timeout(u.stop_timeout_s) for u in units)
+                report_waits(run, stops, "stopped", longest, check=stuck)
                 outcomes = [f.result() for f in stops.values()]
             except BaseException:  # Ctrl-C, SIGTERM: the waits end at their next poll, the rollback starts
                 cancel.set()
@@ -428,11 +440,13 @@ def stop_step(run: Run) -> str:
         waited = f" in {timeout:g} s" if first.waited_s >= timeout else ""  # else: said at once, why
         raise StepFailed(f"unit {first.unit} did not stop{waited} ({first.reason})")
     killed = _kill_strays(run)
-    leftover = _wait_gone(run.plan.processes, run._stop_timeout(90.0))
+    leftover = _wait_gone(run.plan.processes, run._stop_timeout(90.0), stuck)
     if leftover:
         raise StepFailed(f"processes {', '.join(map(str, leftover))} still run after their units stopped")
     run._journal(Phase.STOPPED, strays_killed=list(killed))
     detail = f"{len(units)} unit(s) stopped, {len(run.plan.processes)} process(es) gone"
+    if reset:
+        detail += f"; start limit reset first (systemctl reset-failed): {', '.join(reset)}"
     if killed:
         detail += f"; stray PIDs {', '.join(map(str, killed))} ended (not restarted)"
     return detail
@@ -481,7 +495,10 @@ def gpu_release_step(run: Run, session: NvmlSession, baseline: GpuSnapshot) -> s
         run._journal(Phase.GPU_RELEASED, note=f"GPU check skipped: {session.reason}")
         return f"skipped: {session.reason}"
 
+    stuck = _StuckOnGpu.of(run.plan.processes)
+
     def on_poll(status: ReleaseStatus) -> None:
+        stuck()  # a holder that cannot exit is said at once, not after --gpu-timeout
         holders = ", ".join(f"PID {h.pid}" for h in status.holders) or "memory not yet freed"
         run.reporter.progress(
             f"waiting for GPU memory ({holders})", status.waited_s, run.options.gpu_timeout, "s"
@@ -671,7 +688,7 @@ def restart_step(run: Run) -> str:
         def on_poll(waited: float, last: str) -> None:
             run.reporter.progress(f"waiting for {said} to answer 200 (last: {last})", waited, timeout, "s")
 
-        wait_healthy(url, timeout, on_poll)
+        run.healthy_at = wait_healthy(url, timeout, on_poll)
         detail += f"; {said} answers 200"
     return detail
 
@@ -697,11 +714,68 @@ def end_check_step(run: Run) -> str:
     return f"warning: {listed}: restart them to run the new version"
 
 
-def _wait_gone(processes: tuple[PlannedProcess, ...], timeout: float) -> list[int]:
+def _wait_gone(
+    processes: tuple[PlannedProcess, ...], timeout: float, check: Callable[[], None] | None = None
+) -> list[int]:
+    """The PIDs of ``processes`` still running after ``timeout`` s; ``check`` at each poll may raise."""
     procs = [
         p for p in (same_process(planned.pid, planned.start_time) for planned in processes) if p is not None
     ]
-    return [p.pid for p in wait_exited(procs, timeout)]
+    deadline = time.monotonic() + timeout
+    while True:
+        procs = wait_exited(procs, max(0.0, min(GONE_POLL_S, deadline - time.monotonic())))
+        if not procs or time.monotonic() >= deadline:
+            return [p.pid for p in procs]
+        if check is not None:
+            check()
+
+
+GONE_POLL_S = 0.2
+
+#: How long a stopped process that holds GPU memory may stay in uninterruptible sleep (``D``) before
+#: the run says it needs a reboot: one that frees its GPU memory as it exits passes through ``D`` for a
+#: moment; one stuck in the driver (vllm#25127) never leaves it, and no timeout would help.
+STUCK_AFTER_S = 3.0
+
+
+def stuck_on_gpu(stat: StatInfo, gpu_bytes: int | None, d_since: float, now: float) -> str | None:
+    """Pure: what to say of a stopped process (its ``/proc/PID/stat``, parsed; the GPU memory it holds;
+    since when it has been seen in ``D`` without a break) that cannot exit: None while it may yet."""
+    if not uninterruptible(stat) or not gpu_bytes or now - d_since < STUCK_AFTER_S:
+        return None
+    return (
+        f"PID {stat.pid} ({stat.name}) stays in uninterruptible sleep (D state, {now - d_since:.0f} s) "
+        f"holding {human_bytes(gpu_bytes)} of GPU memory: it cannot exit until the kernel call it is in "
+        "returns (in a GPU driver, e.g. nvidia_uvm, often never): the host needs a reboot to free the GPU"
+    )
+
+
+@dataclass
+class _StuckOnGpu:
+    """At each poll of a wait for stopped processes: ends it (StepFailed) at once when one that holds
+    GPU memory stays in ``D`` (:func:`stuck_on_gpu`), instead of waiting out a timeout."""
+
+    holders: dict[tuple[int, int], int]  # (pid, start time) -> the GPU bytes the plan saw it hold
+    since: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, processes: Sequence[PlannedProcess]) -> _StuckOnGpu:
+        return cls({(p.pid, p.start_time): p.gpu_bytes for p in processes if p.gpu_bytes})
+
+    def __call__(self) -> None:
+        now = time.monotonic()
+        for (pid, start), held in self.holders.items():
+            stat = read_stat(pid, start)
+            if stat is None or not uninterruptible(stat):
+                self.since.pop((pid, start), None)
+                continue
+            said = stuck_on_gpu(stat, held, self.since.setdefault((pid, start), now), now)
+            if said is not None:
+                raise StepFailed(
+                    said,
+                    hint=f"reboot the host; before, `cat /proc/{pid}/stack` (as root) and the kernel log "
+                    "(`journalctl -k`) show where it hangs",
+                )
 
 
 def _verify_installed(
@@ -1017,6 +1091,7 @@ def _result(
         plan=run.plan,
         steps=tuple(run.steps),
         downtime_s=dict(run.downtime),
+        service_downtime_s=service_downtime_s(run.down_since, run.healthy_at) if status == "done" else None,
         patched=run.patched,
         deleted=run.deleted,
         extras=run.extras,

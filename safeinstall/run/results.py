@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -44,6 +45,16 @@ class RunResult:
     patches: tuple[PatchOutcome, ...] = ()  # --keep-patches: each local patch, carried/dropped/conflict
     patch_file: str | None = None  # --keep-patches: the carried set, one patch against the new version
     deleted: tuple[str, ...] = ()  # those of ``patched`` deleted locally (nothing of them to keep)
+    #: --health-url: the first unit stopped -> the health URL answered 200 (None without it, or not done)
+    service_downtime_s: float | None = None
+
+
+def service_downtime_s(down_since: Mapping[str, float], healthy_at: float | None) -> float | None:
+    """Pure: the downtime users see: from the first unit the stop took down (CLOCK_MONOTONIC seconds,
+    as systemd says) until the health URL answered 200 (``healthy_at``); None when either is unknown."""
+    if healthy_at is None or not down_since:
+        return None
+    return max(0.0, healthy_at - min(down_since.values()))
 
 
 class Reporter(Protocol):

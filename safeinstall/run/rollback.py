@@ -17,7 +17,7 @@ from safeinstall.errors import (
     StepFailed,
 )
 from safeinstall.run.results import StepOutcome
-from safeinstall.run.running import Run, phase_at_least, start_and_settle
+from safeinstall.run.running import Run, phase_at_least, reset_start_limits, start_and_settle
 from safeinstall.store.journal import (
     JournalUnit,
     Phase,
@@ -113,7 +113,9 @@ def rollback_step(run: Run, error: SafeInstallError) -> SafeInstallError:
 
 def _start_again(run: Run, units: list[JournalUnit]) -> None:
     if units:
-        start_and_settle(run, [u.name for u in units], min(run.options.settle, 2.0))
+        names = [u.name for u in units]
+        reset_start_limits(run, names)  # the restart's starts counted too
+        start_and_settle(run, names, min(run.options.settle, 2.0))
 
 
 def _remove_own_backup(run: Run) -> None:

@@ -24,6 +24,7 @@ from safeinstall.env.wheel import Wheel
 from safeinstall.errors import (
     SafeInstallError,
     StepFailed,
+    SystemdError,
 )
 from safeinstall.run.options import RunOptions
 from safeinstall.run.patches import (
@@ -73,6 +74,7 @@ class Run:
     pruned: tuple[str, ...] = ()
     down_since: dict[str, float] = field(default_factory=dict)  # units the stop took down: since when
     downtime: dict[str, float] = field(default_factory=dict)
+    healthy_at: float | None = None  # --health-url: when it answered 200 after the restart (monotonic s)
     strays_killed: tuple[int, ...] = ()
     restart_started: bool = False
     old_code: tuple[OldCodeProcess, ...] = ()
@@ -165,11 +167,18 @@ WAIT_POLL_S = 1.0
 
 
 def report_waits(
-    run: Run, waits: Mapping[str, Future[Any]], state: str, limit: float, total: float | None = None
+    run: Run,
+    waits: Mapping[str, Future[Any]],
+    state: str,
+    limit: float,
+    total: float | None = None,
+    check: Callable[[], None] | None = None,
 ) -> None:
     """Until every unit's wait is done: a progress line saying which units are not yet ``state`` and
     how long the wait may still take (``limit`` seconds in all; infinity: no bound). ``total``: what
-    the progress counts up to when it is not the limit (the settle time; the limit is then said)."""
+    the progress counts up to when it is not the limit (the settle time; the limit is then said).
+    ``check``, at each poll, may end the wait by raising (a process that cannot end: the caller's
+    rollback starts)."""
     started = time.monotonic()
     bound = limit if math.isfinite(limit) else None
     upto = f"; gives up after {limit:g} s" if total is not None and bound is not None else ""
@@ -177,6 +186,8 @@ def report_waits(
         pending = [unit for unit, future in waits.items() if not future.done()]
         if not pending:
             return
+        if check is not None:
+            check()
         waited = time.monotonic() - started
         run.reporter.progress(
             f"waiting for {', '.join(pending)} to be {state} ({len(pending)} of {len(waits)}{upto})",
@@ -185,6 +196,24 @@ def report_waits(
             "s",
         )
         futures_wait([waits[unit] for unit in pending], timeout=WAIT_POLL_S, return_when=FIRST_COMPLETED)
+
+
+def reset_start_limits(run: Run, units: list[str]) -> tuple[str, ...]:
+    """``systemctl reset-failed`` for each of ``units`` that the plan says could hit its start limit
+    (:func:`safeinstall.system.systemd.start_limit_risk`): the run's start must not be refused for
+    starts made before it. The units reset."""
+    planned = {reset.unit for reset in run.plan.start_limit_resets}
+    reset: list[str] = []
+    for unit in (unit for unit in units if unit in planned):
+        try:
+            run.systemd.reset_failed(unit)
+        except SystemdError as exc:  # not loaded (an inactive unit systemd let go): no counter to reset
+            run._log(f"start limit of {unit} not reset: {exc.message}")
+            continue
+        reset.append(unit)
+    if reset:
+        run._log(f"start limit reset (systemctl reset-failed): {', '.join(reset)}")
+    return tuple(reset)
 
 
 def start_and_settle(run: Run, units: list[str], settle: float) -> str:

@@ -6,6 +6,7 @@ Only gathering happens here; every decision is in :mod:`safeinstall.scan.plan`.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, replace
 
 from safeinstall.env.dependents import dependents, marker_environment
@@ -20,7 +21,7 @@ from safeinstall.env.systemsite import check_target
 from safeinstall.env.uvplan import UvPlan, UvRequest, dry_run, link_mode_for, same_filesystem
 from safeinstall.env.wheel import Wheel, read_wheel
 from safeinstall.run.options import RunOptions
-from safeinstall.scan.plan import Plan, build_plan
+from safeinstall.scan.plan import Plan, build_plan, start_limit_resets
 from safeinstall.scan.processes import ScanResult, scan_processes
 from safeinstall.scan.targets import EnvironmentScope, Target, environment_scope, load_targets
 from safeinstall.store.state import state_root
@@ -125,6 +126,9 @@ def survey(
         gpus=gpus,
         as_root=os.geteuid() == 0,
     )
+    if plan.units:  # the units whose restart their start limit could refuse (needrestart#340)
+        limits = systemd.start_limits(u.name for u in plan.units)
+        plan = replace(plan, start_limit_resets=start_limit_resets(limits, time.monotonic()))
     if env.owner_note:  # said in the plan too: a dry run shows whose environment this is
         plan = replace(plan, warnings=(env.owner_note, *plan.warnings))
     if uv_plan.lock_note:  # who held uv's lock while the plan's uv waited for it (issue 35)

@@ -6,7 +6,7 @@ an NVML snapshot) into one :class:`Plan`, and says whether the run would proceed
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from packaging.version import InvalidVersion, Version
@@ -16,7 +16,7 @@ from safeinstall.scan.evidence import Evidence, EvidenceKind, Strength
 from safeinstall.scan.processes import TOO_LARGE, ProcessRecord, ScanProblem, ScanResult
 from safeinstall.system.cgroups import CgroupPlacement, placement_of_proc_cgroup, valid_unit_name
 from safeinstall.system.gpus import GpuSnapshot
-from safeinstall.system.systemd import UnitInfo
+from safeinstall.system.systemd import StartLimit, UnitInfo, start_limit_risk
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +75,24 @@ class PlannedUnit:
 
 
 @dataclass(frozen=True, slots=True)
+class StartLimitReset:
+    """A unit whose start limit the run's restart could hit: ``systemctl reset-failed`` before the stop
+    (and again before a rollback's start), so that the restart is not refused (needrestart#340)."""
+
+    unit: str
+    reason: str
+
+
+def start_limit_resets(limits: Mapping[str, StartLimit], now_s: float) -> tuple[StartLimitReset, ...]:
+    """Pure: the units (of ``limits``, each planned unit's start limit) that the run resets, and why."""
+    return tuple(
+        StartLimitReset(unit, reason)
+        for unit, limit in sorted(limits.items())
+        if (reason := start_limit_risk(limit, now_s)) is not None
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     package: str
     python: str
@@ -103,6 +121,8 @@ class Plan:
     #: those of ``warnings`` about the host, not this run (processes even root cannot read, no NVML): the
     #: same on every command of that machine, so ``-q`` leaves them out (``--json`` and the log keep them)
     host_notes: tuple[str, ...] = ()
+    #: units whose start limit the restart could hit: reset before the stop (systemctl reset-failed)
+    start_limit_resets: tuple[StartLimitReset, ...] = ()
 
     @property
     def proceeds(self) -> bool:
@@ -162,6 +182,18 @@ def affected_distributions(
             new = wheel_version
         result.append(AffectedDistribution(name, installed.get(name), new, name == package))
     return tuple(result)
+
+
+def persistence_warnings(gpus: GpuSnapshot, planned: Collection[int]) -> list[str]:
+    """Pure: a warning for each GPU that a planned process uses and whose NVML persistence mode is off:
+    the driver then tears the GPU's state down when its last process exits, and each start pays its
+    initialisation again (1-3 s per GPU)."""
+    return [
+        f"GPU {gpu.index} ({gpu.name}) has NVML persistence mode off: the restart pays its initialisation "
+        "again (1-3 s per GPU); `nvidia-smi -pm 1` (or the nvidia-persistenced service) keeps it"
+        for gpu in gpus.gpus
+        if gpu.persistence_mode is False and any(p.pid in planned for p in gpu.processes)
+    ]
 
 
 def _gpu_bytes(gpus: GpuSnapshot) -> dict[int, int]:
@@ -441,6 +473,7 @@ def build_plan(
         warnings.append(no_gpu_check)
     # root that cannot read a process (a VM's init), a machine without NVML: so on every command
     host = tuple(w for w in (unread if as_root else None, no_gpu_check) if w)
+    warnings.extend(persistence_warnings(gpus, {p.pid for p in processes}))
     if left_out:
         warnings.append(
             f"--only-loaded leaves out {len(left_out)} process(es) that run this environment's Python "

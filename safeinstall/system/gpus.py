@@ -69,6 +69,9 @@ class Gpu:
     processes: tuple[GpuProcess, ...]
     #: Why the process list is unavailable (then ``processes`` is empty and means nothing); None if listed.
     processes_error: str | None = None
+    #: ``nvmlDeviceGetPersistenceMode``: off, each start of a process pays the GPU's initialisation
+    #: (1-3 s); None: not known (the driver does not say)
+    persistence_mode: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -415,7 +418,16 @@ def _query_gpu(index: int, proc_root: Path) -> tuple[Gpu, list[str], list[str]]:
     procs, procs_error, is_error = _processes(handle, index, proc_root)
     if procs_error is not None:
         (errors if is_error else warnings).append(f"GPU {index}: {procs_error}")
-    return Gpu(index, name, uuid, total, used, api, procs, procs_error), warnings, errors
+    persistence = _persistence_mode(handle)
+    return Gpu(index, name, uuid, total, used, api, procs, procs_error, persistence), warnings, errors
+
+
+def _persistence_mode(handle: object) -> bool | None:
+    """Whether the GPU keeps its driver state while no process uses it; None where NVML does not say."""
+    try:
+        return bool(pynvml.nvmlDeviceGetPersistenceMode(handle) == pynvml.NVML_FEATURE_ENABLED)
+    except pynvml.NVMLError:
+        return None
 
 
 def _driver_version() -> str | None:

@@ -53,6 +53,21 @@ def parse_stat(text: str) -> StatInfo:
     )
 
 
+def uninterruptible(stat: StatInfo) -> bool:
+    """Pure: in uninterruptible sleep (``D``): inside a kernel call that no signal ends before it
+    returns, SIGKILL included (a driver's teardown, e.g. in ``nvidia_uvm``, may never return)."""
+    return stat.state == "D"
+
+
+def read_stat(pid: int, start: int, proc: Path = Path("/proc")) -> StatInfo | None:
+    """``/proc/PID/stat`` of the process seen as (``pid``, ``start``); None when it is gone."""
+    try:
+        stat = parse_stat((proc / str(pid) / "stat").read_text(encoding="utf-8", errors="replace"))
+    except (OSError, ValueError):
+        return None
+    return stat if stat.start_time == start else None
+
+
 def process_start(pid: int, proc: Path = Path("/proc")) -> int | None:
     """The start time of ``pid`` in clock ticks after boot; None when there is no such process."""
     try:

@@ -625,6 +625,22 @@ class Systemd:
         self.daemon_reload()
         return path
 
+    # ---- start limits (StartLimitBurst= within StartLimitIntervalSec=)
+
+    def start_limits(self, units: Iterable[str]) -> dict[str, StartLimit]:
+        """Each unit's start limit and its last start, in one ``systemctl show`` call."""
+        names = list(dict.fromkeys(check_unit_name(unit) for unit in units))
+        if not names:
+            return {}
+        blocks = parse_show(self.systemctl("show", "-p", ",".join(START_LIMIT_PROPERTIES), "--", *names))
+        if len(blocks) != len(names):
+            raise SystemdError(f"systemctl show answered {len(blocks)} blocks for {len(names)} units")
+        return {name: start_limit(name, block) for name, block in zip(names, blocks, strict=True)}
+
+    def reset_failed(self, unit: str) -> None:
+        """``systemctl reset-failed UNIT``: its start-limit counter, failed state and restart count to 0."""
+        self.systemctl("reset-failed", "--", check_unit_name(unit))
+
     def remove_dropin(self, unit: str, name: str, *, persistent: bool) -> bool:
         """Remove drop-in ``name`` of ``unit`` (and its directory if now empty) and reload.
 
@@ -656,3 +672,58 @@ def _stop_failure_reason(
         f"{info.name} is {info.active_state} but {len(pids)} process(es) remain in "
         f"{control_group or 'its cgroup'}: {shown} (KillMode=process or none?)"
     )
+
+
+# ------------------------------------------------------------------------------------- start limits
+
+START_LIMIT_PROPERTIES: tuple[str, ...] = (
+    "StartLimitBurst",
+    "StartLimitIntervalUSec",
+    "InactiveExitTimestampMonotonic",
+    "ExecMainStartTimestampMonotonic",
+)
+
+#: Starts a run may make of one unit: its restart, and a rollback's.
+RUN_STARTS = 2
+
+
+@dataclass(frozen=True, slots=True)
+class StartLimit:
+    """A unit's start limit (``StartLimitBurst=`` starts within ``StartLimitIntervalSec=``) and when it
+    was last started (CLOCK_MONOTONIC seconds; 0: never). systemd does not show how many starts its
+    counter holds: only when the last one was."""
+
+    unit: str
+    burst: int  # 0: no limit
+    interval_s: float  # 0: no limit
+    last_start_s: float
+
+
+def start_limit(name: str, props: Mapping[str, str]) -> StartLimit:
+    """Pure: a :class:`StartLimit` from one block of ``systemctl show -p START_LIMIT_PROPERTIES``."""
+    try:
+        interval = parse_timespan(props.get("StartLimitIntervalUSec", "") or "0")
+    except ValueError:
+        interval = 0.0
+    last = max(_int(props.get(key, "")) for key in START_LIMIT_PROPERTIES[2:]) / 1e6
+    return StartLimit(name, _int(props.get("StartLimitBurst", "")), interval, last)
+
+
+def start_limit_risk(limit: StartLimit, now_s: float, run_starts: int = RUN_STARTS) -> str | None:
+    """Pure: why the run's starts of a unit could hit its start limit (None: they cannot).
+
+    systemd counts starts in a window that opens at the first start after the last window closed:
+    a unit last started more than ``StartLimitIntervalSec`` ago starts a new window, in which the run's
+    own starts (``run_starts``: the restart, and a rollback's) count alone. A unit started within the
+    interval may have been started (restarted by hand, by a tool, by ``Restart=``) any number of times
+    in it, and systemd does not say how many: the run's restart could be refused (``start-limit-hit``)
+    and leave the service down (needrestart#340)."""
+    if limit.burst <= 0 or limit.interval_s <= 0:
+        return None
+    said = f"StartLimitBurst={limit.burst} within {limit.interval_s:g} s"
+    if limit.burst < run_starts:
+        return f"{said}: fewer than the {run_starts} starts a run may make (its restart, a rollback's)"
+    if limit.last_start_s > 0 and now_s - limit.last_start_s < limit.interval_s:
+        ago = now_s - limit.last_start_s
+        return f"{said}, last started {ago:.0f} s ago: how many starts it has left systemd does not say"
+    return None
