@@ -423,6 +423,7 @@ def verify_environment(
     per_plan: list[list[Finding]] = []
     scripts = os.fspath(env.scripts) + os.sep  # an installer makes what it puts there executable
     mismatched: dict[str, Expectation] = {}  # modified files: another RECORD may list them too
+    dist_infos_of = functools.cache(_dist_infos_of)
     for plan in plans:
         findings = list(plan.findings)
         for expectation in plan.expectations:
@@ -440,7 +441,7 @@ def verify_environment(
             if moded is not None:
                 findings.append(moded)
         findings.extend(unlisted[plan.dist.name])
-        findings.extend(_second_dist_infos(plan.dist))
+        findings.extend(_second_dist_infos(plan.dist, dist_infos_of))
         per_plan.append(findings)
     listed_by = _listed_by(found, mismatched)
     for plan, findings in zip(plans, per_plan, strict=True):
@@ -501,14 +502,27 @@ def verify_environment(
     )
 
 
-def _second_dist_infos(dist: InstalledDistribution) -> list[Finding]:
+def _dist_infos_of(site: str) -> Mapping[str, tuple[str, ...]]:
+    """The ``.dist-info`` directory names of a site directory by canonical distribution name (one
+    verification lists each site directory once through a cache of its own, not once per distribution:
+    198 listings of 600 entries on vLLM)."""
+    try:
+        names = sorted(os.listdir(site))
+    except OSError:
+        return {}
+    by_name: dict[str, list[str]] = {}
+    for name in names:
+        if (canonical := dist_info_name(name)) is not None:
+            by_name.setdefault(canonical, []).append(name)
+    return {canonical: tuple(found) for canonical, found in by_name.items()}
+
+
+def _second_dist_infos(
+    dist: InstalledDistribution, dist_infos_of: Callable[[str], Mapping[str, tuple[str, ...]]]
+) -> list[Finding]:
     """Another ``.dist-info`` of the distribution in its own site directory (a run killed while uv wrote
     the new version): two installations in one place, which the first one's RECORD cannot show. Drift
     (``extra``), each with its path; one of the base installation's that this one shadows is not."""
-    try:
-        names = sorted(os.listdir(dist.site))
-    except OSError:
-        return []
     return [
         Finding(
             dist.name,
@@ -516,8 +530,8 @@ def _second_dist_infos(dist: InstalledDistribution) -> list[Finding]:
             FindingKind.EXTRA,
             f"a second .dist-info of {dist.display_name} beside {dist.dist_info.name}: two installations",
         )
-        for name in names
-        if name != dist.dist_info.name and dist_info_name(name) == dist.name
+        for name in dist_infos_of(str(dist.site)).get(dist.name, ())
+        if name != dist.dist_info.name
     ]
 
 
