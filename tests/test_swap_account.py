@@ -1,0 +1,279 @@
+"""The swap in an environment another account owns (issue 34, item 2): the staging directory, the
+attic, the renames and the tidy-up are that account's worker's (``safeinstall/env/swap.py``:
+``as_owner``), never root's; the journal phases, ``--recover`` and the rollback are the root swap's.
+
+The runs use the real uv, the private ``systemd --user`` manager, sicext's wheels and uid 65534
+(:class:`tests.beds.ServiceAccountBed`). Kills and failures at a rename are injected by strace into the
+account's worker (``-f``: the renames run in a forked process; strace counts each process's calls on
+its own, so ``when=N`` is the worker's Nth ``renameat2``), never by a hook in safeinstall.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.bed_systemd import wait_until
+from tests.beds import NOBODY, ServiceAccountBed
+from tests.beds import tree_snapshot as _snapshot
+
+
+def tree_snapshot(top: Path) -> dict[str, tuple[object, ...]]:
+    """The venv, uv's lock file aside (the gate replaces it: see uvplan.secure_uv_lock)."""
+    return {path: what for path, what in _snapshot(top).items() if path != ".lock"}
+
+
+def _venv(bed: ServiceAccountBed) -> Path:
+    return bed.python.parent.parent
+
+
+def _steps(result_json: dict[str, object]) -> dict[str, str]:
+    data = result_json["data"]
+    assert isinstance(data, dict)
+    return {s["name"]: s["detail"] for s in data["steps"]}
+
+
+def test_an_accounts_environment_swaps_as_that_account(account: ServiceAccountBed) -> None:
+    """uid 65534's venv: the new version is staged and verified before the stop, renamed into place in
+    the window (nothing hashed there), verified in place once the unit runs; every file of the venv is
+    the account's, as uv's install as that account leaves it, and no staging directory is left."""
+    name = account.service("acct-swap")
+    result = account.safeinstall(
+        "sicext", "--wheel", str(account.wheels["sicext-2"]), "--settle", "0.5", "--json"
+    )
+    assert result.code == 0, result.stdout + result.stderr
+    steps = _steps(result.json)
+    assert steps["install"].startswith("swapped: "), steps
+    assert "files verified in the staging tree before the stop" in steps["verify"], steps
+    assert "files match" in steps["verify-in-place"], steps
+    assert account.version() == "2.0"
+    owners = {(what[1], what[2]) for what in tree_snapshot(_venv(account)).values()}
+    assert owners == {(NOBODY, NOBODY)}, owners
+    assert not list(_venv(account).glob(".safeinstall-*"))
+    assert account.manager.active_state(name) == "active"
+    account.no_trace()
+
+
+def test_a_rename_the_account_may_not_make_is_never_made_by_root(account: ServiceAccountBed) -> None:
+    """Once the run planned and staged, the package's directory is handed to root (0755): the account
+    may not move it, root could. The swap's renames are the account's: the exchange fails, the run rolls
+    back (exit 3), the old version in place and the unit running."""
+    package = account.site / "sicext"
+    venv = _venv(account)
+    before = tree_snapshot(venv)
+    name = account.service("acct-denied", ExecStopPost="/bin/sleep 1")
+    proc = account.start_run(
+        "sicext", "--wheel", str(account.wheels["sicext-2"]), "--settle", "0.5", "--json"
+    )
+    try:
+        account.wait_phase(proc, "staged", "gated", "stopping", timeout=120)
+        os.chown(package, 0, 0)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 3, out + err
+    assert "the swap failed" in out and "Permission denied" in out, out
+    os.chown(package, NOBODY, NOBODY)
+    assert account.version() == "1.0" and tree_snapshot(venv) == before
+    account.manager.wait_active(name)
+    assert not list(venv.glob(".safeinstall-*"))
+    account.no_trace()
+
+
+# --- crashes and failures at each rename, as the account -----------------------------------------------
+
+
+def _strace() -> str:
+    found = shutil.which("strace")
+    if found is None:
+        pytest.skip("strace is not installed: the faults in the middle of the swap are injected with it")
+    return found
+
+
+def _traced(bed: ServiceAccountBed, inject: str) -> subprocess.Popen[str]:
+    """A run 1.0 -> 2.0 under ``strace -f`` with ``inject`` on every process's ``renameat2`` calls (the
+    window's renames are the account's worker's; root's own process and uv make none)."""
+    args = bed.args("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json")
+    command = [_strace(), "-f", "-qq", "-o", "/dev/null", "-e", "trace=renameat2"]
+    return subprocess.Popen(
+        [*command, "-e", f"inject=renameat2:{inject}", *args],
+        env=bed.environ(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _status(pid: int) -> dict[str, str]:
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return {}
+    return dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
+
+
+def _stopped_tracee(tracer: int, timeout: float) -> int:
+    """The process strace stopped (its ``SIGSTOP`` at the Nth rename): its PID."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            status = _status(int(entry.name))
+            if status.get("TracerPid", "").strip() == str(tracer) and status.get("State", "")[:1] in "tT":
+                return int(entry.name)
+        time.sleep(0.01)
+    raise AssertionError(f"no process stopped by strace {tracer} within {timeout} s")
+
+
+def _run_pid(tracer: int) -> int:
+    """safeinstall itself: strace's child."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and _status(int(entry.name)).get("PPid", "").strip() == str(tracer):
+            return int(entry.name)
+    raise AssertionError("safeinstall is not running under strace")
+
+
+def test_a_crash_at_each_rename_of_the_accounts_swap_then_recover_puts_the_old_version_back(
+    account: ServiceAccountBed,
+) -> None:
+    """The account's worker is stopped at its first, each middle and its last rename, and safeinstall
+    is killed there (the worker goes with it: SIGKILL when safeinstall dies): the journal says
+    ``swapping``; ``--recover`` restores the old version byte for byte (the staging directory removed by
+    the account), and starts the unit."""
+    name = account.unit("acct-kill")
+    venv = _venv(account)
+    before = tree_snapshot(venv)
+    count = None
+    when = 1
+    while count is None or when <= count:
+        tracer = _traced(account, f"signal=SIGSTOP:when={when}")
+        try:
+            worker = _stopped_tracee(tracer.pid, 120)
+            assert _status(worker).get("Uid", "").split()[1:2] == [str(NOBODY)], _status(worker)
+            os.kill(_run_pid(tracer.pid), signal.SIGKILL)
+            tracer.communicate(timeout=60)
+        finally:
+            if tracer.poll() is None:
+                tracer.kill()
+                tracer.communicate()
+        gone = Path(f"/proc/{worker}")
+        wait_until(lambda p=gone: not p.exists(), 20, "the worker gone with safeinstall")
+        journal = account.journal()
+        assert journal is not None and journal["phase"] == "swapping", (when, journal)
+        if count is None:  # the plan's numbers, from the run's log: renames in and out
+            log = next(account.state.glob("*/logs/*.log")).read_text()
+            counts = re.findall(r"the window renames (\d+) entries in and (\d+) out", log)
+            count = int(counts[-1][0]) + int(counts[-1][1])
+            assert count >= 3, log
+        (staging,) = venv.glob(".safeinstall-swap-*")
+        assert staging.stat().st_uid == NOBODY
+        recovered = account.cli("--recover", "--json")
+        assert recovered.code == 0, recovered.stdout + recovered.stderr
+        (recovery,) = recovered.json["data"]["recoveries"]
+        assert recovery["phase"] == "swapping" and recovery["restored"] is (when > 1), recovery
+        wait_until(lambda: account.manager.active_state(name) == "active", 20, "unit running again")
+        assert tree_snapshot(venv) == before, when
+        assert not list(venv.glob(".safeinstall-*"))
+        account.no_trace()
+        when += 1
+
+
+def test_a_rename_of_the_accounts_swap_that_fails_rolls_back(account: ServiceAccountBed) -> None:
+    name = account.unit("acct-fail")
+    venv = _venv(account)
+    before = tree_snapshot(venv)
+    tracer = _traced(account, "error=EIO:when=2")
+    out, err = tracer.communicate(timeout=240)
+    assert tracer.returncode == 3, out + err
+    assert "the swap failed" in out and "Input/output error" in out, out
+    assert tree_snapshot(venv) == before
+    assert account.manager.active_state(name) == "active"
+    assert not list(venv.glob(".safeinstall-*"))
+    account.no_trace()
+
+
+@pytest.mark.parametrize(
+    ("phase", "phases"),
+    [
+        ("staged", ("staged",)),
+        ("installed", ("installed", "verified", "restarting")),
+        ("restarting", ("restarting",)),
+        ("done", ("done",)),
+    ],
+)
+def test_a_kill_at_each_phase_around_the_accounts_swap_then_recover(
+    account: ServiceAccountBed, phase: str, phases: tuple[str, ...]
+) -> None:
+    """As for root's swap (tests/test_swap.py): killed with the account's staging tree verified, the
+    swap done, the units on the new version, or while the account's worker removes the staging tree:
+    ``--recover`` leaves one whole version, no staging directory, the unit up."""
+    name = account.unit(f"acct-{phase}")
+    venv = _venv(account)
+    before = tree_snapshot(venv)
+    proc = account.start_run("sicext", "--wheel", str(account.wheels["sicext-2"]), "--settle", "1")
+    try:
+        caught = account.wait_phase(proc, *phases, timeout=120)
+        os.kill(proc.pid, signal.SIGKILL)
+    except AssertionError:  # "done" lasts milliseconds: the run may finish before it is seen
+        if phase != "done":
+            raise
+        caught = None
+    finally:
+        proc.wait()
+        proc.communicate()
+    if account.journal() is not None:
+        recovered = account.cli("--recover", "--json")
+        assert recovered.code == 0, recovered.stdout + recovered.stderr
+        (recovery,) = recovered.json["data"]["recoveries"]
+        assert recovery["phase"] == caught, recovery
+    wait_until(lambda: account.manager.active_state(name) == "active", 20, "unit running again")
+    assert not list(venv.glob(".safeinstall-*"))
+    if caught in ("staged", "installed"):
+        assert account.version() == "1.0" and tree_snapshot(venv) == before
+    else:
+        check = account.verify("--wheel", str(account.wheels["sicext-2"]))
+        assert account.version() == "2.0" and check.code == 0, check.stdout
+    account.no_trace()
+
+
+@pytest.mark.parametrize("killed", [False, True], ids=["finished", "killed-then-recovered"])
+def test_a_file_the_account_writes_into_the_old_package_is_put_back_by_the_account(
+    account: ServiceAccountBed, killed: bool
+) -> None:
+    """The service (the account) writes a file into its package's directory after the backup: the
+    exchange takes it away with the old tree, and once the new version runs the account's worker renames
+    it back where it was (the run, or ``--recover`` after a kill), the account's file still."""
+    name = account.unit("acct-late")
+    late = account.site / "sicext" / "late.txt"
+    proc = account.start_run("sicext", "--wheel", str(account.wheels["sicext-2"]), "--settle", "2", "--json")
+    try:
+        account.wait_phase(proc, "staged", "gated", "stopping", timeout=120)
+        as_nobody = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+        subprocess.run([*as_nobody, "sh", "-c", f"echo late > {late}"], check=True)
+        if killed:
+            account.wait_phase(proc, "restarting", timeout=120)
+            os.kill(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    if killed:
+        recovered = account.cli("--recover", "--json")
+        assert recovered.code == 0, recovered.stdout + recovered.stderr
+        wait_until(lambda: account.manager.active_state(name) == "active", 20, "unit running again")
+    else:
+        assert proc.returncode == 0, out + err
+    assert late.read_text() == "late\n" and late.stat().st_uid == NOBODY
+    assert not list(_venv(account).glob(".safeinstall-*"))
+    assert account.version() == "2.0"
