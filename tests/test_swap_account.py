@@ -10,6 +10,7 @@ its own, so ``when=N`` is the worker's Nth ``renameat2``), never by a hook in sa
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -99,11 +100,13 @@ def _strace() -> str:
     return found
 
 
-def _traced(bed: ServiceAccountBed, inject: str) -> subprocess.Popen[str]:
-    """A run 1.0 -> 2.0 under ``strace -f`` with ``inject`` on every process's ``renameat2`` calls (the
-    window's renames are the account's worker's; root's own process and uv make none)."""
+def _traced(bed: ServiceAccountBed, inject: str, out: Path | None = None) -> subprocess.Popen[str]:
+    """A run 1.0 -> 2.0 under ``strace -f`` with ``inject`` on the ``renameat2`` calls in the venv's
+    ``site-packages`` and ``bin`` (``-P``: by the directory descriptor they name; uv's own renames, in the
+    staging tree and its cache, are left alone); strace's output in ``out``."""
     args = bed.args("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json")
-    command = [_strace(), "-f", "-qq", "-o", "/dev/null", "-e", "trace=renameat2"]
+    where = ["-P", str(bed.site), "-P", str(bed.python.parent)]
+    command = [_strace(), "-f", "-qq", "-o", str(out or "/dev/null"), *where, "-e", "trace=renameat2"]
     return subprocess.Popen(
         [*command, "-e", f"inject=renameat2:{inject}", *args],
         env=bed.environ(),
@@ -121,18 +124,16 @@ def _status(pid: int) -> dict[str, str]:
     return dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
 
 
-def _stopped_tracee(tracer: int, timeout: float) -> int:
-    """The process strace stopped (its ``SIGSTOP`` at the Nth rename): its PID."""
+def _stopped_tracee(out: Path, timeout: float) -> int:
+    """The process strace stopped (its ``SIGSTOP`` at the Nth rename, as strace's output says): its PID."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            status = _status(int(entry.name))
-            if status.get("TracerPid", "").strip() == str(tracer) and status.get("State", "")[:1] in "tT":
-                return int(entry.name)
+        with contextlib.suppress(FileNotFoundError):
+            for line in out.read_text().splitlines():
+                if line.endswith("--- stopped by SIGSTOP ---"):
+                    return int(line.split()[0])
         time.sleep(0.01)
-    raise AssertionError(f"no process stopped by strace {tracer} within {timeout} s")
+    raise AssertionError(f"no process stopped by strace within {timeout} s")
 
 
 def _run_pid(tracer: int) -> int:
@@ -144,10 +145,11 @@ def _run_pid(tracer: int) -> int:
 
 
 def test_a_crash_at_each_rename_of_the_accounts_swap_then_recover_puts_the_old_version_back(
-    account: ServiceAccountBed,
+    account: ServiceAccountBed, tmp_path: Path
 ) -> None:
-    """The account's worker is stopped at its first, each middle and its last rename, and safeinstall
-    is killed there (the worker goes with it: SIGKILL when safeinstall dies): the journal says
+    """The account's worker is stopped at its first, each middle and its last rename (which is not
+    made: strace answers it), and safeinstall is killed there (the worker goes with it: SIGKILL when
+    safeinstall dies): the journal says
     ``swapping``; ``--recover`` restores the old version byte for byte (the staging directory removed by
     the account), and starts the unit."""
     name = account.unit("acct-kill")
@@ -156,16 +158,16 @@ def test_a_crash_at_each_rename_of_the_accounts_swap_then_recover_puts_the_old_v
     count = None
     when = 1
     while count is None or when <= count:
-        tracer = _traced(account, f"signal=SIGSTOP:when={when}")
+        out = tmp_path / f"strace-{when}"
+        tracer = _traced(account, f"retval=0:signal=SIGSTOP:when={when}", out)
         try:
-            worker = _stopped_tracee(tracer.pid, 120)
-            assert _status(worker).get("Uid", "").split()[1:2] == [str(NOBODY)], _status(worker)
-            os.kill(_run_pid(tracer.pid), signal.SIGKILL)
+            worker = _stopped_tracee(out, 120)
+            uid = _status(worker).get("Uid", "").split()[1:2]
+        finally:  # safeinstall first (the worker goes with it), then strace: none is left stopped
+            with contextlib.suppress(AssertionError, ProcessLookupError):
+                os.kill(_run_pid(tracer.pid), signal.SIGKILL)
             tracer.communicate(timeout=60)
-        finally:
-            if tracer.poll() is None:
-                tracer.kill()
-                tracer.communicate()
+        assert uid == [str(NOBODY)], f"the rename was made by uid {uid}, not the account's worker"
         gone = Path(f"/proc/{worker}")
         wait_until(lambda p=gone: not p.exists(), 20, "the worker gone with safeinstall")
         journal = account.journal()
