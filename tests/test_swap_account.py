@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -136,6 +137,10 @@ def _stopped_tracee(out: Path, timeout: float) -> int:
     raise AssertionError(f"no process stopped by strace within {timeout} s")
 
 
+def _ended(pid: int) -> Callable[[], bool]:
+    return lambda: not Path(f"/proc/{pid}").exists()
+
+
 def _run_pid(tracer: int) -> int:
     """safeinstall itself: strace's child."""
     for entry in Path("/proc").iterdir():
@@ -168,8 +173,7 @@ def test_a_crash_at_each_rename_of_the_accounts_swap_then_recover_puts_the_old_v
                 os.kill(_run_pid(tracer.pid), signal.SIGKILL)
             tracer.communicate(timeout=60)
         assert uid == [str(NOBODY)], f"the rename was made by uid {uid}, not the account's worker"
-        gone = Path(f"/proc/{worker}")
-        wait_until(lambda p=gone: not p.exists(), 20, "the worker gone with safeinstall")
+        wait_until(_ended(worker), 20, "the worker gone with safeinstall")
         journal = account.journal()
         assert journal is not None and journal["phase"] == "swapping", (when, journal)
         if count is None:  # the plan's numbers, from the run's log: renames in and out
