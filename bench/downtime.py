@@ -280,7 +280,7 @@ def account_case(work: Path) -> Case:
 
 
 def _account_case(work: Path, uid: int, gid: int, home: Path) -> Case:
-    work.chmod(0o711)  # the account reaches its venv, the fresh wheels and the run's uv cache below it
+    work.chmod(0o755)  # the account opens its venv, the fresh wheels and the run's uv cache below it
     as_account = f"setpriv --reuid={uid} --regid={gid} --clear-groups "
     interpreter = wheelhouse.shared_interpreter()
     if interpreter is None:
