@@ -24,9 +24,14 @@ in the window): an old file's last link goes with the staging directory, after t
 window, :func:`execute` does only those renames (a few dozen for torch or vLLM, plus the files
 of shared directories) and the fsync of the directories they changed; :func:`moved_as_staged` then
 checks that each entry in place is the very inode that was verified in the staging tree, which only
-root could change (it is root's, 0700, for a root-owned environment: the only kind swapped). What was
-moved out, and the old trees the exchanges left in the staging directory, are deleted with it once the
-units run again (:func:`discard_staging`); the backup holds the old version all along.
+the prefix's owner could change (the staging directory is the owner's, 0700). What was moved out, and
+the old trees the exchanges left in the staging directory, are deleted with it once the units run
+again (:func:`discard_staging`); the backup holds the old version all along.
+
+Every write in the prefix (the staging directory, the attic, the renames, the tidy-up, the removal) is
+the prefix's owner's (:func:`as_owner`): root's own process for a root-owned environment, a worker that
+is the account for another account's (issue 34; docs/window.md says why the window then needs no hash of
+the account's files). Root itself only reads: the staging tree's files, each entry's identity.
 """
 
 from __future__ import annotations
@@ -89,7 +94,7 @@ class SwapPlan:
 class Staged:
     """A verified staging tree and how it takes its place."""
 
-    root: Path  # <prefix>/.safeinstall-swap-RUN
+    root: Path  # <prefix>/.safeinstall-swap-RUN (the prefix owner's, 0700)
     plan: SwapPlan
     identities: Mapping[str, tuple[int, int]]  # each move's (device, inode), as verified
     files: int  # files of the new version in it
