@@ -1,6 +1,6 @@
 """Service downtime and whole-run time: safeinstall against the hand sequence, on the same unit and wheel.
 
-Usage: python bench/downtime.py [--case torch|torch-warm|torch-account|vllm|vllm-cold|synthetic|both]
+Usage: python bench/downtime.py [--case torch|torch-warm|torch-account[-warm]|vllm|vllm-cold|synthetic|both]
                                 [--rounds 3]
                                 [--blob-mb 64] [--settle 1] [--safeinstall PATH] [--logs DIR]
 
@@ -30,6 +30,7 @@ Cases:
   ``useradd`` (``si-bench``, removed with its home at the end): its unit runs as that account, the
   hand's uv runs as that account with the account's own cache (``~si-bench/.cache/uv``), and safeinstall
   (root) fills its run's cache from that cache and swaps in the account's worker.
+  ``torch-account-warm``: the same, the same wheel path every round (the account's cache has it).
 * ``synthetic``: the fixture ``sicext`` 1.0 -> 2.0 with a random ``--blob-mb`` file (a C extension).
 
 Each round installs a fresh copy of the wheel (a new path: uv has not seen it, as with a new nightly),
@@ -267,19 +268,20 @@ def remove_account() -> None:
     subprocess.run(["userdel", "--remove", BENCH_ACCOUNT], check=False, capture_output=True)
 
 
-def account_case(work: Path) -> Case:
+def account_case(work: Path, warm: bool) -> Case:
     """torch in a venv the bench's account owns, installed by that account's uv with its own cache; the
-    unit runs as the account, the hand's uv too."""
+    unit runs as the account, the hand's uv too. ``warm``: the same wheel path every round, which the
+    account's cache holds unpacked (torch-account-warm)."""
     remove_account()  # one a bench that died left
     uid, gid, home = make_account()
     try:
-        return _account_case(work, uid, gid, home)
+        return _account_case(work, uid, gid, home, warm)
     except BaseException:
         remove_account()
         raise
 
 
-def _account_case(work: Path, uid: int, gid: int, home: Path) -> Case:
+def _account_case(work: Path, uid: int, gid: int, home: Path, warm: bool) -> Case:
     work.chmod(0o755)  # the account opens its venv, the fresh wheels and the run's uv cache below it
     as_account = f"setpriv --reuid={uid} --regid={gid} --clear-groups "
     interpreter = wheelhouse.shared_interpreter()
@@ -295,13 +297,15 @@ def _account_case(work: Path, uid: int, gid: int, home: Path) -> Case:
     env = {**wheelhouse.uv_env(), "UV_CACHE_DIR": str(cache)}
     install = [wheelhouse.UV, "pip", "install", "--quiet", "--python", str(python), str(first)]
     subprocess.run([*as_account.split(), *install], check=True, env=env)
-    shutil.rmtree(readable)
+    if not warm:
+        shutil.rmtree(readable)
     return Case(
-        "torch-account",
+        "torch-account-warm" if warm else "torch-account",
         "torch",
-        wheel,
+        first if warm else wheel,
         python,
         f'{as_account}{python} -c "{SERVE_TORCH}"',
+        same_wheel=warm,
         hand_cache=cache,
         hand_as=as_account,
     )
@@ -319,7 +323,7 @@ def report(case: Case, rounds: int, settle: float) -> None:
     print(f"             safeinstall {ours:6.2f} s {[round(t, 2) for t in case.times['safeinstall']]}")
     print(f"  whole run  hand median {hand_w:6.2f} s {[round(t, 2) for t in case.walls['hand']]}")
     print(f"             safeinstall {ours_w:6.2f} s {[round(t, 2) for t in case.walls['safeinstall']]}")
-    warm = ("torch-warm", "vllm", "torch-account")
+    warm = ("torch-warm", "vllm", "torch-account", "torch-account-warm")
     goal = "0.5x" if case.name in warm else "0.3x" if case.name == "vllm-cold" else "1.0x"
     print(
         f"  downtime safeinstall / hand = {ours / hand:.2f}x "
@@ -355,7 +359,16 @@ def main() -> int:
     )
     parser.add_argument(
         "--case",
-        choices=("torch", "torch-warm", "torch-account", "vllm", "vllm-cold", "synthetic", "both"),
+        choices=(
+            "torch",
+            "torch-warm",
+            "torch-account",
+            "torch-account-warm",
+            "vllm",
+            "vllm-cold",
+            "synthetic",
+            "both",
+        ),
         default="both",
     )
     parser.add_argument("--safeinstall", default=SAFEINSTALL, help="the safeinstall to run (another build)")
@@ -391,8 +404,8 @@ def main() -> int:
         cases.append(
             Case("torch-warm", "torch", wheel, python, f'{python} -c "{SERVE_TORCH}"', same_wheel=True)
         )
-    if args.case == "torch-account":
-        cases.append(account_case(work))
+    if args.case in ("torch-account", "torch-account-warm"):
+        cases.append(account_case(work, warm=args.case == "torch-account-warm"))
     if args.case in ("vllm", "vllm-cold"):
         hand_env = {**wheelhouse.uv_env(), "UV_CACHE_DIR": str(args.hand_cache)}
         python = wheelhouse.make_venv(work / "vllm-venv")
@@ -431,7 +444,7 @@ def main() -> int:
             for log in (work / "state").glob("*/logs/*.log"):
                 shutil.copy(log, args.logs / log.name)
         shutil.rmtree(work, ignore_errors=True)
-        if args.case == "torch-account":
+        if args.case in ("torch-account", "torch-account-warm"):
             remove_account()
     for case in cases:
         report(case, args.rounds, args.settle)
