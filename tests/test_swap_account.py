@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.bed_systemd import wait_until
-from tests.beds import NOBODY, ServiceAccountBed
+from tests.beds import NOBODY, ServiceAccountBed, chown_tree
 from tests.beds import tree_snapshot as _snapshot
 
 
@@ -89,6 +89,24 @@ def test_a_rename_the_account_may_not_make_is_never_made_by_root(account: Servic
     account.manager.wait_active(name)
     assert not list(venv.glob(".safeinstall-*"))
     account.no_trace()
+
+
+def test_a_staging_directory_a_dead_run_left_is_removed_by_the_account(account: ServiceAccountBed) -> None:
+    """What a run that died left in the account's prefix (the account's staging directory) is removed by
+    the next run, by the account's worker (root never deletes in the account's prefix, and would refuse
+    to), and the run swaps."""
+    venv = _venv(account)
+    left = venv / ".safeinstall-swap-20260101T000000Z-1"
+    (left / "tree" / "lib").mkdir(parents=True)
+    (left / "tree" / "lib" / "staged.py").write_text("x = 1\n")
+    chown_tree(left, NOBODY)
+    account.service("acct-leftover")
+    result = account.safeinstall(
+        "sicext", "--wheel", str(account.wheels["sicext-2"]), "--settle", "0.5", "--json"
+    )
+    assert result.code == 0, result.stdout + result.stderr
+    assert _steps(result.json)["install"].startswith("swapped: ")
+    assert not list(venv.glob(".safeinstall-*"))
 
 
 # --- crashes and failures at each rename, as the account -----------------------------------------------
