@@ -55,6 +55,9 @@ def test_an_accounts_environment_swaps_as_that_account(account: ServiceAccountBe
     assert steps["install"].startswith("swapped: "), steps
     assert "files verified in the staging tree before the stop" in steps["verify"], steps
     assert "files match" in steps["verify-in-place"], steps
+    log = Path(result.json["data"]["log_file"]).read_text()
+    said = re.findall(r"swap: scan, journal .* s; renames, fsync \(the worker of uid (\d+)\) .* s", log)
+    assert said == [str(NOBODY)], log
     assert account.version() == "2.0"
     owners = {(what[1], what[2]) for what in tree_snapshot(_venv(account)).values()}
     assert owners == {(NOBODY, NOBODY)}, owners

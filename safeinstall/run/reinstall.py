@@ -533,13 +533,18 @@ def swap_step(run: Run) -> str:
     staged = run.staged
     if staged is None:
         raise StepFailed("internal error: a swap without a staging tree")
+    started = time.monotonic()
     late = _check_no_late_users(run)
     run._journal(Phase.SWAPPING)
+    scanned = time.monotonic()
     try:
         swap.execute(staged, run.env.prefix, staging.owner_ids(run.env))
     except (OSError, WorkerError) as exc:
         raise StepFailed(f"the swap failed: {exc}") from exc
     run.installed_ns = time.time_ns()
+    renamed = time.monotonic()
+    by = "" if run.env.account is None else f" (the worker of uid {run.env.account.uid})"
+    run._log(f"swap: scan, journal {scanned - started:.2f} s; renames, fsync{by} {renamed - scanned:.2f} s")
     wrong = swap.moved_as_staged(staged, run.env.prefix)
     if wrong:
         raise StepFailed(f"not the verified files in place after the swap: {', '.join(wrong[:5])}")
