@@ -122,15 +122,19 @@ def _strace() -> str:
     return found
 
 
-def _traced(bed: ServiceAccountBed, inject: str, out: Path | None = None) -> subprocess.Popen[str]:
-    """A run 1.0 -> 2.0 under ``strace -f`` with ``inject`` on the ``renameat2`` calls in the venv's
-    ``site-packages`` and ``bin`` (``-P``: by the directory descriptor they name; uv's own renames, in the
-    staging tree and its cache, are left alone); strace's output in ``out``."""
+def _traced(
+    bed: ServiceAccountBed, inject: str, out: Path | None = None, call: str = "renameat2"
+) -> subprocess.Popen[str]:
+    """A run 1.0 -> 2.0 under ``strace -f`` with ``inject`` on the ``call`` calls in the venv's
+    ``site-packages`` and ``bin`` (renames), or in the venv itself (another ``call``) (``-P``: by the
+    directory descriptor they name; uv's own renames, in the staging tree and its cache, are left
+    alone); strace's output in ``out``."""
     args = bed.args("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json")
-    where = ["-P", str(bed.site), "-P", str(bed.python.parent)]
-    command = [_strace(), "-f", "-qq", "-o", str(out or "/dev/null"), *where, "-e", "trace=renameat2"]
+    dirs = [bed.site, bed.python.parent] if call == "renameat2" else [_venv(bed)]
+    where = [arg for d in dirs for arg in ("-P", str(d))]
+    command = [_strace(), "-f", "-qq", "-o", str(out or "/dev/null"), *where, "-e", f"trace={call}"]
     return subprocess.Popen(
-        [*command, "-e", f"inject=renameat2:{inject}", *args],
+        [*command, "-e", f"inject={call}:{inject}", *args],
         env=bed.environ(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -226,6 +230,38 @@ def test_a_rename_of_the_accounts_swap_that_fails_rolls_back(account: ServiceAcc
     assert tree_snapshot(venv) == before
     assert account.manager.active_state(name) == "active"
     assert not list(venv.glob(".safeinstall-*"))
+    account.no_trace()
+
+
+def test_a_kill_once_the_account_made_its_staging_directory_then_recover_removes_it_as_the_account(
+    account: ServiceAccountBed, tmp_path: Path
+) -> None:
+    """The account's worker is stopped once it made the staging directory (its ``mkdirat`` in the venv,
+    by strace) and safeinstall killed (journal ``backed-up``): nothing in the environment changed;
+    ``--recover`` has the account's worker remove the staging directory."""
+    name = account.unit("acct-staging")
+    venv = _venv(account)
+    before = tree_snapshot(venv)
+    out = tmp_path / "strace"
+    tracer = _traced(account, "signal=SIGSTOP:when=1", out, call="mkdirat")
+    try:
+        worker = _stopped_tracee(out, 120)
+        uid = _status(worker).get("Uid", "").split()[1:2]
+    finally:
+        with contextlib.suppress(AssertionError, ProcessLookupError):
+            os.kill(_run_pid(tracer.pid), signal.SIGKILL)
+        tracer.communicate(timeout=60)
+    assert uid == [str(NOBODY)], f"the staging directory was made by uid {uid}"
+    wait_until(_ended(worker), 20, "the worker gone with safeinstall")
+    journal = account.journal()
+    assert journal is not None and journal["phase"] == "backed-up", journal
+    (staging,) = venv.glob(".safeinstall-swap-*")
+    assert staging.stat().st_uid == NOBODY
+    recovered = account.cli("--recover", "--json")
+    assert recovered.code == 0, recovered.stdout + recovered.stderr
+    wait_until(lambda: account.manager.active_state(name) == "active", 20, "unit running again")
+    assert not list(venv.glob(".safeinstall-*"))
+    assert account.version() == "1.0" and tree_snapshot(venv) == before
     account.no_trace()
 
 
