@@ -1,6 +1,7 @@
 """Service downtime and whole-run time: safeinstall against the hand sequence, on the same unit and wheel.
 
-Usage: python bench/downtime.py [--case torch|torch-warm|vllm|vllm-cold|synthetic|both] [--rounds 3]
+Usage: python bench/downtime.py [--case torch|torch-warm|torch-account[-warm]|vllm|vllm-cold|synthetic|both]
+                                [--rounds 3]
                                 [--blob-mb 64] [--settle 1] [--safeinstall PATH] [--logs DIR]
 
 Starts a private ``systemd --user`` manager (needs /run/systemd/system, as the tests do) and, for each
@@ -25,6 +26,11 @@ Cases:
   before the rounds: warm. The unit's process imports torch (which both releases change). With an even
   number of rounds each contender makes as many switches each way.
 * ``vllm-cold``: the same, the hand's cache a new empty directory each round (it downloads).
+* ``torch-account``: the ``torch`` case in a venv that a service account owns, made for the bench with
+  ``useradd`` (``si-bench``, removed with its home at the end): its unit runs as that account, the
+  hand's uv runs as that account with the account's own cache (``~si-bench/.cache/uv``), and safeinstall
+  (root) fills its run's cache from that cache and swaps in the account's worker.
+  ``torch-account-warm``: the same, the same wheel path every round (the account's cache has it).
 * ``synthetic``: the fixture ``sicext`` 1.0 -> 2.0 with a random ``--blob-mb`` file (a C extension).
 
 Each round installs a fresh copy of the wheel (a new path: uv has not seen it, as with a new nightly),
@@ -47,6 +53,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pwd
 import shutil
 import socket
 import statistics
@@ -102,6 +109,7 @@ class Case:
     #: ``service_downtime_s``
     service: dict[str, list[float]] = field(default_factory=lambda: {"hand": [], "safeinstall": []})
     reported: list[float] = field(default_factory=list)
+    hand_as: str = ""  # torch-account: what runs the hand's uv as the account (setpriv ...)
 
 
 def torch_wheel() -> Path:
@@ -232,7 +240,7 @@ def _hand_command(unit: str, case: Case, target: str) -> list[str]:
         "sh",
         "-c",
         f"systemctl --user stop {unit} && "
-        f"{wheelhouse.UV} pip install --quiet --python {case.python} "
+        f"{case.hand_as}{wheelhouse.UV} pip install --quiet --python {case.python} "
         f"--reinstall-package {case.package} {target} && "
         f"systemctl --user start {unit}",
     ]
@@ -320,6 +328,69 @@ def bench_case(
         manager.stop(unit)
 
 
+#: torch-account: the service account the bench makes (and removes with its home at the end)
+BENCH_ACCOUNT = "si-bench"
+
+
+def make_account() -> tuple[int, int, Path]:
+    """The bench's service account, made with ``useradd`` (a home of its own, where its uv cache is)."""
+    subprocess.run(
+        ["useradd", "--system", "--create-home", "--shell", "/usr/sbin/nologin", BENCH_ACCOUNT],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    entry = pwd.getpwnam(BENCH_ACCOUNT)
+    return entry.pw_uid, entry.pw_gid, Path(entry.pw_dir)
+
+
+def remove_account() -> None:
+    subprocess.run(["userdel", "--remove", BENCH_ACCOUNT], check=False, capture_output=True)
+
+
+def account_case(work: Path, warm: bool) -> Case:
+    """torch in a venv the bench's account owns, installed by that account's uv with its own cache; the
+    unit runs as the account, the hand's uv too. ``warm``: the same wheel path every round, which the
+    account's cache holds unpacked (torch-account-warm)."""
+    remove_account()  # one a bench that died left
+    uid, gid, home = make_account()
+    try:
+        return _account_case(work, uid, gid, home, warm)
+    except BaseException:
+        remove_account()
+        raise
+
+
+def _account_case(work: Path, uid: int, gid: int, home: Path, warm: bool) -> Case:
+    work.chmod(0o755)  # the account opens its venv, the fresh wheels and the run's uv cache below it
+    as_account = f"setpriv --reuid={uid} --regid={gid} --clear-groups "
+    interpreter = wheelhouse.shared_interpreter()
+    if interpreter is None:
+        raise SystemExit("torch-account: no interpreter every user may run")
+    python = wheelhouse.make_venv(work / "torch-account-venv", interpreter)
+    subprocess.run(["chown", "-R", f"{uid}:{gid}", str(python.parent.parent)], check=True)
+    cache = home / ".cache" / "uv"
+    wheel = torch_wheel()
+    readable = work / "torch-account-wheel"
+    readable.mkdir(mode=0o755)
+    first = Path(shutil.copy(wheel, readable / wheel.name))
+    env = {**wheelhouse.uv_env(), "UV_CACHE_DIR": str(cache)}
+    install = [wheelhouse.UV, "pip", "install", "--quiet", "--python", str(python), str(first)]
+    subprocess.run([*as_account.split(), *install], check=True, env=env)
+    if not warm:
+        shutil.rmtree(readable)
+    return Case(
+        "torch-account-warm" if warm else "torch-account",
+        "torch",
+        first if warm else wheel,
+        python,
+        f'{as_account}{python} -c "{SERVE_TORCH}"',
+        same_wheel=warm,
+        hand_cache=cache,
+        hand_as=as_account,
+    )
+
+
 def report(case: Case, rounds: int, settle: float) -> None:
     hand, ours = statistics.median(case.times["hand"]), statistics.median(case.times["safeinstall"])
     hand_w, ours_w = statistics.median(case.walls["hand"]), statistics.median(case.walls["safeinstall"])
@@ -332,7 +403,8 @@ def report(case: Case, rounds: int, settle: float) -> None:
     print(f"             safeinstall {ours:6.2f} s {[round(t, 2) for t in case.times['safeinstall']]}")
     print(f"  whole run  hand median {hand_w:6.2f} s {[round(t, 2) for t in case.walls['hand']]}")
     print(f"             safeinstall {ours_w:6.2f} s {[round(t, 2) for t in case.walls['safeinstall']]}")
-    goal = "0.5x" if case.name in ("torch-warm", "vllm") else "0.3x" if case.name == "vllm-cold" else "1.0x"
+    warm = ("torch-warm", "vllm", "torch-account", "torch-account-warm")
+    goal = "0.5x" if case.name in warm else "0.3x" if case.name == "vllm-cold" else "1.0x"
     print(
         f"  downtime safeinstall / hand = {ours / hand:.2f}x "
         f"(per round {[round(r, 2) for r in ratios]}; goal <= {goal})"
@@ -375,7 +447,18 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--case", choices=("torch", "torch-warm", "vllm", "vllm-cold", "synthetic", "both"), default="both"
+        "--case",
+        choices=(
+            "torch",
+            "torch-warm",
+            "torch-account",
+            "torch-account-warm",
+            "vllm",
+            "vllm-cold",
+            "synthetic",
+            "both",
+        ),
+        default="both",
     )
     parser.add_argument("--safeinstall", default=SAFEINSTALL, help="the safeinstall to run (another build)")
     parser.add_argument("--vllm-wheel", type=Path, default=VLLM_WHEEL, help="vLLM 0.32.0's wheel")
@@ -410,6 +493,8 @@ def main() -> int:
         cases.append(
             Case("torch-warm", "torch", wheel, python, f'{python} -c "{SERVE_TORCH}"', same_wheel=True)
         )
+    if args.case in ("torch-account", "torch-account-warm"):
+        cases.append(account_case(work, warm=args.case == "torch-account-warm"))
     if args.case in ("vllm", "vllm-cold"):
         hand_env = {**wheelhouse.uv_env(), "UV_CACHE_DIR": str(args.hand_cache)}
         python = wheelhouse.make_venv(work / "vllm-venv")
@@ -447,6 +532,8 @@ def main() -> int:
             for log in (work / "state").glob("*/logs/*.log"):
                 shutil.copy(log, args.logs / log.name)
         shutil.rmtree(work, ignore_errors=True)
+        if args.case in ("torch-account", "torch-account-warm"):
+            remove_account()
     for case in cases:
         report(case, args.rounds, args.settle)
     return 0

@@ -152,7 +152,7 @@ def test_a_placed_entry_never_replaces_what_appeared_there_since_the_plan(tmp_pa
         moves=(Move("lib/kept.py", How.EXCHANGE, False), Move("lib/new.py", How.PLACE, False)), out=()
     )
     with pytest.raises(OSError) as raised:
-        execute(Staged(staged, plan, {}, 2), prefix)
+        execute(Staged(staged, plan, {}, 2), prefix, None)
     assert raised.value.errno == errno.EEXIST
     assert (prefix / "lib" / "kept.py").read_text() == "new kept\n"  # exchanged before the failure
     assert (prefix / "lib" / "new.py").read_text() == "appeared since the plan\n"

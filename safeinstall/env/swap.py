@@ -24,9 +24,14 @@ in the window): an old file's last link goes with the staging directory, after t
 window, :func:`execute` does only those renames (a few dozen for torch or vLLM, plus the files
 of shared directories) and the fsync of the directories they changed; :func:`moved_as_staged` then
 checks that each entry in place is the very inode that was verified in the staging tree, which only
-root could change (it is root's, 0700, for a root-owned environment: the only kind swapped). What was
-moved out, and the old trees the exchanges left in the staging directory, are deleted with it once the
-units run again (:func:`discard_staging`); the backup holds the old version all along.
+the prefix's owner could change (the staging directory is the owner's, 0700). What was moved out, and
+the old trees the exchanges left in the staging directory, are deleted with it once the units run
+again (:func:`discard_staging`); the backup holds the old version all along.
+
+Every write in the prefix (the staging directory, the attic, the renames, the tidy-up, the removal) is
+the prefix's owner's (:func:`as_owner`): root's own process for a root-owned environment, a worker that
+is the account for another account's (issue 34; docs/window.md says why the window then needs no hash of
+the account's files). Root itself only reads: the staging tree's files, each entry's identity.
 """
 
 from __future__ import annotations
@@ -34,14 +39,16 @@ from __future__ import annotations
 import os
 import stat
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from safeinstall.env.drift import pyc_source
 from safeinstall.env.environment import Environment
+from safeinstall.system import worker
 from safeinstall.system.safefs import RENAME_EXCHANGE, RENAME_NOREPLACE, Tree, parent_directories
 
 #: The staging directory's name in the prefix: this, then the run's id.
@@ -49,6 +56,14 @@ STAGING_PREFIX = ".safeinstall-swap-"
 STAGED_TREE = "tree"  # the new version, laid out as the prefix
 ATTIC = "attic"  # what was moved out of the environment
 _FSYNC_THREADS = 16
+#: How long the owner's worker may take for the window's renames and fsyncs (dozens of entries)
+SWAP_TIMEOUT_S = 120.0
+#: ... for the attic's directories, the tidy-up after the swap, the late files put back
+_TIDY_TIMEOUT_S = 60.0
+
+#: Who does the swap's writes in a prefix: None for root (a root-owned environment: root's own process),
+#: else the account's (uid, gid), in a worker that is that account (docs/privsep.md)
+Ids = tuple[int, int] | None
 
 
 class How(StrEnum):
@@ -79,7 +94,7 @@ class SwapPlan:
 class Staged:
     """A verified staging tree and how it takes its place."""
 
-    root: Path  # <prefix>/.safeinstall-swap-RUN
+    root: Path  # <prefix>/.safeinstall-swap-RUN (the prefix owner's, 0700)
     plan: SwapPlan
     identities: Mapping[str, tuple[int, int]]  # each move's (device, inode), as verified
     files: int  # files of the new version in it
@@ -186,6 +201,35 @@ def _is_dist_info(path: str) -> bool:
 # --- I/O ------------------------------------------------------------------------------------------
 
 
+def as_owner(ids: Ids, what: str, work: Callable[[], Any], timeout: float = _TIDY_TIMEOUT_S) -> Any:
+    """``work()`` done by whoever owns the prefix: root's own process for a root-owned environment (None),
+    else a worker that is the account ``ids`` (root never renames, makes or deletes anything inside a
+    prefix an account may write: docs/privsep.md). Its answer is that account's word: the caller
+    validates it. Raises OSError (root's own work) or :class:`~safeinstall.system.worker.WorkerError`."""
+    if ids is None:
+        return work()
+    return worker.call(ids, work, timeout=timeout, what=what)
+
+
+def owner_of(prefix: Path) -> Ids:
+    """Who does the swap's writes in ``prefix`` (recovery, which has no environment to ask): root when
+    root owns it, else its owner (uid, gid); opened as :class:`Tree` opens it, no symlink followed on
+    the way. Raises OSError."""
+    with Tree(prefix) as tree:
+        info = os.fstat(tree.fd)
+    return None if info.st_uid == 0 else (info.st_uid, info.st_gid)
+
+
+def make_staging_dir(prefix: Path, name: str, mode: int, ids: Ids) -> None:
+    """The staging directory ``name`` made in the prefix, by its owner. Raises OSError or WorkerError."""
+
+    def make() -> None:
+        with Tree(prefix) as tree:
+            tree.make_dir(name, mode)
+
+    as_owner(ids, f"makes {name} in {prefix}", make)
+
+
 @dataclass(frozen=True, slots=True)
 class Entry:
     kind: str  # "dir", "file", "link", "other"
@@ -214,14 +258,18 @@ def entries(tree: Tree, paths: Iterable[str]) -> dict[str, Entry]:
     return found
 
 
-def prepare_attic(root: Path, plan: SwapPlan) -> None:
+def prepare_attic(root: Path, plan: SwapPlan, ids: Ids) -> None:
     """The attic's directories, mirroring the prefix, for every entry the swap moves out (made before
-    the stop: the window only renames). Raises OSError."""
-    with Tree(root) as tree:
-        tree.make_dir(ATTIC, 0o700)
-    with Tree(root / ATTIC) as attic:
-        for directory in sorted(parent_directories(m.path for m in plan.out), key=lambda p: p.count("/")):
-            attic.make_dir(directory, 0o700)
+    the stop, by the prefix's owner: the window only renames). Raises OSError or WorkerError."""
+
+    def make() -> None:
+        with Tree(root) as tree:
+            tree.make_dir(ATTIC, 0o700)
+        with Tree(root / ATTIC) as attic:
+            for directory in sorted(parent_directories(m.path for m in plan.out), key=lambda p: p.count("/")):
+                attic.make_dir(directory, 0o700)
+
+    as_owner(ids, f"makes the attic of {root}", make)
 
 
 def crossings(tree: Tree, plan: SwapPlan, staging_mount: int | None) -> list[str]:
@@ -249,10 +297,15 @@ def identities(tree: Tree, moves: Sequence[Move]) -> dict[str, tuple[int, int]]:
     return found
 
 
-def execute(staged: Staged, prefix: Path) -> None:
-    """The swap itself: every move, then every old entry out into the attic, then the changed
-    directories made durable. Raises OSError at the first failure (what was done stays done: the
-    caller restores the backup)."""
+def execute(staged: Staged, prefix: Path, ids: Ids) -> None:
+    """The swap itself, by the prefix's owner (``ids``: a worker that is that account; None: root's own
+    process): every move, then every old entry out into the attic, then the changed directories made
+    durable. Raises OSError or WorkerError at the first failure (what was done stays done: the caller
+    restores the backup)."""
+    as_owner(ids, f"renames the new version into {prefix}", lambda: _execute(staged, prefix), SWAP_TIMEOUT_S)
+
+
+def _execute(staged: Staged, prefix: Path) -> None:
     plan = staged.plan
     with Tree(staged.root / STAGED_TREE) as new, Tree(staged.root / ATTIC) as attic, Tree(prefix) as live:
         for move in plan.moves:
@@ -302,9 +355,23 @@ def _cached(path: str, known: frozenset[str]) -> bool:
     return "__pycache__/" in path or (source is not None and str(source) in known)
 
 
-def put_back_unknown(root: Path, prefix: Path, unknown: Sequence[tuple[str, str]]) -> list[str]:
-    """Each of ``unknown`` renamed back to where it was in the prefix, where its directory still is and
-    nothing took its place (as uv's install leaves such a file); the ones that could not be."""
+def put_back_unknown(root: Path, prefix: Path, unknown: Sequence[tuple[str, str]], ids: Ids) -> list[str]:
+    """Each of ``unknown`` renamed back to where it was in the prefix, by the prefix's owner, where its
+    directory still is and nothing took its place (as uv's install leaves such a file); the ones that
+    could not be (every one, when the owner's worker failed or said something else)."""
+    if not unknown:
+        return []
+    asked = [path for _, path in unknown]
+    try:
+        answer = as_owner(ids, f"puts late files back in {prefix}", lambda: _put_back(root, prefix, unknown))
+    except (OSError, worker.WorkerError):
+        return asked
+    if not isinstance(answer, list) or not all(isinstance(a, str) for a in answer):
+        return asked
+    return [path for path in asked if path in answer]  # the account's word: only paths that were asked
+
+
+def _put_back(root: Path, prefix: Path, unknown: Sequence[tuple[str, str]]) -> list[str]:
     left: list[str] = []
     with Tree(root) as staged, Tree(prefix) as live:
         for where, path in unknown:
@@ -326,22 +393,31 @@ def put_back_unknown(root: Path, prefix: Path, unknown: Sequence[tuple[str, str]
     return left
 
 
-def keep_staging(prefix: Path, name: str) -> Path | None:
-    """The staging directory renamed to ``.safeinstall-kept-RUN`` (never removed by a later run); None
-    when it cannot be."""
+def keep_staging(prefix: Path, name: str, ids: Ids) -> Path | None:
+    """The staging directory renamed to ``.safeinstall-kept-RUN`` by the prefix's owner (never removed
+    by a later run); None when it cannot be."""
     kept = KEPT_PREFIX + name.removeprefix(STAGING_PREFIX)
-    try:
+
+    def keep() -> bool:
         with Tree(prefix) as tree:
             tree.move_to(name, tree, kept, RENAME_NOREPLACE)
-    except OSError:
+        return True
+
+    try:
+        done = as_owner(ids, f"keeps {name} aside in {prefix}", keep)
+    except (OSError, worker.WorkerError):
         return None
-    return prefix / kept
+    return prefix / kept if done is True else None
 
 
-def tidy(plan: SwapPlan, prefix: Path, keep: frozenset[str]) -> None:
-    """After the swap (best effort): the bytecode of the single files moved out, and the directories
-    that moving them emptied, as uv's uninstall removes them; never one of ``keep`` (the directories uv
-    installs into and those above them)."""
+def tidy(plan: SwapPlan, prefix: Path, keep: frozenset[str], ids: Ids) -> None:
+    """After the swap (best effort, by the prefix's owner): the bytecode of the single files moved out,
+    and the directories that moving them emptied, as uv's uninstall removes them; never one of ``keep``
+    (the directories uv installs into and those above them). Raises OSError or WorkerError."""
+    as_owner(ids, f"tidies {prefix} after the swap", lambda: _tidy(plan, prefix, keep))
+
+
+def _tidy(plan: SwapPlan, prefix: Path, keep: frozenset[str]) -> None:
     with Tree(prefix) as live:
         emptied: set[str] = set()
         for move in plan.out:
@@ -364,11 +440,22 @@ def tidy(plan: SwapPlan, prefix: Path, keep: frozenset[str]) -> None:
                 continue
 
 
-def discard_staging(prefix: Path, name: str, seconds: float) -> bool:
+def discard_staging(prefix: Path, name: str, seconds: float, ids: Ids) -> bool:
     """Remove the staging directory ``name`` of the prefix (by descriptor, never following a symlink),
-    only in a prefix that root owns (the only kind a run stages in); True when it is gone."""
+    by the prefix's owner (``ids``), and only in a prefix that this owner owns and nobody else may
+    write; True when it is gone."""
     if not name.startswith(STAGING_PREFIX) or "/" in name:
         return False
+    try:
+        done = as_owner(
+            ids, f"removes {name} from {prefix}", lambda: _discard(prefix, name, seconds), seconds + 5
+        )
+    except (OSError, worker.WorkerError):
+        return False
+    return done is True and not os.path.lexists(prefix / name)
+
+
+def _discard(prefix: Path, name: str, seconds: float) -> bool:
     try:
         with Tree(prefix) as tree:
             info = os.fstat(tree.fd)

@@ -100,6 +100,7 @@ from safeinstall.system.identity import (
 )
 from safeinstall.system.signals import held_while_threads_start, interrupts_deferred, interrupts_raise
 from safeinstall.system.systemd import StopOutcome
+from safeinstall.system.worker import WorkerError
 
 # ------------------------------------------------------------------ 1. the journal
 
@@ -257,7 +258,7 @@ def prefetch_step(run: Run) -> str:
     run._log(f"uv exit {result.returncode}:\n{result.output}")
     if result.returncode != 0:
         if root is not None:
-            swap.discard_staging(run.env.prefix, root.name, RUN_DIR_REMOVAL_S)
+            swap.discard_staging(run.env.prefix, root.name, RUN_DIR_REMOVAL_S, staging.owner_ids(run.env))
         tail = "\n".join(result.output.strip().splitlines()[-6:])
         raise PlanError(
             f"uv could not fetch or unpack the new version (exit {result.returncode}): {tail}",
@@ -311,7 +312,7 @@ def _stage(run: Run, root: Path) -> str | None:
             known,
         )
     except (staging.NotStaged, staging.StagedMismatch, OSError, SafeInstallError) as exc:
-        swap.discard_staging(run.env.prefix, root.name, RUN_DIR_REMOVAL_S)
+        swap.discard_staging(run.env.prefix, root.name, RUN_DIR_REMOVAL_S, staging.owner_ids(run.env))
         if isinstance(exc, staging.StagedMismatch):
             raise PlanError(
                 f"the new version's files do not match the wheel: {exc}",
@@ -553,13 +554,18 @@ def swap_step(run: Run) -> str:
     staged = run.staged
     if staged is None:
         raise StepFailed("internal error: a swap without a staging tree")
+    started = time.monotonic()
     late = _check_no_late_users(run)
     run._journal(Phase.SWAPPING)
+    scanned = time.monotonic()
     try:
-        swap.execute(staged, run.env.prefix)
-    except OSError as exc:
+        swap.execute(staged, run.env.prefix, staging.owner_ids(run.env))
+    except (OSError, WorkerError) as exc:
         raise StepFailed(f"the swap failed: {exc}") from exc
     run.installed_ns = time.time_ns()
+    renamed = time.monotonic()
+    by = "" if run.env.account is None else f" (the worker of uid {run.env.account.uid})"
+    run._log(f"swap: scan, journal {scanned - started:.2f} s; renames, fsync{by} {renamed - scanned:.2f} s")
     wrong = swap.moved_as_staged(staged, run.env.prefix)
     if wrong:
         raise StepFailed(f"not the verified files in place after the swap: {', '.join(wrong[:5])}")
@@ -1001,27 +1007,28 @@ def _discard_staged(run: Run) -> None:
     old version); before the journal is cleared, so that a kill here leaves it to ``--recover``."""
     if run.staged is None:
         return
+    ids = staging.owner_ids(run.env)
     try:
-        swap.tidy(run.staged.plan, run.env.prefix, staging.frame(run.env))
+        swap.tidy(run.staged.plan, run.env.prefix, staging.frame(run.env), ids)
     except (OSError, SafeInstallError) as exc:
         run._log(f"the bytecode and empty directories of moved-out files were not all removed: {exc}")
     unknown: list[tuple[str, str]] = []
     try:
         known = frozenset(f.path for f in run.saved().manifest.files)
         unknown = swap.unknown_in_old(run.staged.root, known)
-        left = swap.put_back_unknown(run.staged.root, run.env.prefix, unknown)
+        left = swap.put_back_unknown(run.staged.root, run.env.prefix, unknown, ids)
     except (OSError, SafeInstallError) as exc:
         left = [f"(the old files could not be listed: {exc})"]
     if unknown:
         run._log(f"put back where they were (they appeared after the backup): {[p for _, p in unknown]}")
     if left:  # never deleted unseen
-        kept = swap.keep_staging(run.env.prefix, run.staged.root.name) or run.staged.root
+        kept = swap.keep_staging(run.env.prefix, run.staged.root.name, ids) or run.staged.root
         run.notes.append(
             f"{len(left)} file(s) that appeared in the old version's directories after the backup could "
             f"not be put back (first: {left[0]}): kept in {kept}; copy back what you need, then delete it"
         )
         return
-    if not swap.discard_staging(run.env.prefix, run.staged.root.name, RUN_DIR_REMOVAL_S):
+    if not swap.discard_staging(run.env.prefix, run.staged.root.name, RUN_DIR_REMOVAL_S, ids):
         run.notes.append(f"{run.staged.root} could not be removed: the next run removes it")
 
 

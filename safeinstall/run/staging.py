@@ -1,9 +1,10 @@
 """The staging tree of a swap (:mod:`safeinstall.env.swap`): whether a run may swap, and the tree made,
 checked and planned before the stop.
 
-A run swaps only where every part of the swap is root's own doing on root's own files: a root-owned
-virtual environment (an account's environment keeps uv's install in the window, run as that account),
-no ``--keep-patches``, ``--prune`` or ``--accept-record-mismatch`` (each changes what is verified in
+A run swaps in a virtual environment whose every write (the staging directory, the attic, the renames,
+the tidy-up) is done by the prefix's owner: root's own process for a root-owned environment, a worker
+that is the account for another account's (:func:`safeinstall.env.swap.as_owner`); with no
+``--keep-patches``, ``--prune`` or ``--accept-record-mismatch`` (each changes what is verified in
 the window), uv's own hardlinks from the run's cache, and no bytecode compiled by uv (its files are
 compiled where they land). Anything unexpected in the staging tree drops the swap: the install then runs
 in the window, as before.
@@ -11,6 +12,7 @@ in the window, as before.
 
 from __future__ import annotations
 
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -28,6 +30,7 @@ from safeinstall.run.undo import RESTORE
 from safeinstall.store.backup import Backup
 from safeinstall.store.state import PRIVATE_MODE, RUN_DIR_REMOVAL_S
 from safeinstall.system.safefs import Tree, mounts_below, parent_directories
+from safeinstall.system.worker import WorkerError
 
 #: uv's options that change what an install writes beyond the wheels' files, or where
 _NOT_SWAPPED = ("--compile-bytecode", "--compile", "--target", "--prefix", "--user", "--system")
@@ -65,8 +68,6 @@ def refusal(
     given = [name for name, on in flags.items() if on]
     if given:
         return f"{given[0]} is given"
-    if env.account is not None:
-        return "the environment belongs to another account"
     if not env.is_venv:
         return "the environment is not a virtual environment"
     if request.link_mode != "hardlink":
@@ -116,23 +117,36 @@ def install_lines(
     )
 
 
+def owner_ids(env: Environment) -> swap.Ids:
+    """Pure: who does the swap's writes in ``env`` (None: root itself)."""
+    return None if env.account is None else env.account.ids
+
+
 def make_staging(env: Environment, run_id: str) -> Path:
-    """The run's staging directory in the prefix (root's, 0700), after removing what runs that died
-    left there. Raises NotStaged when a directory uv installs into is on another filesystem (a rename
-    cannot reach it), OSError when it cannot be made."""
-    prefix = env.prefix
+    """The run's staging directory in the prefix (0700, made by the prefix's owner: root's, or the
+    account's by its worker), after removing what runs that died left there. Raises NotStaged when a
+    directory uv installs into is on another filesystem (a rename cannot reach it), or when the
+    directory cannot be made or is not the owner's own (OSError and WorkerError included)."""
+    prefix, ids = env.prefix, owner_ids(env)
     mounted = mounts_below(prefix)
     if mounted:  # an exchange would carry it off with the old tree
         raise NotStaged(f"{mounted[0]} is a mount point inside the environment")
     root = swap.staging_dir(prefix, run_id)
     for name in swap.leftover_stagings(prefix):
-        swap.discard_staging(prefix, name, RUN_DIR_REMOVAL_S)
+        swap.discard_staging(prefix, name, RUN_DIR_REMOVAL_S, ids)
+    try:
+        swap.make_staging_dir(prefix, root.name, PRIVATE_MODE, ids)
+    except (OSError, WorkerError) as exc:
+        raise NotStaged(f"the staging directory could not be made: {exc}") from exc
     with Tree(prefix) as tree:
-        tree.make_dir(root.name, PRIVATE_MODE)
         info = tree.lstat(root.name)
         devices = {found.st_dev for r in _install_dirs(env) if (found := tree.lstat(r)) is not None}
-    if info is None or devices - {info.st_dev}:
-        swap.discard_staging(prefix, root.name, RUN_DIR_REMOVAL_S)
+    uid = 0 if ids is None else ids[0]
+    if info is None or not stat.S_ISDIR(info.st_mode) or info.st_uid != uid or info.st_mode & 0o077:
+        swap.discard_staging(prefix, root.name, RUN_DIR_REMOVAL_S, ids)
+        raise NotStaged(f"{root} is not a directory of uid {uid}'s alone")
+    if devices - {info.st_dev}:
+        swap.discard_staging(prefix, root.name, RUN_DIR_REMOVAL_S, ids)
         raise NotStaged("a directory uv installs into is on another filesystem than the prefix")
     return root
 
@@ -253,7 +267,10 @@ def stage(
         crossing = swap.crossings(live, plan, mount)
     if crossing:
         raise NotStaged(f"{crossing[0]} is on another mount than the prefix")
-    swap.prepare_attic(root, plan)
+    try:
+        swap.prepare_attic(root, plan, owner_ids(env))
+    except WorkerError as exc:
+        raise NotStaged(f"the attic could not be made: {exc.message}") from exc
     with Tree(tree_path) as new:
         ids = swap.identities(new, plan.moves)
     if len(ids) != len(plan.moves):

@@ -15,8 +15,10 @@ from pathlib import Path
 from safeinstall.env.environment import Environment
 from safeinstall.env.swap import (
     STAGING_PREFIX,
+    Ids,
     discard_staging,
     keep_staging,
+    owner_of,
     put_back_unknown,
     unknown_in_old,
 )
@@ -95,9 +97,12 @@ def put_back(
     # the run's staging tree (a swap's): new files not put in place, or the old trees it exchanged
     # (the backup holds those too); bounded while the units are down, tried again once they run
     staging = Path(journal.prefix), f"{STAGING_PREFIX}{journal.run_id}"
-    if restore is None and _swapped(journal) and os.path.lexists(os.path.join(*staging)):
-        notes.extend(_keep_late_files(journal, *staging))
-    discard_staging(*staging, PUT_BACK_CACHE_S)
+    there = os.path.lexists(os.path.join(*staging))
+    ids = _owner(staging[0]) if there else None  # the prefix's owner writes in it (docs/privsep.md)
+    if restore is None and _swapped(journal) and there:
+        notes.extend(_keep_late_files(journal, *staging, ids))
+    if there:
+        discard_staging(*staging, PUT_BACK_CACHE_S, ids)
     if restore is not None:
         env, backup = restore
         restored = restore_previous(env, backup, Path(journal.wheel) if journal.wheel else None, state_dir)
@@ -108,7 +113,7 @@ def put_back(
     units = units_to_start(journal)
     start(units)
     gates = remove_gates(journal, environ, notes)
-    if os.path.lexists(os.path.join(*staging)) and not discard_staging(*staging, RUN_DIR_REMOVAL_S):
+    if os.path.lexists(os.path.join(*staging)) and not discard_staging(*staging, RUN_DIR_REMOVAL_S, ids):
         notes.append(f"{os.path.join(*staging)} could not be removed: remove it by hand")
     done = PutBack(restored, unchanged, tuple(u.name for u in units), gates, tuple(notes))
     finished(done)
@@ -123,7 +128,14 @@ def _swapped(journal: Journal) -> bool:
     return effective_phase(journal) in (Phase.VERIFIED, Phase.RESTARTING, Phase.DONE)
 
 
-def _keep_late_files(journal: Journal, prefix: Path, name: str) -> list[str]:
+def _owner(prefix: Path) -> Ids:
+    try:
+        return owner_of(prefix)
+    except OSError:
+        return None  # gone: nothing is done in it (root refuses a prefix it does not own)
+
+
+def _keep_late_files(journal: Journal, prefix: Path, name: str, ids: Ids) -> list[str]:
     """A swap that died after its verification left the old entries in its staging directory: files in
     them that its backup does not hold (they appeared after the backup) are put back where they were,
     as the run would have; if one cannot be, the directory is kept aside (never deleted unseen)."""
@@ -132,12 +144,12 @@ def _keep_late_files(journal: Journal, prefix: Path, name: str) -> list[str]:
         if journal.backup_dir is None:
             raise OSError("the journal names no backup")
         known = frozenset(f.path for f in load_backup(Path(journal.backup_dir)).manifest.files)
-        left = put_back_unknown(root, prefix, unknown_in_old(root, known))
+        left = put_back_unknown(root, prefix, unknown_in_old(root, known), ids)
     except (OSError, SafeInstallError) as exc:
         left = [f"(the old files could not be compared with the backup: {exc})"]
     if not left:
         return []
-    kept = keep_staging(prefix, name) or root
+    kept = keep_staging(prefix, name, ids) or root
     return [
         f"{len(left)} file(s) that appeared in the old version's directories after the backup could not be "
         f"put back (first: {left[0]}): kept in {kept}"

@@ -297,11 +297,13 @@ def _unlink_or_open(dir_fd: int, name: str, is_dir: bool) -> int | None:
 
 
 def mount_of(fd: int) -> int | None:
-    """The id of the mount that holds the open file ``fd`` (``/proc/self/fdinfo``); None when unknown."""
+    """The id of the mount that holds the open file ``fd`` (``/proc/self/fdinfo``); None when unknown.
+    Read as bytes: no codec is looked up (a worker that is an account may not read the interpreter's
+    ``encodings`` package to import one)."""
     try:
-        with open(f"/proc/self/fdinfo/{fd}", encoding="ascii") as info:
+        with open(f"/proc/self/fdinfo/{fd}", "rb") as info:
             for line in info:
-                if line.startswith("mnt_id:"):
+                if line.startswith(b"mnt_id:"):
                     return int(line.split()[1])
     except (OSError, ValueError):
         return None
