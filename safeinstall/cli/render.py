@@ -360,6 +360,8 @@ def render_plan(out: Console, err: Console, plan: Plan, verbosity: int = 0) -> N
     else:
         out.print(f"GPUs: check unavailable ({literal(plan.gpus.reason or '')})", soft_wrap=True)
     out.print("uv command: " + literal(" ".join(plan.uv_command)), soft_wrap=True)
+    if plan.smoke:
+        out.print("smoke check: " + literal(plan.smoke), soft_wrap=True)
     _scan_problems(err, plan.scan_problems, verbosity)
     for warning in plan.warnings:
         err.print(f"[yellow]warning:[/] {literal(warning)}", soft_wrap=True)

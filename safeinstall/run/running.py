@@ -82,6 +82,8 @@ class Run:
     vouched: Vouched | None = None
     #: set by the prefetch when the run swaps: the verified staging tree and its renames (env/swap.py)
     staged: Staged | None = None
+    #: set by the prefetch when the run does not swap: its ``--target`` tree, kept for the smoke step
+    scratch: Path | None = None
 
     @property
     def options(self) -> RunOptions:

@@ -97,6 +97,8 @@ class Plan:
     #: installed files of the affected distributions that differ from their RECORD (local patches,
     #: deletions): the reinstall replaces them (kept in the backup; --keep-patches carries them)
     locally_modified: tuple[str, ...] = ()
+    #: what the run runs before the stop to exercise the new version (safeinstall.env.smoke); "": nothing
+    smoke: str = ""
 
     @property
     def proceeds(self) -> bool:
