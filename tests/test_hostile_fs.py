@@ -253,7 +253,7 @@ def test_uv_runs_as_the_environments_owner_never_as_root(account: ServiceAccount
 
     before = account.snapshot()
     crash = account.cli(
-        "sicext", "--wheel", str(account.wheels["sicext-3"]), "--yes", "--settle", "1", "--json"
+        "sicext", "--wheel", str(account.wheels["sicext-3"]), "--yes", "--settle", "1", "--json", "--no-smoke"
     )
     assert crash.code == 3, crash.stdout + crash.stderr
     assert "restored the previous installation" in crash.json["errors"][0]["message"]
