@@ -311,7 +311,9 @@ def test_recover_after_a_run_that_ended_with_exit_4_does_not_say_it_died(bed: Be
     so: not that the run "died without a result", under ``error:``."""
     name = bed.unit("exit4")
     bed.hold_gpu(name, 3.0, "f4")  # a downtime to move the backup away in
-    proc = bed.start_run("sicext", "--wheel", str(bed.wheels["sicext-3"]), "--settle", "0.5", "--json", "--no-smoke")
+    proc = bed.start_run(
+        "sicext", "--wheel", str(bed.wheels["sicext-3"]), "--settle", "0.5", "--json", "--no-smoke"
+    )
     try:
         bed.wait_phase(proc, "stopped")
         journal = bed.journal()
