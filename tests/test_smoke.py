@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from safeinstall.env import smoke
+from safeinstall.system.systemd import parse_exec_context
 from tests.bed_systemd import wait_until
 from tests.beds import NOBODY, Bed, ServiceAccountBed
 
@@ -74,7 +75,7 @@ def test_the_check_runs_with_the_units_environment_and_directory_without_a_gpu(
     report = tmp_path / "report.json"
     unit = bed.service(
         "smoke-context",
-        Environment="SMOKE_FROM_UNIT=unit SMOKE_BOTH=unit CUDA_VISIBLE_DEVICES=0",
+        Environment='SMOKE_FROM_UNIT=unit SMOKE_BOTH=unit CUDA_VISIBLE_DEVICES=0 "SMOKE_SPACED=two words"',
         EnvironmentFile=str(env_file),
         WorkingDirectory=str(workdir),
     )
@@ -111,6 +112,7 @@ def test_the_check_runs_with_the_units_environment_and_directory_without_a_gpu(
         "from the file",
         "file",
     )
+    assert env["SMOKE_SPACED"] == "two words"
     assert env["CUDA_VISIBLE_DEVICES"] == "" and env["PYTHONDONTWRITEBYTECODE"] == "1"
     assert "SMOKE_ROOTS_SECRET" not in env  # nothing of root's environment but the locale
     assert seen["cwd"] == str(workdir)
@@ -223,3 +225,18 @@ def test_the_childs_answers_are_data() -> None:
     ]
     imported, failed, started, done = smoke.read_answers("\n".join(lines))
     assert (imported, failed, started, done) == (("a",), (("b", "ImportError: x"),), "c", False)
+
+
+def test_how_a_unit_runs_is_read_from_systemctl_show() -> None:
+    text = (
+        'Environment=A=1 "B=two words"\n'
+        "EnvironmentFiles=/etc/a.env (ignore_errors=no)\n"
+        "EnvironmentFiles=/etc/b (x).env (ignore_errors=yes)\n"
+        "WorkingDirectory=!/srv/app\n"
+    )
+    context = parse_exec_context("x.service", text)
+    assert context.environment == (("A", "1"), ("B", "two words"))
+    assert context.environment_files == (("/etc/a.env", False), ("/etc/b (x).env", True))
+    assert context.working_directory == "/srv/app"
+    assert smoke.working_directory("", "/home/x", user_manager=False) == "/"
+    assert smoke.working_directory("~", "/home/x", user_manager=False) == "/home/x"
