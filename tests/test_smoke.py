@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from safeinstall.env import smoke
+from safeinstall.run.options import RunOptions, option_problems
 from safeinstall.system.systemd import parse_exec_context
 from tests.bed_systemd import wait_until
 from tests.beds import NOBODY, Bed, ServiceAccountBed
@@ -240,3 +241,14 @@ def test_how_a_unit_runs_is_read_from_systemctl_show() -> None:
     assert context.working_directory == "/srv/app"
     assert smoke.working_directory("", "/home/x", user_manager=False) == "/"
     assert smoke.working_directory("~", "/home/x", user_manager=False) == "/home/x"
+
+
+def test_smoke_options_that_cannot_be_honoured_are_refused() -> None:
+    def said(**given: Any) -> list[str]:
+        return [p.message for p in option_problems(RunOptions(package="x", **given))]
+
+    assert said(smoke="true") == [] and said(no_smoke=True) == []
+    assert said(smoke="true", no_smoke=True) == ["--smoke needs a command, and cannot go with --no-smoke"]
+    assert said(smoke="  ") == ["--smoke needs a command, and cannot go with --no-smoke"]
+    assert said(smoke="true", undo="20261201T000000Z-1")[0].startswith("--smoke goes with a reinstall")
+    assert said(smoke_timeout=float("nan"))[0].startswith("--smoke-timeout nan")

@@ -350,15 +350,15 @@ def failure_message(outcomes: Sequence[ChildOutcome]) -> str:
 
 
 def account_of(env: Environment) -> tuple[str, str]:
-    """The (name, home) of the account the child runs as: the environment's owner, else root."""
-    uid = 0 if env.account is None else env.account.uid
+    """The (name, home) of the account the child runs as: the environment's owner, else the caller
+    (root, or the user of a ``--user`` run)."""
+    uid = os.geteuid() if env.account is None else env.account.uid
     try:
         entry = pwd.getpwuid(uid)
-        name = entry.pw_name
+        name, home = entry.pw_name, entry.pw_dir
     except KeyError:
-        name = str(uid)
-    home = env.account.home if env.account is not None else "/root"
-    return name, home
+        name, home = str(uid), "/"
+    return name, env.account.home if env.account is not None else home
 
 
 def _read_files(paths: list[str]) -> list[list[str | None]]:

@@ -89,6 +89,13 @@ def option_problems(options: RunOptions) -> list[OptionProblem]:
                     f"give {flag} a number of seconds, or leave it out for its default (safeinstall --help)",
                 )
             )
+    if options.smoke is not None and options.undo is not None:
+        problems.append(
+            OptionProblem(
+                "--smoke goes with a reinstall: --undo puts back a version that ran before",
+                "leave --smoke out of --undo",
+            )
+        )
     if options.smoke is not None and (options.no_smoke or not options.smoke.strip()):
         problems.append(
             OptionProblem(
