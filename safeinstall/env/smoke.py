@@ -317,12 +317,11 @@ def tail(text: str, lines: int = STDERR_LINES) -> tuple[str, ...]:
 
 def describe(package: str, command: str | None, timeout: float, account: str, units: Sequence[str]) -> str:
     """Pure: what the run runs before the stop (the plan says it)."""
-    where = f"with the environment of {', '.join(units)}" if units else "with systemd's defaults"
-    what = f"import the top-level modules of {package} and every extension module of the changed ones"
-    more = f", then run `{command}`" if command else ""
+    where = f"environment of {', '.join(units)}" if units else "systemd's defaults"
+    more = f", then `{command}`" if command else ""
     return (
-        f"before the stop, as {account} {where}, no GPU visible: {what} from the staged new version{more} "
-        f"(at most {timeout:g} s each; --no-smoke skips it)"
+        f"as {account}, {where}, no GPU: import {package}'s top-level modules and the changed "
+        f"distributions' extension modules from the new version{more} (at most {timeout:g} s each)"
     )
 
 
