@@ -177,7 +177,12 @@ for module in modules:
         importlib.import_module(module)
     except BaseException as exc:
         failed += 1
-        traceback.print_exc()
+        frames = [
+            f for f in traceback.extract_tb(exc.__traceback__)
+            if not f.filename.startswith("<") and not f.filename.endswith(("importlib/__init__.py",))
+        ]
+        print("".join(traceback.format_list(frames)), end="", file=sys.stderr)
+        print("".join(traceback.format_exception_only(type(exc), exc)), end="", file=sys.stderr)
         say(failed=module, error=("%s: %s" % (type(exc).__name__, exc))[:2000])
     else:
         say(ok=module)
