@@ -17,7 +17,7 @@ from safeinstall.env import smoke
 from safeinstall.run.options import RunOptions, option_problems
 from safeinstall.system.systemd import parse_exec_context
 from tests.bed_systemd import wait_until
-from tests.beds import NOBODY, Bed, ServiceAccountBed
+from tests.beds import NOBODY, UNIT_TEXT, Bed, ServiceAccountBed
 
 
 def _left_in_state(bed: Bed) -> list[str]:
@@ -128,12 +128,18 @@ def test_a_service_accounts_environment_is_checked_as_the_account(account: Servi
     report = account.base / "report"
     report.mkdir()
     os.chown(report, NOBODY, NOBODY)
-    unit = account.unit("smoke-account")
+    # the unit's files: one the account may read, one only root may (a token): not given to the account
+    shared, secret = account.base / "shared.env", account.base / "secret.env"
+    shared.write_text("SMOKE_SHARED=yes\n")
+    secret.write_text("SMOKE_SECRET=token\n")
+    secret.chmod(0o600)
+    settings = f"EnvironmentFile={shared}\nEnvironmentFile={secret}\n"
+    unit = account.unit("smoke-account", text=UNIT_TEXT.replace("[Service]\n", "[Service]\n" + settings))
     main = account.manager.main_pid(unit)
     before = account.snapshot()
     script = (
         "import json, os, sicext; "
-        f"json.dump(dict(ids=os.getresuid(), groups=os.getgroups(), sid=os.getsid(0), pid=os.getpid(), "
+        f"json.dump(dict(env=dict(os.environ), ids=os.getresuid(), groups=os.getgroups(), sid=os.getsid(0), "
         f"sicext=sicext.__file__, tty=os.path.exists('/proc/self/fd/0') and os.isatty(0)), "
         f"open({str(report / 'seen.json')!r}, 'w')); "
         "print('\\x1b[2J[bold]the last words[/bold]', file=__import__('sys').stderr); raise SystemExit(3)"
@@ -148,10 +154,12 @@ def test_a_service_accounts_environment_is_checked_as_the_account(account: Servi
         f'python -c "{script}"',
     )
     assert result.code == 2, result.stdout + result.stderr
+    assert f"EnvironmentFile {secret} was not read as the environment's account" in result.stderr
     assert "exit 3" in result.stderr and "[bold]the last words[/bold]" in result.stderr  # as text
     assert "\x1b[2J" not in result.stderr and "\\x1b[2J" in result.stderr  # never a terminal's command
     seen = json.loads((report / "seen.json").read_text())
     assert seen["ids"][1] == NOBODY and seen["groups"] == [] and not seen["tty"], seen
+    assert seen["env"]["SMOKE_SHARED"] == "yes" and "SMOKE_SECRET" not in seen["env"]
     assert seen["sid"] != os.getsid(0)
     assert "/prefetch-" in seen["sicext"], seen  # the prefetch's tree, installed by uv as the account
     assert account.manager.main_pid(unit) == main and account.snapshot() == before
