@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from safeinstall.env.environment import Account, Environment
-from safeinstall.system import children, worker
+from safeinstall.system import children, owner, worker
 
 #: Seconds each child may take (the imports of one unit's context, or the operator's command).
 SMOKE_TIMEOUT_S = 300.0
@@ -365,23 +365,6 @@ def account_of(env: Environment) -> tuple[str, str]:
     return name, env.account.home if env.account is not None else home
 
 
-def _read_files(paths: list[str]) -> list[list[str | None]]:
-    """In a worker (the account): each file's text, or None and why; at most ENV_FILE_LIMIT bytes."""
-    read: list[list[str | None]] = []
-    for path in paths:
-        try:
-            with open(path, "rb") as handle:
-                data = handle.read(ENV_FILE_LIMIT + 1)
-        except OSError as exc:
-            read.append([None, exc.strerror or str(exc)])
-            continue
-        if len(data) > ENV_FILE_LIMIT:
-            read.append([None, f"more than {ENV_FILE_LIMIT} bytes"])
-            continue
-        read.append([data.decode("utf-8", "replace"), None])
-    return read
-
-
 def read_environment_files(
     files: Sequence[tuple[str, bool]], account: Account | None
 ) -> tuple[list[tuple[str, str]], list[str]]:
@@ -393,7 +376,7 @@ def read_environment_files(
     try:
         answer = worker.call(
             None if account is None else account.ids,
-            lambda: _read_files(paths),
+            lambda: owner.read_texts(paths, ENV_FILE_LIMIT),
             timeout=30,
             what="reads the unit's environment files",
         )
