@@ -174,13 +174,14 @@ def test_a_kill_during_the_check_leaves_nothing_stopped(bed: Bed, tmp_path: Path
     unit = bed.service("smoke-kill")
     main = bed.manager.main_pid(unit)
     started = tmp_path / "started"
-    proc = bed.start_run(
-        "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--smoke", f"touch {started} && exec sleep 120"
-    )
+    # the shell says its pid, then becomes the sleep (exec): the process the run must not leave behind
+    command = f"echo $$ >{started}.tmp && mv {started}.tmp {started} && exec sleep 120"
+    proc = bed.start_run("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--smoke", command)
     try:
         wait_until(lambda: started.exists() or proc.poll() is not None, 120, "the smoke command running")
         assert proc.poll() is None, proc.communicate()
-        sleeper = _child_running(["sleep", "120"])
+        sleeper = int(started.read_text())
+        wait_until(lambda: _command_of(sleeper) == ["sleep", "120"], 10, "the smoke command sleeping")
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.wait()
@@ -194,15 +195,11 @@ def test_a_kill_during_the_check_leaves_nothing_stopped(bed: Bed, tmp_path: Path
     assert _left_in_state(bed) == []
 
 
-def _child_running(argv: list[str]) -> int:
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if (entry / "cmdline").read_bytes().split(b"\0")[:-1] == [a.encode() for a in argv]:
-                    return int(entry.name)
-            except OSError:
-                continue
-    raise AssertionError(f"no process {argv}")
+def _command_of(pid: int) -> list[str]:
+    try:
+        return [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]]
+    except OSError:
+        return []
 
 
 def _alive(pid: int) -> bool:
