@@ -66,6 +66,28 @@ def test_a_package_that_raises_at_import_is_refused_before_the_stop(bed: Bed) ->
     assert "nothing was stopped" in refused["errors"][0]["hint"]
 
 
+def test_a_run_whose_swap_is_dropped_checks_the_new_version_all_the_same(bed: Bed) -> None:
+    """uv compiles bytecode into the staging tree (``UV_COMPILE_BYTECODE``): the swap is dropped, so
+    the new version lies in no tree of its own; the check lays it out from the run's cache and refuses."""
+    unit = bed.service("smoke-no-swap")
+    main = bed.manager.main_pid(unit)
+    result = bed.safeinstall(
+        "sicext",
+        "--wheel",
+        str(bed.wheels["sicext-5"]),
+        "--settle",
+        "1",
+        "--json",
+        more_env={"UV_COMPILE_BYTECODE": "1"},
+    )
+    assert result.code == 2, result.stdout + result.stderr
+    assert "undefined symbol" in result.json["errors"][0]["message"]
+    assert "no swap" in Path(result.json["data"]["log_file"]).read_text()
+    assert bed.manager.main_pid(unit) == main and bed.version() == "1.0"
+    bed.no_trace()
+    assert _left_in_state(bed) == []
+
+
 def test_the_check_runs_with_the_units_environment_and_directory_without_a_gpu(
     bed: Bed, tmp_path: Path
 ) -> None:

@@ -17,9 +17,11 @@ from packaging.utils import canonicalize_name
 from safeinstall.env import smoke
 from safeinstall.env.environment import interpreter_in_prefix
 from safeinstall.env.swap import STAGED_TREE, staging_environment
+from safeinstall.env.uvplan import install as uv_install
+from safeinstall.env.uvplan import prefetch_command, uv_binary
 from safeinstall.errors import PlanError, SafeInstallError
 from safeinstall.run.running import Run
-from safeinstall.store.state import SMOKE_PREFIX, remove_run_dir
+from safeinstall.store.state import SMOKE_PREFIX, make_run_dir, remove_run_dir
 from safeinstall.system.systemd import exec_context
 
 
@@ -66,11 +68,32 @@ def smoke_step(run: Run) -> str:
             run.scratch = None
 
 
+def _target_tree(run: Run) -> str | None:
+    """Where the prefetch left no tree of the new version (it meant to swap, and the staging tree was
+    dropped): uv lays it out again from the run's cache, as the prefetch does, into its ``--target``
+    directory (``run.scratch``). None, or why it could not."""
+    account = run.env.account
+    scratch = make_run_dir(run.state.prefetch_dir(run.run_id), account)
+    run.scratch = scratch
+    request = run.survey.request
+    command = prefetch_command(request, uv_binary(), scratch, run.survey.uv_plan.changes)
+    run._log(f"smoke: the new version laid out from the run's cache: {' '.join(command)}")
+    cache = run.state.uv_cache(run.run_id)
+    result = uv_install(command, run.options.environ, cache_dir=cache, account=account)
+    run._log(f"uv exit {result.returncode}:\n{result.output}")
+    if result.returncode != 0:
+        return f"uv could not lay it out for the check (exit {result.returncode}; see the log)"
+    return None
+
+
 def _smoke(run: Run) -> str:
     options = run.options
+    if run.staged is None and run.scratch is None:
+        problem = _target_tree(run)
+        if problem is not None:
+            run.notes.append(f"the new version was not checked before the stop: {problem}")
+            return f"skipped: {problem}"
     sites = trees(run)
-    if not sites:
-        return "skipped: the new version lies in no tree of its own"
     shim = smoke.write_shim(run.state.dir / f"{SMOKE_PREFIX}{run.run_id}")
     try:
         account = smoke.account_of(run.env)
