@@ -59,13 +59,11 @@ def contexts(run: Run) -> list[smoke.Context]:
 
 def smoke_step(run: Run) -> str:
     """Import the new version (and run ``--smoke``) in each unit's context; PlanError (exit 2) when
-    anything fails. The prefetch's ``--target`` tree (``run.scratch``) goes afterwards, whatever happens."""
-    try:
-        return _smoke(run)
-    finally:
-        if run.scratch is not None:
-            remove_run_dir(run.scratch)
-            run.scratch = None
+    anything fails. The prefetch's ``--target`` tree (``run.scratch``) stays until the run's cache goes
+    (at the end of the run, or first thing in a rollback): its files are links of the cache's inodes,
+    and removing a link changes an inode's change time, which the verification in the window proves
+    the hashed inodes by (docs/window.md)."""
+    return _smoke(run)
 
 
 def _target_tree(run: Run) -> str | None:
@@ -77,6 +75,8 @@ def _target_tree(run: Run) -> str | None:
     run.scratch = scratch
     request = run.survey.request
     command = prefetch_command(request, uv_binary(), scratch, run.survey.uv_plan.changes)
+    # copies: a new link of a hashed inode of the run's cache would change its change time
+    command[command.index("--link-mode") + 1] = "copy"
     run._log(f"smoke: the new version laid out from the run's cache: {' '.join(command)}")
     cache = run.state.uv_cache(run.run_id)
     result = uv_install(command, run.options.environ, cache_dir=cache, account=account)
