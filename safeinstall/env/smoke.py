@@ -330,6 +330,17 @@ def describe(package: str, command: str | None, timeout: float, account: str, un
     )
 
 
+def logged(outcome: ChildOutcome) -> str:
+    """Pure: one child's outcome for the run's log: what it imported and what failed, never the unit's
+    variables (an ``EnvironmentFile=`` may hold a token)."""
+    where = outcome.context.unit or "no unit"
+    said = f"{outcome.what} ({where}, in {outcome.context.cwd}): {'ok' if outcome.ok else 'FAILED'}"
+    said += f"; imported {', '.join(outcome.imported) or 'nothing'}"
+    said += "".join(f"; {module}: {error}" for module, error in outcome.failed)
+    said += f"; {outcome.problem}" if outcome.problem else ""
+    return said + "".join(f"\n  {line}" for line in outcome.stderr_tail)
+
+
 def failure_message(outcomes: Sequence[ChildOutcome]) -> str:
     """Pure: why the run is refused, with each failed child's last lines of standard error."""
     parts: list[str] = []

@@ -109,11 +109,11 @@ def _smoke(run: Run) -> str:
             outcome = smoke.run_imports(
                 run.env, python, context, variables, sites, package, changed, options.smoke_timeout
             )
-            run._log(f"smoke ({context.unit or 'no unit'}): {outcome}")
+            run._log(f"smoke: {smoke.logged(outcome)}")
             outcomes.append(outcome)
             if outcome.ok and options.smoke is not None:
                 outcome = smoke.run_command(run.env, options.smoke, context, variables, options.smoke_timeout)
-                run._log(f"smoke command ({context.unit or 'no unit'}): {outcome}")
+                run._log(f"smoke: {smoke.logged(outcome)}")
                 outcomes.append(outcome)
         if not all(o.ok for o in outcomes):
             raise PlanError(
