@@ -220,6 +220,9 @@ def fleet(
                                 "safeinstall_wheel_dir": str(h.staging),
                                 "safeinstall_health_url": f"http://127.0.0.1:{h.port}/health",
                                 "safeinstall_environment": {"SAFEINSTALL_STATE_DIR": str(h.state)},
+                                # host2's crash is found after the stop only without the smoke check
+                                # (with it, refused before the stop: tests/test_smoke.py)
+                                "safeinstall_no_smoke": h.name == "host2",
                             }
                             for h in hosts
                         },
@@ -561,6 +564,7 @@ def test_the_reinstall_modules_command_line_is_what_the_cli_parses(monkeypatch: 
         "prune": True,
         "keep_patches": True,
         "no_swap": True,
+        "no_smoke": True,
         "keep_backups": 2,
     }
     argv = reinstall_argv(["safeinstall"], params, check_mode=False)
@@ -580,7 +584,7 @@ def test_the_reinstall_modules_command_line_is_what_the_cli_parses(monkeypatch: 
         True,
         2,
     )
-    assert options.no_swap is True
+    assert options.no_swap is True and options.no_smoke is True
 
 
 #: A stand-in for the get-pip.py that ansible-test downloads from its own CI host: pip from the package

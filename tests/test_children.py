@@ -70,6 +70,19 @@ def test_timeout_kills_and_reaps_the_child(tmp_path: Path) -> None:
     assert not _alive(pid)
 
 
+def test_timeout_kills_what_the_child_started_too(tmp_path: Path) -> None:
+    """A shell's own child (``sh -c 'a; b'``, an operator's ``--smoke`` command) goes with it: the whole
+    process group the child leads is killed, not the shell alone."""
+    pid_file = tmp_path / "pid"
+    with pytest.raises(subprocess.TimeoutExpired):
+        children.run(["/bin/sh", "-c", f"sleep 60 & echo $! >{pid_file}; wait"], env={}, timeout=1)
+    pid = int(pid_file.read_text())
+    try:
+        wait_until(lambda: not _alive(pid), 10, "the shell's own child gone")
+    finally:
+        _kill_if_alive(pid)
+
+
 def test_a_signal_during_the_spawn_is_handled_once_the_child_is_known(
     raising_sigint: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

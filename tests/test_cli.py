@@ -139,9 +139,11 @@ def test_a_detached_run_gets_exactly_the_callers_options() -> None:
         base_wheel=Path("/w/vllm-0.15.0-py3-none-any.whl"),
         drop_conflicting=True,
         accept_record_mismatch=True,
+        smoke="python -c 'import vllm._C' --detach",
+        smoke_timeout=9.5,
     )
     variants = [
-        dataclasses.replace(common, wheel=Path("/w/vllm-0.16.0-py3-none-any.whl")),
+        dataclasses.replace(common, wheel=Path("/w/vllm-0.16.0-py3-none-any.whl"), smoke=None, no_smoke=True),
         dataclasses.replace(common, version_spec="<1,>=0.16"),
         dataclasses.replace(common, undo="20261201T000000Z-41"),
     ]

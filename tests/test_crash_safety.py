@@ -99,7 +99,7 @@ def test_a_kill_once_verified_of_a_version_that_crashes_on_start_then_recover_pu
     lasts a few instructions); a journal left in ``restarting`` is put back to ``verified``, the phase
     the recovery is asked about: everything else of it is what the run wrote."""
     name = bed.unit("kill-verified-crash")
-    proc = bed.start_run("sicext", "--wheel", str(bed.wheels["sicext-3"]), "--settle", "5")
+    proc = bed.start_run("sicext", "--wheel", str(bed.wheels["sicext-3"]), "--settle", "5", "--no-smoke")
     try:
         bed.wait_phase(proc, "verified", "restarting")
         proc.send_signal(signal.SIGKILL)

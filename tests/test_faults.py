@@ -49,7 +49,7 @@ def test_recover_of_a_run_killed_while_a_broken_version_restarts_puts_the_old_on
     (exit 3), and nothing is left that blocks the next run."""
     before = bed.hotfix()
     name = bed.unit("broken-restart", text=SLOW_START_UNIT)
-    bed.kill_in("restarting", "sicext", "--wheel", str(bed.wheels["sicext-3"]), "--settle", "1")
+    bed.kill_in("restarting", "sicext", "--wheel", str(bed.wheels["sicext-3"]), "--settle", "1", "--no-smoke")
     journal = bed.journal()
     assert journal is not None and journal["phase"] == "restarting", journal
     run_id = journal["run_id"]
@@ -240,6 +240,7 @@ def test_backups_of_rolled_back_runs_fall_under_keep_backups(bed: Bed) -> None:
             "sicext",
             "--wheel",
             str(bed.wheels["sicext-3"]),
+            "--no-smoke",
             "--settle",
             "0.5",
             "--keep-backups",
@@ -307,7 +308,9 @@ def test_recover_after_a_run_that_ended_with_exit_4_does_not_say_it_died(bed: Be
     so: not that the run "died without a result", under ``error:``."""
     name = bed.unit("exit4")
     bed.hold_gpu(name, 3.0, "f4")  # a downtime to move the backup away in
-    proc = bed.start_run("sicext", "--wheel", str(bed.wheels["sicext-3"]), "--settle", "0.5", "--json")
+    proc = bed.start_run(
+        "sicext", "--wheel", str(bed.wheels["sicext-3"]), "--settle", "0.5", "--json", "--no-smoke"
+    )
     try:
         bed.wait_phase(proc, "stopped")
         journal = bed.journal()

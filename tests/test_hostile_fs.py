@@ -73,7 +73,13 @@ def test_new_code_swaps_its_package_for_a_symlink_then_crashes_rollback(
     before = account.snapshot()
     outside = account.outside()
     name = account.unit("swap")
-    result = account.cli("sicext", "--wheel", str(evil), "--yes", "--settle", "1", "--json")
+    # the smoke check runs the new code first (as the account, in the prefetch's tree): refused before
+    # the stop, and what it did there is removed as the account, never followed
+    checked = account.cli("sicext", "--wheel", str(evil), "--yes", "--settle", "1", "--json")
+    assert checked.code == 2 and "swapped its package" in checked.json["errors"][0]["message"], checked.stdout
+    assert account.snapshot() == before and account.outside() == outside
+    assert not list(account.state.glob("*/prefetch-*"))
+    result = account.cli("sicext", "--wheel", str(evil), "--yes", "--settle", "1", "--json", "--no-smoke")
     assert result.code == 3, result.stdout + result.stderr
     message = result.json["errors"][0]["message"]
     assert "restored the previous installation" in message and f"started {name} again" in message
@@ -254,7 +260,7 @@ def test_uv_runs_as_the_environments_owner_never_as_root(account: ServiceAccount
 
     before = account.snapshot()
     crash = account.cli(
-        "sicext", "--wheel", str(account.wheels["sicext-3"]), "--yes", "--settle", "1", "--json"
+        "sicext", "--wheel", str(account.wheels["sicext-3"]), "--yes", "--settle", "1", "--json", "--no-smoke"
     )
     assert crash.code == 3, crash.stdout + crash.stderr
     assert "restored the previous installation" in crash.json["errors"][0]["message"]

@@ -427,6 +427,7 @@ def test_a_crashing_new_version_is_rolled_back_with_the_local_patches(bed: Bed, 
         "--settle",
         "1",
         "--json",
+        "--no-smoke",
     )
     assert result.code == 3, result.stdout + result.stderr
     data = result.json["data"]

@@ -351,7 +351,14 @@ def test_an_owner_that_keeps_filling_the_runs_cache_cannot_hold_the_units_down(
     feeder = 0
     try:
         result = account.cli(
-            "sicext", "--wheel", str(account.wheels["sicext-3"]), "--yes", "--settle", "1", "--json"
+            "sicext",
+            "--wheel",
+            str(account.wheels["sicext-3"]),
+            "--yes",
+            "--settle",
+            "1",
+            "--json",
+            "--no-smoke",
         )
         assert pidfile.exists(), "the feeder never started (uv ran no .pth with UV_CACHE_DIR)"
         feeder = int(pidfile.read_text())
@@ -403,7 +410,14 @@ def test_a_backup_is_never_an_inode_its_owner_can_write(account: ServiceAccountB
     try:
         name = account.unit("tampered")
         result = account.cli(
-            "sicext", "--wheel", str(account.wheels["sicext-3"]), "--yes", "--settle", "1", "--json"
+            "sicext",
+            "--wheel",
+            str(account.wheels["sicext-3"]),
+            "--yes",
+            "--settle",
+            "1",
+            "--json",
+            "--no-smoke",
         )
         assert result.code == 3, result.stdout + result.stderr
         assert next(account.site.glob("sicext-*.dist-info")).name.startswith("sicext-1")

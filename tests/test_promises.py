@@ -99,7 +99,9 @@ def test_a_restored_file_that_differs_from_its_backup_fails_the_rollback_with_th
         'do [ -f "$f" ] && echo "# changed in the backup" >> "$f"\ndone\nexit 0\n'
     )
     name = bed.service("tampered", ExecStartPre=f"/bin/sh {tamper}")
-    result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-3"]), "--settle", "1", "--json")
+    result = bed.safeinstall(
+        "sicext", "--wheel", str(bed.wheels["sicext-3"]), "--settle", "1", "--json", "--no-smoke"
+    )
 
     assert result.code == 4, result.stdout + result.stderr
     doc = result.json

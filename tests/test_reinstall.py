@@ -57,6 +57,7 @@ def test_happy_path(bed: Bed) -> None:
     assert [s["name"] for s in doc["data"]["steps"]] == [
         "backup",
         "prefetch",
+        "smoke",  # the new version imported before the stop
         "gate",
         "stop",
         "gpu-release",
@@ -304,7 +305,9 @@ def test_a_new_dependency_that_cannot_be_unpacked_is_found_before_anything_stops
 
 def test_new_version_that_crashes_is_rolled_back(bed: Bed) -> None:
     name = bed.service("crash")
-    result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-3"]), "--settle", "1", "--json")
+    result = bed.safeinstall(
+        "sicext", "--wheel", str(bed.wheels["sicext-3"]), "--settle", "1", "--json", "--no-smoke"
+    )
     assert result.code == 3, result.stdout + result.stderr
     (error,) = result.json["errors"]
     message = error["message"]
@@ -322,7 +325,7 @@ def test_new_version_that_crashes_is_rolled_back(bed: Bed) -> None:
     assert "restored the previous installation" in rollback["detail"]
     log = Path(result.json["data"]["log_file"]).read_text()
     assert "rolling back (" in log and "rollback: ok" in log
-    human = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-3"]), "--settle", "1")
+    human = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-3"]), "--settle", "1", "--no-smoke")
     assert human.code == 3 and "rolling back (" in human.stderr
     assert any(line.startswith("rollback ") for line in human.stdout.splitlines()), human.stdout
 
@@ -364,7 +367,15 @@ def test_only_good_runs_count_under_keep_backups(bed: Bed) -> None:
         (backups / name / "files").mkdir(parents=True)
         (backups / name / "files" / "x").write_text(name)
     failed = bed.safeinstall(
-        "sicext", "--wheel", str(bed.wheels["sicext-3"]), "--settle", "1", "--keep-backups", "1", "--json"
+        "sicext",
+        "--wheel",
+        str(bed.wheels["sicext-3"]),
+        "--settle",
+        "1",
+        "--keep-backups",
+        "1",
+        "--json",
+        "--no-smoke",
     )
     assert failed.code == 3, failed.stdout + failed.stderr
     failed_backup = Path(failed.json["data"]["backup_dir"])
@@ -399,7 +410,7 @@ def test_a_file_pruned_by_a_run_that_fails_later_comes_back(bed: Bed) -> None:
     notes.write_text("ops notes\n")
     name = bed.service("prunefail")
     result = bed.safeinstall(
-        "sicext", "--wheel", str(bed.wheels["sicext-3"]), "--prune", "--settle", "1", "--json"
+        "sicext", "--wheel", str(bed.wheels["sicext-3"]), "--prune", "--settle", "1", "--json", "--no-smoke"
     )
     assert result.code == 3, result.stdout + result.stderr
     assert str(notes) in result.json["data"]["pruned"]

@@ -27,6 +27,7 @@ SOURCES = {
     "sicext-2": "sicext-2",
     "sicext-3": "sicext-3",  # crashes on import
     "sicext-4": "sicext-4",  # crashes on import, with version 1's serve.py (a patch of it carries over)
+    "sicext-5": "sicext-5",  # imports, but its C extension has an undefined symbol (a bad nightly)
     "sins-a": "sins-a",
     "sins-b": "sins-b",
 }

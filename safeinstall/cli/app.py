@@ -572,6 +572,9 @@ def run_options(
         prune=params["prune"],
         no_swap=params["no_swap"],
         full=params["full"],
+        no_smoke=params["no_smoke"],
+        smoke=params["smoke"],
+        smoke_timeout=params["smoke_timeout"],
         keep_backups=params["keep_backups"],
         run_id=run_id,
         undo=params["run"] if params.get("undo_") else None,  # without --run: the last, set by the caller
@@ -680,6 +683,29 @@ def main_command(
             "stop and renaming it into place (docs/window.md).",
         ),
     ] = False,
+    no_smoke: Annotated[
+        bool,
+        _flag(
+            "--no-smoke",
+            "Do not import the new version before the stop (as the environment's account, with the "
+            "unit's environment; docs/reinstall.md).",
+        ),
+    ] = False,
+    smoke: Annotated[
+        str | None,
+        typer.Option(
+            "--smoke",
+            metavar="CMD",
+            help="Also run CMD (through /bin/sh -c) that way before the stop; a failure refuses the run, "
+            "e.g. --smoke \"python -c 'import vllm._C'\".",
+        ),
+    ] = None,
+    smoke_timeout: Annotated[
+        float,
+        typer.Option(
+            "--smoke-timeout", metavar="SECONDS", help="Seconds each import check or --smoke may take."
+        ),
+    ] = 300.0,
     prune: Annotated[
         bool, _flag("--prune", "Remove files the old version left behind (kept in the backup).")
     ] = False,

@@ -394,6 +394,9 @@ def render_plan(out: Console, err: Console, plan: Plan, verbosity: int = 0) -> N
             out.print(literal(wrapped), soft_wrap=True)
     else:
         out.print("uv command: " + literal(" ".join(plan.uv_command)), soft_wrap=True)
+    if plan.smoke:
+        for wrapped in wrap_words("smoke check: " + plan.smoke, out.width, 2):
+            out.print(literal(wrapped), soft_wrap=True)
     _scan_problems(err, plan.scan_problems, verbosity)
     for warning in plan.warnings:
         if verbosity < 0 and warning in plan.host_notes:  # the same on every command of this host

@@ -87,6 +87,7 @@ def child_arguments(options: RunOptions, python: Path, run_id: str, environ_file
         "--prune": options.prune,
         "--no-swap": options.no_swap,
         "--full": options.full,
+        "--no-smoke": options.no_smoke,
     }
     args += [flag for flag, on in flags.items() if on]
     if options.wheel is not None:
@@ -95,10 +96,13 @@ def child_arguments(options: RunOptions, python: Path, run_id: str, environ_file
         args.append(f"--stop-timeout={options.stop_timeout!r}")
     if options.base_wheel is not None:
         args.append(f"--base-wheel={options.base_wheel}")
+    if options.smoke is not None:
+        args.append(f"--smoke={options.smoke}")
     args += [
         f"--gpu-timeout={options.gpu_timeout!r}",
         f"--settle={options.settle!r}",
         f"--health-timeout={options.health_timeout!r}",
+        f"--smoke-timeout={options.smoke_timeout!r}",
         f"--keep-backups={options.keep_backups}",
     ]
     return args

@@ -35,6 +35,10 @@ class RunOptions:
     no_swap: bool = False
     #: --full: read every file; take no hash the verified-inode store keeps (safeinstall.env.verified)
     full: bool = False
+    #: the new version imported before the stop (safeinstall.env.smoke); ``smoke``: the operator's command too
+    no_smoke: bool = False
+    smoke: str | None = None
+    smoke_timeout: float = 300.0  # safeinstall.env.smoke.SMOKE_TIMEOUT_S: each child's bound
     only_loaded: bool = False  # plan only processes with certain evidence (not ``environment`` alone)
     strict: bool = False  # a process left on old code after the restart fails the run (rolled back)
     keep_backups: int = 3  # safeinstall.store.retention.DEFAULT_KEEP: backups kept per environment
@@ -77,6 +81,7 @@ def option_problems(options: RunOptions) -> list[OptionProblem]:
         "--gpu-timeout": options.gpu_timeout,
         "--settle": options.settle,
         "--health-timeout": options.health_timeout,
+        "--smoke-timeout": options.smoke_timeout,
     }
     for flag, value in timeouts.items():
         if not (math.isfinite(value) and value >= 0):
@@ -86,6 +91,20 @@ def option_problems(options: RunOptions) -> list[OptionProblem]:
                     f"give {flag} a number of seconds, or leave it out for its default (safeinstall --help)",
                 )
             )
+    if options.smoke is not None and options.undo is not None:
+        problems.append(
+            OptionProblem(
+                "--smoke goes with a reinstall: --undo puts back a version that ran before",
+                "leave --smoke out of --undo",
+            )
+        )
+    if options.smoke is not None and (options.no_smoke or not options.smoke.strip()):
+        problems.append(
+            OptionProblem(
+                "--smoke needs a command, and cannot go with --no-smoke",
+                "e.g. --smoke \"python -c 'import vllm._C'\"; or --no-smoke alone to skip the check",
+            )
+        )
     if options.keep_backups < 1:
         problems.append(
             OptionProblem(

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from packaging.utils import canonicalize_name
 
+from safeinstall.env import smoke
 from safeinstall.env.drift import FindingKind
 from safeinstall.env.environment import Environment, inspect_environment, resolve_python
 from safeinstall.env.systemsite import placement_refusals
@@ -179,6 +180,11 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
         shared = shared_files(before)
         if shared:
             found = replace(found, plan=replace(found.plan, warnings=(*found.plan.warnings, *shared)))
+        if undo is None and not options.no_smoke:
+            units = [u.name for u in found.plan.units]
+            account = smoke.account_of(env)[0]
+            said = smoke.describe(found.plan.package, options.smoke, options.smoke_timeout, account, units)
+            found = replace(found, plan=replace(found.plan, smoke=said))
         if undo is not None:
             owner = os.geteuid() if env.account is None else env.account.uid
             found = replace(found, plan=undo_plan(found.plan, undo, before, found.installed, owner))

@@ -56,6 +56,7 @@ from safeinstall.run.preflight import preflight as shared_preflight
 from safeinstall.run.results import Reporter, RunResult, service_downtime_s
 from safeinstall.run.rollback import rollback_step
 from safeinstall.run.running import Run, report_waits, reset_start_limits, start_and_settle
+from safeinstall.run.smoke import smoke_step
 from safeinstall.run.survey import scan_again, systemd_for
 from safeinstall.run.undo import UndoTarget, left_of
 from safeinstall.scan.plan import PlannedProcess, PlannedUnit, left_on_old_code
@@ -250,11 +251,14 @@ def prefetch_step(run: Run) -> str:
     )
     filled = _fill_from_owners_cache(run, cache)
     run._log(f"prefetch (UV_CACHE_DIR={cache}{_as(account)}): " + " ".join(command))
+    result = None
     try:
         result = uv_install(command, run.options.environ, cache_dir=cache, account=account)
-    finally:
-        if root is None:
+    finally:  # a good --target install stays for the smoke step (safeinstall.run.smoke), which removes it
+        kept = root is None and result is not None and result.returncode == 0 and not run.options.no_smoke
+        if root is None and not kept:
             remove_run_dir(scratch)
+    run.scratch = scratch if kept else None
     run._log(f"uv exit {result.returncode}:\n{result.output}")
     if result.returncode != 0:
         if root is not None:
@@ -932,6 +936,8 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
                 step("backup", lambda: backup_step(run))
                 if options.undo is None:  # an undo installs from a backup: nothing to fetch
                     step("prefetch", lambda: prefetch_step(run))
+                    if not options.no_smoke:  # the new version exercised before anything stops
+                        step("smoke", lambda: smoke_step(run))
                 step("gate", lambda: gate_step(run))
                 with NvmlSession(options.environ, options.proc_root) as session:
                     baseline = session.snapshot()  # before the stop: what the processes held

@@ -89,6 +89,8 @@ class Run:
     #: set by the verification in place: every installed file as it was observed (kept in the
     #: verified-inode store after a good run: store/verified.py)
     in_place: Mapping[str, FileState] = field(default_factory=dict)
+    #: set by the prefetch when the run does not swap: its ``--target`` tree, kept for the smoke step
+    scratch: Path | None = None
 
     @property
     def options(self) -> RunOptions:

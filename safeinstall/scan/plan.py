@@ -123,6 +123,8 @@ class Plan:
     host_notes: tuple[str, ...] = ()
     #: units whose start limit the restart could hit: reset before the stop (systemctl reset-failed)
     start_limit_resets: tuple[StartLimitReset, ...] = ()
+    #: what the run runs before the stop to exercise the new version (safeinstall.env.smoke); "": nothing
+    smoke: str = ""
 
     @property
     def proceeds(self) -> bool:

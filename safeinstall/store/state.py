@@ -69,8 +69,9 @@ LOGS_DIR = "logs"
 UV_CACHE_PREFIX = "uv-cache-"
 PREFETCH_PREFIX = "prefetch-"
 KEEP_PATCHES_PREFIX = "keep-patches-"
-#: The run's own directories for uv: its cache and its scratch ``--target`` directories
-RUN_DIR_PREFIXES = (UV_CACHE_PREFIX, PREFETCH_PREFIX, KEEP_PATCHES_PREFIX)
+SMOKE_PREFIX = "smoke-"  # root's: the shim the smoke check's children import (safeinstall.env.smoke)
+#: The run's own directories: uv's cache, its scratch ``--target`` directories, the smoke check's shim
+RUN_DIR_PREFIXES = (UV_CACHE_PREFIX, PREFETCH_PREFIX, KEEP_PATCHES_PREFIX, SMOKE_PREFIX)
 HISTORY_DIR = "history"
 PATCHES_DIR = "patches"
 PRIVATE_MODE = 0o700

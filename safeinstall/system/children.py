@@ -20,6 +20,7 @@ given, no inherited descriptors, no core dumps, ``/`` as its working directory.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import resource
@@ -140,7 +141,11 @@ def _release(previous: dict[int, _Handler], held: list[int]) -> None:
 
 
 def _reap(proc: subprocess.Popen[bytes]) -> None:
-    """Kill ``proc`` and wait for it, whatever arrives meanwhile (SIGKILL makes this short)."""
+    """Kill ``proc`` and what it started (its process group: it leads a session of its own, and its pid
+    stays its own until it is reaped below) and wait for it, whatever arrives meanwhile (SIGKILL makes
+    this short). A shell's own children (``sh -c 'a; b'``) would otherwise run on, orphaned."""
+    with contextlib.suppress(OSError):  # gone already, or a group not ours to signal: the child alone
+        os.killpg(proc.pid, signal.SIGKILL)
     proc.kill()
     while True:
         try:

@@ -164,6 +164,25 @@ def remove_new_uv_lock(prefix: str) -> dict[str, Any]:
         return {"removed": tree.unlink(UV_LOCK)}
 
 
+def read_texts(paths: list[str], limit: int) -> list[list[str | None]]:
+    """Each file's text (at most ``limit`` bytes, undecodable bytes replaced), or None and why: what the
+    account may read of a unit's ``EnvironmentFile=`` files (the smoke check, safeinstall.env.smoke).
+    Opened as systemd opens them, symlinks followed: the kernel checks each as the account."""
+    read: list[list[str | None]] = []
+    for path in paths:
+        try:
+            with open(path, "rb") as handle:
+                data = handle.read(limit + 1)
+        except OSError as exc:
+            read.append([None, exc.strerror or str(exc)])
+            continue
+        if len(data) > limit:
+            read.append([None, f"more than {limit} bytes"])
+            continue
+        read.append([data.decode("utf-8", "replace"), None])
+    return read
+
+
 def write_carried(prefix: Path, location: str, data: bytes) -> None:
     """Put one merged file in place of the new version's, through the one safe filesystem layer
     (:class:`safeinstall.system.safefs.Tree`): walked by descriptor from the prefix, no symlink followed, the

@@ -23,6 +23,7 @@ import contextlib
 import math
 import os
 import re
+import shlex
 import subprocess
 import threading
 import time
@@ -727,3 +728,54 @@ def start_limit_risk(limit: StartLimit, now_s: float, run_starts: int = RUN_STAR
         ago = now_s - limit.last_start_s
         return f"{said}, last started {ago:.0f} s ago: how many starts it has left systemd does not say"
     return None
+
+
+# ------------------------------------------------------------------- how a unit runs its processes
+
+
+@dataclass(frozen=True, slots=True)
+class ExecContext:
+    """What systemd gives a unit's processes besides its command (``systemctl show``): the variables of
+    ``Environment=``, the files of ``EnvironmentFile=`` (path, errors ignored) and ``WorkingDirectory=``
+    ("" when unset; ``~`` for the user's home; a leading ``-`` or ``!`` removed)."""
+
+    unit: str
+    environment: tuple[tuple[str, str], ...]
+    environment_files: tuple[tuple[str, bool], ...]
+    working_directory: str
+
+
+def parse_exec_context(unit: str, text: str) -> ExecContext:
+    """Pure: an :class:`ExecContext` from ``systemctl show -p Environment,EnvironmentFiles,WorkingDirectory``
+    (one ``EnvironmentFiles=`` line per file; ``Environment=`` quoted as systemd quotes a list)."""
+    environment: dict[str, str] = {}
+    files: list[tuple[str, bool]] = []
+    directory = ""
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if not sep:
+            continue
+        if key == "Environment" and value:
+            try:
+                words = shlex.split(value)
+            except ValueError:
+                words = value.split()
+            for word in words:
+                name, has, setting = word.partition("=")
+                if has and name:
+                    environment[name] = setting
+        elif key == "EnvironmentFiles" and value:
+            path, _, flags = value.rpartition(" (")
+            if not path:
+                path, flags = value, ""
+            files.append((path, "ignore_errors=yes" in flags))
+        elif key == "WorkingDirectory":
+            directory = value.lstrip("-!")
+    return ExecContext(unit, tuple(environment.items()), tuple(files), directory)
+
+
+def exec_context(systemd: Systemd, unit: str) -> ExecContext:
+    """How ``unit`` runs its processes, as its manager has it loaded (SystemdError when it cannot say)."""
+    name = check_unit_name(unit)
+    text = systemd.systemctl("show", "-p", "Environment,EnvironmentFiles,WorkingDirectory", "--", name)
+    return parse_exec_context(name, text)

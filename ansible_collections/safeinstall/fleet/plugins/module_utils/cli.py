@@ -37,6 +37,7 @@ REINSTALL_SWITCHES = (
     ("prune", "--prune"),
     ("keep_patches", "--keep-patches"),
     ("no_swap", "--no-swap"),
+    ("no_smoke", "--no-smoke"),
 )
 
 

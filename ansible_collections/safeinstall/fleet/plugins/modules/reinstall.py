@@ -96,6 +96,11 @@ options:
         the stop and renaming it into place; passed only when true.
     type: bool
     default: false
+  no_smoke:
+    description:
+      - Do not import the new version before the stop (C(--no-smoke)); passed only when true.
+    type: bool
+    default: false
   keep_patches:
     description:
       - Carry the local patches of the package forward into the new version, by a three-way merge
@@ -254,6 +259,7 @@ ARGUMENT_SPEC = {
     "prune": {"type": "bool", "default": False},
     "keep_patches": {"type": "bool", "default": False},
     "no_swap": {"type": "bool", "default": False},
+    "no_smoke": {"type": "bool", "default": False},
     "undo": {"type": "bool", "default": False},
     "undo_run": {"type": "str"},
     "keep_backups": {"type": "int"},

@@ -1,0 +1,499 @@
+"""The new version exercised before anything stops: imported in a child run as the environment's account.
+
+After the prefetch, the new version lies in a tree of its own: the staging tree of a swap
+(``<prefix>/.safeinstall-swap-RUN/tree``, uv's ``--prefix`` layout) or, where the run does not swap,
+the prefetch's throwaway ``--target`` directory (uv installed it there from the run's cache, as the
+account). A child process, run as the environment's account (:func:`safeinstall.system.children.run`: a
+session of its own, no terminal, no descriptor nor variable of root's), with the unit's own variables
+(``Environment=``, ``EnvironmentFile=``, read as the account) and working directory, imports it: the
+tree goes ahead of the environment's site directories through a ``sitecustomize`` shim (``site.addsitedir``,
+so the tree's ``.pth`` files are honoured); nothing is written (``PYTHONDONTWRITEBYTECODE``), the
+environment's files are only read. No GPU is visible to it (``CUDA_VISIBLE_DEVICES=""`` and the ROCm
+equivalents): an import that initialises CUDA finds no device, so no context and no GPU memory.
+
+What it imports: the named distribution's top-level modules, then every extension module of every
+changed distribution (a ``.so`` whose name is the interpreter's, ``.abi3.so``, or a plain ``.so``
+that exports ``PyInit_NAME``): an ``undefined symbol`` in any of them refuses the run. ``--smoke CMD``
+adds a command of the operator's, run the same way through ``/bin/sh -c``. The child's answers (one
+JSON document per line, on a descriptor of its own) are the account's word: data that root checks,
+never code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import re
+import subprocess
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from safeinstall.env.environment import Account, Environment
+from safeinstall.system import children, owner, worker
+
+#: Seconds each child may take (the imports of one unit's context, or the operator's command).
+SMOKE_TIMEOUT_S = 300.0
+#: The lines of a failed child's standard error that are shown (each cut to LINE_LIMIT characters).
+STDERR_LINES = 12
+LINE_LIMIT = 400
+#: What a child may print (per stream) and what one environment file may hold.
+OUTPUT_LIMIT = 4 << 20
+ENV_FILE_LIMIT = 1 << 20
+#: The shim's name: Python imports ``sitecustomize`` from the first directory of sys.path that has one.
+SHIM = "sitecustomize.py"
+#: systemd's default PATH for services.
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin"
+#: What the child gets of the caller's environment (the rest is the unit's and the account's).
+_FROM_CALLER = ("LANG", "LANGUAGE", "TZ")
+#: Set for every child, whatever the unit says: no GPU, no bytecode written, the staged tree ahead.
+NO_GPU = {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "", "ROCR_VISIBLE_DEVICES": ""}
+
+#: The shim (a ``sitecustomize`` on ``PYTHONPATH``): the trees named in ``SAFEINSTALL_SMOKE_SITES`` go
+#: ahead of everything on ``sys.path`` (their ``.pth`` files run), then the environment's own
+#: ``sitecustomize``, if it has one, is imported as Python would have.
+SHIM_TEXT = '''"""safeinstall's smoke check: the staged new version ahead of the environment's sites."""
+import os as _os
+import site as _site
+import sys as _sys
+
+
+def _ahead():
+    here = _os.path.dirname(_os.path.abspath(__file__))
+    sites = [s for s in _os.environ.get("SAFEINSTALL_SMOKE_SITES", "").split(_os.pathsep) if s]
+    before = [p for p in _sys.path if p != here]
+    for tree in sites:
+        _site.addsitedir(tree)
+    added = [p for p in _sys.path if p not in before and p != here]
+    _sys.path[:] = added + [p for p in before if p not in added]
+    me = _sys.modules.pop("sitecustomize", None)
+    try:
+        import sitecustomize  # noqa: F401  the environment's own
+    except ImportError as exc:
+        if exc.name != "sitecustomize":
+            raise
+    finally:
+        if me is not None:
+            _sys.modules.setdefault("sitecustomize", me)
+
+
+_ahead()
+'''
+
+#: The import child: argv[1] is a JSON document {"sites", "package", "changed"}. It answers on
+#: descriptor 3 (a copy of its stdout; its own stdout goes to stderr, so that what an import prints
+#: cannot be taken for an answer): {"module": M} before each import, then {"ok": M}, {"skipped": M}
+#: or {"failed": M, "error": TEXT}; {"done": N} at the end.
+CHILD_SCRIPT = r"""
+import importlib, importlib.machinery, json, os, re, struct, sys, traceback
+answers = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+def say(**kw):
+    answers.write(json.dumps(kw) + "\n")
+    answers.flush()
+spec = json.loads(sys.argv[1])
+sys.path[:] = [p for p in sys.path if p not in ("", ".")]
+changed = set(spec["changed"])
+package = spec["package"]
+suffixes = sorted(importlib.machinery.EXTENSION_SUFFIXES, key=len, reverse=True)
+def canonical(name):
+    return re.sub(r"[-_.]+", "-", name).lower()
+def exports_init(path, stem):
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+            if head[:4] != b"\x7fELF":
+                return True
+            wide, end = head[4] == 2, "<" if head[5] == 1 else ">"
+            if wide:
+                (shoff,) = struct.unpack_from(end + "Q", head, 0x28)
+                size, count = struct.unpack_from(end + "HH", head, 0x3A)
+            else:
+                (shoff,) = struct.unpack_from(end + "I", head, 0x20)
+                size, count = struct.unpack_from(end + "HH", head, 0x2E)
+            f.seek(shoff)
+            table = f.read(size * count)
+            def section(i):
+                base = i * size
+                kind = struct.unpack_from(end + "I", table, base + 4)[0]
+                if wide:
+                    off, length = struct.unpack_from(end + "QQ", table, base + 0x18)
+                    link = struct.unpack_from(end + "I", table, base + 0x28)[0]
+                else:
+                    off, length = struct.unpack_from(end + "II", table, base + 0x10)
+                    link = struct.unpack_from(end + "I", table, base + 0x18)[0]
+                return kind, off, length, link
+            for i in range(count):
+                kind, _, _, link = section(i)
+                if kind == 11:
+                    _, off, length, _ = section(link)
+                    f.seek(off)
+                    return (b"\0PyInit_" + stem.encode() + b"\0") in f.read(length)
+            return False
+    except (OSError, struct.error, IndexError):
+        return True
+tops, extensions = [], []
+for tree in spec["sites"]:
+    try:
+        entries = sorted(os.listdir(tree))
+    except OSError:
+        continue
+    for entry in entries:
+        if not entry.endswith(".dist-info"):
+            continue
+        name = canonical(entry[: -len(".dist-info")].rpartition("-")[0] or entry)
+        if name not in changed:
+            continue
+        try:
+            with open(os.path.join(tree, entry, "RECORD"), encoding="utf-8") as f:
+                paths = [line.rsplit(",", 2)[0].strip('"') for line in f if line.strip()]
+        except OSError:
+            continue
+        for path in paths:
+            parts = path.split("/")
+            if path.startswith(("/", "..")) or parts[0].endswith((".dist-info", ".data")):
+                continue
+            suffix = next((s for s in suffixes if path.endswith(s)), None)
+            stem = path[: -len(suffix)] if suffix else path[:-3] if path.endswith(".py") else None
+            if stem is None:
+                continue
+            dotted = stem.split("/")
+            if dotted[-1] == "__init__":
+                dotted = dotted[:-1]
+            if not dotted or not all(p.isidentifier() for p in dotted):
+                continue
+            if name == package and dotted[0] not in tops and len(parts) >= 1:
+                tops.append(dotted[0])
+            if suffix is not None:
+                full = os.path.join(tree, path)
+                if suffix != ".so" or exports_init(full, dotted[-1]):
+                    extensions.append(".".join(dotted))
+modules = sorted(tops) + sorted(m for m in dict.fromkeys(extensions) if m not in tops)
+failed = 0
+for module in modules:
+    say(module=module)
+    try:
+        importlib.import_module(module)
+    except BaseException as exc:
+        failed += 1
+        frames = [
+            f for f in traceback.extract_tb(exc.__traceback__)
+            if not f.filename.startswith("<") and not f.filename.endswith(("importlib/__init__.py",))
+        ]
+        print("".join(traceback.format_list(frames)), end="", file=sys.stderr)
+        print("".join(traceback.format_exception_only(type(exc), exc)), end="", file=sys.stderr)
+        say(failed=module, error=("%s: %s" % (type(exc).__name__, exc))[:2000])
+    else:
+        say(ok=module)
+say(done=len(modules))
+sys.stderr.flush()
+os._exit(1 if failed else 0)
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    """How a unit runs its processes: the variables the child gets from it, and where it runs."""
+
+    unit: str | None  # None: no unit (the environment's account, systemd's defaults)
+    variables: tuple[tuple[str, str], ...]
+    cwd: str
+    notes: tuple[str, ...] = ()  # what of the unit's could not be taken (an unreadable file...)
+
+
+@dataclass(frozen=True, slots=True)
+class ChildOutcome:
+    """One child: what it was, what it answered, and its last lines of standard error."""
+
+    what: str  # "imports" or the operator's command
+    context: Context
+    ok: bool
+    imported: tuple[str, ...]
+    failed: tuple[tuple[str, str], ...]  # (module, error)
+    problem: str | None  # the child died, ran too long, answered nonsense, or its command failed
+    stderr_tail: tuple[str, ...]
+
+
+# ------------------------------------------------------------------------------------ pure parts
+
+
+def parse_environment_file(text: str) -> list[tuple[str, str]]:
+    """Pure: the assignments of an ``EnvironmentFile=`` as systemd reads one: ``KEY=VALUE`` lines,
+    ``#`` and ``;`` comments, a value in single or double quotes, a backslash at the end of a line
+    continuing it."""
+    found: list[tuple[str, str]] = []
+    logical: list[str] = []
+    pending = ""
+    for raw in text.splitlines():
+        line = pending + raw
+        if line.endswith("\\"):
+            pending = line[:-1]
+            continue
+        pending = ""
+        logical.append(line)
+    if pending:
+        logical.append(pending)
+    for line in logical:
+        stripped = line.strip()
+        if not stripped or stripped[0] in "#;":
+            continue
+        key, sep, value = stripped.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            continue
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+            if stripped.partition("=")[2].strip()[0] == '"':
+                value = re.sub(r"\\(.)", r"\1", value)
+        found.append((key, value))
+    return found
+
+
+def child_variables(
+    caller: Mapping[str, str],
+    account: tuple[str, str],  # (name, home)
+    unit: Sequence[tuple[str, str]],
+    env: Environment,
+    shim_dir: Path,
+    sites: Sequence[Path],
+) -> dict[str, str]:
+    """Pure: the child's whole environment. The caller gives only the locale and time zone; the
+    account its ``HOME``, ``USER``, ``LOGNAME``; the unit what systemd gives its processes
+    (``Environment=``, then ``EnvironmentFile=``); then, whatever the unit says: no GPU, no bytecode
+    written, the environment's ``bin`` first on ``PATH``, the shim on ``PYTHONPATH`` (ahead of the
+    unit's) and the staged trees for it."""
+    variables = {k: caller[k] for k in _FROM_CALLER if k in caller}
+    variables |= {"PATH": DEFAULT_PATH, "HOME": account[1], "USER": account[0], "LOGNAME": account[0]}
+    variables |= dict(unit)
+    python_path = [str(shim_dir), *[p for p in variables.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    variables |= NO_GPU
+    variables |= {
+        "PATH": os.pathsep.join([str(env.scripts), variables["PATH"]]),
+        "PYTHONPATH": os.pathsep.join(python_path),
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "SAFEINSTALL_SMOKE_SITES": os.pathsep.join(str(s) for s in sites),
+    }
+    return variables
+
+
+def working_directory(setting: str, home: str, user_manager: bool) -> str:
+    """Pure: the directory a unit's process starts in (systemd's rules: unset is ``/`` for the system
+    manager and the user's home for a user's; ``~`` is the home)."""
+    if setting == "~" or (not setting and user_manager):
+        return home
+    return setting if setting.startswith("/") else "/"
+
+
+def read_answers(text: str) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...], str | None, bool]:
+    """Pure: the import child's answer lines, as data (the account's word): the modules imported, the
+    ones that failed (with their error), the module it was importing when it stopped answering (None:
+    none), and whether it said it was done. Lines that are not such documents are ignored."""
+    imported: list[str] = []
+    failed: list[tuple[str, str]] = []
+    started: str | None = None
+    done = False
+    for line in text.splitlines():
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(answer, dict):
+            continue
+        module = next((answer[k] for k in ("module", "ok", "failed") if isinstance(answer.get(k), str)), None)
+        if "module" in answer and module is not None:
+            started = module[:300]
+        elif "ok" in answer and module is not None:
+            imported.append(module[:300])
+            started = None
+        elif "failed" in answer and module is not None:
+            failed.append((module[:300], str(answer.get("error", ""))[:2000]))
+            started = None
+        elif "done" in answer:
+            done = True
+    return tuple(imported), tuple(failed), started, done
+
+
+def tail(text: str, lines: int = STDERR_LINES) -> tuple[str, ...]:
+    """Pure: the last ``lines`` non-empty lines of ``text``, each at most :data:`LINE_LIMIT` characters."""
+    kept = [line.rstrip()[:LINE_LIMIT] for line in text.splitlines() if line.strip()]
+    return tuple(kept[-lines:])
+
+
+def describe(package: str, command: str | None, timeout: float, account: str, units: Sequence[str]) -> str:
+    """Pure: what the run runs before the stop (the plan says it)."""
+    where = f"environment of {', '.join(units)}" if units else "systemd's defaults"
+    more = f", then `{command}`" if command else ""
+    return (
+        f"as {account}, {where}, no GPU: import {package}'s top-level modules and the changed "
+        f"distributions' extension modules from the new version{more} (at most {timeout:g} s each)"
+    )
+
+
+def logged(outcome: ChildOutcome) -> str:
+    """Pure: one child's outcome for the run's log: what it imported and what failed, never the unit's
+    variables (an ``EnvironmentFile=`` may hold a token)."""
+    where = outcome.context.unit or "no unit"
+    said = f"{outcome.what} ({where}, in {outcome.context.cwd}): {'ok' if outcome.ok else 'FAILED'}"
+    said += f"; imported {', '.join(outcome.imported) or 'nothing'}"
+    said += "".join(f"; {module}: {error}" for module, error in outcome.failed)
+    said += f"; {outcome.problem}" if outcome.problem else ""
+    return said + "".join(f"\n  {line}" for line in outcome.stderr_tail)
+
+
+def failure_message(outcomes: Sequence[ChildOutcome]) -> str:
+    """Pure: why the run is refused, with each failed child's last lines of standard error."""
+    parts: list[str] = []
+    for outcome in outcomes:
+        if outcome.ok:
+            continue
+        where = f" (environment of {outcome.context.unit})" if outcome.context.unit else ""
+        said = [f"{module}: {error}" for module, error in outcome.failed[:5]]
+        if outcome.problem:
+            said.append(outcome.problem)
+        imports = outcome.what == "imports"
+        head = "the import of the new version failed" if imports else f"`{outcome.what}` failed"
+        text = f"{head}{where}: " + "; ".join(said)
+        if outcome.stderr_tail:
+            lines = "\n".join("  " + line for line in outcome.stderr_tail)
+            text += "\nits last lines of standard error:\n" + lines
+        parts.append(text)
+    return "\n".join(parts)
+
+
+# ------------------------------------------------------------------------------------- I/O parts
+
+
+def account_of(env: Environment) -> tuple[str, str]:
+    """The (name, home) of the account the child runs as: the environment's owner, else the caller
+    (root, or the user of a ``--user`` run)."""
+    uid = os.geteuid() if env.account is None else env.account.uid
+    try:
+        entry = pwd.getpwuid(uid)
+        name, home = entry.pw_name, entry.pw_dir
+    except KeyError:
+        name, home = str(uid), "/"
+    return name, env.account.home if env.account is not None else home
+
+
+def read_environment_files(
+    files: Sequence[tuple[str, bool]], account: Account | None
+) -> tuple[list[tuple[str, str]], list[str]]:
+    """The assignments of a unit's ``EnvironmentFile=`` files, read as the environment's account (a
+    file it may not read is not given to its process: said, never read by root for it); and the notes."""
+    if not files:
+        return [], []
+    paths = [path for path, _ in files]
+    try:
+        answer = worker.call(
+            None if account is None else account.ids,
+            lambda: owner.read_texts(paths, ENV_FILE_LIMIT),
+            timeout=30,
+            what="reads the unit's environment files",
+        )
+    except worker.WorkerError as exc:
+        return [], [f"the unit's environment files were not read: {exc.message}"]
+    found: list[tuple[str, str]] = []
+    notes: list[str] = []
+    if not isinstance(answer, list) or len(answer) != len(files):
+        return [], ["the unit's environment files were not read: the worker answered nonsense"]
+    for (path, ignore), item in zip(files, answer, strict=True):
+        text = item[0] if isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) else None
+        if text is None:
+            if not ignore:
+                why = item[1] if isinstance(item, list) and len(item) == 2 else "?"
+                said = str(why)[:200]
+                notes.append(f"EnvironmentFile {path} was not read as the environment's account: {said}")
+            continue
+        found.extend(parse_environment_file(text))
+    return found, notes
+
+
+def write_shim(directory: Path) -> Path:
+    """Root's directory (0755) in root's state directory, with the shim (0644): the account reads it."""
+    os.mkdir(directory, 0o755)
+    os.chmod(directory, 0o755)
+    fd = os.open(directory / SHIM, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        os.fchmod(fd, 0o644)
+        os.write(fd, SHIM_TEXT.encode())
+    finally:
+        os.close(fd)
+    return directory
+
+
+def _in_directory(cwd: str, argv: Sequence[str]) -> list[str]:
+    """Pure: ``argv`` started in ``cwd``, changed into as the account, as systemd does for the unit (one
+    the account may not enter, such as a user manager's home for a unit that drops to the account
+    itself: ``/``, said on its standard error)."""
+    fallback = 'echo "safeinstall: $1 cannot be entered: running in /" >&2; cd /'
+    return [
+        "/bin/sh",
+        "-c",
+        f'cd -- "$1" 2>/dev/null || {{ {fallback}; }}; shift; exec "$@"',
+        "sh",
+        cwd,
+        *argv,
+    ]
+
+
+def run_imports(
+    env: Environment,
+    python: Path,
+    context: Context,
+    variables: Mapping[str, str],
+    sites: Sequence[Path],
+    package: str,
+    changed: Iterable[str],
+    timeout: float,
+) -> ChildOutcome:
+    """The import child for one context (see the module)."""
+    spec = json.dumps({"sites": [str(s) for s in sites], "package": package, "changed": sorted(changed)})
+    argv = _in_directory(context.cwd, [str(python), "-c", CHILD_SCRIPT, spec])
+    proc, problem = _run(argv, variables, env, timeout)
+    if proc is None:
+        return ChildOutcome("imports", context, False, (), (), problem, ())
+    imported, failed, started, done = read_answers(proc.stdout)
+    stderr = tail(proc.stderr)
+    if started is not None:
+        problem = f"it died while importing {started} (exit {_status(proc.returncode)})"
+    elif not done:
+        problem = f"it ended before it was done (exit {_status(proc.returncode)})"
+    ok = not failed and problem is None and proc.returncode == 0
+    return ChildOutcome("imports", context, ok, imported, failed, problem, stderr)
+
+
+def run_command(
+    env: Environment, command: str, context: Context, variables: Mapping[str, str], timeout: float
+) -> ChildOutcome:
+    """The operator's ``--smoke`` command for one context, through ``/bin/sh -c``: exit 0 passes."""
+    proc, problem = _run(_in_directory(context.cwd, ["/bin/sh", "-c", command]), variables, env, timeout)
+    if proc is None:
+        return ChildOutcome(command, context, False, (), (), problem, ())
+    if proc.returncode != 0:
+        problem = f"exit {_status(proc.returncode)}"
+    return ChildOutcome(command, context, proc.returncode == 0, (), (), problem, tail(proc.stderr))
+
+
+def _status(code: int) -> str:
+    return f"{code}" if code >= 0 else f"{code}, killed by signal {-code}"
+
+
+def _run(
+    argv: Sequence[str], variables: Mapping[str, str], env: Environment, timeout: float
+) -> tuple[subprocess.CompletedProcess[str] | None, str | None]:
+    try:
+        proc = children.run(
+            argv,
+            env=variables,
+            timeout=timeout,
+            as_user=None if env.account is None else env.account.ids,
+            limit=OUTPUT_LIMIT,
+        )
+    except subprocess.TimeoutExpired:
+        return None, f"it did not finish in {timeout:g} s (--smoke-timeout); it was ended"
+    except children.TooMuchOutput as exc:
+        return None, f"it was ended: {exc}"
+    except OSError as exc:
+        return None, f"it could not start: {exc.strerror or exc}"
+    return proc, None

@@ -1,0 +1,283 @@
+"""The new version exercised before anything stops (issue 34): a wheel whose extension module does not
+load, or whose package raises at import, is refused (exit 2) while the service runs on, untouched.
+
+Real units of the private manager, real wheels (``sicext`` 5: its C extension references an undefined
+symbol; ``sicext`` 3: raises at import), the real uv; uid 65534 for a service account's environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from safeinstall.env import smoke
+from safeinstall.run.options import RunOptions, option_problems
+from safeinstall.system.systemd import parse_exec_context
+from tests.bed_systemd import wait_until
+from tests.beds import NOBODY, UNIT_TEXT, Bed, ServiceAccountBed
+
+
+def _left_in_state(bed: Bed) -> list[str]:
+    """The run's own directories (prefetch tree, shim, uv cache) still in the state directory."""
+    return [p.name for p in bed.state.glob("*/*") if p.name.startswith(("prefetch-", "smoke-", "uv-cache-"))]
+
+
+def _refused_before_the_stop(bed: Bed, unit: str, wheel: str, *extra: str) -> dict[str, Any]:
+    main = bed.manager.main_pid(unit)
+    before = bed.snapshot()
+    result = bed.safeinstall("sicext", "--wheel", str(bed.wheels[wheel]), "--settle", "1", "--json", *extra)
+    assert result.code == 2, result.stdout + result.stderr
+    assert result.json["status"] == "error", result.json
+    steps = [s["name"] for s in result.json["data"]["steps"]]
+    assert steps[-1] == "smoke" and "stop" not in steps, steps
+    assert bed.manager.main_pid(unit) == main  # never stopped
+    assert bed.manager.active_state(unit) == "active"
+    assert bed.snapshot() == before and bed.version() == "1.0"  # the old version untouched
+    bed.no_trace()
+    assert _left_in_state(bed) == []
+    return dict(result.json)
+
+
+def test_an_extension_module_with_an_undefined_symbol_is_refused_before_the_stop(bed: Bed) -> None:
+    unit = bed.service("smoke-undefined")
+    refused = _refused_before_the_stop(bed, unit, "sicext-5")
+    message = refused["errors"][0]["message"]
+    assert "sicext._native" in message and "undefined symbol: sicext_fixture_missing_symbol" in message, (
+        message
+    )
+    assert "its last lines of standard error" in message  # the child's own words, as text
+    # without the check, the same wheel is found broken only once the service is down: a rollback
+    main = bed.manager.main_pid(unit)
+    unchecked = bed.safeinstall(
+        "sicext", "--wheel", str(bed.wheels["sicext-5"]), "--settle", "1", "--no-smoke"
+    )
+    assert unchecked.code == 3, unchecked.stdout + unchecked.stderr
+    assert bed.manager.main_pid(unit) != main and bed.version() == "1.0"
+
+
+def test_a_package_that_raises_at_import_is_refused_before_the_stop(bed: Bed) -> None:
+    unit = bed.service("smoke-raises")
+    refused = _refused_before_the_stop(bed, unit, "sicext-3")
+    message = refused["errors"][0]["message"]
+    assert "sicext: ImportError: sicext 3.0 is broken on purpose" in message, message
+    assert "nothing was stopped" in refused["errors"][0]["hint"]
+
+
+def test_a_run_whose_swap_is_dropped_checks_the_new_version_all_the_same(bed: Bed) -> None:
+    """uv compiles bytecode into the staging tree (``UV_COMPILE_BYTECODE``): the swap is dropped, so
+    the new version lies in no tree of its own; the check lays it out from the run's cache and refuses."""
+    unit = bed.service("smoke-no-swap")
+    main = bed.manager.main_pid(unit)
+    result = bed.safeinstall(
+        "sicext",
+        "--wheel",
+        str(bed.wheels["sicext-5"]),
+        "--settle",
+        "1",
+        "--json",
+        more_env={"UV_COMPILE_BYTECODE": "1"},
+    )
+    assert result.code == 2, result.stdout + result.stderr
+    assert "undefined symbol" in result.json["errors"][0]["message"]
+    assert "no swap" in Path(result.json["data"]["log_file"]).read_text()
+    assert bed.manager.main_pid(unit) == main and bed.version() == "1.0"
+    bed.no_trace()
+    assert _left_in_state(bed) == []
+
+
+def test_the_check_runs_with_the_units_environment_and_directory_without_a_gpu(
+    bed: Bed, tmp_path: Path
+) -> None:
+    env_file = tmp_path / "unit.env"
+    env_file.write_text('# the unit\'s file\nSMOKE_FROM_FILE="from the file"\nSMOKE_BOTH=file\n')
+    workdir = tmp_path / "workdir"
+    workdir.mkdir()
+    report = tmp_path / "report.json"
+    unit = bed.service(
+        "smoke-context",
+        Environment='SMOKE_FROM_UNIT=unit SMOKE_BOTH=unit CUDA_VISIBLE_DEVICES=0 "SMOKE_SPACED=two words"',
+        EnvironmentFile=str(env_file),
+        WorkingDirectory=str(workdir),
+    )
+    script = (
+        "import json, os, sys, sicext; "
+        f"json.dump(dict(env=dict(os.environ), cwd=os.getcwd(), sicext=sicext.__file__, sid=os.getsid(0), "
+        f"tty=os.path.exists('/proc/self/fd/0') and os.isatty(0), path=sys.path), open({str(report)!r}, 'w'))"
+    )
+    command = f'python -c "{script}"'
+    plan = bed.cli(
+        "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--dry-run", "--json", "--smoke", command
+    )
+    assert plan.code == 0, plan.stdout + plan.stderr
+    said = plan.json["data"]["smoke"]
+    assert command in said and "sicext" in said and unit in said, said
+    done = bed.safeinstall(
+        "sicext",
+        "--wheel",
+        str(bed.wheels["sicext-2"]),
+        "--settle",
+        "1",
+        "--json",
+        "--smoke",
+        command,
+        more_env={"SMOKE_ROOTS_SECRET": "root's"},
+    )
+    assert done.code == 0, done.stdout + done.stderr
+    (step,) = [s for s in done.json["data"]["steps"] if s["name"] == "smoke"]
+    assert "2 module(s) of the new version imported" in step["detail"], step
+    seen = json.loads(report.read_text())
+    env = seen["env"]
+    assert (env["SMOKE_FROM_UNIT"], env["SMOKE_FROM_FILE"], env["SMOKE_BOTH"]) == (
+        "unit",
+        "from the file",
+        "file",
+    )
+    assert env["SMOKE_SPACED"] == "two words"
+    assert env["CUDA_VISIBLE_DEVICES"] == "" and env["PYTHONDONTWRITEBYTECODE"] == "1"
+    assert "SMOKE_ROOTS_SECRET" not in env  # nothing of root's environment but the locale
+    assert seen["cwd"] == str(workdir)
+    assert seen["sid"] != os.getsid(0) and not seen["tty"]  # a session of its own, no terminal
+    # the new version, from the run's own tree ahead of the environment's site-packages
+    assert not seen["sicext"].startswith(str(bed.site)), seen["sicext"]
+    assert bed.version() == "2.0"
+    assert not list(workdir.iterdir())  # nothing written where it ran
+
+
+def test_a_service_accounts_environment_is_checked_as_the_account(account: ServiceAccountBed) -> None:
+    report = account.base / "report"
+    report.mkdir()
+    os.chown(report, NOBODY, NOBODY)
+    # the unit's files: one the account may read, one only root may (a token): not given to the account
+    shared, secret = account.base / "shared.env", account.base / "secret.env"
+    shared.write_text("SMOKE_SHARED=yes\n")
+    secret.write_text("SMOKE_SECRET=token\n")
+    secret.chmod(0o600)
+    settings = f"EnvironmentFile={shared}\nEnvironmentFile={secret}\n"
+    unit = account.unit("smoke-account", text=UNIT_TEXT.replace("[Service]\n", "[Service]\n" + settings))
+    main = account.manager.main_pid(unit)
+    before = account.snapshot()
+    script = (
+        "import json, os, sicext; "
+        f"json.dump(dict(env=dict(os.environ), ids=os.getresuid(), groups=os.getgroups(), sid=os.getsid(0), "
+        f"sicext=sicext.__file__, tty=os.path.exists('/proc/self/fd/0') and os.isatty(0)), "
+        f"open({str(report / 'seen.json')!r}, 'w')); "
+        "print('\\x1b[2J[bold]the last words[/bold]', file=__import__('sys').stderr); raise SystemExit(3)"
+    )
+    result = account.safeinstall(
+        "sicext",
+        "--wheel",
+        str(account.wheels["sicext-2"]),
+        "--settle",
+        "1",
+        "--smoke",
+        f'python -c "{script}"',
+    )
+    assert result.code == 2, result.stdout + result.stderr
+    assert f"EnvironmentFile {secret} was not read as the environment's account" in result.stderr
+    logs = "".join(p.read_text() for p in account.state.glob("*/logs/*.log"))
+    assert "smoke: " in logs and "SMOKE_SHARED" not in logs  # the unit's variables never in the log
+    assert "exit 3" in result.stderr and "[bold]the last words[/bold]" in result.stderr  # as text
+    assert "\x1b[2J" not in result.stderr and "\\x1b[2J" in result.stderr  # never a terminal's command
+    seen = json.loads((report / "seen.json").read_text())
+    assert seen["ids"][1] == NOBODY and seen["groups"] == [] and not seen["tty"], seen
+    assert seen["env"]["SMOKE_SHARED"] == "yes" and "SMOKE_SECRET" not in seen["env"]
+    assert seen["sid"] != os.getsid(0)
+    assert "/prefetch-" in seen["sicext"], seen  # the prefetch's tree, installed by uv as the account
+    assert account.manager.main_pid(unit) == main and account.snapshot() == before
+    assert account.version() == "1.0"
+    account.no_trace()
+    assert _left_in_state(account) == []
+    # and its broken extension refused as well, without the operator's command
+    _refused_before_the_stop(account, unit, "sicext-5")
+
+
+def test_a_kill_during_the_check_leaves_nothing_stopped(bed: Bed, tmp_path: Path) -> None:
+    unit = bed.service("smoke-kill")
+    main = bed.manager.main_pid(unit)
+    started = tmp_path / "started"
+    # the shell says its pid, then becomes the sleep (exec): the process the run must not leave behind
+    command = f"echo $$ >{started}.tmp && mv {started}.tmp {started} && exec sleep 120"
+    proc = bed.start_run("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--smoke", command)
+    try:
+        wait_until(lambda: started.exists() or proc.poll() is not None, 120, "the smoke command running")
+        assert proc.poll() is None, proc.communicate()
+        sleeper = int(started.read_text())
+        wait_until(lambda: _command_of(sleeper) == ["sleep", "120"], 10, "the smoke command sleeping")
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+        proc.communicate()
+    wait_until(lambda: not _alive(sleeper), 10, "the smoke command gone with the run")
+    assert bed.manager.main_pid(unit) == main
+    recovered = bed.cli("--recover", "--json")
+    assert recovered.code == 0, recovered.stdout + recovered.stderr
+    assert bed.manager.main_pid(unit) == main and bed.version() == "1.0"
+    bed.no_trace()
+    assert _left_in_state(bed) == []
+
+
+def _command_of(pid: int) -> list[str]:
+    try:
+        return [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]]
+    except OSError:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_the_unit_environment_file_is_read_as_systemd_reads_it() -> None:
+    text = "A=1\n# c\n; c\nB = \"two words\"\nC='single'\nD=con\\\ntinued\nnot an assignment\n"
+    assert smoke.parse_environment_file(text) == [
+        ("A", "1"),
+        ("B", "two words"),
+        ("C", "single"),
+        ("D", "continued"),
+    ]
+
+
+def test_the_childs_answers_are_data() -> None:
+    lines = [
+        json.dumps({"module": "a"}),
+        json.dumps({"ok": "a"}),
+        "not json",
+        json.dumps({"module": "b"}),
+        json.dumps({"failed": "b", "error": "ImportError: x"}),
+        json.dumps({"module": "c"}),
+    ]
+    imported, failed, started, done = smoke.read_answers("\n".join(lines))
+    assert (imported, failed, started, done) == (("a",), (("b", "ImportError: x"),), "c", False)
+
+
+def test_how_a_unit_runs_is_read_from_systemctl_show() -> None:
+    text = (
+        'Environment=A=1 "B=two words"\n'
+        "EnvironmentFiles=/etc/a.env (ignore_errors=no)\n"
+        "EnvironmentFiles=/etc/b (x).env (ignore_errors=yes)\n"
+        "WorkingDirectory=!/srv/app\n"
+    )
+    context = parse_exec_context("x.service", text)
+    assert context.environment == (("A", "1"), ("B", "two words"))
+    assert context.environment_files == (("/etc/a.env", False), ("/etc/b (x).env", True))
+    assert context.working_directory == "/srv/app"
+    assert smoke.working_directory("", "/home/x", user_manager=False) == "/"
+    assert smoke.working_directory("~", "/home/x", user_manager=False) == "/home/x"
+
+
+def test_smoke_options_that_cannot_be_honoured_are_refused() -> None:
+    def said(**given: Any) -> list[str]:
+        return [p.message for p in option_problems(RunOptions(package="x", **given))]
+
+    assert said(smoke="true") == [] and said(no_smoke=True) == []
+    assert said(smoke="true", no_smoke=True) == ["--smoke needs a command, and cannot go with --no-smoke"]
+    assert said(smoke="  ") == ["--smoke needs a command, and cannot go with --no-smoke"]
+    assert said(smoke="true", undo="20261201T000000Z-1")[0].startswith("--smoke goes with a reinstall")
+    assert said(smoke_timeout=float("nan"))[0].startswith("--smoke-timeout nan")
