@@ -185,7 +185,8 @@ def test_a_service_accounts_environment_is_checked_as_the_account(account: Servi
     assert seen["ids"][1] == NOBODY and seen["groups"] == [] and not seen["tty"], seen
     assert seen["env"]["SMOKE_SHARED"] == "yes" and "SMOKE_SECRET" not in seen["env"]
     assert seen["sid"] != os.getsid(0)
-    assert "/prefetch-" in seen["sicext"], seen  # the prefetch's tree, installed by uv as the account
+    # the account's staging tree (issue 34: its environment swaps too), installed by uv as the account
+    assert "/.safeinstall-swap-" in seen["sicext"], seen
     assert account.manager.main_pid(unit) == main and account.snapshot() == before
     assert account.version() == "1.0"
     account.no_trace()

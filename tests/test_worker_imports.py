@@ -41,6 +41,7 @@ calls = {
     "uv_lock_holders": lambda: owner.uv_lock_holders(prefix),
     "replace_uv_lock": lambda: owner.replace_uv_lock(prefix, None),
     "remove_new_uv_lock": lambda: owner.remove_new_uv_lock(prefix),
+    "read_texts": lambda: owner.read_texts([prefix + "/lib/carried.py", prefix + "/nothing"], 1000),
     "write_carried": lambda: owner.write_carried(Path(prefix), prefix + "/lib/carried.py", b"merged\n"),
     "copy_cached_wheels": lambda: owner.copy_cached_wheels(cache, target, [["pkg", "1.0"]]),
 }
@@ -102,5 +103,6 @@ def test_every_worker_entry_point_runs_from_a_tool_the_account_cannot_read(
     assert said["remove_installed"]["removed"] == ["lib/pkg/mod.py"], said
     assert said["copy_cached_wheels"]["entries"] == ["pkg 1.0"], said
     assert said["children.run"] == str(NOBODY)
+    assert said["read_texts"][0] == ["original\n", None] and said["read_texts"][1][0] is None, said
     assert (prefix / "lib" / "carried.py").read_text() == "merged\n"
     assert not list((prefix / "scratch").iterdir())
