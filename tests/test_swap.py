@@ -28,6 +28,7 @@ from safeinstall.env.swap import (
     Staged,
     SwapPlan,
     execute,
+    owner_of,
     plan_swap,
     staging_dir,
 )
@@ -486,3 +487,30 @@ def test_bytecode_uv_compiles_by_its_environment_drops_the_swap_not_the_run(bed:
     assert "no swap: the staging tree's files are not its RECORDs'" in log
     assert not list(bed.python.parent.parent.glob(".safeinstall-swap-*"))
     assert bed.version() == "2.0"
+
+
+def test_the_owner_of_a_prefix_is_never_root_where_others_may_write_or_a_link_stands(tmp_path: Path) -> None:
+    """The attacker review (issue 35): a recovery acts in a prefix as its owner, and as root only in a
+    directory root owns that no one else may write; a prefix swapped for a link, or a root-owned one
+    another group or everyone may write, has no owner to act as (OSError: the put-back then leaves its
+    staging directory as it is rather than act as root)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the prefixes are root's")
+    prefix = tmp_path / "venv"
+    prefix.mkdir(mode=0o755)
+    os.chmod(prefix, 0o755)
+    assert owner_of(prefix) is None  # root's, only root writes: root's own process
+    for mode, gid in ((0o757, 0), (0o775, 65534)):
+        os.chown(prefix, 0, gid)
+        os.chmod(prefix, mode)
+        with pytest.raises(OSError):
+            owner_of(prefix)
+    os.chown(prefix, 0, 0)
+    os.chmod(prefix, 0o775)  # root's group may write: still root's
+    assert owner_of(prefix) is None
+    os.chown(prefix, 65534, 65534)
+    assert owner_of(prefix) == (65534, 65534)
+    link = tmp_path / "link"
+    link.symlink_to(prefix)
+    with pytest.raises(OSError):
+        owner_of(link)

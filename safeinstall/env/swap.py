@@ -36,6 +36,7 @@ the account's files). Root itself only reads: the staging tree's files, each ent
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import time
@@ -214,9 +215,12 @@ def as_owner(ids: Ids, what: str, work: Callable[[], Any], timeout: float = _TID
 def owner_of(prefix: Path) -> Ids:
     """Who does the swap's writes in ``prefix`` (recovery, which has no environment to ask): root when
     root owns it, else its owner (uid, gid); opened as :class:`Tree` opens it, no symlink followed on
-    the way. Raises OSError."""
+    the way. Raises OSError, also for a root-owned prefix another group or everyone may write (root
+    acts in no directory others write: a recovery has no environment inspection to refuse it)."""
     with Tree(prefix) as tree:
         info = os.fstat(tree.fd)
+    if info.st_uid == 0 and (info.st_mode & stat.S_IWOTH or (info.st_mode & stat.S_IWGRP and info.st_gid)):
+        raise PermissionError(errno.EPERM, "root's directory that others may write", str(prefix))
     return None if info.st_uid == 0 else (info.st_uid, info.st_gid)
 
 

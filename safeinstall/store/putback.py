@@ -98,7 +98,18 @@ def put_back(
     # (the backup holds those too); bounded while the units are down, tried again once they run
     staging = Path(journal.prefix), f"{STAGING_PREFIX}{journal.run_id}"
     there = os.path.lexists(os.path.join(*staging))
-    ids = _owner(staging[0]) if there else None  # the prefix's owner writes in it (docs/privsep.md)
+    ids: Ids = None  # the prefix's owner writes in it (docs/privsep.md); None: root itself
+    if there:
+        try:
+            ids = owner_of(staging[0])
+        except (
+            OSError
+        ) as exc:  # never root's writes in a prefix whose owner cannot be told (a link swapped in)
+            there = False
+            notes.append(
+                f"{staging[0]}: its owner could not be read ({exc.strerror or exc}): its staging directory "
+                f"{staging[1]} is left as it is"
+            )
     if restore is None and _swapped(journal) and there:
         notes.extend(_keep_late_files(journal, *staging, ids))
     if there:
@@ -113,7 +124,11 @@ def put_back(
     units = units_to_start(journal)
     start(units)
     gates = remove_gates(journal, environ, notes)
-    if os.path.lexists(os.path.join(*staging)) and not discard_staging(*staging, RUN_DIR_REMOVAL_S, ids):
+    if (
+        there
+        and os.path.lexists(os.path.join(*staging))
+        and not discard_staging(*staging, RUN_DIR_REMOVAL_S, ids)
+    ):
         notes.append(f"{os.path.join(*staging)} could not be removed: remove it by hand")
     done = PutBack(restored, unchanged, tuple(u.name for u in units), gates, tuple(notes))
     finished(done)
@@ -126,13 +141,6 @@ def put_back(
 def _swapped(journal: Journal) -> bool:
     """Pure: the run's swap was done and verified (its staging directory holds only old entries)."""
     return effective_phase(journal) in (Phase.VERIFIED, Phase.RESTARTING, Phase.DONE)
-
-
-def _owner(prefix: Path) -> Ids:
-    try:
-        return owner_of(prefix)
-    except OSError:
-        return None  # gone: nothing is done in it (root refuses a prefix it does not own)
 
 
 def _keep_late_files(journal: Journal, prefix: Path, name: str, ids: Ids) -> list[str]:
