@@ -220,13 +220,15 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "steering-skips-what-pth-imports",
         "safeinstall/env/environment.py",
-        '            _walk_loaded(control, loaded, "what site may import", budget)',
+        '            _walk_loaded(control, directory, "what site may import", budget)',
         "            pass",
         (
             "tests/test_hostile_fs.py::test_whoever_controls_what_site_or_the_interpreter_runs_is_the_"
             "environments_account[imported-module]",
             "tests/test_hostile_fs.py::test_whoever_controls_what_site_or_the_interpreter_runs_is_the_"
             "environments_account[imported-pycache]",
+            "tests/test_hostile_fs.py::test_whoever_controls_what_site_or_the_interpreter_runs_is_the_"
+            "environments_account[imported-in-turn]",
         ),
     ),
     Mutation(

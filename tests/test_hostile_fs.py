@@ -1108,7 +1108,15 @@ def _acl(entries: list[tuple[int, int, int]]) -> bytes:
 
 @pytest.mark.parametrize(
     "how",
-    ["pth-path-line", "imported-package", "imported-module", "imported-pycache", "acl", "interpreter-link"],
+    [
+        "pth-path-line",
+        "imported-package",
+        "imported-module",
+        "imported-pycache",
+        "imported-in-turn",
+        "acl",
+        "interpreter-link",
+    ],
 )
 def test_whoever_controls_what_site_or_the_interpreter_runs_is_the_environments_account(
     open_dir: Path, wheels: Wheelhouse, how: str
@@ -1117,8 +1125,10 @@ def test_whoever_controls_what_site_or_the_interpreter_runs_is_the_environments_
     the service account controls although every file of the venv itself is root's: a directory a
     root-owned `.pth` file adds (an editable install's source tree) holding `sitecustomize.py`; a
     package that a `.pth` import line loads, or only a module deep in it (`zzpkg/sub.py`) or a
-    compiled file in its `__pycache__` (issue 35); write access granted by an access ACL; a link on the
-    way to the interpreter. The account is the environment's: nothing of it runs as root."""
+    compiled file in its `__pycache__` (issue 35); another root-owned package that the imported one
+    imports in turn, one of whose modules the account owns (the attacker review: no reading of the
+    `.pth` lines can tell it); write access granted by an access ACL; a link on the way to the
+    interpreter. The account is the environment's: nothing of it runs as root."""
     if not AS_ROOT:
         pytest.skip("the attack is on a run as root")
     shared = shared_interpreter_or_skip()
@@ -1161,6 +1171,15 @@ def test_whoever_controls_what_site_or_the_interpreter_runs_is_the_environments_
         assert compiled is not None
         os.chown(compiled, NOBODY, NOBODY)
         (site / "zz-pkg.pth").write_text("import zzpkg\n")
+    elif (
+        how == "imported-in-turn"
+    ):  # root's .pth imports root's foo, which imports bar: bar's module the account's
+        (site / "zzfoo").mkdir()
+        (site / "zzfoo" / "__init__.py").write_text("import zzbar\n")
+        (site / "zzbar").mkdir()
+        (site / "zzbar" / "__init__.py").write_text(record)
+        os.chown(site / "zzbar" / "__init__.py", NOBODY, NOBODY)
+        (site / "zz-foo.pth").write_text("import zzfoo\n")
     elif how == "acl":
         (site / "zz-uids.pth").write_text(record)
         try:  # u::rwx u:65534:rwx g::r-x m::rwx o::r-x

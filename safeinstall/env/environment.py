@@ -218,10 +218,15 @@ class _Control:
         if stat.S_ISLNK(mode):
             return True
         sticky = ancestor and bool(mode & stat.S_ISVTX)
-        try:
-            raw = os.getxattr(path, ACL_XATTR, follow_symlinks=False)
-        except OSError:
-            raw = b""
+        raw = b""
+        # with an access ACL the group bits are its mask, which every named user's and group's write
+        # passes through: without them no ACL entry can write, and the xattr need not be read (a walk
+        # of 68k files of vLLM's site directory looks at each)
+        if mode & stat.S_IWGRP:
+            try:
+                raw = os.getxattr(path, ACL_XATTR, follow_symlinks=False)
+            except OSError:
+                raw = b""
         users, groups = acl_writers(raw)
         for uid in sorted(users - {0, self.euid} - set(self.owners)):
             self.owners[uid] = f"{path} ({what}, by its ACL)"
@@ -270,7 +275,7 @@ class _Control:
 
 #: What :func:`_walk_loaded` looks at below the modules ``site`` may load: at most this many entries in
 #: all, this many directories deep; more is refused (who could change it cannot be told).
-LOADED_ENTRIES = 100_000
+LOADED_ENTRIES = 1_000_000
 LOADED_DEPTH = 64
 
 #: Names ``site`` imports itself, after the ``.pth`` files: a module or a package in a site directory.
@@ -359,16 +364,27 @@ def _walk_loaded(control: _Control, top: Path, what: str, budget: list[int]) -> 
             )
             return
         for entry in entries:
-            path = Path(entry.path)
             if entry.is_symlink():
+                path = Path(entry.path)
                 control.look_up(path, what)
                 target = Path(os.path.realpath(path))
                 if os.path.isdir(target) and not _inside(target, real_top):
                     control.problems.append(f"{path} ({what}) links to the directory {target}, outside it")
             elif entry.is_dir(follow_symlinks=False):
-                todo.append((path, depth + 1))
-            else:
-                control.look(path, what)
+                todo.append((Path(entry.path), depth + 1))
+            elif _may_say(control, entry):
+                control.look(Path(entry.path), what)
+
+
+def _may_say(control: _Control, entry: os.DirEntry[str]) -> bool:
+    """Whether :meth:`_Control.look` could find anything of a file: not when root or ``euid`` owns it
+    and neither its group nor others may write it (no ACL entry can either: the group bits are the
+    ACL's mask). The walk of a whole site directory (68k files on vLLM) looks at only those."""
+    try:
+        info = entry.stat(follow_symlinks=False)
+    except OSError:
+        return False
+    return info.st_uid not in (0, control.euid) or bool(info.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
 
 
 def steering(env: Environment, euid: int) -> _Control:
@@ -377,9 +393,10 @@ def steering(env: Environment, euid: int) -> _Control:
     above it (whose owner could rename the environment away between the probe and a use; a root-owned
     sticky one such as ``/tmp`` is fine), every site directory ``site`` would add (the base's too) and
     each directory above it, every entry of those, the directories the ``.pth`` files add (a missing
-    one: who could create it), and the whole tree of every module the ``.pth`` files' import lines (and
-    ``sitecustomize``, ``usercustomize``) could load from those directories, ``__pycache__`` included
-    (issue 35: a root-owned package one of whose modules the account owns)."""
+    one: who could create it), and, once ``site`` imports anything at start-up (a ``.pth`` import line,
+    ``sitecustomize``, ``usercustomize``), the whole tree of every directory it may import from,
+    ``__pycache__`` included (issue 35: a root-owned package one of whose modules the account owns, or
+    a module that one imports in turn, which no reading of the lines can tell)."""
     control = _Control(euid)
     control.look_up(env.prefix, "the prefix")
     for given in env.given_site_dirs:  # a symlinked site-packages: the link and the directories above it
@@ -403,10 +420,14 @@ def steering(env: Environment, euid: int) -> _Control:
         for added in lines.paths:
             control.look_up(added, "added by a .pth file")
             search.append(added)
-    budget = [LOADED_ENTRIES]
-    for directory in dict.fromkeys(search):
-        for loaded in _loaded_entries(directory, frozenset(names)):
-            _walk_loaded(control, loaded, "what site may import", budget)
+    # What a loaded module imports in turn (``import foo`` whose ``foo`` imports ``bar``), or a name a
+    # line builds at run time, cannot be told from the text (the attacker review): once ``site`` imports
+    # anything at start-up, every directory it may import from is walked whole.
+    directories = list(dict.fromkeys(search))
+    if names - _SITE_IMPORTS or any(_loaded_entries(d, frozenset(names)) for d in directories):
+        budget = [LOADED_ENTRIES]
+        for directory in directories:
+            _walk_loaded(control, directory, "what site may import", budget)
     return control
 
 
