@@ -110,8 +110,9 @@ def test_a_detached_run_gets_exactly_the_callers_options() -> None:
 
     from typer.main import get_command
 
-    from safeinstall.cli.app import app, run_options
+    from safeinstall.cli.app import app
     from safeinstall.errors import UsageError
+    from safeinstall.run.commands import run_options
     from safeinstall.run.detach import PrivateInputs, child_arguments
     from safeinstall.run.options import RunOptions
 

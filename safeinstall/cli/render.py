@@ -15,22 +15,24 @@ from rich.console import Console, RenderableType
 from rich.markup import escape
 from rich.padding import Padding
 
-from safeinstall.env.drift import Finding, FindingKind
 from safeinstall.errors import SafeInstallError
-from safeinstall.store.runlog import PROGRESS_EVERY_S, human_bytes, progress_key, progress_text
+from safeinstall.run.view import (
+    PROGRESS_EVERY_S,
+    Finding,
+    FindingKind,
+    human_bytes,
+    progress_key,
+    progress_text,
+)
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
     from rich.table import Table
 
-    from safeinstall.env.diffs import FileDiff
-    from safeinstall.env.verify import VerifyReport
     from safeinstall.run.recover import Recovery
     from safeinstall.run.results import StepOutcome
     from safeinstall.run.status import EnvironmentStatus, Forgotten
-    from safeinstall.scan.plan import Plan, PlannedProcess
-    from safeinstall.scan.processes import ScanProblem
-    from safeinstall.store.history import RunSummary
+    from safeinstall.run.view import FileDiff, Plan, PlannedProcess, RunSummary, ScanProblem, VerifyReport
 
 _KIND_STYLE = {
     FindingKind.MISSING: "bold red",
@@ -627,7 +629,7 @@ def render_recoveries(out: Console, recoveries: list[Recovery]) -> None:
 
 
 def _when(iso: str | None) -> str:
-    from safeinstall.system.lock import display_time  # here: --verify-only starts without the lock's module
+    from safeinstall.run.view import display_time
 
     return display_time(iso) if iso else "-"
 
@@ -701,9 +703,9 @@ def render_status(out: Console, found: list[EnvironmentStatus], last: int = 5) -
 def render_entry(out: Console, err: Console, entry: dict[str, Any]) -> None:
     """A finished run's result as its history keeps it (``--status --wait``, a refused ``--detach``): a
     headline naming the run, then what the foreground run showed (:func:`render_run`)."""
-    from safeinstall.store.history import summary
+    from safeinstall.run.view import run_summary
 
-    run = summary(entry)
+    run = run_summary(entry)
     style = "green" if run.exit_code == 0 else "red"
     versions = f" {run.old_version} -> {run.new_version}" if run.old_version or run.new_version else ""
     out.print(

@@ -92,12 +92,13 @@ class Prepared:
         return self.survey.plan
 
 
-def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
+def preflight(options: RunOptions, *, take_lock: bool, env: Environment | None = None) -> Prepared:
     """Every check of the run before its first stop (see the module). Raises a SafeInstallError (exit
     2) for a failure before the plan; the plan's ``refusals`` hold the rest (see :func:`refusal`).
-    ``take_lock``: create the state directory and hold the lock (the run); else check both (dry-run)."""
+    ``take_lock``: create the state directory and hold the lock (the run); else check both (dry-run).
+    ``env``: the environment ``options.python`` names, when the caller has inspected it already."""
     check_options(options)
-    env = inspect_environment(resolve_python(options.python, options.environ))
+    env = env or inspect_environment(resolve_python(options.python, options.environ))
     state = environment_state(state_root(options.environ, os.geteuid()), env.prefix)
     notes: list[str] = [env.owner_note] if env.owner_note else []
     lock: HeldLock | None = None
