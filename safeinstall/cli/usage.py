@@ -23,7 +23,7 @@ MODES = ("--verify-only", "--dry-run", "--detach", "--recover", "--status", "--f
 _NO_PACKAGE = ("--recover", "--status", "--forget")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Usage:
     """What the command line gave, as the validation needs it (flags by their long name)."""
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from safeinstall.errors import UsageError
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RunOptions:
     """Everything the user asked for, as parsed by the CLI."""
 

@@ -66,7 +66,7 @@ from safeinstall.system.lock import HeldLock, acquire_lock, check_lock
 from safeinstall.system.safefs import unwritable
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Prepared:
     """What the preflight found; ``lock`` is held (the caller releases it) only when it was asked to.
     ``options`` are the run's: with ``take_lock``, ``wheel`` is the run's own copy in the state
@@ -173,7 +173,18 @@ def preflight(options: RunOptions, *, take_lock: bool, env: Environment | None =
         if lock is not None:
             lock.release()
         raise
-    return Prepared(options, env, state, wheel, found, lock, tuple(notes), before, undo, vouched)
+    return Prepared(
+        options=options,
+        env=env,
+        state=state,
+        wheel=wheel,
+        survey=found,
+        lock=lock,
+        notes=tuple(notes),
+        before=before,
+        undo=undo,
+        vouched=vouched,
+    )
 
 
 def locally_modified(report: VerifyReport) -> tuple[str, ...]:

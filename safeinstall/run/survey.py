@@ -29,7 +29,7 @@ from safeinstall.system.gpus import GpuSnapshot, snapshot_gpus
 from safeinstall.system.systemd import Systemd, UnitInfo
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Survey:
     env: Environment
     installed: tuple[InstalledDistribution, ...]
@@ -128,20 +128,20 @@ def survey(
     if env.owner_note:  # said in the plan too: a dry run shows whose environment this is
         plan = replace(plan, warnings=(env.owner_note, *plan.warnings))
     return Survey(
-        env,
-        installed,
-        target,
-        wheel,
-        request,
-        uv_plan,
-        affected,
-        targets,
-        dependent_targets,
-        scope,
-        scan,
-        units,
-        gpus,
-        plan,
+        env=env,
+        installed=installed,
+        target=target,
+        wheel=wheel,
+        request=request,
+        uv_plan=uv_plan,
+        affected=affected,
+        targets=targets,
+        dependent_targets=dependent_targets,
+        scope=scope,
+        scan=scan,
+        units=units,
+        gpus=gpus,
+        plan=plan,
     )
 
 
