@@ -63,21 +63,21 @@ def _fail(error: SafeInstallError, command: str, as_json: bool) -> NoReturn:
 
 
 class _PlainHelp(typer.core.TyperCommand):
-    """Help as uv and pip print it: an argument by its name alone (``REQUIREMENT``, no ``<str>``)."""
+    """Help as uv and pip print it: an argument by its name alone (``REQUIREMENT``, no ``<str>``); the
+    options in sections, each mode's together (:data:`safeinstall.cli.params.PANELS`)."""
 
     def format_options(self, ctx: Any, formatter: Any) -> None:
-        params = self.get_params(ctx)
-        arguments = [
-            (param.metavar or (param.name or "").upper(), getattr(param, "help", None) or "")
-            for param in params
-            if param.param_type_name == "argument" and not getattr(param, "hidden", False)
-        ]
-        options = [
-            record
-            for param in params
-            if param.param_type_name == "option" and (record := param.get_help_record(ctx)) is not None
-        ]
-        for title, rows in (("Arguments", arguments), ("Options", options)):
+        params_ = self.get_params(ctx)
+        sections: dict[str, list[tuple[str, str]]] = {"Arguments": []}
+        sections |= {panel: [] for panel in params.PANELS}
+        for param in params_:
+            if param.param_type_name == "argument" and not getattr(param, "hidden", False):
+                help_text = getattr(param, "help", None) or ""
+                sections["Arguments"].append((param.metavar or (param.name or "").upper(), help_text))
+            elif param.param_type_name == "option" and (record := param.get_help_record(ctx)) is not None:
+                panel = getattr(param, "rich_help_panel", None) or "Other options"
+                sections.setdefault(panel, []).append(record)
+        for title, rows in sections.items():
             if rows:
                 with formatter.section(title):
                     formatter.write_dl(rows)
@@ -170,8 +170,8 @@ def main_command(
             for name in ctx.params
             if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"
         )
-        if not given and not ctx.args:  # as uv: the help, and the status of a usage error; on stderr
-            typer.echo(ctx.get_help(), err=True)
+        if not given and not ctx.args:  # as uv: a usage, and the status of a usage error; on stderr
+            typer.echo(params.SHORT_USAGE + "\n", err=True)
             raise UsageError(
                 "no REQUIREMENT and no command given",
                 hint="safeinstall PACKAGE [--wheel W], safeinstall PACKAGE --verify-only or "
