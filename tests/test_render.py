@@ -9,7 +9,8 @@ from typing import Any
 from rich.console import Console
 
 from safeinstall.cli.render import render_entry, render_run
-from safeinstall.store.history import new_entry
+from safeinstall.store.history import HistoryEntry, new_entry
+from safeinstall.store.rundoc import RunDocument
 
 RUN_ID = "20261202T060000Z-42"
 
@@ -58,9 +59,10 @@ def _render(draw: Any) -> list[str]:
 
 
 def test_status_wait_shows_every_line_the_foreground_run_shows() -> None:
-    document = _document()
+    document = RunDocument.from_json(_document())
     foreground = _render(lambda out, err: render_run(out, err, document, RUN_ID))
     entry = new_entry(RUN_ID, "sipure", "2026-12-02T06:00:00+00:00", "2026-12-02T06:01:00+00:00", document)
+    assert HistoryEntry.from_json(entry.to_json()) == entry and document.to_json() == _document()
     waited = _render(lambda out, err: render_entry(out, err, entry))
     for expected in (
         "done: sipure 1.0 -> 2.0; installed and verified",

@@ -120,7 +120,7 @@ def draw(result: Result, out: Console, err: Console, verbosity: int) -> None:
         if result.patches is not None:
             render_patches(out, result.patches)
     elif isinstance(result, Ran):
-        render_run(out, err, result.document, result.run_id)
+        render_run(out, err, result.run, result.run_id)
     elif isinstance(result, FromHistory):
         render_entry(out, err, result.entry)
     elif isinstance(result, DetachedRun):

@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     from safeinstall.run.results import Reporter
     from safeinstall.run.status import Forgotten, StatusReport
     from safeinstall.scan.plan import Plan
+    from safeinstall.store.history import HistoryEntry
+    from safeinstall.store.rundoc import RunDocument
     from safeinstall.store.state import EnvironmentState
 
 #: A valid distribution name (PEP 508) and nothing else: such a PACKAGE needs no requirement parser.
@@ -99,7 +101,7 @@ class DryRun(Outcome):
 class Ran(Outcome):
     """A reinstall or undo that ran: its document is final (kept in its history); ``notes`` follow it."""
 
-    document: dict[str, Any]
+    run: RunDocument
     run_id: str
     notes: tuple[str, ...]
 
@@ -108,7 +110,7 @@ class Ran(Outcome):
 class FromHistory(Outcome):
     """A finished run, from its history entry (``--status --wait``; a detached run refused)."""
 
-    entry: dict[str, Any]
+    entry: HistoryEntry
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -389,6 +391,7 @@ def _reinstall(
     from safeinstall.run.reinstall import run_reinstall
     from safeinstall.run.results import LoggedReporter
     from safeinstall.store.journal import now_iso
+    from safeinstall.store.rundoc import RunDocument
     from safeinstall.store.state import new_run_id
     from safeinstall.system.signals import interrupts_deferred
 
@@ -400,18 +403,22 @@ def _reinstall(
     try:
         result = run_reinstall(replace(options, run_id=run_id), reporter, request.interactive, env=env)
     except SafeInstallError as error:
-        document = jsonable(envelope(command, "error", error.exit_code, None, [error]))
-        _keep(state, run_id, options.package, started, document)
-        _run_metrics(metrics, ui, env, options.package, run_id, started, document)
-        return Failed(document=document, exit_code=error.exit_code, failures=(error,), error=error)
+        failed = RunDocument.from_json(jsonable(envelope(command, "error", error.exit_code, None, [error])))
+        _keep(state, run_id, options.package, started, failed)
+        _run_metrics(metrics, ui, env, options.package, run_id, started, failed)
+        return Failed(document=failed.to_json(), exit_code=error.exit_code, failures=(error,), error=error)
     errors = [result.error] if result.error else []
     data = {"run_id": run_id, **_undo_of(options), **run_json(result)}
-    document = jsonable(envelope(command, result.status, result.exit_code, data, errors))
+    document = RunDocument.from_json(
+        jsonable(envelope(command, result.status, result.exit_code, data, errors))
+    )
     # the run has its result: a signal now does not change it (held back until it is shown)
     finishing.enter_context(interrupts_deferred(lambda _signum: None))
     notes = _keep(state, run_id, options.package, started, document)
     _run_metrics(metrics, ui, env, options.package, run_id, started, document)
-    return Ran(document=document, exit_code=result.exit_code, run_id=run_id, notes=notes)
+    return Ran(
+        document=document.to_json(), exit_code=result.exit_code, run=document, run_id=run_id, notes=notes
+    )
 
 
 def _state_of(env: Environment, environ: Mapping[str, str]) -> EnvironmentState:
@@ -421,17 +428,17 @@ def _state_of(env: Environment, environ: Mapping[str, str]) -> EnvironmentState:
 
 
 def _keep(
-    state: EnvironmentState, run_id: str, package: str, started: str, result: dict[str, Any]
+    state: EnvironmentState, run_id: str, package: str, started: str, result: RunDocument
 ) -> tuple[str, ...]:
     """The run's result, final (:func:`safeinstall.store.history.keep_result`), its errors in its log."""
     from safeinstall.store.history import keep_result
 
-    errors = tuple(f"error: {error['message']}" for error in result["errors"])
+    errors = tuple(f"error: {error.message}" for error in result.errors)
     return keep_result(state, run_id, package, started, result, errors)
 
 
 def _run_metrics(
-    path: Path | None, ui: Ui, env: Environment, package: str, run_id: str, started: str, doc: Any
+    path: Path | None, ui: Ui, env: Environment, package: str, run_id: str, started: str, doc: RunDocument
 ) -> None:
     """A run's result (``doc``, its JSON document) into ``--metrics-file``, as its history keeps it."""
     if path is None:
@@ -462,7 +469,7 @@ def _detach(
             return Declined(document=None, exit_code=ExitCode.REFUSED)
     run_id = options.run_id or new_run_id(datetime.now(UTC), os.getpid())
     started = detach(options, env, state, run_id)
-    if started.finished is not None and started.finished["result"]["exit_code"] == ExitCode.REFUSED:
+    if started.finished is not None and started.finished.result.exit_code == ExitCode.REFUSED:
         return _from_history(started.finished)  # refused in its preflight: nothing was changed
     data = {
         "run_id": run_id,
@@ -481,8 +488,8 @@ def _detach(
     )
 
 
-def _from_history(entry: dict[str, Any]) -> FromHistory:
-    return FromHistory(document=entry["result"], exit_code=int(entry["result"]["exit_code"]), entry=entry)
+def _from_history(entry: HistoryEntry) -> FromHistory:
+    return FromHistory(document=entry.result.to_json(), exit_code=entry.result.exit_code, entry=entry)
 
 
 def _dry_run(options: RunOptions, env: Environment) -> DryRun:

@@ -34,13 +34,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from safeinstall.env.environment import Environment
 from safeinstall.errors import Aborted, ExitCode, SafeInstallError, SystemdError, UsageError
 from safeinstall.run.options import RunOptions
+from safeinstall.store.history import HistoryEntry, read_history
 from safeinstall.store.history import find as find_entry
-from safeinstall.store.history import read_history
 from safeinstall.store.journal import Journal, JournalError, read_journal
 from safeinstall.store.state import EnvironmentState, atomic_write, is_run_id
 from safeinstall.system import children
@@ -187,7 +186,7 @@ class Detached:
     unit: str
     user_manager: bool
     log_file: str
-    finished: dict[str, Any] | None  # the history entry, when the run ended before it journalled
+    finished: HistoryEntry | None  # the history entry, when the run ended before it journalled
 
 
 def detach(options: RunOptions, env: Environment, state: EnvironmentState, run_id: str) -> Detached:
@@ -233,7 +232,7 @@ def _own_journal(state: EnvironmentState, run_id: str) -> Journal | None:
 
 def _await_start(
     state: EnvironmentState, run_id: str, systemd: Systemd, unit: str, poll_s: float = 0.1
-) -> dict[str, Any] | None:
+) -> HistoryEntry | None:
     """Wait until the detached run has journalled (None) or has ended (its history entry)."""
     while True:
         entry = find_entry(state, run_id)
@@ -291,7 +290,7 @@ def wait_for_run(
     run_id: str | None,
     on_line: Callable[[str], None],
     poll_s: float = 0.2,
-) -> dict[str, Any]:
+) -> HistoryEntry:
     """Follow a run to its end, passing each new line of its log to ``on_line``; its history entry.
 
     ``run_id`` None: the run in progress, else the last finished one. Raises :class:`RunLost` when the

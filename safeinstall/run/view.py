@@ -8,7 +8,7 @@ not need is imported when it is used: it starts without the lock's module and th
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from safeinstall.env.drift import Finding, FindingKind
 from safeinstall.store.runlog import PROGRESS_EVERY_S, human_bytes, progress_key, progress_text
@@ -19,7 +19,10 @@ if TYPE_CHECKING:
     from safeinstall.scan.plan import Plan as Plan
     from safeinstall.scan.plan import PlannedProcess as PlannedProcess
     from safeinstall.scan.processes import ScanProblem as ScanProblem
+    from safeinstall.store.history import HistoryEntry as HistoryEntry
     from safeinstall.store.history import RunSummary as RunSummary
+    from safeinstall.store.rundoc import OldCodeDoc as OldCodeDoc
+    from safeinstall.store.rundoc import RunDocument as RunDocument
 
 __all__ = [
     "PROGRESS_EVERY_S",
@@ -40,7 +43,7 @@ def display_time(iso: str) -> str:
     return shown(iso)
 
 
-def run_summary(entry: dict[str, Any]) -> RunSummary:
+def run_summary(entry: HistoryEntry) -> RunSummary:
     """Pure: a history entry's summary (:func:`safeinstall.store.history.summary`)."""
     from safeinstall.store.history import summary
 
