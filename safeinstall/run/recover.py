@@ -20,6 +20,7 @@ from safeinstall.env.environment import Environment, inspect_environment, resolv
 from safeinstall.env.wheelcopy import discard_dead_copies, is_wheel_copy
 from safeinstall.errors import ExitCode, RollbackFailed, SafeInstallError, StepFailed
 from safeinstall.run.output import envelope, jsonable
+from safeinstall.run.putback import PutBack, put_back
 from safeinstall.store.backup import Backup, load_backup
 from safeinstall.store.history import find as find_entry
 from safeinstall.store.history import keep_result
@@ -34,7 +35,6 @@ from safeinstall.store.journal import (
     read_journal,
     units_to_start,
 )
-from safeinstall.store.putback import PutBack, put_back
 from safeinstall.store.rundoc import RunDocument
 from safeinstall.store.state import (
     PUT_BACK_CACHE_S,

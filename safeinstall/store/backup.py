@@ -38,6 +38,7 @@ from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from safeinstall.env import owner
 from safeinstall.env.containment import Containment, relative_to_prefix
 from safeinstall.env.distributions import (
     RECORD_LIMIT,
@@ -55,7 +56,7 @@ from safeinstall.env.records import decode_digest, parse_record
 from safeinstall.errors import SafeInstallError
 from safeinstall.store.runlog import human_bytes
 from safeinstall.store.state import PRIVATE_MODE, atomic_write, ensure_dir, fsync_dir
-from safeinstall.system import owner, worker
+from safeinstall.system import worker
 from safeinstall.system.safefs import NotRegularFile, Tree, parent_directories
 
 MANIFEST_NAME = "manifest.json"

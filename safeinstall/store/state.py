@@ -54,9 +54,10 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
+from safeinstall.env import owner
 from safeinstall.env.environment import Account
 from safeinstall.errors import SafeInstallError
-from safeinstall.system import owner, worker
+from safeinstall.system import worker
 from safeinstall.system.safefs import Tree, others_who_write, permitted
 
 STATE_DIR_VARIABLE = "SAFEINSTALL_STATE_DIR"
