@@ -256,3 +256,18 @@ def test_a_run_document_is_typed_and_written_back_byte_for_byte() -> None:
     assert RunDocument.from_json(recovered).details.versions(None) == ("1", "2")
     with pytest.raises(ValueError, match="downtime_s"):
         RunDocument.from_json({**ran, "data": {"downtime_s": {"app.service": "soon"}}})
+
+
+def test_an_entry_another_user_may_write_is_not_believed(tmp_path: Path) -> None:
+    """The history is read by the one checked reader of what safeinstall wrote for itself
+    (``safefs.read_trusted``, issue 37): an entry that others may write is skipped as the journal and
+    the baseline would be refused, not listed as a finished run."""
+    state = env_state(tmp_path / "state", tmp_path / "venv")
+    good, writable = run_ids(2)
+    history.append(state, entry(good))
+    history.append(state, entry(writable))
+    (state.history / f"{writable}.json").chmod(0o666)
+    read = history.read_history(state)
+    assert [r.run_id for r in read.runs] == [good]
+    (problem,) = read.problems
+    assert writable in problem and "it is mode 0666: every user may write to it" in problem

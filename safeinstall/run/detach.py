@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import subprocess
 import sys
 import time
@@ -45,6 +44,7 @@ from safeinstall.store.state import EnvironmentState, atomic_write, is_run_id
 from safeinstall.system import children
 from safeinstall.system.identity import alive
 from safeinstall.system.lock import read_holder
+from safeinstall.system.safefs import UntrustedFile, only_caller_writes, read_trusted
 from safeinstall.system.systemd import Systemd
 
 UNIT_PREFIX = "safeinstall-"
@@ -142,25 +142,13 @@ def take_private(path: Path) -> PrivateInputs:
     """What a detached run was given; the file must be ours, private and regular. Removed."""
     bad = UsageError(f"--environ-from {path}: not an environment file written by safeinstall --detach")
     try:
-        parent = os.stat(path.parent)
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        if not only_caller_writes(os.stat(path.parent)):  # a directory only we can change
+            raise bad
+        raw = read_trusted(path, _MAX_ENVIRON_BYTES, root_owned_ok=False, private=True)
+    except UntrustedFile as exc:
+        raise bad from exc
     except OSError as exc:
         raise UsageError(f"--environ-from {path}: {exc.strerror or exc}") from exc
-    if parent.st_uid != os.geteuid() or parent.st_mode & 0o022:  # a directory only we can change
-        os.close(fd)
-        raise bad
-    try:
-        info = os.fstat(fd)
-        if (
-            not stat.S_ISREG(info.st_mode)
-            or info.st_uid != os.geteuid()
-            or info.st_mode & 0o077
-            or info.st_size > _MAX_ENVIRON_BYTES
-        ):
-            raise bad
-        raw = os.read(fd, _MAX_ENVIRON_BYTES + 1)
-    finally:
-        os.close(fd)
     path.unlink(missing_ok=True)
     try:
         document = json.loads(raw.decode("utf-8", "surrogateescape"))

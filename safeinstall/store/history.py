@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -27,6 +26,7 @@ from safeinstall.store.journal import now_iso
 from safeinstall.store.rundoc import RunDocument
 from safeinstall.store.runlog import append_line
 from safeinstall.store.state import EnvironmentState, atomic_write, ensure_dir, is_run_id
+from safeinstall.system.safefs import UntrustedFile, read_trusted
 
 HISTORY_VERSION = 1
 #: Entries kept per environment.
@@ -235,21 +235,12 @@ def _run_files(state: EnvironmentState) -> list[str]:
 def read_entry(path: Path) -> HistoryEntry:
     """One entry; HistoryError (saying why) for a file that is not ours, not a regular file, too large,
     or not an entry."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:  # the one checked reader: ours alone, regular, bounded
+        raw = read_trusted(path, MAX_ENTRY_BYTES, root_owned_ok=False)
+    except UntrustedFile as exc:
+        raise HistoryError(f"{path}: {exc.problem}") from exc
     except OSError as exc:
         raise HistoryError(f"{path}: {exc.strerror or exc}") from exc
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise HistoryError(f"{path}: not a regular file")
-        if info.st_uid != os.geteuid():
-            raise HistoryError(f"{path}: owned by uid {info.st_uid}, not by uid {os.geteuid()}")
-        if info.st_size > MAX_ENTRY_BYTES:
-            raise HistoryError(f"{path}: {info.st_size} bytes, more than an entry can be")
-        raw = os.read(fd, MAX_ENTRY_BYTES + 1)
-    finally:
-        os.close(fd)
     try:
         entry = json.loads(raw)
     except ValueError as exc:
