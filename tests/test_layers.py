@@ -155,3 +155,31 @@ def test_the_rule_catches_an_upward_import_a_crossing_a_cli_below_run_and_a_circ
         "safeinstall.system.safefs -> safeinstall.env.records (upward: system imports env)",
     ]
     assert circles(edges) == [["safeinstall.run.a", "safeinstall.run.b"]]
+
+
+def _prefix_checks(path: Path) -> list[str]:
+    """Where ``path`` asks by itself whether a path lies in another: ``Path.is_relative_to``, or
+    ``startswith`` on an environment's prefix (``env.prefix``, ``env.base_prefix``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        if node.func.attr == "is_relative_to":
+            found.append(f"{path.name}:{node.lineno} is_relative_to")
+        elif node.func.attr == "startswith" and node.args:
+            text = ast.unparse(node.args[0])
+            if "prefix" in text and "env." in text:
+                found.append(f"{path.name}:{node.lineno} startswith({text})")
+    return found
+
+
+def test_containment_in_a_prefix_has_one_rule() -> None:
+    """Whether a path lies inside an environment's prefix is asked of ``env/containment`` only
+    (``is_within``, ``relative_to_prefix``, ``Containment``; issue 37), never answered again inline."""
+    found = [
+        check
+        for module, path in modules().items()
+        if module != "safeinstall.env.containment"
+        for check in _prefix_checks(path)
+    ]
+    assert found == []
