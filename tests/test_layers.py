@@ -183,3 +183,20 @@ def test_containment_in_a_prefix_has_one_rule() -> None:
         for check in _prefix_checks(path)
     ]
     assert found == []
+
+
+def test_the_cli_only_parses_and_renders() -> None:
+    """``cli/app.py`` parses, calls one command and exits (issue 37: it was 1,029 lines that read the
+    history, chose runs and wrote metrics): it stays small, and it calls ``run`` through one function."""
+    app = PACKAGE / "cli" / "app.py"
+    assert len(app.read_text().splitlines()) < 400
+    assert imports(app, modules()) <= {
+        "safeinstall.cli.params",
+        "safeinstall.cli.render",
+        "safeinstall.cli.show",
+        "safeinstall.cli.usage",
+        "safeinstall.errors",
+        "safeinstall.run.commands",
+        "safeinstall.run.output",
+        "safeinstall",
+    }
