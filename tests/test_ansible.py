@@ -546,7 +546,8 @@ def test_the_reinstall_modules_command_line_is_what_the_cli_parses(monkeypatch: 
         reinstall_argv,
         reinstall_environ,
     )
-    from safeinstall.cli.app import app, run_options
+    from safeinstall.cli.app import app
+    from safeinstall.run.commands import run_options
 
     params: dict[str, Any] = {
         "name": "vllm",

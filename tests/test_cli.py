@@ -110,8 +110,9 @@ def test_a_detached_run_gets_exactly_the_callers_options() -> None:
 
     from typer.main import get_command
 
-    from safeinstall.cli.app import app, run_options
+    from safeinstall.cli.app import app
     from safeinstall.errors import UsageError
+    from safeinstall.run.commands import run_options
     from safeinstall.run.detach import PrivateInputs, child_arguments
     from safeinstall.run.options import RunOptions
 
@@ -265,12 +266,55 @@ def test_a_runs_options_in_a_mode_that_runs_nothing_are_a_usage_error(args: list
     assert hint.startswith("hint: drop ")
 
 
-def test_no_arguments_is_a_usage_error_with_the_help_on_stderr() -> None:
+def test_no_arguments_is_a_usage_error_with_a_short_usage_on_stderr() -> None:
+    """Not the 100-line help: the five commands and the modes, then the error (issue 37)."""
     result = run()
     assert result.code == 2 and result.stdout == ""
-    assert "Usage: safeinstall [OPTIONS] [REQUIREMENT]" in result.stderr
-    error, hint = result.stderr.strip().splitlines()[-2:]
+    lines = result.stderr.strip().splitlines()
+    assert lines[0].startswith("Usage: safeinstall REQUIREMENT") and len(lines) <= 15, result.stderr
+    commands = [line.split("  ")[1] for line in lines if line.startswith("  safeinstall ")]
+    assert commands == [
+        "safeinstall PACKAGE [--wheel W]",
+        "safeinstall PACKAGE --dry-run",
+        "safeinstall PACKAGE --verify-only",
+        "safeinstall --status [--wait]",
+        "safeinstall --undo --python PY",
+    ]
+    for mode in ("--dry-run", "--detach", "--verify-only", "--recover", "--status", "--undo", "--forget"):
+        assert mode in result.stderr
+    assert "--settle" not in result.stderr and "safeinstall --help lists every option" in result.stderr
+    error, hint = lines[-2:]
     assert error.startswith("error: no REQUIREMENT") and hint.startswith("hint: safeinstall PACKAGE")
+
+
+def test_help_groups_the_options_by_command() -> None:
+    """``--help``: each command's options under its own heading (issue 37)."""
+    sections: dict[str, list[str]] = {}
+    heading = ""
+    for line in run("--help").stdout.splitlines():
+        if line and not line.startswith(" ") and line.endswith(":"):
+            heading = line[:-1]
+        elif line.startswith("  -"):
+            sections.setdefault(heading, []).append(line.split()[0].rstrip(","))
+    options = {heading: " ".join(flags) for heading, flags in sections.items()}
+    assert options["Commands (one at most; none: reinstall)"].split() == [
+        "--dry-run",
+        "--detach",
+        "--verify-only",
+        "--recover",
+        "--status",
+        "--undo",
+        "--forget",
+    ]
+    assert options["--verify-only"].split() == ["--all", "--full", "--diff", "--save-patch"]
+    assert options["--status"].split() == ["--wait", "--run"]
+    assert "--settle" in options["A run (reinstall, --undo; shown by --dry-run, --detach)"]
+    assert options["Local patches (a run)"].split() == [
+        "--keep-patches",
+        "--base-wheel",
+        "--drop-conflicting",
+    ]
+    assert "--json" in options["Output"] and "-h" in options["Other options"]
 
 
 def test_help_names_the_argument_without_a_type() -> None:

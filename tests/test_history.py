@@ -6,10 +6,12 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
-from typing import Any
 
-from safeinstall.run.output import envelope
+import pytest
+
+from safeinstall.run.output import envelope, jsonable
 from safeinstall.store import history
+from safeinstall.store.rundoc import RunDocument
 from safeinstall.store.state import EnvironmentState, ensure_environment_dir, environment_state
 from tests.clirun import RUN_FIELDS, run
 
@@ -20,7 +22,7 @@ def env_state(root: Path, prefix: Path) -> EnvironmentState:
     return state
 
 
-def entry(run_id: str, status: str = "done", code: int = 0, processes: int = 0) -> dict[str, Any]:
+def entry(run_id: str, status: str = "done", code: int = 0, processes: int = 0) -> history.HistoryEntry:
     plan = {
         "package": "sicext",
         "distributions": [{"name": "sicext", "old_version": "1.0", "new_version": "2.0", "requested": True}],
@@ -34,7 +36,7 @@ def entry(run_id: str, status: str = "done", code: int = 0, processes: int = 0) 
     }
     result = envelope("reinstall", status, code, data)
     finished = f"2026-12-01T0{run_id[10]}:{run_id[11:13]}:00+00:00"
-    return history.new_entry(run_id, "sicext", finished, finished, result)
+    return history.new_entry(run_id, "sicext", finished, finished, RunDocument.from_json(jsonable(result)))
 
 
 def run_ids(count: int) -> list[str]:
@@ -61,13 +63,13 @@ def test_an_oversized_result_keeps_its_summary(tmp_path: Path) -> None:
     state = env_state(tmp_path / "state", tmp_path / "venv")
     (run_id,) = run_ids(1)
     big = entry(run_id, processes=20_000)
-    assert len(str(big)) > history.MAX_ENTRY_BYTES
+    assert len(str(big.to_json())) > history.MAX_ENTRY_BYTES
     history.append(state, big)
     path = state.history / f"{run_id}.json"
     assert path.stat().st_size <= history.MAX_ENTRY_BYTES
     kept = history.find(state, run_id)
-    assert kept is not None and kept["result"]["exit_code"] == 0
-    assert "left out of the history" in kept["result"]["data"]["notes"][-1]
+    assert kept is not None and kept.result.exit_code == 0
+    assert "left out of the history" in kept.result.details.notes[-1]
     (summary,) = history.read_history(state).runs
     assert (summary.old_version, summary.new_version, summary.status) == ("1.0", "2.0", "done")
 
@@ -190,3 +192,93 @@ def test_ctrl_c_while_following_a_run_says_the_run_goes_on(tmp_path: Path) -> No
         lock.release()
     assert proc.returncode == 130, out + err
     assert "the run goes on" in err and f"--status --wait --run {run_id}" in err and "Traceback" not in err
+
+
+def test_a_run_document_is_typed_and_written_back_byte_for_byte() -> None:
+    """The one typed run document (issue 37): a run's, a recovered run's and a failed run's ``--json``
+    documents read into :class:`RunDocument` and written back are the very same JSON; a field of the
+    wrong type is no run's document (a history entry with one is skipped as damaged)."""
+    import json
+
+    from safeinstall.errors import ExitCode, StepFailed
+    from safeinstall.run.output import run_json
+    from safeinstall.run.results import RunResult, StepOutcome
+
+    result = RunResult(
+        status="done",
+        exit_code=ExitCode.OK,
+        plan=None,
+        steps=(StepOutcome("backup", "ok", 1.5, "12 files"), StepOutcome("stop", "ok", 2, "")),
+        downtime_s={"app.service": 2},
+        patched=("a.py",),
+        extras=(),
+        pruned=(),
+        backup_dir="/b",
+        log_file="/l",
+        not_restarted=(),
+        strays_killed=(42,),
+        error=None,
+        notes=("a note",),
+        backups_removed=("/old",),
+        deleted=("a.py",),
+        service_downtime_s=3.5,
+    )
+    ran = jsonable(envelope("undo", "done", 0, {"run_id": "r", "undo_of": "q", **run_json(result)}))
+    recovered = jsonable(
+        envelope(
+            "reinstall",
+            "recovered",
+            3,
+            {
+                "prefix": "/v",
+                "run_id": "r",
+                "phase": "stopped",
+                "restored": True,
+                "started": ["a.service"],
+                "gates_removed": [],
+                "notes": ["n"],
+                "log_file": "/l",
+                "old_version": "1",
+                "new_version": "2",
+                "added_later": {"x": 1},
+            },
+            [StepFailed("died", hint="run it again")],
+        )
+    )
+    failed = jsonable(envelope("reinstall", "error", 2, None, [StepFailed("refused", hint="h")]))
+    for raw in (ran, recovered, failed, entry("20261201T000000Z-1").result.to_json()):
+        document = RunDocument.from_json(raw)
+        assert json.dumps(document.to_json()) == json.dumps(raw)
+    typed = RunDocument.from_json(ran)
+    assert (
+        typed.details.steps[0].seconds == 1.5
+        and typed.details.undo_of == "q"
+        and typed.details.strays_killed == (42,)
+    )
+    # the fields the other branches added (docs/json.md): typed, and back in the run's order
+    assert typed.details.deleted == ("a.py",) and typed.details.service_downtime_s == 3.5
+    assert list(typed.to_json()["data"]).index("deleted") == list(ran["data"]).index("deleted")
+    without = jsonable(envelope("reinstall", "done", 0, {"run_id": "r", "service_downtime_s": None}))
+    assert RunDocument.from_json(without).details.service_downtime_s is None
+    assert RunDocument.from_json(recovered).details.versions(None) == ("1", "2")
+    with pytest.raises(ValueError, match="downtime_s"):
+        RunDocument.from_json({**ran, "data": {"downtime_s": {"app.service": "soon"}}})
+    with pytest.raises(ValueError, match="service_downtime_s"):
+        RunDocument.from_json({**ran, "data": {"service_downtime_s": "soon"}})
+    with pytest.raises(ValueError, match="deleted"):
+        RunDocument.from_json({**ran, "data": {"deleted": [1]}})
+
+
+def test_an_entry_another_user_may_write_is_not_believed(tmp_path: Path) -> None:
+    """The history is read by the one checked reader of what safeinstall wrote for itself
+    (``safefs.read_trusted``, issue 37): an entry that others may write is skipped as the journal and
+    the baseline would be refused, not listed as a finished run."""
+    state = env_state(tmp_path / "state", tmp_path / "venv")
+    good, writable = run_ids(2)
+    history.append(state, entry(good))
+    history.append(state, entry(writable))
+    (state.history / f"{writable}.json").chmod(0o666)
+    read = history.read_history(state)
+    assert [r.run_id for r in read.runs] == [good]
+    (problem,) = read.problems
+    assert writable in problem and "it is mode 0666: every user may write to it" in problem

@@ -2,7 +2,8 @@
 
     cli  ->  run  ->  scan | store  ->  env  ->  system  ->  errors
 
-A module imports only from its own layer or a lower one; ``scan`` and ``store`` never import each
+A module imports only from its own layer or a lower one; ``cli`` only from ``run`` (and ``errors``):
+it parses, calls one command and renders; ``scan`` and ``store`` never import each
 other; no two modules import each other, directly or around a circle. Every import counts: at the
 top, inside a function, or under ``TYPE_CHECKING``.
 """
@@ -21,6 +22,8 @@ PACKAGE = Path(safeinstall.__file__).parent
 RANK = {"errors": 0, "system": 1, "env": 2, "scan": 3, "store": 3, "run": 4, "cli": 5}
 #: Same rank, yet never importing each other.
 APART = frozenset({"scan", "store"})
+#: What ``cli`` may import: it parses, calls one command of ``run`` and renders (no layer below run).
+CLI_READS = frozenset({"cli", "run", "errors"})
 #: The entry points sit on top of everything.
 ENTRY = frozenset({"safeinstall", "safeinstall.__main__"})
 
@@ -71,6 +74,8 @@ def violations(edges: Mapping[str, Iterable[str]]) -> list[str]:
                 problems.append(f"{source} -> {target} (upward: {high} imports {low})")
             elif low != high and {low, high} <= APART:
                 problems.append(f"{source} -> {target} ({high} and {low} never import each other)")
+            elif high == "cli" and low not in CLI_READS:
+                problems.append(f"{source} -> {target} (cli imports only run: {low} is below it)")
     return problems
 
 
@@ -133,17 +138,65 @@ def test_at_most_eight_modules_at_the_top_and_every_module_in_a_layer() -> None:
     assert {layer(m) for m in modules()} <= {*RANK, ""} | {"errors", "__main__"}
 
 
-def test_the_rule_catches_an_upward_import_a_crossing_and_a_circle() -> None:
-    """The checks above would fail: an import against the rule is named, and a circle is found."""
+def test_the_rule_catches_an_upward_import_a_crossing_a_cli_below_run_and_a_circle() -> None:
+    """The checks above would fail: an import against the rule is named (``cli`` reaching past ``run``
+    too), and a circle is found."""
     edges = {
         "safeinstall.system.safefs": {"safeinstall.env.records"},
         "safeinstall.scan.plan": {"safeinstall.store.state"},
         "safeinstall.run.a": {"safeinstall.run.b"},
         "safeinstall.run.b": {"safeinstall.run.a"},
-        "safeinstall.cli.app": {"safeinstall.run.a", "safeinstall.errors"},
+        "safeinstall.cli.app": {"safeinstall.run.a", "safeinstall.errors", "safeinstall.cli.render"},
+        "safeinstall.cli.render": {"safeinstall.env.drift"},
     }
     assert violations(edges) == [
+        "safeinstall.cli.render -> safeinstall.env.drift (cli imports only run: env is below it)",
         "safeinstall.scan.plan -> safeinstall.store.state (scan and store never import each other)",
         "safeinstall.system.safefs -> safeinstall.env.records (upward: system imports env)",
     ]
     assert circles(edges) == [["safeinstall.run.a", "safeinstall.run.b"]]
+
+
+def _prefix_checks(path: Path) -> list[str]:
+    """Where ``path`` asks by itself whether a path lies in another: ``Path.is_relative_to``, or
+    ``startswith`` on an environment's prefix (``env.prefix``, ``env.base_prefix``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        if node.func.attr == "is_relative_to":
+            found.append(f"{path.name}:{node.lineno} is_relative_to")
+        elif node.func.attr == "startswith" and node.args:
+            text = ast.unparse(node.args[0])
+            if "prefix" in text and "env." in text:
+                found.append(f"{path.name}:{node.lineno} startswith({text})")
+    return found
+
+
+def test_containment_in_a_prefix_has_one_rule() -> None:
+    """Whether a path lies inside an environment's prefix is asked of ``env/containment`` only
+    (``is_within``, ``relative_to_prefix``, ``Containment``; issue 37), never answered again inline."""
+    found = [
+        check
+        for module, path in modules().items()
+        if module != "safeinstall.env.containment"
+        for check in _prefix_checks(path)
+    ]
+    assert found == []
+
+
+def test_the_cli_only_parses_and_renders() -> None:
+    """``cli/app.py`` parses, calls one command and exits (issue 37: it was 1,029 lines that read the
+    history, chose runs and wrote metrics): it stays small, and it calls ``run`` through one function."""
+    app = PACKAGE / "cli" / "app.py"
+    assert len(app.read_text().splitlines()) < 400
+    assert imports(app, modules()) <= {
+        "safeinstall.cli.params",
+        "safeinstall.cli.render",
+        "safeinstall.cli.show",
+        "safeinstall.cli.usage",
+        "safeinstall.errors",
+        "safeinstall.run.commands",
+        "safeinstall.run.output",
+        "safeinstall",
+    }

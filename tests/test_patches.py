@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from safeinstall.env.owner import write_carried
 from safeinstall.env.records import digest_bytes
 from safeinstall.errors import StepFailed
 from safeinstall.run.patches import (
@@ -27,7 +28,6 @@ from safeinstall.run.patches import (
     merge_file,
     settle,
 )
-from safeinstall.system.owner import write_carried
 from tests.bed_systemd import wait_until
 from tests.beds import Bed
 from tests.clirun import SAFEINSTALL, run

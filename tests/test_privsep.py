@@ -4,7 +4,7 @@ Each test is an attack an unprivileged account tried on a run as root (issue 21)
 (uid 65534 owns the environment and runs its unit; uid 65533 is another local user), real uv, real
 wheels and a unit of the private systemd manager. Since the fix, everything done to an account's
 environment on the strength of what the account wrote runs as that account, in a session of its own
-(:mod:`safeinstall.system.worker`, :mod:`safeinstall.system.owner`).
+(:mod:`safeinstall.system.worker`, :mod:`safeinstall.env.owner`).
 """
 
 from __future__ import annotations

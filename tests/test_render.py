@@ -9,7 +9,8 @@ from typing import Any
 from rich.console import Console
 
 from safeinstall.cli.render import render_entry, render_run
-from safeinstall.store.history import new_entry
+from safeinstall.store.history import HistoryEntry, new_entry
+from safeinstall.store.rundoc import RunDocument
 
 RUN_ID = "20261202T060000Z-42"
 
@@ -24,6 +25,7 @@ def _document() -> dict[str, Any]:
             "run_id": RUN_ID,
             "plan": {"distributions": [{"name": "sipure", "old_version": "1.0", "new_version": "2.0"}]},
             "downtime_s": {"api.service": 1.25},
+            "service_downtime_s": 3.5,
             "not_restarted": ["batch.service"],
             "strays_killed": [4242],
             "old_code": [
@@ -39,7 +41,8 @@ def _document() -> dict[str, Any]:
             ],
             "patches": [{"path": "sipure/a.py", "status": "carried", "detail": "merged", "diff": ""}],
             "patch_file": "/state/patches/x.patch",
-            "patched": ["sipure/b.py"],
+            "patched": ["sipure/b.py", "sipure/gone.py"],
+            "deleted": ["sipure/gone.py"],
             "extras": ["sipure/stale.py"],
             "pruned": [],
             "backup_dir": "/state/backups/x",
@@ -58,12 +61,14 @@ def _render(draw: Any) -> list[str]:
 
 
 def test_status_wait_shows_every_line_the_foreground_run_shows() -> None:
-    document = _document()
+    document = RunDocument.from_json(_document())
     foreground = _render(lambda out, err: render_run(out, err, document, RUN_ID))
     entry = new_entry(RUN_ID, "sipure", "2026-12-02T06:00:00+00:00", "2026-12-02T06:01:00+00:00", document)
+    assert HistoryEntry.from_json(entry.to_json()) == entry and document.to_json() == _document()
     waited = _render(lambda out, err: render_entry(out, err, entry))
     for expected in (
-        "done: sipure 1.0 -> 2.0; installed and verified",
+        "done: sipure 1.0 -> 2.0; installed and verified; service down 3.5 s until healthy",
+        "  sipure/gone.py",  # under "files deleted locally", not "locally patched"
         "api.service was down for 1.2 s",
         "batch.service left stopped (--no-restart)",
         "stray PID 4242 was ended and not restarted",
@@ -97,7 +102,7 @@ def test_a_deleted_file_is_not_called_locally_patched_and_counts_read_as_english
     document = _document()
     document["data"]["patched"] = ["sipure/b.py", "sipure/gone.py"]
     document["data"]["deleted"] = ["sipure/gone.py"]
-    lines = _render(lambda out, err: render_run(out, err, document, RUN_ID))
+    lines = _render(lambda out, err: render_run(out, err, RunDocument.from_json(document), RUN_ID))
     patched = lines.index("locally patched files (copies kept in /state/backups/x):")
     assert lines[patched + 1] == "  sipure/b.py" and "gone.py" not in lines[patched + 2]
     assert "files deleted locally (nothing of them to keep):" in lines

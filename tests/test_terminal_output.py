@@ -10,8 +10,9 @@ import subprocess
 from pathlib import Path
 
 from safeinstall.cli.render import literal, printable
-from safeinstall.run.output import envelope
+from safeinstall.run.output import envelope, jsonable
 from safeinstall.store import history
+from safeinstall.store.rundoc import RunDocument
 from safeinstall.store.state import ensure_environment_dir, environment_state
 from tests import wheelhouse
 from tests.bed_systemd import UserManager, wait_until
@@ -101,7 +102,8 @@ def test_status_wait_replays_log_lines_escaped_and_status_prints_paths_whole(tmp
     log.write_text(f"[t] install: uv says {HOSTILE}\n")
     result = envelope("reinstall", "error", 2, None)
     finished = "2026-12-01T01:00:00+00:00"
-    history.append(state, history.new_entry(run_id, "sicext", finished, finished, result, str(log)))
+    document = RunDocument.from_json(jsonable(result))
+    history.append(state, history.new_entry(run_id, "sicext", finished, finished, document, str(log)))
     environ = {**os.environ, "SAFEINSTALL_STATE_DIR": str(root), "COLUMNS": "80"}
 
     waited = run("--status", "--wait", "--run", run_id, env=environ)
@@ -176,7 +178,7 @@ def test_status_at_80_and_120_columns_breaks_no_word(tmp_path: Path) -> None:
         "downtime_s": {"webapp.service": 1.25, "worker-queue.service": 2.5},
     }
     finished = "2026-12-01T01:00:00+00:00"
-    result = envelope("reinstall", "done", 0, data)
+    result = RunDocument.from_json(jsonable(envelope("reinstall", "done", 0, data)))
     history.append(state, history.new_entry(run_id, "markupsafe", finished, finished, result))
     for width in (80, 120):
         status = run(

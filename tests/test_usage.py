@@ -11,7 +11,7 @@ from safeinstall.cli.usage import Usage, usage_problem
 
 
 def _usage(*modes: str, **given: object) -> Usage:
-    return Usage(frozenset(modes), **given)  # type: ignore[arg-type]
+    return Usage(modes=frozenset(modes), **given)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

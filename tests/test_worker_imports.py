@@ -6,7 +6,7 @@ A forked worker is a copy of root's process that changes its uid: whatever it im
 read as the account. ``open(..., encoding="ascii")`` in :mod:`safeinstall.system.safefs` loaded the
 ``encodings.ascii`` module lazily, and ``--recover`` of an account's environment failed with
 ``LookupError: unknown encoding: ascii`` on every retry (its units down). The test runs each worker
-entry point (every public function of :mod:`safeinstall.system.owner`, and a program started as the
+entry point (every public function of :mod:`safeinstall.env.owner`, and a program started as the
 account by :func:`safeinstall.system.children.run`) as uid 65534 from a fresh process of that hidden
 safeinstall; ``test_faults.py`` has the ``--recover`` case end to end.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from safeinstall.system import owner
+from safeinstall.env import owner
 from tests.beds import AS_ROOT, NOBODY, chown_tree, hidden_tool
 
 #: run by the hidden interpreter, as root: each entry point in a worker as uid 65534; what each said
@@ -29,7 +29,8 @@ DRIVER = r"""
 import json, sys
 from pathlib import Path
 import safeinstall.cli.app  # what a fresh run has loaded when it forks its first worker
-from safeinstall.system import children, owner, worker
+from safeinstall.env import owner
+from safeinstall.system import children, worker
 
 prefix, cache, target = sys.argv[1:4]
 ids = (int(sys.argv[4]), int(sys.argv[4]))

@@ -14,21 +14,35 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.markup import escape
 
-from safeinstall.env.drift import RECORD_MAY_BE_WRONG_HINT, UNTOUCHED, Finding, FindingKind
 from safeinstall.errors import SafeInstallError
-from safeinstall.store.runlog import PROGRESS_EVERY_S, human_bytes, progress_key, progress_text
+from safeinstall.run.view import (
+    PROGRESS_EVERY_S,
+    RECORD_MAY_BE_WRONG_HINT,
+    UNTOUCHED,
+    Finding,
+    FindingKind,
+    human_bytes,
+    progress_key,
+    progress_text,
+)
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
 
-    from safeinstall.env.diffs import FileDiff
-    from safeinstall.env.verify import VerifyReport
     from safeinstall.run.recover import Recovery
     from safeinstall.run.results import StepOutcome
     from safeinstall.run.status import EnvironmentStatus, Forgotten
-    from safeinstall.scan.plan import Plan, PlannedProcess
-    from safeinstall.scan.processes import ScanProblem
-    from safeinstall.store.history import RunSummary
+    from safeinstall.run.view import (
+        FileDiff,
+        HistoryEntry,
+        OldCodeDoc,
+        Plan,
+        PlannedProcess,
+        RunDocument,
+        RunSummary,
+        ScanProblem,
+        VerifyReport,
+    )
 
 _KIND_STYLE = {
     FindingKind.MISSING: "bold red",
@@ -583,60 +597,45 @@ class ConsoleReporter:
         return answer.strip().lower() in ("y", "yes")
 
 
-def _items(data: Mapping[str, Any], key: str) -> list[Any]:
-    value = data.get(key)
-    return value if isinstance(value, list) else []
-
-
-def _old_code_line(process: Mapping[str, Any]) -> str:
-    """One process left on old code, from its JSON form (``OldCodeProcess``)."""
-    unit, scope = process.get("unit"), process.get("scope")
-    where = f"unit {unit}" if unit else f"no unit ({scope or 'no scope'})"
-    names = ", ".join(str(d) for d in _items(process, "distributions"))
-    paths = ", ".join(str(p) for p in _items(process, "paths")[:3])
-    who = f"PID {process.get('pid')} ({process.get('name')}, {where})"
+def _old_code_line(process: OldCodeDoc) -> str:
+    """One process left on old code, as the run's document has it (``OldCodeProcess``)."""
+    where = f"unit {process.unit}" if process.unit else f"no unit ({process.scope or 'no scope'})"
+    names = ", ".join(process.distributions)
+    paths = ", ".join(process.paths[:3])
+    who = f"PID {process.pid} ({process.name}, {where})"
     return f"{who} still maps replaced files of {names} ({paths})"
 
 
-def render_run(out: Console, err: Console, document: Mapping[str, Any], run_id: str) -> None:
+def render_run(out: Console, err: Console, document: RunDocument, run_id: str) -> None:
     """A run's result from its ``--json`` document: the one renderer of the foreground run and of
     ``--status --wait`` (which reads the document from the run's history entry)."""
-    raw = document.get("data")
-    data: Mapping[str, Any] = raw if isinstance(raw, dict) else {}
-    for note in _items(data, "notes"):
+    data = document.details
+    for note in data.notes:
         err.print(f"[dim]note:[/] {literal(note, lines=True)}", soft_wrap=True)
-    status = document.get("status")
+    status = document.status
     if status == "declined":
         out.print("nothing done (not confirmed)")
         return
-    plan = data.get("plan") if isinstance(data.get("plan"), dict) else None
-    if status == "done" and plan is not None:
-        changes = ", ".join(
-            f"{d.get('name')} {d.get('old_version')} -> {d.get('new_version') or '?'}"
-            for d in _items(plan, "distributions")
-            if isinstance(d, dict)
-        )
-        service = data.get("service_downtime_s")
-        users = f"; service down {service:.1f} s until healthy" if isinstance(service, int | float) else ""
+    if status == "done" and data.plan is not None:
+        changes = ", ".join(f"{d.name} {d.old_version} -> {d.new_version or '?'}" for d in data.changes)
+        service = data.service_downtime_s
+        users = f"; service down {service:.1f} s until healthy" if service is not None else ""
         out.print(f"[green]done:[/] {literal(changes)}; installed and verified{users}", soft_wrap=True)
-    downtime = data.get("downtime_s")
-    for unit, seconds in sorted(downtime.items() if isinstance(downtime, dict) else ()):
-        if isinstance(seconds, int | float):
-            out.print(f"  {literal(unit)} was down for {seconds:.1f} s")
-    for unit in _items(data, "not_restarted"):
+    for unit, seconds in sorted(data.downtime_s.items()):
+        out.print(f"  {literal(unit)} was down for {seconds:.1f} s")
+    for unit in data.not_restarted:
         out.print(f"  [yellow]{literal(unit)} left stopped (--no-restart)[/]")
-    for pid in _items(data, "strays_killed"):
+    for pid in data.strays_killed:
         out.print(f"  stray PID {literal(pid)} was ended and not restarted")
-    for process in _items(data, "old_code"):
-        if isinstance(process, dict):
-            err.print(
-                f"[yellow]warning:[/] {literal(_old_code_line(process))}: it runs old code; restart it",
-                soft_wrap=True,
-            )
-    render_patches(out, [p for p in _items(data, "patches") if isinstance(p, dict)], data.get("patch_file"))
-    backup_dir, log_file = data.get("backup_dir"), data.get("log_file")
-    deleted = set(map(str, _items(data, "deleted")))
-    patched = [path for path in map(str, _items(data, "patched")) if path not in deleted]
+    for process in data.old_code:
+        err.print(
+            f"[yellow]warning:[/] {literal(_old_code_line(process))}: it runs old code; restart it",
+            soft_wrap=True,
+        )
+    render_patches(out, [p.to_json() for p in data.patches], data.patch_file)
+    backup_dir, log_file = data.backup_dir, data.log_file
+    deleted = set(data.deleted)
+    patched = [path for path in data.patched if path not in deleted]
     if patched:
         out.print(f"locally patched files (copies kept in {literal(backup_dir or '')}):")
         for path in patched:
@@ -645,8 +644,8 @@ def render_run(out: Console, err: Console, document: Mapping[str, Any], run_id: 
         out.print("files deleted locally (nothing of them to keep):")
         for path in sorted(deleted):
             out.print(f"  {literal(path)}")
-    pruned = set(map(str, _items(data, "pruned")))
-    for path in _items(data, "extras"):
+    pruned = set(data.pruned)
+    for path in data.extras:
         state = "pruned (copy kept in the backup)" if path in pruned else "left in place (--prune removes)"
         out.print(f"  leftover {literal(path)}: {state}", soft_wrap=True)
     if backup_dir:
@@ -654,12 +653,11 @@ def render_run(out: Console, err: Console, document: Mapping[str, Any], run_id: 
             f"[dim]run {literal(run_id)}; backup: {literal(backup_dir)}; log: {literal(str(log_file))}[/]",
             soft_wrap=True,
         )
-    removed = _items(data, "backups_removed")
+    removed = data.backups_removed
     if removed:
         err.print(f"[dim]deleted {counted(len(removed), 'older backup')} (--keep-backups)[/]")
-    for error in _items(document, "errors"):
-        if isinstance(error, dict):
-            render_error(err, SafeInstallError(str(error.get("message")), hint=error.get("hint")))
+    for error in document.errors:
+        render_error(err, SafeInstallError(error.message, hint=error.hint))
 
 
 def render_patches(out: Console, patches: Sequence[Mapping[str, Any]], patch_file: object = None) -> None:
@@ -708,7 +706,7 @@ def render_recoveries(out: Console, recoveries: list[Recovery]) -> None:
 
 
 def _when(iso: str | None) -> str:
-    from safeinstall.system.lock import display_time  # here: --verify-only starts without the lock's module
+    from safeinstall.run.view import display_time
 
     return display_time(iso) if iso else "-"
 
@@ -782,12 +780,12 @@ def render_status(out: Console, found: list[EnvironmentStatus], last: int = 5) -
             out.print(f"[yellow]note:[/] {literal(problem)}", soft_wrap=True)
 
 
-def render_entry(out: Console, err: Console, entry: dict[str, Any]) -> None:
+def render_entry(out: Console, err: Console, entry: HistoryEntry) -> None:
     """A finished run's result as its history keeps it (``--status --wait``, a refused ``--detach``): a
     headline naming the run, then what the foreground run showed (:func:`render_run`)."""
-    from safeinstall.store.history import summary
+    from safeinstall.run.view import run_summary
 
-    run = summary(entry)
+    run = run_summary(entry)
     style = "green" if run.exit_code == 0 else "red"
     versions = f" {run.old_version} -> {run.new_version}" if run.old_version or run.new_version else ""
     out.print(
@@ -795,10 +793,8 @@ def render_entry(out: Console, err: Console, entry: dict[str, Any]) -> None:
         + literal(f"{run.package or '?'}{versions}"),
         soft_wrap=True,
     )
-    result = entry.get("result")
-    render_run(out, err, result if isinstance(result, dict) else {}, run.run_id)
-    data = result.get("data") if isinstance(result, dict) else None
-    if run.log_file and not (isinstance(data, dict) and data.get("backup_dir")):
+    render_run(out, err, entry.result, run.run_id)
+    if run.log_file and not entry.result.details.backup_dir:
         err.print(f"[dim]log: {literal(run.log_file)}[/]", soft_wrap=True)
 
 

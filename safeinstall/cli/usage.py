@@ -45,7 +45,7 @@ RUN_ONLY = (
 )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Usage:
     """What the command line gave, as the validation needs it (flags by their long name)."""
 
@@ -219,9 +219,9 @@ def usage_problem(u: Usage) -> UsageError | None:
         if u.args:
             return UsageError(f"unexpected arguments: {' '.join(u.args)}", hint="see safeinstall --help")
         if u.package and not PLAIN_NAME.fullmatch(u.package):
-            from safeinstall.env.uvplan import parse_requirement  # more than a valid name: parsed
+            from safeinstall.run.options import requirement_version  # more than a valid name: parsed
 
-            if parse_requirement(u.package).specifier:
+            if requirement_version(u.package):
                 return UsageError(
                     "--verify-only checks the installed version; give the name without a version",
                     hint="safeinstall NAME --verify-only [--wheel PATH]",

@@ -4,7 +4,7 @@ The prefetch gives uv a cache of the run's own (:mod:`safeinstall.env.uvplan`: i
 no inode with a cache that outlives the run). Before it runs, the unpacked wheels of the distributions
 uv's plan installs, where the environment owner's uv cache already holds them (a clean reinstall, a
 rollback to yesterday's nightly, most dependencies of a nightly), are copied into the run's cache
-(:func:`safeinstall.system.owner.copy_cached_wheels`, as that owner: what it copies is what the account may
+(:func:`safeinstall.env.owner.copy_cached_wheels`, as that owner: what it copies is what the account may
 read): uv then finds them there and downloads only what is missing. Copied, never linked: the run's
 cache shares no inode with the account's, so removing it at the end still leaves every installed file
 sharing its inodes with nothing.
@@ -22,9 +22,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from safeinstall.env import owner
 from safeinstall.env.environment import Account
 from safeinstall.env.uvplan import UvChange
-from safeinstall.system import owner, worker
+from safeinstall.system import worker
 from safeinstall.system.worker import WorkerError
 
 #: How long the copy may take (4 GB of a vLLM nightly's dependencies: about 10 s on a cloud disk)

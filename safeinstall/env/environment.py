@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from safeinstall.env.containment import is_within
 from safeinstall.errors import InterpreterError
 from safeinstall.system import children
 from safeinstall.system.safefs import ACL_XATTR, acl_writers, others_who_write, read_small
@@ -368,7 +369,7 @@ def _walk_loaded(control: _Control, top: Path, what: str, budget: list[int]) -> 
                 path = Path(entry.path)
                 control.look_up(path, what)
                 target = Path(os.path.realpath(path))
-                if os.path.isdir(target) and not _inside(target, real_top):
+                if os.path.isdir(target) and not is_within(os.fspath(target), os.fspath(real_top)):
                     control.problems.append(f"{path} ({what}) links to the directory {target}, outside it")
             elif entry.is_dir(follow_symlinks=False):
                 todo.append((Path(entry.path), depth + 1))
@@ -455,7 +456,7 @@ def distribution_sites(env: Environment) -> tuple[Path, ...]:
         site
         for site in env.base_site_dirs
         if site not in env.site_dirs
-        and _inside(site, env.base_prefix)
+        and is_within(os.fspath(site), os.fspath(env.base_prefix))
         and (env.account is None or _root_controlled(site))
     ]
     return (*env.site_dirs, *dict.fromkeys(base))
@@ -524,10 +525,6 @@ def environment_owner(python: Path) -> Account | None:
     )
 
 
-def _inside(path: Path, prefix: Path) -> bool:
-    return path == prefix or path.is_relative_to(prefix)
-
-
 def _own_prefix(python: Path) -> tuple[Path, str]:
     """The prefix ``python`` belongs to, and why: a venv's directory (its ``pyvenv.cfg`` beside or above the
     interpreter, as site finds it), else the directory above the real binary's ``bin/`` (``/usr/bin/python3``
@@ -560,7 +557,7 @@ def _answer_problem(python: Path, env: Environment) -> str | None:
     if env.prefix != expected:
         return f"it reports the prefix {env.prefix}, but {why}"
     paths = (env.purelib, env.platlib, env.scripts, env.data)
-    outside = [str(path) for path in paths if not _inside(path, env.prefix)]
+    outside = [str(path) for path in paths if not is_within(os.fspath(path), os.fspath(env.prefix))]
     if outside:
         return f"it reports directories outside its prefix {env.prefix}: {', '.join(outside)}"
     if env.owner is None:

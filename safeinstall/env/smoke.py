@@ -30,8 +30,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from safeinstall.env import owner
 from safeinstall.env.environment import Account, Environment
-from safeinstall.system import children, owner, worker
+from safeinstall.system import children, worker
 
 #: Seconds each child may take (the imports of one unit's context, or the operator's command).
 SMOKE_TIMEOUT_S = 300.0

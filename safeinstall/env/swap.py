@@ -50,7 +50,13 @@ from typing import Any
 from safeinstall.env.drift import pyc_source
 from safeinstall.env.environment import Environment
 from safeinstall.system import worker
-from safeinstall.system.safefs import RENAME_EXCHANGE, RENAME_NOREPLACE, Tree, parent_directories
+from safeinstall.system.safefs import (
+    RENAME_EXCHANGE,
+    RENAME_NOREPLACE,
+    Tree,
+    only_caller_writes,
+    parent_directories,
+)
 
 #: The staging directory's name in the prefix: this, then the run's id.
 STAGING_PREFIX = ".safeinstall-swap-"
@@ -463,7 +469,7 @@ def _discard(prefix: Path, name: str, seconds: float) -> bool:
     try:
         with Tree(prefix) as tree:
             info = os.fstat(tree.fd)
-            if info.st_uid != os.geteuid() or info.st_mode & 0o022:
+            if not only_caller_writes(info):
                 return False
             tree.remove_tree(name, time.monotonic() + seconds)
             return tree.lstat(name) is None

@@ -35,9 +35,10 @@ from typing import Any
 import uv
 from packaging.utils import canonicalize_name
 
+from safeinstall.env import owner
 from safeinstall.env.environment import Account
 from safeinstall.errors import PlanError, UsageError
-from safeinstall.system import children, owner, worker
+from safeinstall.system import children, worker
 from safeinstall.system.safefs import Tree
 from safeinstall.system.worker import WorkerError
 

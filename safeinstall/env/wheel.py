@@ -28,6 +28,7 @@ from packaging.utils import (
     parse_wheel_filename,
 )
 
+from safeinstall.env.containment import is_within
 from safeinstall.env.distributions import (
     METADATA_LIMIT,
     RECORD_LIMIT,
@@ -562,8 +563,7 @@ def install_directories(
         found.update(os.path.dirname(location) for location in dist.locations)
     if wheel is not None:
         found.update(os.path.dirname(location) for location in install_locations(wheel, env).values())
-    prefix = os.path.join(os.fspath(env.prefix), "")
-    return {Path(d) for d in found if os.path.join(d, "").startswith(prefix)}
+    return {Path(d) for d in found if is_within(d, os.fspath(env.prefix))}
 
 
 def is_installer_written(wheel: Wheel, relative: str) -> bool:

@@ -27,25 +27,24 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from safeinstall.env.environment import Environment
 from safeinstall.errors import Aborted, ExitCode, SafeInstallError, SystemdError, UsageError
 from safeinstall.run.options import RunOptions
+from safeinstall.store.history import HistoryEntry, read_history
 from safeinstall.store.history import find as find_entry
-from safeinstall.store.history import read_history
 from safeinstall.store.journal import Journal, JournalError, read_journal
 from safeinstall.store.state import EnvironmentState, atomic_write, is_run_id
 from safeinstall.system import children
 from safeinstall.system.identity import alive
 from safeinstall.system.lock import read_holder
+from safeinstall.system.safefs import UntrustedFile, only_caller_writes, read_trusted
 from safeinstall.system.systemd import Systemd
 
 UNIT_PREFIX = "safeinstall-"
@@ -148,25 +147,13 @@ def take_private(path: Path) -> PrivateInputs:
     """What a detached run was given; the file must be ours, private and regular. Removed."""
     bad = UsageError(f"--environ-from {path}: not an environment file written by safeinstall --detach")
     try:
-        parent = os.stat(path.parent)
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        if not only_caller_writes(os.stat(path.parent)):  # a directory only we can change
+            raise bad
+        raw = read_trusted(path, _MAX_ENVIRON_BYTES, root_owned_ok=False, private=True)
+    except UntrustedFile as exc:
+        raise bad from exc
     except OSError as exc:
         raise UsageError(f"--environ-from {path}: {exc.strerror or exc}") from exc
-    if parent.st_uid != os.geteuid() or parent.st_mode & 0o022:  # a directory only we can change
-        os.close(fd)
-        raise bad
-    try:
-        info = os.fstat(fd)
-        if (
-            not stat.S_ISREG(info.st_mode)
-            or info.st_uid != os.geteuid()
-            or info.st_mode & 0o077
-            or info.st_size > _MAX_ENVIRON_BYTES
-        ):
-            raise bad
-        raw = os.read(fd, _MAX_ENVIRON_BYTES + 1)
-    finally:
-        os.close(fd)
     path.unlink(missing_ok=True)
     try:
         document = json.loads(raw.decode("utf-8", "surrogateescape"))
@@ -192,7 +179,7 @@ class Detached:
     unit: str
     user_manager: bool
     log_file: str
-    finished: dict[str, Any] | None  # the history entry, when the run ended before it journalled
+    finished: HistoryEntry | None  # the history entry, when the run ended before it journalled
 
 
 def detach(options: RunOptions, env: Environment, state: EnvironmentState, run_id: str) -> Detached:
@@ -238,7 +225,7 @@ def _own_journal(state: EnvironmentState, run_id: str) -> Journal | None:
 
 def _await_start(
     state: EnvironmentState, run_id: str, systemd: Systemd, unit: str, poll_s: float = 0.1
-) -> dict[str, Any] | None:
+) -> HistoryEntry | None:
     """Wait until the detached run has journalled (None) or has ended (its history entry)."""
     while True:
         entry = find_entry(state, run_id)
@@ -296,7 +283,7 @@ def wait_for_run(
     run_id: str | None,
     on_line: Callable[[str], None],
     poll_s: float = 0.2,
-) -> dict[str, Any]:
+) -> HistoryEntry:
     """Follow a run to its end, passing each new line of its log to ``on_line``; its history entry.
 
     ``run_id`` None: the run in progress, else the last finished one. Raises :class:`RunLost` when the

@@ -12,7 +12,7 @@ from pathlib import Path
 from safeinstall.errors import UsageError
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RunOptions:
     """Everything the user asked for, as parsed by the CLI."""
 
@@ -130,3 +130,11 @@ def check_options(options: RunOptions) -> None:
     problems = option_problems(options)
     if problems:
         raise UsageError("; ".join(p.message for p in problems), hint="; ".join(p.hint for p in problems))
+
+
+def requirement_version(text: str) -> str | None:
+    """Pure: the version a requirement asks for (``vllm>=0.16``: ``>=0.16``; None: any); one that uv
+    and pip would not take is a UsageError (:func:`safeinstall.env.uvplan.parse_requirement`)."""
+    from safeinstall.env.uvplan import parse_requirement
+
+    return parse_requirement(text).specifier

@@ -14,14 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 from safeinstall.env.drift import Finding
 from safeinstall.errors import SafeInstallError
+from safeinstall.store.rundoc import RESULT_VERSION
 
 if TYPE_CHECKING:
     from safeinstall.env.verify import VerifyReport
     from safeinstall.run.patches import PatchOutcome
     from safeinstall.run.results import RunResult
     from safeinstall.scan.plan import Plan
-
-RESULT_VERSION = 1
 
 
 def jsonable(value: Any) -> Any:

@@ -28,6 +28,7 @@ from safeinstall.env.diffs import text_lines, unified
 from safeinstall.env.distributions import InstalledDistribution
 from safeinstall.env.drift import Expectation, FindingKind
 from safeinstall.env.environment import Account, Environment
+from safeinstall.env.owner import write_carried
 from safeinstall.env.records import RecordHash, digest_bytes
 from safeinstall.env.uvplan import UvRequest, prefetch_command, requirement, uv_binary
 from safeinstall.env.uvplan import install as uv_install
@@ -36,7 +37,6 @@ from safeinstall.env.wheel import Wheel, install_location, read_member, read_whe
 from safeinstall.errors import PatchConflict, PlanError, StepFailed, WheelError
 from safeinstall.store.state import EnvironmentState, atomic_write, ensure_dir, make_run_dir, remove_run_dir
 from safeinstall.system import worker
-from safeinstall.system.owner import write_carried
 from safeinstall.system.safefs import Tree
 
 if TYPE_CHECKING:
@@ -347,7 +347,7 @@ def _planned_version(survey: Survey) -> str:
 def carry(prefix: Path, patches: PatchSet, account: Account | None) -> int:
     """After the install: write every carried file, how many. The files are the new version's, which uv
     installed as the environment's owner, at paths its RECORDs name: they are written by a worker that
-    is that owner (:func:`safeinstall.system.owner.write_carried`), so nothing the owner could not write is
+    is that owner (:func:`safeinstall.env.owner.write_carried`), so nothing the owner could not write is
     written."""
     files = [(o.path, o.merged) for o in patches.with_status(PatchStatus.CARRIED) if o.merged is not None]
     if not files:

@@ -72,7 +72,7 @@ from safeinstall.system.lock import HeldLock, acquire_lock, check_lock
 from safeinstall.system.safefs import unwritable
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Prepared:
     """What the preflight found; ``lock`` is held (the caller releases it) only when it was asked to.
     ``options`` are the run's: with ``take_lock``, ``wheel`` is the run's own copy in the state
@@ -101,12 +101,13 @@ class Prepared:
         return self.survey.plan
 
 
-def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
+def preflight(options: RunOptions, *, take_lock: bool, env: Environment | None = None) -> Prepared:
     """Every check of the run before its first stop (see the module). Raises a SafeInstallError (exit
     2) for a failure before the plan; the plan's ``refusals`` hold the rest (see :func:`refusal`).
-    ``take_lock``: create the state directory and hold the lock (the run); else check both (dry-run)."""
+    ``take_lock``: create the state directory and hold the lock (the run); else check both (dry-run).
+    ``env``: the environment ``options.python`` names, when the caller has inspected it already."""
     check_options(options)
-    env = inspect_environment(resolve_python(options.python, options.environ))
+    env = env or inspect_environment(resolve_python(options.python, options.environ))
     state = environment_state(state_root(options.environ, os.geteuid()), env.prefix)
     notes: list[str] = [env.owner_note] if env.owner_note else []
     lock: HeldLock | None = None
@@ -199,7 +200,19 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
         if lock is not None:
             lock.release()
         raise
-    return Prepared(options, env, state, wheel, found, lock, tuple(notes), before, undo, vouched, inodes)
+    return Prepared(
+        options=options,
+        env=env,
+        state=state,
+        wheel=wheel,
+        survey=found,
+        lock=lock,
+        notes=tuple(notes),
+        before=before,
+        undo=undo,
+        vouched=vouched,
+        inodes=inodes,
+    )
 
 
 def locally_modified(report: VerifyReport) -> tuple[str, ...]:

@@ -20,6 +20,7 @@ from safeinstall.env.environment import Environment, inspect_environment, resolv
 from safeinstall.env.wheelcopy import discard_dead_copies, is_wheel_copy
 from safeinstall.errors import ExitCode, RollbackFailed, SafeInstallError, StepFailed
 from safeinstall.run.output import envelope, jsonable
+from safeinstall.run.putback import PutBack, put_back
 from safeinstall.store.backup import Backup, load_backup
 from safeinstall.store.history import find as find_entry
 from safeinstall.store.history import keep_result
@@ -34,7 +35,7 @@ from safeinstall.store.journal import (
     read_journal,
     units_to_start,
 )
-from safeinstall.store.putback import PutBack, put_back
+from safeinstall.store.rundoc import RunDocument
 from safeinstall.store.state import (
     PUT_BACK_CACHE_S,
     EnvironmentState,
@@ -177,10 +178,10 @@ def _keep_recovered(state: EnvironmentState, journal: Journal, recovery: Recover
     (so that ``--status`` lists it and ``--status --wait --run`` returns it); what went wrong, if anything."""
     log = state.log_file(journal.run_id)
     ended = _reported_exit(state, journal.run_id)
-    result = recovered_result(journal, recovery, str(log), ended)
+    result = RunDocument.from_json(recovered_result(journal, recovery, str(log), ended))
     # a run that ended with a result said its error; what the recovery did is then no error
     said = "error: " if ended is None else ""
-    lines = (*result["data"]["notes"], *(f"{said}{e['message']}" for e in result["errors"]))
+    lines = (*result.details.notes, *(f"{said}{e.message}" for e in result.errors))
     return keep_result(
         state,
         journal.run_id,
@@ -198,9 +199,7 @@ def _reported_exit(state: EnvironmentState, run_id: str) -> int | None:
         entry = find_entry(state, run_id)
     except SafeInstallError:
         return None
-    result = entry.get("result") if entry is not None else None
-    code = result.get("exit_code") if isinstance(result, dict) else None
-    return code if isinstance(code, int) and not isinstance(code, bool) else None
+    return entry.result.exit_code if entry is not None else None
 
 
 def _tidy(state: EnvironmentState, prefix: str) -> None:

@@ -881,7 +881,9 @@ def undo_verify_step(run: Run, open_gate: Callable[[], None]) -> str:
     )
 
 
-def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) -> RunResult:
+def run_reinstall(
+    options: RunOptions, reporter: Reporter, interactive: bool, env: Environment | None = None
+) -> RunResult:
     """The whole run. Raises SafeInstallError only before anything changed (exit 2).
 
     Signals (see :mod:`safeinstall.system.signals`): until the journal is written they end the run with exit 2
@@ -889,7 +891,7 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
     (the run then ends as one interrupted before the stop: exit 2); during the steps they interrupt and
     the run rolls back; during the rollback and the tidy-up after a good run they are held back and
     announced (the tidy-up is short: the run finishes with its result)."""
-    prepared = shared_preflight(options, take_lock=True)
+    prepared = shared_preflight(options, take_lock=True, env=env)
     tidying: list[bool] = []
 
     def held_back(signum: int) -> None:

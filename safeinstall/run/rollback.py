@@ -1,5 +1,5 @@
 """The way back: on any failure after the stop, the run's rollback puts the previous files and the
-stopped units back through the one put-back sequence (:func:`safeinstall.store.putback.put_back`); exit 3, or
+stopped units back through the one put-back sequence (:func:`safeinstall.run.putback.put_back`); exit 3, or
 exit 4 with the commands that finish the job when putting back fails too.
 """
 
@@ -16,13 +16,13 @@ from safeinstall.errors import (
     SafeInstallError,
     StepFailed,
 )
+from safeinstall.run.putback import put_back
 from safeinstall.run.results import StepOutcome
 from safeinstall.run.running import Run, phase_at_least, reset_start_limits, start_and_settle
 from safeinstall.store.journal import (
     JournalUnit,
     Phase,
 )
-from safeinstall.store.putback import put_back
 from safeinstall.store.state import (
     PUT_BACK_CACHE_S,
     remove_uv_caches,

@@ -30,7 +30,7 @@ from safeinstall.system.gpus import GpuSnapshot, snapshot_gpus
 from safeinstall.system.systemd import Systemd, UnitInfo
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Survey:
     env: Environment
     installed: tuple[InstalledDistribution, ...]
@@ -134,20 +134,20 @@ def survey(
     if uv_plan.lock_note:  # who held uv's lock while the plan's uv waited for it (issue 35)
         plan = replace(plan, warnings=(*plan.warnings, uv_plan.lock_note))
     return Survey(
-        env,
-        installed,
-        target,
-        wheel,
-        request,
-        uv_plan,
-        affected,
-        targets,
-        dependent_targets,
-        scope,
-        scan,
-        units,
-        gpus,
-        plan,
+        env=env,
+        installed=installed,
+        target=target,
+        wheel=wheel,
+        request=request,
+        uv_plan=uv_plan,
+        affected=affected,
+        targets=targets,
+        dependent_targets=dependent_targets,
+        scope=scope,
+        scan=scan,
+        units=units,
+        gpus=gpus,
+        plan=plan,
     )
 
 

@@ -176,13 +176,10 @@ def _why_not(state: EnvironmentState, run_id: str, status: str) -> str | None:
 def _undo_of(state: EnvironmentState, run_id: str) -> str | None:
     """The run that the run ``run_id`` undid, as its history entry says (None: it undid none)."""
     try:
-        entry = find(state, run_id) or {}
+        entry = find(state, run_id)
     except SafeInstallError:  # damaged: --status says so (read_history skips it)
         return None
-    result = entry.get("result")
-    data = result.get("data") if isinstance(result, dict) else None
-    undone = data.get("undo_of") if isinstance(data, dict) else None
-    return undone if isinstance(undone, str) else None
+    return entry.result.details.undo_of if entry is not None else None
 
 
 def _reasons(state: EnvironmentState, runs: Sequence[RunSummary]) -> list[str | None]:

@@ -38,6 +38,7 @@ from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from safeinstall.env import owner
 from safeinstall.env.containment import Containment, relative_to_prefix
 from safeinstall.env.distributions import (
     RECORD_LIMIT,
@@ -55,8 +56,8 @@ from safeinstall.env.records import decode_digest, parse_record
 from safeinstall.errors import SafeInstallError
 from safeinstall.store.runlog import human_bytes
 from safeinstall.store.state import PRIVATE_MODE, atomic_write, ensure_dir, fsync_dir
-from safeinstall.system import owner, worker
-from safeinstall.system.safefs import NotRegularFile, Tree, parent_directories
+from safeinstall.system import worker
+from safeinstall.system.safefs import NotRegularFile, Tree, only_caller_writes, parent_directories
 
 MANIFEST_NAME = "manifest.json"
 FILES_DIR = "files"
@@ -357,8 +358,11 @@ def _link(item: _Item, tree: Tree, dest: Tree, info: os.stat_result, known: File
     The backup then holds the installed inode itself. That is safe because the install never writes
     into it: uv's uninstall unlinks every RECORD entry first, and the install creates new files (a
     hardlink from the run's cache, or a copy) at those paths. Nothing is chmod-ed or touched here: it
-    is the installed file. Only an inode that root alone can write is linked (:func:`_only_root_writes`)."""
-    if not stat.S_ISREG(info.st_mode) or not _only_root_writes(info):
+    is the installed file. Only an inode that root alone can write is linked
+    (:func:`safeinstall.system.safefs.only_caller_writes`): one its owner (a service account) can write
+    is copied instead, as the owner could write it later through a descriptor opened before the backup
+    (or a link of its own), and the restore would then fail its check through the owner's doing."""
+    if not stat.S_ISREG(info.st_mode) or not only_caller_writes(info):
         return None
     identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
     try:
@@ -381,14 +385,6 @@ def _link(item: _Item, tree: Tree, dest: Tree, info: os.stat_result, known: File
     if digest is None:
         dest.unlink(item.relative)
     return digest
-
-
-def _only_root_writes(info: os.stat_result) -> bool:
-    """Pure: nobody but root (the caller) can write this inode: a hardlink of it in the backup stays as
-    saved. An inode its owner (a service account) can write is copied instead: the owner could write
-    it later through a descriptor opened before the backup (or a link of its own), and the restore
-    would then fail its check through the owner's doing."""
-    return info.st_uid == os.geteuid() and not info.st_mode & 0o022
 
 
 def _save(item: _Item, tree: Tree, dest: Tree, known: Mapping[str, FileState]) -> BackupFile | None:
@@ -510,7 +506,7 @@ def create_backup(
 
         # On the same filesystem a RECORD entry is a hardlink and a hash already known: a thread per
         # file would cost more than the work. Copies (other files, another filesystem) go to threads.
-        # (a service account's files are copied: see _only_root_writes)
+        # (a service account's files are copied: see _link)
         linking = env.account is None and os.stat(env.prefix).st_dev == os.stat(files_dir).st_dev
         with (
             Tree(env.prefix) as tree,

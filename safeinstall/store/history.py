@@ -1,9 +1,9 @@
 """Finished runs: each run's final result kept in ``<envdir>/history/<run-id>.json``.
 
-An entry holds the run id, when it started and finished, the package, and ``result``: the very JSON
-document that ``--json`` printed. One file per run, written once and atomically (mode 0600) by the
-process that ran it, as the last thing it does: an entry means "finished". Two runs never write the
-same file, so no lock is needed.
+An entry (:class:`HistoryEntry`) holds the run id, when it started and finished, the package, and
+``result``: the very JSON document that ``--json`` printed, typed (:mod:`safeinstall.store.rundoc`).
+One file per run, written once and atomically (mode 0600) by the process that ran it, as the last
+thing it does: an entry means "finished". Two runs never write the same file, so no lock is needed.
 
 The history is bounded: a run that adds its entry removes the oldest beyond :data:`MAX_RUNS`, and an
 entry larger than :data:`MAX_ENTRY_BYTES` keeps its summary and loses the plan. Reading never trusts a
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 import os
-import stat
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +23,10 @@ from packaging.utils import canonicalize_name
 
 from safeinstall.errors import SafeInstallError
 from safeinstall.store.journal import now_iso
+from safeinstall.store.rundoc import RunDocument
 from safeinstall.store.runlog import append_line
 from safeinstall.store.state import EnvironmentState, atomic_write, ensure_dir, is_run_id
+from safeinstall.system.safefs import UntrustedFile, read_trusted
 
 HISTORY_VERSION = 1
 #: Entries kept per environment.
@@ -63,91 +65,116 @@ class History:
     problems: tuple[str, ...]  # files that were skipped, and why
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HistoryEntry:
+    """A finished run as its history keeps it: ``result`` is the run's ``--json`` document."""
+
+    run_id: str
+    package: str | None
+    started_at: str | None
+    finished_at: str | None
+    log_file: str | None  # the run's log, also for a run whose result names none (refused, declined)
+    result: RunDocument
+    truncated: bool = False  # too large: its data left out
+    version: int = HISTORY_VERSION
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> HistoryEntry:
+        """The entry ``raw`` is; a ValueError says what in it is not an entry."""
+
+        def text(name: str) -> str | None:
+            value = raw.get(name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name}: {type(value).__name__} where the entry has a string")
+            return value
+
+        result = raw.get("result")
+        if not isinstance(result, dict):
+            raise ValueError("not a run's result")
+        return cls(
+            version=int(raw.get("history_version") or HISTORY_VERSION),
+            run_id=str(raw.get("run_id")),
+            package=text("package"),
+            started_at=text("started_at"),
+            finished_at=text("finished_at"),
+            log_file=text("log_file"),
+            result=RunDocument.from_json(result),
+            truncated=raw.get("truncated") is True,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "history_version": self.version,
+            "run_id": self.run_id,
+            "package": self.package,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "log_file": self.log_file,
+            "result": self.result.to_json(),
+        } | ({"truncated": True} if self.truncated else {})
+
+
 def new_entry(
     run_id: str,
     package: str,
     started_at: str,
     finished_at: str,
-    result: dict[str, Any],
+    result: RunDocument,
     log_file: str | None = None,
-) -> dict[str, Any]:
+) -> HistoryEntry:
     """Pure: the history entry of a finished run; ``result`` is the run's ``--json`` document;
     ``log_file`` its log, also for a run whose result names none (refused, declined)."""
-    return {
-        "history_version": HISTORY_VERSION,
-        "run_id": run_id,
-        "package": package,
-        "started_at": started_at,
-        "finished_at": finished_at,
-        "log_file": log_file,
-        "result": result,
-    }
-
-
-def _dict(value: Any) -> dict[str, Any]:
-    return value if isinstance(value, dict) else {}
-
-
-def _str(value: Any) -> str | None:
-    return value if isinstance(value, str) else None
-
-
-def _versions(data: dict[str, Any], package: str | None) -> tuple[str | None, str | None]:
-    wanted = canonicalize_name(package) if package else None
-    for dist in _dict(data.get("plan")).get("distributions") or []:
-        dist = _dict(dist)
-        if dist.get("name") == wanted or (wanted is None and dist.get("requested")):
-            return _str(dist.get("old_version")), _str(dist.get("new_version"))
-    return _str(data.get("old_version")), _str(data.get("new_version"))  # a recovered run's (no plan)
-
-
-def summary(entry: dict[str, Any]) -> RunSummary:
-    """Pure: the fields ``--status`` shows, from an entry (missing parts are None)."""
-    result = _dict(entry.get("result"))
-    data = _dict(result.get("data"))
-    package = _str(entry.get("package"))
-    old, new = _versions(data, package)
-    downtime = {
-        str(unit): float(seconds)
-        for unit, seconds in _dict(data.get("downtime_s")).items()
-        if isinstance(seconds, int | float) and not isinstance(seconds, bool)
-    }
-    code = result.get("exit_code")
-    return RunSummary(
-        run_id=str(entry.get("run_id")),
-        status=_str(result.get("status")) or "unknown",
-        exit_code=code if isinstance(code, int) and not isinstance(code, bool) else -1,
+    return HistoryEntry(
+        run_id=run_id,
         package=package,
-        old_version=old,
-        new_version=new,
-        started_at=_str(entry.get("started_at")),
-        finished_at=_str(entry.get("finished_at")),
-        downtime_s=downtime,
-        log_file=_str(data.get("log_file")) or _str(entry.get("log_file")),
+        started_at=started_at,
+        finished_at=finished_at,
+        log_file=log_file,
+        result=result,
     )
 
 
-def encode(entry: dict[str, Any]) -> bytes:
+def summary(entry: HistoryEntry) -> RunSummary:
+    """Pure: the fields ``--status`` shows, from an entry (missing parts are None)."""
+    data = entry.result.details
+    old, new = data.versions(canonicalize_name(entry.package) if entry.package else None)
+    return RunSummary(
+        run_id=entry.run_id,
+        status=entry.result.status,
+        exit_code=entry.result.exit_code,
+        package=entry.package,
+        old_version=old,
+        new_version=new,
+        started_at=entry.started_at,
+        finished_at=entry.finished_at,
+        downtime_s={unit: float(seconds) for unit, seconds in data.downtime_s.items()},
+        log_file=data.log_file or entry.log_file,
+    )
+
+
+def encode(entry: HistoryEntry) -> bytes:
     """Pure: the entry as written, at most :data:`MAX_ENTRY_BYTES` (the plan goes first when too big)."""
-    data = json.dumps(entry, allow_nan=False).encode()
+    data = json.dumps(entry.to_json(), allow_nan=False).encode()
+    if len(data) <= MAX_ENTRY_BYTES or entry.result.data is None:
+        return data
+    details = entry.result.data
+    present = details.present + tuple(n for n in ("plan", "notes") if n not in details.present)
+    slim = replace(
+        details,
+        present=present,
+        plan=_slim_plan(details.plan or {}),
+        notes=(*details.notes, "the plan's details were left out of the history (too large)"),
+    )
+    data = json.dumps(
+        replace(entry, result=replace(entry.result, data=slim)).to_json(), allow_nan=False
+    ).encode()
     if len(data) <= MAX_ENTRY_BYTES:
         return data
-    result = dict(_dict(entry.get("result")))
-    details = dict(_dict(result.get("data")))
-    details["plan"] = _slim_plan(_dict(details.get("plan")))
-    details["notes"] = [
-        *details.get("notes", []),
-        "the plan's details were left out of the history (too large)",
-    ]
-    result["data"] = details
-    data = json.dumps({**entry, "result": result}, allow_nan=False).encode()
-    if len(data) <= MAX_ENTRY_BYTES:
-        return data
-    result["data"] = None
-    return json.dumps({**entry, "result": result, "truncated": True}, allow_nan=False).encode()
+    emptied = replace(entry, result=replace(entry.result, data=None), truncated=True)
+    return json.dumps(emptied.to_json(), allow_nan=False).encode()
 
 
-def _slim_plan(plan: dict[str, Any]) -> dict[str, Any]:
+def _slim_plan(plan: Mapping[str, Any]) -> dict[str, Any]:
     keep = ("package", "python", "prefix", "user_manager", "distributions", "uv_command")
     return {key: plan[key] for key in keep if key in plan}
 
@@ -158,12 +185,12 @@ def _path(state: EnvironmentState, run_id: str) -> Path:
     return state.history / f"{run_id}{_SUFFIX}"
 
 
-def append(state: EnvironmentState, entry: dict[str, Any]) -> tuple[str, ...]:
+def append(state: EnvironmentState, entry: HistoryEntry) -> tuple[str, ...]:
     """Write a finished run's entry and drop the oldest beyond :data:`MAX_RUNS`; what went wrong, if
     anything (best effort: the run's own outcome stands whatever happens here)."""
     try:
         ensure_dir(state.history)
-        atomic_write(_path(state, str(entry.get("run_id"))), encode(entry))
+        atomic_write(_path(state, entry.run_id), encode(entry))
     except SafeInstallError as exc:
         return (f"the run's result was not kept in the history: {exc.message}",)
     except OSError as exc:
@@ -182,7 +209,7 @@ def keep_result(
     run_id: str,
     package: str,
     started_at: str,
-    result: dict[str, Any],
+    result: RunDocument,
     lines: tuple[str, ...] = (),
 ) -> tuple[str, ...]:
     """The single place where a run's result becomes final, for a run and for its recovery: ``lines``
@@ -191,7 +218,7 @@ def keep_result(
     log = state.log_file(run_id)
     for line in lines:
         append_line(log, line)
-    append_line(log, f"result: {result['status']} (exit {result['exit_code']})")
+    append_line(log, f"result: {result.status} (exit {result.exit_code})")
     log_file = str(log) if os.path.isfile(log) else None
     return append(state, new_entry(run_id, package, started_at, now_iso(), result, log_file=log_file))
 
@@ -205,24 +232,15 @@ def _run_files(state: EnvironmentState) -> list[str]:
     return sorted(n for n in names if n.endswith(_SUFFIX) and is_run_id(n[: -len(_SUFFIX)]))
 
 
-def read_entry(path: Path) -> dict[str, Any]:
+def read_entry(path: Path) -> HistoryEntry:
     """One entry; HistoryError (saying why) for a file that is not ours, not a regular file, too large,
     or not an entry."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:  # the one checked reader: ours alone, regular, bounded
+        raw = read_trusted(path, MAX_ENTRY_BYTES, root_owned_ok=False)
+    except UntrustedFile as exc:
+        raise HistoryError(f"{path}: {exc.problem}") from exc
     except OSError as exc:
         raise HistoryError(f"{path}: {exc.strerror or exc}") from exc
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise HistoryError(f"{path}: not a regular file")
-        if info.st_uid != os.geteuid():
-            raise HistoryError(f"{path}: owned by uid {info.st_uid}, not by uid {os.geteuid()}")
-        if info.st_size > MAX_ENTRY_BYTES:
-            raise HistoryError(f"{path}: {info.st_size} bytes, more than an entry can be")
-        raw = os.read(fd, MAX_ENTRY_BYTES + 1)
-    finally:
-        os.close(fd)
     try:
         entry = json.loads(raw)
     except ValueError as exc:
@@ -231,10 +249,13 @@ def read_entry(path: Path) -> dict[str, Any]:
         raise HistoryError(f"{path}: damaged (not a run's result)")
     if entry.get("run_id") != path.name[: -len(_SUFFIX)]:
         raise HistoryError(f"{path}: damaged (it names run {entry.get('run_id')!r})")
-    return entry
+    try:
+        return HistoryEntry.from_json(entry)
+    except ValueError as exc:
+        raise HistoryError(f"{path}: damaged ({exc})") from exc
 
 
-def find(state: EnvironmentState, run_id: str) -> dict[str, Any] | None:
+def find(state: EnvironmentState, run_id: str) -> HistoryEntry | None:
     """The entry of ``run_id`` (None: not finished, or not this environment's); a damaged one raises."""
     path = _path(state, run_id)
     if not os.path.lexists(path):

@@ -56,8 +56,14 @@ from pathlib import Path
 
 from safeinstall.env.environment import Account
 from safeinstall.errors import SafeInstallError, UsageError
-from safeinstall.system.lock import filesystem_of
-from safeinstall.system.safefs import Tree, describe, others_who_write, permitted
+from safeinstall.system.safefs import (
+    Tree,
+    UntrustedFile,
+    describe,
+    others_who_write,
+    permitted,
+    read_trusted,
+)
 
 STATE_DIR_VARIABLE = "SAFEINSTALL_STATE_DIR"
 SYSTEM_STATE_ROOT = Path("/var/lib/safeinstall")
@@ -188,7 +194,8 @@ def remove_run_dir(path: Path, seconds: float = RUN_DIR_REMOVAL_S) -> bool:
     except OSError:
         return False
     if stat.S_ISDIR(info.st_mode):
-        from safeinstall.system import owner, worker  # here: every check reads the state (not json)
+        from safeinstall.env import owner  # here: every check reads the state (not json)
+        from safeinstall.system import worker
 
         ids = None if info.st_uid == 0 else (info.st_uid, info.st_gid)
         with contextlib.suppress(worker.WorkerError):
@@ -474,6 +481,8 @@ def ensure_environment_dir(state: EnvironmentState) -> tuple[DirStatus, ...]:
             try:
                 atomic_write(state.prefix_file, text.encode("utf-8", "surrogateescape"))
             except OSError as exc:  # a full disk: the run has not begun
+                from safeinstall.system.lock import filesystem_of  # here: --verify-only needs no lock
+
                 where = filesystem_of(state.dir)
                 raise StateDirError(
                     f"cannot write {state.prefix_file}: {exc.strerror or exc} (the filesystem at {where}); "
@@ -528,51 +537,21 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
     fsync_dir(path.parent)
 
 
-def file_problem(mode: int, owner: int, size: int, euid: int, max_bytes: int, gid: int = -1) -> str | None:
-    """Pure: why a file of the state directory (a journal, a prefix file) must not be believed, or None."""
-    if not stat.S_ISREG(mode):
-        return "it is not a regular file"
-    if owner not in (0, euid):
-        return f"it is owned by uid {owner}, not by root or uid {euid} which runs safeinstall"
-    who = others_who_write(mode, gid, group_root_is_root=False)
-    if who is not None:
-        return f"it is mode {stat.S_IMODE(mode):04o}: {who} may write to it"
-    if size > max_bytes:
-        return f"it is {size} bytes, more than the {max_bytes} such a file ever needs"
-    return None
-
-
 def read_private_file(path: Path, max_bytes: int) -> bytes:
-    """The bytes of a file safeinstall wrote in its state directory, checked before it is believed:
-    not a symlink (``O_NOFOLLOW``), not a FIFO or device (``O_NONBLOCK``, then regular), owned by root
-    or the caller, writable by nobody else, at most ``max_bytes``. FileNotFoundError when absent;
+    """The bytes of a file safeinstall wrote in its state directory, checked before it is believed
+    (:func:`safeinstall.system.safefs.read_trusted`: not a symlink, not a FIFO or device, owned by root
+    or the caller, writable by nobody else, at most ``max_bytes``). FileNotFoundError when absent;
     StateDirError saying what is wrong otherwise."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise StateDirError(
-                f"refusing to read {path}: it is a symbolic link",
-                hint="safeinstall never writes one there; remove it",
-            ) from exc
-        raise
-    try:
-        info = os.fstat(fd)
-        problem = file_problem(info.st_mode, info.st_uid, info.st_size, os.geteuid(), max_bytes, info.st_gid)
-        if problem is not None:
-            raise StateDirError(
-                f"refusing to read {path}: {problem}",
-                hint="safeinstall writes its state files itself, mode 0600; someone else put this one "
-                "there: look at it, then remove it",
-            )
-        chunks: list[bytes] = []
-        while chunk := os.read(fd, max_bytes + 1 - sum(map(len, chunks))):
-            chunks.append(chunk)
-            if sum(map(len, chunks)) > max_bytes:
-                raise StateDirError(f"refusing to read {path}: it grew past {max_bytes} bytes")
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
+        return read_trusted(path, max_bytes)
+    except UntrustedFile as exc:
+        hint = (
+            "safeinstall never writes one there; remove it"
+            if exc.problem == "it is a symbolic link"
+            else "safeinstall writes its state files itself, mode 0600; someone else put this one "
+            "there: look at it, then remove it"
+        )
+        raise StateDirError(f"refusing to read {path}: {exc.problem}", hint=hint) from exc
 
 
 def _read_prefix(path: Path) -> Path | None:

@@ -160,6 +160,71 @@ def others_who_write(
     return f"group(s) {groups} (its ACL)" if groups else None
 
 
+def only_caller_writes(info: os.stat_result) -> bool:
+    """Pure: the one rule that nobody but the caller can write this inode: the caller's own, and no group
+    or other write bit (root's group included). What root keeps, copies or removes on that ground (a
+    backup's hardlink, a staging tree, a cache copied into a run, a detached run's directory) passes it."""
+    return info.st_uid == os.geteuid() and not info.st_mode & 0o022
+
+
+class UntrustedFile(OSError):
+    """A file safeinstall reads back that must not be believed; ``problem`` says why."""
+
+    def __init__(self, path: Path, problem: str) -> None:
+        super().__init__(errno.EPERM, problem, str(path))
+        self.problem = problem
+
+
+def trust_problem(
+    info: os.stat_result, limit: int, *, root_owned_ok: bool = True, private: bool = False
+) -> str | None:
+    """Pure: why a file safeinstall wrote for itself (its state, a run's history entry, a detached run's
+    inputs) must not be believed when it reads it back, or None: a regular file; the caller's own (or,
+    with ``root_owned_ok``, root's); written by nobody else (:func:`others_who_write`, root's group
+    counted as another's); with ``private``, read by nobody else either; at most ``limit`` bytes."""
+    euid = os.geteuid()
+    if not stat.S_ISREG(info.st_mode):
+        return "it is not a regular file"
+    if info.st_uid != euid and not (root_owned_ok and info.st_uid == 0):
+        owners = f"root or uid {euid}" if root_owned_ok else f"uid {euid}"
+        return f"it is owned by uid {info.st_uid}, not by {owners} which runs safeinstall"
+    who = others_who_write(info.st_mode, info.st_gid, group_root_is_root=False)
+    if who is not None:
+        return f"it is mode {stat.S_IMODE(info.st_mode):04o}: {who} may write to it"
+    if private and info.st_mode & 0o077:
+        return f"it is mode {stat.S_IMODE(info.st_mode):04o}: others may read it"
+    if info.st_size > limit:
+        return f"it is {info.st_size} bytes, more than the {limit} such a file ever needs"
+    return None
+
+
+def read_trusted(path: Path, limit: int, *, root_owned_ok: bool = True, private: bool = False) -> bytes:
+    """The one checked reader of what safeinstall wrote for itself: the bytes of ``path``, opened without
+    following a symlink or blocking on a FIFO, believed only as :func:`trust_problem` says, and never
+    more than ``limit`` bytes (a file that grows meanwhile included). FileNotFoundError when absent;
+    :class:`UntrustedFile` saying why not; another OSError when it cannot be read."""
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UntrustedFile(path, "it is a symbolic link") from exc
+        raise
+    try:
+        problem = trust_problem(os.fstat(fd), limit, root_owned_ok=root_owned_ok, private=private)
+        if problem is not None:
+            raise UntrustedFile(path, problem)
+        chunks: list[bytes] = []
+        size = 0
+        while chunk := os.read(fd, limit + 1 - size):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                raise UntrustedFile(path, f"it grew past {limit} bytes")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def reader_acl(uid: int) -> bytes:
     """Pure: a POSIX access ACL (the xattr's bytes) for a file its owner may read and write, ``uid`` may
     read, and nobody else may touch: ``u::rw-,u:UID:r--,g::---,m::r--,o::---``."""

@@ -10,7 +10,7 @@ real and saved uid so that the account cannot signal it; see docs/privsep.md for
 root-owned environment gets a root worker with the same isolation.
 
 Every worker, a program started by :func:`safeinstall.system.children.run` (the interpreter probe, uv) or a
-function of safeinstall forked by :func:`call` (``safeinstall.system.owner``), is isolated the same way, by
+function of safeinstall forked by :func:`call` (``safeinstall.env.owner``), is isolated the same way, by
 :func:`safeinstall.system.children.isolate` between the fork and its work:
 
 * a new session (``setsid``): no controlling terminal, so nothing it runs can open root's ``/dev/tty``

@@ -1,8 +1,8 @@
 """The one put-back sequence, for a run's rollback and for ``--recover``: the backup written back, the
 gate opened, the stopped units started again, the gate drop-ins removed, the journal cleared.
 
-It sits beside the backup and the journal it drives; the run (:mod:`safeinstall.run.reinstall`) and the
-recovery (:mod:`safeinstall.run.recover`) both call :func:`put_back` and nothing else to put things back.
+It sits beside its callers: the run's rollback (:mod:`safeinstall.run.rollback`) and the recovery
+(:mod:`safeinstall.run.recover`) both call :func:`put_back` and nothing else to put things back.
 """
 
 from __future__ import annotations

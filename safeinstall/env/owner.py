@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from safeinstall.errors import StepFailed
-from safeinstall.system.safefs import Tree, remove_at
+from safeinstall.system.safefs import Tree, only_caller_writes, remove_at
 
 #: Errors that mean "the account may not do this": the path is not the account's to remove.
 _DENIED = (errno.EACCES, errno.EPERM, errno.EROFS)
@@ -338,7 +338,7 @@ def _check_controlled(info: os.stat_result, path: Path) -> None:
     the fill stops (uv fetches what is missing). As the account, its own cache passes; as root (a
     root-owned environment), a cache another user could write (a ``HOME`` or ``UV_CACHE_DIR`` that
     ``sudo -E`` kept, a shared cache) is never copied into root's run."""
-    if info.st_uid != os.geteuid() or info.st_mode & 0o022:
+    if not only_caller_writes(info):
         raise PermissionError(f"{path} is not this account's own (uid {info.st_uid}, mode {info.st_mode:o})")
 
 

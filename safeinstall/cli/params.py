@@ -1,0 +1,406 @@
+"""The command line's parameters, each declared once: its flag, help and default's meaning (typer reads
+them from :func:`safeinstall.cli.app.main_command`'s annotations). A run's option is one parameter
+here and in ``main_command`` by the name of its :class:`safeinstall.run.options.RunOptions` field:
+:func:`safeinstall.run.commands.run_options` takes it from there by that name.
+"""
+
+# No ``from __future__ import annotations``: these are objects typer reads at each start.
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+#: The sections of ``--help``, in order: each mode's options together (``cli/app.py: _PlainHelp``).
+MODES = "Commands (one at most; none: reinstall)"
+TARGET = "What and where"
+RUN = "A run (reinstall, --undo; shown by --dry-run, --detach)"
+PATCHES = "Local patches (a run)"
+VERIFY = "--verify-only"
+STATUS = "--status"
+OUTPUT = "Output"
+PANELS = (MODES, TARGET, RUN, PATCHES, VERIFY, STATUS, OUTPUT)
+
+#: ``safeinstall`` with no arguments: the commands, not every option (``--help`` lists those).
+SHORT_USAGE = """\
+Usage: safeinstall REQUIREMENT [--wheel W] [--python PY] [OPTIONS] [-- UV_ARGS]
+
+  safeinstall PACKAGE [--wheel W]      reinstall it under the services that use it
+  safeinstall PACKAGE --dry-run        show the plan; change nothing
+  safeinstall PACKAGE --verify-only    check its installed files; change nothing
+  safeinstall --status [--wait]        the run in progress and the last runs
+  safeinstall --undo --python PY       put back what ran before the last run
+
+Commands: --dry-run, --detach, --verify-only, --recover, --status, --undo, --forget
+(at most one; none: reinstall). safeinstall --help lists every option, by command."""
+
+
+def _flag(name: str, help_text: str, *short: str, rich_help_panel: str) -> Any:
+    return typer.Option(name, *short, help=help_text, rich_help_panel=rich_help_panel)
+
+
+Package = Annotated[
+    str | None,
+    typer.Argument(
+        metavar="REQUIREMENT",
+        help="The distribution to reinstall, optionally with a version as uv and pip take it "
+        "('vllm==0.16.0', 'vllm>=0.16'); or the one to verify.",
+        show_default=False,
+    ),
+]
+
+Wheel = Annotated[
+    Path | None,
+    typer.Option(
+        "--wheel", metavar="PATH", help="The wheel to install / compare with.", rich_help_panel=TARGET
+    ),
+]
+
+Python = Annotated[
+    str | None,
+    typer.Option(
+        "--python",
+        metavar="PATH",
+        help="Target interpreter or venv (default: VIRTUAL_ENV, then python3).",
+        rich_help_panel=TARGET,
+    ),
+]
+
+User = Annotated[bool, _flag("--user", "Talk to the user's systemd manager.", rich_help_panel=TARGET)]
+
+WithDeps = Annotated[
+    bool, _flag("--with-deps", "Reinstall dependencies too (uv --reinstall).", rich_help_panel=RUN)
+]
+
+DryRun = Annotated[
+    bool,
+    _flag(
+        "--dry-run",
+        "Show the plan (processes, units, GPUs, uv command); change nothing.",
+        rich_help_panel=MODES,
+    ),
+]
+
+KillStrays = Annotated[
+    bool, _flag("--kill-strays", "End processes outside any service (not restarted).", rich_help_panel=RUN)
+]
+
+OnlyLoaded = Annotated[
+    bool,
+    _flag(
+        "--only-loaded",
+        "Stop only processes with certain evidence of the package loaded (mapped, open, argv, "
+        "depends), not every process of the environment's Python.",
+        rich_help_panel=RUN,
+    ),
+]
+
+Strict = Annotated[
+    bool,
+    _flag(
+        "--strict",
+        "A process still running replaced code after the restart fails the run (rolled back, exit 3).",
+        rich_help_panel=RUN,
+    ),
+]
+
+StopTimeout = Annotated[
+    float | None,
+    typer.Option(
+        "--stop-timeout",
+        metavar="SECONDS",
+        help="Seconds to wait for each unit to stop (default: its TimeoutStopSec).",
+        rich_help_panel=RUN,
+    ),
+]
+
+GpuTimeout = Annotated[
+    float,
+    typer.Option(
+        "--gpu-timeout",
+        metavar="SECONDS",
+        help="Seconds to wait for GPU memory to be released.",
+        rich_help_panel=RUN,
+    ),
+]
+
+Settle = Annotated[
+    float,
+    typer.Option(
+        "--settle", metavar="SECONDS", help="Seconds a restarted unit must stay active.", rich_help_panel=RUN
+    ),
+]
+
+HealthUrl = Annotated[
+    str | None,
+    typer.Option(
+        "--health-url",
+        metavar="URL",
+        envvar="SAFEINSTALL_HEALTH_URL",
+        show_envvar=False,
+        help="After the restart, wait until this URL answers 200 (or from SAFEINSTALL_HEALTH_URL: "
+        "a URL with a token stays off the command line, which every local user can read).",
+        rich_help_panel=RUN,
+    ),
+]
+
+HealthTimeout = Annotated[
+    float,
+    typer.Option(
+        "--health-timeout",
+        metavar="SECONDS",
+        help="Seconds to wait for --health-url to answer 200.",
+        rich_help_panel=RUN,
+    ),
+]
+
+NoRestart = Annotated[
+    bool, _flag("--no-restart", "Leave the units stopped after the install.", rich_help_panel=RUN)
+]
+
+NoSwap = Annotated[
+    bool,
+    _flag(
+        "--no-swap",
+        "Install with uv while the units are down, instead of staging the new version before the "
+        "stop and renaming it into place (docs/window.md).",
+        rich_help_panel=RUN,
+    ),
+]
+
+NoSmoke = Annotated[
+    bool,
+    _flag(
+        "--no-smoke",
+        "Do not import the new version before the stop (as the environment's account, with the "
+        "unit's environment; docs/reinstall.md).",
+        rich_help_panel=RUN,
+    ),
+]
+
+Smoke = Annotated[
+    str | None,
+    typer.Option(
+        "--smoke",
+        metavar="CMD",
+        help="Also run CMD (through /bin/sh -c) that way before the stop; a failure refuses the run, "
+        "e.g. --smoke \"python -c 'import vllm._C'\".",
+        rich_help_panel=RUN,
+    ),
+]
+
+SmokeTimeout = Annotated[
+    float,
+    typer.Option(
+        "--smoke-timeout",
+        metavar="SECONDS",
+        help="Seconds each import check or --smoke may take.",
+        rich_help_panel=RUN,
+    ),
+]
+
+Prune = Annotated[
+    bool,
+    _flag("--prune", "Remove files the old version left behind (kept in the backup).", rich_help_panel=RUN),
+]
+
+KeepBackups = Annotated[
+    int,
+    typer.Option(
+        "--keep-backups",
+        metavar="N",
+        help="After a good run, keep this many newest backups of the environment; delete older ones.",
+        rich_help_panel=RUN,
+    ),
+]
+
+KeepPatches = Annotated[
+    bool,
+    _flag(
+        "--keep-patches",
+        "Carry the package's local patches over to the new version (a three-way merge, checked "
+        "before anything stops).",
+        rich_help_panel=PATCHES,
+    ),
+]
+
+BaseWheel = Annotated[
+    Path | None,
+    typer.Option(
+        "--base-wheel",
+        metavar="WHEEL",
+        help="With --keep-patches: the wheel of the installed version (default: fetched by uv).",
+        rich_help_panel=PATCHES,
+    ),
+]
+
+DropConflicting = Annotated[
+    bool,
+    _flag(
+        "--drop-conflicting",
+        "With --keep-patches: carry what merges; drop (and list) the rest instead of refusing.",
+        rich_help_panel=PATCHES,
+    ),
+]
+
+AcceptRecordMismatch = Annotated[
+    bool,
+    _flag(
+        "--accept-record-mismatch",
+        "With --wheel: install a wheel whose own RECORD is wrong about its members' hashes or sizes "
+        "(its packaging's fault); verified against its contents, and kept as the environment's "
+        "baseline (--verify-only: wheel-record, not drift).",
+        rich_help_panel=RUN,
+    ),
+]
+
+Yes = Annotated[bool, _flag("--yes", "Do not ask before stopping anything.", "-y", rich_help_panel=RUN)]
+
+Detach = Annotated[
+    bool,
+    _flag(
+        "--detach",
+        "After the preflight, go on as a transient systemd unit that outlives this terminal or SSH "
+        "session; prints the run id (follow it with --status --wait).",
+        rich_help_panel=MODES,
+    ),
+]
+
+VerifyOnly = Annotated[
+    bool,
+    _flag(
+        "--verify-only", "Only check installed files against RECORD; change nothing.", rich_help_panel=MODES
+    ),
+]
+
+All = Annotated[bool, _flag("--all", "With --verify-only: every distribution.", rich_help_panel=VERIFY)]
+
+#: A run's option too: the parameter's name is the RunOptions field's (``full``).
+Full = Annotated[
+    bool,
+    _flag(
+        "--full",
+        "Read and hash every file again: take no hash kept from an earlier check of an unchanged "
+        "inode (docs/verify.md). With --verify-only or a run.",
+        "--no-cache",
+        rich_help_panel=VERIFY,
+    ),
+]
+
+Diff = Annotated[
+    bool,
+    _flag("--diff", "With --verify-only --wheel: unified diffs of modified files.", rich_help_panel=VERIFY),
+]
+
+SavePatch = Annotated[
+    Path | None,
+    typer.Option(
+        "--save-patch",
+        metavar="FILE",
+        help="With --verify-only --wheel: write those diffs to FILE.",
+        rich_help_panel=VERIFY,
+    ),
+]
+
+Recover = Annotated[
+    bool,
+    _flag(
+        "--recover",
+        "Finish runs that died (restore, restart units, clear the journal).",
+        rich_help_panel=MODES,
+    ),
+]
+
+Status = Annotated[
+    bool,
+    _flag(
+        "--status",
+        "Show the run in progress and the last finished runs of each environment.",
+        rich_help_panel=MODES,
+    ),
+]
+
+Wait = Annotated[
+    bool,
+    _flag(
+        "--wait",
+        "With --status: follow the current (or latest) run to its end, showing its log; exit with its "
+        "exit code and print its result.",
+        rich_help_panel=STATUS,
+    ),
+]
+
+Run = Annotated[
+    str | None,
+    typer.Option(
+        "--run",
+        metavar="RUN_ID",
+        help="With --status --wait: the run to follow; with --undo: the run to undo.",
+        rich_help_panel=STATUS,
+    ),
+]
+
+Undo = Annotated[
+    bool,
+    _flag(
+        "--undo",
+        "Put back what ran before the environment's last run (--run: an older one), byte for byte, "
+        "through the same safe sequence (see docs/undo.md).",
+        rich_help_panel=MODES,
+    ),
+]
+
+Forget = Annotated[
+    bool,
+    _flag(
+        "--forget",
+        "Remove the state (backups, logs, history) of environments that no longer exist, or of the one "
+        "--python names.",
+        rich_help_panel=MODES,
+    ),
+]
+
+AsJson = Annotated[
+    bool, _flag("--json", "Print the versioned JSON result on stdout.", rich_help_panel=OUTPUT)
+]
+
+MetricsFile = Annotated[
+    Path | None,
+    typer.Option(
+        "--metrics-file",
+        metavar="FILE",
+        help="Also write the result as Prometheus metrics to FILE, atomically, mode 0644 (for "
+        "node_exporter's textfile collector): with --verify-only, a run, --recover and --status.",
+        rich_help_panel=OUTPUT,
+    ),
+]
+
+Verbose = Annotated[
+    int,
+    typer.Option(
+        "--verbose",
+        "-v",
+        count=True,
+        help="Say more: every warning and finding, the plan's evidence chains, each distribution.",
+        rich_help_panel=OUTPUT,
+    ),
+]
+
+Quiet = Annotated[
+    int,
+    typer.Option(
+        "--quiet",
+        "-q",
+        count=True,
+        help="Say less: no notes, warnings summaries or progress.",
+        rich_help_panel=OUTPUT,
+    ),
+]
+
+ShowVersion = Annotated[
+    bool, _flag("--version", "Print safeinstall's version and exit.", "-V", rich_help_panel=OUTPUT)
+]
+
+RunId = Annotated[str | None, typer.Option("--run-id", hidden=True)]
+
+EnvironFrom = Annotated[Path | None, typer.Option("--environ-from", hidden=True)]

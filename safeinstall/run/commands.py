@@ -1,0 +1,649 @@
+"""The commands: what each mode of the command line does, as one function that returns a typed result.
+
+The CLI (:mod:`safeinstall.cli.app`) parses the command line into a :class:`Request`, checks it
+(:mod:`safeinstall.cli.usage`), calls :func:`execute` once, and renders what it is handed: its
+:class:`Ui` shows what a command says while it works and, at the end, the command's :data:`Result`.
+Nothing here prints, and nothing in ``cli/`` reads the environment or the state directory.
+
+What only a run, a dry run or the state commands need is imported where it is used: ``--verify-only``
+and ``--help`` start without it (a verification's time is mostly start-up on a small package).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from safeinstall.env.environment import Environment, inspect_environment, resolve_python
+from safeinstall.errors import ExitCode, NothingToCheck, SafeInstallError, UsageError
+from safeinstall.run.options import RunOptions, check_options
+from safeinstall.run.output import command_for, envelope, jsonable
+
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+    from types import ModuleType
+
+    from safeinstall.env.diffs import FileDiff
+    from safeinstall.env.verify import VerifyReport
+    from safeinstall.env.vouched import Vouched
+    from safeinstall.run.detach import PrivateInputs
+    from safeinstall.run.metrics import Family
+    from safeinstall.run.recover import Recovered
+    from safeinstall.run.results import Reporter
+    from safeinstall.run.status import Forgotten, StatusReport
+    from safeinstall.scan.plan import Plan
+    from safeinstall.store.history import HistoryEntry
+    from safeinstall.store.rundoc import RunDocument
+    from safeinstall.store.state import EnvironmentState
+
+#: A valid distribution name (PEP 508) and nothing else: such a PACKAGE needs no requirement parser.
+_PLAIN_NAME = r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Request:
+    """The command line, parsed and checked: the flags that choose the command and what it was given.
+    ``values``: every parameter by name, as parsed; a run takes the :class:`RunOptions` fields among
+    them (:func:`run_options`), so an option of a run is one parameter of the CLI and one field there."""
+
+    modes: frozenset[str] = frozenset()  # --verify-only, --dry-run, --detach, --recover, --status, ...
+    package: str | None = None  # the requirement as given (or the package the wheel names)
+    python: str | None = None
+    wheel: Path | None = None
+    run: str | None = None  # --run
+    wait: bool = False
+    all_: bool = False
+    diff: bool = False
+    save_patch: Path | None = None
+    full: bool = False  # --full: every file read again (a run takes it from ``values``)
+    metrics_file: Path | None = None
+    environ_from: Path | None = None  # a detached run's private inputs
+    extra_args: tuple[str, ...] = ()  # uv's arguments
+    values: Mapping[str, Any] = field(default_factory=dict)
+    as_json: bool = False
+    verbosity: int = 0  # -1 quiet, 0, 1 verbose
+    interactive: bool = False  # ask before stopping anything
+
+    @property
+    def command(self) -> str:
+        """The ``command`` of the JSON document (``reinstall`` by default)."""
+        return command_for(self.modes)
+
+
+# -- the results: one type per mode; each has its JSON document (docs/json.md) and exit code ---------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Outcome:
+    document: dict[str, Any] | None  # the --json document; None: nothing to print
+    exit_code: int
+    failures: tuple[SafeInstallError, ...] = ()  # errors said after the result
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Verified(Outcome):
+    report: VerifyReport
+    diffs: list[FileDiff] | None  # --diff
+    saved: tuple[Path, int] | None  # --save-patch: the file, and how many modified files it holds
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DryRun(Outcome):
+    plan: Plan
+    patches: list[dict[str, Any]] | None  # --keep-patches: each local patch, as the JSON has it
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ran(Outcome):
+    """A reinstall or undo that ran: its document is final (kept in its history); ``notes`` follow it."""
+
+    run: RunDocument
+    run_id: str
+    notes: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FromHistory(Outcome):
+    """A finished run, from its history entry (``--status --wait``; a detached run refused)."""
+
+    entry: HistoryEntry
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DetachedRun(Outcome):
+    run_id: str
+    unit: str
+    user_manager: bool
+    python: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Declined(Outcome):
+    """Not confirmed at the prompt: nothing was done."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoppedFollowing(Outcome):
+    """``--status --wait`` interrupted: only the following stopped, the run goes on."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RecoverResult(Outcome):
+    outcome: Recovered
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StatusResult(Outcome):
+    report: StatusReport
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ForgetResult(Outcome):
+    forgotten: tuple[Forgotten, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Failed(Outcome):
+    """A run that failed before it changed anything: kept in its history, said as the error."""
+
+    error: SafeInstallError
+
+
+Result = (
+    Verified
+    | DryRun
+    | Ran
+    | FromHistory
+    | DetachedRun
+    | Declined
+    | StoppedFollowing
+    | RecoverResult
+    | StatusResult
+    | ForgetResult
+    | Failed
+)
+
+
+class Ui(Protocol):
+    """What the user sees of a command (the CLI's terminal, or its ``--json``)."""
+
+    def reporter(self) -> Reporter:
+        """A run's step lines, progress and notes; its confirmation."""
+        ...
+
+    def note(self, text: str, *, warning: bool = False) -> None:
+        """Said at once, on stderr (not with ``--json`` or ``-q``)."""
+
+    def verifying(self) -> AbstractContextManager[Callable[[int, int], None] | None]:
+        """A verification's progress (files done, of total), where it is shown."""
+        ...
+
+    def show(self, line: str) -> None:
+        """A line of the log of the run ``--status --wait`` follows."""
+
+    def error(self, error: SafeInstallError) -> None:
+        """An error that does not change the command's result (a metrics file not written)."""
+
+    def done(self, result: Result) -> None:
+        """The command's result, shown once at its end."""
+
+
+def execute(request: Request, ui: Ui) -> int:
+    """The one command the request chooses; its result handed to ``ui.done``; its exit code. Raises a
+    SafeInstallError for a failure before the command's result (``--metrics-file`` says so)."""
+    with contextlib.ExitStack() as finishing:  # what holds until the result is shown (a run's signals)
+        result = _command(request, ui, finishing)
+        ui.done(result)
+    return result.exit_code
+
+
+def _command(request: Request, ui: Ui, finishing: contextlib.ExitStack) -> Result:
+    metrics = None  # --metrics-file, once accepted
+    try:
+        private = None
+        if request.environ_from is not None:  # a detached run: the caller's environment, as it was
+            from safeinstall.run.detach import take_private
+
+            private = take_private(request.environ_from)
+            os.environ.clear()
+            os.environ.update(private.environ)
+        env, package, undone = None, request.package, None
+        if "--undo" in request.modes:
+            env, package, undone = _undo_choice(request)
+        if request.metrics_file is not None:
+            from safeinstall.run.metrics import check_metrics_path
+
+            metrics = check_metrics_path(request.metrics_file)
+        if "--recover" in request.modes:
+            return _recover(request, ui, metrics)
+        if "--forget" in request.modes:
+            return _forget(request)
+        if request.wait:
+            return _wait(request, ui)
+        if "--status" in request.modes:
+            return _status(request, ui, metrics)
+        if "--verify-only" in request.modes:
+            return _verify(request, ui, metrics)
+        assert package is not None  # cli/usage: a run names its package, or its wheel does
+        options = run_options({**request.values, "package": package}, request.extra_args, private)
+        if undone is not None:
+            options = replace(options, undo=undone)
+        check_options(options)
+        env = env or inspect_environment(resolve_python(options.python, options.environ))
+        if "--detach" in request.modes:
+            return _detach(request, options, ui, env)
+        if "--dry-run" in request.modes:
+            return _dry_run(options, env)
+        return _reinstall(request, options, ui, metrics, env, finishing)
+    except SafeInstallError as error:
+        if metrics is not None:
+            failed_metrics(metrics, ui, request.command, request.python, request.package, error)
+        raise
+
+
+def run_options(
+    values: Mapping[str, Any], extra_args: Sequence[str], private: PrivateInputs | None = None
+) -> RunOptions:
+    """The run the parsed command line asks for (``values``: the command's parameters by name, each
+    :class:`RunOptions` field taken from the parameter of its name); a detached run's health URL and uv
+    arguments come from its ``private`` file, never its command line."""
+    from safeinstall.env.uvplan import index_settings, parse_requirement
+    from safeinstall.store.state import is_run_id
+
+    if private is not None:
+        if values["health_url"] is not None or extra_args:
+            raise UsageError(
+                "a detached run takes --health-url and uv's arguments from its --environ-from file only",
+                hint="start detached runs with safeinstall --detach",
+            )
+        values = {**values, "health_url": private.health_url}
+        extra_args = private.extra_args
+    # index options (their URLs may hold credentials) reach uv in its environment, never on a command
+    # line that every local user can read in /proc
+    extra_args, index_environ = index_settings(extra_args)
+    requirement = parse_requirement(values["package"])
+    # typer hands the command's function a Path, but leaves its parsed values as click parsed them (str)
+    wheel = Path(values["wheel"]) if values["wheel"] is not None else None
+    base_wheel = Path(values["base_wheel"]) if values.get("base_wheel") is not None else None
+    if wheel is not None and requirement.specifier:
+        raise UsageError(
+            "give --wheel or a version in the requirement, not both",
+            hint=f"safeinstall {requirement.name} --wheel PATH, or safeinstall '{requirement.text}'",
+        )
+    run_id: str | None = values.get("run_id")
+    if run_id is not None and not is_run_id(run_id):
+        raise UsageError(f"{run_id!r} is not a run id", hint="run ids look like 20261130T031201Z-1234")
+    given = {f.name: values[f.name] for f in fields(RunOptions) if f.name in values}
+    return RunOptions(
+        **given
+        | {
+            "package": requirement.name,
+            "wheel": wheel.absolute() if wheel else None,
+            "version_spec": requirement.specifier,
+            "base_wheel": base_wheel.absolute() if base_wheel else None,
+            "extra_args": tuple(extra_args),
+            "run_id": run_id,
+            # without --run: the last, set by the caller
+            "undo": values.get("run") if values.get("undo_") else None,
+            "environ": {**os.environ, **index_environ},
+        }
+    )
+
+
+# -- the commands -------------------------------------------------------------------------------------
+
+
+def _verify(request: Request, ui: Ui, metrics: Path | None) -> Verified:
+    from safeinstall.run.kept import verify_kept
+
+    save_patch = request.save_patch
+    if save_patch is not None:  # the rule of every output file (store/state.py: output_path)
+        from safeinstall.store.state import new_output_file
+
+        save_patch = new_output_file(save_patch, "--save-patch")
+    env = inspect_environment(resolve_python(request.python, os.environ))
+    if env.owner_note:
+        ui.note(env.owner_note)
+    names = None if request.all_ else [request.package or ""]
+    notes: list[str] = []
+    vouched = _baseline_loader(env, notes)
+    read = None
+    if request.wheel is not None:
+        from safeinstall.env.wheel import read_wheel
+
+        read = read_wheel(request.wheel)
+    with ui.verifying() as on_progress:
+        report = verify_kept(env, names, read, request.full, notes, vouched, on_progress)
+    for note in notes:
+        ui.note(note, warning=True)
+    if not report.distributions:  # --all in an environment with none: a check of nothing is no pass
+        raise NothingToCheck(
+            f"no distribution to check in {env.prefix}: no .dist-info directory in "
+            + ", ".join(report.site_dirs or ["its site directories"]),
+            hint="pass --python with the environment to check (a venv directory or its interpreter); "
+            "an .egg-info distribution has no RECORD and is not checked",
+        )
+    diffs = None
+    if request.wheel is not None and (request.diff or save_patch):
+        from safeinstall.env.diffs import diffs_for, patch_text
+
+        diffs = diffs_for(report.findings, request.wheel, Path(report.prefix))
+    patch = None if diffs is None else patch_text(diffs)
+    if save_patch is not None:
+        from safeinstall.store.state import write_new_output
+
+        write_new_output(save_patch, patch or "", "--save-patch")
+    _write_metrics(
+        metrics, ui, lambda m, now: m.verify_families(report.prefix, report, report.exit_code, now)
+    )
+    from safeinstall.run.output import verify_json
+
+    data = verify_json(report, patch if request.diff else None, notes)
+    status = "drift" if report.drift else "clean"
+    return Verified(
+        document=envelope("verify", status, report.exit_code, data),
+        exit_code=report.exit_code,
+        report=report,
+        diffs=diffs if request.diff else None,
+        saved=None if save_patch is None else (save_patch, sum(1 for d in diffs or [] if d.text)),
+    )
+
+
+def _baseline_loader(env: Environment, notes: list[str]) -> Callable[[], Mapping[str, tuple[Vouched, ...]]]:
+    """The environment's baseline (:mod:`safeinstall.store.baseline`), read once and only when asked (a
+    clean check reads no state); one that cannot be believed is not used, and ``notes`` say why."""
+    loaded: list[Mapping[str, tuple[Vouched, ...]]] = []
+
+    def load() -> Mapping[str, tuple[Vouched, ...]]:
+        if not loaded:
+            from safeinstall.store.baseline import read_vouched
+            from safeinstall.store.state import state_root
+
+            vouched, note = read_vouched(state_root(os.environ, os.geteuid()), env.prefix)
+            notes.extend([note] if note else [])
+            loaded.append(vouched)
+        return loaded[0]
+
+    return load
+
+
+def _reinstall(
+    request: Request,
+    options: RunOptions,
+    ui: Ui,
+    metrics: Path | None,
+    env: Environment,
+    finishing: contextlib.ExitStack,
+) -> Ran | Failed:
+    from safeinstall.run.output import run_json
+    from safeinstall.run.reinstall import run_reinstall
+    from safeinstall.run.results import LoggedReporter
+    from safeinstall.store.journal import now_iso
+    from safeinstall.store.rundoc import RunDocument
+    from safeinstall.store.state import new_run_id
+    from safeinstall.system.signals import interrupts_deferred
+
+    state = _state_of(env, options.environ)
+    run_id = options.run_id or new_run_id(datetime.now(UTC), os.getpid())
+    started = now_iso()
+    reporter = LoggedReporter(ui.reporter(), state.log_file(run_id))
+    command = request.command
+    try:
+        result = run_reinstall(replace(options, run_id=run_id), reporter, request.interactive, env=env)
+    except SafeInstallError as error:
+        failed = RunDocument.from_json(jsonable(envelope(command, "error", error.exit_code, None, [error])))
+        _keep(state, run_id, options.package, started, failed)
+        _run_metrics(metrics, ui, env, options.package, run_id, started, failed)
+        return Failed(document=failed.to_json(), exit_code=error.exit_code, failures=(error,), error=error)
+    errors = [result.error] if result.error else []
+    data = {"run_id": run_id, **_undo_of(options), **run_json(result)}
+    document = RunDocument.from_json(
+        jsonable(envelope(command, result.status, result.exit_code, data, errors))
+    )
+    # the run has its result: a signal now does not change it (held back until it is shown)
+    finishing.enter_context(interrupts_deferred(lambda _signum: None))
+    notes = _keep(state, run_id, options.package, started, document)
+    _run_metrics(metrics, ui, env, options.package, run_id, started, document)
+    return Ran(
+        document=document.to_json(), exit_code=result.exit_code, run=document, run_id=run_id, notes=notes
+    )
+
+
+def _state_of(env: Environment, environ: Mapping[str, str]) -> EnvironmentState:
+    from safeinstall.store.state import environment_state, state_root
+
+    return environment_state(state_root(environ, os.geteuid()), env.prefix)
+
+
+def _keep(
+    state: EnvironmentState, run_id: str, package: str, started: str, result: RunDocument
+) -> tuple[str, ...]:
+    """The run's result, final (:func:`safeinstall.store.history.keep_result`), its errors in its log."""
+    from safeinstall.store.history import keep_result
+
+    errors = tuple(f"error: {error.message}" for error in result.errors)
+    return keep_result(state, run_id, package, started, result, errors)
+
+
+def _run_metrics(
+    path: Path | None, ui: Ui, env: Environment, package: str, run_id: str, started: str, doc: RunDocument
+) -> None:
+    """A run's result (``doc``, its JSON document) into ``--metrics-file``, as its history keeps it."""
+    if path is None:
+        return
+    from safeinstall.store.history import new_entry, summary
+    from safeinstall.store.journal import now_iso
+
+    run = summary(new_entry(run_id, package, started, now_iso(), doc))
+    _write_metrics(path, ui, lambda m, now: m.run_families(str(env.prefix), run))
+
+
+def _detach(
+    request: Request, options: RunOptions, ui: Ui, env: Environment
+) -> DetachedRun | FromHistory | Declined:
+    from safeinstall.run.detach import detach
+    from safeinstall.store.state import ensure_environment_dir, new_run_id
+
+    state = _state_of(env, options.environ)
+    ensure_environment_dir(state)
+    if request.interactive:  # the plan the foreground prompt shows: the preflight's, local changes included
+        from safeinstall.run.preflight import preflight, refusal
+
+        plan = preflight(options, take_lock=False, env=env).plan
+        refused = refusal(plan)
+        if refused is not None:
+            raise refused
+        if not ui.reporter().confirm(plan):
+            return Declined(document=None, exit_code=ExitCode.REFUSED)
+    run_id = options.run_id or new_run_id(datetime.now(UTC), os.getpid())
+    started = detach(options, env, state, run_id)
+    if started.finished is not None and started.finished.result.exit_code == ExitCode.REFUSED:
+        return _from_history(started.finished)  # refused in its preflight: nothing was changed
+    data = {
+        "run_id": run_id,
+        "unit": started.unit,
+        "user_manager": started.user_manager,
+        "prefix": str(env.prefix),
+        "log_file": started.log_file,
+    }
+    return DetachedRun(
+        document=envelope(request.command, "detached", ExitCode.OK, data | _undo_of(options)),
+        exit_code=ExitCode.OK,
+        run_id=run_id,
+        unit=started.unit,
+        user_manager=started.user_manager,
+        python=str(env.python),
+    )
+
+
+def _from_history(entry: HistoryEntry) -> FromHistory:
+    return FromHistory(document=entry.result.to_json(), exit_code=entry.result.exit_code, entry=entry)
+
+
+def _dry_run(options: RunOptions, env: Environment) -> DryRun:
+    from safeinstall.run.output import patches_json, plan_json
+    from safeinstall.run.preflight import dry_run_patches, preflight
+
+    # the run's own checks (and, with --keep-patches, its patch merge): it refuses when the run would
+    plan, patches = dry_run_patches(preflight(options, take_lock=False, env=env))
+    code = ExitCode.OK if plan.proceeds else ExitCode.REFUSED
+    status = "would-proceed" if plan.proceeds else "would-refuse"
+    patched = patches_json(patches.outcomes) if patches is not None else None
+    data = plan_json(plan) | ({"patches": patched} if patched is not None else {}) | _undo_of(options)
+    return DryRun(
+        document=envelope("dry-run", status, code, data), exit_code=code, plan=plan, patches=patched
+    )
+
+
+def _wait(request: Request, ui: Ui) -> FromHistory | StoppedFollowing:
+    from safeinstall.run.detach import locate, wait_for_run
+    from safeinstall.store.state import environment_state, list_environment_dirs, state_root
+    from safeinstall.system.signals import InterruptedEarly
+
+    root = state_root(os.environ, os.geteuid())
+    if request.python is not None:
+        state = environment_state(
+            root, inspect_environment(resolve_python(request.python, os.environ)).prefix
+        )
+    else:
+        state = locate(list_environment_dirs(root), request.run)
+    try:
+        entry = wait_for_run(state, request.run, ui.show)
+    except (KeyboardInterrupt, InterruptedEarly):  # only the following stops: the run goes on
+        again = "safeinstall --status --wait" + (f" --run {request.run}" if request.run else "")
+        ui.show(
+            f"stopped following; the run goes on (its own process is not interrupted): {again} follows it"
+        )
+        return StoppedFollowing(document=None, exit_code=130)
+    return _from_history(entry)
+
+
+def _forget(request: Request) -> ForgetResult:
+    from safeinstall.run.status import forget
+
+    forgotten, failures = forget(os.environ, request.python)
+    code = failures[0].exit_code if failures else ExitCode.OK
+    status = "error" if failures else "forgotten"
+    document = envelope("forget", status, code, {"forgotten": jsonable(forgotten)}, list(failures))
+    return ForgetResult(document=document, exit_code=code, failures=failures, forgotten=forgotten)
+
+
+def _recover(request: Request, ui: Ui, metrics: Path | None) -> RecoverResult:
+    from safeinstall.run.recover import recover
+
+    outcome = recover(os.environ, request.python)
+    _write_metrics(metrics, ui, lambda m, now: m.recover_families(outcome, now))
+    code = outcome.exit_code
+    data = {"recoveries": jsonable(outcome.recoveries)}
+    recovered = "recovered" if any(r.run_id for r in outcome.recoveries) else "nothing-to-recover"
+    status = {ExitCode.OK: recovered, ExitCode.ROLLED_BACK: "rolled-back"}.get(code, "error")
+    document = envelope("recover", status, code, data, list(outcome.failures))
+    return RecoverResult(document=document, exit_code=code, failures=outcome.failures, outcome=outcome)
+
+
+def _status(request: Request, ui: Ui, metrics: Path | None) -> StatusResult:
+    from safeinstall.run.status import status
+
+    report = status(os.environ, request.python)
+    _write_metrics(metrics, ui, lambda m, now: m.status_families(report, now))
+    found = list(report.environments)
+    pending = any(s.needs_recovery for s in found)
+    state = "needs-recovery" if pending else "running" if any(s.running for s in found) else "idle"
+    state = "error" if report.failures else state
+    data = {"environments": jsonable(found)}
+    document = envelope("status", state, report.exit_code, data, list(report.failures))
+    return StatusResult(
+        document=document, exit_code=report.exit_code, failures=report.failures, report=report
+    )
+
+
+def _undo_of(options: RunOptions) -> dict[str, str]:
+    """Pure: the JSON field that names the run an undo undoes (none for a reinstall)."""
+    return {} if options.undo is None else {"undo_of": options.undo}
+
+
+#: What a backup put back cannot honour: said, not ignored (parameter name, flag).
+_NOT_WITH_UNDO = (
+    ("with_deps", "--with-deps"),
+    ("keep_patches", "--keep-patches"),
+    ("base_wheel", "--base-wheel"),
+    ("drop_conflicting", "--drop-conflicting"),
+    ("accept_record_mismatch", "--accept-record-mismatch"),
+    ("prune", "--prune"),
+)
+
+
+def _undo_choice(request: Request) -> tuple[Environment, str, str]:
+    """``--undo``: the environment, and the package and id of the run it undoes (its history names it);
+    the run itself is chosen again, under the lock, by the preflight. The package, when given, is a
+    guard: the run must be of it. Usage errors for what does not go with it."""
+    import re
+
+    from packaging.utils import canonicalize_name
+
+    from safeinstall.run.undo import UndoError, choose_run
+
+    package, wheel, args = request.package, request.wheel, request.extra_args
+    unfit = {flag for name, flag in _NOT_WITH_UNDO if request.values.get(name) not in (None, False)}
+    others = sorted((set(request.modes) | unfit) - {"--undo", "--dry-run", "--detach"})
+    versioned = bool(package) and not re.fullmatch(_PLAIN_NAME, package or "")
+    if versioned or wheel is not None or args or others:
+        given = " ".join(
+            [*others, *(["--wheel"] if wheel else []), *(["a version"] if versioned else []), *args]
+        )
+        raise UsageError(
+            f"--undo takes no {given}: it puts back what the run it undoes replaced",
+            hint="safeinstall --undo --python ENV [--run RUN_ID] [--dry-run | --detach] [--json]",
+        )
+    env = inspect_environment(resolve_python(request.python, os.environ))
+    chosen = choose_run(_state_of(env, os.environ), request.run)
+    if package and canonicalize_name(package) != canonicalize_name(chosen.package or ""):
+        raise UndoError(
+            f"run {chosen.run_id} was of {chosen.package}, not {package}: nothing was undone",
+            hint="safeinstall --status --python ENV lists the runs; pick one with --undo --run RUN_ID",
+        )
+    return env, chosen.package or "", chosen.run_id
+
+
+# -- --metrics-file -----------------------------------------------------------------------------------
+
+
+def _write_metrics(
+    path: Path | None, ui: Ui, families: Callable[[ModuleType, float], Sequence[Family]]
+) -> None:
+    """``families(safeinstall.run.metrics, now)`` into ``path`` (None: not asked); a file that cannot be
+    written is an error said through ``ui``, the command's own result and exit code stay."""
+    if path is None:
+        return
+    import time
+
+    from safeinstall.run import metrics
+
+    error = metrics.write_or_fail(path, families(metrics, time.time()))
+    if error is not None:
+        ui.error(error)
+
+
+def failed_metrics(
+    path: Path, ui: Ui, command: str, python: str | None, package: str | None, error: SafeInstallError
+) -> None:
+    """A command that failed before its result: ``--metrics-file`` says so (the check could not run)."""
+    code = int(error.exit_code)
+    if command != "verify" and command != "reinstall":  # --status, --recover: of every environment
+        _write_metrics(path, ui, lambda m, now: m.check_families(command, False, code, now))
+        return
+    prefix = os.path.abspath(python) if python else ""
+    with contextlib.suppress(SafeInstallError):  # the prefix the interpreter reports, when it answers
+        prefix = str(inspect_environment(resolve_python(python, os.environ)).prefix)
+    if command == "verify":
+        _write_metrics(path, ui, lambda m, now: m.check_families(command, False, code, now, prefix=prefix))
+        return
+    from safeinstall.store.history import RunSummary
+
+    run = RunSummary("", "error", code, package, None, None, None, None, {}, None)
+    _write_metrics(path, ui, lambda m, _now: m.run_families(prefix, run))

@@ -1,0 +1,52 @@
+"""What the CLI shows of the layers below ``run``, named in one place: ``cli/`` imports only ``run``
+(docs/architecture.md), and renders the values the commands hand it with these.
+
+The types are those of the results (a verification's findings, a plan, a run's history summary); the
+functions are the pure formatting the run's log shares with the terminal. What ``--verify-only`` does
+not need is imported when it is used: it starts without the lock's module and the history's.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from safeinstall.env.drift import RECORD_MAY_BE_WRONG_HINT, UNTOUCHED, Finding, FindingKind
+from safeinstall.store.runlog import PROGRESS_EVERY_S, human_bytes, progress_key, progress_text
+
+if TYPE_CHECKING:
+    from safeinstall.env.diffs import FileDiff as FileDiff
+    from safeinstall.env.verify import VerifyReport as VerifyReport
+    from safeinstall.scan.plan import Plan as Plan
+    from safeinstall.scan.plan import PlannedProcess as PlannedProcess
+    from safeinstall.scan.processes import ScanProblem as ScanProblem
+    from safeinstall.store.history import HistoryEntry as HistoryEntry
+    from safeinstall.store.history import RunSummary as RunSummary
+    from safeinstall.store.rundoc import OldCodeDoc as OldCodeDoc
+    from safeinstall.store.rundoc import RunDocument as RunDocument
+
+__all__ = [
+    "PROGRESS_EVERY_S",
+    "RECORD_MAY_BE_WRONG_HINT",
+    "UNTOUCHED",
+    "Finding",
+    "FindingKind",
+    "display_time",
+    "human_bytes",
+    "progress_key",
+    "progress_text",
+    "run_summary",
+]
+
+
+def display_time(iso: str) -> str:
+    """Pure: a recorded time as the terminal shows it (:func:`safeinstall.system.lock.display_time`)."""
+    from safeinstall.system.lock import display_time as shown
+
+    return shown(iso)
+
+
+def run_summary(entry: HistoryEntry) -> RunSummary:
+    """Pure: a history entry's summary (:func:`safeinstall.store.history.summary`)."""
+    from safeinstall.store.history import summary
+
+    return summary(entry)

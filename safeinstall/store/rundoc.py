@@ -1,0 +1,330 @@
+"""A run's document, typed: the ``--json`` result of a reinstall or undo (docs/json.md, version
+:data:`RESULT_VERSION`), as the foreground run prints it, its history keeps it, ``--status --wait``
+prints and renders it and ``--metrics-file`` reads it.
+
+:meth:`RunDocument.from_json` is the one checked reader (a document from a history file is not
+trusted: a field of the wrong type is a ``ValueError``, a missing one its default);
+:meth:`RunDocument.to_json` gives the very JSON that was read or made back: the fields the document
+had, in its order, so that a document read and written again is byte for byte the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+#: ``safeinstall_result_version``: changes only when a field is removed or changes meaning.
+RESULT_VERSION = 1
+
+T = TypeVar("T")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check(value: object, ok: Callable[[object], bool], what: str) -> Any:
+    if not ok(value):
+        raise ValueError(f"{what}: {type(value).__name__} where the document has another type")
+    return value
+
+
+def _text(value: object, what: str) -> str:
+    return str(_check(value, lambda v: isinstance(v, str), what))
+
+
+def _text_or_none(value: object, what: str) -> str | None:
+    return None if value is None else _text(value, what)
+
+
+def _texts(value: object, what: str) -> tuple[str, ...]:
+    return tuple(_text(v, what) for v in _check(value, lambda v: isinstance(v, list), what))
+
+
+def _objects(value: object, what: str, read: Callable[[Mapping[str, Any]], T]) -> tuple[T, ...]:
+    items = _check(value, lambda v: isinstance(v, list), what)
+    return tuple(read(_check(v, lambda o: isinstance(o, dict), what)) for v in items)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ErrorDoc:
+    code: str
+    message: str
+    hint: str | None
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> ErrorDoc:
+        return cls(
+            code=_text(raw.get("code", "error"), "errors.code"),
+            message=_text(raw.get("message", ""), "errors.message"),
+            hint=_text_or_none(raw.get("hint"), "errors.hint"),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, "hint": self.hint}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepDoc:
+    name: str
+    status: str  # ok | failed | skipped
+    seconds: float
+    detail: str
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> StepDoc:
+        return cls(
+            name=_text(raw.get("name", ""), "steps.name"),
+            status=_text(raw.get("status", ""), "steps.status"),
+            seconds=_check(raw.get("seconds", 0.0), _is_number, "steps.seconds"),
+            detail=_text(raw.get("detail", ""), "steps.detail"),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "status": self.status, "seconds": self.seconds, "detail": self.detail}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OldCodeDoc:
+    """The end check: a process still mapping replaced files."""
+
+    pid: int
+    name: str
+    cmdline: tuple[str, ...]
+    unit: str | None
+    scope: str | None
+    distributions: tuple[str, ...]
+    paths: tuple[str, ...]
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> OldCodeDoc:
+        return cls(
+            pid=_check(raw.get("pid", 0), lambda v: isinstance(v, int) and not isinstance(v, bool), "pid"),
+            name=_text(raw.get("name", ""), "old_code.name"),
+            cmdline=_texts(raw.get("cmdline", []), "old_code.cmdline"),
+            unit=_text_or_none(raw.get("unit"), "old_code.unit"),
+            scope=_text_or_none(raw.get("scope"), "old_code.scope"),
+            distributions=_texts(raw.get("distributions", []), "old_code.distributions"),
+            paths=_texts(raw.get("paths", []), "old_code.paths"),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "pid": self.pid,
+            "name": self.name,
+            "cmdline": list(self.cmdline),
+            "unit": self.unit,
+            "scope": self.scope,
+            "distributions": list(self.distributions),
+            "paths": list(self.paths),
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PatchDoc:
+    """--keep-patches: one local patch (``carried``, ``dropped``, ``conflict``, ``rolled-back``)."""
+
+    path: str
+    status: str
+    detail: str
+    diff: str
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> PatchDoc:
+        return cls(
+            path=_text(raw.get("path", ""), "patches.path"),
+            status=_text(raw.get("status", ""), "patches.status"),
+            detail=_text(raw.get("detail", ""), "patches.detail"),
+            diff=_text(raw.get("diff", ""), "patches.diff"),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "status": self.status, "detail": self.detail, "diff": self.diff}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Change:
+    """One distribution of the plan: the version it had and the one the run installs."""
+
+    name: str
+    old_version: str | None
+    new_version: str | None
+    requested: bool
+
+
+def _changes(plan: Mapping[str, Any] | None) -> tuple[Change, ...]:
+    if plan is None:
+        return ()
+    found = []
+    for raw in _check(plan.get("distributions", []), lambda v: isinstance(v, list), "plan.distributions"):
+        dist = _check(raw, lambda v: isinstance(v, dict), "plan.distributions")
+        found.append(
+            Change(
+                name=_text(dist.get("name", ""), "plan.distributions.name"),
+                old_version=_text_or_none(dist.get("old_version"), "plan.distributions.old_version"),
+                new_version=_text_or_none(dist.get("new_version"), "plan.distributions.new_version"),
+                requested=bool(dist.get("requested")),
+            )
+        )
+    return tuple(found)
+
+
+#: Each field of a run's ``data`` and how it is read (docs/json.md: ``reinstall``; a ``recovered``
+#: run's: what ``--recover`` did for it).
+_READERS: dict[str, Callable[[object], Any]] = {
+    "run_id": lambda v: _text_or_none(v, "run_id"),
+    "undo_of": lambda v: _text_or_none(v, "undo_of"),
+    "plan": lambda v: _check(v, lambda p: p is None or isinstance(p, dict), "plan"),
+    "steps": lambda v: _objects(v, "steps", StepDoc.from_json),
+    "downtime_s": lambda v: {
+        _text(unit, "downtime_s"): _check(s, _is_number, "downtime_s")
+        for unit, s in _check(v, lambda d: isinstance(d, dict), "downtime_s").items()
+    },
+    "service_downtime_s": lambda v: None if v is None else _check(v, _is_number, "service_downtime_s"),
+    "patched": lambda v: _texts(v, "patched"),
+    "deleted": lambda v: _texts(v, "deleted"),
+    "extras": lambda v: _texts(v, "extras"),
+    "pruned": lambda v: _texts(v, "pruned"),
+    "backup_dir": lambda v: _text_or_none(v, "backup_dir"),
+    "backups_removed": lambda v: _texts(v, "backups_removed"),
+    "log_file": lambda v: _text_or_none(v, "log_file"),
+    "not_restarted": lambda v: _texts(v, "not_restarted"),
+    "strays_killed": lambda v: tuple(
+        _check(p, lambda x: isinstance(x, int) and not isinstance(x, bool), "strays_killed")
+        for p in _check(v, lambda x: isinstance(x, list), "strays_killed")
+    ),
+    "notes": lambda v: _texts(v, "notes"),
+    "old_code": lambda v: _objects(v, "old_code", OldCodeDoc.from_json),
+    "patches": lambda v: _objects(v, "patches", PatchDoc.from_json),
+    "patch_file": lambda v: _text_or_none(v, "patch_file"),
+    "manual_commands": lambda v: _texts(v, "manual_commands"),
+    # a recovered run's
+    "prefix": lambda v: _text_or_none(v, "prefix"),
+    "phase": lambda v: _text_or_none(v, "phase"),
+    "restored": lambda v: bool(_check(v, lambda b: isinstance(b, bool), "restored")),
+    "started": lambda v: _texts(v, "started"),
+    "gates_removed": lambda v: _texts(v, "gates_removed"),
+    "old_version": lambda v: _text_or_none(v, "old_version"),
+    "new_version": lambda v: _text_or_none(v, "new_version"),
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunData:
+    """A run's ``data``. ``present``: the fields the document has, in its order (a run's, a recovered
+    run's and an old entry's differ); ``other``: fields this version does not know, kept as they are."""
+
+    present: tuple[str, ...] = ()
+    run_id: str | None = None
+    undo_of: str | None = None
+    plan: Mapping[str, Any] | None = None  # the plan, as ``--dry-run --json`` has it (docs/json.md)
+    steps: tuple[StepDoc, ...] = ()
+    downtime_s: Mapping[str, float] = field(default_factory=dict)
+    #: --health-url: the first unit stopped -> the health URL answered 200 (None: without it, not done)
+    service_downtime_s: float | None = None
+    patched: tuple[str, ...] = ()  # files changed or deleted locally
+    deleted: tuple[str, ...] = ()  # those of ``patched`` deleted locally: nothing of them to keep
+    extras: tuple[str, ...] = ()
+    pruned: tuple[str, ...] = ()
+    backup_dir: str | None = None
+    backups_removed: tuple[str, ...] = ()
+    log_file: str | None = None
+    not_restarted: tuple[str, ...] = ()
+    strays_killed: tuple[int, ...] = ()
+    notes: tuple[str, ...] = ()
+    old_code: tuple[OldCodeDoc, ...] = ()
+    patches: tuple[PatchDoc, ...] = ()
+    patch_file: str | None = None
+    manual_commands: tuple[str, ...] = ()
+    prefix: str | None = None
+    phase: str | None = None
+    restored: bool = False
+    started: tuple[str, ...] = ()
+    gates_removed: tuple[str, ...] = ()
+    old_version: str | None = None
+    new_version: str | None = None
+    other: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def changes(self) -> tuple[Change, ...]:
+        """The plan's distributions (none without a plan)."""
+        return _changes(self.plan)
+
+    def versions(self, package: str | None) -> tuple[str | None, str | None]:
+        """The old and new version of ``package`` (a canonical name; None: the requested one); a
+        recovered run's, which has no plan, from its own fields."""
+        for change in self.changes:
+            if change.name == package or (package is None and change.requested):
+                return change.old_version, change.new_version
+        return self.old_version, self.new_version
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> RunData:
+        known = {name: _READERS[name](value) for name, value in raw.items() if name in _READERS}
+        other = {name: value for name, value in raw.items() if name not in _READERS}
+        data = cls(present=tuple(raw), other=other, **known)
+        _changes(data.plan)  # checked once here: its readers need not
+        return data
+
+    def to_json(self) -> dict[str, Any]:
+        return {name: self._json_of(name) for name in self.present}
+
+    def _json_of(self, name: str) -> Any:
+        if name not in _READERS:
+            return self.other[name]
+        value = getattr(self, name)
+        if isinstance(value, tuple):
+            return [v.to_json() if hasattr(v, "to_json") else v for v in value]
+        if name == "downtime_s":
+            return dict(value)
+        return value
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunDocument:
+    """A reinstall's or an undo's ``--json`` document: the envelope (docs/json.md) and its ``data``
+    (None: the run failed before it had any)."""
+
+    command: str
+    status: str
+    exit_code: int
+    data: RunData | None
+    errors: tuple[ErrorDoc, ...] = ()
+    version: int = RESULT_VERSION
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> RunDocument:
+        """The document ``raw`` is; a ValueError says what in it is not a run's document."""
+        data = raw.get("data")
+        code = raw.get("exit_code", -1)
+        return cls(
+            version=_check(raw.get("safeinstall_result_version", RESULT_VERSION), _is_number, "version"),
+            command=_text(raw.get("command", "reinstall"), "command"),
+            status=_text(raw.get("status", "unknown"), "status"),
+            exit_code=_check(code, lambda c: isinstance(c, int) and not isinstance(c, bool), "exit_code"),
+            data=None
+            if data is None
+            else RunData.from_json(_check(data, lambda d: isinstance(d, dict), "data")),
+            errors=_objects(raw.get("errors", []), "errors", ErrorDoc.from_json),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "safeinstall_result_version": self.version,
+            "command": self.command,
+            "status": self.status,
+            "exit_code": self.exit_code,
+            "data": None if self.data is None else self.data.to_json(),
+            "errors": [e.to_json() for e in self.errors],
+        }
+
+    @property
+    def details(self) -> RunData:
+        """Its data; an empty one for a run that failed before it had any."""
+        return self.data if self.data is not None else RunData()
+
+
+def error_lines(document: RunDocument, prefix: str = "error: ") -> Sequence[str]:
+    """Pure: each error of the document as its log says it."""
+    return tuple(f"{prefix}{error.message}" for error in document.errors)
