@@ -400,8 +400,9 @@ def render_plan(out: Console, err: Console, plan: Plan, verbosity: int = 0) -> N
         ]
         for line in stacked_table(("GPU", "NAME", "USED", "TOTAL", "UUID", "PROCESSES"), gpu_rows, out.width):
             out.print(literal(line), soft_wrap=True)
-    else:
-        out.print(f"GPUs: check unavailable ({literal(plan.gpus.reason or '')})", soft_wrap=True)
+    else:  # why: in the warning below (said once), unless -q leaves that out
+        why = "" if verbosity >= 0 and plan.gpus.reason else f" ({literal(plan.gpus.reason or '')})"
+        out.print(f"GPUs: check unavailable{why}", soft_wrap=True)
     if plan.install:  # what will run: the staging install and the swap, the install in the stop, a restore
         out.print("uv command:")
         for wrapped in (part for line in plan.install for part in wrap_words(line, out.width, 2)):
@@ -409,7 +410,7 @@ def render_plan(out: Console, err: Console, plan: Plan, verbosity: int = 0) -> N
     else:
         out.print("uv command: " + literal(" ".join(plan.uv_command)), soft_wrap=True)
     if plan.smoke:
-        for wrapped in wrap_words("smoke check: " + plan.smoke, out.width, 2):
+        for wrapped in wrap_words("smoke check: " + plan.smoke, out.width):
             out.print(literal(wrapped), soft_wrap=True)
     _scan_problems(err, plan.scan_problems, verbosity)
     for warning in plan.warnings:
