@@ -247,8 +247,17 @@ def plan_diff(plan: Mapping[str, Any]) -> dict[str, str]:
 
 #: The kinds of finding (safeinstall.env.drift.FindingKind), drift apart from warnings: :func:`finding_counts`
 #: lists each of them, zeros included, as ``--metrics-file`` does
-DRIFT_KINDS = ("missing", "modified", "extra", "outside", "unreadable", "malformed", "version-mismatch")
-WARNING_KINDS = ("hardlinked", "wheel-record", "shared")
+DRIFT_KINDS = (
+    "missing",
+    "modified",
+    "extra",
+    "outside",
+    "unreadable",
+    "malformed",
+    "version-mismatch",
+    "mode",
+)
+WARNING_KINDS = ("hardlinked", "wheel-record", "shared", "dpkg-intact")
 
 
 def finding_counts(result: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
