@@ -173,11 +173,11 @@ def test_no_restart_leaves_the_units_stopped_and_says_so(bed: Bed) -> None:
 
 # --- progress on a pipe: a plain line at most every 5 s ---------------------------------------------
 
-_WAITED = re.compile(r"waiting for GPU memory \(.*\): (\d+) s of 11 s")
+_WAITED = re.compile(r"waiting for GPU memory \(.*\): (\d+(?:\.\d)?) s of 11 s")
 
 
-def _waited(text: str) -> list[int]:
-    return [int(m.group(1)) for m in _WAITED.finditer(text)]
+def _waited(text: str) -> list[float]:
+    return [float(m.group(1)) for m in _WAITED.finditer(text)]
 
 
 def test_progress_on_a_pipe_is_a_plain_line_at_most_every_5_s(bed: Bed) -> None:

@@ -127,7 +127,8 @@ def survey(
         as_root=os.geteuid() == 0,
     )
     if plan.units:  # the units whose restart their start limit could refuse (needrestart#340)
-        limits = systemd.start_limits(u.name for u in plan.units)
+        # a name no systemctl may be given (globs from a cgroup) is refused by the plan, never asked about
+        limits = systemd.start_limits(u.name for u in plan.units if valid_unit_name(u.name))
         plan = replace(plan, start_limit_resets=start_limit_resets(limits, time.monotonic()))
     if env.owner_note:  # said in the plan too: a dry run shows whose environment this is
         plan = replace(plan, warnings=(env.owner_note, *plan.warnings))
