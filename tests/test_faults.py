@@ -442,7 +442,6 @@ def test_recover_with_nothing_to_recover_removes_what_dead_runs_left(bed: Bed) -
     assert not gate_temp.exists() and foreign.exists()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 35 item 2: the restore copies the old files back (new blocks)")
 def test_a_disk_filled_before_the_window_install_rolls_back_with_the_unit_running(
     wheels: Wheelhouse,
     tmp_path: Path,
@@ -454,9 +453,10 @@ def test_a_disk_filled_before_the_window_install_rolls_back_with_the_unit_runnin
     default link mode): uv's uninstall frees none of their blocks. The new version is bigger, and another
     writer takes all the room once the unit is stopped (after the room check): uv's install in the
     window fails (ENOSPC), then the restore, which copies the old files back from the backup (on
-    another filesystem), fails for lack of room too: a half-restored package, exit 4, the unit down
-    until a person acts. It must end exit 3 with the old version back and the unit running (the
-    restore needing no new blocks, or room reserved before the stop): not done yet."""
+    another filesystem), failed for lack of room too: a half-restored package, exit 4, the unit down
+    until a person acts. The run keeps links of those old files in the prefix before the stop, and the
+    restore puts those inodes back (no new blocks): exit 3, the old version back, the unit running,
+    and the links gone."""
     disk = small_disk(96)
     old = _with_blob(wheels["sicext-1"], tmp_path / "old", 12)
     new = _with_blob(wheels["sicext-2"], tmp_path / "new", 20)
@@ -465,6 +465,7 @@ def test_a_disk_filled_before_the_window_install_rolls_back_with_the_unit_runnin
     uv_env = {**wheelhouse.uv_env(), "UV_CACHE_DIR": str(disk / "uv-cache")}
     subprocess.run([*install, "--link-mode", "hardlink", str(old)], check=True, env=uv_env)
     bed = Bed(python, tmp_path / "state", user_manager, fake_nvml, wheels)
+    blob = os.stat(bed.site / "sicext" / "blob.bin").st_ino
     try:
         before = bed.snapshot()
         name = bed.unit("fill")
@@ -484,6 +485,8 @@ def test_a_disk_filled_before_the_window_install_rolls_back_with_the_unit_runnin
         assert proc.returncode == 3, (proc.returncode, out, err)
         wait_until(lambda: bed.manager.active_state(name) == "active", 20, "the unit running again")
         assert bed.version() == "1.0" and bed.snapshot() == before
+        # put back by link, not copied: the old inode, still shared with the uv cache
+        assert os.stat(bed.site / "sicext" / "blob.bin").st_ino == blob, "the old file was not relinked"
         bed.no_trace()
     finally:
         bed.cleanup()

@@ -24,7 +24,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
-from safeinstall.env import cachefill, inodes, swap
+from safeinstall.env import cachefill, inodes, keep, swap
 from safeinstall.env.distributions import InstalledDistribution, reload_distributions
 from safeinstall.env.drift import Expectation, FindingKind
 from safeinstall.env.environment import Account, Environment, interpreter_in_prefix
@@ -839,6 +839,8 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
                 step("backup", lambda: backup_step(run))
                 if options.undo is None:  # an undo installs from a backup: nothing to fetch
                     step("prefetch", lambda: prefetch_step(run))
+                    if run.staged is None:  # the install runs in the window
+                        keep_old_links(run)
                 step("gate", lambda: gate_step(run))
                 with NvmlSession(options.environ, options.proc_root) as session:
                     baseline = session.snapshot()  # before the stop: what the processes held
@@ -889,6 +891,10 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
             _discard_staged(run)
         except Exception as exc:  # a good run stays one: the next run (or --recover) removes what is left
             run.notes.append(f"the staging directory was not removed: {exc}")
+        if not keep.discard(run.env.prefix, run.run_id, RUN_DIR_REMOVAL_S):
+            run.notes.append(
+                f"{run.env.prefix / keep.keep_name(run.run_id)} was not removed: the next run removes it"
+            )
         with contextlib.suppress(OSError):
             clear_journal(run.state.dir)
         removed = _prune_old_backups(run)
@@ -903,6 +909,22 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
         if prepared.lock is not None:
             prepared.lock.release()
         deferral.close()
+
+
+def keep_old_links(run: Run) -> None:
+    """Before the stop, for an install in the window: links of the old files whose uninstall frees no
+    blocks, kept in the prefix (:mod:`safeinstall.env.keep`), so that a rollback on a disk filled
+    meanwhile puts those inodes back instead of copies. Best effort: without them it copies."""
+    if run.backup is None:
+        return
+    paths = [f.path for f in run.backup.manifest.files if f.link_target is None]
+    try:
+        kept = keep.keep_links(run.env.prefix, run.run_id, paths)
+    except OSError as exc:
+        run._log(f"no links of the old files kept ({exc}): a rollback copies them back")
+        return
+    if kept:
+        run._log(f"{kept} old file(s) shared with other links kept in {keep.keep_name(run.run_id)}")
 
 
 def _discard_staged(run: Run) -> None:

@@ -12,8 +12,10 @@ A RECORD entry on the backup's filesystem is saved as a hardlink (no copy of a G
 stop; the old version's bytes stay alive in it, as in a copy): uv's uninstall unlinks every RECORD
 entry before the install creates the new files, so the old inode, and the backup, keep the old
 content. Everything else (files added by hand, ``.dist-info`` files no RECORD lists), and every file
-on another filesystem, is copied. Restores always copy, so a restored file shares its inode with
-nothing.
+on another filesystem, is copied. Restores copy, so a restored file shares its inode with nothing;
+except where a window install's run kept links of the old files in the prefix
+(:mod:`safeinstall.env.keep`: files whose uninstall frees no blocks): those very inodes go back, each
+checked against what was saved, and a disk filled meanwhile needs no room for them.
 
 A restore first removes what is installed now under those distribution names (the paths the caller
 passes, the files the current ``.dist-info`` RECORDs of those names list, and those ``.dist-info``
@@ -51,6 +53,7 @@ from safeinstall.env.distributions import (
 from safeinstall.env.drift import pyc_source
 from safeinstall.env.environment import Environment
 from safeinstall.env.hashing import FileState, default_workers
+from safeinstall.env.keep import Saved, only_root_writes, open_kept, relink
 from safeinstall.env.records import decode_digest, parse_record
 from safeinstall.errors import SafeInstallError
 from safeinstall.store.runlog import human_bytes
@@ -357,8 +360,11 @@ def _link(item: _Item, tree: Tree, dest: Tree, info: os.stat_result, known: File
     The backup then holds the installed inode itself. That is safe because the install never writes
     into it: uv's uninstall unlinks every RECORD entry first, and the install creates new files (a
     hardlink from the run's cache, or a copy) at those paths. Nothing is chmod-ed or touched here: it
-    is the installed file. Only an inode that root alone can write is linked (:func:`_only_root_writes`)."""
-    if not stat.S_ISREG(info.st_mode) or not _only_root_writes(info):
+    is the installed file. Only an inode that root alone can write is linked."""
+    # an inode its owner (a service account) can write is copied instead: the owner could write it later
+    # through a descriptor opened before the backup (or a link of its own), and the restore would then
+    # fail its check through the owner's doing
+    if not stat.S_ISREG(info.st_mode) or not only_root_writes(info):
         return None
     identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
     try:
@@ -381,14 +387,6 @@ def _link(item: _Item, tree: Tree, dest: Tree, info: os.stat_result, known: File
     if digest is None:
         dest.unlink(item.relative)
     return digest
-
-
-def _only_root_writes(info: os.stat_result) -> bool:
-    """Pure: nobody but root (the caller) can write this inode: a hardlink of it in the backup stays as
-    saved. An inode its owner (a service account) can write is copied instead: the owner could write
-    it later through a descriptor opened before the backup (or a link of its own), and the restore
-    would then fail its check through the owner's doing."""
-    return info.st_uid == os.geteuid() and not info.st_mode & 0o022
 
 
 def _save(item: _Item, tree: Tree, dest: Tree, known: Mapping[str, FileState]) -> BackupFile | None:
@@ -510,7 +508,7 @@ def create_backup(
 
         # On the same filesystem a RECORD entry is a hardlink and a hash already known: a thread per
         # file would cost more than the work. Copies (other files, another filesystem) go to threads.
-        # (a service account's files are copied: see _only_root_writes)
+        # (a service account's files are copied: see _link)
         linking = env.account is None and os.stat(env.prefix).st_dev == os.stat(files_dir).st_dev
         with (
             Tree(env.prefix) as tree,
@@ -742,13 +740,17 @@ def _remove_own_temp_files(tree: Tree, directories: Iterable[str]) -> None:
                     tree.unlink(f"{directory}/{name}")
 
 
-def _put_back(saved: BackupFile, source: Tree, tree: Tree, as_root: bool) -> bool:
+def _put_back(saved: BackupFile, source: Tree, tree: Tree, as_root: bool, kept: int | None) -> bool:
     """Put one file back atomically (temp file beside it, rename), unless it is there as saved already
     (False: nothing written; a read-only file system that the install never changed is left alone).
     On a full disk the file it replaces is removed first, to make the room that the copy needs: the
     services are stopped during a restore, so atomicity matters less than finishing it."""
     if _same(saved, tree):
         return False
+    if kept is not None and saved.link_target is None and saved.sha256 is not None:
+        what = Saved(saved.path, saved.size, saved.mode, saved.uid, saved.gid, saved.mtime_ns, saved.sha256)
+        if relink(kept, tree, what, _TMP_MARK):  # the old inode itself: no new blocks
+            return True
     try:
         _put_back_atomically(saved, source, tree, as_root)
     except OSError as exc:
@@ -792,7 +794,11 @@ def check_restored(backup: Backup, prefix: Path) -> list[str]:
 
 
 def restore_backup(
-    backup: Backup, env: Environment, remove: Iterable[Path], workers: int | None = None
+    backup: Backup,
+    env: Environment,
+    remove: Iterable[Path],
+    workers: int | None = None,
+    run_id: str | None = None,
 ) -> RestoreResult:
     """Put ``backup`` back into ``env``: remove what is installed now under its names, copy back, check.
 
@@ -805,6 +811,8 @@ def restore_backup(
     What is removed is named by files the environment's owner could write (the installed RECORDs):
     the removal runs in a worker that is that owner (:func:`_remove_as_owner`), so it removes nothing
     the owner could not. The put-back writes only what root saved, at the paths root recorded.
+    ``run_id``: the run whose kept links (:mod:`safeinstall.env.keep`) are put back where they match
+    the backup, instead of copies.
     """
     manifest = backup.manifest
     prefix = env.prefix
@@ -828,8 +836,13 @@ def restore_backup(
             f"cannot open {exc.filename}: {exc.strerror or exc}",
             hint="the environment's prefix and the backup must be real directories",
         ) from exc
-    with tree, source, tree.batch(), source.batch():
-        return _restore(backup, tree, source, removal, removed, workers)
+    kept = open_kept(tree, run_id) if run_id is not None else None
+    try:
+        with tree, source, tree.batch(), source.batch():
+            return _restore(backup, tree, source, removal, removed, workers, kept)
+    finally:
+        if kept is not None:
+            os.close(kept)
 
 
 @dataclass(frozen=True, slots=True)
@@ -883,7 +896,13 @@ def _remove_as_owner(env: Environment, removal: _Removal, stop: list[str]) -> _R
 
 
 def _restore(
-    backup: Backup, tree: Tree, source: Tree, removal: _Removal, removed: _Removed, workers: int | None
+    backup: Backup,
+    tree: Tree,
+    source: Tree,
+    removal: _Removal,
+    removed: _Removed,
+    workers: int | None,
+    kept: int | None,
 ) -> RestoreResult:
     manifest = backup.manifest
     as_root = os.geteuid() == 0
@@ -893,7 +912,7 @@ def _restore(
     _remove_own_temp_files(tree, {os.path.dirname(p) for p in restoring})  # left by a restore that crashed
     rewritten: list[str] = []
     with ThreadPoolExecutor(max_workers=workers or default_workers(), thread_name_prefix="restore") as pool:
-        futures = {pool.submit(_put_back, f, source, tree, as_root): f for f in manifest.files}
+        futures = {pool.submit(_put_back, f, source, tree, as_root, kept): f for f in manifest.files}
         for future in as_completed(futures):
             try:
                 if future.result():
