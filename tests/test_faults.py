@@ -490,3 +490,35 @@ def test_a_disk_filled_before_the_window_install_rolls_back_with_the_unit_runnin
         bed.no_trace()
     finally:
         bed.cleanup()
+
+
+def test_the_room_check_counts_no_room_freed_by_old_files_shared_with_a_uv_cache(
+    wheels: Wheelhouse,
+    tmp_path: Path,
+    user_manager: UserManager,
+    fake_nvml: FakeNvml,
+    small_disk: Callable[[int], Path],
+) -> None:
+    """The old files are hardlinks of a uv cache on the environment's disk: uv's uninstall frees none of
+    their blocks, and the new version (20 MiB) does not fit in the 14 MiB left. The room check counted
+    them as freed (20 - 12 MiB needed) and the install failed in the window; it refuses before the stop."""
+    disk = small_disk(96)
+    old = _with_blob(wheels["sicext-1"], tmp_path / "old", 12)
+    new = _with_blob(wheels["sicext-2"], tmp_path / "new", 20)
+    python = wheelhouse.make_venv(disk / "venv")
+    install = [wheelhouse.UV, "pip", "install", "--quiet", "--offline", "--python", str(python)]
+    uv_env = {**wheelhouse.uv_env(), "UV_CACHE_DIR": str(disk / "uv-cache")}
+    subprocess.run([*install, "--link-mode", "hardlink", str(old)], check=True, env=uv_env)
+    vfs = os.statvfs(disk)
+    with (disk / "filler").open("wb") as filler:
+        filler.write(b"\0" * (vfs.f_bavail * vfs.f_frsize - (14 << 20)))
+    bed = Bed(python, tmp_path / "state", user_manager, fake_nvml, wheels)
+    try:
+        name = bed.unit("room")
+        result = bed.cli("sicext", "--wheel", str(new), "--settle", "0.3", "--yes")
+        assert result.code == 2, result.stdout + result.stderr
+        assert f"the install of {new.name} needs" in result.stderr, result.stderr
+        assert bed.version() == "1.0" and bed.manager.active_state(name) == "active"
+        bed.no_trace()
+    finally:
+        bed.cleanup()

@@ -51,7 +51,7 @@ from safeinstall.run.patches import PatchSet, prepare_patches
 from safeinstall.run.survey import Survey, survey
 from safeinstall.run.undo import UndoTarget, undo_plan, undo_target, undo_uv_plan
 from safeinstall.scan.plan import Plan
-from safeinstall.store.backup import disk_space_needed, free_space, space_problem
+from safeinstall.store.backup import disk_space_freed, disk_space_needed, free_space, space_problem
 from safeinstall.store.baseline import read_vouched
 from safeinstall.store.state import (
     EnvironmentState,
@@ -343,8 +343,10 @@ def room_problems(found: Survey, env: Environment, backups: Path, wheel: Wheel |
     if problem:
         problems.append(problem)
     if wheel is not None:
+        shared = _device(backups) == _device(env.prefix)
+        freed = 0 if shared else disk_space_freed(list(found.affected), env, found.installed)
         problem = space_problem(
-            install_room(installed_size(wheel), backup, _device(backups) == _device(env.prefix)),
+            install_room(installed_size(wheel), backup, freed, shared),
             free_space(env.prefix),
             env.prefix,
             what=f"the install of {wheel.path.name}",
@@ -355,14 +357,16 @@ def room_problems(found: Survey, env: Environment, backups: Path, wheel: Wheel |
     return tuple(problems)
 
 
-def install_room(new: int, old: int, shared: bool) -> int:
+def install_room(new: int, old: int, freed: int, shared: bool) -> int:
     """Pure: the room the install of ``new`` bytes needs in the environment, where the distributions it
-    replaces take ``old`` bytes. With the backup on another filesystem (a copy), uv's uninstall frees
-    the old files before it writes: the install needs what the new version takes beyond them, and the
-    rollback (new files removed before the old ones are written back) no more. With the backup on the
-    environment's filesystem it holds the old files' inodes, so nothing is freed: the install needs all
-    of it, and so much again for the backup, should it have to copy."""
-    return new + old if shared else max(0, new - old)
+    replaces take ``old`` bytes, ``freed`` of them in files with no other link. With the backup on
+    another filesystem (a copy), uv's uninstall frees those files before it writes: the install needs
+    what the new version takes beyond them, and the rollback (new files removed before the old ones are
+    written back, or the old inodes linked back: :mod:`safeinstall.env.keep`) no more. An old file
+    that is a hardlink of a uv cache on that disk frees nothing. With the backup on the environment's
+    filesystem it holds the old files' inodes, so nothing is freed: the install needs all of it, and
+    so much again for the backup, should it have to copy."""
+    return new + old if shared else max(0, new - freed)
 
 
 def _device(path: Path) -> int:

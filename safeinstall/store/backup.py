@@ -330,14 +330,29 @@ def disk_space_needed(
     """Bytes a backup of ``dists`` takes: file sizes rounded up to blocks, plus the manifest.
     ``installed``: as for :func:`package_roots`."""
     items, _outside, _roots = _collect(env, dists, installed)
-    total = 0
+    return sum(_blocks(info) + 512 for info in _lstats(items)) + _BLOCK  # + a manifest line each
+
+
+def disk_space_freed(
+    dists: Sequence[InstalledDistribution],
+    env: Environment,
+    installed: Sequence[InstalledDistribution],
+) -> int:
+    """Bytes that removing ``dists``' files frees: those of files with no other link (a file that is a
+    hardlink of a uv cache frees nothing). ``installed``: as for :func:`package_roots`."""
+    items, _outside, _roots = _collect(env, dists, installed)
+    return sum(_blocks(info) for info in _lstats(items) if info.st_nlink < 2)
+
+
+def _lstats(items: Iterable[_Item]) -> Iterator[os.stat_result]:
     for item in items:
-        try:
-            size = os.lstat(item.source).st_size
-        except OSError:
-            size = 0
-        total += -(-size // _BLOCK) * _BLOCK + 512  # content + a manifest line / inode
-    return total + _BLOCK
+        with contextlib.suppress(OSError):
+            yield os.lstat(item.source)
+
+
+def _blocks(info: os.stat_result) -> int:
+    """Pure: the file's size, rounded up to blocks."""
+    return -(-info.st_size // _BLOCK) * _BLOCK
 
 
 def free_space(path: Path) -> int:
