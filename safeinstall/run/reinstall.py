@@ -914,8 +914,9 @@ def run_reinstall(options: RunOptions, reporter: Reporter, interactive: bool) ->
 def keep_old_links(run: Run) -> None:
     """Before the stop, for an install in the window: links of the old files whose uninstall frees no
     blocks, kept in the prefix (:mod:`safeinstall.env.keep`), so that a rollback on a disk filled
-    meanwhile puts those inodes back instead of copies. Best effort: without them it copies."""
-    if run.backup is None:
+    meanwhile puts those inodes back instead of copies. Best effort: without them it copies. Never in
+    an account's environment (root makes no links in a tree the account writes: its restore copies)."""
+    if run.backup is None or run.env.account is not None:
         return
     paths = [f.path for f in run.backup.manifest.files if f.link_target is None]
     try:
