@@ -426,6 +426,13 @@ def test_recover_with_nothing_to_recover_removes_what_dead_runs_left(bed: Bed) -
     foreign = envdir / ".gate.foreign.tmp"
     foreign.write_text("not root's\n")
     os.chown(foreign, 65534, 65534)
+    kept = bed.python.parent.parent / f".safeinstall-keep-{run_id}"  # its links of the old files
+
+    def keep_left() -> None:
+        kept.mkdir(mode=0o700)
+        os.link(bed.site / "sicext" / "__init__.py", kept / ("0" * 64))
+
+    keep_left()
 
     recovered = bed.cli("--recover")
 
@@ -434,12 +441,13 @@ def test_recover_with_nothing_to_recover_removes_what_dead_runs_left(bed: Bed) -
     left = sorted(p.name for p in envdir.iterdir())
     assert not list(envdir.glob("wheels/*")), left
     assert not list(envdir.glob("uv-cache-*")) and not list(envdir.glob("prefetch-*")), left
-    assert not gate_temp.exists(), left
+    assert not gate_temp.exists() and not kept.exists(), left
     assert foreign.exists(), left
     gate_temp.write_text(f"{run_id}\n")  # the next run, under the lock with no journal, removes it too
+    keep_left()  # also when that run swaps (it keeps no links itself)
     after = bed.cli("sicext", "--wheel", str(bed.wheels["sicext-1"]), "--settle", "0.3", "--yes")
     assert after.code == 0, after.stdout + after.stderr
-    assert not gate_temp.exists() and foreign.exists()
+    assert not gate_temp.exists() and foreign.exists() and not kept.exists()
 
 
 def test_a_disk_filled_before_the_window_install_rolls_back_with_the_unit_running(

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from packaging.utils import canonicalize_name
 
+from safeinstall.env import keep
 from safeinstall.env.drift import FindingKind
 from safeinstall.env.environment import Environment, inspect_environment, resolve_python
 from safeinstall.env.systemsite import placement_refusals
@@ -114,6 +115,7 @@ def preflight(options: RunOptions, *, take_lock: bool) -> Prepared:
         if not state.journal.exists():  # under the lock, no run to recover: copies left are dead runs'
             discard_dead_copies(state.dir)
             remove_dead_temps(state)
+            keep.discard_leftovers(env.prefix)  # a dead run's links of the old files (root's prefixes)
     else:
         check_environment_dir(state)
         check_lock(state.lock, str(env.prefix))
