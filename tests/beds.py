@@ -245,6 +245,7 @@ class Bed:
         assert not list(self.state.glob("*/gate"))
         assert not list(self.state.glob("*/uv-cache-*"))  # the run's own uv cache: gone, even after a kill
         assert not list(self.manager.unit_dir.glob("*.d/*safeinstall*"))
+        assert not list(self.python.parent.parent.glob(".safeinstall-keep-*"))  # kept links of old files
 
 
 # --- the service account (uid 65534) -----------------------------------------------------------------

@@ -7,10 +7,12 @@ import json
 import os
 import stat
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from safeinstall.env import keep
 from safeinstall.env.containment import relative_to_prefix
 from safeinstall.env.distributions import dist_info_name, find_distribution, find_distributions
 from safeinstall.env.drift import FindingKind
@@ -416,3 +418,71 @@ def test_pure_helpers(tmp_path: Path) -> None:
         "a.cpython-311.opt-1.pyc",
         "a.cpython-311.pyc",
     ]
+
+
+def test_kept_links_go_back_only_as_saved(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path, small_disk: Callable[[int], Path]
+) -> None:
+    """Issue 35 item 2: old files shared with other links (a uv cache on the environment's disk: their
+    uninstall frees nothing) are kept as links in the prefix before the stop, and a restore puts those
+    very inodes back, no new blocks, instead of copies from the backup (here on another filesystem);
+    each only when it is exactly what the backup saved: a kept inode written since (its mtime put
+    back) is copied from the backup instead. Files with no other link are not kept."""
+    wheelhouse.uv_install(venv, wheels["sipure-1"])
+    env = inspect_environment(venv)
+    package = env.purelib / "sipure"
+    shared, tampered, alone = package / "__init__.py", package / "cli.py", package / "data" / "notes.txt"
+    cache = tmp_path / "cache"  # as uv's cache in hardlink mode, on the same disk
+    cache.mkdir()
+    for path in (shared, tampered):
+        os.link(path, cache / path.name)
+    backup = create_backup(
+        env,
+        [find_distribution(env, "sipure", find_distributions(env))],
+        small_disk(16) / "backup",
+        [],
+        installed=find_distributions(env),
+    )
+    paths = [f.path for f in backup.manifest.files if f.link_target is None]
+    assert keep.keep_links(env.prefix, "run1", paths) == 2
+    inodes = {p: os.stat(p).st_ino for p in (shared, tampered, alone)}
+    old = tampered.read_bytes()
+    info = os.stat(tampered)
+    tampered.write_bytes(b"#" * len(old))
+    os.utime(tampered, ns=(info.st_atime_ns, info.st_mtime_ns))
+
+    wheelhouse.uv_install(venv, wheels["sipure-2"], reinstall=True)
+    result = restore_backup(backup, env, [], run_id="run1")
+
+    assert result.ok, result
+    assert os.stat(shared).st_ino == inodes[shared]  # put back by link
+    assert os.stat(tampered).st_ino != inodes[tampered] and tampered.read_bytes() == old  # copied
+    assert "version 1" in shared.read_text() and alone.exists()
+    assert keep.discard(env.prefix, "run1", 10.0)
+    assert not list(env.prefix.glob(f"{keep.KEEP_PREFIX}*"))
+
+
+def test_kept_links_only_in_a_prefix_root_alone_writes_and_leftovers_go(
+    venv: Path, wheels: Wheelhouse
+) -> None:
+    """Root makes no links in a prefix another can write (an account's environment: the restore copies,
+    as before); a keep directory a dead run left goes at the next run's (and in --recover's tidy)."""
+    wheelhouse.uv_install(venv, wheels["sipure-1"])
+    env = inspect_environment(venv)
+    listed = [str(p.relative_to(env.prefix)) for p in (env.purelib / "sipure").glob("*.py")]
+    for path in listed:
+        os.link(env.prefix / path, env.prefix.parent / path.replace("/", "_"))
+    mode = stat.S_IMODE(os.stat(env.prefix).st_mode)
+    os.chmod(env.prefix, 0o777)
+    try:
+        assert keep.keep_links(env.prefix, "run1", listed) == 0
+        assert not list(env.prefix.glob(f"{keep.KEEP_PREFIX}*"))
+    finally:
+        os.chmod(env.prefix, mode)
+    dead = env.prefix / keep.keep_name("dead")
+    dead.mkdir(mode=0o700)
+    (dead / "x").write_text("left by a run that died\n")
+    assert keep.keep_links(env.prefix, "run2", listed) == len(listed)
+    assert not dead.exists() and (env.prefix / keep.keep_name("run2")).is_dir()
+    assert keep.discard_leftovers(env.prefix) == []
+    assert not list(env.prefix.glob(f"{keep.KEEP_PREFIX}*"))

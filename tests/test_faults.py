@@ -429,6 +429,13 @@ def test_recover_with_nothing_to_recover_removes_what_dead_runs_left(bed: Bed) -
     foreign = envdir / ".gate.foreign.tmp"
     foreign.write_text("not root's\n")
     os.chown(foreign, 65534, 65534)
+    kept = bed.python.parent.parent / f".safeinstall-keep-{run_id}"  # its links of the old files
+
+    def keep_left() -> None:
+        kept.mkdir(mode=0o700)
+        os.link(bed.site / "sicext" / "__init__.py", kept / ("0" * 64))
+
+    keep_left()
 
     recovered = bed.cli("--recover")
 
@@ -437,15 +444,15 @@ def test_recover_with_nothing_to_recover_removes_what_dead_runs_left(bed: Bed) -
     left = sorted(p.name for p in envdir.iterdir())
     assert not list(envdir.glob("wheels/*")), left
     assert not list(envdir.glob("uv-cache-*")) and not list(envdir.glob("prefetch-*")), left
-    assert not gate_temp.exists(), left
+    assert not gate_temp.exists() and not kept.exists(), left
     assert foreign.exists(), left
     gate_temp.write_text(f"{run_id}\n")  # the next run, under the lock with no journal, removes it too
+    keep_left()  # also when that run swaps (it keeps no links itself)
     after = bed.cli("sicext", "--wheel", str(bed.wheels["sicext-1"]), "--settle", "0.3", "--yes")
     assert after.code == 0, after.stdout + after.stderr
-    assert not gate_temp.exists() and foreign.exists()
+    assert not gate_temp.exists() and foreign.exists() and not kept.exists()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 35 item 2: the restore copies the old files back (new blocks)")
 def test_a_disk_filled_before_the_window_install_rolls_back_with_the_unit_running(
     wheels: Wheelhouse,
     tmp_path: Path,
@@ -457,9 +464,10 @@ def test_a_disk_filled_before_the_window_install_rolls_back_with_the_unit_runnin
     default link mode): uv's uninstall frees none of their blocks. The new version is bigger, and another
     writer takes all the room once the unit is stopped (after the room check): uv's install in the
     window fails (ENOSPC), then the restore, which copies the old files back from the backup (on
-    another filesystem), fails for lack of room too: a half-restored package, exit 4, the unit down
-    until a person acts. It must end exit 3 with the old version back and the unit running (the
-    restore needing no new blocks, or room reserved before the stop): not done yet."""
+    another filesystem), failed for lack of room too: a half-restored package, exit 4, the unit down
+    until a person acts. The run keeps links of those old files in the prefix before the stop, and the
+    restore puts those inodes back (no new blocks): exit 3, the old version back, the unit running,
+    and the links gone."""
     disk = small_disk(96)
     old = _with_blob(wheels["sicext-1"], tmp_path / "old", 12)
     new = _with_blob(wheels["sicext-2"], tmp_path / "new", 20)
@@ -468,6 +476,7 @@ def test_a_disk_filled_before_the_window_install_rolls_back_with_the_unit_runnin
     uv_env = {**wheelhouse.uv_env(), "UV_CACHE_DIR": str(disk / "uv-cache")}
     subprocess.run([*install, "--link-mode", "hardlink", str(old)], check=True, env=uv_env)
     bed = Bed(python, tmp_path / "state", user_manager, fake_nvml, wheels)
+    blob = os.stat(bed.site / "sicext" / "blob.bin").st_ino
     try:
         before = bed.snapshot()
         name = bed.unit("fill")
@@ -487,6 +496,40 @@ def test_a_disk_filled_before_the_window_install_rolls_back_with_the_unit_runnin
         assert proc.returncode == 3, (proc.returncode, out, err)
         wait_until(lambda: bed.manager.active_state(name) == "active", 20, "the unit running again")
         assert bed.version() == "1.0" and bed.snapshot() == before
+        # put back by link, not copied: the old inode, still shared with the uv cache
+        assert os.stat(bed.site / "sicext" / "blob.bin").st_ino == blob, "the old file was not relinked"
+        bed.no_trace()
+    finally:
+        bed.cleanup()
+
+
+def test_the_room_check_counts_no_room_freed_by_old_files_shared_with_a_uv_cache(
+    wheels: Wheelhouse,
+    tmp_path: Path,
+    user_manager: UserManager,
+    fake_nvml: FakeNvml,
+    small_disk: Callable[[int], Path],
+) -> None:
+    """The old files are hardlinks of a uv cache on the environment's disk: uv's uninstall frees none of
+    their blocks, and the new version (20 MiB) does not fit in the 14 MiB left. The room check counted
+    them as freed (20 - 12 MiB needed) and the install failed in the window; it refuses before the stop."""
+    disk = small_disk(96)
+    old = _with_blob(wheels["sicext-1"], tmp_path / "old", 12)
+    new = _with_blob(wheels["sicext-2"], tmp_path / "new", 20)
+    python = wheelhouse.make_venv(disk / "venv")
+    install = [wheelhouse.UV, "pip", "install", "--quiet", "--offline", "--python", str(python)]
+    uv_env = {**wheelhouse.uv_env(), "UV_CACHE_DIR": str(disk / "uv-cache")}
+    subprocess.run([*install, "--link-mode", "hardlink", str(old)], check=True, env=uv_env)
+    vfs = os.statvfs(disk)
+    with (disk / "filler").open("wb") as filler:
+        filler.write(b"\0" * (vfs.f_bavail * vfs.f_frsize - (14 << 20)))
+    bed = Bed(python, tmp_path / "state", user_manager, fake_nvml, wheels)
+    try:
+        name = bed.unit("room")
+        result = bed.cli("sicext", "--wheel", str(new), "--settle", "0.3", "--yes")
+        assert result.code == 2, result.stdout + result.stderr
+        assert f"the install of {new.name} needs" in result.stderr, result.stderr
+        assert bed.version() == "1.0" and bed.manager.active_state(name) == "active"
         bed.no_trace()
     finally:
         bed.cleanup()

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from packaging.utils import canonicalize_name
 
-from safeinstall.env import smoke
+from safeinstall.env import keep, smoke
 from safeinstall.env.drift import FindingKind
 from safeinstall.env.environment import Environment, inspect_environment, resolve_python
 from safeinstall.env.systemsite import placement_refusals
@@ -55,7 +55,7 @@ from safeinstall.run.patches import PatchSet, prepare_patches
 from safeinstall.run.survey import Survey, survey
 from safeinstall.run.undo import UndoTarget, undo_plan, undo_target, undo_uv_plan
 from safeinstall.scan.plan import Plan
-from safeinstall.store.backup import disk_space_needed, free_space, space_problem
+from safeinstall.store.backup import disk_space_freed, disk_space_needed, free_space, space_problem
 from safeinstall.store.baseline import read_vouched
 from safeinstall.store.state import (
     EnvironmentState,
@@ -123,6 +123,7 @@ def preflight(options: RunOptions, *, take_lock: bool, env: Environment | None =
         if not state.journal.exists():  # under the lock, no run to recover: copies left are dead runs'
             discard_dead_copies(state.dir)
             remove_dead_temps(state)
+            keep.discard_leftovers(env.prefix)  # a dead run's links of the old files (root's prefixes)
     else:
         check_environment_dir(state)
         check_lock(state.lock, str(env.prefix))
@@ -394,8 +395,10 @@ def room_problems(found: Survey, env: Environment, backups: Path, wheel: Wheel |
     if problem:
         problems.append(problem)
     if wheel is not None:
+        shared = _device(backups) == _device(env.prefix)
+        freed = 0 if shared else disk_space_freed(list(found.affected), env, found.installed)
         problem = space_problem(
-            install_room(installed_size(wheel), backup, _device(backups) == _device(env.prefix)),
+            install_room(installed_size(wheel), backup, freed, shared),
             free_space(env.prefix),
             env.prefix,
             what=f"the install of {wheel.path.name}",
@@ -406,14 +409,16 @@ def room_problems(found: Survey, env: Environment, backups: Path, wheel: Wheel |
     return tuple(problems)
 
 
-def install_room(new: int, old: int, shared: bool) -> int:
+def install_room(new: int, old: int, freed: int, shared: bool) -> int:
     """Pure: the room the install of ``new`` bytes needs in the environment, where the distributions it
-    replaces take ``old`` bytes. With the backup on another filesystem (a copy), uv's uninstall frees
-    the old files before it writes: the install needs what the new version takes beyond them, and the
-    rollback (new files removed before the old ones are written back) no more. With the backup on the
-    environment's filesystem it holds the old files' inodes, so nothing is freed: the install needs all
-    of it, and so much again for the backup, should it have to copy."""
-    return new + old if shared else max(0, new - old)
+    replaces take ``old`` bytes, ``freed`` of them in files with no other link. With the backup on
+    another filesystem (a copy), uv's uninstall frees those files before it writes: the install needs
+    what the new version takes beyond them, and the rollback (new files removed before the old ones are
+    written back, or the old inodes linked back: :mod:`safeinstall.env.keep`) no more. An old file
+    that is a hardlink of a uv cache on that disk frees nothing. With the backup on the environment's
+    filesystem it holds the old files' inodes, so nothing is freed: the install needs all of it, and
+    so much again for the backup, should it have to copy."""
+    return new + old if shared else max(0, new - freed)
 
 
 def _device(path: Path) -> int:

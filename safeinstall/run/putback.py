@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from safeinstall.env import keep
 from safeinstall.env.environment import Environment
 from safeinstall.env.swap import (
     STAGING_PREFIX,
@@ -39,13 +40,16 @@ from safeinstall.system.gate import GATE_DROPIN, gate_marker
 from safeinstall.system.systemd import Systemd
 
 
-def restore_previous(env: Environment, backup: Backup, wheel_path: Path | None, state_dir: Path) -> bool:
+def restore_previous(
+    env: Environment, backup: Backup, wheel_path: Path | None, state_dir: Path, run_id: str | None = None
+) -> bool:
     """Put the backed-up distributions back, removing whatever (half-)install is there now; False when
     the files were found exactly as saved (nothing was written: nothing had been installed).
 
     :func:`restore_backup` removes what the installed ``.dist-info`` of those names list; the new
     wheel's files are added here, for an install that died before it wrote its RECORD. Only the run's
-    own copy of the wheel, in the state directory, is read: never a path others can write.
+    own copy of the wheel, in the state directory, is read: never a path others can write. ``run_id``:
+    the run whose kept links of the old files go back instead of copies (:mod:`safeinstall.env.keep`).
     """
     remove: list[Path] = []
     if wheel_path is not None and is_wheel_copy(wheel_path, state_dir):
@@ -59,7 +63,7 @@ def restore_previous(env: Environment, backup: Backup, wheel_path: Path | None, 
                 location = install_location(wheel, member, env)
                 if location is not None and str(location) not in own:
                     remove.append(location)
-    result = restore_backup(backup, env, remove)
+    result = restore_backup(backup, env, remove, run_id=run_id)
     if not result.ok:
         problems = [*result.mismatches, *result.failures][:5]
         raise SafeInstallError(
@@ -116,10 +120,15 @@ def put_back(
         discard_staging(*staging, PUT_BACK_CACHE_S, ids)
     if restore is not None:
         env, backup = restore
-        restored = restore_previous(env, backup, Path(journal.wheel) if journal.wheel else None, state_dir)
+        wheel = Path(journal.wheel) if journal.wheel else None
+        restored = restore_previous(env, backup, wheel, state_dir, journal.run_id)
         unchanged = not restored
         if unchanged:
             notes.append("the files were found as they were before the run: nothing to restore")
+    # the kept links of the old files (restored now, or never needed): they hold the old version's blocks
+    if not keep.discard(Path(journal.prefix), journal.run_id, RUN_DIR_REMOVAL_S):
+        kept = Path(journal.prefix) / keep.keep_name(journal.run_id)
+        notes.append(f"{kept} could not be removed: remove it by hand")
     gate_marker(state_dir).unlink(missing_ok=True)
     units = units_to_start(journal)
     start(units)

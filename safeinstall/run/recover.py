@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from safeinstall.env import keep
 from safeinstall.env.environment import Environment, inspect_environment, resolve_python
 from safeinstall.env.wheelcopy import discard_dead_copies, is_wheel_copy
 from safeinstall.errors import ExitCode, RollbackFailed, SafeInstallError, StepFailed
@@ -213,6 +214,8 @@ def _tidy(state: EnvironmentState, prefix: str) -> None:
                 discard_dead_copies(state.dir)
                 remove_uv_caches(state)
                 remove_dead_temps(state)
+                if state.prefix is not None:  # a dead run's kept links of the old files
+                    keep.discard_leftovers(state.prefix)
     except SafeInstallError:
         return
 

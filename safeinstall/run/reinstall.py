@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
-from safeinstall.env import cachefill, inodes, swap
+from safeinstall.env import cachefill, inodes, keep, swap
 from safeinstall.env.distributions import InstalledDistribution, reload_distributions
 from safeinstall.env.drift import Expectation, FindingKind
 from safeinstall.env.environment import Account, Environment, interpreter_in_prefix
@@ -84,7 +84,8 @@ from safeinstall.store.state import (
     remove_run_dir,
     remove_uv_caches,
 )
-from safeinstall.store.verified import keep, store_checker
+from safeinstall.store.verified import keep as keep_hashes
+from safeinstall.store.verified import store_checker
 from safeinstall.system import signals
 from safeinstall.system.gate import GATE_DROPIN, gate_dropin_text, gate_marker
 from safeinstall.system.gpus import GpuSnapshot, NvmlSession, ReleaseStatus, wait_for_release
@@ -940,6 +941,8 @@ def run_reinstall(
                     step("prefetch", lambda: prefetch_step(run))
                     if not options.no_smoke:  # the new version exercised before anything stops
                         step("smoke", lambda: smoke_step(run))
+                    if run.staged is None:  # the install runs in the window
+                        keep_old_links(run)
                 step("gate", lambda: gate_step(run))
                 with NvmlSession(options.environ, options.proc_root) as session:
                     baseline = session.snapshot()  # before the stop: what the processes held
@@ -981,7 +984,7 @@ def run_reinstall(
         run.notes.extend([note] if note else [])
         # what the verification in place hashed: the old files the preflight hashed are gone; a file
         # installed within the store's granularity of its hash is racy, and hashed by the next check
-        note = keep(run.state.root, run.env.prefix, run.prepared.inodes, run.in_place.values())
+        note = keep_hashes(run.state.root, run.env.prefix, run.prepared.inodes, run.in_place.values())
         run.notes.extend([note] if note else [])
         try:
             remove_dropins(run)
@@ -994,6 +997,10 @@ def run_reinstall(
             _discard_staged(run)
         except Exception as exc:  # a good run stays one: the next run (or --recover) removes what is left
             run.notes.append(f"the staging directory was not removed: {exc}")
+        if not keep.discard(run.env.prefix, run.run_id, RUN_DIR_REMOVAL_S):
+            run.notes.append(
+                f"{run.env.prefix / keep.keep_name(run.run_id)} was not removed: the next run removes it"
+            )
         with contextlib.suppress(OSError):
             clear_journal(run.state.dir)
         removed = _prune_old_backups(run, "done")
@@ -1008,6 +1015,23 @@ def run_reinstall(
         if prepared.lock is not None:
             prepared.lock.release()
         deferral.close()
+
+
+def keep_old_links(run: Run) -> None:
+    """Before the stop, for an install in the window: links of the old files whose uninstall frees no
+    blocks, kept in the prefix (:mod:`safeinstall.env.keep`), so that a rollback on a disk filled
+    meanwhile puts those inodes back instead of copies. Best effort: without them it copies. Never in
+    an account's environment (root makes no links in a tree the account writes: its restore copies)."""
+    if run.backup is None or run.env.account is not None:
+        return
+    paths = [f.path for f in run.backup.manifest.files if f.link_target is None]
+    try:
+        kept = keep.keep_links(run.env.prefix, run.run_id, paths)
+    except OSError as exc:
+        run._log(f"no links of the old files kept ({exc}): a rollback copies them back")
+        return
+    if kept:
+        run._log(f"{kept} old file(s) shared with other links kept in {keep.keep_name(run.run_id)}")
 
 
 def _discard_staged(run: Run) -> None:

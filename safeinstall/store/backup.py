@@ -12,8 +12,10 @@ A RECORD entry on the backup's filesystem is saved as a hardlink (no copy of a G
 stop; the old version's bytes stay alive in it, as in a copy): uv's uninstall unlinks every RECORD
 entry before the install creates the new files, so the old inode, and the backup, keep the old
 content. Everything else (files added by hand, ``.dist-info`` files no RECORD lists), and every file
-on another filesystem, is copied. Restores always copy, so a restored file shares its inode with
-nothing.
+on another filesystem, is copied. Restores copy, so a restored file shares its inode with nothing;
+except where a window install's run kept links of the old files in the prefix
+(:mod:`safeinstall.env.keep`: files whose uninstall frees no blocks): those very inodes go back, each
+checked against what was saved, and a disk filled meanwhile needs no room for them.
 
 A restore first removes what is installed now under those distribution names (the paths the caller
 passes, the files the current ``.dist-info`` RECORDs of those names list, and those ``.dist-info``
@@ -52,6 +54,7 @@ from safeinstall.env.distributions import (
 from safeinstall.env.drift import pyc_source
 from safeinstall.env.environment import Environment
 from safeinstall.env.hashing import FileState, default_workers
+from safeinstall.env.keep import Saved, open_kept, relink
 from safeinstall.env.records import decode_digest, parse_record
 from safeinstall.errors import SafeInstallError
 from safeinstall.store.runlog import human_bytes
@@ -328,14 +331,29 @@ def disk_space_needed(
     """Bytes a backup of ``dists`` takes: file sizes rounded up to blocks, plus the manifest.
     ``installed``: as for :func:`package_roots`."""
     items, _outside, _roots = _collect(env, dists, installed)
-    total = 0
+    return sum(_blocks(info) + 512 for info in _lstats(items)) + _BLOCK  # + a manifest line each
+
+
+def disk_space_freed(
+    dists: Sequence[InstalledDistribution],
+    env: Environment,
+    installed: Sequence[InstalledDistribution],
+) -> int:
+    """Bytes that removing ``dists``' files frees: those of files with no other link (a file that is a
+    hardlink of a uv cache frees nothing). ``installed``: as for :func:`package_roots`."""
+    items, _outside, _roots = _collect(env, dists, installed)
+    return sum(_blocks(info) for info in _lstats(items) if info.st_nlink < 2)
+
+
+def _lstats(items: Iterable[_Item]) -> Iterator[os.stat_result]:
     for item in items:
-        try:
-            size = os.lstat(item.source).st_size
-        except OSError:
-            size = 0
-        total += -(-size // _BLOCK) * _BLOCK + 512  # content + a manifest line / inode
-    return total + _BLOCK
+        with contextlib.suppress(OSError):
+            yield os.lstat(item.source)
+
+
+def _blocks(info: os.stat_result) -> int:
+    """Pure: the file's size, rounded up to blocks."""
+    return -(-info.st_size // _BLOCK) * _BLOCK
 
 
 def free_space(path: Path) -> int:
@@ -738,13 +756,17 @@ def _remove_own_temp_files(tree: Tree, directories: Iterable[str]) -> None:
                     tree.unlink(f"{directory}/{name}")
 
 
-def _put_back(saved: BackupFile, source: Tree, tree: Tree, as_root: bool) -> bool:
+def _put_back(saved: BackupFile, source: Tree, tree: Tree, as_root: bool, kept: int | None) -> bool:
     """Put one file back atomically (temp file beside it, rename), unless it is there as saved already
     (False: nothing written; a read-only file system that the install never changed is left alone).
     On a full disk the file it replaces is removed first, to make the room that the copy needs: the
     services are stopped during a restore, so atomicity matters less than finishing it."""
     if _same(saved, tree):
         return False
+    if kept is not None and saved.link_target is None and saved.sha256 is not None:
+        what = Saved(saved.path, saved.size, saved.mode, saved.uid, saved.gid, saved.mtime_ns, saved.sha256)
+        if relink(kept, tree, what, _TMP_MARK):  # the old inode itself: no new blocks
+            return True
     try:
         _put_back_atomically(saved, source, tree, as_root)
     except OSError as exc:
@@ -788,7 +810,11 @@ def check_restored(backup: Backup, prefix: Path) -> list[str]:
 
 
 def restore_backup(
-    backup: Backup, env: Environment, remove: Iterable[Path], workers: int | None = None
+    backup: Backup,
+    env: Environment,
+    remove: Iterable[Path],
+    workers: int | None = None,
+    run_id: str | None = None,
 ) -> RestoreResult:
     """Put ``backup`` back into ``env``: remove what is installed now under its names, copy back, check.
 
@@ -801,6 +827,8 @@ def restore_backup(
     What is removed is named by files the environment's owner could write (the installed RECORDs):
     the removal runs in a worker that is that owner (:func:`_remove_as_owner`), so it removes nothing
     the owner could not. The put-back writes only what root saved, at the paths root recorded.
+    ``run_id``: the run whose kept links (:mod:`safeinstall.env.keep`) are put back where they match
+    the backup, instead of copies.
     """
     manifest = backup.manifest
     prefix = env.prefix
@@ -824,8 +852,13 @@ def restore_backup(
             f"cannot open {exc.filename}: {exc.strerror or exc}",
             hint="the environment's prefix and the backup must be real directories",
         ) from exc
-    with tree, source, tree.batch(), source.batch():
-        return _restore(backup, tree, source, removal, removed, workers)
+    kept = open_kept(tree, run_id) if run_id is not None else None
+    try:
+        with tree, source, tree.batch(), source.batch():
+            return _restore(backup, tree, source, removal, removed, workers, kept)
+    finally:
+        if kept is not None:
+            os.close(kept)
 
 
 @dataclass(frozen=True, slots=True)
@@ -879,7 +912,13 @@ def _remove_as_owner(env: Environment, removal: _Removal, stop: list[str]) -> _R
 
 
 def _restore(
-    backup: Backup, tree: Tree, source: Tree, removal: _Removal, removed: _Removed, workers: int | None
+    backup: Backup,
+    tree: Tree,
+    source: Tree,
+    removal: _Removal,
+    removed: _Removed,
+    workers: int | None,
+    kept: int | None,
 ) -> RestoreResult:
     manifest = backup.manifest
     as_root = os.geteuid() == 0
@@ -889,7 +928,7 @@ def _restore(
     _remove_own_temp_files(tree, {os.path.dirname(p) for p in restoring})  # left by a restore that crashed
     rewritten: list[str] = []
     with ThreadPoolExecutor(max_workers=workers or default_workers(), thread_name_prefix="restore") as pool:
-        futures = {pool.submit(_put_back, f, source, tree, as_root): f for f in manifest.files}
+        futures = {pool.submit(_put_back, f, source, tree, as_root, kept): f for f in manifest.files}
         for future in as_completed(futures):
             try:
                 if future.result():

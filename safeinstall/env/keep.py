@@ -1,0 +1,172 @@
+"""The way back that needs no new blocks: hardlinks of the old files a window install replaces, kept in
+the prefix until the run ends.
+
+An old file whose inode has other links (uv's default link mode: a hardlink of a uv cache on the
+environment's disk) frees nothing when uv's uninstall unlinks it; a restore that copies it back from a
+backup on another filesystem then needs its size again, and a disk filled in the window has no room
+for it (issue 35). Before the stop, :func:`keep_links` links each such file into
+``PREFIX/.safeinstall-keep-<run>/`` (root's, 0700; one name per file, no directories): a directory
+entry, no data block. A restore puts those very inodes back (:func:`relink`), each checked first
+against what the backup saved (a regular file only root can write, its mode, owner, mtime, size and
+sha256), with a rename; what cannot be relinked is copied as before.
+
+Only in a prefix that root owns and only root can write (as the swap's staging directory), and only
+inodes only root can write: in an account's environment nothing is kept (root makes no links in a tree
+the account can write), and the restore copies as it always did. The directory goes when the run ends
+(good or rolled back), in ``--recover``, and at the next run (a leftover of one that died).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from safeinstall.system.safefs import Tree, only_caller_writes
+
+KEEP_PREFIX = ".safeinstall-keep-"
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+@dataclass(frozen=True, slots=True)
+class Saved:
+    """What the backup saved of one regular file: the inode put back must be exactly that."""
+
+    path: str  # relative to the prefix
+    size: int
+    mode: int
+    uid: int
+    gid: int
+    mtime_ns: int
+    sha256: str
+
+
+def keep_name(run_id: str) -> str:
+    """Pure: the name of the run's directory of kept links in the prefix."""
+    return f"{KEEP_PREFIX}{run_id}"
+
+
+def key(relative: str) -> str:
+    """Pure: the name a kept link of ``relative`` has in the directory (flat: no directory to make)."""
+    return hashlib.sha256(relative.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def _roots_own(fd: int) -> bool:
+    return only_caller_writes(os.fstat(fd))
+
+
+def keep_links(prefix: Path, run_id: str, paths: Iterable[str]) -> int:
+    """Link each of ``paths`` (relative to the prefix) that is a regular file only root can write, with
+    other links (its uninstall frees nothing), into the run's keep directory; leftovers of runs that
+    died go first. Best effort (a file that cannot be linked is copied back, as before): the number
+    kept. Nothing in a prefix root does not own alone. Raises OSError when the directory cannot be made."""
+    name = keep_name(run_id)
+    with Tree(prefix) as tree:
+        if not _roots_own(tree.fd):
+            return 0
+        discard_leftovers(prefix, keep=name)
+        tree.make_dir(name, 0o700)
+        kept = 0
+        with tree.batch():
+            for relative in paths:
+                info = tree.lstat(relative)
+                if info is None or not stat.S_ISREG(info.st_mode) or info.st_nlink < 2:
+                    continue
+                if not only_caller_writes(info):
+                    continue
+                link = f"{name}/{key(relative)}"
+                try:
+                    with tree.parent(relative) as (fd, base), tree.parent(link) as (kfd, k):
+                        os.link(base, k, src_dir_fd=fd, dst_dir_fd=kfd, follow_symlinks=False)
+                except OSError:  # another filesystem, or gone: copied back if need be
+                    continue
+                kept += 1
+    return kept
+
+
+def open_kept(tree: Tree, run_id: str) -> int | None:
+    """A descriptor of the run's keep directory in ``tree`` (the prefix), when it is root's own (0700,
+    in a prefix only root writes); None otherwise. The caller closes it."""
+    try:
+        if not _roots_own(tree.fd):
+            return None
+        fd = os.open(keep_name(run_id), _DIR_FLAGS, dir_fd=tree.fd)
+    except OSError:
+        return None
+    info = os.fstat(fd)
+    if info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        os.close(fd)
+        return None
+    return fd
+
+
+def relink(kept_fd: int, tree: Tree, saved: Saved, mark: str) -> bool:
+    """Put the kept inode of ``saved.path`` back in place: linked beside it under a temp name (by
+    descriptor, no symlink followed), checked against what the backup saved, renamed over the path.
+    False (nothing changed) when there is none, or it is not exactly what was saved."""
+    with tree.parent(saved.path) as (fd, name):
+        temp = f".{name}{mark}{os.getpid()}-{os.urandom(4).hex()}"
+        try:
+            os.link(key(saved.path), temp, src_dir_fd=kept_fd, dst_dir_fd=fd, follow_symlinks=False)
+        except OSError:
+            return False
+        try:
+            if not _as_saved(fd, temp, saved):
+                os.unlink(temp, dir_fd=fd)
+                return False
+            os.replace(temp, name, src_dir_fd=fd, dst_dir_fd=fd)
+        except OSError:
+            os.unlink(temp, dir_fd=fd)
+            return False
+    return True
+
+
+def _as_saved(fd: int, name: str, saved: Saved) -> bool:
+    """The entry ``name`` in ``fd``: a regular file only root can write, as ``saved`` says, byte for byte."""
+    try:
+        handle = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=fd)
+    except OSError:
+        return False
+    try:
+        info = os.fstat(handle)
+        if not stat.S_ISREG(info.st_mode) or not only_caller_writes(info):
+            return False
+        found = (info.st_size, stat.S_IMODE(info.st_mode), info.st_uid, info.st_gid, info.st_mtime_ns)
+        if found != (saved.size, saved.mode, saved.uid, saved.gid, saved.mtime_ns):
+            return False
+        with os.fdopen(os.dup(handle), "rb", buffering=0) as reader:
+            return hashlib.file_digest(reader, "sha256").hexdigest() == saved.sha256
+    finally:
+        os.close(handle)
+
+
+def discard(prefix: Path, run_id: str, seconds: float) -> bool:
+    """Remove the run's keep directory (by descriptor, in a prefix root owns alone); True when it is gone
+    (or never was)."""
+    return _remove(prefix, keep_name(run_id), seconds)
+
+
+def discard_leftovers(prefix: Path, keep: str = "", seconds: float = 10.0) -> list[str]:
+    """Remove the keep directories runs that died left in the prefix (but ``keep``); those left."""
+    try:
+        names = sorted(n for n in os.listdir(prefix) if n.startswith(KEEP_PREFIX) and n != keep)
+    except OSError:
+        return []
+    return [n for n in names if not _remove(prefix, n, seconds)]
+
+
+def _remove(prefix: Path, name: str, seconds: float) -> bool:
+    if not name.startswith(KEEP_PREFIX) or "/" in name:
+        return False
+    try:
+        with Tree(prefix) as tree:
+            if not _roots_own(tree.fd):
+                return tree.lstat(name) is None
+            tree.remove_tree(name, time.monotonic() + seconds)
+            return tree.lstat(name) is None
+    except OSError:
+        return False
