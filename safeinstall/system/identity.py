@@ -61,10 +61,6 @@ class StatInfo:
     def kernel_thread(self) -> bool:
         return bool(self.flags & PF_KTHREAD)
 
-    @property
-    def process(self) -> ProcessId:
-        return ProcessId(self.pid, self.start_time)
-
 
 def parse_stat(text: str) -> StatInfo:
     """``/proc/PID/stat``; the name may hold spaces and parentheses. ValueError if malformed."""
