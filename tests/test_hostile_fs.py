@@ -180,6 +180,7 @@ def _plant_journal(account: ServiceAccountBed, unit: str) -> Path:
     from safeinstall.store.backup import create_backup
     from safeinstall.store.journal import JournalUnit, Phase, advance, journal_to_dict, new_journal
     from safeinstall.store.state import environment_key
+    from safeinstall.system.identity import ProcessId
 
     env = inspect_environment(account.python)
     envdir = account.state / environment_key(env.prefix)
@@ -193,7 +194,9 @@ def _plant_journal(account: ServiceAccountBed, unit: str) -> Path:
     )
     unit_entry = JournalUnit(unit, user_manager=True, was_active=True, unit_file_state="static", stopped=True)
     python = str(env.prefix / "bin" / account.python.name)
-    journal = new_journal(RUN_ID, 1234, None, python, str(env.prefix), "sicext", None, ["uv"], [unit_entry])
+    journal = new_journal(
+        RUN_ID, ProcessId(1234, None), python, str(env.prefix), "sicext", None, ["uv"], [unit_entry]
+    )
     journal = advance(advance(journal, Phase.BACKED_UP, backup_dir=str(backup)), Phase.INSTALLING)
     path = envdir / "journal.json"
     path.write_text(json.dumps(journal_to_dict(journal)))

@@ -29,6 +29,7 @@ from safeinstall.errors import StepFailed
 from safeinstall.store.journal import JournalUnit, Phase, advance, journal_to_dict, new_journal
 from safeinstall.store.state import environment_key
 from safeinstall.system.health import wait_healthy
+from safeinstall.system.identity import ProcessId
 from safeinstall.system.safefs import permitted
 from tests import wheelhouse
 from tests.bed_systemd import CGROUP_ROOTS, UserManager, wait_until
@@ -65,7 +66,7 @@ class Attack:
 def journal_doc(prefix: Path, envdir: Path, /, **fields: Any) -> dict[str, Any]:
     """A journal as a run of ``prefix`` writes it (phase installing), with ``fields`` changed."""
     journal = new_journal(
-        RUN_ID, 1234, None, str(prefix / "bin" / "python"), str(prefix), "sipure", None, ["uv"]
+        RUN_ID, ProcessId(1234, None), str(prefix / "bin" / "python"), str(prefix), "sipure", None, ["uv"]
     )
     journal = advance(journal, Phase.BACKED_UP, backup_dir=str(envdir / "backups" / RUN_ID))
     journal = advance(journal, Phase.INSTALLING)
@@ -900,7 +901,7 @@ def test_journal_json_is_what_the_run_writes(tmp_path: Path) -> None:
     root = tmp_path / "config" / "systemd" / "user"
     doc = journal_doc(prefix, envdir)
     journal = advance(
-        new_journal(RUN_ID, 1, None, doc["python"], doc["prefix"], "sipure", None, ["uv"], [unit]),
+        new_journal(RUN_ID, ProcessId(1, None), doc["python"], doc["prefix"], "sipure", None, ["uv"], [unit]),
         Phase.GATED,
         backup_dir=doc["backup_dir"],
         gate=[str(root / "si-a.service.d" / "50-safeinstall-gate.conf")],

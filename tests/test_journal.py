@@ -31,6 +31,7 @@ from safeinstall.store.journal import (
     update_unit,
     write_journal,
 )
+from safeinstall.system.identity import ProcessId
 
 T0 = datetime(2026, 11, 30, 3, 12, 1, tzinfo=UTC)
 UNITS = (
@@ -43,8 +44,7 @@ UNITS = (
 def sample() -> Journal:
     return new_journal(
         run_id="20261130T031201Z-1234",
-        pid=1234,
-        process_start=5678,
+        process=ProcessId(1234, 5678),
         python="/opt/venv/bin/python",
         prefix="/opt/venv",
         package="sipure",
@@ -146,7 +146,7 @@ def test_from_dict_rejects_wrong_types() -> None:
 
 def test_start_refuses_while_a_previous_journal_is_there_and_clear(tmp_path: Path) -> None:
     def start() -> Journal:
-        return start_journal(tmp_path, new_journal("r1", 1, None, "/p", "/v", "x", None, ["uv"]))
+        return start_journal(tmp_path, new_journal("r1", ProcessId(1, None), "/p", "/v", "x", None, ["uv"]))
 
     started = start()
     assert read_journal(tmp_path) == started and started.phase == Phase.PLANNED
@@ -213,7 +213,16 @@ def test_failed_is_judged_by_the_phase_it_failed_in() -> None:
     after_verify = advance(advance(full_run(), Phase.VERIFIED), Phase.FAILED)
     assert not needs_restore(after_verify)
     bare = Journal(
-        "r", 1, None, "t", "/p", "/v", "x", None, (), Phase.FAILED, history=(HistoryEntry(Phase.FAILED, "t"),)
+        "r",
+        ProcessId(1, None),
+        "t",
+        "/p",
+        "/v",
+        "x",
+        None,
+        (),
+        Phase.FAILED,
+        history=(HistoryEntry(Phase.FAILED, "t"),),
     )
     assert effective_phase(bare) == Phase.PLANNED
 

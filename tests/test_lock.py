@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from safeinstall.errors import ExitCode, LockHeldError
-from safeinstall.system.identity import parse_stat, process_start
+from safeinstall.system.identity import ProcessId, parse_stat, process_start
 from safeinstall.system.lock import (
     LockHolder,
     acquire_lock,
@@ -86,7 +86,7 @@ def test_lock_of_a_killed_run_is_taken_over_and_reported(
         assert "gone" in lock.takeover_note
         mine = parse_holder(path.read_text())
         assert mine is not None and mine.pid == os.getpid() and mine.argv == ("safeinstall", "x")
-        assert mine.process_start == process_start(os.getpid())
+        assert mine.process.start == process_start(os.getpid())
     assert path.read_text() == ""  # a clean release empties the file
     with acquire_lock(path, "/some/venv") as again:
         assert again.stale is None and again.takeover_note is None
@@ -150,17 +150,17 @@ def test_a_process_start_is_read_past_odd_command_names() -> None:
 
 
 def test_holder_json_round_trip_and_junk() -> None:
-    holder = LockHolder(pid=1234, process_start=99, started_at="2026-11-30T03:12:01+00:00", argv=("a", "b"))
+    holder = LockHolder(process=ProcessId(1234, 99), started_at="2026-11-30T03:12:01+00:00", argv=("a", "b"))
     assert parse_holder(holder_to_json(holder)) == holder
     assert parse_holder("") is None
     assert parse_holder("{not json") is None
     assert parse_holder('{"pid": "x"}') is None
     assert parse_holder("[1]") is None
-    assert parse_holder('{"pid": 7}') == LockHolder(7, None, "an unknown time", ())
+    assert parse_holder('{"pid": 7}') == LockHolder(ProcessId(7, None), "an unknown time", ())
 
 
 def test_messages_are_pure() -> None:
-    holder = LockHolder(pid=1234, process_start=None, started_at="2026-11-30T03:12:01+00:00", argv=())
+    holder = LockHolder(process=ProcessId(1234, None), started_at="2026-11-30T03:12:01+00:00", argv=())
     assert held_message(holder, "/path/venv") == (
         "another safeinstall run (PID 1234, started 2026-11-30 03:12:01 UTC) holds the lock for /path/venv"
     )
@@ -174,5 +174,5 @@ def test_messages_are_pure() -> None:
 def test_pid_reuse_is_not_mistaken_for_the_holder() -> None:
     me = process_start(os.getpid())
     assert me is not None
-    assert holder_alive(LockHolder(os.getpid(), me, "", ()))
-    assert not holder_alive(LockHolder(os.getpid(), me + 1, "", ()))  # same pid, another process
+    assert holder_alive(LockHolder(ProcessId(os.getpid(), me), "", ()))
+    assert not holder_alive(LockHolder(ProcessId(os.getpid(), me + 1), "", ()))  # same pid, another process

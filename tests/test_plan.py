@@ -7,6 +7,7 @@ from safeinstall.scan.evidence import Evidence, EvidenceKind
 from safeinstall.scan.plan import Plan, build_plan
 from safeinstall.scan.processes import ProcessRecord, ScanProblem, ScanResult
 from safeinstall.system.gpus import GpuSnapshot
+from safeinstall.system.identity import ProcessId
 
 ENVIRONMENT = Evidence(
     EvidenceKind.ENVIRONMENT, "", "/v/bin/python", False, "runs the environment's interpreter"
@@ -20,7 +21,7 @@ NO_GPUS = GpuSnapshot(False, "none", (), (), (), (), 0.0)
 def process(pid: int, unit: str | None, *evidence: Evidence) -> ProcessRecord:
     group = f"/app.slice/{unit}" if unit else "/user.slice/session-1.scope"
     return ProcessRecord(
-        pid=pid,
+        process=ProcessId(pid, pid),
         ppid=1,
         uid=0,
         user="root",
@@ -28,7 +29,6 @@ def process(pid: int, unit: str | None, *evidence: Evidence) -> ProcessRecord:
         state="S",
         cmdline=("/v/bin/python",),
         cgroup_text=f"0::{group}\n",
-        start_time=pid,
         evidence=evidence,
     )
 

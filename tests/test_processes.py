@@ -182,7 +182,7 @@ def test_mapped_extension_found_by_inode_and_by_path(sicext_venv: Path, spawn: S
     assert record.cmdline == ("sleep", "60") and record.name == "sleep"
     assert record.ppid == os.getpid() and record.uid == os.geteuid() and record.user == "root"
     assert record.cgroup_text == Path(f"/proc/{bystander.pid}/cgroup").read_text()
-    assert record.start_time == parse_stat(Path(f"/proc/{bystander.pid}/stat").read_text()).start_time
+    assert record.process.start == parse_stat(Path(f"/proc/{bystander.pid}/stat").read_text()).start_time
     assert record.state in {"S", "R"} and not record.is_self
     # every process is there, the scanner itself marked, not skipped
     assert result.self_pid == os.getpid() and result.by_pid()[os.getpid()].is_self
@@ -814,7 +814,7 @@ def test_scan_of_a_fake_proc(tmp_path: Path) -> None:
     service, me = result.processes
     assert me.is_self and result.self_pid == 300 and not me.affected
     assert (service.uid, service.user, service.name, service.ppid) == (54321, "54321", "fastlib-serve", 1)
-    assert service.cgroup_text == "0::/system.slice/svc.service\n" and service.start_time == 5000
+    assert service.cgroup_text == "0::/system.slice/svc.service\n" and service.process.start == 5000
     assert service.cmdline == (f"{BIN}/python", f"{BIN}/fastlib-serve")
     assert [(e.kind.value, e.path, e.deleted) for e in service.evidence] == [
         ("mapped", SO_PATH, False),

@@ -16,6 +16,7 @@ import pytest
 
 from safeinstall.store.journal import new_journal, start_journal
 from safeinstall.store.state import ensure_environment_dir, environment_state
+from safeinstall.system.identity import ProcessId
 from safeinstall.system.lock import acquire_lock
 from tests.bed_nvml import GiB
 from tests.bed_systemd import wait_until
@@ -51,8 +52,7 @@ def test_forget_refuses_an_environment_whose_run_did_not_finish_or_is_running(tm
     saved.write_text("the old version, only here now\n")
     journal = new_journal(
         run_id=run_id,
-        pid=4242,
-        process_start=None,
+        process=ProcessId(4242, None),
         python=str(gone_prefix / "bin" / "python"),
         prefix=str(gone_prefix),
         package="sicext",

@@ -42,7 +42,7 @@ from safeinstall.store.history import find as find_entry
 from safeinstall.store.journal import Journal, JournalError, read_journal
 from safeinstall.store.state import EnvironmentState, atomic_write, is_run_id
 from safeinstall.system import children
-from safeinstall.system.identity import alive
+from safeinstall.system.identity import ProcessId, alive
 from safeinstall.system.lock import read_holder
 from safeinstall.system.safefs import UntrustedFile, only_caller_writes, read_trusted
 from safeinstall.system.systemd import Systemd
@@ -293,7 +293,7 @@ def wait_for_run(
 
     if run_id is not None and not is_run_id(run_id):
         raise UsageError(f"{run_id!r} is not a run id", hint="run ids look like 20261130T031201Z-1234")
-    watched: tuple[int, int | None] | None = None
+    watched: ProcessId | None = None
     tail: LogTail | None = None
     while True:
         journal = read_journal(state.dir)
@@ -321,7 +321,7 @@ def wait_for_run(
                 on_line(line)
             return entry
         if journal is not None and journal.run_id == run_id:
-            watched = (journal.pid, journal.process_start)
+            watched = journal.process
         elif watched is None:
             held, holder = read_holder(state.lock)
             if not (held and holder is not None):
@@ -329,8 +329,8 @@ def wait_for_run(
                     f"the run {run_id} is neither running nor finished in {state.prefix or state.dir}",
                     hint="safeinstall --status lists the runs",
                 )
-            watched = (holder.pid, holder.process_start)  # a run in its preflight: maybe this one
-        if not alive(*watched):
+            watched = holder.process  # a run in its preflight: maybe this one
+        if not alive(watched):
             entry = find_entry(state, run_id)
             if entry is not None:
                 continue

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from safeinstall.env.drift import Finding
 from safeinstall.errors import SafeInstallError
 from safeinstall.store.rundoc import RESULT_VERSION
+from safeinstall.system.identity import ProcessId
 
 if TYPE_CHECKING:
     from safeinstall.env.verify import VerifyReport
@@ -29,7 +30,11 @@ def jsonable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {
+            k: jsonable(v)
+            for f in dataclasses.fields(value)
+            for k, v in _flat(f.name, getattr(value, f.name))
+        }
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a NamedTuple: an object, as a dataclass
         return {name: jsonable(getattr(value, name)) for name in value._fields}
     if isinstance(value, Enum):
@@ -42,6 +47,14 @@ def jsonable(value: Any) -> Any:
         items = [jsonable(v) for v in value]
         return sorted(items) if isinstance(value, set | frozenset) else items
     return value
+
+
+def _flat(name: str, value: Any) -> tuple[tuple[str, Any], ...]:
+    """A field as JSON keys: a process held as a :class:`ProcessId` shows flat, as ``pid`` and
+    ``start_time`` (docs/json.md), every other field as itself."""
+    if isinstance(value, ProcessId):
+        return (("pid", value.pid), ("start_time", value.start))
+    return ((name, value),)
 
 
 def finding_json(finding: Finding) -> dict[str, Any]:

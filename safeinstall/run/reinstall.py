@@ -92,9 +92,10 @@ from safeinstall.system.gpus import GpuSnapshot, NvmlSession, ReleaseStatus, wai
 from safeinstall.system.health import shown as shown_url
 from safeinstall.system.health import wait_healthy
 from safeinstall.system.identity import (
+    ProcessId,
     StatInfo,
     end_processes,
-    process_start,
+    own_process,
     read_stat,
     same_process,
     uninterruptible,
@@ -124,8 +125,7 @@ def start(prepared: Prepared, reporter: Reporter) -> Run:
         prepared.state.dir,
         new_journal(
             run_id,
-            os.getpid(),
-            process_start(os.getpid()),
+            own_process(),
             str(interpreter_in_prefix(env)),
             str(env.prefix),
             plan.package,
@@ -460,7 +460,7 @@ def stop_step(run: Run) -> str:
 
 #: How often a wait on units (stop, start and settle) says what it still waits for.
 def _kill_strays(run: Run) -> tuple[int, ...]:
-    run.strays_killed = end_processes([(p.pid, p.start_time) for p in run.plan.strays])
+    run.strays_killed = end_processes(p.process for p in run.plan.strays)
     return run.strays_killed
 
 
@@ -477,7 +477,7 @@ def _check_no_late_users(run: Run) -> str:
     every = not run.options.only_loaded  # --only-loaded: certain evidence only, as in the plan
     late = [p for p in scan.affected if not p.is_self and p.state != "Z" and (every or p.certain)]
     if late:  # a short-lived one (a cron job's check, another safeinstall's probe) that is gone is none
-        procs = [proc for p in late if (proc := same_process(p.pid, p.start_time)) is not None]
+        procs = [proc for p in late if (proc := same_process(p.process)) is not None]
         still = {proc.pid for proc in wait_exited(procs, LATE_GRACE_S)}
         late = [p for p in late if p.pid in still]
     if not late:
@@ -488,7 +488,7 @@ def _check_no_late_users(run: Run) -> str:
             f"process(es) {listed} started using {run.plan.package} after the plan was made",
             hint="stop them, or pass --kill-strays to end them (they are not restarted)",
         )
-    ended = end_processes([(p.pid, p.start_time) for p in late])
+    ended = end_processes(p.process for p in late)
     run.strays_killed = (*run.strays_killed, *ended)
     return f"; late user(s) {listed} ended (not restarted)"
 
@@ -729,9 +729,7 @@ def _wait_gone(
     processes: tuple[PlannedProcess, ...], timeout: float, check: Callable[[], None] | None = None
 ) -> list[int]:
     """The PIDs of ``processes`` still running after ``timeout`` s; ``check`` at each poll may raise."""
-    procs = [
-        p for p in (same_process(planned.pid, planned.start_time) for planned in processes) if p is not None
-    ]
+    procs = [p for p in (same_process(planned.process) for planned in processes) if p is not None]
     deadline = time.monotonic() + timeout
     while True:
         procs = wait_exited(procs, max(0.0, min(GONE_POLL_S, deadline - time.monotonic())))
@@ -766,26 +764,26 @@ class _StuckOnGpu:
     """At each poll of a wait for stopped processes: ends it (StepFailed) at once when one that holds
     GPU memory stays in ``D`` (:func:`stuck_on_gpu`), instead of waiting out a timeout."""
 
-    holders: dict[tuple[int, int], int]  # (pid, start time) -> the GPU bytes the plan saw it hold
-    since: dict[tuple[int, int], float] = field(default_factory=dict)
+    holders: dict[ProcessId, int]  # the GPU bytes the plan saw each hold
+    since: dict[ProcessId, float] = field(default_factory=dict)
 
     @classmethod
     def of(cls, processes: Sequence[PlannedProcess]) -> _StuckOnGpu:
-        return cls({(p.pid, p.start_time): p.gpu_bytes for p in processes if p.gpu_bytes})
+        return cls({p.process: p.gpu_bytes for p in processes if p.gpu_bytes})
 
     def __call__(self) -> None:
         now = time.monotonic()
-        for (pid, start), held in self.holders.items():
-            stat = read_stat(pid, start)
+        for process, held in self.holders.items():
+            stat = read_stat(process)
             if stat is None or not uninterruptible(stat):
-                self.since.pop((pid, start), None)
+                self.since.pop(process, None)
                 continue
-            said = stuck_on_gpu(stat, held, self.since.setdefault((pid, start), now), now)
+            said = stuck_on_gpu(stat, held, self.since.setdefault(process, now), now)
             if said is not None:
                 raise StepFailed(
                     said,
-                    hint=f"reboot the host; before, `cat /proc/{pid}/stack` (as root) and the kernel log "
-                    "(`journalctl -k`) show where it hangs",
+                    hint=f"reboot the host; before, `cat /proc/{process.pid}/stack` (as root) and the kernel "
+                    "log (`journalctl -k`) show where it hangs",
                 )
 
 

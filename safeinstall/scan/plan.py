@@ -16,6 +16,7 @@ from safeinstall.scan.evidence import Evidence, EvidenceKind, Strength
 from safeinstall.scan.processes import TOO_LARGE, ProcessRecord, ScanProblem, ScanResult
 from safeinstall.system.cgroups import CgroupPlacement, placement_of_proc_cgroup, valid_unit_name
 from safeinstall.system.gpus import GpuSnapshot
+from safeinstall.system.identity import ProcessId
 from safeinstall.system.systemd import StartLimit, UnitInfo, start_limit_risk
 
 
@@ -41,8 +42,7 @@ class AffectedDistribution:
 
 @dataclass(frozen=True, slots=True)
 class PlannedProcess:
-    pid: int
-    start_time: int  # with pid, names one process across PID reuse
+    process: ProcessId  # in --json, flat: ``pid`` and ``start_time`` (docs/json.md)
     user: str
     name: str
     cmdline: tuple[str, ...]
@@ -58,6 +58,10 @@ class PlannedProcess:
     strength: str = Strength.CERTAIN.value
     #: its strongest evidence in a few words, for the plan at a glance ("maps torch/lib/x.so")
     reason: str = ""
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,8 +260,7 @@ def _planned(
         details.append(f"shares {placement.unit} with an affected process")
     reason = strongest_reason(record.evidence, placement.unit, len(kinds) > len(record.evidence))
     return PlannedProcess(
-        pid=record.pid,
-        start_time=record.start_time,
+        process=record.process,
         user=record.user,
         name=record.name,
         cmdline=record.cmdline,

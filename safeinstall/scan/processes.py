@@ -64,14 +64,14 @@ from safeinstall.scan.targets import (
     Target,
 )
 from safeinstall.system.forking import can_fork, cpu_count, map_forked, split
-from safeinstall.system.identity import PF_KTHREAD, StatInfo, parse_stat
+from safeinstall.system.identity import PF_KTHREAD, ProcessId, StatInfo, parse_stat
 
 # -------------------------------------------------------------------------------------------- scanning
 
 
 @dataclass(frozen=True, slots=True)
 class ProcessRecord:
-    pid: int
+    process: ProcessId  # stat's PID and field 22: one process across pid reuse
     ppid: int
     uid: int  # effective
     user: str  # its name, or the number when it has none
@@ -79,9 +79,12 @@ class ProcessRecord:
     state: str  # R, S, D, Z (zombie: nothing left to restart), T, ...
     cmdline: tuple[str, ...]
     cgroup_text: str  # raw /proc/PID/cgroup, parsed by safeinstall.system.cgroups
-    start_time: int  # field 22 of stat: (pid, start_time) names one process across pid reuse
     evidence: tuple[Evidence, ...] = ()
     is_self: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
 
     @property
     def affected(self) -> bool:
@@ -334,7 +337,7 @@ def _scan_one(
     if scope is not None and not evidence and pid != self_pid:
         evidence = _environment_evidence(proc, scope, stat, cmdline, maps_text, links)
     return ProcessRecord(
-        pid=pid,
+        process=ProcessId(pid, stat.start_time),
         ppid=stat.ppid,
         uid=uid,
         user=_user(uid, users),
@@ -342,7 +345,6 @@ def _scan_one(
         state=stat.state,
         cmdline=cmdline,
         cgroup_text=cgroup_text,
-        start_time=stat.start_time,
         evidence=evidence,
         is_self=pid == self_pid,
     )

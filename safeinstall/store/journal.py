@@ -30,6 +30,7 @@ from safeinstall.store.state import (
 )
 from safeinstall.system.cgroups import valid_unit_name
 from safeinstall.system.gate import GATE_DROPIN
+from safeinstall.system.identity import ProcessId
 
 JOURNAL_VERSION = 1
 #: A journal holds a plan and a history: kilobytes. Anything larger was not written by safeinstall.
@@ -91,8 +92,7 @@ class HistoryEntry:
 @dataclass(frozen=True, slots=True)
 class Journal:
     run_id: str
-    pid: int
-    process_start: int | None  # /proc/PID/stat field 22 of the run (pid + this = one process)
+    process: ProcessId  # the run; in the file, flat: ``pid`` and ``process_start``
     started_at: str  # ISO 8601, UTC
     python: str
     prefix: str
@@ -109,6 +109,10 @@ class Journal:
     old_version: str | None = None  # the package's version before the run (for the history of a recovery)
     new_version: str | None = None  # the version it installs
 
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
 
 def now_iso(now: datetime | None = None) -> str:
     return (now or datetime.now(UTC)).astimezone(UTC).isoformat(timespec="milliseconds")
@@ -116,8 +120,7 @@ def now_iso(now: datetime | None = None) -> str:
 
 def new_journal(
     run_id: str,
-    pid: int,
-    process_start: int | None,
+    process: ProcessId,
     python: str,
     prefix: str,
     package: str,
@@ -132,8 +135,7 @@ def new_journal(
     at = now_iso(now)
     return Journal(
         run_id=run_id,
-        pid=pid,
-        process_start=process_start,
+        process=process,
         started_at=at,
         python=python,
         prefix=prefix,
@@ -213,8 +215,8 @@ def journal_to_dict(journal: Journal) -> dict[str, Any]:
     return {
         "version": journal.version,
         "run_id": journal.run_id,
-        "pid": journal.pid,
-        "process_start": journal.process_start,
+        "pid": journal.process.pid,
+        "process_start": journal.process.start,
         "started_at": journal.started_at,
         "python": journal.python,
         "prefix": journal.prefix,
@@ -268,6 +270,13 @@ def _list_of(data: dict[str, Any], key: str, kind: type) -> list[Any]:
     return values
 
 
+def _process(pid: int, start: int | None) -> ProcessId:
+    try:
+        return ProcessId.checked(pid, start)
+    except ValueError as exc:
+        raise _Bad(str(exc)) from None
+
+
 def _phase(value: Any) -> Phase:
     try:
         return Phase(value)
@@ -301,8 +310,7 @@ def journal_from_dict(data: Any) -> Journal:
     return Journal(
         version=version,
         run_id=_get(data, "run_id", str),
-        pid=_get(data, "pid", int),
-        process_start=_get(data, "process_start", int, optional=True),
+        process=_process(_get(data, "pid", int), _get(data, "process_start", int, optional=True)),
         started_at=_get(data, "started_at", str),
         python=_get(data, "python", str),
         prefix=_get(data, "prefix", str),

@@ -6,8 +6,10 @@ earlier still runs, and ends processes that were seen (by identity, never by PID
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,6 +20,32 @@ if TYPE_CHECKING:  # loaded by what ends processes, not by the lock's and --stat
 
 #: ``PF_KTHREAD`` in the flags field of ``/proc/PID/stat``: a kernel thread (no user space to check).
 PF_KTHREAD = 0x00200000
+#: The kernel's ``PID_MAX_LIMIT`` on 64-bit hosts: no PID is larger.
+PID_MAX = 2**22
+#: A start time (clock ticks after boot) at or above this is no start time (a signed 64-bit counter).
+START_MAX = 2**63
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessId:
+    """One process across PID reuse: its PID and its start time (``/proc/PID/stat`` field 22, clock
+    ticks after boot). ``start`` None: not known (a record whose writer could not read it); then the
+    PID alone decides, in :func:`alive` and :func:`same_process`."""
+
+    pid: int
+    start: int | None
+
+    @classmethod
+    def checked(cls, pid: object, start: object) -> ProcessId:
+        """From untrusted values (a state file, a lock file): ValueError unless ``pid`` is an int
+        (not a bool) in 1..PID_MAX and ``start`` None or an int (not a bool) in 0..START_MAX-1."""
+        if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid <= PID_MAX:
+            raise ValueError(f"not a process ID: {pid!r:.40}")
+        if start is None:
+            return cls(pid, None)
+        if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start < START_MAX:
+            raise ValueError(f"not a process start time: {start!r:.40}")
+        return cls(pid, start)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,13 +87,13 @@ def uninterruptible(stat: StatInfo) -> bool:
     return stat.state == "D"
 
 
-def read_stat(pid: int, start: int, proc: Path = Path("/proc")) -> StatInfo | None:
-    """``/proc/PID/stat`` of the process seen as (``pid``, ``start``); None when it is gone."""
+def read_stat(seen: ProcessId, proc: Path = Path("/proc")) -> StatInfo | None:
+    """``/proc/PID/stat`` of the process ``seen``; None when it is gone."""
     try:
-        stat = parse_stat((proc / str(pid) / "stat").read_text(encoding="utf-8", errors="replace"))
+        stat = parse_stat((proc / str(seen.pid) / "stat").read_text(encoding="utf-8", errors="replace"))
     except (OSError, ValueError):
         return None
-    return stat if stat.start_time == start else None
+    return stat if seen.start is None or stat.start_time == seen.start else None
 
 
 def process_start(pid: int, proc: Path = Path("/proc")) -> int | None:
@@ -77,35 +105,41 @@ def process_start(pid: int, proc: Path = Path("/proc")) -> int | None:
         return None
 
 
-def alive(pid: int, start: int | None, proc: Path = Path("/proc")) -> bool:
-    """Whether the process seen as (``pid``, ``start``) still runs: same PID *and* start time (None:
-    the start was not known, the PID alone decides)."""
-    now = process_start(pid, proc)
-    return now is not None and (start is None or now == start)
+def own_process() -> ProcessId:
+    """This process (its start None only when ``/proc`` cannot be read)."""
+    pid = os.getpid()
+    return ProcessId(pid, process_start(pid))
 
 
-def same_process(pid: int, start_time: int) -> psutil.Process | None:
+def alive(seen: ProcessId, proc: Path = Path("/proc")) -> bool:
+    """Whether the process ``seen`` still runs: same PID *and* start time (a start not known: the
+    PID alone decides)."""
+    now = process_start(seen.pid, proc)
+    return now is not None and (seen.start is None or now == seen.start)
+
+
+def same_process(seen: ProcessId) -> psutil.Process | None:
     """The live process that was seen (same PID and start time), or None if it is gone."""
     import psutil
 
     try:
-        proc = psutil.Process(pid)
-        start = process_start(pid)
+        proc = psutil.Process(seen.pid)
+        start = process_start(seen.pid)
     except psutil.Error:
         return None
-    if start is not None and start != start_time:
+    if start is not None and seen.start is not None and start != seen.start:
         return None
     return proc
 
 
-def end_processes(seen: list[tuple[int, int]]) -> tuple[int, ...]:
-    """SIGTERM each (PID, start time) still running, SIGKILL after 10 s; the PIDs that were ended."""
+def end_processes(seen: Iterable[ProcessId]) -> tuple[int, ...]:
+    """SIGTERM each process seen that still runs, SIGKILL after 10 s; the PIDs that were ended."""
     import psutil
 
     ended: list[int] = []
     procs: list[psutil.Process] = []
-    for pid, start_time in seen:
-        proc = same_process(pid, start_time)
+    for process in seen:
+        proc = same_process(process)
         if proc is None:
             continue
         try:
@@ -113,7 +147,7 @@ def end_processes(seen: list[tuple[int, int]]) -> tuple[int, ...]:
         except psutil.Error:
             continue
         procs.append(proc)
-        ended.append(pid)
+        ended.append(process.pid)
     lingering = wait_exited(procs, timeout=10)
     for proc in lingering:
         with contextlib.suppress(psutil.Error):

@@ -12,6 +12,7 @@ The descriptor is opened with ``O_CLOEXEC``: uv, systemctl and the restarted ser
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -25,7 +26,7 @@ from pathlib import Path
 from types import TracebackType
 
 from safeinstall.errors import LockHeldError, SafeInstallError
-from safeinstall.system.identity import alive, process_start
+from safeinstall.system.identity import ProcessId, alive, own_process
 
 _HOLDER_VERSION = 1
 #: While the file names no live holder, a busy lock is retried this long (the holder may be between
@@ -35,10 +36,13 @@ DEFAULT_GRACE_S = 1.0
 
 @dataclass(frozen=True, slots=True)
 class LockHolder:
-    pid: int
-    process_start: int | None  # /proc/PID/stat field 22 (clock ticks after boot): pid + this = one process
+    process: ProcessId  # the run; in the file, flat: ``pid`` and ``process_start``
     started_at: str  # ISO 8601, UTC: when the run took the lock
     argv: tuple[str, ...]
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
 
     @property
     def started_display(self) -> str:
@@ -60,8 +64,8 @@ def holder_to_json(holder: LockHolder) -> str:
     return json.dumps(
         {
             "version": _HOLDER_VERSION,
-            "pid": holder.pid,
-            "process_start": holder.process_start,
+            "pid": holder.process.pid,
+            "process_start": holder.process.start,
             "started_at": holder.started_at,
             "argv": list(holder.argv),
         },
@@ -81,20 +85,22 @@ def parse_holder(text: str) -> LockHolder | None:
     start = data.get("process_start")
     started_at = data.get("started_at")
     argv = data.get("argv")
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+    try:
+        process = ProcessId.checked(pid, None)
+    except ValueError:
         return None
-    if start is not None and (not isinstance(start, int) or isinstance(start, bool)):
-        start = None
+    with contextlib.suppress(ValueError):  # a start that is no start: not known, the PID alone decides
+        process = ProcessId.checked(pid, start)
     if not isinstance(started_at, str):
         started_at = "an unknown time"
     if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
         argv = []
-    return LockHolder(pid=pid, process_start=start, started_at=started_at, argv=tuple(argv))
+    return LockHolder(process=process, started_at=started_at, argv=tuple(argv))
 
 
 def holder_alive(holder: LockHolder, proc: Path = Path("/proc")) -> bool:
     """Whether the process the file names still runs (same pid *and* same start time: no pid reuse)."""
-    return alive(holder.pid, holder.process_start, proc)
+    return alive(holder.process, proc)
 
 
 def held_message(holder: LockHolder | None, target: str) -> str:
@@ -222,10 +228,8 @@ def acquire_lock(
 
 def _take(path: Path, fd: int, argv: Sequence[str] | None, now: datetime | None) -> HeldLock:
     previous = parse_holder(_read_fd(fd))
-    pid = os.getpid()
     holder = LockHolder(
-        pid=pid,
-        process_start=process_start(pid),
+        process=own_process(),
         started_at=(now or datetime.now(UTC)).astimezone(UTC).isoformat(timespec="seconds"),
         argv=tuple(sys.argv if argv is None else argv),
     )
@@ -242,7 +246,7 @@ def _take(path: Path, fd: int, argv: Sequence[str] | None, now: datetime | None)
             "nothing was changed",
             hint=f"free some space on {where}, or set SAFEINSTALL_STATE_DIR to another filesystem",
         ) from exc
-    stale = previous if previous is not None and previous.pid != pid else None
+    stale = previous if previous is not None and previous.pid != holder.pid else None
     note = None if stale is None else takeover_message(stale, holder_alive(stale))
     return HeldLock(path, fd, holder, stale, note)
 
