@@ -13,11 +13,13 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from safeinstall.env import smoke
 from safeinstall.run.options import RunOptions, option_problems
 from safeinstall.system.systemd import parse_exec_context
 from tests.bed_systemd import wait_until
-from tests.beds import NOBODY, UNIT_TEXT, Bed, ServiceAccountBed
+from tests.beds import AS_ROOT, NOBODY, UNIT_TEXT, Bed, ServiceAccountBed, chown_tree
 
 
 def _left_in_state(bed: Bed) -> list[str]:
@@ -282,3 +284,89 @@ def test_smoke_options_that_cannot_be_honoured_are_refused() -> None:
     assert said(smoke="  ") == ["--smoke needs a command, and cannot go with --no-smoke"]
     assert said(smoke="true", undo="20261201T000000Z-1")[0].startswith("--smoke goes with a reinstall")
     assert said(smoke_timeout=float("nan"))[0].startswith("--smoke-timeout nan")
+
+
+def test_what_another_account_controls_of_the_unit_never_runs_in_the_check(bed: Bed, tmp_path: Path) -> None:
+    """The attacker review (issue 34): in a root-owned environment the check's child is root, and it took
+    the unit's ``WorkingDirectory=``, ``PYTHONPATH`` and ``EnvironmentFile=`` as they were: a unit whose
+    user (here uid 65534) owns them made root run its code (a ``sitecustomize`` on the unit's
+    ``PYTHONPATH``, a module in the working directory). Now what another account controls is left out,
+    said in the run's notes, the loader's variables never taken, and the check still runs."""
+    if not AS_ROOT:
+        pytest.skip("the child is root only in a root-owned environment of a run as root")
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    app = tmp_path / "app"
+    app.mkdir()
+    for name in ("sitecustomize", "evil_warning"):  # each writes a marker, only in the check's child
+        (app / f"{name}.py").write_text(
+            "import os\n"
+            "if 'SAFEINSTALL_SMOKE_SITES' in os.environ:\n"
+            f"    open({str(markers)!r} + '/{name}-' + str(os.getuid()), 'w').close()\n"
+            "class W(Warning):\n    pass\n"
+        )
+    env_file = app / "unit.env"
+    env_file.write_text(f"PYTHONPATH={app}\nSMOKE_FROM_FILE=1\n")
+    chown_tree(app, NOBODY)
+    unit = bed.service(
+        "smoke-hostile",
+        Environment=f"PYTHONPATH={app} PYTHONWARNINGS=ignore::evil_warning.W LD_AUDIT=/none SMOKE_OK=1",
+        EnvironmentFile=str(env_file),
+        WorkingDirectory=str(app),
+    )
+    seen = tmp_path / "seen"
+    done = bed.safeinstall(
+        "sicext",
+        "--wheel",
+        str(bed.wheels["sicext-2"]),
+        "--settle",
+        "1",
+        "--json",
+        "--smoke",
+        f"pwd > {seen}; env >> {seen}",
+    )
+    assert done.code == 0, done.stdout + done.stderr
+    assert list(markers.iterdir()) == [], "the unit's user's code ran in the check"
+    said = "\n".join(done.json["data"]["notes"])
+    assert f"EnvironmentFile {env_file} was not read" in said, said
+    assert f"PYTHONPATH entry {app}" in said and "PYTHONWARNINGS" in said and "LD_AUDIT" in said, said
+    assert f"the check runs in /, not in {app}" in said, said
+    lines = seen.read_text().splitlines()
+    assert lines[0] == "/"
+    assert "SMOKE_OK=1" in lines and not any(
+        line.startswith(("LD_AUDIT=", "SMOKE_FROM_FILE=")) for line in lines
+    )
+    assert bed.manager.active_state(unit) == "active"
+
+
+def test_a_units_variables_that_name_code_are_taken_only_where_no_one_else_controls_it() -> None:
+    mine = {"/opt/app/lib", "/usr/local/cuda/lib64"}
+    kept, dropped = smoke.unit_variables(
+        (
+            ("PYTHONPATH", "/opt/app/lib:/home/app/lib:relative"),
+            ("LD_LIBRARY_PATH", "/usr/local/cuda/lib64:/home/app/so"),
+            ("LD_PRELOAD", "/home/app/hook.so"),
+            ("GCONV_PATH", "/home/app/gconv"),
+            ("PYTHONHOME", "/home/app"),
+            ("PYTHONUSERBASE", "/home/app/.local"),
+            ("PYTHONUNBUFFERED", "1"),
+            ("VLLM_LOGGING_LEVEL", "DEBUG"),
+        ),
+        lambda path: path in mine,
+    )
+    assert kept == (
+        ("PYTHONPATH", "/opt/app/lib"),
+        ("LD_LIBRARY_PATH", "/usr/local/cuda/lib64"),
+        ("PYTHONUNBUFFERED", "1"),
+        ("VLLM_LOGGING_LEVEL", "DEBUG"),
+    )
+    assert dropped == (
+        "PYTHONPATH entry /home/app/lib",
+        "PYTHONPATH entry relative",
+        "LD_LIBRARY_PATH entry /home/app/so",
+        "LD_PRELOAD entry /home/app/hook.so",
+        "GCONV_PATH",
+        "PYTHONHOME",
+        "PYTHONUSERBASE",
+    )
+    assert smoke.read_answers("[" * 100_000) == ((), (), None, False)  # the account's word, nested

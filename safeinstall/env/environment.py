@@ -388,6 +388,19 @@ def _may_say(control: _Control, entry: os.DirEntry[str]) -> bool:
     return info.st_uid not in (0, control.euid) or bool(info.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
 
 
+def who_else_controls(path: Path, euid: int) -> str | None:
+    """Who besides root and ``euid`` could change ``path`` (the path, every directory above it, a link's
+    target; where it does not exist, who could create it), as the rule of who steers the environment
+    has it: the first such finding, or None when only root and ``euid`` control it. For what a unit
+    names that a check would run as root or as the environment's account (the smoke check)."""
+    control = _Control(euid)
+    control.look_up(path, "it")
+    if control.owners:
+        uid, where = next(iter(control.owners.items()))
+        return f"{where} belongs to uid {uid}"
+    return control.problems[0] if control.problems else None
+
+
 def steering(env: Environment, euid: int) -> _Control:
     """Who besides root (and ``euid``) can change what the environment runs once ``site`` runs (as uv
     runs it), found after the probe (see :class:`_Control`). Looked at: the prefix and each directory

@@ -26,7 +26,7 @@ import os
 import pwd
 import re
 import subprocess
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +48,24 @@ SHIM = "sitecustomize.py"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin"
 #: What the child gets of the caller's environment (the rest is the unit's and the account's).
 _FROM_CALLER = ("LANG", "LANGUAGE", "TZ")
+#: What the dynamic loader (and the shell) would load code from, never taken from a unit: glibc's list
+#: of what it ignores for a setuid program (its UNSECURE_ENVVARS), and ``BASH_ENV``/``ENV``. The child
+#: is root (a root-owned environment) or the environment's account, and the unit's user may write what
+#: they name (the attacker review). ``LD_LIBRARY_PATH`` and ``LD_PRELOAD`` are filtered by entry instead.
+_LOADER = frozenset(
+    {
+        "GCONV_PATH", "GETCONF_DIR", "HOSTALIASES", "LD_AUDIT", "LD_DEBUG", "LD_DEBUG_OUTPUT",
+        "LD_DYNAMIC_WEAK", "LD_HWCAP_MASK", "LD_ORIGIN_PATH", "LD_PROFILE", "LD_SHOW_AUXV",
+        "LD_USE_LOAD_BIAS", "LOCALDOMAIN", "LOCPATH", "MALLOC_TRACE", "NIS_PATH", "NLSPATH",
+        "RESOLV_HOST_CONF", "RES_OPTIONS", "TMPDIR", "TZDIR", "BASH_ENV", "ENV",
+    }
+)  # fmt: skip
+#: Lists of paths code is loaded from: each entry kept only where no one else controls it.
+_PATH_LISTS = {"PYTHONPATH": os.pathsep, "LD_LIBRARY_PATH": ":", "LD_PRELOAD": " :"}
+#: Python's own variables a unit may give the child; every other ``PYTHON*`` names code or where code is
+#: looked for (``PYTHONHOME``, ``PYTHONUSERBASE``, ``PYTHONSTARTUP``, ``PYTHONWARNINGS``...): never.
+_PYTHON_KEPT = frozenset({"PYTHONUNBUFFERED", "PYTHONIOENCODING", "PYTHONHASHSEED", "PYTHONUTF8"})
+
 #: Set for every child, whatever the unit says: no GPU, no bytecode written, the staged tree ahead.
 NO_GPU = {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "", "ROCR_VISIBLE_DEVICES": ""}
 
@@ -87,7 +105,9 @@ _ahead()
 #: cannot be taken for an answer): {"module": M} before each import, then {"ok": M}, {"skipped": M}
 #: or {"failed": M, "error": TEXT}; {"done": N} at the end.
 CHILD_SCRIPT = r"""
-import importlib, importlib.machinery, json, os, re, struct, sys, traceback
+import sys
+sys.path[:] = [p for p in sys.path if p not in ("", ".")]  # first: nothing of the directory it runs in
+import importlib, importlib.machinery, json, os, re, struct, traceback
 answers = os.fdopen(os.dup(1), "w")
 os.dup2(2, 1)
 def say(**kw):
@@ -251,6 +271,35 @@ def parse_environment_file(text: str) -> list[tuple[str, str]]:
     return found
 
 
+def unit_variables(
+    variables: Sequence[tuple[str, str]], controlled: Callable[[str], bool]
+) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
+    """Pure (given ``controlled``: whether only root and the child's account control a path): the
+    unit's variables the child takes, and what was left out, said. Nothing that names code to load is
+    taken unless only root and the child's account could change that code: a ``PYTHONPATH`` or
+    ``LD_LIBRARY_PATH`` entry another account controls is dropped, and so are the loader's other
+    variables and Python's own, but for a few that load nothing."""
+    kept: list[tuple[str, str]] = []
+    dropped: list[str] = []
+    for name, value in variables:
+        if name in _PATH_LISTS:
+            separators = _PATH_LISTS[name]
+            entries = [e for e in re.split(f"[{re.escape(separators)}]", value) if e]
+            ours = [e for e in entries if e.startswith("/") and controlled(e)]
+            dropped.extend(f"{name} entry {e}" for e in entries if e not in ours)
+            if ours:
+                kept.append((name, separators[-1].join(ours)))
+        elif (
+            name in _LOADER
+            or name.startswith("LD_")
+            or (name.startswith("PYTHON") and name not in _PYTHON_KEPT)
+        ):
+            dropped.append(name)
+        else:
+            kept.append((name, value))
+    return tuple(kept), tuple(dropped)
+
+
 def child_variables(
     caller: Mapping[str, str],
     account: tuple[str, str],  # (name, home)
@@ -297,7 +346,7 @@ def read_answers(text: str) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...
     for line in text.splitlines():
         try:
             answer = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # the account's word: a nested line is no answer
             continue
         if not isinstance(answer, dict):
             continue

@@ -10,12 +10,13 @@ directories: at the end of the run, or by ``--recover`` after a crash). The shim
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from packaging.utils import canonicalize_name
 
 from safeinstall.env import smoke
-from safeinstall.env.environment import interpreter_in_prefix
+from safeinstall.env.environment import interpreter_in_prefix, who_else_controls
 from safeinstall.env.swap import STAGED_TREE, staging_environment
 from safeinstall.env.uvplan import install as uv_install
 from safeinstall.env.uvplan import prefetch_command, uv_binary
@@ -38,6 +39,13 @@ def contexts(run: Run) -> list[smoke.Context]:
     """One context per distinct way the plan's units run (none: the account with systemd's defaults)."""
     home = smoke.account_of(run.env)[1]
     found: dict[tuple[tuple[tuple[str, str], ...], str], smoke.Context] = {}
+    # what the child (root for a root-owned environment) takes of a unit's must be root's or its own:
+    # the unit's user could write a working directory, a PYTHONPATH entry, an environment file
+    runner = os.geteuid() if run.env.account is None else run.env.account.uid
+
+    def ours(path: str) -> bool:
+        return who_else_controls(Path(path), runner) is None
+
     for unit in run.plan.units:
         try:
             context = exec_context(run.systemd, unit.name)
@@ -46,9 +54,27 @@ def contexts(run: Run) -> list[smoke.Context]:
                 f"cannot read how {unit.name} runs (its environment): {exc.message}",
                 hint="nothing was stopped; --no-smoke skips the check of the new version",
             ) from exc
-        from_files, notes = smoke.read_environment_files(context.environment_files, run.env.account)
-        variables = tuple({**dict(context.environment), **dict(from_files)}.items())
+        files = [(path, ignore) for path, ignore in context.environment_files if ours(path)]
+        from_files, notes = smoke.read_environment_files(files, run.env.account)
+        notes += [
+            f"EnvironmentFile {path} was not read: {who_else_controls(Path(path), runner)}"
+            for path, ignore in context.environment_files
+            if (path, ignore) not in files
+        ]
+        variables, dropped = smoke.unit_variables(
+            tuple({**dict(context.environment), **dict(from_files)}.items()), ours
+        )
+        if dropped:
+            notes.append(
+                f"{unit.name}: not given to the check, as another account could change what they name: "
+                + ", ".join(dropped)
+            )
         cwd = smoke.working_directory(context.working_directory, home, run.options.user)
+        if cwd != "/" and not ours(cwd):
+            notes.append(
+                f"{unit.name}: the check runs in /, not in {cwd}: {who_else_controls(Path(cwd), runner)}"
+            )
+            cwd = "/"
         key = (variables, cwd)
         if key not in found:
             found[key] = smoke.Context(unit.name, variables, cwd, tuple(notes))
