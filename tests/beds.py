@@ -197,6 +197,41 @@ class Bed:
             proc.wait()
             proc.communicate()
 
+    def swap_killed_then_recovered(self, name: str, phase: str, phases: tuple[str, ...]) -> None:
+        """The swap of sicext 1.0 -> 2.0 killed once the journal is at one of ``phases`` (``phase``:
+        the row's name; ``done`` lasts milliseconds and may be missed), then ``--recover``: one whole
+        version (the old one before the verification, the new one after), no ``.safeinstall-*``
+        directory left, the unit ``name`` up, nothing else left behind."""
+        venv = self.python.parent.parent
+        before = tree_snapshot(venv)
+        proc = self.start_run("sicext", "--wheel", str(self.wheels["sicext-2"]), "--settle", "1")
+        caught: str | None
+        try:
+            caught = self.wait_phase(proc, *phases, timeout=120)
+            os.kill(proc.pid, signal.SIGKILL)
+        except AssertionError:  # "done" lasts milliseconds: the run may finish before it is seen
+            if phase != "done":
+                raise
+            caught = None
+        finally:
+            proc.wait()
+            proc.communicate()
+        if self.journal() is not None:
+            recovered = self.cli("--recover", "--json")
+            assert recovered.code == 0, recovered.stdout + recovered.stderr
+            (recovery,) = recovered.json["data"]["recoveries"]
+            assert recovery["phase"] == caught, recovery
+        wait_until(lambda: self.manager.active_state(name) == "active", 20, "unit running again")
+        assert not list(venv.glob(".safeinstall-*"))
+        if caught in ("staged", "installed"):
+            # uv's lock file is replaced before the stop by design (the owner's alone, not 0666)
+            after = {k: v for k, v in tree_snapshot(venv).items() if k != ".lock"}
+            assert self.version() == "1.0" and after == {k: v for k, v in before.items() if k != ".lock"}
+        else:
+            check = self.verify("--wheel", str(self.wheels["sicext-2"]))
+            assert self.version() == "2.0" and check.code == 0, check.stdout
+        self.no_trace()
+
     def verify(self, *extra: str) -> Result:
         return run("sicext", "--verify-only", "--python", str(self.python), "--json", *extra)
 

@@ -310,32 +310,7 @@ def test_a_kill_at_each_phase_around_the_swap_then_recover(
     is done, once the units run the new version, or while the staging tree is removed after a good run:
     ``--recover`` leaves one whole version, no staging tree, the unit up."""
     name = bed.unit(f"swap-{phase}")
-    venv = bed.python.parent.parent
-    before = tree_snapshot(venv)
-    proc = bed.start_run("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "1")
-    try:
-        caught = bed.wait_phase(proc, *phases, timeout=120)
-        os.kill(proc.pid, signal.SIGKILL)
-    except AssertionError:  # "done" lasts milliseconds: the run may finish before it is seen
-        if phase != "done":
-            raise
-        caught = None
-    finally:
-        proc.wait()
-        proc.communicate()
-    if bed.journal() is not None:
-        recovered = bed.cli("--recover", "--json")
-        assert recovered.code == 0, recovered.stdout + recovered.stderr
-        (recovery,) = recovered.json["data"]["recoveries"]
-        assert recovery["phase"] == caught, recovery
-    wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running again")
-    assert not list(venv.glob(".safeinstall-swap-*"))
-    if caught in ("staged", "installed"):
-        assert bed.version() == "1.0" and tree_snapshot(venv) == before
-    else:
-        check = bed.verify("--wheel", str(bed.wheels["sicext-2"]))
-        assert bed.version() == "2.0" and check.code == 0, check.stdout
-    bed.no_trace()
+    bed.swap_killed_then_recovered(name, phase, phases)
 
 
 @pytest.mark.parametrize("killed", [False, True], ids=["finished", "killed-then-recovered"])

@@ -281,32 +281,7 @@ def test_a_kill_at_each_phase_around_the_accounts_swap_then_recover(
     swap done, the units on the new version, or while the account's worker removes the staging tree:
     ``--recover`` leaves one whole version, no staging directory, the unit up."""
     name = account.unit(f"acct-{phase}")
-    venv = _venv(account)
-    before = tree_snapshot(venv)
-    proc = account.start_run("sicext", "--wheel", str(account.wheels["sicext-2"]), "--settle", "1")
-    try:
-        caught = account.wait_phase(proc, *phases, timeout=120)
-        os.kill(proc.pid, signal.SIGKILL)
-    except AssertionError:  # "done" lasts milliseconds: the run may finish before it is seen
-        if phase != "done":
-            raise
-        caught = None
-    finally:
-        proc.wait()
-        proc.communicate()
-    if account.journal() is not None:
-        recovered = account.cli("--recover", "--json")
-        assert recovered.code == 0, recovered.stdout + recovered.stderr
-        (recovery,) = recovered.json["data"]["recoveries"]
-        assert recovery["phase"] == caught, recovery
-    wait_until(lambda: account.manager.active_state(name) == "active", 20, "unit running again")
-    assert not list(venv.glob(".safeinstall-*"))
-    if caught in ("staged", "installed"):
-        assert account.version() == "1.0" and tree_snapshot(venv) == before
-    else:
-        check = account.verify("--wheel", str(account.wheels["sicext-2"]))
-        assert account.version() == "2.0" and check.code == 0, check.stdout
-    account.no_trace()
+    account.swap_killed_then_recovered(name, phase, phases)
 
 
 @pytest.mark.parametrize("killed", [False, True], ids=["finished", "killed-then-recovered"])
