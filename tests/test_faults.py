@@ -259,6 +259,19 @@ def _with_blob(wheel: Path, out: Path, mib: int) -> Path:
     return wheelhouse.rebuilt(wheel, out, {"sicext/blob.bin": os.urandom(mib << 20)}, deflate=False)
 
 
+def _old_sharing_a_uv_cache(disk: Path, wheels: Wheelhouse, tmp_path: Path) -> tuple[Path, Path]:
+    """A venv on ``disk`` with sicext 1.0 (a 12 MiB blob) hardlinked from a uv cache on the same disk
+    (its uninstall frees no blocks), and the wheel of a bigger 2.0 (20 MiB): the venv's interpreter and
+    that wheel."""
+    old = _with_blob(wheels["sicext-1"], tmp_path / "old", 12)
+    new = _with_blob(wheels["sicext-2"], tmp_path / "new", 20)
+    python = wheelhouse.make_venv(disk / "venv")
+    install = [wheelhouse.UV, "pip", "install", "--quiet", "--offline", "--python", str(python)]
+    uv_env = {**wheelhouse.uv_env(), "UV_CACHE_DIR": str(disk / "uv-cache")}
+    subprocess.run([*install, "--link-mode", "hardlink", str(old)], check=True, env=uv_env)
+    return python, new
+
+
 def test_room_messages_say_what_they_mean() -> None:
     """A room check that fails by less than 0.1 MiB said 'needs 0.1 MiB but has 0.1 MiB free'."""
     from safeinstall.store.backup import space_problem
@@ -474,12 +487,7 @@ def test_a_disk_filled_before_the_window_install_rolls_back_with_the_unit_runnin
     restore puts those inodes back (no new blocks): exit 3, the old version back, the unit running,
     and the links gone."""
     disk = small_disk(96)
-    old = _with_blob(wheels["sicext-1"], tmp_path / "old", 12)
-    new = _with_blob(wheels["sicext-2"], tmp_path / "new", 20)
-    python = wheelhouse.make_venv(disk / "venv")
-    install = [wheelhouse.UV, "pip", "install", "--quiet", "--offline", "--python", str(python)]
-    uv_env = {**wheelhouse.uv_env(), "UV_CACHE_DIR": str(disk / "uv-cache")}
-    subprocess.run([*install, "--link-mode", "hardlink", str(old)], check=True, env=uv_env)
+    python, new = _old_sharing_a_uv_cache(disk, wheels, tmp_path)
     bed = Bed(python, tmp_path / "state", user_manager, fake_nvml, wheels)
     blob = os.stat(bed.site / "sicext" / "blob.bin").st_ino
     try:
@@ -519,12 +527,7 @@ def test_the_room_check_counts_no_room_freed_by_old_files_shared_with_a_uv_cache
     their blocks, and the new version (20 MiB) does not fit in the 14 MiB left. The room check counted
     them as freed (20 - 12 MiB needed) and the install failed in the window; it refuses before the stop."""
     disk = small_disk(96)
-    old = _with_blob(wheels["sicext-1"], tmp_path / "old", 12)
-    new = _with_blob(wheels["sicext-2"], tmp_path / "new", 20)
-    python = wheelhouse.make_venv(disk / "venv")
-    install = [wheelhouse.UV, "pip", "install", "--quiet", "--offline", "--python", str(python)]
-    uv_env = {**wheelhouse.uv_env(), "UV_CACHE_DIR": str(disk / "uv-cache")}
-    subprocess.run([*install, "--link-mode", "hardlink", str(old)], check=True, env=uv_env)
+    python, new = _old_sharing_a_uv_cache(disk, wheels, tmp_path)
     vfs = os.statvfs(disk)
     with (disk / "filler").open("wb") as filler:
         filler.write(b"\0" * (vfs.f_bavail * vfs.f_frsize - (14 << 20)))
