@@ -5,10 +5,12 @@ outlives the run). Real uv, real wheels, a cache uv filled itself."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
+import time
 from pathlib import Path
 
-from safeinstall.env import cachefill
+from safeinstall.env import cachefill, verified
 from safeinstall.env.uvplan import UvChange
 from tests import wheelhouse
 from tests.wheelhouse import Wheelhouse
@@ -130,3 +132,108 @@ def test_root_never_copies_a_cache_another_user_could_write(
         owners, tmp_path / "run-cache-2", [UvChange("install", "sipure", "1.0", None)], None
     )
     assert filled.problem is not None, filled
+
+
+def test_root_links_from_its_own_cache_and_takes_the_stores_hashes_unread(
+    wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    """Issue 36, no needless copy: a root-owned environment's run over root's own uv cache (nobody else
+    can write it) hardlinks its unpacked wheels into the run's cache, as uv itself installs from it, so
+    nothing is copied and the installed files share their inodes with that cache, as the hand's
+    ``uv pip install`` leaves them. The environment's verified-inode store kept the hashes of those
+    inodes when the same version was checked there before (a switch back, a clean reinstall): the
+    prefetch takes them without reading the files."""
+    if os.geteuid() != 0:
+        import pytest
+
+        pytest.skip("root's own cache: needs root")
+    from tests.clirun import run as safeinstall
+
+    cache = tmp_path / "root-cache"
+    cache.mkdir(mode=0o700)
+    python = wheelhouse.make_venv(tmp_path / "venv")
+    links = str(wheels.wheels["sipure-1"].parent)
+    env = {
+        **wheelhouse.uv_env(),
+        "UV_CACHE_DIR": str(cache),
+        "SAFEINSTALL_STATE_DIR": str(tmp_path / "state"),
+    }
+
+    def hand(version: str) -> None:
+        subprocess.run(
+            [
+                *(wheelhouse.UV, "pip", "install", "--quiet", "--offline", "--python", str(python)),
+                *("--reinstall-package", "sipure", "--find-links", links, f"sipure=={version}"),
+            ],
+            check=True,
+            env=env,
+        )
+
+    hand("2.0")  # 2.0 in the cache and installed: the check keeps its inodes' hashes
+    time.sleep(verified.GRANULARITY_NS / 1e9)  # not racy: a hash taken within it of a change is not kept
+    checked = safeinstall("--python", str(python), "--verify-only", "sipure", "--json", env=env)
+    assert checked.code == 0, checked.stdout + checked.stderr
+    hand("1.0")
+    time.sleep(verified.GRANULARITY_NS / 1e9)  # the preflight's hashes of 1.0's files are kept: not racy
+    result = safeinstall(
+        "--python", str(python), "--yes", "--json", "--settle", "0", "sipure==2.0",
+        "--", "--offline", "--find-links", links,
+        env=env,
+    )  # fmt: skip
+
+    assert result.code == 0, result.stdout + result.stderr
+    prefetch = {s["name"]: s["detail"] for s in result.json["data"]["steps"]}["prefetch"]
+    assert f"1 unpacked wheel(s) linked from {cache}" in prefetch, prefetch
+    unread = re.findall(r"(\d+) files hashed \((\d+) of them kept by the verified-inode store", prefetch)
+    assert unread and int(unread[0][1]) > 0, prefetch
+    installed = wheelhouse.site_packages(python) / "sipure" / "__init__.py"
+    (archive,) = (
+        entry for entry in cache.glob("archive-v0/*/sipure/__init__.py") if "2.0" in entry.read_text()
+    )
+    assert installed.stat().st_ino == archive.stat().st_ino  # linked, as uv links from its cache
+    assert "VERSION = " in installed.read_text() and "2.0" in installed.read_text()
+    # and back: the run kept the hashes of the old files it read (1.0's inodes live on in the cache)
+    back = safeinstall(
+        "--python", str(python), "--yes", "--json", "--settle", "0", "sipure==1.0",
+        "--", "--offline", "--find-links", links,
+        env=env,
+    )  # fmt: skip
+    assert back.code == 0, back.stdout + back.stderr
+    prefetch = {s["name"]: s["detail"] for s in back.json["data"]["steps"]}["prefetch"]
+    unread = re.findall(r"(\d+) files hashed \((\d+) of them kept by the verified-inode store", prefetch)
+    assert unread and int(unread[0][1]) > 0, prefetch
+
+
+def test_a_kept_hash_stands_for_a_root_only_inode_whose_links_changed_and_for_nothing_else(
+    tmp_path: Path,
+) -> None:
+    """The rule of :func:`verified.root_only_digest`: size and modification time unchanged, the change
+    time moved by links (not back), root's and writable by root alone; anything else is read."""
+    from safeinstall.env.verified import VerifiedInode, root_only_digest
+
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 10)
+    os.chmod(path, 0o644)
+    info = os.lstat(path)
+    entry = VerifiedInode(info.st_dev, info.st_ino, 10, info.st_mtime_ns, info.st_ctime_ns, 1, "d" * 43)
+    if os.geteuid() != 0:
+        assert root_only_digest(entry, info) is None  # not root's
+        return
+    assert root_only_digest(entry, info) == "d" * 43
+    os.link(path, tmp_path / "g")  # the change time moves: a link, as uv's and the run's make
+    assert os.lstat(path).st_ctime_ns >= entry.ctime_ns
+    assert root_only_digest(entry, os.lstat(path)) == "d" * 43
+    assert root_only_digest(entry._replace(ctime_ns=os.lstat(path).st_ctime_ns + 1), os.lstat(path)) is None
+    store = verified.InodeStore(str(tmp_path), "boot", {(info.st_dev, info.st_ino): entry})
+    assert verified.checker(store)(os.lstat(path), "sha256") == "d" * 43  # every check asks the same
+    os.chmod(path, 0o664)  # its group may write it
+    assert root_only_digest(entry, os.lstat(path)) is None
+    os.chmod(path, 0o644)
+    os.chown(path, 65534, 0)  # another user's
+    assert root_only_digest(entry, os.lstat(path)) is None
+    os.chown(path, 0, 0)
+    before = os.lstat(path).st_mtime_ns
+    path.write_bytes(b"y" * 10)  # written: the mtime moves (root setting it back is root itself)
+    assert os.lstat(path).st_mtime_ns != before
+    assert root_only_digest(entry, os.lstat(path)) is None
+    assert root_only_digest(entry._replace(size=11), info) is None

@@ -14,6 +14,15 @@ Which cache is the owner's: for an environment of another account, the one uv us
 one, the caller's (``UV_CACHE_DIR``, else ``$XDG_CACHE_HOME/uv``, else ``~/.cache/uv``). What the copy
 brings is checked like anything uv unpacks: every installed file is verified against the wheel or its
 RECORD, and the cache is hashed before the stop (:mod:`safeinstall.env.inodes`).
+
+Linked, not copied, where nobody but root can write the source (issue 36): a root-owned environment's
+run over root's own uv cache (every directory from ``/`` down root's and writable by root alone, every
+file root's, 0644 or stricter). Then the run's cache holds the very inodes of root's cache, as uv itself
+links them into an environment (the hand's ``uv pip install`` does the same): no byte is written, and
+the hashes the environment's verified-inode store kept of those inodes (a version installed here before:
+a rollback, a clean reinstall, a switch back) stand for reading them again
+(:func:`safeinstall.env.verified.root_only_checker`). What an account could change is still copied: an
+account's cache, for an account's environment.
 """
 
 from __future__ import annotations
@@ -62,9 +71,13 @@ def wanted(changes: Sequence[UvChange]) -> list[list[str]]:
     return [[name, version] for name, version in sorted(found)]
 
 
-def fill(source: Path, run_cache: Path, changes: Sequence[UvChange], account: Account | None) -> Filled:
+def fill(
+    source: Path, run_cache: Path, changes: Sequence[UvChange], account: Account | None, link: bool = False
+) -> Filled:
     """Copy what ``changes`` install from ``source`` into ``run_cache``, as ``account`` (root for a
-    root-owned environment); best effort: a failure is said, and the prefetch fetches what is missing."""
+    root-owned environment); best effort: a failure is said, and the prefetch fetches what is missing.
+    ``link``: hardlink the unpacked archives' files instead (see the module: only from a cache nobody but
+    root can write, for a root-owned environment)."""
     want = wanted(changes)
     if not want or not source.is_dir():
         return Filled(0, 0, ())
@@ -72,7 +85,7 @@ def fill(source: Path, run_cache: Path, changes: Sequence[UvChange], account: Ac
     try:
         answer = worker.call(
             None if account is None else account.ids,
-            lambda: owner.copy_cached_wheels(text_source, text_target, want),
+            lambda: owner.copy_cached_wheels(text_source, text_target, want, link),
             timeout=FILL_TIMEOUT_S,
             what=f"copies cached wheels from {source}",
         )

@@ -41,11 +41,11 @@ import ctypes
 import os
 import stat
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from safeinstall.env.hashing import Known, observe_files
+from safeinstall.env.hashing import FileState, Known, observe_files
 
 #: The only algorithm kept (wheels and uv's RECORDs use it); a RECORD that names another is hashed.
 ALGORITHM = "sha256"
@@ -63,6 +63,9 @@ class HashedInode:
     ctime_ns: int
     uid: int
     digest: str  # sha256, RECORD spelling
+    #: read and hashed here (:attr:`safeinstall.env.hashing.FileState.hashed_ns`); 0: taken from the
+    #: environment's verified-inode store, not read
+    hashed_ns: int = 0
 
 
 #: (device, inode) -> what it was when hashed
@@ -96,25 +99,69 @@ def _entries(cache: Path) -> list[_Entry]:
     return found
 
 
-def hash_cache(cache: Path, workers: int | None = None) -> dict[tuple[int, int], HashedInode]:
+def hash_cache(
+    cache: Path, workers: int | None = None, known: Callable[[os.stat_result], str | None] | None = None
+) -> dict[tuple[int, int], HashedInode]:
     """Before the stop: hash every file of uv's unpacked archives in the run's cache (as root, by
     descriptor within ``cache``, never following a symlink). An entry whose size, times or owner moved
     while it was read, or whose owner is not the cache's, or that its group or others may write, is
-    left out (then its hardlinks in the environment are read and hashed in the window)."""
+    left out (then its hardlinks in the environment are read and hashed in the window). ``known``: the
+    digest of an inode already hashed (a link of root's own uv cache whose hash the environment's
+    verified-inode store kept: :func:`safeinstall.env.verified.root_only_checker`), taken without a read."""
     try:
         owner = os.lstat(cache).st_uid
     except OSError:
         return {}
-    real = os.path.realpath(cache)
-    states = observe_files(_entries(cache), workers=workers, within=real)
     hashed: dict[tuple[int, int], HashedInode] = {}
+    entries = _entries(cache)
+    if known is not None:
+        unread: list[_Entry] = []
+        for item in entries:
+            try:
+                info = os.lstat(item.location)
+            except OSError:
+                continue
+            digest = known(info) if stat.S_ISREG(info.st_mode) else None
+            if digest is None or info.st_uid != owner or info.st_mode & 0o022:
+                unread.append(item)
+                continue
+            size, mtime, ctime = info.st_size, info.st_mtime_ns, info.st_ctime_ns
+            key = (info.st_dev, info.st_ino)
+            hashed[key] = HashedInode(item.location, size, mtime, ctime, owner, digest)
+        entries = unread
+    real = os.path.realpath(cache)
+    states = observe_files(entries, workers=workers, within=real)
     for path, state in states.items():
         if not state.is_file or state.digest is None or state.size is None or state.error is not None:
             continue
-        entry = HashedInode(path, state.size, state.mtime_ns, state.ctime_ns, owner, state.digest)
+        entry = HashedInode(
+            path, state.size, state.mtime_ns, state.ctime_ns, owner, state.digest, state.hashed_ns
+        )
         if _unchanged(entry, state.device, state.inode):  # as it was before its bytes were read
             hashed[(state.device, state.inode)] = entry
     return hashed
+
+
+def read_states(hashed: Hashed) -> list[FileState]:
+    """Pure: the entries read and hashed here, as the observations the verified-inode store keeps
+    (:func:`safeinstall.store.verified.keep`)."""
+    return [
+        FileState(
+            entry.path,
+            True,
+            True,
+            entry.size,
+            entry.digest,
+            ALGORITHM,
+            device=device,
+            inode=inode,
+            mtime_ns=entry.mtime_ns,
+            ctime_ns=entry.ctime_ns,
+            hashed_ns=entry.hashed_ns,
+        )
+        for (device, inode), entry in hashed.items()
+        if entry.hashed_ns
+    ]
 
 
 def _unchanged(entry: HashedInode, device: int, inode: int) -> bool:

@@ -221,7 +221,9 @@ _ENTRY_SUFFIXES = (".http", ".msgpack", ".rev")
 _COPY_CHUNK = 64 << 20
 
 
-def copy_cached_wheels(source: str, target: str, wanted: list[list[str]]) -> dict[str, Any]:
+def copy_cached_wheels(
+    source: str, target: str, wanted: list[list[str]], linked: bool = False
+) -> dict[str, Any]:
     """Copy from the uv cache ``source`` into the run's own cache ``target`` the unpacked wheels of the
     distributions ``wanted`` (``[name, version]``, canonical names): each wheel entry uv keeps for
     that version (``wheels-vN/pypi/NAME/VERSION-TAGS`` and ``wheels-vN/index/HASH/NAME/...``: the link
@@ -233,6 +235,9 @@ def copy_cached_wheels(source: str, target: str, wanted: list[list[str]]) -> dic
     opened with ``O_NOFOLLOW``, rather than :mod:`safeinstall.system.safefs`: both caches are the
     account's own and this worker is the account, so the kernel's checks are the boundary (a symlink
     the account put on the way leads only where the account could read and write anyway).
+    ``linked``: the archives' files are hardlinked instead, as uv itself installs from its cache (a
+    root-owned environment's run over root's own cache, which nobody else can write:
+    :func:`safeinstall.env.cachefill.fill`); a file on another filesystem is copied.
     ``{"archives": int, "bytes": int, "entries": ["NAME VERSION"]}``."""
     archives: set[tuple[str, str]] = set()
     copied = 0
@@ -266,9 +271,8 @@ def copy_cached_wheels(source: str, target: str, wanted: list[list[str]]) -> dic
                     bucket_name, archive_id, text = link
                     if (bucket_name, archive_id) not in archives:
                         try:
-                            copied += _copy_tree(
-                                top / bucket_name / archive_id, Path(target) / bucket_name / archive_id
-                            )
+                            archive = Path(bucket_name) / archive_id
+                            copied += _copy_tree(top / archive, Path(target) / archive, linked)
                         except FileNotFoundError:
                             continue  # a link to an archive uv has removed since
                         archives.add((bucket_name, archive_id))
@@ -342,8 +346,9 @@ def _check_controlled(info: os.stat_result, path: Path) -> None:
         raise PermissionError(f"{path} is not this account's own (uid {info.st_uid}, mode {info.st_mode:o})")
 
 
-def _copy_tree(source: Path, destination: Path) -> int:
-    """Copy a directory of regular files and directories (anything else is left out); bytes copied."""
+def _copy_tree(source: Path, destination: Path, link: bool = False) -> int:
+    """Copy (``link``: hardlink) a directory of regular files and directories (anything else is left
+    out); bytes copied or linked."""
     copied = 0
     pending = [(source, destination)]
     while pending:
@@ -356,5 +361,29 @@ def _copy_tree(source: Path, destination: Path) -> int:
                     pending.append((Path(item.path), there / item.name))
                 elif item.is_file(follow_symlinks=False):
                     with contextlib.suppress(FileExistsError):
-                        copied += _copy_file(Path(item.path), there / item.name)
+                        if link:
+                            copied += _link_file(Path(item.path), there / item.name)
+                        else:
+                            copied += _copy_file(Path(item.path), there / item.name)
     return copied
+
+
+def _link_file(source: Path, destination: Path) -> int:
+    """Hardlink one regular file the worker controls (never a symlink: ``linkat`` without
+    ``AT_SYMLINK_FOLLOW`` links what is there, which is then checked to be the inode looked at; anything
+    else is unlinked again); copied instead across filesystems; its size."""
+    info = os.lstat(source)
+    if not stat.S_ISREG(info.st_mode):
+        return 0
+    _check_controlled(info, source)
+    try:
+        os.link(source, destination, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+        return _copy_file(source, destination)
+    made = os.lstat(destination)
+    if (made.st_dev, made.st_ino) != (info.st_dev, info.st_ino) or not stat.S_ISREG(made.st_mode):
+        os.unlink(destination)  # the entry was replaced between the look and the link
+        return 0
+    return info.st_size

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable, Mapping
+import stat
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -157,6 +158,38 @@ def trusted_digest(entry: VerifiedInode | None, info: os.stat_result) -> str | N
     return entry.digest
 
 
+def root_only_digest(entry: VerifiedInode | None, info: os.stat_result) -> str | None:
+    """Pure: the kept digest of a regular file that root owns and only root may write, when its ``lstat``
+    shows the very inode with the size and modification time it had when hashed, its change time
+    allowed to have moved (a link or an unlink of another name, which a cache's and an environment's
+    inodes see at every install: uv's, the hand's, this run's own).
+
+    Why that is as sound as :func:`trusted_digest` (docs/verify.md): only a writer changes bytes, and a
+    writer moves the mtime (``write``, ``truncate``, ``fallocate``, a clone into it) unless it sets it
+    back, which needs the owner or ``CAP_FOWNER`` (anyone else may only set *now*): here root. Who may
+    write is the mode's (an ACL's mask shows in the group bits), which only the owner, root, changes.
+    What ctime adds beyond that is against the owner; here the owner is root, which no check of this
+    store covers. The write through a shared mapping made while the file was writable is the same gap
+    as for the exact rule (its pages' later writes move no time at all)."""
+    if entry is None or not stat.S_ISREG(info.st_mode) or info.st_uid != 0 or info.st_mode & 0o022:
+        return None
+    if (
+        info.st_size != entry.size
+        or info.st_mtime_ns != entry.mtime_ns
+        or info.st_ctime_ns < entry.ctime_ns
+        or info.st_dev != entry.device
+        or info.st_ino != entry.inode
+    ):
+        return None
+    return entry.digest
+
+
+def root_only_checker(store: InodeStore) -> Callable[[os.stat_result], str | None]:
+    """:func:`root_only_digest` over the store's entries (checked as they were read)."""
+    entries = store.entries.get
+    return lambda info: root_only_digest(entries((info.st_dev, info.st_ino)), info)
+
+
 def checker(store: InodeStore, fallback: Known | None = None) -> Known:
     """The verification's question (:data:`safeinstall.env.hashing.Known`) answered from the store (its
     entries were checked as it was read), else by ``fallback`` (the run's cache identities)."""
@@ -173,6 +206,10 @@ def checker(store: InodeStore, fallback: Known | None = None) -> Known:
             and entry[4] == info.st_ctime_ns
         ):
             return entry[6]
+        if entry is not None and info.st_uid == 0:  # root's inode, its links changed (a uv cache's)
+            digest = root_only_digest(entry, info)
+            if digest is not None:
+                return digest
         return None if fallback is None else fallback(info, algorithm)
 
     return known

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
-from safeinstall.env import cachefill, inodes, keep, swap
+from safeinstall.env import cachefill, inodes, keep, swap, verified
 from safeinstall.env.distributions import InstalledDistribution, reload_distributions
 from safeinstall.env.drift import Expectation, FindingKind
 from safeinstall.env.environment import Account, Environment, interpreter_in_prefix
@@ -32,6 +32,7 @@ from safeinstall.env.hashing import Known
 from safeinstall.env.uvplan import dry_run as uv_dry_run
 from safeinstall.env.uvplan import install as uv_install
 from safeinstall.env.uvplan import prefetch_command, secure_uv_lock, uv_binary, window_command
+from safeinstall.env.verified import InodeStore
 from safeinstall.env.verify import VerifyReport, verify_environment
 from safeinstall.env.vouched import Vouched, vouched_of
 from safeinstall.env.wheel import Wheel, install_locations
@@ -274,9 +275,11 @@ def prefetch_step(run: Run) -> str:
     # run's cache could change a hashed file's bytes through a shared writable mapping without moving
     # its times (docs/window.md), so its installed files are read again in the window
     if request.link_mode == "hardlink" and run.env.account is None:
-        run.hashed = inodes.hash_cache(cache)
-        run._log(f"prefetch: {len(run.hashed)} files of the run's uv cache hashed")
-        detail += f"; {len(run.hashed)} files hashed"
+        stored = _kept_hashes(run)
+        run.hashed = inodes.hash_cache(cache, known=stored)
+        unread = f" ({stored.hits} of them kept by the verified-inode store, not read)" if stored.hits else ""
+        run._log(f"prefetch: {len(run.hashed)} files of the run's uv cache hashed{unread}")
+        detail += f"; {len(run.hashed)} files hashed{unread}"
     if root is not None:
         why_not = _stage(run, root)
     if run.staged is None and window_command(run.plan.uv_command, request) != run.plan.uv_command:
@@ -349,6 +352,25 @@ def _resolve_into(run: Run, cache: Path) -> None:
     run._log(f"prefetch: the plan resolved again with the run's cache in {took:.1f} s")
 
 
+class _KeptHashes:
+    """The store's hash of a root-only inode of the run's cache (:func:`verified.root_only_digest`),
+    counted."""
+
+    def __init__(self, store: InodeStore | None) -> None:
+        self.digest = verified.root_only_checker(store) if store is not None and store.entries else None
+        self.hits = 0
+
+    def __call__(self, info: os.stat_result) -> str | None:
+        found = None if self.digest is None else self.digest(info)
+        self.hits += found is not None
+        return found
+
+
+def _kept_hashes(run: Run) -> _KeptHashes:
+    """What the environment's verified-inode store says of the run's cache (nothing with ``--full``)."""
+    return _KeptHashes(None if run.options.full else run.prepared.inodes)
+
+
 def _fill_from_owners_cache(run: Run, cache: Path) -> str:
     """Copy into the run's cache what the owner's uv cache already holds of what the plan installs
     (:mod:`safeinstall.env.cachefill`); the step's detail about it ("" when nothing was copied)."""
@@ -361,15 +383,17 @@ def _fill_from_owners_cache(run: Run, cache: Path) -> str:
         except StateDirError as exc:
             run._log(f"prefetch: nothing copied from {source}: {exc.message}")
             return ""
-    filled = cachefill.fill(source, cache, run.survey.uv_plan.changes, run.env.account)
+    link = run.env.account is None  # root's own cache (checked above): linked, as uv links from it
+    filled = cachefill.fill(source, cache, run.survey.uv_plan.changes, run.env.account, link)
+    how = "linked" if link else "copied"
     if filled.problem is not None:
-        run._log(f"prefetch: nothing copied from {source}: {filled.problem}")
+        run._log(f"prefetch: nothing {how} from {source}: {filled.problem}")
         return ""
     if not filled.archives:
         return ""
-    run._log(f"prefetch: copied from {source}: {', '.join(filled.entries)} ({filled.bytes} bytes)")
+    run._log(f"prefetch: {how} from {source}: {', '.join(filled.entries)} ({filled.bytes} bytes)")
     size = f"{filled.bytes / 1e6:.0f} MB"
-    return f"; {filled.archives} unpacked wheel(s) copied from {source} ({size}, not fetched)"
+    return f"; {filled.archives} unpacked wheel(s) {how} from {source} ({size}, not fetched)"
 
 
 # ------------------------------------------------------------------ 3. gate
@@ -980,9 +1004,14 @@ def run_reinstall(
         save_left(run)
         note = record_run(run.state, run.env.prefix, run.wheel.name if run.wheel else "", run.vouched)
         run.notes.extend([note] if note else [])
-        # what the verification in place hashed: the old files the preflight hashed are gone; a file
+        # what the run read and hashed: the verification in place, the old files (their inodes live on
+        # where uv's cache holds them: a switch back takes their hashes), the run's cache (root's
+        # own inodes, linked from root's uv cache: the next run takes them as the old files); a file
         # installed within the store's granularity of its hash is racy, and hashed by the next check
-        note = keep_hashes(run.state.root, run.env.prefix, run.prepared.inodes, run.in_place.values())
+        hashed = [*run.in_place.values(), *run.prepared.before.observed.values()]
+        note = keep_hashes(
+            run.state.root, run.env.prefix, run.prepared.inodes, [*hashed, *inodes.read_states(run.hashed)]
+        )
         run.notes.extend([note] if note else [])
         try:
             remove_dropins(run)
