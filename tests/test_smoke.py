@@ -370,3 +370,33 @@ def test_a_units_variables_that_name_code_are_taken_only_where_no_one_else_contr
         "PYTHONUSERBASE",
     )
     assert smoke.read_answers("[" * 100_000) == ((), (), None, False)  # the account's word, nested
+
+
+def test_a_module_that_needs_the_nvidia_driver_this_host_lacks_is_said_not_refused(
+    bed: Bed, tmp_path: Path
+) -> None:
+    """On a host without the NVIDIA driver, an extension module linked against ``libcuda.so.1`` cannot
+    load, whatever its version (vLLM: 10 of its 13): the check says it could not import it and goes on;
+    a module that fails while handling such an error (vLLM's ``vllm_flash_attn``) too. Any other import
+    error still refuses the run (the tests above)."""
+    from tests import wheelhouse
+
+    missing = (
+        b'raise ImportError("libcuda.so.1: cannot open shared object file: No such file or directory")\n'
+    )
+    cascade = (
+        b'try:\n    import sicext_gpu\nexcept ImportError:\n    raise ImportError("needs the CUDA kernels")\n'
+    )
+    wheel = wheelhouse.rebuilt(
+        bed.wheels["sicext-2"], tmp_path / "w", {"sicext_gpu.py": missing, "sicext_fa.py": cascade}
+    )
+    unit = bed.service("smoke-no-driver")
+    result = bed.safeinstall("sicext", "--wheel", str(wheel), "--settle", "0.5", "--json")
+    assert result.code == 0, result.stdout + result.stderr
+    notes = " ".join(result.json["data"]["notes"])
+    assert "2 module(s) of the new version need libcuda.so.1 of the NVIDIA driver" in notes, notes
+    assert "sicext_fa, sicext_gpu" in notes, notes
+    assert bed.version() == "2.0" and bed.manager.active_state(unit) == "active"
+    # the answer is data: only the driver's libraries make a module unavailable
+    fake = json.dumps({"unavailable": "m", "error": "libevil.so"}) + "\n" + json.dumps({"unavailable": "n"})
+    assert smoke.read_unavailable(fake) == ()

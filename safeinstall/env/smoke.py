@@ -66,6 +66,10 @@ _PATH_LISTS = {"PYTHONPATH": os.pathsep, "LD_LIBRARY_PATH": ":", "LD_PRELOAD": "
 #: looked for (``PYTHONHOME``, ``PYTHONUSERBASE``, ``PYTHONSTARTUP``, ``PYTHONWARNINGS``...): never.
 _PYTHON_KEPT = frozenset({"PYTHONUNBUFFERED", "PYTHONIOENCODING", "PYTHONHASHSEED", "PYTHONUTF8"})
 
+#: The NVIDIA driver's libraries: an extension module that needs one cannot be loaded on a host without
+#: the driver, whichever version it is (:func:`read_unavailable`).
+DRIVER_LIBRARIES = ("libcuda.so.1", "libnvidia-ml.so.1")
+
 #: Set for every child, whatever the unit says: no GPU, no bytecode written, the staged tree ahead.
 NO_GPU = {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "", "ROCR_VISIBLE_DEVICES": ""}
 
@@ -102,8 +106,10 @@ _ahead()
 
 #: The import child: argv[1] is a JSON document {"sites", "package", "changed"}. It answers on
 #: descriptor 3 (a copy of its stdout; its own stdout goes to stderr, so that what an import prints
-#: cannot be taken for an answer): {"module": M} before each import, then {"ok": M}, {"skipped": M}
-#: or {"failed": M, "error": TEXT}; {"done": N} at the end.
+#: cannot be taken for an answer): {"module": M} before each import, then {"ok": M}, {"skipped": M},
+#: {"unavailable": M, "error": LIBRARY} (an ImportError, or one raised while handling it, that says the
+#: loader found no NVIDIA driver library on this host: the host cannot load it, whatever the version;
+#: not imported, said) or {"failed": M, "error": TEXT}; {"done": N} at the end.
 CHILD_SCRIPT = r"""
 import sys
 sys.path[:] = [p for p in sys.path if p not in ("", ".")]  # first: nothing of the directory it runs in
@@ -191,11 +197,33 @@ for tree in spec["sites"]:
                 if suffix != ".so" or exports_init(full, dotted[-1]):
                     extensions.append(".".join(dotted))
 modules = sorted(tops) + sorted(m for m in dict.fromkeys(extensions) if m not in tops)
+def driver_missing(exc):
+    for _ in range(20):
+        if exc is None:
+            return None
+        for library in ("libcuda.so.1", "libnvidia-ml.so.1"):
+            if library + ": cannot open shared object file" in str(exc):
+                return library
+        exc = exc.__cause__ or exc.__context__
+    return None
 failed = 0
 for module in modules:
     say(module=module)
     try:
         importlib.import_module(module)
+    except ImportError as exc:
+        library = driver_missing(exc)
+        if library is None:
+            failed += 1
+            frames = [
+                f for f in traceback.extract_tb(exc.__traceback__)
+                if not f.filename.startswith("<") and not f.filename.endswith(("importlib/__init__.py",))
+            ]
+            print("".join(traceback.format_list(frames)), end="", file=sys.stderr)
+            print("".join(traceback.format_exception_only(type(exc), exc)), end="", file=sys.stderr)
+            say(failed=module, error=("%s: %s" % (type(exc).__name__, exc))[:2000])
+        else:
+            say(unavailable=module, error=library)
     except BaseException as exc:
         failed += 1
         frames = [
@@ -234,6 +262,8 @@ class ChildOutcome:
     failed: tuple[tuple[str, str], ...]  # (module, error)
     problem: str | None  # the child died, ran too long, answered nonsense, or its command failed
     stderr_tail: tuple[str, ...]
+    #: (module, library): not importable on this host, which has no NVIDIA driver (see CHILD_SCRIPT)
+    unavailable: tuple[tuple[str, str], ...] = ()
 
 
 # ------------------------------------------------------------------------------------ pure parts
@@ -362,6 +392,35 @@ def read_answers(text: str) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...
         elif "done" in answer:
             done = True
     return tuple(imported), tuple(failed), started, done
+
+
+def read_unavailable(text: str) -> tuple[tuple[str, str], ...]:
+    """Pure: the modules the import child could not load for want of the NVIDIA driver on this host,
+    and the library it named (one of the driver's: anything else is not such an answer)."""
+    found: list[tuple[str, str]] = []
+    for line in text.splitlines():
+        try:
+            answer = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if not isinstance(answer, dict) or not isinstance(answer.get("unavailable"), str):
+            continue
+        if answer.get("error") in DRIVER_LIBRARIES:
+            found.append((answer["unavailable"][:300], str(answer["error"])))
+    return tuple(found)
+
+
+def unavailable_note(outcomes: Sequence[ChildOutcome]) -> str | None:
+    """Pure: what the check could not import on this host (no NVIDIA driver), for the run's notes."""
+    modules = sorted({module for o in outcomes for module, _ in o.unavailable})
+    if not modules:
+        return None
+    libraries = sorted({library for o in outcomes for _, library in o.unavailable})
+    shown = ", ".join(modules[:8]) + (f" and {len(modules) - 8} more" if len(modules) > 8 else "")
+    return (
+        f"smoke check: {len(modules)} module(s) of the new version need {' and '.join(libraries)} of the NVIDIA "
+        f"driver, which this host does not have: not imported ({shown})"
+    )
 
 
 def tail(text: str, lines: int = STDERR_LINES) -> tuple[str, ...]:
@@ -510,7 +569,8 @@ def run_imports(
     elif not done:
         problem = f"it ended before it was done (exit {_status(proc.returncode)})"
     ok = not failed and problem is None and proc.returncode == 0
-    return ChildOutcome("imports", context, ok, imported, failed, problem, stderr)
+    unavailable = read_unavailable(proc.stdout)
+    return ChildOutcome("imports", context, ok, imported, failed, problem, stderr, unavailable)
 
 
 def run_command(

@@ -149,6 +149,10 @@ def _smoke(run: Run) -> str:
             )
     finally:
         remove_run_dir(shim)
+    note = smoke.unavailable_note(outcomes)
+    if note is not None:
+        run.notes.append(note)
+        run._log(note)
     imported = len({m for o in outcomes for m in o.imported})
     units = [o.context.unit for o in outcomes if o.context.unit and o.what == "imports"]
     where = f" with the environment of {', '.join(units)}" if units else ""
