@@ -418,8 +418,8 @@ def unavailable_note(outcomes: Sequence[ChildOutcome]) -> str | None:
     libraries = sorted({library for o in outcomes for _, library in o.unavailable})
     shown = ", ".join(modules[:8]) + (f" and {len(modules) - 8} more" if len(modules) > 8 else "")
     return (
-        f"smoke check: {len(modules)} module(s) of the new version need {' and '.join(libraries)} of the NVIDIA "
-        f"driver, which this host does not have: not imported ({shown})"
+        f"smoke check: {len(modules)} module(s) of the new version need {' and '.join(libraries)} of the "
+        f"NVIDIA driver, which this host does not have: not imported ({shown})"
     )
 
 
