@@ -107,7 +107,8 @@ _ahead()
 #: The import child: argv[1] is a JSON document {"sites", "package", "changed"}. It answers on
 #: descriptor 3 (a copy of its stdout; its own stdout goes to stderr, so that what an import prints
 #: cannot be taken for an answer): {"module": M} before each import, then {"ok": M}, {"skipped": M},
-#: {"unavailable": M, "error": LIBRARY} (an ImportError, or one raised while handling it, that says the
+#: {"unavailable": M, "error": LIBRARY} (an ImportError, or one raised while handling it, or the
+#: loader's own error for the extension module's file when its package failed first, that says the
 #: loader found no NVIDIA driver library on this host: the host cannot load it, whatever the version;
 #: not imported, said) or {"failed": M, "error": TEXT}; {"done": N} at the end.
 CHILD_SCRIPT = r"""
@@ -160,7 +161,7 @@ def exports_init(path, stem):
             return False
     except (OSError, struct.error, IndexError):
         return True
-tops, extensions = [], []
+tops, extensions, files = [], [], {}
 for tree in spec["sites"]:
     try:
         entries = sorted(os.listdir(tree))
@@ -196,6 +197,7 @@ for tree in spec["sites"]:
                 full = os.path.join(tree, path)
                 if suffix != ".so" or exports_init(full, dotted[-1]):
                     extensions.append(".".join(dotted))
+                    files.setdefault(".".join(dotted), full)
 modules = sorted(tops) + sorted(m for m in dict.fromkeys(extensions) if m not in tops)
 def driver_missing(exc):
     for _ in range(20):
@@ -213,6 +215,12 @@ for module in modules:
         importlib.import_module(module)
     except ImportError as exc:
         library = driver_missing(exc)
+        if library is None and module in files:  # its package failed first? load the file itself
+            try:
+                import ctypes
+                ctypes.CDLL(files[module], mode=os.RTLD_NOW)
+            except OSError as direct:
+                library = driver_missing(direct)
         if library is None:
             failed += 1
             frames = [
