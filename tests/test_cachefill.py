@@ -225,7 +225,8 @@ def test_a_kept_hash_stands_for_a_root_only_inode_whose_links_changed_and_for_no
     assert root_only_digest(entry, os.lstat(path)) == "d" * 43
     assert root_only_digest(entry._replace(ctime_ns=os.lstat(path).st_ctime_ns + 1), os.lstat(path)) is None
     store = verified.InodeStore(str(tmp_path), "boot", {(info.st_dev, info.st_ino): entry})
-    assert verified.checker(store)(os.lstat(path), "sha256") == "d" * 43  # every check asks the same
+    assert verified.checker(store, root_links=True)(os.lstat(path), "sha256") == "d" * 43  # a preflight's
+    assert verified.checker(store)(os.lstat(path), "sha256") is None  # the drift check's: all five
     os.chmod(path, 0o664)  # its group may write it
     assert root_only_digest(entry, os.lstat(path)) is None
     os.chmod(path, 0o644)

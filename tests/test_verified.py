@@ -93,12 +93,23 @@ def test_a_kept_hash_stands_only_for_the_same_inode_size_mtime_and_ctime() -> No
     assert known(same, "sha256") == "B" * 43 and known(same, "sha512") is None
     for other in (_stat(42, 7, 11, 111, 222), _stat(42, 7, 10, 110, 222), _stat(42, 7, 10, 111, 223)):
         assert known(other, "sha256") is None
+    # a run's search for local patches: a file root owns and only root may write may have a later
+    # ctime (links), not another mtime or size; the drift check holds to all five
+    assert known(_stat(42, 7, 10, 111, 223, uid=0), "sha256") is None
+    links = checker(InodeStore("/env", "boot", {(7, 42): entry}), root_links=True)
+    assert links(_stat(42, 7, 10, 111, 223, uid=0), "sha256") == "B" * 43
+    assert links(_stat(42, 7, 10, 111, 221, uid=0), "sha256") is None  # older than kept: the clock
+    assert links(_stat(42, 7, 10, 110, 223, uid=0), "sha256") is None
+    assert links(_stat(42, 7, 10, 111, 223, uid=0, mode=0o100664), "sha256") is None  # its group writes
+    assert links(_stat(42, 7, 10, 111, 223), "sha256") is None  # not root's
 
 
-def _stat(inode: int, device: int, size: int, mtime_ns: int, ctime_ns: int) -> os.stat_result:
+def _stat(
+    inode: int, device: int, size: int, mtime_ns: int, ctime_ns: int, uid: int = 1000, mode: int = 0o100644
+) -> os.stat_result:
     # mode, ino, dev, nlink, uid, gid, size, atime, mtime, ctime (s); then atime, mtime, ctime (ns)
     return os.stat_result(
-        (0o100644, inode, device, 1, 0, 0, size, 0, 0, 0, 0.0, 0.0, 0.0, 0, mtime_ns, ctime_ns)
+        (mode, inode, device, 1, uid, 0, size, 0, 0, 0, 0.0, 0.0, 0.0, 0, mtime_ns, ctime_ns)
     )
 
 

@@ -190,9 +190,12 @@ def root_only_checker(store: InodeStore) -> Callable[[os.stat_result], str | Non
     return lambda info: root_only_digest(entries((info.st_dev, info.st_ino)), info)
 
 
-def checker(store: InodeStore, fallback: Known | None = None) -> Known:
+def checker(store: InodeStore, fallback: Known | None = None, root_links: bool = False) -> Known:
     """The verification's question (:data:`safeinstall.env.hashing.Known`) answered from the store (its
-    entries were checked as it was read), else by ``fallback`` (the run's cache identities)."""
+    entries were checked as it was read), else by ``fallback`` (the run's cache identities).
+    ``root_links``: a root-only inode's ctime may have moved too (:func:`root_only_digest`): a run's
+    search for local patches, never the drift check, which finds even root's own same-size edit whose
+    mtime was set back."""
     entries = store.entries.get
 
     def known(info: os.stat_result, algorithm: str) -> str | None:
@@ -206,7 +209,7 @@ def checker(store: InodeStore, fallback: Known | None = None) -> Known:
             and entry[4] == info.st_ctime_ns
         ):
             return entry[6]
-        if entry is not None and info.st_uid == 0:  # root's inode, its links changed (a uv cache's)
+        if root_links and entry is not None and info.st_uid == 0:  # root's, its links changed
             digest = root_only_digest(entry, info)
             if digest is not None:
                 return digest

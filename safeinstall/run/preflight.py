@@ -170,7 +170,8 @@ def preflight(options: RunOptions, *, take_lock: bool, env: Environment | None =
             [d.name for d in found.affected],
             installed=found.installed,
             vouched=lambda: vouched,
-            known=None if options.full else store_checker(inodes),
+            # a root-only inode whose links changed (an old file uv's cache holds) is not read again
+            known=None if options.full else store_checker(inodes, root_links=True),
         )
         modified = locally_modified(before)
         if modified:

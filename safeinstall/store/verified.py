@@ -207,8 +207,11 @@ def keep(root: Path, prefix: Path, store: InodeStore | None, states: Iterable[Fi
     return None
 
 
-def store_checker(store: InodeStore | None, fallback: Known | None = None) -> Known | None:
-    """What the verification asks of the store (and of ``fallback``); None when there is neither."""
+def store_checker(
+    store: InodeStore | None, fallback: Known | None = None, root_links: bool = False
+) -> Known | None:
+    """What the verification asks of the store (and of ``fallback``); None when there is neither.
+    ``root_links``: see :func:`safeinstall.env.verified.checker`."""
     if store is None or not store.entries:
         return fallback
-    return checker(store, fallback)
+    return checker(store, fallback, root_links)
