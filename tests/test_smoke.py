@@ -400,3 +400,7 @@ def test_a_module_that_needs_the_nvidia_driver_this_host_lacks_is_said_not_refus
     # the answer is data: only the driver's libraries make a module unavailable
     fake = json.dumps({"unavailable": "m", "error": "libevil.so"}) + "\n" + json.dumps({"unavailable": "n"})
     assert smoke.read_unavailable(fake) == ()
+    answered = [{"module": "m"}, {"unavailable": "m", "error": "libcuda.so.1"}, {"done": 1}]
+    text = "\n".join(json.dumps(a) for a in answered)
+    assert smoke.read_answers(text) == ((), (), None, True)  # it did not die importing m
+    assert smoke.read_unavailable(text) == (("m", "libcuda.so.1"),)

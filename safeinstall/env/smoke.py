@@ -388,7 +388,8 @@ def read_answers(text: str) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...
             continue
         if not isinstance(answer, dict):
             continue
-        module = next((answer[k] for k in ("module", "ok", "failed") if isinstance(answer.get(k), str)), None)
+        kinds = ("module", "ok", "failed", "unavailable")
+        module = next((answer[k] for k in kinds if isinstance(answer.get(k), str)), None)
         if "module" in answer and module is not None:
             started = module[:300]
         elif "ok" in answer and module is not None:
@@ -396,6 +397,8 @@ def read_answers(text: str) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...
             started = None
         elif "failed" in answer and module is not None:
             failed.append((module[:300], str(answer.get("error", ""))[:2000]))
+            started = None
+        elif "unavailable" in answer and module is not None:  # read_unavailable says which and why
             started = None
         elif "done" in answer:
             done = True
