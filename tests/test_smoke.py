@@ -404,3 +404,21 @@ def test_a_module_that_needs_the_nvidia_driver_this_host_lacks_is_said_not_refus
     text = "\n".join(json.dumps(a) for a in answered)
     assert smoke.read_answers(text) == ((), (), None, True)  # it did not die importing m
     assert smoke.read_unavailable(text) == (("m", "libcuda.so.1"),)
+
+
+def test_what_the_check_started_never_outlives_it(bed: Bed) -> None:
+    """An import that starts helper processes (vLLM's, torch's) or a ``--smoke`` command that leaves one
+    running: once the check is done its process group is killed, so nothing of it is found using the
+    package in the window (the second scan would take it for a process that started using the package
+    after the plan: a rollback, seen on vLLM)."""
+    unit = bed.service("smoke-leftover")
+    # one lets go of the check's output, one holds it (the check used to wait for it: a time-out)
+    quiet = "python -c 'import sicext, time; time.sleep(600)' >/dev/null 2>&1 &"
+    holding = "python -c 'import time; time.sleep(600)' &"
+    leftover = f"{quiet} {holding} sleep 2; exit 0"
+    result = bed.safeinstall(
+        "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json",
+        "--smoke", leftover, "--smoke-timeout", "40",
+    )  # fmt: skip
+    assert result.code == 0, result.stdout + result.stderr
+    assert bed.version() == "2.0" and bed.manager.active_state(unit) == "active"

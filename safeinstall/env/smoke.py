@@ -610,6 +610,7 @@ def _run(
             timeout=timeout,
             as_user=None if env.account is None else env.account.ids,
             limit=OUTPUT_LIMIT,
+            end_group=True,  # what an import started (vLLM's, torch's helpers) never outlives the check
         )
     except subprocess.TimeoutExpired:
         return None, f"it did not finish in {timeout:g} s (--smoke-timeout); it was ended"

@@ -32,6 +32,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
 
+from safeinstall.system.identity import group_members
+
 _PR_SET_PDEATHSIG = 1
 _PR_SET_DUMPABLE = 4
 _HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -155,6 +157,29 @@ def _reap(proc: subprocess.Popen[bytes]) -> None:
             continue
 
 
+#: How long the processes a child left in its group may take to go once killed.
+GROUP_END_S = 10.0
+
+
+def end_process_group(leader: int, timeout: float = GROUP_END_S) -> bool:
+    """Kill what is left of the process group ``leader`` led (the child, reaped already: its number
+    stays the group's while any member lives, so no other process can hold it) and wait until the group
+    is empty; False if members were still there after ``timeout`` (a process in D state)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            os.killpg(leader, signal.SIGKILL)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # not ours to signal (never for a group our child led)
+            return False
+        if not group_members(leader):  # only zombies left: an init that reaps late holds them
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+
+
 #: What a child may print on each of stdout and stderr: beyond it the child is ended. The probe and uv
 #: run as the environment's owner (and uv runs the owner's build backends): unbounded, what they print
 #: could fill root's memory.
@@ -173,6 +198,7 @@ def run(
     as_user: tuple[int, int] | None = None,
     limit: int = OUTPUT_LIMIT,
     program_fd: int | None = None,
+    end_group: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     """Like ``subprocess.run(argv, capture_output=True, text=True)``, without the gaps above; bytes of
     the output that are not UTF-8 are replaced (U+FFFD), never an exception.
@@ -184,6 +210,10 @@ def run(
     ``program_fd``: an open descriptor of the program ``argv[0]`` names, executed through it (the
     program may lie where ``as_user`` cannot reach, such as below ``/root``: uv installed beside
     safeinstall).
+
+    ``end_group``: once the child has exited, what it started and left running (its process group:
+    an import's helper processes, a multiprocessing resource tracker) is killed too, and gone when this
+    returns (see :func:`end_process_group`).
 
     Raises ``subprocess.TimeoutExpired`` (the child killed and reaped), :class:`TooMuchOutput` (more
     than ``limit`` bytes on stdout or stderr: killed and reaped) and ``OSError`` (it could not start);
@@ -213,7 +243,7 @@ def run(
         raise
     try:
         _release(previous, held)  # a signal held back during the spawn is handled now: the child is known
-        stdout, stderr = _collect(proc, timeout, limit)
+        stdout, stderr = _collect(proc, timeout, limit, end_group)
     except BaseException:
         _reap(proc)
         raise
@@ -226,11 +256,16 @@ def run(
     return subprocess.CompletedProcess(command, proc.returncode, text[0], text[1])
 
 
-def _collect(proc: subprocess.Popen[bytes], timeout: float | None, limit: int) -> tuple[bytes, bytes]:
-    """``proc.communicate(timeout=timeout)`` keeping at most ``limit`` bytes of each stream."""
+def _collect(
+    proc: subprocess.Popen[bytes], timeout: float | None, limit: int, end_group: bool = False
+) -> tuple[bytes, bytes]:
+    """``proc.communicate(timeout=timeout)`` keeping at most ``limit`` bytes of each stream;
+    ``end_group``: once the child has exited, its group is ended (what it left running may hold the
+    pipes open) and its output read to the end."""
     deadline = None if timeout is None else time.monotonic() + timeout
     names = {pipe.fileno(): name for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)) if pipe}
     kept = {name: bytearray() for name in ("stdout", "stderr")}
+    ended = not end_group
     with selectors.DefaultSelector() as selector:
         for fd in names:
             selector.register(fd, selectors.EVENT_READ)
@@ -238,7 +273,11 @@ def _collect(proc: subprocess.Popen[bytes], timeout: float | None, limit: int) -
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise subprocess.TimeoutExpired(proc.args, timeout or 0)
-            for key, _events in selector.select(left):
+            if not ended and proc.poll() is not None:
+                ended = True
+                end_process_group(proc.pid)
+            wait = left if ended else min(0.05, left if left is not None else 0.05)
+            for key, _events in selector.select(wait):
                 data = os.read(key.fd, 1 << 16)
                 if not data:
                     selector.unregister(key.fd)
@@ -251,4 +290,6 @@ def _collect(proc: subprocess.Popen[bytes], timeout: float | None, limit: int) -
         proc.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:  # it closed its output but runs on: said with the whole timeout
         raise subprocess.TimeoutExpired(proc.args, timeout or 0) from None
+    if not ended:
+        end_process_group(proc.pid)
     return bytes(kept["stdout"]), bytes(kept["stderr"])

@@ -56,6 +56,7 @@ class StatInfo:
     ppid: int
     flags: int
     start_time: int  # clock ticks after boot: with the pid, it names one process (pid reuse)
+    pgrp: int = 0  # its process group
 
     @property
     def kernel_thread(self) -> bool:
@@ -78,7 +79,24 @@ def parse_stat(text: str) -> StatInfo:
         ppid=int(fields[1]),
         flags=int(fields[6]),
         start_time=int(fields[19]),
+        pgrp=int(fields[2]),
     )
+
+
+def group_members(pgrp: int, proc: Path = Path("/proc")) -> list[StatInfo]:
+    """The live processes of process group ``pgrp`` (zombies, which only wait for their parent, are not)."""
+    found: list[StatInfo] = []
+    for entry in os.scandir(proc):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(os.path.join(entry.path, "stat"), encoding="utf-8", errors="replace") as handle:
+                info = parse_stat(handle.read())
+        except (OSError, ValueError):
+            continue
+        if info.pgrp == pgrp and info.state not in ("Z", "X"):
+            found.append(info)
+    return found
 
 
 def uninterruptible(stat: StatInfo) -> bool:
