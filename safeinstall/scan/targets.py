@@ -97,18 +97,37 @@ def _inside_site(dist: InstalledDistribution) -> list[tuple[str, ...]]:
     return inside
 
 
-def _shared_directories(
-    dist: InstalledDistribution, others: Iterable[InstalledDistribution]
-) -> frozenset[tuple[str, ...]]:
-    """Directories (parts, relative to ``dist.site``) under which another distribution has files."""
-    shared: set[tuple[str, ...]] = set()
-    for other in others:
-        if other.site != dist.site or other.dist_info == dist.dist_info:
-            continue
-        for parts in _inside_site(other):
+#: (site, directory parts) -> the ``.dist-info`` of each distribution with files under it
+DirectoryOwners = Mapping[tuple[str, tuple[str, ...]], frozenset[str]]
+
+
+def directory_owners(dists: Iterable[InstalledDistribution]) -> DirectoryOwners:
+    """Pure: for every directory (parts, relative to its site) the distributions with files under it;
+    computed once for an environment (vLLM's 198 RECORDs hold 68k paths), not once per target."""
+    owners: dict[tuple[str, tuple[str, ...]], set[str]] = {}
+    for dist in dists:
+        site, name = str(dist.site), str(dist.dist_info)
+        for parts in _inside_site(dist):
             for depth in range(1, len(parts)):
-                shared.add(parts[:depth])
-    return frozenset(shared)
+                owners.setdefault((site, parts[:depth]), set()).add(name)
+    return {key: frozenset(names) for key, names in owners.items()}
+
+
+def _shared_directories(
+    dist: InstalledDistribution,
+    others: Iterable[InstalledDistribution],
+    owners: DirectoryOwners | None = None,
+) -> frozenset[tuple[str, ...]]:
+    """Directories (parts, relative to ``dist.site``) under which another distribution has files
+    (``owners``: :func:`directory_owners` of the environment, else computed from ``others``)."""
+    site, name = str(dist.site), str(dist.dist_info)
+    if owners is None:
+        owners = directory_owners(o for o in others if o.dist_info != dist.dist_info)
+    return frozenset(
+        parts
+        for (where, parts), names in owners.items()
+        if where == site and (len(names) > 1 or name not in names)
+    )
 
 
 def _interpreter_names(env: Environment) -> frozenset[str]:
@@ -130,18 +149,20 @@ def build_target(
     aliases: Iterable[str] = (),
     directory_ids: Iterable[tuple[int, int]] = (),
     requires: tuple[tuple[str, ...], ...] = (),
+    owners: DirectoryOwners | None = None,
 ) -> Target:
     """Describe ``dist`` (installed in ``env``) for the scan. Pure: what needs I/O comes from the caller.
 
     ``others`` are the other distributions of the environment: a directory one of them also installs
-    into (``nvidia/``, a namespace package) is not counted as this distribution's own. ``file_ids``
+    into (``nvidia/``, a namespace package) is not counted as this distribution's own (``owners``: the
+    same, computed once for the environment by :func:`directory_owners`). ``file_ids``
     and ``aliases`` come from :func:`probe_files`: ``aliases`` are where installed symlinks lead (uv's
     ``--link-mode symlink`` points into its cache, and /proc shows the resolved path).
     """
     installed = frozenset(dist.locations)
     files = installed | frozenset(aliases)
     inside = _inside_site(dist)
-    owned = _own_directories(inside, (), _shared_directories(dist, others))
+    owned = _own_directories(inside, (), _shared_directories(dist, others, owners))
     site = str(dist.site)
     directories = tuple(sorted(os.path.join(site, *parts) for parts in owned))
     modules = {".".join(parts) for parts in owned if _is_dotted_identifier(parts)}
@@ -224,6 +245,7 @@ def load_targets(
     # Outside a venv the interpreter is the real binary: let /proc/PID/exe recognise it too.
     extra = () if env.is_venv else (os.path.realpath(env.executable),)
     targets: list[Target] = []
+    owners = directory_owners(everything)
     for dist in dists:
         others = [other for other in everything if other.dist_info != dist.dist_info]
         file_ids, aliases = probe_files(dist.locations)
@@ -237,6 +259,7 @@ def load_targets(
                 aliases=aliases,
                 directory_ids=probe_directories(dist.locations),
                 requires=(requires or {}).get(dist.name, ()),
+                owners=owners,
             )
         )
     return tuple(targets)
