@@ -14,6 +14,7 @@ behind its own module (systemd, gpus, uvplan, backup, ...).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 import threading
@@ -1009,10 +1010,12 @@ def run_reinstall(
         # own inodes, linked from root's uv cache: the next run takes them as the old files); a file
         # installed within the store's granularity of its hash is racy, and hashed by the next check
         hashed = [*run.in_place.values(), *run.prepared.before.observed.values()]
+        tidy = [time.monotonic()]  # what the tidy-up takes, logged (docs/window.md)
         note = keep_hashes(
             run.state.root, run.env.prefix, run.prepared.inodes, [*hashed, *inodes.read_states(run.hashed)]
         )
         run.notes.extend([note] if note else [])
+        tidy.append(time.monotonic())
         try:
             remove_dropins(run)
         except SafeInstallError as exc:
@@ -1020,10 +1023,12 @@ def run_reinstall(
                 f"could not remove the boot gate drop-ins ({GATE_DROPIN}.conf; inert, the gate is open): "
                 f"{exc.message}"
             )
+        tidy.append(time.monotonic())
         try:
             _discard_staged(run)
         except Exception as exc:  # a good run stays one: the next run (or --recover) removes what is left
             run.notes.append(f"the staging directory was not removed: {exc}")
+        tidy.append(time.monotonic())
         if not keep.discard(run.env.prefix, run.run_id, RUN_DIR_REMOVAL_S):
             run.notes.append(
                 f"{run.env.prefix / keep.keep_name(run.run_id)} was not removed: the next run removes it"
@@ -1031,12 +1036,20 @@ def run_reinstall(
         with contextlib.suppress(OSError):
             clear_journal(run.state.dir)
         removed = _prune_old_backups(run, "done")
+        tidy.append(time.monotonic())
+        spent = [f"{b - a:.1f}" for a, b in itertools.pairwise(tidy)]
+        run._log(
+            f"tidy-up: hashes kept {spent[0]} s, drop-ins {spent[1]} s, staging directory {spent[2]} s, "
+            f"journal and older backups {spent[3]} s"
+        )
         not_restarted = tuple(run._units_to_restart()) if options.no_restart else ()
         return _result(run, "done", ExitCode.OK, None, not_restarted, removed)
     finally:
         # installed files then share inodes with nothing; what its owner kept filling stays for the next run
+        started = time.monotonic()
         for left in remove_uv_caches(run.state, run.run_id):
             run._log(f"{left} could not be removed in {RUN_DIR_REMOVAL_S:g} s: the next run removes it")
+        run._log(f"tidy-up: the run's uv cache removed in {time.monotonic() - started:.1f} s")
         if not run.state.journal.exists():  # else the wheel copy is kept for --recover
             _discard_wheel_copy(prepared)
         if prepared.lock is not None:
