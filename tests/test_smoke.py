@@ -7,9 +7,12 @@ symbol; ``sicext`` 3: raises at import), the real uv; uid 65534 for a service ac
 
 from __future__ import annotations
 
+import grp
 import json
 import os
+import pwd
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +21,19 @@ import pytest
 from safeinstall.env import smoke
 from safeinstall.run.options import RunOptions, option_problems
 from safeinstall.system.systemd import parse_exec_context
-from tests.bed_systemd import wait_until
-from tests.beds import AS_ROOT, NOBODY, UNIT_TEXT, Bed, ServiceAccountBed, chown_tree
+from tests import wheelhouse
+from tests.bed_nvml import FakeNvml
+from tests.bed_systemd import Units, UserManager, wait_until
+from tests.beds import (
+    AS_ROOT,
+    NOBODY,
+    UNIT_TEXT,
+    Bed,
+    ServiceAccountBed,
+    chown_tree,
+    maps_so,
+    shared_interpreter_or_skip,
+)
 
 
 def _left_in_state(bed: Bed) -> list[str]:
@@ -370,3 +384,152 @@ def test_a_units_variables_that_name_code_are_taken_only_where_no_one_else_contr
         "PYTHONUSERBASE",
     )
     assert smoke.read_answers("[" * 100_000) == ((), (), None, False)  # the account's word, nested
+
+
+# --- a root-owned environment whose units run as a user of their own (User=) -------------------------
+
+
+@pytest.fixture
+def open_bed(
+    open_dir: Path,
+    open_state: Path,
+    units: Units,
+    user_manager: UserManager,
+    fake_nvml: FakeNvml,
+    wheels: wheelhouse.Wheelhouse,
+) -> Iterator[Bed]:
+    """sicext 1.0 in a root-owned venv that others may enter (as ``/opt/app/venv`` is): its units may run
+    as uid 65534 (``User=``); the state directory below directories others may enter."""
+    if not AS_ROOT:
+        pytest.skip("a unit's User= is taken by a run as root")
+    python = wheelhouse.make_venv(open_dir / "venv", shared_interpreter_or_skip())
+    wheelhouse.uv_install(python, wheels["sicext-1"])
+    made = Bed(python, open_state, user_manager, fake_nvml, wheels, units)
+    yield made
+    made.cleanup()
+
+
+#: What the --smoke command records (REPORT/seen-UID.json): who ran it and what it imported; as a user
+#: not root, what it tried on the run's directories (each must be refused)
+_SEEN = """
+import json, os, sicext
+staged = os.path.dirname(sicext.__file__)
+top = staged.split("/tree/")[0]
+tried = {}
+attempts = {
+    "list the staging directory": lambda: os.listdir(top),
+    "write into the staged tree": lambda: open(os.path.join(staged, "planted.py"), "x"),
+    "rename in the staged tree": lambda: os.rename(staged + "/serve.py", staged + "/x.py"),
+    "list the state directory": lambda: os.listdir(STATE),
+}
+for what, attempt in attempts.items() if os.getuid() else ():
+    try:
+        attempt()
+        tried[what] = "done"
+    except OSError as exc:
+        tried[what] = type(exc).__name__
+seen = dict(ids=os.getresuid(), gids=os.getresgid(), groups=sorted(os.getgroups()), sicext=sicext.__file__,
+            tried=tried)
+json.dump(seen, open(os.path.join(REPORT, "seen-%d.json" % os.getuid()), "w"))
+"""
+
+
+def test_in_a_root_owned_environment_the_check_runs_as_the_units_user(open_bed: Bed, open_dir: Path) -> None:
+    """Issue 34: in a root-owned environment the check's child was root, whatever the unit's User=:
+    the new wheel's import-time code ran as root before the stop. Now it runs as the unit's user (its
+    group, its groups as systemd gives them), the staged tree opened to it for reading alone; a unit
+    without User= keeps running it as root (as it runs that code at its start), and the plan says whom."""
+    bed = open_bed
+    report = open_dir / "report"
+    report.mkdir()
+    chown_tree(report, NOBODY)
+    script = open_dir / "seen.py"
+    script.write_text(_SEEN.replace("STATE", repr(str(bed.state))).replace("REPORT", repr(str(report))))
+    users = grp.getgrnam("users").gr_gid
+    as_user = bed.service("smoke-user", User=str(NOBODY), SupplementaryGroups="users")
+    as_root = bed.service("smoke-root")
+    command = f"python {script}"
+    plan = bed.cli(
+        "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--dry-run", "--json", "--smoke", command
+    )
+    assert plan.code == 0, plan.stdout + plan.stderr
+    said = plan.json["data"]["smoke"]
+    nobody = pwd.getpwuid(NOBODY)
+    assert f"as {nobody.pw_name} (uid {NOBODY}, the unit's User=), environment of {as_user}" in said, said
+    assert f"as root (the unit has no User=: it runs as root too), environment of {as_root}" in said, said
+    mains = {unit: bed.manager.main_pid(unit) for unit in (as_user, as_root)}
+    done = bed.safeinstall(
+        "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "1", "--json", "--smoke", command
+    )
+    assert done.code == 0, done.stdout + done.stderr
+    (step,) = [s for s in done.json["data"]["steps"] if s["name"] == "smoke"]
+    who = step["detail"].partition("imported as ")[2].partition(" with")[0]
+    assert set(who.split(", ")) == {nobody.pw_name, "root"} and "not checked" not in step["detail"], step
+    user = json.loads((report / f"seen-{NOBODY}.json").read_text())
+    assert user["ids"] == [NOBODY] * 3 and user["gids"] == [nobody.pw_gid] * 3, user
+    assert user["groups"] == sorted({*os.getgrouplist(nobody.pw_name, nobody.pw_gid), users}), user
+    assert "/.safeinstall-swap-" in user["sicext"], user  # the staged new version, read as the user
+    assert set(user["tried"].values()) == {"PermissionError"}, user["tried"]  # and nothing more
+    root = json.loads((report / "seen-0.json").read_text())
+    assert root["ids"] == [0, 0, 0] and "/.safeinstall-swap-" in root["sicext"], root
+    assert bed.version() == "2.0"
+    assert all(bed.manager.main_pid(unit) != main for unit, main in mains.items())  # restarted
+    bed.no_trace()
+    assert not list(bed.python.parent.parent.glob(".safeinstall-swap-*"))
+    assert _left_in_state(bed) == []
+
+
+def test_a_units_user_that_cannot_reach_the_environment_is_never_replaced_by_root(
+    bed: Bed, tmp_path: Path
+) -> None:
+    """A unit with User= whose user cannot enter the environment (below pytest's 0700 directories: its
+    ExecStart= runs with full privileges, ``+``): the check is not run for it, never as root instead;
+    the plan and the run's notes say so, and the run goes on as it would without the check."""
+    if not AS_ROOT:
+        pytest.skip("a unit's User= is taken by a run as root")
+    unit = bed.units.started("smoke-closed", f"+{bed.python.parent}/sicext-serve", User=str(NOBODY))
+    main = bed.manager.main_pid(unit)
+    wait_until(lambda: maps_so(main) is not None, 15, "service maps the .so")
+    marker = tmp_path / "ran"
+    command = f"touch {marker}"
+    plan = bed.cli(
+        "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--dry-run", "--json", "--smoke", command
+    )
+    assert plan.code == 0, plan.stdout + plan.stderr
+    warned = [w for w in plan.json["data"]["warnings"] if "not checked before the stop" in w]
+    assert len(warned) == 1 and unit in warned[0] and "never runs as root" in warned[0], warned
+    assert f"uid {NOBODY}, the unit's User=) cannot reach {bed.python}" in warned[0], warned
+    done = bed.safeinstall(
+        "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "1", "--json", "--smoke", command
+    )
+    assert done.code == 0, done.stdout + done.stderr
+    assert not marker.exists()  # not as root, not at all
+    (step,) = [s for s in done.json["data"]["steps"] if s["name"] == "smoke"]
+    assert step["detail"].startswith("skipped: "), step
+    notes = "\n".join(done.json["data"]["notes"])
+    assert f"not checked before the stop for {unit}" in notes, notes
+    assert bed.version() == "2.0" and bed.manager.main_pid(unit) != main
+    bed.no_trace()
+    assert _left_in_state(bed) == []
+
+
+def test_a_units_user_is_resolved_as_systemd_resolves_it() -> None:
+    text = "User=nobody\nGroup=\nSupplementaryGroups=users 65534\nDynamicUser=no\n"
+    context = parse_exec_context("x.service", text)
+    assert (context.user, context.group, context.supplementary_groups) == ("nobody", "", ("users", "65534"))
+    nobody = pwd.getpwuid(NOBODY)
+    found = smoke.unit_account(context)
+    assert isinstance(found, smoke.RunAs)
+    assert (found.name, found.uid, found.gid) == (nobody.pw_name, NOBODY, nobody.pw_gid)
+    assert set(found.groups) == {
+        *os.getgrouplist(nobody.pw_name, nobody.pw_gid),
+        grp.getgrnam("users").gr_gid,
+    }
+    numeric = smoke.unit_account(parse_exec_context("x.service", f"User={NOBODY}\nGroup=users\n"))
+    assert isinstance(numeric, smoke.RunAs) and numeric.gid == grp.getgrnam("users").gr_gid
+    assert smoke.unit_account(parse_exec_context("x.service", "User=\n")) is None  # root
+    assert smoke.unit_account(parse_exec_context("x.service", "User=root\n")) is None
+    assert smoke.unit_account(parse_exec_context("x.service", "User=no-such-user-here\n")) == (
+        "its User=no-such-user-here is no user this machine knows"
+    )
+    assert "no group" in str(smoke.unit_account(parse_exec_context("x.service", "User=nobody\nGroup=nope\n")))
