@@ -192,7 +192,7 @@ def test_a_service_accounts_environment_is_checked_as_the_account(account: Servi
         f'python -c "{script}"',
     )
     assert result.code == 2, result.stdout + result.stderr
-    assert f"EnvironmentFile {secret} was not read as the environment's account" in result.stderr
+    assert f"EnvironmentFile {secret} was not read as the check's account" in result.stderr
     logs = "".join(p.read_text() for p in account.state.glob("*/logs/*.log"))
     assert "smoke: " in logs and "SMOKE_SHARED" not in logs  # the unit's variables never in the log
     assert "exit 3" in result.stderr and "[bold]the last words[/bold]" in result.stderr  # as text
