@@ -533,3 +533,38 @@ def test_a_units_user_is_resolved_as_systemd_resolves_it() -> None:
         "its User=no-such-user-here is no user this machine knows"
     )
     assert "no group" in str(smoke.unit_account(parse_exec_context("x.service", "User=nobody\nGroup=nope\n")))
+
+
+def test_without_a_swap_the_units_user_reads_the_prefetched_tree(open_bed: Bed, open_dir: Path) -> None:
+    """The swap dropped (uv compiles bytecode): the new version lies in the prefetch's ``--target``
+    directory in root's state directory, which is opened to the unit's user as the staging directory is
+    (entered by name, never listed); the check runs as that user there too."""
+    bed = open_bed
+    report = open_dir / "report"
+    report.mkdir()
+    chown_tree(report, NOBODY)
+    unit = bed.service("smoke-user-no-swap", User=str(NOBODY))
+    script = (
+        "import json, os, sicext; "
+        f"seen = dict(ids=os.getresuid(), sicext=sicext.__file__); "
+        f"json.dump(seen, open({str(report / 'seen.json')!r}, 'w'))"
+    )
+    done = bed.safeinstall(
+        "sicext",
+        "--wheel",
+        str(bed.wheels["sicext-2"]),
+        "--settle",
+        "1",
+        "--json",
+        "--smoke",
+        f'python -c "{script}"',
+        more_env={"UV_COMPILE_BYTECODE": "1"},
+    )
+    assert done.code == 0, done.stdout + done.stderr
+    assert "no swap" in Path(done.json["data"]["log_file"]).read_text()
+    assert "not checked" not in "\n".join(done.json["data"]["notes"]), done.json["data"]["notes"]
+    seen = json.loads((report / "seen.json").read_text())
+    assert seen["ids"] == [NOBODY] * 3 and "/prefetch-" in seen["sicext"], seen
+    assert bed.version() == "2.0" and bed.manager.active_state(unit) == "active"
+    bed.no_trace()
+    assert _left_in_state(bed) == []

@@ -109,6 +109,8 @@ def contexts(run: Run) -> tuple[list[smoke.Context], list[str]]:
     return list(found.values()), skipped
 
 
+#: The prefetch's ``--target`` tree while a unit's user reads it (the check lists its site directories)
+OPEN_TREE_MODE = 0o755
 #: uv's lock file at the top of a tree it installs into (0666: its locks are everyone's)
 UV_LOCK = ".lock"
 
@@ -125,9 +127,10 @@ def _tree_top(run: Run) -> tuple[Path, Path, str]:
 def _let_units_in(run: Run) -> str | None:
     """Open the way to the new version for the units' users (root-owned environment; see
     docs/threat-model.md): the state root and the environment's directory 0711 (the shim's directory
-    is 0755), the directory holding the tree 0711: entered by name, never listed; the tree below it
-    as uv made it, checked first to be root's alone (uv's lock file at its top, which everyone may
-    write and nothing reads once uv is done, is removed first). None, or why it was not opened."""
+    is 0755), the staging directory 0711: entered by name, never listed (its attic stays 0700); the
+    tree below it as uv made it (the prefetch's ``--target`` tree, a site directory itself: 0755),
+    checked first to be root's alone (uv's lock file at its top, which everyone may write and nothing
+    reads once uv is done, is removed first). None, or why it was not opened."""
     top, parent, below = _tree_top(run)
     tree = top / below if below else top
     try:
@@ -140,8 +143,8 @@ def _let_units_in(run: Run) -> str | None:
         return f"the new version's tree is not opened to it: {problem}"
     try:
         let_through(run.state)
-        with Tree(parent) as holder:
-            holder.set_mode(top.name, PASSABLE_MODE)
+        with Tree(parent) as holder:  # the prefetch's tree is the site directory itself: listed
+            holder.set_mode(top.name, PASSABLE_MODE if below else OPEN_TREE_MODE)
     except (OSError, SafeInstallError) as exc:
         return f"the way to the new version could not be opened: {exc}"
     return None
