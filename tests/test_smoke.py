@@ -34,6 +34,7 @@ from tests.beds import (
     maps_so,
     shared_interpreter_or_skip,
 )
+from tests.clirun import Result
 
 
 def _left_in_state(bed: Bed) -> list[str]:
@@ -55,6 +56,34 @@ def _refused_before_the_stop(bed: Bed, unit: str, wheel: str, *extra: str) -> di
     bed.no_trace()
     assert _left_in_state(bed) == []
     return dict(result.json)
+
+
+def _planned(bed: Bed, command: str) -> Result:
+    """The dry run (``--json``) of the update to sicext 2.0 with ``--smoke COMMAND``; it proceeds."""
+    plan = bed.cli(
+        "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--dry-run", "--json", "--smoke", command
+    )
+    assert plan.code == 0, plan.stdout + plan.stderr
+    return plan
+
+
+def _checked(bed: Bed, command: str, more_env: dict[str, str] | None = None) -> tuple[Result, str]:
+    """The run (``--json``) of the update to sicext 2.0 with ``--smoke COMMAND``, done; and what its smoke
+    step says."""
+    done = bed.safeinstall(
+        "sicext",
+        "--wheel",
+        str(bed.wheels["sicext-2"]),
+        "--settle",
+        "1",
+        "--json",
+        "--smoke",
+        command,
+        more_env=more_env,
+    )
+    assert done.code == 0, done.stdout + done.stderr
+    (step,) = [s for s in done.json["data"]["steps"] if s["name"] == "smoke"]
+    return done, str(step["detail"])
 
 
 def test_an_extension_module_with_an_undefined_symbol_is_refused_before_the_stop(bed: Bed) -> None:
@@ -124,26 +153,10 @@ def test_the_check_runs_with_the_units_environment_and_directory_without_a_gpu(
         f"tty=os.path.exists('/proc/self/fd/0') and os.isatty(0), path=sys.path), open({str(report)!r}, 'w'))"
     )
     command = f'python -c "{script}"'
-    plan = bed.cli(
-        "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--dry-run", "--json", "--smoke", command
-    )
-    assert plan.code == 0, plan.stdout + plan.stderr
-    said = plan.json["data"]["smoke"]
+    said = _planned(bed, command).json["data"]["smoke"]
     assert command in said and "sicext" in said and unit in said, said
-    done = bed.safeinstall(
-        "sicext",
-        "--wheel",
-        str(bed.wheels["sicext-2"]),
-        "--settle",
-        "1",
-        "--json",
-        "--smoke",
-        command,
-        more_env={"SMOKE_ROOTS_SECRET": "root's"},
-    )
-    assert done.code == 0, done.stdout + done.stderr
-    (step,) = [s for s in done.json["data"]["steps"] if s["name"] == "smoke"]
-    assert "2 module(s) of the new version imported" in step["detail"], step
+    _, step = _checked(bed, command, more_env={"SMOKE_ROOTS_SECRET": "root's"})
+    assert "2 module(s) of the new version imported" in step, step
     seen = json.loads(report.read_text())
     env = seen["env"]
     assert (env["SMOKE_FROM_UNIT"], env["SMOKE_FROM_FILE"], env["SMOKE_BOTH"]) == (
@@ -329,17 +342,7 @@ def test_what_another_account_controls_of_the_unit_never_runs_in_the_check(bed: 
         WorkingDirectory=str(app),
     )
     seen = tmp_path / "seen"
-    done = bed.safeinstall(
-        "sicext",
-        "--wheel",
-        str(bed.wheels["sicext-2"]),
-        "--settle",
-        "1",
-        "--json",
-        "--smoke",
-        f"pwd > {seen}; env >> {seen}",
-    )
-    assert done.code == 0, done.stdout + done.stderr
+    done, _ = _checked(bed, f"pwd > {seen}; env >> {seen}")
     assert list(markers.iterdir()) == [], "the unit's user's code ran in the check"
     said = "\n".join(done.json["data"]["notes"])
     assert f"EnvironmentFile {env_file} was not read" in said, said
@@ -449,22 +452,14 @@ def test_in_a_root_owned_environment_the_check_runs_as_the_units_user(open_bed: 
     as_user = bed.service("smoke-user", User=str(NOBODY), SupplementaryGroups="users")
     as_root = bed.service("smoke-root")
     command = f"python {script}"
-    plan = bed.cli(
-        "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--dry-run", "--json", "--smoke", command
-    )
-    assert plan.code == 0, plan.stdout + plan.stderr
-    said = plan.json["data"]["smoke"]
+    said = _planned(bed, command).json["data"]["smoke"]
     nobody = pwd.getpwuid(NOBODY)
     assert f"as {nobody.pw_name} (uid {NOBODY}, the unit's User=), environment of {as_user}" in said, said
     assert f"as root (the unit has no User=: it runs as root too), environment of {as_root}" in said, said
     mains = {unit: bed.manager.main_pid(unit) for unit in (as_user, as_root)}
-    done = bed.safeinstall(
-        "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "1", "--json", "--smoke", command
-    )
-    assert done.code == 0, done.stdout + done.stderr
-    (step,) = [s for s in done.json["data"]["steps"] if s["name"] == "smoke"]
-    who = step["detail"].partition("imported as ")[2].partition(" with")[0]
-    assert set(who.split(", ")) == {nobody.pw_name, "root"} and "not checked" not in step["detail"], step
+    _, step = _checked(bed, command)
+    who = step.partition("imported as ")[2].partition(" with")[0]
+    assert set(who.split(", ")) == {nobody.pw_name, "root"} and "not checked" not in step, step
     user = json.loads((report / f"seen-{NOBODY}.json").read_text())
     assert user["ids"] == [NOBODY] * 3 and user["gids"] == [nobody.pw_gid] * 3, user
     assert user["groups"] == sorted({*os.getgrouplist(nobody.pw_name, nobody.pw_gid), users}), user
@@ -492,20 +487,14 @@ def test_a_units_user_that_cannot_reach_the_environment_is_never_replaced_by_roo
     wait_until(lambda: maps_so(main) is not None, 15, "service maps the .so")
     marker = tmp_path / "ran"
     command = f"touch {marker}"
-    plan = bed.cli(
-        "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--dry-run", "--json", "--smoke", command
-    )
-    assert plan.code == 0, plan.stdout + plan.stderr
-    warned = [w for w in plan.json["data"]["warnings"] if "not checked before the stop" in w]
+    warned = [
+        w for w in _planned(bed, command).json["data"]["warnings"] if "not checked before the stop" in w
+    ]
     assert len(warned) == 1 and unit in warned[0] and "never runs as root" in warned[0], warned
     assert f"uid {NOBODY}, the unit's User=) cannot reach {bed.python}" in warned[0], warned
-    done = bed.safeinstall(
-        "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "1", "--json", "--smoke", command
-    )
-    assert done.code == 0, done.stdout + done.stderr
+    done, step = _checked(bed, command)
     assert not marker.exists()  # not as root, not at all
-    (step,) = [s for s in done.json["data"]["steps"] if s["name"] == "smoke"]
-    assert step["detail"].startswith("skipped: "), step
+    assert step.startswith("skipped: "), step
     notes = "\n".join(done.json["data"]["notes"])
     assert f"not checked before the stop for {unit}" in notes, notes
     assert bed.version() == "2.0" and bed.manager.main_pid(unit) != main
@@ -549,18 +538,7 @@ def test_without_a_swap_the_units_user_reads_the_prefetched_tree(open_bed: Bed, 
         f"seen = dict(ids=os.getresuid(), sicext=sicext.__file__); "
         f"json.dump(seen, open({str(report / 'seen.json')!r}, 'w'))"
     )
-    done = bed.safeinstall(
-        "sicext",
-        "--wheel",
-        str(bed.wheels["sicext-2"]),
-        "--settle",
-        "1",
-        "--json",
-        "--smoke",
-        f'python -c "{script}"',
-        more_env={"UV_COMPILE_BYTECODE": "1"},
-    )
-    assert done.code == 0, done.stdout + done.stderr
+    done, _ = _checked(bed, f'python -c "{script}"', more_env={"UV_COMPILE_BYTECODE": "1"})
     assert "no swap" in Path(done.json["data"]["log_file"]).read_text()
     assert "not checked" not in "\n".join(done.json["data"]["notes"]), done.json["data"]["notes"]
     seen = json.loads((report / "seen.json").read_text())

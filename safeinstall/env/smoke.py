@@ -652,9 +652,10 @@ _REACH_SCRIPT = (
 def reach_problem(run_as: RunAs, executables: Sequence[Path], directories: Sequence[Path]) -> str | None:
     """Whether ``run_as`` (its groups too: the kernel's own answer, access control lists included) may
     run ``executables`` and list and enter ``directories``, asked in a child that is that account (a
-    shell's ``test``); None when it may, else the first path it may not reach, said."""
+    shell's ``test``); None when it may, else the first path it may not reach, said. A directory that
+    is not there (a platlib the interpreter names but never made) is not asked about."""
     argv = ["/bin/sh", "-c", _REACH_SCRIPT, "sh"]
-    argv += [f"x:{p}" for p in executables] + [f"d:{p}" for p in directories]
+    argv += [f"x:{p}" for p in executables] + [f"d:{p}" for p in directories if os.path.isdir(p)]
     proc, problem = _run(argv, {"PATH": DEFAULT_PATH}, run_as, 30.0)
     if proc is None:
         return f"{run_as.name} could not be asked what it reaches: {problem}"
