@@ -546,3 +546,22 @@ def test_without_a_swap_the_units_user_reads_the_prefetched_tree(open_bed: Bed, 
     assert bed.version() == "2.0" and bed.manager.active_state(unit) == "active"
     bed.no_trace()
     assert _left_in_state(bed) == []
+
+
+def test_a_tree_is_opened_to_a_units_user_only_when_root_alone_may_change_it(tmp_path: Path) -> None:
+    if not AS_ROOT:
+        pytest.skip("the tree is root's in a run as root")
+    tree = tmp_path / "tree"
+    (tree / "pkg").mkdir(parents=True)
+    module = tree / "pkg" / "mod.py"
+    module.write_text("")
+    module.chmod(0o644)
+    (tree / "pkg" / "link").symlink_to("mod.py")  # a symlink's own mode (0777) is no one's write
+    assert smoke.others_may_write(tree) is None
+    module.chmod(0o666)
+    assert smoke.others_may_write(tree) == f"{module} is not root's alone (every user)"
+    module.chmod(0o664)  # root's group too: an access list's mask
+    assert smoke.others_may_write(tree) == f"{module} is not root's alone (group 0)"
+    module.chmod(0o644)
+    os.chown(tree / "pkg", NOBODY, NOBODY)
+    assert smoke.others_may_write(tree) == f"{tree / 'pkg'} is not root's alone (uid {NOBODY})"
