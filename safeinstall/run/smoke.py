@@ -1,6 +1,8 @@
 """The smoke step: after the prefetch, before the gate and the stop, the new version is imported (and the
 operator's ``--smoke`` command run) as the environment's account, with each unit's own environment
-(:mod:`safeinstall.env.smoke`). A failure refuses the run (exit 2): nothing was stopped.
+(:mod:`safeinstall.env.smoke`); in a root-owned environment, as each unit's ``User=`` (root for a unit
+without one), the tree opened to that user for reading while it runs (:func:`_let_units_in`). A failure
+refuses the run (exit 2): nothing was stopped.
 
 The tree imported from is the swap's staging tree, or, where the run does not swap, the prefetch's
 ``--target`` directory, which the prefetch then leaves for this step (it goes with the run's other
