@@ -7,9 +7,12 @@ symbol; ``sicext`` 3: raises at import), the real uv; uid 65534 for a service ac
 
 from __future__ import annotations
 
+import grp
 import json
 import os
+import pwd
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +21,20 @@ import pytest
 from safeinstall.env import smoke
 from safeinstall.run.options import RunOptions, option_problems
 from safeinstall.system.systemd import parse_exec_context
-from tests.bed_systemd import wait_until
-from tests.beds import AS_ROOT, NOBODY, UNIT_TEXT, Bed, ServiceAccountBed, chown_tree
+from tests import wheelhouse
+from tests.bed_nvml import FakeNvml
+from tests.bed_systemd import Units, UserManager, wait_until
+from tests.beds import (
+    AS_ROOT,
+    NOBODY,
+    UNIT_TEXT,
+    Bed,
+    ServiceAccountBed,
+    chown_tree,
+    maps_so,
+    shared_interpreter_or_skip,
+)
+from tests.clirun import Result
 
 
 def _left_in_state(bed: Bed) -> list[str]:
@@ -41,6 +56,34 @@ def _refused_before_the_stop(bed: Bed, unit: str, wheel: str, *extra: str) -> di
     bed.no_trace()
     assert _left_in_state(bed) == []
     return dict(result.json)
+
+
+def _planned(bed: Bed, command: str) -> Result:
+    """The dry run (``--json``) of the update to sicext 2.0 with ``--smoke COMMAND``; it proceeds."""
+    plan = bed.cli(
+        "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--dry-run", "--json", "--smoke", command
+    )
+    assert plan.code == 0, plan.stdout + plan.stderr
+    return plan
+
+
+def _checked(bed: Bed, command: str, more_env: dict[str, str] | None = None) -> tuple[Result, str]:
+    """The run (``--json``) of the update to sicext 2.0 with ``--smoke COMMAND``, done; and what its smoke
+    step says."""
+    done = bed.safeinstall(
+        "sicext",
+        "--wheel",
+        str(bed.wheels["sicext-2"]),
+        "--settle",
+        "1",
+        "--json",
+        "--smoke",
+        command,
+        more_env=more_env,
+    )
+    assert done.code == 0, done.stdout + done.stderr
+    (step,) = [s for s in done.json["data"]["steps"] if s["name"] == "smoke"]
+    return done, str(step["detail"])
 
 
 def test_an_extension_module_with_an_undefined_symbol_is_refused_before_the_stop(bed: Bed) -> None:
@@ -110,26 +153,10 @@ def test_the_check_runs_with_the_units_environment_and_directory_without_a_gpu(
         f"tty=os.path.exists('/proc/self/fd/0') and os.isatty(0), path=sys.path), open({str(report)!r}, 'w'))"
     )
     command = f'python -c "{script}"'
-    plan = bed.cli(
-        "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--dry-run", "--json", "--smoke", command
-    )
-    assert plan.code == 0, plan.stdout + plan.stderr
-    said = plan.json["data"]["smoke"]
+    said = _planned(bed, command).json["data"]["smoke"]
     assert command in said and "sicext" in said and unit in said, said
-    done = bed.safeinstall(
-        "sicext",
-        "--wheel",
-        str(bed.wheels["sicext-2"]),
-        "--settle",
-        "1",
-        "--json",
-        "--smoke",
-        command,
-        more_env={"SMOKE_ROOTS_SECRET": "root's"},
-    )
-    assert done.code == 0, done.stdout + done.stderr
-    (step,) = [s for s in done.json["data"]["steps"] if s["name"] == "smoke"]
-    assert "2 module(s) of the new version imported" in step["detail"], step
+    _, step = _checked(bed, command, more_env={"SMOKE_ROOTS_SECRET": "root's"})
+    assert "2 module(s) of the new version imported" in step, step
     seen = json.loads(report.read_text())
     env = seen["env"]
     assert (env["SMOKE_FROM_UNIT"], env["SMOKE_FROM_FILE"], env["SMOKE_BOTH"]) == (
@@ -178,7 +205,7 @@ def test_a_service_accounts_environment_is_checked_as_the_account(account: Servi
         f'python -c "{script}"',
     )
     assert result.code == 2, result.stdout + result.stderr
-    assert f"EnvironmentFile {secret} was not read as the environment's account" in result.stderr
+    assert f"EnvironmentFile {secret} was not read as the check's account" in result.stderr
     logs = "".join(p.read_text() for p in account.state.glob("*/logs/*.log"))
     assert "smoke: " in logs and "SMOKE_SHARED" not in logs  # the unit's variables never in the log
     assert "exit 3" in result.stderr and "[bold]the last words[/bold]" in result.stderr  # as text
@@ -315,17 +342,7 @@ def test_what_another_account_controls_of_the_unit_never_runs_in_the_check(bed: 
         WorkingDirectory=str(app),
     )
     seen = tmp_path / "seen"
-    done = bed.safeinstall(
-        "sicext",
-        "--wheel",
-        str(bed.wheels["sicext-2"]),
-        "--settle",
-        "1",
-        "--json",
-        "--smoke",
-        f"pwd > {seen}; env >> {seen}",
-    )
-    assert done.code == 0, done.stdout + done.stderr
+    done, _ = _checked(bed, f"pwd > {seen}; env >> {seen}")
     assert list(markers.iterdir()) == [], "the unit's user's code ran in the check"
     said = "\n".join(done.json["data"]["notes"])
     assert f"EnvironmentFile {env_file} was not read" in said, said
@@ -422,3 +439,181 @@ def test_what_the_check_started_never_outlives_it(bed: Bed) -> None:
     )  # fmt: skip
     assert result.code == 0, result.stdout + result.stderr
     assert bed.version() == "2.0" and bed.manager.active_state(unit) == "active"
+
+
+# --- a root-owned environment whose units run as a user of their own (User=) -------------------------
+
+
+@pytest.fixture
+def open_bed(
+    open_dir: Path,
+    open_state: Path,
+    units: Units,
+    user_manager: UserManager,
+    fake_nvml: FakeNvml,
+    wheels: wheelhouse.Wheelhouse,
+) -> Iterator[Bed]:
+    """sicext 1.0 in a root-owned venv that others may enter (as ``/opt/app/venv`` is): its units may run
+    as uid 65534 (``User=``); the state directory below directories others may enter."""
+    if not AS_ROOT:
+        pytest.skip("a unit's User= is taken by a run as root")
+    python = wheelhouse.make_venv(open_dir / "venv", shared_interpreter_or_skip())
+    wheelhouse.uv_install(python, wheels["sicext-1"])
+    made = Bed(python, open_state, user_manager, fake_nvml, wheels, units)
+    yield made
+    made.cleanup()
+
+
+#: What the --smoke command records (REPORT/seen-UID.json): who ran it and what it imported; as a user
+#: not root, what it tried on the run's directories (each must be refused)
+_SEEN = """
+import json, os, sicext
+staged = os.path.dirname(sicext.__file__)
+top = staged.split("/tree/")[0]
+tried = {}
+attempts = {
+    "list the staging directory": lambda: os.listdir(top),
+    "write into the staged tree": lambda: open(os.path.join(staged, "planted.py"), "x"),
+    "rename in the staged tree": lambda: os.rename(staged + "/serve.py", staged + "/x.py"),
+    "list the state directory": lambda: os.listdir(STATE),
+}
+for what, attempt in attempts.items() if os.getuid() else ():
+    try:
+        attempt()
+        tried[what] = "done"
+    except OSError as exc:
+        tried[what] = type(exc).__name__
+seen = dict(ids=os.getresuid(), gids=os.getresgid(), groups=sorted(os.getgroups()), sicext=sicext.__file__,
+            tried=tried)
+json.dump(seen, open(os.path.join(REPORT, "seen-%d.json" % os.getuid()), "w"))
+"""
+
+
+def test_in_a_root_owned_environment_the_check_runs_as_the_units_user(open_bed: Bed, open_dir: Path) -> None:
+    """Issue 34: in a root-owned environment the check's child was root, whatever the unit's User=:
+    the new wheel's import-time code ran as root before the stop. Now it runs as the unit's user (its
+    group, its groups as systemd gives them), the staged tree opened to it for reading alone; a unit
+    without User= keeps running it as root (as it runs that code at its start), and the plan says whom."""
+    bed = open_bed
+    report = open_dir / "report"
+    report.mkdir()
+    chown_tree(report, NOBODY)
+    script = open_dir / "seen.py"
+    script.write_text(_SEEN.replace("STATE", repr(str(bed.state))).replace("REPORT", repr(str(report))))
+    users = grp.getgrnam("users").gr_gid
+    as_user = bed.service("smoke-user", User=str(NOBODY), SupplementaryGroups="users")
+    as_root = bed.service("smoke-root")
+    command = f"python {script}"
+    said = _planned(bed, command).json["data"]["smoke"]
+    nobody = pwd.getpwuid(NOBODY)
+    assert f"as {nobody.pw_name} (uid {NOBODY}, the unit's User=), environment of {as_user}" in said, said
+    assert f"as root (the unit has no User=: it runs as root too), environment of {as_root}" in said, said
+    mains = {unit: bed.manager.main_pid(unit) for unit in (as_user, as_root)}
+    _, step = _checked(bed, command)
+    who = step.partition("imported as ")[2].partition(" with")[0]
+    assert set(who.split(", ")) == {nobody.pw_name, "root"} and "not checked" not in step, step
+    user = json.loads((report / f"seen-{NOBODY}.json").read_text())
+    assert user["ids"] == [NOBODY] * 3 and user["gids"] == [nobody.pw_gid] * 3, user
+    assert user["groups"] == sorted({*os.getgrouplist(nobody.pw_name, nobody.pw_gid), users}), user
+    assert "/.safeinstall-swap-" in user["sicext"], user  # the staged new version, read as the user
+    assert set(user["tried"].values()) == {"PermissionError"}, user["tried"]  # and nothing more
+    root = json.loads((report / "seen-0.json").read_text())
+    assert root["ids"] == [0, 0, 0] and "/.safeinstall-swap-" in root["sicext"], root
+    assert bed.version() == "2.0"
+    assert all(bed.manager.main_pid(unit) != main for unit, main in mains.items())  # restarted
+    bed.no_trace()
+    assert not list(bed.python.parent.parent.glob(".safeinstall-swap-*"))
+    assert _left_in_state(bed) == []
+
+
+def test_a_units_user_that_cannot_reach_the_environment_is_never_replaced_by_root(
+    bed: Bed, tmp_path: Path
+) -> None:
+    """A unit with User= whose user cannot enter the environment (below pytest's 0700 directories: its
+    ExecStart= runs with full privileges, ``+``): the check is not run for it, never as root instead;
+    the plan and the run's notes say so, and the run goes on as it would without the check."""
+    if not AS_ROOT:
+        pytest.skip("a unit's User= is taken by a run as root")
+    unit = bed.units.started("smoke-closed", f"+{bed.python.parent}/sicext-serve", User=str(NOBODY))
+    main = bed.manager.main_pid(unit)
+    wait_until(lambda: maps_so(main) is not None, 15, "service maps the .so")
+    marker = tmp_path / "ran"
+    command = f"touch {marker}"
+    warned = [
+        w for w in _planned(bed, command).json["data"]["warnings"] if "not checked before the stop" in w
+    ]
+    assert len(warned) == 1 and unit in warned[0] and "never runs as root" in warned[0], warned
+    assert f"uid {NOBODY}, the unit's User=) cannot reach {bed.python}" in warned[0], warned
+    done, step = _checked(bed, command)
+    assert not marker.exists()  # not as root, not at all
+    assert step.startswith("skipped: "), step
+    notes = "\n".join(done.json["data"]["notes"])
+    assert f"not checked before the stop for {unit}" in notes, notes
+    assert bed.version() == "2.0" and bed.manager.main_pid(unit) != main
+    bed.no_trace()
+    assert _left_in_state(bed) == []
+
+
+def test_a_units_user_is_resolved_as_systemd_resolves_it() -> None:
+    text = "User=nobody\nGroup=\nSupplementaryGroups=users 65534\nDynamicUser=no\n"
+    context = parse_exec_context("x.service", text)
+    assert (context.user, context.group, context.supplementary_groups) == ("nobody", "", ("users", "65534"))
+    nobody = pwd.getpwuid(NOBODY)
+    found = smoke.unit_account(context)
+    assert isinstance(found, smoke.RunAs)
+    assert (found.name, found.uid, found.gid) == (nobody.pw_name, NOBODY, nobody.pw_gid)
+    assert set(found.groups) == {
+        *os.getgrouplist(nobody.pw_name, nobody.pw_gid),
+        grp.getgrnam("users").gr_gid,
+    }
+    numeric = smoke.unit_account(parse_exec_context("x.service", f"User={NOBODY}\nGroup=users\n"))
+    assert isinstance(numeric, smoke.RunAs) and numeric.gid == grp.getgrnam("users").gr_gid
+    assert smoke.unit_account(parse_exec_context("x.service", "User=\n")) is None  # root
+    assert smoke.unit_account(parse_exec_context("x.service", "User=root\n")) is None
+    assert smoke.unit_account(parse_exec_context("x.service", "User=no-such-user-here\n")) == (
+        "its User=no-such-user-here is no user this machine knows"
+    )
+    assert "no group" in str(smoke.unit_account(parse_exec_context("x.service", "User=nobody\nGroup=nope\n")))
+
+
+def test_without_a_swap_the_units_user_reads_the_prefetched_tree(open_bed: Bed, open_dir: Path) -> None:
+    """The swap dropped (uv compiles bytecode): the new version lies in the prefetch's ``--target``
+    directory in root's state directory, which is opened to the unit's user as the staging directory is
+    (entered by name, never listed); the check runs as that user there too."""
+    bed = open_bed
+    report = open_dir / "report"
+    report.mkdir()
+    chown_tree(report, NOBODY)
+    unit = bed.service("smoke-user-no-swap", User=str(NOBODY))
+    script = (
+        "import json, os, sicext; "
+        f"seen = dict(ids=os.getresuid(), sicext=sicext.__file__); "
+        f"json.dump(seen, open({str(report / 'seen.json')!r}, 'w'))"
+    )
+    done, _ = _checked(bed, f'python -c "{script}"', more_env={"UV_COMPILE_BYTECODE": "1"})
+    assert "no swap" in Path(done.json["data"]["log_file"]).read_text()
+    assert "not checked" not in "\n".join(done.json["data"]["notes"]), done.json["data"]["notes"]
+    seen = json.loads((report / "seen.json").read_text())
+    assert seen["ids"] == [NOBODY] * 3 and "/prefetch-" in seen["sicext"], seen
+    assert bed.version() == "2.0" and bed.manager.active_state(unit) == "active"
+    bed.no_trace()
+    assert _left_in_state(bed) == []
+
+
+def test_a_tree_is_opened_to_a_units_user_only_when_root_alone_may_change_it(tmp_path: Path) -> None:
+    if not AS_ROOT:
+        pytest.skip("the tree is root's in a run as root")
+    tree = tmp_path / "tree"
+    (tree / "pkg").mkdir(parents=True)
+    module = tree / "pkg" / "mod.py"
+    module.write_text("")
+    module.chmod(0o644)
+    (tree / "pkg" / "link").symlink_to("mod.py")  # a symlink's own mode (0777) is no one's write
+    assert smoke.others_may_write(tree) is None
+    module.chmod(0o666)
+    assert smoke.others_may_write(tree) == f"{module} is not root's alone (every user)"
+    module.chmod(0o664)  # root's group too: an access list's mask
+    assert smoke.others_may_write(tree) == f"{module} is not root's alone (group 0)"
+    module.chmod(0o644)
+    os.chown(tree / "pkg", NOBODY, NOBODY)
+    assert smoke.others_may_write(tree) == f"{tree / 'pkg'} is not root's alone (uid {NOBODY})"

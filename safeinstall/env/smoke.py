@@ -3,9 +3,12 @@
 After the prefetch, the new version lies in a tree of its own: the staging tree of a swap
 (``<prefix>/.safeinstall-swap-RUN/tree``, uv's ``--prefix`` layout) or, where the run does not swap,
 the prefetch's throwaway ``--target`` directory (uv installed it there from the run's cache, as the
-account). A child process, run as the environment's account (:func:`safeinstall.system.children.run`: a
-session of its own, no terminal, no descriptor nor variable of root's), with the unit's own variables
-(``Environment=``, ``EnvironmentFile=``, read as the account) and working directory, imports it: the
+account). A child process (:func:`safeinstall.system.children.run`: a session of its own, no terminal,
+no descriptor nor variable of root's) imports it, run as the environment's account; in a root-owned
+environment, as the unit's own ``User=`` (:func:`unit_account`: its group, and its supplementary groups
+as systemd gives them), root only for a unit without one, which runs that code as root at its start
+anyway. It gets the unit's own variables (``Environment=``, ``EnvironmentFile=``, read as the child's
+account) and working directory: the
 tree goes ahead of the environment's site directories through a ``sitecustomize`` shim (``site.addsitedir``,
 so the tree's ``.pth`` files are honoured); nothing is written (``PYTHONDONTWRITEBYTECODE``), the
 environment's files are only read. No GPU is visible to it (``CUDA_VISIBLE_DEVICES=""`` and the ROCm
@@ -21,18 +24,22 @@ never code.
 
 from __future__ import annotations
 
+import grp
 import json
 import os
 import pwd
 import re
+import stat
 import subprocess
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from safeinstall.env import owner
-from safeinstall.env.environment import Account, Environment
+from safeinstall.env.environment import Environment
 from safeinstall.system import children, worker
+from safeinstall.system.safefs import Tree, others_who_write
+from safeinstall.system.systemd import ExecContext
 
 #: Seconds each child may take (the imports of one unit's context, or the operator's command).
 SMOKE_TIMEOUT_S = 300.0
@@ -250,13 +257,37 @@ os._exit(1 if failed else 0)
 
 
 @dataclass(frozen=True, slots=True)
+class RunAs:
+    """The account a child runs as (not root): a unit's ``User=`` as systemd makes it, or the account
+    that owns the environment (no supplementary groups: as uv runs as it)."""
+
+    name: str
+    uid: int
+    gid: int
+    groups: tuple[int, ...]  # supplementary: the user's own (initgroups) and SupplementaryGroups=
+    home: str
+    unit_user: bool = False  # the User= of a unit (in a root-owned environment), not the owner
+
+    @property
+    def ids(self) -> tuple[int, int]:
+        return self.uid, self.gid
+
+    def said(self) -> str:
+        """Pure: the account in a few words, for the plan and the log."""
+        why = ", the unit's User=" if self.unit_user else ""
+        return f"{self.name} (uid {self.uid}{why})"
+
+
+@dataclass(frozen=True, slots=True)
 class Context:
-    """How a unit runs its processes: the variables the child gets from it, and where it runs."""
+    """How a unit runs its processes: the variables the child gets from it, where it runs, and as whom
+    (None: root)."""
 
     unit: str | None  # None: no unit (the environment's account, systemd's defaults)
     variables: tuple[tuple[str, str], ...]
     cwd: str
     notes: tuple[str, ...] = ()  # what of the unit's could not be taken (an unreadable file...)
+    run_as: RunAs | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -440,14 +471,30 @@ def tail(text: str, lines: int = STDERR_LINES) -> tuple[str, ...]:
     return tuple(kept[-lines:])
 
 
-def describe(package: str, command: str | None, timeout: float, account: str, units: Sequence[str]) -> str:
-    """Pure: what the run runs before the stop (the plan says it)."""
-    where = f"environment of {', '.join(units)}" if units else "systemd's defaults"
+def describe(
+    package: str, command: str | None, timeout: float, runners: Sequence[tuple[str, Sequence[str]]]
+) -> str:
+    """Pure: what the run runs before the stop (the plan says it): ``runners``, whom the check runs as
+    and for which units (none: systemd's defaults)."""
+    where = "; ".join(
+        f"as {who}, environment of {', '.join(units)}" if units else f"as {who}, systemd's defaults"
+        for who, units in runners
+    )
     more = f", then `{command}`" if command else ""
     return (
-        f"as {account}, {where}, no GPU: import {package}'s top-level modules and the changed "
+        f"{where}; no GPU: import {package}'s top-level modules and the changed "
         f"distributions' extension modules from the new version{more} (at most {timeout:g} s each)"
     )
+
+
+def runner_said(found: RunAs | str | None) -> str:
+    """Pure: whom a unit's check runs as in a root-owned environment, in the plan's words (``found``:
+    :func:`unit_account`'s answer)."""
+    if isinstance(found, RunAs):
+        return found.said()
+    if isinstance(found, str):
+        return f"no one: not checked ({found}; never as root instead)"
+    return "root (the unit has no User=: it runs as root too)"
 
 
 def logged(outcome: ChildOutcome) -> str:
@@ -484,6 +531,52 @@ def failure_message(outcomes: Sequence[ChildOutcome]) -> str:
 # ------------------------------------------------------------------------------------- I/O parts
 
 
+def _group_id(given: str) -> int | None:
+    """A group as systemd takes it (a name, or a number the group database knows); None: unknown."""
+    try:
+        return grp.getgrgid(int(given)).gr_gid if given.isdigit() else grp.getgrnam(given).gr_gid
+    except (KeyError, ValueError, OverflowError):
+        return None
+
+
+def unit_account(context: ExecContext) -> RunAs | str | None:
+    """Whom ``context``'s unit runs its processes as, resolved as systemd resolves ``User=`` (a name or a
+    number the user database knows; with ``DynamicUser=`` and no ``User=``, the unit's name) and
+    ``Group=`` (else the user's primary group), with the supplementary groups systemd gives it: the
+    user's groups (``initgroups``, unless the group is root's), then ``SupplementaryGroups=``. None:
+    root (no ``User=``, or root); a str: why it cannot be told (the unit itself could not start so)."""
+    name = context.user or (context.unit.rpartition(".")[0] if context.dynamic_user else "")
+    if not name:
+        return None
+    try:
+        entry = pwd.getpwuid(int(name)) if name.isdigit() else pwd.getpwnam(name)
+    except (KeyError, ValueError, OverflowError):
+        return f"its User={name} is no user this machine knows"
+    if entry.pw_uid == 0:
+        return None
+    gid = entry.pw_gid
+    if context.group:
+        found = _group_id(context.group)
+        if found is None:
+            return f"its Group={context.group} is no group this machine knows"
+        gid = found
+    groups = list(os.getgrouplist(entry.pw_name, gid)) if gid != 0 else []
+    for given in context.supplementary_groups:
+        found = _group_id(given)
+        if found is None:
+            return f"its SupplementaryGroups= names {given}, no group this machine knows"
+        groups.append(found)
+    return RunAs(entry.pw_name, entry.pw_uid, gid, tuple(dict.fromkeys(groups)), entry.pw_dir, True)
+
+
+def owner_account(env: Environment) -> RunAs | None:
+    """The account that owns ``env`` as a :class:`RunAs` (None: root's environment)."""
+    if env.account is None:
+        return None
+    name, home = account_of(env)
+    return RunAs(name, env.account.uid, env.account.gid, (), home)
+
+
 def account_of(env: Environment) -> tuple[str, str]:
     """The (name, home) of the account the child runs as: the environment's owner, else the caller
     (root, or the user of a ``--user`` run)."""
@@ -497,16 +590,16 @@ def account_of(env: Environment) -> tuple[str, str]:
 
 
 def read_environment_files(
-    files: Sequence[tuple[str, bool]], account: Account | None
+    files: Sequence[tuple[str, bool]], ids: tuple[int, int] | None
 ) -> tuple[list[tuple[str, str]], list[str]]:
-    """The assignments of a unit's ``EnvironmentFile=`` files, read as the environment's account (a
+    """The assignments of a unit's ``EnvironmentFile=`` files, read as the child's account ``ids`` (a
     file it may not read is not given to its process: said, never read by root for it); and the notes."""
     if not files:
         return [], []
     paths = [path for path, _ in files]
     try:
         answer = worker.call(
-            None if account is None else account.ids,
+            ids,
             lambda: owner.read_texts(paths, ENV_FILE_LIMIT),
             timeout=30,
             what="reads the unit's environment files",
@@ -523,7 +616,7 @@ def read_environment_files(
             if not ignore:
                 why = item[1] if isinstance(item, list) and len(item) == 2 else "?"
                 said = str(why)[:200]
-                notes.append(f"EnvironmentFile {path} was not read as the environment's account: {said}")
+                notes.append(f"EnvironmentFile {path} was not read as the check's account: {said}")
             continue
         found.extend(parse_environment_file(text))
     return found, notes
@@ -558,7 +651,6 @@ def _in_directory(cwd: str, argv: Sequence[str]) -> list[str]:
 
 
 def run_imports(
-    env: Environment,
     python: Path,
     context: Context,
     variables: Mapping[str, str],
@@ -570,7 +662,7 @@ def run_imports(
     """The import child for one context (see the module)."""
     spec = json.dumps({"sites": [str(s) for s in sites], "package": package, "changed": sorted(changed)})
     argv = _in_directory(context.cwd, [str(python), "-c", CHILD_SCRIPT, spec])
-    proc, problem = _run(argv, variables, env, timeout)
+    proc, problem = _run(argv, variables, context.run_as, timeout)
     if proc is None:
         return ChildOutcome("imports", context, False, (), (), problem, ())
     imported, failed, started, done = read_answers(proc.stdout)
@@ -584,11 +676,10 @@ def run_imports(
     return ChildOutcome("imports", context, ok, imported, failed, problem, stderr, unavailable)
 
 
-def run_command(
-    env: Environment, command: str, context: Context, variables: Mapping[str, str], timeout: float
-) -> ChildOutcome:
+def run_command(command: str, context: Context, variables: Mapping[str, str], timeout: float) -> ChildOutcome:
     """The operator's ``--smoke`` command for one context, through ``/bin/sh -c``: exit 0 passes."""
-    proc, problem = _run(_in_directory(context.cwd, ["/bin/sh", "-c", command]), variables, env, timeout)
+    argv = _in_directory(context.cwd, ["/bin/sh", "-c", command])
+    proc, problem = _run(argv, variables, context.run_as, timeout)
     if proc is None:
         return ChildOutcome(command, context, False, (), (), problem, ())
     if proc.returncode != 0:
@@ -601,14 +692,15 @@ def _status(code: int) -> str:
 
 
 def _run(
-    argv: Sequence[str], variables: Mapping[str, str], env: Environment, timeout: float
+    argv: Sequence[str], variables: Mapping[str, str], run_as: RunAs | None, timeout: float
 ) -> tuple[subprocess.CompletedProcess[str] | None, str | None]:
     try:
         proc = children.run(
             argv,
             env=variables,
             timeout=timeout,
-            as_user=None if env.account is None else env.account.ids,
+            as_user=None if run_as is None else run_as.ids,
+            groups=() if run_as is None else run_as.groups,
             limit=OUTPUT_LIMIT,
             end_group=True,  # what an import started (vLLM's, torch's helpers) never outlives the check
         )
@@ -619,3 +711,45 @@ def _run(
     except OSError as exc:
         return None, f"it could not start: {exc.strerror or exc}"
     return proc, None
+
+
+#: The probe of what a unit's user must reach: each ``x:PATH`` it must execute, each ``d:PATH`` (a
+#: directory) it must list and enter; the first it may not is printed, and the probe fails.
+_REACH_SCRIPT = (
+    'for p do case $p in x:*) test -x "${p#x:}";; *) test -r "${p#d:}" && test -x "${p#d:}";; esac '
+    '|| { printf "%s\\n" "${p#?:}"; exit 1; }; done'
+)
+
+
+def reach_problem(run_as: RunAs, executables: Sequence[Path], directories: Sequence[Path]) -> str | None:
+    """Whether ``run_as`` (its groups too: the kernel's own answer, access control lists included) may
+    run ``executables`` and list and enter ``directories``, asked in a child that is that account (a
+    shell's ``test``); None when it may, else the first path it may not reach, said. A directory that
+    is not there (a platlib the interpreter names but never made) is not asked about."""
+    argv = ["/bin/sh", "-c", _REACH_SCRIPT, "sh"]
+    argv += [f"x:{p}" for p in executables] + [f"d:{p}" for p in directories if os.path.isdir(p)]
+    proc, problem = _run(argv, {"PATH": DEFAULT_PATH}, run_as, 30.0)
+    if proc is None:
+        return f"{run_as.name} could not be asked what it reaches: {problem}"
+    if proc.returncode == 0:
+        return None
+    first = tail(proc.stdout, 1)
+    return f"{run_as.said()} cannot reach {first[0] if first else 'what the check needs'}"
+
+
+def others_may_write(top: Path) -> str | None:
+    """Whether anyone but root could change something in ``top`` (a tree of the new version root made:
+    the staging tree, the prefetch's): the first entry not root's, or that its group (any, root's
+    included: an access list's mask) or everyone may write, said; None: root's alone. Before the tree
+    is opened to a unit's user (by descriptor, no symlink followed)."""
+    with Tree(top) as tree:
+        files, directories = tree.walk("")
+        with tree.batch():
+            for relative in ["", *directories, *files]:
+                info = tree.lstat(relative) if relative else os.fstat(tree.fd)
+                if info is None:
+                    continue
+                writer = others_who_write(info.st_mode, info.st_gid, group_root_is_root=False)
+                if info.st_uid != 0 or (writer is not None and not stat.S_ISLNK(info.st_mode)):
+                    return f"{top / relative} is not root's alone ({writer or f'uid {info.st_uid}'})"
+    return None

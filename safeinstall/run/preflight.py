@@ -26,7 +26,12 @@ from packaging.utils import canonicalize_name
 
 from safeinstall.env import keep, smoke
 from safeinstall.env.drift import FindingKind
-from safeinstall.env.environment import Environment, inspect_environment, resolve_python
+from safeinstall.env.environment import (
+    Environment,
+    inspect_environment,
+    interpreter_in_prefix,
+    resolve_python,
+)
 from safeinstall.env.systemsite import placement_refusals
 from safeinstall.env.uvplan import uv_binary
 from safeinstall.env.verified import InodeStore
@@ -48,11 +53,11 @@ from safeinstall.env.wheelcopy import (
     passable_temporary_dir,
     temporary_copy,
 )
-from safeinstall.errors import PlanError, WheelError
+from safeinstall.errors import PlanError, SafeInstallError, WheelError
 from safeinstall.run import staging
 from safeinstall.run.options import RunOptions, check_options
 from safeinstall.run.patches import PatchSet, prepare_patches
-from safeinstall.run.survey import Survey, survey
+from safeinstall.run.survey import Survey, survey, systemd_for
 from safeinstall.run.undo import UndoTarget, undo_plan, undo_target, undo_uv_plan
 from safeinstall.scan.plan import Plan
 from safeinstall.store.backup import disk_space_freed, disk_space_needed, free_space, space_problem
@@ -70,6 +75,7 @@ from safeinstall.store.state import (
 from safeinstall.store.verified import read_store, store_checker
 from safeinstall.system.lock import HeldLock, acquire_lock, check_lock
 from safeinstall.system.safefs import unwritable
+from safeinstall.system.systemd import exec_context
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -184,10 +190,10 @@ def preflight(options: RunOptions, *, take_lock: bool, env: Environment | None =
         if shared:
             found = replace(found, plan=replace(found.plan, warnings=(*found.plan.warnings, *shared)))
         if undo is None and not options.no_smoke:
-            units = [u.name for u in found.plan.units]
-            account = smoke.account_of(env)[0]
-            said = smoke.describe(found.plan.package, options.smoke, options.smoke_timeout, account, units)
-            found = replace(found, plan=replace(found.plan, smoke=said))
+            runners, unchecked = smoke_runners(options, env, [u.name for u in found.plan.units])
+            said = smoke.describe(found.plan.package, options.smoke, options.smoke_timeout, runners)
+            warned = (*found.plan.warnings, *unchecked)
+            found = replace(found, plan=replace(found.plan, smoke=said, warnings=warned))
         if undo is not None:
             owner = os.geteuid() if env.account is None else env.account.uid
             found = replace(found, plan=undo_plan(found.plan, undo, before, found.installed, owner))
@@ -215,6 +221,41 @@ def preflight(options: RunOptions, *, take_lock: bool, env: Environment | None =
         vouched=vouched,
         inodes=inodes,
     )
+
+
+def smoke_runners(
+    options: RunOptions, env: Environment, units: list[str]
+) -> tuple[list[tuple[str, list[str]]], list[str]]:
+    """Whom the smoke check runs as, and for which units (the plan says it): the environment's account;
+    in a root-owned environment, each unit's ``User=`` (root for a unit without one). And the plan's
+    warnings: a unit whose user is unknown, or cannot reach the environment's interpreter and site
+    directories, is not checked (never as root instead)."""
+    if env.account is not None or os.geteuid() != 0 or not units:
+        return [(smoke.account_of(env)[0], units)], []
+    systemd = systemd_for(options)
+    runners: dict[str, list[str]] = {}
+    accounts: dict[smoke.RunAs | str, list[str]] = {}
+    for unit in units:
+        try:
+            found: smoke.RunAs | str | None = smoke.unit_account(exec_context(systemd, unit))
+        except SafeInstallError as exc:
+            found = f"its User= could not be read: {exc.message}"
+        runners.setdefault(smoke.runner_said(found), []).append(unit)
+        if found is not None:
+            accounts.setdefault(found, []).append(unit)
+    warnings: list[str] = []
+    for account, named in accounts.items():
+        problem = (
+            account
+            if isinstance(account, str)
+            else smoke.reach_problem(account, [interpreter_in_prefix(env)], env.site_dirs)
+        )
+        if problem is not None:
+            warnings.append(
+                f"the new version is not checked before the stop for {', '.join(named)}: {problem} "
+                "(the check never runs as root for a unit with User=; let its user reach them, or --no-smoke)"
+            )
+    return list(runners.items()), warnings
 
 
 def locally_modified(report: VerifyReport) -> tuple[str, ...]:

@@ -199,11 +199,13 @@ def run(
     limit: int = OUTPUT_LIMIT,
     program_fd: int | None = None,
     end_group: bool = False,
+    groups: Sequence[int] = (),
 ) -> subprocess.CompletedProcess[str]:
     """Like ``subprocess.run(argv, capture_output=True, text=True)``, without the gaps above; bytes of
     the output that are not UTF-8 are replaced (U+FFFD), never an exception.
 
-    ``as_user`` (uid, gid): the child runs as that user and group only (no supplementary groups).
+    ``as_user`` (uid, gid): the child runs as that user and group, with ``groups`` as its supplementary
+    groups (none by default), all set in the child after the fork, before the exec.
     The child's working directory is ``/``: nothing in the caller's (a ``uv.toml`` or ``pyproject.toml``
     that uv would discover there or in a directory above it, such as ``/tmp``) can steer it.
 
@@ -234,7 +236,7 @@ def run(
             preexec_fn=_die_with(os.getpid(), program_fd),
             user=None if as_user is None else as_user[0],
             group=None if as_user is None else as_user[1],
-            extra_groups=None if as_user is None else [],
+            extra_groups=None if as_user is None else list(groups),
             cwd="/",  # never the caller's: a uv.toml there (or above, e.g. in /tmp) would steer uv
             start_new_session=True,  # no controlling terminal (root's /dev/tty), its own process group
         )

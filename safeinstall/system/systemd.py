@@ -737,20 +737,40 @@ def start_limit_risk(limit: StartLimit, now_s: float, run_starts: int = RUN_STAR
 class ExecContext:
     """What systemd gives a unit's processes besides its command (``systemctl show``): the variables of
     ``Environment=``, the files of ``EnvironmentFile=`` (path, errors ignored) and ``WorkingDirectory=``
-    ("" when unset; ``~`` for the user's home; a leading ``-`` or ``!`` removed)."""
+    ("" when unset; ``~`` for the user's home; a leading ``-`` or ``!`` removed); and whom they run as:
+    ``User=``, ``Group=`` ("" when unset), ``SupplementaryGroups=`` and ``DynamicUser=``, as written
+    (names or numbers; resolved as systemd resolves them by :func:`safeinstall.env.smoke.unit_account`)."""
 
     unit: str
     environment: tuple[tuple[str, str], ...]
     environment_files: tuple[tuple[str, bool], ...]
     working_directory: str
+    user: str = ""
+    group: str = ""
+    supplementary_groups: tuple[str, ...] = ()
+    dynamic_user: bool = False
+
+
+#: What :func:`exec_context` asks ``systemctl show`` for.
+EXEC_PROPERTIES = (
+    "Environment",
+    "EnvironmentFiles",
+    "WorkingDirectory",
+    "User",
+    "Group",
+    "SupplementaryGroups",
+    "DynamicUser",
+)
 
 
 def parse_exec_context(unit: str, text: str) -> ExecContext:
-    """Pure: an :class:`ExecContext` from ``systemctl show -p Environment,EnvironmentFiles,WorkingDirectory``
-    (one ``EnvironmentFiles=`` line per file; ``Environment=`` quoted as systemd quotes a list)."""
+    """Pure: an :class:`ExecContext` from ``systemctl show -p EXEC_PROPERTIES`` (one ``EnvironmentFiles=``
+    line per file; ``Environment=`` quoted as systemd quotes a list; ``SupplementaryGroups=`` a list of
+    words)."""
     environment: dict[str, str] = {}
     files: list[tuple[str, bool]] = []
     directory = ""
+    said: dict[str, str] = {}
     for line in text.splitlines():
         key, sep, value = line.partition("=")
         if not sep:
@@ -771,11 +791,22 @@ def parse_exec_context(unit: str, text: str) -> ExecContext:
             files.append((path, "ignore_errors=yes" in flags))
         elif key == "WorkingDirectory":
             directory = value.lstrip("-!")
-    return ExecContext(unit, tuple(environment.items()), tuple(files), directory)
+        elif key in ("User", "Group", "SupplementaryGroups", "DynamicUser"):
+            said[key] = value.strip()
+    return ExecContext(
+        unit,
+        tuple(environment.items()),
+        tuple(files),
+        directory,
+        user=said.get("User", ""),
+        group=said.get("Group", ""),
+        supplementary_groups=tuple(said.get("SupplementaryGroups", "").split()),
+        dynamic_user=said.get("DynamicUser", "") == "yes",
+    )
 
 
 def exec_context(systemd: Systemd, unit: str) -> ExecContext:
     """How ``unit`` runs its processes, as its manager has it loaded (SystemdError when it cannot say)."""
     name = check_unit_name(unit)
-    text = systemd.systemctl("show", "-p", "Environment,EnvironmentFiles,WorkingDirectory", "--", name)
+    text = systemd.systemctl("show", "-p", ",".join(EXEC_PROPERTIES), "--", name)
     return parse_exec_context(name, text)
