@@ -116,8 +116,8 @@ _ahead()
 #: cannot be taken for an answer): {"module": M} before each import, then {"ok": M}, {"skipped": M},
 #: {"unavailable": M, "error": LIBRARY} (an ImportError, or one raised while handling it, or the
 #: loader's own error for the extension module's file when its package failed first, that says the
-#: loader found no NVIDIA driver library on this host: the host cannot load it, whatever the version;
-#: not imported, said) or {"failed": M, "error": TEXT}; {"done": N} at the end.
+#: loader found no NVIDIA driver library, and the child cannot load that library either: the host
+#: cannot load the module, whatever the version; not imported, said) or {"failed": M, "error": TEXT}; {"done": N} at the end.
 CHILD_SCRIPT = r"""
 import sys
 sys.path[:] = [p for p in sys.path if p not in ("", ".")]  # first: nothing of the directory it runs in
@@ -206,12 +206,22 @@ for tree in spec["sites"]:
                     extensions.append(".".join(dotted))
                     files.setdefault(".".join(dotted), full)
 modules = sorted(tops) + sorted(m for m in dict.fromkeys(extensions) if m not in tops)
+absent = {}
+def host_lacks(library):
+    if library not in absent:
+        import ctypes
+        try:
+            ctypes.CDLL(library)
+            absent[library] = False
+        except OSError:
+            absent[library] = True
+    return absent[library]
 def driver_missing(exc):
     for _ in range(20):
         if exc is None:
             return None
         for library in ("libcuda.so.1", "libnvidia-ml.so.1"):
-            if library + ": cannot open shared object file" in str(exc):
+            if library + ": cannot open shared object file" in str(exc) and host_lacks(library):
                 return library
         exc = exc.__cause__ or exc.__context__
     return None
