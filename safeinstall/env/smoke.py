@@ -117,7 +117,8 @@ _ahead()
 #: {"unavailable": M, "error": LIBRARY} (an ImportError, or one raised while handling it, or the
 #: loader's own error for the extension module's file when its package failed first, that says the
 #: loader found no NVIDIA driver library, and the child cannot load that library either: the host
-#: cannot load the module, whatever the version; not imported, said) or {"failed": M, "error": TEXT}; {"done": N} at the end.
+#: cannot load the module, whatever the version; not imported, said) or {"failed": M, "error": TEXT};
+#: {"done": N} at the end.
 CHILD_SCRIPT = r"""
 import sys
 sys.path[:] = [p for p in sys.path if p not in ("", ".")]  # first: nothing of the directory it runs in
