@@ -173,35 +173,30 @@ def test_root_links_from_its_own_cache_and_takes_the_stores_hashes_unread(
     time.sleep(verified.GRANULARITY_NS / 1e9)  # not racy: a hash taken within it of a change is not kept
     checked = safeinstall("--python", str(python), "--verify-only", "sipure", "--json", env=env)
     assert checked.code == 0, checked.stdout + checked.stderr
+
+    def switch(version: str) -> str:
+        """safeinstall installs ``version``: its prefetch step's detail, said to have read not all."""
+        result = safeinstall(
+            "--python", str(python), "--yes", "--json", "--settle", "0", f"sipure=={version}",
+            "--", "--offline", "--find-links", links,
+            env=env,
+        )  # fmt: skip
+        assert result.code == 0, result.stdout + result.stderr
+        prefetch = str({s["name"]: s["detail"] for s in result.json["data"]["steps"]}["prefetch"])
+        unread = re.findall(r"(\d+) files hashed \((\d+) of them kept by the verified-inode store", prefetch)
+        assert unread and int(unread[0][1]) > 0, prefetch
+        return prefetch
+
     hand("1.0")
     time.sleep(verified.GRANULARITY_NS / 1e9)  # the preflight's hashes of 1.0's files are kept: not racy
-    result = safeinstall(
-        "--python", str(python), "--yes", "--json", "--settle", "0", "sipure==2.0",
-        "--", "--offline", "--find-links", links,
-        env=env,
-    )  # fmt: skip
-
-    assert result.code == 0, result.stdout + result.stderr
-    prefetch = {s["name"]: s["detail"] for s in result.json["data"]["steps"]}["prefetch"]
-    assert f"1 unpacked wheel(s) linked from {cache}" in prefetch, prefetch
-    unread = re.findall(r"(\d+) files hashed \((\d+) of them kept by the verified-inode store", prefetch)
-    assert unread and int(unread[0][1]) > 0, prefetch
+    assert f"1 unpacked wheel(s) linked from {cache}" in switch("2.0")
     installed = wheelhouse.site_packages(python) / "sipure" / "__init__.py"
     (archive,) = (
         entry for entry in cache.glob("archive-v0/*/sipure/__init__.py") if "2.0" in entry.read_text()
     )
     assert installed.stat().st_ino == archive.stat().st_ino  # linked, as uv links from its cache
     assert "VERSION = " in installed.read_text() and "2.0" in installed.read_text()
-    # and back: the run kept the hashes of the old files it read (1.0's inodes live on in the cache)
-    back = safeinstall(
-        "--python", str(python), "--yes", "--json", "--settle", "0", "sipure==1.0",
-        "--", "--offline", "--find-links", links,
-        env=env,
-    )  # fmt: skip
-    assert back.code == 0, back.stdout + back.stderr
-    prefetch = {s["name"]: s["detail"] for s in back.json["data"]["steps"]}["prefetch"]
-    unread = re.findall(r"(\d+) files hashed \((\d+) of them kept by the verified-inode store", prefetch)
-    assert unread and int(unread[0][1]) > 0, prefetch
+    switch("1.0")  # and back: the run kept the hashes of the old files it read (1.0's live on in the cache)
 
 
 def test_a_kept_hash_stands_for_a_root_only_inode_whose_links_changed_and_for_nothing_else(

@@ -226,31 +226,25 @@ def driver_missing(exc):
                 return library
         exc = exc.__cause__ or exc.__context__
     return None
+def unloadable(module, exc):
+    library = driver_missing(exc) if isinstance(exc, ImportError) else None
+    if library is None and isinstance(exc, ImportError) and module in files:  # its package failed first?
+        try:
+            import ctypes
+            ctypes.CDLL(files[module], mode=os.RTLD_NOW)  # the file itself, as the loader sees it
+        except OSError as direct:
+            library = driver_missing(direct)
+    return library
 failed = 0
 for module in modules:
     say(module=module)
     try:
         importlib.import_module(module)
-    except ImportError as exc:
-        library = driver_missing(exc)
-        if library is None and module in files:  # its package failed first? load the file itself
-            try:
-                import ctypes
-                ctypes.CDLL(files[module], mode=os.RTLD_NOW)
-            except OSError as direct:
-                library = driver_missing(direct)
-        if library is None:
-            failed += 1
-            frames = [
-                f for f in traceback.extract_tb(exc.__traceback__)
-                if not f.filename.startswith("<") and not f.filename.endswith(("importlib/__init__.py",))
-            ]
-            print("".join(traceback.format_list(frames)), end="", file=sys.stderr)
-            print("".join(traceback.format_exception_only(type(exc), exc)), end="", file=sys.stderr)
-            say(failed=module, error=("%s: %s" % (type(exc).__name__, exc))[:2000])
-        else:
-            say(unavailable=module, error=library)
     except BaseException as exc:
+        library = unloadable(module, exc)
+        if library is not None:
+            say(unavailable=module, error=library)
+            continue
         failed += 1
         frames = [
             f for f in traceback.extract_tb(exc.__traceback__)
