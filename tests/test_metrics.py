@@ -14,6 +14,7 @@ import shutil
 import stat
 import subprocess
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -496,3 +497,20 @@ def test_a_status_that_cannot_read_the_state_says_so(textfile_dir: Path, tmp_pat
         and value(samples, "safeinstall_status_exit_code") == 2
     )
     assert all(not s.labels for s in samples["safeinstall_status_success"])
+
+
+def test_the_service_downtime_users_saw_is_a_metric_and_in_the_status_list() -> None:
+    """With ``--health-url`` a run's result holds ``service_downtime_s`` (the first unit stopped -> the
+    health URL answering 200): the metrics file and ``--status`` show it; without one, nothing."""
+    from safeinstall.cli.render import _runs_rows
+    from safeinstall.run.metrics import run_families
+    from safeinstall.store.history import RunSummary
+
+    base = RunSummary("r1", "done", 0, "vllm", "0.33.0", "0.32.0", None, None, {"v.service": 0.4}, None)
+    seen = replace(base, service_downtime_s=61.5)
+    names = {family.name: family for family in run_families("/opt/v", seen)}
+    (sample,) = names["safeinstall_run_service_downtime_seconds"].samples
+    assert sample.value == 61.5 and dict(sample.labels) == {"prefix": "/opt/v"}
+    assert "safeinstall_run_service_downtime_seconds" not in {f.name for f in run_families("/opt/v", base)}
+    assert "v.service 0.4 s; service 61.5 s" in _runs_rows((seen,))[0]
+    assert "v.service 0.4 s" in _runs_rows((base,))[0]

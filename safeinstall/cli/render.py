@@ -721,6 +721,8 @@ def _runs_rows(runs: tuple[RunSummary, ...]) -> list[tuple[str, ...]]:
             f"{r.old_version or '?'} -> {r.new_version or '?'}" if r.old_version or r.new_version else "-"
         )
         downtime = ", ".join(f"{u} {s:.1f} s" for u, s in sorted(r.downtime_s.items())) or "-"
+        if r.service_downtime_s is not None:  # what users saw: the stop -> the health URL's 200
+            downtime += f"; service {r.service_downtime_s:.1f} s"
         rows.append(
             (
                 r.run_id,

@@ -204,6 +204,15 @@ def run_families(prefix: str, run: RunSummary) -> list[Family]:
             tuple(Sample((("prefix", prefix), ("unit", u)), s) for u, s in sorted(run.downtime_s.items())),
         ),
     ]
+    if run.service_downtime_s is not None:
+        families.append(
+            _one(
+                "safeinstall_run_service_downtime_seconds",
+                "The last run: the first unit stopped -> its health URL answering 200 (--health-url)",
+                run.service_downtime_s,
+                prefix=prefix,
+            )
+        )
     for edge, when in (("start", run.started_at), ("end", run.finished_at)):
         seconds = _timestamp(when)
         if seconds is not None:

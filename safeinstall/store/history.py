@@ -57,6 +57,8 @@ class RunSummary:
     #: --status: whether ``safeinstall --undo --run RUN_ID`` can undo it, and if not why (None: not asked)
     can_undo: bool | None = None
     cannot_undo: str | None = None
+    #: the first unit stopped -> the health URL answering 200 (``--health-url``), None without one
+    service_downtime_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +151,7 @@ def summary(entry: HistoryEntry) -> RunSummary:
         finished_at=entry.finished_at,
         downtime_s={unit: float(seconds) for unit, seconds in data.downtime_s.items()},
         log_file=data.log_file or entry.log_file,
+        service_downtime_s=data.service_downtime_s,
     )
 
 
