@@ -428,20 +428,22 @@ def verify_environment(
     for plan in plans:
         findings = list(plan.findings)
         linked: list[tuple[str, int]] = []
+        name = plan.dist.name
         for expectation in plan.expectations:
-            state = states[expectation.location]
-            finding = compare(plan.dist.name, expectation, state, baseline)
+            location = expectation.location
+            state = states[location]
+            finding = compare(name, expectation, state, baseline)
             if finding is not None:
-                member = plan.members.get(expectation.location)
+                member = plan.members.get(location)
                 findings.append(replace(finding, wheel_member=member) if member else finding)
                 if finding.kind == FindingKind.MODIFIED:
-                    mismatched[expectation.location] = expectation
+                    mismatched[location] = expectation
             if state.nlink > 1 and state.is_file:
                 linked.append((state.path, state.nlink))
-            moded = mode_finding(plan.dist.name, state, expectation.location.startswith(scripts))
+            moded = mode_finding(name, state, location.startswith(scripts))
             if moded is not None:
                 findings.append(moded)
-        warning = hardlinked(plan.dist.name, linked)
+        warning = hardlinked(name, linked)
         if warning is not None:
             findings.append(warning)
         findings.extend(unlisted[plan.dist.name])
