@@ -1233,6 +1233,36 @@ def test_a_package_a_pth_line_imports_is_walked_within_bounds_never_out_of_it(
         inspect_environment(python)
 
 
+def test_the_walk_of_what_site_may_import_names_the_first_file_by_name(
+    open_dir: Path, wheels: Wheelhouse
+) -> None:
+    """Issue 36: the walk of a package a `.pth` line imports sorts only what it finds (vLLM's 68k
+    entries); what it says is as a walk in name order would say: the first of an account's files by
+    name, whatever the order the directory lists them in."""
+    if not AS_ROOT:
+        pytest.skip("the attack is on a run as root")
+    python, site, _uids = _root_venv_with_pth(open_dir, wheels)
+    package = site / "zzpkg"
+    package.mkdir()
+    for number in reversed(range(40)):  # the listing's order is the filesystem's, not this one
+        made = package / f"f{number:02d}.py"
+        made.write_text("")
+        os.chown(made, NOBODY, NOBODY)
+    (package / "g.py").write_text("")
+    os.chown(package / "g.py", NOBODY - 1, NOBODY - 1)
+    (site / "zz-pkg.pth").write_text("import zzpkg\n")
+    from safeinstall.env.environment import inspect_environment
+    from safeinstall.errors import InterpreterError
+
+    with pytest.raises(InterpreterError) as refused:
+        inspect_environment(python)
+    said = refused.value.message
+    assert (
+        f"uid {NOBODY} owns {package / 'f00.py'}" in said
+        and f"uid {NOBODY - 1} owns {package / 'g.py'}" in said
+    )
+
+
 def test_a_symlinked_site_packages_in_a_directory_the_account_owns_is_the_accounts(
     open_dir: Path, wheels: Wheelhouse
 ) -> None:

@@ -89,6 +89,22 @@ def patched_env(venv: Path, wheels: Wheelhouse) -> Path:
     return venv
 
 
+def test_a_distributions_hardlinked_finding_counts_each_of_its_files() -> None:
+    """Issue 36: one ``hardlinked`` finding holds every linked file of its distribution: the metric
+    counts the files, as when there was a finding each."""
+    from safeinstall.env.drift import hardlinked
+    from safeinstall.env.verify import DistributionReport, VerifyReport
+
+    finding = hardlinked("sipure", [("/v/sipure/a.py", 2), ("/v/sipure/b.py", 2), ("/v/sipure/c.py", 3)])
+    assert finding is not None
+    dist = DistributionReport("sipure", "1.0", "/v/sipure-1.0.dist-info", 3, (finding,), "record")
+    families = {
+        f.name: f for f in verify_families("/v", VerifyReport("/v/bin/python", "/v", (dist,), None), 0, 1.0)
+    }
+    warnings = {s.labels: s.value for s in families["safeinstall_verify_warning_findings"].samples}
+    assert warnings[(("prefix", "/v"), ("distribution", "sipure"), ("kind", "hardlinked"))] == 3
+
+
 def test_verify_only_writes_files_checked_and_findings_per_kind(
     patched_env: Path, textfile_dir: Path
 ) -> None:

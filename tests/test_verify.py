@@ -401,6 +401,31 @@ def test_hardlinks_into_uv_cache_warn(venv: Path, wheels: Wheelhouse) -> None:
     assert {f["kind"] for f in doc["data"]["findings"]} == {"hardlinked"}
 
 
+def test_hardlinked_files_are_one_finding_per_distribution_and_one_per_file_in_json(
+    venv: Path, wheels: Wheelhouse
+) -> None:
+    """Issue 36: a venv uv hardlinked from its cache has every file linked (61k on vLLM's); the report
+    holds one ``hardlinked`` finding per distribution, with each file and its link count, and counts
+    them all; ``--json`` and ``-v`` still list a finding per file."""
+    from safeinstall.env.drift import FindingKind
+    from safeinstall.env.environment import inspect_environment
+    from safeinstall.env.verify import verify_environment
+
+    wheelhouse.uv_install(venv, wheels["sipure-1"], wheels["sins-a"], link_mode="hardlink")
+    report = verify_environment(inspect_environment(venv), ["sipure", "sins-a"])
+    linked = [f for f in report.findings if f.kind == FindingKind.HARDLINKED]
+    assert sorted(f.distribution for f in linked) == ["sins-a", "sipure"]
+    listed = {path: links for f in linked for path, links in f.linked}
+    assert all(f.files == len(f.linked) > 1 and f.path == f.linked[0][0] for f in linked)
+    assert listed == {p: s.nlink for p, s in report.observed.items() if s.nlink > 1}
+    doc = run("sipure", "--verify-only", "--python", str(venv), "--json").json
+    each = {f["path"]: f["detail"] for f in doc["data"]["findings"] if f["kind"] == "hardlinked"}
+    assert each.keys() == {f for f in listed if "sipure" in f} and doc["data"]["summary"]["warnings"] == len(
+        each
+    )
+    assert all(detail.startswith(f"{listed[path]} links: ") for path, detail in each.items())
+
+
 def test_python_defaults_to_virtual_env(env: Path) -> None:
     environ = dict(os.environ, VIRTUAL_ENV=str(env.parent.parent))
     result = run("sicext", "--verify-only", env=environ)

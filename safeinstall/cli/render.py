@@ -22,6 +22,7 @@ from safeinstall.run.view import (
     Finding,
     FindingKind,
     human_bytes,
+    per_file,
     progress_key,
     progress_text,
 )
@@ -141,7 +142,8 @@ def _warning_summaries(err: Console, findings: Sequence[Finding], more: str) -> 
             else (f"{len(names)} distributions", "with uv's --link-mode copy, or each with safeinstall NAME")
         )
         err.print(
-            f"[yellow]warning:[/] {counted(len(hardlinked), 'installed file')} of {whose} share their inode "
+            f"[yellow]warning:[/] {counted(sum(f.files for f in hardlinked), 'installed file')} of {whose} "
+            "share their inode "
             f"with another file (uv's cache; e.g. {literal(hardlinked[0].path)}); editing one in place also "
             f"edits the cache, and a later offline reinstall brings the edit back (uv #10579). Reinstall "
             f"{how}{more}",
@@ -228,7 +230,7 @@ def render_verify(
         if not f.is_drift and (f.kind != FindingKind.WHEEL_RECORD or f.baseline == "run")
     ]
     if verbosity > 0:
-        _finding_lines(err, warnings)
+        _finding_lines(err, per_file(warnings))
     elif verbosity == 0:
         _warning_summaries(err, warnings, " (-v lists them; --json has all)")
     for d in diffs or []:

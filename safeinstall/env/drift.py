@@ -63,10 +63,18 @@ class Finding:
     actual_size: int | None = None
     wheel_member: str | None = None  # with --wheel: the archive member this file comes from
     shared_with: str | None = None  # kind shared: the other distribution whose copy of the file is there
+    #: kind hardlinked: every such file of the distribution, with its number of links (one finding for
+    #: them all, ``path`` the first; ``--json`` and ``-v`` list each: :func:`per_file`)
+    linked: tuple[tuple[str, int], ...] = ()
 
     @property
     def is_drift(self) -> bool:
         return self.kind not in WARNING_KINDS
+
+    @property
+    def files(self) -> int:
+        """How many files it is about (a distribution's ``hardlinked`` finding: all of them)."""
+        return len(self.linked) or 1
 
 
 def compare(distribution: str, expected: Expectation, state: FileState, baseline: str) -> Finding | None:
@@ -184,16 +192,56 @@ def against_dpkg(finding: Finding, md5_matches: bool | None, package: str) -> Fi
     return replace(finding, detail=f"{finding.detail}; {said.format(p=package)}")
 
 
-def hardlink_warning(distribution: str, state: FileState) -> Finding | None:
-    if state.exists and state.is_file and state.nlink > 1:
-        return Finding(
-            distribution=distribution,
-            path=state.path,
-            kind=FindingKind.HARDLINKED,
-            detail=f"{state.nlink} links: shared with uv's cache; editing it in place edits the cache "
-            "too (reinstall with --link-mode copy)",
+def hardlinked(distribution: str, linked: Sequence[tuple[str, int]]) -> Finding | None:
+    """Pure: one warning for every file of a distribution that shares its inode (uv's cache), or None.
+    One per distribution, not per file: a venv uv installed hardlinks every file (61k on vLLM's), and a
+    finding each cost a check that reads nothing most of its time; :func:`per_file` lists each."""
+    if not linked:
+        return None
+    ordered = tuple(sorted(linked))
+    return Finding(
+        distribution=distribution,
+        path=ordered[0][0],
+        kind=FindingKind.HARDLINKED,
+        detail=_linked_detail(ordered[0][1]) if len(ordered) == 1 else f"{len(ordered)} files: {_SHARED}",
+        linked=ordered,
+    )
+
+
+_SHARED = "shared with uv's cache; editing it in place edits the cache too (reinstall with --link-mode copy)"
+
+
+def _linked_detail(links: int) -> str:
+    return f"{links} links: {_SHARED}"
+
+
+def report_order(finding: Finding) -> tuple[bool, str]:
+    """Pure: the order of a distribution's findings in a report: a version mismatch first, then by path."""
+    return finding.kind != FindingKind.VERSION_MISMATCH, finding.path
+
+
+def per_file(findings: Iterable[Finding]) -> list[Finding]:
+    """Pure: the findings with each ``hardlinked`` one as one finding per file (as ``--json`` has them),
+    in :func:`report_order` when there was one to list."""
+    listed: list[Finding] = []
+    expanded = False
+    for f in findings:
+        if f.kind != FindingKind.HARDLINKED or not f.linked:
+            listed.append(f)
+            continue
+        expanded = True
+        listed.extend(
+            Finding(f.distribution, path, FindingKind.HARDLINKED, _linked_detail(links))
+            for path, links in f.linked
         )
-    return None
+    return sorted(listed, key=_file_order) if expanded else listed
+
+
+def _file_order(finding: Finding) -> tuple[bool, str, int]:
+    """Pure: :func:`report_order`, and for one file its content's finding, then its link, then its mode
+    (the order of a finding per file)."""
+    rank = 1 if finding.kind == FindingKind.HARDLINKED else 2 if finding.kind == FindingKind.MODE else 0
+    return finding.kind != FindingKind.VERSION_MISMATCH, finding.path, rank
 
 
 def mode_finding(distribution: str, state: FileState, script: bool) -> Finding | None:

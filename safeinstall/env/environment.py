@@ -205,7 +205,7 @@ class _Control:
         self.gids: dict[int, int] = {}  # the group of the first path each account owns
         self.problems: list[str] = []
 
-    def look(self, path: Path, what: str, *, ancestor: bool = False) -> bool:
+    def look(self, path: Path | str, what: str, *, ancestor: bool = False) -> bool:
         """One path (not followed); False when it does not exist. ``ancestor``: a directory above what
         matters, where a sticky bit (only an entry's owner may rename it) makes others' write harmless."""
         try:
@@ -340,8 +340,8 @@ def _walk_loaded(control: _Control, top: Path, what: str, budget: list[int]) -> 
     or past ``LOADED_DEPTH``, a problem."""
     if budget[0] < 0:  # said once, by the walk that ran out
         return
-    real_top = Path(os.path.realpath(top))
-    todo: list[tuple[Path, int]] = [(real_top, 0)]
+    real_top = os.path.realpath(top)
+    todo: list[tuple[str, int]] = [(real_top, 0)]
     if os.path.islink(top):
         control.look_up(top, what)
     if not os.path.isdir(real_top):
@@ -353,28 +353,44 @@ def _walk_loaded(control: _Control, top: Path, what: str, budget: list[int]) -> 
         if depth > LOADED_DEPTH:
             control.problems.append(f"{directory} ({what}) is more than {LOADED_DEPTH} directories deep")
             return
+        # In the listing's order, only sorting what can be found (a symlink, a file _may_say looks at)
+        # and the directories below: what is found first, and said, is as in name order (68k entries
+        # of vLLM's site directory, sorted and made paths each, cost this walk a third of its time).
+        said: list[os.DirEntry[str]] = []
+        below: list[str] = []
         try:
             with os.scandir(directory) as listing:
-                entries = sorted(listing, key=lambda entry: entry.name)
+                count = 0
+                for entry in listing:
+                    count += 1
+                    if entry.is_symlink():
+                        said.append(entry)
+                    elif entry.is_dir(follow_symlinks=False):
+                        below.append(entry.path)
+                    elif _may_say(control, entry):
+                        said.append(entry)
         except OSError:
             continue
-        budget[0] -= len(entries)
+        budget[0] -= count
         if budget[0] < 0:
             control.problems.append(
                 f"more than {LOADED_ENTRIES} files below {top} ({what}): who may change them cannot be told"
             )
             return
-        for entry in entries:
+        for entry in sorted(said, key=_entry_name) if len(said) > 1 else said:
             if entry.is_symlink():
                 path = Path(entry.path)
                 control.look_up(path, what)
-                target = Path(os.path.realpath(path))
-                if os.path.isdir(target) and not is_within(os.fspath(target), os.fspath(real_top)):
+                target = os.path.realpath(path)
+                if os.path.isdir(target) and not is_within(target, real_top):
                     control.problems.append(f"{path} ({what}) links to the directory {target}, outside it")
-            elif entry.is_dir(follow_symlinks=False):
-                todo.append((Path(entry.path), depth + 1))
-            elif _may_say(control, entry):
-                control.look(Path(entry.path), what)
+            else:
+                control.look(entry.path, what)
+        todo.extend((path, depth + 1) for path in sorted(below))
+
+
+def _entry_name(entry: os.DirEntry[str]) -> str:
+    return entry.name
 
 
 def _may_say(control: _Control, entry: os.DirEntry[str]) -> bool:

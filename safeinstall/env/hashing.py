@@ -15,6 +15,10 @@ their cost is Python and a system call each, under the GIL, and two threads hand
 other at every call went slower than one (torch's 12,227 small files, warm cache, 2 CPUs: 0.46 s on two
 threads, 0.36 s on one). Once the small files are done this thread takes large ones too. The result is
 the same whatever the number of threads.
+
+Where the caller knows hashes taken earlier (``known``: the verified-inode store, a run's cache), the
+files they prove unchanged are looked at first, one pass by directory (an ``lstat`` each, relative to
+the directory opened and checked as for a read), and only the rest is planned and read.
 """
 
 from __future__ import annotations
@@ -345,20 +349,18 @@ class _Directory:
         self._opened = False
         self._listed = False
 
-    def enter(self, listed: bool = True) -> tuple[int | None, frozenset[str] | None, str | None]:
+    def enter(self) -> tuple[int | None, frozenset[str] | None, str | None]:
         """The directory's descriptor (``None``: it could not be opened, its files are opened by their
         paths, after an ``lstat`` each), the names of its regular files (``None``: not listed), and
-        why none of its files may be opened at all (``MISSING``, or what was wrong), or ``None``.
-        ``listed`` False: no listing yet (files proven by identity need none; one is made on the
-        first call that asks for it)."""
+        why none of its files may be opened at all (``MISSING``, or what was wrong), or ``None``."""
         with self._lock:
             if not self._opened:
                 self._opened = True
                 self._fd, self._problem = _open_directory(self.path, self._list, self.within)
-            if listed and self._list and not self._listed:
+            if self._list and not self._listed:
                 self._listed = True
                 self._regular = None if self._fd is None else _regular_names(self._fd)
-            return self._fd, self._regular if listed else None, self._problem
+            return self._fd, self._regular, self._problem
 
     def leave(self) -> None:
         with self._lock:
@@ -441,13 +443,10 @@ class _Task:
     files: tuple[_File, ...]
     cost: int
     large: bool  # one file of BIG_FILE bytes or more
-    known: Known | None = None
 
     def run(self, buffer: memoryview) -> list[FileState]:
         directory = self.directory
-        known = self.known
-        listed = known is None  # else only what is not proven by identity needs the listing
-        dir_fd, regular, problem = (None, None, None) if directory is None else directory.enter(listed)
+        dir_fd, regular, problem = (None, None, None) if directory is None else directory.enter()
         started_ns = time.time_ns()  # before any of its files is opened: see FileState.hashed_ns
         try:
             if problem is not None:  # none of its files is opened
@@ -455,24 +454,7 @@ class _Task:
                     FileState(path, False) if problem == MISSING else FileState(path, True, error=problem)
                     for path, _name, _algorithm, _size in self.files
                 ]
-            states: list[FileState] = []
-            rest: Sequence[_File] = self.files
-            if known is not None:
-                rest = []
-                for file in self.files:
-                    path, name, algorithm, _size = file
-                    proven = (
-                        None
-                        if algorithm is None
-                        else _by_identity(path, path if dir_fd is None else name, dir_fd, algorithm, known)
-                    )
-                    if proven is None:
-                        rest.append(file)
-                    else:
-                        states.append(proven)
-                if rest and directory is not None:
-                    regular = directory.enter()[1]
-            states.extend(
+            return [
                 _observe(
                     path,
                     path if dir_fd is None else name,
@@ -482,9 +464,8 @@ class _Task:
                     buffer,
                     started_ns,
                 )
-                for path, name, algorithm, _size in rest
-            )
-            return states
+                for path, name, algorithm, _size in self.files
+            ]
         finally:
             if directory is not None:
                 directory.leave()
@@ -495,9 +476,7 @@ class _Task:
 _LIST_FROM = 4
 
 
-def plan_tasks(
-    wanted: Sequence[Wanted], within: str | None = None, known: Known | None = None
-) -> list[_Task]:
+def plan_tasks(wanted: Sequence[Wanted], within: str | None = None) -> list[_Task]:
     """The work, costliest first (by expected size): each file of ``BIG_FILE`` bytes or more a task of
     its own, the others in chunks of at most ``CHUNK_FILES`` files of one directory."""
     by_directory: dict[str | None, tuple[list[_File], list[_File]]] = {}
@@ -516,12 +495,53 @@ def plan_tasks(
         users = len(big) + len(chunks)
         shared = None if key is None else _Directory(key, users, len(small) >= _LIST_FROM, within)
         for file in big:
-            tasks.append(_Task(shared, (file,), file[3] + _PER_FILE_COST, True, known))
+            tasks.append(_Task(shared, (file,), file[3] + _PER_FILE_COST, True))
         for chunk in chunks:
             cost = sum(f[3] for f in chunk) + _PER_FILE_COST * len(chunk)
-            tasks.append(_Task(shared, tuple(chunk), cost, False, known))
+            tasks.append(_Task(shared, tuple(chunk), cost, False))
     tasks.sort(key=lambda task: -task.cost)
     return tasks
+
+
+def _proven(
+    wanted: Sequence[Wanted], within: str | None, known: Known, results: dict[str, FileState]
+) -> list[Wanted]:
+    """The wanted files that ``known`` proves by identity (an ``lstat`` each, relative to its directory
+    opened as :func:`_open_directory` opens one to read: checked ``within``), into ``results``; the
+    others, to be read. One pass by directory, on this thread: on a check where nothing changed (every
+    file proven) no task is planned at all (vLLM's 61k files: planning them cost a fifth of the pass)."""
+    by_directory: dict[str, list[Wanted]] = {}
+    rest: list[Wanted] = []
+    for want in wanted:
+        path = want.location
+        if want.algorithm is None or path[:1] != "/":
+            rest.append(want)
+            continue
+        directory = path.rpartition("/")[0] or "/"
+        group = by_directory.get(directory)
+        if group is None:
+            group = by_directory[directory] = []
+        group.append(want)
+    for directory, group in by_directory.items():
+        fd, _problem = _open_directory(directory, False, within)
+        if fd is None:  # missing, or not within: its tasks say so
+            rest.extend(group)
+            continue
+        try:
+            for want in group:
+                path, algorithm = want.location, want.algorithm
+                proven = (
+                    None
+                    if algorithm is None
+                    else _by_identity(path, path.rpartition("/")[2], fd, algorithm, known)
+                )
+                if proven is None:
+                    rest.append(want)
+                else:
+                    results[path] = proven
+        finally:
+            os.close(fd)
+    return rest
 
 
 def observe_files(
@@ -546,14 +566,18 @@ def observe_files(
     ``known``: a file whose ``lstat`` shows an inode hashed earlier and unchanged since gets that
     digest without being opened (``by_identity``); any other is read and hashed.
     """
-    tasks = plan_tasks(wanted, within, known)
+    results: dict[str, FileState] = {}
+    if known is not None:  # first what the kept hashes prove: only the rest is planned and read
+        wanted = _proven(wanted, within, known, results)
+        if on_progress is not None and results:
+            on_progress(len(results))
+    tasks = plan_tasks(wanted, within)
     large: Iterator[_Task] = iter([task for task in tasks if task.large])
     small: Iterator[_Task] = iter([task for task in tasks if not task.large])
-    results: dict[str, FileState] = {}
     failures: list[BaseException] = []
     stop = threading.Event()  # set: no thread starts another task
     lock = threading.Lock()
-    done = 0
+    done = len(results)
 
     def work(*queues: Iterator[_Task]) -> None:
         nonlocal done

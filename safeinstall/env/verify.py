@@ -32,9 +32,10 @@ from safeinstall.env.drift import (
     against_dpkg,
     compare,
     extras,
-    hardlink_warning,
+    hardlinked,
     mode_finding,
     pyc_source,
+    report_order,
     shared_file,
     untouched_since_install,
 )
@@ -426,20 +427,25 @@ def verify_environment(
     dist_infos_of = functools.cache(_dist_infos_of)
     for plan in plans:
         findings = list(plan.findings)
+        linked: list[tuple[str, int]] = []
+        name = plan.dist.name
         for expectation in plan.expectations:
-            state = states[expectation.location]
-            finding = compare(plan.dist.name, expectation, state, baseline)
+            location = expectation.location
+            state = states[location]
+            finding = compare(name, expectation, state, baseline)
             if finding is not None:
-                member = plan.members.get(expectation.location)
+                member = plan.members.get(location)
                 findings.append(replace(finding, wheel_member=member) if member else finding)
                 if finding.kind == FindingKind.MODIFIED:
-                    mismatched[expectation.location] = expectation
-            warning = hardlink_warning(plan.dist.name, state)
-            if warning is not None:
-                findings.append(warning)
-            moded = mode_finding(plan.dist.name, state, expectation.location.startswith(scripts))
+                    mismatched[location] = expectation
+            if state.nlink > 1 and state.is_file:
+                linked.append((state.path, state.nlink))
+            moded = mode_finding(name, state, location.startswith(scripts))
             if moded is not None:
                 findings.append(moded)
+        warning = hardlinked(name, linked)
+        if warning is not None:
+            findings.append(warning)
         findings.extend(unlisted[plan.dist.name])
         findings.extend(_second_dist_infos(plan.dist, dist_infos_of))
         per_plan.append(findings)
@@ -476,9 +482,7 @@ def verify_environment(
                 version=plan.dist.version,
                 dist_info=str(plan.dist.dist_info),
                 files_checked=len(plan.expectations),
-                findings=tuple(
-                    sorted(findings, key=lambda f: (f.kind != FindingKind.VERSION_MISMATCH, f.path))
-                ),
+                findings=tuple(sorted(findings, key=report_order)),
                 against=plan.against,
                 site=os.fspath(plan.dist.site),
                 system_package=owners.get(plan.dist.name),

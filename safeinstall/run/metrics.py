@@ -143,7 +143,7 @@ def verify_families(prefix: str, report: VerifyReport | None, exit_code: int, no
         checked.append(Sample(base, dist.files_checked))
         counts: dict[str, int] = {}
         for finding in dist.findings:
-            counts[finding.kind.value] = counts.get(finding.kind.value, 0) + 1
+            counts[finding.kind.value] = counts.get(finding.kind.value, 0) + finding.files
         drift += [Sample((*base, ("kind", kind)), counts.get(kind, 0)) for kind in DRIFT_KINDS]
         warnings += [Sample((*base, ("kind", kind)), counts.get(kind, 0)) for kind in WARNING_KIND_NAMES]
     return [

@@ -12,7 +12,7 @@ from enum import Enum
 from pathlib import PurePath
 from typing import TYPE_CHECKING, Any
 
-from safeinstall.env.drift import Finding
+from safeinstall.env.drift import Finding, per_file
 from safeinstall.errors import SafeInstallError
 from safeinstall.store.rundoc import RESULT_VERSION
 from safeinstall.system.identity import ProcessId
@@ -150,7 +150,9 @@ def run_json(result: RunResult) -> dict[str, Any]:
 def verify_json(report: VerifyReport, patch: str | None, notes: Sequence[str] = ()) -> dict[str, Any]:
     """``--verify-only --json``: the report, each finding, a summary, the patch of ``--diff``, and
     ``notes`` (why the environment's baseline was not used)."""
-    findings = [finding_json(f) for f in report.findings]
+    # a finding per hardlinked file, in its distribution's order (one finding of them all in the report)
+    listed = [f for d in report.distributions for f in per_file(d.findings)]
+    findings = [finding_json(f) for f in listed]
     return {
         "python": report.python,
         "prefix": report.prefix,
@@ -177,8 +179,8 @@ def verify_json(report: VerifyReport, patch: str | None, notes: Sequence[str] = 
         "summary": {
             "distributions": len(report.distributions),
             "files_checked": sum(d.files_checked for d in report.distributions),
-            "drift": sum(1 for f in report.findings if f.is_drift),
-            "warnings": sum(1 for f in report.findings if not f.is_drift),
+            "drift": sum(1 for f in listed if f.is_drift),
+            "warnings": sum(1 for f in listed if not f.is_drift),
         },
         "patch": patch,
         "notes": list(notes),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from safeinstall.env.drift import RECORD_MAY_BE_WRONG_HINT, UNTOUCHED, Finding, FindingKind
+from safeinstall.env.drift import RECORD_MAY_BE_WRONG_HINT, UNTOUCHED, Finding, FindingKind, per_file
 from safeinstall.store.runlog import PROGRESS_EVERY_S, human_bytes, progress_key, progress_text
 
 if TYPE_CHECKING:
@@ -32,6 +32,7 @@ __all__ = [
     "FindingKind",
     "display_time",
     "human_bytes",
+    "per_file",
     "progress_key",
     "progress_text",
     "run_summary",
