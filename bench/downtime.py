@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import os
 import pwd
@@ -128,6 +129,7 @@ class Case:
     hand_cache: Path | None = None  # the hand's uv cache (None: the bench's own)
     cold: bool = False  # vllm-cold: the hand's cache is new and empty each round
     extra: tuple[str, ...] = ()  # more safeinstall options
+    new_extra: tuple[str, ...] = ()  # more options of this build's alone (an older one may not know them)
     order: dict[str, list[int]] = field(default_factory=lambda: {HAND: [], NEW: [], OLD: []})
     #: first unit stopped -> the health endpoint answers 200 (the bench's own poll), and each build's
     #: ``service_downtime_s``
@@ -135,6 +137,21 @@ class Case:
     reported: dict[str, list[float]] = field(default_factory=lambda: {NEW: [], OLD: []})
     firsts: list[str] = field(default_factory=list)  # who went first in each round
     hand_as: str = ""  # torch-account: what runs the hand's uv as the account (setpriv ...)
+
+    def options(self, who: str) -> tuple[str, ...]:
+        """The options a safeinstall build adds last."""
+        return (*self.extra, *self.new_extra) if who == NEW else self.extra
+
+
+def vllm_smoke_options() -> tuple[str, ...]:
+    """``--no-smoke`` where the host has no CUDA driver (``libcuda.so.1``): vLLM's extension modules
+    link it, so the smoke check (issue 34) refuses every vLLM install there, as it should (they would
+    not load in the service either, which here imports torch only)."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return ("--no-smoke",)
+    return ()
 
 
 def torch_wheel() -> Path:
@@ -333,9 +350,8 @@ def bench_case(
                     if who == HAND:
                         command = _hand_command(unit, case, f"'{wanted}'")
                     else:
-                        command = _safeinstall_command(
-                            builds[who], case, settle, _requirement(wanted), case.extra
-                        )
+                        args = _requirement(wanted)
+                        command = _safeinstall_command(builds[who], case, settle, args, case.options(who))
                     # the host's cache (vllm, vllm-cold); an account's is the hand's alone: root's
                     # safeinstall keeps the bench's own and fills its run's cache from the account's
                     shared = case.hand_as == "" or who == HAND
@@ -365,7 +381,7 @@ def bench_case(
                     command = _hand_command(unit, case, str(wheel))
                 else:
                     args = [case.package, "--wheel", str(wheel)]
-                    command = _safeinstall_command(builds[who], case, settle, args, case.extra)
+                    command = _safeinstall_command(builds[who], case, settle, args, case.options(who))
                 run_round(
                     case,
                     who,
@@ -508,6 +524,7 @@ def _vllm_account_case(work: Path, uid: int, gid: int, home: Path, vllm_wheel: P
         hand_cache=cache,
         hand_as=as_account,
         extra=("--keep-backups", "1"),  # each backup holds the old release's 4 GB of inodes
+        new_extra=vllm_smoke_options(),
     )
 
 
@@ -540,6 +557,11 @@ def report(case: Case, rounds: int, settle: float, baseline: str | None = None) 
     )
     if baseline is not None:
         print(f"  {OLD}: {baseline}")
+    if case.new_extra:
+        print(
+            f"  {NEW} ran with {' '.join(case.new_extra)}: no CUDA driver here (libcuda.so.1), which vLLM's "
+            "extension modules link: the smoke check would refuse every install"
+        )
     for label, series in (("downtime", case.times), ("whole run", case.walls)):
         for who in (HAND, *builds):
             print(_median_line(label, who, series[who]))
@@ -622,6 +644,7 @@ def make_cases(args: argparse.Namespace, work: Path) -> list[Case]:
                 hand_cache=args.hand_cache,
                 cold=args.case == "vllm-cold",
                 extra=("--keep-backups", "1"),  # each backup holds the old release's 4 GB of inodes
+                new_extra=vllm_smoke_options(),
             )
         )
     if args.case in ("synthetic", "both"):
