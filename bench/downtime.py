@@ -3,7 +3,7 @@
 Usage: python bench/downtime.py [--case torch|torch-warm|torch-account[-warm]|vllm|vllm-cold|vllm-account
                                         |synthetic|both]
                                 [--rounds 3] [--blob-mb 64] [--settle 1] [--safeinstall PATH]
-                                [--baseline-safeinstall PATH] [--logs DIR]
+                                [--baseline-safeinstall PATH] [--safeinstall-option OPTION]... [--logs DIR]
 
 Starts a private ``systemd --user`` manager (needs /run/systemd/system, as the tests do) and, for each
 case, a venv and a unit whose process imports the package, then alternates (the order flips every round):
@@ -558,10 +558,13 @@ def report(case: Case, rounds: int, settle: float, baseline: str | None = None) 
     if baseline is not None:
         print(f"  {OLD}: {baseline}")
     if case.new_extra:
-        print(
-            f"  {NEW} ran with {' '.join(case.new_extra)}: no CUDA driver here (libcuda.so.1), which vLLM's "
-            "extension modules link: the smoke check would refuse every install"
+        why = (
+            ": no CUDA driver here (libcuda.so.1), which vLLM's extension modules link: the smoke check "
+            "would refuse every install"
+            if case.switch is not None and "--no-smoke" in case.new_extra
+            else ""
         )
+        print(f"  {NEW} ran with {' '.join(case.new_extra)}{why}")
     for label, series in (("downtime", case.times), ("whole run", case.walls)):
         for who in (HAND, *builds):
             print(_median_line(label, who, series[who]))
@@ -684,6 +687,14 @@ def main() -> int:
         help="a second safeinstall build (e.g. an older commit's venv/bin/safeinstall): a third contender "
         "in the same rounds, reported side by side (new / old)",
     )
+    parser.add_argument(
+        "--safeinstall-option",
+        action="append",
+        default=[],
+        metavar="OPTION",
+        help="an option the new build (--safeinstall) adds to every run, not the baseline: "
+        "--safeinstall-option=--no-smoke measures the new build without its smoke check",
+    )
     parser.add_argument("--vllm-wheel", type=Path, default=VLLM_WHEEL, help="vLLM 0.32.0's wheel")
     parser.add_argument(
         "--hand-cache",
@@ -706,6 +717,8 @@ def main() -> int:
     cases: list[Case] = []
     try:
         cases = make_cases(args, work)
+        for case in cases:
+            case.new_extra = (*case.new_extra, *args.safeinstall_option)
         manager = start_user_manager(work / "manager")
         try:
             for case in cases:
