@@ -36,6 +36,9 @@ Cases:
   before the rounds: warm. The unit's process imports torch (which both releases change). With an even
   number of rounds each contender makes as many switches each way.
 * ``vllm-cold``: the same, the hand's cache a new empty directory each round (it downloads).
+  On a host without the CUDA driver (no ``libcuda.so.1``), a build whose smoke check imports vLLM's
+  extension modules (8b4561d) refuses every switch (they link the driver): ``--safeinstall-option
+  --no-smoke`` measures it there without the check.
 * ``torch-account``: the ``torch`` case in a venv that a service account owns, made for the bench with
   ``useradd`` (``si-bench``, removed with its home at the end): its unit runs as that account, the
   hand's uv runs as that account with the account's own cache (``~si-bench/.cache/uv``), and safeinstall
@@ -67,7 +70,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import os
 import pwd
@@ -129,7 +131,7 @@ class Case:
     hand_cache: Path | None = None  # the hand's uv cache (None: the bench's own)
     cold: bool = False  # vllm-cold: the hand's cache is new and empty each round
     extra: tuple[str, ...] = ()  # more safeinstall options
-    new_extra: tuple[str, ...] = ()  # more options of this build's alone (an older one may not know them)
+    new_extra: tuple[str, ...] = ()  # --safeinstall-option: the new build's alone (the old may not know them)
     order: dict[str, list[int]] = field(default_factory=lambda: {HAND: [], NEW: [], OLD: []})
     #: first unit stopped -> the health endpoint answers 200 (the bench's own poll), and each build's
     #: ``service_downtime_s``
@@ -141,17 +143,6 @@ class Case:
     def options(self, who: str) -> tuple[str, ...]:
         """The options a safeinstall build adds last."""
         return (*self.extra, *self.new_extra) if who == NEW else self.extra
-
-
-def vllm_smoke_options() -> tuple[str, ...]:
-    """``--no-smoke`` where the host has no CUDA driver (``libcuda.so.1``): vLLM's extension modules
-    link it, so the smoke check (issue 34) refuses every vLLM install there, as it should (they would
-    not load in the service either, which here imports torch only)."""
-    try:
-        ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return ("--no-smoke",)
-    return ()
 
 
 def torch_wheel() -> Path:
@@ -524,7 +515,6 @@ def _vllm_account_case(work: Path, uid: int, gid: int, home: Path, vllm_wheel: P
         hand_cache=cache,
         hand_as=as_account,
         extra=("--keep-backups", "1"),  # each backup holds the old release's 4 GB of inodes
-        new_extra=vllm_smoke_options(),
     )
 
 
@@ -558,13 +548,7 @@ def report(case: Case, rounds: int, settle: float, baseline: str | None = None) 
     if baseline is not None:
         print(f"  {OLD}: {baseline}")
     if case.new_extra:
-        why = (
-            ": no CUDA driver here (libcuda.so.1), which vLLM's extension modules link: the smoke check "
-            "would refuse every install"
-            if case.switch is not None and "--no-smoke" in case.new_extra
-            else ""
-        )
-        print(f"  {NEW} ran with {' '.join(case.new_extra)}{why}")
+        print(f"  {NEW} ran with {' '.join(case.new_extra)} (--safeinstall-option)")
     for label, series in (("downtime", case.times), ("whole run", case.walls)):
         for who in (HAND, *builds):
             print(_median_line(label, who, series[who]))
@@ -647,7 +631,6 @@ def make_cases(args: argparse.Namespace, work: Path) -> list[Case]:
                 hand_cache=args.hand_cache,
                 cold=args.case == "vllm-cold",
                 extra=("--keep-backups", "1"),  # each backup holds the old release's 4 GB of inodes
-                new_extra=vllm_smoke_options(),
             )
         )
     if args.case in ("synthetic", "both"):
