@@ -6,7 +6,8 @@ Usage: python bench/downtime.py [--case torch|torch-warm|torch-account[-warm]|vl
                                 [--baseline-safeinstall PATH] [--safeinstall-option OPTION]... [--logs DIR]
 
 Starts a private ``systemd --user`` manager (needs /run/systemd/system, as the tests do) and, for each
-case, a venv and a unit whose process imports the package, then alternates (the order flips every round):
+case, a venv and a unit whose process imports the package, then runs each contender once a round
+(the order: below):
 
 * hand:        systemctl --user stop U; uv pip install --reinstall-package P W; systemctl --user start U
                (uv's default link mode, hardlinks into its cache: the fastest thing a person types; the
@@ -37,8 +38,8 @@ Cases:
   number of rounds each contender makes as many switches each way.
 * ``vllm-cold``: the same, the hand's cache a new empty directory each round (it downloads).
   On a host without the CUDA driver (no ``libcuda.so.1``), a build whose smoke check imports vLLM's
-  extension modules (8b4561d) refuses every switch (they link the driver): ``--safeinstall-option
-  --no-smoke`` measures it there without the check.
+  extension modules (8b4561d) refuses every switch (they link the driver):
+  ``--safeinstall-option=--no-smoke`` measures it there without the check.
 * ``torch-account``: the ``torch`` case in a venv that a service account owns, made for the bench with
   ``useradd`` (``si-bench``, removed with its home at the end): its unit runs as that account, the
   hand's uv runs as that account with the account's own cache (``~si-bench/.cache/uv``), and safeinstall
