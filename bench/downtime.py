@@ -527,10 +527,22 @@ def _median_line(label: str, who: str, values: list[float]) -> str:
     return f"  {label:<10} {who:<11} median {statistics.median(values):6.2f} s {_listed(values)}"
 
 
-def _ratio(mine: list[float], theirs: list[float]) -> str:
-    """The ratio of the medians, and per round (the n-th of each: one round)."""
-    per_round = [m / t for m, t in zip(mine, theirs, strict=True)]
-    return f"{statistics.median(mine) / statistics.median(theirs):.2f}x (per round {_listed(per_round)})"
+def _ratio(case: Case, series: dict[str, list[float]], mine: str, theirs: str) -> str:
+    """The ratio of ``mine``'s and ``theirs``' medians, and per pair: the n-th of each (one round), or
+    in a switch case the n-th of each to the same release (within a round the contenders switch
+    different ways), those to ``switch[0]`` first."""
+    ratio = statistics.median(series[mine]) / statistics.median(series[theirs])
+    if case.switch is None:
+        pairs = list(zip(series[mine], series[theirs], strict=True))
+    else:
+        pairs = [  # with an odd number of rounds one contender has one more of a direction: left out
+            pair
+            for index in (0, 1)
+            for pair in zip(
+                _direction(case, series, mine, index), _direction(case, series, theirs, index), strict=False
+            )
+        ]
+    return f"{ratio:.2f}x (per {'pair' if case.switch else 'round'} {_listed([m / t for m, t in pairs])})"
 
 
 def _direction(case: Case, series: dict[str, list[float]], who: str, index: int) -> list[float]:
@@ -556,23 +568,23 @@ def report(case: Case, rounds: int, settle: float, baseline: str | None = None) 
     warm = ("torch-warm", "vllm", "torch-account", "torch-account-warm", "vllm-account")
     goal = "0.5x" if case.name in warm else "0.3x" if case.name == "vllm-cold" else "1.0x"
     for who in builds:
-        print(f"  downtime {who} / hand = {_ratio(case.times[who], case.times[HAND])}; goal <= {goal}")
+        print(f"  downtime {who} / hand = {_ratio(case, case.times, who, HAND)}; goal <= {goal}")
     if case.service[HAND] and case.service[NEW]:  # first unit stopped -> health answers 200
         for who in (HAND, *builds):
             print(_median_line("service", who, case.service[who]))
         for who in builds:
             print(
-                f"  service downtime {who} / hand = {_ratio(case.service[who], case.service[HAND])}; "
+                f"  service downtime {who} / hand = {_ratio(case, case.service, who, HAND)}; "
                 f"{who}'s own service_downtime_s {_listed(case.reported[who]) or 'not reported'}"
             )
     whole_goal = "4x" if case.name.startswith("vllm") else "3x"
     for who in builds:
-        print(f"  whole run {who} / hand = {_ratio(case.walls[who], case.walls[HAND])}; goal <= {whole_goal}")
+        print(f"  whole run {who} / hand = {_ratio(case, case.walls, who, HAND)}; goal <= {whole_goal}")
     if baseline is not None:  # side by side: nothing existing may get slower by more than 10%
-        print(f"  new / old: downtime {_ratio(case.times[NEW], case.times[OLD])}")
+        print(f"  new / old: downtime {_ratio(case, case.times, NEW, OLD)}")
         if case.service[OLD]:
-            print(f"             service downtime {_ratio(case.service[NEW], case.service[OLD])}")
-        print(f"             whole run {_ratio(case.walls[NEW], case.walls[OLD])}")
+            print(f"             service downtime {_ratio(case, case.service, NEW, OLD)}")
+        print(f"             whole run {_ratio(case, case.walls, NEW, OLD)}")
     if case.switch is not None:  # each direction by itself: every contender doing the same switch
         for index, target in enumerate(case.switch):
             label = target.rsplit("/", 1)[-1]
