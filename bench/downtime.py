@@ -339,54 +339,26 @@ def bench_case(
                     wanted = case.switch[installs % 2]
                     case.order[who].append(installs)
                     installs += 1
-                    if who == HAND:
-                        command = _hand_command(unit, case, f"'{wanted}'")
-                    else:
-                        args = _requirement(wanted)
-                        command = _safeinstall_command(builds[who], case, settle, args, case.options(who))
-                    # the host's cache (vllm, vllm-cold); an account's is the hand's alone: root's
-                    # safeinstall keeps the bench's own and fills its run's cache from the account's
+                    what, args = f"'{wanted}'", _requirement(wanted)
+                    label = f"-> {wanted.rsplit('/', 1)[-1]:<24} "
+                    # the host's cache (vllm, vllm-cold) for everyone; an account's is the hand's alone:
+                    # root's safeinstall keeps the bench's own and fills its run's cache from the account's
                     shared = case.hand_as == "" or who == HAND
-                    run_round(
-                        case,
-                        who,
-                        manager,
-                        unit,
-                        stamps,
-                        command,
-                        {**(hand_env if shared else env), **state},
-                        port,
-                    )
-                    shutil.rmtree(target)
-                    print(
-                        f"  {case.name} round {round_ + 1} {who:<11} -> {wanted.rsplit('/', 1)[-1]:<24} "
-                        f"downtime {case.times[who][-1]:6.2f} s  service {case.service[who][-1]:6.2f} s  "
-                        f"whole run {case.walls[who][-1]:6.2f} s",
-                        flush=True,
-                    )
-                    continue
-                if case.same_wheel:
+                else:
                     wheel = case.wheel
-                else:
-                    wheel = Path(shutil.copy(case.wheel, target / case.wheel.name))
+                    if not case.same_wheel:
+                        wheel = Path(shutil.copy(case.wheel, target / case.wheel.name))
+                    what, args, label = str(wheel), [case.package, "--wheel", str(wheel)], ""
+                    shared = who == HAND
                 if who == HAND:
-                    command = _hand_command(unit, case, str(wheel))
+                    command = _hand_command(unit, case, what)
                 else:
-                    args = [case.package, "--wheel", str(wheel)]
                     command = _safeinstall_command(builds[who], case, settle, args, case.options(who))
-                run_round(
-                    case,
-                    who,
-                    manager,
-                    unit,
-                    stamps,
-                    command,
-                    {**(hand_env if who == HAND else env), **state},
-                    port,
-                )
+                run_env = {**(hand_env if shared else env), **state}
+                run_round(case, who, manager, unit, stamps, command, run_env, port)
                 shutil.rmtree(target)
                 print(
-                    f"  {case.name} round {round_ + 1} {who:<11} downtime {case.times[who][-1]:6.2f} s"
+                    f"  {case.name} round {round_ + 1} {who:<11} {label}downtime {case.times[who][-1]:6.2f} s"
                     f"  service {case.service[who][-1]:6.2f} s  whole run {case.walls[who][-1]:6.2f} s",
                     flush=True,
                 )
