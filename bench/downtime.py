@@ -1,16 +1,27 @@
 """Service downtime and whole-run time: safeinstall against the hand sequence, on the same unit and wheel.
 
-Usage: python bench/downtime.py [--case torch|torch-warm|torch-account[-warm]|vllm|vllm-cold|synthetic|both]
-                                [--rounds 3]
-                                [--blob-mb 64] [--settle 1] [--safeinstall PATH] [--logs DIR]
+Usage: python bench/downtime.py [--case torch|torch-warm|torch-account[-warm]|vllm|vllm-cold|vllm-account
+                                        |synthetic|both]
+                                [--rounds 3] [--blob-mb 64] [--settle 1] [--safeinstall PATH]
+                                [--baseline-safeinstall PATH] [--safeinstall-option OPTION]... [--logs DIR]
 
 Starts a private ``systemd --user`` manager (needs /run/systemd/system, as the tests do) and, for each
-case, a venv and a unit whose process imports the package, then alternates (the order flips every round):
+case, a venv and a unit whose process imports the package, then runs each contender once a round
+(the order: below):
 
 * hand:        systemctl --user stop U; uv pip install --reinstall-package P W; systemctl --user start U
                (uv's default link mode, hardlinks into its cache: the fastest thing a person types; the
                same resolution as safeinstall's own command, which reinstalls only P)
 * safeinstall: safeinstall P --wheel W --user --yes --settle S (backup, gate, checks, verify: all on)
+* baseline:    with ``--baseline-safeinstall PATH``, a second safeinstall build (an older commit's
+               venv: ``PATH`` is its ``safeinstall``) doing the same, with a state directory of its
+               own, as a third contender in the same rounds; the report adds its figures and the
+               new / old ratios (downtime, service downtime, whole run; each direction of a switch)
+
+The order within a round: with two contenders it flips every round; with three it is reversed every
+second round and turned by one every two rounds (hand, new, old; old, new, hand; new, old, hand; ...),
+so in every six rounds each contender goes first twice, and in every two rounds of a switch case
+each contender switches once each way.
 
 Cases:
 
@@ -26,11 +37,19 @@ Cases:
   before the rounds: warm. The unit's process imports torch (which both releases change). With an even
   number of rounds each contender makes as many switches each way.
 * ``vllm-cold``: the same, the hand's cache a new empty directory each round (it downloads).
+  On a host without the CUDA driver (no ``libcuda.so.1``), a build whose smoke check imports vLLM's
+  extension modules (8b4561d) refuses every switch (they link the driver):
+  ``--safeinstall-option=--no-smoke`` measures it there without the check.
 * ``torch-account``: the ``torch`` case in a venv that a service account owns, made for the bench with
   ``useradd`` (``si-bench``, removed with its home at the end): its unit runs as that account, the
   hand's uv runs as that account with the account's own cache (``~si-bench/.cache/uv``), and safeinstall
   (root) fills its run's cache from that cache and swaps in the account's worker.
   ``torch-account-warm``: the same, the same wheel path every round (the account's cache has it).
+* ``vllm-account``: the ``vllm`` case in a venv the bench's account owns (as ``torch-account``): the
+  unit runs as the account, the hand's uv as the account with the account's own cache, which the
+  account fills with both releases before the rounds (it downloads vLLM 0.33.0's stack from the index
+  once, about 9 GB); the 0.32.0 wheel is copied into a directory the account can read. safeinstall
+  (root) runs with the bench's own uv cache and fills its run's cache from the account's.
 * ``synthetic``: the fixture ``sicext`` 1.0 -> 2.0 with a random ``--blob-mb`` file (a C extension).
 
 Each round installs a fresh copy of the wheel (a new path: uv has not seen it, as with a new nightly),
@@ -51,10 +70,12 @@ step times (from its ``--json``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pwd
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -87,6 +108,12 @@ HEALTH = (
 )
 SERVE_TORCH = "import torch; torch.ones(4).sum(); " + HEALTH
 HEALTH_POLL_S = 0.01
+#: the contenders: the hand sequence, this safeinstall, and (``--baseline-safeinstall``) another build
+HAND, NEW, OLD = "hand", "safeinstall", "baseline"
+
+
+def _series() -> dict[str, list[float]]:
+    return {HAND: [], NEW: [], OLD: []}
 
 
 @dataclass
@@ -96,20 +123,27 @@ class Case:
     wheel: Path
     python: Path
     exec_start: str
-    times: dict[str, list[float]] = field(default_factory=lambda: {"hand": [], "safeinstall": []})
-    walls: dict[str, list[float]] = field(default_factory=lambda: {"hand": [], "safeinstall": []})
-    steps: dict[str, list[float]] = field(default_factory=dict)
+    times: dict[str, list[float]] = field(default_factory=_series)
+    walls: dict[str, list[float]] = field(default_factory=_series)
+    #: each safeinstall build's step times (from its ``--json``)
+    steps: dict[str, dict[str, list[float]]] = field(default_factory=lambda: {NEW: {}, OLD: {}})
     same_wheel: bool = False  # torch-warm: the same path every round (the hand's cache has it)
     switch: tuple[str, str] | None = None  # vllm: the two requirements an install switches between
     hand_cache: Path | None = None  # the hand's uv cache (None: the bench's own)
     cold: bool = False  # vllm-cold: the hand's cache is new and empty each round
     extra: tuple[str, ...] = ()  # more safeinstall options
-    order: dict[str, list[int]] = field(default_factory=lambda: {"hand": [], "safeinstall": []})
-    #: first unit stopped -> the health endpoint answers 200 (the bench's own poll), and safeinstall's
+    new_extra: tuple[str, ...] = ()  # --safeinstall-option: the new build's alone (the old may not know them)
+    order: dict[str, list[int]] = field(default_factory=lambda: {HAND: [], NEW: [], OLD: []})
+    #: first unit stopped -> the health endpoint answers 200 (the bench's own poll), and each build's
     #: ``service_downtime_s``
-    service: dict[str, list[float]] = field(default_factory=lambda: {"hand": [], "safeinstall": []})
-    reported: list[float] = field(default_factory=list)
+    service: dict[str, list[float]] = field(default_factory=_series)
+    reported: dict[str, list[float]] = field(default_factory=lambda: {NEW: [], OLD: []})
+    firsts: list[str] = field(default_factory=list)  # who went first in each round
     hand_as: str = ""  # torch-account: what runs the hand's uv as the account (setpriv ...)
+
+    def options(self, who: str) -> tuple[str, ...]:
+        """The options a safeinstall build adds last."""
+        return (*self.extra, *self.new_extra) if who == NEW else self.extra
 
 
 def torch_wheel() -> Path:
@@ -221,12 +255,12 @@ def run_round(
     down = last_stamp(stamps / "start") - last_stamp(stamps / "stop")
     case.times[who].append(down)
     case.walls[who].append(wall)
-    if who == "safeinstall":
+    if who != HAND:
         data = json.loads(proc.stdout)["data"]
         for step in data["steps"]:
-            case.steps.setdefault(step["name"], []).append(step["seconds"])
+            case.steps[who].setdefault(step["name"], []).append(step["seconds"])
         if data.get("service_downtime_s") is not None:
-            case.reported.append(data["service_downtime_s"])
+            case.reported[who].append(data["service_downtime_s"])
 
 
 def _requirement(text: str) -> list[str]:
@@ -254,6 +288,15 @@ def _safeinstall_command(
     return [safeinstall, *args, *options, *extra]
 
 
+def round_order(contenders: tuple[str, ...], round_: int) -> tuple[str, ...]:
+    """Who goes when in round ``round_``: reversed every second round (so that in a switch case each
+    contender switches once each way in every two rounds) and, with more than two contenders, turned
+    by one every two rounds (each goes first as often as the others in every ``2 * len`` rounds)."""
+    turn = (round_ // 2) % len(contenders) if len(contenders) > 2 else 0
+    order = contenders[turn:] + contenders[:turn]
+    return order if round_ % 2 == 0 else order[::-1]
+
+
 def bench_case(
     case: Case,
     manager: UserManager,
@@ -261,8 +304,10 @@ def bench_case(
     rounds: int,
     settle: float,
     uv_cache: Path,
-    safeinstall: str = SAFEINSTALL,
+    builds: dict[str, str],
 ) -> None:
+    """The rounds of one case; ``builds``: the safeinstall of each contender but the hand (NEW, and
+    OLD with ``--baseline-safeinstall``)."""
     unit = f"bench-{case.name}.service"
     stamps = work / f"stamps-{case.name}"
     stamps.mkdir()
@@ -271,17 +316,15 @@ def bench_case(
     case.extra = (*case.extra, "--health-url", f"http://127.0.0.1:{port}/")
     manager.start(unit)
     manager.wait_active(unit, timeout=60)
-    env = {
-        **manager.env,
-        "SAFEINSTALL_STATE_DIR": str(work / "state"),
-        "UV_CACHE_DIR": str(uv_cache),
-    }
+    env = {**manager.env, "UV_CACHE_DIR": str(uv_cache)}
     env.pop("VIRTUAL_ENV", None)
     fresh = work / "fresh"
+    contenders = (HAND, *builds)
     installs = 0
     try:
         for round_ in range(rounds):
-            order = ("hand", "safeinstall") if round_ % 2 == 0 else ("safeinstall", "hand")
+            order = round_order(contenders, round_)
+            case.firsts.append(order[0])
             for who in order:
                 target = fresh / f"{case.name}-{round_}-{who}"
                 target.mkdir(parents=True)
@@ -290,37 +333,32 @@ def bench_case(
                     hand_env["UV_CACHE_DIR"] = str(case.hand_cache)
                 if case.cold:
                     hand_env["UV_CACHE_DIR"] = str(target / "cold-cache")
+                # each build its own state (an older build may not read a newer one's)
+                state = {"SAFEINSTALL_STATE_DIR": str(work / ("state" if who == NEW else f"state-{who}"))}
                 if case.switch is not None:
                     wanted = case.switch[installs % 2]
                     case.order[who].append(installs)
                     installs += 1
-                    requirement = wanted
-                    if who == "hand":
-                        command = _hand_command(unit, case, f"'{requirement}'")
-                    else:
-                        args = _requirement(requirement)
-                        command = _safeinstall_command(safeinstall, case, settle, args, case.extra)
-                    run_round(case, who, manager, unit, stamps, command, hand_env, port)  # the host's cache
-                    shutil.rmtree(target)
-                    print(
-                        f"  {case.name} round {round_ + 1} {who:<11} -> {wanted.rsplit('/', 1)[-1]:<24} "
-                        f"downtime {case.times[who][-1]:6.2f} s  whole run {case.walls[who][-1]:6.2f} s",
-                        flush=True,
-                    )
-                    continue
-                if case.same_wheel:
+                    what, args = f"'{wanted}'", _requirement(wanted)
+                    label = f"-> {wanted.rsplit('/', 1)[-1]:<24} "
+                    # the host's cache (vllm, vllm-cold) for everyone; an account's is the hand's alone:
+                    # root's safeinstall keeps the bench's own and fills its run's cache from the account's
+                    shared = case.hand_as == "" or who == HAND
+                else:
                     wheel = case.wheel
+                    if not case.same_wheel:
+                        wheel = Path(shutil.copy(case.wheel, target / case.wheel.name))
+                    what, args, label = str(wheel), [case.package, "--wheel", str(wheel)], ""
+                    shared = who == HAND
+                if who == HAND:
+                    command = _hand_command(unit, case, what)
                 else:
-                    wheel = Path(shutil.copy(case.wheel, target / case.wheel.name))
-                if who == "hand":
-                    command = _hand_command(unit, case, str(wheel))
-                else:
-                    args = [case.package, "--wheel", str(wheel)]
-                    command = _safeinstall_command(safeinstall, case, settle, args, case.extra)
-                run_round(case, who, manager, unit, stamps, command, hand_env if who == "hand" else env, port)
+                    command = _safeinstall_command(builds[who], case, settle, args, case.options(who))
+                run_env = {**(hand_env if shared else env), **state}
+                run_round(case, who, manager, unit, stamps, command, run_env, port)
                 shutil.rmtree(target)
                 print(
-                    f"  {case.name} round {round_ + 1} {who:<11} downtime {case.times[who][-1]:6.2f} s"
+                    f"  {case.name} round {round_ + 1} {who:<11} {label}downtime {case.times[who][-1]:6.2f} s"
                     f"  service {case.service[who][-1]:6.2f} s  whole run {case.walls[who][-1]:6.2f} s",
                     flush=True,
                 )
@@ -345,42 +383,77 @@ def make_account() -> tuple[int, int, Path]:
 
 
 def remove_account() -> None:
-    subprocess.run(["userdel", "--remove", BENCH_ACCOUNT], check=False, capture_output=True)
+    """The account and its home gone (its processes, the units', are stopped before)."""
+    home = Path("/home") / BENCH_ACCOUNT
+    with contextlib.suppress(KeyError):
+        home = Path(pwd.getpwnam(BENCH_ACCOUNT).pw_dir)
+    done = subprocess.run(["userdel", "--remove", BENCH_ACCOUNT], check=False, capture_output=True, text=True)
+    if done.returncode not in (0, 6):  # 6: no such user
+        print(f"userdel {BENCH_ACCOUNT}: {done.stderr.strip()}", file=sys.stderr)
+    if home.name == BENCH_ACCOUNT and home.exists():
+        shutil.rmtree(home, ignore_errors=True)
 
 
-def account_case(work: Path, warm: bool) -> Case:
-    """torch in a venv the bench's account owns, installed by that account's uv with its own cache; the
-    unit runs as the account, the hand's uv too. ``warm``: the same wheel path every round, which the
-    account's cache holds unpacked (torch-account-warm)."""
+#: the cases whose venv the bench's account owns
+ACCOUNT_CASES = ("torch-account", "torch-account-warm", "vllm-account")
+
+
+def account_case(work: Path, name: str, vllm_wheel: Path) -> Case:
+    """A case (``ACCOUNT_CASES``) in a venv the bench's account owns, installed by that account's uv
+    with its own cache; the unit runs as the account, the hand's uv too."""
     remove_account()  # one a bench that died left
     uid, gid, home = make_account()
     try:
-        return _account_case(work, uid, gid, home, warm)
+        if name == "vllm-account":
+            return _vllm_account_case(work, uid, gid, home, vllm_wheel)
+        return _account_case(work, uid, gid, home, warm=name == "torch-account-warm")
     except BaseException:
         remove_account()
         raise
 
 
-def _account_case(work: Path, uid: int, gid: int, home: Path, warm: bool) -> Case:
+def _account_venv(work: Path, uid: int, gid: int, name: str) -> tuple[str, Path]:
+    """The setpriv prefix that runs a command as the account, and the python of its new venv."""
     work.chmod(0o755)  # the account opens its venv, the fresh wheels and the run's uv cache below it
     as_account = f"setpriv --reuid={uid} --regid={gid} --clear-groups "
     interpreter = wheelhouse.shared_interpreter()
     if interpreter is None:
-        raise SystemExit("torch-account: no interpreter every user may run")
-    python = wheelhouse.make_venv(work / "torch-account-venv", interpreter)
+        raise SystemExit(f"{name}: no interpreter every user may run")
+    python = wheelhouse.make_venv(work / f"{name}-venv", interpreter)
     subprocess.run(["chown", "-R", f"{uid}:{gid}", str(python.parent.parent)], check=True)
+    return as_account, python
+
+
+def _as_account_install(as_account: str, cache: Path, python: Path, requirement: str) -> None:
+    """``uv pip install`` of ``requirement`` as the account, with its own cache."""
+    env = {**wheelhouse.uv_env(), "UV_CACHE_DIR": str(cache)}
+    install = [wheelhouse.UV, "pip", "install", "--quiet", "--python", str(python), requirement]
+    subprocess.run([*as_account.split(), *install], check=True, env=env)
+
+
+def _readable_copy(wheel: Path, directory: Path) -> Path:
+    """``wheel`` copied into ``directory`` (made 0755: the account reads it)."""
+    directory.mkdir()
+    directory.chmod(0o755)
+    copy = Path(shutil.copy(wheel, directory / wheel.name))
+    copy.chmod(0o644)
+    return copy
+
+
+def _account_case(work: Path, uid: int, gid: int, home: Path, warm: bool) -> Case:
+    """torch; ``warm``: the same wheel path every round, which the account's cache holds unpacked
+    (torch-account-warm)."""
+    name = "torch-account-warm" if warm else "torch-account"
+    as_account, python = _account_venv(work, uid, gid, "torch-account")
     cache = home / ".cache" / "uv"
     wheel = torch_wheel()
     readable = work / "torch-account-wheel"
-    readable.mkdir(mode=0o755)
-    first = Path(shutil.copy(wheel, readable / wheel.name))
-    env = {**wheelhouse.uv_env(), "UV_CACHE_DIR": str(cache)}
-    install = [wheelhouse.UV, "pip", "install", "--quiet", "--python", str(python), str(first)]
-    subprocess.run([*as_account.split(), *install], check=True, env=env)
+    first = _readable_copy(wheel, readable)
+    _as_account_install(as_account, cache, python, str(first))
     if not warm:
         shutil.rmtree(readable)
     return Case(
-        "torch-account-warm" if warm else "torch-account",
+        name,
         "torch",
         first if warm else wheel,
         python,
@@ -391,93 +464,125 @@ def _account_case(work: Path, uid: int, gid: int, home: Path, warm: bool) -> Cas
     )
 
 
-def report(case: Case, rounds: int, settle: float) -> None:
-    hand, ours = statistics.median(case.times["hand"]), statistics.median(case.times["safeinstall"])
-    hand_w, ours_w = statistics.median(case.walls["hand"]), statistics.median(case.walls["safeinstall"])
-    ratios = [o / h for h, o in zip(case.times["hand"], case.times["safeinstall"], strict=True)]
+def _vllm_account_case(work: Path, uid: int, gid: int, home: Path, vllm_wheel: Path) -> Case:
+    """vllm: switched between 0.33.0 from the index and the 0.32.0 wheel (a copy the account can
+    read); the account's cache filled with both releases by installing each once, as the account."""
+    as_account, python = _account_venv(work, uid, gid, "vllm-account")
+    cache = home / ".cache" / "uv"
+    wheel = _readable_copy(vllm_wheel, work / "vllm-account-wheel")
+    for requirement in (str(wheel), VLLM_NEW):  # both releases in the account's cache; 0.33.0 stays
+        started = time.monotonic()
+        _as_account_install(as_account, cache, python, requirement)
+        print(
+            f"  vllm-account: {requirement.rsplit('/', 1)[-1]} installed as {BENCH_ACCOUNT} "
+            f"({time.monotonic() - started:.0f} s)",
+            flush=True,
+        )
+    return Case(
+        "vllm-account",
+        "vllm",
+        wheel,
+        python,
+        f'{as_account}{python} -c "{SERVE_TORCH}"',
+        switch=(str(wheel), VLLM_NEW),
+        hand_cache=cache,
+        hand_as=as_account,
+        extra=("--keep-backups", "1"),  # each backup holds the old release's 4 GB of inodes
+    )
+
+
+def _listed(values: list[float]) -> list[float]:
+    return [round(value, 2) for value in values]
+
+
+def _median_line(label: str, who: str, values: list[float]) -> str:
+    return f"  {label:<10} {who:<11} median {statistics.median(values):6.2f} s {_listed(values)}"
+
+
+def _ratio(case: Case, series: dict[str, list[float]], mine: str, theirs: str) -> str:
+    """The ratio of ``mine``'s and ``theirs``' medians, and per pair: the n-th of each (one round), or
+    in a switch case the n-th of each to the same release (within a round the contenders switch
+    different ways), those to ``switch[0]`` first."""
+    ratio = statistics.median(series[mine]) / statistics.median(series[theirs])
+    if case.switch is None:
+        pairs = list(zip(series[mine], series[theirs], strict=True))
+    else:
+        pairs = [  # with an odd number of rounds one contender has one more of a direction: left out
+            pair
+            for index in (0, 1)
+            for pair in zip(
+                _direction(case, series, mine, index), _direction(case, series, theirs, index), strict=False
+            )
+        ]
+    return f"{ratio:.2f}x (per {'pair' if case.switch else 'round'} {_listed([m / t for m, t in pairs])})"
+
+
+def _direction(case: Case, series: dict[str, list[float]], who: str, index: int) -> list[float]:
+    """``who``'s figures of the installs to ``case.switch[index]`` (the n-th install goes to n % 2)."""
+    return [t for n, t in zip(case.order[who], series[who], strict=True) if n % 2 == index]
+
+
+def report(case: Case, rounds: int, settle: float, baseline: str | None = None) -> None:
+    """The medians, safeinstall / hand, and with ``baseline`` (its path) the old build's figures and
+    new / old."""
+    builds = (NEW, OLD) if baseline is not None else (NEW,)
     print(
         f"\n{case.name}: {case.wheel.name}, {rounds} rounds, --settle {settle:g}, "
-        f"load {os.getloadavg()[0]:.1f}"
+        f"load {os.getloadavg()[0]:.1f}; first in each round: {', '.join(case.firsts)}"
     )
-    print(f"  downtime   hand median {hand:6.2f} s {[round(t, 2) for t in case.times['hand']]}")
-    print(f"             safeinstall {ours:6.2f} s {[round(t, 2) for t in case.times['safeinstall']]}")
-    print(f"  whole run  hand median {hand_w:6.2f} s {[round(t, 2) for t in case.walls['hand']]}")
-    print(f"             safeinstall {ours_w:6.2f} s {[round(t, 2) for t in case.walls['safeinstall']]}")
-    warm = ("torch-warm", "vllm", "torch-account", "torch-account-warm")
+    if baseline is not None:
+        print(f"  {OLD}: {baseline}")
+    if case.new_extra:
+        print(f"  {NEW} ran with {' '.join(case.new_extra)} (--safeinstall-option)")
+    for label, series in (("downtime", case.times), ("whole run", case.walls)):
+        for who in (HAND, *builds):
+            print(_median_line(label, who, series[who]))
+    warm = ("torch-warm", "vllm", "torch-account", "torch-account-warm", "vllm-account")
     goal = "0.5x" if case.name in warm else "0.3x" if case.name == "vllm-cold" else "1.0x"
-    print(
-        f"  downtime safeinstall / hand = {ours / hand:.2f}x "
-        f"(per round {[round(r, 2) for r in ratios]}; goal <= {goal})"
-    )
-    if case.service["hand"] and case.service["safeinstall"]:  # first unit stopped -> health answers 200
-        hand_s, ours_s = (statistics.median(case.service[who]) for who in ("hand", "safeinstall"))
-        print(f"  service    hand median {hand_s:6.2f} s {[round(t, 2) for t in case.service['hand']]}")
-        ours_all = [round(t, 2) for t in case.service["safeinstall"]]
-        print(f"             safeinstall {ours_s:6.2f} s {ours_all}")
-        print(
-            f"  service downtime safeinstall / hand = {ours_s / hand_s:.2f}x; safeinstall's own "
-            f"service_downtime_s {[round(t, 2) for t in case.reported]}"
-        )
-    walls = [o / h for h, o in zip(case.walls["hand"], case.walls["safeinstall"], strict=True)]
-    print(
-        f"  whole run safeinstall / hand = {ours_w / hand_w:.2f}x "
-        f"(per round {[round(r, 2) for r in walls]}; goal <= {'4x' if case.name == 'vllm' else '3x'})"
-    )
-    if case.switch is not None:  # each direction by itself: the hand and safeinstall doing the same switch
+    for who in builds:
+        print(f"  downtime {who} / hand = {_ratio(case, case.times, who, HAND)}; goal <= {goal}")
+    if case.service[HAND] and case.service[NEW]:  # first unit stopped -> health answers 200
+        for who in (HAND, *builds):
+            print(_median_line("service", who, case.service[who]))
+        for who in builds:
+            print(
+                f"  service downtime {who} / hand = {_ratio(case, case.service, who, HAND)}; "
+                f"{who}'s own service_downtime_s {_listed(case.reported[who]) or 'not reported'}"
+            )
+    whole_goal = "4x" if case.name.startswith("vllm") else "3x"
+    for who in builds:
+        print(f"  whole run {who} / hand = {_ratio(case, case.walls, who, HAND)}; goal <= {whole_goal}")
+    if baseline is not None:  # side by side: nothing existing may get slower by more than 10%
+        print(f"  new / old: downtime {_ratio(case, case.times, NEW, OLD)}")
+        if case.service[OLD]:
+            print(f"             service downtime {_ratio(case, case.service, NEW, OLD)}")
+        print(f"             whole run {_ratio(case, case.walls, NEW, OLD)}")
+    if case.switch is not None:  # each direction by itself: every contender doing the same switch
         for index, target in enumerate(case.switch):
             label = target.rsplit("/", 1)[-1]
             for what, series in (("downtime", case.times), ("whole run", case.walls)):
-                # the n-th install of the case goes to switch[n % 2]: the hand's and safeinstall's
-                mine = {
-                    who: [t for n, t in zip(case.order[who], series[who], strict=True) if n % 2 == index]
-                    for who in ("hand", "safeinstall")
-                }
-                if mine["hand"] and mine["safeinstall"]:
-                    h, o = statistics.median(mine["hand"]), statistics.median(mine["safeinstall"])
-                    print(
-                        f"  -> {label:<24} {what:<9} hand {h:6.2f} s {[round(t, 2) for t in mine['hand']]}"
-                        f"  safeinstall {o:6.2f} s {[round(t, 2) for t in mine['safeinstall']]}  {o / h:.2f}x"
-                    )
-    steps = ", ".join(f"{name} {statistics.median(values):.2f}" for name, values in case.steps.items())
-    print(f"  safeinstall median step seconds: {steps}")
+                mine = {who: _direction(case, series, who, index) for who in (HAND, *builds)}
+                if not all(mine.values()):
+                    continue
+                hand = statistics.median(mine[HAND])
+                figures = "  ".join(
+                    f"{who} {statistics.median(mine[who]):6.2f} s {_listed(mine[who])}"
+                    + ("" if who == HAND else f" {statistics.median(mine[who]) / hand:.2f}x")
+                    for who in (HAND, *builds)
+                )
+                if baseline is not None:
+                    figures += f"  new/old {statistics.median(mine[NEW]) / statistics.median(mine[OLD]):.2f}x"
+                print(f"  -> {label:<24} {what:<9} {figures}")
+    for who in builds:
+        steps = ", ".join(
+            f"{name} {statistics.median(values):.2f}" for name, values in case.steps[who].items()
+        )
+        print(f"  {who} median step seconds: {steps}")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--case",
-        choices=(
-            "torch",
-            "torch-warm",
-            "torch-account",
-            "torch-account-warm",
-            "vllm",
-            "vllm-cold",
-            "synthetic",
-            "both",
-        ),
-        default="both",
-    )
-    parser.add_argument("--safeinstall", default=SAFEINSTALL, help="the safeinstall to run (another build)")
-    parser.add_argument("--vllm-wheel", type=Path, default=VLLM_WHEEL, help="vLLM 0.32.0's wheel")
-    parser.add_argument(
-        "--hand-cache",
-        type=Path,
-        default=Path.home() / ".cache" / "uv",
-        help="vllm: the hand's uv cache (the host's; filled with both releases before the rounds)",
-    )
-    parser.add_argument("--work", type=Path, default=BENCH_DIR, help="where the bench's files go")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--logs", type=Path, help="copy safeinstall's run logs here before the work goes")
-    parser.add_argument("--blob-mb", type=int, default=64)
-    parser.add_argument("--settle", type=float, default=1.0)
-    args = parser.parse_args()
-    args.work.mkdir(exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="downtime-", dir=args.work))
-    uv_cache = work / "uv-cache"
-    uv_env = {**wheelhouse.uv_env(), "UV_CACHE_DIR": str(uv_cache)}
+def make_cases(args: argparse.Namespace, work: Path) -> list[Case]:
+    """The cases ``--case`` names, each with its venv installed and its unit's command."""
+    uv_env = {**wheelhouse.uv_env(), "UV_CACHE_DIR": str(work / "uv-cache")}
     cases: list[Case] = []
     if args.case in ("torch", "both"):
         python = wheelhouse.make_venv(work / "torch-venv")
@@ -493,8 +598,8 @@ def main() -> int:
         cases.append(
             Case("torch-warm", "torch", wheel, python, f'{python} -c "{SERVE_TORCH}"', same_wheel=True)
         )
-    if args.case in ("torch-account", "torch-account-warm"):
-        cases.append(account_case(work, warm=args.case == "torch-account-warm"))
+    if args.case in ACCOUNT_CASES:
+        cases.append(account_case(work, args.case, args.vllm_wheel))
     if args.case in ("vllm", "vllm-cold"):
         hand_env = {**wheelhouse.uv_env(), "UV_CACHE_DIR": str(args.hand_cache)}
         python = wheelhouse.make_venv(work / "vllm-venv")
@@ -521,21 +626,84 @@ def main() -> int:
         wheelhouse.uv_install(python, built["sicext-1"])
         serve = f'{python} -c "import sicext; {HEALTH}"'
         cases.append(Case(f"synthetic-{args.blob_mb}MiB", "sicext", wheel, python, serve))
-    manager = start_user_manager(work / "manager")
+    return cases
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--case",
+        choices=(
+            "torch",
+            "torch-warm",
+            "torch-account",
+            "torch-account-warm",
+            "vllm",
+            "vllm-cold",
+            "vllm-account",
+            "synthetic",
+            "both",
+        ),
+        default="both",
+    )
+    parser.add_argument("--safeinstall", default=SAFEINSTALL, help="the safeinstall to run (another build)")
+    parser.add_argument(
+        "--baseline-safeinstall",
+        metavar="PATH",
+        help="a second safeinstall build (e.g. an older commit's venv/bin/safeinstall): a third contender "
+        "in the same rounds, reported side by side (new / old)",
+    )
+    parser.add_argument(
+        "--safeinstall-option",
+        action="append",
+        default=[],
+        metavar="OPTION",
+        help="an option the new build (--safeinstall) adds to every run, not the baseline: "
+        "--safeinstall-option=--no-smoke measures the new build without its smoke check",
+    )
+    parser.add_argument("--vllm-wheel", type=Path, default=VLLM_WHEEL, help="vLLM 0.32.0's wheel")
+    parser.add_argument(
+        "--hand-cache",
+        type=Path,
+        default=Path.home() / ".cache" / "uv",
+        help="vllm: the hand's uv cache (the host's; filled with both releases before the rounds)",
+    )
+    parser.add_argument("--work", type=Path, default=BENCH_DIR, help="where the bench's files go")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--logs", type=Path, help="copy safeinstall's run logs here before the work goes")
+    parser.add_argument("--blob-mb", type=int, default=64)
+    parser.add_argument("--settle", type=float, default=1.0)
+    args = parser.parse_args()
+    builds = {NEW: args.safeinstall}
+    if args.baseline_safeinstall is not None:
+        builds[OLD] = args.baseline_safeinstall
+    args.work.mkdir(exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="downtime-", dir=args.work))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a bench stopped still cleans up
+    cases: list[Case] = []
     try:
+        cases = make_cases(args, work)
         for case in cases:
-            bench_case(case, manager, work, args.rounds, args.settle, uv_cache, args.safeinstall)
+            case.new_extra = (*case.new_extra, *args.safeinstall_option)
+        manager = start_user_manager(work / "manager")
+        try:
+            for case in cases:
+                bench_case(case, manager, work, args.rounds, args.settle, work / "uv-cache", builds)
+        finally:
+            stop_user_manager(manager)
     finally:
-        stop_user_manager(manager)
         if args.logs is not None:  # the runs' own step times (what the summary's medians come from)
             args.logs.mkdir(parents=True, exist_ok=True)
-            for log in (work / "state").glob("*/logs/*.log"):
-                shutil.copy(log, args.logs / log.name)
+            for state in work.glob("state*"):
+                for log in state.glob("*/logs/*.log"):
+                    shutil.copy(log, args.logs / f"{state.name}-{log.name}")
         shutil.rmtree(work, ignore_errors=True)
-        if args.case in ("torch-account", "torch-account-warm"):
+        if args.case in ACCOUNT_CASES:
             remove_account()
     for case in cases:
-        report(case, args.rounds, args.settle)
+        report(case, args.rounds, args.settle, args.baseline_safeinstall)
     return 0
 
 
