@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from safeinstall.env.verified import (
 from safeinstall.store.state import environment_state
 from safeinstall.store.verified import boot_id, from_bytes, store_file, to_bytes
 from tests import wheelhouse
+from tests.beds import NOBODY, as_nobody
 from tests.clirun import run
 from tests.wheelhouse import Wheelhouse
 
@@ -302,3 +304,52 @@ def test_a_store_someone_else_could_have_written_is_not_used_nor_written_over(
     assert _modified(doc) == set()
     assert any("verified-inode store was not used" in note for note in doc["data"]["notes"])  # type: ignore[index]
     assert planted.read_bytes() == before and os.lstat(planted).st_uid == 65534
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="attacker review: the store does not keep who owned the inode when it was hashed, so the "
+    "root-only rule (a later ctime allowed) also stands for a hash taken while an account owned the "
+    "file, which that account could edit with its mtime set back before root took the file over",
+)
+def test_a_hash_kept_while_an_account_owned_the_file_is_not_taken_once_root_owns_it(
+    open_dir: Path, wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    """The root-only rule's argument (docs/verify.md) is that only the owner may set a chosen mtime, and
+    the owner is root: true only if root owned the inode since the hash. An account's file, hashed by
+    ``--verify-only``, edited by that account (same size, mtime set back to the nanosecond), then
+    taken over by root (``chown -R root:`` of an environment made root's): the run's preflight must
+    read it again, as the drift check does."""
+    env = wheelhouse.make_venv(open_dir / "venv")  # below directories the account may enter
+    wheelhouse.uv_install(env, wheels["sipure-1"])
+    state = tmp_path / "state"
+    target = wheelhouse.site_packages(env) / "sipure" / "__init__.py"
+    os.chown(target, NOBODY, NOBODY)  # the account's file
+    settled = os.lstat(target).st_ctime_ns + GRANULARITY_NS
+    while time.time_ns() <= settled:  # else the hash is racy and not kept
+        time.sleep(0.1)
+    _verify(env, state)
+    info = os.lstat(target)
+    prefix = os.path.realpath(env.parent.parent)
+    boot = boot_id()
+    assert boot is not None
+    kept = from_bytes(
+        store_file(environment_state(state, Path(prefix))).read_bytes(), prefix, boot, time.time_ns()
+    )
+    assert (info.st_dev, info.st_ino) in kept.entries  # its hash is kept
+    before = f"@{info.st_mtime_ns // 10**9}.{info.st_mtime_ns % 10**9:09d}"
+    edit = "import sys; p = sys.argv[1]; b = open(p, 'rb').read(); open(p, 'r+b').write(bytes([b[0] ^ 1]))"
+    as_nobody(sys.executable, "-c", edit, str(target))  # the owner's edit: the same size
+    as_nobody("touch", "-d", before, str(target))  # its mtime set back, as only the owner may
+    os.chown(target, 0, 0)  # root takes the environment over
+    after = os.lstat(target)
+    assert (after.st_size, after.st_mtime_ns, after.st_ino, after.st_uid) == (
+        info.st_size,
+        info.st_mtime_ns,
+        info.st_ino,
+        0,
+    )
+    dry = ["sipure", "--wheel", str(wheels["sipure-2"]), "--python", str(env), "--dry-run", "--json"]
+    planned = run(*dry, env={**os.environ, "SAFEINSTALL_STATE_DIR": str(state)})
+    assert planned.code == 0, planned.stderr
+    assert planned.json["data"]["locally_modified"] == [str(target)]

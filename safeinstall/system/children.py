@@ -145,9 +145,11 @@ def _release(previous: dict[int, _Handler], held: list[int]) -> None:
 def _reap(proc: subprocess.Popen[bytes]) -> None:
     """Kill ``proc`` and what it started (its process group: it leads a session of its own, and its pid
     stays its own until it is reaped below) and wait for it, whatever arrives meanwhile (SIGKILL makes
-    this short). A shell's own children (``sh -c 'a; b'``) would otherwise run on, orphaned."""
-    with contextlib.suppress(OSError):  # gone already, or a group not ours to signal: the child alone
-        os.killpg(proc.pid, signal.SIGKILL)
+    this short). A shell's own children (``sh -c 'a; b'``) would otherwise run on, orphaned. A child
+    reaped already (its group ended, ``end_group``) is not signalled: its number may be another's now."""
+    if proc.returncode is None:
+        with contextlib.suppress(OSError):  # gone already, or a group not ours to signal: the child alone
+            os.killpg(proc.pid, signal.SIGKILL)
     proc.kill()
     while True:
         try:
@@ -162,9 +164,9 @@ GROUP_END_S = 10.0
 
 
 def end_process_group(leader: int, timeout: float = GROUP_END_S) -> bool:
-    """Kill what is left of the process group ``leader`` led (the child, reaped already: its number
-    stays the group's while any member lives, so no other process can hold it) and wait until the group
-    is empty; False if members were still there after ``timeout`` (a process in D state)."""
+    """Kill what is left of the process group ``leader`` led (the child, exited but not reaped yet: its
+    zombie holds the number, so no other process can have it) and wait until the group has no live
+    member; False if members were still there after ``timeout`` (a process in D state)."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -258,6 +260,26 @@ def run(
     return subprocess.CompletedProcess(command, proc.returncode, text[0], text[1])
 
 
+def _exited(proc: subprocess.Popen[bytes]) -> bool:
+    """Has the child exited? Asked without reaping it (``WNOWAIT``): its zombie keeps its number, and so
+    its group's, from any new process until :func:`_end_group` has signalled that group."""
+    if proc.returncode is not None:
+        return True
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped by another: Popen says so, and the group is never signalled
+        proc.poll()
+        return True
+
+
+def _end_group(proc: subprocess.Popen[bytes]) -> None:
+    """End the exited child's process group while its zombie still holds the number, then reap it (a
+    group signalled after the reap could be another's: the attacker review)."""
+    if proc.returncode is None:
+        end_process_group(proc.pid)
+    proc.poll()
+
+
 def _collect(
     proc: subprocess.Popen[bytes], timeout: float | None, limit: int, end_group: bool = False
 ) -> tuple[bytes, bytes]:
@@ -275,9 +297,9 @@ def _collect(
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise subprocess.TimeoutExpired(proc.args, timeout or 0)
-            if not ended and proc.poll() is not None:
+            if not ended and _exited(proc):
                 ended = True
-                end_process_group(proc.pid)
+                _end_group(proc)
             wait = left if ended else min(0.05, left if left is not None else 0.05)
             for key, _events in selector.select(wait):
                 data = os.read(key.fd, 1 << 16)
@@ -288,10 +310,14 @@ def _collect(
                 stream += data
                 if len(stream) > limit:
                     raise TooMuchOutput(f"it printed more than {limit} bytes on {names[key.fd]}")
+    while not ended and not _exited(proc):  # its output closed first: its group ended once it exits
+        if deadline is not None and time.monotonic() >= deadline:
+            raise subprocess.TimeoutExpired(proc.args, timeout or 0)
+        time.sleep(0.02)
+    if not ended:
+        _end_group(proc)
     try:
         proc.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:  # it closed its output but runs on: said with the whole timeout
         raise subprocess.TimeoutExpired(proc.args, timeout or 0) from None
-    if not ended:
-        end_process_group(proc.pid)
     return bytes(kept["stdout"]), bytes(kept["stderr"])
