@@ -210,7 +210,7 @@ def test_a_kept_hash_stands_for_a_root_only_inode_whose_links_changed_and_for_no
     path.write_bytes(b"x" * 10)
     os.chmod(path, 0o644)
     info = os.lstat(path)
-    entry = VerifiedInode(info.st_dev, info.st_ino, 10, info.st_mtime_ns, info.st_ctime_ns, 1, "d" * 43)
+    entry = VerifiedInode(info.st_dev, info.st_ino, 10, info.st_mtime_ns, info.st_ctime_ns, 1, "d" * 43, 1)
     if os.geteuid() != 0:
         assert root_only_digest(entry, info) is None  # not root's
         return
@@ -233,3 +233,4 @@ def test_a_kept_hash_stands_for_a_root_only_inode_whose_links_changed_and_for_no
     assert os.lstat(path).st_mtime_ns != before
     assert root_only_digest(entry, os.lstat(path)) is None
     assert root_only_digest(entry._replace(size=11), info) is None
+    assert root_only_digest(entry._replace(root_only=0), info) is None  # hashed while not root's alone

@@ -98,8 +98,10 @@ def test_a_kept_hash_stands_only_for_the_same_inode_size_mtime_and_ctime() -> No
     # a run's search for local patches: a file root owns and only root may write may have a later
     # ctime (links), not another mtime or size; the drift check holds to all five
     assert known(_stat(42, 7, 10, 111, 223, uid=0), "sha256") is None
-    links = checker(InodeStore("/env", "boot", {(7, 42): entry}), root_links=True)
+    links = checker(InodeStore("/env", "boot", {(7, 42): entry._replace(root_only=1)}), root_links=True)
     assert links(_stat(42, 7, 10, 111, 223, uid=0), "sha256") == "B" * 43
+    hashed_as_an_accounts = checker(InodeStore("/env", "boot", {(7, 42): entry}), root_links=True)
+    assert hashed_as_an_accounts(_stat(42, 7, 10, 111, 223, uid=0), "sha256") is None
     assert links(_stat(42, 7, 10, 111, 221, uid=0), "sha256") is None  # older than kept: the clock
     assert links(_stat(42, 7, 10, 110, 223, uid=0), "sha256") is None
     assert links(_stat(42, 7, 10, 111, 223, uid=0, mode=0o100664), "sha256") is None  # its group writes
@@ -306,12 +308,6 @@ def test_a_store_someone_else_could_have_written_is_not_used_nor_written_over(
     assert planted.read_bytes() == before and os.lstat(planted).st_uid == 65534
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attacker review: the store does not keep who owned the inode when it was hashed, so the "
-    "root-only rule (a later ctime allowed) also stands for a hash taken while an account owned the "
-    "file, which that account could edit with its mtime set back before root took the file over",
-)
 def test_a_hash_kept_while_an_account_owned_the_file_is_not_taken_once_root_owns_it(
     open_dir: Path, wheels: Wheelhouse, tmp_path: Path
 ) -> None:

@@ -67,6 +67,8 @@ class FileState(NamedTuple):
     hashed_ns: int = 0
     #: ``st_mode`` of a regular file (its permission bits: a script's execute bits, setuid), else 0
     mode: int = 0
+    #: ``st_uid`` of a regular file it looked at (-1: not known): who could write it when it was hashed
+    uid: int = -1
 
 
 #: Given a file's ``lstat`` and the algorithm wanted, the digest of that very inode when it was hashed
@@ -226,6 +228,7 @@ def _observe(
             False,
             hashed_ns,
             info.st_mode,
+            info.st_uid,
         ),
     )
 
@@ -271,6 +274,7 @@ def _by_identity(path: str, name: str, dir_fd: int | None, algorithm: str, known
             True,
             0,
             info.st_mode,
+            info.st_uid,
         ),
     )
 

@@ -158,6 +158,8 @@ def read_states(hashed: Hashed) -> list[FileState]:
             mtime_ns=entry.mtime_ns,
             ctime_ns=entry.ctime_ns,
             hashed_ns=entry.hashed_ns,
+            mode=stat.S_IFREG,  # writable by its owner alone when hashed: _unchanged checked it
+            uid=entry.uid,
         )
         for (device, inode), entry in hashed.items()
         if entry.hashed_ns

@@ -67,6 +67,9 @@ class VerifiedInode(NamedTuple):
     ctime_ns: int
     hashed_ns: int  # the clock before the fstat of the descriptor that was read
     digest: str  # sha256, RECORD spelling
+    #: 1 when root owned the file and only root could write it as it was hashed (the condition of
+    #: :func:`root_only_digest`: a hash taken while an account owned it never stands that way), else 0
+    root_only: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,8 +117,16 @@ def keepable(state: FileState, filesystems: Mapping[int, int]) -> VerifiedInode 
         or is_racy(state.ctime_ns, state.hashed_ns)
     ):
         return None
+    root_only = int(state.uid == 0 and not state.mode & 0o022)
     return VerifiedInode(
-        state.device, state.inode, state.size, state.mtime_ns, state.ctime_ns, state.hashed_ns, state.digest
+        state.device,
+        state.inode,
+        state.size,
+        state.mtime_ns,
+        state.ctime_ns,
+        state.hashed_ns,
+        state.digest,
+        root_only,
     )
 
 
@@ -140,7 +151,7 @@ def updated(
 
 
 def _same_hash(kept: VerifiedInode, new: VerifiedInode) -> bool:
-    return kept[:5] == new[:5] and kept.digest == new.digest
+    return kept[:5] == new[:5] and kept.digest == new.digest and kept.root_only == new.root_only
 
 
 def trusted_digest(entry: VerifiedInode | None, info: os.stat_result) -> str | None:
@@ -171,7 +182,9 @@ def root_only_digest(entry: VerifiedInode | None, info: os.stat_result) -> str |
     What ctime adds beyond that is against the owner; here the owner is root, which no check of this
     store covers. The write through a shared mapping made while the file was writable is the same gap
     as for the exact rule (its pages' later writes move no time at all)."""
-    if entry is None or not stat.S_ISREG(info.st_mode) or info.st_uid != 0 or info.st_mode & 0o022:
+    if entry is None or not entry.root_only or not stat.S_ISREG(info.st_mode):
+        return None
+    if info.st_uid != 0 or info.st_mode & 0o022:
         return None
     if (
         info.st_size != entry.size

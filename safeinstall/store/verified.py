@@ -49,8 +49,8 @@ from safeinstall.store.state import (
 )
 
 STORE_NAME = "inodes.bin"
-STORE_VERSION = 1
-_NUMBERS = struct.Struct("<6q")
+STORE_VERSION = 2  # 2: whether the inode was root's alone when hashed (1 is read as damaged: written anew)
+_NUMBERS = struct.Struct("<7q")
 _DIGEST_CHARS = 43
 _HEADER_MAX = 70_000  # the prefix is at most 64 KiB
 #: the most bytes a store may have
@@ -78,7 +78,8 @@ def to_bytes(store: InodeStore) -> bytes:
     texts = (str(STORE_VERSION), store.boot_id, str(len(entries)), store.prefix)
     header = b"\0".join([_MAGIC, *(text.encode("utf-8", "surrogateescape") for text in texts)])
     numbers = b"".join(
-        _NUMBERS.pack(e.device, e.inode, e.size, e.mtime_ns, e.ctime_ns, e.hashed_ns) for e in entries
+        _NUMBERS.pack(e.device, e.inode, e.size, e.mtime_ns, e.ctime_ns, e.hashed_ns, e.root_only)
+        for e in entries
     )
     digests = "".join(e.digest for e in entries).encode("ascii")
     return header + b"\0\n" + numbers + digests
@@ -110,15 +111,15 @@ def from_bytes(raw: bytes, prefix: str, boot: str, now_ns: int) -> InodeStore:
         raise ValueError("a digest is not a sha256 digest")
     text = digests.decode("ascii")
     rows = list(_NUMBERS.iter_unpack(body[:split]))
-    if any(row[0] < 0 or row[1] < 0 or row[2] < 0 for row in rows):
-        raise ValueError("an entry has a negative device, inode or size")
+    if any(row[0] < 0 or row[1] < 0 or row[2] < 0 or row[6] not in (0, 1) for row in rows):
+        raise ValueError("an entry has a negative device, inode or size, or no root-only flag")
     if len({(row[0], row[1]) for row in rows}) != count:
         raise ValueError("an inode is there twice")
     # entry_problem's other checks, written out (61k entries for vLLM, at every check; the digests'
     # spelling was checked above, all at once): too old, from the future, racy: left out
     oldest, racy = now_ns - MAX_AGE_NS, GRANULARITY_NS
     entries = {
-        (row[0], row[1]): built(VerifiedInode, (*row, text[at : at + _DIGEST_CHARS]))
+        (row[0], row[1]): built(VerifiedInode, (*row[:6], text[at : at + _DIGEST_CHARS], row[6]))
         for row, at in zip(rows, range(0, count * _DIGEST_CHARS, _DIGEST_CHARS), strict=True)
         if oldest <= row[5] <= now_ns and row[5] > 0 and row[4] + racy <= row[5]
     }
