@@ -24,7 +24,13 @@ from safeinstall.run.options import RunOptions
 from safeinstall.scan.evidence import TargetIndex
 from safeinstall.scan.plan import Plan, build_plan, start_limit_resets
 from safeinstall.scan.processes import ScanResult, scan_processes
-from safeinstall.scan.targets import EnvironmentScope, Target, environment_scope, load_targets
+from safeinstall.scan.targets import (
+    EnvironmentScope,
+    Target,
+    directory_owners,
+    environment_scope,
+    load_targets,
+)
 from safeinstall.store.state import state_root
 from safeinstall.system.cgroups import placement_of_proc_cgroup, valid_unit_name
 from safeinstall.system.gpus import GpuSnapshot, snapshot_gpus
@@ -94,9 +100,10 @@ def survey(
     uv_plan = swap or dry_run(request, options.environ, account=env.account, prefix=env.prefix)
     by_name = {d.name: d for d in installed}
     affected = tuple(by_name[n] for n in sorted({*uv_plan.affected, target.name}) if n in by_name)
-    targets = load_targets(affected, env, installed)
+    owners = directory_owners(installed)
+    targets = load_targets(affected, env, installed, owners=owners)
     chains = dependents(installed, [d.name for d in affected], marker_environment(env))
-    dependent_targets = load_targets([by_name[n] for n in chains], env, installed, requires=chains)
+    dependent_targets = load_targets([by_name[n] for n in chains], env, installed, chains, owners)
     scope = environment_scope(env)
     index = TargetIndex.of((*targets, *dependent_targets))
     scan = scan_processes(index, options.proc_root, scope=scope)

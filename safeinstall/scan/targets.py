@@ -230,6 +230,7 @@ def load_targets(
     env: Environment,
     installed: Iterable[InstalledDistribution],
     requires: Mapping[str, tuple[tuple[str, ...], ...]] | None = None,
+    owners: DirectoryOwners | None = None,
 ) -> tuple[Target, ...]:
     """Targets for ``dists`` of ``env``: stats their files once; ``installed``: the environment's
     distributions, found once per run.
@@ -245,7 +246,7 @@ def load_targets(
     # Outside a venv the interpreter is the real binary: let /proc/PID/exe recognise it too.
     extra = () if env.is_venv else (os.path.realpath(env.executable),)
     targets: list[Target] = []
-    owners = directory_owners(everything)
+    owners = directory_owners(everything) if owners is None else owners  # once per environment
     for dist in dists:
         others = [other for other in everything if other.dist_info != dist.dist_info]
         file_ids, aliases = probe_files(dist.locations)
