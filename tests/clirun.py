@@ -65,5 +65,6 @@ RUN_FIELDS = frozenset(
         "log_file",
         "can_undo",
         "cannot_undo",
+        "service_downtime_s",  # issue 34: null without --health-url
     }
 )

@@ -535,6 +535,7 @@ def test_a_file_state_has_each_field_where_its_name_says(tmp_path: Path) -> None
         "by_identity": False,
         "hashed_ns": 0,
         "mode": info.st_mode,
+        "uid": info.st_uid,
     }
     # taken on its identity (safeinstall.env.inodes): the same fields from the lstat, the digest given
     proven = observe_files(
