@@ -1045,7 +1045,8 @@ def run_reinstall(
         not_restarted = tuple(run._units_to_restart()) if options.no_restart else ()
         return _result(run, "done", ExitCode.OK, None, not_restarted, removed)
     finally:
-        # installed files then share inodes with nothing; what its owner kept filling stays for the next run
+        # installed files then share inodes with nothing but what they were linked from (root's own uv
+        # cache, as uv's install leaves them); what its owner kept filling stays for the next run
         started = time.monotonic()
         for left in remove_uv_caches(run.state, run.run_id):
             run._log(f"{left} could not be removed in {RUN_DIR_REMOVAL_S:g} s: the next run removes it")
