@@ -33,7 +33,6 @@ from safeinstall.env.hashing import Known
 from safeinstall.env.uvplan import dry_run as uv_dry_run
 from safeinstall.env.uvplan import install as uv_install
 from safeinstall.env.uvplan import prefetch_command, secure_uv_lock, uv_binary, window_command
-from safeinstall.env.verified import InodeStore
 from safeinstall.env.verify import VerifyReport, verify_environment
 from safeinstall.env.vouched import Vouched, vouched_of
 from safeinstall.env.wheel import Wheel, install_locations
@@ -276,9 +275,11 @@ def prefetch_step(run: Run) -> str:
     # run's cache could change a hashed file's bytes through a shared writable mapping without moving
     # its times (docs/window.md), so its installed files are read again in the window
     if request.link_mode == "hardlink" and run.env.account is None:
-        stored = _kept_hashes(run)
-        run.hashed = inodes.hash_cache(cache, known=stored)
-        unread = f" ({stored.hits} of them kept by the verified-inode store, not read)" if stored.hits else ""
+        store = None if run.options.full else run.prepared.inodes  # --full: every file read
+        known = verified.root_only_checker(store) if store is not None and store.entries else None
+        run.hashed = inodes.hash_cache(cache, known=known)
+        stored = sum(1 for entry in run.hashed.values() if not entry.hashed_ns)  # taken, not read
+        unread = f" ({stored} of them kept by the verified-inode store, not read)" if stored else ""
         run._log(f"prefetch: {len(run.hashed)} files of the run's uv cache hashed{unread}")
         detail += f"; {len(run.hashed)} files hashed{unread}"
     if root is not None:
@@ -351,25 +352,6 @@ def _resolve_into(run: Run, cache: Path) -> None:
         return
     took = time.monotonic() - started
     run._log(f"prefetch: the plan resolved again with the run's cache in {took:.1f} s")
-
-
-class _KeptHashes:
-    """The store's hash of a root-only inode of the run's cache (:func:`verified.root_only_digest`),
-    counted."""
-
-    def __init__(self, store: InodeStore | None) -> None:
-        self.digest = verified.root_only_checker(store) if store is not None and store.entries else None
-        self.hits = 0
-
-    def __call__(self, info: os.stat_result) -> str | None:
-        found = None if self.digest is None else self.digest(info)
-        self.hits += found is not None
-        return found
-
-
-def _kept_hashes(run: Run) -> _KeptHashes:
-    """What the environment's verified-inode store says of the run's cache (nothing with ``--full``)."""
-    return _KeptHashes(None if run.options.full else run.prepared.inodes)
 
 
 def _fill_from_owners_cache(run: Run, cache: Path) -> str:
