@@ -180,14 +180,21 @@ def _forge(state: Path, python: Path, target: Path, hashed_ns: int) -> None:
     path.chmod(0o600)
 
 
+def _settled(path: Path) -> int:
+    """Once the granularity has passed since ``path``'s ctime: that moment (a hash taken or forged from
+    then on is later than the ctime and not racy)."""
+    settled = os.lstat(path).st_ctime_ns + GRANULARITY_NS
+    while time.time_ns() <= settled:
+        time.sleep(0.1)
+    return settled
+
+
 def test_a_kept_hash_is_taken_for_an_unchanged_inode_and_full_reads_it_again(
     env: Path, tmp_path: Path
 ) -> None:
     state = tmp_path / "state"
     target = wheelhouse.site_packages(env) / "sipure" / "__init__.py"
-    hashed = os.lstat(target).st_ctime_ns + GRANULARITY_NS
-    while time.time_ns() <= hashed:  # the forged hash must be later than its ctime, and not racy
-        time.sleep(0.1)
+    hashed = _settled(target)  # the forged hash must be later than its ctime, and not racy
     _forge(state, env, target, hashed)
     assert _modified(_verify(env, state)) == {"__init__.py"}  # believed: the file was not read
     assert _modified(_verify(env, state, "--full")) == set()  # read again: it is the wheel's
@@ -211,9 +218,7 @@ def test_a_same_size_edit_with_the_mtime_set_back_is_modified_on_the_second_run(
 ) -> None:
     state = tmp_path / "state"
     target = wheelhouse.site_packages(env) / "sipure" / "__init__.py"
-    settled = os.lstat(target).st_ctime_ns + GRANULARITY_NS
-    while time.time_ns() <= settled:  # else the first run's hash is racy and not kept
-        time.sleep(0.1)
+    _settled(target)  # else the first run's hash is racy and not kept
     assert _modified(_verify(env, state)) == set()
     boot = boot_id()
     assert boot is not None
@@ -274,9 +279,7 @@ def test_a_runs_preflight_takes_the_kept_hashes_and_full_reads_everything(
     backup reuses them): a forged entry shows that it was believed; ``--full`` reads the file."""
     state = tmp_path / "state"
     target = wheelhouse.site_packages(env) / "sipure" / "__init__.py"
-    hashed = os.lstat(target).st_ctime_ns + GRANULARITY_NS
-    while time.time_ns() <= hashed:
-        time.sleep(0.1)
+    hashed = _settled(target)
     _forge(state, env, target, hashed)
     dry = ["sipure", "--wheel", str(wheels["sipure-2"]), "--python", str(env), "--dry-run", "--json"]
     environ = {**os.environ, "SAFEINSTALL_STATE_DIR": str(state)}
@@ -295,9 +298,7 @@ def test_a_store_someone_else_could_have_written_is_not_used_nor_written_over(
     an edit) is not used, a note says why, and it is left as it is."""
     state = tmp_path / "state"
     target = wheelhouse.site_packages(env) / "sipure" / "__init__.py"
-    hashed = os.lstat(target).st_ctime_ns + GRANULARITY_NS
-    while time.time_ns() <= hashed:  # else the forged entry would be dropped as from the future
-        time.sleep(0.1)
+    hashed = _settled(target)  # else the forged entry would be dropped as from the future
     _forge(state, env, target, hashed)
     planted = next(state.glob("*/inodes.bin"))
     os.chown(planted, 65534, 65534)
@@ -321,9 +322,7 @@ def test_a_hash_kept_while_an_account_owned_the_file_is_not_taken_once_root_owns
     state = tmp_path / "state"
     target = wheelhouse.site_packages(env) / "sipure" / "__init__.py"
     os.chown(target, NOBODY, NOBODY)  # the account's file
-    settled = os.lstat(target).st_ctime_ns + GRANULARITY_NS
-    while time.time_ns() <= settled:  # else the hash is racy and not kept
-        time.sleep(0.1)
+    _settled(target)  # else the hash is racy and not kept
     _verify(env, state)
     info = os.lstat(target)
     prefix = os.path.realpath(env.parent.parent)
