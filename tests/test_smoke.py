@@ -283,8 +283,14 @@ def test_the_childs_answers_are_data() -> None:
         json.dumps({"failed": "b", "error": "ImportError: x"}),
         json.dumps({"module": "c"}),
     ]
-    imported, failed, started, done = smoke.read_answers("\n".join(lines))
-    assert (imported, failed, started, done) == (("a",), (("b", "ImportError: x"),), "c", False)
+    imported, failed, started, done, unavailable = smoke.read_answers("\n".join(lines))
+    assert (imported, failed, started, done, unavailable) == (
+        ("a",),
+        (("b", "ImportError: x"),),
+        "c",
+        False,
+        (),
+    )
 
 
 def test_how_a_unit_runs_is_read_from_systemctl_show() -> None:
@@ -386,7 +392,7 @@ def test_a_units_variables_that_name_code_are_taken_only_where_no_one_else_contr
         "PYTHONHOME",
         "PYTHONUSERBASE",
     )
-    assert smoke.read_answers("[" * 100_000) == ((), (), None, False)  # the account's word, nested
+    assert smoke.read_answers("[" * 100_000) == ((), (), None, False, ())  # the account's word, nested
 
 
 def test_a_module_that_needs_the_nvidia_driver_this_host_lacks_is_said_not_refused(
@@ -416,11 +422,10 @@ def test_a_module_that_needs_the_nvidia_driver_this_host_lacks_is_said_not_refus
     assert bed.version() == "2.0" and bed.manager.active_state(unit) == "active"
     # the answer is data: only the driver's libraries make a module unavailable
     fake = json.dumps({"unavailable": "m", "error": "libevil.so"}) + "\n" + json.dumps({"unavailable": "n"})
-    assert smoke.read_unavailable(fake) == ()
+    assert smoke.read_answers(fake)[4] == ()
     answered = [{"module": "m"}, {"unavailable": "m", "error": "libcuda.so.1"}, {"done": 1}]
     text = "\n".join(json.dumps(a) for a in answered)
-    assert smoke.read_answers(text) == ((), (), None, True)  # it did not die importing m
-    assert smoke.read_unavailable(text) == (("m", "libcuda.so.1"),)
+    assert smoke.read_answers(text) == ((), (), None, True, (("m", "libcuda.so.1"),))  # did not die in m
 
 
 def test_what_the_check_started_never_outlives_it(bed: Bed) -> None:

@@ -74,7 +74,7 @@ _PATH_LISTS = {"PYTHONPATH": os.pathsep, "LD_LIBRARY_PATH": ":", "LD_PRELOAD": "
 _PYTHON_KEPT = frozenset({"PYTHONUNBUFFERED", "PYTHONIOENCODING", "PYTHONHASHSEED", "PYTHONUTF8"})
 
 #: The NVIDIA driver's libraries: an extension module that needs one cannot be loaded on a host without
-#: the driver, whichever version it is (:func:`read_unavailable`).
+#: the driver, whichever version it is (:func:`read_answers`).
 DRIVER_LIBRARIES = ("libcuda.so.1", "libnvidia-ml.so.1")
 
 #: Set for every child, whatever the unit says: no GPU, no bytecode written, the staged tree ahead.
@@ -409,12 +409,19 @@ def working_directory(setting: str, home: str, user_manager: bool) -> str:
     return setting if setting.startswith("/") else "/"
 
 
-def read_answers(text: str) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...], str | None, bool]:
-    """Pure: the import child's answer lines, as data (the account's word): the modules imported, the
-    ones that failed (with their error), the module it was importing when it stopped answering (None:
-    none), and whether it said it was done. Lines that are not such documents are ignored."""
+#: What the import child answered: the modules imported, the ones that failed (with their error), the
+#: module it was importing when it stopped answering (None: none), whether it said it was done, and the
+#: modules it could not load for want of the NVIDIA driver (with the library).
+Answers = tuple[tuple[str, ...], tuple[tuple[str, str], ...], str | None, bool, tuple[tuple[str, str], ...]]
+
+
+def read_answers(text: str) -> Answers:
+    """Pure: the import child's answer lines, as data (the account's word; see :data:`Answers`). Lines
+    that are not such documents are ignored; an ``unavailable`` answer counts only with one of the
+    driver's libraries."""
     imported: list[str] = []
     failed: list[tuple[str, str]] = []
+    unavailable: list[tuple[str, str]] = []
     started: str | None = None
     done = False
     for line in text.splitlines():
@@ -434,27 +441,13 @@ def read_answers(text: str) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...
         elif "failed" in answer and module is not None:
             failed.append((module[:300], str(answer.get("error", ""))[:2000]))
             started = None
-        elif "unavailable" in answer and module is not None:  # read_unavailable says which and why
+        elif "unavailable" in answer and module is not None:
+            if answer.get("error") in DRIVER_LIBRARIES:  # any other library: no such answer
+                unavailable.append((module[:300], str(answer["error"])))
             started = None
         elif "done" in answer:
             done = True
-    return tuple(imported), tuple(failed), started, done
-
-
-def read_unavailable(text: str) -> tuple[tuple[str, str], ...]:
-    """Pure: the modules the import child could not load for want of the NVIDIA driver on this host,
-    and the library it named (one of the driver's: anything else is not such an answer)."""
-    found: list[tuple[str, str]] = []
-    for line in text.splitlines():
-        try:
-            answer = json.loads(line)
-        except (ValueError, RecursionError):
-            continue
-        if not isinstance(answer, dict) or not isinstance(answer.get("unavailable"), str):
-            continue
-        if answer.get("error") in DRIVER_LIBRARIES:
-            found.append((answer["unavailable"][:300], str(answer["error"])))
-    return tuple(found)
+    return tuple(imported), tuple(failed), started, done, tuple(unavailable)
 
 
 def unavailable_note(outcomes: Sequence[ChildOutcome]) -> str | None:
@@ -670,14 +663,13 @@ def run_imports(
     proc, problem = _run(argv, variables, context.run_as, timeout)
     if proc is None:
         return ChildOutcome("imports", context, False, (), (), problem, ())
-    imported, failed, started, done = read_answers(proc.stdout)
+    imported, failed, started, done, unavailable = read_answers(proc.stdout)
     stderr = tail(proc.stderr)
     if started is not None:
         problem = f"it died while importing {started} (exit {_status(proc.returncode)})"
     elif not done:
         problem = f"it ended before it was done (exit {_status(proc.returncode)})"
     ok = not failed and problem is None and proc.returncode == 0
-    unavailable = read_unavailable(proc.stdout)
     return ChildOutcome("imports", context, ok, imported, failed, problem, stderr, unavailable)
 
 
