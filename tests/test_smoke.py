@@ -622,3 +622,35 @@ def test_a_tree_is_opened_to_a_units_user_only_when_root_alone_may_change_it(tmp
     module.chmod(0o644)
     os.chown(tree / "pkg", NOBODY, NOBODY)
     assert smoke.others_may_write(tree) == f"{tree / 'pkg'} is not root's alone (uid {NOBODY})"
+
+
+def test_a_driver_library_this_host_has_is_no_excuse(bed: Bed, tmp_path: Path) -> None:
+    """The same answer ("libcuda.so.1: cannot open shared object file") where the unit's processes can
+    load ``libcuda.so.1`` (a stub on the unit's ``LD_LIBRARY_PATH``, a directory only root controls): the
+    driver is there, so the module is broken on this host and the run is refused before the stop."""
+    import shutil
+    import subprocess
+
+    from tests import wheelhouse
+
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    if gcc is None:
+        pytest.skip("no C compiler to build a stub libcuda.so.1")
+    driver = tmp_path / "driver"
+    driver.mkdir()
+    (driver / "stub.c").write_text("int cuInit(unsigned int flags) { return flags ? 1 : 0; }\n")
+    stub = driver / "libcuda.so.1"
+    subprocess.run(
+        [gcc, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(stub), str(driver / "stub.c")],
+        check=True,
+    )
+    missing = (
+        b'raise ImportError("libcuda.so.1: cannot open shared object file: No such file or directory")\n'
+    )
+    wheel = wheelhouse.rebuilt(bed.wheels["sicext-2"], tmp_path / "w", {"sicext_gpu.py": missing})
+    unit = bed.service("smoke-has-driver", Environment=f"LD_LIBRARY_PATH={driver}")
+    main = bed.manager.main_pid(unit)
+    result = bed.safeinstall("sicext", "--wheel", str(wheel), "--settle", "0.5", "--json")
+    assert result.code == 2, result.stdout + result.stderr
+    assert "sicext_gpu: ImportError: libcuda.so.1" in result.json["errors"][0]["message"]
+    assert bed.manager.main_pid(unit) == main and bed.version() == "1.0"
