@@ -10,6 +10,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from safeinstall.env import cachefill, verified
 from safeinstall.env.uvplan import UvChange
 from tests import wheelhouse
@@ -106,15 +108,14 @@ def test_only_what_the_plan_installs_is_copied_and_a_link_that_leads_elsewhere_i
     ) == [["sipure", "2.0"]]
 
 
+@pytest.mark.parametrize("link", [False, True], ids=["copy", "link"])
 def test_root_never_copies_a_cache_another_user_could_write(
-    venv: Path, wheels: Wheelhouse, tmp_path: Path
+    venv: Path, wheels: Wheelhouse, tmp_path: Path, link: bool
 ) -> None:
     """A root-owned environment's fill runs as root over the caller's cache (``sudo -E`` may keep a
     user's ``HOME``; ``UV_CACHE_DIR`` may be a shared cache): a file or directory in it that is not
     root's, or that others may write, stops the fill before its entry is made, and uv fetches it."""
     if os.geteuid() != 0:
-        import pytest
-
         pytest.skip("needs root")
     owners = tmp_path / "owners-cache"
     _uv_fills(owners, wheels, venv, tmp_path / "t1", "sipure==1.0")
@@ -123,13 +124,13 @@ def test_root_never_copies_a_cache_another_user_could_write(
     os.chown(planted, 65534, 65534)  # another user's file in the archive (it could write it)
     run_cache = tmp_path / "run-cache"
     run_cache.mkdir(mode=0o700)
-    filled = cachefill.fill(owners, run_cache, [UvChange("install", "sipure", "1.0", None)], None)
+    filled = cachefill.fill(owners, run_cache, [UvChange("install", "sipure", "1.0", None)], None, link)
     assert filled.problem is not None and "not this account's own" in filled.problem, filled
     assert not list(run_cache.glob("wheels-v*/index/*/sipure/1.0-*")), "no entry names the copy"
     os.chown(planted, 0, 0)
     os.chmod(planted, 0o666)  # root's, but everyone may write it
     filled = cachefill.fill(
-        owners, tmp_path / "run-cache-2", [UvChange("install", "sipure", "1.0", None)], None
+        owners, tmp_path / "run-cache-2", [UvChange("install", "sipure", "1.0", None)], None, link
     )
     assert filled.problem is not None, filled
 
@@ -144,8 +145,6 @@ def test_root_links_from_its_own_cache_and_takes_the_stores_hashes_unread(
     inodes when the same version was checked there before (a switch back, a clean reinstall): the
     prefetch takes them without reading the files."""
     if os.geteuid() != 0:
-        import pytest
-
         pytest.skip("root's own cache: needs root")
     from tests.clirun import run as safeinstall
 
