@@ -269,3 +269,52 @@ def test_a_process_the_child_started_in_a_session_of_its_own_does_not_outlive_it
         assert not _alive(pid), "a process the check started runs on"
     finally:
         _kill_if_alive(pid)
+
+
+def test_a_cancelled_child_is_killed_with_its_group_and_reaped(tmp_path: Path) -> None:
+    """``cancel`` set by another thread (the run stopped while a check ran in the background): the
+    child, and what it started, are gone when :class:`children.Cancelled` is raised."""
+    pids = tmp_path / "pids"
+    cancel = threading.Event()
+    script = f"sleep 600 & echo $! >{pids}.tmp; echo $$ >>{pids}.tmp; mv {pids}.tmp {pids}; wait"
+    caught: list[BaseException] = []
+
+    def waiting() -> None:
+        try:
+            children.run(["/bin/sh", "-c", script], env={"PATH": "/usr/bin:/bin"}, timeout=600, cancel=cancel)
+        except BaseException as exc:
+            caught.append(exc)
+
+    thread = threading.Thread(target=waiting)
+    thread.start()
+    wait_until(pids.exists, 30, "the child and its sleep started")
+    started = [int(pid) for pid in pids.read_text().split()]
+    try:
+        cancel.set()
+        thread.join(60)
+        assert not thread.is_alive()
+        assert len(caught) == 1 and isinstance(caught[0], children.Cancelled), caught
+        wait_until(lambda: not any(map(_alive, started)), 10, "the child and its sleep gone")
+    finally:
+        for pid in started:
+            _kill_if_alive(pid)
+
+
+def test_a_child_started_from_a_thread_with_the_signals_blocked_gets_them_unblocked() -> None:
+    """A check runs in a thread started with SIGINT/SIGTERM/SIGHUP blocked (only the main thread handles
+    them): the program it runs must not inherit the mask (a ``timeout`` in an operator's ``--smoke``
+    command could not end what it runs)."""
+    answer: list[str] = []
+
+    def spawn() -> None:
+        done = children.run(["/bin/grep", "^SigBlk", "/proc/self/status"], env={}, timeout=30)
+        answer.append(done.stdout)
+
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+    try:
+        thread = threading.Thread(target=spawn)
+        thread.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    thread.join(60)
+    assert answer and int(answer[0].split()[1], 16) == 0, answer

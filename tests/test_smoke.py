@@ -654,3 +654,55 @@ def test_a_driver_library_this_host_has_is_no_excuse(bed: Bed, tmp_path: Path) -
     assert result.code == 2, result.stdout + result.stderr
     assert "sicext_gpu: ImportError: libcuda.so.1" in result.json["errors"][0]["message"]
     assert bed.manager.main_pid(unit) == main and bed.version() == "1.0"
+
+
+def test_the_check_runs_beside_the_rest_of_the_prefetch(bed: Bed) -> None:
+    """Issue 34 (nothing slower): the check starts once uv has laid out the new version, and runs while
+    the prefetch hashes the run's cache and verifies the staging tree; the smoke step waits for it."""
+    bed.service("smoke-beside")
+    done, detail = _checked(bed, "true")
+    assert "imported" in detail, detail
+    log = Path(done.json["data"]["log_file"]).read_text()
+    started, prefetched = log.index("smoke: started beside the prefetch"), log.index("prefetch: ok")
+    assert started < prefetched, log
+    assert "the check took" in log and "beside the prefetch" in log[prefetched:], log
+    assert _left_in_state(bed) == []
+
+
+def test_a_sigterm_while_the_check_runs_beside_the_run_ends_it_and_stops_nothing(
+    bed: Bed, tmp_path: Path
+) -> None:
+    """SIGTERM while the check runs in its thread: the run's main thread is interrupted (only it handles
+    signals), the check's children are ended at once (not after ``--smoke-timeout``), nothing was
+    stopped and nothing is left."""
+    unit = bed.service("smoke-sigterm")
+    main = bed.manager.main_pid(unit)
+    started = tmp_path / "started"
+    command = f"echo $$ >{started}.tmp && mv {started}.tmp {started} && exec sleep 600"
+    proc = bed.start_run(
+        "sicext",
+        "--wheel",
+        str(bed.wheels["sicext-2"]),
+        "--json",
+        "--smoke",
+        command,
+        "--smoke-timeout",
+        "600",
+    )
+    try:
+        wait_until(lambda: started.exists() or proc.poll() is not None, 120, "the smoke command running")
+        assert proc.poll() is None, proc.communicate()
+        sleeper = int(started.read_text())
+        wait_until(lambda: _command_of(sleeper) == ["sleep", "600"], 10, "the smoke command sleeping")
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)  # within a poll: never the 600 s of --smoke-timeout
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 2, out + err
+    assert "interrupted by SIGTERM" in out, out
+    assert not _alive(sleeper)
+    assert bed.manager.main_pid(unit) == main and bed.version() == "1.0"
+    bed.no_trace()
+    assert _left_in_state(bed) == []

@@ -31,6 +31,7 @@ import pwd
 import re
 import stat
 import subprocess
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -656,11 +657,12 @@ def run_imports(
     package: str,
     changed: Iterable[str],
     timeout: float,
+    cancel: threading.Event | None = None,
 ) -> ChildOutcome:
-    """The import child for one context (see the module)."""
+    """The import child for one context (see the module); ``cancel``: see :func:`_run`."""
     spec = json.dumps({"sites": [str(s) for s in sites], "package": package, "changed": sorted(changed)})
     argv = _in_directory(context.cwd, [str(python), "-c", CHILD_SCRIPT, spec])
-    proc, problem = _run(argv, variables, context.run_as, timeout)
+    proc, problem = _run(argv, variables, context.run_as, timeout, cancel)
     if proc is None:
         return ChildOutcome("imports", context, False, (), (), problem, ())
     imported, failed, started, done, unavailable = read_answers(proc.stdout)
@@ -673,10 +675,16 @@ def run_imports(
     return ChildOutcome("imports", context, ok, imported, failed, problem, stderr, unavailable)
 
 
-def run_command(command: str, context: Context, variables: Mapping[str, str], timeout: float) -> ChildOutcome:
+def run_command(
+    command: str,
+    context: Context,
+    variables: Mapping[str, str],
+    timeout: float,
+    cancel: threading.Event | None = None,
+) -> ChildOutcome:
     """The operator's ``--smoke`` command for one context, through ``/bin/sh -c``: exit 0 passes."""
     argv = _in_directory(context.cwd, ["/bin/sh", "-c", command])
-    proc, problem = _run(argv, variables, context.run_as, timeout)
+    proc, problem = _run(argv, variables, context.run_as, timeout, cancel)
     if proc is None:
         return ChildOutcome(command, context, False, (), (), problem, ())
     if proc.returncode != 0:
@@ -688,9 +696,20 @@ def _status(code: int) -> str:
     return f"{code}" if code >= 0 else f"{code}, killed by signal {-code}"
 
 
+#: What a child ended because the run stopped says (its outcome is never the run's answer).
+CANCELLED = "it was ended: the run stopped before the check was done"
+
+
 def _run(
-    argv: Sequence[str], variables: Mapping[str, str], run_as: RunAs | None, timeout: float
+    argv: Sequence[str],
+    variables: Mapping[str, str],
+    run_as: RunAs | None,
+    timeout: float,
+    cancel: threading.Event | None = None,
 ) -> tuple[subprocess.CompletedProcess[str] | None, str | None]:
+    """The child run (``cancel``: set by the run when it stops while the check runs in the background,
+    :mod:`safeinstall.run.smoke`: the child and its group are ended); None and why, when it ran too
+    long, printed too much, could not start or was cancelled."""
     try:
         proc = children.run(
             argv,
@@ -700,7 +719,10 @@ def _run(
             groups=() if run_as is None else run_as.groups,
             limit=OUTPUT_LIMIT,
             end_group=True,  # what an import started (vLLM's, torch's helpers) never outlives the check
+            cancel=cancel,
         )
+    except children.Cancelled:
+        return None, CANCELLED
     except subprocess.TimeoutExpired:
         return None, f"it did not finish in {timeout:g} s (--smoke-timeout); it was ended"
     except children.TooMuchOutput as exc:

@@ -44,6 +44,7 @@ from safeinstall.errors import (
     SafeInstallError,
     StepFailed,
 )
+from safeinstall.run import smoke as run_smoke
 from safeinstall.run import staging, undo
 from safeinstall.run.options import RunOptions
 from safeinstall.run.patches import (
@@ -270,6 +271,19 @@ def prefetch_step(run: Run) -> str:
             f"uv could not fetch or unpack the new version (exit {result.returncode}): {tail}",
             hint="nothing was stopped; check the wheel, the index options or the network",
         )
+    if not run.options.no_smoke:  # the tree is complete: the check runs beside what follows
+        run_smoke.start(run, run_smoke.staged_tree(run.env, root) if root else run_smoke.target_tree(scratch))
+    try:
+        return _prefetched(run, root, cache, filled, why_not)
+    except BaseException:
+        run_smoke.abandon(run)
+        raise
+
+
+def _prefetched(run: Run, root: Path | None, cache: Path, filled: str, why_not: str | None) -> str:
+    """The prefetch once uv has filled the run's cache and the new version's tree: the cache hashed,
+    the staging tree verified and planned, the cache written to disk."""
+    request = run.survey.request
     detail = f"the run's uv cache holds the new version ({request.link_mode} from it)" + filled
     # what the install links is what is hashed here; only in root's own cache: an account that owns the
     # run's cache could change a hashed file's bytes through a shared writable mapping without moving
@@ -322,6 +336,7 @@ def _stage(run: Run, root: Path) -> str | None:
             known,
         )
     except (staging.NotStaged, staging.StagedMismatch, OSError, SafeInstallError) as exc:
+        run_smoke.abandon(run)  # it reads the tree that goes now (the smoke step checks a --target one)
         swap.discard_staging(run.env.prefix, root.name, RUN_DIR_REMOVAL_S, staging.owner_ids(run.env))
         if isinstance(exc, staging.StagedMismatch):
             raise PlanError(
@@ -965,6 +980,7 @@ def run_reinstall(
                 step("end-check", lambda: end_check_step(run))
                 signals.block()  # done: a signal now waits for the tidy-up's handler (held back, said)
             except Exception as exc:  # any failure once the run started rolls back, bugs included
+                run_smoke.abandon(run)  # a check still running beside the prefetch ends first
                 error = (
                     exc if isinstance(exc, SafeInstallError) else StepFailed(f"{type(exc).__name__}: {exc}")
                 )
@@ -1027,6 +1043,7 @@ def run_reinstall(
         not_restarted = tuple(run._units_to_restart()) if options.no_restart else ()
         return _result(run, "done", ExitCode.OK, None, not_restarted, removed)
     finally:
+        run_smoke.abandon(run)  # never left running, whatever ended the run
         # installed files then share inodes with nothing but what they were linked from (root's own uv
         # cache, as uv's install leaves them); what its owner kept filling stays for the next run
         started = time.monotonic()

@@ -13,7 +13,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from safeinstall.env import inodes
 from safeinstall.env.environment import Environment
@@ -48,6 +48,9 @@ from safeinstall.store.state import (
 )
 from safeinstall.system.signals import held_while_threads_start
 from safeinstall.system.systemd import Systemd, start_wait_s, stop_wait_s
+
+if TYPE_CHECKING:
+    from safeinstall.run.smoke import Background
 
 
 @dataclass
@@ -91,6 +94,9 @@ class Run:
     in_place: Mapping[str, FileState] = field(default_factory=dict)
     #: set by the prefetch when the run does not swap: its ``--target`` tree, kept for the smoke step
     scratch: Path | None = None
+    #: set by the prefetch once the new version's tree is complete: the smoke check running beside the
+    #: rest of it (safeinstall.run.smoke), until the smoke step has its answer or the run ends it
+    smoke_check: Background | None = None
 
     @property
     def options(self) -> RunOptions:

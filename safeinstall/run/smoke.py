@@ -13,11 +13,15 @@ directories: at the end of the run, or by ``--recover`` after a crash). The shim
 from __future__ import annotations
 
 import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from packaging.utils import canonicalize_name
 
-from safeinstall.env import smoke, swap
+from safeinstall.env import smoke
 from safeinstall.env.environment import Environment, interpreter_in_prefix, who_else_controls
 from safeinstall.env.swap import STAGED_TREE, staging_environment
 from safeinstall.env.uvplan import install as uv_install
@@ -33,16 +37,41 @@ from safeinstall.store.state import (
     remove_run_dir,
 )
 from safeinstall.system.safefs import Tree
+from safeinstall.system.signals import held_while_threads_start
 from safeinstall.system.systemd import ExecContext, exec_context
 
 
-def trees(run: Run) -> list[Path]:
-    """Where the new version lies before the stop: the staging tree's site directories, or the
-    prefetch's ``--target`` directory."""
+@dataclass(frozen=True, slots=True)
+class NewTree:
+    """Where the new version lies before the stop: ``top``, the directory that holds it, in ``parent``;
+    ``below``, the tree in it ("" when ``top`` is the tree); ``sites``, what the check imports from."""
+
+    top: Path
+    parent: Path
+    below: str
+    sites: tuple[Path, ...]
+
+    @property
+    def tree(self) -> Path:
+        return self.top / self.below if self.below else self.top
+
+
+def staged_tree(env: Environment, root: Path) -> NewTree:
+    """The swap's staging directory ``root``: its tree's site directories."""
+    staged = staging_environment(env, root / STAGED_TREE)
+    return NewTree(root, env.prefix, STAGED_TREE, tuple(dict.fromkeys([staged.purelib, staged.platlib])))
+
+
+def target_tree(scratch: Path) -> NewTree:
+    """The prefetch's ``--target`` directory: a site directory itself."""
+    return NewTree(scratch, scratch.parent, "", (scratch,))
+
+
+def new_tree(run: Run) -> NewTree | None:
+    """The tree the prefetch left for the check: the staging tree, or the ``--target`` tree; None."""
     if run.staged is not None:
-        staged = staging_environment(run.env, run.staged.root / STAGED_TREE)
-        return list(dict.fromkeys([staged.purelib, staged.platlib]))
-    return [run.scratch] if run.scratch is not None else []
+        return staged_tree(run.env, run.staged.root)
+    return target_tree(run.scratch) if run.scratch is not None else None
 
 
 def runs_as(env: Environment, context: ExecContext) -> smoke.RunAs | str | None:
@@ -117,58 +146,223 @@ OPEN_TREE_MODE = 0o755
 UV_LOCK = ".lock"
 
 
-def _tree_top(run: Run) -> tuple[Path, Path, str]:
-    """The directory that holds the tree of the new version, the directory it is in, and the tree
-    below it: the staging directory in the prefix, or the prefetch's ``--target`` directory."""
-    if run.staged is not None:
-        return run.staged.root, run.env.prefix, swap.STAGED_TREE
-    assert run.scratch is not None
-    return run.scratch, run.scratch.parent, ""
-
-
-def _let_units_in(run: Run) -> str | None:
+def _let_units_in(run: Run, new: NewTree) -> str | None:
     """Open the way to the new version for the units' users (root-owned environment; see
     docs/threat-model.md): the state root and the environment's directory 0711 (the shim's directory
     is 0755), the staging directory 0711: entered by name, never listed (its attic stays 0700); the
     tree below it as uv made it (the prefetch's ``--target`` tree, a site directory itself: 0755),
     checked first to be root's alone (uv's lock file at its top, which everyone may write and nothing
     reads once uv is done, is removed first). None, or why it was not opened."""
-    top, parent, below = _tree_top(run)
-    tree = top / below if below else top
     try:
-        with Tree(tree) as new:
-            new.unlink(UV_LOCK)
+        with Tree(new.tree) as tree:
+            tree.unlink(UV_LOCK)
     except OSError as exc:
         return f"uv's lock file in the new version's tree could not be removed: {exc}"
-    problem = smoke.others_may_write(tree)
+    problem = smoke.others_may_write(new.tree)
     if problem is not None:
         return f"the new version's tree is not opened to it: {problem}"
     try:
         let_through(run.state)
-        with Tree(parent) as holder:  # the prefetch's tree is the site directory itself: listed
-            holder.set_mode(top.name, PASSABLE_MODE if below else OPEN_TREE_MODE)
+        with Tree(new.parent) as holder:  # the prefetch's tree is the site directory itself: listed
+            holder.set_mode(new.top.name, PASSABLE_MODE if new.below else OPEN_TREE_MODE)
     except (OSError, SafeInstallError) as exc:
         return f"the way to the new version could not be opened: {exc}"
     return None
 
 
-def _close_again(run: Run) -> None:
+def _close_again(run: Run, new: NewTree) -> None:
     """The directory holding the tree private again (0700) once the check is done."""
-    top, parent, _ = _tree_top(run)
     try:
-        with Tree(parent) as tree:
-            tree.set_mode(top.name, PRIVATE_MODE)
+        with Tree(new.parent) as tree:
+            tree.set_mode(new.top.name, PRIVATE_MODE)
     except OSError as exc:
-        run.notes.append(f"{top} stays mode {PASSABLE_MODE:04o} (it goes with the run): {exc}")
+        run.notes.append(f"{new.top} stays mode {PASSABLE_MODE:04o} (it goes with the run): {exc}")
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One context's check: its child's variables (the imports, then ``--smoke``)."""
+
+    context: smoke.Context
+    variables: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Checks:
+    """The check made ready (:func:`prepare`): what runs, and what is undone once it is over
+    (:func:`_undo`: the shim's directory removed, the tree closed again where it was opened)."""
+
+    new: NewTree
+    shim: Path
+    opened: bool  # the way to the tree was opened to units' users (closed again after)
+    jobs: tuple[Job, ...]
+    skipped: tuple[str, ...]
+    python: Path
+    package: str
+    changed: frozenset[str]
+    smoke: str | None  # the operator's --smoke command
+    timeout: float
+    notes: tuple[str, ...]  # what of the units' could not be taken (said once the check is over)
+
+
+@dataclass(frozen=True, slots=True)
+class Background:
+    """The check running beside the rest of the prefetch (:func:`start`): its thread's answer, the
+    event that ends it (:func:`abandon`) and when it started."""
+
+    checks: Checks
+    pool: ThreadPoolExecutor
+    answer: Future[list[smoke.ChildOutcome]]
+    cancel: threading.Event
+    started: float
+
+
+def prepare(run: Run, new: NewTree) -> Checks:
+    """Everything of the check but its children: the contexts, the shim, the way opened to the units'
+    users (and what each of them can reach); what was made is undone on a failure."""
+    found, skipped = contexts(run)
+    opened = any(c.run_as is not None and c.run_as.unit_user for c in found)
+    python = interpreter_in_prefix(run.env)
+    shim = smoke.write_shim(run.state.dir / f"{SMOKE_PREFIX}{run.run_id}")
+    jobs: list[Job] = []
+    try:
+        closed = _let_units_in(run, new) if opened else None
+        for context in found:
+            run_as = context.run_as
+            if run_as is not None and run_as.unit_user:
+                reach = [*run.env.site_dirs, *new.sites, shim]
+                problem = closed or smoke.reach_problem(run_as, [python], reach)
+                if problem is not None:
+                    skipped.append(f"{context.unit}: {problem}")
+                    continue
+            name, home = (run_as.name, run_as.home) if run_as is not None else smoke.account_of(run.env)
+            variables = smoke.child_variables(
+                run.options.environ, (name, home), context.variables, run.env, shim, list(new.sites)
+            )
+            jobs.append(Job(context, tuple(variables.items())))
+    except BaseException:
+        _undo(run, new, shim, opened)
+        raise
+    changed = {canonicalize_name(c.name) for c in run.survey.uv_plan.changes if c.action != "uninstall"}
+    return Checks(
+        new,
+        shim,
+        opened,
+        tuple(jobs),
+        tuple(skipped),
+        python,
+        canonicalize_name(run.plan.package),
+        frozenset(changed),
+        run.options.smoke,
+        run.options.smoke_timeout,
+        tuple(note for context in found for note in context.notes),
+    )
+
+
+def execute(checks: Checks, cancel: threading.Event | None = None) -> list[smoke.ChildOutcome]:
+    """The check's children, one context after another (the operator's command once its imports
+    passed); they end early, said, once ``cancel`` is set. Only children: run in a thread of its own."""
+    outcomes: list[smoke.ChildOutcome] = []
+    sites = list(checks.new.sites)
+    for job in checks.jobs:
+        variables = dict(job.variables)
+        outcome = smoke.run_imports(
+            checks.python,
+            job.context,
+            variables,
+            sites,
+            checks.package,
+            checks.changed,
+            checks.timeout,
+            cancel,
+        )
+        outcomes.append(outcome)
+        if outcome.ok and checks.smoke is not None:
+            outcomes.append(smoke.run_command(checks.smoke, job.context, variables, checks.timeout, cancel))
+        if cancel is not None and cancel.is_set():
+            break
+    return outcomes
+
+
+def _undo(run: Run, new: NewTree, shim: Path, opened: bool) -> None:
+    """What the check made undone: the tree closed again (where it was opened), the shim removed."""
+    if opened:
+        _close_again(run, new)
+    remove_run_dir(shim)
+
+
+def start(run: Run, new: NewTree) -> None:
+    """Start the check beside the rest of the prefetch (the hashes of the run's cache, the verification
+    of the staging tree): its children in a thread of their own, their answer read by the smoke step
+    (:func:`smoke_step`); ``run.smoke_check`` until then. The tree is complete once uv has exited (what
+    is verified next is what it holds, and the check only reads it: its bytecode is never written);
+    the check runs as a unit's user or the environment's account, never with more than the unit itself
+    would have (docs/threat-model.md)."""
+    try:
+        checks = prepare(run, new)
+    except SafeInstallError as exc:  # the smoke step tries again, and says it
+        run._log(f"smoke: not started beside the prefetch: {exc.message}")
+        return
+    cancel = threading.Event()
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="safeinstall-smoke")
+    try:
+        with held_while_threads_start():
+            answer = pool.submit(execute, checks, cancel)
+    except BaseException:
+        pool.shutdown(wait=True)
+        _undo(run, checks.new, checks.shim, checks.opened)
+        raise
+    run.smoke_check = Background(checks, pool, answer, cancel, time.monotonic())
+    run._log(f"smoke: started beside the prefetch, from {new.tree}")
+
+
+def abandon(run: Run) -> None:
+    """End the check running in the background, if any (the prefetch failed, the staging tree it reads
+    is dropped, the run stops): its children killed, its thread joined, what it opened closed again.
+    Its answer is never the run's. Idempotent."""
+    background, run.smoke_check = run.smoke_check, None
+    if background is None:
+        return
+    background.cancel.set()
+    background.pool.shutdown(wait=True)  # within a poll of the children (children.POLL_S)
+    _undo(run, background.checks.new, background.checks.shim, background.checks.opened)
+    run._log("smoke: the check that ran beside the prefetch was ended")
 
 
 def smoke_step(run: Run) -> str:
     """Import the new version (and run ``--smoke``) in each unit's context; PlanError (exit 2) when
-    anything fails. The prefetch's ``--target`` tree (``run.scratch``) stays until the run's cache goes
-    (at the end of the run, or first thing in a rollback): its files are links of the cache's inodes,
-    and removing a link changes an inode's change time, which the verification in the window proves
-    the hashed inodes by (docs/window.md)."""
-    return _smoke(run)
+    anything fails. The check started beside the prefetch (:func:`start`) is waited for; else it runs
+    here. The prefetch's ``--target`` tree (``run.scratch``) stays until the run's cache goes (at the
+    end of the run, or first thing in a rollback): its files are links of the cache's inodes, and
+    removing a link changes an inode's change time, which the verification in the window proves the
+    hashed inodes by (docs/window.md)."""
+    background = run.smoke_check
+    if background is not None:
+        try:
+            outcomes = background.answer.result()
+        except BaseException:  # a signal while it is waited for: the children go with the run
+            abandon(run)
+            raise
+        run.smoke_check = None
+        background.pool.shutdown(wait=True)
+        spent = time.monotonic() - background.started
+        run._log(f"smoke: the check took {spent:.1f} s, beside the prefetch")
+        return _conclude(run, background.checks, outcomes)
+    new = new_tree(run)
+    if new is None:
+        problem = _target_tree(run)
+        if problem is not None:
+            run.notes.append(f"the new version was not checked before the stop: {problem}")
+            return f"skipped: {problem}"
+        new = new_tree(run)
+        assert new is not None
+    checks = prepare(run, new)
+    try:
+        outcomes = execute(checks)
+    except BaseException:
+        _undo(run, checks.new, checks.shim, checks.opened)
+        raise
+    return _conclude(run, checks, outcomes)
 
 
 def _target_tree(run: Run) -> str | None:
@@ -191,44 +385,12 @@ def _target_tree(run: Run) -> str | None:
     return None
 
 
-def _smoke(run: Run) -> str:
-    options = run.options
-    if run.staged is None and run.scratch is None:
-        problem = _target_tree(run)
-        if problem is not None:
-            run.notes.append(f"the new version was not checked before the stop: {problem}")
-            return f"skipped: {problem}"
-    sites = trees(run)
-    found, skipped = contexts(run)
-    unit_users = [c for c in found if c.run_as is not None and c.run_as.unit_user]
-    shim = smoke.write_shim(run.state.dir / f"{SMOKE_PREFIX}{run.run_id}")
-    outcomes: list[smoke.ChildOutcome] = []
+def _conclude(run: Run, checks: Checks, outcomes: list[smoke.ChildOutcome]) -> str:
+    """The check's answer: logged, what it opened closed again; PlanError when anything failed."""
+    run.notes.extend(checks.notes)
     try:
-        closed = _let_units_in(run) if unit_users else None
-        changed = {canonicalize_name(c.name) for c in run.survey.uv_plan.changes if c.action != "uninstall"}
-        python = interpreter_in_prefix(run.env)
-        package = canonicalize_name(run.plan.package)
-        for context in found:
-            run.notes.extend(context.notes)
-            run_as = context.run_as
-            if run_as is not None and run_as.unit_user:
-                problem = closed or smoke.reach_problem(run_as, [python], [*run.env.site_dirs, *sites, shim])
-                if problem is not None:
-                    skipped.append(f"{context.unit}: {problem}")
-                    continue
-            name, home = (run_as.name, run_as.home) if run_as is not None else smoke.account_of(run.env)
-            variables = smoke.child_variables(
-                options.environ, (name, home), context.variables, run.env, shim, sites
-            )
-            outcome = smoke.run_imports(
-                python, context, variables, sites, package, changed, options.smoke_timeout
-            )
+        for outcome in outcomes:
             run._log(f"smoke: {smoke.logged(outcome)}")
-            outcomes.append(outcome)
-            if outcome.ok and options.smoke is not None:
-                outcome = smoke.run_command(options.smoke, context, variables, options.smoke_timeout)
-                run._log(f"smoke: {smoke.logged(outcome)}")
-                outcomes.append(outcome)
         if not all(o.ok for o in outcomes):
             raise PlanError(
                 smoke.failure_message(outcomes),
@@ -236,13 +398,12 @@ def _smoke(run: Run) -> str:
                 "if the check is wrong here, --no-smoke skips it)",
             )
     finally:
-        if unit_users:
-            _close_again(run)
-        remove_run_dir(shim)
+        _undo(run, checks.new, checks.shim, checks.opened)
     note = smoke.unavailable_note(outcomes)
     if note is not None:
         run.notes.append(note)
         run._log(note)
+    skipped = checks.skipped
     run.notes.extend(
         f"the new version was not checked before the stop for {why}: the check never runs as root for "
         "a unit with User= (let its user reach them, or --no-smoke)"
@@ -253,7 +414,7 @@ def _smoke(run: Run) -> str:
     imported = len({m for o in outcomes for m in o.imported})
     units = [o.context.unit for o in outcomes if o.context.unit and o.what == "imports"]
     where = f" with the environment of {', '.join(units)}" if units else ""
-    command = f"; `{options.smoke}` passed" if options.smoke is not None else ""
+    command = f"; `{checks.smoke}` passed" if checks.smoke is not None else ""
     who = ", ".join(dict.fromkeys(_who(run, o.context) for o in outcomes))
     left = f"; not checked for {', '.join(w.split(':')[0] for w in skipped)}" if skipped else ""
     return f"{imported} module(s) of the new version imported as {who}{where}{command}{left}"

@@ -108,6 +108,9 @@ def _die_with(parent: int, program_fd: int | None = None) -> Callable[[], None]:
 
     def in_child() -> None:
         isolate(parent, None, new_session=False)
+        # a child forked by a thread started with the run's signals blocked (a check run in the
+        # background, safeinstall.run.smoke) must not keep them blocked: the program gets them as usual
+        signal.pthread_sigmask(signal.SIG_SETMASK, ())
         if program_fd is not None:
             os.set_inheritable(program_fd, False)
 
@@ -192,6 +195,11 @@ class TooMuchOutput(OSError):
     """A child printed more than :data:`OUTPUT_LIMIT` on one stream (it was killed and reaped)."""
 
 
+class Cancelled(Exception):
+    """The caller's ``cancel`` event was set while the child ran (it was killed and reaped, its group
+    with it)."""
+
+
 def run(
     argv: Sequence[str],
     *,
@@ -202,6 +210,7 @@ def run(
     program_fd: int | None = None,
     end_group: bool = False,
     groups: Sequence[int] = (),
+    cancel: threading.Event | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Like ``subprocess.run(argv, capture_output=True, text=True)``, without the gaps above; bytes of
     the output that are not UTF-8 are replaced (U+FFFD), never an exception.
@@ -219,8 +228,13 @@ def run(
     an import's helper processes, a multiprocessing resource tracker) is killed too, and gone when this
     returns (see :func:`end_process_group`).
 
+    ``cancel``: an event another thread may set (the run stopped while a check ran in the background):
+    the child and its group are then killed and reaped within a poll (:data:`POLL_S`), and
+    :class:`Cancelled` is raised.
+
     Raises ``subprocess.TimeoutExpired`` (the child killed and reaped), :class:`TooMuchOutput` (more
-    than ``limit`` bytes on stdout or stderr: killed and reaped) and ``OSError`` (it could not start);
+    than ``limit`` bytes on stdout or stderr: killed and reaped), :class:`Cancelled` and ``OSError``
+    (it could not start);
     an exception from a signal handler propagates once the child is gone.
     """
     command = list(argv)
@@ -247,7 +261,7 @@ def run(
         raise
     try:
         _release(previous, held)  # a signal held back during the spawn is handled now: the child is known
-        stdout, stderr = _collect(proc, timeout, limit, end_group)
+        stdout, stderr = _collect(proc, timeout, limit, end_group, cancel)
     except BaseException:
         _reap(proc)
         raise
@@ -280,12 +294,20 @@ def _end_group(proc: subprocess.Popen[bytes]) -> None:
     proc.poll()
 
 
+#: How often a child that may be cancelled is looked at (seconds).
+POLL_S = 0.05
+
+
 def _collect(
-    proc: subprocess.Popen[bytes], timeout: float | None, limit: int, end_group: bool = False
+    proc: subprocess.Popen[bytes],
+    timeout: float | None,
+    limit: int,
+    end_group: bool = False,
+    cancel: threading.Event | None = None,
 ) -> tuple[bytes, bytes]:
     """``proc.communicate(timeout=timeout)`` keeping at most ``limit`` bytes of each stream;
     ``end_group``: once the child has exited, its group is ended (what it left running may hold the
-    pipes open) and its output read to the end."""
+    pipes open) and its output read to the end; ``cancel``: :class:`Cancelled` once it is set."""
     deadline = None if timeout is None else time.monotonic() + timeout
     names = {pipe.fileno(): name for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)) if pipe}
     kept = {name: bytearray() for name in ("stdout", "stderr")}
@@ -297,10 +319,13 @@ def _collect(
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise subprocess.TimeoutExpired(proc.args, timeout or 0)
+            if cancel is not None and cancel.is_set():
+                raise Cancelled("the run that waited for it stopped")
             if not ended and _exited(proc):
                 ended = True
                 _end_group(proc)
-            wait = left if ended else min(0.05, left if left is not None else 0.05)
+            polled = not ended or cancel is not None
+            wait = min(POLL_S, left if left is not None else POLL_S) if polled else left
             for key, _events in selector.select(wait):
                 data = os.read(key.fd, 1 << 16)
                 if not data:
@@ -313,6 +338,8 @@ def _collect(
     while not ended and not _exited(proc):  # its output closed first: its group ended once it exits
         if deadline is not None and time.monotonic() >= deadline:
             raise subprocess.TimeoutExpired(proc.args, timeout or 0)
+        if cancel is not None and cancel.is_set():
+            raise Cancelled("the run that waited for it stopped")
         time.sleep(0.02)
     if not ended:
         _end_group(proc)
