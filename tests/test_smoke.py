@@ -661,7 +661,7 @@ def test_the_check_runs_beside_the_rest_of_the_prefetch(bed: Bed) -> None:
     the prefetch hashes the run's cache and verifies the staging tree; the smoke step waits for it."""
     bed.service("smoke-beside")
     done, detail = _checked(bed, "true")
-    assert "imported" in detail, detail
+    assert "imported" in detail and "beside the prefetch)" in detail, detail
     log = Path(done.json["data"]["log_file"]).read_text()
     started, prefetched = log.index("smoke: started beside the prefetch"), log.index("prefetch: ok")
     assert started < prefetched, log

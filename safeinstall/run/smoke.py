@@ -345,9 +345,9 @@ def smoke_step(run: Run) -> str:
             raise
         run.smoke_check = None
         background.pool.shutdown(wait=True)
-        spent = time.monotonic() - background.started
-        run._log(f"smoke: the check took {spent:.1f} s, beside the prefetch")
-        return _conclude(run, background.checks, outcomes)
+        beside = f"the check took {time.monotonic() - background.started:.1f} s, beside the prefetch"
+        run._log(f"smoke: {beside}")
+        return f"{_conclude(run, background.checks, outcomes)} ({beside})"
     new = new_tree(run)
     if new is None:
         problem = _target_tree(run)
