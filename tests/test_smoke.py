@@ -426,6 +426,16 @@ def test_a_module_that_needs_the_nvidia_driver_this_host_lacks_is_said_not_refus
     answered = [{"module": "m"}, {"unavailable": "m", "error": "libcuda.so.1"}, {"done": 1}]
     text = "\n".join(json.dumps(a) for a in answered)
     assert smoke.read_answers(text) == ((), (), None, True, (("m", "libcuda.so.1"),))  # did not die in m
+    # an undefined symbol raised while handling the driver's absence is the module's own breakage
+    broken = cascade.replace(b"needs the CUDA kernels", b"_C.abi3.so: undefined symbol: cuda_kernel_v2")
+    wheel = wheelhouse.rebuilt(
+        bed.wheels["sicext-2"], tmp_path / "b", {"sicext_gpu.py": missing, "sicext_fa.py": broken}
+    )
+    main = bed.manager.main_pid(unit)
+    refused = bed.safeinstall("sicext", "--wheel", str(wheel), "--settle", "0.5", "--json")
+    assert refused.code == 2, refused.stdout + refused.stderr
+    assert "sicext_fa: ImportError: _C.abi3.so: undefined symbol" in refused.json["errors"][0]["message"]
+    assert bed.manager.main_pid(unit) == main
 
 
 def test_what_the_check_started_never_outlives_it(bed: Bed) -> None:

@@ -118,7 +118,8 @@ _ahead()
 #: {"unavailable": M, "error": LIBRARY} (an ImportError, or one raised while handling it, or the
 #: loader's own error for the extension module's file when its package failed first, that says the
 #: loader found no NVIDIA driver library, and the child cannot load that library either: the host
-#: cannot load the module, whatever the version; not imported, said) or {"failed": M, "error": TEXT};
+#: cannot load the module, whatever the version; not imported, said; an error on the way to it that
+#: names an undefined symbol or another library is the module's own: failed) or {"failed": M, "error": TEXT};
 #: {"done": N} at the end.
 CHILD_SCRIPT = r"""
 import sys
@@ -218,13 +219,17 @@ def host_lacks(library):
         except OSError:
             absent[library] = True
     return absent[library]
+DRIVER = ("libcuda.so.1", "libnvidia-ml.so.1")
 def driver_missing(exc):
     for _ in range(20):
         if exc is None:
             return None
-        for library in ("libcuda.so.1", "libnvidia-ml.so.1"):
-            if library + ": cannot open shared object file" in str(exc) and host_lacks(library):
+        text = str(exc)
+        for library in DRIVER:
+            if library + ": cannot open shared object file" in text and host_lacks(library):
                 return library
+        if "undefined symbol" in text or ": cannot open shared object file" in text:
+            return None  # broken otherwise, whatever error it was raised while handling
         exc = exc.__cause__ or exc.__context__
     return None
 def unloadable(module, exc):
