@@ -59,6 +59,7 @@ from safeinstall.run.results import Reporter, RunResult, service_downtime_s
 from safeinstall.run.rollback import rollback_step
 from safeinstall.run.running import Run, report_waits, reset_start_limits, start_and_settle
 from safeinstall.run.smoke import smoke_step
+from safeinstall.run.smokecheck import staged_tree, target_tree
 from safeinstall.run.survey import scan_again, systemd_for
 from safeinstall.run.undo import UndoTarget, left_of
 from safeinstall.scan.plan import PlannedProcess, PlannedUnit, left_on_old_code
@@ -271,9 +272,10 @@ def prefetch_step(run: Run) -> str:
             f"uv could not fetch or unpack the new version (exit {result.returncode}): {tail}",
             hint="nothing was stopped; check the wheel, the index options or the network",
         )
-    if not run.options.no_smoke:  # the tree is complete: the check runs beside what follows
-        run_smoke.start(run, run_smoke.staged_tree(run.env, root) if root else run_smoke.target_tree(scratch))
     try:
+        if not run.options.no_smoke:  # the tree is complete: the check runs beside what follows
+            new = staged_tree(run.env, root) if root else target_tree(scratch)
+            run_smoke.start(run, new)
         return _prefetched(run, root, cache, filled, why_not)
     except BaseException:
         run_smoke.abandon(run)
@@ -980,7 +982,6 @@ def run_reinstall(
                 step("end-check", lambda: end_check_step(run))
                 signals.block()  # done: a signal now waits for the tidy-up's handler (held back, said)
             except Exception as exc:  # any failure once the run started rolls back, bugs included
-                run_smoke.abandon(run)  # a check still running beside the prefetch ends first
                 error = (
                     exc if isinstance(exc, SafeInstallError) else StepFailed(f"{type(exc).__name__}: {exc}")
                 )

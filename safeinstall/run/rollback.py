@@ -19,6 +19,7 @@ from safeinstall.errors import (
 from safeinstall.run.putback import put_back
 from safeinstall.run.results import StepOutcome
 from safeinstall.run.running import Run, phase_at_least, reset_start_limits, start_and_settle
+from safeinstall.run.smoke import abandon
 from safeinstall.store.journal import (
     JournalUnit,
     Phase,
@@ -40,6 +41,7 @@ def rollback(run: Run, error: SafeInstallError) -> SafeInstallError:
         )
 
     with interrupts_deferred(announce):
+        abandon(run)  # first: a check still running beside the prefetch (safeinstall.run.smoke)
         done: list[str] = []
         stopped_any = phase_at_least(run.journal, Phase.STOPPING)
         try:

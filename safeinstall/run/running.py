@@ -13,7 +13,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from safeinstall.env import inodes
 from safeinstall.env.environment import Environment
@@ -32,6 +32,7 @@ from safeinstall.run.patches import (
 )
 from safeinstall.run.preflight import Prepared
 from safeinstall.run.results import Reporter, StepOutcome
+from safeinstall.run.smokecheck import Background
 from safeinstall.run.survey import Survey
 from safeinstall.run.undo import Left
 from safeinstall.scan.plan import OldCodeProcess, Plan
@@ -48,9 +49,6 @@ from safeinstall.store.state import (
 )
 from safeinstall.system.signals import held_while_threads_start
 from safeinstall.system.systemd import Systemd, start_wait_s, stop_wait_s
-
-if TYPE_CHECKING:
-    from safeinstall.run.smoke import Background
 
 
 @dataclass

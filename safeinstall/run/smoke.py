@@ -15,19 +15,18 @@ from __future__ import annotations
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from packaging.utils import canonicalize_name
 
 from safeinstall.env import smoke
 from safeinstall.env.environment import Environment, interpreter_in_prefix, who_else_controls
-from safeinstall.env.swap import STAGED_TREE, staging_environment
 from safeinstall.env.uvplan import install as uv_install
 from safeinstall.env.uvplan import prefetch_command, uv_binary
 from safeinstall.errors import PlanError, SafeInstallError
 from safeinstall.run.running import Run
+from safeinstall.run.smokecheck import Background, Checks, Job, NewTree, execute, staged_tree, target_tree
 from safeinstall.store.state import (
     PASSABLE_MODE,
     PRIVATE_MODE,
@@ -36,35 +35,10 @@ from safeinstall.store.state import (
     make_run_dir,
     remove_run_dir,
 )
+from safeinstall.system import signals
 from safeinstall.system.safefs import Tree
-from safeinstall.system.signals import held_while_threads_start
+from safeinstall.system.signals import Interrupted, held_while_threads_start
 from safeinstall.system.systemd import ExecContext, exec_context
-
-
-@dataclass(frozen=True, slots=True)
-class NewTree:
-    """Where the new version lies before the stop: ``top``, the directory that holds it, in ``parent``;
-    ``below``, the tree in it ("" when ``top`` is the tree); ``sites``, what the check imports from."""
-
-    top: Path
-    parent: Path
-    below: str
-    sites: tuple[Path, ...]
-
-    @property
-    def tree(self) -> Path:
-        return self.top / self.below if self.below else self.top
-
-
-def staged_tree(env: Environment, root: Path) -> NewTree:
-    """The swap's staging directory ``root``: its tree's site directories."""
-    staged = staging_environment(env, root / STAGED_TREE)
-    return NewTree(root, env.prefix, STAGED_TREE, tuple(dict.fromkeys([staged.purelib, staged.platlib])))
-
-
-def target_tree(scratch: Path) -> NewTree:
-    """The prefetch's ``--target`` directory: a site directory itself."""
-    return NewTree(scratch, scratch.parent, "", (scratch,))
 
 
 def new_tree(run: Run) -> NewTree | None:
@@ -93,6 +67,8 @@ def contexts(run: Run) -> tuple[list[smoke.Context], list[str]]:
     for unit in run.plan.units:
         try:
             context = exec_context(run.systemd, unit.name)
+        except Interrupted:  # a signal is no unit that cannot be read: the run stops
+            raise
         except SafeInstallError as exc:
             raise PlanError(
                 f"cannot read how {unit.name} runs (its environment): {exc.message}",
@@ -179,44 +155,6 @@ def _close_again(run: Run, new: NewTree) -> None:
         run.notes.append(f"{new.top} stays mode {PASSABLE_MODE:04o} (it goes with the run): {exc}")
 
 
-@dataclass(frozen=True, slots=True)
-class Job:
-    """One context's check: its child's variables (the imports, then ``--smoke``)."""
-
-    context: smoke.Context
-    variables: tuple[tuple[str, str], ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Checks:
-    """The check made ready (:func:`prepare`): what runs, and what is undone once it is over
-    (:func:`_undo`: the shim's directory removed, the tree closed again where it was opened)."""
-
-    new: NewTree
-    shim: Path
-    opened: bool  # the way to the tree was opened to units' users (closed again after)
-    jobs: tuple[Job, ...]
-    skipped: tuple[str, ...]
-    python: Path
-    package: str
-    changed: frozenset[str]
-    smoke: str | None  # the operator's --smoke command
-    timeout: float
-    notes: tuple[str, ...]  # what of the units' could not be taken (said once the check is over)
-
-
-@dataclass(frozen=True, slots=True)
-class Background:
-    """The check running beside the rest of the prefetch (:func:`start`): its thread's answer, the
-    event that ends it (:func:`abandon`) and when it started."""
-
-    checks: Checks
-    pool: ThreadPoolExecutor
-    answer: Future[list[smoke.ChildOutcome]]
-    cancel: threading.Event
-    started: float
-
-
 def prepare(run: Run, new: NewTree) -> Checks:
     """Everything of the check but its children: the contexts, the shim, the way opened to the units'
     users (and what each of them can reach); what was made is undone on a failure."""
@@ -259,31 +197,6 @@ def prepare(run: Run, new: NewTree) -> Checks:
     )
 
 
-def execute(checks: Checks, cancel: threading.Event | None = None) -> list[smoke.ChildOutcome]:
-    """The check's children, one context after another (the operator's command once its imports
-    passed); they end early, said, once ``cancel`` is set. Only children: run in a thread of its own."""
-    outcomes: list[smoke.ChildOutcome] = []
-    sites = list(checks.new.sites)
-    for job in checks.jobs:
-        variables = dict(job.variables)
-        outcome = smoke.run_imports(
-            checks.python,
-            job.context,
-            variables,
-            sites,
-            checks.package,
-            checks.changed,
-            checks.timeout,
-            cancel,
-        )
-        outcomes.append(outcome)
-        if outcome.ok and checks.smoke is not None:
-            outcomes.append(smoke.run_command(checks.smoke, job.context, variables, checks.timeout, cancel))
-        if cancel is not None and cancel.is_set():
-            break
-    return outcomes
-
-
 def _undo(run: Run, new: NewTree, shim: Path, opened: bool) -> None:
     """What the check made undone: the tree closed again (where it was opened), the shim removed."""
     if opened:
@@ -296,37 +209,54 @@ def start(run: Run, new: NewTree) -> None:
     of the staging tree): its children in a thread of their own, their answer read by the smoke step
     (:func:`smoke_step`); ``run.smoke_check`` until then. The tree is complete once uv has exited (what
     is verified next is what it holds, and the check only reads it: its bytecode is never written);
-    the check runs as a unit's user or the environment's account, never with more than the unit itself
-    would have (docs/threat-model.md)."""
+    the check runs as a unit's user or the environment's account, as it did after the verification
+    (docs/threat-model.md). What cannot be started here (a unit whose settings cannot be read, no
+    thread to be had) is left to the smoke step, which runs the check itself and says why it fails;
+    a signal stops the run at once."""
     try:
         checks = prepare(run, new)
-    except SafeInstallError as exc:  # the smoke step tries again, and says it
-        run._log(f"smoke: not started beside the prefetch: {exc.message}")
+    except Interrupted:
+        raise
+    except (SafeInstallError, OSError) as exc:
+        run._log(f"smoke: not started beside the prefetch: {getattr(exc, 'message', None) or exc}")
         return
     cancel = threading.Event()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="safeinstall-smoke")
     try:
-        with held_while_threads_start():
+        with held_while_threads_start():  # a signal now waits until the check is known: abandon() ends it
             answer = pool.submit(execute, checks, cancel)
-    except BaseException:
+            run.smoke_check = Background(checks, pool, answer, cancel, time.monotonic())
+    except BaseException as exc:
+        if run.smoke_check is not None:  # the signal held back during the start: the caller abandons it
+            raise
+        cancel.set()
         pool.shutdown(wait=True)
         _undo(run, checks.new, checks.shim, checks.opened)
-        raise
-    run.smoke_check = Background(checks, pool, answer, cancel, time.monotonic())
+        if not isinstance(exc, RuntimeError):  # "can't start new thread": the smoke step runs it
+            raise
+        run._log(f"smoke: not started beside the prefetch: {exc}")
+        return
     run._log(f"smoke: started beside the prefetch, from {new.tree}")
 
 
 def abandon(run: Run) -> None:
     """End the check running in the background, if any (the prefetch failed, the staging tree it reads
-    is dropped, the run stops): its children killed, its thread joined, what it opened closed again.
-    Its answer is never the run's. Idempotent."""
-    background, run.smoke_check = run.smoke_check, None
+    is dropped, the run stops or rolls back): its children killed (their group with them), its thread
+    joined, what it opened closed again. A signal meanwhile waits until that is done (then the handler
+    in place has it: in a rollback, it is held back and said). Its answer is never the run's.
+    Idempotent."""
+    background = run.smoke_check
     if background is None:
         return
-    background.cancel.set()
-    background.pool.shutdown(wait=True)  # within a poll of the children (children.POLL_S)
-    _undo(run, background.checks.new, background.checks.shim, background.checks.opened)
-    run._log("smoke: the check that ran beside the prefetch was ended")
+    background.cancel.set()  # first: whatever happens next, its children end within a poll
+    mask = signals.block()
+    try:
+        run.smoke_check = None
+        background.pool.shutdown(wait=True)
+        _undo(run, background.checks.new, background.checks.shim, background.checks.opened)
+        run._log("smoke: the check that ran beside the prefetch was ended")
+    finally:
+        signals.unblock(mask)
 
 
 def smoke_step(run: Run) -> str:

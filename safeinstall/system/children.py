@@ -196,8 +196,8 @@ class TooMuchOutput(OSError):
 
 
 class Cancelled(Exception):
-    """The caller's ``cancel`` event was set while the child ran (it was killed and reaped, its group
-    with it)."""
+    """The caller's ``cancel`` event was set while the child ran (it was killed and reaped, and its
+    process group sent SIGKILL)."""
 
 
 def run(
@@ -229,7 +229,8 @@ def run(
     returns (see :func:`end_process_group`).
 
     ``cancel``: an event another thread may set (the run stopped while a check ran in the background):
-    the child and its group are then killed and reaped within a poll (:data:`POLL_S`), and
+    the child is then killed and reaped, and its group sent SIGKILL, within a poll (:data:`POLL_S`;
+    a child that has exited has its group ended first, :func:`end_process_group`), and
     :class:`Cancelled` is raised.
 
     Raises ``subprocess.TimeoutExpired`` (the child killed and reaped), :class:`TooMuchOutput` (more
