@@ -118,12 +118,17 @@ def _record_identity(dist: InstalledDistribution) -> RecordIdentity | None:
 
 
 def prover(
-    store: UnchangedStore | None, root_of: Callable[[InstalledDistribution], str]
+    store: UnchangedStore | None,
+    root_of: Callable[[InstalledDistribution], str],
+    walked: Mapping[str, os.stat_result] | None = None,
 ) -> Callable[[InstalledDistribution], list[tuple[str, int]] | None] | None:
     """What the verification asks of a distribution (its RECORD parsed already): None when it cannot be
     proven unchanged (then it is checked as before), else its files that share their inode (path, link
     count) for the ``hardlinked`` warning, from the same ``lstat``. ``root_of``: the prefix its files
-    must stay in. None when there is no store (nothing may be kept)."""
+    must stay in. ``walked``: the ``lstat`` of files taken moments before, by path (the walk of who
+    steers the environment, :func:`safeinstall.env.environment.steering`, looks at each file of
+    site-packages when a ``.pth`` file imports: vLLM's 61k), taken for this check's own. None when there
+    is no store (nothing may be kept)."""
     if store is None:
         return None
     seen: dict[str, bool] = {}  # a directory's lstat, once per check
@@ -147,10 +152,10 @@ def prover(
             return None
         identities = bytearray()
         linked: list[tuple[str, int]] = []
-        lstat = os.lstat
+        lstat, taken = os.lstat, (walked or {}).get
         try:
             for location in locations:
-                info = lstat(location)
+                info = taken(location) or lstat(location)
                 identities += _pack(
                     info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_mode
                 )

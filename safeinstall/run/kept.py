@@ -30,11 +30,14 @@ def verify_kept(
     notes: list[str],
     vouched: Callable[[], Mapping[str, tuple[Vouched, ...]]],
     on_progress: ProgressCallback | None = None,
+    walked: Mapping[str, os.stat_result] | None = None,
 ) -> VerifyReport:
     """``--verify-only``: :func:`verify_environment`, taking the store's hashes of unchanged inodes
     (none with ``full``: every file is read) and keeping what it hashed; a distribution proven unchanged
     since a check found it clean is not compared file by file (with ``full``, each is); ``notes`` say
-    why the store was not used or kept, when it was not. The verified-inode store is read only when a
+    why the store was not used or kept, when it was not. ``walked``: the ``lstat`` of files the steering
+    walk took moments before (:func:`safeinstall.env.environment.inspect_environment`), which the proof
+    takes for its own. The verified-inode store is read only when a
     file is to be proven by it (a check where every distribution is proven unchanged reads none)."""
     from safeinstall.env.unchanged import prover, unchanged_entry
     from safeinstall.store.state import state_root
@@ -60,7 +63,7 @@ def verify_kept(
 
     since = time.time_ns()  # before any RECORD is read: what is kept was settled by then
     clean = read_unchanged(root, env.prefix)
-    unchanged = prover(clean, root_of)
+    unchanged = prover(clean, root_of, walked)
     if full and unchanged is not None:
         unchanged = _none  # every file read; what is found clean is kept anew
     report = verify_environment(

@@ -196,6 +196,9 @@ class _Packed(Mapping[tuple[int, int], VerifiedInode]):
     def __len__(self) -> int:
         return len(self._every())
 
+    def __bool__(self) -> bool:  # without reading every entry: whether any was written
+        return self._count > 0 if self._all is None else bool(self._all)
+
 
 def store_file(state: EnvironmentState) -> Path:
     return state.dir / STORE_NAME
