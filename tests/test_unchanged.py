@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -166,6 +167,19 @@ def test_a_check_right_after_the_install_keeps_nothing_racy(env: Path, tmp_path:
     _init(env).touch()  # its ctime now, within the granularity of the check below
     assert _modified(_verify(env, state)) == set()
     assert _kept(state, env) == set()
+
+
+def test_nothing_is_kept_on_a_filesystem_whose_ctime_is_not_known_to_be_kept(
+    wheels: Wheelhouse, tmp_path: Path, small_disk: Callable[[int], Path]
+) -> None:
+    """tmpfs (a write through a shared writable mapping moves no time at all), as NFS or FUSE: a clean
+    distribution there is compared file by file at every check."""
+    python = wheelhouse.make_venv(small_disk(64) / "venv")
+    wheelhouse.uv_install(python, wheels["sipure-1"])
+    state = tmp_path / "state"
+    _settle(python)
+    assert _modified(_verify(python, state)) == set()
+    assert _kept(state, python) == set()
 
 
 # ------------------------------------------------------------------ the decisions and the store (pure)

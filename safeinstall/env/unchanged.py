@@ -189,27 +189,31 @@ def unchanged_entry(
     since_ns: int,
     root: str,
     directories: dict[str, tuple[DirIdentity, int]],
+    ctime_kept: Callable[[int, str], bool],
 ) -> UnchangedDistribution | None:
     """After a check that found nothing wrong with ``dist``'s files: what to keep of it (its directories
-    into ``directories``), or None when something of it was not settled before the check began."""
+    into ``directories``), or None when something of it was not settled before the check began, or is
+    on a filesystem whose ctime is not known to be kept (``ctime_kept(device, path)``: tmpfs, NFS, FUSE...
+    as for the verified-inode store, :data:`safeinstall.env.verified.CTIME_FILESYSTEMS`)."""
+    record_path = os.path.join(dist.dist_info, "RECORD")
     record = _record_identity(dist)
-    if record is None or not is_settled(record[4], since_ns):
+    if record is None or not is_settled(record[4], since_ns) or not ctime_kept(record[0], record_path):
         return None
     locations = hashed_locations(dist)
     identities = bytearray()
     for location in locations:
         state = states.get(location)
         identity = None if state is None else file_identity(state, since_ns)
-        if identity is None:
+        if identity is None or state is None or not ctime_kept(state.device, location):
             return None
         identities += identity
     found: dict[str, tuple[DirIdentity, int]] = {}
-    for directory in directories_of([*locations, os.path.join(dist.dist_info, "RECORD")], root):
+    for directory in directories_of([*locations, record_path], root):
         kept = directories.get(directory)
         if kept is not None and kept[1] == since_ns:
             continue  # seen by this check already
         seen = _dir_identity(directory)
-        if seen is None or not is_settled(seen[3], since_ns):
+        if seen is None or not is_settled(seen[3], since_ns) or not ctime_kept(seen[0], directory):
             return None
         found[directory] = (seen, since_ns)
     directories.update(found)

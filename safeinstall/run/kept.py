@@ -42,7 +42,7 @@ def verify_kept(
     from safeinstall.env.unchanged import prover, unchanged_entry
     from safeinstall.store.state import state_root
     from safeinstall.store.unchanged import keep_unchanged, read_unchanged
-    from safeinstall.store.verified import keep, read_store, store_checker
+    from safeinstall.store.verified import ctime_kept, filesystems, keep, read_store, store_checker
 
     root = state_root(os.environ, os.geteuid())
     loaded: list[tuple[InodeStore | None, Known | None]] = []
@@ -82,10 +82,11 @@ def verify_kept(
         notes.extend([kept] if kept else [])
     if clean is not None and (report.clean or set(clean.distributions) - report.proven):
         directories: dict[str, tuple[tuple[int, int, int, int], int]] = {}
+        kept_fs = ctime_kept(filesystems(hashed))
         fresh = [
             entry
             for dist in report.clean
-            if (entry := unchanged_entry(dist, report.observed, since, root_of(dist), directories))
+            if (entry := unchanged_entry(dist, report.observed, since, root_of(dist), directories, kept_fs))
             is not None
         ]
         note = keep_unchanged(root, env.prefix, clean, report.proven, fresh, directories)

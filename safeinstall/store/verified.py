@@ -25,12 +25,13 @@ import contextlib
 import os
 import struct
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 from safeinstall.env.hashing import FileState, Known
 from safeinstall.env.records import built
 from safeinstall.env.verified import (
+    CTIME_FILESYSTEMS,
     GRANULARITY_NS,
     MAX_AGE_NS,
     MAX_ENTRIES,
@@ -248,15 +249,37 @@ def filesystems(states: Iterable[FileState]) -> dict[int, int]:
     for state in states:
         if not state.hashed_ns or state.device in found:
             continue
-        with contextlib.suppress(OSError):
-            fd = os.open(state.path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
-            try:
-                magic = _fstatfs_magic(fd)
-                if os.fstat(fd).st_dev == state.device and magic is not None:
-                    found[state.device] = magic
-            finally:
-                os.close(fd)
+        magic = _magic_of(state.path, state.device)
+        if magic is not None:
+            found[state.device] = magic
     return found
+
+
+def _magic_of(path: str, device: int) -> int | None:
+    """The ``statfs`` type of ``path`` (not followed) when a descriptor of it shows ``device``."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            magic = _fstatfs_magic(fd)
+            if os.fstat(fd).st_dev == device:
+                return magic
+        finally:
+            os.close(fd)
+    return None
+
+
+def ctime_kept(known: Mapping[int, int]) -> Callable[[int, str], bool]:
+    """Whether the filesystem of ``device`` keeps ctime as :data:`CTIME_FILESYSTEMS` says, asked of
+    ``path`` (on that device) once per device; ``known``: device -> type already asked."""
+    answers = {device: magic in CTIME_FILESYSTEMS for device, magic in known.items()}
+
+    def kept(device: int, path: str) -> bool:
+        answer = answers.get(device)
+        if answer is None:
+            answer = answers[device] = _magic_of(path, device) in CTIME_FILESYSTEMS
+        return answer
+
+    return kept
 
 
 def keep(root: Path, prefix: Path, store: InodeStore | None, states: Iterable[FileState]) -> str | None:
