@@ -33,6 +33,7 @@ from safeinstall.store.state import environment_state
 from safeinstall.store.unchanged import STORE_NAME, from_json, to_json
 from safeinstall.store.verified import boot_id
 from tests import wheelhouse
+from tests.clirun import run
 from tests.test_verified import _forge, _modified, _verify
 from tests.wheelhouse import Wheelhouse
 
@@ -159,6 +160,27 @@ def test_a_package_directory_swapped_for_a_symlink_to_the_same_files_is_not_prov
     assert report["data"]["findings"], report  # type: ignore[index]
 
 
+def test_a_check_of_one_package_keeps_what_the_store_says_of_the_others(
+    env: Path, wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    wheelhouse.uv_install(env, wheels["sins-a"])
+    state = tmp_path / "state"
+    _settle(env)
+    result = run(
+        "--verify-only",
+        "--all",
+        "--python",
+        str(env),
+        env={**os.environ, "SAFEINSTALL_STATE_DIR": str(state)},
+    )
+    assert result.code == 0, result.stderr
+    both = _kept(state, env)
+    assert "sipure-1.0.dist-info" in both and len(both) == 2
+    _init(env).touch()  # sipure is checked alone, not proven (and not kept: racy)
+    assert _modified(_verify(env, state)) == set()
+    assert _kept(state, env) == both - {"sipure-1.0.dist-info"}
+
+
 def test_a_check_right_after_the_install_keeps_nothing_racy(env: Path, tmp_path: Path) -> None:
     """Files, RECORD and directories changed within the timestamp granularity of the check's start could
     change again unseen: the distribution is not kept (the next check compares its files)."""
@@ -261,8 +283,10 @@ def test_the_store_is_bound_to_its_environment_and_boot_and_every_field_is_check
     racy = json.loads(raw)
     racy["directories"]["/env/lib"][3] = since  # its ctime within the granularity of its moment
     assert from_json(json.dumps(racy).encode(), "/env", "boot-a", now).directories == {}
-    assert updated(store, [], [], {}, now).distributions == {}  # not proven again: dropped
-    assert updated(store, [dist.dist_info], [], {}, now).distributions == store.distributions
+    checked = [dist.dist_info]
+    assert updated(store, checked, [], [], {}, now).distributions == {}  # checked, not proven: dropped
+    assert updated(store, checked, checked, [], {}, now).distributions == store.distributions
+    assert updated(store, [], [], [], {}, now).distributions == store.distributions  # another's check
 
 
 def test_the_boot_id_is_known_here() -> None:

@@ -229,15 +229,18 @@ def still_believed(since_ns: int, now_ns: int) -> bool:
 
 def updated(
     store: UnchangedStore,
+    checked: Iterable[str],
     proven: Iterable[str],
     fresh: Sequence[UnchangedDistribution],
     directories: Mapping[str, tuple[DirIdentity, int]],
     now_ns: int,
 ) -> UnchangedStore:
-    """Pure: the store after a check: the distributions it proved (``proven``: their ``.dist-info``) kept
-    as they were, those it found clean (``fresh``) added, every other one dropped; the directories any
-    of them needs, the newest identity of each."""
-    kept = {path: store.distributions[path] for path in proven if path in store.distributions}
+    """Pure: the store after a check of the distributions whose ``.dist-info`` is in ``checked``: those
+    it proved (``proven``) kept as they were, those it found clean (``fresh``) added, the other checked
+    ones dropped (one not checked, by a check of one package, stays); the directories, the newest
+    identity of each; nothing no longer believable."""
+    dropped = set(checked) - set(proven)
+    kept = {path: d for path, d in store.distributions.items() if path not in dropped}
     kept = {p: d for p, d in kept.items() if still_believed(d.since_ns, now_ns)}
     kept.update((d.dist_info, d) for d in fresh)
     table = {**store.directories, **directories}

@@ -80,7 +80,8 @@ def verify_kept(
     if hashed:
         kept = keep(root, env.prefix, store()[0], hashed)
         notes.extend([kept] if kept else [])
-    if clean is not None and (report.clean or set(clean.distributions) - report.proven):
+    checked = {d.dist_info for d in report.distributions}
+    if clean is not None and (report.clean or (checked & set(clean.distributions)) - report.proven):
         directories: dict[str, tuple[tuple[int, int, int, int], int]] = {}
         kept_fs = ctime_kept(filesystems(hashed))
         fresh = [
@@ -89,7 +90,7 @@ def verify_kept(
             if (entry := unchanged_entry(dist, report.observed, since, root_of(dist), directories, kept_fs))
             is not None
         ]
-        note = keep_unchanged(root, env.prefix, clean, report.proven, fresh, directories)
+        note = keep_unchanged(root, env.prefix, clean, checked, report.proven, fresh, directories)
         notes.extend([note] if note else [])
     return report
 

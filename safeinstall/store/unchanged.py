@@ -165,15 +165,17 @@ def keep_unchanged(
     root: Path,
     prefix: Path,
     store: UnchangedStore | None,
+    checked: Iterable[str],
     proven: Iterable[str],
     fresh: Sequence[UnchangedDistribution],
     directories: dict[str, tuple[DirIdentity, int]],
 ) -> str | None:
-    """After a check: the store with what it proved and found clean (best effort; a note when it could
-    not be written). ``store`` None: not to be used, nor written."""
+    """After a check of the distributions ``checked`` (their ``.dist-info``): the store with what it
+    proved and found clean (best effort; a note when it could not be written). ``store`` None: not to
+    be used, nor written."""
     if store is None:
         return None
-    new = updated(store, proven, fresh, directories, time.time_ns())
+    new = updated(store, checked, proven, fresh, directories, time.time_ns())
     if new.distributions == store.distributions and new.directories == store.directories:
         return None
     try:
