@@ -33,8 +33,10 @@ from safeinstall.store.state import environment_state
 from safeinstall.store.unchanged import STORE_NAME, from_json, to_json
 from safeinstall.store.verified import boot_id
 from tests import wheelhouse
+from tests.beds import forge_kept_hash as _forge
+from tests.beds import modified_names as _modified
+from tests.beds import verify_sipure as _verify
 from tests.clirun import run
-from tests.test_verified import _forge, _modified, _verify
 from tests.wheelhouse import Wheelhouse
 
 
@@ -134,11 +136,11 @@ def test_a_file_removed_or_added_in_a_package_directory_still_shows(env: Path, t
     _proven_clean(env, state, target)
     added = target.parent / "added.py"
     added.write_text("x = 1\n")
-    findings = _verify(env, state)["data"]["findings"]  # type: ignore[index]
+    findings = _verify(env, state)["data"]["findings"]
     assert {(f["kind"], os.path.basename(f["path"])) for f in findings} >= {("extra", "added.py")}
     added.unlink()
     target.unlink()
-    findings = _verify(env, state)["data"]["findings"]  # type: ignore[index]
+    findings = _verify(env, state)["data"]["findings"]
     assert ("missing", "__init__.py") in {(f["kind"], os.path.basename(f["path"])) for f in findings}
 
 
@@ -157,7 +159,7 @@ def test_a_package_directory_swapped_for_a_symlink_to_the_same_files_is_not_prov
     package.symlink_to(moved)
     assert os.stat(target).st_ino == os.lstat(moved / "__init__.py").st_ino  # the very files
     report = _verify(env, state)
-    assert report["data"]["findings"], report  # type: ignore[index]
+    assert report["data"]["findings"], report
 
 
 def test_a_check_of_one_package_keeps_what_the_store_says_of_the_others(
