@@ -542,3 +542,25 @@ def forge_kept_hash(state: Path, python: Path, target: Path, hashed_ns: int) -> 
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     path.write_bytes(to_bytes(store))
     path.chmod(0o600)
+
+
+def hashed_state(ctime_ns: int, hashed_ns: int = 0, **changes: object) -> Any:
+    """A :class:`~safeinstall.env.hashing.FileState` of a regular file read and hashed at ``hashed_ns``
+    (device 7, inode 42, 10 bytes, its mtime and ctime ``ctime_ns``), with ``changes``."""
+    from safeinstall.env.hashing import FileState
+
+    fields: dict[str, object] = {
+        "path": "/p/f.py",
+        "exists": True,
+        "is_file": True,
+        "size": 10,
+        "digest": "B" * 43,
+        "algorithm": "sha256",
+        "device": 7,
+        "inode": 42,
+        "mtime_ns": ctime_ns,
+        "ctime_ns": ctime_ns,
+        "hashed_ns": hashed_ns,
+    }
+    fields.update(changes)
+    return FileState(**fields)  # type: ignore[arg-type]

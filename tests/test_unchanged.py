@@ -34,6 +34,7 @@ from safeinstall.store.unchanged import STORE_NAME, from_json, to_json
 from safeinstall.store.verified import boot_id
 from tests import wheelhouse
 from tests.beds import forge_kept_hash as _forge
+from tests.beds import hashed_state
 from tests.beds import modified_names as _modified
 from tests.beds import verify_sipure as _verify
 from tests.clirun import run
@@ -210,22 +211,11 @@ def test_nothing_is_kept_on_a_filesystem_whose_ctime_is_not_known_to_be_kept(
 
 
 def _state(ctime_ns: int, **changes: object) -> FileState:
-    fields: dict[str, object] = {
-        "path": "/env/lib/site/p/f.py",
-        "exists": True,
-        "is_file": True,
-        "size": 10,
-        "digest": "B" * 43,
-        "algorithm": "sha256",
-        "device": 7,
-        "inode": 42,
-        "mtime_ns": ctime_ns,
-        "ctime_ns": ctime_ns,
-        "hashed_ns": ctime_ns + 10 * GRANULARITY_NS,
-        "mode": 0o100644,
-    }
-    fields.update(changes)
-    return FileState(**fields)  # type: ignore[arg-type]
+    fields: dict[str, object] = {"path": "/env/lib/site/p/f.py", "mode": 0o100644, **changes}
+    hashed = fields.pop("hashed_ns", ctime_ns + 10 * GRANULARITY_NS)
+    assert isinstance(hashed, int)
+    state: FileState = hashed_state(ctime_ns, hashed, **fields)
+    return state
 
 
 def test_only_a_settled_file_read_whole_or_proven_is_kept() -> None:

@@ -30,7 +30,7 @@ from safeinstall.env.verified import (
 from safeinstall.store.state import environment_state
 from safeinstall.store.verified import boot_id, from_bytes, store_file, to_bytes
 from tests import wheelhouse
-from tests.beds import NOBODY, WRONG_DIGEST, as_nobody
+from tests.beds import NOBODY, WRONG_DIGEST, as_nobody, hashed_state
 from tests.beds import forge_kept_hash as _forge
 from tests.beds import modified_names as _modified
 from tests.beds import verify_sipure as _verify
@@ -42,21 +42,8 @@ WRONG = WRONG_DIGEST
 
 
 def _state(ctime_ns: int, hashed_ns: int, **changes: object) -> FileState:
-    fields: dict[str, object] = {
-        "path": "/p/f.py",
-        "exists": True,
-        "is_file": True,
-        "size": 10,
-        "digest": "B" * 43,
-        "algorithm": "sha256",
-        "device": 7,
-        "inode": 42,
-        "mtime_ns": ctime_ns,
-        "ctime_ns": ctime_ns,
-        "hashed_ns": hashed_ns,
-    }
-    fields.update(changes)
-    return FileState(**fields)  # type: ignore[arg-type]
+    state: FileState = hashed_state(ctime_ns, hashed_ns, **changes)
+    return state
 
 
 # ------------------------------------------------------------------ the decisions (pure)

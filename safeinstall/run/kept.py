@@ -84,10 +84,13 @@ def verify_kept(
     if clean is not None and (report.clean or (checked & set(clean.distributions)) - report.proven):
         directories: dict[str, tuple[tuple[int, int, int, int], int]] = {}
         kept_fs = ctime_kept(filesystems(hashed))
+        # a base installation's distributions are not kept: their directories are outside the prefix
+        prefix = os.fspath(env.prefix)
         fresh = [
             entry
             for dist in report.clean
-            if (entry := unchanged_entry(dist, report.observed, since, root_of(dist), directories, kept_fs))
+            if root_of(dist) == prefix
+            and (entry := unchanged_entry(dist, report.observed, since, prefix, directories, kept_fs))
             is not None
         ]
         note = keep_unchanged(root, env.prefix, clean, checked, report.proven, fresh, directories)
