@@ -93,12 +93,16 @@ def test_a_clean_distribution_is_proven_unchanged_and_full_takes_no_proof(env: P
     assert _kept(state, env) == {"sipure-1.0.dist-info"}  # what --full found clean is kept anew
 
 
+@pytest.mark.parametrize("pth_import", [False, True], ids=["lstat", "the-steering-walks-lstat"])
 def test_a_same_size_edit_with_the_mtime_set_back_is_modified_after_a_proven_check(
-    env: Path, tmp_path: Path
+    env: Path, tmp_path: Path, pth_import: bool
 ) -> None:
     """The owner's edit that keeps the size and puts the mtime back to the nanosecond moves the ctime:
-    the distribution is no longer proven, and the file is read."""
+    the distribution is no longer proven, and the file is read. With a ``.pth`` line that imports, the
+    steering walk looks at every file of site-packages, and the proof takes its ``lstat``."""
     state, target = tmp_path / "state", _init(env)
+    if pth_import:
+        (wheelhouse.site_packages(env) / "zz-imports.pth").write_text("import sipure\n")
     _proven_clean(env, state, target)
     info = os.lstat(target)
     content = target.read_bytes()
