@@ -11,7 +11,8 @@ helpers below; no test module imports from another test module (``tests/test_qua
 * :class:`ServiceAccountBed`: the same, the venv owned by uid 65534 and its unit running as that uid,
   with a victim directory beside the venv (the threat-model tests);
 * helpers: :func:`maps_so` (which sicext extension a process runs), :func:`declined_on_a_terminal`,
-  :func:`chown_tree`, :func:`as_user`, :func:`tree_snapshot`, :func:`printing_interpreter`.
+  :func:`chown_tree`, :func:`as_user`, :func:`tree_snapshot`, :func:`printing_interpreter`;
+  :func:`verify_sipure`, :func:`modified_names`, :func:`forge_kept_hash` (the kept hashes' tests).
 """
 
 from __future__ import annotations
@@ -492,3 +493,74 @@ def health_server(directory: Path, loading: float = 0.0) -> tuple[Path, int]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return server, int(sock.getsockname()[1])
+
+
+# ------------------------------------------------------------------ --verify-only of sipure, kept hashes
+
+#: A sha256 in RECORD spelling that no fixture file has.
+WRONG_DIGEST = "A" * 43
+
+
+def verify_sipure(python: Path, state: Path, *extra: str) -> dict[str, Any]:
+    """``safeinstall sipure --verify-only --json`` with the state directory ``state``: its document."""
+    result = run(
+        "sipure",
+        "--verify-only",
+        "--python",
+        str(python),
+        "--json",
+        *extra,
+        env={**os.environ, "SAFEINSTALL_STATE_DIR": str(state)},
+    )
+    assert result.code in (0, 1), result.stderr
+    doc: dict[str, Any] = result.json
+    return doc
+
+
+def modified_names(doc: dict[str, Any]) -> set[str]:
+    """The file names a ``--verify-only --json`` document reports ``modified``."""
+    return {os.path.basename(f["path"]) for f in doc["data"]["findings"] if f["kind"] == "modified"}
+
+
+def forge_kept_hash(state: Path, python: Path, target: Path, hashed_ns: int) -> None:
+    """A verified-inode store whose one entry says ``target``, as it is now, hashed at ``hashed_ns`` to
+    :data:`WRONG_DIGEST` (written through the store's own ``to_bytes``): a check that believes it
+    reports the file ``modified``."""
+    from safeinstall.env.verified import InodeStore, VerifiedInode
+    from safeinstall.store.state import environment_state
+    from safeinstall.store.verified import boot_id, store_file, to_bytes
+
+    boot = boot_id()
+    assert boot is not None
+    prefix = Path(os.path.realpath(python.parent.parent))
+    info = os.lstat(target)
+    entry = VerifiedInode(
+        info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns, hashed_ns, WRONG_DIGEST
+    )
+    store = InodeStore(os.fspath(prefix), boot, {(info.st_dev, info.st_ino): entry})
+    path = store_file(environment_state(state, prefix))
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path.write_bytes(to_bytes(store))
+    path.chmod(0o600)
+
+
+def hashed_state(ctime_ns: int, hashed_ns: int = 0, **changes: object) -> Any:
+    """A :class:`~safeinstall.env.hashing.FileState` of a regular file read and hashed at ``hashed_ns``
+    (device 7, inode 42, 10 bytes, its mtime and ctime ``ctime_ns``), with ``changes``."""
+    from safeinstall.env.hashing import FileState
+
+    fields: dict[str, object] = {
+        "path": "/p/f.py",
+        "exists": True,
+        "is_file": True,
+        "size": 10,
+        "digest": "B" * 43,
+        "algorithm": "sha256",
+        "device": 7,
+        "inode": 42,
+        "mtime_ns": ctime_ns,
+        "ctime_ns": ctime_ns,
+        "hashed_ns": hashed_ns,
+    }
+    fields.update(changes)
+    return FileState(**fields)  # type: ignore[arg-type]

@@ -30,30 +30,20 @@ from safeinstall.env.verified import (
 from safeinstall.store.state import environment_state
 from safeinstall.store.verified import boot_id, from_bytes, store_file, to_bytes
 from tests import wheelhouse
-from tests.beds import NOBODY, as_nobody
+from tests.beds import NOBODY, WRONG_DIGEST, as_nobody, hashed_state
+from tests.beds import forge_kept_hash as _forge
+from tests.beds import modified_names as _modified
+from tests.beds import verify_sipure as _verify
 from tests.clirun import run
 from tests.wheelhouse import Wheelhouse
 
 EXT4 = 0xEF53
-WRONG = "A" * 43  # a sha256 in RECORD spelling that no fixture file has
+WRONG = WRONG_DIGEST
 
 
 def _state(ctime_ns: int, hashed_ns: int, **changes: object) -> FileState:
-    fields: dict[str, object] = {
-        "path": "/p/f.py",
-        "exists": True,
-        "is_file": True,
-        "size": 10,
-        "digest": "B" * 43,
-        "algorithm": "sha256",
-        "device": 7,
-        "inode": 42,
-        "mtime_ns": ctime_ns,
-        "ctime_ns": ctime_ns,
-        "hashed_ns": hashed_ns,
-    }
-    fields.update(changes)
-    return FileState(**fields)  # type: ignore[arg-type]
+    state: FileState = hashed_state(ctime_ns, hashed_ns, **changes)
+    return state
 
 
 # ------------------------------------------------------------------ the decisions (pure)
@@ -142,42 +132,6 @@ def test_entries_age_out_and_the_store_is_bound_to_its_environment_and_boot() ->
 def env(venv: Path, wheels: Wheelhouse) -> Path:
     wheelhouse.uv_install(venv, wheels["sipure-1"])
     return venv
-
-
-def _verify(python: Path, state: Path, *extra: str) -> dict[str, object]:
-    result = run(
-        "sipure",
-        "--verify-only",
-        "--python",
-        str(python),
-        "--json",
-        *extra,
-        env={**os.environ, "SAFEINSTALL_STATE_DIR": str(state)},
-    )
-    assert result.code in (0, 1), result.stderr
-    doc: dict[str, object] = result.json
-    return doc
-
-
-def _modified(doc: dict[str, object]) -> set[str]:
-    findings = doc["data"]["findings"]  # type: ignore[index]
-    return {os.path.basename(f["path"]) for f in findings if f["kind"] == "modified"}
-
-
-def _forge(state: Path, python: Path, target: Path, hashed_ns: int) -> None:
-    """A store whose one entry says ``target``, as it is now, hashed at ``hashed_ns`` to WRONG."""
-    boot = boot_id()
-    assert boot is not None
-    prefix = Path(os.path.realpath(python.parent.parent))
-    info = os.lstat(target)
-    entry = VerifiedInode(
-        info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns, hashed_ns, WRONG
-    )
-    store = InodeStore(os.fspath(prefix), boot, {(info.st_dev, info.st_ino): entry})
-    path = store_file(environment_state(state, prefix))
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    path.write_bytes(to_bytes(store))
-    path.chmod(0o600)
 
 
 def _settled(path: Path) -> int:
@@ -305,7 +259,7 @@ def test_a_store_someone_else_could_have_written_is_not_used_nor_written_over(
     before = planted.read_bytes()
     doc = _verify(env, state)
     assert _modified(doc) == set()
-    assert any("verified-inode store was not used" in note for note in doc["data"]["notes"])  # type: ignore[index]
+    assert any("verified-inode store was not used" in note for note in doc["data"]["notes"])
     assert planted.read_bytes() == before and os.lstat(planted).st_uid == 65534
 
 

@@ -204,6 +204,9 @@ class _Control:
         self.owners: dict[int, str] = {}
         self.gids: dict[int, int] = {}  # the group of the first path each account owns
         self.problems: list[str] = []
+        #: when given: the ``lstat`` of each file the walk of what ``site`` may import looked at, by
+        #: path (:func:`steering`'s ``walked``)
+        self.walked: dict[str, os.stat_result] | None = None
 
     def look(self, path: Path | str, what: str, *, ancestor: bool = False) -> bool:
         """One path (not followed); False when it does not exist. ``ancestor``: a directory above what
@@ -401,6 +404,8 @@ def _may_say(control: _Control, entry: os.DirEntry[str]) -> bool:
         info = entry.stat(follow_symlinks=False)
     except OSError:
         return False
+    if control.walked is not None:
+        control.walked[entry.path] = info
     return info.st_uid not in (0, control.euid) or bool(info.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
 
 
@@ -417,7 +422,7 @@ def who_else_controls(path: Path, euid: int) -> str | None:
     return control.problems[0] if control.problems else None
 
 
-def steering(env: Environment, euid: int) -> _Control:
+def steering(env: Environment, euid: int, walked: dict[str, os.stat_result] | None = None) -> _Control:
     """Who besides root (and ``euid``) can change what the environment runs once ``site`` runs (as uv
     runs it), found after the probe (see :class:`_Control`). Looked at: the prefix and each directory
     above it (whose owner could rename the environment away between the probe and a use; a root-owned
@@ -426,8 +431,11 @@ def steering(env: Environment, euid: int) -> _Control:
     one: who could create it), and, once ``site`` imports anything at start-up (a ``.pth`` import line,
     ``sitecustomize``, ``usercustomize``), the whole tree of every directory it may import from,
     ``__pycache__`` included (issue 35: a root-owned package one of whose modules the account owns, or
-    a module that one imports in turn, which no reading of the lines can tell)."""
+    a module that one imports in turn, which no reading of the lines can tell). ``walked``: filled with
+    the ``lstat`` of each file that walk looked at, by path (``--verify-only``'s proof that a clean
+    distribution is unchanged takes them for its own: :func:`safeinstall.env.unchanged.prover`)."""
     control = _Control(euid)
+    control.walked = walked
     control.look_up(env.prefix, "the prefix")
     for given in env.given_site_dirs:  # a symlinked site-packages: the link and the directories above it
         control.look_up(given, "a site directory as the interpreter names it")
@@ -526,10 +534,10 @@ def before_the_probe(python: Path, euid: int) -> _Control:
     return control
 
 
-def _held_to_one_account(env: Environment) -> Environment:
+def _held_to_one_account(env: Environment, walked: dict[str, os.stat_result] | None = None) -> Environment:
     """As root: the environment as one account may steer it (uv then runs as that account), or refused
     when others may write what site runs or may swap the environment away (see :func:`steering`)."""
-    control = steering(env, os.geteuid())
+    control = steering(env, os.geteuid(), walked)
     if env.account is not None:
         control.owners.setdefault(env.account.uid, "its interpreter")
     account = control.one_account(
@@ -647,9 +655,11 @@ def probe_failure(python: Path, returncode: int, stderr: str) -> str:
     return f"{python} failed to report its paths: {text[-400:]}"
 
 
-def inspect_environment(python: Path, timeout: float = 30.0) -> Environment:
+def inspect_environment(
+    python: Path, timeout: float = 30.0, walked: dict[str, os.stat_result] | None = None
+) -> Environment:
     """Ask ``python`` (isolated, no site, empty environment) for its installation paths; as root, an
-    environment that another account owns is asked as that account."""
+    environment that another account owns is asked as that account. ``walked``: see :func:`steering`."""
     python = Path(os.path.abspath(python))  # children run in /
     owner = environment_owner(python) if os.geteuid() == 0 else None
     try:
@@ -708,4 +718,4 @@ def inspect_environment(python: Path, timeout: float = 30.0) -> Environment:
             f"{python} is a wrapper (a pyenv shim) name the interpreter it runs (it said "
             f"{env.executable}) with --python; else check the venv",
         )
-    return _held_to_one_account(env) if os.geteuid() == 0 else env
+    return _held_to_one_account(env, walked) if os.geteuid() == 0 else env

@@ -93,6 +93,11 @@ class VerifyReport:
     site_dirs: tuple[str, ...] = ()
     #: with every distribution asked for: the ``.egg-info`` ones found, not checked (they have no RECORD)
     egg_info: tuple[str, ...] = ()
+    #: the ``.dist-info`` of each distribution proven unchanged by ``lstat`` alone (``unchanged``)
+    proven: frozenset[str] = field(default_factory=frozenset, repr=False, compare=False)
+    #: the distributions checked file by file whose every file matched its RECORD (no finding of a
+    #: file nor of a RECORD line): what :mod:`safeinstall.env.unchanged` may keep
+    clean: tuple[InstalledDistribution, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def findings(self) -> tuple[Finding, ...]:
@@ -116,6 +121,10 @@ class _Plan:
     members: dict[str, str]  # location -> wheel member (with --wheel)
     findings: tuple[Finding, ...]
     against: str
+    #: proven unchanged by ``lstat`` alone (:mod:`safeinstall.env.unchanged`): its files that share
+    #: their inode; None: checked file by file
+    proven: tuple[tuple[str, int], ...] | None = None
+    proven_files: int = 0
 
 
 def _record_plan(
@@ -348,6 +357,7 @@ def verify_environment(
     settle_shared: bool = True,
     vouched: Callable[[], Mapping[str, tuple[Vouched, ...]]] | None = None,
     known: Known | None = None,
+    unchanged: Callable[[InstalledDistribution], Sequence[tuple[str, int]] | None] | None = None,
 ) -> VerifyReport:
     """Verify the named distributions (or all, with ``names=None``) of ``env``.
 
@@ -365,6 +375,9 @@ def verify_environment(
     some files must hold (location -> expectation): the local patches a ``--keep-patches`` run carried
     over are checked against the merge, not the RECORD or the wheel. ``known``: files it proves to be
     inodes hashed earlier and unchanged since are not read again (:mod:`safeinstall.env.inodes`).
+    ``unchanged``: a distribution it proves unchanged since a check found it clean (its files that
+    share their inode, or None: not proven) is taken as clean without a file compared
+    (:func:`safeinstall.env.unchanged.prover`; not with a wheel or ``expected``).
     """
     # Named ones are read first, the others (whose files only say what is "extra") while the large
     # files hash; read as every distribution is, or everything is done again in the usual order. The
@@ -387,8 +400,11 @@ def verify_environment(
             hint="pass the wheel of the package being verified",
         )
     owners = system_packages(env, selected)
+    prove = unchanged if wheel is None and not expected else None
     with cycle_collection_paused():
-        plans = [_plan(dist, env, wheel, dist.name in owners) for dist in selected]
+        plans = [
+            _proven_plan(dist, prove) or _plan(dist, env, wheel, dist.name in owners) for dist in selected
+        ]
         if expected:
             plans = [
                 replace(p, expectations=tuple(expected.get(e.location, e) for e in p.expectations))
@@ -417,7 +433,7 @@ def verify_environment(
     if early is not None and any(find_distribution(env, d.name, found) is not d for d in early):
         # a directory named otherwise holds one of them, earlier in the scan: the usual order
         return verify_environment(
-            env, names, wheel, on_progress, workers, found, expected, settle_shared, vouched, known
+            env, names, wheel, on_progress, workers, found, expected, settle_shared, vouched, known, unchanged
         )
     reports: list[DistributionReport] = []
     baseline = "record" if wheel is None else "wheel"
@@ -425,9 +441,10 @@ def verify_environment(
     scripts = os.fspath(env.scripts) + os.sep  # an installer makes what it puts there executable
     mismatched: dict[str, Expectation] = {}  # modified files: another RECORD may list them too
     dist_infos_of = functools.cache(_dist_infos_of)
+    clean: list[InstalledDistribution] = []
     for plan in plans:
         findings = list(plan.findings)
-        linked: list[tuple[str, int]] = []
+        linked: list[tuple[str, int]] = list(plan.proven or ())
         name = plan.dist.name
         for expectation in plan.expectations:
             location = expectation.location
@@ -443,6 +460,8 @@ def verify_environment(
             moded = mode_finding(name, state, location.startswith(scripts))
             if moded is not None:
                 findings.append(moded)
+        if prove is not None and plan.proven is None and not findings:
+            clean.append(plan.dist)  # every file as its RECORD says
         warning = hardlinked(name, linked)
         if warning is not None:
             findings.append(warning)
@@ -481,7 +500,7 @@ def verify_environment(
                 name=plan.dist.name,
                 version=plan.dist.version,
                 dist_info=str(plan.dist.dist_info),
-                files_checked=len(plan.expectations),
+                files_checked=len(plan.expectations) + plan.proven_files,
                 findings=tuple(sorted(findings, key=report_order)),
                 against=plan.against,
                 site=os.fspath(plan.dist.site),
@@ -503,7 +522,21 @@ def verify_environment(
         states,
         tuple(os.fspath(s) for s in sites),
         eggs,
+        frozenset(os.fspath(p.dist.dist_info) for p in plans if p.proven is not None),
+        tuple(clean),
     )
+
+
+def _proven_plan(
+    dist: InstalledDistribution,
+    prove: Callable[[InstalledDistribution], Sequence[tuple[str, int]] | None] | None,
+) -> _Plan | None:
+    """The plan of a distribution proven unchanged since a check found it clean: nothing to read."""
+    linked = None if prove is None else prove(dist)
+    if linked is None:
+        return None
+    files = sum(1 for entry in dist.record.entries if entry.hash is not None)
+    return _Plan(dist, (), {}, (), "record", tuple(linked), files)
 
 
 def _dist_infos_of(site: str) -> Mapping[str, tuple[str, ...]]:

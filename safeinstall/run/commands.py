@@ -306,7 +306,8 @@ def _verify(request: Request, ui: Ui, metrics: Path | None) -> Verified:
         from safeinstall.store.state import new_output_file
 
         save_patch = new_output_file(save_patch, "--save-patch")
-    env = inspect_environment(resolve_python(request.python, os.environ))
+    walked: dict[str, os.stat_result] = {}  # the steering walk's lstat of each file: the proof's own
+    env = inspect_environment(resolve_python(request.python, os.environ), walked=walked)
     if env.owner_note:
         ui.note(env.owner_note)
     names = None if request.all_ else [request.package or ""]
@@ -318,7 +319,7 @@ def _verify(request: Request, ui: Ui, metrics: Path | None) -> Verified:
 
         read = read_wheel(request.wheel)
     with ui.verifying() as on_progress:
-        report = verify_kept(env, names, read, request.full, notes, vouched, on_progress)
+        report = verify_kept(env, names, read, request.full, notes, vouched, on_progress, walked)
     for note in notes:
         ui.note(note, warning=True)
     if not report.distributions:  # --all in an environment with none: a check of nothing is no pass

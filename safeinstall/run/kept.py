@@ -1,17 +1,23 @@
 """Checks that take the hashes an environment's verified-inode store keeps (docs/verify.md): a file
 whose inode is as it was when a run or ``--verify-only`` hashed it is not read again, and what a check
-hashed is kept (:mod:`safeinstall.store.verified`; the decisions: :mod:`safeinstall.env.verified`)."""
+hashed is kept (:mod:`safeinstall.store.verified`; the decisions: :mod:`safeinstall.env.verified`); and a
+distribution a check found clean, proven unchanged since by ``lstat`` alone, is not compared file by file
+(:mod:`safeinstall.store.unchanged`, :mod:`safeinstall.env.unchanged`)."""
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from safeinstall.env.environment import Environment
-from safeinstall.env.verify import ProgressCallback, VerifyReport, verify_environment
+from safeinstall.env.hashing import Known
+from safeinstall.env.verify import ProgressCallback, VerifyReport, containment_root, verify_environment
 
 if TYPE_CHECKING:
+    from safeinstall.env.distributions import InstalledDistribution
+    from safeinstall.env.verified import InodeStore
     from safeinstall.env.vouched import Vouched
     from safeinstall.env.wheel import Wheel
 
@@ -24,20 +30,74 @@ def verify_kept(
     notes: list[str],
     vouched: Callable[[], Mapping[str, tuple[Vouched, ...]]],
     on_progress: ProgressCallback | None = None,
+    walked: Mapping[str, os.stat_result] | None = None,
 ) -> VerifyReport:
     """``--verify-only``: :func:`verify_environment`, taking the store's hashes of unchanged inodes
-    (none with ``full``: every file is read) and keeping what it hashed; ``notes`` say why the store was
-    not used or kept, when it was not."""
+    (none with ``full``: every file is read) and keeping what it hashed; a distribution proven unchanged
+    since a check found it clean is not compared file by file (with ``full``, each is); ``notes`` say
+    why the store was not used or kept, when it was not. ``walked``: the ``lstat`` of files the steering
+    walk took moments before (:func:`safeinstall.env.environment.inspect_environment`), which the proof
+    takes for its own. The verified-inode store is read only when a
+    file is to be proven by it (a check where every distribution is proven unchanged reads none)."""
+    from safeinstall.env.unchanged import prover, unchanged_entry
     from safeinstall.store.state import state_root
-    from safeinstall.store.verified import keep, read_store, store_checker
+    from safeinstall.store.unchanged import keep_unchanged, read_unchanged
+    from safeinstall.store.verified import ctime_kept, filesystems, keep, read_store, store_checker
 
     root = state_root(os.environ, os.geteuid())
-    store, note = read_store(root, env.prefix)
-    notes.extend([note] if note else [])
-    known = None if full else store_checker(store)
+    loaded: list[tuple[InodeStore | None, Known | None]] = []
+
+    def store() -> tuple[InodeStore | None, Known | None]:
+        if not loaded:
+            kept, note = read_store(root, env.prefix)
+            notes.extend([note] if note else [])
+            loaded.append((kept, None if full else store_checker(kept)))
+        return loaded[0]
+
+    def known(info: os.stat_result, algorithm: str) -> str | None:
+        checker = store()[1]
+        return None if checker is None else checker(info, algorithm)
+
+    def root_of(dist: InstalledDistribution) -> str:
+        return os.fspath(containment_root(env, dist))
+
+    since = time.time_ns()  # before any RECORD is read: what is kept was settled by then
+    clean = read_unchanged(root, env.prefix)
+    unchanged = prover(clean, root_of, walked)
+    if full and unchanged is not None:
+        unchanged = _none  # every file read; what is found clean is kept anew
     report = verify_environment(
-        env, names, wheel, on_progress, settle_shared=wheel is None, vouched=vouched, known=known
+        env,
+        names,
+        wheel,
+        on_progress,
+        settle_shared=wheel is None,
+        vouched=vouched,
+        known=None if full else known,
+        unchanged=unchanged,
     )
-    kept = keep(root, env.prefix, store, report.observed.values())
-    notes.extend([kept] if kept else [])
+    hashed = [state for state in report.observed.values() if state.hashed_ns]
+    if hashed:
+        kept = keep(root, env.prefix, store()[0], hashed)
+        notes.extend([kept] if kept else [])
+    checked = {d.dist_info for d in report.distributions}
+    if clean is not None and (report.clean or (checked & set(clean.distributions)) - report.proven):
+        directories: dict[str, tuple[tuple[int, int, int, int], int]] = {}
+        kept_fs = ctime_kept(filesystems(hashed))
+        # a base installation's distributions are not kept: their directories are outside the prefix
+        prefix = os.fspath(env.prefix)
+        fresh = [
+            entry
+            for dist in report.clean
+            if root_of(dist) == prefix
+            and (entry := unchanged_entry(dist, report.observed, since, prefix, directories, kept_fs))
+            is not None
+        ]
+        note = keep_unchanged(root, env.prefix, clean, checked, report.proven, fresh, directories)
+        notes.extend([note] if note else [])
     return report
+
+
+def _none(_dist: InstalledDistribution) -> None:
+    """Proves nothing (``--full``)."""
+    return None

@@ -5,11 +5,14 @@ Read as every state file is (:func:`safeinstall.store.state.read_private_file`: 
 root's or the caller's, writable by nobody else, bounded) and every field checked: a header (its
 name, the format's version, the boot it was written in, the number of entries, the environment's
 prefix; each ended by a NUL, the last by NUL and newline),
-then the entries' numbers (six signed 64-bit little-endian integers each: device, inode, size, mtime,
-ctime, moment hashed) and their digests (43 characters each). A store of another environment or of
-another boot (``/proc/sys/kernel/random/boot_id``: a filesystem restored or written offline keeps its
-inode numbers and times, and device numbers are handed out anew at each boot) is not used, nor is one
-that is damaged: everything is then hashed, and the store written anew.
+then the entries' numbers (seven signed 64-bit little-endian integers each: device, inode, size, mtime,
+ctime, moment hashed, root-only flag; sorted by device and inode) and their digests (43 characters
+each). The header, the length and every digest's spelling are checked as it is read, each entry's
+numbers as it is looked up (a binary search: a check that proves every distribution unchanged looks up
+few; one that is not believable, negative or too old or racy, is not there). A store of another
+environment or of another boot (``/proc/sys/kernel/random/boot_id``: a filesystem restored or written
+offline keeps its inode numbers and times, and device numbers are handed out anew at each boot) is not
+used, nor is one that is damaged: everything is then hashed, and the store written anew.
 
 Only what this process read and hashed itself is kept (never a worker's answer, an account's), and only
 on a filesystem whose ``statfs`` type is one that keeps ctime (checked on a descriptor whose ``fstat``
@@ -20,15 +23,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import struct
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 from safeinstall.env.hashing import FileState, Known
 from safeinstall.env.records import built
 from safeinstall.env.verified import (
+    CTIME_FILESYSTEMS,
     GRANULARITY_NS,
     MAX_AGE_NS,
     MAX_ENTRIES,
@@ -49,13 +52,14 @@ from safeinstall.store.state import (
 )
 
 STORE_NAME = "inodes.bin"
-STORE_VERSION = 2  # 2: whether the inode was root's alone when hashed (1 is read as damaged: written anew)
+#: 2: whether the inode was root's alone when hashed; 3: sorted by device and inode (an older one is
+#: read as damaged: written anew)
+STORE_VERSION = 3
 _NUMBERS = struct.Struct("<7q")
 _DIGEST_CHARS = 43
 _HEADER_MAX = 70_000  # the prefix is at most 64 KiB
 #: the most bytes a store may have
 STORE_LIMIT = _HEADER_MAX + MAX_ENTRIES * (_NUMBERS.size + _DIGEST_CHARS)
-_DIGESTS = re.compile(rb"[A-Za-z0-9_-]*")
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 
@@ -74,7 +78,7 @@ _MAGIC = b"safeinstall-inodes"
 def to_bytes(store: InodeStore) -> bytes:
     """Pure: the store as it is written (its header's fields end in NUL, which no path holds; ``json``
     is not loaded by a check that finds nothing new)."""
-    entries = list(store.entries.values())
+    entries = [entry for _key, entry in sorted(store.entries.items())]  # sorted: searched as read
     texts = (str(STORE_VERSION), store.boot_id, str(len(entries)), store.prefix)
     header = b"\0".join([_MAGIC, *(text.encode("utf-8", "surrogateescape") for text in texts)])
     numbers = b"".join(
@@ -86,8 +90,11 @@ def to_bytes(store: InodeStore) -> bytes:
 
 
 def from_bytes(raw: bytes, prefix: str, boot: str, now_ns: int) -> InodeStore:
-    """Pure: a store read back, every field checked (ValueError: damaged, another environment's or
-    another boot's). Entries no longer believable (too old, from the future) are left out."""
+    """Pure: a store read back (ValueError: damaged, another environment's or another boot's): its
+    header, its length and every digest's spelling checked now; each entry's numbers are checked when
+    it is looked up or listed (:class:`_Packed`), and one no longer believable (too old, from the
+    future, racy, a negative number) is not there. A check that proves every distribution unchanged
+    (:mod:`safeinstall.env.unchanged`) looks up a few entries of vLLM's 61k, not each."""
     header, newline, body = raw.partition(b"\0\n")
     if not newline or len(header) > _HEADER_MAX:
         raise ValueError("no header")
@@ -107,23 +114,91 @@ def from_bytes(raw: bytes, prefix: str, boot: str, now_ns: int) -> InodeStore:
     if len(body) != split + count * _DIGEST_CHARS:
         raise ValueError(f"{len(body)} bytes of entries, not those of {count}")
     digests = body[split:]
-    if not _DIGESTS.fullmatch(digests):
+    if digests.translate(None, _DIGEST_ALPHABET):
         raise ValueError("a digest is not a sha256 digest")
-    text = digests.decode("ascii")
-    rows = list(_NUMBERS.iter_unpack(body[:split]))
-    if any(row[0] < 0 or row[1] < 0 or row[2] < 0 or row[6] not in (0, 1) for row in rows):
-        raise ValueError("an entry has a negative device, inode or size, or no root-only flag")
-    if len({(row[0], row[1]) for row in rows}) != count:
-        raise ValueError("an inode is there twice")
-    # entry_problem's other checks, written out (61k entries for vLLM, at every check; the digests'
-    # spelling was checked above, all at once): too old, from the future, racy: left out
-    oldest, racy = now_ns - MAX_AGE_NS, GRANULARITY_NS
-    entries = {
-        (row[0], row[1]): built(VerifiedInode, (*row[:6], text[at : at + _DIGEST_CHARS], row[6]))
-        for row, at in zip(rows, range(0, count * _DIGEST_CHARS, _DIGEST_CHARS), strict=True)
-        if oldest <= row[5] <= now_ns and row[5] > 0 and row[4] + racy <= row[5]
-    }
-    return InodeStore(prefix, boot, entries)
+    return InodeStore(prefix, boot, _Packed(body[:split], digests.decode("ascii"), count, now_ns))
+
+
+_DIGEST_ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-"
+_KEY = struct.Struct("<2q")
+#: After this many lookups, every entry is read into a dict at once (cheaper than a search each).
+_SEARCHES = 2048
+
+
+class _Packed(Mapping[tuple[int, int], VerifiedInode]):
+    """A store's entries as written (sorted by device and inode), each checked as it is looked up: a
+    binary search over the packed numbers, then :func:`_entry`; once many are looked up, or all are
+    listed, all of them are read and checked at once (an inode there twice: the first)."""
+
+    __slots__ = ("_all", "_count", "_digests", "_now", "_rows", "_searches")
+
+    def __init__(self, rows: bytes, digests: str, count: int, now_ns: int) -> None:
+        self._rows, self._digests, self._count, self._now = rows, digests, count, now_ns
+        self._all: dict[tuple[int, int], VerifiedInode] | None = None
+        self._searches = 0
+
+    def _entry(self, index: int) -> VerifiedInode | None:
+        row = _NUMBERS.unpack_from(self._rows, index * _NUMBERS.size)
+        if row[0] < 0 or row[1] < 0 or row[2] < 0 or row[6] not in (0, 1):
+            return None
+        # entry_problem's other checks, written out (the digest's spelling was checked as it was read):
+        # too old, from the future, racy: not there
+        hashed = row[5]
+        if not (
+            0 < hashed <= self._now and self._now - MAX_AGE_NS <= hashed and row[4] + GRANULARITY_NS <= hashed
+        ):
+            return None
+        at = index * _DIGEST_CHARS
+        return built(VerifiedInode, (*row[:6], self._digests[at : at + _DIGEST_CHARS], row[6]))
+
+    def _every(self) -> dict[tuple[int, int], VerifiedInode]:
+        if self._all is None:
+            found: dict[tuple[int, int], VerifiedInode] = {}
+            for index in range(self._count):
+                entry = self._entry(index)
+                if entry is not None:
+                    found.setdefault((entry.device, entry.inode), entry)
+            self._all = found
+        return self._all
+
+    def get(  # type: ignore[override]
+        self, key: tuple[int, int], default: VerifiedInode | None = None
+    ) -> VerifiedInode | None:
+        if self._all is not None:
+            return self._all.get(key, default)
+        self._searches += 1
+        if self._searches > _SEARCHES:
+            return self._every().get(key, default)
+        low, high, rows, unpack = 0, self._count, self._rows, _KEY.unpack_from
+        while low < high:
+            middle = (low + high) // 2
+            if unpack(rows, middle * _NUMBERS.size) < key:
+                low = middle + 1
+            else:
+                high = middle
+        if low < self._count and unpack(rows, low * _NUMBERS.size) == key:
+            entry = self._entry(low)
+            if entry is not None:
+                return entry
+        return default
+
+    def __getitem__(self, key: tuple[int, int]) -> VerifiedInode:
+        entry = self.get(key)
+        if entry is None:
+            raise KeyError(key)
+        return entry
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, tuple) and self.get(key) is not None
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return iter(self._every())
+
+    def __len__(self) -> int:
+        return len(self._every())
+
+    def __bool__(self) -> bool:  # without reading every entry: whether any was written
+        return self._count > 0 if self._all is None else bool(self._all)
 
 
 def store_file(state: EnvironmentState) -> Path:
@@ -174,15 +249,37 @@ def filesystems(states: Iterable[FileState]) -> dict[int, int]:
     for state in states:
         if not state.hashed_ns or state.device in found:
             continue
-        with contextlib.suppress(OSError):
-            fd = os.open(state.path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
-            try:
-                magic = _fstatfs_magic(fd)
-                if os.fstat(fd).st_dev == state.device and magic is not None:
-                    found[state.device] = magic
-            finally:
-                os.close(fd)
+        magic = _magic_of(state.path, state.device)
+        if magic is not None:
+            found[state.device] = magic
     return found
+
+
+def _magic_of(path: str, device: int) -> int | None:
+    """The ``statfs`` type of ``path`` (not followed) when a descriptor of it shows ``device``."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            magic = _fstatfs_magic(fd)
+            if os.fstat(fd).st_dev == device:
+                return magic
+        finally:
+            os.close(fd)
+    return None
+
+
+def ctime_kept(known: Mapping[int, int]) -> Callable[[int, str], bool]:
+    """Whether the filesystem of ``device`` keeps ctime as :data:`CTIME_FILESYSTEMS` says, asked of
+    ``path`` (on that device) once per device; ``known``: device -> type already asked."""
+    answers = {device: magic in CTIME_FILESYSTEMS for device, magic in known.items()}
+
+    def kept(device: int, path: str) -> bool:
+        answer = answers.get(device)
+        if answer is None:
+            answer = answers[device] = _magic_of(path, device) in CTIME_FILESYSTEMS
+        return answer
+
+    return kept
 
 
 def keep(root: Path, prefix: Path, store: InodeStore | None, states: Iterable[FileState]) -> str | None:

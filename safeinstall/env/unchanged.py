@@ -1,0 +1,248 @@
+"""Distributions proven unchanged by ``lstat`` alone: no RECORD entry compared, no file read (issue 36).
+
+A check that found every hashed file of a distribution as its ``RECORD`` says (no finding of its files:
+none missing, modified, unreadable, of a wrong mode; no malformed or outside line) keeps, in root's store
+beside the verified-inode store (:mod:`safeinstall.store.unchanged`), the identity of each such file as
+it was observed (device, inode, size, mtime, ctime and ``st_mode``, in the ``RECORD``'s order), of its
+``RECORD`` and of every directory from the distribution's prefix down to each of them (device, inode,
+mtime, ctime). A later check whose ``lstat`` of all of these shows every identity unchanged takes the
+distribution as it was: as clean as then, with no expectation built, no file compared, no hash looked up.
+
+Why that proves what the check would find. Every identity kept had a ctime older, by the timestamp
+granularity (:data:`safeinstall.env.verified.GRANULARITY_NS`), than the moment the check that kept it
+began (before it read any ``RECORD``): nothing of it changed during that check, and no account can set a
+ctime, so an unchanged one now means unchanged since (an edit of a file, even of the same size with its
+mtime set back, a ``chmod``, a new link all move it). The ``RECORD`` is looked at after it was parsed:
+unchanged, it holds what was parsed, so the distribution expects what it expected then. Each directory
+unchanged (its ctime and mtime move with every entry made, removed or renamed in it) means each path
+still leads, from the prefix, through the same directories to the same inode: no symlink swapped in on
+the way, no file put in a listed one's place. And each file unchanged holds what matched its ``RECORD``.
+Anything else (one identity moved, a racy one, a file not there) and the distribution is checked as
+before, by the verified-inode store and by reading; what is not a file's own finding (a file no
+``RECORD`` lists, a second ``.dist-info``, a file shared with another distribution) is looked for as
+always. Kept at most :data:`~safeinstall.env.verified.MAX_AGE_NS`, bound to the boot and the prefix as
+the verified-inode store is; ``--full`` takes none of it.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import struct
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from safeinstall.env.distributions import InstalledDistribution
+from safeinstall.env.hashing import FileState
+from safeinstall.env.verified import GRANULARITY_NS, MAX_AGE_NS
+
+#: One file's identity, as kept: device, inode, size, mtime, ctime (ns), ``st_mode``.
+FILE_IDENTITY = struct.Struct("<6q")
+#: (device, inode, mtime_ns, ctime_ns) of a directory, or of a RECORD with its size:
+#: (device, inode, size, mtime_ns, ctime_ns)
+DirIdentity = tuple[int, int, int, int]
+RecordIdentity = tuple[int, int, int, int, int]
+
+_pack = FILE_IDENTITY.pack
+
+
+@dataclass(frozen=True, slots=True)
+class UnchangedDistribution:
+    """What one clean distribution was when a check began (at ``since_ns``)."""
+
+    dist_info: str
+    since_ns: int  # the clock when the check that kept it began
+    record: RecordIdentity
+    files: int  # how many hashed entries its RECORD has
+    identities: bytes  # FILE_IDENTITY of each, in the RECORD's order
+
+
+@dataclass(frozen=True, slots=True)
+class UnchangedStore:
+    """An environment's clean distributions (by ``.dist-info`` path) and the directories they lead
+    through (path -> identity and the moment the check that saw it so began)."""
+
+    prefix: str
+    boot_id: str
+    distributions: Mapping[str, UnchangedDistribution]
+    directories: Mapping[str, tuple[DirIdentity, int]]
+
+
+def hashed_locations(dist: InstalledDistribution) -> list[str]:
+    """Pure: where the RECORD's hashed entries live, in its order (those a check compares)."""
+    return [
+        loc for entry, loc in zip(dist.record.entries, dist.locations, strict=True) if entry.hash is not None
+    ]
+
+
+def directories_of(paths: Iterable[str], root: str) -> set[str]:
+    """Pure: every directory from ``root`` (included) down to each of ``paths``; a path not below ``root``
+    makes the answer empty-handed: ``{""}`` (no such directory can be kept, so nothing is proven)."""
+    parents = {path.rpartition("/")[0] for path in paths}
+    found: set[str] = set()
+    below = root.rstrip("/") + "/"
+    for directory in parents:
+        while directory not in found:
+            if directory != root and not directory.startswith(below):
+                return {""}
+            found.add(directory)
+            if directory == root:
+                break
+            directory = directory.rpartition("/")[0]
+    return found
+
+
+def is_settled(ctime_ns: int, since_ns: int) -> bool:
+    """Pure: nothing changed the inode after ``since_ns`` (a change then moves its ctime past this)."""
+    return ctime_ns + GRANULARITY_NS <= since_ns
+
+
+def _dir_identity(path: str) -> DirIdentity | None:
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(info.st_mode):
+        return None
+    return (info.st_dev, info.st_ino, info.st_mtime_ns, info.st_ctime_ns)
+
+
+def _record_identity(dist: InstalledDistribution) -> RecordIdentity | None:
+    try:
+        info = os.lstat(os.path.join(dist.dist_info, "RECORD"))
+    except OSError:
+        return None
+    if not stat.S_ISREG(info.st_mode):
+        return None
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+
+
+def prover(
+    store: UnchangedStore | None,
+    root_of: Callable[[InstalledDistribution], str],
+    walked: Mapping[str, os.stat_result] | None = None,
+) -> Callable[[InstalledDistribution], list[tuple[str, int]] | None] | None:
+    """What the verification asks of a distribution (its RECORD parsed already): None when it cannot be
+    proven unchanged (then it is checked as before), else its files that share their inode (path, link
+    count) for the ``hardlinked`` warning, from the same ``lstat``. ``root_of``: the prefix its files
+    must stay in. ``walked``: the ``lstat`` of files taken moments before, by path (the walk of who
+    steers the environment, :func:`safeinstall.env.environment.steering`, looks at each file of
+    site-packages when a ``.pth`` file imports: vLLM's 61k), taken for this check's own. None when there
+    is no store (nothing may be kept)."""
+    if store is None:
+        return None
+    seen: dict[str, bool] = {}  # a directory's lstat, once per check
+
+    def directory_unchanged(path: str) -> bool:
+        answer = seen.get(path)
+        if answer is None:
+            kept = store.directories.get(path)
+            answer = seen[path] = kept is not None and _dir_identity(path) == kept[0]
+        return answer
+
+    def prove(dist: InstalledDistribution) -> list[tuple[str, int]] | None:
+        kept = store.distributions.get(os.fspath(dist.dist_info))
+        if kept is None or _record_identity(dist) != kept.record:
+            return None
+        locations = hashed_locations(dist)
+        if len(locations) != kept.files:
+            return None
+        directories = directories_of([*locations, os.path.join(dist.dist_info, "RECORD")], root_of(dist))
+        if not all(directory_unchanged(d) for d in directories):
+            return None
+        identities = bytearray()
+        linked: list[tuple[str, int]] = []
+        lstat, taken = os.lstat, (walked or {}).get
+        try:
+            for location in locations:
+                info = taken(location) or lstat(location)
+                identities += _pack(
+                    info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_mode
+                )
+                if info.st_nlink > 1:
+                    linked.append((location, info.st_nlink))
+        except OSError:
+            return None
+        return linked if identities == kept.identities else None
+
+    return prove
+
+
+def file_identity(state: FileState, since_ns: int) -> bytes | None:
+    """Pure: a clean file's identity as observed, or None when it cannot be kept: not a regular file read
+    whole (or proven by an earlier hash), or changed too near the moment the check began."""
+    if (
+        not state.is_file
+        or state.error is not None
+        or state.digest is None
+        or not (state.hashed_ns or state.by_identity)
+        or not state.mode
+        or not is_settled(state.ctime_ns, since_ns)
+    ):
+        return None
+    return _pack(state.device, state.inode, state.size or 0, state.mtime_ns, state.ctime_ns, state.mode)
+
+
+def unchanged_entry(
+    dist: InstalledDistribution,
+    states: Mapping[str, FileState],
+    since_ns: int,
+    root: str,
+    directories: dict[str, tuple[DirIdentity, int]],
+    ctime_kept: Callable[[int, str], bool],
+) -> UnchangedDistribution | None:
+    """After a check that found nothing wrong with ``dist``'s files: what to keep of it (its directories
+    into ``directories``), or None when something of it was not settled before the check began, or is
+    on a filesystem whose ctime is not known to be kept (``ctime_kept(device, path)``: tmpfs, NFS, FUSE...
+    as for the verified-inode store, :data:`safeinstall.env.verified.CTIME_FILESYSTEMS`)."""
+    record_path = os.path.join(dist.dist_info, "RECORD")
+    record = _record_identity(dist)
+    if record is None or not is_settled(record[4], since_ns) or not ctime_kept(record[0], record_path):
+        return None
+    locations = hashed_locations(dist)
+    identities = bytearray()
+    for location in locations:
+        state = states.get(location)
+        identity = None if state is None else file_identity(state, since_ns)
+        if identity is None or state is None or not ctime_kept(state.device, location):
+            return None
+        identities += identity
+    found: dict[str, tuple[DirIdentity, int]] = {}
+    for directory in directories_of([*locations, record_path], root):
+        kept = directories.get(directory)
+        if kept is not None and kept[1] == since_ns:
+            continue  # seen by this check already
+        seen = _dir_identity(directory)
+        if seen is None or not is_settled(seen[3], since_ns) or not ctime_kept(seen[0], directory):
+            return None
+        found[directory] = (seen, since_ns)
+    directories.update(found)
+    return UnchangedDistribution(
+        os.fspath(dist.dist_info), since_ns, record, len(locations), bytes(identities)
+    )
+
+
+def still_believed(since_ns: int, now_ns: int) -> bool:
+    """Pure: an entry kept at ``since_ns`` may still be used (not older than a day, not from the future)."""
+    return 0 < since_ns <= now_ns and now_ns - since_ns <= MAX_AGE_NS
+
+
+def updated(
+    store: UnchangedStore,
+    checked: Iterable[str],
+    proven: Iterable[str],
+    fresh: Sequence[UnchangedDistribution],
+    directories: Mapping[str, tuple[DirIdentity, int]],
+    now_ns: int,
+) -> UnchangedStore:
+    """Pure: the store after a check of the distributions whose ``.dist-info`` is in ``checked``: those
+    it proved (``proven``) kept as they were, those it found clean (``fresh``) added, the other checked
+    ones dropped (one not checked, by a check of one package, stays); the directories, the newest
+    identity of each; nothing no longer believable."""
+    dropped = set(checked) - set(proven)
+    kept = {path: d for path, d in store.distributions.items() if path not in dropped}
+    kept = {p: d for p, d in kept.items() if still_believed(d.since_ns, now_ns)}
+    kept.update((d.dist_info, d) for d in fresh)
+    table = {**store.directories, **directories}
+    table = {p: v for p, v in table.items() if still_believed(v[1], now_ns)}
+    return UnchangedStore(store.prefix, store.boot_id, kept, table)

@@ -1,0 +1,189 @@
+"""The clean distributions of an environment: ``<state>/<env>/unchanged.json``, root's, 0600, beside the
+verified-inode store (the decisions are :mod:`safeinstall.env.unchanged`'s; docs/verify.md has the
+argument).
+
+Read as every state file is (:func:`safeinstall.store.state.read_private_file`: no symlink, no FIFO,
+root's or the caller's, writable by nobody else, bounded) and every field checked: the format's
+version, the boot it was written in, the environment's prefix, each distribution's ``.dist-info`` (an
+absolute, normal path), the moment it was kept (not from the future, at most a day ago), its RECORD's
+identity, its count of files and their identities (that many, packed); each directory's path (absolute,
+normal, within the prefix) and identity, settled before the moment kept with it. One of another
+environment or another boot, or damaged, is not used (every distribution is then checked as before,
+and it is written anew).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import os
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from safeinstall.env.unchanged import (
+    FILE_IDENTITY,
+    DirIdentity,
+    UnchangedDistribution,
+    UnchangedStore,
+    is_settled,
+    still_believed,
+    updated,
+)
+from safeinstall.store.state import (
+    StateDirError,
+    atomic_write,
+    check_trusted,
+    ensure_environment_dir,
+    read_private_file,
+    trusted_environment_state,
+)
+from safeinstall.store.verified import boot_id
+
+STORE_NAME = "unchanged.json"
+STORE_VERSION = 1
+#: The most bytes it may have: a million files' identities (base64) and their directories.
+STORE_LIMIT = 256 << 20
+
+
+def _ints(value: object, count: int) -> tuple[int, ...]:
+    if (
+        not isinstance(value, list)
+        or len(value) != count
+        or not all(type(v) is int and 0 <= v < 1 << 63 for v in value)
+    ):
+        raise ValueError(f"not {count} numbers")
+    return tuple(value)
+
+
+def _path(value: object, prefix: str | None = None) -> str:
+    if (
+        not isinstance(value, str)
+        or not value.startswith("/")
+        or "\0" in value
+        or os.path.normpath(value) != value
+    ):
+        raise ValueError("not an absolute, normal path")
+    if prefix is not None and value != prefix and not value.startswith(prefix.rstrip("/") + "/"):
+        raise ValueError(f"{value} is not within {prefix}")
+    return value
+
+
+def _distribution(raw: object, now_ns: int) -> UnchangedDistribution | None:
+    if not isinstance(raw, dict) or set(raw) != {"dist_info", "since", "record", "files", "identities"}:
+        raise ValueError("not a distribution's entry")
+    dist_info = _path(raw["dist_info"])
+    (since,) = _ints([raw["since"]], 1)
+    record = _ints(raw["record"], 5)
+    (files,) = _ints([raw["files"]], 1)
+    if not isinstance(raw["identities"], str):
+        raise ValueError("identities are not text")
+    identities = base64.b64decode(raw["identities"].encode("ascii"), validate=True)
+    if len(identities) != files * FILE_IDENTITY.size:
+        raise ValueError(f"{len(identities)} bytes of identities, not those of {files} files")
+    if not still_believed(since, now_ns) or not is_settled(record[4], since):
+        return None  # too old, from the future, or its RECORD racy: not believed
+    return UnchangedDistribution(dist_info, since, record, files, identities)  # type: ignore[arg-type]
+
+
+def from_json(raw: bytes, prefix: str, boot: str, now_ns: int) -> UnchangedStore:
+    """Pure: a store read back, every field checked (ValueError: damaged, another environment's or
+    another boot's); entries no longer believable are left out."""
+    document: Any = json.loads(raw)
+    if not isinstance(document, dict) or document.get("version") != STORE_VERSION:
+        raise ValueError("not a store of this version")
+    if document.get("prefix") != prefix:
+        raise ValueError(f"it is the store of {document.get('prefix')!r}, not of {prefix}")
+    if document.get("boot") != boot:
+        raise ValueError("it was written before the last boot")
+    dists, dirs = document.get("distributions"), document.get("directories")
+    if not isinstance(dists, list) or not isinstance(dirs, dict):
+        raise ValueError("no distributions or directories")
+    distributions: dict[str, UnchangedDistribution] = {}
+    for item in dists:
+        entry = _distribution(item, now_ns)
+        if entry is not None:
+            distributions[entry.dist_info] = entry
+    directories: dict[str, tuple[DirIdentity, int]] = {}
+    for path, value in dirs.items():
+        numbers = _ints(value, 5)
+        identity, since = numbers[:4], numbers[4]
+        if still_believed(since, now_ns) and is_settled(identity[3], since):
+            directories[_path(path, prefix)] = (identity, since)  # type: ignore[assignment]
+    return UnchangedStore(prefix, boot, distributions, directories)
+
+
+def to_json(store: UnchangedStore) -> bytes:
+    """Pure: the store as it is written."""
+    document = {
+        "version": STORE_VERSION,
+        "boot": store.boot_id,
+        "prefix": store.prefix,
+        "distributions": [
+            {
+                "dist_info": d.dist_info,
+                "since": d.since_ns,
+                "record": list(d.record),
+                "files": d.files,
+                "identities": base64.b64encode(d.identities).decode("ascii"),
+            }
+            for d in store.distributions.values()
+        ],
+        "directories": {path: [*identity, since] for path, (identity, since) in store.directories.items()},
+    }
+    return json.dumps(document, separators=(",", ":")).encode("utf-8", "surrogateescape")
+
+
+def read_unchanged(root: Path, prefix: Path) -> UnchangedStore | None:
+    """The environment's clean distributions under the state ``root`` (an empty store when there is
+    none or it cannot be believed; None when nothing may be kept: this boot's id is not known, or the
+    state directory is not trusted, which the verified-inode store's note says)."""
+    boot = boot_id()
+    if boot is None:
+        return None
+    state = trusted_environment_state(root, prefix)
+    empty = UnchangedStore(os.fspath(prefix), boot, {}, {})
+    try:
+        check_trusted(root)
+        if state.problem is not None:
+            return None
+        raw = read_private_file(state.dir / STORE_NAME, STORE_LIMIT)
+        return from_json(raw, os.fspath(prefix), boot, time.time_ns())
+    except FileNotFoundError:
+        return empty
+    except StateDirError:
+        return None
+    except (ValueError, UnicodeError, binascii.Error, RecursionError):
+        return empty  # damaged, or another boot's: checked as before, and written anew
+    except OSError:
+        return None
+
+
+def keep_unchanged(
+    root: Path,
+    prefix: Path,
+    store: UnchangedStore | None,
+    checked: Iterable[str],
+    proven: Iterable[str],
+    fresh: Sequence[UnchangedDistribution],
+    directories: dict[str, tuple[DirIdentity, int]],
+) -> str | None:
+    """After a check of the distributions ``checked`` (their ``.dist-info``): the store with what it
+    proved and found clean (best effort; a note when it could not be written). ``store`` None: not to
+    be used, nor written."""
+    if store is None:
+        return None
+    new = updated(store, checked, proven, fresh, directories, time.time_ns())
+    if new.distributions == store.distributions and new.directories == store.directories:
+        return None
+    try:
+        state = trusted_environment_state(root, prefix)
+        ensure_environment_dir(state)
+        atomic_write(state.dir / STORE_NAME, to_json(new))
+    except StateDirError as exc:
+        return f"the store of clean distributions was not kept: {exc.message}"
+    except OSError as exc:
+        return f"the store of clean distributions was not kept ({exc.strerror or exc})"
+    return None
