@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 from safeinstall.env.dependents import dependents, marker_environment
@@ -70,11 +71,13 @@ def _dependent(name: str) -> bool:
 def survey(
     options: RunOptions,
     env: Environment | None = None,
-    wheel: Wheel | None = None,
+    wheel: Wheel | Future[Wheel] | None = None,
     swap: UvPlan | None = None,
 ) -> Survey:
     """Gather every fact the plan needs. Changes nothing. ``swap``: what replaces uv's plan (an undo's
-    restore, :func:`safeinstall.run.undo.undo_uv_plan`): uv is not asked."""
+    restore, :func:`safeinstall.run.undo.undo_uv_plan`): uv is not asked. ``wheel``: the wheel read
+    already, or being read (a future: uv's plan and the /proc scan meanwhile; its answer is waited for
+    when the plan needs its version)."""
     if env is None:
         env = inspect_environment(resolve_python(options.python, options.environ))
     installed = tuple(find_distributions(env))
@@ -122,6 +125,8 @@ def survey(
         units.update(more)
         wanted = {d for info in more.values() for d in info.dependents if _dependent(d)} - set(units)
     gpus = snapshot_gpus(options.environ, options.proc_root)
+    if isinstance(wheel, Future):
+        wheel = wheel.result()
     plan = build_plan(
         package=target.name,
         python=str(env.python),
