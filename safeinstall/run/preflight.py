@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -136,8 +136,9 @@ def preflight(options: RunOptions, *, take_lock: bool, env: Environment | None =
         check_environment_dir(state)
         check_lock(state.lock, str(env.prefix))
     given = options.wheel
-    # the wheel's members are hashed on a thread of their own while uv plans and /proc is scanned (uv's
-    # dry run reads only its metadata, and what it says is used only once the wheel passed its checks)
+    # the wheel's members are hashed on a thread of their own while uv plans and the scan's targets are
+    # read (uv's dry run reads only its metadata, and what it says is used only once the wheel passed
+    # its checks)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wheel")
     try:
         undo = undo_target(state, options.undo) if options.undo is not None else None
@@ -150,20 +151,23 @@ def preflight(options: RunOptions, *, take_lock: bool, env: Environment | None =
                 reading = pool.submit(
                     _checked_wheel, use, given, options.package, env, options.accept_record_mismatch
                 )
+        wait = None if reading is None else _waiter(reading, pool)
         try:
             if given is not None and not take_lock and env.account is not None:
                 # uv reads it as the owner, who may not read `given`
                 with temporary_copy(given, env.account) as copy:
-                    found = _named_as_given(survey(replace(options, wheel=copy), env, reading), copy, given)
+                    found = _named_as_given(
+                        survey(replace(options, wheel=copy), env, reading=wait), copy, given
+                    )
             elif undo is not None:
                 found = survey(options, env, None, undo_uv_plan(undo.backup))
             else:
-                found = survey(options, env, reading)
+                found = survey(options, env, reading=wait)
         except Exception:
-            if reading is not None:
-                reading.result()  # the wheel's own error first, as when it was read before uv was asked
+            if wait is not None:
+                wait()  # the wheel's own error first, as when it was read before uv was asked
             raise
-        wheel = reading.result() if reading is not None else None
+        wheel = wait() if wait is not None else None
         unrecorded = record_problems(found)
         landing: tuple[str, ...] = ()
         if wheel is not None and not unrecorded:  # without a RECORD, what it would replace is unknown
@@ -234,6 +238,19 @@ def preflight(options: RunOptions, *, take_lock: bool, env: Environment | None =
         vouched=vouched,
         inodes=inodes,
     )
+
+
+def _waiter(reading: Future[Wheel], pool: ThreadPoolExecutor) -> Callable[[], Wheel]:
+    """What waits for the wheel being read: its answer (or its error) once its thread is gone (the /proc
+    scan forks its workers only while no other thread runs)."""
+
+    def wait() -> Wheel:
+        try:
+            return reading.result()
+        finally:
+            pool.shutdown()
+
+    return wait
 
 
 def _checked_wheel(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import Future
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from safeinstall.env.dependents import dependents, marker_environment
@@ -71,13 +71,16 @@ def _dependent(name: str) -> bool:
 def survey(
     options: RunOptions,
     env: Environment | None = None,
-    wheel: Wheel | Future[Wheel] | None = None,
+    wheel: Wheel | None = None,
     swap: UvPlan | None = None,
+    *,
+    reading: Callable[[], Wheel] | None = None,
 ) -> Survey:
     """Gather every fact the plan needs. Changes nothing. ``swap``: what replaces uv's plan (an undo's
-    restore, :func:`safeinstall.run.undo.undo_uv_plan`): uv is not asked. ``wheel``: the wheel read
-    already, or being read (a future: uv's plan and the /proc scan meanwhile; its answer is waited for
-    when the plan needs its version)."""
+    restore, :func:`safeinstall.run.undo.undo_uv_plan`): uv is not asked. ``wheel``: the wheel, read
+    already; or ``reading``, which waits until it is read (uv's plan and the scan's targets are made
+    meanwhile) and is called before the /proc scan (whose workers are forked only while no other
+    thread runs: its thread must be gone by then)."""
     if env is None:
         env = inspect_environment(resolve_python(options.python, options.environ))
     installed = tuple(find_distributions(env))
@@ -85,7 +88,7 @@ def survey(
     check_target(
         env, target, options.extra_args, options.environ
     )  # dpkg's, the base's, PEP 668: before uv is asked
-    if wheel is None and options.wheel is not None:
+    if wheel is None and reading is None and options.wheel is not None:
         wheel = read_wheel(options.wheel)
     request = UvRequest(
         python=interpreter_in_prefix(env),  # the checked path, not one through a link others may change
@@ -109,6 +112,8 @@ def survey(
     dependent_targets = load_targets([by_name[n] for n in chains], env, installed, chains, owners)
     scope = environment_scope(env)
     index = TargetIndex.of((*targets, *dependent_targets))
+    if reading is not None:
+        wheel = reading()
     scan = scan_processes(index, options.proc_root, scope=scope)
     unit_names = {
         placement.unit
@@ -125,8 +130,6 @@ def survey(
         units.update(more)
         wanted = {d for info in more.values() for d in info.dependents if _dependent(d)} - set(units)
     gpus = snapshot_gpus(options.environ, options.proc_root)
-    if isinstance(wheel, Future):
-        wheel = wheel.result()
     plan = build_plan(
         package=target.name,
         python=str(env.python),
