@@ -136,9 +136,8 @@ def preflight(options: RunOptions, *, take_lock: bool, env: Environment | None =
         check_environment_dir(state)
         check_lock(state.lock, str(env.prefix))
     given = options.wheel
-    # the wheel's members are hashed on a thread of their own while uv plans and the scan's targets are
-    # read (uv's dry run reads only its metadata, and what it says is used only once the wheel passed
-    # its checks)
+    # the wheel's members are hashed on a thread of their own while uv plans (uv's dry run reads only its
+    # metadata, and what it says is used only once the wheel passed its checks)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wheel")
     try:
         undo = undo_target(state, options.undo) if options.undo is not None else None

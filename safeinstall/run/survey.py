@@ -78,9 +78,10 @@ def survey(
 ) -> Survey:
     """Gather every fact the plan needs. Changes nothing. ``swap``: what replaces uv's plan (an undo's
     restore, :func:`safeinstall.run.undo.undo_uv_plan`): uv is not asked. ``wheel``: the wheel, read
-    already; or ``reading``, which waits until it is read (uv's plan and the scan's targets are made
-    meanwhile) and is called before the /proc scan (whose workers are forked only while no other
-    thread runs: its thread must be gone by then)."""
+    already; or ``reading``, which waits until it is read and its thread is gone, called once uv has
+    planned: uv's dry run is a child this process only waits for, while what follows is this
+    process's own work, which a thread hashing beside it slows (the GIL) more than it gains, and the
+    /proc scan forks its workers only while no other thread runs."""
     if env is None:
         env = inspect_environment(resolve_python(options.python, options.environ))
     installed = tuple(find_distributions(env))
@@ -104,6 +105,8 @@ def survey(
     )
     # as the owner (uv runs its .pth files); uv's lock file, if this made one, goes again
     uv_plan = swap or dry_run(request, options.environ, account=env.account, prefix=env.prefix)
+    if reading is not None:
+        wheel = reading()
     by_name = {d.name: d for d in installed}
     affected = tuple(by_name[n] for n in sorted({*uv_plan.affected, target.name}) if n in by_name)
     owners = directory_owners(installed)
@@ -112,8 +115,6 @@ def survey(
     dependent_targets = load_targets([by_name[n] for n in chains], env, installed, chains, owners)
     scope = environment_scope(env)
     index = TargetIndex.of((*targets, *dependent_targets))
-    if reading is not None:
-        wheel = reading()
     scan = scan_processes(index, options.proc_root, scope=scope)
     unit_names = {
         placement.unit
