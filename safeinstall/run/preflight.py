@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -75,6 +76,7 @@ from safeinstall.store.state import (
 from safeinstall.store.verified import read_store, store_checker
 from safeinstall.system.lock import HeldLock, acquire_lock, check_lock
 from safeinstall.system.safefs import unwritable
+from safeinstall.system.signals import held_while_threads_start
 from safeinstall.system.systemd import exec_context
 
 
@@ -134,26 +136,37 @@ def preflight(options: RunOptions, *, take_lock: bool, env: Environment | None =
         check_environment_dir(state)
         check_lock(state.lock, str(env.prefix))
     given = options.wheel
+    # the wheel's members are hashed on a thread of their own while uv plans (uv's dry run reads only its
+    # metadata, and what it says is used only once the wheel passed its checks)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wheel")
     try:
         undo = undo_target(state, options.undo) if options.undo is not None else None
-        wheel = None
+        reading: Future[Wheel] | None = None
         if given is not None:
             # checked, installed and journalled: the run's own copy, not a path others can write
             use = copy_wheel(given, state.dir, env.account) if take_lock else given
             options = replace(options, wheel=use)
-            try:
-                wheel = read_wheel(use)
-            except WheelError as exc:  # named as the user gave it
-                raise WheelError(exc.message.replace(str(use), str(given)), exc.hint) from exc
-            check_wheel(wheel, options.package, env, options.accept_record_mismatch)
-        if given is not None and not take_lock and env.account is not None:
-            # uv reads it as the owner, who may not read `given`
-            with temporary_copy(given, env.account) as copy:
-                found = _named_as_given(survey(replace(options, wheel=copy), env, wheel), copy, given)
-        elif undo is not None:
-            found = survey(options, env, None, undo_uv_plan(undo.backup))
-        else:
-            found = survey(options, env, wheel)
+            with held_while_threads_start():
+                reading = pool.submit(
+                    _checked_wheel, use, given, options.package, env, options.accept_record_mismatch
+                )
+        wait = None if reading is None else _waiter(reading, pool)
+        try:
+            if given is not None and not take_lock and env.account is not None:
+                # uv reads it as the owner, who may not read `given`
+                with temporary_copy(given, env.account) as copy:
+                    found = _named_as_given(
+                        survey(replace(options, wheel=copy), env, reading=wait), copy, given
+                    )
+            elif undo is not None:
+                found = survey(options, env, None, undo_uv_plan(undo.backup))
+            else:
+                found = survey(options, env, reading=wait)
+        except Exception:
+            if wait is not None:
+                wait()  # the wheel's own error first, as when it was read before uv was asked
+            raise
+        wheel = wait() if wait is not None else None
         unrecorded = record_problems(found)
         landing: tuple[str, ...] = ()
         if wheel is not None and not unrecorded:  # without a RECORD, what it would replace is unknown
@@ -203,11 +216,14 @@ def preflight(options: RunOptions, *, take_lock: bool, env: Environment | None =
         install = staging.install_lines(env, found.request, found.uv_plan, why_not, uv_binary())
         found = replace(found, plan=replace(found.plan, install=install))
     except BaseException:
+        pool.shutdown(cancel_futures=True)
         if options.wheel is not None and options.wheel != given:
             discard_wheel_copy(options.wheel, state.dir)
         if lock is not None:
             lock.release()
         raise
+    finally:
+        pool.shutdown()
     return Prepared(
         options=options,
         env=env,
@@ -221,6 +237,32 @@ def preflight(options: RunOptions, *, take_lock: bool, env: Environment | None =
         vouched=vouched,
         inodes=inodes,
     )
+
+
+def _waiter(reading: Future[Wheel], pool: ThreadPoolExecutor) -> Callable[[], Wheel]:
+    """What waits for the wheel being read: its answer (or its error) once its thread is gone (the /proc
+    scan forks its workers only while no other thread runs)."""
+
+    def wait() -> Wheel:
+        try:
+            return reading.result()
+        finally:
+            pool.shutdown()
+
+    return wait
+
+
+def _checked_wheel(
+    use: Path, given: Path, package: str, env: Environment, accept_record_mismatch: bool
+) -> Wheel:
+    """The wheel at ``use`` (the run's copy of ``given``) read, every member hashed, and checked
+    (:func:`check_wheel`); its errors name it as the user gave it."""
+    try:
+        wheel = read_wheel(use)
+    except WheelError as exc:  # named as the user gave it
+        raise WheelError(exc.message.replace(str(use), str(given)), exc.hint) from exc
+    check_wheel(wheel, package, env, accept_record_mismatch)
+    return wheel
 
 
 def smoke_runners(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from safeinstall.env.dependents import dependents, marker_environment
@@ -72,9 +73,15 @@ def survey(
     env: Environment | None = None,
     wheel: Wheel | None = None,
     swap: UvPlan | None = None,
+    *,
+    reading: Callable[[], Wheel] | None = None,
 ) -> Survey:
     """Gather every fact the plan needs. Changes nothing. ``swap``: what replaces uv's plan (an undo's
-    restore, :func:`safeinstall.run.undo.undo_uv_plan`): uv is not asked."""
+    restore, :func:`safeinstall.run.undo.undo_uv_plan`): uv is not asked. ``wheel``: the wheel, read
+    already; or ``reading``, which waits until it is read and its thread is gone, called once uv has
+    planned: uv's dry run is a child this process only waits for, while what follows is this
+    process's own work, which a thread hashing beside it slows (the GIL) more than it gains, and the
+    /proc scan forks its workers only while no other thread runs."""
     if env is None:
         env = inspect_environment(resolve_python(options.python, options.environ))
     installed = tuple(find_distributions(env))
@@ -82,7 +89,7 @@ def survey(
     check_target(
         env, target, options.extra_args, options.environ
     )  # dpkg's, the base's, PEP 668: before uv is asked
-    if wheel is None and options.wheel is not None:
+    if wheel is None and reading is None and options.wheel is not None:
         wheel = read_wheel(options.wheel)
     request = UvRequest(
         python=interpreter_in_prefix(env),  # the checked path, not one through a link others may change
@@ -98,6 +105,8 @@ def survey(
     )
     # as the owner (uv runs its .pth files); uv's lock file, if this made one, goes again
     uv_plan = swap or dry_run(request, options.environ, account=env.account, prefix=env.prefix)
+    if reading is not None:
+        wheel = reading()
     by_name = {d.name: d for d in installed}
     affected = tuple(by_name[n] for n in sorted({*uv_plan.affected, target.name}) if n in by_name)
     owners = directory_owners(installed)
