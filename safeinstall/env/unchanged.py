@@ -20,8 +20,10 @@ the way, no file put in a listed one's place. And each file unchanged holds what
 Anything else (one identity moved, a racy one, a file not there) and the distribution is checked as
 before, by the verified-inode store and by reading; what is not a file's own finding (a file no
 ``RECORD`` lists, a second ``.dist-info``, a file shared with another distribution) is looked for as
-always. Kept at most :data:`~safeinstall.env.verified.MAX_AGE_NS`, bound to the boot and the prefix as
-the verified-inode store is; ``--full`` takes none of it.
+always. Kept at most :data:`~safeinstall.env.verified.MAX_AGE_NS` from the oldest hash its files rest on,
+bound to the boot and the prefix as the verified-inode store is; ``--full`` takes none of it. What the
+owner controls is bounded: no identity with a number past 64 bits (:func:`~safeinstall.env.verified.fits`),
+no distribution deeper than :data:`MAX_DEPTH`, at most :data:`MAX_DIRECTORIES` directories.
 """
 
 from __future__ import annotations

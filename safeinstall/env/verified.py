@@ -106,10 +106,10 @@ def entry_problem(entry: VerifiedInode, now_ns: int) -> str | None:
     return None
 
 
-def fits(numbers: Iterable[int]) -> bool:
+def fits(numbers: tuple[int, ...]) -> bool:
     """Pure: every one of ``numbers`` can be kept (in a signed 64-bit field, :data:`LOWEST` to
     :data:`HIGHEST`)."""
-    return all(LOWEST <= number <= HIGHEST for number in numbers)
+    return min(numbers) >= LOWEST and max(numbers) <= HIGHEST
 
 
 def keepable(state: FileState, filesystems: Mapping[int, int]) -> VerifiedInode | None:
