@@ -71,6 +71,10 @@ def test_only_what_was_read_whole_here_on_a_filesystem_with_ctime_is_kept() -> N
     assert keepable(_state(old, now), {}) is None  # the filesystem is not known
     assert keepable(_state(old, now, algorithm="sha512"), {7: EXT4}) is None
     assert keepable(_state(old, now, error="EIO"), {7: EXT4}) is None
+    # a number past a signed 64-bit field (touch -d 2400, overlayfs xino): not kept, nothing to pack
+    assert keepable(_state(old, now, mtime_ns=1 << 63), {7: EXT4}) is None
+    assert keepable(_state(old, now, inode=1 << 63), {7: EXT4}) is None
+    assert keepable(_state(old, now, mtime_ns=-1), {7: EXT4}) is not None  # dated 1960: kept
 
 
 def test_a_kept_hash_stands_only_for_the_same_inode_size_mtime_and_ctime() -> None:

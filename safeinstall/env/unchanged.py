@@ -20,8 +20,10 @@ the way, no file put in a listed one's place. And each file unchanged holds what
 Anything else (one identity moved, a racy one, a file not there) and the distribution is checked as
 before, by the verified-inode store and by reading; what is not a file's own finding (a file no
 ``RECORD`` lists, a second ``.dist-info``, a file shared with another distribution) is looked for as
-always. Kept at most :data:`~safeinstall.env.verified.MAX_AGE_NS`, bound to the boot and the prefix as
-the verified-inode store is; ``--full`` takes none of it.
+always. Kept at most :data:`~safeinstall.env.verified.MAX_AGE_NS` from the oldest hash its files rest on,
+bound to the boot and the prefix as the verified-inode store is; ``--full`` takes none of it. What the
+owner controls is bounded: no identity with a number past 64 bits (:func:`~safeinstall.env.verified.fits`),
+no distribution deeper than :data:`MAX_DEPTH`, at most :data:`MAX_DIRECTORIES` directories.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 
 from safeinstall.env.distributions import InstalledDistribution
 from safeinstall.env.hashing import FileState
-from safeinstall.env.verified import GRANULARITY_NS, MAX_AGE_NS
+from safeinstall.env.verified import GRANULARITY_NS, MAX_AGE_NS, fits
 
 #: One file's identity, as kept: device, inode, size, mtime, ctime (ns), ``st_mode``.
 FILE_IDENTITY = struct.Struct("<6q")
@@ -44,6 +46,14 @@ DirIdentity = tuple[int, int, int, int]
 RecordIdentity = tuple[int, int, int, int, int]
 
 _pack = FILE_IDENTITY.pack
+#: A distribution with a directory this many levels below its prefix is not kept (nor proven): what a
+#: RECORD of deep one-letter directories would make root keep grows with its depth times its paths'
+#: length (the attacker review); real ones are a few levels deep.
+MAX_DEPTH = 64
+#: The most directories the store keeps, and the most bytes of their paths (the newest are kept; one
+#: left out only means the distributions below it are compared as before).
+MAX_DIRECTORIES = 1_000_000
+MAX_DIRECTORY_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +61,10 @@ class UnchangedDistribution:
     """What one clean distribution was when a check began (at ``since_ns``)."""
 
     dist_info: str
-    since_ns: int  # the clock when the check that kept it began
+    since_ns: int  # the clock when the check that kept it began: everything of it was settled by then
+    #: the oldest moment one of its files was read and hashed (at most ``since_ns``; a file proven by the
+    #: verified-inode store's hash, by that hash's): the day it is believed counts from it
+    hashed_ns: int
     record: RecordIdentity
     files: int  # how many hashed entries its RECORD has
     identities: bytes  # FILE_IDENTITY of each, in the RECORD's order
@@ -102,9 +115,8 @@ def _dir_identity(path: str) -> DirIdentity | None:
         info = os.lstat(path)
     except OSError:
         return None
-    if not stat.S_ISDIR(info.st_mode):
-        return None
-    return (info.st_dev, info.st_ino, info.st_mtime_ns, info.st_ctime_ns)
+    identity = (info.st_dev, info.st_ino, info.st_mtime_ns, info.st_ctime_ns)
+    return identity if stat.S_ISDIR(info.st_mode) and fits(identity) else None
 
 
 def _record_identity(dist: InstalledDistribution) -> RecordIdentity | None:
@@ -112,9 +124,8 @@ def _record_identity(dist: InstalledDistribution) -> RecordIdentity | None:
         info = os.lstat(os.path.join(dist.dist_info, "RECORD"))
     except OSError:
         return None
-    if not stat.S_ISREG(info.st_mode):
-        return None
-    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+    identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+    return identity if stat.S_ISREG(info.st_mode) and fits(identity) else None
 
 
 def prover(
@@ -161,7 +172,7 @@ def prover(
                 )
                 if info.st_nlink > 1:
                     linked.append((location, info.st_nlink))
-        except OSError:
+        except (OSError, struct.error):  # struct.error: a number past 64 bits, never kept
             return None
         return linked if identities == kept.identities else None
 
@@ -180,7 +191,8 @@ def file_identity(state: FileState, since_ns: int) -> bytes | None:
         or not is_settled(state.ctime_ns, since_ns)
     ):
         return None
-    return _pack(state.device, state.inode, state.size or 0, state.mtime_ns, state.ctime_ns, state.mode)
+    numbers = (state.device, state.inode, state.size or 0, state.mtime_ns, state.ctime_ns, state.mode)
+    return _pack(*numbers) if fits(numbers) else None
 
 
 def unchanged_entry(
@@ -190,22 +202,33 @@ def unchanged_entry(
     root: str,
     directories: dict[str, tuple[DirIdentity, int]],
     ctime_kept: Callable[[int, str], bool],
+    hashed_at: Callable[[FileState], int],
 ) -> UnchangedDistribution | None:
     """After a check that found nothing wrong with ``dist``'s files: what to keep of it (its directories
     into ``directories``), or None when something of it was not settled before the check began, or is
     on a filesystem whose ctime is not known to be kept (``ctime_kept(device, path)``: tmpfs, NFS, FUSE...
-    as for the verified-inode store, :data:`safeinstall.env.verified.CTIME_FILESYSTEMS`)."""
+    as for the verified-inode store, :data:`safeinstall.env.verified.CTIME_FILESYSTEMS`), or has a
+    directory more than :data:`MAX_DEPTH` levels below ``root``. ``hashed_at``: when a file's bytes
+    were read and hashed (this check's read, or the kept hash that proved it; 0: not known, not kept):
+    the entry is believed a day from the oldest."""
     record_path = os.path.join(dist.dist_info, "RECORD")
     record = _record_identity(dist)
     if record is None or not is_settled(record[4], since_ns) or not ctime_kept(record[0], record_path):
         return None
     locations = hashed_locations(dist)
+    if too_deep([*locations, record_path], root):
+        return None
     identities = bytearray()
+    oldest = since_ns
     for location in locations:
         state = states.get(location)
         identity = None if state is None else file_identity(state, since_ns)
         if identity is None or state is None or not ctime_kept(state.device, location):
             return None
+        at = hashed_at(state)
+        if at <= 0:
+            return None
+        oldest = min(oldest, at)
         identities += identity
     found: dict[str, tuple[DirIdentity, int]] = {}
     for directory in directories_of([*locations, record_path], root):
@@ -218,8 +241,14 @@ def unchanged_entry(
         found[directory] = (seen, since_ns)
     directories.update(found)
     return UnchangedDistribution(
-        os.fspath(dist.dist_info), since_ns, record, len(locations), bytes(identities)
+        os.fspath(dist.dist_info), since_ns, oldest, record, len(locations), bytes(identities)
     )
+
+
+def too_deep(paths: Iterable[str], root: str) -> bool:
+    """Pure: a path lies more than :data:`MAX_DEPTH` directories below ``root``."""
+    levels = root.rstrip("/").count("/") + MAX_DEPTH + 1  # the file's own name is one more
+    return any(path.count("/") > levels for path in paths)
 
 
 def still_believed(since_ns: int, now_ns: int) -> bool:
@@ -241,8 +270,27 @@ def updated(
     identity of each; nothing no longer believable."""
     dropped = set(checked) - set(proven)
     kept = {path: d for path, d in store.distributions.items() if path not in dropped}
-    kept = {p: d for p, d in kept.items() if still_believed(d.since_ns, now_ns)}
+    kept = {p: d for p, d in kept.items() if still_believed(d.hashed_ns, now_ns)}
     kept.update((d.dist_info, d) for d in fresh)
     table = {**store.directories, **directories}
     table = {p: v for p, v in table.items() if still_believed(v[1], now_ns)}
-    return UnchangedStore(store.prefix, store.boot_id, kept, table)
+    return UnchangedStore(store.prefix, store.boot_id, kept, bounded(table))
+
+
+def bounded(
+    table: Mapping[str, tuple[DirIdentity, int]],
+    count: int = MAX_DIRECTORIES,
+    size: int = MAX_DIRECTORY_BYTES,
+) -> Mapping[str, tuple[DirIdentity, int]]:
+    """Pure: at most ``count`` directories of at most ``size`` bytes of paths, the newest (a directory
+    left out: what lies below it is compared as before, and kept anew)."""
+    if len(table) <= count and sum(map(len, table)) <= size:
+        return table
+    kept: dict[str, tuple[DirIdentity, int]] = {}
+    total = 0
+    for path, value in sorted(table.items(), key=lambda item: -item[1][1]):
+        total += len(path)
+        if len(kept) == count or total > size:
+            break
+        kept[path] = value
+    return kept

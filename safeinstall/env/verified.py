@@ -50,6 +50,10 @@ MAX_ENTRIES = 1_000_000
 #: XFS, btrfs, F2FS, ZFS, overlayfs. On any other (NFS, FUSE, vfat, ...) nothing is kept; nor on tmpfs,
 #: where a write through a shared writable mapping never moves a file's times (the attacker review).
 CTIME_FILESYSTEMS = frozenset({0xEF53, 0x58465342, 0x9123683E, 0xF2F52010, 0x2FC12FC1, 0x794C7630})
+#: What a kept number must lie within: a signed 64-bit field. A time the owner set with ``touch -d
+#: 2400-01-01``, an inode number of overlayfs' ``xino``, of NFS or of FUSE may lie past it: such an
+#: identity is neither kept nor proven by either store (its file is read and compared as before).
+LOWEST, HIGHEST = -(1 << 63), (1 << 63) - 1
 #: A sha256 digest in RECORD spelling (urlsafe base64, no padding).
 _DIGEST = re.compile(r"[A-Za-z0-9_-]{43}")
 
@@ -102,10 +106,16 @@ def entry_problem(entry: VerifiedInode, now_ns: int) -> str | None:
     return None
 
 
+def fits(numbers: tuple[int, ...]) -> bool:
+    """Pure: every one of ``numbers`` can be kept (in a signed 64-bit field, :data:`LOWEST` to
+    :data:`HIGHEST`)."""
+    return min(numbers) >= LOWEST and max(numbers) <= HIGHEST
+
+
 def keepable(state: FileState, filesystems: Mapping[int, int]) -> VerifiedInode | None:
     """Pure: the entry a file's observation makes, or None: not read and hashed here whole and unmoved
-    (``hashed_ns`` 0), not sha256, racy, or on a filesystem whose ctime is not known to be kept
-    (``filesystems``: device -> ``statfs`` magic)."""
+    (``hashed_ns`` 0), not sha256, racy, on a filesystem whose ctime is not known to be kept
+    (``filesystems``: device -> ``statfs`` magic), or with a number that does not fit (:func:`fits`)."""
     if (
         not state.hashed_ns
         or not state.is_file
@@ -115,6 +125,7 @@ def keepable(state: FileState, filesystems: Mapping[int, int]) -> VerifiedInode 
         or state.error is not None
         or filesystems.get(state.device) not in CTIME_FILESYSTEMS
         or is_racy(state.ctime_ns, state.hashed_ns)
+        or not fits((state.device, state.inode, state.size, state.mtime_ns, state.ctime_ns))
     ):
         return None
     root_only = int(state.uid == 0 and not state.mode & 0o022)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from safeinstall.env.environment import Environment
-from safeinstall.env.hashing import Known
+from safeinstall.env.hashing import FileState, Known
 from safeinstall.env.verify import ProgressCallback, VerifyReport, containment_root, verify_environment
 
 if TYPE_CHECKING:
@@ -62,7 +62,8 @@ def verify_kept(
         return os.fspath(containment_root(env, dist))
 
     since = time.time_ns()  # before any RECORD is read: what is kept was settled by then
-    clean = read_unchanged(root, env.prefix)
+    clean, note = read_unchanged(root, env.prefix)
+    notes.extend([note] if note else [])
     unchanged = prover(clean, root_of, walked)
     if full and unchanged is not None:
         unchanged = _none  # every file read; what is found clean is kept anew
@@ -84,18 +85,37 @@ def verify_kept(
     if clean is not None and (report.clean or (checked & set(clean.distributions)) - report.proven):
         directories: dict[str, tuple[tuple[int, int, int, int], int]] = {}
         kept_fs = ctime_kept(filesystems(hashed))
+        hashed_at = _hashed_at(store()[0] if loaded else None)
         # a base installation's distributions are not kept: their directories are outside the prefix
         prefix = os.fspath(env.prefix)
         fresh = [
             entry
             for dist in report.clean
             if root_of(dist) == prefix
-            and (entry := unchanged_entry(dist, report.observed, since, prefix, directories, kept_fs))
+            and (
+                entry := unchanged_entry(
+                    dist, report.observed, since, prefix, directories, kept_fs, hashed_at
+                )
+            )
             is not None
         ]
         note = keep_unchanged(root, env.prefix, clean, checked, report.proven, fresh, directories)
         notes.extend([note] if note else [])
     return report
+
+
+def _hashed_at(store: InodeStore | None) -> Callable[[FileState], int]:
+    """When a file's bytes were read and hashed: by this check (its ``hashed_ns``), or, for one proven
+    by the verified-inode store's hash (``by_identity``), when that hash was taken; 0 when not known."""
+    entries = {} if store is None else store.entries
+
+    def hashed_at(state: FileState) -> int:
+        if state.hashed_ns:
+            return state.hashed_ns
+        entry = entries.get((state.device, state.inode)) if state.by_identity else None
+        return 0 if entry is None else entry.hashed_ns
+
+    return hashed_at
 
 
 def _none(_dist: InstalledDistribution) -> None:

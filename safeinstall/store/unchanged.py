@@ -5,19 +5,25 @@ argument).
 Read as every state file is (:func:`safeinstall.store.state.read_private_file`: no symlink, no FIFO,
 root's or the caller's, writable by nobody else, bounded) and every field checked: the format's
 version, the boot it was written in, the environment's prefix, each distribution's ``.dist-info`` (an
-absolute, normal path), the moment it was kept (not from the future, at most a day ago), its RECORD's
-identity, its count of files and their identities (that many, packed); each directory's path (absolute,
-normal, within the prefix) and identity, settled before the moment kept with it. One of another
-environment or another boot, or damaged, is not used (every distribution is then checked as before,
-and it is written anew).
+absolute, normal path), the moment it was kept and the oldest moment its files were hashed (not from the
+future, at most a day ago), its RECORD's identity, its count of files and their identities (that many,
+packed); each directory's path (absolute, normal, within the prefix) and identity, settled before the
+moment kept with it. Every number is a signed 64-bit one, none negative but a modification time (the
+owner may date a file 1960). One of another environment or another boot, or of another version, is not
+used (every distribution is then checked as before, and it is written anew); a damaged entry is left
+out (its distribution checked as before), not the whole store. One larger than :data:`STORE_LIMIT`
+(root writes none: each write is bounded) is said in a note and written anew; one that is not
+root's own file (a symlink, another owner's) is said in a note and neither used nor written.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import json
 import os
+import stat
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -32,6 +38,7 @@ from safeinstall.env.unchanged import (
     still_believed,
     updated,
 )
+from safeinstall.env.verified import HIGHEST, LOWEST
 from safeinstall.store.state import (
     StateDirError,
     atomic_write,
@@ -43,16 +50,21 @@ from safeinstall.store.state import (
 from safeinstall.store.verified import boot_id
 
 STORE_NAME = "unchanged.json"
-STORE_VERSION = 1
+#: 2: each distribution's oldest hash (``hashed``), negative modification times
+STORE_VERSION = 2
 #: The most bytes it may have: a million files' identities (base64) and their directories.
 STORE_LIMIT = 256 << 20
 
 
-def _ints(value: object, count: int) -> tuple[int, ...]:
+def _ints(value: object, count: int, signed: int = -1) -> tuple[int, ...]:
+    """The ``count`` numbers of ``value``, each within 0 and 2**63, but the one at ``signed`` (a
+    modification time) within -2**63 and 2**63."""
     if (
         not isinstance(value, list)
         or len(value) != count
-        or not all(type(v) is int and 0 <= v < 1 << 63 for v in value)
+        or not all(
+            type(v) is int and (LOWEST if i == signed else 0) <= v <= HIGHEST for i, v in enumerate(value)
+        )
     ):
         raise ValueError(f"not {count} numbers")
     return tuple(value)
@@ -72,20 +84,32 @@ def _path(value: object, prefix: str | None = None) -> str:
 
 
 def _distribution(raw: object, now_ns: int) -> UnchangedDistribution | None:
-    if not isinstance(raw, dict) or set(raw) != {"dist_info", "since", "record", "files", "identities"}:
+    if not isinstance(raw, dict) or set(raw) != {
+        "dist_info",
+        "since",
+        "hashed",
+        "record",
+        "files",
+        "identities",
+    }:
         raise ValueError("not a distribution's entry")
     dist_info = _path(raw["dist_info"])
-    (since,) = _ints([raw["since"]], 1)
-    record = _ints(raw["record"], 5)
+    since, hashed = _ints([raw["since"], raw["hashed"]], 2)
+    record = _ints(raw["record"], 5, signed=3)
     (files,) = _ints([raw["files"]], 1)
     if not isinstance(raw["identities"], str):
         raise ValueError("identities are not text")
     identities = base64.b64decode(raw["identities"].encode("ascii"), validate=True)
     if len(identities) != files * FILE_IDENTITY.size:
         raise ValueError(f"{len(identities)} bytes of identities, not those of {files} files")
-    if not still_believed(since, now_ns) or not is_settled(record[4], since):
+    if (
+        hashed > since
+        or not still_believed(since, now_ns)
+        or not still_believed(hashed, now_ns)
+        or not is_settled(record[4], since)
+    ):
         return None  # too old, from the future, or its RECORD racy: not believed
-    return UnchangedDistribution(dist_info, since, record, files, identities)  # type: ignore[arg-type]
+    return UnchangedDistribution(dist_info, since, hashed, record, files, identities)  # type: ignore[arg-type]
 
 
 def from_json(raw: bytes, prefix: str, boot: str, now_ns: int) -> UnchangedStore:
@@ -103,15 +127,17 @@ def from_json(raw: bytes, prefix: str, boot: str, now_ns: int) -> UnchangedStore
         raise ValueError("no distributions or directories")
     distributions: dict[str, UnchangedDistribution] = {}
     for item in dists:
-        entry = _distribution(item, now_ns)
-        if entry is not None:
-            distributions[entry.dist_info] = entry
+        with contextlib.suppress(ValueError, UnicodeError, binascii.Error):  # damaged: left out
+            entry = _distribution(item, now_ns)
+            if entry is not None:
+                distributions[entry.dist_info] = entry
     directories: dict[str, tuple[DirIdentity, int]] = {}
     for path, value in dirs.items():
-        numbers = _ints(value, 5)
-        identity, since = numbers[:4], numbers[4]
-        if still_believed(since, now_ns) and is_settled(identity[3], since):
-            directories[_path(path, prefix)] = (identity, since)  # type: ignore[assignment]
+        with contextlib.suppress(ValueError):  # damaged: left out
+            numbers = _ints(value, 5, signed=2)
+            identity, since = numbers[:4], numbers[4]
+            if still_believed(since, now_ns) and is_settled(identity[3], since):
+                directories[_path(path, prefix)] = (identity, since)  # type: ignore[assignment]
     return UnchangedStore(prefix, boot, distributions, directories)
 
 
@@ -125,6 +151,7 @@ def to_json(store: UnchangedStore) -> bytes:
             {
                 "dist_info": d.dist_info,
                 "since": d.since_ns,
+                "hashed": d.hashed_ns,
                 "record": list(d.record),
                 "files": d.files,
                 "identities": base64.b64encode(d.identities).decode("ascii"),
@@ -136,29 +163,49 @@ def to_json(store: UnchangedStore) -> bytes:
     return json.dumps(document, separators=(",", ":")).encode("utf-8", "surrogateescape")
 
 
-def read_unchanged(root: Path, prefix: Path) -> UnchangedStore | None:
+def read_unchanged(root: Path, prefix: Path) -> tuple[UnchangedStore | None, str | None]:
     """The environment's clean distributions under the state ``root`` (an empty store when there is
-    none or it cannot be believed; None when nothing may be kept: this boot's id is not known, or the
-    state directory is not trusted, which the verified-inode store's note says)."""
+    none or it cannot be believed), and a note saying why, when one was refused; None when nothing may
+    be kept: this boot's id is not known, or the state directory is not trusted (which the
+    verified-inode store's note says), or the store is not root's own file (its note says so)."""
     boot = boot_id()
     if boot is None:
-        return None
+        return None, None
     state = trusted_environment_state(root, prefix)
     empty = UnchangedStore(os.fspath(prefix), boot, {}, {})
     try:
         check_trusted(root)
         if state.problem is not None:
-            return None
+            return None, None
         raw = read_private_file(state.dir / STORE_NAME, STORE_LIMIT)
-        return from_json(raw, os.fspath(prefix), boot, time.time_ns())
+        return from_json(raw, os.fspath(prefix), boot, time.time_ns()), None
     except FileNotFoundError:
-        return empty
-    except StateDirError:
-        return None
+        return empty, None
+    except StateDirError as exc:
+        if _too_large(state.dir / STORE_NAME):  # root's own, too large: written anew
+            return (
+                empty,
+                f"the store of clean distributions was larger than {STORE_LIMIT} bytes: written anew",
+            )
+        return None, f"the store of clean distributions was not used: {exc.message}"
     except (ValueError, UnicodeError, binascii.Error, RecursionError):
-        return empty  # damaged, or another boot's: checked as before, and written anew
+        return empty, None  # damaged, or another boot's: checked as before, and written anew
+    except OSError as exc:
+        return None, f"the store of clean distributions could not be read ({exc.strerror or exc})"
+
+
+def _too_large(path: Path) -> bool:
+    """``path`` is a regular file of this process's account, written by nobody else, only too large."""
+    try:
+        info = os.lstat(path)
     except OSError:
-        return None
+        return False
+    return (
+        stat.S_ISREG(info.st_mode)
+        and info.st_uid == os.geteuid()
+        and not info.st_mode & 0o022
+        and info.st_size > STORE_LIMIT
+    )
 
 
 def keep_unchanged(
@@ -172,18 +219,25 @@ def keep_unchanged(
 ) -> str | None:
     """After a check of the distributions ``checked`` (their ``.dist-info``): the store with what it
     proved and found clean (best effort; a note when it could not be written). ``store`` None: not to
-    be used, nor written."""
+    be used, nor written. One that would be larger than :data:`STORE_LIMIT` is written empty."""
     if store is None:
         return None
     new = updated(store, checked, proven, fresh, directories, time.time_ns())
     if new.distributions == store.distributions and new.directories == store.directories:
         return None
+    note = None
     try:
+        data = to_json(new)
+        if len(data) > STORE_LIMIT:
+            note = f"the store of clean distributions would be larger than {STORE_LIMIT} bytes: emptied"
+            data = to_json(UnchangedStore(new.prefix, new.boot_id, {}, {}))
         state = trusted_environment_state(root, prefix)
         ensure_environment_dir(state)
-        atomic_write(state.dir / STORE_NAME, to_json(new))
+        atomic_write(state.dir / STORE_NAME, data)
     except StateDirError as exc:
         return f"the store of clean distributions was not kept: {exc.message}"
     except OSError as exc:
         return f"the store of clean distributions was not kept ({exc.strerror or exc})"
-    return None
+    except (ValueError, UnicodeError) as exc:  # never expected: best effort, not a crash
+        return f"the store of clean distributions was not kept ({exc})"
+    return note

@@ -302,6 +302,8 @@ def keep(root: Path, prefix: Path, store: InodeStore | None, states: Iterable[Fi
         return f"the verified-inode store was not kept: {exc.message}"
     except OSError as exc:
         return f"the verified-inode store was not kept ({exc.strerror or exc})"
+    except (struct.error, UnicodeError) as exc:  # never expected (keepable checks): a note, not a crash
+        return f"the verified-inode store was not kept ({exc})"
     return None
 
 
