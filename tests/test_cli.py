@@ -382,7 +382,8 @@ def test_verify_only_starts_without_pydantic_or_the_runs_modules(venv: Path, whe
         "pynvml",
         "psutil",
     }
-    never |= {"json", "safeinstall.system.lock"}
+    # json: the clean distributions' store (unchanged.json, issue 36) is read and written by the check
+    never |= {"safeinstall.system.lock"}
     assert not never & loaded, never & loaded
     assert "rich.console" in loaded and "rich.table" not in loaded
 
