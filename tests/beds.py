@@ -221,7 +221,11 @@ class Bed:
             recovered = self.cli("--recover", "--json")
             assert recovered.code == 0, recovered.stdout + recovered.stderr
             (recovery,) = recovered.json["data"]["recoveries"]
-            assert recovery["phase"] == caught, recovery
+            # the run may go on between the look at its journal and the kill (installed -> verified
+            # takes no time in a swap): the phase it died in is the one seen or a later one of phases
+            later = phases[phases.index(caught) :] if caught in phases else (caught,)
+            assert recovery["phase"] in later, (recovery, caught)
+            caught = str(recovery["phase"])
         wait_until(lambda: self.manager.active_state(name) == "active", 20, "unit running again")
         assert not list(venv.glob(".safeinstall-*"))
         if caught in ("staged", "installed"):
