@@ -32,7 +32,7 @@ from tests.bed_systemd import Units, UserManager  # noqa: E402
 from tests.beds import AS_ROOT, Bed, ServiceAccountBed  # noqa: E402
 
 # The real test beds: a private systemd --user manager, and a fake NVML driver built with gcc.
-pytest_plugins = ["tests.bed_systemd", "tests.bed_nvml"]
+pytest_plugins = ["tests.bed_systemd", "tests.bed_nvml", "tests.bed_leaks"]
 
 
 @pytest.fixture(scope="session")
