@@ -269,11 +269,13 @@ def start_system_manager() -> SystemManager:
     reason = unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
-    fd, marker_name = tempfile.mkstemp(prefix="si-sysbed-marker-", dir="/tmp")  # the machine's /tmp
+    remove_stale_beds()
+    owner = f"si-sysbed-{os.getpid()}-"  # the owner's PID in every name: see remove_stale_beds
+    fd, marker_name = tempfile.mkstemp(prefix=f"{owner}marker-", dir="/tmp")  # the machine's /tmp
     marker_text = f"safeinstall system bed {os.getpid()} {time.time_ns()}\n"
     os.write(fd, marker_text.encode())
     os.close(fd)
-    base = Path(tempfile.mkdtemp(prefix="si-sysbed-", dir="/tmp"))
+    base = Path(tempfile.mkdtemp(prefix=owner, dir="/tmp"))
     base.chmod(0o755)
     units = base / "etc-systemd" / "system"
     units.mkdir(parents=True)
@@ -288,7 +290,7 @@ def start_system_manager() -> SystemManager:
     (base / "group").write_text(Path("/etc/group").read_text() + f"{ACCOUNT}:x:{ACCOUNT_ID}:\n")
     (base / "console").write_text("")
     log = base / "manager.log"
-    cgroup_name = f"si-sysbed-{os.getpid()}-{next(_SEQUENCE)}-{time.monotonic_ns()}"
+    cgroup_name = f"{owner}{next(_SEQUENCE)}-{time.monotonic_ns()}"
     with log.open("wb") as sink:
         process = subprocess.Popen(
             ["/bin/sh", "-c", OUTER, "outer", cgroup_name, str(base), marker_name, ":".join(UNIT_PATH)],
@@ -365,10 +367,31 @@ def stop_system_manager(manager: SystemManager) -> None:
     manager.marker.unlink()
 
 
-def _remove_cgroups(name: str) -> bool:
+def remove_stale_beds() -> None:
+    """What a bed whose test process was killed left (its manager died with it: ``--pdeathsig``,
+    ``--kill-child``): its empty cgroups, its directory and marker in /tmp. Only names of this bed
+    (``si-sysbed-PID-...``) whose PID is gone, and cgroups that hold no process."""
+    busy: set[str] = set()  # owners whose manager still runs (a cgroup that cannot be removed)
+    for root in _cgroup_roots():
+        for path in root.glob("si-sysbed-*"):
+            owner = path.name.split("-")[2]
+            dead = owner.isdigit() and not Path(f"/proc/{owner}").exists()
+            if dead and not _remove_cgroups(path.name, roots=[root]):
+                busy.add(owner)
+    for path in Path("/tmp").glob("si-sysbed-*"):
+        owner = path.name.split("-")[2]
+        if not owner.isdigit() or owner in busy or Path(f"/proc/{owner}").exists():
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def _remove_cgroups(name: str, roots: list[Path] | None = None) -> bool:
     """Remove the bed's cgroup tree, deepest first, in every hierarchy; True once none is left."""
     left = False
-    for root in _cgroup_roots():
+    for root in _cgroup_roots() if roots is None else roots:
         top = root / name
         if not top.is_dir():
             continue
