@@ -90,9 +90,19 @@ exec setpriv --pdeathsig KILL unshare --pid --fork --kill-child=SIGKILL --mount 
 INNER = r"""
 set -eu
 base=$1
+# this namespace's copies of the machine's mounts below a directory: let go of them (another test's
+# tmpfs below /tmp is then freed when that test unmounts it, whatever this bed does)
+let_go() {
+  awk '{print $5}' /proc/self/mountinfo | grep -E "$1" | sort -r | while read -r m; do
+    umount -l "$m" 2>/dev/null || true
+  done
+}
+let_go '^/run/'
 mount -t tmpfs -o mode=0755,size=64m si-bed-run /run
 mkdir /run/.si-bed-hold
 mount --bind "$base" /run/.si-bed-hold
+let_go '^/tmp(/|$)'
+let_go '^/var/tmp(/|$)'
 mount -t tmpfs -o mode=1777,size=256m si-bed-tmp /tmp
 mkdir -p "$base"
 mount --move /run/.si-bed-hold "$base"
@@ -233,6 +243,7 @@ class SystemManager:
         self.systemctl("stop", name, check=False)
         self.systemctl("reset-failed", name, check=False)
         (self.unit_dir / name).unlink(missing_ok=True)
+        (self.unit_dir / f"{TARGET}.wants" / name).unlink(missing_ok=True)
         shutil.rmtree(self.unit_dir / f"{name}.d", ignore_errors=True)
         self.run("rm", "-rf", f"/run/systemd/system/{name}.d", check=False)
         self.systemctl("daemon-reload")
@@ -289,11 +300,16 @@ def start_system_manager() -> SystemManager:
     )
     (base / "group").write_text(Path("/etc/group").read_text() + f"{ACCOUNT}:x:{ACCOUNT_ID}:\n")
     (base / "console").write_text("")
-    log = base / "manager.log"
-    cgroup_name = f"{owner}{next(_SEQUENCE)}-{time.monotonic_ns()}"
+    return _boot(base, Path(marker_name), marker_text)
+
+
+def _boot(base: Path, marker: Path, marker_text: str) -> SystemManager:
+    """A manager on the bed's directory ``base`` (new cgroups, new namespaces: a fresh /run)."""
+    cgroup_name = f"si-sysbed-{os.getpid()}-{next(_SEQUENCE)}-{time.monotonic_ns()}"
+    log = base / f"{cgroup_name}.log"  # one per boot
     with log.open("wb") as sink:
         process = subprocess.Popen(
-            ["/bin/sh", "-c", OUTER, "outer", cgroup_name, str(base), marker_name, ":".join(UNIT_PATH)],
+            ["/bin/sh", "-c", OUTER, "outer", cgroup_name, str(base), str(marker), ":".join(UNIT_PATH)],
             env={"PATH": INSIDE_PATH, "INNER": INNER},
             stdin=subprocess.DEVNULL,
             stdout=sink,
@@ -301,7 +317,7 @@ def start_system_manager() -> SystemManager:
             start_new_session=True,
             cwd="/",
         )
-    manager = SystemManager(base, Path(marker_name), marker_text, cgroup_name, process, log)
+    manager = SystemManager(base, marker, marker_text, cgroup_name, process, log)
     try:
         _wait_running(manager)
         _check_contained(manager)
@@ -342,8 +358,9 @@ def _check_contained(manager: SystemManager) -> None:
     assert shown["ControlGroup"] == f"/{manager.cgroup_name}", shown
 
 
-def stop_system_manager(manager: SystemManager) -> None:
-    """PID 1 killed by PID; the bed's processes, mounts and cgroups gone; the marker still there."""
+def power_off(manager: SystemManager) -> None:
+    """PID 1 killed by PID (a power loss: nothing stops cleanly); then no process, mount namespace or
+    cgroup of it left, and the marker in the machine's /tmp unchanged. The bed's directory stays."""
     if manager.pid1:
         with contextlib.suppress(ProcessLookupError):
             os.kill(manager.pid1, signal.SIGKILL)
@@ -351,17 +368,29 @@ def stop_system_manager(manager: SystemManager) -> None:
         if not manager.pid1:  # it never got as far as PID 1: the shell (unshare) is ours
             manager.process.kill()
         manager.process.wait(timeout=30)
+    if manager.pid_ns:
+        wait_until(
+            lambda: not processes_in_namespace("pid", manager.pid_ns), 20, "the bed's processes to end"
+        )
+    if manager.mnt_ns:
+        wait_until(lambda: not processes_in_namespace("mnt", manager.mnt_ns), 20, "the bed's mounts to go")
+    wait_until(lambda: _remove_cgroups(manager.cgroup_name), 20, "the bed's cgroups to be removed")
+    manager.check_machine_untouched()
+
+
+def reboot(manager: SystemManager) -> None:
+    """:func:`power_off`, then a new manager on the same directory (its units, drop-ins and state;
+    a fresh /run): ``manager`` is the new one from then on."""
+    power_off(manager)
+    booted = _boot(manager.base, manager.marker, manager.marker_text)
+    manager.process, manager.log, manager.cgroup_name = booted.process, booted.log, booted.cgroup_name
+    manager.pid1, manager.pid_ns, manager.mnt_ns = booted.pid1, booted.pid_ns, booted.mnt_ns
+
+
+def stop_system_manager(manager: SystemManager) -> None:
+    """:func:`power_off`, then the bed's directory and the marker removed."""
     try:
-        if manager.pid_ns:
-            wait_until(
-                lambda: not processes_in_namespace("pid", manager.pid_ns), 20, "the bed's processes to end"
-            )
-        if manager.mnt_ns:
-            wait_until(
-                lambda: not processes_in_namespace("mnt", manager.mnt_ns), 20, "the bed's mounts to go"
-            )
-        wait_until(lambda: _remove_cgroups(manager.cgroup_name), 20, "the bed's cgroups to be removed")
-        manager.check_machine_untouched()
+        power_off(manager)
     finally:
         shutil.rmtree(manager.base, ignore_errors=True)
     manager.marker.unlink()
@@ -449,6 +478,7 @@ class SystemBed:
                 os.lchown(os.path.join(directory, name), ACCOUNT_ID, ACCOUNT_ID)
         self.site = wheelhouse.site_packages(self.python)
         self.state = self.top / "state"
+        self.extra_units: list[str] = []
         self.unit = f"si-serve-{number}.service"
         manager.write_unit(
             self.unit,
@@ -504,30 +534,49 @@ class SystemBed:
                 return str(json.loads(path.read_text())["phase"])
         return None
 
+    def wait_phase(self, proc: subprocess.Popen[str], phases: tuple[str, ...]) -> str:
+        """Wait until the run's journal is at one of ``phases``; that phase."""
+        deadline = time.monotonic() + 120
+        while True:
+            phase = self.journal_phase()
+            if phase in phases:
+                return str(phase)
+            if proc.poll() is not None:
+                raise AssertionError(
+                    f"the run ended ({proc.returncode}) before {phases}: {proc.communicate()}"
+                )
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no phase {phases} within 120 s (last {phase})")
+            time.sleep(0.002)
+
     def kill_in(self, phases: tuple[str, ...], *args: str) -> str:
         """A run killed (SIGKILL, safeinstall itself: nsenter's child) once its journal is at one of
         ``phases``; the phase seen."""
         proc = self.start_run(*args)
         try:
-            seen = None
-            deadline = time.monotonic() + 120
-            while seen is None:
-                phase = self.journal_phase()
-                if phase in phases:
-                    seen = phase
-                elif proc.poll() is not None:
-                    raise AssertionError(
-                        f"the run ended ({proc.returncode}) before {phases}: {proc.communicate()}"
-                    )
-                elif time.monotonic() > deadline:
-                    raise AssertionError(f"no phase {phases} within 120 s (last {phase})")
-                else:
-                    time.sleep(0.002)
+            seen = self.wait_phase(proc, phases)
             for child in _children(proc.pid):  # safeinstall, in the bed's PID namespace; ours
                 os.kill(child, signal.SIGKILL)
         finally:
             proc.communicate(timeout=60)
         return seen
+
+    def install_recover_unit(self) -> str:
+        """The shipped ``safeinstall-recover.service``, enabled, as docs/crash-safety.md installs it:
+        this safeinstall, the bed's state directory, wanted by the bed's target. Its name."""
+        from importlib import resources
+
+        text = resources.files("safeinstall").joinpath("data/safeinstall-recover.service").read_text()
+        shipped = "ExecStart=/usr/local/bin/safeinstall --recover"
+        assert shipped in text and "multi-user.target" in text
+        text = text.replace(
+            shipped, f"ExecStart={SAFEINSTALL} --recover\nEnvironment=SAFEINSTALL_STATE_DIR={self.state}"
+        ).replace("multi-user.target", TARGET)
+        name = "safeinstall-recover.service"
+        self.manager.write_unit(name, text)
+        self.manager.systemctl("enable", name)
+        self.extra_units.append(name)
+        return name
 
     def no_trace(self) -> None:
         """Nothing of the run left: no journal, gate, run cache; no drop-in; no kept links."""
@@ -538,7 +587,8 @@ class SystemBed:
         assert not list((self.top / "venv").glob(".safeinstall-*"))
 
     def cleanup(self) -> None:
-        self.manager.remove_unit(self.unit)
+        for name in [self.unit, *self.extra_units]:
+            self.manager.remove_unit(name)
         shutil.rmtree(self.top, ignore_errors=True)
 
 

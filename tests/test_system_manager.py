@@ -8,7 +8,8 @@ bed's end checks that no process, mount or cgroup of it is left.
 
 from __future__ import annotations
 
-from tests.bed_system_manager import ACCOUNT, ACCOUNT_ID, SystemBed, SystemManager
+from tests.bed_system_manager import ACCOUNT, ACCOUNT_ID, SystemBed, SystemManager, reboot
+from tests.bed_systemd import wait_until
 
 
 def test_a_user_unit_of_the_bed_runs_in_the_bed_alone(system_manager: SystemManager) -> None:
@@ -23,6 +24,9 @@ def test_a_user_unit_of_the_bed_runs_in_the_bed_alone(system_manager: SystemMana
         assert system_manager.uid_of(int(shown["MainPID"])) == 65534
         listed = system_manager.run("ls", "-A", "/tmp").stdout.split()
         assert listed == [system_manager.base.name]  # the bed's own directory, nothing of the machine's
+        mounts = system_manager.run("cat", "/proc/self/mountinfo").stdout.splitlines()
+        below_tmp = sorted(line.split()[4] for line in mounts if line.split()[4].startswith("/tmp"))
+        assert below_tmp == ["/tmp", str(system_manager.base)]  # no copy of another test's mount held
         loaded = system_manager.systemctl("list-units", "--all", "--plain", "--no-legend").stdout
         assert "tmpfiles" not in loaded and "journald.service" not in loaded
     finally:
@@ -112,3 +116,37 @@ def test_recover_after_a_kill_while_the_system_unit_is_down(system_bed: SystemBe
         assert version == "1.0"
         assert system_bed.cli("sicext", "--verify-only", "--json").code == 0
     system_bed.no_trace()
+
+
+def test_a_power_loss_mid_run_gates_the_unit_and_the_boot_unit_recovers(system_bed: SystemBed) -> None:
+    """The machine dies while the enabled unit is down (journal at stopped..verified): at the next boot
+    its persistent gate drop-in keeps it from starting on a half-installed package; at the boot after,
+    with the shipped ``safeinstall-recover.service`` enabled, one whole version is back, the unit runs
+    and the gate is gone."""
+    manager = system_bed.manager
+    manager.systemctl("enable", system_bed.unit)
+    wheel = str(system_bed.wheels["sicext-2"])
+    proc = system_bed.start_run("--yes", "sicext", "--wheel", wheel, "--settle", "1")
+    try:
+        system_bed.wait_phase(proc, ("stopped", "gpu-released", "swapping", "installed", "verified"))
+        gate = manager.unit_dir / f"{system_bed.unit}.d" / "50-safeinstall-gate.conf"
+        assert "ConditionPathExists=!" in gate.read_text()  # persistent: /etc/systemd/system/UNIT.d
+        reboot(manager)  # the run dies with the machine
+    finally:
+        proc.communicate(timeout=60)
+    skipped = manager.show(system_bed.unit, "ActiveState", "ConditionResult")
+    assert skipped == {"ActiveState": "inactive", "ConditionResult": "no"}, skipped
+
+    boot_unit = system_bed.install_recover_unit()
+    reboot(manager)
+    wait_until(lambda: manager.active_state(boot_unit) == "inactive", 60, f"{boot_unit} to finish")
+    assert manager.show(boot_unit, "Result")["Result"] == "success", manager.show(boot_unit, "Result")
+    manager.wait_active(system_bed.unit)
+    main = manager.main_pid(system_bed.unit)
+    assert manager.uid_of(main) == ACCOUNT_ID and manager.maps_so(main) == system_bed.so.stat().st_ino
+    version = system_bed.version()
+    assert version in ("1.0", "2.0")
+    extra = ("--wheel", wheel) if version == "2.0" else ()
+    assert system_bed.cli("sicext", "--verify-only", *extra, "--json").code == 0
+    system_bed.no_trace()
+    assert not gate.exists()
