@@ -185,6 +185,7 @@ class SystemManager:
     cgroup_name: str
     process: subprocess.Popen[bytes]  # the shell that became unshare
     log: Path
+    unit_path: tuple[str, ...]  # SYSTEMD_UNIT_PATH
     pid1: int = 0  # the machine's PID of the namespace's PID 1 (systemd)
     pid_ns: int = 0
     mnt_ns: int = 0
@@ -275,8 +276,9 @@ class SystemManager:
         assert self.marker.read_text() == self.marker_text, f"{self.marker} changed"
 
 
-def start_system_manager() -> SystemManager:
-    """The marker, the bed's directory, then the manager; waits until it runs. Skips when unavailable."""
+def start_system_manager(unit_path: tuple[str, ...] = UNIT_PATH) -> SystemManager:
+    """The marker, the bed's directory, then the manager; waits until it runs. Skips when unavailable.
+    ``unit_path``: the manager's ``SYSTEMD_UNIT_PATH`` (the bed's directories, none but them)."""
     reason = unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
@@ -300,16 +302,16 @@ def start_system_manager() -> SystemManager:
     )
     (base / "group").write_text(Path("/etc/group").read_text() + f"{ACCOUNT}:x:{ACCOUNT_ID}:\n")
     (base / "console").write_text("")
-    return _boot(base, Path(marker_name), marker_text)
+    return _boot(base, Path(marker_name), marker_text, unit_path)
 
 
-def _boot(base: Path, marker: Path, marker_text: str) -> SystemManager:
+def _boot(base: Path, marker: Path, marker_text: str, unit_path: tuple[str, ...]) -> SystemManager:
     """A manager on the bed's directory ``base`` (new cgroups, new namespaces: a fresh /run)."""
     cgroup_name = f"si-sysbed-{os.getpid()}-{next(_SEQUENCE)}-{time.monotonic_ns()}"
     log = base / f"{cgroup_name}.log"  # one per boot
     with log.open("wb") as sink:
         process = subprocess.Popen(
-            ["/bin/sh", "-c", OUTER, "outer", cgroup_name, str(base), str(marker), ":".join(UNIT_PATH)],
+            ["/bin/sh", "-c", OUTER, "outer", cgroup_name, str(base), str(marker), ":".join(unit_path)],
             env={"PATH": INSIDE_PATH, "INNER": INNER},
             stdin=subprocess.DEVNULL,
             stdout=sink,
@@ -317,7 +319,7 @@ def _boot(base: Path, marker: Path, marker_text: str) -> SystemManager:
             start_new_session=True,
             cwd="/",
         )
-    manager = SystemManager(base, marker, marker_text, cgroup_name, process, log)
+    manager = SystemManager(base, marker, marker_text, cgroup_name, process, log, unit_path)
     try:
         _wait_running(manager)
         _check_contained(manager)
@@ -354,7 +356,8 @@ def _check_contained(manager: SystemManager) -> None:
     assert manager.run("test", "-e", str(manager.marker), check=False).returncode == 1, "machine /tmp seen"
     out = manager.systemctl("show", "-p", "UnitPath,ControlGroup").stdout
     shown = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
-    assert shown["UnitPath"].split() == list(UNIT_PATH), shown
+    assert shown["UnitPath"].split() == list(manager.unit_path), shown
+    assert not any(path.startswith(("/lib/", "/usr/")) for path in shown["UnitPath"].split()), shown
     assert shown["ControlGroup"] == f"/{manager.cgroup_name}", shown
 
 
@@ -382,7 +385,7 @@ def reboot(manager: SystemManager) -> None:
     """:func:`power_off`, then a new manager on the same directory (its units, drop-ins and state;
     a fresh /run): ``manager`` is the new one from then on."""
     power_off(manager)
-    booted = _boot(manager.base, manager.marker, manager.marker_text)
+    booted = _boot(manager.base, manager.marker, manager.marker_text, manager.unit_path)
     manager.process, manager.log, manager.cgroup_name = booted.process, booted.log, booted.cgroup_name
     manager.pid1, manager.pid_ns, manager.mnt_ns = booted.pid1, booted.pid_ns, booted.mnt_ns
 
@@ -444,6 +447,14 @@ class SystemWheels:
 
     def __getitem__(self, key: str) -> Path:
         return self.wheels[key]
+
+
+def copy_wheels(manager: SystemManager, wheels: SystemWheels) -> SystemWheels:
+    """``wheels`` copied into another bed's directory (a bed sees no other's)."""
+    directory = manager.base / "wheels"
+    directory.mkdir(mode=0o755)
+    copied = {key: Path(shutil.copy2(path, directory / path.name)) for key, path in wheels.wheels.items()}
+    return SystemWheels(directory, copied)
 
 
 def build_wheels(manager: SystemManager, keys: tuple[str, ...]) -> SystemWheels:

@@ -8,7 +8,17 @@ bed's end checks that no process, mount or cgroup of it is left.
 
 from __future__ import annotations
 
-from tests.bed_system_manager import ACCOUNT, ACCOUNT_ID, SystemBed, SystemManager, reboot
+from tests.bed_system_manager import (
+    ACCOUNT,
+    ACCOUNT_ID,
+    SystemBed,
+    SystemManager,
+    SystemWheels,
+    copy_wheels,
+    reboot,
+    start_system_manager,
+    stop_system_manager,
+)
 from tests.bed_systemd import wait_until
 
 
@@ -150,3 +160,51 @@ def test_a_power_loss_mid_run_gates_the_unit_and_the_boot_unit_recovers(system_b
     assert system_bed.cli("sicext", "--verify-only", *extra, "--json").code == 0
     system_bed.no_trace()
     assert not gate.exists()
+
+
+def test_a_detached_run_is_a_transient_unit_of_the_system_manager(system_bed: SystemBed) -> None:
+    """``--detach`` hands the run to ``systemd-run`` on the system manager; ``--status --wait`` follows
+    it to its end; ``--undo`` puts the old version back under the same unit."""
+    manager = system_bed.manager
+    wheel = str(system_bed.wheels["sicext-2"])
+    detached = system_bed.cli("--yes", "sicext", "--wheel", wheel, "--settle", "1", "--detach", "--json")
+    assert detached.code == 0, detached.stdout + detached.stderr
+    data = detached.json["data"]
+    assert detached.json["status"] == "detached" and data["user_manager"] is False, data
+    waited = system_bed.cli("--status", "--wait", "--run", data["run_id"], "--json")
+    assert waited.code == 0 and waited.json["status"] == "done", waited.stdout + waited.stderr
+    wait_until(lambda: manager.active_state(data["unit"]) == "inactive", 30, "the run's unit to end")
+    assert system_bed.version() == "2.0"
+    manager.wait_active(system_bed.unit)
+    undone = system_bed.cli("--undo", "--yes", "--settle", "1", "--json")
+    assert undone.code == 0, undone.stdout + undone.stderr
+    manager.wait_active(system_bed.unit)
+    assert system_bed.version() == "1.0"
+    main = manager.main_pid(system_bed.unit)
+    assert manager.maps_so(main) == system_bed.so.stat().st_ino
+    system_bed.no_trace()
+
+
+def test_a_manager_that_reads_only_the_bed_s_directory_is_refused_by_the_plan(
+    system_manager: SystemManager, system_wheels: SystemWheels
+) -> None:
+    """The issue's own recipe, ``SYSTEMD_UNIT_PATH`` naming the bed's unit directory alone: the manager
+    reads no admin directory, where the gate's drop-in goes. The plan refuses, the run is refused before
+    the backup and the unit never stops (before: "proceed", then a failure at the gate)."""
+    bare = start_system_manager(unit_path=("/etc/systemd/system",))
+    try:
+        bed = SystemBed(bare, copy_wheels(bare, system_wheels))
+        main = bare.main_pid(bed.unit)
+        wheel = str(bed.wheels["sicext-2"])
+        plan = bed.cli("sicext", "--wheel", wheel, "--dry-run", "--json")
+        assert plan.code == 2, plan.stdout + plan.stderr
+        (refusal,) = plan.json["data"]["refusals"]
+        assert "cannot tell where the service manager reads drop-ins from" in refusal
+        ran = bed.cli("--yes", "sicext", "--wheel", wheel, "--json")
+        assert ran.code == 2 and ran.json["errors"][0]["message"].startswith("the run would refuse: ")
+        assert not list(bed.state.glob("*/backups/*"))
+        assert bare.main_pid(bed.unit) == main and bed.version() == "1.0"
+        bed.cleanup()
+    finally:
+        stop_system_manager(bare)
+    system_manager.check_machine_untouched()
