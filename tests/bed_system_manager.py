@@ -186,6 +186,7 @@ class SystemManager:
     process: subprocess.Popen[bytes]  # the shell that became unshare
     log: Path
     unit_path: tuple[str, ...]  # SYSTEMD_UNIT_PATH
+    settings: dict[str, str]  # :func:`machine_settings` before the bed
     pid1: int = 0  # the machine's PID of the namespace's PID 1 (systemd)
     pid_ns: int = 0
     mnt_ns: int = 0
@@ -272,8 +273,10 @@ class SystemManager:
     # --- the machine outside ---------------------------------------------------------------------------
 
     def check_machine_untouched(self) -> None:
-        """The marker in the machine's /tmp is there, unchanged."""
+        """The marker in the machine's /tmp is there, unchanged; so are the machine's settings a system
+        manager sets at boot (outside a container): its hostname, its core pattern."""
         assert self.marker.read_text() == self.marker_text, f"{self.marker} changed"
+        assert machine_settings() == self.settings
 
 
 def start_system_manager(unit_path: tuple[str, ...] = UNIT_PATH) -> SystemManager:
@@ -302,10 +305,18 @@ def start_system_manager(unit_path: tuple[str, ...] = UNIT_PATH) -> SystemManage
     )
     (base / "group").write_text(Path("/etc/group").read_text() + f"{ACCOUNT}:x:{ACCOUNT_ID}:\n")
     (base / "console").write_text("")
-    return _boot(base, Path(marker_name), marker_text, unit_path)
+    return _boot(base, Path(marker_name), marker_text, unit_path, machine_settings())
 
 
-def _boot(base: Path, marker: Path, marker_text: str, unit_path: tuple[str, ...]) -> SystemManager:
+def machine_settings() -> dict[str, str]:
+    """The machine's settings a system manager would set (outside a container)."""
+    names = ("kernel/hostname", "kernel/core_pattern")
+    return {name: Path("/proc/sys", name).read_text() for name in names}
+
+
+def _boot(
+    base: Path, marker: Path, marker_text: str, unit_path: tuple[str, ...], settings: dict[str, str]
+) -> SystemManager:
     """A manager on the bed's directory ``base`` (new cgroups, new namespaces: a fresh /run)."""
     cgroup_name = f"si-sysbed-{os.getpid()}-{next(_SEQUENCE)}-{time.monotonic_ns()}"
     log = base / f"{cgroup_name}.log"  # one per boot
@@ -319,7 +330,7 @@ def _boot(base: Path, marker: Path, marker_text: str, unit_path: tuple[str, ...]
             start_new_session=True,
             cwd="/",
         )
-    manager = SystemManager(base, marker, marker_text, cgroup_name, process, log, unit_path)
+    manager = SystemManager(base, marker, marker_text, cgroup_name, process, log, unit_path, settings)
     try:
         _wait_running(manager)
         _check_contained(manager)
@@ -385,7 +396,7 @@ def reboot(manager: SystemManager) -> None:
     """:func:`power_off`, then a new manager on the same directory (its units, drop-ins and state;
     a fresh /run): ``manager`` is the new one from then on."""
     power_off(manager)
-    booted = _boot(manager.base, manager.marker, manager.marker_text, manager.unit_path)
+    booted = _boot(manager.base, manager.marker, manager.marker_text, manager.unit_path, manager.settings)
     manager.process, manager.log, manager.cgroup_name = booted.process, booted.log, booted.cgroup_name
     manager.pid1, manager.pid_ns, manager.mnt_ns = booted.pid1, booted.pid_ns, booted.mnt_ns
 
