@@ -80,8 +80,10 @@ def test_a_broken_version_is_refused_before_the_system_unit_stops(system_bed: Sy
     manager = system_bed.manager
     main = manager.main_pid(system_bed.unit)
     result = system_bed.cli("--yes", "sicext", "--wheel", str(system_bed.wheels["sicext-3"]), "--json")
-    assert result.code != 0 and result.json["status"] != "ok", result.stdout
-    assert "smoke" in result.stdout, result.stdout
+    assert result.code == 2, result.stdout + result.stderr
+    (error,) = result.json["errors"]
+    assert "sicext: ImportError: sicext 3.0 is broken on purpose" in error["message"], error
+    assert "nothing was stopped" in error["hint"]
     assert manager.main_pid(system_bed.unit) == main and system_bed.version() == "1.0"
     system_bed.no_trace()
 
