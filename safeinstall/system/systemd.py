@@ -266,7 +266,9 @@ def dropin_roots(unit_path: Sequence[str]) -> DropinRoots:
         raise SystemdError(
             "cannot tell where the service manager reads drop-ins from "
             f"(its UnitPath has no persistent and runtime control directories: {' '.join(unit_path)})",
-            hint="this systemd may be too old; safeinstall needs systemd 240 or newer",
+            hint="the gate's drop-in goes to the manager's admin directory (/etc/systemd/system, "
+            "~/.config/systemd/user), which it reads from systemd 240 on, unless it was started with "
+            'SYSTEMD_UNIT_PATH (keep its defaults: end the value with ":")',
         )
     persistent, runtime = (entry.removesuffix(".control") for entry in controls[:2])
     missing = [entry for entry in (persistent, runtime) if entry not in unit_path]
