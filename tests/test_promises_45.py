@@ -4,11 +4,13 @@ systemd --user manager, the fake NVML driver, the console script."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
 from tests import wheelhouse
+from tests.beds import Bed
 from tests.clirun import run
 
 # --- verify: a #!python script's launcher ----------------------------------------------------------
@@ -49,3 +51,49 @@ def test_lines_inserted_between_a_scripts_launcher_and_its_body_are_drift(
     result = run("sidata", "--verify-only", "--python", str(python), "--wheel", str(wheel), "--json")
     assert result.code == 1, result.stdout + result.stderr
     assert [(f["kind"], f["path"]) for f in result.json["data"]["findings"]] == [("modified", str(script))]
+
+
+# --- a good run ends 0, whatever signal comes once its result is out ----------------------------------
+
+# A SIGTERM to the process once the run's result is shown: when ``execute`` returns (the result printed,
+# the run's handlers put back), or at the last Python code before the interpreter exits (an atexit
+# callback, registered first so that it runs last). There the callback does what CPython's finalization
+# does next (``_PySignal_Fini``: a signal whose handler is a Python function goes back to SIG_DFL, one
+# ignored stays ignored), then sends it: the window the soak hit (seed 3686688892, exit -15).
+HOOK_AFTER_RESULT = r"""
+import atexit, os, signal, sys, threading
+where = sys.argv.pop(1)
+sent = []
+def term():
+    sent.append(True)
+    os.kill(os.getpid(), signal.SIGTERM)
+def hook(frame, event, arg):
+    if not sent and event == "return" and frame.f_code.co_name == "execute" \
+            and frame.f_globals.get("__name__") == "safeinstall.run.commands":
+        term()
+def at_exit():
+    if callable(signal.getsignal(signal.SIGTERM)):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    term()
+if where == "result-shown":
+    sys.setprofile(hook)
+else:
+    atexit.register(at_exit)
+from safeinstall.__main__ import main
+sys.argv[0] = "safeinstall"
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize("where", ["result-shown", "interpreter-exit"])
+def test_a_signal_once_a_good_runs_result_is_shown_does_not_change_its_exit(bed: Bed, where: str) -> None:
+    """docs/faults.md: a good run ends 0. A SIGTERM after its result is printed (as the command returns,
+    or as the interpreter exits) is ignored: exit 0 and the one result, not exit 2 with "nothing was
+    changed" after it (the handler before the journal put back) nor a death by SIGTERM (-15)."""
+    unit = bed.service("after-result")
+    bed.tool = (sys.executable, "-c", HOOK_AFTER_RESULT, where)
+    result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--json")
+    assert result.code == 0, (result.code, result.stdout + result.stderr)
+    assert result.json["status"] == "done" and result.json["exit_code"] == 0, result.stdout
+    assert "error:" not in result.stderr, result.stderr
+    assert bed.version() == "2.0" and bed.manager.active_state(unit) == "active"
