@@ -4,14 +4,27 @@ systemd --user manager, the fake NVML driver, the console script."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import fcntl
+import importlib
+import os
+import socketserver
+import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests import wheelhouse
-from tests.beds import Bed
+from tests.bed_systemd import wait_until
+from tests.beds import AS_ROOT, NOBODY, UNIT_TEXT, Bed, ServiceAccountBed, shared_interpreter_or_skip
 from tests.clirun import run
+from tests.wheelhouse import Wheelhouse
+
+AS_NOBODY = ("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups")
 
 # --- verify: a #!python script's launcher ----------------------------------------------------------
 
@@ -97,3 +110,182 @@ def test_a_signal_once_a_good_runs_result_is_shown_does_not_change_its_exit(bed:
     assert result.json["status"] == "done" and result.json["exit_code"] == 0, result.stdout
     assert "error:" not in result.stderr, result.stderr
     assert bed.version() == "2.0" and bed.manager.active_state(unit) == "active"
+
+
+# --- the plan's uv and uv's lock ------------------------------------------------------------------------
+
+
+def test_an_operators_uv_lock_timeout_above_the_plans_bound_is_capped() -> None:
+    """docs/privsep.md row 6: the plan's uv waits at most ``PLAN_LOCK_WAIT_S`` for uv's lock, whatever
+    ``UV_LOCK_TIMEOUT`` the operator set (300 s is uv's default); a shorter one stays."""
+    from safeinstall.env.uvplan import PLAN_LOCK_WAIT_S, plan_environ
+
+    assert PLAN_LOCK_WAIT_S == 10
+    assert plan_environ({"UV_LOCK_TIMEOUT": "300", "A": "b"}) == {"UV_LOCK_TIMEOUT": "10", "A": "b"}
+    assert plan_environ({"UV_LOCK_TIMEOUT": "3"})["UV_LOCK_TIMEOUT"] == "3"
+    assert plan_environ({})["UV_LOCK_TIMEOUT"] == "10"
+    assert plan_environ({"UV_LOCK_TIMEOUT": "-1"})["UV_LOCK_TIMEOUT"] == "10"
+
+
+def _held(lock: Path) -> bool:
+    """Whether another process holds ``lock`` (``flock``, as uv takes it)."""
+    fd = os.open(lock, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def test_uvs_lock_held_by_the_environments_account_refuses_the_run(account: ServiceAccountBed) -> None:
+    """uv's lock held by the environment's own account (not only root) is another uv installing into
+    the environment: the run refuses at its gate, before the stop (exit 2), the unit keeps running,
+    nothing changes, the lock file is not taken from under it. Here the account's service holds it."""
+    lock = account.base / "venv" / ".lock"
+    lock.touch()
+    os.chown(lock, NOBODY, NOBODY)
+    lock.chmod(0o666)
+    serve = f"{account.exec_prefix}flock --no-fork {lock} {account.python.parent}/sicext-serve"
+    name = account.unit("own-lock", text=UNIT_TEXT.replace("{exec}", serve))
+    main = account.manager.main_pid(name)
+    wait_until(lambda: _held(lock), 30, "the account's service holds uv's lock")
+    held = os.stat(lock).st_ino
+    result = account.safeinstall(
+        "sicext", "--wheel", str(account.wheels["sicext-2"]), "--json", more_env={"UV_LOCK_TIMEOUT": "1"}
+    )
+    assert result.code == 2, result.stdout + result.stderr
+    (error,) = result.json["errors"]
+    assert f"is held by PID {main}" in error["message"], error
+    assert "another uv is installing into this environment" in error["message"]
+    assert account.manager.main_pid(name) == main and account.version() == "1.0"
+    assert os.stat(lock).st_ino == held
+
+
+# --- workers ----------------------------------------------------------------------------------------------
+
+
+def test_an_import_in_a_worker_fails_at_once(tmp_path: Path) -> None:
+    """A worker never imports (system/worker.py): a module not loaded before the fork fails to import
+    in it, even one root can read, so no test passes only because its interpreter was readable."""
+    from safeinstall.system import worker
+
+    (tmp_path / "si_never_loaded_45.py").write_text("VALUE = 45\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        for ids in (None, (NOBODY, NOBODY)):
+            with pytest.raises(worker.WorkerError, match="a worker imported si_never_loaded_45"):
+                worker.call(
+                    ids,
+                    lambda: importlib.import_module("si_never_loaded_45").VALUE,
+                    timeout=30,
+                    what="imports",
+                )
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert "si_never_loaded_45" not in sys.modules
+
+
+def test_a_worker_is_never_dumpable() -> None:
+    """A worker (root's own too, whose ids do not change, so the kernel's ``fs.suid_dumpable`` never
+    applies) is not dumpable: no ptrace of it, no read of its memory, a copy of root's."""
+    from safeinstall.system import worker
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_get_dumpable = 3
+    assert libc.prctl(pr_get_dumpable, 0, 0, 0, 0) == 1  # this process: dumpable, as any
+    for ids in (None, (NOBODY, NOBODY)):
+        seen = worker.call(ids, lambda: libc.prctl(pr_get_dumpable, 0, 0, 0, 0), timeout=30, what="says")
+        assert seen == 0, ids
+
+
+# --- health ------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _answering(head: bytes, location: str = "") -> Iterator[int]:
+    """A real local HTTP server that answers every request with ``head`` (``{location}`` filled in);
+    yields its port."""
+
+    class Answer(socketserver.StreamRequestHandler):
+        def handle(self) -> None:
+            self.rfile.readline()
+            with contextlib.suppress(OSError):
+                self.wfile.write(head.replace(b"{location}", location.encode()))
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Answer)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield int(server.server_address[1])
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_health_redirect_to_another_port_is_refused() -> None:
+    """A redirect is followed only to the URL's own scheme, host *and port*: a service cannot send
+    root's request to another service of the same host, nor have its 200 count as its own health."""
+    from safeinstall.errors import StepFailed
+    from safeinstall.system.health import wait_healthy
+
+    with _answering(b"HTTP/1.1 200 OK\r\n\r\n") as other:
+        target = f"http://127.0.0.1:{other}/health"
+        moved = b"HTTP/1.1 302 Found\r\nLocation: {location}\r\n\r\n"
+        with _answering(moved, target) as port, pytest.raises(StepFailed) as caught:
+            wait_healthy(f"http://127.0.0.1:{port}/health", 1)
+    assert f"(last: HTTP 302 redirect to another host ({target}), refused)" in caught.value.message
+
+
+def test_only_200_is_healthy() -> None:
+    """Only HTTP 200 counts (docs/reinstall.md): a 204 (or any other 2xx) is not healthy."""
+    from safeinstall.errors import StepFailed
+    from safeinstall.system.health import wait_healthy
+
+    with _answering(b"HTTP/1.1 204 No Content\r\n\r\n") as port, pytest.raises(StepFailed) as caught:
+        wait_healthy(f"http://127.0.0.1:{port}/health", 1)
+    assert "(last: HTTP 204)" in caught.value.message
+
+
+# --- the .pth walk: what site imports at start-up -----------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["import-tab-line", "sitecustomize-package"])
+def test_what_site_imports_without_an_import_space_line_is_walked(
+    open_dir: Path, wheels: Wheelhouse, how: str
+) -> None:
+    """``site`` runs a ``.pth`` line that starts with ``import`` and a tab as it runs ``import NAME``, and
+    imports ``sitecustomize`` (and ``usercustomize``) with no ``.pth`` line at all: the package either
+    loads is root's, one module deep in it the account's. The environment is the account's: nothing
+    of it runs as root."""
+    if not AS_ROOT:
+        pytest.skip("the attack is on a run as root")
+    uids = open_dir / "uids"
+    uids.touch()
+    uids.chmod(0o666)
+    record = f"import os; open({str(uids)!r}, 'a').write('%d\\n' % os.getuid())\n"
+    python = wheelhouse.make_venv(open_dir / "venv", shared_interpreter_or_skip())
+    wheelhouse.uv_install(python, wheels["sipure-1"])
+    site = wheelhouse.site_packages(python)
+    package = "zzpkg" if how == "import-tab-line" else "sitecustomize"
+    (site / package / "inner").mkdir(parents=True)
+    (site / package / "__init__.py").write_text(f"from {package}.inner import sub\n")
+    (site / package / "inner" / "__init__.py").write_text("")
+    (site / package / "inner" / "sub.py").write_text(record)
+    os.chown(site / package / "inner" / "sub.py", NOBODY, NOBODY)
+    if how == "import-tab-line":
+        (site / "zz-pkg.pth").write_text("import\tzzpkg\n")
+    environ = {**os.environ, "SAFEINSTALL_STATE_DIR": str(open_dir / "state")}
+    args = ("sipure", "--wheel", str(wheels["sipure-2"]), "--python", str(python), "--dry-run", "--json")
+    result = run(*args, env=environ, timeout=120)
+    assert "0" not in uids.read_text().split(), f"ran as root: {result.stdout}{result.stderr}"
+    assert "belongs to uid 65534" in result.stdout + result.stderr, result.stdout + result.stderr
+    if how == "import-tab-line":  # what the check guards: site does run that line (here as the account)
+        probe = subprocess.run(
+            [*AS_NOBODY, str(python), "-c", ""], capture_output=True, text=True, check=False
+        )
+        assert str(NOBODY) in uids.read_text().split(), probe.stderr
+    # (a sitecustomize in site-packages runs where the interpreter has none of its own; Debian's has
+    # one in its standard library, which comes first: the walk looks at it all the same)
