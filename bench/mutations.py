@@ -37,6 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 COPIED = ("safeinstall", "tests", "fixtures", "pyproject.toml")
 PROMISES = "tests/test_promises.py"
+PROMISES_45 = "tests/test_promises_45.py"
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,6 +315,97 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/test_hostile_fs.py::test_a_package_a_pth_line_imports_is_walked_within_bounds_never_out_of_it"
             "[link-out]",
         ),
+    ),
+    # issue 45: the promises its audit found undefended
+    Mutation(
+        "verify-script-launcher-lines",
+        "safeinstall/env/verify.py",
+        "    if len(lines) == 2:\n        return True",
+        "    if len(lines) <= 4:\n        return True",
+        (
+            f"{PROMISES_45}::test_lines_inserted_between_a_scripts_launcher_and_its_body_are_drift"
+            "[one-line-after-shebang]",
+            f"{PROMISES_45}::test_lines_inserted_between_a_scripts_launcher_and_its_body_are_drift"
+            "[two-lines-after-shebang]",
+        ),
+    ),
+    Mutation(
+        "result-signals-handled",
+        "safeinstall/run/commands.py",
+        "    ignored_until_exit()\n",
+        "    pass\n",
+        (
+            f"{PROMISES_45}::test_a_signal_once_a_good_runs_result_is_shown_does_not_change_its_exit"
+            "[result-shown]",
+            f"{PROMISES_45}::test_a_signal_once_a_good_runs_result_is_shown_does_not_change_its_exit"
+            "[interpreter-exit]",
+        ),
+    ),
+    Mutation(
+        "plan-lock-timeout-uncapped",
+        "safeinstall/env/uvplan.py",
+        "min(int(given), PLAN_LOCK_WAIT_S)",
+        "int(given)",
+        (f"{PROMISES_45}::test_an_operators_uv_lock_timeout_above_the_plans_bound_is_capped",),
+    ),
+    Mutation(
+        "uv-lock-owner-holder-ignored",
+        "safeinstall/env/uvplan.py",
+        "if uid in (0, own_uid)]",
+        "if uid == 0]",
+        (f"{PROMISES_45}::test_uvs_lock_held_by_the_environments_account_refuses_the_run",),
+    ),
+    Mutation(
+        "worker-imports",
+        "safeinstall/system/worker.py",
+        "        sys.meta_path.insert(0, _NoImports())\n",
+        "        pass\n",
+        (f"{PROMISES_45}::test_an_import_in_a_worker_fails_at_once",),
+    ),
+    Mutation(
+        "worker-dumpable",
+        "safeinstall/system/children.py",
+        "        _PRCTL(_PR_SET_DUMPABLE, 0)\n",
+        "        pass\n",
+        (f"{PROMISES_45}::test_a_worker_is_never_dumpable",),
+    ),
+    Mutation(
+        "health-redirect-any-port",
+        "safeinstall/system/health.py",
+        "    return parts.scheme, parts.hostname, parts.port\n",
+        "    return parts.scheme, parts.hostname, None\n",
+        (f"{PROMISES_45}::test_a_health_redirect_to_another_port_is_refused",),
+    ),
+    Mutation(
+        "health-any-2xx",
+        "safeinstall/system/health.py",
+        "        if status == 200:\n",
+        "        if 200 <= status < 300:\n",
+        (f"{PROMISES_45}::test_only_200_is_healthy",),
+    ),
+    Mutation(
+        "pth-import-tab-is-a-path",
+        "safeinstall/env/environment.py",
+        'if line.startswith(("import ", "import\\t")):',
+        'if line.startswith("import "):',
+        (f"{PROMISES_45}::test_what_site_imports_without_an_import_space_line_is_walked[import-tab-line]",),
+    ),
+    Mutation(
+        "sitecustomize-not-walked",
+        "safeinstall/env/environment.py",
+        "    names = set(_SITE_IMPORTS)\n",
+        "    names = set[str]()\n",
+        (
+            f"{PROMISES_45}::test_what_site_imports_without_an_import_space_line_is_walked"
+            "[sitecustomize-package]",
+        ),
+    ),
+    Mutation(
+        "d-state-breaks-ignored",
+        "safeinstall/run/reinstall.py",
+        "                self.since.pop(process, None)\n",
+        "                pass\n",
+        (f"{PROMISES_45}::test_a_gpu_holder_in_and_out_of_d_state_is_not_stuck",),
     ),
 )
 

@@ -9,6 +9,8 @@ import ctypes
 import fcntl
 import importlib
 import os
+import shutil
+import signal
 import socketserver
 import subprocess
 import sys
@@ -19,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from tests import wheelhouse
-from tests.bed_systemd import wait_until
+from tests.bed_nvml import GiB
+from tests.bed_systemd import cgroup_pids, wait_until
 from tests.beds import AS_ROOT, NOBODY, UNIT_TEXT, Bed, ServiceAccountBed, shared_interpreter_or_skip
 from tests.clirun import run
 from tests.wheelhouse import Wheelhouse
@@ -289,3 +292,96 @@ def test_what_site_imports_without_an_import_space_line_is_walked(
         assert str(NOBODY) in uids.read_text().split(), probe.stderr
     # (a sitecustomize in site-packages runs where the interpreter has none of its own; Debian's has
     # one in its standard library, which comes first: the walk looks at it all the same)
+
+
+# --- D state: 3 s without a break ------------------------------------------------------------------------
+
+#: A process that goes in and out of ``D`` when told: ``vfork()`` holds it in ``D`` until its child,
+#: which stops itself, is continued (SIGCONT) and exits; it then waits in ``S`` for SIGUSR1, and goes
+#: round again, 20 times, then exits.
+IN_AND_OUT_OF_D = r"""
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+int main(void) {
+    sigset_t set;
+    int sig;
+    sigemptyset(&set);
+    sigaddset(&set, SIGUSR1);
+    sigprocmask(SIG_BLOCK, &set, NULL);
+    for (int i = 0; i < 20; i++) {
+        pid_t child = vfork();
+        if (child == 0) {
+            kill(getpid(), SIGSTOP);
+            _exit(0);
+        }
+        waitpid(child, NULL, 0);
+        sigwait(&set, &sig);
+    }
+    return 0;
+}
+"""
+
+# After each poll of the stop's wait (the D-state check's call), the helper is moved on: seen in D, its
+# stopped child is continued (it leaves D, and waits in S); seen in S, it is sent SIGUSR1 (back in D).
+# So each poll sees it in the other state: D, S, D, S... for at least 40 polls (8 s at 0.2 s each).
+HOOK_D_S_D = r"""
+import os, signal, sys
+helper = int(sys.argv.pop(1))
+def state(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0]
+    except OSError:
+        return ""
+def hook(frame, event, arg):
+    if event != "return" or frame.f_code.co_name != "__call__" \
+            or frame.f_globals.get("__name__") != "safeinstall.run.reinstall":
+        return
+    now = state(helper)
+    if now == "D":
+        with open(f"/proc/{helper}/task/{helper}/children") as children:
+            for child in children.read().split():
+                os.kill(int(child), signal.SIGCONT)
+    elif now == "S":
+        os.kill(helper, signal.SIGUSR1)
+sys.setprofile(hook)
+from safeinstall.__main__ import main
+sys.argv[0] = "safeinstall"
+sys.exit(main())
+"""
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def test_a_gpu_holder_in_and_out_of_d_state_is_not_stuck(bed: Bed, tmp_path: Path) -> None:
+    """docs/reinstall.md: a stopped GPU holder is stuck only after 3 s in ``D`` *without a break*: one
+    seen D, S, D, S... at each poll of the stop's wait (never twice in a row in D), for longer than 3 s
+    in all, is waited for, not declared stuck; once it exits the run goes on and installs."""
+    helper = tmp_path / "in_and_out_of_d"
+    source = tmp_path / "in_and_out_of_d.c"
+    source.write_text(IN_AND_OUT_OF_D)
+    subprocess.run([shutil.which("gcc") or "cc", "-o", str(helper), str(source)], check=True)
+    name = bed.units.started(
+        "d-s-d", f"/bin/sh -c '{helper} & exec {bed.python.parent}/sicext-serve'", KillMode="process"
+    )
+    main = bed.manager.main_pid(name)
+    group = bed.manager.show(name, "ControlGroup")["ControlGroup"]
+    wait_until(lambda: any(_state(p) == "D" for p in cgroup_pids(group)), 15, "the helper in D state")
+    (flipping,) = [p for p in cgroup_pids(group) if _state(p) == "D"]
+    gpu = bed.nvml.add_gpu("NVIDIA H200", "GPU-00000000-0000-0000-0000-0000000000d5", 141 * GiB)
+    bed.nvml.hold(flipping, gpu, 20 * GiB)
+    bed.tool = (sys.executable, "-c", HOOK_D_S_D, str(flipping))
+    try:
+        done = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--json")
+        assert done.code == 0, done.stdout + done.stderr
+        assert bed.version() == "2.0" and bed.manager.main_pid(name) != main
+    finally:
+        for pid in [flipping, *(p for p in cgroup_pids(group) if _state(p) == "T")]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
