@@ -407,6 +407,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         "                pass\n",
         (f"{PROMISES_45}::test_a_gpu_holder_in_and_out_of_d_state_is_not_stuck",),
     ),
+    Mutation(
+        "smoke-first-stderr-lines",
+        "safeinstall/env/smoke.py",
+        "    return tuple(kept[-lines:])\n",
+        "    return tuple(kept[:lines])\n",
+        (f"{PROMISES_45}::test_a_failed_smoke_command_shows_its_last_lines_of_standard_error",),
+    ),
 )
 
 

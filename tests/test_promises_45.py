@@ -385,3 +385,21 @@ def test_a_gpu_holder_in_and_out_of_d_state_is_not_stuck(bed: Bed, tmp_path: Pat
         for pid in [flipping, *(p for p in cgroup_pids(group) if _state(p) == "T")]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+# --- smoke check ------------------------------------------------------------------------------------------
+
+
+def test_a_failed_smoke_command_shows_its_last_lines_of_standard_error(bed: Bed) -> None:
+    """The refusal shows what the child said last (where a traceback ends: its error), the last 12
+    non-empty lines of its standard error, not its first ones."""
+    unit = bed.service("smoke-tail")
+    main = bed.manager.main_pid(unit)
+    command = "for i in $(seq 1 30); do echo smoke-line-$i >&2; done; exit 1"
+    refused = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--json", "--smoke", command)
+    assert refused.code == 2, refused.stdout + refused.stderr
+    message = refused.json["errors"][0]["message"]
+    assert "its last lines of standard error" in message, message
+    shown = [n for n in range(1, 31) if f"smoke-line-{n}\n" in message + "\n"]
+    assert shown == list(range(19, 31)), message
+    assert bed.manager.main_pid(unit) == main and bed.version() == "1.0"
