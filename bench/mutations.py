@@ -414,6 +414,20 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    return tuple(kept[:lines])\n",
         (f"{PROMISES_45}::test_a_failed_smoke_command_shows_its_last_lines_of_standard_error",),
     ),
+    Mutation(
+        "undo-other-version-ignored",
+        "safeinstall/run/undo.py",
+        "        elif current.version != version:\n",
+        "        elif False:\n",
+        (f"{PROMISES_45}::test_another_version_installed_since_the_run_refuses_its_undo",),
+    ),
+    Mutation(
+        "rolled-back-run-prunes-good-backups",
+        "safeinstall/store/retention.py",
+        "beyond = counted[keep:] if good_run else []",
+        "beyond = counted[keep:]",
+        (f"{PROMISES_45}::test_a_rolled_back_run_never_prunes_a_good_runs_backup_even_past_keep_backups",),
+    ),
 )
 
 

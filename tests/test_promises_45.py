@@ -403,3 +403,46 @@ def test_a_failed_smoke_command_shows_its_last_lines_of_standard_error(bed: Bed)
     shown = [n for n in range(1, 31) if f"smoke-line-{n}\n" in message + "\n"]
     assert shown == list(range(19, 31)), message
     assert bed.manager.main_pid(unit) == main and bed.version() == "1.0"
+
+
+# --- undo -------------------------------------------------------------------------------------------------
+
+
+def _good_run(bed: Bed, wheel: str, *extra: str) -> str:
+    result = bed.safeinstall("sicext", "--wheel", str(bed.wheels[wheel]), "--settle", "0.5", "--json", *extra)
+    assert result.code == 0, result.stdout + result.stderr
+    run_id: str = result.json["data"]["run_id"]
+    return run_id
+
+
+def test_another_version_installed_since_the_run_refuses_its_undo(bed: Bed) -> None:
+    """docs/undo.md: the undo is refused before anything stops when the environment is not what the run
+    left; here another version was installed since (by hand, with uv), whose files the run never saw."""
+    name = bed.service("undo-other-version")
+    _good_run(bed, "sicext-2")
+    wheelhouse.uv_install(bed.python, bed.wheels["sicext-1"], reinstall=True)
+    assert bed.version() == "1.0"
+    main = bed.manager.main_pid(name)
+    result = bed.safeinstall("--undo", "--settle", "0.5", "--json")
+    assert result.code == 2, result.stdout + result.stderr
+    message = result.json["errors"][0]["message"]
+    assert "changed since run" in message and "sicext is 1.0 now, the run left 2.0" in message, message
+    assert bed.manager.main_pid(name) == main and bed.version() == "1.0"
+
+
+def test_a_rolled_back_run_never_prunes_a_good_runs_backup_even_past_keep_backups(bed: Bed) -> None:
+    """Issue 37's promise where ``--keep-backups`` is reached: two good runs' backups, then a run that
+    is rolled back with ``--keep-backups 1``: it deletes none of the good runs' backups (only a good run
+    prunes them, to its ``--keep-backups``)."""
+    bed.service("keep-reached")
+    first = _good_run(bed, "sicext-2")
+    second = _good_run(bed, "sicext-1")
+    failed = bed.safeinstall(
+        "sicext", "--wheel", str(bed.wheels["sicext-3"]), "--settle", "1", "--json", "--no-smoke",
+        "--keep-backups", "1",
+    )  # fmt: skip
+    assert failed.code == 3, failed.stdout + failed.stderr
+    assert failed.json["data"]["backups_removed"] == [], (first, second)
+    assert bed.version() == "1.0"
+    backups = {p.name for p in bed.state.glob("*/backups/*")}
+    assert {first, second} <= backups, backups
