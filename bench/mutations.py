@@ -428,6 +428,24 @@ MUTATIONS: tuple[Mutation, ...] = (
         "beyond = counted[keep:]",
         (f"{PROMISES_45}::test_a_rolled_back_run_never_prunes_a_good_runs_backup_even_past_keep_backups",),
     ),
+    Mutation(
+        "recover-first-failure-wins",
+        "safeinstall/run/recover.py",
+        "        if any(f.exit_code == ExitCode.ROLLBACK_FAILED for f in self.failures):\n"
+        "            return ExitCode.ROLLBACK_FAILED\n",
+        "",
+        (
+            f"{PROMISES_45}::test_recover_of_several_environments_exits_4_when_one_is_left_down_whatever_"
+            "came_first",
+        ),
+    ),
+    Mutation(
+        "rollback-restores-under-running-units",
+        "safeinstall/run/rollback.py",
+        "            if run.restart_started:\n",
+        "            if False:\n",
+        (f"{PROMISES_45}::test_a_rollback_after_the_restart_began_stops_the_units_before_the_restore",),
+    ),
 )
 
 

@@ -23,7 +23,15 @@ import pytest
 from tests import wheelhouse
 from tests.bed_nvml import GiB
 from tests.bed_systemd import cgroup_pids, wait_until
-from tests.beds import AS_ROOT, NOBODY, UNIT_TEXT, Bed, ServiceAccountBed, shared_interpreter_or_skip
+from tests.beds import (
+    AS_ROOT,
+    NOBODY,
+    UNIT_TEXT,
+    Bed,
+    ServiceAccountBed,
+    maps_so,
+    shared_interpreter_or_skip,
+)
 from tests.clirun import run
 from tests.wheelhouse import Wheelhouse
 
@@ -446,3 +454,49 @@ def test_a_rolled_back_run_never_prunes_a_good_runs_backup_even_past_keep_backup
     assert bed.version() == "1.0"
     backups = {p.name for p in bed.state.glob("*/backups/*")}
     assert {first, second} <= backups, backups
+
+
+# --- --recover over several environments ----------------------------------------------------------------
+
+
+def test_recover_of_several_environments_exits_4_when_one_is_left_down_whatever_came_first() -> None:
+    """docs/crash-safety.md: ``--recover`` (every environment, as at boot) exits 4 when one recovery
+    failed with its services maybe down, even when an environment refused before it (a journal it
+    could not read: exit 2) came first; otherwise the first failure's code."""
+    from safeinstall.errors import ExitCode, RollbackFailed
+    from safeinstall.run.recover import Recovered
+    from safeinstall.store.journal import JournalError
+
+    refused = JournalError("the journal of /srv/a cannot be read")
+    down = RollbackFailed("the units of /srv/b did not start", commands=("systemctl start b",))
+    assert Recovered((), (refused, down)).exit_code == ExitCode.ROLLBACK_FAILED
+    assert Recovered((), (down, refused)).exit_code == ExitCode.ROLLBACK_FAILED
+    assert Recovered((), (refused,)).exit_code == refused.exit_code == ExitCode.REFUSED
+    assert Recovered((), ()).exit_code == ExitCode.OK
+
+
+# --- a rollback once the restart began ------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socketserver.TCPServer(("127.0.0.1", 0), socketserver.BaseRequestHandler) as server:
+        return int(server.server_address[1])
+
+
+def test_a_rollback_after_the_restart_began_stops_the_units_before_the_restore(bed: Bed) -> None:
+    """docs/reinstall.md: a failure once the units run the new version (here its health URL never
+    answers) stops them again before the old files go back, then starts them: the unit ends up running
+    the old version's code, a process that maps the restored extension, never the new code with the
+    old files under it."""
+    name = bed.service("rollback-after-restart")
+    bad = bed.safeinstall(
+        "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json",
+        "--health-url", f"http://127.0.0.1:{_free_port()}/health", "--health-timeout", "1",
+    )  # fmt: skip
+    assert bad.code == 3, bad.stdout + bad.stderr
+    assert "did not answer 200" in bad.json["errors"][0]["message"]
+    assert bed.version() == "1.0"
+    wait_until(lambda: bed.manager.active_state(name) == "active", 30, "the unit running again")
+    main = bed.manager.main_pid(name)
+    wait_until(lambda: maps_so(main) is not None, 15, "the service maps the .so")
+    assert maps_so(main) == os.stat(bed.so).st_ino, "the unit runs code that is not the restored version's"
