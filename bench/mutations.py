@@ -446,6 +446,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            if False:\n",
         (f"{PROMISES_45}::test_a_rollback_after_the_restart_began_stops_the_units_before_the_restore",),
     ),
+    Mutation(
+        "environment-evidence-any-root",
+        "safeinstall/scan/processes.py",
+        "        if seen is not None and seen != scope.prefix_id:\n",
+        "        if False:\n",
+        (f"{PROMISES_45}::test_environment_evidence_is_not_given_to_a_process_in_another_root",),
+    ),
 )
 
 

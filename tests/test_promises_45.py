@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
+import functools
 import importlib
 import os
 import shutil
@@ -17,6 +18,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -500,3 +502,60 @@ def test_a_rollback_after_the_restart_began_stops_the_units_before_the_restore(b
     main = bed.manager.main_pid(name)
     wait_until(lambda: maps_so(main) is not None, 15, "the service maps the .so")
     assert maps_so(main) == os.stat(bed.so).st_ino, "the unit runs code that is not the restored version's"
+
+
+# --- environment evidence and another root ---------------------------------------------------------------
+
+
+def _holding(pid: int, path: str) -> bool:
+    try:
+        return any(os.readlink(f"/proc/{pid}/fd/{fd}") == path for fd in os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return False
+
+
+def test_environment_evidence_is_not_given_to_a_process_in_another_root(
+    sipure_venv: Path, tmp_path: Path
+) -> None:
+    """A process whose root (a container's mount namespace) has a directory of its own at the prefix's
+    path holds open a file at ``PREFIX/...``: the path is the prefix's, the directory is not, so it
+    is no ``environment`` evidence. The same path held open by a process of this root is."""
+    if not AS_ROOT or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) for a private mount namespace")
+    from safeinstall.scan.evidence import EvidenceKind
+    from safeinstall.scan.processes import scan_processes
+    from safeinstall.scan.targets import environment_scope
+
+    env, targets = _env_and_targets(sipure_venv, "sipure")
+    prefix = str(env.prefix)
+    (env.prefix / "marker").write_text("this environment's\n")
+    other = tmp_path / "container-venv"
+    other.mkdir()
+    (other / "marker").write_text("the container's own\n")
+    marker = f"{prefix}/marker"
+    contained = f"mount --bind {other} {prefix} && exec 3<{marker} && exec sleep 60"
+    procs = [
+        subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", contained]),
+        subprocess.Popen(["sh", "-c", f"exec 3<{marker} && exec sleep 60"]),
+    ]
+    try:
+        for pid in (p.pid for p in procs):
+            wait_until(functools.partial(_holding, pid, marker), 30, "the marker held open")
+        result = scan_processes(targets, scope=environment_scope(env)).by_pid()
+        inside, outside = (result[p.pid].evidence for p in procs)
+        assert [(e.kind, e.path) for e in outside] == [(EvidenceKind.ENVIRONMENT, marker)]
+        assert inside == ()
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def _env_and_targets(python: Path, name: str) -> tuple[Any, Any]:
+    from safeinstall.env.distributions import find_distribution, find_distributions
+    from safeinstall.env.environment import inspect_environment
+    from safeinstall.scan.targets import load_targets
+
+    env = inspect_environment(python)
+    installed = find_distributions(env)
+    return env, load_targets([find_distribution(env, name, installed)], env, installed)
