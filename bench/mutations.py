@@ -453,6 +453,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        if False:\n",
         (f"{PROMISES_45}::test_environment_evidence_is_not_given_to_a_process_in_another_root",),
     ),
+    Mutation(
+        "identity-ignores-owner",
+        "safeinstall/env/inodes.py",
+        "            or info.st_uid != entry.uid\n",
+        "",
+        (f"{PROMISES_45}::test_a_hashed_cache_inode_of_another_owner_now_is_read_and_hashed",),
+    ),
 )
 
 

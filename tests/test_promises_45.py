@@ -559,3 +559,49 @@ def _env_and_targets(python: Path, name: str) -> tuple[Any, Any]:
     env = inspect_environment(python)
     installed = find_distributions(env)
     return env, load_targets([find_distribution(env, name, installed)], env, installed)
+
+
+# --- verification by identity -----------------------------------------------------------------------------
+
+
+def test_a_hashed_cache_inode_of_another_owner_now_is_read_and_hashed(tmp_path: Path) -> None:
+    """docs/verify.md: an installed file is taken as a hashed inode of the run's cache only when its
+    owner matches too: one given to another account since its hash (who could then have written it,
+    putting its size and modification time back) is read and hashed, the change caught."""
+    import hashlib
+    import time
+
+    from safeinstall.env import inodes
+    from safeinstall.env.drift import Expectation
+    from safeinstall.env.hashing import observe_files
+    from safeinstall.env.records import encode_digest
+
+    if not AS_ROOT:
+        pytest.skip("chown to another account needs root")
+    content = b"print('the new version')\n" * 100
+    cache = tmp_path / "uv-cache"
+    entry = cache / "archive-v0" / "abc123" / "pkg" / "mod.py"
+    entry.parent.mkdir(parents=True)
+    cache.chmod(0o700)
+    entry.write_bytes(content)
+    entry.chmod(0o644)
+    hashed = inodes.still_hashed(inodes.hash_cache(cache))
+    installed = tmp_path / "prefix" / "site-packages" / "pkg" / "mod.py"
+    installed.parent.mkdir(parents=True)
+    os.link(entry, installed)
+    info = installed.stat()
+    with installed.open("r+b") as handle:  # same size, modification time put back
+        handle.write(b"W")
+    os.utime(installed, ns=(info.st_atime_ns, info.st_mtime_ns))
+    os.chown(installed, NOBODY, NOBODY)
+    installed_ns = time.time_ns()  # the install ended after all that: the change time does not tell
+    now = installed.stat()
+    assert (now.st_size, now.st_mtime_ns, now.st_mode & 0o022) == (info.st_size, info.st_mtime_ns, 0)
+
+    def digest(data: bytes) -> str:
+        return encode_digest(hashlib.sha256(data).digest())
+
+    wanted = [Expectation(str(installed), "sha256", digest(content), len(content))]
+    known = inodes.checker(hashed, installed_ns)
+    state = observe_files(wanted, workers=1, within=str(tmp_path / "prefix"), known=known)[str(installed)]
+    assert not state.by_identity and state.digest == digest(b"W" + content[1:])
