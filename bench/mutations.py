@@ -460,6 +460,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         "",
         (f"{PROMISES_45}::test_a_hashed_cache_inode_of_another_owner_now_is_read_and_hashed",),
     ),
+    Mutation(
+        "save-patch-follows-a-late-link",
+        "safeinstall/store/state.py",
+        "fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)",
+        "fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)",
+        (f"{PROMISES_45}::test_save_patch_never_writes_through_a_link_planted_after_its_check",),
+    ),
 )
 
 

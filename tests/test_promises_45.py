@@ -605,3 +605,42 @@ def test_a_hashed_cache_inode_of_another_owner_now_is_read_and_hashed(tmp_path: 
     known = inodes.checker(hashed, installed_ns)
     state = observe_files(wanted, workers=1, within=str(tmp_path / "prefix"), known=known)[str(installed)]
     assert not state.by_identity and state.digest == digest(b"W" + content[1:])
+
+
+# --- --save-patch: a link planted between the check and the open ----------------------------------------
+
+# When the check just before the write (new_output_file, called by write_new_output) returns, a symbolic
+# link to the victim is planted where the patch goes: only the open itself can still refuse it.
+HOOK_PLANT = r"""
+import os, sys
+where, victim = sys.argv.pop(1), sys.argv.pop(1)
+def hook(frame, event, arg):
+    if event == "return" and frame.f_code.co_name == "new_output_file" and frame.f_back is not None \
+            and frame.f_back.f_code.co_name == "write_new_output" and not os.path.lexists(where):
+        os.symlink(victim, where)
+sys.setprofile(hook)
+from safeinstall.__main__ import main
+sys.argv[0] = "safeinstall"
+sys.exit(main())
+"""
+
+
+def test_save_patch_never_writes_through_a_link_planted_after_its_check(
+    sipure_venv: Path, wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    """docs/threat-model.md: ``--save-patch`` is opened ``O_EXCL|O_NOFOLLOW``: a symbolic link that
+    appears at its path after the last check (a race another user could win) is not written through;
+    the victim it points at keeps its bytes and the command says the file exists (exit 2)."""
+    target = wheelhouse.site_packages(sipure_venv) / "sipure" / "__init__.py"
+    target.write_text(target.read_text() + "# a local patch\n")
+    victim = tmp_path / "victim"
+    victim.write_text("keep\n")
+    patch = tmp_path / "local.patch"
+    result = run(
+        "sipure", "--verify-only", "--python", str(sipure_venv), "--wheel", str(wheels["sipure-1"]),
+        "--diff", "--save-patch", str(patch),
+        tool=(sys.executable, "-c", HOOK_PLANT, str(patch), str(victim)),
+    )  # fmt: skip
+    assert patch.is_symlink(), "the hook did not run: the test shows nothing"
+    assert victim.read_text() == "keep\n"
+    assert result.code == 2 and "does not overwrite" in result.stderr, result.stdout + result.stderr
