@@ -644,3 +644,34 @@ def test_save_patch_never_writes_through_a_link_planted_after_its_check(
     assert patch.is_symlink(), "the hook did not run: the test shows nothing"
     assert victim.read_text() == "keep\n"
     assert result.code == 2 and "does not overwrite" in result.stderr, result.stdout + result.stderr
+
+
+# --- kept links --------------------------------------------------------------------------------------------
+
+
+def test_kept_links_are_only_of_inodes_only_root_can_write(sipure_venv: Path, tmp_path: Path) -> None:
+    """docs/privsep.md: root keeps links (the way back that needs no blocks) only of inodes only root can
+    write: a file another account owns, or one others may write, is left out (the restore copies it
+    from the backup), though it has other links as uv's cache gives it."""
+    from safeinstall.env import keep
+    from safeinstall.env.environment import inspect_environment
+
+    if not AS_ROOT:
+        pytest.skip("chown to another account needs root")
+    env = inspect_environment(sipure_venv)
+    files = sorted(
+        p for p in (env.purelib / "sipure").rglob("*") if p.is_file() and "__pycache__" not in str(p)
+    )
+    assert len(files) >= 3
+    elsewhere = tmp_path / "cache"
+    elsewhere.mkdir()
+    for path in files:
+        os.link(path, elsewhere / path.name)  # as uv's cache in hardlink mode: the uninstall frees nothing
+    roots, accounts, anyones = files[:3]
+    os.chown(accounts, NOBODY, NOBODY)
+    anyones.chmod(0o666)
+    listed = [str(p.relative_to(env.prefix)) for p in (roots, accounts, anyones)]
+    assert keep.keep_links(env.prefix, "run45", listed) == 1
+    kept = env.prefix / keep.keep_name("run45")
+    assert sorted(p.name for p in kept.iterdir()) == [keep.key(listed[0])]
+    assert keep.discard(env.prefix, "run45", 10.0)
