@@ -467,6 +467,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         "fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)",
         (f"{PROMISES_45}::test_save_patch_never_writes_through_a_link_planted_after_its_check",),
     ),
+    Mutation(
+        "kept-links-of-writable-inodes",
+        "safeinstall/env/keep.py",
+        "                if not only_caller_writes(info):\n",
+        "                if False:\n",
+        (f"{PROMISES_45}::test_kept_links_are_only_of_inodes_only_root_can_write",),
+    ),
 )
 
 
