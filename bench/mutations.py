@@ -474,6 +474,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         "                if False:\n",
         (f"{PROMISES_45}::test_kept_links_are_only_of_inodes_only_root_can_write",),
     ),
+    Mutation(
+        "smoke-shim-after-the-units-path",
+        "safeinstall/env/smoke.py",
+        '    python_path = [str(shim_dir), *[p for p in variables.get("PYTHONPATH", "").split(os.pathsep) if p]]',
+        '    python_path = [*[p for p in variables.get("PYTHONPATH", "").split(os.pathsep) if p], str(shim_dir)]',
+        (f"{PROMISES_45}::test_the_smoke_shim_stays_ahead_of_a_units_own_pythonpath",),
+    ),
 )
 
 

@@ -9,6 +9,7 @@ import ctypes
 import fcntl
 import functools
 import importlib
+import json
 import os
 import shutil
 import signal
@@ -675,3 +676,23 @@ def test_kept_links_are_only_of_inodes_only_root_can_write(sipure_venv: Path, tm
     kept = env.prefix / keep.keep_name("run45")
     assert sorted(p.name for p in kept.iterdir()) == [keep.key(listed[0])]
     assert keep.discard(env.prefix, "run45", 10.0)
+
+
+def test_the_smoke_shim_stays_ahead_of_a_units_own_pythonpath(bed: Bed, tmp_path: Path) -> None:
+    """The check's shim (a ``sitecustomize`` on ``PYTHONPATH``, which puts the staged new version ahead
+    of the environment's site-packages) comes before the unit's own ``PYTHONPATH`` entries: a unit's
+    directory with a ``sitecustomize`` of its own would otherwise be imported instead, and the check
+    would import the installed (old) version."""
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "sitecustomize.py").write_text("# the unit's own\n")
+    report = tmp_path / "report.json"
+    bed.service("smoke-shim-first", Environment=f"PYTHONPATH={app}")
+    script = f"import json, sicext; json.dump(sicext.__file__, open({str(report)!r}, 'w'))"
+    done = bed.safeinstall(
+        "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "1", "--json",
+        "--smoke", f'python -c "{script}"',
+    )  # fmt: skip
+    assert done.code == 0, done.stdout + done.stderr
+    imported = json.loads(report.read_text())
+    assert not imported.startswith(str(bed.site)), f"the check imported the installed version: {imported}"
