@@ -477,8 +477,10 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "smoke-shim-after-the-units-path",
         "safeinstall/env/smoke.py",
-        '    python_path = [str(shim_dir), *[p for p in variables.get("PYTHONPATH", "").split(os.pathsep) if p]]',
-        '    python_path = [*[p for p in variables.get("PYTHONPATH", "").split(os.pathsep) if p], str(shim_dir)]',
+        "    python_path = [str(shim_dir), *[p for p in variables.get("
+        '"PYTHONPATH", "").split(os.pathsep) if p]]',
+        "    python_path = [*[p for p in variables.get("
+        '"PYTHONPATH", "").split(os.pathsep) if p], str(shim_dir)]',
         (f"{PROMISES_45}::test_the_smoke_shim_stays_ahead_of_a_units_own_pythonpath",),
     ),
 )
