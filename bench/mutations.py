@@ -483,6 +483,20 @@ MUTATIONS: tuple[Mutation, ...] = (
         '"PYTHONPATH", "").split(os.pathsep) if p], str(shim_dir)]',
         (f"{PROMISES_45}::test_the_smoke_shim_stays_ahead_of_a_units_own_pythonpath",),
     ),
+    Mutation(
+        "worker-dumps-core",
+        "safeinstall/system/children.py",
+        "    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))",
+        "    pass",
+        (f"{PROMISES_45}::test_a_worker_has_umask_022_and_no_core_dumps",),
+    ),
+    Mutation(
+        "worker-keeps-the-callers-umask",
+        "safeinstall/system/children.py",
+        "    os.umask(0o022)\n",
+        "",
+        (f"{PROMISES_45}::test_a_worker_has_umask_022_and_no_core_dumps",),
+    ),
 )
 
 

@@ -11,6 +11,7 @@ import functools
 import importlib
 import json
 import os
+import resource
 import shutil
 import signal
 import socketserver
@@ -212,6 +213,28 @@ def test_a_worker_is_never_dumpable() -> None:
     for ids in (None, (NOBODY, NOBODY)):
         seen = worker.call(ids, lambda: libc.prctl(pr_get_dumpable, 0, 0, 0, 0), timeout=30, what="says")
         assert seen == 0, ids
+
+
+def test_a_worker_has_umask_022_and_no_core_dumps() -> None:
+    """docs/privsep.md: a worker's umask is 022 and it dumps no core (what root's memory held), whatever
+    the caller's are."""
+    from safeinstall.system import worker
+
+    old_umask = os.umask(0o077)
+    old_core = resource.getrlimit(resource.RLIMIT_CORE)
+    resource.setrlimit(resource.RLIMIT_CORE, (old_core[1], old_core[1]))
+    try:
+        for ids in (None, (NOBODY, NOBODY)):
+            seen = worker.call(
+                ids,
+                lambda: [os.umask(0o022), *resource.getrlimit(resource.RLIMIT_CORE)],
+                timeout=30,
+                what="says",
+            )
+            assert seen == [0o022, 0, 0], ids
+    finally:
+        os.umask(old_umask)
+        resource.setrlimit(resource.RLIMIT_CORE, old_core)
 
 
 # --- health ------------------------------------------------------------------------------------------------
