@@ -497,6 +497,16 @@ MUTATIONS: tuple[Mutation, ...] = (
         "",
         (f"{PROMISES_45}::test_a_worker_has_umask_022_and_no_core_dumps",),
     ),
+    Mutation(
+        "smoke-tree-left-open",
+        "safeinstall/run/smoke.py",
+        "    if opened:\n        _close_again(run, new)\n",
+        "    if False:\n        _close_again(run, new)\n",
+        (
+            f"{PROMISES_45}::test_the_staging_directory_opened_to_a_units_user_is_closed_once_the_check_"
+            "is_done",
+        ),
+    ),
 )
 
 

@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 
 from tests import wheelhouse
-from tests.bed_nvml import GiB
-from tests.bed_systemd import cgroup_pids, wait_until
+from tests.bed_nvml import FakeNvml, GiB
+from tests.bed_systemd import Units, UserManager, cgroup_pids, wait_until
 from tests.beds import (
     AS_ROOT,
     NOBODY,
@@ -719,3 +719,62 @@ def test_the_smoke_shim_stays_ahead_of_a_units_own_pythonpath(bed: Bed, tmp_path
     assert done.code == 0, done.stdout + done.stderr
     imported = json.loads(report.read_text())
     assert not imported.startswith(str(bed.site)), f"the check imported the installed version: {imported}"
+
+
+# --- the tree opened to a unit's user is closed again ----------------------------------------------------
+
+# When the gate step begins (the smoke check done, the swap still ahead), the mode of each staging
+# directory in the prefix is written down.
+HOOK_MODES = r"""
+import json, os, sys
+prefix, report = sys.argv.pop(1), sys.argv.pop(1)
+def hook(frame, event, arg):
+    if event == "call" and frame.f_code.co_name == "gate_step" \
+            and frame.f_globals.get("__name__") == "safeinstall.run.reinstall" and not os.path.exists(report):
+        modes = {n: os.lstat(os.path.join(prefix, n)).st_mode & 0o7777
+                 for n in os.listdir(prefix) if n.startswith(".safeinstall-swap-")}
+        with open(report, "w") as out:
+            json.dump(modes, out)
+sys.setprofile(hook)
+from safeinstall.__main__ import main
+sys.argv[0] = "safeinstall"
+sys.exit(main())
+"""
+
+
+@pytest.fixture
+def open_bed(
+    open_dir: Path,
+    open_state: Path,
+    units: Units,
+    user_manager: UserManager,
+    fake_nvml: FakeNvml,
+    wheels: Wheelhouse,
+) -> Iterator[Bed]:
+    """sicext 1.0 in a root-owned venv others may enter: its units may run as uid 65534 (``User=``)."""
+    if not AS_ROOT:
+        pytest.skip("a unit's User= is taken by a run as root")
+    python = wheelhouse.make_venv(open_dir / "venv", shared_interpreter_or_skip())
+    wheelhouse.uv_install(python, wheels["sicext-1"])
+    made = Bed(python, open_state, user_manager, fake_nvml, wheels, units)
+    yield made
+    made.cleanup()
+
+
+def test_the_staging_directory_opened_to_a_units_user_is_closed_once_the_check_is_done(
+    open_bed: Bed, tmp_path: Path
+) -> None:
+    """docs/threat-model.md: the staging directory becomes 0711 for the check of a unit with ``User=``
+    (entered by name, never listed) and is made 0700 again once the check is done, before the stop."""
+    bed = open_bed
+    unit = bed.service("smoke-closed-again", User=str(NOBODY))
+    report = tmp_path / "modes.json"
+    prefix = bed.python.parent.parent
+    bed.tool = (sys.executable, "-c", HOOK_MODES, str(prefix), str(report))
+    done = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "1", "--json")
+    assert done.code == 0, done.stdout + done.stderr
+    (step,) = [s for s in done.json["data"]["steps"] if s["name"] == "smoke"]
+    assert "imported as" in step["detail"] and "not checked" not in step["detail"], step
+    modes = json.loads(report.read_text())
+    assert list(modes.values()) == [0o700], {name: oct(mode) for name, mode in modes.items()}
+    assert bed.version() == "2.0" and bed.manager.active_state(unit) == "active"
