@@ -507,6 +507,13 @@ MUTATIONS: tuple[Mutation, ...] = (
             "is_done",
         ),
     ),
+    Mutation(
+        "journal-signal-dropped",
+        "safeinstall/run/reinstall.py",
+        "                received.signals.extend(held)",
+        "                pass",
+        (f"{PROMISES_45}::test_a_signal_while_the_journal_is_written_stops_the_run_before_its_first_step",),
+    ),
 )
 
 

@@ -778,3 +778,33 @@ def test_the_staging_directory_opened_to_a_units_user_is_closed_once_the_check_i
     modes = json.loads(report.read_text())
     assert list(modes.values()) == [0o700], {name: oct(mode) for name, mode in modes.items()}
     assert bed.version() == "2.0" and bed.manager.active_state(unit) == "active"
+
+
+# --- a signal while the journal is written -----------------------------------------------------------------
+
+HOOK_JOURNAL = r"""
+import signal, sys, threading
+sent = []
+def hook(frame, event, arg):
+    if not sent and event == "call" and frame.f_code.co_name == "start_journal" \
+            and frame.f_globals.get("__name__") == "safeinstall.store.journal":
+        sent.append(True)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+sys.setprofile(hook)
+from safeinstall.__main__ import main
+sys.argv[0] = "safeinstall"
+sys.exit(main())
+"""
+
+
+def test_a_signal_while_the_journal_is_written_stops_the_run_before_its_first_step(bed: Bed) -> None:
+    """docs/faults.md: a signal while the run's journal is written is held back, and the run stops
+    before its first step: exit 2, nothing stopped or installed, no journal left."""
+    unit = bed.service("journal-signal")
+    main = bed.manager.main_pid(unit)
+    bed.tool = (sys.executable, "-c", HOOK_JOURNAL)
+    result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--json")
+    assert result.code == 2, result.stdout + result.stderr
+    assert "interrupted by SIGTERM" in result.stdout, result.stdout
+    assert bed.manager.main_pid(unit) == main and bed.version() == "1.0"
+    assert bed.journal() is None
