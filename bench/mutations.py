@@ -514,6 +514,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         "                pass",
         (f"{PROMISES_45}::test_a_signal_while_the_journal_is_written_stops_the_run_before_its_first_step",),
     ),
+    Mutation(
+        "late-check-ignores-only-loaded",
+        "safeinstall/run/reinstall.py",
+        "    every = not run.options.only_loaded",
+        "    every = True",
+        (f"{PROMISES_45}::test_only_loaded_in_a_real_run_leaves_the_possible_users_running",),
+    ),
 )
 
 

@@ -808,3 +808,22 @@ def test_a_signal_while_the_journal_is_written_stops_the_run_before_its_first_st
     assert "interrupted by SIGTERM" in result.stdout, result.stdout
     assert bed.manager.main_pid(unit) == main and bed.version() == "1.0"
     assert bed.journal() is None
+
+
+# --- --only-loaded in a real run -------------------------------------------------------------------------
+
+
+def test_only_loaded_in_a_real_run_leaves_the_possible_users_running(bed: Bed) -> None:
+    """docs/dry-run.md: ``--only-loaded`` plans only processes with certain evidence. In a real run a
+    unit whose process only runs the environment's Python (``environment`` evidence) keeps running,
+    untouched, and the second scan before the install agrees (it is no late user): exit 0."""
+    loaded = bed.service("only-loaded-maps")
+    possible = bed.units.started("only-loaded-python", f"{bed.python} -c 'import time; time.sleep(600)'")
+    loaded_main, possible_main = bed.manager.main_pid(loaded), bed.manager.main_pid(possible)
+    done = bed.safeinstall(
+        "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--only-loaded", "--settle", "1", "--json"
+    )
+    assert done.code == 0, done.stdout + done.stderr
+    assert done.json["data"]["plan"]["left_out"] == [possible_main], done.json["data"]["plan"]["left_out"]
+    assert bed.manager.main_pid(possible) == possible_main
+    assert bed.manager.main_pid(loaded) != loaded_main and bed.version() == "2.0"
