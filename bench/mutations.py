@@ -521,6 +521,20 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    every = True",
         (f"{PROMISES_45}::test_only_loaded_in_a_real_run_leaves_the_possible_users_running",),
     ),
+    Mutation(
+        "late-fifo-put-back",
+        "safeinstall/env/swap.py",
+        "                and stat.S_ISREG(info.st_mode)\n",
+        "",
+        (f"{PROMISES_45}::test_only_a_late_regular_file_of_root_or_the_directorys_owner_is_put_back",),
+    ),
+    Mutation(
+        "late-third-owner-put-back",
+        "safeinstall/env/swap.py",
+        "                and info.st_uid in (0, parent.st_uid)\n",
+        "",
+        (f"{PROMISES_45}::test_only_a_late_regular_file_of_root_or_the_directorys_owner_is_put_back",),
+    ),
 )
 
 

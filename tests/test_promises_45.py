@@ -30,6 +30,7 @@ from tests.bed_systemd import Units, UserManager, cgroup_pids, wait_until
 from tests.beds import (
     AS_ROOT,
     NOBODY,
+    OTHER,
     UNIT_TEXT,
     Bed,
     ServiceAccountBed,
@@ -827,3 +828,32 @@ def test_only_loaded_in_a_real_run_leaves_the_possible_users_running(bed: Bed) -
     assert done.json["data"]["plan"]["left_out"] == [possible_main], done.json["data"]["plan"]["left_out"]
     assert bed.manager.main_pid(possible) == possible_main
     assert bed.manager.main_pid(loaded) != loaded_main and bed.version() == "2.0"
+
+
+# --- the swap's late files ----------------------------------------------------------------------------------
+
+
+def test_only_a_late_regular_file_of_root_or_the_directorys_owner_is_put_back(tmp_path: Path) -> None:
+    """docs/threat-model.md: a file written into an old package directory after the backup is put back
+    after the swap only when it is a regular file of root's or of the directory's owner; a third
+    account's file, or a FIFO, is not given a new place (the staging directory is kept aside)."""
+    from safeinstall.env import swap
+
+    if not AS_ROOT:
+        pytest.skip("files of other accounts need root")
+    prefix, root = tmp_path / "prefix", tmp_path / "prefix" / ".safeinstall-swap-run45"
+    (prefix / "pkg").mkdir(parents=True)
+    os.chown(prefix / "pkg", NOBODY, NOBODY)  # the directory's owner: the environment's account
+    old = root / swap.STAGED_TREE / "pkg"
+    old.mkdir(parents=True)
+    for name, uid in (("roots.txt", 0), ("owners.txt", NOBODY), ("thirds.txt", OTHER)):
+        (old / name).write_text(f"{name}\n")
+        os.chown(old / name, uid, uid)
+    os.mkfifo(old / "fifo")
+    os.chown(old / "fifo", NOBODY, NOBODY)
+    unknown = [
+        (f"{swap.STAGED_TREE}/pkg/{n}", f"pkg/{n}") for n in ("fifo", "owners.txt", "roots.txt", "thirds.txt")
+    ]
+    left = swap.put_back_unknown(root, prefix, unknown, None)
+    assert sorted(left) == ["pkg/fifo", "pkg/thirds.txt"]
+    assert sorted(p.name for p in (prefix / "pkg").iterdir()) == ["owners.txt", "roots.txt"]
