@@ -353,7 +353,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "safeinstall/env/uvplan.py",
         "if uid in (0, own_uid)]",
         "if uid == 0]",
-        (f"{PROMISES_45}::test_uvs_lock_held_by_the_environments_account_refuses_the_run",),
+        (f"{PROMISES_45}::test_uvs_lock_held_by_the_environments_account_refuses_the_run[account]",),
+    ),
+    Mutation(
+        "uv-lock-root-holder-ignored",
+        "safeinstall/env/uvplan.py",
+        "if uid in (0, own_uid)]",
+        "if uid == own_uid]",
+        (f"{PROMISES_45}::test_uvs_lock_held_by_the_environments_account_refuses_the_run[root]",),
     ),
     Mutation(
         "worker-imports",

@@ -155,15 +155,19 @@ def _held(lock: Path) -> bool:
     return False
 
 
-def test_uvs_lock_held_by_the_environments_account_refuses_the_run(account: ServiceAccountBed) -> None:
-    """uv's lock held by the environment's own account (not only root) is another uv installing into
-    the environment: the run refuses at its gate, before the stop (exit 2), the unit keeps running,
-    nothing changes, the lock file is not taken from under it. Here the account's service holds it."""
+@pytest.mark.parametrize("holder", ["account", "root"])
+def test_uvs_lock_held_by_the_environments_account_refuses_the_run(
+    account: ServiceAccountBed, holder: str
+) -> None:
+    """uv's lock held by the environment's own account, or by root, is another uv installing into the
+    environment: the run refuses at its gate, before the stop (exit 2), the unit keeps running,
+    nothing changes, the lock file is not taken from under it. Here a service holds it."""
     lock = account.base / "venv" / ".lock"
     lock.touch()
     os.chown(lock, NOBODY, NOBODY)
     lock.chmod(0o666)
-    serve = f"{account.exec_prefix}flock --no-fork {lock} {account.python.parent}/sicext-serve"
+    as_who = account.exec_prefix if holder == "account" else ""
+    serve = f"{as_who}flock --no-fork {lock} {account.python.parent}/sicext-serve"
     name = account.unit("own-lock", text=UNIT_TEXT.replace("{exec}", serve))
     main = account.manager.main_pid(name)
     wait_until(lambda: _held(lock), 30, "the account's service holds uv's lock")
