@@ -164,10 +164,25 @@ def _record_plan(
     return expectations, findings
 
 
-#: An installer's launcher in place of ``#!python``: one shebang line or, for an interpreter path too
-#: long for a shebang (or with a space in it), the three-line ``#!/bin/sh`` + ``exec`` form.
-_LAUNCHER_MAX_LINES = 3
 _SCRIPT_MAX_BYTES = 1 << 20
+
+
+def _is_launcher(launcher: bytes) -> bool:
+    """An installer's launcher in place of ``#!python``: one shebang line or, for an interpreter path
+    too long for a shebang (or with a space in it), the three-line ``#!/bin/sh`` + ``exec`` form;
+    nothing else (a line inserted after a one-line shebang is drift, issue 45)."""
+    lines = launcher.split(b"\n")
+    if lines[-1] != b"" or not launcher.startswith(b"#!"):
+        return False
+    if len(lines) == 2:
+        return True
+    return (
+        len(lines) == 4
+        and lines[0] == b"#!/bin/sh"
+        and lines[1].startswith(b"'''exec' ")
+        and lines[1].endswith(b' "$0" "$@"')
+        and lines[2] == b"' '''"
+    )
 
 
 def _script_expectation(wheel: Wheel, member: str, location: Path, env: Environment) -> Expectation | None:
@@ -190,7 +205,7 @@ def _script_expectation(wheel: Wheel, member: str, location: Path, env: Environm
         return None
     rest = content.split(b"\n", 1)[1] if b"\n" in content else b""
     launcher = installed[: len(installed) - len(rest)] if installed.endswith(rest) else b""
-    if not launcher.startswith(b"#!") or launcher.count(b"\n") > _LAUNCHER_MAX_LINES:
+    if not _is_launcher(launcher):
         launcher = installed.split(b"\n", 1)[0] + b"\n"  # changed beyond the launcher: that is drift
     expected = launcher + rest
     return Expectation(str(location), "sha256", digest_bytes(expected), len(expected))

@@ -196,13 +196,12 @@ class Ui(Protocol):
 def execute(request: Request, ui: Ui) -> int:
     """The one command the request chooses; its result handed to ``ui.done``; its exit code. Raises a
     SafeInstallError for a failure before the command's result (``--metrics-file`` says so)."""
-    with contextlib.ExitStack() as finishing:  # what holds until the result is shown (a run's signals)
-        result = _command(request, ui, finishing)
-        ui.done(result)
+    result = _command(request, ui)
+    ui.done(result)
     return result.exit_code
 
 
-def _command(request: Request, ui: Ui, finishing: contextlib.ExitStack) -> Result:
+def _command(request: Request, ui: Ui) -> Result:
     metrics = None  # --metrics-file, once accepted
     try:
         private = None
@@ -239,7 +238,7 @@ def _command(request: Request, ui: Ui, finishing: contextlib.ExitStack) -> Resul
             return _detach(request, options, ui, env)
         if "--dry-run" in request.modes:
             return _dry_run(options, env)
-        return _reinstall(request, options, ui, metrics, env, finishing)
+        return _reinstall(request, options, ui, metrics, env)
     except SafeInstallError as error:
         if metrics is not None:
             failed_metrics(metrics, ui, request.command, request.python, request.package, error)
@@ -379,7 +378,6 @@ def _reinstall(
     ui: Ui,
     metrics: Path | None,
     env: Environment,
-    finishing: contextlib.ExitStack,
 ) -> Ran | Failed:
     from safeinstall.run.output import run_json
     from safeinstall.run.reinstall import run_reinstall
@@ -387,7 +385,7 @@ def _reinstall(
     from safeinstall.store.journal import now_iso
     from safeinstall.store.rundoc import RunDocument
     from safeinstall.store.state import new_run_id
-    from safeinstall.system.signals import interrupts_deferred
+    from safeinstall.system.signals import ignored_until_exit
 
     state = _state_of(env, options.environ)
     run_id = options.run_id or new_run_id(datetime.now(UTC), os.getpid())
@@ -406,8 +404,8 @@ def _reinstall(
     document = RunDocument.from_json(
         jsonable(envelope(command, result.status, result.exit_code, data, errors))
     )
-    # the run has its result: a signal now does not change it (held back until it is shown)
-    finishing.enter_context(interrupts_deferred(lambda _signum: None))
+    # the run has its result: a signal now does not change it (ignored until the process exits)
+    ignored_until_exit()
     notes = _keep(state, run_id, options.package, started, document)
     _run_metrics(metrics, ui, env, options.package, run_id, started, document)
     return Ran(

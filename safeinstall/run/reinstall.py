@@ -537,10 +537,9 @@ def gpu_release_step(run: Run, session: NvmlSession, baseline: GpuSnapshot) -> s
         run._journal(Phase.GPU_RELEASED, note=f"GPU check skipped: {session.reason}")
         return f"skipped: {session.reason}"
 
-    stuck = _StuckOnGpu.of(run.plan.processes)
-
+    # (no D-state check here: the stop step waited until every planned process was gone, and one
+    # stuck in D never is: that wait names it, issue 45)
     def on_poll(status: ReleaseStatus) -> None:
-        stuck()  # a holder that cannot exit is said at once, not after --gpu-timeout
         holders = ", ".join(f"PID {h.pid}" for h in status.holders) or "memory not yet freed"
         run.reporter.progress(
             f"waiting for GPU memory ({holders})", status.waited_s, run.options.gpu_timeout, "s"
