@@ -16,17 +16,33 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 from packaging.utils import canonicalize_name
 
 from safeinstall.env import smoke
-from safeinstall.env.environment import Environment, interpreter_in_prefix, who_else_controls
+from safeinstall.env.environment import (
+    Environment,
+    distribution_sites,
+    interpreter_in_prefix,
+    who_else_controls,
+)
 from safeinstall.env.uvplan import install as uv_install
 from safeinstall.env.uvplan import prefetch_command, uv_binary
 from safeinstall.errors import PlanError, SafeInstallError
 from safeinstall.run.running import Run
-from safeinstall.run.smokecheck import Background, Checks, Job, NewTree, execute, staged_tree, target_tree
+from safeinstall.run.smokecheck import (
+    Background,
+    Checked,
+    Checks,
+    Job,
+    NewTree,
+    execute,
+    staged_tree,
+    target_tree,
+)
+from safeinstall.store import oldimports
 from safeinstall.store.state import (
     PASSABLE_MODE,
     PRIVATE_MODE,
@@ -62,7 +78,9 @@ def runs_as(env: Environment, context: ExecContext) -> smoke.RunAs | str | None:
 def contexts(run: Run) -> tuple[list[smoke.Context], list[str]]:
     """One context per distinct way the plan's units run (none: the account with systemd's defaults);
     and the units whose check cannot run as their ``User=`` (why: never run as root instead)."""
-    found: dict[tuple[smoke.RunAs | None, tuple[tuple[str, str], ...], str], smoke.Context] = {}
+    found: dict[
+        tuple[smoke.RunAs | None, tuple[tuple[str, str], ...], str, tuple[str, ...]], smoke.Context
+    ] = {}
     skipped: list[str] = []
     for unit in run.plan.units:
         try:
@@ -107,9 +125,21 @@ def contexts(run: Run) -> tuple[list[smoke.Context], list[str]]:
                 f"{unit.name}: the check runs in /, not in {cwd}: {who_else_controls(Path(cwd), runner)}"
             )
             cwd = "/"
-        key = (run_as, variables, cwd)
+        entry = smoke.service_entry(context.command)
+        key = (run_as, variables, cwd, entry.flags)
         if key not in found:
-            found[key] = smoke.Context(unit.name, variables, cwd, tuple(notes), run_as)
+            found[key] = smoke.Context(
+                unit.name, variables, cwd, tuple(notes), run_as, entry.run, entry.scripts, entry.flags
+            )
+        else:  # one child for the units that run the same way: what each runs first is imported in it
+            had = found[key]
+            found[key] = replace(
+                had,
+                notes=(*had.notes, *(n for n in notes if n not in had.notes)),
+                run=tuple(dict.fromkeys((*had.run, *entry.run))),
+                scripts=tuple(dict.fromkeys((*had.scripts, *entry.scripts))),
+                also=(*had.also, unit.name),
+            )
     if not found and not skipped:
         cwd = smoke.account_of(run.env)[1] if run.options.user else "/"
         return [smoke.Context(None, (), cwd, (), smoke.owner_account(run.env))], []
@@ -175,13 +205,28 @@ def prepare(run: Run, new: NewTree) -> Checks:
                     continue
             name, home = (run_as.name, run_as.home) if run_as is not None else smoke.account_of(run.env)
             variables = smoke.child_variables(
-                run.options.environ, (name, home), context.variables, run.env, shim, list(new.sites)
+                run.options.environ,
+                (name, home),
+                context.variables,
+                run.env,
+                shim,
+                list(new.sites),
+                context.flags,
             )
             jobs.append(Job(context, tuple(variables.items())))
     except BaseException:
         _undo(run, new, shim, opened)
         raise
     changed = {canonicalize_name(c.name) for c in run.survey.uv_plan.changes if c.action != "uninstall"}
+    old = {
+        d.name: (d.version, oldimports.code_digest(d))
+        for d in run.survey.installed
+        if d.name in changed and d.record.entries
+    }
+    stored, problem = oldimports.load(run.state)
+    if problem is not None:
+        run._log(f"smoke: {problem}")
+    known = {name: stored.get((name, *old[name]), {}) for name in old}
     return Checks(
         new,
         shim,
@@ -194,6 +239,10 @@ def prepare(run: Run, new: NewTree) -> Checks:
         run.options.smoke,
         run.options.smoke_timeout,
         tuple(note for context in found for note in context.notes),
+        tuple(run.options.smoke_skip),
+        old,
+        {name: answers for name, answers in known.items() if answers},
+        tuple(distribution_sites(run.env)),
     )
 
 
@@ -269,7 +318,7 @@ def smoke_step(run: Run) -> str:
     background = run.smoke_check
     if background is not None:
         try:
-            outcomes = background.answer.result()
+            checked = background.answer.result()
         except BaseException:  # a signal while it is waited for: the children go with the run
             abandon(run)
             raise
@@ -277,7 +326,7 @@ def smoke_step(run: Run) -> str:
         background.pool.shutdown(wait=True)
         beside = f"the check took {time.monotonic() - background.started:.1f} s, beside the prefetch"
         run._log(f"smoke: {beside}")
-        return f"{_conclude(run, background.checks, outcomes)} ({beside})"
+        return f"{_conclude(run, background.checks, checked)} ({beside})"
     new = new_tree(run)
     if new is None:
         problem = _target_tree(run)
@@ -288,11 +337,11 @@ def smoke_step(run: Run) -> str:
         assert new is not None
     checks = prepare(run, new)
     try:
-        outcomes = execute(checks)
+        checked = execute(checks)
     except BaseException:
         _undo(run, checks.new, checks.shim, checks.opened)
         raise
-    return _conclude(run, checks, outcomes)
+    return _conclude(run, checks, checked)
 
 
 def _target_tree(run: Run) -> str | None:
@@ -315,10 +364,24 @@ def _target_tree(run: Run) -> str | None:
     return None
 
 
-def _conclude(run: Run, checks: Checks, outcomes: list[smoke.ChildOutcome]) -> str:
+def _keep_old_answers(run: Run, checks: Checks, learned: dict[str, dict[str, str]]) -> None:
+    """What the running version answered, kept for the next run of the same versions."""
+    if not learned:
+        return
+    stored, _ = oldimports.load(run.state)
+    keyed = {(name, *checks.old[name]): answers for name, answers in learned.items() if name in checks.old}
+    note = oldimports.save(run.state, oldimports.merged(stored, keyed))
+    run._log(f"smoke: the running version was asked about {sum(map(len, learned.values()))} module(s)")
+    if note is not None:
+        run._log(f"smoke: {note}")
+
+
+def _conclude(run: Run, checks: Checks, checked: Checked) -> str:
     """The check's answer: logged, what it opened closed again; PlanError when anything failed."""
+    outcomes = checked.outcomes
     run.notes.extend(checks.notes)
     try:
+        _keep_old_answers(run, checks, checked.learned)
         for outcome in outcomes:
             run._log(f"smoke: {smoke.logged(outcome)}")
         if not all(o.ok for o in outcomes):
@@ -329,10 +392,14 @@ def _conclude(run: Run, checks: Checks, outcomes: list[smoke.ChildOutcome]) -> s
             )
     finally:
         _undo(run, checks.new, checks.shim, checks.opened)
-    note = smoke.unavailable_note(outcomes)
-    if note is not None:
-        run.notes.append(note)
-        run._log(note)
+    for note in (
+        smoke.unavailable_note(outcomes),
+        smoke.excused_note(outcomes),
+        smoke.skipped_note(outcomes),
+    ):
+        if note is not None:
+            run.notes.append(note)
+            run._log(note)
     skipped = checks.skipped
     run.notes.extend(
         f"the new version was not checked before the stop for {why}: the check never runs as root for "
@@ -347,7 +414,12 @@ def _conclude(run: Run, checks: Checks, outcomes: list[smoke.ChildOutcome]) -> s
     command = f"; `{checks.smoke}` passed" if checks.smoke is not None else ""
     who = ", ".join(dict.fromkeys(_who(run, o.context) for o in outcomes))
     left = f"; not checked for {', '.join(w.split(':')[0] for w in skipped)}" if skipped else ""
-    return f"{imported} module(s) of the new version imported as {who}{where}{command}{left}"
+    excused = sorted({m for o in outcomes for m, _ in o.excused})
+    shared = f"; not held against it: {', '.join(excused)} (the running version cannot import it either)"
+    said = shared if excused else ""
+    left_out = sorted({m for o in outcomes for m in o.skipped})
+    said += f"; left out (--smoke-skip): {', '.join(left_out)}" if left_out else ""
+    return f"{imported} module(s) of the new version imported as {who}{where}{command}{said}{left}"
 
 
 def _who(run: Run, context: smoke.Context) -> str:
