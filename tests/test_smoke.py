@@ -850,3 +850,67 @@ def test_the_running_versions_answers_are_checked_when_read(tmp_path: Path) -> N
     (tmp_path / oldimports.OLD_IMPORTS_NAME).chmod(0o666)
     answers, why = oldimports.load(state)
     assert answers == {} and why is not None and "refusing to read" in why, why
+
+
+# --- the check imports what the service starts with (issue 43) -------------------------------------------
+
+#: sicext's server module broken on purpose, as a loader that chains the real cause does
+BROKEN_SERVER = b'''"""sicext's server, broken on purpose: its loader raises over the real cause."""
+try:
+    raise ImportError("libsicext_server.so: undefined symbol: sicext_fixture_server_symbol")
+except ImportError as exc:
+    raise OSError("Could not load this library") from exc
+
+
+def main() -> int:
+    return 0
+'''
+
+
+def test_what_the_units_command_runs_is_imported_before_the_stop(bed: Bed, tmp_path: Path) -> None:
+    """Issue 43: a new version whose module run by the unit's command raises at import, while the
+    top-level package and its extension import, passed the check (the API crashed after the start).
+    Now the module each unit runs (a console script's entry point; ``python -m MOD``) is imported too;
+    units that run the same way share one child; the first failure ends the check (the other unit's
+    child never runs); the failure shows its whole cause chain, in the output and in the log."""
+    broken = wheelhouse.rebuilt(
+        bed.wheels["sicext-2"], tmp_path / "broken", {"sicext/serve.py": BROKEN_SERVER}
+    )
+    script = bed.service("smoke-script")  # sicext-serve: the console script
+    module = bed.units.started("smoke-module", f"{bed.python} -m sicext.serve")
+    other = bed.units.started("smoke-other", f"{bed.python} -m sicext.serve", Environment="SMOKE_OTHER=1")
+    mains = {unit: bed.manager.main_pid(unit) for unit in (script, module, other)}
+    result = bed.safeinstall("sicext", "--wheel", str(broken), "--settle", "0.5", "--json")
+    assert result.code == 2, result.stdout + result.stderr
+    assert "stop" not in [s["name"] for s in result.json["data"]["steps"]]
+    assert {unit: bed.manager.main_pid(unit) for unit in mains} == mains
+    message = result.json["errors"][0]["message"]
+    chained = "sicext.serve: OSError: Could not load this library <- ImportError: libsicext_server.so: "
+    assert chained + "undefined symbol: sicext_fixture_server_symbol" in message, message
+    log = Path(result.json["data"]["log_file"]).read_text()
+    assert "undefined symbol: sicext_fixture_server_symbol" in log
+    children = [line for line in log.splitlines() if "smoke: imports (" in line]
+    assert len(children) == 1, children  # one child for both units, and none for the other after it
+    assert script in children[0] and module in children[0] and other not in children[0], children
+    assert bed.version() == "1.0"
+
+
+def test_what_a_units_command_runs_first_is_read_from_its_argv() -> None:
+    """Pure: ``ExecStart=`` as ``systemctl show`` says it, and what it runs first: a module, a program
+    by name (a console script), the interpreter's options that change what it loads."""
+    shown = "ExecStart={ path=/v/bin/python ; argv[]=/v/bin/python -s -X dev -m pkg.server --port 1 ; x=y }\n"
+    assert parse_exec_context("a.service", shown).command == (
+        "/v/bin/python", "-s", "-X", "dev", "-m", "pkg.server", "--port", "1",
+    )  # fmt: skip
+    entry = smoke.service_entry
+    assert entry(["/v/bin/python", "-s", "-X", "dev", "-m", "pkg.server"]) == smoke.Entry(
+        ("pkg.server",), (), ("-s",)
+    )
+    assert entry(["/v/bin/python3.11", "-Im", "pkg"]) == smoke.Entry(("pkg",), (), ("-I",))
+    assert entry(["/v/bin/vllm", "serve", "m"]) == smoke.Entry((), ("vllm",))
+    assert entry(["/usr/bin/env", "A=1", "python", "-E", "/v/bin/vllm"]) == smoke.Entry(
+        (), ("vllm",), ("-E",)
+    )
+    assert entry(["/v/bin/python", "app.py"]) == smoke.Entry()  # a .py file's own imports are not guessed
+    assert entry(["/v/bin/python", "-c", "import x"]) == smoke.Entry()
+    assert entry([]) == smoke.Entry()

@@ -721,7 +721,7 @@ def runner_said(found: RunAs | str | None) -> str:
 def logged(outcome: ChildOutcome) -> str:
     """Pure: one child's outcome for the run's log: what it imported and what failed, never the unit's
     variables (an ``EnvironmentFile=`` may hold a token)."""
-    where = outcome.context.unit or "no unit"
+    where = ", ".join((outcome.context.unit, *outcome.context.also)) if outcome.context.unit else "no unit"
     said = f"{outcome.what} ({where}, in {outcome.context.cwd}): {'ok' if outcome.ok else 'FAILED'}"
     said += f"; imported {', '.join(outcome.imported) or 'nothing'}"
     said += "".join(f"; {module}: {error}" for module, error in outcome.failed)
@@ -735,7 +735,8 @@ def failure_message(outcomes: Sequence[ChildOutcome]) -> str:
     for outcome in outcomes:
         if outcome.ok:
             continue
-        where = f" (environment of {outcome.context.unit})" if outcome.context.unit else ""
+        units = ", ".join((outcome.context.unit, *outcome.context.also)) if outcome.context.unit else ""
+        where = f" (environment of {units})" if units else ""
         said = [f"{module}: {error}" for module, error in outcome.failed[:5]]
         if outcome.problem:
             said.append(outcome.problem)

@@ -409,7 +409,12 @@ def _conclude(run: Run, checks: Checks, checked: Checked) -> str:
     if not outcomes:
         return f"skipped: {'; '.join(skipped)}"
     imported = len({m for o in outcomes for m in o.imported})
-    units = [o.context.unit for o in outcomes if o.context.unit and o.what == "imports"]
+    units = [
+        u
+        for o in outcomes
+        if o.context.unit and o.what == "imports"
+        for u in (o.context.unit, *o.context.also)
+    ]
     where = f" with the environment of {', '.join(units)}" if units else ""
     command = f"; `{checks.smoke}` passed" if checks.smoke is not None else ""
     who = ", ".join(dict.fromkeys(_who(run, o.context) for o in outcomes))
