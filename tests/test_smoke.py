@@ -7,6 +7,7 @@ symbol; ``sicext`` 3: raises at import), the real uv; uid 65534 for a service ac
 
 from __future__ import annotations
 
+import dataclasses
 import grp
 import json
 import os
@@ -827,9 +828,9 @@ def test_a_failure_is_excused_only_where_the_running_version_fails_too() -> None
     judged = smoke.excuse(outcome, old)
     assert not judged.ok and judged.excused == (("p.tests", "RuntimeError: new"),)
     assert [m for m, _ in judged.failed] == ["p.server", "p._ext"]
-    only_shared = smoke.excuse(smoke.replace(outcome, failed=failed[:1]), old)
+    only_shared = smoke.excuse(dataclasses.replace(outcome, failed=failed[:1]), old)
     assert only_shared.ok and only_shared.failed == ()
-    died = smoke.replace(outcome, failed=failed[:1], problem="it died while importing p.tests")
+    died = dataclasses.replace(outcome, failed=failed[:1], problem="it died while importing p.tests")
     assert smoke.excuse(died, old) == died
 
 
