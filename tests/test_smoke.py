@@ -230,12 +230,17 @@ def test_a_service_accounts_environment_is_checked_as_the_account(account: Servi
     _refused_before_the_stop(account, unit, "sicext-5")
 
 
+#: A shell's own number as the machine sees it (``$$`` is the number in the check's PID namespace; this
+#: ``/proc`` is the machine's)
+_OWN_PID = "read -r pid rest </proc/self/stat && echo $pid"
+
+
 def test_a_kill_during_the_check_leaves_nothing_stopped(bed: Bed, tmp_path: Path) -> None:
     unit = bed.service("smoke-kill")
     main = bed.manager.main_pid(unit)
     started = tmp_path / "started"
     # the shell says its pid, then becomes the sleep (exec): the process the run must not leave behind
-    command = f"echo $$ >{started}.tmp && mv {started}.tmp {started} && exec sleep 120"
+    command = f"{_OWN_PID} >{started}.tmp && mv {started}.tmp {started} && exec sleep 120"
     proc = bed.start_run("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--smoke", command)
     try:
         wait_until(lambda: started.exists() or proc.poll() is not None, 120, "the smoke command running")
@@ -694,7 +699,7 @@ def test_a_sigterm_while_the_check_runs_beside_the_run_ends_it_and_stops_nothing
     unit = bed.service("smoke-sigterm")
     main = bed.manager.main_pid(unit)
     started = tmp_path / "started"
-    command = f"echo $$ >{started}.tmp && mv {started}.tmp {started} && exec sleep 600"
+    command = f"{_OWN_PID} >{started}.tmp && mv {started}.tmp {started} && exec sleep 600"
     proc = bed.start_run(
         "sicext",
         "--wheel",
@@ -915,3 +920,51 @@ def test_what_a_units_command_runs_first_is_read_from_its_argv() -> None:
     assert entry(["/v/bin/python", "app.py"]) == smoke.Entry()  # a .py file's own imports are not guessed
     assert entry(["/v/bin/python", "-c", "import x"]) == smoke.Entry()
     assert entry([]) == smoke.Entry()
+
+
+# --- nothing the check started outlives it (issue 44) ----------------------------------------------------
+
+
+def _running_with(marker: str) -> list[int]:
+    """The processes whose command line holds ``marker``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "cmdline").read_bytes() and _alive(int(entry.name)):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.parametrize("kind", ["root", "account"])
+def test_what_the_check_started_in_a_session_of_its_own_never_outlives_it(
+    request: pytest.FixtureRequest, kind: str
+) -> None:
+    """Issue 44: only the check's process group was ended, so a ``setsid`` child lived on (as root or
+    as the account); one that imported the package was found by the second scan after the stop, and the
+    run rolled back. Now the check's children run in a PID namespace of their own: nothing of them
+    outlives the check, and the run is not rolled back for them."""
+    bed: Bed = request.getfixturevalue("bed" if kind == "root" else "account")
+    if kind == "account":
+        bed.unit("smoke-escape")
+    else:
+        bed.service("smoke-escape")
+    marker = f"1000.{os.getpid()}"
+    detached = "</dev/null >/dev/null 2>&1 &"
+    command = (
+        f"setsid sleep {marker} {detached} "
+        f"setsid python -c 'import sicext, time; time.sleep({marker})' {detached} sleep 1; exit 0"
+    )
+    try:
+        result = bed.safeinstall(
+            "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json", "--smoke", command
+        )
+        assert result.code == 0, result.stdout + result.stderr
+        assert "rollback" not in [s["name"] for s in result.json["data"]["steps"]]
+        assert bed.version() == "2.0"
+        assert _running_with(marker) == [], "a process the check started runs on"
+    finally:
+        for pid in _running_with(marker):
+            os.kill(pid, signal.SIGKILL)

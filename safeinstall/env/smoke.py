@@ -957,6 +957,7 @@ def _run(
             groups=() if run_as is None else run_as.groups,
             limit=OUTPUT_LIMIT,
             end_group=True,  # what an import started (vLLM's, torch's helpers) never outlives the check
+            contain=True,  # nor what left the group (setsid): a PID namespace of its own (issue 44)
             cancel=cancel,
         )
     except children.Cancelled:
