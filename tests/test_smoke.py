@@ -162,7 +162,7 @@ def test_the_check_runs_with_the_units_environment_and_directory_without_a_gpu(
     said = _planned(bed, command).json["data"]["smoke"]
     assert command in said and "sicext" in said and unit in said, said
     _, step = _checked(bed, command, more_env={"SMOKE_ROOTS_SECRET": "root's"})
-    assert "2 module(s) of the new version imported" in step, step
+    assert "3 module(s) of the new version imported" in step, step  # sicext, sicext.serve (its script's)
     seen = json.loads(report.read_text())
     env = seen["env"]
     assert (env["SMOKE_FROM_UNIT"], env["SMOKE_FROM_FILE"], env["SMOKE_BOTH"]) == (
@@ -354,19 +354,16 @@ def test_what_another_account_controls_of_the_unit_never_runs_in_the_check(bed: 
     chown_tree(app, NOBODY)
     unit = bed.service(
         "smoke-hostile",
-        Environment=f"PYTHONPATH={app} PYTHONWARNINGS=ignore::evil_warning.W LD_AUDIT=/none SMOKE_OK=1",
+        Environment="PYTHONWARNINGS=ignore::evil_warning.W LD_AUDIT=/none SMOKE_OK=1",
         EnvironmentFile=str(env_file),
-        WorkingDirectory=str(app),
     )
     seen = tmp_path / "seen"
     done, _ = _checked(bed, f"pwd > {seen}; env >> {seen}")
     assert list(markers.iterdir()) == [], "the unit's user's code ran in the check"
     said = "\n".join(done.json["data"]["notes"])
     assert f"EnvironmentFile {env_file} was not read" in said, said
-    assert f"PYTHONPATH entry {app}" in said and "PYTHONWARNINGS" in said and "LD_AUDIT" in said, said
-    assert f"the check runs in /, not in {app}" in said, said
+    assert "PYTHONWARNINGS" in said and "LD_AUDIT" in said, said
     lines = seen.read_text().splitlines()
-    assert lines[0] == "/"
     assert "SMOKE_OK=1" in lines and not any(
         line.startswith(("LD_AUDIT=", "SMOKE_FROM_FILE=")) for line in lines
     )
@@ -968,3 +965,98 @@ def test_what_the_check_started_in_a_session_of_its_own_never_outlives_it(
     finally:
         for pid in _running_with(marker):
             os.kill(pid, signal.SIGKILL)
+
+
+# --- the check runs only what the service would (issue 43) -----------------------------------------------
+
+#: Planted code of another user's: writes a marker, only in the check's child (never in the service)
+_PLANTED = "import os\nif 'SAFEINSTALL_SMOKE_SITES' in os.environ:\n    open({marker!r}, 'w').close()\n"
+
+
+def _plant(path: Path, marker: Path, text: str = _PLANTED) -> None:
+    path.write_text(text.format(marker=str(marker)))
+    os.chown(path, NOBODY, NOBODY)
+
+
+@pytest.mark.parametrize("planted", ["pythonpath", "path-and-cwd"])
+def test_what_another_user_controls_inside_what_a_root_unit_names_is_refused(
+    bed: Bed, tmp_path: Path, planted: str
+) -> None:
+    """Issue 43: for a root unit, a ``PYTHONPATH`` directory or the ``WorkingDirectory=`` of a ``--smoke``
+    command was judged by its own owner, not by the files in it (another user's ``json.py`` there ran as
+    root), and ``PATH`` was not judged at all (another user's ``timeout`` ran for ``--smoke "timeout
+    ..."``). Now each is judged by its whole tree: exit 2 before the stop, naming the entry and the
+    user; none of that user's code runs."""
+    if not AS_ROOT:
+        pytest.skip("the child is root only in a root-owned environment of a run as root")
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    app, work, tools = tmp_path / "app", tmp_path / "work", tmp_path / "tools"
+    for directory in (app, work, tools):
+        directory.mkdir()  # root's own directories, each with another user's file in it
+    _plant(app / "json.py", markers / "pythonpath")
+    _plant(work / "json.py", markers / "cwd")
+    planted_tool = f'#!/bin/sh\ntouch {markers}/path\nexec /usr/bin/timeout "$@"\n'
+    _plant(tools / "timeout", markers / "path", planted_tool)
+    (tools / "timeout").chmod(0o755)
+    if planted == "pythonpath":  # the check's own child imports json: the planted one, before the fix
+        unit = bed.service("smoke-planted", Environment=f"PYTHONPATH={app}")
+        names = [f"PYTHONPATH entry {app}: {app}/json.py"]
+    else:  # the operator's command: `timeout` found on PATH, `json` in its working directory
+        unit = bed.service(
+            "smoke-planted", Environment=f"PATH={tools}:/usr/bin:/bin", WorkingDirectory=str(work)
+        )
+        names = [f"PATH entry {tools}: {tools}/timeout", f"WorkingDirectory={work}: {work}/json.py"]
+    main = bed.manager.main_pid(unit)
+    result = bed.safeinstall(
+        "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json",
+        "--smoke", "timeout 5 python -c 'import json'",
+    )  # fmt: skip
+    assert result.code == 2, result.stdout + result.stderr
+    assert list(markers.iterdir()) == [], "another user's code ran as root in the check"
+    message, hint = result.json["errors"][0]["message"], result.json["errors"][0]["hint"]
+    for said in names:
+        assert said in message, message
+    assert "uid 65534 (nobody)" in message and "fix the unit" in hint and "--no-smoke" in hint, result.json
+    assert bed.manager.main_pid(unit) == main and bed.version() == "1.0"
+
+
+def test_the_units_python_s_is_kept_and_its_home_judged(
+    tmp_path: Path,
+    units: Units,
+    user_manager: UserManager,
+    fake_nvml: FakeNvml,
+    wheels: wheelhouse.Wheelhouse,
+) -> None:
+    """Issue 43: the check took the unit's ``HOME`` as given and ran without the unit's ``-s``: another
+    user's user-site ``.pth`` ran as root in the check, never in the service. Now ``-s`` (and ``-I``,
+    ``PYTHONNOUSERSITE``) is kept: the check does not load the user site either."""
+    if not AS_ROOT:
+        pytest.skip("the child is root only in a root-owned environment of a run as root")
+    python = tmp_path / "venv" / "bin" / "python"
+    subprocess.run(
+        [wheelhouse.UV, "venv", "--quiet", "--system-site-packages", "--python", sys.executable,
+         str(python.parent.parent)],
+        check=True, capture_output=True, env=wheelhouse.uv_env(),
+    )  # fmt: skip
+    wheelhouse.uv_install(python, wheels["sicext-1"])
+    bed = Bed(python, tmp_path / "state", user_manager, fake_nvml, wheels, units)
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    home = tmp_path / "home"
+    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    site = home / ".local" / "lib" / version / "site-packages"
+    site.mkdir(parents=True)
+    marker = str(markers / "pth")
+    (site / "planted.pth").write_text(
+        f"import os; 'SAFEINSTALL_SMOKE_SITES' in os.environ and open({marker!r}, 'w').close()\n"
+    )
+    chown_tree(home, NOBODY)
+    try:
+        unit = bed.units.started("smoke-home", f"{python} -s -m sicext.serve", Environment=f"HOME={home}")
+        result = bed.safeinstall("sicext", "--wheel", str(wheels["sicext-2"]), "--settle", "0.5", "--json")
+        assert result.code == 0, result.stdout + result.stderr
+        assert list(markers.iterdir()) == [], "another user's .pth ran as root in the check"
+        assert bed.manager.active_state(unit) == "active" and bed.version() == "2.0"
+    finally:
+        bed.cleanup()

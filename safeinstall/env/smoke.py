@@ -69,7 +69,7 @@ _LOADER = frozenset(
     }
 )  # fmt: skip
 #: Lists of paths code is loaded from: each entry kept only where no one else controls it.
-_PATH_LISTS = {"PYTHONPATH": os.pathsep, "LD_LIBRARY_PATH": ":", "LD_PRELOAD": " :"}
+_PATH_LISTS = {"PYTHONPATH": os.pathsep, "LD_LIBRARY_PATH": ":", "LD_PRELOAD": " :", "PATH": ":"}
 #: Python's own variables a unit may give the child; every other ``PYTHON*`` names code or where code is
 #: looked for (``PYTHONHOME``, ``PYTHONUSERBASE``, ``PYTHONSTARTUP``, ``PYTHONWARNINGS``...): never.
 _PYTHON_KEPT = frozenset(
@@ -505,6 +505,46 @@ def unit_variables(
         else:
             kept.append((name, value))
     return tuple(kept), tuple(dropped)
+
+
+def _entries(name: str, value: str) -> list[str]:
+    return [e for e in re.split(f"[{re.escape(_PATH_LISTS[name])}]", value) if e]
+
+
+def others_loaded(
+    variables: Sequence[tuple[str, str]], flags: Sequence[str], finding: Callable[[str], str | None]
+) -> list[str]:
+    """Pure (given ``finding``: who else controls what may be loaded from a path, said; None: no one):
+    what the check would load from a path another controls, each entry of the unit's ``PYTHONPATH``
+    (unless ``-E``/``-I``: the service ignores it), ``LD_LIBRARY_PATH``, ``LD_PRELOAD`` and ``PATH``
+    (systemd's default when the unit sets none), said with the entry."""
+    given = dict(variables)
+    ignored = "-E" in flags or "-I" in flags
+    said: list[str] = []
+    for name in _PATH_LISTS:
+        if ignored and name.startswith("PYTHON"):
+            continue
+        for entry in _entries(name, given.get(name, DEFAULT_PATH if name == "PATH" else "")):
+            found = finding(entry) if entry.startswith("/") else None
+            if found is not None:
+                said.append(f"{name} entry {entry}: {found}")
+    return said
+
+
+def user_site(
+    variables: Sequence[tuple[str, str]], home: str, flags: Sequence[str], version: tuple[int, ...]
+) -> str | None:
+    """Pure: the user's site directory the check's interpreter would add (``HOME`` as the unit gives it,
+    else the account's), or None when the unit turns it off (``-s``, ``-I``, ``PYTHONNOUSERSITE``
+    unless ``-E``) as the service has it."""
+    given = dict(variables)
+    ignored = "-E" in flags or "-I" in flags
+    if "-s" in flags or "-I" in flags or (not ignored and given.get("PYTHONNOUSERSITE")):
+        return None
+    base = given.get("HOME", home)
+    if not base.startswith("/"):
+        return None
+    return f"{base.rstrip('/')}/.local/lib/python{version[0]}.{version[1]}/site-packages"
 
 
 def child_variables(

@@ -13,6 +13,7 @@ directories: at the end of the run, or by ``--recover`` after a crash). The shim
 from __future__ import annotations
 
 import os
+import pwd
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +27,9 @@ from safeinstall.env.environment import (
     Environment,
     distribution_sites,
     interpreter_in_prefix,
+    user_site_enabled,
     who_else_controls,
+    who_else_controls_tree,
 )
 from safeinstall.env.uvplan import install as uv_install
 from safeinstall.env.uvplan import prefetch_command, uv_binary
@@ -82,6 +85,7 @@ def contexts(run: Run) -> tuple[list[smoke.Context], list[str]]:
         tuple[smoke.RunAs | None, tuple[tuple[str, str], ...], str, tuple[str, ...]], smoke.Context
     ] = {}
     skipped: list[str] = []
+    judged: dict[tuple[str, int], str | None] = {}
     for unit in run.plan.units:
         try:
             context = exec_context(run.systemd, unit.name)
@@ -104,6 +108,9 @@ def contexts(run: Run) -> tuple[list[smoke.Context], list[str]]:
         def ours(path: str, runner: int = runner) -> bool:
             return who_else_controls(Path(path), runner) is None
 
+        def judge(path: str, runner: int = runner) -> str | None:
+            return _tree_finding(path, runner, judged)
+
         files = [(path, ignore) for path, ignore in context.environment_files if ours(path)]
         from_files, notes = smoke.read_environment_files(files, None if run_as is None else run_as.ids)
         notes += [
@@ -111,21 +118,38 @@ def contexts(run: Run) -> tuple[list[smoke.Context], list[str]]:
             for path, ignore in context.environment_files
             if (path, ignore) not in files
         ]
-        variables, dropped = smoke.unit_variables(
-            tuple({**dict(context.environment), **dict(from_files)}.items()), ours
-        )
+        given = tuple({**dict(context.environment), **dict(from_files)}.items())
+        entry = smoke.service_entry(context.command)
+        cwd = smoke.working_directory(context.working_directory, home, run.options.user)
+        # a working directory the unit names is on sys.path for the operator's command (``python -c``):
+        # its whole tree then (the home a user manager's unit starts in: as the directories above it)
+        named = context.working_directory.startswith("/") and cwd != home and run.options.smoke is not None
+        cwd_problem = (judge(cwd) if named else _finding(cwd, runner)) if cwd != "/" else None
+        user_site = smoke.user_site(given, home, entry.flags, run.env.version[:2])
+        site_problem = judge(user_site) if user_site and user_site_enabled(run.env) else None
+        if runner == 0:  # never root's child loading what another user controls: refused, said
+            found_here = smoke.others_loaded(given, entry.flags, judge)
+            found_here += [f"WorkingDirectory={cwd}: {cwd_problem}"] if cwd_problem else []
+            found_here += [f"HOME's user site {user_site}: {site_problem}"] if site_problem else []
+            if found_here:
+                raise PlanError(
+                    f"the smoke check would load, as root, what another user controls, for {unit.name}: "
+                    + "; ".join(found_here),
+                    hint="nothing was stopped; fix the unit (make what it names root's alone, give it "
+                    "User=, or run its interpreter with -s), or --no-smoke skips the check",
+                )
+        variables, dropped = smoke.unit_variables(given, lambda path: judge(path) is None)
+        if site_problem:
+            variables = (*variables, ("PYTHONNOUSERSITE", "1"))
+            notes.append(f"{unit.name}: the check runs without the user site {user_site}: {site_problem}")
         if dropped:
             notes.append(
                 f"{unit.name}: not given to the check, as another account could change what they name: "
                 + ", ".join(dropped)
             )
-        cwd = smoke.working_directory(context.working_directory, home, run.options.user)
-        if cwd != "/" and not ours(cwd):
-            notes.append(
-                f"{unit.name}: the check runs in /, not in {cwd}: {who_else_controls(Path(cwd), runner)}"
-            )
+        if cwd_problem:
+            notes.append(f"{unit.name}: the check runs in /, not in {cwd}: {cwd_problem}")
             cwd = "/"
-        entry = smoke.service_entry(context.command)
         key = (run_as, variables, cwd, entry.flags)
         if key not in found:
             found[key] = smoke.Context(
@@ -144,6 +168,32 @@ def contexts(run: Run) -> tuple[list[smoke.Context], list[str]]:
         cwd = smoke.account_of(run.env)[1] if run.options.user else "/"
         return [smoke.Context(None, (), cwd, (), smoke.owner_account(run.env))], []
     return list(found.values()), skipped
+
+
+def _user(uid: int | None) -> str:
+    if uid is None:
+        return "no single account"
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _finding(path: str, runner: int) -> str | None:
+    """Who else controls ``path`` and the directories above it (not its tree), said."""
+    return who_else_controls(Path(path), runner)
+
+
+def _tree_finding(path: str, runner: int, judged: dict[tuple[str, int], str | None]) -> str | None:
+    """Who else controls what may be loaded from ``path`` (its whole tree), said with the user's name;
+    each path judged once per check (``judged``)."""
+    if (path, runner) not in judged:
+        found = who_else_controls_tree(Path(path), runner)
+        said = None if found is None else found[1]
+        if found is not None and found[0] is not None:
+            said = found[1].replace(f"uid {found[0]}", _user(found[0]))
+        judged[(path, runner)] = said
+    return judged[(path, runner)]
 
 
 #: The prefetch's ``--target`` tree while a unit's user reads it (the check lists its site directories)
