@@ -328,6 +328,8 @@ def test_smoke_options_that_cannot_be_honoured_are_refused() -> None:
     assert said(smoke="  ") == ["--smoke needs a command, and cannot go with --no-smoke"]
     assert said(smoke="true", undo="20261201T000000Z-1")[0].startswith("--smoke goes with a reinstall")
     assert said(smoke_timeout=float("nan"))[0].startswith("--smoke-timeout nan")
+    assert said(smoke_skip=("numpy.core._umath_tests",)) == []
+    assert said(smoke_skip=("numpy/core", ""))[0] == "--smoke-skip 'numpy/core': not a module's dotted name"
 
 
 def test_what_another_account_controls_of_the_unit_never_runs_in_the_check(bed: Bed, tmp_path: Path) -> None:
