@@ -1060,5 +1060,13 @@ def test_the_units_python_s_is_kept_and_its_home_judged(
         assert result.code == 0, result.stdout + result.stderr
         assert list(markers.iterdir()) == [], "another user's .pth ran as root in the check"
         assert bed.manager.active_state(unit) == "active" and bed.version() == "2.0"
+        # a unit without -s would load that user site as root: judged, and refused before the stop
+        loose = bed.units.started("smoke-home-loose", f"{python} -m sicext.serve", Environment=f"HOME={home}")
+        main = bed.manager.main_pid(loose)
+        refused = bed.safeinstall("sicext", "--wheel", str(wheels["sicext-1"]), "--settle", "0.5", "--json")
+        assert refused.code == 2, refused.stdout + refused.stderr
+        message = refused.json["errors"][0]["message"]
+        assert f"HOME's user site {site}: {home}" in message and "uid 65534 (nobody)" in message, message
+        assert list(markers.iterdir()) == [] and bed.manager.main_pid(loose) == main
     finally:
         bed.cleanup()
