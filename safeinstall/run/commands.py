@@ -287,6 +287,7 @@ def run_options(
             "base_wheel": base_wheel.absolute() if base_wheel else None,
             "extra_args": tuple(extra_args),
             "run_id": run_id,
+            "smoke_skip": tuple(values.get("smoke_skip") or ()),
             # without --run: the last, set by the caller
             "undo": values.get("run") if values.get("undo_") else None,
             "environ": {**os.environ, **index_environ},

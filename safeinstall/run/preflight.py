@@ -61,6 +61,7 @@ from safeinstall.run.patches import PatchSet, prepare_patches
 from safeinstall.run.survey import Survey, survey, systemd_for
 from safeinstall.run.undo import UndoTarget, undo_plan, undo_target, undo_uv_plan
 from safeinstall.scan.plan import Plan
+from safeinstall.store import oldimports
 from safeinstall.store.backup import disk_space_freed, disk_space_needed, free_space, space_problem
 from safeinstall.store.baseline import read_vouched
 from safeinstall.store.state import (
@@ -204,7 +205,17 @@ def preflight(options: RunOptions, *, take_lock: bool, env: Environment | None =
             found = replace(found, plan=replace(found.plan, warnings=(*found.plan.warnings, *shared)))
         if undo is None and not options.no_smoke:
             runners, unchecked = smoke_runners(options, env, [u.name for u in found.plan.units])
-            said = smoke.describe(found.plan.package, options.smoke, options.smoke_timeout, runners)
+            answers, _ = oldimports.load(state)
+            changes = {c.name for c in found.uv_plan.changes if c.action != "uninstall"}
+            known_bad = oldimports.failing(answers, found.installed, changes)
+            said = smoke.describe(
+                found.plan.package,
+                options.smoke,
+                options.smoke_timeout,
+                runners,
+                options.smoke_skip,
+                known_bad,
+            )
             warned = (*found.plan.warnings, *unchecked)
             found = replace(found, plan=replace(found.plan, smoke=said, warnings=warned))
         if undo is not None:

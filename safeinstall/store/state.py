@@ -89,7 +89,7 @@ _KEY_DIGEST_CHARS = 12
 TMP_SUFFIX = ".tmp"
 #: Files of an environment's directory that only a run holding its lock writes (the gate marker, the
 #: journal, the baseline): a temp file of one of them found under the lock is a dead run's
-LOCKED_FILES = ("gate", JOURNAL_FILE, "baseline.json")
+LOCKED_FILES = ("gate", JOURNAL_FILE, "baseline.json", "old-imports.json")
 _PREFIX_MAX = 64 * 1024
 
 
