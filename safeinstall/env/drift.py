@@ -14,6 +14,7 @@ from enum import StrEnum
 from pathlib import PurePath
 from typing import NamedTuple
 
+from safeinstall.env.bytecode import pyc_name
 from safeinstall.env.hashing import FileState
 
 
@@ -277,6 +278,23 @@ def own_roots(
     are never roots, so files of other distributions there are never reported against this one.
     The ``.dist-info`` directories are left out. Paths are normalised absolute strings.
     """
+    owners = directory_owners(files_by_distribution, site_dirs)
+    roots: dict[str, list[str]] = {name: [] for name in files_by_distribution}
+    for directory, names in owners.items():
+        if len(names) != 1 or directory.endswith(".dist-info"):
+            continue
+        parent_owners = owners.get(os.path.dirname(directory))
+        if parent_owners is None or len(parent_owners) > 1:
+            roots[next(iter(names))].append(directory)
+    return {name: sorted(dirs) for name, dirs in roots.items()}
+
+
+def directory_owners(
+    files_by_distribution: Mapping[str, Iterable[str]], site_dirs: Iterable[str]
+) -> dict[str, set[str]]:
+    """Pure: every directory strictly below a site directory that holds a listed file (at any depth
+    below it), with the distributions whose files lie below it: those of two or more are shared
+    (namespace directories such as ``nvidia/``)."""
     sites = tuple(s.rstrip(os.sep) + os.sep for s in site_dirs)
     owners: dict[str, set[str]] = {}
     for name, files in files_by_distribution.items():
@@ -290,14 +308,7 @@ def own_roots(
                 seen.add(parent)
                 owners.setdefault(parent, set()).add(name)
                 parent = os.path.dirname(parent)
-    roots: dict[str, list[str]] = {name: [] for name in files_by_distribution}
-    for directory, names in owners.items():
-        if len(names) != 1 or directory.endswith(".dist-info"):
-            continue
-        parent_owners = owners.get(os.path.dirname(directory))
-        if parent_owners is None or len(parent_owners) > 1:
-            roots[next(iter(names))].append(directory)
-    return {name: sorted(dirs) for name, dirs in roots.items()}
+    return owners
 
 
 def pyc_source(path: PurePath) -> PurePath | None:
@@ -307,14 +318,19 @@ def pyc_source(path: PurePath) -> PurePath | None:
     return path.parent.parent / (path.name.split(".", 1)[0] + ".py")
 
 
-def extras(distribution: str, candidates: Iterable[str], listed: frozenset[str]) -> list[Finding]:
-    """Files found under a distribution's own directories that no RECORD lists."""
+def extras(
+    distribution: str, candidates: Iterable[str], listed: frozenset[str]
+) -> tuple[list[Finding], list[str]]:
+    """Files found under a distribution's own directories that no RECORD lists, and apart from them
+    the ``__pycache__`` bytecode found there (listed or not: each is judged by what it holds,
+    :mod:`safeinstall.env.bytecode`)."""
     found: list[Finding] = []
+    bytecode: list[str] = []
     for text in candidates:
-        if text in listed:
+        if text.endswith(".pyc") and pyc_name(text) is not None:
+            bytecode.append(text)
             continue
-        source = pyc_source(PurePath(text)) if text.endswith(".pyc") else None
-        if source is not None and os.fspath(source) in listed:
+        if text in listed:
             continue
         found.append(
             Finding(
@@ -324,4 +340,15 @@ def extras(distribution: str, candidates: Iterable[str], listed: frozenset[str])
                 detail="in the distribution's directories but in no RECORD",
             )
         )
-    return found
+    return found, bytecode
+
+
+def bytecode_finding(distribution: str, location: str, why: str, listed: bool) -> Finding:
+    """Pure: a ``.pyc`` that is not the bytecode of its listed, verified source: ``modified`` when a
+    RECORD lists it, else ``extra``; the reason said."""
+    return Finding(
+        distribution=distribution,
+        path=location,
+        kind=FindingKind.MODIFIED if listed else FindingKind.EXTRA,
+        detail=f"bytecode: {why}",
+    )

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
+from safeinstall.env.bytecode import Judged, KnownPyc, Source, judge_files, pyc_name
 from safeinstall.env.containment import Containment
 from safeinstall.env.distributions import (
     NO_RECORD,
@@ -30,7 +31,9 @@ from safeinstall.env.drift import (
     Finding,
     FindingKind,
     against_dpkg,
+    bytecode_finding,
     compare,
+    directory_owners,
     extras,
     hardlinked,
     mode_finding,
@@ -42,7 +45,8 @@ from safeinstall.env.drift import (
 from safeinstall.env.environment import Environment, distribution_sites
 from safeinstall.env.hashing import FileState, Known, cycle_collection_paused, observe_files
 from safeinstall.env.records import built, digest_bytes, encode_digest
-from safeinstall.env.systemsite import SystemPackage, dpkg_md5sums, from_base, system_packages
+from safeinstall.env.sitetop import Unlisted, look
+from safeinstall.env.systemsite import SystemPackage, dpkg_md5sums, dpkg_owners, from_base, system_packages
 from safeinstall.errors import ExitCode, WheelError
 
 if TYPE_CHECKING:  # the wheel module (zipfile, packaging.tags) is loaded only when a wheel is given
@@ -98,6 +102,9 @@ class VerifyReport:
     #: the distributions checked file by file whose every file matched its RECORD (no finding of a
     #: file nor of a RECORD line): what :mod:`safeinstall.env.unchanged` may keep
     clean: tuple[InstalledDistribution, ...] = field(default=(), repr=False, compare=False)
+    #: the ``.pyc`` files read and judged the bytecode of their verified source: what
+    #: :mod:`safeinstall.store.bytecode` may keep
+    judged: tuple[Judged, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def findings(self) -> tuple[Finding, ...]:
@@ -157,11 +164,29 @@ def _record_plan(
             )
             continue
         if entry.hash is None:
-            continue  # unhashed entries (RECORD itself, .pyc) are skipped, as installers do
+            if not _may_be_unhashed(dist, location):
+                findings.append(
+                    Finding(
+                        dist.name,
+                        location,
+                        FindingKind.MALFORMED,
+                        "its RECORD line has no hash: what it holds cannot be checked",
+                    )
+                )
+            continue  # RECORD itself, its signatures and bytecode are unhashed as installers write them
         expectations.append(
             built(Expectation, (location, entry.hash.algorithm, entry.hash.digest, entry.size))
         )
     return expectations, findings
+
+
+def _may_be_unhashed(dist: InstalledDistribution, location: str) -> bool:
+    """Pure: a RECORD line an installer writes without a hash: RECORD itself, its signatures
+    (``RECORD.jws``, ``RECORD.p7s``) and ``__pycache__`` bytecode (judged by what it holds instead)."""
+    directory, _, name = location.rpartition("/")
+    if directory == os.fspath(dist.dist_info) and name in ("RECORD", "RECORD.jws", "RECORD.p7s"):
+        return True
+    return name.endswith(".pyc") and pyc_name(location) is not None
 
 
 #: An installer's launcher in place of ``#!python``: one shebang line or, for an interpreter path too
@@ -358,6 +383,7 @@ def verify_environment(
     vouched: Callable[[], Mapping[str, tuple[Vouched, ...]]] | None = None,
     known: Known | None = None,
     unchanged: Callable[[InstalledDistribution], Sequence[tuple[str, int]] | None] | None = None,
+    known_pyc: KnownPyc | None = None,
 ) -> VerifyReport:
     """Verify the named distributions (or all, with ``names=None``) of ``env``.
 
@@ -419,21 +445,54 @@ def verify_environment(
 
     unlisted: dict[str, list[Finding]] = {}
     sites = distribution_sites(env)
+    #: each __pycache__ .pyc to judge -> the distribution it is reported under ("": a site's top)
+    pycs: dict[str, str] = {}
+    sources: dict[str, tuple[str, Source]] = {}  # listed .py -> (its distribution, its RECORD hash)
+    listed_holder: list[frozenset[str]] = []
+    top: list[Unlisted] = []
 
     def look_for_extras() -> None:  # on this thread, while the helpers hash the large files
         if early is not None:
             found.extend(find_distributions(env, early, reader))
         listed = _listed_locations(found)
+        listed_holder.append(listed)
+        sources.update(_sources(found))
         roots = package_roots(env, found)
         for plan in plans:
             name = plan.dist.name
-            unlisted[name] = [f for root in roots.get(name, []) for f in extras(name, _walk(root), listed)]
+            unlisted[name] = []
+            for root in roots.get(name, []):
+                extra, bytecode = extras(name, _walk(root), listed)
+                unlisted[name].extend(extra)
+                pycs.update((pyc, name) for pyc in bytecode)
+            pycs.update(
+                (location, name)
+                for location in plan.dist.locations
+                if location.endswith(".pyc") and pyc_name(location) is not None
+            )
+        if names is None and wheel is None:  # --all: where Python looks first, too
+            owners = directory_owners({d.name: d.locations for d in found}, map(os.fspath, sites))
+            looked = look(map(os.fspath, sites), owners, listed, _walk)
+            top.extend(_not_dpkgs(env, looked.unlisted))
+            for pyc, owner in looked.bytecode:
+                pycs.setdefault(pyc, owner)
 
     states = _observe(plans, env, workers, tick, look_for_extras, known)
     if early is not None and any(find_distribution(env, d.name, found) is not d for d in early):
         # a directory named otherwise holds one of them, earlier in the scan: the usual order
         return verify_environment(
-            env, names, wheel, on_progress, workers, found, expected, settle_shared, vouched, known, unchanged
+            env,
+            names,
+            wheel,
+            on_progress,
+            workers,
+            found,
+            expected,
+            settle_shared,
+            vouched,
+            known,
+            unchanged,
+            known_pyc,
         )
     reports: list[DistributionReport] = []
     baseline = "record" if wheel is None else "wheel"
@@ -442,9 +501,10 @@ def verify_environment(
     mismatched: dict[str, Expectation] = {}  # modified files: another RECORD may list them too
     dist_infos_of = functools.cache(_dist_infos_of)
     clean: list[InstalledDistribution] = []
+    verified: set[str] = set()  # the listed sources found as their RECORD says
+    own: list[list[Finding]] = []
     for plan in plans:
         findings = list(plan.findings)
-        linked: list[tuple[str, int]] = list(plan.proven or ())
         name = plan.dist.name
         for expectation in plan.expectations:
             location = expectation.location
@@ -455,13 +515,41 @@ def verify_environment(
                 findings.append(replace(finding, wheel_member=member) if member else finding)
                 if finding.kind == FindingKind.MODIFIED:
                     mismatched[location] = expectation
-            if state.nlink > 1 and state.is_file:
-                linked.append((state.path, state.nlink))
+            elif location.endswith(".py"):
+                verified.add(location)
             moded = mode_finding(name, state, location.startswith(scripts))
             if moded is not None:
                 findings.append(moded)
+        if plan.proven is not None:
+            verified.update(loc for loc in plan.dist.locations if loc.endswith(".py"))
+        own.append(findings)
+    verdicts = judge_files(
+        env.prefix,
+        (
+            (pyc, parsed, _source_of(sources, parsed.source))
+            for pyc in sorted(pycs)
+            if (parsed := pyc_name(pyc))
+        ),
+        verified.__contains__,
+        known_pyc,
+    )
+    listed = listed_holder[0] if listed_holder else _listed_locations(found)
+    by_dist: dict[str, list[Finding]] = {}
+    for pyc, why in verdicts.problems.items():
+        parsed = pyc_name(pyc)
+        under = sources.get(parsed.source, (pycs[pyc],))[0] if parsed else pycs[pyc]
+        by_dist.setdefault(under, []).append(bytecode_finding(under, pyc, why, pyc in listed))
+    for plan, findings in zip(plans, own, strict=True):
+        name = plan.dist.name
+        findings = [f for f in findings if not _fine_bytecode(f, pycs, verdicts.problems)]
         if prove is not None and plan.proven is None and not findings:
-            clean.append(plan.dist)  # every file as its RECORD says
+            clean.append(plan.dist)  # every file as its RECORD says (its bytecode judged apart)
+        findings.extend(by_dist.pop(name, ()))
+        linked: list[tuple[str, int]] = list(plan.proven or ())
+        for expectation in plan.expectations:
+            state = states[expectation.location]
+            if state.nlink > 1 and state.is_file:
+                linked.append((state.path, state.nlink))
         warning = hardlinked(name, linked)
         if warning is not None:
             findings.append(warning)
@@ -508,6 +596,28 @@ def verify_environment(
                 from_base=from_base(env, plan.dist),
             )
         )
+    for item in top:
+        by_dist.setdefault(item.owner, []).append(
+            Finding(item.owner or UNLISTED, item.location, FindingKind.EXTRA, item.detail)
+        )
+    for report in list(reports):
+        more = by_dist.pop(report.name, None)
+        if more:
+            at = reports.index(report)
+            reports[at] = replace(report, findings=tuple(sorted((*report.findings, *more), key=report_order)))
+    for under, more in sorted(by_dist.items()):  # a site's top, or a distribution not checked
+        reports.append(
+            DistributionReport(
+                name=under or UNLISTED,
+                version="",
+                dist_info="",
+                files_checked=0,
+                findings=tuple(
+                    sorted((replace(f, distribution=under or UNLISTED) for f in more), key=report_order)
+                ),
+                against="record",
+            )
+        )
     summary = (
         None
         if wheel is None
@@ -524,7 +634,66 @@ def verify_environment(
         eggs,
         frozenset(os.fspath(p.dist.dist_info) for p in plans if p.proven is not None),
         tuple(clean),
+        verdicts.judged,
     )
+
+
+#: The name findings where no distribution's files are (a site directory's top) are reported under.
+UNLISTED = "(in no RECORD)"
+
+
+def _fine_bytecode(finding: Finding, pycs: Mapping[str, str], problems: Mapping[str, str]) -> bool:
+    """Pure: a listed ``.pyc`` that differs from its RECORD (pip compiled it anew over the wheel's) but
+    was judged the bytecode of its verified source: neither drift nor a local patch (issue 43)."""
+    return finding.kind == FindingKind.MODIFIED and finding.path in pycs and finding.path not in problems
+
+
+def _sources(found: Sequence[InstalledDistribution]) -> dict[str, tuple[str, Source]]:
+    """Every listed, hashed ``.py``: location -> (its distribution, its RECORD hash)."""
+    return {
+        location: (dist.name, Source(entry.hash.algorithm, entry.hash.digest))
+        for dist in found
+        for entry, location in zip(dist.record.entries, dist.locations, strict=True)
+        if entry.hash is not None and location.endswith(".py")
+    }
+
+
+def _source_of(sources: Mapping[str, tuple[str, Source]], location: str) -> Source | None:
+    found = sources.get(location)
+    return None if found is None else found[1]
+
+
+def _not_dpkgs(env: Environment, unlisted: Sequence[Unlisted]) -> list[Unlisted]:
+    """Those of ``unlisted`` that no system package installed as they are now (a system interpreter's
+    site directories hold dpkg's modules beside ``.egg-info`` metadata, which has no RECORD): a file
+    dpkg's lists name and its md5sums still match is not reported; one they name and do not match is,
+    saying so. A venv's own site directories are never dpkg's: nothing is looked up for them."""
+    own = tuple(os.fspath(s) + os.sep for s in env.site_dirs) if env.is_venv else ()
+    wanted = [u for u in unlisted if not (own and u.location.startswith(own))]
+    if not wanted:
+        return list(unlisted)
+    owners = dpkg_owners(Path(u.location) for u in wanted)
+    if not owners:
+        return list(unlisted)
+    sums: dict[str, str] = {}
+    for package in set(owners.values()):
+        sums.update(dpkg_md5sums(package))
+    expected = [
+        Expectation(u.location, "md5", encode_digest(bytes.fromhex(sums[u.location])), None)
+        for u in wanted
+        if Path(u.location) in owners and u.location in sums
+    ]
+    states = observe_files(expected, within=os.fspath(env.base_prefix)) if expected else {}
+    intact = {e.location for e in expected if compare("", e, states[e.location], "record") is None}
+    kept: list[Unlisted] = []
+    for u in unlisted:
+        if u.location in intact:
+            continue
+        owner = owners.get(Path(u.location))
+        kept.append(
+            u if owner is None else replace(u, detail=f"{u.detail}; {owner.package}'s md5sums differ")
+        )
+    return kept
 
 
 def _proven_plan(

@@ -1,0 +1,248 @@
+"""Issue 46: ``--verify-only`` holds against the environment's owner. Bytecode is judged by what it runs
+(items 1; issue 43 item 7), nothing unlisted where Python looks first (item 2), RECORD lines without a
+hash (item 3). Real wheels installed by the real uv, then planted as the owner would."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import marshal
+import os
+import py_compile
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from safeinstall.env.bytecode import PycName, judge, parse_header, pyc_name
+from safeinstall.env.verified import GRANULARITY_NS
+from safeinstall.store.bytecode import STORE_NAME
+from safeinstall.store.state import environment_state
+from tests import wheelhouse
+from tests.clirun import run
+from tests.wheelhouse import Wheelhouse
+
+TAG = sys.implementation.cache_tag
+
+
+@pytest.fixture
+def env(venv: Path, wheels: Wheelhouse) -> Path:
+    wheelhouse.uv_install(venv, wheels["sipure-1"], wheels["sins-a"], wheels["sins-b"])
+    return venv
+
+
+def _site(python: Path) -> Path:
+    return wheelhouse.site_packages(python)
+
+
+def _drift(doc: dict[str, Any]) -> set[tuple[str, str]]:
+    return {(f["kind"], f["path"]) for f in doc["data"]["findings"] if f["drift"]}
+
+
+def _check(python: Path) -> tuple[int, dict[str, Any]]:
+    result = run("--verify-only", "--all", "--python", str(python), "--json")
+    assert result.code in (0, 1), result.stderr
+    return result.code, result.json
+
+
+def _evil(path: Path) -> bytes:
+    return marshal.dumps(compile("import os\nos.system('id')\n", str(path), "exec"))
+
+
+def _plant_pyc(source: Path, flags: int, middle: bytes) -> Path:
+    cache = source.parent / "__pycache__"
+    cache.mkdir(exist_ok=True)
+    pyc = cache / f"{source.stem}.{TAG}.pyc"
+    pyc.write_bytes(importlib.util.MAGIC_NUMBER + flags.to_bytes(4, "little") + middle + _evil(source))
+    return pyc
+
+
+def test_bytecode_compiled_from_its_listed_source_is_clean_in_every_mode(env: Path) -> None:
+    source = _site(env) / "sipure" / "__init__.py"
+    for mode in (py_compile.PycInvalidationMode.TIMESTAMP, py_compile.PycInvalidationMode.CHECKED_HASH):
+        py_compile.compile(str(source), doraise=True, invalidation_mode=mode)
+        py_compile.compile(str(source), doraise=True, invalidation_mode=mode, optimize=2)
+        code, doc = _check(env)
+        assert code == 0, doc["data"]["findings"]
+
+
+def test_an_unchecked_hash_pyc_of_a_listed_source_is_reported(env: Path) -> None:
+    source = _site(env) / "sipure" / "__init__.py"
+    pyc = _plant_pyc(source, 0b01, importlib.util.source_hash(source.read_bytes()))
+    code, doc = _check(env)
+    assert code == 1 and ("extra", str(pyc)) in _drift(doc)
+    (finding,) = [f for f in doc["data"]["findings"] if f["path"] == str(pyc)]
+    assert "unchecked hash-based" in finding["detail"] and finding["distribution"] == "sipure"
+
+
+def test_a_timestamp_pyc_with_its_sources_mtime_and_size_but_other_code_is_reported(env: Path) -> None:
+    source = _site(env) / "sipure" / "cli.py"
+    info = source.stat()
+    middle = (int(info.st_mtime) & 0xFFFFFFFF).to_bytes(4, "little") + info.st_size.to_bytes(4, "little")
+    pyc = _plant_pyc(source, 0, middle)
+    code, doc = _check(env)
+    assert code == 1 and ("extra", str(pyc)) in _drift(doc)
+    (finding,) = [f for f in doc["data"]["findings"] if f["path"] == str(pyc)]
+    assert "not what its source compiles to" in finding["detail"]
+
+
+def test_a_listed_pyc_recompiled_from_its_source_is_neither_drift_nor_a_patch(env: Path) -> None:
+    """numpy's wheel ships a .pyc pip compiles anew: its RECORD hash no longer holds, its code does."""
+    site = _site(env)
+    source = site / "sipure" / "cli.py"
+    pyc = Path(str(py_compile.compile(str(source), doraise=True)))
+    record = next(site.glob("sipure-*.dist-info")) / "RECORD"
+    relative = pyc.relative_to(site).as_posix()
+    record.write_text(record.read_text() + f"{relative},sha256={'A' * 43},{pyc.stat().st_size}\n")
+    code, doc = _check(env)
+    assert code == 0, doc["data"]["findings"]
+    pyc.write_bytes(pyc.read_bytes()[:16] + _evil(source))  # now its code is another's: modified
+    code, doc = _check(env)
+    assert code == 1 and ("modified", str(pyc)) in _drift(doc)
+
+
+def test_bytecode_of_a_source_no_record_lists_is_extra(env: Path) -> None:
+    site = _site(env)
+    (site / "sipure" / "planted.py").write_text("x = 1\n")
+    pyc = Path(str(py_compile.compile(str(site / "sipure" / "planted.py"), doraise=True)))
+    code, doc = _check(env)
+    assert code == 1 and ("extra", str(pyc)) in _drift(doc)
+
+
+@pytest.mark.parametrize("name", ["zz-planted.pth", "sitecustomize.py", "usercustomize.py", "evil.py"])
+def test_code_at_the_top_of_site_packages_that_no_record_lists_is_extra(env: Path, name: str) -> None:
+    planted = _site(env) / name
+    planted.write_text("import os\n")
+    code, doc = _check(env)
+    assert code == 1 and ("extra", str(planted)) in _drift(doc)
+    text = run("--verify-only", "--all", "--python", str(env))
+    assert text.code == 1 and name in text.stdout
+
+
+def test_an_init_planted_in_a_namespace_directory_two_distributions_share_is_extra(env: Path) -> None:
+    planted = _site(env) / "sins" / "__init__.py"
+    planted.write_text("import os\n")
+    code, doc = _check(env)
+    assert code == 1 and ("extra", str(planted)) in _drift(doc)
+
+
+def test_a_package_directory_no_record_lists_is_extra(env: Path) -> None:
+    package = _site(env) / "unlisted_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "README").write_text("not code\n")
+    code, doc = _check(env)
+    assert code == 1 and _drift(doc) == {("extra", str(package / "__init__.py"))}
+
+
+def test_a_record_line_without_a_hash_is_reported(env: Path) -> None:
+    site = _site(env)
+    record = next(site.glob("sipure-*.dist-info")) / "RECORD"
+    lines = record.read_text().splitlines()
+    edited = [line.split(",")[0] + ",," if line.startswith("sipure/cli.py,") else line for line in lines]
+    assert edited != lines
+    record.write_text("\n".join(edited) + "\n")
+    (site / "sipure" / "cli.py").write_text("import os\n")
+    code, doc = _check(env)
+    assert code == 1 and ("malformed", str(site / "sipure" / "cli.py")) in _drift(doc)
+
+
+def test_a_fresh_uv_venv_with_a_pypi_style_install_stays_clean(env: Path) -> None:
+    code, doc = _check(env)
+    assert code == 0, doc["data"]["findings"]
+
+
+# ---------------------------------------------------------------------------------------- pure parts
+
+
+def test_pyc_names_are_read_as_python_names_them() -> None:
+    assert pyc_name("/s/p/__pycache__/m.cpython-311.pyc") == PycName("/s/p/m.py", "cpython-311", 0)
+    assert pyc_name("/s/p/__pycache__/m.cpython-311.opt-2.pyc") == PycName("/s/p/m.py", "cpython-311", 2)
+    assert pyc_name("/s/p/__pycache__/m.pyc") is None
+    assert pyc_name("/s/p/m.cpython-311.pyc") is None
+    assert pyc_name("/s/p/__pycache__/m.cpython-311.opt-3.pyc") is None
+
+
+def test_headers_are_parsed_as_pep_552_says() -> None:
+    assert parse_header(b"short") == "shorter than a .pyc's header"
+    assert isinstance(parse_header(b"\0" * 4 + (2).to_bytes(4, "little") + b"\0" * 8), str)
+    header = parse_header(b"MAGC" + (3).to_bytes(4, "little") + b"H" * 8)
+    assert not isinstance(header, str) and header.source_hash == b"H" * 8
+
+
+def test_judge_compares_code_not_file_names(tmp_path: Path) -> None:
+    source = b"def f():\n    return 1\n"
+    name = PycName(str(tmp_path / "m.py"), TAG, 0)
+    body = marshal.dumps(compile(source, "/elsewhere/m.py", "exec", dont_inherit=True))
+    header = importlib.util.MAGIC_NUMBER + b"\0" * 12
+    assert judge(header + body, name, source) is None
+    assert (
+        judge(header + body, name, b"def f():\n    return 2\n")
+        == "its code is not what its source compiles to"
+    )
+    assert judge(header + b"\xff\xfe", name, source) == "its body is not marshalled code"
+    assert judge(header + marshal.dumps(7), name, source) == "its body is not a code object"
+    assert os.fspath(tmp_path)  # the name is never opened
+
+
+# ------------------------------------------------------------------------ judged once, kept by identity
+
+
+def _settled_check(python: Path, state: Path, *args: str) -> tuple[int, dict[str, Any]]:
+    newest = max(p.lstat().st_ctime_ns for p in _site(python).rglob("*"))
+    while time.time_ns() <= newest + GRANULARITY_NS:
+        time.sleep(0.1)
+    result = run(
+        "--verify-only",
+        "--all",
+        "--python",
+        str(python),
+        "--json",
+        *args,
+        env={**os.environ, "SAFEINSTALL_STATE_DIR": str(state)},
+    )
+    assert result.code in (0, 1), result.stderr
+    return result.code, result.json
+
+
+def test_a_judged_pyc_is_kept_by_identity_and_a_forged_judgement_is_believed_only_without_full(
+    env: Path, tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    source = _site(env) / "sipure" / "__init__.py"
+    good = Path(str(py_compile.compile(str(source), doraise=True)))
+    assert _settled_check(env, state)[0] == 0
+    store = environment_state(state, Path(os.path.realpath(env.parent.parent))).dir / STORE_NAME
+    kept = json.loads(store.read_bytes())["entries"]
+    assert [entry[0] for entry in kept] == [str(good)]
+    # The store is what a second check asks: a judgement forged for a planted .pyc's identity is taken
+    # (root's own store; nobody else writes it), and --full takes none.
+    bad = _plant_pyc(_site(env) / "sipure" / "cli.py", 0, b"\0" * 8)
+    info = bad.lstat()
+    digest = next(
+        line.split(",")[1].partition("=")[2]
+        for line in (next(_site(env).glob("sipure-*.dist-info")) / "RECORD").read_text().splitlines()
+        if line.startswith("sipure/cli.py,")
+    )
+    forged = [
+        str(bad),
+        info.st_dev,
+        info.st_ino,
+        info.st_size,
+        info.st_mtime_ns,
+        info.st_ctime_ns,
+        time.time_ns(),
+        digest,
+    ]
+    document = json.loads(store.read_bytes())
+    store.write_bytes(json.dumps({**document, "entries": [*kept, forged]}).encode())
+    assert _settled_check(env, state)[0] == 0
+    code, doc = _settled_check(env, state, "--full")
+    assert code == 1 and ("extra", str(bad)) in _drift(doc)
+    # An edit in place, its mtime set back: its ctime moved, so it is judged again.
+    good.write_bytes(good.read_bytes()[:16] + _evil(source))
+    os.utime(good, ns=(info.st_atime_ns, info.st_mtime_ns))
+    code, doc = _settled_check(env, state)
+    assert code == 1 and ("extra", str(good)) in _drift(doc)
