@@ -384,6 +384,8 @@ def verify_environment(
     known: Known | None = None,
     unchanged: Callable[[InstalledDistribution], Sequence[tuple[str, int]] | None] | None = None,
     known_pyc: KnownPyc | None = None,
+    bytecode: bool = False,
+    recorded: Callable[[InstalledDistribution, bool], Sequence[Finding]] | None = None,
 ) -> VerifyReport:
     """Verify the named distributions (or all, with ``names=None``) of ``env``.
 
@@ -404,6 +406,16 @@ def verify_environment(
     ``unchanged``: a distribution it proves unchanged since a check found it clean (its files that
     share their inode, or None: not proven) is taken as clean without a file compared
     (:func:`safeinstall.env.unchanged.prover`; not with a wheel or ``expected``).
+
+    ``bytecode`` (``--verify-only``): every ``__pycache__`` ``.pyc`` found is judged by what it holds
+    (:mod:`safeinstall.env.bytecode`; ``known_pyc``: judgements kept, by identity) and, with every
+    distribution asked for, the top of each site directory and each shared directory are looked at for
+    code no RECORD lists (:mod:`safeinstall.env.sitetop`). Without it (a run's checks, whose time may be
+    the service's downtime) only a listed ``.pyc`` that differs from its RECORD is judged: one that is
+    the bytecode of its verified source (pip compiled it anew) is not a local change.
+
+    ``recorded``: the ``record-changed`` findings of a distribution (and whether it was proven
+    unchanged), against the RECORDs root kept (:class:`safeinstall.env.recorded.RecordCheck`).
     """
     # Named ones are read first, the others (whose files only say what is "extra") while the large
     # files hash; read as every distribution is, or everything is done again in the usual order. The
@@ -462,15 +474,18 @@ def verify_environment(
             name = plan.dist.name
             unlisted[name] = []
             for root in roots.get(name, []):
-                extra, bytecode = extras(name, _walk(root), listed)
+                extra, walked = extras(name, _walk(root), listed)
                 unlisted[name].extend(extra)
-                pycs.update((pyc, name) for pyc in bytecode)
+                if bytecode:
+                    pycs.update((pyc, name) for pyc in walked)
+                else:  # as before: only bytecode of a source no RECORD lists is said, as extra
+                    unlisted[name].extend(_orphans(name, walked, listed))
             pycs.update(
                 (location, name)
                 for location in plan.dist.locations
-                if location.endswith(".pyc") and pyc_name(location) is not None
+                if bytecode and location.endswith(".pyc") and pyc_name(location) is not None
             )
-        if names is None and wheel is None:  # --all: where Python looks first, too
+        if bytecode and names is None and wheel is None:  # --all: where Python looks first, too
             owners = directory_owners({d.name: d.locations for d in found}, map(os.fspath, sites))
             looked = look(map(os.fspath, sites), owners, listed, _walk)
             top.extend(_not_dpkgs(env, looked.unlisted))
@@ -493,6 +508,8 @@ def verify_environment(
             known,
             unchanged,
             known_pyc,
+            bytecode,
+            recorded,
         )
     reports: list[DistributionReport] = []
     baseline = "record" if wheel is None else "wheel"
@@ -522,7 +539,16 @@ def verify_environment(
                 findings.append(moded)
         if plan.proven is not None:
             verified.update(loc for loc in plan.dist.locations if loc.endswith(".py"))
+        if recorded is not None:
+            findings.extend(recorded(plan.dist, plan.proven is not None))
         own.append(findings)
+    if not bytecode:  # a listed .pyc that differs from its RECORD: pip may have compiled it anew
+        pycs.update(
+            (f.path, f.distribution)
+            for findings in own
+            for f in findings
+            if f.kind == FindingKind.MODIFIED and pyc_name(f.path) is not None
+        )
     verdicts = judge_files(
         env.prefix,
         (
@@ -646,6 +672,15 @@ def _fine_bytecode(finding: Finding, pycs: Mapping[str, str], problems: Mapping[
     """Pure: a listed ``.pyc`` that differs from its RECORD (pip compiled it anew over the wheel's) but
     was judged the bytecode of its verified source: neither drift nor a local patch (issue 43)."""
     return finding.kind == FindingKind.MODIFIED and finding.path in pycs and finding.path not in problems
+
+
+def _orphans(name: str, walked: Sequence[str], listed: frozenset[str]) -> list[Finding]:
+    """Pure: the ``.pyc`` files of ``walked`` whose source no RECORD lists, as ``extra`` findings."""
+    return [
+        Finding(name, pyc, FindingKind.EXTRA, "in the distribution's directories but in no RECORD")
+        for pyc in walked
+        if pyc not in listed and (parsed := pyc_name(pyc)) is not None and parsed.source not in listed
+    ]
 
 
 def _sources(found: Sequence[InstalledDistribution]) -> dict[str, tuple[str, Source]]:

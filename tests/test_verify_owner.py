@@ -246,3 +246,53 @@ def test_a_judged_pyc_is_kept_by_identity_and_a_forged_judgement_is_believed_onl
     os.utime(good, ns=(info.st_atime_ns, info.st_mtime_ns))
     code, doc = _settled_check(env, state)
     assert code == 1 and ("extra", str(good)) in _drift(doc)
+
+
+# ------------------------------------------------------------------- the reference cannot be rewritten
+
+
+def _with_state(python: Path, state: Path, *args: str) -> tuple[int, dict[str, Any]]:
+    result = run(
+        "--verify-only",
+        "--all",
+        "--python",
+        str(python),
+        "--json",
+        *args,
+        env={**os.environ, "SAFEINSTALL_STATE_DIR": str(state)},
+    )
+    assert result.code in (0, 1), result.stderr
+    return result.code, result.json
+
+
+@pytest.mark.parametrize("wheel_too", [False, True], ids=["record", "wheel"])
+def test_a_module_edited_with_its_record_line_after_a_clean_check_is_record_changed(
+    env: Path, tmp_path: Path, wheels: Wheelhouse, wheel_too: bool
+) -> None:
+    state, site = tmp_path / "state", _site(env)
+    assert _with_state(env, state)[0] == 0
+    module = site / "sipure" / "cli.py"
+    module.write_text("import os\n")
+    digest = wheelhouse.record_digest(module.read_bytes())
+    record = next(site.glob("sipure-*.dist-info")) / "RECORD"
+    record.write_text(
+        "".join(
+            f"sipure/cli.py,sha256={digest},10\n" if line.startswith("sipure/cli.py,") else line + "\n"
+            for line in record.read_text().splitlines()
+        )
+    )
+    code, doc = _with_state(env, state)
+    assert code == 1 and _drift(doc) == {("record-changed", str(module))}
+    if wheel_too:
+        result = run(
+            "sipure",
+            "--verify-only",
+            "--wheel",
+            str(wheels["sipure-1"]),
+            "--python",
+            str(env),
+            "--json",
+            env={**os.environ, "SAFEINSTALL_STATE_DIR": str(state)},
+        )
+        assert result.code == 1 and ("record-changed", str(module)) in _drift(result.json)
+    assert _with_state(env, state)[0] == 1  # still: it is not taken as the reference by a check
