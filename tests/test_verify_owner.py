@@ -9,6 +9,7 @@ import json
 import marshal
 import os
 import py_compile
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -296,3 +297,57 @@ def test_a_module_edited_with_its_record_line_after_a_clean_check_is_record_chan
         )
         assert result.code == 1 and ("record-changed", str(module)) in _drift(result.json)
     assert _with_state(env, state)[0] == 1  # still: it is not taken as the reference by a check
+
+
+# ------------------------------------------------------------------------- fresh environments stay clean
+
+
+@pytest.fixture(scope="session")
+def pypi_wheels(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """numpy 1.26.4 (whose wheel ships a .pyc that pip compiles anew) and markupsafe, from PyPI, once
+    a session."""
+    where = tmp_path_factory.mktemp("pypi")
+    wanted = ("numpy==1.26.4", "markupsafe")
+    fetched = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            "-d",
+            str(where),
+            *wanted,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    if fetched.returncode != 0 or not list(where.glob("numpy-*.whl")):
+        pytest.skip(f"PyPI not reachable: {fetched.stderr[-300:]}")
+    return where
+
+
+def test_python_m_venv_with_pip_installed_numpy_1_26_4_is_clean(pypi_wheels: Path, tmp_path: Path) -> None:
+    subprocess.run([sys.executable, "-m", "venv", str(tmp_path / "venv")], check=True, timeout=300)
+    python = tmp_path / "venv" / "bin" / "python"
+    (numpy,) = pypi_wheels.glob("numpy-*.whl")
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", "--no-index", str(numpy)], check=True, timeout=600
+    )
+    shipped = _site(python) / "numpy" / "distutils" / "__pycache__" / f"conv_template.{TAG}.pyc"
+    assert shipped.is_file()  # the wheel's, compiled anew by pip: its RECORD hash no longer holds
+    code, doc = _with_state(python, tmp_path / "state")
+    assert code == 0, [f for f in doc["data"]["findings"] if f["drift"]]
+
+
+def test_a_uv_venv_with_markupsafe_from_pypi_is_clean(pypi_wheels: Path, venv: Path, tmp_path: Path) -> None:
+    (markupsafe,) = pypi_wheels.glob("markupsafe-*.whl")
+    wheelhouse.uv_install(venv, markupsafe)
+    subprocess.run([str(venv), "-c", "import markupsafe"], check=True, timeout=60)  # writes its bytecode
+    assert list((_site(venv) / "markupsafe" / "__pycache__").glob("*.pyc"))
+    code, doc = _with_state(venv, tmp_path / "state")
+    assert code == 0, [f for f in doc["data"]["findings"] if f["drift"]]
