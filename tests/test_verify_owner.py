@@ -18,9 +18,12 @@ from typing import Any
 import pytest
 
 from safeinstall.env.bytecode import PycName, judge, parse_header, pyc_name
+from safeinstall.env.drift import Expectation
+from safeinstall.env.hashing import observe_files
 from safeinstall.env.verified import GRANULARITY_NS
 from safeinstall.store.bytecode import STORE_NAME
 from safeinstall.store.state import environment_state
+from safeinstall.system.safefs import WALK_MAX_DEPTH, Tree, TreeTooLarge, walk_below
 from tests import wheelhouse
 from tests.clirun import run
 from tests.wheelhouse import Wheelhouse
@@ -351,3 +354,70 @@ def test_a_uv_venv_with_markupsafe_from_pypi_is_clean(pypi_wheels: Path, venv: P
     assert list((_site(venv) / "markupsafe" / "__pycache__").glob("*.pyc"))
     code, doc = _with_state(venv, tmp_path / "state")
     assert code == 0, [f for f in doc["data"]["findings"] if f["drift"]]
+
+
+# ------------------------------------------------------------------------------------------ bounded work
+
+
+def _chain(top: Path, depth: int) -> Path:
+    """``top/d/d/.../d`` ``depth`` levels deep (made relative to each level: no path grows too long)."""
+    top.mkdir(parents=True, exist_ok=True)
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(depth):
+            os.mkdir("d", dir_fd=fd)
+            child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = child
+        planted = os.open("planted.py", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd)
+        os.close(planted)
+    finally:
+        os.close(fd)
+    return top
+
+
+def test_a_deep_chain_in_a_package_directory_is_said_not_checked_never_clean(env: Path) -> None:
+    root = _site(env) / "sipure"
+    _chain(root / "deep", WALK_MAX_DEPTH + 20)
+    code, doc = _check(env)
+    assert code == 1
+    (finding,) = [f for f in doc["data"]["findings"] if f["kind"] == "unreadable"]
+    assert finding["path"] == str(root) and "levels deep" in finding["detail"]
+
+
+def test_tree_walks_hold_a_stack_of_descriptors_within_their_bounds(tmp_path: Path) -> None:
+    _chain(tmp_path / "t", 40)
+    files: list[str] = []
+    directories: list[str] = []
+    walk_below(os.open(tmp_path / "t", os.O_RDONLY | os.O_DIRECTORY), "", files, directories, max_depth=50)
+    assert len(directories) == 40 and files == ["/".join(["d"] * 40 + ["planted.py"])]
+    with pytest.raises(TreeTooLarge):
+        walk_below(os.open(tmp_path / "t", os.O_RDONLY | os.O_DIRECTORY), "", [], [], max_depth=10)
+    with pytest.raises(TreeTooLarge):
+        walk_below(os.open(tmp_path / "t", os.O_RDONLY | os.O_DIRECTORY), "", [], [], max_entries=5)
+    # Deeper than Python's recursion allows (the walk was recursive): bounded, not a RecursionError.
+    _chain(tmp_path / "deeper", 1200)
+    with Tree(tmp_path) as tree, pytest.raises(TreeTooLarge):
+        tree.files_below("deeper")
+    with Tree(tmp_path) as tree, pytest.raises(TreeTooLarge):
+        tree.walk("deeper")
+    assert len(os.listdir("/proc/self/fd")) < 64  # every descriptor of the walks closed
+
+
+def test_each_inode_is_hashed_once_and_a_byte_budget_bounds_a_check(tmp_path: Path) -> None:
+    sparse = tmp_path / "sparse"
+    with sparse.open("wb") as handle:
+        handle.truncate(64 << 20)  # no disk: the owner's 16 GiB file costs nothing but root's reads
+    links = [tmp_path / f"link-{n}" for n in range(200)]
+    for link in links:
+        os.link(sparse, link)
+    wanted = [Expectation(str(p), "sha256", None, 64 << 20) for p in [sparse, *links]]
+    states = observe_files(wanted, budget=100 << 20)  # one read of 64 MiB, not 201
+    assert {s.error for s in states.values()} == {None}
+    assert len({s.digest for s in states.values()}) == 1
+    other = tmp_path / "other"
+    with other.open("wb") as handle:
+        handle.truncate(64 << 20)
+    states = observe_files([*wanted[:1], Expectation(str(other), "sha256", None, 64 << 20)], budget=100 << 20)
+    errors = sorted(str(s.error) for s in states.values())
+    assert errors[0] == "None" and errors[1].startswith("not checked: this check's budget")

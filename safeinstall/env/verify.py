@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
@@ -305,33 +306,30 @@ def _plan(
     return _Plan(dist, tuple(expectations), members, (*findings, *wheel_findings), wheel.path.name)
 
 
-def _walk(root: str) -> list[str]:
-    """Every non-directory below ``root``, as ``os.walk`` lists them (a symlink to a directory is not
-    entered and not listed; errors are skipped), without its ``lstat`` of each directory: the listing's
-    file types say which entries are symlinks."""
+#: The entries the walks of one check may list in all, and how long they may take (the owner of the
+#: environment decides how many there are): past either, what is left is reported as not checked.
+WALK_ENTRIES = 8_000_000
+WALK_SECONDS = 600.0
+
+
+def _walk(root: str, budget: list[int] | None = None, deadline: float | None = None) -> list[str]:
+    """Every non-directory below ``root`` (a symlink is listed, never entered; a directory that cannot
+    be opened is skipped), by a stack of descriptors below it (:func:`safeinstall.system.safefs.walk_below`:
+    :class:`~safeinstall.system.safefs.TreeTooLarge` past its bounds, ``budget`` and ``deadline``)."""
+    from safeinstall.system.safefs import walk_below
+
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return []
     found: list[str] = []
-    pending = [root]
-    while pending:
-        try:
-            listing = os.scandir(pending.pop())
-        except OSError:
-            continue
-        with listing:
-            while True:
-                try:
-                    entry = next(listing, None)
-                except OSError:
-                    break
-                if entry is None:
-                    break
-                try:
-                    is_dir = entry.is_dir()
-                except OSError:
-                    is_dir = False
-                if not is_dir:
-                    found.append(entry.path)
-                elif not _is_symlink(entry):
-                    pending.append(entry.path)
+    try:
+        walk_below(fd, root, found, [], deadline=deadline, budget=budget)
+    except OSError as exc:
+        from safeinstall.system.safefs import TreeTooLarge
+
+        if isinstance(exc, TreeTooLarge):
+            raise
     return found
 
 
@@ -463,6 +461,18 @@ def verify_environment(
     listed_holder: list[frozenset[str]] = []
     top: list[Unlisted] = []
 
+    budget, deadline = [WALK_ENTRIES], time.monotonic() + WALK_SECONDS
+    stopped: dict[str, str] = {}  # a walk's top -> why it stopped short: what is below is not checked
+
+    def walk(top: str) -> list[str]:
+        from safeinstall.system.safefs import TreeTooLarge
+
+        try:
+            return _walk(top, budget, deadline)
+        except TreeTooLarge as exc:
+            stopped[top] = exc.strerror or str(exc)
+            return []
+
     def look_for_extras() -> None:  # on this thread, while the helpers hash the large files
         if early is not None:
             found.extend(find_distributions(env, early, reader))
@@ -474,8 +484,10 @@ def verify_environment(
             name = plan.dist.name
             unlisted[name] = []
             for root in roots.get(name, []):
-                extra, walked = extras(name, _walk(root), listed)
+                extra, walked = extras(name, walk(root), listed)
                 unlisted[name].extend(extra)
+                if root in stopped:
+                    unlisted[name].append(_not_checked(name, root, stopped.pop(root)))
                 if bytecode:
                     pycs.update((pyc, name) for pyc in walked)
                 else:  # as before: only bytecode of a source no RECORD lists is said, as extra
@@ -487,8 +499,9 @@ def verify_environment(
             )
         if bytecode and names is None and wheel is None:  # --all: where Python looks first, too
             owners = directory_owners({d.name: d.locations for d in found}, map(os.fspath, sites))
-            looked = look(map(os.fspath, sites), owners, listed, _walk)
+            looked = look(map(os.fspath, sites), owners, listed, walk)
             top.extend(_not_dpkgs(env, looked.unlisted))
+            top.extend(Unlisted(where, "", f"not checked below it: {why}") for where, why in stopped.items())
             for pyc, owner in looked.bytecode:
                 pycs.setdefault(pyc, owner)
 
@@ -624,7 +637,12 @@ def verify_environment(
         )
     for item in top:
         by_dist.setdefault(item.owner, []).append(
-            Finding(item.owner or UNLISTED, item.location, FindingKind.EXTRA, item.detail)
+            Finding(
+                item.owner or UNLISTED,
+                item.location,
+                FindingKind.UNREADABLE if item.detail.startswith("not checked") else FindingKind.EXTRA,
+                item.detail,
+            )
         )
     for report in list(reports):
         more = by_dist.pop(report.name, None)
@@ -672,6 +690,11 @@ def _fine_bytecode(finding: Finding, pycs: Mapping[str, str], problems: Mapping[
     """Pure: a listed ``.pyc`` that differs from its RECORD (pip compiled it anew over the wheel's) but
     was judged the bytecode of its verified source: neither drift nor a local patch (issue 43)."""
     return finding.kind == FindingKind.MODIFIED and finding.path in pycs and finding.path not in problems
+
+
+def _not_checked(name: str, root: str, why: str) -> Finding:
+    """Pure: what is below ``root`` was not looked at (its walk reached a bound): never silently clean."""
+    return Finding(name, root, FindingKind.UNREADABLE, f"not checked below it: {why}")
 
 
 def _orphans(name: str, walked: Sequence[str], listed: frozenset[str]) -> list[Finding]:
