@@ -159,17 +159,18 @@ RECORD_MAY_BE_WRONG_HINT = (
 RECORD_MAY_BE_WRONG = f"{UNTOUCHED}: {RECORD_MAY_BE_WRONG_HINT}"
 
 
-def untouched_since_install(finding: Finding, mtime_ns: int, record_mtime_ns: int | None) -> Finding:
-    """Pure: a file checked against its installed RECORD that differs from it, but was last written
-    no later than the installer wrote that RECORD (after every file), was not edited here: the wheel's
-    own RECORD may be wrong (pynvvideocodec 2.0.4 ships one). It stays ``modified`` (this cannot be
-    known without the wheel), and says so and how to settle it."""
+def untouched_since_install(finding: Finding, ctime_ns: int, record_ctime_ns: int | None) -> Finding:
+    """Pure: a file checked against its installed RECORD that differs from it, but whose inode last
+    changed no later than the installer wrote that RECORD (after every file), was not edited here: the
+    wheel's own RECORD may be wrong (pynvvideocodec 2.0.4 ships one). Change times, which no account
+    sets: a same-size edit with its modification time set back is never explained so (issue 46). It
+    stays ``modified`` (this cannot be known without the wheel), and says so and how to settle it."""
     if (
         finding.kind != FindingKind.MODIFIED
         or finding.baseline != "record"
-        or record_mtime_ns is None
-        or mtime_ns == 0
-        or mtime_ns > record_mtime_ns
+        or record_ctime_ns is None
+        or ctime_ns == 0
+        or ctime_ns > record_ctime_ns
     ):
         return finding
     return replace(

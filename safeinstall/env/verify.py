@@ -344,10 +344,11 @@ def _listed_locations(installed: Sequence[InstalledDistribution]) -> frozenset[s
     return frozenset(location for d in installed for location in d.locations)
 
 
-def _mtime_ns(path: str) -> int | None:
-    """The modification time of ``path`` itself (a symlink is not followed), or None."""
+def _ctime_ns(path: str) -> int | None:
+    """The change time of ``path`` itself (a symlink is not followed), or None: no account can set it
+    (an owner sets a modification time back at will)."""
     try:
-        return os.lstat(path).st_mtime_ns
+        return os.lstat(path).st_ctime_ns
     except OSError:
         return None
 
@@ -615,9 +616,9 @@ def verify_environment(
         if wheel is None and owner is not None and any(f.kind == FindingKind.MODIFIED for f in findings):
             findings = _against_dpkg(env, plan.dist, owner, findings)  # dpkg's: no wheel to settle it with
         elif wheel is None and any(f.kind == FindingKind.MODIFIED for f in findings):
-            record_mtime = _mtime_ns(os.path.join(plan.dist.dist_info, "RECORD"))
+            record_ctime = _ctime_ns(os.path.join(plan.dist.dist_info, "RECORD"))
             findings = [
-                untouched_since_install(f, states[f.path].mtime_ns, record_mtime)
+                untouched_since_install(f, states[f.path].ctime_ns, record_ctime)
                 if f.kind == FindingKind.MODIFIED
                 else f
                 for f in findings
