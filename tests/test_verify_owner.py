@@ -437,3 +437,16 @@ def test_a_same_size_edit_with_its_mtime_set_back_is_never_explained_as_the_whee
     (finding,) = [f for f in doc["data"]["findings"] if f["path"] == str(module)]
     assert code == 1 and finding["kind"] == "modified"
     assert "RECORD may be wrong" not in finding["detail"]
+
+
+def test_debians_system_python_has_no_bytecode_or_module_reported(tmp_path: Path) -> None:
+    """dpkg's modules (most beside .egg-info metadata, without a RECORD) and the bytecode Debian
+    compiles at install are dpkg's: judged by its md5sums, not reported. Only what no one installed
+    (a .pth a container's maker wrote, say) may be."""
+    system = Path("/usr/bin/python3")
+    if not system.is_file() or not Path("/var/lib/dpkg/info").is_dir():
+        pytest.skip("no Debian system Python here")
+    code, doc = _with_state(system, tmp_path / "state")
+    reported = [f for f in doc["data"]["findings"] if f["drift"] and f["kind"] in ("extra", "unreadable")]
+    assert [f for f in reported if not f["path"].endswith(".pth")] == [], reported
+    assert code in (0, 1)

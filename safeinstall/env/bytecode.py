@@ -8,17 +8,21 @@ docs/verify.md has the rules; :func:`judge` is the pure part, :func:`judge_files
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import marshal
 import os
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from safeinstall.env.records import encode_digest
+
+if TYPE_CHECKING:
+    from safeinstall.system.safefs import Tree
 
 #: No ``.pyc`` or source larger than this is unmarshalled or compiled (the largest of vLLM's is 2 MiB).
 LARGEST_PYC = 32 << 20
@@ -145,13 +149,14 @@ class Verdicts:
 
 
 def judge_files(
-    root: Path,
+    roots: Sequence[Path],
     candidates: Iterable[tuple[str, PycName, Source | None]],
     clean_sources: Callable[[str], bool],
     known: KnownPyc | None = None,
 ) -> Verdicts:
     """Each candidate ``.pyc`` (below ``root``, with its source's RECORD hash, or None: not listed)
-    judged. Read by descriptor within ``root`` (no symlink followed, nothing but a regular file opened);
+    judged. Read by descriptor within the first of ``roots`` that holds it (the environment's prefix,
+    its base's; no symlink followed, nothing but a regular file opened);
     the source's bytes are hashed and must be its RECORD's before they are compiled. ``clean_sources``:
     the check found that source as its RECORD says (a ``.pyc`` proven by ``known`` needs it)."""
     from safeinstall.system.safefs import NotRegularFile, Tree
@@ -159,10 +164,18 @@ def judge_files(
     problems: dict[str, str] = {}
     judged: list[Judged] = []
     proven = 0
-    with Tree(root) as tree, tree.batch():
+    with contextlib.ExitStack() as stack:
+        trees: list[Tree] = []
+        for root in roots:
+            with contextlib.suppress(OSError):
+                opened = stack.enter_context(Tree(root))
+                stack.enter_context(opened.batch())
+                trees.append(opened)
         for location, name, source in candidates:
-            relative = tree.relative(location)
-            if relative is None:
+            tree, relative = next(
+                ((t, r) for t in trees if (r := t.relative(location)) is not None), (None, None)
+            )
+            if tree is None or relative is None:
                 problems[location] = "outside the environment"
                 continue
             if source is None:
@@ -206,11 +219,8 @@ def judge_files(
     return Verdicts(problems, tuple(judged), proven)
 
 
-def _read(tree: object, relative: str, limit: int) -> tuple[bytes, os.stat_result]:
+def _read(tree: Tree, relative: str, limit: int) -> tuple[bytes, os.stat_result]:
     """A regular file's bytes (at most ``limit``: ValueError beyond) and its identity before the read."""
-    from safeinstall.system.safefs import Tree
-
-    assert isinstance(tree, Tree)
     fd = tree.open_read(relative)
     try:
         info = os.fstat(fd)

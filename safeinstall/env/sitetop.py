@@ -79,11 +79,12 @@ def look(
                         elif is_code(pyc) and pyc not in listed:
                             unlisted.append(Unlisted(pyc, owner, f"{where}, in no RECORD"))
                 elif path not in owners and not name.endswith((".dist-info", ".egg-info")):
-                    unlisted.extend(
-                        Unlisted(found, owner, f"in {path}, a directory no RECORD lists a file of")
-                        for found in walk(path)
-                        if is_code(os.path.basename(found)) and found not in listed
-                    )
+                    for found in walk(path):
+                        if pyc_name(found) is not None:
+                            bytecode.append((found, owner))
+                        elif is_code(os.path.basename(found)) and found not in listed:
+                            said = f"in {path}, a directory no RECORD lists a file of"
+                            unlisted.append(Unlisted(found, owner, said))
                 continue
             if path in listed or not is_code(name):
                 continue

@@ -563,8 +563,9 @@ def verify_environment(
             for f in findings
             if f.kind == FindingKind.MODIFIED and pyc_name(f.path) is not None
         )
+    sources.update(_dpkg_sources(env, [parsed.source for pyc in pycs if (parsed := pyc_name(pyc))]))
     verdicts = judge_files(
-        env.prefix,
+        [env.prefix, env.base_prefix],
         (
             (pyc, parsed, _source_of(sources, parsed.source))
             for pyc in sorted(pycs)
@@ -720,6 +721,26 @@ def _sources(found: Sequence[InstalledDistribution]) -> dict[str, tuple[str, Sou
 def _source_of(sources: Mapping[str, tuple[str, Source]], location: str) -> Source | None:
     found = sources.get(location)
     return None if found is None else found[1]
+
+
+def _dpkg_sources(env: Environment, locations: Sequence[str]) -> dict[str, tuple[str, Source]]:
+    """The sources of bytecode in a system interpreter's site directories that dpkg installed, with
+    dpkg's md5 of each (what ``debsums`` checks): there dpkg, not a RECORD, says what a module holds
+    (Debian changes files after writing RECORD, and most of its modules have none). A venv's own
+    site directories are never dpkg's."""
+    own = tuple(os.fspath(s) + os.sep for s in env.site_dirs) if env.is_venv else ()
+    wanted = sorted({loc for loc in locations if not (own and loc.startswith(own))})
+    if not wanted:
+        return {}
+    owners = dpkg_owners(Path(loc) for loc in wanted)
+    sums: dict[str, str] = {}
+    for package in set(owners.values()):
+        sums.update(dpkg_md5sums(package))
+    return {
+        os.fspath(path): (package.package, Source("md5", encode_digest(bytes.fromhex(sums[os.fspath(path)]))))
+        for path, package in owners.items()
+        if os.fspath(path) in sums
+    }
 
 
 def _not_dpkgs(env: Environment, unlisted: Sequence[Unlisted]) -> list[Unlisted]:
