@@ -18,9 +18,11 @@ from typing import Any
 import pytest
 
 from safeinstall.env.bytecode import PycName, judge, parse_header, pyc_name
-from safeinstall.env.drift import Expectation
+from safeinstall.env.drift import Expectation, Finding, FindingKind
 from safeinstall.env.hashing import observe_files
 from safeinstall.env.verified import GRANULARITY_NS
+from safeinstall.env.verify import DistributionReport, VerifyReport
+from safeinstall.run.preflight import locally_modified
 from safeinstall.store.bytecode import STORE_NAME
 from safeinstall.store.state import environment_state
 from safeinstall.system.safefs import WALK_MAX_DEPTH, Tree, TreeTooLarge, walk_below
@@ -450,3 +452,13 @@ def test_debians_system_python_has_no_bytecode_or_module_reported(tmp_path: Path
     reported = [f for f in doc["data"]["findings"] if f["drift"] and f["kind"] in ("extra", "unreadable")]
     assert [f for f in reported if not f["path"].endswith(".pth")] == [], reported
     assert code in (0, 1)
+
+
+def test_bytecode_is_never_a_local_patch() -> None:
+    """--keep-patches carries what the preflight calls locally modified: never a .pyc (issue 43)."""
+    pyc, module = "/p/lib/pkg/__pycache__/m.cpython-311.pyc", "/p/lib/pkg/m.py"
+    findings = (Finding("pkg", pyc, FindingKind.MODIFIED), Finding("pkg", module, FindingKind.MODIFIED))
+    report = VerifyReport(
+        "/p/bin/python", "/p", (DistributionReport("pkg", "1", "/d", 2, findings, "record"),), None
+    )
+    assert locally_modified(report) == (module,)
