@@ -313,9 +313,10 @@ WALK_SECONDS = 600.0
 
 
 def _walk(root: str, budget: list[int] | None = None, deadline: float | None = None) -> list[str]:
-    """Every non-directory below ``root`` (a symlink is listed, never entered; a directory that cannot
-    be opened is skipped), by a stack of descriptors below it (:func:`safeinstall.system.safefs.walk_below`:
-    :class:`~safeinstall.system.safefs.TreeTooLarge` past its bounds, ``budget`` and ``deadline``)."""
+    """Every non-directory below ``root`` (a symlink is listed, never entered; [] when ``root`` cannot be
+    opened), by a stack of descriptors below it (:func:`safeinstall.system.safefs.walk_below`: OSError
+    when a directory below cannot be listed, :class:`~safeinstall.system.safefs.TreeTooLarge` past its
+    bounds, ``budget`` and ``deadline``)."""
     from safeinstall.system.safefs import walk_below
 
     try:
@@ -323,13 +324,7 @@ def _walk(root: str, budget: list[int] | None = None, deadline: float | None = N
     except OSError:
         return []
     found: list[str] = []
-    try:
-        walk_below(fd, root, found, [], deadline=deadline, budget=budget)
-    except OSError as exc:
-        from safeinstall.system.safefs import TreeTooLarge
-
-        if isinstance(exc, TreeTooLarge):
-            raise
+    walk_below(fd, root, found, [], deadline=deadline, budget=budget)
     return found
 
 
@@ -466,11 +461,9 @@ def verify_environment(
     stopped: dict[str, str] = {}  # a walk's top -> why it stopped short: what is below is not checked
 
     def walk(top: str) -> list[str]:
-        from safeinstall.system.safefs import TreeTooLarge
-
         try:
             return _walk(top, budget, deadline)
-        except TreeTooLarge as exc:
+        except OSError as exc:  # a bound reached (TreeTooLarge), or a directory that cannot be listed
             stopped[top] = exc.strerror or str(exc)
             return []
 

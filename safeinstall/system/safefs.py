@@ -456,9 +456,9 @@ def walk_below(
                 continue  # replaced while we walked: not a real directory any more
             try:
                 listed = _listing(child)
-            except OSError:
+            except BaseException:  # as a listing that fails always did: raised
                 os.close(child)
-                continue
+                raise
             stack.append((child, path, listed[::-1]))
     finally:
         for held, _, _ in stack:
