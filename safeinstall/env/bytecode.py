@@ -164,6 +164,8 @@ def judge_files(
     problems: dict[str, str] = {}
     judged: list[Judged] = []
     proven = 0
+    batch: list[tuple[Judged, PycName, bytes, bytes]] = []
+    held = 0
     with contextlib.ExitStack() as stack:
         trees: list[Tree] = []
         for root in roots:
@@ -201,22 +203,54 @@ def judge_files(
                     f"bytecode of {os.path.basename(name.source)}, which is not as its RECORD says"
                 )
                 continue
-            why = judge(pyc, name, text)
-            if why is not None:
-                problems[location] = why
-                continue
-            judged.append(
-                Judged(
-                    location,
-                    pyc_info.st_dev,
-                    pyc_info.st_ino,
-                    pyc_info.st_size,
-                    pyc_info.st_mtime_ns,
-                    pyc_info.st_ctime_ns,
-                    source.digest,
-                )
+            fine = Judged(
+                location,
+                pyc_info.st_dev,
+                pyc_info.st_ino,
+                pyc_info.st_size,
+                pyc_info.st_mtime_ns,
+                pyc_info.st_ctime_ns,
+                source.digest,
             )
+            batch.append((fine, name, pyc, text))
+            held += len(pyc) + len(text)
+            if held >= BATCH_BYTES:
+                _judge_batch(batch, problems, judged)
+                batch, held = [], 0
+        _judge_batch(batch, problems, judged)
     return Verdicts(problems, tuple(judged), proven)
+
+
+#: The bytes of bytecode and sources read before they are judged (in forked children, each a share).
+BATCH_BYTES = 64 << 20
+#: Fewer than this to judge: here, not worth a fork.
+_FORK_FROM = 32
+
+
+def _judge_share(share: list[tuple[int, PycName, bytes, bytes]]) -> list[tuple[int, str | None]]:
+    """Pure: :func:`judge` of each (in a forked child: compiling is CPU-bound, and threads share one)."""
+    return [(index, judge(pyc, name, text)) for index, name, pyc, text in share]
+
+
+def _judge_batch(
+    batch: list[tuple[Judged, PycName, bytes, bytes]], problems: dict[str, str], judged: list[Judged]
+) -> None:
+    """Each of ``batch`` judged, over forked children where several CPUs and no other thread allow
+    (:func:`safeinstall.system.forking.map_forked`); the answers into ``problems`` and ``judged``."""
+    from safeinstall.system.forking import can_fork, cpu_count, map_forked, split
+
+    items = [(index, name, pyc, text) for index, (_, name, pyc, text) in enumerate(batch)]
+    workers = min(cpu_count(), 32)
+    if workers > 1 and len(items) >= _FORK_FROM and can_fork():
+        answers = dict(a for share in map_forked(_judge_share, split(items, workers)) for a in share)
+    else:
+        answers = dict(_judge_share(items))
+    for index, (fine, _, _, _) in enumerate(batch):
+        why = answers[index]
+        if why is None:
+            judged.append(fine)
+        else:
+            problems[fine.location] = why
 
 
 def _read(tree: Tree, relative: str, limit: int) -> tuple[bytes, os.stat_result]:
