@@ -27,6 +27,7 @@ from safeinstall.store.bytecode import STORE_NAME
 from safeinstall.store.state import environment_state
 from safeinstall.system.safefs import WALK_MAX_DEPTH, Tree, TreeTooLarge, walk_below
 from tests import wheelhouse
+from tests.beds import Bed
 from tests.clirun import run
 from tests.wheelhouse import Wheelhouse
 
@@ -463,3 +464,26 @@ def test_bytecode_is_never_a_local_patch() -> None:
         "/p/bin/python", "/p", (DistributionReport("pkg", "1", "/d", 2, findings, "record"),), None
     )
     assert locally_modified(report) == (module,)
+
+
+def test_the_record_a_run_installed_is_the_reference_from_then_on(bed: Bed) -> None:
+    """No --verify-only ran before: the RECORD the run installed is kept as it wrote it, and the
+    owner's edit of a module with its line after the run is record-changed."""
+    bed.service("recorded")
+    result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--json", "--settle", "0")
+    assert result.code == 0, result.stdout + result.stderr
+    site = _site(bed.python)
+    module = site / "sicext" / "__init__.py"
+    module.write_bytes(module.read_bytes() + b"\nimport os\n")
+    record = next(site.glob("sicext-2*.dist-info")) / "RECORD"
+    line = (
+        f"sicext/__init__.py,sha256={wheelhouse.record_digest(module.read_bytes())},{module.stat().st_size}"
+    )
+    record.write_text(
+        "".join(
+            line + "\n" if x.startswith("sicext/__init__.py,") else x + "\n"
+            for x in record.read_text().splitlines()
+        )
+    )
+    checked = run("sicext", "--verify-only", "--python", str(bed.python), "--json", env=bed.environ())
+    assert checked.code == 1 and _drift(checked.json) == {("record-changed", str(module))}
