@@ -93,8 +93,8 @@ def judge(pyc: bytes, name: PycName, source: bytes) -> str | None:
     fine: Python runs it without looking at its source. The header's timestamp or hash need not match
     (Python then compiles the source itself and does not run this one); the code it holds must be what
     compiling the source gives (code objects compared, which leaves out the file name a compiler was
-    given). A ``.pyc`` of another interpreter's tag is judged by its header alone (this one cannot
-    compile for it): :func:`judge` says so in the answer's absence only for its header's part."""
+    given). A ``.pyc`` of another interpreter's tag is judged by its header alone: this interpreter
+    cannot compile for it."""
     header = parse_header(pyc)
     if isinstance(header, str):
         return header

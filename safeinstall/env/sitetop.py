@@ -51,7 +51,6 @@ class Unlisted:
 class Looked:
     unlisted: tuple[Unlisted, ...]
     bytecode: tuple[tuple[str, str], ...]  # (a __pycache__ .pyc found, the owner it is reported under)
-    truncated: str | None = None  # why a walk stopped short (its bound), said as "not checked"
 
 
 def look(
