@@ -26,6 +26,7 @@ from pathlib import Path
 from packaging.utils import canonicalize_name
 
 from safeinstall.env import keep, smoke
+from safeinstall.env.bytecode import pyc_name
 from safeinstall.env.drift import FindingKind
 from safeinstall.env.environment import (
     Environment,
@@ -312,8 +313,13 @@ def smoke_runners(
 
 
 def locally_modified(report: VerifyReport) -> tuple[str, ...]:
-    """Pure: the installed files that differ from their RECORD (changed or deleted locally)."""
-    return tuple(f.path for f in report.findings if f.kind in (FindingKind.MODIFIED, FindingKind.MISSING))
+    """Pure: the installed files that differ from their RECORD (changed or deleted locally); bytecode
+    is never a local change (one that is not its source's is drift, which a reinstall does not carry)."""
+    return tuple(
+        f.path
+        for f in report.findings
+        if f.kind in (FindingKind.MODIFIED, FindingKind.MISSING) and pyc_name(f.path) is None
+    )
 
 
 def shared_files(report: VerifyReport) -> tuple[str, ...]:

@@ -18,6 +18,10 @@ Layout::
         patches/<run-id>.patch      the local patches a --keep-patches run carried to the new version
         baseline.json               what runs verified against their wheels where the wheel's RECORD is
                                     wrong (see :mod:`safeinstall.store.baseline`)
+        bytecode.json               the .pyc files --verify-only judged fine, by identity
+                                    (:mod:`safeinstall.store.bytecode`)
+        records.json                the RECORDs found clean or installed by a run
+                                    (:mod:`safeinstall.store.records`)
 
 Path computation is pure (``environ`` and ``euid`` are parameters); :func:`ensure_dir` and
 :func:`ensure_environment_dir` are the only functions that touch the disk, plus the listing.
