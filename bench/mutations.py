@@ -252,9 +252,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "verify-pth-unhashed",
         "safeinstall/env/verify.py",
-        "        if entry.hash is None:\n            continue  # unhashed entries",
+        "        if entry.hash is None:\n            if not _may_be_unhashed(dist, location):",
         '        if entry.hash is None or entry.path.endswith(".pth"):\n'
-        "            continue  # unhashed entries",
+        "            if entry.hash is None and not _may_be_unhashed(dist, location):",
         ("tests/test_verify.py::test_a_pth_or_data_file_verifies_clean_and_is_modified_when_changed[pth]",),
     ),
     Mutation(
