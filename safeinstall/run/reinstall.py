@@ -57,7 +57,14 @@ from safeinstall.run.preflight import Prepared, locally_modified, refusal
 from safeinstall.run.preflight import preflight as shared_preflight
 from safeinstall.run.results import Reporter, RunResult, service_downtime_s
 from safeinstall.run.rollback import rollback_step
-from safeinstall.run.running import Run, report_waits, reset_start_limits, start_and_settle
+from safeinstall.run.running import (
+    Run,
+    StartWatch,
+    report_waits,
+    reset_start_limits,
+    settle_units,
+    start_units,
+)
 from safeinstall.run.smoke import smoke_step
 from safeinstall.run.smokecheck import staged_tree, target_tree
 from safeinstall.run.survey import scan_again, systemd_for
@@ -724,20 +731,22 @@ def restart_step(run: Run) -> str:
         return "no unit was running"
     run._journal(Phase.RESTARTING)
     run.restart_started = True
-    detail = start_and_settle(run, units, run.options.settle)
-    for journalled in run.journal.units:
-        if journalled.name in units and journalled.stopped and journalled.was_active:
-            run.journal = update_unit(run.journal, journalled.name, journalled.user_manager, restarted=True)
-    if run.options.health_url:
+    befores = start_units(run, units)
+    watch = StartWatch(run, befores)
+    said = ""
+    if run.options.health_url:  # polled from the start: the users' downtime ends at its first 200
         url, timeout = run.options.health_url, run.options.health_timeout
         said = shown_url(url)  # never a token the URL may hold
 
         def on_poll(waited: float, last: str) -> None:
             run.reporter.progress(f"waiting for {said} to answer 200 (last: {last})", waited, timeout, "s")
 
-        run.healthy_at = wait_healthy(url, timeout, on_poll)
-        detail += f"; {said} answers 200"
-    return detail
+        run.healthy_at = wait_healthy(url, timeout, on_poll, check=watch)
+    detail = settle_units(run, units, run.options.settle, befores, watch.seen)  # then stays up that long
+    for journalled in run.journal.units:
+        if journalled.name in units and journalled.stopped and journalled.was_active:
+            run.journal = update_unit(run.journal, journalled.name, journalled.user_manager, restarted=True)
+    return detail + (f"; {said} answers 200" if said else "")
 
 
 # ------------------------------------------------------------------ 9. end check
