@@ -44,8 +44,8 @@ from safeinstall.errors import (
     SafeInstallError,
     StepFailed,
 )
+from safeinstall.run import requires, staging, undo
 from safeinstall.run import smoke as run_smoke
-from safeinstall.run import staging, undo
 from safeinstall.run.options import RunOptions
 from safeinstall.run.patches import (
     carry,
@@ -275,17 +275,25 @@ def prefetch_step(run: Run) -> str:
     filled = _fill_from_owners_cache(run, cache)
     run._log(f"prefetch (UV_CACHE_DIR={cache}{_as(account)}): " + " ".join(command))
     result = None
+    broken: str | None = None
     try:
         result = uv_install(command, run.options.environ, cache_dir=cache, account=account)
+        if result.returncode == 0:  # before a --target tree goes: what the new versions require
+            broken = _broken_once_fetched(run, root, scratch)
     finally:  # a good --target install stays for the smoke step (safeinstall.run.smoke), which removes it
         kept = root is None and result is not None and result.returncode == 0 and not run.options.no_smoke
         if root is None and not kept:
             remove_run_dir(scratch)
     run.scratch = scratch if kept else None
     run._log(f"uv exit {result.returncode}:\n{result.output}")
-    if result.returncode != 0:
+    if result.returncode != 0 or broken is not None:
         if root is not None:
             swap.discard_staging(run.env.prefix, root.name, RUN_DIR_REMOVAL_S, staging.owner_ids(run.env))
+        if broken is not None:
+            if kept:
+                remove_run_dir(scratch)
+                run.scratch = None
+            raise PlanError(broken, hint=BROKEN_HINT)
         tail = "\n".join(result.output.strip().splitlines()[-6:])
         raise PlanError(
             f"uv could not fetch or unpack the new version (exit {result.returncode}): {tail}",
@@ -299,6 +307,31 @@ def prefetch_step(run: Run) -> str:
     except BaseException:
         run_smoke.abandon(run)
         raise
+
+
+BROKEN_HINT = (
+    "pass --with-deps to have uv resolve what else must change, or --allow-broken-requirements to go on "
+    "knowingly; nothing was stopped"
+)
+
+
+def _broken_once_fetched(run: Run, root: Path | None, scratch: Path) -> str | None:
+    """The new versions' requirements, where the plan could not know them (a version only fetched now):
+    the refusal when the change breaks one (a note with --allow-broken-requirements), else None."""
+    if not requires.unknown_requires(run.survey.installed, run.survey.uv_plan.changes, run.wheel):
+        return None
+    sites = staged_tree(run.env, root).sites if root is not None else (scratch,)
+    refused, notes = requires.fetched_said(
+        run.env,
+        run.survey.installed,
+        run.survey.uv_plan.changes,
+        run.options.allow_broken_requirements,
+        sites,
+    )
+    run.notes.extend(notes)
+    for note in notes:
+        run._log(f"requirements: {note}")
+    return refused
 
 
 def _prefetched(run: Run, root: Path | None, cache: Path, filled: str, why_not: str | None) -> str:
