@@ -11,6 +11,7 @@ See docs/reinstall.md ("Requirements").
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -49,11 +50,15 @@ class Broken:
         return f"{self.requirer} requires {self.requirement}, {self.required} {found}"
 
 
-def _parsed(text: str) -> Requirement | None:
+@functools.lru_cache(maxsize=16384)
+def _parsed(text: str, extra: str, markers: tuple[tuple[str, str], ...]) -> Requirement | None:
+    """``text`` parsed, where it applies for ``markers`` and ``extra`` (None: it does not, or cannot be
+    parsed). Cached: a check parses each line once for the state before and the one after."""
     try:
-        return Requirement(text)
+        requirement = Requirement(text)
     except InvalidRequirement:
         return None
+    return requirement if _applies(requirement, dict(markers), extra) else None
 
 
 def _applies(requirement: Requirement, markers: Mapping[str, str], extra: str) -> bool:
@@ -91,12 +96,13 @@ def broken_requirements(dists: Iterable[Dist], markers: Mapping[str, str]) -> tu
     wanted: set[tuple[str, str]] = {(name, "") for name in by_name}  # (distribution, extra) whose needs count
     todo = list(wanted)
     found: dict[tuple[str, str, str, str], Broken] = {}
+    frozen = tuple(sorted(markers.items()))
     while todo:
         name, extra = todo.pop()
         dist = by_name[name]
         for text in dist.requires:
-            requirement = _parsed(text)
-            if requirement is None or not _applies(requirement, markers, canonicalize_name(extra)):
+            requirement = _parsed(text, extra, frozen)
+            if requirement is None:
                 continue
             required = canonicalize_name(requirement.name)
             present = by_name.get(required)
