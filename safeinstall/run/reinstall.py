@@ -435,9 +435,15 @@ def _fill_from_owners_cache(run: Run, cache: Path) -> str:
         except StateDirError as exc:
             run._log(f"prefetch: nothing copied from {source}: {exc.message}")
             return ""
-    link = run.env.account is None  # root's own cache (checked above): linked, as uv links from it
-    filled = cachefill.fill(source, cache, run.survey.uv_plan.changes, run.env.account, link)
-    how = "linked" if link else "copied"
+    filled = cachefill.fill(source, cache, run.survey.uv_plan.changes, run.env.account)
+    how = "copied"  # cloned where the filesystem can; never linked (an edit in place would edit the cache)
+    for damaged in filled.damaged:
+        name = damaged.split(" ", 1)[0]
+        said = (
+            f"uv's cache holds a changed copy of {damaged}: `uv cache clean {name}`; a fresh copy was fetched"
+        )
+        run.notes.append(said)
+        run._log(f"prefetch: {said} (its files differ from its RECORD, in {source})")
     if filled.problem is not None:
         run._log(f"prefetch: nothing {how} from {source}: {filled.problem}")
         return ""
@@ -1060,8 +1066,9 @@ def run_reinstall(
         note = record_run(run.state, run.env.prefix, run.wheel.name if run.wheel else "", run.vouched)
         run.notes.extend([note] if note else [])
         # what the run read and hashed: the verification in place, the old files (their inodes live on
-        # where uv's cache holds them: a switch back takes their hashes), the run's cache (root's
-        # own inodes, linked from root's uv cache: the next run takes them as the old files); a file
+        # where uv's cache holds them: a switch back takes their hashes), the run's cache (the installed
+        # files' own inodes, where the install linked them from it: the next run takes them as the old
+        # files); a file
         # installed within the store's granularity of its hash is racy, and hashed by the next check
         hashed = [*run.in_place.values(), *run.prepared.before.observed.values()]
         removed = _tidy_up(run, [*hashed, *inodes.read_states(run.hashed)])
@@ -1139,8 +1146,8 @@ def _discard_staged_noted(run: Run) -> None:
 
 
 def _remove_run_cache(run: Run) -> float:
-    """The run's uv cache removed (installed files then share inodes with nothing but what they were
-    linked from: root's own uv cache, as uv's install leaves them); its seconds, logged."""
+    """The run's uv cache removed (installed files then share their inodes with nothing: the cache was
+    filled by clone or copy, never by link); its seconds, logged."""
     started = time.monotonic()
     for left in remove_uv_caches(run.state, run.run_id):
         run._log(f"{left} could not be removed in {RUN_DIR_REMOVAL_S:g} s: the next run removes it")
