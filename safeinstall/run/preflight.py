@@ -185,6 +185,7 @@ def preflight(options: RunOptions, *, take_lock: bool, env: Environment | None =
             options.allow_broken_requirements,
             wheel,
             undo.backup if undo is not None else None,
+            resolved="--no-deps" not in options.extra_args,
         )
         more = (*more, *broken)
         if more:

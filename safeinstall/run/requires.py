@@ -93,12 +93,15 @@ def plan_said(
     allowed: bool,
     wheel: Wheel | None = None,
     backup: Backup | None = None,
+    resolved: bool = True,
 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The plan's refusals and warnings for the run's change (before anything stops)."""
+    """The plan's refusals and warnings for the run's change (before anything stops). ``resolved``: uv
+    resolved the new versions' own requirements (not told ``--no-deps``); else those the plan cannot
+    know yet are said to be checked once fetched."""
     dists = as_dists(installed)
     after, unknown = after_change(dists, changes, wheel, backup)
     refused, warnings = refusal(check_change(dists, after, marker_environment(env)), allowed)
-    if unknown:
+    if unknown and not resolved:
         warnings = (
             *warnings,
             f"the requirements of the new {', '.join(unknown)} are checked once fetched, before the stop",
