@@ -1068,8 +1068,8 @@ def run_reinstall(
         # what the run read and hashed: the verification in place, the old files (their inodes live on
         # where uv's cache holds them: a switch back takes their hashes), the run's cache (the installed
         # files' own inodes, where the install linked them from it: the next run takes them as the old
-        # files); a file
-        # installed within the store's granularity of its hash is racy, and hashed by the next check
+        # files); a file installed within the store's granularity of its hash is racy, and hashed by
+        # the next check
         hashed = [*run.in_place.values(), *run.prepared.before.observed.values()]
         removed = _tidy_up(run, [*hashed, *inodes.read_states(run.hashed)])
         cache_removed.append(True)
