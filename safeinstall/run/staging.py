@@ -12,6 +12,7 @@ in the window, as before.
 
 from __future__ import annotations
 
+import os
 import stat
 from collections.abc import Sequence
 from pathlib import Path
@@ -141,7 +142,7 @@ def make_staging(env: Environment, run_id: str) -> Path:
     with Tree(prefix) as tree:
         info = tree.lstat(root.name)
         devices = {found.st_dev for r in _install_dirs(env) if (found := tree.lstat(r)) is not None}
-    uid = 0 if ids is None else ids[0]
+    uid = os.geteuid() if ids is None else ids[0]  # None: the caller itself (root, or a user in its own)
     if info is None or not stat.S_ISDIR(info.st_mode) or info.st_uid != uid or info.st_mode & 0o077:
         swap.discard_staging(prefix, root.name, RUN_DIR_REMOVAL_S, ids)
         raise NotStaged(f"{root} is not a directory of uid {uid}'s alone")
