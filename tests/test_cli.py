@@ -16,6 +16,7 @@ from safeinstall.scan.processes import ScanProblem
 from safeinstall.store.runlog import progress_text
 from safeinstall.store.state import ensure_environment_dir, environment_state
 from tests import wheelhouse
+from tests.beds import Bed
 from tests.clirun import run
 from tests.wheelhouse import Wheelhouse
 
@@ -475,3 +476,32 @@ def test_a_program_that_is_not_python_is_said_so_without_the_probes_source(progr
     assert result.code == 2 and error.startswith(f"error: {program} is not a Python interpreter"), error
     assert "sysconfig" not in result.stderr and "paths[" not in result.stderr
     assert hint == "hint: check that --python names a working Python 3 interpreter"
+
+
+def test_without_a_terminal_and_without_yes_a_run_that_would_stop_units_is_refused(bed: Bed) -> None:
+    """As apt without a terminal: ``ssh host safeinstall ...`` (no ``-t``) does not stop services that
+    nobody confirmed. ``--json`` and ``--detach`` imply nothing: they need ``--yes`` too; nothing is
+    stopped, nothing installed, exit 2 with a hint naming ``--yes``."""
+    name = bed.service("unasked")
+    main = bed.manager.main_pid(name)
+    wheel = str(bed.wheels["sicext-2"])
+    for extra in ((), ("--json",), ("--detach",), ("--detach", "--json")):
+        refused = bed.cli("sicext", "--wheel", wheel, *extra)
+        assert refused.code == 2, refused.stdout + refused.stderr
+        said = (
+            refused.json["errors"][0]["message"] + "\nhint: " + refused.json["errors"][0]["hint"]
+            if "--json" in extra
+            else refused.stderr
+        )
+        assert f"not confirmed: the run would stop {name}" in said, said
+        assert "standard input is not a terminal" in said and "give --yes" in said.split("hint: ")[1]
+    assert bed.manager.main_pid(name) == main and bed.version() == "1.0"
+    done = bed.cli("sicext", "--wheel", wheel, "--yes", "--settle", "0.5")
+    assert done.code == 0 and bed.version() == "2.0", done.stdout + done.stderr
+
+
+def test_without_a_unit_to_stop_a_run_needs_no_yes(venv: Path, wheels: Wheelhouse, tmp_path: Path) -> None:
+    wheelhouse.uv_install(venv, wheels["sipure-1"])
+    environ = {**os.environ, "SAFEINSTALL_STATE_DIR": str(tmp_path / "state")}
+    done = run("sipure", "--wheel", str(wheels["sipure-2"]), "--python", str(venv), env=environ, timeout=240)
+    assert done.code == 0, done.stdout + done.stderr

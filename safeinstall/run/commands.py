@@ -68,6 +68,8 @@ class Request:
     as_json: bool = False
     verbosity: int = 0  # -1 quiet, 0, 1 verbose
     interactive: bool = False  # ask before stopping anything
+    #: why a run not given --yes cannot ask (no terminal, --json): one that would stop units is refused
+    cannot_ask: str | None = None
 
     @property
     def command(self) -> str:
@@ -395,7 +397,9 @@ def _reinstall(
     reporter = LoggedReporter(ui.reporter(), state.log_file(run_id))
     command = request.command
     try:
-        result = run_reinstall(replace(options, run_id=run_id), reporter, request.interactive, env=env)
+        result = run_reinstall(
+            replace(options, run_id=run_id), reporter, request.interactive, env, request.cannot_ask
+        )
     except SafeInstallError as error:
         failed = RunDocument.from_json(jsonable(envelope(command, "error", error.exit_code, None, [error])))
         _keep(state, run_id, options.package, started, failed)
@@ -452,14 +456,18 @@ def _detach(
 
     state = _state_of(env, options.environ)
     ensure_environment_dir(state)
-    if request.interactive:  # the plan the foreground prompt shows: the preflight's, local changes included
-        from safeinstall.run.preflight import preflight, refusal
+    if request.interactive or request.cannot_ask is not None:
+        # the plan the foreground prompt shows: the preflight's, local changes included; without a
+        # terminal and --yes, a run that would stop units is refused here, as in the foreground
+        from safeinstall.run.preflight import preflight, refusal, unconfirmed
 
         plan = preflight(options, take_lock=False, env=env).plan
         refused = refusal(plan)
+        if refused is None and request.cannot_ask is not None:
+            refused = unconfirmed(plan, request.cannot_ask)
         if refused is not None:
             raise refused
-        if not ui.reporter().confirm(plan):
+        if request.interactive and not ui.reporter().confirm(plan):
             return Declined(document=None, exit_code=ExitCode.REFUSED)
     run_id = options.run_id or new_run_id(datetime.now(UTC), os.getpid())
     started = detach(options, env, state, run_id)

@@ -54,7 +54,7 @@ from safeinstall.env.wheelcopy import (
     passable_temporary_dir,
     temporary_copy,
 )
-from safeinstall.errors import PlanError, SafeInstallError, WheelError
+from safeinstall.errors import NotConfirmed, PlanError, SafeInstallError, WheelError
 from safeinstall.run import staging
 from safeinstall.run.options import RunOptions, check_options
 from safeinstall.run.patches import PatchSet, prepare_patches
@@ -388,6 +388,19 @@ def refusal(plan: Plan) -> PlanError | None:
     return PlanError(
         "the run would refuse: " + "; ".join(plan.refusals),
         hint=f"see safeinstall {plan.package} --dry-run; nothing was stopped",
+    )
+
+
+def unconfirmed(plan: Plan, why: str) -> NotConfirmed | None:
+    """Pure: the error of a run that would stop units and cannot ask (``why``: no terminal, ``--json``)
+    and was not given ``--yes``, as apt aborts without a terminal; None when it stops no unit."""
+    if not plan.units:
+        return None
+    units = ", ".join(u.name for u in plan.units)
+    return NotConfirmed(
+        f"not confirmed: the run would stop {units}, and {why}",
+        hint="give --yes to stop them without a question (as apt-get -y), or run it on a terminal to see "
+        f"the plan and answer (safeinstall {plan.package} --dry-run shows it); nothing was stopped",
     )
 
 

@@ -53,7 +53,7 @@ from safeinstall.run.patches import (
     rolled_back,
     save_patch_set,
 )
-from safeinstall.run.preflight import Prepared, locally_modified, refusal
+from safeinstall.run.preflight import Prepared, locally_modified, refusal, unconfirmed
 from safeinstall.run.preflight import preflight as shared_preflight
 from safeinstall.run.results import Reporter, RunResult, service_downtime_s
 from safeinstall.run.rollback import rollback_step
@@ -917,9 +917,14 @@ def undo_verify_step(run: Run, open_gate: Callable[[], None]) -> str:
 
 
 def run_reinstall(
-    options: RunOptions, reporter: Reporter, interactive: bool, env: Environment | None = None
+    options: RunOptions,
+    reporter: Reporter,
+    interactive: bool,
+    env: Environment | None = None,
+    cannot_ask: str | None = None,
 ) -> RunResult:
-    """The whole run. Raises SafeInstallError only before anything changed (exit 2).
+    """The whole run. Raises SafeInstallError only before anything changed (exit 2); ``cannot_ask``: why
+    a run not given ``--yes`` cannot ask (no terminal): one that would stop units is refused.
 
     Signals (see :mod:`safeinstall.system.signals`): until the journal is written they end the run with exit 2
     (the early handlers); one that arrives while it is written is held back and stops the first step
@@ -941,6 +946,10 @@ def run_reinstall(
         refused = refusal(prepared.plan)
         if refused is not None:
             raise refused
+        if not interactive and cannot_ask is not None:
+            refused = unconfirmed(prepared.plan, cannot_ask)
+            if refused is not None:
+                raise refused
         if interactive and not reporter.confirm(prepared.plan):
             _discard_wheel_copy(prepared)
             if prepared.lock is not None:  # a declined run is finished: the next is not told it died
