@@ -86,6 +86,16 @@ def test_an_unknown_package_suggests_the_closest_installed_names(venv: Path, whe
     assert nothing_close.code == 2 and "did you mean" not in nothing_close.stderr
 
 
+def test_a_misspelled_package_makes_no_history_entry(venv: Path, wheels: Wheelhouse, tmp_path: Path) -> None:
+    """A typo ran nothing: ``--status`` lists no run of it (the error and "did you mean" say it all)."""
+    wheelhouse.uv_install(venv, wheels["sicext-1"])
+    environ = {**os.environ, "SAFEINSTALL_STATE_DIR": str(tmp_path / "state")}
+    typo = run("sicxet", "--yes", "--python", str(venv), env=environ)
+    assert typo.code == 2 and "did you mean sicext?" in typo.stderr, typo.stdout + typo.stderr
+    environments = run("--status", "--json", env=environ).json["data"]["environments"]
+    assert [r for e in environments for r in e["runs"]] == [], environments
+
+
 def test_progress_lines_are_human_sizes_and_percentages_never_raw_counters() -> None:
     assert progress_text("backup", 223455895, 699299524, "bytes") == "backup: 213.1 MiB of 666.9 MiB (32%)"
     assert progress_text("waiting for GPU memory (PID 7)", 12.3, 120, "s") == (
@@ -325,11 +335,13 @@ def test_help_names_the_argument_without_a_type() -> None:
 
 @pytest.mark.parametrize("name", ["nope.whl", "sipure-2.0-py3-none-any.whl", "nope.txt", "x-y.whl"])
 @pytest.mark.parametrize("mode", ["reinstall", "dry-run", "verify-only"])
-def test_a_missing_wheel_is_no_such_file_whatever_its_name(name: str, mode: str, tmp_path: Path) -> None:
+def test_a_missing_wheel_is_no_such_file_whatever_its_name(
+    name: str, mode: str, tmp_path: Path, venv: Path
+) -> None:
     wheel = tmp_path / "wh" / name
     extra = {"reinstall": ["--yes"], "dry-run": ["--dry-run"], "verify-only": ["--verify-only"]}[mode]
     environ = {**os.environ, "SAFEINSTALL_STATE_DIR": str(tmp_path / "state")}
-    result = run("sipure", "--wheel", str(wheel), "--python", sys.executable, *extra, env=environ)
+    result = run("sipure", "--wheel", str(wheel), "--python", str(venv), *extra, env=environ)
     assert result.code == 2, result.stdout + result.stderr
     first = result.stderr.splitlines()[0]
     assert first.startswith(f"error: cannot read wheel {wheel}: ") and "no such file" in first.lower(), first
@@ -505,3 +517,21 @@ def test_without_a_unit_to_stop_a_run_needs_no_yes(venv: Path, wheels: Wheelhous
     environ = {**os.environ, "SAFEINSTALL_STATE_DIR": str(tmp_path / "state")}
     done = run("sipure", "--wheel", str(wheels["sipure-2"]), "--python", str(venv), env=environ, timeout=240)
     assert done.code == 0, done.stdout + done.stderr
+
+
+def test_a_run_into_safeinstalls_own_environment_is_refused(tmp_path: Path) -> None:
+    """``--python`` naming the environment safeinstall runs from: no plan to replace its own uv (a run,
+    its dry run, --detach and --undo), a clear error; --verify-only still checks it."""
+    environ = {**os.environ, "SAFEINSTALL_STATE_DIR": str(tmp_path / "state")}
+    for extra in (["uv", "--yes"], ["uv", "--dry-run"], ["uv", "--detach", "--yes"], ["--undo", "--yes"]):
+        result = run(*extra, "--python", sys.prefix, env=environ)
+        assert result.code == 2, result.stdout + result.stderr
+        first = result.stderr.splitlines()[0]
+        if extra[0] == "--undo":  # no run of it to undo: said before the environment's own check
+            assert first.startswith("error: "), first
+            continue
+        own = f"error: {sys.prefix} is safeinstall's own environment: a run there would replace the uv"
+        assert first == own + " and the code that run it", first
+        assert "would proceed" not in result.stdout and result.stderr.splitlines()[1].startswith("hint: ")
+    checked = run("uv", "--verify-only", "--python", sys.prefix, env=environ)
+    assert checked.code in (0, 1), checked.stdout + checked.stderr

@@ -109,6 +109,9 @@ def test_status_wait_replays_log_lines_escaped_and_status_prints_paths_whole(tmp
     waited = run("--status", "--wait", "--run", run_id, env=environ)
     assert waited.code == 2 and f"uv says {SHOWN}" in waited.stderr
     assert _no_control_characters(waited.stderr)
+    quiet = run("--status", "--wait", "--run", run_id, "-q", env=environ)  # -q: the result, not the log
+    assert quiet.code == 2 and "uv says" not in quiet.stderr + quiet.stdout
+    assert quiet.stdout.startswith(f"run {run_id}: error (exit 2)"), quiet.stdout + quiet.stderr
     status = run("--status", env=environ)
     assert status.code == 0 and len(str(log)) > 200
     assert f"log of {run_id}: {log}\n" in status.stdout and f"environment {prefix}: idle" in status.stdout

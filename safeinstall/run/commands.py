@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from datetime import UTC, datetime
@@ -20,7 +21,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from safeinstall.env.environment import Environment, inspect_environment, resolve_python
-from safeinstall.errors import ExitCode, NothingToCheck, SafeInstallError, UsageError
+from safeinstall.errors import (
+    ExitCode,
+    NothingToCheck,
+    SafeInstallError,
+    UnknownDistributionError,
+    UsageError,
+)
 from safeinstall.run.options import RunOptions, check_options
 from safeinstall.run.output import command_for, envelope, jsonable
 
@@ -237,6 +244,9 @@ def _command(request: Request, ui: Ui, finishing: contextlib.ExitStack) -> Resul
             options = replace(options, undo=undone)
         check_options(options)
         env = env or inspect_environment(resolve_python(options.python, options.environ))
+        own = own_environment(env.prefix, Path(sys.prefix))
+        if own is not None:
+            raise own
         if "--detach" in request.modes:
             return _detach(request, options, ui, env)
         if "--dry-run" in request.modes:
@@ -246,6 +256,19 @@ def _command(request: Request, ui: Ui, finishing: contextlib.ExitStack) -> Resul
         if metrics is not None:
             failed_metrics(metrics, ui, request.command, request.python, request.package, error)
         raise
+
+
+def own_environment(prefix: Path, own: Path) -> UsageError | None:
+    """The error of a run (or its dry run, undo, detach) into safeinstall's own environment (``own``,
+    ``sys.prefix``): it would replace the uv and the code that run it. None for another one."""
+    if os.path.realpath(prefix) != os.path.realpath(own):
+        return None
+    return UsageError(
+        f"{prefix} is safeinstall's own environment: a run there would replace the uv and the code "
+        "that run it",
+        hint="pass --python for the environment to reinstall into; upgrade safeinstall itself with pip "
+        f"({own}/bin/pip install -U safeinstall); --verify-only checks it",
+    )
 
 
 def run_options(
@@ -402,7 +425,8 @@ def _reinstall(
         )
     except SafeInstallError as error:
         failed = RunDocument.from_json(jsonable(envelope(command, "error", error.exit_code, None, [error])))
-        _keep(state, run_id, options.package, started, failed)
+        if not isinstance(error, UnknownDistributionError | UsageError):  # a typo ran nothing: no entry
+            _keep(state, run_id, options.package, started, failed)
         _run_metrics(metrics, ui, env, options.package, run_id, started, failed)
         return Failed(document=failed.to_json(), exit_code=error.exit_code, failures=(error,), error=error)
     errors = [result.error] if result.error else []
@@ -521,8 +545,9 @@ def _wait(request: Request, ui: Ui) -> FromHistory | StoppedFollowing:
         )
     else:
         state = locate(list_environment_dirs(root), request.run)
+    quiet = request.verbosity < 0  # -q: only the result, not the run's log
     try:
-        entry = wait_for_run(state, request.run, ui.show)
+        entry = wait_for_run(state, request.run, (lambda _line: None) if quiet else ui.show)
     except (KeyboardInterrupt, InterruptedEarly):  # only the following stops: the run goes on
         again = "safeinstall --status --wait" + (f" --run {request.run}" if request.run else "")
         ui.show(
