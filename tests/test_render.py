@@ -7,6 +7,7 @@ import io
 from typing import Any
 
 from rich.console import Console
+from rich.text import Text
 
 from safeinstall.cli.render import render_entry, render_run
 from safeinstall.store.history import HistoryEntry, new_entry
@@ -114,3 +115,58 @@ def test_the_swap_step_counts_in_english() -> None:
 
     assert swapped_detail(1, 1) == "swapped: 1 entry renamed into place, 1 old one out"
     assert swapped_detail(3, 0) == "swapped: 3 entries renamed into place, 0 old ones out"
+
+
+def _unbroken(lines: list[str], width: int) -> None:
+    """No line is longer than ``width``, and none ends inside a word: a line as wide as the screen goes
+    on to the next only when it is one word, longer than a line (folded: nothing else could be done)."""
+    for line, after in zip(lines, [*lines[1:], ""], strict=True):
+        assert len(line) <= width, (width, line)
+        if len(line) == width and after.strip():
+            assert " " not in line.strip(), (line, after)
+
+
+def test_a_detail_of_several_lines_shows_its_lines_never_an_escaped_newline() -> None:
+    """Issue 42: a failed import's detail (and uv's errors) in the step table showed a literal \\x0a."""
+    from safeinstall.cli.render import stacked_table, step_lines
+
+    detail = (
+        "the import failed: ImportError: undefined symbol: s\nits last lines of standard error:\n  Error: x"
+    )
+    lines = [Text.from_markup(line).plain for line in step_lines("smoke", "failed", 0.1, detail, 80)]
+    assert "\\x0a" not in "".join(lines) and all(len(line) <= 80 for line in lines), lines
+    assert [line.strip() for line in lines[-2:]] == ["its last lines of standard error:", "Error: x"], lines
+    assert "\\x1b" in "".join(step_lines("smoke", "failed", 0.1, "a\x1b[2Jb", 80))  # still escaped
+    table = stacked_table(("A", "WHY"), [("1", "line one\nline two")], 80)
+    assert table[1] == "1  line one line two", table
+
+
+def test_on_a_terminal_long_lines_wrap_between_words_and_a_pipe_keeps_them_whole() -> None:
+    """Issue 42: at 80 columns a warning was folded by the terminal in the middle of its words."""
+    from safeinstall.cli.render import WordWrapping, literal
+
+    text = "could not read 1 process(es): PID 1 (maps, fd): permission denied even to root " * 3
+    text += "/a/path/" + "p" * 100 + " and more words after it"
+    terminal, pipe = io.StringIO(), io.StringIO()
+    WordWrapping(file=terminal, width=80, force_terminal=True, color_system=None, highlight=False).print(
+        f"warning: {literal(text)}", soft_wrap=True
+    )
+    WordWrapping(file=pipe, width=80, highlight=False).print(f"warning: {literal(text)}", soft_wrap=True)
+    wrapped = [line.rstrip() for line in terminal.getvalue().splitlines()]
+    assert len(wrapped) > 3, wrapped
+    _unbroken(wrapped, 80)
+    rejoined = "".join(
+        line.strip() + ("" if len(line) == 80 and " " not in line.strip() else " ") for line in wrapped
+    )
+    assert rejoined.split() == f"warning: {text}".split()  # every word whole, the long one folded
+    assert pipe.getvalue() == f"warning: {text}\n"
+
+
+def test_output_that_is_not_a_terminal_is_laid_out_at_columns_or_80(monkeypatch: Any) -> None:
+    """Issue 42: piped to less or cat, the output was laid out about 150 columns wide."""
+    from safeinstall.cli.render import make_console
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert make_console().width == 80 and make_console(stderr=True).width == 80
+    monkeypatch.setenv("COLUMNS", "132")
+    assert make_console().width == 132

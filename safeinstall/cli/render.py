@@ -78,13 +78,27 @@ def literal(value: object, lines: bool = False) -> str:
     return escape(printable(str(value), lines))
 
 
+class WordWrapping(Console):
+    """A console whose long lines (``soft_wrap=True``: a warning, a note, an error) are, on a terminal,
+    wrapped between words at its width (a word longer than a line stands whole on its own), never
+    folded by the terminal in the middle of a word; off a terminal (a pipe, a log) each stays one line,
+    whole, for grep."""
+
+    def print(self, *objects: Any, soft_wrap: bool | None = None, **kwargs: Any) -> None:
+        super().print(*objects, soft_wrap=soft_wrap and not self.is_terminal, **kwargs)
+
+
+#: The width of output that is not a terminal when COLUMNS does not say one (a pipe to less or cat)
+PIPE_WIDTH = 80
+
+
 def make_console(stderr: bool = False) -> Console:
     """No emoji codes: a file named ``:warning:`` is shown as named, not as a sign (``literal`` escapes
-    markup, not ``:name:``), and no highlighting."""
+    markup, not ``:name:``), and no highlighting. Off a terminal, COLUMNS or :data:`PIPE_WIDTH`."""
     probe = Console(stderr=stderr)
     given = os.environ.get("COLUMNS", "").isdigit()  # on a pipe too: the width a script asks for
     wide = probe.is_terminal or given
-    return Console(stderr=stderr, width=None if wide else 200, highlight=False, emoji=False)
+    return WordWrapping(stderr=stderr, width=None if wide else PIPE_WIDTH, highlight=False, emoji=False)
 
 
 def render_error(console: Console, error: SafeInstallError) -> None:
@@ -450,8 +464,8 @@ def stacked_table(
     leading columns that fit whole side by side form the table (as wide as their widest cell, two
     spaces apart); each later column goes below its row as "name: value", wrapped between words
     (:func:`wrap_words`). At 200 columns a plan is one table; at 80 its reason and command stack.
-    Cells are :func:`printable`; lines carry no trailing spaces."""
-    table = [[printable(cell) for cell in row] for row in (header, *rows)]
+    Cells are :func:`printable` (a newline in one: a space); lines carry no trailing spaces."""
+    table = [[printable(" ".join(cell.split("\n"))) for cell in row] for row in (header, *rows)]
     shown = len(header)
     while shown > 1:
         widths = [max(len(row[i]) for row in table) for i in range(shown)]
@@ -491,7 +505,10 @@ def step_lines(name: str, status: str, seconds: float, detail: str, width: int) 
     pad = " " * max(_STEP_STATUS - len(label), 0)
     step = printable(name).ljust(_STEP_NAME)
     head = f"{step} {label}{pad} {seconds:6.1f} s  "
-    first, *rest = wrap_words(printable(detail), max(width - len(head), 20)) or [""]
+    column = max(width - len(head), 20)
+    # a detail of several lines (uv's error, a failed import's stderr): each line wrapped in the column
+    paragraphs = printable(detail, lines=True).expandtabs(2).split("\n")
+    first, *rest = [line for text in paragraphs for line in wrap_words(text, column)] or [""]
     return [
         f"{literal(step)} {mark}{pad} {seconds:6.1f} s  {literal(first)}".rstrip(),
         *(" " * len(head) + literal(line) for line in rest),
