@@ -170,3 +170,32 @@ def test_output_that_is_not_a_terminal_is_laid_out_at_columns_or_80(monkeypatch:
     assert make_console().width == 80 and make_console(stderr=True).width == 80
     monkeypatch.setenv("COLUMNS", "132")
     assert make_console().width == 132
+
+
+def test_a_run_that_stopped_before_the_install_says_only_what_is_true() -> None:
+    """Issue 42: refused before anything stopped (the smoke check), its backup already removed: no
+    "copies kept in )" with an empty path, no patch "carried"; each file listed once."""
+    document = _document()
+    document["status"], document["exit_code"] = "error", 2
+    document["errors"] = [{"code": "smoke", "message": "the import failed", "hint": "nothing was stopped"}]
+    data = document["data"]
+    data |= {"backup_dir": None, "deleted": [], "patched": ["sipure/a.py"], "extras": [], "notes": []}
+    data["patches"] = [{"path": "sipure/a.py", "status": "carried", "detail": "merged", "diff": ""}]
+    lines = _render(lambda out, err: render_run(out, err, RunDocument.from_json(document), RUN_ID))
+    text = "\n".join(lines)
+    assert "kept in" not in text and "carried to the new version" not in text, lines
+    assert "local patches merged but not carried (the run stopped before the install" in text, lines
+    assert sum(line.count("sipure/a.py") for line in lines) == 1, lines
+    assert "the locally patched files above: left as they are: nothing was replaced" in lines, lines
+    data["patches"] = []
+    lines = _render(lambda out, err: render_run(out, err, RunDocument.from_json(document), RUN_ID))
+    assert "locally patched files (left as they are: nothing was replaced):" in lines, lines
+
+
+def test_kept_patches_are_listed_once_with_where_their_copies_are() -> None:
+    """Issue 42: --keep-patches listed each file three times (a note, the patches, the patched files)."""
+    document = _document()
+    document["data"]["patched"] = ["sipure/a.py"]
+    lines = _render(lambda out, err: render_run(out, err, RunDocument.from_json(document), RUN_ID))
+    assert sum(line.count("sipure/a.py") for line in lines) == 1, lines
+    assert "the locally patched files above: copies kept in /state/backups/x" in lines, lines

@@ -16,6 +16,7 @@ from safeinstall.store.rundoc import RunDocument
 from safeinstall.store.state import ensure_environment_dir, environment_state
 from tests import wheelhouse
 from tests.bed_systemd import UserManager, wait_until
+from tests.beds import Bed, declined_on_a_terminal
 from tests.clirun import run
 from tests.wheelhouse import Wheelhouse
 
@@ -208,3 +209,39 @@ def test_status_at_80_and_120_columns_breaks_no_word(tmp_path: Path) -> None:
         cells = [*header, *row, *(w for w in stamps if w[:4].isdigit() or ":" in w)]
         _whole_words(runs, cells, width)
         assert "webapp.service" in " ".join(runs).split() and "markupsafe" in " ".join(runs).split()
+
+
+def _patch_init(bed: Bed) -> Path:
+    """A local patch at the end of sicext/__init__.py: a region 1.0 and 2.0 share, so it merges."""
+    init = bed.site / "sicext" / "__init__.py"
+    init.write_text(init.read_text() + 'PATCH = " with a local fix"\n')
+    return init
+
+
+def test_the_keep_patches_question_says_whether_the_patches_merge(bed: Bed) -> None:
+    """Issue 42: the merge ran only after ``y``; now it is made first, and the question says it holds."""
+    bed.service("asked")
+    init = _patch_init(bed)
+    code, out, err = declined_on_a_terminal(
+        bed, "--keep-patches", "--base-wheel", str(bed.wheels["sicext-1"])
+    )
+    assert code == 2 and "nothing done (not confirmed)" in out, out + err
+    assert f"local patches that merge into the new version (the run carries them):\n  carried {init}" in out
+    assert "stop these units and reinstall, carrying 1 local patch (it merges)? [y/N]" in err, err
+    assert bed.version() == "1.0"
+
+
+def test_a_run_refused_before_the_stop_lists_each_patched_file_once_and_keeps_no_false_words(
+    bed: Bed,
+) -> None:
+    """Issue 42: after the smoke check refused (nothing stopped, the backup removed), a patched file was
+    said three times, "kept in the backup" and "copies kept in )"."""
+    bed.service("refused-patched")
+    init = _patch_init(bed)
+    args = ("sicext", "--wheel", str(bed.wheels["sicext-5"]), "--keep-patches")
+    refused = bed.safeinstall(*args, "--base-wheel", str(bed.wheels["sicext-1"]))
+    assert refused.code == 2 and "nothing was stopped" in refused.stderr, refused.stdout + refused.stderr
+    said = refused.stdout + refused.stderr
+    assert said.count(str(init)) == 1 and "kept in" not in said, said
+    assert "local patches merged but not carried (the run stopped before the install" in said, said
+    assert init.read_text().endswith('PATCH = " with a local fix"\n') and bed.version() == "1.0"

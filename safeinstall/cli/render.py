@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.markup import escape
 
-from safeinstall.errors import SafeInstallError
+from safeinstall.errors import ExitCode, SafeInstallError
 from safeinstall.run.view import (
     PROGRESS_EVERY_S,
     RECORD_MAY_BE_WRONG_HINT,
@@ -30,6 +30,7 @@ from safeinstall.run.view import (
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
 
+    from safeinstall.run.patches import PatchOutcome
     from safeinstall.run.recover import Recovery
     from safeinstall.run.results import StepOutcome
     from safeinstall.run.status import EnvironmentStatus, Forgotten
@@ -610,10 +611,20 @@ class ConsoleReporter:
         with _output_best_effort():
             self.err.print(f"[yellow]note:[/] {literal(text, lines=True)}", soft_wrap=True)
 
-    def confirm(self, plan: Plan) -> bool:
+    def confirm(self, plan: Plan, patches: Sequence[PatchOutcome] | None = None) -> bool:
         render_plan(self.out, self.err, plan, self.verbosity)
-        question = "stop these units and reinstall?" if plan.units else "reinstall (no unit to stop)?"
-        answer = self.err.input(f"{question} \\[y/N] ")
+        question = "stop these units and reinstall" if plan.units else "reinstall (no unit to stop)"
+        if patches is not None:  # the merge was made before the question: it holds, as listed
+            from safeinstall.run.output import patches_json
+
+            render_patches(self.out, patches_json(patches), when="plan")
+            carried = sum(1 for p in patches if p.status.value == "carried")
+            dropped = len(patches) - carried
+            merge = " (it merges)" if carried == 1 else " (they merge)" if carried else ""
+            question += f", carrying {carried} local patch{'' if carried == 1 else 'es'}{merge}"
+            if dropped:
+                question += f" and dropping {dropped} (--drop-conflicting)"
+        answer = self.err.input(f"{question}? \\[y/N] ")
         return answer.strip().lower() in ("y", "yes")
 
 
@@ -652,18 +663,24 @@ def render_run(out: Console, err: Console, document: RunDocument, run_id: str) -
             f"[yellow]warning:[/] {literal(_old_code_line(process))}: it runs old code; restart it",
             soft_wrap=True,
         )
-    render_patches(out, [p.to_json() for p in data.patches], data.patch_file)
+    unchanged = document.exit_code == ExitCode.REFUSED  # stopped before anything was replaced
+    patches = [p.to_json() for p in data.patches]
+    render_patches(out, patches, data.patch_file, "unchanged" if unchanged else "done")
     backup_dir, log_file = data.backup_dir, data.log_file
     deleted = set(data.deleted)
     patched = [path for path in data.patched if path not in deleted]
-    if patched:
-        out.print(f"locally patched files (copies kept in {literal(backup_dir or '')}):")
+    listed = {str(p.get("path")) for p in patches}  # said once: those --keep-patches listed above
+    kept = f"copies kept in {literal(backup_dir)}" if backup_dir else "left as they are: nothing was replaced"
+    if patched and set(patched) <= listed:
+        out.print(f"the locally patched files above: {kept}", soft_wrap=True)
+    elif patched:
+        out.print(f"locally patched files ({kept}):", soft_wrap=True)
         for path in patched:
-            out.print(f"  {literal(path)}")
+            out.print(f"  {literal(path)}", soft_wrap=True)
     if deleted:
         out.print("files deleted locally (nothing of them to keep):")
         for path in sorted(deleted):
-            out.print(f"  {literal(path)}")
+            out.print(f"  {literal(path)}", soft_wrap=True)
     pruned = set(data.pruned)
     for path in data.extras:
         state = "pruned (copy kept in the backup)" if path in pruned else "left in place (--prune removes)"
@@ -680,12 +697,23 @@ def render_run(out: Console, err: Console, document: RunDocument, run_id: str) -
         render_error(err, SafeInstallError(error.message, hint=error.hint))
 
 
-def render_patches(out: Console, patches: Sequence[Mapping[str, Any]], patch_file: object = None) -> None:
+def render_patches(
+    out: Console, patches: Sequence[Mapping[str, Any]], patch_file: object = None, when: str = "done"
+) -> None:
     """--keep-patches: what was carried, what was dropped, and where each conflict is (as a diff); each
-    patch as ``--json`` has it (:func:`safeinstall.run.output.patches_json`)."""
+    patch as ``--json`` has it (:func:`safeinstall.run.output.patches_json`). ``when``: ``plan`` (the
+    merge made before the run: a dry run, the question), ``done`` (a run), ``unchanged`` (a run that
+    stopped before anything was replaced)."""
+    carried = {
+        "plan": "local patches that merge into the new version (the run carries them):",
+        "done": "local patches carried to the new version:",
+        "unchanged": "local patches merged but not carried (the run stopped before the install; the "
+        "installed files keep them):",
+    }[when]
+    dropped = "they are left as they are" if when == "unchanged" else "the backup keeps them"
     heading = {
-        "carried": "local patches carried to the new version:",
-        "dropped": "local patches dropped (--drop-conflicting; the backup keeps them):",
+        "carried": carried,
+        "dropped": f"local patches dropped (--drop-conflicting; {dropped}):",
         "conflict": "local patches that cannot be carried:",
         "rolled-back": "local patches not carried (the run rolled back; the installed files keep them):",
     }

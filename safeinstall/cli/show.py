@@ -119,7 +119,7 @@ def draw(result: Result, out: Console, err: Console, verbosity: int) -> None:
     elif isinstance(result, DryRun):
         render_plan(out, err, result.plan, verbosity)
         if result.patches is not None:
-            render_patches(out, result.patches)
+            render_patches(out, result.patches, when="plan")
     elif isinstance(result, Ran):
         render_run(out, err, result.run, result.run_id)
     elif isinstance(result, FromHistory):

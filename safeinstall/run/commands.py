@@ -487,10 +487,11 @@ def _detach(
 
         plan = preflight(options, take_lock=False, env=env).plan
         refused = refusal(plan)
-        if refused is None and request.cannot_ask is not None:
-            refused = unconfirmed(plan, request.cannot_ask)
         if refused is not None:
             raise refused
+        unasked = None if request.cannot_ask is None else unconfirmed(plan, request.cannot_ask)
+        if unasked is not None:
+            raise unasked
         if request.interactive and not ui.reporter().confirm(plan):
             return Declined(document=None, exit_code=ExitCode.REFUSED)
     run_id = options.run_id or new_run_id(datetime.now(UTC), os.getpid())

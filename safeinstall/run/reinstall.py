@@ -53,7 +53,7 @@ from safeinstall.run.patches import (
     rolled_back,
     save_patch_set,
 )
-from safeinstall.run.preflight import Prepared, locally_modified, refusal, unconfirmed
+from safeinstall.run.preflight import Prepared, dry_run_patches, locally_modified, refusal, unconfirmed
 from safeinstall.run.preflight import preflight as shared_preflight
 from safeinstall.run.results import Reporter, RunResult, service_downtime_s
 from safeinstall.run.rollback import rollback_step
@@ -208,13 +208,7 @@ def backup_step(run: Run) -> str:
     before = run.prepared.before  # hashed at preflight, just before this step: not read again
     run.patched = locally_modified(before)
     run.deleted = tuple(f.path for f in before.findings if f.kind == FindingKind.MISSING)
-    for path in run.patched:
-        deleted = path in run.deleted
-        run.notes.append(
-            f"locally deleted: {path} (nothing to keep)"
-            if deleted
-            else f"locally patched: {path} (kept in the backup)"
-        )
+    # each file is listed once, by the result (its patched and deleted files, with where the backup is)
 
     said = [-PROGRESS_TICK_S]
 
@@ -947,10 +941,17 @@ def run_reinstall(
         if refused is not None:
             raise refused
         if not interactive and cannot_ask is not None:
-            refused = unconfirmed(prepared.plan, cannot_ask)
+            unasked = unconfirmed(prepared.plan, cannot_ask)
+            if unasked is not None:
+                raise unasked
+        merged = None  # --keep-patches: the merge made before the question, which says whether it holds
+        if interactive and options.keep_patches:
+            plan, patches = dry_run_patches(prepared)
+            refused = refusal(plan)
             if refused is not None:
                 raise refused
-        if interactive and not reporter.confirm(prepared.plan):
+            merged = None if patches is None else patches.outcomes
+        if interactive and not reporter.confirm(prepared.plan, merged):
             _discard_wheel_copy(prepared)
             if prepared.lock is not None:  # a declined run is finished: the next is not told it died
                 prepared.lock.release()
