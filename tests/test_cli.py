@@ -535,3 +535,35 @@ def test_a_run_into_safeinstalls_own_environment_is_refused(tmp_path: Path) -> N
         assert "would proceed" not in result.stdout and result.stderr.splitlines()[1].startswith("hint: ")
     checked = run("uv", "--verify-only", "--python", sys.prefix, env=environ)
     assert checked.code in (0, 1), checked.stdout + checked.stderr
+
+
+def test_journal_lines_leave_journalctls_own_notices_out() -> None:
+    from safeinstall.system.systemd import JOURNAL_LINE_LIMIT, journal_lines
+
+    output = "-- Boot 1234 --\nDec 06 host python[7]: Traceback\n\nDec 06 host python[7]: " + "x" * 400 + "\n"
+    lines = journal_lines(output + "-- No entries --\n", 10)
+    assert lines[0] == "Dec 06 host python[7]: Traceback" and len(lines) == 2
+    assert len(lines[1]) == JOURNAL_LINE_LIMIT and lines[1].endswith(" …")
+    assert journal_lines("\n".join(f"line {n}" for n in range(30)), 10) == tuple(
+        f"line {n}" for n in range(20, 30)
+    )
+
+
+def test_a_failed_restarts_error_shows_the_services_last_journal_lines(bed: Bed, tmp_path: Path) -> None:
+    """Issue 42: the error gave the journalctl command, not what the service said. This machine has no
+    journald: a ``journalctl`` first on PATH answers as one would, and says what it was asked."""
+    name = bed.service("crashes")
+    shim = tmp_path / "bin" / "journalctl"
+    shim.parent.mkdir()
+    shim.write_text(
+        '#!/bin/sh\necho "-- Boot 1 --"\necho "host python[7]: asked: $*"\necho "host python[7]: Boom"\n'
+    )
+    shim.chmod(0o755)
+    path = {"PATH": f"{shim.parent}:{os.environ['PATH']}"}
+    args = ("sicext", "--wheel", str(bed.wheels["sicext-3"]), "--settle", "1", "--no-smoke", "--json")
+    crashed = bed.safeinstall(*args, more_env=path)
+    assert crashed.code == 3, crashed.stdout + crashed.stderr
+    message = crashed.json["errors"][0]["message"]
+    said = f"the last lines of {name} in its journal:\n  host python[7]: asked: --user -u {name} -n 10"
+    assert said in message and "\n  host python[7]: Boom" in message and "-- Boot" not in message, message
+    assert bed.version() == "1.0"

@@ -256,8 +256,13 @@ def start_and_settle(run: Run, units: list[str], settle: float) -> str:
     bad = [o for o in outcomes.values() if not o.ok]
     if bad:
         flag = "--user " if run.options.user else ""
+        said = "; ".join(o.reason or f"{o.unit} did not settle" for o in bad)
+        for o in bad:  # why, as the service said it: its last lines in the journal, where there is one
+            tail = systemd.journal_tail(o.unit)
+            if tail:
+                said += f"\nthe last lines of {o.unit} in its journal:\n" + "\n".join(f"  {t}" for t in tail)
         raise StepFailed(
-            "; ".join(o.reason or f"{o.unit} did not settle" for o in bad),
+            said,
             hint=f"see why in its journal: journalctl {flag}" + " ".join(f"-u {o.unit}" for o in bad),
         )
     for unit, outcome in outcomes.items():  # what systemd reports; none for a unit that never went down
