@@ -4,6 +4,7 @@ argument, usage errors as every other error, shell completion, "did you mean", p
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from importlib.metadata import entry_points, version
@@ -567,3 +568,52 @@ def test_a_failed_restarts_error_shows_the_services_last_journal_lines(bed: Bed,
     said = f"the last lines of {name} in its journal:\n  host python[7]: asked: --user -u {name} -n 10"
     assert said in message and "\n  host python[7]: Boom" in message and "-- Boot" not in message, message
     assert bed.version() == "1.0"
+
+
+def _tool_for_nobody(top: Path) -> tuple[list[str], dict[str, str]]:
+    """safeinstall as uid 65534 can run it: :func:`tests.beds.hidden_tool` opened to others, with this
+    interpreter's libpython beside it (its RUNPATH may lie below /root)."""
+    import sysconfig
+
+    from tests.beds import hidden_tool
+
+    tool = hidden_tool(top)
+    top.chmod(0o755)
+    environ = {"PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "LANG": "C.UTF-8"}
+    if sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        library = Path(sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME"))
+        shutil.copy2(library, top / "lib" / library.name)
+        environ["LD_LIBRARY_PATH"] = str(top / "lib")
+    return ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *tool], environ
+
+
+def test_without_root_a_run_into_roots_environment_says_it_needs_root(
+    open_dir: Path, wheels: Wheelhouse
+) -> None:
+    """Issue 42: as another user, the run complained about the state directory, then said "not writable
+    (it is not writable)" once per directory; now: one error, "needs root", and a hint to run as root."""
+    system_python = shutil.which("python3", path="/usr/bin:/bin")
+    if os.geteuid() != 0 or system_python is None:
+        pytest.skip("needs root (to act as uid 65534) and a python3 that uid 65534 can run")
+    venv = wheelhouse.make_venv(open_dir / "venv", base=system_python)
+    wheelhouse.uv_install(venv, wheels["sipure-1"])
+    tool, environ = _tool_for_nobody(open_dir / "tool")
+    wheel = Path(shutil.copy2(wheels["sipure-2"], open_dir))  # where uid 65534 can read it
+    args = ["sipure", "--wheel", str(wheel), "--python", str(venv), "--yes"]
+    # HOME is not theirs: the state directory could not be made, and is not what they are told
+    proc = subprocess.run([*tool, *args], env=environ, capture_output=True, text=True, timeout=120, cwd="/")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith(("error:", "hint:"))]
+    assert errors[0].startswith(f"error: reinstalling into {open_dir / 'venv'} needs root: uid 65534 cannot")
+    assert errors[1].startswith("hint: run it as root") and len(errors) == 2, proc.stderr
+    assert "state directory" not in proc.stderr and "(it is not writable)" not in proc.stderr
+    home = open_dir / "home"  # the dry run checks the state directory: a home of its own
+    home.mkdir()
+    os.chown(home, 65534, 65534)
+    environ["HOME"] = str(home)
+    dry = subprocess.run(
+        [*tool, *args[:-1], "--dry-run"], env=environ, capture_output=True, text=True, cwd="/"
+    )
+    refusals = [line for line in dry.stdout.splitlines() if line.startswith("  - ")]
+    assert dry.returncode == 2 and len(refusals) == 1, dry.stdout + dry.stderr
+    assert refusals[0].endswith(": it is not writable (to uid 65534: the run needs root)"), refusals
