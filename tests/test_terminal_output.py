@@ -6,6 +6,7 @@ exact."""
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -245,3 +246,76 @@ def test_a_run_refused_before_the_stop_lists_each_patched_file_once_and_keeps_no
     assert said.count(str(init)) == 1 and "kept in" not in said, said
     assert "local patches merged but not carried (the run stopped before the install" in said, said
     assert init.read_text().endswith('PATCH = " with a local fix"\n') and bed.version() == "1.0"
+
+
+def _on_a_terminal(
+    tmp_path: Path, argv: list[str], environ: dict[str, str], name: str
+) -> tuple[str, str, int]:
+    """``argv`` in a tmux pane of 80 columns: what the screen holds (lines the terminal folded joined
+    again: ``capture-pane -J``), every byte written to it (``pipe-pane``), and the exit status."""
+    work = tmp_path / name
+    work.mkdir()
+    conf, script, done, raw = work / "tmux.conf", work / "run.sh", work / "status", work / "raw"
+    conf.write_text("set -g history-limit 20000\n")
+    exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in environ.items() if k != "COLUMNS")
+    script.write_text(
+        f"unset COLUMNS LINES\n{exports}while [ ! -e {work}/go ]; do sleep 0.05; done\n"
+        f"{shlex.join(argv)} </dev/tty\necho $? > {done}.tmp && mv {done}.tmp {done}\nexec sleep 600\n"
+    )
+    tmux = ["tmux", "-S", str(work / "socket"), "-f", str(conf)]
+    subprocess.run([*tmux, "new-session", "-d", "-x", "80", "-y", "50", "sh", str(script)], check=True)
+    try:
+        subprocess.run([*tmux, "pipe-pane", "-o", f"cat >> {shlex.quote(str(raw))}"], check=True)
+        (work / "go").touch()
+        wait_until(done.exists, 240, f"{name} to finish in tmux")
+        screen = subprocess.run(
+            [*tmux, "capture-pane", "-p", "-J", "-S", "-", "-E", "-"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+    finally:
+        subprocess.run([*tmux, "kill-server"], check=False, capture_output=True)
+    return screen, raw.read_text(errors="replace"), int(done.read_text())
+
+
+def _no_word_broken_at(screen: str, width: int) -> None:
+    """A line the terminal folded (longer than the screen, once joined) is one word longer than a line
+    (nothing else could be done); every other line was laid out within the width, between words; and
+    no control character is shown escaped (a newline as a literal ``\\x0a``)."""
+    for line in screen.splitlines():
+        if len(line.rstrip()) > width:
+            assert " " not in line.strip(), f"a word broken at {width} columns: {line!r}"
+    assert "\\x0a" not in screen and "\\x1b" not in screen, screen
+
+
+def test_at_80_columns_a_run_its_plan_and_status_break_no_word(bed: Bed, tmp_path: Path) -> None:
+    """Issue 42: at 80 columns, on a terminal (tmux): the plan, a run (with a failed import's detail of
+    several lines first) and --status: no word broken, no literal escape; the preflight says something
+    while it works."""
+    bed.service("narrow-api")
+    bed.service("narrow-sidecar")
+    environ = {k: v for k, v in bed.environ().items()}
+    base = [*bed.tool, "--user", "--python", str(bed.python)]
+    plan, raw, code = _on_a_terminal(
+        tmp_path, [*base, "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--dry-run"], environ, "plan"
+    )
+    assert code == 0 and "the run would proceed" in plan, plan
+    _no_word_broken_at(plan, 80)
+    assert "preflight:" in raw.split("plan for")[0], raw[:2000]  # said while the preflight worked
+    failed, _raw, code = _on_a_terminal(
+        tmp_path, [*base, "sicext", "--wheel", str(bed.wheels["sicext-5"]), "--yes"], environ, "failed"
+    )
+    assert code == 2 and "its last lines of standard error:" in failed, failed
+    _no_word_broken_at(failed, 80)
+    run, raw, code = _on_a_terminal(
+        tmp_path,
+        [*base, "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--yes", "--settle", "1"],
+        environ,
+        "run",
+    )
+    assert code == 0 and "done: sicext 1.0 -> 2.0" in run, run
+    _no_word_broken_at(run, 80)
+    status, _raw, code = _on_a_terminal(tmp_path, [*base, "--status"], environ, "status")
+    assert code == 0 and "last runs" in status, status
+    _no_word_broken_at(status, 80)

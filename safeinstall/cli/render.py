@@ -8,7 +8,7 @@ import re
 import sys
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -540,9 +540,17 @@ class ConsoleReporter:
     """Step lines on stdout; a rich progress display for slow steps and notes on stderr; asks before
     stopping anything."""
 
-    def __init__(self, out: Console, err: Console, quiet: bool = False, verbosity: int = 0) -> None:
+    def __init__(
+        self,
+        out: Console,
+        err: Console,
+        quiet: bool = False,
+        verbosity: int = 0,
+        settle: Callable[[], None] | None = None,
+    ) -> None:
         self.out = out
         self.err = err
+        self.settle = settle or (lambda: None)  # ends what was shown while nothing else was (a spinner)
         self.quiet = quiet
         self.verbosity = verbosity
         self._progress: Progress | None = None
@@ -554,6 +562,7 @@ class ConsoleReporter:
     # must never interrupt a run, least of all its rollback. The run's log keeps everything.
 
     def step(self, outcome: StepOutcome) -> None:
+        self.settle()
         with _output_best_effort():
             self._step(outcome)
 
@@ -566,6 +575,7 @@ class ConsoleReporter:
             self.out.print(line, soft_wrap=True)
 
     def progress(self, what: str, done: float | None, total: float | None, unit: str = "") -> None:
+        self.settle()
         with _output_best_effort():
             self._show_progress(what, done, total, unit)
 
@@ -581,21 +591,24 @@ class ConsoleReporter:
                 self._last_line, self._last_key = now, key
                 self.err.print(literal(progress_text(what, done, total, unit)), soft_wrap=True)
             return
+        # the whole line, amounts included ("... (1 of 2): 12 s of 90 s (13%)"), wrapped between words in
+        # a column of its own: never cut at the terminal's width (issue 42), the bar beside it
+        said = literal(progress_text(what, done, total, unit))
         if self._progress is None:
-            from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import BarColumn, Progress, TextColumn
+            from rich.table import Column
 
             self._progress = Progress(
-                TextColumn("{task.description}"),
-                BarColumn(),
-                TaskProgressColumn(),
-                TimeElapsedColumn(),
+                TextColumn("{task.description}", table_column=Column(ratio=1, no_wrap=False)),
+                BarColumn(bar_width=16),
                 console=self.err,
                 transient=True,
+                expand=True,
             )
             self._progress.start()
         if key not in self._tasks:
-            self._tasks[key] = self._progress.add_task(literal(what), total=total)
-        self._progress.update(self._tasks[key], description=literal(what), completed=done or 0, total=total)
+            self._tasks[key] = self._progress.add_task(said, total=total)
+        self._progress.update(self._tasks[key], description=said, completed=done or 0, total=total)
 
     def _end_progress(self) -> None:
         if self._progress is not None:
@@ -606,12 +619,14 @@ class ConsoleReporter:
     def note(self, text: str, host: bool = False) -> None:
         """``host``: about the host, not this run (no NVML, a process even root cannot read): the same on
         every command of that machine, so ``-q`` leaves it out (the log and ``--json`` keep it)."""
+        self.settle()
         if host and self.verbosity < 0:
             return
         with _output_best_effort():
             self.err.print(f"[yellow]note:[/] {literal(text, lines=True)}", soft_wrap=True)
 
     def confirm(self, plan: Plan, patches: Sequence[PatchOutcome] | None = None) -> bool:
+        self.settle()
         render_plan(self.out, self.err, plan, self.verbosity)
         question = "stop these units and reinstall" if plan.units else "reinstall (no unit to stop)"
         if patches is not None:  # the merge was made before the question: it holds, as listed

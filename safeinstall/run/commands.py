@@ -192,6 +192,9 @@ class Ui(Protocol):
         """A verification's progress (files done, of total), where it is shown."""
         ...
 
+    def preparing(self, what: str) -> None:
+        """Said while nothing else is (the preflight's seconds), until the next thing said."""
+
     def show(self, line: str) -> None:
         """A line of the log of the run ``--status --wait`` follows."""
 
@@ -250,7 +253,7 @@ def _command(request: Request, ui: Ui, finishing: contextlib.ExitStack) -> Resul
         if "--detach" in request.modes:
             return _detach(request, options, ui, env)
         if "--dry-run" in request.modes:
-            return _dry_run(options, env)
+            return _dry_run(options, env, ui)
         return _reinstall(request, options, ui, metrics, env, finishing)
     except SafeInstallError as error:
         if metrics is not None:
@@ -419,6 +422,7 @@ def _reinstall(
     started = now_iso()
     reporter = LoggedReporter(ui.reporter(), state.log_file(run_id))
     command = request.command
+    ui.preparing(_PREFLIGHT)
     try:
         result = run_reinstall(
             replace(options, run_id=run_id), reporter, request.interactive, env, request.cannot_ask
@@ -441,6 +445,10 @@ def _reinstall(
     return Ran(
         document=document.to_json(), exit_code=result.exit_code, run=document, run_id=run_id, notes=notes
     )
+
+
+#: What a terminal shows while the preflight works (a few seconds on numpy, more on vLLM)
+_PREFLIGHT = "preflight: the wheel checked, uv's plan, the processes that use the package..."
 
 
 def _state_of(env: Environment, environ: Mapping[str, str]) -> EnvironmentState:
@@ -485,6 +493,7 @@ def _detach(
         # terminal and --yes, a run that would stop units is refused here, as in the foreground
         from safeinstall.run.preflight import preflight, refusal, unconfirmed
 
+        ui.preparing(_PREFLIGHT)
         plan = preflight(options, take_lock=False, env=env).plan
         refused = refusal(plan)
         if refused is not None:
@@ -519,10 +528,11 @@ def _from_history(entry: HistoryEntry) -> FromHistory:
     return FromHistory(document=entry.result.to_json(), exit_code=entry.result.exit_code, entry=entry)
 
 
-def _dry_run(options: RunOptions, env: Environment) -> DryRun:
+def _dry_run(options: RunOptions, env: Environment, ui: Ui) -> DryRun:
     from safeinstall.run.output import patches_json, plan_json
     from safeinstall.run.preflight import dry_run_patches, preflight
 
+    ui.preparing(_PREFLIGHT)
     # the run's own checks (and, with --keep-patches, its patch merge): it refuses when the run would
     plan, patches = dry_run_patches(preflight(options, take_lock=False, env=env))
     code = ExitCode.OK if plan.proceeds else ExitCode.REFUSED
