@@ -199,3 +199,20 @@ def test_kept_patches_are_listed_once_with_where_their_copies_are() -> None:
     lines = _render(lambda out, err: render_run(out, err, RunDocument.from_json(document), RUN_ID))
     assert sum(line.count("sipure/a.py") for line in lines) == 1, lines
     assert "the locally patched files above: copies kept in /state/backups/x" in lines, lines
+
+
+def test_a_progress_line_on_a_terminal_shows_its_amounts_wrapped_never_cut() -> None:
+    """Issue 42: at 80 columns the progress line was cut just before "12 s of 90 s"."""
+    from safeinstall.cli.render import ConsoleReporter
+    from safeinstall.run.results import StepOutcome
+
+    err = Console(file=io.StringIO(), width=80, force_terminal=True, record=True, color_system=None)
+    reporter = ConsoleReporter(Console(file=io.StringIO(), width=80), err)
+    what = "waiting for si-vllm-api-1.service, si-metrics-2.service to be stopped (2 of 2)"
+    reporter.progress(what, 12.0, 90.0, "s")
+    reporter.step(StepOutcome("stop", "ok", 12.0, "2 unit(s) stopped"))  # the display ends with the step
+    shown = [line.rstrip() for line in err.export_text().splitlines() if line.strip()]
+    said = f"{what}: 12 s of 90 s (13%)".split()
+    assert "12 s of 90 s (13%)" in " ".join(" ".join(shown).split()), shown
+    for line in shown:  # (the frames of the live display follow each other in the record)
+        assert all(word in said or set(word) <= set("━╸╺ ") for word in line.split()), line
