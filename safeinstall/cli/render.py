@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from safeinstall.run.results import StepOutcome
     from safeinstall.run.status import EnvironmentStatus, Forgotten
     from safeinstall.run.view import (
+        AffectedDistribution,
         FileDiff,
         HistoryEntry,
         OldCodeDoc,
@@ -346,17 +347,23 @@ def render_plan(out: Console, err: Console, plan: Plan, verbosity: int = 0) -> N
         soft_wrap=True,
     )
     out.print("distributions:" + ("  (--with-deps: dependencies reinstalled too)" if plan.with_deps else ""))
-    for dist in plan.distributions:
+    shown, folded = folded_distributions(plan.distributions, verbosity)
+    for dist in shown:
         mark = "".join(f" ({m})" for m in ("named" if dist.requested else "", dist.change) if m)
         versions = f"{dist.old_version or '(not installed)'} -> {dist.new_version or '?'}"
         out.print(f"  {literal(dist.name)} {literal(versions)}{mark}", soft_wrap=True)
+    for line in folded:
+        for wrapped in wrap_words(line, out.width, 2):
+            out.print(literal(wrapped), soft_wrap=True)
     if plan.processes:
         more = "" if verbosity > 0 else " (-v: every piece of evidence)"
         rows: list[tuple[str, ...]] = []
-        for p in plan.processes:
+        listed, helpers = folded_helpers(plan.processes, verbosity)
+        for p in listed:
             kind = p.evidence[0] if len(p.evidence) == 1 else _strongest_kind(p.evidence)
             old = " running old code" if p.running_old_code else ""
             command = " ".join(w for w in " ".join(p.cmdline).split(" ") if w) or p.name  # setproctitle pads
+            command += "".join(f" (+ PID {pid}: {what})" for pid, what in helpers.get(p.pid, ()))
             rows.append(
                 (
                     str(p.pid),
@@ -421,13 +428,15 @@ def render_plan(out: Console, err: Console, plan: Plan, verbosity: int = 0) -> N
         why = "" if verbosity >= 0 and plan.gpus.reason else f" ({literal(plan.gpus.reason or '')})"
         out.print(f"GPUs: check unavailable{why}", soft_wrap=True)
     if plan.install:  # what will run: the staging install and the swap, the install in the stop, a restore
-        out.print("uv command:")
-        for wrapped in (part for line in plan.install for part in wrap_words(line, out.width, 2)):
+        out.print("uv command:" + ("" if verbosity > 0 else " (-v: in full)"))
+        lines = plan.install if verbosity > 0 else [compact_install(line, plan) for line in plan.install]
+        for wrapped in (part for line in lines for part in wrap_words(line, out.width, 2)):
             out.print(literal(wrapped), soft_wrap=True)
     else:
         out.print("uv command: " + literal(" ".join(plan.uv_command)), soft_wrap=True)
     if plan.smoke:
-        for wrapped in wrap_words("smoke check: " + plan.smoke, out.width):
+        said = plan.smoke if verbosity > 0 else compact_smoke(plan.smoke, plan.package)
+        for wrapped in wrap_words("smoke check: " + said, out.width):
             out.print(literal(wrapped), soft_wrap=True)
     _scan_problems(err, plan.scan_problems, verbosity)
     for warning in plan.warnings:
@@ -440,6 +449,81 @@ def render_plan(out: Console, err: Console, plan: Plan, verbosity: int = 0) -> N
         out.print("[red]the run would refuse:[/]")
         for refusal in plan.refusals:
             out.print(f"  - {literal(refusal)}", soft_wrap=True)
+
+
+#: More distributions than this and the plan (without -v) names the others on a few lines, not one each
+DISTRIBUTIONS_SHOWN = 5
+
+
+def folded_distributions(
+    dists: Sequence[AffectedDistribution], verbosity: int
+) -> tuple[list[AffectedDistribution], list[str]]:
+    """Pure: the distributions shown one per line (all of them with ``-v`` or when few; else the named
+    ones), and a line per kind of change for the others: "9 more, each a downgrade: torch, triton, …"."""
+    if verbosity > 0 or len(dists) <= DISTRIBUTIONS_SHOWN:
+        return list(dists), []
+    shown = [d for d in dists if d.requested]
+    kinds: dict[str, list[str]] = {}
+    for dist in dists:
+        if not dist.requested:
+            kinds.setdefault(dist.change, []).append(dist.name)
+    folded = [
+        f"{len(names)} more, {'each a ' + kind if kind else 'their versions'} (-v: each): {', '.join(names)}"
+        for kind, names in kinds.items()
+    ]
+    return shown, folded
+
+
+#: multiprocessing's helper processes, named in their unit's row rather than a row of their own
+_HELPERS = (
+    ("multiprocessing.resource_tracker", "multiprocessing's resource_tracker"),
+    ("multiprocessing.forkserver", "multiprocessing's forkserver"),
+)
+
+
+def folded_helpers(
+    processes: Sequence[PlannedProcess], verbosity: int
+) -> tuple[list[PlannedProcess], dict[int, list[tuple[int, str]]]]:
+    """Pure: the processes that get a row, and for the first row of each unit the helpers of that unit
+    folded into it (a multiprocessing resource_tracker: a row of its own says nothing more). With
+    ``-v``, every process has its row."""
+    first: dict[str, int] = {}
+    for p in processes:
+        if p.unit and not _helper(p):
+            first.setdefault(p.unit, p.pid)
+    listed: list[PlannedProcess] = []
+    helpers: dict[int, list[tuple[int, str]]] = {}
+    for p in processes:
+        what = _helper(p)
+        if verbosity <= 0 and what and p.unit in first:
+            helpers.setdefault(first[p.unit], []).append((p.pid, what))
+        else:
+            listed.append(p)
+    return listed, helpers
+
+
+def _helper(process: PlannedProcess) -> str:
+    command = " ".join(process.cmdline)
+    return next((what for mark, what in _HELPERS if mark in command), "")
+
+
+def compact_install(line: str, plan: Plan) -> str:
+    """Pure: one line of the plan's uv command without ``-v``: the versions pinned for the distributions
+    listed above said as their count (``--json`` and ``-v`` have each)."""
+    pins = {f"{d.name}=={d.new_version}" for d in plan.distributions if d.new_version}
+    words = line.split(" ")
+    kept = [w for w in words if w not in pins]
+    dropped = len(words) - len(kept)
+    return " ".join(kept) + (f" and the {dropped} other versions above" if dropped > 1 else "")
+
+
+def compact_smoke(said: str, package: str) -> str:
+    """Pure: the smoke check said in fewer words without ``-v`` (whom it runs as, for which units)."""
+    return said.replace("root (the unit has no User=: it runs as root too)", "root (no User=)").replace(
+        f"import {package}'s top-level modules and the changed distributions' extension modules from the "
+        "new version",
+        f"import the new {package} and its changed extension modules",
+    )
 
 
 def wrap_words(text: str, width: int, indent: int = 0, hang: int = 2) -> list[str]:
