@@ -617,3 +617,13 @@ def test_without_root_a_run_into_roots_environment_says_it_needs_root(
     refusals = [line for line in dry.stdout.splitlines() if line.startswith("  - ")]
     assert dry.returncode == 2 and len(refusals) == 1, dry.stdout + dry.stderr
     assert refusals[0].endswith(": it is not writable (to uid 65534: the run needs root)"), refusals
+    closed = open_dir / "closed"  # an environment below a directory closed to them: an error, no traceback
+    closed.mkdir(mode=0o700)
+    unreachable = subprocess.run(
+        [*tool, "sipure", "--python", str(closed / "venv"), "--dry-run"],
+        env=environ,
+        capture_output=True,
+        text=True,
+    )
+    assert unreachable.returncode == 2, unreachable.stdout + unreachable.stderr
+    assert unreachable.stderr.startswith(f"error: cannot reach {closed / 'venv'}: permission denied\nhint: ")

@@ -428,8 +428,8 @@ def render_plan(out: Console, err: Console, plan: Plan, verbosity: int = 0) -> N
         why = "" if verbosity >= 0 and plan.gpus.reason else f" ({literal(plan.gpus.reason or '')})"
         out.print(f"GPUs: check unavailable{why}", soft_wrap=True)
     if plan.install:  # what will run: the staging install and the swap, the install in the stop, a restore
-        out.print("uv command:" + ("" if verbosity > 0 else " (-v: in full)"))
-        lines = plan.install if verbosity > 0 else [compact_install(line, plan) for line in plan.install]
+        lines = plan.install if verbosity > 0 else tuple(compact_install(line, plan) for line in plan.install)
+        out.print("uv command:" + ("" if lines == plan.install else " (-v: in full)"))
         for wrapped in (part for line in lines for part in wrap_words(line, out.width, 2)):
             out.print(literal(wrapped), soft_wrap=True)
     else:
