@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 from pathlib import Path
+
+import pytest
 
 from safeinstall.cli.render import literal, printable
 from safeinstall.run.output import envelope, jsonable
@@ -293,6 +296,8 @@ def test_at_80_columns_a_run_its_plan_and_status_break_no_word(bed: Bed, tmp_pat
     """Issue 42: at 80 columns, on a terminal (tmux): the plan, a run (with a failed import's detail of
     several lines first) and --status: no word broken, no literal escape; the preflight says something
     while it works."""
+    if shutil.which("tmux") is None:
+        pytest.skip("tmux is not installed (apt-get install tmux)")
     bed.service("narrow-api")
     bed.service("narrow-sidecar")
     environ = {k: v for k, v in bed.environ().items()}
@@ -303,6 +308,9 @@ def test_at_80_columns_a_run_its_plan_and_status_break_no_word(bed: Bed, tmp_pat
     assert code == 0 and "the run would proceed" in plan, plan
     _no_word_broken_at(plan, 80)
     assert "preflight:" in raw.split("plan for")[0], raw[:2000]  # said while the preflight worked
+    typo, _raw, code = _on_a_terminal(tmp_path, [*base, "sicxet", "--dry-run"], environ, "typo")
+    assert code == 2 and "did you mean sicext?" in " ".join(typo.split()), typo
+    assert "preflight:" not in typo, typo  # the spinner gone before the error is said
     failed, _raw, code = _on_a_terminal(
         tmp_path, [*base, "sicext", "--wheel", str(bed.wheels["sicext-5"]), "--yes"], environ, "failed"
     )

@@ -195,6 +195,9 @@ class Ui(Protocol):
     def preparing(self, what: str) -> None:
         """Said while nothing else is (the preflight's seconds), until the next thing said."""
 
+    def settle(self) -> None:
+        """What :meth:`preparing` shows, gone (before an error is said)."""
+
     def show(self, line: str) -> None:
         """A line of the log of the run ``--status --wait`` follows."""
 
@@ -209,7 +212,11 @@ def execute(request: Request, ui: Ui) -> int:
     """The one command the request chooses; its result handed to ``ui.done``; its exit code. Raises a
     SafeInstallError for a failure before the command's result (``--metrics-file`` says so)."""
     with contextlib.ExitStack() as finishing:  # what holds until the result is shown (a run's signals)
-        result = _command(request, ui, finishing)
+        try:
+            result = _command(request, ui, finishing)
+        except BaseException:
+            ui.settle()  # the error is said by the caller, on a terminal left clean
+            raise
         ui.done(result)
     return result.exit_code
 
