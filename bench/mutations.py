@@ -37,6 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 COPIED = ("safeinstall", "tests", "fixtures", "pyproject.toml")
 PROMISES = "tests/test_promises.py"
+PROMISES_45 = "tests/test_promises_45.py"
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,9 +252,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "verify-pth-unhashed",
         "safeinstall/env/verify.py",
-        "        if entry.hash is None:\n            continue  # unhashed entries",
+        "        if entry.hash is None:\n            if not _may_be_unhashed(dist, location):",
         '        if entry.hash is None or entry.path.endswith(".pth"):\n'
-        "            continue  # unhashed entries",
+        "            if entry.hash is None and not _may_be_unhashed(dist, location):",
         ("tests/test_verify.py::test_a_pth_or_data_file_verifies_clean_and_is_modified_when_changed[pth]",),
     ),
     Mutation(
@@ -314,6 +315,232 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/test_hostile_fs.py::test_a_package_a_pth_line_imports_is_walked_within_bounds_never_out_of_it"
             "[link-out]",
         ),
+    ),
+    # issue 45: the promises its audit found undefended
+    Mutation(
+        "verify-script-launcher-lines",
+        "safeinstall/env/verify.py",
+        "    if len(lines) == 2:\n        return True",
+        "    if len(lines) <= 4:\n        return True",
+        (
+            f"{PROMISES_45}::test_lines_inserted_between_a_scripts_launcher_and_its_body_are_drift"
+            "[one-line-after-shebang]",
+            f"{PROMISES_45}::test_lines_inserted_between_a_scripts_launcher_and_its_body_are_drift"
+            "[two-lines-after-shebang]",
+        ),
+    ),
+    Mutation(
+        "result-signals-handled",
+        "safeinstall/run/commands.py",
+        "    ignored_until_exit()\n",
+        "    pass\n",
+        (
+            f"{PROMISES_45}::test_a_signal_once_a_good_runs_result_is_shown_does_not_change_its_exit"
+            "[result-shown]",
+            f"{PROMISES_45}::test_a_signal_once_a_good_runs_result_is_shown_does_not_change_its_exit"
+            "[interpreter-exit]",
+        ),
+    ),
+    Mutation(
+        "plan-lock-timeout-uncapped",
+        "safeinstall/env/uvplan.py",
+        "min(int(given), PLAN_LOCK_WAIT_S)",
+        "int(given)",
+        (f"{PROMISES_45}::test_an_operators_uv_lock_timeout_above_the_plans_bound_is_capped",),
+    ),
+    Mutation(
+        "uv-lock-owner-holder-ignored",
+        "safeinstall/env/uvplan.py",
+        "if uid in (0, own_uid)]",
+        "if uid == 0]",
+        (f"{PROMISES_45}::test_uvs_lock_held_by_the_environments_account_refuses_the_run[account]",),
+    ),
+    Mutation(
+        "uv-lock-root-holder-ignored",
+        "safeinstall/env/uvplan.py",
+        "if uid in (0, own_uid)]",
+        "if uid == own_uid]",
+        (f"{PROMISES_45}::test_uvs_lock_held_by_the_environments_account_refuses_the_run[root]",),
+    ),
+    Mutation(
+        "worker-imports",
+        "safeinstall/system/worker.py",
+        "        sys.meta_path.insert(0, _NoImports())\n",
+        "        pass\n",
+        (f"{PROMISES_45}::test_an_import_in_a_worker_fails_at_once",),
+    ),
+    Mutation(
+        "worker-dumpable",
+        "safeinstall/system/children.py",
+        "        _PRCTL(_PR_SET_DUMPABLE, 0)\n",
+        "        pass\n",
+        (f"{PROMISES_45}::test_a_worker_is_never_dumpable",),
+    ),
+    Mutation(
+        "health-redirect-any-port",
+        "safeinstall/system/health.py",
+        "    return parts.scheme, parts.hostname, parts.port\n",
+        "    return parts.scheme, parts.hostname, None\n",
+        (f"{PROMISES_45}::test_a_health_redirect_to_another_port_is_refused",),
+    ),
+    Mutation(
+        "health-any-2xx",
+        "safeinstall/system/health.py",
+        "        if status == 200:\n",
+        "        if 200 <= status < 300:\n",
+        (f"{PROMISES_45}::test_only_200_is_healthy",),
+    ),
+    Mutation(
+        "pth-import-tab-is-a-path",
+        "safeinstall/env/environment.py",
+        'if line.startswith(("import ", "import\\t")):',
+        'if line.startswith("import "):',
+        (f"{PROMISES_45}::test_what_site_imports_without_an_import_space_line_is_walked[import-tab-line]",),
+    ),
+    Mutation(
+        "sitecustomize-not-walked",
+        "safeinstall/env/environment.py",
+        "    names = set(_SITE_IMPORTS)\n",
+        "    names = set[str]()\n",
+        (
+            f"{PROMISES_45}::test_what_site_imports_without_an_import_space_line_is_walked"
+            "[sitecustomize-package]",
+        ),
+    ),
+    Mutation(
+        "d-state-breaks-ignored",
+        "safeinstall/run/reinstall.py",
+        "                self.since.pop(process, None)\n",
+        "                pass\n",
+        (f"{PROMISES_45}::test_a_gpu_holder_in_and_out_of_d_state_is_not_stuck",),
+    ),
+    Mutation(
+        "smoke-first-stderr-lines",
+        "safeinstall/env/smoke.py",
+        "    return tuple(kept[-lines:])\n",
+        "    return tuple(kept[:lines])\n",
+        (f"{PROMISES_45}::test_a_failed_smoke_command_shows_its_last_lines_of_standard_error",),
+    ),
+    Mutation(
+        "undo-other-version-ignored",
+        "safeinstall/run/undo.py",
+        "        elif current.version != version:\n",
+        "        elif False:\n",
+        (f"{PROMISES_45}::test_another_version_installed_since_the_run_refuses_its_undo",),
+    ),
+    Mutation(
+        "rolled-back-run-prunes-good-backups",
+        "safeinstall/store/retention.py",
+        "beyond = counted[keep:] if good_run else []",
+        "beyond = counted[keep:]",
+        (f"{PROMISES_45}::test_a_rolled_back_run_never_prunes_a_good_runs_backup_even_past_keep_backups",),
+    ),
+    Mutation(
+        "recover-first-failure-wins",
+        "safeinstall/run/recover.py",
+        "        if any(f.exit_code == ExitCode.ROLLBACK_FAILED for f in self.failures):\n"
+        "            return ExitCode.ROLLBACK_FAILED\n",
+        "",
+        (
+            f"{PROMISES_45}::test_recover_of_several_environments_exits_4_when_one_is_left_down_whatever_"
+            "came_first",
+        ),
+    ),
+    Mutation(
+        "rollback-restores-under-running-units",
+        "safeinstall/run/rollback.py",
+        "            if run.restart_started:\n",
+        "            if False:\n",
+        (f"{PROMISES_45}::test_a_rollback_after_the_restart_began_stops_the_units_before_the_restore",),
+    ),
+    Mutation(
+        "environment-evidence-any-root",
+        "safeinstall/scan/processes.py",
+        "        if seen is not None and seen != scope.prefix_id:\n",
+        "        if False:\n",
+        (f"{PROMISES_45}::test_environment_evidence_is_not_given_to_a_process_in_another_root",),
+    ),
+    Mutation(
+        "identity-ignores-owner",
+        "safeinstall/env/inodes.py",
+        "            or info.st_uid != entry.uid\n",
+        "",
+        (f"{PROMISES_45}::test_a_hashed_cache_inode_of_another_owner_now_is_read_and_hashed",),
+    ),
+    Mutation(
+        "save-patch-follows-a-late-link",
+        "safeinstall/store/state.py",
+        "fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)",
+        "fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)",
+        (f"{PROMISES_45}::test_save_patch_never_writes_through_a_link_planted_after_its_check",),
+    ),
+    Mutation(
+        "kept-links-of-writable-inodes",
+        "safeinstall/env/keep.py",
+        "                if not only_caller_writes(info):\n",
+        "                if False:\n",
+        (f"{PROMISES_45}::test_kept_links_are_only_of_inodes_only_root_can_write",),
+    ),
+    Mutation(
+        "smoke-shim-after-the-units-path",
+        "safeinstall/env/smoke.py",
+        "    python_path = [str(shim_dir), *[p for p in variables.get("
+        '"PYTHONPATH", "").split(os.pathsep) if p]]',
+        "    python_path = [*[p for p in variables.get("
+        '"PYTHONPATH", "").split(os.pathsep) if p], str(shim_dir)]',
+        (f"{PROMISES_45}::test_the_smoke_shim_stays_ahead_of_a_units_own_pythonpath",),
+    ),
+    Mutation(
+        "worker-dumps-core",
+        "safeinstall/system/children.py",
+        "    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))",
+        "    pass",
+        (f"{PROMISES_45}::test_a_worker_has_umask_022_and_no_core_dumps",),
+    ),
+    Mutation(
+        "worker-keeps-the-callers-umask",
+        "safeinstall/system/children.py",
+        "    os.umask(0o022)\n",
+        "",
+        (f"{PROMISES_45}::test_a_worker_has_umask_022_and_no_core_dumps",),
+    ),
+    Mutation(
+        "smoke-tree-left-open",
+        "safeinstall/run/smoke.py",
+        "    if opened:\n        _close_again(run, new)\n",
+        "    if False:\n        _close_again(run, new)\n",
+        (
+            f"{PROMISES_45}::test_the_staging_directory_opened_to_a_units_user_is_closed_once_the_check_"
+            "is_done",
+        ),
+    ),
+    Mutation(
+        "journal-signal-dropped",
+        "safeinstall/run/reinstall.py",
+        "                received.signals.extend(held)",
+        "                pass",
+        (f"{PROMISES_45}::test_a_signal_while_the_journal_is_written_stops_the_run_before_its_first_step",),
+    ),
+    Mutation(
+        "late-check-ignores-only-loaded",
+        "safeinstall/run/reinstall.py",
+        "    every = not run.options.only_loaded",
+        "    every = True",
+        (f"{PROMISES_45}::test_only_loaded_in_a_real_run_leaves_the_possible_users_running",),
+    ),
+    Mutation(
+        "late-fifo-put-back",
+        "safeinstall/env/swap.py",
+        "                and stat.S_ISREG(info.st_mode)\n",
+        "",
+        (f"{PROMISES_45}::test_only_a_late_regular_file_of_root_or_the_directorys_owner_is_put_back",),
+    ),
+    Mutation(
+        "late-third-owner-put-back",
+        "safeinstall/env/swap.py",
+        "                and info.st_uid in (0, parent.st_uid)\n",
+        "",
+        (f"{PROMISES_45}::test_only_a_late_regular_file_of_root_or_the_directorys_owner_is_put_back",),
     ),
 )
 

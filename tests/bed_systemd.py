@@ -216,8 +216,10 @@ class UserManager:
             monkeypatch.delenv(name, raising=False)
 
 
-def start_user_manager(base: Path) -> UserManager:
-    """Start a private ``systemd --user`` and wait until it runs; skip/fail when it cannot."""
+def start_user_manager(base: Path, unit_path: str | None = None) -> UserManager:
+    """Start a private ``systemd --user`` and wait until it runs; skip/fail when it cannot.
+    ``unit_path``: its ``SYSTEMD_UNIT_PATH`` (the units it reads; none of the defaults unless it ends
+    with ":")."""
     if not SYSTEMD_MARKER.is_dir():
         _unavailable(f"{SYSTEMD_MARKER} does not exist (run `mkdir -p {SYSTEMD_MARKER}` as root)")
     systemd = shutil.which("systemd") or "/lib/systemd/systemd"
@@ -230,6 +232,8 @@ def start_user_manager(base: Path) -> UserManager:
     (config_home / "systemd" / "user").mkdir(parents=True, exist_ok=True)  # a "reboot" keeps it
     env = {key: value for key, value in os.environ.items() if key not in _FOREIGN_VARIABLES}
     env |= {"XDG_RUNTIME_DIR": str(runtime_dir), "XDG_CONFIG_HOME": str(config_home)}
+    if unit_path is not None:
+        env["SYSTEMD_UNIT_PATH"] = unit_path
     cgroup_name = f"safeinstall-test-{os.getpid()}-{time.monotonic_ns()}"
     procs_files = _make_private_cgroup(cgroup_name)
     # the shell moves itself into the private cgroup, then becomes the manager (same PID)

@@ -24,7 +24,7 @@ import pytest
 
 # imported here before pytest loads them as plugins: their asserts (Bed.consistent, Bed.no_trace...)
 # still explain themselves (tests.bed_nvml is never rewritten: PYTEST_DONT_REWRITE)
-pytest.register_assert_rewrite("tests.beds", "tests.bed_systemd")
+pytest.register_assert_rewrite("tests.beds", "tests.bed_systemd", "tests.bed_system_manager")
 
 from tests import wheelhouse  # noqa: E402
 from tests.bed_nvml import FakeNvml  # noqa: E402
@@ -32,7 +32,7 @@ from tests.bed_systemd import Units, UserManager  # noqa: E402
 from tests.beds import AS_ROOT, Bed, ServiceAccountBed  # noqa: E402
 
 # The real test beds: a private systemd --user manager, and a fake NVML driver built with gcc.
-pytest_plugins = ["tests.bed_systemd", "tests.bed_nvml"]
+pytest_plugins = ["tests.bed_systemd", "tests.bed_nvml", "tests.bed_leaks", "tests.bed_system_manager"]
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,13 @@ def _document(path: Path) -> dict[str, Any] | None:
         return None
 
 
+def _as_in_a_login_session() -> None:
+    """SIGHUP and SIGINT at their default, as in an SSH session: a suite started under ``nohup`` or as a
+    background job (``&``) passes them on ignored, and the session would then outlive its SIGHUP."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_a_detached_run_survives_its_callers_session_and_wait_returns_its_result(
     bed: Bed, tmp_path: Path
 ) -> None:
@@ -48,13 +55,14 @@ def test_a_detached_run_survives_its_callers_session_and_wait_returns_its_result
         env=bed.environ(),
         stdin=subprocess.DEVNULL,
         start_new_session=True,
+        preexec_fn=_as_in_a_login_session,
     )
     try:
         wait_until(
             lambda: _document(out) is not None or session.poll() is not None, 120, "--detach to return"
         )
         os.killpg(session.pid, signal.SIGHUP)  # the SSH session is gone: every process of it
-        assert session.wait(timeout=10) == -signal.SIGHUP
+        assert session.wait(timeout=60) == -signal.SIGHUP
     finally:
         if session.poll() is None:
             os.killpg(session.pid, signal.SIGKILL)

@@ -31,8 +31,14 @@ def so_mapped(pid: int) -> bool:
     return maps_so(pid) is not None
 
 
-def safeinstall(user_manager: UserManager, nvml: FakeNvml | None, *args: str, timeout: float = 120) -> Result:
-    environ = dict(user_manager.env)
+def safeinstall(
+    user_manager: UserManager,
+    nvml: FakeNvml | None,
+    *args: str,
+    timeout: float = 120,
+    more_env: dict[str, str] | None = None,
+) -> Result:
+    environ = {**user_manager.env, **(more_env or {})}
     environ.update(nvml.env if nvml else {"SAFEINSTALL_NVML_LIBRARY": "/nonexistent/libnvidia-ml.so.1"})
     return run("--user", *args, env=environ, timeout=timeout)
 
@@ -490,3 +496,52 @@ def test_the_plan_says_what_will_run_the_staging_install_and_the_swap_or_the_ins
     assert during.startswith("during the stop (no swap: --no-swap is given): ") and "--offline" in during
     human = dry_run(user_manager, None, env, wheels["sicext-2"])
     assert "uv command:\n  before the stop: " in human.stdout and "(the swap)" in human.stdout
+
+
+def test_a_manager_without_admin_directories_is_refused_by_the_plan(
+    env: Path, wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    """A manager started with ``SYSTEMD_UNIT_PATH`` naming its own directory alone (no trailing ":", as
+    the system manager's bed of issue 42 first did) reads no admin directory, where the gate's drop-in
+    goes: the plan says the run would refuse (it said "proceed" and the run failed at the gate, after
+    the backup and the prefetch), and a run is refused before anything, the unit never stopped."""
+    base = tmp_path / "bare"
+    (base / "config" / "systemd" / "user").mkdir(parents=True)
+    for target in ("default.target", "basic.target", "shutdown.target", "exit.target"):
+        (base / "config" / "systemd" / "user" / target).write_text("[Unit]\n")
+    manager = start_user_manager(base, unit_path=str(base / "config" / "systemd" / "user"))
+    name = "si-bare.service"
+    try:
+        manager.write_unit(name, f"[Service]\nExecStart={env} -c 'import sicext, time; time.sleep(600)'\n")
+        manager.start(name)
+        manager.wait_active(name)
+        main = manager.main_pid(name)
+        wait_until(lambda: so_mapped(main), 15, "maps the .so")
+        plan = dry_run(manager, None, env, wheels["sicext-2"], "--json")
+        assert plan.code == 2, plan.stdout + plan.stderr
+        (refusal,) = plan.json["data"]["refusals"]
+        assert "cannot tell where the service manager reads drop-ins from" in refusal
+        assert "SYSTEMD_UNIT_PATH" in refusal  # what to change, not "this systemd may be too old"
+        state = tmp_path / "state"
+        wheel = str(wheels["sicext-2"])
+        more_env = {"SAFEINSTALL_STATE_DIR": str(state)}
+        ran = safeinstall(
+            manager,
+            None,
+            "sicext",
+            "--wheel",
+            wheel,
+            "--python",
+            str(env),
+            "--yes",
+            "--json",
+            more_env=more_env,
+        )
+        assert ran.code == 2, ran.stdout + ran.stderr
+        (error,) = ran.json["errors"]
+        assert error["message"].startswith("the run would refuse: cannot tell where"), error
+        assert not list(state.glob("*/backups/*"))  # refused before the backup
+        assert manager.main_pid(name) == main
+    finally:
+        manager.remove_unit(name)
+        stop_user_manager(manager)

@@ -36,12 +36,13 @@ def _a_step_that_catches_everything() -> str:
 @pytest.mark.parametrize("action", [_a_step_during_which_the_raise_is_lost, _a_step_that_catches_everything])
 def test_a_signal_whose_exception_never_reached_the_run_still_interrupts_the_step(action: object) -> None:
     assert callable(action)
+    before = signal.getsignal(signal.SIGINT)  # SIG_IGN where the suite was started as a job (``&``)
     with interrupts_raise() as received:
         step = received.checked(action)
         with pytest.raises(Interrupted, match="interrupted by SIG"):
             step()
         assert received.checked(lambda: "next")() == "next"  # one signal interrupts once
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before  # the handler in place before is back
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped raise

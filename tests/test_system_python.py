@@ -223,7 +223,7 @@ def test_a_reinstall_of_a_dpkg_distribution_is_refused_naming_the_system_package
     record = python3_yaml / "PyYAML-6.0.dist-info" / "RECORD"
     before = record.stat()
     for args in (("--dry-run",), ("--yes",), ("--yes", "--", "--break-system-packages")):
-        result = run("pyyaml", "--python", str(SYSTEM_PYTHON), "--json", *args, env=state)
+        result = run("pyyaml", "--python", str(SYSTEM_PYTHON), "--only-loaded", "--json", *args, env=state)
         assert result.code == 2, result.stdout + result.stderr
         (error,) = result.json["errors"]
         assert error["code"] == "system-package"
@@ -241,23 +241,26 @@ def test_pep_668_is_refused_at_preflight_and_break_system_packages_lets_the_run_
     if marker is None or not (marker / "EXTERNALLY-MANAGED").is_file():
         pytest.skip("this system Python has no PEP 668 marker")
     new = str(wheels["sipure-2"])
-    refused = run("sipure", "--dry-run", "--python", str(SYSTEM_PYTHON), "--wheel", new, "--json", env=state)
+    # --only-loaded: any python3 of this machine's (another user's, started during the run) runs the
+    # system environment's interpreter; the run is about sipure, which none of them loads
+    system = ("--python", str(SYSTEM_PYTHON), "--only-loaded")
+    refused = run("sipure", "--dry-run", *system, "--wheel", new, "--json", env=state)
     assert refused.code == 2, refused.stdout + refused.stderr
     (error,) = refused.json["errors"]
     assert error["code"] == "externally-managed"
     assert "PEP 668" in error["message"] and "EXTERNALLY-MANAGED" in error["message"]
     assert "-- --break-system-packages" in error["hint"] and str(pip_sipure) in error["hint"]
     plan = run(
-        "sipure", "--dry-run", "--python", str(SYSTEM_PYTHON), "--wheel", new, "--json",
+        "sipure", "--dry-run", *system, "--wheel", new, "--json",
         "--", "--break-system-packages", env=state,
     )  # fmt: skip
     assert plan.code == 0, plan.stdout + plan.stderr
     assert plan.json["data"]["proceeds"] and "--break-system-packages" in plan.json["data"]["uv_command"]
-    args = ("sipure", "--dry-run", "--python", str(SYSTEM_PYTHON), "--wheel", new, "--json")
+    args = ("sipure", "--dry-run", *system, "--wheel", new, "--json")
     from_uvs_variable = run(*args, env={**state, "UV_BREAK_SYSTEM_PACKAGES": "1"})  # uv reads it too
     assert from_uvs_variable.code == 0, from_uvs_variable.stdout + from_uvs_variable.stderr
     done = run(
-        "sipure", "--python", str(SYSTEM_PYTHON), "--wheel", new, "--yes", "--json",
+        "sipure", *system, "--wheel", new, "--yes", "--json",
         "--", "--break-system-packages", env=state,
     )  # fmt: skip
     assert done.code == 0, done.stdout + done.stderr

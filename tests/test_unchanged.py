@@ -361,13 +361,13 @@ def overlay(tmp_path: Path, wheels: Wheelhouse) -> Iterator[Path]:
         ["mount", "-t", "overlay", "overlay", "-o", options, str(merged)], capture_output=True, text=True
     )
     if done.returncode:
-        subprocess.run(["umount", str(lower)], check=False)
+        subprocess.run(["umount", "--lazy", str(lower)], check=True)
         pytest.skip(done.stderr)
     try:
         yield merged / "venv" / "bin" / "python"
-    finally:
-        subprocess.run(["umount", str(merged)], check=False)
-        subprocess.run(["umount", str(lower)], check=False)
+    finally:  # lazily: a process of the test's may still hold a file (the session's end check sees)
+        subprocess.run(["umount", "--lazy", str(merged)], check=True)
+        subprocess.run(["umount", "--lazy", str(lower)], check=True)
 
 
 def test_inode_numbers_past_64_bits_are_checked_not_an_internal_error(overlay: Path, tmp_path: Path) -> None:

@@ -64,7 +64,8 @@ def test_each_drift_kind_is_reported(env: Path) -> None:
     (sp / "sipure" / "data" / "notes.txt").unlink()  # missing
     (sp / "sipure" / "leftover.py").write_text("x = 1\n")  # extra
     (sp / "sicext" / "__pycache__").mkdir(exist_ok=True)
-    (sp / "sicext" / "__pycache__" / "__init__.cpython-311.pyc").write_bytes(b"compiled")  # listed source
+    # bytecode of a listed source that is not bytecode at all: judged by what it holds (issue 46)
+    (sp / "sicext" / "__pycache__" / "__init__.cpython-311.pyc").write_bytes(b"compiled")
     (sp / "sicext" / "__pycache__" / "gone.cpython-311.pyc").write_bytes(b"stale")  # extra
     (env.parent / "sipure").write_text("#!/bin/sh\necho hijacked\n")  # script, ../../../bin/sipure
     result = run("--verify-only", "--all", "--python", str(env), "--json")
@@ -76,6 +77,7 @@ def test_each_drift_kind_is_reported(env: Path) -> None:
         ("missing", "notes.txt"),
         ("extra", "leftover.py"),
         ("extra", "gone.cpython-311.pyc"),
+        ("extra", "__init__.cpython-311.pyc"),
         ("modified", "sipure"),
     }
     human = run("sipure", "--verify-only", "--python", str(env))

@@ -124,6 +124,7 @@ def main_command(
     no_smoke: params.NoSmoke = False,
     smoke: params.Smoke = None,
     smoke_timeout: params.SmokeTimeout = 300.0,
+    smoke_skip: params.SmokeSkip = None,
     prune: params.Prune = False,
     keep_backups: params.KeepBackups = 3,
     keep_patches: params.KeepPatches = False,

@@ -189,6 +189,16 @@ Smoke = Annotated[
     ),
 ]
 
+SmokeSkip = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--smoke-skip",
+        metavar="MODULE",
+        help="Do not import MODULE (and its submodules) in the check: one known bad; repeatable.",
+        rich_help_panel=RUN,
+    ),
+]
+
 SmokeTimeout = Annotated[
     float,
     typer.Option(

@@ -14,6 +14,7 @@ from enum import StrEnum
 from pathlib import PurePath
 from typing import NamedTuple
 
+from safeinstall.env.bytecode import pyc_name
 from safeinstall.env.hashing import FileState
 
 
@@ -32,6 +33,9 @@ class FindingKind(StrEnum):
     #: package shipped it (Debian changes files after writing RECORD: strips libraries): not drift
     DPKG_INTACT = "dpkg-intact"
     MODE = "mode"  # its mode is not an installer's: a script not executable, setuid/setgid, others write
+    #: its RECORD line changed since root last found the distribution clean (issue 46): the reference
+    #: itself was rewritten, whatever the file now matches
+    RECORD_CHANGED = "record-changed"
 
 
 #: Findings that are worth a warning but are not drift (exit code stays 0).
@@ -155,17 +159,18 @@ RECORD_MAY_BE_WRONG_HINT = (
 RECORD_MAY_BE_WRONG = f"{UNTOUCHED}: {RECORD_MAY_BE_WRONG_HINT}"
 
 
-def untouched_since_install(finding: Finding, mtime_ns: int, record_mtime_ns: int | None) -> Finding:
-    """Pure: a file checked against its installed RECORD that differs from it, but was last written
-    no later than the installer wrote that RECORD (after every file), was not edited here: the wheel's
-    own RECORD may be wrong (pynvvideocodec 2.0.4 ships one). It stays ``modified`` (this cannot be
-    known without the wheel), and says so and how to settle it."""
+def untouched_since_install(finding: Finding, ctime_ns: int, record_ctime_ns: int | None) -> Finding:
+    """Pure: a file checked against its installed RECORD that differs from it, but whose inode last
+    changed no later than the installer wrote that RECORD (after every file), was not edited here: the
+    wheel's own RECORD may be wrong (pynvvideocodec 2.0.4 ships one). Change times, which no account
+    sets: a same-size edit with its modification time set back is never explained so (issue 46). It
+    stays ``modified`` (this cannot be known without the wheel), and says so and how to settle it."""
     if (
         finding.kind != FindingKind.MODIFIED
         or finding.baseline != "record"
-        or record_mtime_ns is None
-        or mtime_ns == 0
-        or mtime_ns > record_mtime_ns
+        or record_ctime_ns is None
+        or ctime_ns == 0
+        or ctime_ns > record_ctime_ns
     ):
         return finding
     return replace(
@@ -277,6 +282,23 @@ def own_roots(
     are never roots, so files of other distributions there are never reported against this one.
     The ``.dist-info`` directories are left out. Paths are normalised absolute strings.
     """
+    owners = directory_owners(files_by_distribution, site_dirs)
+    roots: dict[str, list[str]] = {name: [] for name in files_by_distribution}
+    for directory, names in owners.items():
+        if len(names) != 1 or directory.endswith(".dist-info"):
+            continue
+        parent_owners = owners.get(os.path.dirname(directory))
+        if parent_owners is None or len(parent_owners) > 1:
+            roots[next(iter(names))].append(directory)
+    return {name: sorted(dirs) for name, dirs in roots.items()}
+
+
+def directory_owners(
+    files_by_distribution: Mapping[str, Iterable[str]], site_dirs: Iterable[str]
+) -> dict[str, set[str]]:
+    """Pure: every directory strictly below a site directory that holds a listed file (at any depth
+    below it), with the distributions whose files lie below it: those of two or more are shared
+    (namespace directories such as ``nvidia/``)."""
     sites = tuple(s.rstrip(os.sep) + os.sep for s in site_dirs)
     owners: dict[str, set[str]] = {}
     for name, files in files_by_distribution.items():
@@ -290,14 +312,7 @@ def own_roots(
                 seen.add(parent)
                 owners.setdefault(parent, set()).add(name)
                 parent = os.path.dirname(parent)
-    roots: dict[str, list[str]] = {name: [] for name in files_by_distribution}
-    for directory, names in owners.items():
-        if len(names) != 1 or directory.endswith(".dist-info"):
-            continue
-        parent_owners = owners.get(os.path.dirname(directory))
-        if parent_owners is None or len(parent_owners) > 1:
-            roots[next(iter(names))].append(directory)
-    return {name: sorted(dirs) for name, dirs in roots.items()}
+    return owners
 
 
 def pyc_source(path: PurePath) -> PurePath | None:
@@ -307,14 +322,19 @@ def pyc_source(path: PurePath) -> PurePath | None:
     return path.parent.parent / (path.name.split(".", 1)[0] + ".py")
 
 
-def extras(distribution: str, candidates: Iterable[str], listed: frozenset[str]) -> list[Finding]:
-    """Files found under a distribution's own directories that no RECORD lists."""
+def extras(
+    distribution: str, candidates: Iterable[str], listed: frozenset[str]
+) -> tuple[list[Finding], list[str]]:
+    """Files found under a distribution's own directories that no RECORD lists, and apart from them
+    the ``__pycache__`` bytecode found there (listed or not: each is judged by what it holds,
+    :mod:`safeinstall.env.bytecode`)."""
     found: list[Finding] = []
+    bytecode: list[str] = []
     for text in candidates:
-        if text in listed:
+        if text.endswith(".pyc") and pyc_name(text) is not None:
+            bytecode.append(text)
             continue
-        source = pyc_source(PurePath(text)) if text.endswith(".pyc") else None
-        if source is not None and os.fspath(source) in listed:
+        if text in listed:
             continue
         found.append(
             Finding(
@@ -324,4 +344,15 @@ def extras(distribution: str, candidates: Iterable[str], listed: frozenset[str])
                 detail="in the distribution's directories but in no RECORD",
             )
         )
-    return found
+    return found, bytecode
+
+
+def bytecode_finding(distribution: str, location: str, why: str, listed: bool) -> Finding:
+    """Pure: a ``.pyc`` that is not the bytecode of its listed, verified source: ``modified`` when a
+    RECORD lists it, else ``extra``; the reason said."""
+    return Finding(
+        distribution=distribution,
+        path=location,
+        kind=FindingKind.MODIFIED if listed else FindingKind.EXTRA,
+        detail=f"bytecode: {why}",
+    )

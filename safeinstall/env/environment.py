@@ -433,6 +433,38 @@ def who_else_controls(path: Path, euid: int) -> str | None:
     return control.problems[0] if control.problems else None
 
 
+def who_else_controls_tree(path: Path, euid: int) -> tuple[int | None, str] | None:
+    """Who besides root and ``euid`` could change what may be loaded from ``path``: the path and every
+    directory above it (:func:`who_else_controls`), and, as the walk of what ``site`` may import has it,
+    every entry of its whole tree (``__pycache__`` too; never through a symlink; a link out of it, too
+    many entries or too deep a tree is a problem). None when only root and ``euid`` do; else the account
+    (None: no single one) and the first finding, said. For what a unit names that the smoke check would
+    load from (a ``PYTHONPATH`` entry, a ``PATH`` directory, the working directory...)."""
+    control = _Control(euid)
+    control.look_up(path, "it")
+    if os.path.isdir(path):
+        _walk_loaded(control, path, "in it", [LOADED_ENTRIES])
+    if control.owners:
+        uid, where = next(iter(control.owners.items()))
+        return uid, f"{where} belongs to uid {uid}"
+    return (None, control.problems[0]) if control.problems else None
+
+
+def user_site_enabled(env: Environment) -> bool:
+    """Whether ``env``'s interpreter adds the user's site directory at all: not in a venv that does not
+    include the system's site-packages (``site`` turns it off there)."""
+    config = env.prefix / "pyvenv.cfg"
+    try:
+        text = read_small(config, 1 << 16).decode("utf-8", "replace")
+    except OSError:
+        return True  # no venv: a system interpreter adds it
+    for line in text.splitlines():
+        key, _, value = line.partition("=")
+        if key.strip().lower() == "include-system-site-packages":
+            return value.strip().lower() == "true"
+    return False
+
+
 def steering(env: Environment, euid: int, walked: dict[str, os.stat_result] | None = None) -> _Control:
     """Who besides root (and ``euid``) can change what the environment runs once ``site`` runs (as uv
     runs it), found after the probe (see :class:`_Control`). Looked at: the prefix and each directory

@@ -153,6 +153,69 @@ def _unopened(path: str, name: str, dir_fd: int | None) -> FileState | None:
     return None if stat.S_ISREG(info.st_mode) else _not_regular(path, info)
 
 
+#: The most bytes one :func:`observe_files` reads (a check, a run's verification): the environment's
+#: owner decides how large its files are (up to :data:`LARGEST_FILE` each, sparse: no disk needed).
+#: vLLM's whole environment is 9 GB; past the budget a file is reported "not checked", never clean.
+READ_BUDGET = 256 << 30
+
+
+class Reading:
+    """What one :func:`observe_files` may read: each inode once (a file of several links is hashed by
+    the first path that reaches it; the others take its digest while its identity is the same), and at
+    most ``budget`` bytes in all."""
+
+    __slots__ = ("_lock", "_reading", "_seen", "left", "total")
+
+    def __init__(self, budget: int) -> None:
+        self.total = self.left = budget
+        self._lock = threading.Lock()
+        self._seen: dict[tuple[int, int, int, int, int, str], str] = {}
+        self._reading: dict[tuple[int, int, int, int, int, str], threading.Event] = {}
+
+    @staticmethod
+    def _key(info: os.stat_result, algorithm: str) -> tuple[int, int, int, int, int, str]:
+        return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns, algorithm)
+
+    def again(self, info: os.stat_result, algorithm: str) -> str | None:
+        """The digest this check took of that very inode, as it is now, by another of its links (one
+        being read by another thread is waited for); None: the caller reads it, then calls
+        :meth:`remember` whatever came of it."""
+        if info.st_nlink <= 1:
+            return None
+        key = self._key(info, algorithm)
+        with self._lock:
+            digest = self._seen.get(key)
+            if digest is not None:
+                return digest
+            pending = self._reading.get(key)
+            if pending is None:
+                self._reading[key] = threading.Event()
+                return None
+        pending.wait()
+        return self._seen.get(key)
+
+    def remember(self, info: os.stat_result, algorithm: str, digest: str | None) -> None:
+        """The digest read of a linked inode (None: it could not be), for its other links."""
+        if info.st_nlink <= 1:
+            return
+        key = self._key(info, algorithm)
+        with self._lock:
+            if digest is not None:
+                self._seen[key] = digest
+            pending = self._reading.pop(key, None)
+        if pending is not None:
+            pending.set()
+
+    def take(self, size: int) -> bool:
+        """``size`` bytes may be read (taken from the budget), or the budget is spent."""
+        with self._lock:
+            if size > self.left:
+                self.left = 0
+                return False
+            self.left -= size
+            return True
+
+
 def _observe(
     path: str,
     name: str,
@@ -161,6 +224,7 @@ def _observe(
     regular: frozenset[str] | None,
     buffer: memoryview,
     started_ns: int = 0,
+    reading: Reading | None = None,
 ) -> FileState:
     """One file, by ``name`` relative to ``dir_fd`` (``path`` itself where there is no directory
     descriptor). ``regular``: the names the directory's listing shows as regular files; any other name
@@ -186,6 +250,8 @@ def _observe(
         return FileState(path, False)
     except OSError as exc:  # ELOOP: swapped for a symlink since the listing (not followed)
         return _unopened(path, name, dir_fd) or FileState(path, True, error=exc.strerror or str(exc))
+    claimed: tuple[os.stat_result, str] | None = None  # a linked inode this thread reads for the others
+    kept: str | None = None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):  # swapped since the listing: not read
@@ -195,6 +261,11 @@ def _observe(
             digest = None
         elif size > LARGEST_FILE:  # a sparse file of terabytes would keep root hashing zeros for hours
             return FileState(path, True, error=f"{size} bytes: larger than any wheel may install")
+        elif reading is not None and (again := reading.again(info, algorithm)) is not None:
+            digest = again  # another link of an inode this check hashed, unchanged since
+        elif reading is not None and (claimed := (info, algorithm)) and not reading.take(size):
+            spent = f"not checked: this check's budget of {reading.total} bytes read is spent"
+            return FileState(path, True, error=spent)
         elif size < BIG_FILE:
             count = os.readv(fd, [buffer[: size + 1]])
             while 0 < count < size:  # a short read (network filesystems)
@@ -206,10 +277,13 @@ def _observe(
         else:
             digest = encode_digest(_stream_digest(fd, algorithm, buffer, size + 1))
         hashed_ns = started_ns if digest is not None and _same(info, os.fstat(fd)) else 0
+        kept = digest if hashed_ns else None
     except OSError as exc:
         return FileState(path, True, error=exc.strerror or str(exc))
     finally:
         os.close(fd)
+        if claimed is not None and reading is not None:
+            reading.remember(*claimed, kept)
     return built(
         FileState,
         (
@@ -448,7 +522,7 @@ class _Task:
     cost: int
     large: bool  # one file of BIG_FILE bytes or more
 
-    def run(self, buffer: memoryview) -> list[FileState]:
+    def run(self, buffer: memoryview, reading: Reading | None = None) -> list[FileState]:
         directory = self.directory
         dir_fd, regular, problem = (None, None, None) if directory is None else directory.enter()
         started_ns = time.time_ns()  # before any of its files is opened: see FileState.hashed_ns
@@ -467,6 +541,7 @@ class _Task:
                     regular,
                     buffer,
                     started_ns,
+                    reading,
                 )
                 for path, name, algorithm, _size in self.files
             ]
@@ -555,8 +630,11 @@ def observe_files(
     meanwhile: Callable[[], object] | None = None,
     within: str | None = None,
     known: Known | None = None,
+    budget: int = READ_BUDGET,
 ) -> dict[str, FileState]:
     """Stat (and hash, where an algorithm is given) every wanted file; results keyed by location.
+    Each inode is read once (its other links take its digest: :class:`Reading`), and at most
+    ``budget`` bytes in all: past it a file is reported, with that reason, never read.
 
     ``workers``: threads (this one included; default :func:`default_workers`): up to ``workers - 1``
     helpers take the large files, costliest first, while this thread does the small ones and then
@@ -571,6 +649,7 @@ def observe_files(
     digest without being opened (``by_identity``); any other is read and hashed.
     """
     results: dict[str, FileState] = {}
+    reading = Reading(budget)
     if known is not None:  # first what the kept hashes prove: only the rest is planned and read
         wanted = _proven(wanted, within, known, results)
         if on_progress is not None and results:
@@ -592,7 +671,7 @@ def observe_files(
                     task = None if stop.is_set() else next(queue, None)
                 if task is None:
                     break
-                states = task.run(buffer)
+                states = task.run(buffer, reading)
                 with lock:
                     for state in states:
                         results[state.path] = state

@@ -33,7 +33,7 @@ import stat
 import subprocess
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from safeinstall.env import owner
@@ -69,10 +69,12 @@ _LOADER = frozenset(
     }
 )  # fmt: skip
 #: Lists of paths code is loaded from: each entry kept only where no one else controls it.
-_PATH_LISTS = {"PYTHONPATH": os.pathsep, "LD_LIBRARY_PATH": ":", "LD_PRELOAD": " :"}
+_PATH_LISTS = {"PYTHONPATH": os.pathsep, "LD_LIBRARY_PATH": ":", "LD_PRELOAD": " :", "PATH": ":"}
 #: Python's own variables a unit may give the child; every other ``PYTHON*`` names code or where code is
 #: looked for (``PYTHONHOME``, ``PYTHONUSERBASE``, ``PYTHONSTARTUP``, ``PYTHONWARNINGS``...): never.
-_PYTHON_KEPT = frozenset({"PYTHONUNBUFFERED", "PYTHONIOENCODING", "PYTHONHASHSEED", "PYTHONUTF8"})
+_PYTHON_KEPT = frozenset(
+    {"PYTHONUNBUFFERED", "PYTHONIOENCODING", "PYTHONHASHSEED", "PYTHONUTF8", "PYTHONNOUSERSITE"}
+)
 
 #: The NVIDIA driver's libraries: an extension module that needs one cannot be loaded on a host without
 #: the driver, whichever version it is (:func:`read_answers`).
@@ -80,6 +82,9 @@ DRIVER_LIBRARIES = ("libcuda.so.1", "libnvidia-ml.so.1")
 
 #: Set for every child, whatever the unit says: no GPU, no bytecode written, the staged tree ahead.
 NO_GPU = {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "", "ROCR_VISIBLE_DEVICES": ""}
+
+#: Where the shim finds the trees it puts ahead ("": none, the running version alone).
+SITES_VARIABLE = "SAFEINSTALL_SMOKE_SITES"
 
 #: The shim (a ``sitecustomize`` on ``PYTHONPATH``): the trees named in ``SAFEINSTALL_SMOKE_SITES`` go
 #: ahead of everything on ``sys.path`` (their ``.pth`` files run), then the environment's own
@@ -171,7 +176,8 @@ def exports_init(path, stem):
             return False
     except (OSError, struct.error, IndexError):
         return True
-tops, extensions, files = [], [], {}
+tops, extensions, files, owned, scripts = [], [], {}, {}, {}
+wanted_scripts = set(spec.get("scripts", ()))
 for tree in spec["sites"]:
     try:
         entries = sorted(os.listdir(tree))
@@ -188,6 +194,21 @@ for tree in spec["sites"]:
                 paths = [line.rsplit(",", 2)[0].strip('"') for line in f if line.strip()]
         except OSError:
             continue
+        try:
+            with open(os.path.join(tree, entry, "entry_points.txt"), encoding="utf-8") as f:
+                section = ""
+                for line in f:
+                    line = line.strip()
+                    if line.startswith("["):
+                        section = line.strip("[]").strip()
+                    elif section == "console_scripts" and "=" in line:
+                        script, _, target = line.partition("=")
+                        target = target.partition(":")[0].strip()
+                        dotted = target.split(".")
+                        if script.strip() in wanted_scripts and all(p.isidentifier() for p in dotted):
+                            scripts.setdefault(target, name)
+        except OSError:
+            pass
         for path in paths:
             parts = path.split("/")
             if path.startswith(("/", "..")) or parts[0].endswith((".dist-info", ".data")):
@@ -201,14 +222,31 @@ for tree in spec["sites"]:
                 dotted = dotted[:-1]
             if not dotted or not all(p.isidentifier() for p in dotted):
                 continue
+            owned.setdefault(".".join(dotted), name)
             if name == package and dotted[0] not in tops and len(parts) >= 1:
                 tops.append(dotted[0])
+                owned.setdefault(dotted[0], name)
             if suffix is not None:
                 full = os.path.join(tree, path)
                 if suffix != ".so" or exports_init(full, dotted[-1]):
                     extensions.append(".".join(dotted))
                     files.setdefault(".".join(dotted), full)
-modules = sorted(tops) + sorted(m for m in dict.fromkeys(extensions) if m not in tops)
+run = [m for m in spec.get("run", ()) if m in owned] + sorted(scripts)
+owned.update((m, d) for m, d in scripts.items() if m not in owned)
+modules = list(dict.fromkeys(
+    sorted(tops) + run + sorted(dict.fromkeys(extensions)) + [m for m in spec.get("also", ()) if m]
+))
+must = set(tops) | set(run)  # what the service itself imports first: never excused by its absence
+skip = tuple(spec.get("skip", ()))
+def skipped(module):
+    return any(module == s or module.startswith(s + ".") for s in skip)
+def chain(exc):
+    said, seen = [], set()
+    while exc is not None and id(exc) not in seen and len(said) < 8:
+        seen.add(id(exc))
+        said.append("%s: %s" % (type(exc).__name__, exc))
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    return " <- ".join(said)
 absent = {}
 def host_lacks(library):
     if library not in absent:
@@ -243,7 +281,10 @@ def unloadable(module, exc):
     return library
 failed = 0
 for module in modules:
-    say(module=module)
+    if skipped(module):
+        say(skipped=module)
+        continue
+    say(module=module, dist=owned.get(module, ""), must=module in must)
     try:
         importlib.import_module(module)
     except BaseException as exc:
@@ -258,7 +299,7 @@ for module in modules:
         ]
         print("".join(traceback.format_list(frames)), end="", file=sys.stderr)
         print("".join(traceback.format_exception_only(type(exc), exc)), end="", file=sys.stderr)
-        say(failed=module, error=("%s: %s" % (type(exc).__name__, exc))[:2000])
+        say(failed=module, error=chain(exc)[:2000])
     else:
         say(ok=module)
 say(done=len(modules))
@@ -299,6 +340,73 @@ class Context:
     cwd: str
     notes: tuple[str, ...] = ()  # what of the unit's could not be taken (an unreadable file...)
     run_as: RunAs | None = None
+    run: tuple[str, ...] = ()  # the modules its units' commands run (``python -m MOD``)
+    scripts: tuple[str, ...] = ()  # the programs its units' commands run, by name (console scripts)
+    flags: tuple[str, ...] = ()  # of ``-s``, ``-E``, ``-I``: what its units' interpreter is given
+    also: tuple[str, ...] = ()  # the other units that run the same way (one child for all)
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """What a unit's command runs first, as far as it can be told from its argv: a module
+    (``python -m MOD``), a program by name (a console script: its entry point is the new version's),
+    and the interpreter's options that change what it loads (``-s``, ``-E``, ``-I``)."""
+
+    run: tuple[str, ...] = ()
+    scripts: tuple[str, ...] = ()
+    flags: tuple[str, ...] = ()
+
+
+#: The interpreter's options that take an argument (``-X dev``, ``-W error``, ``-m MOD``, ``-c CMD``).
+_WITH_ARGUMENT = "mcWXQ"
+#: Options of the interpreter that change what it loads, kept for the check (see :func:`child_variables`).
+KEPT_FLAGS = ("-s", "-E", "-I")
+
+
+def _dotted(name: str) -> bool:
+    return bool(name) and all(part.isidentifier() for part in name.split("."))
+
+
+def service_entry(argv: Sequence[str]) -> Entry:
+    """Pure: what the command ``argv`` (a unit's ``ExecStart=``) runs first (:class:`Entry`); a ``.py``
+    file's own imports are not guessed."""
+    words = list(argv)
+    if words and os.path.basename(words[0]) == "env":  # /usr/bin/env [-i] [A=B] python ...
+        words = words[1:]
+        while words and (words[0].startswith("-") or "=" in words[0]):
+            words = words[1:]
+    if not words:
+        return Entry()
+    name = os.path.basename(words[0])
+    if not re.fullmatch(r"python[0-9.]*", name):
+        return Entry(scripts=(name,))
+    flags: list[str] = []
+    index = 1
+    while index < len(words):
+        word = words[index]
+        if word == "--" or word == "-" or not word.startswith("-"):
+            break
+        index += 1
+        if word.startswith("--"):
+            continue
+        for at, letter in enumerate(word[1:], start=1):
+            if letter in _WITH_ARGUMENT:
+                argument = word[at + 1 :]
+                if not argument and index < len(words):
+                    argument = words[index]
+                    index += 1
+                if letter == "m":
+                    return Entry(run=(argument,) if _dotted(argument) else (), flags=tuple(flags))
+                if letter == "c":
+                    return Entry(flags=tuple(flags))
+                break
+            if f"-{letter}" in KEPT_FLAGS and f"-{letter}" not in flags:
+                flags.append(f"-{letter}")
+    if index < len(words) and words[index] == "--":
+        index += 1
+    script = os.path.basename(words[index]) if index < len(words) else ""
+    scripts = (script,) if script and not script.endswith(".py") else ()
+    return Entry(scripts=scripts, flags=tuple(flags))
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,6 +422,25 @@ class ChildOutcome:
     stderr_tail: tuple[str, ...]
     #: (module, library): not importable on this host, which has no NVIDIA driver (see CHILD_SCRIPT)
     unavailable: tuple[tuple[str, str], ...] = ()
+    #: (module, distribution) of each module it tried: whose module it is, as the child found it
+    owners: tuple[tuple[str, str], ...] = ()
+    skipped: tuple[str, ...] = ()  # not imported: --smoke-skip names them
+    #: (module, error): failed, but the running version cannot import them either (not held against it)
+    excused: tuple[tuple[str, str], ...] = ()
+    must: frozenset[str] = frozenset()  # what the service imports first (see :func:`read_details`)
+
+
+@dataclass(frozen=True, slots=True)
+class Wanted:
+    """What an import child imports besides the top-level and extension modules: the modules a unit's
+    command runs (``python -m MOD``: ``run``; a console script's entry point: ``scripts``, by name),
+    modules to leave out (``--smoke-skip``: ``skip``, each with its submodules) and modules asked
+    about by name (``also``: the running version asked about the new version's failures)."""
+
+    run: tuple[str, ...] = ()
+    scripts: tuple[str, ...] = ()
+    skip: tuple[str, ...] = ()
+    also: tuple[str, ...] = ()
 
 
 # ------------------------------------------------------------------------------------ pure parts
@@ -380,6 +507,46 @@ def unit_variables(
     return tuple(kept), tuple(dropped)
 
 
+def _entries(name: str, value: str) -> list[str]:
+    return [e for e in re.split(f"[{re.escape(_PATH_LISTS[name])}]", value) if e]
+
+
+def others_loaded(
+    variables: Sequence[tuple[str, str]], flags: Sequence[str], finding: Callable[[str], str | None]
+) -> list[str]:
+    """Pure (given ``finding``: who else controls what may be loaded from a path, said; None: no one):
+    what the check would load from a path another controls, each entry of the unit's ``PYTHONPATH``
+    (unless ``-E``/``-I``: the service ignores it), ``LD_LIBRARY_PATH``, ``LD_PRELOAD`` and ``PATH``
+    (systemd's default when the unit sets none), said with the entry."""
+    given = dict(variables)
+    ignored = "-E" in flags or "-I" in flags
+    said: list[str] = []
+    for name in _PATH_LISTS:
+        if ignored and name.startswith("PYTHON"):
+            continue
+        for entry in _entries(name, given.get(name, DEFAULT_PATH if name == "PATH" else "")):
+            found = finding(entry) if entry.startswith("/") else None
+            if found is not None:
+                said.append(f"{name} entry {entry}: {found}")
+    return said
+
+
+def user_site(
+    variables: Sequence[tuple[str, str]], home: str, flags: Sequence[str], version: tuple[int, ...]
+) -> str | None:
+    """Pure: the user's site directory the check's interpreter would add (``HOME`` as the unit gives it,
+    else the account's), or None when the unit turns it off (``-s``, ``-I``, ``PYTHONNOUSERSITE``
+    unless ``-E``) as the service has it."""
+    given = dict(variables)
+    ignored = "-E" in flags or "-I" in flags
+    if "-s" in flags or "-I" in flags or (not ignored and given.get("PYTHONNOUSERSITE")):
+        return None
+    base = given.get("HOME", home)
+    if not base.startswith("/"):
+        return None
+    return f"{base.rstrip('/')}/.local/lib/python{version[0]}.{version[1]}/site-packages"
+
+
 def child_variables(
     caller: Mapping[str, str],
     account: tuple[str, str],  # (name, home)
@@ -387,22 +554,28 @@ def child_variables(
     env: Environment,
     shim_dir: Path,
     sites: Sequence[Path],
+    flags: Sequence[str] = (),
 ) -> dict[str, str]:
     """Pure: the child's whole environment. The caller gives only the locale and time zone; the
     account its ``HOME``, ``USER``, ``LOGNAME``; the unit what systemd gives its processes
     (``Environment=``, then ``EnvironmentFile=``); then, whatever the unit says: no GPU, no bytecode
     written, the environment's ``bin`` first on ``PATH``, the shim on ``PYTHONPATH`` (ahead of the
-    unit's) and the staged trees for it."""
+    unit's) and the staged trees for it. ``flags``: the unit's interpreter's options (:data:`KEPT_FLAGS`)
+    kept as variables: ``-E`` and ``-I`` drop the unit's ``PYTHON*`` variables (the service ignores
+    them), ``-s`` and ``-I`` turn the user's site off (``PYTHONNOUSERSITE``), as they do in the service."""
     variables = {k: caller[k] for k in _FROM_CALLER if k in caller}
     variables |= {"PATH": DEFAULT_PATH, "HOME": account[1], "USER": account[0], "LOGNAME": account[0]}
-    variables |= dict(unit)
+    ignored = "-E" in flags or "-I" in flags
+    variables |= {k: v for k, v in unit if not (ignored and k.startswith("PYTHON"))}
+    if "-s" in flags or "-I" in flags:
+        variables["PYTHONNOUSERSITE"] = "1"
     python_path = [str(shim_dir), *[p for p in variables.get("PYTHONPATH", "").split(os.pathsep) if p]]
     variables |= NO_GPU
     variables |= {
         "PATH": os.pathsep.join([str(env.scripts), variables["PATH"]]),
         "PYTHONPATH": os.pathsep.join(python_path),
         "PYTHONDONTWRITEBYTECODE": "1",
-        "SAFEINSTALL_SMOKE_SITES": os.pathsep.join(str(s) for s in sites),
+        SITES_VARIABLE: os.pathsep.join(str(s) for s in sites),
     }
     return variables
 
@@ -456,6 +629,63 @@ def read_answers(text: str) -> Answers:
     return tuple(imported), tuple(failed), started, done, tuple(unavailable)
 
 
+def read_details(text: str) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...], frozenset[str]]:
+    """Pure: of the import child's answer lines, whose each module it tried is (module, distribution),
+    the modules it left out (``--smoke-skip``) and those the service itself imports first (the
+    package's top-level modules, what a unit's command runs)."""
+    owners: dict[str, str] = {}
+    skipped: list[str] = []
+    must: set[str] = set()
+    for line in text.splitlines():
+        try:
+            answer = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if not isinstance(answer, dict):
+            continue
+        module, dist = answer.get("module"), answer.get("dist")
+        if isinstance(module, str) and isinstance(dist, str) and dist:
+            owners.setdefault(module[:300], dist[:300])
+        if isinstance(module, str) and answer.get("must") is True:
+            must.add(module[:300])
+        if isinstance(answer.get("skipped"), str):
+            skipped.append(answer["skipped"][:300])
+    return tuple(owners.items()), tuple(skipped), frozenset(must)
+
+
+#: What the running version says of a module it does not have at all.
+ABSENT = "ModuleNotFoundError: "
+
+
+def unknown(outcome: ChildOutcome, old: Mapping[str, Mapping[str, str]]) -> dict[str, tuple[str, ...]]:
+    """Pure: by distribution of the running version (``old``: its answers, by distribution), the new
+    version's failed modules it has not been asked about."""
+    owners = dict(outcome.owners)
+    asked: dict[str, list[str]] = {}
+    for module, _ in outcome.failed:
+        dist = owners.get(module)
+        if dist is not None and dist in old and module not in old[dist]:
+            asked.setdefault(dist, []).append(module)
+    return {dist: tuple(modules) for dist, modules in asked.items()}
+
+
+def excuse(outcome: ChildOutcome, old: Mapping[str, Mapping[str, str]]) -> ChildOutcome:
+    """Pure: ``outcome`` with each failure that the running version shares (``old``: by distribution,
+    module -> "" imported or its error) not held against the new one, but kept as ``excused``. A module
+    the service imports first (``must``) that the running version does not have at all is no shared
+    failure: it is the new version's own. A child that died or ran too long is never excused."""
+    if outcome.ok or outcome.problem is not None or not outcome.failed:
+        return outcome
+    owners = dict(outcome.owners)
+    kept: list[tuple[str, str]] = []
+    excused: list[tuple[str, str]] = []
+    for module, error in outcome.failed:
+        before = old.get(owners.get(module, ""), {}).get(module, "")
+        shared = bool(before) and not (module in outcome.must and before.startswith(ABSENT))
+        (excused if shared else kept).append((module, error))
+    return replace(outcome, ok=not kept, failed=tuple(kept), excused=(*outcome.excused, *excused))
+
+
 def unavailable_note(outcomes: Sequence[ChildOutcome]) -> str | None:
     """Pure: what the check could not import on this host (no NVIDIA driver), for the run's notes."""
     modules = sorted({module for o in outcomes for module, _ in o.unavailable})
@@ -469,6 +699,24 @@ def unavailable_note(outcomes: Sequence[ChildOutcome]) -> str | None:
     )
 
 
+def excused_note(outcomes: Sequence[ChildOutcome]) -> str | None:
+    """Pure: the new version's failures the running version shares, for the run's notes."""
+    excused = {module: error for o in outcomes for module, error in o.excused}
+    if not excused:
+        return None
+    said = "; ".join(f"{module} ({error[:200]})" for module, error in sorted(excused.items())[:8])
+    return (
+        f"smoke check: {len(excused)} module(s) the running version cannot import either were not held "
+        f"against the new version: {said}"
+    )
+
+
+def skipped_note(outcomes: Sequence[ChildOutcome]) -> str | None:
+    """Pure: what ``--smoke-skip`` left out, for the run's notes."""
+    skipped = sorted({module for o in outcomes for module in o.skipped})
+    return f"smoke check: not imported (--smoke-skip): {', '.join(skipped)}" if skipped else None
+
+
 def tail(text: str, lines: int = STDERR_LINES) -> tuple[str, ...]:
     """Pure: the last ``lines`` non-empty lines of ``text``, each at most :data:`LINE_LIMIT` characters."""
     kept = [line.rstrip()[:LINE_LIMIT] for line in text.splitlines() if line.strip()]
@@ -476,18 +724,27 @@ def tail(text: str, lines: int = STDERR_LINES) -> tuple[str, ...]:
 
 
 def describe(
-    package: str, command: str | None, timeout: float, runners: Sequence[tuple[str, Sequence[str]]]
+    package: str,
+    command: str | None,
+    timeout: float,
+    runners: Sequence[tuple[str, Sequence[str]]],
+    skip: Sequence[str] = (),
+    shared: Sequence[str] = (),
 ) -> str:
     """Pure: what the run runs before the stop (the plan says it): ``runners``, whom the check runs as
-    and for which units (none: systemd's defaults)."""
+    and for which units (none: systemd's defaults); ``skip``, what ``--smoke-skip`` leaves out;
+    ``shared``, what the running version is known not to import (from an earlier check)."""
     where = "; ".join(
         f"as {who}, environment of {', '.join(units)}" if units else f"as {who}, systemd's defaults"
         for who, units in runners
     )
     more = f", then `{command}`" if command else ""
+    left = f"; left out (--smoke-skip): {', '.join(skip)}" if skip else ""
+    known = f" (known: {', '.join(shared[:8])}{' ...' if len(shared) > 8 else ''})" if shared else ""
     return (
-        f"{where}; no GPU: import {package}'s top-level modules and the changed "
-        f"distributions' extension modules from the new version{more} (at most {timeout:g} s each)"
+        f"{where}; no GPU: import {package}'s top-level modules, the modules its units' commands run and "
+        f"the changed distributions' extension modules from the new version{more} (at most {timeout:g} s "
+        f"each); a module the running version cannot import either is said, not refused{known}{left}"
     )
 
 
@@ -504,7 +761,7 @@ def runner_said(found: RunAs | str | None) -> str:
 def logged(outcome: ChildOutcome) -> str:
     """Pure: one child's outcome for the run's log: what it imported and what failed, never the unit's
     variables (an ``EnvironmentFile=`` may hold a token)."""
-    where = outcome.context.unit or "no unit"
+    where = ", ".join((outcome.context.unit, *outcome.context.also)) if outcome.context.unit else "no unit"
     said = f"{outcome.what} ({where}, in {outcome.context.cwd}): {'ok' if outcome.ok else 'FAILED'}"
     said += f"; imported {', '.join(outcome.imported) or 'nothing'}"
     said += "".join(f"; {module}: {error}" for module, error in outcome.failed)
@@ -518,7 +775,8 @@ def failure_message(outcomes: Sequence[ChildOutcome]) -> str:
     for outcome in outcomes:
         if outcome.ok:
             continue
-        where = f" (environment of {outcome.context.unit})" if outcome.context.unit else ""
+        units = ", ".join((outcome.context.unit, *outcome.context.also)) if outcome.context.unit else ""
+        where = f" (environment of {units})" if units else ""
         said = [f"{module}: {error}" for module, error in outcome.failed[:5]]
         if outcome.problem:
             said.append(outcome.problem)
@@ -663,21 +921,36 @@ def run_imports(
     changed: Iterable[str],
     timeout: float,
     cancel: threading.Event | None = None,
+    wanted: Wanted = Wanted(),
 ) -> ChildOutcome:
-    """The import child for one context (see the module); ``cancel``: see :func:`_run`."""
-    spec = json.dumps({"sites": [str(s) for s in sites], "package": package, "changed": sorted(changed)})
+    """The import child for one context (see the module); ``cancel``: see :func:`_run`; ``wanted``:
+    what else it imports, or leaves out."""
+    spec = json.dumps(
+        {
+            "sites": [str(s) for s in sites],
+            "package": package,
+            "changed": sorted(changed),
+            "run": list(wanted.run),
+            "scripts": list(wanted.scripts),
+            "skip": list(wanted.skip),
+            "also": list(wanted.also),
+        }
+    )
     argv = _in_directory(context.cwd, [str(python), "-c", CHILD_SCRIPT, spec])
     proc, problem = _run(argv, variables, context.run_as, timeout, cancel)
     if proc is None:
         return ChildOutcome("imports", context, False, (), (), problem, ())
     imported, failed, started, done, unavailable = read_answers(proc.stdout)
+    owners, skipped, must = read_details(proc.stdout)
     stderr = tail(proc.stderr)
     if started is not None:
         problem = f"it died while importing {started} (exit {_status(proc.returncode)})"
     elif not done:
         problem = f"it ended before it was done (exit {_status(proc.returncode)})"
     ok = not failed and problem is None and proc.returncode == 0
-    return ChildOutcome("imports", context, ok, imported, failed, problem, stderr, unavailable)
+    return ChildOutcome(
+        "imports", context, ok, imported, failed, problem, stderr, unavailable, owners, skipped, must=must
+    )
 
 
 def run_command(
@@ -724,6 +997,7 @@ def _run(
             groups=() if run_as is None else run_as.groups,
             limit=OUTPUT_LIMIT,
             end_group=True,  # what an import started (vLLM's, torch's helpers) never outlives the check
+            contain=True,  # nor what left the group (setsid): a PID namespace of its own (issue 44)
             cancel=cancel,
         )
     except children.Cancelled:

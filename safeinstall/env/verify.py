@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
+from safeinstall.env.bytecode import Judged, KnownPyc, Source, judge_files, pyc_name
 from safeinstall.env.containment import Containment
 from safeinstall.env.distributions import (
     NO_RECORD,
@@ -30,7 +32,9 @@ from safeinstall.env.drift import (
     Finding,
     FindingKind,
     against_dpkg,
+    bytecode_finding,
     compare,
+    directory_owners,
     extras,
     hardlinked,
     mode_finding,
@@ -42,7 +46,8 @@ from safeinstall.env.drift import (
 from safeinstall.env.environment import Environment, distribution_sites
 from safeinstall.env.hashing import FileState, Known, cycle_collection_paused, observe_files
 from safeinstall.env.records import built, digest_bytes, encode_digest
-from safeinstall.env.systemsite import SystemPackage, dpkg_md5sums, from_base, system_packages
+from safeinstall.env.sitetop import Unlisted, look
+from safeinstall.env.systemsite import SystemPackage, dpkg_md5sums, dpkg_owners, from_base, system_packages
 from safeinstall.errors import ExitCode, WheelError
 
 if TYPE_CHECKING:  # the wheel module (zipfile, packaging.tags) is loaded only when a wheel is given
@@ -98,6 +103,9 @@ class VerifyReport:
     #: the distributions checked file by file whose every file matched its RECORD (no finding of a
     #: file nor of a RECORD line): what :mod:`safeinstall.env.unchanged` may keep
     clean: tuple[InstalledDistribution, ...] = field(default=(), repr=False, compare=False)
+    #: the ``.pyc`` files read and judged the bytecode of their verified source: what
+    #: :mod:`safeinstall.store.bytecode` may keep
+    judged: tuple[Judged, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def findings(self) -> tuple[Finding, ...]:
@@ -157,17 +165,50 @@ def _record_plan(
             )
             continue
         if entry.hash is None:
-            continue  # unhashed entries (RECORD itself, .pyc) are skipped, as installers do
+            if not _may_be_unhashed(dist, location):
+                findings.append(
+                    Finding(
+                        dist.name,
+                        location,
+                        FindingKind.MALFORMED,
+                        "its RECORD line has no hash: what it holds cannot be checked",
+                    )
+                )
+            continue  # RECORD itself, its signatures and bytecode are unhashed as installers write them
         expectations.append(
             built(Expectation, (location, entry.hash.algorithm, entry.hash.digest, entry.size))
         )
     return expectations, findings
 
 
-#: An installer's launcher in place of ``#!python``: one shebang line or, for an interpreter path too
-#: long for a shebang (or with a space in it), the three-line ``#!/bin/sh`` + ``exec`` form.
-_LAUNCHER_MAX_LINES = 3
+def _may_be_unhashed(dist: InstalledDistribution, location: str) -> bool:
+    """Pure: a RECORD line an installer writes without a hash: RECORD itself, its signatures
+    (``RECORD.jws``, ``RECORD.p7s``) and ``__pycache__`` bytecode (judged by what it holds instead)."""
+    directory, _, name = location.rpartition("/")
+    if directory == os.fspath(dist.dist_info) and name in ("RECORD", "RECORD.jws", "RECORD.p7s"):
+        return True
+    return name.endswith(".pyc") and pyc_name(location) is not None
+
+
 _SCRIPT_MAX_BYTES = 1 << 20
+
+
+def _is_launcher(launcher: bytes) -> bool:
+    """An installer's launcher in place of ``#!python``: one shebang line or, for an interpreter path
+    too long for a shebang (or with a space in it), the three-line ``#!/bin/sh`` + ``exec`` form;
+    nothing else (a line inserted after a one-line shebang is drift, issue 45)."""
+    lines = launcher.split(b"\n")
+    if lines[-1] != b"" or not launcher.startswith(b"#!"):
+        return False
+    if len(lines) == 2:
+        return True
+    return (
+        len(lines) == 4
+        and lines[0] == b"#!/bin/sh"
+        and lines[1].startswith(b"'''exec' ")
+        and lines[1].endswith(b' "$0" "$@"')
+        and lines[2] == b"' '''"
+    )
 
 
 def _script_expectation(wheel: Wheel, member: str, location: Path, env: Environment) -> Expectation | None:
@@ -190,7 +231,7 @@ def _script_expectation(wheel: Wheel, member: str, location: Path, env: Environm
         return None
     rest = content.split(b"\n", 1)[1] if b"\n" in content else b""
     launcher = installed[: len(installed) - len(rest)] if installed.endswith(rest) else b""
-    if not launcher.startswith(b"#!") or launcher.count(b"\n") > _LAUNCHER_MAX_LINES:
+    if not _is_launcher(launcher):
         launcher = installed.split(b"\n", 1)[0] + b"\n"  # changed beyond the launcher: that is drift
     expected = launcher + rest
     return Expectation(str(location), "sha256", digest_bytes(expected), len(expected))
@@ -280,33 +321,25 @@ def _plan(
     return _Plan(dist, tuple(expectations), members, (*findings, *wheel_findings), wheel.path.name)
 
 
-def _walk(root: str) -> list[str]:
-    """Every non-directory below ``root``, as ``os.walk`` lists them (a symlink to a directory is not
-    entered and not listed; errors are skipped), without its ``lstat`` of each directory: the listing's
-    file types say which entries are symlinks."""
+#: The entries the walks of one check may list in all, and how long they may take (the owner of the
+#: environment decides how many there are): past either, what is left is reported as not checked.
+WALK_ENTRIES = 8_000_000
+WALK_SECONDS = 600.0
+
+
+def _walk(root: str, budget: list[int] | None = None, deadline: float | None = None) -> list[str]:
+    """Every non-directory below ``root`` (a symlink is listed, never entered; [] when ``root`` cannot be
+    opened), by a stack of descriptors below it (:func:`safeinstall.system.safefs.walk_below`: OSError
+    when a directory below cannot be listed, :class:`~safeinstall.system.safefs.TreeTooLarge` past its
+    bounds, ``budget`` and ``deadline``)."""
+    from safeinstall.system.safefs import walk_below
+
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return []
     found: list[str] = []
-    pending = [root]
-    while pending:
-        try:
-            listing = os.scandir(pending.pop())
-        except OSError:
-            continue
-        with listing:
-            while True:
-                try:
-                    entry = next(listing, None)
-                except OSError:
-                    break
-                if entry is None:
-                    break
-                try:
-                    is_dir = entry.is_dir()
-                except OSError:
-                    is_dir = False
-                if not is_dir:
-                    found.append(entry.path)
-                elif not _is_symlink(entry):
-                    pending.append(entry.path)
+    walk_below(fd, root, found, [], deadline=deadline, budget=budget)
     return found
 
 
@@ -321,10 +354,11 @@ def _listed_locations(installed: Sequence[InstalledDistribution]) -> frozenset[s
     return frozenset(location for d in installed for location in d.locations)
 
 
-def _mtime_ns(path: str) -> int | None:
-    """The modification time of ``path`` itself (a symlink is not followed), or None."""
+def _ctime_ns(path: str) -> int | None:
+    """The change time of ``path`` itself (a symlink is not followed), or None: no account can set it
+    (an owner sets a modification time back at will)."""
     try:
-        return os.lstat(path).st_mtime_ns
+        return os.lstat(path).st_ctime_ns
     except OSError:
         return None
 
@@ -358,6 +392,9 @@ def verify_environment(
     vouched: Callable[[], Mapping[str, tuple[Vouched, ...]]] | None = None,
     known: Known | None = None,
     unchanged: Callable[[InstalledDistribution], Sequence[tuple[str, int]] | None] | None = None,
+    known_pyc: KnownPyc | None = None,
+    bytecode: bool = False,
+    recorded: Callable[[InstalledDistribution, bool], Sequence[Finding]] | None = None,
 ) -> VerifyReport:
     """Verify the named distributions (or all, with ``names=None``) of ``env``.
 
@@ -378,6 +415,16 @@ def verify_environment(
     ``unchanged``: a distribution it proves unchanged since a check found it clean (its files that
     share their inode, or None: not proven) is taken as clean without a file compared
     (:func:`safeinstall.env.unchanged.prover`; not with a wheel or ``expected``).
+
+    ``bytecode`` (``--verify-only``): every ``__pycache__`` ``.pyc`` found is judged by what it holds
+    (:mod:`safeinstall.env.bytecode`; ``known_pyc``: judgements kept, by identity) and, with every
+    distribution asked for, the top of each site directory and each shared directory are looked at for
+    code no RECORD lists (:mod:`safeinstall.env.sitetop`). Without it (a run's checks, whose time may be
+    the service's downtime) only a listed ``.pyc`` that differs from its RECORD is judged: one that is
+    the bytecode of its verified source (pip compiled it anew) is not a local change.
+
+    ``recorded``: the ``record-changed`` findings of a distribution (and whether it was proven
+    unchanged), against the RECORDs root kept (:class:`safeinstall.env.recorded.RecordCheck`).
     """
     # Named ones are read first, the others (whose files only say what is "extra") while the large
     # files hash; read as every distribution is, or everything is done again in the usual order. The
@@ -419,21 +466,72 @@ def verify_environment(
 
     unlisted: dict[str, list[Finding]] = {}
     sites = distribution_sites(env)
+    #: each __pycache__ .pyc to judge -> the distribution it is reported under ("": a site's top)
+    pycs: dict[str, str] = {}
+    sources: dict[str, tuple[str, Source]] = {}  # listed .py -> (its distribution, its RECORD hash)
+    listed_holder: list[frozenset[str]] = []
+    top: list[Unlisted] = []
+
+    budget, deadline = [WALK_ENTRIES], time.monotonic() + WALK_SECONDS
+    stopped: dict[str, str] = {}  # a walk's top -> why it stopped short: what is below is not checked
+
+    def walk(top: str) -> list[str]:
+        try:
+            return _walk(top, budget, deadline)
+        except OSError as exc:  # a bound reached (TreeTooLarge), or a directory that cannot be listed
+            stopped[top] = exc.strerror or str(exc)
+            return []
 
     def look_for_extras() -> None:  # on this thread, while the helpers hash the large files
         if early is not None:
             found.extend(find_distributions(env, early, reader))
         listed = _listed_locations(found)
+        listed_holder.append(listed)
+        sources.update(_sources(found))
         roots = package_roots(env, found)
         for plan in plans:
             name = plan.dist.name
-            unlisted[name] = [f for root in roots.get(name, []) for f in extras(name, _walk(root), listed)]
+            unlisted[name] = []
+            for root in roots.get(name, []):
+                extra, walked = extras(name, walk(root), listed)
+                unlisted[name].extend(extra)
+                if root in stopped:
+                    unlisted[name].append(_not_checked(name, root, stopped.pop(root)))
+                if bytecode:
+                    pycs.update((pyc, name) for pyc in walked)
+                else:  # as before: only bytecode of a source no RECORD lists is said, as extra
+                    unlisted[name].extend(_orphans(name, walked, listed))
+            pycs.update(
+                (location, name)
+                for location in plan.dist.locations
+                if bytecode and location.endswith(".pyc") and pyc_name(location) is not None
+            )
+        if bytecode and names is None and wheel is None:  # --all: where Python looks first, too
+            owners = directory_owners({d.name: d.locations for d in found}, map(os.fspath, sites))
+            looked = look(map(os.fspath, sites), owners, listed, walk)
+            top.extend(_not_dpkgs(env, looked.unlisted))
+            top.extend(Unlisted(where, "", f"not checked below it: {why}") for where, why in stopped.items())
+            for pyc, owner in looked.bytecode:
+                pycs.setdefault(pyc, owner)
 
     states = _observe(plans, env, workers, tick, look_for_extras, known)
     if early is not None and any(find_distribution(env, d.name, found) is not d for d in early):
         # a directory named otherwise holds one of them, earlier in the scan: the usual order
         return verify_environment(
-            env, names, wheel, on_progress, workers, found, expected, settle_shared, vouched, known, unchanged
+            env,
+            names,
+            wheel,
+            on_progress,
+            workers,
+            found,
+            expected,
+            settle_shared,
+            vouched,
+            known,
+            unchanged,
+            known_pyc,
+            bytecode,
+            recorded,
         )
     reports: list[DistributionReport] = []
     baseline = "record" if wheel is None else "wheel"
@@ -442,9 +540,10 @@ def verify_environment(
     mismatched: dict[str, Expectation] = {}  # modified files: another RECORD may list them too
     dist_infos_of = functools.cache(_dist_infos_of)
     clean: list[InstalledDistribution] = []
+    verified: set[str] = set()  # the listed sources found as their RECORD says
+    own: list[list[Finding]] = []
     for plan in plans:
         findings = list(plan.findings)
-        linked: list[tuple[str, int]] = list(plan.proven or ())
         name = plan.dist.name
         for expectation in plan.expectations:
             location = expectation.location
@@ -455,13 +554,51 @@ def verify_environment(
                 findings.append(replace(finding, wheel_member=member) if member else finding)
                 if finding.kind == FindingKind.MODIFIED:
                     mismatched[location] = expectation
-            if state.nlink > 1 and state.is_file:
-                linked.append((state.path, state.nlink))
+            elif location.endswith(".py"):
+                verified.add(location)
             moded = mode_finding(name, state, location.startswith(scripts))
             if moded is not None:
                 findings.append(moded)
+        if plan.proven is not None:
+            verified.update(loc for loc in plan.dist.locations if loc.endswith(".py"))
+        if recorded is not None:
+            findings.extend(recorded(plan.dist, plan.proven is not None))
+        own.append(findings)
+    if not bytecode:  # a listed .pyc that differs from its RECORD: pip may have compiled it anew
+        pycs.update(
+            (f.path, f.distribution)
+            for findings in own
+            for f in findings
+            if f.kind == FindingKind.MODIFIED and pyc_name(f.path) is not None
+        )
+    sources.update(_dpkg_sources(env, [parsed.source for pyc in pycs if (parsed := pyc_name(pyc))]))
+    verdicts = judge_files(
+        [env.prefix, env.base_prefix],
+        (
+            (pyc, parsed, _source_of(sources, parsed.source))
+            for pyc in sorted(pycs)
+            if (parsed := pyc_name(pyc))
+        ),
+        verified.__contains__,
+        known_pyc,
+    )
+    listed = listed_holder[0] if listed_holder else _listed_locations(found)
+    by_dist: dict[str, list[Finding]] = {}
+    for pyc, why in verdicts.problems.items():
+        parsed = pyc_name(pyc)
+        under = sources.get(parsed.source, (pycs[pyc],))[0] if parsed else pycs[pyc]
+        by_dist.setdefault(under, []).append(bytecode_finding(under, pyc, why, pyc in listed))
+    for plan, findings in zip(plans, own, strict=True):
+        name = plan.dist.name
+        findings = [f for f in findings if not _fine_bytecode(f, pycs, verdicts.problems)]
         if prove is not None and plan.proven is None and not findings:
-            clean.append(plan.dist)  # every file as its RECORD says
+            clean.append(plan.dist)  # every file as its RECORD says (its bytecode judged apart)
+        findings.extend(by_dist.pop(name, ()))
+        linked: list[tuple[str, int]] = list(plan.proven or ())
+        for expectation in plan.expectations:
+            state = states[expectation.location]
+            if state.nlink > 1 and state.is_file:
+                linked.append((state.path, state.nlink))
         warning = hardlinked(name, linked)
         if warning is not None:
             findings.append(warning)
@@ -488,9 +625,9 @@ def verify_environment(
         if wheel is None and owner is not None and any(f.kind == FindingKind.MODIFIED for f in findings):
             findings = _against_dpkg(env, plan.dist, owner, findings)  # dpkg's: no wheel to settle it with
         elif wheel is None and any(f.kind == FindingKind.MODIFIED for f in findings):
-            record_mtime = _mtime_ns(os.path.join(plan.dist.dist_info, "RECORD"))
+            record_ctime = _ctime_ns(os.path.join(plan.dist.dist_info, "RECORD"))
             findings = [
-                untouched_since_install(f, states[f.path].mtime_ns, record_mtime)
+                untouched_since_install(f, states[f.path].ctime_ns, record_ctime)
                 if f.kind == FindingKind.MODIFIED
                 else f
                 for f in findings
@@ -506,6 +643,33 @@ def verify_environment(
                 site=os.fspath(plan.dist.site),
                 system_package=owners.get(plan.dist.name),
                 from_base=from_base(env, plan.dist),
+            )
+        )
+    for item in top:
+        by_dist.setdefault(item.owner, []).append(
+            Finding(
+                item.owner or UNLISTED,
+                item.location,
+                FindingKind.UNREADABLE if item.detail.startswith("not checked") else FindingKind.EXTRA,
+                item.detail,
+            )
+        )
+    for report in list(reports):
+        more = by_dist.pop(report.name, None)
+        if more:
+            at = reports.index(report)
+            reports[at] = replace(report, findings=tuple(sorted((*report.findings, *more), key=report_order)))
+    for under, more in sorted(by_dist.items()):  # a site's top, or a distribution not checked
+        reports.append(
+            DistributionReport(
+                name=under or UNLISTED,
+                version="",
+                dist_info="",
+                files_checked=0,
+                findings=tuple(
+                    sorted((replace(f, distribution=under or UNLISTED) for f in more), key=report_order)
+                ),
+                against="record",
             )
         )
     summary = (
@@ -524,7 +688,100 @@ def verify_environment(
         eggs,
         frozenset(os.fspath(p.dist.dist_info) for p in plans if p.proven is not None),
         tuple(clean),
+        verdicts.judged,
     )
+
+
+#: The name findings where no distribution's files are (a site directory's top) are reported under.
+UNLISTED = "(in no RECORD)"
+
+
+def _fine_bytecode(finding: Finding, pycs: Mapping[str, str], problems: Mapping[str, str]) -> bool:
+    """Pure: a listed ``.pyc`` that differs from its RECORD (pip compiled it anew over the wheel's) but
+    was judged the bytecode of its verified source: neither drift nor a local patch (issue 43)."""
+    return finding.kind == FindingKind.MODIFIED and finding.path in pycs and finding.path not in problems
+
+
+def _not_checked(name: str, root: str, why: str) -> Finding:
+    """Pure: what is below ``root`` was not looked at (its walk reached a bound): never silently clean."""
+    return Finding(name, root, FindingKind.UNREADABLE, f"not checked below it: {why}")
+
+
+def _orphans(name: str, walked: Sequence[str], listed: frozenset[str]) -> list[Finding]:
+    """Pure: the ``.pyc`` files of ``walked`` whose source no RECORD lists, as ``extra`` findings."""
+    return [
+        Finding(name, pyc, FindingKind.EXTRA, "in the distribution's directories but in no RECORD")
+        for pyc in walked
+        if pyc not in listed and (parsed := pyc_name(pyc)) is not None and parsed.source not in listed
+    ]
+
+
+def _sources(found: Sequence[InstalledDistribution]) -> dict[str, tuple[str, Source]]:
+    """Every listed, hashed ``.py``: location -> (its distribution, its RECORD hash)."""
+    return {
+        location: (dist.name, Source(entry.hash.algorithm, entry.hash.digest))
+        for dist in found
+        for entry, location in zip(dist.record.entries, dist.locations, strict=True)
+        if entry.hash is not None and location.endswith(".py")
+    }
+
+
+def _source_of(sources: Mapping[str, tuple[str, Source]], location: str) -> Source | None:
+    found = sources.get(location)
+    return None if found is None else found[1]
+
+
+def _dpkg_sources(env: Environment, locations: Sequence[str]) -> dict[str, tuple[str, Source]]:
+    """The sources of bytecode in a system interpreter's site directories that dpkg installed, with
+    dpkg's md5 of each (what ``debsums`` checks): there dpkg, not a RECORD, says what a module holds
+    (Debian changes files after writing RECORD, and most of its modules have none). A venv's own
+    site directories are never dpkg's."""
+    own = tuple(os.fspath(s) + os.sep for s in env.site_dirs) if env.is_venv else ()
+    wanted = sorted({loc for loc in locations if not (own and loc.startswith(own))})
+    if not wanted:
+        return {}
+    owners = dpkg_owners(Path(loc) for loc in wanted)
+    sums: dict[str, str] = {}
+    for package in set(owners.values()):
+        sums.update(dpkg_md5sums(package))
+    return {
+        os.fspath(path): (package.package, Source("md5", encode_digest(bytes.fromhex(sums[os.fspath(path)]))))
+        for path, package in owners.items()
+        if os.fspath(path) in sums
+    }
+
+
+def _not_dpkgs(env: Environment, unlisted: Sequence[Unlisted]) -> list[Unlisted]:
+    """Those of ``unlisted`` that no system package installed as they are now (a system interpreter's
+    site directories hold dpkg's modules beside ``.egg-info`` metadata, which has no RECORD): a file
+    dpkg's lists name and its md5sums still match is not reported; one they name and do not match is,
+    saying so. A venv's own site directories are never dpkg's: nothing is looked up for them."""
+    own = tuple(os.fspath(s) + os.sep for s in env.site_dirs) if env.is_venv else ()
+    wanted = [u for u in unlisted if not (own and u.location.startswith(own))]
+    if not wanted:
+        return list(unlisted)
+    owners = dpkg_owners(Path(u.location) for u in wanted)
+    if not owners:
+        return list(unlisted)
+    sums: dict[str, str] = {}
+    for package in set(owners.values()):
+        sums.update(dpkg_md5sums(package))
+    expected = [
+        Expectation(u.location, "md5", encode_digest(bytes.fromhex(sums[u.location])), None)
+        for u in wanted
+        if Path(u.location) in owners and u.location in sums
+    ]
+    states = observe_files(expected, within=os.fspath(env.base_prefix)) if expected else {}
+    intact = {e.location for e in expected if compare("", e, states[e.location], "record") is None}
+    kept: list[Unlisted] = []
+    for u in unlisted:
+        if u.location in intact:
+            continue
+        owner = owners.get(Path(u.location))
+        kept.append(
+            u if owner is None else replace(u, detail=f"{u.detail}; {owner.package}'s md5sums differ")
+        )
+    return kept
 
 
 def _proven_plan(

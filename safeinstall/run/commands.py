@@ -211,17 +211,16 @@ class Ui(Protocol):
 def execute(request: Request, ui: Ui) -> int:
     """The one command the request chooses; its result handed to ``ui.done``; its exit code. Raises a
     SafeInstallError for a failure before the command's result (``--metrics-file`` says so)."""
-    with contextlib.ExitStack() as finishing:  # what holds until the result is shown (a run's signals)
-        try:
-            result = _command(request, ui, finishing)
-        except BaseException:
-            ui.settle()  # the error is said by the caller, on a terminal left clean
-            raise
-        ui.done(result)
+    try:
+        result = _command(request, ui)
+    except BaseException:
+        ui.settle()  # the error is said by the caller, on a terminal left clean
+        raise
+    ui.done(result)
     return result.exit_code
 
 
-def _command(request: Request, ui: Ui, finishing: contextlib.ExitStack) -> Result:
+def _command(request: Request, ui: Ui) -> Result:
     metrics = None  # --metrics-file, once accepted
     try:
         private = None
@@ -261,7 +260,7 @@ def _command(request: Request, ui: Ui, finishing: contextlib.ExitStack) -> Resul
             return _detach(request, options, ui, env)
         if "--dry-run" in request.modes:
             return _dry_run(options, env, ui)
-        return _reinstall(request, options, ui, metrics, env, finishing)
+        return _reinstall(request, options, ui, metrics, env)
     except SafeInstallError as error:
         if metrics is not None:
             failed_metrics(metrics, ui, request.command, request.python, request.package, error)
@@ -323,6 +322,7 @@ def run_options(
             "base_wheel": base_wheel.absolute() if base_wheel else None,
             "extra_args": tuple(extra_args),
             "run_id": run_id,
+            "smoke_skip": tuple(values.get("smoke_skip") or ()),
             # without --run: the last, set by the caller
             "undo": values.get("run") if values.get("undo_") else None,
             "environ": {**os.environ, **index_environ},
@@ -414,7 +414,6 @@ def _reinstall(
     ui: Ui,
     metrics: Path | None,
     env: Environment,
-    finishing: contextlib.ExitStack,
 ) -> Ran | Failed:
     from safeinstall.run.output import run_json
     from safeinstall.run.reinstall import run_reinstall
@@ -422,7 +421,7 @@ def _reinstall(
     from safeinstall.store.journal import now_iso
     from safeinstall.store.rundoc import RunDocument
     from safeinstall.store.state import new_run_id
-    from safeinstall.system.signals import interrupts_deferred
+    from safeinstall.system.signals import ignored_until_exit
 
     state = _state_of(env, options.environ)
     run_id = options.run_id or new_run_id(datetime.now(UTC), os.getpid())
@@ -445,8 +444,8 @@ def _reinstall(
     document = RunDocument.from_json(
         jsonable(envelope(command, result.status, result.exit_code, data, errors))
     )
-    # the run has its result: a signal now does not change it (held back until it is shown)
-    finishing.enter_context(interrupts_deferred(lambda _signum: None))
+    # the run has its result: a signal now does not change it (ignored until the process exits)
+    ignored_until_exit()
     notes = _keep(state, run_id, options.package, started, document)
     _run_metrics(metrics, ui, env, options.package, run_id, started, document)
     return Ran(

@@ -97,6 +97,7 @@ def child_arguments(options: RunOptions, python: Path, run_id: str, environ_file
         args.append(f"--base-wheel={options.base_wheel}")
     if options.smoke is not None:
         args.append(f"--smoke={options.smoke}")
+    args += [f"--smoke-skip={module}" for module in options.smoke_skip]
     args += [
         f"--gpu-timeout={options.gpu_timeout!r}",
         f"--settle={options.settle!r}",

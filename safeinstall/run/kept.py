@@ -39,7 +39,12 @@ def verify_kept(
     walk took moments before (:func:`safeinstall.env.environment.inspect_environment`), which the proof
     takes for its own. The verified-inode store is read only when a
     file is to be proven by it (a check where every distribution is proven unchanged reads none)."""
+    from safeinstall.env.bytecode import keepable, known_checker
+    from safeinstall.env.recorded import RecordCheck
     from safeinstall.env.unchanged import prover, unchanged_entry
+    from safeinstall.env.verified import GRANULARITY_NS
+    from safeinstall.store.bytecode import keep_judged, read_judged
+    from safeinstall.store.records import keep_records, read_records
     from safeinstall.store.state import state_root
     from safeinstall.store.unchanged import keep_unchanged, read_unchanged
     from safeinstall.store.verified import ctime_kept, filesystems, keep, read_store, store_checker
@@ -64,6 +69,12 @@ def verify_kept(
     since = time.time_ns()  # before any RECORD is read: what is kept was settled by then
     clean, note = read_unchanged(root, env.prefix)
     notes.extend([note] if note else [])
+    records, note = read_records(root, env.prefix)
+    notes.extend([note] if note else [])
+    record_check = RecordCheck(records or {})
+    judged, note = read_judged(root, env.prefix)
+    notes.extend([note] if note else [])
+    known_pyc = None if judged is None or full else known_checker({k: j for k, (j, _) in judged.items()})
     unchanged = prover(clean, root_of, walked)
     if full and unchanged is not None:
         unchanged = _none  # every file read; what is found clean is kept anew
@@ -76,7 +87,18 @@ def verify_kept(
         vouched=vouched,
         known=None if full else known,
         unchanged=unchanged,
+        known_pyc=known_pyc,
+        bytecode=True,
+        recorded=record_check,
     )
+    clean_now = {os.fspath(d.dist_info) for d in report.clean} | set(report.proven)
+    note = keep_records(root, env.prefix, records, record_check.updates(clean_now.__contains__))
+    notes.extend([note] if note else [])
+    if report.judged and judged is not None:
+        fs_kept = ctime_kept({})
+        good = [j for j in keepable(report.judged, since, GRANULARITY_NS) if fs_kept(j.device, j.location)]
+        note = keep_judged(root, env.prefix, judged, good)
+        notes.extend([note] if note else [])
     hashed = [state for state in report.observed.values() if state.hashed_ns]
     if hashed:
         kept = keep(root, env.prefix, store()[0], hashed)

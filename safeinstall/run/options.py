@@ -39,6 +39,7 @@ class RunOptions:
     no_smoke: bool = False
     smoke: str | None = None
     smoke_timeout: float = 300.0  # safeinstall.env.smoke.SMOKE_TIMEOUT_S: each child's bound
+    smoke_skip: tuple[str, ...] = ()  # --smoke-skip: modules the check never imports (known bad)
     only_loaded: bool = False  # plan only processes with certain evidence (not ``environment`` alone)
     strict: bool = False  # a process left on old code after the restart fails the run (rolled back)
     keep_backups: int = 3  # safeinstall.store.retention.DEFAULT_KEEP: backups kept per environment
@@ -105,6 +106,14 @@ def option_problems(options: RunOptions) -> list[OptionProblem]:
                 "e.g. --smoke \"python -c 'import vllm._C'\"; or --no-smoke alone to skip the check",
             )
         )
+    for module in options.smoke_skip:
+        if not module or not all(part.isidentifier() for part in module.split(".")):
+            problems.append(
+                OptionProblem(
+                    f"--smoke-skip {module!r}: not a module's dotted name",
+                    "e.g. --smoke-skip numpy.core._umath_tests (each module, and its submodules, left out)",
+                )
+            )
     if options.keep_backups < 1:
         problems.append(
             OptionProblem(

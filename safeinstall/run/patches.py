@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from merge3 import Merge3
 
+from safeinstall.env.bytecode import pyc_name
 from safeinstall.env.containment import is_within
 from safeinstall.env.diffs import text_lines, unified
 from safeinstall.env.distributions import InstalledDistribution
@@ -301,7 +302,11 @@ def prepare_patches(
     new_version = new_wheel.version if new_wheel is not None else _planned_version(survey)
     versions = Versions(dist.name, dist.version, new_version)
     report = verify_environment(env, [dist.name], vouched=None if vouched is None else lambda: vouched)
-    changed = [f.path for f in report.findings if f.kind in (FindingKind.MODIFIED, FindingKind.MISSING)]
+    changed = [  # bytecode is never carried: a .pyc is its source's, judged by what it holds
+        f.path
+        for f in report.findings
+        if f.kind in (FindingKind.MODIFIED, FindingKind.MISSING) and pyc_name(f.path) is None
+    ]
     if not changed:
         return PatchSet(versions, ())
     wanted = frozenset(changed)

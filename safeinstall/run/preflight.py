@@ -26,6 +26,7 @@ from pathlib import Path
 from packaging.utils import canonicalize_name
 
 from safeinstall.env import keep, smoke
+from safeinstall.env.bytecode import pyc_name
 from safeinstall.env.containment import is_within
 from safeinstall.env.drift import FindingKind
 from safeinstall.env.environment import (
@@ -62,6 +63,7 @@ from safeinstall.run.patches import PatchSet, prepare_patches
 from safeinstall.run.survey import Survey, survey, systemd_for
 from safeinstall.run.undo import UndoTarget, undo_plan, undo_target, undo_uv_plan
 from safeinstall.scan.plan import Plan
+from safeinstall.store import oldimports
 from safeinstall.store.backup import disk_space_freed, disk_space_needed, free_space, space_problem
 from safeinstall.store.baseline import read_vouched
 from safeinstall.store.state import (
@@ -213,7 +215,17 @@ def preflight(options: RunOptions, *, take_lock: bool, env: Environment | None =
             found = replace(found, plan=replace(found.plan, warnings=(*found.plan.warnings, *shared)))
         if undo is None and not options.no_smoke:
             runners, unchecked = smoke_runners(options, env, [u.name for u in found.plan.units])
-            said = smoke.describe(found.plan.package, options.smoke, options.smoke_timeout, runners)
+            answers, _ = oldimports.load(state)
+            changes = {c.name for c in found.uv_plan.changes if c.action != "uninstall"}
+            known_bad = oldimports.failing(answers, found.installed, changes)
+            said = smoke.describe(
+                found.plan.package,
+                options.smoke,
+                options.smoke_timeout,
+                runners,
+                options.smoke_skip,
+                known_bad,
+            )
             warned = (*found.plan.warnings, *unchecked)
             found = replace(found, plan=replace(found.plan, smoke=said, warnings=warned))
         if undo is not None:
@@ -310,8 +322,13 @@ def smoke_runners(
 
 
 def locally_modified(report: VerifyReport) -> tuple[str, ...]:
-    """Pure: the installed files that differ from their RECORD (changed or deleted locally)."""
-    return tuple(f.path for f in report.findings if f.kind in (FindingKind.MODIFIED, FindingKind.MISSING))
+    """Pure: the installed files that differ from their RECORD (changed or deleted locally); bytecode
+    is never a local change (one that is not its source's is drift, which a reinstall does not carry)."""
+    return tuple(
+        f.path
+        for f in report.findings
+        if f.kind in (FindingKind.MODIFIED, FindingKind.MISSING) and pyc_name(f.path) is None
+    )
 
 
 def shared_files(report: VerifyReport) -> tuple[str, ...]:

@@ -30,6 +30,7 @@ from safeinstall.env.distributions import InstalledDistribution, reload_distribu
 from safeinstall.env.drift import Expectation, FindingKind
 from safeinstall.env.environment import Account, Environment, interpreter_in_prefix
 from safeinstall.env.hashing import FileState, Known
+from safeinstall.env.recorded import kept_record
 from safeinstall.env.uvplan import dry_run as uv_dry_run
 from safeinstall.env.uvplan import install as uv_install
 from safeinstall.env.uvplan import prefetch_command, secure_uv_lock, uv_binary, window_command
@@ -75,6 +76,7 @@ from safeinstall.store.journal import (
     start_journal,
     update_unit,
 )
+from safeinstall.store.records import keep_records, read_records
 from safeinstall.store.retention import prune_backups
 from safeinstall.store.runlog import human_bytes
 from safeinstall.store.state import (
@@ -531,10 +533,9 @@ def gpu_release_step(run: Run, session: NvmlSession, baseline: GpuSnapshot) -> s
         run._journal(Phase.GPU_RELEASED, note=f"GPU check skipped: {session.reason}")
         return f"skipped: {session.reason}"
 
-    stuck = _StuckOnGpu.of(run.plan.processes)
-
+    # (no D-state check here: the stop step waited until every planned process was gone, and one
+    # stuck in D never is: that wait names it, issue 45)
     def on_poll(status: ReleaseStatus) -> None:
-        stuck()  # a holder that cannot exit is said at once, not after --gpu-timeout
         holders = ", ".join(f"PID {h.pid}" for h in status.holders) or "memory not yet freed"
         run.reporter.progress(
             f"waiting for GPU memory ({holders})", status.waited_s, run.options.gpu_timeout, "s"
@@ -664,6 +665,7 @@ def _check_in_place(run: Run, when: str = "") -> str:
         said = f" {when}" if when else ""
         raise StepFailed(f"the installed files do not match the wheel{said}: {listed}")
     run.in_place = report.observed
+    run.records = {os.fspath(d.dist_info): kept_record(d) for d in installed}
     run.left = left_of(report, installed, names)
     run.vouched = _vouched(run, report, installed)
     run.extras = tuple(f.path for f in report.findings if f.kind == FindingKind.EXTRA)
@@ -1064,6 +1066,10 @@ def _tidy_up(run: Run, hashed: Sequence[FileState]) -> tuple[str, ...]:
         # the run's cache stays until its hashes are kept (an open of one of them tells the filesystem)
         note = keep_hashes(run.state.root, run.env.prefix, run.prepared.inodes, hashed)
         run.notes.extend([note] if note else [])
+        if run.records:  # the RECORDs it installed are the reference a later check holds them to
+            records, note = read_records(run.state.root, run.env.prefix)
+            note = keep_records(run.state.root, run.env.prefix, records, run.records) or note
+            run.notes.extend([note] if note else [])
         kept = time.monotonic()
         try:
             remove_dropins(run)

@@ -18,6 +18,7 @@ from typing import Any
 from safeinstall.env import inodes
 from safeinstall.env.environment import Environment
 from safeinstall.env.hashing import FileState
+from safeinstall.env.recorded import KeptRecord
 from safeinstall.env.swap import Staged
 from safeinstall.env.vouched import Vouched
 from safeinstall.env.wheel import Wheel
@@ -90,6 +91,9 @@ class Run:
     #: set by the verification in place: every installed file as it was observed (kept in the
     #: verified-inode store after a good run: store/verified.py)
     in_place: Mapping[str, FileState] = field(default_factory=dict)
+    #: set by the verification in place: the RECORDs the run installed, kept after a good run as the
+    #: reference a later check holds them to (store/records.py, issue 46)
+    records: Mapping[str, KeptRecord] = field(default_factory=dict)
     #: set by the prefetch when the run does not swap: its ``--target`` tree, kept for the smoke step
     scratch: Path | None = None
     #: set by the prefetch once the new version's tree is complete: the smoke check running beside the

@@ -13,20 +13,39 @@ directories: at the end of the run, or by ``--recover`` after a crash). The shim
 from __future__ import annotations
 
 import os
+import pwd
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 from packaging.utils import canonicalize_name
 
 from safeinstall.env import smoke
-from safeinstall.env.environment import Environment, interpreter_in_prefix, who_else_controls
+from safeinstall.env.environment import (
+    Environment,
+    distribution_sites,
+    interpreter_in_prefix,
+    user_site_enabled,
+    who_else_controls,
+    who_else_controls_tree,
+)
 from safeinstall.env.uvplan import install as uv_install
 from safeinstall.env.uvplan import prefetch_command, uv_binary
 from safeinstall.errors import PlanError, SafeInstallError
 from safeinstall.run.running import Run
-from safeinstall.run.smokecheck import Background, Checks, Job, NewTree, execute, staged_tree, target_tree
+from safeinstall.run.smokecheck import (
+    Background,
+    Checked,
+    Checks,
+    Job,
+    NewTree,
+    execute,
+    staged_tree,
+    target_tree,
+)
+from safeinstall.store import oldimports
 from safeinstall.store.state import (
     PASSABLE_MODE,
     PRIVATE_MODE,
@@ -62,8 +81,11 @@ def runs_as(env: Environment, context: ExecContext) -> smoke.RunAs | str | None:
 def contexts(run: Run) -> tuple[list[smoke.Context], list[str]]:
     """One context per distinct way the plan's units run (none: the account with systemd's defaults);
     and the units whose check cannot run as their ``User=`` (why: never run as root instead)."""
-    found: dict[tuple[smoke.RunAs | None, tuple[tuple[str, str], ...], str], smoke.Context] = {}
+    found: dict[
+        tuple[smoke.RunAs | None, tuple[tuple[str, str], ...], str, tuple[str, ...]], smoke.Context
+    ] = {}
     skipped: list[str] = []
+    judged: dict[tuple[str, int], str | None] = {}
     for unit in run.plan.units:
         try:
             context = exec_context(run.systemd, unit.name)
@@ -86,6 +108,9 @@ def contexts(run: Run) -> tuple[list[smoke.Context], list[str]]:
         def ours(path: str, runner: int = runner) -> bool:
             return who_else_controls(Path(path), runner) is None
 
+        def judge(path: str, runner: int = runner) -> str | None:
+            return _tree_finding(path, runner, judged)
+
         files = [(path, ignore) for path, ignore in context.environment_files if ours(path)]
         from_files, notes = smoke.read_environment_files(files, None if run_as is None else run_as.ids)
         notes += [
@@ -93,27 +118,82 @@ def contexts(run: Run) -> tuple[list[smoke.Context], list[str]]:
             for path, ignore in context.environment_files
             if (path, ignore) not in files
         ]
-        variables, dropped = smoke.unit_variables(
-            tuple({**dict(context.environment), **dict(from_files)}.items()), ours
-        )
+        given = tuple({**dict(context.environment), **dict(from_files)}.items())
+        entry = smoke.service_entry(context.command)
+        cwd = smoke.working_directory(context.working_directory, home, run.options.user)
+        # a working directory the unit names is on sys.path for the operator's command (``python -c``):
+        # its whole tree then (the home a user manager's unit starts in: as the directories above it)
+        named = context.working_directory.startswith("/") and cwd != home and run.options.smoke is not None
+        cwd_problem = (judge(cwd) if named else _finding(cwd, runner)) if cwd != "/" else None
+        user_site = smoke.user_site(given, home, entry.flags, run.env.version[:2])
+        site_problem = judge(user_site) if user_site and user_site_enabled(run.env) else None
+        if runner == 0:  # never root's child loading what another user controls: refused, said
+            found_here = smoke.others_loaded(given, entry.flags, judge)
+            found_here += [f"WorkingDirectory={cwd}: {cwd_problem}"] if cwd_problem else []
+            found_here += [f"HOME's user site {user_site}: {site_problem}"] if site_problem else []
+            if found_here:
+                raise PlanError(
+                    f"the smoke check would load, as root, what another user controls, for {unit.name}: "
+                    + "; ".join(found_here),
+                    hint="nothing was stopped; fix the unit (make what it names root's alone, give it "
+                    "User=, or run its interpreter with -s), or --no-smoke skips the check",
+                )
+        variables, dropped = smoke.unit_variables(given, lambda path: judge(path) is None)
+        if site_problem:
+            variables = (*variables, ("PYTHONNOUSERSITE", "1"))
+            notes.append(f"{unit.name}: the check runs without the user site {user_site}: {site_problem}")
         if dropped:
             notes.append(
                 f"{unit.name}: not given to the check, as another account could change what they name: "
                 + ", ".join(dropped)
             )
-        cwd = smoke.working_directory(context.working_directory, home, run.options.user)
-        if cwd != "/" and not ours(cwd):
-            notes.append(
-                f"{unit.name}: the check runs in /, not in {cwd}: {who_else_controls(Path(cwd), runner)}"
-            )
+        if cwd_problem:
+            notes.append(f"{unit.name}: the check runs in /, not in {cwd}: {cwd_problem}")
             cwd = "/"
-        key = (run_as, variables, cwd)
+        key = (run_as, variables, cwd, entry.flags)
         if key not in found:
-            found[key] = smoke.Context(unit.name, variables, cwd, tuple(notes), run_as)
+            found[key] = smoke.Context(
+                unit.name, variables, cwd, tuple(notes), run_as, entry.run, entry.scripts, entry.flags
+            )
+        else:  # one child for the units that run the same way: what each runs first is imported in it
+            had = found[key]
+            found[key] = replace(
+                had,
+                notes=(*had.notes, *(n for n in notes if n not in had.notes)),
+                run=tuple(dict.fromkeys((*had.run, *entry.run))),
+                scripts=tuple(dict.fromkeys((*had.scripts, *entry.scripts))),
+                also=(*had.also, unit.name),
+            )
     if not found and not skipped:
         cwd = smoke.account_of(run.env)[1] if run.options.user else "/"
         return [smoke.Context(None, (), cwd, (), smoke.owner_account(run.env))], []
     return list(found.values()), skipped
+
+
+def _user(uid: int | None) -> str:
+    if uid is None:
+        return "no single account"
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _finding(path: str, runner: int) -> str | None:
+    """Who else controls ``path`` and the directories above it (not its tree), said."""
+    return who_else_controls(Path(path), runner)
+
+
+def _tree_finding(path: str, runner: int, judged: dict[tuple[str, int], str | None]) -> str | None:
+    """Who else controls what may be loaded from ``path`` (its whole tree), said with the user's name;
+    each path judged once per check (``judged``)."""
+    if (path, runner) not in judged:
+        found = who_else_controls_tree(Path(path), runner)
+        said = None if found is None else found[1]
+        if found is not None and found[0] is not None:
+            said = found[1].replace(f"uid {found[0]}", _user(found[0]))
+        judged[(path, runner)] = said
+    return judged[(path, runner)]
 
 
 #: The prefetch's ``--target`` tree while a unit's user reads it (the check lists its site directories)
@@ -175,13 +255,28 @@ def prepare(run: Run, new: NewTree) -> Checks:
                     continue
             name, home = (run_as.name, run_as.home) if run_as is not None else smoke.account_of(run.env)
             variables = smoke.child_variables(
-                run.options.environ, (name, home), context.variables, run.env, shim, list(new.sites)
+                run.options.environ,
+                (name, home),
+                context.variables,
+                run.env,
+                shim,
+                list(new.sites),
+                context.flags,
             )
             jobs.append(Job(context, tuple(variables.items())))
     except BaseException:
         _undo(run, new, shim, opened)
         raise
     changed = {canonicalize_name(c.name) for c in run.survey.uv_plan.changes if c.action != "uninstall"}
+    old = {
+        d.name: (d.version, oldimports.code_digest(d))
+        for d in run.survey.installed
+        if d.name in changed and d.record.entries
+    }
+    stored, problem = oldimports.load(run.state)
+    if problem is not None:
+        run._log(f"smoke: {problem}")
+    known = {name: stored.get((name, *old[name]), {}) for name in old}
     return Checks(
         new,
         shim,
@@ -194,6 +289,10 @@ def prepare(run: Run, new: NewTree) -> Checks:
         run.options.smoke,
         run.options.smoke_timeout,
         tuple(note for context in found for note in context.notes),
+        tuple(run.options.smoke_skip),
+        old,
+        {name: answers for name, answers in known.items() if answers},
+        tuple(distribution_sites(run.env)),
     )
 
 
@@ -269,7 +368,7 @@ def smoke_step(run: Run) -> str:
     background = run.smoke_check
     if background is not None:
         try:
-            outcomes = background.answer.result()
+            checked = background.answer.result()
         except BaseException:  # a signal while it is waited for: the children go with the run
             abandon(run)
             raise
@@ -277,7 +376,7 @@ def smoke_step(run: Run) -> str:
         background.pool.shutdown(wait=True)
         beside = f"the check took {time.monotonic() - background.started:.1f} s, beside the prefetch"
         run._log(f"smoke: {beside}")
-        return f"{_conclude(run, background.checks, outcomes)} ({beside})"
+        return f"{_conclude(run, background.checks, checked)} ({beside})"
     new = new_tree(run)
     if new is None:
         problem = _target_tree(run)
@@ -288,11 +387,11 @@ def smoke_step(run: Run) -> str:
         assert new is not None
     checks = prepare(run, new)
     try:
-        outcomes = execute(checks)
+        checked = execute(checks)
     except BaseException:
         _undo(run, checks.new, checks.shim, checks.opened)
         raise
-    return _conclude(run, checks, outcomes)
+    return _conclude(run, checks, checked)
 
 
 def _target_tree(run: Run) -> str | None:
@@ -315,10 +414,24 @@ def _target_tree(run: Run) -> str | None:
     return None
 
 
-def _conclude(run: Run, checks: Checks, outcomes: list[smoke.ChildOutcome]) -> str:
+def _keep_old_answers(run: Run, checks: Checks, learned: dict[str, dict[str, str]]) -> None:
+    """What the running version answered, kept for the next run of the same versions."""
+    if not learned:
+        return
+    stored, _ = oldimports.load(run.state)
+    keyed = {(name, *checks.old[name]): answers for name, answers in learned.items() if name in checks.old}
+    note = oldimports.save(run.state, oldimports.merged(stored, keyed))
+    run._log(f"smoke: the running version was asked about {sum(map(len, learned.values()))} module(s)")
+    if note is not None:
+        run._log(f"smoke: {note}")
+
+
+def _conclude(run: Run, checks: Checks, checked: Checked) -> str:
     """The check's answer: logged, what it opened closed again; PlanError when anything failed."""
+    outcomes = checked.outcomes
     run.notes.extend(checks.notes)
     try:
+        _keep_old_answers(run, checks, checked.learned)
         for outcome in outcomes:
             run._log(f"smoke: {smoke.logged(outcome)}")
         if not all(o.ok for o in outcomes):
@@ -329,10 +442,14 @@ def _conclude(run: Run, checks: Checks, outcomes: list[smoke.ChildOutcome]) -> s
             )
     finally:
         _undo(run, checks.new, checks.shim, checks.opened)
-    note = smoke.unavailable_note(outcomes)
-    if note is not None:
-        run.notes.append(note)
-        run._log(note)
+    for note in (
+        smoke.unavailable_note(outcomes),
+        smoke.excused_note(outcomes),
+        smoke.skipped_note(outcomes),
+    ):
+        if note is not None:
+            run.notes.append(note)
+            run._log(note)
     skipped = checks.skipped
     run.notes.extend(
         f"the new version was not checked before the stop for {why}: the check never runs as root for "
@@ -342,12 +459,22 @@ def _conclude(run: Run, checks: Checks, outcomes: list[smoke.ChildOutcome]) -> s
     if not outcomes:
         return f"skipped: {'; '.join(skipped)}"
     imported = len({m for o in outcomes for m in o.imported})
-    units = [o.context.unit for o in outcomes if o.context.unit and o.what == "imports"]
+    units = [
+        u
+        for o in outcomes
+        if o.context.unit and o.what == "imports"
+        for u in (o.context.unit, *o.context.also)
+    ]
     where = f" with the environment of {', '.join(units)}" if units else ""
     command = f"; `{checks.smoke}` passed" if checks.smoke is not None else ""
     who = ", ".join(dict.fromkeys(_who(run, o.context) for o in outcomes))
     left = f"; not checked for {', '.join(w.split(':')[0] for w in skipped)}" if skipped else ""
-    return f"{imported} module(s) of the new version imported as {who}{where}{command}{left}"
+    excused = sorted({m for o in outcomes for m, _ in o.excused})
+    shared = f"; not held against it: {', '.join(excused)} (the running version cannot import it either)"
+    said = shared if excused else ""
+    left_out = sorted({m for o in outcomes for m in o.skipped})
+    said += f"; left out (--smoke-skip): {', '.join(left_out)}" if left_out else ""
+    return f"{imported} module(s) of the new version imported as {who}{where}{command}{said}{left}"
 
 
 def _who(run: Run, context: smoke.Context) -> str:

@@ -5,8 +5,9 @@ themselves (:func:`execute`), which is all that runs in the check's thread."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from safeinstall.env import smoke
@@ -64,6 +65,21 @@ class Checks:
     smoke: str | None  # the operator's --smoke command
     timeout: float
     notes: tuple[str, ...]  # what of the units' could not be taken (said once the check is over)
+    skip: tuple[str, ...] = ()  # --smoke-skip: modules never imported
+    #: the running version of each changed distribution: (version, RECORD digest), by name
+    old: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    #: what the running version answered before (:mod:`safeinstall.store.oldimports`), by distribution
+    known: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    old_sites: tuple[Path, ...] = ()  # where the running version lies (the environment's sites)
+
+
+@dataclass(frozen=True, slots=True)
+class Checked:
+    """The check's answer: its children's outcomes, and what the running version answered meanwhile
+    (by distribution: module -> "" imported, or its error), to be kept."""
+
+    outcomes: list[smoke.ChildOutcome]
+    learned: dict[str, dict[str, str]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,18 +89,23 @@ class Background:
 
     checks: Checks
     pool: ThreadPoolExecutor
-    answer: Future[list[smoke.ChildOutcome]]
+    answer: Future[Checked]
     cancel: threading.Event
     started: float
 
 
-def execute(checks: Checks, cancel: threading.Event | None = None) -> list[smoke.ChildOutcome]:
+def execute(checks: Checks, cancel: threading.Event | None = None) -> Checked:
     """The check's children, one context after another (the operator's command once its imports
-    passed); they end early, said, once ``cancel`` is set. Only children: run in a thread of its own."""
+    passed); the first failure ends the check. A module the new version fails to import is asked of the
+    running version (unless known from before, :attr:`Checks.known`): one it cannot import either is
+    not held against the new one (:func:`safeinstall.env.smoke.excuse`). The children end early, said,
+    once ``cancel`` is set. Only children: run in a thread of its own."""
     outcomes: list[smoke.ChildOutcome] = []
+    learned: dict[str, dict[str, str]] = {}
     sites = list(checks.new.sites)
     for job in checks.jobs:
         variables = dict(job.variables)
+        wanted = smoke.Wanted(job.context.run, job.context.scripts, checks.skip)
         outcome = smoke.run_imports(
             checks.python,
             job.context,
@@ -94,10 +115,50 @@ def execute(checks: Checks, cancel: threading.Event | None = None) -> list[smoke
             checks.changed,
             checks.timeout,
             cancel,
+            wanted,
         )
+        if not outcome.ok:
+            outcome = _judged(checks, job, outcome, learned, cancel)
         outcomes.append(outcome)
         if outcome.ok and checks.smoke is not None:
             outcomes.append(smoke.run_command(checks.smoke, job.context, variables, checks.timeout, cancel))
-        if cancel is not None and cancel.is_set():
+        if not outcomes[-1].ok or (cancel is not None and cancel.is_set()):
             break
-    return outcomes
+    return Checked(outcomes, learned)
+
+
+def _judged(
+    checks: Checks,
+    job: Job,
+    outcome: smoke.ChildOutcome,
+    learned: dict[str, dict[str, str]],
+    cancel: threading.Event | None,
+) -> smoke.ChildOutcome:
+    """``outcome`` with the failures the running version shares excused; the running version asked
+    (one child, the job's context, the environment's own sites) about what is not known yet, its
+    answers added to ``learned``."""
+    known = {d: {**checks.known.get(d, {}), **learned.get(d, {})} for d in checks.old}
+    asked = smoke.unknown(outcome, known)
+    if asked:
+        also = tuple(m for modules in asked.values() for m in modules)
+        wanted = smoke.Wanted(job.context.run, job.context.scripts, (), also)
+        variables = {**dict(job.variables), smoke.SITES_VARIABLE: ""}  # the shim adds nothing
+        old = smoke.run_imports(
+            checks.python,
+            job.context,
+            variables,
+            list(checks.old_sites),
+            checks.package,
+            asked,
+            checks.timeout,
+            cancel,
+            wanted,
+        )
+        owners = {**dict(outcome.owners), **dict(old.owners)}
+        answers = [(m, "") for m in old.imported] + list(old.failed)
+        for module, error in answers:
+            dist = owners.get(module)
+            if dist in asked:
+                learned.setdefault(dist, {})[module] = error
+                known[dist][module] = error
+    return smoke.excuse(outcome, known)

@@ -21,6 +21,7 @@ from safeinstall.env.environment import (
 from safeinstall.env.systemsite import check_target
 from safeinstall.env.uvplan import UvPlan, UvRequest, dry_run, link_mode_for, same_filesystem
 from safeinstall.env.wheel import Wheel, read_wheel
+from safeinstall.errors import SystemdError
 from safeinstall.run.options import RunOptions
 from safeinstall.scan.evidence import TargetIndex
 from safeinstall.scan.plan import Plan, build_plan, start_limit_resets
@@ -66,6 +67,16 @@ def systemd_for(options: RunOptions) -> Systemd:
 
 def _dependent(name: str) -> bool:
     return name.endswith(".service") and valid_unit_name(name)
+
+
+def _gate_refusals(systemd: Systemd) -> tuple[str, ...]:
+    """The plan's refusal when the manager reads no admin directory, where the gate's drop-in goes (a
+    manager started with ``SYSTEMD_UNIT_PATH``): said before anything, not at the gate (issue 42)."""
+    try:
+        systemd.dropin_roots()
+    except SystemdError as exc:
+        return (f"{exc.message} ({exc.advice})",)
+    return ()
 
 
 def survey(
@@ -151,6 +162,7 @@ def survey(
         # a name no systemctl may be given (globs from a cgroup) is refused by the plan, never asked about
         limits = systemd.start_limits(u.name for u in plan.units if valid_unit_name(u.name))
         plan = replace(plan, start_limit_resets=start_limit_resets(limits, time.monotonic()))
+        plan = replace(plan, refusals=(*plan.refusals, *_gate_refusals(systemd)))
     if env.owner_note:  # said in the plan too: a dry run shows whose environment this is
         plan = replace(plan, warnings=(env.owner_note, *plan.warnings))
     if uv_plan.lock_note:  # who held uv's lock while the plan's uv waited for it (issue 35)

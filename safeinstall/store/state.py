@@ -18,6 +18,10 @@ Layout::
         patches/<run-id>.patch      the local patches a --keep-patches run carried to the new version
         baseline.json               what runs verified against their wheels where the wheel's RECORD is
                                     wrong (see :mod:`safeinstall.store.baseline`)
+        bytecode.json               the .pyc files --verify-only judged fine, by identity
+                                    (:mod:`safeinstall.store.bytecode`)
+        records.json                the RECORDs found clean or installed by a run
+                                    (:mod:`safeinstall.store.records`)
 
 Path computation is pure (``environ`` and ``euid`` are parameters); :func:`ensure_dir` and
 :func:`ensure_environment_dir` are the only functions that touch the disk, plus the listing.
@@ -89,7 +93,7 @@ _KEY_DIGEST_CHARS = 12
 TMP_SUFFIX = ".tmp"
 #: Files of an environment's directory that only a run holding its lock writes (the gate marker, the
 #: journal, the baseline): a temp file of one of them found under the lock is a dead run's
-LOCKED_FILES = ("gate", JOURNAL_FILE, "baseline.json")
+LOCKED_FILES = ("gate", JOURNAL_FILE, "baseline.json", "old-imports.json")
 _PREFIX_MAX = 64 * 1024
 
 

@@ -200,6 +200,41 @@ class Cancelled(Exception):
     process group sent SIGKILL)."""
 
 
+#: The programs that put a child in a PID namespace of its own (util-linux), looked for only here.
+_SYSTEM_DIRS = ("/usr/bin", "/bin", "/usr/sbin", "/sbin")
+
+
+def _system_program(name: str) -> str | None:
+    for directory in _SYSTEM_DIRS:
+        path = os.path.join(directory, name)
+        if os.access(path, os.X_OK):
+            return path
+    return None
+
+
+def contained(
+    argv: Sequence[str], as_user: tuple[int, int] | None, groups: Sequence[int]
+) -> tuple[list[str], bool] | None:
+    """Pure but for where util-linux lies: ``argv`` run in a PID namespace of its own (``unshare
+    --pid --fork --kill-child``), as ``as_user`` with ``groups`` (``setpriv``, which arms the
+    parent-death signal again once the ids changed: the kernel clears it then); and True (the ids are
+    set by the wrapper, not by :func:`run`). When the command (the namespace's first process) exits,
+    or ``unshare`` is killed, the kernel kills every process left in the namespace, a ``setsid`` one
+    included. None: not for this caller (only root may make the namespace without a user namespace of
+    its own) or util-linux is not there."""
+    unshare, setpriv = _system_program("unshare"), _system_program("setpriv")
+    if os.geteuid() != 0 or unshare is None or (as_user is not None and setpriv is None):
+        return None
+    wrapped = [unshare, "--pid", "--fork", "--kill-child", "--"]
+    if as_user is not None:
+        assert setpriv is not None
+        ids = [f"--reuid={as_user[0]}", f"--regid={as_user[1]}"]
+        listed = ",".join(str(g) for g in dict.fromkeys(groups))
+        ids.append(f"--groups={listed}" if listed else "--clear-groups")
+        wrapped += [setpriv, *ids, "--pdeathsig=KILL", "--"]
+    return [*wrapped, *argv], as_user is not None
+
+
 def run(
     argv: Sequence[str],
     *,
@@ -211,6 +246,7 @@ def run(
     end_group: bool = False,
     groups: Sequence[int] = (),
     cancel: threading.Event | None = None,
+    contain: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     """Like ``subprocess.run(argv, capture_output=True, text=True)``, without the gaps above; bytes of
     the output that are not UTF-8 are replaced (U+FFFD), never an exception.
@@ -228,6 +264,10 @@ def run(
     an import's helper processes, a multiprocessing resource tracker) is killed too, and gone when this
     returns (see :func:`end_process_group`).
 
+    ``contain``: the child runs in a PID namespace of its own (:func:`contained`), so that nothing it
+    started outlives it, a process in a session of its own included; where that cannot be had (a
+    caller that is not root, no util-linux), its process group alone is ended (``end_group``).
+
     ``cancel``: an event another thread may set (the run stopped while a check ran in the background):
     the child is then killed and reaped, and its group sent SIGKILL, within a poll (:data:`POLL_S`;
     a child that has exited has its group ended first, :func:`end_process_group`), and
@@ -239,11 +279,18 @@ def run(
     an exception from a signal handler propagates once the child is gone.
     """
     command = list(argv)
+    wrapped = contained(command, as_user, groups) if contain and program_fd is None else None
+    if wrapped is not None:
+        spawned, ids_set = wrapped
+        if ids_set:
+            as_user = None
+    else:
+        spawned = command
     held: list[int] = []
     previous = _hold(held)
     try:
         proc = subprocess.Popen(
-            command,
+            spawned,
             executable=None if program_fd is None else f"/proc/self/fd/{program_fd}",
             pass_fds=() if program_fd is None else (program_fd,),
             env=dict(env),

@@ -392,6 +392,79 @@ def mounts_below(path: Path) -> list[str]:
     return found
 
 
+#: The most levels below its top a walk enters (each level holds a descriptor while its directory's
+#: entries are walked), and the most entries it lists: the owner of a tree makes it as deep and as
+#: wide as it likes (a chain of 6,000 directories cost 139 s and memory growing with the square of
+#: the depth, when each directory was opened again from the root).
+WALK_MAX_DEPTH = 256
+WALK_MAX_ENTRIES = 4_000_000
+
+
+class TreeTooLarge(OSError):
+    """A walk reached its bound: deeper or larger than any installed tree is."""
+
+
+def walk_below(
+    fd: int,
+    relative: str,
+    files: list[str],
+    directories: list[str],
+    max_depth: int = WALK_MAX_DEPTH,
+    max_entries: int = WALK_MAX_ENTRIES,
+    deadline: float | None = None,
+    budget: list[int] | None = None,
+) -> None:
+    """Every entry below the directory ``fd`` (taken: closed here), by an explicit stack of
+    descriptors (each directory opened relative to its parent's, ``O_NOFOLLOW``, no recursion):
+    what is not a real directory into ``files``, real directories into ``directories``, as paths
+    relative to the root (``relative``: ``fd``'s). :class:`TreeTooLarge` past the bounds: deeper
+    than ``max_depth``, more than ``max_entries`` entries (or than ``budget[0]``, the entries left to
+    several walks, taken from it), or still walking at ``deadline`` (``time.monotonic()``)."""
+    if budget is not None:
+        max_entries = min(max_entries, budget[0])
+    try:
+        first = _listing(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    stack: list[tuple[int, str, list[tuple[str, bool]]]] = [(fd, relative, first[::-1])]
+    entries = 0
+    try:
+        while stack:
+            parent, here, pending = stack[-1]
+            if not pending:
+                os.close(stack.pop()[0])
+                continue
+            name, is_dir = pending.pop()
+            entries += 1
+            if budget is not None:
+                budget[0] -= 1
+            if entries > max_entries:
+                raise TreeTooLarge(errno.EFBIG, f"more than {max_entries} entries below it", relative or ".")
+            if deadline is not None and not entries % 1024 and time.monotonic() > deadline:
+                raise TreeTooLarge(errno.ETIMEDOUT, "its walk ran past its deadline", relative or ".")
+            path = f"{here}/{name}" if here else name
+            if not is_dir:
+                files.append(path)
+                continue
+            directories.append(path)
+            if len(stack) > max_depth:
+                raise TreeTooLarge(errno.ELOOP, f"more than {max_depth} levels deep", relative or ".")
+            try:
+                child = os.open(name, _DIR_FLAGS, dir_fd=parent)
+            except OSError:
+                continue  # replaced while we walked: not a real directory any more
+            try:
+                listed = _listing(child)
+            except BaseException:  # as a listing that fails always did: raised
+                os.close(child)
+                raise
+            stack.append((child, path, listed[::-1]))
+    finally:
+        for held, _, _ in stack:
+            os.close(held)
+
+
 def _listing(fd: int) -> list[tuple[str, bool]]:
     """The entries of the directory ``fd``: (name, whether the listing says it is a real directory)."""
     with os.scandir(fd) as entries:
@@ -692,44 +765,20 @@ class Tree:
 
     def _walk(self, fd: int, relative: str, found: list[str]) -> None:
         """Takes ``fd`` (closed here)."""
-        try:
-            with os.scandir(fd) as entries:
-                listed = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
-            for name, is_dir in listed:
-                path = f"{relative}/{name}"
-                if not is_dir:
-                    found.append(path)
-                    continue
-                try:
-                    child = os.open(name, _DIR_FLAGS, dir_fd=fd)
-                except OSError:
-                    continue  # replaced while we walked: not a real directory any more
-                self._walk(child, path, found)
-        finally:
-            os.close(fd)
+        walk_below(fd, relative, found, [])
 
     def walk(self, relative: str) -> tuple[list[str], list[str]]:
         """Everything below the directory ``relative`` ("": the root), found by listing each directory
         by its descriptor, without a ``stat`` of the files: (what is not a real directory, the real
-        directories), relative to the root, sorted. A symlink is listed, never entered."""
+        directories), relative to the root, sorted. A symlink is listed, never entered.
+        :class:`TreeTooLarge` beyond :data:`WALK_MAX_DEPTH` levels or :data:`WALK_MAX_ENTRIES` entries."""
         files: list[str] = []
         directories: list[str] = []
-        pending = [relative]
-        while pending:
-            here = pending.pop()
-            try:
-                fd = self._open_dir(parts_of(here)) if here else os.dup(self.fd)
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            try:
-                listed = _listing(fd)
-            finally:
-                os.close(fd)
-            for name, is_dir in listed:
-                path = f"{here}/{name}" if here else name
-                (directories if is_dir else files).append(path)
-                if is_dir:
-                    pending.append(path)
+        try:
+            fd = self._open_dir(parts_of(relative)) if relative else os.dup(self.fd)
+        except (FileNotFoundError, NotADirectoryError):
+            return [], []
+        walk_below(fd, relative, files, directories)
         return sorted(files), sorted(directories)
 
     def names(self, relative: str) -> list[str]:

@@ -3,10 +3,11 @@ end safeinstall with exit 2 and an ``error:`` line (:func:`install_early_handler
 instruction: nothing was changed); during the run the first one interrupts the step in progress (and the
 run rolls back: exit 2 before the stop, 3 after it); during the rollback and the tidy-up after a good run
 they are held back and announced, so the services are never abandoned half-way and a finished run
-finishes."""
+finishes; once the run has its result they are ignored until the process exits (its exit code stands)."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -124,6 +125,16 @@ def _handlers(handler: Callable[[int, FrameType | None], None]) -> Iterator[None
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+def ignored_until_exit() -> None:
+    """SIGINT/SIGTERM/SIGHUP ignored from now until the process exits: a run whose result is out ends
+    with that result's exit code (issue 45). Ignored, not handled: as it exits, CPython puts a signal
+    handled by Python back to its default action (a SIGTERM then killed a good run, exit -15) and
+    leaves an ignored one ignored; and no handler of an earlier phase comes back."""
+    with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
+        for sig in _SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def block() -> set[int | signal.Signals]:

@@ -283,7 +283,9 @@ def dropin_roots(unit_path: Sequence[str]) -> DropinRoots:
         raise SystemdError(
             "cannot tell where the service manager reads drop-ins from "
             f"(its UnitPath has no persistent and runtime control directories: {' '.join(unit_path)})",
-            hint="this systemd may be too old; safeinstall needs systemd 240 or newer",
+            hint="the gate's drop-in goes to the manager's admin directory (/etc/systemd/system, "
+            "~/.config/systemd/user), which it reads from systemd 240 on, unless it was started with "
+            'SYSTEMD_UNIT_PATH (keep its defaults: end the value with ":")',
         )
     persistent, runtime = (entry.removesuffix(".control") for entry in controls[:2])
     missing = [entry for entry in (persistent, runtime) if entry not in unit_path]
@@ -787,10 +789,13 @@ class ExecContext:
     group: str = ""
     supplementary_groups: tuple[str, ...] = ()
     dynamic_user: bool = False
+    #: the argv of its (first) ``ExecStart=``, as the manager has it; () when it cannot be told
+    command: tuple[str, ...] = ()
 
 
 #: What :func:`exec_context` asks ``systemctl show`` for.
 EXEC_PROPERTIES = (
+    "ExecStart",
     "Environment",
     "EnvironmentFiles",
     "WorkingDirectory",
@@ -831,6 +836,8 @@ def parse_exec_context(unit: str, text: str) -> ExecContext:
             directory = value.lstrip("-!")
         elif key in ("User", "Group", "SupplementaryGroups", "DynamicUser"):
             said[key] = value.strip()
+        elif key == "ExecStart" and "ExecStart" not in said:
+            said["ExecStart"] = value
     return ExecContext(
         unit,
         tuple(environment.items()),
@@ -840,7 +847,21 @@ def parse_exec_context(unit: str, text: str) -> ExecContext:
         group=said.get("Group", ""),
         supplementary_groups=tuple(said.get("SupplementaryGroups", "").split()),
         dynamic_user=said.get("DynamicUser", "") == "yes",
+        command=exec_argv(said.get("ExecStart", "")),
     )
+
+
+def exec_argv(value: str) -> tuple[str, ...]:
+    """Pure: the argv of ``systemctl show``'s ``ExecStart={ path=... ; argv[]=A B C ; ... }`` (the first
+    command; systemd quotes a word with spaces); () when there is none."""
+    _, found, rest = value.partition("argv[]=")
+    if not found:
+        return ()
+    text = rest.split(" ; ", 1)[0].strip()
+    try:
+        return tuple(shlex.split(text))
+    except ValueError:
+        return tuple(text.split())
 
 
 def exec_context(systemd: Systemd, unit: str) -> ExecContext:

@@ -1,0 +1,304 @@
+"""Bytecode judged by what it runs (issue 46 item 1, issue 43 item 7): a ``.pyc`` in a ``__pycache__``
+is fine only when it is valid for its listed, verified source and holds the code compiling that source
+gives. Nothing of it is run: its header is parsed, its body unmarshalled (``marshal.loads`` builds data,
+code objects included, and runs none of it) and compared with ``compile()`` of the source's bytes.
+
+docs/verify.md has the rules; :func:`judge` is the pure part, :func:`judge_files` reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import marshal
+import os
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+from safeinstall.env.records import encode_digest
+
+if TYPE_CHECKING:
+    from safeinstall.system.safefs import Tree
+
+#: No ``.pyc`` or source larger than this is unmarshalled or compiled (the largest of vLLM's is 2 MiB).
+LARGEST_PYC = 32 << 20
+LARGEST_SOURCE = 32 << 20
+
+#: PEP 552's flags: bit 0, a hash-based ``.pyc``; bit 1, check the source (a checked one).
+_HASH_BASED = 0b01
+_CHECK_SOURCE = 0b10
+_HEADER = 16
+
+
+class PycName(NamedTuple):
+    """What a ``__pycache__`` file's name says: its source, the interpreter's tag, the optimization."""
+
+    source: str  # absolute: ``pkg/__pycache__/mod.cpython-311.opt-1.pyc`` -> ``pkg/mod.py``
+    tag: str  # ``cpython-311``
+    optimize: int  # 0, 1 or 2
+
+
+def pyc_name(location: str) -> PycName | None:
+    """Pure: the parts of a ``__pycache__`` ``.pyc``'s path, or None for any other path (a name Python
+    never loads from ``__pycache__``: not ``NAME.TAG.pyc`` nor ``NAME.TAG.opt-N.pyc``)."""
+    directory, _, name = location.rpartition("/")
+    parent, _, cache = directory.rpartition("/")
+    if cache != "__pycache__" or not name.endswith(".pyc"):
+        return None
+    parts = name[: -len(".pyc")].split(".")
+    optimize = 0
+    if len(parts) == 3 and parts[2] in ("opt-1", "opt-2"):
+        optimize = int(parts[2][-1])
+        parts = parts[:2]
+    if len(parts) != 2 or not parts[0] or not parts[1]:
+        return None
+    return PycName(f"{parent}/{parts[0]}.py", parts[1], optimize)
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    magic: bytes
+    flags: int
+    mtime: int  # timestamp .pyc: the source's mtime (seconds, 32 bits); else 0
+    size: int  # timestamp .pyc: the source's size (32 bits); else 0
+    source_hash: bytes  # hash-based .pyc: the source's SipHash; else b""
+
+
+def parse_header(data: bytes) -> Header | str:
+    """Pure: a ``.pyc``'s 16-byte header (PEP 552), or why it is not one."""
+    if len(data) < _HEADER:
+        return "shorter than a .pyc's header"
+    flags = int.from_bytes(data[4:8], "little")
+    if flags & ~(_HASH_BASED | _CHECK_SOURCE) or flags == _CHECK_SOURCE:
+        return f"flags {flags:#x} are no .pyc's"
+    if flags & _HASH_BASED:
+        return Header(data[:4], flags, 0, 0, data[8:16])
+    return Header(
+        data[:4], flags, int.from_bytes(data[8:12], "little"), int.from_bytes(data[12:16], "little"), b""
+    )
+
+
+#: The running interpreter's tag and magic: a ``.pyc`` of another tag cannot be compared here.
+OWN_TAG = sys.implementation.cache_tag
+OWN_MAGIC = importlib.util.MAGIC_NUMBER
+
+
+def judge(pyc: bytes, name: PycName, source: bytes) -> str | None:
+    """Pure (builds code objects, runs none): why ``pyc`` is not the bytecode of ``source`` (the bytes
+    of its listed, verified source), or None when it is. An unchecked hash-based ``.pyc`` is never
+    fine: Python runs it without looking at its source. The header's timestamp or hash need not match
+    (Python then compiles the source itself and does not run this one); the code it holds must be what
+    compiling the source gives (code objects compared, which leaves out the file name a compiler was
+    given). A ``.pyc`` of another interpreter's tag is judged by its header alone: this interpreter
+    cannot compile for it."""
+    header = parse_header(pyc)
+    if isinstance(header, str):
+        return header
+    if header.flags & _HASH_BASED and not header.flags & _CHECK_SOURCE:
+        return "unchecked hash-based bytecode: Python runs it without looking at its source"
+    if name.tag != OWN_TAG:
+        return None  # another interpreter's: its header is all that can be judged here
+    if header.magic != OWN_MAGIC:
+        return f"magic {header.magic.hex()} is not {name.tag}'s"
+    try:
+        held = marshal.loads(pyc[_HEADER:])
+    except (EOFError, ValueError, TypeError, RecursionError, MemoryError):
+        return "its body is not marshalled code"
+    if type(held) is not type(judge.__code__):
+        return "its body is not a code object"
+    try:
+        compiled = compile(source, name.source, "exec", dont_inherit=True, optimize=name.optimize)
+    except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError):
+        return "its source does not compile"
+    return None if held == compiled else "its code is not what its source compiles to"
+
+
+class Source(NamedTuple):
+    """A listed source a ``.pyc`` is judged against: its RECORD's hash."""
+
+    algorithm: str
+    digest: str
+
+
+class Judged(NamedTuple):
+    """One ``.pyc`` judged fine, as it was (what the store keeps: its identity and the source's hash)."""
+
+    location: str
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    source_digest: str
+
+
+#: Given a ``.pyc``'s ``lstat`` and its source's RECORD digest: True when it was judged fine before,
+#: as it is now (its identity unchanged) against a source of that very hash.
+KnownPyc = Callable[[os.stat_result, str], bool]
+
+
+@dataclass(frozen=True, slots=True)
+class Verdicts:
+    problems: Mapping[str, str]  # location -> why it is not fine
+    judged: tuple[Judged, ...]  # read and judged fine by this check (keepable)
+    by_identity: int  # proven by the store, not read
+
+
+def judge_files(
+    roots: Sequence[Path],
+    candidates: Iterable[tuple[str, PycName, Source | None]],
+    clean_sources: Callable[[str], bool],
+    known: KnownPyc | None = None,
+) -> Verdicts:
+    """Each candidate ``.pyc`` (below ``root``, with its source's RECORD hash, or None: not listed)
+    judged. Read by descriptor within the first of ``roots`` that holds it (the environment's prefix,
+    its base's; no symlink followed, nothing but a regular file opened);
+    the source's bytes are hashed and must be its RECORD's before they are compiled. ``clean_sources``:
+    the check found that source as its RECORD says (a ``.pyc`` proven by ``known`` needs it)."""
+    from safeinstall.system.safefs import NotRegularFile, Tree
+
+    problems: dict[str, str] = {}
+    judged: list[Judged] = []
+    proven = 0
+    batch: list[tuple[Judged, PycName, bytes, bytes]] = []
+    held = 0
+    with contextlib.ExitStack() as stack:
+        trees: list[Tree] = []
+        for root in roots:
+            with contextlib.suppress(OSError):
+                opened = stack.enter_context(Tree(root))
+                stack.enter_context(opened.batch())
+                trees.append(opened)
+        for location, name, source in candidates:
+            tree, relative = next(
+                ((t, r) for t in trees if (r := t.relative(location)) is not None), (None, None)
+            )
+            if tree is None or relative is None:
+                problems[location] = "outside the environment"
+                continue
+            if source is None:
+                problems[location] = f"bytecode of {os.path.basename(name.source)}, which no RECORD lists"
+                continue
+            info = tree.lstat(relative)
+            if info is None:
+                continue  # gone meanwhile
+            if known is not None and clean_sources(name.source) and known(info, source.digest):
+                proven += 1
+                continue
+            try:
+                pyc, pyc_info = _read(tree, relative, LARGEST_PYC)
+                source_relative = tree.relative(name.source)
+                if source_relative is None:
+                    raise NotRegularFile(name.source, "outside the environment")
+                text, _ = _read(tree, source_relative, LARGEST_SOURCE)
+            except (OSError, ValueError) as exc:
+                problems[location] = f"could not be judged: {exc}"
+                continue
+            if encode_digest(hashlib.new(source.algorithm, text).digest()) != source.digest:
+                problems[location] = (
+                    f"bytecode of {os.path.basename(name.source)}, which is not as its RECORD says"
+                )
+                continue
+            fine = Judged(
+                location,
+                pyc_info.st_dev,
+                pyc_info.st_ino,
+                pyc_info.st_size,
+                pyc_info.st_mtime_ns,
+                pyc_info.st_ctime_ns,
+                source.digest,
+            )
+            batch.append((fine, name, pyc, text))
+            held += len(pyc) + len(text)
+            if held >= BATCH_BYTES:
+                _judge_batch(batch, problems, judged)
+                batch, held = [], 0
+        _judge_batch(batch, problems, judged)
+    return Verdicts(problems, tuple(judged), proven)
+
+
+#: The bytes of bytecode and sources read before they are judged (in forked children, each a share).
+BATCH_BYTES = 64 << 20
+#: Fewer than this to judge: here, not worth a fork.
+_FORK_FROM = 32
+
+
+def _judge_share(share: list[tuple[int, PycName, bytes, bytes]]) -> list[tuple[int, str | None]]:
+    """Pure: :func:`judge` of each (in a forked child: compiling is CPU-bound, and threads share one)."""
+    return [(index, judge(pyc, name, text)) for index, name, pyc, text in share]
+
+
+def _judge_batch(
+    batch: list[tuple[Judged, PycName, bytes, bytes]], problems: dict[str, str], judged: list[Judged]
+) -> None:
+    """Each of ``batch`` judged, over forked children where several CPUs and no other thread allow
+    (:func:`safeinstall.system.forking.map_forked`); the answers into ``problems`` and ``judged``."""
+    from safeinstall.system.forking import can_fork, cpu_count, map_forked, split
+
+    items = [(index, name, pyc, text) for index, (_, name, pyc, text) in enumerate(batch)]
+    workers = min(cpu_count(), 32)
+    if workers > 1 and len(items) >= _FORK_FROM and can_fork():
+        answers = dict(a for share in map_forked(_judge_share, split(items, workers)) for a in share)
+    else:
+        answers = dict(_judge_share(items))
+    for index, (fine, _, _, _) in enumerate(batch):
+        why = answers[index]
+        if why is None:
+            judged.append(fine)
+        else:
+            problems[fine.location] = why
+
+
+def _read(tree: Tree, relative: str, limit: int) -> tuple[bytes, os.stat_result]:
+    """A regular file's bytes (at most ``limit``: ValueError beyond) and its identity before the read."""
+    fd = tree.open_read(relative)
+    try:
+        info = os.fstat(fd)
+        if info.st_size > limit:
+            raise ValueError(f"larger than {limit} bytes")
+        data = os.read(fd, info.st_size + 1)
+        while len(data) <= info.st_size and (more := os.read(fd, info.st_size + 1 - len(data))):
+            data += more
+        after = os.fstat(fd)
+        if len(data) != info.st_size or (after.st_mtime_ns, after.st_ctime_ns) != (
+            info.st_mtime_ns,
+            info.st_ctime_ns,
+        ):
+            raise ValueError("changed while it was read")
+        return data, info
+    finally:
+        os.close(fd)
+
+
+#: How long a judgement is believed (as the verified-inode store's hashes are).
+MAX_AGE_NS = 24 * 3600 * 1_000_000_000
+#: The most judgements kept (vLLM's environment holds about 25k ``.pyc`` files once it has run).
+MAX_JUDGED = 1_000_000
+
+
+def keepable(judged: Iterable[Judged], since_ns: int, granularity_ns: int) -> list[Judged]:
+    """Pure: the judgements that may be kept: of a ``.pyc`` whose ctime (which no account sets) is older,
+    by the timestamps' granularity, than the moment the check began: nothing changed it while it was
+    judged, so an identity unchanged later means the bytes judged."""
+    return [j for j in judged if j.ctime_ns + granularity_ns <= since_ns]
+
+
+def known_checker(entries: Mapping[tuple[int, int], Judged]) -> KnownPyc:
+    """What the check asks of a ``.pyc`` before reading it: judged fine before, its identity (device,
+    inode, size, mtime, ctime) unchanged since, against a source of the very RECORD hash it has now."""
+
+    def known(info: os.stat_result, source_digest: str) -> bool:
+        kept = entries.get((info.st_dev, info.st_ino))
+        return (
+            kept is not None
+            and kept.size == info.st_size
+            and kept.mtime_ns == info.st_mtime_ns
+            and kept.ctime_ns == info.st_ctime_ns
+            and kept.source_digest == source_digest
+        )
+
+    return known

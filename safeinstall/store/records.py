@@ -1,0 +1,116 @@
+"""The RECORDs root found clean: ``<state>/<env>/records.json``, root's, 0600, beside the verified-inode
+store (the decisions are :mod:`safeinstall.env.recorded`'s; docs/verify.md has the rules).
+
+Read as every state file is (:func:`safeinstall.store.state.read_private_file`: no symlink, no FIFO, root's
+or the caller's, writable by nobody else, bounded) and every field checked: the format's version, the
+environment's prefix, each ``.dist-info`` (absolute, normal, within the prefix), its digest and its
+lines (16 bytes each). Content digests, not identities: not bound to the boot. A damaged store is not
+used (nothing is reported against it) and is written anew.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from safeinstall.env.recorded import KeptRecord
+from safeinstall.store.state import (
+    StateDirError,
+    atomic_write,
+    check_trusted,
+    ensure_environment_dir,
+    read_private_file,
+    trusted_environment_state,
+)
+
+STORE_NAME = "records.json"
+STORE_VERSION = 1
+STORE_LIMIT = 256 << 20
+_DIGEST = re.compile(r"[A-Za-z0-9_-]{43}")
+
+
+def from_json(raw: bytes, prefix: str) -> dict[str, KeptRecord]:
+    """Pure: the RECORDs kept, every field checked (ValueError: damaged or another environment's)."""
+    document: Any = json.loads(raw)
+    if not isinstance(document, dict) or document.get("version") != STORE_VERSION:
+        raise ValueError("not a store of this version")
+    if document.get("prefix") != prefix:
+        raise ValueError("another environment's")
+    records = document.get("records")
+    if not isinstance(records, dict):
+        raise ValueError("no records")
+    below = prefix.rstrip("/") + "/"
+    found: dict[str, KeptRecord] = {}
+    for dist_info, value in records.items():
+        if (
+            not isinstance(dist_info, str)
+            or os.path.normpath(dist_info) != dist_info
+            or not dist_info.startswith(below)
+        ):
+            raise ValueError("not a .dist-info of the environment")
+        if not isinstance(value, list) or len(value) != 2 or not all(isinstance(v, str) for v in value):
+            raise ValueError("not a record")
+        digest, text = value
+        lines = base64.b64decode(text.encode("ascii"), validate=True)
+        if not _DIGEST.fullmatch(digest) or len(lines) % 16:
+            raise ValueError("not a record's digest and lines")
+        found[dist_info] = KeptRecord(digest, lines)
+    return found
+
+
+def to_json(prefix: str, records: Mapping[str, KeptRecord]) -> bytes:
+    document = {
+        "version": STORE_VERSION,
+        "prefix": prefix,
+        "records": {
+            path: [kept.digest, base64.b64encode(kept.lines).decode("ascii")]
+            for path, kept in sorted(records.items())
+        },
+    }
+    return json.dumps(document, separators=(",", ":")).encode("utf-8", "surrogateescape")
+
+
+def read_records(root: Path, prefix: Path) -> tuple[dict[str, KeptRecord] | None, str | None]:
+    """The RECORDs kept for the environment ({} when none, or damaged: written anew), with a note when
+    the store was refused; None when the state directory is not trusted (nothing is kept then)."""
+    state = trusted_environment_state(root, prefix)
+    try:
+        check_trusted(root)
+        if state.problem is not None:
+            return None, None
+        raw = read_private_file(state.dir / STORE_NAME, STORE_LIMIT)
+        return from_json(raw, os.fspath(prefix)), None
+    except FileNotFoundError:
+        return {}, None
+    except StateDirError as exc:
+        return None, f"the store of RECORDs found clean was not used: {exc.message}"
+    except (ValueError, UnicodeError, binascii.Error, RecursionError):
+        return {}, "the store of RECORDs found clean was damaged: written anew"
+    except OSError as exc:
+        return None, f"the store of RECORDs found clean could not be read ({exc.strerror or exc})"
+
+
+def keep_records(
+    root: Path, prefix: Path, kept: Mapping[str, KeptRecord] | None, updates: Mapping[str, KeptRecord]
+) -> str | None:
+    """The store with ``updates`` in (best effort; a note when it could not be written)."""
+    if kept is None or not updates:
+        return None
+    try:
+        data = to_json(os.fspath(prefix), {**kept, **updates})
+        if len(data) > STORE_LIMIT:
+            return f"the store of RECORDs found clean would be larger than {STORE_LIMIT} bytes: not kept"
+        state = trusted_environment_state(root, prefix)
+        ensure_environment_dir(state)
+        atomic_write(state.dir / STORE_NAME, data)
+    except StateDirError as exc:
+        return f"the store of RECORDs found clean was not kept: {exc.message}"
+    except (OSError, ValueError, UnicodeError) as exc:
+        return f"the store of RECORDs found clean was not kept ({exc})"
+    return None

@@ -1,0 +1,65 @@
+"""The session's end check (tests/bed_leaks.py) fails a suite that leaves a process or a mount behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+LEAKY = """
+import subprocess
+from pathlib import Path
+
+
+def test_leaves_a_daemon(tmp_path: Path) -> None:
+    subprocess.Popen(["setsid", "sleep", "600"], start_new_session=True)
+
+
+def test_leaves_a_mount(tmp_path: Path) -> None:
+    (tmp_path / "disk").mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(tmp_path / "disk")], check=True)
+"""
+
+CLEAN = """
+import subprocess
+
+
+def test_leaves_nothing() -> None:
+    subprocess.run(["sleep", "0"], check=True)
+"""
+
+
+def _suite(tmp_path: Path, text: str) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "test_inner.py").write_text(text)
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    env = {k: v for k, v in os.environ.items() if k != "SAFEINSTALL_TEST_SESSION"}
+    env |= {"PYTHONPATH": str(ROOT), "SAFEINSTALL_TEST_LEAK_GRACE_S": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "tests.bed_leaks", "-p", "no:cacheprovider",
+         "-c", str(tmp_path / "pytest.ini"), "--rootdir", str(tmp_path),
+         "--basetemp", str(tmp_path / "base"), str(tmp_path / "test_inner.py")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_a_suite_that_leaves_a_daemon_and_a_mount_fails_and_is_cleaned_up(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    done = _suite(tmp_path, LEAKY)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "2 passed" in done.stdout
+    assert "leak: process" in done.stdout and "sleep 600" in done.stdout
+    assert f"leak: mount {tmp_path / 'base'}" in done.stdout and "/disk outlived the suite" in done.stdout
+    with open("/proc/self/mountinfo") as mountinfo:  # unmounted by the check
+        assert str(tmp_path / "base") not in mountinfo.read()
+
+
+def test_a_suite_that_leaves_nothing_passes(tmp_path: Path) -> None:
+    done = _suite(tmp_path, CLEAN)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "leak:" not in done.stdout
