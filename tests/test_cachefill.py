@@ -1,13 +1,12 @@
 """The run's uv cache is filled from the owner's (safeinstall/env/cachefill.py): what the host already has
-is copied, never fetched again, and never linked (the run's cache shares no inode with a cache that
-outlives the run). Real uv, real wheels, a cache uv filled itself."""
+is copied (cloned where the filesystem can), never fetched again, and never linked (the run's cache
+shares no inode with a cache that outlives the run, root's own included: issue 43); an entry whose files
+differ from their RECORD is said and fetched afresh. Real uv, real wheels, a cache uv filled itself."""
 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -108,9 +107,8 @@ def test_only_what_the_plan_installs_is_copied_and_a_link_that_leads_elsewhere_i
     ) == [["sipure", "2.0"]]
 
 
-@pytest.mark.parametrize("link", [False, True], ids=["copy", "link"])
 def test_root_never_copies_a_cache_another_user_could_write(
-    venv: Path, wheels: Wheelhouse, tmp_path: Path, link: bool
+    venv: Path, wheels: Wheelhouse, tmp_path: Path
 ) -> None:
     """A root-owned environment's fill runs as root over the caller's cache (``sudo -E`` may keep a
     user's ``HOME``; ``UV_CACHE_DIR`` may be a shared cache): a file or directory in it that is not
@@ -124,26 +122,43 @@ def test_root_never_copies_a_cache_another_user_could_write(
     os.chown(planted, 65534, 65534)  # another user's file in the archive (it could write it)
     run_cache = tmp_path / "run-cache"
     run_cache.mkdir(mode=0o700)
-    filled = cachefill.fill(owners, run_cache, [UvChange("install", "sipure", "1.0", None)], None, link)
+    filled = cachefill.fill(owners, run_cache, [UvChange("install", "sipure", "1.0", None)], None)
     assert filled.problem is not None and "not this account's own" in filled.problem, filled
     assert not list(run_cache.glob("wheels-v*/index/*/sipure/1.0-*")), "no entry names the copy"
     os.chown(planted, 0, 0)
     os.chmod(planted, 0o666)  # root's, but everyone may write it
     filled = cachefill.fill(
-        owners, tmp_path / "run-cache-2", [UvChange("install", "sipure", "1.0", None)], None, link
+        owners, tmp_path / "run-cache-2", [UvChange("install", "sipure", "1.0", None)], None
     )
     assert filled.problem is not None, filled
 
 
-def test_root_links_from_its_own_cache_and_takes_the_stores_hashes_unread(
+def test_an_archive_that_differs_from_its_record_is_said_and_not_taken(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    """A file of the owner's cached archive edited in place (an installed file uv had linked from it,
+    hotfixed): the archive is not copied, no entry names it, and the fill says which it is."""
+    owners = tmp_path / "owners-cache"
+    _uv_fills(owners, wheels, venv, tmp_path / "t1", "sipure==1.0")
+    (module,) = (owners / "archive-v0").glob("*/sipure/__init__.py")
+    with module.open("a") as edit:
+        edit.write("# hotfix\n")
+    run_cache = tmp_path / "run-cache"
+    run_cache.mkdir(mode=0o700)
+    filled = cachefill.fill(owners, run_cache, [UvChange("install", "sipure", "1.0", None)], None)
+    assert filled.problem is None and filled.damaged == ("sipure 1.0",) and filled.archives == 0, filled
+    assert not list(run_cache.glob("archive-v0/*")) and not list(run_cache.glob("wheels-v*/*/*/sipure/1.0-*"))
+
+
+def test_a_clean_reinstall_from_roots_warm_cache_shares_no_inode_with_it(
     wheels: Wheelhouse, tmp_path: Path
 ) -> None:
-    """Issue 36, no needless copy: a root-owned environment's run over root's own uv cache (nobody else
-    can write it) hardlinks its unpacked wheels into the run's cache, as uv itself installs from it, so
-    nothing is copied and the installed files share their inodes with that cache, as the hand's
-    ``uv pip install`` leaves them. The environment's verified-inode store kept the hashes of those
-    inodes when the same version was checked there before (a switch back, a clean reinstall): the
-    prefetch takes them without reading the files."""
+    """Issue 43, item 3: sipure 2.0 installed by hand from root's own uv cache (uv links it: the hand's
+    installed files share their inodes with the cache). safeinstall's clean reinstall by name from that
+    warm cache takes it from there (not fetched), and after it no reinstalled file shares its inode with
+    the cache (link count 1): an in-place edit of an installed file changes nothing in the cache. Then
+    the hand's install again, hotfixed in place (which changes the cache too): the next clean reinstall
+    says the changed copy (`uv cache clean sipure`), fetches a fresh one and succeeds."""
     if os.geteuid() != 0:
         pytest.skip("root's own cache: needs root")
     from tests.clirun import run as safeinstall
@@ -157,45 +172,59 @@ def test_root_links_from_its_own_cache_and_takes_the_stores_hashes_unread(
         "UV_CACHE_DIR": str(cache),
         "SAFEINSTALL_STATE_DIR": str(tmp_path / "state"),
     }
+    site = wheelhouse.site_packages(python)
+    installed = site / "sipure" / "__init__.py"
 
-    def hand(version: str) -> None:
+    def by_hand() -> None:
         subprocess.run(
             [
                 *(wheelhouse.UV, "pip", "install", "--quiet", "--offline", "--python", str(python)),
-                *("--reinstall-package", "sipure", "--find-links", links, f"sipure=={version}"),
+                *("--reinstall", "--find-links", links, "sipure==2.0"),
             ],
             check=True,
             env=env,
         )
+        assert installed.stat().st_nlink > 1  # the hand's install: linked with root's cache
 
-    hand("2.0")  # 2.0 in the cache and installed: the check keeps its inodes' hashes
-    time.sleep(verified.GRANULARITY_NS / 1e9)  # not racy: a hash taken within it of a change is not kept
-    checked = safeinstall("--python", str(python), "--verify-only", "sipure", "--json", env=env)
-    assert checked.code == 0, checked.stdout + checked.stderr
-
-    def switch(version: str) -> str:
-        """safeinstall installs ``version``: its prefetch step's detail, said to have read not all."""
+    def clean_reinstall() -> str:
         result = safeinstall(
-            "--python", str(python), "--yes", "--json", "--settle", "0", f"sipure=={version}",
+            "--python", str(python), "--yes", "--json", "--settle", "0", "sipure",
             "--", "--offline", "--find-links", links,
             env=env,
         )  # fmt: skip
         assert result.code == 0, result.stdout + result.stderr
-        prefetch = str({s["name"]: s["detail"] for s in result.json["data"]["steps"]}["prefetch"])
-        unread = re.findall(r"(\d+) files hashed \((\d+) of them kept by the verified-inode store", prefetch)
-        assert unread and int(unread[0][1]) > 0, prefetch
-        return prefetch
+        return result.stdout + result.stderr
 
-    hand("1.0")
-    time.sleep(verified.GRANULARITY_NS / 1e9)  # the preflight's hashes of 1.0's files are kept: not racy
-    assert f"1 unpacked wheel(s) linked from {cache}" in switch("2.0")
-    installed = wheelhouse.site_packages(python) / "sipure" / "__init__.py"
-    (archive,) = (
-        entry for entry in cache.glob("archive-v0/*/sipure/__init__.py") if "2.0" in entry.read_text()
-    )
-    assert installed.stat().st_ino == archive.stat().st_ino  # linked, as uv links from its cache
-    assert "VERSION = " in installed.read_text() and "2.0" in installed.read_text()
-    switch("1.0")  # and back: the run kept the hashes of the old files it read (1.0's live on in the cache)
+    def cache_files() -> dict[tuple[int, int], bytes]:
+        return {
+            (info.st_dev, info.st_ino): path.read_bytes()
+            for path in cache.rglob("*")
+            if path.is_file() and not path.is_symlink()
+            for info in [path.stat()]
+        }
+
+    by_hand()
+    pristine = installed.read_bytes()
+    said = clean_reinstall()
+    assert f"unpacked wheel(s) copied from {cache}" in said and "changed copy" not in said, said
+    in_cache = cache_files()
+    record = next(site.glob("sipure-2.0.dist-info")) / "RECORD"
+    for line in record.read_text().splitlines():
+        path = site / line.split(",", 1)[0]
+        if path.is_file() and "__pycache__" not in path.parts:
+            info = path.stat()
+            assert info.st_nlink == 1, path  # shares its inode with nothing
+            assert (info.st_dev, info.st_ino) not in in_cache, path
+    with installed.open("a") as edit:
+        edit.write("# hotfix\n")
+    assert cache_files() == in_cache  # the cache did not change with it
+
+    by_hand()
+    with installed.open("a") as edit:
+        edit.write("# hotfix\n")  # linked: the cache holds the hotfix too
+    said = clean_reinstall()
+    assert "uv's cache holds a changed copy of sipure 2.0: `uv cache clean sipure`" in said, said
+    assert installed.read_bytes() == pristine  # from the fresh copy, not the changed one
 
 
 def test_a_kept_hash_stands_for_a_root_only_inode_whose_links_changed_and_for_nothing_else(

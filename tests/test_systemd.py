@@ -16,8 +16,10 @@ from safeinstall.system.cgroups import placement_of_proc_cgroup
 from safeinstall.system.systemd import (
     DropinRoots,
     Systemd,
+    UnitInfo,
     check_unit_name,
     dropin_roots,
+    gone_wrong,
     parse_show,
     parse_timespan,
     read_cgroup_pids,
@@ -135,6 +137,36 @@ def test_a_started_unit_is_watched_as_long_as_its_own_start_timeout() -> None:
     quick = unit_info("x.service", {"TimeoutStartUSec": "20min"})
     assert start_wait_s(quick) == 20 * 60 + 30
     assert start_wait_s(unit_info("y.service", {})) == 90 + 30 == start_wait_s(None)
+
+
+def test_what_ends_the_wait_after_a_start() -> None:
+    """Pure (issue 43, item 5: the health check ends at once on it): failed, inactive with no job left,
+    an automatic restart (NRestarts rose), or another main process than the one seen active; not while
+    it activates, a job is queued, or it runs as seen."""
+
+    def info(state: str, pid: int = 10, start: int = 5, restarts: int = 0, job: str = "") -> UnitInfo:
+        return unit_info(
+            "a.service",
+            {"ActiveState": state, "SubState": "x", "MainPID": str(pid), "NRestarts": str(restarts)}
+            | {"ExecMainStartTimestampMonotonic": str(start), "Job": job, "Result": "exit-code"},
+        )
+
+    def verdict(
+        state: UnitInfo, last: int | None = 0, seen: tuple[int | None, int] | None = None
+    ) -> str | None:
+        said = gone_wrong("a.service", state, last, seen)
+        return None if said is None else said[0]
+
+    assert gone_wrong("a.service", info("failed"), 0, None) == (
+        "failed",
+        "a.service failed (x, Result=exit-code)",
+    )
+    assert verdict(info("inactive")) == "inactive"
+    assert verdict(info("inactive", job="7 start")) is None  # its start is queued
+    assert verdict(info("activating", restarts=1)) == "restarted"  # Restart=: its main process exited
+    assert verdict(info("active", pid=11, start=6), seen=(10, 5)) == "restarted"
+    assert verdict(info("active"), seen=(10, 5)) is None
+    assert verdict(info("activating"), last=None) is None
 
 
 def test_unit_info_rejects_unreadable_timeout() -> None:

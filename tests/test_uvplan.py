@@ -183,3 +183,12 @@ def test_uv_as_the_environments_owner_gets_its_home_and_none_of_roots_directorie
     # no run cache (a dry-run): uv's own temporary one, never root's cache nor a home that may not exist
     assert uv_environment(caller, None, owner)["UV_NO_CACHE"] == "1"
     assert "UV_NO_CACHE" not in uv_environment(caller, None)
+
+
+def test_prefetch_takes_no_deps_once() -> None:
+    """``-- --no-deps`` from the operator: the prefetch has it already, and uv refuses it twice."""
+    request = UvRequest(
+        Path("/v/bin/python"), "sicext", version_spec="==2.0", extra_args=("--no-deps", "--offline")
+    )
+    cmd = prefetch_command(request, "uv", Path("/scratch"))
+    assert cmd.count("--no-deps") == 1 and "--offline" in cmd

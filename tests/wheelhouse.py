@@ -238,3 +238,35 @@ def two_owners(python: Path, out: Path) -> tuple[Path, Path, Path]:
     uv_install(python, first)
     uv_install(python, second)
     return site_packages(python) / "sishared" / "core.py", first, second
+
+
+PIP_DOWNLOAD = (sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:")
+
+
+def pypi_wheels(out_dir: Path, specs: tuple[str, ...]) -> dict[str, Path]:
+    """Wheels of ``specs`` (``name==version``, no dependencies) from the package index, by pip; keyed by
+    name and by ``name-version`` (``idna``, ``idna-2.0``; a name downloaded at two versions: the first).
+    One pip call for the first version of each name, one more for each further version (pip resolves
+    the specs of one call together)."""
+    rounds: list[list[str]] = []
+    for spec in specs:
+        name = spec.partition("==")[0]
+        free = next((r for r in rounds if all(s.partition("==")[0] != name for s in r)), None)
+        if free is None:
+            rounds.append(free := [])
+        free.append(spec)
+    for specs_of_round in rounds:
+        subprocess.run(
+            [*PIP_DOWNLOAD, "-d", str(out_dir), *specs_of_round],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+    found: dict[str, Path] = {}
+    for spec in specs:
+        name, _, version = spec.partition("==")
+        stem = name.replace("-", "_").lower()
+        (wheel,) = [w for w in out_dir.glob("*.whl") if w.name.lower().startswith(f"{stem}-{version}-")]
+        found.setdefault(name, wheel)
+        found[f"{name}-{version}"] = wheel
+    return found

@@ -131,6 +131,7 @@ def main_command(
     base_wheel: params.BaseWheel = None,
     drop_conflicting: params.DropConflicting = False,
     accept_record_mismatch: params.AcceptRecordMismatch = False,
+    allow_broken_requirements: params.AllowBrokenRequirements = False,
     yes: params.Yes = False,
     detach_: params.Detach = False,
     verify_only: params.VerifyOnly = False,

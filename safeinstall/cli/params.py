@@ -253,6 +253,16 @@ DropConflicting = Annotated[
     ),
 ]
 
+AllowBrokenRequirements = Annotated[
+    bool,
+    _flag(
+        "--allow-broken-requirements",
+        "Go on with a run that leaves a requirement of the environment unmet (as `uv pip check` would "
+        "say it); without it such a run is refused before anything stops.",
+        rich_help_panel=RUN,
+    ),
+]
+
 AcceptRecordMismatch = Annotated[
     bool,
     _flag(

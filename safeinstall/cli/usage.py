@@ -42,6 +42,7 @@ RUN_ONLY = (
     ("no_swap", "--no-swap"),
     ("prune", "--prune"),
     ("keep_backups", "--keep-backups"),
+    ("allow_broken_requirements", "--allow-broken-requirements"),
 )
 
 

@@ -15,14 +15,13 @@ one, the caller's (``UV_CACHE_DIR``, else ``$XDG_CACHE_HOME/uv``, else ``~/.cach
 brings is checked like anything uv unpacks: every installed file is verified against the wheel or its
 RECORD, and the cache is hashed before the stop (:mod:`safeinstall.env.inodes`).
 
-Linked, not copied, where nobody but root can write the source (issue 36): a root-owned environment's
-run over root's own uv cache (every directory from ``/`` down root's and writable by root alone, every
-file root's, 0644 or stricter). Then the run's cache holds the very inodes of root's cache, as uv itself
-links them into an environment (the hand's ``uv pip install`` does the same): no byte is written, and
-the hashes the environment's verified-inode store kept of those inodes (a version installed here before:
-a rollback, a clean reinstall, a switch back) stand for reading them again
-(:func:`safeinstall.env.verified.root_only_checker`). What an account could change is still copied: an
-account's cache, for an account's environment.
+Never linked, not even from root's own cache (issue 43; issue 36 had linked from it): an installed
+file sharing its inode with a cache that outlives the run turns an operator's in-place hotfix into an
+edit of that cache (every venv built from it gets the hotfix, the next clean reinstall finds a changed
+copy). Each file is cloned (``FICLONE``: a new inode sharing the blocks copy-on-write, no byte written)
+where the filesystem can, copied otherwise. An entry whose files differ from their RECORD (a hotfix
+made where uv had linked a file from its cache, before this run) is not taken: it is said ("uv's cache
+holds a changed copy of PKG") and uv fetches a fresh copy into the run's cache.
 """
 
 from __future__ import annotations
@@ -47,6 +46,7 @@ class Filled:
     bytes: int
     entries: tuple[str, ...]  # "name version"
     problem: str | None = None  # why nothing was copied (the prefetch then fetches everything)
+    damaged: tuple[str, ...] = ()  # "name version" whose cached files differ from their RECORD: not taken
 
 
 def source_cache(environ: Mapping[str, str], account: Account | None) -> Path | None:
@@ -71,13 +71,9 @@ def wanted(changes: Sequence[UvChange]) -> list[list[str]]:
     return [[name, version] for name, version in sorted(found)]
 
 
-def fill(
-    source: Path, run_cache: Path, changes: Sequence[UvChange], account: Account | None, link: bool = False
-) -> Filled:
-    """Copy what ``changes`` install from ``source`` into ``run_cache``, as ``account`` (root for a
-    root-owned environment); best effort: a failure is said, and the prefetch fetches what is missing.
-    ``link``: hardlink the unpacked archives' files instead (see the module: only from a cache nobody but
-    root can write, for a root-owned environment)."""
+def fill(source: Path, run_cache: Path, changes: Sequence[UvChange], account: Account | None) -> Filled:
+    """Copy (clone) what ``changes`` install from ``source`` into ``run_cache``, as ``account`` (root for a
+    root-owned environment); best effort: a failure is said, and the prefetch fetches what is missing."""
     want = wanted(changes)
     if not want or not source.is_dir():
         return Filled(0, 0, ())
@@ -85,7 +81,7 @@ def fill(
     try:
         answer = worker.call(
             None if account is None else account.ids,
-            lambda: owner.copy_cached_wheels(text_source, text_target, want, link),
+            lambda: owner.copy_cached_wheels(text_source, text_target, want),
             timeout=FILL_TIMEOUT_S,
             what=f"copies cached wheels from {source}",
         )
@@ -94,6 +90,13 @@ def fill(
     if not isinstance(answer, dict):
         return Filled(0, 0, (), "the worker's answer was not understood")
     archives, size, entries = answer.get("archives"), answer.get("bytes"), answer.get("entries")
-    if not isinstance(archives, int) or not isinstance(size, int) or not isinstance(entries, list):
+    damaged = answer.get("damaged", [])
+    if (
+        not isinstance(archives, int)
+        or not isinstance(size, int)
+        or not isinstance(entries, list)
+        or not isinstance(damaged, list)
+    ):
         return Filled(0, 0, (), "the worker's answer was not understood")
-    return Filled(archives, size, tuple(str(e)[:200] for e in entries[:1000]))
+    said = tuple(str(e)[:200] for e in damaged[:1000])
+    return Filled(archives, size, tuple(str(e)[:200] for e in entries[:1000]), damaged=said)

@@ -14,9 +14,12 @@ a symlink), as root's own would.
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import csv
 import errno
 import fcntl
+import hashlib
 import os
 import re
 import stat
@@ -219,29 +222,31 @@ _ARCHIVE_LINK = re.compile(r"^(?:\.\./)+(?P<bucket>archive-v[0-9]+)/(?P<id>[A-Za
 #: what of a wheel's entry is copied besides the link: uv's HTTP cache policy, metadata and revision
 _ENTRY_SUFFIXES = (".http", ".msgpack", ".rev")
 _COPY_CHUNK = 64 << 20
+FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int), a reflink of a whole file
 
 
-def copy_cached_wheels(
-    source: str, target: str, wanted: list[list[str]], linked: bool = False
-) -> dict[str, Any]:
+def copy_cached_wheels(source: str, target: str, wanted: list[list[str]]) -> dict[str, Any]:
     """Copy from the uv cache ``source`` into the run's own cache ``target`` the unpacked wheels of the
     distributions ``wanted`` (``[name, version]``, canonical names): each wheel entry uv keeps for
     that version (``wheels-vN/pypi/NAME/VERSION-TAGS`` and ``wheels-vN/index/HASH/NAME/...``: the link
     to its archive and the files beside it) and the archive it links to (``archive-vN/ID`` at the
-    cache's top: a link that leads anywhere else is not copied), its files copied, never linked: the
-    run's cache shares no inode with a cache that outlives the run. Runs as the owner of both (a
-    worker): it copies only what that account may read. Symlinks and special files inside an archive
-    are not copied (uv's archives hold regular files and directories). Plain ``os`` calls, each file
-    opened with ``O_NOFOLLOW``, rather than :mod:`safeinstall.system.safefs`: both caches are the
-    account's own and this worker is the account, so the kernel's checks are the boundary (a symlink
-    the account put on the way leads only where the account could read and write anyway).
-    ``linked``: the archives' files are hardlinked instead, as uv itself installs from its cache (a
-    root-owned environment's run over root's own cache, which nobody else can write:
-    :func:`safeinstall.env.cachefill.fill`); a file on another filesystem is copied.
-    ``{"archives": int, "bytes": int, "entries": ["NAME VERSION"]}``."""
+    cache's top: a link that leads anywhere else is not copied), its files cloned (``FICLONE``: new
+    inodes sharing the blocks copy-on-write) where the filesystem can, else copied; never linked: the
+    run's cache shares no inode with a cache that outlives the run (issue 43: an in-place edit of an
+    installed file would edit that cache too). An archive whose files differ from its own RECORD (an
+    installed file edited in place where uv had linked it from its cache) is not taken: it is
+    ``damaged``, and uv fetches a fresh copy. Runs as the owner of both (a worker): it copies only what
+    that account may read. Symlinks and special files inside an archive are not copied (uv's archives
+    hold regular files and directories). Plain ``os`` calls, each file opened with ``O_NOFOLLOW``,
+    rather than :mod:`safeinstall.system.safefs`: both caches are the account's own and this worker is
+    the account, so the kernel's checks are the boundary (a symlink the account put on the way leads
+    only where the account could read and write anyway).
+    ``{"archives": int, "bytes": int, "entries": ["NAME VERSION"], "damaged": ["NAME VERSION"]}``."""
     archives: set[tuple[str, str]] = set()
+    bad: set[tuple[str, str]] = set()
     copied = 0
     entries: list[str] = []
+    damaged: list[str] = []
     top = Path(source)
     try:
         buckets = sorted(n for n in os.listdir(top) if re.fullmatch(r"wheels-v[0-9]+", n))
@@ -269,12 +274,20 @@ def copy_cached_wheels(
                     if link is None:
                         continue
                     bucket_name, archive_id, text = link
+                    if (bucket_name, archive_id) in bad:
+                        continue
                     if (bucket_name, archive_id) not in archives:
+                        archive = Path(bucket_name) / archive_id
                         try:
-                            archive = Path(bucket_name) / archive_id
-                            copied += _copy_tree(top / archive, Path(target) / archive, linked)
+                            size = _copy_tree(top / archive, Path(target) / archive)
                         except FileNotFoundError:
                             continue  # a link to an archive uv has removed since
+                        if not _matches_record(Path(target) / archive):
+                            _remove_tree(Path(target) / archive)
+                            bad.add((bucket_name, archive_id))
+                            damaged.append(f"{name} {version}")
+                            continue
+                        copied += size
                         archives.add((bucket_name, archive_id))
                     destination = Path(target) / entry_dir.relative_to(top)
                     destination.mkdir(parents=True, exist_ok=True)
@@ -284,7 +297,74 @@ def copy_cached_wheels(
                     with contextlib.suppress(FileExistsError):
                         os.symlink(text, destination / entry)
                     entries.append(f"{name} {version}")
-    return {"archives": len(archives), "bytes": copied, "entries": sorted(set(entries))}
+    return {
+        "archives": len(archives),
+        "bytes": copied,
+        "entries": sorted(set(entries)),
+        "damaged": sorted(set(damaged)),
+    }
+
+
+def _matches_record(archive: Path) -> bool:
+    """Whether every file an unpacked wheel's RECORD lists with a digest is there with that digest
+    (read from the copy: the worker's own new inodes). An archive without one RECORD is not judged."""
+    records = [archive / d / "RECORD" for d in _listing(archive) if d.endswith(".dist-info")]
+    if len(records) != 1:
+        return True
+    try:
+        text = _read_regular(records[0]).decode("utf-8", errors="replace")
+    except OSError:
+        return False
+    for row in csv.reader(text.splitlines()):
+        if len(row) < 2 or "=" not in row[1]:
+            continue
+        relative, (algorithm, _, digest) = row[0], row[1].partition("=")
+        if Path(relative).is_absolute() or ".." in Path(relative).parts:
+            continue  # outside the archive's own tree: not in it
+        if algorithm not in hashlib.algorithms_guaranteed:
+            continue
+        try:
+            data = _read_regular(archive / relative)
+        except OSError:
+            return False
+        found = base64.urlsafe_b64encode(hashlib.new(algorithm, data).digest()).rstrip(b"=").decode()
+        if found != digest:
+            return False
+    return True
+
+
+def _listing(directory: Path) -> list[str]:
+    try:
+        return sorted(os.listdir(directory))
+    except OSError:
+        return []
+
+
+def _read_regular(path: Path) -> bytes:
+    """A regular file's bytes, never through a symlink (OSError otherwise)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        chunks = []
+        while chunk := os.read(fd, _COPY_CHUNK):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _remove_tree(root: Path) -> None:
+    """Remove a tree this worker made (its own copy of a damaged archive); never following a link."""
+    for directory, dirs, files in os.walk(root, topdown=False):
+        for name in files:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(directory, name))
+        for name in dirs:
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.join(directory, name))
+    with contextlib.suppress(OSError):
+        os.rmdir(root)
 
 
 def _index_dirs(bucket: Path) -> list[Path]:
@@ -318,6 +398,9 @@ def _copy_file(source: Path, destination: Path) -> int:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         dst = os.open(destination, flags, info.st_mode & 0o755)
         try:
+            with contextlib.suppress(OSError):  # no reflink here (ext4, another filesystem): copied
+                fcntl.ioctl(dst, FICLONE, src)
+                return info.st_size
             done = 0
             while True:
                 try:
@@ -346,9 +429,9 @@ def _check_controlled(info: os.stat_result, path: Path) -> None:
         raise PermissionError(f"{path} is not this account's own (uid {info.st_uid}, mode {info.st_mode:o})")
 
 
-def _copy_tree(source: Path, destination: Path, link: bool = False) -> int:
-    """Copy (``link``: hardlink) a directory of regular files and directories (anything else is left
-    out); bytes copied or linked."""
+def _copy_tree(source: Path, destination: Path) -> int:
+    """Copy (cloned where the filesystem can) a directory of regular files and directories (anything
+    else is left out); bytes copied."""
     copied = 0
     pending = [(source, destination)]
     while pending:
@@ -361,29 +444,5 @@ def _copy_tree(source: Path, destination: Path, link: bool = False) -> int:
                     pending.append((Path(item.path), there / item.name))
                 elif item.is_file(follow_symlinks=False):
                     with contextlib.suppress(FileExistsError):
-                        if link:
-                            copied += _link_file(Path(item.path), there / item.name)
-                        else:
-                            copied += _copy_file(Path(item.path), there / item.name)
+                        copied += _copy_file(Path(item.path), there / item.name)
     return copied
-
-
-def _link_file(source: Path, destination: Path) -> int:
-    """Hardlink one regular file the worker controls (never a symlink: ``linkat`` without
-    ``AT_SYMLINK_FOLLOW`` links what is there, which is then checked to be the inode looked at; anything
-    else is unlinked again); copied instead across filesystems; its size."""
-    info = os.lstat(source)
-    if not stat.S_ISREG(info.st_mode):
-        return 0
-    _check_controlled(info, source)
-    try:
-        os.link(source, destination, follow_symlinks=False)
-    except OSError as exc:
-        if exc.errno != errno.EXDEV:
-            raise
-        return _copy_file(source, destination)
-    made = os.lstat(destination)
-    if (made.st_dev, made.st_ino) != (info.st_dev, info.st_ino) or not stat.S_ISREG(made.st_mode):
-        os.unlink(destination)  # the entry was replaced between the look and the link
-        return 0
-    return info.st_size

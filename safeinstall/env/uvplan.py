@@ -199,7 +199,9 @@ def prefetch_command(
         for change in changes
         if change.action != "uninstall" and change.name != wanted and (text := pinned(change)) is not None
     ]
-    extra = _without(request.extra_args, "--link-mode")
+    extra = [
+        arg for arg in _without(request.extra_args, "--link-mode") if arg != "--no-deps"
+    ]  # uv takes it once
     return [*cmd, *extra, requirement(request), *dict.fromkeys(others)]
 
 

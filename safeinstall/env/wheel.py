@@ -92,6 +92,8 @@ class Wheel:
     #: the content of each ``#!python`` script under ``<data_dir>/scripts/`` (an installer rewrites its
     #: first line), kept so that a verify never opens the wheel again
     python_scripts: dict[str, bytes] = field(default_factory=dict)
+    #: its METADATA's ``Requires-Dist`` values, as written (markers included; read, never evaluated here)
+    requires: tuple[str, ...] = ()
 
     @property
     def record_ok(self) -> bool:
@@ -355,6 +357,7 @@ def read_wheel(path: Path) -> Wheel:
         problems=record_problems(members, record, dist_info),
         console_scripts=parse_console_scripts(entry_points),
         python_scripts=python_scripts,
+        requires=tuple(str(v) for v in metadata.get_all("Requires-Dist") or ()),
     )
 
 

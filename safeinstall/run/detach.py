@@ -82,6 +82,7 @@ def child_arguments(options: RunOptions, python: Path, run_id: str, environ_file
         "--keep-patches": options.keep_patches,
         "--drop-conflicting": options.drop_conflicting,
         "--accept-record-mismatch": options.accept_record_mismatch,
+        "--allow-broken-requirements": options.allow_broken_requirements,
         "--no-restart": options.no_restart,
         "--prune": options.prune,
         "--no-swap": options.no_swap,

@@ -50,6 +50,8 @@ class RunOptions:
     #: --wheel: install a wheel whose own RECORD is wrong about its members' hashes or sizes (verified
     #: against its contents; the environment's baseline keeps what it is wrong about)
     accept_record_mismatch: bool = False
+    #: go on with a run that breaks a requirement of the environment (safeinstall.env.requirements)
+    allow_broken_requirements: bool = False
     #: --undo: the run whose backup is put back (safeinstall.run.undo); None: a reinstall
     undo: str | None = None
     proc_root: Path = Path("/proc")

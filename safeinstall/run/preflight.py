@@ -57,7 +57,7 @@ from safeinstall.env.wheelcopy import (
     temporary_copy,
 )
 from safeinstall.errors import NotConfirmed, PlanError, SafeInstallError, WheelError
-from safeinstall.run import staging
+from safeinstall.run import requires, staging
 from safeinstall.run.options import RunOptions, check_options
 from safeinstall.run.patches import PatchSet, prepare_patches
 from safeinstall.run.survey import Survey, survey, systemd_for
@@ -189,8 +189,20 @@ def preflight(options: RunOptions, *, take_lock: bool, env: Environment | None =
                 else []
             ),
         )
+        broken, unmet = requires.plan_said(
+            env,
+            found.installed,
+            found.uv_plan.changes,
+            options.allow_broken_requirements,
+            wheel,
+            undo.backup if undo is not None else None,
+            resolved="--no-deps" not in options.extra_args,
+        )
+        more = (*more, *broken)
         if more:
             found = replace(found, plan=replace(found.plan, refusals=(*found.plan.refusals, *more)))
+        if unmet:
+            found = replace(found, plan=replace(found.plan, warnings=(*found.plan.warnings, *unmet)))
         vouched, unused = read_vouched(state.root, env.prefix)
         notes.extend([unused] if unused else [])
         inodes, unread = read_store(state.root, env.prefix)

@@ -45,8 +45,8 @@ from safeinstall.errors import (
     SafeInstallError,
     StepFailed,
 )
+from safeinstall.run import requires, staging, undo
 from safeinstall.run import smoke as run_smoke
-from safeinstall.run import staging, undo
 from safeinstall.run.options import RunOptions
 from safeinstall.run.patches import (
     carry,
@@ -58,7 +58,14 @@ from safeinstall.run.preflight import Prepared, dry_run_patches, locally_modifie
 from safeinstall.run.preflight import preflight as shared_preflight
 from safeinstall.run.results import Reporter, RunResult, service_downtime_s
 from safeinstall.run.rollback import rollback_step
-from safeinstall.run.running import Run, report_waits, reset_start_limits, start_and_settle
+from safeinstall.run.running import (
+    Run,
+    StartWatch,
+    report_waits,
+    reset_start_limits,
+    settle_units,
+    start_units,
+)
 from safeinstall.run.smoke import smoke_step
 from safeinstall.run.smokecheck import staged_tree, target_tree
 from safeinstall.run.survey import scan_again, systemd_for
@@ -264,17 +271,25 @@ def prefetch_step(run: Run) -> str:
     filled = _fill_from_owners_cache(run, cache)
     run._log(f"prefetch (UV_CACHE_DIR={cache}{_as(account)}): " + " ".join(command))
     result = None
+    broken: str | None = None
     try:
         result = uv_install(command, run.options.environ, cache_dir=cache, account=account)
+        if result.returncode == 0:  # before a --target tree goes: what the new versions require
+            broken = _broken_once_fetched(run, root, scratch)
     finally:  # a good --target install stays for the smoke step (safeinstall.run.smoke), which removes it
         kept = root is None and result is not None and result.returncode == 0 and not run.options.no_smoke
         if root is None and not kept:
             remove_run_dir(scratch)
     run.scratch = scratch if kept else None
     run._log(f"uv exit {result.returncode}:\n{result.output}")
-    if result.returncode != 0:
+    if result.returncode != 0 or broken is not None:
         if root is not None:
             swap.discard_staging(run.env.prefix, root.name, RUN_DIR_REMOVAL_S, staging.owner_ids(run.env))
+        if broken is not None:
+            if kept:
+                remove_run_dir(scratch)
+                run.scratch = None
+            raise PlanError(broken, hint=BROKEN_HINT)
         tail = "\n".join(result.output.strip().splitlines()[-6:])
         raise PlanError(
             f"uv could not fetch or unpack the new version (exit {result.returncode}): {tail}",
@@ -288,6 +303,31 @@ def prefetch_step(run: Run) -> str:
     except BaseException:
         run_smoke.abandon(run)
         raise
+
+
+BROKEN_HINT = (
+    "pass --with-deps to have uv resolve what else must change, or --allow-broken-requirements to go on "
+    "knowingly; nothing was stopped"
+)
+
+
+def _broken_once_fetched(run: Run, root: Path | None, scratch: Path) -> str | None:
+    """The new versions' requirements, where the plan could not know them (a version only fetched now):
+    the refusal when the change breaks one (a note with --allow-broken-requirements), else None."""
+    if not requires.unknown_requires(run.survey.installed, run.survey.uv_plan.changes, run.wheel):
+        return None
+    sites = staged_tree(run.env, root).sites if root is not None else (scratch,)
+    refused, notes = requires.fetched_said(
+        run.env,
+        run.survey.installed,
+        run.survey.uv_plan.changes,
+        run.options.allow_broken_requirements,
+        sites,
+    )
+    run.notes.extend(notes)
+    for note in notes:
+        run._log(f"requirements: {note}")
+    return refused
 
 
 def _prefetched(run: Run, root: Path | None, cache: Path, filled: str, why_not: str | None) -> str:
@@ -391,9 +431,15 @@ def _fill_from_owners_cache(run: Run, cache: Path) -> str:
         except StateDirError as exc:
             run._log(f"prefetch: nothing copied from {source}: {exc.message}")
             return ""
-    link = run.env.account is None  # root's own cache (checked above): linked, as uv links from it
-    filled = cachefill.fill(source, cache, run.survey.uv_plan.changes, run.env.account, link)
-    how = "linked" if link else "copied"
+    filled = cachefill.fill(source, cache, run.survey.uv_plan.changes, run.env.account)
+    how = "copied"  # cloned where the filesystem can; never linked (an edit in place would edit the cache)
+    for damaged in filled.damaged:
+        name = damaged.split(" ", 1)[0]
+        said = (
+            f"uv's cache holds a changed copy of {damaged}: `uv cache clean {name}`; a fresh copy was fetched"
+        )
+        run.notes.append(said)
+        run._log(f"prefetch: {said} (its files differ from its RECORD, in {source})")
     if filled.problem is not None:
         run._log(f"prefetch: nothing {how} from {source}: {filled.problem}")
         return ""
@@ -720,20 +766,22 @@ def restart_step(run: Run) -> str:
         return "no unit was running"
     run._journal(Phase.RESTARTING)
     run.restart_started = True
-    detail = start_and_settle(run, units, run.options.settle)
-    for journalled in run.journal.units:
-        if journalled.name in units and journalled.stopped and journalled.was_active:
-            run.journal = update_unit(run.journal, journalled.name, journalled.user_manager, restarted=True)
-    if run.options.health_url:
+    befores = start_units(run, units)
+    watch = StartWatch(run, befores)
+    said = ""
+    if run.options.health_url:  # polled from the start: the users' downtime ends at its first 200
         url, timeout = run.options.health_url, run.options.health_timeout
         said = shown_url(url)  # never a token the URL may hold
 
         def on_poll(waited: float, last: str) -> None:
             run.reporter.progress(f"waiting for {said} to answer 200 (last: {last})", waited, timeout, "s")
 
-        run.healthy_at = wait_healthy(url, timeout, on_poll)
-        detail += f"; {said} answers 200"
-    return detail
+        run.healthy_at = wait_healthy(url, timeout, on_poll, check=watch)
+    detail = settle_units(run, units, run.options.settle, befores, watch.seen)  # then stays up that long
+    for journalled in run.journal.units:
+        if journalled.name in units and journalled.stopped and journalled.was_active:
+            run.journal = update_unit(run.journal, journalled.name, journalled.user_manager, restarted=True)
+    return detail + (f"; {said} answers 200" if said else "")
 
 
 # ------------------------------------------------------------------ 9. end check
@@ -1030,9 +1078,10 @@ def run_reinstall(
         note = record_run(run.state, run.env.prefix, run.wheel.name if run.wheel else "", run.vouched)
         run.notes.extend([note] if note else [])
         # what the run read and hashed: the verification in place, the old files (their inodes live on
-        # where uv's cache holds them: a switch back takes their hashes), the run's cache (root's
-        # own inodes, linked from root's uv cache: the next run takes them as the old files); a file
-        # installed within the store's granularity of its hash is racy, and hashed by the next check
+        # where uv's cache holds them: a switch back takes their hashes), the run's cache (the installed
+        # files' own inodes, where the install linked them from it: the next run takes them as the old
+        # files); a file installed within the store's granularity of its hash is racy, and hashed by
+        # the next check
         hashed = [*run.in_place.values(), *run.prepared.before.observed.values()]
         removed = _tidy_up(run, [*hashed, *inodes.read_states(run.hashed)])
         cache_removed.append(True)
@@ -1113,8 +1162,8 @@ def _discard_staged_noted(run: Run) -> None:
 
 
 def _remove_run_cache(run: Run) -> float:
-    """The run's uv cache removed (installed files then share inodes with nothing but what they were
-    linked from: root's own uv cache, as uv's install leaves them); its seconds, logged."""
+    """The run's uv cache removed (installed files then share their inodes with nothing: the cache was
+    filled by clone or copy, never by link); its seconds, logged."""
     started = time.monotonic()
     for left in remove_uv_caches(run.state, run.run_id):
         run._log(f"{left} could not be removed in {RUN_DIR_REMOVAL_S:g} s: the next run removes it")

@@ -49,7 +49,15 @@ from safeinstall.store.state import (
     EnvironmentState,
 )
 from safeinstall.system.signals import held_while_threads_start
-from safeinstall.system.systemd import Systemd, start_wait_s, stop_wait_s
+from safeinstall.system.systemd import (
+    MainProcess,
+    Systemd,
+    UnitInfo,
+    gone_wrong,
+    main_process,
+    start_wait_s,
+    stop_wait_s,
+)
 
 
 @dataclass
@@ -226,11 +234,69 @@ def reset_start_limits(run: Run, units: list[str]) -> tuple[str, ...]:
     return tuple(reset)
 
 
-def start_and_settle(run: Run, units: list[str], settle: float) -> str:
-    systemd = run.systemd
-    befores = systemd.show(units)
+def start_units(run: Run, units: list[str]) -> dict[str, UnitInfo]:
+    """Start ``units``: their state before the start (what :func:`settle_units` compares with)."""
+    befores = run.systemd.show(units)
     for unit in units:
-        systemd.start(unit)
+        run.systemd.start(unit)
+    return befores
+
+
+@dataclass
+class StartWatch:
+    """Called at each poll of a wait after the start (the health check): raises StepFailed at once when
+    a started unit failed, went inactive, or its main process exited or changed
+    (:func:`safeinstall.system.systemd.gone_wrong`): nothing it runs will answer, the rollback starts
+    now rather than after ``--health-timeout``. ``seen``: each unit's main process once seen active."""
+
+    run: Run
+    befores: Mapping[str, UnitInfo]
+    restarts: dict[str, int | None] = field(default_factory=dict)
+    seen: dict[str, MainProcess] = field(default_factory=dict)
+
+    def __call__(self) -> None:
+        infos = self.run.systemd.show(list(self.befores))
+        wrong: list[str] = []
+        for unit, info in infos.items():
+            before = self.befores.get(unit)
+            last = self.restarts.get(unit, before.n_restarts if before is not None else None)
+            said = gone_wrong(unit, info, last, self.seen.get(unit))
+            self.restarts[unit] = info.n_restarts
+            if said is not None:
+                wrong.append(said[1])
+            elif info.is_active:
+                self.seen[unit] = main_process(info)
+        if wrong:
+            raise _start_failed(self.run, wrong, list(self.befores))
+
+
+def _start_failed(run: Run, reasons: list[str], units: list[str]) -> StepFailed:
+    """Why the units did not come up, with each one's last lines in its journal (as the service said
+    it, where there is a journal), beside the journalctl command."""
+    flag = "--user " if run.options.user else ""
+    said = "; ".join(reasons)
+    for unit in units:
+        tail = run.systemd.journal_tail(unit)
+        if tail:
+            said += f"\nthe last lines of {unit} in its journal:\n" + "\n".join(f"  {line}" for line in tail)
+    return StepFailed(
+        said,
+        hint=f"see why in its journal: journalctl {flag}" + " ".join(f"-u {unit}" for unit in units),
+    )
+
+
+def settle_units(
+    run: Run,
+    units: list[str],
+    settle: float,
+    befores: Mapping[str, UnitInfo],
+    seen: Mapping[str, MainProcess] | None = None,
+) -> str:
+    """Wait until each of ``units`` (started, with ``befores`` their state before it) is active and
+    stays so, with the same main process (``seen``: as an earlier watch saw it), for ``settle`` s; raise
+    StepFailed naming each that does not. Records each unit's own downtime (``run.downtime``)."""
+    systemd = run.systemd
+    seen = seen or {}
     cancel = threading.Event()
     with ThreadPoolExecutor(max_workers=len(units)) as pool:
         with held_while_threads_start():
@@ -242,6 +308,7 @@ def start_and_settle(run: Run, units: list[str], settle: float) -> str:
                     start_wait_s(befores.get(u)),
                     before=befores.get(u),
                     cancel=cancel,
+                    seen=seen.get(u),
                 )
                 for u in units
             }
@@ -259,19 +326,14 @@ def start_and_settle(run: Run, units: list[str], settle: float) -> str:
             raise
     bad = [o for o in outcomes.values() if not o.ok]
     if bad:
-        flag = "--user " if run.options.user else ""
-        said = "; ".join(o.reason or f"{o.unit} did not settle" for o in bad)
-        for o in bad:  # why, as the service said it: its last lines in the journal, where there is one
-            tail = systemd.journal_tail(o.unit)
-            if tail:
-                said += f"\nthe last lines of {o.unit} in its journal:\n" + "\n".join(f"  {t}" for t in tail)
-        raise StepFailed(
-            said,
-            hint=f"see why in its journal: journalctl {flag}" + " ".join(f"-u {o.unit}" for o in bad),
-        )
+        raise _start_failed(run, [o.reason or f"{o.unit} did not settle" for o in bad], [o.unit for o in bad])
     for unit, outcome in outcomes.items():  # what systemd reports; none for a unit that never went down
         before, down_since = befores.get(unit), run.down_since.get(unit)
         up = outcome.info.active_enter_us / 1e6
         if before is not None and not before.is_active and down_since is not None and up > down_since:
             run.downtime[unit] = up - down_since
     return ", ".join(f"{u} active for {settle:g} s" for u in units)
+
+
+def start_and_settle(run: Run, units: list[str], settle: float) -> str:
+    return settle_units(run, units, settle, start_units(run, units))

@@ -23,6 +23,7 @@ from safeinstall.errors import StepFailed
 MAX_HEAD_BYTES = 64 * 1024  # status line and headers together
 MAX_REDIRECTS = 5
 PAUSE_S = 0.1  # between attempts: when it answered 200 (service_downtime_s) is known to within this
+CHECK_S = 0.25  # while an attempt waits for its answer: how often the caller's ``check`` runs
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
 LATE = "no complete answer in the time left"
 
@@ -116,8 +117,9 @@ def _get(url: str, seconds: float, sockets: _Sockets) -> str | None:
     return f"more than {MAX_REDIRECTS} redirects"
 
 
-def _attempt(url: str, seconds: float) -> str | None:
-    """One GET in a daemon thread joined with ``seconds``; past them its socket is shut down."""
+def _attempt(url: str, seconds: float, check: Callable[[], None] | None = None) -> str | None:
+    """One GET in a daemon thread joined with ``seconds``; past them its socket is shut down. ``check``
+    runs every :data:`CHECK_S` while it waits; what it raises ends the attempt (its socket shut too)."""
     sockets = _Sockets()
     answers: list[str | None] = []
 
@@ -129,9 +131,15 @@ def _attempt(url: str, seconds: float) -> str | None:
 
     thread = threading.Thread(target=work, name="safeinstall-health", daemon=True)
     thread.start()
-    late = True  # also when a signal interrupts the wait: the attempt is ended either way
+    late = True  # also when a signal or ``check`` interrupts the wait: the attempt is ended either way
     try:
-        thread.join(seconds)
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            thread.join(min(left, CHECK_S) if check is not None else left)
+            if not thread.is_alive():
+                break
+            if check is not None:
+                check()
         late = thread.is_alive()
     finally:
         if late:
@@ -151,17 +159,26 @@ def shown(url: str) -> str:
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
-def wait_healthy(url: str, timeout: float, on_poll: Callable[[float, str], None] | None = None) -> float:
+def wait_healthy(
+    url: str,
+    timeout: float,
+    on_poll: Callable[[float, str], None] | None = None,
+    check: Callable[[], None] | None = None,
+) -> float:
     """Return once ``url`` answers 200: when it did (``time.monotonic()``, CLOCK_MONOTONIC seconds, as
     systemd's ``*TimestampMonotonic``); raise StepFailed when it has not within ``timeout`` seconds.
-    ``on_poll``: before each attempt, the seconds waited and the last answer (a progress line)."""
+    ``on_poll``: before each attempt, the seconds waited and the last answer (a progress line).
+    ``check``: before each attempt and every :data:`CHECK_S` of one; what it raises (a unit that
+    failed: nothing will answer) ends the wait at once."""
     started = time.monotonic()
     deadline = started + timeout
     last = "no answer"
     while (left := deadline - time.monotonic()) > 0:
+        if check is not None:
+            check()
         if on_poll is not None:
             on_poll(time.monotonic() - started, last)
-        answer = _attempt(url, left)
+        answer = _attempt(url, left, check)
         if answer is None:
             return time.monotonic()
         if answer != LATE or last == "no answer":  # one cut short by the deadline hides no earlier answer

@@ -379,6 +379,38 @@ class SettleOutcome:
         return self.verdict == "settled"
 
 
+#: A unit's main process: (MainPID, its start, CLOCK_MONOTONIC us), as systemd shows it.
+MainProcess = tuple[int | None, int]
+
+
+def main_process(info: UnitInfo) -> MainProcess:
+    return info.main_pid, info.exec_main_start_us
+
+
+def gone_wrong(
+    unit: str, info: UnitInfo, last_restarts: int | None, seen: MainProcess | None
+) -> tuple[SettleVerdict, str] | None:
+    """Pure: why ``unit``, started, is not coming up as started: restarted automatically (NRestarts
+    rose past ``last_restarts``; systemd zeroes it on a start by hand, so only a rise counts), active
+    with another main process than ``seen``, failed, or inactive with no job left; None while it is
+    active as seen or still on its way (activating, or a job queued)."""
+    state = info.active_state
+    if last_restarts is not None and info.n_restarts > last_restarts:
+        return "restarted", (
+            f"{unit} was restarted automatically (NRestarts {last_restarts} -> {info.n_restarts}, "
+            f"Result={info.result}): its main process exited"
+        )
+    if state == "active":
+        if seen is not None and main_process(info) != seen:
+            return "restarted", f"{unit} changed its main process (PID {seen[0]} -> {info.main_pid})"
+        return None
+    if state == "failed" and info.job_id is None:
+        return "failed", f"{unit} failed ({info.sub_state}, Result={info.result})"
+    if state in ("inactive", "deactivating") and info.job_id is None:
+        return "inactive", f"{unit} is {state} ({info.sub_state}, Result={info.result})"
+    return None
+
+
 # --------------------------------------------------------------------------------------- the manager
 
 
@@ -579,6 +611,7 @@ class Systemd:
         *,
         before: UnitInfo | None = None,
         cancel: threading.Event | None = None,
+        seen: MainProcess | None = None,
     ) -> SettleOutcome:
         """Wait until ``unit`` is active and stays so (same main process, no restart) for ``settle_s``.
 
@@ -587,12 +620,12 @@ class Systemd:
         restart that happened before the first look is noticed too. (systemd zeroes ``NRestarts`` when
         a start is not automatic, so only a rise of the counter counts as a restart.) ``cancel``, once
         set, ends the wait at the next poll (verdict ``interrupted``): a Ctrl-C need not wait out the
-        settle time before the rollback starts.
+        settle time before the rollback starts. ``seen``: its main process as an earlier watch saw it
+        active (:func:`gone_wrong`): another one is a restart too.
         """
         started = time.monotonic()
         deadline = started + timeout_s
         last_restarts = before.n_restarts if before is not None else None
-        seen: tuple[int | None, int] | None = None  # (MainPID, start time) of the active main process
         active_since: float | None = None
         while True:
             info = self.info(unit)
@@ -602,25 +635,13 @@ class Systemd:
             verdict: SettleVerdict | None = None
             reason: str | None = None
             state = info.active_state
-            if last_restarts is not None and info.n_restarts > last_restarts:
-                verdict = "restarted"
-                reason = (
-                    f"{unit} was restarted automatically (NRestarts {last_restarts} -> {info.n_restarts}, "
-                    f"Result={info.result}): its main process exited"
-                )
+            wrong = gone_wrong(unit, info, last_restarts, seen)
+            if wrong is not None:
+                verdict, reason = wrong
             elif state == "active":
-                key = (info.main_pid, info.exec_main_start_us)
-                if seen is not None and key != seen:
-                    verdict = "restarted"
-                    reason = f"{unit} changed its main process (PID {seen[0]} -> {info.main_pid})"
-                else:
-                    seen = key
-                    active_since = now if active_since is None else active_since
-                    verdict = "settled" if now - active_since >= settle_s else None
-            elif state == "failed" and info.job_id is None:
-                verdict, reason = "failed", f"{unit} failed ({info.sub_state}, Result={info.result})"
-            elif state in ("inactive", "deactivating") and info.job_id is None:
-                verdict, reason = "inactive", f"{unit} is {state} ({info.sub_state}, Result={info.result})"
+                seen = main_process(info)
+                active_since = now if active_since is None else active_since
+                verdict = "settled" if now - active_since >= settle_s else None
             else:  # activating, reloading, or a job still queued (a start behind a stop that is running)
                 active_since = None
             if verdict is None and active_since is None and now >= deadline:

@@ -1,0 +1,172 @@
+"""Whether every requirement of an environment holds, as ``uv pip check`` would say it, before and after a
+run's change. Pure.
+
+Each distribution's ``Requires-Dist`` (from its METADATA: read, never executed) is evaluated for the
+target environment's markers (:func:`safeinstall.env.dependents.marker_environment`), its base
+requirements with ``extra`` empty. An extra counts where an installed distribution asks for it
+(``requests[socks]``): then the requirements the extra adds to the required distribution must hold too.
+A version that is not PEP 440, or a requirement that cannot be parsed, cannot be judged: never blamed.
+See docs/reinstall.md ("Requirements").
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from packaging.markers import InvalidMarker, UndefinedComparison, UndefinedEnvironmentName
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import InvalidVersion, Version
+
+from safeinstall.env.distributions import InstalledDistribution
+
+
+@dataclass(frozen=True, slots=True)
+class Dist:
+    """One distribution as the check sees it: its name (canonical), version and ``Requires-Dist``."""
+
+    name: str
+    version: str
+    requires: tuple[str, ...]
+    display_name: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Broken:
+    """One requirement that does not hold: ``requirer`` (as said: name, extra, version) requires
+    ``requirement`` (as written, marker aside); the required distribution is at ``found`` (None: not
+    installed). ``key``: the same requirement whatever the versions."""
+
+    key: tuple[str, str, str, str]  # requirer (canonical), its extra, required (canonical), requirement
+    requirer: str
+    requirement: str
+    required: str
+    found: str | None
+
+    def describe(self) -> str:
+        found = "is not installed" if self.found is None else f"would be {self.found}"
+        return f"{self.requirer} requires {self.requirement}, {self.required} {found}"
+
+
+@functools.lru_cache(maxsize=16384)
+def _parsed(text: str, extra: str, markers: tuple[tuple[str, str], ...]) -> Requirement | None:
+    """``text`` parsed, where it applies for ``markers`` and ``extra`` (None: it does not, or cannot be
+    parsed). Cached: a check parses each line once for the state before and the one after."""
+    try:
+        requirement = Requirement(text)
+    except InvalidRequirement:
+        return None
+    return requirement if _applies(requirement, dict(markers), extra) else None
+
+
+def _applies(requirement: Requirement, markers: Mapping[str, str], extra: str) -> bool:
+    if requirement.marker is None:
+        return not extra  # an unconditional requirement belongs to the base, not to an extra
+    try:
+        holds = requirement.marker.evaluate({**markers, "extra": extra})
+    except (InvalidMarker, UndefinedComparison, UndefinedEnvironmentName):
+        return False  # cannot tell: not blamed
+    if not extra:
+        return holds
+    return holds and not requirement.marker.evaluate({**markers, "extra": ""})
+
+
+def _without_marker(requirement: Requirement) -> str:
+    extras = f"[{','.join(sorted(requirement.extras))}]" if requirement.extras else ""
+    return f"{requirement.name}{extras}{requirement.specifier}"
+
+
+def _satisfied(requirement: Requirement, version: str) -> bool | None:
+    """Whether ``version`` meets the requirement's specifier (pre-releases allowed, as an installed one
+    is what it is); None when the version is not PEP 440 (not judged)."""
+    if requirement.url:
+        return True  # a direct reference names no version to compare
+    try:
+        return requirement.specifier.contains(Version(version), prereleases=True)
+    except InvalidVersion:
+        return None
+
+
+def broken_requirements(dists: Iterable[Dist], markers: Mapping[str, str]) -> tuple[Broken, ...]:
+    """Pure: every requirement of ``dists`` (an environment's whole set) that the set does not meet,
+    for the target's ``markers``; sorted."""
+    by_name = {d.name: d for d in dists}
+    wanted: set[tuple[str, str]] = {(name, "") for name in by_name}  # (distribution, extra) whose needs count
+    todo = list(wanted)
+    found: dict[tuple[str, str, str, str], Broken] = {}
+    frozen = tuple(sorted(markers.items()))
+    while todo:
+        name, extra = todo.pop()
+        dist = by_name[name]
+        for text in dist.requires:
+            requirement = _parsed(text, extra, frozen)
+            if requirement is None:
+                continue
+            required = canonicalize_name(requirement.name)
+            present = by_name.get(required)
+            shown = f"{dist.display_name or dist.name}{f'[{extra}]' if extra else ''} {dist.version}"
+            said = _without_marker(requirement)
+            key = (dist.name, extra, required, said)
+            if present is None:
+                found.setdefault(key, Broken(key, shown, said, required, None))
+                continue
+            if _satisfied(requirement, present.version) is False:
+                found.setdefault(key, Broken(key, shown, said, required, present.version))
+            for asked in sorted(canonicalize_name(e) for e in requirement.extras):
+                if (required, asked) not in wanted:
+                    wanted.add((required, asked))
+                    todo.append((required, asked))
+    return tuple(found[key] for key in sorted(found))
+
+
+@dataclass(frozen=True, slots=True)
+class RequirementsCheck:
+    """What a change does to the environment's requirements: ``broken`` by it, and ``already`` broken
+    before it (said as such, not blamed on the run)."""
+
+    broken: tuple[Broken, ...]
+    already: tuple[Broken, ...]
+
+
+def check_change(
+    installed: Iterable[Dist], after: Mapping[str, Dist | None], markers: Mapping[str, str]
+) -> RequirementsCheck:
+    """Pure: the environment ``installed``, then with each distribution of ``after`` in place of its
+    installed namesake (None: removed): the requirements the change breaks, and those broken before it
+    (a requirement broken both before and after is the latter, whatever version it finds)."""
+    before = {d.name: d for d in installed}
+    changed = dict(before)
+    for name, dist in after.items():
+        if dist is None:
+            changed.pop(name, None)
+        else:
+            changed[name] = dist
+    was = broken_requirements(before.values(), markers)
+    now = broken_requirements(changed.values(), markers)
+    old = {b.key for b in was}
+    return RequirementsCheck(
+        broken=tuple(b for b in now if b.key not in old),
+        already=tuple(b for b in now if b.key in old),
+    )
+
+
+def refusal(check: RequirementsCheck, allowed: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Pure: the plan's refusals and warnings for ``check``; ``allowed`` (``--allow-broken-requirements``):
+    what the run breaks is a warning instead."""
+    warnings = [f"requirement already broken before the run: {b.describe()}" for b in check.already]
+    if not check.broken:
+        return (), tuple(warnings)
+    said = "; ".join(b.describe() for b in check.broken)
+    if allowed:
+        return (), (f"the run breaks a requirement (--allow-broken-requirements): {said}", *warnings)
+    return (
+        f"the run would break a requirement: {said} (pass --with-deps to have uv resolve what else must "
+        "change, or --allow-broken-requirements to go on knowingly)",
+    ), tuple(warnings)
+
+
+def as_dists(installed: Iterable[InstalledDistribution]) -> tuple[Dist, ...]:
+    """The check's view of installed distributions."""
+    return tuple(Dist(d.name, d.version, d.requires, d.display_name) for d in installed)

@@ -1,0 +1,201 @@
+"""Requirements hold after the run (issue 43, item 2): before anything stops, the environment with the new
+versions in place of the old is checked as ``uv pip check`` would; a requirement the run would break is
+exit 2 naming the requirer, the requirement and the version that breaks it; one broken before the run is
+said as such. Pure cases over fixture METADATA, then real wheels: idna 2.0 into an environment with
+requests 2.32 (from PyPI, downloaded once per session)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from safeinstall.env.requirements import Dist, broken_requirements, check_change, refusal
+from tests.beds import Bed
+from tests.wheelhouse import make_wheel, pypi_wheels, uv_install, with_requirement
+
+LINUX_311 = {
+    "implementation_name": "cpython",
+    "implementation_version": "3.11.2",
+    "os_name": "posix",
+    "platform_machine": "x86_64",
+    "platform_release": "6.1.0",
+    "platform_system": "Linux",
+    "platform_version": "#1 SMP",
+    "python_full_version": "3.11.2",
+    "platform_python_implementation": "CPython",
+    "python_version": "3.11",
+    "sys_platform": "linux",
+}
+
+REQUESTS = Dist(
+    "requests",
+    "2.32.3",
+    (
+        "charset-normalizer<4,>=2",
+        "idna<4,>=2.5",
+        "urllib3<3,>=1.21.1",
+        "certifi>=2017.4.17",
+        'PySocks!=1.5.7,>=1.5.6; extra == "socks"',
+        'chardet<6,>=3.0.2; extra == "use-chardet-on-py3"',
+    ),
+    "requests",
+)
+BASE = (
+    REQUESTS,
+    Dist("charset-normalizer", "3.3.2", ()),
+    Dist("idna", "3.7", ()),
+    Dist(
+        "urllib3",
+        "2.2.2",
+        ('brotli>=1.0.9; platform_python_implementation == "CPython" and extra == "brotli"',),
+    ),
+    Dist("certifi", "2024.7.4", ()),
+)
+
+
+def test_a_healthy_environment_breaks_nothing() -> None:
+    assert broken_requirements(BASE, LINUX_311) == ()
+
+
+def test_a_downgrade_below_a_requirement_is_named() -> None:
+    """idna 2.0 in place of 3.7: requests' ``idna<4,>=2.5`` is broken by the change, and said so."""
+    check = check_change(BASE, {"idna": Dist("idna", "2.0", ())}, LINUX_311)
+    (broken,) = check.broken
+    assert broken.describe() == "requests 2.32.3 requires idna<4,>=2.5, idna would be 2.0"
+    assert check.already == ()
+    refused, warnings = refusal(check, allowed=False)
+    assert "--with-deps" in refused[0] and "--allow-broken-requirements" in refused[0] and not warnings
+    refused, warnings = refusal(check, allowed=True)
+    assert refused == () and "idna<4,>=2.5" in warnings[0]
+
+
+def test_the_new_versions_own_requirements_count() -> None:
+    """The new version requires what is not installed, or a version that is not: broken by the run."""
+    new = Dist("requests", "2.33.0", ("idna>=4", "missing-dist>=1"), "requests")
+    check = check_change(BASE, {"requests": new}, LINUX_311)
+    assert [b.describe() for b in check.broken] == [
+        "requests 2.33.0 requires idna>=4, idna would be 3.7",
+        "requests 2.33.0 requires missing-dist>=1, missing-dist is not installed",
+    ]
+
+
+def test_a_removed_distribution_breaks_its_requirers() -> None:
+    (broken,) = check_change(BASE, {"certifi": None}, LINUX_311).broken
+    assert broken.found is None and broken.required == "certifi"
+
+
+def test_markers_are_evaluated_for_the_target() -> None:
+    """A requirement for another platform or Python, or under an extra no one asks for, holds vacuously."""
+    app = Dist(
+        "app",
+        "1",
+        ('idna>=9; sys_platform == "win32"', 'idna>=9; python_version < "3.8"', 'idna>=9; extra == "x"'),
+    )
+    assert broken_requirements((*BASE, app), LINUX_311) == ()
+    assert [
+        b.requirement for b in broken_requirements((*BASE, app), {**LINUX_311, "sys_platform": "win32"})
+    ] == ["idna>=9"]
+
+
+def test_an_extra_asked_for_by_a_requirer_counts() -> None:
+    """``urllib3[brotli]`` asked by an installed distribution: brotli must be there (CPython marker)."""
+    app = Dist("app", "1", ("urllib3[brotli]>=2",))
+    (broken,) = broken_requirements((*BASE, app), LINUX_311)
+    assert broken.requirer == "urllib3[brotli] 2.2.2" and broken.required == "brotli" and broken.found is None
+    assert broken_requirements((*BASE, app, Dist("brotli", "1.1.0", ())), LINUX_311) == ()
+
+
+def test_a_requirement_broken_before_the_run_is_not_blamed_on_it() -> None:
+    """urllib3 1.0 was already too old for requests; the run changes idna only: said as already broken."""
+    old = tuple(Dist("urllib3", "1.0", ()) if d.name == "urllib3" else d for d in BASE)
+    check = check_change(old, {"idna": Dist("idna", "3.8", ())}, LINUX_311)
+    assert check.broken == ()
+    (already,) = check.already
+    assert already.required == "urllib3"
+    refused, warnings = refusal(check, allowed=False)
+    assert refused == () and warnings[0].startswith("requirement already broken before the run: requests")
+
+
+def test_what_cannot_be_judged_is_not_blamed() -> None:
+    """A version that is not PEP 440, a requirement that does not parse, a prerelease that meets it."""
+    odd = (
+        Dist("app", "1", ("idna>=2.5", "not a requirement ((", "lib>=1")),
+        Dist("idna", "weird-version", ()),
+        Dist("lib", "2.0rc1", ()),
+    )
+    assert broken_requirements(odd, LINUX_311) == ()
+
+
+# ------------------------------------------------------------------ real wheels
+
+
+@pytest.fixture(scope="session")
+def requests_wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """requests 2.32.3 and what it requires, and idna 2.0 (from PyPI, once per session)."""
+    return pypi_wheels(
+        tmp_path_factory.mktemp("requests-wheels"),
+        (
+            "requests==2.32.3",
+            "idna==3.7",
+            "charset-normalizer==3.3.2",
+            "urllib3==2.2.2",
+            "certifi==2024.7.4",
+            "idna==2.0",
+        ),
+    )
+
+
+def test_idna_2_into_an_environment_with_requests_is_refused_before_the_stop(
+    bed: Bed, requests_wheels: dict[str, Path]
+) -> None:
+    """The issue's own case: exit 2 before anything stops, naming requests and ``idna>=2.5``; the
+    dry-run shows it; ``--allow-broken-requirements`` goes on (and says what it broke)."""
+    names = ("requests", "idna-3.7", "charset-normalizer", "urllib3", "certifi")
+    uv_install(bed.python, *(requests_wheels[n] for n in names))
+    name = bed.units.started("served", f"{bed.python.parent}/sicext-serve")
+    pid = bed.manager.main_pid(name)
+    wheel = str(requests_wheels["idna-2.0"])
+    dry = bed.cli("idna", "--wheel", wheel, "--dry-run")
+    assert dry.code == 2, dry.stdout + dry.stderr
+    assert "requests 2.32.3 requires idna<4,>=2.5, idna would be 2.0" in dry.stdout + dry.stderr
+    refused = bed.safeinstall("idna", "--wheel", wheel, "--settle", "0", "--json")
+    assert refused.code == 2, refused.stdout + refused.stderr
+    said = refused.stdout + refused.stderr
+    assert "requests 2.32.3 requires idna<4,>=2.5" in said and "--allow-broken-requirements" in said
+    assert bed.manager.main_pid(name) == pid  # nothing stopped
+    done = bed.safeinstall("idna", "--wheel", wheel, "--settle", "0", "--allow-broken-requirements", "--json")
+    assert done.code == 0, done.stdout + done.stderr
+    assert "idna<4,>=2.5" in done.stdout
+
+
+def test_a_version_fetched_by_name_is_checked_once_fetched(bed: Bed, tmp_path: Path) -> None:
+    """``sicext==2.0`` from a find-links directory, uv told ``--no-deps`` (so it resolves nothing): the
+    plan cannot know what 2.0 requires (said so); once uv has fetched it, before the stop, its own
+    ``idna>=9`` (not installed) refuses the run: exit 2, the unit's main process untouched, sicext
+    still 1.0."""
+    links = tmp_path / "links"
+    with_requirement(bed.wheels["sicext-2"], links, "idna>=9")
+    name = bed.units.started("served", f"{bed.python.parent}/sicext-serve")
+    pid = bed.manager.main_pid(name)
+    index = ("--", "--no-deps", "--offline", "--find-links", str(links))
+    dry = bed.cli("sicext==2.0", "--dry-run", *index)
+    assert dry.code == 0, dry.stdout + dry.stderr
+    assert "the requirements of the new sicext are checked once fetched" in dry.stdout + dry.stderr
+    refused = bed.safeinstall("sicext==2.0", "--settle", "0", "--no-smoke", "--json", *index)
+    assert refused.code == 2, refused.stdout + refused.stderr
+    assert "sicext 2.0 requires idna>=9, idna is not installed" in refused.stdout, refused.stdout
+    assert bed.manager.main_pid(name) == pid and bed.version() == "1.0"
+
+
+def test_an_undo_that_would_break_a_requirement_is_refused(bed: Bed, tmp_path: Path) -> None:
+    """sicext 1.0 -> 2.0, then an application that requires ``sicext>=2`` is installed by hand: the
+    undo (which would put 1.0 back, from root's backup) is exit 2 before anything stops, naming it."""
+    done = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0", "--no-smoke")
+    assert done.code == 0, done.stdout + done.stderr
+    app = make_wheel(tmp_path, "siapp", "1.0", {"siapp/__init__.py": b""}, ("sicext>=2",))
+    uv_install(bed.python, app)
+    refused = bed.safeinstall("--undo", "--settle", "0")
+    assert refused.code == 2, refused.stdout + refused.stderr
+    assert "siapp 1.0 requires sicext>=2, sicext would be 1.0" in refused.stdout + refused.stderr
+    assert bed.version() == "2.0"
