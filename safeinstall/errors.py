@@ -49,6 +49,12 @@ class UsageError(SafeInstallError):
     code = "usage"
 
 
+class NotConfirmed(UsageError):
+    """A run that would stop units, with no terminal to ask on and no ``--yes`` (apt's rule)."""
+
+    code = "not-confirmed"
+
+
 class InterpreterError(SafeInstallError):
     code = "interpreter"
 

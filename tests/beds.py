@@ -167,7 +167,13 @@ class Bed:
     # --- safeinstall --------------------------------------------------------------------------------
 
     def environ(self) -> dict[str, str]:
-        return {**self.manager.env, **self.nvml.env, "SAFEINSTALL_STATE_DIR": str(self.state)}
+        # COLUMNS: as clirun.run sets it (a pipe is otherwise laid out at 80 columns)
+        return {
+            **self.manager.env,
+            **self.nvml.env,
+            "SAFEINSTALL_STATE_DIR": str(self.state),
+            "COLUMNS": "200",
+        }
 
     def cli(self, *extra: str, timeout: float = 240, more_env: dict[str, str] | None = None) -> Result:
         """``safeinstall --user --python PYTHON EXTRA...`` against the bed (``more_env``: variables added

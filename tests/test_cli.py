@@ -4,6 +4,7 @@ argument, usage errors as every other error, shell completion, "did you mean", p
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from importlib.metadata import entry_points, version
@@ -16,6 +17,7 @@ from safeinstall.scan.processes import ScanProblem
 from safeinstall.store.runlog import progress_text
 from safeinstall.store.state import ensure_environment_dir, environment_state
 from tests import wheelhouse
+from tests.beds import Bed
 from tests.clirun import run
 from tests.wheelhouse import Wheelhouse
 
@@ -83,6 +85,16 @@ def test_an_unknown_package_suggests_the_closest_installed_names(venv: Path, whe
     assert "did you mean sicext?" in result.stderr, result.stderr
     nothing_close = run("torch", "--verify-only", "--python", str(venv))
     assert nothing_close.code == 2 and "did you mean" not in nothing_close.stderr
+
+
+def test_a_misspelled_package_makes_no_history_entry(venv: Path, wheels: Wheelhouse, tmp_path: Path) -> None:
+    """A typo ran nothing: ``--status`` lists no run of it (the error and "did you mean" say it all)."""
+    wheelhouse.uv_install(venv, wheels["sicext-1"])
+    environ = {**os.environ, "SAFEINSTALL_STATE_DIR": str(tmp_path / "state")}
+    typo = run("sicxet", "--yes", "--python", str(venv), env=environ)
+    assert typo.code == 2 and "did you mean sicext?" in typo.stderr, typo.stdout + typo.stderr
+    environments = run("--status", "--json", env=environ).json["data"]["environments"]
+    assert [r for e in environments for r in e["runs"]] == [], environments
 
 
 def test_progress_lines_are_human_sizes_and_percentages_never_raw_counters() -> None:
@@ -326,11 +338,13 @@ def test_help_names_the_argument_without_a_type() -> None:
 
 @pytest.mark.parametrize("name", ["nope.whl", "sipure-2.0-py3-none-any.whl", "nope.txt", "x-y.whl"])
 @pytest.mark.parametrize("mode", ["reinstall", "dry-run", "verify-only"])
-def test_a_missing_wheel_is_no_such_file_whatever_its_name(name: str, mode: str, tmp_path: Path) -> None:
+def test_a_missing_wheel_is_no_such_file_whatever_its_name(
+    name: str, mode: str, tmp_path: Path, venv: Path
+) -> None:
     wheel = tmp_path / "wh" / name
     extra = {"reinstall": ["--yes"], "dry-run": ["--dry-run"], "verify-only": ["--verify-only"]}[mode]
     environ = {**os.environ, "SAFEINSTALL_STATE_DIR": str(tmp_path / "state")}
-    result = run("sipure", "--wheel", str(wheel), "--python", sys.executable, *extra, env=environ)
+    result = run("sipure", "--wheel", str(wheel), "--python", str(venv), *extra, env=environ)
     assert result.code == 2, result.stdout + result.stderr
     first = result.stderr.splitlines()[0]
     assert first.startswith(f"error: cannot read wheel {wheel}: ") and "no such file" in first.lower(), first
@@ -477,3 +491,141 @@ def test_a_program_that_is_not_python_is_said_so_without_the_probes_source(progr
     assert result.code == 2 and error.startswith(f"error: {program} is not a Python interpreter"), error
     assert "sysconfig" not in result.stderr and "paths[" not in result.stderr
     assert hint == "hint: check that --python names a working Python 3 interpreter"
+
+
+def test_without_a_terminal_and_without_yes_a_run_that_would_stop_units_is_refused(bed: Bed) -> None:
+    """As apt without a terminal: ``ssh host safeinstall ...`` (no ``-t``) does not stop services that
+    nobody confirmed. ``--json`` and ``--detach`` imply nothing: they need ``--yes`` too; nothing is
+    stopped, nothing installed, exit 2 with a hint naming ``--yes``."""
+    name = bed.service("unasked")
+    main = bed.manager.main_pid(name)
+    wheel = str(bed.wheels["sicext-2"])
+    for extra in ((), ("--json",), ("--detach",), ("--detach", "--json")):
+        refused = bed.cli("sicext", "--wheel", wheel, *extra)
+        assert refused.code == 2, refused.stdout + refused.stderr
+        said = (
+            refused.json["errors"][0]["message"] + "\nhint: " + refused.json["errors"][0]["hint"]
+            if "--json" in extra
+            else refused.stderr
+        )
+        assert f"not confirmed: the run would stop {name}" in said, said
+        assert "standard input is not a terminal" in said and "give --yes" in said.split("hint: ")[1]
+    assert bed.manager.main_pid(name) == main and bed.version() == "1.0"
+    done = bed.cli("sicext", "--wheel", wheel, "--yes", "--settle", "0.5")
+    assert done.code == 0 and bed.version() == "2.0", done.stdout + done.stderr
+
+
+def test_without_a_unit_to_stop_a_run_needs_no_yes(venv: Path, wheels: Wheelhouse, tmp_path: Path) -> None:
+    wheelhouse.uv_install(venv, wheels["sipure-1"])
+    environ = {**os.environ, "SAFEINSTALL_STATE_DIR": str(tmp_path / "state")}
+    done = run("sipure", "--wheel", str(wheels["sipure-2"]), "--python", str(venv), env=environ, timeout=240)
+    assert done.code == 0, done.stdout + done.stderr
+
+
+def test_a_run_into_safeinstalls_own_environment_is_refused(tmp_path: Path) -> None:
+    """``--python`` naming the environment safeinstall runs from: no plan to replace its own uv (a run,
+    its dry run, --detach and --undo), a clear error; --verify-only still checks it."""
+    environ = {**os.environ, "SAFEINSTALL_STATE_DIR": str(tmp_path / "state")}
+    for extra in (["uv", "--yes"], ["uv", "--dry-run"], ["uv", "--detach", "--yes"], ["--undo", "--yes"]):
+        result = run(*extra, "--python", sys.prefix, env=environ)
+        assert result.code == 2, result.stdout + result.stderr
+        first = result.stderr.splitlines()[0]
+        if extra[0] == "--undo":  # no run of it to undo: said before the environment's own check
+            assert first.startswith("error: "), first
+            continue
+        own = f"error: {sys.prefix} is safeinstall's own environment: a run there would replace the uv"
+        assert first == own + " and the code that run it", first
+        assert "would proceed" not in result.stdout and result.stderr.splitlines()[1].startswith("hint: ")
+    checked = run("uv", "--verify-only", "--python", sys.prefix, env=environ)
+    assert checked.code in (0, 1), checked.stdout + checked.stderr
+
+
+def test_journal_lines_leave_journalctls_own_notices_out() -> None:
+    from safeinstall.system.systemd import JOURNAL_LINE_LIMIT, journal_lines
+
+    output = "-- Boot 1234 --\nDec 06 host python[7]: Traceback\n\nDec 06 host python[7]: " + "x" * 400 + "\n"
+    lines = journal_lines(output + "-- No entries --\n", 10)
+    assert lines[0] == "Dec 06 host python[7]: Traceback" and len(lines) == 2
+    assert len(lines[1]) == JOURNAL_LINE_LIMIT and lines[1].endswith(" …")
+    assert journal_lines("\n".join(f"line {n}" for n in range(30)), 10) == tuple(
+        f"line {n}" for n in range(20, 30)
+    )
+
+
+def test_a_failed_restarts_error_shows_the_services_last_journal_lines(bed: Bed, tmp_path: Path) -> None:
+    """Issue 42: the error gave the journalctl command, not what the service said. This machine has no
+    journald: a ``journalctl`` first on PATH answers as one would, and says what it was asked."""
+    name = bed.service("crashes")
+    shim = tmp_path / "bin" / "journalctl"
+    shim.parent.mkdir()
+    shim.write_text(
+        '#!/bin/sh\necho "-- Boot 1 --"\necho "host python[7]: asked: $*"\necho "host python[7]: Boom"\n'
+    )
+    shim.chmod(0o755)
+    path = {"PATH": f"{shim.parent}:{os.environ['PATH']}"}
+    args = ("sicext", "--wheel", str(bed.wheels["sicext-3"]), "--settle", "1", "--no-smoke", "--json")
+    crashed = bed.safeinstall(*args, more_env=path)
+    assert crashed.code == 3, crashed.stdout + crashed.stderr
+    message = crashed.json["errors"][0]["message"]
+    said = f"the last lines of {name} in its journal:\n  host python[7]: asked: --user -u {name} -n 10"
+    assert said in message and "\n  host python[7]: Boom" in message and "-- Boot" not in message, message
+    assert bed.version() == "1.0"
+
+
+def _tool_for_nobody(top: Path) -> tuple[list[str], dict[str, str]]:
+    """safeinstall as uid 65534 can run it: :func:`tests.beds.hidden_tool` opened to others, with this
+    interpreter's libpython beside it (its RUNPATH may lie below /root)."""
+    import sysconfig
+
+    from tests.beds import hidden_tool
+
+    tool = hidden_tool(top)
+    top.chmod(0o755)
+    environ = {"PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "LANG": "C.UTF-8"}
+    if sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        library = Path(sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME"))
+        shutil.copy2(library, top / "lib" / library.name)
+        environ["LD_LIBRARY_PATH"] = str(top / "lib")
+    return ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *tool], environ
+
+
+def test_without_root_a_run_into_roots_environment_says_it_needs_root(
+    open_dir: Path, wheels: Wheelhouse
+) -> None:
+    """Issue 42: as another user, the run complained about the state directory, then said "not writable
+    (it is not writable)" once per directory; now: one error, "needs root", and a hint to run as root."""
+    system_python = shutil.which("python3", path="/usr/bin:/bin")
+    if os.geteuid() != 0 or system_python is None:
+        pytest.skip("needs root (to act as uid 65534) and a python3 that uid 65534 can run")
+    venv = wheelhouse.make_venv(open_dir / "venv", base=system_python)
+    wheelhouse.uv_install(venv, wheels["sipure-1"])
+    tool, environ = _tool_for_nobody(open_dir / "tool")
+    wheel = Path(shutil.copy2(wheels["sipure-2"], open_dir))  # where uid 65534 can read it
+    args = ["sipure", "--wheel", str(wheel), "--python", str(venv), "--yes"]
+    # HOME is not theirs: the state directory could not be made, and is not what they are told
+    proc = subprocess.run([*tool, *args], env=environ, capture_output=True, text=True, timeout=120, cwd="/")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith(("error:", "hint:"))]
+    assert errors[0].startswith(f"error: reinstalling into {open_dir / 'venv'} needs root: uid 65534 cannot")
+    assert errors[1].startswith("hint: run it as root") and len(errors) == 2, proc.stderr
+    assert "state directory" not in proc.stderr and "(it is not writable)" not in proc.stderr
+    home = open_dir / "home"  # the dry run checks the state directory: a home of its own
+    home.mkdir()
+    os.chown(home, 65534, 65534)
+    environ["HOME"] = str(home)
+    dry = subprocess.run(
+        [*tool, *args[:-1], "--dry-run"], env=environ, capture_output=True, text=True, cwd="/"
+    )
+    refusals = [line for line in dry.stdout.splitlines() if line.startswith("  - ")]
+    assert dry.returncode == 2 and len(refusals) == 1, dry.stdout + dry.stderr
+    assert refusals[0].endswith(": it is not writable (to uid 65534: the run needs root)"), refusals
+    closed = open_dir / "closed"  # an environment below a directory closed to them: an error, no traceback
+    closed.mkdir(mode=0o700)
+    unreachable = subprocess.run(
+        [*tool, "sipure", "--python", str(closed / "venv"), "--dry-run"],
+        env=environ,
+        capture_output=True,
+        text=True,
+    )
+    assert unreachable.returncode == 2, unreachable.stdout + unreachable.stderr
+    assert unreachable.stderr.startswith(f"error: cannot reach {closed / 'venv'}: permission denied\nhint: ")

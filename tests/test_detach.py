@@ -49,7 +49,7 @@ def test_a_detached_run_survives_its_callers_session_and_wait_returns_its_result
         "--wheel",
         str(bed.wheels["sicext-2"]),
     ]
-    args += ["--settle", "3", "--detach", "--json"]
+    args += ["--settle", "3", "--detach", "--json", "--yes"]  # no terminal: --yes, as apt
     session = subprocess.Popen(
         ["/bin/sh", "-c", f"{shlex.join(args)} >{shlex.quote(str(out))}; exec sleep 600"],
         env=bed.environ(),

@@ -15,6 +15,7 @@ import stat
 import subprocess
 from collections.abc import Iterator
 from dataclasses import replace
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -270,14 +271,16 @@ def test_a_run_writes_its_status_versions_times_and_downtime(
     assert done.code == 0, done.stdout + done.stderr
     samples = read_metrics(out)
     (info,) = samples["safeinstall_run_info"]
-    assert info.labels == {
+    assert info.labels == {  # no run id among the labels: a run makes no new series (issue 42)
         "prefix": prefix,
-        "run_id": done.json["data"]["run_id"],
         "package": "sicext",
         "old_version": "1.0",
         "new_version": "2.0",
     }
     assert value(samples, "safeinstall_run_status", status="done") == 1
+    stamp = datetime.fromtimestamp(value(samples, "safeinstall_run_id_timestamp_seconds", prefix=prefix), UTC)
+    pid = int(value(samples, "safeinstall_run_id_pid", prefix=prefix))
+    assert f"{stamp:%Y%m%dT%H%M%SZ}-{pid}" == done.json["data"]["run_id"]  # the id, as values
     assert value(samples, "safeinstall_run_status", status="rolled-back") == 0
     assert value(samples, "safeinstall_run_exit_code", prefix=prefix) == 0
     downtime = value(samples, "safeinstall_run_unit_downtime_seconds", prefix=prefix, unit=unit)

@@ -293,6 +293,12 @@ def test_uv_said_shortens_at_a_word_boundary() -> None:
     assert all(part in {"error:", "The", "interpreter", "at", "/usr", "is", "externally", "managed", "/",
                         "word", "…"} for part in said.split())  # fmt: skip
     assert uv_said("error: short\n  hint: do this\n") == "error: short / hint: do this"
+    wrapped = (
+        "error: No solution found\n  ╰─▶ Because sicext was not found and\n      you require it, we stop.\n"
+    )
+    assert uv_said(wrapped) == (  # issue 42: not " / " in the middle of uv's sentence
+        "error: No solution found / ╰─▶ Because sicext was not found and you require it, we stop."
+    )
 
 
 # ------------------------------------------------------------------ a venv with the system site-packages

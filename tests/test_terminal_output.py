@@ -6,8 +6,12 @@ exact."""
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import subprocess
 from pathlib import Path
+
+import pytest
 
 from safeinstall.cli.render import literal, printable
 from safeinstall.run.output import envelope, jsonable
@@ -16,6 +20,7 @@ from safeinstall.store.rundoc import RunDocument
 from safeinstall.store.state import ensure_environment_dir, environment_state
 from tests import wheelhouse
 from tests.bed_systemd import UserManager, wait_until
+from tests.beds import Bed, declined_on_a_terminal
 from tests.clirun import run
 from tests.wheelhouse import Wheelhouse
 
@@ -109,6 +114,9 @@ def test_status_wait_replays_log_lines_escaped_and_status_prints_paths_whole(tmp
     waited = run("--status", "--wait", "--run", run_id, env=environ)
     assert waited.code == 2 and f"uv says {SHOWN}" in waited.stderr
     assert _no_control_characters(waited.stderr)
+    quiet = run("--status", "--wait", "--run", run_id, "-q", env=environ)  # -q: the result, not the log
+    assert quiet.code == 2 and "uv says" not in quiet.stderr + quiet.stdout
+    assert quiet.stdout.startswith(f"run {run_id}: error (exit 2)"), quiet.stdout + quiet.stderr
     status = run("--status", env=environ)
     assert status.code == 0 and len(str(log)) > 200
     assert f"log of {run_id}: {log}\n" in status.stdout and f"environment {prefix}: idle" in status.stdout
@@ -205,3 +213,117 @@ def test_status_at_80_and_120_columns_breaks_no_word(tmp_path: Path) -> None:
         cells = [*header, *row, *(w for w in stamps if w[:4].isdigit() or ":" in w)]
         _whole_words(runs, cells, width)
         assert "webapp.service" in " ".join(runs).split() and "markupsafe" in " ".join(runs).split()
+
+
+def _patch_init(bed: Bed) -> Path:
+    """A local patch at the end of sicext/__init__.py: a region 1.0 and 2.0 share, so it merges."""
+    init = bed.site / "sicext" / "__init__.py"
+    init.write_text(init.read_text() + 'PATCH = " with a local fix"\n')
+    return init
+
+
+def test_the_keep_patches_question_says_whether_the_patches_merge(bed: Bed) -> None:
+    """Issue 42: the merge ran only after ``y``; now it is made first, and the question says it holds."""
+    bed.service("asked")
+    init = _patch_init(bed)
+    code, out, err = declined_on_a_terminal(
+        bed, "--keep-patches", "--base-wheel", str(bed.wheels["sicext-1"])
+    )
+    assert code == 2 and "nothing done (not confirmed)" in out, out + err
+    assert f"local patches that merge into the new version (the run carries them):\n  carried {init}" in out
+    assert "stop these units and reinstall, carrying 1 local patch (it merges)? [y/N]" in err, err
+    assert bed.version() == "1.0"
+
+
+def test_a_run_refused_before_the_stop_lists_each_patched_file_once_and_keeps_no_false_words(
+    bed: Bed,
+) -> None:
+    """Issue 42: after the smoke check refused (nothing stopped, the backup removed), a patched file was
+    said three times, "kept in the backup" and "copies kept in )"."""
+    bed.service("refused-patched")
+    init = _patch_init(bed)
+    args = ("sicext", "--wheel", str(bed.wheels["sicext-5"]), "--keep-patches")
+    refused = bed.safeinstall(*args, "--base-wheel", str(bed.wheels["sicext-1"]))
+    assert refused.code == 2 and "nothing was stopped" in refused.stderr, refused.stdout + refused.stderr
+    said = refused.stdout + refused.stderr
+    assert said.count(str(init)) == 1 and "kept in" not in said, said
+    assert "local patches merged but not carried (the run stopped before the install" in said, said
+    assert init.read_text().endswith('PATCH = " with a local fix"\n') and bed.version() == "1.0"
+
+
+def _on_a_terminal(
+    tmp_path: Path, argv: list[str], environ: dict[str, str], name: str
+) -> tuple[str, str, int]:
+    """``argv`` in a tmux pane of 80 columns: what the screen holds (lines the terminal folded joined
+    again: ``capture-pane -J``), every byte written to it (``pipe-pane``), and the exit status."""
+    work = tmp_path / name
+    work.mkdir()
+    conf, script, done, raw = work / "tmux.conf", work / "run.sh", work / "status", work / "raw"
+    conf.write_text("set -g history-limit 20000\n")
+    exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in environ.items() if k != "COLUMNS")
+    script.write_text(
+        f"unset COLUMNS LINES\n{exports}while [ ! -e {work}/go ]; do sleep 0.05; done\n"
+        f"{shlex.join(argv)} </dev/tty\necho $? > {done}.tmp && mv {done}.tmp {done}\nexec sleep 600\n"
+    )
+    tmux = ["tmux", "-S", str(work / "socket"), "-f", str(conf)]
+    subprocess.run([*tmux, "new-session", "-d", "-x", "80", "-y", "50", "sh", str(script)], check=True)
+    try:
+        subprocess.run([*tmux, "pipe-pane", "-o", f"cat >> {shlex.quote(str(raw))}"], check=True)
+        (work / "go").touch()
+        wait_until(done.exists, 240, f"{name} to finish in tmux")
+        screen = subprocess.run(
+            [*tmux, "capture-pane", "-p", "-J", "-S", "-", "-E", "-"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+    finally:
+        subprocess.run([*tmux, "kill-server"], check=False, capture_output=True)
+    return screen, raw.read_text(errors="replace"), int(done.read_text())
+
+
+def _no_word_broken_at(screen: str, width: int) -> None:
+    """A line the terminal folded (longer than the screen, once joined) is one word longer than a line
+    (nothing else could be done); every other line was laid out within the width, between words; and
+    no control character is shown escaped (a newline as a literal ``\\x0a``)."""
+    for line in screen.splitlines():
+        if len(line.rstrip()) > width:
+            assert " " not in line.strip(), f"a word broken at {width} columns: {line!r}"
+    assert "\\x0a" not in screen and "\\x1b" not in screen, screen
+
+
+def test_at_80_columns_a_run_its_plan_and_status_break_no_word(bed: Bed, tmp_path: Path) -> None:
+    """Issue 42: at 80 columns, on a terminal (tmux): the plan, a run (with a failed import's detail of
+    several lines first) and --status: no word broken, no literal escape; the preflight says something
+    while it works."""
+    if shutil.which("tmux") is None:
+        pytest.skip("tmux is not installed (apt-get install tmux)")
+    bed.service("narrow-api")
+    bed.service("narrow-sidecar")
+    environ = {k: v for k, v in bed.environ().items()}
+    base = [*bed.tool, "--user", "--python", str(bed.python)]
+    plan, raw, code = _on_a_terminal(
+        tmp_path, [*base, "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--dry-run"], environ, "plan"
+    )
+    assert code == 0 and "the run would proceed" in plan, plan
+    _no_word_broken_at(plan, 80)
+    assert "preflight:" in raw.split("plan for")[0], raw[:2000]  # said while the preflight worked
+    typo, _raw, code = _on_a_terminal(tmp_path, [*base, "sicxet", "--dry-run"], environ, "typo")
+    assert code == 2 and "did you mean sicext?" in " ".join(typo.split()), typo
+    assert "preflight:" not in typo, typo  # the spinner gone before the error is said
+    failed, _raw, code = _on_a_terminal(
+        tmp_path, [*base, "sicext", "--wheel", str(bed.wheels["sicext-5"]), "--yes"], environ, "failed"
+    )
+    assert code == 2 and "its last lines of standard error:" in failed, failed
+    _no_word_broken_at(failed, 80)
+    run, raw, code = _on_a_terminal(
+        tmp_path,
+        [*base, "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--yes", "--settle", "1"],
+        environ,
+        "run",
+    )
+    assert code == 0 and "done: sicext 1.0 -> 2.0" in run, run
+    _no_word_broken_at(run, 80)
+    status, _raw, code = _on_a_terminal(tmp_path, [*base, "--status"], environ, "status")
+    assert code == 0 and "last runs" in status, status
+    _no_word_broken_at(status, 80)

@@ -2,7 +2,7 @@
 about 9 GB), never part of the default suite. Set ``SAFEINSTALL_VLLM`` to that venv (made with
 ``uv venv V && VIRTUAL_ENV=V uv pip install vllm==0.33.0``) and, for the plan, ``SAFEINSTALL_VLLM_WHEEL``
 to another version's wheel (``pip download --no-deps vllm==0.32.0``). What it checks is what an operator
-reads on a fresh host: the drift that is true, in 30 lines; a plan of two units that fits 40 lines at 120
+reads on a fresh host: the drift that is true, in 30 lines; a plan of two units that fits 36 lines at 120
 columns and names every process and unit."""
 
 from __future__ import annotations
@@ -61,9 +61,7 @@ def test_verify_all_is_clean_but_for_a_wheel_whose_record_lies() -> None:
 
 
 @pytest.mark.skipif(not WHEEL, reason="set SAFEINSTALL_VLLM_WHEEL to vllm-0.32.0's wheel")
-def test_the_plan_of_two_units_fits_forty_lines(
-    units: Units, user_manager: UserManager, tmp_path: Path
-) -> None:
+def test_the_plan_of_two_units_fits_36_lines(units: Units, user_manager: UserManager, tmp_path: Path) -> None:
     assert VENV is not None and WHEEL is not None
     python = f"{VENV}/bin/python"
     script = tmp_path / "api.py"
@@ -83,10 +81,11 @@ def test_the_plan_of_two_units_fits_forty_lines(
     text = result.stdout + result.stderr
     print(text)
     assert result.code == 0, text
-    assert screen_lines(text) <= 40
+    assert screen_lines(text) <= 36  # issue 42: 45 lines, the helper's row, long warnings and uv's pins
     assert text.count("PID 1 ") + text.count("PID 1,") <= 1  # what cannot be read: said once
     table = result.stdout[result.stdout.index("processes using") : result.stdout.index("GPUs")]
     assert all(len(line) <= 120 for line in table.splitlines()), table
-    for pid in (*cgroup_pids(group), user_manager.main_pid(sidecar)):
-        assert any(line.startswith(f"{pid} ") for line in result.stdout.splitlines()), pid
+    rows = " ".join(table.split("units that would be stopped")[0].split())
+    for pid in (*cgroup_pids(group), user_manager.main_pid(sidecar)):  # a row, or named in its unit's row
+        assert f" {pid} " in f" {rows}" or f"PID {pid}:" in rows, pid
     assert api in result.stdout and sidecar in result.stdout

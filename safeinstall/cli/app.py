@@ -214,6 +214,7 @@ def main_command(
         if not package and not all_ and wheel is not None:  # the wheel names its package
             package = wheel_package(wheel)
         verbosity = -1 if quiet else 1 if verbose else 0
+        terminal = sys.stdin.isatty()
         request = Request(
             modes=frozenset(modes),
             package=package,
@@ -231,12 +232,20 @@ def main_command(
             values=ctx.params,
             as_json=as_json,
             verbosity=verbosity,
-            interactive=not yes and not as_json and sys.stdin.isatty(),
+            interactive=not yes and not as_json and terminal,
+            cannot_ask=None if yes or (terminal and not as_json) else _why_not_asked(as_json, terminal),
         )
         code = execute(request, Terminal(as_json, verbosity))
     except SafeInstallError as error:
         _fail(error, command_for(modes), as_json)
     _exit(code)
+
+
+def _why_not_asked(as_json: bool, terminal: bool) -> str:
+    """Pure: why a run without --yes cannot ask before it stops units (it is then refused, as apt)."""
+    if terminal:
+        return "--json does not ask (it does not imply --yes)"
+    return "standard input is not a terminal to ask on"
 
 
 def _split_at_dashes(argv: Sequence[str]) -> tuple[list[str], tuple[str, ...]]:

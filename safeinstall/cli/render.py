@@ -8,13 +8,13 @@ import re
 import sys
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
 
-from safeinstall.errors import SafeInstallError
+from safeinstall.errors import ExitCode, SafeInstallError
 from safeinstall.run.view import (
     PROGRESS_EVERY_S,
     RECORD_MAY_BE_WRONG_HINT,
@@ -30,10 +30,12 @@ from safeinstall.run.view import (
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
 
+    from safeinstall.run.patches import PatchOutcome
     from safeinstall.run.recover import Recovery
     from safeinstall.run.results import StepOutcome
     from safeinstall.run.status import EnvironmentStatus, Forgotten
     from safeinstall.run.view import (
+        AffectedDistribution,
         FileDiff,
         HistoryEntry,
         OldCodeDoc,
@@ -78,13 +80,27 @@ def literal(value: object, lines: bool = False) -> str:
     return escape(printable(str(value), lines))
 
 
+class WordWrapping(Console):
+    """A console whose long lines (``soft_wrap=True``: a warning, a note, an error) are, on a terminal,
+    wrapped between words at its width (a word longer than a line stands whole on its own), never
+    folded by the terminal in the middle of a word; off a terminal (a pipe, a log) each stays one line,
+    whole, for grep."""
+
+    def print(self, *objects: Any, soft_wrap: bool | None = None, **kwargs: Any) -> None:
+        super().print(*objects, soft_wrap=soft_wrap and not self.is_terminal, **kwargs)
+
+
+#: The width of output that is not a terminal when COLUMNS does not say one (a pipe to less or cat)
+PIPE_WIDTH = 80
+
+
 def make_console(stderr: bool = False) -> Console:
     """No emoji codes: a file named ``:warning:`` is shown as named, not as a sign (``literal`` escapes
-    markup, not ``:name:``), and no highlighting."""
+    markup, not ``:name:``), and no highlighting. Off a terminal, COLUMNS or :data:`PIPE_WIDTH`."""
     probe = Console(stderr=stderr)
     given = os.environ.get("COLUMNS", "").isdigit()  # on a pipe too: the width a script asks for
     wide = probe.is_terminal or given
-    return Console(stderr=stderr, width=None if wide else 200, highlight=False, emoji=False)
+    return WordWrapping(stderr=stderr, width=None if wide else PIPE_WIDTH, highlight=False, emoji=False)
 
 
 def render_error(console: Console, error: SafeInstallError) -> None:
@@ -331,17 +347,23 @@ def render_plan(out: Console, err: Console, plan: Plan, verbosity: int = 0) -> N
         soft_wrap=True,
     )
     out.print("distributions:" + ("  (--with-deps: dependencies reinstalled too)" if plan.with_deps else ""))
-    for dist in plan.distributions:
+    shown, folded = folded_distributions(plan.distributions, verbosity)
+    for dist in shown:
         mark = "".join(f" ({m})" for m in ("named" if dist.requested else "", dist.change) if m)
         versions = f"{dist.old_version or '(not installed)'} -> {dist.new_version or '?'}"
         out.print(f"  {literal(dist.name)} {literal(versions)}{mark}", soft_wrap=True)
+    for line in folded:
+        for wrapped in wrap_words(line, out.width, 2):
+            out.print(literal(wrapped), soft_wrap=True)
     if plan.processes:
         more = "" if verbosity > 0 else " (-v: every piece of evidence)"
         rows: list[tuple[str, ...]] = []
-        for p in plan.processes:
+        listed, helpers = folded_helpers(plan.processes, verbosity)
+        for p in listed:
             kind = p.evidence[0] if len(p.evidence) == 1 else _strongest_kind(p.evidence)
             old = " running old code" if p.running_old_code else ""
             command = " ".join(w for w in " ".join(p.cmdline).split(" ") if w) or p.name  # setproctitle pads
+            command += "".join(f" (+ PID {pid}: {what})" for pid, what in helpers.get(p.pid, ()))
             rows.append(
                 (
                     str(p.pid),
@@ -406,13 +428,15 @@ def render_plan(out: Console, err: Console, plan: Plan, verbosity: int = 0) -> N
         why = "" if verbosity >= 0 and plan.gpus.reason else f" ({literal(plan.gpus.reason or '')})"
         out.print(f"GPUs: check unavailable{why}", soft_wrap=True)
     if plan.install:  # what will run: the staging install and the swap, the install in the stop, a restore
-        out.print("uv command:")
-        for wrapped in (part for line in plan.install for part in wrap_words(line, out.width, 2)):
+        lines = plan.install if verbosity > 0 else tuple(compact_install(line, plan) for line in plan.install)
+        out.print("uv command:" + ("" if lines == plan.install else " (-v: in full)"))
+        for wrapped in (part for line in lines for part in wrap_words(line, out.width, 2)):
             out.print(literal(wrapped), soft_wrap=True)
     else:
         out.print("uv command: " + literal(" ".join(plan.uv_command)), soft_wrap=True)
     if plan.smoke:
-        for wrapped in wrap_words("smoke check: " + plan.smoke, out.width):
+        said = plan.smoke if verbosity > 0 else compact_smoke(plan.smoke, plan.package)
+        for wrapped in wrap_words("smoke check: " + said, out.width):
             out.print(literal(wrapped), soft_wrap=True)
     _scan_problems(err, plan.scan_problems, verbosity)
     for warning in plan.warnings:
@@ -425,6 +449,81 @@ def render_plan(out: Console, err: Console, plan: Plan, verbosity: int = 0) -> N
         out.print("[red]the run would refuse:[/]")
         for refusal in plan.refusals:
             out.print(f"  - {literal(refusal)}", soft_wrap=True)
+
+
+#: More distributions than this and the plan (without -v) names the others on a few lines, not one each
+DISTRIBUTIONS_SHOWN = 5
+
+
+def folded_distributions(
+    dists: Sequence[AffectedDistribution], verbosity: int
+) -> tuple[list[AffectedDistribution], list[str]]:
+    """Pure: the distributions shown one per line (all of them with ``-v`` or when few; else the named
+    ones), and a line per kind of change for the others: "9 more, each a downgrade: torch, triton, …"."""
+    if verbosity > 0 or len(dists) <= DISTRIBUTIONS_SHOWN:
+        return list(dists), []
+    shown = [d for d in dists if d.requested]
+    kinds: dict[str, list[str]] = {}
+    for dist in dists:
+        if not dist.requested:
+            kinds.setdefault(dist.change, []).append(dist.name)
+    folded = [
+        f"{len(names)} more, {'each a ' + kind if kind else 'their versions'} (-v: each): {', '.join(names)}"
+        for kind, names in kinds.items()
+    ]
+    return shown, folded
+
+
+#: multiprocessing's helper processes, named in their unit's row rather than a row of their own
+_HELPERS = (
+    ("multiprocessing.resource_tracker", "multiprocessing's resource_tracker"),
+    ("multiprocessing.forkserver", "multiprocessing's forkserver"),
+)
+
+
+def folded_helpers(
+    processes: Sequence[PlannedProcess], verbosity: int
+) -> tuple[list[PlannedProcess], dict[int, list[tuple[int, str]]]]:
+    """Pure: the processes that get a row, and for the first row of each unit the helpers of that unit
+    folded into it (a multiprocessing resource_tracker: a row of its own says nothing more). With
+    ``-v``, every process has its row."""
+    first: dict[str, int] = {}
+    for p in processes:
+        if p.unit and not _helper(p):
+            first.setdefault(p.unit, p.pid)
+    listed: list[PlannedProcess] = []
+    helpers: dict[int, list[tuple[int, str]]] = {}
+    for p in processes:
+        what = _helper(p)
+        if verbosity <= 0 and what and p.unit in first:
+            helpers.setdefault(first[p.unit], []).append((p.pid, what))
+        else:
+            listed.append(p)
+    return listed, helpers
+
+
+def _helper(process: PlannedProcess) -> str:
+    command = " ".join(process.cmdline)
+    return next((what for mark, what in _HELPERS if mark in command), "")
+
+
+def compact_install(line: str, plan: Plan) -> str:
+    """Pure: one line of the plan's uv command without ``-v``: the versions pinned for the distributions
+    listed above said as their count (``--json`` and ``-v`` have each)."""
+    pins = {f"{d.name}=={d.new_version}" for d in plan.distributions if d.new_version}
+    words = line.split(" ")
+    kept = [w for w in words if w not in pins]
+    dropped = len(words) - len(kept)
+    return " ".join(kept) + (f" and the {dropped} other versions above" if dropped > 1 else "")
+
+
+def compact_smoke(said: str, package: str) -> str:
+    """Pure: the smoke check said in fewer words without ``-v`` (whom it runs as, for which units)."""
+    return said.replace("root (the unit has no User=: it runs as root too)", "root (no User=)").replace(
+        f"import {package}'s top-level modules and the changed distributions' extension modules from the "
+        "new version",
+        f"import the new {package} and its changed extension modules",
+    )
 
 
 def wrap_words(text: str, width: int, indent: int = 0, hang: int = 2) -> list[str]:
@@ -450,8 +549,8 @@ def stacked_table(
     leading columns that fit whole side by side form the table (as wide as their widest cell, two
     spaces apart); each later column goes below its row as "name: value", wrapped between words
     (:func:`wrap_words`). At 200 columns a plan is one table; at 80 its reason and command stack.
-    Cells are :func:`printable`; lines carry no trailing spaces."""
-    table = [[printable(cell) for cell in row] for row in (header, *rows)]
+    Cells are :func:`printable` (a newline in one: a space); lines carry no trailing spaces."""
+    table = [[printable(" ".join(cell.split("\n"))) for cell in row] for row in (header, *rows)]
     shown = len(header)
     while shown > 1:
         widths = [max(len(row[i]) for row in table) for i in range(shown)]
@@ -491,7 +590,10 @@ def step_lines(name: str, status: str, seconds: float, detail: str, width: int) 
     pad = " " * max(_STEP_STATUS - len(label), 0)
     step = printable(name).ljust(_STEP_NAME)
     head = f"{step} {label}{pad} {seconds:6.1f} s  "
-    first, *rest = wrap_words(printable(detail), max(width - len(head), 20)) or [""]
+    column = max(width - len(head), 20)
+    # a detail of several lines (uv's error, a failed import's stderr): each line wrapped in the column
+    paragraphs = printable(detail, lines=True).expandtabs(2).split("\n")
+    first, *rest = [line for text in paragraphs for line in wrap_words(text, column)] or [""]
     return [
         f"{literal(step)} {mark}{pad} {seconds:6.1f} s  {literal(first)}".rstrip(),
         *(" " * len(head) + literal(line) for line in rest),
@@ -522,9 +624,17 @@ class ConsoleReporter:
     """Step lines on stdout; a rich progress display for slow steps and notes on stderr; asks before
     stopping anything."""
 
-    def __init__(self, out: Console, err: Console, quiet: bool = False, verbosity: int = 0) -> None:
+    def __init__(
+        self,
+        out: Console,
+        err: Console,
+        quiet: bool = False,
+        verbosity: int = 0,
+        settle: Callable[[], None] | None = None,
+    ) -> None:
         self.out = out
         self.err = err
+        self.settle = settle or (lambda: None)  # ends what was shown while nothing else was (a spinner)
         self.quiet = quiet
         self.verbosity = verbosity
         self._progress: Progress | None = None
@@ -536,6 +646,7 @@ class ConsoleReporter:
     # must never interrupt a run, least of all its rollback. The run's log keeps everything.
 
     def step(self, outcome: StepOutcome) -> None:
+        self.settle()
         with _output_best_effort():
             self._step(outcome)
 
@@ -548,6 +659,7 @@ class ConsoleReporter:
             self.out.print(line, soft_wrap=True)
 
     def progress(self, what: str, done: float | None, total: float | None, unit: str = "") -> None:
+        self.settle()
         with _output_best_effort():
             self._show_progress(what, done, total, unit)
 
@@ -563,21 +675,24 @@ class ConsoleReporter:
                 self._last_line, self._last_key = now, key
                 self.err.print(literal(progress_text(what, done, total, unit)), soft_wrap=True)
             return
+        # the whole line, amounts included ("... (1 of 2): 12 s of 90 s (13%)"), wrapped between words in
+        # a column of its own: never cut at the terminal's width (issue 42), the bar beside it
+        said = literal(progress_text(what, done, total, unit))
         if self._progress is None:
-            from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import BarColumn, Progress, TextColumn
+            from rich.table import Column
 
             self._progress = Progress(
-                TextColumn("{task.description}"),
-                BarColumn(),
-                TaskProgressColumn(),
-                TimeElapsedColumn(),
+                TextColumn("{task.description}", table_column=Column(ratio=1, no_wrap=False)),
+                BarColumn(bar_width=16),
                 console=self.err,
                 transient=True,
+                expand=True,
             )
             self._progress.start()
         if key not in self._tasks:
-            self._tasks[key] = self._progress.add_task(literal(what), total=total)
-        self._progress.update(self._tasks[key], description=literal(what), completed=done or 0, total=total)
+            self._tasks[key] = self._progress.add_task(said, total=total)
+        self._progress.update(self._tasks[key], description=said, completed=done or 0, total=total)
 
     def _end_progress(self) -> None:
         if self._progress is not None:
@@ -588,15 +703,27 @@ class ConsoleReporter:
     def note(self, text: str, host: bool = False) -> None:
         """``host``: about the host, not this run (no NVML, a process even root cannot read): the same on
         every command of that machine, so ``-q`` leaves it out (the log and ``--json`` keep it)."""
+        self.settle()
         if host and self.verbosity < 0:
             return
         with _output_best_effort():
             self.err.print(f"[yellow]note:[/] {literal(text, lines=True)}", soft_wrap=True)
 
-    def confirm(self, plan: Plan) -> bool:
+    def confirm(self, plan: Plan, patches: Sequence[PatchOutcome] | None = None) -> bool:
+        self.settle()
         render_plan(self.out, self.err, plan, self.verbosity)
-        question = "stop these units and reinstall?" if plan.units else "reinstall (no unit to stop)?"
-        answer = self.err.input(f"{question} \\[y/N] ")
+        question = "stop these units and reinstall" if plan.units else "reinstall (no unit to stop)"
+        if patches is not None:  # the merge was made before the question: it holds, as listed
+            from safeinstall.run.output import patches_json
+
+            render_patches(self.out, patches_json(patches), when="plan")
+            carried = sum(1 for p in patches if p.status.value == "carried")
+            dropped = len(patches) - carried
+            merge = " (it merges)" if carried == 1 else " (they merge)" if carried else ""
+            question += f", carrying {carried} local patch{'' if carried == 1 else 'es'}{merge}"
+            if dropped:
+                question += f" and dropping {dropped} (--drop-conflicting)"
+        answer = self.err.input(f"{question}? \\[y/N] ")
         return answer.strip().lower() in ("y", "yes")
 
 
@@ -635,18 +762,24 @@ def render_run(out: Console, err: Console, document: RunDocument, run_id: str) -
             f"[yellow]warning:[/] {literal(_old_code_line(process))}: it runs old code; restart it",
             soft_wrap=True,
         )
-    render_patches(out, [p.to_json() for p in data.patches], data.patch_file)
+    unchanged = document.exit_code == ExitCode.REFUSED  # stopped before anything was replaced
+    patches = [p.to_json() for p in data.patches]
+    render_patches(out, patches, data.patch_file, "unchanged" if unchanged else "done")
     backup_dir, log_file = data.backup_dir, data.log_file
     deleted = set(data.deleted)
     patched = [path for path in data.patched if path not in deleted]
-    if patched:
-        out.print(f"locally patched files (copies kept in {literal(backup_dir or '')}):")
+    listed = {str(p.get("path")) for p in patches}  # said once: those --keep-patches listed above
+    kept = f"copies kept in {literal(backup_dir)}" if backup_dir else "left as they are: nothing was replaced"
+    if patched and set(patched) <= listed:
+        out.print(f"the locally patched files above: {kept}", soft_wrap=True)
+    elif patched:
+        out.print(f"locally patched files ({kept}):", soft_wrap=True)
         for path in patched:
-            out.print(f"  {literal(path)}")
+            out.print(f"  {literal(path)}", soft_wrap=True)
     if deleted:
         out.print("files deleted locally (nothing of them to keep):")
         for path in sorted(deleted):
-            out.print(f"  {literal(path)}")
+            out.print(f"  {literal(path)}", soft_wrap=True)
     pruned = set(data.pruned)
     for path in data.extras:
         state = "pruned (copy kept in the backup)" if path in pruned else "left in place (--prune removes)"
@@ -663,12 +796,23 @@ def render_run(out: Console, err: Console, document: RunDocument, run_id: str) -
         render_error(err, SafeInstallError(error.message, hint=error.hint))
 
 
-def render_patches(out: Console, patches: Sequence[Mapping[str, Any]], patch_file: object = None) -> None:
+def render_patches(
+    out: Console, patches: Sequence[Mapping[str, Any]], patch_file: object = None, when: str = "done"
+) -> None:
     """--keep-patches: what was carried, what was dropped, and where each conflict is (as a diff); each
-    patch as ``--json`` has it (:func:`safeinstall.run.output.patches_json`)."""
+    patch as ``--json`` has it (:func:`safeinstall.run.output.patches_json`). ``when``: ``plan`` (the
+    merge made before the run: a dry run, the question), ``done`` (a run), ``unchanged`` (a run that
+    stopped before anything was replaced)."""
+    carried = {
+        "plan": "local patches that merge into the new version (the run carries them):",
+        "done": "local patches carried to the new version:",
+        "unchanged": "local patches merged but not carried (the run stopped before the install; the "
+        "installed files keep them):",
+    }[when]
+    dropped = "they are left as they are" if when == "unchanged" else "the backup keeps them"
     heading = {
-        "carried": "local patches carried to the new version:",
-        "dropped": "local patches dropped (--drop-conflicting; the backup keeps them):",
+        "carried": carried,
+        "dropped": f"local patches dropped (--drop-conflicting; {dropped}):",
         "conflict": "local patches that cannot be carried:",
         "rolled-back": "local patches not carried (the run rolled back; the installed files keep them):",
     }

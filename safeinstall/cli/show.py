@@ -41,6 +41,7 @@ from safeinstall.run.output import dumps
 
 if TYPE_CHECKING:
     from rich.console import Console
+    from rich.status import Status
 
     from safeinstall.run.results import Reporter
 
@@ -54,12 +55,30 @@ class Terminal:
         self.verbosity = verbosity
         self.out = make_console()
         self.err = make_console(stderr=True)
+        self._status: Status | None = None
+
+    def preparing(self, what: str) -> None:
+        """On a terminal, ``what`` with a spinner on stderr until the next thing said (the preflight's
+        seconds are not silent); nothing elsewhere."""
+        if self.as_json or self.verbosity < 0 or not self.err.is_terminal or self._status is not None:
+            return
+        with contextlib.suppress(OSError):
+            self._status = self.err.status(literal(what))
+            self._status.start()
+
+    def settle(self) -> None:
+        """The spinner of :meth:`preparing` gone, before anything else is said."""
+        if self._status is not None:
+            status, self._status = self._status, None
+            with contextlib.suppress(OSError):
+                status.stop()
 
     def reporter(self) -> Reporter:
         quiet = self.as_json or self.verbosity < 0
-        return ConsoleReporter(self.out, self.err, quiet=quiet, verbosity=self.verbosity)
+        return ConsoleReporter(self.out, self.err, quiet=quiet, verbosity=self.verbosity, settle=self.settle)
 
     def note(self, text: str, *, warning: bool = False) -> None:
+        self.settle()
         if self.as_json or self.verbosity < 0:
             return
         with contextlib.suppress(OSError):
@@ -85,17 +104,20 @@ class Terminal:
             yield on_progress
 
     def show(self, line: str) -> None:  # the log holds uv's output and other users' names: never raw
+        self.settle()
         with contextlib.suppress(OSError):
             sys.stderr.write(printable(line, lines=True) + "\n")
             sys.stderr.flush()
 
     def error(self, error: SafeInstallError) -> None:
+        self.settle()
         with contextlib.suppress(OSError):
             render_error(self.err, error)
 
     def done(self, result: Result) -> None:
         """The result: its JSON document, or what :func:`draw` renders and each failure. A terminal that
         is gone (SIGHUP) does not change the exit code."""
+        self.settle()
         with contextlib.suppress(OSError):
             if self.as_json:
                 if result.document is not None:
@@ -119,7 +141,7 @@ def draw(result: Result, out: Console, err: Console, verbosity: int) -> None:
     elif isinstance(result, DryRun):
         render_plan(out, err, result.plan, verbosity)
         if result.patches is not None:
-            render_patches(out, result.patches)
+            render_patches(out, result.patches, when="plan")
     elif isinstance(result, Ran):
         render_run(out, err, result.run, result.run_id)
     elif isinstance(result, FromHistory):

@@ -161,8 +161,19 @@ def _reachable(path: Path) -> Path:
 def resolve_python(given: str | None, environ: Mapping[str, str]) -> Path:
     """Find the interpreter the way uv does: ``--python``, then ``VIRTUAL_ENV``, then ``python3``.
 
-    ``given`` may be an interpreter or a virtual environment directory.
+    ``given`` may be an interpreter or a virtual environment directory. An InterpreterError when it
+    cannot be reached (a caller who is not root, below a directory closed to it: no traceback).
     """
+    try:
+        return _resolve_python(given, environ)
+    except PermissionError as exc:
+        raise InterpreterError(
+            f"cannot reach {exc.filename or given}: permission denied",
+            hint="run as root (sudo), or as a user who can run that interpreter",
+        ) from exc
+
+
+def _resolve_python(given: str | None, environ: Mapping[str, str]) -> Path:
     if given:
         candidate = Path(given).expanduser()
         if _reachable(candidate).is_dir():

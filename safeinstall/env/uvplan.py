@@ -463,13 +463,26 @@ def _run_uv(
 SAID_LIMIT = 1200
 
 
+#: a part of uv's message of its own: "error:", "hint:", "cause:", "Caused by:"
+_UV_LABEL = re.compile(r"[A-Za-z][A-Za-z ]{0,15}: ")
+
+
 def uv_said(output: str, limit: int = SAID_LIMIT) -> str:
-    """Pure: uv's message on one line (its lines joined with " / "), from its first ``error:`` line
-    (what comes before it is uv's progress, "Using Python 3.11 environment at: /usr"), shortened to
-    ``limit`` characters at a word boundary, never in the middle of a word."""
+    """Pure: uv's message on one line, from its first ``error:`` line (what comes before it is uv's
+    progress, "Using Python 3.11 environment at: /usr"): its parts (``error:``, ``cause:``, ``hint:``,
+    each ``╰─▶``...) joined with " / ", a sentence uv wrapped over lines joined again with a space (a
+    line that goes on in lower case, after one that did not end it); shortened to ``limit`` characters
+    at a word boundary, never in the middle of a word."""
     lines = [line.strip() for line in output.strip().splitlines() if line.strip()]
     first = next((i for i, line in enumerate(lines) if line.startswith("error:")), 0)
-    said = " / ".join(lines[first:])
+    parts: list[str] = []
+    for line in lines[first:]:
+        goes_on = line[:1].islower() and not _UV_LABEL.match(line)  # "hint: ..." is a part of its own
+        if parts and goes_on and not parts[-1].endswith((".", ":", ";", "!", "?")):
+            parts[-1] += " " + line
+        else:
+            parts.append(line)
+    said = " / ".join(parts)
     return said if len(said) <= limit else textwrap.shorten(said, limit, placeholder=" …")
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from datetime import UTC, datetime
@@ -20,7 +21,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from safeinstall.env.environment import Environment, inspect_environment, resolve_python
-from safeinstall.errors import ExitCode, NothingToCheck, SafeInstallError, UsageError
+from safeinstall.errors import (
+    ExitCode,
+    NothingToCheck,
+    SafeInstallError,
+    UnknownDistributionError,
+    UsageError,
+)
 from safeinstall.run.options import RunOptions, check_options
 from safeinstall.run.output import command_for, envelope, jsonable
 
@@ -68,6 +75,8 @@ class Request:
     as_json: bool = False
     verbosity: int = 0  # -1 quiet, 0, 1 verbose
     interactive: bool = False  # ask before stopping anything
+    #: why a run not given --yes cannot ask (no terminal, --json): one that would stop units is refused
+    cannot_ask: str | None = None
 
     @property
     def command(self) -> str:
@@ -183,6 +192,12 @@ class Ui(Protocol):
         """A verification's progress (files done, of total), where it is shown."""
         ...
 
+    def preparing(self, what: str) -> None:
+        """Said while nothing else is (the preflight's seconds), until the next thing said."""
+
+    def settle(self) -> None:
+        """What :meth:`preparing` shows, gone (before an error is said)."""
+
     def show(self, line: str) -> None:
         """A line of the log of the run ``--status --wait`` follows."""
 
@@ -196,7 +211,11 @@ class Ui(Protocol):
 def execute(request: Request, ui: Ui) -> int:
     """The one command the request chooses; its result handed to ``ui.done``; its exit code. Raises a
     SafeInstallError for a failure before the command's result (``--metrics-file`` says so)."""
-    result = _command(request, ui)
+    try:
+        result = _command(request, ui)
+    except BaseException:
+        ui.settle()  # the error is said by the caller, on a terminal left clean
+        raise
     ui.done(result)
     return result.exit_code
 
@@ -234,15 +253,31 @@ def _command(request: Request, ui: Ui) -> Result:
             options = replace(options, undo=undone)
         check_options(options)
         env = env or inspect_environment(resolve_python(options.python, options.environ))
+        own = own_environment(env.prefix, Path(sys.prefix))
+        if own is not None:
+            raise own
         if "--detach" in request.modes:
             return _detach(request, options, ui, env)
         if "--dry-run" in request.modes:
-            return _dry_run(options, env)
+            return _dry_run(options, env, ui)
         return _reinstall(request, options, ui, metrics, env)
     except SafeInstallError as error:
         if metrics is not None:
             failed_metrics(metrics, ui, request.command, request.python, request.package, error)
         raise
+
+
+def own_environment(prefix: Path, own: Path) -> UsageError | None:
+    """The error of a run (or its dry run, undo, detach) into safeinstall's own environment (``own``,
+    ``sys.prefix``): it would replace the uv and the code that run it. None for another one."""
+    if os.path.realpath(prefix) != os.path.realpath(own):
+        return None
+    return UsageError(
+        f"{prefix} is safeinstall's own environment: a run there would replace the uv and the code "
+        "that run it",
+        hint="pass --python for the environment to reinstall into; upgrade safeinstall itself with pip "
+        f"({own}/bin/pip install -U safeinstall); --verify-only checks it",
+    )
 
 
 def run_options(
@@ -393,11 +428,15 @@ def _reinstall(
     started = now_iso()
     reporter = LoggedReporter(ui.reporter(), state.log_file(run_id))
     command = request.command
+    ui.preparing(_PREFLIGHT)
     try:
-        result = run_reinstall(replace(options, run_id=run_id), reporter, request.interactive, env=env)
+        result = run_reinstall(
+            replace(options, run_id=run_id), reporter, request.interactive, env, request.cannot_ask
+        )
     except SafeInstallError as error:
         failed = RunDocument.from_json(jsonable(envelope(command, "error", error.exit_code, None, [error])))
-        _keep(state, run_id, options.package, started, failed)
+        if not isinstance(error, UnknownDistributionError | UsageError):  # a typo ran nothing: no entry
+            _keep(state, run_id, options.package, started, failed)
         _run_metrics(metrics, ui, env, options.package, run_id, started, failed)
         return Failed(document=failed.to_json(), exit_code=error.exit_code, failures=(error,), error=error)
     errors = [result.error] if result.error else []
@@ -412,6 +451,10 @@ def _reinstall(
     return Ran(
         document=document.to_json(), exit_code=result.exit_code, run=document, run_id=run_id, notes=notes
     )
+
+
+#: What a terminal shows while the preflight works (a few seconds on numpy, more on vLLM)
+_PREFLIGHT = "preflight: the wheel checked, uv's plan, the processes that use the package..."
 
 
 def _state_of(env: Environment, environ: Mapping[str, str]) -> EnvironmentState:
@@ -451,14 +494,20 @@ def _detach(
 
     state = _state_of(env, options.environ)
     ensure_environment_dir(state)
-    if request.interactive:  # the plan the foreground prompt shows: the preflight's, local changes included
-        from safeinstall.run.preflight import preflight, refusal
+    if request.interactive or request.cannot_ask is not None:
+        # the plan the foreground prompt shows: the preflight's, local changes included; without a
+        # terminal and --yes, a run that would stop units is refused here, as in the foreground
+        from safeinstall.run.preflight import preflight, refusal, unconfirmed
 
+        ui.preparing(_PREFLIGHT)
         plan = preflight(options, take_lock=False, env=env).plan
         refused = refusal(plan)
         if refused is not None:
             raise refused
-        if not ui.reporter().confirm(plan):
+        unasked = None if request.cannot_ask is None else unconfirmed(plan, request.cannot_ask)
+        if unasked is not None:
+            raise unasked
+        if request.interactive and not ui.reporter().confirm(plan):
             return Declined(document=None, exit_code=ExitCode.REFUSED)
     run_id = options.run_id or new_run_id(datetime.now(UTC), os.getpid())
     started = detach(options, env, state, run_id)
@@ -485,10 +534,11 @@ def _from_history(entry: HistoryEntry) -> FromHistory:
     return FromHistory(document=entry.result.to_json(), exit_code=entry.result.exit_code, entry=entry)
 
 
-def _dry_run(options: RunOptions, env: Environment) -> DryRun:
+def _dry_run(options: RunOptions, env: Environment, ui: Ui) -> DryRun:
     from safeinstall.run.output import patches_json, plan_json
     from safeinstall.run.preflight import dry_run_patches, preflight
 
+    ui.preparing(_PREFLIGHT)
     # the run's own checks (and, with --keep-patches, its patch merge): it refuses when the run would
     plan, patches = dry_run_patches(preflight(options, take_lock=False, env=env))
     code = ExitCode.OK if plan.proceeds else ExitCode.REFUSED
@@ -512,8 +562,9 @@ def _wait(request: Request, ui: Ui) -> FromHistory | StoppedFollowing:
         )
     else:
         state = locate(list_environment_dirs(root), request.run)
+    quiet = request.verbosity < 0  # -q: only the result, not the run's log
     try:
-        entry = wait_for_run(state, request.run, ui.show)
+        entry = wait_for_run(state, request.run, (lambda _line: None) if quiet else ui.show)
     except (KeyboardInterrupt, InterruptedEarly):  # only the following stops: the run goes on
         again = "safeinstall --status --wait" + (f" --run {request.run}" if request.run else "")
         ui.show(

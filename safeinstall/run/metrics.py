@@ -16,7 +16,7 @@ import math
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -175,11 +175,20 @@ def _timestamp(text: str | None) -> float | None:
         return None
 
 
+def run_id_values(run_id: str) -> tuple[float, int] | None:
+    """Pure: the Unix time and the PID a run id (``20261130T031201Z-1234``) is made of; None for none."""
+    stamp, _, pid = run_id.partition("-")
+    try:
+        when = datetime.strptime(stamp, "%Y%m%dT%H%M%SZ").replace(tzinfo=UTC)
+    except ValueError:
+        return None
+    return (when.timestamp(), int(pid)) if pid.isdigit() else None
+
+
 def run_families(prefix: str, run: RunSummary) -> list[Family]:
     """Pure: a finished run of the environment ``prefix`` (its history summary)."""
-    info = (
+    info = (  # no run id: a label new at every run would make a new series every run
         ("prefix", prefix),
-        ("run_id", run.run_id),
         ("package", run.package or ""),
         ("old_version", run.old_version or ""),
         ("new_version", run.new_version or ""),
@@ -188,7 +197,7 @@ def run_families(prefix: str, run: RunSummary) -> list[Family]:
     families = [
         _one(
             "safeinstall_run_info",
-            "The last run: its id, package and versions (old and new), value 1",
+            "The last run: its package and versions (old and new), value 1",
             1,
             **dict(info),
         ),
@@ -213,6 +222,17 @@ def run_families(prefix: str, run: RunSummary) -> list[Family]:
                 prefix=prefix,
             )
         )
+    named = run_id_values(run.run_id)
+    if named is not None:  # the run id as values: YYYYMMDDTHHMMSSZ-PID, rebuilt from the two
+        families += [
+            _one(
+                "safeinstall_run_id_timestamp_seconds",
+                "The time in the last run's id",
+                named[0],
+                prefix=prefix,
+            ),
+            _one("safeinstall_run_id_pid", "The PID in the last run's id", named[1], prefix=prefix),
+        ]
     for edge, when in (("start", run.started_at), ("end", run.finished_at)):
         seconds = _timestamp(when)
         if seconds is not None:

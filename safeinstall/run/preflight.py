@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -27,6 +27,7 @@ from packaging.utils import canonicalize_name
 
 from safeinstall.env import keep, smoke
 from safeinstall.env.bytecode import pyc_name
+from safeinstall.env.containment import is_within
 from safeinstall.env.drift import FindingKind
 from safeinstall.env.environment import (
     Environment,
@@ -55,7 +56,7 @@ from safeinstall.env.wheelcopy import (
     passable_temporary_dir,
     temporary_copy,
 )
-from safeinstall.errors import PlanError, SafeInstallError, WheelError
+from safeinstall.errors import NotConfirmed, PlanError, SafeInstallError, WheelError
 from safeinstall.run import requires, staging
 from safeinstall.run.options import RunOptions, check_options
 from safeinstall.run.patches import PatchSet, prepare_patches
@@ -121,6 +122,9 @@ def preflight(options: RunOptions, *, take_lock: bool, env: Environment | None =
     state = environment_state(state_root(options.environ, os.geteuid()), env.prefix)
     notes: list[str] = [env.owner_note] if env.owner_note else []
     lock: HeldLock | None = None
+    needed = root_needed(env, os.geteuid(), options.user) if take_lock else None  # the run, not its plan
+    if needed is not None:
+        raise needed
     if env.account is not None:  # uv runs as the environment's owner: it must reach the run's directories
         check_passable(state.root, env.account)
     if take_lock:
@@ -179,6 +183,11 @@ def preflight(options: RunOptions, *, take_lock: bool, env: Environment | None =
             *unrecorded,
             *room_problems(found, env, state.backups, wheel),
             *writability_problems(env, found, wheel),
+            *(
+                [f"stopping {', '.join(u.name for u in found.plan.units)} needs root (the system manager's)"]
+                if found.plan.units and not options.user and os.geteuid() != 0
+                else []
+            ),
         )
         broken, unmet = requires.plan_said(
             env,
@@ -420,6 +429,19 @@ def refusal(plan: Plan) -> PlanError | None:
     )
 
 
+def unconfirmed(plan: Plan, why: str) -> NotConfirmed | None:
+    """Pure: the error of a run that would stop units and cannot ask (``why``: no terminal, ``--json``)
+    and was not given ``--yes``, as apt aborts without a terminal; None when it stops no unit."""
+    if not plan.units:
+        return None
+    units = ", ".join(u.name for u in plan.units)
+    return NotConfirmed(
+        f"not confirmed: the run would stop {units}, and {why}",
+        hint="give --yes to stop them without a question (as apt-get -y), or run it on a terminal to see "
+        f"the plan and answer (safeinstall {plan.package} --dry-run shows it); nothing was stopped",
+    )
+
+
 #: the reasons of :func:`safeinstall.env.wheel.record_problems` that are about a listed member's content
 _CONTENT_MISMATCH = re.compile(
     r"RECORD \w+ hash does not match the content|RECORD size \d+ does not match the content \(\d+\)"
@@ -544,9 +566,42 @@ def _device(path: Path) -> int:
 def writability_problems(env: Environment, found: Survey, wheel: Wheel | None) -> tuple[str, ...]:
     """uv writes into the site and scripts directories, the directories of the files it replaces and
     where the wheel's members land: a read-only one would fail the install during the downtime."""
+    as_user = None if env.account is None else env.account.ids
+    said = unwritable_said(unwritable(install_directories(env, found.affected, wheel), as_user))
+    if os.geteuid() != 0:  # a dry run without root (the run itself says root_needed's error)
+        said = tuple(f"{s} (to uid {os.geteuid()}: the run needs root)" for s in said)
+    return said
+
+
+def unwritable_said(problems: Sequence[str]) -> tuple[str, ...]:
+    """Pure: :func:`safeinstall.system.safefs.unwritable`'s problems ("PATH: why"), one refusal per
+    reason, each directory once: "the install could not write A, B: it is not writable"."""
+    by_reason: dict[str, list[str]] = {}
+    for problem in problems:
+        path, _, reason = problem.rpartition(": ")
+        paths = by_reason.setdefault(reason, [])
+        if path not in paths:
+            paths.append(path)
     return tuple(
-        f"the install could not write {problem} (it is not writable)"
-        for problem in unwritable(
-            install_directories(env, found.affected, wheel), None if env.account is None else env.account.ids
-        )
+        f"the install could not write {', '.join(paths)}: it is "
+        + (reason if reason.startswith("not writable") else f"not writable ({reason})")
+        for reason, paths in by_reason.items()
+    )
+
+
+def root_needed(env: Environment, euid: int, user: bool) -> PlanError | None:
+    """The error of a caller that is not root and cannot write the environment's site and scripts
+    directories (root's, or another account's, as a service's venv): the run needs root (before the
+    state directory, whose own complaint would hide it); None when it can, or is root."""
+    if euid == 0:
+        return None
+    directories = [d for d in (*env.site_dirs, env.scripts) if is_within(str(d), str(env.prefix))]
+    denied = [p.rpartition(": ")[0] for p in unwritable(directories) if p.endswith(": not writable")]
+    if not denied:
+        return None
+    return PlanError(
+        f"reinstalling into {env.prefix} needs root: uid {euid} cannot write "
+        + ", ".join(dict.fromkeys(denied)),
+        hint="run it as root (sudo safeinstall ...); --dry-run shows the plan without root"
+        + ("" if user else ", and --user works on your own user manager's units in your own environments"),
     )

@@ -54,7 +54,7 @@ from safeinstall.run.patches import (
     rolled_back,
     save_patch_set,
 )
-from safeinstall.run.preflight import Prepared, locally_modified, refusal
+from safeinstall.run.preflight import Prepared, dry_run_patches, locally_modified, refusal, unconfirmed
 from safeinstall.run.preflight import preflight as shared_preflight
 from safeinstall.run.results import Reporter, RunResult, service_downtime_s
 from safeinstall.run.rollback import rollback_step
@@ -217,13 +217,7 @@ def backup_step(run: Run) -> str:
     before = run.prepared.before  # hashed at preflight, just before this step: not read again
     run.patched = locally_modified(before)
     run.deleted = tuple(f.path for f in before.findings if f.kind == FindingKind.MISSING)
-    for path in run.patched:
-        deleted = path in run.deleted
-        run.notes.append(
-            f"locally deleted: {path} (nothing to keep)"
-            if deleted
-            else f"locally patched: {path} (kept in the backup)"
-        )
+    # each file is listed once, by the result (its patched and deleted files, with where the backup is)
 
     said = [-PROGRESS_TICK_S]
 
@@ -967,9 +961,14 @@ def undo_verify_step(run: Run, open_gate: Callable[[], None]) -> str:
 
 
 def run_reinstall(
-    options: RunOptions, reporter: Reporter, interactive: bool, env: Environment | None = None
+    options: RunOptions,
+    reporter: Reporter,
+    interactive: bool,
+    env: Environment | None = None,
+    cannot_ask: str | None = None,
 ) -> RunResult:
-    """The whole run. Raises SafeInstallError only before anything changed (exit 2).
+    """The whole run. Raises SafeInstallError only before anything changed (exit 2); ``cannot_ask``: why
+    a run not given ``--yes`` cannot ask (no terminal): one that would stop units is refused.
 
     Signals (see :mod:`safeinstall.system.signals`): until the journal is written they end the run with exit 2
     (the early handlers); one that arrives while it is written is held back and stops the first step
@@ -991,7 +990,18 @@ def run_reinstall(
         refused = refusal(prepared.plan)
         if refused is not None:
             raise refused
-        if interactive and not reporter.confirm(prepared.plan):
+        if not interactive and cannot_ask is not None:
+            unasked = unconfirmed(prepared.plan, cannot_ask)
+            if unasked is not None:
+                raise unasked
+        merged = None  # --keep-patches: the merge made before the question, which says whether it holds
+        if interactive and options.keep_patches:
+            plan, patches = dry_run_patches(prepared)
+            refused = refusal(plan)
+            if refused is not None:
+                raise refused
+            merged = None if patches is None else patches.outcomes
+        if interactive and not reporter.confirm(prepared.plan, merged):
             _discard_wheel_copy(prepared)
             if prepared.lock is not None:  # a declined run is finished: the next is not told it died
                 prepared.lock.release()

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -67,7 +67,9 @@ class Reporter(Protocol):
     def note(self, text: str, host: bool = False) -> None:
         """``host``: a note about the host, not this run (the same on every command: ``-q`` drops it)."""
 
-    def confirm(self, plan: Plan) -> bool: ...
+    def confirm(self, plan: Plan, patches: Sequence[PatchOutcome] | None = None) -> bool:
+        """Asked before the first stop; ``patches``: with --keep-patches, the merge made for the question."""
+        ...
 
 
 @dataclass
@@ -99,5 +101,5 @@ class LoggedReporter:
         append_line(self.log, f"note: {text}")
         self.inner.note(text, host)
 
-    def confirm(self, plan: Plan) -> bool:
-        return self.inner.confirm(plan)
+    def confirm(self, plan: Plan, patches: Sequence[PatchOutcome] | None = None) -> bool:
+        return self.inner.confirm(plan, patches)

@@ -271,9 +271,16 @@ class StartWatch:
 
 
 def _start_failed(run: Run, reasons: list[str], units: list[str]) -> StepFailed:
+    """Why the units did not come up, with each one's last lines in its journal (as the service said
+    it, where there is a journal), beside the journalctl command."""
     flag = "--user " if run.options.user else ""
+    said = "; ".join(reasons)
+    for unit in units:
+        tail = run.systemd.journal_tail(unit)
+        if tail:
+            said += f"\nthe last lines of {unit} in its journal:\n" + "\n".join(f"  {line}" for line in tail)
     return StepFailed(
-        "; ".join(reasons),
+        said,
         hint=f"see why in its journal: journalctl {flag}" + " ".join(f"-u {unit}" for unit in units),
     )
 

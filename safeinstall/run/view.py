@@ -16,6 +16,7 @@ from safeinstall.store.runlog import PROGRESS_EVERY_S, human_bytes, progress_key
 if TYPE_CHECKING:
     from safeinstall.env.diffs import FileDiff as FileDiff
     from safeinstall.env.verify import VerifyReport as VerifyReport
+    from safeinstall.scan.plan import AffectedDistribution as AffectedDistribution
     from safeinstall.scan.plan import Plan as Plan
     from safeinstall.scan.plan import PlannedProcess as PlannedProcess
     from safeinstall.scan.processes import ScanProblem as ScanProblem

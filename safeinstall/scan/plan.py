@@ -361,13 +361,10 @@ def unreadable_warning(problems: Sequence[ScanProblem], as_root: bool) -> str | 
         return None
     listed = ", ".join(f"PID {pid} ({', '.join(readings)})" for pid, readings in sorted(denied.items())[:10])
     more = f" and {len(denied) - 10} more" if len(denied) > 10 else ""
-    text = f"could not read {len(denied)} process(es): {listed}{more}: permission denied"
-    if as_root:
-        return (
-            text + " even to root (the kernel or a security policy hides them: the init of a VM or a "
-            "container, Yama, SELinux, AppArmor); whether they use the package is not known"
-        )
-    return text + "; run as root to see every process"
+    text = f"could not read {len(denied)} process(es): {listed}{more}"
+    if as_root:  # short: said on every plan of such a host (a container's PID 1)
+        return text + ": denied even to root (a container's init, a security policy)"
+    return text + ": permission denied; run as root to see every process"
 
 
 def oversized_warning(problems: Sequence[ScanProblem]) -> str | None:

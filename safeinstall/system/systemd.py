@@ -87,6 +87,23 @@ _TIMESPAN_TOKEN = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([^\d\s.]*)")
 # --------------------------------------------------------------------------------------------- parsing
 
 
+#: How many of a unit's last journal lines a failed start's error quotes
+JOURNAL_LINES = 10
+#: The longest journal line quoted (a traceback's line of a long path is kept, a dump is not)
+JOURNAL_LINE_LIMIT = 300
+
+
+def journal_lines(output: str, lines: int = JOURNAL_LINES) -> tuple[str, ...]:
+    """Pure: the last ``lines`` lines of ``journalctl``'s output, its own notices left out ("-- No
+    entries --", "-- Boot ... --"), each at most :data:`JOURNAL_LINE_LIMIT` characters."""
+    kept = [
+        line if len(line) <= JOURNAL_LINE_LIMIT else line[: JOURNAL_LINE_LIMIT - 2] + " …"
+        for line in output.splitlines()
+        if line.strip() and not (line.startswith("-- ") and line.endswith(" --"))
+    ]
+    return tuple(kept[-lines:])
+
+
 def parse_timespan(text: str) -> float:
     """Seconds from a systemd time span as ``systemctl show`` prints it.
 
@@ -465,6 +482,27 @@ class Systemd:
                 )
             raise SystemdError(f"`{command}` failed: {detail}")
         return proc.stdout
+
+    def journal_tail(self, unit: str, lines: int = JOURNAL_LINES) -> tuple[str, ...]:
+        """The unit's last ``lines`` lines in the journal (as ``journalctl -u`` prints them); none when
+        journalctl is missing, fails or has no journal (what a failed start's error adds, never raises)."""
+        argv = [
+            "journalctl",
+            self._scope_flag,
+            "-u",
+            unit,
+            "-n",
+            str(lines),
+            "--no-pager",
+            "-q",
+            "-o",
+            "short",
+        ]
+        try:
+            proc = children.run(argv, env=self._env(), timeout=self.call_timeout_s)
+        except (OSError, subprocess.TimeoutExpired):
+            return ()
+        return journal_lines(proc.stdout, lines) if proc.returncode == 0 else ()
 
     # ---- reading state
 
