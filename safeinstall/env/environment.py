@@ -143,21 +143,6 @@ def interpreter_in_prefix(env: Environment) -> Path:
         return env.python
 
 
-def _reachable(path: Path) -> Path:
-    """``path``, once its status can be read. Raises InterpreterError where the caller may not look
-    (an interpreter linked into another user's home, as uv's and pyenv's are)."""
-    try:
-        os.stat(path)
-    except PermissionError as exc:
-        raise InterpreterError(
-            f"cannot reach the interpreter {path}: {exc.strerror}",
-            hint="run safeinstall as root, or as the user that owns the environment and its interpreter",
-        ) from exc
-    except OSError:
-        pass  # missing, or a dangling link: said by the caller
-    return path
-
-
 def resolve_python(given: str | None, environ: Mapping[str, str]) -> Path:
     """Find the interpreter the way uv does: ``--python``, then ``VIRTUAL_ENV``, then ``python3``.
 
@@ -176,15 +161,15 @@ def resolve_python(given: str | None, environ: Mapping[str, str]) -> Path:
 def _resolve_python(given: str | None, environ: Mapping[str, str]) -> Path:
     if given:
         candidate = Path(given).expanduser()
-        if _reachable(candidate).is_dir():
+        if candidate.is_dir():
             interpreter = candidate / "bin" / "python"
-            if not _reachable(interpreter).exists():
+            if not interpreter.exists():
                 raise InterpreterError(
                     f"{candidate} is a directory but holds no bin/python",
                     hint="pass a virtual environment directory or the path of a python executable",
                 )
             return interpreter.absolute()
-        if _reachable(candidate).exists():
+        if candidate.exists():
             return candidate.absolute()
         found = shutil.which(given, path=environ.get("PATH"))
         if found:
