@@ -71,6 +71,13 @@ class RecordError(SafeInstallError):
     code = "record"
 
 
+class PreparedRunError(SafeInstallError):
+    """A prepared run (docs/prepare.md) cannot be committed or discarded: none, several, too old,
+    damaged, or something it depends on changed since the prepare. Nothing was stopped."""
+
+    code = "prepared-run"
+
+
 class PlanError(SafeInstallError):
     """uv could not produce a plan, or the plan is refused (strays, missing units...)."""
 

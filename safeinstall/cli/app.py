@@ -145,6 +145,10 @@ def main_command(
     run: params.Run = None,
     undo_: params.Undo = False,
     forget_: params.Forget = False,
+    prepare: params.Prepare = False,
+    commit_: params.Commit = False,
+    discard_: params.Discard = False,
+    prepared_max_age: params.PreparedMaxAge = 86400.0,
     as_json: params.AsJson = False,
     metrics_file: params.MetricsFile = None,
     verbose: params.Verbose = 0,
@@ -166,6 +170,8 @@ def main_command(
             ("--recover", recover_),
             ("--status", status_),
             ("--forget", forget_),
+            ("--commit", commit_),
+            ("--discard", discard_),
             ("--undo", undo_),
         )
         if on
@@ -204,6 +210,7 @@ def main_command(
                 base_wheel=base_wheel is not None,
                 drop_conflicting=drop_conflicting,
                 accept_record_mismatch=accept_record_mismatch,
+                prepare=prepare,
             )
         )
         if problem is not None:

@@ -30,8 +30,9 @@ Usage: safeinstall REQUIREMENT [--wheel W] [--python PY] [OPTIONS] [-- UV_ARGS]
   safeinstall PACKAGE --verify-only    check its installed files; change nothing
   safeinstall --status [--wait]        the run in progress and the last runs
   safeinstall --undo --python PY       put back what ran before the last run
+  safeinstall PACKAGE --prepare        everything before the stop; then --commit (or --discard)
 
-Commands: --dry-run, --detach, --verify-only, --recover, --status, --undo, --forget
+Commands: --dry-run, --detach, --verify-only, --recover, --status, --undo, --forget, --commit, --discard
 (at most one; none: reinstall). safeinstall --help lists every option, by command."""
 
 
@@ -367,6 +368,45 @@ Undo = Annotated[
         "Put back what ran before the environment's last run (--run: an older one), byte for byte, "
         "through the same safe sequence (see docs/undo.md).",
         rich_help_panel=MODES,
+    ),
+]
+
+Prepare = Annotated[
+    bool,
+    _flag(
+        "--prepare",
+        "Do everything before the stop (preflight, backup, prefetch and staging, smoke check), stop nothing, "
+        "and keep the run for --commit (see docs/prepare.md).",
+        rich_help_panel=RUN,
+    ),
+]
+
+Commit = Annotated[
+    bool,
+    _flag(
+        "--commit",
+        "Go on with the environment's prepared run: checked unchanged since --prepare, then the stop, the "
+        "swap, the restart and the checks after. Takes only the window's options.",
+        rich_help_panel=MODES,
+    ),
+]
+
+Discard = Annotated[
+    bool,
+    _flag(
+        "--discard",
+        "Drop the environment's prepared run (its staging tree, backup's run, caches, journal).",
+        rich_help_panel=MODES,
+    ),
+]
+
+PreparedMaxAge = Annotated[
+    float,
+    typer.Option(
+        "--prepared-max-age",
+        metavar="SECONDS",
+        help="With --commit: refuse a prepared run older than this.",
+        rich_help_panel=RUN,
     ),
 ]
 

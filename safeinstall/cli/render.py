@@ -902,6 +902,14 @@ def render_status(out: Console, found: list[EnvironmentStatus], last: int = 5) -
                 state += f" run {literal(s.run_id)}"
         elif s.needs_recovery:
             state = "[red]needs recovery[/]: run safeinstall --recover"
+        elif s.prepared is not None:
+            p = s.prepared
+            state = (
+                f"[cyan]prepared[/] run {literal(p.run_id)}, {p.age_s:.0f} s ago: "
+                + literal(f"will change {'; '.join(p.changes) or 'nothing'}")
+                + literal(f", restart {' '.join(p.units) or 'no unit'}")
+                + f" ({'a swap' if p.staged else 'uv in the window'}); safeinstall --commit or --discard"
+            )
         else:
             state = "[green]idle[/]"
         if s.prefix_exists is False:

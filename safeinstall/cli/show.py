@@ -28,6 +28,7 @@ from safeinstall.errors import SafeInstallError
 from safeinstall.run.commands import (
     Declined,
     DetachedRun,
+    DiscardResult,
     DryRun,
     ForgetResult,
     FromHistory,
@@ -164,3 +165,12 @@ def draw(result: Result, out: Console, err: Console, verbosity: int) -> None:
         render_status(out, list(result.report.environments), last=0 if verbosity > 0 else 5)
     elif isinstance(result, ForgetResult):
         render_forgotten(out, list(result.forgotten))
+    elif isinstance(result, DiscardResult):
+        dropped = result.discarded
+        out.print(
+            literal(
+                f"discarded the prepared run {dropped.run_id} ({'; '.join(dropped.changes)}) "
+                f"of {dropped.prefix}"
+            ),
+            soft_wrap=True,
+        )

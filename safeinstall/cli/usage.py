@@ -17,13 +17,22 @@ from safeinstall.errors import UsageError
 PLAIN_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
 
 #: The flags that each choose what safeinstall does: no two of them go together.
-MODES = ("--verify-only", "--dry-run", "--detach", "--recover", "--status", "--forget")
+MODES = (
+    "--verify-only",
+    "--dry-run",
+    "--detach",
+    "--recover",
+    "--status",
+    "--forget",
+    "--commit",
+    "--discard",
+)
 
 #: The commands that take no PACKAGE.
-_NO_PACKAGE = ("--recover", "--status", "--forget")
+_NO_PACKAGE = ("--recover", "--status", "--forget", "--commit", "--discard")
 
 #: The modes that run nothing: an option of a run given with one of them would do nothing.
-_NOT_A_RUN = ("--verify-only", "--status", "--recover", "--forget")
+_NOT_A_RUN = ("--verify-only", "--status", "--recover", "--forget", "--discard")
 
 #: The options that only a run (its --dry-run, --detach, --undo) uses: parameter name -> flag.
 #: (--keep-patches and --accept-record-mismatch have errors of their own; --user and --yes are
@@ -69,6 +78,63 @@ class Usage:
     base_wheel: bool = False
     drop_conflicting: bool = False
     accept_record_mismatch: bool = False
+    prepare: bool = False
+
+
+#: The options of the window and after (docs/prepare.md): ``--commit`` takes them, ``--prepare`` not
+WINDOW = (
+    ("stop_timeout", "--stop-timeout"),
+    ("gpu_timeout", "--gpu-timeout"),
+    ("settle", "--settle"),
+    ("health_url", "--health-url"),
+    ("health_timeout", "--health-timeout"),
+)
+#: What ``--commit`` takes besides the window's options (the rest was fixed by ``--prepare``)
+_COMMIT_TAKES = frozenset(
+    {"commit_", "python", "user", "yes", "as_json", "prepared_max_age", "verbose", "quiet", "metrics_file"}
+    | {name for name, _ in WINDOW}
+)
+
+
+def _prepare_problem(u: Usage) -> UsageError | None:
+    """Pure: ``--prepare``, ``--commit`` and ``--prepared-max-age`` given with what they cannot take."""
+    commit = "--commit" in u.modes
+    if "prepared_max_age" in u.given and not commit:
+        return UsageError(
+            "--prepared-max-age goes with --commit", hint="safeinstall --commit --prepared-max-age 3600"
+        )
+    if commit:
+        extra = sorted(name for name in u.given if name not in _COMMIT_TAKES)
+        if extra or u.args:
+            flags = [f"--{name.rstrip('_').replace('_', '-')}" for name in extra] + list(u.args)
+            return UsageError(
+                f"--commit takes only the window's options, not {' '.join(flags)}: "
+                "the rest was fixed by --prepare",
+                hint="safeinstall --commit [--python PY] [--yes] [--user] [--settle S] [--health-url URL] "
+                "[--stop-timeout S] [--gpu-timeout S] [--json]; or --discard and prepare again",
+            )
+        return None
+    if not u.prepare:
+        return None
+    other = next((flag for flag in (*MODES, "--undo") if flag in u.modes), None)
+    if other is not None:
+        return UsageError(
+            f"--prepare does not go with {other}",
+            hint="safeinstall PACKAGE [--wheel W] --prepare [--python PY]",
+        )
+    if u.keep_patches:
+        return UsageError(
+            "--prepare does not carry local patches (--keep-patches) yet",
+            hint="run it in one go: safeinstall PACKAGE --wheel W --keep-patches",
+        )
+    window = [flag for name, flag in WINDOW if name in u.given]
+    if window:
+        return UsageError(
+            f"{' '.join(window)} {'is' if len(window) == 1 else 'are'} for the window: give "
+            f"{'it' if len(window) == 1 else 'them'} to --commit",
+            hint=f"safeinstall --commit --python PY {' '.join(window)} ...",
+        )
+    return None
 
 
 def mode_conflict(flags: Collection[str]) -> UsageError | None:
@@ -146,6 +212,9 @@ def usage_problem(u: Usage) -> UsageError | None:
         )
     if u.metrics_file and (problem := _metrics_problem(u)) is not None:
         return problem
+    prepared = _prepare_problem(u)
+    if prepared is not None:
+        return prepared
     idle = _idle_options(u)
     if idle is not None:
         return idle

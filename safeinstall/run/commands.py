@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from safeinstall.env.vouched import Vouched
     from safeinstall.run.detach import PrivateInputs
     from safeinstall.run.metrics import Family
+    from safeinstall.run.prepare import Discarded
     from safeinstall.run.recover import Recovered
     from safeinstall.run.results import Reporter
     from safeinstall.run.status import Forgotten, StatusReport
@@ -157,6 +158,11 @@ class ForgetResult(Outcome):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class DiscardResult(Outcome):
+    discarded: Discarded
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Failed(Outcome):
     """A run that failed before it changed anything: kept in its history, said as the error."""
 
@@ -174,6 +180,7 @@ Result = (
     | RecoverResult
     | StatusResult
     | ForgetResult
+    | DiscardResult
     | Failed
 )
 
@@ -239,6 +246,10 @@ def _command(request: Request, ui: Ui) -> Result:
             metrics = check_metrics_path(request.metrics_file)
         if "--recover" in request.modes:
             return _recover(request, ui, metrics)
+        if "--discard" in request.modes:
+            return _discard(request)
+        if "--commit" in request.modes:
+            return _commit(request, ui, metrics)
         if "--forget" in request.modes:
             return _forget(request)
         if request.wait:
@@ -574,6 +585,27 @@ def _wait(request: Request, ui: Ui) -> FromHistory | StoppedFollowing:
     return _from_history(entry)
 
 
+def _commit(request: Request, ui: Ui, metrics: Path | None) -> Ran | Failed:
+    """--commit: the environment's prepared run, with the window's options of this command line."""
+    from safeinstall.run.prepare import commit_options, the_prepared_run
+
+    found = the_prepared_run(os.environ, request.python)
+    given = run_options({**request.values, "package": found.record.package}, request.extra_args)
+    options = commit_options(found.record, replace(given, python=request.python or found.python))
+    options = replace(options, python=request.python or found.python)
+    check_options(options)
+    env = inspect_environment(resolve_python(options.python, options.environ))
+    return _reinstall(request, options, ui, metrics, env)
+
+
+def _discard(request: Request) -> DiscardResult:
+    from safeinstall.run.prepare import discard
+
+    dropped = discard(os.environ, request.python)
+    document = envelope("discard", "discarded", ExitCode.OK, {"discarded": jsonable(dropped)})
+    return DiscardResult(document=document, exit_code=ExitCode.OK, discarded=dropped)
+
+
 def _forget(request: Request) -> ForgetResult:
     from safeinstall.run.status import forget
 
@@ -605,6 +637,7 @@ def _status(request: Request, ui: Ui, metrics: Path | None) -> StatusResult:
     found = list(report.environments)
     pending = any(s.needs_recovery for s in found)
     state = "needs-recovery" if pending else "running" if any(s.running for s in found) else "idle"
+    state = "prepared" if state == "idle" and any(s.prepared for s in found) else state
     state = "error" if report.failures else state
     data = {"environments": jsonable(found)}
     document = envelope("status", state, report.exit_code, data, list(report.failures))

@@ -54,6 +54,12 @@ class RunOptions:
     allow_broken_requirements: bool = False
     #: --undo: the run whose backup is put back (safeinstall.run.undo); None: a reinstall
     undo: str | None = None
+    #: --prepare: stop after the smoke check, the run kept for --commit (safeinstall.run.prepare)
+    prepare: bool = False
+    #: --commit: the environment's prepared run goes on from the gate, once checked unchanged
+    commit: bool = False
+    #: --commit: a prepared run older than this (seconds) is refused
+    prepared_max_age: float = 86400.0
     proc_root: Path = Path("/proc")
     environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
 
@@ -85,6 +91,7 @@ def option_problems(options: RunOptions) -> list[OptionProblem]:
         "--settle": options.settle,
         "--health-timeout": options.health_timeout,
         "--smoke-timeout": options.smoke_timeout,
+        "--prepared-max-age": options.prepared_max_age,
     }
     for flag, value in timeouts.items():
         if not (math.isfinite(value) and value >= 0):

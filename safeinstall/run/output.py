@@ -80,6 +80,7 @@ _COMMANDS = (
     ("--recover", "recover"),
     ("--status", "status"),
     ("--forget", "forget"),
+    ("--discard", "discard"),
 )
 
 

@@ -45,7 +45,7 @@ from safeinstall.errors import (
     SafeInstallError,
     StepFailed,
 )
-from safeinstall.run import requires, staging, undo
+from safeinstall.run import prepare, requires, staging, undo
 from safeinstall.run import smoke as run_smoke
 from safeinstall.run.options import RunOptions
 from safeinstall.run.patches import (
@@ -83,6 +83,7 @@ from safeinstall.store.journal import (
     start_journal,
     update_unit,
 )
+from safeinstall.store.prepared import PreparedRecord, write_prepared
 from safeinstall.store.records import keep_records, read_records
 from safeinstall.store.retention import prune_backups
 from safeinstall.store.runlog import human_bytes
@@ -975,6 +976,7 @@ def run_reinstall(
     (the run then ends as one interrupted before the stop: exit 2); during the steps they interrupt and
     the run rolls back; during the rollback and the tidy-up after a good run they are held back and
     announced (the tidy-up is short: the run finishes with its result)."""
+    record = read_prepared_run(options, env) if options.commit else None
     prepared = shared_preflight(options, take_lock=True, env=env)
     tidying: list[bool] = []
     cache_removed: list[bool] = []
@@ -987,6 +989,8 @@ def run_reinstall(
 
     deferral = contextlib.ExitStack()  # from the journal to the end, signals are held back unless raised
     try:
+        if record is not None:  # --commit: under the lock, before anything, nothing it relies on changed
+            prepare.commit_check(record, prepared)
         refused = refusal(prepared.plan)
         if refused is not None:
             raise refused
@@ -1010,7 +1014,7 @@ def run_reinstall(
             for warning in prepared.plan.warnings:
                 reporter.note(f"before the stop: {warning}", host=warning in prepared.plan.host_notes)
         held = deferral.enter_context(interrupts_deferred(held_back))
-        run = start(prepared, reporter)
+        run = start(prepared, reporter) if record is None else prepare.resume(prepared, reporter, record)
     except BaseException:
         deferral.close()
         _discard_wheel_copy(prepared)
@@ -1029,15 +1033,23 @@ def run_reinstall(
             try:
                 signals.unblock(mask)
                 received.signals.extend(held)  # held back while the journal was written: no step starts
-                if options.keep_patches:
-                    step("patches", lambda: patches_step(run))
-                step("backup", lambda: backup_step(run))
-                if options.undo is None:  # an undo installs from a backup: nothing to fetch
+                if record is None:  # --commit: the prepare did these
+                    if options.keep_patches:
+                        step("patches", lambda: patches_step(run))
+                    step("backup", lambda: backup_step(run))
+                if (
+                    options.undo is None and record is None
+                ):  # an undo installs from a backup: nothing to fetch
                     step("prefetch", lambda: prefetch_step(run))
                     if not options.no_smoke:  # the new version exercised before anything stops
                         step("smoke", lambda: smoke_step(run))
                     if run.staged is None:  # the install runs in the window
                         keep_old_links(run)
+                if options.prepare:  # nothing stopped: the run waits for --commit
+                    received.checked(lambda: prepared_step(run))()
+                    cache_removed.append(True)  # the run's cache stays for the commit
+                    signals.block()
+                    return _result(run, "prepared", ExitCode.OK, None)
                 step("gate", lambda: gate_step(run))
                 with NvmlSession(options.environ, options.proc_root) as session:
                     baseline = session.snapshot()  # before the stop: what the processes held
@@ -1094,9 +1106,30 @@ def run_reinstall(
             _remove_run_cache(run)
         if not run.state.journal.exists():  # else the wheel copy is kept for --recover
             _discard_wheel_copy(prepared)
+            if record is not None and record.wheel is not None:  # the prepare's own copy
+                discard_wheel_copy(Path(record.wheel), prepared.state.dir)
         if prepared.lock is not None:
             prepared.lock.release()
         deferral.close()
+
+
+def read_prepared_run(options: RunOptions, env: Environment | None) -> PreparedRecord:
+    """--commit: the record of the one prepared run of the environment (read again under the lock)."""
+    python = str(interpreter_in_prefix(env)) if env is not None else options.python
+    return prepare.the_prepared_run(options.environ, python).record
+
+
+def prepared_step(run: Run) -> None:
+    """--prepare, once the smoke check passed: the record of what the commit relies on, then the
+    journal says ``prepared``; the lock is released with the run, nothing was stopped."""
+    write_prepared(run.state, prepare.new_record(run))
+    run._journal(Phase.PREPARED)
+    run._log("prepared: safeinstall --commit goes on from the gate")
+    run.notes.append(
+        f"prepared, nothing stopped: safeinstall --commit --python {interpreter_in_prefix(run.env)}"
+        f"{' --user' if run.options.user else ''} [--yes] goes on from the stop "
+        f"(safeinstall --discard drops it; --prepared-max-age {run.options.prepared_max_age:g} s)"
+    )
 
 
 def _tidy_up(run: Run, hashed: Sequence[FileState]) -> tuple[str, ...]:

@@ -6,6 +6,7 @@ and ``--forget`` (the state of environments that are gone). Reads the same check
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -14,7 +15,8 @@ from safeinstall.errors import ExitCode, SafeInstallError, UsageError
 from safeinstall.run.recover import read_checked_journal, states_of
 from safeinstall.run.undo import with_undo
 from safeinstall.store.history import RunSummary, read_history
-from safeinstall.store.journal import read_journal
+from safeinstall.store.journal import Phase, read_journal
+from safeinstall.store.prepared import read_prepared
 from safeinstall.store.state import (
     EnvironmentState,
     StateDirError,
@@ -43,6 +45,34 @@ class EnvironmentStatus:
     run_id: str | None = None  # the run in progress (or that needs recovery), from its journal
     runs: tuple[RunSummary, ...] = ()  # the last finished runs, newest first
     history_problems: tuple[str, ...] = ()  # damaged history entries, skipped
+    prepared: PreparedSummary | None = None  # a prepared run waiting for --commit (docs/prepare.md)
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedSummary:
+    run_id: str
+    age_s: float  # since the prepare ended
+    changes: tuple[str, ...]  # what the commit will change ("sicext 1.0 -> 2.0")
+    units: tuple[str, ...]  # the units the commit stops and starts
+    staged: bool  # the window renames a staged tree in (else uv installs in it)
+
+
+def prepared_summary(state: EnvironmentState, now: float) -> tuple[PreparedSummary | None, str | None]:
+    """The prepared run's summary, or why its record cannot be read."""
+    try:
+        record = read_prepared(state)
+    except SafeInstallError as exc:
+        return None, exc.message
+    if record is None:
+        return None, "a prepared run without its record (safeinstall --discard drops it)"
+    summary = PreparedSummary(
+        record.run_id,
+        max(0.0, now - record.prepared_at),
+        record.changes,
+        record.units,
+        bool(record.staged_root),
+    )
+    return summary, None
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,13 +107,15 @@ def status(environ: Mapping[str, str], python: str | None) -> StatusReport:
             continue
         running, holder = read_holder(state.lock) if state.lock.exists() else (False, None)
         history = read_history(state)
+        waiting = journal is not None and journal.phase == Phase.PREPARED
+        prepared, problem = prepared_summary(state, time.time()) if waiting else (None, None)
         found.append(
             EnvironmentStatus(
                 prefix=str(state.prefix or state.dir),
                 running=running,
                 holder=holder if running else None,
                 journal_phase=str(journal.phase) if journal else None,
-                needs_recovery=journal is not None and not running,
+                needs_recovery=journal is not None and not running and not waiting,
                 gated=gate_marker(state.dir).exists(),
                 package=journal.package if journal else None,
                 units=tuple(u.name for u in journal.units) if journal else (),
@@ -91,7 +123,8 @@ def status(environ: Mapping[str, str], python: str | None) -> StatusReport:
                 prefix_exists=prefix_exists(state),
                 run_id=journal.run_id if journal else None,
                 runs=with_undo(state, history.runs),
-                history_problems=history.problems,
+                history_problems=(*history.problems, *([problem] if problem else [])),
+                prepared=prepared,
             )
         )
     return StatusReport(tuple(found), tuple(failures))

@@ -22,6 +22,7 @@ from safeinstall.errors import SafeInstallError
 from safeinstall.store.state import (
     BACKUPS_DIR,
     JOURNAL_FILE,
+    PREPARED_FILE,
     TMP_SUFFIX,
     atomic_write,
     environment_key,
@@ -52,6 +53,8 @@ class Phase(StrEnum):
     PLANNED = "planned"
     BACKED_UP = "backed-up"
     STAGED = "staged"  # the new version installed and verified in the staging tree (env/swap.py)
+    #: --prepare ended here: nothing stopped, the run waits for --commit (or --discard) (docs/prepare.md)
+    PREPARED = "prepared"
     GATED = "gated"
     STOPPING = "stopping"
     STOPPED = "stopped"
@@ -409,6 +412,12 @@ def start_journal(envdir: Path, journal: Journal) -> Journal:
     run's is there. Call it holding the environment's lock.
     """
     previous = read_journal(envdir)
+    if previous is not None and previous.phase == Phase.PREPARED:
+        raise JournalError(
+            f"a prepared run ({previous.run_id}, {previous.package}) waits in {previous.prefix}: "
+            "nothing else runs there until it is committed or discarded",
+            hint="safeinstall --commit --python PY to go on with it, or safeinstall --discard --python PY",
+        )
     if previous is not None:
         raise JournalError(
             f"a previous run ({previous.run_id}, PID {previous.pid}, {previous.package}) did not finish: "
@@ -447,7 +456,12 @@ def read_journal(envdir: Path) -> Journal | None:
 def clear_journal(envdir: Path) -> None:
     """Remove the journal (a clean end) and any temp file a crashed write left; fsync the directory."""
     removed = False
-    for candidate in [journal_path(envdir), *envdir.glob(f"{_TMP_PREFIX}*{TMP_SUFFIX}")]:
+    # a prepared run's record (store/prepared.py) goes with its journal
+    for candidate in [
+        journal_path(envdir),
+        envdir / PREPARED_FILE,
+        *envdir.glob(f"{_TMP_PREFIX}*{TMP_SUFFIX}"),
+    ]:
         try:
             candidate.unlink()
             removed = True

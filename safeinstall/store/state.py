@@ -74,6 +74,8 @@ SYSTEM_STATE_ROOT = Path("/var/lib/safeinstall")
 PREFIX_FILE = "prefix"
 LOCK_FILE = "lock"
 JOURNAL_FILE = "journal.json"
+#: A prepared run's record (store/prepared.py): beside its journal, removed with it
+PREPARED_FILE = "prepared.json"
 BACKUPS_DIR = "backups"
 LOGS_DIR = "logs"
 UV_CACHE_PREFIX = "uv-cache-"
@@ -93,7 +95,7 @@ _KEY_DIGEST_CHARS = 12
 TMP_SUFFIX = ".tmp"
 #: Files of an environment's directory that only a run holding its lock writes (the gate marker, the
 #: journal, the baseline): a temp file of one of them found under the lock is a dead run's
-LOCKED_FILES = ("gate", JOURNAL_FILE, "baseline.json", "old-imports.json")
+LOCKED_FILES = ("gate", JOURNAL_FILE, PREPARED_FILE, "baseline.json", "old-imports.json")
 _PREFIX_MAX = 64 * 1024
 
 

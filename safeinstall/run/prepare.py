@@ -1,0 +1,319 @@
+"""Prepare ahead, commit in the window (docs/prepare.md).
+
+``safeinstall REQ --prepare`` is a run that stops after its smoke check: its journal says ``prepared``
+and a record (:mod:`safeinstall.store.prepared`) keeps what the commit depends on, by identity. The
+run's backup, staging tree (or uv cache), kept links and wheel copy stay. ``safeinstall --commit``
+runs the preflight again under the lock (a new scan, the environment's files hashed again), refuses
+(exit 2, nothing stopped) when anything the prepare found has changed, and else goes on from the gate
+with the prepared run's journal, backup and staging tree. ``--discard`` (and ``--recover``) put back a
+prepared run as they do one that died before its stop: nothing of it is left.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from safeinstall.env.containment import is_within
+from safeinstall.env.drift import FindingKind
+from safeinstall.errors import PreparedRunError, SafeInstallError
+from safeinstall.run import staging
+from safeinstall.run.options import RunOptions
+from safeinstall.run.preflight import Prepared, locally_modified
+from safeinstall.run.recover import read_checked_journal, recover_one, states_of
+from safeinstall.run.results import Reporter
+from safeinstall.run.running import Run
+from safeinstall.run.survey import systemd_for
+from safeinstall.scan.plan import PlannedProcess
+from safeinstall.store.backup import load_backup
+from safeinstall.store.journal import Phase, read_journal
+from safeinstall.store.prepared import Identity, PreparedRecord, read_prepared
+from safeinstall.store.state import EnvironmentState
+
+#: A prepared run older than this is refused at commit (``--prepared-max-age``, seconds): a day
+PREPARED_MAX_AGE_S = 86400.0
+#: The options of the window and after: the commit's own (a prepare refuses them, docs/prepare.md)
+WINDOW_OPTIONS = ("stop_timeout", "gpu_timeout", "settle", "health_url", "health_timeout")
+#: What the record does not keep of a run's options: the commit's own, or its process's
+_NOT_KEPT = frozenset(
+    {"environ", "proc_root", "run_id", "prepare", "commit", "prepared_max_age", *WINDOW_OPTIONS}
+)
+PREPARE_AGAIN = "nothing was stopped; safeinstall --discard --python PY, then prepare again"
+
+
+def options_json(options: RunOptions) -> dict[str, Any]:
+    """Pure: the run's options the commit takes from its prepare, as JSON."""
+    kept: dict[str, Any] = {}
+    for f in fields(RunOptions):
+        if f.name in _NOT_KEPT:
+            continue
+        value = getattr(options, f.name)
+        kept[f.name] = (
+            str(value) if isinstance(value, Path) else list(value) if isinstance(value, tuple) else value
+        )
+    return kept
+
+
+def commit_options(record: PreparedRecord, given: RunOptions) -> RunOptions:
+    """Pure: the prepared run's options, with the window's (and the process's) from the commit."""
+    values: dict[str, Any] = {}
+    for f in fields(RunOptions):
+        if f.name in _NOT_KEPT or f.name not in record.options:
+            continue
+        value = record.options[f.name]
+        if f.name in ("wheel", "base_wheel") and value is not None:
+            value = Path(str(value))
+        elif isinstance(value, list):
+            value = tuple(str(v) for v in value)
+        values[f.name] = value
+    window = {name: getattr(given, name) for name in WINDOW_OPTIONS}
+    return RunOptions(
+        **values | window,
+        run_id=record.run_id,
+        commit=True,
+        prepared_max_age=given.prepared_max_age,
+        environ=given.environ,
+        proc_root=given.proc_root,
+    )
+
+
+def identity(path: str) -> Identity:
+    """A path's identity, not followed (() when gone): a change of its bytes or entries moves it."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return ()
+    return (st.st_dev, st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def tree_identities(root: Path) -> dict[str, Identity]:
+    """Every entry below ``root`` (not followed) by its identity, ``root`` itself as ``.``."""
+    found = {".": identity(str(root))}
+    for top, dirs, files in os.walk(root):
+        for name in [*dirs, *files]:
+            path = os.path.join(top, name)
+            found[os.path.relpath(path, root)] = identity(path)
+    return found
+
+
+def file_identities(locations: Sequence[str]) -> dict[str, Identity]:
+    return {location: identity(location) for location in locations}
+
+
+def wheel_digest(path: Path) -> str:
+    """The sha256 of the run's copy of the wheel (root's own, in the state directory)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def new_record(run: Run) -> PreparedRecord:
+    """What the commit checks again, taken once the prepare is complete (after its kept links)."""
+    plan = run.plan
+    root = run.staged.root if run.staged is not None else None
+    wheel = run.options.wheel
+    return PreparedRecord(
+        run_id=run.run_id,
+        prepared_at=time.time(),
+        prefix=str(run.env.prefix),
+        package=plan.package,
+        changes=changes_of(run.prepared),
+        options=options_json(run.options),
+        uv_command=plan.uv_command,
+        units=tuple(u.name for u in plan.units),
+        processes=_processes(plan.processes),
+        files=file_identities(sorted(run.prepared.before.observed)),
+        staged_root=root.name if root is not None else None,
+        staged=tree_identities(root) if root is not None else {},
+        wheel=str(wheel) if wheel is not None else None,
+        wheel_sha256=wheel_digest(wheel) if wheel is not None else None,
+        backup_dir=str(run.saved().dir),
+    )
+
+
+def _processes(processes: Sequence[PlannedProcess]) -> tuple[tuple[int, int], ...]:
+    """Pure: each process by identity (-1: a start time not known)."""
+    return tuple((p.process.pid, -1 if p.process.start is None else p.process.start) for p in processes)
+
+
+def changes_of(prepared: Prepared) -> tuple[str, ...]:
+    """Pure: what the run changes, one line a distribution ("sicext 1.0 -> 2.0")."""
+    return tuple(
+        f"{d.name} {d.old_version or '(none)'} -> {d.new_version or '(removed)'}"
+        for d in prepared.plan.distributions
+    )
+
+
+def what_changed(record: PreparedRecord, prepared: Prepared) -> list[str]:
+    """What the commit's preflight finds otherwise than the prepare left it (empty: nothing)."""
+    plan = prepared.plan
+    said: list[str] = []
+    if tuple(plan.uv_command) != record.uv_command or changes_of(prepared) != record.changes:
+        said.append(f"the plan: now {'; '.join(changes_of(prepared)) or 'nothing to change'}")
+    units = tuple(u.name for u in plan.units)
+    if units != record.units:
+        said.append(f"the units: {', '.join(record.units) or 'none'} then, {', '.join(units) or 'none'} now")
+    processes = set(_processes(plan.processes))
+    if processes != set(record.processes):
+        gone = len(set(record.processes) - processes)
+        new = len(processes - set(record.processes))
+        said.append(f"the processes using the package: {new} new, {gone} gone")
+    now = set(prepared.before.observed)
+    if now != set(record.files):
+        said.append(f"the package's files: {len(now ^ set(record.files))} listed otherwise")
+    moved = [path for path, was in record.files.items() if identity(path) != was]
+    if moved:
+        said.append(f"{len(moved)} file(s) of the environment changed (first: {moved[0]})")
+    if record.staged_root is not None:
+        root = Path(record.prefix) / record.staged_root
+        tree = tree_identities(root)
+        if tree != dict(record.staged):
+            odd = sorted(set(tree) ^ set(record.staged)) or [
+                p for p in tree if tree[p] != record.staged.get(p)
+            ]
+            said.append(f"the staged tree {root} (first: {odd[0] if odd else root})")
+    if record.wheel is not None:
+        try:
+            same = wheel_digest(Path(record.wheel)) == record.wheel_sha256
+        except OSError:
+            same = False
+        if not same:
+            said.append(f"the run's copy of the wheel {record.wheel}")
+    return said
+
+
+def commit_check(record: PreparedRecord, prepared: Prepared) -> None:
+    """Under the commit's lock, before anything: the journal is still this prepared run's, not too
+    old, and nothing it depends on changed. Raises PreparedRunError (exit 2, nothing stopped)."""
+    journal = read_journal(prepared.state.dir)
+    if journal is None or journal.run_id != record.run_id or journal.phase != Phase.PREPARED:
+        raise PreparedRunError(
+            f"the prepared run {record.run_id} is gone (committed, discarded or recovered meanwhile)",
+            hint="safeinstall --status shows the environment; prepare again",
+        )
+    age = time.time() - record.prepared_at
+    if age > prepared.options.prepared_max_age:
+        raise PreparedRunError(
+            f"the prepared run {record.run_id} is {age:.0f} s old, more than --prepared-max-age "
+            f"{prepared.options.prepared_max_age:g} s",
+            hint=PREPARE_AGAIN + " (or give a larger --prepared-max-age)",
+        )
+    changed = what_changed(record, prepared)
+    if changed:
+        raise PreparedRunError(
+            f"changed since the prepare of {record.run_id}: {'; '.join(changed)}", hint=PREPARE_AGAIN
+        )
+
+
+def resume(prepared: Prepared, reporter: Reporter, record: PreparedRecord) -> Run:
+    """The prepared run again, as the prepare left it: its journal, backup and staging tree (checked,
+    verified and planned again: what the swap renames is what was verified now)."""
+    journal = read_journal(prepared.state.dir)
+    if journal is None:  # commit_check read it under the same lock
+        raise PreparedRunError("the prepared run's journal is gone", hint=PREPARE_AGAIN)
+    if record.backup_dir is None or not is_within(
+        os.path.normpath(record.backup_dir), str(prepared.state.backups)
+    ):
+        raise PreparedRunError("the prepared run's record names no backup of its own", hint=PREPARE_AGAIN)
+    run = Run(
+        prepared,
+        reporter,
+        systemd_for(prepared.options),
+        record.run_id,
+        prepared.state.log_file(record.run_id),
+        journal,
+        notes=list(prepared.notes),
+    )
+    run.backup = load_backup(Path(record.backup_dir))
+    before = prepared.before
+    run.patched = locally_modified(before)
+    run.deleted = tuple(f.path for f in before.findings if f.kind == FindingKind.MISSING)
+    if record.staged_root is not None:
+        try:
+            run.staged = staging.stage(
+                prepared.env,
+                prepared.env.prefix / record.staged_root,
+                prepared.plan.package,
+                prepared.wheel,
+                prepared.survey.uv_plan.changes,
+                prepared.survey.installed,
+                prepared.survey.affected,
+                run.backup,
+                None,
+            )
+        except (staging.NotStaged, staging.StagedMismatch, OSError, SafeInstallError) as exc:
+            raise PreparedRunError(
+                f"the staged tree does not check any more: {exc}", hint=PREPARE_AGAIN
+            ) from exc
+    run._log("commit: the prepared run goes on from the gate")
+    return run
+
+
+# -- finding and dropping a prepared run ------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    state: EnvironmentState
+    record: PreparedRecord
+    python: str  # the interpreter the journal names
+
+
+def prepared_runs(environ: Mapping[str, str], python: str | None) -> list[Found]:
+    """The prepared runs of every environment (or the one ``python`` names)."""
+    found: list[Found] = []
+    for state in states_of(environ, python):
+        journal = read_checked_journal(state, environ)
+        if journal is None or journal.phase != Phase.PREPARED:
+            continue
+        record = read_prepared(state)
+        if record is None:
+            raise PreparedRunError(
+                f"the prepared run {journal.run_id} in {journal.prefix} has no record",
+                hint="safeinstall --discard --python PY drops it; then prepare again",
+            )
+        found.append(Found(state, record, journal.python))
+    return found
+
+
+def the_prepared_run(environ: Mapping[str, str], python: str | None) -> Found:
+    """The one prepared run ``--commit`` or ``--discard`` takes; PreparedRunError for none or several."""
+    found = prepared_runs(environ, python)
+    if not found:
+        where = f" of {python}" if python else ""
+        raise PreparedRunError(
+            f"no prepared run{where} to take",
+            hint="prepare one first: safeinstall REQ [--wheel W] --prepare --python PY",
+        )
+    if len(found) > 1:
+        raise PreparedRunError(
+            f"{len(found)} environments have a prepared run ({', '.join(f.record.prefix for f in found)})",
+            hint="name one with --python PY",
+        )
+    return found[0]
+
+
+@dataclass(frozen=True, slots=True)
+class Discarded:
+    prefix: str
+    run_id: str
+    package: str
+    changes: tuple[str, ...]
+    notes: tuple[str, ...]
+
+
+def discard(environ: Mapping[str, str], python: str | None) -> Discarded:
+    """The prepared run dropped as ``--recover`` drops a run that died before its stop: its staging
+    tree, uv cache, kept links, wheel copy, journal and record go; nothing was ever stopped."""
+    found = the_prepared_run(environ, python)
+    recovery = recover_one(found.state, environ)
+    return Discarded(
+        found.record.prefix, found.record.run_id, found.record.package, found.record.changes, recovery.notes
+    )
