@@ -155,7 +155,11 @@ def what_changed(record: PreparedRecord, prepared: Prepared) -> list[str]:
     """What the commit's preflight finds otherwise than the prepare left it (empty: nothing)."""
     plan = prepared.plan
     said: list[str] = []
-    if tuple(plan.uv_command) != record.uv_command or changes_of(prepared) != record.changes:
+    command = tuple(plan.uv_command)
+    copy = prepared.options.wheel  # the commit's own copy of the prepare's: the same bytes (checked below)
+    if copy is not None and record.wheel is not None:
+        command = tuple(part.replace(str(copy), record.wheel) for part in command)
+    if command != record.uv_command or changes_of(prepared) != record.changes:
         said.append(f"the plan: now {'; '.join(changes_of(prepared)) or 'nothing to change'}")
     units = tuple(u.name for u in plan.units)
     if units != record.units:

@@ -1,0 +1,178 @@
+"""Prepare ahead, commit in the window (issue 47, docs/prepare.md): sicext 1.0 -> 2.0 under a unit of the
+private user manager, ``--prepare`` then ``--commit`` (or ``--discard``, ``--recover``)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from tests.bed_systemd import wait_until
+from tests.beds import Bed
+
+
+def _prepared(bed: Bed, *extra: str) -> dict[str, object]:
+    result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--prepare", "--json", *extra)
+    assert result.code == 0, result.stdout + result.stderr
+    doc = dict(result.json)
+    assert doc["status"] == "prepared", doc
+    return doc
+
+
+def _untouched(bed: Bed, name: str, main: int) -> None:
+    assert bed.manager.active_state(name) == "active"
+    assert bed.manager.main_pid(name) == main
+    assert bed.version() == "1.0"
+
+
+def _nothing_left(bed: Bed) -> None:
+    bed.no_trace()
+    assert not list(bed.python.parent.parent.glob(".safeinstall-*"))
+    assert not list(bed.state.glob("*/prepared.json"))
+    assert not list(bed.state.glob("*/wheels/*/*.whl"))
+
+
+def test_prepare_then_commit(bed: Bed) -> None:
+    name = bed.service("prep-commit")
+    main = bed.manager.main_pid(name)
+    doc = _prepared(bed)
+    # everything up to the smoke check ran; nothing stopped, nothing changed in place
+    steps = [s["name"] for s in doc["data"]["steps"]]  # type: ignore[index]
+    assert steps[:3] == ["backup", "prefetch", "smoke"] and "stop" not in steps, steps
+    assert doc["data"]["plan"]["units"][0]["name"] == name  # type: ignore[index]
+    _untouched(bed, name, main)
+    journal = bed.journal()
+    assert journal is not None and journal["phase"] == "prepared"
+    status = bed.cli("--status", "--json").json
+    assert status["status"] == "prepared", status
+    (env,) = status["data"]["environments"]
+    assert env["needs_recovery"] is False
+    assert env["prepared"]["changes"] == ["sicext 1.0 -> 2.0"] and env["prepared"]["units"] == [name]
+    assert env["prepared"]["age_s"] >= 0
+    shown = bed.cli("--status")
+    assert "prepared" in shown.stdout and "--commit" in shown.stdout, shown.stdout
+    # a plain run waits for it: nothing else runs there
+    other = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--json")
+    assert other.code == 2 and "prepared run" in other.stdout, other.stdout
+    _untouched(bed, name, main)
+
+    committed = bed.safeinstall("--commit", "--settle", "0.5", "--json")
+    assert committed.code == 0, committed.stdout + committed.stderr
+    assert committed.json["status"] == "done"
+    steps = [s["name"] for s in committed.json["data"]["steps"]]
+    assert "backup" not in steps and "prefetch" not in steps and "stop" in steps and "install" in steps, steps
+    assert bed.version() == "2.0"
+    check = bed.verify("--wheel", str(bed.wheels["sicext-2"]))
+    assert check.code == 0, check.stdout
+    wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running")
+    assert bed.manager.main_pid(name) != main
+    _nothing_left(bed)
+    none = bed.safeinstall("--commit", "--json")
+    assert none.code == 2 and "no prepared run" in none.stdout, none.stdout
+
+
+def test_a_file_changed_since_the_prepare_refuses_the_commit(bed: Bed) -> None:
+    name = bed.service("prep-changed")
+    main = bed.manager.main_pid(name)
+    _prepared(bed)
+    target = bed.site / "sicext" / "serve.py"
+    target.write_text(target.read_text() + "# changed after the prepare\n")
+    refused = bed.safeinstall("--commit", "--settle", "0.5", "--json")
+    assert refused.code == 2, refused.stdout + refused.stderr
+    (error,) = refused.json["errors"]
+    assert error["code"] == "prepared-run" and "changed since the prepare" in error["message"], error
+    assert "serve.py" in error["message"] and "prepare again" in error["hint"], error
+    assert bed.manager.main_pid(name) == main and bed.manager.active_state(name) == "active"
+    assert bed.journal() is not None  # still prepared: --discard drops it
+    dropped = bed.safeinstall("--discard", "--json")
+    assert dropped.code == 0, dropped.stdout + dropped.stderr
+    assert dropped.json["status"] == "discarded"
+    assert bed.manager.main_pid(name) == main
+    _nothing_left(bed)
+
+
+def test_the_staged_tree_changed_refuses_the_commit(bed: Bed) -> None:
+    name = bed.service("prep-staged")
+    main = bed.manager.main_pid(name)
+    _prepared(bed)
+    (staged,) = bed.python.parent.parent.glob(".safeinstall-swap-*")
+    victim = next(p for p in staged.rglob("*.py") if p.is_file())
+    victim.write_text(victim.read_text() + "# changed\n")
+    refused = bed.safeinstall("--commit", "--json")
+    assert refused.code == 2 and "the staged tree" in refused.stdout, refused.stdout
+    _untouched(bed, name, main)
+    assert bed.safeinstall("--discard").code == 0
+    _nothing_left(bed)
+
+
+def test_discard_drops_the_prepared_run(bed: Bed) -> None:
+    name = bed.service("prep-discard")
+    main = bed.manager.main_pid(name)
+    _prepared(bed)
+    dropped = bed.safeinstall("--discard")
+    assert dropped.code == 0 and "discarded the prepared run" in dropped.stdout, dropped.stdout
+    _untouched(bed, name, main)
+    _nothing_left(bed)
+    again = bed.safeinstall("--discard", "--json")
+    assert again.code == 2 and again.json["errors"][0]["code"] == "prepared-run", again.stdout
+
+
+def test_a_prepared_run_too_old_is_refused(bed: Bed) -> None:
+    name = bed.service("prep-old")
+    main = bed.manager.main_pid(name)
+    _prepared(bed)
+    time.sleep(1.1)
+    refused = bed.safeinstall("--commit", "--prepared-max-age", "1", "--json")
+    assert refused.code == 2, refused.stdout
+    assert "more than --prepared-max-age" in refused.json["errors"][0]["message"], refused.stdout
+    _untouched(bed, name, main)
+    assert bed.safeinstall("--discard").code == 0
+    _nothing_left(bed)
+
+
+def test_commit_with_several_prepared_runs_needs_python(bed: Bed, tmp_path: Path) -> None:
+    """Two environments prepared: --commit without --python names neither; with it, its own."""
+    from tests import wheelhouse
+
+    other = tmp_path / "other"
+    wheelhouse.make_venv(other)
+    wheelhouse.uv_install(other, bed.wheels["sicext-1"])
+    _prepared(bed)
+    env = bed.environ()
+    from tests.clirun import run
+
+    second = run(
+        "--user", "--python", str(other / "bin" / "python"), "--yes", "sicext", "--wheel",
+        str(bed.wheels["sicext-2"]), "--prepare", env=env,
+    )
+    assert second.code == 0, second.stdout + second.stderr
+    refused = run("--user", "--yes", "--commit", "--json", env=env)
+    assert refused.code == 2 and "2 environments have a prepared run" in refused.stdout, refused.stdout
+    assert bed.version() == "1.0"
+    for python in (str(bed.python), str(other / "bin" / "python")):
+        assert run("--user", "--python", python, "--discard", env=env).code == 0
+
+
+def test_a_kill_during_the_prepare_then_recover_leaves_nothing(bed: Bed) -> None:
+    name = bed.service("prep-kill")
+    main = bed.manager.main_pid(name)
+    bed.kill_in("staged", "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--prepare")
+    journal = bed.journal()
+    assert journal is not None and journal["phase"] == "staged"
+    recovered = bed.cli("--recover", "--json")
+    assert recovered.code == 0, recovered.stdout + recovered.stderr
+    _untouched(bed, name, main)
+    _nothing_left(bed)
+
+
+def test_prepare_and_commit_refuse_what_they_cannot_take(bed: Bed) -> None:
+    for args, said in (
+        (("sicext", "--prepare", "--settle", "1"), "give it to --commit"),
+        (("sicext", "--prepare", "--dry-run"), "--prepare does not go with --dry-run"),
+        (("--commit", "--with-deps"), "--commit takes only the window's options"),
+        (("--commit", "sicext"), "--commit takes no PACKAGE"),
+        (("sicext", "--prepared-max-age", "5"), "--prepared-max-age goes with --commit"),
+    ):
+        result = bed.safeinstall(*args, "--json")
+        assert result.code == 2, (args, result.stdout)
+        assert said in json.dumps(result.json), (args, result.stdout)
