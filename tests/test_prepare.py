@@ -4,6 +4,7 @@ private user manager, ``--prepare`` then ``--commit`` (or ``--discard``, ``--rec
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -97,10 +98,13 @@ def test_the_staged_tree_changed_refuses_the_commit(bed: Bed) -> None:
     _prepared(bed)
     (staged,) = bed.python.parent.parent.glob(".safeinstall-swap-*")
     victim = next(p for p in staged.rglob("*.py") if p.is_file())
-    victim.write_text(victim.read_text() + "# changed\n")
+    # the same bytes, one more link to the inode the swap would put in place: a way to rewrite it later
+    held = bed.python.parent.parent / "held-link"
+    os.link(victim, held)
     refused = bed.safeinstall("--commit", "--json")
     assert refused.code == 2 and "the staged tree" in refused.stdout, refused.stdout
     _untouched(bed, name, main)
+    held.unlink()
     assert bed.safeinstall("--discard").code == 0
     _nothing_left(bed)
 
@@ -142,8 +146,15 @@ def test_commit_with_several_prepared_runs_needs_python(bed: Bed, tmp_path: Path
     from tests.clirun import run
 
     second = run(
-        "--user", "--python", str(other / "bin" / "python"), "--yes", "sicext", "--wheel",
-        str(bed.wheels["sicext-2"]), "--prepare", env=env,
+        "--user",
+        "--python",
+        str(other / "bin" / "python"),
+        "--yes",
+        "sicext",
+        "--wheel",
+        str(bed.wheels["sicext-2"]),
+        "--prepare",
+        env=env,
     )
     assert second.code == 0, second.stdout + second.stderr
     refused = run("--user", "--yes", "--commit", "--json", env=env)
@@ -176,3 +187,16 @@ def test_prepare_and_commit_refuse_what_they_cannot_take(bed: Bed) -> None:
         result = bed.safeinstall(*args, "--json")
         assert result.code == 2, (args, result.stdout)
         assert said in json.dumps(result.json), (args, result.stdout)
+
+
+def test_recover_removes_a_prepared_run(bed: Bed) -> None:
+    """A prepared run is no run in progress: --recover (after a reboot, say) drops it as --discard does."""
+    name = bed.service("prep-recover")
+    main = bed.manager.main_pid(name)
+    run_id = _prepared(bed)["data"]["run_id"]  # type: ignore[index]
+    recovered = bed.cli("--recover", "--json")
+    assert recovered.code == 0, recovered.stdout + recovered.stderr
+    (recovery,) = recovered.json["data"]["recoveries"]
+    assert recovery["run_id"] == run_id and recovery["phase"] == "prepared"
+    _untouched(bed, name, main)
+    _nothing_left(bed)

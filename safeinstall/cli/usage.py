@@ -104,9 +104,9 @@ def _prepare_problem(u: Usage) -> UsageError | None:
             "--prepared-max-age goes with --commit", hint="safeinstall --commit --prepared-max-age 3600"
         )
     if commit:
-        extra = sorted(name for name in u.given if name not in _COMMIT_TAKES)
-        if extra or u.args:
-            flags = [f"--{name.rstrip('_').replace('_', '-')}" for name in extra] + list(u.args)
+        extra = sorted(name for name in u.given if name not in _COMMIT_TAKES | {"package"})
+        if extra:  # a PACKAGE: as for every command that takes none (below)
+            flags = [f"--{name.rstrip('_').replace('_', '-')}" for name in extra]
             return UsageError(
                 f"--commit takes only the window's options, not {' '.join(flags)}: "
                 "the rest was fixed by --prepare",
