@@ -163,7 +163,9 @@ def test_a_detached_run_gets_exactly_the_callers_options() -> None:
         dataclasses.replace(common, undo="20261201T000000Z-41"),
     ]
     default = RunOptions(package="x")
-    not_options = {"environ", "proc_root"}  # the environment travels in a file; proc_root is for tests
+    # the environment travels in a file; proc_root is for tests; a detached run is never a --prepare or a
+    # --commit (cli/usage refuses both with --detach: docs/prepare.md)
+    not_options = {"environ", "proc_root", "prepare", "commit", "prepared_max_age"}
     for field in dataclasses.fields(RunOptions):
         if field.name not in not_options:
             assert any(getattr(v, field.name) != getattr(default, field.name) for v in variants), field.name
@@ -293,6 +295,7 @@ def test_no_arguments_is_a_usage_error_with_a_short_usage_on_stderr() -> None:
         "safeinstall PACKAGE --verify-only",
         "safeinstall --status [--wait]",
         "safeinstall --undo --python PY",
+        "safeinstall PACKAGE --prepare",
     ]
     for mode in ("--dry-run", "--detach", "--verify-only", "--recover", "--status", "--undo", "--forget"):
         assert mode in result.stderr
@@ -319,6 +322,8 @@ def test_help_groups_the_options_by_command() -> None:
         "--status",
         "--undo",
         "--forget",
+        "--commit",
+        "--discard",
     ]
     assert options["--verify-only"].split() == ["--all", "--full", "--diff", "--save-patch"]
     assert options["--status"].split() == ["--wait", "--run"]

@@ -177,6 +177,7 @@ def test_start_refuses_while_a_previous_journal_is_there_and_clear(tmp_path: Pat
         (Phase.ROLLING_BACK, True),
         (Phase.ROLLED_BACK, False),
         (Phase.STAGED, False),
+        (Phase.PREPARED, False),  # --prepare: nothing stopped, nothing changed in place
         (Phase.SWAPPING, True),
     ],
 )
@@ -189,6 +190,7 @@ def test_phases_are_in_order() -> None:
         "planned",
         "backed-up",
         "staged",
+        "prepared",
         "gated",
         "stopping",
         "stopped",
