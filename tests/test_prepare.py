@@ -200,3 +200,20 @@ def test_recover_removes_a_prepared_run(bed: Bed) -> None:
     assert recovery["run_id"] == run_id and recovery["phase"] == "prepared"
     _untouched(bed, name, main)
     _nothing_left(bed)
+
+
+def test_prepare_then_commit_without_a_swap(bed: Bed) -> None:
+    """--no-swap: the prepare fills the run's uv cache; the commit installs from it in the window."""
+    name = bed.service("prep-noswap")
+    main = bed.manager.main_pid(name)
+    doc = _prepared(bed, "--no-swap")
+    assert not list(bed.python.parent.parent.glob(".safeinstall-swap-*"))
+    assert list(bed.state.glob("*/uv-cache-*")), "the run's cache stays for the commit"
+    assert doc["data"]["run_id"]  # type: ignore[index]
+    _untouched(bed, name, main)
+    committed = bed.safeinstall("--commit", "--settle", "0.5", "--json")
+    assert committed.code == 0, committed.stdout + committed.stderr
+    assert bed.version() == "2.0"
+    assert bed.verify("--wheel", str(bed.wheels["sicext-2"])).code == 0
+    wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running")
+    _nothing_left(bed)
