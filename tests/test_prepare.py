@@ -112,7 +112,10 @@ def test_the_staged_tree_changed_refuses_the_commit(bed: Bed) -> None:
 def test_discard_drops_the_prepared_run(bed: Bed) -> None:
     name = bed.service("prep-discard")
     main = bed.manager.main_pid(name)
-    _prepared(bed)
+    said = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--prepare")
+    assert said.code == 0, said.stdout + said.stderr
+    assert "prepared: sicext 1.0 -> 2.0; backup, prefetch, smoke done, nothing stopped" in said.stdout
+    assert "safeinstall --commit --python" in said.stderr, said.stderr  # the note: how to commit
     dropped = bed.safeinstall("--discard")
     assert dropped.code == 0 and "discarded the prepared run" in dropped.stdout, dropped.stdout
     _untouched(bed, name, main)

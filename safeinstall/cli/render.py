@@ -751,6 +751,14 @@ def render_run(out: Console, err: Console, document: RunDocument, run_id: str) -
         service = data.service_downtime_s
         users = f"; service down {service:.1f} s until healthy" if service is not None else ""
         out.print(f"[green]done:[/] {literal(changes)}; installed and verified{users}", soft_wrap=True)
+    if status == "prepared" and data.plan is not None:  # docs/prepare.md
+        changes = ", ".join(f"{d.name} {d.old_version} -> {d.new_version or '?'}" for d in data.changes)
+        checked = ", ".join(s.name for s in data.steps if s.status == "ok")
+        out.print(
+            f"[cyan]prepared:[/] {literal(changes)}; {literal(checked)} done, nothing stopped; "
+            "safeinstall --commit goes on from the stop (see the note)",
+            soft_wrap=True,
+        )
     for unit, seconds in sorted(data.downtime_s.items()):
         out.print(f"  {literal(unit)} was down for {seconds:.1f} s")
     for unit in data.not_restarted:
