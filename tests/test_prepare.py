@@ -220,3 +220,34 @@ def test_prepare_then_commit_without_a_swap(bed: Bed) -> None:
     assert bed.verify("--wheel", str(bed.wheels["sicext-2"])).code == 0
     wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running")
     _nothing_left(bed)
+
+
+def test_a_detached_commit_goes_on_in_its_unit_and_wait_returns_its_result(bed: Bed) -> None:
+    name = bed.service("prep-detach")
+    main = bed.manager.main_pid(name)
+    run_id = _prepared(bed)["data"]["run_id"]  # type: ignore[index]
+    # the settle keeps the commit going while --status --wait starts: the prepare's entry is not its result
+    detached = bed.safeinstall("--commit", "--settle", "4", "--detach", "--json")
+    assert detached.code == 0, detached.stdout + detached.stderr
+    assert detached.json["status"] == "detached" and detached.json["data"]["run_id"] == run_id
+    waited = bed.safeinstall("--status", "--wait", "--run", run_id, "--json", timeout=240)
+    assert waited.code == 0, waited.stdout + waited.stderr
+    assert waited.json["status"] == "done", waited.json  # the commit's, not the prepare's
+    assert bed.version() == "2.0" and bed.verify("--wheel", str(bed.wheels["sicext-2"])).code == 0
+    wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running")
+    assert bed.manager.main_pid(name) != main
+    _nothing_left(bed)
+
+
+def test_a_detached_commit_refused_says_so_at_once(bed: Bed) -> None:
+    name = bed.service("prep-detach-refused")
+    main = bed.manager.main_pid(name)
+    _prepared(bed)
+    target = bed.site / "sicext" / "serve.py"
+    target.write_text(target.read_text() + "# changed after the prepare\n")
+    refused = bed.safeinstall("--commit", "--detach", "--json")
+    assert refused.code == 2, refused.stdout + refused.stderr
+    assert "changed since the prepare" in refused.json["errors"][0]["message"], refused.stdout
+    _untouched_but_patched = bed.manager.main_pid(name) == main
+    assert _untouched_but_patched and bed.manager.active_state(name) == "active"
+    assert bed.safeinstall("--discard").code == 0

@@ -91,7 +91,8 @@ WINDOW = (
 )
 #: What ``--commit`` takes besides the window's options (the rest was fixed by ``--prepare``)
 _COMMIT_TAKES = frozenset(
-    {"commit_", "python", "user", "yes", "as_json", "prepared_max_age", "verbose", "quiet", "metrics_file"}
+    {"commit_", "detach_", "python", "user", "yes", "as_json", "prepared_max_age", "verbose", "quiet"}
+    | {"metrics_file", "environ_from"}
     | {name for name, _ in WINDOW}
 )
 
@@ -142,7 +143,7 @@ def mode_conflict(flags: Collection[str]) -> UsageError | None:
     over another in silence: ``--status --forget`` would otherwise forget, ``--verify-only --dry-run``
     only verify."""
     given = [flag for flag in MODES if flag in flags]
-    if len(given) < 2:
+    if len(given) < 2 or set(given) == {"--commit", "--detach"}:  # a commit may be detached
         return None
     if set(given) == {"--dry-run", "--detach"}:
         return UsageError("--dry-run changes nothing: there is nothing to detach", hint="drop --detach")

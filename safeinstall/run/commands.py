@@ -249,7 +249,7 @@ def _command(request: Request, ui: Ui) -> Result:
         if "--discard" in request.modes:
             return _discard(request)
         if "--commit" in request.modes:
-            return _commit(request, ui, metrics)
+            return _commit(request, ui, metrics, private)
         if "--forget" in request.modes:
             return _forget(request)
         if request.wait:
@@ -585,16 +585,20 @@ def _wait(request: Request, ui: Ui) -> FromHistory | StoppedFollowing:
     return _from_history(entry)
 
 
-def _commit(request: Request, ui: Ui, metrics: Path | None) -> Ran | Failed:
+def _commit(
+    request: Request, ui: Ui, metrics: Path | None, private: PrivateInputs | None
+) -> Ran | Failed | DetachedRun | FromHistory | Declined:
     """--commit: the environment's prepared run, with the window's options of this command line."""
     from safeinstall.run.prepare import commit_options, the_prepared_run
 
     found = the_prepared_run(os.environ, request.python)
-    given = run_options({**request.values, "package": found.record.package}, request.extra_args)
+    given = run_options({**request.values, "package": found.record.package}, request.extra_args, private)
     options = commit_options(found.record, replace(given, python=request.python or found.python))
     options = replace(options, python=request.python or found.python)
     check_options(options)
     env = inspect_environment(resolve_python(options.python, options.environ))
+    if "--detach" in request.modes:
+        return _detach(request, options, ui, env)
     return _reinstall(request, options, ui, metrics, env)
 
 

@@ -39,7 +39,7 @@ from safeinstall.errors import Aborted, ExitCode, SafeInstallError, SystemdError
 from safeinstall.run.options import RunOptions
 from safeinstall.store.history import HistoryEntry, read_history
 from safeinstall.store.history import find as find_entry
-from safeinstall.store.journal import Journal, JournalError, read_journal
+from safeinstall.store.journal import Journal, JournalError, Phase, read_journal
 from safeinstall.store.state import EnvironmentState, atomic_write, is_run_id
 from safeinstall.system import children
 from safeinstall.system.identity import ProcessId, alive
@@ -48,6 +48,10 @@ from safeinstall.system.safefs import UntrustedFile, only_caller_writes, read_tr
 from safeinstall.system.systemd import Systemd
 
 UNIT_PREFIX = "safeinstall-"
+#: A ``--prepare``'s result (its history entry stays until its commit's replaces it)
+PREPARED_STATUS = "prepared"
+#: How long a commit's result may follow its journal's removal (its tidy-up, then the entry: moments)
+COMMIT_RESULT_GRACE_S = 10.0
 #: The most an environment file may hold (it is the caller's environment, a few KiB).
 _MAX_ENVIRON_BYTES = 1024 * 1024
 #: A detached run gets SIGTERM (and rolls back) when its unit is stopped; SIGKILL only this much later.
@@ -70,6 +74,8 @@ def child_arguments(options: RunOptions, python: Path, run_id: str, environ_file
     """Pure: the arguments that, with the private file :func:`write_private` wrote, make the detached
     safeinstall run exactly ``options`` (``--opt=value`` forms, so that no value is ever taken for an
     option). What may hold a credential (the health URL, uv's arguments) is only in the file."""
+    if options.commit:  # the prepared run's own options are in its record: only the window's here
+        return commit_arguments(options, python, environ_file)
     undo = [] if options.undo is None else ["--undo", f"--run={options.undo}"]  # the package: a guard
     args = [options.package + (options.version_spec or ""), *undo, f"--python={python}", "--yes"]
     args += [f"--run-id={run_id}", f"--environ-from={environ_file}"]
@@ -107,6 +113,30 @@ def child_arguments(options: RunOptions, python: Path, run_id: str, environ_file
         f"--keep-backups={options.keep_backups}",
     ]
     return args
+
+
+def commit_arguments(options: RunOptions, python: Path, environ_file: Path) -> list[str]:
+    """Pure: a detached ``--commit`` of the environment's prepared run (docs/prepare.md): the window's
+    options only; the run id is the prepared run's."""
+    args = ["--commit", f"--python={python}", "--yes", f"--environ-from={environ_file}"]
+    args += ["--user"] if options.user else []
+    if options.stop_timeout is not None:
+        args.append(f"--stop-timeout={options.stop_timeout!r}")
+    return [
+        *args,
+        f"--gpu-timeout={options.gpu_timeout!r}",
+        f"--settle={options.settle!r}",
+        f"--health-timeout={options.health_timeout!r}",
+        f"--prepared-max-age={options.prepared_max_age!r}",
+    ]
+
+
+def committing(journal: Journal | None, entry: HistoryEntry | None) -> bool:
+    """Pure: a prepared run not yet taken by its commit (its journal still ``prepared``), or its
+    prepare's entry while the commit goes on: the commit's own result is still to come."""
+    if entry is not None and entry.result.status != PREPARED_STATUS:
+        return False
+    return journal is None or journal.phase == Phase.PREPARED
 
 
 def systemd_run_command(unit: str, user: bool, description: str, cwd: str, command: list[str]) -> list[str]:
@@ -212,7 +242,9 @@ def detach(options: RunOptions, env: Environment, state: EnvironmentState, run_i
             hint="nothing was changed; run without --detach, or check that the "
             + ("user manager runs (XDG_RUNTIME_DIR)" if options.user else "system manager runs"),
         )
-    finished = _await_start(state, run_id, Systemd(user=options.user, environ=options.environ), unit)
+    finished = _await_start(
+        state, run_id, Systemd(user=options.user, environ=options.environ), unit, options.commit
+    )
     environ_file.unlink(missing_ok=True)  # the run took it; or it never will
     return Detached(run_id, unit, options.user, str(state.log_file(run_id)), finished)
 
@@ -226,14 +258,26 @@ def _own_journal(state: EnvironmentState, run_id: str) -> Journal | None:
 
 
 def _await_start(
-    state: EnvironmentState, run_id: str, systemd: Systemd, unit: str, poll_s: float = 0.1
+    state: EnvironmentState,
+    run_id: str,
+    systemd: Systemd,
+    unit: str,
+    commit: bool = False,
+    poll_s: float = 0.1,
 ) -> HistoryEntry | None:
-    """Wait until the detached run has journalled (None) or has ended (its history entry)."""
+    """Wait until the detached run has journalled (None) or has ended (its history entry); a commit:
+    until its journal is past ``prepared`` (it passed its checks) or it has its own result."""
     while True:
         entry = find_entry(state, run_id)
+        journal = _own_journal(state, run_id)
+        if commit and committing(journal, entry):
+            entry = journal = None
+            if systemd.info(unit).active_state in ("active", "activating", "reloading"):
+                time.sleep(poll_s)
+                continue
         if entry is not None:
             return entry
-        if _own_journal(state, run_id) is not None:
+        if journal is not None:
             return None
         info = systemd.info(unit)
         if info.active_state not in ("active", "activating", "reloading"):
@@ -297,6 +341,7 @@ def wait_for_run(
         raise UsageError(f"{run_id!r} is not a run id", hint="run ids look like 20261130T031201Z-1234")
     watched: ProcessId | None = None
     tail: LogTail | None = None
+    committed_since: float | None = None  # a commit of the run was last seen going on (monotonic s)
     while True:
         journal = read_journal(state.dir)
         if run_id is None:
@@ -318,6 +363,14 @@ def wait_for_run(
         for line in tail.new_lines():
             on_line(line)
         entry = find_entry(state, run_id)
+        if entry is not None and entry.result.status == PREPARED_STATUS:
+            # the prepare's result: while its commit goes on (its journal past ``prepared``, or gone
+            # for the moment between the commit's tidy-up and its result), not the one waited for
+            if journal is not None and journal.run_id == run_id and journal.phase != Phase.PREPARED:
+                committed_since = time.monotonic()
+                entry = None
+            elif journal is None and committed_since is not None:
+                entry = None if time.monotonic() - committed_since < COMMIT_RESULT_GRACE_S else entry
         if entry is not None:
             for line in tail.new_lines():
                 on_line(line)

@@ -31,9 +31,10 @@ from safeinstall.run.running import Run
 from safeinstall.run.survey import systemd_for
 from safeinstall.scan.plan import PlannedProcess
 from safeinstall.store.backup import load_backup
-from safeinstall.store.journal import Phase, read_journal
+from safeinstall.store.journal import Phase, advance, read_journal, write_journal
 from safeinstall.store.prepared import Identity, PreparedRecord, read_prepared
 from safeinstall.store.state import EnvironmentState
+from safeinstall.system.identity import own_process
 
 #: A prepared run older than this is refused at commit (``--prepared-max-age``, seconds): a day
 PREPARED_MAX_AGE_S = 86400.0
@@ -222,6 +223,9 @@ def resume(prepared: Prepared, reporter: Reporter, record: PreparedRecord) -> Ru
     journal = read_journal(prepared.state.dir)
     if journal is None:  # commit_check read it under the same lock
         raise PreparedRunError("the prepared run's journal is gone", hint=PREPARE_AGAIN)
+    # the run's process is the commit's now (--status, --status --wait and --recover look at it)
+    journal = advance(journal, Phase.PREPARED, "commit", process=own_process())
+    write_journal(prepared.state.dir, journal)
     if record.backup_dir is None or not is_within(
         os.path.normpath(record.backup_dir), str(prepared.state.backups)
     ):
