@@ -152,6 +152,14 @@ def check_change(
     )
 
 
+#: what a user can do about a broken requirement: --with-deps resolves only what the new versions
+#: themselves require, never a distribution that requires them (the review of issue 43)
+FIXES = (
+    "choose a version the requirer accepts, or change the requirer too; where the new version is the "
+    "requirer, --with-deps lets uv bring what it needs; --allow-broken-requirements goes on knowingly"
+)
+
+
 def refusal(check: RequirementsCheck, allowed: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Pure: the plan's refusals and warnings for ``check``; ``allowed`` (``--allow-broken-requirements``):
     what the run breaks is a warning instead."""
@@ -161,10 +169,7 @@ def refusal(check: RequirementsCheck, allowed: bool) -> tuple[tuple[str, ...], t
     said = "; ".join(b.describe() for b in check.broken)
     if allowed:
         return (), (f"the run breaks a requirement (--allow-broken-requirements): {said}", *warnings)
-    return (
-        f"the run would break a requirement: {said} (pass --with-deps to have uv resolve what else must "
-        "change, or --allow-broken-requirements to go on knowingly)",
-    ), tuple(warnings)
+    return (f"the run would break a requirement: {said} ({FIXES})",), tuple(warnings)
 
 
 def as_dists(installed: Iterable[InstalledDistribution]) -> tuple[Dist, ...]:

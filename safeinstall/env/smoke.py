@@ -783,9 +783,9 @@ def failure_message(outcomes: Sequence[ChildOutcome]) -> str:
         imports = outcome.what == "imports"
         head = "the import of the new version failed" if imports else f"`{outcome.what}` failed"
         text = f"{head}{where}: " + "; ".join(said)
-        if outcome.stderr_tail:
-            lines = "\n".join("  " + line for line in outcome.stderr_tail)
-            text += "\nits last lines of standard error:\n" + lines
+        new = [line for line in outcome.stderr_tail if line.strip() and line.strip() not in text]
+        if new:  # what the error above does not already say (its own last line, most often)
+            text += "\nits last lines of standard error:\n" + "\n".join("  " + line for line in new)
         parts.append(text)
     return "\n".join(parts)
 

@@ -425,7 +425,7 @@ def refusal(plan: Plan) -> PlanError | None:
         return None
     return PlanError(
         "the run would refuse: " + "; ".join(plan.refusals),
-        hint=f"see safeinstall {plan.package} --dry-run; nothing was stopped",
+        hint="the same command with --dry-run shows the whole plan; nothing was stopped",
     )
 
 

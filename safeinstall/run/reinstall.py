@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar
 
-from safeinstall.env import cachefill, inodes, keep, swap, verified
+from safeinstall.env import cachefill, inodes, keep, requirements, swap, verified
 from safeinstall.env.distributions import InstalledDistribution, reload_distributions
 from safeinstall.env.drift import Expectation, FindingKind
 from safeinstall.env.environment import Account, Environment, interpreter_in_prefix
@@ -305,10 +305,7 @@ def prefetch_step(run: Run) -> str:
         raise
 
 
-BROKEN_HINT = (
-    "pass --with-deps to have uv resolve what else must change, or --allow-broken-requirements to go on "
-    "knowingly; nothing was stopped"
-)
+BROKEN_HINT = f"{requirements.FIXES}; nothing was stopped"
 
 
 def _broken_once_fetched(run: Run, root: Path | None, scratch: Path) -> str | None:
