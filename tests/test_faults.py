@@ -23,7 +23,7 @@ import pytest
 from tests import wheelhouse
 from tests.bed_nvml import FakeNvml
 from tests.bed_systemd import UserManager, wait_until
-from tests.beds import Bed, ServiceAccountBed, hidden_tool
+from tests.beds import NOBODY, Bed, ServiceAccountBed, hidden_tool
 from tests.wheelhouse import Wheelhouse
 
 #: a unit whose start takes a second before its main process runs: a window to kill the run in while
@@ -538,6 +538,87 @@ def test_the_room_check_counts_no_room_freed_by_old_files_shared_with_a_uv_cache
         assert result.code == 2, result.stdout + result.stderr
         assert f"the install of {new.name} needs" in result.stderr, result.stderr
         assert bed.version() == "1.0" and bed.manager.active_state(name) == "active"
+        bed.no_trace()
+    finally:
+        bed.cleanup()
+
+
+def _fill(disk: Path, leave: int) -> None:
+    """Fill ``disk`` but ``leave`` bytes (a filler file of the rest)."""
+    vfs = os.statvfs(disk)
+    with (disk / "filler").open("wb") as filler:
+        filler.write(b"\0" * max(0, vfs.f_bavail * vfs.f_frsize - leave))
+
+
+@pytest.mark.parametrize("leave_kib", [0, 124, 400])
+@pytest.mark.parametrize("mode", ["swap", "no-swap"])
+@pytest.mark.parametrize("kind", ["root", "account"])
+def test_a_disk_full_before_the_run_is_refused_or_ends_with_a_whole_version_running(
+    wheels: Wheelhouse,
+    tmp_path: Path,
+    user_manager: UserManager,
+    fake_nvml: FakeNvml,
+    small_disk: Callable[..., Path],
+    open_dir: Path,
+    open_state: Path,
+    kind: str,
+    mode: str,
+    leave_kib: int,
+) -> None:
+    """Issue 44: the environment's filesystem full (or all but a little) before the run, the state
+    directory elsewhere: the room check counted the wheel's files, not what uv writes beside them, the
+    unit was stopped, uv failed (ENOSPC), the restore failed too (exit 4, the unit down). Now the run is
+    refused before the stop (exit 2), or ends 0 or 3 with the unit running one whole, verified version,
+    for a root-owned and an account's environment, with the swap and with ``--no-swap``."""
+    old = _with_blob(wheels["sicext-1"], open_dir / "old", 4)  # the account reads it
+    bigger = {"sicext/blob.bin": os.urandom((4 << 20) + (128 << 10))}  # 128 KiB more than the old one
+    new = wheelhouse.rebuilt(wheels["sicext-2"], tmp_path / "new", bigger, deflate=False)
+    bed: Bed
+    if kind == "root":
+        disk = small_disk(48)
+        python = wheelhouse.make_venv(disk / "venv")
+        wheelhouse.uv_install(python, old)
+        bed = Bed(python, tmp_path / "state", user_manager, fake_nvml, wheels)
+    else:
+        disk = small_disk(48, open_dir)
+        bed = ServiceAccountBed(disk, open_state, user_manager, fake_nvml, wheels)
+        subprocess.run(  # the account's own old version, the big one
+            [
+                "setpriv",
+                f"--reuid={NOBODY}",
+                f"--regid={NOBODY}",
+                "--clear-groups",
+                wheelhouse.UV,
+                "pip",
+                "install",
+                "--quiet",
+                "--offline",
+                "--no-cache",
+                "--python",
+                str(bed.python),
+                str(old),
+            ],
+            check=True,
+            env=wheelhouse.uv_env(),
+        )
+    try:
+        before = bed.snapshot()
+        name = bed.unit("full")
+        _fill(disk, leave_kib << 10)
+        extra = ("--no-swap",) if mode == "no-swap" else ()
+        result = bed.cli("sicext", "--wheel", str(new), "--settle", "0.3", "--yes", "--no-smoke", *extra)
+        said = result.stdout + result.stderr
+        assert result.code in (0, 2, 3), said
+        assert "Traceback" not in said and "internal error" not in said, said
+        if result.code == 2:
+            assert "needs" in result.stderr and "free" in result.stderr, said
+            assert "nothing was stopped" in result.stderr, said
+        assert bed.manager.active_state(name) == "active", said
+        if result.code == 0:
+            assert bed.verify("--wheel", str(new)).code == 0
+        else:
+            assert bed.version() == "1.0" and bed.snapshot() == before, said
+        (disk / "filler").unlink()
         bed.no_trace()
     finally:
         bed.cleanup()
