@@ -58,6 +58,9 @@ def test_recover_of_a_run_killed_while_a_broken_version_restarts_puts_the_old_on
 
     assert recovered.code == 3, recovered.stdout + recovered.stderr
     assert recovered.json["status"] == "rolled-back"
+    # issue 44 item 4: exit 3 says what happened and what a person must do (it had `errors: []`)
+    (said,) = recovered.json["errors"]
+    assert "did not come up" in said["message"] and run_id in said["message"] and said["hint"], said
     (recovery,) = recovered.json["data"]["recoveries"]
     assert (recovery["run_id"], recovery["phase"], recovery["restored"]) == (run_id, "restarting", True)
     assert any("did not come up" in note for note in recovery["notes"]), recovery

@@ -349,6 +349,23 @@ class Recovered:
         return self.failures[0].exit_code
 
 
+def said_errors(recovered: Recovered) -> tuple[SafeInstallError, ...]:
+    """Pure: what ``--recover`` says as ``error:`` and ``hint:`` lines (and its ``--json`` errors): the
+    environments it could not recover, and each run whose new version did not come up, put back (exit
+    3: a person must look at the new version before the next run)."""
+    put_back = tuple(
+        StepFailed(
+            f"the run {r.run_id} in {r.prefix} had verified its new version, which did not come up once "
+            f"started: the previous one was put back and started ({', '.join(r.started) or 'no unit'})",
+            hint="see why the new version did not come up (journalctl -u UNIT, the run's log under "
+            "safeinstall --status); fix it, then run the reinstall again",
+        )
+        for r in recovered.recoveries
+        if r.put_back_new_version
+    )
+    return (*recovered.failures, *put_back)
+
+
 def recover(environ: Mapping[str, str], python: str | None, settle: float = 2.0) -> Recovered:
     """Recover every environment with a journal left (or the one ``python`` names). One that fails
     does not stop the others: at boot, every environment's units matter."""
