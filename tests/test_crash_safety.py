@@ -156,6 +156,46 @@ def test_recover_goes_on_past_an_environment_it_cannot_recover(
         other.cleanup()
 
 
+def test_recover_over_all_environments_says_a_live_run_and_exits_for_what_it_recovered(
+    bed: Bed, tmp_path: Path, user_manager: UserManager, fake_nvml: FakeNvml, wheels: Wheelhouse
+) -> None:
+    """Issue 44 item 6: ``--recover`` over all environments recovered a dead run's environment, then
+    exited 2 because another environment's live run held its lock. The live run is said (``busy``, a
+    note), not an error: the exit code is what was recovered (0: the dead run's new version, verified,
+    kept), and the live run goes on to its end."""
+    other_python = wheelhouse.make_venv(tmp_path / "other-venv")
+    wheelhouse.uv_install(other_python, wheels["sicext-1"])
+    other = Bed(other_python, bed.state, user_manager, fake_nvml, wheels)  # one state directory, two envs
+    try:
+        dead = bed.unit("dead")
+        bed.kill_in("verified", "sicext", "--wheel", str(wheels["sicext-2"]), "--settle", "0.3", "--no-swap")
+        died = bed.journal()
+        assert died is not None
+        live = other.unit("live")
+        other.hold_gpu(live, 20.0, "e8", gib=1)  # its run waits for the GPU 20 s after the stop
+        proc = other.start_run("sicext", "--wheel", str(wheels["sicext-2"]), "--settle", "0.3")
+        try:
+            other.wait_phase(proc, "stopped")
+
+            result = run("--user", "--recover", "--json", env=bed.environ(), timeout=240)
+            plain = run("--user", "--recover", env=bed.environ(), timeout=240)
+
+            assert result.code == 0, result.stdout + result.stderr
+            recoveries = result.json["data"]["recoveries"]
+            assert [r["run_id"] for r in recoveries if r["run_id"]] == [died["run_id"]], recoveries
+            (busy,) = [r for r in recoveries if r["busy"]]
+            assert busy["prefix"] == str(other_python.parent.parent) and "holds the lock" in busy["notes"][0]
+            assert result.json["errors"] == [], result.json
+            assert plain.code == 0 and "not recovered: " in plain.stdout, plain.stdout + plain.stderr
+        finally:
+            out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, out + err
+        wait_until(lambda: bed.manager.active_state(dead) == "active", 20, "the dead run's unit running")
+        assert other.manager.active_state(live) == "active"
+    finally:
+        other.cleanup()
+
+
 def _power_loss_mid_install(bed: Bed, manager: UserManager, wheel: Path, stem: str) -> str:
     """An enabled unit, a run of safeinstall, and a power loss during the install; the unit's name."""
     name = bed.unit(stem, enable=True)

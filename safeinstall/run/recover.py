@@ -19,7 +19,7 @@ from typing import Any
 from safeinstall.env import keep
 from safeinstall.env.environment import Environment, inspect_environment, resolve_python
 from safeinstall.env.wheelcopy import discard_dead_copies, is_wheel_copy
-from safeinstall.errors import ExitCode, RollbackFailed, SafeInstallError, StepFailed
+from safeinstall.errors import ExitCode, LockHeldError, RollbackFailed, SafeInstallError, StepFailed
 from safeinstall.run.output import envelope, jsonable
 from safeinstall.run.putback import PutBack, put_back
 from safeinstall.store.backup import Backup, load_backup
@@ -61,6 +61,9 @@ class Recovery:
     started: tuple[str, ...] = ()
     gates_removed: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    #: a live run holds the environment's lock (``--recover`` over all environments): its journal is
+    #: that run's own, nothing to recover; said, not an error
+    busy: bool = False
 
     @property
     def put_back_new_version(self) -> bool:
@@ -368,12 +371,20 @@ def said_errors(recovered: Recovered) -> tuple[SafeInstallError, ...]:
 
 def recover(environ: Mapping[str, str], python: str | None, settle: float = 2.0) -> Recovered:
     """Recover every environment with a journal left (or the one ``python`` names). One that fails
-    does not stop the others: at boot, every environment's units matter."""
+    does not stop the others: at boot, every environment's units matter. Over all environments, one
+    whose lock a live run holds is said (``busy``), not a failure: the exit code is what was recovered."""
     recoveries: list[Recovery] = []
     failures: list[SafeInstallError] = []
     for state in states_of(environ, python):
         try:
             recoveries.append(recover_one(state, environ, settle))
+        except LockHeldError as exc:
+            if python is not None:  # the one environment asked for: refused (exit 2), as a run is
+                failures.append(exc)
+                continue
+            prefix = str(state.prefix or state.dir)
+            said = f"{exc.message}: a live run, nothing to recover (safeinstall --status --wait follows it)"
+            recoveries.append(Recovery(prefix, None, None, notes=(said,), busy=True))
         except SafeInstallError as exc:
             failures.append(exc)
     return Recovered(tuple(recoveries), tuple(failures))
