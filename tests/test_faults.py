@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from safeinstall.system.gate import gate_dropin_text
 from tests import wheelhouse
 from tests.bed_nvml import FakeNvml
 from tests.bed_systemd import UserManager, wait_until
@@ -457,11 +458,20 @@ def test_recover_with_nothing_to_recover_removes_what_dead_runs_left(bed: Bed) -
         os.link(bed.site / "sicext" / "__init__.py", kept / ("0" * 64))
 
     keep_left()
+    # issue 44 item 3: a systemctl killed in a good run's tidy-up left its gate drop-in in the unit
+    gated = bed.manager.unit_dir / "si-gated.service.d" / "50-safeinstall-gate.conf"
+    gated.parent.mkdir()
+    gated.write_text(gate_dropin_text(envdir / "gate", run_id))
+    others = bed.manager.unit_dir / "si-other.service.d" / "50-safeinstall-gate.conf"
+    others.parent.mkdir()
+    others.write_text(gate_dropin_text(bed.state / "another-env" / "gate", run_id))  # not this one's
 
     recovered = bed.cli("--recover")
 
     assert recovered.code == 0, recovered.stdout + recovered.stderr
     assert "nothing to recover" in recovered.stdout
+    assert not gated.exists() and others.exists()
+    shutil.rmtree(others.parent)
     left = sorted(p.name for p in envdir.iterdir())
     assert not list(envdir.glob("wheels/*")), left
     assert not list(envdir.glob("uv-cache-*")) and not list(envdir.glob("prefetch-*")), left
@@ -469,9 +479,13 @@ def test_recover_with_nothing_to_recover_removes_what_dead_runs_left(bed: Bed) -
     assert foreign.exists(), left
     gate_temp.write_text(f"{run_id}\n")  # the next run, under the lock with no journal, removes it too
     keep_left()  # also when that run swaps (it keeps no links itself)
+    for made in (envdir / f"uv-cache-{run_id}" / "wheels-v5", envdir / f"prefetch-{run_id}" / "sicext"):
+        made.mkdir(parents=True)  # issue 44 item 3: the log says "the next run removes it": it does
+        (made / "file").write_text("left\n")
     after = bed.cli("sicext", "--wheel", str(bed.wheels["sicext-1"]), "--settle", "0.3", "--yes")
     assert after.code == 0, after.stdout + after.stderr
     assert not gate_temp.exists() and foreign.exists() and not kept.exists()
+    assert not list(envdir.glob("uv-cache-*")) and not list(envdir.glob("prefetch-*"))
 
 
 def test_a_disk_filled_before_the_window_install_rolls_back_with_the_unit_running(

@@ -73,6 +73,7 @@ from safeinstall.store.state import (
     environment_state,
     let_through,
     remove_dead_temps,
+    remove_uv_caches,
     state_root,
 )
 from safeinstall.store.verified import read_store, store_checker
@@ -133,6 +134,8 @@ def preflight(options: RunOptions, *, take_lock: bool, env: Environment | None =
         if not state.journal.exists():  # under the lock, no run to recover: copies left are dead runs'
             discard_dead_copies(state.dir)
             remove_dead_temps(state)
+            for left in remove_uv_caches(state):  # a dead run's uv cache and scratch (its log promised)
+                notes.append(f"{left}, left by a run that died, could not be removed: remove it by hand")
             keep.discard_leftovers(env.prefix)  # a dead run's links of the old files (root's prefixes)
     else:
         check_environment_dir(state)
