@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -636,6 +637,84 @@ def test_a_disk_full_before_the_run_is_refused_or_ends_with_a_whole_version_runn
         else:
             assert bed.version() == "1.0" and bed.snapshot() == before, said
         (disk / "filler").unlink()
+        bed.no_trace()
+    finally:
+        bed.cleanup()
+
+
+class _Writer:
+    """Another writer on ``disk``: it takes whatever room there is, and keeps taking what is freed,
+    until stopped (a log, a checkpoint, another service)."""
+
+    def __init__(self, disk: Path) -> None:
+        self.path = disk / "writer"
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._write, daemon=True)
+
+    def _write(self) -> None:
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            while not self.done.is_set():
+                for chunk in (1 << 20, 4096):
+                    with contextlib.suppress(OSError):
+                        while os.write(fd, b"\0" * chunk):
+                            pass
+                self.done.wait(0.002)
+        finally:
+            os.close(fd)
+
+    def __enter__(self) -> _Writer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.done.set()
+        self.thread.join()
+        self.path.unlink()
+
+
+@pytest.mark.parametrize("mode", ["swap", "no-swap"])
+def test_a_disk_filled_during_the_install_ends_with_a_whole_version_running(
+    wheels: Wheelhouse,
+    tmp_path: Path,
+    user_manager: UserManager,
+    fake_nvml: FakeNvml,
+    small_disk: Callable[[int], Path],
+    mode: str,
+) -> None:
+    """Issue 44: a writer takes the environment's disk once the unit is stopped, and the room uv's
+    uninstall frees as soon as it is freed. The old files had no other link: the uninstall freed them,
+    the writer took that room, uv failed, and the restore, which copies them back, found none (exit 4,
+    the unit down). Where the new version fits beside the old one (always for a swap, which stages it
+    before the stop) the run keeps links of every old file, so the uninstall frees nothing and the
+    restore needs no room: exit 0 (the swap needs none either) or 3, the unit running one whole version."""
+    old = _with_blob(wheels["sicext-1"], tmp_path / "old", 4)
+    bigger = {"sicext/blob.bin": os.urandom((4 << 20) + (128 << 10))}
+    new = wheelhouse.rebuilt(wheels["sicext-2"], tmp_path / "new", bigger, deflate=False)
+    disk = small_disk(48)
+    python = wheelhouse.make_venv(disk / "venv")
+    wheelhouse.uv_install(python, old)  # copied from a cache on another disk: the only links
+    bed = Bed(python, tmp_path / "state", user_manager, fake_nvml, wheels)
+    try:
+        before = bed.snapshot()
+        name = bed.unit("writer")
+        bed.hold_gpu(name, 2.0, "fc")  # the GPU is released 2 s after the stop: the writer's moment
+        extra = ("--no-swap",) if mode == "no-swap" else ()
+        proc = bed.start_run("sicext", "--wheel", str(new), "--settle", "0.3", "--no-smoke", *extra)
+        try:
+            bed.wait_phase(proc, "stopped")
+            with _Writer(disk):
+                out, err = _finish(proc)
+        finally:
+            if proc.poll() is None:
+                _finish(proc)
+        assert proc.returncode in (0, 3), (proc.returncode, out, err)
+        wait_until(lambda: bed.manager.active_state(name) == "active", 20, "the unit running")
+        if proc.returncode == 0:
+            assert bed.verify("--wheel", str(new)).code == 0
+        else:
+            assert "No space left on device" in err, err
+            assert bed.version() == "1.0" and bed.snapshot() == before
         bed.no_trace()
     finally:
         bed.cleanup()

@@ -59,11 +59,13 @@ def _roots_own(fd: int) -> bool:
     return only_caller_writes(os.fstat(fd))
 
 
-def keep_links(prefix: Path, run_id: str, paths: Iterable[str]) -> int:
+def keep_links(prefix: Path, run_id: str, paths: Iterable[str], every: bool = False) -> int:
     """Link each of ``paths`` (relative to the prefix) that is a regular file only root can write, with
-    other links (its uninstall frees nothing), into the run's keep directory; leftovers of runs that
-    died go first. Best effort (a file that cannot be linked is copied back, as before): the number
-    kept. Nothing in a prefix root does not own alone. Raises OSError when the directory cannot be made."""
+    other links (its uninstall frees nothing), into the run's keep directory; ``every``: each such file,
+    other links or not (the uninstall then frees nothing: a restore needs no room, whoever takes the
+    room meanwhile); leftovers of runs that died go first. Best effort (a file that cannot be linked is
+    copied back, as before): the number kept. Nothing in a prefix root does not own alone. Raises
+    OSError when the directory cannot be made."""
     name = keep_name(run_id)
     with Tree(prefix) as tree:
         if not _roots_own(tree.fd):
@@ -74,7 +76,7 @@ def keep_links(prefix: Path, run_id: str, paths: Iterable[str]) -> int:
         with tree.batch():
             for relative in paths:
                 info = tree.lstat(relative)
-                if info is None or not stat.S_ISREG(info.st_mode) or info.st_nlink < 2:
+                if info is None or not stat.S_ISREG(info.st_mode) or (info.st_nlink < 2 and not every):
                     continue
                 if not only_caller_writes(info):
                     continue
