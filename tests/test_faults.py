@@ -561,6 +561,30 @@ def test_the_room_check_counts_no_room_freed_by_old_files_shared_with_a_uv_cache
         bed.cleanup()
 
 
+def _full_disk_bed(
+    kind: str,
+    old: Path,
+    wheels: Wheelhouse,
+    tmp_path: Path,
+    user_manager: UserManager,
+    fake_nvml: FakeNvml,
+    small_disk: Callable[..., Path],
+    open_dir: Path,
+    open_state: Path,
+) -> Bed:
+    """sicext ``old`` in a venv at ``DISK/venv``, DISK a 48 MiB tmpfs, its files copies (no other
+    link): root's venv (the state directory in the test's), or uid 65534's (a ServiceAccountBed)."""
+    if kind == "root":
+        python = wheelhouse.make_venv(small_disk(48) / "venv")
+        wheelhouse.uv_install(python, old)  # copied from a cache on another disk
+        return Bed(python, tmp_path / "state", user_manager, fake_nvml, wheels)
+    bed = ServiceAccountBed(small_disk(48, open_dir), open_state, user_manager, fake_nvml, wheels)
+    as_account = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+    install = [wheelhouse.UV, "pip", "install", "--quiet", "--offline", "--no-cache", "--python"]
+    subprocess.run([*as_account, *install, str(bed.python), str(old)], check=True, env=wheelhouse.uv_env())
+    return bed
+
+
 def _fill(disk: Path, leave: int) -> None:
     """Fill ``disk`` but ``leave`` bytes (a filler file of the rest)."""
     vfs = os.statvfs(disk)
@@ -591,34 +615,10 @@ def test_a_disk_full_before_the_run_is_refused_or_ends_with_a_whole_version_runn
     old = _with_blob(wheels["sicext-1"], open_dir / "old", 4)  # the account reads it
     bigger = {"sicext/blob.bin": os.urandom((4 << 20) + (128 << 10))}  # 128 KiB more than the old one
     new = wheelhouse.rebuilt(wheels["sicext-2"], tmp_path / "new", bigger, deflate=False)
-    bed: Bed
-    if kind == "root":
-        disk = small_disk(48)
-        python = wheelhouse.make_venv(disk / "venv")
-        wheelhouse.uv_install(python, old)
-        bed = Bed(python, tmp_path / "state", user_manager, fake_nvml, wheels)
-    else:
-        disk = small_disk(48, open_dir)
-        bed = ServiceAccountBed(disk, open_state, user_manager, fake_nvml, wheels)
-        subprocess.run(  # the account's own old version, the big one
-            [
-                "setpriv",
-                f"--reuid={NOBODY}",
-                f"--regid={NOBODY}",
-                "--clear-groups",
-                wheelhouse.UV,
-                "pip",
-                "install",
-                "--quiet",
-                "--offline",
-                "--no-cache",
-                "--python",
-                str(bed.python),
-                str(old),
-            ],
-            check=True,
-            env=wheelhouse.uv_env(),
-        )
+    bed = _full_disk_bed(
+        kind, old, wheels, tmp_path, user_manager, fake_nvml, small_disk, open_dir, open_state
+    )
+    disk = bed.python.parent.parent.parent
     try:
         before = bed.snapshot()
         name = bed.unit("full")
@@ -674,12 +674,16 @@ class _Writer:
 
 
 @pytest.mark.parametrize("mode", ["swap", "no-swap"])
+@pytest.mark.parametrize("kind", ["root", "account"])
 def test_a_disk_filled_during_the_install_ends_with_a_whole_version_running(
     wheels: Wheelhouse,
     tmp_path: Path,
     user_manager: UserManager,
     fake_nvml: FakeNvml,
-    small_disk: Callable[[int], Path],
+    small_disk: Callable[..., Path],
+    open_dir: Path,
+    open_state: Path,
+    kind: str,
     mode: str,
 ) -> None:
     """Issue 44: a writer takes the environment's disk once the unit is stopped, and the room uv's
@@ -687,14 +691,15 @@ def test_a_disk_filled_during_the_install_ends_with_a_whole_version_running(
     the writer took that room, uv failed, and the restore, which copies them back, found none (exit 4,
     the unit down). Where the new version fits beside the old one (always for a swap, which stages it
     before the stop) the run keeps links of every old file, so the uninstall frees nothing and the
-    restore needs no room: exit 0 (the swap needs none either) or 3, the unit running one whole version."""
-    old = _with_blob(wheels["sicext-1"], tmp_path / "old", 4)
+    restore needs no room: exit 0 (the swap needs none either) or 3, the unit running one whole version.
+    In an account's environment the account's worker keeps the links, and the restore checks them."""
+    old = _with_blob(wheels["sicext-1"], open_dir / "old", 4)  # the account reads it
     bigger = {"sicext/blob.bin": os.urandom((4 << 20) + (128 << 10))}
     new = wheelhouse.rebuilt(wheels["sicext-2"], tmp_path / "new", bigger, deflate=False)
-    disk = small_disk(48)
-    python = wheelhouse.make_venv(disk / "venv")
-    wheelhouse.uv_install(python, old)  # copied from a cache on another disk: the only links
-    bed = Bed(python, tmp_path / "state", user_manager, fake_nvml, wheels)
+    bed = _full_disk_bed(
+        kind, old, wheels, tmp_path, user_manager, fake_nvml, small_disk, open_dir, open_state
+    )
+    disk = bed.python.parent.parent.parent
     try:
         before = bed.snapshot()
         name = bed.unit("writer")

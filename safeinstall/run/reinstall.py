@@ -1112,14 +1112,21 @@ def keep_old_links(run: Run) -> None:
     where the new version fits beside the old one (a swap, always: it stages the whole new version
     before the stop; an install in the window, when the room is there without the uninstall's): the
     uninstall then frees nothing, and the restore needs no room whoever takes it meanwhile; else those
-    whose uninstall frees no blocks anyway (other links). Best effort: without them it copies. Never in
-    an account's environment (root makes no links in a tree the account writes: its restore copies)."""
-    if run.backup is None or run.env.account is not None:
+    whose uninstall frees no blocks anyway (other links). Best effort: without them it copies. In an
+    account's environment the account's worker makes them, where they fit (root makes no links in a
+    tree the account writes), and the restore checks each inode it puts back."""
+    if run.backup is None:
         return
     paths = [f.path for f in run.backup.manifest.files if f.link_target is None]
     every = run.staged is not None or both_fit(run)
+    account = run.env.account
+    if account is not None and not every:
+        return
     try:
-        kept = keep.keep_links(run.env.prefix, run.run_id, paths, every=every)
+        if account is not None:
+            kept = keep.keep_links_as(account.ids, run.env.prefix, run.run_id, paths)
+        else:
+            kept = keep.keep_links(run.env.prefix, run.run_id, paths, every=every)
     except OSError as exc:
         run._log(f"no links of the old files kept ({exc}): a rollback copies them back")
         return

@@ -54,7 +54,7 @@ from safeinstall.env.distributions import (
 from safeinstall.env.drift import pyc_source
 from safeinstall.env.environment import Environment
 from safeinstall.env.hashing import FileState, default_workers
-from safeinstall.env.keep import Saved, open_kept, relink
+from safeinstall.env.keep import Saved, open_kept, relink, relink_as
 from safeinstall.env.records import decode_digest, parse_record
 from safeinstall.errors import SafeInstallError
 from safeinstall.store.runlog import human_bytes
@@ -866,6 +866,11 @@ def restore_backup(
                 if r is not None
             ]
         removed = _remove_as_owner(env, removal, stop)
+        if env.account is not None and run_id is not None:  # the account's kept links, by its worker
+            with Tree(prefix) as made:  # the removal pruned the directories it emptied
+                _make_directories(manifest, made, os.geteuid() == 0)
+            regular = [f.path for f in manifest.files if f.link_target is None and f.path not in same]
+            relink_as(env.account.ids, prefix, run_id, regular)  # each checked below (_same), or copied
         tree, source = Tree(prefix), Tree(backup.files_dir)  # opened anew: the worker changed directories
     except OSError as exc:
         raise BackupError(
