@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from safeinstall.system.gate import gate_dropin_text
 from tests import wheelhouse
 from tests.bed_nvml import FakeNvml
 from tests.bed_systemd import UserManager, wait_until
-from tests.beds import NOBODY, Bed, ServiceAccountBed, hidden_tool
+from tests.beds import Bed, DiskWriter, ServiceAccountBed, fill_disk, full_disk_bed, hidden_tool
 from tests.wheelhouse import Wheelhouse
 
 #: a unit whose start takes a second before its main process runs: a window to kill the run in while
@@ -561,37 +560,6 @@ def test_the_room_check_counts_no_room_freed_by_old_files_shared_with_a_uv_cache
         bed.cleanup()
 
 
-def _full_disk_bed(
-    kind: str,
-    old: Path,
-    wheels: Wheelhouse,
-    tmp_path: Path,
-    user_manager: UserManager,
-    fake_nvml: FakeNvml,
-    small_disk: Callable[..., Path],
-    open_dir: Path,
-    open_state: Path,
-) -> Bed:
-    """sicext ``old`` in a venv at ``DISK/venv``, DISK a 48 MiB tmpfs, its files copies (no other
-    link): root's venv (the state directory in the test's), or uid 65534's (a ServiceAccountBed)."""
-    if kind == "root":
-        python = wheelhouse.make_venv(small_disk(48) / "venv")
-        wheelhouse.uv_install(python, old)  # copied from a cache on another disk
-        return Bed(python, tmp_path / "state", user_manager, fake_nvml, wheels)
-    bed = ServiceAccountBed(small_disk(48, open_dir), open_state, user_manager, fake_nvml, wheels)
-    as_account = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
-    install = [wheelhouse.UV, "pip", "install", "--quiet", "--offline", "--no-cache", "--python"]
-    subprocess.run([*as_account, *install, str(bed.python), str(old)], check=True, env=wheelhouse.uv_env())
-    return bed
-
-
-def _fill(disk: Path, leave: int) -> None:
-    """Fill ``disk`` but ``leave`` bytes (a filler file of the rest)."""
-    vfs = os.statvfs(disk)
-    with (disk / "filler").open("wb") as filler:
-        filler.write(b"\0" * max(0, vfs.f_bavail * vfs.f_frsize - leave))
-
-
 @pytest.mark.parametrize("leave_kib", [0, 124, 400])
 @pytest.mark.parametrize("mode", ["swap", "no-swap"])
 @pytest.mark.parametrize("kind", ["root", "account"])
@@ -615,14 +583,14 @@ def test_a_disk_full_before_the_run_is_refused_or_ends_with_a_whole_version_runn
     old = _with_blob(wheels["sicext-1"], open_dir / "old", 4)  # the account reads it
     bigger = {"sicext/blob.bin": os.urandom((4 << 20) + (128 << 10))}  # 128 KiB more than the old one
     new = wheelhouse.rebuilt(wheels["sicext-2"], tmp_path / "new", bigger, deflate=False)
-    bed = _full_disk_bed(
+    bed = full_disk_bed(
         kind, old, wheels, tmp_path, user_manager, fake_nvml, small_disk, open_dir, open_state
     )
     disk = bed.python.parent.parent.parent
     try:
         before = bed.snapshot()
         name = bed.unit("full")
-        _fill(disk, leave_kib << 10)
+        fill_disk(disk, leave_kib << 10)
         extra = ("--no-swap",) if mode == "no-swap" else ()
         result = bed.cli("sicext", "--wheel", str(new), "--settle", "0.3", "--yes", "--no-smoke", *extra)
         said = result.stdout + result.stderr
@@ -640,37 +608,6 @@ def test_a_disk_full_before_the_run_is_refused_or_ends_with_a_whole_version_runn
         bed.no_trace()
     finally:
         bed.cleanup()
-
-
-class _Writer:
-    """Another writer on ``disk``: it takes whatever room there is, and keeps taking what is freed,
-    until stopped (a log, a checkpoint, another service)."""
-
-    def __init__(self, disk: Path) -> None:
-        self.path = disk / "writer"
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._write, daemon=True)
-
-    def _write(self) -> None:
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
-        try:
-            while not self.done.is_set():
-                for chunk in (1 << 20, 4096):
-                    with contextlib.suppress(OSError):
-                        while os.write(fd, b"\0" * chunk):
-                            pass
-                self.done.wait(0.002)
-        finally:
-            os.close(fd)
-
-    def __enter__(self) -> _Writer:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self.done.set()
-        self.thread.join()
-        self.path.unlink()
 
 
 @pytest.mark.parametrize("mode", ["swap", "no-swap"])
@@ -696,7 +633,7 @@ def test_a_disk_filled_during_the_install_ends_with_a_whole_version_running(
     old = _with_blob(wheels["sicext-1"], open_dir / "old", 4)  # the account reads it
     bigger = {"sicext/blob.bin": os.urandom((4 << 20) + (128 << 10))}
     new = wheelhouse.rebuilt(wheels["sicext-2"], tmp_path / "new", bigger, deflate=False)
-    bed = _full_disk_bed(
+    bed = full_disk_bed(
         kind, old, wheels, tmp_path, user_manager, fake_nvml, small_disk, open_dir, open_state
     )
     disk = bed.python.parent.parent.parent
@@ -708,7 +645,7 @@ def test_a_disk_filled_during_the_install_ends_with_a_whole_version_running(
         proc = bed.start_run("sicext", "--wheel", str(new), "--settle", "0.3", "--no-smoke", *extra)
         try:
             bed.wait_phase(proc, "stopped")
-            with _Writer(disk):
+            with DiskWriter(disk):
                 out, err = _finish(proc)
         finally:
             if proc.poll() is None:
