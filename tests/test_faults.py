@@ -660,3 +660,38 @@ def test_a_disk_filled_during_the_install_ends_with_a_whole_version_running(
         bed.no_trace()
     finally:
         bed.cleanup()
+
+
+#: a unit whose main process (a shell) stops itself (SIGSTOP) when asked to stop, after systemd's
+#: SIGCONT; its child, the service, ends with the stop's SIGTERM
+STOPS_ITSELF_UNIT = (
+    "[Unit]\nDescription=safeinstall fault test\n\n[Service]\nTimeoutStopSec=infinity\n"
+    "ExecStart=/bin/sh -c 'trap \"kill -STOP $$$$\" TERM; {exec} & while :; do sleep 0.1; done'\n"
+)
+
+
+def test_a_stop_held_up_by_a_stopped_process_is_named_and_recover_says_it_too(bed: Bed) -> None:
+    """Issue 44 item 5: a unit stuck behind a SIGSTOPped process with ``TimeoutStopSec=infinity``: the
+    run bounded itself (exit 4 after about 127 s) saying "kills it after TimeoutStopSec=infs", never the
+    stopped PID or the fix, and the ``--recover`` it prescribed failed again after 120 s. Both now name
+    the PID, its state and the commands at once (no wait they cannot win); once the process is gone,
+    ``--recover`` puts things back."""
+    name = bed.unit("stops-itself", text=STOPS_ITSELF_UNIT)
+    shell = bed.manager.main_pid(name)
+    try:
+        result = bed.cli("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.3", "--yes")
+        assert result.code == 4, result.stdout + result.stderr
+        assert f"PID {shell} " in result.stderr and "state T" in result.stderr, result.stderr
+        assert f"kill -CONT {shell}" in result.stderr and "TimeoutStopSec=infinity" in result.stderr
+        assert "infs" not in result.stderr, result.stderr
+        again = bed.cli("--recover")
+        assert again.code == 4 and f"kill -CONT {shell}" in again.stderr, again.stdout + again.stderr
+        assert "error:" in again.stderr and "hint:" in again.stderr, again.stderr
+    finally:
+        with contextlib.suppress(OSError):
+            os.kill(shell, signal.SIGKILL)
+    recovered = bed.cli("--recover")
+    assert recovered.code in (0, 3), recovered.stdout + recovered.stderr
+    wait_until(lambda: bed.manager.active_state(name) == "active", 30, "the unit running again")
+    assert bed.version() == "1.0"
+    bed.no_trace()
