@@ -745,6 +745,13 @@ def _same(saved: BackupFile, tree: Tree) -> bool:
     )
 
 
+def _found_as_saved(files: Sequence[BackupFile], tree: Tree, workers: int | None) -> frozenset[str]:
+    """The saved paths whose entry is there exactly as saved (:func:`_same`), hashed on threads."""
+    with ThreadPoolExecutor(max_workers=workers or default_workers(), thread_name_prefix="same") as pool:
+        found = list(pool.map(lambda f: _same(f, tree), files))
+    return frozenset(f.path for f, same in zip(files, found, strict=True) if same)
+
+
 def _make_directories(manifest: BackupManifest, tree: Tree, as_root: bool) -> list[str]:
     """Recreate missing directories with their saved mode and owner (a symlink or a file where one was is
     removed, never followed); failures as "path: reason"."""
@@ -858,7 +865,7 @@ def restore_backup(
         )
     try:
         with Tree(prefix) as tree, tree.batch():
-            same = frozenset(f.path for f in manifest.files if _same(f, tree))
+            same = _found_as_saved(manifest.files, tree, workers)
             removal = _removal(backup, env, tree, remove, same)
             stop = [
                 r
