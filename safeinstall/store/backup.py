@@ -873,11 +873,12 @@ def restore_backup(
                 if r is not None
             ]
         removed = _remove_as_owner(env, removal, stop)
+        relinked: tuple[str, ...] = ()
         if env.account is not None and run_id is not None:  # the account's kept links, by its worker
             with Tree(prefix) as made:  # the removal pruned the directories it emptied
                 _make_directories(manifest, made, os.geteuid() == 0)
             regular = [f.path for f in manifest.files if f.link_target is None and f.path not in same]
-            relink_as(env.account.ids, prefix, run_id, regular)  # each checked below (_same), or copied
+            relinked = relink_as(env.account.ids, prefix, run_id, regular)  # checked below, or copied
         tree, source = Tree(prefix), Tree(backup.files_dir)  # opened anew: the worker changed directories
     except OSError as exc:
         raise BackupError(
@@ -887,7 +888,7 @@ def restore_backup(
     kept = open_kept(tree, run_id) if run_id is not None else None
     try:
         with tree, source, tree.batch(), source.batch():
-            return _restore(backup, tree, source, removal, removed, workers, kept, same)
+            return _restore(backup, tree, source, removal, removed, workers, kept, same, relinked)
     finally:
         if kept is not None:
             os.close(kept)
@@ -952,7 +953,10 @@ def _restore(
     workers: int | None,
     kept: int | None,
     same: frozenset[str],
+    relinked: tuple[str, ...] = (),
 ) -> RestoreResult:
+    """The saved files put back (``relinked``: those the account's worker put back as kept inodes, each
+    checked here like any file found in place), the bytecode of what changed removed, the result."""
     manifest = backup.manifest
     as_root = os.geteuid() == 0
     restoring = {f.path for f in manifest.files}
@@ -974,6 +978,7 @@ def _restore(
             except OSError as exc:
                 where = tree.root / futures[future].path
                 failures.append(f"{where}: could not restore it: {exc.strerror or exc}")
+    rewritten.extend(sorted(set(relinked) - set(rewritten)))  # put back too (copied where not as saved)
     # bytecode of removed or rewritten sources could be stale (saved .pyc files are back already)
     for pyc in stale_bytecode([tree.root / p for p in (*removed.files, *rewritten)]):
         stale = tree.relative(pyc)
