@@ -79,7 +79,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "restore-writes-nothing",
         "safeinstall/store/backup.py",
-        "    if _same(saved, tree):\n        return False",
+        "    if saved.path in same or _same(saved, tree):\n        return False",
         "    if True:\n        return False",
         ("tests/test_backup.py::test_backup_upgrade_restore_gives_back_v1_byte_for_byte",),
     ),

@@ -834,6 +834,9 @@ def render_patches(
 
 
 def render_recoveries(out: Console, recoveries: list[Recovery]) -> None:
+    for r in recoveries:  # a live run's environment: said, not recovered
+        if r.busy:
+            out.print(literal(f"not recovered: {r.prefix}: " + "; ".join(r.notes)))
     if not any(r.run_id for r in recoveries):
         out.print("nothing to recover")
         return

@@ -36,7 +36,7 @@ from safeinstall.env.uvplan import install as uv_install
 from safeinstall.env.uvplan import prefetch_command, secure_uv_lock, uv_binary, window_command
 from safeinstall.env.verify import VerifyReport, verify_environment
 from safeinstall.env.vouched import Vouched, vouched_of
-from safeinstall.env.wheel import Wheel, install_locations
+from safeinstall.env.wheel import Wheel, install_locations, installed_size
 from safeinstall.env.wheelcopy import discard_wheel_copy
 from safeinstall.errors import (
     ExitCode,
@@ -54,7 +54,14 @@ from safeinstall.run.patches import (
     rolled_back,
     save_patch_set,
 )
-from safeinstall.run.preflight import Prepared, dry_run_patches, locally_modified, refusal, unconfirmed
+from safeinstall.run.preflight import (
+    Prepared,
+    dry_run_patches,
+    install_overhead,
+    locally_modified,
+    refusal,
+    unconfirmed,
+)
 from safeinstall.run.preflight import preflight as shared_preflight
 from safeinstall.run.results import Reporter, RunResult, service_downtime_s
 from safeinstall.run.rollback import rollback_step
@@ -72,7 +79,7 @@ from safeinstall.run.survey import scan_again, systemd_for
 from safeinstall.run.undo import UndoTarget, left_of
 from safeinstall.scan.plan import PlannedProcess, PlannedUnit, left_on_old_code
 from safeinstall.scan.processes import scan_processes
-from safeinstall.store.backup import check_restored, create_backup, prune_into, restore_backup
+from safeinstall.store.backup import check_restored, create_backup, free_space, prune_into, restore_backup
 from safeinstall.store.baseline import record_run
 from safeinstall.store.history import read_history
 from safeinstall.store.journal import (
@@ -1033,8 +1040,7 @@ def run_reinstall(
                     step("prefetch", lambda: prefetch_step(run))
                     if not options.no_smoke:  # the new version exercised before anything stops
                         step("smoke", lambda: smoke_step(run))
-                    if run.staged is None:  # the install runs in the window
-                        keep_old_links(run)
+                    keep_old_links(run)  # the way back that needs no room
                 step("gate", lambda: gate_step(run))
                 with NvmlSession(options.environ, options.proc_root) as session:
                     baseline = session.snapshot()  # before the stop: what the processes held
@@ -1170,20 +1176,41 @@ def _remove_run_cache(run: Run) -> float:
 
 
 def keep_old_links(run: Run) -> None:
-    """Before the stop, for an install in the window: links of the old files whose uninstall frees no
-    blocks, kept in the prefix (:mod:`safeinstall.env.keep`), so that a rollback on a disk filled
-    meanwhile puts those inodes back instead of copies. Best effort: without them it copies. Never in
-    an account's environment (root makes no links in a tree the account writes: its restore copies)."""
-    if run.backup is None or run.env.account is not None:
+    """Before the stop: links of the old files kept in the prefix (:mod:`safeinstall.env.keep`), so
+    that a rollback on a disk filled meanwhile puts those inodes back instead of copies. Every old file
+    where the new version fits beside the old one (a swap, always: it stages the whole new version
+    before the stop; an install in the window, when the room is there without the uninstall's): the
+    uninstall then frees nothing, and the restore needs no room whoever takes it meanwhile; else those
+    whose uninstall frees no blocks anyway (other links). Best effort: without them it copies. In an
+    account's environment the account's worker makes them, where they fit (root makes no links in a
+    tree the account writes), and the restore checks each inode it puts back."""
+    if run.backup is None:
         return
     paths = [f.path for f in run.backup.manifest.files if f.link_target is None]
+    every = run.staged is not None or both_fit(run)
+    account = run.env.account
+    if account is not None and not every:
+        return
     try:
-        kept = keep.keep_links(run.env.prefix, run.run_id, paths)
+        if account is not None:
+            kept = keep.keep_links_as(account.ids, run.env.prefix, run.run_id, paths)
+        else:
+            kept = keep.keep_links(run.env.prefix, run.run_id, paths, every=every)
     except OSError as exc:
         run._log(f"no links of the old files kept ({exc}): a rollback copies them back")
         return
     if kept:
-        run._log(f"{kept} old file(s) shared with other links kept in {keep.keep_name(run.run_id)}")
+        which = "all the old files" if every else "old file(s) shared with other links"
+        run._log(f"{kept} links of {which} kept in {keep.keep_name(run.run_id)}")
+
+
+def both_fit(run: Run) -> bool:
+    """The new version (the wheel's files, what uv writes beside them, a margin) fits in the
+    environment's filesystem with the old one still there: the uninstall's room is not needed."""
+    if run.wheel is None:
+        return False
+    files = installed_size(run.wheel)
+    return free_space(run.env.prefix) >= files + install_overhead(files)
 
 
 def _discard_staged(run: Run) -> None:
