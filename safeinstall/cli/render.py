@@ -403,8 +403,8 @@ def render_plan(out: Console, err: Console, plan: Plan, verbosity: int = 0) -> N
             out.print(literal(line), soft_wrap=True)
     for reset in plan.start_limit_resets:
         out.print(
-            f"start limit of {literal(reset.unit)}: {literal(reset.reason)}; reset before the stop "
-            "(systemctl reset-failed)",
+            f"start limit of {literal(reset.unit)}: {literal(reset.reason)}; the run resets it before "
+            "the stop (systemctl reset-failed)",
             soft_wrap=True,
         )
     if plan.gpus.available:
