@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from safeinstall.env.bytecode import PycName, judge, parse_header, pyc_name
+from safeinstall.env.bytecode import PycName, judge, marshal_bounded, parse_header, pyc_name
 from safeinstall.env.drift import Expectation, Finding, FindingKind
 from safeinstall.env.hashing import observe_files
 from safeinstall.env.verified import GRANULARITY_NS
@@ -196,6 +196,44 @@ def test_judge_compares_code_not_file_names(tmp_path: Path) -> None:
     assert judge(header + b"\xff\xfe", name, source) == "its body is not marshalled code"
     assert judge(header + marshal.dumps(7), name, source) == "its body is not a code object"
     assert os.fspath(tmp_path)  # the name is never opened
+
+
+_BOMB = """
+import importlib.util, resource, sys
+from safeinstall.env.bytecode import PycName, judge
+header = importlib.util.MAGIC_NUMBER + bytes(12)
+name = PycName("/nowhere/m.py", sys.implementation.cache_tag, 0)
+huge = (1 << 27).to_bytes(4, "little")
+for body in (b"(" + huge, b"c" + bytes(20) + b"(" + huge):
+    print(judge(header + body, name, b"x = 1\\n"))
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10)
+"""
+
+
+def test_a_pyc_that_says_a_huge_tuple_costs_root_no_memory() -> None:
+    """``marshal.loads`` makes a tuple at the size the data says, and zeroes it, before it reads an item:
+    a 21-byte ``.pyc`` of the environment's owner had root's process touch 1 GiB here (2**31 items: 16
+    GiB, where map_forked reruns a killed child's share in root's own process; the attacker review).
+    Now a count larger than the bytes left is refused before the data is unmarshalled."""
+    done = subprocess.run(
+        [sys.executable, "-c", _BOMB], capture_output=True, text=True, check=True, timeout=300
+    )
+    *verdicts, peak_mib = done.stdout.split("\n")[:-1]
+    assert verdicts == ["its body is not marshalled code"] * 2, done.stdout
+    assert int(peak_mib) < 256, f"judging 21 bytes took {peak_mib} MiB"
+
+
+def test_the_marshal_bound_passes_what_python_writes() -> None:
+    """Every kind of value the compiler and marshal write (and the stdlib's own bytecode) is bounded."""
+    source = "a = (1, 2.5, 3j, 10**40, -(10**40), b'x', frozenset({1}), None, ..., 'é', True)\n"
+    source += "def f(x, *, y={1: (2,)}):\n    return [x, y]\nclass C:\n    pass\n"
+    for version in (0, 1, 2, 3, 4):
+        assert marshal_bounded(marshal.dumps(compile(source, "s", "exec"), version)) is None
+    for pyc in list(Path(os.__file__).parent.glob(f"__pycache__/*.{TAG}.pyc"))[:200]:
+        data = pyc.read_bytes()
+        if data[:4] == importlib.util.MAGIC_NUMBER:
+            assert marshal_bounded(data[16:]) is None, pyc
+    assert marshal_bounded(b"(" + (3).to_bytes(4, "little") + b"NN") is not None
 
 
 # ------------------------------------------------------------------------ judged once, kept by identity

@@ -82,6 +82,81 @@ def parse_header(data: bytes) -> Header | str:
     )
 
 
+#: marshal's types (Python/marshal.c, format 4 and 5): what follows each type byte. Fixed: so many
+#: bytes; the others are read by :func:`marshal_bounded`.
+_FIXED = {**dict.fromkeys(b"0NFTS.", 0), ord("i"): 4, ord("I"): 8, ord("g"): 8, ord("y"): 16, ord("r"): 4}
+_SIZED = frozenset(b"stuaA")  # 4-byte length, then that many bytes
+_SHORT = frozenset(b"zZ")  # 1-byte length, then that many bytes
+_CONTAINERS = frozenset(b"([<>")  # 4-byte count, then that many objects
+_FLAG_REF = 0x80
+
+
+def marshal_bounded(data: bytes) -> str | None:
+    """Pure: None when every count in the marshal stream ``data`` holds is no larger than the bytes left
+    to hold it, or why not. ``marshal.loads`` makes a tuple (and zeroes it) at the size the data says,
+    before reading its items: 5 bytes of a hostile ``.pyc`` had root's process allocate and touch 16
+    GiB (the attacker review). Walked with a stack of its own (no recursion); a code object's fields as
+    CPython 3.11 to 3.13 write them (5 longs, 8 objects, a long, 2 objects)."""
+    end = len(data)
+    at = 0
+    # what is still to be read, last first: [objects left] (-1: a dict's, until its NULL key) or
+    # [-2 - n]: n raw bytes
+    todo = [1]
+    while todo:
+        if todo[-1] == 0:
+            todo.pop()
+            continue
+        if todo[-1] < -1:
+            at += -2 - todo.pop()
+            continue
+        if at >= end:
+            return "its body ends within an object"
+        kind = data[at] & ~_FLAG_REF
+        at += 1
+        if todo[-1] > 0:
+            todo[-1] -= 1
+        elif kind == ord("0"):  # a dict's end
+            todo.pop()
+            continue
+        else:  # a dict's key: its value follows
+            todo.append(1)
+        left = end - at
+        if kind in _FIXED:
+            at += _FIXED[kind]
+        elif kind in _SIZED or kind == ord("l") or kind in _CONTAINERS:
+            if left < 4:
+                return "its body ends within an object"
+            count = int.from_bytes(data[at : at + 4], "little", signed=True)
+            at += 4
+            size = abs(count) * 2 if kind == ord("l") else count
+            if (count < 0 and kind != ord("l")) or size > end - at:
+                return f"it says {count} items or bytes where {end - at} bytes are left"
+            if kind in _CONTAINERS:
+                todo.append(count)
+            else:
+                at += size
+        elif kind in _SHORT or kind == ord("f"):
+            at += 1 + (data[at] if left else 0)
+        elif kind == ord("x"):  # two floats, each a 1-byte length and its text
+            at += 1 + (data[at] if left else 0)
+            at += 1 + (data[at] if at < end else 0)
+        elif kind == ord(")"):
+            todo.append(data[at] if left else 0)
+            at += 1
+        elif kind == ord("{"):
+            todo.append(-1)
+        elif kind == ord(":"):  # a slice: start, stop, step
+            todo.append(3)
+        elif kind == ord("c"):
+            at += 20
+            todo += [2, -2 - 4, 8]
+        else:
+            return f"type {kind:#x} is no marshal type"
+        if at > end:
+            return "its body ends within an object"
+    return None
+
+
 #: The running interpreter's tag and magic: a ``.pyc`` of another tag cannot be compared here.
 OWN_TAG = sys.implementation.cache_tag
 OWN_MAGIC = importlib.util.MAGIC_NUMBER
@@ -104,6 +179,9 @@ def judge(pyc: bytes, name: PycName, source: bytes) -> str | None:
         return None  # another interpreter's: its header is all that can be judged here
     if header.magic != OWN_MAGIC:
         return f"magic {header.magic.hex()} is not {name.tag}'s"
+    unbounded = marshal_bounded(pyc[_HEADER:])
+    if unbounded is not None:
+        return "its body is not marshalled code"
     try:
         held = marshal.loads(pyc[_HEADER:])
     except (EOFError, ValueError, TypeError, RecursionError, MemoryError):
