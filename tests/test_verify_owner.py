@@ -236,6 +236,37 @@ def test_the_marshal_bound_passes_what_python_writes() -> None:
     assert marshal_bounded(b"(" + (3).to_bytes(4, "little") + b"NN") is not None
 
 
+_DENSE = """
+import hashlib, importlib.util, resource, sys
+from pathlib import Path
+from safeinstall.env.bytecode import Source, judge_files, pyc_name
+from safeinstall.env.records import encode_digest
+source = Path(sys.argv[1])
+pyc = importlib.util.cache_from_source(str(source))
+digest = encode_digest(hashlib.sha256(source.read_bytes()).digest())
+verdicts = judge_files([source.parent], [(pyc, pyc_name(pyc), Source("sha256", digest))], lambda s: False)
+print(dict(verdicts.problems), len(verdicts.judged))
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10)
+"""
+
+
+def test_the_owners_source_is_compiled_outside_roots_process(tmp_path: Path) -> None:
+    """``compile()`` of a source takes up to some 400 bytes a byte: the owner's 32 MiB source (its RECORD
+    line is the owner's too) took 13 GiB of root's own process, where fewer than 32 ``.pyc`` files (and
+    the first share, and a failed child's share) were judged (the attacker review). Now every one is
+    judged in a forked child whose memory is bounded, and a child that dies is said, never redone."""
+    source = tmp_path / "dense.py"
+    source.write_bytes(b"x = 1\n" * (1 << 18))  # 1.5 MiB: compile() takes some 400 MiB
+    subprocess.run([sys.executable, "-m", "py_compile", str(source)], check=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", _DENSE, str(source)], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    verdicts, peak_mib = done.stdout.splitlines()
+    assert verdicts == "{} 1", done.stdout  # judged fine, as it is
+    assert int(peak_mib) < 200, f"root's process took {peak_mib} MiB to judge a 1.5 MiB source"
+
+
 # ------------------------------------------------------------------------ judged once, kept by identity
 
 

@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import marshal
 import os
+import resource
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -301,8 +302,11 @@ def judge_files(
 
 #: The bytes of bytecode and sources read before they are judged (in forked children, each a share).
 BATCH_BYTES = 64 << 20
-#: Fewer than this to judge: here, not worth a fork.
-_FORK_FROM = 32
+#: What a judging child may map beyond what it had at the fork: ``compile()`` of the owner's densest
+#: source takes about 400 bytes a byte (8 MiB of ``x = 1`` lines: 3.4 GiB; 32 MiB: 13 GiB).
+JUDGE_MEMORY = 4 << 30
+#: Said of each ``.pyc`` of a judging child that died (past :data:`JUDGE_MEMORY`) or was never forked.
+NOT_JUDGED = "could not be judged: its judge ran out of memory or could not be started"
 
 
 def _judge_share(share: list[tuple[int, PycName, bytes, bytes]]) -> list[tuple[int, str | None]]:
@@ -310,18 +314,37 @@ def _judge_share(share: list[tuple[int, PycName, bytes, bytes]]) -> list[tuple[i
     return [(index, judge(pyc, name, text)) for index, name, pyc, text in share]
 
 
+def _bound_memory() -> None:
+    """In a judging child: what it may map, bounded (:data:`JUDGE_MEMORY` more than it has)."""
+    with open("/proc/self/statm", "rb") as statm:
+        mapped = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + JUDGE_MEMORY, mapped + JUDGE_MEMORY))
+
+
 def _judge_batch(
     batch: list[tuple[Judged, PycName, bytes, bytes]], problems: dict[str, str], judged: list[Judged]
 ) -> None:
-    """Each of ``batch`` judged, over forked children where several CPUs and no other thread allow
-    (:func:`safeinstall.system.forking.map_forked`); the answers into ``problems`` and ``judged``."""
+    """Each of ``batch`` judged, in forked children whose memory is bounded where no other thread runs
+    (:func:`safeinstall.system.forking.map_forked`), never in this, root's, process: the owner's source
+    and bytecode are what is compiled and unmarshalled, and a child that dies is said, not redone here
+    (the attacker review); the answers into ``problems`` and ``judged``."""
     from safeinstall.system.forking import can_fork, cpu_count, map_forked, split
 
     items = [(index, name, pyc, text) for index, (_, name, pyc, text) in enumerate(batch)]
-    workers = min(cpu_count(), 32)
-    if workers > 1 and len(items) >= _FORK_FROM and can_fork():
-        answers = dict(a for share in map_forked(_judge_share, split(items, workers)) for a in share)
-    else:
+    if not items:
+        return
+    if can_fork():
+        parent = os.getpid()
+
+        def bounded(share: list[tuple[int, PycName, bytes, bytes]]) -> list[tuple[int, str | None]]:
+            if os.getpid() == parent:  # map_forked redoes a failed child's share here: never
+                return [(index, NOT_JUDGED) for index, _, _, _ in share]
+            _bound_memory()
+            return _judge_share(share)
+
+        shares = [s for s in split(items, min(cpu_count(), 32)) if s]
+        answers = dict(a for share in map_forked(bounded, [[], *shares]) for a in share)
+    else:  # another thread runs: a fork could deadlock; judged here
         answers = dict(_judge_share(items))
     for index, (fine, _, _, _) in enumerate(batch):
         why = answers[index]
