@@ -148,6 +148,19 @@ def test_a_package_directory_no_record_lists_is_extra(env: Path) -> None:
     assert code == 1 and _drift(doc) == {("extra", str(package / "__init__.py"))}
 
 
+def test_a_package_linked_in_at_the_top_of_site_packages_is_extra(env: Path, tmp_path: Path) -> None:
+    """A symbolic link at the top of site-packages to a directory elsewhere is a package Python imports
+    (it follows the link); the look at the top took it for no code (no code suffix) and walked no link:
+    ``--verify-only`` said the environment clean (the attacker review)."""
+    real = tmp_path / "elsewhere" / "linked_pkg"
+    real.mkdir(parents=True)
+    (real / "__init__.py").write_text("import os\n")
+    link = _site(env) / "linked_pkg"
+    link.symlink_to(real)
+    code, doc = _check(env)
+    assert code == 1 and _drift(doc) == {("extra", str(link))}, doc["data"]["findings"]
+
+
 def test_a_record_line_without_a_hash_is_reported(env: Path) -> None:
     site = _site(env)
     record = next(site.glob("sipure-*.dist-info")) / "RECORD"
