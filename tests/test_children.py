@@ -326,16 +326,16 @@ def test_the_loader_variables_are_held_from_the_wrappers() -> None:
     the account); one no shell can name is dropped (glibc reads none such); the rest pass."""
     env = {
         "LD_LIBRARY_PATH": "/srv/a", "LD_PRELOAD": "/srv/b.so", "GCONV_PATH": "/srv/c",
-        "GLIBC_TUNABLES": "x", "MALLOC_ARENA_MAX": "2", "LD_BAD-NAME": "y", "HOME": "/srv",
+        "GLIBC_TUNABLES": "x", "MALLOC_ARENA_MAX": "2", "LD_BAD-NAME": "y", "HOME": "/srv", "TZ": ":/srv/z",
     }  # fmt: skip
     kept, restore = children.held_environment(env)
-    assert not [name for name in kept if name.startswith(("LD_", "GCONV", "GLIBC", "MALLOC"))], kept
+    assert not [name for name in kept if name.startswith(("LD_", "GCONV", "GLIBC", "MALLOC", "TZ"))], kept
     assert kept["HOME"] == "/srv" and kept[children.HELD_PREFIX + "LD_PRELOAD"] == "/srv/b.so"
     done = subprocess.run(
-        [*restore, "/bin/sh", "-c", 'echo "$LD_LIBRARY_PATH|$GLIBC_TUNABLES|$(env | grep -c HELD)"'],
+        [*restore, "/bin/sh", "-c", 'echo "$LD_LIBRARY_PATH|$GLIBC_TUNABLES|$TZ|$(env | grep -c HELD)"'],
         env=kept, capture_output=True, text=True, check=False,
     )  # fmt: skip
-    assert done.stdout == "/srv/a|x|0\n", done
+    assert done.stdout == "/srv/a|x|:/srv/z|0\n", done
 
 
 def test_a_cancelled_child_is_killed_with_its_group_and_reaped(tmp_path: Path) -> None:

@@ -220,7 +220,7 @@ _LOADER_PREFIXES = ("LD_", "MALLOC_")
 _LOADER_NAMES = frozenset(
     {
         "GCONV_PATH", "GETCONF_DIR", "GLIBC_TUNABLES", "HOSTALIASES", "LOCALDOMAIN", "LOCPATH",
-        "NIS_PATH", "NLSPATH", "RESOLV_HOST_CONF", "RES_OPTIONS", "TZDIR",
+        "NIS_PATH", "NLSPATH", "RESOLV_HOST_CONF", "RES_OPTIONS", "TZ", "TZDIR",
     }
 )  # fmt: skip
 #: Where a held variable waits while the wrappers run (its value never on a command line).
