@@ -250,8 +250,10 @@ def test_the_marshal_bound_passes_what_python_writes() -> None:
 
 
 _DENSE = """
-import hashlib, importlib.util, resource, sys
+import hashlib, importlib.util, resource, sys, threading
 from pathlib import Path
+if sys.argv[2] == "thread":  # another thread runs (a run's smoke check): no fork
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
 from safeinstall.env.bytecode import Source, judge_files, pyc_name
 from safeinstall.env.records import encode_digest
 source = Path(sys.argv[1])
@@ -263,16 +265,18 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10)
 """
 
 
-def test_the_owners_source_is_compiled_outside_roots_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("threads", ["alone", "thread"])
+def test_the_owners_source_is_compiled_outside_roots_process(tmp_path: Path, threads: str) -> None:
     """``compile()`` of a source takes up to some 400 bytes a byte: the owner's 32 MiB source (its RECORD
     line is the owner's too) took 13 GiB of root's own process, where fewer than 32 ``.pyc`` files (and
     the first share, and a failed child's share) were judged (the attacker review). Now every one is
-    judged in a forked child whose memory is bounded, and a child that dies is said, never redone."""
+    judged in a forked child whose memory is bounded (spawned where another thread runs), and a child
+    that dies is said, never redone."""
     source = tmp_path / "dense.py"
     source.write_bytes(b"x = 1\n" * (1 << 18))  # 1.5 MiB: compile() takes some 400 MiB
     subprocess.run([sys.executable, "-m", "py_compile", str(source)], check=True, timeout=600)
     done = subprocess.run(
-        [sys.executable, "-c", _DENSE, str(source)], capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", _DENSE, str(source), threads], capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr
     verdicts, peak_mib = done.stdout.splitlines()

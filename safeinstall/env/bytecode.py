@@ -321,6 +321,42 @@ def _bound_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (mapped + JUDGE_MEMORY, mapped + JUDGE_MEMORY))
 
 
+#: The spawned judge: this interpreter, isolated (``-I``: no variable, no user site, no working
+#: directory on its path), safeinstall's own directory given; its memory bounded, as a forked one's.
+_SPAWNED = (
+    "import pickle, sys\n"
+    "sys.path.insert(0, sys.argv[1])\n"
+    "from safeinstall.env import bytecode\n"
+    "bytecode._bound_memory()\n"
+    "answers = bytecode._judge_share(pickle.load(sys.stdin.buffer))\n"
+    "sys.stdout.buffer.write(pickle.dumps(answers))\n"
+)
+
+
+def _judge_spawned(items: list[tuple[int, PycName, bytes, bytes]]) -> list[tuple[int, str | None]]:
+    """:func:`_judge_share` in a spawned child (where a fork could deadlock); one that fails is said of
+    each (:data:`NOT_JUDGED`), never redone here."""
+    import pickle
+    import subprocess
+
+    home = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        done = subprocess.run(
+            [sys.executable, "-I", "-c", _SPAWNED, home],
+            input=pickle.dumps(items, pickle.HIGHEST_PROTOCOL),
+            capture_output=True,
+            env={},
+            cwd="/",
+            check=False,
+        )
+        if done.returncode == 0:
+            answers: list[tuple[int, str | None]] = pickle.loads(done.stdout)
+            return answers
+    except (OSError, pickle.UnpicklingError, EOFError):
+        pass
+    return [(index, NOT_JUDGED) for index, _, _, _ in items]
+
+
 def _judge_batch(
     batch: list[tuple[Judged, PycName, bytes, bytes]], problems: dict[str, str], judged: list[Judged]
 ) -> None:
@@ -344,8 +380,8 @@ def _judge_batch(
 
         shares = [s for s in split(items, min(cpu_count(), 32)) if s]
         answers = dict(a for share in map_forked(bounded, [[], *shares]) for a in share)
-    else:  # another thread runs: a fork could deadlock; judged here
-        answers = dict(_judge_share(items))
+    else:  # another thread runs (a fork could deadlock): a child of this interpreter, spawned
+        answers = dict(_judge_spawned(items))
     for index, (fine, _, _, _) in enumerate(batch):
         why = answers[index]
         if why is None:
