@@ -296,7 +296,8 @@ def run(
 
     ``contain``: the child runs in a PID namespace of its own (:func:`contained`), so that nothing it
     started outlives it, a process in a session of its own included; where that cannot be had (a
-    caller that is not root, no util-linux), its process group alone is ended (``end_group``).
+    caller that is not root, no util-linux), its process group alone is ended (``end_group``). Root's
+    wrappers never get the loader's variables of a child as ``as_user`` (:func:`held_environment`).
 
     ``cancel``: an event another thread may set (the run stopped while a check ran in the background):
     the child is then killed and reaped, and its group sent SIGKILL, within a poll (:data:`POLL_S`;
