@@ -9,6 +9,7 @@ import json
 import marshal
 import os
 import py_compile
+import shutil
 import subprocess
 import sys
 import time
@@ -159,6 +160,21 @@ def test_a_package_linked_in_at_the_top_of_site_packages_is_extra(env: Path, tmp
     link.symlink_to(real)
     code, doc = _check(env)
     assert code == 1 and _drift(doc) == {("extra", str(link))}, doc["data"]["findings"]
+
+
+def test_a_package_directory_linked_elsewhere_is_never_walked(env: Path, tmp_path: Path) -> None:
+    """The owner's ``site-packages/sipure`` made a link to a directory of root's: the walk of the
+    package's directory followed it and root's report named what that directory holds (the attacker
+    review). The link and the files it hides are said; nothing of the other directory."""
+    other = tmp_path / "roots_own"
+    other.mkdir()
+    (other / "private_name.py").write_text("x = 1\n")
+    shutil.rmtree(_site(env) / "sipure")
+    (_site(env) / "sipure").symlink_to(other)
+    code, doc = _check(env)
+    paths = {f["path"] for f in doc["data"]["findings"]}
+    assert code == 1 and str(_site(env) / "sipure") in paths, paths
+    assert not [p for p in paths if "private_name" in p], paths
 
 
 def test_a_record_line_without_a_hash_is_reported(env: Path) -> None:
