@@ -732,8 +732,9 @@ def describe(
     shared: Sequence[str] = (),
 ) -> str:
     """Pure: what the run runs before the stop (the plan says it): ``runners``, whom the check runs as
-    and for which units (none: a clean environment, as systemd gives a unit); ``skip``, what ``--smoke-skip`` leaves out;
-    ``shared``, what the running version is known not to import (from an earlier check)."""
+    and for which units (none: a clean environment, as systemd gives a unit); ``skip``, what
+    ``--smoke-skip`` leaves out; ``shared``, what the running version is known not to import (from an
+    earlier check)."""
     where = "; ".join(
         f"as {who}, environment of {', '.join(units)}" if units else f"as {who}, no unit's environment"
         for who, units in runners

@@ -588,7 +588,10 @@ class Systemd:
                 return StopOutcome(
                     unit, True, info.active_state, info.sub_state, pids, now - started, None, down
                 )
-            why = blocked.look(unit, self._scope_flag, pids, info.timeout_stop_s, now)
+            # only while systemd's stop is under way: once the unit is down, what is left in its cgroup
+            # (KillMode=process) is the caller's to wait for and judge (a GPU holder in D: a reboot)
+            stopping = info.active_state not in _STOPPED_STATES
+            why = blocked.look(unit, self._scope_flag, pids, info.timeout_stop_s, now) if stopping else None
             if why is not None:
                 return StopOutcome(unit, False, info.active_state, info.sub_state, pids, now - started, why)
             interrupted = cancel is not None and cancel.is_set()
