@@ -542,6 +542,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         "",
         (f"{PROMISES_45}::test_only_a_late_regular_file_of_root_or_the_directorys_owner_is_put_back",),
     ),
+    Mutation(
+        "step-detail-past-its-column",
+        "safeinstall/cli/render.py",
+        "    column = max(width - len(head), 20)",
+        "    column = width",
+        ("tests/test_render.py::test_a_steps_long_detail_wraps_within_the_detail_column",),
+    ),
 )
 
 
