@@ -79,7 +79,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "restore-writes-nothing",
         "safeinstall/store/backup.py",
-        "    if _same(saved, tree):\n        return False",
+        "    if saved.path in same or _same(saved, tree):\n        return False",
         "    if True:\n        return False",
         ("tests/test_backup.py::test_backup_upgrade_restore_gives_back_v1_byte_for_byte",),
     ),
@@ -541,6 +541,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         "                and info.st_uid in (0, parent.st_uid)\n",
         "",
         (f"{PROMISES_45}::test_only_a_late_regular_file_of_root_or_the_directorys_owner_is_put_back",),
+    ),
+    Mutation(
+        "step-detail-past-its-column",
+        "safeinstall/cli/render.py",
+        "    column = max(width - len(head), 20)",
+        "    column = width",
+        ("tests/test_render.py::test_a_steps_long_detail_wraps_within_the_detail_column",),
     ),
 )
 

@@ -4,15 +4,19 @@ Every process the suite starts carries ``SAFEINSTALL_TEST_SESSION`` (set at the 
 of this session's alone, so that two suites at once on one machine never see each other's), and every
 mount a test makes lies under pytest's base temporary directory. Once every fixture has been torn down,
 a process still carrying the value or a mount still under that directory fails the session (exit 1),
-named; it is then ended (by PID, ours) or lazily unmounted, so that the machine is left clean.
+named; it is then ended (by PID, ours) or lazily unmounted, so that the machine is left clean. Runs
+that name no state directory get the session's own, and an entry new in the machine's
+``/var/lib/safeinstall`` fails the session too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -21,6 +25,7 @@ import pytest
 
 VARIABLE = "SAFEINSTALL_TEST_SESSION"
 #: what a unit of the stopped manager, or a killed child, may take to go (tests/test_leaks.py: less)
+_MACHINE_STATE_BEFORE = pytest.StashKey[set[str]]()
 _GRACE_S = float(os.environ.get("SAFEINSTALL_TEST_LEAK_GRACE_S", "15"))
 
 
@@ -56,8 +61,31 @@ def mounts_under(base: Path) -> list[Path]:
     return sorted(points, key=lambda p: len(p.parts), reverse=True)
 
 
+#: where safeinstall keeps its state as root when told nothing (store/state.py's SYSTEM_STATE_ROOT)
+MACHINE_STATE = Path("/var/lib/safeinstall")
+
+
+def _entries(directory: Path) -> set[str]:
+    try:
+        return set(os.listdir(directory))
+    except OSError:
+        return set()
+
+
+def _prefix_of(state: Path) -> str:
+    """The environment an environment's state directory is of (its ``prefix`` file); "" if unread."""
+    try:
+        return (state / "prefix").read_text(errors="replace").strip()
+    except OSError:
+        return ""
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
+    """The session's marker, and a state directory of its own for every run that names none (the
+    machine's /var/lib/safeinstall is left alone: a user's ``--status`` never lists the suite's)."""
     os.environ[VARIABLE] = f"{os.getpid()}-{uuid.uuid4().hex}"
+    os.environ.setdefault("SAFEINSTALL_STATE_DIR", tempfile.mkdtemp(prefix="safeinstall-suite-state-"))
+    session.config.stash[_MACHINE_STATE_BEFORE] = _entries(MACHINE_STATE)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -77,7 +105,17 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
     factory = getattr(session.config, "_tmp_path_factory", None)  # pytest's tmp_path_factory
-    for point in mounts_under(factory.getbasetemp()) if factory is not None else []:
+    base = factory.getbasetemp() if factory is not None else None
+    before = session.config.stash.get(_MACHINE_STATE_BEFORE, set())
+    for name in sorted(_entries(MACHINE_STATE) - before):
+        # of an environment below this session's temporary directory: ours (not another suite's)
+        if base is not None and _prefix_of(MACHINE_STATE / name).startswith(f"{base}/"):
+            problems.append(f"{MACHINE_STATE / name} was written (a run without SAFEINSTALL_STATE_DIR)")
+            shutil.rmtree(MACHINE_STATE / name, ignore_errors=True)
+    own = os.environ.get("SAFEINSTALL_STATE_DIR", "")
+    if Path(own).name.startswith("safeinstall-suite-state-"):
+        shutil.rmtree(own, ignore_errors=True)
+    for point in mounts_under(base) if base is not None else []:
         problems.append(f"mount {point} outlived the suite")
         subprocess.run(["umount", "--lazy", str(point)], check=False, capture_output=True)
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")

@@ -26,8 +26,9 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -574,3 +575,68 @@ def hashed_state(ctime_ns: int, hashed_ns: int = 0, **changes: object) -> Any:
     }
     fields.update(changes)
     return FileState(**fields)  # type: ignore[arg-type]
+
+
+# --- a full disk (issue 44) ----------------------------------------------------------------------
+
+
+def full_disk_bed(
+    kind: str,
+    old: Path,
+    wheels: Wheelhouse,
+    tmp_path: Path,
+    user_manager: UserManager,
+    fake_nvml: FakeNvml,
+    small_disk: Callable[..., Path],
+    open_dir: Path,
+    open_state: Path,
+) -> Bed:
+    """sicext ``old`` in a venv at ``DISK/venv``, DISK a 48 MiB tmpfs, its files copies (no other
+    link): root's venv (the state directory in the test's), or uid 65534's (a ServiceAccountBed)."""
+    if kind == "root":
+        python = wheelhouse.make_venv(small_disk(48) / "venv")
+        wheelhouse.uv_install(python, old)  # copied from a cache on another disk
+        return Bed(python, tmp_path / "state", user_manager, fake_nvml, wheels)
+    bed = ServiceAccountBed(small_disk(48, open_dir), open_state, user_manager, fake_nvml, wheels)
+    as_account = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+    install = [wheelhouse.UV, "pip", "install", "--quiet", "--offline", "--no-cache", "--python"]
+    subprocess.run([*as_account, *install, str(bed.python), str(old)], check=True, env=wheelhouse.uv_env())
+    return bed
+
+
+def fill_disk(disk: Path, leave: int) -> None:
+    """Fill ``disk`` but ``leave`` bytes (a filler file of the rest)."""
+    vfs = os.statvfs(disk)
+    with (disk / "filler").open("wb") as filler:
+        filler.write(b"\0" * max(0, vfs.f_bavail * vfs.f_frsize - leave))
+
+
+class DiskWriter:
+    """Another writer on ``disk``: it takes whatever room there is, and keeps taking what is freed,
+    until stopped (a log, a checkpoint, another service)."""
+
+    def __init__(self, disk: Path) -> None:
+        self.path = disk / "writer"
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._write, daemon=True)
+
+    def _write(self) -> None:
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            while not self.done.is_set():
+                for chunk in (1 << 20, 4096):
+                    with contextlib.suppress(OSError):
+                        while os.write(fd, b"\0" * chunk):
+                            pass
+                self.done.wait(0.002)
+        finally:
+            os.close(fd)
+
+    def __enter__(self) -> DiskWriter:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.done.set()
+        self.thread.join()
+        self.path.unlink()

@@ -22,6 +22,7 @@ from safeinstall.env.wheel import install_location, read_wheel
 from safeinstall.store.backup import (
     Backup,
     BackupError,
+    check_restored,
     create_backup,
     disk_space_needed,
     free_space,
@@ -486,3 +487,43 @@ def test_kept_links_only_in_a_prefix_root_alone_writes_and_leftovers_go(
     assert not dead.exists() and (env.prefix / keep.keep_name("run2")).is_dir()
     assert keep.discard_leftovers(env.prefix) == []
     assert not list(env.prefix.glob(f"{keep.KEEP_PREFIX}*"))
+
+
+def test_a_restore_after_an_install_that_filled_the_disk_makes_its_room_first(
+    wheels: Wheelhouse, tmp_path: Path, small_disk: Callable[[int], Path]
+) -> None:
+    """Issue 44: uv's install of a bigger version ran out of room on the environment's disk (the new
+    files in place, the old ``.dist-info`` gone, the new one half written). The restore wrote each saved
+    copy beside the file it replaces (the blob, in both versions: not removed first), several at once,
+    and failed for lack of room. Now what the install wrote goes first (the files of both versions
+    too), then the saved files are written one at a time into the room that made: the old version back,
+    whole."""
+    old = wheelhouse.rebuilt(wheels["sicext-1"], tmp_path / "old", {"sicext/blob.bin": os.urandom(4 << 20)})
+    bigger = {"sicext/blob.bin": os.urandom((4 << 20) + (128 << 10))}
+    new = wheelhouse.rebuilt(wheels["sicext-2"], tmp_path / "new", bigger)
+    disk = small_disk(48)
+    python = wheelhouse.make_venv(disk / "venv")
+    uv = {**wheelhouse.uv_env(), "UV_CACHE_DIR": str(tmp_path / "uv-cache")}  # another filesystem: copies
+    install = [wheelhouse.UV, "pip", "install", "--quiet", "--offline", "--python", str(python)]
+    subprocess.run([*install, str(old)], check=True, env=uv)
+    env = inspect_environment(python)
+    installed = find_distributions(env)
+    backup = create_backup(
+        env, [find_distribution(env, "sicext", installed)], tmp_path / "backup", [], installed=installed
+    )
+    subprocess.run([*install, "--dry-run", str(new)], check=True, env=uv)  # in uv's cache: no room needed
+    vfs = os.statvfs(disk)
+    with (disk / "filler").open("wb") as filler:
+        filler.write(b"\0" * (vfs.f_bavail * vfs.f_frsize - (116 << 10)))
+    failed = subprocess.run(
+        [*install, "--reinstall-package", "sicext", str(new)], env=uv, capture_output=True
+    )
+    assert failed.returncode != 0 and b"No space left on device" in failed.stderr, failed.stderr
+
+    wheel = read_wheel(new)
+    locations = [install_location(wheel, member, env) for member in wheel.members]
+    result = restore_backup(backup, env, [p for p in locations if p is not None])
+
+    assert result.ok, result
+    assert not check_restored(backup, env.prefix)
+    assert [d.version for d in find_distributions(env) if d.name == "sicext"] == ["1.0"]

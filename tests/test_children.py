@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -271,6 +272,70 @@ def test_a_process_the_child_started_in_a_session_of_its_own_does_not_outlive_it
         assert not _alive(pid), "a process the check started runs on"
     finally:
         _kill_if_alive(pid)
+
+
+_SEEN_SOURCE = r"""
+#include <stdio.h>
+#include <unistd.h>
+__attribute__((constructor)) static void seen(void) {
+    char comm[64] = {0};
+    FILE *c = fopen("/proc/self/comm", "r");
+    if (c) { if (!fgets(comm, sizeof comm, c)) comm[0] = 0; fclose(c); }
+    FILE *f = fopen(SEEN_LOG, "a");
+    if (f) { fprintf(f, "%d %s", (int)geteuid(), comm); fclose(f); }
+}
+"""
+
+
+def test_the_accounts_loader_variables_are_never_loaded_by_roots_wrappers(open_dir: Path) -> None:
+    """A contained child as an account ran root's ``unshare`` and ``setpriv`` with the child's whole
+    environment: a unit's ``LD_PRELOAD`` (or ``LD_LIBRARY_PATH``) naming the account's own files, kept
+    for the account's child, was loaded by root: code of the account run as root (the attacker review).
+    Now the wrappers never see the loader's variables; the command still gets them, as the account."""
+    if os.geteuid() != 0:
+        pytest.skip("a PID namespace of its own is made for a run as root")
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    if gcc is None:
+        pytest.skip("no C compiler")
+    mine = open_dir / "nobody"
+    mine.mkdir()
+    mine.chmod(0o777)
+    log = mine / "seen.log"
+    log.touch()
+    log.chmod(0o666)
+    source = open_dir / "seen.c"
+    source.write_text(_SEEN_SOURCE)
+    library = mine / "libseen.so"
+    subprocess.run(
+        [gcc, "-shared", "-fPIC", f'-DSEEN_LOG="{log}"', "-o", str(library), str(source)], check=True
+    )
+    os.chown(library, NOBODY, NOBODY)  # the account's own file, as the unit's EnvironmentFile= names it
+    done = children.run(
+        ["/bin/sh", "-c", "echo $LD_PRELOAD; env | grep -c HELD || true"],
+        env={"PATH": os.environ["PATH"], "LD_PRELOAD": str(library)},
+        timeout=60, as_user=(NOBODY, NOBODY), contain=True,
+    )  # fmt: skip
+    seen = log.read_text().splitlines()
+    assert not [line for line in seen if line.startswith("0 ")], f"root loaded the account's: {seen}"
+    assert any(line.startswith(f"{NOBODY} ") for line in seen), (seen, done.stderr)
+    assert done.stdout.split() == [str(library), "0"], done  # given back as it was, nothing else left
+
+
+def test_the_loader_variables_are_held_from_the_wrappers() -> None:
+    """Pure: every variable the loader or glibc loads from is held (under another name, given back as
+    the account); one no shell can name is dropped (glibc reads none such); the rest pass."""
+    env = {
+        "LD_LIBRARY_PATH": "/srv/a", "LD_PRELOAD": "/srv/b.so", "GCONV_PATH": "/srv/c",
+        "GLIBC_TUNABLES": "x", "MALLOC_ARENA_MAX": "2", "LD_BAD-NAME": "y", "HOME": "/srv", "TZ": ":/srv/z",
+    }  # fmt: skip
+    kept, restore = children.held_environment(env)
+    assert not [name for name in kept if name.startswith(("LD_", "GCONV", "GLIBC", "MALLOC", "TZ"))], kept
+    assert kept["HOME"] == "/srv" and kept[children.HELD_PREFIX + "LD_PRELOAD"] == "/srv/b.so"
+    done = subprocess.run(
+        [*restore, "/bin/sh", "-c", 'echo "$LD_LIBRARY_PATH|$GLIBC_TUNABLES|$TZ|$(env | grep -c HELD)"'],
+        env=kept, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert done.stdout == "/srv/a|x|:/srv/z|0\n", done
 
 
 def test_a_cancelled_child_is_killed_with_its_group_and_reaped(tmp_path: Path) -> None:

@@ -20,10 +20,11 @@ from pathlib import Path
 
 import pytest
 
+from safeinstall.system.gate import gate_dropin_text
 from tests import wheelhouse
 from tests.bed_nvml import FakeNvml
 from tests.bed_systemd import UserManager, wait_until
-from tests.beds import Bed, ServiceAccountBed, hidden_tool
+from tests.beds import Bed, DiskWriter, ServiceAccountBed, fill_disk, full_disk_bed, hidden_tool
 from tests.wheelhouse import Wheelhouse
 
 #: a unit whose start takes a second before its main process runs: a window to kill the run in while
@@ -58,6 +59,9 @@ def test_recover_of_a_run_killed_while_a_broken_version_restarts_puts_the_old_on
 
     assert recovered.code == 3, recovered.stdout + recovered.stderr
     assert recovered.json["status"] == "rolled-back"
+    # issue 44 item 4: exit 3 says what happened and what a person must do (it had `errors: []`)
+    (said,) = recovered.json["errors"]
+    assert "did not come up" in said["message"] and run_id in said["message"] and said["hint"], said
     (recovery,) = recovered.json["data"]["recoveries"]
     assert (recovery["run_id"], recovery["phase"], recovery["restored"]) == (run_id, "restarting", True)
     assert any("did not come up" in note for note in recovery["notes"]), recovery
@@ -454,11 +458,20 @@ def test_recover_with_nothing_to_recover_removes_what_dead_runs_left(bed: Bed) -
         os.link(bed.site / "sicext" / "__init__.py", kept / ("0" * 64))
 
     keep_left()
+    # issue 44 item 3: a systemctl killed in a good run's tidy-up left its gate drop-in in the unit
+    gated = bed.manager.unit_dir / "si-gated.service.d" / "50-safeinstall-gate.conf"
+    gated.parent.mkdir()
+    gated.write_text(gate_dropin_text(envdir / "gate", run_id))
+    others = bed.manager.unit_dir / "si-other.service.d" / "50-safeinstall-gate.conf"
+    others.parent.mkdir()
+    others.write_text(gate_dropin_text(bed.state / "another-env" / "gate", run_id))  # not this one's
 
     recovered = bed.cli("--recover")
 
     assert recovered.code == 0, recovered.stdout + recovered.stderr
     assert "nothing to recover" in recovered.stdout
+    assert not gated.exists() and others.exists()
+    shutil.rmtree(others.parent)
     left = sorted(p.name for p in envdir.iterdir())
     assert not list(envdir.glob("wheels/*")), left
     assert not list(envdir.glob("uv-cache-*")) and not list(envdir.glob("prefetch-*")), left
@@ -466,9 +479,13 @@ def test_recover_with_nothing_to_recover_removes_what_dead_runs_left(bed: Bed) -
     assert foreign.exists(), left
     gate_temp.write_text(f"{run_id}\n")  # the next run, under the lock with no journal, removes it too
     keep_left()  # also when that run swaps (it keeps no links itself)
+    for made in (envdir / f"uv-cache-{run_id}" / "wheels-v5", envdir / f"prefetch-{run_id}" / "sicext"):
+        made.mkdir(parents=True)  # issue 44 item 3: the log says "the next run removes it": it does
+        (made / "file").write_text("left\n")
     after = bed.cli("sicext", "--wheel", str(bed.wheels["sicext-1"]), "--settle", "0.3", "--yes")
     assert after.code == 0, after.stdout + after.stderr
     assert not gate_temp.exists() and foreign.exists() and not kept.exists()
+    assert not list(envdir.glob("uv-cache-*")) and not list(envdir.glob("prefetch-*"))
 
 
 def test_a_disk_filled_before_the_window_install_rolls_back_with_the_unit_running(
@@ -541,3 +558,140 @@ def test_the_room_check_counts_no_room_freed_by_old_files_shared_with_a_uv_cache
         bed.no_trace()
     finally:
         bed.cleanup()
+
+
+@pytest.mark.parametrize("leave_kib", [0, 124, 400])
+@pytest.mark.parametrize("mode", ["swap", "no-swap"])
+@pytest.mark.parametrize("kind", ["root", "account"])
+def test_a_disk_full_before_the_run_is_refused_or_ends_with_a_whole_version_running(
+    wheels: Wheelhouse,
+    tmp_path: Path,
+    user_manager: UserManager,
+    fake_nvml: FakeNvml,
+    small_disk: Callable[..., Path],
+    open_dir: Path,
+    open_state: Path,
+    kind: str,
+    mode: str,
+    leave_kib: int,
+) -> None:
+    """Issue 44: the environment's filesystem full (or all but a little) before the run, the state
+    directory elsewhere: the room check counted the wheel's files, not what uv writes beside them, the
+    unit was stopped, uv failed (ENOSPC), the restore failed too (exit 4, the unit down). Now the run is
+    refused before the stop (exit 2), or ends 0 or 3 with the unit running one whole, verified version,
+    for a root-owned and an account's environment, with the swap and with ``--no-swap``."""
+    old = _with_blob(wheels["sicext-1"], open_dir / "old", 4)  # the account reads it
+    bigger = {"sicext/blob.bin": os.urandom((4 << 20) + (128 << 10))}  # 128 KiB more than the old one
+    new = wheelhouse.rebuilt(wheels["sicext-2"], tmp_path / "new", bigger, deflate=False)
+    bed = full_disk_bed(
+        kind, old, wheels, tmp_path, user_manager, fake_nvml, small_disk, open_dir, open_state
+    )
+    disk = bed.python.parent.parent.parent
+    try:
+        before = bed.snapshot()
+        name = bed.unit("full")
+        fill_disk(disk, leave_kib << 10)
+        extra = ("--no-swap",) if mode == "no-swap" else ()
+        result = bed.cli("sicext", "--wheel", str(new), "--settle", "0.3", "--yes", "--no-smoke", *extra)
+        said = result.stdout + result.stderr
+        assert result.code in (0, 2, 3), said
+        assert "Traceback" not in said and "internal error" not in said, said
+        if result.code == 2:
+            assert "needs" in result.stderr and "free" in result.stderr, said
+            assert "nothing was stopped" in result.stderr, said
+        assert bed.manager.active_state(name) == "active", said
+        if result.code == 0:
+            assert bed.verify("--wheel", str(new)).code == 0
+        else:
+            assert bed.version() == "1.0" and bed.snapshot() == before, said
+        (disk / "filler").unlink()
+        bed.no_trace()
+    finally:
+        bed.cleanup()
+
+
+@pytest.mark.parametrize("mode", ["swap", "no-swap"])
+@pytest.mark.parametrize("kind", ["root", "account"])
+def test_a_disk_filled_during_the_install_ends_with_a_whole_version_running(
+    wheels: Wheelhouse,
+    tmp_path: Path,
+    user_manager: UserManager,
+    fake_nvml: FakeNvml,
+    small_disk: Callable[..., Path],
+    open_dir: Path,
+    open_state: Path,
+    kind: str,
+    mode: str,
+) -> None:
+    """Issue 44: a writer takes the environment's disk once the unit is stopped, and the room uv's
+    uninstall frees as soon as it is freed. The old files had no other link: the uninstall freed them,
+    the writer took that room, uv failed, and the restore, which copies them back, found none (exit 4,
+    the unit down). Where the new version fits beside the old one (always for a swap, which stages it
+    before the stop) the run keeps links of every old file, so the uninstall frees nothing and the
+    restore needs no room: exit 0 (the swap needs none either) or 3, the unit running one whole version.
+    In an account's environment the account's worker keeps the links, and the restore checks them."""
+    old = _with_blob(wheels["sicext-1"], open_dir / "old", 4)  # the account reads it
+    bigger = {"sicext/blob.bin": os.urandom((4 << 20) + (128 << 10))}
+    new = wheelhouse.rebuilt(wheels["sicext-2"], tmp_path / "new", bigger, deflate=False)
+    bed = full_disk_bed(
+        kind, old, wheels, tmp_path, user_manager, fake_nvml, small_disk, open_dir, open_state
+    )
+    disk = bed.python.parent.parent.parent
+    try:
+        before = bed.snapshot()
+        name = bed.unit("writer")
+        bed.hold_gpu(name, 2.0, "fc")  # the GPU is released 2 s after the stop: the writer's moment
+        extra = ("--no-swap",) if mode == "no-swap" else ()
+        proc = bed.start_run("sicext", "--wheel", str(new), "--settle", "0.3", "--no-smoke", *extra)
+        try:
+            bed.wait_phase(proc, "stopped")
+            with DiskWriter(disk):
+                out, err = _finish(proc)
+        finally:
+            if proc.poll() is None:
+                _finish(proc)
+        assert proc.returncode in (0, 3), (proc.returncode, out, err)
+        wait_until(lambda: bed.manager.active_state(name) == "active", 20, "the unit running")
+        if proc.returncode == 0:
+            assert bed.verify("--wheel", str(new)).code == 0
+        else:
+            assert "No space left on device" in err, err
+            assert bed.version() == "1.0" and bed.snapshot() == before
+        bed.no_trace()
+    finally:
+        bed.cleanup()
+
+
+#: a unit whose main process (a shell) stops itself (SIGSTOP) when asked to stop, after systemd's
+#: SIGCONT; its child, the service, ends with the stop's SIGTERM
+STOPS_ITSELF_UNIT = (
+    "[Unit]\nDescription=safeinstall fault test\n\n[Service]\nTimeoutStopSec=infinity\n"
+    "ExecStart=/bin/sh -c 'trap \"kill -STOP $$$$\" TERM; {exec} & while :; do sleep 0.1; done'\n"
+)
+
+
+def test_a_stop_held_up_by_a_stopped_process_is_named_and_recover_says_it_too(bed: Bed) -> None:
+    """Issue 44 item 5: a unit stuck behind a SIGSTOPped process with ``TimeoutStopSec=infinity``: the
+    run bounded itself (exit 4 after about 127 s) saying "kills it after TimeoutStopSec=infs", never the
+    stopped PID or the fix, and the ``--recover`` it prescribed failed again after 120 s. Both now name
+    the PID, its state and the commands at once (no wait they cannot win); once the process is gone,
+    ``--recover`` puts things back."""
+    name = bed.unit("stops-itself", text=STOPS_ITSELF_UNIT)
+    shell = bed.manager.main_pid(name)
+    try:
+        result = bed.cli("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.3", "--yes")
+        assert result.code == 4, result.stdout + result.stderr
+        assert f"PID {shell} " in result.stderr and "state T" in result.stderr, result.stderr
+        assert f"kill -CONT {shell}" in result.stderr and "TimeoutStopSec=infinity" in result.stderr
+        assert "infs" not in result.stderr, result.stderr
+        again = bed.cli("--recover")
+        assert again.code == 4 and f"kill -CONT {shell}" in again.stderr, again.stdout + again.stderr
+        assert "error:" in again.stderr and "hint:" in again.stderr, again.stderr
+    finally:
+        with contextlib.suppress(OSError):
+            os.kill(shell, signal.SIGKILL)
+    recovered = bed.cli("--recover")
+    assert recovered.code in (0, 3), recovered.stdout + recovered.stderr
+    wait_until(lambda: bed.manager.active_state(name) == "active", 30, "the unit running again")
+    assert bed.version() == "1.0"
+    bed.no_trace()

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import ast
+import re
 from pathlib import Path
 
 import pytest
 
 from safeinstall.env.hashing import FileState
 from safeinstall.env.records import RecordEntry, RecordHash
-from safeinstall.run.output import jsonable
+from safeinstall.run.output import STATUS_VALUES, jsonable
 from tests import wheelhouse
 from tests.clirun import run
 from tests.wheelhouse import Wheelhouse
@@ -117,3 +119,44 @@ def test_named_tuples_are_objects_in_json_as_dataclasses_are() -> None:
     assert doc["entry"] == {"path": "pkg/a.py", "hash": {"algorithm": "sha256", "digest": "abc"}, "size": 3}
     assert doc["states"][0]["path"] == "/env/pkg/a.py" and doc["states"][0]["digest"] == "abc"
     assert jsonable(("a", 1)) == ["a", 1]  # a plain tuple is still an array
+
+
+def _documented_statuses() -> dict[str, set[str]]:
+    """docs/json.md's paragraph of `status` values, per command: ``{command: {value, ...}}``."""
+    text = (ROOT / "docs" / "json.md").read_text()
+    start = text.index("`status` values:")
+    paragraph = text[start : text.index("\n\n", start)].replace("\n", " ")
+    found: dict[str, set[str]] = {}
+    # each command's part: "`command`: `a`, `b` (why), ...;" up to the next "; `command`:"
+    parts = re.split(r"(?:^`status` values:|;) `([a-z-]+)`: ", paragraph)
+    for command, said in zip(parts[1::2], parts[2::2], strict=True):
+        found[command] = set(re.findall(r"`([a-z-]+)`", re.sub(r"\([^()]*\)", "", said)))
+    return found
+
+
+def test_every_json_status_value_is_in_the_docs() -> None:
+    """Issue 44 item 4: ``--recover --json`` said ``rolled-back``, which docs/json.md did not list. Every
+    status a command's document can carry (safeinstall/run/output.py's ``STATUS_VALUES``, which the
+    commands use) is listed there; an undo is a reinstall document."""
+    documented = _documented_statuses()
+    for command, values in STATUS_VALUES.items():
+        listed = documented["reinstall" if command == "undo" else command]
+        unlisted = set(values) - listed
+        assert not unlisted, f"{command}: {sorted(unlisted)} not in docs/json.md"
+    assert "rolled-back" in documented["recover"]
+
+
+def test_the_commands_say_only_the_statuses_listed() -> None:
+    """Every status literal the code passes to ``envelope`` is one of
+    ``STATUS_VALUES``: a new one must be added there, and so to docs/json.md."""
+    source = ROOT / "safeinstall"
+    everything = {value for values in STATUS_VALUES.values() for value in values}
+    for path in source.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "envelope":
+                status = node.args[1] if len(node.args) > 1 else None
+                if isinstance(status, ast.Constant):
+                    command = node.args[0]
+                    assert status.value in everything, f"{path}: {status.value!r}"
+                    if isinstance(command, ast.Constant) and isinstance(command.value, str):
+                        assert status.value in STATUS_VALUES[command.value], f"{path}: {status.value!r}"

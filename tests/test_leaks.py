@@ -12,12 +12,20 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 LEAKY = """
+import os
 import subprocess
 from pathlib import Path
 
 
 def test_leaves_a_daemon(tmp_path: Path) -> None:
     subprocess.Popen(["setsid", "sleep", "600"], start_new_session=True)
+
+
+def test_leaves_state_in_the_machines_directory(tmp_path: Path) -> None:
+    # what a run told no SAFEINSTALL_STATE_DIR leaves for an environment of the test's
+    state = Path("/var/lib/safeinstall") / f"venv-leak-{os.getpid()}"
+    state.mkdir(parents=True)
+    (state / "prefix").write_text(str(tmp_path / "venv"))
 
 
 def test_leaves_a_mount(tmp_path: Path) -> None:
@@ -47,12 +55,17 @@ def _suite(tmp_path: Path, text: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
-def test_a_suite_that_leaves_a_daemon_and_a_mount_fails_and_is_cleaned_up(tmp_path: Path) -> None:
+def test_a_suite_that_leaves_a_daemon_a_mount_or_state_fails_and_is_cleaned_up(tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
     done = _suite(tmp_path, LEAKY)
     assert done.returncode == 1, done.stdout + done.stderr
-    assert "2 passed" in done.stdout
+    assert "3 passed" in done.stdout
+    assert (
+        "leak: /var/lib/safeinstall/venv-leak-" in done.stdout
+        and "(a run without SAFEINSTALL_STATE_DIR)" in done.stdout
+    )
+    assert not list(Path("/var/lib/safeinstall").glob("venv-leak-*"))  # removed by the check
     assert "leak: process" in done.stdout and "sleep 600" in done.stdout
     assert f"leak: mount {tmp_path / 'base'}" in done.stdout and "/disk outlived the suite" in done.stdout
     with open("/proc/self/mountinfo") as mountinfo:  # unmounted by the check

@@ -330,3 +330,17 @@ def _render_at(draw: Any, width: int) -> list[str]:
     out, err = io.StringIO(), io.StringIO()
     draw(Console(file=out, width=width, no_color=True), Console(file=err, width=width, no_color=True))
     return (out.getvalue() + err.getvalue()).splitlines()
+
+
+def test_a_steps_long_detail_wraps_within_the_detail_column() -> None:
+    """Issue 45: at 80 columns a long detail goes on under the detail column, between words, never
+    back at the line's start nor past the screen."""
+    from safeinstall.cli.render import step_lines
+
+    detail = " ".join(f"word{n}" for n in range(60))
+    lines = [Text.from_markup(line).plain for line in step_lines("prefetch", "ok", 1.0, detail, 80)]
+    column = lines[0].index("word0")
+    assert len(lines) > 2 and all(len(line) <= 80 for line in lines), lines
+    # under the column, hanging by two (a wrapped line apart from a detail's next line)
+    assert all(line[: column + 2] == " " * (column + 2) and line[column + 2] != " " for line in lines[1:])
+    assert " ".join(line.strip() if i else line[column:] for i, line in enumerate(lines)) == detail

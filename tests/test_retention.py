@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from safeinstall.store.retention import backups_to_remove, is_run_id, prune_backups
+from safeinstall.store.retention import backups_to_remove, is_run_id, kept_backups, kept_note, prune_backups
 
 OLD, MID, NEW = "20261101T000000Z-7", "20261115T120000Z-99", "20261130T041125Z-19214"
 
@@ -62,3 +63,20 @@ def test_prune_deletes_whole_backups_and_nothing_else(tmp_path: Path) -> None:
 def test_prune_never_raises(tmp_path: Path) -> None:
     pruned = prune_backups(tmp_path / "missing", keep=1, protected=())
     assert pruned.removed == () and "could not list it" in pruned.problems[0]
+
+
+def test_the_plan_says_what_the_kept_backups_hold(tmp_path: Path) -> None:
+    """Issue 44: an account's vLLM environment kept 13 GB of backups beside a disk that ran out, and no
+    plan said so. Each kept backup's size comes from its manifest; the note names the oldest."""
+
+    assert kept_backups(tmp_path / "none") == () and kept_note((), 3) is None
+    for name, size in (("20261201T000000Z-1", 3 << 30), ("20261202T000000Z-2", 1 << 30)):
+        (tmp_path / name).mkdir()
+        files = [{"path": "a", "size": size}]
+        (tmp_path / name / "manifest.json").write_text(json.dumps({"files": files}))
+    (tmp_path / "not-a-run").mkdir()
+    kept = kept_backups(tmp_path)
+    assert [k.path.name for k in kept] == ["20261201T000000Z-1", "20261202T000000Z-2"]
+    note = kept_note(kept, 3)
+    assert note is not None and "2 kept backup(s)" in note and "4.0 GiB" in note, note
+    assert "the oldest, 20261201T000000Z-1, 3.0 GiB" in note, note

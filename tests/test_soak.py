@@ -18,20 +18,25 @@ and is in every failure's message.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import random
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from safeinstall.store.journal import PHASE_ORDER, Phase
-from tests.bed_systemd import wait_until
-from tests.beds import Bed, ServiceAccountBed, hidden_tool
+from tests import wheelhouse
+from tests.bed_nvml import FakeNvml
+from tests.bed_systemd import UserManager, wait_until
+from tests.beds import Bed, DiskWriter, ServiceAccountBed, fill_disk, full_disk_bed, hidden_tool
 from tests.clirun import run
+from tests.wheelhouse import Wheelhouse
 
 SOAK_TRIALS = 40
 #: the phases a good run passes, in order (safeinstall.store.journal.Phase, up to "done")
@@ -169,3 +174,87 @@ def test_fault_soak_of_an_account_environment(account: ServiceAccountBed, tmp_pa
         pytest.skip("on demand: SAFEINSTALL_SOAK=N runs N trials")
     account.tool = hidden_tool(tmp_path / "tool")
     _soak(account, trials, "uid 65534's environment, a tool it cannot read:")
+
+
+#: the phases a disk-full trial's writer starts in (before the stop, at it, in the window)
+WRITER_PHASES = ("gated", "stopping", "stopped", "gpu-released")
+
+
+@pytest.mark.parametrize("kind", ["root", "account"])
+def test_disk_full_soak(
+    kind: str,
+    wheels: Wheelhouse,
+    tmp_path: Path,
+    user_manager: UserManager,
+    fake_nvml: FakeNvml,
+    small_disk: Callable[..., Path],
+    open_dir: Path,
+    open_state: Path,
+) -> None:
+    """Issue 44's disk-full families, on demand (``SAFEINSTALL_SOAK=N``), for root's environment and an
+    account's: each trial, sicext 1.0 <-> 2.0 (a 4 MiB blob; 2.0's 128 KiB bigger) on a 48 MiB
+    filesystem, with the swap or ``--no-swap``, either full but a random few KiB before the run, or
+    taken by a writer that keeps taking what is freed from a random phase on. The run is refused before
+    the stop (exit 2) or ends 0 or 3 with the unit running one whole version that verifies against its
+    wheel, and nothing left; never exit 4."""
+    trials = int(os.environ.get("SAFEINSTALL_SOAK") or 0)
+    if not trials:
+        pytest.skip("on demand: SAFEINSTALL_SOAK=N runs N trials")
+    seed = int(os.environ.get("SAFEINSTALL_SOAK_SEED") or random.SystemRandom().randrange(2**32))
+    print(f"disk-full soak ({kind}) seed {seed}, {trials} trials (replay: SAFEINSTALL_SOAK_SEED={seed})")
+    rng = random.Random(seed)
+    old = wheelhouse.rebuilt(wheels["sicext-1"], open_dir / "old", {"sicext/blob.bin": os.urandom(4 << 20)})
+    bigger = {"sicext/blob.bin": os.urandom((4 << 20) + (128 << 10))}
+    new = wheelhouse.rebuilt(wheels["sicext-2"], open_dir / "new", bigger, deflate=False)
+    versions = {"1.0": old, "2.0": new}
+    bed = full_disk_bed(
+        kind, old, wheels, tmp_path, user_manager, fake_nvml, small_disk, open_dir, open_state
+    )
+    disk = bed.python.parent.parent.parent
+    outcomes: collections.Counter[str] = collections.Counter()
+    try:
+        unit = bed.unit("full-soak")
+        version = "1.0"
+        for trial in range(trials):
+            target = "2.0" if version == "1.0" else "1.0"
+            mode = rng.choice(("swap", "no-swap"))
+            phase = rng.choice((None, *WRITER_PHASES))  # None: full before the run
+            leave = rng.randrange(0, 1024) << 10
+            where = f"seed {seed} trial {trial}: {version} -> {target}, {mode}, " + (
+                f"full but {leave >> 10} KiB" if phase is None else f"a writer from {phase}"
+            )
+            extra = ("--no-swap",) if mode == "no-swap" else ()
+            args = ("sicext", "--wheel", str(versions[target]), "--settle", "0.3", "--no-smoke", *extra)
+            if phase is None:
+                fill_disk(disk, leave)
+                try:
+                    result = bed.cli(*args, "--yes")
+                finally:
+                    (disk / "filler").unlink()
+                code, err = result.code, result.stderr
+            else:
+                proc = bed.start_run(*args)
+                try:
+                    with contextlib.suppress(AssertionError):  # a short run may be past it
+                        bed.wait_phase(proc, phase, timeout=60)
+                    with DiskWriter(disk):
+                        _out, err = proc.communicate(timeout=180)
+                finally:
+                    if proc.poll() is None:
+                        proc.kill()
+                        proc.communicate()
+                code = proc.returncode
+            outcomes[f"{'before' if phase is None else 'writer'}:{code}"] += 1
+            assert "Traceback" not in err, f"{where}: {err}"
+            assert code in (0, 2, 3), f"{where}: exit {code}: {err}"
+            wait_until(lambda: bed.manager.active_state(unit) == "active", 30, f"{where}: the unit running")
+            now = bed.version()
+            assert now == (target if code == 0 else version), f"{where}: exit {code}, version {now}"
+            check = bed.verify("--wheel", str(versions[now]))
+            assert check.code == 0, f"{where}: {now} does not verify: {check.stdout}"
+            bed.no_trace()
+            print(f"{where}: exit {code}")
+            version = now
+    finally:
+        bed.cleanup()
+    print(f"disk-full soak ({kind}) seed {seed}: {dict(sorted(outcomes.items()))}")

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,6 +25,7 @@ from safeinstall.system.systemd import (
     parse_show,
     parse_timespan,
     read_cgroup_pids,
+    seconds_said,
     start_wait_s,
     unit_info,
 )
@@ -512,3 +515,40 @@ def test_dropin_names_are_checked(svc: Systemd, units: Units) -> None:
     for bad in ("../escape", ".hidden", "a/b"):
         with pytest.raises(SystemdError, match="drop-in name"):
             svc.add_dropin(name, bad, "[Service]\n", persistent=False)
+
+
+#: a service that stops itself (SIGSTOP) when asked to stop: after systemd's SIGCONT, so it stays so
+STOPS_ITSELF = "#!/bin/sh\ntrap 'kill -STOP $$' TERM\nwhile :; do sleep 0.1; done\n"
+
+
+@pytest.mark.systemd
+def test_a_stop_held_up_by_a_stopped_process_is_named_at_once(
+    svc: Systemd, units: Units, tmp_path: Path
+) -> None:
+    """Issue 44 item 5: a unit with ``TimeoutStopSec=infinity`` whose process is stopped (state T)
+    never stops; the run waited out its bound and said "kills it after TimeoutStopSec=infs", never the
+    PID or the fix. The stop now ends at once, naming the PID, its state, ``kill -CONT`` and
+    ``systemctl kill``, and the unit's timeout said as ``infinity``; so does a start queued behind it."""
+    script = tmp_path / "stops-itself"
+    script.write_text(STOPS_ITSELF)
+    script.chmod(0o755)
+    name = units.started("stops-itself", str(script), TimeoutStopSec="infinity")
+    pid = svc.info(name).main_pid
+    assert pid is not None
+    try:
+        outcome = svc.stop(name, timeout_s=120)
+        assert not outcome.stopped
+        reason = outcome.reason or ""
+        assert f"PID {pid} " in reason and "state T" in reason, reason
+        assert f"kill -CONT {pid}" in reason and "kill --signal=SIGKILL" in reason, reason
+        assert "TimeoutStopSec=infinity" in reason and "infs" not in reason, reason
+        svc.start(name)
+        settled = svc.wait_settled(name, settle_s=0.5, timeout_s=120)
+        assert settled.verdict == "failed" and f"kill -CONT {pid}" in (settled.reason or ""), settled
+    finally:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_timeouts_are_said_as_systemd_says_them() -> None:
+    assert seconds_said(math.inf) == "infinity" and seconds_said(90.0) == "90s"

@@ -51,6 +51,14 @@ def _usage(*modes: str, **given: object) -> Usage:
         (_usage("--forget", given=("stop_timeout",)), "--stop-timeout does nothing with --forget"),
         (_usage("--status", given=("full",)), "--full does nothing with --status"),
         (_usage("--recover", given=("full",)), "--full does nothing with --recover"),
+        (
+            _usage("--verify-only", package="x", given=("smoke_skip",)),
+            "--smoke-skip does nothing with --verify-only",
+        ),
+        (
+            _usage("--status", given=("smoke", "no_smoke", "smoke_timeout")),
+            "--smoke, --no-smoke, --smoke-timeout do nothing with --status",
+        ),
         (_usage(wheel=Path("not-a-wheel.zip")), "no PACKAGE given"),
         (
             _usage(package="vllm", args=("torch", "-i", "URL"), uv_args=("-i", "URL")),

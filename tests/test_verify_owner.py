@@ -9,6 +9,7 @@ import json
 import marshal
 import os
 import py_compile
+import shutil
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from safeinstall.env.bytecode import PycName, judge, parse_header, pyc_name
+from safeinstall.env.bytecode import PycName, judge, marshal_bounded, parse_header, pyc_name
 from safeinstall.env.drift import Expectation, Finding, FindingKind
 from safeinstall.env.hashing import observe_files
 from safeinstall.env.verified import GRANULARITY_NS
@@ -148,6 +149,34 @@ def test_a_package_directory_no_record_lists_is_extra(env: Path) -> None:
     assert code == 1 and _drift(doc) == {("extra", str(package / "__init__.py"))}
 
 
+def test_a_package_linked_in_at_the_top_of_site_packages_is_extra(env: Path, tmp_path: Path) -> None:
+    """A symbolic link at the top of site-packages to a directory elsewhere is a package Python imports
+    (it follows the link); the look at the top took it for no code (no code suffix) and walked no link:
+    ``--verify-only`` said the environment clean (the attacker review)."""
+    real = tmp_path / "elsewhere" / "linked_pkg"
+    real.mkdir(parents=True)
+    (real / "__init__.py").write_text("import os\n")
+    link = _site(env) / "linked_pkg"
+    link.symlink_to(real)
+    code, doc = _check(env)
+    assert code == 1 and _drift(doc) == {("extra", str(link))}, doc["data"]["findings"]
+
+
+def test_a_package_directory_linked_elsewhere_is_never_walked(env: Path, tmp_path: Path) -> None:
+    """The owner's ``site-packages/sipure`` made a link to a directory of root's: the walk of the
+    package's directory followed it and root's report named what that directory holds (the attacker
+    review). The link and the files it hides are said; nothing of the other directory."""
+    other = tmp_path / "roots_own"
+    other.mkdir()
+    (other / "private_name.py").write_text("x = 1\n")
+    shutil.rmtree(_site(env) / "sipure")
+    (_site(env) / "sipure").symlink_to(other)
+    code, doc = _check(env)
+    paths = {f["path"] for f in doc["data"]["findings"]}
+    assert code == 1 and str(_site(env) / "sipure") in paths, paths
+    assert not [p for p in paths if "private_name" in p], paths
+
+
 def test_a_record_line_without_a_hash_is_reported(env: Path) -> None:
     site = _site(env)
     record = next(site.glob("sipure-*.dist-info")) / "RECORD"
@@ -196,6 +225,79 @@ def test_judge_compares_code_not_file_names(tmp_path: Path) -> None:
     assert judge(header + b"\xff\xfe", name, source) == "its body is not marshalled code"
     assert judge(header + marshal.dumps(7), name, source) == "its body is not a code object"
     assert os.fspath(tmp_path)  # the name is never opened
+
+
+_BOMB = """
+import importlib.util, resource, sys
+from safeinstall.env.bytecode import PycName, judge
+header = importlib.util.MAGIC_NUMBER + bytes(12)
+name = PycName("/nowhere/m.py", sys.implementation.cache_tag, 0)
+huge = (1 << 27).to_bytes(4, "little")
+for body in (b"(" + huge, b"c" + bytes(20) + b"(" + huge):
+    print(judge(header + body, name, b"x = 1\\n"))
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10)
+"""
+
+
+def test_a_pyc_that_says_a_huge_tuple_costs_root_no_memory() -> None:
+    """``marshal.loads`` makes a tuple at the size the data says, and zeroes it, before it reads an item:
+    a 21-byte ``.pyc`` of the environment's owner had root's process touch 1 GiB here (2**31 items: 16
+    GiB, where map_forked reruns a killed child's share in root's own process; the attacker review).
+    Now a count larger than the bytes left is refused before the data is unmarshalled."""
+    done = subprocess.run(
+        [sys.executable, "-c", _BOMB], capture_output=True, text=True, check=True, timeout=300
+    )
+    *verdicts, peak_mib = done.stdout.split("\n")[:-1]
+    assert verdicts == ["its body is not marshalled code"] * 2, done.stdout
+    assert int(peak_mib) < 256, f"judging 21 bytes took {peak_mib} MiB"
+
+
+def test_the_marshal_bound_passes_what_python_writes() -> None:
+    """Every kind of value the compiler and marshal write (and the stdlib's own bytecode) is bounded."""
+    source = "a = (1, 2.5, 3j, 10**40, -(10**40), b'x', frozenset({1}), None, ..., 'é', True)\n"
+    source += "def f(x, *, y={1: (2,)}):\n    return [x, y]\nclass C:\n    pass\n"
+    for version in (0, 1, 2, 3, 4):
+        assert marshal_bounded(marshal.dumps(compile(source, "s", "exec"), version)) is None
+    for pyc in list(Path(os.__file__).parent.glob(f"__pycache__/*.{TAG}.pyc"))[:200]:
+        data = pyc.read_bytes()
+        if data[:4] == importlib.util.MAGIC_NUMBER:
+            assert marshal_bounded(data[16:]) is None, pyc
+    assert marshal_bounded(b"(" + (3).to_bytes(4, "little") + b"NN") is not None
+
+
+_DENSE = """
+import hashlib, importlib.util, resource, sys, threading
+from pathlib import Path
+if sys.argv[2] == "thread":  # another thread runs (a run's smoke check): no fork
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
+from safeinstall.env.bytecode import Source, judge_files, pyc_name
+from safeinstall.env.records import encode_digest
+source = Path(sys.argv[1])
+pyc = importlib.util.cache_from_source(str(source))
+digest = encode_digest(hashlib.sha256(source.read_bytes()).digest())
+verdicts = judge_files([source.parent], [(pyc, pyc_name(pyc), Source("sha256", digest))], lambda s: False)
+print(dict(verdicts.problems), len(verdicts.judged))
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10)
+"""
+
+
+@pytest.mark.parametrize("threads", ["alone", "thread"])
+def test_the_owners_source_is_compiled_outside_roots_process(tmp_path: Path, threads: str) -> None:
+    """``compile()`` of a source takes up to some 400 bytes a byte: the owner's 32 MiB source (its RECORD
+    line is the owner's too) took 13 GiB of root's own process, where fewer than 32 ``.pyc`` files (and
+    the first share, and a failed child's share) were judged (the attacker review). Now every one is
+    judged in a forked child whose memory is bounded (spawned where another thread runs), and a child
+    that dies is said, never redone."""
+    source = tmp_path / "dense.py"
+    source.write_bytes(b"x = 1\n" * (1 << 18))  # 1.5 MiB: compile() takes some 400 MiB
+    subprocess.run([sys.executable, "-m", "py_compile", str(source)], check=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", _DENSE, str(source), threads], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    verdicts, peak_mib = done.stdout.splitlines()
+    assert verdicts == "{} 1", done.stdout  # judged fine, as it is
+    assert int(peak_mib) < 200, f"root's process took {peak_mib} MiB to judge a 1.5 MiB source"
 
 
 # ------------------------------------------------------------------------ judged once, kept by identity

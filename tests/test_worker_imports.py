@@ -35,6 +35,9 @@ from safeinstall.system import children, worker
 prefix, cache, target = sys.argv[1:4]
 ids = (int(sys.argv[4]), int(sys.argv[4]))
 calls = {
+    "keep_links": lambda: owner.keep_links(prefix, ".safeinstall-keep-r", ["lib/carried.py"], ["k"]),
+    "relink_kept": lambda: owner.relink_kept(prefix, ".safeinstall-keep-r", ["lib/carried.py"], ["k"]),
+    "remove_kept": lambda: owner.remove_kept(prefix, [], 30),
     "remove_installed": lambda: owner.remove_installed(
         prefix, ["lib/pkg/mod.py"], ["lib/pkg-1.0.dist-info"], ["lib"]
     ),
@@ -101,6 +104,8 @@ def test_every_worker_entry_point_runs_from_a_tool_the_account_cannot_read(
     assert public <= set(said), f"worker entry points the test does not run: {public - set(said)}"
     failed = {name: answer for name, answer in said.items() if isinstance(answer, str) and "failed" in answer}
     assert not failed, failed
+    assert said["keep_links"] == {"kept": 1} and said["relink_kept"] == {"relinked": ["lib/carried.py"]}, said
+    assert said["remove_kept"] == {"left": []} and not list(prefix.glob(".safeinstall-keep-*")), said
     assert said["remove_installed"]["removed"] == ["lib/pkg/mod.py"], said
     assert said["copy_cached_wheels"]["entries"] == ["pkg 1.0"], said
     assert said["children.run"] == str(NOBODY)

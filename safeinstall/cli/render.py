@@ -403,8 +403,8 @@ def render_plan(out: Console, err: Console, plan: Plan, verbosity: int = 0) -> N
             out.print(literal(line), soft_wrap=True)
     for reset in plan.start_limit_resets:
         out.print(
-            f"start limit of {literal(reset.unit)}: {literal(reset.reason)}; reset before the stop "
-            "(systemctl reset-failed)",
+            f"start limit of {literal(reset.unit)}: {literal(reset.reason)}; the run resets it before "
+            "the stop (systemctl reset-failed)",
             soft_wrap=True,
         )
     if plan.gpus.available:
@@ -842,6 +842,9 @@ def render_patches(
 
 
 def render_recoveries(out: Console, recoveries: list[Recovery]) -> None:
+    for r in recoveries:  # a live run's environment: said, not recovered
+        if r.busy:
+            out.print(literal(f"not recovered: {r.prefix}: " + "; ".join(r.notes)))
     if not any(r.run_id for r in recoveries):
         out.print("nothing to recover")
         return

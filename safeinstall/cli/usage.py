@@ -52,6 +52,10 @@ RUN_ONLY = (
     ("prune", "--prune"),
     ("keep_backups", "--keep-backups"),
     ("allow_broken_requirements", "--allow-broken-requirements"),
+    ("smoke", "--smoke"),
+    ("no_smoke", "--no-smoke"),
+    ("smoke_timeout", "--smoke-timeout"),
+    ("smoke_skip", "--smoke-skip"),
 )
 
 

@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import marshal
 import os
+import resource
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -82,6 +83,81 @@ def parse_header(data: bytes) -> Header | str:
     )
 
 
+#: marshal's types (Python/marshal.c, format 4 and 5): what follows each type byte. Fixed: so many
+#: bytes; the others are read by :func:`marshal_bounded`.
+_FIXED = {**dict.fromkeys(b"0NFTS.", 0), ord("i"): 4, ord("I"): 8, ord("g"): 8, ord("y"): 16, ord("r"): 4}
+_SIZED = frozenset(b"stuaA")  # 4-byte length, then that many bytes
+_SHORT = frozenset(b"zZ")  # 1-byte length, then that many bytes
+_CONTAINERS = frozenset(b"([<>")  # 4-byte count, then that many objects
+_FLAG_REF = 0x80
+
+
+def marshal_bounded(data: bytes) -> str | None:
+    """Pure: None when every count in the marshal stream ``data`` holds is no larger than the bytes left
+    to hold it, or why not. ``marshal.loads`` makes a tuple (and zeroes it) at the size the data says,
+    before reading its items: 5 bytes of a hostile ``.pyc`` had root's process allocate and touch 16
+    GiB (the attacker review). Walked with a stack of its own (no recursion); a code object's fields as
+    CPython 3.11 to 3.13 write them (5 longs, 8 objects, a long, 2 objects)."""
+    end = len(data)
+    at = 0
+    # what is still to be read, last first: [objects left] (-1: a dict's, until its NULL key) or
+    # [-2 - n]: n raw bytes
+    todo = [1]
+    while todo:
+        if todo[-1] == 0:
+            todo.pop()
+            continue
+        if todo[-1] < -1:
+            at += -2 - todo.pop()
+            continue
+        if at >= end:
+            return "its body ends within an object"
+        kind = data[at] & ~_FLAG_REF
+        at += 1
+        if todo[-1] > 0:
+            todo[-1] -= 1
+        elif kind == ord("0"):  # a dict's end
+            todo.pop()
+            continue
+        else:  # a dict's key: its value follows
+            todo.append(1)
+        left = end - at
+        if kind in _FIXED:
+            at += _FIXED[kind]
+        elif kind in _SIZED or kind == ord("l") or kind in _CONTAINERS:
+            if left < 4:
+                return "its body ends within an object"
+            count = int.from_bytes(data[at : at + 4], "little", signed=True)
+            at += 4
+            size = abs(count) * 2 if kind == ord("l") else count
+            if (count < 0 and kind != ord("l")) or size > end - at:
+                return f"it says {count} items or bytes where {end - at} bytes are left"
+            if kind in _CONTAINERS:
+                todo.append(count)
+            else:
+                at += size
+        elif kind in _SHORT or kind == ord("f"):
+            at += 1 + (data[at] if left else 0)
+        elif kind == ord("x"):  # two floats, each a 1-byte length and its text
+            at += 1 + (data[at] if left else 0)
+            at += 1 + (data[at] if at < end else 0)
+        elif kind == ord(")"):
+            todo.append(data[at] if left else 0)
+            at += 1
+        elif kind == ord("{"):
+            todo.append(-1)
+        elif kind == ord(":"):  # a slice: start, stop, step
+            todo.append(3)
+        elif kind == ord("c"):
+            at += 20
+            todo += [2, -2 - 4, 8]
+        else:
+            return f"type {kind:#x} is no marshal type"
+        if at > end:
+            return "its body ends within an object"
+    return None
+
+
 #: The running interpreter's tag and magic: a ``.pyc`` of another tag cannot be compared here.
 OWN_TAG = sys.implementation.cache_tag
 OWN_MAGIC = importlib.util.MAGIC_NUMBER
@@ -104,6 +180,9 @@ def judge(pyc: bytes, name: PycName, source: bytes) -> str | None:
         return None  # another interpreter's: its header is all that can be judged here
     if header.magic != OWN_MAGIC:
         return f"magic {header.magic.hex()} is not {name.tag}'s"
+    unbounded = marshal_bounded(pyc[_HEADER:])
+    if unbounded is not None:
+        return "its body is not marshalled code"
     try:
         held = marshal.loads(pyc[_HEADER:])
     except (EOFError, ValueError, TypeError, RecursionError, MemoryError):
@@ -223,8 +302,11 @@ def judge_files(
 
 #: The bytes of bytecode and sources read before they are judged (in forked children, each a share).
 BATCH_BYTES = 64 << 20
-#: Fewer than this to judge: here, not worth a fork.
-_FORK_FROM = 32
+#: What a judging child may map beyond what it had at the fork: ``compile()`` of the owner's densest
+#: source takes about 400 bytes a byte (8 MiB of ``x = 1`` lines: 3.4 GiB; 32 MiB: 13 GiB).
+JUDGE_MEMORY = 4 << 30
+#: Said of each ``.pyc`` of a judging child that died (past :data:`JUDGE_MEMORY`) or was never forked.
+NOT_JUDGED = "could not be judged: its judge ran out of memory or could not be started"
 
 
 def _judge_share(share: list[tuple[int, PycName, bytes, bytes]]) -> list[tuple[int, str | None]]:
@@ -232,19 +314,74 @@ def _judge_share(share: list[tuple[int, PycName, bytes, bytes]]) -> list[tuple[i
     return [(index, judge(pyc, name, text)) for index, name, pyc, text in share]
 
 
+def _bound_memory() -> None:
+    """In a judging child: what it may map, bounded (:data:`JUDGE_MEMORY` more than it has)."""
+    with open("/proc/self/statm", "rb") as statm:
+        mapped = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + JUDGE_MEMORY, mapped + JUDGE_MEMORY))
+
+
+#: The spawned judge: this interpreter, isolated (``-I``: no variable, no user site, no working
+#: directory on its path), safeinstall's own directory given; its memory bounded, as a forked one's.
+_SPAWNED = (
+    "import pickle, sys\n"
+    "sys.path.insert(0, sys.argv[1])\n"
+    "from safeinstall.env import bytecode\n"
+    "bytecode._bound_memory()\n"
+    "answers = bytecode._judge_share(pickle.load(sys.stdin.buffer))\n"
+    "sys.stdout.buffer.write(pickle.dumps(answers))\n"
+)
+
+
+def _judge_spawned(items: list[tuple[int, PycName, bytes, bytes]]) -> list[tuple[int, str | None]]:
+    """:func:`_judge_share` in a spawned child (where a fork could deadlock); one that fails is said of
+    each (:data:`NOT_JUDGED`), never redone here."""
+    import pickle
+    import subprocess
+
+    home = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        done = subprocess.run(
+            [sys.executable, "-I", "-c", _SPAWNED, home],
+            input=pickle.dumps(items, pickle.HIGHEST_PROTOCOL),
+            capture_output=True,
+            env={},
+            cwd="/",
+            check=False,
+        )
+        if done.returncode == 0:
+            answers: list[tuple[int, str | None]] = pickle.loads(done.stdout)
+            return answers
+    except (OSError, pickle.UnpicklingError, EOFError):
+        pass
+    return [(index, NOT_JUDGED) for index, _, _, _ in items]
+
+
 def _judge_batch(
     batch: list[tuple[Judged, PycName, bytes, bytes]], problems: dict[str, str], judged: list[Judged]
 ) -> None:
-    """Each of ``batch`` judged, over forked children where several CPUs and no other thread allow
-    (:func:`safeinstall.system.forking.map_forked`); the answers into ``problems`` and ``judged``."""
+    """Each of ``batch`` judged, in forked children whose memory is bounded where no other thread runs
+    (:func:`safeinstall.system.forking.map_forked`), never in this, root's, process: the owner's source
+    and bytecode are what is compiled and unmarshalled, and a child that dies is said, not redone here
+    (the attacker review); the answers into ``problems`` and ``judged``."""
     from safeinstall.system.forking import can_fork, cpu_count, map_forked, split
 
     items = [(index, name, pyc, text) for index, (_, name, pyc, text) in enumerate(batch)]
-    workers = min(cpu_count(), 32)
-    if workers > 1 and len(items) >= _FORK_FROM and can_fork():
-        answers = dict(a for share in map_forked(_judge_share, split(items, workers)) for a in share)
-    else:
-        answers = dict(_judge_share(items))
+    if not items:
+        return
+    if can_fork():
+        parent = os.getpid()
+
+        def bounded(share: list[tuple[int, PycName, bytes, bytes]]) -> list[tuple[int, str | None]]:
+            if os.getpid() == parent:  # map_forked redoes a failed child's share here: never
+                return [(index, NOT_JUDGED) for index, _, _, _ in share]
+            _bound_memory()
+            return _judge_share(share)
+
+        shares = [s for s in split(items, min(cpu_count(), 32)) if s]
+        answers = dict(a for share in map_forked(bounded, [[], *shares]) for a in share)
+    else:  # another thread runs (a fork could deadlock): a child of this interpreter, spawned
+        answers = dict(_judge_spawned(items))
     for index, (fine, _, _, _) in enumerate(batch):
         why = answers[index]
         if why is None:

@@ -10,10 +10,12 @@ entry, no data block. A restore puts those very inodes back (:func:`relink`), ea
 against what the backup saved (a regular file only root can write, its mode, owner, mtime, size and
 sha256), with a rename; what cannot be relinked is copied as before.
 
-Only in a prefix that root owns and only root can write (as the swap's staging directory), and only
-inodes only root can write: in an account's environment nothing is kept (root makes no links in a tree
-the account can write), and the restore copies as it always did. The directory goes when the run ends
-(good or rolled back), in ``--recover``, and at the next run (a leftover of one that died).
+Root keeps links only in a prefix that root owns and only root can write (as the swap's staging
+directory), and only of inodes only root can write. In an account's environment the account's worker
+does the same (:func:`keep_links_as`, :func:`relink_as`: what the account could do anyway), and root
+checks each inode put back against the backup, copying where it is not that (issue 44). The
+directory goes when the run ends (good or rolled back), in ``--recover``, and at the next run (a
+leftover of one that died).
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ import hashlib
 import os
 import stat
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from safeinstall.env import owner
+from safeinstall.system import worker
 from safeinstall.system.safefs import Tree, only_caller_writes
 
 KEEP_PREFIX = ".safeinstall-keep-"
@@ -59,11 +63,13 @@ def _roots_own(fd: int) -> bool:
     return only_caller_writes(os.fstat(fd))
 
 
-def keep_links(prefix: Path, run_id: str, paths: Iterable[str]) -> int:
+def keep_links(prefix: Path, run_id: str, paths: Iterable[str], every: bool = False) -> int:
     """Link each of ``paths`` (relative to the prefix) that is a regular file only root can write, with
-    other links (its uninstall frees nothing), into the run's keep directory; leftovers of runs that
-    died go first. Best effort (a file that cannot be linked is copied back, as before): the number
-    kept. Nothing in a prefix root does not own alone. Raises OSError when the directory cannot be made."""
+    other links (its uninstall frees nothing), into the run's keep directory; ``every``: each such file,
+    other links or not (the uninstall then frees nothing: a restore needs no room, whoever takes the
+    room meanwhile); leftovers of runs that died go first. Best effort (a file that cannot be linked is
+    copied back, as before): the number kept. Nothing in a prefix root does not own alone. Raises
+    OSError when the directory cannot be made."""
     name = keep_name(run_id)
     with Tree(prefix) as tree:
         if not _roots_own(tree.fd):
@@ -74,7 +80,7 @@ def keep_links(prefix: Path, run_id: str, paths: Iterable[str]) -> int:
         with tree.batch():
             for relative in paths:
                 info = tree.lstat(relative)
-                if info is None or not stat.S_ISREG(info.st_mode) or info.st_nlink < 2:
+                if info is None or not stat.S_ISREG(info.st_mode) or (info.st_nlink < 2 and not every):
                     continue
                 if not only_caller_writes(info):
                     continue
@@ -145,9 +151,15 @@ def _as_saved(fd: int, name: str, saved: Saved) -> bool:
 
 
 def discard(prefix: Path, run_id: str, seconds: float) -> bool:
-    """Remove the run's keep directory (by descriptor, in a prefix root owns alone); True when it is gone
-    (or never was)."""
-    return _remove(prefix, keep_name(run_id), seconds)
+    """Remove the run's keep directory (by descriptor, in a prefix root owns alone; in an account's
+    prefix, by the account's worker); True when it is gone (or never was)."""
+    name = keep_name(run_id)
+    if not os.path.lexists(prefix / name):
+        return True
+    ids = account_of(prefix)
+    if ids is not None:
+        return not _remove_as(ids, prefix, [name], seconds)
+    return _remove(prefix, name, seconds)
 
 
 def discard_leftovers(prefix: Path, keep: str = "", seconds: float = 10.0) -> list[str]:
@@ -156,6 +168,9 @@ def discard_leftovers(prefix: Path, keep: str = "", seconds: float = 10.0) -> li
         names = sorted(n for n in os.listdir(prefix) if n.startswith(KEEP_PREFIX) and n != keep)
     except OSError:
         return []
+    ids = account_of(prefix) if names else None
+    if ids is not None:
+        return _remove_as(ids, prefix, names, seconds)
     return [n for n in names if not _remove(prefix, n, seconds)]
 
 
@@ -170,3 +185,73 @@ def _remove(prefix: Path, name: str, seconds: float) -> bool:
             return tree.lstat(name) is None
     except OSError:
         return False
+
+
+# --- an account's environment: the same, done by its worker --------------------------------------
+
+#: How long the account's worker may take to link, relink or remove a version's files (tens of thousands)
+WORKER_TIMEOUT_S = 300.0
+
+
+def keep_links_as(ids: tuple[int, int], prefix: Path, run_id: str, paths: Sequence[str]) -> int:
+    """:func:`keep_links` (``every``) in an account's environment: the account's worker links each old
+    file into ``PREFIX/.safeinstall-keep-<run>/`` (its own, 0700): what the account could do anyway; a
+    restore checks each inode it puts back against the backup (:func:`relink_as`). The number kept
+    (its word); raises OSError when the worker fails (a rollback then copies, as before)."""
+    keys = [key(p) for p in paths]
+    try:
+        answer = worker.call(
+            ids,
+            lambda: owner.keep_links(str(prefix), keep_name(run_id), list(paths), keys),
+            timeout=WORKER_TIMEOUT_S,
+            what=f"keeps links of the old files in {prefix}",
+        )
+    except worker.WorkerError as exc:
+        raise OSError(exc.message) from exc
+    kept = answer.get("kept") if isinstance(answer, dict) else None
+    return kept if isinstance(kept, int) and not isinstance(kept, bool) else 0
+
+
+def relink_as(ids: tuple[int, int], prefix: Path, run_id: str, paths: Sequence[str]) -> tuple[str, ...]:
+    """The account's worker puts the kept inodes of ``paths`` back in place (no new block): the paths it
+    says it relinked, among those asked. The caller checks each against the backup (content, mode,
+    owner, mtime) and writes the backup's copy where it is not that. Never raises."""
+    keys = [key(p) for p in paths]
+    try:
+        answer = worker.call(
+            ids,
+            lambda: owner.relink_kept(str(prefix), keep_name(run_id), list(paths), keys),
+            timeout=WORKER_TIMEOUT_S,
+            what=f"puts the kept old files back in {prefix}",
+        )
+    except worker.WorkerError:
+        return ()
+    said = answer.get("relinked") if isinstance(answer, dict) else None
+    asked = frozenset(paths)
+    return tuple(p for p in said if isinstance(p, str) and p in asked) if isinstance(said, list) else ()
+
+
+def account_of(prefix: Path) -> tuple[int, int] | None:
+    """The prefix's owner (uid, gid), when it is an account (not root) and the directory is its own;
+    None for root's prefix (or one that cannot be read)."""
+    try:
+        with Tree(prefix) as tree:
+            info = os.fstat(tree.fd)
+    except OSError:
+        return None
+    return None if info.st_uid == 0 else (info.st_uid, info.st_gid)
+
+
+def _remove_as(ids: tuple[int, int], prefix: Path, names: list[str], seconds: float) -> list[str]:
+    """The account's worker removes its keep directories ``names`` (all: empty); those left."""
+    try:
+        answer = worker.call(
+            ids,
+            lambda: owner.remove_kept(str(prefix), names, seconds),
+            timeout=seconds + 30.0,
+            what=f"removes the kept links of old files in {prefix}",
+        )
+    except worker.WorkerError:
+        return names or ["?"]
+    left = answer.get("left") if isinstance(answer, dict) else None
+    return [n for n in left if isinstance(n, str)] if isinstance(left, list) else (names or ["?"])

@@ -37,6 +37,9 @@ _DENIED = (errno.EACCES, errno.EPERM, errno.EROFS)
 #: hold it)
 UV_LOCK = ".lock"
 
+#: the run's directory of kept links of the old files (:mod:`safeinstall.env.keep`'s ``KEEP_PREFIX``)
+_KEEP_PREFIX = ".safeinstall-keep-"
+
 
 def remove_installed(prefix: str, files: list[str], dist_infos: list[str], stop: list[str]) -> dict[str, Any]:
     """Remove ``files`` and the directories ``dist_infos`` (relative to ``prefix``), then the
@@ -446,3 +449,74 @@ def _copy_tree(source: Path, destination: Path) -> int:
                     with contextlib.suppress(FileExistsError):
                         copied += _copy_file(Path(item.path), there / item.name)
     return copied
+
+
+def keep_links(prefix: str, name: str, paths: list[str], keys: list[str]) -> dict[str, Any]:
+    """In an account's environment, as the account: link each regular file of ``paths`` (relative to the
+    prefix) into ``PREFIX/name/<key>`` (made 0700; other ``.safeinstall-keep-*`` directories, dead
+    runs', removed first), so that the uninstall frees no block and a restore puts the inodes back
+    (:func:`relink_kept`). ``{"kept": N}``."""
+    kept = 0
+    with Tree(Path(prefix)) as tree:
+        for other in sorted(os.listdir(tree.fd)):
+            if other.startswith(_KEEP_PREFIX) and other != name:
+                with contextlib.suppress(OSError):
+                    tree.remove_tree(other, time.monotonic() + 10.0)
+        tree.make_dir(name, 0o700)
+        with tree.batch():
+            for relative, key in zip(paths, keys, strict=True):
+                info = tree.lstat(relative)
+                if info is None or not stat.S_ISREG(info.st_mode):
+                    continue
+                try:
+                    with tree.parent(relative) as (fd, base), tree.parent(f"{name}/{key}") as (kfd, k):
+                        os.link(base, k, src_dir_fd=fd, dst_dir_fd=kfd, follow_symlinks=False)
+                except OSError:
+                    continue
+                kept += 1
+    return {"kept": kept}
+
+
+def relink_kept(prefix: str, name: str, paths: list[str], keys: list[str]) -> dict[str, Any]:
+    """As the account: put each kept inode back at its path (linked beside it under a temp name, renamed
+    over it); root then checks each against its backup (its word is not taken). ``{"relinked": [...]}``."""
+    relinked: list[str] = []
+    with Tree(Path(prefix)) as tree:
+        try:
+            kept_fd = os.open(
+                name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=tree.fd
+            )
+        except OSError:
+            return {"relinked": []}
+        try:
+            with tree.batch():
+                for relative, key in zip(paths, keys, strict=True):
+                    try:
+                        with tree.parent(relative) as (fd, base):
+                            temp = f".{base}.safeinstall-relink-{os.getpid()}"
+                            os.link(key, temp, src_dir_fd=kept_fd, dst_dir_fd=fd, follow_symlinks=False)
+                            try:
+                                os.replace(temp, base, src_dir_fd=fd, dst_dir_fd=fd)
+                            except OSError:
+                                os.unlink(temp, dir_fd=fd)
+                                raise
+                    except OSError:
+                        continue
+                    relinked.append(relative)
+        finally:
+            os.close(kept_fd)
+    return {"relinked": relinked}
+
+
+def remove_kept(prefix: str, names: list[str], seconds: float) -> dict[str, Any]:
+    """As the account: remove the keep directories ``names`` (``.safeinstall-keep-*`` only; all of them
+    when ``names`` is empty). ``{"left": [...]}``."""
+    left: list[str] = []
+    with Tree(Path(prefix)) as tree:
+        found = [n for n in os.listdir(tree.fd) if n.startswith(_KEEP_PREFIX)]
+        for name in sorted(n for n in found if not names or n in names):
+            with contextlib.suppress(OSError):
+                tree.remove_tree(name, time.monotonic() + seconds)
+            if tree.lstat(name) is not None:
+                left.append(name)
+    return {"left": left}

@@ -11,6 +11,7 @@ See docs/reinstall.md ("Requirements").
 
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -51,14 +52,27 @@ class Broken:
 
 
 @functools.lru_cache(maxsize=16384)
-def _parsed(text: str, extra: str, markers: tuple[tuple[str, str], ...]) -> Requirement | None:
-    """``text`` parsed, where it applies for ``markers`` and ``extra`` (None: it does not, or cannot be
-    parsed). Cached: a check parses each line once for the state before and the one after."""
+def _requirement(text: str) -> Requirement | None:
+    """``text`` parsed (None: it cannot be). Cached: a check parses each line once for the state before
+    and the one after, whatever the extras asked of it."""
     try:
-        requirement = Requirement(text)
+        return Requirement(text)
     except InvalidRequirement:
         return None
-    return requirement if _applies(requirement, dict(markers), extra) else None
+
+
+def _parsed(text: str, extra: str, markers: tuple[tuple[str, str], ...]) -> Requirement | None:
+    """``text`` parsed, where it applies for ``markers`` and ``extra`` (None: it does not, or cannot be
+    parsed)."""
+    requirement = _requirement(text)
+    return requirement if requirement is not None and _applies(requirement, dict(markers), extra) else None
+
+
+#: The most (requirement line, extra) pairs one look at an environment weighs. Every extra another
+#: line asks for has each line of its distribution weighed again: the owner's METADATA of N lines
+#: ``pkg[eI]`` made N * N (1,000 lines: 16 s; its 16 MiB: never done; the attacker review). vLLM's
+#: whole environment weighs about 10,000.
+MAX_WEIGHED = 200_000
 
 
 def _applies(requirement: Requirement, markers: Mapping[str, str], extra: str) -> bool:
@@ -92,14 +106,26 @@ def _satisfied(requirement: Requirement, version: str) -> bool | None:
 def broken_requirements(dists: Iterable[Dist], markers: Mapping[str, str]) -> tuple[Broken, ...]:
     """Pure: every requirement of ``dists`` (an environment's whole set) that the set does not meet,
     for the target's ``markers``; sorted."""
+    return weighed_requirements(dists, markers)[0]
+
+
+def weighed_requirements(
+    dists: Iterable[Dist], markers: Mapping[str, str]
+) -> tuple[tuple[Broken, ...], bool]:
+    """Pure: :func:`broken_requirements`, and whether every requirement was weighed (False: past
+    :data:`MAX_WEIGHED` pairs, the base requirements first, the rest not)."""
     by_name = {d.name: d for d in dists}
     wanted: set[tuple[str, str]] = {(name, "") for name in by_name}  # (distribution, extra) whose needs count
-    todo = list(wanted)
+    todo = collections.deque(sorted(wanted))  # first in, first out: the base requirements first
     found: dict[tuple[str, str, str, str], Broken] = {}
     frozen = tuple(sorted(markers.items()))
+    weighed = 0
     while todo:
-        name, extra = todo.pop()
+        name, extra = todo.popleft()
         dist = by_name[name]
+        weighed += len(dist.requires)
+        if weighed > MAX_WEIGHED:
+            return tuple(found[key] for key in sorted(found)), False
         for text in dist.requires:
             requirement = _parsed(text, extra, frozen)
             if requirement is None:
@@ -118,7 +144,7 @@ def broken_requirements(dists: Iterable[Dist], markers: Mapping[str, str]) -> tu
                 if (required, asked) not in wanted:
                     wanted.add((required, asked))
                     todo.append((required, asked))
-    return tuple(found[key] for key in sorted(found))
+    return tuple(found[key] for key in sorted(found)), True
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +154,7 @@ class RequirementsCheck:
 
     broken: tuple[Broken, ...]
     already: tuple[Broken, ...]
+    complete: bool = True  # False: past MAX_WEIGHED, not every requirement was weighed
 
 
 def check_change(
@@ -143,28 +170,39 @@ def check_change(
             changed.pop(name, None)
         else:
             changed[name] = dist
-    was = broken_requirements(before.values(), markers)
-    now = broken_requirements(changed.values(), markers)
+    was, complete_before = weighed_requirements(before.values(), markers)
+    now, complete_after = weighed_requirements(changed.values(), markers)
     old = {b.key for b in was}
     return RequirementsCheck(
         broken=tuple(b for b in now if b.key not in old),
         already=tuple(b for b in now if b.key in old),
+        complete=complete_before and complete_after,
     )
+
+
+#: what a user can do about a broken requirement: --with-deps resolves only what the new versions
+#: themselves require, never a distribution that requires them (the review of issue 43)
+FIXES = (
+    "choose a version the requirer accepts, or change the requirer too; where the new version is the "
+    "requirer, --with-deps lets uv bring what it needs; --allow-broken-requirements goes on knowingly"
+)
 
 
 def refusal(check: RequirementsCheck, allowed: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Pure: the plan's refusals and warnings for ``check``; ``allowed`` (``--allow-broken-requirements``):
     what the run breaks is a warning instead."""
     warnings = [f"requirement already broken before the run: {b.describe()}" for b in check.already]
+    if not check.complete:
+        warnings.append(
+            f"requirements not all checked: the environment's METADATA hold more than {MAX_WEIGHED} "
+            "(requirement, extra) pairs to weigh"
+        )
     if not check.broken:
         return (), tuple(warnings)
     said = "; ".join(b.describe() for b in check.broken)
     if allowed:
         return (), (f"the run breaks a requirement (--allow-broken-requirements): {said}", *warnings)
-    return (
-        f"the run would break a requirement: {said} (pass --with-deps to have uv resolve what else must "
-        "change, or --allow-broken-requirements to go on knowingly)",
-    ), tuple(warnings)
+    return (f"the run would break a requirement: {said} ({FIXES})",), tuple(warnings)
 
 
 def as_dists(installed: Iterable[InstalledDistribution]) -> tuple[Dist, ...]:

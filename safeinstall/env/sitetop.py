@@ -69,7 +69,11 @@ def look(
     places = [(site, "", f"at the top of {site}") for site in sites]
     places += [(d, sorted(owners[d])[0], f"in {d}, shared by {', '.join(sorted(owners[d]))}") for d in shared]
     for directory, owner, where in places:
-        for name, path, is_dir in _listing(directory):
+        for name, path, is_dir, is_link in _listing(directory):
+            if is_link and path not in listed and name.isidentifier():
+                # a package by another name: Python follows the link (code kept anywhere), no walk does
+                unlisted.append(Unlisted(path, owner, f"{where}, a symbolic link no RECORD lists"))
+                continue
             if is_dir:
                 if name == "__pycache__":
                     for pyc in walk(path):
@@ -94,17 +98,19 @@ def look(
     return Looked(tuple(unlisted), tuple(bytecode))
 
 
-def _listing(directory: str) -> list[tuple[str, str, bool]]:
-    """(name, path, is a directory: not a symlink to one) of each entry; [] when it cannot be listed."""
-    found: list[tuple[str, str, bool]] = []
+def _listing(directory: str) -> list[tuple[str, str, bool, bool]]:
+    """(name, path, is a directory: not a symlink to one, is a symlink) of each entry; [] when it cannot
+    be listed."""
+    found: list[tuple[str, str, bool, bool]] = []
     try:
         with os.scandir(directory) as entries:
             for entry in entries:
                 try:
                     is_dir = entry.is_dir(follow_symlinks=False)
+                    is_link = entry.is_symlink()
                 except OSError:
-                    is_dir = False
-                found.append((entry.name, entry.path, is_dir))
+                    is_dir = is_link = False
+                found.append((entry.name, entry.path, is_dir, is_link))
     except OSError:
         return []
     return sorted(found)

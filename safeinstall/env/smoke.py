@@ -732,10 +732,11 @@ def describe(
     shared: Sequence[str] = (),
 ) -> str:
     """Pure: what the run runs before the stop (the plan says it): ``runners``, whom the check runs as
-    and for which units (none: systemd's defaults); ``skip``, what ``--smoke-skip`` leaves out;
-    ``shared``, what the running version is known not to import (from an earlier check)."""
+    and for which units (none: a clean environment, as systemd gives a unit); ``skip``, what
+    ``--smoke-skip`` leaves out; ``shared``, what the running version is known not to import (from an
+    earlier check)."""
     where = "; ".join(
-        f"as {who}, environment of {', '.join(units)}" if units else f"as {who}, systemd's defaults"
+        f"as {who}, environment of {', '.join(units)}" if units else f"as {who}, no unit's environment"
         for who, units in runners
     )
     more = f", then `{command}`" if command else ""
@@ -783,9 +784,9 @@ def failure_message(outcomes: Sequence[ChildOutcome]) -> str:
         imports = outcome.what == "imports"
         head = "the import of the new version failed" if imports else f"`{outcome.what}` failed"
         text = f"{head}{where}: " + "; ".join(said)
-        if outcome.stderr_tail:
-            lines = "\n".join("  " + line for line in outcome.stderr_tail)
-            text += "\nits last lines of standard error:\n" + lines
+        new = [line for line in outcome.stderr_tail if line.strip() and line.strip() not in text]
+        if new:  # what the error above does not already say (its own last line, most often)
+            text += "\nits last lines of standard error:\n" + "\n".join("  " + line for line in new)
         parts.append(text)
     return "\n".join(parts)
 

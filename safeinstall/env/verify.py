@@ -329,14 +329,14 @@ WALK_SECONDS = 600.0
 
 def _walk(root: str, budget: list[int] | None = None, deadline: float | None = None) -> list[str]:
     """Every non-directory below ``root`` (a symlink is listed, never entered; [] when ``root`` cannot be
-    opened), by a stack of descriptors below it (:func:`safeinstall.system.safefs.walk_below`: OSError
-    when a directory below cannot be listed, :class:`~safeinstall.system.safefs.TreeTooLarge` past its
-    bounds, ``budget`` and ``deadline``)."""
+    opened or is a symlink), by a stack of descriptors below it
+    (:func:`safeinstall.system.safefs.walk_below`: OSError when a directory below cannot be listed,
+    :class:`~safeinstall.system.safefs.TreeTooLarge` past its bounds, ``budget`` and ``deadline``)."""
     from safeinstall.system.safefs import walk_below
 
     try:
-        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:  # a symlink too: a package's directory linked elsewhere is said, never walked
         return []
     found: list[str] = []
     walk_below(fd, root, found, [], deadline=deadline, budget=budget)

@@ -621,7 +621,7 @@ def _forget(request: Request) -> ForgetResult:
 
 
 def _recover(request: Request, ui: Ui, metrics: Path | None) -> RecoverResult:
-    from safeinstall.run.recover import recover
+    from safeinstall.run.recover import recover, said_errors
 
     outcome = recover(os.environ, request.python)
     _write_metrics(metrics, ui, lambda m, now: m.recover_families(outcome, now))
@@ -629,8 +629,9 @@ def _recover(request: Request, ui: Ui, metrics: Path | None) -> RecoverResult:
     data = {"recoveries": jsonable(outcome.recoveries)}
     recovered = "recovered" if any(r.run_id for r in outcome.recoveries) else "nothing-to-recover"
     status = {ExitCode.OK: recovered, ExitCode.ROLLED_BACK: "rolled-back"}.get(code, "error")
-    document = envelope("recover", status, code, data, list(outcome.failures))
-    return RecoverResult(document=document, exit_code=code, failures=outcome.failures, outcome=outcome)
+    said = said_errors(outcome)  # exit 3 too: what happened, and what a person must do
+    document = envelope("recover", status, code, data, list(said))
+    return RecoverResult(document=document, exit_code=code, failures=said, outcome=outcome)
 
 
 def _status(request: Request, ui: Ui, metrics: Path | None) -> StatusResult:

@@ -89,6 +89,19 @@ def command_for(flags: Collection[str]) -> str:
     return next((name for flag, name in _COMMANDS if flag in flags), "reinstall")
 
 
+#: Every ``status`` value of each command's ``--json`` document: docs/json.md lists each
+#: (tests/test_json_contract.py reads it and fails on one it does not list).
+STATUS_VALUES: dict[str, tuple[str, ...]] = {
+    "verify": ("clean", "drift", "error"),
+    "dry-run": ("would-proceed", "would-refuse", "error"),
+    "reinstall": ("done", "declined", "rolled-back", "rollback-failed", "error", "detached", "recovered"),
+    "undo": ("done", "declined", "rolled-back", "rollback-failed", "error", "detached"),
+    "recover": ("recovered", "nothing-to-recover", "rolled-back", "error"),
+    "status": ("idle", "running", "needs-recovery", "error"),
+    "forget": ("forgotten", "error"),
+}
+
+
 def envelope(
     command: str,
     status: str,

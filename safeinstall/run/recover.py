@@ -19,7 +19,7 @@ from typing import Any
 from safeinstall.env import keep
 from safeinstall.env.environment import Environment, inspect_environment, resolve_python
 from safeinstall.env.wheelcopy import discard_dead_copies, is_wheel_copy
-from safeinstall.errors import ExitCode, RollbackFailed, SafeInstallError, StepFailed
+from safeinstall.errors import ExitCode, LockHeldError, RollbackFailed, SafeInstallError, StepFailed
 from safeinstall.run.output import envelope, jsonable
 from safeinstall.run.putback import PutBack, put_back
 from safeinstall.store.backup import Backup, load_backup
@@ -48,6 +48,7 @@ from safeinstall.store.state import (
     state_root,
     trusted_environment_state,
 )
+from safeinstall.system.gate import GATE_DROPIN, gate_dropin_text, gate_marker
 from safeinstall.system.lock import acquire_lock
 from safeinstall.system.systemd import Systemd, default_dropin_root, start_wait_s, stop_wait_s
 
@@ -61,6 +62,9 @@ class Recovery:
     started: tuple[str, ...] = ()
     gates_removed: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    #: a live run holds the environment's lock (``--recover`` over all environments): its journal is
+    #: that run's own, nothing to recover; said, not an error
+    busy: bool = False
 
     @property
     def put_back_new_version(self) -> bool:
@@ -203,11 +207,11 @@ def _reported_exit(state: EnvironmentState, run_id: str) -> int | None:
     return entry.result.exit_code if entry is not None else None
 
 
-def _tidy(state: EnvironmentState, prefix: str) -> None:
+def _tidy(state: EnvironmentState, prefix: str, environ: Mapping[str, str]) -> None:
     """No run to recover: under the lock (unless a live run holds it: what is there is its own), what
     runs that died left without a journal goes: their copies of the wheel, uv caches and scratch
-    directories, temp files of the gate marker (docs/faults.md). A lock that cannot be taken (held,
-    a full disk) leaves them for the next run."""
+    directories, temp files of the gate marker, the gate drop-ins left in its units (docs/faults.md).
+    A lock that cannot be taken (held, a full disk) leaves them for the next run."""
     try:
         with acquire_lock(state.lock, prefix):
             if not state.journal.exists():
@@ -216,14 +220,47 @@ def _tidy(state: EnvironmentState, prefix: str) -> None:
                 remove_dead_temps(state)
                 if state.prefix is not None:  # a dead run's kept links of the old files
                     keep.discard_leftovers(state.prefix)
+                _remove_stray_gates(state, environ)
     except SafeInstallError:
         return
+
+
+#: a gate drop-in is a few hundred bytes: anything longer is not one
+_GATE_LIMIT = 4096
+
+
+def _remove_stray_gates(state: EnvironmentState, environ: Mapping[str, str]) -> tuple[str, ...]:
+    """Under the environment's lock with no journal: the gate drop-ins of this environment that a run
+    left in its units (a ``systemctl`` killed during a good run's tidy-up), found in each manager's
+    persistent drop-in directory by their text (``ConditionPathExists=!`` this environment's marker),
+    removed and the manager reloaded. The drop-ins removed (paths); a failure is left for the next."""
+    wanted = gate_dropin_text(gate_marker(state.dir), "").splitlines()[-1]
+    removed: list[str] = []
+    for user in (False, True):
+        try:
+            systemd = Systemd(user=user, environ=environ)
+            root = systemd.dropin_roots().persistent
+        except SafeInstallError:
+            continue  # no such manager here (no user manager at boot): none of its units can be gated
+        for path in sorted(root.glob(f"*.d/{GATE_DROPIN}.conf")):
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+                with os.fdopen(fd, "rb") as handle:
+                    text = handle.read(_GATE_LIMIT).decode("utf-8", "replace")
+            except OSError:
+                continue
+            if wanted not in text.splitlines():
+                continue  # another environment's gate (its own run may be live)
+            with contextlib.suppress(SafeInstallError):
+                if systemd.remove_dropin(path.parent.name[: -len(".d")], GATE_DROPIN, persistent=True):
+                    removed.append(str(path))
+    return tuple(removed)
 
 
 def recover_one(state: EnvironmentState, environ: Mapping[str, str], settle: float = 2.0) -> Recovery:
     prefix = str(state.prefix or state.dir)
     if read_checked_journal(state, environ) is None:
-        _tidy(state, prefix)
+        _tidy(state, prefix, environ)
         return Recovery(prefix, None, None, notes=("nothing to recover",))
     with acquire_lock(state.lock, prefix) as lock:
         journal = read_checked_journal(state, environ)  # again, under the lock
@@ -349,14 +386,39 @@ class Recovered:
         return self.failures[0].exit_code
 
 
+def said_errors(recovered: Recovered) -> tuple[SafeInstallError, ...]:
+    """Pure: what ``--recover`` says as ``error:`` and ``hint:`` lines (and its ``--json`` errors): the
+    environments it could not recover, and each run whose new version did not come up, put back (exit
+    3: a person must look at the new version before the next run)."""
+    put_back = tuple(
+        StepFailed(
+            f"the run {r.run_id} in {r.prefix} had verified its new version, which did not come up once "
+            f"started: the previous one was put back and started ({', '.join(r.started) or 'no unit'})",
+            hint="see why the new version did not come up (journalctl -u UNIT, the run's log under "
+            "safeinstall --status); fix it, then run the reinstall again",
+        )
+        for r in recovered.recoveries
+        if r.put_back_new_version
+    )
+    return (*recovered.failures, *put_back)
+
+
 def recover(environ: Mapping[str, str], python: str | None, settle: float = 2.0) -> Recovered:
     """Recover every environment with a journal left (or the one ``python`` names). One that fails
-    does not stop the others: at boot, every environment's units matter."""
+    does not stop the others: at boot, every environment's units matter. Over all environments, one
+    whose lock a live run holds is said (``busy``), not a failure: the exit code is what was recovered."""
     recoveries: list[Recovery] = []
     failures: list[SafeInstallError] = []
     for state in states_of(environ, python):
         try:
             recoveries.append(recover_one(state, environ, settle))
+        except LockHeldError as exc:
+            if python is not None:  # the one environment asked for: refused (exit 2), as a run is
+                failures.append(exc)
+                continue
+            prefix = str(state.prefix or state.dir)
+            said = f"{exc.message}: a live run, nothing to recover (safeinstall --status --wait follows it)"
+            recoveries.append(Recovery(prefix, None, None, notes=(said,), busy=True))
         except SafeInstallError as exc:
             failures.append(exc)
     return Recovered(tuple(recoveries), tuple(failures))

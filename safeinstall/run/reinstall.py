@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar
 
-from safeinstall.env import cachefill, inodes, keep, swap, verified
+from safeinstall.env import cachefill, inodes, keep, requirements, swap, verified
 from safeinstall.env.distributions import InstalledDistribution, reload_distributions
 from safeinstall.env.drift import Expectation, FindingKind
 from safeinstall.env.environment import Account, Environment, interpreter_in_prefix
@@ -36,7 +36,7 @@ from safeinstall.env.uvplan import install as uv_install
 from safeinstall.env.uvplan import prefetch_command, secure_uv_lock, uv_binary, window_command
 from safeinstall.env.verify import VerifyReport, verify_environment
 from safeinstall.env.vouched import Vouched, vouched_of
-from safeinstall.env.wheel import Wheel, install_locations
+from safeinstall.env.wheel import Wheel, install_locations, installed_size
 from safeinstall.env.wheelcopy import discard_wheel_copy
 from safeinstall.errors import (
     ExitCode,
@@ -54,7 +54,14 @@ from safeinstall.run.patches import (
     rolled_back,
     save_patch_set,
 )
-from safeinstall.run.preflight import Prepared, dry_run_patches, locally_modified, refusal, unconfirmed
+from safeinstall.run.preflight import (
+    Prepared,
+    dry_run_patches,
+    install_overhead,
+    locally_modified,
+    refusal,
+    unconfirmed,
+)
 from safeinstall.run.preflight import preflight as shared_preflight
 from safeinstall.run.results import Reporter, RunResult, service_downtime_s
 from safeinstall.run.rollback import rollback_step
@@ -72,7 +79,7 @@ from safeinstall.run.survey import scan_again, systemd_for
 from safeinstall.run.undo import UndoTarget, left_of
 from safeinstall.scan.plan import PlannedProcess, PlannedUnit, left_on_old_code
 from safeinstall.scan.processes import scan_processes
-from safeinstall.store.backup import check_restored, create_backup, prune_into, restore_backup
+from safeinstall.store.backup import check_restored, create_backup, free_space, prune_into, restore_backup
 from safeinstall.store.baseline import record_run
 from safeinstall.store.history import read_history
 from safeinstall.store.journal import (
@@ -306,10 +313,7 @@ def prefetch_step(run: Run) -> str:
         raise
 
 
-BROKEN_HINT = (
-    "pass --with-deps to have uv resolve what else must change, or --allow-broken-requirements to go on "
-    "knowingly; nothing was stopped"
-)
+BROKEN_HINT = f"{requirements.FIXES}; nothing was stopped"
 
 
 def _broken_once_fetched(run: Run, root: Path | None, scratch: Path) -> str | None:
@@ -1037,14 +1041,12 @@ def run_reinstall(
                     if options.keep_patches:
                         step("patches", lambda: patches_step(run))
                     step("backup", lambda: backup_step(run))
-                if (
-                    options.undo is None and record is None
-                ):  # an undo installs from a backup: nothing to fetch
+                # an undo installs from a backup: nothing to fetch; a commit's prepare fetched it
+                if options.undo is None and record is None:
                     step("prefetch", lambda: prefetch_step(run))
                     if not options.no_smoke:  # the new version exercised before anything stops
                         step("smoke", lambda: smoke_step(run))
-                    if run.staged is None:  # the install runs in the window
-                        keep_old_links(run)
+                    keep_old_links(run)  # the way back that needs no room
                 if options.prepare:  # nothing stopped: the run waits for --commit
                     received.checked(lambda: prepared_step(run))()
                     cache_removed.append(True)  # the run's cache stays for the commit
@@ -1206,20 +1208,41 @@ def _remove_run_cache(run: Run) -> float:
 
 
 def keep_old_links(run: Run) -> None:
-    """Before the stop, for an install in the window: links of the old files whose uninstall frees no
-    blocks, kept in the prefix (:mod:`safeinstall.env.keep`), so that a rollback on a disk filled
-    meanwhile puts those inodes back instead of copies. Best effort: without them it copies. Never in
-    an account's environment (root makes no links in a tree the account writes: its restore copies)."""
-    if run.backup is None or run.env.account is not None:
+    """Before the stop: links of the old files kept in the prefix (:mod:`safeinstall.env.keep`), so
+    that a rollback on a disk filled meanwhile puts those inodes back instead of copies. Every old file
+    where the new version fits beside the old one (a swap, always: it stages the whole new version
+    before the stop; an install in the window, when the room is there without the uninstall's): the
+    uninstall then frees nothing, and the restore needs no room whoever takes it meanwhile; else those
+    whose uninstall frees no blocks anyway (other links). Best effort: without them it copies. In an
+    account's environment the account's worker makes them, where they fit (root makes no links in a
+    tree the account writes), and the restore checks each inode it puts back."""
+    if run.backup is None:
         return
     paths = [f.path for f in run.backup.manifest.files if f.link_target is None]
+    every = run.staged is not None or both_fit(run)
+    account = run.env.account
+    if account is not None and not every:
+        return
     try:
-        kept = keep.keep_links(run.env.prefix, run.run_id, paths)
+        if account is not None:
+            kept = keep.keep_links_as(account.ids, run.env.prefix, run.run_id, paths)
+        else:
+            kept = keep.keep_links(run.env.prefix, run.run_id, paths, every=every)
     except OSError as exc:
         run._log(f"no links of the old files kept ({exc}): a rollback copies them back")
         return
     if kept:
-        run._log(f"{kept} old file(s) shared with other links kept in {keep.keep_name(run.run_id)}")
+        which = "all the old files" if every else "old file(s) shared with other links"
+        run._log(f"{kept} links of {which} kept in {keep.keep_name(run.run_id)}")
+
+
+def both_fit(run: Run) -> bool:
+    """The new version (the wheel's files, what uv writes beside them, a margin) fits in the
+    environment's filesystem with the old one still there: the uninstall's room is not needed."""
+    if run.wheel is None:
+        return False
+    files = installed_size(run.wheel)
+    return free_space(run.env.prefix) >= files + install_overhead(files)
 
 
 def _discard_staged(run: Run) -> None:

@@ -435,10 +435,12 @@ def _conclude(run: Run, checks: Checks, checked: Checked) -> str:
         for outcome in outcomes:
             run._log(f"smoke: {smoke.logged(outcome)}")
         if not all(o.ok for o in outcomes):
+            failed = [module for o in outcomes for module, _ in o.failed]
+            skip = f"--smoke-skip {failed[0]} leaves out a module you know is bad, " if failed else ""
             raise PlanError(
                 smoke.failure_message(outcomes),
-                hint="nothing was stopped: the running version is untouched; fix the new version (or, "
-                "if the check is wrong here, --no-smoke skips it)",
+                hint="nothing was stopped: the running version is untouched; fix the new version "
+                f"(if the check is wrong here: {skip}--no-smoke skips the whole check)",
             )
     finally:
         _undo(run, checks.new, checks.shim, checks.opened)

@@ -54,7 +54,7 @@ from safeinstall.env.distributions import (
 from safeinstall.env.drift import pyc_source
 from safeinstall.env.environment import Environment
 from safeinstall.env.hashing import FileState, default_workers
-from safeinstall.env.keep import Saved, open_kept, relink
+from safeinstall.env.keep import Saved, open_kept, relink, relink_as
 from safeinstall.env.records import decode_digest, parse_record
 from safeinstall.errors import SafeInstallError
 from safeinstall.store.runlog import human_bytes
@@ -672,7 +672,13 @@ class _Removal:
     kept_shared: tuple[str, ...]
 
 
-def _removal(backup: Backup, env: Environment, tree: Tree, remove: Iterable[Path]) -> _Removal:
+def _removal(
+    backup: Backup, env: Environment, tree: Tree, remove: Iterable[Path], same: frozenset[str]
+) -> _Removal:
+    """What goes before anything is written: the installed version's files, what a failed install left
+    in the saved directories, and the saved paths whose entry is not as saved (``same``: those that
+    are): each put-back then writes into an empty place, never a copy beside the file it replaces
+    (on a full disk, the room it needs is the room the removal made)."""
     manifest = backup.manifest
     names = frozenset(d.name for d in manifest.distributions)
     saved_paths = frozenset(f.path for f in manifest.files)
@@ -694,11 +700,15 @@ def _removal(backup: Backup, env: Environment, tree: Tree, remove: Iterable[Path
         if relative is None:
             skipped_outside.append(path)
         elif relative.startswith(removed_whole) or relative in saved_paths:
-            continue  # removed with its .dist-info / put back below
+            continue  # removed with its .dist-info / as a saved path, below
         elif path in shared:
             kept_shared.append(path)
         else:
             files.append(relative)
+    for saved in manifest.files:  # in both versions, or changed: removed first, written back below
+        info = tree.lstat(saved.path) if saved.path not in same else None
+        if info is not None and not stat.S_ISDIR(info.st_mode) and not saved.path.startswith(removed_whole):
+            files.append(saved.path)
     debris: list[str] = []
     # the package directories and the saved .dist-info hold exactly what was saved, nothing new;
     # bytecode of a saved source is a cache (removed below when its source is rewritten)
@@ -735,6 +745,13 @@ def _same(saved: BackupFile, tree: Tree) -> bool:
     )
 
 
+def _found_as_saved(files: Sequence[BackupFile], tree: Tree, workers: int | None) -> frozenset[str]:
+    """The saved paths whose entry is there exactly as saved (:func:`_same`), hashed on threads."""
+    with ThreadPoolExecutor(max_workers=workers or default_workers(), thread_name_prefix="same") as pool:
+        found = list(pool.map(lambda f: _same(f, tree), files))
+    return frozenset(f.path for f, same in zip(files, found, strict=True) if same)
+
+
 def _make_directories(manifest: BackupManifest, tree: Tree, as_root: bool) -> list[str]:
     """Recreate missing directories with their saved mode and owner (a symlink or a file where one was is
     removed, never followed); failures as "path: reason"."""
@@ -756,12 +773,15 @@ def _remove_own_temp_files(tree: Tree, directories: Iterable[str]) -> None:
                     tree.unlink(f"{directory}/{name}")
 
 
-def _put_back(saved: BackupFile, source: Tree, tree: Tree, as_root: bool, kept: int | None) -> bool:
+def _put_back(
+    saved: BackupFile, source: Tree, tree: Tree, as_root: bool, kept: int | None, same: frozenset[str]
+) -> bool:
     """Put one file back atomically (temp file beside it, rename), unless it is there as saved already
-    (False: nothing written; a read-only file system that the install never changed is left alone).
-    On a full disk the file it replaces is removed first, to make the room that the copy needs: the
-    services are stopped during a restore, so atomicity matters less than finishing it."""
-    if _same(saved, tree):
+    (False: nothing written; a read-only file system that the install never changed is left alone;
+    ``same``: the paths found so before the removal). On a full disk a file still in its place is
+    removed first, to make the room that the copy needs: the services are stopped during a restore,
+    so atomicity matters less than finishing it."""
+    if saved.path in same or _same(saved, tree):
         return False
     if kept is not None and saved.link_target is None and saved.sha256 is not None:
         what = Saved(saved.path, saved.size, saved.mode, saved.uid, saved.gid, saved.mtime_ns, saved.sha256)
@@ -776,6 +796,12 @@ def _put_back(saved: BackupFile, source: Tree, tree: Tree, as_root: bool, kept: 
         tree.unlink(saved.path)
         _put_back_atomically(saved, source, tree, as_root)
     return True
+
+
+def tight(needed: int, vfs: os.statvfs_result) -> bool:
+    """Pure: a restore that writes ``needed`` bytes is short of room on the filesystem ``vfs`` describes
+    (less free than twice that, and 64 MiB): it writes one file at a time."""
+    return vfs.f_bavail * vfs.f_frsize < 2 * needed + (64 << 20)
 
 
 def _put_back_atomically(saved: BackupFile, source: Tree, tree: Tree, as_root: bool) -> None:
@@ -839,13 +865,20 @@ def restore_backup(
         )
     try:
         with Tree(prefix) as tree, tree.batch():
-            removal = _removal(backup, env, tree, remove)
+            same = _found_as_saved(manifest.files, tree, workers)
+            removal = _removal(backup, env, tree, remove, same)
             stop = [
                 r
                 for r in (tree.relative(p) for p in (*env.site_dirs, env.scripts, env.data))
                 if r is not None
             ]
         removed = _remove_as_owner(env, removal, stop)
+        relinked: tuple[str, ...] = ()
+        if env.account is not None and run_id is not None:  # the account's kept links, by its worker
+            with Tree(prefix) as made:  # the removal pruned the directories it emptied
+                _make_directories(manifest, made, os.geteuid() == 0)
+            regular = [f.path for f in manifest.files if f.link_target is None and f.path not in same]
+            relinked = relink_as(env.account.ids, prefix, run_id, regular)  # checked below, or copied
         tree, source = Tree(prefix), Tree(backup.files_dir)  # opened anew: the worker changed directories
     except OSError as exc:
         raise BackupError(
@@ -855,7 +888,7 @@ def restore_backup(
     kept = open_kept(tree, run_id) if run_id is not None else None
     try:
         with tree, source, tree.batch(), source.batch():
-            return _restore(backup, tree, source, removal, removed, workers, kept)
+            return _restore(backup, tree, source, removal, removed, workers, kept, same, relinked)
     finally:
         if kept is not None:
             os.close(kept)
@@ -919,7 +952,11 @@ def _restore(
     removed: _Removed,
     workers: int | None,
     kept: int | None,
+    same: frozenset[str],
+    relinked: tuple[str, ...] = (),
 ) -> RestoreResult:
+    """The saved files put back (``relinked``: those the account's worker put back as kept inodes, each
+    checked here like any file found in place), the bytecode of what changed removed, the result."""
     manifest = backup.manifest
     as_root = os.geteuid() == 0
     restoring = {f.path for f in manifest.files}
@@ -927,8 +964,13 @@ def _restore(
     failures.extend(_make_directories(manifest, tree, as_root))
     _remove_own_temp_files(tree, {os.path.dirname(p) for p in restoring})  # left by a restore that crashed
     rewritten: list[str] = []
-    with ThreadPoolExecutor(max_workers=workers or default_workers(), thread_name_prefix="restore") as pool:
-        futures = {pool.submit(_put_back, f, source, tree, as_root, kept): f for f in manifest.files}
+    writing = [f for f in manifest.files if f.path not in same]
+    if not tight(sum(_BLOCK + f.size for f in writing), os.fstatvfs(tree.fd)):
+        count = workers or default_workers()
+    else:  # one at a time, each into the room the removal made: never several copies in flight
+        count = 1
+    with ThreadPoolExecutor(max_workers=count, thread_name_prefix="restore") as pool:
+        futures = {pool.submit(_put_back, f, source, tree, as_root, kept, same): f for f in writing}
         for future in as_completed(futures):
             try:
                 if future.result():
@@ -936,6 +978,7 @@ def _restore(
             except OSError as exc:
                 where = tree.root / futures[future].path
                 failures.append(f"{where}: could not restore it: {exc.strerror or exc}")
+    rewritten.extend(sorted(set(relinked) - set(rewritten)))  # put back too (copied where not as saved)
     # bytecode of removed or rewritten sources could be stale (saved .pyc files are back already)
     for pyc in stale_bytecode([tree.root / p for p in (*removed.files, *rewritten)]):
         stale = tree.relative(pyc)

@@ -14,6 +14,7 @@ whose name is not a run id is never deleted.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -21,6 +22,8 @@ import sys
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from safeinstall.store.runlog import human_bytes
 
 #: Backups kept per environment unless ``--keep-backups`` says otherwise.
 DEFAULT_KEEP = 3
@@ -107,3 +110,42 @@ def prune_backups(
         else:
             removed.append(path)
     return Pruned(tuple(removed), tuple(problems))
+
+
+@dataclass(frozen=True, slots=True)
+class KeptBackup:
+    path: Path
+    bytes: int  # what its files take (as its manifest says; its hardlinks too: they keep old inodes)
+
+
+def kept_backups(backups: Path) -> tuple[KeptBackup, ...]:
+    """The environment's backups (run ids, oldest first) and what each holds, read from their
+    manifests (one whose manifest cannot be read counts 0); never raises."""
+    try:
+        names = sorted(entry.name for entry in os.scandir(backups) if entry.is_dir(follow_symlinks=False))
+    except OSError:
+        return ()
+    found: list[KeptBackup] = []
+    for name in names:
+        if not is_run_id(name):
+            continue
+        try:
+            data = json.loads((backups / name / "manifest.json").read_bytes())
+            size = sum(int(f.get("size", 0)) for f in data.get("files", ()) if isinstance(f, dict))
+        except (OSError, ValueError, TypeError, AttributeError):
+            size = 0
+        found.append(KeptBackup(backups / name, size))
+    return tuple(found)
+
+
+def kept_note(kept: tuple[KeptBackup, ...], keep: int) -> str | None:
+    """Pure: what the plan says of the kept backups (None: there are none)."""
+    if not kept:
+        return None
+    total = sum(k.bytes for k in kept)
+    oldest = kept[0]
+    return (
+        f"the {len(kept)} kept backup(s) of this environment hold {human_bytes(total)} in "
+        f"{oldest.path.parent} (--keep-backups {keep}; the oldest, {oldest.path.name}, "
+        f"{human_bytes(oldest.bytes)})"
+    )

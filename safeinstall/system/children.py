@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import resource
 import selectors
 import signal
@@ -212,6 +213,35 @@ def _system_program(name: str) -> str | None:
     return None
 
 
+#: What glibc's loader and libc load code or settings from: never given to the wrappers of
+#: :func:`contained`, which run as root (a unit's ``LD_PRELOAD`` or ``LD_LIBRARY_PATH`` may name the
+#: account's own files: loaded by root's ``unshare``, they would run as root; the attacker review).
+_LOADER_PREFIXES = ("LD_", "MALLOC_")
+_LOADER_NAMES = frozenset(
+    {
+        "GCONV_PATH", "GETCONF_DIR", "GLIBC_TUNABLES", "HOSTALIASES", "LOCALDOMAIN", "LOCPATH",
+        "NIS_PATH", "NLSPATH", "RESOLV_HOST_CONF", "RES_OPTIONS", "TZ", "TZDIR",
+    }
+)  # fmt: skip
+#: Where a held variable waits while the wrappers run (its value never on a command line).
+HELD_PREFIX = "SAFEINSTALL_HELD_"
+
+
+def held_environment(env: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """Pure: ``env`` for root's wrappers (the loader's variables held under :data:`HELD_PREFIX`; one
+    whose name no shell can set is dropped: glibc reads none such) and the ``/bin/sh`` words that, run
+    as the account, give them back and run the command (``exec "$@"``)."""
+    kept: dict[str, str] = {}
+    restore: list[str] = []
+    for name, value in env.items():
+        if not (name.startswith(_LOADER_PREFIXES) or name in _LOADER_NAMES):
+            kept[name] = value
+        elif re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            kept[HELD_PREFIX + name] = value
+            restore.append(f"{name}=${HELD_PREFIX}{name}; export {name}; unset {HELD_PREFIX}{name}; ")
+    return kept, ["/bin/sh", "-c", "".join(restore) + 'exec "$@"', "sh"]
+
+
 def contained(
     argv: Sequence[str], as_user: tuple[int, int] | None, groups: Sequence[int]
 ) -> tuple[list[str], bool] | None:
@@ -266,7 +296,8 @@ def run(
 
     ``contain``: the child runs in a PID namespace of its own (:func:`contained`), so that nothing it
     started outlives it, a process in a session of its own included; where that cannot be had (a
-    caller that is not root, no util-linux), its process group alone is ended (``end_group``).
+    caller that is not root, no util-linux), its process group alone is ended (``end_group``). Root's
+    wrappers never get the loader's variables of a child as ``as_user`` (:func:`held_environment`).
 
     ``cancel``: an event another thread may set (the run stopped while a check ran in the background):
     the child is then killed and reaped, and its group sent SIGKILL, within a poll (:data:`POLL_S`;
@@ -279,11 +310,14 @@ def run(
     an exception from a signal handler propagates once the child is gone.
     """
     command = list(argv)
+    environment = dict(env)
     wrapped = contained(command, as_user, groups) if contain and program_fd is None else None
     if wrapped is not None:
         spawned, ids_set = wrapped
-        if ids_set:
+        if ids_set:  # root's unshare and setpriv never load what the account's variables name
             as_user = None
+            environment, restore = held_environment(env)
+            spawned = [*spawned[: -len(command)], *restore, *command]
     else:
         spawned = command
     held: list[int] = []
@@ -293,7 +327,7 @@ def run(
             spawned,
             executable=None if program_fd is None else f"/proc/self/fd/{program_fd}",
             pass_fds=() if program_fd is None else (program_fd,),
-            env=dict(env),
+            env=environment,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -28,13 +28,14 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from safeinstall.errors import SystemdError
 from safeinstall.system import children
 from safeinstall.system.cgroups import valid_unit_name
+from safeinstall.system.identity import ProcessId, read_stat
 
 #: Properties :meth:`Systemd.show` asks for, in one ``systemctl show`` call.
 SHOW_PROPERTIES: tuple[str, ...] = (
@@ -569,11 +570,14 @@ class Systemd:
         # Blocks until systemd's stop job is done: no polling latency on the common path. A timeout
         # (the job goes on) or a failure is judged below from the unit's state.
         refused: SystemdError | None = None
-        try:
-            self.systemctl("stop", "--", unit, timeout_s=timeout_s)
+        try:  # beyond STOP_LOOK_S the unit's processes are looked at too (one stopped, one in D)
+            self.systemctl("stop", "--", unit, timeout_s=min(timeout_s, STOP_LOOK_S))
         except SystemdError as exc:
             refused = exc
+            if isinstance(exc.__cause__, subprocess.TimeoutExpired) and timeout_s > STOP_LOOK_S:
+                refused = self._stop_again(unit, started + timeout_s)
         deadline = started + timeout_s
+        blocked = BlockedStop()
         while True:
             info = self.info(unit)
             control_group = control_group or info.control_group
@@ -584,6 +588,12 @@ class Systemd:
                 return StopOutcome(
                     unit, True, info.active_state, info.sub_state, pids, now - started, None, down
                 )
+            # only while systemd's stop is under way: once the unit is down, what is left in its cgroup
+            # (KillMode=process) is the caller's to wait for and judge (a GPU holder in D: a reboot)
+            stopping = info.active_state not in _STOPPED_STATES
+            why = blocked.look(unit, self._scope_flag, pids, info.timeout_stop_s, now) if stopping else None
+            if why is not None:
+                return StopOutcome(unit, False, info.active_state, info.sub_state, pids, now - started, why)
             interrupted = cancel is not None and cancel.is_set()
             not_done = refused is not None and info.active_state == "active" and info.job_id is None
             if not_done or interrupted:
@@ -602,6 +612,19 @@ class Systemd:
                     _stop_failure_reason(info, control_group, pids, timeout_s),
                 )
             time.sleep(self.poll_s)
+
+    def _stop_again(self, unit: str, deadline: float) -> SystemdError | None:
+        """After ``systemctl stop`` was ended at :data:`STOP_LOOK_S`: None when systemd has the stop job
+        (or is done with it: watched by the caller); else (a busy manager had not taken the call) the
+        stop asked again and waited for, as at first, until ``deadline``; what that says."""
+        now = self.info(unit)
+        if now.active_state != "active" or now.job_id is not None:
+            return None
+        try:
+            self.systemctl("stop", "--", unit, timeout_s=max(0.1, deadline - time.monotonic()))
+        except SystemdError as exc:
+            return exc
+        return None
 
     def wait_settled(
         self,
@@ -627,6 +650,7 @@ class Systemd:
         deadline = started + timeout_s
         last_restarts = before.n_restarts if before is not None else None
         active_since: float | None = None
+        blocked = BlockedStop()
         while True:
             info = self.info(unit)
             now = time.monotonic()
@@ -644,6 +668,10 @@ class Systemd:
                 verdict = "settled" if now - active_since >= settle_s else None
             else:  # activating, reloading, or a job still queued (a start behind a stop that is running)
                 active_since = None
+                if state == "deactivating" and info.control_group:  # the start waits on that stop
+                    pids = self.pids_in_cgroup(info.control_group)
+                    reason = blocked.look(unit, self._scope_flag, pids, info.timeout_stop_s, now)
+                    verdict = "failed" if reason is not None else None
             if verdict is None and active_since is None and now >= deadline:
                 verdict = "activating"
                 reason = f"{unit} is still {state} ({info.sub_state}) after {timeout_s:g}s"
@@ -721,6 +749,70 @@ class Systemd:
         return True
 
 
+#: How long a stop waits for systemctl alone before it also looks at the unit's processes
+STOP_LOOK_S = 2.0
+#: How long a process of a stopping unit may stay in uninterruptible sleep (D) before it is named
+STUCK_D_S = 3.0
+
+
+def seconds_said(seconds: float) -> str:
+    """Pure: a unit's timeout as systemd's own settings say it: ``90s``, or ``infinity``."""
+    return "infinity" if math.isinf(seconds) else f"{seconds:g}s"
+
+
+def blocked_reason(
+    unit: str, scope: str, pid: int, name: str, state: str, timeout_stop_s: float, d_for: float = 0.0
+) -> str | None:
+    """Pure: why ``unit``'s stop cannot finish while its process ``pid`` is in ``state`` (as
+    ``/proc/PID/stat`` says it), and the command that lets it; None for a state that does not block.
+    ``T``/``t`` (stopped, traced): it does not act on the stop's SIGTERM until it runs again; ``D``
+    (uninterruptible): no signal ends it before its kernel call returns."""
+    kill = f"systemctl {scope + ' ' if scope == '--user' else ''}kill --signal=SIGKILL {unit}"
+    bound = f"systemd kills it only after TimeoutStopSec={seconds_said(timeout_stop_s)}"
+    if state in ("T", "t"):
+        what = "stopped (state T: SIGSTOP, a debugger)" if state == "T" else "stopped by a tracer (state t)"
+        return (
+            f"{unit} cannot stop: PID {pid} ({name}) is {what} and does not act on the stop's SIGTERM "
+            f"until it runs again ({bound}); `kill -CONT {pid}` lets it end, `{kill}` ends it now"
+        )
+    if state == "D":
+        return (
+            f"{unit} cannot stop: PID {pid} ({name}) is in uninterruptible sleep (state D, "
+            f"{d_for:.0f} s): no signal ends it before its kernel call returns ({bound}); "
+            f"`cat /proc/{pid}/stack` shows where it waits; once it returns, `{kill}` ends it, "
+            "else the host needs a reboot"
+        )
+    return None
+
+
+@dataclass
+class BlockedStop:
+    """At each poll of a stop: a process of the unit that keeps it from stopping (stopped, ``T``; or in
+    ``D`` for :data:`STUCK_D_S`) named at once, not waited out to the unit's TimeoutStopSec."""
+
+    d_since: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    def look(
+        self, unit: str, scope: str, pids: Iterable[int], timeout_stop_s: float, now: float
+    ) -> str | None:
+        seen: set[tuple[int, int]] = set()
+        for pid in sorted(pids):
+            stat = read_stat(ProcessId(pid, None))
+            if stat is None:
+                continue
+            if stat.state in ("T", "t"):
+                return blocked_reason(unit, scope, pid, stat.name, stat.state, timeout_stop_s)
+            if stat.state == "D":
+                key = (pid, stat.start_time)
+                seen.add(key)
+                since = self.d_since.setdefault(key, now)
+                if now - since >= STUCK_D_S:
+                    return blocked_reason(unit, scope, pid, stat.name, "D", timeout_stop_s, now - since)
+        for gone in set(self.d_since) - seen:
+            del self.d_since[gone]
+        return None
+
+
 def _stop_failure_reason(
     info: UnitInfo, control_group: str | None, pids: frozenset[int], timeout_s: float
 ) -> str:
@@ -728,7 +820,8 @@ def _stop_failure_reason(
     if info.active_state not in _STOPPED_STATES:
         return (
             f"{info.name} is still {info.active_state} ({info.sub_state}) after {timeout_s:g}s; "
-            f"systemd goes on stopping it and kills it after TimeoutStopSec={info.timeout_stop_s:g}s"
+            "systemd goes on stopping it and kills it after "
+            f"TimeoutStopSec={seconds_said(info.timeout_stop_s)}"
         )
     return (
         f"{info.name} is {info.active_state} but {len(pids)} process(es) remain in "

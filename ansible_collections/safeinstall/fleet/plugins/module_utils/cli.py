@@ -256,6 +256,7 @@ DRIFT_KINDS = (
     "malformed",
     "version-mismatch",
     "mode",
+    "record-changed",
 )
 WARNING_KINDS = ("hardlinked", "wheel-record", "shared", "dpkg-intact")
 
