@@ -94,11 +94,21 @@ def command_for(flags: Collection[str]) -> str:
 STATUS_VALUES: dict[str, tuple[str, ...]] = {
     "verify": ("clean", "drift", "error"),
     "dry-run": ("would-proceed", "would-refuse", "error"),
-    "reinstall": ("done", "declined", "rolled-back", "rollback-failed", "error", "detached", "recovered"),
+    "reinstall": (
+        "done",
+        "declined",
+        "rolled-back",
+        "rollback-failed",
+        "error",
+        "detached",
+        "recovered",
+        "prepared",
+    ),
     "undo": ("done", "declined", "rolled-back", "rollback-failed", "error", "detached"),
     "recover": ("recovered", "nothing-to-recover", "rolled-back", "error"),
-    "status": ("idle", "running", "needs-recovery", "error"),
+    "status": ("idle", "running", "needs-recovery", "prepared", "error"),
     "forget": ("forgotten", "error"),
+    "discard": ("discarded", "error"),
 }
 
 
