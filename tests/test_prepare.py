@@ -251,3 +251,49 @@ def test_a_detached_commit_refused_says_so_at_once(bed: Bed) -> None:
     _untouched_but_patched = bed.manager.main_pid(name) == main
     assert _untouched_but_patched and bed.manager.active_state(name) == "active"
     assert bed.safeinstall("--discard").code == 0
+
+
+def test_the_commit_takes_the_prepares_options_and_the_windows_own() -> None:
+    """Pure: every option of a run is the prepare's (kept in its record) or the window's (the commit's)."""
+    import dataclasses
+
+    from safeinstall.run.options import RunOptions
+    from safeinstall.run.prepare import WINDOW_OPTIONS, commit_options, options_json
+    from safeinstall.store.prepared import PreparedRecord
+
+    prepared = RunOptions(
+        package="vllm",
+        python="/opt/vllm/bin/python",
+        wheel=Path("/state/wheels/x/vllm-0.16.0-py3-none-any.whl"),
+        with_deps=True,
+        user=True,
+        kill_strays=True,
+        extra_args=("--no-build-isolation",),
+        no_swap=True,
+        smoke_skip=("vllm.x",),
+        keep_backups=5,
+        prepare=True,
+        settle=9.0,
+    )
+    record = PreparedRecord(
+        run_id="20261206T000000Z-1",
+        prepared_at=0.0,
+        prefix="/opt/vllm",
+        package="vllm",
+        changes=(),
+        options=json.loads(json.dumps(options_json(prepared))),  # as the record keeps it
+        uv_command=(),
+        units=(),
+        processes=(),
+        files={},
+    )
+    given = RunOptions(
+        package="vllm", settle=1.5, health_url="http://127.0.0.1:8000/health", stop_timeout=30.0
+    )
+    options = commit_options(record, given)
+    assert options.commit and not options.prepare and options.run_id == record.run_id
+    for name in WINDOW_OPTIONS:
+        assert getattr(options, name) == getattr(given, name), name
+    kept = {f.name for f in dataclasses.fields(RunOptions)} - set(WINDOW_OPTIONS)
+    for name in kept - {"prepare", "commit", "run_id", "environ", "proc_root", "prepared_max_age"}:
+        assert getattr(options, name) == getattr(prepared, name), name

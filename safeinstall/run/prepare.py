@@ -21,6 +21,7 @@ from typing import Any
 
 from safeinstall.env.containment import is_within
 from safeinstall.env.drift import FindingKind
+from safeinstall.env.swap import STAGING_PREFIX
 from safeinstall.errors import PreparedRunError, SafeInstallError
 from safeinstall.run import staging
 from safeinstall.run.options import RunOptions
@@ -152,6 +153,11 @@ def changes_of(prepared: Prepared) -> tuple[str, ...]:
     )
 
 
+def staging_name(run_id: str) -> str:
+    """Pure: the name of the run's staging directory in the prefix (env/swap.py)."""
+    return f"{STAGING_PREFIX}{run_id}"
+
+
 def what_changed(record: PreparedRecord, prepared: Prepared) -> list[str]:
     """What the commit's preflight finds otherwise than the prepare left it (empty: nothing)."""
     plan = prepared.plan
@@ -176,7 +182,9 @@ def what_changed(record: PreparedRecord, prepared: Prepared) -> list[str]:
     moved = [path for path, was in record.files.items() if identity(path) != was]
     if moved:
         said.append(f"{len(moved)} file(s) of the environment changed (first: {moved[0]})")
-    if record.staged_root is not None:
+    if record.staged_root is not None and record.staged_root != staging_name(record.run_id):
+        said.append(f"the record's staging directory {record.staged_root!r} (not the run's own)")
+    elif record.staged_root is not None:
         root = Path(record.prefix) / record.staged_root
         tree = tree_identities(root)
         if tree != dict(record.staged):
