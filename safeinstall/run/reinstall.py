@@ -1116,7 +1116,8 @@ def run_reinstall(
 
 
 def read_prepared_run(options: RunOptions, env: Environment | None) -> PreparedRecord:
-    """--commit: the record of the one prepared run of the environment (read again under the lock)."""
+    """--commit: the record of the one prepared run of the environment, read before the lock;
+    :func:`safeinstall.run.prepare.commit_check` checks under it that the journal is still that run's."""
     python = str(interpreter_in_prefix(env)) if env is not None else options.python
     return prepare.the_prepared_run(options.environ, python).record
 
