@@ -94,3 +94,31 @@ def test_each_problem_is_said(usage: Usage, message: str) -> None:
 )
 def test_a_sensible_command_line_has_no_problem(usage: Usage) -> None:
     assert usage_problem(usage) is None
+
+
+@pytest.mark.parametrize(
+    ("usage", "message"),
+    [
+        (_usage(package="x", prepare=True, keep_patches=True), "does not carry local patches"),
+        (_usage("--undo", package="x", prepare=True), "--prepare does not go with --undo"),
+        (_usage("--detach", package="x", prepare=True), "--prepare does not go with --detach"),
+        (_usage(package="x", prepare=True, given=("health_url",)), "--health-url is for the window"),
+        (_usage("--commit", given=("commit_", "no_swap")), "--commit takes only the window's options"),
+        (_usage("--commit", package="x", given=("commit_", "package")), "--commit takes no PACKAGE"),
+        (_usage("--discard", given=("discard_", "settle")), "--settle does nothing with --discard"),
+        (_usage(package="x", given=("prepared_max_age",)), "--prepared-max-age goes with --commit"),
+        (_usage("--commit", "--status"), "do not go together"),
+    ],
+)
+def test_prepare_commit_and_discard_take_what_they_use(usage: Usage, message: str) -> None:
+    """Issue 47 (docs/prepare.md): each refusal, before anything is read."""
+    problem = usage_problem(usage)
+    assert problem is not None and message in problem.message, (problem, message)
+
+
+def test_a_commit_takes_the_windows_options_and_may_detach() -> None:
+    window = ("commit_", "detach_", "yes", "user", "settle", "health_url", "stop_timeout", "gpu_timeout")
+    assert (
+        usage_problem(_usage("--commit", "--detach", given=(*window, "prepared_max_age", "as_json"))) is None
+    )
+    assert usage_problem(_usage(package="x", prepare=True, given=("package", "prepare", "with_deps"))) is None
