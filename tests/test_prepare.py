@@ -297,3 +297,18 @@ def test_the_commit_takes_the_prepares_options_and_the_windows_own() -> None:
     kept = {f.name for f in dataclasses.fields(RunOptions)} - set(WINDOW_OPTIONS)
     for name in kept - {"prepare", "commit", "run_id", "environ", "proc_root", "prepared_max_age"}:
         assert getattr(options, name) == getattr(prepared, name), name
+
+
+def test_a_service_restarted_since_the_prepare_refuses_the_commit(bed: Bed) -> None:
+    """The commit's new scan: another process uses the package now (the unit restarted meanwhile)."""
+    name = bed.service("prep-restarted")
+    _prepared(bed)
+    bed.manager.systemctl("restart", name)
+    bed.manager.wait_active(name)
+    main = bed.manager.main_pid(name)
+    refused = bed.safeinstall("--commit", "--json")
+    assert refused.code == 2, refused.stdout + refused.stderr
+    assert "the processes using the package: 1 new, 1 gone" in refused.json["errors"][0]["message"]
+    assert bed.manager.main_pid(name) == main and bed.version() == "1.0"
+    assert bed.safeinstall("--discard").code == 0
+    _nothing_left(bed)
