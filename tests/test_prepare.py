@@ -62,6 +62,9 @@ def test_prepare_then_commit(bed: Bed) -> None:
     assert committed.json["status"] == "done"
     steps = [s["name"] for s in committed.json["data"]["steps"]]
     assert "backup" not in steps and "prefetch" not in steps and "stop" in steps and "install" in steps, steps
+    # the commit's whole wall time (issue 47 item 4): its preflight and every step within it
+    data = committed.json["data"]
+    assert data["wall_s"] >= sum(s["seconds"] for s in data["steps"]) > 0
     assert bed.version() == "2.0"
     check = bed.verify("--wheel", str(bed.wheels["sicext-2"]))
     assert check.code == 0, check.stdout

@@ -52,6 +52,7 @@ def test_happy_path(bed: Bed) -> None:
         "patches",
         "patch_file",
         "manual_commands",
+        "wall_s",
     }
     assert doc["data"]["patches"] == [] and doc["data"]["patch_file"] is None
     assert [s["name"] for s in doc["data"]["steps"]] == [

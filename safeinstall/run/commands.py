@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from datetime import UTC, datetime
@@ -434,6 +435,7 @@ def _reinstall(
     from safeinstall.store.state import new_run_id
     from safeinstall.system.signals import ignored_until_exit
 
+    began = time.monotonic()  # the whole run's wall time: from before its preflight to its result
     state = _state_of(env, options.environ)
     run_id = options.run_id or new_run_id(datetime.now(UTC), os.getpid())
     started = now_iso()
@@ -451,7 +453,8 @@ def _reinstall(
         _run_metrics(metrics, ui, env, options.package, run_id, started, failed)
         return Failed(document=failed.to_json(), exit_code=error.exit_code, failures=(error,), error=error)
     errors = [result.error] if result.error else []
-    data = {"run_id": run_id, **_undo_of(options), **run_json(result)}
+    wall = round(time.monotonic() - began, 3)
+    data = {"run_id": run_id, **_undo_of(options), **run_json(result), "wall_s": wall}
     document = RunDocument.from_json(
         jsonable(envelope(command, result.status, result.exit_code, data, errors))
     )
