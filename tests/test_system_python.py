@@ -58,6 +58,14 @@ def _installed_packages() -> set[str]:
     return {line.split()[0] for line in out.splitlines() if line.endswith(" installed")}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _system_python_alone() -> Iterator[None]:
+    """This module changes the machine's system Python: another suite's runs of it wait (and it waits
+    for theirs), so that two suites at once on one machine never see each other's packages."""
+    with wheelhouse.system_python_held():
+        yield
+
+
 @pytest.fixture(scope="module")
 def python3_yaml() -> Iterator[Path]:
     """dpkg's python3-yaml (PyYAML with a RECORD) in /usr/lib/python3/dist-packages: installed with apt

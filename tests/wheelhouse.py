@@ -6,10 +6,13 @@ installs with ``uv pip install --offline``.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +21,21 @@ import uv
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ROOT / "fixtures" / "packages"
 UV = uv.find_uv_bin()
+#: the machine's one lock for the tests that change (or read all of) the system Python: two suites at
+#: once on one machine take turns there (tests/test_system_python.py installs into it)
+SYSTEM_PYTHON_LOCK = Path("/tmp/safeinstall-tests-system-python.lock")
+
+
+@contextlib.contextmanager
+def system_python_held(*, exclusive: bool = True) -> Iterator[None]:
+    """The system Python for this test alone (``exclusive``: it installs there), or unchanged meanwhile."""
+    fd = os.open(SYSTEM_PYTHON_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
 
 #: fixture key -> source directory name under fixtures/packages
 SOURCES = {
