@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ def test_leaves_a_daemon(tmp_path: Path) -> None:
 
 def test_leaves_state_in_the_machines_directory(tmp_path: Path) -> None:
     # what a run told no SAFEINSTALL_STATE_DIR leaves for an environment of the test's
-    state = Path("/var/lib/safeinstall") / f"venv-leak-{os.getpid()}"
+    state = Path("/var/lib/safeinstall") / f"venv-leak-{os.environ['LEAK_TAG']}"
     state.mkdir(parents=True)
     (state / "prefix").write_text(str(tmp_path / "venv"))
 
@@ -42,11 +43,11 @@ def test_leaves_nothing() -> None:
 """
 
 
-def _suite(tmp_path: Path, text: str) -> subprocess.CompletedProcess[str]:
+def _suite(tmp_path: Path, text: str, tag: str = "") -> subprocess.CompletedProcess[str]:
     (tmp_path / "test_inner.py").write_text(text)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     env = {k: v for k, v in os.environ.items() if k != "SAFEINSTALL_TEST_SESSION"}
-    env |= {"PYTHONPATH": str(ROOT), "SAFEINSTALL_TEST_LEAK_GRACE_S": "1"}
+    env |= {"PYTHONPATH": str(ROOT), "SAFEINSTALL_TEST_LEAK_GRACE_S": "1", "LEAK_TAG": tag}
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "tests.bed_leaks", "-p", "no:cacheprovider",
          "-c", str(tmp_path / "pytest.ini"), "--rootdir", str(tmp_path),
@@ -58,14 +59,15 @@ def _suite(tmp_path: Path, text: str) -> subprocess.CompletedProcess[str]:
 def test_a_suite_that_leaves_a_daemon_a_mount_or_state_fails_and_is_cleaned_up(tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    done = _suite(tmp_path, LEAKY)
+    tag = uuid.uuid4().hex  # another suite may run this test at the same time
+    done = _suite(tmp_path, LEAKY, tag)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "3 passed" in done.stdout
     assert (
-        "leak: /var/lib/safeinstall/venv-leak-" in done.stdout
+        f"leak: /var/lib/safeinstall/venv-leak-{tag} " in done.stdout
         and "(a run without SAFEINSTALL_STATE_DIR)" in done.stdout
     )
-    assert not list(Path("/var/lib/safeinstall").glob("venv-leak-*"))  # removed by the check
+    assert not (Path("/var/lib/safeinstall") / f"venv-leak-{tag}").exists()  # removed by the check
     assert "leak: process" in done.stdout and "sleep 600" in done.stdout
     assert f"leak: mount {tmp_path / 'base'}" in done.stdout and "/disk outlived the suite" in done.stdout
     with open("/proc/self/mountinfo") as mountinfo:  # unmounted by the check

@@ -229,13 +229,17 @@ def test_judge_compares_code_not_file_names(tmp_path: Path) -> None:
 
 _BOMB = """
 import importlib.util, resource, sys
+# this process's own peak (VmHWM: reset at exec; getrusage's ru_maxrss keeps the parent's at the fork)
+def _peak_mib():
+    status = open("/proc/self/status").read().split("\\n")
+    return int(next(line for line in status if line.startswith("VmHWM:")).split()[1]) >> 10
 from safeinstall.env.bytecode import PycName, judge
 header = importlib.util.MAGIC_NUMBER + bytes(12)
 name = PycName("/nowhere/m.py", sys.implementation.cache_tag, 0)
 huge = (1 << 27).to_bytes(4, "little")
 for body in (b"(" + huge, b"c" + bytes(20) + b"(" + huge):
     print(judge(header + body, name, b"x = 1\\n"))
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10)
+print(_peak_mib())
 """
 
 
@@ -268,6 +272,10 @@ def test_the_marshal_bound_passes_what_python_writes() -> None:
 _DENSE = """
 import hashlib, importlib.util, resource, sys, threading
 from pathlib import Path
+# this process's own peak (VmHWM: reset at exec; getrusage's ru_maxrss keeps the parent's at the fork)
+def _peak_mib():
+    status = open("/proc/self/status").read().split("\\n")
+    return int(next(line for line in status if line.startswith("VmHWM:")).split()[1]) >> 10
 if sys.argv[2] == "thread":  # another thread runs (a run's smoke check): no fork
     threading.Thread(target=threading.Event().wait, daemon=True).start()
 from safeinstall.env.bytecode import Source, judge_files, pyc_name
@@ -277,7 +285,7 @@ pyc = importlib.util.cache_from_source(str(source))
 digest = encode_digest(hashlib.sha256(source.read_bytes()).digest())
 verdicts = judge_files([source.parent], [(pyc, pyc_name(pyc), Source("sha256", digest))], lambda s: False)
 print(dict(verdicts.problems), len(verdicts.judged))
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10)
+print(_peak_mib())
 """
 
 
@@ -486,10 +494,23 @@ def _chain(top: Path, depth: int) -> Path:
     return top
 
 
+def _unchain(top: Path) -> None:
+    """Remove a chain of :func:`_chain` one level at a time (``shutil.rmtree``, pytest's clean-up of old
+    temporary directories too, recurses and fails on a tree deeper than Python's recursion limit)."""
+    while (top / "d" / "d").is_dir():
+        os.rename(top / "d" / "d", top / "next")
+        shutil.rmtree(top / "d")
+        os.rename(top / "next", top / "d")
+    shutil.rmtree(top, ignore_errors=True)
+
+
 def test_a_deep_chain_in_a_package_directory_is_said_not_checked_never_clean(env: Path) -> None:
     root = _site(env) / "sipure"
     _chain(root / "deep", WALK_MAX_DEPTH + 20)
-    code, doc = _check(env)
+    try:
+        code, doc = _check(env)
+    finally:
+        _unchain(root / "deep")
     assert code == 1
     (finding,) = [f for f in doc["data"]["findings"] if f["kind"] == "unreadable"]
     assert finding["path"] == str(root) and "levels deep" in finding["detail"]
@@ -507,10 +528,13 @@ def test_tree_walks_hold_a_stack_of_descriptors_within_their_bounds(tmp_path: Pa
         walk_below(os.open(tmp_path / "t", os.O_RDONLY | os.O_DIRECTORY), "", [], [], max_entries=5)
     # Deeper than Python's recursion allows (the walk was recursive): bounded, not a RecursionError.
     _chain(tmp_path / "deeper", 1200)
-    with Tree(tmp_path) as tree, pytest.raises(TreeTooLarge):
-        tree.files_below("deeper")
-    with Tree(tmp_path) as tree, pytest.raises(TreeTooLarge):
-        tree.walk("deeper")
+    try:
+        with Tree(tmp_path) as tree, pytest.raises(TreeTooLarge):
+            tree.files_below("deeper")
+        with Tree(tmp_path) as tree, pytest.raises(TreeTooLarge):
+            tree.walk("deeper")
+    finally:
+        _unchain(tmp_path / "deeper")
     assert len(os.listdir("/proc/self/fd")) < 64  # every descriptor of the walks closed
 
 
