@@ -463,8 +463,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "identity-ignores-owner",
         "safeinstall/env/inodes.py",
-        "            or info.st_uid != entry.uid\n",
-        "",
+        "            or not owner_alone_writes(info.st_uid, info.st_mode, entry.uid)\n",
+        "            or not owner_alone_writes(info.st_uid, info.st_mode, info.st_uid)\n",
         (f"{PROMISES_45}::test_a_hashed_cache_inode_of_another_owner_now_is_read_and_hashed",),
     ),
     Mutation(

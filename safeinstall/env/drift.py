@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 from safeinstall.env.bytecode import pyc_name
 from safeinstall.env.hashing import FileState
+from safeinstall.system.safefs import everyone_may_write
 
 
 class FindingKind(StrEnum):
@@ -258,7 +259,7 @@ def mode_finding(distribution: str, state: FileState, script: bool) -> Finding |
     mode = state.mode
     if mode & (stat.S_ISUID | stat.S_ISGID):
         detail = "setuid or setgid"
-    elif mode & stat.S_IWOTH:
+    elif everyone_may_write(mode):
         detail = "writable by others"
     elif script and not mode & stat.S_IXUSR:
         detail = "a script its owner cannot execute"

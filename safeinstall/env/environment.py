@@ -26,7 +26,14 @@ from typing import Any
 from safeinstall.env.containment import is_within
 from safeinstall.errors import InterpreterError
 from safeinstall.system import children
-from safeinstall.system.safefs import ACL_XATTR, acl_writers, others_who_write, read_small
+from safeinstall.system.safefs import (
+    ACL_XATTR,
+    acl_writers,
+    group_may_write,
+    others_may_write,
+    others_who_write,
+    read_small,
+)
 
 _PROBE = r"""
 import os, sys
@@ -237,7 +244,7 @@ class _Control:
         # with an access ACL the group bits are its mask, which every named user's and group's write
         # passes through: without them no ACL entry can write, and the xattr need not be read (a walk
         # of 68k files of vLLM's site directory looks at each)
-        if mode & stat.S_IWGRP:
+        if group_may_write(mode):
             try:
                 raw = os.getxattr(path, ACL_XATTR, follow_symlinks=False)
             except OSError:
@@ -417,7 +424,7 @@ def _may_say(control: _Control, entry: os.DirEntry[str]) -> bool:
         return False
     if control.walked is not None:
         control.walked[entry.path] = info
-    return info.st_uid not in (0, control.euid) or bool(info.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+    return info.st_uid not in (0, control.euid) or others_may_write(info.st_mode)
 
 
 def who_else_controls(path: Path, euid: int) -> str | None:

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from safeinstall.env.hashing import FileState, Known, observe_files
+from safeinstall.system.safefs import owner_alone_writes
 
 #: The only algorithm kept (wheels and uv's RECORDs use it); a RECORD that names another is hashed.
 ALGORITHM = "sha256"
@@ -122,7 +123,7 @@ def hash_cache(
             except OSError:
                 continue
             digest = known(info) if stat.S_ISREG(info.st_mode) else None
-            if digest is None or info.st_uid != owner or info.st_mode & 0o022:
+            if digest is None or not owner_alone_writes(info.st_uid, info.st_mode, owner):
                 unread.append(item)
                 continue
             size, mtime, ctime = info.st_size, info.st_mtime_ns, info.st_ctime_ns
@@ -178,8 +179,7 @@ def _unchanged(entry: HashedInode, device: int, inode: int) -> bool:
         and info.st_size == entry.size
         and info.st_mtime_ns == entry.mtime_ns
         and info.st_ctime_ns == entry.ctime_ns
-        and info.st_uid == entry.uid
-        and not info.st_mode & 0o022
+        and owner_alone_writes(info.st_uid, info.st_mode, entry.uid)
     )
 
 
@@ -201,8 +201,7 @@ def checker(hashed: Hashed, installed_ns: int) -> Known:
         if (
             info.st_size != entry.size
             or info.st_mtime_ns != entry.mtime_ns
-            or info.st_uid != entry.uid
-            or info.st_mode & 0o022
+            or not owner_alone_writes(info.st_uid, info.st_mode, entry.uid)
             or info.st_ctime_ns > installed_ns
             or info.st_ctime_ns < entry.ctime_ns
         ):

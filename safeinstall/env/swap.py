@@ -55,6 +55,7 @@ from safeinstall.system.safefs import (
     RENAME_NOREPLACE,
     Tree,
     only_caller_writes,
+    others_who_write,
     parent_directories,
 )
 
@@ -225,7 +226,7 @@ def owner_of(prefix: Path) -> Ids:
     acts in no directory others write: a recovery has no environment inspection to refuse it)."""
     with Tree(prefix) as tree:
         info = os.fstat(tree.fd)
-    if info.st_uid == 0 and (info.st_mode & stat.S_IWOTH or (info.st_mode & stat.S_IWGRP and info.st_gid)):
+    if info.st_uid == 0 and others_who_write(info.st_mode, info.st_gid) is not None:
         raise PermissionError(errno.EPERM, "root's directory that others may write", str(prefix))
     return None if info.st_uid == 0 else (info.st_uid, info.st_gid)
 

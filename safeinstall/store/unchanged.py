@@ -48,6 +48,7 @@ from safeinstall.store.state import (
     trusted_environment_state,
 )
 from safeinstall.store.verified import boot_id
+from safeinstall.system.safefs import only_caller_writes
 
 STORE_NAME = "unchanged.json"
 #: 2: each distribution's oldest hash (``hashed``), negative modification times
@@ -200,12 +201,7 @@ def _too_large(path: Path) -> bool:
         info = os.lstat(path)
     except OSError:
         return False
-    return (
-        stat.S_ISREG(info.st_mode)
-        and info.st_uid == os.geteuid()
-        and not info.st_mode & 0o022
-        and info.st_size > STORE_LIMIT
-    )
+    return stat.S_ISREG(info.st_mode) and only_caller_writes(info) and info.st_size > STORE_LIMIT
 
 
 def keep_unchanged(
