@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from safeinstall.store.retention import backups_to_remove, is_run_id, kept_backups, kept_note, prune_backups
+from safeinstall.store.retention import backups_to_remove, kept_backups, kept_note, prune_backups
+from safeinstall.store.state import is_run_id
 
 OLD, MID, NEW = "20261101T000000Z-7", "20261115T120000Z-99", "20261130T041125Z-19214"
 

@@ -6,15 +6,12 @@ one command, renders and exits.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
 from safeinstall.errors import UsageError
-
-#: A bare distribution name (anything more is parsed as a requirement).
-PLAIN_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
+from safeinstall.run.options import PLAIN_NAME
 
 #: The flags that each choose what safeinstall does: no two of them go together.
 MODES = (

@@ -15,6 +15,7 @@ from pathlib import PurePath
 from typing import NamedTuple
 
 from safeinstall.env.bytecode import pyc_name
+from safeinstall.env.containment import bases
 from safeinstall.env.hashing import FileState
 from safeinstall.system.safefs import everyone_may_write
 
@@ -300,7 +301,7 @@ def directory_owners(
     """Pure: every directory strictly below a site directory that holds a listed file (at any depth
     below it), with the distributions whose files lie below it: those of two or more are shared
     (namespace directories such as ``nvidia/``)."""
-    sites = tuple(s.rstrip(os.sep) + os.sep for s in site_dirs)
+    sites = bases(site_dirs)
     owners: dict[str, set[str]] = {}
     for name, files in files_by_distribution.items():
         seen: set[str] = set()

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from safeinstall.env.containment import relative_path
 from safeinstall.errors import StepFailed
 from safeinstall.system.safefs import Tree, only_caller_writes, remove_at
 
@@ -257,7 +258,7 @@ def copy_cached_wheels(source: str, target: str, wanted: list[list[str]]) -> dic
         buckets = []
     for bucket in buckets:
         for index_dir in _index_dirs(top / bucket):
-            depth = len(index_dir.relative_to(top).parts) + 1  # the name's directory below the top
+            depth = len(relative_path(index_dir, top).parts) + 1  # the name's directory below the top
             for name, version in wanted:
                 entry_dir = index_dir / name
                 try:
@@ -292,7 +293,7 @@ def copy_cached_wheels(source: str, target: str, wanted: list[list[str]]) -> dic
                             continue
                         copied += size
                         archives.add((bucket_name, archive_id))
-                    destination = Path(target) / entry_dir.relative_to(top)
+                    destination = Path(target) / relative_path(entry_dir, top)
                     destination.mkdir(parents=True, exist_ok=True)
                     for suffix in _ENTRY_SUFFIXES:
                         with contextlib.suppress(FileNotFoundError, FileExistsError):

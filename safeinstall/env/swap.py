@@ -47,6 +47,7 @@ from enum import StrEnum
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from safeinstall.env.containment import relative_path
 from safeinstall.env.drift import pyc_source
 from safeinstall.env.environment import Environment
 from safeinstall.system import worker
@@ -117,7 +118,7 @@ def staging_environment(env: Environment, tree: Path) -> Environment:
     the environment's own (the scripts' first lines name it)."""
 
     def moved(path: Path) -> Path:
-        return tree / path.relative_to(env.prefix)
+        return tree / relative_path(path, env.prefix)
 
     sites = tuple(moved(p) for p in env.site_dirs)
     return replace(

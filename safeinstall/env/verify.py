@@ -15,7 +15,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
 from safeinstall.env.bytecode import Judged, KnownPyc, Source, judge_files, pyc_name
-from safeinstall.env.containment import Containment
+from safeinstall.env.containment import Containment, base, bases, is_below
 from safeinstall.env.distributions import (
     NO_RECORD,
     InstalledDistribution,
@@ -262,7 +262,7 @@ def _wheel_plan(
     for name, member in wheel.members.items():
         if is_installer_written(wheel, name) or name in signatures:
             continue
-        if other_version and name.startswith(wheel.dist_info + "/"):
+        if other_version and is_below(name, wheel.dist_info):
             continue
         location = locations.get(name)
         if location is None:
@@ -278,7 +278,7 @@ def _wheel_plan(
         )
     # Installed files the wheel does not have: old leftovers recorded by the installer.
     generated_scripts = {os.path.join(env.scripts, script) for script in wheel.console_scripts}
-    installed_dist_info = dist.dist_info.name + "/"
+    installed_dist_info = base(dist.dist_info.name)
     for entry, text in zip(dist.record.entries, dist.locations, strict=True):
         if text in members or text in generated_scripts:
             continue
@@ -536,7 +536,7 @@ def verify_environment(
     reports: list[DistributionReport] = []
     baseline = "record" if wheel is None else "wheel"
     per_plan: list[list[Finding]] = []
-    scripts = os.fspath(env.scripts) + os.sep  # an installer makes what it puts there executable
+    scripts = base(os.fspath(env.scripts))  # an installer makes what it puts there executable
     mismatched: dict[str, Expectation] = {}  # modified files: another RECORD may list them too
     dist_infos_of = functools.cache(_dist_infos_of)
     clean: list[InstalledDistribution] = []
@@ -736,7 +736,7 @@ def _dpkg_sources(env: Environment, locations: Sequence[str]) -> dict[str, tuple
     dpkg's md5 of each (what ``debsums`` checks): there dpkg, not a RECORD, says what a module holds
     (Debian changes files after writing RECORD, and most of its modules have none). A venv's own
     site directories are never dpkg's."""
-    own = tuple(os.fspath(s) + os.sep for s in env.site_dirs) if env.is_venv else ()
+    own = bases(env.site_dirs) if env.is_venv else ()
     wanted = sorted({loc for loc in locations if not (own and loc.startswith(own))})
     if not wanted:
         return {}
@@ -756,7 +756,7 @@ def _not_dpkgs(env: Environment, unlisted: Sequence[Unlisted]) -> list[Unlisted]
     site directories hold dpkg's modules beside ``.egg-info`` metadata, which has no RECORD): a file
     dpkg's lists name and its md5sums still match is not reported; one they name and do not match is,
     saying so. A venv's own site directories are never dpkg's: nothing is looked up for them."""
-    own = tuple(os.fspath(s) + os.sep for s in env.site_dirs) if env.is_venv else ()
+    own = bases(env.site_dirs) if env.is_venv else ()
     wanted = [u for u in unlisted if not (own and u.location.startswith(own))]
     if not wanted:
         return list(unlisted)

@@ -29,7 +29,7 @@ from safeinstall.errors import (
     UnknownDistributionError,
     UsageError,
 )
-from safeinstall.run.options import RunOptions, check_options
+from safeinstall.run.options import PLAIN_NAME, RunOptions, check_options
 from safeinstall.run.output import command_for, envelope, jsonable
 
 if TYPE_CHECKING:
@@ -49,9 +49,6 @@ if TYPE_CHECKING:
     from safeinstall.store.history import HistoryEntry
     from safeinstall.store.rundoc import RunDocument
     from safeinstall.store.state import EnvironmentState
-
-#: A valid distribution name (PEP 508) and nothing else: such a PACKAGE needs no requirement parser.
-_PLAIN_NAME = r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -674,7 +671,6 @@ def _undo_choice(request: Request) -> tuple[Environment, str, str]:
     """``--undo``: the environment, and the package and id of the run it undoes (its history names it);
     the run itself is chosen again, under the lock, by the preflight. The package, when given, is a
     guard: the run must be of it. Usage errors for what does not go with it."""
-    import re
 
     from packaging.utils import canonicalize_name
 
@@ -683,7 +679,7 @@ def _undo_choice(request: Request) -> tuple[Environment, str, str]:
     package, wheel, args = request.package, request.wheel, request.extra_args
     unfit = {flag for name, flag in _NOT_WITH_UNDO if request.values.get(name) not in (None, False)}
     others = sorted((set(request.modes) | unfit) - {"--undo", "--dry-run", "--detach"})
-    versioned = bool(package) and not re.fullmatch(_PLAIN_NAME, package or "")
+    versioned = bool(package) and not PLAIN_NAME.fullmatch(package or "")
     if versioned or wheel is not None or args or others:
         given = " ".join(
             [*others, *(["--wheel"] if wheel else []), *(["a version"] if versioned else []), *args]

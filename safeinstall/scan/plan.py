@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from packaging.version import InvalidVersion, Version
 
+from safeinstall.env.containment import is_below
 from safeinstall.env.uvplan import UvPlan
 from safeinstall.scan.evidence import Evidence, EvidenceKind, Strength
 from safeinstall.scan.processes import TOO_LARGE, ProcessRecord, ScanProblem, ScanResult
@@ -297,9 +298,7 @@ def _unit_refusal(unit: str, info: UnitInfo | None, user: bool, placement: Cgrou
             f"{unit} of the {manager} manager is not running (it has no cgroup), yet a process sits in "
             f"{placement.path}: the process belongs to another manager"
         )
-    if placement.path != info.control_group and not placement.path.startswith(
-        info.control_group.rstrip("/") + "/"
-    ):
+    if placement.path != info.control_group and not is_below(placement.path, info.control_group):
         return (
             f"{unit} of the {manager} manager runs in {info.control_group}, not in {placement.path}: "
             "the process belongs to another manager"

@@ -27,6 +27,7 @@ from safeinstall.store.state import (
     atomic_write,
     environment_key,
     fsync_dir,
+    is_run_id,
     read_private_file,
 )
 from safeinstall.system.cgroups import valid_unit_name
@@ -36,7 +37,6 @@ from safeinstall.system.identity import ProcessId
 JOURNAL_VERSION = 1
 #: A journal holds a plan and a history: kilobytes. Anything larger was not written by safeinstall.
 JOURNAL_MAX_BYTES = 1024 * 1024
-_RUN_ID = re.compile(r"\d{8}T\d{6}Z-\d+")
 _INTERPRETER = re.compile(r"python[0-9.]*")
 _TMP_PREFIX = f".{JOURNAL_FILE}."
 
@@ -359,7 +359,7 @@ def journal_problems(
         problems.append(
             f"its python {journal.python!r} is not the interpreter of {prefix} (PREFIX/bin/python*)"
         )
-    if not _RUN_ID.fullmatch(journal.run_id):
+    if not is_run_id(journal.run_id):
         problems.append(f"its run id {journal.run_id!r} is not one safeinstall makes")
     elif journal.backup_dir is not None and journal.backup_dir != str(envdir / BACKUPS_DIR / journal.run_id):
         problems.append(

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from safeinstall.env.containment import base
 from safeinstall.env.recorded import KeptRecord
 from safeinstall.store.state import (
     StateDirError,
@@ -45,7 +46,7 @@ def from_json(raw: bytes, prefix: str) -> dict[str, KeptRecord]:
     records = document.get("records")
     if not isinstance(records, dict):
         raise ValueError("no records")
-    below = prefix.rstrip("/") + "/"
+    below = base(prefix)
     found: dict[str, KeptRecord] = {}
     for dist_info, value in records.items():
         if (

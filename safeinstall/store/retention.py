@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import sys
 from collections.abc import Collection, Iterable, Mapping
@@ -24,19 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from safeinstall.store.runlog import human_bytes
+from safeinstall.store.state import is_run_id
 
 #: Backups kept per environment unless ``--keep-backups`` says otherwise.
 DEFAULT_KEEP = 3
-#: A run id as :func:`safeinstall.store.state.new_run_id` makes it: ``20261130T041125Z-19214``.
-_RUN_ID = re.compile(r"\d{8}T\d{6}Z-\d+")
 #: the status of a run that put back what it saved: its backup is no way back, and goes
 ROLLED_BACK = "rolled-back"
 #: a good run, and one whose end is not known (the history keeps the newest 20): counted under keep
 _COUNTED = frozenset({"done", ""})
-
-
-def is_run_id(name: str) -> bool:
-    return _RUN_ID.fullmatch(name) is not None
 
 
 def backups_to_remove(

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from safeinstall.env.containment import is_below
 from safeinstall.env.unchanged import (
     FILE_IDENTITY,
     DirIdentity,
@@ -79,7 +80,7 @@ def _path(value: object, prefix: str | None = None) -> str:
         or os.path.normpath(value) != value
     ):
         raise ValueError("not an absolute, normal path")
-    if prefix is not None and value != prefix and not value.startswith(prefix.rstrip("/") + "/"):
+    if prefix is not None and value != prefix and not is_below(value, prefix):
         raise ValueError(f"{value} is not within {prefix}")
     return value
 
