@@ -22,8 +22,9 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from safeinstall.store.backup import MANIFEST_LIMIT, MANIFEST_NAME
 from safeinstall.store.runlog import human_bytes
-from safeinstall.store.state import is_run_id
+from safeinstall.store.state import StateDirError, is_run_id, read_private_file
 
 #: Backups kept per environment unless ``--keep-backups`` says otherwise.
 DEFAULT_KEEP = 3
@@ -124,9 +125,9 @@ def kept_backups(backups: Path) -> tuple[KeptBackup, ...]:
         if not is_run_id(name):
             continue
         try:
-            data = json.loads((backups / name / "manifest.json").read_bytes())
+            data = json.loads(read_private_file(backups / name / MANIFEST_NAME, MANIFEST_LIMIT))
             size = sum(int(f.get("size", 0)) for f in data.get("files", ()) if isinstance(f, dict))
-        except (OSError, ValueError, TypeError, AttributeError):
+        except (OSError, StateDirError, ValueError, TypeError, AttributeError):
             size = 0
         found.append(KeptBackup(backups / name, size))
     return tuple(found)
