@@ -23,7 +23,6 @@ import binascii
 import contextlib
 import json
 import os
-import stat
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -43,13 +42,11 @@ from safeinstall.env.verified import HIGHEST, LOWEST
 from safeinstall.store.state import (
     StateDirError,
     atomic_write,
-    check_trusted,
     ensure_environment_dir,
-    read_private_file,
+    load_store,
     trusted_environment_state,
 )
 from safeinstall.store.verified import boot_id
-from safeinstall.system.safefs import only_caller_writes
 
 STORE_NAME = "unchanged.json"
 #: 2: each distribution's oldest hash (``hashed``), negative modification times
@@ -173,36 +170,15 @@ def read_unchanged(root: Path, prefix: Path) -> tuple[UnchangedStore | None, str
     boot = boot_id()
     if boot is None:
         return None, None
-    state = trusted_environment_state(root, prefix)
+    what = "the store of clean distributions"
+    oversize = f"{what} was larger than {STORE_LIMIT} bytes: written anew"  # root's own, too large
+
+    def parse(raw: bytes) -> UnchangedStore:
+        return from_json(raw, os.fspath(prefix), boot, time.time_ns())
+
+    # damaged, or another boot's: checked as before, and written anew
     empty = UnchangedStore(os.fspath(prefix), boot, {}, {})
-    try:
-        check_trusted(root)
-        if state.problem is not None:
-            return None, None
-        raw = read_private_file(state.dir / STORE_NAME, STORE_LIMIT)
-        return from_json(raw, os.fspath(prefix), boot, time.time_ns()), None
-    except FileNotFoundError:
-        return empty, None
-    except StateDirError as exc:
-        if _too_large(state.dir / STORE_NAME):  # root's own, too large: written anew
-            return (
-                empty,
-                f"the store of clean distributions was larger than {STORE_LIMIT} bytes: written anew",
-            )
-        return None, f"the store of clean distributions was not used: {exc.message}"
-    except (ValueError, UnicodeError, binascii.Error, RecursionError):
-        return empty, None  # damaged, or another boot's: checked as before, and written anew
-    except OSError as exc:
-        return None, f"the store of clean distributions could not be read ({exc.strerror or exc})"
-
-
-def _too_large(path: Path) -> bool:
-    """``path`` is a regular file of this process's account, written by nobody else, only too large."""
-    try:
-        info = os.lstat(path)
-    except OSError:
-        return False
-    return stat.S_ISREG(info.st_mode) and only_caller_writes(info) and info.st_size > STORE_LIMIT
+    return load_store(root, prefix, STORE_NAME, STORE_LIMIT, parse, empty, what, oversize=oversize)
 
 
 def keep_unchanged(
