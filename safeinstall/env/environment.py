@@ -26,6 +26,7 @@ from typing import Any
 from safeinstall.env.containment import is_within
 from safeinstall.errors import InterpreterError
 from safeinstall.system import children
+from safeinstall.system.fields import optional_text
 from safeinstall.system.safefs import (
     ACL_XATTR,
     acl_writers,
@@ -661,12 +662,6 @@ def _answer_problem(python: Path, env: Environment) -> str | None:
 ANSWER_LIMIT = 64 << 10
 
 
-def _optional_text(value: object) -> str | None:
-    if value is None or isinstance(value, str):
-        return value
-    raise TypeError(f"{value!r} is not a string")
-
-
 def _version(value: object) -> tuple[int, int, int]:
     """Pure: ``[major, minor, micro]`` as the probe reports it; ValueError for anything else (a float
     such as ``1e999`` is not a version part)."""
@@ -745,7 +740,7 @@ def inspect_environment(
             data=Path(os.path.realpath(info["data"])),
             version=(major, minor, micro),
             implementation=str(info["implementation"]),
-            soabi=_optional_text(info.get("soabi")),
+            soabi=optional_text(info.get("soabi")),
             platform=str(info["platform"]),
             account=owner,
             probed_as=os.geteuid() if owner is None else owner.uid,  # as started, never as it says

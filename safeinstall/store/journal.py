@@ -31,6 +31,8 @@ from safeinstall.store.state import (
     read_private_file,
 )
 from safeinstall.system.cgroups import valid_unit_name
+from safeinstall.system.fields import field as _get
+from safeinstall.system.fields import list_of as _list_of
 from safeinstall.system.gate import GATE_DROPIN
 from safeinstall.system.identity import ProcessId
 
@@ -249,28 +251,6 @@ def journal_to_dict(journal: Journal) -> dict[str, Any]:
 
 class _Bad(ValueError):
     pass
-
-
-def _get(data: dict[str, Any], key: str, kind: type, optional: bool = False) -> Any:
-    if key not in data:
-        if optional:
-            return None
-        raise _Bad(f"{key!r} is missing")
-    value = data[key]
-    if value is None and optional:
-        return None
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise _Bad(f"{key!r} has the wrong type ({type(value).__name__})")
-    return value
-
-
-def _list_of(data: dict[str, Any], key: str, kind: type) -> list[Any]:
-    values = data.get(key, [])
-    if not isinstance(values, list) or not all(
-        isinstance(v, kind) and (kind is bool or not isinstance(v, bool)) for v in values
-    ):
-        raise _Bad(f"{key!r} must be a list of {kind.__name__}")
-    return values
 
 
 def _process(pid: int, start: int | None) -> ProcessId:
