@@ -18,6 +18,15 @@ def test_run_ids_are_recognised() -> None:
     assert not any(map(is_run_id, ["notes", "20261130T041125Z", "20261130T041125Z-", "x20261130T041125Z-1"]))
 
 
+def test_a_run_id_has_one_shape_for_the_backups_too() -> None:
+    """Issue 48: retention had its own run-id pattern with an unbounded pid part; the one shape
+    (``store/state.is_run_id``, at most 10 digits, as the history and the baseline read it) holds here too:
+    a directory named otherwise is never counted, nor deleted."""
+    long = "20261130T041125Z-12345678901"
+    assert not is_run_id(long) and is_run_id(long[:-1])
+    assert backups_to_remove([long, NEW, OLD], keep=1, protected=()) == (OLD,)
+
+
 def test_the_newest_are_kept_and_the_rest_go_oldest_first() -> None:
     assert backups_to_remove([NEW, OLD, MID], keep=1, protected=()) == (OLD, MID)
     assert backups_to_remove([NEW, OLD, MID], keep=2, protected=()) == (OLD,)
