@@ -604,13 +604,9 @@ def load_store(
     oversize: str | None = None,
     say_problem: bool = False,
 ) -> tuple[T | None, str | None]:
-    """The store ``name`` of the environment ``prefix`` under the state ``root``, read as every state file
-    is (:func:`read_private_file`) and parsed by ``parse`` (ValueError or RecursionError: damaged).
-
-    ``empty`` when there is none, or it is damaged (with the note ``damaged``), or it is root's own and
-    only larger than ``limit`` (with the note ``oversize``, when given); None and a note saying why
-    ``what`` was not used when it is not believed or cannot be read; (None, None) when the environment's
-    directory is not trusted, unless ``say_problem`` (then a note says so)."""
+    """A kept store of ``prefix``'s state directory, read by :func:`read_private_file`, parsed by ``parse``:
+    ``empty`` when absent, damaged (note ``damaged``) or only over ``limit`` (note ``oversize``); None and
+    a note when not believed or unreadable; (None, None) for an untrusted directory unless ``say_problem``."""
     state = trusted_environment_state(root, prefix)
     path = state.dir / name
     try:
