@@ -337,7 +337,7 @@ def _scan_problems(err: Console, problems: Sequence[ScanProblem], verbosity: int
         )
 
 
-def render_plan(out: Console, err: Console, plan: Plan, verbosity: int = 0) -> None:
+def render_plan(out: Console, err: Console, plan: Plan, verbosity: int = 0, dry_run: bool = False) -> None:
     """The plan at a glance: one row per process (its strongest evidence, as one reason) and per unit;
     every piece of evidence with ``-v`` (and in ``--json``). Tables take the terminal's width and are not
     padded on a pipe; a path or command too long for its column ends in an ellipsis, never broken."""
@@ -436,7 +436,8 @@ def render_plan(out: Console, err: Console, plan: Plan, verbosity: int = 0) -> N
         out.print("uv command: " + literal(" ".join(plan.uv_command)), soft_wrap=True)
     if plan.smoke:
         said = plan.smoke if verbosity > 0 else compact_smoke(plan.smoke, plan.package)
-        for wrapped in wrap_words("smoke check: " + said, out.width):
+        label = "smoke check (a run's; --dry-run imports nothing): " if dry_run else "smoke check: "
+        for wrapped in wrap_words(label + said, out.width):
             out.print(literal(wrapped), soft_wrap=True)
     _scan_problems(err, plan.scan_problems, verbosity)
     for warning in plan.warnings:
