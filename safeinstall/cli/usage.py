@@ -1,7 +1,5 @@
-"""The command line's one validation: :func:`usage_problem` says, from what was given and nothing
-else, why a command line does not make sense (a :class:`UsageError`, exit 2), before anything is read,
-asked or changed. The CLI (:mod:`safeinstall.cli.app`) parses into a :class:`Usage`, asks this, then calls
-one command, renders and exits.
+"""The command line's one validation: :func:`usage_problem` says why a command line does not make sense
+(a :class:`UsageError`, exit 2), before anything is read.
 """
 
 from __future__ import annotations

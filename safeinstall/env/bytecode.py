@@ -1,9 +1,7 @@
-"""Bytecode judged by what it runs (issue 46 item 1, issue 43 item 7): a ``.pyc`` in a ``__pycache__``
-is fine only when it is valid for its listed, verified source and holds the code compiling that source
-gives. Nothing of it is run: its header is parsed, its body unmarshalled (``marshal.loads`` builds data,
-code objects included, and runs none of it) and compared with ``compile()`` of the source's bytes.
+"""Bytecode judged by what it runs: a ``.pyc`` is fine only when it holds the code its verified source
+compiles to. Nothing of it is run (``marshal.loads`` builds data).
 
-docs/verify.md has the rules; :func:`judge` is the pure part, :func:`judge_files` reads.
+:func:`judge` is pure, :func:`judge_files` reads; docs/verify.md.
 """
 
 from __future__ import annotations

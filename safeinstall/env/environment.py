@@ -1,12 +1,7 @@
 """The target Python environment: which interpreter, and where its files live.
 
-The interpreter is asked for its paths in isolated mode without ``site`` (``-I -S``) and with an empty
-environment: nothing the caller's variables say (PYTHONPATH, PYTHONHOME, ...) is trusted, and no
-``.pth`` file or ``sitecustomize`` of the environment runs. The probe finds a venv's prefix from its
-``pyvenv.cfg`` as ``site`` would. When the environment belongs to another user (a service account),
-root asks its interpreter as that user: root never runs code that another account can change. That
-account (:class:`Account`) is also who uv runs as (:mod:`safeinstall.env.uvplan`): uv asks the interpreter
-with ``site``, so every ``.pth`` file of the environment runs in each uv call.
+The interpreter is asked in isolated mode without ``site`` and with an empty environment, as the
+environment's account when it belongs to another (:class:`Account`).
 """
 
 from __future__ import annotations

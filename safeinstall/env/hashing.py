@@ -1,24 +1,7 @@
-"""Observe installed files: stat them and hash them, in parallel, each opened once.
+"""Installed files stated and hashed, in parallel, each opened once by directory descriptor.
 
-The one place that reads file contents for verification. The requested files are grouped by
-directory; each directory is opened once (by its path: what an absolute open would walk, the caller
-having checked containment) and its files relative to its descriptor with ``O_NOFOLLOW``. Only what
-the directory's listing shows as a regular file is opened: a symlink, a FIFO or a device node is
-reported from an ``lstat``, never opened. What is opened is checked again (``fstat`` on the
-descriptor, ``O_NONBLOCK``): a file swapped for a FIFO meanwhile is never read and never blocks.
-
-The work is split into tasks: each large file alone (streamed in large chunks), the small files in
-chunks of one directory each (each read whole in one call). Large files go to a pool of helper threads,
-costliest first: ``read`` and hashlib on buffers over 2 KiB run without the GIL, so a large file hashes
-on another CPU while this thread works through the small ones. Small files stay on this one thread:
-their cost is Python and a system call each, under the GIL, and two threads handing the GIL to each
-other at every call went slower than one (torch's 12,227 small files, warm cache, 2 CPUs: 0.46 s on two
-threads, 0.36 s on one). Once the small files are done this thread takes large ones too. The result is
-the same whatever the number of threads.
-
-Where the caller knows hashes taken earlier (``known``: the verified-inode store, a run's cache), the
-files they prove unchanged are looked at first, one pass by directory (an ``lstat`` each, relative to
-the directory opened and checked as for a read), and only the rest is planned and read.
+The one place that reads file contents for verification; a symlink, FIFO or device is never opened.
+How the work is split over threads: docs/performance.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,7 @@
 """The way back that needs no new blocks: hardlinks of the old files a window install replaces, kept in
-the prefix until the run ends.
+``PREFIX/.safeinstall-keep-<run>/`` until the run ends, so a restore on a full disk can relink them.
 
-An old file whose inode has other links (uv's default link mode: a hardlink of a uv cache on the
-environment's disk) frees nothing when uv's uninstall unlinks it; a restore that copies it back from a
-backup on another filesystem then needs its size again, and a disk filled in the window has no room
-for it (issue 35). Before the stop, :func:`keep_links` links each such file into
-``PREFIX/.safeinstall-keep-<run>/`` (root's, 0700; one name per file, no directories): a directory
-entry, no data block. A restore puts those very inodes back (:func:`relink`), each checked first
-against what the backup saved (a regular file only root can write, its mode, owner, mtime, size and
-sha256), with a rename; what cannot be relinked is copied as before.
-
-Root keeps links only in a prefix that root owns and only root can write (as the swap's staging
-directory), and only of inodes only root can write. In an account's environment the account's worker
-does the same (:func:`keep_links_as`, :func:`relink_as`: what the account could do anyway), and root
-checks each inode put back against the backup, copying where it is not that (issue 44). The
-directory goes when the run ends (good or rolled back), in ``--recover``, and at the next run (a
-leftover of one that died).
+Why: docs/faults.md ("Room") and docs/crash-safety.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
 """The privilege boundary, the worker's side: what runs as the environment's owner.
 
-Each function here runs inside a worker (:func:`safeinstall.system.worker.call`): a forked process that is the
-environment's account (or an isolated root, for a root-owned environment), in a session of its own,
-with no descriptor of root's and no environment of root's. Each acts on paths that the account could
-have written itself (a RECORD, the run's uv cache, uv's lock file), so the kernel decides what it may
-touch: what it does is what the account could do anyway. Each returns plain JSON data (counts, paths
-relative to the prefix, short messages); root validates that answer and never takes it for more than
-the account's word.
-
-Every file operation goes through :mod:`safeinstall.system.safefs` (by directory descriptor, never following
-a symlink), as root's own would.
+Each function runs in a worker (:func:`safeinstall.system.worker.call`), acts through
+:mod:`safeinstall.system.safefs`, and returns plain JSON that root checks. docs/privsep.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""Whether every requirement of an environment holds, as ``uv pip check`` would say it, before and after a
-run's change. Pure.
+"""Whether every requirement of an environment holds, as ``uv pip check`` would say it, before and after
+a run's change. Pure.
 
-Each distribution's ``Requires-Dist`` (from its METADATA: read, never executed) is evaluated for the
-target environment's markers (:func:`safeinstall.env.dependents.marker_environment`), its base
-requirements with ``extra`` empty. An extra counts where an installed distribution asks for it
-(``requests[socks]``): then the requirements the extra adds to the required distribution must hold too.
-A version that is not PEP 440, or a requirement that cannot be parsed, cannot be judged: never blamed.
-See docs/reinstall.md ("Requirements").
+A requirement that cannot be parsed is never blamed. docs/reinstall.md ("Requirements").
 """
 
 from __future__ import annotations

@@ -1,25 +1,7 @@
-"""The new version exercised before anything stops: imported in a child run as the environment's account.
+"""The new version imported before anything stops, in a child run as the environment's account.
 
-After the prefetch, the new version lies in a tree of its own: the staging tree of a swap
-(``<prefix>/.safeinstall-swap-RUN/tree``, uv's ``--prefix`` layout) or, where the run does not swap,
-the prefetch's throwaway ``--target`` directory (uv installed it there from the run's cache, as the
-account). A child process (:func:`safeinstall.system.children.run`: a session of its own, no terminal,
-no descriptor nor variable of root's) imports it, run as the environment's account; in a root-owned
-environment, as the unit's own ``User=`` (:func:`unit_account`: its group, and its supplementary groups
-as systemd gives them), root only for a unit without one, which runs that code as root at its start
-anyway. It gets the unit's own variables (``Environment=``, ``EnvironmentFile=``, read as the child's
-account) and working directory: the
-tree goes ahead of the environment's site directories through a ``sitecustomize`` shim (``site.addsitedir``,
-so the tree's ``.pth`` files are honoured); nothing is written (``PYTHONDONTWRITEBYTECODE``), the
-environment's files are only read. No GPU is visible to it (``CUDA_VISIBLE_DEVICES=""`` and the ROCm
-equivalents): an import that initialises CUDA finds no device, so no context and no GPU memory.
-
-What it imports: the named distribution's top-level modules, then every extension module of every
-changed distribution (a ``.so`` whose name is the interpreter's, ``.abi3.so``, or a plain ``.so``
-that exports ``PyInit_NAME``): an ``undefined symbol`` in any of them refuses the run. ``--smoke CMD``
-adds a command of the operator's, run the same way through ``/bin/sh -c``. The child's answers (one
-JSON document per line, on a descriptor of its own) are the account's word: data that root checks,
-never code.
+The child gets the unit's environment, no GPU and no descriptor of root's; its answers are data root
+checks. What it imports and as whom: docs/reinstall.md ("The smoke check").
 """
 
 from __future__ import annotations

@@ -1,37 +1,7 @@
 """The swap: the new version installed into a staging tree before the stop, put in place by renames.
 
-Before the stop, uv installs the distributions the plan changes into ``<prefix>/.safeinstall-swap-RUN/tree``
-(``uv pip install --prefix``: the environment's own layout, scripts pointing at its interpreter), where
-they are verified like an install (every file against its wheel or RECORD). :func:`plan_swap` (pure)
-then decides how each staged entry takes its place, from what the environment holds:
-
-* a directory that the environment does not have is **placed** whole (``renameat2`` with
-  ``RENAME_NOREPLACE``);
-* a directory that is one of the replaced distributions' own (a package directory or a ``.dist-info``
-  no other distribution has files in, holding no file that no RECORD lists) is **exchanged** whole with
-  the live one (``RENAME_EXCHANGE``: both move in one step; the old tree is then in the staging tree);
-* any other directory (``site-packages``, ``bin``, ``nvidia/``, which several distributions share) is
-  entered, and each staged file in it is exchanged with the live one or placed;
-
-and what the old versions had that the new ones do not (a ``.dist-info`` of another version, a package
-directory the new version dropped, single files) is **moved out** into the staging directory's attic.
-The new ``.dist-info`` directories go first and the old ones out last, so that at every moment each
-file of the new version is listed by a RECORD in place: a restore of the backup (the rollback, or
-``--recover`` after a kill) finds and removes them, whatever step the swap died at.
-
-Every rename is one ``renameat2`` call with a flag (never a plain ``rename`` that drops the old inode
-in the window): an old file's last link goes with the staging directory, after the restart. In the
-window, :func:`execute` does only those renames (a few dozen for torch or vLLM, plus the files
-of shared directories) and the fsync of the directories they changed; :func:`moved_as_staged` then
-checks that each entry in place is the very inode that was verified in the staging tree, which only
-the prefix's owner could change (the staging directory is the owner's, 0700). What was moved out, and
-the old trees the exchanges left in the staging directory, are deleted with it once the units run
-again (:func:`discard_staging`); the backup holds the old version all along.
-
-Every write in the prefix (the staging directory, the attic, the renames, the tidy-up, the removal) is
-the prefix's owner's (:func:`as_owner`): root's own process for a root-owned environment, a worker that
-is the account for another account's (issue 34; docs/window.md says why the window then needs no hash of
-the account's files). Root itself only reads: the staging tree's files, each entry's identity.
+:func:`plan_swap` (pure) decides how each staged entry takes its place; :func:`execute` renames, as the
+prefix's owner (:func:`as_owner`). The order and why it is safe: docs/window.md ("The swap").
 """
 
 from __future__ import annotations

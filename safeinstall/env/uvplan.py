@@ -1,22 +1,7 @@
 """uv at the edge: the exact ``uv pip install`` command, its dry-run plan, and the real install.
 
-By default only the named package is reinstalled (``--reinstall-package NAME``): uv's
-``--force-reinstall``/``--reinstall`` would reinstall every dependency (torch included, for vllm).
-``with_deps`` widens it to ``--reinstall``.
-
-Installed files must never share inodes with uv's shared cache (uv #10579: an edit in place would edit
-the cache too). A run therefore gives uv a cache of its own (``UV_CACHE_DIR`` in the run's state
-directory, filled by the prefetch, deleted after the run): when that cache is on the prefix's
-filesystem the install hardlinks from it (no copy of the package's bytes while the services are down),
-and once it is deleted the installed files share their inodes with nothing. Otherwise, or when the
-extra uv arguments choose a cache or a link mode themselves, the install uses ``--link-mode copy``.
-
-uv asks the target interpreter for its paths by running it with ``site`` (``-I`` still processes the
-environment's ``.pth`` files): whoever owns the environment decides what that runs. So when the
-environment belongs to another account (:class:`~safeinstall.env.environment.Account`), root runs every uv
-call as that account (its uid and gid, no supplementary groups; see :func:`uv_environment` for what
-uv's environment becomes): uv does nothing that the owner could not do itself, and the files it
-installs are the owner's, as the environment's other files are.
+uv gets a cache of the run's own (no installed file shares an inode with a lasting cache, uv #10579)
+and runs as the environment's account. Why: docs/reinstall.md and docs/privsep.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,7 @@
-"""The verified-inode store's decisions (pure): which hash taken of a file may be kept, and when a kept
-one may stand for reading the file again (``git``'s index, for verification; docs/verify.md).
+"""The verified-inode store's decisions (pure): which hash of a file may be kept, and when a kept one
+may stand for reading the file again (``git``'s index, for verification).
 
-For each file a run or ``--verify-only`` read and hashed, the store keeps ``(st_dev, st_ino, size,
-mtime_ns, ctime_ns) -> sha256`` and the moment the hash was taken (the clock before the ``fstat`` of
-the very descriptor that was read; the identity is that descriptor's, the same before and after the
-read: :attr:`safeinstall.env.hashing.FileState.hashed_ns`). A later check takes the kept hash for a file
-only when all five still match. Why that is sound: every ``write``, ``truncate``, ``chmod``, ``chown``,
-``link``, ``rename`` onto it and ``utimensat`` sets the inode's change time (ctime) to *now*, and no
-account can set it to anything else (only a change of the system clock, root's, could); an edit after
-the hash therefore shows as another ctime, whatever the mtime was set back to.
-
-Unless the edit fell within the filesystem's timestamp granularity of the hash: a ctime is the coarse
-clock's (one tick: 1-10 ms; whole seconds on some filesystems), so a write just after the ``fstat`` can
-leave the same ctime. Such an entry is *racy* and is never kept (:func:`is_racy`: its ctime within
-:data:`GRANULARITY_NS` of the moment it was hashed): the file is hashed again next time, as ``git``
-does for racily clean index entries.
-
-What it does not cover (docs/verify.md says more): root itself (it can set the clock), a filesystem
-without a real ctime (only those of :data:`CTIME_FILESYSTEMS` are kept), the disk changing bytes under
-an unchanged inode (bit rot, a restored snapshot: the store is bound to the boot, see
-:mod:`safeinstall.store.verified`), a write whose ctime was set before the hash but whose bytes land
-after it (a ``write`` stalled on a page fault of its source for longer than the granularity, or a
-shared writable mapping written again before its pages are written back). Against those an entry is
-kept at most :data:`MAX_AGE_NS`, and ``--full`` reads everything.
+Why that is sound, and what it does not cover: docs/verify.md ("The verified-inode store").
 """
 
 from __future__ import annotations

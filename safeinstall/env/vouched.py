@@ -1,7 +1,5 @@
-"""What a run vouches for: the files whose bytes are exactly its wheel's members where the wheel's own
-RECORD says otherwise, bound to the distribution's version, ``.dist-info`` and installed RECORD; and how
-a verification settles such a file (``wheel-record``, not drift). Pure; root keeps them in the
-environment's baseline (:mod:`safeinstall.store.baseline`, which explains why they can be trusted).
+"""What a run vouches for: files whose bytes are their wheel's members where the wheel's RECORD says
+otherwise, and how a verification settles them (``wheel-record``). Pure.
 """
 
 from __future__ import annotations

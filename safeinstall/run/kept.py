@@ -1,8 +1,6 @@
-"""Checks that take the hashes an environment's verified-inode store keeps (docs/verify.md): a file
-whose inode is as it was when a run or ``--verify-only`` hashed it is not read again, and what a check
-hashed is kept (:mod:`safeinstall.store.verified`; the decisions: :mod:`safeinstall.env.verified`); and a
-distribution a check found clean, proven unchanged since by ``lstat`` alone, is not compared file by file
-(:mod:`safeinstall.store.unchanged`, :mod:`safeinstall.env.unchanged`)."""
+"""Checks that take the hashes the verified-inode store keeps: an unchanged inode is not read again, and a
+distribution proven unchanged by ``lstat`` is not compared file by file. docs/verify.md.
+"""
 
 from __future__ import annotations
 

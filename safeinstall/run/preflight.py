@@ -1,17 +1,7 @@
-"""The checks before the first stop, shared by the run and ``--dry-run``: one function, so that the
-dry-run refuses exactly when the run would (same decision, same exit code 2).
+"""The checks before the first stop, shared by the run and ``--dry-run``, so that a dry run refuses
+exactly when the run would (exit 2).
 
-In the run's order: the interpreter; the state directory; the lock; the wheel (a valid zip whose
-RECORD matches its contents, for PACKAGE, fitting the interpreter's tags); uv's plan and the /proc scan
-(:func:`safeinstall.run.survey.survey`); the plan's refusals; room for the backup and for the install; the
-environment's directories writable (by its owner, when uv runs as that account). A failure before
-there is a plan raises; later ones are the plan's refusals, so that a dry-run still shows the plan and
-why it would refuse.
-
-The only difference: the run creates its state directory and takes the lock (and keeps it); a dry-run
-creates nothing and takes no lock: it checks that the directory could be made and that no live run
-holds the lock. With ``--keep-patches``, the run's next step (the patch merge) is made by the dry-run
-too (:func:`dry_run_patches`), its scratch in a temporary directory.
+The run takes the lock and creates its state directory; a dry run creates nothing. docs/dry-run.md.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
 """The one put-back sequence, for a run's rollback and for ``--recover``: the backup written back, the
-gate opened, the stopped units started again, the gate drop-ins removed, the journal cleared.
-
-It sits beside its callers: the run's rollback (:mod:`safeinstall.run.rollback`) and the recovery
-(:mod:`safeinstall.run.recover`) both call :func:`put_back` and nothing else to put things back.
+gate opened, the stopped units started, the drop-ins removed, the journal cleared.
 """
 
 from __future__ import annotations

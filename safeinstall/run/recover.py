@@ -1,10 +1,5 @@
-"""Recovery: finish a run that died (SIGKILL, OOM, power loss). ``--status`` and ``--forget`` read the
-same state: :mod:`safeinstall.run.status`.
-
-``safeinstall --recover`` reads each environment's journal: if the install was not verified complete
-it restores the backup; it starts every unit the run stopped that was active before; it removes the
-reboot gate (marker and drop-ins) and clears the journal. It is what the shipped
-``safeinstall-recover.service`` runs early at boot.
+"""``--recover``: finish a run that died, from its journal (the backup restored where needed, the units
+started, the gate removed). What ``safeinstall-recover.service`` runs at boot.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""The safe reinstall: preflight, backup, gate, stop, GPU release, install, verify, restart.
+"""The safe reinstall: the steps of a run, each journalled before it starts, and :func:`run_reinstall`,
+which calls them in order.
 
-Every step is journalled before it starts (:mod:`safeinstall.store.journal`), so that a run killed at any
-point can be finished by ``safeinstall --recover``. Any failure after the stop rolls back: the backup
-is restored byte for byte and the units that were running are started again (exit 3). If that fails
-too, the backup and the journal are kept and the commands that finish the job are printed (exit 4).
-
-This module holds the steps, each a function of the one :class:`~safeinstall.run.running.Run`, and
-:func:`run_reinstall`, which calls them in order; the way back is :mod:`safeinstall.run.rollback`. The
-decisions they rely on are pure functions elsewhere (plan, drift, journal), and each kind of I/O sits
-behind its own module (systemd, gpus, uvplan, backup, ...).
+Any failure after the stop rolls back (:mod:`safeinstall.run.rollback`). docs/reinstall.md.
 """
 
 from __future__ import annotations

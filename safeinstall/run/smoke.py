@@ -1,13 +1,7 @@
-"""The smoke step: after the prefetch, before the gate and the stop, the new version is imported (and the
-operator's ``--smoke`` command run) as the environment's account, with each unit's own environment
-(:mod:`safeinstall.env.smoke`); in a root-owned environment, as each unit's ``User=`` (root for a unit
-without one), the tree opened to that user for reading while it runs (:func:`_let_units_in`). A failure
-refuses the run (exit 2): nothing was stopped.
+"""The smoke step: the new version imported (and ``--smoke`` run) as the environment's account, with each
+unit's environment, after the prefetch and before the stop; a failure refuses the run (exit 2).
 
-The tree imported from is the swap's staging tree, or, where the run does not swap, the prefetch's
-``--target`` directory, which the prefetch then leaves for this step (it goes with the run's other
-directories: at the end of the run, or by ``--recover`` after a crash). The shim directory is root's,
-``<state>/<env>/smoke-RUN``, removed likewise.
+docs/reinstall.md ("The smoke check").
 """
 
 from __future__ import annotations

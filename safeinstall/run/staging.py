@@ -1,13 +1,7 @@
 """The staging tree of a swap (:mod:`safeinstall.env.swap`): whether a run may swap, and the tree made,
 checked and planned before the stop.
 
-A run swaps in a virtual environment whose every write (the staging directory, the attic, the renames,
-the tidy-up) is done by the prefix's owner: root's own process for a root-owned environment, a worker
-that is the account for another account's (:func:`safeinstall.env.swap.as_owner`); with no
-``--keep-patches``, ``--prune`` or ``--accept-record-mismatch`` (each changes what is verified in
-the window), uv's own hardlinks from the run's cache, and no bytecode compiled by uv (its files are
-compiled where they land). Anything unexpected in the staging tree drops the swap: the install then runs
-in the window, as before.
+Anything unexpected drops the swap: the install then runs in the window. docs/window.md.
 """
 
 from __future__ import annotations

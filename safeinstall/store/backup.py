@@ -1,28 +1,7 @@
 """Backups of the distributions a run replaces, taken before any service stops, and their restore.
 
-A backup is ``<backup_dir>/files/<path relative to the prefix>`` (each file byte for byte, with its
-mode, owner and mtime; symlinks as symlinks) plus ``<backup_dir>/manifest.json``, written last: a
-backup without a manifest is incomplete. What is saved: every RECORD entry of each distribution that
-lies inside the environment's prefix (entries outside are listed, never read), the whole
-``.dist-info`` directory, and the files someone added to the distribution's own package directories
-(in no RECORD; bytecode of listed sources aside). Locally patched files are saved as they are now, and
-the manifest lists the ones the caller says are patched.
-
-A RECORD entry on the backup's filesystem is saved as a hardlink (no copy of a GB package before the
-stop; the old version's bytes stay alive in it, as in a copy): uv's uninstall unlinks every RECORD
-entry before the install creates the new files, so the old inode, and the backup, keep the old
-content. Everything else (files added by hand, ``.dist-info`` files no RECORD lists), and every file
-on another filesystem, is copied. Restores copy, so a restored file shares its inode with nothing;
-except where a window install's run kept links of the old files in the prefix
-(:mod:`safeinstall.env.keep`: files whose uninstall frees no blocks): those very inodes go back, each
-checked against what was saved, and a disk filled meanwhile needs no room for them.
-
-A restore first removes what is installed now under those distribution names (the paths the caller
-passes, the files the current ``.dist-info`` RECORDs of those names list, and those ``.dist-info``
-directories, found by name so a half-finished install is cleaned too) and every file in the saved
-package directories that the backup does not hold (a failed install's temp files: on a full disk,
-their space is what the restore needs), then puts every saved file back atomically (temp file beside
-it, ``os.replace``), then hashes every restored file again.
+A backup is ``files/`` plus ``manifest.json``, written last; what it saves, why RECORD entries are
+hardlinked and how a restore proceeds: docs/crash-safety.md ("The backup").
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """The run journal ``<envdir>/journal.json``: what a run has done so far, durable at every step.
 
-Every write is atomic (temp file in the same directory, fsync, ``os.replace``, fsync of the
-directory), so after a crash the file holds one whole state: the last one written. ``--recover``
-reads it and decides with the pure helpers :func:`needs_restore` and :func:`units_to_start`.
-The journal is removed (:func:`clear_journal`) when a run ends cleanly.
+Written atomically; ``--recover`` decides with :func:`needs_restore` and :func:`units_to_start`.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
 """Which old backups go: an environment keeps only the backups of its newest good runs.
 
-A backup holds every file of the distributions a run replaced (for vLLM, a few GB). Kept forever they
-fill the disk, and a full disk is how one of the machines this tool is for died mid-job. After a run
-that ended with the environment whole (done, or rolled back), the backups of the newest ``keep`` good
-runs stay (a good run's own among them) and older ones are deleted; the backup of a run that was rolled
-back is deleted by the next run (it put back what it saved; no undo can use it). A run that rolled back
-never deletes the backup of a good run: failed nightlies do not push out the way back (issue 37).
-Nothing else is touched: a run whose rollback failed keeps its backup with its journal, and a directory
-whose name is not a run id is never deleted.
-
-:func:`backups_to_remove` is the pure choice; :func:`prune_backups` does the deleting.
+:func:`backups_to_remove` is the pure choice; :func:`prune_backups` deletes. A rolled-back run never
+pushes out a good run's backup (docs/reinstall.md, "Backups are bounded").
 """
 
 from __future__ import annotations

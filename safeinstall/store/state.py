@@ -1,46 +1,8 @@
 """The state directory: where locks, journals, backups and logs of runs live.
 
-Layout::
-
-    <root>/                         0700 (0711, see below); $SAFEINSTALL_STATE_DIR, /var/lib/safeinstall
-                                    (root) or $XDG_STATE_HOME/safeinstall (default ~/.local/state/safeinstall)
-    <root>/<basename>-<sha256[:12]>/  one per target environment, keyed by its (real) prefix; 0700 (0711)
-        prefix                      the prefix, as text (so --status/--recover can name it)
-        lock                        held by the running run (see :mod:`safeinstall.system.lock`)
-        journal.json                the running (or crashed) run (see :mod:`safeinstall.store.journal`)
-        backups/<run-id>/           the files replaced by that run (see :mod:`safeinstall.store.backup`)
-        logs/<run-id>.log
-        uv-cache-<run-id>/          uv's cache for that run only (filled by the prefetch, the install
-                                    hardlinks from it); deleted when the run ends
-        prefetch-<run-id>/, keep-patches-<run-id>/   uv's scratch ``--target`` directories of that run
-        wheels/<random>/<name>.whl  the run's own copy of the wheel (see :mod:`safeinstall.env.wheelcopy`)
-        history/<run-id>.json       the final result of each finished run (:mod:`safeinstall.store.history`)
-        patches/<run-id>.patch      the local patches a --keep-patches run carried to the new version
-        baseline.json               what runs verified against their wheels where the wheel's RECORD is
-                                    wrong (see :mod:`safeinstall.store.baseline`)
-        bytecode.json               the .pyc files --verify-only judged fine, by identity
-                                    (:mod:`safeinstall.store.bytecode`)
-        records.json                the RECORDs found clean or installed by a run
-                                    (:mod:`safeinstall.store.records`)
-
-Path computation is pure (``environ`` and ``euid`` are parameters); :func:`ensure_dir` and
-:func:`ensure_environment_dir` are the only functions that touch the disk, plus the listing.
-
-Trust: safeinstall runs as root and acts on what it finds here (a journal names units to start and a
-backup to restore), so every command first checks that nobody else could have put it there: the state
-root, each of its parents and each environment directory must be owned by root or the caller and
-writable by nobody else (:func:`trust_problem`; a root-owned sticky directory such as ``/tmp`` is fine
-as a parent, as OpenSSH's StrictModes treats it).
-
-An environment that belongs to another account (a service account) has uv run as that account
-(:mod:`safeinstall.env.uvplan`), which must reach the run's uv cache, its scratch directories and its copy
-of the wheel by name: a run of such an environment makes the state root and the environment's directory
-0711 (entered by name, never listed nor written by others; :func:`let_through`), the run's uv cache and
-scratch directories that account's own (0700, :func:`make_run_dir`), and the wheel copy readable by it
-(root's; an ACL lets that account's uid read it). Everything else stays root's and private: journals,
-backups, logs, the lock (0700/0600). What the account owned is deleted by directory descriptor
-(:func:`safeinstall.system.safefs.remove_at`): a symlink it put there is removed, never followed nor
-opened, even one swapped in while root deletes.
+Paths are computed purely; :func:`ensure_dir` and :func:`ensure_environment_dir` touch the disk, and
+:func:`trust_problem` refuses a directory anyone else could have written. Layout and trust:
+docs/crash-safety.md.
 """
 
 from __future__ import annotations

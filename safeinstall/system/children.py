@@ -1,21 +1,7 @@
 """Child processes (uv, systemctl, the target interpreter), started so that none escapes the run.
 
-``subprocess.run`` leaves two gaps that matter to a tool that rolls back:
-
-* A SIGINT/SIGTERM handler that raises (:mod:`safeinstall.system.signals`) can run inside ``Popen()``
-  after the fork but before the child is known to the caller; then nobody kills or reaps the child,
-  and an interrupted run rolls back while uv goes on writing into site-packages. Here the spawn is a
-  critical section: a signal that arrives during it is held back and handled as soon as the child
-  is known, and the child is then killed and reaped before the interruption goes on.
-* When safeinstall itself is killed (SIGKILL, the OOM killer), its children live on: an orphaned uv
-  would finish (or half-finish) an install while ``safeinstall --recover`` restores the backup.
-  Every child gets the parent-death signal SIGKILL (``prctl(PR_SET_PDEATHSIG)``), so it dies with
-  the run.
-
-Every child is also a worker in the sense of :mod:`safeinstall.system.worker` (:func:`isolate`): a session
-of its own (no controlling terminal: code the environment's owner wrote, run by the probe or by uv,
-cannot open root's ``/dev/tty``, and a terminal's Ctrl-C reaches safeinstall alone), the ids it is
-given, no inherited descriptors, no core dumps, ``/`` as its working directory.
+The spawn is a critical section for signals, every child dies with safeinstall
+(``PR_SET_PDEATHSIG``) and is isolated as a worker (:func:`isolate`). docs/crash-safety.md.
 """
 
 from __future__ import annotations

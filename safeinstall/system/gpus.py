@@ -1,16 +1,7 @@
-"""GPU state through NVML (``pynvml`` from nvidia-ml-py); the only module of safeinstall that touches NVML.
+"""GPU state through NVML (``pynvml``); the only module of safeinstall that touches NVML.
 
-* :class:`NvmlSession` - ``nvmlInit`` once, :meth:`NvmlSession.snapshot` as often as needed, ``nvmlShutdown``.
-* :func:`snapshot_gpus` - one snapshot in its own session.
-* :func:`release_status` (pure) / :func:`wait_for_release` - is the GPU memory of stopped processes freed?
-
-Nothing here raises because NVML is missing or failing: no library, no driver or a failed init give an
-*unavailable* snapshot with the reason; an NVML error in the middle of a query is recorded in
-``GpuSnapshot.errors`` (and such a snapshot never counts as "released").
-
-``SAFEINSTALL_NVML_LIBRARY=/abs/path/libnvidia-ml.so.1`` preloads that library (RTLD_GLOBAL) before
-``nvmlInit``, so pynvml's own ``CDLL("libnvidia-ml.so.1")`` resolves to it by soname. pynvml loads its
-library once per process: the preload only matters for the first successful load in a process.
+Nothing here raises because NVML is missing or failing: such a snapshot is *unavailable*, with the
+reason, and never counts as released. ``SAFEINSTALL_NVML_LIBRARY`` preloads a library.
 """
 
 from __future__ import annotations

@@ -1,24 +1,7 @@
 """The one way safeinstall touches an environment's files: by directory file descriptor.
 
-safeinstall runs as root, while the environment it reinstalls may belong to a service account, which
-can put a symlink (or a FIFO, or a device node) anywhere below the prefix at any moment. So every
-write, delete, copy and restore goes through a :class:`Tree`: the prefix (or a backup directory) is
-opened once, and each path below it is walked one component at a time with ``openat``
-(``os.open(..., dir_fd=...)``) and ``O_NOFOLLOW``. A symlink anywhere below the root is never
-followed: where a directory is expected it counts as "not there" (nothing is read, written or deleted
-through it), and a restore replaces it with the real directory. What is opened is what is checked
-(``fstat`` on the descriptor): a FIFO or a device is never read, and opening never blocks
-(``O_NONBLOCK``). Paths are "/"-separated and relative to the root; ``..``, ``.``, empty and absolute
-ones are refused before anything is opened. A recursive delete (:func:`remove_at`, never
-``shutil.rmtree``, which opens a directory by name after an ``lstat``) opens each directory the same way,
-so a symlink to a FIFO swapped in for a directory while root deletes is unlinked, never opened.
-
-Inside :meth:`Tree.batch` (a backup, a restore: thousands of files in a few hundred directories) each
-thread keeps the descriptors of the directories it walked last (a cursor: the root's descriptor down
-to the last directory used) and walks only the components that differ, so a directory is opened once
-per batch, not once per file below it. What a cursor holds was opened exactly as above (by descriptor,
-``O_NOFOLLOW``, a real directory). A directory that safeinstall removes (``rmdir``, ``remove_tree``, a
-directory replaced by a file) makes every cursor start again from the root at its next use.
+Every path below a :class:`Tree`'s root is walked with ``openat`` and ``O_NOFOLLOW``, so a symlink, FIFO
+or device an account puts there is never followed nor opened. Why: docs/threat-model.md.
 """
 
 from __future__ import annotations

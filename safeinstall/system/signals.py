@@ -1,9 +1,7 @@
-"""SIGINT/SIGTERM/SIGHUP have one meaning at each point of a run: before the run's journal exists they
-end safeinstall with exit 2 and an ``error:`` line (:func:`install_early_handlers`, from its first
-instruction: nothing was changed); during the run the first one interrupts the step in progress (and the
-run rolls back: exit 2 before the stop, 3 after it); during the rollback and the tidy-up after a good run
-they are held back and announced, so the services are never abandoned half-way and a finished run
-finishes; once the run has its result they are ignored until the process exits (its exit code stands)."""
+"""SIGINT/SIGTERM/SIGHUP, one meaning at each point of a run: exit 2 before the journal, an
+interruption (and rollback) during the run, held back during the rollback and tidy-up, ignored once
+the result is known. docs/crash-safety.md.
+"""
 
 from __future__ import annotations
 

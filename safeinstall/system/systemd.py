@@ -1,20 +1,7 @@
 """Talking to systemd: the only module that runs ``systemctl``.
 
-:class:`Systemd` is parameterised by ``user`` (``systemctl --user``) and the environment handed to
-``systemctl`` (the user manager is found through ``XDG_RUNTIME_DIR``). Parsing is done by pure
-functions (:func:`parse_show`, :func:`parse_timespan`, :func:`unit_info`, :func:`dropin_roots`).
-
-Semantics worth knowing:
-
-* :meth:`Systemd.stop` enqueues the stop and waits with our own timeout until the unit is inactive (or
-  failed) *and* no process is left in its cgroup. A stop that times out cannot be taken back: systemd
-  keeps its stop job and kills the unit at its ``TimeoutStopSec``. A :meth:`Systemd.start` issued
-  meanwhile is queued behind that stop job, so the unit comes back only after it was killed.
-* :meth:`Systemd.wait_settled` watches a started unit until it has been ``active`` with the same main
-  process and no automatic restart for ``settle_s`` seconds.
-* Drop-ins are plain files in the manager's own configuration directories (asked from the manager via
-  its ``UnitPath``, so a user manager's ``XDG_CONFIG_HOME`` is honoured even when ours differs),
-  followed by ``daemon-reload``.
+A stop waits until the unit is inactive and its cgroup empty; a stop that times out cannot be taken
+back (docs/faults.md). Parsing is pure (:func:`parse_show`, :func:`unit_info`, ...).
 """
 
 from __future__ import annotations
