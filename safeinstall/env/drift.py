@@ -115,13 +115,10 @@ def shared_file(
     listed_by: Sequence[tuple[str, str, Expectation]],
     settle: bool = True,
 ) -> Finding:
-    """Pure: a ``modified`` file that other installed distributions' RECORDs list too (``listed_by``:
-    their name, version and entry for it). When the file is what one of them lists, it belongs to that
-    one (installed over this distribution's copy, as cuda-bindings installs over cuda-python): a
-    ``shared`` finding naming both, not drift. A file that matches none of them stays ``modified``,
-    and says who else lists it. ``settle`` False (the baseline is a wheel the user gave, which the
-    installed RECORDs may not overrule: whoever can write site-packages can write a RECORD that lists
-    its own copy): a file another RECORD vouches for stays ``modified`` too, and says so."""
+    """Pure: a ``modified`` file other RECORDs list too (``listed_by``): what one of them lists is that
+    one's (``shared``, not drift). ``settle`` False (``--wheel``): it stays ``modified``, since whoever writes
+    site-packages writes RECORDs.
+    """
     if finding.kind != FindingKind.MODIFIED or not listed_by:
         return finding
     for name, version, other in listed_by:

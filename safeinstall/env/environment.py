@@ -462,16 +462,10 @@ def user_site_enabled(env: Environment) -> bool:
 
 def steering(env: Environment, euid: int, walked: dict[str, os.stat_result] | None = None) -> _Control:
     """Who besides root (and ``euid``) can change what the environment runs once ``site`` runs (as uv
-    runs it), found after the probe (see :class:`_Control`). Looked at: the prefix and each directory
-    above it (whose owner could rename the environment away between the probe and a use; a root-owned
-    sticky one such as ``/tmp`` is fine), every site directory ``site`` would add (the base's too) and
-    each directory above it, every entry of those, the directories the ``.pth`` files add (a missing
-    one: who could create it), and, once ``site`` imports anything at start-up (a ``.pth`` import line,
-    ``sitecustomize``, ``usercustomize``), the whole tree of every directory it may import from,
-    ``__pycache__`` included (issue 35: a root-owned package one of whose modules the account owns, or
-    a module that one imports in turn, which no reading of the lines can tell). ``walked``: filled with
-    the ``lstat`` of each file that walk looked at, by path (``--verify-only``'s proof that a clean
-    distribution is unchanged takes them for its own: :func:`safeinstall.env.unchanged.prover`)."""
+    runs it): the prefix and its parents, the site directories, the ``.pth`` targets and, when ``site``
+    imports, every tree it may import from (see :class:`_Control`). ``walked``: filled with each ``lstat``
+    taken, for :func:`safeinstall.env.unchanged.prover`.
+    """
     control = _Control(euid)
     control.walked = walked
     control.look_up(env.prefix, "the prefix")

@@ -209,20 +209,12 @@ def _observe(
     started_ns: int = 0,
     reading: Reading | None = None,
 ) -> FileState:
-    """One file, by ``name`` relative to ``dir_fd`` (``path`` itself where there is no directory
-    descriptor). ``regular``: the names the directory's listing shows as regular files; any other name
-    is looked at with ``lstat`` first and, unless that shows a regular file, never opened.
+    """One file, by ``name`` relative to ``dir_fd``; a name the listing does not show as ``regular`` is
+    opened only when its ``lstat`` shows a regular file.
 
-    A small file is read in one call: asking for one byte more than its size returns the whole file
-    and shows that it ended there (a file that grew under us hashes differently, as it should). A
-    large one streams in ``STREAM_CHUNK`` chunks. Both are read into ``buffer`` (the thread's own, of
-    ``STREAM_CHUNK`` bytes, from :func:`read_buffer`): a new ``bytes`` for each file cost the first
-    verification in a process 4,096 page faults on torch, about 0.05 s of system time (fresh heap pages
-    for 157 MB of small files).
-
-    ``started_ns``: the clock read before this file was opened; kept as ``hashed_ns`` when the
-    descriptor's ``fstat`` after the read shows the very identity it showed before (a swap or a write
-    meanwhile: 0)."""
+    Read into the thread's ``buffer`` (a new ``bytes`` each cost page faults, docs/performance.md);
+    ``started_ns`` is kept as ``hashed_ns`` when the identity did not change during the read.
+    """
     if regular is None or name not in regular:
         unopened = _unopened(path, name, dir_fd)
         if unopened is not None:
@@ -357,14 +349,9 @@ def cycle_collection_paused() -> Iterator[None]:
 
 
 def read_buffer() -> memoryview:
-    """A thread's buffer for reading files: ``STREAM_CHUNK`` bytes starting on a page boundary.
-
-    Where the buffer starts matters: the kernel copies each read from the page cache (page-aligned)
-    into it, and on AMD EPYC (Zen) that copy ran 4-5x slower into a ``bytearray``, whose data ``malloc``
-    places 16 bytes past a page boundary (torch's 434 MB ``libtorch_cpu.so``: 0.28 s against 0.06 s,
-    measured with ``bench/verify.py --copy``). An anonymous mapping starts on one; it is unmapped
-    when the last view of it goes. Its pages are made at once (``MAP_POPULATE``), not at a page fault
-    each on first use (1,024 of them, about 3.4 us each on a cloud VM)."""
+    """A thread's read buffer: ``STREAM_CHUNK`` bytes on a page boundary, populated at once (an unaligned
+    ``bytearray`` copied 4-5x slower on Zen: docs/performance.md).
+    """
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
     return memoryview(mmap.mmap(-1, STREAM_CHUNK, flags=flags))
 
@@ -615,21 +602,11 @@ def observe_files(
     known: Known | None = None,
     budget: int = READ_BUDGET,
 ) -> dict[str, FileState]:
-    """Stat (and hash, where an algorithm is given) every wanted file; results keyed by location.
-    Each inode is read once (its other links take its digest: :class:`Reading`), and at most
-    ``budget`` bytes in all: past it a file is reported, with that reason, never read.
+    """Stat (and hash, with ``algorithm``) every wanted file, each inode read once; results by location.
 
-    ``workers``: threads (this one included; default :func:`default_workers`): up to ``workers - 1``
-    helpers take the large files, costliest first, while this thread does the small ones and then
-    helps with what large ones are left. ``on_progress`` gets the number of files done so far, after
-    each task, on the thread that did it (one at a time); what it raises on any thread is raised here
-    once the helpers have stopped. ``meanwhile``: other work for this thread,
-    done once the helpers have started on the large files and before the small ones (a verification
-    reads the other distributions' RECORDs there while torch's 434 MB library hashes). ``within``: a
-    real directory every file must be in, checked as each directory is opened (see
-    :func:`_open_directory`); a file of one that is not is reported with the reason, never opened.
-    ``known``: a file whose ``lstat`` shows an inode hashed earlier and unchanged since gets that
-    digest without being opened (``by_identity``); any other is read and hashed.
+    At most ``budget`` bytes read; ``workers`` threads take the large files; ``on_progress`` gets the count
+    done (what it raises is raised here); ``meanwhile`` runs once the helpers started; ``within``: a
+    directory every file must be in; ``known``: digests of unchanged inodes, taken without a read.
     """
     results: dict[str, FileState] = {}
     reading = Reading(budget)

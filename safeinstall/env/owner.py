@@ -221,22 +221,12 @@ FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int), a reflink of a whole fil
 
 
 def copy_cached_wheels(source: str, target: str, wanted: list[list[str]]) -> dict[str, Any]:
-    """Copy from the uv cache ``source`` into the run's own cache ``target`` the unpacked wheels of the
-    distributions ``wanted`` (``[name, version]``, canonical names): each wheel entry uv keeps for
-    that version (``wheels-vN/pypi/NAME/VERSION-TAGS`` and ``wheels-vN/index/HASH/NAME/...``: the link
-    to its archive and the files beside it) and the archive it links to (``archive-vN/ID`` at the
-    cache's top: a link that leads anywhere else is not copied), its files cloned (``FICLONE``: new
-    inodes sharing the blocks copy-on-write) where the filesystem can, else copied; never linked: the
-    run's cache shares no inode with a cache that outlives the run (issue 43: an in-place edit of an
-    installed file would edit that cache too). An archive whose files differ from its own RECORD (an
-    installed file edited in place where uv had linked it from its cache) is not taken: it is
-    ``damaged``, and uv fetches a fresh copy. Runs as the owner of both (a worker): it copies only what
-    that account may read. Symlinks and special files inside an archive are not copied (uv's archives
-    hold regular files and directories). Plain ``os`` calls, each file opened with ``O_NOFOLLOW``,
-    rather than :mod:`safeinstall.system.safefs`: both caches are the account's own and this worker is
-    the account, so the kernel's checks are the boundary (a symlink the account put on the way leads
-    only where the account could read and write anyway).
-    ``{"archives": int, "bytes": int, "entries": ["NAME VERSION"], "damaged": ["NAME VERSION"]}``."""
+    """Clone or copy into the run's cache ``target`` the unpacked wheels of ``wanted`` that the cache
+    ``source`` holds, never linking (docs/window.md); runs as the owner of both.
+
+    An archive whose files differ from its RECORD is ``damaged``, not taken. Returns ``{"archives",
+    "bytes", "entries", "damaged"}``.
+    """
     archives: set[tuple[str, str]] = set()
     bad: set[tuple[str, str]] = set()
     copied = 0

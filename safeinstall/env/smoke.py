@@ -538,13 +538,10 @@ def child_variables(
     sites: Sequence[Path],
     flags: Sequence[str] = (),
 ) -> dict[str, str]:
-    """Pure: the child's whole environment. The caller gives only the locale and time zone; the
-    account its ``HOME``, ``USER``, ``LOGNAME``; the unit what systemd gives its processes
-    (``Environment=``, then ``EnvironmentFile=``); then, whatever the unit says: no GPU, no bytecode
-    written, the environment's ``bin`` first on ``PATH``, the shim on ``PYTHONPATH`` (ahead of the
-    unit's) and the staged trees for it. ``flags``: the unit's interpreter's options (:data:`KEPT_FLAGS`)
-    kept as variables: ``-E`` and ``-I`` drop the unit's ``PYTHON*`` variables (the service ignores
-    them), ``-s`` and ``-I`` turn the user's site off (``PYTHONNOUSERSITE``), as they do in the service."""
+    """Pure: the child's whole environment: locale and time zone, the account's ``HOME``/``USER``, the unit's
+    variables, then no GPU, no bytecode, the environment's ``bin`` and the shim first. ``flags``: the
+    unit's interpreter options (:data:`KEPT_FLAGS`) kept as variables, as in the service.
+    """
     variables = {k: caller[k] for k in _FROM_CALLER if k in caller}
     variables |= {"PATH": DEFAULT_PATH, "HOME": account[1], "USER": account[0], "LOGNAME": account[0]}
     ignored = "-E" in flags or "-I" in flags

@@ -110,15 +110,12 @@ def plan_swap(
     held: frozenset[str],
     differs: frozenset[str] = frozenset(),
 ) -> SwapPlan:
-    """Pure: how the staged entries take their place. Every path is relative to the prefix.
+    """Pure: how the staged entries take their place (paths relative to the prefix).
 
-    ``live``: what the environment has at the staged paths and the old files ("dir", "file", "link",
-    "other"; absent: nothing); ``old_files``: the replaced distributions' RECORD entries in the prefix;
-    ``own_dirs``: their own directories (package directories and ``.dist-info``, in no other RECORD);
-    ``held``: files that must stay where they are (other distributions' RECORD entries, files no RECORD
-    lists in the replaced distributions' directories): a directory above one is never moved whole;
-    ``differs``: directories whose owner or mode in the environment is not the staged one's (a cache
-    directory handed to the service's account): never replaced whole either, as uv keeps them."""
+    ``live``: what the environment has at those paths; ``old_files``, ``own_dirs``: the replaced
+    distributions' entries and own directories; ``held``, ``differs``: what must stay, so that no
+    directory above them is moved whole.
+    """
     keep = held | differs | parent_directories(held | differs)
     children: dict[str, list[str]] = {}
     for path in staged_files | staged_dirs:

@@ -111,13 +111,10 @@ def prover(
     root_of: Callable[[InstalledDistribution], str],
     walked: Mapping[str, os.stat_result] | None = None,
 ) -> Callable[[InstalledDistribution], list[tuple[str, int]] | None] | None:
-    """What the verification asks of a distribution (its RECORD parsed already): None when it cannot be
-    proven unchanged (then it is checked as before), else its files that share their inode (path, link
-    count) for the ``hardlinked`` warning, from the same ``lstat``. ``root_of``: the prefix its files
-    must stay in. ``walked``: the ``lstat`` of files taken moments before, by path (the walk of who
-    steers the environment, :func:`safeinstall.env.environment.steering`, looks at each file of
-    site-packages when a ``.pth`` file imports: vLLM's 61k), taken for this check's own. None when there
-    is no store (nothing may be kept)."""
+    """What the verification asks of a distribution: None when it cannot be proven unchanged, else its
+    hardlinked files (path, link count). ``root_of``: the prefix its files stay in; ``walked``: ``lstat``
+    results taken moments before. None when there is no store.
+    """
     if store is None:
         return None
     seen: dict[str, bool] = {}  # a directory's lstat, once per check
@@ -182,13 +179,10 @@ def unchanged_entry(
     ctime_kept: Callable[[int, str], bool],
     hashed_at: Callable[[FileState], int],
 ) -> UnchangedDistribution | None:
-    """After a check that found nothing wrong with ``dist``'s files: what to keep of it (its directories
-    into ``directories``), or None when something of it was not settled before the check began, or is
-    on a filesystem whose ctime is not known to be kept (``ctime_kept(device, path)``: tmpfs, NFS, FUSE...
-    as for the verified-inode store, :data:`safeinstall.env.verified.CTIME_FILESYSTEMS`), or has a
-    directory more than :data:`MAX_DEPTH` levels below ``root``. ``hashed_at``: when a file's bytes
-    were read and hashed (this check's read, or the kept hash that proved it; 0: not known, not kept):
-    the entry is believed a day from the oldest."""
+    """After a clean check of ``dist``: what to keep of it (its directories into ``directories``), or None
+    when something was not settled before the check, lies where ctime is not kept, or too deep.
+    ``hashed_at``: when each file was hashed; the entry lasts a day from the oldest.
+    """
     record_path = os.path.join(dist.dist_info, "RECORD")
     record = _record_identity(dist)
     if record is None or not is_settled(record[4], since_ns) or not ctime_kept(record[0], record_path):

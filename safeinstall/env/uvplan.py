@@ -148,15 +148,10 @@ _NETWORK_OPTIONS = (
 
 
 def window_command(command: Sequence[str], request: UvRequest) -> tuple[str, ...]:
-    """Pure: the install the window runs: the plan's command with ``--offline`` when it installs from
-    the run's own cache (``link_mode`` hardlink, which the prefetch filled with every artefact of the
-    plan) and the extra arguments say nothing about the network or the cache.
-
-    ``--reinstall-package P`` implies ``--refresh-package P`` in uv (astral-sh/uv#5425): its cached
-    wheel, fetched by the prefetch a minute earlier, is revalidated, and for a wheel from an index
-    uv downloads it again, inside the window (vLLM 0.33.0: 320 MiB, 7.7 s while the services were
-    down). Offline, uv takes what the prefetch put in the run's cache and resolves against it and the
-    environment. Should that fail, the caller runs the plan's own command (see install_step)."""
+    """Pure: the window's install: the plan's command with ``--offline`` when it installs from the run's
+    own cache and the extra arguments name no network nor cache. Why: docs/window.md ("The window's
+    install runs offline").
+    """
     if request.link_mode != "hardlink" or _chooses(request.extra_args, _NETWORK_OPTIONS):
         return tuple(command)
     return (*command[:3], "--offline", *command[3:])
@@ -394,15 +389,11 @@ _NOT_FOR_THE_OWNER_PREFIXES = ("UV_PUBLISH_", "UV_GITHUB_TOKEN", "UV_INSTALLER_"
 def uv_environment(
     environ: Mapping[str, str], cache_dir: Path | None = None, account: Account | None = None
 ) -> dict[str, str]:
-    """Pure: uv's environment: the caller's (index settings stay), without VIRTUAL_ENV (``--python``
-    rules); with ``cache_dir``, uv's cache is that directory (the run's own).
+    """Pure: uv's environment: the caller's without ``VIRTUAL_ENV``; ``cache_dir``: uv's cache.
 
-    With ``account`` (uv runs as the environment's owner): only what ``_FOR_THE_OWNER`` lets through
-    (``UV_*`` and ``LC_*`` too), and ``HOME`` is the owner's, so uv reads the system's configuration
-    (``/etc/uv/uv.toml``) and the owner's own (``~/.config/uv/uv.toml``, which steers only what the owner
-    could do anyway), as when the owner runs uv; root's own files are never offered to it (the owner
-    could not read them). Without ``cache_dir`` uv uses a temporary cache of its own (``UV_NO_CACHE``):
-    the caller's cache is root's, and the owner's home may not exist (``nobody``'s is ``/nonexistent``)."""
+    With ``account``: only what ``_FOR_THE_OWNER`` lets through and the owner's ``HOME``, so uv reads what it
+    would as the owner and nothing of root's; no ``cache_dir``: ``UV_NO_CACHE``.
+    """
     env = {k: v for k, v in environ.items() if k != "VIRTUAL_ENV"}
     env["UV_NO_PROGRESS"] = "1"
     if account is not None:

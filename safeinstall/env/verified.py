@@ -160,18 +160,11 @@ def trusted_digest(entry: VerifiedInode | None, info: os.stat_result) -> str | N
 
 
 def root_only_digest(entry: VerifiedInode | None, info: os.stat_result) -> str | None:
-    """Pure: the kept digest of a regular file that root owns and only root may write, when its ``lstat``
-    shows the very inode with the size and modification time it had when hashed, its change time
-    allowed to have moved (a link or an unlink of another name, which a cache's and an environment's
-    inodes see at every install: uv's, the hand's, this run's own).
+    """Pure: the kept digest of a file only root may write, when its ``lstat`` shows the very inode, size
+    and mtime it had when hashed; its ctime may have moved (a link or unlink of another name).
 
-    Why that is as sound as :func:`trusted_digest` (docs/verify.md): only a writer changes bytes, and a
-    writer moves the mtime (``write``, ``truncate``, ``fallocate``, a clone into it) unless it sets it
-    back, which needs the owner or ``CAP_FOWNER`` (anyone else may only set *now*): here root. Who may
-    write is the mode's (an ACL's mask shows in the group bits), which only the owner, root, changes.
-    What ctime adds beyond that is against the owner; here the owner is root, which no check of this
-    store covers. The write through a shared mapping made while the file was writable is the same gap
-    as for the exact rule (its pages' later writes move no time at all)."""
+    Why that is as sound as :func:`trusted_digest`: docs/verify.md.
+    """
     if entry is None or not entry.root_only or not stat.S_ISREG(info.st_mode):
         return None
     if info.st_uid != 0 or info.st_mode & 0o022:

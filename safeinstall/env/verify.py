@@ -398,33 +398,11 @@ def verify_environment(
 ) -> VerifyReport:
     """Verify the named distributions (or all, with ``names=None``) of ``env``.
 
-    ``settle_shared`` False: a ``modified`` file is never settled as another distribution's ``shared``
-    one on the word of that distribution's installed RECORD (``--verify-only --wheel``: the wheel is
-    the baseline, and the environment's owner writes the RECORDs).
-
-    ``vouched``: the environment's baseline (:mod:`safeinstall.store.baseline`: name -> what a run verified
-    against the wheel), asked for only when a file differs from its RECORD (a clean check reads no
-    state): a file that holds the very bytes a run verified against its wheel is ``wheel-record``.
-
-    ``wheel``: judge the one named distribution against it (read once by the caller). ``installed``:
-    the environment's distributions when the caller has found them already (a run reloads only what
-    its install changed); otherwise the environment is scanned here, once. ``expected`` replaces what
-    some files must hold (location -> expectation): the local patches a ``--keep-patches`` run carried
-    over are checked against the merge, not the RECORD or the wheel. ``known``: files it proves to be
-    inodes hashed earlier and unchanged since are not read again (:mod:`safeinstall.env.inodes`).
-    ``unchanged``: a distribution it proves unchanged since a check found it clean (its files that
-    share their inode, or None: not proven) is taken as clean without a file compared
-    (:func:`safeinstall.env.unchanged.prover`; not with a wheel or ``expected``).
-
-    ``bytecode`` (``--verify-only``): every ``__pycache__`` ``.pyc`` found is judged by what it holds
-    (:mod:`safeinstall.env.bytecode`; ``known_pyc``: judgements kept, by identity) and, with every
-    distribution asked for, the top of each site directory and each shared directory are looked at for
-    code no RECORD lists (:mod:`safeinstall.env.sitetop`). Without it (a run's checks, whose time may be
-    the service's downtime) only a listed ``.pyc`` that differs from its RECORD is judged: one that is
-    the bytecode of its verified source (pip compiled it anew) is not a local change.
-
-    ``recorded``: the ``record-changed`` findings of a distribution (and whether it was proven
-    unchanged), against the RECORDs root kept (:class:`safeinstall.env.recorded.RecordCheck`).
+    ``settle_shared`` False: a file another RECORD lists stays ``modified`` (with ``--wheel``);
+    ``vouched``: the baseline, for ``wheel-record``; ``wheel``: the named distribution's reference;
+    ``installed``: the distributions already found; ``expected``: carried patches' contents; ``known``,
+    ``unchanged``, ``recorded``: what earlier checks proved; ``bytecode``: judge every ``.pyc`` and the site
+    tops (``--verify-only``). docs/verify.md.
     """
     # Named ones are read first, the others (whose files only say what is "extra") while the large
     # files hash; read as every distribution is, or everything is done again in the usual order. The

@@ -574,14 +574,10 @@ def install_overhead(new: int, dist_infos: int = 1, block: int = 4096) -> int:
 
 
 def install_room(new: int, old: int, freed: int, shared: bool) -> int:
-    """Pure: the room the install of ``new`` bytes needs in the environment, where the distributions it
-    replaces take ``old`` bytes, ``freed`` of them in files with no other link. With the backup on
-    another filesystem (a copy), uv's uninstall frees those files before it writes: the install needs
-    what the new version takes beyond them, and the rollback (new files removed before the old ones are
-    written back, or the old inodes linked back: :mod:`safeinstall.env.keep`) no more. An old file
-    that is a hardlink of a uv cache on that disk frees nothing. With the backup on the environment's
-    filesystem it holds the old files' inodes, so nothing is freed: the install needs all of it, and
-    so much again for the backup, should it have to copy."""
+    """Pure: the room the install of ``new`` bytes needs where the replaced distributions take ``old``,
+    ``freed`` of them in files with no other link. A backup on the same filesystem holds the old inodes,
+    so then nothing is freed (docs/faults.md, "Room").
+    """
     return new + old if shared else max(0, new - freed)
 
 

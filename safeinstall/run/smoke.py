@@ -298,14 +298,9 @@ def _undo(run: Run, new: NewTree, shim: Path, opened: bool) -> None:
 
 
 def start(run: Run, new: NewTree) -> None:
-    """Start the check beside the rest of the prefetch (the hashes of the run's cache, the verification
-    of the staging tree): its children in a thread of their own, their answer read by the smoke step
-    (:func:`smoke_step`); ``run.smoke_check`` until then. The tree is complete once uv has exited (what
-    is verified next is what it holds, and the check only reads it: its bytecode is never written);
-    the check runs as a unit's user or the environment's account, as it did after the verification
-    (docs/threat-model.md). What cannot be started here (a unit whose settings cannot be read, no
-    thread to be had) is left to the smoke step, which runs the check itself and says why it fails;
-    a signal stops the run at once."""
+    """Start the check beside the rest of the prefetch, its children on a thread of their own; its answer
+    is read by :func:`smoke_step`. What cannot be started here is left to that step, which says why.
+    """
     try:
         checks = prepare(run, new)
     except Interrupted:

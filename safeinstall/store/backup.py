@@ -347,18 +347,11 @@ def free_space(path: Path) -> int:
 
 
 def _link(item: _Item, tree: Tree, dest: Tree, info: os.stat_result, known: FileState | None) -> str | None:
-    """Hardlink a RECORD entry into the backup (by descriptor on both sides, never following a
-    symlink); its sha256 hex, taken from ``known`` (a hash of this very inode, unchanged since: same
-    device, inode, size and mtime) or read now. None when it cannot be linked (another filesystem, or
-    it changed under us): the caller copies it instead.
+    """Hardlink a RECORD entry into the backup, by descriptor; its sha256 from ``known`` or read now.
 
-    The backup then holds the installed inode itself. That is safe because the install never writes
-    into it: uv's uninstall unlinks every RECORD entry first, and the install creates new files (a
-    hardlink from the run's cache, or a copy) at those paths. Nothing is chmod-ed or touched here: it
-    is the installed file. Only an inode that root alone can write is linked
-    (:func:`safeinstall.system.safefs.only_caller_writes`): one its owner (a service account) can write
-    is copied instead, as the owner could write it later through a descriptor opened before the backup
-    (or a link of its own), and the restore would then fail its check through the owner's doing."""
+    None when it cannot be linked (another filesystem, changed meanwhile, or writable by its owner: see
+    docs/crash-safety.md, "The backup"): the caller copies it.
+    """
     if not stat.S_ISREG(info.st_mode) or not only_caller_writes(info):
         return None
     identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
@@ -823,17 +816,9 @@ def restore_backup(
 ) -> RestoreResult:
     """Put ``backup`` back into ``env``: remove what is installed now under its names, copy back, check.
 
-    ``remove``: the files the installed (or half-installed) version has, e.g. its RECORD locations
-    and the locations of the new wheel's members. Paths outside the prefix, and paths another
-    installed distribution lists, are left alone (and reported). When the environment already holds
-    exactly what was saved, nothing is written (:attr:`RestoreResult.unchanged`). Never raises for one
-    file: failures are collected; check :attr:`RestoreResult.ok`.
-
-    What is removed is named by files the environment's owner could write (the installed RECORDs):
-    the removal runs in a worker that is that owner (:func:`_remove_as_owner`), so it removes nothing
-    the owner could not. The put-back writes only what root saved, at the paths root recorded.
-    ``run_id``: the run whose kept links (:mod:`safeinstall.env.keep`) are put back where they match
-    the backup, instead of copies.
+    ``remove``: the installed version's files, removed as the environment's owner (paths outside the
+    prefix or another distribution's are left, and said); ``run_id``: whose kept links go back instead of
+    copies. Never raises for one file: see :attr:`RestoreResult.ok`.
     """
     manifest = backup.manifest
     prefix = env.prefix

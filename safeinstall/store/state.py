@@ -590,14 +590,10 @@ class OutputPath:
 
 
 def output_path(path: Path, euid: int, *, new: bool = False) -> OutputPath:
-    """The one rule for every file the CLI writes where its user says. The directory is reached from
-    ``/`` one component at a time, as the kernel would (``..`` after a link is the parent of where the
-    link led): each directory on the way must be owned by root or ``euid`` and writable by nobody else
-    (:func:`trust_problem`; a root-owned sticky one such as ``/tmp`` is fine), and each symbolic link on
-    the way must be root's or ``euid``'s (one another user made, in a directory of theirs or in
-    ``/tmp``, could point root's write into a root-only directory). Nobody else can then change where
-    the path leads before the write. The file itself, if there, must be a regular file (``new``: must
-    not be there at all). Looks at the disk, writes nothing."""
+    """The one rule for every file the CLI writes where its user says: each directory from ``/`` owned by
+    root or ``euid`` and writable by nobody else, each symlink on the way root's or ``euid``'s, the file a
+    regular one (``new``: absent). Looks at the disk, writes nothing.
+    """
     if not path.name or path.name in (".", ".."):
         return OutputPath(None, "it names no file")
     given = os.path.join(os.getcwd(), str(path.parent))

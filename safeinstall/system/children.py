@@ -43,14 +43,10 @@ _PRCTL = _find_prctl()
 def isolate(
     parent: int, ids: tuple[int, int] | None, *, new_session: bool, keep: tuple[int, ...] | None = None
 ) -> None:
-    """In a freshly forked child, before its work (or its ``exec``): the worker's isolation
-    (:mod:`safeinstall.system.worker`). ``ids`` (uid, gid): become them, no supplementary groups (a program
-    started by :func:`run` has them set by ``subprocess`` before this runs). ``new_session``: ``setsid``
-    (no controlling terminal; ``subprocess`` does it for a program). ``keep``: close every descriptor
-    but these, standard streams to ``/dev/null`` (``subprocess`` closes them for a program).
-
-    The parent-death signal is armed after the ids change (the kernel clears it on a change of
-    credentials); if the parent died before, the child exits (status 255)."""
+    """In a freshly forked child: the worker's isolation. ``ids``: become them, no supplementary groups;
+    ``new_session``: ``setsid``; ``keep``: the only descriptors left. The parent-death signal is armed
+    after the ids change (which clears it); an orphan exits 255.
+    """
     if new_session:
         os.setsid()
     if keep is not None:
@@ -264,36 +260,11 @@ def run(
     cancel: threading.Event | None = None,
     contain: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """Like ``subprocess.run(argv, capture_output=True, text=True)``, without the gaps above; bytes of
-    the output that are not UTF-8 are replaced (U+FFFD), never an exception.
+    """``subprocess.run(argv, capture_output=True, text=True)`` with no child left behind (module docstring).
 
-    ``as_user`` (uid, gid): the child runs as that user and group, with ``groups`` as its supplementary
-    groups (none by default), all set in the child after the fork, before the exec.
-    The child's working directory is ``/``: nothing in the caller's (a ``uv.toml`` or ``pyproject.toml``
-    that uv would discover there or in a directory above it, such as ``/tmp``) can steer it.
-
-    ``program_fd``: an open descriptor of the program ``argv[0]`` names, executed through it (the
-    program may lie where ``as_user`` cannot reach, such as below ``/root``: uv installed beside
-    safeinstall).
-
-    ``end_group``: once the child has exited, what it started and left running (its process group:
-    an import's helper processes, a multiprocessing resource tracker) is killed too, and gone when this
-    returns (see :func:`end_process_group`).
-
-    ``contain``: the child runs in a PID namespace of its own (:func:`contained`), so that nothing it
-    started outlives it, a process in a session of its own included; where that cannot be had (a
-    caller that is not root, no util-linux), its process group alone is ended (``end_group``). Root's
-    wrappers never get the loader's variables of a child as ``as_user`` (:func:`held_environment`).
-
-    ``cancel``: an event another thread may set (the run stopped while a check ran in the background):
-    the child is then killed and reaped, and its group sent SIGKILL, within a poll (:data:`POLL_S`;
-    a child that has exited has its group ended first, :func:`end_process_group`), and
-    :class:`Cancelled` is raised.
-
-    Raises ``subprocess.TimeoutExpired`` (the child killed and reaped), :class:`TooMuchOutput` (more
-    than ``limit`` bytes on stdout or stderr: killed and reaped), :class:`Cancelled` and ``OSError``
-    (it could not start);
-    an exception from a signal handler propagates once the child is gone.
+    ``as_user``, ``groups``: its ids; ``program_fd``: the program's descriptor; ``end_group``, ``contain``:
+    what it started ends with it; ``cancel``: kill it when set. Raises ``subprocess.TimeoutExpired``,
+    :class:`TooMuchOutput`, :class:`Cancelled`, ``OSError``, the child reaped.
     """
     command = list(argv)
     environment = dict(env)

@@ -125,15 +125,11 @@ def acl_writers(raw: bytes) -> tuple[set[int], set[int]]:
 def others_who_write(
     mode: int, gid: int, acl_groups: Iterable[int] = (), *, group_root_is_root: bool = True
 ) -> str | None:
-    """Pure: the one rule of who, besides a path's owner and root, may write it through its mode bits or
-    the groups its access ACL names: ``"every user"``, ``"group N"``, ``"group(s) [...] (its ACL)"``, or
-    None. A sticky directory is the caller's to judge.
+    """Pure: who, besides a path's owner and root, may write it by its mode or access ACL (``"every user"``,
+    ``"group N"``, ``"group(s) [...] (its ACL)"``), or None. A sticky directory is the caller's to judge.
 
-    ``group_root_is_root``: whether the group root (gid 0) counts as root's. An environment's files
-    (``/usr/local`` and the like) are often group-writable by root's group, and the owner check lets
-    them be; what root keeps for itself (the state directory, its journal, its baseline) counts any
-    group write, gid 0 included, as another's: an account may have gid 0 as its primary group, and with
-    an access ACL the group bits are the ACL's mask, which named users' and groups' writes pass through.
+    ``group_root_is_root`` False (root's own state): a write by gid 0 counts as another's
+    (docs/threat-model.md).
     """
     if mode & stat.S_IWOTH:
         return "every user"
@@ -474,17 +470,12 @@ def _descend(stack: list[_Emptying], fd: int, name: str) -> None:
 
 
 def remove_at(dir_fd: int, name: str, deadline: float | None = None) -> bool:
-    """Remove the entry ``name`` of the directory ``dir_fd`` and, when it is a directory, everything
-    below it (``rm -r``), in a tree that others may change meanwhile; False when it is not there.
+    """Remove the entry ``name`` of ``dir_fd`` and, for a directory, everything below it; False when absent.
 
-    Each directory is opened relative to its parent's descriptor with ``O_NOFOLLOW|O_NONBLOCK`` and
-    listed by that descriptor: a symlink is unlinked, never followed nor opened, even one that replaced
-    a directory after the listing, and a FIFO never blocks. An entry that changed between a file and a
-    directory is tried the other way; a directory refilled meanwhile is listed again (a few times).
-    Iterative: a tree more than :data:`MAX_REMOVE_DEPTH` directories deep is refused with an OSError,
-    and so is a mount point below ``name`` (EXDEV: what another filesystem holds is never emptied).
-    ``deadline`` (``time.monotonic()``): past it, TimeoutError (something keeps filling the tree).
-    Raises OSError (what was removed before stays removed)."""
+    Each directory is opened by descriptor with ``O_NOFOLLOW``: a symlink is unlinked, never followed.
+    Raises OSError (past :data:`MAX_REMOVE_DEPTH`, a mount point below, EXDEV) and TimeoutError past
+    ``deadline``; what was removed stays removed.
+    """
     try:
         info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:

@@ -625,13 +625,8 @@ class Systemd:
     ) -> SettleOutcome:
         """Wait until ``unit`` is active and stays so (same main process, no restart) for ``settle_s``.
 
-        ``timeout_s`` bounds the wait for it to become active; the whole call takes at most about
-        ``timeout_s + settle_s``. Pass ``before`` (its state before the start) so that an automatic
-        restart that happened before the first look is noticed too. (systemd zeroes ``NRestarts`` when
-        a start is not automatic, so only a rise of the counter counts as a restart.) ``cancel``, once
-        set, ends the wait at the next poll (verdict ``interrupted``): a Ctrl-C need not wait out the
-        settle time before the rollback starts. ``seen``: its main process as an earlier watch saw it
-        active (:func:`gone_wrong`): another one is a restart too.
+        ``timeout_s`` bounds the wait to become active; ``before`` and ``seen``: what it was, so that an early
+        restart counts (only a rise of ``NRestarts`` does); ``cancel`` ends the wait (``interrupted``).
         """
         started = time.monotonic()
         deadline = started + timeout_s
@@ -852,14 +847,9 @@ def start_limit(name: str, props: Mapping[str, str]) -> StartLimit:
 
 
 def start_limit_risk(limit: StartLimit, now_s: float, run_starts: int = RUN_STARTS) -> str | None:
-    """Pure: why the run's starts of a unit could hit its start limit (None: they cannot).
-
-    systemd counts starts in a window that opens at the first start after the last window closed:
-    a unit last started more than ``StartLimitIntervalSec`` ago starts a new window, in which the run's
-    own starts (``run_starts``: the restart, and a rollback's) count alone. A unit started within the
-    interval may have been started (restarted by hand, by a tool, by ``Restart=``) any number of times
-    in it, and systemd does not say how many: the run's restart could be refused (``start-limit-hit``)
-    and leave the service down (needrestart#340)."""
+    """Pure: why the run's starts of a unit could hit its start limit, or None: a unit started within
+    ``StartLimitIntervalSec`` may have used up its window (docs/reinstall.md).
+    """
     if limit.burst <= 0 or limit.interval_s <= 0:
         return None
     said = f"StartLimitBurst={limit.burst} within {limit.interval_s:g} s"
