@@ -546,11 +546,10 @@ def wrap_words(text: str, width: int, indent: int = 0, hang: int = 2) -> list[st
 def stacked_table(
     header: Sequence[str], rows: Sequence[Sequence[str]], width: int, indent: int = 0
 ) -> list[str]:
-    """Pure: a table as lines of at most ``width`` characters in which no cell is cut or broken: the
-    leading columns that fit whole side by side form the table (as wide as their widest cell, two
-    spaces apart); each later column goes below its row as "name: value", wrapped between words
-    (:func:`wrap_words`). At 200 columns a plan is one table; at 80 its reason and command stack.
-    Cells are :func:`printable` (a newline in one: a space); lines carry no trailing spaces."""
+    """Pure: a table as lines of at most ``width`` characters, no cell cut: the leading columns that fit
+    side by side, each later one below its row as "name: value", wrapped between words. Cells are
+    :func:`printable`; no trailing spaces.
+    """
     table = [[printable(" ".join(cell.split("\n"))) for cell in row] for row in (header, *rows)]
     shown = len(header)
     while shown > 1:

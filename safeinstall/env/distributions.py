@@ -72,11 +72,10 @@ NO_RECORD = "missing"
 
 
 class MetadataReader:
-    """Reads the ``.dist-info`` files of one environment, for one scan: only a regular file within its
-    limit that ``account`` (the environment's owner, when it is another account) may read itself (its
-    owner may have made one a FIFO, huge, or a symlink: uv's ``--link-mode symlink`` links them into its
-    cache), and at most :data:`SCAN_LIMIT` bytes in all, beyond which the scan stops with RecordError
-    (root's memory would grow with every RECORD the owner adds)."""
+    """Reads one environment's ``.dist-info`` files for one scan: only a regular file within its limit that
+    ``account`` may read, and at most :data:`SCAN_LIMIT` bytes in all (then RecordError), since the
+    owner can add RECORDs without end.
+    """
 
     __slots__ = ("account", "left", "lines_left")
 

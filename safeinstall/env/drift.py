@@ -157,11 +157,9 @@ RECORD_MAY_BE_WRONG = f"{UNTOUCHED}: {RECORD_MAY_BE_WRONG_HINT}"
 
 
 def untouched_since_install(finding: Finding, ctime_ns: int, record_ctime_ns: int | None) -> Finding:
-    """Pure: a file checked against its installed RECORD that differs from it, but whose inode last
-    changed no later than the installer wrote that RECORD (after every file), was not edited here: the
-    wheel's own RECORD may be wrong (pynvvideocodec 2.0.4 ships one). Change times, which no account
-    sets: a same-size edit with its modification time set back is never explained so (issue 46). It
-    stays ``modified`` (this cannot be known without the wheel), and says so and how to settle it."""
+    """Pure: a file that differs from its RECORD but whose ctime is no later than the RECORD's was not
+    edited here (the wheel's RECORD may be wrong); it stays ``modified`` and says so, and how to settle it.
+    """
     if (
         finding.kind != FindingKind.MODIFIED
         or finding.baseline != "record"
@@ -272,12 +270,8 @@ def mode_finding(distribution: str, state: FileState, script: bool) -> Finding |
 def own_roots(
     files_by_distribution: Mapping[str, Iterable[str]], site_dirs: Iterable[str]
 ) -> dict[str, list[str]]:
-    """Each distribution's own package directories inside the site directories.
-
-    A directory is a distribution's own when it lies strictly below a site directory and no other
-    distribution has files below it. Shared directories (namespace packages such as ``nvidia/``)
-    are never roots, so files of other distributions there are never reported against this one.
-    The ``.dist-info`` directories are left out. Paths are normalised absolute strings.
+    """Each distribution's own package directories: strictly below a site directory, with no other
+    distribution's files below (so ``nvidia/`` is never one); ``.dist-info`` left out.
     """
     owners = directory_owners(files_by_distribution, site_dirs)
     roots: dict[str, list[str]] = {name: [] for name in files_by_distribution}

@@ -342,11 +342,9 @@ def _loaded_entries(directory: Path, names: frozenset[str]) -> list[Path]:
 
 
 def _walk_loaded(control: _Control, top: Path, what: str, budget: list[int]) -> None:
-    """Look at ``top`` and, for a directory, at every entry of its whole tree (``__pycache__`` too; each
-    path's owner, mode and ACL). Never through a symlink: a link is looked at with its target
-    (:meth:`_Control.look_up`); a link to a directory outside the tree is a problem (the walk does not
-    follow it out). ``budget``: the entries still allowed (shared by every walk of one check); beyond it,
-    or past ``LOADED_DEPTH``, a problem."""
+    """Look at ``top`` and every entry of its tree, never through a symlink (a link out of it is a
+    problem); ``budget`` and ``LOADED_DEPTH`` bound it.
+    """
     if budget[0] < 0:  # said once, by the walk that ran out
         return
     real_top = os.path.realpath(top)
@@ -429,12 +427,10 @@ def who_else_controls(path: Path, euid: int) -> str | None:
 
 
 def who_else_controls_tree(path: Path, euid: int) -> tuple[int | None, str] | None:
-    """Who besides root and ``euid`` could change what may be loaded from ``path``: the path and every
-    directory above it (:func:`who_else_controls`), and, as the walk of what ``site`` may import has it,
-    every entry of its whole tree (``__pycache__`` too; never through a symlink; a link out of it, too
-    many entries or too deep a tree is a problem). None when only root and ``euid`` do; else the account
-    (None: no single one) and the first finding, said. For what a unit names that the smoke check would
-    load from (a ``PYTHONPATH`` entry, a ``PATH`` directory, the working directory...)."""
+    """Who besides root and ``euid`` could change what may be loaded from ``path``: the path, its parents
+    and its whole tree, never through a symlink. None when nobody; else the account (None: not one)
+    and the first finding. For what a unit names that the smoke check would load from.
+    """
     control = _Control(euid)
     control.look_up(path, "it")
     if os.path.isdir(path):
@@ -515,12 +511,10 @@ def _root_controlled(site: Path) -> bool:
 
 
 def distribution_sites(env: Environment) -> tuple[Path, ...]:
-    """Every site directory whose distributions the interpreter imports, in ``sys.path`` order: its own
-    (purelib, platlib), then the base installation's that ``site`` adds (a system interpreter's
-    ``/usr/lib/python3/dist-packages``, or a venv's base with include-system-site-packages), those
-    inside the base prefix only. For another account's environment (its interpreter said where the base
-    is) a base directory is read only when root alone controls it: root hashes the files its RECORDs
-    name, and the account could otherwise write such RECORDs itself."""
+    """Every site directory whose distributions the interpreter imports, in ``sys.path`` order: its own,
+    then the base's inside the base prefix. For another account's environment a base directory counts
+    only when root alone controls it (the account could write its RECORDs).
+    """
     base = [
         site
         for site in env.base_site_dirs

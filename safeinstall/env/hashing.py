@@ -432,12 +432,10 @@ MISSING = "missing"
 
 
 def _open_directory(path: str, list_it: bool, within: str | None) -> tuple[int | None, str | None]:
-    """Opens ``path`` as it leads (readable when it is to be listed: :func:`_regular_names`),
-    following a symlink on the way, as the caller's containment check resolved it. With ``within``,
-    what was opened must be below that real directory: its owner may have swapped a directory for a
-    symlink to one outside since the check (root would read a root-only file and report its hash and
-    size); and a directory that cannot be opened gets no file opened by its path (a symlink could be
-    swapped in on the way meanwhile)."""
+    """Open ``path`` as the caller's containment check resolved it. With ``within``, what was opened must
+    be below that real directory (a symlink swapped in since must not lead root out); a directory that
+    cannot be opened gets no file opened by its path.
+    """
     fd: int | None = None
     failure: OSError | None = None
     if list_it:
@@ -672,13 +670,10 @@ def observe_files(
 
 
 def _join(threads: Sequence[threading.Thread]) -> BaseException | None:
-    """Waits for every thread to end (each does after its current file) and returns the signal
-    (Ctrl-C) that came meanwhile, for the caller to raise once it has closed the directories: a
-    helper still reading a file through its directory's descriptor must not have it closed under it
-    (the number could be reused by the next ``open``, and the helper would open a name relative to
-    another directory). A second signal is raised at once (a helper stuck on a hung network
-    filesystem must not hold the process): nothing is closed then, and the descriptors stay open,
-    never reused, until the process ends."""
+    """Wait for every thread to end and return the signal that came meanwhile, raised by the caller once
+    the directories are closed (a helper must not have its descriptor closed under it). A second signal
+    is raised at once; the descriptors then stay open until the process ends.
+    """
     pending: BaseException | None = None
     for thread in threads:
         while True:

@@ -71,12 +71,10 @@ def _entries(cache: Path) -> list[_Entry]:
 def hash_cache(
     cache: Path, workers: int | None = None, known: Callable[[os.stat_result], str | None] | None = None
 ) -> dict[tuple[int, int], HashedInode]:
-    """Before the stop: hash every file of uv's unpacked archives in the run's cache (as root, by
-    descriptor within ``cache``, never following a symlink). An entry whose size, times or owner moved
-    while it was read, or whose owner is not the cache's, or that its group or others may write, is
-    left out (then its hardlinks in the environment are read and hashed in the window). ``known``: the
-    digest of an inode already hashed (a link of root's own uv cache whose hash the environment's
-    verified-inode store kept: :func:`safeinstall.env.verified.root_only_checker`), taken without a read."""
+    """Before the stop: hash every file of uv's unpacked archives in the run's cache, as root, by
+    descriptor. An entry that moved while read, is not the cache owner's, or that others may write is left
+    out (read in the window instead). ``known``: digests of inodes hashed already.
+    """
     try:
         owner = os.lstat(cache).st_uid
     except OSError:

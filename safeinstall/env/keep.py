@@ -50,12 +50,10 @@ def _roots_own(fd: int) -> bool:
 
 
 def keep_links(prefix: Path, run_id: str, paths: Iterable[str], every: bool = False) -> int:
-    """Link each of ``paths`` (relative to the prefix) that is a regular file only root can write, with
-    other links (its uninstall frees nothing), into the run's keep directory; ``every``: each such file,
-    other links or not (the uninstall then frees nothing: a restore needs no room, whoever takes the
-    room meanwhile); leftovers of runs that died go first. Best effort (a file that cannot be linked is
-    copied back, as before): the number kept. Nothing in a prefix root does not own alone. Raises
-    OSError when the directory cannot be made."""
+    """Link each of ``paths`` that is a file only root can write into the run's keep directory: those with
+    other links, or with ``every`` all of them; leftovers of dead runs go first. Best effort: returns the
+    number kept. Raises OSError when the directory cannot be made.
+    """
     name = keep_name(run_id)
     with Tree(prefix) as tree:
         if not _roots_own(tree.fd):

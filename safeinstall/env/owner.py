@@ -34,11 +34,10 @@ _KEEP_PREFIX = ".safeinstall-keep-"
 
 
 def remove_installed(prefix: str, files: list[str], dist_infos: list[str], stop: list[str]) -> dict[str, Any]:
-    """Remove ``files`` and the directories ``dist_infos`` (relative to ``prefix``), then the
-    directories left empty up to (not including) those in ``stop``. What the account may not remove
-    (EACCES, EPERM, EROFS) is ``denied``, not a failure: it is not the installed version's (uv ran as
-    the account, so it could not have written it). ``{"removed": [...], "removed_dist_infos": [...],
-    "denied": ["path: reason"], "failures": ["path: reason"]}``."""
+    """Remove ``files`` and the ``dist_infos`` directories, then directories left empty up to ``stop``.
+    What the account may not remove is ``denied``, not a failure. Returns ``{"removed",
+    "removed_dist_infos", "denied", "failures"}``.
+    """
     removed: list[str] = []
     removed_dirs: list[str] = []
     denied: list[str] = []

@@ -463,11 +463,9 @@ def parse_environment_file(text: str) -> list[tuple[str, str]]:
 def unit_variables(
     variables: Sequence[tuple[str, str]], controlled: Callable[[str], bool]
 ) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
-    """Pure (given ``controlled``: whether only root and the child's account control a path): the
-    unit's variables the child takes, and what was left out, said. Nothing that names code to load is
-    taken unless only root and the child's account could change that code: a ``PYTHONPATH`` or
-    ``LD_LIBRARY_PATH`` entry another account controls is dropped, and so are the loader's other
-    variables and Python's own, but for a few that load nothing."""
+    """Pure: the unit's variables the child takes, and what was left out, said. Nothing naming code to load
+    is taken unless only root and the child's account control it (``controlled``).
+    """
     kept: list[tuple[str, str]] = []
     dropped: list[str] = []
     for name, value in variables:
@@ -782,11 +780,9 @@ def _group_id(given: str) -> int | None:
 
 
 def unit_account(context: ExecContext) -> RunAs | str | None:
-    """Whom ``context``'s unit runs its processes as, resolved as systemd resolves ``User=`` (a name or a
-    number the user database knows; with ``DynamicUser=`` and no ``User=``, the unit's name) and
-    ``Group=`` (else the user's primary group), with the supplementary groups systemd gives it: the
-    user's groups (``initgroups``, unless the group is root's), then ``SupplementaryGroups=``. None:
-    root (no ``User=``, or root); a str: why it cannot be told (the unit itself could not start so)."""
+    """Whom ``context``'s unit runs as, resolved as systemd resolves ``User=``, ``Group=``,
+    ``DynamicUser=`` and its supplementary groups. None: root; a str: why it cannot be told.
+    """
     name = context.user or (context.unit.rpartition(".")[0] if context.dynamic_user else "")
     if not name:
         return None

@@ -306,11 +306,10 @@ KEPT_PREFIX = ".safeinstall-kept-"
 
 
 def unknown_in_old(root: Path, known: frozenset[str]) -> list[tuple[str, str]]:
-    """After the swap: the files the exchanged and moved-out old entries hold (the staging tree and the
-    attic both mirror the prefix) that are not in ``known`` (what the backup saved), nor bytecode of a
-    saved source, as (where it is below ``root``, where it was in the prefix): files that appeared in
-    the old version's directories after the backup (a service writing into its package directory
-    before the stop). uv's install would have left them in place."""
+    """After the swap: the files in the exchanged and moved-out old entries that the backup did not save
+    (``known``) and that are not bytecode of a saved source, as (below ``root``, in the prefix): what
+    appeared after the backup.
+    """
     found: list[tuple[str, str]] = []
     for part in (STAGED_TREE, ATTIC):
         try:

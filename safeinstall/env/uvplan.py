@@ -160,14 +160,9 @@ def window_command(command: Sequence[str], request: UvRequest) -> tuple[str, ...
 def prefetch_command(
     request: UvRequest, uv_bin: str, target: Path, changes: Sequence[UvChange] = (), staging: bool = False
 ) -> list[str]:
-    """Pure: install the same artefacts into a scratch ``--target`` directory, before any stop.
-
-    This fills uv's cache (download, unpack, build), so that the install during the downtime only
-    copies files; and it proves that the artefacts can be fetched and installed at all. The artefacts
-    are the requirement and every other distribution uv's dry-run will install (``changes``: a new
-    dependency of a nightly, or everything with ``--with-deps``), pinned, without resolving again.
-    ``staging``: into ``--prefix target`` instead, laid out as the environment (a swap's staging tree,
-    :mod:`safeinstall.env.swap`).
+    """Pure: install the same artefacts, pinned, into a scratch ``--target`` directory before any stop:
+    it fills uv's cache and proves they install. ``changes``: what uv's dry run installs; ``staging``:
+    ``--prefix target`` instead, a swap's staging tree.
     """
     where = ["--prefix" if staging else "--target", str(target)]
     cmd = [uv_bin, "pip", "install", "--python", str(request.python), *where, "--no-deps"]
@@ -215,11 +210,9 @@ _INDEX_OPTIONS: dict[str, tuple[str, str | None]] = {
 
 
 def index_settings(extra_args: Sequence[str]) -> tuple[tuple[str, ...], dict[str, str]]:
-    """Pure: ``extra_args`` less uv's index options (``--extra-index-url URL``, ``--index=URL``,
-    ``-i URL``, ``-iURL``, ...), and those options as the ``UV_*`` variables uv reads them from (a value
-    given on uv's command line replaces the variable's, as this does). UsageError for a value uv's
-    variable could not carry (its separator in it), an option without its value, or one that takes a
-    single value given twice."""
+    """Pure: ``extra_args`` less uv's index options, and those as the ``UV_*`` variables uv reads. Raises
+    UsageError for a value the variable cannot carry, a missing value, or a single one given twice.
+    """
     kept: list[str] = []
     values: dict[str, list[str]] = {}
     args = list(extra_args)
@@ -444,11 +437,9 @@ _UV_LABEL = re.compile(r"[A-Za-z][A-Za-z ]{0,15}: ")
 
 
 def uv_said(output: str, limit: int = SAID_LIMIT) -> str:
-    """Pure: uv's message on one line, from its first ``error:`` line (what comes before it is uv's
-    progress, "Using Python 3.11 environment at: /usr"): its parts (``error:``, ``cause:``, ``hint:``,
-    each ``╰─▶``...) joined with " / ", a sentence uv wrapped over lines joined again with a space (a
-    line that goes on in lower case, after one that did not end it); shortened to ``limit`` characters
-    at a word boundary, never in the middle of a word."""
+    """Pure: uv's message on one line from its first ``error:`` line, its parts joined with " / ",
+    shortened to ``limit`` characters at a word boundary.
+    """
     lines = [line.strip() for line in output.strip().splitlines() if line.strip()]
     first = next((i for i, line in enumerate(lines) if line.startswith("error:")), 0)
     parts: list[str] = []
@@ -470,11 +461,10 @@ def dry_run(
     prefix: Path | None = None,
     cache_dir: Path | None = None,
 ) -> UvPlan:
-    """Ask uv (as ``account``, the environment's owner, when given) what it would uninstall and
-    install; PlanError when it cannot resolve. ``prefix``: the environment's, where uv creates its lock
-    file even for a dry run; one that was not there before is removed again (a dry run leaves nothing
-    in the environment). ``cache_dir``: uv's cache (the run's own, which the resolution then holds the
-    metadata of the new distributions in: the window's offline install needs it)."""
+    """Ask uv (as ``account``, when given) what it would uninstall and install; PlanError when it cannot
+    resolve. A lock file uv made in ``prefix`` is removed; ``cache_dir``: uv's cache, which then holds the
+    metadata the window's offline install needs.
+    """
     uv_bin = uv_binary()
     cmd = install_command(request, uv_bin, dry_run=True)
     had_lock = prefix is None or _lock_info(prefix) is not None

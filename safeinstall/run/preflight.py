@@ -399,11 +399,10 @@ def _named_as_given(found: Survey, copy: Path, given: Path) -> Survey:
 
 
 def dry_run_patches(prepared: Prepared) -> tuple[Plan, PatchSet | None]:
-    """``--keep-patches --dry-run``: the run's patches step, the same merge, made as the run makes it once
-    the plan proceeds; its scratch (the environment owner's, as in the run) in a temporary directory: a
-    dry-run creates nothing in the state directory. A patch that cannot be carried is then one of the
-    plan's refusals; pristine files that cannot be had raise, as in the run. The plan, and the patches
-    (None without the step)."""
+    """``--keep-patches --dry-run``: the run's patches step, its scratch in a temporary directory. A patch
+    that cannot be carried is a refusal of the plan; missing pristine files raise. Returns the plan and
+    the patches (None without the step).
+    """
     options, plan = prepared.options, prepared.plan
     if not options.keep_patches or not plan.proceeds:
         return plan, None

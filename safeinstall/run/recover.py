@@ -133,11 +133,10 @@ KEPT_PHASES = frozenset({Phase.VERIFIED, Phase.RESTARTING, Phase.DONE})
 def recovered_result(
     journal: Journal, recovery: Recovery, log_file: str, ended: int | None = None
 ) -> dict[str, Any]:
-    """Pure: the ``reinstall`` document of a run that died and that ``--recover`` finished, as its history
-    keeps it: status ``recovered``; exit 0 when the new version, verified before the run died, was kept;
-    3 when the environment is as it was before the run (the backup restored, or nothing installed yet;
-    also when the new version, verified and started, did not come up). ``ended``: the exit code the run
-    itself reported (4: its put-back failed), None when it died without a result."""
+    """Pure: the ``reinstall`` document of a run ``--recover`` finished (status ``recovered``): exit 0 when
+    the verified new version was kept, 3 when the environment is as before the run. ``ended``: the exit
+    code the run reported, None when it died without one.
+    """
     phase = effective_phase(journal)
     died = f"the run {journal.run_id} died in phase {phase} (PID {journal.pid}) without a result"
     if ended is not None:

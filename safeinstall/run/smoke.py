@@ -197,12 +197,10 @@ UV_LOCK = ".lock"
 
 
 def _let_units_in(run: Run, new: NewTree) -> str | None:
-    """Open the way to the new version for the units' users (root-owned environment; see
-    docs/threat-model.md): the state root and the environment's directory 0711 (the shim's directory
-    is 0755), the staging directory 0711: entered by name, never listed (its attic stays 0700); the
-    tree below it as uv made it (the prefetch's ``--target`` tree, a site directory itself: 0755),
-    checked first to be root's alone (uv's lock file at its top, which everyone may write and nothing
-    reads once uv is done, is removed first). None, or why it was not opened."""
+    """Open the new version to the units' users in a root-owned environment: the state directories and
+    the staging directory 0711 (entered, never listed), the tree checked to be root's alone first
+    (docs/threat-model.md). None, or why it was not opened.
+    """
     try:
         with Tree(new.tree) as tree:
             tree.unlink(UV_LOCK)
@@ -348,12 +346,10 @@ def abandon(run: Run) -> None:
 
 
 def smoke_step(run: Run) -> str:
-    """Import the new version (and run ``--smoke``) in each unit's context; PlanError (exit 2) when
-    anything fails. The check started beside the prefetch (:func:`start`) is waited for; else it runs
-    here. The prefetch's ``--target`` tree (``run.scratch``) stays until the run's cache goes (at the
-    end of the run, or first thing in a rollback): its files are links of the cache's inodes, and
-    removing a link changes an inode's change time, which the verification in the window proves the
-    hashed inodes by (docs/window.md)."""
+    """Import the new version (and run ``--smoke``) in each unit's context, waiting for :func:`start`'s check
+    or running it here. Raises PlanError (exit 2) when anything fails. The ``--target`` tree stays with the
+    run's cache: removing its links would move the hashed inodes' ctime (docs/window.md).
+    """
     background = run.smoke_check
     if background is not None:
         try:

@@ -373,13 +373,9 @@ def scan_processes(
     workers: int | None = None,
     scope: EnvironmentScope | None = None,
 ) -> ScanResult:
-    """Read every process under ``proc_root`` once; match it against ``targets``, and, with ``scope``,
-    give ``environment`` evidence to a process without other evidence that runs that environment.
-
-    Processes that vanish or cannot be read are listed in ``problems``; kernel threads are skipped.
-    ``self_pid`` (default: this process) is only marked, never skipped. ``workers`` > 1 splits the PIDs
-    among that many processes (this one and forked children; default: :func:`default_workers`; always
-    one while other threads run); the result is the same either way.
+    """Read every process under ``proc_root`` once and match it against ``targets`` (with ``scope``:
+    ``environment`` evidence too). Unreadable ones go to ``problems``; ``self_pid`` is marked, not skipped;
+    ``workers``: forked processes sharing the PIDs, the same result either way.
     """
     index = TargetIndex.of(targets)
     me = os.getpid() if self_pid is None else self_pid

@@ -748,11 +748,9 @@ def _remove_own_temp_files(tree: Tree, directories: Iterable[str]) -> None:
 def _put_back(
     saved: BackupFile, source: Tree, tree: Tree, as_root: bool, kept: int | None, same: frozenset[str]
 ) -> bool:
-    """Put one file back atomically (temp file beside it, rename), unless it is there as saved already
-    (False: nothing written; a read-only file system that the install never changed is left alone;
-    ``same``: the paths found so before the removal). On a full disk a file still in its place is
-    removed first, to make the room that the copy needs: the services are stopped during a restore,
-    so atomicity matters less than finishing it."""
+    """Put one file back atomically (temp file, rename), unless it is there as saved (False). On a full
+    disk the file in its place is removed first to make room: finishing matters more than atomicity.
+    """
     if saved.path in same or _same(saved, tree):
         return False
     if kept is not None and saved.link_target is None and saved.sha256 is not None:

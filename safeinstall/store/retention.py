@@ -38,15 +38,9 @@ def backups_to_remove(
     statuses: Mapping[str, str] | None = None,
     good_run: bool = True,
 ) -> tuple[str, ...]:
-    """The backups to delete, oldest first, never ``protected``: the good runs' beyond the newest
-    ``keep`` (only after a ``good_run``: a rolled-back run never deletes one), and those of runs that
-    were rolled back.
-
-    ``statuses``: each run's status (its history entry's; the running run's own). A run that ended
-    done, or whose status is not known, counts under ``keep``; one rolled back does not count and its
-    backup goes; any other (a rollback that failed, an error) does not count and is kept. Run ids
-    start with their UTC time, so they sort by age. Names that are not run ids are not counted and
-    never chosen.
+    """The backups to delete, oldest first, never ``protected``: rolled-back runs', and after a
+    ``good_run`` the good runs' beyond the newest ``keep``. ``statuses``: each run's status; one whose
+    rollback failed or that errored is kept. Names that are not run ids are never chosen.
     """
     if keep < 1:
         raise ValueError(f"keep must be at least 1, not {keep}")

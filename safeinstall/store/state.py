@@ -149,12 +149,10 @@ PUT_BACK_CACHE_S = 10.0
 
 
 def remove_run_dir(path: Path, seconds: float = RUN_DIR_REMOVAL_S) -> bool:
-    """Delete the run's directory ``path`` (best effort, bounded by ``seconds``); True when it is gone.
-
-    Its contents are the directory owner's (uv ran as the environment's account): they are removed by a
-    worker that is that owner (:mod:`safeinstall.system.worker`), by descriptor, so a symlink left there is
-    removed, never followed, and nothing the owner could not delete is deleted. Root then removes the
-    emptied directory itself, from its own state directory (never what was put back into it)."""
+    """Delete the run's directory ``path``, best effort within ``seconds``; True when it is gone. Its
+    contents are removed by a worker that is their owner, by descriptor; root then removes the emptied
+    directory.
+    """
     try:
         info = os.lstat(path)
     except FileNotFoundError:
@@ -288,11 +286,9 @@ def mode_problem(mode: int, owner: int, euid: int) -> str | None:
 
 
 def trust_problem(mode: int, owner: int, euid: int, *, parent: bool, gid: int = -1) -> str | None:
-    """Pure: why another user could change what a directory (the state directory, or one of its
-    ``parent`` directories) holds, or None. Owned by root or the caller, writable by nobody else
-    (:func:`safeinstall.system.safefs.others_who_write`, the rule the environment's owner check uses too,
-    with any group's write, the group root's included, counted as another's); a parent may be a
-    root-owned sticky directory (``/tmp``: others cannot rename or delete what is ours).
+    """Pure: why another user could change what a directory (or a ``parent``) holds, or None: it must be
+    owned by root or the caller and writable by nobody else, gid 0 included; a parent may be a root-owned
+    sticky directory (``/tmp``).
     """
     if not stat.S_ISDIR(mode):
         return "it is not a directory"

@@ -75,11 +75,9 @@ def to_bytes(store: InodeStore) -> bytes:
 
 
 def from_bytes(raw: bytes, prefix: str, boot: str, now_ns: int) -> InodeStore:
-    """Pure: a store read back (ValueError: damaged, another environment's or another boot's): its
-    header, its length and every digest's spelling checked now; each entry's numbers are checked when
-    it is looked up or listed (:class:`_Packed`), and one no longer believable (too old, from the
-    future, racy, a negative number) is not there. A check that proves every distribution unchanged
-    (:mod:`safeinstall.env.unchanged`) looks up a few entries of vLLM's 61k, not each."""
+    """Pure: a store read back; ValueError when damaged or another environment's or boot's. Entries'
+    numbers are checked when looked up (:class:`_Packed`); one no longer believable is not there.
+    """
     header, newline, body = raw.partition(b"\0\n")
     if not newline or len(header) > _HEADER_MAX:
         raise ValueError("no header")

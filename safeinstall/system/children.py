@@ -227,13 +227,10 @@ def held_environment(env: Mapping[str, str]) -> tuple[dict[str, str], list[str]]
 def contained(
     argv: Sequence[str], as_user: tuple[int, int] | None, groups: Sequence[int]
 ) -> tuple[list[str], bool] | None:
-    """Pure but for where util-linux lies: ``argv`` run in a PID namespace of its own (``unshare
-    --pid --fork --kill-child``), as ``as_user`` with ``groups`` (``setpriv``, which arms the
-    parent-death signal again once the ids changed: the kernel clears it then); and True (the ids are
-    set by the wrapper, not by :func:`run`). When the command (the namespace's first process) exits,
-    or ``unshare`` is killed, the kernel kills every process left in the namespace, a ``setsid`` one
-    included. None: not for this caller (only root may make the namespace without a user namespace of
-    its own) or util-linux is not there."""
+    """``argv`` run in a PID namespace of its own (``unshare --pid --fork --kill-child``) as ``as_user``
+    with ``groups`` (``setpriv``, which arms the parent-death signal again), and True; None where the
+    caller is not root or util-linux is not there. Everything left in the namespace dies with it.
+    """
     unshare, setpriv = _system_program("unshare"), _system_program("setpriv")
     if os.geteuid() != 0 or unshare is None or (as_user is not None and setpriv is None):
         return None

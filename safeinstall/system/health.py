@@ -161,11 +161,9 @@ def wait_healthy(
     on_poll: Callable[[float, str], None] | None = None,
     check: Callable[[], None] | None = None,
 ) -> float:
-    """Return once ``url`` answers 200: when it did (``time.monotonic()``, CLOCK_MONOTONIC seconds, as
-    systemd's ``*TimestampMonotonic``); raise StepFailed when it has not within ``timeout`` seconds.
-    ``on_poll``: before each attempt, the seconds waited and the last answer (a progress line).
-    ``check``: before each attempt and every :data:`CHECK_S` of one; what it raises (a unit that
-    failed: nothing will answer) ends the wait at once."""
+    """Return when ``url`` answered 200 (``time.monotonic()``); raise StepFailed past ``timeout``.
+    ``on_poll``: called before each attempt; ``check``: what it raises ends the wait at once.
+    """
     started = time.monotonic()
     deadline = started + timeout
     last = "no answer"

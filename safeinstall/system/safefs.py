@@ -393,12 +393,10 @@ def walk_below(
     deadline: float | None = None,
     budget: list[int] | None = None,
 ) -> None:
-    """Every entry below the directory ``fd`` (taken: closed here), by an explicit stack of
-    descriptors (each directory opened relative to its parent's, ``O_NOFOLLOW``, no recursion):
-    what is not a real directory into ``files``, real directories into ``directories``, as paths
-    relative to the root (``relative``: ``fd``'s). :class:`TreeTooLarge` past the bounds: deeper
-    than ``max_depth``, more than ``max_entries`` entries (or than ``budget[0]``, the entries left to
-    several walks, taken from it), or still walking at ``deadline`` (``time.monotonic()``)."""
+    """Every entry below the directory ``fd`` (closed here), by descriptor with ``O_NOFOLLOW`` and no
+    recursion: directories into ``directories``, the rest into ``files``, relative to ``relative``.
+    Raises :class:`TreeTooLarge` past ``max_depth``, ``max_entries``, ``budget[0]`` or ``deadline``.
+    """
     if budget is not None:
         max_entries = min(max_entries, budget[0])
     try:
@@ -577,11 +575,8 @@ class _Cursor:
 class Tree:
     """A directory opened once; every operation below it walks by descriptor, never through a symlink.
 
-    The root itself is opened component by component from ``/``, no symlink followed on the way (the
-    paths it is given are real paths: the probe's prefix, the state directory). Use as a context
-    manager (the root's descriptor is closed at the end). Safe to share between threads: each
-    operation opens and closes its own descriptors or, inside :meth:`batch`, uses its own thread's
-    cursor.
+    The root is opened from ``/`` a component at a time. A context manager; shared between threads
+    safely (inside :meth:`batch`, each thread has its own cursor).
     """
 
     def __init__(self, root: Path) -> None:

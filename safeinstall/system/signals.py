@@ -56,12 +56,10 @@ Handler = Callable[[int, FrameType | None], object] | int | None
 
 
 class Received:
-    """The signals received under :func:`interrupts_raise`. Its handler raises where Python happens to
-    be, which may be a ``__del__`` or a weakref callback run by the garbage collector: there the
-    exception is printed and dropped (seen in a run that went on to the end after a Ctrl-C); a step's
-    own ``except Exception`` may catch it too. So every step is :meth:`checked`: a step does not start
-    after a signal was received, and one that returns after a signal fails as interrupted. (When the
-    raise does reach the run, the run rolls back and checks no more.)"""
+    """The signals received under :func:`interrupts_raise`. A raise may land in a ``__del__`` (dropped) or
+    a step's ``except Exception``, so every step is :meth:`checked`: none starts after a signal, and one
+    that returns after it fails as interrupted.
+    """
 
     def __init__(self) -> None:
         self.signals: list[int] = []
@@ -149,11 +147,9 @@ def unblock(mask: set[int | signal.Signals]) -> None:
 
 @contextmanager
 def held_while_threads_start() -> Iterator[None]:
-    """Block SIGINT/SIGTERM/SIGHUP while threads are started (a pool's ``submit``): a handler that raises
-    inside ``Thread.start`` can leave a started thread that Python no longer knows of ("Exception ignored
-    in thread started by", a traceback on stderr). A signal that came meanwhile is handled on leaving,
-    once every thread is known; the threads started here keep them blocked (Python handles signals on
-    the main thread only)."""
+    """Block SIGINT/SIGTERM/SIGHUP while threads start: a raise inside ``Thread.start`` can leave a
+    thread Python no longer knows. A signal that came meanwhile is handled on leaving.
+    """
     old = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
     try:
         yield

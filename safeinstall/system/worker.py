@@ -60,13 +60,10 @@ def call(
     what: str,
     environ: dict[str, str] | None = None,
 ) -> Any:
-    """Run ``work()`` in a forked worker as ``ids`` (uid, gid; None: root, isolated alike) and return its
-    JSON answer (a dict, list, str, number, bool or None: validate it, it is the account's word).
-
-    ``environ`` becomes the worker's whole environment (default: ``PATH`` alone). Raises
-    :class:`WorkerError` when the worker fails, dies, answers more than :data:`ANSWER_LIMIT` bytes or
-    runs past ``timeout`` seconds (it is then killed and reaped); an exception of ``work`` comes back
-    as a WorkerError saying what it was."""
+    """Run ``work()`` in a forked worker as ``ids`` (None: an isolated root) and return its JSON answer,
+    the account's word to validate. ``environ``: its whole environment. Raises :class:`WorkerError` when it
+    fails, dies, answers over :data:`ANSWER_LIMIT` or passes ``timeout``.
+    """
     read_fd, write_fd = os.pipe()
     parent = os.getpid()
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS[:3])
