@@ -180,11 +180,9 @@ def checker(hashed: Hashed, installed_ns: int) -> Known:
 
 
 def flush(directory: Path) -> float:
-    """Write the filesystem of ``directory`` (the run's cache) to disk (``syncfs``), before the stop;
-    the seconds it took. The prefetch has just written gigabytes there (uv's unpacking, the copy from
-    the owner's cache): left to the kernel, that writeback starts about 30 s later
-    (``vm.dirty_expire_centisecs``), in the window, where every unlink and link of the install then
-    waits on the journal behind it."""
+    """``syncfs`` the run's cache before the stop; the seconds it took. Else the kernel writes the
+    prefetch's gigabytes back about 30 s later, in the window, where the install's links wait on it.
+    """
     started = time.monotonic()
     try:
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

@@ -176,10 +176,10 @@ def _is_dist_info(path: str) -> bool:
 
 
 def as_owner(ids: Ids, what: str, work: Callable[[], Any], timeout: float = _TIDY_TIMEOUT_S) -> Any:
-    """``work()`` done by whoever owns the prefix: root's own process for a root-owned environment (None),
-    else a worker that is the account ``ids`` (root never renames, makes or deletes anything inside a
-    prefix an account may write: docs/privsep.md). Its answer is that account's word: the caller
-    validates it. Raises OSError (root's own work) or :class:`~safeinstall.system.worker.WorkerError`."""
+    """``work()`` done by the prefix's owner: root itself (``ids`` None) or a worker that is the account
+    (docs/privsep.md); its answer is the account's word. Raises OSError or
+    :class:`~safeinstall.system.worker.WorkerError`.
+    """
     if ids is None:
         return work()
     return worker.call(ids, work, timeout=timeout, what=what)

@@ -187,11 +187,10 @@ def root_only_checker(store: InodeStore) -> Callable[[os.stat_result], str | Non
 
 
 def checker(store: InodeStore, fallback: Known | None = None, root_links: bool = False) -> Known:
-    """The verification's question (:data:`safeinstall.env.hashing.Known`) answered from the store (its
-    entries were checked as it was read), else by ``fallback`` (the run's cache identities).
-    ``root_links``: a root-only inode's ctime may have moved too (:func:`root_only_digest`): a run's
-    search for local patches, never the drift check, which finds even root's own same-size edit whose
-    mtime was set back."""
+    """The verification's question (:data:`safeinstall.env.hashing.Known`) answered from the store, else
+    by ``fallback``. ``root_links``: a root-only inode's ctime may have moved (:func:`root_only_digest`);
+    for the search for local patches, never the drift check.
+    """
     entries = store.entries.get
 
     def known(info: os.stat_result, algorithm: str) -> str | None:

@@ -396,13 +396,11 @@ def verify_environment(
     bytecode: bool = False,
     recorded: Callable[[InstalledDistribution, bool], Sequence[Finding]] | None = None,
 ) -> VerifyReport:
-    """Verify the named distributions (or all, with ``names=None``) of ``env``.
+    """Verify the named distributions (or all, with ``names=None``) of ``env``. docs/verify.md.
 
-    ``settle_shared`` False: a file another RECORD lists stays ``modified`` (with ``--wheel``);
-    ``vouched``: the baseline, for ``wheel-record``; ``wheel``: the named distribution's reference;
-    ``installed``: the distributions already found; ``expected``: carried patches' contents; ``known``,
-    ``unchanged``, ``recorded``: what earlier checks proved; ``bytecode``: judge every ``.pyc`` and the site
-    tops (``--verify-only``). docs/verify.md.
+    ``wheel``: the named one's reference; ``settle_shared`` False: no file settled as ``shared``;
+    ``vouched``, ``known``, ``unchanged``, ``recorded``: what earlier checks proved; ``installed``,
+    ``expected``: distributions found, carried patches; ``bytecode``: every ``.pyc`` judged.
     """
     # Named ones are read first, the others (whose files only say what is "extra") while the large
     # files hash; read as every distribution is, or everything is done again in the usual order. The

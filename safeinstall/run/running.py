@@ -192,11 +192,9 @@ def report_waits(
     total: float | None = None,
     check: Callable[[], None] | None = None,
 ) -> None:
-    """Until every unit's wait is done: a progress line saying which units are not yet ``state`` and
-    how long the wait may still take (``limit`` seconds in all; infinity: no bound). ``total``: what
-    the progress counts up to when it is not the limit (the settle time; the limit is then said).
-    ``check``, at each poll, may end the wait by raising (a process that cannot end: the caller's
-    rollback starts)."""
+    """Until every unit's wait is done: a progress line of the units not yet ``state`` and the time left
+    of ``limit`` (``total``: what it counts up to otherwise). ``check`` may end the wait by raising.
+    """
     started = time.monotonic()
     bound = limit if math.isfinite(limit) else None
     upto = f"; gives up after {limit:g} s" if total is not None and bound is not None else ""

@@ -326,11 +326,9 @@ def start(run: Run, new: NewTree) -> None:
 
 
 def abandon(run: Run) -> None:
-    """End the check running in the background, if any (the prefetch failed, the staging tree it reads
-    is dropped, the run stops or rolls back): its children killed (their group with them), its thread
-    joined, what it opened closed again. A signal meanwhile waits until that is done (then the handler
-    in place has it: in a rollback, it is held back and said). Its answer is never the run's.
-    Idempotent."""
+    """End the check running in the background, if any: its children killed, its thread joined, what it
+    opened closed; a signal meanwhile waits until then. Its answer is never the run's. Idempotent.
+    """
     background = run.smoke_check
     if background is None:
         return

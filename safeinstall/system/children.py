@@ -129,10 +129,9 @@ def _release(previous: dict[int, _Handler], held: list[int]) -> None:
 
 
 def _reap(proc: subprocess.Popen[bytes]) -> None:
-    """Kill ``proc`` and what it started (its process group: it leads a session of its own, and its pid
-    stays its own until it is reaped below) and wait for it, whatever arrives meanwhile (SIGKILL makes
-    this short). A shell's own children (``sh -c 'a; b'``) would otherwise run on, orphaned. A child
-    reaped already (its group ended, ``end_group``) is not signalled: its number may be another's now."""
+    """Kill ``proc`` and its process group (so a shell's children do not run on) and wait for it,
+    whatever arrives meanwhile. A child reaped already is not signalled: its number may be another's.
+    """
     if proc.returncode is None:
         with contextlib.suppress(OSError):  # gone already, or a group not ours to signal: the child alone
             os.killpg(proc.pid, signal.SIGKILL)

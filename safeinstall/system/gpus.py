@@ -242,12 +242,9 @@ def skipped_release(reason: str | None) -> ReleaseStatus:
 def release_status(
     baseline: GpuSnapshot, stopped_pids: Collection[int], current: GpuSnapshot
 ) -> ReleaseStatus:
-    """Are the stopped PIDs' GPUs released? (pure)
-
-    Released: no error in ``current``, none of the stopped PIDs is listed on any GPU (or, where NVML cannot
-    list processes, holds a ``/dev/nvidia*`` fd), and every GPU's used memory has fallen back by what those
-    PIDs held at baseline (corrected by how much the other listed processes changed). Where that amount is
-    unknown (N/A), the process list alone decides.
+    """Pure: are the stopped PIDs' GPUs released? No error, none of those PIDs on a GPU (or holding a
+    ``/dev/nvidia*`` fd), and each GPU's used memory fallen by what they held; where that is N/A, the
+    process list alone decides.
     """
     if not baseline.available:
         return skipped_release(baseline.reason)

@@ -944,11 +944,10 @@ class Tree:
         atomic: bool = True,
         acl: bytes | None = None,
     ) -> Copied:
-        """Write ``relative`` with the content of ``source_fd``. ``atomic``: into a temp file beside it,
-        then renamed over it; else created new (it must not exist). ``acl``: a POSIX access ACL
-        (``system.posix_acl_access``) set on it before it is visible (OSError ENOTSUP where the
-        filesystem has none: nothing is left). The parent must be a real directory; nothing is ever
-        written through a symlink."""
+        """Write ``relative`` with the content of ``source_fd``, never through a symlink. ``atomic``: via
+        a temp file renamed over it, else created new; ``acl``: an access ACL set before it is visible
+        (OSError ENOTSUP where there is none).
+        """
         with self.parent(relative) as (fd, name):
             target = self._temp_name(name, mark) if atomic else name
             dest = os.open(target, _CREATE_FLAGS, 0o600, dir_fd=fd)

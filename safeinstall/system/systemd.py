@@ -259,12 +259,8 @@ class DropinRoots:
 
 
 def dropin_roots(unit_path: Sequence[str]) -> DropinRoots:
-    """The manager's admin configuration directories, from its ``UnitPath``.
-
-    systemd lists the persistent control directory first and the runtime one second
-    (``/etc/systemd/system.control``, ``/run/systemd/system.control``; for a user manager under
-    ``$XDG_CONFIG_HOME`` and ``$XDG_RUNTIME_DIR``); the admin directories are their siblings without
-    ``.control``, and must be on the search path too.
+    """The manager's admin configuration directories, from its ``UnitPath``: the siblings, without
+    ``.control``, of the control directories systemd lists first.
     """
     controls = [entry for entry in unit_path if entry.endswith(".control")]
     if len(controls) < 2:
@@ -866,11 +862,10 @@ def start_limit_risk(limit: StartLimit, now_s: float, run_starts: int = RUN_STAR
 
 @dataclass(frozen=True, slots=True)
 class ExecContext:
-    """What systemd gives a unit's processes besides its command (``systemctl show``): the variables of
-    ``Environment=``, the files of ``EnvironmentFile=`` (path, errors ignored) and ``WorkingDirectory=``
-    ("" when unset; ``~`` for the user's home; a leading ``-`` or ``!`` removed); and whom they run as:
-    ``User=``, ``Group=`` ("" when unset), ``SupplementaryGroups=`` and ``DynamicUser=``, as written
-    (names or numbers; resolved as systemd resolves them by :func:`safeinstall.env.smoke.unit_account`)."""
+    """What systemd gives a unit's processes besides its command (``systemctl show``): ``Environment=``,
+    ``EnvironmentFile=``, ``WorkingDirectory=``, and ``User=``, ``Group=``, ``SupplementaryGroups=``,
+    ``DynamicUser=`` as written (resolved by :func:`safeinstall.env.smoke.unit_account`).
+    """
 
     unit: str
     environment: tuple[tuple[str, str], ...]
