@@ -676,7 +676,7 @@ class ConsoleReporter:
                 self.err.print(literal(progress_text(what, done, total, unit)), soft_wrap=True)
             return
         # the whole line, amounts included ("... (1 of 2): 12 s of 90 s (13%)"), wrapped between words in
-        # a column of its own: never cut at the terminal's width (issue 42), the bar beside it
+        # a column of its own: never cut at the terminal's width, the bar beside it
         said = literal(progress_text(what, done, total, unit))
         if self._progress is None:
             from rich.progress import BarColumn, Progress, TextColumn

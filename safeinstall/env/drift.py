@@ -33,7 +33,7 @@ class FindingKind(StrEnum):
     #: package shipped it (Debian changes files after writing RECORD: strips libraries): not drift
     DPKG_INTACT = "dpkg-intact"
     MODE = "mode"  # its mode is not an installer's: a script not executable, setuid/setgid, others write
-    #: its RECORD line changed since root last found the distribution clean (issue 46): the reference
+    #: its RECORD line changed since root last found the distribution clean: the reference
     #: itself was rewritten, whatever the file now matches
     RECORD_CHANGED = "record-changed"
 

@@ -176,7 +176,7 @@ def check_change(
 
 
 #: what a user can do about a broken requirement: --with-deps resolves only what the new versions
-#: themselves require, never a distribution that requires them (the review of issue 43)
+#: themselves require, never a distribution that requires them
 FIXES = (
     "choose a version the requirer accepts, or change the requirer too; where the new version is the "
     "requirer, --with-deps lets uv bring what it needs; --allow-broken-requirements goes on knowingly"

@@ -196,7 +196,7 @@ _SCRIPT_MAX_BYTES = 1 << 20
 def _is_launcher(launcher: bytes) -> bool:
     """An installer's launcher in place of ``#!python``: one shebang line or, for an interpreter path
     too long for a shebang (or with a space in it), the three-line ``#!/bin/sh`` + ``exec`` form;
-    nothing else (a line inserted after a one-line shebang is drift, issue 45)."""
+    nothing else (a line inserted after a one-line shebang is drift)."""
     lines = launcher.split(b"\n")
     if lines[-1] != b"" or not launcher.startswith(b"#!"):
         return False
@@ -674,7 +674,7 @@ UNLISTED = "(in no RECORD)"
 
 def _fine_bytecode(finding: Finding, pycs: Mapping[str, str], problems: Mapping[str, str]) -> bool:
     """Pure: a listed ``.pyc`` that differs from its RECORD (pip compiled it anew over the wheel's) but
-    was judged the bytecode of its verified source: neither drift nor a local patch (issue 43)."""
+    was judged the bytecode of its verified source: neither drift nor a local patch."""
     return finding.kind == FindingKind.MODIFIED and finding.path in pycs and finding.path not in problems
 
 
@@ -825,7 +825,7 @@ def _against_dpkg(
     env: Environment, dist: InstalledDistribution, owner: SystemPackage, findings: list[Finding]
 ) -> list[Finding]:
     """The ``modified`` findings of a distribution a system package installed, against dpkg's own md5sums
-    (what ``dpkg --verify`` checks): those it says are intact become ``dpkg-intact`` (issue 37: Debian
+    (what ``dpkg --verify`` checks): those it says are intact become ``dpkg-intact`` (Debian
     strips its libraries after writing RECORD, and every such file alerted on every check)."""
     sums = dpkg_md5sums(owner)
     listed = [f.path for f in findings if f.kind == FindingKind.MODIFIED and f.path in sums]

@@ -578,7 +578,7 @@ def gpu_release_step(run: Run, session: NvmlSession, baseline: GpuSnapshot) -> s
         return f"skipped: {session.reason}"
 
     # (no D-state check here: the stop step waited until every planned process was gone, and one
-    # stuck in D never is: that wait names it, issue 45)
+    # stuck in D never is: that wait names it)
     def on_poll(status: ReleaseStatus) -> None:
         holders = ", ".join(f"PID {h.pid}" for h in status.holders) or "memory not yet freed"
         run.reporter.progress(

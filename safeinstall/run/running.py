@@ -100,7 +100,7 @@ class Run:
     #: verified-inode store after a good run: store/verified.py)
     in_place: Mapping[str, FileState] = field(default_factory=dict)
     #: set by the verification in place: the RECORDs the run installed, kept after a good run as the
-    #: reference a later check holds them to (store/records.py, issue 46)
+    #: reference a later check holds them to (store/records.py)
     records: Mapping[str, KeptRecord] = field(default_factory=dict)
     #: set by the prefetch when the run does not swap: its ``--target`` tree, kept for the smoke step
     scratch: Path | None = None

@@ -92,7 +92,7 @@ def rulers(options: RunOptions, vouched: bool) -> dict[str, bool]:
 def install_lines(
     env: Environment, request: UvRequest, uv_plan: UvPlan, why_not: str | None, uv_bin: str
 ) -> tuple[str, ...]:
-    """Pure: what the plan says will run to install (issue 37: it showed uv's dry-run command): with a
+    """Pure: what the plan says will run to install (not uv's dry-run command): with a
     swap, uv's install into the staging tree before the stop and the renames during it; without, the
     prefetch before the stop and uv's install during it (why no swap); an undo, the restore."""
     if uv_plan.command[:1] == (RESTORE,):

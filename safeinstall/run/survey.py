@@ -71,7 +71,7 @@ def _dependent(name: str) -> bool:
 
 def _gate_refusals(systemd: Systemd) -> tuple[str, ...]:
     """The plan's refusal when the manager reads no admin directory, where the gate's drop-in goes (a
-    manager started with ``SYSTEMD_UNIT_PATH``): said before anything, not at the gate (issue 42)."""
+    manager started with ``SYSTEMD_UNIT_PATH``): said before anything, not at the gate."""
     try:
         systemd.dropin_roots()
     except SystemdError as exc:

@@ -125,7 +125,7 @@ def _handlers(handler: Callable[[int, FrameType | None], None]) -> Iterator[None
 
 def ignored_until_exit() -> None:
     """SIGINT/SIGTERM/SIGHUP ignored from now until the process exits: a run whose result is out ends
-    with that result's exit code (issue 45). Ignored, not handled: as it exits, CPython puts a signal
+    with that result's exit code. Ignored, not handled: as it exits, CPython puts a signal
     handled by Python back to its default action (a SIGTERM then killed a good run, exit -15) and
     leaves an ignored one ignored; and no handler of an earlier phase comes back."""
     with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
