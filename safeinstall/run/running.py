@@ -65,7 +65,7 @@ class Run:
     """One run, once its journal exists: the preflight's frozen value (``prepared``: the environment,
     the wheel read once, the distributions found once, the plan, the lock), the run's identity, and
     what the steps record as they go. Each step is a function of its own over it (``*_step`` below),
-    in the order of :func:`run_reinstall`."""
+    in the order of :func:`safeinstall.run.reinstall.run_reinstall`."""
 
     prepared: Prepared
     reporter: Reporter

@@ -1,8 +1,8 @@
 """Which running processes use the affected distributions: one pass over ``/proc``, only read.
 
 Each process is read once and matched against the :class:`Target` descriptions; each kind of
-:class:`Evidence` is explained in docs/dry-run.md. The I/O lives in :func:`scan_processes`,
-:func:`load_targets` and :func:`probe_files`.
+:class:`Evidence` is explained in docs/dry-run.md. Parsing and matching are pure; the I/O lives in
+:func:`scan_processes`.
 """
 
 from __future__ import annotations

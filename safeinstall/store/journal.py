@@ -426,10 +426,11 @@ def start_journal(envdir: Path, journal: Journal) -> Journal:
 
 
 def read_journal(envdir: Path) -> Journal | None:
-    """The journal left in ``envdir``, or None. A damaged one raises :class:`JournalError`; one that
-    safeinstall cannot have written (a symlink, not a regular file, another owner, writable by others,
-    larger than :data:`JOURNAL_MAX_BYTES`) raises :class:`StateDirError`. Its fields are checked
-    against the directory by :func:`journal_problems` (the caller knows the drop-in directories)."""
+    """The journal left in ``envdir``, or None. Raises :class:`JournalError` for a damaged one and
+    :class:`~safeinstall.store.state.StateDirError` for one safeinstall cannot have written (a symlink,
+    another owner's, writable by others, over :data:`JOURNAL_MAX_BYTES`). Its fields are checked against
+    the directory by :func:`journal_problems`.
+    """
     path = journal_path(envdir)
     try:
         raw = read_private_file(path, JOURNAL_MAX_BYTES)
