@@ -1,7 +1,7 @@
 """The verified-inode store of an environment: ``<state>/<env>/inodes.bin``, root's, 0600.
 
 Read with the state directory's checks, every field checked; one of another environment or boot, or
-damaged, is not used. The decisions: :mod:`safeinstall.env.verified`; format: docs/verify.md.
+damaged, is not used. The decisions: :mod:`safeinstall.env.verified`; the format: docs/verify.md.
 """
 
 from __future__ import annotations
