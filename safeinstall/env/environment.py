@@ -414,10 +414,9 @@ def _may_say(control: _Control, entry: os.DirEntry[str]) -> bool:
 
 
 def who_else_controls(path: Path, euid: int) -> str | None:
-    """Who besides root and ``euid`` could change ``path`` (the path, every directory above it, a link's
-    target; where it does not exist, who could create it), as the rule of who steers the environment
-    has it: the first such finding, or None when only root and ``euid`` control it. For what a unit
-    names that a check would run as root or as the environment's account (the smoke check)."""
+    """Who besides root and ``euid`` could change ``path`` (it, its parents, a link's target, or who could
+    create it): the first finding, or None. For what a unit names that the smoke check would run.
+    """
     control = _Control(euid)
     control.look_up(path, "it")
     if control.owners:

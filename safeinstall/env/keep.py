@@ -178,10 +178,10 @@ WORKER_TIMEOUT_S = 300.0
 
 
 def keep_links_as(ids: tuple[int, int], prefix: Path, run_id: str, paths: Sequence[str]) -> int:
-    """:func:`keep_links` (``every``) in an account's environment: the account's worker links each old
-    file into ``PREFIX/.safeinstall-keep-<run>/`` (its own, 0700): what the account could do anyway; a
-    restore checks each inode it puts back against the backup (:func:`relink_as`). The number kept
-    (its word); raises OSError when the worker fails (a rollback then copies, as before)."""
+    """:func:`keep_links` (``every``) in an account's environment, done by its worker; the restore checks
+    each inode against the backup (:func:`relink_as`). Returns the number kept (its word); raises OSError
+    when the worker fails.
+    """
     keys = [key(p) for p in paths]
     try:
         answer = worker.call(

@@ -120,10 +120,9 @@ def uv_lock_holders(prefix: str) -> dict[str, Any]:
 
 
 def replace_uv_lock(prefix: str, owner: list[int] | None) -> dict[str, Any]:
-    """Put a new, empty uv lock file in place of ``PREFIX/.lock`` (or where there was none): mode 0600,
-    the environment's owner's (``owner`` uid, gid: given to it when this worker is root), so that no
-    other local user can open, and so hold, the lock uv takes while the services are down. Whoever
-    held the old file holds the lock of a file that is no longer there. ``{"replaced": bool}``."""
+    """Put a new, empty uv lock file at ``PREFIX/.lock``, 0600 and the owner's, so that no other user
+    holds the lock uv takes while the services are down. Returns ``{"replaced": bool}``.
+    """
     temp = f"{UV_LOCK}.safeinstall-{os.getpid()}"
     with Tree(Path(prefix)) as tree, tree.parent(UV_LOCK) as (dir_fd, _name):
         fd = os.open(

@@ -647,10 +647,10 @@ def unknown(outcome: ChildOutcome, old: Mapping[str, Mapping[str, str]]) -> dict
 
 
 def excuse(outcome: ChildOutcome, old: Mapping[str, Mapping[str, str]]) -> ChildOutcome:
-    """Pure: ``outcome`` with each failure that the running version shares (``old``: by distribution,
-    module -> "" imported or its error) not held against the new one, but kept as ``excused``. A module
-    the service imports first (``must``) that the running version does not have at all is no shared
-    failure: it is the new version's own. A child that died or ran too long is never excused."""
+    """Pure: ``outcome`` with each failure the running version shares (``old``) kept as ``excused``, not
+    held against the new one. A ``must`` module the running version lacks, and a child that died or ran
+    too long, are never excused.
+    """
     if outcome.ok or outcome.problem is not None or not outcome.failed:
         return outcome
     owners = dict(outcome.owners)

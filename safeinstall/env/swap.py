@@ -186,10 +186,10 @@ def as_owner(ids: Ids, what: str, work: Callable[[], Any], timeout: float = _TID
 
 
 def owner_of(prefix: Path) -> Ids:
-    """Who does the swap's writes in ``prefix`` (recovery, which has no environment to ask): root when
-    root owns it, else its owner (uid, gid); opened as :class:`Tree` opens it, no symlink followed on
-    the way. Raises OSError, also for a root-owned prefix another group or everyone may write (root
-    acts in no directory others write: a recovery has no environment inspection to refuse it)."""
+    """Who does the swap's writes in ``prefix`` for a recovery: root when it owns it, else its owner
+    (uid, gid), opened as :class:`Tree` opens it. Raises OSError, also for a root-owned prefix others may
+    write.
+    """
     with Tree(prefix) as tree:
         info = os.fstat(tree.fd)
     if info.st_uid == 0 and (info.st_mode & stat.S_IWOTH or (info.st_mode & stat.S_IWGRP and info.st_gid)):

@@ -728,10 +728,10 @@ def _dpkg_sources(env: Environment, locations: Sequence[str]) -> dict[str, tuple
 
 
 def _not_dpkgs(env: Environment, unlisted: Sequence[Unlisted]) -> list[Unlisted]:
-    """Those of ``unlisted`` that no system package installed as they are now (a system interpreter's
-    site directories hold dpkg's modules beside ``.egg-info`` metadata, which has no RECORD): a file
-    dpkg's lists name and its md5sums still match is not reported; one they name and do not match is,
-    saying so. A venv's own site directories are never dpkg's: nothing is looked up for them."""
+    """Those of ``unlisted`` that no system package installed as they are now: a file dpkg lists whose
+    md5sum matches is not reported, one that does not match is, saying so. Never looked up in a venv's
+    own site directories.
+    """
     own = tuple(os.fspath(s) + os.sep for s in env.site_dirs) if env.is_venv else ()
     wanted = [u for u in unlisted if not (own and u.location.startswith(own))]
     if not wanted:

@@ -483,10 +483,10 @@ def landing_problems(
 
 
 def shared_landing(wheel: Wheel, locations: dict[str, str], others: dict[str, tuple[str, str]]) -> list[str]:
-    """Pure: the plan's refusals for members that would land on files another installed distribution's
-    RECORD lists (``others``: location -> its name and version), one per such distribution, naming it
-    and saying what to do. Two RECORDs listing one file is how cuda-python's files came to be
-    cuda-bindings' (dpkg refuses the same: "trying to overwrite ..., which is also in package ...")."""
+    """Pure: the plan's refusals for members that would land on files another distribution's RECORD
+    lists (``others``), one per distribution, naming it and what to do (as dpkg refuses to overwrite
+    another package's file).
+    """
     by_owner: dict[tuple[str, str], list[tuple[str, str]]] = {}
     for member, location in sorted(locations.items()):
         if location in others:

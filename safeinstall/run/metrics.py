@@ -302,10 +302,10 @@ def _untrusted(path: Path, problem: str) -> MetricsFileError:
 
 
 def check_metrics_path(path: Path) -> Path:
-    """The path to write (its directory's real path, then its name), by the rule of every output file
-    (:func:`safeinstall.store.state.output_path`: each directory on the way root's or the caller's and
-    writable by nobody else, each link on the way theirs, the file a regular one if there);
-    MetricsFileError (exit 2) if it must not be written. Called before the command does its work."""
+    """The path to write, by the rule of every output file
+    (:func:`safeinstall.store.state.output_path`), checked before the command works. Raises
+    MetricsFileError (exit 2) when it must not be written.
+    """
     from safeinstall.store.state import output_path
 
     absolute = Path(os.path.abspath(path))

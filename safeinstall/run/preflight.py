@@ -106,10 +106,10 @@ class Prepared:
 
 
 def preflight(options: RunOptions, *, take_lock: bool, env: Environment | None = None) -> Prepared:
-    """Every check of the run before its first stop (see the module). Raises a SafeInstallError (exit
-    2) for a failure before the plan; the plan's ``refusals`` hold the rest (see :func:`refusal`).
-    ``take_lock``: create the state directory and hold the lock (the run); else check both (dry-run).
-    ``env``: the environment ``options.python`` names, when the caller has inspected it already."""
+    """Every check of the run before its first stop. Raises SafeInstallError (exit 2) before there is a
+    plan; later failures are the plan's ``refusals``. ``take_lock``: make the state directory and hold the
+    lock (a run), else only check both; ``env``: inspected already.
+    """
     check_options(options)
     env = env or inspect_environment(resolve_python(options.python, options.environ))
     state = environment_state(state_root(options.environ, os.geteuid()), env.prefix)

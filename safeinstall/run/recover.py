@@ -224,10 +224,10 @@ _GATE_LIMIT = 4096
 
 
 def _remove_stray_gates(state: EnvironmentState, environ: Mapping[str, str]) -> tuple[str, ...]:
-    """Under the environment's lock with no journal: the gate drop-ins of this environment that a run
-    left in its units (a ``systemctl`` killed during a good run's tidy-up), found in each manager's
-    persistent drop-in directory by their text (``ConditionPathExists=!`` this environment's marker),
-    removed and the manager reloaded. The drop-ins removed (paths); a failure is left for the next."""
+    """Under the lock with no journal: remove the gate drop-ins a run left in this environment's units
+    (found by their text) and reload the managers. Returns the paths removed; a failure waits for the
+    next.
+    """
     wanted = gate_dropin_text(gate_marker(state.dir), "").splitlines()[-1]
     removed: list[str] = []
     for user in (False, True):

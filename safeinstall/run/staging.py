@@ -195,10 +195,10 @@ def stage(
     backup: Backup,
     known: Known | None,
 ) -> swap.Staged:
-    """Check, verify and plan the staging tree uv has installed into ``root/tree``: exactly the planned
-    distributions at their versions, every file verified (against ``wheel`` for ``package``, else its
-    RECORD), nothing else in it, and a plan without problems. Raises NotStaged (the install then runs in
-    the window) or, when a staged file fails its verification, StagedMismatch with the findings."""
+    """Check, verify and plan the staging tree in ``root/tree``: exactly the planned distributions, every
+    file verified, nothing else. Raises NotStaged (the install then runs in the window) or StagedMismatch
+    with the findings of a file that failed.
+    """
     tree_path = root / swap.STAGED_TREE
     staged_env = swap.staging_environment(env, tree_path)
     staged = find_distributions(staged_env)

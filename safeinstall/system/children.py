@@ -256,11 +256,11 @@ def run(
     cancel: threading.Event | None = None,
     contain: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """``subprocess.run(argv, capture_output=True, text=True)`` with no child left behind (module docstring).
+    """``subprocess.run(argv, capture_output=True, text=True)`` with no child left behind.
 
     ``as_user``, ``groups``: its ids; ``program_fd``: the program's descriptor; ``end_group``, ``contain``:
     what it started ends with it; ``cancel``: kill it when set. Raises ``subprocess.TimeoutExpired``,
-    :class:`TooMuchOutput`, :class:`Cancelled`, ``OSError``, the child reaped.
+    :class:`TooMuchOutput`, :class:`Cancelled`, ``OSError``.
     """
     command = list(argv)
     environment = dict(env)

@@ -157,10 +157,10 @@ class UntrustedFile(OSError):
 def trust_problem(
     info: os.stat_result, limit: int, *, root_owned_ok: bool = True, private: bool = False
 ) -> str | None:
-    """Pure: why a file safeinstall wrote for itself (its state, a run's history entry, a detached run's
-    inputs) must not be believed when it reads it back, or None: a regular file; the caller's own (or,
-    with ``root_owned_ok``, root's); written by nobody else (:func:`others_who_write`, root's group
-    counted as another's); with ``private``, read by nobody else either; at most ``limit`` bytes."""
+    """Pure: why a file safeinstall wrote for itself must not be believed, or None: it must be a regular
+    file, the caller's (or root's, ``root_owned_ok``), written by nobody else, with ``private`` read by
+    nobody else, and at most ``limit`` bytes.
+    """
     euid = os.geteuid()
     if not stat.S_ISREG(info.st_mode):
         return "it is not a regular file"
@@ -320,10 +320,9 @@ def _open_child(fd: int, name: str) -> int:
 
 
 def _unlink_or_open(dir_fd: int, name: str, is_dir: bool) -> int | None:
-    """Unlink the entry ``name`` of the directory ``dir_fd`` when it is not a directory, or open it (a
-    new descriptor, :data:`_REMOVE_DIR_FLAGS`) when it is one; None when it is gone. ``is_dir`` is the
-    listing's word: when the entry changed kind since (swapped), the other way is tried (Linux says
-    ``EISDIR`` to unlinking a directory, ``ENOTDIR``/``ELOOP`` to opening anything else as one)."""
+    """Unlink the entry ``name`` of ``dir_fd``, or open it when it is a directory; None when it is gone.
+    ``is_dir`` is the listing's word: where the entry changed kind since, the other way is tried.
+    """
     for _ in range(_REMOVE_TRIES):
         try:
             if is_dir:
@@ -523,10 +522,9 @@ _libc: ctypes.CDLL | None = None
 
 
 def renameat2(src_fd: int, src: str, dst_fd: int, dst: str, flags: int) -> None:
-    """``renameat2(2)``: ``src`` in the directory ``src_fd`` to ``dst`` in ``dst_fd``; ``flags`` 0 (replace
-    what is there), :data:`RENAME_NOREPLACE` or :data:`RENAME_EXCHANGE` (both entries must exist; each
-    takes the other's place in one step). Both names are single components: nothing is walked, no
-    symlink followed (the entries themselves move, whatever they are). Raises OSError."""
+    """``renameat2(2)`` of single names, no symlink followed: ``src`` in ``src_fd`` to ``dst`` in
+    ``dst_fd``; ``flags`` 0, :data:`RENAME_NOREPLACE` or :data:`RENAME_EXCHANGE`. Raises OSError.
+    """
     global _libc
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)

@@ -539,11 +539,10 @@ class Systemd:
             self.systemctl("start", "--no-block", "--", unit)
 
     def stop(self, unit: str, timeout_s: float, *, cancel: threading.Event | None = None) -> StopOutcome:
-        """Stop ``unit`` and wait until it is down and its cgroup is empty, for at most ``timeout_s``.
+        """Stop ``unit`` and wait until it is down and its cgroup empty, for at most ``timeout_s``.
 
-        A stop that systemd did not carry out (systemctl failed, and the unit is still active with no
-        job: refused, or systemctl was killed before it asked) is said at once, not waited out.
-        ``cancel``, once set, ends the wait at the next poll (not stopped, reason ``interrupted``).
+        A stop systemd did not carry out is said at once, not waited out; ``cancel`` ends the wait
+        (``interrupted``).
         """
         started = time.monotonic()
         before = self.info(unit)
