@@ -25,6 +25,7 @@ from tests import wheelhouse
 from tests.bed_nvml import FakeNvml
 from tests.bed_systemd import UserManager, wait_until
 from tests.beds import Bed, DiskWriter, ServiceAccountBed, fill_disk, full_disk_bed, hidden_tool
+from tests.clirun import run
 from tests.wheelhouse import Wheelhouse
 
 #: a unit whose start takes a second before its main process runs: a window to kill the run in while
@@ -555,6 +556,97 @@ def test_the_room_check_counts_no_room_freed_by_old_files_shared_with_a_uv_cache
         assert result.code == 2, result.stdout + result.stderr
         assert f"the install of {new.name} needs" in result.stderr, result.stderr
         assert bed.version() == "1.0" and bed.manager.active_state(name) == "active"
+        bed.no_trace()
+    finally:
+        bed.cleanup()
+
+
+def test_one_filesystem_for_the_state_and_the_environment_is_one_sum_of_room(
+    wheels: Wheelhouse,
+    tmp_path: Path,
+    user_manager: UserManager,
+    fake_nvml: FakeNvml,
+    small_disk: Callable[[int], Path],
+) -> None:
+    """Issue 44: the state directory and the environment on one filesystem, and uv told to copy
+    (``--link-mode copy``): the run's cache (the new version unpacked, 12 MiB) and the install's copy
+    of it (12 MiB more) are there at once. Each was checked on its own against the same free room
+    (18 MiB: each fits), the unit was stopped and the install failed in the window; now the sum is
+    checked, and the run is refused before the stop with the figures."""
+    disk = small_disk(96)
+    new = _with_blob(wheels["sicext-2"], tmp_path / "new", 12)
+    python = wheelhouse.make_venv(disk / "venv")
+    wheelhouse.uv_install(python, wheels["sicext-1"])
+    bed = Bed(python, disk / "state", user_manager, fake_nvml, wheels)
+    try:
+        name = bed.unit("one-disk")
+        fill_disk(disk, new.stat().st_size + (18 << 20))  # the run's copy of the wheel, and 18 MiB
+        result = bed.cli(
+            "sicext", "--wheel", str(new), "--settle", "0.3", "--yes", "--", "--link-mode", "copy"
+        )
+        said = result.stdout + result.stderr
+        assert result.code == 2, said
+        assert f"the backup, the run's uv cache and the install of {new.name} needs" in result.stderr, said
+        assert "one filesystem holds the state directory and the environment" in result.stderr, said
+        assert "the install (copied) 12.1 MiB" in result.stderr, said
+        assert bed.version() == "1.0" and bed.manager.active_state(name) == "active"
+        (disk / "filler").unlink()
+        bed.no_trace()
+    finally:
+        bed.cleanup()
+
+
+def test_kept_backups_that_take_the_room_are_named_with_the_command_that_drops_them(
+    wheels: Wheelhouse,
+    tmp_path: Path,
+    user_manager: UserManager,
+    fake_nvml: FakeNvml,
+    small_disk: Callable[[int], Path],
+) -> None:
+    """Issue 44: kept backups (``--keep-backups 3``: 13 GB of an account's vLLM environment) took the
+    room a later run needed, and its refusal said only "free some space". The plan (human and
+    ``--json``) says what they hold; a refusal for room names the oldest ones whose removal makes the
+    room, and the exact command for each (``--forget --run``), which drops that backup alone; the run
+    then goes through."""
+    disk = small_disk(64)
+    versions = {
+        "1.0": _with_blob(wheels["sicext-1"], tmp_path / "old", 4),
+        "2.0": _with_blob(wheels["sicext-2"], tmp_path / "new", 4),
+    }
+    python = wheelhouse.make_venv(disk / "venv")
+    wheelhouse.uv_install(python, versions["1.0"])
+    bed = Bed(python, disk / "state", user_manager, fake_nvml, wheels)
+    prefix = str(python.parent.parent)
+    try:
+        name = bed.unit("kept")
+        for target in ("2.0", "1.0", "2.0"):  # three good runs: three kept backups of 4 MiB each
+            done = bed.cli(
+                "sicext", "--wheel", str(versions[target]), "--settle", "0.3", "--yes", "--no-smoke"
+            )
+            assert done.code == 0, done.stdout + done.stderr
+        kept = sorted(p.name for p in bed.state.glob("*/backups/*"))
+        assert len(kept) == 3, kept
+        plan = bed.cli("sicext", "--wheel", str(versions["1.0"]), "--dry-run", "--json").json["data"]
+        assert [k["run_id"] for k in plan["kept_backups"]] == kept
+        assert all(k["bytes"] >= 4 << 20 for k in plan["kept_backups"]), plan["kept_backups"]
+        assert any("the 3 kept backup(s) of this environment hold 12." in w for w in plan["warnings"])
+        fill_disk(disk, versions["1.0"].stat().st_size + (2 << 20))  # the wheel's copy, and 2 MiB
+        args = ("sicext", "--wheel", str(versions["1.0"]), "--settle", "0.3", "--yes", "--no-smoke")
+        refused = bed.cli(*args)
+        assert refused.code == 2, refused.stdout + refused.stderr
+        assert "the 3 kept backup(s) of this environment hold 12." in refused.stderr, refused.stderr
+        command = f"safeinstall --forget --python {prefix} --run {kept[0]}"
+        assert f"dropping {kept[0]} (4.0 MiB) makes the room: {command}" in refused.stderr, refused.stderr
+        assert kept[1] not in refused.stderr.split("makes the room")[1], refused.stderr
+        assert bed.version() == "2.0" and bed.manager.active_state(name) == "active"
+        forgot = run(*command.split()[1:], env=bed.environ())
+        assert forgot.code == 0, forgot.stdout + forgot.stderr
+        assert f"forgot the backup of run {kept[0]} of {prefix}" in forgot.stdout, forgot.stdout
+        assert sorted(p.name for p in bed.state.glob("*/backups/*")) == kept[1:]
+        again = bed.cli(*args)
+        assert again.code == 0, again.stdout + again.stderr
+        assert bed.version() == "1.0"
+        (disk / "filler").unlink()
         bed.no_trace()
     finally:
         bed.cleanup()
