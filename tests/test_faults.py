@@ -24,7 +24,19 @@ from safeinstall.system.gate import gate_dropin_text
 from tests import wheelhouse
 from tests.bed_nvml import FakeNvml
 from tests.bed_systemd import UserManager, wait_until
-from tests.beds import Bed, DiskWriter, ServiceAccountBed, fill_disk, full_disk_bed, hidden_tool
+from tests.beds import (
+    FULL_DISK_KINDS,
+    FULL_DISK_LEAVE_KIB,
+    FULL_DISK_MODES,
+    Bed,
+    DiskWriter,
+    ServiceAccountBed,
+    fill_disk,
+    full_disk_bed,
+    full_disk_wheels,
+    hidden_tool,
+    mode_args,
+)
 from tests.clirun import run
 from tests.wheelhouse import Wheelhouse
 
@@ -652,9 +664,9 @@ def test_kept_backups_that_take_the_room_are_named_with_the_command_that_drops_t
         bed.cleanup()
 
 
-@pytest.mark.parametrize("leave_kib", [0, 124, 400])
-@pytest.mark.parametrize("mode", ["swap", "no-swap"])
-@pytest.mark.parametrize("kind", ["root", "account"])
+@pytest.mark.parametrize("leave_kib", FULL_DISK_LEAVE_KIB)
+@pytest.mark.parametrize("mode", FULL_DISK_MODES)
+@pytest.mark.parametrize("kind", FULL_DISK_KINDS)
 def test_a_disk_full_before_the_run_is_refused_or_ends_with_a_whole_version_running(
     wheels: Wheelhouse,
     tmp_path: Path,
@@ -672,19 +684,19 @@ def test_a_disk_full_before_the_run_is_refused_or_ends_with_a_whole_version_runn
     unit was stopped, uv failed (ENOSPC), the restore failed too (exit 4, the unit down). Now the run is
     refused before the stop (exit 2), or ends 0 or 3 with the unit running one whole, verified version,
     for a root-owned and an account's environment, with the swap and with ``--no-swap``."""
-    old = _with_blob(wheels["sicext-1"], open_dir / "old", 4)  # the account reads it
-    bigger = {"sicext/blob.bin": os.urandom((4 << 20) + (128 << 10))}  # 128 KiB more than the old one
-    new = wheelhouse.rebuilt(wheels["sicext-2"], tmp_path / "new", bigger, deflate=False)
+    versions = full_disk_wheels(wheels, open_dir)  # the account reads them
+    new = versions["2.0"]
     bed = full_disk_bed(
-        kind, old, wheels, tmp_path, user_manager, fake_nvml, small_disk, open_dir, open_state
+        kind, versions["1.0"], wheels, tmp_path, user_manager, fake_nvml, small_disk, open_dir, open_state
     )
     disk = bed.python.parent.parent.parent
     try:
         before = bed.snapshot()
         name = bed.unit("full")
         fill_disk(disk, leave_kib << 10)
-        extra = ("--no-swap",) if mode == "no-swap" else ()
-        result = bed.cli("sicext", "--wheel", str(new), "--settle", "0.3", "--yes", "--no-smoke", *extra)
+        result = bed.cli(
+            "sicext", "--wheel", str(new), "--settle", "0.3", "--yes", "--no-smoke", *mode_args(mode)
+        )
         said = result.stdout + result.stderr
         assert result.code in (0, 2, 3), said
         assert "Traceback" not in said and "internal error" not in said, said
@@ -702,8 +714,8 @@ def test_a_disk_full_before_the_run_is_refused_or_ends_with_a_whole_version_runn
         bed.cleanup()
 
 
-@pytest.mark.parametrize("mode", ["swap", "no-swap"])
-@pytest.mark.parametrize("kind", ["root", "account"])
+@pytest.mark.parametrize("mode", FULL_DISK_MODES)
+@pytest.mark.parametrize("kind", FULL_DISK_KINDS)
 def test_a_disk_filled_during_the_install_ends_with_a_whole_version_running(
     wheels: Wheelhouse,
     tmp_path: Path,
@@ -722,19 +734,17 @@ def test_a_disk_filled_during_the_install_ends_with_a_whole_version_running(
     before the stop) the run keeps links of every old file, so the uninstall frees nothing and the
     restore needs no room: exit 0 (the swap needs none either) or 3, the unit running one whole version.
     In an account's environment the account's worker keeps the links, and the restore checks them."""
-    old = _with_blob(wheels["sicext-1"], open_dir / "old", 4)  # the account reads it
-    bigger = {"sicext/blob.bin": os.urandom((4 << 20) + (128 << 10))}
-    new = wheelhouse.rebuilt(wheels["sicext-2"], tmp_path / "new", bigger, deflate=False)
+    versions = full_disk_wheels(wheels, open_dir)  # the account reads them
+    new = versions["2.0"]
     bed = full_disk_bed(
-        kind, old, wheels, tmp_path, user_manager, fake_nvml, small_disk, open_dir, open_state
+        kind, versions["1.0"], wheels, tmp_path, user_manager, fake_nvml, small_disk, open_dir, open_state
     )
     disk = bed.python.parent.parent.parent
     try:
         before = bed.snapshot()
         name = bed.unit("writer")
         bed.hold_gpu(name, 2.0, "fc")  # the GPU is released 2 s after the stop: the writer's moment
-        extra = ("--no-swap",) if mode == "no-swap" else ()
-        proc = bed.start_run("sicext", "--wheel", str(new), "--settle", "0.3", "--no-smoke", *extra)
+        proc = bed.start_run("sicext", "--wheel", str(new), "--settle", "0.3", "--no-smoke", *mode_args(mode))
         try:
             bed.wait_phase(proc, "stopped")
             with DiskWriter(disk):
