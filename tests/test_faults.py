@@ -573,23 +573,31 @@ def test_the_room_check_counts_no_room_freed_by_old_files_shared_with_a_uv_cache
         bed.cleanup()
 
 
+@pytest.mark.parametrize("kind", FULL_DISK_KINDS)
 def test_one_filesystem_for_the_state_and_the_environment_is_one_sum_of_room(
     wheels: Wheelhouse,
     tmp_path: Path,
     user_manager: UserManager,
     fake_nvml: FakeNvml,
-    small_disk: Callable[[int], Path],
+    small_disk: Callable[..., Path],
+    open_dir: Path,
+    kind: str,
 ) -> None:
     """Issue 44: the state directory and the environment on one filesystem, and uv told to copy
     (``--link-mode copy``): the run's cache (the new version unpacked, 12 MiB) and the install's copy
     of it (12 MiB more) are there at once. Each was checked on its own against the same free room
     (18 MiB: each fits), the unit was stopped and the install failed in the window; now the sum is
-    checked, and the run is refused before the stop with the figures."""
-    disk = small_disk(96)
+    checked, and the run is refused before the stop with the figures. Root's environment, and an
+    account's (whose backup is a copy: counted)."""
     new = _with_blob(wheels["sicext-2"], tmp_path / "new", 12)
-    python = wheelhouse.make_venv(disk / "venv")
-    wheelhouse.uv_install(python, wheels["sicext-1"])
-    bed = Bed(python, disk / "state", user_manager, fake_nvml, wheels)
+    if kind == "root":
+        disk = small_disk(96)
+        python = wheelhouse.make_venv(disk / "venv")
+        wheelhouse.uv_install(python, wheels["sicext-1"])
+        bed = Bed(python, disk / "state", user_manager, fake_nvml, wheels)
+    else:
+        disk = small_disk(96, open_dir)
+        bed = ServiceAccountBed(disk, disk / "state", user_manager, fake_nvml, wheels)
     try:
         name = bed.unit("one-disk")
         fill_disk(disk, new.stat().st_size + (18 << 20))  # the run's copy of the wheel, and 18 MiB
