@@ -209,12 +209,20 @@ def forget(
                 f"no safeinstall state for {python}",
                 hint="safeinstall --status lists the environments it keeps state for",
             )
-        if named[0].problem is not None:
-            raise StateDirError(
-                f"not forgetting a backup in {named[0].dir}: {named[0].problem}",
-                hint="make it owned by root (or you) and writable by nobody else",
+        state = named[0]
+        try:
+            if state.problem is not None:
+                raise StateDirError(
+                    f"not forgetting a backup in {state.dir}: {state.problem}",
+                    hint="make it owned by root (or you) and writable by nobody else",
+                )
+            return (forget_backup(state, run_id),), ()
+        except SafeInstallError as exc:
+            return (), (exc,)
+        except OSError as exc:
+            return (), (
+                SafeInstallError(f"could not remove {state.backup_dir(run_id)}: {exc.strerror or exc}"),
             )
-        return (forget_backup(named[0], run_id),), ()
     if python is None:
         chosen = [s for s in states if prefix_exists(s) is False]
     else:
