@@ -352,7 +352,8 @@ Run = Annotated[
     typer.Option(
         "--run",
         metavar="RUN_ID",
-        help="With --status --wait: the run to follow; with --undo: the run to undo.",
+        help="With --status --wait: the run to follow; with --undo: the run to undo; with --forget: the "
+        "run whose kept backup to drop.",
         rich_help_panel=STATUS,
     ),
 ]
@@ -411,7 +412,7 @@ Forget = Annotated[
     _flag(
         "--forget",
         "Remove the state (backups, logs, history) of environments that no longer exist, or of the one "
-        "--python names.",
+        "--python names; with --run RUN_ID, only that run's kept backup.",
         rich_help_panel=MODES,
     ),
 ]

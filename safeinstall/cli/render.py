@@ -970,4 +970,5 @@ def render_forgotten(out: Console, forgotten: list[Forgotten]) -> None:
     if not forgotten:
         out.print("nothing to forget: every environment with state still exists")
     for item in forgotten:
-        out.print(literal(f"forgot {item.prefix} (removed {item.state_dir})"), soft_wrap=True)
+        what = item.prefix if item.run_id is None else f"the backup of run {item.run_id} of {item.prefix}"
+        out.print(literal(f"forgot {what} (removed {item.state_dir})"), soft_wrap=True)

@@ -222,9 +222,15 @@ def usage_problem(u: Usage) -> UsageError | None:
     if conflict is not None:
         return conflict
     status = "--status" in u.modes
-    if (u.wait or (u.run and "--undo" not in u.modes)) and not status:
+    forget = "--forget" in u.modes
+    if (u.wait or (u.run and "--undo" not in u.modes and not forget)) and not status:
         return UsageError(
             "--wait and --run go with --status", hint="safeinstall --status --wait [--run RUN_ID]"
+        )
+    if forget and u.run and "python" not in u.given:
+        return UsageError(
+            "--forget --run drops one kept backup of the environment --python names",
+            hint="safeinstall --forget --python PY --run RUN_ID",
         )
     if u.metrics_file and (problem := _metrics_problem(u)) is not None:
         return problem

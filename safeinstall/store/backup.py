@@ -322,6 +322,40 @@ def disk_space_needed(
     return sum(_blocks(info) + 512 for info in _lstats(items)) + _BLOCK  # + a manifest line each
 
 
+def disk_space_copied(
+    dists: Sequence[InstalledDistribution],
+    env: Environment,
+    installed: Sequence[InstalledDistribution],
+    backups: Path,
+) -> int:
+    """Bytes of new room a backup of ``dists`` under ``backups`` takes: the files it copies (any on
+    another filesystem, files in no RECORD, inodes another user can write), each rounded up to blocks,
+    plus the manifest; a RECORD entry it hardlinks takes none (it keeps the old inode, which the
+    uninstall then does not free). ``installed``: as for :func:`package_roots`."""
+    items, _outside, _roots = _collect(env, dists, installed)
+    device = _device(backups)
+    total = _BLOCK
+    for item in items:
+        with contextlib.suppress(OSError):
+            info = os.lstat(item.source)
+            linked = (
+                item.in_record
+                and stat.S_ISREG(info.st_mode)
+                and info.st_dev == device
+                and only_caller_writes(info)
+            )
+            total += 512 + (0 if linked else _blocks(info))
+    return total
+
+
+def _device(path: Path) -> int:
+    """The device of ``path``, or of its nearest existing parent."""
+    probe = Path(os.path.abspath(path))
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return probe.stat().st_dev
+
+
 def disk_space_freed(
     dists: Sequence[InstalledDistribution],
     env: Environment,

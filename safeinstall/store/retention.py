@@ -130,3 +130,36 @@ def kept_note(kept: tuple[KeptBackup, ...], keep: int) -> str | None:
         f"{oldest.path.parent} (--keep-backups {keep}; the oldest, {oldest.path.name}, "
         f"{human_bytes(oldest.bytes)})"
     )
+
+
+def backups_to_drop(kept: tuple[KeptBackup, ...], short: int) -> tuple[KeptBackup, ...] | None:
+    """Pure: the fewest of the ``kept`` backups (oldest first, as listed) whose removal frees ``short``
+    bytes; None when even all of them do not (nothing is chosen where nothing is short)."""
+    if short <= 0:
+        return ()
+    chosen: list[KeptBackup] = []
+    for backup in kept:
+        chosen.append(backup)
+        if sum(k.bytes for k in chosen) >= short:
+            return tuple(chosen)
+    return None
+
+
+def drop_said(kept: tuple[KeptBackup, ...], short: int, prefix: str) -> str:
+    """Pure: what a refusal for room says of the kept backups (``short`` bytes missing): which to drop
+    (the oldest first) and the exact command for each, or that dropping them all would not do; "" when
+    there are none. The newest is named only where the older ones are not enough (it is ``--undo``'s
+    way back)."""
+    if not kept:
+        return ""
+    total = sum(k.bytes for k in kept)
+    held = f"the {len(kept)} kept backup(s) of this environment hold {human_bytes(total)}"
+    chosen = backups_to_drop(kept, short)
+    if chosen is None:
+        return f"{held}: even without them it would not fit"
+    if not chosen:
+        return held
+    names = ", ".join(f"{k.path.name} ({human_bytes(k.bytes)})" for k in chosen)
+    commands = " && ".join(f"safeinstall --forget --python {prefix} --run {k.path.name}" for k in chosen)
+    newest = " (the newest: --undo's way back)" if chosen[-1] == kept[-1] else ""
+    return f"{held}; dropping {names}{newest} makes the room: {commands}"
