@@ -130,7 +130,23 @@ class Host:
 class Play:
     code: int
     output: str
-    results: list[dict[str, Any]]  # one per task and host, from the safeinstall_record callback
+    events: list[dict[str, Any]]  # from the safeinstall_record callback, in the controller's order
+
+    @property
+    def results(self) -> list[dict[str, Any]]:
+        """One per task and host (its start left out)."""
+        return [e for e in self.events if e["outcome"] != "started"]
+
+    def index(self, host: str, task_prefix: str, outcome: str) -> int:
+        """Where in :attr:`events` ``host``'s task started (``started``) or ended (any other)."""
+        (found,) = [
+            i
+            for i, e in enumerate(self.events)
+            if e["host"] == host
+            and e["task"].startswith(task_prefix)
+            and (e["outcome"] == "started") == (outcome == "started")
+        ]
+        return found
 
     def of(self, host: str, task_prefix: str) -> dict[str, Any]:
         (found,) = [r for r in self.results if r["host"] == host and r["task"].startswith(task_prefix)]
@@ -265,6 +281,24 @@ def fleet(
         units.cleanup()
 
 
+def _environment_status(host: Host) -> dict[str, Any]:
+    """safeinstall's own ``--status`` of the host's environment (its journal, its prepared run)."""
+    proc = subprocess.run(
+        [str(BIN / "safeinstall"), "--status", "--json", "--python", str(host.python)],
+        env={**os.environ, "SAFEINSTALL_STATE_DIR": str(host.state)},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (environment,) = json.loads(proc.stdout)["data"]["environments"]
+    return dict(environment)
+
+
+PREPARE = "Prepare (checks"
+COMMIT = "Commit the prepared run"
+
+
 def test_check_mode_changes_nothing_and_reports_what_would_change(fleet: Fleet) -> None:
     before = {h.name: (h.version(), h.state_files()) for h in fleet.hosts}
     pids = fleet.main_pids()
@@ -273,11 +307,12 @@ def test_check_mode_changes_nothing_and_reports_what_would_change(fleet: Fleet) 
 
     assert play.code == 0, play.output
     for host in fleet.hosts:
-        task = play.of(host.name, "Reinstall")
+        task = play.of(host.name, PREPARE)
         result = task["result"]
         assert task["outcome"] == "ok" and result["changed"] is True, result
         assert result["rc"] == 0 and result["status"] == "would-proceed"
         assert result["result"]["command"] == "dry-run" and "--dry-run" in result["cmd"]
+        assert "--prepare" not in result["cmd"]  # a dry-run of the whole run: nothing is prepared
         new = "3.0" if host.wheel == fleet["host2"].wheel else "2.0"
         assert f"would reinstall sicext {host.version()} -> {new}; restarts {host.unit}" == result["msg"]
         diff = result["diff"]
@@ -286,6 +321,8 @@ def test_check_mode_changes_nothing_and_reports_what_would_change(fleet: Fleet) 
             == f"sicext {host.version()}\nunit {host.unit}: active, main PID {pids[host.name]}\n"
         )
         assert diff["after"] == f"sicext {new}\nunit {host.unit}: restarted\n"
+        assert play.of(host.name, "Discard the prepared run when")["outcome"] == "skipped"
+        assert play.of(host.name, COMMIT)["outcome"] == "skipped"  # nothing prepared to commit
         assert play.of(host.name, "The service answers")["outcome"] == "skipped"
     assert f"+unit {fleet['host1'].unit}: restarted" in play.output  # --diff shows it
     assert {h.name: (h.version(), h.state_files()) for h in fleet.hosts} == before
@@ -293,24 +330,46 @@ def test_check_mode_changes_nothing_and_reports_what_would_change(fleet: Fleet) 
     assert fleet.main_pids() == pids
 
 
-def test_rolling_upgrade_stops_at_the_first_host_that_fails(fleet: Fleet) -> None:
+def test_rolling_upgrade_prepares_every_host_at_once_then_commits_until_one_fails(fleet: Fleet) -> None:
+    """Issue 47: every host prepared side by side before the first stop; commits one at a time; host2's
+    commit rolls back, which stops the play; host3's prepared run is discarded, its unit untouched."""
     host1, host2, host3 = fleet.hosts
     pids = fleet.main_pids()
-    host3_state = host3.state_files()
 
     play = fleet.playbook("examples/rolling-upgrade.yml", "--diff")
 
     assert play.code != 0, play.output
-    # host1: upgraded, restarted, healthy
-    done = play.of("host1", "Reinstall")["result"]
+    # the prepares: on every host, nothing stopped, each unit still on its first main PID
+    for host in fleet.hosts:
+        prepared = play.of(host.name, PREPARE)
+        result = prepared["result"]
+        assert prepared["outcome"] == "ok" and result["changed"] is True, result
+        assert result["rc"] == 0 and result["status"] == "prepared" and "--prepare" in result["cmd"]
+        assert result["result"]["command"] == "reinstall" and result["result"]["status"] == "prepared"
+        new = "3.0" if host is host2 else "2.0"
+        assert (
+            result["msg"] == f"prepared sicext 1.0 -> {new}; nothing stopped; the commit restarts {host.unit}"
+        )
+        (unit,) = result["result"]["data"]["plan"]["units"]
+        assert (unit["name"], unit["main_pid"]) == (host.unit, pids[host.name])
+        assert "stop" not in [s["name"] for s in result["result"]["data"]["steps"]]
+    # side by side: every prepare started before any ended; all ended before the first commit began
+    starts = [play.index(h.name, PREPARE, "started") for h in fleet.hosts]
+    ends = [play.index(h.name, PREPARE, "ended") for h in fleet.hosts]
+    assert max(starts) < min(ends), play.events
+    assert max(ends) < play.index("host1", COMMIT, "started")
+    # host1: committed, restarted, healthy
+    done = play.of("host1", COMMIT)["result"]
     assert done["changed"] is True and done["rc"] == 0 and done["status"] == "done", done
-    assert done["result"]["command"] == "reinstall" and [s["status"] for s in done["result"]["data"]["steps"]]
+    assert "--commit" in done["cmd"] and done["result"]["command"] == "reinstall"
+    steps = [s["name"] for s in done["result"]["data"]["steps"]]
+    assert steps[0] == "gate" and "stop" in steps and "smoke" not in steps  # the window and after only
     assert done["msg"] == f"reinstalled sicext 1.0 -> 2.0; restarted {host1.unit}"
     assert done["diff"]["after"] == f"sicext 2.0\nunit {host1.unit}: restarted\n"
     assert host1.version() == "2.0" and fleet.manager.main_pid(host1.unit) != pids["host1"]
     assert play.of("host1", "The service answers")["result"]["content"] == "2.0"
-    # host2: its wheel crashes the service, so safeinstall put 1.0 back and the play failed there
-    failed = play.of("host2", "Reinstall")
+    # host2: its wheel crashes the service, so safeinstall put 1.0 back and the play stopped there
+    failed = play.of("host2", COMMIT)
     assert failed["outcome"] == "failed", failed
     assert failed["result"]["rc"] == 3 and failed["result"]["status"] == "rolled-back"
     assert failed["result"]["msg"].startswith("rolled back: ") and host2.unit in failed["result"]["msg"]
@@ -319,13 +378,23 @@ def test_rolling_upgrade_stops_at_the_first_host_that_fails(fleet: Fleet) -> Non
     fleet.manager.wait_active(host2.unit)
     wait_until(lambda: _answers(host2.port), 15, "host2 serving again")
     assert _health(host2.port) == "1.0"
-    # each run kept its backup in its own host's state directory
-    assert [len(list(h.state.glob("*/backups/*"))) for h in (host1, host2)] == [1, 1]
+    assert play.of("host2", "Stop the rolling upgrade")["outcome"] == "failed"
     assert not any(r["host"] == "host2" and r["task"].startswith("The service") for r in play.results)
-    # host3: never touched
-    assert "host3" not in play.hosts()
+    # the rescue discarded, once, on every host: only host3 still had a prepared run
+    discard = play.of("host2", "Discard the prepared runs")["result"]["results"]
+    assert [(d["item"], d["status"], d["changed"]) for d in discard] == [
+        ("host1", "not-prepared", False),
+        ("host2", "not-prepared", False),
+        ("host3", "discarded", True),
+    ]
+    assert discard[2]["msg"].startswith("discarded the prepared run ") and "1.0 -> 2.0" in discard[2]["msg"]
+    # host3: prepared, never committed, its prepared run discarded: its unit untouched, nothing left
+    assert not any(r["host"] == "host3" and r["task"].startswith(COMMIT) for r in play.events)
     assert host3.version() == "1.0" and fleet.manager.main_pid(host3.unit) == pids["host3"]
-    assert host3.state_files() == host3_state
+    for host in fleet.hosts:
+        status = _environment_status(host)
+        assert status["prepared"] is None and status["journal_phase"] is None, status
+        assert not status["needs_recovery"] and not status["running"]
     assert all(h.staged() == [] for h in fleet.hosts)
 
 
@@ -565,6 +634,106 @@ def test_the_exit_codes_map_to_failed_and_changed() -> None:
     assert (
         missing.failed
         and missing.msg == "safeinstall exited 127 without a --json result: safeinstall: not found"
+    )
+
+
+def test_each_phase_has_its_command_line_and_refuses_what_another_phase_takes() -> None:
+    from ansible_collections.safeinstall.fleet.plugins.module_utils.cli import CommandError, phase_argv
+
+    base: dict[str, Any] = {"name": "vllm", "python": "/opt/v", "user": True}
+    prepare = {**base, "phase": "prepare", "wheel": "/w/vllm.whl", "no_smoke": True, "keep_backups": 2}
+    assert phase_argv(["si"], prepare, check_mode=False) == [
+        "si", "vllm", "--json", "--yes", "--prepare", "--python=/opt/v", "--wheel=/w/vllm.whl",
+        "--keep-backups=2", "--user", "--no-smoke",
+    ]  # fmt: skip
+    dry = phase_argv(["si"], prepare, check_mode=True)
+    assert "--dry-run" in dry and "--prepare" not in dry  # a prepare's check: the run's dry-run
+    window = {"settle": 1.0, "health_url": "http://h/health", "stop_timeout": 30.0, "prepared_max_age": 60.0}
+    commit = {**base, "phase": "commit", **window}
+    assert phase_argv(["si"], commit, check_mode=False) == [
+        "si",
+        "--commit",
+        "--json",
+        "--yes",
+        "--python=/opt/v",
+        "--stop-timeout=30",
+        "--settle=1",
+        "--prepared-max-age=60",
+        "--user",
+    ]  # fmt: skip  (the health URL goes in the environment, as for a run)
+    assert phase_argv(["si"], {**base, "phase": "discard"}, check_mode=False) == [
+        "si", "--discard", "--json", "--python=/opt/v",
+    ]  # fmt: skip
+    refused = [
+        ({**prepare, "settle": 1.0}, "phase=prepare does not take settle: they are the window's"),
+        ({**prepare, "undo": True}, "phase=prepare does not take undo"),
+        ({**commit, "wheel": "/w/x.whl", "no_smoke": True}, "does not take wheel, no_smoke: the prepare"),
+        ({**base, "phase": "discard", "requirement": "vllm==1"}, "phase=discard does not take requirement"),
+        ({**base, "phase": "discard", "health_url": "http://h"}, "does not take health_url: nothing is"),
+        ({**base, "phase": "run", "prepared_max_age": 1.0}, "prepared_max_age goes with phase=commit"),
+        ({**base, "phase": "commit", "name": "--all"}, "is not a distribution name"),
+    ]
+    for params, problem in refused:
+        with pytest.raises(CommandError, match=re.escape(problem)):
+            phase_argv(["si"], params, check_mode=False)
+
+
+def test_a_prepare_a_commit_and_a_discard_map_to_changed_and_failed() -> None:
+    from ansible_collections.safeinstall.fleet.plugins.module_utils.cli import (
+        Prepared,
+        phase_outcome,
+        prepared_of,
+        prepared_problem,
+    )
+
+    plan = {"distributions": [{"name": "vllm", "old_version": "1", "new_version": "2"}],
+            "units": [{"name": "v.service"}]}  # fmt: skip
+
+    def envelope(code: int, status: str, data: Any, errors: Any = ()) -> dict[str, Any]:
+        return {"safeinstall_result_version": 1, "command": "reinstall", "status": status, "exit_code": code,
+                "data": data, "errors": list(errors)}  # fmt: skip
+
+    prepared = phase_outcome("prepare", 0, envelope(0, "prepared", {"plan": plan}), "", False)
+    assert (prepared.failed, prepared.changed, prepared.status) == (False, True, "prepared")
+    assert prepared.msg == "prepared vllm 1 -> 2; nothing stopped; the commit restarts v.service"
+    changed = {
+        "code": "prepared-changed",
+        "message": "the file x changed since the prepare",
+        "hint": "discard",
+    }
+    refused = phase_outcome("commit", 2, envelope(2, "error", None, [changed]), "", False)
+    assert (refused.failed, refused.changed) == (True, False)
+    assert refused.msg == "refused, nothing changed: the file x changed since the prepare (hint: discard)"
+    lost = {"code": "rolled-back", "message": "v.service did not start"}
+    rolled = phase_outcome("commit", 3, envelope(3, "rolled-back", {"plan": plan}, [lost]), "", False)
+    assert (rolled.failed, rolled.changed, rolled.status) == (True, True, "rolled-back")
+    done = phase_outcome("commit", 0, envelope(0, "done", {"plan": plan}), "", False)
+    assert (done.failed, done.changed, done.msg) == (
+        False,
+        True,
+        "reinstalled vllm 1 -> 2; restarted v.service",
+    )
+    discarded = {"discarded": {"run_id": "r1", "changes": ["vllm 1 -> 2"]}}
+    dropped = phase_outcome(
+        "discard", 0, {**envelope(0, "discarded", discarded), "command": "discard"}, "", False
+    )
+    assert (dropped.failed, dropped.changed, dropped.msg) == (
+        False,
+        True,
+        "discarded the prepared run r1 (vllm 1 -> 2)",
+    )
+    several = {"code": "prepared-run", "message": "2 environments have a prepared run"}
+    assert phase_outcome("discard", 2, envelope(2, "error", None, [several]), "", False).failed
+    status = {"data": {"environments": [
+        {"package": "vllm", "prepared": {"run_id": "r1", "changes": ["vllm 1 -> 2"], "units": ["v.service"]}},
+        {"package": None, "prepared": None},
+    ]}}  # fmt: skip
+    (found,) = prepared_of(status)
+    assert found == Prepared("r1", "vllm", ("vllm 1 -> 2",), ("v.service",))
+    assert prepared_problem("VLLM", [found]) is None and prepared_problem(None, [found]) is None
+    assert prepared_problem("torch", [found]) == "the prepared run r1 is of vllm, not torch"
+    assert (
+        prepared_problem("vllm", [found, found]) == "2 environments have a prepared run: name one with python"
     )
 
 
