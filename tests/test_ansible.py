@@ -380,14 +380,13 @@ def test_rolling_upgrade_prepares_every_host_at_once_then_commits_until_one_fail
     assert _health(host2.port) == "1.0"
     assert play.of("host2", "Stop the rolling upgrade")["outcome"] == "failed"
     assert not any(r["host"] == "host2" and r["task"].startswith("The service") for r in play.results)
-    # the rescue discarded, once, on every host: only host3 still had a prepared run
+    # the rescue discarded, once, on every host not committed: host2's run went with its rollback
     discard = play.of("host2", "Discard the prepared runs")["result"]["results"]
     assert [(d["item"], d["status"], d["changed"]) for d in discard] == [
-        ("host1", "not-prepared", False),
         ("host2", "not-prepared", False),
         ("host3", "discarded", True),
     ]
-    assert discard[2]["msg"].startswith("discarded the prepared run ") and "1.0 -> 2.0" in discard[2]["msg"]
+    assert discard[1]["msg"].startswith("discarded the prepared run ") and "1.0 -> 2.0" in discard[1]["msg"]
     # host3: prepared, never committed, its prepared run discarded: its unit untouched, nothing left
     assert not any(r["host"] == "host3" and r["task"].startswith(COMMIT) for r in play.events)
     assert host3.version() == "1.0" and fleet.manager.main_pid(host3.unit) == pids["host3"]
