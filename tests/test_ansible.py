@@ -182,9 +182,15 @@ class Fleet:
         lines = record.read_text().splitlines() if record.exists() else []
         return Play(proc.returncode, proc.stdout + proc.stderr, [json.loads(line) for line in lines])
 
-    def playbook(self, playbook: str, *args: str) -> Play:
+    def playbook(self, playbook: str, *args: str, inventory: Path | None = None) -> Play:
         return self._run(
-            [str(BIN / "ansible-playbook"), "-i", str(self.inventory), str(ROOT / playbook), *args]
+            [
+                str(BIN / "ansible-playbook"),
+                "-i",
+                str(inventory or self.inventory),
+                str(ROOT / playbook),
+                *args,
+            ]
         )
 
     def adhoc(self, module: str, module_args: str) -> Play:
@@ -394,6 +400,36 @@ def test_rolling_upgrade_prepares_every_host_at_once_then_commits_until_one_fail
         status = _environment_status(host)
         assert status["prepared"] is None and status["journal_phase"] is None, status
         assert not status["needs_recovery"] and not status["running"]
+    assert all(h.staged() == [] for h in fleet.hosts)
+
+
+def test_a_host_that_cannot_prepare_stops_the_upgrade_before_any_commit(fleet: Fleet) -> None:
+    """host2's environment is gone: its prepare fails, the other hosts discard theirs, nothing commits."""
+    pids = fleet.main_pids()
+    versions = {h.name: h.version() for h in fleet.hosts}
+    inventory = json.loads(fleet.inventory.read_text())
+    inventory["all"]["hosts"]["host2"]["safeinstall_python"] = str(fleet.base / "host2" / "gone" / "python")
+    broken = fleet.base / "inventory-host2-gone.json"
+    broken.write_text(json.dumps(inventory))
+
+    play = fleet.playbook("examples/rolling-upgrade.yml", inventory=broken)
+
+    assert play.code != 0, play.output
+    failed = play.of("host2", PREPARE)
+    assert failed["outcome"] == "failed" and failed["result"]["changed"] is False, failed
+    for name in ("host1", "host3"):
+        assert play.of(name, PREPARE)["result"]["status"] == "prepared"
+        discarded = play.of(name, "Discard the prepared run when")["result"]
+        assert (discarded["status"], discarded["changed"], discarded["rc"]) == ("discarded", True, 0), (
+            discarded
+        )
+        stop = play.of(name, "Stop before any commit")
+        assert stop["outcome"] == "failed" and "host2 failed" in stop["result"]["msg"], stop
+    assert not any(e["task"].startswith(COMMIT) for e in play.events)
+    assert fleet.main_pids() == pids and {h.name: h.version() for h in fleet.hosts} == versions
+    for host in fleet.hosts:
+        status = _environment_status(host)
+        assert status["prepared"] is None and status["journal_phase"] is None, status
     assert all(h.staged() == [] for h in fleet.hosts)
 
 
