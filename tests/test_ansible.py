@@ -167,13 +167,13 @@ class Fleet:
     def __getitem__(self, name: str) -> Host:
         return next(h for h in self.hosts if h.name == name)
 
-    def _run(self, argv: list[str]) -> Play:
+    def _run(self, argv: list[str], environ: Mapping[str, str] | None = None) -> Play:
         record = self.base / "record.jsonl"
         record.unlink(missing_ok=True)
         proc = subprocess.run(
             argv,
             cwd=self.base,
-            env={**self.env, "SAFEINSTALL_TEST_RECORD": str(record)},
+            env={**self.env, **(environ or {}), "SAFEINSTALL_TEST_RECORD": str(record)},
             capture_output=True,
             text=True,
             timeout=600,
@@ -193,10 +193,24 @@ class Fleet:
             ]
         )
 
-    def adhoc(self, module: str, module_args: str) -> Play:
-        return self._run(
-            [str(BIN / "ansible"), "all", "-i", str(self.inventory), "-m", module, "-a", module_args]
+    def adhoc(self, module: str, module_args: str, *args: str, host: Host | None = None) -> Play:
+        """``ansible`` on every host, or on ``host`` alone with its state directory (a module run by
+        the local connection inherits the controller's environment)."""
+        where, environ = (
+            ("all", None) if host is None else (host.name, {"SAFEINSTALL_STATE_DIR": str(host.state)})
         )
+        argv = [
+            str(BIN / "ansible"),
+            where,
+            "-i",
+            str(self.inventory),
+            "-m",
+            module,
+            "-a",
+            module_args,
+            *args,
+        ]
+        return self._run(argv, environ)
 
     def main_pids(self) -> dict[str, int]:
         return {h.name: self.manager.main_pid(h.unit) for h in self.hosts}
@@ -431,6 +445,59 @@ def test_a_host_that_cannot_prepare_stops_the_upgrade_before_any_commit(fleet: F
         status = _environment_status(host)
         assert status["prepared"] is None and status["journal_phase"] is None, status
     assert all(h.staged() == [] for h in fleet.hosts)
+
+
+def test_a_commit_refused_for_a_change_since_the_prepare_leaves_the_run_to_discard(fleet: Fleet) -> None:
+    """The module's phases one by one on host3: a file of the package changed after the prepare, so the
+    commit exits 2 (failed, not changed, the unit untouched) and the run stays prepared; a commit naming
+    another package is refused before anything runs; the discard drops it (in check mode, says it would)."""
+    host3 = fleet["host3"]
+    pid = fleet.manager.main_pid(host3.unit)
+    common = f"name=sicext python={host3.python} user=true"
+    reinstall = "safeinstall.fleet.reinstall"
+
+    prepared = fleet.adhoc(reinstall, f"phase=prepare wheel={host3.wheel} {common}", host=host3)
+    assert prepared.results[0]["result"]["status"] == "prepared", prepared.output
+    changed = host3.site / "sicext" / "serve.py"
+    original = changed.read_bytes()
+    changed.write_bytes(original + b"# changed after the prepare\n")
+    try:
+        commit = fleet.adhoc(reinstall, f"phase=commit settle=1 {common}", host=host3)
+    finally:
+        changed.write_bytes(original)
+    other = fleet.adhoc(reinstall, f"phase=commit name=markupsafe python={host3.python}", host=host3)
+    check = fleet.adhoc(reinstall, f"phase=discard {common}", "--check", host=host3)
+    discard = fleet.adhoc(reinstall, f"phase=discard {common}", host=host3)
+
+    (refused,) = commit.results
+    assert refused["outcome"] == "failed", commit.output
+    result = refused["result"]
+    assert (result["rc"], result["changed"], result["status"]) == (2, False, "error"), result
+    assert result["msg"].startswith("refused, nothing changed: ") and "serve.py" in result["msg"]
+    assert fleet.manager.main_pid(host3.unit) == pid and host3.version() == "1.0"
+    (guarded,) = other.results
+    assert guarded["outcome"] == "failed" and guarded["result"]["cmd"][-2:] == [
+        "--json",
+        f"--python={host3.python}",
+    ]
+    assert guarded["result"]["msg"].endswith("is of sicext, not markupsafe"), guarded
+    (would,) = check.results
+    assert (would["outcome"], would["result"]["changed"], would["result"]["status"]) == (
+        "ok",
+        True,
+        "prepared",
+    )
+    assert would["result"]["msg"].startswith("would discard the prepared run ")
+    (dropped,) = discard.results
+    assert (dropped["result"]["changed"], dropped["result"]["status"], dropped["result"]["rc"]) == (
+        True,
+        "discarded",
+        0,
+    )
+    assert "--discard" in dropped["result"]["cmd"]
+    status = _environment_status(host3)
+    assert status["prepared"] is None and status["journal_phase"] is None, status
+    assert fleet.manager.main_pid(host3.unit) == pid
 
 
 def test_verify_reports_a_patched_file_on_one_host_only(fleet: Fleet) -> None:
