@@ -549,6 +549,26 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    column = width",
         ("tests/test_render.py::test_a_steps_long_detail_wraps_within_the_detail_column",),
     ),
+    Mutation(
+        "one-filesystem-install-uncounted",
+        "safeinstall/run/preflight.py",
+        '    copies = cache if link_mode != "hardlink" else 0\n',
+        "    copies = 0\n",
+        (
+            "tests/test_retention.py::test_one_filesystem_sums_the_backup_the_run_cache_and_the_install",
+            "tests/test_faults.py::test_one_filesystem_for_the_state_and_the_environment_is_one_sum_of_room",
+        ),
+    ),
+    Mutation(
+        "kept-backups-not-named",
+        "safeinstall/store/retention.py",
+        '    return f"{held}; dropping {names}{newest} makes the room: {commands}"\n',
+        "    return held\n",
+        (
+            "tests/test_retention.py::test_a_refusal_for_room_names_the_fewest_oldest_kept_backups_and_the_command",
+            "tests/test_faults.py::test_kept_backups_that_take_the_room_are_named_with_the_command_that_drops_them",
+        ),
+    ),
 )
 
 

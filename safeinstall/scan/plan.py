@@ -97,6 +97,15 @@ def start_limit_resets(limits: Mapping[str, StartLimit], now_s: float) -> tuple[
 
 
 @dataclass(frozen=True, slots=True)
+class KeptBackupHeld:
+    """One kept backup of the environment (``--keep-backups``) and the bytes its files hold."""
+
+    run_id: str
+    path: str
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     package: str
     python: str
@@ -129,6 +138,8 @@ class Plan:
     start_limit_resets: tuple[StartLimitReset, ...] = ()
     #: what the run runs before the stop to exercise the new version (safeinstall.env.smoke); "": nothing
     smoke: str = ""
+    #: the environment's kept backups, oldest first (their room: a refusal for it names which to drop)
+    kept_backups: tuple[KeptBackupHeld, ...] = ()
 
     @property
     def proceeds(self) -> bool:
