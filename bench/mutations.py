@@ -94,6 +94,23 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
     ),
     Mutation(
+        "wheel-fault-by-ctime",
+        "safeinstall/env/drift.py",
+        "        or ctime_ns > record_ctime_ns\n",
+        "",
+        (
+            "tests/test_verify.py::test_a_file_whose_wheel_lied_in_its_record_is_a_wheel_fault",
+            "tests/test_verify.py::test_a_wheel_fault_acknowledged_is_quiet_until_its_file_changes",
+        ),
+    ),
+    Mutation(
+        "wheel-fault-acknowledged-by-identity",
+        "safeinstall/env/drift.py",
+        "    if now is None or kept.get(finding.path) != now:",
+        "    if now is None or finding.path not in kept:",
+        ("tests/test_verify.py::test_a_wheel_fault_acknowledged_is_quiet_until_its_file_changes",),
+    ),
+    Mutation(
         "plan-inactive-dependents",
         "safeinstall/scan/plan.py",
         "                or not dependent.is_active\n",

@@ -282,6 +282,11 @@ def compare(args: argparse.Namespace) -> int:
     return 0
 
 
+#: What a check keeps (each emptied before a first run): hashes by identity, the clean distributions,
+#: bytecode judged by identity, the RECORDs found clean (the bench's own state directory, never root's).
+KEPT = ("inodes.bin", "unchanged.json", "bytecode.json", "records.json")
+
+
 def second_run(python: Path, package: str, rounds: int, state: str) -> int:
     """``--verify-only --all``: the first run (empty store) against the second (nothing changed)."""
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(ROOT / "safeinstall")], check=True)
@@ -291,8 +296,9 @@ def second_run(python: Path, package: str, rounds: int, state: str) -> int:
     first: list[tuple[float, float]] = []
     second: list[tuple[float, float]] = []
     for _ in range(rounds):
-        for kept in [*stores.glob("*/inodes.bin"), *stores.glob("*/unchanged.json")]:
-            kept.unlink()  # both stores empty: the first run reads every file
+        for kept in [stores.glob(f"*/{name}") for name in KEPT]:
+            for path in kept:
+                path.unlink()  # every store empty: the first run reads and judges every file
         first.append(timed(command))
         second.append(timed(command))
     pairs = [round(b[0] / a[0], 3) for a, b in zip(first, second, strict=True)]

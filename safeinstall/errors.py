@@ -7,6 +7,7 @@ Exit codes (documented in the README and ``--help``):
 * 2 - could not check or refused before anything was changed (bad input, plan refused, lock held)
 * 3 - a step failed after services were touched; everything was put back
 * 4 - a step failed and putting things back failed too; manual action needed
+* 5 - ``--verify-only``: no drift, but a wheel's fault (its own RECORD wrong) not yet acknowledged
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ class ExitCode(IntEnum):
     REFUSED = 2
     ROLLED_BACK = 3
     ROLLBACK_FAILED = 4
+    WHEEL_FAULT = 5
 
 
 class SafeInstallError(Exception):

@@ -85,6 +85,11 @@ class DistributionReport:
     def drift(self) -> bool:
         return any(f.is_drift for f in self.findings)
 
+    @property
+    def wheel_fault(self) -> bool:
+        """A ``wheel-fault`` root has not acknowledged (as its file is now)."""
+        return any(f.is_wheel_fault for f in self.findings)
+
 
 @dataclass(frozen=True, slots=True)
 class VerifyReport:
@@ -116,8 +121,15 @@ class VerifyReport:
         return any(d.drift for d in self.distributions)
 
     @property
+    def wheel_fault(self) -> bool:
+        return any(d.wheel_fault for d in self.distributions)
+
+    @property
     def exit_code(self) -> ExitCode:
-        return ExitCode.DRIFT if self.drift else ExitCode.OK
+        """Drift first; else a wheel's fault not acknowledged (its own status); else clean."""
+        if self.drift:
+            return ExitCode.DRIFT
+        return ExitCode.WHEEL_FAULT if self.wheel_fault else ExitCode.OK
 
 
 @dataclass(frozen=True, slots=True)

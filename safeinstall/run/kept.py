@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from safeinstall.env.environment import Environment
@@ -31,6 +33,7 @@ def verify_kept(
     vouched: Callable[[], Mapping[str, tuple[Vouched, ...]]],
     on_progress: ProgressCallback | None = None,
     walked: Mapping[str, os.stat_result] | None = None,
+    acknowledge: bool = False,
 ) -> VerifyReport:
     """``--verify-only``: :func:`verify_environment`, taking the store's hashes of unchanged inodes
     (none with ``full``: every file is read) and keeping what it hashed; a distribution proven unchanged
@@ -38,7 +41,9 @@ def verify_kept(
     why the store was not used or kept, when it was not. ``walked``: the ``lstat`` of files the steering
     walk took moments before (:func:`safeinstall.env.environment.inspect_environment`), which the proof
     takes for its own. The verified-inode store is read only when a
-    file is to be proven by it (a check where every distribution is proven unchanged reads none)."""
+    file is to be proven by it (a check where every distribution is proven unchanged reads none).
+    A ``wheel-fault`` root acknowledged, its file as it was then, is quiet; ``acknowledge``
+    (``--acknowledge-wheel-faults``): each found now is kept so (:mod:`safeinstall.store.wheelfaults`)."""
     from safeinstall.env.bytecode import keepable, known_checker
     from safeinstall.env.recorded import RecordCheck
     from safeinstall.env.unchanged import prover, unchanged_entry
@@ -123,7 +128,37 @@ def verify_kept(
         ]
         note = keep_unchanged(root, env.prefix, clean, checked, report.proven, fresh, directories)
         notes.extend([note] if note else [])
-    return report
+    return _wheel_faults(report, root, env, acknowledge, notes)
+
+
+def _wheel_faults(
+    report: VerifyReport, root: Path, env: Environment, acknowledge: bool, notes: list[str]
+) -> VerifyReport:
+    """The report with each ``wheel-fault`` root acknowledged (its file's identity and sha256 as kept)
+    quiet; with ``acknowledge``, each found now kept so, and quiet. The store is read only when there
+    is one to settle."""
+    from safeinstall.env.drift import FaultIdentity, FindingKind, acknowledged, fault_identity
+    from safeinstall.store.wheelfaults import keep_faults, read_faults
+
+    if not any(f.kind == FindingKind.WHEEL_FAULT for f in report.findings):
+        return report
+    kept, note = read_faults(root, env.prefix)
+    notes.extend([note] if note else [])
+    if acknowledge:
+        fresh: dict[str, FaultIdentity] = {}
+        for finding in report.findings:
+            state = report.observed.get(finding.path)
+            identity = None if state is None else fault_identity(finding, state)
+            if identity is not None:
+                fresh[identity.location] = identity
+        note = keep_faults(root, env.prefix, {**kept, **fresh})
+        notes.extend([note] if note else [])
+        kept = kept if note else {**kept, **fresh}
+    distributions = tuple(
+        replace(d, findings=tuple(acknowledged(f, report.observed.get(f.path), kept) for f in d.findings))
+        for d in report.distributions
+    )
+    return replace(report, distributions=distributions)
 
 
 def _hashed_at(store: InodeStore | None) -> Callable[[FileState], int]:
