@@ -29,7 +29,8 @@ EXIT_CODES = (
     "declined, nothing changed; 3 failed after services were stopped, everything put back (--recover: "
     "the new version did not come up, the previous one was put back); 4 failed and putting things back "
     "failed too (the message lists the commands to finish; --status --wait: the run died without a "
-    "result). --status --wait exits with the run's own code."
+    "result); 5 no drift, but a wheel's fault not acknowledged (--verify-only). --status --wait exits "
+    "with the run's own code."
 )
 
 app = typer.Typer(
