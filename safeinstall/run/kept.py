@@ -7,6 +7,7 @@ distribution a check found clean, proven unchanged since by ``lstat`` alone, is 
 from __future__ import annotations
 
 import os
+import stat
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -44,10 +45,11 @@ def verify_kept(
     file is to be proven by it (a check where every distribution is proven unchanged reads none).
     A ``wheel-fault`` root acknowledged, its file as it was then, is quiet; ``acknowledge``
     (``--acknowledge-wheel-faults``): each found now is kept so (:mod:`safeinstall.store.wheelfaults`)."""
-    from safeinstall.env.bytecode import keepable, known_checker
+    from safeinstall.env.bytecode import Anchor, anchored_window, keepable, known_checker
     from safeinstall.env.recorded import RecordCheck
     from safeinstall.env.unchanged import prover, unchanged_entry
     from safeinstall.env.verified import GRANULARITY_NS
+    from safeinstall.store.anchors import keep_anchors, read_anchors
     from safeinstall.store.bytecode import keep_judged, read_judged
     from safeinstall.store.records import keep_records, read_records
     from safeinstall.store.state import state_root
@@ -80,6 +82,19 @@ def verify_kept(
     judged, note = read_judged(root, env.prefix)
     notes.extend([note] if note else [])
     known_pyc = None if judged is None or full else known_checker({k: j for k, (j, _) in judged.items()})
+    anchors, note = read_anchors(root, env.prefix)
+    notes.extend([note] if note else [])
+    fresh_anchors: dict[str, Anchor] = {}
+
+    def install_window(dist: InstalledDistribution, earliest: int | None) -> tuple[int, int] | None:
+        if anchors is None:
+            return None
+        key = os.fspath(dist.dist_info)
+        window, fresh = anchored_window(anchors.get(key), _record_identity(key), earliest)
+        if fresh is not None:
+            fresh_anchors[key] = fresh
+        return window
+
     unchanged = prover(clean, root_of, walked)
     if full and unchanged is not None:
         unchanged = _none  # every file read; what is found clean is kept anew
@@ -95,7 +110,10 @@ def verify_kept(
         known_pyc=known_pyc,
         bytecode=True,
         recorded=record_check,
+        install_window=None if full else install_window,
     )
+    note = keep_anchors(root, env.prefix, anchors, fresh_anchors)
+    notes.extend([note] if note else [])
     clean_now = {os.fspath(d.dist_info) for d in report.clean} | set(report.proven)
     note = keep_records(root, env.prefix, records, record_check.updates(clean_now.__contains__))
     notes.extend([note] if note else [])
@@ -173,6 +191,15 @@ def _hashed_at(store: InodeStore | None) -> Callable[[FileState], int]:
         return 0 if entry is None else entry.hashed_ns
 
     return hashed_at
+
+
+def _record_identity(dist_info: str) -> tuple[int, int] | None:
+    """A RECORD's inode and change time (itself, never followed), or None: not a regular file."""
+    try:
+        info = os.lstat(os.path.join(dist_info, "RECORD"))
+    except OSError:
+        return None
+    return (info.st_ino, info.st_ctime_ns) if stat.S_ISREG(info.st_mode) else None
 
 
 def _none(_dist: InstalledDistribution) -> None:

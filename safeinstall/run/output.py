@@ -207,6 +207,7 @@ def verify_json(report: VerifyReport, patch: str | None, notes: Sequence[str] = 
             "files_checked": sum(d.files_checked for d in report.distributions),
             "drift": sum(1 for f in listed if f.is_drift),
             "wheel_faults": sum(1 for f in listed if f.is_wheel_fault),
+            "bytecode": dict(zip(("compiled", "by_identity", "by_installer"), report.bytecode, strict=True)),
             "warnings": sum(1 for f in listed if not f.is_drift and not f.is_wheel_fault),
         },
         "patch": patch,
