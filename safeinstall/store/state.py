@@ -22,6 +22,10 @@ Layout::
                                     (:mod:`safeinstall.store.bytecode`)
         records.json                the RECORDs found clean or installed by a run
                                     (:mod:`safeinstall.store.records`)
+        anchors.json                each distribution's install as first seen: its RECORD's inode and
+                                    ctime, its files' earliest ctime (:mod:`safeinstall.store.anchors`)
+        wheel-faults.json           the wheel's faults root acknowledged, by the file's identity and
+                                    sha256 (:mod:`safeinstall.store.wheelfaults`)
 
 Path computation is pure (``environ`` and ``euid`` are parameters); :func:`ensure_dir` and
 :func:`ensure_environment_dir` are the only functions that touch the disk, plus the listing.
