@@ -505,12 +505,9 @@ class Anchor(NamedTuple):
 def anchored_window(
     kept: Anchor | None, record: tuple[int, int] | None, earliest_ns: int | None
 ) -> tuple[tuple[int, int] | None, Anchor | None]:
-    """Pure: the install window root trusts for a distribution, and the anchor to keep (None: none new).
-    ``record``: its RECORD's inode and change time now; ``earliest_ns``: the earliest change time of its
-    listed files this check saw (None: not seen). First seen: anchored as it is (trust on first use, as
-    every RECORD is). Seen before: the window kept, while the RECORD is the inode of that change time;
-    a RECORD touched since (a ``chmod`` moves its change time past a planted ``.pyc``'s) or replaced
-    has no window: its bytecode is compiled, until a run's install re-anchors it."""
+    """Pure: the install window root trusts, and the anchor to keep (None: none new). First seen: anchored
+    as it is (trust on first use); later the window kept, and none once the RECORD's inode or ctime
+    changed (docs/verify.md). ``record``: its inode and ctime now; ``earliest_ns``: its files' earliest."""
     if record is None:
         return None, None
     if kept is None:

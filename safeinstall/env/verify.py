@@ -415,9 +415,8 @@ def verify_environment(
     """Verify the named distributions (or all, with ``names=None``) of ``env``. docs/verify.md.
 
     ``wheel``: the named one's reference; ``settle_shared`` False: no file settled as ``shared``;
-    ``vouched``, ``known``, ``unchanged``, ``recorded``: what earlier checks proved; ``installed``,
-    ``expected``: distributions found, carried patches; ``bytecode``: every ``.pyc`` judged;
-    ``install_window``: where a listed ``.pyc`` is its installer's (judged by its header).
+    ``vouched``, ``known``, ``unchanged``, ``recorded``, ``install_window``: what earlier checks saw;
+    ``installed``, ``expected``: distributions found, carried patches; ``bytecode``: .pyc judged.
     """
     # Named ones are read first, the others (whose files only say what is "extra") while the large
     # files hash; read as every distribution is, or everything is done again in the usual order. The

@@ -1,12 +1,6 @@
-"""Each distribution's install as root first saw it: ``<state>/<env>/anchors.json``, root's, 0600, beside
-the verified-inode store (the decisions are :func:`safeinstall.env.bytecode.anchored_window`'s;
-docs/verify.md has the rules).
-
-Read as every state file is (:func:`safeinstall.store.state.read_private_file`: no symlink, no FIFO, root's
-or the caller's, writable by nobody else, bounded) and every field checked: the format's version, the
-environment's prefix, each ``.dist-info`` (absolute, normal, within the prefix), its numbers. Not bound
-to the boot (an inode number and a change time outlive it): a store lost or damaged anchors each
-distribution anew at the next check, as the first did. An anchor is never replaced by a check.
+"""Each distribution's install as root first saw it: ``<state>/<env>/anchors.json``, root's, 0600 (the
+decisions: :func:`safeinstall.env.bytecode.anchored_window`; docs/verify.md). Read as every state file
+is and every field checked; not bound to the boot; a check never replaces an anchor.
 """
 
 from __future__ import annotations

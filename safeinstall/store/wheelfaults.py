@@ -1,13 +1,6 @@
-"""The wheel's faults root acknowledged: ``<state>/<env>/wheel-faults.json``, root's, 0600, beside the
-verified-inode store (the decisions are :mod:`safeinstall.env.drift`'s: :func:`~safeinstall.env.drift.
-acknowledged`; docs/verify.md has the rules).
-
-Read as every state file is (:func:`safeinstall.store.state.read_private_file`: no symlink, no FIFO, root's
-or the caller's, writable by nobody else, bounded) and every field checked: the format's version, the
-environment's prefix, each file (absolute, normal, within the prefix), its numbers (signed 64-bit, none
-negative but a modification time) and its sha256. Not bound to the boot: a file's ctime and sha256 are
-the same after it, and an inode renumbered makes the fault said again. A damaged store is not used
-(every fault is said again) and is written anew at the next acknowledgement.
+"""The wheel's faults root acknowledged: ``<state>/<env>/wheel-faults.json``, root's, 0600 (the decisions:
+:func:`safeinstall.env.drift.acknowledged`; docs/verify.md). Read as every state file is and every field
+checked; not bound to the boot; a damaged store is not used (every fault is said again).
 """
 
 from __future__ import annotations
