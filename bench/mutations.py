@@ -94,6 +94,44 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
     ),
     Mutation(
+        "wheel-fault-by-ctime",
+        "safeinstall/env/drift.py",
+        "        or ctime_ns > record_ctime_ns\n",
+        "",
+        (
+            "tests/test_verify.py::test_a_file_whose_wheel_lied_in_its_record_is_a_wheel_fault",
+            "tests/test_verify.py::test_a_wheel_fault_acknowledged_is_quiet_until_its_file_changes",
+        ),
+    ),
+    Mutation(
+        "wheel-fault-acknowledged-by-identity",
+        "safeinstall/env/drift.py",
+        "    if now is None or kept.get(finding.path) != now:",
+        "    if now is None or finding.path not in kept:",
+        ("tests/test_verify.py::test_a_wheel_fault_acknowledged_is_quiet_until_its_file_changes",),
+    ),
+    Mutation(
+        "pyc-installer-window",
+        "safeinstall/env/bytecode.py",
+        "    return 0 < window[0] <= ctime_ns <= window[1]",
+        "    return True",
+        (
+            "tests/test_verify_owner.py::"
+            "test_bytecode_its_installer_wrote_is_not_compiled_and_a_plant_after_is_still_reported",
+        ),
+    ),
+    Mutation(
+        "pyc-window-anchored",
+        "safeinstall/env/bytecode.py",
+        "    if (kept.inode, kept.record_ctime_ns) != record:\n        return None, None\n"
+        "    return (kept.earliest_ns, kept.record_ctime_ns), None",
+        "    return (kept.earliest_ns, record[1]), None",
+        (
+            "tests/test_verify_owner.py::"
+            "test_bytecode_its_installer_wrote_is_not_compiled_and_a_plant_after_is_still_reported",
+        ),
+    ),
+    Mutation(
         "plan-inactive-dependents",
         "safeinstall/scan/plan.py",
         "                or not dependent.is_active\n",

@@ -304,6 +304,17 @@ Full = Annotated[
     ),
 ]
 
+AcknowledgeWheelFaults = Annotated[
+    bool,
+    _flag(
+        "--acknowledge-wheel-faults",
+        "With --verify-only: root keeps each wheel-fault found (a file never changed since its install "
+        "that its wheel's own RECORD is wrong about) as the file is now; it is quiet (exit 0) until the "
+        "file changes (docs/verify.md).",
+        rich_help_panel=VERIFY,
+    ),
+]
+
 Diff = Annotated[
     bool,
     _flag("--diff", "With --verify-only --wheel: unified diffs of modified files.", rich_help_panel=VERIFY),

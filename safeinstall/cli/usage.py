@@ -71,6 +71,7 @@ class Usage:
     run: str | None = None
     metrics_file: bool = False
     all_: bool = False
+    acknowledge: bool = False  # --acknowledge-wheel-faults
     diff: bool = False
     save_patch: bool = False
     keep_patches: bool = False
@@ -262,6 +263,12 @@ def usage_problem(u: Usage) -> UsageError | None:
     if u.all_ and not verify:
         return UsageError(
             "--all goes with --verify-only", hint="safeinstall --verify-only --all [--python PATH]"
+        )
+    if u.acknowledge and (not verify or u.wheel is not None):
+        return UsageError(
+            "--acknowledge-wheel-faults goes with --verify-only, without --wheel (against the wheel, "
+            "its fault is wheel-record: checked every time, nothing to acknowledge)",
+            hint="safeinstall --verify-only --all --acknowledge-wheel-faults [--python PATH]",
         )
     if (u.diff or u.save_patch) and not verify:
         return UsageError(

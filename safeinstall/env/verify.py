@@ -85,6 +85,11 @@ class DistributionReport:
     def drift(self) -> bool:
         return any(f.is_drift for f in self.findings)
 
+    @property
+    def wheel_fault(self) -> bool:
+        """A ``wheel-fault`` root has not acknowledged (as its file is now)."""
+        return any(f.is_wheel_fault for f in self.findings)
+
 
 @dataclass(frozen=True, slots=True)
 class VerifyReport:
@@ -106,6 +111,9 @@ class VerifyReport:
     #: the ``.pyc`` files read and judged the bytecode of their verified source: what
     #: :mod:`safeinstall.store.bytecode` may keep
     judged: tuple[Judged, ...] = field(default=(), repr=False, compare=False)
+    #: the ``.pyc`` files judged: by compiling their source, by a judgement kept (identity), by their
+    #: header alone (written by their installer, untouched since)
+    bytecode: tuple[int, int, int] = (0, 0, 0)
 
     @property
     def findings(self) -> tuple[Finding, ...]:
@@ -116,8 +124,15 @@ class VerifyReport:
         return any(d.drift for d in self.distributions)
 
     @property
+    def wheel_fault(self) -> bool:
+        return any(d.wheel_fault for d in self.distributions)
+
+    @property
     def exit_code(self) -> ExitCode:
-        return ExitCode.DRIFT if self.drift else ExitCode.OK
+        """Drift first; else a wheel's fault not acknowledged (its own status); else clean."""
+        if self.drift:
+            return ExitCode.DRIFT
+        return ExitCode.WHEEL_FAULT if self.wheel_fault else ExitCode.OK
 
 
 @dataclass(frozen=True, slots=True)
@@ -395,12 +410,13 @@ def verify_environment(
     known_pyc: KnownPyc | None = None,
     bytecode: bool = False,
     recorded: Callable[[InstalledDistribution, bool], Sequence[Finding]] | None = None,
+    install_window: Callable[[InstalledDistribution, int | None], tuple[int, int] | None] | None = None,
 ) -> VerifyReport:
     """Verify the named distributions (or all, with ``names=None``) of ``env``. docs/verify.md.
 
     ``wheel``: the named one's reference; ``settle_shared`` False: no file settled as ``shared``;
-    ``vouched``, ``known``, ``unchanged``, ``recorded``: what earlier checks proved; ``installed``,
-    ``expected``: distributions found, carried patches; ``bytecode``: every ``.pyc`` judged.
+    ``vouched``, ``known``, ``unchanged``, ``recorded``, ``install_window``: what earlier checks saw;
+    ``installed``, ``expected``: distributions found, carried patches; ``bytecode``: .pyc judged.
     """
     # Named ones are read first, the others (whose files only say what is "extra") while the large
     # files hash; read as every distribution is, or everything is done again in the usual order. The
@@ -508,6 +524,7 @@ def verify_environment(
             known_pyc,
             bytecode,
             recorded,
+            install_window,
         )
     reports: list[DistributionReport] = []
     baseline = "record" if wheel is None else "wheel"
@@ -517,6 +534,9 @@ def verify_environment(
     dist_infos_of = functools.cache(_dist_infos_of)
     clean: list[InstalledDistribution] = []
     verified: set[str] = set()  # the listed sources found as their RECORD says
+    #: each listed .pyc of a distribution whose install window root trusts -> that window
+    windows: dict[str, tuple[int, int]] = {}
+    by_window = install_window if wheel is None and not expected else None
     own: list[list[Finding]] = []
     for plan in plans:
         findings = list(plan.findings)
@@ -537,6 +557,11 @@ def verify_environment(
                 findings.append(moded)
         if plan.proven is not None:
             verified.update(loc for loc in plan.dist.locations if loc.endswith(".py"))
+        if by_window is not None and bytecode:
+            seen = [states[e.location].ctime_ns for e in plan.expectations if states[e.location].ctime_ns]
+            window = by_window(plan.dist, min(seen) if seen and plan.proven is None else None)
+            if window is not None:
+                windows.update((loc, window) for loc in plan.dist.locations if pyc_name(loc) is not None)
         if recorded is not None:
             findings.extend(recorded(plan.dist, plan.proven is not None))
         own.append(findings)
@@ -557,6 +582,7 @@ def verify_environment(
         ),
         verified.__contains__,
         known_pyc,
+        windows,
     )
     listed = listed_holder[0] if listed_holder else _listed_locations(found)
     by_dist: dict[str, list[Finding]] = {}
@@ -602,9 +628,9 @@ def verify_environment(
             findings = _against_dpkg(env, plan.dist, owner, findings)  # dpkg's: no wheel to settle it with
         elif wheel is None and any(f.kind == FindingKind.MODIFIED for f in findings):
             record_ctime = _ctime_ns(os.path.join(plan.dist.dist_info, "RECORD"))
-            findings = [
+            findings = [  # a listed .pyc judged by what it holds was never observed: no state
                 untouched_since_install(f, states[f.path].ctime_ns, record_ctime)
-                if f.kind == FindingKind.MODIFIED
+                if f.kind == FindingKind.MODIFIED and f.path in states
                 else f
                 for f in findings
             ]
@@ -665,6 +691,7 @@ def verify_environment(
         frozenset(os.fspath(p.dist.dist_info) for p in plans if p.proven is not None),
         tuple(clean),
         verdicts.judged,
+        (verdicts.compiled, verdicts.by_identity, verdicts.by_installer),
     )
 
 

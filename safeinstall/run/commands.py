@@ -61,6 +61,7 @@ class Request:
     diff: bool = False
     save_patch: Path | None = None
     full: bool = False  # --full: every file read again (a run takes it from ``values``)
+    acknowledge: bool = False  # --acknowledge-wheel-faults: root keeps each wheel-fault found, as it is
     metrics_file: Path | None = None
     environ_from: Path | None = None  # a detached run's private inputs
     extra_args: tuple[str, ...] = ()  # uv's arguments
@@ -357,7 +358,9 @@ def _verify(request: Request, ui: Ui, metrics: Path | None) -> Verified:
 
         read = read_wheel(request.wheel)
     with ui.verifying() as on_progress:
-        report = verify_kept(env, names, read, request.full, notes, vouched, on_progress, walked)
+        report = verify_kept(
+            env, names, read, request.full, notes, vouched, on_progress, walked, request.acknowledge
+        )
     for note in notes:
         ui.note(note, warning=True)
     if not report.distributions:  # --all in an environment with none: a check of nothing is no pass
@@ -383,7 +386,7 @@ def _verify(request: Request, ui: Ui, metrics: Path | None) -> Verified:
     from safeinstall.run.output import verify_json
 
     data = verify_json(report, patch if request.diff else None, notes) if request.as_json else None
-    status = "drift" if report.drift else "clean"
+    status = "drift" if report.drift else "wheel-fault" if report.wheel_fault else "clean"
     return Verified(  # the document only for --json: one finding per hardlinked file (61k on vLLM)
         document=None if data is None else envelope("verify", status, report.exit_code, data),
         exit_code=report.exit_code,

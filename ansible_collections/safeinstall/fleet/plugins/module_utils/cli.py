@@ -402,7 +402,7 @@ DRIFT_KINDS = (
     "mode",
     "record-changed",
 )
-WARNING_KINDS = ("hardlinked", "wheel-record", "shared", "dpkg-intact")
+WARNING_KINDS = ("hardlinked", "wheel-record", "shared", "dpkg-intact", "wheel-fault")
 
 
 def finding_counts(result: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
@@ -432,15 +432,18 @@ def drift_findings(result: Mapping[str, Any] | None) -> list[Mapping[str, Any]]:
 
 
 def verify_outcome(rc: int, result: Mapping[str, Any] | None, stderr: str, fail_on_drift: bool) -> Outcome:
-    """Never changed. Exit 0: clean; 1: drift, failed only with ``fail_on_drift``; else failed."""
+    """Never changed. Exit 0: clean; 1: drift, failed only with ``fail_on_drift``; 5: no drift, a
+    wheel's fault not acknowledged (said, not failed); else failed."""
     if result is None:
         return _no_result(rc, stderr)
     status = str(result.get("status", "error"))
-    if rc in (0, 1):
+    if rc in (0, 1, 5):
         drift = drift_findings(result)
         summary = (result.get("data") or {}).get("summary") or {}
         if not drift:
-            return Outcome(False, False, status, f"no drift in {summary.get('files_checked', 0)} files")
+            faults = int(summary.get("wheel_faults") or 0)
+            said = f"; {faults} wheel-fault(s) not acknowledged" if faults else ""
+            return Outcome(False, False, status, f"no drift in {summary.get('files_checked', 0)} files{said}")
         listed = "; ".join(f"{f['kind']} {f['path']}" for f in drift[:5])
         more = f" and {len(drift) - 5} more" if len(drift) > 5 else ""
         return Outcome(fail_on_drift, False, status, f"{len(drift)} drifted: {listed}{more}")
