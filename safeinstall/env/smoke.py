@@ -564,11 +564,8 @@ def child_variables(
     kept as variables: ``-E`` and ``-I`` drop the unit's ``PYTHON*`` variables (the service ignores
     them), ``-s`` and ``-I`` turn the user's site off (``PYTHONNOUSERSITE``), as they do in the service."""
     variables = {k: caller[k] for k in _FROM_CALLER if k in caller}
-    variables |= {"PATH": DEFAULT_PATH, "HOME": account[1], "USER": account[0], "LOGNAME": account[0]}
-    ignored = "-E" in flags or "-I" in flags
-    variables |= {k: v for k, v in unit if not (ignored and k.startswith("PYTHON"))}
-    if "-s" in flags or "-I" in flags:
-        variables["PYTHONNOUSERSITE"] = "1"
+    variables |= {"HOME": account[1], "USER": account[0], "LOGNAME": account[0]}
+    variables |= dict(seen_variables(unit, flags))
     python_path = [str(shim_dir), *[p for p in variables.get("PYTHONPATH", "").split(os.pathsep) if p]]
     variables |= NO_GPU
     variables |= {
@@ -578,6 +575,25 @@ def child_variables(
         SITES_VARIABLE: os.pathsep.join(str(s) for s in sites),
     }
     return variables
+
+
+#: What every child is given whatever the unit says (:func:`child_variables`): a unit's own value of
+#: one of these never reaches the check.
+REPLACED = frozenset({*NO_GPU, "PYTHONDONTWRITEBYTECODE", SITES_VARIABLE})
+
+
+def seen_variables(unit: Sequence[tuple[str, str]], flags: Sequence[str] = ()) -> tuple[tuple[str, str], ...]:
+    """Pure: the unit's variables as the check's child sees them (:func:`child_variables`), by name:
+    ``PATH`` systemd's default where the unit sets none, the ``PYTHON*`` ones dropped under ``-E``/``-I``,
+    ``PYTHONNOUSERSITE`` set by ``-s``/``-I``, those in :data:`REPLACED` left out. Units of one
+    environment whose seen variables, account, directory and flags are the same share one child: it
+    would see the very same environment (two units on two GPUs, ``CUDA_VISIBLE_DEVICES=0`` and ``=1``)."""
+    ignored = "-E" in flags or "-I" in flags
+    seen = {"PATH": DEFAULT_PATH}
+    seen |= {k: v for k, v in unit if not (ignored and k.startswith("PYTHON")) and k not in REPLACED}
+    if "-s" in flags or "-I" in flags:
+        seen["PYTHONNOUSERSITE"] = "1"
+    return tuple(sorted(seen.items()))
 
 
 def working_directory(setting: str, home: str, user_manager: bool) -> str:
