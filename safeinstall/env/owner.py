@@ -21,12 +21,15 @@ import errno
 import fcntl
 import hashlib
 import os
+import queue
 import re
 import stat
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from safeinstall.env import hashing
 from safeinstall.errors import StepFailed
 from safeinstall.system.safefs import Tree, only_caller_writes, remove_at
 
@@ -226,6 +229,8 @@ _ARCHIVE_LINK = re.compile(r"^(?:\.\./)+(?P<bucket>archive-v[0-9]+)/(?P<id>[A-Za
 _ENTRY_SUFFIXES = (".http", ".msgpack", ".rev")
 _COPY_CHUNK = 64 << 20
 FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int), a reflink of a whole file
+#: Threads that copy an unpacked wheel's files (one per CPU, at least two: a copy also waits on the disk)
+COPY_THREADS = max(2, min(8, hashing.default_workers()))
 
 
 def copy_cached_wheels(source: str, target: str, wanted: list[list[str]]) -> dict[str, Any]:
@@ -282,10 +287,10 @@ def copy_cached_wheels(source: str, target: str, wanted: list[list[str]]) -> dic
                     if (bucket_name, archive_id) not in archives:
                         archive = Path(bucket_name) / archive_id
                         try:
-                            size = _copy_tree(top / archive, Path(target) / archive)
+                            size, digests = _copy_tree(top / archive, Path(target) / archive)
                         except FileNotFoundError:
                             continue  # a link to an archive uv has removed since
-                        if not _matches_record(Path(target) / archive):
+                        if not _matches_record(Path(target) / archive, digests):
                             _remove_tree(Path(target) / archive)
                             bad.add((bucket_name, archive_id))
                             damaged.append(f"{name} {version}")
@@ -296,7 +301,9 @@ def copy_cached_wheels(source: str, target: str, wanted: list[list[str]]) -> dic
                     destination.mkdir(parents=True, exist_ok=True)
                     for suffix in _ENTRY_SUFFIXES:
                         with contextlib.suppress(FileNotFoundError, FileExistsError):
-                            copied += _copy_file(entry_dir / (entry + suffix), destination / (entry + suffix))
+                            copied += _copy_file(
+                                entry_dir / (entry + suffix), destination / (entry + suffix)
+                            )[0]
                     with contextlib.suppress(FileExistsError):
                         os.symlink(text, destination / entry)
                     entries.append(f"{name} {version}")
@@ -308,9 +315,11 @@ def copy_cached_wheels(source: str, target: str, wanted: list[list[str]]) -> dic
     }
 
 
-def _matches_record(archive: Path) -> bool:
-    """Whether every file an unpacked wheel's RECORD lists with a digest is there with that digest
-    (read from the copy: the worker's own new inodes). An archive without one RECORD is not judged."""
+def _matches_record(archive: Path, digests: dict[str, str] | None = None) -> bool:
+    """Whether every file an unpacked wheel's RECORD lists with a digest is there with that digest (the
+    copy's sha256 as it was written, from ``digests`` by relative path; else read from the copy: the
+    worker's own new inodes). An archive without one RECORD is not judged."""
+    digests = digests or {}
     records = [archive / d / "RECORD" for d in _listing(archive) if d.endswith(".dist-info")]
     if len(records) != 1:
         return True
@@ -325,6 +334,11 @@ def _matches_record(archive: Path) -> bool:
         if Path(relative).is_absolute() or ".." in Path(relative).parts:
             continue  # outside the archive's own tree: not in it
         if algorithm not in hashlib.algorithms_guaranteed:
+            continue
+        written = digests.get(os.path.normpath(relative)) if algorithm == "sha256" else None
+        if written is not None:
+            if written != digest:
+                return False
             continue
         try:
             data = _read_regular(archive / relative)
@@ -390,20 +404,24 @@ def _archive_of(entry: Path, depth: int) -> tuple[str, str, str] | None:
     return match["bucket"], match["id"], text
 
 
-def _copy_file(source: Path, destination: Path) -> int:
-    """Copy one regular file (never following a symlink; a new file, not a link); bytes copied."""
+def _copy_file(source: Path, destination: Path, buffer: memoryview | None = None) -> tuple[int, str | None]:
+    """Copy one regular file (never following a symlink; a new file, not a link): bytes copied, and the
+    sha256 of what was written (urlsafe base64, as a RECORD has it) when the bytes went through
+    ``buffer`` (None: cloned, or copied in the kernel without a buffer)."""
     src = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         info = os.fstat(src)
         if not stat.S_ISREG(info.st_mode):
-            return 0
+            return 0, None
         _check_controlled(info, source)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         dst = os.open(destination, flags, info.st_mode & 0o755)
         try:
             with contextlib.suppress(OSError):  # no reflink here (ext4, another filesystem): copied
                 fcntl.ioctl(dst, FICLONE, src)
-                return info.st_size
+                return info.st_size, None
+            if buffer is not None:  # read once: hashed as it is written (no second read to check it)
+                return _copy_hashed(src, dst, buffer)
             done = 0
             while True:
                 try:
@@ -416,11 +434,25 @@ def _copy_file(source: Path, destination: Path) -> int:
                 if count == 0:
                     break
                 done += count
-            return done
+            return done, None
         finally:
             os.close(dst)
     finally:
         os.close(src)
+
+
+def _copy_hashed(src: int, dst: int, buffer: memoryview) -> tuple[int, str]:
+    """Copy what ``src`` reads into ``dst`` through ``buffer``, hashing it on the way: bytes, sha256."""
+    hasher = hashlib.sha256()
+    done = 0
+    while count := os.readv(src, [buffer]):
+        chunk = buffer[:count]
+        hasher.update(chunk)
+        written = 0
+        while written < count:
+            written += os.write(dst, chunk[written:])
+        done += count
+    return done, base64.urlsafe_b64encode(hasher.digest()).rstrip(b"=").decode()
 
 
 def _check_controlled(info: os.stat_result, path: Path) -> None:
@@ -432,23 +464,66 @@ def _check_controlled(info: os.stat_result, path: Path) -> None:
         raise PermissionError(f"{path} is not this account's own (uid {info.st_uid}, mode {info.st_mode:o})")
 
 
-def _copy_tree(source: Path, destination: Path) -> int:
+def _copy_tree(source: Path, destination: Path) -> tuple[int, dict[str, str]]:
     """Copy (cloned where the filesystem can) a directory of regular files and directories (anything
-    else is left out); bytes copied."""
-    copied = 0
-    pending = [(source, destination)]
+    else is left out): bytes copied, and the sha256 of each file copied through a buffer, by its path
+    relative to ``destination``. The directories are made first, then the files are copied on a few
+    threads, largest first (a copy without reflink is the kernel's work, and a torch's 0.7 GB of it took
+    longer on one thread than the whole install beside it)."""
+    files: list[tuple[int, Path, Path, str]] = []
+    pending = [(source, destination, "")]
     while pending:
-        here, there = pending.pop()
+        here, there, relative = pending.pop()
         with os.scandir(here) as listing:  # FileNotFoundError for a missing archive: the caller's
             os.makedirs(there, 0o755, exist_ok=True)
             for item in listing:
+                below = f"{relative}{item.name}"
                 if item.is_dir(follow_symlinks=False):
                     _check_controlled(item.stat(follow_symlinks=False), Path(item.path))
-                    pending.append((Path(item.path), there / item.name))
+                    pending.append((Path(item.path), there / item.name, below + "/"))
                 elif item.is_file(follow_symlinks=False):
-                    with contextlib.suppress(FileExistsError):
-                        copied += _copy_file(Path(item.path), there / item.name)
-    return copied
+                    size = item.stat(follow_symlinks=False).st_size
+                    files.append((size, Path(item.path), there / item.name, below))
+    files.sort(key=lambda f: f[0], reverse=True)
+    work: queue.SimpleQueue[tuple[int, Path, Path, str]] = queue.SimpleQueue()
+    for file in files:
+        work.put(file)
+    copied: list[int] = []
+    digests: dict[str, str] = {}
+    failed: list[BaseException] = []
+
+    def copy_some() -> None:
+        buffer = hashing.read_buffer()
+        total = 0
+        try:
+            while not failed:
+                try:
+                    _, here, there, relative = work.get_nowait()
+                except queue.Empty:
+                    break
+                try:
+                    size, digest = _copy_file(here, there, buffer)
+                except FileExistsError:
+                    continue
+                total += size
+                if digest is not None:
+                    digests[relative] = digest
+        except BaseException as exc:  # the first failure is the caller's; the other threads stop
+            failed.append(exc)
+        finally:
+            copied.append(total)
+
+    threads = [
+        threading.Thread(target=copy_some, daemon=True) for _ in range(min(COPY_THREADS, len(files)) - 1)
+    ]
+    for thread in threads:
+        thread.start()
+    copy_some()
+    for thread in threads:
+        thread.join()
+    if failed:
+        raise failed[0]
+    return sum(copied), digests
 
 
 def keep_links(prefix: str, name: str, paths: list[str], keys: list[str]) -> dict[str, Any]:
