@@ -100,34 +100,46 @@ def _entries(cache: Path) -> list[_Entry]:
 
 
 def hash_cache(
-    cache: Path, workers: int | None = None, known: Callable[[os.stat_result], str | None] | None = None
+    cache: Path,
+    workers: int | None = None,
+    known: Callable[[os.stat_result], str | None] | None = None,
+    written: Mapping[str, tuple[str, int, int, int]] | None = None,
 ) -> dict[tuple[int, int], HashedInode]:
     """Before the stop: hash every file of uv's unpacked archives in the run's cache (as root, by
     descriptor within ``cache``, never following a symlink). An entry whose size, times or owner moved
     while it was read, or whose owner is not the cache's, or that its group or others may write, is
     left out (then its hardlinks in the environment are read and hashed in the window). ``known``: the
     digest of an inode already hashed (a link of root's own uv cache whose hash the environment's
-    verified-inode store kept: :func:`safeinstall.env.verified.root_only_checker`), taken without a read."""
+    verified-inode store kept: :func:`safeinstall.env.verified.root_only_checker`), taken without a read.
+    ``written``: by path, a copy this run's cache fill wrote itself (root, into root's own run's cache:
+    the bytes it hashed are the bytes it wrote, and nobody else could write them since): its sha256,
+    size, inode and mtime then; the digest is taken, as hashed at this look (its ``lstat``), for the
+    inode it wrote with the size and mtime it left, and for nothing else."""
     try:
         owner = os.lstat(cache).st_uid
     except OSError:
         return {}
     hashed: dict[tuple[int, int], HashedInode] = {}
     entries = _entries(cache)
-    if known is not None:
+    if known is not None or written is not None:
         unread: list[_Entry] = []
         for item in entries:
+            now = time.time_ns()
             try:
                 info = os.lstat(item.location)
             except OSError:
                 continue
-            digest = known(info) if stat.S_ISREG(info.st_mode) else None
+            digest, at = (known(info) if known is not None and stat.S_ISREG(info.st_mode) else None), 0
+            copy = written.get(item.location) if written is not None else None
+            if digest is None and copy is not None and stat.S_ISREG(info.st_mode):
+                same = copy[1:] == (info.st_size, info.st_ino, info.st_mtime_ns)
+                digest, at = (copy[0] if same else None), now
             if digest is None or info.st_uid != owner or info.st_mode & 0o022:
                 unread.append(item)
                 continue
             size, mtime, ctime = info.st_size, info.st_mtime_ns, info.st_ctime_ns
             key = (info.st_dev, info.st_ino)
-            hashed[key] = HashedInode(item.location, size, mtime, ctime, owner, digest)
+            hashed[key] = HashedInode(item.location, size, mtime, ctime, owner, digest, at)
         entries = unread
     real = os.path.realpath(cache)
     states = observe_files(entries, workers=workers, within=real)

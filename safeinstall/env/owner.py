@@ -249,8 +249,11 @@ def copy_cached_wheels(source: str, target: str, wanted: list[list[str]]) -> dic
     rather than :mod:`safeinstall.system.safefs`: both caches are the account's own and this worker is
     the account, so the kernel's checks are the boundary (a symlink the account put on the way leads
     only where the account could read and write anyway).
-    ``{"archives": int, "bytes": int, "entries": ["NAME VERSION"], "damaged": ["NAME VERSION"]}``."""
+    ``{"archives": int, "bytes": int, "entries": ["NAME VERSION"], "damaged": ["NAME VERSION"],
+    "digests": {"PATH": ["SHA256", SIZE, INODE, MTIME_NS]}}``: the copies it wrote and hashed as it
+    wrote them (paths below ``target``), the largest files' as far as the answer's budget goes."""
     archives: set[tuple[str, str]] = set()
+    written: list[tuple[int, str, Written]] = []  # (size, path in the target, as written) of each copy
     bad: set[tuple[str, str]] = set()
     copied = 0
     entries: list[str] = []
@@ -287,9 +290,10 @@ def copy_cached_wheels(source: str, target: str, wanted: list[list[str]]) -> dic
                     if (bucket_name, archive_id) not in archives:
                         archive = Path(bucket_name) / archive_id
                         try:
-                            size, digests = _copy_tree(top / archive, Path(target) / archive)
+                            size, hashed = _copy_tree(top / archive, Path(target) / archive)
                         except FileNotFoundError:
                             continue  # a link to an archive uv has removed since
+                        digests = {relative: written[0] for _, relative, written in hashed}
                         if not _matches_record(Path(target) / archive, digests):
                             _remove_tree(Path(target) / archive)
                             bad.add((bucket_name, archive_id))
@@ -297,6 +301,7 @@ def copy_cached_wheels(source: str, target: str, wanted: list[list[str]]) -> dic
                             continue
                         copied += size
                         archives.add((bucket_name, archive_id))
+                        written.extend((n, f"{archive}/{relative}", d) for n, relative, d in hashed)
                     destination = Path(target) / entry_dir.relative_to(top)
                     destination.mkdir(parents=True, exist_ok=True)
                     for suffix in _ENTRY_SUFFIXES:
@@ -312,7 +317,25 @@ def copy_cached_wheels(source: str, target: str, wanted: list[list[str]]) -> dic
         "bytes": copied,
         "entries": sorted(set(entries)),
         "damaged": sorted(set(damaged)),
+        "digests": _within_budget(written),
     }
+
+
+#: What of the copies' digests the answer carries (the worker's answer is bounded): the largest files'
+DIGESTS_BUDGET = 2 << 20
+
+
+def _within_budget(written: list[tuple[int, str, Written]]) -> dict[str, list[Any]]:
+    """Pure: ``{path: [sha256, size, inode, mtime_ns]}`` of the largest files written (``(size, path, as
+    written)``), as many as fit in :data:`DIGESTS_BUDGET` bytes of the answer."""
+    kept: dict[str, list[Any]] = {}
+    used = 0
+    for size, path, (digest, inode, mtime_ns) in sorted(written, reverse=True):
+        used += len(path) + len(digest) + 48
+        if used > DIGESTS_BUDGET:
+            break
+        kept[path] = [digest, size, inode, mtime_ns]
+    return kept
 
 
 def _matches_record(archive: Path, digests: dict[str, str] | None = None) -> bool:
@@ -404,10 +427,12 @@ def _archive_of(entry: Path, depth: int) -> tuple[str, str, str] | None:
     return match["bucket"], match["id"], text
 
 
-def _copy_file(source: Path, destination: Path, buffer: memoryview | None = None) -> tuple[int, str | None]:
-    """Copy one regular file (never following a symlink; a new file, not a link): bytes copied, and the
-    sha256 of what was written (urlsafe base64, as a RECORD has it) when the bytes went through
-    ``buffer`` (None: cloned, or copied in the kernel without a buffer)."""
+def _copy_file(
+    source: Path, destination: Path, buffer: memoryview | None = None
+) -> tuple[int, Written | None]:
+    """Copy one regular file (never following a symlink; a new file, not a link): bytes copied, and what
+    was written (:data:`Written`) when the bytes went through ``buffer`` (None: cloned, or copied in the
+    kernel without a buffer)."""
     src = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         info = os.fstat(src)
@@ -441,8 +466,13 @@ def _copy_file(source: Path, destination: Path, buffer: memoryview | None = None
         os.close(src)
 
 
-def _copy_hashed(src: int, dst: int, buffer: memoryview) -> tuple[int, str]:
-    """Copy what ``src`` reads into ``dst`` through ``buffer``, hashing it on the way: bytes, sha256."""
+#: A copy as it was written: its sha256 (urlsafe base64, as a RECORD has it), inode and mtime (ns)
+Written = tuple[str, int, int]
+
+
+def _copy_hashed(src: int, dst: int, buffer: memoryview) -> tuple[int, Written]:
+    """Copy what ``src`` reads into ``dst`` through ``buffer``, hashing it on the way: bytes, and the
+    copy as written."""
     hasher = hashlib.sha256()
     done = 0
     while count := os.readv(src, [buffer]):
@@ -452,7 +482,12 @@ def _copy_hashed(src: int, dst: int, buffer: memoryview) -> tuple[int, str]:
         while written < count:
             written += os.write(dst, chunk[written:])
         done += count
-    return done, base64.urlsafe_b64encode(hasher.digest()).rstrip(b"=").decode()
+    info = os.fstat(dst)
+    return done, (
+        base64.urlsafe_b64encode(hasher.digest()).rstrip(b"=").decode(),
+        info.st_ino,
+        info.st_mtime_ns,
+    )
 
 
 def _check_controlled(info: os.stat_result, path: Path) -> None:
@@ -464,10 +499,10 @@ def _check_controlled(info: os.stat_result, path: Path) -> None:
         raise PermissionError(f"{path} is not this account's own (uid {info.st_uid}, mode {info.st_mode:o})")
 
 
-def _copy_tree(source: Path, destination: Path) -> tuple[int, dict[str, str]]:
+def _copy_tree(source: Path, destination: Path) -> tuple[int, list[tuple[int, str, Written]]]:
     """Copy (cloned where the filesystem can) a directory of regular files and directories (anything
-    else is left out): bytes copied, and the sha256 of each file copied through a buffer, by its path
-    relative to ``destination``. The directories are made first, then the files are copied on a few
+    else is left out): bytes copied, and ``(size, path relative to destination, as written)`` of each
+    file copied through a buffer. The directories are made first, then the files are copied on a few
     threads, largest first (a copy without reflink is the kernel's work, and a torch's 0.7 GB of it took
     longer on one thread than the whole install beside it)."""
     files: list[tuple[int, Path, Path, str]] = []
@@ -489,7 +524,7 @@ def _copy_tree(source: Path, destination: Path) -> tuple[int, dict[str, str]]:
     for file in files:
         work.put(file)
     copied: list[int] = []
-    digests: dict[str, str] = {}
+    digests: list[tuple[int, str, Written]] = []
     failed: list[BaseException] = []
 
     def copy_some() -> None:
@@ -507,7 +542,7 @@ def _copy_tree(source: Path, destination: Path) -> tuple[int, dict[str, str]]:
                     continue
                 total += size
                 if digest is not None:
-                    digests[relative] = digest
+                    digests.append((size, relative, digest))
         except BaseException as exc:  # the first failure is the caller's; the other threads stop
             failed.append(exc)
         finally:
