@@ -899,7 +899,11 @@ def test_what_the_units_command_runs_is_imported_before_the_stop(bed: Bed, tmp_p
     script = bed.service("smoke-script")  # sicext-serve: the console script
     module = bed.units.started("smoke-module", f"{bed.python} -m sicext.serve")
     other = bed.units.started("smoke-other", f"{bed.python} -m sicext.serve", Environment="SMOKE_OTHER=1")
-    mains = {unit: bed.manager.main_pid(unit) for unit in (script, module, other)}
+    # on another GPU: the check gives every child none, so this unit's child would be the module's own
+    gpu = bed.units.started(
+        "smoke-gpu", f"{bed.python} -m sicext.serve", Environment="CUDA_VISIBLE_DEVICES=1"
+    )
+    mains = {unit: bed.manager.main_pid(unit) for unit in (script, module, other, gpu)}
     result = bed.safeinstall("sicext", "--wheel", str(broken), "--settle", "0.5", "--json")
     assert result.code == 2, result.stdout + result.stderr
     assert "stop" not in [s["name"] for s in result.json["data"]["steps"]]
@@ -912,7 +916,40 @@ def test_what_the_units_command_runs_is_imported_before_the_stop(bed: Bed, tmp_p
     children = [line for line in log.splitlines() if "smoke: imports (" in line]
     assert len(children) == 1, children  # one child for both units, and none for the other after it
     assert script in children[0] and module in children[0] and other not in children[0], children
+    assert gpu in children[0], children  # what its check would see is the module's: the same child
     assert bed.version() == "1.0"
+
+
+def test_units_whose_check_sees_the_same_environment_share_one_child() -> None:
+    """Pure: the key the units' children are shared by is what the child sees of a unit's variables:
+    the ones every child is given whatever the unit says (no GPU, no bytecode written), ``PATH`` left
+    to systemd's default or named as it, the order, the ``PYTHON*`` ones under ``-E``/``-I``, and
+    ``PYTHONNOUSERSITE`` against ``-s``, make no other child; any other variable does."""
+    seen = smoke.seen_variables
+    env = smoke_environment()
+    base = [("A", "1"), ("PYTHONPATH", "/srv/lib")]
+    same = [
+        ([("CUDA_VISIBLE_DEVICES", "1"), *base, ("HIP_VISIBLE_DEVICES", "2")], ()),
+        ([*base[::-1], ("PATH", smoke.DEFAULT_PATH), ("PYTHONDONTWRITEBYTECODE", "0")], ()),
+    ]
+    for unit, flags in same:
+        assert seen(unit, flags) == seen(base), unit
+        assert child(env, unit, flags) == child(env, base), unit
+    assert seen([("PYTHONNOUSERSITE", "1")]) == seen([], ("-s",))
+    assert seen([("PYTHONPATH", "/x")], ("-I",)) == seen([], ("-I",))  # the flags are a key of their own
+    for other in ([*base, ("VLLM_USE_V1", "0")], [("A", "2"), base[1]], [base[0]], [*base, ("PATH", "/x")]):
+        assert seen(other) != seen(base), other
+        assert child(env, other, ()) != child(env, base), other
+
+
+def smoke_environment() -> Any:
+    """An environment as :func:`smoke.child_variables` reads it (its ``scripts`` only)."""
+    return dataclasses.make_dataclass("Env", [("scripts", Path)])(Path("/v/bin"))
+
+
+def child(env: Any, unit: list[tuple[str, str]], flags: tuple[str, ...] = ()) -> dict[str, str]:
+    """The child's whole environment for a unit's variables."""
+    return smoke.child_variables({}, ("svc", "/home/svc"), unit, env, Path("/shim"), [Path("/new")], flags)
 
 
 def test_what_a_units_command_runs_first_is_read_from_its_argv() -> None:
