@@ -123,6 +123,10 @@ def test_discard_drops_the_prepared_run(bed: Bed) -> None:
     assert dropped.code == 0 and "discarded the prepared run" in dropped.stdout, dropped.stdout
     _untouched(bed, name, main)
     _nothing_left(bed)
+    # the history says what happened: dropped on purpose, not a run that died and was recovered
+    (env,) = bed.cli("--status", "--json").json["data"]["environments"]
+    latest = env["runs"][0]
+    assert latest["status"] == "discarded" and latest["exit_code"] == 0, latest
     again = bed.safeinstall("--discard", "--json")
     assert again.code == 2 and again.json["errors"][0]["code"] == "prepared-run", again.stdout
 

@@ -329,7 +329,7 @@ def discard(environ: Mapping[str, str], python: str | None) -> Discarded:
     """The prepared run dropped as ``--recover`` drops a run that died before its stop: its staging
     tree, uv cache, kept links, wheel copy, journal and record go; nothing was ever stopped."""
     found = the_prepared_run(environ, python)
-    recovery = recover_one(found.state, environ)
+    recovery = recover_one(found.state, environ, discarding=True)
     return Discarded(
         found.record.prefix, found.record.run_id, found.record.package, found.record.changes, recovery.notes
     )

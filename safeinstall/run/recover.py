@@ -136,14 +136,29 @@ KEPT_PHASES = frozenset({Phase.VERIFIED, Phase.RESTARTING, Phase.DONE})
 
 
 def recovered_result(
-    journal: Journal, recovery: Recovery, log_file: str, ended: int | None = None
+    journal: Journal,
+    recovery: Recovery,
+    log_file: str,
+    ended: int | None = None,
+    discarded: bool = False,
 ) -> dict[str, Any]:
     """Pure: the ``reinstall`` document of a run that died and that ``--recover`` finished, as its history
     keeps it: status ``recovered``; exit 0 when the new version, verified before the run died, was kept;
     3 when the environment is as it was before the run (the backup restored, or nothing installed yet;
     also when the new version, verified and started, did not come up). ``ended``: the exit code the run
-    itself reported (4: its put-back failed), None when it died without a result."""
+    itself reported (4: its put-back failed), None when it died without a result. ``discarded``: a
+    prepared run that ``--discard`` dropped on purpose: status ``discarded``, exit 0, nothing stopped."""
     phase = effective_phase(journal)
+    if discarded:
+        note = f"the prepared run {journal.run_id} was discarded (safeinstall --discard): nothing was stopped"
+        data = {
+            **jsonable(recovery),
+            "log_file": log_file,
+            "notes": [note, *recovery.notes],
+            "old_version": journal.old_version,
+            "new_version": journal.new_version,
+        }
+        return envelope("reinstall", "discarded", ExitCode.OK, data, [])
     died = f"the run {journal.run_id} died in phase {phase} (PID {journal.pid}) without a result"
     if ended is not None:
         died = f"the run {journal.run_id} ended in phase {phase} with exit {ended}, its put-back unfinished"
@@ -178,12 +193,14 @@ def recovered_result(
     return envelope("reinstall", "recovered", code, data, errors)
 
 
-def _keep_recovered(state: EnvironmentState, journal: Journal, recovery: Recovery) -> tuple[str, ...]:
+def _keep_recovered(
+    state: EnvironmentState, journal: Journal, recovery: Recovery, discarded: bool = False
+) -> tuple[str, ...]:
     """The recovered run's end, as a run's own: notes and result in its log, an entry in the history
     (so that ``--status`` lists it and ``--status --wait --run`` returns it); what went wrong, if anything."""
     log = state.log_file(journal.run_id)
     ended = _reported_exit(state, journal.run_id)
-    result = RunDocument.from_json(recovered_result(journal, recovery, str(log), ended))
+    result = RunDocument.from_json(recovered_result(journal, recovery, str(log), ended, discarded))
     # a run that ended with a result said its error; what the recovery did is then no error
     said = "error: " if ended is None else ""
     lines = (*result.details.notes, *(f"{said}{e.message}" for e in result.errors))
@@ -193,7 +210,7 @@ def _keep_recovered(state: EnvironmentState, journal: Journal, recovery: Recover
         journal.package,
         journal.started_at,
         result,
-        tuple(f"recover: {x}" for x in lines),
+        tuple(f"{'discard' if discarded else 'recover'}: {x}" for x in lines),
     )
 
 
@@ -257,7 +274,11 @@ def _remove_stray_gates(state: EnvironmentState, environ: Mapping[str, str]) -> 
     return tuple(removed)
 
 
-def recover_one(state: EnvironmentState, environ: Mapping[str, str], settle: float = 2.0) -> Recovery:
+def recover_one(
+    state: EnvironmentState, environ: Mapping[str, str], settle: float = 2.0, *, discarding: bool = False
+) -> Recovery:
+    """The run the environment's journal names finished (put back, or kept); ``discarding``: a prepared
+    run dropped by ``--discard`` (its history entry says ``discarded``, not ``recovered``)."""
     prefix = str(state.prefix or state.dir)
     if read_checked_journal(state, environ) is None:
         _tidy(state, prefix, environ)
@@ -284,7 +305,8 @@ def recover_one(state: EnvironmentState, environ: Mapping[str, str], settle: flo
             _start(units, environ, settle)
 
         def finished(done: PutBack) -> None:  # before the journal goes: a waiter finds the entry
-            notes.extend(_keep_recovered(state, journal, recovery(done)))
+            dropped = discarding and journal.phase == Phase.PREPARED  # else what it is: a recovery
+            notes.extend(_keep_recovered(state, journal, recovery(done), dropped))
 
         try:
             restore: tuple[Environment, Backup] | None = None
