@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from safeinstall.env import keep
+from safeinstall.env import keep, swap
 from safeinstall.env.environment import Environment, inspect_environment, resolve_python
 from safeinstall.env.wheelcopy import discard_dead_copies, is_wheel_copy
 from safeinstall.errors import ExitCode, LockHeldError, RollbackFailed, SafeInstallError, StepFailed
@@ -39,6 +39,7 @@ from safeinstall.store.journal import (
 from safeinstall.store.rundoc import RunDocument
 from safeinstall.store.state import (
     PUT_BACK_CACHE_S,
+    RUN_DIR_REMOVAL_S,
     EnvironmentState,
     StateDirError,
     check_trusted,
@@ -237,9 +238,22 @@ def _tidy(state: EnvironmentState, prefix: str, environ: Mapping[str, str]) -> N
                 remove_dead_temps(state)
                 if state.prefix is not None:  # a dead run's kept links of the old files
                     keep.discard_leftovers(state.prefix)
+                    _discard_stagings(state.prefix)
                 _remove_stray_gates(state, environ)
     except SafeInstallError:
         return
+
+
+def _discard_stagings(prefix: Path) -> None:
+    """No run to recover: the staging directories left in the prefix (a commit's old version, a dead
+    run's tree) go, by the prefix's owner."""
+    try:
+        names = swap.leftover_stagings(prefix)
+        ids = swap.owner_of(prefix) if names else None
+    except (OSError, SafeInstallError):
+        return
+    for name in names:
+        swap.discard_staging(prefix, name, RUN_DIR_REMOVAL_S, ids)
 
 
 #: a gate drop-in is a few hundred bytes: anything longer is not one

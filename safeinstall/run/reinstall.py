@@ -981,7 +981,8 @@ def run_reinstall(
     the run rolls back; during the rollback and the tidy-up after a good run they are held back and
     announced (the tidy-up is short: the run finishes with its result)."""
     record = read_prepared_run(options, env) if options.commit else None
-    prepared = shared_preflight(options, take_lock=True, env=env)
+    reuse = prepare.reuse_of(record, options.full) if record is not None else None
+    prepared = shared_preflight(options, take_lock=True, env=env, reuse=reuse)
     tidying: list[bool] = []
     cache_removed: list[bool] = []
 
@@ -1144,10 +1145,11 @@ def _tidy_up(run: Run, hashed: Sequence[FileState]) -> tuple[str, ...]:
     directory and the older backups go on threads of their own (in this process, or the prefix
     owner's worker) while this thread keeps the hashes, removes the drop-ins and the run's cache."""
     started = time.monotonic()
+    later = run.options.commit  # a commit leaves what need not hold the lock to the next run
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="tidy") as pool:
         with held_while_threads_start():
-            staging_gone = pool.submit(_timed_call, lambda: _discard_staged_noted(run))
-            pruned = pool.submit(_timed_call, lambda: _prune_old_backups(run, "done"))
+            staging_gone = pool.submit(_timed_call, lambda: _discard_staged_noted(run, keep_tree=later))
+            pruned = pool.submit(_timed_call, lambda: () if later else _prune_old_backups(run, "done"))
         # the run's cache stays until its hashes are kept (an open of one of them tells the filesystem)
         note = keep_hashes(run.state.root, run.env.prefix, run.prepared.inodes, hashed)
         run.notes.extend([note] if note else [])
@@ -1164,10 +1166,16 @@ def _tidy_up(run: Run, hashed: Sequence[FileState]) -> tuple[str, ...]:
                 f"{exc.message}"
             )
         dropped = time.monotonic()
-        cache_s = _remove_run_cache(run)
+        cache_s = 0.0 if later else _remove_run_cache(run)
         staging_s, _ = staging_gone.result()
         prune_s, removed = pruned.result()
-    if not keep.discard(run.env.prefix, run.run_id, RUN_DIR_REMOVAL_S):
+    if later:
+        run._log(
+            "tidy-up: the old version's staging directory, the kept links, the run's uv cache and the "
+            "backups beyond --keep-backups are left to the next run (or --recover): a commit ends with "
+            "its checks"
+        )
+    elif not keep.discard(run.env.prefix, run.run_id, RUN_DIR_REMOVAL_S):
         run.notes.append(
             f"{run.env.prefix / keep.keep_name(run.run_id)} was not removed: the next run removes it"
         )
@@ -1188,11 +1196,11 @@ def _timed_call(action: Callable[[], _T]) -> tuple[float, _T]:
     return time.monotonic() - started, answer
 
 
-def _discard_staged_noted(run: Run) -> None:
+def _discard_staged_noted(run: Run, keep_tree: bool = False) -> None:
     """:func:`_discard_staged`; a failure is a note (a good run stays one: the next run, or
     ``--recover``, removes what is left)."""
     try:
-        _discard_staged(run)
+        _discard_staged(run, keep_tree)
     except Exception as exc:
         run.notes.append(f"the staging directory was not removed: {exc}")
 
@@ -1246,9 +1254,11 @@ def both_fit(run: Run) -> bool:
     return free_space(run.env.prefix) >= files + install_overhead(files)
 
 
-def _discard_staged(run: Run) -> None:
+def _discard_staged(run: Run, keep_tree: bool = False) -> None:
     """After a good swap: the old files it moved out and the staging directory go (the backup keeps the
-    old version); before the journal is cleared, so that a kill here leaves it to ``--recover``."""
+    old version); before the journal is cleared, so that a kill here leaves it to ``--recover``.
+    ``keep_tree`` (a commit): the directory, holding only old files the backup keeps, is left to the
+    next run (or ``--recover``), which removes every leftover staging directory."""
     if run.staged is None:
         return
     ids = staging.owner_ids(run.env)
@@ -1271,6 +1281,8 @@ def _discard_staged(run: Run) -> None:
             f"{len(left)} file(s) that appeared in the old version's directories after the backup could "
             f"not be put back (first: {left[0]}): kept in {kept}; copy back what you need, then delete it"
         )
+        return
+    if keep_tree:
         return
     if not swap.discard_staging(run.env.prefix, run.staged.root.name, RUN_DIR_REMOVAL_S, ids):
         run.notes.append(f"{run.staged.root} could not be removed: the next run removes it")
@@ -1303,8 +1315,9 @@ def _as(account: Account | None) -> str:
 
 
 def _discard_wheel_copy(prepared: Prepared) -> None:
-    """The run's copy of the wheel (``prepared.options.wheel``) goes with it."""
-    if prepared.options.wheel is not None:
+    """The run's copy of the wheel (``prepared.options.wheel``) goes with it; never a commit's that is
+    its prepare's own (a refused commit leaves the prepared run whole: ``--discard`` removes it)."""
+    if prepared.options.wheel is not None and not prepared.reused:
         discard_wheel_copy(prepared.options.wheel, prepared.state.dir)
 
 
