@@ -56,6 +56,7 @@ def test_happy_path(bed: Bed) -> None:
     }
     assert doc["data"]["patches"] == [] and doc["data"]["patch_file"] is None
     assert [s["name"] for s in doc["data"]["steps"]] == [
+        "preflight",  # its own time, within the whole run's (issue 47 item 4)
         "backup",
         "prefetch",
         "smoke",  # the new version imported before the stop
@@ -69,6 +70,7 @@ def test_happy_path(bed: Bed) -> None:
         "end-check",
     ]
     assert all(s["status"] == "ok" for s in doc["data"]["steps"])
+    assert 0 < doc["data"]["steps"][0]["seconds"] < doc["data"]["wall_s"]
     assert doc["data"]["old_code"] == []
     assert name in doc["data"]["downtime_s"] and doc["data"]["downtime_s"][name] > 0
     new_main = bed.manager.main_pid(name)

@@ -227,7 +227,7 @@ def what_changed(record: PreparedRecord, prepared: Prepared) -> list[str]:
         gone = len(set(record.processes) - processes)
         new = len(processes - set(record.processes))
         said.append(f"the processes using the package: {new} new, {gone} gone")
-    if record.dirs:
+    if prepared.reused:  # taken from the record as the directories were then: still so, under the lock
         moved_dirs = [path for path, was in record.dirs.items() if identity(path) != was]
         if moved_dirs:
             said.append(f"the environment's directory {moved_dirs[0]} (a distribution added or removed?)")

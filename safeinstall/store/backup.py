@@ -1000,6 +1000,24 @@ def _restore(
     )
 
 
+def stage_backup(backup: Backup, root: Path, workers: int | None = None) -> RestoreResult:
+    """``--undo`` as a swap: the backup's files written into ``root``, an empty staging tree laid out as
+    the prefix (the saved directories made, each file copied from the backup with its saved owner and
+    mode, then checked against its saved hash: ``mismatches``), as a restore writes them into the
+    environment; the renames into place come later, in the window. Never raises for one file: failures
+    are collected; check :attr:`RestoreResult.ok`."""
+    nothing = _Removal((), (), (), (), ())
+    try:
+        tree, source = Tree(root), Tree(backup.files_dir)
+    except OSError as exc:
+        raise BackupError(
+            f"cannot open {exc.filename}: {exc.strerror or exc}",
+            hint="the staging tree and the backup must be real directories",
+        ) from exc
+    with tree, source, tree.batch(), source.batch():
+        return _restore(backup, tree, source, nothing, _Removed((), (), (), ()), workers, None, frozenset())
+
+
 # --- --prune ----------------------------------------------------------------------------------------
 
 

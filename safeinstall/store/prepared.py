@@ -138,10 +138,13 @@ def _pair(value: Any) -> tuple[int, int]:
 
 
 def _identities(value: Any) -> dict[str, Identity]:
-    return {
-        _typed(k, str): tuple(int(_typed(n, int)) for n in _typed(v, list))
-        for k, v in _typed(value, dict).items()
-    }
+    """Each path's identity (a record holds tens of thousands: checked by ``type``, not one call each)."""
+    found: dict[str, Identity] = {}
+    for key, numbers in _typed(value, dict).items():
+        if type(key) is not str or type(numbers) is not list or not all(type(n) is int for n in numbers):
+            raise TypeError(f"{key!r}: {numbers!r} is not an identity")
+        found[key] = tuple(numbers)
+    return found
 
 
 def _plan_json(plan: UvPlan) -> dict[str, Any]:
@@ -173,10 +176,14 @@ def _plan(value: Any) -> UvPlan | None:
 
 def _members(value: Any) -> dict[str, WheelMember]:
     members: dict[str, WheelMember] = {}
-    for name, fields_ in _typed(value, dict).items():
-        size, sha256, algorithm, digest = _typed(fields_, list)
+    for name, row in _typed(value, dict).items():
+        if type(row) is not list or len(row) != 4:
+            raise TypeError(f"{name!r}: {row!r} is not a wheel member")
+        size, sha256, algorithm, digest = row
+        if type(name) is not str or type(size) is not int or type(sha256) is not str:
+            raise TypeError(f"{name!r}: {row!r} is not a wheel member")
         listed = None if algorithm is None else (_typed(algorithm, str), _typed(digest, str))
-        members[_typed(name, str)] = WheelMember(name, _typed(size, int), _typed(sha256, str), listed)
+        members[name] = WheelMember(name, size, sha256, listed)
     return members
 
 
@@ -190,11 +197,14 @@ def _hashed_json(hashed: Mapping[tuple[int, int], HashedInode]) -> list[list[Any
 def _hashed(value: Any) -> dict[tuple[int, int], HashedInode]:
     hashed: dict[tuple[int, int], HashedInode] = {}
     for row in _typed(value, list):
-        dev, ino, path, size, mtime, ctime, uid, digest, hashed_ns = _typed(row, list)
-        numbers = [_typed(n, int) for n in (dev, ino, size, mtime, ctime, uid, hashed_ns)]
-        hashed[(numbers[0], numbers[1])] = HashedInode(
-            _typed(path, str), numbers[2], numbers[3], numbers[4], numbers[5], _typed(digest, str), numbers[6]
-        )
+        if type(row) is not list or len(row) != 9:
+            raise TypeError(f"{row!r} is not a hashed inode")
+        dev, ino, path, size, mtime, ctime, uid, digest, hashed_ns = row
+        if not all(type(n) is int for n in (dev, ino, size, mtime, ctime, uid, hashed_ns)) or not (
+            type(path) is str and type(digest) is str
+        ):
+            raise TypeError(f"{row!r} is not a hashed inode")
+        hashed[(dev, ino)] = HashedInode(path, size, mtime, ctime, uid, digest, hashed_ns)
     return hashed
 
 
