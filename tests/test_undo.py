@@ -387,7 +387,7 @@ def test_an_undo_killed_while_it_puts_the_backup_back_is_put_back_by_recover(
         assert done.code == 0, done.stdout + done.stderr
     upgraded = bed.snapshot()
     assert not (bed.site / "sicext" / "blob.bin").exists()
-    proc = bed.start_run("--undo", "--settle", "1")
+    proc = bed.start_run("--undo", "--settle", "1", "--no-swap")  # the restore in the window
     try:
         wait_until(lambda: _restoring(bed.site / "sicext"), 30, "the restore under way", interval=0.002)
         proc.send_signal(signal.SIGKILL)

@@ -949,6 +949,8 @@ def undo_swap_refusal(run: Run) -> str | None:
         return "--no-swap is given"
     if not run.env.is_venv:
         return "the environment is not a virtual environment"
+    if run.prepared.vouched:  # verified against the baseline, not the RECORDs: as saved, in the window
+        return "the environment has a baseline of files whose RECORD is wrong"
     if manifest.patched:
         return (
             f"the backup holds {len(manifest.patched)} locally patched file(s) (e.g. {manifest.patched[0]})"
