@@ -296,6 +296,7 @@ def test_a_new_dependency_that_cannot_be_unpacked_is_found_before_anything_stops
     message = doc["errors"][0]["message"]
     assert "uv could not fetch or unpack the new version" in message and "sidep" in message, message
     assert [(s["name"], s["status"]) for s in doc["data"]["steps"]] == [
+        ("preflight", "ok"),
         ("backup", "ok"),
         ("prefetch", "failed"),
     ]
