@@ -33,9 +33,12 @@ from tests.beds import (
     UNIT_TEXT,
     Bed,
     ServiceAccountBed,
+    alive,
     chown_tree,
     maps_so,
+    running_with,
     shared_interpreter_or_skip,
+    smoke_escape_command,
 )
 from tests.clirun import Result
 
@@ -271,7 +274,7 @@ def test_a_kill_during_the_check_leaves_nothing_stopped(bed: Bed, tmp_path: Path
     finally:
         proc.wait()
         proc.communicate()
-    wait_until(lambda: not _alive(sleeper), 10, "the smoke command gone with the run")
+    wait_until(lambda: not alive(sleeper), 10, "the smoke command gone with the run")
     assert bed.manager.main_pid(unit) == main
     recovered = bed.cli("--recover", "--json")
     assert recovered.code == 0, recovered.stdout + recovered.stderr
@@ -285,14 +288,6 @@ def _command_of(pid: int) -> list[str]:
         return [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]]
     except OSError:
         return []
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_the_unit_environment_file_is_read_as_systemd_reads_it() -> None:
@@ -742,7 +737,7 @@ def test_a_sigterm_while_the_check_runs_beside_the_run_ends_it_and_stops_nothing
             proc.communicate()
     assert proc.returncode == 2, out + err
     assert "interrupted by SIGTERM" in out, out
-    assert not _alive(sleeper)
+    assert not alive(sleeper)
     assert bed.manager.main_pid(unit) == main and bed.version() == "1.0"
     bed.no_trace()
     assert _left_in_state(bed) == []
@@ -944,19 +939,6 @@ def test_what_a_units_command_runs_first_is_read_from_its_argv() -> None:
 # --- nothing the check started outlives it (issue 44) ----------------------------------------------------
 
 
-def _running_with(marker: str) -> list[int]:
-    """The processes whose command line holds ``marker``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if marker.encode() in (entry / "cmdline").read_bytes() and _alive(int(entry.name)):
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
-
-
 @pytest.mark.parametrize("kind", ["root", "account"])
 def test_what_the_check_started_in_a_session_of_its_own_never_outlives_it(
     request: pytest.FixtureRequest, kind: str
@@ -971,11 +953,7 @@ def test_what_the_check_started_in_a_session_of_its_own_never_outlives_it(
     else:
         bed.service("smoke-escape")
     marker = f"1000.{os.getpid()}"
-    detached = "</dev/null >/dev/null 2>&1 &"
-    command = (
-        f"setsid sleep {marker} {detached} "
-        f"setsid python -c 'import sicext, time; time.sleep({marker})' {detached} sleep 1; exit 0"
-    )
+    command = smoke_escape_command(marker)
     try:
         result = bed.safeinstall(
             "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json", "--smoke", command
@@ -983,9 +961,9 @@ def test_what_the_check_started_in_a_session_of_its_own_never_outlives_it(
         assert result.code == 0, result.stdout + result.stderr
         assert "rollback" not in [s["name"] for s in result.json["data"]["steps"]]
         assert bed.version() == "2.0"
-        assert _running_with(marker) == [], "a process the check started runs on"
+        assert running_with(marker) == [], "a process the check started runs on"
     finally:
-        for pid in _running_with(marker):
+        for pid in running_with(marker):
             os.kill(pid, signal.SIGKILL)
 
 

@@ -174,6 +174,14 @@ def _warning_summaries(err: Console, findings: Sequence[Finding], more: str) -> 
             f"{FindingKind.WHEEL_RECORD.value}, not drift{more}",
             soft_wrap=True,
         )
+    for name, known in _by_distribution(findings, FindingKind.WHEEL_FAULT):
+        err.print(
+            f"[yellow]note:[/] {counted(len(known), 'file')} of {literal(name)} "
+            f"{'differs' if len(known) == 1 else 'differ'} from {_possessive(literal(name))} RECORD as "
+            f"when root acknowledged the wheel's fault (e.g. {_example(known)}): "
+            f"{FindingKind.WHEEL_FAULT.value}, acknowledged{more}",
+            soft_wrap=True,
+        )
     intact = _by_distribution(findings, FindingKind.DPKG_INTACT)
     for name, same in intact:
         err.print(
@@ -238,12 +246,14 @@ def render_verify(
             "not drift: installed files were compared with the wheel's actual contents",
             soft_wrap=True,
         )
-    drift = [f for f in report.findings if f.is_drift]
+    drift = [f for f in report.findings if f.is_drift or f.is_wheel_fault]  # each said on its lines
     _record_hint(err, _finding_lines(out, drift))
     warnings = [  # the wheel's own problems are the line above; the baseline's are summarised below
         f
         for f in report.findings
-        if not f.is_drift and (f.kind != FindingKind.WHEEL_RECORD or f.baseline == "run")
+        if not f.is_drift
+        and not f.is_wheel_fault
+        and (f.kind != FindingKind.WHEEL_RECORD or f.baseline == "run")
     ]
     if verbosity > 0:
         _finding_lines(err, per_file(warnings))
@@ -264,11 +274,12 @@ def render_verify(
     several = len(report.site_dirs) > 1  # a system interpreter, or a venv with its base's: say where
     many = len(report.distributions) > 1 and verbosity <= 0
     for dist in report.distributions:
-        kinds = Counter(f.kind.value for f in dist.findings if f.is_drift)
+        kinds = Counter(f.kind.value for f in dist.findings if f.is_drift or f.is_wheel_fault)
         if many and not kinds:
             continue
         state = (
-            "[red]DRIFT[/] " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+            ("[red]DRIFT[/] " if dist.drift else "[yellow]WHEEL FAULT[/] ")
+            + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
             if kinds
             else "[green]OK[/]"
             if dist.files_checked
@@ -294,8 +305,11 @@ def render_verify(
         )
     if many:
         drifted = sum(1 for d in report.distributions if d.drift)
+        faulty = sum(1 for d in report.distributions if not d.drift and d.wheel_fault)
         files = sum(d.files_checked for d in report.distributions)
-        state = "[green]OK[/]" if not drifted else f"[red]{drifted} with drift[/], the others OK"
+        said = [f"[red]{drifted} with drift[/]"] if drifted else []
+        said += [f"[yellow]{faulty} with the wheel's fault[/]"] if faulty else []
+        state = f"{', '.join(said)}, the others OK" if said else "[green]OK[/]"
         out.print(
             f"{len(report.distributions)} distributions, {files} files checked against their RECORD: {state}"
         )
@@ -337,7 +351,7 @@ def _scan_problems(err: Console, problems: Sequence[ScanProblem], verbosity: int
         )
 
 
-def render_plan(out: Console, err: Console, plan: Plan, verbosity: int = 0) -> None:
+def render_plan(out: Console, err: Console, plan: Plan, verbosity: int = 0, dry_run: bool = False) -> None:
     """The plan at a glance: one row per process (its strongest evidence, as one reason) and per unit;
     every piece of evidence with ``-v`` (and in ``--json``). Tables take the terminal's width and are not
     padded on a pipe; a path or command too long for its column ends in an ellipsis, never broken."""
@@ -436,7 +450,8 @@ def render_plan(out: Console, err: Console, plan: Plan, verbosity: int = 0) -> N
         out.print("uv command: " + literal(" ".join(plan.uv_command)), soft_wrap=True)
     if plan.smoke:
         said = plan.smoke if verbosity > 0 else compact_smoke(plan.smoke, plan.package)
-        for wrapped in wrap_words("smoke check: " + said, out.width):
+        label = "smoke check (a run's; --dry-run imports nothing): " if dry_run else "smoke check: "
+        for wrapped in wrap_words(label + said, out.width):
             out.print(literal(wrapped), soft_wrap=True)
     _scan_problems(err, plan.scan_problems, verbosity)
     for warning in plan.warnings:
@@ -545,11 +560,10 @@ def wrap_words(text: str, width: int, indent: int = 0, hang: int = 2) -> list[st
 def stacked_table(
     header: Sequence[str], rows: Sequence[Sequence[str]], width: int, indent: int = 0
 ) -> list[str]:
-    """Pure: a table as lines of at most ``width`` characters in which no cell is cut or broken: the
-    leading columns that fit whole side by side form the table (as wide as their widest cell, two
-    spaces apart); each later column goes below its row as "name: value", wrapped between words
-    (:func:`wrap_words`). At 200 columns a plan is one table; at 80 its reason and command stack.
-    Cells are :func:`printable` (a newline in one: a space); lines carry no trailing spaces."""
+    """Pure: a table as lines of at most ``width`` characters, no cell cut: the leading columns that fit
+    side by side, each later one below its row as "name: value", wrapped between words. Cells are
+    :func:`printable`; no trailing spaces.
+    """
     table = [[printable(" ".join(cell.split("\n"))) for cell in row] for row in (header, *rows)]
     shown = len(header)
     while shown > 1:
@@ -676,7 +690,7 @@ class ConsoleReporter:
                 self.err.print(literal(progress_text(what, done, total, unit)), soft_wrap=True)
             return
         # the whole line, amounts included ("... (1 of 2): 12 s of 90 s (13%)"), wrapped between words in
-        # a column of its own: never cut at the terminal's width (issue 42), the bar beside it
+        # a column of its own: never cut at the terminal's width, the bar beside it
         said = literal(progress_text(what, done, total, unit))
         if self._progress is None:
             from rich.progress import BarColumn, Progress, TextColumn
@@ -970,4 +984,5 @@ def render_forgotten(out: Console, forgotten: list[Forgotten]) -> None:
     if not forgotten:
         out.print("nothing to forget: every environment with state still exists")
     for item in forgotten:
-        out.print(literal(f"forgot {item.prefix} (removed {item.state_dir})"), soft_wrap=True)
+        what = item.prefix if item.run_id is None else f"the backup of run {item.run_id} of {item.prefix}"
+        out.print(literal(f"forgot {what} (removed {item.state_dir})"), soft_wrap=True)

@@ -1,20 +1,15 @@
-"""The command line's one validation: :func:`usage_problem` says, from what was given and nothing
-else, why a command line does not make sense (a :class:`UsageError`, exit 2), before anything is read,
-asked or changed. The CLI (:mod:`safeinstall.cli.app`) parses into a :class:`Usage`, asks this, then calls
-one command, renders and exits.
+"""The command line's one validation: :func:`usage_problem` says why a command line does not make sense
+(a :class:`UsageError`, exit 2), before anything is read.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
 from safeinstall.errors import UsageError
-
-#: A bare distribution name (anything more is parsed as a requirement).
-PLAIN_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
+from safeinstall.run.options import PLAIN_NAME
 
 #: The flags that each choose what safeinstall does: no two of them go together.
 MODES = (
@@ -76,6 +71,7 @@ class Usage:
     run: str | None = None
     metrics_file: bool = False
     all_: bool = False
+    acknowledge: bool = False  # --acknowledge-wheel-faults
     diff: bool = False
     save_patch: bool = False
     keep_patches: bool = False
@@ -194,6 +190,22 @@ def _idle_options(u: Usage) -> UsageError | None:
     )
 
 
+def _smoke_problem(u: Usage) -> UsageError | None:
+    """Pure: ``--no-smoke`` given with an option of the check it skips (which would do nothing)."""
+    idle = [flag for name, flag in _SMOKE_OPTIONS if name in u.given]
+    if "no_smoke" not in u.given or not idle:
+        return None
+    return UsageError(
+        f"{', '.join(idle)} {'does' if len(idle) == 1 else 'do'} nothing with --no-smoke: "
+        "there is no check to shape",
+        hint=f"drop --no-smoke to run the check with {' '.join(idle)}, or drop {' '.join(idle)}",
+    )
+
+
+#: The options of the smoke check, which ``--no-smoke`` skips whole.
+_SMOKE_OPTIONS = (("smoke", "--smoke"), ("smoke_timeout", "--smoke-timeout"), ("smoke_skip", "--smoke-skip"))
+
+
 def usage_problem(u: Usage) -> UsageError | None:
     """Pure: why this command line does not make sense, the first reason in the order a user reads
     it; None when it does. What needs the environment (the run ``--undo`` names, the wheel itself, uv's
@@ -211,16 +223,22 @@ def usage_problem(u: Usage) -> UsageError | None:
     if conflict is not None:
         return conflict
     status = "--status" in u.modes
-    if (u.wait or (u.run and "--undo" not in u.modes)) and not status:
+    forget = "--forget" in u.modes
+    if (u.wait or (u.run and "--undo" not in u.modes and not forget)) and not status:
         return UsageError(
             "--wait and --run go with --status", hint="safeinstall --status --wait [--run RUN_ID]"
+        )
+    if forget and u.run and "python" not in u.given:
+        return UsageError(
+            "--forget --run drops one kept backup of the environment --python names",
+            hint="safeinstall --forget --python PY --run RUN_ID",
         )
     if u.metrics_file and (problem := _metrics_problem(u)) is not None:
         return problem
     prepared = _prepare_problem(u)
     if prepared is not None:
         return prepared
-    idle = _idle_options(u)
+    idle = _idle_options(u) or _smoke_problem(u)
     if idle is not None:
         return idle
     hashing = next((flag for flag in _NOT_A_RUN[1:] if flag in u.modes), None)
@@ -245,6 +263,12 @@ def usage_problem(u: Usage) -> UsageError | None:
     if u.all_ and not verify:
         return UsageError(
             "--all goes with --verify-only", hint="safeinstall --verify-only --all [--python PATH]"
+        )
+    if u.acknowledge and (not verify or u.wheel is not None):
+        return UsageError(
+            "--acknowledge-wheel-faults goes with --verify-only, without --wheel (against the wheel, "
+            "its fault is wheel-record: checked every time, nothing to acknowledge)",
+            hint="safeinstall --verify-only --all --acknowledge-wheel-faults [--python PATH]",
         )
     if (u.diff or u.save_patch) and not verify:
         return UsageError(

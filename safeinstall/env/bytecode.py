@@ -1,9 +1,7 @@
-"""Bytecode judged by what it runs (issue 46 item 1, issue 43 item 7): a ``.pyc`` in a ``__pycache__``
-is fine only when it is valid for its listed, verified source and holds the code compiling that source
-gives. Nothing of it is run: its header is parsed, its body unmarshalled (``marshal.loads`` builds data,
-code objects included, and runs none of it) and compared with ``compile()`` of the source's bytes.
+"""Bytecode judged by what it runs: a ``.pyc`` is fine only when it holds the code its verified source
+compiles to. Nothing of it is run (``marshal.loads`` builds data).
 
-docs/verify.md has the rules; :func:`judge` is the pure part, :func:`judge_files` reads.
+:func:`judge` is pure, :func:`judge_files` reads; docs/verify.md.
 """
 
 from __future__ import annotations
@@ -93,11 +91,10 @@ _FLAG_REF = 0x80
 
 
 def marshal_bounded(data: bytes) -> str | None:
-    """Pure: None when every count in the marshal stream ``data`` holds is no larger than the bytes left
-    to hold it, or why not. ``marshal.loads`` makes a tuple (and zeroes it) at the size the data says,
-    before reading its items: 5 bytes of a hostile ``.pyc`` had root's process allocate and touch 16
-    GiB (the attacker review). Walked with a stack of its own (no recursion); a code object's fields as
-    CPython 3.11 to 3.13 write them (5 longs, 8 objects, a long, 2 objects)."""
+    """Pure: None when every count in the marshal stream ``data`` fits the bytes left, or why not
+    (``marshal.loads`` allocates what a count says first: 5 hostile bytes, 16 GiB). Walked with its own
+    stack; code objects as CPython 3.11 to 3.13 write them.
+    """
     end = len(data)
     at = 0
     # what is still to be read, last first: [objects left] (-1: a dict's, until its NULL key) or
@@ -164,13 +161,10 @@ OWN_MAGIC = importlib.util.MAGIC_NUMBER
 
 
 def judge(pyc: bytes, name: PycName, source: bytes) -> str | None:
-    """Pure (builds code objects, runs none): why ``pyc`` is not the bytecode of ``source`` (the bytes
-    of its listed, verified source), or None when it is. An unchecked hash-based ``.pyc`` is never
-    fine: Python runs it without looking at its source. The header's timestamp or hash need not match
-    (Python then compiles the source itself and does not run this one); the code it holds must be what
-    compiling the source gives (code objects compared, which leaves out the file name a compiler was
-    given). A ``.pyc`` of another interpreter's tag is judged by its header alone: this interpreter
-    cannot compile for it."""
+    """Pure (builds code objects, runs none): why ``pyc`` is not the bytecode of ``source`` (its verified
+    source's bytes), or None. An unchecked hash-based ``.pyc`` is never fine; the code must be what
+    compiling the source gives; another interpreter's is judged by its header. docs/verify.md.
+    """
     header = parse_header(pyc)
     if isinstance(header, str):
         return header
@@ -225,6 +219,35 @@ class Verdicts:
     problems: Mapping[str, str]  # location -> why it is not fine
     judged: tuple[Judged, ...]  # read and judged fine by this check (keepable)
     by_identity: int  # proven by the store, not read
+    by_installer: int = 0  # written by its installer, untouched since: its header read, not compiled
+    compiled: int = 0  # read, and judged against its compiled source (or by its header: another tag's)
+
+
+#: A file's identity as a check saw it: (device, inode, size, mtime_ns, ctime_ns).
+Identity = tuple[int, int, int, int, int]
+
+
+def identity(info: os.stat_result) -> Identity:
+    """Pure: what :data:`Identity` holds of a ``stat``."""
+    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns
+
+
+def installer_written(ctime_ns: int, window: tuple[int, int]) -> bool:
+    """Pure: a listed ``.pyc`` whose inode last changed within its distribution's install (``window``:
+    the earliest change time of its listed files, and its RECORD's, as root first saw them): written by
+    the installer that compiled and listed it, untouched since (change times, which no account sets;
+    a rename or a link changes them too)."""
+    return 0 < window[0] <= ctime_ns <= window[1]
+
+
+def recorded_fine(header: bytes) -> bool:
+    """Pure: a ``.pyc`` header of bytecode its installer wrote that needs no compile: a ``.pyc``'s, and
+    not unchecked hash-based (Python would run it without looking at its source: judged whole, and
+    reported)."""
+    parsed = parse_header(header)
+    return not isinstance(parsed, str) and not (
+        parsed.flags & _HASH_BASED and not parsed.flags & _CHECK_SOURCE
+    )
 
 
 def judge_files(
@@ -232,17 +255,18 @@ def judge_files(
     candidates: Iterable[tuple[str, PycName, Source | None]],
     clean_sources: Callable[[str], bool],
     known: KnownPyc | None = None,
+    installed: Mapping[str, tuple[int, int]] | None = None,
 ) -> Verdicts:
-    """Each candidate ``.pyc`` (below ``root``, with its source's RECORD hash, or None: not listed)
-    judged. Read by descriptor within the first of ``roots`` that holds it (the environment's prefix,
-    its base's; no symlink followed, nothing but a regular file opened);
-    the source's bytes are hashed and must be its RECORD's before they are compiled. ``clean_sources``:
-    the check found that source as its RECORD says (a ``.pyc`` proven by ``known`` needs it)."""
+    """Each candidate ``.pyc`` below ``root`` judged, read by descriptor within the first of ``roots`` that
+    holds it; its source's bytes must match its RECORD hash before they are compiled. ``clean_sources``:
+    sources the check found clean; ``installed``: a listed ``.pyc``'s install window, within which it is
+    judged by its header alone (:func:`installer_written`).
+    """
     from safeinstall.system.safefs import NotRegularFile, Tree
 
     problems: dict[str, str] = {}
     judged: list[Judged] = []
-    proven = 0
+    proven = by_installer = compiled = 0
     batch: list[tuple[Judged, PycName, bytes, bytes]] = []
     held = 0
     with contextlib.ExitStack() as stack:
@@ -268,6 +292,20 @@ def judge_files(
             if known is not None and clean_sources(name.source) and known(info, source.digest):
                 proven += 1
                 continue
+            window = None if installed is None else installed.get(location)
+            if (
+                window is not None
+                and installer_written(info.st_ctime_ns, window)
+                and clean_sources(name.source)
+            ):
+                try:
+                    header, header_info = _read_header(tree, relative)
+                except (OSError, ValueError):
+                    header, header_info = b"", info
+                if identity(header_info) == identity(info) and recorded_fine(header):
+                    by_installer += 1  # kept as judged: a later check proves it by identity
+                    judged.append(Judged(location, *identity(info), source.digest))
+                    continue
             try:
                 pyc, pyc_info = _read(tree, relative, LARGEST_PYC)
                 source_relative = tree.relative(name.source)
@@ -292,12 +330,13 @@ def judge_files(
                 source.digest,
             )
             batch.append((fine, name, pyc, text))
+            compiled += 1
             held += len(pyc) + len(text)
             if held >= BATCH_BYTES:
                 _judge_batch(batch, problems, judged)
                 batch, held = [], 0
         _judge_batch(batch, problems, judged)
-    return Verdicts(problems, tuple(judged), proven)
+    return Verdicts(problems, tuple(judged), proven, by_installer, compiled)
 
 
 #: The bytes of bytecode and sources read before they are judged (in forked children, each a share).
@@ -390,6 +429,19 @@ def _judge_batch(
             problems[fine.location] = why
 
 
+def _read_header(tree: Tree, relative: str) -> tuple[bytes, os.stat_result]:
+    """A regular file's first 16 bytes (a ``.pyc``'s header) and its identity, the same after the read."""
+    fd = tree.open_read(relative)
+    try:
+        info = os.fstat(fd)
+        header = os.pread(fd, _HEADER, 0)
+        if identity(os.fstat(fd)) != identity(info):
+            raise ValueError("changed while it was read")
+        return header, info
+    finally:
+        os.close(fd)
+
+
 def _read(tree: Tree, relative: str, limit: int) -> tuple[bytes, os.stat_result]:
     """A regular file's bytes (at most ``limit``: ValueError beyond) and its identity before the read."""
     fd = tree.open_read(relative)
@@ -439,3 +491,29 @@ def known_checker(entries: Mapping[tuple[int, int], Judged]) -> KnownPyc:
         )
 
     return known
+
+
+class Anchor(NamedTuple):
+    """A distribution's install as root first saw it: its RECORD's inode and change time, and the
+    earliest change time of its listed files then (:func:`installer_written`'s window)."""
+
+    inode: int
+    record_ctime_ns: int
+    earliest_ns: int
+
+
+def anchored_window(
+    kept: Anchor | None, record: tuple[int, int] | None, earliest_ns: int | None
+) -> tuple[tuple[int, int] | None, Anchor | None]:
+    """Pure: the install window root trusts, and the anchor to keep (None: none new). First seen: anchored
+    as it is (trust on first use); later the window kept, and none once the RECORD's inode or ctime
+    changed (docs/verify.md). ``record``: its inode and ctime now; ``earliest_ns``: its files' earliest."""
+    if record is None:
+        return None, None
+    if kept is None:
+        if earliest_ns is None or not 0 < earliest_ns <= record[1]:
+            return None, None
+        return (earliest_ns, record[1]), Anchor(record[0], record[1], earliest_ns)
+    if (kept.inode, kept.record_ctime_ns) != record:
+        return None, None
+    return (kept.earliest_ns, kept.record_ctime_ns), None

@@ -15,7 +15,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
 from safeinstall.env.bytecode import Judged, KnownPyc, Source, judge_files, pyc_name
-from safeinstall.env.containment import Containment
+from safeinstall.env.containment import Containment, base, bases, is_below
 from safeinstall.env.distributions import (
     NO_RECORD,
     InstalledDistribution,
@@ -85,6 +85,11 @@ class DistributionReport:
     def drift(self) -> bool:
         return any(f.is_drift for f in self.findings)
 
+    @property
+    def wheel_fault(self) -> bool:
+        """A ``wheel-fault`` root has not acknowledged (as its file is now)."""
+        return any(f.is_wheel_fault for f in self.findings)
+
 
 @dataclass(frozen=True, slots=True)
 class VerifyReport:
@@ -106,6 +111,9 @@ class VerifyReport:
     #: the ``.pyc`` files read and judged the bytecode of their verified source: what
     #: :mod:`safeinstall.store.bytecode` may keep
     judged: tuple[Judged, ...] = field(default=(), repr=False, compare=False)
+    #: the ``.pyc`` files judged: by compiling their source, by a judgement kept (identity), by their
+    #: header alone (written by their installer, untouched since)
+    bytecode: tuple[int, int, int] = (0, 0, 0)
 
     @property
     def findings(self) -> tuple[Finding, ...]:
@@ -116,8 +124,15 @@ class VerifyReport:
         return any(d.drift for d in self.distributions)
 
     @property
+    def wheel_fault(self) -> bool:
+        return any(d.wheel_fault for d in self.distributions)
+
+    @property
     def exit_code(self) -> ExitCode:
-        return ExitCode.DRIFT if self.drift else ExitCode.OK
+        """Drift first; else a wheel's fault not acknowledged (its own status); else clean."""
+        if self.drift:
+            return ExitCode.DRIFT
+        return ExitCode.WHEEL_FAULT if self.wheel_fault else ExitCode.OK
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,7 +211,7 @@ _SCRIPT_MAX_BYTES = 1 << 20
 def _is_launcher(launcher: bytes) -> bool:
     """An installer's launcher in place of ``#!python``: one shebang line or, for an interpreter path
     too long for a shebang (or with a space in it), the three-line ``#!/bin/sh`` + ``exec`` form;
-    nothing else (a line inserted after a one-line shebang is drift, issue 45)."""
+    nothing else (a line inserted after a one-line shebang is drift)."""
     lines = launcher.split(b"\n")
     if lines[-1] != b"" or not launcher.startswith(b"#!"):
         return False
@@ -262,7 +277,7 @@ def _wheel_plan(
     for name, member in wheel.members.items():
         if is_installer_written(wheel, name) or name in signatures:
             continue
-        if other_version and name.startswith(wheel.dist_info + "/"):
+        if other_version and is_below(name, wheel.dist_info):
             continue
         location = locations.get(name)
         if location is None:
@@ -278,7 +293,7 @@ def _wheel_plan(
         )
     # Installed files the wheel does not have: old leftovers recorded by the installer.
     generated_scripts = {os.path.join(env.scripts, script) for script in wheel.console_scripts}
-    installed_dist_info = dist.dist_info.name + "/"
+    installed_dist_info = base(dist.dist_info.name)
     for entry, text in zip(dist.record.entries, dist.locations, strict=True):
         if text in members or text in generated_scripts:
             continue
@@ -395,36 +410,13 @@ def verify_environment(
     known_pyc: KnownPyc | None = None,
     bytecode: bool = False,
     recorded: Callable[[InstalledDistribution, bool], Sequence[Finding]] | None = None,
+    install_window: Callable[[InstalledDistribution, int | None], tuple[int, int] | None] | None = None,
 ) -> VerifyReport:
-    """Verify the named distributions (or all, with ``names=None``) of ``env``.
+    """Verify the named distributions (or all, with ``names=None``) of ``env``. docs/verify.md.
 
-    ``settle_shared`` False: a ``modified`` file is never settled as another distribution's ``shared``
-    one on the word of that distribution's installed RECORD (``--verify-only --wheel``: the wheel is
-    the baseline, and the environment's owner writes the RECORDs).
-
-    ``vouched``: the environment's baseline (:mod:`safeinstall.store.baseline`: name -> what a run verified
-    against the wheel), asked for only when a file differs from its RECORD (a clean check reads no
-    state): a file that holds the very bytes a run verified against its wheel is ``wheel-record``.
-
-    ``wheel``: judge the one named distribution against it (read once by the caller). ``installed``:
-    the environment's distributions when the caller has found them already (a run reloads only what
-    its install changed); otherwise the environment is scanned here, once. ``expected`` replaces what
-    some files must hold (location -> expectation): the local patches a ``--keep-patches`` run carried
-    over are checked against the merge, not the RECORD or the wheel. ``known``: files it proves to be
-    inodes hashed earlier and unchanged since are not read again (:mod:`safeinstall.env.inodes`).
-    ``unchanged``: a distribution it proves unchanged since a check found it clean (its files that
-    share their inode, or None: not proven) is taken as clean without a file compared
-    (:func:`safeinstall.env.unchanged.prover`; not with a wheel or ``expected``).
-
-    ``bytecode`` (``--verify-only``): every ``__pycache__`` ``.pyc`` found is judged by what it holds
-    (:mod:`safeinstall.env.bytecode`; ``known_pyc``: judgements kept, by identity) and, with every
-    distribution asked for, the top of each site directory and each shared directory are looked at for
-    code no RECORD lists (:mod:`safeinstall.env.sitetop`). Without it (a run's checks, whose time may be
-    the service's downtime) only a listed ``.pyc`` that differs from its RECORD is judged: one that is
-    the bytecode of its verified source (pip compiled it anew) is not a local change.
-
-    ``recorded``: the ``record-changed`` findings of a distribution (and whether it was proven
-    unchanged), against the RECORDs root kept (:class:`safeinstall.env.recorded.RecordCheck`).
+    ``wheel``: the named one's reference; ``settle_shared`` False: no file settled as ``shared``;
+    ``vouched``, ``known``, ``unchanged``, ``recorded``, ``install_window``: what earlier checks saw;
+    ``installed``, ``expected``: distributions found, carried patches; ``bytecode``: .pyc judged.
     """
     # Named ones are read first, the others (whose files only say what is "extra") while the large
     # files hash; read as every distribution is, or everything is done again in the usual order. The
@@ -532,15 +524,19 @@ def verify_environment(
             known_pyc,
             bytecode,
             recorded,
+            install_window,
         )
     reports: list[DistributionReport] = []
     baseline = "record" if wheel is None else "wheel"
     per_plan: list[list[Finding]] = []
-    scripts = os.fspath(env.scripts) + os.sep  # an installer makes what it puts there executable
+    scripts = base(os.fspath(env.scripts))  # an installer makes what it puts there executable
     mismatched: dict[str, Expectation] = {}  # modified files: another RECORD may list them too
     dist_infos_of = functools.cache(_dist_infos_of)
     clean: list[InstalledDistribution] = []
     verified: set[str] = set()  # the listed sources found as their RECORD says
+    #: each listed .pyc of a distribution whose install window root trusts -> that window
+    windows: dict[str, tuple[int, int]] = {}
+    by_window = install_window if wheel is None and not expected else None
     own: list[list[Finding]] = []
     for plan in plans:
         findings = list(plan.findings)
@@ -561,6 +557,11 @@ def verify_environment(
                 findings.append(moded)
         if plan.proven is not None:
             verified.update(loc for loc in plan.dist.locations if loc.endswith(".py"))
+        if by_window is not None and bytecode:
+            seen = [states[e.location].ctime_ns for e in plan.expectations if states[e.location].ctime_ns]
+            window = by_window(plan.dist, min(seen) if seen and plan.proven is None else None)
+            if window is not None:
+                windows.update((loc, window) for loc in plan.dist.locations if pyc_name(loc) is not None)
         if recorded is not None:
             findings.extend(recorded(plan.dist, plan.proven is not None))
         own.append(findings)
@@ -581,6 +582,7 @@ def verify_environment(
         ),
         verified.__contains__,
         known_pyc,
+        windows,
     )
     listed = listed_holder[0] if listed_holder else _listed_locations(found)
     by_dist: dict[str, list[Finding]] = {}
@@ -626,9 +628,9 @@ def verify_environment(
             findings = _against_dpkg(env, plan.dist, owner, findings)  # dpkg's: no wheel to settle it with
         elif wheel is None and any(f.kind == FindingKind.MODIFIED for f in findings):
             record_ctime = _ctime_ns(os.path.join(plan.dist.dist_info, "RECORD"))
-            findings = [
+            findings = [  # a listed .pyc judged by what it holds was never observed: no state
                 untouched_since_install(f, states[f.path].ctime_ns, record_ctime)
-                if f.kind == FindingKind.MODIFIED
+                if f.kind == FindingKind.MODIFIED and f.path in states
                 else f
                 for f in findings
             ]
@@ -689,6 +691,7 @@ def verify_environment(
         frozenset(os.fspath(p.dist.dist_info) for p in plans if p.proven is not None),
         tuple(clean),
         verdicts.judged,
+        (verdicts.compiled, verdicts.by_identity, verdicts.by_installer),
     )
 
 
@@ -698,7 +701,7 @@ UNLISTED = "(in no RECORD)"
 
 def _fine_bytecode(finding: Finding, pycs: Mapping[str, str], problems: Mapping[str, str]) -> bool:
     """Pure: a listed ``.pyc`` that differs from its RECORD (pip compiled it anew over the wheel's) but
-    was judged the bytecode of its verified source: neither drift nor a local patch (issue 43)."""
+    was judged the bytecode of its verified source: neither drift nor a local patch."""
     return finding.kind == FindingKind.MODIFIED and finding.path in pycs and finding.path not in problems
 
 
@@ -736,7 +739,7 @@ def _dpkg_sources(env: Environment, locations: Sequence[str]) -> dict[str, tuple
     dpkg's md5 of each (what ``debsums`` checks): there dpkg, not a RECORD, says what a module holds
     (Debian changes files after writing RECORD, and most of its modules have none). A venv's own
     site directories are never dpkg's."""
-    own = tuple(os.fspath(s) + os.sep for s in env.site_dirs) if env.is_venv else ()
+    own = bases(env.site_dirs) if env.is_venv else ()
     wanted = sorted({loc for loc in locations if not (own and loc.startswith(own))})
     if not wanted:
         return {}
@@ -752,11 +755,11 @@ def _dpkg_sources(env: Environment, locations: Sequence[str]) -> dict[str, tuple
 
 
 def _not_dpkgs(env: Environment, unlisted: Sequence[Unlisted]) -> list[Unlisted]:
-    """Those of ``unlisted`` that no system package installed as they are now (a system interpreter's
-    site directories hold dpkg's modules beside ``.egg-info`` metadata, which has no RECORD): a file
-    dpkg's lists name and its md5sums still match is not reported; one they name and do not match is,
-    saying so. A venv's own site directories are never dpkg's: nothing is looked up for them."""
-    own = tuple(os.fspath(s) + os.sep for s in env.site_dirs) if env.is_venv else ()
+    """Those of ``unlisted`` that no system package installed as they are now: a file dpkg lists whose
+    md5sum matches is not reported, one that does not match is, saying so. Never looked up in a venv's
+    own site directories.
+    """
+    own = bases(env.site_dirs) if env.is_venv else ()
     wanted = [u for u in unlisted if not (own and u.location.startswith(own))]
     if not wanted:
         return list(unlisted)
@@ -849,7 +852,7 @@ def _against_dpkg(
     env: Environment, dist: InstalledDistribution, owner: SystemPackage, findings: list[Finding]
 ) -> list[Finding]:
     """The ``modified`` findings of a distribution a system package installed, against dpkg's own md5sums
-    (what ``dpkg --verify`` checks): those it says are intact become ``dpkg-intact`` (issue 37: Debian
+    (what ``dpkg --verify`` checks): those it says are intact become ``dpkg-intact`` (Debian
     strips its libraries after writing RECORD, and every such file alerted on every check)."""
     sums = dpkg_md5sums(owner)
     listed = [f.path for f in findings if f.kind == FindingKind.MODIFIED and f.path in sums]

@@ -1,15 +1,7 @@
-"""The run's own copy of the wheel, in the state directory: what is checked is what is installed.
+"""The run's own copy of the wheel in the state directory: what is checked is what is installed.
 
-A wheel usually comes from a download directory (``/tmp``, a shared cache) that others can write: they
-could replace it between the preflight check and uv's install, or before ``--recover`` reads it again.
-So a run copies it into ``<state>/<env>/wheels/<random>/<the wheel's file name>`` (the state directory
-is root's, mode 0700) and checks, installs and journals that copy only; the copy goes when the run (or
-its recovery) ends. The copy is root's, in directories others may enter but not list (0711), and only
-the account uv runs as may read it: when the environment is another account's (uv reads it as that
-account, :mod:`safeinstall.store.state`), a POSIX ACL gives that account's uid read and nobody else anything
-(root's group included); on a filesystem without ACLs, 0640 with that account's group, which its other
-members can read too; 0600 when the environment is root's own. Its path is in uv's command line, which
-every local user can read in ``/proc``.
+A wheel in a directory others can write could be replaced after the check; the copy is root's,
+readable only by the account uv runs as. docs/threat-model.md ("Files and wheels").
 """
 
 from __future__ import annotations
@@ -21,6 +13,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from safeinstall.env.containment import relative_path
 from safeinstall.env.environment import Account
 from safeinstall.errors import WheelError
 from safeinstall.system.safefs import Tree, open_regular, reader_acl
@@ -97,7 +90,7 @@ def _copy_hint(exc: OSError, envdir: Path) -> str:
 def _copy_dir(path: Path, envdir: Path) -> str | None:
     """Pure: ``wheels/<dir>`` when ``path`` is ``<envdir>/wheels/<dir>/<name>.whl``, else None."""
     try:
-        parts = path.relative_to(envdir).parts
+        parts = relative_path(path, envdir).parts
     except ValueError:
         return None
     if len(parts) != 3 or parts[0] != WHEELS_DIR or ".." in parts or not parts[2].endswith(".whl"):

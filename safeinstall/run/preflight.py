@@ -1,17 +1,7 @@
-"""The checks before the first stop, shared by the run and ``--dry-run``: one function, so that the
-dry-run refuses exactly when the run would (same decision, same exit code 2).
+"""The checks before the first stop, shared by the run and ``--dry-run``, so that a dry run refuses
+exactly when the run would (exit 2).
 
-In the run's order: the interpreter; the state directory; the lock; the wheel (a valid zip whose
-RECORD matches its contents, for PACKAGE, fitting the interpreter's tags); uv's plan and the /proc scan
-(:func:`safeinstall.run.survey.survey`); the plan's refusals; room for the backup and for the install; the
-environment's directories writable (by its owner, when uv runs as that account). A failure before
-there is a plan raises; later ones are the plan's refusals, so that a dry-run still shows the plan and
-why it would refuse.
-
-The only difference: the run creates its state directory and takes the lock (and keeps it); a dry-run
-creates nothing and takes no lock: it checks that the directory could be made and that no live run
-holds the lock. With ``--keep-patches``, the run's next step (the patch merge) is made by the dry-run
-too (:func:`dry_run_patches`), its scratch in a temporary directory.
+The run takes the lock and creates its state directory; a dry run creates nothing. docs/dry-run.md.
 """
 
 from __future__ import annotations
@@ -64,11 +54,17 @@ from safeinstall.run.options import RunOptions, check_options
 from safeinstall.run.patches import PatchSet, prepare_patches
 from safeinstall.run.survey import Survey, survey, systemd_for
 from safeinstall.run.undo import UndoTarget, undo_plan, undo_target, undo_uv_plan
-from safeinstall.scan.plan import Plan
+from safeinstall.scan.plan import KeptBackupHeld, Plan
 from safeinstall.store import oldimports
-from safeinstall.store.backup import disk_space_freed, disk_space_needed, free_space, space_problem
+from safeinstall.store.backup import (
+    disk_space_copied,
+    disk_space_freed,
+    disk_space_needed,
+    free_space,
+    space_problem,
+)
 from safeinstall.store.baseline import read_vouched
-from safeinstall.store.retention import KeptBackup, kept_backups, kept_note
+from safeinstall.store.retention import KeptBackup, drop_said, kept_backups, kept_note
 from safeinstall.store.runlog import human_bytes
 from safeinstall.store.state import (
     RUN_DIR_REMOVAL_S,
@@ -122,9 +118,8 @@ class Prepared:
 
 @dataclass(frozen=True, slots=True)
 class Reuse:
-    """``--commit`` of a prepared run whose environment's directories did not move: what the preflight
-    takes from the prepare's record instead of redoing it (docs/prepare.md). The commit's own check
-    (:func:`safeinstall.run.prepare.commit_check`) then proves the rest unchanged, or refuses."""
+    """``--commit`` with the environment's directories unmoved: what its preflight takes from the
+    prepare's record (docs/prepare.md); :func:`safeinstall.run.prepare.commit_check` proves the rest."""
 
     uv_plan: UvPlan  # uv is not asked again
     members: Mapping[str, WheelMember]  # the wheel's members as hashed (the same bytes: its sha256)
@@ -134,11 +129,11 @@ class Reuse:
 def preflight(
     options: RunOptions, *, take_lock: bool, env: Environment | None = None, reuse: Reuse | None = None
 ) -> Prepared:
-    """Every check of the run before its first stop (see the module). Raises a SafeInstallError (exit
-    2) for a failure before the plan; the plan's ``refusals`` hold the rest (see :func:`refusal`).
-    ``take_lock``: create the state directory and hold the lock (the run); else check both (dry-run).
-    ``env``: the environment ``options.python`` names, when the caller has inspected it already.
-    ``reuse``: a commit's (the wheel is the prepare's copy, not copied again; no room check)."""
+    """Every check of the run before its first stop. Raises SafeInstallError (exit 2) before there is a
+    plan; later failures are the plan's ``refusals``. ``take_lock``: make the state directory and hold the
+    lock (a run), else only check both; ``env``: inspected already; ``reuse``: a commit's (no copy, no
+    room check).
+    """
     check_options(options)
     env = env or inspect_environment(resolve_python(options.python, options.environ))
     state = environment_state(state_root(options.environ, os.geteuid()), env.prefix)
@@ -208,8 +203,12 @@ def preflight(
         if said is not None:  # the plan says what they hold (a quiet run leaves it out)
             plan = found.plan
             more_notes = (*plan.warnings, said)
+            held = tuple(KeptBackupHeld(k.path.name, str(k.path), k.bytes) for k in kept)
             found = replace(
-                found, plan=replace(plan, warnings=more_notes, host_notes=(*plan.host_notes, said))
+                found,
+                plan=replace(
+                    plan, warnings=more_notes, host_notes=(*plan.host_notes, said), kept_backups=held
+                ),
             )
         landing: tuple[str, ...] = ()
         if wheel is not None and not unrecorded:  # without a RECORD, what it would replace is unknown
@@ -441,11 +440,10 @@ def _named_as_given(found: Survey, copy: Path, given: Path) -> Survey:
 
 
 def dry_run_patches(prepared: Prepared) -> tuple[Plan, PatchSet | None]:
-    """``--keep-patches --dry-run``: the run's patches step, the same merge, made as the run makes it once
-    the plan proceeds; its scratch (the environment owner's, as in the run) in a temporary directory: a
-    dry-run creates nothing in the state directory. A patch that cannot be carried is then one of the
-    plan's refusals; pristine files that cannot be had raise, as in the run. The plan, and the patches
-    (None without the step)."""
+    """``--keep-patches --dry-run``: the run's patches step, its scratch in a temporary directory. A patch
+    that cannot be carried is a refusal of the plan; missing pristine files raise. Returns the plan and
+    the patches (None without the step).
+    """
     options, plan = prepared.options, prepared.plan
     if not options.keep_patches or not plan.proceeds:
         return plan, None
@@ -564,33 +562,40 @@ def record_problems(found: Survey) -> tuple[str, ...]:
 def room_problems(
     found: Survey, env: Environment, backups: Path, wheel: Wheel | None, kept: tuple[KeptBackup, ...] = ()
 ) -> tuple[str, ...]:
-    """Room for the backup and the prefetch (the new version unpacked beside it, in the state
-    directory), and for the install (in the environment; the backup stays during it when both share a
-    filesystem). Where the state directory is short, the ``kept`` backups are named (which to drop)."""
-    problems: list[str] = []
-    backup = disk_space_needed(list(found.affected), env, found.installed)
+    """Room for the backup and the prefetch (the new version unpacked in the run's uv cache, in the
+    state directory), and for the install (in the environment). Where one filesystem holds both, one
+    sum (:func:`shared_room`); otherwise each on its own. Where the state directory is short, the
+    ``kept`` backups are named: which to drop, and the command."""
+    dists = list(found.affected)
     prefetch = installed_size(wheel) if wheel is not None else 0
-    what = "the backup and the prefetch (the new version unpacked beside it)"
-    remedy = "free some space there or point SAFEINSTALL_STATE_DIR at a larger filesystem"
-    if kept:
-        oldest = kept[0]
-        remedy += (
-            f"; the {len(kept)} kept backup(s) there hold {human_bytes(sum(k.bytes for k in kept))}: "
-            f"the oldest, {oldest.path} ({human_bytes(oldest.bytes)}), can go (rm -r it), or run with a "
-            "lower --keep-backups"
+    prefix = str(env.prefix)
+    if _device(backups) == _device(env.prefix):
+        copied = disk_space_copied(dists, env, found.installed, backups)
+        room = shared_room(copied, prefetch, found.request.link_mode, wheel is not None)
+        free = free_space(backups)
+        said = drop_said(kept, room.needed - free, prefix)
+        what = "the backup" + (f", the run's uv cache and the install of {wheel.path.name}" if wheel else "")
+        return tuple(
+            problem
+            for problem in [space_problem(room.needed, free, backups, what, room.said(said))]
+            if problem is not None
         )
-    problem = space_problem(
-        backup + prefetch, free_space(backups), backups, what if prefetch else "the backup", remedy
-    )
+    problems: list[str] = []
+    backup = disk_space_needed(dists, env, found.installed)
+    what = "the backup and the prefetch (the new version unpacked beside it)"
+    free = free_space(backups)
+    said = drop_said(kept, backup + prefetch - free, prefix)
+    remedy = "free some space there or point SAFEINSTALL_STATE_DIR at a larger filesystem"
+    remedy += f"; {said}" if said else ""
+    problem = space_problem(backup + prefetch, free, backups, what if prefetch else "the backup", remedy)
     if problem:
         problems.append(problem)
     if wheel is not None:
-        shared = _device(backups) == _device(env.prefix)
-        freed = 0 if shared else disk_space_freed(list(found.affected), env, found.installed)
+        freed = disk_space_freed(dists, env, found.installed)
         files = installed_size(wheel)
         beside = install_overhead(files)
         problem = space_problem(
-            install_room(files, backup, freed, shared) + beside,
+            install_room(files, freed) + beside,
             free_space(env.prefix),
             env.prefix,
             what=f"the install of {wheel.path.name}",
@@ -601,6 +606,47 @@ def room_problems(
         if problem:
             problems.append(problem)
     return tuple(problems)
+
+
+@dataclass(frozen=True, slots=True)
+class SharedRoom:
+    """What a run takes on the one filesystem of its state directory and its environment."""
+
+    copied: int  # the backup's copies (a RECORD entry it hardlinks takes no room)
+    cache: int  # the run's uv cache: the new version unpacked (the prefetch links from it)
+    install: int  # the install's own copies: none where it hardlinks from that cache
+    beside: int  # what uv writes beside them, and a margin
+
+    @property
+    def needed(self) -> int:
+        return self.copied + self.cache + self.install + self.beside
+
+    def said(self, kept: str) -> str:
+        """Pure: the figures, the remedy and what ``kept`` (:func:`drop_said`) says of the kept backups."""
+        how = "copied" if self.install else "hardlinked from that cache"
+        figures = (
+            f"one filesystem holds the state directory and the environment: the backup's copies "
+            f"{human_bytes(self.copied)}"
+        )
+        if self.cache:
+            figures += (
+                f", the run's uv cache (the new version unpacked) {human_bytes(self.cache)}, the install "
+                f"({how}) {human_bytes(self.install)}, what uv writes beside it and a margin "
+                f"{human_bytes(self.beside)}"
+            )
+        remedy = "free some space there or point SAFEINSTALL_STATE_DIR at another filesystem"
+        return f"{figures}; {remedy}" + (f"; {kept}" if kept else "")
+
+
+def shared_room(copied: int, cache: int, link_mode: str, install: bool) -> SharedRoom:
+    """Pure: the room a run needs where its state directory shares the environment's filesystem, all
+    parts summed (they are there at once; nothing freed by the uninstall): the backup's copies, the
+    run's cache, the install's own copies (``link_mode`` copy only) and the margin; with no
+    ``install`` (no wheel), the backup alone (docs/faults.md, "Room")."""
+    if not install:
+        return SharedRoom(copied, 0, 0, 0)
+    copies = cache if link_mode != "hardlink" else 0
+    return SharedRoom(copied, cache, copies, install_overhead(cache))
 
 
 #: what uv writes in each installed ``.dist-info`` beside the wheel's files (measured: uv 0.5 to 0.9)
@@ -615,16 +661,11 @@ def install_overhead(new: int, dist_infos: int = 1, block: int = 4096) -> int:
     return dist_infos * (len(UV_EXTRA_FILES) + 2) * block + max(256 << 10, new // 64)
 
 
-def install_room(new: int, old: int, freed: int, shared: bool) -> int:
-    """Pure: the room the install of ``new`` bytes needs in the environment, where the distributions it
-    replaces take ``old`` bytes, ``freed`` of them in files with no other link. With the backup on
-    another filesystem (a copy), uv's uninstall frees those files before it writes: the install needs
-    what the new version takes beyond them, and the rollback (new files removed before the old ones are
-    written back, or the old inodes linked back: :mod:`safeinstall.env.keep`) no more. An old file
-    that is a hardlink of a uv cache on that disk frees nothing. With the backup on the environment's
-    filesystem it holds the old files' inodes, so nothing is freed: the install needs all of it, and
-    so much again for the backup, should it have to copy."""
-    return new + old if shared else max(0, new - freed)
+def install_room(new: int, freed: int) -> int:
+    """Pure: the room the install of ``new`` bytes needs in the environment, the state directory on
+    another filesystem: beyond the ``freed`` bytes of old files with no other link, which uv's
+    uninstall frees first (docs/faults.md, "Room")."""
+    return max(0, new - freed)
 
 
 def _device(path: Path) -> int:

@@ -1,12 +1,7 @@
-"""Prepare ahead, commit in the window (docs/prepare.md).
+"""``--prepare``, ``--commit`` and ``--discard``: prepare a run ahead, commit it in the window.
 
-``safeinstall REQ --prepare`` is a run that stops after its smoke check: its journal says ``prepared``
-and a record (:mod:`safeinstall.store.prepared`) keeps what the commit depends on, by identity. The
-run's backup, staging tree (or uv cache), kept links and wheel copy stay. ``safeinstall --commit``
-runs the preflight again under the lock (a new scan, the environment's files hashed again), refuses
-(exit 2, nothing stopped) when anything the prepare found has changed, and else goes on from the gate
-with the prepared run's journal, backup and staging tree. ``--discard`` (and ``--recover``) put back a
-prepared run as they do one that died before its stop: nothing of it is left.
+``--commit`` runs the preflight again under the lock and refuses (exit 2) when anything the prepare
+found has changed. docs/prepare.md.
 """
 
 from __future__ import annotations
@@ -39,6 +34,7 @@ from safeinstall.store.journal import Phase, advance, read_journal, write_journa
 from safeinstall.store.prepared import Identity, PreparedRecord, read_prepared
 from safeinstall.store.state import EnvironmentState
 from safeinstall.system.identity import own_process
+from safeinstall.system.safefs import owner_alone_writes
 
 #: A prepared run older than this is refused at commit (``--prepared-max-age``, seconds): a day
 PREPARED_MAX_AGE_S = 86400.0
@@ -163,12 +159,11 @@ def root_hashed(states: Iterable[FileState]) -> dict[tuple[int, int], inodes.Has
         )
         for s in states
         if s.is_file
-        and s.uid == 0
+        and owner_alone_writes(s.uid, s.mode, 0)
         and s.digest is not None
         and s.size is not None
         and s.algorithm == inodes.ALGORITHM
         and s.error is None
-        and not s.mode & 0o022
     }
 
 

@@ -1,9 +1,6 @@
 """The run journal ``<envdir>/journal.json``: what a run has done so far, durable at every step.
 
-Every write is atomic (temp file in the same directory, fsync, ``os.replace``, fsync of the
-directory), so after a crash the file holds one whole state: the last one written. ``--recover``
-reads it and decides with the pure helpers :func:`needs_restore` and :func:`units_to_start`.
-The journal is removed (:func:`clear_journal`) when a run ends cleanly.
+Written atomically; ``--recover`` decides with :func:`needs_restore` and :func:`units_to_start`.
 """
 
 from __future__ import annotations
@@ -27,16 +24,18 @@ from safeinstall.store.state import (
     atomic_write,
     environment_key,
     fsync_dir,
+    is_run_id,
     read_private_file,
 )
 from safeinstall.system.cgroups import valid_unit_name
+from safeinstall.system.fields import field as _get
+from safeinstall.system.fields import list_of as _list_of
 from safeinstall.system.gate import GATE_DROPIN
 from safeinstall.system.identity import ProcessId
 
 JOURNAL_VERSION = 1
 #: A journal holds a plan and a history: kilobytes. Anything larger was not written by safeinstall.
 JOURNAL_MAX_BYTES = 1024 * 1024
-_RUN_ID = re.compile(r"\d{8}T\d{6}Z-\d+")
 _INTERPRETER = re.compile(r"python[0-9.]*")
 _TMP_PREFIX = f".{JOURNAL_FILE}."
 
@@ -251,28 +250,6 @@ class _Bad(ValueError):
     pass
 
 
-def _get(data: dict[str, Any], key: str, kind: type, optional: bool = False) -> Any:
-    if key not in data:
-        if optional:
-            return None
-        raise _Bad(f"{key!r} is missing")
-    value = data[key]
-    if value is None and optional:
-        return None
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise _Bad(f"{key!r} has the wrong type ({type(value).__name__})")
-    return value
-
-
-def _list_of(data: dict[str, Any], key: str, kind: type) -> list[Any]:
-    values = data.get(key, [])
-    if not isinstance(values, list) or not all(
-        isinstance(v, kind) and (kind is bool or not isinstance(v, bool)) for v in values
-    ):
-        raise _Bad(f"{key!r} must be a list of {kind.__name__}")
-    return values
-
-
 def _process(pid: int, start: int | None) -> ProcessId:
     try:
         return ProcessId.checked(pid, start)
@@ -359,7 +336,7 @@ def journal_problems(
         problems.append(
             f"its python {journal.python!r} is not the interpreter of {prefix} (PREFIX/bin/python*)"
         )
-    if not _RUN_ID.fullmatch(journal.run_id):
+    if not is_run_id(journal.run_id):
         problems.append(f"its run id {journal.run_id!r} is not one safeinstall makes")
     elif journal.backup_dir is not None and journal.backup_dir != str(envdir / BACKUPS_DIR / journal.run_id):
         problems.append(
@@ -429,10 +406,11 @@ def start_journal(envdir: Path, journal: Journal) -> Journal:
 
 
 def read_journal(envdir: Path) -> Journal | None:
-    """The journal left in ``envdir``, or None. A damaged one raises :class:`JournalError`; one that
-    safeinstall cannot have written (a symlink, not a regular file, another owner, writable by others,
-    larger than :data:`JOURNAL_MAX_BYTES`) raises :class:`StateDirError`. Its fields are checked
-    against the directory by :func:`journal_problems` (the caller knows the drop-in directories)."""
+    """The journal left in ``envdir``, or None. Raises :class:`JournalError` for a damaged one and
+    :class:`~safeinstall.store.state.StateDirError` for one safeinstall cannot have written (a symlink,
+    another owner's, writable by others, over :data:`JOURNAL_MAX_BYTES`). Its fields are checked against
+    the directory by :func:`journal_problems`.
+    """
     path = journal_path(envdir)
     try:
         raw = read_private_file(path, JOURNAL_MAX_BYTES)

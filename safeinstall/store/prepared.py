@@ -1,8 +1,5 @@
-"""A prepared run's record (``safeinstall REQ --prepare``, docs/prepare.md): what the prepare found and
-made, kept beside its journal (phase ``prepared``) so that ``--commit`` can tell whether anything it
-depends on changed since. Written under the lock, read with the state directory's checks
-(:func:`safeinstall.store.state.read_private_file`), removed with the journal
-(:func:`safeinstall.store.journal.clear_journal`).
+"""A prepared run's record (``--prepare``, docs/prepare.md): what the prepare found, kept beside its
+journal so that ``--commit`` can tell whether anything changed since.
 """
 
 from __future__ import annotations
@@ -18,6 +15,8 @@ from safeinstall.env.uvplan import UvChange, UvPlan
 from safeinstall.env.wheel import WheelMember
 from safeinstall.errors import PreparedRunError
 from safeinstall.store.state import PREPARED_FILE, EnvironmentState, atomic_write, read_private_file
+from safeinstall.system.fields import optional_text as _optional
+from safeinstall.system.fields import typed as _typed
 
 PREPARED_VERSION = 1
 #: A record holds the identities of the package's files and of its staged tree: vLLM's 60k lines fit.
@@ -120,16 +119,6 @@ class PreparedRecord:
                 f"the prepared run's record is damaged: {exc}",
                 hint="safeinstall --discard --python PY drops the prepared run; then prepare again",
             ) from exc
-
-
-def _typed(value: Any, kind: type | tuple[type, ...]) -> Any:
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise TypeError(f"{value!r} is not a {kind}")
-    return value
-
-
-def _optional(value: Any) -> str | None:
-    return None if value is None else str(_typed(value, str))
 
 
 def _pair(value: Any) -> tuple[int, int]:

@@ -1,17 +1,12 @@
-"""The RECORDs root found clean: ``<state>/<env>/records.json``, root's, 0600, beside the verified-inode
-store (the decisions are :mod:`safeinstall.env.recorded`'s; docs/verify.md has the rules).
+"""The RECORDs root found clean: ``<state>/<env>/records.json``, root's, 0600.
 
-Read as every state file is (:func:`safeinstall.store.state.read_private_file`: no symlink, no FIFO, root's
-or the caller's, writable by nobody else, bounded) and every field checked: the format's version, the
-environment's prefix, each ``.dist-info`` (absolute, normal, within the prefix), its digest and its
-lines (16 bytes each). Content digests, not identities: not bound to the boot. A damaged store is not
-used (nothing is reported against it) and is written anew.
+Read with the state directory's checks; a damaged store is not used and is written anew. The
+decisions: :mod:`safeinstall.env.recorded`.
 """
 
 from __future__ import annotations
 
 import base64
-import binascii
 import json
 import os
 import re
@@ -19,13 +14,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from safeinstall.env.containment import base
 from safeinstall.env.recorded import KeptRecord
 from safeinstall.store.state import (
     StateDirError,
     atomic_write,
-    check_trusted,
     ensure_environment_dir,
-    read_private_file,
+    load_store,
     trusted_environment_state,
 )
 
@@ -45,7 +40,7 @@ def from_json(raw: bytes, prefix: str) -> dict[str, KeptRecord]:
     records = document.get("records")
     if not isinstance(records, dict):
         raise ValueError("no records")
-    below = prefix.rstrip("/") + "/"
+    below = base(prefix)
     found: dict[str, KeptRecord] = {}
     for dist_info, value in records.items():
         if (
@@ -79,21 +74,14 @@ def to_json(prefix: str, records: Mapping[str, KeptRecord]) -> bytes:
 def read_records(root: Path, prefix: Path) -> tuple[dict[str, KeptRecord] | None, str | None]:
     """The RECORDs kept for the environment ({} when none, or damaged: written anew), with a note when
     the store was refused; None when the state directory is not trusted (nothing is kept then)."""
-    state = trusted_environment_state(root, prefix)
-    try:
-        check_trusted(root)
-        if state.problem is not None:
-            return None, None
-        raw = read_private_file(state.dir / STORE_NAME, STORE_LIMIT)
-        return from_json(raw, os.fspath(prefix)), None
-    except FileNotFoundError:
-        return {}, None
-    except StateDirError as exc:
-        return None, f"the store of RECORDs found clean was not used: {exc.message}"
-    except (ValueError, UnicodeError, binascii.Error, RecursionError):
-        return {}, "the store of RECORDs found clean was damaged: written anew"
-    except OSError as exc:
-        return None, f"the store of RECORDs found clean could not be read ({exc.strerror or exc})"
+    what = "the store of RECORDs found clean"
+
+    def parse(raw: bytes) -> dict[str, KeptRecord]:
+        return from_json(raw, os.fspath(prefix))
+
+    return load_store(
+        root, prefix, STORE_NAME, STORE_LIMIT, parse, {}, what, damaged=f"{what} was damaged: written anew"
+    )
 
 
 def keep_records(

@@ -1,50 +1,24 @@
-"""A run's document, typed: the ``--json`` result of a reinstall or undo (docs/json.md, version
-:data:`RESULT_VERSION`), as the foreground run prints it, its history keeps it, ``--status --wait``
-prints and renders it and ``--metrics-file`` reads it.
+"""A run's ``--json`` document, typed (docs/json.md): as printed, kept by the history and rendered.
 
-:meth:`RunDocument.from_json` is the one checked reader (a document from a history file is not
-trusted: a field of the wrong type is a ``ValueError``, a missing one its default);
-:meth:`RunDocument.to_json` gives the very JSON that was read or made back: the fields the document
-had, in its order, so that a document read and written again is byte for byte the same.
+:meth:`RunDocument.from_json` is the one checked reader; :meth:`RunDocument.to_json` gives the same JSON
+back, byte for byte.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
+
+from safeinstall.system.fields import check as _check
+from safeinstall.system.fields import is_number as _is_number
+from safeinstall.system.fields import objects as _objects
+from safeinstall.system.fields import text as _text
+from safeinstall.system.fields import text_or_none as _text_or_none
+from safeinstall.system.fields import texts as _texts
 
 #: ``safeinstall_result_version``: changes only when a field is removed or changes meaning.
 RESULT_VERSION = 1
-
-T = TypeVar("T")
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _check(value: object, ok: Callable[[object], bool], what: str) -> Any:
-    if not ok(value):
-        raise ValueError(f"{what}: {type(value).__name__} where the document has another type")
-    return value
-
-
-def _text(value: object, what: str) -> str:
-    return str(_check(value, lambda v: isinstance(v, str), what))
-
-
-def _text_or_none(value: object, what: str) -> str | None:
-    return None if value is None else _text(value, what)
-
-
-def _texts(value: object, what: str) -> tuple[str, ...]:
-    return tuple(_text(v, what) for v in _check(value, lambda v: isinstance(v, list), what))
-
-
-def _objects(value: object, what: str, read: Callable[[Mapping[str, Any]], T]) -> tuple[T, ...]:
-    items = _check(value, lambda v: isinstance(v, list), what)
-    return tuple(read(_check(v, lambda o: isinstance(o, dict), what)) for v in items)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

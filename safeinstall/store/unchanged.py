@@ -1,19 +1,7 @@
-"""The clean distributions of an environment: ``<state>/<env>/unchanged.json``, root's, 0600, beside the
-verified-inode store (the decisions are :mod:`safeinstall.env.unchanged`'s; docs/verify.md has the
-argument).
+"""The clean distributions of an environment: ``<state>/<env>/unchanged.json``, root's, 0600.
 
-Read as every state file is (:func:`safeinstall.store.state.read_private_file`: no symlink, no FIFO,
-root's or the caller's, writable by nobody else, bounded) and every field checked: the format's
-version, the boot it was written in, the environment's prefix, each distribution's ``.dist-info`` (an
-absolute, normal path), the moment it was kept and the oldest moment its files were hashed (not from the
-future, at most a day ago), its RECORD's identity, its count of files and their identities (that many,
-packed); each directory's path (absolute, normal, within the prefix) and identity, settled before the
-moment kept with it. Every number is a signed 64-bit one, none negative but a modification time (the
-owner may date a file 1960). One of another environment or another boot, or of another version, is not
-used (every distribution is then checked as before, and it is written anew); a damaged entry is left
-out (its distribution checked as before), not the whole store. One larger than :data:`STORE_LIMIT`
-(root writes none: each write is bounded) is said in a note and written anew; one that is not
-root's own file (a symlink, another owner's) is said in a note and neither used nor written.
+Read with the state directory's checks, every field checked; a damaged entry is left out, not the
+whole store. The decisions: :mod:`safeinstall.env.unchanged`; the argument: docs/verify.md.
 """
 
 from __future__ import annotations
@@ -23,12 +11,12 @@ import binascii
 import contextlib
 import json
 import os
-import stat
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from safeinstall.env.containment import is_below
 from safeinstall.env.unchanged import (
     FILE_IDENTITY,
     DirIdentity,
@@ -42,9 +30,8 @@ from safeinstall.env.verified import HIGHEST, LOWEST
 from safeinstall.store.state import (
     StateDirError,
     atomic_write,
-    check_trusted,
     ensure_environment_dir,
-    read_private_file,
+    load_store,
     trusted_environment_state,
 )
 from safeinstall.store.verified import boot_id
@@ -78,7 +65,7 @@ def _path(value: object, prefix: str | None = None) -> str:
         or os.path.normpath(value) != value
     ):
         raise ValueError("not an absolute, normal path")
-    if prefix is not None and value != prefix and not value.startswith(prefix.rstrip("/") + "/"):
+    if prefix is not None and value != prefix and not is_below(value, prefix):
         raise ValueError(f"{value} is not within {prefix}")
     return value
 
@@ -171,41 +158,15 @@ def read_unchanged(root: Path, prefix: Path) -> tuple[UnchangedStore | None, str
     boot = boot_id()
     if boot is None:
         return None, None
-    state = trusted_environment_state(root, prefix)
+    what = "the store of clean distributions"
+    oversize = f"{what} was larger than {STORE_LIMIT} bytes: written anew"  # root's own, too large
+
+    def parse(raw: bytes) -> UnchangedStore:
+        return from_json(raw, os.fspath(prefix), boot, time.time_ns())
+
+    # damaged, or another boot's: checked as before, and written anew
     empty = UnchangedStore(os.fspath(prefix), boot, {}, {})
-    try:
-        check_trusted(root)
-        if state.problem is not None:
-            return None, None
-        raw = read_private_file(state.dir / STORE_NAME, STORE_LIMIT)
-        return from_json(raw, os.fspath(prefix), boot, time.time_ns()), None
-    except FileNotFoundError:
-        return empty, None
-    except StateDirError as exc:
-        if _too_large(state.dir / STORE_NAME):  # root's own, too large: written anew
-            return (
-                empty,
-                f"the store of clean distributions was larger than {STORE_LIMIT} bytes: written anew",
-            )
-        return None, f"the store of clean distributions was not used: {exc.message}"
-    except (ValueError, UnicodeError, binascii.Error, RecursionError):
-        return empty, None  # damaged, or another boot's: checked as before, and written anew
-    except OSError as exc:
-        return None, f"the store of clean distributions could not be read ({exc.strerror or exc})"
-
-
-def _too_large(path: Path) -> bool:
-    """``path`` is a regular file of this process's account, written by nobody else, only too large."""
-    try:
-        info = os.lstat(path)
-    except OSError:
-        return False
-    return (
-        stat.S_ISREG(info.st_mode)
-        and info.st_uid == os.geteuid()
-        and not info.st_mode & 0o022
-        and info.st_size > STORE_LIMIT
-    )
+    return load_store(root, prefix, STORE_NAME, STORE_LIMIT, parse, empty, what, oversize=oversize)
 
 
 def keep_unchanged(
