@@ -102,6 +102,8 @@ from tests.bed_systemd import UserManager, start_user_manager, stop_user_manager
 
 SAFEINSTALL = str(Path(sys.executable).parent / "safeinstall")
 BENCH_DIR = ROOT / ".bench"
+#: a wheel cached outside the checkout (shared by worktrees): taken before one is downloaded
+BENCH_CACHE = Path(os.environ.get("BENCH_CACHE", "/work/benchcache"))
 TORCH = "torch==2.13.0"
 VLLM_NEW = "vllm==0.33.0"
 VLLM_WHEEL = Path("/work/vllm-wheels/vllm-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl")
@@ -150,6 +152,13 @@ class Case:
     #: torch-index: the requirement installed by name (not ``--wheel``) and uv's options for it
     by_name: str | None = None
     uv_args: tuple[str, ...] = ()
+    #: --prepare-commit: the new build prepares (timed, the service serving), then commits (the round)
+    prepare_commit: bool = False
+    prepares: list[float] = field(default_factory=list)  # each prepare's wall time
+    #: --undo: after each round of the new build, its ``--undo`` (downtime, whole run)
+    undo: bool = False
+    undo_times: list[float] = field(default_factory=list)
+    undo_walls: list[float] = field(default_factory=list)
 
     def options(self, who: str) -> tuple[str, ...]:
         """The options a safeinstall build adds last."""
@@ -160,7 +169,7 @@ def torch_wheel() -> Path:
     given = os.environ.get("BENCH_TORCH_WHEEL")  # a wheel cached elsewhere (/work/benchcache/...)
     if given:
         return Path(given)
-    found = sorted(BENCH_DIR.glob("torch-2.13.0*.whl"))
+    found = sorted(BENCH_DIR.glob("torch-2.13.0*.whl")) or sorted(BENCH_CACHE.glob("torch-2.13.0*.whl"))
     if not found:
         BENCH_DIR.mkdir(exist_ok=True)
         subprocess.run(
@@ -302,6 +311,49 @@ def _safeinstall_command(
     return [safeinstall, *args, *options, *extra, *(("--", *case.uv_args) if case.uv_args else ())]
 
 
+def _prepare(safeinstall: str, case: Case, args: list[str], env: dict[str, str]) -> float:
+    """``--prepare`` (nothing stops): its wall time."""
+    options = ["--python", str(case.python), "--user", "--yes", "--json", "--prepare"]
+    os.sync()
+    started = time.monotonic()
+    proc = subprocess.run(
+        [safeinstall, *args, *options], env=env, capture_output=True, text=True, check=False
+    )
+    wall = time.monotonic() - started
+    if proc.returncode != 0:
+        raise SystemExit(
+            f"prepare failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+        )
+    return wall
+
+
+def _undo_round(
+    case: Case,
+    safeinstall: str,
+    settle: float,
+    manager: UserManager,
+    unit: str,
+    stamps: Path,
+    env: dict[str, str],
+) -> None:
+    """The new build's ``--undo`` of the run it just made: its downtime (the unit's stamps) and wall."""
+    command = [safeinstall, "--undo", "--python", str(case.python), "--user", "--yes", "--json"]
+    command += ["--settle", f"{settle:g}"]
+    os.sync()
+    started = time.monotonic()
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    wall = time.monotonic() - started
+    if proc.returncode != 0:
+        raise SystemExit(
+            f"undo failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+        )
+    manager.wait_active(unit, timeout=60)
+    case.undo_times.append(last_stamp(stamps / "start") - last_stamp(stamps / "stop"))
+    case.undo_walls.append(wall)
+    steps = {step["name"]: round(step["seconds"], 2) for step in json.loads(proc.stdout)["data"]["steps"]}
+    print(f"  {case.name} undo downtime {case.undo_times[-1]:6.2f} s  whole run {wall:6.2f} s  steps {steps}")
+
+
 def round_order(contenders: tuple[str, ...], round_: int) -> tuple[str, ...]:
     """Who goes when in round ``round_``: reversed every second round (so that in a switch case each
     contender switches once each way in every two rounds) and, with more than two contenders, turned
@@ -372,7 +424,12 @@ def bench_case(
                 else:
                     command = _safeinstall_command(builds[who], case, settle, args, case.options(who))
                 run_env = {**(hand_env if shared else env), **state}
+                if who == NEW and case.prepare_commit:  # the checks while it serves; the round commits
+                    case.prepares.append(_prepare(builds[who], case, args, run_env))
+                    command = _safeinstall_command(builds[who], case, settle, ["--commit"], case.options(who))
                 run_round(case, who, manager, unit, stamps, command, run_env, port)
+                if who == NEW and case.undo:  # back to what ran before, as the hand would reinstall it
+                    _undo_round(case, builds[who], settle, manager, unit, stamps, run_env)
                 shutil.rmtree(target)
                 print(
                     f"  {case.name} round {round_ + 1} {who:<11} {label}downtime {case.times[who][-1]:6.2f} s"
@@ -566,6 +623,14 @@ def report(case: Case, rounds: int, settle: float, baseline: str | None = None) 
                 f"  service downtime {who} / hand = {_ratio(case, case.service, who, HAND)}; "
                 f"{who}'s own service_downtime_s {_listed(case.reported[who]) or 'not reported'}"
             )
+    if case.prepares:  # the prepare is the service's time serving; the commit is the round
+        print(_median_line("prepare", NEW, case.prepares))
+        print(f"  commit whole run / hand whole sequence = {_ratio(case, case.walls, NEW, HAND)}; goal <= 2x")
+    if case.undo_times:
+        undo = statistics.median(case.undo_times) / statistics.median(case.times[HAND])
+        print(_median_line("undo down", NEW, case.undo_times))
+        print(_median_line("undo run", NEW, case.undo_walls))
+        print(f"  undo downtime / hand downtime = {undo:.2f}x; goal <= 0.5x")
     whole_goal = "4x" if case.name.startswith("vllm") else "3x"
     for who in builds:
         print(f"  whole run {who} / hand = {_ratio(case, case.walls, who, HAND)}; goal <= {whole_goal}")
@@ -739,6 +804,12 @@ def main() -> int:
     parser.add_argument("--logs", type=Path, help="copy safeinstall's run logs here before the work goes")
     parser.add_argument("--blob-mb", type=int, default=64)
     parser.add_argument("--settle", type=float, default=1.0)
+    parser.add_argument(
+        "--prepare-commit",
+        action="store_true",
+        help="the new build runs --prepare (timed apart, nothing stops), then --commit: the round's figures",
+    )
+    parser.add_argument("--undo", action="store_true", help="after each round, the new build's --undo")
     args = parser.parse_args()
     builds = {NEW: args.safeinstall}
     if args.baseline_safeinstall is not None:
@@ -751,6 +822,7 @@ def main() -> int:
         cases = make_cases(args, work)
         for case in cases:
             case.new_extra = (*case.new_extra, *args.safeinstall_option)
+            case.prepare_commit, case.undo = args.prepare_commit, args.undo
         manager = start_user_manager(work / "manager")
         try:
             for case in cases:

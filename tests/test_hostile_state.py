@@ -845,6 +845,7 @@ def test_a_run_that_fails_before_the_stop_leaves_no_backup(
     )
     assert result.code == 2, result.stdout + result.stderr
     assert [(s["name"], s["status"]) for s in result.json["data"]["steps"]] == [
+        ("preflight", "ok"),
         ("backup", "ok"),
         ("prefetch", "failed"),
     ]

@@ -229,7 +229,11 @@ def test_a_patch_in_a_region_both_versions_share_is_carried_and_runs_after_the_r
 
     assert result.code == 0, result.stdout + result.stderr
     data = result.json["data"]
-    assert [(s["name"], s["status"]) for s in data["steps"][:2]] == [("patches", "ok"), ("backup", "ok")]
+    assert [(s["name"], s["status"]) for s in data["steps"][:3]] == [
+        ("preflight", "ok"),
+        ("patches", "ok"),
+        ("backup", "ok"),
+    ]
     init, serve = bed.site / "sicext" / "__init__.py", bed.site / "sicext" / "serve.py"
     assert [(p["path"], p["status"]) for p in data["patches"]] == [
         (str(init), "carried"),
@@ -281,7 +285,10 @@ def test_a_patch_in_a_region_the_new_version_changed_is_refused_before_the_stop(
         (str(init), "conflict"),
         (str(serve), "carried"),
     ]
-    assert [(s["name"], s["status"]) for s in as_json["steps"]] == [("patches", "failed")]
+    assert [(s["name"], s["status"]) for s in as_json["steps"]] == [
+        ("preflight", "ok"),
+        ("patches", "failed"),
+    ]
 
     dropped = bed.safeinstall(*args, *base, "--drop-conflicting")
 

@@ -39,7 +39,7 @@ def test_prepare_then_commit(bed: Bed) -> None:
     doc = _prepared(bed)
     # everything up to the smoke check ran; nothing stopped, nothing changed in place
     steps = [s["name"] for s in doc["data"]["steps"]]  # type: ignore[index]
-    assert steps[:3] == ["backup", "prefetch", "smoke"] and "stop" not in steps, steps
+    assert steps[:4] == ["preflight", "backup", "prefetch", "smoke"] and "stop" not in steps, steps
     assert doc["data"]["plan"]["units"][0]["name"] == name  # type: ignore[index]
     _untouched(bed, name, main)
     journal = bed.journal()
@@ -62,6 +62,8 @@ def test_prepare_then_commit(bed: Bed) -> None:
     assert committed.json["status"] == "done"
     steps = [s["name"] for s in committed.json["data"]["steps"]]
     assert "backup" not in steps and "prefetch" not in steps and "stop" in steps and "install" in steps, steps
+    # the commit's preflight took the prepare's plan, wheel and hashes: nothing was read again
+    assert steps[0] == "preflight" and "taken again" in committed.json["data"]["steps"][0]["detail"]
     # the commit's whole wall time (issue 47 item 4): its preflight and every step within it
     data = committed.json["data"]
     assert data["wall_s"] >= sum(s["seconds"] for s in data["steps"]) > 0
@@ -70,6 +72,12 @@ def test_prepare_then_commit(bed: Bed) -> None:
     assert check.code == 0, check.stdout
     wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running")
     assert bed.manager.main_pid(name) != main
+    # the commit ends with its checks: the old version's staging directory and the run's uv cache are
+    # left to the next run (or --recover), which removes them under the lock
+    assert list(bed.python.parent.parent.glob(".safeinstall-swap-*")), "left to the next run"
+    assert list(bed.state.glob("*/uv-cache-*")), "left to the next run"
+    assert bed.journal() is None
+    assert bed.cli("--recover").code == 0
     _nothing_left(bed)
     none = bed.safeinstall("--commit", "--json")
     assert none.code == 2 and "no prepared run" in none.stdout, none.stdout
@@ -92,6 +100,42 @@ def test_a_file_changed_since_the_prepare_refuses_the_commit(bed: Bed) -> None:
     assert dropped.code == 0, dropped.stdout + dropped.stderr
     assert dropped.json["status"] == "discarded"
     assert bed.manager.main_pid(name) == main
+    _nothing_left(bed)
+
+
+def test_the_wheel_copy_changed_refuses_the_commit_that_reuses_its_hashes(bed: Bed) -> None:
+    """The commit takes the wheel's member hashes from the prepare only for the same bytes: a copy
+    changed since (one byte more) is refused, nothing stopped."""
+    name = bed.service("prep-wheel")
+    main = bed.manager.main_pid(name)
+    _prepared(bed)
+    (copy,) = bed.state.glob("*/wheels/*/*.whl")
+    with open(copy, "ab") as handle:
+        handle.write(b"\0")
+    refused = bed.safeinstall("--commit", "--json")
+    assert refused.code == 2, refused.stdout + refused.stderr
+    (error,) = refused.json["errors"]
+    assert "the run's copy of the wheel" in error["message"], error
+    _untouched(bed, name, main)
+    assert bed.safeinstall("--discard").code == 0
+    _nothing_left(bed)
+
+
+def test_a_distribution_added_since_the_prepare_takes_the_whole_preflight_again(bed: Bed) -> None:
+    """The site directory moved (an entry added): the commit does not take the prepare's uv plan, it
+    asks uv again and compares; the same plan, the same files: it commits."""
+    name = bed.service("prep-dirs")
+    _prepared(bed)
+    added = bed.site / "added_since"
+    added.mkdir()
+    committed = bed.safeinstall("--commit", "--settle", "0.5", "--json")
+    assert committed.code == 0, committed.stdout + committed.stderr
+    first = committed.json["data"]["steps"][0]
+    assert first["name"] == "preflight" and "the whole preflight again" in first["detail"], first
+    assert bed.version() == "2.0"
+    wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running")
+    added.rmdir()
+    assert bed.cli("--recover").code == 0
     _nothing_left(bed)
 
 
@@ -123,6 +167,10 @@ def test_discard_drops_the_prepared_run(bed: Bed) -> None:
     assert dropped.code == 0 and "discarded the prepared run" in dropped.stdout, dropped.stdout
     _untouched(bed, name, main)
     _nothing_left(bed)
+    # the history says what happened: dropped on purpose, not a run that died and was recovered
+    (env,) = bed.cli("--status", "--json").json["data"]["environments"]
+    latest = env["runs"][0]
+    assert latest["status"] == "discarded" and latest["exit_code"] == 0, latest
     again = bed.safeinstall("--discard", "--json")
     assert again.code == 2 and again.json["errors"][0]["code"] == "prepared-run", again.stdout
 
@@ -222,6 +270,7 @@ def test_prepare_then_commit_without_a_swap(bed: Bed) -> None:
     assert bed.version() == "2.0"
     assert bed.verify("--wheel", str(bed.wheels["sicext-2"])).code == 0
     wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running")
+    assert bed.cli("--recover").code == 0  # the commit's cache, left to the next run
     _nothing_left(bed)
 
 
@@ -239,6 +288,10 @@ def test_a_detached_commit_goes_on_in_its_unit_and_wait_returns_its_result(bed: 
     assert bed.version() == "2.0" and bed.verify("--wheel", str(bed.wheels["sicext-2"])).code == 0
     wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running")
     assert bed.manager.main_pid(name) != main
+    assert list(bed.python.parent.parent.glob(".safeinstall-swap-*")), "left to the next run"
+    # the next run on the environment removes what the commit left (under the lock, no journal)
+    again = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json")
+    assert again.code == 0, again.stdout + again.stderr
     _nothing_left(bed)
 
 

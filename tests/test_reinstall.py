@@ -56,6 +56,7 @@ def test_happy_path(bed: Bed) -> None:
     }
     assert doc["data"]["patches"] == [] and doc["data"]["patch_file"] is None
     assert [s["name"] for s in doc["data"]["steps"]] == [
+        "preflight",  # its own time, within the whole run's (issue 47 item 4)
         "backup",
         "prefetch",
         "smoke",  # the new version imported before the stop
@@ -69,6 +70,7 @@ def test_happy_path(bed: Bed) -> None:
         "end-check",
     ]
     assert all(s["status"] == "ok" for s in doc["data"]["steps"])
+    assert 0 < doc["data"]["steps"][0]["seconds"] < doc["data"]["wall_s"]
     assert doc["data"]["old_code"] == []
     assert name in doc["data"]["downtime_s"] and doc["data"]["downtime_s"][name] > 0
     new_main = bed.manager.main_pid(name)
@@ -294,6 +296,7 @@ def test_a_new_dependency_that_cannot_be_unpacked_is_found_before_anything_stops
     message = doc["errors"][0]["message"]
     assert "uv could not fetch or unpack the new version" in message and "sidep" in message, message
     assert [(s["name"], s["status"]) for s in doc["data"]["steps"]] == [
+        ("preflight", "ok"),
         ("backup", "ok"),
         ("prefetch", "failed"),
     ]

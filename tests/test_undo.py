@@ -17,7 +17,34 @@ import pytest
 from tests.bed_systemd import wait_until
 from tests.beds import NOBODY, Bed, ServiceAccountBed, chown_tree, maps_so
 
-UNDO_STEPS = ["backup", "gate", "stop", "gpu-release", "restore", "verify", "restart", "end-check"]
+#: an undo whose backup holds a local patch: staged no (said), put back in the window
+UNDO_STEPS = [
+    "preflight",
+    "backup",
+    "stage",
+    "gate",
+    "stop",
+    "gpu-release",
+    "restore",
+    "verify",
+    "restart",
+    "end-check",
+]
+#: an undo that swaps (issue 47 item 4): the backup staged and verified before the stop, renamed in
+#: during it, checked against the backup again once the units run
+SWAPPED_UNDO_STEPS = [
+    "preflight",
+    "backup",
+    "stage",
+    "gate",
+    "stop",
+    "gpu-release",
+    "restore",
+    "verify",
+    "restart",
+    "verify-in-place",
+    "end-check",
+]
 
 
 def _files(site: Path) -> dict[str, str]:
@@ -88,6 +115,12 @@ def test_the_undo_of_an_undo_goes_forward_again(bed: Bed) -> None:
     first = bed.safeinstall("--undo", "--settle", "0.5", "--json")
     assert first.code == 0, first.stdout + first.stderr
     assert bed.version() == "1.0"
+    # no local patch: a swap, as a forward run's (the window renames the staged backup in)
+    steps = {s["name"]: s for s in first.json["data"]["steps"]}
+    assert list(steps) == SWAPPED_UNDO_STEPS, list(steps)
+    assert "staged and verified" in steps["stage"]["detail"], steps["stage"]
+    assert steps["restore"]["detail"].startswith("swapped:"), steps["restore"]
+    assert not list(bed.python.parent.parent.glob(".safeinstall-*"))  # the staging tree went
 
     again = bed.safeinstall("--undo", "--settle", "0.5", "--json")
 
@@ -354,7 +387,7 @@ def test_an_undo_killed_while_it_puts_the_backup_back_is_put_back_by_recover(
         assert done.code == 0, done.stdout + done.stderr
     upgraded = bed.snapshot()
     assert not (bed.site / "sicext" / "blob.bin").exists()
-    proc = bed.start_run("--undo", "--settle", "1")
+    proc = bed.start_run("--undo", "--settle", "1", "--no-swap")  # the restore in the window
     try:
         wait_until(lambda: _restoring(bed.site / "sicext"), 30, "the restore under way", interval=0.002)
         proc.send_signal(signal.SIGKILL)

@@ -767,7 +767,7 @@ def render_run(out: Console, err: Console, document: RunDocument, run_id: str) -
         out.print(f"[green]done:[/] {literal(changes)}; installed and verified{users}", soft_wrap=True)
     if status == "prepared" and data.plan is not None:  # docs/prepare.md
         changes = ", ".join(f"{d.name} {d.old_version} -> {d.new_version or '?'}" for d in data.changes)
-        checked = ", ".join(s.name for s in data.steps if s.status == "ok")
+        checked = ", ".join(s.name for s in data.steps if s.status == "ok" and s.name != "preflight")
         out.print(
             f"[cyan]prepared:[/] {literal(changes)}; {literal(checked)} done, nothing stopped; "
             "safeinstall --commit goes on from the stop (see the note)",

@@ -12,7 +12,7 @@ import os
 import re
 import zipfile
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -254,10 +254,10 @@ def record_problems(
     return tuple(problems)
 
 
-def read_wheel(path: Path) -> Wheel:
-    """Open and check a wheel. Raises WheelError when it is not a usable wheel at all, or an unsafe one:
-    a member that could land outside its directory, a name that is not UTF-8, sizes beyond the bounds.
-    Every member is hashed with the algorithm its RECORD line names (sha256 too)."""
+def read_wheel(path: Path, hashed: Mapping[str, WheelMember] | None = None) -> Wheel:
+    """Open and check a wheel; WheelError when it is unusable or unsafe (a member landing outside its
+    directory, a name not UTF-8, sizes beyond the bounds). Every member is hashed, or ``hashed`` taken
+    when names and sizes match (the caller proves the bytes the same: a commit's sha256)."""
     try:  # a missing file is said as such, whatever its name
         fd = open_regular(path)
     except FileNotFoundError:
@@ -308,7 +308,12 @@ def read_wheel(path: Path) -> Wheel:
                 )
             )
             algorithms = {e.path: e.hash.algorithm for e in record.entries if e.hash is not None}
-            members = _hash_members(archive, infos, algorithms)
+            sizes = {i.filename: i.file_size for i in infos}
+            members = (
+                dict(hashed)
+                if hashed is not None and {n: m.size for n, m in hashed.items()} == sizes
+                else _hash_members(archive, infos, algorithms)
+            )
             python_scripts = {
                 i.filename: content
                 for i in infos

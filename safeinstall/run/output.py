@@ -104,6 +104,7 @@ STATUS_VALUES: dict[str, tuple[str, ...]] = {
         "detached",
         "recovered",
         "prepared",
+        "discarded",
     ),
     "undo": ("done", "declined", "rolled-back", "rollback-failed", "error", "detached"),
     "recover": ("recovered", "nothing-to-recover", "rolled-back", "error"),

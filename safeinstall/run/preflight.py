@@ -15,7 +15,7 @@ from pathlib import Path
 
 from packaging.utils import canonicalize_name
 
-from safeinstall.env import keep, smoke
+from safeinstall.env import keep, smoke, swap
 from safeinstall.env.bytecode import pyc_name
 from safeinstall.env.containment import is_within
 from safeinstall.env.drift import FindingKind
@@ -25,13 +25,15 @@ from safeinstall.env.environment import (
     interpreter_in_prefix,
     resolve_python,
 )
+from safeinstall.env.hashing import Known
 from safeinstall.env.systemsite import placement_refusals
-from safeinstall.env.uvplan import uv_binary
+from safeinstall.env.uvplan import UvPlan, uv_binary
 from safeinstall.env.verified import InodeStore
 from safeinstall.env.verify import VerifyReport, verify_environment
 from safeinstall.env.vouched import Vouched
 from safeinstall.env.wheel import (
     Wheel,
+    WheelMember,
     check_landing,
     fits,
     install_directories,
@@ -65,6 +67,7 @@ from safeinstall.store.baseline import read_vouched
 from safeinstall.store.retention import KeptBackup, drop_said, kept_backups, kept_note
 from safeinstall.store.runlog import human_bytes
 from safeinstall.store.state import (
+    RUN_DIR_REMOVAL_S,
     EnvironmentState,
     check_environment_dir,
     check_passable,
@@ -105,16 +108,31 @@ class Prepared:
     #: the environment's verified-inode store (:mod:`safeinstall.store.verified`) as read here; None:
     #: not usable (the run reads every file and keeps nothing)
     inodes: InodeStore | None = None
+    #: a commit's, from its prepare's record (:class:`Reuse`): its wheel is the prepare's own copy
+    reused: bool = False
 
     @property
     def plan(self) -> Plan:
         return self.survey.plan
 
 
-def preflight(options: RunOptions, *, take_lock: bool, env: Environment | None = None) -> Prepared:
+@dataclass(frozen=True, slots=True)
+class Reuse:
+    """``--commit`` with the environment's directories unmoved: what its preflight takes from the
+    prepare's record (docs/prepare.md); :func:`safeinstall.run.prepare.commit_check` proves the rest."""
+
+    uv_plan: UvPlan  # uv is not asked again
+    members: Mapping[str, WheelMember]  # the wheel's members as hashed (the same bytes: its sha256)
+    known: Known | None  # the environment's root-owned files by identity, as the prepare hashed them
+
+
+def preflight(
+    options: RunOptions, *, take_lock: bool, env: Environment | None = None, reuse: Reuse | None = None
+) -> Prepared:
     """Every check of the run before its first stop. Raises SafeInstallError (exit 2) before there is a
     plan; later failures are the plan's ``refusals``. ``take_lock``: make the state directory and hold the
-    lock (a run), else only check both; ``env``: inspected already.
+    lock (a run), else only check both; ``env``: inspected already; ``reuse``: a commit's (no copy, no
+    room check).
     """
     check_options(options)
     env = env or inspect_environment(resolve_python(options.python, options.environ))
@@ -139,6 +157,8 @@ def preflight(options: RunOptions, *, take_lock: bool, env: Environment | None =
             for left in remove_uv_caches(state):  # a dead run's uv cache and scratch (its log promised)
                 notes.append(f"{left}, left by a run that died, could not be removed: remove it by hand")
             keep.discard_leftovers(env.prefix)  # a dead run's links of the old files (root's prefixes)
+            for name in swap.leftover_stagings(env.prefix):  # a commit's old version, or a dead run's
+                swap.discard_staging(env.prefix, name, RUN_DIR_REMOVAL_S, staging.owner_ids(env))
     else:
         check_environment_dir(state)
         check_lock(state.lock, str(env.prefix))
@@ -151,11 +171,12 @@ def preflight(options: RunOptions, *, take_lock: bool, env: Environment | None =
         reading: Future[Wheel] | None = None
         if given is not None:
             # checked, installed and journalled: the run's own copy, not a path others can write
-            use = copy_wheel(given, state.dir, env.account) if take_lock else given
+            use = copy_wheel(given, state.dir, env.account) if take_lock and reuse is None else given
             options = replace(options, wheel=use)
+            members = reuse.members if reuse is not None else None
             with held_while_threads_start():
                 reading = pool.submit(
-                    _checked_wheel, use, given, options.package, env, options.accept_record_mismatch
+                    _checked_wheel, use, given, options.package, env, options.accept_record_mismatch, members
                 )
         wait = None if reading is None else _waiter(reading, pool)
         try:
@@ -167,6 +188,8 @@ def preflight(options: RunOptions, *, take_lock: bool, env: Environment | None =
                     )
             elif undo is not None:
                 found = survey(options, env, None, undo_uv_plan(undo.backup))
+            elif reuse is not None:
+                found = survey(options, env, None, reuse.uv_plan, reading=wait)
             else:
                 found = survey(options, env, reading=wait)
         except Exception:
@@ -194,7 +217,7 @@ def preflight(options: RunOptions, *, take_lock: bool, env: Environment | None =
             *placement_refusals(env, found.affected),
             *landing,
             *unrecorded,
-            *room_problems(found, env, state.backups, wheel, kept),
+            *(room_problems(found, env, state.backups, wheel, kept) if reuse is None else ()),
             *writability_problems(env, found, wheel),
             *(
                 [f"stopping {', '.join(u.name for u in found.plan.units)} needs root (the system manager's)"]
@@ -226,7 +249,9 @@ def preflight(options: RunOptions, *, take_lock: bool, env: Environment | None =
             installed=found.installed,
             vouched=lambda: vouched,
             # a root-only inode whose links changed (an old file uv's cache holds) is not read again
-            known=None if options.full else store_checker(inodes, root_links=True),
+            known=None
+            if options.full
+            else store_checker(inodes, reuse.known if reuse is not None else None, root_links=True),
         )
         modified = locally_modified(before)
         if modified:
@@ -282,6 +307,7 @@ def preflight(options: RunOptions, *, take_lock: bool, env: Environment | None =
         undo=undo,
         vouched=vouched,
         inodes=inodes,
+        reused=reuse is not None,
     )
 
 
@@ -299,12 +325,17 @@ def _waiter(reading: Future[Wheel], pool: ThreadPoolExecutor) -> Callable[[], Wh
 
 
 def _checked_wheel(
-    use: Path, given: Path, package: str, env: Environment, accept_record_mismatch: bool
+    use: Path,
+    given: Path,
+    package: str,
+    env: Environment,
+    accept_record_mismatch: bool,
+    members: Mapping[str, WheelMember] | None = None,
 ) -> Wheel:
-    """The wheel at ``use`` (the run's copy of ``given``) read, every member hashed, and checked
-    (:func:`check_wheel`); its errors name it as the user gave it."""
+    """The wheel at ``use`` (the run's copy of ``given``) read, every member hashed (or ``members``,
+    as hashed before), and checked (:func:`check_wheel`); its errors name it as the user gave it."""
     try:
-        wheel = read_wheel(use)
+        wheel = read_wheel(use, members)
     except WheelError as exc:  # named as the user gave it
         raise WheelError(exc.message.replace(str(use), str(given)), exc.hint) from exc
     check_wheel(wheel, package, env, accept_record_mismatch)

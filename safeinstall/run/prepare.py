@@ -9,18 +9,21 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from safeinstall.env import inodes
 from safeinstall.env.containment import is_within
 from safeinstall.env.drift import FindingKind
+from safeinstall.env.environment import Environment
+from safeinstall.env.hashing import FileState
 from safeinstall.env.swap import STAGING_PREFIX
 from safeinstall.errors import PreparedRunError, SafeInstallError
 from safeinstall.run import staging
 from safeinstall.run.options import RunOptions
-from safeinstall.run.preflight import Prepared, locally_modified
+from safeinstall.run.preflight import Prepared, Reuse, locally_modified
 from safeinstall.run.recover import read_checked_journal, recover_one, states_of
 from safeinstall.run.results import Reporter
 from safeinstall.run.running import Run
@@ -31,6 +34,7 @@ from safeinstall.store.journal import Phase, advance, read_journal, write_journa
 from safeinstall.store.prepared import Identity, PreparedRecord, read_prepared
 from safeinstall.store.state import EnvironmentState
 from safeinstall.system.identity import own_process
+from safeinstall.system.safefs import owner_alone_writes
 
 #: A prepared run older than this is refused at commit (``--prepared-max-age``, seconds): a day
 PREPARED_MAX_AGE_S = 86400.0
@@ -132,7 +136,35 @@ def new_record(run: Run) -> PreparedRecord:
         wheel=str(wheel) if wheel is not None else None,
         wheel_sha256=wheel_digest(wheel) if wheel is not None else None,
         backup_dir=str(run.saved().dir),
+        uv_plan=run.survey.uv_plan,
+        members=dict(run.wheel.members) if run.wheel is not None else {},
+        cache_hashed=dict(run.hashed),
+        before_hashed=root_hashed(run.prepared.before.observed.values()),
+        dirs=file_identities(directories(run.env)),
     )
+
+
+def directories(env: Environment) -> list[str]:
+    """Pure: the environment's site and scripts directories: a distribution added or removed since
+    moves one of them (the commit then takes the whole preflight again)."""
+    return sorted({str(d) for d in (*env.site_dirs, env.scripts)})
+
+
+def root_hashed(states: Iterable[FileState]) -> dict[tuple[int, int], inodes.HashedInode]:
+    """Pure: the files the prepare read and hashed (sha256) that root owns, by inode: the commit takes
+    their digests by identity (an account's files are read again: :mod:`safeinstall.env.inodes`)."""
+    return {
+        (s.device, s.inode): inodes.HashedInode(
+            s.path, s.size, s.mtime_ns, s.ctime_ns, s.uid, s.digest, s.hashed_ns
+        )
+        for s in states
+        if s.is_file
+        and owner_alone_writes(s.uid, s.mode, 0)
+        and s.digest is not None
+        and s.size is not None
+        and s.algorithm == inodes.ALGORITHM
+        and s.error is None
+    }
 
 
 def _processes(processes: Sequence[PlannedProcess]) -> tuple[tuple[int, int], ...]:
@@ -153,6 +185,25 @@ def staging_name(run_id: str) -> str:
     return f"{STAGING_PREFIX}{run_id}"
 
 
+def prepared_ns(record: PreparedRecord) -> int:
+    """Pure: when the prepare ended, in ``time.time_ns()``: a file it hashed whose change time is later
+    was touched since (read again)."""
+    return int(record.prepared_at * 1e9)
+
+
+def reuse_of(record: PreparedRecord, full: bool) -> Reuse | None:
+    """What the commit's preflight may take from the record (None: the whole preflight again): its
+    uv plan, wheel members and hashes, when the environment's site and scripts directories are as the
+    prepare left them (no distribution added or removed: uv would plan the same). ``--full`` (or a
+    record without them) takes nothing."""
+    if full or record.uv_plan is None or not record.dirs:
+        return None
+    if file_identities(list(record.dirs)) != dict(record.dirs):
+        return None
+    known = inodes.checker(record.before_hashed, prepared_ns(record)) if record.before_hashed else None
+    return Reuse(record.uv_plan, record.members, known)
+
+
 def what_changed(record: PreparedRecord, prepared: Prepared) -> list[str]:
     """What the commit's preflight finds otherwise than the prepare left it (empty: nothing)."""
     plan = prepared.plan
@@ -171,6 +222,10 @@ def what_changed(record: PreparedRecord, prepared: Prepared) -> list[str]:
         gone = len(set(record.processes) - processes)
         new = len(processes - set(record.processes))
         said.append(f"the processes using the package: {new} new, {gone} gone")
+    if prepared.reused:  # taken from the record as the directories were then: still so, under the lock
+        moved_dirs = [path for path, was in record.dirs.items() if identity(path) != was]
+        if moved_dirs:
+            said.append(f"the environment's directory {moved_dirs[0]} (a distribution added or removed?)")
     now = set(prepared.before.observed)
     if now != set(record.files):
         said.append(f"the package's files: {len(now ^ set(record.files))} listed otherwise")
@@ -247,6 +302,10 @@ def resume(prepared: Prepared, reporter: Reporter, record: PreparedRecord) -> Ru
     run.patched = locally_modified(before)
     run.deleted = tuple(f.path for f in before.findings if f.kind == FindingKind.MISSING)
     if record.staged_root is not None:
+        # the staged files are links of the run's cache as the prepare hashed it: an inode unchanged
+        # since is taken by identity, not read again (a changed one is read: :mod:`safeinstall.env.inodes`)
+        run.hashed = {} if prepared.options.full else inodes.still_hashed(record.cache_hashed)
+        known = inodes.checker(run.hashed, prepared_ns(record)) if run.hashed else None
         try:
             run.staged = staging.stage(
                 prepared.env,
@@ -257,7 +316,7 @@ def resume(prepared: Prepared, reporter: Reporter, record: PreparedRecord) -> Ru
                 prepared.survey.installed,
                 prepared.survey.affected,
                 run.backup,
-                None,
+                known,
             )
         except (staging.NotStaged, staging.StagedMismatch, OSError, SafeInstallError) as exc:
             raise PreparedRunError(
@@ -324,7 +383,7 @@ def discard(environ: Mapping[str, str], python: str | None) -> Discarded:
     """The prepared run dropped as ``--recover`` drops a run that died before its stop: its staging
     tree, uv cache, kept links, wheel copy, journal and record go; nothing was ever stopped."""
     found = the_prepared_run(environ, python)
-    recovery = recover_one(found.state, environ)
+    recovery = recover_one(found.state, environ, discarding=True)
     return Discarded(
         found.record.prefix, found.record.run_id, found.record.package, found.record.changes, recovery.notes
     )

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from safeinstall.env import keep
+from safeinstall.env import keep, swap
 from safeinstall.env.environment import Environment, inspect_environment, resolve_python
 from safeinstall.env.wheelcopy import discard_dead_copies, is_wheel_copy
 from safeinstall.errors import ExitCode, LockHeldError, RollbackFailed, SafeInstallError, StepFailed
@@ -34,6 +34,7 @@ from safeinstall.store.journal import (
 from safeinstall.store.rundoc import RunDocument
 from safeinstall.store.state import (
     PUT_BACK_CACHE_S,
+    RUN_DIR_REMOVAL_S,
     EnvironmentState,
     StateDirError,
     check_trusted,
@@ -131,13 +132,28 @@ KEPT_PHASES = frozenset({Phase.VERIFIED, Phase.RESTARTING, Phase.DONE})
 
 
 def recovered_result(
-    journal: Journal, recovery: Recovery, log_file: str, ended: int | None = None
+    journal: Journal,
+    recovery: Recovery,
+    log_file: str,
+    ended: int | None = None,
+    discarded: bool = False,
 ) -> dict[str, Any]:
     """Pure: the ``reinstall`` document of a run ``--recover`` finished (status ``recovered``): exit 0 when
     the verified new version was kept, 3 when the environment is as before the run. ``ended``: the exit
-    code the run reported, None when it died without one.
+    code the run reported, None when it died without one; ``discarded``: a prepared run ``--discard``
+    dropped (status ``discarded``, exit 0).
     """
     phase = effective_phase(journal)
+    if discarded:
+        note = f"the prepared run {journal.run_id} was discarded (safeinstall --discard): nothing was stopped"
+        data = {
+            **jsonable(recovery),
+            "log_file": log_file,
+            "notes": [note, *recovery.notes],
+            "old_version": journal.old_version,
+            "new_version": journal.new_version,
+        }
+        return envelope("reinstall", "discarded", ExitCode.OK, data, [])
     died = f"the run {journal.run_id} died in phase {phase} (PID {journal.pid}) without a result"
     if ended is not None:
         died = f"the run {journal.run_id} ended in phase {phase} with exit {ended}, its put-back unfinished"
@@ -172,12 +188,14 @@ def recovered_result(
     return envelope("reinstall", "recovered", code, data, errors)
 
 
-def _keep_recovered(state: EnvironmentState, journal: Journal, recovery: Recovery) -> tuple[str, ...]:
+def _keep_recovered(
+    state: EnvironmentState, journal: Journal, recovery: Recovery, discarded: bool = False
+) -> tuple[str, ...]:
     """The recovered run's end, as a run's own: notes and result in its log, an entry in the history
     (so that ``--status`` lists it and ``--status --wait --run`` returns it); what went wrong, if anything."""
     log = state.log_file(journal.run_id)
     ended = _reported_exit(state, journal.run_id)
-    result = RunDocument.from_json(recovered_result(journal, recovery, str(log), ended))
+    result = RunDocument.from_json(recovered_result(journal, recovery, str(log), ended, discarded))
     # a run that ended with a result said its error; what the recovery did is then no error
     said = "error: " if ended is None else ""
     lines = (*result.details.notes, *(f"{said}{e.message}" for e in result.errors))
@@ -187,7 +205,7 @@ def _keep_recovered(state: EnvironmentState, journal: Journal, recovery: Recover
         journal.package,
         journal.started_at,
         result,
-        tuple(f"recover: {x}" for x in lines),
+        tuple(f"{'discard' if discarded else 'recover'}: {x}" for x in lines),
     )
 
 
@@ -214,9 +232,22 @@ def _tidy(state: EnvironmentState, prefix: str, environ: Mapping[str, str]) -> N
                 remove_dead_temps(state)
                 if state.prefix is not None:  # a dead run's kept links of the old files
                     keep.discard_leftovers(state.prefix)
+                    _discard_stagings(state.prefix)
                 _remove_stray_gates(state, environ)
     except SafeInstallError:
         return
+
+
+def _discard_stagings(prefix: Path) -> None:
+    """No run to recover: the staging directories left in the prefix (a commit's old version, a dead
+    run's tree) go, by the prefix's owner."""
+    try:
+        names = swap.leftover_stagings(prefix)
+        ids = swap.owner_of(prefix) if names else None
+    except (OSError, SafeInstallError):
+        return
+    for name in names:
+        swap.discard_staging(prefix, name, RUN_DIR_REMOVAL_S, ids)
 
 
 #: a gate drop-in is a few hundred bytes: anything longer is not one
@@ -251,7 +282,11 @@ def _remove_stray_gates(state: EnvironmentState, environ: Mapping[str, str]) -> 
     return tuple(removed)
 
 
-def recover_one(state: EnvironmentState, environ: Mapping[str, str], settle: float = 2.0) -> Recovery:
+def recover_one(
+    state: EnvironmentState, environ: Mapping[str, str], settle: float = 2.0, *, discarding: bool = False
+) -> Recovery:
+    """The run the environment's journal names finished (put back, or kept); ``discarding``: a prepared
+    run dropped by ``--discard`` (its history entry says ``discarded``, not ``recovered``)."""
     prefix = str(state.prefix or state.dir)
     if read_checked_journal(state, environ) is None:
         _tidy(state, prefix, environ)
@@ -278,7 +313,8 @@ def recover_one(state: EnvironmentState, environ: Mapping[str, str], settle: flo
             _start(units, environ, settle)
 
         def finished(done: PutBack) -> None:  # before the journal goes: a waiter finds the entry
-            notes.extend(_keep_recovered(state, journal, recovery(done)))
+            dropped = discarding and journal.phase == Phase.PREPARED  # else what it is: a recovery
+            notes.extend(_keep_recovered(state, journal, recovery(done), dropped))
 
         try:
             restore: tuple[Environment, Backup] | None = None

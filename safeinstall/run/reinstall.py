@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from safeinstall.env import cachefill, inodes, keep, requirements, swap, verified
+from safeinstall.env.bytecode import pyc_name
 from safeinstall.env.distributions import InstalledDistribution, reload_distributions
 from safeinstall.env.drift import Expectation, FindingKind
 from safeinstall.env.environment import Account, Environment, interpreter_in_prefix
@@ -56,7 +57,7 @@ from safeinstall.run.preflight import (
     unconfirmed,
 )
 from safeinstall.run.preflight import preflight as shared_preflight
-from safeinstall.run.results import Reporter, RunResult, service_downtime_s
+from safeinstall.run.results import Reporter, RunResult, StepOutcome, service_downtime_s
 from safeinstall.run.rollback import rollback_step
 from safeinstall.run.running import (
     Run,
@@ -72,7 +73,14 @@ from safeinstall.run.survey import scan_again, systemd_for
 from safeinstall.run.undo import UndoTarget, left_of
 from safeinstall.scan.plan import PlannedProcess, PlannedUnit, left_on_old_code
 from safeinstall.scan.processes import scan_processes
-from safeinstall.store.backup import check_restored, create_backup, free_space, prune_into, restore_backup
+from safeinstall.store.backup import (
+    check_restored,
+    create_backup,
+    free_space,
+    prune_into,
+    restore_backup,
+    stage_backup,
+)
 from safeinstall.store.baseline import record_run
 from safeinstall.store.history import read_history
 from safeinstall.store.journal import (
@@ -925,9 +933,80 @@ def undo_restore_step(run: Run, late_users: Callable[[], str]) -> str:
     return f"{result.restored} file(s) of run {target.run_id}'s backup put back" + late
 
 
+def undo_swap_refusal(run: Run) -> str | None:
+    """Pure but for the run: why an undo restores its backup in the window rather than swapping it in
+    (None: it swaps). A backup that holds local patches or files no RECORD lists (but bytecode, which
+    the import writes again) is put back as saved, in the window."""
+    manifest = _undo_target(run).backup.manifest
+    if run.options.no_swap:
+        return "--no-swap is given"
+    if not run.env.is_venv:
+        return "the environment is not a virtual environment"
+    if run.prepared.vouched:  # verified against the baseline, not the RECORDs: as saved, in the window
+        return "the environment has a baseline of files whose RECORD is wrong"
+    if manifest.patched:
+        return (
+            f"the backup holds {len(manifest.patched)} locally patched file(s) (e.g. {manifest.patched[0]})"
+        )
+    unlisted = [f.path for f in manifest.files if not f.listed and pyc_name(f.path) is None]
+    if unlisted:
+        return f"the backup holds {len(unlisted)} file(s) no RECORD lists (e.g. {unlisted[0]})"
+    return None
+
+
+def undo_stage_step(run: Run) -> str:
+    """``--undo``, before the stop: the undone run's backup copied into a staging tree and staged as a
+    forward run's (the window renames it in); where it cannot, why (the restore runs in the window).
+    Raises PlanError when the backup's files do not match it (docs/undo.md)."""
+    target = _undo_target(run)
+    why_not = undo_swap_refusal(run)
+    if why_not is not None:
+        run._log(f"undo: no swap: {why_not}")
+        return f"no swap ({why_not}): the backup is put back during the stop"
+    ids = staging.owner_ids(run.env)
+    try:
+        root = staging.make_staging(run.env, run.run_id)
+        swap.make_staging_dir(root, swap.STAGED_TREE, 0o755, ids)
+    except (staging.NotStaged, OSError, WorkerError) as exc:
+        run._log(f"undo: no swap: {exc}")
+        return f"no swap ({exc}): the backup is put back during the stop"
+    manifest = target.backup.manifest
+    listed = replace(manifest, files=tuple(f for f in manifest.files if f.listed))
+    written = stage_backup(replace(target.backup, manifest=listed), root / swap.STAGED_TREE)
+    if not written.ok:
+        swap.discard_staging(run.env.prefix, root.name, RUN_DIR_REMOVAL_S, ids)
+        problems = [*written.mismatches, *written.failures]
+        raise PlanError(
+            f"the backup of run {target.run_id} could not be staged: {undo.listed(problems)}",
+            hint="nothing was stopped; safeinstall --verify-only shows the environment",
+        )
+    why_not = _stage(run, root)
+    if run.staged is None:
+        return f"no swap ({why_not}): the backup is put back during the stop"
+    run._journal(Phase.STAGED)
+    return (
+        f"{written.restored} file(s) of run {target.run_id}'s backup staged and verified: the window "
+        f"renames {len(run.staged.plan.moves)} entries in and {len(run.staged.plan.out)} out"
+    )
+
+
+def undo_confirm_step(run: Run) -> str:
+    """After an undo's swap, once the units run: the environment against the backup's manifest, as an
+    undo that restored in the window checks it before the start (a failure rolls back)."""
+    return _undo_checked(run) + " (swapped in; verified in the staging tree before the stop)"
+
+
 def undo_verify_step(run: Run, open_gate: Callable[[], None]) -> str:
     """The environment against the backup's manifest: each distribution at its saved version, each
     saved file (a local patch included) with its saved content, and the RECORDs' other files intact."""
+    detail = _undo_checked(run)
+    run._journal(Phase.VERIFIED)
+    open_gate()
+    return detail
+
+
+def _undo_checked(run: Run) -> str:
+    """:func:`undo_verify_step`'s check (StepFailed on a difference); what the run leaves is taken."""
     target = _undo_target(run)
     manifest = target.backup.manifest
     names = [d.name for d in manifest.distributions]
@@ -951,8 +1030,6 @@ def undo_verify_step(run: Run, open_gate: Callable[[], None]) -> str:
             f"the restored files do not match the backup of run {target.run_id}: {undo.listed(wrong)}"
         )
     run.left = left_of(report, installed, names)
-    run._journal(Phase.VERIFIED)
-    open_gate()
     return (
         f"{sum(d.files_checked for d in report.distributions)} files match the backup of run {target.run_id}"
     )
@@ -969,8 +1046,10 @@ def run_reinstall(
     refused). Raises SafeInstallError only before anything changed (exit 2). Signals at each point:
     docs/crash-safety.md.
     """
+    began = time.monotonic()  # the preflight step: from here to the run's start (docs/json.md)
     record = read_prepared_run(options, env) if options.commit else None
-    prepared = shared_preflight(options, take_lock=True, env=env)
+    reuse = prepare.reuse_of(record, options.full) if record is not None else None
+    prepared = shared_preflight(options, take_lock=True, env=env, reuse=reuse)
     tidying: list[bool] = []
     cache_removed: list[bool] = []
 
@@ -1008,6 +1087,7 @@ def run_reinstall(
                 reporter.note(f"before the stop: {warning}", host=warning in prepared.plan.host_notes)
         held = deferral.enter_context(interrupts_deferred(held_back))
         run = start(prepared, reporter) if record is None else prepare.resume(prepared, reporter, record)
+        run.steps.append(preflight_outcome(prepared, record is not None, reuse is not None, began))
     except BaseException:
         deferral.close()
         _discard_wheel_copy(prepared)
@@ -1030,6 +1110,8 @@ def run_reinstall(
                     if options.keep_patches:
                         step("patches", lambda: patches_step(run))
                     step("backup", lambda: backup_step(run))
+                if options.undo is not None and record is None:  # the backup staged: a swap
+                    step("stage", lambda: undo_stage_step(run))
                 # an undo installs from a backup: nothing to fetch; a commit's prepare fetched it
                 if options.undo is None and record is None:
                     step("prefetch", lambda: prefetch_step(run))
@@ -1046,7 +1128,10 @@ def run_reinstall(
                     baseline = session.snapshot()  # before the stop: what the processes held
                     step("stop", lambda: stop_step(run))
                     step("gpu-release", lambda: gpu_release_step(run, session, baseline))
-                if options.undo is not None:  # the swap: the undone run's backup put back
+                if options.undo is not None and run.staged is not None:  # the backup's tree renamed in
+                    step("restore", lambda: swap_step(run))
+                    step("verify", lambda: verify_step(run))
+                elif options.undo is not None:  # the undone run's backup put back in the window
                     step("restore", lambda: undo_restore_step(run, lambda: _check_no_late_users(run)))
                     step("verify", lambda: undo_verify_step(run, lambda: remove_gate(run)))
                 else:
@@ -1054,7 +1139,10 @@ def run_reinstall(
                     step("verify", lambda: verify_step(run))
                 step("restart", lambda: restart_step(run))
                 if run.staged is not None:
-                    step("verify-in-place", lambda: confirm_step(run))
+                    step(
+                        "verify-in-place",
+                        lambda: confirm_step(run) if options.undo is None else undo_confirm_step(run),
+                    )
                 step("end-check", lambda: end_check_step(run))
                 signals.block()  # done: a signal now waits for the tidy-up's handler (held back, said)
             except Exception as exc:  # any failure once the run started rolls back, bugs included
@@ -1104,6 +1192,23 @@ def run_reinstall(
         deferral.close()
 
 
+def preflight_outcome(prepared: Prepared, commit: bool, reused: bool, began: float) -> StepOutcome:
+    """The preflight as the run's first step (``--json`` only: the terminal said it as it worked): its
+    seconds, from the run's start to its journal, and what it was."""
+    plan = prepared.plan
+    detail = (
+        f"{len(plan.processes)} process(es) using {plan.package}, {len(plan.units)} unit(s); "
+        f"{sum(d.files_checked for d in prepared.before.distributions)} installed files checked"
+    )
+    if commit:
+        detail += (
+            "; the prepare's plan, wheel and hashes taken again, nothing changed since"
+            if reused
+            else "; the whole preflight again (the environment's directories changed, or --full)"
+        )
+    return StepOutcome("preflight", "ok", time.monotonic() - began, detail)
+
+
 def read_prepared_run(options: RunOptions, env: Environment | None) -> PreparedRecord:
     """--commit: the record of the one prepared run of the environment, read before the lock;
     :func:`safeinstall.run.prepare.commit_check` checks under it that the journal is still that run's."""
@@ -1130,10 +1235,11 @@ def _tidy_up(run: Run, hashed: Sequence[FileState]) -> tuple[str, ...]:
     never an error; the large trees go on threads of their own.
     """
     started = time.monotonic()
+    later = run.options.commit  # a commit leaves what need not hold the lock to the next run
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="tidy") as pool:
         with held_while_threads_start():
-            staging_gone = pool.submit(_timed_call, lambda: _discard_staged_noted(run))
-            pruned = pool.submit(_timed_call, lambda: _prune_old_backups(run, "done"))
+            staging_gone = pool.submit(_timed_call, lambda: _discard_staged_noted(run, keep_tree=later))
+            pruned = pool.submit(_timed_call, lambda: () if later else _prune_old_backups(run, "done"))
         # the run's cache stays until its hashes are kept (an open of one of them tells the filesystem)
         note = keep_hashes(run.state.root, run.env.prefix, run.prepared.inodes, hashed)
         run.notes.extend([note] if note else [])
@@ -1150,10 +1256,16 @@ def _tidy_up(run: Run, hashed: Sequence[FileState]) -> tuple[str, ...]:
                 f"{exc.message}"
             )
         dropped = time.monotonic()
-        cache_s = _remove_run_cache(run)
+        cache_s = 0.0 if later else _remove_run_cache(run)
         staging_s, _ = staging_gone.result()
         prune_s, removed = pruned.result()
-    if not keep.discard(run.env.prefix, run.run_id, RUN_DIR_REMOVAL_S):
+    if later:
+        run._log(
+            "tidy-up: the old version's staging directory, the kept links, the run's uv cache and the "
+            "backups beyond --keep-backups are left to the next run (or --recover): a commit ends with "
+            "its checks"
+        )
+    elif not keep.discard(run.env.prefix, run.run_id, RUN_DIR_REMOVAL_S):
         run.notes.append(
             f"{run.env.prefix / keep.keep_name(run.run_id)} was not removed: the next run removes it"
         )
@@ -1174,11 +1286,11 @@ def _timed_call(action: Callable[[], _T]) -> tuple[float, _T]:
     return time.monotonic() - started, answer
 
 
-def _discard_staged_noted(run: Run) -> None:
+def _discard_staged_noted(run: Run, keep_tree: bool = False) -> None:
     """:func:`_discard_staged`; a failure is a note (a good run stays one: the next run, or
     ``--recover``, removes what is left)."""
     try:
-        _discard_staged(run)
+        _discard_staged(run, keep_tree)
     except Exception as exc:
         run.notes.append(f"the staging directory was not removed: {exc}")
 
@@ -1228,9 +1340,11 @@ def both_fit(run: Run) -> bool:
     return free_space(run.env.prefix) >= files + install_overhead(files)
 
 
-def _discard_staged(run: Run) -> None:
+def _discard_staged(run: Run, keep_tree: bool = False) -> None:
     """After a good swap: the old files it moved out and the staging directory go (the backup keeps the
-    old version); before the journal is cleared, so that a kill here leaves it to ``--recover``."""
+    old version); before the journal is cleared, so that a kill here leaves it to ``--recover``.
+    ``keep_tree`` (a commit): the directory, holding only old files the backup keeps, is left to the
+    next run (or ``--recover``), which removes every leftover staging directory."""
     if run.staged is None:
         return
     ids = staging.owner_ids(run.env)
@@ -1253,6 +1367,8 @@ def _discard_staged(run: Run) -> None:
             f"{len(left)} file(s) that appeared in the old version's directories after the backup could "
             f"not be put back (first: {left[0]}): kept in {kept}; copy back what you need, then delete it"
         )
+        return
+    if keep_tree:
         return
     if not swap.discard_staging(run.env.prefix, run.staged.root.name, RUN_DIR_REMOVAL_S, ids):
         run.notes.append(f"{run.staged.root} could not be removed: the next run removes it")
@@ -1285,8 +1401,9 @@ def _as(account: Account | None) -> str:
 
 
 def _discard_wheel_copy(prepared: Prepared) -> None:
-    """The run's copy of the wheel (``prepared.options.wheel``) goes with it."""
-    if prepared.options.wheel is not None:
+    """The run's copy of the wheel (``prepared.options.wheel``) goes with it; never a commit's that is
+    its prepare's own (a refused commit leaves the prepared run whole: ``--discard`` removes it)."""
+    if prepared.options.wheel is not None and not prepared.reused:
         discard_wheel_copy(prepared.options.wheel, prepared.state.dir)
 
 

@@ -96,7 +96,12 @@ def install_lines(
     swap, uv's install into the staging tree before the stop and the renames during it; without, the
     prefetch before the stop and uv's install during it (why no swap); an undo, the restore."""
     if uv_plan.command[:1] == (RESTORE,):
-        return (f"during the stop: the backup {uv_plan.command[-1]} is put back in place (no uv runs)",)
+        return (
+            f"before the stop: the backup {uv_plan.command[-1]} is copied into a staging tree and verified "
+            "(no uv runs)",
+            f"during the stop: the staged files are renamed into {env.prefix} (the swap; where it cannot "
+            "swap, the backup is put back in place)",
+        )
     if why_not is None:
         staged = swap.staging_dir(env.prefix, "RUN_ID") / swap.STAGED_TREE
         command = prefetch_command(request, uv_bin, staged, uv_plan.changes, staging=True)

@@ -1009,6 +1009,22 @@ def _restore(
     )
 
 
+def stage_backup(backup: Backup, root: Path, workers: int | None = None) -> RestoreResult:
+    """``--undo`` as a swap: the backup's files written into ``root`` (an empty staging tree laid out as
+    the prefix) as a restore writes them, each checked against its saved hash (``mismatches``).
+    Never raises for one file: check :attr:`RestoreResult.ok`."""
+    nothing = _Removal((), (), (), (), ())
+    try:
+        tree, source = Tree(root), Tree(backup.files_dir)
+    except OSError as exc:
+        raise BackupError(
+            f"cannot open {exc.filename}: {exc.strerror or exc}",
+            hint="the staging tree and the backup must be real directories",
+        ) from exc
+    with tree, source, tree.batch(), source.batch():
+        return _restore(backup, tree, source, nothing, _Removed((), (), (), ()), workers, None, frozenset())
+
+
 # --- --prune ----------------------------------------------------------------------------------------
 
 

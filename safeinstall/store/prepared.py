@@ -5,10 +5,14 @@ journal so that ``--commit`` can tell whether anything changed since.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from safeinstall.env.inodes import HashedInode
+from safeinstall.env.uvplan import UvChange, UvPlan
+from safeinstall.env.wheel import WheelMember
 from safeinstall.errors import PreparedRunError
 from safeinstall.store.state import PREPARED_FILE, EnvironmentState, atomic_write, read_private_file
 from safeinstall.system.fields import optional_text as _optional
@@ -39,6 +43,17 @@ class PreparedRecord:
     wheel: str | None = None  # the run's copy of the wheel
     wheel_sha256: str | None = None
     backup_dir: str | None = None
+    # what lets the commit skip the prepare's expensive work when nothing changed (docs/prepare.md):
+    #: uv's plan as the prepare had it (the commit does not ask uv again)
+    uv_plan: UvPlan | None = None
+    #: the wheel's members as the prepare hashed them (the commit reads the same bytes: same sha256)
+    members: Mapping[str, WheelMember] = field(default_factory=dict)
+    #: the run's uv cache as hashed before the staging tree was verified: the staged files' inodes
+    cache_hashed: Mapping[tuple[int, int], HashedInode] = field(default_factory=dict)
+    #: the root-owned files of the environment as the prepare hashed them (by inode)
+    before_hashed: Mapping[tuple[int, int], HashedInode] = field(default_factory=dict)
+    #: the environment's site and scripts directories by identity: an entry added or removed moves one
+    dirs: Mapping[str, Identity] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(
@@ -59,6 +74,13 @@ class PreparedRecord:
                 "wheel": self.wheel,
                 "wheel_sha256": self.wheel_sha256,
                 "backup_dir": self.backup_dir,
+                "uv_plan": None if self.uv_plan is None else _plan_json(self.uv_plan),
+                "members": {
+                    k: [m.size, m.sha256, *(m.listed_digest or (None, None))] for k, m in self.members.items()
+                },
+                "cache_hashed": _hashed_json(self.cache_hashed),
+                "before_hashed": _hashed_json(self.before_hashed),
+                "dirs": {k: list(v) for k, v in self.dirs.items()},
             },
             sort_keys=True,
         )
@@ -86,6 +108,11 @@ class PreparedRecord:
                 wheel=_optional(doc.get("wheel")),
                 wheel_sha256=_optional(doc.get("wheel_sha256")),
                 backup_dir=_optional(doc.get("backup_dir")),
+                uv_plan=_plan(doc.get("uv_plan")),
+                members=_members(doc.get("members", {})),
+                cache_hashed=_hashed(doc.get("cache_hashed", [])),
+                before_hashed=_hashed(doc.get("before_hashed", [])),
+                dirs=_identities(doc.get("dirs", {})),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise PreparedRunError(
@@ -100,10 +127,74 @@ def _pair(value: Any) -> tuple[int, int]:
 
 
 def _identities(value: Any) -> dict[str, Identity]:
+    """Each path's identity (a record holds tens of thousands: checked by ``type``, not one call each)."""
+    found: dict[str, Identity] = {}
+    for key, numbers in _typed(value, dict).items():
+        if type(key) is not str or type(numbers) is not list or not all(type(n) is int for n in numbers):
+            raise TypeError(f"{key!r}: {numbers!r} is not an identity")
+        found[key] = tuple(numbers)
+    return found
+
+
+def _plan_json(plan: UvPlan) -> dict[str, Any]:
     return {
-        _typed(k, str): tuple(int(_typed(n, int)) for n in _typed(v, list))
-        for k, v in _typed(value, dict).items()
+        "command": list(plan.command),
+        "changes": [[c.action, c.name, c.version, c.source] for c in plan.changes],
+        "output": plan.output,
+        "lock_note": plan.lock_note,
     }
+
+
+def _plan(value: Any) -> UvPlan | None:
+    if value is None:
+        return None
+    doc = _typed(value, dict)
+    changes = []
+    for change in _typed(doc["changes"], list):
+        action, name, version, source = _typed(change, list)
+        changes.append(
+            UvChange(_typed(action, str), _typed(name, str), _optional(version), _optional(source))
+        )
+    return UvPlan(
+        command=tuple(_typed(c, str) for c in _typed(doc["command"], list)),
+        changes=tuple(changes),
+        output=_typed(doc["output"], str),
+        lock_note=_optional(doc.get("lock_note")),
+    )
+
+
+def _members(value: Any) -> dict[str, WheelMember]:
+    members: dict[str, WheelMember] = {}
+    for name, row in _typed(value, dict).items():
+        if type(row) is not list or len(row) != 4:
+            raise TypeError(f"{name!r}: {row!r} is not a wheel member")
+        size, sha256, algorithm, digest = row
+        if type(name) is not str or type(size) is not int or type(sha256) is not str:
+            raise TypeError(f"{name!r}: {row!r} is not a wheel member")
+        listed = None if algorithm is None else (_typed(algorithm, str), _typed(digest, str))
+        members[name] = WheelMember(name, size, sha256, listed)
+    return members
+
+
+def _hashed_json(hashed: Mapping[tuple[int, int], HashedInode]) -> list[list[Any]]:
+    return [
+        [dev, ino, e.path, e.size, e.mtime_ns, e.ctime_ns, e.uid, e.digest, e.hashed_ns]
+        for (dev, ino), e in hashed.items()
+    ]
+
+
+def _hashed(value: Any) -> dict[tuple[int, int], HashedInode]:
+    hashed: dict[tuple[int, int], HashedInode] = {}
+    for row in _typed(value, list):
+        if type(row) is not list or len(row) != 9:
+            raise TypeError(f"{row!r} is not a hashed inode")
+        dev, ino, path, size, mtime, ctime, uid, digest, hashed_ns = row
+        if not all(type(n) is int for n in (dev, ino, size, mtime, ctime, uid, hashed_ns)) or not (
+            type(path) is str and type(digest) is str
+        ):
+            raise TypeError(f"{row!r} is not a hashed inode")
+        hashed[(dev, ino)] = HashedInode(path, size, mtime, ctime, uid, digest, hashed_ns)
+    return hashed
 
 
 def write_prepared(state: EnvironmentState, record: PreparedRecord) -> None:
@@ -111,10 +202,31 @@ def write_prepared(state: EnvironmentState, record: PreparedRecord) -> None:
     atomic_write(state.dir / PREPARED_FILE, record.to_json().encode("utf-8", errors="surrogateescape"))
 
 
+#: the records this process read, by the file's identity: a commit finds its record, then reads it again
+#: under the lock (vLLM's is megabytes of JSON); the same inode, unchanged, is the same record
+_READ: dict[tuple[int, ...], PreparedRecord] = {}
+
+
 def read_prepared(state: EnvironmentState) -> PreparedRecord | None:
     """The record beside the journal, or None; PreparedRunError (or StateDirError) when it is not one."""
+    path = state.dir / PREPARED_FILE
     try:
-        raw = read_private_file(state.dir / PREPARED_FILE, PREPARED_MAX_BYTES)
+        info = os.lstat(path)
     except FileNotFoundError:
         return None
-    return PreparedRecord.from_json(raw)
+    key = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+    if key in _READ:
+        return _READ[key]
+    try:
+        raw = read_private_file(path, PREPARED_MAX_BYTES)
+    except FileNotFoundError:
+        return None
+    record = PreparedRecord.from_json(raw)
+    try:
+        after = os.lstat(path)
+    except OSError:
+        return record
+    if key == (after.st_dev, after.st_ino, after.st_size, after.st_mtime_ns, after.st_ctime_ns):
+        _READ.clear()
+        _READ[key] = record
+    return record
