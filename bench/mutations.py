@@ -542,6 +542,44 @@ MUTATIONS: tuple[Mutation, ...] = (
         "",
         (f"{PROMISES_45}::test_only_a_late_regular_file_of_root_or_the_directorys_owner_is_put_back",),
     ),
+    # issue 45 (second helper): the promises its first pass left undefended
+    Mutation(
+        "early-handlers-before-the-try",
+        "safeinstall/__main__.py",
+        "    try:\n        # First: a signal from now on",
+        "    install_early_handlers()\n    try:\n        # First: a signal from now on",
+        (
+            f"{PROMISES_45}::test_a_signal_just_after_the_handlers_or_the_cli_load_is_exit_2_with_an_"
+            "error_line[handlers-installed]",
+        ),
+    ),
+    Mutation(
+        "early-command-outside-the-try",
+        "safeinstall/__main__.py",
+        (
+            "        gc.freeze()\n"
+            "        run_command()\n"
+            "    except InterruptedEarly as interrupted:  # rich may not be loaded (yet): plain lines\n"
+            '        sys.stderr.write(f"error: {interrupted.message}\\nhint: {interrupted.advice}\\n")\n'
+            '        if "--json" in sys.argv[1:]:  # --json: one document on stdout, whatever happens\n'
+            "            _early_envelope(interrupted)\n"
+            "        sys.exit(int(interrupted.exit_code))\n"
+        ),
+        (
+            "        pass\n"
+            "    except InterruptedEarly as interrupted:  # rich may not be loaded (yet): plain lines\n"
+            '        sys.stderr.write(f"error: {interrupted.message}\\nhint: {interrupted.advice}\\n")\n'
+            '        if "--json" in sys.argv[1:]:  # --json: one document on stdout, whatever happens\n'
+            "            _early_envelope(interrupted)\n"
+            "        sys.exit(int(interrupted.exit_code))\n"
+            "    gc.freeze()\n"
+            "    run_command()\n"
+        ),
+        (
+            f"{PROMISES_45}::test_a_signal_just_after_the_handlers_or_the_cli_load_is_exit_2_with_an_"
+            "error_line[cli-loaded]",
+        ),
+    ),
     Mutation(
         "step-detail-past-its-column",
         "safeinstall/cli/render.py",

@@ -815,6 +815,59 @@ def test_a_signal_while_the_journal_is_written_stops_the_run_before_its_first_st
     assert bed.journal() is None
 
 
+HOOK_EARLY = r"""
+import gc, signal, sys, threading
+where = sys.argv.pop(1)
+sent = []
+def hook(frame, event, arg):
+    if where == "handlers-installed":
+        due = event == "return" and frame.f_code.co_name == "install_early_handlers"
+    else:
+        due = event == "c_call" and arg is gc.freeze
+    if due and not sent:
+        sent.append(True)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+sys.setprofile(hook)
+from safeinstall.__main__ import main
+sys.argv[0] = "safeinstall"
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize("where", ["handlers-installed", "cli-loaded"])
+def test_a_signal_just_after_the_handlers_or_the_cli_load_is_exit_2_with_an_error_line(
+    tmp_path: Path, where: str
+) -> None:
+    """docs/faults.md: a signal before the journal is exit 2 with an ``error:`` line, also while the CLI
+    loads. A SIGTERM delivered as the early handlers are installed, or as the CLI has just loaded (before
+    its command starts), is that too, with its one ``--json`` document: not a traceback, exit 1 (the
+    ``loading`` case of tests/test_faults.py hit the first window once, with two suites at once)."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            HOOK_EARLY,
+            where,
+            "--verify-only",
+            "--all",
+            "--python",
+            sys.executable,
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "SAFEINSTALL_STATE_DIR": str(tmp_path / "state")},
+        check=False,
+    )
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "error: interrupted by SIGTERM" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    document = json.loads(proc.stdout)
+    assert document["exit_code"] == 2 and "interrupted by SIGTERM" in document["errors"][0]["message"], (
+        document
+    )
+
+
 # --- --only-loaded in a real run -------------------------------------------------------------------------
 
 
