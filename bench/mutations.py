@@ -581,6 +581,20 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
     ),
     Mutation(
+        "health-asked-every-half-second",
+        "safeinstall/system/health.py",
+        "PAUSE_S = 0.1  #",
+        "PAUSE_S = 0.5  #",
+        (f"{PROMISES_45}::test_the_health_url_is_asked_every_tenth_of_a_second_never_more_often",),
+    ),
+    Mutation(
+        "health-asked-without-a-pause",
+        "safeinstall/system/health.py",
+        "        time.sleep(max(0.0, min(PAUSE_S, deadline - time.monotonic())))\n",
+        "",
+        (f"{PROMISES_45}::test_the_health_url_is_asked_every_tenth_of_a_second_never_more_often",),
+    ),
+    Mutation(
         "step-detail-past-its-column",
         "safeinstall/cli/render.py",
         "    column = max(width - len(head), 20)",

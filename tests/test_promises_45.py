@@ -9,6 +9,7 @@ import ctypes
 import fcntl
 import functools
 import importlib
+import itertools
 import json
 import os
 import resource
@@ -18,6 +19,7 @@ import socketserver
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -289,6 +291,57 @@ def test_only_200_is_healthy() -> None:
     with _answering(b"HTTP/1.1 204 No Content\r\n\r\n") as port, pytest.raises(StepFailed) as caught:
         wait_healthy(f"http://127.0.0.1:{port}/health", 1)
     assert "(last: HTTP 204)" in caught.value.message
+
+
+#: the pace docs/reinstall.md promises for the health URL (a literal: a mutated constant must not move it)
+HEALTH_PACE_S = 0.1
+
+
+def test_the_health_url_is_asked_every_tenth_of_a_second_never_more_often() -> None:
+    """docs/reinstall.md: ``--health-url`` is asked every 0.1 s (``service_downtime_s`` is that precise).
+    A real server answers 503 until this test has slept 30 times 0.1 s (its reference, slowed by a
+    loaded machine as much as the poller is), then 200. Never more often: each request came at least
+    0.1 s after the one before (a bound that no load can break). Not slower: those 30 pauses saw at
+    least 12 requests; asked every 0.5 s (the pace before issue 34) they would see at most 7 unless
+    this test's own sleeps took nearly twice as long as asked. No assertion on a duration."""
+    from safeinstall.system.health import wait_healthy
+
+    arrivals: list[float] = []
+    healthy = threading.Event()
+    asked = threading.Event()
+
+    class Answer(socketserver.StreamRequestHandler):
+        def handle(self) -> None:
+            self.rfile.readline()
+            arrivals.append(time.monotonic())  # the poller's clock (CLOCK_MONOTONIC), as it came
+            asked.set()
+            head = b"HTTP/1.1 200 OK\r\n\r\n" if healthy.is_set() else b"HTTP/1.1 503 Busy\r\n\r\n"
+            with contextlib.suppress(OSError):
+                self.wfile.write(head)
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Answer)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    answered: list[float] = []
+    url = f"http://127.0.0.1:{server.server_address[1]}/health"
+    poller = threading.Thread(target=lambda: answered.append(wait_healthy(url, 300)), daemon=True)
+    try:
+        poller.start()
+        assert asked.wait(60), "the health URL was never asked"
+        before = len(arrivals)
+        for _ in range(30):
+            time.sleep(HEALTH_PACE_S)
+        during = len(arrivals) - before
+        healthy.set()
+        poller.join(60)
+    finally:
+        healthy.set()
+        server.shutdown()
+        server.server_close()
+    assert answered and answered[0] >= arrivals[-1], (answered, arrivals[-1:])
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+    assert min(gaps) >= HEALTH_PACE_S, sorted(gaps)[:3]
+    assert during >= 12, (during, [round(g, 3) for g in gaps])
 
 
 # --- the .pth walk: what site imports at start-up -----------------------------------------------------
