@@ -595,6 +595,20 @@ MUTATIONS: tuple[Mutation, ...] = (
         (f"{PROMISES_45}::test_the_health_url_is_asked_every_tenth_of_a_second_never_more_often",),
     ),
     Mutation(
+        "removal-answer-unasked-files",
+        "safeinstall/store/backup.py",
+        'strings("removed", asked_files)',
+        'strings("removed")',
+        (f"{PROMISES_45}::test_a_removal_workers_removed_list_counts_only_the_paths_root_asked",),
+    ),
+    Mutation(
+        "removal-answer-unasked-dist-infos",
+        "safeinstall/store/backup.py",
+        'strings("removed_dist_infos", asked_dirs)',
+        'strings("removed_dist_infos")',
+        (f"{PROMISES_45}::test_a_removal_workers_removed_list_counts_only_the_paths_root_asked",),
+    ),
+    Mutation(
         "step-detail-past-its-column",
         "safeinstall/cli/render.py",
         "    column = max(width - len(head), 20)",

@@ -244,6 +244,32 @@ def test_a_worker_has_umask_022_and_no_core_dumps() -> None:
         resource.setrlimit(resource.RLIMIT_CORE, old_core)
 
 
+def test_a_removal_workers_removed_list_counts_only_the_paths_root_asked() -> None:
+    """docs/privsep.md: the removal worker's answer is the account's word. Its "removed" lists count only
+    the paths root asked it to remove (what root then deletes the bytecode of, and counts): a path it
+    was not asked for, outside the prefix or of another distribution, is dropped; what it denied or
+    failed is a message, cut to length; an answer that is no JSON object is a failure. (The worker runs
+    safeinstall's own code, so this is the check on its answer by itself, given a lying one.)"""
+    from safeinstall.store.backup import removal_answer
+
+    asked_files = frozenset({"lib/site-packages/pkg/a.py", "lib/site-packages/pkg/b.py"})
+    asked_dirs = frozenset({"lib/site-packages/pkg-1.0.dist-info"})
+    lying = {
+        "removed": ["lib/site-packages/pkg/a.py", "../../etc/shadow", "lib/site-packages/other/c.py", 7],
+        "removed_dist_infos": ["lib/site-packages/pkg-1.0.dist-info", "lib/site-packages/other-2.dist-info"],
+        "denied": ["lib/site-packages/pkg/b.py: Permission denied"],
+        "failures": ["x" * 5000],
+    }
+    got = removal_answer(lying, asked_files, asked_dirs, "/srv/env")
+    assert got.files == ("lib/site-packages/pkg/a.py",), got.files
+    assert got.dist_infos == ("lib/site-packages/pkg-1.0.dist-info",), got.dist_infos
+    assert got.denied == ("/srv/env/lib/site-packages/pkg/b.py: Permission denied",), got.denied
+    (failure,) = got.failures
+    assert len(failure) < 1100 and failure.endswith(": could not remove it"), failure[-40:]
+    nonsense = removal_answer(["lib/site-packages/pkg/a.py"], asked_files, asked_dirs, "/srv/env")
+    assert (nonsense.files, nonsense.dist_infos) == ((), ()) and "nonsense" in nonsense.failures[0]
+
+
 # --- health ------------------------------------------------------------------------------------------------
 
 
