@@ -531,15 +531,15 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "late-fifo-put-back",
         "safeinstall/env/swap.py",
-        "                and stat.S_ISREG(info.st_mode)\n",
-        "",
+        "info is not None and stat.S_ISREG(info.st_mode) and info.st_uid in (0, owner)",
+        "info is not None and info.st_uid in (0, owner)",
         (f"{PROMISES_45}::test_only_a_late_regular_file_of_root_or_the_directorys_owner_is_put_back",),
     ),
     Mutation(
         "late-third-owner-put-back",
         "safeinstall/env/swap.py",
-        "                and info.st_uid in (0, parent.st_uid)\n",
-        "",
+        "info is not None and stat.S_ISREG(info.st_mode) and info.st_uid in (0, owner)",
+        "info is not None and stat.S_ISREG(info.st_mode)",
         (f"{PROMISES_45}::test_only_a_late_regular_file_of_root_or_the_directorys_owner_is_put_back",),
     ),
     # issue 45 (second helper): the promises its first pass left undefended
@@ -607,6 +607,28 @@ MUTATIONS: tuple[Mutation, ...] = (
         'strings("removed_dist_infos", asked_dirs)',
         'strings("removed_dist_infos")',
         (f"{PROMISES_45}::test_a_removal_workers_removed_list_counts_only_the_paths_root_asked",),
+    ),
+    Mutation(
+        "late-dropped-directory-not-made",
+        "safeinstall/env/swap.py",
+        "                for directory, mode in missing:\n"
+        "                    live.make_dir(directory, mode)\n",
+        "",
+        (f"{PROMISES_45}::test_a_late_file_in_a_directory_the_new_version_drops_is_put_back[account]",),
+    ),
+    Mutation(
+        "late-dropped-directory-of-anyone",
+        "safeinstall/env/swap.py",
+        " or old.st_uid != os.geteuid():",
+        ":",
+        (f"{PROMISES_45}::test_a_late_file_in_a_directory_the_new_version_drops_is_put_back[account]",),
+    ),
+    Mutation(
+        "late-dropped-directory-mode-lost",
+        "safeinstall/env/swap.py",
+        "missing.append((directory, stat.S_IMODE(old.st_mode)))",
+        "missing.append((directory, 0o755))",
+        (f"{PROMISES_45}::test_a_late_file_in_a_directory_the_new_version_drops_is_put_back[account]",),
     ),
     Mutation(
         "step-detail-past-its-column",

@@ -993,3 +993,43 @@ def test_only_a_late_regular_file_of_root_or_the_directorys_owner_is_put_back(tm
     left = swap.put_back_unknown(root, prefix, unknown, None)
     assert sorted(left) == ["pkg/fifo", "pkg/thirds.txt"]
     assert sorted(p.name for p in (prefix / "pkg").iterdir()) == ["owners.txt", "roots.txt"]
+
+
+@pytest.mark.parametrize("who", ["root", "account"])
+def test_a_late_file_in_a_directory_the_new_version_drops_is_put_back(open_dir: Path, who: str) -> None:
+    """docs/window.md: a file written after the backup into an old directory the new version does not
+    have (a subdirectory of an exchanged package, or a package moved out whole into the attic) is put
+    back where it was, its directories made again as they were, by the prefix's owner (the account's
+    worker in an account's environment), as uv's uninstall leaves a directory that still holds a file;
+    a directory on its way that was not the owner's keeps it aside."""
+    from safeinstall.env import swap
+
+    if not AS_ROOT:
+        pytest.skip("an account's worker needs root")
+    uid = NOBODY if who == "account" else 0
+    prefix = open_dir / "prefix"
+    root = prefix / ".safeinstall-swap-run45b"
+    (prefix / "pkg").mkdir(parents=True)  # the new version's package: no ``sub`` in it
+    late = {
+        f"{swap.STAGED_TREE}/pkg/sub/deeper/late.txt": "pkg/sub/deeper/late.txt",  # exchanged with pkg
+        f"{swap.ATTIC}/gone/late.txt": "gone/late.txt",  # a package the new version dropped
+        f"{swap.ATTIC}/theirs/late.txt": "theirs/late.txt",  # its directory another account's
+    }
+    for where in late:
+        (root / where).parent.mkdir(parents=True, exist_ok=True)
+        (root / where).write_text(f"{where}\n")
+    (root / swap.STAGED_TREE / "pkg" / "sub").chmod(0o750)
+    for path in [prefix, *sorted(prefix.rglob("*"))]:
+        os.chown(path, uid, uid)
+    os.chown(root / swap.ATTIC / "theirs", OTHER, OTHER)
+    left = swap.put_back_unknown(root, prefix, list(late.items()), None if uid == 0 else (uid, uid))
+    assert left == ["theirs/late.txt"], left
+    assert (prefix / "pkg/sub/deeper/late.txt").read_text() == f"{swap.STAGED_TREE}/pkg/sub/deeper/late.txt\n"
+    assert (prefix / "gone/late.txt").read_text() == f"{swap.ATTIC}/gone/late.txt\n"
+    made = [prefix / "pkg/sub", prefix / "pkg/sub/deeper", prefix / "gone"]
+    assert [(d.stat().st_uid, d.stat().st_mode & 0o7777) for d in made] == [
+        (uid, 0o750),
+        (uid, 0o755),
+        (uid, 0o755),
+    ]
+    assert not (prefix / "theirs").exists()
