@@ -36,6 +36,7 @@ from tests.beds import (
     UNIT_TEXT,
     Bed,
     ServiceAccountBed,
+    chown_tree,
     maps_so,
     shared_interpreter_or_skip,
 )
@@ -1033,3 +1034,35 @@ def test_a_late_file_in_a_directory_the_new_version_drops_is_put_back(open_dir: 
         (uid, 0o755),
     ]
     assert not (prefix / "theirs").exists()
+
+
+def test_an_accounts_run_puts_back_a_late_file_in_a_directory_the_new_version_drops(
+    account: ServiceAccountBed, tmp_path: Path
+) -> None:
+    """End to end, in an account's environment: sicext 1.0 with a subpackage ``sicext/extra`` that 2.0
+    does not have; the service (the account) writes a file into it after the backup. The swap takes the
+    old ``sicext`` away whole; once 2.0 runs, the account's worker makes ``sicext/extra`` again and puts
+    the file back, the account's still (uv's uninstall would have left it there); nothing kept aside."""
+    extra = wheelhouse.rebuilt(
+        account.wheels["sicext-1"], tmp_path / "extra", {"sicext/extra/__init__.py": b"OLD = True\n"}
+    )
+    wheelhouse.uv_install(account.python, extra, reinstall=True)
+    chown_tree(account.python.parent.parent, NOBODY)
+    name = account.unit("acct-late-dropped")
+    late = account.site / "sicext" / "extra" / "late.txt"
+    proc = account.start_run("sicext", "--wheel", str(account.wheels["sicext-2"]), "--settle", "1", "--json")
+    try:
+        account.wait_phase(proc, "staged", "gated", "stopping", timeout=120)
+        subprocess.run([*AS_NOBODY, "sh", "-c", f"echo late > {late}"], check=True)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out + err
+    assert json.loads(out)["status"] == "done" and ".safeinstall-kept-" not in out + err, out + err
+    assert late.read_text() == "late\n" and late.stat().st_uid == NOBODY
+    assert sorted(p.name for p in late.parent.iterdir()) == ["late.txt"]  # the old module went
+    assert late.parent.stat().st_uid == NOBODY
+    assert not list(account.python.parent.parent.glob(".safeinstall-*"))
+    assert account.version() == "2.0" and account.manager.active_state(name) == "active"
