@@ -631,6 +631,16 @@ MUTATIONS: tuple[Mutation, ...] = (
         (f"{PROMISES_45}::test_a_late_file_in_a_directory_the_new_version_drops_is_put_back[account]",),
     ),
     Mutation(
+        "smoke-prefetched-tree-left-open",
+        "safeinstall/run/smoke.py",
+        "    if opened:\n        _close_again(run, new)\n",
+        "    if opened and new.below:\n        _close_again(run, new)\n",
+        (
+            f"{PROMISES_45}::test_the_prefetched_tree_opened_to_a_units_user_is_made_private_again_once_the_"
+            "check_is_done",
+        ),
+    ),
+    Mutation(
         "step-detail-past-its-column",
         "safeinstall/cli/render.py",
         "    column = max(width - len(head), 20)",

@@ -865,6 +865,43 @@ def test_the_staging_directory_opened_to_a_units_user_is_closed_once_the_check_i
     assert bed.version() == "2.0" and bed.manager.active_state(unit) == "active"
 
 
+HOOK_PREFETCH_MODES = r"""
+import glob, json, os, sys
+state, report = sys.argv.pop(1), sys.argv.pop(1)
+def hook(frame, event, arg):
+    if event == "call" and frame.f_code.co_name == "gate_step" \
+            and frame.f_globals.get("__name__") == "safeinstall.run.reinstall" and not os.path.exists(report):
+        modes = {p: os.lstat(p).st_mode & 0o7777 for p in glob.glob(os.path.join(state, "*", "prefetch-*"))}
+        with open(report, "w") as out:
+            json.dump(modes, out)
+sys.setprofile(hook)
+from safeinstall.__main__ import main
+sys.argv[0] = "safeinstall"
+sys.exit(main())
+"""
+
+
+def test_the_prefetched_tree_opened_to_a_units_user_is_made_private_again_once_the_check_is_done(
+    open_bed: Bed, tmp_path: Path
+) -> None:
+    """docs/threat-model.md: where the run does not swap (``--no-swap``), the check imports from the
+    prefetch's ``--target`` tree, opened (0755) to a unit's ``User=`` while it runs; once the check is
+    done, before the stop, that tree is private again (0700)."""
+    bed = open_bed
+    unit = bed.service("smoke-prefetch-closed", User=str(NOBODY))
+    report = tmp_path / "modes.json"
+    bed.tool = (sys.executable, "-c", HOOK_PREFETCH_MODES, str(bed.state), str(report))
+    done = bed.safeinstall(
+        "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--no-swap", "--settle", "1", "--json"
+    )
+    assert done.code == 0, done.stdout + done.stderr
+    (step,) = [s for s in done.json["data"]["steps"] if s["name"] == "smoke"]
+    assert "imported as" in step["detail"] and "not checked" not in step["detail"], step
+    modes = json.loads(report.read_text())
+    assert list(modes.values()) == [0o700], {name: oct(mode) for name, mode in modes.items()}
+    assert bed.version() == "2.0" and bed.manager.active_state(unit) == "active"
+
+
 # --- a signal while the journal is written -----------------------------------------------------------------
 
 HOOK_JOURNAL = r"""
