@@ -641,6 +641,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
     ),
     Mutation(
+        "room-hint-names-no-kept-backup",
+        "safeinstall/run/preflight.py",
+        "    if kept:\n        oldest = kept[0]\n",
+        "    if False:\n        oldest = kept[0]\n",
+        (f"{PROMISES_45}::test_a_state_directory_too_small_for_the_next_backup_names_the_oldest_kept_one",),
+    ),
+    Mutation(
         "step-detail-past-its-column",
         "safeinstall/cli/render.py",
         "    column = max(width - len(head), 20)",
