@@ -1007,15 +1007,19 @@ def test_only_loaded_in_a_real_run_leaves_the_possible_users_running(bed: Bed) -
 # --- the swap's late files ----------------------------------------------------------------------------------
 
 
-def test_only_a_late_regular_file_of_root_or_the_directorys_owner_is_put_back(tmp_path: Path) -> None:
+@pytest.mark.parametrize("who", ["root", "account"])
+def test_only_a_late_regular_file_of_root_or_the_directorys_owner_is_put_back(
+    open_dir: Path, who: str
+) -> None:
     """docs/threat-model.md: a file written into an old package directory after the backup is put back
     after the swap only when it is a regular file of root's or of the directory's owner; a third
-    account's file, or a FIFO, is not given a new place (the staging directory is kept aside)."""
+    account's file, or a FIFO, is not given a new place (the staging directory is kept aside). By root
+    in a root-owned prefix, by the account's worker in the account's."""
     from safeinstall.env import swap
 
     if not AS_ROOT:
         pytest.skip("files of other accounts need root")
-    prefix, root = tmp_path / "prefix", tmp_path / "prefix" / ".safeinstall-swap-run45"
+    prefix, root = open_dir / "prefix", open_dir / "prefix" / ".safeinstall-swap-run45"
     (prefix / "pkg").mkdir(parents=True)
     os.chown(prefix / "pkg", NOBODY, NOBODY)  # the directory's owner: the environment's account
     old = root / swap.STAGED_TREE / "pkg"
@@ -1028,7 +1032,11 @@ def test_only_a_late_regular_file_of_root_or_the_directorys_owner_is_put_back(tm
     unknown = [
         (f"{swap.STAGED_TREE}/pkg/{n}", f"pkg/{n}") for n in ("fifo", "owners.txt", "roots.txt", "thirds.txt")
     ]
-    left = swap.put_back_unknown(root, prefix, unknown, None)
+    if who == "account":
+        for path in (prefix, root, *root.rglob("*")):
+            if path.is_dir():
+                os.chown(path, NOBODY, NOBODY)
+    left = swap.put_back_unknown(root, prefix, unknown, None if who == "root" else (NOBODY, NOBODY))
     assert sorted(left) == ["pkg/fifo", "pkg/thirds.txt"]
     assert sorted(p.name for p in (prefix / "pkg").iterdir()) == ["owners.txt", "roots.txt"]
 
