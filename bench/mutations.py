@@ -614,7 +614,10 @@ MUTATIONS: tuple[Mutation, ...] = (
         "                for directory, mode in missing:\n"
         "                    live.make_dir(directory, mode)\n",
         "",
-        (f"{PROMISES_45}::test_a_late_file_in_a_directory_the_new_version_drops_is_put_back[account]",),
+        (
+            f"{PROMISES_45}::test_a_late_file_in_a_directory_the_new_version_drops_is_put_back[account]",
+            f"{PROMISES_45}::test_an_accounts_run_puts_back_a_late_file_in_a_directory_the_new_version_drops",
+        ),
     ),
     Mutation(
         "late-dropped-directory-of-anyone",
