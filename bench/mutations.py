@@ -651,6 +651,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         (f"{PROMISES_45}::test_a_state_directory_too_small_for_the_next_backup_names_the_oldest_kept_one",),
     ),
     Mutation(
+        "stop-d-state-never-named",
+        "safeinstall/system/systemd.py",
+        "                if now - since >= STUCK_D_S:\n",
+        "                if False:\n",
+        (f"{PROMISES_45}::test_a_stop_held_up_by_a_process_in_d_state_is_named_after_3_s_not_its_timeout",),
+    ),
+    Mutation(
         "step-detail-past-its-column",
         "safeinstall/cli/render.py",
         "    column = max(width - len(head), 20)",

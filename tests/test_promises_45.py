@@ -1137,3 +1137,63 @@ def test_a_state_directory_too_small_for_the_next_backup_names_the_oldest_kept_o
     assert "the 1 kept backup(s) there hold" in said and f"the oldest, {kept} (" in said, said
     assert "(rm -r it), or run with a lower --keep-backups" in said, said
     assert list(state.glob("*/backups/*")) == [kept]
+
+
+#: A process /proc shows in ``D`` until it is SIGKILLed, which a stop's SIGTERM does not end: SIGTERM
+#: ignored (its vfork child inherits that), the parent waits in the kernel (TASK_KILLABLE, shown as
+#: ``D``) for its child, which pauses (``S``: nothing stopped, so only the ``D`` can be named).
+IGNORES_TERM_IN_D = r"""
+#include <signal.h>
+#include <unistd.h>
+int main(void) {
+    signal(SIGTERM, SIG_IGN);
+    if (vfork() == 0) {
+        for (;;) pause();
+    }
+    return 0;
+}
+"""
+
+
+def test_a_stop_held_up_by_a_process_in_d_state_is_named_after_3_s_not_its_timeout(
+    bed: Bed, tmp_path: Path
+) -> None:
+    """docs/faults.md (issue 44): a stop that cannot finish because a process of the unit stays in
+    uninterruptible sleep (``D``) for 3 s is named then (the PID, its name, state D, ``cat
+    /proc/PID/stack``, a reboot), not waited out to the unit's ``TimeoutStopSec`` (a minute here,
+    after which systemd's SIGKILL would end it and the run would go on: exit 0)."""
+    helper = tmp_path / "term_in_d"
+    source = tmp_path / "term_in_d.c"
+    source.write_text(IGNORES_TERM_IN_D)
+    subprocess.run([shutil.which("gcc") or "cc", "-o", str(helper), str(source)], check=True)
+    text = (
+        "[Unit]\nDescription=safeinstall D-state stop test\n\n[Service]\nTimeoutStopSec=60\n"
+        f"ExecStart=/bin/sh -c '{helper} & exec {{exec}}'\n"
+    )
+    name = bed.unit("stop-in-d", text=text)
+    group = bed.manager.show(name, "ControlGroup")["ControlGroup"]
+
+    def states() -> dict[int, str]:
+        found = {}
+        for pid in cgroup_pids(group):
+            with contextlib.suppress(OSError):
+                found[pid] = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        return found
+
+    wait_until(lambda: "D" in states().values(), 15, "the helper in D state")
+    (stuck,) = [pid for pid, state in states().items() if state == "D"]
+    mine = [pid for pid in cgroup_pids(group) if pid != bed.manager.main_pid(name)]
+    try:
+        result = bed.cli("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.3", "--yes")
+        assert result.code == 4, result.stdout + result.stderr
+        said = " ".join(result.stderr.split())
+        assert f"PID {stuck} (term_in_d) is in uninterruptible sleep (state D," in said, said
+        assert f"cat /proc/{stuck}/stack" in said and "reboot" in said, said
+    finally:
+        for pid in mine:  # the test's own processes, by PID (SIGKILL ends the vfork wait)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    recovered = bed.cli("--recover")
+    assert recovered.code in (0, 3), recovered.stdout + recovered.stderr
+    wait_until(lambda: bed.manager.active_state(name) == "active", 30, "the unit running again")
+    assert bed.version() == "1.0"
