@@ -658,6 +658,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         (f"{PROMISES_45}::test_a_stop_held_up_by_a_process_in_d_state_is_named_after_3_s_not_its_timeout",),
     ),
     Mutation(
+        "stop-d-state-breaks-ignored",
+        "safeinstall/system/systemd.py",
+        "        for gone in set(self.d_since) - seen:\n            del self.d_since[gone]\n",
+        "",
+        (f"{PROMISES_45}::test_a_stopping_process_in_and_out_of_d_state_is_waited_for",),
+    ),
+    Mutation(
         "step-detail-past-its-column",
         "safeinstall/cli/render.py",
         "    column = max(width - len(head), 20)",

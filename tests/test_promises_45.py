@@ -1197,3 +1197,87 @@ def test_a_stop_held_up_by_a_process_in_d_state_is_named_after_3_s_not_its_timeo
     assert recovered.code in (0, 3), recovered.stdout + recovered.stderr
     wait_until(lambda: bed.manager.active_state(name) == "active", 30, "the unit running again")
     assert bed.version() == "1.0"
+
+
+#: In and out of ``D`` at the hook's word, SIGTERM ignored: each ``vfork`` parks the parent in ``D`` (its
+#: child pauses); the child killed, the parent waits for SIGUSR1 in ``S``; 40 times, then it exits.
+TERM_IN_AND_OUT_OF_D = r"""
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+int main(void) {
+    sigset_t set;
+    int sig;
+    signal(SIGTERM, SIG_IGN);
+    sigemptyset(&set);
+    sigaddset(&set, SIGUSR1);
+    sigprocmask(SIG_BLOCK, &set, NULL);
+    for (int i = 0; i < 40; i++) {
+        pid_t child = vfork();
+        if (child == 0) {
+            for (;;) pause();
+        }
+        waitpid(child, NULL, 0);
+        sigwait(&set, &sig);
+    }
+    return 0;
+}
+"""
+
+# After each look of the stop at the unit's processes, the helper is moved on: seen in D, its paused
+# child is killed (it leaves D, and waits in S); seen in S, it is sent SIGUSR1 (back in D).
+HOOK_STOP_D_S_D = r"""
+import os, signal, sys, threading
+helper = int(sys.argv.pop(1))
+def state(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0]
+    except OSError:
+        return ""
+def hook(frame, event, arg):
+    if event != "return" or frame.f_code.co_name != "look" \
+            or frame.f_globals.get("__name__") != "safeinstall.system.systemd":
+        return
+    now = state(helper)
+    if now == "D":
+        with open(f"/proc/{helper}/task/{helper}/children") as children:
+            for child in children.read().split():
+                os.kill(int(child), signal.SIGKILL)
+    elif now == "S":
+        os.kill(helper, signal.SIGUSR1)
+threading.setprofile(hook)
+sys.setprofile(hook)
+from safeinstall.__main__ import main
+sys.argv[0] = "safeinstall"
+sys.exit(main())
+"""
+
+
+def test_a_stopping_process_in_and_out_of_d_state_is_waited_for(bed: Bed, tmp_path: Path) -> None:
+    """docs/faults.md: a process of a stopping unit is named only after 3 s in ``D`` *without a break*:
+    one seen D, S, D, S... at each look of the stop (never twice in a row in D), for longer than 3 s
+    in all, is waited for; once it exits the stop ends and the run installs (exit 0)."""
+    helper = tmp_path / "term_in_and_out_of_d"
+    source = tmp_path / "term_in_and_out_of_d.c"
+    source.write_text(TERM_IN_AND_OUT_OF_D)
+    subprocess.run([shutil.which("gcc") or "cc", "-o", str(helper), str(source)], check=True)
+    text = (
+        "[Unit]\nDescription=safeinstall D-state stop test\n\n[Service]\nTimeoutStopSec=60\n"
+        f"ExecStart=/bin/sh -c '{helper} & exec {{exec}}'\n"
+    )
+    name = bed.unit("stop-d-s-d", text=text)
+    group = bed.manager.show(name, "ControlGroup")["ControlGroup"]
+    wait_until(lambda: any(_state(p) == "D" for p in cgroup_pids(group)), 15, "the helper in D state")
+    (flipping,) = [p for p in cgroup_pids(group) if _state(p) == "D"]
+    mine = [pid for pid in cgroup_pids(group) if pid != bed.manager.main_pid(name)]
+    bed.tool = (sys.executable, "-c", HOOK_STOP_D_S_D, str(flipping))
+    try:
+        done = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.3", "--json")
+        assert done.code == 0, done.stdout + done.stderr
+        assert "uninterruptible" not in done.stdout + done.stderr, done.stdout + done.stderr
+    finally:
+        for pid in mine:  # the test's own processes, by PID
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert bed.version() == "2.0" and bed.manager.active_state(name) == "active"
