@@ -1,12 +1,7 @@
 """One exception hierarchy; every message says what happened and what to do next.
 
-Exit codes (documented in the README and ``--help``):
-
-* 0 - success / clean
-* 1 - drift found (``--verify-only``)
-* 2 - could not check or refused before anything was changed (bad input, plan refused, lock held)
-* 3 - a step failed after services were touched; everything was put back
-* 4 - a step failed and putting things back failed too; manual action needed
+Exit codes: 0 success, 1 drift found, 2 refused before anything changed, 3 failed and put back,
+4 failed and putting back failed too.
 """
 
 from __future__ import annotations

@@ -1,17 +1,25 @@
 """The documentation holds together (issue 24): the README stays a one-sitting read, and every relative
-link of the README and of ``docs/`` names a file that exists, and a heading of it when it has an anchor.
+link of the README and of ``docs/`` names a file that exists, and a heading of it when it has an anchor;
+and the code's docstrings stay short (issue 48): reference prose lives in ``docs/``.
 
 Pure reads of the checkout; nothing is run.
 """
 
 from __future__ import annotations
 
+import ast
 import re
+import statistics
 from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 README_MAX_LINES = 350
+#: A module docstring says what the module is for; a function's or class's is one line plus what it
+#: raises and, where not obvious, why. Lengths as written (``ast.get_docstring(node, clean=False)``).
+MODULE_DOC_MAX = 600
+MODULE_DOC_MEDIAN_MAX = 300
+FUNCTION_DOC_MAX = 400
 
 #: ``[text](target)`` and ``[text](target "title")``; images too (``![alt](target)``).
 _LINK = re.compile(r"\[[^\]]*\]\(\s*([^)\s]+)(?:\s+\"[^\"]*\")?\s*\)")
@@ -83,6 +91,33 @@ def broken_links(page: Path, root: Path = ROOT) -> list[str]:
             and anchor not in anchors(destination.read_text(encoding="utf-8"))
         ):
             problems.append(f"{where} (no such heading)")
+    return problems
+
+
+def docstring_problems(package: Path) -> list[str]:
+    """Each docstring of ``package`` over its bound, and the module docstrings' median over its own."""
+    problems: list[str] = []
+    module_lengths: list[int] = []
+    for source in sorted(package.rglob("*.py")):
+        tree = ast.parse(source.read_text(encoding="utf-8"))
+        where = source.relative_to(package.parent).as_posix()
+        module_doc = len(ast.get_docstring(tree, clean=False) or "")
+        module_lengths.append(module_doc)
+        if module_doc > MODULE_DOC_MAX:
+            problems.append(
+                f"{where}: module docstring of {module_doc} characters (at most {MODULE_DOC_MAX})"
+            )
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                length = len(ast.get_docstring(node, clean=False) or "")
+                if length > FUNCTION_DOC_MAX:
+                    problems.append(
+                        f"{where}:{node.lineno}: {node.name}'s docstring of {length} characters"
+                        f" (at most {FUNCTION_DOC_MAX})"
+                    )
+    median = statistics.median(module_lengths) if module_lengths else 0
+    if median > MODULE_DOC_MEDIAN_MAX:
+        problems.append(f"module docstrings: median {median} characters (at most {MODULE_DOC_MEDIAN_MAX})")
     return problems
 
 
@@ -209,3 +244,33 @@ def test_every_promise_test_has_a_mutation() -> None:
     bench = (ROOT / "bench" / "mutations.py").read_text()
     joined = re.sub(r'"\s*\n\s*"', "", bench)  # the names split across string literals joined again
     assert [t for t in tests if t not in joined] == []
+
+
+def test_docstrings_are_short_and_reference_prose_lives_in_docs() -> None:
+    problems = docstring_problems(ROOT / "safeinstall")
+    assert not problems, "move the reference prose into docs/:\n" + "\n".join(problems)
+
+
+def test_the_docstring_check_sees_a_long_module_a_long_function_and_a_long_median(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    package.mkdir()
+
+    def module(name: str, module_doc: int, method_doc: int = 0) -> None:
+        method = (
+            f'\n\nclass C:\n    def f(self) -> None:\n        """{"f" * method_doc}"""\n'
+            if method_doc
+            else ""
+        )
+        (package / name).write_text(f'"""{"m" * module_doc}"""\n{method}', encoding="utf-8")
+
+    module("a.py", MODULE_DOC_MEDIAN_MAX)
+    module("b.py", MODULE_DOC_MEDIAN_MAX)
+    module("c.py", MODULE_DOC_MEDIAN_MAX, method_doc=FUNCTION_DOC_MAX)
+    assert docstring_problems(package) == []
+    module("c.py", MODULE_DOC_MEDIAN_MAX, method_doc=FUNCTION_DOC_MAX + 1)
+    assert docstring_problems(package) == ["pkg/c.py:5: f's docstring of 401 characters (at most 400)"]
+    module("c.py", MODULE_DOC_MAX + 1)
+    assert docstring_problems(package) == ["pkg/c.py: module docstring of 601 characters (at most 600)"]
+    module("c.py", MODULE_DOC_MEDIAN_MAX + 1)
+    module("d.py", MODULE_DOC_MEDIAN_MAX + 1)
+    assert docstring_problems(package) == ["module docstrings: median 300.5 characters (at most 300)"]

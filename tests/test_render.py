@@ -326,6 +326,20 @@ def test_the_plan_of_the_vllm_host_fits_36_lines_at_120_columns_naming_every_pro
     assert any(line.startswith("31600 ") for line in verbose.splitlines()), verbose
 
 
+def test_a_dry_runs_plan_says_the_smoke_check_is_not_run_by_it() -> None:
+    """A ``--dry-run`` imports nothing: its plan says so where it names the check (a run's plan, asked
+    before the stop, does not)."""
+    from safeinstall.cli.render import render_plan
+
+    plan = _vllm_host_plan()
+    dry = " ".join(
+        "\n".join(_render_at(lambda out, err: render_plan(out, err, plan, 0, dry_run=True), 120)).split()
+    )
+    run = " ".join("\n".join(_render_at(lambda out, err: render_plan(out, err, plan, 0), 120)).split())
+    assert "smoke check (a run's; --dry-run imports nothing): " in dry, dry
+    assert "--dry-run imports nothing" not in run and "smoke check: " in run, run
+
+
 def _render_at(draw: Any, width: int) -> list[str]:
     out, err = io.StringIO(), io.StringIO()
     draw(Console(file=out, width=width, no_color=True), Console(file=err, width=width, no_color=True))

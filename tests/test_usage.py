@@ -59,6 +59,14 @@ def _usage(*modes: str, **given: object) -> Usage:
             _usage("--status", given=("smoke", "no_smoke", "smoke_timeout")),
             "--smoke, --no-smoke, --smoke-timeout do nothing with --status",
         ),
+        (
+            _usage(package="x", given=("no_smoke", "smoke_skip")),
+            "--smoke-skip does nothing with --no-smoke",
+        ),
+        (
+            _usage(package="x", given=("smoke", "smoke_timeout", "no_smoke")),
+            "--smoke, --smoke-timeout do nothing with --no-smoke",
+        ),
         (_usage(wheel=Path("not-a-wheel.zip")), "no PACKAGE given"),
         (
             _usage(package="vllm", args=("torch", "-i", "URL"), uv_args=("-i", "URL")),

@@ -1,8 +1,4 @@
-"""The command line's parameters, each declared once: its flag, help and default's meaning (typer reads
-them from :func:`safeinstall.cli.app.main_command`'s annotations). A run's option is one parameter
-here and in ``main_command`` by the name of its :class:`safeinstall.run.options.RunOptions` field:
-:func:`safeinstall.run.commands.run_options` takes it from there by that name.
-"""
+"""The command line's parameters, each declared once: its flag, help and default's meaning."""
 
 # No ``from __future__ import annotations``: these are objects typer reads at each start.
 

@@ -337,7 +337,7 @@ def _scan_problems(err: Console, problems: Sequence[ScanProblem], verbosity: int
         )
 
 
-def render_plan(out: Console, err: Console, plan: Plan, verbosity: int = 0) -> None:
+def render_plan(out: Console, err: Console, plan: Plan, verbosity: int = 0, dry_run: bool = False) -> None:
     """The plan at a glance: one row per process (its strongest evidence, as one reason) and per unit;
     every piece of evidence with ``-v`` (and in ``--json``). Tables take the terminal's width and are not
     padded on a pipe; a path or command too long for its column ends in an ellipsis, never broken."""
@@ -436,7 +436,8 @@ def render_plan(out: Console, err: Console, plan: Plan, verbosity: int = 0) -> N
         out.print("uv command: " + literal(" ".join(plan.uv_command)), soft_wrap=True)
     if plan.smoke:
         said = plan.smoke if verbosity > 0 else compact_smoke(plan.smoke, plan.package)
-        for wrapped in wrap_words("smoke check: " + said, out.width):
+        label = "smoke check (a run's; --dry-run imports nothing): " if dry_run else "smoke check: "
+        for wrapped in wrap_words(label + said, out.width):
             out.print(literal(wrapped), soft_wrap=True)
     _scan_problems(err, plan.scan_problems, verbosity)
     for warning in plan.warnings:
@@ -545,11 +546,10 @@ def wrap_words(text: str, width: int, indent: int = 0, hang: int = 2) -> list[st
 def stacked_table(
     header: Sequence[str], rows: Sequence[Sequence[str]], width: int, indent: int = 0
 ) -> list[str]:
-    """Pure: a table as lines of at most ``width`` characters in which no cell is cut or broken: the
-    leading columns that fit whole side by side form the table (as wide as their widest cell, two
-    spaces apart); each later column goes below its row as "name: value", wrapped between words
-    (:func:`wrap_words`). At 200 columns a plan is one table; at 80 its reason and command stack.
-    Cells are :func:`printable` (a newline in one: a space); lines carry no trailing spaces."""
+    """Pure: a table as lines of at most ``width`` characters, no cell cut: the leading columns that fit
+    side by side, each later one below its row as "name: value", wrapped between words. Cells are
+    :func:`printable`; no trailing spaces.
+    """
     table = [[printable(" ".join(cell.split("\n"))) for cell in row] for row in (header, *rows)]
     shown = len(header)
     while shown > 1:
@@ -676,7 +676,7 @@ class ConsoleReporter:
                 self.err.print(literal(progress_text(what, done, total, unit)), soft_wrap=True)
             return
         # the whole line, amounts included ("... (1 of 2): 12 s of 90 s (13%)"), wrapped between words in
-        # a column of its own: never cut at the terminal's width (issue 42), the bar beside it
+        # a column of its own: never cut at the terminal's width, the bar beside it
         said = literal(progress_text(what, done, total, unit))
         if self._progress is None:
             from rich.progress import BarColumn, Progress, TextColumn

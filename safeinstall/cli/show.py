@@ -140,7 +140,7 @@ def draw(result: Result, out: Console, err: Console, verbosity: int) -> None:
             path, count = result.saved
             err.print(f"patch of {counted(count, 'modified file')} written to {literal(path)}")
     elif isinstance(result, DryRun):
-        render_plan(out, err, result.plan, verbosity)
+        render_plan(out, err, result.plan, verbosity, dry_run=True)
         if result.patches is not None:
             render_patches(out, result.patches, when="plan")
     elif isinstance(result, Ran):

@@ -1,7 +1,5 @@
-"""The command line's one validation: :func:`usage_problem` says, from what was given and nothing
-else, why a command line does not make sense (a :class:`UsageError`, exit 2), before anything is read,
-asked or changed. The CLI (:mod:`safeinstall.cli.app`) parses into a :class:`Usage`, asks this, then calls
-one command, renders and exits.
+"""The command line's one validation: :func:`usage_problem` says why a command line does not make sense
+(a :class:`UsageError`, exit 2), before anything is read.
 """
 
 from __future__ import annotations
@@ -194,6 +192,22 @@ def _idle_options(u: Usage) -> UsageError | None:
     )
 
 
+def _smoke_problem(u: Usage) -> UsageError | None:
+    """Pure: ``--no-smoke`` given with an option of the check it skips (which would do nothing)."""
+    idle = [flag for name, flag in _SMOKE_OPTIONS if name in u.given]
+    if "no_smoke" not in u.given or not idle:
+        return None
+    return UsageError(
+        f"{', '.join(idle)} {'does' if len(idle) == 1 else 'do'} nothing with --no-smoke: "
+        "there is no check to shape",
+        hint=f"drop --no-smoke to run the check with {' '.join(idle)}, or drop {' '.join(idle)}",
+    )
+
+
+#: The options of the smoke check, which ``--no-smoke`` skips whole.
+_SMOKE_OPTIONS = (("smoke", "--smoke"), ("smoke_timeout", "--smoke-timeout"), ("smoke_skip", "--smoke-skip"))
+
+
 def usage_problem(u: Usage) -> UsageError | None:
     """Pure: why this command line does not make sense, the first reason in the order a user reads
     it; None when it does. What needs the environment (the run ``--undo`` names, the wheel itself, uv's
@@ -220,7 +234,7 @@ def usage_problem(u: Usage) -> UsageError | None:
     prepared = _prepare_problem(u)
     if prepared is not None:
         return prepared
-    idle = _idle_options(u)
+    idle = _idle_options(u) or _smoke_problem(u)
     if idle is not None:
         return idle
     hashing = next((flag for flag in _NOT_A_RUN[1:] if flag in u.modes), None)

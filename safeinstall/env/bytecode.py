@@ -1,9 +1,7 @@
-"""Bytecode judged by what it runs (issue 46 item 1, issue 43 item 7): a ``.pyc`` in a ``__pycache__``
-is fine only when it is valid for its listed, verified source and holds the code compiling that source
-gives. Nothing of it is run: its header is parsed, its body unmarshalled (``marshal.loads`` builds data,
-code objects included, and runs none of it) and compared with ``compile()`` of the source's bytes.
+"""Bytecode judged by what it runs: a ``.pyc`` is fine only when it holds the code its verified source
+compiles to. Nothing of it is run (``marshal.loads`` builds data).
 
-docs/verify.md has the rules; :func:`judge` is the pure part, :func:`judge_files` reads.
+:func:`judge` is pure, :func:`judge_files` reads; docs/verify.md.
 """
 
 from __future__ import annotations
@@ -93,11 +91,10 @@ _FLAG_REF = 0x80
 
 
 def marshal_bounded(data: bytes) -> str | None:
-    """Pure: None when every count in the marshal stream ``data`` holds is no larger than the bytes left
-    to hold it, or why not. ``marshal.loads`` makes a tuple (and zeroes it) at the size the data says,
-    before reading its items: 5 bytes of a hostile ``.pyc`` had root's process allocate and touch 16
-    GiB (the attacker review). Walked with a stack of its own (no recursion); a code object's fields as
-    CPython 3.11 to 3.13 write them (5 longs, 8 objects, a long, 2 objects)."""
+    """Pure: None when every count in the marshal stream ``data`` fits the bytes left, or why not
+    (``marshal.loads`` allocates what a count says first: 5 hostile bytes, 16 GiB). Walked with its own
+    stack; code objects as CPython 3.11 to 3.13 write them.
+    """
     end = len(data)
     at = 0
     # what is still to be read, last first: [objects left] (-1: a dict's, until its NULL key) or
@@ -164,13 +161,10 @@ OWN_MAGIC = importlib.util.MAGIC_NUMBER
 
 
 def judge(pyc: bytes, name: PycName, source: bytes) -> str | None:
-    """Pure (builds code objects, runs none): why ``pyc`` is not the bytecode of ``source`` (the bytes
-    of its listed, verified source), or None when it is. An unchecked hash-based ``.pyc`` is never
-    fine: Python runs it without looking at its source. The header's timestamp or hash need not match
-    (Python then compiles the source itself and does not run this one); the code it holds must be what
-    compiling the source gives (code objects compared, which leaves out the file name a compiler was
-    given). A ``.pyc`` of another interpreter's tag is judged by its header alone: this interpreter
-    cannot compile for it."""
+    """Pure (builds code objects, runs none): why ``pyc`` is not the bytecode of ``source`` (its verified
+    source's bytes), or None. An unchecked hash-based ``.pyc`` is never fine; the code must be what
+    compiling the source gives; another interpreter's is judged by its header. docs/verify.md.
+    """
     header = parse_header(pyc)
     if isinstance(header, str):
         return header
@@ -233,11 +227,10 @@ def judge_files(
     clean_sources: Callable[[str], bool],
     known: KnownPyc | None = None,
 ) -> Verdicts:
-    """Each candidate ``.pyc`` (below ``root``, with its source's RECORD hash, or None: not listed)
-    judged. Read by descriptor within the first of ``roots`` that holds it (the environment's prefix,
-    its base's; no symlink followed, nothing but a regular file opened);
-    the source's bytes are hashed and must be its RECORD's before they are compiled. ``clean_sources``:
-    the check found that source as its RECORD says (a ``.pyc`` proven by ``known`` needs it)."""
+    """Each candidate ``.pyc`` below ``root`` judged, read by descriptor within the first of ``roots`` that
+    holds it; its source's bytes must match its RECORD hash before they are compiled. ``clean_sources``:
+    sources the check found clean.
+    """
     from safeinstall.system.safefs import NotRegularFile, Tree
 
     problems: dict[str, str] = {}

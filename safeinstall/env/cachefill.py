@@ -1,27 +1,7 @@
-"""Never fetch twice what the host already has: the run's uv cache is filled from the account's.
+"""The run's uv cache filled from the account's, so that nothing the host has is fetched twice.
 
-The prefetch gives uv a cache of the run's own (:mod:`safeinstall.env.uvplan`: installed files must share
-no inode with a cache that outlives the run). Before it runs, the unpacked wheels of the distributions
-uv's plan installs, where the environment owner's uv cache already holds them (a clean reinstall, a
-rollback to yesterday's nightly, most dependencies of a nightly), are copied into the run's cache
-(:func:`safeinstall.env.owner.copy_cached_wheels`, as that owner: what it copies is what the account may
-read): uv then finds them there and downloads only what is missing. Copied, never linked: the run's
-cache shares no inode with the account's, so removing it at the end still leaves every installed file
-sharing its inodes with nothing.
-
-Which cache is the owner's: for an environment of another account, the one uv uses by default for it
-(``~ACCOUNT/.cache/uv``: root's ``UV_CACHE_DIR`` names root's, not the account's); for a root-owned
-one, the caller's (``UV_CACHE_DIR``, else ``$XDG_CACHE_HOME/uv``, else ``~/.cache/uv``). What the copy
-brings is checked like anything uv unpacks: every installed file is verified against the wheel or its
-RECORD, and the cache is hashed before the stop (:mod:`safeinstall.env.inodes`).
-
-Never linked, not even from root's own cache (issue 43; issue 36 had linked from it): an installed
-file sharing its inode with a cache that outlives the run turns an operator's in-place hotfix into an
-edit of that cache (every venv built from it gets the hotfix, the next clean reinstall finds a changed
-copy). Each file is cloned (``FICLONE``: a new inode sharing the blocks copy-on-write, no byte written)
-where the filesystem can, copied otherwise. An entry whose files differ from their RECORD (a hotfix
-made where uv had linked a file from its cache, before this run) is not taken: it is said ("uv's cache
-holds a changed copy of PKG") and uv fetches a fresh copy into the run's cache.
+Cloned or copied as the owner, never linked: no installed file may share its inode with a cache that
+outlives the run. Why: docs/window.md ("The run's cache filled from the owner's").
 """
 
 from __future__ import annotations

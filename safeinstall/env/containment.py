@@ -28,10 +28,7 @@ def relative_to_prefix(location: Path | str, prefix: Path | str) -> str | None:
 class Containment:
     """Is a path inside the prefix, lexically and after resolving its directory's symlinks?
 
-    Files themselves are never followed (the hashing stage does not follow symlinks), so resolving
-    the directory, cached, is enough. The prefix is real (:class:`Environment` resolves it); a
-    directory below it is inside unless one of the directories between them is a symlink that leads
-    out, so each directory costs one ``lstat`` (``realpath`` would cost one per component).
+    Files are never followed, so resolving the directory (cached, an ``lstat`` each) is enough.
     """
 
     def __init__(self, prefix: Path) -> None:

@@ -1,14 +1,7 @@
 """Which installed distributions require the affected ones, directly or through others. Pure.
 
-A process that imported ``vllm`` has imported ``transformers`` too, though nothing of transformers
-(pure Python: read and closed) is left in its ``/proc``. So a distribution of the *same* environment
-that requires an affected one, and that a process maps, holds open or runs, is ``depends`` evidence.
-
-``Requires-Dist`` comes from each ``.dist-info/METADATA`` (read, never executed); its markers are
-evaluated for the target environment as its probe reported it (Python version, implementation,
-platform), never for the interpreter running safeinstall. An extra counts where it is installed: every
-distribution it adds is installed. Only installed distributions take part: a requirement on something
-absent leads nowhere.
+A process that imported ``vllm`` imported ``transformers`` too (``depends`` evidence). Markers are
+evaluated for the target environment, never for safeinstall's own.
 """
 
 from __future__ import annotations

@@ -72,11 +72,10 @@ NO_RECORD = "missing"
 
 
 class MetadataReader:
-    """Reads the ``.dist-info`` files of one environment, for one scan: only a regular file within its
-    limit that ``account`` (the environment's owner, when it is another account) may read itself (its
-    owner may have made one a FIFO, huge, or a symlink: uv's ``--link-mode symlink`` links them into its
-    cache), and at most :data:`SCAN_LIMIT` bytes in all, beyond which the scan stops with RecordError
-    (root's memory would grow with every RECORD the owner adds)."""
+    """Reads one environment's ``.dist-info`` files for one scan: only a regular file within its limit that
+    ``account`` may read, and at most :data:`SCAN_LIMIT` bytes in all (then RecordError), since the
+    owner can add RECORDs without end.
+    """
 
     __slots__ = ("account", "left", "lines_left")
 
@@ -138,14 +137,10 @@ _SCRIPT_SECTIONS = frozenset({"console_scripts", "gui_scripts"})
 
 
 def parse_console_scripts(entry_points: str | None) -> tuple[str, ...]:
-    """Pure: the names in the ``[console_scripts]`` and ``[gui_scripts]`` sections of an
-    ``entry_points.txt``, read as configparser reads it (lines split at "\\n" only; ``#`` and ``;``
-    comment lines; an indented line continues the value above it; the name ends at the first "=").
-
-    Not configparser or importlib.metadata themselves: the file is the environment owner's, and on a
-    hostile one configparser's option regex is quadratic (64 KiB of one line: 31 s), importlib.metadata
-    builds an object for every line of every section (16 MiB: 60 s and 2.2 GB), and configparser's
-    objects are reference cycles. This keeps nothing but the names, one line at a time."""
+    """Pure: the names in ``[console_scripts]`` and ``[gui_scripts]`` of an ``entry_points.txt``, read as
+    configparser reads it, a line at a time: configparser and importlib.metadata cost seconds and GB on
+    a hostile file (docs/threat-model.md).
+    """
     if not entry_points:
         return ()
     names: set[str] = set()

@@ -33,7 +33,7 @@ class FindingKind(StrEnum):
     #: package shipped it (Debian changes files after writing RECORD: strips libraries): not drift
     DPKG_INTACT = "dpkg-intact"
     MODE = "mode"  # its mode is not an installer's: a script not executable, setuid/setgid, others write
-    #: its RECORD line changed since root last found the distribution clean (issue 46): the reference
+    #: its RECORD line changed since root last found the distribution clean: the reference
     #: itself was rewritten, whatever the file now matches
     RECORD_CHANGED = "record-changed"
 
@@ -115,13 +115,10 @@ def shared_file(
     listed_by: Sequence[tuple[str, str, Expectation]],
     settle: bool = True,
 ) -> Finding:
-    """Pure: a ``modified`` file that other installed distributions' RECORDs list too (``listed_by``:
-    their name, version and entry for it). When the file is what one of them lists, it belongs to that
-    one (installed over this distribution's copy, as cuda-bindings installs over cuda-python): a
-    ``shared`` finding naming both, not drift. A file that matches none of them stays ``modified``,
-    and says who else lists it. ``settle`` False (the baseline is a wheel the user gave, which the
-    installed RECORDs may not overrule: whoever can write site-packages can write a RECORD that lists
-    its own copy): a file another RECORD vouches for stays ``modified`` too, and says so."""
+    """Pure: a ``modified`` file other RECORDs list too (``listed_by``): what one of them lists is that
+    one's (``shared``, not drift). ``settle`` False (``--wheel``): it stays ``modified``, since whoever writes
+    site-packages writes RECORDs.
+    """
     if finding.kind != FindingKind.MODIFIED or not listed_by:
         return finding
     for name, version, other in listed_by:
@@ -160,11 +157,9 @@ RECORD_MAY_BE_WRONG = f"{UNTOUCHED}: {RECORD_MAY_BE_WRONG_HINT}"
 
 
 def untouched_since_install(finding: Finding, ctime_ns: int, record_ctime_ns: int | None) -> Finding:
-    """Pure: a file checked against its installed RECORD that differs from it, but whose inode last
-    changed no later than the installer wrote that RECORD (after every file), was not edited here: the
-    wheel's own RECORD may be wrong (pynvvideocodec 2.0.4 ships one). Change times, which no account
-    sets: a same-size edit with its modification time set back is never explained so (issue 46). It
-    stays ``modified`` (this cannot be known without the wheel), and says so and how to settle it."""
+    """Pure: a file that differs from its RECORD but whose ctime is no later than the RECORD's was not
+    edited here (the wheel's RECORD may be wrong); it stays ``modified`` and says so, and how to settle it.
+    """
     if (
         finding.kind != FindingKind.MODIFIED
         or finding.baseline != "record"
@@ -275,12 +270,8 @@ def mode_finding(distribution: str, state: FileState, script: bool) -> Finding |
 def own_roots(
     files_by_distribution: Mapping[str, Iterable[str]], site_dirs: Iterable[str]
 ) -> dict[str, list[str]]:
-    """Each distribution's own package directories inside the site directories.
-
-    A directory is a distribution's own when it lies strictly below a site directory and no other
-    distribution has files below it. Shared directories (namespace packages such as ``nvidia/``)
-    are never roots, so files of other distributions there are never reported against this one.
-    The ``.dist-info`` directories are left out. Paths are normalised absolute strings.
+    """Each distribution's own package directories: strictly below a site directory, with no other
+    distribution's files below (so ``nvidia/`` is never one); ``.dist-info`` left out.
     """
     owners = directory_owners(files_by_distribution, site_dirs)
     roots: dict[str, list[str]] = {name: [] for name in files_by_distribution}

@@ -1,12 +1,7 @@
 """The target Python environment: which interpreter, and where its files live.
 
-The interpreter is asked for its paths in isolated mode without ``site`` (``-I -S``) and with an empty
-environment: nothing the caller's variables say (PYTHONPATH, PYTHONHOME, ...) is trusted, and no
-``.pth`` file or ``sitecustomize`` of the environment runs. The probe finds a venv's prefix from its
-``pyvenv.cfg`` as ``site`` would. When the environment belongs to another user (a service account),
-root asks its interpreter as that user: root never runs code that another account can change. That
-account (:class:`Account`) is also who uv runs as (:mod:`safeinstall.env.uvplan`): uv asks the interpreter
-with ``site``, so every ``.pth`` file of the environment runs in each uv call.
+The interpreter is asked in isolated mode without ``site`` and with an empty environment, as the
+environment's account when it belongs to another (:class:`Account`).
 """
 
 from __future__ import annotations
@@ -347,11 +342,9 @@ def _loaded_entries(directory: Path, names: frozenset[str]) -> list[Path]:
 
 
 def _walk_loaded(control: _Control, top: Path, what: str, budget: list[int]) -> None:
-    """Look at ``top`` and, for a directory, at every entry of its whole tree (``__pycache__`` too; each
-    path's owner, mode and ACL). Never through a symlink: a link is looked at with its target
-    (:meth:`_Control.look_up`); a link to a directory outside the tree is a problem (the walk does not
-    follow it out). ``budget``: the entries still allowed (shared by every walk of one check); beyond it,
-    or past ``LOADED_DEPTH``, a problem."""
+    """Look at ``top`` and every entry of its tree, never through a symlink (a link out of it is a
+    problem); ``budget`` and ``LOADED_DEPTH`` bound it.
+    """
     if budget[0] < 0:  # said once, by the walk that ran out
         return
     real_top = os.path.realpath(top)
@@ -421,10 +414,9 @@ def _may_say(control: _Control, entry: os.DirEntry[str]) -> bool:
 
 
 def who_else_controls(path: Path, euid: int) -> str | None:
-    """Who besides root and ``euid`` could change ``path`` (the path, every directory above it, a link's
-    target; where it does not exist, who could create it), as the rule of who steers the environment
-    has it: the first such finding, or None when only root and ``euid`` control it. For what a unit
-    names that a check would run as root or as the environment's account (the smoke check)."""
+    """Who besides root and ``euid`` could change ``path`` (it, its parents, a link's target, or who could
+    create it): the first finding, or None. For what a unit names that the smoke check would run.
+    """
     control = _Control(euid)
     control.look_up(path, "it")
     if control.owners:
@@ -434,12 +426,10 @@ def who_else_controls(path: Path, euid: int) -> str | None:
 
 
 def who_else_controls_tree(path: Path, euid: int) -> tuple[int | None, str] | None:
-    """Who besides root and ``euid`` could change what may be loaded from ``path``: the path and every
-    directory above it (:func:`who_else_controls`), and, as the walk of what ``site`` may import has it,
-    every entry of its whole tree (``__pycache__`` too; never through a symlink; a link out of it, too
-    many entries or too deep a tree is a problem). None when only root and ``euid`` do; else the account
-    (None: no single one) and the first finding, said. For what a unit names that the smoke check would
-    load from (a ``PYTHONPATH`` entry, a ``PATH`` directory, the working directory...)."""
+    """Who besides root and ``euid`` could change what may be loaded from ``path``: the path, its parents
+    and its whole tree, never through a symlink. None when nobody; else the account (None: not one)
+    and the first finding. For what a unit names that the smoke check would load from.
+    """
     control = _Control(euid)
     control.look_up(path, "it")
     if os.path.isdir(path):
@@ -467,16 +457,10 @@ def user_site_enabled(env: Environment) -> bool:
 
 def steering(env: Environment, euid: int, walked: dict[str, os.stat_result] | None = None) -> _Control:
     """Who besides root (and ``euid``) can change what the environment runs once ``site`` runs (as uv
-    runs it), found after the probe (see :class:`_Control`). Looked at: the prefix and each directory
-    above it (whose owner could rename the environment away between the probe and a use; a root-owned
-    sticky one such as ``/tmp`` is fine), every site directory ``site`` would add (the base's too) and
-    each directory above it, every entry of those, the directories the ``.pth`` files add (a missing
-    one: who could create it), and, once ``site`` imports anything at start-up (a ``.pth`` import line,
-    ``sitecustomize``, ``usercustomize``), the whole tree of every directory it may import from,
-    ``__pycache__`` included (issue 35: a root-owned package one of whose modules the account owns, or
-    a module that one imports in turn, which no reading of the lines can tell). ``walked``: filled with
-    the ``lstat`` of each file that walk looked at, by path (``--verify-only``'s proof that a clean
-    distribution is unchanged takes them for its own: :func:`safeinstall.env.unchanged.prover`)."""
+    runs it): the prefix and its parents, the site directories, the ``.pth`` targets and, when ``site``
+    imports, every tree it may import from (see :class:`_Control`). ``walked``: filled with each ``lstat``
+    taken, for :func:`safeinstall.env.unchanged.prover`.
+    """
     control = _Control(euid)
     control.walked = walked
     control.look_up(env.prefix, "the prefix")
@@ -526,12 +510,10 @@ def _root_controlled(site: Path) -> bool:
 
 
 def distribution_sites(env: Environment) -> tuple[Path, ...]:
-    """Every site directory whose distributions the interpreter imports, in ``sys.path`` order: its own
-    (purelib, platlib), then the base installation's that ``site`` adds (a system interpreter's
-    ``/usr/lib/python3/dist-packages``, or a venv's base with include-system-site-packages), those
-    inside the base prefix only. For another account's environment (its interpreter said where the base
-    is) a base directory is read only when root alone controls it: root hashes the files its RECORDs
-    name, and the account could otherwise write such RECORDs itself."""
+    """Every site directory whose distributions the interpreter imports, in ``sys.path`` order: its own,
+    then the base's inside the base prefix. For another account's environment a base directory counts
+    only when root alone controls it (the account could write its RECORDs).
+    """
     base = [
         site
         for site in env.base_site_dirs

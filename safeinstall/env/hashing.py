@@ -1,24 +1,7 @@
-"""Observe installed files: stat them and hash them, in parallel, each opened once.
+"""Installed files stated and hashed, in parallel, each opened once by directory descriptor.
 
-The one place that reads file contents for verification. The requested files are grouped by
-directory; each directory is opened once (by its path: what an absolute open would walk, the caller
-having checked containment) and its files relative to its descriptor with ``O_NOFOLLOW``. Only what
-the directory's listing shows as a regular file is opened: a symlink, a FIFO or a device node is
-reported from an ``lstat``, never opened. What is opened is checked again (``fstat`` on the
-descriptor, ``O_NONBLOCK``): a file swapped for a FIFO meanwhile is never read and never blocks.
-
-The work is split into tasks: each large file alone (streamed in large chunks), the small files in
-chunks of one directory each (each read whole in one call). Large files go to a pool of helper threads,
-costliest first: ``read`` and hashlib on buffers over 2 KiB run without the GIL, so a large file hashes
-on another CPU while this thread works through the small ones. Small files stay on this one thread:
-their cost is Python and a system call each, under the GIL, and two threads handing the GIL to each
-other at every call went slower than one (torch's 12,227 small files, warm cache, 2 CPUs: 0.46 s on two
-threads, 0.36 s on one). Once the small files are done this thread takes large ones too. The result is
-the same whatever the number of threads.
-
-Where the caller knows hashes taken earlier (``known``: the verified-inode store, a run's cache), the
-files they prove unchanged are looked at first, one pass by directory (an ``lstat`` each, relative to
-the directory opened and checked as for a read), and only the rest is planned and read.
+The one place that reads file contents for verification; a symlink, FIFO or device is never opened.
+How the work is split over threads: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -226,20 +209,12 @@ def _observe(
     started_ns: int = 0,
     reading: Reading | None = None,
 ) -> FileState:
-    """One file, by ``name`` relative to ``dir_fd`` (``path`` itself where there is no directory
-    descriptor). ``regular``: the names the directory's listing shows as regular files; any other name
-    is looked at with ``lstat`` first and, unless that shows a regular file, never opened.
+    """One file, by ``name`` relative to ``dir_fd``; a name the listing does not show as ``regular`` is
+    opened only when its ``lstat`` shows a regular file.
 
-    A small file is read in one call: asking for one byte more than its size returns the whole file
-    and shows that it ended there (a file that grew under us hashes differently, as it should). A
-    large one streams in ``STREAM_CHUNK`` chunks. Both are read into ``buffer`` (the thread's own, of
-    ``STREAM_CHUNK`` bytes, from :func:`read_buffer`): a new ``bytes`` for each file cost the first
-    verification in a process 4,096 page faults on torch, about 0.05 s of system time (fresh heap pages
-    for 157 MB of small files).
-
-    ``started_ns``: the clock read before this file was opened; kept as ``hashed_ns`` when the
-    descriptor's ``fstat`` after the read shows the very identity it showed before (a swap or a write
-    meanwhile: 0)."""
+    Read into the thread's ``buffer`` (a new ``bytes`` each cost page faults, docs/performance.md);
+    ``started_ns`` is kept as ``hashed_ns`` when the identity did not change during the read.
+    """
     if regular is None or name not in regular:
         unopened = _unopened(path, name, dir_fd)
         if unopened is not None:
@@ -374,14 +349,9 @@ def cycle_collection_paused() -> Iterator[None]:
 
 
 def read_buffer() -> memoryview:
-    """A thread's buffer for reading files: ``STREAM_CHUNK`` bytes starting on a page boundary.
-
-    Where the buffer starts matters: the kernel copies each read from the page cache (page-aligned)
-    into it, and on AMD EPYC (Zen) that copy ran 4-5x slower into a ``bytearray``, whose data ``malloc``
-    places 16 bytes past a page boundary (torch's 434 MB ``libtorch_cpu.so``: 0.28 s against 0.06 s,
-    measured with ``bench/verify.py --copy``). An anonymous mapping starts on one; it is unmapped
-    when the last view of it goes. Its pages are made at once (``MAP_POPULATE``), not at a page fault
-    each on first use (1,024 of them, about 3.4 us each on a cloud VM)."""
+    """A thread's read buffer: ``STREAM_CHUNK`` bytes on a page boundary, populated at once (an unaligned
+    ``bytearray`` copied 4-5x slower on Zen: docs/performance.md).
+    """
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
     return memoryview(mmap.mmap(-1, STREAM_CHUNK, flags=flags))
 
@@ -462,12 +432,10 @@ MISSING = "missing"
 
 
 def _open_directory(path: str, list_it: bool, within: str | None) -> tuple[int | None, str | None]:
-    """Opens ``path`` as it leads (readable when it is to be listed: :func:`_regular_names`),
-    following a symlink on the way, as the caller's containment check resolved it. With ``within``,
-    what was opened must be below that real directory: its owner may have swapped a directory for a
-    symlink to one outside since the check (root would read a root-only file and report its hash and
-    size); and a directory that cannot be opened gets no file opened by its path (a symlink could be
-    swapped in on the way meanwhile)."""
+    """Open ``path`` as the caller's containment check resolved it. With ``within``, what was opened must
+    be below that real directory (a symlink swapped in since must not lead root out); a directory that
+    cannot be opened gets no file opened by its path.
+    """
     fd: int | None = None
     failure: OSError | None = None
     if list_it:
@@ -585,10 +553,9 @@ def plan_tasks(wanted: Sequence[Wanted], within: str | None = None) -> list[_Tas
 def _proven(
     wanted: Sequence[Wanted], within: str | None, known: Known, results: dict[str, FileState]
 ) -> list[Wanted]:
-    """The wanted files that ``known`` proves by identity (an ``lstat`` each, relative to its directory
-    opened as :func:`_open_directory` opens one to read: checked ``within``), into ``results``; the
-    others, to be read. One pass by directory, on this thread: on a check where nothing changed (every
-    file proven) no task is planned at all (vLLM's 61k files: planning them cost a fifth of the pass)."""
+    """The wanted files that ``known`` proves by identity (an ``lstat`` each, within ``within``), into
+    ``results``; returns the others, to be read. Proven first, so an unchanged check plans no task.
+    """
     by_directory: dict[str, list[Wanted]] = {}
     rest: list[Wanted] = []
     for want in wanted:
@@ -632,21 +599,11 @@ def observe_files(
     known: Known | None = None,
     budget: int = READ_BUDGET,
 ) -> dict[str, FileState]:
-    """Stat (and hash, where an algorithm is given) every wanted file; results keyed by location.
-    Each inode is read once (its other links take its digest: :class:`Reading`), and at most
-    ``budget`` bytes in all: past it a file is reported, with that reason, never read.
+    """Stat (and hash, with ``algorithm``) every wanted file, each inode read once; results by location.
 
-    ``workers``: threads (this one included; default :func:`default_workers`): up to ``workers - 1``
-    helpers take the large files, costliest first, while this thread does the small ones and then
-    helps with what large ones are left. ``on_progress`` gets the number of files done so far, after
-    each task, on the thread that did it (one at a time); what it raises on any thread is raised here
-    once the helpers have stopped. ``meanwhile``: other work for this thread,
-    done once the helpers have started on the large files and before the small ones (a verification
-    reads the other distributions' RECORDs there while torch's 434 MB library hashes). ``within``: a
-    real directory every file must be in, checked as each directory is opened (see
-    :func:`_open_directory`); a file of one that is not is reported with the reason, never opened.
-    ``known``: a file whose ``lstat`` shows an inode hashed earlier and unchanged since gets that
-    digest without being opened (``by_identity``); any other is read and hashed.
+    At most ``budget`` bytes; ``workers`` threads; ``on_progress``: the count done (what it raises is
+    raised here); ``meanwhile``: other work; ``within``: a directory every file must be in;
+    ``known``: digests of unchanged inodes.
     """
     results: dict[str, FileState] = {}
     reading = Reading(budget)
@@ -712,13 +669,10 @@ def observe_files(
 
 
 def _join(threads: Sequence[threading.Thread]) -> BaseException | None:
-    """Waits for every thread to end (each does after its current file) and returns the signal
-    (Ctrl-C) that came meanwhile, for the caller to raise once it has closed the directories: a
-    helper still reading a file through its directory's descriptor must not have it closed under it
-    (the number could be reused by the next ``open``, and the helper would open a name relative to
-    another directory). A second signal is raised at once (a helper stuck on a hung network
-    filesystem must not hold the process): nothing is closed then, and the descriptors stay open,
-    never reused, until the process ends."""
+    """Wait for every thread to end and return the signal that came meanwhile, raised by the caller once
+    the directories are closed (a helper must not have its descriptor closed under it). A second signal
+    is raised at once; the descriptors then stay open until the process ends.
+    """
     pending: BaseException | None = None
     for thread in threads:
         while True:

@@ -1,38 +1,7 @@
-"""Verification by identity: an installed file that is a hardlink of an inode of the run's own uv cache,
-hashed before the stop and unchanged since, needs an ``lstat``, not a read.
+"""Verification by identity: an installed file that is a hardlink of an inode of the run's cache, hashed
+before the stop and unchanged since, needs an ``lstat``, not a read.
 
-The install in the window hardlinks every file of the new version from the run's cache (``uv pip
-install --link-mode hardlink``, :mod:`safeinstall.env.uvplan`), so the bytes it puts in place are bytes
-that can be hashed before the stop. :func:`hash_cache` does that once uv has filled the cache (every
-regular file of uv's unpacked archives, by descriptor, never following a symlink, within the cache
-directory), :func:`still_hashed` looks at each again just before the stop, and :func:`checker` is what
-the verification in the window asks (:data:`safeinstall.env.hashing.Known`): given a file's ``lstat``, the
-digest of that inode when
-
-* its device and inode number are those of a cache entry hashed before the stop (an inode number is
-  only reused once the inode is gone, and the cache entry keeps it alive until the run ends),
-* its size and modification time (nanoseconds) are those it had when it was hashed (read from the
-  descriptor before its bytes were read): every ``write``, ``truncate`` or writable mapping's first
-  write after a writeback moves the modification time,
-* its owner is the cache's owner and neither its group nor others may write it,
-* its change time (which no one can set: ``utimensat`` sets it to *now*) is no later than the end of
-  the install: nothing changed it after uv linked it into the environment;
-
-and anything else (a copy, a file uv wrote itself such as ``RECORD`` or a console script, a carried
-local patch, a changed inode) is read and hashed as before. Every installed file is verified: by
-its hash, or by its proven identity with an inode whose hash was taken.
-
-Who could defeat it, and why that does not weaken the verification. The run's cache is a directory
-the run created (0700): root's for a root-owned environment, else the environment's account's, since uv
-runs as that account (``docs/privsep.md``). Nobody else can open a file in it, nor, once it is linked
-into the environment, write the inode (the owner check above). Its owner could write an entry between
-the hash and the install and restore its modification time with ``utimensat``; that moves the change
-time, which :func:`still_hashed` catches up to the stop, but the hardlink the install makes moves the
-change time again (``link`` updates it), so a change by the owner *while the units are down and before
-the install* is not seen. The same account can write every installed file after the verification and
-before the start anyway (it owns them): against it, hashing in the window proves no more than this
-does. What the verification guards against (a wrong or broken install, a cache something else wrote,
-uv #10579's shared inodes, the disk) it still proves for every file.
+Why that proves as much as a hash: docs/window.md ("Verification by identity").
 """
 
 from __future__ import annotations
@@ -102,12 +71,10 @@ def _entries(cache: Path) -> list[_Entry]:
 def hash_cache(
     cache: Path, workers: int | None = None, known: Callable[[os.stat_result], str | None] | None = None
 ) -> dict[tuple[int, int], HashedInode]:
-    """Before the stop: hash every file of uv's unpacked archives in the run's cache (as root, by
-    descriptor within ``cache``, never following a symlink). An entry whose size, times or owner moved
-    while it was read, or whose owner is not the cache's, or that its group or others may write, is
-    left out (then its hardlinks in the environment are read and hashed in the window). ``known``: the
-    digest of an inode already hashed (a link of root's own uv cache whose hash the environment's
-    verified-inode store kept: :func:`safeinstall.env.verified.root_only_checker`), taken without a read."""
+    """Before the stop: hash every file of uv's unpacked archives in the run's cache, as root, by
+    descriptor. An entry that moved while read, is not the cache owner's, or that others may write is left
+    out (read in the window instead). ``known``: digests of inodes hashed already.
+    """
     try:
         owner = os.lstat(cache).st_uid
     except OSError:
@@ -213,11 +180,9 @@ def checker(hashed: Hashed, installed_ns: int) -> Known:
 
 
 def flush(directory: Path) -> float:
-    """Write the filesystem of ``directory`` (the run's cache) to disk (``syncfs``), before the stop;
-    the seconds it took. The prefetch has just written gigabytes there (uv's unpacking, the copy from
-    the owner's cache): left to the kernel, that writeback starts about 30 s later
-    (``vm.dirty_expire_centisecs``), in the window, where every unlink and link of the install then
-    waits on the journal behind it."""
+    """``syncfs`` the run's cache before the stop; the seconds it took. Else the kernel writes the
+    prefetch's gigabytes back about 30 s later, in the window, where the install's links wait on it.
+    """
     started = time.monotonic()
     try:
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

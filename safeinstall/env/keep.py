@@ -1,21 +1,7 @@
 """The way back that needs no new blocks: hardlinks of the old files a window install replaces, kept in
-the prefix until the run ends.
+``PREFIX/.safeinstall-keep-<run>/`` until the run ends, so a restore on a full disk can relink them.
 
-An old file whose inode has other links (uv's default link mode: a hardlink of a uv cache on the
-environment's disk) frees nothing when uv's uninstall unlinks it; a restore that copies it back from a
-backup on another filesystem then needs its size again, and a disk filled in the window has no room
-for it (issue 35). Before the stop, :func:`keep_links` links each such file into
-``PREFIX/.safeinstall-keep-<run>/`` (root's, 0700; one name per file, no directories): a directory
-entry, no data block. A restore puts those very inodes back (:func:`relink`), each checked first
-against what the backup saved (a regular file only root can write, its mode, owner, mtime, size and
-sha256), with a rename; what cannot be relinked is copied as before.
-
-Root keeps links only in a prefix that root owns and only root can write (as the swap's staging
-directory), and only of inodes only root can write. In an account's environment the account's worker
-does the same (:func:`keep_links_as`, :func:`relink_as`: what the account could do anyway), and root
-checks each inode put back against the backup, copying where it is not that (issue 44). The
-directory goes when the run ends (good or rolled back), in ``--recover``, and at the next run (a
-leftover of one that died).
+Why: docs/faults.md ("Room") and docs/crash-safety.md.
 """
 
 from __future__ import annotations
@@ -64,12 +50,10 @@ def _roots_own(fd: int) -> bool:
 
 
 def keep_links(prefix: Path, run_id: str, paths: Iterable[str], every: bool = False) -> int:
-    """Link each of ``paths`` (relative to the prefix) that is a regular file only root can write, with
-    other links (its uninstall frees nothing), into the run's keep directory; ``every``: each such file,
-    other links or not (the uninstall then frees nothing: a restore needs no room, whoever takes the
-    room meanwhile); leftovers of runs that died go first. Best effort (a file that cannot be linked is
-    copied back, as before): the number kept. Nothing in a prefix root does not own alone. Raises
-    OSError when the directory cannot be made."""
+    """Link each of ``paths`` that is a file only root can write into the run's keep directory: those with
+    other links, or with ``every`` all of them; leftovers of dead runs go first. Best effort: returns the
+    number kept. Raises OSError when the directory cannot be made.
+    """
     name = keep_name(run_id)
     with Tree(prefix) as tree:
         if not _roots_own(tree.fd):
@@ -194,10 +178,10 @@ WORKER_TIMEOUT_S = 300.0
 
 
 def keep_links_as(ids: tuple[int, int], prefix: Path, run_id: str, paths: Sequence[str]) -> int:
-    """:func:`keep_links` (``every``) in an account's environment: the account's worker links each old
-    file into ``PREFIX/.safeinstall-keep-<run>/`` (its own, 0700): what the account could do anyway; a
-    restore checks each inode it puts back against the backup (:func:`relink_as`). The number kept
-    (its word); raises OSError when the worker fails (a rollback then copies, as before)."""
+    """:func:`keep_links` (``every``) in an account's environment, done by its worker; the restore checks
+    each inode against the backup (:func:`relink_as`). Returns the number kept (its word); raises OSError
+    when the worker fails.
+    """
     keys = [key(p) for p in paths]
     try:
         answer = worker.call(

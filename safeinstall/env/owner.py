@@ -1,15 +1,7 @@
 """The privilege boundary, the worker's side: what runs as the environment's owner.
 
-Each function here runs inside a worker (:func:`safeinstall.system.worker.call`): a forked process that is the
-environment's account (or an isolated root, for a root-owned environment), in a session of its own,
-with no descriptor of root's and no environment of root's. Each acts on paths that the account could
-have written itself (a RECORD, the run's uv cache, uv's lock file), so the kernel decides what it may
-touch: what it does is what the account could do anyway. Each returns plain JSON data (counts, paths
-relative to the prefix, short messages); root validates that answer and never takes it for more than
-the account's word.
-
-Every file operation goes through :mod:`safeinstall.system.safefs` (by directory descriptor, never following
-a symlink), as root's own would.
+Each function runs in a worker (:func:`safeinstall.system.worker.call`), acts through
+:mod:`safeinstall.system.safefs`, and returns plain JSON that root checks. docs/privsep.md.
 """
 
 from __future__ import annotations
@@ -42,11 +34,10 @@ _KEEP_PREFIX = ".safeinstall-keep-"
 
 
 def remove_installed(prefix: str, files: list[str], dist_infos: list[str], stop: list[str]) -> dict[str, Any]:
-    """Remove ``files`` and the directories ``dist_infos`` (relative to ``prefix``), then the
-    directories left empty up to (not including) those in ``stop``. What the account may not remove
-    (EACCES, EPERM, EROFS) is ``denied``, not a failure: it is not the installed version's (uv ran as
-    the account, so it could not have written it). ``{"removed": [...], "removed_dist_infos": [...],
-    "denied": ["path: reason"], "failures": ["path: reason"]}``."""
+    """Remove ``files`` and the ``dist_infos`` directories, then directories left empty up to ``stop``.
+    What the account may not remove is ``denied``, not a failure. Returns ``{"removed",
+    "removed_dist_infos", "denied", "failures"}``.
+    """
     removed: list[str] = []
     removed_dirs: list[str] = []
     denied: list[str] = []
@@ -129,10 +120,9 @@ def uv_lock_holders(prefix: str) -> dict[str, Any]:
 
 
 def replace_uv_lock(prefix: str, owner: list[int] | None) -> dict[str, Any]:
-    """Put a new, empty uv lock file in place of ``PREFIX/.lock`` (or where there was none): mode 0600,
-    the environment's owner's (``owner`` uid, gid: given to it when this worker is root), so that no
-    other local user can open, and so hold, the lock uv takes while the services are down. Whoever
-    held the old file holds the lock of a file that is no longer there. ``{"replaced": bool}``."""
+    """Put a new, empty uv lock file at ``PREFIX/.lock``, 0600 and the owner's, so that no other user
+    holds the lock uv takes while the services are down. Returns ``{"replaced": bool}``.
+    """
     temp = f"{UV_LOCK}.safeinstall-{os.getpid()}"
     with Tree(Path(prefix)) as tree, tree.parent(UV_LOCK) as (dir_fd, _name):
         fd = os.open(
@@ -229,22 +219,12 @@ FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int), a reflink of a whole fil
 
 
 def copy_cached_wheels(source: str, target: str, wanted: list[list[str]]) -> dict[str, Any]:
-    """Copy from the uv cache ``source`` into the run's own cache ``target`` the unpacked wheels of the
-    distributions ``wanted`` (``[name, version]``, canonical names): each wheel entry uv keeps for
-    that version (``wheels-vN/pypi/NAME/VERSION-TAGS`` and ``wheels-vN/index/HASH/NAME/...``: the link
-    to its archive and the files beside it) and the archive it links to (``archive-vN/ID`` at the
-    cache's top: a link that leads anywhere else is not copied), its files cloned (``FICLONE``: new
-    inodes sharing the blocks copy-on-write) where the filesystem can, else copied; never linked: the
-    run's cache shares no inode with a cache that outlives the run (issue 43: an in-place edit of an
-    installed file would edit that cache too). An archive whose files differ from its own RECORD (an
-    installed file edited in place where uv had linked it from its cache) is not taken: it is
-    ``damaged``, and uv fetches a fresh copy. Runs as the owner of both (a worker): it copies only what
-    that account may read. Symlinks and special files inside an archive are not copied (uv's archives
-    hold regular files and directories). Plain ``os`` calls, each file opened with ``O_NOFOLLOW``,
-    rather than :mod:`safeinstall.system.safefs`: both caches are the account's own and this worker is
-    the account, so the kernel's checks are the boundary (a symlink the account put on the way leads
-    only where the account could read and write anyway).
-    ``{"archives": int, "bytes": int, "entries": ["NAME VERSION"], "damaged": ["NAME VERSION"]}``."""
+    """Clone or copy into the run's cache ``target`` the unpacked wheels of ``wanted`` that the cache
+    ``source`` holds, never linking (docs/window.md); runs as the owner of both.
+
+    An archive whose files differ from its RECORD is ``damaged``, not taken. Returns ``{"archives",
+    "bytes", "entries", "damaged"}``.
+    """
     archives: set[tuple[str, str]] = set()
     bad: set[tuple[str, str]] = set()
     copied = 0

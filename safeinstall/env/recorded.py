@@ -1,12 +1,7 @@
-"""The reference cannot be rewritten (issue 46 item 3): root keeps, in its own state, what each RECORD
-held when a check found its distribution clean (or a run installed it), and a RECORD changed since is
-reported (``record-changed``), naming the files whose lines changed, with or without ``--wheel``.
+"""What root keeps of a RECORD found clean, so that a RECORD rewritten since is reported
+(``record-changed``), naming the files whose lines changed. Pure.
 
-What is kept of a RECORD: the sha256 of its entries as parsed (path, hash and size of each, in order:
-a line's spelling, its order, a byte order mark do not count), and for each entry 8 bytes of the
-sha256 of its path and 8 of the sha256 of the whole entry: enough to name which files' lines changed,
-were added or removed, at 16 bytes a file (vLLM's 61k: 1 MiB). Pure functions; the store is
-:mod:`safeinstall.store.records`.
+The store is :mod:`safeinstall.store.records`; docs/verify.md.
 """
 
 from __future__ import annotations

@@ -142,12 +142,11 @@ def _csv_rows(text: str) -> Iterator[list[str]]:
 
 
 def parse_record(text: str, max_lines: int = LINES_LIMIT) -> Record:
-    """Parse RECORD text. Malformed lines become problems, never exceptions.
+    r"""Parse RECORD text; malformed lines become problems, never exceptions.
 
-    Lines end at "\\r\\n", "\\r" or "\\n" outside quotes, as CSV readers and uv's installer
-    split a RECORD (``str.splitlines`` also splits at "\\x1c" or "\\u2028", which uv takes as part of a
-    path). A RECORD of more than ``max_lines`` lines, or with quotes and more than three commas a line,
-    is not split at all (one problem): each line and field parsed costs root memory, however short."""
+    Lines end at "\r\n", "\r" or "\n" outside quotes, as uv splits them. Over ``max_lines`` lines, or
+    quoted with many commas, it is not split at all (one problem): root's memory is bounded.
+    """
     text = text.removeprefix("\ufeff")  # a byte order mark: CSV readers (uv's) drop it
     lines_at_most = count_lines(text)
     if lines_at_most > max_lines:

@@ -1,12 +1,7 @@
-"""Whether every requirement of an environment holds, as ``uv pip check`` would say it, before and after a
-run's change. Pure.
+"""Whether every requirement of an environment holds, as ``uv pip check`` would say it, before and after
+a run's change. Pure.
 
-Each distribution's ``Requires-Dist`` (from its METADATA: read, never executed) is evaluated for the
-target environment's markers (:func:`safeinstall.env.dependents.marker_environment`), its base
-requirements with ``extra`` empty. An extra counts where an installed distribution asks for it
-(``requests[socks]``): then the requirements the extra adds to the required distribution must hold too.
-A version that is not PEP 440, or a requirement that cannot be parsed, cannot be judged: never blamed.
-See docs/reinstall.md ("Requirements").
+A requirement that cannot be parsed is never blamed. docs/reinstall.md ("Requirements").
 """
 
 from __future__ import annotations
@@ -181,7 +176,7 @@ def check_change(
 
 
 #: what a user can do about a broken requirement: --with-deps resolves only what the new versions
-#: themselves require, never a distribution that requires them (the review of issue 43)
+#: themselves require, never a distribution that requires them
 FIXES = (
     "choose a version the requirer accepts, or change the requirer too; where the new version is the "
     "requirer, --with-deps lets uv bring what it needs; --allow-broken-requirements goes on knowingly"

@@ -1,11 +1,7 @@
-"""Nothing unlisted where Python looks first (issue 46 item 2): the top of each site directory and each
-directory two or more distributions share, looked at for code no RECORD lists.
+"""Nothing unlisted where Python looks first: the top of each site directory and each shared directory,
+looked at for code no RECORD lists.
 
-What a fresh environment holds there by its own maker is known (docs/verify.md says how each is
-recognised): what a RECORD lists (setuptools' ``distutils-precedence.pth``, an editable install's
-``__editable__*`` files), virtualenv's and older uv's ``_virtualenv.pth`` (its one line) and
-``_virtualenv.py`` (a copy whose sha256 is one virtualenv ships), and on a system interpreter a file
-dpkg installed and its md5sums still vouch for.
+What a fresh environment holds there by its own maker is known: docs/verify.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,7 @@
-"""The new version exercised before anything stops: imported in a child run as the environment's account.
+"""The new version imported before anything stops, in a child run as the environment's account.
 
-After the prefetch, the new version lies in a tree of its own: the staging tree of a swap
-(``<prefix>/.safeinstall-swap-RUN/tree``, uv's ``--prefix`` layout) or, where the run does not swap,
-the prefetch's throwaway ``--target`` directory (uv installed it there from the run's cache, as the
-account). A child process (:func:`safeinstall.system.children.run`: a session of its own, no terminal,
-no descriptor nor variable of root's) imports it, run as the environment's account; in a root-owned
-environment, as the unit's own ``User=`` (:func:`unit_account`: its group, and its supplementary groups
-as systemd gives them), root only for a unit without one, which runs that code as root at its start
-anyway. It gets the unit's own variables (``Environment=``, ``EnvironmentFile=``, read as the child's
-account) and working directory: the
-tree goes ahead of the environment's site directories through a ``sitecustomize`` shim (``site.addsitedir``,
-so the tree's ``.pth`` files are honoured); nothing is written (``PYTHONDONTWRITEBYTECODE``), the
-environment's files are only read. No GPU is visible to it (``CUDA_VISIBLE_DEVICES=""`` and the ROCm
-equivalents): an import that initialises CUDA finds no device, so no context and no GPU memory.
-
-What it imports: the named distribution's top-level modules, then every extension module of every
-changed distribution (a ``.so`` whose name is the interpreter's, ``.abi3.so``, or a plain ``.so``
-that exports ``PyInit_NAME``): an ``undefined symbol`` in any of them refuses the run. ``--smoke CMD``
-adds a command of the operator's, run the same way through ``/bin/sh -c``. The child's answers (one
-JSON document per line, on a descriptor of its own) are the account's word: data that root checks,
-never code.
+The child gets the unit's environment, no GPU and no descriptor of root's; its answers are data root
+checks. What it imports and as whom: docs/reinstall.md ("The smoke check").
 """
 
 from __future__ import annotations
@@ -481,11 +463,9 @@ def parse_environment_file(text: str) -> list[tuple[str, str]]:
 def unit_variables(
     variables: Sequence[tuple[str, str]], controlled: Callable[[str], bool]
 ) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
-    """Pure (given ``controlled``: whether only root and the child's account control a path): the
-    unit's variables the child takes, and what was left out, said. Nothing that names code to load is
-    taken unless only root and the child's account could change that code: a ``PYTHONPATH`` or
-    ``LD_LIBRARY_PATH`` entry another account controls is dropped, and so are the loader's other
-    variables and Python's own, but for a few that load nothing."""
+    """Pure: the unit's variables the child takes, and what was left out, said. Nothing naming code to load
+    is taken unless only root and the child's account control it (``controlled``).
+    """
     kept: list[tuple[str, str]] = []
     dropped: list[str] = []
     for name, value in variables:
@@ -556,13 +536,10 @@ def child_variables(
     sites: Sequence[Path],
     flags: Sequence[str] = (),
 ) -> dict[str, str]:
-    """Pure: the child's whole environment. The caller gives only the locale and time zone; the
-    account its ``HOME``, ``USER``, ``LOGNAME``; the unit what systemd gives its processes
-    (``Environment=``, then ``EnvironmentFile=``); then, whatever the unit says: no GPU, no bytecode
-    written, the environment's ``bin`` first on ``PATH``, the shim on ``PYTHONPATH`` (ahead of the
-    unit's) and the staged trees for it. ``flags``: the unit's interpreter's options (:data:`KEPT_FLAGS`)
-    kept as variables: ``-E`` and ``-I`` drop the unit's ``PYTHON*`` variables (the service ignores
-    them), ``-s`` and ``-I`` turn the user's site off (``PYTHONNOUSERSITE``), as they do in the service."""
+    """Pure: the child's whole environment: locale and time zone, the account's ``HOME``/``USER``, the unit's
+    variables, then no GPU, no bytecode, the environment's ``bin`` and the shim first. ``flags``: the
+    unit's interpreter options (:data:`KEPT_FLAGS`) kept as variables, as in the service.
+    """
     variables = {k: caller[k] for k in _FROM_CALLER if k in caller}
     variables |= {"PATH": DEFAULT_PATH, "HOME": account[1], "USER": account[0], "LOGNAME": account[0]}
     ignored = "-E" in flags or "-I" in flags
@@ -670,10 +647,10 @@ def unknown(outcome: ChildOutcome, old: Mapping[str, Mapping[str, str]]) -> dict
 
 
 def excuse(outcome: ChildOutcome, old: Mapping[str, Mapping[str, str]]) -> ChildOutcome:
-    """Pure: ``outcome`` with each failure that the running version shares (``old``: by distribution,
-    module -> "" imported or its error) not held against the new one, but kept as ``excused``. A module
-    the service imports first (``must``) that the running version does not have at all is no shared
-    failure: it is the new version's own. A child that died or ran too long is never excused."""
+    """Pure: ``outcome`` with each failure the running version shares (``old``) kept as ``excused``, not
+    held against the new one. A ``must`` module the running version lacks, and a child that died or ran
+    too long, are never excused.
+    """
     if outcome.ok or outcome.problem is not None or not outcome.failed:
         return outcome
     owners = dict(outcome.owners)
@@ -803,11 +780,9 @@ def _group_id(given: str) -> int | None:
 
 
 def unit_account(context: ExecContext) -> RunAs | str | None:
-    """Whom ``context``'s unit runs its processes as, resolved as systemd resolves ``User=`` (a name or a
-    number the user database knows; with ``DynamicUser=`` and no ``User=``, the unit's name) and
-    ``Group=`` (else the user's primary group), with the supplementary groups systemd gives it: the
-    user's groups (``initgroups``, unless the group is root's), then ``SupplementaryGroups=``. None:
-    root (no ``User=``, or root); a str: why it cannot be told (the unit itself could not start so)."""
+    """Whom ``context``'s unit runs as, resolved as systemd resolves ``User=``, ``Group=``,
+    ``DynamicUser=`` and its supplementary groups. None: root; a str: why it cannot be told.
+    """
     name = context.user or (context.unit.rpartition(".")[0] if context.dynamic_user else "")
     if not name:
         return None

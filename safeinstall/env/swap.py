@@ -1,37 +1,7 @@
 """The swap: the new version installed into a staging tree before the stop, put in place by renames.
 
-Before the stop, uv installs the distributions the plan changes into ``<prefix>/.safeinstall-swap-RUN/tree``
-(``uv pip install --prefix``: the environment's own layout, scripts pointing at its interpreter), where
-they are verified like an install (every file against its wheel or RECORD). :func:`plan_swap` (pure)
-then decides how each staged entry takes its place, from what the environment holds:
-
-* a directory that the environment does not have is **placed** whole (``renameat2`` with
-  ``RENAME_NOREPLACE``);
-* a directory that is one of the replaced distributions' own (a package directory or a ``.dist-info``
-  no other distribution has files in, holding no file that no RECORD lists) is **exchanged** whole with
-  the live one (``RENAME_EXCHANGE``: both move in one step; the old tree is then in the staging tree);
-* any other directory (``site-packages``, ``bin``, ``nvidia/``, which several distributions share) is
-  entered, and each staged file in it is exchanged with the live one or placed;
-
-and what the old versions had that the new ones do not (a ``.dist-info`` of another version, a package
-directory the new version dropped, single files) is **moved out** into the staging directory's attic.
-The new ``.dist-info`` directories go first and the old ones out last, so that at every moment each
-file of the new version is listed by a RECORD in place: a restore of the backup (the rollback, or
-``--recover`` after a kill) finds and removes them, whatever step the swap died at.
-
-Every rename is one ``renameat2`` call with a flag (never a plain ``rename`` that drops the old inode
-in the window): an old file's last link goes with the staging directory, after the restart. In the
-window, :func:`execute` does only those renames (a few dozen for torch or vLLM, plus the files
-of shared directories) and the fsync of the directories they changed; :func:`moved_as_staged` then
-checks that each entry in place is the very inode that was verified in the staging tree, which only
-the prefix's owner could change (the staging directory is the owner's, 0700). What was moved out, and
-the old trees the exchanges left in the staging directory, are deleted with it once the units run
-again (:func:`discard_staging`); the backup holds the old version all along.
-
-Every write in the prefix (the staging directory, the attic, the renames, the tidy-up, the removal) is
-the prefix's owner's (:func:`as_owner`): root's own process for a root-owned environment, a worker that
-is the account for another account's (issue 34; docs/window.md says why the window then needs no hash of
-the account's files). Root itself only reads: the staging tree's files, each entry's identity.
+:func:`plan_swap` (pure) decides how each staged entry takes its place; :func:`execute` renames, as the
+prefix's owner (:func:`as_owner`). The order and why it is safe: docs/window.md ("The swap").
 """
 
 from __future__ import annotations
@@ -140,15 +110,12 @@ def plan_swap(
     held: frozenset[str],
     differs: frozenset[str] = frozenset(),
 ) -> SwapPlan:
-    """Pure: how the staged entries take their place. Every path is relative to the prefix.
+    """Pure: how the staged entries take their place (paths relative to the prefix).
 
-    ``live``: what the environment has at the staged paths and the old files ("dir", "file", "link",
-    "other"; absent: nothing); ``old_files``: the replaced distributions' RECORD entries in the prefix;
-    ``own_dirs``: their own directories (package directories and ``.dist-info``, in no other RECORD);
-    ``held``: files that must stay where they are (other distributions' RECORD entries, files no RECORD
-    lists in the replaced distributions' directories): a directory above one is never moved whole;
-    ``differs``: directories whose owner or mode in the environment is not the staged one's (a cache
-    directory handed to the service's account): never replaced whole either, as uv keeps them."""
+    ``live``: what the environment has at those paths; ``old_files``, ``own_dirs``: the replaced
+    distributions' entries and own directories; ``held``, ``differs``: what must stay, so that no
+    directory above them is moved whole.
+    """
     keep = held | differs | parent_directories(held | differs)
     children: dict[str, list[str]] = {}
     for path in staged_files | staged_dirs:
@@ -209,20 +176,20 @@ def _is_dist_info(path: str) -> bool:
 
 
 def as_owner(ids: Ids, what: str, work: Callable[[], Any], timeout: float = _TIDY_TIMEOUT_S) -> Any:
-    """``work()`` done by whoever owns the prefix: root's own process for a root-owned environment (None),
-    else a worker that is the account ``ids`` (root never renames, makes or deletes anything inside a
-    prefix an account may write: docs/privsep.md). Its answer is that account's word: the caller
-    validates it. Raises OSError (root's own work) or :class:`~safeinstall.system.worker.WorkerError`."""
+    """``work()`` done by the prefix's owner: root itself (``ids`` None) or a worker that is the account
+    (docs/privsep.md); its answer is the account's word. Raises OSError or
+    :class:`~safeinstall.system.worker.WorkerError`.
+    """
     if ids is None:
         return work()
     return worker.call(ids, work, timeout=timeout, what=what)
 
 
 def owner_of(prefix: Path) -> Ids:
-    """Who does the swap's writes in ``prefix`` (recovery, which has no environment to ask): root when
-    root owns it, else its owner (uid, gid); opened as :class:`Tree` opens it, no symlink followed on
-    the way. Raises OSError, also for a root-owned prefix another group or everyone may write (root
-    acts in no directory others write: a recovery has no environment inspection to refuse it)."""
+    """Who does the swap's writes in ``prefix`` for a recovery: root when it owns it, else its owner
+    (uid, gid), opened as :class:`Tree` opens it. Raises OSError, also for a root-owned prefix others may
+    write.
+    """
     with Tree(prefix) as tree:
         info = os.fstat(tree.fd)
     if info.st_uid == 0 and (info.st_mode & stat.S_IWOTH or (info.st_mode & stat.S_IWGRP and info.st_gid)):
@@ -339,11 +306,10 @@ KEPT_PREFIX = ".safeinstall-kept-"
 
 
 def unknown_in_old(root: Path, known: frozenset[str]) -> list[tuple[str, str]]:
-    """After the swap: the files the exchanged and moved-out old entries hold (the staging tree and the
-    attic both mirror the prefix) that are not in ``known`` (what the backup saved), nor bytecode of a
-    saved source, as (where it is below ``root``, where it was in the prefix): files that appeared in
-    the old version's directories after the backup (a service writing into its package directory
-    before the stop). uv's install would have left them in place."""
+    """After the swap: the files in the exchanged and moved-out old entries that the backup did not save
+    (``known``) and that are not bytecode of a saved source, as (below ``root``, in the prefix): what
+    appeared after the backup.
+    """
     found: list[tuple[str, str]] = []
     for part in (STAGED_TREE, ATTIC):
         try:

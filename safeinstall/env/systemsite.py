@@ -1,9 +1,5 @@
-"""A system Python: which distributions the system's package manager owns (dpkg), where each one is,
-and the interpreter's PEP 668 ``EXTERNALLY-MANAGED`` marker.
-
-dpkg's database is read as data (``/var/lib/dpkg/info/PACKAGE.list``: one installed path a line), only
-its root-owned regular files, within a bound; nothing of dpkg's is run. A distribution is dpkg's when
-the list of a package names its ``.dist-info`` directory.
+"""A system Python: the distributions dpkg owns (its database read as data, never run) and the
+interpreter's PEP 668 ``EXTERNALLY-MANAGED`` marker.
 """
 
 from __future__ import annotations

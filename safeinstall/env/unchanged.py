@@ -1,29 +1,7 @@
-"""Distributions proven unchanged by ``lstat`` alone: no RECORD entry compared, no file read (issue 36).
+"""Distributions proven unchanged by ``lstat`` alone: no RECORD entry compared, no file read.
 
-A check that found every hashed file of a distribution as its ``RECORD`` says (no finding of its files:
-none missing, modified, unreadable, of a wrong mode; no malformed or outside line) keeps, in root's store
-beside the verified-inode store (:mod:`safeinstall.store.unchanged`), the identity of each such file as
-it was observed (device, inode, size, mtime, ctime and ``st_mode``, in the ``RECORD``'s order), of its
-``RECORD`` and of every directory from the distribution's prefix down to each of them (device, inode,
-mtime, ctime). A later check whose ``lstat`` of all of these shows every identity unchanged takes the
-distribution as it was: as clean as then, with no expectation built, no file compared, no hash looked up.
-
-Why that proves what the check would find. Every identity kept had a ctime older, by the timestamp
-granularity (:data:`safeinstall.env.verified.GRANULARITY_NS`), than the moment the check that kept it
-began (before it read any ``RECORD``): nothing of it changed during that check, and no account can set a
-ctime, so an unchanged one now means unchanged since (an edit of a file, even of the same size with its
-mtime set back, a ``chmod``, a new link all move it). The ``RECORD`` is looked at after it was parsed:
-unchanged, it holds what was parsed, so the distribution expects what it expected then. Each directory
-unchanged (its ctime and mtime move with every entry made, removed or renamed in it) means each path
-still leads, from the prefix, through the same directories to the same inode: no symlink swapped in on
-the way, no file put in a listed one's place. And each file unchanged holds what matched its ``RECORD``.
-Anything else (one identity moved, a racy one, a file not there) and the distribution is checked as
-before, by the verified-inode store and by reading; what is not a file's own finding (a file no
-``RECORD`` lists, a second ``.dist-info``, a file shared with another distribution) is looked for as
-always. Kept at most :data:`~safeinstall.env.verified.MAX_AGE_NS` from the oldest hash its files rest on,
-bound to the boot and the prefix as the verified-inode store is; ``--full`` takes none of it. What the
-owner controls is bounded: no identity with a number past 64 bits (:func:`~safeinstall.env.verified.fits`),
-no distribution deeper than :data:`MAX_DEPTH`, at most :data:`MAX_DIRECTORIES` directories.
+Pure decisions over the identities a clean check kept (:mod:`safeinstall.store.unchanged`); why an
+unchanged ctime proves it: docs/verify.md ("The clean distributions").
 """
 
 from __future__ import annotations
@@ -133,13 +111,10 @@ def prover(
     root_of: Callable[[InstalledDistribution], str],
     walked: Mapping[str, os.stat_result] | None = None,
 ) -> Callable[[InstalledDistribution], list[tuple[str, int]] | None] | None:
-    """What the verification asks of a distribution (its RECORD parsed already): None when it cannot be
-    proven unchanged (then it is checked as before), else its files that share their inode (path, link
-    count) for the ``hardlinked`` warning, from the same ``lstat``. ``root_of``: the prefix its files
-    must stay in. ``walked``: the ``lstat`` of files taken moments before, by path (the walk of who
-    steers the environment, :func:`safeinstall.env.environment.steering`, looks at each file of
-    site-packages when a ``.pth`` file imports: vLLM's 61k), taken for this check's own. None when there
-    is no store (nothing may be kept)."""
+    """What the verification asks of a distribution: None when it cannot be proven unchanged, else its
+    hardlinked files (path, link count). ``root_of``: the prefix its files stay in; ``walked``: ``lstat``
+    results taken moments before. None when there is no store.
+    """
     if store is None:
         return None
     seen: dict[str, bool] = {}  # a directory's lstat, once per check
@@ -204,13 +179,10 @@ def unchanged_entry(
     ctime_kept: Callable[[int, str], bool],
     hashed_at: Callable[[FileState], int],
 ) -> UnchangedDistribution | None:
-    """After a check that found nothing wrong with ``dist``'s files: what to keep of it (its directories
-    into ``directories``), or None when something of it was not settled before the check began, or is
-    on a filesystem whose ctime is not known to be kept (``ctime_kept(device, path)``: tmpfs, NFS, FUSE...
-    as for the verified-inode store, :data:`safeinstall.env.verified.CTIME_FILESYSTEMS`), or has a
-    directory more than :data:`MAX_DEPTH` levels below ``root``. ``hashed_at``: when a file's bytes
-    were read and hashed (this check's read, or the kept hash that proved it; 0: not known, not kept):
-    the entry is believed a day from the oldest."""
+    """After a clean check of ``dist``: what to keep of it (its directories into ``directories``), or None
+    when something was not settled before the check, lies where ctime is not kept, or too deep.
+    ``hashed_at``: when each file was hashed; the entry lasts a day from the oldest.
+    """
     record_path = os.path.join(dist.dist_info, "RECORD")
     record = _record_identity(dist)
     if record is None or not is_settled(record[4], since_ns) or not ctime_kept(record[0], record_path):

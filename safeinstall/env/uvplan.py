@@ -1,22 +1,7 @@
 """uv at the edge: the exact ``uv pip install`` command, its dry-run plan, and the real install.
 
-By default only the named package is reinstalled (``--reinstall-package NAME``): uv's
-``--force-reinstall``/``--reinstall`` would reinstall every dependency (torch included, for vllm).
-``with_deps`` widens it to ``--reinstall``.
-
-Installed files must never share inodes with uv's shared cache (uv #10579: an edit in place would edit
-the cache too). A run therefore gives uv a cache of its own (``UV_CACHE_DIR`` in the run's state
-directory, filled by the prefetch, deleted after the run): when that cache is on the prefix's
-filesystem the install hardlinks from it (no copy of the package's bytes while the services are down),
-and once it is deleted the installed files share their inodes with nothing. Otherwise, or when the
-extra uv arguments choose a cache or a link mode themselves, the install uses ``--link-mode copy``.
-
-uv asks the target interpreter for its paths by running it with ``site`` (``-I`` still processes the
-environment's ``.pth`` files): whoever owns the environment decides what that runs. So when the
-environment belongs to another account (:class:`~safeinstall.env.environment.Account`), root runs every uv
-call as that account (its uid and gid, no supplementary groups; see :func:`uv_environment` for what
-uv's environment becomes): uv does nothing that the owner could not do itself, and the files it
-installs are the owner's, as the environment's other files are.
+uv gets a cache of the run's own (no installed file shares an inode with a lasting cache, uv #10579)
+and runs as the environment's account. Why: docs/reinstall.md and docs/privsep.md.
 """
 
 from __future__ import annotations
@@ -163,15 +148,10 @@ _NETWORK_OPTIONS = (
 
 
 def window_command(command: Sequence[str], request: UvRequest) -> tuple[str, ...]:
-    """Pure: the install the window runs: the plan's command with ``--offline`` when it installs from
-    the run's own cache (``link_mode`` hardlink, which the prefetch filled with every artefact of the
-    plan) and the extra arguments say nothing about the network or the cache.
-
-    ``--reinstall-package P`` implies ``--refresh-package P`` in uv (astral-sh/uv#5425): its cached
-    wheel, fetched by the prefetch a minute earlier, is revalidated, and for a wheel from an index
-    uv downloads it again, inside the window (vLLM 0.33.0: 320 MiB, 7.7 s while the services were
-    down). Offline, uv takes what the prefetch put in the run's cache and resolves against it and the
-    environment. Should that fail, the caller runs the plan's own command (see install_step)."""
+    """Pure: the window's install: the plan's command with ``--offline`` when it installs from the run's
+    own cache and the extra arguments name no network nor cache. Why: docs/window.md ("The window's
+    install runs offline").
+    """
     if request.link_mode != "hardlink" or _chooses(request.extra_args, _NETWORK_OPTIONS):
         return tuple(command)
     return (*command[:3], "--offline", *command[3:])
@@ -180,14 +160,9 @@ def window_command(command: Sequence[str], request: UvRequest) -> tuple[str, ...
 def prefetch_command(
     request: UvRequest, uv_bin: str, target: Path, changes: Sequence[UvChange] = (), staging: bool = False
 ) -> list[str]:
-    """Pure: install the same artefacts into a scratch ``--target`` directory, before any stop.
-
-    This fills uv's cache (download, unpack, build), so that the install during the downtime only
-    copies files; and it proves that the artefacts can be fetched and installed at all. The artefacts
-    are the requirement and every other distribution uv's dry-run will install (``changes``: a new
-    dependency of a nightly, or everything with ``--with-deps``), pinned, without resolving again.
-    ``staging``: into ``--prefix target`` instead, laid out as the environment (a swap's staging tree,
-    :mod:`safeinstall.env.swap`).
+    """Pure: install the same artefacts, pinned, into a scratch ``--target`` directory before any stop:
+    it fills uv's cache and proves they install. ``changes``: what uv's dry run installs; ``staging``:
+    ``--prefix target`` instead, a swap's staging tree.
     """
     where = ["--prefix" if staging else "--target", str(target)]
     cmd = [uv_bin, "pip", "install", "--python", str(request.python), *where, "--no-deps"]
@@ -235,11 +210,9 @@ _INDEX_OPTIONS: dict[str, tuple[str, str | None]] = {
 
 
 def index_settings(extra_args: Sequence[str]) -> tuple[tuple[str, ...], dict[str, str]]:
-    """Pure: ``extra_args`` less uv's index options (``--extra-index-url URL``, ``--index=URL``,
-    ``-i URL``, ``-iURL``, ...), and those options as the ``UV_*`` variables uv reads them from (a value
-    given on uv's command line replaces the variable's, as this does). UsageError for a value uv's
-    variable could not carry (its separator in it), an option without its value, or one that takes a
-    single value given twice."""
+    """Pure: ``extra_args`` less uv's index options, and those as the ``UV_*`` variables uv reads. Raises
+    UsageError for a value the variable cannot carry, a missing value, or a single one given twice.
+    """
     kept: list[str] = []
     values: dict[str, list[str]] = {}
     args = list(extra_args)
@@ -409,15 +382,11 @@ _NOT_FOR_THE_OWNER_PREFIXES = ("UV_PUBLISH_", "UV_GITHUB_TOKEN", "UV_INSTALLER_"
 def uv_environment(
     environ: Mapping[str, str], cache_dir: Path | None = None, account: Account | None = None
 ) -> dict[str, str]:
-    """Pure: uv's environment: the caller's (index settings stay), without VIRTUAL_ENV (``--python``
-    rules); with ``cache_dir``, uv's cache is that directory (the run's own).
+    """Pure: uv's environment: the caller's without ``VIRTUAL_ENV``; ``cache_dir``: uv's cache.
 
-    With ``account`` (uv runs as the environment's owner): only what ``_FOR_THE_OWNER`` lets through
-    (``UV_*`` and ``LC_*`` too), and ``HOME`` is the owner's, so uv reads the system's configuration
-    (``/etc/uv/uv.toml``) and the owner's own (``~/.config/uv/uv.toml``, which steers only what the owner
-    could do anyway), as when the owner runs uv; root's own files are never offered to it (the owner
-    could not read them). Without ``cache_dir`` uv uses a temporary cache of its own (``UV_NO_CACHE``):
-    the caller's cache is root's, and the owner's home may not exist (``nobody``'s is ``/nonexistent``)."""
+    With ``account``: only what ``_FOR_THE_OWNER`` lets through and the owner's ``HOME``, so uv reads what it
+    would as the owner and nothing of root's; no ``cache_dir``: ``UV_NO_CACHE``.
+    """
     env = {k: v for k, v in environ.items() if k != "VIRTUAL_ENV"}
     env["UV_NO_PROGRESS"] = "1"
     if account is not None:
@@ -468,11 +437,9 @@ _UV_LABEL = re.compile(r"[A-Za-z][A-Za-z ]{0,15}: ")
 
 
 def uv_said(output: str, limit: int = SAID_LIMIT) -> str:
-    """Pure: uv's message on one line, from its first ``error:`` line (what comes before it is uv's
-    progress, "Using Python 3.11 environment at: /usr"): its parts (``error:``, ``cause:``, ``hint:``,
-    each ``╰─▶``...) joined with " / ", a sentence uv wrapped over lines joined again with a space (a
-    line that goes on in lower case, after one that did not end it); shortened to ``limit`` characters
-    at a word boundary, never in the middle of a word."""
+    """Pure: uv's message on one line from its first ``error:`` line, its parts joined with " / ",
+    shortened to ``limit`` characters at a word boundary.
+    """
     lines = [line.strip() for line in output.strip().splitlines() if line.strip()]
     first = next((i for i, line in enumerate(lines) if line.startswith("error:")), 0)
     parts: list[str] = []
@@ -494,11 +461,10 @@ def dry_run(
     prefix: Path | None = None,
     cache_dir: Path | None = None,
 ) -> UvPlan:
-    """Ask uv (as ``account``, the environment's owner, when given) what it would uninstall and
-    install; PlanError when it cannot resolve. ``prefix``: the environment's, where uv creates its lock
-    file even for a dry run; one that was not there before is removed again (a dry run leaves nothing
-    in the environment). ``cache_dir``: uv's cache (the run's own, which the resolution then holds the
-    metadata of the new distributions in: the window's offline install needs it)."""
+    """Ask uv (as ``account``, when given) what it would uninstall and install; PlanError when it cannot
+    resolve. A lock file uv made in ``prefix`` is removed; ``cache_dir``: uv's cache, which then holds the
+    metadata the window's offline install needs.
+    """
     uv_bin = uv_binary()
     cmd = install_command(request, uv_bin, dry_run=True)
     had_lock = prefix is None or _lock_info(prefix) is not None

@@ -1,28 +1,7 @@
-"""The verified-inode store's decisions (pure): which hash taken of a file may be kept, and when a kept
-one may stand for reading the file again (``git``'s index, for verification; docs/verify.md).
+"""The verified-inode store's decisions (pure): which hash of a file may be kept, and when a kept one
+may stand for reading the file again (``git``'s index, for verification).
 
-For each file a run or ``--verify-only`` read and hashed, the store keeps ``(st_dev, st_ino, size,
-mtime_ns, ctime_ns) -> sha256`` and the moment the hash was taken (the clock before the ``fstat`` of
-the very descriptor that was read; the identity is that descriptor's, the same before and after the
-read: :attr:`safeinstall.env.hashing.FileState.hashed_ns`). A later check takes the kept hash for a file
-only when all five still match. Why that is sound: every ``write``, ``truncate``, ``chmod``, ``chown``,
-``link``, ``rename`` onto it and ``utimensat`` sets the inode's change time (ctime) to *now*, and no
-account can set it to anything else (only a change of the system clock, root's, could); an edit after
-the hash therefore shows as another ctime, whatever the mtime was set back to.
-
-Unless the edit fell within the filesystem's timestamp granularity of the hash: a ctime is the coarse
-clock's (one tick: 1-10 ms; whole seconds on some filesystems), so a write just after the ``fstat`` can
-leave the same ctime. Such an entry is *racy* and is never kept (:func:`is_racy`: its ctime within
-:data:`GRANULARITY_NS` of the moment it was hashed): the file is hashed again next time, as ``git``
-does for racily clean index entries.
-
-What it does not cover (docs/verify.md says more): root itself (it can set the clock), a filesystem
-without a real ctime (only those of :data:`CTIME_FILESYSTEMS` are kept), the disk changing bytes under
-an unchanged inode (bit rot, a restored snapshot: the store is bound to the boot, see
-:mod:`safeinstall.store.verified`), a write whose ctime was set before the hash but whose bytes land
-after it (a ``write`` stalled on a page fault of its source for longer than the granularity, or a
-shared writable mapping written again before its pages are written back). Against those an entry is
-kept at most :data:`MAX_AGE_NS`, and ``--full`` reads everything.
+Why that is sound, and what it does not cover: docs/verify.md ("The verified-inode store").
 """
 
 from __future__ import annotations
@@ -181,18 +160,11 @@ def trusted_digest(entry: VerifiedInode | None, info: os.stat_result) -> str | N
 
 
 def root_only_digest(entry: VerifiedInode | None, info: os.stat_result) -> str | None:
-    """Pure: the kept digest of a regular file that root owns and only root may write, when its ``lstat``
-    shows the very inode with the size and modification time it had when hashed, its change time
-    allowed to have moved (a link or an unlink of another name, which a cache's and an environment's
-    inodes see at every install: uv's, the hand's, this run's own).
+    """Pure: the kept digest of a file only root may write, when its ``lstat`` shows the very inode, size
+    and mtime it had when hashed; its ctime may have moved (a link or unlink of another name).
 
-    Why that is as sound as :func:`trusted_digest` (docs/verify.md): only a writer changes bytes, and a
-    writer moves the mtime (``write``, ``truncate``, ``fallocate``, a clone into it) unless it sets it
-    back, which needs the owner or ``CAP_FOWNER`` (anyone else may only set *now*): here root. Who may
-    write is the mode's (an ACL's mask shows in the group bits), which only the owner, root, changes.
-    What ctime adds beyond that is against the owner; here the owner is root, which no check of this
-    store covers. The write through a shared mapping made while the file was writable is the same gap
-    as for the exact rule (its pages' later writes move no time at all)."""
+    Why that is as sound as :func:`trusted_digest`: docs/verify.md.
+    """
     if entry is None or not entry.root_only or not stat.S_ISREG(info.st_mode):
         return None
     if info.st_uid != 0 or info.st_mode & 0o022:
@@ -215,11 +187,10 @@ def root_only_checker(store: InodeStore) -> Callable[[os.stat_result], str | Non
 
 
 def checker(store: InodeStore, fallback: Known | None = None, root_links: bool = False) -> Known:
-    """The verification's question (:data:`safeinstall.env.hashing.Known`) answered from the store (its
-    entries were checked as it was read), else by ``fallback`` (the run's cache identities).
-    ``root_links``: a root-only inode's ctime may have moved too (:func:`root_only_digest`): a run's
-    search for local patches, never the drift check, which finds even root's own same-size edit whose
-    mtime was set back."""
+    """The verification's question (:data:`safeinstall.env.hashing.Known`) answered from the store, else
+    by ``fallback``. ``root_links``: a root-only inode's ctime may have moved (:func:`root_only_digest`);
+    for the search for local patches, never the drift check.
+    """
     entries = store.entries.get
 
     def known(info: os.stat_result, algorithm: str) -> str | None:

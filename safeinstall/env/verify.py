@@ -196,7 +196,7 @@ _SCRIPT_MAX_BYTES = 1 << 20
 def _is_launcher(launcher: bytes) -> bool:
     """An installer's launcher in place of ``#!python``: one shebang line or, for an interpreter path
     too long for a shebang (or with a space in it), the three-line ``#!/bin/sh`` + ``exec`` form;
-    nothing else (a line inserted after a one-line shebang is drift, issue 45)."""
+    nothing else (a line inserted after a one-line shebang is drift)."""
     lines = launcher.split(b"\n")
     if lines[-1] != b"" or not launcher.startswith(b"#!"):
         return False
@@ -396,35 +396,11 @@ def verify_environment(
     bytecode: bool = False,
     recorded: Callable[[InstalledDistribution, bool], Sequence[Finding]] | None = None,
 ) -> VerifyReport:
-    """Verify the named distributions (or all, with ``names=None``) of ``env``.
+    """Verify the named distributions (or all, with ``names=None``) of ``env``. docs/verify.md.
 
-    ``settle_shared`` False: a ``modified`` file is never settled as another distribution's ``shared``
-    one on the word of that distribution's installed RECORD (``--verify-only --wheel``: the wheel is
-    the baseline, and the environment's owner writes the RECORDs).
-
-    ``vouched``: the environment's baseline (:mod:`safeinstall.store.baseline`: name -> what a run verified
-    against the wheel), asked for only when a file differs from its RECORD (a clean check reads no
-    state): a file that holds the very bytes a run verified against its wheel is ``wheel-record``.
-
-    ``wheel``: judge the one named distribution against it (read once by the caller). ``installed``:
-    the environment's distributions when the caller has found them already (a run reloads only what
-    its install changed); otherwise the environment is scanned here, once. ``expected`` replaces what
-    some files must hold (location -> expectation): the local patches a ``--keep-patches`` run carried
-    over are checked against the merge, not the RECORD or the wheel. ``known``: files it proves to be
-    inodes hashed earlier and unchanged since are not read again (:mod:`safeinstall.env.inodes`).
-    ``unchanged``: a distribution it proves unchanged since a check found it clean (its files that
-    share their inode, or None: not proven) is taken as clean without a file compared
-    (:func:`safeinstall.env.unchanged.prover`; not with a wheel or ``expected``).
-
-    ``bytecode`` (``--verify-only``): every ``__pycache__`` ``.pyc`` found is judged by what it holds
-    (:mod:`safeinstall.env.bytecode`; ``known_pyc``: judgements kept, by identity) and, with every
-    distribution asked for, the top of each site directory and each shared directory are looked at for
-    code no RECORD lists (:mod:`safeinstall.env.sitetop`). Without it (a run's checks, whose time may be
-    the service's downtime) only a listed ``.pyc`` that differs from its RECORD is judged: one that is
-    the bytecode of its verified source (pip compiled it anew) is not a local change.
-
-    ``recorded``: the ``record-changed`` findings of a distribution (and whether it was proven
-    unchanged), against the RECORDs root kept (:class:`safeinstall.env.recorded.RecordCheck`).
+    ``wheel``: the named one's reference; ``settle_shared`` False: no file settled as ``shared``;
+    ``vouched``, ``known``, ``unchanged``, ``recorded``: what earlier checks proved; ``installed``,
+    ``expected``: distributions found, carried patches; ``bytecode``: every ``.pyc`` judged.
     """
     # Named ones are read first, the others (whose files only say what is "extra") while the large
     # files hash; read as every distribution is, or everything is done again in the usual order. The
@@ -698,7 +674,7 @@ UNLISTED = "(in no RECORD)"
 
 def _fine_bytecode(finding: Finding, pycs: Mapping[str, str], problems: Mapping[str, str]) -> bool:
     """Pure: a listed ``.pyc`` that differs from its RECORD (pip compiled it anew over the wheel's) but
-    was judged the bytecode of its verified source: neither drift nor a local patch (issue 43)."""
+    was judged the bytecode of its verified source: neither drift nor a local patch."""
     return finding.kind == FindingKind.MODIFIED and finding.path in pycs and finding.path not in problems
 
 
@@ -752,10 +728,10 @@ def _dpkg_sources(env: Environment, locations: Sequence[str]) -> dict[str, tuple
 
 
 def _not_dpkgs(env: Environment, unlisted: Sequence[Unlisted]) -> list[Unlisted]:
-    """Those of ``unlisted`` that no system package installed as they are now (a system interpreter's
-    site directories hold dpkg's modules beside ``.egg-info`` metadata, which has no RECORD): a file
-    dpkg's lists name and its md5sums still match is not reported; one they name and do not match is,
-    saying so. A venv's own site directories are never dpkg's: nothing is looked up for them."""
+    """Those of ``unlisted`` that no system package installed as they are now: a file dpkg lists whose
+    md5sum matches is not reported, one that does not match is, saying so. Never looked up in a venv's
+    own site directories.
+    """
     own = tuple(os.fspath(s) + os.sep for s in env.site_dirs) if env.is_venv else ()
     wanted = [u for u in unlisted if not (own and u.location.startswith(own))]
     if not wanted:
@@ -849,7 +825,7 @@ def _against_dpkg(
     env: Environment, dist: InstalledDistribution, owner: SystemPackage, findings: list[Finding]
 ) -> list[Finding]:
     """The ``modified`` findings of a distribution a system package installed, against dpkg's own md5sums
-    (what ``dpkg --verify`` checks): those it says are intact become ``dpkg-intact`` (issue 37: Debian
+    (what ``dpkg --verify`` checks): those it says are intact become ``dpkg-intact`` (Debian
     strips its libraries after writing RECORD, and every such file alerted on every check)."""
     sums = dpkg_md5sums(owner)
     listed = [f.path for f in findings if f.kind == FindingKind.MODIFIED and f.path in sums]

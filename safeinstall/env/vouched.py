@@ -1,7 +1,5 @@
-"""What a run vouches for: the files whose bytes are exactly its wheel's members where the wheel's own
-RECORD says otherwise, bound to the distribution's version, ``.dist-info`` and installed RECORD; and how
-a verification settles such a file (``wheel-record``, not drift). Pure; root keeps them in the
-environment's baseline (:mod:`safeinstall.store.baseline`, which explains why they can be trusted).
+"""What a run vouches for: files whose bytes are their wheel's members where the wheel's RECORD says
+otherwise, and how a verification settles them (``wheel-record``). Pure.
 """
 
 from __future__ import annotations
@@ -72,11 +70,10 @@ def vouched_of(
     run_id: str,
     wheel: str,
 ) -> Vouched | None:
-    """Pure: after a run verified ``dist`` against its wheel, the files that hold exactly what the wheel
-    shipped (``shipped``: location -> :func:`file_key` of the member's bytes; the caller leaves out
-    scripts, whose first line the installer rewrites, and carried patches) and that its installed
-    RECORD does not describe, as they were observed; None when the RECORD describes them all. Only the
-    wheel's own bytes are ever vouched for, whatever happened to the file meanwhile."""
+    """Pure: after a run verified ``dist`` against its wheel, the files holding exactly the wheel's bytes
+    (``shipped``) that its installed RECORD does not describe, as observed; None when it describes them
+    all.
+    """
     files: dict[str, str] = {}
     for entry, location in zip(dist.record.entries, dist.locations, strict=True):
         state = observed.get(location)

@@ -362,12 +362,10 @@ def read_wheel(path: Path) -> Wheel:
 
 
 class _ListingBounded(io.RawIOBase):
-    """A wheel's file as zipfile sees it while it reads the list of members: a read of more than
-    :data:`CENTRAL_DIRECTORY_LIMIT` bytes is refused (zipfile reads the whole central directory in
-    one read, where its end record says, and makes an object of each entry). The bound is on the read
-    itself (a read to the end reads at most one byte more, whatever the file has grown to meanwhile):
-    nothing can differ between a check and zipfile's own reading. Lifted once the list is read
-    (members are read in any size)."""
+    """A wheel's file as zipfile sees it while it reads the members' list: a read over
+    :data:`CENTRAL_DIRECTORY_LIMIT` bytes is refused, on the read itself, so nothing differs between a check
+    and zipfile's reading. Lifted once the list is read.
+    """
 
     def __init__(self, handle: BinaryIO, path: Path) -> None:
         super().__init__()
@@ -485,10 +483,10 @@ def landing_problems(
 
 
 def shared_landing(wheel: Wheel, locations: dict[str, str], others: dict[str, tuple[str, str]]) -> list[str]:
-    """Pure: the plan's refusals for members that would land on files another installed distribution's
-    RECORD lists (``others``: location -> its name and version), one per such distribution, naming it
-    and saying what to do. Two RECORDs listing one file is how cuda-python's files came to be
-    cuda-bindings' (dpkg refuses the same: "trying to overwrite ..., which is also in package ...")."""
+    """Pure: the plan's refusals for members that would land on files another distribution's RECORD
+    lists (``others``), one per distribution, naming it and what to do (as dpkg refuses to overwrite
+    another package's file).
+    """
     by_owner: dict[tuple[str, str], list[tuple[str, str]]] = {}
     for member, location in sorted(locations.items()):
         if location in others:
@@ -513,11 +511,10 @@ def check_landing(
     affected: Sequence[InstalledDistribution],
     installed: Sequence[InstalledDistribution],
 ) -> tuple[str, ...]:
-    """Refuse a wheel (WheelError, exit 2) a member (or a console script) of which would land on a file
-    that is the environment's own (the interpreter, ``pyvenv.cfg``), or any existing file that no
-    distribution lists and the distributions being replaced do not hold (the run would not back it
-    up). Members that would land on another distribution's files are the plan's refusals, returned
-    (see :func:`shared_landing`): the dry-run shows them, naming that distribution."""
+    """Refuse a wheel (WheelError, exit 2) a member or script of which would land on the environment's
+    own files or on an unlisted file the run would not back up. Landings on another distribution's files
+    are returned as the plan's refusals (:func:`shared_landing`).
+    """
     from safeinstall.system.safefs import Tree
 
     locations = install_locations(wheel, env)

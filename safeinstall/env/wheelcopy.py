@@ -1,15 +1,7 @@
-"""The run's own copy of the wheel, in the state directory: what is checked is what is installed.
+"""The run's own copy of the wheel in the state directory: what is checked is what is installed.
 
-A wheel usually comes from a download directory (``/tmp``, a shared cache) that others can write: they
-could replace it between the preflight check and uv's install, or before ``--recover`` reads it again.
-So a run copies it into ``<state>/<env>/wheels/<random>/<the wheel's file name>`` (the state directory
-is root's, mode 0700) and checks, installs and journals that copy only; the copy goes when the run (or
-its recovery) ends. The copy is root's, in directories others may enter but not list (0711), and only
-the account uv runs as may read it: when the environment is another account's (uv reads it as that
-account, :mod:`safeinstall.store.state`), a POSIX ACL gives that account's uid read and nobody else anything
-(root's group included); on a filesystem without ACLs, 0640 with that account's group, which its other
-members can read too; 0600 when the environment is root's own. Its path is in uv's command line, which
-every local user can read in ``/proc``.
+A wheel in a directory others can write could be replaced after the check; the copy is root's,
+readable only by the account uv runs as. docs/threat-model.md ("Files and wheels").
 """
 
 from __future__ import annotations

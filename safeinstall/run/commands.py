@@ -1,12 +1,6 @@
 """The commands: what each mode of the command line does, as one function that returns a typed result.
 
-The CLI (:mod:`safeinstall.cli.app`) parses the command line into a :class:`Request`, checks it
-(:mod:`safeinstall.cli.usage`), calls :func:`execute` once, and renders what it is handed: its
-:class:`Ui` shows what a command says while it works and, at the end, the command's :data:`Result`.
-Nothing here prints, and nothing in ``cli/`` reads the environment or the state directory.
-
-What only a run, a dry run or the state commands need is imported where it is used: ``--verify-only``
-and ``--help`` start without it (a verification's time is mostly start-up on a small package).
+The CLI calls :func:`execute` once and renders what it is handed; nothing here prints.
 """
 
 from __future__ import annotations

@@ -1,26 +1,7 @@
-"""Runs that outlive their caller: ``--detach`` hands the run to a transient systemd unit, and
-``--status --wait`` follows a run (detached or not) to its end.
+"""``--detach`` hands the run to a transient systemd unit; ``--status --wait`` follows a run to its end.
 
-**Detaching.** The foreground checks what it can at once (the arguments, the interpreter; on a
-terminal it shows the plan and asks), then starts the same safeinstall (``sys.executable -I -m
-safeinstall``, the same options, arguments passed literally, no shell) as a transient unit of the
-manager that runs the run's own units: ``systemd-run [--user] --unit=safeinstall-<env>-<run-id>
---collect``. Nothing that happens to the caller's terminal or session reaches it.
-
-The unit runs the *whole* run, preflight included, under the environment's lock. The foreground
-waits only until that run has journalled (it then holds the lock and has passed its preflight) or
-has ended (a refused preflight: its error is printed and the foreground exits 2, as without
-``--detach``). So nothing can slip in between a check and the run, and no check goes stale: the one
-preflight that counts is made under the lock, by the run itself.
-
-The caller's environment (index settings, proxies, uv's cache, ``XDG_RUNTIME_DIR``), the health URL
-and uv's arguments (``--index-url https://user:token@...``) reach the unit through a file in the
-environment's state directory (mode 0600, checked to be ours, read once and removed by the run),
-never on a command line or in the unit's properties, which any user can read (``systemctl show``).
-
-**Waiting.** A run's log shows what it does as it does it; its history entry (written last) says
-it finished and holds its result; its journal and its lock say it is still running, and which
-process runs it. A run whose process is gone with its journal left died (``--recover``).
+The unit runs the whole run, preflight included, under the lock; secrets reach it through a private
+file, never a command line. How and why: docs/detach.md.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Checks that take the hashes an environment's verified-inode store keeps (docs/verify.md): a file
-whose inode is as it was when a run or ``--verify-only`` hashed it is not read again, and what a check
-hashed is kept (:mod:`safeinstall.store.verified`; the decisions: :mod:`safeinstall.env.verified`); and a
-distribution a check found clean, proven unchanged since by ``lstat`` alone, is not compared file by file
-(:mod:`safeinstall.store.unchanged`, :mod:`safeinstall.env.unchanged`)."""
+"""Checks that take the hashes the verified-inode store keeps: an unchanged inode is not read again, and a
+distribution proven unchanged by ``lstat`` is not compared file by file. docs/verify.md.
+"""
 
 from __future__ import annotations
 
@@ -32,13 +30,10 @@ def verify_kept(
     on_progress: ProgressCallback | None = None,
     walked: Mapping[str, os.stat_result] | None = None,
 ) -> VerifyReport:
-    """``--verify-only``: :func:`verify_environment`, taking the store's hashes of unchanged inodes
-    (none with ``full``: every file is read) and keeping what it hashed; a distribution proven unchanged
-    since a check found it clean is not compared file by file (with ``full``, each is); ``notes`` say
-    why the store was not used or kept, when it was not. ``walked``: the ``lstat`` of files the steering
-    walk took moments before (:func:`safeinstall.env.environment.inspect_environment`), which the proof
-    takes for its own. The verified-inode store is read only when a
-    file is to be proven by it (a check where every distribution is proven unchanged reads none)."""
+    """``--verify-only`` with the verified-inode store: unchanged inodes not read, what was hashed kept,
+    distributions proven unchanged not compared (none of it with ``full``). ``walked``: the steering
+    walk's ``lstat``; ``notes`` say why the store was not used or kept.
+    """
     from safeinstall.env.bytecode import keepable, known_checker
     from safeinstall.env.recorded import RecordCheck
     from safeinstall.env.unchanged import prover, unchanged_entry

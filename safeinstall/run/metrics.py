@@ -1,13 +1,7 @@
-"""``--metrics-file``: a result as Prometheus text exposition format, for node_exporter's textfile
-collector (see docs/metrics.md for every metric and its labels).
+"""``--metrics-file``: a result as Prometheus text for node_exporter's textfile collector.
 
-The rendering is pure: typed results (a verification, a run's summary, ``--status``, ``--recover``) to
-metric families, and families to text, label values and help text escaped as the format requires. An
-environment is named by its prefix (label ``prefix``). The one function with I/O,
-:func:`write_metrics_file`, writes the text atomically (a temporary file beside it, then a rename;
-mode 0644 so that the exporter's account may read it) into a directory the caller chose, refusing one
-that others could redirect (the state directory's rules), and a final path that is not a regular file
-(a symlink or a FIFO is never followed nor opened).
+The rendering is pure; :func:`write_metrics_file` writes atomically into a directory the caller chose,
+refusing one others could redirect. docs/metrics.md.
 """
 
 from __future__ import annotations
@@ -308,10 +302,10 @@ def _untrusted(path: Path, problem: str) -> MetricsFileError:
 
 
 def check_metrics_path(path: Path) -> Path:
-    """The path to write (its directory's real path, then its name), by the rule of every output file
-    (:func:`safeinstall.store.state.output_path`: each directory on the way root's or the caller's and
-    writable by nobody else, each link on the way theirs, the file a regular one if there);
-    MetricsFileError (exit 2) if it must not be written. Called before the command does its work."""
+    """The path to write, by the rule of every output file
+    (:func:`safeinstall.store.state.output_path`), checked before the command works. Raises
+    MetricsFileError (exit 2) when it must not be written.
+    """
     from safeinstall.store.state import output_path
 
     absolute = Path(os.path.abspath(path))

@@ -1,15 +1,7 @@
 """``--keep-patches``: carry a package's local edits over to the new version with a three-way merge.
 
-For each locally modified file of the package (what ``--verify-only`` reports), three versions meet:
-base, the installed version's pristine file (from ``--base-wheel``, or fetched by uv into the run's
-scratch directory; either way checked against the installed RECORD); ours, the file on disk; theirs,
-the new version's file. ``merge3`` merges them. A conflict, a binary file, a file the new version no
-longer has, or a file outside site-packages refuses the run before anything stops;
-``--drop-conflicting`` carries the rest.
-
-The core is pure (:func:`merge_file`, :func:`settle`, :class:`PatchSet`); the I/O sits at the edges:
-:func:`prepare_patches` reads the three versions before the stop, :func:`carry` is the one write after
-the install (as the environment's owner), :func:`save_patch_set` keeps the carried set in the state directory.
+The core is pure (:func:`merge_file`, :func:`settle`); :func:`prepare_patches` reads before the stop,
+:func:`carry` writes after the install as the owner. docs/keep-patches.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
-"""The checks before the first stop, shared by the run and ``--dry-run``: one function, so that the
-dry-run refuses exactly when the run would (same decision, same exit code 2).
+"""The checks before the first stop, shared by the run and ``--dry-run``, so that a dry run refuses
+exactly when the run would (exit 2).
 
-In the run's order: the interpreter; the state directory; the lock; the wheel (a valid zip whose
-RECORD matches its contents, for PACKAGE, fitting the interpreter's tags); uv's plan and the /proc scan
-(:func:`safeinstall.run.survey.survey`); the plan's refusals; room for the backup and for the install; the
-environment's directories writable (by its owner, when uv runs as that account). A failure before
-there is a plan raises; later ones are the plan's refusals, so that a dry-run still shows the plan and
-why it would refuse.
-
-The only difference: the run creates its state directory and takes the lock (and keeps it); a dry-run
-creates nothing and takes no lock: it checks that the directory could be made and that no live run
-holds the lock. With ``--keep-patches``, the run's next step (the patch merge) is made by the dry-run
-too (:func:`dry_run_patches`), its scratch in a temporary directory.
+The run takes the lock and creates its state directory; a dry run creates nothing. docs/dry-run.md.
 """
 
 from __future__ import annotations
@@ -116,10 +106,10 @@ class Prepared:
 
 
 def preflight(options: RunOptions, *, take_lock: bool, env: Environment | None = None) -> Prepared:
-    """Every check of the run before its first stop (see the module). Raises a SafeInstallError (exit
-    2) for a failure before the plan; the plan's ``refusals`` hold the rest (see :func:`refusal`).
-    ``take_lock``: create the state directory and hold the lock (the run); else check both (dry-run).
-    ``env``: the environment ``options.python`` names, when the caller has inspected it already."""
+    """Every check of the run before its first stop. Raises SafeInstallError (exit 2) before there is a
+    plan; later failures are the plan's ``refusals``. ``take_lock``: make the state directory and hold the
+    lock (a run), else only check both; ``env``: inspected already.
+    """
     check_options(options)
     env = env or inspect_environment(resolve_python(options.python, options.environ))
     state = environment_state(state_root(options.environ, os.geteuid()), env.prefix)
@@ -409,11 +399,10 @@ def _named_as_given(found: Survey, copy: Path, given: Path) -> Survey:
 
 
 def dry_run_patches(prepared: Prepared) -> tuple[Plan, PatchSet | None]:
-    """``--keep-patches --dry-run``: the run's patches step, the same merge, made as the run makes it once
-    the plan proceeds; its scratch (the environment owner's, as in the run) in a temporary directory: a
-    dry-run creates nothing in the state directory. A patch that cannot be carried is then one of the
-    plan's refusals; pristine files that cannot be had raise, as in the run. The plan, and the patches
-    (None without the step)."""
+    """``--keep-patches --dry-run``: the run's patches step, its scratch in a temporary directory. A patch
+    that cannot be carried is a refusal of the plan; missing pristine files raise. Returns the plan and
+    the patches (None without the step).
+    """
     options, plan = prepared.options, prepared.plan
     if not options.keep_patches or not plan.proceeds:
         return plan, None
@@ -584,14 +573,10 @@ def install_overhead(new: int, dist_infos: int = 1, block: int = 4096) -> int:
 
 
 def install_room(new: int, old: int, freed: int, shared: bool) -> int:
-    """Pure: the room the install of ``new`` bytes needs in the environment, where the distributions it
-    replaces take ``old`` bytes, ``freed`` of them in files with no other link. With the backup on
-    another filesystem (a copy), uv's uninstall frees those files before it writes: the install needs
-    what the new version takes beyond them, and the rollback (new files removed before the old ones are
-    written back, or the old inodes linked back: :mod:`safeinstall.env.keep`) no more. An old file
-    that is a hardlink of a uv cache on that disk frees nothing. With the backup on the environment's
-    filesystem it holds the old files' inodes, so nothing is freed: the install needs all of it, and
-    so much again for the backup, should it have to copy."""
+    """Pure: the room the install of ``new`` bytes needs where the replaced distributions take ``old``,
+    ``freed`` of them in files with no other link. A backup on the same filesystem holds the old inodes,
+    so then nothing is freed (docs/faults.md, "Room").
+    """
     return new + old if shared else max(0, new - freed)
 
 

@@ -1,12 +1,7 @@
-"""Prepare ahead, commit in the window (docs/prepare.md).
+"""``--prepare``, ``--commit`` and ``--discard``: prepare a run ahead, commit it in the window.
 
-``safeinstall REQ --prepare`` is a run that stops after its smoke check: its journal says ``prepared``
-and a record (:mod:`safeinstall.store.prepared`) keeps what the commit depends on, by identity. The
-run's backup, staging tree (or uv cache), kept links and wheel copy stay. ``safeinstall --commit``
-runs the preflight again under the lock (a new scan, the environment's files hashed again), refuses
-(exit 2, nothing stopped) when anything the prepare found has changed, and else goes on from the gate
-with the prepared run's journal, backup and staging tree. ``--discard`` (and ``--recover``) put back a
-prepared run as they do one that died before its stop: nothing of it is left.
+``--commit`` runs the preflight again under the lock and refuses (exit 2) when anything the prepare
+found has changed. docs/prepare.md.
 """
 
 from __future__ import annotations

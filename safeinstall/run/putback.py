@@ -1,8 +1,5 @@
 """The one put-back sequence, for a run's rollback and for ``--recover``: the backup written back, the
-gate opened, the stopped units started again, the gate drop-ins removed, the journal cleared.
-
-It sits beside its callers: the run's rollback (:mod:`safeinstall.run.rollback`) and the recovery
-(:mod:`safeinstall.run.recover`) both call :func:`put_back` and nothing else to put things back.
+gate opened, the stopped units started, the drop-ins removed, the journal cleared.
 """
 
 from __future__ import annotations
@@ -43,13 +40,9 @@ from safeinstall.system.systemd import Systemd
 def restore_previous(
     env: Environment, backup: Backup, wheel_path: Path | None, state_dir: Path, run_id: str | None = None
 ) -> bool:
-    """Put the backed-up distributions back, removing whatever (half-)install is there now; False when
-    the files were found exactly as saved (nothing was written: nothing had been installed).
-
-    :func:`restore_backup` removes what the installed ``.dist-info`` of those names list; the new
-    wheel's files are added here, for an install that died before it wrote its RECORD. Only the run's
-    own copy of the wheel, in the state directory, is read: never a path others can write. ``run_id``:
-    the run whose kept links of the old files go back instead of copies (:mod:`safeinstall.env.keep`).
+    """Put the backed-up distributions back, removing whatever (half-)install is there; False when the
+    files were as saved. Adds the new wheel's files (from the run's own copy) to what is removed;
+    ``run_id``: whose kept links go back instead of copies.
     """
     remove: list[Path] = []
     if wheel_path is not None and is_wheel_copy(wheel_path, state_dir):
@@ -90,12 +83,10 @@ def put_back(
     start: Callable[[list[JournalUnit]], None],
     finished: Callable[[PutBack], None] = lambda done: None,
 ) -> PutBack:
-    """The one put-back sequence, for the rollback and for ``--recover``: restore the backup (when
-    ``restore`` is given), open the gate, start the units the run stopped that were running (also when
-    the restore found nothing changed), remove the gate drop-ins, clear the journal and drop the run's
-    copy of the wheel. ``start`` starts and watches units (raises SafeInstallError when one does not come
-    up); ``finished`` is given what was done just before the journal is cleared. Raises SafeInstallError;
-    the journal is then kept."""
+    """The one put-back sequence: restore the backup (``restore``), open the gate, start the units the run
+    stopped (``start``), remove the drop-ins, call ``finished``, clear the journal, drop the wheel copy.
+    Raises SafeInstallError; the journal is then kept.
+    """
     notes: list[str] = []
     restored = unchanged = False
     # the run's staging tree (a swap's): new files not put in place, or the old trees it exchanged

@@ -1,10 +1,5 @@
-"""Recovery: finish a run that died (SIGKILL, OOM, power loss). ``--status`` and ``--forget`` read the
-same state: :mod:`safeinstall.run.status`.
-
-``safeinstall --recover`` reads each environment's journal: if the install was not verified complete
-it restores the backup; it starts every unit the run stopped that was active before; it removes the
-reboot gate (marker and drop-ins) and clears the journal. It is what the shipped
-``safeinstall-recover.service`` runs early at boot.
+"""``--recover``: finish a run that died, from its journal (the backup restored where needed, the units
+started, the gate removed). What ``safeinstall-recover.service`` runs at boot.
 """
 
 from __future__ import annotations
@@ -138,11 +133,10 @@ KEPT_PHASES = frozenset({Phase.VERIFIED, Phase.RESTARTING, Phase.DONE})
 def recovered_result(
     journal: Journal, recovery: Recovery, log_file: str, ended: int | None = None
 ) -> dict[str, Any]:
-    """Pure: the ``reinstall`` document of a run that died and that ``--recover`` finished, as its history
-    keeps it: status ``recovered``; exit 0 when the new version, verified before the run died, was kept;
-    3 when the environment is as it was before the run (the backup restored, or nothing installed yet;
-    also when the new version, verified and started, did not come up). ``ended``: the exit code the run
-    itself reported (4: its put-back failed), None when it died without a result."""
+    """Pure: the ``reinstall`` document of a run ``--recover`` finished (status ``recovered``): exit 0 when
+    the verified new version was kept, 3 when the environment is as before the run. ``ended``: the exit
+    code the run reported, None when it died without one.
+    """
     phase = effective_phase(journal)
     died = f"the run {journal.run_id} died in phase {phase} (PID {journal.pid}) without a result"
     if ended is not None:
@@ -230,10 +224,10 @@ _GATE_LIMIT = 4096
 
 
 def _remove_stray_gates(state: EnvironmentState, environ: Mapping[str, str]) -> tuple[str, ...]:
-    """Under the environment's lock with no journal: the gate drop-ins of this environment that a run
-    left in its units (a ``systemctl`` killed during a good run's tidy-up), found in each manager's
-    persistent drop-in directory by their text (``ConditionPathExists=!`` this environment's marker),
-    removed and the manager reloaded. The drop-ins removed (paths); a failure is left for the next."""
+    """Under the lock with no journal: remove the gate drop-ins a run left in this environment's units
+    (found by their text) and reload the managers. Returns the paths removed; a failure waits for the
+    next.
+    """
     wanted = gate_dropin_text(gate_marker(state.dir), "").splitlines()[-1]
     removed: list[str] = []
     for user in (False, True):

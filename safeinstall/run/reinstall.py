@@ -1,14 +1,7 @@
-"""The safe reinstall: preflight, backup, gate, stop, GPU release, install, verify, restart.
+"""The safe reinstall: the steps of a run, each journalled before it starts, and :func:`run_reinstall`,
+which calls them in order.
 
-Every step is journalled before it starts (:mod:`safeinstall.store.journal`), so that a run killed at any
-point can be finished by ``safeinstall --recover``. Any failure after the stop rolls back: the backup
-is restored byte for byte and the units that were running are started again (exit 3). If that fails
-too, the backup and the journal are kept and the commands that finish the job are printed (exit 4).
-
-This module holds the steps, each a function of the one :class:`~safeinstall.run.running.Run`, and
-:func:`run_reinstall`, which calls them in order; the way back is :mod:`safeinstall.run.rollback`. The
-decisions they rely on are pure functions elsewhere (plan, drift, journal), and each kind of I/O sits
-behind its own module (systemd, gpus, uvplan, backup, ...).
+Any failure after the stop rolls back (:mod:`safeinstall.run.rollback`). docs/reinstall.md.
 """
 
 from __future__ import annotations
@@ -585,7 +578,7 @@ def gpu_release_step(run: Run, session: NvmlSession, baseline: GpuSnapshot) -> s
         return f"skipped: {session.reason}"
 
     # (no D-state check here: the stop step waited until every planned process was gone, and one
-    # stuck in D never is: that wait names it, issue 45)
+    # stuck in D never is: that wait names it)
     def on_poll(status: ReleaseStatus) -> None:
         holders = ", ".join(f"PID {h.pid}" for h in status.holders) or "memory not yet freed"
         run.reporter.progress(
@@ -882,14 +875,10 @@ def _verify_installed(
     vouched: Mapping[str, tuple[Vouched, ...]] | None = None,
     known: Known | None = None,
 ) -> VerifyReport:
-    """The new installation: the package against the wheel (or its RECORD), the others their RECORD;
-    the local patches carried over (``carried``) against the merge. ``installed``: the environment's
-    distributions with the affected ones read again after the install (it changed nothing else); the
-    wheel is the one read and checked at preflight. Against a RECORD, a file that holds the very
-    bytes an earlier run verified against its wheel (``vouched``, the environment's baseline, for that
-    version and RECORD) is ``wheel-record``.
-    ``known``: installed files proven to be inodes hashed before the stop are not read
-    (:mod:`safeinstall.env.inodes`)."""
+    """The new installation: the package against the wheel (or RECORD), the others against their RECORD,
+    ``carried`` patches against the merge. ``installed``: the distributions read again; ``vouched``: the
+    baseline; ``known``: inodes hashed before the stop, not read again.
+    """
     baseline = None if not vouched else lambda: vouched
     main = verify_environment(
         env, [package], wheel, installed=installed, expected=carried, vouched=baseline, known=known
@@ -972,14 +961,10 @@ def run_reinstall(
     env: Environment | None = None,
     cannot_ask: str | None = None,
 ) -> RunResult:
-    """The whole run. Raises SafeInstallError only before anything changed (exit 2); ``cannot_ask``: why
-    a run not given ``--yes`` cannot ask (no terminal): one that would stop units is refused.
-
-    Signals (see :mod:`safeinstall.system.signals`): until the journal is written they end the run with exit 2
-    (the early handlers); one that arrives while it is written is held back and stops the first step
-    (the run then ends as one interrupted before the stop: exit 2); during the steps they interrupt and
-    the run rolls back; during the rollback and the tidy-up after a good run they are held back and
-    announced (the tidy-up is short: the run finishes with its result)."""
+    """The whole run; ``cannot_ask``: why a run without ``--yes`` cannot ask (then one that stops units is
+    refused). Raises SafeInstallError only before anything changed (exit 2). Signals at each point:
+    docs/crash-safety.md.
+    """
     record = read_prepared_run(options, env) if options.commit else None
     prepared = shared_preflight(options, take_lock=True, env=env)
     tidying: list[bool] = []
@@ -1136,13 +1121,10 @@ def prepared_step(run: Run) -> None:
 
 
 def _tidy_up(run: Run, hashed: Sequence[FileState]) -> tuple[str, ...]:
-    """After a good run, under its lock (a failure is said, never turns the run into an error): what it
-    hashed kept in the store, the gate's drop-ins, the run's uv cache, the staging directory with the
-    old version (before the journal is cleared: a kill here leaves it to ``--recover``), the kept
-    links, the journal, and the older backups (the deleted ones are returned). Removing the three
-    trees is the tidy-up's time (each vLLM's 25k to 29k files), and none needs another: the staging
-    directory and the older backups go on threads of their own (in this process, or the prefix
-    owner's worker) while this thread keeps the hashes, removes the drop-ins and the run's cache."""
+    """After a good run, under its lock: the hashes kept, the drop-ins, the run's cache, the staging
+    directory, the kept links, the journal and older backups removed (returns those). A failure is said,
+    never an error; the large trees go on threads of their own.
+    """
     started = time.monotonic()
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="tidy") as pool:
         with held_while_threads_start():
@@ -1209,14 +1191,10 @@ def _remove_run_cache(run: Run) -> float:
 
 
 def keep_old_links(run: Run) -> None:
-    """Before the stop: links of the old files kept in the prefix (:mod:`safeinstall.env.keep`), so
-    that a rollback on a disk filled meanwhile puts those inodes back instead of copies. Every old file
-    where the new version fits beside the old one (a swap, always: it stages the whole new version
-    before the stop; an install in the window, when the room is there without the uninstall's): the
-    uninstall then frees nothing, and the restore needs no room whoever takes it meanwhile; else those
-    whose uninstall frees no blocks anyway (other links). Best effort: without them it copies. In an
-    account's environment the account's worker makes them, where they fit (root makes no links in a
-    tree the account writes), and the restore checks each inode it puts back."""
+    """Before the stop: links of the old files kept in the prefix (:mod:`safeinstall.env.keep`), so a
+    rollback on a full disk needs no new blocks. All of them where the new version fits beside the old,
+    else those whose uninstall frees nothing; best effort. In an account's environment, its worker's.
+    """
     if run.backup is None:
         return
     paths = [f.path for f in run.backup.manifest.files if f.link_target is None]

@@ -1,11 +1,7 @@
-"""Requirements hold after the run (issue 43, item 2): what the run's change does to the environment's
-requirements (:mod:`safeinstall.env.requirements`), said by the plan before anything stops and checked
-again once the new versions are fetched, where the plan could not know what they require.
+"""Requirements hold after the run: what a change does to the environment's requirements, said by the
+plan and checked again once the new versions are fetched.
 
-The new versions' ``Requires-Dist`` come from the wheel given (``--wheel``), the installed METADATA of a
-version reinstalled as it is, root's own backup for ``--undo``, or (once fetched) the METADATA uv laid
-out in the staging tree or ``--target`` directory, read as the environment's owner would read it.
-Nothing of the environment is run.
+Nothing of the environment is run (:mod:`safeinstall.env.requirements`).
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ class Run:
     """One run, once its journal exists: the preflight's frozen value (``prepared``: the environment,
     the wheel read once, the distributions found once, the plan, the lock), the run's identity, and
     what the steps record as they go. Each step is a function of its own over it (``*_step`` below),
-    in the order of :func:`run_reinstall`."""
+    in the order of :func:`safeinstall.run.reinstall.run_reinstall`."""
 
     prepared: Prepared
     reporter: Reporter
@@ -100,7 +100,7 @@ class Run:
     #: verified-inode store after a good run: store/verified.py)
     in_place: Mapping[str, FileState] = field(default_factory=dict)
     #: set by the verification in place: the RECORDs the run installed, kept after a good run as the
-    #: reference a later check holds them to (store/records.py, issue 46)
+    #: reference a later check holds them to (store/records.py)
     records: Mapping[str, KeptRecord] = field(default_factory=dict)
     #: set by the prefetch when the run does not swap: its ``--target`` tree, kept for the smoke step
     scratch: Path | None = None
@@ -192,11 +192,9 @@ def report_waits(
     total: float | None = None,
     check: Callable[[], None] | None = None,
 ) -> None:
-    """Until every unit's wait is done: a progress line saying which units are not yet ``state`` and
-    how long the wait may still take (``limit`` seconds in all; infinity: no bound). ``total``: what
-    the progress counts up to when it is not the limit (the settle time; the limit is then said).
-    ``check``, at each poll, may end the wait by raising (a process that cannot end: the caller's
-    rollback starts)."""
+    """Until every unit's wait is done: a progress line of the units not yet ``state`` and the time left
+    of ``limit`` (``total``: what it counts up to otherwise). ``check`` may end the wait by raising.
+    """
     started = time.monotonic()
     bound = limit if math.isfinite(limit) else None
     upto = f"; gives up after {limit:g} s" if total is not None and bound is not None else ""

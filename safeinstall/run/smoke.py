@@ -1,13 +1,7 @@
-"""The smoke step: after the prefetch, before the gate and the stop, the new version is imported (and the
-operator's ``--smoke`` command run) as the environment's account, with each unit's own environment
-(:mod:`safeinstall.env.smoke`); in a root-owned environment, as each unit's ``User=`` (root for a unit
-without one), the tree opened to that user for reading while it runs (:func:`_let_units_in`). A failure
-refuses the run (exit 2): nothing was stopped.
+"""The smoke step: the new version imported (and ``--smoke`` run) as the environment's account, with each
+unit's environment, after the prefetch and before the stop; a failure refuses the run (exit 2).
 
-The tree imported from is the swap's staging tree, or, where the run does not swap, the prefetch's
-``--target`` directory, which the prefetch then leaves for this step (it goes with the run's other
-directories: at the end of the run, or by ``--recover`` after a crash). The shim directory is root's,
-``<state>/<env>/smoke-RUN``, removed likewise.
+docs/reinstall.md ("The smoke check").
 """
 
 from __future__ import annotations
@@ -203,12 +197,10 @@ UV_LOCK = ".lock"
 
 
 def _let_units_in(run: Run, new: NewTree) -> str | None:
-    """Open the way to the new version for the units' users (root-owned environment; see
-    docs/threat-model.md): the state root and the environment's directory 0711 (the shim's directory
-    is 0755), the staging directory 0711: entered by name, never listed (its attic stays 0700); the
-    tree below it as uv made it (the prefetch's ``--target`` tree, a site directory itself: 0755),
-    checked first to be root's alone (uv's lock file at its top, which everyone may write and nothing
-    reads once uv is done, is removed first). None, or why it was not opened."""
+    """Open the new version to the units' users in a root-owned environment: the state directories and
+    the staging directory 0711 (entered, never listed), the tree checked to be root's alone first
+    (docs/threat-model.md). None, or why it was not opened.
+    """
     try:
         with Tree(new.tree) as tree:
             tree.unlink(UV_LOCK)
@@ -304,14 +296,9 @@ def _undo(run: Run, new: NewTree, shim: Path, opened: bool) -> None:
 
 
 def start(run: Run, new: NewTree) -> None:
-    """Start the check beside the rest of the prefetch (the hashes of the run's cache, the verification
-    of the staging tree): its children in a thread of their own, their answer read by the smoke step
-    (:func:`smoke_step`); ``run.smoke_check`` until then. The tree is complete once uv has exited (what
-    is verified next is what it holds, and the check only reads it: its bytecode is never written);
-    the check runs as a unit's user or the environment's account, as it did after the verification
-    (docs/threat-model.md). What cannot be started here (a unit whose settings cannot be read, no
-    thread to be had) is left to the smoke step, which runs the check itself and says why it fails;
-    a signal stops the run at once."""
+    """Start the check beside the rest of the prefetch, its children on a thread of their own; its answer
+    is read by :func:`smoke_step`. What cannot be started here is left to that step, which says why.
+    """
     try:
         checks = prepare(run, new)
     except Interrupted:
@@ -339,11 +326,9 @@ def start(run: Run, new: NewTree) -> None:
 
 
 def abandon(run: Run) -> None:
-    """End the check running in the background, if any (the prefetch failed, the staging tree it reads
-    is dropped, the run stops or rolls back): its children killed (their group with them), its thread
-    joined, what it opened closed again. A signal meanwhile waits until that is done (then the handler
-    in place has it: in a rollback, it is held back and said). Its answer is never the run's.
-    Idempotent."""
+    """End the check running in the background, if any: its children killed, its thread joined, what it
+    opened closed; a signal meanwhile waits until then. Its answer is never the run's. Idempotent.
+    """
     background = run.smoke_check
     if background is None:
         return
@@ -359,12 +344,10 @@ def abandon(run: Run) -> None:
 
 
 def smoke_step(run: Run) -> str:
-    """Import the new version (and run ``--smoke``) in each unit's context; PlanError (exit 2) when
-    anything fails. The check started beside the prefetch (:func:`start`) is waited for; else it runs
-    here. The prefetch's ``--target`` tree (``run.scratch``) stays until the run's cache goes (at the
-    end of the run, or first thing in a rollback): its files are links of the cache's inodes, and
-    removing a link changes an inode's change time, which the verification in the window proves the
-    hashed inodes by (docs/window.md)."""
+    """Import the new version (and run ``--smoke``) in each unit's context, waiting for :func:`start`'s check
+    or running it here. Raises PlanError (exit 2) when anything fails. The ``--target`` tree stays with the
+    run's cache: removing its links would move the hashed inodes' ctime (docs/window.md).
+    """
     background = run.smoke_check
     if background is not None:
         try:

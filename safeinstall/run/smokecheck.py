@@ -95,11 +95,10 @@ class Background:
 
 
 def execute(checks: Checks, cancel: threading.Event | None = None) -> Checked:
-    """The check's children, one context after another (the operator's command once its imports
-    passed); the first failure ends the check. A module the new version fails to import is asked of the
-    running version (unless known from before, :attr:`Checks.known`): one it cannot import either is
-    not held against the new one (:func:`safeinstall.env.smoke.excuse`). The children end early, said,
-    once ``cancel`` is set. Only children: run in a thread of its own."""
+    """The check's children, one context after another; the first failure ends it. A module the new version
+    cannot import is held against it only when the running version imports it. Ends early once
+    ``cancel`` is set.
+    """
     outcomes: list[smoke.ChildOutcome] = []
     learned: dict[str, dict[str, str]] = {}
     sites = list(checks.new.sites)

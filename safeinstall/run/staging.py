@@ -1,13 +1,7 @@
 """The staging tree of a swap (:mod:`safeinstall.env.swap`): whether a run may swap, and the tree made,
 checked and planned before the stop.
 
-A run swaps in a virtual environment whose every write (the staging directory, the attic, the renames,
-the tidy-up) is done by the prefix's owner: root's own process for a root-owned environment, a worker
-that is the account for another account's (:func:`safeinstall.env.swap.as_owner`); with no
-``--keep-patches``, ``--prune`` or ``--accept-record-mismatch`` (each changes what is verified in
-the window), uv's own hardlinks from the run's cache, and no bytecode compiled by uv (its files are
-compiled where they land). Anything unexpected in the staging tree drops the swap: the install then runs
-in the window, as before.
+Anything unexpected drops the swap: the install then runs in the window. docs/window.md.
 """
 
 from __future__ import annotations
@@ -98,7 +92,7 @@ def rulers(options: RunOptions, vouched: bool) -> dict[str, bool]:
 def install_lines(
     env: Environment, request: UvRequest, uv_plan: UvPlan, why_not: str | None, uv_bin: str
 ) -> tuple[str, ...]:
-    """Pure: what the plan says will run to install (issue 37: it showed uv's dry-run command): with a
+    """Pure: what the plan says will run to install (not uv's dry-run command): with a
     swap, uv's install into the staging tree before the stop and the renames during it; without, the
     prefetch before the stop and uv's install during it (why no swap); an undo, the restore."""
     if uv_plan.command[:1] == (RESTORE,):
@@ -201,10 +195,10 @@ def stage(
     backup: Backup,
     known: Known | None,
 ) -> swap.Staged:
-    """Check, verify and plan the staging tree uv has installed into ``root/tree``: exactly the planned
-    distributions at their versions, every file verified (against ``wheel`` for ``package``, else its
-    RECORD), nothing else in it, and a plan without problems. Raises NotStaged (the install then runs in
-    the window) or, when a staged file fails its verification, StagedMismatch with the findings."""
+    """Check, verify and plan the staging tree in ``root/tree``: exactly the planned distributions, every
+    file verified, nothing else. Raises NotStaged (the install then runs in the window) or StagedMismatch
+    with the findings of a file that failed.
+    """
     tree_path = root / swap.STAGED_TREE
     staged_env = swap.staging_environment(env, tree_path)
     staged = find_distributions(staged_env)

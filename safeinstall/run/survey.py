@@ -71,7 +71,7 @@ def _dependent(name: str) -> bool:
 
 def _gate_refusals(systemd: Systemd) -> tuple[str, ...]:
     """The plan's refusal when the manager reads no admin directory, where the gate's drop-in goes (a
-    manager started with ``SYSTEMD_UNIT_PATH``): said before anything, not at the gate (issue 42)."""
+    manager started with ``SYSTEMD_UNIT_PATH``): said before anything, not at the gate."""
     try:
         systemd.dropin_roots()
     except SystemdError as exc:
@@ -87,12 +87,10 @@ def survey(
     *,
     reading: Callable[[], Wheel] | None = None,
 ) -> Survey:
-    """Gather every fact the plan needs. Changes nothing. ``swap``: what replaces uv's plan (an undo's
-    restore, :func:`safeinstall.run.undo.undo_uv_plan`): uv is not asked. ``wheel``: the wheel, read
-    already; or ``reading``, which waits until it is read and its thread is gone, called once uv has
-    planned: uv's dry run is a child this process only waits for, while what follows is this
-    process's own work, which a thread hashing beside it slows (the GIL) more than it gains, and the
-    /proc scan forks its workers only while no other thread runs."""
+    """Gather every fact the plan needs; changes nothing. ``swap``: an undo's plan (uv is not asked);
+    ``wheel`` or ``reading``: the wheel, or a wait for its reading thread, called once uv has planned so
+    that the ``/proc`` scan may fork.
+    """
     if env is None:
         env = inspect_environment(resolve_python(options.python, options.environ))
     installed = tuple(find_distributions(env))

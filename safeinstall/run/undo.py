@@ -1,20 +1,7 @@
-"""Undo a run: put back exactly what ran before it, through the run's own safe sequence.
+"""``--undo``: put back exactly what ran before a run, through the run's own safe sequence.
 
-A run that ended well keeps a backup of what it replaced (:mod:`safeinstall.store.backup`) and, beside it,
-``left.json``: what it left in the environment (the affected distributions' versions and the digest of
-every file their RECORDs list, as its verify step found them). An undo is a run of its own
-(:func:`safeinstall.run.reinstall.run_reinstall`) whose "new version" is that backup: the same plan,
-preflight, backup of the current state (so the undo can be undone in turn), gate, stop, GPU release, restart,
-settle, health, end check, rollback and journal; only two steps differ: the swap restores the backup
-(:func:`restore_step`, :func:`safeinstall.store.backup.restore_backup`, the put-back a rollback makes) instead
-of uv installing a wheel, and the verification is against the backup's manifest (:func:`verify_step`).
-
-It is refused before anything stops (exit 2) when the environment is not what the run left
-(:func:`changes_since`: another install, a file changed), and when the run's backup, or its record of
-what it left, is gone (:func:`undo_target`, which then says which runs can be undone).
-
-Everything read here is root's own: the backup and ``left.json`` are in root's private state directory
-(read with :func:`safeinstall.store.state.read_private_file`); the environment is read as any run reads it.
+An undo is a run whose new version is the run's backup; refused (exit 2) when the environment is not
+what the run left or its backup is gone. docs/undo.md.
 """
 
 from __future__ import annotations

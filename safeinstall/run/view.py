@@ -1,10 +1,4 @@
-"""What the CLI shows of the layers below ``run``, named in one place: ``cli/`` imports only ``run``
-(docs/architecture.md), and renders the values the commands hand it with these.
-
-The types are those of the results (a verification's findings, a plan, a run's history summary); the
-functions are the pure formatting the run's log shares with the terminal. What ``--verify-only`` does
-not need is imported when it is used: it starts without the lock's module and the history's.
-"""
+"""What the CLI shows of the layers below ``run``, named in one place (``cli/`` imports only ``run``)."""
 
 from __future__ import annotations
 

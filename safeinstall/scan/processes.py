@@ -1,38 +1,8 @@
-"""Which running processes use the affected distributions: one pass over ``/proc``.
+"""Which running processes use the affected distributions: one pass over ``/proc``, only read.
 
-Every process is read once (``stat``, ``cmdline``, ``cgroup``, ``maps``, ``fd/``; its euid is the owner
-of ``/proc/PID``), through its open ``/proc/PID`` directory; what it shows is matched against
-pre-indexed :class:`Target` descriptions of the affected distributions, and each match is kept as
-:class:`Evidence`:
-
-* ``mapped`` - a file of the distribution is mapped (``maps``), matched by device and inode, or by path
-  (overlayfs may show another device/inode). ``(deleted)`` means the process runs code that is no
-  longer installed; those are matched by path only, since the inode may have been reused. A match by
-  inode alone, under another path, counts when that path's directory (seen through the process's own
-  root) is one of the distribution's directories: a bind mount or a container's view of this
-  environment. Another directory means a hardlink twin (uv links every environment it installs a
-  wheel into to the same cache inodes): a process of *another* environment, which a reinstall here
-  does not touch, so it is not evidence;
-* ``open`` - an open file descriptor points at one of its files or into its package directories;
-* ``argv`` - the command line runs one of its console scripts, or ``-m module`` with an interpreter of
-  the target environment;
-* ``depends`` - any of the above for a distribution of the same environment that requires an affected
-  one, directly or through others (:mod:`safeinstall.env.dependents`): a process that imported ``vllm``
-  imported ``transformers`` too, although nothing of a pure-Python package is left in its ``/proc``;
-* ``environment`` (possible, not certain) - the process runs this environment's Python: its ``argv[0]``
-  (or, for a bare ``python``, its executable) is the environment's interpreter, it maps or holds open a
-  file under the environment's prefix (a venv) or site directories (a system environment), or its
-  ``VIRTUAL_ENV``/``PYTHONPATH`` point into it. Such a process may import the package at any time.
-  ``/proc/PID/environ`` is read only for a process that looks like Python and has no other evidence
-  (one more read for those). A match is kept only when the prefix, seen through the process's own
-  root, is this environment's directory (a container's ``/opt/venv`` is another one).
-
-``unit`` evidence (shares a systemd unit with an affected process) is added by the planner, from the
-light record this scan keeps of every process it saw.
-
-Nothing of a scanned process is ever executed (cf. needrestart, CVE-2024-48990): ``/proc`` is only read.
-Parsing and matching are pure functions; the I/O lives in :func:`scan_processes`, :func:`load_targets`
-and :func:`probe_files`.
+Each process is read once and matched against the :class:`Target` descriptions; each kind of
+:class:`Evidence` is explained in docs/dry-run.md. Parsing and matching are pure; the I/O lives in
+:func:`scan_processes`.
 """
 
 from __future__ import annotations
@@ -403,13 +373,9 @@ def scan_processes(
     workers: int | None = None,
     scope: EnvironmentScope | None = None,
 ) -> ScanResult:
-    """Read every process under ``proc_root`` once; match it against ``targets``, and, with ``scope``,
-    give ``environment`` evidence to a process without other evidence that runs that environment.
-
-    Processes that vanish or cannot be read are listed in ``problems``; kernel threads are skipped.
-    ``self_pid`` (default: this process) is only marked, never skipped. ``workers`` > 1 splits the PIDs
-    among that many processes (this one and forked children; default: :func:`default_workers`; always
-    one while other threads run); the result is the same either way.
+    """Read every process under ``proc_root`` once and match it against ``targets`` (with ``scope``:
+    ``environment`` evidence too). Unreadable ones go to ``problems``; ``self_pid`` is marked, not skipped;
+    ``workers``: forked processes sharing the PIDs, the same result either way.
     """
     index = TargetIndex.of(targets)
     me = os.getpid() if self_pid is None else self_pid

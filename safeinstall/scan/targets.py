@@ -151,13 +151,9 @@ def build_target(
     requires: tuple[tuple[str, ...], ...] = (),
     owners: DirectoryOwners | None = None,
 ) -> Target:
-    """Describe ``dist`` (installed in ``env``) for the scan. Pure: what needs I/O comes from the caller.
-
-    ``others`` are the other distributions of the environment: a directory one of them also installs
-    into (``nvidia/``, a namespace package) is not counted as this distribution's own (``owners``: the
-    same, computed once for the environment by :func:`directory_owners`). ``file_ids``
-    and ``aliases`` come from :func:`probe_files`: ``aliases`` are where installed symlinks lead (uv's
-    ``--link-mode symlink`` points into its cache, and /proc shows the resolved path).
+    """Pure: ``dist`` described for the scan. ``others``/``owners``: a directory another distribution
+    shares is not its own; ``file_ids`` and ``aliases`` (where installed symlinks lead) come from
+    :func:`probe_files`.
     """
     installed = frozenset(dist.locations)
     files = installed | frozenset(aliases)
@@ -232,15 +228,9 @@ def load_targets(
     requires: Mapping[str, tuple[tuple[str, ...], ...]] | None = None,
     owners: DirectoryOwners | None = None,
 ) -> tuple[Target, ...]:
-    """Targets for ``dists`` of ``env``: stats their files once; ``installed``: the environment's
-    distributions, found once per run.
-
-    ``requires`` marks distributions that only require affected ones (their chains, see
-    :func:`safeinstall.env.dependents.dependents`): evidence against them becomes ``depends`` evidence.
-
-    Files of a distribution installed as symlinks into a shared cache (uv ``--link-mode symlink``) are
-    the same inodes for every environment linking that wheel: another environment's process using
-    them is found too (the safe side).
+    """Targets for ``dists`` of ``env``, each file stated once; ``installed``: the environment's
+    distributions. ``requires``: those that only require an affected one (their evidence becomes
+    ``depends``).
     """
     everything = list(installed)
     # Outside a venv the interpreter is the real binary: let /proc/PID/exe recognise it too.

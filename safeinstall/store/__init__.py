@@ -1,3 +1,3 @@
-"""What root keeps: the state directory, the crash journal, history, backups, the put-back sequence,
-the run's log. Never imports scan.
+"""What root keeps: the state directory, the crash journal, history, backups and their retention, what
+checks keep between runs, the run's log. Never imports scan.
 """

@@ -1,28 +1,7 @@
 """Backups of the distributions a run replaces, taken before any service stops, and their restore.
 
-A backup is ``<backup_dir>/files/<path relative to the prefix>`` (each file byte for byte, with its
-mode, owner and mtime; symlinks as symlinks) plus ``<backup_dir>/manifest.json``, written last: a
-backup without a manifest is incomplete. What is saved: every RECORD entry of each distribution that
-lies inside the environment's prefix (entries outside are listed, never read), the whole
-``.dist-info`` directory, and the files someone added to the distribution's own package directories
-(in no RECORD; bytecode of listed sources aside). Locally patched files are saved as they are now, and
-the manifest lists the ones the caller says are patched.
-
-A RECORD entry on the backup's filesystem is saved as a hardlink (no copy of a GB package before the
-stop; the old version's bytes stay alive in it, as in a copy): uv's uninstall unlinks every RECORD
-entry before the install creates the new files, so the old inode, and the backup, keep the old
-content. Everything else (files added by hand, ``.dist-info`` files no RECORD lists), and every file
-on another filesystem, is copied. Restores copy, so a restored file shares its inode with nothing;
-except where a window install's run kept links of the old files in the prefix
-(:mod:`safeinstall.env.keep`: files whose uninstall frees no blocks): those very inodes go back, each
-checked against what was saved, and a disk filled meanwhile needs no room for them.
-
-A restore first removes what is installed now under those distribution names (the paths the caller
-passes, the files the current ``.dist-info`` RECORDs of those names list, and those ``.dist-info``
-directories, found by name so a half-finished install is cleaned too) and every file in the saved
-package directories that the backup does not hold (a failed install's temp files: on a full disk,
-their space is what the restore needs), then puts every saved file back atomically (temp file beside
-it, ``os.replace``), then hashes every restored file again.
+A backup is ``files/`` plus ``manifest.json``, written last; what it saves, why RECORD entries are
+hardlinked and how a restore proceeds: docs/crash-safety.md ("The backup").
 """
 
 from __future__ import annotations
@@ -368,18 +347,11 @@ def free_space(path: Path) -> int:
 
 
 def _link(item: _Item, tree: Tree, dest: Tree, info: os.stat_result, known: FileState | None) -> str | None:
-    """Hardlink a RECORD entry into the backup (by descriptor on both sides, never following a
-    symlink); its sha256 hex, taken from ``known`` (a hash of this very inode, unchanged since: same
-    device, inode, size and mtime) or read now. None when it cannot be linked (another filesystem, or
-    it changed under us): the caller copies it instead.
+    """Hardlink a RECORD entry into the backup, by descriptor; its sha256 from ``known`` or read now.
 
-    The backup then holds the installed inode itself. That is safe because the install never writes
-    into it: uv's uninstall unlinks every RECORD entry first, and the install creates new files (a
-    hardlink from the run's cache, or a copy) at those paths. Nothing is chmod-ed or touched here: it
-    is the installed file. Only an inode that root alone can write is linked
-    (:func:`safeinstall.system.safefs.only_caller_writes`): one its owner (a service account) can write
-    is copied instead, as the owner could write it later through a descriptor opened before the backup
-    (or a link of its own), and the restore would then fail its check through the owner's doing."""
+    None when it cannot be linked (another filesystem, changed meanwhile, or writable by its owner: see
+    docs/crash-safety.md, "The backup"): the caller copies it.
+    """
     if not stat.S_ISREG(info.st_mode) or not only_caller_writes(info):
         return None
     identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
@@ -776,11 +748,9 @@ def _remove_own_temp_files(tree: Tree, directories: Iterable[str]) -> None:
 def _put_back(
     saved: BackupFile, source: Tree, tree: Tree, as_root: bool, kept: int | None, same: frozenset[str]
 ) -> bool:
-    """Put one file back atomically (temp file beside it, rename), unless it is there as saved already
-    (False: nothing written; a read-only file system that the install never changed is left alone;
-    ``same``: the paths found so before the removal). On a full disk a file still in its place is
-    removed first, to make the room that the copy needs: the services are stopped during a restore,
-    so atomicity matters less than finishing it."""
+    """Put one file back atomically (temp file, rename), unless it is there as saved (False). On a full
+    disk the file in its place is removed first to make room: finishing matters more than atomicity.
+    """
     if saved.path in same or _same(saved, tree):
         return False
     if kept is not None and saved.link_target is None and saved.sha256 is not None:
@@ -844,17 +814,9 @@ def restore_backup(
 ) -> RestoreResult:
     """Put ``backup`` back into ``env``: remove what is installed now under its names, copy back, check.
 
-    ``remove``: the files the installed (or half-installed) version has, e.g. its RECORD locations
-    and the locations of the new wheel's members. Paths outside the prefix, and paths another
-    installed distribution lists, are left alone (and reported). When the environment already holds
-    exactly what was saved, nothing is written (:attr:`RestoreResult.unchanged`). Never raises for one
-    file: failures are collected; check :attr:`RestoreResult.ok`.
-
-    What is removed is named by files the environment's owner could write (the installed RECORDs):
-    the removal runs in a worker that is that owner (:func:`_remove_as_owner`), so it removes nothing
-    the owner could not. The put-back writes only what root saved, at the paths root recorded.
-    ``run_id``: the run whose kept links (:mod:`safeinstall.env.keep`) are put back where they match
-    the backup, instead of copies.
+    ``remove``: the installed version's files, removed as the environment's owner (paths outside the
+    prefix or another distribution's are left, and said); ``run_id``: whose kept links go back instead of
+    copies. Never raises for one file: see :attr:`RestoreResult.ok`.
     """
     manifest = backup.manifest
     prefix = env.prefix

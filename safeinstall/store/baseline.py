@@ -1,24 +1,7 @@
-"""The environment's baseline: what safeinstall itself installed and verified against a wheel, where
-the wheel's own RECORD says otherwise (as AIDE keeps a database of what it checked).
+"""The environment's baseline: the files a run verified against its wheel where the wheel's own RECORD
+says otherwise, kept in ``baseline.json`` (root's) so a later check says ``wheel-record``, not drift.
 
-A wheel may ship a RECORD that does not describe its own members (pynvvideocodec 2.0.4: a member of
-2,439,136 bytes that its RECORD says is 2,402,945); uv installs it without a word, and ``--verify-only``
-against the installed RECORD then reports a file nobody changed as ``modified``. A run given the wheel
-(``--wheel``) verifies every file against the wheel's actual members; what it verified and the RECORD
-does not describe is kept here, per distribution, in ``<state>/<env>/baseline.json``. A later
-``--verify-only`` (without the wheel) reports such a file as ``wheel-record`` (the wheel's fault, not
-drift) only when the file still holds exactly those bytes; anything else stays ``modified``.
-
-Trust: the file is root's (the state directory's rules: :func:`safeinstall.store.state.read_private_file`
-refuses one the environment's owner could have written) and every field is checked when read. An entry
-is bound to the environment (its prefix), to the distribution's version and ``.dist-info`` directory and
-to its installed RECORD as the run left it (a digest of its entries): after another installer changed
-the distribution (another version, another RECORD), the entry does not apply. And it vouches for
-content, never for a path alone: the environment's owner can only make a file match by putting back the
-very bytes the wheel shipped.
-
-The pure part (what is vouched for, and how a finding is settled) is :mod:`safeinstall.env.vouched`; this
-module reads and writes the baseline.
+The pure part is :mod:`safeinstall.env.vouched`; why it can be trusted: docs/verify.md.
 """
 
 from __future__ import annotations

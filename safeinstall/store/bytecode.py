@@ -1,12 +1,7 @@
-"""The judged bytecode of an environment: ``<state>/<env>/bytecode.json``, root's, 0600, beside the
-verified-inode store (the decisions are :mod:`safeinstall.env.bytecode`'s; docs/verify.md has the rules).
+"""The judged bytecode of an environment: ``<state>/<env>/bytecode.json``, root's, 0600.
 
-Read as every state file is (:func:`safeinstall.store.state.read_private_file`: no symlink, no FIFO, root's
-or the caller's, writable by nobody else, bounded) and every field checked: the format's version, the
-boot it was written in (device and inode numbers are handed out anew at each boot), the environment's
-prefix, each entry's numbers (signed 64-bit; none negative but a modification time) and its source's
-digest. One of another environment, boot or version, or damaged, is not used: every ``.pyc`` is then
-judged by reading it, and the store written anew.
+Read with the state directory's checks; one of another environment, boot or version, or damaged, is
+not used. The decisions: :mod:`safeinstall.env.bytecode`.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""Finished runs: each run's final result kept in ``<envdir>/history/<run-id>.json``.
+"""Finished runs: each run's final result in ``<envdir>/history/<run-id>.json``, written once, last.
 
-An entry (:class:`HistoryEntry`) holds the run id, when it started and finished, the package, and
-``result``: the very JSON document that ``--json`` printed, typed (:mod:`safeinstall.store.rundoc`).
-One file per run, written once and atomically (mode 0600) by the process that ran it, as the last
-thing it does: an entry means "finished". Two runs never write the same file, so no lock is needed.
-
-The history is bounded: a run that adds its entry removes the oldest beyond :data:`MAX_RUNS`, and an
-entry larger than :data:`MAX_ENTRY_BYTES` keeps its summary and loses the plan. Reading never trusts a
-file: a damaged, oversized or foreign one is skipped with a note saying which and why.
+An entry means "finished"; the history is bounded (:data:`MAX_RUNS`), and a damaged or foreign file
+is skipped with a note. docs/detach.md ("History").
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """The run journal ``<envdir>/journal.json``: what a run has done so far, durable at every step.
 
-Every write is atomic (temp file in the same directory, fsync, ``os.replace``, fsync of the
-directory), so after a crash the file holds one whole state: the last one written. ``--recover``
-reads it and decides with the pure helpers :func:`needs_restore` and :func:`units_to_start`.
-The journal is removed (:func:`clear_journal`) when a run ends cleanly.
+Written atomically; ``--recover`` decides with :func:`needs_restore` and :func:`units_to_start`.
 """
 
 from __future__ import annotations
@@ -429,10 +426,11 @@ def start_journal(envdir: Path, journal: Journal) -> Journal:
 
 
 def read_journal(envdir: Path) -> Journal | None:
-    """The journal left in ``envdir``, or None. A damaged one raises :class:`JournalError`; one that
-    safeinstall cannot have written (a symlink, not a regular file, another owner, writable by others,
-    larger than :data:`JOURNAL_MAX_BYTES`) raises :class:`StateDirError`. Its fields are checked
-    against the directory by :func:`journal_problems` (the caller knows the drop-in directories)."""
+    """The journal left in ``envdir``, or None. Raises :class:`JournalError` for a damaged one and
+    :class:`~safeinstall.store.state.StateDirError` for one safeinstall cannot have written (a symlink,
+    another owner's, writable by others, over :data:`JOURNAL_MAX_BYTES`). Its fields are checked against
+    the directory by :func:`journal_problems`.
+    """
     path = journal_path(envdir)
     try:
         raw = read_private_file(path, JOURNAL_MAX_BYTES)

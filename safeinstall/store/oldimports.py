@@ -1,13 +1,7 @@
-"""What the running version could import, kept so that the smoke check asks it once per version.
+"""What the running version could import, kept in ``old-imports.json`` so that the smoke check asks it
+once per version and refuses regressions only.
 
-The smoke check (:mod:`safeinstall.env.smoke`) refuses regressions only: a module of the new version
-that fails to import is held against it only when the running version imports it. The running
-version's answers (module -> "" for imported, else the error) are kept in
-``<state>/<env>/old-imports.json``, per distribution, version and installed RECORD digest
-(:func:`safeinstall.env.vouched.record_digest`): another RECORD is another version. The file is root's
-(written 0600 under the run's lock), read with the checked reader
-(:func:`safeinstall.store.state.read_private_file`), and every field is checked when read: a damaged
-file is said and asked again, never believed.
+Root's file, every field checked when read.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""A prepared run's record (``safeinstall REQ --prepare``, docs/prepare.md): what the prepare found and
-made, kept beside its journal (phase ``prepared``) so that ``--commit`` can tell whether anything it
-depends on changed since. Written under the lock, read with the state directory's checks
-(:func:`safeinstall.store.state.read_private_file`), removed with the journal
-(:func:`safeinstall.store.journal.clear_journal`).
+"""A prepared run's record (``--prepare``, docs/prepare.md): what the prepare found, kept beside its
+journal so that ``--commit`` can tell whether anything changed since.
 """
 
 from __future__ import annotations

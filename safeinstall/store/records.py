@@ -1,11 +1,7 @@
-"""The RECORDs root found clean: ``<state>/<env>/records.json``, root's, 0600, beside the verified-inode
-store (the decisions are :mod:`safeinstall.env.recorded`'s; docs/verify.md has the rules).
+"""The RECORDs root found clean: ``<state>/<env>/records.json``, root's, 0600.
 
-Read as every state file is (:func:`safeinstall.store.state.read_private_file`: no symlink, no FIFO, root's
-or the caller's, writable by nobody else, bounded) and every field checked: the format's version, the
-environment's prefix, each ``.dist-info`` (absolute, normal, within the prefix), its digest and its
-lines (16 bytes each). Content digests, not identities: not bound to the boot. A damaged store is not
-used (nothing is reported against it) and is written anew.
+Read with the state directory's checks; a damaged store is not used and is written anew. The
+decisions: :mod:`safeinstall.env.recorded`.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
 """Which old backups go: an environment keeps only the backups of its newest good runs.
 
-A backup holds every file of the distributions a run replaced (for vLLM, a few GB). Kept forever they
-fill the disk, and a full disk is how one of the machines this tool is for died mid-job. After a run
-that ended with the environment whole (done, or rolled back), the backups of the newest ``keep`` good
-runs stay (a good run's own among them) and older ones are deleted; the backup of a run that was rolled
-back is deleted by the next run (it put back what it saved; no undo can use it). A run that rolled back
-never deletes the backup of a good run: failed nightlies do not push out the way back (issue 37).
-Nothing else is touched: a run whose rollback failed keeps its backup with its journal, and a directory
-whose name is not a run id is never deleted.
-
-:func:`backups_to_remove` is the pure choice; :func:`prune_backups` does the deleting.
+:func:`backups_to_remove` is the pure choice; :func:`prune_backups` deletes. A rolled-back run never
+pushes out a good run's backup (docs/reinstall.md, "Backups are bounded").
 """
 
 from __future__ import annotations
@@ -46,15 +38,9 @@ def backups_to_remove(
     statuses: Mapping[str, str] | None = None,
     good_run: bool = True,
 ) -> tuple[str, ...]:
-    """The backups to delete, oldest first, never ``protected``: the good runs' beyond the newest
-    ``keep`` (only after a ``good_run``: a rolled-back run never deletes one), and those of runs that
-    were rolled back.
-
-    ``statuses``: each run's status (its history entry's; the running run's own). A run that ended
-    done, or whose status is not known, counts under ``keep``; one rolled back does not count and its
-    backup goes; any other (a rollback that failed, an error) does not count and is kept. Run ids
-    start with their UTC time, so they sort by age. Names that are not run ids are not counted and
-    never chosen.
+    """The backups to delete, oldest first, never ``protected``: rolled-back runs', and after a
+    ``good_run`` the good runs' beyond the newest ``keep``. ``statuses``: each run's status; one whose
+    rollback failed or that errored is kept. Names that are not run ids are never chosen.
     """
     if keep < 1:
         raise ValueError(f"keep must be at least 1, not {keep}")

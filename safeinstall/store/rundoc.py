@@ -1,11 +1,7 @@
-"""A run's document, typed: the ``--json`` result of a reinstall or undo (docs/json.md, version
-:data:`RESULT_VERSION`), as the foreground run prints it, its history keeps it, ``--status --wait``
-prints and renders it and ``--metrics-file`` reads it.
+"""A run's ``--json`` document, typed (docs/json.md): as printed, kept by the history and rendered.
 
-:meth:`RunDocument.from_json` is the one checked reader (a document from a history file is not
-trusted: a field of the wrong type is a ``ValueError``, a missing one its default);
-:meth:`RunDocument.to_json` gives the very JSON that was read or made back: the fields the document
-had, in its order, so that a document read and written again is byte for byte the same.
+:meth:`RunDocument.from_json` is the one checked reader; :meth:`RunDocument.to_json` gives the same JSON
+back, byte for byte.
 """
 
 from __future__ import annotations

@@ -1,9 +1,4 @@
-"""The run's log ``<envdir>/logs/<run-id>.log``: what a run did, line by line, for people and for
-``safeinstall --status --wait``, which shows it as it is written.
-
-Lines are appended best effort (a full disk must not become the run's failure). Progress is written
-in one plain form, :func:`progress_text`: human sizes and percentages, never raw counters.
-"""
+"""The run's log ``<envdir>/logs/<run-id>.log``: what a run did, line by line, appended best effort."""
 
 from __future__ import annotations
 

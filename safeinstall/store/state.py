@@ -1,46 +1,8 @@
 """The state directory: where locks, journals, backups and logs of runs live.
 
-Layout::
-
-    <root>/                         0700 (0711, see below); $SAFEINSTALL_STATE_DIR, /var/lib/safeinstall
-                                    (root) or $XDG_STATE_HOME/safeinstall (default ~/.local/state/safeinstall)
-    <root>/<basename>-<sha256[:12]>/  one per target environment, keyed by its (real) prefix; 0700 (0711)
-        prefix                      the prefix, as text (so --status/--recover can name it)
-        lock                        held by the running run (see :mod:`safeinstall.system.lock`)
-        journal.json                the running (or crashed) run (see :mod:`safeinstall.store.journal`)
-        backups/<run-id>/           the files replaced by that run (see :mod:`safeinstall.store.backup`)
-        logs/<run-id>.log
-        uv-cache-<run-id>/          uv's cache for that run only (filled by the prefetch, the install
-                                    hardlinks from it); deleted when the run ends
-        prefetch-<run-id>/, keep-patches-<run-id>/   uv's scratch ``--target`` directories of that run
-        wheels/<random>/<name>.whl  the run's own copy of the wheel (see :mod:`safeinstall.env.wheelcopy`)
-        history/<run-id>.json       the final result of each finished run (:mod:`safeinstall.store.history`)
-        patches/<run-id>.patch      the local patches a --keep-patches run carried to the new version
-        baseline.json               what runs verified against their wheels where the wheel's RECORD is
-                                    wrong (see :mod:`safeinstall.store.baseline`)
-        bytecode.json               the .pyc files --verify-only judged fine, by identity
-                                    (:mod:`safeinstall.store.bytecode`)
-        records.json                the RECORDs found clean or installed by a run
-                                    (:mod:`safeinstall.store.records`)
-
-Path computation is pure (``environ`` and ``euid`` are parameters); :func:`ensure_dir` and
-:func:`ensure_environment_dir` are the only functions that touch the disk, plus the listing.
-
-Trust: safeinstall runs as root and acts on what it finds here (a journal names units to start and a
-backup to restore), so every command first checks that nobody else could have put it there: the state
-root, each of its parents and each environment directory must be owned by root or the caller and
-writable by nobody else (:func:`trust_problem`; a root-owned sticky directory such as ``/tmp`` is fine
-as a parent, as OpenSSH's StrictModes treats it).
-
-An environment that belongs to another account (a service account) has uv run as that account
-(:mod:`safeinstall.env.uvplan`), which must reach the run's uv cache, its scratch directories and its copy
-of the wheel by name: a run of such an environment makes the state root and the environment's directory
-0711 (entered by name, never listed nor written by others; :func:`let_through`), the run's uv cache and
-scratch directories that account's own (0700, :func:`make_run_dir`), and the wheel copy readable by it
-(root's; an ACL lets that account's uid read it). Everything else stays root's and private: journals,
-backups, logs, the lock (0700/0600). What the account owned is deleted by directory descriptor
-(:func:`safeinstall.system.safefs.remove_at`): a symlink it put there is removed, never followed nor
-opened, even one swapped in while root deletes.
+Paths are computed purely; :func:`ensure_dir` and :func:`ensure_environment_dir` touch the disk, and
+:func:`trust_problem` refuses a directory anyone else could have written. Layout and trust:
+docs/crash-safety.md.
 """
 
 from __future__ import annotations
@@ -187,12 +149,10 @@ PUT_BACK_CACHE_S = 10.0
 
 
 def remove_run_dir(path: Path, seconds: float = RUN_DIR_REMOVAL_S) -> bool:
-    """Delete the run's directory ``path`` (best effort, bounded by ``seconds``); True when it is gone.
-
-    Its contents are the directory owner's (uv ran as the environment's account): they are removed by a
-    worker that is that owner (:mod:`safeinstall.system.worker`), by descriptor, so a symlink left there is
-    removed, never followed, and nothing the owner could not delete is deleted. Root then removes the
-    emptied directory itself, from its own state directory (never what was put back into it)."""
+    """Delete the run's directory ``path``, best effort within ``seconds``; True when it is gone. Its
+    contents are removed by a worker that is their owner, by descriptor; root then removes the emptied
+    directory.
+    """
     try:
         info = os.lstat(path)
     except FileNotFoundError:
@@ -326,11 +286,9 @@ def mode_problem(mode: int, owner: int, euid: int) -> str | None:
 
 
 def trust_problem(mode: int, owner: int, euid: int, *, parent: bool, gid: int = -1) -> str | None:
-    """Pure: why another user could change what a directory (the state directory, or one of its
-    ``parent`` directories) holds, or None. Owned by root or the caller, writable by nobody else
-    (:func:`safeinstall.system.safefs.others_who_write`, the rule the environment's owner check uses too,
-    with any group's write, the group root's included, counted as another's); a parent may be a
-    root-owned sticky directory (``/tmp``: others cannot rename or delete what is ours).
+    """Pure: why another user could change what a directory (or a ``parent``) holds, or None: it must be
+    owned by root or the caller and writable by nobody else, gid 0 included; a parent may be a root-owned
+    sticky directory (``/tmp``).
     """
     if not stat.S_ISDIR(mode):
         return "it is not a directory"
@@ -628,14 +586,10 @@ class OutputPath:
 
 
 def output_path(path: Path, euid: int, *, new: bool = False) -> OutputPath:
-    """The one rule for every file the CLI writes where its user says. The directory is reached from
-    ``/`` one component at a time, as the kernel would (``..`` after a link is the parent of where the
-    link led): each directory on the way must be owned by root or ``euid`` and writable by nobody else
-    (:func:`trust_problem`; a root-owned sticky one such as ``/tmp`` is fine), and each symbolic link on
-    the way must be root's or ``euid``'s (one another user made, in a directory of theirs or in
-    ``/tmp``, could point root's write into a root-only directory). Nobody else can then change where
-    the path leads before the write. The file itself, if there, must be a regular file (``new``: must
-    not be there at all). Looks at the disk, writes nothing."""
+    """The one rule for every file the CLI writes where its user says: each directory from ``/`` owned by
+    root or ``euid`` and writable by nobody else, each symlink on the way root's or ``euid``'s, the file a
+    regular one (``new``: absent). Looks at the disk, writes nothing.
+    """
     if not path.name or path.name in (".", ".."):
         return OutputPath(None, "it names no file")
     given = os.path.join(os.getcwd(), str(path.parent))

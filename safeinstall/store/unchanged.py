@@ -1,19 +1,7 @@
-"""The clean distributions of an environment: ``<state>/<env>/unchanged.json``, root's, 0600, beside the
-verified-inode store (the decisions are :mod:`safeinstall.env.unchanged`'s; docs/verify.md has the
-argument).
+"""The clean distributions of an environment: ``<state>/<env>/unchanged.json``, root's, 0600.
 
-Read as every state file is (:func:`safeinstall.store.state.read_private_file`: no symlink, no FIFO,
-root's or the caller's, writable by nobody else, bounded) and every field checked: the format's
-version, the boot it was written in, the environment's prefix, each distribution's ``.dist-info`` (an
-absolute, normal path), the moment it was kept and the oldest moment its files were hashed (not from the
-future, at most a day ago), its RECORD's identity, its count of files and their identities (that many,
-packed); each directory's path (absolute, normal, within the prefix) and identity, settled before the
-moment kept with it. Every number is a signed 64-bit one, none negative but a modification time (the
-owner may date a file 1960). One of another environment or another boot, or of another version, is not
-used (every distribution is then checked as before, and it is written anew); a damaged entry is left
-out (its distribution checked as before), not the whole store. One larger than :data:`STORE_LIMIT`
-(root writes none: each write is bounded) is said in a note and written anew; one that is not
-root's own file (a symlink, another owner's) is said in a note and neither used nor written.
+Read with the state directory's checks, every field checked; a damaged entry is left out, not the
+whole store. The decisions: :mod:`safeinstall.env.unchanged`; the argument: docs/verify.md.
 """
 
 from __future__ import annotations

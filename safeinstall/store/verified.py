@@ -1,22 +1,7 @@
-"""The verified-inode store of an environment: ``<state>/<env>/inodes.bin``, root's, 0600, beside its
-baseline (the decisions are :mod:`safeinstall.env.verified`'s; docs/verify.md has the argument).
+"""The verified-inode store of an environment: ``<state>/<env>/inodes.bin``, root's, 0600.
 
-Read as every state file is (:func:`safeinstall.store.state.read_private_file`: no symlink, no FIFO,
-root's or the caller's, writable by nobody else, bounded) and every field checked: a header (its
-name, the format's version, the boot it was written in, the number of entries, the environment's
-prefix; each ended by a NUL, the last by NUL and newline),
-then the entries' numbers (seven signed 64-bit little-endian integers each: device, inode, size, mtime,
-ctime, moment hashed, root-only flag; sorted by device and inode) and their digests (43 characters
-each). The header, the length and every digest's spelling are checked as it is read, each entry's
-numbers as it is looked up (a binary search: a check that proves every distribution unchanged looks up
-few; one that is not believable, negative or too old or racy, is not there). A store of another
-environment or of another boot (``/proc/sys/kernel/random/boot_id``: a filesystem restored or written
-offline keeps its inode numbers and times, and device numbers are handed out anew at each boot) is not
-used, nor is one that is damaged: everything is then hashed, and the store written anew.
-
-Only what this process read and hashed itself is kept (never a worker's answer, an account's), and only
-on a filesystem whose ``statfs`` type is one that keeps ctime (checked on a descriptor whose ``fstat``
-shows the very device).
+Read with the state directory's checks, every field checked; one of another environment or boot, or
+damaged, is not used. The decisions: :mod:`safeinstall.env.verified`; the format: docs/verify.md.
 """
 
 from __future__ import annotations
@@ -90,11 +75,9 @@ def to_bytes(store: InodeStore) -> bytes:
 
 
 def from_bytes(raw: bytes, prefix: str, boot: str, now_ns: int) -> InodeStore:
-    """Pure: a store read back (ValueError: damaged, another environment's or another boot's): its
-    header, its length and every digest's spelling checked now; each entry's numbers are checked when
-    it is looked up or listed (:class:`_Packed`), and one no longer believable (too old, from the
-    future, racy, a negative number) is not there. A check that proves every distribution unchanged
-    (:mod:`safeinstall.env.unchanged`) looks up a few entries of vLLM's 61k, not each."""
+    """Pure: a store read back; ValueError when damaged or another environment's or boot's. Entries'
+    numbers are checked when looked up (:class:`_Packed`); one no longer believable is not there.
+    """
     header, newline, body = raw.partition(b"\0\n")
     if not newline or len(header) > _HEADER_MAX:
         raise ValueError("no header")

@@ -1,16 +1,7 @@
-"""Where a process sits in the cgroup tree, and which systemd unit that makes it part of.
+"""Which systemd unit a process belongs to, from the text of ``/proc/PID/cgroup``. Pure.
 
-Pure functions over the text of ``/proc/PID/cgroup``; reading that file is the caller's job.
-
-The unit of a process is the deepest ``*.service`` on its cgroup path: processes in sub-cgroups below a
-service belong to it (``/system.slice/vllm.service/worker`` is ``vllm.service``). Below a user manager
-(``user@UID.service``) the units are that user manager's, and ``user@UID.service`` itself is only the
-unit of the manager's own processes (its ``init.scope``). A process with no service on its path (a login
-session, a container scope, ``init.scope``, the root) is a *stray*: no unit can stop it.
-
-Which manager (system or user) a unit belongs to is not always visible in the path (a user manager may
-run outside ``user@UID.service``, e.g. at the root of a container); the caller decides from its
-``--user`` flag and confirms with ``systemctl show``.
+The deepest ``*.service`` on the path is its unit; a process with none is a stray that no unit can
+stop.
 """
 
 from __future__ import annotations

@@ -1,21 +1,7 @@
 """Child processes (uv, systemctl, the target interpreter), started so that none escapes the run.
 
-``subprocess.run`` leaves two gaps that matter to a tool that rolls back:
-
-* A SIGINT/SIGTERM handler that raises (:mod:`safeinstall.system.signals`) can run inside ``Popen()``
-  after the fork but before the child is known to the caller; then nobody kills or reaps the child,
-  and an interrupted run rolls back while uv goes on writing into site-packages. Here the spawn is a
-  critical section: a signal that arrives during it is held back and handled as soon as the child
-  is known, and the child is then killed and reaped before the interruption goes on.
-* When safeinstall itself is killed (SIGKILL, the OOM killer), its children live on: an orphaned uv
-  would finish (or half-finish) an install while ``safeinstall --recover`` restores the backup.
-  Every child gets the parent-death signal SIGKILL (``prctl(PR_SET_PDEATHSIG)``), so it dies with
-  the run.
-
-Every child is also a worker in the sense of :mod:`safeinstall.system.worker` (:func:`isolate`): a session
-of its own (no controlling terminal: code the environment's owner wrote, run by the probe or by uv,
-cannot open root's ``/dev/tty``, and a terminal's Ctrl-C reaches safeinstall alone), the ids it is
-given, no inherited descriptors, no core dumps, ``/`` as its working directory.
+The spawn is a critical section for signals, every child dies with safeinstall
+(``PR_SET_PDEATHSIG``) and is isolated as a worker (:func:`isolate`). docs/crash-safety.md.
 """
 
 from __future__ import annotations
@@ -57,14 +43,10 @@ _PRCTL = _find_prctl()
 def isolate(
     parent: int, ids: tuple[int, int] | None, *, new_session: bool, keep: tuple[int, ...] | None = None
 ) -> None:
-    """In a freshly forked child, before its work (or its ``exec``): the worker's isolation
-    (:mod:`safeinstall.system.worker`). ``ids`` (uid, gid): become them, no supplementary groups (a program
-    started by :func:`run` has them set by ``subprocess`` before this runs). ``new_session``: ``setsid``
-    (no controlling terminal; ``subprocess`` does it for a program). ``keep``: close every descriptor
-    but these, standard streams to ``/dev/null`` (``subprocess`` closes them for a program).
-
-    The parent-death signal is armed after the ids change (the kernel clears it on a change of
-    credentials); if the parent died before, the child exits (status 255)."""
+    """In a freshly forked child: the worker's isolation. ``ids``: become them, no supplementary groups;
+    ``new_session``: ``setsid``; ``keep``: the only descriptors left. The parent-death signal is armed
+    after the ids change (which clears it); an orphan exits 255.
+    """
     if new_session:
         os.setsid()
     if keep is not None:
@@ -147,10 +129,9 @@ def _release(previous: dict[int, _Handler], held: list[int]) -> None:
 
 
 def _reap(proc: subprocess.Popen[bytes]) -> None:
-    """Kill ``proc`` and what it started (its process group: it leads a session of its own, and its pid
-    stays its own until it is reaped below) and wait for it, whatever arrives meanwhile (SIGKILL makes
-    this short). A shell's own children (``sh -c 'a; b'``) would otherwise run on, orphaned. A child
-    reaped already (its group ended, ``end_group``) is not signalled: its number may be another's now."""
+    """Kill ``proc`` and its process group (so a shell's children do not run on) and wait for it,
+    whatever arrives meanwhile. A child reaped already is not signalled: its number may be another's.
+    """
     if proc.returncode is None:
         with contextlib.suppress(OSError):  # gone already, or a group not ours to signal: the child alone
             os.killpg(proc.pid, signal.SIGKILL)
@@ -245,13 +226,10 @@ def held_environment(env: Mapping[str, str]) -> tuple[dict[str, str], list[str]]
 def contained(
     argv: Sequence[str], as_user: tuple[int, int] | None, groups: Sequence[int]
 ) -> tuple[list[str], bool] | None:
-    """Pure but for where util-linux lies: ``argv`` run in a PID namespace of its own (``unshare
-    --pid --fork --kill-child``), as ``as_user`` with ``groups`` (``setpriv``, which arms the
-    parent-death signal again once the ids changed: the kernel clears it then); and True (the ids are
-    set by the wrapper, not by :func:`run`). When the command (the namespace's first process) exits,
-    or ``unshare`` is killed, the kernel kills every process left in the namespace, a ``setsid`` one
-    included. None: not for this caller (only root may make the namespace without a user namespace of
-    its own) or util-linux is not there."""
+    """``argv`` run in a PID namespace of its own (``unshare --pid --fork --kill-child``) as ``as_user``
+    with ``groups`` (``setpriv``, which arms the parent-death signal again), and True; None where the
+    caller is not root or util-linux is not there. Everything left in the namespace dies with it.
+    """
     unshare, setpriv = _system_program("unshare"), _system_program("setpriv")
     if os.geteuid() != 0 or unshare is None or (as_user is not None and setpriv is None):
         return None
@@ -278,36 +256,11 @@ def run(
     cancel: threading.Event | None = None,
     contain: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """Like ``subprocess.run(argv, capture_output=True, text=True)``, without the gaps above; bytes of
-    the output that are not UTF-8 are replaced (U+FFFD), never an exception.
+    """``subprocess.run(argv, capture_output=True, text=True)`` with no child left behind.
 
-    ``as_user`` (uid, gid): the child runs as that user and group, with ``groups`` as its supplementary
-    groups (none by default), all set in the child after the fork, before the exec.
-    The child's working directory is ``/``: nothing in the caller's (a ``uv.toml`` or ``pyproject.toml``
-    that uv would discover there or in a directory above it, such as ``/tmp``) can steer it.
-
-    ``program_fd``: an open descriptor of the program ``argv[0]`` names, executed through it (the
-    program may lie where ``as_user`` cannot reach, such as below ``/root``: uv installed beside
-    safeinstall).
-
-    ``end_group``: once the child has exited, what it started and left running (its process group:
-    an import's helper processes, a multiprocessing resource tracker) is killed too, and gone when this
-    returns (see :func:`end_process_group`).
-
-    ``contain``: the child runs in a PID namespace of its own (:func:`contained`), so that nothing it
-    started outlives it, a process in a session of its own included; where that cannot be had (a
-    caller that is not root, no util-linux), its process group alone is ended (``end_group``). Root's
-    wrappers never get the loader's variables of a child as ``as_user`` (:func:`held_environment`).
-
-    ``cancel``: an event another thread may set (the run stopped while a check ran in the background):
-    the child is then killed and reaped, and its group sent SIGKILL, within a poll (:data:`POLL_S`;
-    a child that has exited has its group ended first, :func:`end_process_group`), and
-    :class:`Cancelled` is raised.
-
-    Raises ``subprocess.TimeoutExpired`` (the child killed and reaped), :class:`TooMuchOutput` (more
-    than ``limit`` bytes on stdout or stderr: killed and reaped), :class:`Cancelled` and ``OSError``
-    (it could not start);
-    an exception from a signal handler propagates once the child is gone.
+    ``as_user``, ``groups``: its ids; ``program_fd``: the program's descriptor; ``end_group``, ``contain``:
+    what it started ends with it; ``cancel``: kill it when set. Raises ``subprocess.TimeoutExpired``,
+    :class:`TooMuchOutput`, :class:`Cancelled`, ``OSError``.
     """
     command = list(argv)
     environment = dict(env)

@@ -1,10 +1,7 @@
-"""Work split over forked children: real parallelism for CPU-bound Python that threads cannot give
-under the GIL (the ``/proc`` scan, hashing thousands of small files).
+"""Work split over forked children: parallelism for CPU-bound Python that threads cannot give.
 
-The first share runs in this process; each other share runs in a child forked from it, and its result
-comes back pickled through a pipe. A child that cannot be forked or fails is redone here, so the
-result never depends on forking. Fork only while no other thread runs (:func:`can_fork`): a child
-of a multi-threaded process may deadlock on a lock another thread held at the fork.
+A child that fails is redone here, so the result never depends on forking; fork only while no other
+thread runs (:func:`can_fork`).
 """
 
 from __future__ import annotations

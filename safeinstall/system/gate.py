@@ -1,11 +1,6 @@
 """The reboot gate: while a run is in progress, its units must not start on a half-installed package.
 
-Before the stop, each unit gets a persistent drop-in ``50-safeinstall-gate.conf`` with
-``ConditionPathExists=!<state>/<env>/gate``, and the marker file ``gate`` is written. If the machine
-reboots (or the manager restarts) mid-run, enabled units are skipped at boot instead of starting on
-whatever is installed. The marker goes once the package is consistent (verified, or restored), and
-the drop-ins go when the run ends; ``safeinstall --recover`` (run at boot by the shipped
-``safeinstall-recover.service``) finishes an interrupted run and removes both.
+A drop-in with ``ConditionPathExists=!<state>/<env>/gate`` and the marker file; docs/crash-safety.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
-"""GPU state through NVML (``pynvml`` from nvidia-ml-py); the only module of safeinstall that touches NVML.
+"""GPU state through NVML (``pynvml``); the only module of safeinstall that touches NVML.
 
-* :class:`NvmlSession` - ``nvmlInit`` once, :meth:`NvmlSession.snapshot` as often as needed, ``nvmlShutdown``.
-* :func:`snapshot_gpus` - one snapshot in its own session.
-* :func:`release_status` (pure) / :func:`wait_for_release` - is the GPU memory of stopped processes freed?
-
-Nothing here raises because NVML is missing or failing: no library, no driver or a failed init give an
-*unavailable* snapshot with the reason; an NVML error in the middle of a query is recorded in
-``GpuSnapshot.errors`` (and such a snapshot never counts as "released").
-
-``SAFEINSTALL_NVML_LIBRARY=/abs/path/libnvidia-ml.so.1`` preloads that library (RTLD_GLOBAL) before
-``nvmlInit``, so pynvml's own ``CDLL("libnvidia-ml.so.1")`` resolves to it by soname. pynvml loads its
-library once per process: the preload only matters for the first successful load in a process.
+Nothing here raises because NVML is missing or failing: such a snapshot is *unavailable*, with the
+reason, and never counts as released. ``SAFEINSTALL_NVML_LIBRARY`` preloads a library.
 """
 
 from __future__ import annotations
@@ -251,12 +242,9 @@ def skipped_release(reason: str | None) -> ReleaseStatus:
 def release_status(
     baseline: GpuSnapshot, stopped_pids: Collection[int], current: GpuSnapshot
 ) -> ReleaseStatus:
-    """Are the stopped PIDs' GPUs released? (pure)
-
-    Released: no error in ``current``, none of the stopped PIDs is listed on any GPU (or, where NVML cannot
-    list processes, holds a ``/dev/nvidia*`` fd), and every GPU's used memory has fallen back by what those
-    PIDs held at baseline (corrected by how much the other listed processes changed). Where that amount is
-    unknown (N/A), the process list alone decides.
+    """Pure: are the stopped PIDs' GPUs released? No error, none of those PIDs on a GPU (or holding a
+    ``/dev/nvidia*`` fd), and each GPU's used memory fallen by what they held; where that is N/A, the
+    process list alone decides.
     """
     if not baseline.available:
         return skipped_release(baseline.reason)

@@ -1,11 +1,7 @@
-"""The health check after the restart: GET ``--health-url`` until it answers 200, within ``--health-timeout``.
+"""The health check after the restart: GET ``--health-url`` until it answers 200.
 
-The timeout bounds the whole wait, not each socket read: each attempt runs in a daemon thread joined with
-the time left, and past it the attempt's socket is shut down, which ends it. A service that trickles its
-answer a byte at a time therefore cannot keep root's run (and the environment's lock) in this step. Only
-the status line and headers are read, at most ``MAX_HEAD_BYTES`` of them; the body never is. A redirect is
-followed only to the URL's own scheme, host and port: a service cannot send root's request elsewhere, nor
-have another host's 200 count as its own health.
+The timeout bounds the whole wait, only the head is read, and a redirect is followed only to the same
+scheme, host and port.
 """
 
 from __future__ import annotations
@@ -165,11 +161,9 @@ def wait_healthy(
     on_poll: Callable[[float, str], None] | None = None,
     check: Callable[[], None] | None = None,
 ) -> float:
-    """Return once ``url`` answers 200: when it did (``time.monotonic()``, CLOCK_MONOTONIC seconds, as
-    systemd's ``*TimestampMonotonic``); raise StepFailed when it has not within ``timeout`` seconds.
-    ``on_poll``: before each attempt, the seconds waited and the last answer (a progress line).
-    ``check``: before each attempt and every :data:`CHECK_S` of one; what it raises (a unit that
-    failed: nothing will answer) ends the wait at once."""
+    """Return when ``url`` answered 200 (``time.monotonic()``); raise StepFailed past ``timeout``.
+    ``on_poll``: called before each attempt; ``check``: what it raises ends the wait at once.
+    """
     started = time.monotonic()
     deadline = started + timeout
     last = "no answer"

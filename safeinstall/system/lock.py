@@ -1,13 +1,7 @@
 """One run per target environment: an exclusive ``flock`` on ``<envdir>/lock``.
 
-The kernel releases a flock when its holder dies, however it dies, so a lock is never stale in the
-kernel's sense; the *file* can be: it still names the dead holder. Taking such a lock over is
-reported (:attr:`HeldLock.stale`), so that the run can tell the user to look at the crashed run's
-journal. The file is never deleted (deleting a flock'ed file lets two runs lock two different files);
-on release it is emptied, so the next run knows the previous one ended cleanly.
-
-The descriptor is opened with ``O_CLOEXEC``: uv, systemctl and the restarted services never inherit it
-(a service inheriting it would hold the lock for as long as it runs).
+The file is never deleted (two runs would lock two files), only emptied on release; a lock whose
+file names a dead holder is taken over and reported (:attr:`HeldLock.stale`).
 """
 
 from __future__ import annotations

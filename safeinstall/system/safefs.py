@@ -1,24 +1,7 @@
 """The one way safeinstall touches an environment's files: by directory file descriptor.
 
-safeinstall runs as root, while the environment it reinstalls may belong to a service account, which
-can put a symlink (or a FIFO, or a device node) anywhere below the prefix at any moment. So every
-write, delete, copy and restore goes through a :class:`Tree`: the prefix (or a backup directory) is
-opened once, and each path below it is walked one component at a time with ``openat``
-(``os.open(..., dir_fd=...)``) and ``O_NOFOLLOW``. A symlink anywhere below the root is never
-followed: where a directory is expected it counts as "not there" (nothing is read, written or deleted
-through it), and a restore replaces it with the real directory. What is opened is what is checked
-(``fstat`` on the descriptor): a FIFO or a device is never read, and opening never blocks
-(``O_NONBLOCK``). Paths are "/"-separated and relative to the root; ``..``, ``.``, empty and absolute
-ones are refused before anything is opened. A recursive delete (:func:`remove_at`, never
-``shutil.rmtree``, which opens a directory by name after an ``lstat``) opens each directory the same way,
-so a symlink to a FIFO swapped in for a directory while root deletes is unlinked, never opened.
-
-Inside :meth:`Tree.batch` (a backup, a restore: thousands of files in a few hundred directories) each
-thread keeps the descriptors of the directories it walked last (a cursor: the root's descriptor down
-to the last directory used) and walks only the components that differ, so a directory is opened once
-per batch, not once per file below it. What a cursor holds was opened exactly as above (by descriptor,
-``O_NOFOLLOW``, a real directory). A directory that safeinstall removes (``rmdir``, ``remove_tree``, a
-directory replaced by a file) makes every cursor start again from the root at its next use.
+Every path below a :class:`Tree`'s root is walked with ``openat`` and ``O_NOFOLLOW``, so a symlink, FIFO
+or device an account puts there is never followed nor opened. Why: docs/threat-model.md.
 """
 
 from __future__ import annotations
@@ -142,15 +125,11 @@ def acl_writers(raw: bytes) -> tuple[set[int], set[int]]:
 def others_who_write(
     mode: int, gid: int, acl_groups: Iterable[int] = (), *, group_root_is_root: bool = True
 ) -> str | None:
-    """Pure: the one rule of who, besides a path's owner and root, may write it through its mode bits or
-    the groups its access ACL names: ``"every user"``, ``"group N"``, ``"group(s) [...] (its ACL)"``, or
-    None. A sticky directory is the caller's to judge.
+    """Pure: who, besides a path's owner and root, may write it by its mode or access ACL (``"every user"``,
+    ``"group N"``, ``"group(s) [...] (its ACL)"``), or None. A sticky directory is the caller's to judge.
 
-    ``group_root_is_root``: whether the group root (gid 0) counts as root's. An environment's files
-    (``/usr/local`` and the like) are often group-writable by root's group, and the owner check lets
-    them be; what root keeps for itself (the state directory, its journal, its baseline) counts any
-    group write, gid 0 included, as another's: an account may have gid 0 as its primary group, and with
-    an access ACL the group bits are the ACL's mask, which named users' and groups' writes pass through.
+    ``group_root_is_root`` False (root's own state): a write by gid 0 counts as another's
+    (docs/threat-model.md).
     """
     if mode & stat.S_IWOTH:
         return "every user"
@@ -178,10 +157,10 @@ class UntrustedFile(OSError):
 def trust_problem(
     info: os.stat_result, limit: int, *, root_owned_ok: bool = True, private: bool = False
 ) -> str | None:
-    """Pure: why a file safeinstall wrote for itself (its state, a run's history entry, a detached run's
-    inputs) must not be believed when it reads it back, or None: a regular file; the caller's own (or,
-    with ``root_owned_ok``, root's); written by nobody else (:func:`others_who_write`, root's group
-    counted as another's); with ``private``, read by nobody else either; at most ``limit`` bytes."""
+    """Pure: why a file safeinstall wrote for itself must not be believed, or None: it must be a regular
+    file, the caller's (or root's, ``root_owned_ok``), written by nobody else, with ``private`` read by
+    nobody else, and at most ``limit`` bytes.
+    """
     euid = os.geteuid()
     if not stat.S_ISREG(info.st_mode):
         return "it is not a regular file"
@@ -341,10 +320,9 @@ def _open_child(fd: int, name: str) -> int:
 
 
 def _unlink_or_open(dir_fd: int, name: str, is_dir: bool) -> int | None:
-    """Unlink the entry ``name`` of the directory ``dir_fd`` when it is not a directory, or open it (a
-    new descriptor, :data:`_REMOVE_DIR_FLAGS`) when it is one; None when it is gone. ``is_dir`` is the
-    listing's word: when the entry changed kind since (swapped), the other way is tried (Linux says
-    ``EISDIR`` to unlinking a directory, ``ENOTDIR``/``ELOOP`` to opening anything else as one)."""
+    """Unlink the entry ``name`` of ``dir_fd``, or open it when it is a directory; None when it is gone.
+    ``is_dir`` is the listing's word: where the entry changed kind since, the other way is tried.
+    """
     for _ in range(_REMOVE_TRIES):
         try:
             if is_dir:
@@ -414,12 +392,10 @@ def walk_below(
     deadline: float | None = None,
     budget: list[int] | None = None,
 ) -> None:
-    """Every entry below the directory ``fd`` (taken: closed here), by an explicit stack of
-    descriptors (each directory opened relative to its parent's, ``O_NOFOLLOW``, no recursion):
-    what is not a real directory into ``files``, real directories into ``directories``, as paths
-    relative to the root (``relative``: ``fd``'s). :class:`TreeTooLarge` past the bounds: deeper
-    than ``max_depth``, more than ``max_entries`` entries (or than ``budget[0]``, the entries left to
-    several walks, taken from it), or still walking at ``deadline`` (``time.monotonic()``)."""
+    """Every entry below the directory ``fd`` (closed here), by descriptor with ``O_NOFOLLOW`` and no
+    recursion: directories into ``directories``, the rest into ``files``, relative to ``relative``.
+    Raises :class:`TreeTooLarge` past ``max_depth``, ``max_entries``, ``budget[0]`` or ``deadline``.
+    """
     if budget is not None:
         max_entries = min(max_entries, budget[0])
     try:
@@ -491,17 +467,12 @@ def _descend(stack: list[_Emptying], fd: int, name: str) -> None:
 
 
 def remove_at(dir_fd: int, name: str, deadline: float | None = None) -> bool:
-    """Remove the entry ``name`` of the directory ``dir_fd`` and, when it is a directory, everything
-    below it (``rm -r``), in a tree that others may change meanwhile; False when it is not there.
+    """Remove the entry ``name`` of ``dir_fd`` and, for a directory, everything below it; False when absent.
 
-    Each directory is opened relative to its parent's descriptor with ``O_NOFOLLOW|O_NONBLOCK`` and
-    listed by that descriptor: a symlink is unlinked, never followed nor opened, even one that replaced
-    a directory after the listing, and a FIFO never blocks. An entry that changed between a file and a
-    directory is tried the other way; a directory refilled meanwhile is listed again (a few times).
-    Iterative: a tree more than :data:`MAX_REMOVE_DEPTH` directories deep is refused with an OSError,
-    and so is a mount point below ``name`` (EXDEV: what another filesystem holds is never emptied).
-    ``deadline`` (``time.monotonic()``): past it, TimeoutError (something keeps filling the tree).
-    Raises OSError (what was removed before stays removed)."""
+    Each directory is opened by descriptor with ``O_NOFOLLOW``: a symlink is unlinked, never followed.
+    Raises OSError (past :data:`MAX_REMOVE_DEPTH`, a mount point below, EXDEV) and TimeoutError past
+    ``deadline``; what was removed stays removed.
+    """
     try:
         info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
@@ -551,10 +522,9 @@ _libc: ctypes.CDLL | None = None
 
 
 def renameat2(src_fd: int, src: str, dst_fd: int, dst: str, flags: int) -> None:
-    """``renameat2(2)``: ``src`` in the directory ``src_fd`` to ``dst`` in ``dst_fd``; ``flags`` 0 (replace
-    what is there), :data:`RENAME_NOREPLACE` or :data:`RENAME_EXCHANGE` (both entries must exist; each
-    takes the other's place in one step). Both names are single components: nothing is walked, no
-    symlink followed (the entries themselves move, whatever they are). Raises OSError."""
+    """``renameat2(2)`` of single names, no symlink followed: ``src`` in ``src_fd`` to ``dst`` in
+    ``dst_fd``; ``flags`` 0, :data:`RENAME_NOREPLACE` or :data:`RENAME_EXCHANGE`. Raises OSError.
+    """
     global _libc
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
@@ -603,11 +573,8 @@ class _Cursor:
 class Tree:
     """A directory opened once; every operation below it walks by descriptor, never through a symlink.
 
-    The root itself is opened component by component from ``/``, no symlink followed on the way (the
-    paths it is given are real paths: the probe's prefix, the state directory). Use as a context
-    manager (the root's descriptor is closed at the end). Safe to share between threads: each
-    operation opens and closes its own descriptors or, inside :meth:`batch`, uses its own thread's
-    cursor.
+    The root is opened from ``/`` a component at a time. A context manager; shared between threads
+    safely (inside :meth:`batch`, each thread has its own cursor).
     """
 
     def __init__(self, root: Path) -> None:
@@ -975,11 +942,10 @@ class Tree:
         atomic: bool = True,
         acl: bytes | None = None,
     ) -> Copied:
-        """Write ``relative`` with the content of ``source_fd``. ``atomic``: into a temp file beside it,
-        then renamed over it; else created new (it must not exist). ``acl``: a POSIX access ACL
-        (``system.posix_acl_access``) set on it before it is visible (OSError ENOTSUP where the
-        filesystem has none: nothing is left). The parent must be a real directory; nothing is ever
-        written through a symlink."""
+        """Write ``relative`` with the content of ``source_fd``, never through a symlink. ``atomic``: via
+        a temp file renamed over it, else created new; ``acl``: an access ACL set before it is visible
+        (OSError ENOTSUP where there is none).
+        """
         with self.parent(relative) as (fd, name):
             target = self._temp_name(name, mark) if atomic else name
             dest = os.open(target, _CREATE_FLAGS, 0o600, dir_fd=fd)

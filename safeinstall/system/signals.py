@@ -1,9 +1,7 @@
-"""SIGINT/SIGTERM/SIGHUP have one meaning at each point of a run: before the run's journal exists they
-end safeinstall with exit 2 and an ``error:`` line (:func:`install_early_handlers`, from its first
-instruction: nothing was changed); during the run the first one interrupts the step in progress (and the
-run rolls back: exit 2 before the stop, 3 after it); during the rollback and the tidy-up after a good run
-they are held back and announced, so the services are never abandoned half-way and a finished run
-finishes; once the run has its result they are ignored until the process exits (its exit code stands)."""
+"""SIGINT/SIGTERM/SIGHUP, one meaning at each point of a run: exit 2 before the journal, an
+interruption (and rollback) during the run, held back during the rollback and tidy-up, ignored once
+the result is known. docs/crash-safety.md.
+"""
 
 from __future__ import annotations
 
@@ -58,12 +56,10 @@ Handler = Callable[[int, FrameType | None], object] | int | None
 
 
 class Received:
-    """The signals received under :func:`interrupts_raise`. Its handler raises where Python happens to
-    be, which may be a ``__del__`` or a weakref callback run by the garbage collector: there the
-    exception is printed and dropped (seen in a run that went on to the end after a Ctrl-C); a step's
-    own ``except Exception`` may catch it too. So every step is :meth:`checked`: a step does not start
-    after a signal was received, and one that returns after a signal fails as interrupted. (When the
-    raise does reach the run, the run rolls back and checks no more.)"""
+    """The signals received under :func:`interrupts_raise`. A raise may land in a ``__del__`` (dropped) or
+    a step's ``except Exception``, so every step is :meth:`checked`: none starts after a signal, and one
+    that returns after it fails as interrupted.
+    """
 
     def __init__(self) -> None:
         self.signals: list[int] = []
@@ -129,7 +125,7 @@ def _handlers(handler: Callable[[int, FrameType | None], None]) -> Iterator[None
 
 def ignored_until_exit() -> None:
     """SIGINT/SIGTERM/SIGHUP ignored from now until the process exits: a run whose result is out ends
-    with that result's exit code (issue 45). Ignored, not handled: as it exits, CPython puts a signal
+    with that result's exit code. Ignored, not handled: as it exits, CPython puts a signal
     handled by Python back to its default action (a SIGTERM then killed a good run, exit -15) and
     leaves an ignored one ignored; and no handler of an earlier phase comes back."""
     with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
@@ -151,11 +147,9 @@ def unblock(mask: set[int | signal.Signals]) -> None:
 
 @contextmanager
 def held_while_threads_start() -> Iterator[None]:
-    """Block SIGINT/SIGTERM/SIGHUP while threads are started (a pool's ``submit``): a handler that raises
-    inside ``Thread.start`` can leave a started thread that Python no longer knows of ("Exception ignored
-    in thread started by", a traceback on stderr). A signal that came meanwhile is handled on leaving,
-    once every thread is known; the threads started here keep them blocked (Python handles signals on
-    the main thread only)."""
+    """Block SIGINT/SIGTERM/SIGHUP while threads start: a raise inside ``Thread.start`` can leave a
+    thread Python no longer knows. A signal that came meanwhile is handled on leaving.
+    """
     old = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
     try:
         yield

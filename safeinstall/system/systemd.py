@@ -1,20 +1,7 @@
 """Talking to systemd: the only module that runs ``systemctl``.
 
-:class:`Systemd` is parameterised by ``user`` (``systemctl --user``) and the environment handed to
-``systemctl`` (the user manager is found through ``XDG_RUNTIME_DIR``). Parsing is done by pure
-functions (:func:`parse_show`, :func:`parse_timespan`, :func:`unit_info`, :func:`dropin_roots`).
-
-Semantics worth knowing:
-
-* :meth:`Systemd.stop` enqueues the stop and waits with our own timeout until the unit is inactive (or
-  failed) *and* no process is left in its cgroup. A stop that times out cannot be taken back: systemd
-  keeps its stop job and kills the unit at its ``TimeoutStopSec``. A :meth:`Systemd.start` issued
-  meanwhile is queued behind that stop job, so the unit comes back only after it was killed.
-* :meth:`Systemd.wait_settled` watches a started unit until it has been ``active`` with the same main
-  process and no automatic restart for ``settle_s`` seconds.
-* Drop-ins are plain files in the manager's own configuration directories (asked from the manager via
-  its ``UnitPath``, so a user manager's ``XDG_CONFIG_HOME`` is honoured even when ours differs),
-  followed by ``daemon-reload``.
+A stop waits until the unit is inactive and its cgroup empty; a stop that times out cannot be taken
+back (docs/faults.md). Parsing is pure (:func:`parse_show`, :func:`unit_info`, ...).
 """
 
 from __future__ import annotations
@@ -272,12 +259,8 @@ class DropinRoots:
 
 
 def dropin_roots(unit_path: Sequence[str]) -> DropinRoots:
-    """The manager's admin configuration directories, from its ``UnitPath``.
-
-    systemd lists the persistent control directory first and the runtime one second
-    (``/etc/systemd/system.control``, ``/run/systemd/system.control``; for a user manager under
-    ``$XDG_CONFIG_HOME`` and ``$XDG_RUNTIME_DIR``); the admin directories are their siblings without
-    ``.control``, and must be on the search path too.
+    """The manager's admin configuration directories, from its ``UnitPath``: the siblings, without
+    ``.control``, of the control directories systemd lists first.
     """
     controls = [entry for entry in unit_path if entry.endswith(".control")]
     if len(controls) < 2:
@@ -556,11 +539,10 @@ class Systemd:
             self.systemctl("start", "--no-block", "--", unit)
 
     def stop(self, unit: str, timeout_s: float, *, cancel: threading.Event | None = None) -> StopOutcome:
-        """Stop ``unit`` and wait until it is down and its cgroup is empty, for at most ``timeout_s``.
+        """Stop ``unit`` and wait until it is down and its cgroup empty, for at most ``timeout_s``.
 
-        A stop that systemd did not carry out (systemctl failed, and the unit is still active with no
-        job: refused, or systemctl was killed before it asked) is said at once, not waited out.
-        ``cancel``, once set, ends the wait at the next poll (not stopped, reason ``interrupted``).
+        A stop systemd did not carry out is said at once, not waited out; ``cancel`` ends the wait
+        (``interrupted``).
         """
         started = time.monotonic()
         before = self.info(unit)
@@ -638,13 +620,8 @@ class Systemd:
     ) -> SettleOutcome:
         """Wait until ``unit`` is active and stays so (same main process, no restart) for ``settle_s``.
 
-        ``timeout_s`` bounds the wait for it to become active; the whole call takes at most about
-        ``timeout_s + settle_s``. Pass ``before`` (its state before the start) so that an automatic
-        restart that happened before the first look is noticed too. (systemd zeroes ``NRestarts`` when
-        a start is not automatic, so only a rise of the counter counts as a restart.) ``cancel``, once
-        set, ends the wait at the next poll (verdict ``interrupted``): a Ctrl-C need not wait out the
-        settle time before the rollback starts. ``seen``: its main process as an earlier watch saw it
-        active (:func:`gone_wrong`): another one is a restart too.
+        ``timeout_s`` bounds the wait to become active; ``before`` and ``seen``: what it was, so that an early
+        restart counts (only a rise of ``NRestarts`` does); ``cancel`` ends the wait (``interrupted``).
         """
         started = time.monotonic()
         deadline = started + timeout_s
@@ -865,14 +842,9 @@ def start_limit(name: str, props: Mapping[str, str]) -> StartLimit:
 
 
 def start_limit_risk(limit: StartLimit, now_s: float, run_starts: int = RUN_STARTS) -> str | None:
-    """Pure: why the run's starts of a unit could hit its start limit (None: they cannot).
-
-    systemd counts starts in a window that opens at the first start after the last window closed:
-    a unit last started more than ``StartLimitIntervalSec`` ago starts a new window, in which the run's
-    own starts (``run_starts``: the restart, and a rollback's) count alone. A unit started within the
-    interval may have been started (restarted by hand, by a tool, by ``Restart=``) any number of times
-    in it, and systemd does not say how many: the run's restart could be refused (``start-limit-hit``)
-    and leave the service down (needrestart#340)."""
+    """Pure: why the run's starts of a unit could hit its start limit, or None: a unit started within
+    ``StartLimitIntervalSec`` may have used up its window (docs/reinstall.md).
+    """
     if limit.burst <= 0 or limit.interval_s <= 0:
         return None
     said = f"StartLimitBurst={limit.burst} within {limit.interval_s:g} s"
@@ -889,11 +861,10 @@ def start_limit_risk(limit: StartLimit, now_s: float, run_starts: int = RUN_STAR
 
 @dataclass(frozen=True, slots=True)
 class ExecContext:
-    """What systemd gives a unit's processes besides its command (``systemctl show``): the variables of
-    ``Environment=``, the files of ``EnvironmentFile=`` (path, errors ignored) and ``WorkingDirectory=``
-    ("" when unset; ``~`` for the user's home; a leading ``-`` or ``!`` removed); and whom they run as:
-    ``User=``, ``Group=`` ("" when unset), ``SupplementaryGroups=`` and ``DynamicUser=``, as written
-    (names or numbers; resolved as systemd resolves them by :func:`safeinstall.env.smoke.unit_account`)."""
+    """What systemd gives a unit's processes besides its command (``systemctl show``): ``Environment=``,
+    ``EnvironmentFile=``, ``WorkingDirectory=``, and ``User=``, ``Group=``, ``SupplementaryGroups=``,
+    ``DynamicUser=`` as written (resolved by :func:`safeinstall.env.smoke.unit_account`).
+    """
 
     unit: str
     environment: tuple[tuple[str, str], ...]

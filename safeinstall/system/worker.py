@@ -1,33 +1,7 @@
 """The privilege boundary, root's side: the one way to start work on an environment's files.
 
-safeinstall runs as root; the environment it works on usually belongs to a service account. Whatever
-reads, writes, deletes or runs something in that account's files on the strength of what the account
-could have written (a RECORD, a cache directory uv filled, uv's lock file) runs in a *worker*: a
-process whose file access is that account's, as OpenSSH's privilege separation and needrestart since
-CVE-2024-48990 do it. The kernel's file checks, not checks of ours, then decide what it may touch:
-what the worker can do to files is what the account could do anyway (a forked worker keeps root's
-real and saved uid so that the account cannot signal it; see docs/privsep.md for that trade-off). A
-root-owned environment gets a root worker with the same isolation.
-
-Every worker, a program started by :func:`safeinstall.system.children.run` (the interpreter probe, uv) or a
-function of safeinstall forked by :func:`call` (``safeinstall.env.owner``), is isolated the same way, by
-:func:`safeinstall.system.children.isolate` between the fork and its work:
-
-* a new session (``setsid``): no controlling terminal, so nothing it runs can open root's ``/dev/tty``
-  (TIOCSTI, escape sequences), and a terminal's Ctrl-C reaches safeinstall alone;
-* the account's uid and primary gid, no supplementary groups (root's worker: root);
-* no descriptor but the ones it is given (the answer pipe; standard input is ``/dev/null``);
-* an environment built from an allowlist by the caller (never root's as it is);
-* working directory ``/``, umask 022, no core dumps, and SIGKILL when safeinstall dies;
-* a deadline: past it, the worker is killed and reaped, and the caller goes on without it.
-
-A forked worker's answer comes back through a pipe as JSON (never pickle: root must not run what the
-worker sends), at most :data:`ANSWER_LIMIT` bytes, and the caller validates it as data from the account.
-Forking, not a new interpreter: the worker needs no access to safeinstall's own files, which may sit
-where the account cannot read (a tool installed under ``/root``). For the same reason a worker never
-imports: what it needs (modules, the text codecs :data:`CODECS` that ``open(..., encoding=...)`` loads)
-is loaded by root before the fork, and an import in the worker fails at once, whoever can read the
-interpreter (:class:`_NoImports`), so that no test passes only because its interpreter was readable.
+A worker is a forked, isolated process with the account's file access; its answer comes back as JSON,
+checked as the account's word. Why and how: docs/privsep.md.
 """
 
 from __future__ import annotations
@@ -86,13 +60,10 @@ def call(
     what: str,
     environ: dict[str, str] | None = None,
 ) -> Any:
-    """Run ``work()`` in a forked worker as ``ids`` (uid, gid; None: root, isolated alike) and return its
-    JSON answer (a dict, list, str, number, bool or None: validate it, it is the account's word).
-
-    ``environ`` becomes the worker's whole environment (default: ``PATH`` alone). Raises
-    :class:`WorkerError` when the worker fails, dies, answers more than :data:`ANSWER_LIMIT` bytes or
-    runs past ``timeout`` seconds (it is then killed and reaped); an exception of ``work`` comes back
-    as a WorkerError saying what it was."""
+    """Run ``work()`` in a forked worker as ``ids`` (None: an isolated root) and return its JSON answer,
+    the account's word to validate. ``environ``: its whole environment. Raises :class:`WorkerError` when it
+    fails, dies, answers over :data:`ANSWER_LIMIT` or passes ``timeout``.
+    """
     read_fd, write_fd = os.pipe()
     parent = os.getpid()
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS[:3])
