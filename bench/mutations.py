@@ -8,7 +8,7 @@ first and this venv's packages after it, with a ``safeinstall`` console script o
 subprocesses, and a detached run's ``python -I -m safeinstall``, all run the mutated code.
 
     .venv/bin/python bench/mutations.py --list
-    .venv/bin/python bench/mutations.py           # all, after a baseline (about 10 minutes on 2 CPUs)
+    .venv/bin/python bench/mutations.py           # all, after a baseline (about 45 minutes on 2 CPUs)
     .venv/bin/python bench/mutations.py --only forget-journal --only restore-check
     .venv/bin/python bench/mutations.py --check   # each mutation still applies (no test run; CI)
 
