@@ -1,7 +1,7 @@
 """Service downtime and whole-run time: safeinstall against the hand sequence, on the same unit and wheel.
 
-Usage: python bench/downtime.py [--case torch|torch-warm|torch-account[-warm]|vllm|vllm-cold|vllm-account
-                                        |synthetic|both]
+Usage: python bench/downtime.py [--case torch|torch-warm|torch-index|torch-account[-warm]|vllm|vllm-cold
+                                        |vllm-account|synthetic|both]
                                 [--rounds 3] [--blob-mb 64] [--settle 1] [--safeinstall PATH]
                                 [--baseline-safeinstall PATH] [--safeinstall-option OPTION]... [--logs DIR]
 
@@ -30,6 +30,10 @@ Cases:
   ``pip download torch==2.13.0 --no-deps`` (an ignored path: it is never committed).
 * ``torch-warm``: the same torch wheel, the same path every round (a clean reinstall, a rollback to
   yesterday's build): the hand's uv cache has it unpacked already (filled once before the rounds).
+* ``torch-index``: torch reinstalled by name (``torch==2.13.0+cpu``, uv's ``--index-url``) from an index
+  the bench serves on loopback holding the wheel alone, the bench's uv cache (root's) warm with it: a
+  clean reinstall by name, where safeinstall fills its run's cache from root's (issue 43 item 3: copied
+  or cloned since, hardlinked before). ``BENCH_TORCH_WHEEL``: the wheel's path, for any torch case.
 * ``vllm``: a venv with vLLM 0.33.0 from the index (``--vllm-wheel``: the 0.32.0 wheel); every install
   switches it to the other release: 0.33.0 -> 0.32.0 (``--wheel``) and back (``vllm==0.33.0``), nine
   distributions each way (torch, triton, flashinfer, nvidia-cudnn, ...: about 4 GB). The hand uses the
@@ -71,6 +75,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import hashlib
+import http.server
 import json
 import os
 import pwd
@@ -140,6 +147,9 @@ class Case:
     reported: dict[str, list[float]] = field(default_factory=lambda: {NEW: [], OLD: []})
     firsts: list[str] = field(default_factory=list)  # who went first in each round
     hand_as: str = ""  # torch-account: what runs the hand's uv as the account (setpriv ...)
+    #: torch-index: the requirement installed by name (not ``--wheel``) and uv's options for it
+    by_name: str | None = None
+    uv_args: tuple[str, ...] = ()
 
     def options(self, who: str) -> tuple[str, ...]:
         """The options a safeinstall build adds last."""
@@ -147,6 +157,9 @@ class Case:
 
 
 def torch_wheel() -> Path:
+    given = os.environ.get("BENCH_TORCH_WHEEL")  # a wheel cached elsewhere (/work/benchcache/...)
+    if given:
+        return Path(given)
     found = sorted(BENCH_DIR.glob("torch-2.13.0*.whl"))
     if not found:
         BENCH_DIR.mkdir(exist_ok=True)
@@ -283,9 +296,10 @@ def _hand_command(unit: str, case: Case, target: str) -> list[str]:
 def _safeinstall_command(
     safeinstall: str, case: Case, settle: float, args: list[str], extra: tuple[str, ...] = ()
 ) -> list[str]:
-    """safeinstall doing the same: ``args`` name what it installs, ``extra`` goes last."""
+    """safeinstall doing the same: ``args`` name what it installs, ``extra`` goes last (then uv's own
+    options after ``--``)."""
     options = ["--python", str(case.python), "--user", "--yes", "--json", "--settle", f"{settle:g}"]
-    return [safeinstall, *args, *options, *extra]
+    return [safeinstall, *args, *options, *extra, *(("--", *case.uv_args) if case.uv_args else ())]
 
 
 def round_order(contenders: tuple[str, ...], round_: int) -> tuple[str, ...]:
@@ -344,6 +358,9 @@ def bench_case(
                     # the host's cache (vllm, vllm-cold) for everyone; an account's is the hand's alone:
                     # root's safeinstall keeps the bench's own and fills its run's cache from the account's
                     shared = case.hand_as == "" or who == HAND
+                elif case.by_name is not None:  # torch-index: by name, from the bench's index
+                    what = " ".join((f"'{case.by_name}'", *case.uv_args))
+                    args, label, shared = [case.by_name], "", who == HAND
                 else:
                     wheel = case.wheel
                     if not case.same_wheel:
@@ -537,7 +554,7 @@ def report(case: Case, rounds: int, settle: float, baseline: str | None = None) 
     for label, series in (("downtime", case.times), ("whole run", case.walls)):
         for who in (HAND, *builds):
             print(_median_line(label, who, series[who]))
-    warm = ("torch-warm", "vllm", "torch-account", "torch-account-warm", "vllm-account")
+    warm = ("torch-warm", "torch-index", "vllm", "torch-account", "torch-account-warm", "vllm-account")
     goal = "0.5x" if case.name in warm else "0.3x" if case.name == "vllm-cold" else "1.0x"
     for who in builds:
         print(f"  downtime {who} / hand = {_ratio(case, case.times, who, HAND)}; goal <= {goal}")
@@ -580,6 +597,50 @@ def report(case: Case, rounds: int, settle: float, baseline: str | None = None) 
         print(f"  {who} median step seconds: {steps}")
 
 
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def serve_index(work: Path, wheel: Path) -> str:
+    """A simple index (PEP 503) on loopback holding ``wheel`` alone, served from a thread until the bench
+    exits; its URL."""
+    files, project = work / "index" / "files", work / "index" / "simple" / "torch"
+    files.mkdir(parents=True)
+    project.mkdir(parents=True)
+    shutil.copy(wheel, files / wheel.name)
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    (project / "index.html").write_text(
+        f'<a href="../../files/{wheel.name}#sha256={digest}">{wheel.name}</a>\n'
+    )
+    handler = functools.partial(_Quiet, directory=str(work / "index"))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}/simple"
+
+
+def index_case(work: Path, uv_env: dict[str, str]) -> Case:
+    """torch-index: torch reinstalled by name from an index (the bench's own, on loopback), the bench's
+    uv cache (root's, which safeinstall's run fills its own from) warm with it: the clean reinstall of
+    issue 43 item 3, where a build before it linked from root's cache and one after it copies."""
+    python = wheelhouse.make_venv(work / "torch-index-venv")
+    wheel = torch_wheel()
+    uv_run(uv_env, "pip", "install", "--quiet", "--python", str(python), "--link-mode", "copy", str(wheel))
+    url = serve_index(work, wheel)
+    requirement = "torch==" + wheel.name.split("-")[1]  # 2.13.0+cpu
+    warm = ("--reinstall-package", "torch", "--link-mode", "copy", requirement, "--index-url", url)
+    uv_run(uv_env, "pip", "install", "--quiet", "--python", str(python), *warm)  # the cache warm
+    return Case(
+        "torch-index",
+        "torch",
+        wheel,
+        python,
+        f'{python} -c "{SERVE_TORCH}"',
+        by_name=requirement,
+        uv_args=("--index-url", url),
+    )
+
+
 def make_cases(args: argparse.Namespace, work: Path) -> list[Case]:
     """The cases ``--case`` names, each with its venv installed and its unit's command."""
     uv_env = {**wheelhouse.uv_env(), "UV_CACHE_DIR": str(work / "uv-cache")}
@@ -598,6 +659,8 @@ def make_cases(args: argparse.Namespace, work: Path) -> list[Case]:
         cases.append(
             Case("torch-warm", "torch", wheel, python, f'{python} -c "{SERVE_TORCH}"', same_wheel=True)
         )
+    if args.case == "torch-index":
+        cases.append(index_case(work, uv_env))
     if args.case in ACCOUNT_CASES:
         cases.append(account_case(work, args.case, args.vllm_wheel))
     if args.case in ("vllm", "vllm-cold"):
@@ -638,6 +701,7 @@ def main() -> int:
         choices=(
             "torch",
             "torch-warm",
+            "torch-index",
             "torch-account",
             "torch-account-warm",
             "vllm",

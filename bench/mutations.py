@@ -94,6 +94,44 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
     ),
     Mutation(
+        "wheel-fault-by-ctime",
+        "safeinstall/env/drift.py",
+        "        or ctime_ns > record_ctime_ns\n",
+        "",
+        (
+            "tests/test_verify.py::test_a_file_whose_wheel_lied_in_its_record_is_a_wheel_fault",
+            "tests/test_verify.py::test_a_wheel_fault_acknowledged_is_quiet_until_its_file_changes",
+        ),
+    ),
+    Mutation(
+        "wheel-fault-acknowledged-by-identity",
+        "safeinstall/env/drift.py",
+        "    if now is None or kept.get(finding.path) != now:",
+        "    if now is None or finding.path not in kept:",
+        ("tests/test_verify.py::test_a_wheel_fault_acknowledged_is_quiet_until_its_file_changes",),
+    ),
+    Mutation(
+        "pyc-installer-window",
+        "safeinstall/env/bytecode.py",
+        "    return 0 < window[0] <= ctime_ns <= window[1]",
+        "    return True",
+        (
+            "tests/test_verify_owner.py::"
+            "test_bytecode_its_installer_wrote_is_not_compiled_and_a_plant_after_is_still_reported",
+        ),
+    ),
+    Mutation(
+        "pyc-window-anchored",
+        "safeinstall/env/bytecode.py",
+        "    if (kept.inode, kept.record_ctime_ns) != record:\n        return None, None\n"
+        "    return (kept.earliest_ns, kept.record_ctime_ns), None",
+        "    return (kept.earliest_ns, record[1]), None",
+        (
+            "tests/test_verify_owner.py::"
+            "test_bytecode_its_installer_wrote_is_not_compiled_and_a_plant_after_is_still_reported",
+        ),
+    ),
+    Mutation(
         "plan-inactive-dependents",
         "safeinstall/scan/plan.py",
         "                or not dependent.is_active\n",
@@ -463,8 +501,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "identity-ignores-owner",
         "safeinstall/env/inodes.py",
-        "            or info.st_uid != entry.uid\n",
-        "",
+        "            or not owner_alone_writes(info.st_uid, info.st_mode, entry.uid)\n",
+        "            or not owner_alone_writes(info.st_uid, info.st_mode, info.st_uid)\n",
         (f"{PROMISES_45}::test_a_hashed_cache_inode_of_another_owner_now_is_read_and_hashed",),
     ),
     Mutation(
@@ -644,13 +682,6 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
     ),
     Mutation(
-        "room-hint-names-no-kept-backup",
-        "safeinstall/run/preflight.py",
-        "    if kept:\n        oldest = kept[0]\n",
-        "    if False:\n        oldest = kept[0]\n",
-        (f"{PROMISES_45}::test_a_state_directory_too_small_for_the_next_backup_names_the_oldest_kept_one",),
-    ),
-    Mutation(
         "stop-d-state-never-named",
         "safeinstall/system/systemd.py",
         "                if now - since >= STUCK_D_S:\n",
@@ -670,6 +701,26 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    column = max(width - len(head), 20)",
         "    column = width",
         ("tests/test_render.py::test_a_steps_long_detail_wraps_within_the_detail_column",),
+    ),
+    Mutation(
+        "one-filesystem-install-uncounted",
+        "safeinstall/run/preflight.py",
+        '    copies = cache if link_mode != "hardlink" else 0\n',
+        "    copies = 0\n",
+        (
+            "tests/test_retention.py::test_one_filesystem_sums_the_backup_the_run_cache_and_the_install",
+            "tests/test_faults.py::test_one_filesystem_for_the_state_and_the_environment_is_one_sum_of_room",
+        ),
+    ),
+    Mutation(
+        "kept-backups-not-named",
+        "safeinstall/store/retention.py",
+        '    return f"{held}; dropping {names}{newest} makes the room: {commands}"\n',
+        "    return held\n",
+        (
+            "tests/test_retention.py::test_a_refusal_for_room_names_the_fewest_oldest_kept_backups_and_the_command",
+            "tests/test_faults.py::test_kept_backups_that_take_the_room_are_named_with_the_command_that_drops_them",
+        ),
     ),
 )
 

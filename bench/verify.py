@@ -3,6 +3,7 @@
 Usage: python bench/verify.py [--package torch] [--python VENV_PYTHON | --installer uv|pip] [--rounds 5]
                               [--sha256sum] [--workers 1,2,4]
        python bench/verify.py --second-run --python VENV [--package vllm] [--rounds 3]
+       python bench/verify.py --second-run --python VENV --baseline-safeinstall OLD/.venv/bin/safeinstall
 
 Without --python it makes a torch venv: ``--installer uv`` (the default) installs the torch 2.13.0 CPU
 wheel kept in ``.bench/`` (see bench/downtime.py) into ``.bench/torch-uv`` with ``uv pip install
@@ -212,9 +213,20 @@ def main() -> int:
         help="only: --verify-only --all, first run against second run with nothing changed (the "
         "verified-inode store), then a same-size edit with the mtime set back on an overlay",
     )
+    parser.add_argument(
+        "--baseline-safeinstall",
+        default=None,
+        metavar="PATH",
+        help="with --second-run: another build's safeinstall as a second contender, side by side (each "
+        "round both, the order flipping; each its own state directory, emptied): the first runs' and "
+        "the second runs' CPU time, new / old",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-verify-state-") as state:
         os.environ["SAFEINSTALL_STATE_DIR"] = state  # the bench's own: its store, never /var/lib's
+        if args.second_run and args.baseline_safeinstall:
+            python = Path(args.python or ensure_torch_uv_venv())
+            return side_by_side(python, args.rounds, Path(args.baseline_safeinstall))
         if args.second_run:
             return second_run(Path(args.python or ensure_torch_uv_venv()), args.package, args.rounds, state)
         return compare(args)
@@ -282,6 +294,11 @@ def compare(args: argparse.Namespace) -> int:
     return 0
 
 
+#: What a check keeps (each emptied before a first run): hashes by identity, the clean distributions,
+#: bytecode judged by identity, the RECORDs found clean (the bench's own state directory, never root's).
+KEPT = ("inodes.bin", "unchanged.json", "bytecode.json", "records.json")
+
+
 def second_run(python: Path, package: str, rounds: int, state: str) -> int:
     """``--verify-only --all``: the first run (empty store) against the second (nothing changed)."""
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(ROOT / "safeinstall")], check=True)
@@ -291,8 +308,9 @@ def second_run(python: Path, package: str, rounds: int, state: str) -> int:
     first: list[tuple[float, float]] = []
     second: list[tuple[float, float]] = []
     for _ in range(rounds):
-        for kept in [*stores.glob("*/inodes.bin"), *stores.glob("*/unchanged.json")]:
-            kept.unlink()  # both stores empty: the first run reads every file
+        for kept in [stores.glob(f"*/{name}") for name in KEPT]:
+            for path in kept:
+                path.unlink()  # every store empty: the first run reads and judges every file
         first.append(timed(command))
         second.append(timed(command))
     pairs = [round(b[0] / a[0], 3) for a, b in zip(first, second, strict=True)]
@@ -311,6 +329,37 @@ def second_run(python: Path, package: str, rounds: int, state: str) -> int:
     edited = same_size_edit(python, package, command)
     print(f"  same-size edit, mtime set back: second run reports it modified: {edited}")
     return 0 if edited != "no" else 1
+
+
+def side_by_side(python: Path, rounds: int, old: Path) -> int:
+    """``--verify-only --all``, this build against ``old``: each round each contender's first run (its
+    own state directory, emptied) then its second, the order flipping every round; the medians, and new
+    / old of the first runs' and of the second runs' CPU times (what a busy machine moves least)."""
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(ROOT / "safeinstall")], check=True)
+    contenders = {"new": SAFEINSTALL, "old": old}
+    runs: dict[str, dict[str, list[tuple[float, float]]]] = {
+        n: {"first": [], "second": []} for n in contenders
+    }
+    for turn in range(rounds):
+        for name in sorted(contenders, reverse=turn % 2 == 1):
+            with tempfile.TemporaryDirectory(prefix=f"bench-verify-{name}-") as state:
+                command = [str(contenders[name]), "--verify-only", "--all", "--python", str(python)]
+                environ = {**os.environ, "SAFEINSTALL_STATE_DIR": state}
+                runs[name]["first"].append(timed(command, env=environ))
+                time.sleep(2.5)  # a judgement is kept once its file's ctime is older than 2 s
+                runs[name]["second"].append(timed(command, env=environ))
+    print(f"--verify-only --all --python {python}: {rounds} rounds, load {os.getloadavg()[0]:.1f}")
+    medians: dict[tuple[str, str], float] = {}
+    for name, which in runs.items():
+        for run, times in which.items():
+            medians[(name, run)] = statistics.median(cpu for _, cpu in times)
+            walls = [round(wall, 2) for wall, _ in times]
+            cpus = [round(cpu, 2) for _, cpu in times]
+            print(f"  {name} {run:<6} cpu median {medians[(name, run)]:.3f} s {cpus}  wall {walls}")
+    for run in ("first", "second"):
+        print(f"  {run} run, new / old CPU time: {medians[('new', run)] / medians[('old', run)]:.2f}x")
+    print(f"  new second / first CPU time: {medians[('new', 'second')] / medians[('new', 'first')]:.3f}x")
+    return 0
 
 
 def same_size_edit(python: Path, package: str, command: list[str]) -> str:

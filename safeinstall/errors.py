@@ -1,7 +1,7 @@
 """One exception hierarchy; every message says what happened and what to do next.
 
 Exit codes: 0 success, 1 drift found, 2 refused before anything changed, 3 failed and put back,
-4 failed and putting back failed too.
+4 failed and putting back failed too, 5 no drift but a wheel's fault not yet acknowledged.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ class ExitCode(IntEnum):
     REFUSED = 2
     ROLLED_BACK = 3
     ROLLBACK_FAILED = 4
+    WHEEL_FAULT = 5
 
 
 class SafeInstallError(Exception):

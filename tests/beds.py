@@ -579,6 +579,31 @@ def hashed_state(ctime_ns: int, hashed_ns: int = 0, **changes: object) -> Any:
 
 # --- a full disk (issue 44) ----------------------------------------------------------------------
 
+#: what the disk-full tests and the disk-full soak cover (tests/test_faults.py, tests/test_soak.py):
+#: the kinds of environment, the modes of the install, and the room left before the run (KiB)
+FULL_DISK_KINDS = ("root", "account")
+FULL_DISK_MODES = ("swap", "no-swap")
+FULL_DISK_LEAVE_KIB = (0, 124, 400)
+#: the old version's blob, and how much bigger the new one's is
+FULL_DISK_BLOB = 4 << 20
+FULL_DISK_MORE = 128 << 10
+
+
+def full_disk_wheels(wheels: Wheelhouse, where: Path) -> dict[str, Path]:
+    """sicext 1.0 with a random blob of :data:`FULL_DISK_BLOB` and 2.0 with one :data:`FULL_DISK_MORE`
+    bigger (stored, not deflated), in ``where`` (a directory the account may read): version -> wheel."""
+    old = {"sicext/blob.bin": os.urandom(FULL_DISK_BLOB)}
+    new = {"sicext/blob.bin": os.urandom(FULL_DISK_BLOB + FULL_DISK_MORE)}
+    return {
+        "1.0": wheelhouse.rebuilt(wheels["sicext-1"], where / "old", old, deflate=False),
+        "2.0": wheelhouse.rebuilt(wheels["sicext-2"], where / "new", new, deflate=False),
+    }
+
+
+def mode_args(mode: str) -> tuple[str, ...]:
+    """The options of a :data:`FULL_DISK_MODES` mode."""
+    return ("--no-swap",) if mode == "no-swap" else ()
+
 
 def full_disk_bed(
     kind: str,
@@ -640,3 +665,38 @@ class DiskWriter:
         self.done.set()
         self.thread.join()
         self.path.unlink()
+
+
+# --- what a smoke check starts (issue 44) -----------------------------------------------------------
+
+
+def smoke_escape_command(marker: str, sleeps: bool = True, imports: bool = True) -> str:
+    """A ``--smoke`` command that leaves processes in sessions of their own (``setsid``), ``marker`` in
+    their command lines: a ``sleep`` (``sleeps``), a Python that imports sicext first (``imports``)."""
+    detached = "</dev/null >/dev/null 2>&1 &"
+    started = [f"setsid sleep {marker} {detached}"] if sleeps else []
+    if imports:
+        started.append(f"setsid python -c 'import sicext, time; time.sleep({marker})' {detached}")
+    return " ".join(started) + " sleep 1; exit 0"
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def running_with(marker: str) -> list[int]:
+    """The processes whose command line holds ``marker``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "cmdline").read_bytes() and alive(int(entry.name)):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found

@@ -130,7 +130,23 @@ class Host:
 class Play:
     code: int
     output: str
-    results: list[dict[str, Any]]  # one per task and host, from the safeinstall_record callback
+    events: list[dict[str, Any]]  # from the safeinstall_record callback, in the controller's order
+
+    @property
+    def results(self) -> list[dict[str, Any]]:
+        """One per task and host (its start left out)."""
+        return [e for e in self.events if e["outcome"] != "started"]
+
+    def index(self, host: str, task_prefix: str, outcome: str) -> int:
+        """Where in :attr:`events` ``host``'s task started (``started``) or ended (any other)."""
+        (found,) = [
+            i
+            for i, e in enumerate(self.events)
+            if e["host"] == host
+            and e["task"].startswith(task_prefix)
+            and (e["outcome"] == "started") == (outcome == "started")
+        ]
+        return found
 
     def of(self, host: str, task_prefix: str) -> dict[str, Any]:
         (found,) = [r for r in self.results if r["host"] == host and r["task"].startswith(task_prefix)]
@@ -151,13 +167,13 @@ class Fleet:
     def __getitem__(self, name: str) -> Host:
         return next(h for h in self.hosts if h.name == name)
 
-    def _run(self, argv: list[str]) -> Play:
+    def _run(self, argv: list[str], environ: Mapping[str, str] | None = None) -> Play:
         record = self.base / "record.jsonl"
         record.unlink(missing_ok=True)
         proc = subprocess.run(
             argv,
             cwd=self.base,
-            env={**self.env, "SAFEINSTALL_TEST_RECORD": str(record)},
+            env={**self.env, **(environ or {}), "SAFEINSTALL_TEST_RECORD": str(record)},
             capture_output=True,
             text=True,
             timeout=600,
@@ -166,15 +182,35 @@ class Fleet:
         lines = record.read_text().splitlines() if record.exists() else []
         return Play(proc.returncode, proc.stdout + proc.stderr, [json.loads(line) for line in lines])
 
-    def playbook(self, playbook: str, *args: str) -> Play:
+    def playbook(self, playbook: str, *args: str, inventory: Path | None = None) -> Play:
         return self._run(
-            [str(BIN / "ansible-playbook"), "-i", str(self.inventory), str(ROOT / playbook), *args]
+            [
+                str(BIN / "ansible-playbook"),
+                "-i",
+                str(inventory or self.inventory),
+                str(ROOT / playbook),
+                *args,
+            ]
         )
 
-    def adhoc(self, module: str, module_args: str) -> Play:
-        return self._run(
-            [str(BIN / "ansible"), "all", "-i", str(self.inventory), "-m", module, "-a", module_args]
+    def adhoc(self, module: str, module_args: str, *args: str, host: Host | None = None) -> Play:
+        """``ansible`` on every host, or on ``host`` alone with its state directory (a module run by
+        the local connection inherits the controller's environment)."""
+        where, environ = (
+            ("all", None) if host is None else (host.name, {"SAFEINSTALL_STATE_DIR": str(host.state)})
         )
+        argv = [
+            str(BIN / "ansible"),
+            where,
+            "-i",
+            str(self.inventory),
+            "-m",
+            module,
+            "-a",
+            module_args,
+            *args,
+        ]
+        return self._run(argv, environ)
 
     def main_pids(self) -> dict[str, int]:
         return {h.name: self.manager.main_pid(h.unit) for h in self.hosts}
@@ -265,6 +301,24 @@ def fleet(
         units.cleanup()
 
 
+def _environment_status(host: Host) -> dict[str, Any]:
+    """safeinstall's own ``--status`` of the host's environment (its journal, its prepared run)."""
+    proc = subprocess.run(
+        [str(BIN / "safeinstall"), "--status", "--json", "--python", str(host.python)],
+        env={**os.environ, "SAFEINSTALL_STATE_DIR": str(host.state)},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (environment,) = json.loads(proc.stdout)["data"]["environments"]
+    return dict(environment)
+
+
+PREPARE = "Prepare (checks"
+COMMIT = "Commit the prepared run"
+
+
 def test_check_mode_changes_nothing_and_reports_what_would_change(fleet: Fleet) -> None:
     before = {h.name: (h.version(), h.state_files()) for h in fleet.hosts}
     pids = fleet.main_pids()
@@ -273,11 +327,12 @@ def test_check_mode_changes_nothing_and_reports_what_would_change(fleet: Fleet) 
 
     assert play.code == 0, play.output
     for host in fleet.hosts:
-        task = play.of(host.name, "Reinstall")
+        task = play.of(host.name, PREPARE)
         result = task["result"]
         assert task["outcome"] == "ok" and result["changed"] is True, result
         assert result["rc"] == 0 and result["status"] == "would-proceed"
         assert result["result"]["command"] == "dry-run" and "--dry-run" in result["cmd"]
+        assert "--prepare" not in result["cmd"]  # a dry-run of the whole run: nothing is prepared
         new = "3.0" if host.wheel == fleet["host2"].wheel else "2.0"
         assert f"would reinstall sicext {host.version()} -> {new}; restarts {host.unit}" == result["msg"]
         diff = result["diff"]
@@ -286,6 +341,8 @@ def test_check_mode_changes_nothing_and_reports_what_would_change(fleet: Fleet) 
             == f"sicext {host.version()}\nunit {host.unit}: active, main PID {pids[host.name]}\n"
         )
         assert diff["after"] == f"sicext {new}\nunit {host.unit}: restarted\n"
+        assert play.of(host.name, "Discard the prepared run when")["outcome"] == "skipped"
+        assert play.of(host.name, COMMIT)["outcome"] == "skipped"  # nothing prepared to commit
         assert play.of(host.name, "The service answers")["outcome"] == "skipped"
     assert f"+unit {fleet['host1'].unit}: restarted" in play.output  # --diff shows it
     assert {h.name: (h.version(), h.state_files()) for h in fleet.hosts} == before
@@ -293,24 +350,46 @@ def test_check_mode_changes_nothing_and_reports_what_would_change(fleet: Fleet) 
     assert fleet.main_pids() == pids
 
 
-def test_rolling_upgrade_stops_at_the_first_host_that_fails(fleet: Fleet) -> None:
+def test_rolling_upgrade_prepares_every_host_at_once_then_commits_until_one_fails(fleet: Fleet) -> None:
+    """Issue 47: every host prepared side by side before the first stop; commits one at a time; host2's
+    commit rolls back, which stops the play; host3's prepared run is discarded, its unit untouched."""
     host1, host2, host3 = fleet.hosts
     pids = fleet.main_pids()
-    host3_state = host3.state_files()
 
     play = fleet.playbook("examples/rolling-upgrade.yml", "--diff")
 
     assert play.code != 0, play.output
-    # host1: upgraded, restarted, healthy
-    done = play.of("host1", "Reinstall")["result"]
+    # the prepares: on every host, nothing stopped, each unit still on its first main PID
+    for host in fleet.hosts:
+        prepared = play.of(host.name, PREPARE)
+        result = prepared["result"]
+        assert prepared["outcome"] == "ok" and result["changed"] is True, result
+        assert result["rc"] == 0 and result["status"] == "prepared" and "--prepare" in result["cmd"]
+        assert result["result"]["command"] == "reinstall" and result["result"]["status"] == "prepared"
+        new = "3.0" if host is host2 else "2.0"
+        assert (
+            result["msg"] == f"prepared sicext 1.0 -> {new}; nothing stopped; the commit restarts {host.unit}"
+        )
+        (unit,) = result["result"]["data"]["plan"]["units"]
+        assert (unit["name"], unit["main_pid"]) == (host.unit, pids[host.name])
+        assert "stop" not in [s["name"] for s in result["result"]["data"]["steps"]]
+    # side by side: every prepare started before any ended; all ended before the first commit began
+    starts = [play.index(h.name, PREPARE, "started") for h in fleet.hosts]
+    ends = [play.index(h.name, PREPARE, "ended") for h in fleet.hosts]
+    assert max(starts) < min(ends), play.events
+    assert max(ends) < play.index("host1", COMMIT, "started")
+    # host1: committed, restarted, healthy
+    done = play.of("host1", COMMIT)["result"]
     assert done["changed"] is True and done["rc"] == 0 and done["status"] == "done", done
-    assert done["result"]["command"] == "reinstall" and [s["status"] for s in done["result"]["data"]["steps"]]
+    assert "--commit" in done["cmd"] and done["result"]["command"] == "reinstall"
+    steps = [s["name"] for s in done["result"]["data"]["steps"]]
+    assert steps[0] == "gate" and "stop" in steps and "smoke" not in steps  # the window and after only
     assert done["msg"] == f"reinstalled sicext 1.0 -> 2.0; restarted {host1.unit}"
     assert done["diff"]["after"] == f"sicext 2.0\nunit {host1.unit}: restarted\n"
     assert host1.version() == "2.0" and fleet.manager.main_pid(host1.unit) != pids["host1"]
     assert play.of("host1", "The service answers")["result"]["content"] == "2.0"
-    # host2: its wheel crashes the service, so safeinstall put 1.0 back and the play failed there
-    failed = play.of("host2", "Reinstall")
+    # host2: its wheel crashes the service, so safeinstall put 1.0 back and the play stopped there
+    failed = play.of("host2", COMMIT)
     assert failed["outcome"] == "failed", failed
     assert failed["result"]["rc"] == 3 and failed["result"]["status"] == "rolled-back"
     assert failed["result"]["msg"].startswith("rolled back: ") and host2.unit in failed["result"]["msg"]
@@ -319,14 +398,106 @@ def test_rolling_upgrade_stops_at_the_first_host_that_fails(fleet: Fleet) -> Non
     fleet.manager.wait_active(host2.unit)
     wait_until(lambda: _answers(host2.port), 15, "host2 serving again")
     assert _health(host2.port) == "1.0"
-    # each run kept its backup in its own host's state directory
-    assert [len(list(h.state.glob("*/backups/*"))) for h in (host1, host2)] == [1, 1]
+    assert play.of("host2", "Stop the rolling upgrade")["outcome"] == "failed"
     assert not any(r["host"] == "host2" and r["task"].startswith("The service") for r in play.results)
-    # host3: never touched
-    assert "host3" not in play.hosts()
+    # the rescue discarded, once, on every host not committed: host2's run went with its rollback
+    discard = play.of("host2", "Discard the prepared runs")["result"]["results"]
+    assert [(d["item"], d["status"], d["changed"]) for d in discard] == [
+        ("host2", "not-prepared", False),
+        ("host3", "discarded", True),
+    ]
+    assert discard[1]["msg"].startswith("discarded the prepared run ") and "1.0 -> 2.0" in discard[1]["msg"]
+    # host3: prepared, never committed, its prepared run discarded: its unit untouched, nothing left
+    assert not any(r["host"] == "host3" and r["task"].startswith(COMMIT) for r in play.events)
     assert host3.version() == "1.0" and fleet.manager.main_pid(host3.unit) == pids["host3"]
-    assert host3.state_files() == host3_state
+    for host in fleet.hosts:
+        status = _environment_status(host)
+        assert status["prepared"] is None and status["journal_phase"] is None, status
+        assert not status["needs_recovery"] and not status["running"]
     assert all(h.staged() == [] for h in fleet.hosts)
+
+
+def test_a_host_that_cannot_prepare_stops_the_upgrade_before_any_commit(fleet: Fleet) -> None:
+    """host2's environment is gone: its prepare fails, the other hosts discard theirs, nothing commits."""
+    pids = fleet.main_pids()
+    versions = {h.name: h.version() for h in fleet.hosts}
+    inventory = json.loads(fleet.inventory.read_text())
+    inventory["all"]["hosts"]["host2"]["safeinstall_python"] = str(fleet.base / "host2" / "gone" / "python")
+    broken = fleet.base / "inventory-host2-gone.json"
+    broken.write_text(json.dumps(inventory))
+
+    play = fleet.playbook("examples/rolling-upgrade.yml", inventory=broken)
+
+    assert play.code != 0, play.output
+    failed = play.of("host2", PREPARE)
+    assert failed["outcome"] == "failed" and failed["result"]["changed"] is False, failed
+    for name in ("host1", "host3"):
+        assert play.of(name, PREPARE)["result"]["status"] == "prepared"
+        discarded = play.of(name, "Discard the prepared run when")["result"]
+        assert (discarded["status"], discarded["changed"], discarded["rc"]) == ("discarded", True, 0), (
+            discarded
+        )
+        stop = play.of(name, "Stop before any commit")
+        assert stop["outcome"] == "failed" and "host2 failed" in stop["result"]["msg"], stop
+    assert not any(e["task"].startswith(COMMIT) for e in play.events)
+    assert fleet.main_pids() == pids and {h.name: h.version() for h in fleet.hosts} == versions
+    for host in fleet.hosts:
+        status = _environment_status(host)
+        assert status["prepared"] is None and status["journal_phase"] is None, status
+    assert all(h.staged() == [] for h in fleet.hosts)
+
+
+def test_a_commit_refused_for_a_change_since_the_prepare_leaves_the_run_to_discard(fleet: Fleet) -> None:
+    """The module's phases one by one on host3: a file of the package changed after the prepare, so the
+    commit exits 2 (failed, not changed, the unit untouched) and the run stays prepared; a commit naming
+    another package is refused before anything runs; the discard drops it (in check mode, says it would)."""
+    host3 = fleet["host3"]
+    pid = fleet.manager.main_pid(host3.unit)
+    common = f"name=sicext python={host3.python} user=true"
+    reinstall = "safeinstall.fleet.reinstall"
+
+    prepared = fleet.adhoc(reinstall, f"phase=prepare wheel={host3.wheel} {common}", host=host3)
+    assert prepared.results[0]["result"]["status"] == "prepared", prepared.output
+    changed = host3.site / "sicext" / "serve.py"
+    original = changed.read_bytes()
+    changed.write_bytes(original + b"# changed after the prepare\n")
+    try:
+        commit = fleet.adhoc(reinstall, f"phase=commit settle=1 {common}", host=host3)
+    finally:
+        changed.write_bytes(original)
+    other = fleet.adhoc(reinstall, f"phase=commit name=markupsafe python={host3.python}", host=host3)
+    check = fleet.adhoc(reinstall, f"phase=discard {common}", "--check", host=host3)
+    discard = fleet.adhoc(reinstall, f"phase=discard {common}", host=host3)
+
+    (refused,) = commit.results
+    assert refused["outcome"] == "failed", commit.output
+    result = refused["result"]
+    assert (result["rc"], result["changed"], result["status"]) == (2, False, "error"), result
+    assert result["msg"].startswith("refused, nothing changed: ") and "serve.py" in result["msg"]
+    assert fleet.manager.main_pid(host3.unit) == pid and host3.version() == "1.0"
+    (guarded,) = other.results
+    assert guarded["outcome"] == "failed" and guarded["result"]["cmd"][-2:] == [
+        "--json",
+        f"--python={host3.python}",
+    ]
+    assert guarded["result"]["msg"].endswith("is of sicext, not markupsafe"), guarded
+    (would,) = check.results
+    assert (would["outcome"], would["result"]["changed"], would["result"]["status"]) == (
+        "ok",
+        True,
+        "prepared",
+    )
+    assert would["result"]["msg"].startswith("would discard the prepared run ")
+    (dropped,) = discard.results
+    assert (dropped["result"]["changed"], dropped["result"]["status"], dropped["result"]["rc"]) == (
+        True,
+        "discarded",
+        0,
+    )
+    assert "--discard" in dropped["result"]["cmd"]
+    status = _environment_status(host3)
+    assert status["prepared"] is None and status["journal_phase"] is None, status
+    assert fleet.manager.main_pid(host3.unit) == pid
 
 
 def test_verify_reports_a_patched_file_on_one_host_only(fleet: Fleet) -> None:
@@ -565,6 +736,106 @@ def test_the_exit_codes_map_to_failed_and_changed() -> None:
     assert (
         missing.failed
         and missing.msg == "safeinstall exited 127 without a --json result: safeinstall: not found"
+    )
+
+
+def test_each_phase_has_its_command_line_and_refuses_what_another_phase_takes() -> None:
+    from ansible_collections.safeinstall.fleet.plugins.module_utils.cli import CommandError, phase_argv
+
+    base: dict[str, Any] = {"name": "vllm", "python": "/opt/v", "user": True}
+    prepare = {**base, "phase": "prepare", "wheel": "/w/vllm.whl", "no_smoke": True, "keep_backups": 2}
+    assert phase_argv(["si"], prepare, check_mode=False) == [
+        "si", "vllm", "--json", "--yes", "--prepare", "--python=/opt/v", "--wheel=/w/vllm.whl",
+        "--keep-backups=2", "--user", "--no-smoke",
+    ]  # fmt: skip
+    dry = phase_argv(["si"], prepare, check_mode=True)
+    assert "--dry-run" in dry and "--prepare" not in dry  # a prepare's check: the run's dry-run
+    window = {"settle": 1.0, "health_url": "http://h/health", "stop_timeout": 30.0, "prepared_max_age": 60.0}
+    commit = {**base, "phase": "commit", **window}
+    assert phase_argv(["si"], commit, check_mode=False) == [
+        "si",
+        "--commit",
+        "--json",
+        "--yes",
+        "--python=/opt/v",
+        "--stop-timeout=30",
+        "--settle=1",
+        "--prepared-max-age=60",
+        "--user",
+    ]  # fmt: skip  (the health URL goes in the environment, as for a run)
+    assert phase_argv(["si"], {**base, "phase": "discard"}, check_mode=False) == [
+        "si", "--discard", "--json", "--python=/opt/v",
+    ]  # fmt: skip
+    refused = [
+        ({**prepare, "settle": 1.0}, "phase=prepare does not take settle: they are the window's"),
+        ({**prepare, "undo": True}, "phase=prepare does not take undo"),
+        ({**commit, "wheel": "/w/x.whl", "no_smoke": True}, "does not take wheel, no_smoke: the prepare"),
+        ({**base, "phase": "discard", "requirement": "vllm==1"}, "phase=discard does not take requirement"),
+        ({**base, "phase": "discard", "health_url": "http://h"}, "does not take health_url: nothing is"),
+        ({**base, "phase": "run", "prepared_max_age": 1.0}, "prepared_max_age goes with phase=commit"),
+        ({**base, "phase": "commit", "name": "--all"}, "is not a distribution name"),
+    ]
+    for params, problem in refused:
+        with pytest.raises(CommandError, match=re.escape(problem)):
+            phase_argv(["si"], params, check_mode=False)
+
+
+def test_a_prepare_a_commit_and_a_discard_map_to_changed_and_failed() -> None:
+    from ansible_collections.safeinstall.fleet.plugins.module_utils.cli import (
+        Prepared,
+        phase_outcome,
+        prepared_of,
+        prepared_problem,
+    )
+
+    plan = {"distributions": [{"name": "vllm", "old_version": "1", "new_version": "2"}],
+            "units": [{"name": "v.service"}]}  # fmt: skip
+
+    def envelope(code: int, status: str, data: Any, errors: Any = ()) -> dict[str, Any]:
+        return {"safeinstall_result_version": 1, "command": "reinstall", "status": status, "exit_code": code,
+                "data": data, "errors": list(errors)}  # fmt: skip
+
+    prepared = phase_outcome("prepare", 0, envelope(0, "prepared", {"plan": plan}), "", False)
+    assert (prepared.failed, prepared.changed, prepared.status) == (False, True, "prepared")
+    assert prepared.msg == "prepared vllm 1 -> 2; nothing stopped; the commit restarts v.service"
+    changed = {
+        "code": "prepared-changed",
+        "message": "the file x changed since the prepare",
+        "hint": "discard",
+    }
+    refused = phase_outcome("commit", 2, envelope(2, "error", None, [changed]), "", False)
+    assert (refused.failed, refused.changed) == (True, False)
+    assert refused.msg == "refused, nothing changed: the file x changed since the prepare (hint: discard)"
+    lost = {"code": "rolled-back", "message": "v.service did not start"}
+    rolled = phase_outcome("commit", 3, envelope(3, "rolled-back", {"plan": plan}, [lost]), "", False)
+    assert (rolled.failed, rolled.changed, rolled.status) == (True, True, "rolled-back")
+    done = phase_outcome("commit", 0, envelope(0, "done", {"plan": plan}), "", False)
+    assert (done.failed, done.changed, done.msg) == (
+        False,
+        True,
+        "reinstalled vllm 1 -> 2; restarted v.service",
+    )
+    discarded = {"discarded": {"run_id": "r1", "changes": ["vllm 1 -> 2"]}}
+    dropped = phase_outcome(
+        "discard", 0, {**envelope(0, "discarded", discarded), "command": "discard"}, "", False
+    )
+    assert (dropped.failed, dropped.changed, dropped.msg) == (
+        False,
+        True,
+        "discarded the prepared run r1 (vllm 1 -> 2)",
+    )
+    several = {"code": "prepared-run", "message": "2 environments have a prepared run"}
+    assert phase_outcome("discard", 2, envelope(2, "error", None, [several]), "", False).failed
+    status = {"data": {"environments": [
+        {"package": "vllm", "prepared": {"run_id": "r1", "changes": ["vllm 1 -> 2"], "units": ["v.service"]}},
+        {"package": None, "prepared": None},
+    ]}}  # fmt: skip
+    (found,) = prepared_of(status)
+    assert found == Prepared("r1", "vllm", ("vllm 1 -> 2",), ("v.service",))
+    assert prepared_problem("VLLM", [found]) is None and prepared_problem(None, [found]) is None
+    assert prepared_problem("torch", [found]) == "the prepared run r1 is of vllm, not torch"
+    assert (
+        prepared_problem("vllm", [found, found]) == "2 environments have a prepared run: name one with python"
     )
 
 

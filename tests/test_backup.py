@@ -527,3 +527,20 @@ def test_a_restore_after_an_install_that_filled_the_disk_makes_its_room_first(
     assert result.ok, result
     assert not check_restored(backup, env.prefix)
     assert [d.version for d in find_distributions(env) if d.name == "sicext"] == ["1.0"]
+
+
+def test_a_manifest_is_read_as_every_state_file_is(tmp_path: Path) -> None:
+    """Issue 48: the manifest was read with ``read_bytes()``, following a link and without a bound.
+    Now it goes through the state directory's checked reader: a link is refused, never followed, by
+    the undo's and recovery's loader and by the plan's note of what the kept backups hold."""
+    from safeinstall.store.retention import kept_backups
+
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text(json.dumps({"files": [{"path": "a", "size": 5}]}))
+    backups = tmp_path / "backups"
+    linked = backups / "20261201T000000Z-1"
+    linked.mkdir(parents=True)
+    (linked / "manifest.json").symlink_to(elsewhere)
+    with pytest.raises(BackupError, match="symbolic link"):
+        load_backup(linked)
+    assert [(k.path.name, k.bytes) for k in kept_backups(backups)] == [("20261201T000000Z-1", 0)]

@@ -5,13 +5,15 @@ differ from their RECORD is said and fetched afresh. Real uv, real wheels, a cac
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from safeinstall.env import cachefill, verified
+from safeinstall.env import cachefill, inodes, verified
 from safeinstall.env.uvplan import UvChange
 from tests import wheelhouse
 from tests.wheelhouse import Wheelhouse
@@ -207,6 +209,7 @@ def test_a_clean_reinstall_from_roots_warm_cache_shares_no_inode_with_it(
     pristine = installed.read_bytes()
     said = clean_reinstall()
     assert f"unpacked wheel(s) copied from {cache}" in said and "changed copy" not in said, said
+    assert "hashed as the fill copied them, not read again" in said, said  # read once, not twice
     in_cache = cache_files()
     record = next(site.glob("sipure-2.0.dist-info")) / "RECORD"
     for line in record.read_text().splitlines():
@@ -225,6 +228,33 @@ def test_a_clean_reinstall_from_roots_warm_cache_shares_no_inode_with_it(
     said = clean_reinstall()
     assert "uv's cache holds a changed copy of sipure 2.0: `uv cache clean sipure`" in said, said
     assert installed.read_bytes() == pristine  # from the fresh copy, not the changed one
+
+
+def test_a_copy_hashed_as_the_fill_wrote_it_stands_for_that_inode_unchanged_and_nothing_else(
+    tmp_path: Path,
+) -> None:
+    """The fill hashes each copy as it writes it (one read, not two): the run's cache hash takes that
+    digest for the inode it wrote, with the size and mtime it left, without reading it; a copy changed
+    since (its mtime), or another inode at that path, is read and hashed."""
+    copy = tmp_path / "cache" / "archive-v0" / "id" / "m.py"
+    copy.parent.mkdir(parents=True)
+    copy.write_bytes(b"print(1)\n")
+    info = copy.stat()
+    key, claimed = (info.st_dev, info.st_ino), "A" * 43  # a digest the bytes do not have: was it read?
+    actual = base64.urlsafe_b64encode(hashlib.sha256(b"print(1)\n").digest()).rstrip(b"=").decode()
+    written = {str(copy): (claimed, info.st_size, info.st_ino, info.st_mtime_ns)}
+    taken = inodes.hash_cache(tmp_path / "cache", written=written)[key]
+    assert taken.digest == claimed and taken.hashed_ns > 0  # not read: as hashed when the fill wrote it
+    os.utime(copy, ns=(info.st_atime_ns, info.st_mtime_ns + 10**9))  # changed since the fill wrote it
+    assert inodes.hash_cache(tmp_path / "cache", written=written)[key].digest == actual
+    other = copy.with_name("other")
+    other.write_bytes(b"print(1)\n")
+    os.utime(other, ns=(info.st_atime_ns, info.st_mtime_ns))
+    other.rename(copy)  # another inode at that path (made while the first lived: never its number)
+    again = copy.stat()
+    assert (
+        inodes.hash_cache(tmp_path / "cache", written=written)[(again.st_dev, again.st_ino)].digest == actual
+    )
 
 
 def test_a_kept_hash_stands_for_a_root_only_inode_whose_links_changed_and_for_nothing_else(

@@ -325,7 +325,13 @@ def test_help_groups_the_options_by_command() -> None:
         "--commit",
         "--discard",
     ]
-    assert options["--verify-only"].split() == ["--all", "--full", "--diff", "--save-patch"]
+    assert options["--verify-only"].split() == [
+        "--all",
+        "--full",
+        "--acknowledge-wheel-faults",
+        "--diff",
+        "--save-patch",
+    ]
     assert options["--status"].split() == ["--wait", "--run"]
     assert "--settle" in options["A run (reinstall, --undo; shown by --dry-run, --detach)"]
     assert options["Local patches (a run)"].split() == [

@@ -24,7 +24,20 @@ from safeinstall.system.gate import gate_dropin_text
 from tests import wheelhouse
 from tests.bed_nvml import FakeNvml
 from tests.bed_systemd import UserManager, wait_until
-from tests.beds import Bed, DiskWriter, ServiceAccountBed, fill_disk, full_disk_bed, hidden_tool
+from tests.beds import (
+    FULL_DISK_KINDS,
+    FULL_DISK_LEAVE_KIB,
+    FULL_DISK_MODES,
+    Bed,
+    DiskWriter,
+    ServiceAccountBed,
+    fill_disk,
+    full_disk_bed,
+    full_disk_wheels,
+    hidden_tool,
+    mode_args,
+)
+from tests.clirun import run
 from tests.wheelhouse import Wheelhouse
 
 #: a unit whose start takes a second before its main process runs: a window to kill the run in while
@@ -560,9 +573,111 @@ def test_the_room_check_counts_no_room_freed_by_old_files_shared_with_a_uv_cache
         bed.cleanup()
 
 
-@pytest.mark.parametrize("leave_kib", [0, 124, 400])
-@pytest.mark.parametrize("mode", ["swap", "no-swap"])
-@pytest.mark.parametrize("kind", ["root", "account"])
+@pytest.mark.parametrize("kind", FULL_DISK_KINDS)
+def test_one_filesystem_for_the_state_and_the_environment_is_one_sum_of_room(
+    wheels: Wheelhouse,
+    tmp_path: Path,
+    user_manager: UserManager,
+    fake_nvml: FakeNvml,
+    small_disk: Callable[..., Path],
+    open_dir: Path,
+    kind: str,
+) -> None:
+    """Issue 44: the state directory and the environment on one filesystem, and uv told to copy
+    (``--link-mode copy``): the run's cache (the new version unpacked, 12 MiB) and the install's copy
+    of it (12 MiB more) are there at once. Each was checked on its own against the same free room
+    (18 MiB: each fits), the unit was stopped and the install failed in the window; now the sum is
+    checked, and the run is refused before the stop with the figures. Root's environment, and an
+    account's (whose backup is a copy: counted)."""
+    new = _with_blob(wheels["sicext-2"], tmp_path / "new", 12)
+    if kind == "root":
+        disk = small_disk(96)
+        python = wheelhouse.make_venv(disk / "venv")
+        wheelhouse.uv_install(python, wheels["sicext-1"])
+        bed = Bed(python, disk / "state", user_manager, fake_nvml, wheels)
+    else:
+        disk = small_disk(96, open_dir)
+        bed = ServiceAccountBed(disk, disk / "state", user_manager, fake_nvml, wheels)
+    try:
+        name = bed.unit("one-disk")
+        fill_disk(disk, new.stat().st_size + (18 << 20))  # the run's copy of the wheel, and 18 MiB
+        result = bed.cli(
+            "sicext", "--wheel", str(new), "--settle", "0.3", "--yes", "--", "--link-mode", "copy"
+        )
+        said = result.stdout + result.stderr
+        assert result.code == 2, said
+        assert f"the backup, the run's uv cache and the install of {new.name} needs" in result.stderr, said
+        assert "one filesystem holds the state directory and the environment" in result.stderr, said
+        assert "the install (copied) 12.1 MiB" in result.stderr, said
+        assert bed.version() == "1.0" and bed.manager.active_state(name) == "active"
+        (disk / "filler").unlink()
+        bed.no_trace()
+    finally:
+        bed.cleanup()
+
+
+def test_kept_backups_that_take_the_room_are_named_with_the_command_that_drops_them(
+    wheels: Wheelhouse,
+    tmp_path: Path,
+    user_manager: UserManager,
+    fake_nvml: FakeNvml,
+    small_disk: Callable[[int], Path],
+) -> None:
+    """Issue 44: kept backups (``--keep-backups 3``: 13 GB of an account's vLLM environment) took the
+    room a later run needed, and its refusal said only "free some space". The plan (human and
+    ``--json``) says what they hold; a refusal for room names the oldest ones whose removal makes the
+    room, and the exact command for each (``--forget --run``), which drops that backup alone; the run
+    then goes through."""
+    disk = small_disk(64)
+    versions = {
+        "1.0": _with_blob(wheels["sicext-1"], tmp_path / "old", 4),
+        "2.0": _with_blob(wheels["sicext-2"], tmp_path / "new", 4),
+    }
+    python = wheelhouse.make_venv(disk / "venv")
+    wheelhouse.uv_install(python, versions["1.0"])
+    bed = Bed(python, disk / "state", user_manager, fake_nvml, wheels)
+    prefix = str(python.parent.parent)
+    try:
+        name = bed.unit("kept")
+        for target in ("2.0", "1.0"):  # two good runs: two kept backups of 4 MiB each
+            done = bed.cli(
+                "sicext", "--wheel", str(versions[target]), "--settle", "0.3", "--yes", "--no-smoke"
+            )
+            assert done.code == 0, done.stdout + done.stderr
+        kept = sorted(p.name for p in bed.state.glob("*/backups/*"))
+        assert len(kept) == 2, kept
+        fill_disk(disk, versions["2.0"].stat().st_size + (2 << 20))  # the wheel's copy, and 2 MiB
+        args = ("sicext", "--wheel", str(versions["2.0"]), "--settle", "0.3", "--yes", "--no-smoke")
+        refused = bed.cli(*args)
+        said = refused.stdout + refused.stderr
+        assert refused.code == 2, said
+        assert "the 2 kept backup(s) of this environment hold 8." in refused.stderr, (
+            said
+        )  # the plan's, the refusal's
+        command = f"safeinstall --forget --python {prefix} --run {kept[0]}"
+        assert f"dropping {kept[0]} (4.0 MiB) makes the room: {command}" in refused.stderr, said
+        assert kept[1] not in refused.stderr.split("makes the room")[1], said
+        assert bed.version() == "1.0" and bed.manager.active_state(name) == "active"
+        plan = bed.cli(*args[:3], "--dry-run", "--json").json["data"]
+        assert [(k["run_id"], k["bytes"] >= 4 << 20) for k in plan["kept_backups"]] == [
+            (k, True) for k in kept
+        ]
+        forgot = run(*command.split()[1:], env=bed.environ())
+        assert forgot.code == 0, forgot.stdout + forgot.stderr
+        assert f"forgot the backup of run {kept[0]} of {prefix}" in forgot.stdout, forgot.stdout
+        assert sorted(p.name for p in bed.state.glob("*/backups/*")) == kept[1:]
+        again = bed.cli(*args)
+        assert again.code == 0, again.stdout + again.stderr
+        assert bed.version() == "2.0"
+        (disk / "filler").unlink()
+        bed.no_trace()
+    finally:
+        bed.cleanup()
+
+
+@pytest.mark.parametrize("leave_kib", FULL_DISK_LEAVE_KIB)
+@pytest.mark.parametrize("mode", FULL_DISK_MODES)
+@pytest.mark.parametrize("kind", FULL_DISK_KINDS)
 def test_a_disk_full_before_the_run_is_refused_or_ends_with_a_whole_version_running(
     wheels: Wheelhouse,
     tmp_path: Path,
@@ -580,19 +695,19 @@ def test_a_disk_full_before_the_run_is_refused_or_ends_with_a_whole_version_runn
     unit was stopped, uv failed (ENOSPC), the restore failed too (exit 4, the unit down). Now the run is
     refused before the stop (exit 2), or ends 0 or 3 with the unit running one whole, verified version,
     for a root-owned and an account's environment, with the swap and with ``--no-swap``."""
-    old = _with_blob(wheels["sicext-1"], open_dir / "old", 4)  # the account reads it
-    bigger = {"sicext/blob.bin": os.urandom((4 << 20) + (128 << 10))}  # 128 KiB more than the old one
-    new = wheelhouse.rebuilt(wheels["sicext-2"], tmp_path / "new", bigger, deflate=False)
+    versions = full_disk_wheels(wheels, open_dir)  # the account reads them
+    new = versions["2.0"]
     bed = full_disk_bed(
-        kind, old, wheels, tmp_path, user_manager, fake_nvml, small_disk, open_dir, open_state
+        kind, versions["1.0"], wheels, tmp_path, user_manager, fake_nvml, small_disk, open_dir, open_state
     )
     disk = bed.python.parent.parent.parent
     try:
         before = bed.snapshot()
         name = bed.unit("full")
         fill_disk(disk, leave_kib << 10)
-        extra = ("--no-swap",) if mode == "no-swap" else ()
-        result = bed.cli("sicext", "--wheel", str(new), "--settle", "0.3", "--yes", "--no-smoke", *extra)
+        result = bed.cli(
+            "sicext", "--wheel", str(new), "--settle", "0.3", "--yes", "--no-smoke", *mode_args(mode)
+        )
         said = result.stdout + result.stderr
         assert result.code in (0, 2, 3), said
         assert "Traceback" not in said and "internal error" not in said, said
@@ -610,8 +725,8 @@ def test_a_disk_full_before_the_run_is_refused_or_ends_with_a_whole_version_runn
         bed.cleanup()
 
 
-@pytest.mark.parametrize("mode", ["swap", "no-swap"])
-@pytest.mark.parametrize("kind", ["root", "account"])
+@pytest.mark.parametrize("mode", FULL_DISK_MODES)
+@pytest.mark.parametrize("kind", FULL_DISK_KINDS)
 def test_a_disk_filled_during_the_install_ends_with_a_whole_version_running(
     wheels: Wheelhouse,
     tmp_path: Path,
@@ -630,19 +745,17 @@ def test_a_disk_filled_during_the_install_ends_with_a_whole_version_running(
     before the stop) the run keeps links of every old file, so the uninstall frees nothing and the
     restore needs no room: exit 0 (the swap needs none either) or 3, the unit running one whole version.
     In an account's environment the account's worker keeps the links, and the restore checks them."""
-    old = _with_blob(wheels["sicext-1"], open_dir / "old", 4)  # the account reads it
-    bigger = {"sicext/blob.bin": os.urandom((4 << 20) + (128 << 10))}
-    new = wheelhouse.rebuilt(wheels["sicext-2"], tmp_path / "new", bigger, deflate=False)
+    versions = full_disk_wheels(wheels, open_dir)  # the account reads them
+    new = versions["2.0"]
     bed = full_disk_bed(
-        kind, old, wheels, tmp_path, user_manager, fake_nvml, small_disk, open_dir, open_state
+        kind, versions["1.0"], wheels, tmp_path, user_manager, fake_nvml, small_disk, open_dir, open_state
     )
     disk = bed.python.parent.parent.parent
     try:
         before = bed.snapshot()
         name = bed.unit("writer")
         bed.hold_gpu(name, 2.0, "fc")  # the GPU is released 2 s after the stop: the writer's moment
-        extra = ("--no-swap",) if mode == "no-swap" else ()
-        proc = bed.start_run("sicext", "--wheel", str(new), "--settle", "0.3", "--no-smoke", *extra)
+        proc = bed.start_run("sicext", "--wheel", str(new), "--settle", "0.3", "--no-smoke", *mode_args(mode))
         try:
             bed.wait_phase(proc, "stopped")
             with DiskWriter(disk):

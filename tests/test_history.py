@@ -133,8 +133,16 @@ def test_status_lists_finished_runs_and_gone_environments_and_forget_removes_onl
 
     forgotten = run("--forget", "--json", env=environ)
     assert forgotten.code == 0, forgotten.stdout + forgotten.stderr
-    assert forgotten.json["data"]["forgotten"] == [{"prefix": str(gone_prefix), "state_dir": str(gone.dir)}]
+    assert forgotten.json["data"]["forgotten"] == [
+        {"prefix": str(gone_prefix), "state_dir": str(gone.dir), "run_id": None}
+    ]
     assert not gone.dir.exists() and live.dir.is_dir() and outside.is_dir()
+    # --forget --run drops one kept backup: only a run id, only one that is there (issue 44)
+    bad = run("--forget", "--python", str(live_prefix), "--run", "../..", env=environ)
+    assert bad.code == 2 and "is not a run id" in bad.stderr, bad.stderr
+    missing = run("--forget", "--python", str(live_prefix), "--run", older, env=environ)
+    assert missing.code == 2 and f"keeps no backup of run {older}" in missing.stderr, missing.stderr
+    assert live.dir.is_dir() and outside.is_dir()
     assert run("--forget", env=environ).stdout.startswith("nothing to forget")
     unknown = run("--forget", "--python", str(tmp_path / "never"), env=environ)
     assert unknown.code == 2 and "error: no safeinstall state for" in unknown.stderr

@@ -42,11 +42,19 @@ def test_verify_envelope_shape(venv: Path, wheels: Wheelhouse) -> None:
         "files_checked",
         "against",
         "drift",
+        "wheel_fault",
         "site",
         "from_base",
         "system_package",
     }
-    assert set(doc["data"]["summary"]) == {"distributions", "files_checked", "drift", "warnings"}
+    assert set(doc["data"]["summary"]) == {
+        "distributions",
+        "files_checked",
+        "drift",
+        "wheel_faults",
+        "warnings",
+        "bytecode",
+    }
 
 
 def test_status_and_recover_with_nothing_to_do(tmp_path: Path) -> None:

@@ -72,13 +72,24 @@ def test_forget_refuses_an_environment_whose_run_did_not_finish_or_is_running(tm
         assert crashed.journal.is_file() and saved.read_text() == "the old version, only here now\n"
     human = run("--forget", env=environ)
     assert human.code == 2 and "error: not forgetting" in human.stderr and "hint:" in human.stderr
+    # --forget --run (issue 44): not the backup of the run that did not finish either
+    one = run("--forget", "--python", str(gone_prefix), "--run", run_id, "--json", env=environ)
+    assert one.code == 2 and one.json["data"]["forgotten"] == [], one.stdout
+    assert (
+        "did not finish" in one.json["errors"][0]["message"] and "--recover" in one.json["errors"][0]["hint"]
+    )
+    assert saved.read_text() == "the old version, only here now\n"
 
     held = acquire_lock(running.lock, str(live_prefix))  # a run in progress (this process)
     try:
         busy = run("--forget", "--python", str(live_prefix), "--json", env=environ)
+        kept = running.backup_dir(run_id)
+        kept.mkdir(parents=True)
+        busy_one = run("--forget", "--python", str(live_prefix), "--run", run_id, "--json", env=environ)
     finally:
         held.release()
     assert busy.code == 2 and busy.json["data"]["forgotten"] == [], busy.stdout
+    assert busy_one.code == 2 and busy_one.json["data"]["forgotten"] == [] and kept.is_dir(), busy_one.stdout
     assert running.dir.is_dir() and crashed.dir.is_dir()
 
 

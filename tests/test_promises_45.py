@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -1111,32 +1111,6 @@ def test_an_accounts_run_puts_back_a_late_file_in_a_directory_the_new_version_dr
     assert late.parent.stat().st_uid == NOBODY
     assert not list(account.python.parent.parent.glob(".safeinstall-*"))
     assert account.version() == "2.0" and account.manager.active_state(name) == "active"
-
-
-def test_a_state_directory_too_small_for_the_next_backup_names_the_oldest_kept_one(
-    venv: Path, wheels: Wheelhouse, tmp_path: Path, small_disk: Callable[[int], Path]
-) -> None:
-    """docs/faults.md (issue 44): a state directory too small for the next backup names the oldest kept
-    backup, to drop (``rm -r``) or to lower ``--keep-backups``; refused before anything is taken."""
-    from safeinstall.store.state import environment_key
-
-    wheelhouse.uv_install(venv, wheels["sipure-1"])
-    state = small_disk(16) / "state"
-    environ = {**os.environ, "SAFEINSTALL_STATE_DIR": str(state)}
-    kept = (
-        state / environment_key(Path(os.path.realpath(venv.parent.parent))) / "backups" / "20261201T000000Z-1"
-    )
-    kept.mkdir(mode=0o700, parents=True)  # a good run's backup, as its manifest says (3 KiB of it)
-    for directory in (state, *kept.parents[:2]):
-        directory.chmod(0o700 if directory != state else 0o755)
-    (kept / "manifest.json").write_text(json.dumps({"files": [{"path": "sipure/__init__.py", "size": 3072}]}))
-    big = wheelhouse.rebuilt(wheels["sipure-1"], tmp_path / "big", {"sipure/blob.bin": bytes(24 << 20)})
-    refused = run("sipure", "--python", str(venv), "--wheel", str(big), "--yes", env=environ)
-    assert refused.code == 2, refused.stdout + refused.stderr
-    said = " ".join(refused.stderr.split())
-    assert "the 1 kept backup(s) there hold" in said and f"the oldest, {kept} (" in said, said
-    assert "(rm -r it), or run with a lower --keep-backups" in said, said
-    assert list(state.glob("*/backups/*")) == [kept]
 
 
 #: A process /proc shows in ``D`` until it is SIGKILLed, which a stop's SIGTERM does not end: SIGTERM

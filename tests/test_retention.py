@@ -7,7 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from safeinstall.store.retention import backups_to_remove, is_run_id, kept_backups, kept_note, prune_backups
+from safeinstall.run.preflight import install_overhead, shared_room
+from safeinstall.store.retention import (
+    KeptBackup,
+    backups_to_drop,
+    backups_to_remove,
+    drop_said,
+    kept_backups,
+    kept_note,
+    prune_backups,
+)
+from safeinstall.store.state import is_run_id
 
 OLD, MID, NEW = "20261101T000000Z-7", "20261115T120000Z-99", "20261130T041125Z-19214"
 
@@ -15,6 +25,15 @@ OLD, MID, NEW = "20261101T000000Z-7", "20261115T120000Z-99", "20261130T041125Z-1
 def test_run_ids_are_recognised() -> None:
     assert is_run_id(NEW) and is_run_id(OLD)
     assert not any(map(is_run_id, ["notes", "20261130T041125Z", "20261130T041125Z-", "x20261130T041125Z-1"]))
+
+
+def test_a_run_id_has_one_shape_for_the_backups_too() -> None:
+    """Issue 48: retention had its own run-id pattern with an unbounded pid part; the one shape
+    (``store/state.is_run_id``, at most 10 digits, as the history and the baseline read it) holds here too:
+    a directory named otherwise is never counted, nor deleted."""
+    long = "20261130T041125Z-12345678901"
+    assert not is_run_id(long) and is_run_id(long[:-1])
+    assert backups_to_remove([long, NEW, OLD], keep=1, protected=()) == (OLD,)
 
 
 def test_the_newest_are_kept_and_the_rest_go_oldest_first() -> None:
@@ -80,3 +99,44 @@ def test_the_plan_says_what_the_kept_backups_hold(tmp_path: Path) -> None:
     note = kept_note(kept, 3)
     assert note is not None and "2 kept backup(s)" in note and "4.0 GiB" in note, note
     assert "the oldest, 20261201T000000Z-1, 3.0 GiB" in note, note
+
+
+def test_a_refusal_for_room_names_the_fewest_oldest_kept_backups_and_the_command(tmp_path: Path) -> None:
+    """Issue 44: a kept backup never makes a run refuse for room without saying which to drop: the
+    oldest first, as few as make the room, each with its ``--forget --run`` command; the newest
+    (``--undo``'s way back) only where the older ones are not enough, and said so."""
+    kept = tuple(
+        KeptBackup(tmp_path / name, size)
+        for name, size in (
+            ("20261201T000000Z-1", 3 << 20),
+            ("20261202T000000Z-2", 2 << 20),
+            ("20261203T000000Z-3", 4 << 20),
+        )
+    )
+    assert backups_to_drop(kept, 0) == ()
+    assert backups_to_drop(kept, 3 << 20) == kept[:1]
+    assert backups_to_drop(kept, (3 << 20) + 1) == kept[:2]
+    assert backups_to_drop(kept, 10 << 20) is None
+    said = drop_said(kept, 4 << 20, "/opt/venv")
+    assert said == (
+        "the 3 kept backup(s) of this environment hold 9.0 MiB; dropping 20261201T000000Z-1 (3.0 MiB), "
+        "20261202T000000Z-2 (2.0 MiB) makes the room: "
+        "safeinstall --forget --python /opt/venv --run 20261201T000000Z-1 && "
+        "safeinstall --forget --python /opt/venv --run 20261202T000000Z-2"
+    ), said
+    assert "(the newest: --undo's way back) makes the room" in drop_said(kept, 8 << 20, "/v")
+    assert drop_said(kept, 10 << 20, "/v").endswith("even without them it would not fit")
+    assert drop_said((), 1, "/v") == ""
+
+
+def test_one_filesystem_sums_the_backup_the_run_cache_and_the_install() -> None:
+    """Issue 44: where the state directory shares the environment's filesystem, the backup's copies,
+    the run's cache and the install are there at once: one sum. The install hardlinks from the cache
+    (no room of its own) unless uv copies (``--link-mode copy``); without a wheel, only the backup."""
+    linked = shared_room(1 << 20, 12 << 20, "hardlink", True)
+    assert (linked.copied, linked.cache, linked.install) == (1 << 20, 12 << 20, 0)
+    assert linked.needed == (13 << 20) + install_overhead(12 << 20)
+    copied = shared_room(1 << 20, 12 << 20, "copy", True)
+    assert copied.needed == (25 << 20) + install_overhead(12 << 20)
+    assert "the install (copied) 12.0 MiB" in copied.said("")
+    assert shared_room(1 << 20, 0, "hardlink", False).needed == 1 << 20

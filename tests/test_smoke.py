@@ -33,9 +33,12 @@ from tests.beds import (
     UNIT_TEXT,
     Bed,
     ServiceAccountBed,
+    alive,
     chown_tree,
     maps_so,
+    running_with,
     shared_interpreter_or_skip,
+    smoke_escape_command,
 )
 from tests.clirun import Result
 
@@ -271,7 +274,7 @@ def test_a_kill_during_the_check_leaves_nothing_stopped(bed: Bed, tmp_path: Path
     finally:
         proc.wait()
         proc.communicate()
-    wait_until(lambda: not _alive(sleeper), 10, "the smoke command gone with the run")
+    wait_until(lambda: not alive(sleeper), 10, "the smoke command gone with the run")
     assert bed.manager.main_pid(unit) == main
     recovered = bed.cli("--recover", "--json")
     assert recovered.code == 0, recovered.stdout + recovered.stderr
@@ -285,14 +288,6 @@ def _command_of(pid: int) -> list[str]:
         return [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]]
     except OSError:
         return []
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_the_unit_environment_file_is_read_as_systemd_reads_it() -> None:
@@ -742,7 +737,7 @@ def test_a_sigterm_while_the_check_runs_beside_the_run_ends_it_and_stops_nothing
             proc.communicate()
     assert proc.returncode == 2, out + err
     assert "interrupted by SIGTERM" in out, out
-    assert not _alive(sleeper)
+    assert not alive(sleeper)
     assert bed.manager.main_pid(unit) == main and bed.version() == "1.0"
     bed.no_trace()
     assert _left_in_state(bed) == []
@@ -904,7 +899,11 @@ def test_what_the_units_command_runs_is_imported_before_the_stop(bed: Bed, tmp_p
     script = bed.service("smoke-script")  # sicext-serve: the console script
     module = bed.units.started("smoke-module", f"{bed.python} -m sicext.serve")
     other = bed.units.started("smoke-other", f"{bed.python} -m sicext.serve", Environment="SMOKE_OTHER=1")
-    mains = {unit: bed.manager.main_pid(unit) for unit in (script, module, other)}
+    # on another GPU: the check gives every child none, so this unit's child would be the module's own
+    gpu = bed.units.started(
+        "smoke-gpu", f"{bed.python} -m sicext.serve", Environment="CUDA_VISIBLE_DEVICES=1"
+    )
+    mains = {unit: bed.manager.main_pid(unit) for unit in (script, module, other, gpu)}
     result = bed.safeinstall("sicext", "--wheel", str(broken), "--settle", "0.5", "--json")
     assert result.code == 2, result.stdout + result.stderr
     assert "stop" not in [s["name"] for s in result.json["data"]["steps"]]
@@ -917,7 +916,40 @@ def test_what_the_units_command_runs_is_imported_before_the_stop(bed: Bed, tmp_p
     children = [line for line in log.splitlines() if "smoke: imports (" in line]
     assert len(children) == 1, children  # one child for both units, and none for the other after it
     assert script in children[0] and module in children[0] and other not in children[0], children
+    assert gpu in children[0], children  # what its check would see is the module's: the same child
     assert bed.version() == "1.0"
+
+
+def test_units_whose_check_sees_the_same_environment_share_one_child() -> None:
+    """Pure: the key the units' children are shared by is what the child sees of a unit's variables:
+    the ones every child is given whatever the unit says (no GPU, no bytecode written), ``PATH`` left
+    to systemd's default or named as it, the order, the ``PYTHON*`` ones under ``-E``/``-I``, and
+    ``PYTHONNOUSERSITE`` against ``-s``, make no other child; any other variable does."""
+    seen = smoke.seen_variables
+    env = smoke_environment()
+    base = [("A", "1"), ("PYTHONPATH", "/srv/lib")]
+    same = [
+        ([("CUDA_VISIBLE_DEVICES", "1"), *base, ("HIP_VISIBLE_DEVICES", "2")], ()),
+        ([*base[::-1], ("PATH", smoke.DEFAULT_PATH), ("PYTHONDONTWRITEBYTECODE", "0")], ()),
+    ]
+    for unit, flags in same:
+        assert seen(unit, flags) == seen(base), unit
+        assert child(env, unit, flags) == child(env, base), unit
+    assert seen([("PYTHONNOUSERSITE", "1")]) == seen([], ("-s",))
+    assert seen([("PYTHONPATH", "/x")], ("-I",)) == seen([], ("-I",))  # the flags are a key of their own
+    for other in ([*base, ("VLLM_USE_V1", "0")], [("A", "2"), base[1]], [base[0]], [*base, ("PATH", "/x")]):
+        assert seen(other) != seen(base), other
+        assert child(env, other, ()) != child(env, base), other
+
+
+def smoke_environment() -> Any:
+    """An environment as :func:`smoke.child_variables` reads it (its ``scripts`` only)."""
+    return dataclasses.make_dataclass("Env", [("scripts", Path)])(Path("/v/bin"))
+
+
+def child(env: Any, unit: list[tuple[str, str]], flags: tuple[str, ...] = ()) -> dict[str, str]:
+    """The child's whole environment for a unit's variables."""
+    return smoke.child_variables({}, ("svc", "/home/svc"), unit, env, Path("/shim"), [Path("/new")], flags)
 
 
 def test_what_a_units_command_runs_first_is_read_from_its_argv() -> None:
@@ -944,19 +976,6 @@ def test_what_a_units_command_runs_first_is_read_from_its_argv() -> None:
 # --- nothing the check started outlives it (issue 44) ----------------------------------------------------
 
 
-def _running_with(marker: str) -> list[int]:
-    """The processes whose command line holds ``marker``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if marker.encode() in (entry / "cmdline").read_bytes() and _alive(int(entry.name)):
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
-
-
 @pytest.mark.parametrize("kind", ["root", "account"])
 def test_what_the_check_started_in_a_session_of_its_own_never_outlives_it(
     request: pytest.FixtureRequest, kind: str
@@ -971,11 +990,7 @@ def test_what_the_check_started_in_a_session_of_its_own_never_outlives_it(
     else:
         bed.service("smoke-escape")
     marker = f"1000.{os.getpid()}"
-    detached = "</dev/null >/dev/null 2>&1 &"
-    command = (
-        f"setsid sleep {marker} {detached} "
-        f"setsid python -c 'import sicext, time; time.sleep({marker})' {detached} sleep 1; exit 0"
-    )
+    command = smoke_escape_command(marker)
     try:
         result = bed.safeinstall(
             "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json", "--smoke", command
@@ -983,9 +998,9 @@ def test_what_the_check_started_in_a_session_of_its_own_never_outlives_it(
         assert result.code == 0, result.stdout + result.stderr
         assert "rollback" not in [s["name"] for s in result.json["data"]["steps"]]
         assert bed.version() == "2.0"
-        assert _running_with(marker) == [], "a process the check started runs on"
+        assert running_with(marker) == [], "a process the check started runs on"
     finally:
-        for pid in _running_with(marker):
+        for pid in running_with(marker):
             os.kill(pid, signal.SIGKILL)
 
 

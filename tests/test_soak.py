@@ -31,10 +31,23 @@ from pathlib import Path
 import pytest
 
 from safeinstall.store.journal import PHASE_ORDER, Phase
-from tests import wheelhouse
 from tests.bed_nvml import FakeNvml
 from tests.bed_systemd import UserManager, wait_until
-from tests.beds import Bed, DiskWriter, ServiceAccountBed, fill_disk, full_disk_bed, hidden_tool
+from tests.beds import (
+    FULL_DISK_KINDS,
+    FULL_DISK_LEAVE_KIB,
+    FULL_DISK_MODES,
+    Bed,
+    DiskWriter,
+    ServiceAccountBed,
+    fill_disk,
+    full_disk_bed,
+    full_disk_wheels,
+    hidden_tool,
+    mode_args,
+    running_with,
+    smoke_escape_command,
+)
 from tests.clirun import run
 from tests.wheelhouse import Wheelhouse
 
@@ -180,7 +193,7 @@ def test_fault_soak_of_an_account_environment(account: ServiceAccountBed, tmp_pa
 WRITER_PHASES = ("gated", "stopping", "stopped", "gpu-released")
 
 
-@pytest.mark.parametrize("kind", ["root", "account"])
+@pytest.mark.parametrize("kind", FULL_DISK_KINDS)
 def test_disk_full_soak(
     kind: str,
     wheels: Wheelhouse,
@@ -203,12 +216,9 @@ def test_disk_full_soak(
     seed = int(os.environ.get("SAFEINSTALL_SOAK_SEED") or random.SystemRandom().randrange(2**32))
     print(f"disk-full soak ({kind}) seed {seed}, {trials} trials (replay: SAFEINSTALL_SOAK_SEED={seed})")
     rng = random.Random(seed)
-    old = wheelhouse.rebuilt(wheels["sicext-1"], open_dir / "old", {"sicext/blob.bin": os.urandom(4 << 20)})
-    bigger = {"sicext/blob.bin": os.urandom((4 << 20) + (128 << 10))}
-    new = wheelhouse.rebuilt(wheels["sicext-2"], open_dir / "new", bigger, deflate=False)
-    versions = {"1.0": old, "2.0": new}
+    versions = full_disk_wheels(wheels, open_dir)
     bed = full_disk_bed(
-        kind, old, wheels, tmp_path, user_manager, fake_nvml, small_disk, open_dir, open_state
+        kind, versions["1.0"], wheels, tmp_path, user_manager, fake_nvml, small_disk, open_dir, open_state
     )
     disk = bed.python.parent.parent.parent
     outcomes: collections.Counter[str] = collections.Counter()
@@ -217,14 +227,21 @@ def test_disk_full_soak(
         version = "1.0"
         for trial in range(trials):
             target = "2.0" if version == "1.0" else "1.0"
-            mode = rng.choice(("swap", "no-swap"))
+            mode = rng.choice(FULL_DISK_MODES)
             phase = rng.choice((None, *WRITER_PHASES))  # None: full before the run
-            leave = rng.randrange(0, 1024) << 10
+            leave = rng.choice((*FULL_DISK_LEAVE_KIB, rng.randrange(0, 1024))) << 10
             where = f"seed {seed} trial {trial}: {version} -> {target}, {mode}, " + (
                 f"full but {leave >> 10} KiB" if phase is None else f"a writer from {phase}"
             )
-            extra = ("--no-swap",) if mode == "no-swap" else ()
-            args = ("sicext", "--wheel", str(versions[target]), "--settle", "0.3", "--no-smoke", *extra)
+            args = (
+                "sicext",
+                "--wheel",
+                str(versions[target]),
+                "--settle",
+                "0.3",
+                "--no-smoke",
+                *mode_args(mode),
+            )
             if phase is None:
                 fill_disk(disk, leave)
                 try:
@@ -258,3 +275,60 @@ def test_disk_full_soak(
     finally:
         bed.cleanup()
     print(f"disk-full soak ({kind}) seed {seed}: {dict(sorted(outcomes.items()))}")
+
+
+#: what a smoke-escape trial's check leaves in a session of its own: a sleep, a Python that imports
+#: the package, or both
+ESCAPES = {"sleep": (True, False), "import": (False, True), "both": (True, True)}
+
+
+@pytest.mark.parametrize("kind", FULL_DISK_KINDS)
+def test_smoke_escape_soak(request: pytest.FixtureRequest, kind: str) -> None:
+    """Issue 44's smoke-escape family, on demand (``SAFEINSTALL_SOAK=N``), for root's environment and
+    an account's (its unit with ``User=``, the check run as that account): each trial, sicext 1.0 <->
+    2.0, with the swap or ``--no-swap``, and a ``--smoke`` command that leaves a ``setsid sleep 1000``,
+    a ``setsid`` Python that imports sicext, or both. The run ends 0, not rolled back for them (the
+    plan's second scan never counts them); nothing of them outlives the run; the unit runs the new
+    version, which verifies against its wheel; nothing of the run is left."""
+    trials = int(os.environ.get("SAFEINSTALL_SOAK") or 0)
+    if not trials:
+        pytest.skip("on demand: SAFEINSTALL_SOAK=N runs N trials")
+    seed = int(os.environ.get("SAFEINSTALL_SOAK_SEED") or random.SystemRandom().randrange(2**32))
+    print(f"smoke-escape soak ({kind}) seed {seed}, {trials} trials (replay: SAFEINSTALL_SOAK_SEED={seed})")
+    rng = random.Random(seed)
+    bed: Bed = request.getfixturevalue("bed" if kind == "root" else "account")
+    unit = bed.unit("escape-soak") if kind == "account" else bed.service("escape-soak")
+    outcomes: collections.Counter[str] = collections.Counter()
+    version = bed.version()
+    for trial in range(trials):
+        target = "2.0" if version == "1.0" else "1.0"
+        mode = rng.choice(FULL_DISK_MODES)
+        escape = rng.choice(sorted(ESCAPES))
+        marker = f"1000.{os.getpid()}{trial:05d}"
+        sleeps, imports = ESCAPES[escape]
+        where = f"seed {seed} trial {trial}: {version} -> {target}, {mode}, {escape}"
+        try:
+            result = bed.safeinstall(
+                "sicext", "--wheel", str(bed.wheels[VERSIONS[target]]), "--settle", "0.3", "--json",
+                "--smoke", smoke_escape_command(marker, sleeps, imports), *mode_args(mode),
+            )  # fmt: skip
+            left = running_with(marker)
+        finally:
+            for pid in running_with(marker):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        said = result.stdout + result.stderr
+        assert "Traceback" not in said, f"{where}: {said}"
+        assert result.code == 0, f"{where}: exit {result.code}: {said}"
+        steps = [s["name"] for s in result.json["data"]["steps"]]
+        assert "rollback" not in steps, f"{where}: rolled back: {said}"
+        assert left == [], f"{where}: what the check started runs on: PIDs {left}"
+        wait_until(lambda: bed.manager.active_state(unit) == "active", 30, f"{where}: the unit running")
+        assert bed.version() == target, f"{where}: version {bed.version()}"
+        check = bed.verify("--wheel", str(bed.wheels[VERSIONS[target]]))
+        assert check.code == 0, f"{where}: {target} does not verify: {check.stdout}"
+        bed.no_trace()
+        outcomes[f"{escape}:{mode}:{result.code}"] += 1
+        print(f"{where}: exit {result.code}")
+        version = target
+    print(f"smoke-escape soak ({kind}) seed {seed}: {dict(sorted(outcomes.items()))}")

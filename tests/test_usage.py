@@ -26,8 +26,15 @@ def _usage(*modes: str, **given: object) -> Usage:
         (_usage("--status", wait=True, metrics_file=True), "--metrics-file goes with"),
         (_usage("--recover", package="x"), "--recover takes no PACKAGE"),
         (_usage("--status", run="20261202T060000Z-1"), "--run goes with --status --wait"),
+        # issue 44: --forget --run drops one kept backup, of the environment --python names
+        (_usage("--forget", run="20261202T060000Z-1"), "--forget --run drops one kept backup"),
         (_usage(package="x", all_=True), "--all goes with --verify-only"),
         (_usage(package="x", diff=True), "--diff and --save-patch go with --verify-only"),
+        (_usage(package="x", acknowledge=True), "--acknowledge-wheel-faults goes with --verify-only"),
+        (
+            _usage("--verify-only", wheel=Path("x-1.0-py3-none-any.whl"), acknowledge=True),
+            "--acknowledge-wheel-faults goes with --verify-only, without --wheel",
+        ),
         (_usage(package="x", base_wheel=True), "go with --keep-patches"),
         (_usage("--verify-only", package="x", keep_patches=True), "--keep-patches is for the reinstall"),
         (_usage(package="./x-1.0-py3-none-any.whl"), "is a wheel file, not a requirement"),
@@ -88,10 +95,12 @@ def test_each_problem_is_said(usage: Usage, message: str) -> None:
         _usage(package="vllm", args=("-i", "URL"), uv_args=("-i", "URL")),
         _usage("--verify-only", all_=True),
         _usage("--verify-only", all_=True, given=("full",)),
+        _usage("--verify-only", all_=True, acknowledge=True),
         _usage("--verify-only", wheel=Path("x-1.0-py3-none-any.whl")),  # the wheel names the package
         _usage("--status", wait=True, run="20261202T060000Z-1"),
         _usage("--verify-only", package="vllm", metrics_file=True),
         _usage("--undo", run="20261202T060000Z-1"),
+        _usage("--forget", run="20261202T060000Z-1", given=("forget_", "python", "run")),
         # a run's options with a run, its dry run, its undo; --user and --yes with any mode
         _usage(package="x", given=("settle", "keep_backups", "gpu_timeout", "kill_strays")),
         _usage("--dry-run", package="x", given=("settle", "keep_backups", "gpu_timeout", "kill_strays")),

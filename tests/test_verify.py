@@ -30,6 +30,7 @@ FINDING_KEYS = {
     "actual",
     "wheel_member",
     "shared_with",
+    "acknowledged",
 }
 
 
@@ -615,25 +616,30 @@ def test_a_file_two_records_list_belongs_to_the_one_whose_copy_is_there(venv: Pa
     assert "siownera 1.0 lists it too, and it matches neither" in details["siownerb"]
 
 
-def test_a_file_whose_wheel_lied_in_its_record_says_so(
+def test_a_file_whose_wheel_lied_in_its_record_is_a_wheel_fault(
     venv: Path, wheels: Wheelhouse, tmp_path: Path
 ) -> None:
     """uv installs a wheel whose RECORD does not match a member (pynvvideocodec 2.0.4) without a word;
-    the file was never edited: without the wheel it is still drift, but says the wheel may be at fault
-    and how to settle it; with the wheel it is wheel-record. A file edited after the install says not."""
+    the file was never changed since (its ctime no newer than its RECORD's): ``wheel-fault``, exit 5,
+    not drift, saying how to settle it; with the wheel it is wheel-record (issue 46 item 4)."""
     (tmp_path / "w").mkdir()
     broken = _rewrite_record_hash(
         wheels["sipure-1"], tmp_path / "w" / wheels["sipure-1"].name, "sipure/cli.py"
     )
     wheelhouse.uv_install(venv, broken)
-    doc = run("sipure", "--verify-only", "--python", str(venv), "--json").json
+    result = run("sipure", "--verify-only", "--python", str(venv), "--json")
+    doc = result.json
     (finding,) = doc["data"]["findings"]
-    assert finding["kind"] == "modified" and "the wheel's own RECORD may be wrong" in finding["detail"]
-    assert "safeinstall sipure --verify-only --wheel W" in finding["detail"]
+    assert result.code == doc["exit_code"] == 5 and doc["status"] == "wheel-fault", doc
+    assert finding["kind"] == "wheel-fault" and not finding["drift"] and not finding["acknowledged"]
+    assert "the wheel's own RECORD is wrong about it" in finding["detail"]
+    assert "--acknowledge-wheel-faults" in finding["detail"]
+    assert doc["data"]["summary"]["wheel_faults"] == 1 and doc["data"]["summary"]["drift"] == 0
     # on a terminal the hint is said once, not under each file (issue 37)
     human = run("sipure", "--verify-only", "--python", str(venv))
-    assert "the wheel's own RECORD may be wrong" not in human.stdout and human.stderr.count("hint: ") == 1
-    assert "not changed since it was installed (no newer than its RECORD)" in human.stdout
+    assert human.code == 5 and "WHEEL FAULT" in human.stdout
+    assert "the wheel's own RECORD is wrong" not in human.stdout and human.stderr.count("hint: ") == 1
+    assert "not changed since it was installed (its inode no newer than its RECORD)" in human.stdout
     with_wheel = run("sipure", "--verify-only", "--python", str(venv), "--wheel", str(broken), "--json")
     assert with_wheel.code == 0 and {f["kind"] for f in with_wheel.json["data"]["findings"]} == {
         "wheel-record"
@@ -641,8 +647,59 @@ def test_a_file_whose_wheel_lied_in_its_record_says_so(
     edited = site(venv) / "sipure" / "__init__.py"
     edited.write_text(edited.read_text() + "# patched\n")
     doc = run("sipure", "--verify-only", "--python", str(venv), "--json").json
-    details = {os.path.basename(f["path"]): f["detail"] for f in doc["data"]["findings"]}
-    assert "RECORD may be wrong" not in details["__init__.py"]
+    found = {os.path.basename(f["path"]): f["kind"] for f in doc["data"]["findings"]}
+    assert found == {"__init__.py": "modified", "cli.py": "wheel-fault"} and doc["exit_code"] == 1
+
+
+def test_a_wheel_fault_acknowledged_is_quiet_until_its_file_changes(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    """Root acknowledges the wheel's fault once (``--acknowledge-wheel-faults``, kept in its state by the
+    file's identity and sha256): exit 0 after, still listed as acknowledged; a change to the file (its
+    content, or the same size with its mtime set back) is drift again, never the wheel's fault."""
+    (tmp_path / "w").mkdir()
+    broken = _rewrite_record_hash(
+        wheels["sipure-1"], tmp_path / "w" / wheels["sipure-1"].name, "sipure/cli.py"
+    )
+    wheelhouse.uv_install(venv, broken)
+    check = ("--verify-only", "--all", "--python", str(venv), "--json")
+    assert run(*check).code == 5
+    refused = run(
+        "sipure", "--verify-only", "--python", str(venv), "--wheel", str(broken), "--acknowledge-wheel-faults"
+    )
+    assert refused.code == 2 and "--acknowledge-wheel-faults goes with --verify-only" in refused.stderr
+    acknowledging = run(*check, "--acknowledge-wheel-faults")
+    assert acknowledging.code == 0 and acknowledging.json["status"] == "clean", acknowledging.stdout
+    (finding,) = acknowledging.json["data"]["findings"]
+    assert finding["kind"] == "wheel-fault" and finding["acknowledged"]
+    later = run(*check)
+    (finding,) = later.json["data"]["findings"]
+    assert later.code == 0 and finding["acknowledged"] and later.json["data"]["summary"]["wheel_faults"] == 0
+    human = run("--verify-only", "--all", "--python", str(venv))
+    assert (
+        human.code == 0 and "wheel-fault, acknowledged" in human.stderr and "WHEEL FAULT" not in human.stdout
+    )
+    cli = site(venv) / "sipure" / "cli.py"
+    before = cli.stat()
+    text = cli.read_bytes()
+    cli.write_bytes(bytes([text[0] ^ 1]) + text[1:])  # the same size, its mtime set back
+    os.utime(cli, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert cli.stat().st_mtime_ns == before.st_mtime_ns and cli.stat().st_size == before.st_size
+    edited = run(*check)
+    (finding,) = edited.json["data"]["findings"]
+    assert edited.code == 1 and finding["kind"] == "modified" and not finding["acknowledged"], edited.stdout
+    cli.write_bytes(text)  # its very bytes back: a new ctime, still never the wheel's fault again
+    again = run(*check)
+    (finding,) = again.json["data"]["findings"]
+    assert again.code == 1 and finding["kind"] == "modified"
+    # the owner edits it and then touches RECORD (its ctime newer): the wheel's fault by the ctimes,
+    # but never the one root acknowledged (another ctime and sha256): said again, exit 5
+    cli.write_bytes(bytes([text[0] ^ 1]) + text[1:])
+    record = next(site(venv).glob("sipure-*.dist-info")) / "RECORD"
+    os.chmod(record, record.stat().st_mode)
+    touched = run(*check)
+    (finding,) = touched.json["data"]["findings"]
+    assert touched.code == 5 and finding["kind"] == "wheel-fault" and not finding["acknowledged"]
 
 
 def test_warnings_are_summarised_once_per_kind(venv: Path, wheels: Wheelhouse) -> None:

@@ -115,6 +115,50 @@ def test_a_listed_pyc_recompiled_from_its_source_is_neither_drift_nor_a_patch(en
     assert code == 1 and ("modified", str(pyc)) in _drift(doc)
 
 
+@pytest.fixture
+def pip_env(venv: Path, wheels: Wheelhouse) -> Path:
+    """sipure installed by the real pip, which compiles its bytecode and lists it in RECORD (unhashed),
+    before it writes RECORD."""
+    install = [sys.executable, "-m", "pip", "--python", str(venv), "install", "-q", "--no-index", "--no-deps"]
+    subprocess.run([*install, str(wheels["sipure-1"])], check=True, capture_output=True)
+    return venv
+
+
+def _bytecode(doc: dict[str, Any]) -> dict[str, int]:
+    counts: dict[str, int] = doc["data"]["summary"]["bytecode"]
+    return counts
+
+
+def test_bytecode_its_installer_wrote_is_not_compiled_and_a_plant_after_is_still_reported(
+    pip_env: Path,
+) -> None:
+    """A listed .pyc untouched since its installer wrote it (its ctime within the install, as root first
+    saw it) is judged by its header, not compiled (the first check no slower than 2x, issue 46); one
+    planted over it after a first clean check is compiled and reported, also when the owner then touches
+    RECORD (its ctime past the plant's: the window is root's, kept from the first check)."""
+    site = _site(pip_env)
+    pyc = site / "sipure" / "__pycache__" / f"cli.{TAG}.pyc"
+    assert pyc.is_file() and f"sipure/__pycache__/cli.{TAG}.pyc,," in _record(site).read_text()
+    code, doc = _check(pip_env)
+    assert code == 0 and _bytecode(doc) == {"compiled": 0, "by_identity": 0, "by_installer": 2}, doc
+    full = run("--verify-only", "--all", "--python", str(pip_env), "--json", "--full")
+    assert full.code == 0 and _bytecode(full.json)["compiled"] == 2  # --full: every .pyc compiled
+    header = pyc.read_bytes()[:16]  # the source's mtime and size: Python runs what follows
+    pyc.write_bytes(header + _evil(site / "sipure" / "cli.py"))
+    code, doc = _check(pip_env)
+    assert code == 1 and ("modified", str(pyc)) in _drift(doc)
+    (finding,) = [f for f in doc["data"]["findings"] if f["path"] == str(pyc)]
+    assert "not what its source compiles to" in finding["detail"]
+    record = _record(site)
+    os.chmod(record, record.stat().st_mode)  # RECORD's ctime now past the plant's
+    code, doc = _check(pip_env)
+    assert code == 1 and ("modified", str(pyc)) in _drift(doc)
+
+
+def _record(site: Path) -> Path:
+    return next(site.glob("sipure-*.dist-info")) / "RECORD"
+
+
 def test_bytecode_of_a_source_no_record_lists_is_extra(env: Path) -> None:
     site = _site(env)
     (site / "sipure" / "planted.py").write_text("x = 1\n")

@@ -29,7 +29,8 @@ EXIT_CODES = (
     "declined, nothing changed; 3 failed after services were stopped, everything put back (--recover: "
     "the new version did not come up, the previous one was put back); 4 failed and putting things back "
     "failed too (the message lists the commands to finish; --status --wait: the run died without a "
-    "result). --status --wait exits with the run's own code."
+    "result); 5 no drift, but a wheel's fault not acknowledged (--verify-only). --status --wait exits "
+    "with the run's own code."
 )
 
 app = typer.Typer(
@@ -137,6 +138,7 @@ def main_command(
     verify_only: params.VerifyOnly = False,
     all_: params.All = False,
     full: params.Full = False,
+    acknowledge_wheel_faults: params.AcknowledgeWheelFaults = False,
     diff: params.Diff = False,
     save_patch: params.SavePatch = None,
     recover_: params.Recover = False,
@@ -204,6 +206,7 @@ def main_command(
                 run=run,
                 metrics_file=metrics_file is not None,
                 all_=all_,
+                acknowledge=acknowledge_wheel_faults,
                 diff=diff,
                 save_patch=save_patch is not None,
                 keep_patches=keep_patches,
@@ -233,6 +236,7 @@ def main_command(
             diff=diff,
             save_patch=save_patch,
             full=full,
+            acknowledge=acknowledge_wheel_faults,
             metrics_file=metrics_file,
             environ_from=environ_from,
             extra_args=tuple(ctx.args),

@@ -304,6 +304,17 @@ Full = Annotated[
     ),
 ]
 
+AcknowledgeWheelFaults = Annotated[
+    bool,
+    _flag(
+        "--acknowledge-wheel-faults",
+        "With --verify-only: root keeps each wheel-fault found (a file never changed since its install "
+        "that its wheel's own RECORD is wrong about) as the file is now; it is quiet (exit 0) until the "
+        "file changes (docs/verify.md).",
+        rich_help_panel=VERIFY,
+    ),
+]
+
 Diff = Annotated[
     bool,
     _flag("--diff", "With --verify-only --wheel: unified diffs of modified files.", rich_help_panel=VERIFY),
@@ -352,7 +363,8 @@ Run = Annotated[
     typer.Option(
         "--run",
         metavar="RUN_ID",
-        help="With --status --wait: the run to follow; with --undo: the run to undo.",
+        help="With --status --wait: the run to follow; with --undo: the run to undo; with --forget: the "
+        "run whose kept backup to drop.",
         rich_help_panel=STATUS,
     ),
 ]
@@ -411,7 +423,7 @@ Forget = Annotated[
     _flag(
         "--forget",
         "Remove the state (backups, logs, history) of environments that no longer exist, or of the one "
-        "--python names.",
+        "--python names; with --run RUN_ID, only that run's kept backup.",
         rich_help_panel=MODES,
     ),
 ]

@@ -174,6 +174,14 @@ def _warning_summaries(err: Console, findings: Sequence[Finding], more: str) -> 
             f"{FindingKind.WHEEL_RECORD.value}, not drift{more}",
             soft_wrap=True,
         )
+    for name, known in _by_distribution(findings, FindingKind.WHEEL_FAULT):
+        err.print(
+            f"[yellow]note:[/] {counted(len(known), 'file')} of {literal(name)} "
+            f"{'differs' if len(known) == 1 else 'differ'} from {_possessive(literal(name))} RECORD as "
+            f"when root acknowledged the wheel's fault (e.g. {_example(known)}): "
+            f"{FindingKind.WHEEL_FAULT.value}, acknowledged{more}",
+            soft_wrap=True,
+        )
     intact = _by_distribution(findings, FindingKind.DPKG_INTACT)
     for name, same in intact:
         err.print(
@@ -238,12 +246,14 @@ def render_verify(
             "not drift: installed files were compared with the wheel's actual contents",
             soft_wrap=True,
         )
-    drift = [f for f in report.findings if f.is_drift]
+    drift = [f for f in report.findings if f.is_drift or f.is_wheel_fault]  # each said on its lines
     _record_hint(err, _finding_lines(out, drift))
     warnings = [  # the wheel's own problems are the line above; the baseline's are summarised below
         f
         for f in report.findings
-        if not f.is_drift and (f.kind != FindingKind.WHEEL_RECORD or f.baseline == "run")
+        if not f.is_drift
+        and not f.is_wheel_fault
+        and (f.kind != FindingKind.WHEEL_RECORD or f.baseline == "run")
     ]
     if verbosity > 0:
         _finding_lines(err, per_file(warnings))
@@ -264,11 +274,12 @@ def render_verify(
     several = len(report.site_dirs) > 1  # a system interpreter, or a venv with its base's: say where
     many = len(report.distributions) > 1 and verbosity <= 0
     for dist in report.distributions:
-        kinds = Counter(f.kind.value for f in dist.findings if f.is_drift)
+        kinds = Counter(f.kind.value for f in dist.findings if f.is_drift or f.is_wheel_fault)
         if many and not kinds:
             continue
         state = (
-            "[red]DRIFT[/] " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+            ("[red]DRIFT[/] " if dist.drift else "[yellow]WHEEL FAULT[/] ")
+            + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
             if kinds
             else "[green]OK[/]"
             if dist.files_checked
@@ -294,8 +305,11 @@ def render_verify(
         )
     if many:
         drifted = sum(1 for d in report.distributions if d.drift)
+        faulty = sum(1 for d in report.distributions if not d.drift and d.wheel_fault)
         files = sum(d.files_checked for d in report.distributions)
-        state = "[green]OK[/]" if not drifted else f"[red]{drifted} with drift[/], the others OK"
+        said = [f"[red]{drifted} with drift[/]"] if drifted else []
+        said += [f"[yellow]{faulty} with the wheel's fault[/]"] if faulty else []
+        state = f"{', '.join(said)}, the others OK" if said else "[green]OK[/]"
         out.print(
             f"{len(report.distributions)} distributions, {files} files checked against their RECORD: {state}"
         )
@@ -970,4 +984,5 @@ def render_forgotten(out: Console, forgotten: list[Forgotten]) -> None:
     if not forgotten:
         out.print("nothing to forget: every environment with state still exists")
     for item in forgotten:
-        out.print(literal(f"forgot {item.prefix} (removed {item.state_dir})"), soft_wrap=True)
+        what = item.prefix if item.run_id is None else f"the backup of run {item.run_id} of {item.prefix}"
+        out.print(literal(f"forgot {what} (removed {item.state_dir})"), soft_wrap=True)

@@ -4,15 +4,12 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
 from safeinstall.errors import UsageError
-
-#: A bare distribution name (anything more is parsed as a requirement).
-PLAIN_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
+from safeinstall.run.options import PLAIN_NAME
 
 #: The flags that each choose what safeinstall does: no two of them go together.
 MODES = (
@@ -74,6 +71,7 @@ class Usage:
     run: str | None = None
     metrics_file: bool = False
     all_: bool = False
+    acknowledge: bool = False  # --acknowledge-wheel-faults
     diff: bool = False
     save_patch: bool = False
     keep_patches: bool = False
@@ -225,9 +223,15 @@ def usage_problem(u: Usage) -> UsageError | None:
     if conflict is not None:
         return conflict
     status = "--status" in u.modes
-    if (u.wait or (u.run and "--undo" not in u.modes)) and not status:
+    forget = "--forget" in u.modes
+    if (u.wait or (u.run and "--undo" not in u.modes and not forget)) and not status:
         return UsageError(
             "--wait and --run go with --status", hint="safeinstall --status --wait [--run RUN_ID]"
+        )
+    if forget and u.run and "python" not in u.given:
+        return UsageError(
+            "--forget --run drops one kept backup of the environment --python names",
+            hint="safeinstall --forget --python PY --run RUN_ID",
         )
     if u.metrics_file and (problem := _metrics_problem(u)) is not None:
         return problem
@@ -259,6 +263,12 @@ def usage_problem(u: Usage) -> UsageError | None:
     if u.all_ and not verify:
         return UsageError(
             "--all goes with --verify-only", hint="safeinstall --verify-only --all [--python PATH]"
+        )
+    if u.acknowledge and (not verify or u.wheel is not None):
+        return UsageError(
+            "--acknowledge-wheel-faults goes with --verify-only, without --wheel (against the wheel, "
+            "its fault is wheel-record: checked every time, nothing to acknowledge)",
+            hint="safeinstall --verify-only --all --acknowledge-wheel-faults [--python PATH]",
         )
     if (u.diff or u.save_patch) and not verify:
         return UsageError(

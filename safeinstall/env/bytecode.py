@@ -219,6 +219,35 @@ class Verdicts:
     problems: Mapping[str, str]  # location -> why it is not fine
     judged: tuple[Judged, ...]  # read and judged fine by this check (keepable)
     by_identity: int  # proven by the store, not read
+    by_installer: int = 0  # written by its installer, untouched since: its header read, not compiled
+    compiled: int = 0  # read, and judged against its compiled source (or by its header: another tag's)
+
+
+#: A file's identity as a check saw it: (device, inode, size, mtime_ns, ctime_ns).
+Identity = tuple[int, int, int, int, int]
+
+
+def identity(info: os.stat_result) -> Identity:
+    """Pure: what :data:`Identity` holds of a ``stat``."""
+    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns
+
+
+def installer_written(ctime_ns: int, window: tuple[int, int]) -> bool:
+    """Pure: a listed ``.pyc`` whose inode last changed within its distribution's install (``window``:
+    the earliest change time of its listed files, and its RECORD's, as root first saw them): written by
+    the installer that compiled and listed it, untouched since (change times, which no account sets;
+    a rename or a link changes them too)."""
+    return 0 < window[0] <= ctime_ns <= window[1]
+
+
+def recorded_fine(header: bytes) -> bool:
+    """Pure: a ``.pyc`` header of bytecode its installer wrote that needs no compile: a ``.pyc``'s, and
+    not unchecked hash-based (Python would run it without looking at its source: judged whole, and
+    reported)."""
+    parsed = parse_header(header)
+    return not isinstance(parsed, str) and not (
+        parsed.flags & _HASH_BASED and not parsed.flags & _CHECK_SOURCE
+    )
 
 
 def judge_files(
@@ -226,16 +255,18 @@ def judge_files(
     candidates: Iterable[tuple[str, PycName, Source | None]],
     clean_sources: Callable[[str], bool],
     known: KnownPyc | None = None,
+    installed: Mapping[str, tuple[int, int]] | None = None,
 ) -> Verdicts:
     """Each candidate ``.pyc`` below ``root`` judged, read by descriptor within the first of ``roots`` that
     holds it; its source's bytes must match its RECORD hash before they are compiled. ``clean_sources``:
-    sources the check found clean.
+    sources the check found clean; ``installed``: a listed ``.pyc``'s install window, within which it is
+    judged by its header alone (:func:`installer_written`).
     """
     from safeinstall.system.safefs import NotRegularFile, Tree
 
     problems: dict[str, str] = {}
     judged: list[Judged] = []
-    proven = 0
+    proven = by_installer = compiled = 0
     batch: list[tuple[Judged, PycName, bytes, bytes]] = []
     held = 0
     with contextlib.ExitStack() as stack:
@@ -261,6 +292,20 @@ def judge_files(
             if known is not None and clean_sources(name.source) and known(info, source.digest):
                 proven += 1
                 continue
+            window = None if installed is None else installed.get(location)
+            if (
+                window is not None
+                and installer_written(info.st_ctime_ns, window)
+                and clean_sources(name.source)
+            ):
+                try:
+                    header, header_info = _read_header(tree, relative)
+                except (OSError, ValueError):
+                    header, header_info = b"", info
+                if identity(header_info) == identity(info) and recorded_fine(header):
+                    by_installer += 1  # kept as judged: a later check proves it by identity
+                    judged.append(Judged(location, *identity(info), source.digest))
+                    continue
             try:
                 pyc, pyc_info = _read(tree, relative, LARGEST_PYC)
                 source_relative = tree.relative(name.source)
@@ -285,12 +330,13 @@ def judge_files(
                 source.digest,
             )
             batch.append((fine, name, pyc, text))
+            compiled += 1
             held += len(pyc) + len(text)
             if held >= BATCH_BYTES:
                 _judge_batch(batch, problems, judged)
                 batch, held = [], 0
         _judge_batch(batch, problems, judged)
-    return Verdicts(problems, tuple(judged), proven)
+    return Verdicts(problems, tuple(judged), proven, by_installer, compiled)
 
 
 #: The bytes of bytecode and sources read before they are judged (in forked children, each a share).
@@ -383,6 +429,19 @@ def _judge_batch(
             problems[fine.location] = why
 
 
+def _read_header(tree: Tree, relative: str) -> tuple[bytes, os.stat_result]:
+    """A regular file's first 16 bytes (a ``.pyc``'s header) and its identity, the same after the read."""
+    fd = tree.open_read(relative)
+    try:
+        info = os.fstat(fd)
+        header = os.pread(fd, _HEADER, 0)
+        if identity(os.fstat(fd)) != identity(info):
+            raise ValueError("changed while it was read")
+        return header, info
+    finally:
+        os.close(fd)
+
+
 def _read(tree: Tree, relative: str, limit: int) -> tuple[bytes, os.stat_result]:
     """A regular file's bytes (at most ``limit``: ValueError beyond) and its identity before the read."""
     fd = tree.open_read(relative)
@@ -432,3 +491,29 @@ def known_checker(entries: Mapping[tuple[int, int], Judged]) -> KnownPyc:
         )
 
     return known
+
+
+class Anchor(NamedTuple):
+    """A distribution's install as root first saw it: its RECORD's inode and change time, and the
+    earliest change time of its listed files then (:func:`installer_written`'s window)."""
+
+    inode: int
+    record_ctime_ns: int
+    earliest_ns: int
+
+
+def anchored_window(
+    kept: Anchor | None, record: tuple[int, int] | None, earliest_ns: int | None
+) -> tuple[tuple[int, int] | None, Anchor | None]:
+    """Pure: the install window root trusts, and the anchor to keep (None: none new). First seen: anchored
+    as it is (trust on first use); later the window kept, and none once the RECORD's inode or ctime
+    changed (docs/verify.md). ``record``: its inode and ctime now; ``earliest_ns``: its files' earliest."""
+    if record is None:
+        return None, None
+    if kept is None:
+        if earliest_ns is None or not 0 < earliest_ns <= record[1]:
+            return None, None
+        return (earliest_ns, record[1]), Anchor(record[0], record[1], earliest_ns)
+    if (kept.inode, kept.record_ctime_ns) != record:
+        return None, None
+    return (kept.earliest_ns, kept.record_ctime_ns), None

@@ -6,6 +6,7 @@ outlives the run. Why: docs/window.md ("The run's cache filled from the owner's"
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,9 @@ class Filled:
     entries: tuple[str, ...]  # "name version"
     problem: str | None = None  # why nothing was copied (the prefetch then fetches everything)
     damaged: tuple[str, ...] = ()  # "name version" whose cached files differ from their RECORD: not taken
+    #: the copies the fill wrote and hashed as it wrote them: (path below the run's cache, sha256, size,
+    #: inode, mtime in ns)
+    digests: tuple[tuple[str, str, int, int, int], ...] = ()
 
 
 def source_cache(environ: Mapping[str, str], account: Account | None) -> Path | None:
@@ -79,4 +83,28 @@ def fill(source: Path, run_cache: Path, changes: Sequence[UvChange], account: Ac
     ):
         return Filled(0, 0, (), "the worker's answer was not understood")
     said = tuple(str(e)[:200] for e in damaged[:1000])
-    return Filled(archives, size, tuple(str(e)[:200] for e in entries[:1000]), damaged=said)
+    written = answer.get("digests", {})
+    digests = tuple(
+        (path, said[0], said[1], said[2], said[3])
+        for path, said in (written.items() if isinstance(written, dict) else ())
+        if isinstance(path, str)
+        and _below(path)
+        and isinstance(said, list)
+        and len(said) == 4
+        and isinstance(said[0], str)
+        and _DIGEST.fullmatch(said[0])
+        and all(isinstance(n, int) and not isinstance(n, bool) for n in said[1:])
+    )
+    return Filled(archives, size, tuple(str(e)[:200] for e in entries[:1000]), damaged=said, digests=digests)
+
+
+#: A sha256 digest as a RECORD spells it (urlsafe base64, no padding)
+_DIGEST = re.compile(r"[A-Za-z0-9_-]{43}")
+
+
+def _below(path: str) -> bool:
+    """Pure: ``path`` names something below a directory (relative, no ``..``, no empty part)."""
+    parts = path.split("/")
+    return (
+        not path.startswith("/") and all(part not in ("", ".", "..") for part in parts) and "\0" not in path
+    )

@@ -7,7 +7,32 @@ from __future__ import annotations
 
 import os
 import stat
-from pathlib import Path
+from collections.abc import Iterable
+from pathlib import Path, PurePath
+from typing import TypeVar
+
+P = TypeVar("P", bound=PurePath)
+
+
+def base(root: str) -> str:
+    """Pure: the start of every path strictly below ``root``: ``root`` with one trailing ``/``."""
+    return root.rstrip("/") + "/"
+
+
+def bases(roots: Iterable[str | os.PathLike[str]]) -> tuple[str, ...]:
+    """Pure: :func:`base` of each of ``roots``, in order (for one ``str.startswith`` over them all)."""
+    return tuple(base(os.fspath(root)) for root in roots)
+
+
+def is_below(path: str, root: str) -> bool:
+    """Pure: ``path`` lies strictly below ``root``, lexically (both normalised; never ``root`` itself)."""
+    return path.startswith(base(root))
+
+
+def relative_path(path: P, root: PurePath) -> P:
+    """Pure: ``path`` relative to ``root``, lexically (:meth:`PurePath.relative_to`). Raises ValueError
+    when it does not lie at or below ``root``."""
+    return path.relative_to(root)
 
 
 def is_within(path: str, root: str) -> bool:

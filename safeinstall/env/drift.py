@@ -15,7 +15,9 @@ from pathlib import PurePath
 from typing import NamedTuple
 
 from safeinstall.env.bytecode import pyc_name
+from safeinstall.env.containment import bases
 from safeinstall.env.hashing import FileState
+from safeinstall.system.safefs import everyone_may_write
 
 
 class FindingKind(StrEnum):
@@ -36,6 +38,11 @@ class FindingKind(StrEnum):
     #: its RECORD line changed since root last found the distribution clean: the reference
     #: itself was rewritten, whatever the file now matches
     RECORD_CHANGED = "record-changed"
+    #: differs from its installed RECORD, but its inode never changed after the installer wrote that
+    #: RECORD (change times, which no account sets): the wheel's own RECORD is wrong about it. Not
+    #: drift; its own exit status until root acknowledges it (``--acknowledge-wheel-faults``), then
+    #: quiet while the file keeps the identity and digest acknowledged
+    WHEEL_FAULT = "wheel-fault"
 
 
 #: Findings that are worth a warning but are not drift (exit code stays 0).
@@ -70,10 +77,17 @@ class Finding:
     #: kind hardlinked: every such file of the distribution, with its number of links (one finding for
     #: them all, ``path`` the first; ``--json`` and ``-v`` list each: :func:`per_file`)
     linked: tuple[tuple[str, int], ...] = ()
+    #: kind wheel-fault: root acknowledged it, as the file is now (quiet: exit 0 for it)
+    acknowledged: bool = False
 
     @property
     def is_drift(self) -> bool:
-        return self.kind not in WARNING_KINDS
+        return self.kind not in WARNING_KINDS and self.kind != FindingKind.WHEEL_FAULT
+
+    @property
+    def is_wheel_fault(self) -> bool:
+        """The wheel's fault, not yet acknowledged: the check's own exit status (5) when no drift."""
+        return self.kind == FindingKind.WHEEL_FAULT and not self.acknowledged
 
     @property
     def files(self) -> int:
@@ -145,32 +159,74 @@ def shared_file(
     return replace(finding, detail=f"{finding.detail}; {names} lists it too, and it matches neither")
 
 
-#: What a ``modified`` file says when it was not changed after its install: the wheel may be at fault.
-#: what a ``modified`` file not written since its install says (in its detail), then how to settle it
-UNTOUCHED = "not changed since it was installed (no newer than its RECORD)"
+#: What a ``wheel-fault`` says (in its detail), then how to settle it.
+UNTOUCHED = "not changed since it was installed (its inode no newer than its RECORD)"
 RECORD_MAY_BE_WRONG_HINT = (
-    "the wheel's own RECORD may be wrong (uv installs such a wheel without a word); compare with the "
-    "wheel: safeinstall {name} --verify-only --wheel W (the wheel's fault shows as wheel-record); a "
-    "reinstall with --wheel W --accept-record-mismatch keeps it in the environment's baseline"
+    "the wheel's own RECORD is wrong about it (uv installs such a wheel without a word): the wheel's "
+    "fault, not drift; compare with the wheel (safeinstall {name} --verify-only --wheel W), then "
+    "acknowledge it (safeinstall --verify-only --acknowledge-wheel-faults): quiet until the file changes"
 )
 RECORD_MAY_BE_WRONG = f"{UNTOUCHED}: {RECORD_MAY_BE_WRONG_HINT}"
 
 
 def untouched_since_install(finding: Finding, ctime_ns: int, record_ctime_ns: int | None) -> Finding:
-    """Pure: a file that differs from its RECORD but whose ctime is no later than the RECORD's was not
-    edited here (the wheel's RECORD may be wrong); it stays ``modified`` and says so, and how to settle it.
-    """
+    """Pure: a file that differs from its RECORD but whose ctime (which no account sets) is no later than
+    the RECORD's was not edited here: ``wheel-fault``, saying how to settle it. Never bytecode."""
     if (
         finding.kind != FindingKind.MODIFIED
         or finding.baseline != "record"
         or record_ctime_ns is None
         or ctime_ns == 0
         or ctime_ns > record_ctime_ns
+        or pyc_name(finding.path) is not None
     ):
         return finding
     return replace(
-        finding, detail=f"{finding.detail}; {RECORD_MAY_BE_WRONG.format(name=finding.distribution)}"
+        finding,
+        kind=FindingKind.WHEEL_FAULT,
+        detail=f"{finding.detail}; {RECORD_MAY_BE_WRONG.format(name=finding.distribution)}",
     )
+
+
+class FaultIdentity(NamedTuple):
+    """A ``wheel-fault`` file as root acknowledged it: its identity and its sha256 (RECORD spelling)."""
+
+    location: str
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    sha256: str
+
+
+def fault_identity(finding: Finding, state: FileState) -> FaultIdentity | None:
+    """Pure: what acknowledging a ``wheel-fault`` keeps of its file, or None when it cannot be kept (not
+    a regular file read with its sha256, or not that finding's)."""
+    if (
+        finding.kind != FindingKind.WHEEL_FAULT
+        or state.path != finding.path
+        or not state.is_file
+        or state.algorithm != "sha256"
+        or state.digest is None
+        or state.size is None
+        or not state.ctime_ns
+    ):
+        return None
+    return FaultIdentity(
+        state.path, state.device, state.inode, state.size, state.mtime_ns, state.ctime_ns, state.digest
+    )
+
+
+def acknowledged(finding: Finding, state: FileState | None, kept: Mapping[str, FaultIdentity]) -> Finding:
+    """Pure: a ``wheel-fault`` root acknowledged, the file as it was then (device, inode, size, mtime,
+    ctime and sha256 all the same): quiet; any other finding, or a file changed since, as it is."""
+    if finding.kind != FindingKind.WHEEL_FAULT or state is None:
+        return finding
+    now = fault_identity(finding, state)
+    if now is None or kept.get(finding.path) != now:
+        return finding
+    return replace(finding, acknowledged=True)
 
 
 def against_dpkg(finding: Finding, md5_matches: bool | None, package: str) -> Finding:
@@ -253,7 +309,7 @@ def mode_finding(distribution: str, state: FileState, script: bool) -> Finding |
     mode = state.mode
     if mode & (stat.S_ISUID | stat.S_ISGID):
         detail = "setuid or setgid"
-    elif mode & stat.S_IWOTH:
+    elif everyone_may_write(mode):
         detail = "writable by others"
     elif script and not mode & stat.S_IXUSR:
         detail = "a script its owner cannot execute"
@@ -290,7 +346,7 @@ def directory_owners(
     """Pure: every directory strictly below a site directory that holds a listed file (at any depth
     below it), with the distributions whose files lie below it: those of two or more are shared
     (namespace directories such as ``nvidia/``)."""
-    sites = tuple(s.rstrip(os.sep) + os.sep for s in site_dirs)
+    sites = bases(site_dirs)
     owners: dict[str, set[str]] = {}
     for name, files in files_by_distribution.items():
         seen: set[str] = set()

@@ -21,7 +21,15 @@ from typing import Any
 from safeinstall.env.containment import is_within
 from safeinstall.errors import InterpreterError
 from safeinstall.system import children
-from safeinstall.system.safefs import ACL_XATTR, acl_writers, others_who_write, read_small
+from safeinstall.system.fields import optional_text
+from safeinstall.system.safefs import (
+    ACL_XATTR,
+    acl_writers,
+    group_may_write,
+    others_may_write,
+    others_who_write,
+    read_small,
+)
 
 _PROBE = r"""
 import os, sys
@@ -232,7 +240,7 @@ class _Control:
         # with an access ACL the group bits are its mask, which every named user's and group's write
         # passes through: without them no ACL entry can write, and the xattr need not be read (a walk
         # of 68k files of vLLM's site directory looks at each)
-        if mode & stat.S_IWGRP:
+        if group_may_write(mode):
             try:
                 raw = os.getxattr(path, ACL_XATTR, follow_symlinks=False)
             except OSError:
@@ -410,7 +418,7 @@ def _may_say(control: _Control, entry: os.DirEntry[str]) -> bool:
         return False
     if control.walked is not None:
         control.walked[entry.path] = info
-    return info.st_uid not in (0, control.euid) or bool(info.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+    return info.st_uid not in (0, control.euid) or others_may_write(info.st_mode)
 
 
 def who_else_controls(path: Path, euid: int) -> str | None:
@@ -636,12 +644,6 @@ def _answer_problem(python: Path, env: Environment) -> str | None:
 ANSWER_LIMIT = 64 << 10
 
 
-def _optional_text(value: object) -> str | None:
-    if value is None or isinstance(value, str):
-        return value
-    raise TypeError(f"{value!r} is not a string")
-
-
 def _version(value: object) -> tuple[int, int, int]:
     """Pure: ``[major, minor, micro]`` as the probe reports it; ValueError for anything else (a float
     such as ``1e999`` is not a version part)."""
@@ -720,7 +722,7 @@ def inspect_environment(
             data=Path(os.path.realpath(info["data"])),
             version=(major, minor, micro),
             implementation=str(info["implementation"]),
-            soabi=_optional_text(info.get("soabi")),
+            soabi=optional_text(info.get("soabi")),
             platform=str(info["platform"]),
             account=owner,
             probed_as=os.geteuid() if owner is None else owner.uid,  # as started, never as it says

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from safeinstall.env.hashing import FileState, Known, observe_files
+from safeinstall.system.safefs import owner_alone_writes
 
 #: The only algorithm kept (wheels and uv's RECORDs use it); a RECORD that names another is hashed.
 ALGORITHM = "sha256"
@@ -69,11 +70,15 @@ def _entries(cache: Path) -> list[_Entry]:
 
 
 def hash_cache(
-    cache: Path, workers: int | None = None, known: Callable[[os.stat_result], str | None] | None = None
+    cache: Path,
+    workers: int | None = None,
+    known: Callable[[os.stat_result], str | None] | None = None,
+    written: Mapping[str, tuple[str, int, int, int]] | None = None,
 ) -> dict[tuple[int, int], HashedInode]:
     """Before the stop: hash every file of uv's unpacked archives in the run's cache, as root, by
-    descriptor. An entry that moved while read, is not the cache owner's, or that others may write is left
-    out (read in the window instead). ``known``: digests of inodes hashed already.
+    descriptor; an entry that moved while read or that others may write is left out (read in the window).
+    ``known``: digests of inodes hashed already; ``written``: this run's fill's own copies, by path
+    (sha256, size, inode, mtime), taken for that inode unchanged only.
     """
     try:
         owner = os.lstat(cache).st_uid
@@ -81,20 +86,25 @@ def hash_cache(
         return {}
     hashed: dict[tuple[int, int], HashedInode] = {}
     entries = _entries(cache)
-    if known is not None:
+    if known is not None or written is not None:
         unread: list[_Entry] = []
         for item in entries:
+            now = time.time_ns()
             try:
                 info = os.lstat(item.location)
             except OSError:
                 continue
-            digest = known(info) if stat.S_ISREG(info.st_mode) else None
-            if digest is None or info.st_uid != owner or info.st_mode & 0o022:
+            digest, at = (known(info) if known is not None and stat.S_ISREG(info.st_mode) else None), 0
+            copy = written.get(item.location) if written is not None else None
+            if digest is None and copy is not None and stat.S_ISREG(info.st_mode):
+                same = copy[1:] == (info.st_size, info.st_ino, info.st_mtime_ns)
+                digest, at = (copy[0] if same else None), now
+            if digest is None or not owner_alone_writes(info.st_uid, info.st_mode, owner):
                 unread.append(item)
                 continue
             size, mtime, ctime = info.st_size, info.st_mtime_ns, info.st_ctime_ns
             key = (info.st_dev, info.st_ino)
-            hashed[key] = HashedInode(item.location, size, mtime, ctime, owner, digest)
+            hashed[key] = HashedInode(item.location, size, mtime, ctime, owner, digest, at)
         entries = unread
     real = os.path.realpath(cache)
     states = observe_files(entries, workers=workers, within=real)
@@ -145,8 +155,7 @@ def _unchanged(entry: HashedInode, device: int, inode: int) -> bool:
         and info.st_size == entry.size
         and info.st_mtime_ns == entry.mtime_ns
         and info.st_ctime_ns == entry.ctime_ns
-        and info.st_uid == entry.uid
-        and not info.st_mode & 0o022
+        and owner_alone_writes(info.st_uid, info.st_mode, entry.uid)
     )
 
 
@@ -168,8 +177,7 @@ def checker(hashed: Hashed, installed_ns: int) -> Known:
         if (
             info.st_size != entry.size
             or info.st_mtime_ns != entry.mtime_ns
-            or info.st_uid != entry.uid
-            or info.st_mode & 0o022
+            or not owner_alone_writes(info.st_uid, info.st_mode, entry.uid)
             or info.st_ctime_ns > installed_ns
             or info.st_ctime_ns < entry.ctime_ns
         ):

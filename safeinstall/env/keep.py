@@ -16,7 +16,7 @@ from pathlib import Path
 
 from safeinstall.env import owner
 from safeinstall.system import worker
-from safeinstall.system.safefs import Tree, only_caller_writes
+from safeinstall.system.safefs import Tree, only_caller_writes, private_to
 
 KEEP_PREFIX = ".safeinstall-keep-"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -88,7 +88,7 @@ def open_kept(tree: Tree, run_id: str) -> int | None:
     except OSError:
         return None
     info = os.fstat(fd)
-    if info.st_uid != os.geteuid() or info.st_mode & 0o077:
+    if not private_to(info.st_uid, info.st_mode, os.geteuid()):
         os.close(fd)
         return None
     return fd

@@ -13,12 +13,16 @@ import errno
 import fcntl
 import hashlib
 import os
+import queue
 import re
 import stat
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from safeinstall.env import hashing
+from safeinstall.env.containment import relative_path
 from safeinstall.errors import StepFailed
 from safeinstall.system.safefs import Tree, only_caller_writes, remove_at
 
@@ -216,6 +220,8 @@ _ARCHIVE_LINK = re.compile(r"^(?:\.\./)+(?P<bucket>archive-v[0-9]+)/(?P<id>[A-Za
 _ENTRY_SUFFIXES = (".http", ".msgpack", ".rev")
 _COPY_CHUNK = 64 << 20
 FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int), a reflink of a whole file
+#: Threads that copy an unpacked wheel's files (one per CPU, at least two: a copy also waits on the disk)
+COPY_THREADS = max(2, min(8, hashing.default_workers()))
 
 
 def copy_cached_wheels(source: str, target: str, wanted: list[list[str]]) -> dict[str, Any]:
@@ -223,9 +229,10 @@ def copy_cached_wheels(source: str, target: str, wanted: list[list[str]]) -> dic
     ``source`` holds, never linking (docs/window.md); runs as the owner of both.
 
     An archive whose files differ from its RECORD is ``damaged``, not taken. Returns ``{"archives",
-    "bytes", "entries", "damaged"}``.
+    "bytes", "entries", "damaged", "digests"}`` (``digests``: each copy's hash as written, by path).
     """
     archives: set[tuple[str, str]] = set()
+    written: list[tuple[int, str, Written]] = []  # (size, path in the target, as written) of each copy
     bad: set[tuple[str, str]] = set()
     copied = 0
     entries: list[str] = []
@@ -237,7 +244,7 @@ def copy_cached_wheels(source: str, target: str, wanted: list[list[str]]) -> dic
         buckets = []
     for bucket in buckets:
         for index_dir in _index_dirs(top / bucket):
-            depth = len(index_dir.relative_to(top).parts) + 1  # the name's directory below the top
+            depth = len(relative_path(index_dir, top).parts) + 1  # the name's directory below the top
             for name, version in wanted:
                 entry_dir = index_dir / name
                 try:
@@ -262,21 +269,25 @@ def copy_cached_wheels(source: str, target: str, wanted: list[list[str]]) -> dic
                     if (bucket_name, archive_id) not in archives:
                         archive = Path(bucket_name) / archive_id
                         try:
-                            size = _copy_tree(top / archive, Path(target) / archive)
+                            size, hashed = _copy_tree(top / archive, Path(target) / archive)
                         except FileNotFoundError:
                             continue  # a link to an archive uv has removed since
-                        if not _matches_record(Path(target) / archive):
+                        digests = {relative: written[0] for _, relative, written in hashed}
+                        if not _matches_record(Path(target) / archive, digests):
                             _remove_tree(Path(target) / archive)
                             bad.add((bucket_name, archive_id))
                             damaged.append(f"{name} {version}")
                             continue
                         copied += size
                         archives.add((bucket_name, archive_id))
-                    destination = Path(target) / entry_dir.relative_to(top)
+                        written.extend((n, f"{archive}/{relative}", d) for n, relative, d in hashed)
+                    destination = Path(target) / relative_path(entry_dir, top)
                     destination.mkdir(parents=True, exist_ok=True)
                     for suffix in _ENTRY_SUFFIXES:
                         with contextlib.suppress(FileNotFoundError, FileExistsError):
-                            copied += _copy_file(entry_dir / (entry + suffix), destination / (entry + suffix))
+                            copied += _copy_file(
+                                entry_dir / (entry + suffix), destination / (entry + suffix)
+                            )[0]
                     with contextlib.suppress(FileExistsError):
                         os.symlink(text, destination / entry)
                     entries.append(f"{name} {version}")
@@ -285,12 +296,32 @@ def copy_cached_wheels(source: str, target: str, wanted: list[list[str]]) -> dic
         "bytes": copied,
         "entries": sorted(set(entries)),
         "damaged": sorted(set(damaged)),
+        "digests": _within_budget(written),
     }
 
 
-def _matches_record(archive: Path) -> bool:
-    """Whether every file an unpacked wheel's RECORD lists with a digest is there with that digest
-    (read from the copy: the worker's own new inodes). An archive without one RECORD is not judged."""
+#: What of the copies' digests the answer carries (the worker's answer is bounded): the largest files'
+DIGESTS_BUDGET = 2 << 20
+
+
+def _within_budget(written: list[tuple[int, str, Written]]) -> dict[str, list[Any]]:
+    """Pure: ``{path: [sha256, size, inode, mtime_ns]}`` of the largest files written (``(size, path, as
+    written)``), as many as fit in :data:`DIGESTS_BUDGET` bytes of the answer."""
+    kept: dict[str, list[Any]] = {}
+    used = 0
+    for size, path, (digest, inode, mtime_ns) in sorted(written, reverse=True):
+        used += len(path) + len(digest) + 48
+        if used > DIGESTS_BUDGET:
+            break
+        kept[path] = [digest, size, inode, mtime_ns]
+    return kept
+
+
+def _matches_record(archive: Path, digests: dict[str, str] | None = None) -> bool:
+    """Whether every file an unpacked wheel's RECORD lists with a digest is there with that digest (the
+    copy's sha256 as it was written, from ``digests`` by relative path; else read from the copy: the
+    worker's own new inodes). An archive without one RECORD is not judged."""
+    digests = digests or {}
     records = [archive / d / "RECORD" for d in _listing(archive) if d.endswith(".dist-info")]
     if len(records) != 1:
         return True
@@ -305,6 +336,11 @@ def _matches_record(archive: Path) -> bool:
         if Path(relative).is_absolute() or ".." in Path(relative).parts:
             continue  # outside the archive's own tree: not in it
         if algorithm not in hashlib.algorithms_guaranteed:
+            continue
+        written = digests.get(os.path.normpath(relative)) if algorithm == "sha256" else None
+        if written is not None:
+            if written != digest:
+                return False
             continue
         try:
             data = _read_regular(archive / relative)
@@ -370,20 +406,26 @@ def _archive_of(entry: Path, depth: int) -> tuple[str, str, str] | None:
     return match["bucket"], match["id"], text
 
 
-def _copy_file(source: Path, destination: Path) -> int:
-    """Copy one regular file (never following a symlink; a new file, not a link); bytes copied."""
+def _copy_file(
+    source: Path, destination: Path, buffer: memoryview | None = None
+) -> tuple[int, Written | None]:
+    """Copy one regular file (never following a symlink; a new file, not a link): bytes copied, and what
+    was written (:data:`Written`) when the bytes went through ``buffer`` (None: cloned, or copied in the
+    kernel without a buffer)."""
     src = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         info = os.fstat(src)
         if not stat.S_ISREG(info.st_mode):
-            return 0
+            return 0, None
         _check_controlled(info, source)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         dst = os.open(destination, flags, info.st_mode & 0o755)
         try:
             with contextlib.suppress(OSError):  # no reflink here (ext4, another filesystem): copied
                 fcntl.ioctl(dst, FICLONE, src)
-                return info.st_size
+                return info.st_size, None
+            if buffer is not None:  # read once: hashed as it is written (no second read to check it)
+                return _copy_hashed(src, dst, buffer)
             done = 0
             while True:
                 try:
@@ -396,11 +438,35 @@ def _copy_file(source: Path, destination: Path) -> int:
                 if count == 0:
                     break
                 done += count
-            return done
+            return done, None
         finally:
             os.close(dst)
     finally:
         os.close(src)
+
+
+#: A copy as it was written: its sha256 (urlsafe base64, as a RECORD has it), inode and mtime (ns)
+Written = tuple[str, int, int]
+
+
+def _copy_hashed(src: int, dst: int, buffer: memoryview) -> tuple[int, Written]:
+    """Copy what ``src`` reads into ``dst`` through ``buffer``, hashing it on the way: bytes, and the
+    copy as written."""
+    hasher = hashlib.sha256()
+    done = 0
+    while count := os.readv(src, [buffer]):
+        chunk = buffer[:count]
+        hasher.update(chunk)
+        written = 0
+        while written < count:
+            written += os.write(dst, chunk[written:])
+        done += count
+    info = os.fstat(dst)
+    return done, (
+        base64.urlsafe_b64encode(hasher.digest()).rstrip(b"=").decode(),
+        info.st_ino,
+        info.st_mtime_ns,
+    )
 
 
 def _check_controlled(info: os.stat_result, path: Path) -> None:
@@ -412,23 +478,64 @@ def _check_controlled(info: os.stat_result, path: Path) -> None:
         raise PermissionError(f"{path} is not this account's own (uid {info.st_uid}, mode {info.st_mode:o})")
 
 
-def _copy_tree(source: Path, destination: Path) -> int:
-    """Copy (cloned where the filesystem can) a directory of regular files and directories (anything
-    else is left out); bytes copied."""
-    copied = 0
-    pending = [(source, destination)]
+def _copy_tree(source: Path, destination: Path) -> tuple[int, list[tuple[int, str, Written]]]:
+    """Copy (cloned where the filesystem can) a tree of regular files and directories: bytes copied,
+    and ``(size, relative path, as written)`` of each file copied through a buffer. Files are copied on
+    a few threads, largest first: without reflink torch's 0.7 GB was slower than the install."""
+    files: list[tuple[int, Path, Path, str]] = []
+    pending = [(source, destination, "")]
     while pending:
-        here, there = pending.pop()
+        here, there, relative = pending.pop()
         with os.scandir(here) as listing:  # FileNotFoundError for a missing archive: the caller's
             os.makedirs(there, 0o755, exist_ok=True)
             for item in listing:
+                below = f"{relative}{item.name}"
                 if item.is_dir(follow_symlinks=False):
                     _check_controlled(item.stat(follow_symlinks=False), Path(item.path))
-                    pending.append((Path(item.path), there / item.name))
+                    pending.append((Path(item.path), there / item.name, below + "/"))
                 elif item.is_file(follow_symlinks=False):
-                    with contextlib.suppress(FileExistsError):
-                        copied += _copy_file(Path(item.path), there / item.name)
-    return copied
+                    size = item.stat(follow_symlinks=False).st_size
+                    files.append((size, Path(item.path), there / item.name, below))
+    files.sort(key=lambda f: f[0], reverse=True)
+    work: queue.SimpleQueue[tuple[int, Path, Path, str]] = queue.SimpleQueue()
+    for file in files:
+        work.put(file)
+    copied: list[int] = []
+    digests: list[tuple[int, str, Written]] = []
+    failed: list[BaseException] = []
+
+    def copy_some() -> None:
+        buffer = hashing.read_buffer()
+        total = 0
+        try:
+            while not failed:
+                try:
+                    _, here, there, relative = work.get_nowait()
+                except queue.Empty:
+                    break
+                try:
+                    size, digest = _copy_file(here, there, buffer)
+                except FileExistsError:
+                    continue
+                total += size
+                if digest is not None:
+                    digests.append((size, relative, digest))
+        except BaseException as exc:  # the first failure is the caller's; the other threads stop
+            failed.append(exc)
+        finally:
+            copied.append(total)
+
+    threads = [
+        threading.Thread(target=copy_some, daemon=True) for _ in range(min(COPY_THREADS, len(files)) - 1)
+    ]
+    for thread in threads:
+        thread.start()
+    copy_some()
+    for thread in threads:
+        thread.join()
+    if failed:
+        raise failed[0]
+    return sum(copied), digests
 
 
 def keep_links(prefix: str, name: str, paths: list[str], keys: list[str]) -> dict[str, Any]:

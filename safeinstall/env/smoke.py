@@ -541,11 +541,8 @@ def child_variables(
     unit's interpreter options (:data:`KEPT_FLAGS`) kept as variables, as in the service.
     """
     variables = {k: caller[k] for k in _FROM_CALLER if k in caller}
-    variables |= {"PATH": DEFAULT_PATH, "HOME": account[1], "USER": account[0], "LOGNAME": account[0]}
-    ignored = "-E" in flags or "-I" in flags
-    variables |= {k: v for k, v in unit if not (ignored and k.startswith("PYTHON"))}
-    if "-s" in flags or "-I" in flags:
-        variables["PYTHONNOUSERSITE"] = "1"
+    variables |= {"HOME": account[1], "USER": account[0], "LOGNAME": account[0]}
+    variables |= dict(seen_variables(unit, flags))
     python_path = [str(shim_dir), *[p for p in variables.get("PYTHONPATH", "").split(os.pathsep) if p]]
     variables |= NO_GPU
     variables |= {
@@ -555,6 +552,24 @@ def child_variables(
         SITES_VARIABLE: os.pathsep.join(str(s) for s in sites),
     }
     return variables
+
+
+#: What every child is given whatever the unit says (:func:`child_variables`): a unit's own value of
+#: one of these never reaches the check.
+REPLACED = frozenset({*NO_GPU, "PYTHONDONTWRITEBYTECODE", SITES_VARIABLE})
+
+
+def seen_variables(unit: Sequence[tuple[str, str]], flags: Sequence[str] = ()) -> tuple[tuple[str, str], ...]:
+    """Pure: the unit's variables as the check's child sees them (:func:`child_variables`), by name:
+    ``PATH`` systemd's default where the unit sets none, the ``PYTHON*`` ones dropped under ``-E``/``-I``,
+    ``PYTHONNOUSERSITE`` set by ``-s``/``-I``, those in :data:`REPLACED` left out. Units alike in
+    these, account, directory and flags share one child (docs/reinstall.md)."""
+    ignored = "-E" in flags or "-I" in flags
+    seen = {"PATH": DEFAULT_PATH}
+    seen |= {k: v for k, v in unit if not (ignored and k.startswith("PYTHON")) and k not in REPLACED}
+    if "-s" in flags or "-I" in flags:
+        seen["PYTHONNOUSERSITE"] = "1"
+    return tuple(sorted(seen.items()))
 
 
 def working_directory(setting: str, home: str, user_manager: bool) -> str:

@@ -17,6 +17,7 @@ from enum import StrEnum
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from safeinstall.env.containment import relative_path
 from safeinstall.env.drift import pyc_source
 from safeinstall.env.environment import Environment
 from safeinstall.system import worker
@@ -25,6 +26,7 @@ from safeinstall.system.safefs import (
     RENAME_NOREPLACE,
     Tree,
     only_caller_writes,
+    others_who_write,
     parent_directories,
 )
 
@@ -86,7 +88,7 @@ def staging_environment(env: Environment, tree: Path) -> Environment:
     the environment's own (the scripts' first lines name it)."""
 
     def moved(path: Path) -> Path:
-        return tree / path.relative_to(env.prefix)
+        return tree / relative_path(path, env.prefix)
 
     sites = tuple(moved(p) for p in env.site_dirs)
     return replace(
@@ -192,7 +194,7 @@ def owner_of(prefix: Path) -> Ids:
     """
     with Tree(prefix) as tree:
         info = os.fstat(tree.fd)
-    if info.st_uid == 0 and (info.st_mode & stat.S_IWOTH or (info.st_mode & stat.S_IWGRP and info.st_gid)):
+    if info.st_uid == 0 and others_who_write(info.st_mode, info.st_gid) is not None:
         raise PermissionError(errno.EPERM, "root's directory that others may write", str(prefix))
     return None if info.st_uid == 0 else (info.st_uid, info.st_gid)
 

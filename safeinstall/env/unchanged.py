@@ -12,6 +12,7 @@ import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from safeinstall.env.containment import base
 from safeinstall.env.distributions import InstalledDistribution
 from safeinstall.env.hashing import FileState
 from safeinstall.env.verified import GRANULARITY_NS, MAX_AGE_NS, fits
@@ -71,7 +72,7 @@ def directories_of(paths: Iterable[str], root: str) -> set[str]:
     makes the answer empty-handed: ``{""}`` (no such directory can be kept, so nothing is proven)."""
     parents = {path.rpartition("/")[0] for path in paths}
     found: set[str] = set()
-    below = root.rstrip("/") + "/"
+    below = base(root)
     for directory in parents:
         while directory not in found:
             if directory != root and not directory.startswith(below):

@@ -24,7 +24,7 @@ from safeinstall.env import owner
 from safeinstall.env.environment import Account
 from safeinstall.errors import PlanError, UsageError
 from safeinstall.system import children, worker
-from safeinstall.system.safefs import Tree
+from safeinstall.system.safefs import Tree, private_to
 from safeinstall.system.worker import WorkerError
 
 _CHANGE = re.compile(r"^\s*(?P<sign>[-+~])\s+(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)(?P<rest>.*)$")
@@ -631,7 +631,7 @@ def secure_uv_lock(prefix: Path, account: Account | None) -> str:
                 + ": another uv is installing into this environment",
                 hint="wait until it is done, then run again; nothing was stopped",
             )
-        safe = info.st_uid == own_uid and not info.st_mode & 0o077 and not holders
+        safe = private_to(info.st_uid, info.st_mode, own_uid) and not holders
         if safe:
             return f"uv's lock {prefix / owner.UV_LOCK} is the owner's alone"
     give = None if account is None else [account.uid, account.gid]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from safeinstall.env.hashing import FileState, Known
+from safeinstall.system.safefs import owner_alone_writes
 
 #: The only algorithm kept (wheels and uv's RECORDs use it).
 ALGORITHM = "sha256"
@@ -107,7 +108,7 @@ def keepable(state: FileState, filesystems: Mapping[int, int]) -> VerifiedInode 
         or not fits((state.device, state.inode, state.size, state.mtime_ns, state.ctime_ns))
     ):
         return None
-    root_only = int(state.uid == 0 and not state.mode & 0o022)
+    root_only = int(owner_alone_writes(state.uid, state.mode, 0))
     return VerifiedInode(
         state.device,
         state.inode,
@@ -167,7 +168,7 @@ def root_only_digest(entry: VerifiedInode | None, info: os.stat_result) -> str |
     """
     if entry is None or not entry.root_only or not stat.S_ISREG(info.st_mode):
         return None
-    if info.st_uid != 0 or info.st_mode & 0o022:
+    if not owner_alone_writes(info.st_uid, info.st_mode, 0):
         return None
     if (
         info.st_size != entry.size

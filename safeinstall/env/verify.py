@@ -15,7 +15,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
 from safeinstall.env.bytecode import Judged, KnownPyc, Source, judge_files, pyc_name
-from safeinstall.env.containment import Containment
+from safeinstall.env.containment import Containment, base, bases, is_below
 from safeinstall.env.distributions import (
     NO_RECORD,
     InstalledDistribution,
@@ -85,6 +85,11 @@ class DistributionReport:
     def drift(self) -> bool:
         return any(f.is_drift for f in self.findings)
 
+    @property
+    def wheel_fault(self) -> bool:
+        """A ``wheel-fault`` root has not acknowledged (as its file is now)."""
+        return any(f.is_wheel_fault for f in self.findings)
+
 
 @dataclass(frozen=True, slots=True)
 class VerifyReport:
@@ -106,6 +111,9 @@ class VerifyReport:
     #: the ``.pyc`` files read and judged the bytecode of their verified source: what
     #: :mod:`safeinstall.store.bytecode` may keep
     judged: tuple[Judged, ...] = field(default=(), repr=False, compare=False)
+    #: the ``.pyc`` files judged: by compiling their source, by a judgement kept (identity), by their
+    #: header alone (written by their installer, untouched since)
+    bytecode: tuple[int, int, int] = (0, 0, 0)
 
     @property
     def findings(self) -> tuple[Finding, ...]:
@@ -116,8 +124,15 @@ class VerifyReport:
         return any(d.drift for d in self.distributions)
 
     @property
+    def wheel_fault(self) -> bool:
+        return any(d.wheel_fault for d in self.distributions)
+
+    @property
     def exit_code(self) -> ExitCode:
-        return ExitCode.DRIFT if self.drift else ExitCode.OK
+        """Drift first; else a wheel's fault not acknowledged (its own status); else clean."""
+        if self.drift:
+            return ExitCode.DRIFT
+        return ExitCode.WHEEL_FAULT if self.wheel_fault else ExitCode.OK
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,7 +277,7 @@ def _wheel_plan(
     for name, member in wheel.members.items():
         if is_installer_written(wheel, name) or name in signatures:
             continue
-        if other_version and name.startswith(wheel.dist_info + "/"):
+        if other_version and is_below(name, wheel.dist_info):
             continue
         location = locations.get(name)
         if location is None:
@@ -278,7 +293,7 @@ def _wheel_plan(
         )
     # Installed files the wheel does not have: old leftovers recorded by the installer.
     generated_scripts = {os.path.join(env.scripts, script) for script in wheel.console_scripts}
-    installed_dist_info = dist.dist_info.name + "/"
+    installed_dist_info = base(dist.dist_info.name)
     for entry, text in zip(dist.record.entries, dist.locations, strict=True):
         if text in members or text in generated_scripts:
             continue
@@ -395,12 +410,13 @@ def verify_environment(
     known_pyc: KnownPyc | None = None,
     bytecode: bool = False,
     recorded: Callable[[InstalledDistribution, bool], Sequence[Finding]] | None = None,
+    install_window: Callable[[InstalledDistribution, int | None], tuple[int, int] | None] | None = None,
 ) -> VerifyReport:
     """Verify the named distributions (or all, with ``names=None``) of ``env``. docs/verify.md.
 
     ``wheel``: the named one's reference; ``settle_shared`` False: no file settled as ``shared``;
-    ``vouched``, ``known``, ``unchanged``, ``recorded``: what earlier checks proved; ``installed``,
-    ``expected``: distributions found, carried patches; ``bytecode``: every ``.pyc`` judged.
+    ``vouched``, ``known``, ``unchanged``, ``recorded``, ``install_window``: what earlier checks saw;
+    ``installed``, ``expected``: distributions found, carried patches; ``bytecode``: .pyc judged.
     """
     # Named ones are read first, the others (whose files only say what is "extra") while the large
     # files hash; read as every distribution is, or everything is done again in the usual order. The
@@ -508,15 +524,19 @@ def verify_environment(
             known_pyc,
             bytecode,
             recorded,
+            install_window,
         )
     reports: list[DistributionReport] = []
     baseline = "record" if wheel is None else "wheel"
     per_plan: list[list[Finding]] = []
-    scripts = os.fspath(env.scripts) + os.sep  # an installer makes what it puts there executable
+    scripts = base(os.fspath(env.scripts))  # an installer makes what it puts there executable
     mismatched: dict[str, Expectation] = {}  # modified files: another RECORD may list them too
     dist_infos_of = functools.cache(_dist_infos_of)
     clean: list[InstalledDistribution] = []
     verified: set[str] = set()  # the listed sources found as their RECORD says
+    #: each listed .pyc of a distribution whose install window root trusts -> that window
+    windows: dict[str, tuple[int, int]] = {}
+    by_window = install_window if wheel is None and not expected else None
     own: list[list[Finding]] = []
     for plan in plans:
         findings = list(plan.findings)
@@ -537,6 +557,11 @@ def verify_environment(
                 findings.append(moded)
         if plan.proven is not None:
             verified.update(loc for loc in plan.dist.locations if loc.endswith(".py"))
+        if by_window is not None and bytecode:
+            seen = [states[e.location].ctime_ns for e in plan.expectations if states[e.location].ctime_ns]
+            window = by_window(plan.dist, min(seen) if seen and plan.proven is None else None)
+            if window is not None:
+                windows.update((loc, window) for loc in plan.dist.locations if pyc_name(loc) is not None)
         if recorded is not None:
             findings.extend(recorded(plan.dist, plan.proven is not None))
         own.append(findings)
@@ -557,6 +582,7 @@ def verify_environment(
         ),
         verified.__contains__,
         known_pyc,
+        windows,
     )
     listed = listed_holder[0] if listed_holder else _listed_locations(found)
     by_dist: dict[str, list[Finding]] = {}
@@ -602,9 +628,9 @@ def verify_environment(
             findings = _against_dpkg(env, plan.dist, owner, findings)  # dpkg's: no wheel to settle it with
         elif wheel is None and any(f.kind == FindingKind.MODIFIED for f in findings):
             record_ctime = _ctime_ns(os.path.join(plan.dist.dist_info, "RECORD"))
-            findings = [
+            findings = [  # a listed .pyc judged by what it holds was never observed: no state
                 untouched_since_install(f, states[f.path].ctime_ns, record_ctime)
-                if f.kind == FindingKind.MODIFIED
+                if f.kind == FindingKind.MODIFIED and f.path in states
                 else f
                 for f in findings
             ]
@@ -665,6 +691,7 @@ def verify_environment(
         frozenset(os.fspath(p.dist.dist_info) for p in plans if p.proven is not None),
         tuple(clean),
         verdicts.judged,
+        (verdicts.compiled, verdicts.by_identity, verdicts.by_installer),
     )
 
 
@@ -712,7 +739,7 @@ def _dpkg_sources(env: Environment, locations: Sequence[str]) -> dict[str, tuple
     dpkg's md5 of each (what ``debsums`` checks): there dpkg, not a RECORD, says what a module holds
     (Debian changes files after writing RECORD, and most of its modules have none). A venv's own
     site directories are never dpkg's."""
-    own = tuple(os.fspath(s) + os.sep for s in env.site_dirs) if env.is_venv else ()
+    own = bases(env.site_dirs) if env.is_venv else ()
     wanted = sorted({loc for loc in locations if not (own and loc.startswith(own))})
     if not wanted:
         return {}
@@ -732,7 +759,7 @@ def _not_dpkgs(env: Environment, unlisted: Sequence[Unlisted]) -> list[Unlisted]
     md5sum matches is not reported, one that does not match is, saying so. Never looked up in a venv's
     own site directories.
     """
-    own = tuple(os.fspath(s) + os.sep for s in env.site_dirs) if env.is_venv else ()
+    own = bases(env.site_dirs) if env.is_venv else ()
     wanted = [u for u in unlisted if not (own and u.location.startswith(own))]
     if not wanted:
         return list(unlisted)

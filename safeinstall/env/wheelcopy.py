@@ -13,6 +13,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from safeinstall.env.containment import relative_path
 from safeinstall.env.environment import Account
 from safeinstall.errors import WheelError
 from safeinstall.system.safefs import Tree, open_regular, reader_acl
@@ -89,7 +90,7 @@ def _copy_hint(exc: OSError, envdir: Path) -> str:
 def _copy_dir(path: Path, envdir: Path) -> str | None:
     """Pure: ``wheels/<dir>`` when ``path`` is ``<envdir>/wheels/<dir>/<name>.whl``, else None."""
     try:
-        parts = path.relative_to(envdir).parts
+        parts = relative_path(path, envdir).parts
     except ValueError:
         return None
     if len(parts) != 3 or parts[0] != WHEELS_DIR or ".." in parts or not parts[2].endswith(".whl"):

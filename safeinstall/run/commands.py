@@ -23,7 +23,7 @@ from safeinstall.errors import (
     UnknownDistributionError,
     UsageError,
 )
-from safeinstall.run.options import RunOptions, check_options
+from safeinstall.run.options import PLAIN_NAME, RunOptions, check_options
 from safeinstall.run.output import command_for, envelope, jsonable
 
 if TYPE_CHECKING:
@@ -44,9 +44,6 @@ if TYPE_CHECKING:
     from safeinstall.store.rundoc import RunDocument
     from safeinstall.store.state import EnvironmentState
 
-#: A valid distribution name (PEP 508) and nothing else: such a PACKAGE needs no requirement parser.
-_PLAIN_NAME = r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?"
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Request:
@@ -64,6 +61,7 @@ class Request:
     diff: bool = False
     save_patch: Path | None = None
     full: bool = False  # --full: every file read again (a run takes it from ``values``)
+    acknowledge: bool = False  # --acknowledge-wheel-faults: root keeps each wheel-fault found, as it is
     metrics_file: Path | None = None
     environ_from: Path | None = None  # a detached run's private inputs
     extra_args: tuple[str, ...] = ()  # uv's arguments
@@ -360,7 +358,9 @@ def _verify(request: Request, ui: Ui, metrics: Path | None) -> Verified:
 
         read = read_wheel(request.wheel)
     with ui.verifying() as on_progress:
-        report = verify_kept(env, names, read, request.full, notes, vouched, on_progress, walked)
+        report = verify_kept(
+            env, names, read, request.full, notes, vouched, on_progress, walked, request.acknowledge
+        )
     for note in notes:
         ui.note(note, warning=True)
     if not report.distributions:  # --all in an environment with none: a check of nothing is no pass
@@ -386,7 +386,7 @@ def _verify(request: Request, ui: Ui, metrics: Path | None) -> Verified:
     from safeinstall.run.output import verify_json
 
     data = verify_json(report, patch if request.diff else None, notes) if request.as_json else None
-    status = "drift" if report.drift else "clean"
+    status = "drift" if report.drift else "wheel-fault" if report.wheel_fault else "clean"
     return Verified(  # the document only for --json: one finding per hardlinked file (61k on vLLM)
         document=None if data is None else envelope("verify", status, report.exit_code, data),
         exit_code=report.exit_code,
@@ -610,7 +610,7 @@ def _discard(request: Request) -> DiscardResult:
 def _forget(request: Request) -> ForgetResult:
     from safeinstall.run.status import forget
 
-    forgotten, failures = forget(os.environ, request.python)
+    forgotten, failures = forget(os.environ, request.python, request.run)
     code = failures[0].exit_code if failures else ExitCode.OK
     status = "error" if failures else "forgotten"
     document = envelope("forget", status, code, {"forgotten": jsonable(forgotten)}, list(failures))
@@ -668,7 +668,6 @@ def _undo_choice(request: Request) -> tuple[Environment, str, str]:
     """``--undo``: the environment, and the package and id of the run it undoes (its history names it);
     the run itself is chosen again, under the lock, by the preflight. The package, when given, is a
     guard: the run must be of it. Usage errors for what does not go with it."""
-    import re
 
     from packaging.utils import canonicalize_name
 
@@ -677,7 +676,7 @@ def _undo_choice(request: Request) -> tuple[Environment, str, str]:
     package, wheel, args = request.package, request.wheel, request.extra_args
     unfit = {flag for name, flag in _NOT_WITH_UNDO if request.values.get(name) not in (None, False)}
     others = sorted((set(request.modes) | unfit) - {"--undo", "--dry-run", "--detach"})
-    versioned = bool(package) and not re.fullmatch(_PLAIN_NAME, package or "")
+    versioned = bool(package) and not PLAIN_NAME.fullmatch(package or "")
     if versioned or wheel is not None or args or others:
         given = " ".join(
             [*others, *(["--wheel"] if wheel else []), *(["a version"] if versioned else []), *args]

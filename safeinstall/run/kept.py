@@ -5,8 +5,11 @@ distribution proven unchanged by ``lstat`` is not compared file by file. docs/ve
 from __future__ import annotations
 
 import os
+import stat
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from safeinstall.env.environment import Environment
@@ -29,15 +32,18 @@ def verify_kept(
     vouched: Callable[[], Mapping[str, tuple[Vouched, ...]]],
     on_progress: ProgressCallback | None = None,
     walked: Mapping[str, os.stat_result] | None = None,
+    acknowledge: bool = False,
 ) -> VerifyReport:
     """``--verify-only`` with the verified-inode store: unchanged inodes not read, what was hashed kept,
     distributions proven unchanged not compared (none of it with ``full``). ``walked``: the steering
-    walk's ``lstat``; ``notes`` say why the store was not used or kept.
+    walk's ``lstat``; ``notes`` say why the store was not used or kept. ``acknowledge``: each
+    ``wheel-fault`` found is kept as acknowledged (:mod:`safeinstall.store.wheelfaults`).
     """
-    from safeinstall.env.bytecode import keepable, known_checker
+    from safeinstall.env.bytecode import Anchor, anchored_window, keepable, known_checker
     from safeinstall.env.recorded import RecordCheck
     from safeinstall.env.unchanged import prover, unchanged_entry
     from safeinstall.env.verified import GRANULARITY_NS
+    from safeinstall.store.anchors import keep_anchors, read_anchors
     from safeinstall.store.bytecode import keep_judged, read_judged
     from safeinstall.store.records import keep_records, read_records
     from safeinstall.store.state import state_root
@@ -70,6 +76,19 @@ def verify_kept(
     judged, note = read_judged(root, env.prefix)
     notes.extend([note] if note else [])
     known_pyc = None if judged is None or full else known_checker({k: j for k, (j, _) in judged.items()})
+    anchors, note = read_anchors(root, env.prefix)
+    notes.extend([note] if note else [])
+    fresh_anchors: dict[str, Anchor] = {}
+
+    def install_window(dist: InstalledDistribution, earliest: int | None) -> tuple[int, int] | None:
+        if anchors is None:
+            return None
+        key = os.fspath(dist.dist_info)
+        window, fresh = anchored_window(anchors.get(key), _record_identity(key), earliest)
+        if fresh is not None:
+            fresh_anchors[key] = fresh
+        return window
+
     unchanged = prover(clean, root_of, walked)
     if full and unchanged is not None:
         unchanged = _none  # every file read; what is found clean is kept anew
@@ -85,7 +104,10 @@ def verify_kept(
         known_pyc=known_pyc,
         bytecode=True,
         recorded=record_check,
+        install_window=None if full else install_window,
     )
+    note = keep_anchors(root, env.prefix, anchors, fresh_anchors)
+    notes.extend([note] if note else [])
     clean_now = {os.fspath(d.dist_info) for d in report.clean} | set(report.proven)
     note = keep_records(root, env.prefix, records, record_check.updates(clean_now.__contains__))
     notes.extend([note] if note else [])
@@ -118,7 +140,37 @@ def verify_kept(
         ]
         note = keep_unchanged(root, env.prefix, clean, checked, report.proven, fresh, directories)
         notes.extend([note] if note else [])
-    return report
+    return _wheel_faults(report, root, env, acknowledge, notes)
+
+
+def _wheel_faults(
+    report: VerifyReport, root: Path, env: Environment, acknowledge: bool, notes: list[str]
+) -> VerifyReport:
+    """The report with each ``wheel-fault`` root acknowledged (its file's identity and sha256 as kept)
+    quiet; with ``acknowledge``, each found now kept so, and quiet. The store is read only when there
+    is one to settle."""
+    from safeinstall.env.drift import FaultIdentity, FindingKind, acknowledged, fault_identity
+    from safeinstall.store.wheelfaults import keep_faults, read_faults
+
+    if not any(f.kind == FindingKind.WHEEL_FAULT for f in report.findings):
+        return report
+    kept, note = read_faults(root, env.prefix)
+    notes.extend([note] if note else [])
+    if acknowledge:
+        fresh: dict[str, FaultIdentity] = {}
+        for finding in report.findings:
+            state = report.observed.get(finding.path)
+            identity = None if state is None else fault_identity(finding, state)
+            if identity is not None:
+                fresh[identity.location] = identity
+        note = keep_faults(root, env.prefix, {**kept, **fresh})
+        notes.extend([note] if note else [])
+        kept = kept if note else {**kept, **fresh}
+    distributions = tuple(
+        replace(d, findings=tuple(acknowledged(f, report.observed.get(f.path), kept) for f in d.findings))
+        for d in report.distributions
+    )
+    return replace(report, distributions=distributions)
 
 
 def _hashed_at(store: InodeStore | None) -> Callable[[FileState], int]:
@@ -133,6 +185,15 @@ def _hashed_at(store: InodeStore | None) -> Callable[[FileState], int]:
         return 0 if entry is None else entry.hashed_ns
 
     return hashed_at
+
+
+def _record_identity(dist_info: str) -> tuple[int, int] | None:
+    """A RECORD's inode and change time (itself, never followed), or None: not a regular file."""
+    try:
+        info = os.lstat(os.path.join(dist_info, "RECORD"))
+    except OSError:
+        return None
+    return (info.st_ino, info.st_ctime_ns) if stat.S_ISREG(info.st_mode) else None
 
 
 def _none(_dist: InstalledDistribution) -> None:

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from safeinstall.errors import UsageError
+
+#: A valid distribution name (PEP 508) and nothing else: such a PACKAGE needs no requirement parser.
+PLAIN_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -69,6 +69,7 @@ def finding_json(finding: Finding) -> dict[str, Any]:
         "actual": {"sha256": finding.actual_sha256, "size": finding.actual_size},
         "wheel_member": finding.wheel_member,
         "shared_with": finding.shared_with,
+        "acknowledged": finding.acknowledged,
     }
 
 
@@ -92,7 +93,7 @@ def command_for(flags: Collection[str]) -> str:
 #: Every ``status`` value of each command's ``--json`` document: docs/json.md lists each
 #: (tests/test_json_contract.py reads it and fails on one it does not list).
 STATUS_VALUES: dict[str, tuple[str, ...]] = {
-    "verify": ("clean", "drift", "error"),
+    "verify": ("clean", "drift", "wheel-fault", "error"),
     "dry-run": ("would-proceed", "would-refuse", "error"),
     "reinstall": (
         "done",
@@ -191,6 +192,7 @@ def verify_json(report: VerifyReport, patch: str | None, notes: Sequence[str] = 
                 "files_checked": d.files_checked,
                 "against": d.against,
                 "drift": d.drift,
+                "wheel_fault": d.wheel_fault,
                 "site": d.site,
                 "from_base": d.from_base,
                 "system_package": None
@@ -204,7 +206,9 @@ def verify_json(report: VerifyReport, patch: str | None, notes: Sequence[str] = 
             "distributions": len(report.distributions),
             "files_checked": sum(d.files_checked for d in report.distributions),
             "drift": sum(1 for f in listed if f.is_drift),
-            "warnings": sum(1 for f in listed if not f.is_drift),
+            "wheel_faults": sum(1 for f in listed if f.is_wheel_fault),
+            "bytecode": dict(zip(("compiled", "by_identity", "by_installer"), report.bytecode, strict=True)),
+            "warnings": sum(1 for f in listed if not f.is_drift and not f.is_wheel_fault),
         },
         "patch": patch,
         "notes": list(notes),

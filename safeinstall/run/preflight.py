@@ -52,11 +52,17 @@ from safeinstall.run.options import RunOptions, check_options
 from safeinstall.run.patches import PatchSet, prepare_patches
 from safeinstall.run.survey import Survey, survey, systemd_for
 from safeinstall.run.undo import UndoTarget, undo_plan, undo_target, undo_uv_plan
-from safeinstall.scan.plan import Plan
+from safeinstall.scan.plan import KeptBackupHeld, Plan
 from safeinstall.store import oldimports
-from safeinstall.store.backup import disk_space_freed, disk_space_needed, free_space, space_problem
+from safeinstall.store.backup import (
+    disk_space_copied,
+    disk_space_freed,
+    disk_space_needed,
+    free_space,
+    space_problem,
+)
 from safeinstall.store.baseline import read_vouched
-from safeinstall.store.retention import KeptBackup, kept_backups, kept_note
+from safeinstall.store.retention import KeptBackup, drop_said, kept_backups, kept_note
 from safeinstall.store.runlog import human_bytes
 from safeinstall.store.state import (
     EnvironmentState,
@@ -174,8 +180,12 @@ def preflight(options: RunOptions, *, take_lock: bool, env: Environment | None =
         if said is not None:  # the plan says what they hold (a quiet run leaves it out)
             plan = found.plan
             more_notes = (*plan.warnings, said)
+            held = tuple(KeptBackupHeld(k.path.name, str(k.path), k.bytes) for k in kept)
             found = replace(
-                found, plan=replace(plan, warnings=more_notes, host_notes=(*plan.host_notes, said))
+                found,
+                plan=replace(
+                    plan, warnings=more_notes, host_notes=(*plan.host_notes, said), kept_backups=held
+                ),
             )
         landing: tuple[str, ...] = ()
         if wheel is not None and not unrecorded:  # without a RECORD, what it would replace is unknown
@@ -521,33 +531,40 @@ def record_problems(found: Survey) -> tuple[str, ...]:
 def room_problems(
     found: Survey, env: Environment, backups: Path, wheel: Wheel | None, kept: tuple[KeptBackup, ...] = ()
 ) -> tuple[str, ...]:
-    """Room for the backup and the prefetch (the new version unpacked beside it, in the state
-    directory), and for the install (in the environment; the backup stays during it when both share a
-    filesystem). Where the state directory is short, the ``kept`` backups are named (which to drop)."""
-    problems: list[str] = []
-    backup = disk_space_needed(list(found.affected), env, found.installed)
+    """Room for the backup and the prefetch (the new version unpacked in the run's uv cache, in the
+    state directory), and for the install (in the environment). Where one filesystem holds both, one
+    sum (:func:`shared_room`); otherwise each on its own. Where the state directory is short, the
+    ``kept`` backups are named: which to drop, and the command."""
+    dists = list(found.affected)
     prefetch = installed_size(wheel) if wheel is not None else 0
-    what = "the backup and the prefetch (the new version unpacked beside it)"
-    remedy = "free some space there or point SAFEINSTALL_STATE_DIR at a larger filesystem"
-    if kept:
-        oldest = kept[0]
-        remedy += (
-            f"; the {len(kept)} kept backup(s) there hold {human_bytes(sum(k.bytes for k in kept))}: "
-            f"the oldest, {oldest.path} ({human_bytes(oldest.bytes)}), can go (rm -r it), or run with a "
-            "lower --keep-backups"
+    prefix = str(env.prefix)
+    if _device(backups) == _device(env.prefix):
+        copied = disk_space_copied(dists, env, found.installed, backups)
+        room = shared_room(copied, prefetch, found.request.link_mode, wheel is not None)
+        free = free_space(backups)
+        said = drop_said(kept, room.needed - free, prefix)
+        what = "the backup" + (f", the run's uv cache and the install of {wheel.path.name}" if wheel else "")
+        return tuple(
+            problem
+            for problem in [space_problem(room.needed, free, backups, what, room.said(said))]
+            if problem is not None
         )
-    problem = space_problem(
-        backup + prefetch, free_space(backups), backups, what if prefetch else "the backup", remedy
-    )
+    problems: list[str] = []
+    backup = disk_space_needed(dists, env, found.installed)
+    what = "the backup and the prefetch (the new version unpacked beside it)"
+    free = free_space(backups)
+    said = drop_said(kept, backup + prefetch - free, prefix)
+    remedy = "free some space there or point SAFEINSTALL_STATE_DIR at a larger filesystem"
+    remedy += f"; {said}" if said else ""
+    problem = space_problem(backup + prefetch, free, backups, what if prefetch else "the backup", remedy)
     if problem:
         problems.append(problem)
     if wheel is not None:
-        shared = _device(backups) == _device(env.prefix)
-        freed = 0 if shared else disk_space_freed(list(found.affected), env, found.installed)
+        freed = disk_space_freed(dists, env, found.installed)
         files = installed_size(wheel)
         beside = install_overhead(files)
         problem = space_problem(
-            install_room(files, backup, freed, shared) + beside,
+            install_room(files, freed) + beside,
             free_space(env.prefix),
             env.prefix,
             what=f"the install of {wheel.path.name}",
@@ -558,6 +575,47 @@ def room_problems(
         if problem:
             problems.append(problem)
     return tuple(problems)
+
+
+@dataclass(frozen=True, slots=True)
+class SharedRoom:
+    """What a run takes on the one filesystem of its state directory and its environment."""
+
+    copied: int  # the backup's copies (a RECORD entry it hardlinks takes no room)
+    cache: int  # the run's uv cache: the new version unpacked (the prefetch links from it)
+    install: int  # the install's own copies: none where it hardlinks from that cache
+    beside: int  # what uv writes beside them, and a margin
+
+    @property
+    def needed(self) -> int:
+        return self.copied + self.cache + self.install + self.beside
+
+    def said(self, kept: str) -> str:
+        """Pure: the figures, the remedy and what ``kept`` (:func:`drop_said`) says of the kept backups."""
+        how = "copied" if self.install else "hardlinked from that cache"
+        figures = (
+            f"one filesystem holds the state directory and the environment: the backup's copies "
+            f"{human_bytes(self.copied)}"
+        )
+        if self.cache:
+            figures += (
+                f", the run's uv cache (the new version unpacked) {human_bytes(self.cache)}, the install "
+                f"({how}) {human_bytes(self.install)}, what uv writes beside it and a margin "
+                f"{human_bytes(self.beside)}"
+            )
+        remedy = "free some space there or point SAFEINSTALL_STATE_DIR at another filesystem"
+        return f"{figures}; {remedy}" + (f"; {kept}" if kept else "")
+
+
+def shared_room(copied: int, cache: int, link_mode: str, install: bool) -> SharedRoom:
+    """Pure: the room a run needs where its state directory shares the environment's filesystem, all
+    parts summed (they are there at once; nothing freed by the uninstall): the backup's copies, the
+    run's cache, the install's own copies (``link_mode`` copy only) and the margin; with no
+    ``install`` (no wheel), the backup alone (docs/faults.md, "Room")."""
+    if not install:
+        return SharedRoom(copied, 0, 0, 0)
+    copies = cache if link_mode != "hardlink" else 0
+    return SharedRoom(copied, cache, copies, install_overhead(cache))
 
 
 #: what uv writes in each installed ``.dist-info`` beside the wheel's files (measured: uv 0.5 to 0.9)
@@ -572,12 +630,11 @@ def install_overhead(new: int, dist_infos: int = 1, block: int = 4096) -> int:
     return dist_infos * (len(UV_EXTRA_FILES) + 2) * block + max(256 << 10, new // 64)
 
 
-def install_room(new: int, old: int, freed: int, shared: bool) -> int:
-    """Pure: the room the install of ``new`` bytes needs where the replaced distributions take ``old``,
-    ``freed`` of them in files with no other link. A backup on the same filesystem holds the old inodes,
-    so then nothing is freed (docs/faults.md, "Room").
-    """
-    return new + old if shared else max(0, new - freed)
+def install_room(new: int, freed: int) -> int:
+    """Pure: the room the install of ``new`` bytes needs in the environment, the state directory on
+    another filesystem: beyond the ``freed`` bytes of old files with no other link, which uv's
+    uninstall frees first (docs/faults.md, "Room")."""
+    return max(0, new - freed)
 
 
 def _device(path: Path) -> int:

@@ -339,9 +339,12 @@ def _prefetched(run: Run, root: Path | None, cache: Path, filled: str, why_not: 
     if request.link_mode == "hardlink" and run.env.account is None:
         store = None if run.options.full else run.prepared.inodes  # --full: every file read
         known = verified.root_only_checker(store) if store is not None and store.entries else None
-        run.hashed = inodes.hash_cache(cache, known=known)
+        copies = {os.path.join(cache, f[0]): (f[1], f[2], f[3], f[4]) for f in run.filled}
+        run.hashed = inodes.hash_cache(cache, known=known, written=copies or None)
         stored = sum(1 for entry in run.hashed.values() if not entry.hashed_ns)  # taken, not read
+        copied = sum(1 for entry in run.hashed.values() if entry.hashed_ns and entry.path in copies)
         unread = f" ({stored} of them kept by the verified-inode store, not read)" if stored else ""
+        unread += f" ({copied} of them hashed as the fill copied them, not read again)" if copied else ""
         run._log(f"prefetch: {len(run.hashed)} files of the run's uv cache hashed{unread}")
         detail += f"; {len(run.hashed)} files hashed{unread}"
     if root is not None:
@@ -430,6 +433,7 @@ def _fill_from_owners_cache(run: Run, cache: Path) -> str:
             run._log(f"prefetch: nothing copied from {source}: {exc.message}")
             return ""
     filled = cachefill.fill(source, cache, run.survey.uv_plan.changes, run.env.account)
+    run.filled = filled.digests if run.env.account is None else ()  # root's own copies: hashed as written
     how = "copied"  # cloned where the filesystem can; never linked (an edit in place would edit the cache)
     for damaged in filled.damaged:
         name = damaged.split(" ", 1)[0]

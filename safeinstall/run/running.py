@@ -91,6 +91,9 @@ class Run:
     left: Left | None = None  # set by the verify step: what the run leaves (kept for --undo)
     #: the run's cache, hashed after the prefetch and looked at again before the stop (inodes.py)
     hashed: inodes.Hashed = field(default_factory=dict)
+    #: the run's cache fill's copies (root's own environment): path below the cache, sha256, size, inode,
+    #: mtime (ns) as written
+    filled: tuple[tuple[str, str, int, int, int], ...] = ()
     installed_ns: int | None = None  # time.time_ns() once uv's install in the window has exited
     #: set by the verify step: the files verified against the wheel that its RECORD does not describe
     vouched: Vouched | None = None

@@ -24,7 +24,7 @@ from safeinstall.run.options import RunOptions
 from safeinstall.run.undo import RESTORE
 from safeinstall.store.backup import Backup
 from safeinstall.store.state import PRIVATE_MODE, RUN_DIR_REMOVAL_S
-from safeinstall.system.safefs import Tree, mounts_below, parent_directories
+from safeinstall.system.safefs import Tree, mounts_below, parent_directories, private_to
 from safeinstall.system.worker import WorkerError
 
 #: uv's options that change what an install writes beyond the wheels' files, or where
@@ -137,7 +137,7 @@ def make_staging(env: Environment, run_id: str) -> Path:
         info = tree.lstat(root.name)
         devices = {found.st_dev for r in _install_dirs(env) if (found := tree.lstat(r)) is not None}
     uid = os.geteuid() if ids is None else ids[0]  # None: the caller itself (root, or a user in its own)
-    if info is None or not stat.S_ISDIR(info.st_mode) or info.st_uid != uid or info.st_mode & 0o077:
+    if info is None or not stat.S_ISDIR(info.st_mode) or not private_to(info.st_uid, info.st_mode, uid):
         swap.discard_staging(prefix, root.name, RUN_DIR_REMOVAL_S, ids)
         raise NotStaged(f"{root} is not a directory of uid {uid}'s alone")
     if devices - {info.st_dev}:

@@ -22,6 +22,7 @@ from safeinstall.store.state import (
     StateDirError,
     check_trusted,
     environment_state,
+    is_run_id,
     list_environment_dirs,
     state_root,
 )
@@ -78,7 +79,8 @@ def prepared_summary(state: EnvironmentState, now: float) -> tuple[PreparedSumma
 @dataclass(frozen=True, slots=True)
 class Forgotten:
     prefix: str
-    state_dir: str
+    state_dir: str  # what was removed: the environment's state directory, or (run_id) one backup's
+    run_id: str | None = None  # --forget --run: the run whose kept backup was dropped
 
 
 def prefix_exists(state: EnvironmentState) -> bool | None:
@@ -162,14 +164,65 @@ def forget_one(state: EnvironmentState) -> Forgotten:
     return Forgotten(prefix, str(state.dir))
 
 
+def forget_backup(state: EnvironmentState, run_id: str) -> Forgotten:
+    """Remove one kept backup of an environment (``--forget --run RUN_ID``: what a refusal for room
+    names), under its lock; refused while a run holds it, or where a run that did not finish (or one
+    prepared) is that run."""
+    prefix = str(state.prefix or state.dir)
+    if not is_run_id(run_id):
+        raise UsageError(
+            f"--run {run_id!r} is not a run id (as 20261206T071500Z-1234)",
+            hint="safeinstall --status -v lists the runs of each environment",
+        )
+    path = state.backup_dir(run_id)
+    with acquire_lock(state.lock, prefix):
+        journal = read_journal(state.dir)
+        if journal is not None and journal.run_id == run_id:
+            raise SafeInstallError(
+                f"not forgetting the backup of run {run_id}: that run did not finish (its journal is in "
+                f"{state.dir})",
+                hint="run safeinstall --recover first (safeinstall --discard for a prepared run)",
+            )
+        if not path.is_dir() or path.is_symlink():
+            raise UsageError(
+                f"{prefix} keeps no backup of run {run_id} (in {state.backups})",
+                hint=f"safeinstall --status -v --python {prefix} lists its runs",
+            )
+        with Tree(state.backups) as tree:
+            tree.remove_tree(run_id)
+    return Forgotten(prefix, str(path), run_id)
+
+
 def forget(
-    environ: Mapping[str, str], python: str | None
+    environ: Mapping[str, str], python: str | None, run_id: str | None = None
 ) -> tuple[tuple[Forgotten, ...], tuple[SafeInstallError, ...]]:
     """``--forget``: the state of every environment whose prefix is gone, or of the one ``python``
-    names. Only directories listed under the state root are ever removed."""
+    names; with ``run_id`` (and ``python``), only that run's kept backup of it. Only directories
+    listed under the state root are ever removed."""
     root = state_root(environ, os.geteuid())
     check_trusted(root)
     states = list_environment_dirs(root)
+    if run_id is not None and python is not None:
+        named = _named(states, python, environ)
+        if not named:
+            raise UsageError(
+                f"no safeinstall state for {python}",
+                hint="safeinstall --status lists the environments it keeps state for",
+            )
+        state = named[0]
+        try:
+            if state.problem is not None:
+                raise StateDirError(
+                    f"not forgetting a backup in {state.dir}: {state.problem}",
+                    hint="make it owned by root (or you) and writable by nobody else",
+                )
+            return (forget_backup(state, run_id),), ()
+        except SafeInstallError as exc:
+            return (), (exc,)
+        except OSError as exc:
+            return (), (
+                SafeInstallError(f"could not remove {state.backup_dir(run_id)}: {exc.strerror or exc}"),
+            )
     if python is None:
         chosen = [s for s in states if prefix_exists(s) is False]
     else:

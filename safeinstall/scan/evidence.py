@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
+from safeinstall.env.containment import base
 from safeinstall.env.dependents import describe_chain
 from safeinstall.scan.targets import (
     EnvironmentScope,
@@ -118,9 +119,9 @@ class TargetIndex:
             for script in target.console_scripts:
                 by_script.setdefault(script, []).append(name)
             for directory in target.directories:
-                owners.append((directory.rstrip("/") + "/", name))
+                owners.append((base(directory), name))
                 if "\n" in directory:
-                    owners.append((_escape(directory.rstrip("/")) + "/", name))
+                    owners.append((base(_escape(directory)), name))
         return cls(
             targets=targets,
             by_file={key: tuple(dict.fromkeys(value)) for key, value in by_file.items()},

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from packaging.version import InvalidVersion, Version
 
+from safeinstall.env.containment import is_below
 from safeinstall.env.uvplan import UvPlan
 from safeinstall.scan.evidence import Evidence, EvidenceKind, Strength
 from safeinstall.scan.processes import TOO_LARGE, ProcessRecord, ScanProblem, ScanResult
@@ -97,6 +98,15 @@ def start_limit_resets(limits: Mapping[str, StartLimit], now_s: float) -> tuple[
 
 
 @dataclass(frozen=True, slots=True)
+class KeptBackupHeld:
+    """One kept backup of the environment (``--keep-backups``) and the bytes its files hold."""
+
+    run_id: str
+    path: str
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     package: str
     python: str
@@ -129,6 +139,8 @@ class Plan:
     start_limit_resets: tuple[StartLimitReset, ...] = ()
     #: what the run runs before the stop to exercise the new version (safeinstall.env.smoke); "": nothing
     smoke: str = ""
+    #: the environment's kept backups, oldest first (their room: a refusal for it names which to drop)
+    kept_backups: tuple[KeptBackupHeld, ...] = ()
 
     @property
     def proceeds(self) -> bool:
@@ -297,9 +309,7 @@ def _unit_refusal(unit: str, info: UnitInfo | None, user: bool, placement: Cgrou
             f"{unit} of the {manager} manager is not running (it has no cgroup), yet a process sits in "
             f"{placement.path}: the process belongs to another manager"
         )
-    if placement.path != info.control_group and not placement.path.startswith(
-        info.control_group.rstrip("/") + "/"
-    ):
+    if placement.path != info.control_group and not is_below(placement.path, info.control_group):
         return (
             f"{unit} of the {manager} manager runs in {info.control_group}, not in {placement.path}: "
             "the process belongs to another manager"

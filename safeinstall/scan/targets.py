@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from stat import S_ISLNK
 
+from safeinstall.env.containment import bases
 from safeinstall.env.distributions import InstalledDistribution
 from safeinstall.env.environment import Environment
 
@@ -282,7 +283,7 @@ def environment_scope(env: Environment) -> EnvironmentScope:
         prefix_id = None
     return EnvironmentScope(
         prefix=str(env.prefix),
-        roots=tuple(sorted(d.rstrip("/") + "/" for d in directories)),
+        roots=tuple(sorted(bases(directories))),
         interpreters=_interpreter_names(env) | frozenset(extra),
         prefix_id=prefix_id,
     )

@@ -37,11 +37,20 @@ from safeinstall.env.keep import Saved, open_kept, relink, relink_as
 from safeinstall.env.records import decode_digest, parse_record
 from safeinstall.errors import SafeInstallError
 from safeinstall.store.runlog import human_bytes
-from safeinstall.store.state import PRIVATE_MODE, atomic_write, ensure_dir, fsync_dir
+from safeinstall.store.state import (
+    PRIVATE_MODE,
+    StateDirError,
+    atomic_write,
+    ensure_dir,
+    fsync_dir,
+    read_private_file,
+)
 from safeinstall.system import worker
 from safeinstall.system.safefs import NotRegularFile, Tree, only_caller_writes, parent_directories
 
 MANIFEST_NAME = "manifest.json"
+#: The most bytes a manifest may have: a million files' entries (a few hundred bytes each), with room.
+MANIFEST_LIMIT = 1 << 30
 FILES_DIR = "files"
 PRUNED_DIR = "pruned"  # leftovers removed by --prune after a good install
 MANIFEST_VERSION = 1
@@ -313,6 +322,40 @@ def disk_space_needed(
     return sum(_blocks(info) + 512 for info in _lstats(items)) + _BLOCK  # + a manifest line each
 
 
+def disk_space_copied(
+    dists: Sequence[InstalledDistribution],
+    env: Environment,
+    installed: Sequence[InstalledDistribution],
+    backups: Path,
+) -> int:
+    """Bytes of new room a backup of ``dists`` under ``backups`` takes: the files it copies (any on
+    another filesystem, files in no RECORD, inodes another user can write), each rounded up to blocks,
+    plus the manifest; a RECORD entry it hardlinks takes none (it keeps the old inode, which the
+    uninstall then does not free). ``installed``: as for :func:`package_roots`."""
+    items, _outside, _roots = _collect(env, dists, installed)
+    device = _device(backups)
+    total = _BLOCK
+    for item in items:
+        with contextlib.suppress(OSError):
+            info = os.lstat(item.source)
+            linked = (
+                item.in_record
+                and stat.S_ISREG(info.st_mode)
+                and info.st_dev == device
+                and only_caller_writes(info)
+            )
+            total += 512 + (0 if linked else _blocks(info))
+    return total
+
+
+def _device(path: Path) -> int:
+    """The device of ``path``, or of its nearest existing parent."""
+    probe = Path(os.path.abspath(path))
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return probe.stat().st_dev
+
+
 def disk_space_freed(
     dists: Sequence[InstalledDistribution],
     env: Environment,
@@ -555,16 +598,20 @@ def create_backup(
 
 
 def load_backup(backup_dir: Path) -> Backup:
-    """Read a backup's manifest. Raises BackupError when it is missing (incomplete backup) or damaged."""
+    """Read a backup's manifest as every state file is (:func:`~safeinstall.store.state.read_private_file`:
+    no symlink followed, at most :data:`MANIFEST_LIMIT`). Raises BackupError when it is missing (an
+    incomplete backup), not believed, or damaged."""
     path = backup_dir / MANIFEST_NAME
     try:
-        raw = path.read_bytes()
+        raw = read_private_file(path, MANIFEST_LIMIT)
     except FileNotFoundError as exc:
         raise BackupError(
             f"{backup_dir} holds no {MANIFEST_NAME}: the backup was never completed",
             hint="nothing was installed from an incomplete backup's run; if files were changed by hand, "
             "reinstall the package with uv",
         ) from exc
+    except StateDirError as exc:
+        raise BackupError(exc.message, hint=exc.hint) from exc
     except OSError as exc:
         raise BackupError(
             f"cannot read {path}: {exc.strerror or exc}", hint="run as the user that took the backup (root)"

@@ -23,6 +23,7 @@ from safeinstall.store.state import (
     read_private_file,
     trusted_environment_state,
 )
+from safeinstall.system.fields import nonempty_text
 
 BASELINE_NAME = "baseline.json"
 #: the most bytes a baseline may have (one line per file a wheel's RECORD is wrong about: a few)
@@ -50,17 +51,10 @@ def to_dict(baseline: Baseline) -> dict[str, Any]:
     }
 
 
-def _text(data: Mapping[str, Any], key: str) -> str:
-    value = data.get(key)
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{key} must be a non-empty string")
-    return value
-
-
 def _vouched(data: Any) -> Vouched:
     if not isinstance(data, dict):
         raise ValueError("each distribution must be an object")
-    dist_info, run_id = _text(data, "dist_info"), _text(data, "run_id")
+    dist_info, run_id = nonempty_text(data, "dist_info"), nonempty_text(data, "run_id")
     if not os.path.isabs(dist_info) or os.path.normpath(dist_info) != dist_info:
         raise ValueError(f"dist_info {dist_info!r} is not a normalised absolute path")
     if not is_run_id(run_id):
@@ -75,7 +69,11 @@ def _vouched(data: Any) -> Vouched:
             raise ValueError(f"{location!r} is not a normalised absolute path")
         if not key.startswith(("sha256=", "sha384=", "sha512=")):
             raise ValueError(f"{location!r}: {key!r} is not the state of a regular file")
-    version, record, wheel = _text(data, "version"), _text(data, "record"), _text(data, "wheel")
+    version, record, wheel = (
+        nonempty_text(data, "version"),
+        nonempty_text(data, "record"),
+        nonempty_text(data, "wheel"),
+    )
     return Vouched(version, dist_info, record, run_id, wheel, files)
 
 

@@ -19,9 +19,8 @@ from safeinstall.env.verified import HIGHEST, LOWEST
 from safeinstall.store.state import (
     StateDirError,
     atomic_write,
-    check_trusted,
     ensure_environment_dir,
-    read_private_file,
+    load_store,
     trusted_environment_state,
 )
 from safeinstall.store.verified import boot_id
@@ -94,21 +93,11 @@ def read_judged(
     boot = boot_id()
     if boot is None:
         return None, None
-    state = trusted_environment_state(root, prefix)
-    try:
-        check_trusted(root)
-        if state.problem is not None:
-            return None, None
-        raw = read_private_file(state.dir / STORE_NAME, STORE_LIMIT)
-        return from_json(raw, os.fspath(prefix), boot, time.time_ns()), None
-    except FileNotFoundError:
-        return {}, None
-    except StateDirError as exc:
-        return None, f"the store of judged bytecode was not used: {exc.message}"
-    except (ValueError, UnicodeError, RecursionError):
-        return {}, None
-    except OSError as exc:
-        return None, f"the store of judged bytecode could not be read ({exc.strerror or exc})"
+
+    def parse(raw: bytes) -> dict[tuple[int, int], tuple[Judged, int]]:
+        return from_json(raw, os.fspath(prefix), boot, time.time_ns())
+
+    return load_store(root, prefix, STORE_NAME, STORE_LIMIT, parse, {}, "the store of judged bytecode")
 
 
 def keep_judged(

@@ -24,16 +24,18 @@ from safeinstall.store.state import (
     atomic_write,
     environment_key,
     fsync_dir,
+    is_run_id,
     read_private_file,
 )
 from safeinstall.system.cgroups import valid_unit_name
+from safeinstall.system.fields import field as _get
+from safeinstall.system.fields import list_of as _list_of
 from safeinstall.system.gate import GATE_DROPIN
 from safeinstall.system.identity import ProcessId
 
 JOURNAL_VERSION = 1
 #: A journal holds a plan and a history: kilobytes. Anything larger was not written by safeinstall.
 JOURNAL_MAX_BYTES = 1024 * 1024
-_RUN_ID = re.compile(r"\d{8}T\d{6}Z-\d+")
 _INTERPRETER = re.compile(r"python[0-9.]*")
 _TMP_PREFIX = f".{JOURNAL_FILE}."
 
@@ -248,28 +250,6 @@ class _Bad(ValueError):
     pass
 
 
-def _get(data: dict[str, Any], key: str, kind: type, optional: bool = False) -> Any:
-    if key not in data:
-        if optional:
-            return None
-        raise _Bad(f"{key!r} is missing")
-    value = data[key]
-    if value is None and optional:
-        return None
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise _Bad(f"{key!r} has the wrong type ({type(value).__name__})")
-    return value
-
-
-def _list_of(data: dict[str, Any], key: str, kind: type) -> list[Any]:
-    values = data.get(key, [])
-    if not isinstance(values, list) or not all(
-        isinstance(v, kind) and (kind is bool or not isinstance(v, bool)) for v in values
-    ):
-        raise _Bad(f"{key!r} must be a list of {kind.__name__}")
-    return values
-
-
 def _process(pid: int, start: int | None) -> ProcessId:
     try:
         return ProcessId.checked(pid, start)
@@ -356,7 +336,7 @@ def journal_problems(
         problems.append(
             f"its python {journal.python!r} is not the interpreter of {prefix} (PREFIX/bin/python*)"
         )
-    if not _RUN_ID.fullmatch(journal.run_id):
+    if not is_run_id(journal.run_id):
         problems.append(f"its run id {journal.run_id!r} is not one safeinstall makes")
     elif journal.backup_dir is not None and journal.backup_dir != str(envdir / BACKUPS_DIR / journal.run_id):
         problems.append(

@@ -11,6 +11,8 @@ from typing import Any
 
 from safeinstall.errors import PreparedRunError
 from safeinstall.store.state import PREPARED_FILE, EnvironmentState, atomic_write, read_private_file
+from safeinstall.system.fields import optional_text as _optional
+from safeinstall.system.fields import typed as _typed
 
 PREPARED_VERSION = 1
 #: A record holds the identities of the package's files and of its staged tree: vLLM's 60k lines fit.
@@ -90,16 +92,6 @@ class PreparedRecord:
                 f"the prepared run's record is damaged: {exc}",
                 hint="safeinstall --discard --python PY drops the prepared run; then prepare again",
             ) from exc
-
-
-def _typed(value: Any, kind: type | tuple[type, ...]) -> Any:
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise TypeError(f"{value!r} is not a {kind}")
-    return value
-
-
-def _optional(value: Any) -> str | None:
-    return None if value is None else str(_typed(value, str))
 
 
 def _pair(value: Any) -> tuple[int, int]:

@@ -7,7 +7,6 @@ decisions: :mod:`safeinstall.env.recorded`.
 from __future__ import annotations
 
 import base64
-import binascii
 import json
 import os
 import re
@@ -15,13 +14,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from safeinstall.env.containment import base
 from safeinstall.env.recorded import KeptRecord
 from safeinstall.store.state import (
     StateDirError,
     atomic_write,
-    check_trusted,
     ensure_environment_dir,
-    read_private_file,
+    load_store,
     trusted_environment_state,
 )
 
@@ -41,7 +40,7 @@ def from_json(raw: bytes, prefix: str) -> dict[str, KeptRecord]:
     records = document.get("records")
     if not isinstance(records, dict):
         raise ValueError("no records")
-    below = prefix.rstrip("/") + "/"
+    below = base(prefix)
     found: dict[str, KeptRecord] = {}
     for dist_info, value in records.items():
         if (
@@ -75,21 +74,14 @@ def to_json(prefix: str, records: Mapping[str, KeptRecord]) -> bytes:
 def read_records(root: Path, prefix: Path) -> tuple[dict[str, KeptRecord] | None, str | None]:
     """The RECORDs kept for the environment ({} when none, or damaged: written anew), with a note when
     the store was refused; None when the state directory is not trusted (nothing is kept then)."""
-    state = trusted_environment_state(root, prefix)
-    try:
-        check_trusted(root)
-        if state.problem is not None:
-            return None, None
-        raw = read_private_file(state.dir / STORE_NAME, STORE_LIMIT)
-        return from_json(raw, os.fspath(prefix)), None
-    except FileNotFoundError:
-        return {}, None
-    except StateDirError as exc:
-        return None, f"the store of RECORDs found clean was not used: {exc.message}"
-    except (ValueError, UnicodeError, binascii.Error, RecursionError):
-        return {}, "the store of RECORDs found clean was damaged: written anew"
-    except OSError as exc:
-        return None, f"the store of RECORDs found clean could not be read ({exc.strerror or exc})"
+    what = "the store of RECORDs found clean"
+
+    def parse(raw: bytes) -> dict[str, KeptRecord]:
+        return from_json(raw, os.fspath(prefix))
+
+    return load_store(
+        root, prefix, STORE_NAME, STORE_LIMIT, parse, {}, what, damaged=f"{what} was damaged: written anew"
+    )
 
 
 def keep_records(

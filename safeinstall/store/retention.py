@@ -8,27 +8,22 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import sys
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from safeinstall.store.backup import MANIFEST_LIMIT, MANIFEST_NAME
 from safeinstall.store.runlog import human_bytes
+from safeinstall.store.state import StateDirError, is_run_id, read_private_file
 
 #: Backups kept per environment unless ``--keep-backups`` says otherwise.
 DEFAULT_KEEP = 3
-#: A run id as :func:`safeinstall.store.state.new_run_id` makes it: ``20261130T041125Z-19214``.
-_RUN_ID = re.compile(r"\d{8}T\d{6}Z-\d+")
 #: the status of a run that put back what it saved: its backup is no way back, and goes
 ROLLED_BACK = "rolled-back"
 #: a good run, and one whose end is not known (the history keeps the newest 20): counted under keep
 _COUNTED = frozenset({"done", ""})
-
-
-def is_run_id(name: str) -> bool:
-    return _RUN_ID.fullmatch(name) is not None
 
 
 def backups_to_remove(
@@ -116,9 +111,9 @@ def kept_backups(backups: Path) -> tuple[KeptBackup, ...]:
         if not is_run_id(name):
             continue
         try:
-            data = json.loads((backups / name / "manifest.json").read_bytes())
+            data = json.loads(read_private_file(backups / name / MANIFEST_NAME, MANIFEST_LIMIT))
             size = sum(int(f.get("size", 0)) for f in data.get("files", ()) if isinstance(f, dict))
-        except (OSError, ValueError, TypeError, AttributeError):
+        except (OSError, StateDirError, ValueError, TypeError, AttributeError):
             size = 0
         found.append(KeptBackup(backups / name, size))
     return tuple(found)
@@ -135,3 +130,36 @@ def kept_note(kept: tuple[KeptBackup, ...], keep: int) -> str | None:
         f"{oldest.path.parent} (--keep-backups {keep}; the oldest, {oldest.path.name}, "
         f"{human_bytes(oldest.bytes)})"
     )
+
+
+def backups_to_drop(kept: tuple[KeptBackup, ...], short: int) -> tuple[KeptBackup, ...] | None:
+    """Pure: the fewest of the ``kept`` backups (oldest first, as listed) whose removal frees ``short``
+    bytes; None when even all of them do not (nothing is chosen where nothing is short)."""
+    if short <= 0:
+        return ()
+    chosen: list[KeptBackup] = []
+    for backup in kept:
+        chosen.append(backup)
+        if sum(k.bytes for k in chosen) >= short:
+            return tuple(chosen)
+    return None
+
+
+def drop_said(kept: tuple[KeptBackup, ...], short: int, prefix: str) -> str:
+    """Pure: what a refusal for room says of the kept backups (``short`` bytes missing): which to drop
+    (the oldest first) and the exact command for each, or that dropping them all would not do; "" when
+    there are none. The newest is named only where the older ones are not enough (it is ``--undo``'s
+    way back)."""
+    if not kept:
+        return ""
+    total = sum(k.bytes for k in kept)
+    held = f"the {len(kept)} kept backup(s) of this environment hold {human_bytes(total)}"
+    chosen = backups_to_drop(kept, short)
+    if chosen is None:
+        return f"{held}: even without them it would not fit"
+    if not chosen:
+        return held
+    names = ", ".join(f"{k.path.name} ({human_bytes(k.bytes)})" for k in chosen)
+    commands = " && ".join(f"safeinstall --forget --python {prefix} --run {k.path.name}" for k in chosen)
+    newest = " (the newest: --undo's way back)" if chosen[-1] == kept[-1] else ""
+    return f"{held}; dropping {names}{newest} makes the room: {commands}"

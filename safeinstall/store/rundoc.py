@@ -8,39 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
+
+from safeinstall.system.fields import check as _check
+from safeinstall.system.fields import is_number as _is_number
+from safeinstall.system.fields import objects as _objects
+from safeinstall.system.fields import text as _text
+from safeinstall.system.fields import text_or_none as _text_or_none
+from safeinstall.system.fields import texts as _texts
 
 #: ``safeinstall_result_version``: changes only when a field is removed or changes meaning.
 RESULT_VERSION = 1
-
-T = TypeVar("T")
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _check(value: object, ok: Callable[[object], bool], what: str) -> Any:
-    if not ok(value):
-        raise ValueError(f"{what}: {type(value).__name__} where the document has another type")
-    return value
-
-
-def _text(value: object, what: str) -> str:
-    return str(_check(value, lambda v: isinstance(v, str), what))
-
-
-def _text_or_none(value: object, what: str) -> str | None:
-    return None if value is None else _text(value, what)
-
-
-def _texts(value: object, what: str) -> tuple[str, ...]:
-    return tuple(_text(v, what) for v in _check(value, lambda v: isinstance(v, list), what))
-
-
-def _objects(value: object, what: str, read: Callable[[Mapping[str, Any]], T]) -> tuple[T, ...]:
-    items = _check(value, lambda v: isinstance(v, list), what)
-    return tuple(read(_check(v, lambda o: isinstance(o, dict), what)) for v in items)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

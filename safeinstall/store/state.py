@@ -15,10 +15,11 @@ import re
 import stat
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TypeVar
 
 from safeinstall.env.environment import Account
 from safeinstall.errors import SafeInstallError, UsageError
@@ -26,6 +27,7 @@ from safeinstall.system.safefs import (
     Tree,
     UntrustedFile,
     describe,
+    only_caller_writes,
     others_who_write,
     permitted,
     read_trusted,
@@ -542,6 +544,55 @@ def trusted_environment_state(root: Path, prefix: Path) -> EnvironmentState:
     """:func:`environment_state`, with the ``problem`` of its directory if it is not trusted."""
     state = environment_state(root, prefix)
     return replace(state, problem=directory_problem(state.dir))
+
+
+T = TypeVar("T")
+
+
+def load_store(
+    root: Path,
+    prefix: Path,
+    name: str,
+    limit: int,
+    parse: Callable[[bytes], T],
+    empty: T,
+    what: str,
+    *,
+    damaged: str | None = None,
+    oversize: str | None = None,
+    say_problem: bool = False,
+) -> tuple[T | None, str | None]:
+    """A kept store of ``prefix``'s state directory, read by :func:`read_private_file`, parsed by ``parse``:
+    ``empty`` when absent, damaged (note ``damaged``) or only over ``limit`` (note ``oversize``); None and
+    a note when not believed or unreadable; (None, None) for an untrusted directory unless ``say_problem``."""
+    state = trusted_environment_state(root, prefix)
+    path = state.dir / name
+    try:
+        check_trusted(root)
+        if state.problem is not None:
+            if not say_problem:
+                return None, None
+            raise StateDirError(f"its directory {state.dir}: {state.problem}")
+        return parse(read_private_file(path, limit)), None
+    except FileNotFoundError:
+        return empty, None
+    except StateDirError as exc:
+        if oversize is not None and _only_too_large(path, limit):
+            return empty, oversize
+        return None, f"{what} was not used: {exc.message}"
+    except (ValueError, RecursionError):
+        return empty, damaged
+    except OSError as exc:
+        return None, f"{what} could not be read ({exc.strerror or exc})"
+
+
+def _only_too_large(path: Path, limit: int) -> bool:
+    """``path`` is a regular file of this process's account, written by nobody else, only too large."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(info.st_mode) and only_caller_writes(info) and info.st_size > limit
 
 
 def list_environment_dirs(root: Path) -> list[EnvironmentState]:

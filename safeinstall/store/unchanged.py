@@ -11,12 +11,12 @@ import binascii
 import contextlib
 import json
 import os
-import stat
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from safeinstall.env.containment import is_below
 from safeinstall.env.unchanged import (
     FILE_IDENTITY,
     DirIdentity,
@@ -30,9 +30,8 @@ from safeinstall.env.verified import HIGHEST, LOWEST
 from safeinstall.store.state import (
     StateDirError,
     atomic_write,
-    check_trusted,
     ensure_environment_dir,
-    read_private_file,
+    load_store,
     trusted_environment_state,
 )
 from safeinstall.store.verified import boot_id
@@ -66,7 +65,7 @@ def _path(value: object, prefix: str | None = None) -> str:
         or os.path.normpath(value) != value
     ):
         raise ValueError("not an absolute, normal path")
-    if prefix is not None and value != prefix and not value.startswith(prefix.rstrip("/") + "/"):
+    if prefix is not None and value != prefix and not is_below(value, prefix):
         raise ValueError(f"{value} is not within {prefix}")
     return value
 
@@ -159,41 +158,15 @@ def read_unchanged(root: Path, prefix: Path) -> tuple[UnchangedStore | None, str
     boot = boot_id()
     if boot is None:
         return None, None
-    state = trusted_environment_state(root, prefix)
+    what = "the store of clean distributions"
+    oversize = f"{what} was larger than {STORE_LIMIT} bytes: written anew"  # root's own, too large
+
+    def parse(raw: bytes) -> UnchangedStore:
+        return from_json(raw, os.fspath(prefix), boot, time.time_ns())
+
+    # damaged, or another boot's: checked as before, and written anew
     empty = UnchangedStore(os.fspath(prefix), boot, {}, {})
-    try:
-        check_trusted(root)
-        if state.problem is not None:
-            return None, None
-        raw = read_private_file(state.dir / STORE_NAME, STORE_LIMIT)
-        return from_json(raw, os.fspath(prefix), boot, time.time_ns()), None
-    except FileNotFoundError:
-        return empty, None
-    except StateDirError as exc:
-        if _too_large(state.dir / STORE_NAME):  # root's own, too large: written anew
-            return (
-                empty,
-                f"the store of clean distributions was larger than {STORE_LIMIT} bytes: written anew",
-            )
-        return None, f"the store of clean distributions was not used: {exc.message}"
-    except (ValueError, UnicodeError, binascii.Error, RecursionError):
-        return empty, None  # damaged, or another boot's: checked as before, and written anew
-    except OSError as exc:
-        return None, f"the store of clean distributions could not be read ({exc.strerror or exc})"
-
-
-def _too_large(path: Path) -> bool:
-    """``path`` is a regular file of this process's account, written by nobody else, only too large."""
-    try:
-        info = os.lstat(path)
-    except OSError:
-        return False
-    return (
-        stat.S_ISREG(info.st_mode)
-        and info.st_uid == os.geteuid()
-        and not info.st_mode & 0o022
-        and info.st_size > STORE_LIMIT
-    )
+    return load_store(root, prefix, STORE_NAME, STORE_LIMIT, parse, empty, what, oversize=oversize)
 
 
 def keep_unchanged(

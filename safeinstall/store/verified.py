@@ -30,9 +30,8 @@ from safeinstall.store.state import (
     EnvironmentState,
     StateDirError,
     atomic_write,
-    check_trusted,
     ensure_environment_dir,
-    read_private_file,
+    load_store,
     trusted_environment_state,
 )
 
@@ -194,22 +193,13 @@ def read_store(root: Path, prefix: Path) -> tuple[InodeStore | None, str | None]
     boot = boot_id()
     if boot is None:
         return None, "this boot's id is not known: every file is read"
-    state = trusted_environment_state(root, prefix)
-    empty = InodeStore(os.fspath(prefix), boot, {})
-    try:
-        check_trusted(root)
-        if state.problem is not None:
-            raise StateDirError(f"its directory {state.dir}: {state.problem}")
-        raw = read_private_file(store_file(state), STORE_LIMIT)
-        return from_bytes(raw, os.fspath(prefix), boot, time.time_ns()), None
-    except FileNotFoundError:
-        return empty, None
-    except StateDirError as exc:
-        return None, f"the verified-inode store was not used: {exc.message}"
-    except (ValueError, UnicodeError):
-        return empty, None  # damaged, or another boot's: everything is read, and it is written anew
-    except OSError as exc:
-        return None, f"the verified-inode store could not be read ({exc.strerror or exc})"
+    empty = InodeStore(os.fspath(prefix), boot, {})  # damaged, or another boot's: written anew
+
+    def parse(raw: bytes) -> InodeStore:
+        return from_bytes(raw, os.fspath(prefix), boot, time.time_ns())
+
+    what = "the verified-inode store"
+    return load_store(root, prefix, STORE_NAME, STORE_LIMIT, parse, empty, what, say_problem=True)
 
 
 def _fstatfs_magic(fd: int) -> int | None:

@@ -131,19 +131,46 @@ def others_who_write(
     ``group_root_is_root`` False (root's own state): a write by gid 0 counts as another's
     (docs/threat-model.md).
     """
-    if mode & stat.S_IWOTH:
+    if everyone_may_write(mode):
         return "every user"
-    if mode & stat.S_IWGRP and (gid != 0 or not group_root_is_root):
+    if group_may_write(mode) and (gid != 0 or not group_root_is_root):
         return f"group {gid}"
     groups = sorted(set(acl_groups) - {0})
     return f"group(s) {groups} (its ACL)" if groups else None
+
+
+def group_may_write(mode: int) -> bool:
+    """Pure: the group write bit; with an access ACL it is the ACL's mask, which every named user's and
+    group's write passes through (without it no ACL entry can write)."""
+    return bool(mode & stat.S_IWGRP)
+
+
+def everyone_may_write(mode: int) -> bool:
+    """Pure: the others' write bit: every user may write."""
+    return bool(mode & stat.S_IWOTH)
+
+
+def others_may_write(mode: int) -> bool:
+    """Pure: anyone but the owner (and root) may write through ``mode``: a group, an ACL entry, everyone."""
+    return group_may_write(mode) or everyone_may_write(mode)
+
+
+def owner_alone_writes(uid: int, mode: int, owner: int) -> bool:
+    """Pure: the one owner-plus-mode rule: ``owner`` owns the inode (``uid``) and nobody else may write
+    it through ``mode`` (:func:`others_may_write`, root's group included)."""
+    return uid == owner and not others_may_write(mode)
+
+
+def private_to(uid: int, mode: int, owner: int) -> bool:
+    """Pure: ``owner`` owns the inode and nobody else may read, write or search it (no group or other bit)."""
+    return uid == owner and not mode & 0o077
 
 
 def only_caller_writes(info: os.stat_result) -> bool:
     """Pure: the one rule that nobody but the caller can write this inode: the caller's own, and no group
     or other write bit (root's group included). What root keeps, copies or removes on that ground (a
     backup's hardlink, a staging tree, a cache copied into a run, a detached run's directory) passes it."""
-    return info.st_uid == os.geteuid() and not info.st_mode & 0o022
+    return owner_alone_writes(info.st_uid, info.st_mode, os.geteuid())
 
 
 class UntrustedFile(OSError):

@@ -1,6 +1,6 @@
 """Test-bed callback for ansible-playbook: every task result of every host, one JSON line each, in the
-file named by ``SAFEINSTALL_TEST_RECORD``. The tests read what each module returned from here, not from
-the human output."""
+file named by ``SAFEINSTALL_TEST_RECORD``, in the order the controller saw them, and each task's start
+on each host. The tests read what each module returned from here, not from the human output."""
 
 from __future__ import annotations
 
@@ -24,15 +24,23 @@ class CallbackModule(CallbackBase):
     CALLBACK_NAME = "safeinstall_record"
     CALLBACK_NEEDS_ENABLED = True
 
-    def _record(self, outcome: str, result: Any) -> None:
-        line = {
-            "host": result._host.get_name(),
-            "task": result._task.get_name(),
-            "outcome": outcome,
-            "result": dict(result._result),
-        }
+    def _write(self, line: dict[str, Any]) -> None:
         with open(os.environ["SAFEINSTALL_TEST_RECORD"], "a", encoding="utf-8") as sink:
             sink.write(json.dumps(line, default=str) + "\n")
+
+    def _record(self, outcome: str, result: Any) -> None:
+        self._write(
+            {
+                "host": result._host.get_name(),
+                "task": result._task.get_name(),
+                "outcome": outcome,
+                "result": dict(result._result),
+            }
+        )
+
+    def v2_runner_on_start(self, host: Any, task: Any) -> None:
+        """A task handed to a worker for a host: the record's order shows which ran side by side."""
+        self._write({"host": host.get_name(), "task": task.get_name(), "outcome": "started"})
 
     def v2_runner_on_ok(self, result: Any) -> None:
         self._record("ok", result)

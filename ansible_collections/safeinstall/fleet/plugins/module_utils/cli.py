@@ -81,6 +81,84 @@ def _value(value: Any) -> str:
     return format(value, "g") if isinstance(value, float) else str(value)
 
 
+#: The phases of the reinstall module (its ``phase`` option): a whole run, or its two halves and the
+#: discard of a prepared run (safeinstall's docs/prepare.md)
+PHASES = ("run", "prepare", "commit", "discard")
+#: The options of the window and after: the commit takes them, the prepare not (safeinstall refuses them)
+WINDOW_KEYS = ("stop_timeout", "gpu_timeout", "settle", "health_url", "health_timeout")
+#: The options a prepare fixes: a commit or a discard takes none of them
+PREPARED_KEYS = (
+    "requirement",
+    "wheel",
+    "with_deps",
+    "kill_strays",
+    "prune",
+    "keep_patches",
+    "no_swap",
+    "no_smoke",
+    "keep_backups",
+    "undo",
+    "undo_run",
+)
+
+
+def _given(params: Mapping[str, Any], keys: Sequence[str]) -> list[str]:
+    """The options of ``keys`` set to something other than their default (None, false)."""
+    return [key for key in keys if params.get(key) not in (None, False)]
+
+
+def _refused(phase: str, given: Sequence[str], why: str) -> CommandError:
+    return CommandError(f"phase={phase} does not take {', '.join(given)}: {why}")
+
+
+def phase_argv(executable: Sequence[str], params: Mapping[str, Any], check_mode: bool) -> list[str]:
+    """The command line of the reinstall module's ``phase``: ``run`` (:func:`reinstall_argv`),
+    ``prepare`` (``--prepare``; in check mode the run's ``--dry-run``), ``commit`` (``--commit`` with
+    the window's options only), ``discard``. A commit or a discard has no check mode of its own: the
+    module reads ``--status`` for it (:func:`status_argv`)."""
+    phase = params.get("phase") or "run"
+    if phase not in PHASES:
+        raise CommandError(f"phase must be one of {', '.join(PHASES)}, not {phase!r}")
+    if params.get("prepared_max_age") is not None and phase != "commit":
+        raise CommandError("prepared_max_age goes with phase=commit")
+    if phase == "run":
+        return reinstall_argv(executable, params, check_mode)
+    if phase == "prepare":
+        if _given(params, ("undo", "undo_run")):
+            raise _refused(phase, _given(params, ("undo", "undo_run")), "an undo is a whole run")
+        window = _given(params, WINDOW_KEYS)
+        if window:
+            raise _refused(phase, window, "they are the window's, give them to phase=commit")
+        argv = reinstall_argv(executable, params, check_mode)
+        if not check_mode:
+            argv.insert(len(executable) + 3, "--prepare")  # after NAME --json --yes
+        return argv
+    fixed = _given(params, PREPARED_KEYS)
+    if fixed:
+        raise _refused(phase, fixed, "the prepare fixed them")
+    if params.get("name") is not None:
+        _checked_name(params["name"])
+    python = [f"--python={params['python']}"] if params.get("python") else []
+    if phase == "discard":
+        window = _given(params, WINDOW_KEYS)
+        if window:
+            raise _refused(phase, window, "nothing is stopped")
+        return [*executable, "--discard", "--json", *python]
+    user = ["--user"] if params.get("user") else []
+    values = [
+        f"{flag}={_value(params[key])}"
+        for key, flag in (*REINSTALL_VALUES, ("prepared_max_age", "--prepared-max-age"))
+        if key in (*WINDOW_KEYS, "prepared_max_age") and params.get(key) is not None
+    ]
+    return [*executable, "--commit", "--json", "--yes", *python, *values, *user]
+
+
+def status_argv(executable: Sequence[str], params: Mapping[str, Any]) -> list[str]:
+    """``--status --json`` of the module's environment: is a run prepared there, and of what."""
+    python = [f"--python={params['python']}"] if params.get("python") else []
+    return [*executable, "--status", "--json", *python]
+
+
 def reinstall_argv(executable: Sequence[str], params: Mapping[str, Any], check_mode: bool) -> list[str]:
     """The one command line of the reinstall module; in check mode, its ``--dry-run``. With ``undo``:
     ``--undo`` (of the last run, or of ``undo_run``), ``name`` a guard (the run must be of it)."""
@@ -221,6 +299,72 @@ def reinstall_outcome(rc: int, result: Mapping[str, Any] | None, stderr: str, ch
     return Outcome(True, False, status, f"safeinstall exited {rc}: {_errors(result) or status}")
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """The prepared run of the module's environment, as ``--status --json`` lists it."""
+
+    run_id: str
+    package: str | None
+    changes: tuple[str, ...]
+    units: tuple[str, ...]
+
+
+def prepared_of(status: Mapping[str, Any] | None) -> tuple[Prepared, ...]:
+    """Every prepared run a ``--status --json`` result lists (one per environment that has one)."""
+    found = []
+    for env in ((status or {}).get("data") or {}).get("environments") or []:
+        prepared = env.get("prepared")
+        if isinstance(prepared, Mapping):
+            found.append(
+                Prepared(
+                    str(prepared.get("run_id")),
+                    env.get("package"),
+                    tuple(str(c) for c in prepared.get("changes") or ()),
+                    tuple(str(u) for u in prepared.get("units") or ()),
+                )
+            )
+    return tuple(found)
+
+
+def prepared_problem(name: str | None, found: Sequence[Prepared]) -> str | None:
+    """Why a commit or discard must not take the prepared run: one of another package than ``name``
+    (the play's guard; None: any package), or several environments without ``python``."""
+    if len(found) > 1:
+        return f"{len(found)} environments have a prepared run: name one with python"
+    package = found[0].package if found else None
+    if name is not None and package is not None and canonical_name(package) != canonical_name(name):
+        return f"the prepared run {found[0].run_id} is of {found[0].package}, not {name}"
+    return None
+
+
+def phase_outcome(
+    phase: str, rc: int, result: Mapping[str, Any] | None, stderr: str, check_mode: bool
+) -> Outcome:
+    """A prepare: exit 0 is changed (a prepared run is there; nothing stopped); a commit maps as a run
+    (:func:`reinstall_outcome`); a discard: exit 0 is changed; 2 failed (none, or several)."""
+    if phase == "prepare" and rc == 0 and not check_mode and result is not None:
+        plan = plan_of(result) or {}
+        units = ", ".join(_units(plan)) or "no unit"
+        if result.get("status") != "prepared":
+            return Outcome(True, False, str(result.get("status")), "safeinstall did not prepare")
+        return Outcome(
+            False,
+            True,
+            "prepared",
+            f"prepared {_versions(plan)}; nothing stopped; the commit restarts {units}",
+        )
+    if phase == "discard" and result is not None:
+        status = str(result.get("status", "error"))
+        if rc == 0:
+            dropped = (result.get("data") or {}).get("discarded") or {}
+            changes = "; ".join(dropped.get("changes") or ())
+            return Outcome(
+                False, True, status, f"discarded the prepared run {dropped.get('run_id')} ({changes})"
+            )
+        return Outcome(True, False, status, f"could not discard: {_errors(result) or status}")
+    return reinstall_outcome(rc, result, stderr, check_mode)
+
+
 def plan_diff(plan: Mapping[str, Any]) -> dict[str, str]:
     """Ansible's diff of a plan: each distribution's old -> new version, and the units restarted."""
     before, after = [], []
@@ -258,7 +402,7 @@ DRIFT_KINDS = (
     "mode",
     "record-changed",
 )
-WARNING_KINDS = ("hardlinked", "wheel-record", "shared", "dpkg-intact")
+WARNING_KINDS = ("hardlinked", "wheel-record", "shared", "dpkg-intact", "wheel-fault")
 
 
 def finding_counts(result: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
@@ -288,15 +432,18 @@ def drift_findings(result: Mapping[str, Any] | None) -> list[Mapping[str, Any]]:
 
 
 def verify_outcome(rc: int, result: Mapping[str, Any] | None, stderr: str, fail_on_drift: bool) -> Outcome:
-    """Never changed. Exit 0: clean; 1: drift, failed only with ``fail_on_drift``; else failed."""
+    """Never changed. Exit 0: clean; 1: drift, failed only with ``fail_on_drift``; 5: no drift, a
+    wheel's fault not acknowledged (said, not failed); else failed."""
     if result is None:
         return _no_result(rc, stderr)
     status = str(result.get("status", "error"))
-    if rc in (0, 1):
+    if rc in (0, 1, 5):
         drift = drift_findings(result)
         summary = (result.get("data") or {}).get("summary") or {}
         if not drift:
-            return Outcome(False, False, status, f"no drift in {summary.get('files_checked', 0)} files")
+            faults = int(summary.get("wheel_faults") or 0)
+            said = f"; {faults} wheel-fault(s) not acknowledged" if faults else ""
+            return Outcome(False, False, status, f"no drift in {summary.get('files_checked', 0)} files{said}")
         listed = "; ".join(f"{f['kind']} {f['path']}" for f in drift[:5])
         more = f" and {len(drift) - 5} more" if len(drift) > 5 else ""
         return Outcome(fail_on_drift, False, status, f"{len(drift)} drifted: {listed}{more}")

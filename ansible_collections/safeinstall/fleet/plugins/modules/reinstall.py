@@ -20,15 +20,49 @@ description:
   - In check mode it runs C(--dry-run) and reports changed when the run would stop or install anything.
     A plan that would refuse fails, as the real run would.
   - In diff mode it shows each distribution's old and new version and the units that are restarted.
-  - Run it with C(serial) and C(max_fail_percentage=0) for a rolling upgrade that stops at the first
-    host that fails (see the collection's C(examples/rolling-upgrade.yml)).
+  - With O(phase), a run is done in two halves, as C(safeinstall --prepare) then C(safeinstall --commit).
+    V(prepare) does everything before the stop while the service serves (the checks, the backup, the new
+    version staged and imported), on every host at once; V(commit) does only the window and what follows,
+    one host (or C(serial) batch) at a time; V(discard) drops a prepared run that is not to be committed.
+  - A rolling upgrade prepares every host in parallel, then commits with C(serial) and
+    C(max_fail_percentage=0), stopping at the first host whose commit fails, and discards the prepared
+    runs left (see the collection's C(examples/rolling-upgrade.yml)).
   - Values are passed to safeinstall as one argument each; nothing goes through a shell.
 options:
   name:
     description:
-      - The distribution to reinstall, for example V(vllm).
+      - The distribution to reinstall, for example V(vllm). Required for O(phase=run) and O(phase=prepare).
+      - With O(phase=commit) or O(phase=discard), a guard; the prepared run must be of this package, or
+        nothing is done (failed). Without it, the environment's prepared run is taken, whatever its package.
     type: str
-    required: true
+  phase:
+    description:
+      - V(run) reinstalls in one go (prepare and commit in one).
+      - V(prepare) runs C(safeinstall --prepare), everything up to and including the smoke check, and
+        keeps the run for the commit. Nothing is stopped or changed in place. The result is V(changed=true),
+        because a prepared run is now on the host (its backup, staged tree and journal) until committed or
+        discarded. It takes the options of the run but not those of the window (O(stop_timeout),
+        O(gpu_timeout), O(settle), O(health_url), O(health_timeout)), which go to the commit.
+      - V(commit) runs C(safeinstall --commit) on the environment's prepared run. It checks that nothing
+        the run depends on changed since the prepare, then the stop, the swap, the restart and the checks
+        after. It takes O(python), O(user), the window's options and O(prepared_max_age), nothing that the
+        prepare fixed (O(wheel), O(requirement), O(with_deps), and so on). It maps as a run. Exit 0 is
+        V(changed=true); 2 fails with C(refused, nothing changed), for example when something changed since
+        the prepare, and the prepared run stays (discard it); 3 fails with C(rolled back).
+      - V(discard) runs C(safeinstall --discard). Exit 0 is V(changed=true) (RV(status=discarded)). With no
+        prepared run there, nothing is run and the result is ok and not changed (RV(status=not-prepared)),
+        so a play can discard on every host that may still hold one.
+      - A commit or a discard first reads C(safeinstall --status) for the prepared run. In check mode that
+        is all they do. They report V(changed=true) when a run is prepared, and the commit fails when none is.
+        V(prepare) in check mode runs C(--dry-run), as V(run) does.
+    type: str
+    choices: [run, prepare, commit, discard]
+    default: run
+  prepared_max_age:
+    description:
+      - With O(phase=commit), refuse a prepared run older than this many seconds (C(--prepared-max-age));
+        safeinstall's default is 86400 (a day).
+    type: float
   wheel:
     description:
       - A wheel file on the host to install (C(--wheel)). Copy it there first (M(ansible.builtin.copy)).
@@ -181,6 +215,26 @@ EXAMPLES = r"""
     undo: true
     python: /opt/vllm/venv
 
+- name: Prepare while the service serves (every host of the play at once)
+  safeinstall.fleet.reinstall:
+    name: vllm
+    wheel: /var/tmp/wheels/vllm-0.16.0-cp38-abi3-manylinux1_x86_64.whl
+    python: /opt/vllm/venv
+    phase: prepare
+
+- name: Then commit (in a play with serial), with the window's options
+  safeinstall.fleet.reinstall:
+    name: vllm
+    python: /opt/vllm/venv
+    phase: commit
+    health_url: http://127.0.0.1:8000/health
+
+- name: Or drop the prepared run (ok and not changed when there is none)
+  safeinstall.fleet.reinstall:
+    name: vllm
+    python: /opt/vllm/venv
+    phase: discard
+
 - name: A clean reinstall of the installed version (wipes local patches)
   safeinstall.fleet.reinstall:
     name: vllm
@@ -190,23 +244,30 @@ EXAMPLES = r"""
 
 RETURN = r"""
 rc:
-  description: safeinstall's exit status (0 done, 2 refused, 3 rolled back, 4 rollback failed).
+  description:
+    - safeinstall's exit status (0 done, 2 refused, 3 rolled back, 4 rollback failed).
+    - With RV(status=not-prepared), that of C(safeinstall --status).
   returned: always
   type: int
   sample: 0
 status:
   description:
-    - The result's status; for a run C(done), C(rolled-back), C(rollback-failed) or C(error); in check mode
-      C(would-proceed), C(would-refuse) or C(error).
+    - The result's status; for a run or a commit C(done), C(rolled-back), C(rollback-failed) or C(error);
+      in check mode C(would-proceed), C(would-refuse) or C(error).
+    - For a prepare C(prepared) (or C(error)). For a discard C(discarded), or C(not-prepared) when there
+      was none to discard. A commit or a discard in check mode returns C(prepared) or C(not-prepared).
   returned: always
   type: str
   sample: done
 result:
   description:
     - safeinstall's whole C(--json) envelope (C(safeinstall_result_version), C(command), C(status),
-      C(exit_code), C(data), C(errors)), as documented in safeinstall's docs/json.md. For a run,
+      C(exit_code), C(data), C(errors)), as documented in safeinstall's docs/json.md. For a run, a prepare
+      or a commit,
       C(data.plan) is the plan, C(data.steps) the steps with their times, C(data.downtime_s) each unit's
       downtime.
+    - When a commit or a discard ends before it runs (nothing to discard, check mode, a guard), the
+      C(--status) envelope it read.
     - Null when safeinstall printed no result (it could not start, or is too old).
   returned: always
   type: dict
@@ -231,12 +292,16 @@ stderr:
 from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.safeinstall.fleet.plugins.module_utils.cli import (
+    PHASES,
     CommandError,
+    phase_argv,
+    phase_outcome,
     plan_diff,
     plan_of,
-    reinstall_argv,
+    prepared_of,
+    prepared_problem,
     reinstall_environ,
-    reinstall_outcome,
+    status_argv,
 )
 from ansible_collections.safeinstall.fleet.plugins.module_utils.host import (
     run_safeinstall,
@@ -244,7 +309,9 @@ from ansible_collections.safeinstall.fleet.plugins.module_utils.host import (
 )
 
 ARGUMENT_SPEC = {
-    "name": {"type": "str", "required": True},
+    "name": {"type": "str"},
+    "phase": {"type": "str", "choices": list(PHASES), "default": "run"},
+    "prepared_max_age": {"type": "float"},
     "wheel": {"type": "path"},
     "requirement": {"type": "str"},
     "python": {"type": "str"},
@@ -267,19 +334,56 @@ ARGUMENT_SPEC = {
 }
 
 
+def _prepared_run(module: AnsibleModule, executable: list[str]) -> None:
+    """Before a commit or a discard: the environment's prepared run read from ``--status``. Ends the
+    module where nothing is to be run: another package's run, or several (failed); nothing to discard
+    (ok, not changed); check mode (what the commit or discard would take)."""
+    params, phase = module.params, module.params["phase"]
+    cmd = status_argv(executable, params)
+    rc, status, stderr = run_safeinstall(module, cmd)
+    if rc != 0 or status is None:
+        msg = f"safeinstall --status exited {rc}: {stderr.strip()}"
+        module.fail_json(msg=msg, rc=rc, status="error", result=status, cmd=cmd, stderr=stderr)
+    found = prepared_of(status)
+    problem = prepared_problem(params["name"], found)
+    returned = {"rc": rc, "result": status, "cmd": cmd, "stderr": stderr}
+    if problem is not None:
+        module.fail_json(msg=f"refused, nothing changed: {problem}", status="error", **returned)
+    if not found:
+        if phase == "discard":
+            module.exit_json(
+                changed=False, msg="no prepared run to discard", status="not-prepared", **returned
+            )
+        if module.check_mode:
+            msg = "refused, nothing changed: no prepared run to commit"
+            module.fail_json(msg=msg, status="not-prepared", **returned)
+        return  # the commit refuses, and says so in its own words
+    if module.check_mode:
+        run = found[0]
+        verb = "would commit" if phase == "commit" else "would discard"
+        units = ", ".join(run.units) or "no unit"
+        restarts = f"; restarts {units}" if phase == "commit" else ""
+        msg = f"{verb} the prepared run {run.run_id} ({'; '.join(run.changes)}){restarts}"
+        module.exit_json(changed=True, msg=msg, status="prepared", **returned)
+
+
 def main() -> None:
     module = AnsibleModule(
         argument_spec=ARGUMENT_SPEC,
         mutually_exclusive=[("wheel", "requirement")],
+        required_if=[("phase", "run", ("name",)), ("phase", "prepare", ("name",))],
         supports_check_mode=True,
     )
     executable = safeinstall_executable(module)
+    phase = module.params["phase"]
     try:
-        cmd = reinstall_argv(executable, module.params, module.check_mode)
+        cmd = phase_argv(executable, module.params, module.check_mode)
     except CommandError as error:
         module.fail_json(msg=str(error), rc=None, status="error", result=None, cmd=[], stderr="")
+    if phase in ("commit", "discard"):
+        _prepared_run(module, executable)
     rc, result, stderr = run_safeinstall(module, cmd, reinstall_environ(module.params))
-    outcome = reinstall_outcome(rc, result, stderr, module.check_mode)
+    outcome = phase_outcome(phase, rc, result, stderr, module.check_mode)
     returned = {
         "changed": outcome.changed,
         "msg": outcome.msg,

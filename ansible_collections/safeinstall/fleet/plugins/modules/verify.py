@@ -124,7 +124,7 @@ counts:
       files_checked: 6
       drift: {missing: 0, modified: 1, extra: 0, outside: 0, unreadable: 0, malformed: 0, version-mismatch: 0,
               mode: 0, record-changed: 0}
-      warnings: {hardlinked: 0, wheel-record: 0, shared: 0, dpkg-intact: 0}
+      warnings: {hardlinked: 0, wheel-record: 0, shared: 0, dpkg-intact: 0, wheel-fault: 0}
 result:
   description: safeinstall's whole C(--json) envelope; null when it printed none.
   returned: always
