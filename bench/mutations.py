@@ -8,7 +8,7 @@ first and this venv's packages after it, with a ``safeinstall`` console script o
 subprocesses, and a detached run's ``python -I -m safeinstall``, all run the mutated code.
 
     .venv/bin/python bench/mutations.py --list
-    .venv/bin/python bench/mutations.py           # all, after a baseline (about 10 minutes on 2 CPUs)
+    .venv/bin/python bench/mutations.py           # all, after a baseline (about 45 minutes on 2 CPUs)
     .venv/bin/python bench/mutations.py --only forget-journal --only restore-check
     .venv/bin/python bench/mutations.py --check   # each mutation still applies (no test run; CI)
 
@@ -569,16 +569,131 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "late-fifo-put-back",
         "safeinstall/env/swap.py",
-        "                and stat.S_ISREG(info.st_mode)\n",
-        "",
+        "info is not None and stat.S_ISREG(info.st_mode) and info.st_uid in (0, owner)",
+        "info is not None and info.st_uid in (0, owner)",
         (f"{PROMISES_45}::test_only_a_late_regular_file_of_root_or_the_directorys_owner_is_put_back",),
     ),
     Mutation(
         "late-third-owner-put-back",
         "safeinstall/env/swap.py",
-        "                and info.st_uid in (0, parent.st_uid)\n",
-        "",
+        "info is not None and stat.S_ISREG(info.st_mode) and info.st_uid in (0, owner)",
+        "info is not None and stat.S_ISREG(info.st_mode)",
         (f"{PROMISES_45}::test_only_a_late_regular_file_of_root_or_the_directorys_owner_is_put_back",),
+    ),
+    # issue 45 (second helper): the promises its first pass left undefended
+    Mutation(
+        "early-handlers-before-the-try",
+        "safeinstall/__main__.py",
+        "    try:\n        # First: a signal from now on",
+        "    install_early_handlers()\n    try:\n        # First: a signal from now on",
+        (
+            f"{PROMISES_45}::test_a_signal_just_after_the_handlers_or_the_cli_load_is_exit_2_with_an_"
+            "error_line[handlers-installed]",
+        ),
+    ),
+    Mutation(
+        "early-command-outside-the-try",
+        "safeinstall/__main__.py",
+        (
+            "        gc.freeze()\n"
+            "        run_command()\n"
+            "    except InterruptedEarly as interrupted:  # rich may not be loaded (yet): plain lines\n"
+            '        sys.stderr.write(f"error: {interrupted.message}\\nhint: {interrupted.advice}\\n")\n'
+            '        if "--json" in sys.argv[1:]:  # --json: one document on stdout, whatever happens\n'
+            "            _early_envelope(interrupted)\n"
+            "        sys.exit(int(interrupted.exit_code))\n"
+        ),
+        (
+            "        pass\n"
+            "    except InterruptedEarly as interrupted:  # rich may not be loaded (yet): plain lines\n"
+            '        sys.stderr.write(f"error: {interrupted.message}\\nhint: {interrupted.advice}\\n")\n'
+            '        if "--json" in sys.argv[1:]:  # --json: one document on stdout, whatever happens\n'
+            "            _early_envelope(interrupted)\n"
+            "        sys.exit(int(interrupted.exit_code))\n"
+            "    gc.freeze()\n"
+            "    run_command()\n"
+        ),
+        (
+            f"{PROMISES_45}::test_a_signal_just_after_the_handlers_or_the_cli_load_is_exit_2_with_an_"
+            "error_line[cli-loaded]",
+        ),
+    ),
+    Mutation(
+        "health-asked-every-half-second",
+        "safeinstall/system/health.py",
+        "PAUSE_S = 0.1  #",
+        "PAUSE_S = 0.5  #",
+        (f"{PROMISES_45}::test_the_health_url_is_asked_every_tenth_of_a_second_never_more_often",),
+    ),
+    Mutation(
+        "health-asked-without-a-pause",
+        "safeinstall/system/health.py",
+        "        time.sleep(max(0.0, min(PAUSE_S, deadline - time.monotonic())))\n",
+        "",
+        (f"{PROMISES_45}::test_the_health_url_is_asked_every_tenth_of_a_second_never_more_often",),
+    ),
+    Mutation(
+        "removal-answer-unasked-files",
+        "safeinstall/store/backup.py",
+        'strings("removed", asked_files)',
+        'strings("removed")',
+        (f"{PROMISES_45}::test_a_removal_workers_removed_list_counts_only_the_paths_root_asked",),
+    ),
+    Mutation(
+        "removal-answer-unasked-dist-infos",
+        "safeinstall/store/backup.py",
+        'strings("removed_dist_infos", asked_dirs)',
+        'strings("removed_dist_infos")',
+        (f"{PROMISES_45}::test_a_removal_workers_removed_list_counts_only_the_paths_root_asked",),
+    ),
+    Mutation(
+        "late-dropped-directory-not-made",
+        "safeinstall/env/swap.py",
+        "                for directory, mode in missing:\n"
+        "                    live.make_dir(directory, mode)\n",
+        "",
+        (
+            f"{PROMISES_45}::test_a_late_file_in_a_directory_the_new_version_drops_is_put_back[account]",
+            f"{PROMISES_45}::test_an_accounts_run_puts_back_a_late_file_in_a_directory_the_new_version_drops",
+        ),
+    ),
+    Mutation(
+        "late-dropped-directory-of-anyone",
+        "safeinstall/env/swap.py",
+        " or old.st_uid != os.geteuid():",
+        ":",
+        (f"{PROMISES_45}::test_a_late_file_in_a_directory_the_new_version_drops_is_put_back[account]",),
+    ),
+    Mutation(
+        "late-dropped-directory-mode-lost",
+        "safeinstall/env/swap.py",
+        "missing.append((directory, stat.S_IMODE(old.st_mode)))",
+        "missing.append((directory, 0o755))",
+        (f"{PROMISES_45}::test_a_late_file_in_a_directory_the_new_version_drops_is_put_back[account]",),
+    ),
+    Mutation(
+        "smoke-prefetched-tree-left-open",
+        "safeinstall/run/smoke.py",
+        "    if opened:\n        _close_again(run, new)\n",
+        "    if opened and new.below:\n        _close_again(run, new)\n",
+        (
+            f"{PROMISES_45}::test_the_prefetched_tree_opened_to_a_units_user_is_made_private_again_once_the_"
+            "check_is_done",
+        ),
+    ),
+    Mutation(
+        "stop-d-state-never-named",
+        "safeinstall/system/systemd.py",
+        "                if now - since >= STUCK_D_S:\n",
+        "                if False:\n",
+        (f"{PROMISES_45}::test_a_stop_held_up_by_a_process_in_d_state_is_named_after_3_s_not_its_timeout",),
+    ),
+    Mutation(
+        "stop-d-state-breaks-ignored",
+        "safeinstall/system/systemd.py",
+        "        for gone in set(self.d_since) - seen:\n            del self.d_since[gone]\n",
+        "",
+        (f"{PROMISES_45}::test_a_stopping_process_in_and_out_of_d_state_is_waited_for",),
     ),
     Mutation(
         "step-detail-past-its-column",

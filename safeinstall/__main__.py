@@ -8,23 +8,26 @@ from safeinstall.system.signals import InterruptedEarly, install_early_handlers
 
 
 def main() -> None:
-    # First: a signal from now on is an error line and exit 2 (nothing was changed), also while the
-    # CLI loads; signals.py imports nothing slow.
-    install_early_handlers()
-    # Loading typer, rich and safeinstall's modules makes about 100k objects and no garbage; the
-    # collections they set off walked all of them again and again (0.02 s of every command's start).
-    gc.disable()
+    # Everything in the try: a signal's handler runs at whichever instruction comes next, so the one
+    # that lands just after a handler is installed, or just after the CLI loaded, is an error line too.
     try:
-        from safeinstall.cli.app import main as run_command
-    except InterruptedEarly as interrupted:  # rich is not loaded (yet): plain lines
+        # First: a signal from now on is an error line and exit 2 (nothing was changed), also while
+        # the CLI loads; signals.py imports nothing slow.
+        install_early_handlers()
+        # Loading typer, rich and safeinstall's modules makes about 100k objects and no garbage; the
+        # collections they set off walked all of them again and again (0.02 s of every command's start).
+        gc.disable()
+        try:
+            from safeinstall.cli.app import main as run_command
+        finally:
+            gc.enable()
+        gc.freeze()
+        run_command()
+    except InterruptedEarly as interrupted:  # rich may not be loaded (yet): plain lines
         sys.stderr.write(f"error: {interrupted.message}\nhint: {interrupted.advice}\n")
-        if "--json" in sys.argv[1:]:  # --json promises one document on stdout, whatever happens
+        if "--json" in sys.argv[1:]:  # --json: one document on stdout, whatever happens
             _early_envelope(interrupted)
         sys.exit(int(interrupted.exit_code))
-    finally:
-        gc.enable()
-    gc.freeze()
-    run_command()
 
 
 def _early_envelope(interrupted: InterruptedEarly) -> None:

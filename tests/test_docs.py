@@ -168,6 +168,84 @@ def test_the_link_check_sees_a_missing_file_and_a_missing_heading(tmp_path: Path
     ]
 
 
+#: the promise map of docs/testing.md: from its heading to the next heading of its level
+_PROMISE_MAP = re.compile(r"^## Promise map.*?(?=^## )", re.MULTILINE | re.DOTALL)
+_NAMED = re.compile(r"`([^`\s]+)`")
+
+
+def named_tests(section: str) -> list[tuple[str, str | None]]:
+    """Pure: every test a promise map's cells name, as (file under ``tests/``, test name or None for a
+    whole file): ``test_x.py::test_y`` and ``test_x.py`` set the file that a following ``::test_z`` in
+    the same cell names; ``P45`` the one a following bare ``test_z`` names; a bare ``test_z`` without
+    it names a test of any file (file ``*``)."""
+    found: list[tuple[str, str | None]] = []
+    for line in section.splitlines():
+        if not line.startswith("|"):
+            continue
+        for cell in line.split(" | ")[1:]:
+            current: str | None = None
+            p45 = False
+            for match in _NAMED.finditer(cell):
+                text = match.group(1).removeprefix("tests/")
+                if cell[: match.start()].rstrip().endswith("P45"):
+                    p45 = True
+                file, _, name = text.partition("::")
+                if file.endswith(".py") and file.startswith("test_"):
+                    current, p45 = file, False
+                    found.append((file, name.partition("[")[0] or None))
+                elif not file and name and current is not None:
+                    found.append((current, name.partition("[")[0]))
+                elif re.fullmatch(r"test_\w+", text):
+                    found.append(("test_promises_45.py" if p45 else "*", text))
+    return found
+
+
+def test_every_test_the_promise_map_names_exists() -> None:
+    """docs/testing.md maps each promise of the threat model, privsep.md and faults.md to tests (issue
+    45): every test file and test it names is there (a renamed test would leave a promise undefended
+    while the map still says it is held)."""
+    text = (ROOT / "docs" / "testing.md").read_text(encoding="utf-8")
+    match = _PROMISE_MAP.search(text + "\n## end\n")
+    assert match is not None, "docs/testing.md has no promise map"
+    named = named_tests(match.group(0))
+    assert len(named) > 100, len(named)
+    sources = {path.name: path.read_text(encoding="utf-8") for path in (ROOT / "tests").glob("test_*.py")}
+    missing = []
+    for file, name in named:
+        files = list(sources) if file == "*" else [file]
+        if not any(f in sources and (name is None or f"def {name}(" in sources[f]) for f in files):
+            missing.append(f"{file}::{name}" if name else file)
+    assert not missing, missing
+    assert "**undefended**" not in match.group(0).lower()
+
+
+def test_the_promise_map_reader_sees_a_misnamed_test() -> None:
+    """The reader above, on a made-up map: a ``::name`` takes the cell's last file, ``P45`` a bare name."""
+    section = (
+        "| promise | `test_faults.py::test_a`, `::test_b`, P45 `test_c`, `test_d` |\n"
+        "| other | `test_backup.py`, `test_e` |\n"
+    )
+    assert named_tests(section) == [
+        ("test_faults.py", "test_a"),
+        ("test_faults.py", "test_b"),
+        ("test_promises_45.py", "test_c"),
+        ("test_promises_45.py", "test_d"),
+        ("test_backup.py", None),
+        ("*", "test_e"),
+    ]
+
+
+def test_every_promise_test_has_a_mutation() -> None:
+    """docs/testing.md: each test of ``tests/test_promises_45.py`` is named by a mutation of
+    ``bench/mutations.py`` (seen killed): read as text, nothing imported."""
+    tests = re.findall(
+        r"^def (test_\w+)\(", (ROOT / "tests" / "test_promises_45.py").read_text(), re.MULTILINE
+    )
+    bench = (ROOT / "bench" / "mutations.py").read_text()
+    joined = re.sub(r'"\s*\n\s*"', "", bench)  # the names split across string literals joined again
+    assert [t for t in tests if t not in joined] == []
+
+
 def test_docstrings_are_short_and_reference_prose_lives_in_docs() -> None:
     problems = docstring_problems(ROOT / "safeinstall")
     assert not problems, "move the reference prose into docs/:\n" + "\n".join(problems)

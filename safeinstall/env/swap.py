@@ -334,9 +334,10 @@ def _cached(path: str, known: frozenset[str]) -> bool:
 
 
 def put_back_unknown(root: Path, prefix: Path, unknown: Sequence[tuple[str, str]], ids: Ids) -> list[str]:
-    """Each of ``unknown`` renamed back to where it was in the prefix, by the prefix's owner, where its
-    directory still is and nothing took its place (as uv's install leaves such a file); the ones that
-    could not be (every one, when the owner's worker failed or said something else)."""
+    """Each of ``unknown`` renamed back to where it was in the prefix, by the prefix's owner, where
+    nothing took its place (as uv's install leaves such a file); its directory made again, as it was,
+    where the new version dropped it (uv's uninstall leaves a directory that still holds a file); the
+    ones that could not be (every one, when the owner's worker failed or said something else)."""
     if not unknown:
         return []
     asked = [path for _, path in unknown]
@@ -354,21 +355,42 @@ def _put_back(root: Path, prefix: Path, unknown: Sequence[tuple[str, str]]) -> l
     with Tree(root) as staged, Tree(prefix) as live:
         for where, path in unknown:
             info = staged.lstat(where)
-            parent = live.lstat(path.rpartition("/")[0]) if "/" in path else None
-            # a regular file of root's or of the directory's owner: nothing else is given a new place
-            fits = (
-                info is not None
-                and stat.S_ISREG(info.st_mode)
-                and parent is not None
-                and info.st_uid in (0, parent.st_uid)
-            )
             try:
+                owner, missing = _way_back(staged, live, where, path)
+                # a regular file of root's or of the directory's owner: nothing else is given a new place
+                fits = info is not None and stat.S_ISREG(info.st_mode) and info.st_uid in (0, owner)
                 if not fits:
                     raise OSError("not put back")
+                for directory, mode in missing:
+                    live.make_dir(directory, mode)
                 staged.move_to(where, live, path, RENAME_NOREPLACE, directory=False)
             except OSError:
                 left.append(path)
     return left
+
+
+def _way_back(staged: Tree, live: Tree, where: str, path: str) -> tuple[int, list[tuple[str, int]]]:
+    """The owner of the directory a late file goes back into, and the directories to make first (with
+    their old modes, top down): none where it still is; where the new version dropped it, those of the
+    old tree, each a real directory of this process's own user (the prefix's owner, who makes them).
+    Raises OSError when there is no such way (a file at the top, a non-directory on the way)."""
+    directory = path.rpartition("/")[0]
+    base = where[: len(where) - len(path)]  # the old tree's mirror of the prefix in ``staged``
+    missing: list[tuple[str, int]] = []
+    while directory:
+        here = live.lstat(directory)
+        if here is not None:
+            if not stat.S_ISDIR(here.st_mode):
+                raise OSError(f"{directory} is no directory")
+            return (here.st_uid if not missing else os.geteuid()), missing[::-1]
+        old = staged.lstat(base + directory)
+        if old is None or not stat.S_ISDIR(old.st_mode) or old.st_uid != os.geteuid():
+            raise OSError(f"{directory} is not the owner's directory in the old tree")
+        missing.append((directory, stat.S_IMODE(old.st_mode)))
+        directory = directory.rpartition("/")[0]
+    if not missing:
+        raise OSError("nothing is put back at the top of the prefix")
+    return os.geteuid(), missing[::-1]
 
 
 def keep_staging(prefix: Path, name: str, ids: Ids) -> Path | None:

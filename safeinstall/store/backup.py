@@ -935,6 +935,15 @@ def _remove_as_owner(env: Environment, removal: _Removal, stop: list[str]) -> _R
         )
     except worker.WorkerError as exc:
         return _Removed((), (), (), (exc.message,))
+    return removal_answer(answer, asked_files, asked_dirs, prefix)
+
+
+def removal_answer(
+    answer: object, asked_files: frozenset[str], asked_dirs: frozenset[str], prefix: str
+) -> _Removed:
+    """Pure: the removal worker's answer, taken as the account's word: only paths root asked count as
+    removed (files in ``asked_files``, ``.dist-info`` directories in ``asked_dirs``); what it denied or
+    failed is a message, cut to length; anything but a dict is a failure."""
 
     def strings(key: str, allowed: frozenset[str] | None = None) -> tuple[str, ...]:
         value = answer.get(key) if isinstance(answer, dict) else None
