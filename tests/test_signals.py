@@ -8,6 +8,8 @@ import contextlib
 import gc
 import os
 import signal
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -61,3 +63,50 @@ def test_a_signal_dropped_between_two_steps_keeps_the_next_one_from_starting() -
 def test_without_a_signal_a_step_returns_what_it_returns() -> None:
     with interrupts_raise() as received:
         assert received.checked(lambda: "ok")() == "ok"
+
+
+@pytest.mark.parametrize("where", ["fsync", "health"])
+def test_a_signal_as_a_thread_starts_is_raised_once_it_started_never_inside_thread_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """A run killed as its fsync threads started printed a traceback ("Exception ignored in thread
+    started by ... KeyError", the soak): the raise landed inside ``Thread.start``, after the thread
+    began and before Python knew it. Each start now holds the signals: the interruption comes after."""
+    import threading
+
+    from safeinstall.store import backup
+    from safeinstall.system import health, signals
+    from safeinstall.system.safefs import Tree
+
+    escaped: list[BaseException] = []
+    ended = threading.Semaphore(0)
+    started: list[int] = []
+    real = threading._start_new_thread  # type: ignore[attr-defined]
+
+    def start_then_signal(function: Any, args: Any, *rest: Any) -> Any:
+        def tracked(*given: Any) -> None:
+            try:
+                function(*given)
+            except BaseException as exc:  # what would be "Exception ignored in thread started by"
+                escaped.append(exc)
+            finally:
+                ended.release()
+
+        ident = real(tracked, args, *rest)
+        started.append(ident)
+        os.kill(os.getpid(), signal.SIGINT)  # delivered here, where the raise used to land
+        return ident
+
+    for n in range(3):
+        (tmp_path / f"d{n}").mkdir()
+    monkeypatch.setattr(threading, "_start_new_thread", start_then_signal)
+    with pytest.raises(signals.Interrupted), signals.interrupts_raise():
+        if where == "health":
+            health.wait_healthy("http://127.0.0.1:9/", 5)
+        with Tree(tmp_path) as tree:
+            backup.fsync_dirs(tree, ["d0", "d1", "d2"])
+    monkeypatch.undo()
+    assert started, "no thread started"
+    for _ in started:
+        assert ended.acquire(timeout=60), "a thread never ended"
+    assert escaped == [], escaped

@@ -22,6 +22,7 @@ from typing import NamedTuple, Protocol
 from safeinstall.env.containment import is_within
 from safeinstall.env.records import built, encode_digest
 from safeinstall.system.forking import cpu_count
+from safeinstall.system.signals import held_while_threads_start
 
 
 class FileState(NamedTuple):
@@ -649,8 +650,9 @@ def observe_files(
         threading.Thread(target=helper, args=(large,), name=f"hash-{n}", daemon=True)
         for n in range(1, helpers + 1)
     ]
-    for thread in threads:
-        thread.start()
+    with held_while_threads_start():
+        for thread in threads:
+            thread.start()
     try:
         if meanwhile is not None:
             meanwhile()

@@ -29,6 +29,7 @@ from safeinstall.system.safefs import (
     others_who_write,
     parent_directories,
 )
+from safeinstall.system.signals import map_held
 
 #: The staging directory's name in the prefix: this, then the run's id.
 STAGING_PREFIX = ".safeinstall-swap-"
@@ -293,8 +294,7 @@ def _execute(staged: Staged, prefix: Path) -> None:
         for move in plan.out:  # the attic mirrors the prefix (its directories made before the stop)
             live.move_to(move.path, attic, move.path, RENAME_NOREPLACE, directory=move.directory)
         with ThreadPoolExecutor(max_workers=_FSYNC_THREADS, thread_name_prefix="fsync") as pool:
-            for _done in pool.map(live.fsync_dir, plan.touched):
-                pass
+            map_held(pool, live.fsync_dir, plan.touched)
 
 
 def moved_as_staged(staged: Staged, prefix: Path) -> list[str]:

@@ -42,6 +42,7 @@ from safeinstall.env.records import Record, encode_digest, parse_record
 from safeinstall.errors import WheelError
 from safeinstall.system.forking import cpu_count
 from safeinstall.system.safefs import open_regular
+from safeinstall.system.signals import held_while_threads_start
 
 #: dist-info files an installer writes itself; never drift when comparing against a wheel.
 INSTALLER_WRITTEN = frozenset(
@@ -144,7 +145,10 @@ def _hash_members(
     if workers < 1:
         return {i.filename: _hash_member(archive, i, algorithms.get(i.filename)) for i in infos}
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="wheel-hash") as pool:
-        futures = {i.filename: pool.submit(_hash_member, archive, i, algorithms.get(i.filename)) for i in big}
+        with held_while_threads_start():
+            futures = {
+                i.filename: pool.submit(_hash_member, archive, i, algorithms.get(i.filename)) for i in big
+            }
         try:
             small = {
                 i.filename: _hash_member(archive, i, algorithms.get(i.filename))

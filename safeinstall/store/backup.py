@@ -47,6 +47,7 @@ from safeinstall.store.state import (
 )
 from safeinstall.system import worker
 from safeinstall.system.safefs import NotRegularFile, Tree, only_caller_writes, parent_directories
+from safeinstall.system.signals import held_while_threads_start, map_held
 
 MANIFEST_NAME = "manifest.json"
 #: The most bytes a manifest may have: a million files' entries (a few hundred bytes each), with room.
@@ -484,8 +485,7 @@ def fsync_dirs(tree: Tree, directories: Sequence[str]) -> None:
     one journal commit (ext4, xfs), where one after the other each waits for its own (torch's 800
     directories: 2 s one by one, 0.1 s on 16 threads). Raises the first OSError."""
     with ThreadPoolExecutor(max_workers=_FSYNC_THREADS, thread_name_prefix="fsync") as pool:
-        for _done in pool.map(tree.fsync_dir, directories):
-            pass
+        map_held(pool, tree.fsync_dir, directories)
 
 
 def create_backup(
@@ -558,7 +558,8 @@ def create_backup(
                 if linking and item.in_record:
                     record(item, _save(item, tree, dest, known or {}))
             pooled = [i for i in ordered if not (linking and i.in_record)]
-            futures = {pool.submit(_save, item, tree, dest, known or {}): item for item in pooled}
+            with held_while_threads_start():
+                futures = {pool.submit(_save, item, tree, dest, known or {}): item for item in pooled}
             try:
                 for future in as_completed(futures):
                     record(futures[future], future.result())
@@ -767,7 +768,7 @@ def _same(saved: BackupFile, tree: Tree) -> bool:
 def _found_as_saved(files: Sequence[BackupFile], tree: Tree, workers: int | None) -> frozenset[str]:
     """The saved paths whose entry is there exactly as saved (:func:`_same`), hashed on threads."""
     with ThreadPoolExecutor(max_workers=workers or default_workers(), thread_name_prefix="same") as pool:
-        found = list(pool.map(lambda f: _same(f, tree), files))
+        found = map_held(pool, lambda f: _same(f, tree), files)
     return frozenset(f.path for f, same in zip(files, found, strict=True) if same)
 
 
@@ -988,7 +989,8 @@ def _restore(
     else:  # one at a time, each into the room the removal made: never several copies in flight
         count = 1
     with ThreadPoolExecutor(max_workers=count, thread_name_prefix="restore") as pool:
-        futures = {pool.submit(_put_back, f, source, tree, as_root, kept, same): f for f in writing}
+        with held_while_threads_start():
+            futures = {pool.submit(_put_back, f, source, tree, as_root, kept, same): f for f in writing}
         for future in as_completed(futures):
             try:
                 if future.result():

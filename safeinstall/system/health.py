@@ -15,6 +15,7 @@ import urllib.parse
 from collections.abc import Callable
 
 from safeinstall.errors import StepFailed
+from safeinstall.system.signals import held_while_threads_start
 
 MAX_HEAD_BYTES = 64 * 1024  # status line and headers together
 MAX_REDIRECTS = 5
@@ -126,7 +127,8 @@ def _attempt(url: str, seconds: float, check: Callable[[], None] | None = None) 
             answers.append(str(exc) or type(exc).__name__)
 
     thread = threading.Thread(target=work, name="safeinstall-health", daemon=True)
-    thread.start()
+    with held_while_threads_start():
+        thread.start()
     late = True  # also when a signal or ``check`` interrupts the wait: the attempt is ended either way
     try:
         deadline = time.monotonic() + seconds

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Executor
 from contextlib import contextmanager
 from types import FrameType
 from typing import TypeVar
@@ -51,6 +52,7 @@ def install_early_handlers() -> None:
 
 
 T = TypeVar("T")
+A = TypeVar("A")
 
 Handler = Callable[[int, FrameType | None], object] | int | None
 
@@ -143,6 +145,18 @@ def block() -> set[int | signal.Signals]:
 def unblock(mask: set[int | signal.Signals]) -> None:
     """Back to ``mask`` (from :func:`block`): a pending signal is handled now."""
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def map_held(pool: Executor, fn: Callable[[A], T], items: Iterable[A]) -> list[T]:
+    """``pool.map`` whose threads start with the signals held (:func:`held_while_threads_start`): the
+    results in order. Raises the first item's exception; the items not yet started are cancelled."""
+    with held_while_threads_start():
+        futures = [pool.submit(fn, item) for item in items]
+    try:
+        return [future.result() for future in futures]
+    finally:
+        for future in futures:
+            future.cancel()
 
 
 @contextmanager
