@@ -142,6 +142,7 @@ def test_status_lists_finished_runs_and_gone_environments_and_forget_removes_onl
     assert bad.code == 2 and "is not a run id" in bad.stderr, bad.stderr
     missing = run("--forget", "--python", str(live_prefix), "--run", older, env=environ)
     assert missing.code == 2 and f"keeps no backup of run {older}" in missing.stderr, missing.stderr
+    assert "nothing to forget" not in bad.stdout + missing.stdout  # the error says why, nothing else
     assert live.dir.is_dir() and outside.is_dir()
     assert run("--forget", env=environ).stdout.startswith("nothing to forget")
     unknown = run("--forget", "--python", str(tmp_path / "never"), env=environ)
@@ -290,3 +291,19 @@ def test_an_entry_another_user_may_write_is_not_believed(tmp_path: Path) -> None
     assert [r.run_id for r in read.runs] == [good]
     (problem,) = read.problems
     assert writable in problem and "it is mode 0666: every user may write to it" in problem
+
+
+def test_commit_or_discard_with_nothing_prepared_says_which_and_what_to_do(tmp_path: Path) -> None:
+    """No prepared run: ``--commit`` says to prepare one, ``--discard`` that there is nothing to drop
+    (not "to take", not "prepare one first": discarding wants none)."""
+    root = tmp_path / "state"
+    env_state(root, tmp_path / "venv")
+    environ = {**os.environ, "SAFEINSTALL_STATE_DIR": str(root)}
+    discard = run("--discard", "--json", env=environ)
+    (error,) = discard.json["errors"]
+    assert discard.code == 2 and error["code"] == "prepared-run", discard.stdout
+    assert error["message"] == "no prepared run to discard" and "nothing to drop" in error["hint"], error
+    commit = run("--commit", "--json", env=environ)
+    (error,) = commit.json["errors"]
+    assert commit.code == 2 and error["message"] == "no prepared run to commit", commit.stdout
+    assert "prepare one first" in error["hint"], error

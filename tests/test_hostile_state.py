@@ -33,7 +33,7 @@ from safeinstall.system.identity import ProcessId
 from safeinstall.system.safefs import permitted
 from tests import wheelhouse
 from tests.bed_systemd import CGROUP_ROOTS, UserManager, wait_until
-from tests.beds import NOBODY, printing_interpreter
+from tests.beds import NOBODY, fill_disk, printing_interpreter
 from tests.clirun import Result, run
 from tests.wheelhouse import Wheelhouse
 
@@ -870,13 +870,37 @@ def test_the_space_check_counts_the_prefetch(
     assert result.code == 2, result.stdout + result.stderr
     [line] = error_lines(result)
     assert line.startswith(
-        "error: the run would refuse: the backup and the prefetch (the new version unpacked beside it) "
-        "needs 24."
+        "error: the run would refuse: the backup and the prefetch (the new version unpacked beside it, "
+        "what uv writes there and a margin) needs 24."
     )
     assert (
         f"but {state / environment_key(Path(os.path.realpath(venv.parent.parent))) / 'backups'} has" in line
     )
     assert not list(state.glob("*/backups/*"))
+
+
+def test_the_space_check_counts_what_uv_writes_in_the_runs_cache(
+    venv: Path,
+    wheels: Wheelhouse,
+    small_disk: Callable[[int], Path],
+) -> None:
+    """The state directory on a disk of its own with room for the backup and the new version unpacked,
+    160 KiB more: uv's interpreter query writes more than that in the run's cache (its scripts, its
+    temporary files), and the run failed with uv's "No space left on device" (with units, in the
+    window: exit 3). Now the margin is counted, and the run is refused at preflight with the figures."""
+    wheelhouse.uv_install(venv, wheels["sipure-1"])
+    disk = small_disk(4)
+    state = disk / "state"
+    new = wheels["sipure-2"]
+    fill_disk(disk, new.stat().st_size + 4096 + (160 << 10))  # the run's copy of the wheel, and 160 KiB
+    try:
+        result = cli(state, "sipure", "--python", str(venv), "--wheel", str(new), "--yes")
+        assert result.code == 2, result.stdout + result.stderr
+        [line] = error_lines(result)
+        assert "the run would refuse: the backup and the prefetch" in line and "a margin) needs" in line, line
+        assert (wheelhouse.site_packages(venv) / "sipure-1.0.dist-info").is_dir()
+    finally:
+        (disk / "filler").unlink()
 
 
 def test_unit_names_are_checked_before_every_systemctl_call() -> None:

@@ -163,6 +163,11 @@ def test_discard_drops_the_prepared_run(bed: Bed) -> None:
     assert said.code == 0, said.stdout + said.stderr
     assert "prepared: sicext 1.0 -> 2.0; backup, prefetch, smoke done, nothing stopped" in said.stdout
     assert "safeinstall --commit --python" in said.stderr, said.stderr  # the note: how to commit
+    # another prepare waits for this one: the hint is a command to copy (its interpreter, not "PY")
+    twice = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--prepare", "--json")
+    (error,) = twice.json["errors"]
+    assert twice.code == 2 and "waits in" in error["message"], twice.stdout
+    assert f"safeinstall --discard --python {bed.python} --user" in error["hint"], error
     dropped = bed.safeinstall("--discard")
     assert dropped.code == 0 and "discarded the prepared run" in dropped.stdout, dropped.stdout
     _untouched(bed, name, main)

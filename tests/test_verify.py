@@ -633,7 +633,8 @@ def test_a_file_whose_wheel_lied_in_its_record_is_a_wheel_fault(
     assert result.code == doc["exit_code"] == 5 and doc["status"] == "wheel-fault", doc
     assert finding["kind"] == "wheel-fault" and not finding["drift"] and not finding["acknowledged"]
     assert "the wheel's own RECORD is wrong about it" in finding["detail"]
-    assert "--acknowledge-wheel-faults" in finding["detail"]
+    # a command that runs as said: the package named (without it: "no PACKAGE given", exit 2)
+    assert "(safeinstall sipure --verify-only --acknowledge-wheel-faults [--python PY])" in finding["detail"]
     assert doc["data"]["summary"]["wheel_faults"] == 1 and doc["data"]["summary"]["drift"] == 0
     # on a terminal the hint is said once, not under each file (issue 37)
     human = run("sipure", "--verify-only", "--python", str(venv))

@@ -980,8 +980,9 @@ def render_entry(out: Console, err: Console, entry: HistoryEntry) -> None:
         err.print(f"[dim]log: {literal(run.log_file)}[/]", soft_wrap=True)
 
 
-def render_forgotten(out: Console, forgotten: list[Forgotten]) -> None:
-    if not forgotten:
+def render_forgotten(out: Console, forgotten: list[Forgotten], failed: bool) -> None:
+    """What ``--forget`` removed; "nothing to forget" only when nothing failed (an error says why)."""
+    if not forgotten and not failed:
         out.print("nothing to forget: every environment with state still exists")
     for item in forgotten:
         what = item.prefix if item.run_id is None else f"the backup of run {item.run_id} of {item.prefix}"

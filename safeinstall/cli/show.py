@@ -164,7 +164,7 @@ def draw(result: Result, out: Console, err: Console, verbosity: int) -> None:
     elif isinstance(result, StatusResult):
         render_status(out, list(result.report.environments), last=0 if verbosity > 0 else 5)
     elif isinstance(result, ForgetResult):
-        render_forgotten(out, list(result.forgotten))
+        render_forgotten(out, list(result.forgotten), bool(result.failures))
     elif isinstance(result, DiscardResult):
         dropped = result.discarded
         out.print(

@@ -582,12 +582,17 @@ def room_problems(
         )
     problems: list[str] = []
     backup = disk_space_needed(dists, env, found.installed)
-    what = "the backup and the prefetch (the new version unpacked beside it)"
+    # uv writes more in the run's cache than the new version (its interpreter query, its temporary
+    # files; in the window too, where the run does not swap): the install's margin
+    cache = prefetch + install_overhead(prefetch) if prefetch else 0
+    what = (
+        "the backup and the prefetch (the new version unpacked beside it, what uv writes there and a margin)"
+    )
     free = free_space(backups)
-    said = drop_said(kept, backup + prefetch - free, prefix)
+    said = drop_said(kept, backup + cache - free, prefix)
     remedy = "free some space there or point SAFEINSTALL_STATE_DIR at a larger filesystem"
     remedy += f"; {said}" if said else ""
-    problem = space_problem(backup + prefetch, free, backups, what if prefetch else "the backup", remedy)
+    problem = space_problem(backup + cache, free, backups, what if prefetch else "the backup", remedy)
     if problem:
         problems.append(problem)
     if wheel is not None:

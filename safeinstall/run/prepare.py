@@ -353,15 +353,18 @@ def prepared_runs(environ: Mapping[str, str], python: str | None) -> list[Found]
     return found
 
 
-def the_prepared_run(environ: Mapping[str, str], python: str | None) -> Found:
-    """The one prepared run ``--commit`` or ``--discard`` takes; PreparedRunError for none or several."""
+def the_prepared_run(environ: Mapping[str, str], python: str | None, verb: str = "commit") -> Found:
+    """The one prepared run ``--commit`` or ``--discard`` (``verb``) takes; PreparedRunError for none or
+    several."""
     found = prepared_runs(environ, python)
     if not found:
         where = f" of {python}" if python else ""
-        raise PreparedRunError(
-            f"no prepared run{where} to take",
-            hint="prepare one first: safeinstall REQ [--wheel W] --prepare --python PY",
+        hint = (
+            "nothing is prepared there, nothing to drop (safeinstall --status lists each environment's runs)"
+            if verb == "discard"
+            else "prepare one first: safeinstall REQ [--wheel W] --prepare --python PY"
         )
+        raise PreparedRunError(f"no prepared run{where} to {verb}", hint=hint)
     if len(found) > 1:
         raise PreparedRunError(
             f"{len(found)} environments have a prepared run ({', '.join(f.record.prefix for f in found)})",
@@ -382,7 +385,7 @@ class Discarded:
 def discard(environ: Mapping[str, str], python: str | None) -> Discarded:
     """The prepared run dropped as ``--recover`` drops a run that died before its stop: its staging
     tree, uv cache, kept links, wheel copy, journal and record go; nothing was ever stopped."""
-    found = the_prepared_run(environ, python)
+    found = the_prepared_run(environ, python, "discard")
     recovery = recover_one(found.state, environ, discarding=True)
     return Discarded(
         found.record.prefix, found.record.run_id, found.record.package, found.record.changes, recovery.notes

@@ -390,10 +390,13 @@ def start_journal(envdir: Path, journal: Journal) -> Journal:
     """
     previous = read_journal(envdir)
     if previous is not None and previous.phase == Phase.PREPARED:
+        which = f"--python {previous.python}" + (
+            " --user" if any(u.user_manager for u in previous.units) else ""
+        )
         raise JournalError(
             f"a prepared run ({previous.run_id}, {previous.package}) waits in {previous.prefix}: "
             "nothing else runs there until it is committed or discarded",
-            hint="safeinstall --commit --python PY to go on with it, or safeinstall --discard --python PY",
+            hint=f"safeinstall --commit {which} to go on with it, or safeinstall --discard {which}",
         )
     if previous is not None:
         raise JournalError(
