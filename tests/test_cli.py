@@ -123,6 +123,7 @@ def test_a_detached_run_gets_exactly_the_callers_options() -> None:
     from typer.main import get_command
 
     from safeinstall.cli.app import app
+    from safeinstall.cli.usage import Usage, usage_problem
     from safeinstall.errors import UsageError
     from safeinstall.run.commands import run_options
     from safeinstall.run.detach import PrivateInputs, child_arguments
@@ -158,7 +159,14 @@ def test_a_detached_run_gets_exactly_the_callers_options() -> None:
         smoke_skip=("numpy.core._umath_tests", "vllm.x"),
     )
     variants = [
-        dataclasses.replace(common, wheel=Path("/w/vllm-0.16.0-py3-none-any.whl"), smoke=None, no_smoke=True),
+        dataclasses.replace(
+            common,
+            wheel=Path("/w/vllm-0.16.0-py3-none-any.whl"),
+            smoke=None,
+            no_smoke=True,
+            smoke_skip=(),
+            smoke_timeout=RunOptions(package="x").smoke_timeout,
+        ),
         dataclasses.replace(common, version_spec="<1,>=0.16"),
         dataclasses.replace(common, undo="20261201T000000Z-41"),
     ]
@@ -177,6 +185,22 @@ def test_a_detached_run_gets_exactly_the_callers_options() -> None:
         # what may hold a credential is not on the unit's command line (any user may read it)
         assert not any("127.0.0.1:8000" in a or "example.com" in a for a in args)
         context = get_command(app).make_context("safeinstall", args)
+        # the child's command line is one the CLI accepts (--no-smoke took a --smoke-timeout once)
+        given = tuple(
+            n for n in context.params if getattr(context.get_parameter_source(n), "name", "") == "COMMANDLINE"
+        )
+        child = Usage(
+            modes=frozenset({"--undo"} if options.undo else ()),
+            package=options.package,
+            wheel=options.wheel,
+            given=given,
+            keep_patches=options.keep_patches,
+            base_wheel=options.base_wheel is not None,
+            drop_conflicting=options.drop_conflicting,
+            accept_record_mismatch=options.accept_record_mismatch,
+        )
+        if options.no_smoke:  # (the other variants give each option, valid together or not)
+            assert usage_problem(child) is None, usage_problem(child)
         private = PrivateInputs({}, options.health_url, options.extra_args)
         parsed = run_options(context.params, context.args, private)
         # uv's index options reach uv in its environment, never on a command line (issue 21)

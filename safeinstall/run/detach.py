@@ -90,9 +90,10 @@ def child_arguments(options: RunOptions, python: Path, run_id: str, environ_file
         f"--gpu-timeout={options.gpu_timeout!r}",
         f"--settle={options.settle!r}",
         f"--health-timeout={options.health_timeout!r}",
-        f"--smoke-timeout={options.smoke_timeout!r}",
         f"--keep-backups={options.keep_backups}",
     ]
+    if not options.no_smoke:  # with --no-smoke it would be a usage error: there is no check to time
+        args.append(f"--smoke-timeout={options.smoke_timeout!r}")
     return args
 
 
