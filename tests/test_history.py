@@ -147,7 +147,13 @@ def test_status_lists_finished_runs_and_gone_environments_and_forget_removes_onl
     assert run("--forget", env=environ).stdout.startswith("nothing to forget")
     unknown = run("--forget", "--python", str(tmp_path / "never"), env=environ)
     assert unknown.code == 2 and "error: no safeinstall state for" in unknown.stderr
-    named = run("--forget", "--python", str(live_prefix), "--json", env=environ)  # explicitly named
+    # explicitly named, still there: its backups are the way back of --undo, forgotten only with --yes
+    kept = run("--forget", "--python", str(live_prefix), env=environ)
+    assert kept.code == 2 and "the environment is still there" in kept.stderr and live.dir.is_dir(), (
+        kept.stderr
+    )
+    assert "add --yes" in kept.stderr and f"--forget --python {live_prefix} --run RUN_ID" in kept.stderr
+    named = run("--forget", "--python", str(live_prefix), "--yes", "--json", env=environ)
     assert named.code == 0 and not live.dir.exists() and outside.is_dir()
 
 

@@ -82,7 +82,7 @@ def test_forget_refuses_an_environment_whose_run_did_not_finish_or_is_running(tm
 
     held = acquire_lock(running.lock, str(live_prefix))  # a run in progress (this process)
     try:
-        busy = run("--forget", "--python", str(live_prefix), "--json", env=environ)
+        busy = run("--forget", "--python", str(live_prefix), "--yes", "--json", env=environ)
         kept = running.backup_dir(run_id)
         kept.mkdir(parents=True)
         busy_one = run("--forget", "--python", str(live_prefix), "--run", run_id, "--json", env=environ)

@@ -610,7 +610,8 @@ def _discard(request: Request) -> DiscardResult:
 def _forget(request: Request) -> ForgetResult:
     from safeinstall.run.status import forget
 
-    forgotten, failures = forget(os.environ, request.python, request.run)
+    live = bool(request.values.get("yes"))  # a live environment's state: only when said twice
+    forgotten, failures = forget(os.environ, request.python, request.run, live=live)
     code = failures[0].exit_code if failures else ExitCode.OK
     status = "error" if failures else "forgotten"
     document = envelope("forget", status, code, {"forgotten": jsonable(forgotten)}, list(failures))

@@ -194,11 +194,11 @@ def forget_backup(state: EnvironmentState, run_id: str) -> Forgotten:
 
 
 def forget(
-    environ: Mapping[str, str], python: str | None, run_id: str | None = None
+    environ: Mapping[str, str], python: str | None, run_id: str | None = None, live: bool = False
 ) -> tuple[tuple[Forgotten, ...], tuple[SafeInstallError, ...]]:
     """``--forget``: the state of every environment whose prefix is gone, or of the one ``python``
-    names; with ``run_id`` (and ``python``), only that run's kept backup of it. Only directories
-    listed under the state root are ever removed."""
+    names (one still there only with ``live``: ``--yes``); with ``run_id`` (and ``python``), only that
+    run's kept backup of it. Only directories listed under the state root are ever removed."""
     root = state_root(environ, os.geteuid())
     check_trusted(root)
     states = list_environment_dirs(root)
@@ -240,6 +240,16 @@ def forget(
                 StateDirError(
                     f"not forgetting {state.dir}: {state.problem}",
                     hint="make it owned by root (or you) and writable by nobody else, or remove it by hand",
+                )
+            )
+            continue
+        if not live and prefix_exists(state):  # its backups are the way back of --undo
+            failures.append(
+                SafeInstallError(
+                    f"not forgetting {state.prefix}: the environment is still there, and its state holds "
+                    "the backups --undo goes back with",
+                    hint=f"add --yes to forget its backups, logs and history all the same; or drop one "
+                    f"backup: safeinstall --forget --python {state.prefix} --run RUN_ID",
                 )
             )
             continue
