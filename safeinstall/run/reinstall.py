@@ -302,7 +302,7 @@ def prefetch_step(run: Run) -> str:
         tail = "\n".join(result.output.strip().splitlines()[-6:])
         raise PlanError(
             f"uv could not fetch or unpack the new version (exit {result.returncode}): {tail}",
-            hint="nothing was stopped; check the wheel, the index options or the network",
+            hint=prefetch_hint(result.output, run.state.dir, run.env.prefix),
         )
     try:
         if not run.options.no_smoke:  # the tree is complete: the check runs beside what follows
@@ -315,6 +315,16 @@ def prefetch_step(run: Run) -> str:
 
 
 BROKEN_HINT = f"{requirements.FIXES}; nothing was stopped"
+
+
+def prefetch_hint(output: str, state_dir: Path, prefix: Path) -> str:
+    """Pure: what to do after uv failed before the stop; a full disk named as such, not the network."""
+    if "No space left on device" in output or "os error 28" in output:
+        return (
+            f"nothing was stopped; a disk is full: free room where the run writes (its cache in {state_dir}, "
+            f"the staging tree in {prefix}), then run again"
+        )
+    return "nothing was stopped; check the wheel, the index options or the network"
 
 
 def _broken_once_fetched(run: Run, root: Path | None, scratch: Path) -> str | None:
