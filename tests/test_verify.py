@@ -692,14 +692,30 @@ def test_a_wheel_fault_acknowledged_is_quiet_until_its_file_changes(
     again = run(*check)
     (finding,) = again.json["data"]["findings"]
     assert again.code == 1 and finding["kind"] == "modified"
-    # the owner edits it and then touches RECORD (its ctime newer): the wheel's fault by the ctimes,
-    # but never the one root acknowledged (another ctime and sha256): said again, exit 5
+    # the owner edits it and then touches RECORD (its ctime newer): root's anchor keeps the RECORD's
+    # ctime as first seen, so the edit is drift, never the wheel's fault (the review)
     cli.write_bytes(bytes([text[0] ^ 1]) + text[1:])
     record = next(site(venv).glob("sipure-*.dist-info")) / "RECORD"
     os.chmod(record, record.stat().st_mode)
     touched = run(*check)
     (finding,) = touched.json["data"]["findings"]
-    assert touched.code == 5 and finding["kind"] == "wheel-fault" and not finding["acknowledged"]
+    assert touched.code == 1 and finding["kind"] == "modified" and not finding["acknowledged"]
+
+
+def test_an_edit_is_never_the_wheels_fault_by_a_record_touched_after_roots_first_check(env: Path) -> None:
+    """The owner edits a file after root's first check, then touches its RECORD (a ``chmod``: a ctime
+    newer than the edit's): drift (exit 1), never a ``wheel-fault`` that ``--acknowledge-wheel-faults``
+    would quiet for ever; the RECORD's ctime is the one root anchored (the review)."""
+    check = ("--verify-only", "--all", "--python", str(env), "--json")
+    assert run(*check).code == 0
+    edited = site(env) / "sipure" / "__init__.py"
+    edited.write_text(edited.read_text() + "import os; os.system('id')\n")
+    record = next(site(env).glob("sipure-*.dist-info")) / "RECORD"
+    os.chmod(record, record.stat().st_mode)
+    found = run(*check, "--acknowledge-wheel-faults")
+    kinds_found = {os.path.basename(f["path"]): f["kind"] for f in found.json["data"]["findings"]}
+    assert found.code == 1 and kinds_found == {"__init__.py": "modified"}, found.stdout
+    assert run(*check).code == 1
 
 
 def test_warnings_are_summarised_once_per_kind(venv: Path, wheels: Wheelhouse) -> None:
