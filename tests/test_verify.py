@@ -718,6 +718,24 @@ def test_an_edit_is_never_the_wheels_fault_by_a_record_touched_after_roots_first
     assert run(*check).code == 1
 
 
+def test_an_edit_is_never_the_wheels_fault_by_a_dist_info_renamed_after_roots_first_check(env: Path) -> None:
+    """The owner edits a file, renames the ``.dist-info`` (another spelling of the same name) and writes
+    its RECORD anew for it: a ``.dist-info`` root never anchored, first seen with that RECORD's ctime
+    (the review)."""
+    check = ("--verify-only", "--all", "--python", str(env), "--json")
+    assert run(*check).code == 0
+    edited = site(env) / "sipure" / "__init__.py"
+    edited.write_text(edited.read_text() + "import os; os.system('id')\n")
+    old = next(site(env).glob("sipure-*.dist-info"))
+    new = old.with_name(old.name.upper().replace(".DIST-INFO", ".dist-info"))
+    old.rename(new)
+    record = new / "RECORD"
+    record.write_text(record.read_text().replace(f"{old.name}/", f"{new.name}/"))
+    found = run(*check, "--acknowledge-wheel-faults")
+    kinds_found = {os.path.basename(f["path"]): f["kind"] for f in found.json["data"]["findings"]}
+    assert found.code == 1 and kinds_found.get("__init__.py") == "modified", found.stdout
+
+
 def test_warnings_are_summarised_once_per_kind(venv: Path, wheels: Wheelhouse) -> None:
     wheelhouse.uv_install(venv, wheels["sipure-1"], wheels["sins-a"], wheels["sins-b"], link_mode="hardlink")
     result = run("--verify-only", "--all", "--python", str(venv))
