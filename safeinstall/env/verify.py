@@ -562,7 +562,7 @@ def verify_environment(
         if by_window is not None and bytecode:
             seen = [states[e.location].ctime_ns for e in plan.expectations if states[e.location].ctime_ns]
             window = by_window(plan.dist, min(seen) if seen and plan.proven is None else None)
-            anchored[name] = None if window is None else window[1]
+            anchored[os.fspath(plan.dist.dist_info)] = None if window is None else window[1]
             if window is not None:
                 windows.update((loc, window) for loc in plan.dist.locations if pyc_name(loc) is not None)
         if recorded is not None:
@@ -631,7 +631,7 @@ def verify_environment(
             findings = _against_dpkg(env, plan.dist, owner, findings)  # dpkg's: no wheel to settle it with
         elif wheel is None and any(f.kind == FindingKind.MODIFIED for f in findings):
             record_ctime = (  # the anchored one where root keeps anchors: a chmod since moves the ctime now
-                anchored.get(name)
+                anchored.get(os.fspath(plan.dist.dist_info))
                 if by_window is not None and bytecode
                 else _ctime_ns(os.path.join(plan.dist.dist_info, "RECORD"))
             )
