@@ -736,6 +736,25 @@ def test_an_edit_is_never_the_wheels_fault_by_a_dist_info_renamed_after_roots_fi
     assert found.code == 1 and kinds_found.get("__init__.py") == "modified", found.stdout
 
 
+def test_a_fresh_install_that_differs_from_its_record_fails_a_runs_verification(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    """What a run installed (a dependency checked against its RECORD, a staged tree, an undo's restore)
+    must match its RECORD: a file that differs is a failure, though its ctime (a fresh install's) is never
+    newer than the RECORD's; ``wheel-fault`` settles only ``--verify-only`` (the review)."""
+    from safeinstall.env.environment import inspect_environment
+    from safeinstall.env.verify import verify_environment
+    from safeinstall.run.staging import INSTALL_FAILURES
+
+    (tmp_path / "w").mkdir()
+    broken = _rewrite_record_hash(
+        wheels["sipure-1"], tmp_path / "w" / wheels["sipure-1"].name, "sipure/cli.py"
+    )
+    wheelhouse.uv_install(venv, broken)
+    report = verify_environment(inspect_environment(venv), ["sipure"])
+    assert [f.kind.value for f in report.findings if f.kind in INSTALL_FAILURES] == ["wheel-fault"]
+
+
 def test_warnings_are_summarised_once_per_kind(venv: Path, wheels: Wheelhouse) -> None:
     wheelhouse.uv_install(venv, wheels["sipure-1"], wheels["sins-a"], wheels["sins-b"], link_mode="hardlink")
     result = run("--verify-only", "--all", "--python", str(venv))
