@@ -771,3 +771,24 @@ def test_warnings_are_summarised_once_per_kind(venv: Path, wheels: Wheelhouse) -
     assert quiet.code == 0 and quiet.stderr == ""
     both = run("--verify-only", "--all", "--python", str(venv), "-q", "-v")
     assert both.code == 2 and "error:" in both.stderr
+
+
+def test_an_anchor_is_keyed_by_a_name_and_version_a_directory_name_could_hold(tmp_path: Path) -> None:
+    """Root's anchors are keyed by the METADATA's name and version: another spelling of the same is the
+    same key; one no directory name could hold (a path, a name of megabytes, which would fill root's
+    store of anchors until none is kept) has no anchor (the review)."""
+    from safeinstall.env.distributions import InstalledDistribution
+    from safeinstall.env.records import Record
+    from safeinstall.run.kept import anchor_key
+
+    def dist(name: str, version: str, directory: str) -> InstalledDistribution:
+        site = tmp_path / "site"
+        return InstalledDistribution(
+            name, name, version, site, site / directory, Record((), ()), (), None, ()
+        )
+
+    key = anchor_key(dist("sipure", "1.0", "sipure-1.0.dist-info"))
+    assert key == str(tmp_path / "site" / "sipure-1.0.dist-info")
+    assert anchor_key(dist("sipure", "1.00", "SIPURE-1.0.dist-info")) == key
+    assert anchor_key(dist("sipure", "../../x", "sipure-1.0.dist-info")) is None
+    assert anchor_key(dist("s" * 300, "1.0", "s-1.0.dist-info")) is None

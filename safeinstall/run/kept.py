@@ -195,11 +195,12 @@ def _hashed_at(store: InodeStore | None) -> Callable[[FileState], int]:
 def anchor_key(dist: InstalledDistribution) -> str | None:
     """Pure: the key of a distribution's anchor, its ``.dist-info`` as its METADATA names it (canonical
     name and version): one renamed to another spelling of itself is no first sight (the attacker
-    review). None for a name or version no directory name can hold (no anchor, no window)."""
+    review). None for a name or version no directory name can hold (no anchor, no window): a
+    METADATA's name is read within 16 MiB, and the store's size is bounded."""
     from packaging.utils import canonicalize_version
 
     stem = f"{dist.name}-{canonicalize_version(dist.version, strip_trailing_zero=False)}"
-    if not re.fullmatch(r"[a-z0-9][a-z0-9._+!-]*", stem):
+    if len(stem) > 200 or not re.fullmatch(r"[a-z0-9][a-z0-9._+!-]*", stem):  # a directory name's room
         return None
     return os.path.join(os.fspath(dist.site), f"{stem}.dist-info")
 
