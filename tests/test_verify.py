@@ -693,14 +693,67 @@ def test_a_wheel_fault_acknowledged_is_quiet_until_its_file_changes(
     again = run(*check)
     (finding,) = again.json["data"]["findings"]
     assert again.code == 1 and finding["kind"] == "modified"
-    # the owner edits it and then touches RECORD (its ctime newer): the wheel's fault by the ctimes,
-    # but never the one root acknowledged (another ctime and sha256): said again, exit 5
+    # the owner edits it and then touches RECORD (its ctime newer): root's anchor keeps the RECORD's
+    # ctime as first seen, so the edit is drift, never the wheel's fault (the review)
     cli.write_bytes(bytes([text[0] ^ 1]) + text[1:])
     record = next(site(venv).glob("sipure-*.dist-info")) / "RECORD"
     os.chmod(record, record.stat().st_mode)
     touched = run(*check)
     (finding,) = touched.json["data"]["findings"]
-    assert touched.code == 5 and finding["kind"] == "wheel-fault" and not finding["acknowledged"]
+    assert touched.code == 1 and finding["kind"] == "modified" and not finding["acknowledged"]
+
+
+def test_an_edit_is_never_the_wheels_fault_by_a_record_touched_after_roots_first_check(env: Path) -> None:
+    """The owner edits a file after root's first check, then touches its RECORD (a ``chmod``: a ctime
+    newer than the edit's): drift (exit 1), never a ``wheel-fault`` that ``--acknowledge-wheel-faults``
+    would quiet for ever; the RECORD's ctime is the one root anchored (the review)."""
+    check = ("--verify-only", "--all", "--python", str(env), "--json")
+    assert run(*check).code == 0
+    edited = site(env) / "sipure" / "__init__.py"
+    edited.write_text(edited.read_text() + "import os; os.system('id')\n")
+    record = next(site(env).glob("sipure-*.dist-info")) / "RECORD"
+    os.chmod(record, record.stat().st_mode)
+    found = run(*check, "--acknowledge-wheel-faults")
+    kinds_found = {os.path.basename(f["path"]): f["kind"] for f in found.json["data"]["findings"]}
+    assert found.code == 1 and kinds_found == {"__init__.py": "modified"}, found.stdout
+    assert run(*check).code == 1
+
+
+def test_an_edit_is_never_the_wheels_fault_by_a_dist_info_renamed_after_roots_first_check(env: Path) -> None:
+    """The owner edits a file, renames the ``.dist-info`` (another spelling of the same name) and writes
+    its RECORD anew for it: a ``.dist-info`` root never anchored, first seen with that RECORD's ctime
+    (the review)."""
+    check = ("--verify-only", "--all", "--python", str(env), "--json")
+    assert run(*check).code == 0
+    edited = site(env) / "sipure" / "__init__.py"
+    edited.write_text(edited.read_text() + "import os; os.system('id')\n")
+    old = next(site(env).glob("sipure-*.dist-info"))
+    new = old.with_name(old.name.upper().replace(".DIST-INFO", ".dist-info"))
+    old.rename(new)
+    record = new / "RECORD"
+    record.write_text(record.read_text().replace(f"{old.name}/", f"{new.name}/"))
+    found = run(*check, "--acknowledge-wheel-faults")
+    kinds_found = {os.path.basename(f["path"]): f["kind"] for f in found.json["data"]["findings"]}
+    assert found.code == 1 and kinds_found.get("__init__.py") == "modified", found.stdout
+
+
+def test_a_fresh_install_that_differs_from_its_record_fails_a_runs_verification(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    """What a run installed (a dependency checked against its RECORD, a staged tree, an undo's restore)
+    must match its RECORD: a file that differs is a failure, though its ctime (a fresh install's) is never
+    newer than the RECORD's; ``wheel-fault`` settles only ``--verify-only`` (the review)."""
+    from safeinstall.env.environment import inspect_environment
+    from safeinstall.env.verify import verify_environment
+    from safeinstall.run.staging import INSTALL_FAILURES
+
+    (tmp_path / "w").mkdir()
+    broken = _rewrite_record_hash(
+        wheels["sipure-1"], tmp_path / "w" / wheels["sipure-1"].name, "sipure/cli.py"
+    )
+    wheelhouse.uv_install(venv, broken)
+    report = verify_environment(inspect_environment(venv), ["sipure"])
+    assert [f.kind.value for f in report.findings if f.kind in INSTALL_FAILURES] == ["wheel-fault"]
 
 
 def test_warnings_are_summarised_once_per_kind(venv: Path, wheels: Wheelhouse) -> None:
@@ -719,3 +772,24 @@ def test_warnings_are_summarised_once_per_kind(venv: Path, wheels: Wheelhouse) -
     assert quiet.code == 0 and quiet.stderr == ""
     both = run("--verify-only", "--all", "--python", str(venv), "-q", "-v")
     assert both.code == 2 and "error:" in both.stderr
+
+
+def test_an_anchor_is_keyed_by_a_name_and_version_a_directory_name_could_hold(tmp_path: Path) -> None:
+    """Root's anchors are keyed by the METADATA's name and version: another spelling of the same is the
+    same key; one no directory name could hold (a path, a name of megabytes, which would fill root's
+    store of anchors until none is kept) has no anchor (the review)."""
+    from safeinstall.env.distributions import InstalledDistribution
+    from safeinstall.env.records import Record
+    from safeinstall.run.kept import anchor_key
+
+    def dist(name: str, version: str, directory: str) -> InstalledDistribution:
+        site = tmp_path / "site"
+        return InstalledDistribution(
+            name, name, version, site, site / directory, Record((), ()), (), None, ()
+        )
+
+    key = anchor_key(dist("sipure", "1.0", "sipure-1.0.dist-info"))
+    assert key == str(tmp_path / "site" / "sipure-1.0.dist-info")
+    assert anchor_key(dist("sipure", "1.00", "SIPURE-1.0.dist-info")) == key
+    assert anchor_key(dist("sipure", "../../x", "sipure-1.0.dist-info")) is None
+    assert anchor_key(dist("s" * 300, "1.0", "s-1.0.dist-info")) is None

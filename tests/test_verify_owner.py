@@ -155,6 +155,39 @@ def test_bytecode_its_installer_wrote_is_not_compiled_and_a_plant_after_is_still
     assert code == 1 and ("modified", str(pyc)) in _drift(doc)
 
 
+def test_installer_bytecode_brought_in_with_its_directory_is_compiled_and_reported(
+    venv: Path, tmp_path: Path
+) -> None:
+    """The owner swaps two ``__pycache__`` directories of one pip install (renames move no file's ctime):
+    each ``.pyc`` is still its installer's, inside the window, but now beside another source of the same
+    size, whose mtime the owner sets to the header's; Python runs the other module's code. The source's
+    directory changed after the install: its ``.pyc`` is compiled and reported (the review)."""
+    files = {
+        "siswap/__init__.py": b"",
+        "siswap/on/__init__.py": b"ENABLED = 1\n",
+        "siswap/off/__init__.py": b"ENABLED = 0\n",
+    }
+    wheel = wheelhouse.make_wheel(tmp_path, "siswap", "1.0", files)
+    install = [sys.executable, "-m", "pip", "--python", str(venv), "install", "-q", "--no-index", "--no-deps"]
+    subprocess.run([*install, str(wheel)], check=True, capture_output=True)
+    site = _site(venv)
+    on, off = site / "siswap" / "on", site / "siswap" / "off"
+    code, doc = _check(venv)
+    assert code == 0 and _bytecode(doc)["by_installer"] >= 2, doc
+    os.rename(on / "__pycache__", site / "siswap" / "swap")
+    os.rename(off / "__pycache__", on / "__pycache__")
+    os.rename(site / "siswap" / "swap", off / "__pycache__")
+    on_info, off_info = (on / "__init__.py").stat(), (off / "__init__.py").stat()
+    os.utime(on / "__init__.py", ns=(off_info.st_atime_ns, off_info.st_mtime_ns))
+    os.utime(off / "__init__.py", ns=(on_info.st_atime_ns, on_info.st_mtime_ns))
+    ran = subprocess.run(
+        [str(venv), "-c", "import siswap.on; print(siswap.on.ENABLED)"], capture_output=True, text=True
+    )
+    assert ran.stdout.strip() == "0", ran  # the swapped bytecode is what Python runs
+    code, doc = _check(venv)
+    assert code == 1 and ("modified", str(on / "__pycache__" / f"__init__.{TAG}.pyc")) in _drift(doc), doc
+
+
 def _record(site: Path) -> Path:
     return next(site.glob("sipure-*.dist-info")) / "RECORD"
 

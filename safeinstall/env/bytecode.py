@@ -12,6 +12,7 @@ import importlib.util
 import marshal
 import os
 import resource
+import stat
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -297,6 +298,7 @@ def judge_files(
                 window is not None
                 and installer_written(info.st_ctime_ns, window)
                 and clean_sources(name.source)
+                and _directory_untouched(tree, name.source, window[1])
             ):
                 try:
                     header, header_info = _read_header(tree, relative)
@@ -427,6 +429,14 @@ def _judge_batch(
             judged.append(fine)
         else:
             problems[fine.location] = why
+
+
+def _directory_untouched(tree: Tree, source: str, end_ns: int) -> bool:
+    """The source's directory last changed within the install (ctime no later than ``end_ns``): a renamed
+    ``__pycache__`` moves no ``.pyc``'s ctime, but it moves this one's (the attacker review)."""
+    relative = tree.relative(os.path.dirname(source))
+    info = None if relative is None else tree.lstat(relative)
+    return info is not None and stat.S_ISDIR(info.st_mode) and 0 < info.st_ctime_ns <= end_ns
 
 
 def _read_header(tree: Tree, relative: str) -> tuple[bytes, os.stat_result]:

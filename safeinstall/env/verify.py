@@ -537,6 +537,8 @@ def verify_environment(
     #: each listed .pyc of a distribution whose install window root trusts -> that window
     windows: dict[str, tuple[int, int]] = {}
     by_window = install_window if wheel is None and not expected else None
+    #: each distribution's RECORD ctime as root anchored it (None: touched since, or no anchor)
+    anchored: dict[str, int | None] = {}
     own: list[list[Finding]] = []
     for plan in plans:
         findings = list(plan.findings)
@@ -560,6 +562,7 @@ def verify_environment(
         if by_window is not None and bytecode:
             seen = [states[e.location].ctime_ns for e in plan.expectations if states[e.location].ctime_ns]
             window = by_window(plan.dist, min(seen) if seen and plan.proven is None else None)
+            anchored[os.fspath(plan.dist.dist_info)] = None if window is None else window[1]
             if window is not None:
                 windows.update((loc, window) for loc in plan.dist.locations if pyc_name(loc) is not None)
         if recorded is not None:
@@ -627,7 +630,11 @@ def verify_environment(
         if wheel is None and owner is not None and any(f.kind == FindingKind.MODIFIED for f in findings):
             findings = _against_dpkg(env, plan.dist, owner, findings)  # dpkg's: no wheel to settle it with
         elif wheel is None and any(f.kind == FindingKind.MODIFIED for f in findings):
-            record_ctime = _ctime_ns(os.path.join(plan.dist.dist_info, "RECORD"))
+            record_ctime = (  # the anchored one where root keeps anchors: a chmod since moves the ctime now
+                anchored.get(os.fspath(plan.dist.dist_info))
+                if by_window is not None and bytecode
+                else _ctime_ns(os.path.join(plan.dist.dist_info, "RECORD"))
+            )
             findings = [  # a listed .pyc judged by what it holds was never observed: no state
                 untouched_since_install(f, states[f.path].ctime_ns, record_ctime)
                 if f.kind == FindingKind.MODIFIED and f.path in states

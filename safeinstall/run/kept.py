@@ -5,6 +5,7 @@ distribution proven unchanged by ``lstat`` is not compared file by file. docs/ve
 from __future__ import annotations
 
 import os
+import re
 import stat
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -83,8 +84,12 @@ def verify_kept(
     def install_window(dist: InstalledDistribution, earliest: int | None) -> tuple[int, int] | None:
         if anchors is None:
             return None
-        key = os.fspath(dist.dist_info)
-        window, fresh = anchored_window(anchors.get(key), _record_identity(key), earliest)
+        key = anchor_key(dist)
+        if key is None:
+            return None
+        window, fresh = anchored_window(
+            anchors.get(key), _record_identity(os.fspath(dist.dist_info)), earliest
+        )
         if fresh is not None:
             fresh_anchors[key] = fresh
         return window
@@ -185,6 +190,19 @@ def _hashed_at(store: InodeStore | None) -> Callable[[FileState], int]:
         return 0 if entry is None else entry.hashed_ns
 
     return hashed_at
+
+
+def anchor_key(dist: InstalledDistribution) -> str | None:
+    """Pure: the key of a distribution's anchor, its ``.dist-info`` as its METADATA names it (canonical
+    name and version): one renamed to another spelling of itself is no first sight (the attacker
+    review). None for a name or version no directory name can hold (no anchor, no window): a
+    METADATA's name is read within 16 MiB, and the store's size is bounded."""
+    from packaging.utils import canonicalize_version
+
+    stem = f"{dist.name}-{canonicalize_version(dist.version, strip_trailing_zero=False)}"
+    if len(stem) > 200 or not re.fullmatch(r"[a-z0-9][a-z0-9._+!-]*", stem):  # a directory name's room
+        return None
+    return os.path.join(os.fspath(dist.site), f"{stem}.dist-info")
 
 
 def _record_identity(dist_info: str) -> tuple[int, int] | None:

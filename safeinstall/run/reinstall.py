@@ -1030,7 +1030,13 @@ def _undo_checked(run: Run) -> str:
     vouched = run.prepared.vouched  # an older version whose wheel's RECORD is wrong: verified as before
     report = verify_environment(run.env, names, installed=installed, vouched=lambda: vouched)
     patched = set(manifest.patched)
-    failing = {FindingKind.MISSING, FindingKind.MODIFIED, FindingKind.UNREADABLE, FindingKind.MALFORMED}
+    failing = {
+        FindingKind.MISSING,
+        FindingKind.MODIFIED,
+        FindingKind.UNREADABLE,
+        FindingKind.MALFORMED,
+        FindingKind.WHEEL_FAULT,
+    }
     wrong += [
         f"{f.kind.value} {f.path}" for f in report.findings if f.kind in failing and f.path not in patched
     ]
