@@ -793,3 +793,33 @@ def test_an_anchor_is_keyed_by_a_name_and_version_a_directory_name_could_hold(tm
     assert anchor_key(dist("sipure", "1.00", "SIPURE-1.0.dist-info")) == key
     assert anchor_key(dist("sipure", "../../x", "sipure-1.0.dist-info")) is None
     assert anchor_key(dist("s" * 300, "1.0", "s-1.0.dist-info")) is None
+
+
+def test_a_run_that_reinstalls_a_distribution_leaves_its_anchor_to_the_next_check(
+    env: Path, wheels: Wheelhouse
+) -> None:
+    """Root's own run installs a new RECORD (another inode): the anchor of the old one would keep that
+    distribution from its install window and its wheel faults for ever; the run drops it, verified, and
+    the next check anchors the new RECORD."""
+    from safeinstall.store.anchors import read_anchors
+
+    root, prefix = Path(os.environ["SAFEINSTALL_STATE_DIR"]), env.parent.parent
+
+    def sipure_anchor() -> Any:
+        kept, _ = read_anchors(root, prefix)
+        return next(
+            (a for key, a in (kept or {}).items() if os.path.basename(key).startswith("sipure-")), None
+        )
+
+    check = ("--verify-only", "--all", "--python", str(env), "--json")
+    assert run(*check).code == 0
+    first = sipure_anchor()
+    assert first is not None
+    reinstalled = run("sipure", "--wheel", str(wheels["sipure-1"]), "--python", str(env), "--yes", "--json")
+    assert reinstalled.code == 0, reinstalled.stdout + reinstalled.stderr
+    record = next(site(env).glob("sipure-*.dist-info")) / "RECORD"
+    assert record.stat().st_ino != first.inode
+    assert sipure_anchor() is None
+    assert run(*check).code == 0
+    again = sipure_anchor()
+    assert again is not None and again.inode == record.stat().st_ino

@@ -18,6 +18,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar
 
+from packaging.utils import canonicalize_name
+
 from safeinstall.env import cachefill, inodes, keep, requirements, swap, verified
 from safeinstall.env.bytecode import pyc_name
 from safeinstall.env.distributions import InstalledDistribution, reload_distributions
@@ -73,6 +75,7 @@ from safeinstall.run.survey import scan_again, systemd_for
 from safeinstall.run.undo import UndoTarget, left_of
 from safeinstall.scan.plan import PlannedProcess, PlannedUnit, left_on_old_code
 from safeinstall.scan.processes import scan_processes
+from safeinstall.store.anchors import forget_anchors
 from safeinstall.store.backup import (
     check_restored,
     create_backup,
@@ -1262,6 +1265,9 @@ def _tidy_up(run: Run, hashed: Sequence[FileState]) -> tuple[str, ...]:
         if run.records:  # the RECORDs it installed are the reference a later check holds them to
             records, note = read_records(run.state.root, run.env.prefix)
             note = keep_records(run.state.root, run.env.prefix, records, run.records) or note
+            run.notes.extend([note] if note else [])
+            names = {canonicalize_name(os.path.basename(d).split("-", 1)[0]) for d in run.records}
+            note = forget_anchors(run.state.root, run.env.prefix, names)  # the next check anchors them anew
             run.notes.extend([note] if note else [])
         kept = time.monotonic()
         try:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -104,3 +104,28 @@ def keep_anchors(
     except (OSError, ValueError, UnicodeError) as exc:
         return f"the store of install anchors was not kept ({exc})"
     return None
+
+
+def forget_anchors(root: Path, prefix: Path, names: Collection[str]) -> str | None:
+    """The store without the anchors of the distributions ``names`` (canonical): a run installed them
+    anew, verified, so the next check anchors their new RECORDs (best effort: a note when not written)."""
+    kept, note = read_anchors(root, prefix)
+    if not kept:
+        return note
+    left = {key: anchor for key, anchor in kept.items() if _anchored_name(key) not in names}
+    if len(left) == len(kept):
+        return note
+    try:
+        atomic_write(
+            trusted_environment_state(root, prefix).dir / STORE_NAME, to_json(os.fspath(prefix), left)
+        )
+    except StateDirError as exc:
+        return f"the store of install anchors was not kept: {exc.message}"
+    except OSError as exc:
+        return f"the store of install anchors was not kept ({exc.strerror or exc})"
+    return note
+
+
+def _anchored_name(key: str) -> str:
+    """Pure: the canonical name of an anchor's key (``SITE/name-version.dist-info``)."""
+    return os.path.basename(key).removesuffix(".dist-info").rsplit("-", 1)[0]
