@@ -383,7 +383,7 @@ def test_rolling_upgrade_prepares_every_host_at_once_then_commits_until_one_fail
     assert done["changed"] is True and done["rc"] == 0 and done["status"] == "done", done
     assert "--commit" in done["cmd"] and done["result"]["command"] == "reinstall"
     steps = [s["name"] for s in done["result"]["data"]["steps"]]
-    assert steps[0] == "gate" and "stop" in steps and "smoke" not in steps  # the window and after only
+    assert steps[:2] == ["preflight", "gate"] and "stop" in steps and "smoke" not in steps  # checks, window
     assert done["msg"] == f"reinstalled sicext 1.0 -> 2.0; restarted {host1.unit}"
     assert done["diff"]["after"] == f"sicext 2.0\nunit {host1.unit}: restarted\n"
     assert host1.version() == "2.0" and fleet.manager.main_pid(host1.unit) != pids["host1"]
