@@ -627,6 +627,9 @@ def test_a_file_whose_wheel_lied_in_its_record_is_a_wheel_fault(
         wheels["sipure-1"], tmp_path / "w" / wheels["sipure-1"].name, "sipure/cli.py"
     )
     wheelhouse.uv_install(venv, broken)
+    # root's first sight explains nothing away (the RECORD's ctime is anchored then): drift once
+    first = run("sipure", "--verify-only", "--python", str(venv), "--json")
+    assert first.code == 1 and [f["kind"] for f in first.json["data"]["findings"]] == ["modified"]
     result = run("sipure", "--verify-only", "--python", str(venv), "--json")
     doc = result.json
     (finding,) = doc["data"]["findings"]
@@ -664,6 +667,7 @@ def test_a_wheel_fault_acknowledged_is_quiet_until_its_file_changes(
     )
     wheelhouse.uv_install(venv, broken)
     check = ("--verify-only", "--all", "--python", str(venv), "--json")
+    assert run(*check).code == 1  # root's first sight: the RECORD's ctime anchored, nothing explained away
     assert run(*check).code == 5
     refused = run(
         "sipure", "--verify-only", "--python", str(venv), "--wheel", str(broken), "--acknowledge-wheel-faults"

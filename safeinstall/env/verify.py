@@ -411,11 +411,13 @@ def verify_environment(
     bytecode: bool = False,
     recorded: Callable[[InstalledDistribution, bool], Sequence[Finding]] | None = None,
     install_window: Callable[[InstalledDistribution, int | None], tuple[int, int] | None] | None = None,
+    anchored_before: Callable[[InstalledDistribution], bool] | None = None,
 ) -> VerifyReport:
     """Verify the named distributions (or all, with ``names=None``) of ``env``. docs/verify.md.
 
     ``wheel``: the named one's reference; ``settle_shared`` False: no file settled as ``shared``;
-    ``vouched``, ``known``, ``unchanged``, ``recorded``, ``install_window``: what earlier checks saw;
+    ``vouched``, ``known``, ``unchanged``, ``recorded``, ``install_window``: what earlier checks saw
+    (``anchored_before``: a window an earlier check anchored, the only one that makes a wheel-fault);
     ``installed``, ``expected``: distributions found, carried patches; ``bytecode``: .pyc judged.
     """
     # Named ones are read first, the others (whose files only say what is "extra") while the large
@@ -525,6 +527,7 @@ def verify_environment(
             bytecode,
             recorded,
             install_window,
+            anchored_before,
         )
     reports: list[DistributionReport] = []
     baseline = "record" if wheel is None else "wheel"
@@ -562,7 +565,8 @@ def verify_environment(
         if by_window is not None and bytecode:
             seen = [states[e.location].ctime_ns for e in plan.expectations if states[e.location].ctime_ns]
             window = by_window(plan.dist, min(seen) if seen and plan.proven is None else None)
-            anchored[os.fspath(plan.dist.dist_info)] = None if window is None else window[1]
+            earlier = anchored_before is None or anchored_before(plan.dist)  # first sight explains nothing
+            anchored[os.fspath(plan.dist.dist_info)] = None if window is None or not earlier else window[1]
             if window is not None:
                 windows.update((loc, window) for loc in plan.dist.locations if pyc_name(loc) is not None)
         if recorded is not None:
