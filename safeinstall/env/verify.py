@@ -416,8 +416,8 @@ def verify_environment(
     """Verify the named distributions (or all, with ``names=None``) of ``env``. docs/verify.md.
 
     ``wheel``: the named one's reference; ``settle_shared`` False: no file settled as ``shared``;
-    ``vouched``, ``known``, ``unchanged``, ``recorded``, ``install_window``: what earlier checks saw
-    (``anchored_before``: a window an earlier check anchored, the only one that makes a wheel-fault);
+    ``vouched``, ``known``, ``unchanged``, ``recorded``, ``install_window``, ``anchored_before``: what
+    earlier checks saw;
     ``installed``, ``expected``: distributions found, carried patches; ``bytecode``: .pyc judged.
     """
     # Named ones are read first, the others (whose files only say what is "extra") while the large
