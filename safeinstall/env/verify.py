@@ -415,9 +415,8 @@ def verify_environment(
 ) -> VerifyReport:
     """Verify the named distributions (or all, with ``names=None``) of ``env``. docs/verify.md.
 
-    ``wheel``: the named one's reference; ``settle_shared`` False: no file settled as ``shared``;
-    ``vouched``, ``known``, ``unchanged``, ``recorded``, ``install_window``, ``anchored_before``: what
-    earlier checks saw;
+    ``wheel``: the reference; ``settle_shared`` False: nothing ``shared``; ``vouched``, ``known``,
+    ``unchanged``, ``recorded``, ``install_window``, ``anchored_before``: what earlier checks saw;
     ``installed``, ``expected``: distributions found, carried patches; ``bytecode``: .pyc judged.
     """
     # Named ones are read first, the others (whose files only say what is "extra") while the large
