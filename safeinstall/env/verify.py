@@ -369,15 +369,6 @@ def _listed_locations(installed: Sequence[InstalledDistribution]) -> frozenset[s
     return frozenset(location for d in installed for location in d.locations)
 
 
-def _ctime_ns(path: str) -> int | None:
-    """The change time of ``path`` itself (a symlink is not followed), or None: no account can set it
-    (an owner sets a modification time back at will)."""
-    try:
-        return os.lstat(path).st_ctime_ns
-    except OSError:
-        return None
-
-
 def _listed_by(
     installed: Sequence[InstalledDistribution], mismatched: Collection[str]
 ) -> dict[str, list[tuple[str, str, Expectation]]]:
@@ -632,11 +623,15 @@ def verify_environment(
         owner = owners.get(plan.dist.name)
         if wheel is None and owner is not None and any(f.kind == FindingKind.MODIFIED for f in findings):
             findings = _against_dpkg(env, plan.dist, owner, findings)  # dpkg's: no wheel to settle it with
-        elif wheel is None and any(f.kind == FindingKind.MODIFIED for f in findings):
-            record_ctime = (  # the anchored one where root keeps anchors: a chmod since moves the ctime now
-                anchored.get(os.fspath(plan.dist.dist_info))
-                if by_window is not None and bytecode
-                else _ctime_ns(os.path.join(plan.dist.dist_info, "RECORD"))
+        elif (
+            wheel is None
+            and anchored_before is not None
+            and any(f.kind == FindingKind.MODIFIED for f in findings)
+        ):
+            # only --verify-only's check says a wheel's fault, and only by the RECORD's ctime root anchored at
+            # an earlier check (a chmod since moves the ctime now); --full (no window) explains nothing away
+            record_ctime = (
+                anchored.get(os.fspath(plan.dist.dist_info)) if by_window is not None and bytecode else None
             )
             findings = [  # a listed .pyc judged by what it holds was never observed: no state
                 untouched_since_install(f, states[f.path].ctime_ns, record_ctime)
