@@ -172,13 +172,17 @@ def test_recover_over_all_environments_says_a_live_run_and_exits_for_what_it_rec
         died = bed.journal()
         assert died is not None
         live = other.unit("live")
-        other.hold_gpu(live, 20.0, "e8", gib=1)  # its run waits for the GPU 20 s after the stop
-        proc = other.start_run("sicext", "--wheel", str(wheels["sicext-2"]), "--settle", "0.3")
+        holder = other.manager.main_pid(live)
+        other.hold_gpu(live, 900.0, "e8", gib=1)  # its run waits for the GPU until the test lets it go
+        proc = other.start_run(
+            "sicext", "--wheel", str(wheels["sicext-2"]), "--settle", "0.3", "--gpu-timeout", "900"
+        )
         try:
             other.wait_phase(proc, "stopped")
 
             result = run("--user", "--recover", "--json", env=bed.environ(), timeout=240)
             plain = run("--user", "--recover", env=bed.environ(), timeout=240)
+            other.nvml.unhold(holder)  # the live run was live through both: now it goes on
 
             assert result.code == 0, result.stdout + result.stderr
             recoveries = result.json["data"]["recoveries"]
@@ -188,6 +192,7 @@ def test_recover_over_all_environments_says_a_live_run_and_exits_for_what_it_rec
             assert result.json["errors"] == [], result.json
             assert plain.code == 0 and "not recovered: " in plain.stdout, plain.stdout + plain.stderr
         finally:
+            other.nvml.unhold(holder)
             out, err = proc.communicate(timeout=180)
         assert proc.returncode == 0, out + err
         wait_until(lambda: bed.manager.active_state(dead) == "active", 20, "the dead run's unit running")
