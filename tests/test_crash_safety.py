@@ -168,7 +168,14 @@ def test_recover_over_all_environments_says_a_live_run_and_exits_for_what_it_rec
     other = Bed(other_python, bed.state, user_manager, fake_nvml, wheels)  # one state directory, two envs
     try:
         dead = bed.unit("dead")
-        bed.kill_in("verified", "sicext", "--wheel", str(wheels["sicext-2"]), "--settle", "0.3", "--no-swap")
+        # killed once verified: "verified" lasts milliseconds, "restarting" the settle (3 s) too
+        killed = bed.start_run("sicext", "--wheel", str(wheels["sicext-2"]), "--settle", "3", "--no-swap")
+        try:
+            bed.wait_phase(killed, "verified", "restarting")
+            killed.send_signal(signal.SIGKILL)
+        finally:
+            killed.wait()
+            killed.communicate()
         died = bed.journal()
         assert died is not None
         live = other.unit("live")
