@@ -210,6 +210,7 @@ def test_a_clean_reinstall_from_roots_warm_cache_shares_no_inode_with_it(
     said = clean_reinstall()
     assert f"unpacked wheel(s) copied from {cache}" in said and "changed copy" not in said, said
     assert "hashed as the fill copied them, not read again" in said, said  # read once, not twice
+    assert "(beside the preflight; the prefetch waited" in said, said  # filled while the old files hashed
     in_cache = cache_files()
     record = next(site.glob("sipure-2.0.dist-info")) / "RECORD"
     for line in record.read_text().splitlines():
@@ -228,6 +229,7 @@ def test_a_clean_reinstall_from_roots_warm_cache_shares_no_inode_with_it(
     said = clean_reinstall()
     assert "uv's cache holds a changed copy of sipure 2.0: `uv cache clean sipure`" in said, said
     assert installed.read_bytes() == pristine  # from the fresh copy, not the changed one
+    assert not list((tmp_path / "state").rglob("uv-cache-*"))  # the runs' caches went with them
 
 
 def test_a_copy_hashed_as_the_fill_wrote_it_stands_for_that_inode_unchanged_and_nothing_else(
@@ -292,3 +294,44 @@ def test_a_kept_hash_stands_for_a_root_only_inode_whose_links_changed_and_for_no
     assert root_only_digest(entry, os.lstat(path)) is None
     assert root_only_digest(entry._replace(size=11), info) is None
     assert root_only_digest(entry._replace(root_only=0), info) is None  # hashed while not root's alone
+
+
+def test_a_fill_started_beside_the_preflight_that_no_run_takes_is_waited_for_and_removed(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    """The fill starts in the preflight, before the run is sure to go on (it may be declined, refused or
+    interrupted before its prefetch): abandoned, it is waited for and the run's cache goes, copies and
+    all; the owner's cache is untouched. Root's own cache (the fill checks it is root's alone)."""
+    if os.geteuid() != 0:
+        pytest.skip("root's own cache: needs root")
+    from safeinstall.env.environment import inspect_environment
+    from safeinstall.run import prefill
+    from safeinstall.store.state import ensure_environment_dir, environment_state
+
+    owners = tmp_path / "owners-cache"
+    owners.mkdir(mode=0o700)
+    _uv_fills(owners, wheels, venv, tmp_path / "t1", "sipure==1.0")
+    before = _inodes(owners)
+    env = inspect_environment(venv)
+    state = environment_state(tmp_path / "state", env.prefix)
+    ensure_environment_dir(state)
+    changes = (UvChange("install", "sipure", "1.0", None),)
+    environ = {"UV_CACHE_DIR": str(owners)}
+
+    started = prefill.start(environ, env, state, "run-1", changes, "hardlink")
+    assert started is not None and started.cache == state.uv_cache("run-1")
+    prefill.abandon(started)
+    assert started.answer.done() and started.answer.result().archives == 1  # waited for, not cut short
+    assert not state.uv_cache("run-1").exists()  # the copies went with it
+    assert _inodes(owners) == before
+    prefill.abandon(started)  # idempotent
+
+    # nothing the plan fetches, or uv's own cache options: no fill, no directory
+    assert (
+        prefill.start(
+            environ, env, state, "run-2", (UvChange("install", "sipure", "1.0", "w.whl"),), "hardlink"
+        )
+        is None
+    )
+    assert prefill.start(environ, env, state, "run-3", changes, "copy") is None
+    assert not state.uv_cache("run-2").exists() and not state.uv_cache("run-3").exists()

@@ -49,6 +49,7 @@ from safeinstall.env.wheelcopy import (
     temporary_copy,
 )
 from safeinstall.errors import NotConfirmed, PlanError, SafeInstallError, WheelError
+from safeinstall.run import prefill as run_prefill
 from safeinstall.run import requires, staging
 from safeinstall.run.options import RunOptions, check_options
 from safeinstall.run.patches import PatchSet, prepare_patches
@@ -110,6 +111,9 @@ class Prepared:
     inodes: InodeStore | None = None
     #: a commit's, from its prepare's record (:class:`Reuse`): its wheel is the prepare's own copy
     reused: bool = False
+    #: the run's cache being filled from the owner's beside the preflight (:mod:`safeinstall.run.prefill`):
+    #: the prefetch takes it; a run that never gets there abandons it
+    prefill: run_prefill.Prefill | None = None
 
     @property
     def plan(self) -> Plan:
@@ -127,12 +131,18 @@ class Reuse:
 
 
 def preflight(
-    options: RunOptions, *, take_lock: bool, env: Environment | None = None, reuse: Reuse | None = None
+    options: RunOptions,
+    *,
+    take_lock: bool,
+    env: Environment | None = None,
+    reuse: Reuse | None = None,
+    fill: bool = False,
 ) -> Prepared:
     """Every check of the run before its first stop. Raises SafeInstallError (exit 2) before there is a
     plan; later failures are the plan's ``refusals``. ``take_lock``: make the state directory and hold the
     lock (a run), else only check both; ``env``: inspected already; ``reuse``: a commit's (no copy, no
-    room check).
+    room check); ``fill``: with ``take_lock`` and ``options.run_id``, the run's cache is filled from the
+    owner's beside the rest (``Prepared.prefill``) once the plan refuses nothing.
     """
     check_options(options)
     env = env or inspect_environment(resolve_python(options.python, options.environ))
@@ -166,6 +176,7 @@ def preflight(
     # the wheel's members are hashed on a thread of their own while uv plans (uv's dry run reads only its
     # metadata, and what it says is used only once the wheel passed its checks)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wheel")
+    filling: run_prefill.Prefill | None = None
     try:
         undo = undo_target(state, options.undo) if options.undo is not None else None
         reading: Future[Wheel] | None = None
@@ -239,6 +250,18 @@ def preflight(
             found = replace(found, plan=replace(found.plan, refusals=(*found.plan.refusals, *more)))
         if unmet:
             found = replace(found, plan=replace(found.plan, warnings=(*found.plan.warnings, *unmet)))
+        if (
+            fill
+            and take_lock
+            and options.run_id
+            and reuse is None
+            and undo is None
+            and not found.plan.refusals
+        ):
+            # beside the old files' hash and the backup: the copy is the prefetch's longest part
+            filling = run_prefill.start(
+                options.environ, env, state, options.run_id, found.uv_plan.changes, found.request.link_mode
+            )
         vouched, unused = read_vouched(state.root, env.prefix)
         notes.extend([unused] if unused else [])
         inodes, unread = read_store(state.root, env.prefix)
@@ -288,6 +311,7 @@ def preflight(
         found = replace(found, plan=replace(found.plan, install=install))
     except BaseException:
         pool.shutdown(cancel_futures=True)
+        run_prefill.abandon(filling)
         if options.wheel is not None and options.wheel != given:
             discard_wheel_copy(options.wheel, state.dir)
         if lock is not None:
@@ -308,6 +332,7 @@ def preflight(
         vouched=vouched,
         inodes=inodes,
         reused=reuse is not None,
+        prefill=filling,
     )
 
 

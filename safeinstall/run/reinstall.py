@@ -41,6 +41,7 @@ from safeinstall.errors import (
     SafeInstallError,
     StepFailed,
 )
+from safeinstall.run import prefill as run_prefill
 from safeinstall.run import prepare, requires, staging, undo
 from safeinstall.run import smoke as run_smoke
 from safeinstall.run.options import RunOptions
@@ -100,9 +101,7 @@ from safeinstall.store.retention import prune_backups
 from safeinstall.store.runlog import human_bytes
 from safeinstall.store.state import (
     RUN_DIR_REMOVAL_S,
-    StateDirError,
     atomic_write,
-    check_trusted,
     make_run_dir,
     new_run_id,
     remove_run_dir,
@@ -264,7 +263,8 @@ def prefetch_step(run: Run) -> str:
     them into the staging tree instead, verify them there and plan the renames, all before the stop."""
     account = run.env.account  # uv runs as the environment's owner: the directories are its own
     request = run.survey.request
-    cache = make_run_dir(run.state.uv_cache(run.run_id), account)
+    prefill = run.prepared.prefill  # the run's cache, made and being filled beside the preflight
+    cache = prefill.cache if prefill is not None else make_run_dir(run.state.uv_cache(run.run_id), account)
     why_not = staging.refusal(run.env, request, run.survey.uv_plan.changes, _swap_rulers(run))
     root: Path | None = None
     if why_not is None:
@@ -443,17 +443,22 @@ def _resolve_into(run: Run, cache: Path) -> None:
 
 def _fill_from_owners_cache(run: Run, cache: Path) -> str:
     """Copy into the run's cache what the owner's uv cache already holds of what the plan installs
-    (:mod:`safeinstall.env.cachefill`); the step's detail about it ("" when nothing was copied)."""
-    source = cachefill.source_cache(run.options.environ, run.env.account)
-    if source is None or run.survey.request.link_mode != "hardlink":  # uv's cache options: left to uv
-        return ""
-    if run.env.account is None:  # root's environment: the caller's cache, only if nobody else can write it
-        try:
-            check_trusted(source)
-        except StateDirError as exc:
-            run._log(f"prefetch: nothing copied from {source}: {exc.message}")
+    (:mod:`safeinstall.env.cachefill`), or take what the fill beside the preflight copied
+    (:mod:`safeinstall.run.prefill`); the step's detail about it ("" when nothing was copied)."""
+    prefill = run.prepared.prefill
+    beside = ""
+    if prefill is not None:
+        source = prefill.source
+        filled, waited = run_prefill.take(prefill)
+        beside = f" (beside the preflight; the prefetch waited {waited:.1f} s for it)"
+    else:
+        found, why_not = run_prefill.source_of(run.options.environ, run.env, run.survey.request.link_mode)
+        if found is None:
+            if why_not:
+                run._log(f"prefetch: {why_not}")
             return ""
-    filled = cachefill.fill(source, cache, run.survey.uv_plan.changes, run.env.account)
+        source = found
+        filled = cachefill.fill(source, cache, run.survey.uv_plan.changes, run.env.account)
     run.filled = filled.digests if run.env.account is None else ()  # root's own copies: hashed as written
     how = "copied"  # cloned where the filesystem can; never linked (an edit in place would edit the cache)
     for damaged in filled.damaged:
@@ -468,9 +473,9 @@ def _fill_from_owners_cache(run: Run, cache: Path) -> str:
         return ""
     if not filled.archives:
         return ""
-    run._log(f"prefetch: {how} from {source}: {', '.join(filled.entries)} ({filled.bytes} bytes)")
+    run._log(f"prefetch: {how} from {source}: {', '.join(filled.entries)} ({filled.bytes} bytes){beside}")
     size = f"{filled.bytes / 1e6:.0f} MB"
-    return f"; {filled.archives} unpacked wheel(s) {how} from {source} ({size}, not fetched)"
+    return f"; {filled.archives} unpacked wheel(s) {how} from {source} ({size}, not fetched{beside})"
 
 
 # ------------------------------------------------------------------ 3. gate
@@ -1068,7 +1073,10 @@ def run_reinstall(
     began = time.monotonic()  # the preflight step: from here to the run's start (docs/json.md)
     record = read_prepared_run(options, env) if options.commit else None
     reuse = prepare.reuse_of(record, options.full) if record is not None else None
-    prepared = shared_preflight(options, take_lock=True, env=env, reuse=reuse)
+    if options.run_id is None:  # known before the preflight: the run's cache is filled beside it
+        options = replace(options, run_id=new_run_id(datetime.now(UTC), os.getpid()))
+    fill = record is None and options.undo is None
+    prepared = shared_preflight(options, take_lock=True, env=env, reuse=reuse, fill=fill)
     tidying: list[bool] = []
     cache_removed: list[bool] = []
 
@@ -1109,6 +1117,7 @@ def run_reinstall(
         run.steps.append(preflight_outcome(prepared, record is not None, reuse is not None, began))
     except BaseException:
         deferral.close()
+        run_prefill.abandon(prepared.prefill)
         _discard_wheel_copy(prepared)
         if prepared.lock is not None:
             prepared.lock.release()
@@ -1199,6 +1208,7 @@ def run_reinstall(
         return _result(run, "done", ExitCode.OK, None, not_restarted, removed)
     finally:
         run_smoke.abandon(run)  # never left running, whatever ended the run
+        run_prefill.join(prepared.prefill)  # the fill's copies are in the run's cache, removed next
         # what its owner kept filling stays for the next run
         if not cache_removed:  # a good run's tidy-up removed it already
             _remove_run_cache(run)
