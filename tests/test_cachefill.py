@@ -9,6 +9,7 @@ import base64
 import hashlib
 import os
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -335,3 +336,40 @@ def test_a_fill_started_beside_the_preflight_that_no_run_takes_is_waited_for_and
     )
     assert prefill.start(environ, env, state, "run-3", changes, "copy") is None
     assert not state.uv_cache("run-2").exists() and not state.uv_cache("run-3").exists()
+
+
+def test_a_file_whose_digest_roots_store_keeps_is_copied_in_the_kernel_under_that_digest(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    """Root's own cache: a source file whose digest root's verified-inode store keeps for that very inode
+    (size and mtime unchanged) is copied by the kernel and not read; the digest it stands under is the
+    kept one: a wrong one is what the RECORD check then sees (the archive is said damaged, not taken),
+    which shows the file was not read. An account's fill never takes such digests."""
+    owners = tmp_path / "owners-cache"
+    _uv_fills(owners, wheels, venv, tmp_path / "t1", "sipure==1.0")
+    (archive,) = os.listdir(owners / "archive-v0")
+    source = owners / "archive-v0" / archive / "sipure" / "__init__.py"
+    record = next((owners / "archive-v0" / archive).glob("*.dist-info")) / "RECORD"
+    listed = next(line for line in record.read_text().splitlines() if line.startswith("sipure/__init__.py,"))
+    right = listed.split(",")[1].split("=", 1)[1]
+    wrong = base64.urlsafe_b64encode(hashlib.sha256(b"not these bytes").digest()).rstrip(b"=").decode()
+    inode = source.stat().st_ino
+    changes = [UvChange("install", "sipure", "1.0", None)]
+
+    def kept(digest: str) -> Callable[[os.stat_result], str | None]:
+        return lambda info: digest if info.st_ino == inode else None
+
+    good = cachefill.fill(owners, tmp_path / "run-1", changes, None, kept(right))
+    assert good.archives == 1 and not good.damaged and good.unread == 1, good
+    path = f"archive-v0/{archive}/sipure/__init__.py"
+    (taken,) = [d for d in good.digests if d[0] == path]
+    copy = tmp_path / "run-1" / path
+    assert taken[1] == right and taken[3] == copy.stat().st_ino  # the copy's own inode, the kept digest
+    assert copy.read_bytes() == source.read_bytes() and copy.stat().st_ino != inode
+
+    bad = cachefill.fill(owners, tmp_path / "run-2", changes, None, kept(wrong))
+    assert bad.archives == 0 and bad.damaged == ("sipure 1.0",) and bad.unread == 0, bad
+
+    # none: every file read and hashed as it is copied
+    plain = cachefill.fill(owners, tmp_path / "run-3", changes, None)
+    assert plain.archives == 1 and plain.unread == 0 and not plain.damaged

@@ -31,6 +31,7 @@ class Filled:
     #: the copies the fill wrote and hashed as it wrote them: (path below the run's cache, sha256, size,
     #: inode, mtime in ns)
     digests: tuple[tuple[str, str, int, int, int], ...] = ()
+    unread: int = 0  # files copied in the kernel under a digest root's verified-inode store kept
 
 
 def source_cache(environ: Mapping[str, str], account: Account | None) -> Path | None:
@@ -55,17 +56,26 @@ def wanted(changes: Sequence[UvChange]) -> list[list[str]]:
     return [[name, version] for name, version in sorted(found)]
 
 
-def fill(source: Path, run_cache: Path, changes: Sequence[UvChange], account: Account | None) -> Filled:
+def fill(
+    source: Path,
+    run_cache: Path,
+    changes: Sequence[UvChange],
+    account: Account | None,
+    known: owner.Known | None = None,
+) -> Filled:
     """Copy (clone) what ``changes`` install from ``source`` into ``run_cache``, as ``account`` (root for a
-    root-owned environment); best effort: a failure is said, and the prefetch fetches what is missing."""
+    root-owned environment); best effort: a failure is said, and the prefetch fetches what is missing.
+    ``known``: root's verified-inode store's digests of root-only inodes (root's own cache; never an
+    account's, whose bytes root cannot vouch for by their times): those files are copied in the kernel."""
     want = wanted(changes)
     if not want or not source.is_dir():
         return Filled(0, 0, ())
     text_source, text_target = str(source), str(run_cache)
+    mine = known if account is None else None
     try:
         answer = worker.call(
             None if account is None else account.ids,
-            lambda: owner.copy_cached_wheels(text_source, text_target, want),
+            lambda: owner.copy_cached_wheels(text_source, text_target, want, mine),
             timeout=FILL_TIMEOUT_S,
             what=f"copies cached wheels from {source}",
         )
@@ -95,7 +105,10 @@ def fill(source: Path, run_cache: Path, changes: Sequence[UvChange], account: Ac
         and _DIGEST.fullmatch(said[0])
         and all(isinstance(n, int) and not isinstance(n, bool) for n in said[1:])
     )
-    return Filled(archives, size, tuple(str(e)[:200] for e in entries[:1000]), damaged=said, digests=digests)
+    unread = answer.get("unread", 0)
+    unread = unread if isinstance(unread, int) and not isinstance(unread, bool) and unread >= 0 else 0
+    entries_said = tuple(str(e)[:200] for e in entries[:1000])
+    return Filled(archives, size, entries_said, damaged=said, digests=digests, unread=unread)
 
 
 #: A sha256 digest as a RECORD spells it (urlsafe base64, no padding)

@@ -18,6 +18,7 @@ import re
 import stat
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -224,17 +225,23 @@ FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int), a reflink of a whole fil
 COPY_THREADS = max(2, min(8, hashing.default_workers()))
 
 
-def copy_cached_wheels(source: str, target: str, wanted: list[list[str]]) -> dict[str, Any]:
+def copy_cached_wheels(
+    source: str, target: str, wanted: list[list[str]], known: Known | None = None
+) -> dict[str, Any]:
     """Clone or copy into the run's cache ``target`` the unpacked wheels of ``wanted`` that the cache
-    ``source`` holds, never linking (docs/window.md); runs as the owner of both.
+    ``source`` holds, never linking (docs/window.md); runs as the owner of both. ``known``: a source
+    file's digest kept by root's verified-inode store (root's own cache only): copied in the kernel,
+    not read here.
 
     An archive whose files differ from its RECORD is ``damaged``, not taken. Returns ``{"archives",
-    "bytes", "entries", "damaged", "digests"}`` (``digests``: each copy's hash as written, by path).
+    "bytes", "entries", "damaged", "digests", "unread"}`` (``digests``: each copy's hash as written, by
+    path; ``unread``: the files copied in the kernel under a kept digest).
     """
     archives: set[tuple[str, str]] = set()
     written: list[tuple[int, str, Written]] = []  # (size, path in the target, as written) of each copy
     bad: set[tuple[str, str]] = set()
     copied = 0
+    unread = 0
     entries: list[str] = []
     damaged: list[str] = []
     top = Path(source)
@@ -269,7 +276,7 @@ def copy_cached_wheels(source: str, target: str, wanted: list[list[str]]) -> dic
                     if (bucket_name, archive_id) not in archives:
                         archive = Path(bucket_name) / archive_id
                         try:
-                            size, hashed = _copy_tree(top / archive, Path(target) / archive)
+                            size, hashed, kept = _copy_tree(top / archive, Path(target) / archive, known)
                         except FileNotFoundError:
                             continue  # a link to an archive uv has removed since
                         digests = {relative: written[0] for _, relative, written in hashed}
@@ -279,6 +286,7 @@ def copy_cached_wheels(source: str, target: str, wanted: list[list[str]]) -> dic
                             damaged.append(f"{name} {version}")
                             continue
                         copied += size
+                        unread += kept
                         archives.add((bucket_name, archive_id))
                         written.extend((n, f"{archive}/{relative}", d) for n, relative, d in hashed)
                     destination = Path(target) / relative_path(entry_dir, top)
@@ -297,6 +305,7 @@ def copy_cached_wheels(source: str, target: str, wanted: list[list[str]]) -> dic
         "entries": sorted(set(entries)),
         "damaged": sorted(set(damaged)),
         "digests": _within_budget(written),
+        "unread": unread,
     }
 
 
@@ -406,43 +415,75 @@ def _archive_of(entry: Path, depth: int) -> tuple[str, str, str] | None:
     return match["bucket"], match["id"], text
 
 
+#: A source file's digest kept by root's verified-inode store, for its ``fstat`` (None: not known)
+Known = Callable[[os.stat_result], str | None]
+
+
 def _copy_file(
-    source: Path, destination: Path, buffer: memoryview | None = None
-) -> tuple[int, Written | None]:
-    """Copy one regular file (never following a symlink; a new file, not a link): bytes copied, and what
-    was written (:data:`Written`) when the bytes went through ``buffer`` (None: cloned, or copied in the
-    kernel without a buffer)."""
+    source: Path, destination: Path, buffer: memoryview | None = None, known: Known | None = None
+) -> tuple[int, Written | None, bool]:
+    """Copy one regular file (never following a symlink; a new file, not a link): bytes copied, what
+    was written (:data:`Written`) when the bytes went through ``buffer``, or when ``known`` has the
+    source's digest and the source did not move while the kernel copied (cloned) it (None: otherwise),
+    and whether that digest stands for it (copied without being read here)."""
     src = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         info = os.fstat(src)
         if not stat.S_ISREG(info.st_mode):
-            return 0, None
+            return 0, None, False
         _check_controlled(info, source)
+        digest = known(info) if known is not None else None
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         dst = os.open(destination, flags, info.st_mode & 0o755)
         try:
+            cloned = False
             with contextlib.suppress(OSError):  # no reflink here (ext4, another filesystem): copied
                 fcntl.ioctl(dst, FICLONE, src)
-                return info.st_size, None
+                cloned = True
+            if digest is not None:  # the bytes the store hashed: copied in the kernel, never read here
+                done = info.st_size if cloned else _copy_in_kernel(src, dst)
+                if done == info.st_size and _unmoved(info, os.fstat(src)):
+                    mine = os.fstat(dst)
+                    return done, (digest, mine.st_ino, mine.st_mtime_ns), True
+                os.ftruncate(dst, 0)  # it moved meanwhile (root's own uv): copied again, read and hashed
+                os.lseek(src, 0, os.SEEK_SET)
+                os.lseek(dst, 0, os.SEEK_SET)
+                cloned = False
+            if cloned:
+                return info.st_size, None, False
             if buffer is not None:  # read once: hashed as it is written (no second read to check it)
-                return _copy_hashed(src, dst, buffer)
-            done = 0
-            while True:
-                try:
-                    count = os.copy_file_range(src, dst, _COPY_CHUNK)
-                except OSError as exc:  # another filesystem (EXDEV), or none that copies in the kernel
-                    if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-                        raise
-                    chunk = os.read(src, _COPY_CHUNK)
-                    count = os.write(dst, chunk) if chunk else 0
-                if count == 0:
-                    break
-                done += count
-            return done, None
+                return (*_copy_hashed(src, dst, buffer), False)
+            return _copy_in_kernel(src, dst), None, False
         finally:
             os.close(dst)
     finally:
         os.close(src)
+
+
+def _unmoved(before: os.stat_result, after: os.stat_result) -> bool:
+    """Pure: the same inode, size and mtime (what the store's kept digest stands for)."""
+    return (before.st_ino, before.st_size, before.st_mtime_ns) == (
+        after.st_ino,
+        after.st_size,
+        after.st_mtime_ns,
+    )
+
+
+def _copy_in_kernel(src: int, dst: int) -> int:
+    """Copy from the offset of ``src`` to that of ``dst`` in the kernel (``copy_file_range``; read and
+    written where the filesystems cannot): the bytes copied."""
+    done = 0
+    while True:
+        try:
+            count = os.copy_file_range(src, dst, _COPY_CHUNK)
+        except OSError as exc:  # another filesystem (EXDEV), or none that copies in the kernel
+            if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            chunk = os.read(src, _COPY_CHUNK)
+            count = os.write(dst, chunk) if chunk else 0
+        if count == 0:
+            return done
+        done += count
 
 
 #: A copy as it was written: its sha256 (urlsafe base64, as a RECORD has it), inode and mtime (ns)
@@ -478,10 +519,13 @@ def _check_controlled(info: os.stat_result, path: Path) -> None:
         raise PermissionError(f"{path} is not this account's own (uid {info.st_uid}, mode {info.st_mode:o})")
 
 
-def _copy_tree(source: Path, destination: Path) -> tuple[int, list[tuple[int, str, Written]]]:
+def _copy_tree(
+    source: Path, destination: Path, known: Known | None = None
+) -> tuple[int, list[tuple[int, str, Written]], int]:
     """Copy (cloned where the filesystem can) a tree of regular files and directories: bytes copied,
-    and ``(size, relative path, as written)`` of each file copied through a buffer. Files are copied on
-    a few threads, largest first: without reflink torch's 0.7 GB was slower than the install."""
+    ``(size, relative path, as written)`` of each file copied through a buffer or under a ``known``
+    digest, and how many were copied in the kernel under one. Files are copied on a few threads,
+    largest first: without reflink torch's 0.7 GB was slower than the install."""
     files: list[tuple[int, Path, Path, str]] = []
     pending = [(source, destination, "")]
     while pending:
@@ -502,6 +546,7 @@ def _copy_tree(source: Path, destination: Path) -> tuple[int, list[tuple[int, st
         work.put(file)
     copied: list[int] = []
     digests: list[tuple[int, str, Written]] = []
+    unread: list[int] = []
     failed: list[BaseException] = []
 
     def copy_some() -> None:
@@ -514,12 +559,14 @@ def _copy_tree(source: Path, destination: Path) -> tuple[int, list[tuple[int, st
                 except queue.Empty:
                     break
                 try:
-                    size, digest = _copy_file(here, there, buffer)
+                    size, digest, unseen = _copy_file(here, there, buffer, known)
                 except FileExistsError:
                     continue
                 total += size
                 if digest is not None:
                     digests.append((size, relative, digest))
+                    if unseen:
+                        unread.append(1)
         except BaseException as exc:  # the first failure is the caller's; the other threads stop
             failed.append(exc)
         finally:
@@ -535,7 +582,7 @@ def _copy_tree(source: Path, destination: Path) -> tuple[int, list[tuple[int, st
         thread.join()
     if failed:
         raise failed[0]
-    return sum(copied), digests
+    return sum(copied), digests, len(unread)
 
 
 def keep_links(prefix: str, name: str, paths: list[str], keys: list[str]) -> dict[str, Any]:

@@ -12,9 +12,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from safeinstall.env import cachefill
+from safeinstall.env import cachefill, owner
 from safeinstall.env.environment import Environment
 from safeinstall.env.uvplan import UvChange
+from safeinstall.env.verified import InodeStore, root_only_checker
 from safeinstall.errors import SafeInstallError
 from safeinstall.store.state import EnvironmentState, check_trusted, make_run_dir, remove_run_dir
 from safeinstall.system.signals import held_while_threads_start
@@ -53,10 +54,11 @@ def start(
     run_id: str,
     changes: tuple[UvChange, ...],
     link_mode: str,
+    known: owner.Known | None = None,
 ) -> Prefill | None:
     """Start the fill of the run's cache (``state.uv_cache(run_id)``, made here as the owner's) on a
     thread; None when there is nothing to copy from, nothing the plan fetches, or the run's cache cannot
-    be made here (the prefetch then fills it itself)."""
+    be made here (the prefetch then fills it itself). ``known``: see :func:`cachefill.fill`."""
     source, _ = source_of(environ, env, link_mode)
     if source is None or not cachefill.wanted(changes) or not source.is_dir():
         return None
@@ -67,12 +69,18 @@ def start(
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="safeinstall-fill")
     try:
         with held_while_threads_start():
-            answer = pool.submit(cachefill.fill, source, cache, changes, env.account)
+            answer = pool.submit(cachefill.fill, source, cache, changes, env.account, known)
     except BaseException:
         pool.shutdown(wait=True)
         remove_run_dir(cache)
         raise
     return Prefill(cache, source, pool, answer, time.monotonic())
+
+
+def kept_digests(store: InodeStore | None, full: bool) -> owner.Known | None:
+    """The digests root's verified-inode store keeps of root-only inodes (:func:`root_only_checker`), for
+    the fill of root's own environment; None with ``--full`` (every file read) or no usable store."""
+    return None if full or store is None or not store.entries else root_only_checker(store)
 
 
 def take(prefill: Prefill) -> tuple[cachefill.Filled, float]:

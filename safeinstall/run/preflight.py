@@ -250,22 +250,21 @@ def preflight(
             found = replace(found, plan=replace(found.plan, refusals=(*found.plan.refusals, *more)))
         if unmet:
             found = replace(found, plan=replace(found.plan, warnings=(*found.plan.warnings, *unmet)))
-        if (
-            fill
-            and take_lock
-            and options.run_id
-            and reuse is None
-            and undo is None
-            and not found.plan.refusals
-        ):
-            # beside the old files' hash and the backup: the copy is the prefetch's longest part
-            filling = run_prefill.start(
-                options.environ, env, state, options.run_id, found.uv_plan.changes, found.request.link_mode
-            )
         vouched, unused = read_vouched(state.root, env.prefix)
         notes.extend([unused] if unused else [])
         inodes, unread = read_store(state.root, env.prefix)
         notes.extend([unread] if unread else [])
+        if fill and take_lock and options.run_id and not (reuse or undo or found.plan.refusals):
+            # beside the old files' hash and the backup: the copy is the prefetch's longest part
+            filling = run_prefill.start(
+                options.environ,
+                env,
+                state,
+                options.run_id,
+                found.uv_plan.changes,
+                found.request.link_mode,
+                run_prefill.kept_digests(inodes, options.full),
+            )
         before = verify_environment(
             env,
             [d.name for d in found.affected],

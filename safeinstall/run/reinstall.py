@@ -458,7 +458,8 @@ def _fill_from_owners_cache(run: Run, cache: Path) -> str:
                 run._log(f"prefetch: {why_not}")
             return ""
         source = found
-        filled = cachefill.fill(source, cache, run.survey.uv_plan.changes, run.env.account)
+        kept = run_prefill.kept_digests(run.prepared.inodes, run.options.full)
+        filled = cachefill.fill(source, cache, run.survey.uv_plan.changes, run.env.account, kept)
     run.filled = filled.digests if run.env.account is None else ()  # root's own copies: hashed as written
     how = "copied"  # cloned where the filesystem can; never linked (an edit in place would edit the cache)
     for damaged in filled.damaged:
@@ -474,6 +475,11 @@ def _fill_from_owners_cache(run: Run, cache: Path) -> str:
     if not filled.archives:
         return ""
     run._log(f"prefetch: {how} from {source}: {', '.join(filled.entries)} ({filled.bytes} bytes){beside}")
+    if filled.unread:
+        run._log(
+            f"prefetch: {filled.unread} of the files copied in the kernel, not read: root's verified-inode "
+            "store keeps their digests"
+        )
     size = f"{filled.bytes / 1e6:.0f} MB"
     return f"; {filled.archives} unpacked wheel(s) {how} from {source} ({size}, not fetched{beside})"
 
