@@ -1081,7 +1081,8 @@ def run_reinstall(
     reuse = prepare.reuse_of(record, options.full) if record is not None else None
     if options.run_id is None:  # known before the preflight: the run's cache is filled beside it
         options = replace(options, run_id=new_run_id(datetime.now(UTC), os.getpid()))
-    fill = record is None and options.undo is None
+    # not for a run that will be refused for want of a yes (it would wait for the fill to say so)
+    fill = record is None and options.undo is None and (interactive or cannot_ask is None)
     prepared = shared_preflight(options, take_lock=True, env=env, reuse=reuse, fill=fill)
     tidying: list[bool] = []
     cache_removed: list[bool] = []
