@@ -211,7 +211,7 @@ def test_a_clean_reinstall_from_roots_warm_cache_shares_no_inode_with_it(
     said = clean_reinstall()
     assert f"unpacked wheel(s) copied from {cache}" in said and "changed copy" not in said, said
     assert "hashed as the fill copied them, not read again" in said, said  # read once, not twice
-    assert "(beside the preflight; the prefetch waited" in said, said  # filled while the old files hashed
+    assert ", beside the preflight (the prefetch waited" in said, said  # filled while the old files hashed
     in_cache = cache_files()
     record = next(site.glob("sipure-2.0.dist-info")) / "RECORD"
     for line in record.read_text().splitlines():

@@ -450,7 +450,7 @@ def _fill_from_owners_cache(run: Run, cache: Path) -> str:
     if prefill is not None:
         source = prefill.source
         filled, waited = run_prefill.take(prefill)
-        beside = f" (beside the preflight; the prefetch waited {waited:.1f} s for it)"
+        beside = f", beside the preflight (the prefetch waited {waited:.1f} s for it)"
     else:
         found, why_not = run_prefill.source_of(run.options.environ, run.env, run.survey.request.link_mode)
         if found is None:
@@ -474,14 +474,14 @@ def _fill_from_owners_cache(run: Run, cache: Path) -> str:
         return ""
     if not filled.archives:
         return ""
-    run._log(f"prefetch: {how} from {source}: {', '.join(filled.entries)} ({filled.bytes} bytes){beside}")
+    run._log(f"prefetch: {how} from {source}{beside}: {', '.join(filled.entries)} ({filled.bytes} bytes)")
     if filled.unread:
         run._log(
             f"prefetch: {filled.unread} of the files copied in the kernel, not read: root's verified-inode "
             "store keeps their digests"
         )
     size = f"{filled.bytes / 1e6:.0f} MB"
-    return f"; {filled.archives} unpacked wheel(s) {how} from {source} ({size}, not fetched{beside})"
+    return f"; {filled.archives} unpacked wheel(s) {how} from {source}{beside} ({size}, not fetched)"
 
 
 # ------------------------------------------------------------------ 3. gate
