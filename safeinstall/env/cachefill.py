@@ -65,8 +65,7 @@ def fill(
 ) -> Filled:
     """Copy (clone) what ``changes`` install from ``source`` into ``run_cache``, as ``account`` (root for a
     root-owned environment); best effort: a failure is said, and the prefetch fetches what is missing.
-    ``known``: root's verified-inode store's digests of root-only inodes (root's own cache; never an
-    account's, whose bytes root cannot vouch for by their times): those files are copied in the kernel."""
+    ``known``: root's kept digests of root-only inodes, never for an account (docs/window.md)."""
     want = wanted(changes)
     if not want or not source.is_dir():
         return Filled(0, 0, ())

@@ -229,13 +229,9 @@ def copy_cached_wheels(
     source: str, target: str, wanted: list[list[str]], known: Known | None = None
 ) -> dict[str, Any]:
     """Clone or copy into the run's cache ``target`` the unpacked wheels of ``wanted`` that the cache
-    ``source`` holds, never linking (docs/window.md); runs as the owner of both. ``known``: a source
-    file's digest kept by root's verified-inode store (root's own cache only): copied in the kernel,
-    not read here.
-
-    An archive whose files differ from its RECORD is ``damaged``, not taken. Returns ``{"archives",
-    "bytes", "entries", "damaged", "digests", "unread"}`` (``digests``: each copy's hash as written, by
-    path; ``unread``: the files copied in the kernel under a kept digest).
+    ``source`` holds, never linking (docs/window.md), as the owner of both; ``known``: see
+    :func:`_copy_file`. An archive that differs from its RECORD is ``damaged``, not taken. Returns
+    ``{"archives", "bytes", "entries", "damaged", "digests", "unread"}`` (docs/window.md).
     """
     archives: set[tuple[str, str]] = set()
     written: list[tuple[int, str, Written]] = []  # (size, path in the target, as written) of each copy

@@ -141,8 +141,7 @@ def preflight(
     """Every check of the run before its first stop. Raises SafeInstallError (exit 2) before there is a
     plan; later failures are the plan's ``refusals``. ``take_lock``: make the state directory and hold the
     lock (a run), else only check both; ``env``: inspected already; ``reuse``: a commit's (no copy, no
-    room check); ``fill``: with ``take_lock`` and ``options.run_id``, the run's cache is filled from the
-    owner's beside the rest (``Prepared.prefill``) once the plan refuses nothing.
+    room check); ``fill``: the run's cache filled beside it (``Prepared.prefill``).
     """
     check_options(options)
     env = env or inspect_environment(resolve_python(options.python, options.environ))
