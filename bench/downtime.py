@@ -91,7 +91,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -311,13 +311,36 @@ def _safeinstall_command(
     return [safeinstall, *args, *options, *extra, *(("--", *case.uv_args) if case.uv_args else ())]
 
 
-def _prepare(safeinstall: str, case: Case, args: list[str], env: dict[str, str]) -> float:
-    """``--prepare`` (nothing stops): its wall time."""
-    options = ["--python", str(case.python), "--user", "--yes", "--json", "--prepare"]
+#: The options ``--commit`` takes (the window's); the others go to ``--prepare`` (``--keep-backups``...)
+WINDOW_OPTIONS = ("--settle", "--health-url", "--health-timeout", "--stop-timeout", "--gpu-timeout")
+
+
+def split_window(options: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Pure: ``options`` as (the window's, the rest); an option's value (the next word, where it does not
+    start with ``--``) goes with it."""
+    window: list[str] = []
+    rest: list[str] = []
+    index = 0
+    while index < len(options):
+        word = options[index]
+        takes = index + 1 < len(options) and not options[index + 1].startswith("--") and "=" not in word
+        group = list(options[index : index + (2 if takes else 1)])
+        (window if word.split("=", 1)[0] in WINDOW_OPTIONS else rest).extend(group)
+        index += len(group)
+    return tuple(window), tuple(rest)
+
+
+def _prepare(
+    safeinstall: str, case: Case, args: list[str], env: dict[str, str], extra: tuple[str, ...] = ()
+) -> float:
+    """``--prepare`` (nothing stops) with ``extra`` (the options ``--commit`` does not take): its wall
+    time."""
+    options = ["--python", str(case.python), "--user", "--yes", "--json", "--prepare", *extra]
+    uv = ("--", *case.uv_args) if case.uv_args else ()
     os.sync()
     started = time.monotonic()
     proc = subprocess.run(
-        [safeinstall, *args, *options], env=env, capture_output=True, text=True, check=False
+        [safeinstall, *args, *options, *uv], env=env, capture_output=True, text=True, check=False
     )
     wall = time.monotonic() - started
     if proc.returncode != 0:
@@ -425,8 +448,10 @@ def bench_case(
                     command = _safeinstall_command(builds[who], case, settle, args, case.options(who))
                 run_env = {**(hand_env if shared else env), **state}
                 if who == NEW and case.prepare_commit:  # the checks while it serves; the round commits
-                    case.prepares.append(_prepare(builds[who], case, args, run_env))
-                    command = _safeinstall_command(builds[who], case, settle, ["--commit"], case.options(who))
+                    window, fixed = split_window(case.options(who))
+                    case.prepares.append(_prepare(builds[who], case, args, run_env, fixed))
+                    commit = replace(case, uv_args=())  # uv's options were the prepare's
+                    command = _safeinstall_command(builds[who], commit, settle, ["--commit"], window)
                 run_round(case, who, manager, unit, stamps, command, run_env, port)
                 if who == NEW and case.undo:  # back to what ran before, as the hand would reinstall it
                     _undo_round(case, builds[who], settle, manager, unit, stamps, run_env)

@@ -38,3 +38,14 @@ def test_two_contenders_alternate_as_before() -> None:
     contenders = (bench.HAND, bench.NEW)
     orders = [bench.round_order(contenders, round_) for round_ in range(4)]
     assert orders == [contenders, contenders[::-1], contenders, contenders[::-1]]
+
+
+def test_with_prepare_commit_the_commit_gets_the_windows_options_and_the_prepare_the_rest() -> None:
+    """``--commit`` refuses every option but the window's (``--keep-backups`` of the vllm case made the
+    bench's vllm ``--prepare-commit`` exit 2): those go to ``--prepare``, each with its value."""
+    bench = _bench()
+    window, rest = bench.split_window(
+        ("--keep-backups", "1", "--health-url", "http://127.0.0.1:1/", "--no-smoke", "--settle=2")
+    )
+    assert window == ("--health-url", "http://127.0.0.1:1/", "--settle=2")
+    assert rest == ("--keep-backups", "1", "--no-smoke")
