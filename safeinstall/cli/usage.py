@@ -9,25 +9,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from safeinstall.errors import UsageError
-from safeinstall.run.options import PLAIN_NAME
+from safeinstall.run.options import PLAIN_NAME, Mode
 
-#: The flags that each choose what safeinstall does: no two of them go together.
-MODES = (
-    "--verify-only",
-    "--dry-run",
-    "--detach",
-    "--recover",
-    "--status",
-    "--forget",
-    "--commit",
-    "--discard",
-)
+#: The modes that each choose what safeinstall does: no two of them go together (--undo is a run's).
+MODES = tuple(mode for mode in Mode if mode is not Mode.UNDO)
 
 #: The commands that take no PACKAGE.
-_NO_PACKAGE = ("--recover", "--status", "--forget", "--commit", "--discard")
+_NO_PACKAGE = (Mode.RECOVER, Mode.STATUS, Mode.FORGET, Mode.COMMIT, Mode.DISCARD)
 
 #: The modes that run nothing: an option of a run given with one of them would do nothing.
-_NOT_A_RUN = ("--verify-only", "--status", "--recover", "--forget", "--discard")
+_NOT_A_RUN = (Mode.VERIFY_ONLY, Mode.STATUS, Mode.RECOVER, Mode.FORGET, Mode.DISCARD)
 
 #: The options that only a run (its --dry-run, --detach, --undo) uses: parameter name -> flag.
 #: (--keep-patches and --accept-record-mismatch have errors of their own; --user and --yes are
@@ -58,7 +49,7 @@ RUN_ONLY = (
 class Usage:
     """What the command line gave, as the validation needs it (flags by their long name)."""
 
-    modes: frozenset[str]  # of MODES and --undo
+    modes: frozenset[Mode]
     package: str | None = None
     wheel: Path | None = None
     given: tuple[str, ...] = ()  # the parameters given on the command line, by name
@@ -99,7 +90,7 @@ _COMMIT_TAKES = frozenset(
 
 def _prepare_problem(u: Usage) -> UsageError | None:
     """Pure: ``--prepare``, ``--commit`` and ``--prepared-max-age`` given with what they cannot take."""
-    commit = "--commit" in u.modes
+    commit = Mode.COMMIT in u.modes
     if "prepared_max_age" in u.given and not commit:
         return UsageError(
             "--prepared-max-age goes with --commit", hint="safeinstall --commit --prepared-max-age 3600"
@@ -117,7 +108,7 @@ def _prepare_problem(u: Usage) -> UsageError | None:
         return None
     if not u.prepare:
         return None
-    other = next((flag for flag in (*MODES, "--undo") if flag in u.modes), None)
+    other = next((mode for mode in Mode if mode in u.modes), None)
     if other is not None:
         return UsageError(
             f"--prepare does not go with {other}",
@@ -138,14 +129,14 @@ def _prepare_problem(u: Usage) -> UsageError | None:
     return None
 
 
-def mode_conflict(flags: Collection[str]) -> UsageError | None:
+def mode_conflict(flags: Collection[Mode]) -> UsageError | None:
     """Pure: the usage error of two modes given together (None: at most one). None takes precedence
     over another in silence: ``--status --forget`` would otherwise forget, ``--verify-only --dry-run``
     only verify."""
     given = [flag for flag in MODES if flag in flags]
-    if len(given) < 2 or set(given) == {"--commit", "--detach"}:  # a commit may be detached
+    if len(given) < 2 or set(given) == {Mode.COMMIT, Mode.DETACH}:  # a commit may be detached
         return None
-    if set(given) == {"--dry-run", "--detach"}:
+    if set(given) == {Mode.DRY_RUN, Mode.DETACH}:
         return UsageError("--dry-run changes nothing: there is nothing to detach", hint="drop --detach")
     return UsageError(
         f"{' and '.join(given)} do not go together: each chooses what safeinstall does",
@@ -165,7 +156,7 @@ def wheel_package(wheel: Path) -> str | None:
 
 
 def _metrics_problem(u: Usage) -> UsageError | None:
-    command_ok = not (u.modes & {"--dry-run", "--forget", "--undo", "--detach"}) and not u.wait
+    command_ok = not (u.modes & {Mode.DRY_RUN, Mode.FORGET, Mode.UNDO, Mode.DETACH}) and not u.wait
     if command_ok:
         return None
     return UsageError(
@@ -222,9 +213,9 @@ def usage_problem(u: Usage) -> UsageError | None:
     conflict = mode_conflict(u.modes)
     if conflict is not None:
         return conflict
-    status = "--status" in u.modes
-    forget = "--forget" in u.modes
-    if (u.wait or (u.run and "--undo" not in u.modes and not forget)) and not status:
+    status = Mode.STATUS in u.modes
+    forget = Mode.FORGET in u.modes
+    if (u.wait or (u.run and Mode.UNDO not in u.modes and not forget)) and not status:
         return UsageError(
             "--wait and --run go with --status", hint="safeinstall --status --wait [--run RUN_ID]"
         )
@@ -259,7 +250,7 @@ def usage_problem(u: Usage) -> UsageError | None:
                 "--run goes with --status --wait", hint="safeinstall --status --wait --run RUN_ID"
             )
         return None
-    verify = "--verify-only" in u.modes
+    verify = Mode.VERIFY_ONLY in u.modes
     if u.all_ and not verify:
         return UsageError(
             "--all goes with --verify-only", hint="safeinstall --verify-only --all [--python PATH]"
@@ -275,7 +266,7 @@ def usage_problem(u: Usage) -> UsageError | None:
             "--diff and --save-patch go with --verify-only",
             hint=f"safeinstall {u.package or 'PACKAGE'} --verify-only --wheel W --diff [--save-patch FILE]",
         )
-    if "--undo" in u.modes:
+    if Mode.UNDO in u.modes:
         return None  # its package and run come from the history; what it cannot honour, said by --undo
     if (u.base_wheel or u.drop_conflicting) and not u.keep_patches:
         return UsageError(

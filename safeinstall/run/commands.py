@@ -10,7 +10,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -23,7 +23,7 @@ from safeinstall.errors import (
     UnknownDistributionError,
     UsageError,
 )
-from safeinstall.run.options import PLAIN_NAME, RunOptions, check_options
+from safeinstall.run.options import PLAIN_NAME, Mode, RunOptions, check_options
 from safeinstall.run.output import command_for, envelope, jsonable
 
 if TYPE_CHECKING:
@@ -47,25 +47,21 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Request:
-    """The command line, parsed and checked: the flags that choose the command and what it was given.
-    ``values``: every parameter by name, as parsed; a run takes the :class:`RunOptions` fields among
-    them (:func:`run_options`), so an option of a run is one parameter of the CLI and one field there."""
+    """The command line, parsed and checked: the modes that choose the command, the options of a run
+    (as given: :func:`run_options` completes them), and what the other commands take."""
 
-    modes: frozenset[str] = frozenset()  # --verify-only, --dry-run, --detach, --recover, --status, ...
-    package: str | None = None  # the requirement as given (or the package the wheel names)
-    python: str | None = None
-    wheel: Path | None = None
+    modes: frozenset[Mode] = frozenset()
+    options: RunOptions = field(default_factory=lambda: RunOptions(package=""))
     run: str | None = None  # --run
     wait: bool = False
     all_: bool = False
     diff: bool = False
     save_patch: Path | None = None
-    full: bool = False  # --full: every file read again (a run takes it from ``values``)
     acknowledge: bool = False  # --acknowledge-wheel-faults: root keeps each wheel-fault found, as it is
     metrics_file: Path | None = None
     environ_from: Path | None = None  # a detached run's private inputs
     extra_args: tuple[str, ...] = ()  # uv's arguments
-    values: Mapping[str, Any] = field(default_factory=dict)
+    yes: bool = False
     as_json: bool = False
     verbosity: int = 0  # -1 quiet, 0, 1 verbose
     interactive: bool = False  # ask before stopping anything
@@ -76,6 +72,15 @@ class Request:
     def command(self) -> str:
         """The ``command`` of the JSON document (``reinstall`` by default)."""
         return command_for(self.modes)
+
+    @property
+    def package(self) -> str | None:
+        """The requirement as given (or the package the wheel names); None: none."""
+        return self.options.package or None
+
+    @property
+    def python(self) -> str | None:
+        return self.options.python
 
 
 # -- the results: one type per mode; each has its JSON document (docs/json.md) and exit code ---------
@@ -231,38 +236,37 @@ def _command(request: Request, ui: Ui) -> Result:
             os.environ.clear()
             os.environ.update(private.environ)
         env, package, undone = None, request.package, None
-        if "--undo" in request.modes:
+        if Mode.UNDO in request.modes:
             env, package, undone = _undo_choice(request)
         if request.metrics_file is not None:
             from safeinstall.run.metrics import check_metrics_path
 
             metrics = check_metrics_path(request.metrics_file)
-        if "--recover" in request.modes:
+        if Mode.RECOVER in request.modes:
             return _recover(request, ui, metrics)
-        if "--discard" in request.modes:
+        if Mode.DISCARD in request.modes:
             return _discard(request)
-        if "--commit" in request.modes:
+        if Mode.COMMIT in request.modes:
             return _commit(request, ui, metrics, private)
-        if "--forget" in request.modes:
+        if Mode.FORGET in request.modes:
             return _forget(request)
         if request.wait:
             return _wait(request, ui)
-        if "--status" in request.modes:
+        if Mode.STATUS in request.modes:
             return _status(request, ui, metrics)
-        if "--verify-only" in request.modes:
+        if Mode.VERIFY_ONLY in request.modes:
             return _verify(request, ui, metrics)
         assert package is not None  # cli/usage: a run names its package, or its wheel does
-        options = run_options({**request.values, "package": package}, request.extra_args, private)
-        if undone is not None:
-            options = replace(options, undo=undone)
+        asked = replace(request.options, package=package, undo=undone or request.options.undo)
+        options = run_options(asked, request.extra_args, private)
         check_options(options)
         env = env or inspect_environment(resolve_python(options.python, options.environ))
         own = own_environment(env.prefix, Path(sys.prefix))
         if own is not None:
             raise own
-        if "--detach" in request.modes:
+        if Mode.DETACH in request.modes:
             return _detach(request, options, ui, env)
-        if "--dry-run" in request.modes:
+        if Mode.DRY_RUN in request.modes:
             return _dry_run(options, env, ui)
         return _reinstall(request, options, ui, metrics, env)
     except SafeInstallError as error:
@@ -285,52 +289,43 @@ def own_environment(prefix: Path, own: Path) -> UsageError | None:
 
 
 def run_options(
-    values: Mapping[str, Any], extra_args: Sequence[str], private: PrivateInputs | None = None
+    asked: RunOptions, extra_args: Sequence[str], private: PrivateInputs | None = None
 ) -> RunOptions:
-    """The run the parsed command line asks for (``values``: the command's parameters by name, each
-    :class:`RunOptions` field taken from the parameter of its name); a detached run's health URL and uv
-    arguments come from its ``private`` file, never its command line."""
+    """The run the command line asks for (``asked``: its options as given, the requirement as its
+    ``package``); a detached run's health URL and uv arguments come from its ``private`` file, never
+    its command line."""
     from safeinstall.env.uvplan import index_settings, parse_requirement
     from safeinstall.store.state import is_run_id
 
+    health_url = asked.health_url
     if private is not None:
-        if values["health_url"] is not None or extra_args:
+        if health_url is not None or extra_args:
             raise UsageError(
                 "a detached run takes --health-url and uv's arguments from its --environ-from file only",
                 hint="start detached runs with safeinstall --detach",
             )
-        values = {**values, "health_url": private.health_url}
-        extra_args = private.extra_args
+        health_url, extra_args = private.health_url, private.extra_args
     # index options (their URLs may hold credentials) reach uv in its environment, never on a command
     # line that every local user can read in /proc
     extra_args, index_environ = index_settings(extra_args)
-    requirement = parse_requirement(values["package"])
-    # typer hands the command's function a Path, but leaves its parsed values as click parsed them (str)
-    wheel = Path(values["wheel"]) if values["wheel"] is not None else None
-    base_wheel = Path(values["base_wheel"]) if values.get("base_wheel") is not None else None
+    requirement = parse_requirement(asked.package)
+    wheel, base_wheel = asked.wheel, asked.base_wheel
     if wheel is not None and requirement.specifier:
         raise UsageError(
             "give --wheel or a version in the requirement, not both",
             hint=f"safeinstall {requirement.name} --wheel PATH, or safeinstall '{requirement.text}'",
         )
-    run_id: str | None = values.get("run_id")
-    if run_id is not None and not is_run_id(run_id):
-        raise UsageError(f"{run_id!r} is not a run id", hint="run ids look like 20261130T031201Z-1234")
-    given = {f.name: values[f.name] for f in fields(RunOptions) if f.name in values}
-    return RunOptions(
-        **given
-        | {
-            "package": requirement.name,
-            "wheel": wheel.absolute() if wheel else None,
-            "version_spec": requirement.specifier,
-            "base_wheel": base_wheel.absolute() if base_wheel else None,
-            "extra_args": tuple(extra_args),
-            "run_id": run_id,
-            "smoke_skip": tuple(values.get("smoke_skip") or ()),
-            # without --run: the last, set by the caller
-            "undo": values.get("run") if values.get("undo_") else None,
-            "environ": {**os.environ, **index_environ},
-        }
+    if asked.run_id is not None and not is_run_id(asked.run_id):
+        raise UsageError(f"{asked.run_id!r} is not a run id", hint="run ids look like 20261130T031201Z-1234")
+    return replace(
+        asked,
+        package=requirement.name,
+        wheel=wheel.absolute() if wheel else None,
+        version_spec=requirement.specifier,
+        base_wheel=base_wheel.absolute() if base_wheel else None,
+        extra_args=tuple(extra_args),
+        health_url=health_url,
+        environ={**os.environ, **index_environ},
     )
 
 
@@ -353,13 +348,13 @@ def _verify(request: Request, ui: Ui, metrics: Path | None) -> Verified:
     notes: list[str] = []
     vouched = _baseline_loader(env, notes)
     read = None
-    if request.wheel is not None:
+    if request.options.wheel is not None:
         from safeinstall.env.wheel import read_wheel
 
-        read = read_wheel(request.wheel)
+        read = read_wheel(request.options.wheel)
     with ui.verifying() as on_progress:
         report = verify_kept(
-            env, names, read, request.full, notes, vouched, on_progress, walked, request.acknowledge
+            env, names, read, request.options.full, notes, vouched, on_progress, walked, request.acknowledge
         )
     for note in notes:
         ui.note(note, warning=True)
@@ -371,10 +366,10 @@ def _verify(request: Request, ui: Ui, metrics: Path | None) -> Verified:
             "an .egg-info distribution has no RECORD and is not checked",
         )
     diffs = None
-    if request.wheel is not None and (request.diff or save_patch):
+    if request.options.wheel is not None and (request.diff or save_patch):
         from safeinstall.env.diffs import diffs_for, patch_text
 
-        diffs = diffs_for(report.findings, request.wheel, Path(report.prefix))
+        diffs = diffs_for(report.findings, request.options.wheel, Path(report.prefix))
     patch = None if diffs is None else patch_text(diffs)
     if save_patch is not None:
         from safeinstall.store.state import write_new_output
@@ -589,12 +584,12 @@ def _commit(
     from safeinstall.run.prepare import commit_options, the_prepared_run
 
     found = the_prepared_run(os.environ, request.python)
-    given = run_options({**request.values, "package": found.record.package}, request.extra_args, private)
+    given = run_options(replace(request.options, package=found.record.package), request.extra_args, private)
     options = commit_options(found.record, replace(given, python=request.python or found.python))
     options = replace(options, python=request.python or found.python)
     check_options(options)
     env = inspect_environment(resolve_python(options.python, options.environ))
-    if "--detach" in request.modes:
+    if Mode.DETACH in request.modes:
         return _detach(request, options, ui, env)
     return _reinstall(request, options, ui, metrics, env)
 
@@ -610,8 +605,8 @@ def _discard(request: Request) -> DiscardResult:
 def _forget(request: Request) -> ForgetResult:
     from safeinstall.run.status import forget
 
-    live = bool(request.values.get("yes"))  # a live environment's state: only when said twice
-    forgotten, failures = forget(os.environ, request.python, request.run, live=live)
+    # a live environment's state: only when said twice (--yes)
+    forgotten, failures = forget(os.environ, request.python, request.run, live=request.yes)
     code = failures[0].exit_code if failures else ExitCode.OK
     status = "error" if failures else "forgotten"
     document = envelope("forget", status, code, {"forgotten": jsonable(forgotten)}, list(failures))
@@ -674,9 +669,9 @@ def _undo_choice(request: Request) -> tuple[Environment, str, str]:
 
     from safeinstall.run.undo import UndoError, choose_run
 
-    package, wheel, args = request.package, request.wheel, request.extra_args
-    unfit = {flag for name, flag in _NOT_WITH_UNDO if request.values.get(name) not in (None, False)}
-    others = sorted((set(request.modes) | unfit) - {"--undo", "--dry-run", "--detach"})
+    package, wheel, args = request.package, request.options.wheel, request.extra_args
+    unfit = {flag for name, flag in _NOT_WITH_UNDO if getattr(request.options, name) not in (None, False)}
+    others = sorted((set(request.modes) | unfit) - {Mode.UNDO, Mode.DRY_RUN, Mode.DETACH})
     versioned = bool(package) and not PLAIN_NAME.fullmatch(package or "")
     if versioned or wheel is not None or args or others:
         given = " ".join(

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from safeinstall.env.drift import Finding, per_file
 from safeinstall.errors import SafeInstallError
+from safeinstall.run.options import Mode
 from safeinstall.store.rundoc import RESULT_VERSION
 from safeinstall.system.identity import ProcessId
 
@@ -75,18 +76,19 @@ def finding_json(finding: Finding) -> dict[str, Any]:
 
 #: The flags that choose what safeinstall does, and the ``command`` of their JSON envelope.
 _COMMANDS = (
-    ("--verify-only", "verify"),
-    ("--dry-run", "dry-run"),
-    ("--undo", "undo"),
-    ("--recover", "recover"),
-    ("--status", "status"),
-    ("--forget", "forget"),
-    ("--discard", "discard"),
+    (Mode.VERIFY_ONLY, "verify"),
+    (Mode.DRY_RUN, "dry-run"),
+    (Mode.UNDO, "undo"),
+    (Mode.RECOVER, "recover"),
+    (Mode.STATUS, "status"),
+    (Mode.FORGET, "forget"),
+    (Mode.DISCARD, "discard"),
 )
 
 
 def command_for(flags: Collection[str]) -> str:
-    """Pure: the command that the given flags select (``reinstall`` by default)."""
+    """Pure: the command that the given modes (or flags, before they are parsed) select (``reinstall``
+    by default)."""
     return next((name for flag, name in _COMMANDS if flag in flags), "reinstall")
 
 
@@ -129,6 +131,11 @@ def envelope(
         "data": data,
         "errors": [e.to_json() for e in errors or []],
     }
+
+
+def error_json(command: str, error: SafeInstallError) -> str:
+    """The ``--json`` document of a command that failed before its result."""
+    return dumps(envelope(command, "error", error.exit_code, None, [error]))
 
 
 def dumps(document: dict[str, Any]) -> str:
