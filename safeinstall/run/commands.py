@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from safeinstall.run.status import Forgotten, StatusReport
     from safeinstall.scan.plan import Plan
     from safeinstall.store.history import HistoryEntry
-    from safeinstall.store.rundoc import RunDocument
+    from safeinstall.store.rundoc import PatchDoc, RunDocument
     from safeinstall.store.state import EnvironmentState
 
 
@@ -88,9 +88,13 @@ class Request:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Outcome:
-    document: dict[str, Any] | None  # the --json document; None: nothing to print
     exit_code: int
     failures: tuple[SafeInstallError, ...] = ()  # errors said after the result
+    document: dict[str, Any] | None = None  # the --json document; None: nothing to print (or a run's)
+
+    def to_json(self) -> dict[str, Any] | None:
+        """The ``--json`` document (None: nothing to print)."""
+        return self.document
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,7 +107,7 @@ class Verified(Outcome):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DryRun(Outcome):
     plan: Plan
-    patches: list[dict[str, Any]] | None  # --keep-patches: each local patch, as the JSON has it
+    patches: tuple[PatchDoc, ...] | None  # --keep-patches: each local patch
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -114,12 +118,18 @@ class Ran(Outcome):
     run_id: str
     notes: tuple[str, ...]
 
+    def to_json(self) -> dict[str, Any]:
+        return self.run.to_json()
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FromHistory(Outcome):
     """A finished run, from its history entry (``--status --wait``; a detached run refused)."""
 
     entry: HistoryEntry
+
+    def to_json(self) -> dict[str, Any]:
+        return self.entry.result.to_json()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -164,7 +174,10 @@ class DiscardResult(Outcome):
 class Failed(Outcome):
     """A run that failed before it changed anything: kept in its history, said as the error."""
 
-    error: SafeInstallError
+    run: RunDocument
+
+    def to_json(self) -> dict[str, Any]:
+        return self.run.to_json()
 
 
 Result = (
@@ -416,7 +429,6 @@ def _reinstall(
     metrics: Path | None,
     env: Environment,
 ) -> Ran | Failed:
-    from safeinstall.run.output import run_json
     from safeinstall.run.reinstall import run_reinstall
     from safeinstall.run.results import LoggedReporter
     from safeinstall.store.journal import now_iso
@@ -432,28 +444,22 @@ def _reinstall(
     command = request.command
     ui.preparing(_PREFLIGHT)
     try:
-        result = run_reinstall(
+        document = run_reinstall(
             replace(options, run_id=run_id), reporter, request.interactive, env, request.cannot_ask
         )
     except SafeInstallError as error:
-        failed = RunDocument.from_json(jsonable(envelope(command, "error", error.exit_code, None, [error])))
+        failed = RunDocument.failed(command, error)
         if not isinstance(error, UnknownDistributionError | UsageError):  # a typo ran nothing: no entry
             _keep(state, run_id, options.package, started, failed)
         _run_metrics(metrics, ui, env, options.package, run_id, started, failed)
-        return Failed(document=failed.to_json(), exit_code=error.exit_code, failures=(error,), error=error)
-    errors = [result.error] if result.error else []
+        return Failed(exit_code=error.exit_code, failures=(error,), run=failed)
     wall = round(time.monotonic() - began, 3)
-    data = {"run_id": run_id, **_undo_of(options), **run_json(result), "wall_s": wall}
-    document = RunDocument.from_json(
-        jsonable(envelope(command, result.status, result.exit_code, data, errors))
-    )
+    document = replace(document, data=replace(document.details, wall_s=wall))
     # the run has its result: a signal now does not change it (ignored until the process exits)
     ignored_until_exit()
     notes = _keep(state, run_id, options.package, started, document)
     _run_metrics(metrics, ui, env, options.package, run_id, started, document)
-    return Ran(
-        document=document.to_json(), exit_code=result.exit_code, run=document, run_id=run_id, notes=notes
-    )
+    return Ran(exit_code=document.exit_code, run=document, run_id=run_id, notes=notes)
 
 
 #: What a terminal shows while the preflight works (a few seconds on numpy, more on vLLM)
@@ -534,11 +540,11 @@ def _detach(
 
 
 def _from_history(entry: HistoryEntry) -> FromHistory:
-    return FromHistory(document=entry.result.to_json(), exit_code=entry.result.exit_code, entry=entry)
+    return FromHistory(exit_code=entry.result.exit_code, entry=entry)
 
 
 def _dry_run(options: RunOptions, env: Environment, ui: Ui) -> DryRun:
-    from safeinstall.run.output import patches_json, plan_json
+    from safeinstall.run.output import patch_docs, plan_json
     from safeinstall.run.preflight import dry_run_patches, preflight
 
     ui.preparing(_PREFLIGHT)
@@ -546,8 +552,9 @@ def _dry_run(options: RunOptions, env: Environment, ui: Ui) -> DryRun:
     plan, patches = dry_run_patches(preflight(options, take_lock=False, env=env))
     code = ExitCode.OK if plan.proceeds else ExitCode.REFUSED
     status = "would-proceed" if plan.proceeds else "would-refuse"
-    patched = patches_json(patches.outcomes) if patches is not None else None
-    data = plan_json(plan) | ({"patches": patched} if patched is not None else {}) | _undo_of(options)
+    patched = patch_docs(patches.outcomes) if patches is not None else None
+    listed = {"patches": [p.to_json() for p in patched]} if patched is not None else {}
+    data = plan_json(plan) | listed | _undo_of(options)
     return DryRun(
         document=envelope("dry-run", status, code, data), exit_code=code, plan=plan, patches=patched
     )

@@ -44,6 +44,7 @@ from safeinstall.errors import (
 from safeinstall.run import prepare, requires, staging, undo
 from safeinstall.run import smoke as run_smoke
 from safeinstall.run.options import RunOptions
+from safeinstall.run.output import old_code_doc, patch_docs, plan_doc
 from safeinstall.run.patches import (
     carry,
     prepare_patches,
@@ -59,7 +60,7 @@ from safeinstall.run.preflight import (
     unconfirmed,
 )
 from safeinstall.run.preflight import preflight as shared_preflight
-from safeinstall.run.results import Reporter, RunResult, StepOutcome, service_downtime_s
+from safeinstall.run.results import Reporter, service_downtime_s
 from safeinstall.run.rollback import rollback_step
 from safeinstall.run.running import (
     Run,
@@ -97,6 +98,7 @@ from safeinstall.store.journal import (
 from safeinstall.store.prepared import PreparedRecord, write_prepared
 from safeinstall.store.records import keep_records, read_records
 from safeinstall.store.retention import prune_backups
+from safeinstall.store.rundoc import RUN_FIELDS, ErrorDoc, RunData, RunDocument, StepDoc
 from safeinstall.store.runlog import human_bytes
 from safeinstall.store.state import (
     RUN_DIR_REMOVAL_S,
@@ -1060,10 +1062,10 @@ def run_reinstall(
     interactive: bool,
     env: Environment | None = None,
     cannot_ask: str | None = None,
-) -> RunResult:
-    """The whole run; ``cannot_ask``: why a run without ``--yes`` cannot ask (then one that stops units is
-    refused). Raises SafeInstallError only before anything changed (exit 2). Signals at each point:
-    docs/crash-safety.md.
+) -> RunDocument:
+    """The whole run, as its document; ``cannot_ask``: why a run without ``--yes`` cannot ask (then one
+    that stops units is refused). Raises SafeInstallError only before anything changed (exit 2).
+    Signals at each point: docs/crash-safety.md.
     """
     began = time.monotonic()  # the preflight step: from here to the run's start (docs/json.md)
     record = read_prepared_run(options, env) if options.commit else None
@@ -1211,7 +1213,7 @@ def run_reinstall(
         deferral.close()
 
 
-def preflight_outcome(prepared: Prepared, commit: bool, reused: bool, began: float) -> StepOutcome:
+def preflight_outcome(prepared: Prepared, commit: bool, reused: bool, began: float) -> StepDoc:
     """The preflight as the run's first step (``--json`` only: the terminal said it as it worked): its
     seconds, from the run's start to its journal, and what it was."""
     plan = prepared.plan
@@ -1225,7 +1227,7 @@ def preflight_outcome(prepared: Prepared, commit: bool, reused: bool, began: flo
             if reused
             else "; the whole preflight again (the environment's directories changed, or --full)"
         )
-    return StepOutcome("preflight", "ok", time.monotonic() - began, detail)
+    return StepDoc(name="preflight", status="ok", seconds=time.monotonic() - began, detail=detail)
 
 
 def read_prepared_run(options: RunOptions, env: Environment | None) -> PreparedRecord:
@@ -1429,24 +1431,10 @@ def _discard_wheel_copy(prepared: Prepared) -> None:
         discard_wheel_copy(prepared.options.wheel, prepared.state.dir)
 
 
-def _declined(prepared: Prepared) -> RunResult:
+def _declined(prepared: Prepared) -> RunDocument:
     """The user said no at the prompt: nothing was journalled, nothing changed."""
-    return RunResult(
-        status="declined",
-        exit_code=ExitCode.REFUSED,
-        plan=prepared.plan,
-        steps=(),
-        downtime_s={},
-        patched=(),
-        extras=(),
-        pruned=(),
-        backup_dir=None,
-        log_file=None,
-        not_restarted=(),
-        strays_killed=(),
-        error=None,
-        notes=prepared.notes,
-    )
+    data = RunData(plan=plan_doc(prepared.plan), notes=tuple(prepared.notes))
+    return run_document(prepared.options, "declined", ExitCode.REFUSED, data)
 
 
 def _result(
@@ -1456,11 +1444,10 @@ def _result(
     error: SafeInstallError | None,
     not_restarted: tuple[str, ...] = (),
     backups_removed: tuple[str, ...] = (),
-) -> RunResult:
-    return RunResult(
-        status=status,
-        exit_code=code,
-        plan=run.plan,
+) -> RunDocument:
+    patches = () if run.patches is None else run.patches.outcomes
+    data = RunData(
+        plan=plan_doc(run.plan),
         steps=tuple(run.steps),
         downtime_s=dict(run.downtime),
         service_downtime_s=service_downtime_s(run.down_since, run.healthy_at) if status == "done" else None,
@@ -1469,20 +1456,29 @@ def _result(
         extras=run.extras,
         pruned=run.pruned,
         backup_dir=str(run.backup.dir) if run.backup else None,
+        backups_removed=backups_removed,
         log_file=str(run.log_file),
         not_restarted=not_restarted,
         strays_killed=run.strays_killed,
-        error=error,
         notes=tuple(run.notes),
-        manual_commands=error.commands if isinstance(error, RollbackFailed) else (),
-        backups_removed=backups_removed,
-        old_code=run.old_code,
-        patches=(
-            ()
-            if run.patches is None
-            else rolled_back(run.patches.outcomes)
-            if status == "rolled-back"
-            else run.patches.outcomes
-        ),
+        old_code=tuple(old_code_doc(process) for process in run.old_code),
+        patches=patch_docs(rolled_back(patches) if status == "rolled-back" else patches),
         patch_file=str(run.patch_file) if run.patch_file else None,
+        manual_commands=error.commands if isinstance(error, RollbackFailed) else (),
+    )
+    return run_document(run.options, status, code, data, error)
+
+
+def run_document(
+    options: RunOptions, status: str, code: ExitCode, data: RunData, error: SafeInstallError | None = None
+) -> RunDocument:
+    """Pure: the run's ``--json`` document (docs/json.md): ``data`` with the run's id (an undo's: the
+    run it undoes), every field of a run written."""
+    present = tuple(name for name in RUN_FIELDS if name != "undo_of" or options.undo is not None)
+    return RunDocument(
+        command="reinstall" if options.undo is None else "undo",
+        status=status,
+        exit_code=int(code),
+        data=replace(data, present=present, run_id=options.run_id, undo_of=options.undo),
+        errors=() if error is None else (ErrorDoc.of(error),),
     )

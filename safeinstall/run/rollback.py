@@ -17,13 +17,13 @@ from safeinstall.errors import (
     StepFailed,
 )
 from safeinstall.run.putback import put_back
-from safeinstall.run.results import StepOutcome
 from safeinstall.run.running import Run, phase_at_least, reset_start_limits, start_and_settle
 from safeinstall.run.smoke import abandon
 from safeinstall.store.journal import (
     JournalUnit,
     Phase,
 )
+from safeinstall.store.rundoc import StepDoc
 from safeinstall.store.state import (
     PUT_BACK_CACHE_S,
     remove_uv_caches,
@@ -107,7 +107,8 @@ def rollback_step(run: Run, error: SafeInstallError) -> SafeInstallError:
     if stopped:
         ok = outcome.exit_code == ExitCode.ROLLED_BACK
         detail = outcome.message.removeprefix(f"{error.message}; ") if ok else outcome.message
-        step = StepOutcome("rollback", "ok" if ok else "failed", time.monotonic() - started, detail)
+        seconds = time.monotonic() - started
+        step = StepDoc(name="rollback", status="ok" if ok else "failed", seconds=seconds, detail=detail)
         run.steps.append(step)
         run.reporter.step(step)
     return outcome

@@ -32,7 +32,7 @@ from safeinstall.run.patches import (
     PatchSet,
 )
 from safeinstall.run.preflight import Prepared
-from safeinstall.run.results import Reporter, StepOutcome
+from safeinstall.run.results import Reporter
 from safeinstall.run.smokecheck import Background
 from safeinstall.run.survey import Survey
 from safeinstall.run.undo import Left
@@ -44,6 +44,7 @@ from safeinstall.store.journal import (
     advance,
     write_journal,
 )
+from safeinstall.store.rundoc import StepDoc
 from safeinstall.store.runlog import append_line
 from safeinstall.store.state import (
     EnvironmentState,
@@ -74,7 +75,7 @@ class Run:
     log_file: Path
     journal: Journal
     notes: list[str]
-    steps: list[StepOutcome] = field(default_factory=list)
+    steps: list[StepDoc] = field(default_factory=list)
     backup: Backup | None = None  # None until the backup step has saved it
     patches: PatchSet | None = None  # --keep-patches: set by the patches step
     patch_file: Path | None = None  # --keep-patches: the carried set, saved after a good run
@@ -141,11 +142,11 @@ class Run:
             detail = action()
         except BaseException as exc:
             message = exc.message if isinstance(exc, SafeInstallError) else str(exc) or type(exc).__name__
-            outcome = StepOutcome(name, "failed", time.monotonic() - started, message)
+            outcome = StepDoc(name=name, status="failed", seconds=time.monotonic() - started, detail=message)
             self.steps.append(outcome)
             self.reporter.step(outcome)
             raise
-        outcome = StepOutcome(name, "ok", time.monotonic() - started, detail)
+        outcome = StepDoc(name=name, status="ok", seconds=time.monotonic() - started, detail=detail)
         self.steps.append(outcome)
         self.reporter.step(outcome)
 
