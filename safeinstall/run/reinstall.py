@@ -72,7 +72,7 @@ from safeinstall.run.running import (
 )
 from safeinstall.run.smoke import smoke_step
 from safeinstall.run.smokecheck import staged_tree, target_tree
-from safeinstall.run.survey import scan_again, systemd_for
+from safeinstall.run.survey import scan_again
 from safeinstall.run.undo import UndoTarget, left_of
 from safeinstall.scan.plan import PlannedProcess, PlannedUnit, left_on_old_code
 from safeinstall.scan.processes import scan_processes
@@ -165,15 +165,7 @@ def start(prepared: Prepared, reporter: Reporter) -> Run:
             ),
         ),
     )
-    run = Run(
-        prepared,
-        reporter,
-        systemd_for(options),
-        run_id,
-        prepared.state.log_file(run_id),
-        journal,
-        notes=list(prepared.notes),
-    )
+    run = Run(prepared, reporter, run_id, journal, notes=list(prepared.notes))
     run._log("plan: " + " ".join(plan.uv_command))
     return run
 
@@ -203,7 +195,8 @@ def save_patches(run: Run) -> None:
     if run.patches is None:
         return
     try:
-        run.patch_file = save_patch_set(run.state, run.run_id, run.patches)
+        saved = save_patch_set(run.state, run.run_id, run.patches)
+        run.record = replace(run.record, patch_file=str(saved) if saved else None)
     except (OSError, SafeInstallError) as exc:
         run.notes.append(f"the carried patch set was not saved: {exc}")
 
@@ -229,8 +222,9 @@ PROGRESS_TICK_S = 0.1
 
 def backup_step(run: Run) -> str:
     before = run.prepared.before  # hashed at preflight, just before this step: not read again
-    run.patched = locally_modified(before)
-    run.deleted = tuple(f.path for f in before.findings if f.kind == FindingKind.MISSING)
+    patched = locally_modified(before)
+    deleted = tuple(f.path for f in before.findings if f.kind == FindingKind.MISSING)
+    run.record = replace(run.record, patched=patched, deleted=deleted)
     # each file is listed once, by the result (its patched and deleted files, with where the backup is)
 
     said = [-PROGRESS_TICK_S]
@@ -245,18 +239,18 @@ def backup_step(run: Run) -> str:
         run.env,
         list(run.survey.affected),
         run.state.backup_dir(run.run_id),
-        run.patched,
+        patched,
         on_progress,
         known=before.observed,
         installed=run.survey.installed,
     )
     run._journal(Phase.BACKED_UP, backup_dir=str(run.backup.dir))
     size = run.backup.manifest.files
-    patched = len(run.patched) - len(run.deleted)
+    changed = len(patched) - len(deleted)
     return (
         f"{len(size)} files saved in {run.backup.dir}"
-        + (f"; {patched} locally patched" if patched else "")
-        + (f"; {len(run.deleted)} deleted locally" if run.deleted else "")
+        + (f"; {changed} locally patched" if changed else "")
+        + (f"; {len(deleted)} deleted locally" if deleted else "")
     )
 
 
@@ -563,8 +557,9 @@ def stop_step(run: Run) -> str:
 
 #: How often a wait on units (stop, start and settle) says what it still waits for.
 def _kill_strays(run: Run) -> tuple[int, ...]:
-    run.strays_killed = end_processes(p.process for p in run.plan.strays)
-    return run.strays_killed
+    killed = end_processes(p.process for p in run.plan.strays)
+    run.record = replace(run.record, strays_killed=killed)
+    return killed
 
 
 #: How long a process that started using the package after the plan may take to go away by itself
@@ -592,7 +587,7 @@ def _check_no_late_users(run: Run) -> str:
             hint="stop them, or pass --kill-strays to end them (they are not restarted)",
         )
     ended = end_processes(p.process for p in late)
-    run.strays_killed = (*run.strays_killed, *ended)
+    run.record = replace(run.record, strays_killed=(*run.record.strays_killed, *ended))
     return f"; late user(s) {listed} ended (not restarted)"
 
 
@@ -739,18 +734,18 @@ def _check_in_place(run: Run, when: str = "") -> str:
     run.records = {os.fspath(d.dist_info): kept_record(d) for d in installed}
     run.left = left_of(report, installed, names)
     run.vouched = _vouched(run, report, installed)
-    run.extras = tuple(f.path for f in report.findings if f.kind == FindingKind.EXTRA)
-    if run.extras and run.options.prune:
-        run.pruned = _prune(run, run.extras)
+    extras = tuple(f.path for f in report.findings if f.kind == FindingKind.EXTRA)
+    pruned = _prune(run, extras) if extras and run.options.prune else ()
+    run.record = replace(run.record, extras=extras, pruned=pruned)
     checked = sum(d.files_checked for d in report.distributions)
     proven = sum(1 for state in report.observed.values() if state.by_identity)
     detail = f"{checked} files match" + (
         f" ({proven} of them links of the run's cache, hashed before the stop)" if proven else ""
     )
-    if run.extras and not run.pruned:
-        detail += f"; {len(run.extras)} leftover file(s) not in the new version (--prune removes them)"
-    elif run.pruned:
-        detail += f"; {len(run.pruned)} leftover file(s) pruned (saved in the backup)"
+    if extras and not pruned:
+        detail += f"; {len(extras)} leftover file(s) not in the new version (--prune removes them)"
+    elif pruned:
+        detail += f"; {len(pruned)} leftover file(s) pruned (saved in the backup)"
     return detail
 
 
@@ -801,7 +796,8 @@ def restart_step(run: Run) -> str:
         def on_poll(waited: float, last: str) -> None:
             run.reporter.progress(f"waiting for {said} to answer 200 (last: {last})", waited, timeout, "s")
 
-        run.healthy_at = wait_healthy(url, timeout, on_poll, check=watch)
+        healthy_at = wait_healthy(url, timeout, on_poll, check=watch)
+        run.record = replace(run.record, service_downtime_s=service_downtime_s(run.down_since, healthy_at))
     detail = settle_units(run, units, run.options.settle, befores, watch.seen)  # then stays up that long
     for journalled in run.journal.units:
         if journalled.name in units and journalled.stopped and journalled.was_active:
@@ -817,10 +813,11 @@ def end_check_step(run: Run) -> str:
     distribution runs old code (it was not in the plan: it could not be read, or started using the
     package in the last instant before the install). Said, or with --strict a failure (rolled back:
     then every process agrees on the old version again)."""
-    run.old_code = left_on_old_code(scan_processes(run.survey.targets, run.options.proc_root))
-    if not run.old_code:
+    old_code = left_on_old_code(scan_processes(run.survey.targets, run.options.proc_root))
+    run.record = replace(run.record, old_code=tuple(old_code_doc(process) for process in old_code))
+    if not old_code:
         return "no process runs replaced files"
-    listed = "; ".join(p.describe() for p in run.old_code)
+    listed = "; ".join(p.describe() for p in old_code)
     run._log(f"end check: {listed}")
     if run.options.strict:
         raise StepFailed(
@@ -1108,7 +1105,7 @@ def run_reinstall(
                 reporter.note(f"before the stop: {warning}", host=warning in prepared.plan.host_notes)
         held = deferral.enter_context(interrupts_deferred(held_back))
         run = start(prepared, reporter) if record is None else prepare.resume(prepared, reporter, record)
-        run.steps.append(preflight_outcome(prepared, record is not None, reuse is not None, began))
+        run.add_step(preflight_outcome(prepared, record is not None, reuse is not None, began))
     except BaseException:
         deferral.close()
         _discard_wheel_copy(prepared)
@@ -1446,24 +1443,16 @@ def _result(
     backups_removed: tuple[str, ...] = (),
 ) -> RunDocument:
     patches = () if run.patches is None else run.patches.outcomes
-    data = RunData(
+    data = replace(
+        run.record,
         plan=plan_doc(run.plan),
-        steps=tuple(run.steps),
-        downtime_s=dict(run.downtime),
-        service_downtime_s=service_downtime_s(run.down_since, run.healthy_at) if status == "done" else None,
-        patched=run.patched,
-        deleted=run.deleted,
-        extras=run.extras,
-        pruned=run.pruned,
+        service_downtime_s=run.record.service_downtime_s if status == "done" else None,
         backup_dir=str(run.backup.dir) if run.backup else None,
         backups_removed=backups_removed,
         log_file=str(run.log_file),
         not_restarted=not_restarted,
-        strays_killed=run.strays_killed,
         notes=tuple(run.notes),
-        old_code=tuple(old_code_doc(process) for process in run.old_code),
         patches=patch_docs(rolled_back(patches) if status == "rolled-back" else patches),
-        patch_file=str(run.patch_file) if run.patch_file else None,
         manual_commands=error.commands if isinstance(error, RollbackFailed) else (),
     )
     return run_document(run.options, status, code, data, error)

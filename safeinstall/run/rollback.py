@@ -109,7 +109,7 @@ def rollback_step(run: Run, error: SafeInstallError) -> SafeInstallError:
         detail = outcome.message.removeprefix(f"{error.message}; ") if ok else outcome.message
         seconds = time.monotonic() - started
         step = StepDoc(name="rollback", status="ok" if ok else "failed", seconds=seconds, detail=detail)
-        run.steps.append(step)
+        run.add_step(step)
         run.reporter.step(step)
     return outcome
 

@@ -11,7 +11,8 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +35,9 @@ from safeinstall.run.patches import (
 from safeinstall.run.preflight import Prepared
 from safeinstall.run.results import Reporter
 from safeinstall.run.smokecheck import Background
-from safeinstall.run.survey import Survey
+from safeinstall.run.survey import Survey, systemd_for
 from safeinstall.run.undo import Left
-from safeinstall.scan.plan import OldCodeProcess, Plan
+from safeinstall.scan.plan import Plan
 from safeinstall.store.backup import Backup
 from safeinstall.store.journal import (
     Journal,
@@ -44,7 +45,7 @@ from safeinstall.store.journal import (
     advance,
     write_journal,
 )
-from safeinstall.store.rundoc import StepDoc
+from safeinstall.store.rundoc import RunData, StepDoc
 from safeinstall.store.runlog import append_line
 from safeinstall.store.state import (
     EnvironmentState,
@@ -70,25 +71,16 @@ class Run:
 
     prepared: Prepared
     reporter: Reporter
-    systemd: Systemd
     run_id: str
-    log_file: Path
     journal: Journal
     notes: list[str]
-    steps: list[StepDoc] = field(default_factory=list)
+    #: what the run's document says of it, filled by the steps as they go (docs/json.md); the plan, the
+    #: backup and the notes join it at the end (:func:`safeinstall.run.reinstall.run_document`)
+    record: RunData = field(default_factory=RunData)
     backup: Backup | None = None  # None until the backup step has saved it
     patches: PatchSet | None = None  # --keep-patches: set by the patches step
-    patch_file: Path | None = None  # --keep-patches: the carried set, saved after a good run
-    patched: tuple[str, ...] = ()
-    deleted: tuple[str, ...] = ()  # those of ``patched`` that were deleted locally
-    extras: tuple[str, ...] = ()
-    pruned: tuple[str, ...] = ()
     down_since: dict[str, float] = field(default_factory=dict)  # units the stop took down: since when
-    downtime: dict[str, float] = field(default_factory=dict)
-    healthy_at: float | None = None  # --health-url: when it answered 200 after the restart (monotonic s)
-    strays_killed: tuple[int, ...] = ()
     restart_started: bool = False
-    old_code: tuple[OldCodeProcess, ...] = ()
     left: Left | None = None  # set by the verify step: what the run leaves (kept for --undo)
     #: the run's cache, hashed after the prefetch and looked at again before the stop (inodes.py)
     hashed: inodes.Hashed = field(default_factory=dict)
@@ -111,6 +103,18 @@ class Run:
     #: set by the prefetch once the new version's tree is complete: the smoke check running beside the
     #: rest of it (safeinstall.run.smoke), until the smoke step has its answer or the run ends it
     smoke_check: Background | None = None
+
+    @cached_property
+    def systemd(self) -> Systemd:
+        return systemd_for(self.options)
+
+    @property
+    def log_file(self) -> Path:
+        return self.state.log_file(self.run_id)
+
+    def add_step(self, step: StepDoc) -> None:
+        """A step's outcome, into the run's record."""
+        self.record = replace(self.record, steps=(*self.record.steps, step))
 
     @property
     def options(self) -> RunOptions:
@@ -143,11 +147,11 @@ class Run:
         except BaseException as exc:
             message = exc.message if isinstance(exc, SafeInstallError) else str(exc) or type(exc).__name__
             outcome = StepDoc(name=name, status="failed", seconds=time.monotonic() - started, detail=message)
-            self.steps.append(outcome)
+            self.add_step(outcome)
             self.reporter.step(outcome)
             raise
         outcome = StepDoc(name=name, status="ok", seconds=time.monotonic() - started, detail=detail)
-        self.steps.append(outcome)
+        self.add_step(outcome)
         self.reporter.step(outcome)
 
     def _journal(self, phase: Phase, note: str = "", **changes: Any) -> None:
@@ -296,7 +300,7 @@ def settle_units(
 ) -> str:
     """Wait until each of ``units`` (started, with ``befores`` their state before it) is active and
     stays so, with the same main process (``seen``: as an earlier watch saw it), for ``settle`` s; raise
-    StepFailed naming each that does not. Records each unit's own downtime (``run.downtime``)."""
+    StepFailed naming each that does not. Records each unit's own downtime (``downtime_s``)."""
     systemd = run.systemd
     seen = seen or {}
     cancel = threading.Event()
@@ -333,7 +337,7 @@ def settle_units(
         before, down_since = befores.get(unit), run.down_since.get(unit)
         up = outcome.info.active_enter_us / 1e6
         if before is not None and not before.is_active and down_since is not None and up > down_since:
-            run.downtime[unit] = up - down_since
+            run.record = replace(run.record, downtime_s={**run.record.downtime_s, unit: up - down_since})
     return ", ".join(f"{u} active for {settle:g} s" for u in units)
 
 
