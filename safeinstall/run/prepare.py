@@ -313,7 +313,7 @@ def resume(prepared: Prepared, reporter: Reporter, record: PreparedRecord) -> Ru
             raise PreparedRunError(
                 f"the staged tree does not check any more: {exc}", hint=PREPARE_AGAIN
             ) from exc
-    run._log("commit: the prepared run goes on from the gate")
+    run.log("commit: the prepared run goes on from the gate")
     return run
 
 

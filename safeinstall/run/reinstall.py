@@ -166,7 +166,7 @@ def start(prepared: Prepared, reporter: Reporter) -> Run:
         ),
     )
     run = Run(prepared, reporter, run_id, journal, notes=list(prepared.notes))
-    run._log("plan: " + " ".join(plan.uv_command))
+    run.log("plan: " + " ".join(plan.uv_command))
     return run
 
 
@@ -244,7 +244,7 @@ def backup_step(run: Run) -> str:
         known=before.observed,
         installed=run.survey.installed,
     )
-    run._journal(Phase.BACKED_UP, backup_dir=str(run.backup.dir))
+    run.journal_phase(Phase.BACKED_UP, backup_dir=str(run.backup.dir))
     size = run.backup.manifest.files
     changed = len(patched) - len(deleted)
     return (
@@ -277,7 +277,7 @@ def prefetch_step(run: Run) -> str:
         request, uv_binary(), scratch, run.survey.uv_plan.changes, staging=root is not None
     )
     filled = _fill_from_owners_cache(run, cache)
-    run._log(f"prefetch (UV_CACHE_DIR={cache}{_as(account)}): " + " ".join(command))
+    run.log(f"prefetch (UV_CACHE_DIR={cache}{_as(account)}): " + " ".join(command))
     result = None
     broken: str | None = None
     try:
@@ -289,7 +289,7 @@ def prefetch_step(run: Run) -> str:
         if root is None and not kept:
             remove_run_dir(scratch)
     run.scratch = scratch if kept else None
-    run._log(f"uv exit {result.returncode}:\n{result.output}")
+    run.log(f"uv exit {result.returncode}:\n{result.output}")
     if result.returncode != 0 or broken is not None:
         if root is not None:
             swap.discard_staging(run.env.prefix, root.name, RUN_DIR_REMOVAL_S, staging.owner_ids(run.env))
@@ -341,7 +341,7 @@ def _broken_once_fetched(run: Run, root: Path | None, scratch: Path) -> str | No
     )
     run.notes.extend(notes)
     for note in notes:
-        run._log(f"requirements: {note}")
+        run.log(f"requirements: {note}")
     return refused
 
 
@@ -362,22 +362,22 @@ def _prefetched(run: Run, root: Path | None, cache: Path, filled: str, why_not: 
         copied = sum(1 for entry in run.hashed.values() if entry.hashed_ns and entry.path in copies)
         unread = f" ({stored} of them kept by the verified-inode store, not read)" if stored else ""
         unread += f" ({copied} of them hashed as the fill copied them, not read again)" if copied else ""
-        run._log(f"prefetch: {len(run.hashed)} files of the run's uv cache hashed{unread}")
+        run.log(f"prefetch: {len(run.hashed)} files of the run's uv cache hashed{unread}")
         detail += f"; {len(run.hashed)} files hashed{unread}"
     if root is not None:
         why_not = _stage(run, root)
     if run.staged is None and window_command(run.plan.uv_command, request) != run.plan.uv_command:
         _resolve_into(run, cache)
     written = inodes.flush(cache)  # on disk now, not in the window
-    run._log(f"prefetch: the run's cache written to disk in {written:.1f} s")
+    run.log(f"prefetch: the run's cache written to disk in {written:.1f} s")
     if run.staged is not None:
         plan = run.staged.plan
-        run._journal(Phase.STAGED)
+        run.journal_phase(Phase.STAGED)
         return detail + (
             f"; staged and verified ({run.staged.files} files): the window renames {len(plan.moves)} "
             f"entries in and {len(plan.out)} out"
         )
-    run._log(f"prefetch: no swap: {why_not}")
+    run.log(f"prefetch: no swap: {why_not}")
     return detail
 
 
@@ -431,10 +431,10 @@ def _resolve_into(run: Run, cache: Path) -> None:
             cache_dir=cache,
         )
     except SafeInstallError as exc:
-        run._log(f"prefetch: the plan's resolution with the run's cache failed: {exc.message}")
+        run.log(f"prefetch: the plan's resolution with the run's cache failed: {exc.message}")
         return
     took = time.monotonic() - started
-    run._log(f"prefetch: the plan resolved again with the run's cache in {took:.1f} s")
+    run.log(f"prefetch: the plan resolved again with the run's cache in {took:.1f} s")
 
 
 def _fill_from_owners_cache(run: Run, cache: Path) -> str:
@@ -447,7 +447,7 @@ def _fill_from_owners_cache(run: Run, cache: Path) -> str:
         try:
             check_trusted(source)
         except StateDirError as exc:
-            run._log(f"prefetch: nothing copied from {source}: {exc.message}")
+            run.log(f"prefetch: nothing copied from {source}: {exc.message}")
             return ""
     filled = cachefill.fill(source, cache, run.survey.uv_plan.changes, run.env.account)
     run.filled = filled.digests if run.env.account is None else ()  # root's own copies: hashed as written
@@ -458,13 +458,13 @@ def _fill_from_owners_cache(run: Run, cache: Path) -> str:
             f"uv's cache holds a changed copy of {damaged}: `uv cache clean {name}`; a fresh copy was fetched"
         )
         run.notes.append(said)
-        run._log(f"prefetch: {said} (its files differ from its RECORD, in {source})")
+        run.log(f"prefetch: {said} (its files differ from its RECORD, in {source})")
     if filled.problem is not None:
-        run._log(f"prefetch: nothing {how} from {source}: {filled.problem}")
+        run.log(f"prefetch: nothing {how} from {source}: {filled.problem}")
         return ""
     if not filled.archives:
         return ""
-    run._log(f"prefetch: {how} from {source}: {', '.join(filled.entries)} ({filled.bytes} bytes)")
+    run.log(f"prefetch: {how} from {source}: {', '.join(filled.entries)} ({filled.bytes} bytes)")
     size = f"{filled.bytes / 1e6:.0f} MB"
     return f"; {filled.archives} unpacked wheel(s) {how} from {source} ({size}, not fetched)"
 
@@ -476,12 +476,12 @@ def gate_step(run: Run) -> str:
     """Keep the units from starting on a half-installed package (a crash, a reboot); and keep anyone but
     the environment's owner from holding uv's lock while they are down."""
     lock = secure_uv_lock(run.env.prefix, run.env.account)
-    run._log(lock)
+    run.log(lock)
     if run.hashed:  # the last look before the stop: an entry changed since its hash is read in the window
         before = len(run.hashed)
         run.hashed = inodes.still_hashed(run.hashed)
         if len(run.hashed) != before:
-            run._log(
+            run.log(
                 f"gate: {before - len(run.hashed)} cache files changed since hashed: read after the install"
             )
     units = [u.name for u in run.journal.units]
@@ -490,7 +490,7 @@ def gate_step(run: Run) -> str:
     marker = gate_marker(run.state.dir)
     paths = [str(run.systemd.dropin_path(u, GATE_DROPIN, persistent=True)) for u in units]
     atomic_write(marker, f"{run.run_id}\n".encode())
-    run._journal(Phase.GATED, gate=paths)  # journalled before written: recovery removes them
+    run.journal_phase(Phase.GATED, gate=paths)  # journalled before written: recovery removes them
     text = gate_dropin_text(marker, run.run_id)
     for unit in units:
         run.systemd.add_dropin(unit, GATE_DROPIN, text, persistent=True)
@@ -514,13 +514,13 @@ def stop_step(run: Run) -> str:
     units = list(run.plan.units)
     for unit in units:
         run.journal = update_unit(run.journal, unit.name, systemd.user, stopped=True)
-    run._journal(Phase.STOPPING)
+    run.journal_phase(Phase.STOPPING)
     reset = reset_start_limits(run, [u.name for u in units])  # before the stop: not in the window
 
     cancel = threading.Event()
 
     def stop(unit: PlannedUnit) -> StopOutcome:
-        return systemd.stop(unit.name, run._stop_timeout(unit.stop_timeout_s), cancel=cancel)
+        return systemd.stop(unit.name, run.stop_timeout(unit.stop_timeout_s), cancel=cancel)
 
     outcomes: list[StopOutcome] = []
     stuck = _StuckOnGpu.of(run.plan.processes)
@@ -529,7 +529,7 @@ def stop_step(run: Run) -> str:
             with held_while_threads_start():
                 stops = {u.name: pool.submit(stop, u) for u in units}
             try:
-                longest = max(run._stop_timeout(u.stop_timeout_s) for u in units)
+                longest = max(run.stop_timeout(u.stop_timeout_s) for u in units)
                 report_waits(run, stops, "stopped", longest, check=stuck)
                 outcomes = [f.result() for f in stops.values()]
             except BaseException:  # Ctrl-C, SIGTERM: the waits end at their next poll, the rollback starts
@@ -539,14 +539,14 @@ def stop_step(run: Run) -> str:
     failed = [o for o in outcomes if not o.stopped]
     if failed:
         first = failed[0]
-        timeout = run._stop_timeout(next(u.stop_timeout_s for u in units if u.name == first.unit))
+        timeout = run.stop_timeout(next(u.stop_timeout_s for u in units if u.name == first.unit))
         waited = f" in {timeout:g} s" if first.waited_s >= timeout else ""  # else: said at once, why
         raise StepFailed(f"unit {first.unit} did not stop{waited} ({first.reason})")
     killed = _kill_strays(run)
-    leftover = _wait_gone(run.plan.processes, run._stop_timeout(90.0), stuck)
+    leftover = _wait_gone(run.plan.processes, run.stop_timeout(90.0), stuck)
     if leftover:
         raise StepFailed(f"processes {', '.join(map(str, leftover))} still run after their units stopped")
-    run._journal(Phase.STOPPED, strays_killed=list(killed))
+    run.journal_phase(Phase.STOPPED, strays_killed=list(killed))
     detail = f"{len(units)} unit(s) stopped, {len(run.plan.processes)} process(es) gone"
     if reset:
         detail += f"; start limit reset first (systemctl reset-failed): {', '.join(reset)}"
@@ -596,7 +596,7 @@ def _check_no_late_users(run: Run) -> str:
 
 def gpu_release_step(run: Run, session: NvmlSession, baseline: GpuSnapshot) -> str:
     if not session.available:
-        run._journal(Phase.GPU_RELEASED, note=f"GPU check skipped: {session.reason}")
+        run.journal_phase(Phase.GPU_RELEASED, note=f"GPU check skipped: {session.reason}")
         return f"skipped: {session.reason}"
 
     # (no D-state check here: the stop step waited until every planned process was gone, and one
@@ -610,7 +610,7 @@ def gpu_release_step(run: Run, session: NvmlSession, baseline: GpuSnapshot) -> s
     stopped = frozenset(p.pid for p in run.plan.processes)
     status = wait_for_release(session, baseline, stopped, run.options.gpu_timeout, on_poll)
     if status.skipped:
-        run._journal(Phase.GPU_RELEASED, note=f"GPU check skipped: {status.reason}")
+        run.journal_phase(Phase.GPU_RELEASED, note=f"GPU check skipped: {status.reason}")
         return f"skipped: {status.reason}"
     if not status.released:
         holders = ", ".join(
@@ -621,7 +621,7 @@ def gpu_release_step(run: Run, session: NvmlSession, baseline: GpuSnapshot) -> s
             f"GPU memory was not released within {run.options.gpu_timeout:g} s"
             + (f": still held by {holders}" if holders else f": {status.reason}")
         )
-    run._journal(Phase.GPU_RELEASED)
+    run.journal_phase(Phase.GPU_RELEASED)
     return f"released after {status.waited_s:.1f} s"
 
 
@@ -630,23 +630,23 @@ def gpu_release_step(run: Run, session: NvmlSession, baseline: GpuSnapshot) -> s
 
 def install_step(run: Run) -> str:
     late = _check_no_late_users(run)
-    run._journal(Phase.INSTALLING)
+    run.journal_phase(Phase.INSTALLING)
     command = window_command(run.plan.uv_command, run.survey.request)
     cache = run.state.uv_cache(run.run_id)
-    run._log(f"install (UV_CACHE_DIR={cache}{_as(run.env.account)}): " + " ".join(command))
+    run.log(f"install (UV_CACHE_DIR={cache}{_as(run.env.account)}): " + " ".join(command))
     result = uv_install(command, run.options.environ, cache_dir=cache, account=run.env.account)
-    run._log(f"uv exit {result.returncode}:\n{result.output}")
+    run.log(f"uv exit {result.returncode}:\n{result.output}")
     if result.returncode > 0 and tuple(command) != run.plan.uv_command:  # offline did not do: the plan's
         command = run.plan.uv_command
-        run._log("install again, as planned (not offline): " + " ".join(command))
+        run.log("install again, as planned (not offline): " + " ".join(command))
         result = uv_install(command, run.options.environ, cache_dir=cache, account=run.env.account)
-        run._log(f"uv exit {result.returncode}:\n{result.output}")
+        run.log(f"uv exit {result.returncode}:\n{result.output}")
     run.installed_ns = time.time_ns()  # a file changed after this is read in the verification
     if result.returncode != 0:
         tail = "\n".join(result.output.strip().splitlines()[-6:])
         raise StepFailed(f"uv pip install failed (exit {result.returncode}): {tail}")
     carried = carry(run.env.prefix, run.patches, run.env.account) if run.patches is not None else 0
-    run._journal(Phase.INSTALLED)
+    run.journal_phase(Phase.INSTALLED)
     return " ".join(command) + late + (f"; {carried} local patch(es) carried" if carried else "")
 
 
@@ -658,7 +658,7 @@ def swap_step(run: Run) -> str:
         raise StepFailed("internal error: a swap without a staging tree")
     started = time.monotonic()
     late = _check_no_late_users(run)
-    run._journal(Phase.SWAPPING)
+    run.journal_phase(Phase.SWAPPING)
     scanned = time.monotonic()
     try:
         swap.execute(staged, run.env.prefix, staging.owner_ids(run.env))
@@ -667,11 +667,11 @@ def swap_step(run: Run) -> str:
     run.installed_ns = time.time_ns()
     renamed = time.monotonic()
     by = "" if run.env.account is None else f" (the worker of uid {run.env.account.uid})"
-    run._log(f"swap: scan, journal {scanned - started:.2f} s; renames, fsync{by} {renamed - scanned:.2f} s")
+    run.log(f"swap: scan, journal {scanned - started:.2f} s; renames, fsync{by} {renamed - scanned:.2f} s")
     wrong = swap.moved_as_staged(staged, run.env.prefix)
     if wrong:
         raise StepFailed(f"not the verified files in place after the swap: {', '.join(wrong[:5])}")
-    run._journal(Phase.INSTALLED)
+    run.journal_phase(Phase.INSTALLED)
     return swapped_detail(len(staged.plan.moves), len(staged.plan.out)) + late
 
 
@@ -688,14 +688,14 @@ def swapped_detail(moved: int, out: int) -> str:
 
 def verify_step(run: Run) -> str:
     if run.staged is not None:  # verified in the staging tree; the swap put those very inodes in place
-        run._journal(Phase.VERIFIED)
+        run.journal_phase(Phase.VERIFIED)
         remove_gate(run)
         return (
             f"{run.staged.files} files verified in the staging tree before the stop; every entry in place "
             "is the inode verified there"
         )
     detail = _check_in_place(run)
-    run._journal(Phase.VERIFIED)
+    run.journal_phase(Phase.VERIFIED)
     remove_gate(run)
     return detail
 
@@ -777,14 +777,14 @@ def _prune(run: Run, extras: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def restart_step(run: Run) -> str:
-    units = run._units_to_restart()
+    units = run.units_to_restart()
     if run.options.no_restart:
-        run._journal(Phase.RESTARTING, note="--no-restart: units left stopped")
+        run.journal_phase(Phase.RESTARTING, note="--no-restart: units left stopped")
         return "left stopped (--no-restart): " + (", ".join(units) or "none")
     if not units:
-        run._journal(Phase.RESTARTING)
+        run.journal_phase(Phase.RESTARTING)
         return "no unit was running"
-    run._journal(Phase.RESTARTING)
+    run.journal_phase(Phase.RESTARTING)
     run.restart_started = True
     befores = start_units(run, units)
     watch = StartWatch(run, befores)
@@ -818,7 +818,7 @@ def end_check_step(run: Run) -> str:
     if not old_code:
         return "no process runs replaced files"
     listed = "; ".join(p.describe() for p in old_code)
-    run._log(f"end check: {listed}")
+    run.log(f"end check: {listed}")
     if run.options.strict:
         raise StepFailed(
             f"{listed}: still running old code after the restart (--strict)",
@@ -935,13 +935,13 @@ def undo_restore_step(run: Run, late_users: Callable[[], str]) -> str:
     saved file written back and hashed again)."""
     target = _undo_target(run)
     late = late_users()
-    run._journal(Phase.INSTALLING)
-    run._log(f"restore the backup of run {target.run_id}: {target.backup.dir}")
+    run.journal_phase(Phase.INSTALLING)
+    run.log(f"restore the backup of run {target.run_id}: {target.backup.dir}")
     result = restore_backup(target.backup, run.env, ())
     if not result.ok:
         problems = [*result.mismatches, *result.failures]
         raise StepFailed(f"the backup of run {target.run_id} could not be put back: {undo.listed(problems)}")
-    run._journal(Phase.INSTALLED)
+    run.journal_phase(Phase.INSTALLED)
     return f"{result.restored} file(s) of run {target.run_id}'s backup put back" + late
 
 
@@ -973,14 +973,14 @@ def undo_stage_step(run: Run) -> str:
     target = _undo_target(run)
     why_not = undo_swap_refusal(run)
     if why_not is not None:
-        run._log(f"undo: no swap: {why_not}")
+        run.log(f"undo: no swap: {why_not}")
         return f"no swap ({why_not}): the backup is put back during the stop"
     ids = staging.owner_ids(run.env)
     try:
         root = staging.make_staging(run.env, run.run_id)
         swap.make_staging_dir(root, swap.STAGED_TREE, 0o755, ids)
     except (staging.NotStaged, OSError, WorkerError) as exc:
-        run._log(f"undo: no swap: {exc}")
+        run.log(f"undo: no swap: {exc}")
         return f"no swap ({exc}): the backup is put back during the stop"
     manifest = target.backup.manifest
     listed = replace(manifest, files=tuple(f for f in manifest.files if f.listed))
@@ -995,7 +995,7 @@ def undo_stage_step(run: Run) -> str:
     why_not = _stage(run, root)
     if run.staged is None:
         return f"no swap ({why_not}): the backup is put back during the stop"
-    run._journal(Phase.STAGED)
+    run.journal_phase(Phase.STAGED)
     return (
         f"{written.restored} file(s) of run {target.run_id}'s backup staged and verified: the window "
         f"renames {len(run.staged.plan.moves)} entries in and {len(run.staged.plan.out)} out"
@@ -1012,7 +1012,7 @@ def undo_verify_step(run: Run, open_gate: Callable[[], None]) -> str:
     """The environment against the backup's manifest: each distribution at its saved version, each
     saved file (a local patch included) with its saved content, and the RECORDs' other files intact."""
     detail = _undo_checked(run)
-    run._journal(Phase.VERIFIED)
+    run.journal_phase(Phase.VERIFIED)
     open_gate()
     return detail
 
@@ -1119,7 +1119,7 @@ def run_reinstall(
         with interrupts_raise() as received:
 
             def step(name: str, action: Callable[[], str]) -> None:
-                run._timed(name, received.checked(action))
+                run.timed(name, received.checked(action))
 
             try:
                 signals.unblock(mask)
@@ -1181,7 +1181,7 @@ def run_reinstall(
         # leftover drop-in is inert.
         tidying.append(True)
         signals.unblock(mask)  # the deferral's handler is back in place: a pending signal is held back
-        run._journal_if_possible(Phase.DONE)
+        run.journal_phase_if_possible(Phase.DONE)
         save_patches(run)
         save_left(run)
         note = record_run(run.state, run.env.prefix, run.wheel.name if run.wheel else "", run.vouched)
@@ -1194,7 +1194,7 @@ def run_reinstall(
         hashed = [*run.in_place.values(), *run.prepared.before.observed.values()]
         removed = _tidy_up(run, [*hashed, *inodes.read_states(run.hashed)])
         cache_removed.append(True)
-        not_restarted = tuple(run._units_to_restart()) if options.no_restart else ()
+        not_restarted = tuple(run.units_to_restart()) if options.no_restart else ()
         return _result(run, "done", ExitCode.OK, None, not_restarted, removed)
     finally:
         run_smoke.abandon(run)  # never left running, whatever ended the run
@@ -1238,8 +1238,8 @@ def prepared_step(run: Run) -> None:
     """--prepare, once the smoke check passed: the record of what the commit relies on, then the
     journal says ``prepared``; the lock is released with the run, nothing was stopped."""
     write_prepared(run.state, prepare.new_record(run))
-    run._journal(Phase.PREPARED)
-    run._log("prepared: safeinstall --commit goes on from the gate")
+    run.journal_phase(Phase.PREPARED)
+    run.log("prepared: safeinstall --commit goes on from the gate")
     run.notes.append(
         f"prepared, nothing stopped: safeinstall --commit --python {interpreter_in_prefix(run.env)}"
         f"{' --user' if run.options.user else ''} [--yes] goes on from the stop "
@@ -1281,7 +1281,7 @@ def _tidy_up(run: Run, hashed: Sequence[FileState]) -> tuple[str, ...]:
         staging_s, _ = staging_gone.result()
         prune_s, removed = pruned.result()
     if later:
-        run._log(
+        run.log(
             "tidy-up: the old version's staging directory, the kept links, the run's uv cache and the "
             "backups beyond --keep-backups are left to the next run (or --recover): a commit ends with "
             "its checks"
@@ -1292,7 +1292,7 @@ def _tidy_up(run: Run, hashed: Sequence[FileState]) -> tuple[str, ...]:
         )
     with contextlib.suppress(OSError):
         clear_journal(run.state.dir)
-    run._log(
+    run.log(
         f"tidy-up: hashes kept {kept - started:.1f} s, drop-ins {dropped - kept:.1f} s, the run's uv cache "
         f"{cache_s:.1f} s; alongside: staging directory {staging_s:.1f} s, older backups {prune_s:.1f} s; "
         f"in all {time.monotonic() - started:.1f} s"
@@ -1321,9 +1321,9 @@ def _remove_run_cache(run: Run) -> float:
     filled by clone or copy, never by link); its seconds, logged."""
     started = time.monotonic()
     for left in remove_uv_caches(run.state, run.run_id):
-        run._log(f"{left} could not be removed in {RUN_DIR_REMOVAL_S:g} s: the next run removes it")
+        run.log(f"{left} could not be removed in {RUN_DIR_REMOVAL_S:g} s: the next run removes it")
     took = time.monotonic() - started
-    run._log(f"tidy-up: the run's uv cache removed in {took:.1f} s")
+    run.log(f"tidy-up: the run's uv cache removed in {took:.1f} s")
     return took
 
 
@@ -1345,11 +1345,11 @@ def keep_old_links(run: Run) -> None:
         else:
             kept = keep.keep_links(run.env.prefix, run.run_id, paths, every=every)
     except OSError as exc:
-        run._log(f"no links of the old files kept ({exc}): a rollback copies them back")
+        run.log(f"no links of the old files kept ({exc}): a rollback copies them back")
         return
     if kept:
         which = "all the old files" if every else "old file(s) shared with other links"
-        run._log(f"{kept} links of {which} kept in {keep.keep_name(run.run_id)}")
+        run.log(f"{kept} links of {which} kept in {keep.keep_name(run.run_id)}")
 
 
 def both_fit(run: Run) -> bool:
@@ -1372,7 +1372,7 @@ def _discard_staged(run: Run, keep_tree: bool = False) -> None:
     try:
         swap.tidy(run.staged.plan, run.env.prefix, staging.frame(run.env), ids)
     except (OSError, SafeInstallError) as exc:
-        run._log(f"the bytecode and empty directories of moved-out files were not all removed: {exc}")
+        run.log(f"the bytecode and empty directories of moved-out files were not all removed: {exc}")
     unknown: list[tuple[str, str]] = []
     try:
         known = frozenset(f.path for f in run.saved().manifest.files)
@@ -1381,7 +1381,7 @@ def _discard_staged(run: Run, keep_tree: bool = False) -> None:
     except (OSError, SafeInstallError) as exc:
         left = [f"(the old files could not be listed: {exc})"]
     if unknown:
-        run._log(f"put back where they were (they appeared after the backup): {[p for _, p in unknown]}")
+        run.log(f"put back where they were (they appeared after the backup): {[p for _, p in unknown]}")
     if left:  # never deleted unseen
         kept = swap.keep_staging(run.env.prefix, run.staged.root.name, ids) or run.staged.root
         run.notes.append(

@@ -45,10 +45,10 @@ def rollback(run: Run, error: SafeInstallError) -> SafeInstallError:
         done: list[str] = []
         stopped_any = phase_at_least(run.journal, Phase.STOPPING)
         try:
-            run._journal_if_possible(Phase.ROLLING_BACK, note=error.message)
+            run.journal_phase_if_possible(Phase.ROLLING_BACK, note=error.message)
             if run.restart_started:
-                for unit in run._units_to_restart():
-                    run.systemd.stop(unit, run._stop_timeout(90.0))
+                for unit in run.units_to_restart():
+                    run.systemd.stop(unit, run.stop_timeout(90.0))
             # the install (uv's, or the swap's renames) may have begun: the backup goes back
             installed = phase_at_least(run.journal, Phase.INSTALLING) or phase_at_least(
                 run.journal, Phase.SWAPPING
@@ -59,7 +59,7 @@ def rollback(run: Run, error: SafeInstallError) -> SafeInstallError:
                 # bounded, since its owner may keep filling it (the rest goes after the restart)
                 left = remove_uv_caches(run.state, run.run_id, PUT_BACK_CACHE_S)
                 if left:
-                    run._log(
+                    run.log(
                         f"the run's uv cache was still being filled after {PUT_BACK_CACHE_S:g} s: "
                         "restoring first, removing it afterwards"
                     )
@@ -72,7 +72,7 @@ def rollback(run: Run, error: SafeInstallError) -> SafeInstallError:
                 run.options.environ,
                 restore,
                 lambda units: _start_again(run, units),
-                lambda _done: run._journal_if_possible(Phase.ROLLED_BACK),
+                lambda _done: run.journal_phase_if_possible(Phase.ROLLED_BACK),
             )
             run.notes.extend(outcome.notes)
             if outcome.restored:
@@ -133,7 +133,7 @@ def _remove_own_backup(run: Run) -> None:
 def _rollback_failed(run: Run, error: SafeInstallError, second: SafeInstallError) -> RollbackFailed:
     commands = [f"safeinstall --recover --python {run.env.python}"]
     flag = "--user " if run.options.user else ""
-    commands += [f"systemctl {flag}start {u}" for u in run._units_to_restart()]
+    commands += [f"systemctl {flag}start {u}" for u in run.units_to_restart()]
     return RollbackFailed(
         f"{error.message}; then putting things back failed too: {second.message}. "
         f"The backup ({run.journal.backup_dir}) and the journal are kept. To finish: "

@@ -140,7 +140,7 @@ class Run:
     def plan(self) -> Plan:
         return self.prepared.survey.plan
 
-    def _timed(self, name: str, action: Callable[[], str]) -> None:
+    def timed(self, name: str, action: Callable[[], str]) -> None:
         started = time.monotonic()
         try:
             detail = action()
@@ -154,26 +154,26 @@ class Run:
         self.add_step(outcome)
         self.reporter.step(outcome)
 
-    def _journal(self, phase: Phase, note: str = "", **changes: Any) -> None:
+    def journal_phase(self, phase: Phase, note: str = "", **changes: Any) -> None:
         self.journal = advance(self.journal, phase, note, **changes)
         write_journal(self.state.dir, self.journal)
 
-    def _journal_if_possible(self, phase: Phase, note: str = "") -> None:
+    def journal_phase_if_possible(self, phase: Phase, note: str = "") -> None:
         """During the rollback the journal is best effort: a full disk must not stop the restore (which
         frees the space) nor the restart."""
         try:
-            self._journal(phase, note)
+            self.journal_phase(phase, note)
         except SafeInstallError as exc:
             self.notes.append(f"the rollback went on without its journal: {exc.message}")
 
-    def _log(self, text: str) -> None:
+    def log(self, text: str) -> None:
         """Append to the run's log; best effort (a full disk must not turn into the run's failure)."""
         append_line(self.log_file, text)
 
-    def _units_to_restart(self) -> list[str]:
+    def units_to_restart(self) -> list[str]:
         return [u.name for u in self.journal.units if u.stopped and u.was_active]
 
-    def _stop_timeout(self, unit_timeout: float) -> float:
+    def stop_timeout(self, unit_timeout: float) -> float:
         if self.options.stop_timeout is not None:
             return self.options.stop_timeout
         return stop_wait_s(unit_timeout)
@@ -232,11 +232,11 @@ def reset_start_limits(run: Run, units: list[str]) -> tuple[str, ...]:
         try:
             run.systemd.reset_failed(unit)
         except SystemdError as exc:  # not loaded (an inactive unit systemd let go): no counter to reset
-            run._log(f"start limit of {unit} not reset: {exc.message}")
+            run.log(f"start limit of {unit} not reset: {exc.message}")
             continue
         reset.append(unit)
     if reset:
-        run._log(f"start limit reset (systemctl reset-failed): {', '.join(reset)}")
+        run.log(f"start limit reset (systemctl reset-failed): {', '.join(reset)}")
     return tuple(reset)
 
 
