@@ -186,23 +186,12 @@ def test_a_detached_run_gets_exactly_the_callers_options() -> None:
         assert not any("127.0.0.1:8000" in a or "example.com" in a for a in args)
         context = get_command(app).make_context("safeinstall", args)
         # the child's command line is one the CLI accepts (--no-smoke took a --smoke-timeout once)
-        given = tuple(
-            n for n in context.params if getattr(context.get_parameter_source(n), "name", "") == "COMMANDLINE"
-        )
-        child = Usage(
-            modes=frozenset({Mode.UNDO} if options.undo else ()),
-            package=options.package,
-            wheel=options.wheel,
-            given=given,
-            keep_patches=options.keep_patches,
-            base_wheel=options.base_wheel is not None,
-            drop_conflicting=options.drop_conflicting,
-            accept_record_mismatch=options.accept_record_mismatch,
-        )
+        child = context.command.invoke(context)  # the command line, as the CLI parsed it
+        assert isinstance(child, Usage) and (Mode.UNDO in child.request.modes) == bool(options.undo)
         if options.no_smoke:  # (the other variants give each option, valid together or not)
             assert usage_problem(child) is None, usage_problem(child)
         private = PrivateInputs({}, options.health_url, options.extra_args)
-        request = context.command.invoke(context).request  # the command line, as the CLI parsed it
+        request = child.request
         parsed = run_options(request.options, request.extra_args, private)
         # uv's index options reach uv in its environment, never on a command line (issue 21)
         assert parsed.environ["UV_INDEX_URL"] == "https://example.com/simple"

@@ -11,7 +11,7 @@ import gc
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, NoReturn
 
 import typer
@@ -97,14 +97,6 @@ def _tool_version() -> str:
         return __version__
 
 
-@dataclass(frozen=True, slots=True)
-class Parsed:
-    """The command line parsed, not yet checked: what the validation reads, and the request."""
-
-    usage: Usage
-    request: Request
-
-
 @app.command(
     cls=_PlainHelp,
     context_settings={
@@ -168,7 +160,7 @@ def main_command(
     show_version: params.ShowVersion = False,
     run_id: params.RunId = None,
     environ_from: params.EnvironFrom = None,
-) -> Parsed:
+) -> Usage:
     """Reinstall a Python package safely under the services that use it; or check it (--verify-only).
 
     Arguments after -- go to uv unchanged (index options and the like).
@@ -187,29 +179,6 @@ def main_command(
     modes = frozenset(mode for mode, on in switches.items() if on)
     given = tuple(
         name for name in ctx.params if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"
-    )
-    usage = Usage(
-        modes=modes,
-        package=package,
-        wheel=wheel,
-        given=given,
-        args=tuple(ctx.args),
-        uv_args=ctx.obj or (),
-        verbose=verbose,
-        quiet=quiet,
-        show_version=show_version,
-        wait=wait,
-        run=run,
-        metrics_file=metrics_file is not None,
-        all_=all_,
-        acknowledge=acknowledge_wheel_faults,
-        diff=diff,
-        save_patch=save_patch is not None,
-        keep_patches=keep_patches,
-        base_wheel=base_wheel is not None,
-        drop_conflicting=drop_conflicting,
-        accept_record_mismatch=accept_record_mismatch,
-        prepare=prepare,
     )
     options = RunOptions(
         package=package or "",  # the requirement as given; the run parses it (run_options)
@@ -264,24 +233,31 @@ def main_command(
         interactive=not yes and not as_json and terminal,
         cannot_ask=None if yes or (terminal and not as_json) else _why_not_asked(as_json, terminal),
     )
-    return Parsed(usage, request)
+    return Usage(  # the command line parsed, checked by _run
+        request=request,
+        given=given,
+        uv_args=ctx.obj or (),
+        verbose=verbose,
+        quiet=quiet,
+        show_version=show_version,
+    )
 
 
-def _run(parsed: Parsed) -> NoReturn:
+def _run(usage: Usage) -> NoReturn:
     """Check the command line, call its command, exit with its code."""
-    request = parsed.request
+    request = usage.request
     try:
-        if not parsed.usage.given and not parsed.usage.args:  # as uv: a usage, and its status; on stderr
+        if not usage.given and not request.extra_args:  # as uv: a usage, and its status; on stderr
             typer.echo(params.SHORT_USAGE + "\n", err=True)
             raise UsageError(
                 "no REQUIREMENT and no command given",
                 hint="safeinstall PACKAGE [--wheel W], safeinstall PACKAGE --verify-only or "
                 "safeinstall --status (see safeinstall --help)",
             )
-        problem = usage_problem(parsed.usage)
+        problem = usage_problem(usage)
         if problem is not None:
             raise problem
-        if parsed.usage.show_version:
+        if usage.show_version:
             print(f"safeinstall {_tool_version()}")
             _exit(ExitCode.OK)
         wheel = request.options.wheel
@@ -319,7 +295,7 @@ def _main(argv: list[str]) -> int:
         parsed = app(args=argv, prog_name="safeinstall", standalone_mode=False, obj=uv_args)
     except typer.TyperException as exc:  # unknown option, missing value, bad value
         _fail(_usage_error(exc), command_for(set(words)), "--json" in words)
-    if isinstance(parsed, Parsed):
+    if isinstance(parsed, Usage):
         _run(parsed)
     return int(parsed or 0)  # --help, --show-completion
 

@@ -112,7 +112,8 @@ class DryRun(Outcome):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Ran(Outcome):
-    """A reinstall or undo that ran: its document is final (kept in its history); ``notes`` follow it."""
+    """A reinstall or undo: its document is final (kept in its history, but a typo's that ran nothing);
+    ``notes`` follow it. One that failed before it changed anything is said as its error."""
 
     run: RunDocument
     run_id: str
@@ -170,16 +171,6 @@ class DiscardResult(Outcome):
     discarded: Discarded
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Failed(Outcome):
-    """A run that failed before it changed anything: kept in its history, said as the error."""
-
-    run: RunDocument
-
-    def to_json(self) -> dict[str, Any]:
-        return self.run.to_json()
-
-
 Result = (
     Verified
     | DryRun
@@ -192,7 +183,6 @@ Result = (
     | StatusResult
     | ForgetResult
     | DiscardResult
-    | Failed
 )
 
 
@@ -428,7 +418,7 @@ def _reinstall(
     ui: Ui,
     metrics: Path | None,
     env: Environment,
-) -> Ran | Failed:
+) -> Ran:
     from safeinstall.run.reinstall import run_reinstall
     from safeinstall.run.results import LoggedReporter
     from safeinstall.store.journal import now_iso
@@ -452,7 +442,7 @@ def _reinstall(
         if not isinstance(error, UnknownDistributionError | UsageError):  # a typo ran nothing: no entry
             _keep(state, run_id, options.package, started, failed)
         _run_metrics(metrics, ui, env, options.package, run_id, started, failed)
-        return Failed(exit_code=error.exit_code, failures=(error,), run=failed)
+        return Ran(exit_code=error.exit_code, run=failed, run_id=run_id, notes=())
     wall = round(time.monotonic() - began, 3)
     document = replace(document, data=replace(document.details, wall_s=wall))
     # the run has its result: a signal now does not change it (ignored until the process exits)
@@ -586,7 +576,7 @@ def _wait(request: Request, ui: Ui) -> FromHistory | StoppedFollowing:
 
 def _commit(
     request: Request, ui: Ui, metrics: Path | None, private: PrivateInputs | None
-) -> Ran | Failed | DetachedRun | FromHistory | Declined:
+) -> Ran | DetachedRun | FromHistory | Declined:
     """--commit: the environment's prepared run, with the window's options of this command line."""
     from safeinstall.run.prepare import commit_options, the_prepared_run
 

@@ -166,15 +166,7 @@ def patch_docs(patches: Sequence[PatchOutcome]) -> tuple[PatchDoc, ...]:
 
 def old_code_doc(process: OldCodeProcess) -> OldCodeDoc:
     """The end check: a process still mapping replaced files, as the run's document has it."""
-    return OldCodeDoc(
-        pid=process.pid,
-        name=process.name,
-        cmdline=process.cmdline,
-        unit=process.unit,
-        scope=process.scope,
-        distributions=process.distributions,
-        paths=process.paths,
-    )
+    return OldCodeDoc(**dataclasses.asdict(process))
 
 
 def verify_json(report: VerifyReport, patch: str | None, notes: Sequence[str] = ()) -> dict[str, Any]:

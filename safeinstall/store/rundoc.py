@@ -167,7 +167,7 @@ class PlanDoc:
 
 
 #: Each field of a run's ``data`` and how it is read (docs/json.md: ``reinstall``; a ``recovered``
-#: run's: what ``--recover`` did for it).
+#: run's: what ``--recover`` did for it), in the order a run writes them.
 _READERS: dict[str, Callable[[object], Any]] = {
     "run_id": lambda v: _text_or_none(v, "run_id"),
     "undo_of": lambda v: _text_or_none(v, "undo_of"),
@@ -208,29 +208,7 @@ _READERS: dict[str, Callable[[object], Any]] = {
 
 
 #: A run's ``data``, each field in the order it is written (``undo_of``: an undo's alone).
-RUN_FIELDS = (
-    "run_id",
-    "undo_of",
-    "plan",
-    "steps",
-    "downtime_s",
-    "service_downtime_s",
-    "patched",
-    "deleted",
-    "extras",
-    "pruned",
-    "backup_dir",
-    "backups_removed",
-    "log_file",
-    "not_restarted",
-    "strays_killed",
-    "notes",
-    "old_code",
-    "patches",
-    "patch_file",
-    "manual_commands",
-    "wall_s",
-)
+RUN_FIELDS = tuple(_READERS)[: tuple(_READERS).index("wall_s") + 1]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
