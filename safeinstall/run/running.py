@@ -75,7 +75,7 @@ class Run:
     journal: Journal
     notes: list[str]
     #: what the run's document says of it, filled by the steps as they go (docs/json.md); the plan, the
-    #: backup and the notes join it at the end (:func:`safeinstall.run.reinstall.run_document`)
+    #: backup and the notes join it at the end (``safeinstall.run.reinstall._result``)
     record: RunData = field(default_factory=RunData)
     backup: Backup | None = None  # None until the backup step has saved it
     patches: PatchSet | None = None  # --keep-patches: set by the patches step
