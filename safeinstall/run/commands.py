@@ -78,10 +78,6 @@ class Request:
         """The requirement as given (or the package the wheel names); None: none."""
         return self.options.package or None
 
-    @property
-    def python(self) -> str | None:
-        return self.options.python
-
 
 # -- the results: one type per mode; each has its JSON document (docs/json.md) and exit code ---------
 
@@ -274,7 +270,7 @@ def _command(request: Request, ui: Ui) -> Result:
         return _reinstall(request, options, ui, metrics, env)
     except SafeInstallError as error:
         if metrics is not None:
-            failed_metrics(metrics, ui, request.command, request.python, request.package, error)
+            failed_metrics(metrics, ui, request.command, request.options.python, request.package, error)
         raise
 
 
@@ -344,7 +340,7 @@ def _verify(request: Request, ui: Ui, metrics: Path | None) -> Verified:
 
         save_patch = new_output_file(save_patch, "--save-patch")
     walked: dict[str, os.stat_result] = {}  # the steering walk's lstat of each file: the proof's own
-    env = inspect_environment(resolve_python(request.python, os.environ), walked=walked)
+    env = inspect_environment(resolve_python(request.options.python, os.environ), walked=walked)
     if env.owner_note:
         ui.note(env.owner_note)
     names = None if request.all_ else [request.package or ""]
@@ -556,9 +552,9 @@ def _wait(request: Request, ui: Ui) -> FromHistory | StoppedFollowing:
     from safeinstall.system.signals import InterruptedEarly
 
     root = state_root(os.environ, os.geteuid())
-    if request.python is not None:
+    if request.options.python is not None:
         state = environment_state(
-            root, inspect_environment(resolve_python(request.python, os.environ)).prefix
+            root, inspect_environment(resolve_python(request.options.python, os.environ)).prefix
         )
     else:
         state = locate(list_environment_dirs(root), request.run)
@@ -580,10 +576,10 @@ def _commit(
     """--commit: the environment's prepared run, with the window's options of this command line."""
     from safeinstall.run.prepare import commit_options, the_prepared_run
 
-    found = the_prepared_run(os.environ, request.python)
+    found = the_prepared_run(os.environ, request.options.python)
     given = run_options(replace(request.options, package=found.record.package), request.extra_args, private)
-    options = commit_options(found.record, replace(given, python=request.python or found.python))
-    options = replace(options, python=request.python or found.python)
+    options = commit_options(found.record, replace(given, python=request.options.python or found.python))
+    options = replace(options, python=request.options.python or found.python)
     check_options(options)
     env = inspect_environment(resolve_python(options.python, options.environ))
     if Mode.DETACH in request.modes:
@@ -594,7 +590,7 @@ def _commit(
 def _discard(request: Request) -> DiscardResult:
     from safeinstall.run.prepare import discard
 
-    dropped = discard(os.environ, request.python)
+    dropped = discard(os.environ, request.options.python)
     document = envelope("discard", "discarded", ExitCode.OK, {"discarded": jsonable(dropped)})
     return DiscardResult(document=document, exit_code=ExitCode.OK, discarded=dropped)
 
@@ -603,7 +599,7 @@ def _forget(request: Request) -> ForgetResult:
     from safeinstall.run.status import forget
 
     # a live environment's state: only when said twice (--yes)
-    forgotten, failures = forget(os.environ, request.python, request.run, live=request.yes)
+    forgotten, failures = forget(os.environ, request.options.python, request.run, live=request.yes)
     code = failures[0].exit_code if failures else ExitCode.OK
     status = "error" if failures else "forgotten"
     document = envelope("forget", status, code, {"forgotten": jsonable(forgotten)}, list(failures))
@@ -613,7 +609,7 @@ def _forget(request: Request) -> ForgetResult:
 def _recover(request: Request, ui: Ui, metrics: Path | None) -> RecoverResult:
     from safeinstall.run.recover import recover, said_errors
 
-    outcome = recover(os.environ, request.python)
+    outcome = recover(os.environ, request.options.python)
     _write_metrics(metrics, ui, lambda m, now: m.recover_families(outcome, now))
     code = outcome.exit_code
     data = {"recoveries": jsonable(outcome.recoveries)}
@@ -627,7 +623,7 @@ def _recover(request: Request, ui: Ui, metrics: Path | None) -> RecoverResult:
 def _status(request: Request, ui: Ui, metrics: Path | None) -> StatusResult:
     from safeinstall.run.status import status
 
-    report = status(os.environ, request.python)
+    report = status(os.environ, request.options.python)
     _write_metrics(metrics, ui, lambda m, now: m.status_families(report, now))
     found = list(report.environments)
     pending = any(s.needs_recovery for s in found)
@@ -678,7 +674,7 @@ def _undo_choice(request: Request) -> tuple[Environment, str, str]:
             f"--undo takes no {given}: it puts back what the run it undoes replaced",
             hint="safeinstall --undo --python ENV [--run RUN_ID] [--dry-run | --detach] [--json]",
         )
-    env = inspect_environment(resolve_python(request.python, os.environ))
+    env = inspect_environment(resolve_python(request.options.python, os.environ))
     chosen = choose_run(_state_of(env, os.environ), request.run)
     if package and canonicalize_name(package) != canonicalize_name(chosen.package or ""):
         raise UndoError(

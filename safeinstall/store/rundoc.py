@@ -6,7 +6,7 @@ back, byte for byte.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -329,8 +329,3 @@ class RunDocument:
     def details(self) -> RunData:
         """Its data; an empty one for a run that failed before it had any."""
         return self.data if self.data is not None else RunData()
-
-
-def error_lines(document: RunDocument, prefix: str = "error: ") -> Sequence[str]:
-    """Pure: each error of the document as its log says it."""
-    return tuple(f"{prefix}{error.message}" for error in document.errors)
