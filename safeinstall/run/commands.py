@@ -503,7 +503,7 @@ def _detach(
         if unasked is not None:
             raise unasked
         if request.interactive and not ui.reporter().confirm(plan):
-            return Declined(document=None, exit_code=ExitCode.REFUSED)
+            return Declined(exit_code=ExitCode.REFUSED)
     run_id = options.run_id or new_run_id(datetime.now(UTC), os.getpid())
     started = detach(options, env, state, run_id)
     if started.finished is not None and started.finished.result.exit_code == ExitCode.REFUSED:
@@ -566,7 +566,7 @@ def _wait(request: Request, ui: Ui) -> FromHistory | StoppedFollowing:
         ui.show(
             f"stopped following; the run goes on (its own process is not interrupted): {again} follows it"
         )
-        return StoppedFollowing(document=None, exit_code=130)
+        return StoppedFollowing(exit_code=130)
     return _from_history(entry)
 
 
