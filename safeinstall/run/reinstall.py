@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -62,19 +61,13 @@ from safeinstall.run.preflight import (
 from safeinstall.run.preflight import preflight as shared_preflight
 from safeinstall.run.results import Reporter, service_downtime_s
 from safeinstall.run.rollback import rollback_step
-from safeinstall.run.running import (
-    Run,
-    StartWatch,
-    report_waits,
-    reset_start_limits,
-    settle_units,
-    start_units,
-)
+from safeinstall.run.running import Run
 from safeinstall.run.smoke import smoke_step
 from safeinstall.run.smokecheck import staged_tree, target_tree
 from safeinstall.run.survey import scan_again
 from safeinstall.run.undo import UndoTarget, left_of
-from safeinstall.scan.plan import PlannedProcess, PlannedUnit, left_on_old_code
+from safeinstall.run.units import StartWatch, reset_start_limits, settle_units, start_units, stop_units
+from safeinstall.scan.plan import PlannedProcess, left_on_old_code
 from safeinstall.scan.processes import scan_processes
 from safeinstall.store.anchors import forget_anchors
 from safeinstall.store.backup import (
@@ -128,7 +121,6 @@ from safeinstall.system.identity import (
     wait_exited,
 )
 from safeinstall.system.signals import held_while_threads_start, interrupts_deferred, interrupts_raise
-from safeinstall.system.systemd import StopOutcome
 from safeinstall.system.worker import WorkerError
 
 _T = TypeVar("_T")
@@ -517,24 +509,9 @@ def stop_step(run: Run) -> str:
     run.journal_phase(Phase.STOPPING)
     reset = reset_start_limits(run, [u.name for u in units])  # before the stop: not in the window
 
-    cancel = threading.Event()
-
-    def stop(unit: PlannedUnit) -> StopOutcome:
-        return systemd.stop(unit.name, run.stop_timeout(unit.stop_timeout_s), cancel=cancel)
-
-    outcomes: list[StopOutcome] = []
     stuck = _StuckOnGpu.of(run.plan.processes)
-    if units:
-        with ThreadPoolExecutor(max_workers=len(units)) as pool:
-            with held_while_threads_start():
-                stops = {u.name: pool.submit(stop, u) for u in units}
-            try:
-                longest = max(run.stop_timeout(u.stop_timeout_s) for u in units)
-                report_waits(run, stops, "stopped", longest, check=stuck)
-                outcomes = [f.result() for f in stops.values()]
-            except BaseException:  # Ctrl-C, SIGTERM: the waits end at their next poll, the rollback starts
-                cancel.set()
-                raise
+    timeouts = {u.name: run.stop_timeout(u.stop_timeout_s) for u in units}
+    outcomes = stop_units(systemd, timeouts, run.reporter.progress, stuck)
     run.down_since.update((o.unit, o.down_since) for o in outcomes if o.down_since is not None)
     failed = [o for o in outcomes if not o.stopped]
     if failed:
@@ -555,7 +532,6 @@ def stop_step(run: Run) -> str:
     return detail
 
 
-#: How often a wait on units (stop, start and settle) says what it still waits for.
 def _kill_strays(run: Run) -> tuple[int, ...]:
     killed = end_processes(p.process for p in run.plan.strays)
     run.record = replace(run.record, strays_killed=killed)
@@ -786,7 +762,7 @@ def restart_step(run: Run) -> str:
         return "no unit was running"
     run.journal_phase(Phase.RESTARTING)
     run.restart_started = True
-    befores = start_units(run, units)
+    befores = start_units(run.systemd, units)
     watch = StartWatch(run, befores)
     said = ""
     if run.options.health_url:  # polled from the start: the users' downtime ends at its first 200
@@ -1167,7 +1143,7 @@ def run_reinstall(
                 error = (
                     exc if isinstance(exc, SafeInstallError) else StepFailed(f"{type(exc).__name__}: {exc}")
                 )
-                outcome = rollback_step(run, error)
+                outcome = rollback_step(run, error, run_smoke.abandon)
                 status = {
                     ExitCode.ROLLED_BACK: "rolled-back",
                     ExitCode.ROLLBACK_FAILED: "rollback-failed",

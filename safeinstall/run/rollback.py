@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 import signal
 import time
+from collections.abc import Callable
 
 from safeinstall.errors import (
     Aborted,
@@ -17,8 +18,8 @@ from safeinstall.errors import (
     StepFailed,
 )
 from safeinstall.run.putback import put_back
-from safeinstall.run.running import Run, phase_at_least, reset_start_limits, start_and_settle
-from safeinstall.run.smoke import abandon
+from safeinstall.run.running import Run, phase_at_least
+from safeinstall.run.units import reset_start_limits, start_and_settle, stop_units
 from safeinstall.store.journal import (
     JournalUnit,
     Phase,
@@ -31,8 +32,9 @@ from safeinstall.store.state import (
 from safeinstall.system.signals import interrupts_deferred
 
 
-def rollback(run: Run, error: SafeInstallError) -> SafeInstallError:
-    """Put everything back; returns the error to report (StepFailed, or RollbackFailed)."""
+def rollback(run: Run, error: SafeInstallError, abandon: Callable[[Run], None]) -> SafeInstallError:
+    """Put everything back; returns the error to report (StepFailed, or RollbackFailed). ``abandon``
+    ends first what still runs beside the steps (the smoke check: :func:`safeinstall.run.smoke.abandon`)."""
 
     def announce(signum: int) -> None:
         run.reporter.note(
@@ -47,8 +49,7 @@ def rollback(run: Run, error: SafeInstallError) -> SafeInstallError:
         try:
             run.journal_phase_if_possible(Phase.ROLLING_BACK, note=error.message)
             if run.restart_started:
-                for unit in run.units_to_restart():
-                    run.systemd.stop(unit, run.stop_timeout(90.0))
+                stop_units(run.systemd, dict.fromkeys(run.units_to_restart(), run.stop_timeout(90.0)))
             # the install (uv's, or the swap's renames) may have begun: the backup goes back
             installed = phase_at_least(run.journal, Phase.INSTALLING) or phase_at_least(
                 run.journal, Phase.SWAPPING
@@ -96,14 +97,14 @@ def rollback(run: Run, error: SafeInstallError) -> SafeInstallError:
     )
 
 
-def rollback_step(run: Run, error: SafeInstallError) -> SafeInstallError:
+def rollback_step(run: Run, error: SafeInstallError, abandon: Callable[[Run], None]) -> SafeInstallError:
     """:func:`rollback`, as a step of its own once something was stopped: a progress line when it
     begins, then its step line (what it put back, or why it failed), as every step has."""
     started = time.monotonic()
     stopped = phase_at_least(run.journal, Phase.STOPPING)
     if stopped:
         run.reporter.progress(f"rolling back ({error.message})", None, None)
-    outcome = rollback(run, error)
+    outcome = rollback(run, error, abandon)
     if stopped:
         ok = outcome.exit_code == ExitCode.ROLLED_BACK
         detail = outcome.message.removeprefix(f"{error.message}; ") if ok else outcome.message
