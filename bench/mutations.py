@@ -141,14 +141,14 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "no-restart-restarts",
         "safeinstall/run/reinstall.py",
-        "    if run.options.no_restart:\n        run._journal(Phase.RESTARTING",
-        "    if False:\n        run._journal(Phase.RESTARTING",
+        "    if run.options.no_restart:\n        run.journal_phase(Phase.RESTARTING",
+        "    if False:\n        run.journal_phase(Phase.RESTARTING",
         (f"{PROMISES}::test_no_restart_leaves_the_units_stopped_and_says_so",),
     ),
     Mutation(
         "no-restart-silent",
         "safeinstall/run/reinstall.py",
-        "tuple(run._units_to_restart()) if options.no_restart else ()",
+        "tuple(run.units_to_restart()) if options.no_restart else ()",
         "()",
         (f"{PROMISES}::test_no_restart_leaves_the_units_stopped_and_says_so",),
     ),

@@ -877,7 +877,8 @@ def test_the_reinstall_modules_command_line_is_what_the_cli_parses(monkeypatch: 
         monkeypatch.setenv(name, value)
     context = get_command(app).make_context("safeinstall", argv[1:])
     assert context.params["as_json"] is True and context.params["yes"] is True
-    options = run_options(context.params, context.args)
+    request = context.command.invoke(context).request  # the command line, as the CLI parsed it
+    options = run_options(request.options, request.extra_args)
     assert (options.package, options.version_spec, options.wheel) == ("vllm", "<1,>=0.16", None)
     assert (options.python, options.user, options.with_deps) == ("/opt/vllm venv/bin/python", True, True)
     assert (options.stop_timeout, options.gpu_timeout, options.settle) == (30.0, 12.5, 2.5)

@@ -127,7 +127,7 @@ def test_a_detached_run_gets_exactly_the_callers_options() -> None:
     from safeinstall.errors import UsageError
     from safeinstall.run.commands import run_options
     from safeinstall.run.detach import PrivateInputs, child_arguments
-    from safeinstall.run.options import RunOptions
+    from safeinstall.run.options import Mode, RunOptions
 
     common = RunOptions(
         package="vllm",
@@ -186,29 +186,19 @@ def test_a_detached_run_gets_exactly_the_callers_options() -> None:
         assert not any("127.0.0.1:8000" in a or "example.com" in a for a in args)
         context = get_command(app).make_context("safeinstall", args)
         # the child's command line is one the CLI accepts (--no-smoke took a --smoke-timeout once)
-        given = tuple(
-            n for n in context.params if getattr(context.get_parameter_source(n), "name", "") == "COMMANDLINE"
-        )
-        child = Usage(
-            modes=frozenset({"--undo"} if options.undo else ()),
-            package=options.package,
-            wheel=options.wheel,
-            given=given,
-            keep_patches=options.keep_patches,
-            base_wheel=options.base_wheel is not None,
-            drop_conflicting=options.drop_conflicting,
-            accept_record_mismatch=options.accept_record_mismatch,
-        )
+        child = context.command.invoke(context)  # the command line, as the CLI parsed it
+        assert isinstance(child, Usage) and (Mode.UNDO in child.request.modes) == bool(options.undo)
         if options.no_smoke:  # (the other variants give each option, valid together or not)
             assert usage_problem(child) is None, usage_problem(child)
         private = PrivateInputs({}, options.health_url, options.extra_args)
-        parsed = run_options(context.params, context.args, private)
+        request = child.request
+        parsed = run_options(request.options, request.extra_args, private)
         # uv's index options reach uv in its environment, never on a command line (issue 21)
         assert parsed.environ["UV_INDEX_URL"] == "https://example.com/simple"
         uv_args = ("--detach", "-h", "--")
         assert parsed == dataclasses.replace(options, environ=parsed.environ, extra_args=uv_args)
         with pytest.raises(UsageError, match="from its --environ-from file only"):
-            run_options(context.params, ["--index-url", "https://elsewhere.example/simple"], private)
+            run_options(request.options, ["--index-url", "https://elsewhere.example/simple"], private)
 
 
 def test_a_detached_runs_environment_file_must_be_private_and_ours(tmp_path: Path) -> None:
@@ -664,3 +654,50 @@ def test_without_root_a_run_into_roots_environment_says_it_needs_root(
     )
     assert unreachable.returncode == 2, unreachable.stdout + unreachable.stderr
     assert unreachable.stderr.startswith(f"error: cannot reach {closed / 'venv'}: permission denied\nhint: ")
+
+
+def _any_in(hint: object, where: str, seen: set[object]) -> list[str]:
+    """Each place ``Any`` stands in ``hint``, walking into the dataclasses of safeinstall it names."""
+    import dataclasses
+    import typing
+
+    if hint is typing.Any:
+        return [where]
+    found = [spot for arg in typing.get_args(hint) for spot in _any_in(arg, where, seen)]
+    if dataclasses.is_dataclass(hint) and isinstance(hint, type) and hint not in seen:
+        seen.add(hint)
+        hints = typing.get_type_hints(hint)
+        for f in dataclasses.fields(hint):
+            found += _any_in(hints[f.name], f"{where}.{f.name}", seen)
+    return found
+
+
+def test_nothing_between_the_cli_and_the_commands_is_typed_any() -> None:
+    """Issue 48: what cli/app.py hands the layers below is typed field by field (the request, the run's
+    options, the modes), never a ``Mapping[str, Any]`` matched to the options by name: no ``Any`` in the
+    annotations of what it imports from ``run/``, nor in the dataclasses those annotations name."""
+    import ast
+    import importlib
+    import inspect
+    import typing
+
+    from safeinstall.cli import app as cli
+
+    tree = ast.parse(Path(inspect.getfile(cli)).read_text())
+    imported = [
+        (node.module, alias.name)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("safeinstall.run")
+        for alias in node.names
+    ]
+    assert {name for _, name in imported} >= {"execute", "Request", "RunOptions", "Mode"}
+    seen: set[object] = set()
+    found: list[str] = []
+    for module, name in imported:
+        value = getattr(importlib.import_module(module or ""), name)
+        if inspect.isfunction(value):
+            hints = typing.get_type_hints(value)
+            found += [s for param, hint in hints.items() for s in _any_in(hint, f"{name}({param})", seen)]
+        else:
+            found += _any_in(value, name, seen)
+    assert not found, found

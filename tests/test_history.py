@@ -216,29 +216,27 @@ def test_a_run_document_is_typed_and_written_back_byte_for_byte() -> None:
     import json
 
     from safeinstall.errors import ExitCode, StepFailed
-    from safeinstall.run.output import run_json
-    from safeinstall.run.results import RunResult, StepOutcome
+    from safeinstall.run.options import RunOptions
+    from safeinstall.run.reinstall import run_document
+    from safeinstall.store.rundoc import RunData, StepDoc
 
-    result = RunResult(
-        status="done",
-        exit_code=ExitCode.OK,
-        plan=None,
-        steps=(StepOutcome("backup", "ok", 1.5, "12 files"), StepOutcome("stop", "ok", 2, "")),
+    steps = (
+        StepDoc(name="backup", status="ok", seconds=1.5, detail="12 files"),
+        StepDoc(name="stop", status="ok", seconds=2),
+    )
+    data = RunData(
+        steps=steps,
         downtime_s={"app.service": 2},
         patched=("a.py",),
-        extras=(),
-        pruned=(),
         backup_dir="/b",
         log_file="/l",
-        not_restarted=(),
         strays_killed=(42,),
-        error=None,
         notes=("a note",),
         backups_removed=("/old",),
         deleted=("a.py",),
         service_downtime_s=3.5,
     )
-    ran = jsonable(envelope("undo", "done", 0, {"run_id": "r", "undo_of": "q", **run_json(result)}))
+    ran = run_document(RunOptions(package="x", run_id="r", undo="q"), "done", ExitCode.OK, data).to_json()
     recovered = jsonable(
         envelope(
             "reinstall",

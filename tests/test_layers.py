@@ -187,7 +187,8 @@ def test_containment_in_a_prefix_has_one_rule() -> None:
 
 def test_the_cli_only_parses_and_renders() -> None:
     """``cli/app.py`` parses, calls one command and exits (issue 37: it was 1,029 lines that read the
-    history, chose runs and wrote metrics): it stays small, and it calls ``run`` through one function."""
+    history, chose runs and wrote metrics): it stays small, and it calls ``run`` through one function,
+    with the run's typed options (``run/options``: issue 48)."""
     app = PACKAGE / "cli" / "app.py"
     assert len(app.read_text().splitlines()) < 400
     assert imports(app, modules()) <= {
@@ -197,6 +198,7 @@ def test_the_cli_only_parses_and_renders() -> None:
         "safeinstall.cli.usage",
         "safeinstall.errors",
         "safeinstall.run.commands",
+        "safeinstall.run.options",
         "safeinstall.run.output",
         "safeinstall",
     }

@@ -86,13 +86,13 @@ def test_status_wait_shows_every_line_the_foreground_run_shows() -> None:
 def test_the_step_table_is_aligned_whatever_the_status_and_the_step() -> None:
     """Issue 37: the status's markup counted in its padding, and verify-in-place overflowed its column."""
     from safeinstall.cli.render import ConsoleReporter
-    from safeinstall.run.results import StepOutcome
+    from safeinstall.store.rundoc import StepDoc
 
     out = io.StringIO()
     console = Console(file=out, width=200, no_color=True)
     reporter = ConsoleReporter(console, Console(file=io.StringIO(), width=200))
     for name, status in (("backup", "ok"), ("verify-in-place", "skipped"), ("end-check", "failed")):
-        reporter.step(StepOutcome(name, status, 1.25, "the detail"))
+        reporter.step(StepDoc(name=name, status=status, seconds=1.25, detail="the detail"))
     lines = out.getvalue().splitlines()
     assert len(lines) == 3 and len({line.index("1.2 s") for line in lines}) == 1, lines
     assert len({line.index("the detail") for line in lines}) == 1, lines
@@ -204,13 +204,15 @@ def test_kept_patches_are_listed_once_with_where_their_copies_are() -> None:
 def test_a_progress_line_on_a_terminal_shows_its_amounts_wrapped_never_cut() -> None:
     """Issue 42: at 80 columns the progress line was cut just before "12 s of 90 s"."""
     from safeinstall.cli.render import ConsoleReporter
-    from safeinstall.run.results import StepOutcome
+    from safeinstall.store.rundoc import StepDoc
 
     err = Console(file=io.StringIO(), width=80, force_terminal=True, record=True, color_system=None)
     reporter = ConsoleReporter(Console(file=io.StringIO(), width=80), err)
     what = "waiting for si-vllm-api-1.service, si-metrics-2.service to be stopped (2 of 2)"
     reporter.progress(what, 12.0, 90.0, "s")
-    reporter.step(StepOutcome("stop", "ok", 12.0, "2 unit(s) stopped"))  # the display ends with the step
+    reporter.step(
+        StepDoc(name="stop", status="ok", seconds=12.0, detail="2 unit(s) stopped")
+    )  # the display ends with the step
     shown = [line.rstrip() for line in err.export_text().splitlines() if line.strip()]
     said = f"{what}: 12 s of 90 s (13%)".split()
     assert "12 s of 90 s (13%)" in " ".join(" ".join(shown).split()), shown

@@ -3,15 +3,29 @@ given, before anything is read or changed (the CLI tests run the same lines end 
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from safeinstall.cli.usage import Usage, usage_problem
+from safeinstall.run.commands import Request
+from safeinstall.run.options import Mode, RunOptions
 
 
-def _usage(*modes: str, **given: object) -> Usage:
-    return Usage(modes=frozenset(modes), **given)  # type: ignore[arg-type]
+def _usage(*modes: str, **given: Any) -> Usage:
+    """A command line as the validation sees it, each value where the CLI puts it (a flag given a
+    path: ``True`` stands for one)."""
+    own = {
+        name: given.pop(name)
+        for name in ("given", "uv_args", "verbose", "quiet", "show_version")
+        if name in given
+    }
+    names = {f.name for f in fields(RunOptions)}
+    options = RunOptions(**{"package": ""} | {k: v for k, v in given.items() if k in names})
+    asked = {("extra_args" if k == "args" else k): v for k, v in given.items() if k not in names}
+    return Usage(request=Request(modes=frozenset(map(Mode, modes)), options=options, **asked), **own)
 
 
 @pytest.mark.parametrize(

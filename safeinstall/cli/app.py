@@ -11,6 +11,7 @@ import gc
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, NoReturn
 
 import typer
@@ -22,7 +23,8 @@ from safeinstall.cli.show import Terminal
 from safeinstall.cli.usage import Usage, usage_problem, wheel_package
 from safeinstall.errors import ExitCode, SafeInstallError, UsageError
 from safeinstall.run.commands import Request, execute
-from safeinstall.run.output import command_for, dumps, envelope
+from safeinstall.run.options import Mode, RunOptions
+from safeinstall.run.output import command_for, error_json
 
 EXIT_CODES = (
     "Exit codes: 0 success (clean); 1 drift found (--verify-only); 2 could not check, refused or "
@@ -57,7 +59,7 @@ def _exit(code: int) -> NoReturn:
 
 def _fail(error: SafeInstallError, command: str, as_json: bool) -> NoReturn:
     if as_json:
-        print(dumps(envelope(command, "error", error.exit_code, None, [error])))
+        print(error_json(command, error))
     else:
         render_error(make_console(stderr=True), error)
     _exit(error.exit_code)
@@ -158,97 +160,113 @@ def main_command(
     show_version: params.ShowVersion = False,
     run_id: params.RunId = None,
     environ_from: params.EnvironFrom = None,
-) -> None:
+) -> Usage:
     """Reinstall a Python package safely under the services that use it; or check it (--verify-only).
 
     Arguments after -- go to uv unchanged (index options and the like).
     """
-    modes = {
-        flag
-        for flag, on in (
-            ("--verify-only", verify_only),
-            ("--dry-run", dry_run),
-            ("--detach", detach_),
-            ("--recover", recover_),
-            ("--status", status_),
-            ("--forget", forget_),
-            ("--commit", commit_),
-            ("--discard", discard_),
-            ("--undo", undo_),
-        )
-        if on
+    switches = {
+        Mode.VERIFY_ONLY: verify_only,
+        Mode.DRY_RUN: dry_run,
+        Mode.DETACH: detach_,
+        Mode.RECOVER: recover_,
+        Mode.STATUS: status_,
+        Mode.FORGET: forget_,
+        Mode.COMMIT: commit_,
+        Mode.DISCARD: discard_,
+        Mode.UNDO: undo_,
     }
+    modes = frozenset(mode for mode, on in switches.items() if on)
+    given = tuple(
+        name for name in ctx.params if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"
+    )
+    options = RunOptions(
+        package=package or "",  # the requirement as given; the run parses it (run_options)
+        python=python,
+        wheel=wheel,
+        with_deps=with_deps,
+        user=user,
+        kill_strays=kill_strays,
+        stop_timeout=stop_timeout,
+        gpu_timeout=gpu_timeout,
+        settle=settle,
+        health_url=health_url,
+        health_timeout=health_timeout,
+        no_restart=no_restart,
+        prune=prune,
+        no_swap=no_swap,
+        full=full,
+        no_smoke=no_smoke,
+        smoke=smoke,
+        smoke_timeout=smoke_timeout,
+        smoke_skip=tuple(smoke_skip or ()),
+        only_loaded=only_loaded,
+        strict=strict,
+        keep_backups=keep_backups,
+        run_id=run_id,
+        keep_patches=keep_patches,
+        base_wheel=base_wheel,
+        drop_conflicting=drop_conflicting,
+        accept_record_mismatch=accept_record_mismatch,
+        allow_broken_requirements=allow_broken_requirements,
+        undo=run if undo_ else None,  # without --run: the last, chosen by the command
+        prepare=prepare,
+        prepared_max_age=prepared_max_age,
+    )
+    verbosity = -1 if quiet else 1 if verbose else 0
+    terminal = sys.stdin.isatty()
+    request = Request(
+        modes=modes,
+        options=options,
+        run=run,
+        wait=wait,
+        all_=all_,
+        diff=diff,
+        save_patch=save_patch,
+        acknowledge=acknowledge_wheel_faults,
+        metrics_file=metrics_file,
+        environ_from=environ_from,
+        extra_args=tuple(ctx.args),
+        yes=yes,
+        as_json=as_json,
+        verbosity=verbosity,
+        interactive=not yes and not as_json and terminal,
+        cannot_ask=None if yes or (terminal and not as_json) else _why_not_asked(as_json, terminal),
+    )
+    return Usage(  # the command line parsed, checked by _run
+        request=request,
+        given=given,
+        uv_args=ctx.obj or (),
+        verbose=verbose,
+        quiet=quiet,
+        show_version=show_version,
+    )
+
+
+def _run(usage: Usage) -> NoReturn:
+    """Check the command line, call its command, exit with its code."""
+    request = usage.request
     try:
-        given = tuple(
-            name
-            for name in ctx.params
-            if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"
-        )
-        if not given and not ctx.args:  # as uv: a usage, and the status of a usage error; on stderr
+        if not usage.given and not request.extra_args:  # as uv: a usage, and its status; on stderr
             typer.echo(params.SHORT_USAGE + "\n", err=True)
             raise UsageError(
                 "no REQUIREMENT and no command given",
                 hint="safeinstall PACKAGE [--wheel W], safeinstall PACKAGE --verify-only or "
                 "safeinstall --status (see safeinstall --help)",
             )
-        problem = usage_problem(
-            Usage(
-                modes=frozenset(modes),
-                package=package,
-                wheel=wheel,
-                given=given,
-                args=tuple(ctx.args),
-                uv_args=ctx.obj or (),
-                verbose=verbose,
-                quiet=quiet,
-                show_version=show_version,
-                wait=wait,
-                run=run,
-                metrics_file=metrics_file is not None,
-                all_=all_,
-                acknowledge=acknowledge_wheel_faults,
-                diff=diff,
-                save_patch=save_patch is not None,
-                keep_patches=keep_patches,
-                base_wheel=base_wheel is not None,
-                drop_conflicting=drop_conflicting,
-                accept_record_mismatch=accept_record_mismatch,
-                prepare=prepare,
-            )
-        )
+        problem = usage_problem(usage)
         if problem is not None:
             raise problem
-        if show_version:
+        if usage.show_version:
             print(f"safeinstall {_tool_version()}")
             _exit(ExitCode.OK)
-        if not package and not all_ and wheel is not None:  # the wheel names its package
-            package = wheel_package(wheel)
-        verbosity = -1 if quiet else 1 if verbose else 0
-        terminal = sys.stdin.isatty()
-        request = Request(
-            modes=frozenset(modes),
-            package=package,
-            python=python,
-            wheel=wheel,
-            run=run,
-            wait=wait,
-            all_=all_,
-            diff=diff,
-            save_patch=save_patch,
-            full=full,
-            acknowledge=acknowledge_wheel_faults,
-            metrics_file=metrics_file,
-            environ_from=environ_from,
-            extra_args=tuple(ctx.args),
-            values=ctx.params,
-            as_json=as_json,
-            verbosity=verbosity,
-            interactive=not yes and not as_json and terminal,
-            cannot_ask=None if yes or (terminal and not as_json) else _why_not_asked(as_json, terminal),
-        )
-        code = execute(request, Terminal(as_json, verbosity))
+        wheel = request.options.wheel
+        if not request.options.package and not request.all_ and wheel is not None:  # the wheel names it
+            named = replace(request.options, package=wheel_package(wheel) or "")
+            request = replace(request, options=named)
+        code = execute(request, Terminal(request.as_json, request.verbosity))
     except SafeInstallError as error:
-        _fail(error, command_for(modes), as_json)
+        _fail(error, request.command, request.as_json)
     _exit(code)
 
 
@@ -274,10 +292,12 @@ def _usage_error(exc: typer.TyperException) -> UsageError:
 def _main(argv: list[str]) -> int:
     words, uv_args = _split_at_dashes(argv)
     try:
-        code = app(args=argv, prog_name="safeinstall", standalone_mode=False, obj=uv_args)
+        parsed = app(args=argv, prog_name="safeinstall", standalone_mode=False, obj=uv_args)
     except typer.TyperException as exc:  # unknown option, missing value, bad value
         _fail(_usage_error(exc), command_for(set(words)), "--json" in words)
-    return int(code or 0)
+    if isinstance(parsed, Usage):
+        _run(parsed)
+    return int(parsed or 0)  # --help, --show-completion
 
 
 def main() -> None:
@@ -287,7 +307,7 @@ def main() -> None:
         code = done.exit_code
     except SafeInstallError as error:  # a signal while the command line was parsed (signals.py)
         if "--json" in sys.argv[1:]:
-            print(dumps(envelope(command_for(set(sys.argv[1:])), "error", error.exit_code, None, [error])))
+            print(error_json(command_for(set(sys.argv[1:])), error))
         else:
             render_error(make_console(stderr=True), error)
         code = int(error.exit_code)

@@ -8,7 +8,7 @@ import re
 import sys
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -32,18 +32,20 @@ if TYPE_CHECKING:
 
     from safeinstall.run.patches import PatchOutcome
     from safeinstall.run.recover import Recovery
-    from safeinstall.run.results import StepOutcome
     from safeinstall.run.status import EnvironmentStatus, Forgotten
     from safeinstall.run.view import (
         AffectedDistribution,
+        ErrorDoc,
         FileDiff,
         HistoryEntry,
         OldCodeDoc,
+        PatchDoc,
         Plan,
         PlannedProcess,
         RunDocument,
         RunSummary,
         ScanProblem,
+        StepDoc,
         VerifyReport,
     )
 
@@ -103,9 +105,13 @@ def make_console(stderr: bool = False) -> Console:
     return WordWrapping(stderr=stderr, width=None if wide else PIPE_WIDTH, highlight=False, emoji=False)
 
 
-def render_error(console: Console, error: SafeInstallError) -> None:
+def render_error(console: Console, error: SafeInstallError | ErrorDoc) -> None:
+    """An error and its hint (a run's document's own: ``hint`` as it was said)."""
+    hint = (
+        error.advice if isinstance(error, SafeInstallError) else error.hint or SafeInstallError.default_hint
+    )
     console.print(f"[bold red]error:[/] {literal(error.message, lines=True)}", soft_wrap=True)
-    console.print(f"[dim]hint:[/] {literal(error.advice, lines=True)}", soft_wrap=True)
+    console.print(f"[dim]hint:[/] {literal(hint, lines=True)}", soft_wrap=True)
 
 
 def _finding_lines(out: Console, findings: Sequence[Finding]) -> list[str]:
@@ -659,12 +665,12 @@ class ConsoleReporter:
     # Output is best effort: a terminal that went away (a dropped SSH session: EIO) or a closed pipe
     # must never interrupt a run, least of all its rollback. The run's log keeps everything.
 
-    def step(self, outcome: StepOutcome) -> None:
+    def step(self, outcome: StepDoc) -> None:
         self.settle()
         with _output_best_effort():
             self._step(outcome)
 
-    def _step(self, outcome: StepOutcome) -> None:
+    def _step(self, outcome: StepDoc) -> None:
         self._end_progress()
         self._last_key = ""  # the next step's first progress line is a change
         if self.quiet:
@@ -728,9 +734,9 @@ class ConsoleReporter:
         render_plan(self.out, self.err, plan, self.verbosity)
         question = "stop these units and reinstall" if plan.units else "reinstall (no unit to stop)"
         if patches is not None:  # the merge was made before the question: it holds, as listed
-            from safeinstall.run.output import patches_json
+            from safeinstall.run.output import patch_docs
 
-            render_patches(self.out, patches_json(patches), when="plan")
+            render_patches(self.out, patch_docs(patches), when="plan")
             carried = sum(1 for p in patches if p.status.value == "carried")
             dropped = len(patches) - carried
             merge = " (it merges)" if carried == 1 else " (they merge)" if carried else ""
@@ -785,12 +791,11 @@ def render_run(out: Console, err: Console, document: RunDocument, run_id: str) -
             soft_wrap=True,
         )
     unchanged = document.exit_code == ExitCode.REFUSED  # stopped before anything was replaced
-    patches = [p.to_json() for p in data.patches]
-    render_patches(out, patches, data.patch_file, "unchanged" if unchanged else "done")
+    render_patches(out, data.patches, data.patch_file, "unchanged" if unchanged else "done")
     backup_dir, log_file = data.backup_dir, data.log_file
     deleted = set(data.deleted)
     patched = [path for path in data.patched if path not in deleted]
-    listed = {str(p.get("path")) for p in patches}  # said once: those --keep-patches listed above
+    listed = {p.path for p in data.patches}  # said once: those --keep-patches listed above
     kept = f"copies kept in {literal(backup_dir)}" if backup_dir else "left as they are: nothing was replaced"
     if patched and set(patched) <= listed:
         out.print(f"the locally patched files above: {kept}", soft_wrap=True)
@@ -815,14 +820,14 @@ def render_run(out: Console, err: Console, document: RunDocument, run_id: str) -
     if removed:
         err.print(f"[dim]deleted {counted(len(removed), 'older backup')} (--keep-backups)[/]")
     for error in document.errors:
-        render_error(err, SafeInstallError(error.message, hint=error.hint))
+        render_error(err, error)
 
 
 def render_patches(
-    out: Console, patches: Sequence[Mapping[str, Any]], patch_file: object = None, when: str = "done"
+    out: Console, patches: Sequence[PatchDoc], patch_file: str | None = None, when: str = "done"
 ) -> None:
-    """--keep-patches: what was carried, what was dropped, and where each conflict is (as a diff); each
-    patch as ``--json`` has it (:func:`safeinstall.run.output.patches_json`). ``when``: ``plan`` (the
+    """--keep-patches: what was carried, what was dropped, and where each conflict is (as a diff).
+    ``when``: ``plan`` (the
     merge made before the run: a dry run, the question), ``done`` (a run), ``unchanged`` (a run that
     stopped before anything was replaced)."""
     carried = {
@@ -839,18 +844,17 @@ def render_patches(
         "rolled-back": "local patches not carried (the run rolled back; the installed files keep them):",
     }
     for status, title in heading.items():
-        found = [p for p in patches if p.get("status") == status]
+        found = [p for p in patches if p.status == status]
         if not found:
             continue
         out.print(title)
         for patch in found:
             out.print(
-                f"  {status} {literal(patch.get('path'))}: {literal(patch.get('detail'), lines=True)}",
+                f"  {status} {literal(patch.path)}: {literal(patch.detail, lines=True)}",
                 soft_wrap=True,
             )
-            diff = patch.get("diff")
-            if status in ("dropped", "conflict") and diff:
-                out.print(literal(diff, lines=True), end="", soft_wrap=True)
+            if status in ("dropped", "conflict") and patch.diff:
+                out.print(literal(patch.diff, lines=True), end="", soft_wrap=True)
     if patch_file:
         out.print(f"carried patch set saved as {literal(patch_file)}", soft_wrap=True)
 

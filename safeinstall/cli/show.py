@@ -121,8 +121,9 @@ class Terminal:
         self.settle()
         with contextlib.suppress(OSError):
             if self.as_json:
-                if result.document is not None:
-                    print(dumps(result.document))
+                document = result.to_json()
+                if document is not None:
+                    print(dumps(document))
             else:
                 draw(result, self.out, self.err, self.verbosity)
                 for failure in result.failures:

@@ -9,25 +9,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from safeinstall.errors import UsageError
-from safeinstall.run.options import PLAIN_NAME
+from safeinstall.run.commands import Request
+from safeinstall.run.options import PLAIN_NAME, Mode
 
-#: The flags that each choose what safeinstall does: no two of them go together.
-MODES = (
-    "--verify-only",
-    "--dry-run",
-    "--detach",
-    "--recover",
-    "--status",
-    "--forget",
-    "--commit",
-    "--discard",
-)
+#: The modes that each choose what safeinstall does: no two of them go together (--undo is a run's).
+MODES = tuple(mode for mode in Mode if mode is not Mode.UNDO)
 
 #: The commands that take no PACKAGE.
-_NO_PACKAGE = ("--recover", "--status", "--forget", "--commit", "--discard")
+_NO_PACKAGE = (Mode.RECOVER, Mode.STATUS, Mode.FORGET, Mode.COMMIT, Mode.DISCARD)
 
 #: The modes that run nothing: an option of a run given with one of them would do nothing.
-_NOT_A_RUN = ("--verify-only", "--status", "--recover", "--forget", "--discard")
+_NOT_A_RUN = (Mode.VERIFY_ONLY, Mode.STATUS, Mode.RECOVER, Mode.FORGET, Mode.DISCARD)
 
 #: The options that only a run (its --dry-run, --detach, --undo) uses: parameter name -> flag.
 #: (--keep-patches and --accept-record-mismatch have errors of their own; --user and --yes are
@@ -56,29 +48,15 @@ RUN_ONLY = (
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Usage:
-    """What the command line gave, as the validation needs it (flags by their long name)."""
+    """What the command line gave, as the validation needs it: the request, and what only the
+    validation reads."""
 
-    modes: frozenset[str]  # of MODES and --undo
-    package: str | None = None
-    wheel: Path | None = None
+    request: Request
     given: tuple[str, ...] = ()  # the parameters given on the command line, by name
-    args: tuple[str, ...] = ()  # extra arguments (uv's after --, and any stray ones)
-    uv_args: tuple[str, ...] = ()  # those after --
+    uv_args: tuple[str, ...] = ()  # the arguments after -- (the request's extra_args end with them)
     verbose: int = 0
     quiet: int = 0
     show_version: bool = False
-    wait: bool = False
-    run: str | None = None
-    metrics_file: bool = False
-    all_: bool = False
-    acknowledge: bool = False  # --acknowledge-wheel-faults
-    diff: bool = False
-    save_patch: bool = False
-    keep_patches: bool = False
-    base_wheel: bool = False
-    drop_conflicting: bool = False
-    accept_record_mismatch: bool = False
-    prepare: bool = False
 
 
 #: The options of the window and after (docs/prepare.md): ``--commit`` takes them, ``--prepare`` not
@@ -99,7 +77,8 @@ _COMMIT_TAKES = frozenset(
 
 def _prepare_problem(u: Usage) -> UsageError | None:
     """Pure: ``--prepare``, ``--commit`` and ``--prepared-max-age`` given with what they cannot take."""
-    commit = "--commit" in u.modes
+    r, o = u.request, u.request.options
+    commit = Mode.COMMIT in r.modes
     if "prepared_max_age" in u.given and not commit:
         return UsageError(
             "--prepared-max-age goes with --commit", hint="safeinstall --commit --prepared-max-age 3600"
@@ -115,15 +94,15 @@ def _prepare_problem(u: Usage) -> UsageError | None:
                 "[--stop-timeout S] [--gpu-timeout S] [--json]; or --discard and prepare again",
             )
         return None
-    if not u.prepare:
+    if not o.prepare:
         return None
-    other = next((flag for flag in (*MODES, "--undo") if flag in u.modes), None)
+    other = next((mode for mode in Mode if mode in r.modes), None)
     if other is not None:
         return UsageError(
             f"--prepare does not go with {other}",
             hint="safeinstall PACKAGE [--wheel W] --prepare [--python PY]",
         )
-    if u.keep_patches:
+    if o.keep_patches:
         return UsageError(
             "--prepare does not carry local patches (--keep-patches) yet",
             hint="run it in one go: safeinstall PACKAGE --wheel W --keep-patches",
@@ -138,14 +117,14 @@ def _prepare_problem(u: Usage) -> UsageError | None:
     return None
 
 
-def mode_conflict(flags: Collection[str]) -> UsageError | None:
+def mode_conflict(flags: Collection[Mode]) -> UsageError | None:
     """Pure: the usage error of two modes given together (None: at most one). None takes precedence
     over another in silence: ``--status --forget`` would otherwise forget, ``--verify-only --dry-run``
     only verify."""
     given = [flag for flag in MODES if flag in flags]
-    if len(given) < 2 or set(given) == {"--commit", "--detach"}:  # a commit may be detached
+    if len(given) < 2 or set(given) == {Mode.COMMIT, Mode.DETACH}:  # a commit may be detached
         return None
-    if set(given) == {"--dry-run", "--detach"}:
+    if set(given) == {Mode.DRY_RUN, Mode.DETACH}:
         return UsageError("--dry-run changes nothing: there is nothing to detach", hint="drop --detach")
     return UsageError(
         f"{' and '.join(given)} do not go together: each chooses what safeinstall does",
@@ -165,7 +144,8 @@ def wheel_package(wheel: Path) -> str | None:
 
 
 def _metrics_problem(u: Usage) -> UsageError | None:
-    command_ok = not (u.modes & {"--dry-run", "--forget", "--undo", "--detach"}) and not u.wait
+    r = u.request
+    command_ok = not (r.modes & {Mode.DRY_RUN, Mode.FORGET, Mode.UNDO, Mode.DETACH}) and not r.wait
     if command_ok:
         return None
     return UsageError(
@@ -178,7 +158,8 @@ def _metrics_problem(u: Usage) -> UsageError | None:
 def _idle_options(u: Usage) -> UsageError | None:
     """Pure: a run's options given with a mode that runs nothing (``--verify-only --settle 30``): they
     would do nothing, in silence, as ``--all`` would without ``--verify-only``."""
-    mode = next((flag for flag in _NOT_A_RUN if flag in u.modes), None)
+    r = u.request
+    mode = next((flag for flag in _NOT_A_RUN if flag in r.modes), None)
     idle = [flag for name, flag in RUN_ONLY if name in u.given]
     if mode is None or not idle:
         return None
@@ -210,30 +191,31 @@ def usage_problem(u: Usage) -> UsageError | None:
     """Pure: why this command line does not make sense, the first reason in the order a user reads
     it; None when it does. What needs the environment (the run ``--undo`` names, the wheel itself, uv's
     options) is checked later, by the command."""
+    r, o = u.request, u.request.options
     if u.verbose and u.quiet:
         return UsageError("-v and -q do not go together", hint="give one of --verbose, --quiet")
     if u.show_version:
-        if list(u.given) == ["show_version"] and not u.args:
+        if list(u.given) == ["show_version"] and not r.extra_args:
             return None
         return UsageError(
             "--version prints safeinstall's version and takes nothing else",
             hint="to install a version, give it in the requirement: safeinstall 'vllm==0.16.0'",
         )
-    conflict = mode_conflict(u.modes)
+    conflict = mode_conflict(r.modes)
     if conflict is not None:
         return conflict
-    status = "--status" in u.modes
-    forget = "--forget" in u.modes
-    if (u.wait or (u.run and "--undo" not in u.modes and not forget)) and not status:
+    status = Mode.STATUS in r.modes
+    forget = Mode.FORGET in r.modes
+    if (r.wait or (r.run and Mode.UNDO not in r.modes and not forget)) and not status:
         return UsageError(
             "--wait and --run go with --status", hint="safeinstall --status --wait [--run RUN_ID]"
         )
-    if forget and u.run and "python" not in u.given:
+    if forget and r.run and "python" not in u.given:
         return UsageError(
             "--forget --run drops one kept backup of the environment --python names",
             hint="safeinstall --forget --python PY --run RUN_ID",
         )
-    if u.metrics_file and (problem := _metrics_problem(u)) is not None:
+    if r.metrics_file and (problem := _metrics_problem(u)) is not None:
         return problem
     prepared = _prepare_problem(u)
     if prepared is not None:
@@ -241,94 +223,96 @@ def usage_problem(u: Usage) -> UsageError | None:
     idle = _idle_options(u) or _smoke_problem(u)
     if idle is not None:
         return idle
-    hashing = next((flag for flag in _NOT_A_RUN[1:] if flag in u.modes), None)
+    hashing = next((flag for flag in _NOT_A_RUN[1:] if flag in r.modes), None)
     if hashing is not None and "full" in u.given:
         return UsageError(
             f"--full does nothing with {hashing}: it is for what hashes files (--verify-only, a run)",
             hint="drop --full",
         )
-    own = next((flag for flag in _NO_PACKAGE if flag in u.modes), None)
+    own = next((flag for flag in _NO_PACKAGE if flag in r.modes), None)
     if own is not None:
-        if u.package or u.args:
+        if r.package or r.extra_args:
             command = own.removeprefix("--")
             return UsageError(
                 f"--{command} takes no PACKAGE", hint=f"safeinstall --{command} [--python PATH] [--json]"
             )
-        if status and u.run and not u.wait:
+        if status and r.run and not r.wait:
             return UsageError(
                 "--run goes with --status --wait", hint="safeinstall --status --wait --run RUN_ID"
             )
         return None
-    verify = "--verify-only" in u.modes
-    if u.all_ and not verify:
+    verify = Mode.VERIFY_ONLY in r.modes
+    if r.all_ and not verify:
         return UsageError(
             "--all goes with --verify-only", hint="safeinstall --verify-only --all [--python PATH]"
         )
-    if u.acknowledge and (not verify or u.wheel is not None):
+    if r.acknowledge and (not verify or o.wheel is not None):
         return UsageError(
             "--acknowledge-wheel-faults goes with --verify-only, without --wheel (against the wheel, "
             "its fault is wheel-record: checked every time, nothing to acknowledge)",
             hint="safeinstall --verify-only --all --acknowledge-wheel-faults [--python PATH]",
         )
-    if (u.diff or u.save_patch) and not verify:
+    if (r.diff or r.save_patch) and not verify:
         return UsageError(
             "--diff and --save-patch go with --verify-only",
-            hint=f"safeinstall {u.package or 'PACKAGE'} --verify-only --wheel W --diff [--save-patch FILE]",
+            hint=f"safeinstall {r.package or 'PACKAGE'} --verify-only --wheel W --diff [--save-patch FILE]",
         )
-    if "--undo" in u.modes:
+    if Mode.UNDO in r.modes:
         return None  # its package and run come from the history; what it cannot honour, said by --undo
-    if (u.base_wheel or u.drop_conflicting) and not u.keep_patches:
+    if (o.base_wheel or o.drop_conflicting) and not o.keep_patches:
         return UsageError(
             "--base-wheel and --drop-conflicting go with --keep-patches",
-            hint=f"safeinstall {u.package or 'PACKAGE'} --wheel W --keep-patches [--base-wheel W]",
+            hint=f"safeinstall {r.package or 'PACKAGE'} --wheel W --keep-patches [--base-wheel W]",
         )
-    if u.accept_record_mismatch and (u.wheel is None or verify):
+    if o.accept_record_mismatch and (o.wheel is None or verify):
         return UsageError(
             "--accept-record-mismatch goes with a run's --wheel",
-            hint=f"safeinstall {u.package or 'PACKAGE'} --wheel W --accept-record-mismatch [--dry-run]",
+            hint=f"safeinstall {r.package or 'PACKAGE'} --wheel W --accept-record-mismatch [--dry-run]",
         )
-    if u.keep_patches and verify:
+    if o.keep_patches and verify:
         return UsageError(
             "--keep-patches is for the reinstall (and its --dry-run)",
             hint="run it without --verify-only: the merge is checked before anything stops, "
             "and a patch that cannot be carried refuses the run (exit 2)",
         )
-    if u.package and u.package.endswith(".whl") and "@" not in u.package:  # a wheel's path, as requirement
-        named = wheel_package(Path(u.package))
+    if r.package and r.package.endswith(".whl") and "@" not in r.package:  # a wheel's path, as requirement
+        named = wheel_package(Path(r.package))
         return UsageError(
-            f"{u.package!r} is a wheel file, not a requirement",
-            hint=f"give the wheel with --wheel: safeinstall {named or 'NAME'} --wheel {u.package}",
+            f"{r.package!r} is a wheel file, not a requirement",
+            hint=f"give the wheel with --wheel: safeinstall {named or 'NAME'} --wheel {r.package}",
         )
     if verify:
-        if u.all_ and u.package:
+        if r.all_ and r.package:
             return UsageError(
                 "give either a PACKAGE or --all, not both", hint="safeinstall --verify-only --all"
             )
-        if not u.all_ and not u.package and not (u.wheel is not None and wheel_package(u.wheel)):
+        if not r.all_ and not r.package and not (o.wheel is not None and wheel_package(o.wheel)):
             return UsageError(
                 "no PACKAGE given", hint="safeinstall PACKAGE --verify-only, or --all for everything"
             )
-        if (u.diff or u.save_patch) and u.wheel is None:
+        if (r.diff or r.save_patch) and o.wheel is None:
             return UsageError(
                 "--diff and --save-patch compare against a wheel's contents",
                 hint="add --wheel PATH (the wheel that was installed)",
             )
-        if u.all_ and u.wheel is not None:
+        if r.all_ and o.wheel is not None:
             return UsageError("--wheel checks one package", hint="name the package instead of --all")
-        if u.args:
-            return UsageError(f"unexpected arguments: {' '.join(u.args)}", hint="see safeinstall --help")
-        if u.package and not PLAIN_NAME.fullmatch(u.package):
+        if r.extra_args:
+            return UsageError(
+                f"unexpected arguments: {' '.join(r.extra_args)}", hint="see safeinstall --help"
+            )
+        if r.package and not PLAIN_NAME.fullmatch(r.package):
             from safeinstall.run.options import requirement_version  # more than a valid name: parsed
 
-            if requirement_version(u.package):
+            if requirement_version(r.package):
                 return UsageError(
                     "--verify-only checks the installed version; give the name without a version",
                     hint="safeinstall NAME --verify-only [--wheel PATH]",
                 )
         return None
-    if not u.package and not (u.wheel is not None and wheel_package(u.wheel)):
+    if not r.package and not (o.wheel is not None and wheel_package(o.wheel)):
         return UsageError("no PACKAGE given", hint="safeinstall PACKAGE [--wheel W] (see --help)")
-    stray = u.args[: max(0, len(u.args) - len(u.uv_args))]  # the requirement may follow --
+    stray = r.extra_args[: max(0, len(r.extra_args) - len(u.uv_args))]  # the requirement may follow --
     if stray:  # uv would take them as more requirements: `safeinstall vllm torch` installing torch
         return UsageError(
             f"unexpected arguments: {' '.join(stray)}",

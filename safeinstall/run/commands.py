@@ -10,7 +10,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -23,7 +23,7 @@ from safeinstall.errors import (
     UnknownDistributionError,
     UsageError,
 )
-from safeinstall.run.options import PLAIN_NAME, RunOptions, check_options
+from safeinstall.run.options import PLAIN_NAME, Mode, RunOptions, check_options
 from safeinstall.run.output import command_for, envelope, jsonable
 
 if TYPE_CHECKING:
@@ -41,31 +41,27 @@ if TYPE_CHECKING:
     from safeinstall.run.status import Forgotten, StatusReport
     from safeinstall.scan.plan import Plan
     from safeinstall.store.history import HistoryEntry
-    from safeinstall.store.rundoc import RunDocument
+    from safeinstall.store.rundoc import PatchDoc, RunDocument
     from safeinstall.store.state import EnvironmentState
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Request:
-    """The command line, parsed and checked: the flags that choose the command and what it was given.
-    ``values``: every parameter by name, as parsed; a run takes the :class:`RunOptions` fields among
-    them (:func:`run_options`), so an option of a run is one parameter of the CLI and one field there."""
+    """The command line, parsed and checked: the modes that choose the command, the options of a run
+    (as given: :func:`run_options` completes them), and what the other commands take."""
 
-    modes: frozenset[str] = frozenset()  # --verify-only, --dry-run, --detach, --recover, --status, ...
-    package: str | None = None  # the requirement as given (or the package the wheel names)
-    python: str | None = None
-    wheel: Path | None = None
+    modes: frozenset[Mode] = frozenset()
+    options: RunOptions = field(default_factory=lambda: RunOptions(package=""))
     run: str | None = None  # --run
     wait: bool = False
     all_: bool = False
     diff: bool = False
     save_patch: Path | None = None
-    full: bool = False  # --full: every file read again (a run takes it from ``values``)
     acknowledge: bool = False  # --acknowledge-wheel-faults: root keeps each wheel-fault found, as it is
     metrics_file: Path | None = None
     environ_from: Path | None = None  # a detached run's private inputs
     extra_args: tuple[str, ...] = ()  # uv's arguments
-    values: Mapping[str, Any] = field(default_factory=dict)
+    yes: bool = False
     as_json: bool = False
     verbosity: int = 0  # -1 quiet, 0, 1 verbose
     interactive: bool = False  # ask before stopping anything
@@ -77,15 +73,24 @@ class Request:
         """The ``command`` of the JSON document (``reinstall`` by default)."""
         return command_for(self.modes)
 
+    @property
+    def package(self) -> str | None:
+        """The requirement as given (or the package the wheel names); None: none."""
+        return self.options.package or None
+
 
 # -- the results: one type per mode; each has its JSON document (docs/json.md) and exit code ---------
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Outcome:
-    document: dict[str, Any] | None  # the --json document; None: nothing to print
     exit_code: int
     failures: tuple[SafeInstallError, ...] = ()  # errors said after the result
+    document: dict[str, Any] | None = None  # the --json document; None: nothing to print (or a run's)
+
+    def to_json(self) -> dict[str, Any] | None:
+        """The ``--json`` document (None: nothing to print)."""
+        return self.document
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,16 +103,20 @@ class Verified(Outcome):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DryRun(Outcome):
     plan: Plan
-    patches: list[dict[str, Any]] | None  # --keep-patches: each local patch, as the JSON has it
+    patches: tuple[PatchDoc, ...] | None  # --keep-patches: each local patch
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Ran(Outcome):
-    """A reinstall or undo that ran: its document is final (kept in its history); ``notes`` follow it."""
+    """A reinstall or undo: its document is final (kept in its history, but a typo's that ran nothing);
+    ``notes`` follow it. One that failed before it changed anything is said as its error."""
 
     run: RunDocument
     run_id: str
     notes: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return self.run.to_json()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,6 +124,9 @@ class FromHistory(Outcome):
     """A finished run, from its history entry (``--status --wait``; a detached run refused)."""
 
     entry: HistoryEntry
+
+    def to_json(self) -> dict[str, Any]:
+        return self.entry.result.to_json()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -155,13 +167,6 @@ class DiscardResult(Outcome):
     discarded: Discarded
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Failed(Outcome):
-    """A run that failed before it changed anything: kept in its history, said as the error."""
-
-    error: SafeInstallError
-
-
 Result = (
     Verified
     | DryRun
@@ -174,7 +179,6 @@ Result = (
     | StatusResult
     | ForgetResult
     | DiscardResult
-    | Failed
 )
 
 
@@ -231,43 +235,42 @@ def _command(request: Request, ui: Ui) -> Result:
             os.environ.clear()
             os.environ.update(private.environ)
         env, package, undone = None, request.package, None
-        if "--undo" in request.modes:
+        if Mode.UNDO in request.modes:
             env, package, undone = _undo_choice(request)
         if request.metrics_file is not None:
             from safeinstall.run.metrics import check_metrics_path
 
             metrics = check_metrics_path(request.metrics_file)
-        if "--recover" in request.modes:
+        if Mode.RECOVER in request.modes:
             return _recover(request, ui, metrics)
-        if "--discard" in request.modes:
+        if Mode.DISCARD in request.modes:
             return _discard(request)
-        if "--commit" in request.modes:
+        if Mode.COMMIT in request.modes:
             return _commit(request, ui, metrics, private)
-        if "--forget" in request.modes:
+        if Mode.FORGET in request.modes:
             return _forget(request)
         if request.wait:
             return _wait(request, ui)
-        if "--status" in request.modes:
+        if Mode.STATUS in request.modes:
             return _status(request, ui, metrics)
-        if "--verify-only" in request.modes:
+        if Mode.VERIFY_ONLY in request.modes:
             return _verify(request, ui, metrics)
         assert package is not None  # cli/usage: a run names its package, or its wheel does
-        options = run_options({**request.values, "package": package}, request.extra_args, private)
-        if undone is not None:
-            options = replace(options, undo=undone)
+        asked = replace(request.options, package=package, undo=undone or request.options.undo)
+        options = run_options(asked, request.extra_args, private)
         check_options(options)
         env = env or inspect_environment(resolve_python(options.python, options.environ))
         own = own_environment(env.prefix, Path(sys.prefix))
         if own is not None:
             raise own
-        if "--detach" in request.modes:
+        if Mode.DETACH in request.modes:
             return _detach(request, options, ui, env)
-        if "--dry-run" in request.modes:
+        if Mode.DRY_RUN in request.modes:
             return _dry_run(options, env, ui)
         return _reinstall(request, options, ui, metrics, env)
     except SafeInstallError as error:
         if metrics is not None:
-            failed_metrics(metrics, ui, request.command, request.python, request.package, error)
+            failed_metrics(metrics, ui, request.command, request.options.python, request.package, error)
         raise
 
 
@@ -285,52 +288,43 @@ def own_environment(prefix: Path, own: Path) -> UsageError | None:
 
 
 def run_options(
-    values: Mapping[str, Any], extra_args: Sequence[str], private: PrivateInputs | None = None
+    asked: RunOptions, extra_args: Sequence[str], private: PrivateInputs | None = None
 ) -> RunOptions:
-    """The run the parsed command line asks for (``values``: the command's parameters by name, each
-    :class:`RunOptions` field taken from the parameter of its name); a detached run's health URL and uv
-    arguments come from its ``private`` file, never its command line."""
+    """The run the command line asks for (``asked``: its options as given, the requirement as its
+    ``package``); a detached run's health URL and uv arguments come from its ``private`` file, never
+    its command line."""
     from safeinstall.env.uvplan import index_settings, parse_requirement
     from safeinstall.store.state import is_run_id
 
+    health_url = asked.health_url
     if private is not None:
-        if values["health_url"] is not None or extra_args:
+        if health_url is not None or extra_args:
             raise UsageError(
                 "a detached run takes --health-url and uv's arguments from its --environ-from file only",
                 hint="start detached runs with safeinstall --detach",
             )
-        values = {**values, "health_url": private.health_url}
-        extra_args = private.extra_args
+        health_url, extra_args = private.health_url, private.extra_args
     # index options (their URLs may hold credentials) reach uv in its environment, never on a command
     # line that every local user can read in /proc
     extra_args, index_environ = index_settings(extra_args)
-    requirement = parse_requirement(values["package"])
-    # typer hands the command's function a Path, but leaves its parsed values as click parsed them (str)
-    wheel = Path(values["wheel"]) if values["wheel"] is not None else None
-    base_wheel = Path(values["base_wheel"]) if values.get("base_wheel") is not None else None
+    requirement = parse_requirement(asked.package)
+    wheel, base_wheel = asked.wheel, asked.base_wheel
     if wheel is not None and requirement.specifier:
         raise UsageError(
             "give --wheel or a version in the requirement, not both",
             hint=f"safeinstall {requirement.name} --wheel PATH, or safeinstall '{requirement.text}'",
         )
-    run_id: str | None = values.get("run_id")
-    if run_id is not None and not is_run_id(run_id):
-        raise UsageError(f"{run_id!r} is not a run id", hint="run ids look like 20261130T031201Z-1234")
-    given = {f.name: values[f.name] for f in fields(RunOptions) if f.name in values}
-    return RunOptions(
-        **given
-        | {
-            "package": requirement.name,
-            "wheel": wheel.absolute() if wheel else None,
-            "version_spec": requirement.specifier,
-            "base_wheel": base_wheel.absolute() if base_wheel else None,
-            "extra_args": tuple(extra_args),
-            "run_id": run_id,
-            "smoke_skip": tuple(values.get("smoke_skip") or ()),
-            # without --run: the last, set by the caller
-            "undo": values.get("run") if values.get("undo_") else None,
-            "environ": {**os.environ, **index_environ},
-        }
+    if asked.run_id is not None and not is_run_id(asked.run_id):
+        raise UsageError(f"{asked.run_id!r} is not a run id", hint="run ids look like 20261130T031201Z-1234")
+    return replace(
+        asked,
+        package=requirement.name,
+        wheel=wheel.absolute() if wheel else None,
+        version_spec=requirement.specifier,
+        base_wheel=base_wheel.absolute() if base_wheel else None,
+        extra_args=tuple(extra_args),
+        health_url=health_url,
+        environ={**os.environ, **index_environ},
     )
 
 
@@ -346,20 +340,20 @@ def _verify(request: Request, ui: Ui, metrics: Path | None) -> Verified:
 
         save_patch = new_output_file(save_patch, "--save-patch")
     walked: dict[str, os.stat_result] = {}  # the steering walk's lstat of each file: the proof's own
-    env = inspect_environment(resolve_python(request.python, os.environ), walked=walked)
+    env = inspect_environment(resolve_python(request.options.python, os.environ), walked=walked)
     if env.owner_note:
         ui.note(env.owner_note)
     names = None if request.all_ else [request.package or ""]
     notes: list[str] = []
     vouched = _baseline_loader(env, notes)
     read = None
-    if request.wheel is not None:
+    if request.options.wheel is not None:
         from safeinstall.env.wheel import read_wheel
 
-        read = read_wheel(request.wheel)
+        read = read_wheel(request.options.wheel)
     with ui.verifying() as on_progress:
         report = verify_kept(
-            env, names, read, request.full, notes, vouched, on_progress, walked, request.acknowledge
+            env, names, read, request.options.full, notes, vouched, on_progress, walked, request.acknowledge
         )
     for note in notes:
         ui.note(note, warning=True)
@@ -371,10 +365,10 @@ def _verify(request: Request, ui: Ui, metrics: Path | None) -> Verified:
             "an .egg-info distribution has no RECORD and is not checked",
         )
     diffs = None
-    if request.wheel is not None and (request.diff or save_patch):
+    if request.options.wheel is not None and (request.diff or save_patch):
         from safeinstall.env.diffs import diffs_for, patch_text
 
-        diffs = diffs_for(report.findings, request.wheel, Path(report.prefix))
+        diffs = diffs_for(report.findings, request.options.wheel, Path(report.prefix))
     patch = None if diffs is None else patch_text(diffs)
     if save_patch is not None:
         from safeinstall.store.state import write_new_output
@@ -420,8 +414,7 @@ def _reinstall(
     ui: Ui,
     metrics: Path | None,
     env: Environment,
-) -> Ran | Failed:
-    from safeinstall.run.output import run_json
+) -> Ran:
     from safeinstall.run.reinstall import run_reinstall
     from safeinstall.run.results import LoggedReporter
     from safeinstall.store.journal import now_iso
@@ -437,28 +430,22 @@ def _reinstall(
     command = request.command
     ui.preparing(_PREFLIGHT)
     try:
-        result = run_reinstall(
+        document = run_reinstall(
             replace(options, run_id=run_id), reporter, request.interactive, env, request.cannot_ask
         )
     except SafeInstallError as error:
-        failed = RunDocument.from_json(jsonable(envelope(command, "error", error.exit_code, None, [error])))
+        failed = RunDocument.failed(command, error)
         if not isinstance(error, UnknownDistributionError | UsageError):  # a typo ran nothing: no entry
             _keep(state, run_id, options.package, started, failed)
         _run_metrics(metrics, ui, env, options.package, run_id, started, failed)
-        return Failed(document=failed.to_json(), exit_code=error.exit_code, failures=(error,), error=error)
-    errors = [result.error] if result.error else []
+        return Ran(exit_code=error.exit_code, run=failed, run_id=run_id, notes=())
     wall = round(time.monotonic() - began, 3)
-    data = {"run_id": run_id, **_undo_of(options), **run_json(result), "wall_s": wall}
-    document = RunDocument.from_json(
-        jsonable(envelope(command, result.status, result.exit_code, data, errors))
-    )
+    document = replace(document, data=replace(document.details, wall_s=wall))
     # the run has its result: a signal now does not change it (ignored until the process exits)
     ignored_until_exit()
     notes = _keep(state, run_id, options.package, started, document)
     _run_metrics(metrics, ui, env, options.package, run_id, started, document)
-    return Ran(
-        document=document.to_json(), exit_code=result.exit_code, run=document, run_id=run_id, notes=notes
-    )
+    return Ran(exit_code=document.exit_code, run=document, run_id=run_id, notes=notes)
 
 
 #: What a terminal shows while the preflight works (a few seconds on numpy, more on vLLM)
@@ -516,7 +503,7 @@ def _detach(
         if unasked is not None:
             raise unasked
         if request.interactive and not ui.reporter().confirm(plan):
-            return Declined(document=None, exit_code=ExitCode.REFUSED)
+            return Declined(exit_code=ExitCode.REFUSED)
     run_id = options.run_id or new_run_id(datetime.now(UTC), os.getpid())
     started = detach(options, env, state, run_id)
     if started.finished is not None and started.finished.result.exit_code == ExitCode.REFUSED:
@@ -539,11 +526,11 @@ def _detach(
 
 
 def _from_history(entry: HistoryEntry) -> FromHistory:
-    return FromHistory(document=entry.result.to_json(), exit_code=entry.result.exit_code, entry=entry)
+    return FromHistory(exit_code=entry.result.exit_code, entry=entry)
 
 
 def _dry_run(options: RunOptions, env: Environment, ui: Ui) -> DryRun:
-    from safeinstall.run.output import patches_json, plan_json
+    from safeinstall.run.output import patch_docs, plan_json
     from safeinstall.run.preflight import dry_run_patches, preflight
 
     ui.preparing(_PREFLIGHT)
@@ -551,8 +538,9 @@ def _dry_run(options: RunOptions, env: Environment, ui: Ui) -> DryRun:
     plan, patches = dry_run_patches(preflight(options, take_lock=False, env=env))
     code = ExitCode.OK if plan.proceeds else ExitCode.REFUSED
     status = "would-proceed" if plan.proceeds else "would-refuse"
-    patched = patches_json(patches.outcomes) if patches is not None else None
-    data = plan_json(plan) | ({"patches": patched} if patched is not None else {}) | _undo_of(options)
+    patched = patch_docs(patches.outcomes) if patches is not None else None
+    listed = {"patches": [p.to_json() for p in patched]} if patched is not None else {}
+    data = plan_json(plan) | listed | _undo_of(options)
     return DryRun(
         document=envelope("dry-run", status, code, data), exit_code=code, plan=plan, patches=patched
     )
@@ -564,9 +552,9 @@ def _wait(request: Request, ui: Ui) -> FromHistory | StoppedFollowing:
     from safeinstall.system.signals import InterruptedEarly
 
     root = state_root(os.environ, os.geteuid())
-    if request.python is not None:
+    if request.options.python is not None:
         state = environment_state(
-            root, inspect_environment(resolve_python(request.python, os.environ)).prefix
+            root, inspect_environment(resolve_python(request.options.python, os.environ)).prefix
         )
     else:
         state = locate(list_environment_dirs(root), request.run)
@@ -578,23 +566,23 @@ def _wait(request: Request, ui: Ui) -> FromHistory | StoppedFollowing:
         ui.show(
             f"stopped following; the run goes on (its own process is not interrupted): {again} follows it"
         )
-        return StoppedFollowing(document=None, exit_code=130)
+        return StoppedFollowing(exit_code=130)
     return _from_history(entry)
 
 
 def _commit(
     request: Request, ui: Ui, metrics: Path | None, private: PrivateInputs | None
-) -> Ran | Failed | DetachedRun | FromHistory | Declined:
+) -> Ran | DetachedRun | FromHistory | Declined:
     """--commit: the environment's prepared run, with the window's options of this command line."""
     from safeinstall.run.prepare import commit_options, the_prepared_run
 
-    found = the_prepared_run(os.environ, request.python)
-    given = run_options({**request.values, "package": found.record.package}, request.extra_args, private)
-    options = commit_options(found.record, replace(given, python=request.python or found.python))
-    options = replace(options, python=request.python or found.python)
+    found = the_prepared_run(os.environ, request.options.python)
+    given = run_options(replace(request.options, package=found.record.package), request.extra_args, private)
+    options = commit_options(found.record, replace(given, python=request.options.python or found.python))
+    options = replace(options, python=request.options.python or found.python)
     check_options(options)
     env = inspect_environment(resolve_python(options.python, options.environ))
-    if "--detach" in request.modes:
+    if Mode.DETACH in request.modes:
         return _detach(request, options, ui, env)
     return _reinstall(request, options, ui, metrics, env)
 
@@ -602,7 +590,7 @@ def _commit(
 def _discard(request: Request) -> DiscardResult:
     from safeinstall.run.prepare import discard
 
-    dropped = discard(os.environ, request.python)
+    dropped = discard(os.environ, request.options.python)
     document = envelope("discard", "discarded", ExitCode.OK, {"discarded": jsonable(dropped)})
     return DiscardResult(document=document, exit_code=ExitCode.OK, discarded=dropped)
 
@@ -610,8 +598,8 @@ def _discard(request: Request) -> DiscardResult:
 def _forget(request: Request) -> ForgetResult:
     from safeinstall.run.status import forget
 
-    live = bool(request.values.get("yes"))  # a live environment's state: only when said twice
-    forgotten, failures = forget(os.environ, request.python, request.run, live=live)
+    # a live environment's state: only when said twice (--yes)
+    forgotten, failures = forget(os.environ, request.options.python, request.run, live=request.yes)
     code = failures[0].exit_code if failures else ExitCode.OK
     status = "error" if failures else "forgotten"
     document = envelope("forget", status, code, {"forgotten": jsonable(forgotten)}, list(failures))
@@ -621,7 +609,7 @@ def _forget(request: Request) -> ForgetResult:
 def _recover(request: Request, ui: Ui, metrics: Path | None) -> RecoverResult:
     from safeinstall.run.recover import recover, said_errors
 
-    outcome = recover(os.environ, request.python)
+    outcome = recover(os.environ, request.options.python)
     _write_metrics(metrics, ui, lambda m, now: m.recover_families(outcome, now))
     code = outcome.exit_code
     data = {"recoveries": jsonable(outcome.recoveries)}
@@ -635,7 +623,7 @@ def _recover(request: Request, ui: Ui, metrics: Path | None) -> RecoverResult:
 def _status(request: Request, ui: Ui, metrics: Path | None) -> StatusResult:
     from safeinstall.run.status import status
 
-    report = status(os.environ, request.python)
+    report = status(os.environ, request.options.python)
     _write_metrics(metrics, ui, lambda m, now: m.status_families(report, now))
     found = list(report.environments)
     pending = any(s.needs_recovery for s in found)
@@ -674,9 +662,9 @@ def _undo_choice(request: Request) -> tuple[Environment, str, str]:
 
     from safeinstall.run.undo import UndoError, choose_run
 
-    package, wheel, args = request.package, request.wheel, request.extra_args
-    unfit = {flag for name, flag in _NOT_WITH_UNDO if request.values.get(name) not in (None, False)}
-    others = sorted((set(request.modes) | unfit) - {"--undo", "--dry-run", "--detach"})
+    package, wheel, args = request.package, request.options.wheel, request.extra_args
+    unfit = {flag for name, flag in _NOT_WITH_UNDO if getattr(request.options, name) not in (None, False)}
+    others = sorted((set(request.modes) | unfit) - {Mode.UNDO, Mode.DRY_RUN, Mode.DETACH})
     versioned = bool(package) and not PLAIN_NAME.fullmatch(package or "")
     if versioned or wheel is not None or args or others:
         given = " ".join(
@@ -686,7 +674,7 @@ def _undo_choice(request: Request) -> tuple[Environment, str, str]:
             f"--undo takes no {given}: it puts back what the run it undoes replaced",
             hint="safeinstall --undo --python ENV [--run RUN_ID] [--dry-run | --detach] [--json]",
         )
-    env = inspect_environment(resolve_python(request.python, os.environ))
+    env = inspect_environment(resolve_python(request.options.python, os.environ))
     chosen = choose_run(_state_of(env, os.environ), request.run)
     if package and canonicalize_name(package) != canonicalize_name(chosen.package or ""):
         raise UndoError(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from safeinstall.env.environment import Environment
 from safeinstall.errors import Aborted, ExitCode, SafeInstallError, SystemdError, UsageError
-from safeinstall.run.options import RunOptions
+from safeinstall.run.options import Mode, RunOptions
 from safeinstall.store.history import HistoryEntry, read_history
 from safeinstall.store.history import find as find_entry
 from safeinstall.store.journal import Journal, JournalError, Phase, read_journal
@@ -57,7 +57,7 @@ def child_arguments(options: RunOptions, python: Path, run_id: str, environ_file
     option). What may hold a credential (the health URL, uv's arguments) is only in the file."""
     if options.commit:  # the prepared run's own options are in its record: only the window's here
         return commit_arguments(options, python, environ_file)
-    undo = [] if options.undo is None else ["--undo", f"--run={options.undo}"]  # the package: a guard
+    undo = [] if options.undo is None else [Mode.UNDO, f"--run={options.undo}"]  # the package: a guard
     args = [options.package + (options.version_spec or ""), *undo, f"--python={python}", "--yes"]
     args += [f"--run-id={run_id}", f"--environ-from={environ_file}"]
     flags = {
@@ -100,7 +100,7 @@ def child_arguments(options: RunOptions, python: Path, run_id: str, environ_file
 def commit_arguments(options: RunOptions, python: Path, environ_file: Path) -> list[str]:
     """Pure: a detached ``--commit`` of the environment's prepared run (docs/prepare.md): the window's
     options only; the run id is the prepared run's."""
-    args = ["--commit", f"--python={python}", "--yes", f"--environ-from={environ_file}"]
+    args = [Mode.COMMIT, f"--python={python}", "--yes", f"--environ-from={environ_file}"]
     args += ["--user"] if options.user else []
     if options.stop_timeout is not None:
         args.append(f"--stop-timeout={options.stop_timeout!r}")

@@ -8,12 +8,27 @@ import re
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 
 from safeinstall.errors import UsageError
 
 #: A valid distribution name (PEP 508) and nothing else: such a PACKAGE needs no requirement parser.
 PLAIN_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
+
+
+class Mode(StrEnum):
+    """The flags that choose what safeinstall does, each as its long flag (none: a reinstall)."""
+
+    VERIFY_ONLY = "--verify-only"
+    DRY_RUN = "--dry-run"
+    DETACH = "--detach"
+    RECOVER = "--recover"
+    STATUS = "--status"
+    FORGET = "--forget"
+    COMMIT = "--commit"
+    DISCARD = "--discard"
+    UNDO = "--undo"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

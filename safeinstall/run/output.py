@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 from safeinstall.env.drift import Finding, per_file
 from safeinstall.errors import SafeInstallError
-from safeinstall.store.rundoc import RESULT_VERSION
+from safeinstall.run.options import Mode
+from safeinstall.store.rundoc import RESULT_VERSION, Change, OldCodeDoc, PatchDoc, PlanDoc
 from safeinstall.system.identity import ProcessId
 
 if TYPE_CHECKING:
     from safeinstall.env.verify import VerifyReport
     from safeinstall.run.patches import PatchOutcome
-    from safeinstall.run.results import RunResult
-    from safeinstall.scan.plan import Plan
+    from safeinstall.scan.plan import OldCodeProcess, Plan
 
 
 def jsonable(value: Any) -> Any:
@@ -75,18 +75,19 @@ def finding_json(finding: Finding) -> dict[str, Any]:
 
 #: The flags that choose what safeinstall does, and the ``command`` of their JSON envelope.
 _COMMANDS = (
-    ("--verify-only", "verify"),
-    ("--dry-run", "dry-run"),
-    ("--undo", "undo"),
-    ("--recover", "recover"),
-    ("--status", "status"),
-    ("--forget", "forget"),
-    ("--discard", "discard"),
+    (Mode.VERIFY_ONLY, "verify"),
+    (Mode.DRY_RUN, "dry-run"),
+    (Mode.UNDO, "undo"),
+    (Mode.RECOVER, "recover"),
+    (Mode.STATUS, "status"),
+    (Mode.FORGET, "forget"),
+    (Mode.DISCARD, "discard"),
 )
 
 
 def command_for(flags: Collection[str]) -> str:
-    """Pure: the command that the given flags select (``reinstall`` by default)."""
+    """Pure: the command that the given modes (or flags, before they are parsed) select (``reinstall``
+    by default)."""
     return next((name for flag, name in _COMMANDS if flag in flags), "reinstall")
 
 
@@ -131,6 +132,11 @@ def envelope(
     }
 
 
+def error_json(command: str, error: SafeInstallError) -> str:
+    """The ``--json`` document of a command that failed before its result."""
+    return dumps(envelope(command, "error", error.exit_code, None, [error]))
+
+
 def dumps(document: dict[str, Any]) -> str:
     import json  # here: --verify-only without --json starts without it
 
@@ -144,33 +150,23 @@ def plan_json(plan: Plan) -> dict[str, Any]:
     return data
 
 
-def patches_json(patches: Sequence[PatchOutcome]) -> list[dict[str, Any]]:
+def plan_doc(plan: Plan) -> PlanDoc:
+    """A run's plan as its document holds it: the JSON of ``--dry-run --json``, and its changes."""
+    changes = tuple(
+        Change(name=d.name, old_version=d.old_version, new_version=d.new_version, requested=d.requested)
+        for d in plan.distributions
+    )
+    return PlanDoc(json=plan_json(plan), changes=changes)
+
+
+def patch_docs(patches: Sequence[PatchOutcome]) -> tuple[PatchDoc, ...]:
     """--keep-patches: each local patch (a run's ``patches``, and a dry-run's)."""
-    return [{"path": p.path, "status": p.status.value, "detail": p.detail, "diff": p.diff} for p in patches]
+    return tuple(PatchDoc(path=p.path, status=p.status.value, detail=p.detail, diff=p.diff) for p in patches)
 
 
-def run_json(result: RunResult) -> dict[str, Any]:
-    """A reinstall's result for ``--json``: the plan, each step with its time, the downtime."""
-    return {
-        "plan": plan_json(result.plan) if result.plan is not None else None,
-        "steps": jsonable(result.steps),
-        "downtime_s": result.downtime_s,
-        "service_downtime_s": result.service_downtime_s,
-        "patched": list(result.patched),
-        "deleted": list(result.deleted),
-        "extras": list(result.extras),
-        "pruned": list(result.pruned),
-        "backup_dir": result.backup_dir,
-        "backups_removed": list(result.backups_removed),
-        "log_file": result.log_file,
-        "not_restarted": list(result.not_restarted),
-        "strays_killed": list(result.strays_killed),
-        "notes": list(result.notes),
-        "old_code": jsonable(result.old_code),
-        "patches": patches_json(result.patches),
-        "patch_file": result.patch_file,
-        "manual_commands": list(result.manual_commands),
-    }
+def old_code_doc(process: OldCodeProcess) -> OldCodeDoc:
+    """The end check: a process still mapping replaced files, as the run's document has it."""
+    return OldCodeDoc(**dataclasses.asdict(process))
 
 
 def verify_json(report: VerifyReport, patch: str | None, notes: Sequence[str] = ()) -> dict[str, Any]:

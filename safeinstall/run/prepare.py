@@ -10,7 +10,7 @@ import hashlib
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,6 @@ from safeinstall.run.preflight import Prepared, Reuse, locally_modified
 from safeinstall.run.recover import read_checked_journal, recover_one, states_of
 from safeinstall.run.results import Reporter
 from safeinstall.run.running import Run
-from safeinstall.run.survey import systemd_for
 from safeinstall.scan.plan import PlannedProcess
 from safeinstall.store.backup import load_backup
 from safeinstall.store.journal import Phase, advance, read_journal, write_journal
@@ -288,19 +287,11 @@ def resume(prepared: Prepared, reporter: Reporter, record: PreparedRecord) -> Ru
         os.path.normpath(record.backup_dir), str(prepared.state.backups)
     ):
         raise PreparedRunError("the prepared run's record names no backup of its own", hint=PREPARE_AGAIN)
-    run = Run(
-        prepared,
-        reporter,
-        systemd_for(prepared.options),
-        record.run_id,
-        prepared.state.log_file(record.run_id),
-        journal,
-        notes=list(prepared.notes),
-    )
+    run = Run(prepared, reporter, record.run_id, journal, notes=list(prepared.notes))
     run.backup = load_backup(Path(record.backup_dir))
     before = prepared.before
-    run.patched = locally_modified(before)
-    run.deleted = tuple(f.path for f in before.findings if f.kind == FindingKind.MISSING)
+    deleted = tuple(f.path for f in before.findings if f.kind == FindingKind.MISSING)
+    run.record = replace(run.record, patched=locally_modified(before), deleted=deleted)
     if record.staged_root is not None:
         # the staged files are links of the run's cache as the prepare hashed it: an inode unchanged
         # since is taken by identity, not read again (a changed one is read: :mod:`safeinstall.env.inodes`)
@@ -322,7 +313,7 @@ def resume(prepared: Prepared, reporter: Reporter, record: PreparedRecord) -> Ru
             raise PreparedRunError(
                 f"the staged tree does not check any more: {exc}", hint=PREPARE_AGAIN
             ) from exc
-    run._log("commit: the prepared run goes on from the gate")
+    run.log("commit: the prepared run goes on from the gate")
     return run
 
 

@@ -17,6 +17,7 @@ from safeinstall.env.wheelcopy import discard_dead_copies, is_wheel_copy
 from safeinstall.errors import ExitCode, LockHeldError, RollbackFailed, SafeInstallError, StepFailed
 from safeinstall.run.output import envelope, jsonable
 from safeinstall.run.putback import PutBack, put_back
+from safeinstall.run.units import start_journalled, stop_journalled
 from safeinstall.store.backup import Backup, load_backup
 from safeinstall.store.history import find as find_entry
 from safeinstall.store.history import keep_result
@@ -46,7 +47,7 @@ from safeinstall.store.state import (
 )
 from safeinstall.system.gate import GATE_DROPIN, gate_dropin_text, gate_marker
 from safeinstall.system.lock import acquire_lock
-from safeinstall.system.systemd import Systemd, default_dropin_root, start_wait_s, stop_wait_s
+from safeinstall.system.systemd import Systemd, default_dropin_root
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,19 +113,6 @@ def read_checked_journal(state: EnvironmentState, environ: Mapping[str, str]) ->
             "or deleted; look at it, put things back by hand if needed, then remove it",
         )
     return journal
-
-
-def _start(units: list[JournalUnit], environ: Mapping[str, str], settle: float) -> None:
-    failures: list[str] = []
-    for unit in units:
-        systemd = Systemd(user=unit.user_manager, environ=environ)
-        before = systemd.info(unit.name)
-        systemd.start(unit.name)
-        outcome = systemd.wait_settled(unit.name, settle, start_wait_s(before), before=before)
-        if not outcome.ok:
-            failures.append(outcome.reason or f"{unit.name} did not come up")
-    if failures:
-        raise SafeInstallError("; ".join(failures))
 
 
 #: A run that died in one of these had verified its new version: a recovery keeps it.
@@ -310,7 +298,7 @@ def recover_one(
             )
 
         def start_units(units: list[JournalUnit]) -> None:
-            _start(units, environ, settle)
+            start_journalled(units, environ, settle)
 
         def finished(done: PutBack) -> None:  # before the journal goes: a waiter finds the entry
             dropped = discarding and journal.phase == Phase.PREPARED  # else what it is: a recovery
@@ -336,7 +324,7 @@ def recover_one(
                 # the new version was verified and started, and does not come up: as the live run would
                 # have, the units are stopped, the previous installation is put back, they start again
                 notes.append(f"the new version did not come up: {exc.message}; the previous one is put back")
-                _stop(units_to_start(journal), environ)
+                stop_journalled(units_to_start(journal), environ)
                 restore = _restore_of(journal, state)
                 done = put_back(state.dir, journal, environ, restore, start_units, finished)
             if left:
@@ -384,19 +372,10 @@ def restarted_new_version(journal: Journal) -> bool:
     return effective_phase(journal) in (Phase.VERIFIED, Phase.RESTARTING) and journal.backup_dir is not None
 
 
-def _stop(units: list[JournalUnit], environ: Mapping[str, str]) -> None:
-    """Stop the units again (each within its own ``TimeoutStopSec``), before the restore."""
-    for unit in units:
-        systemd = Systemd(user=unit.user_manager, environ=environ)
-        outcome = systemd.stop(unit.name, stop_wait_s(systemd.info(unit.name).timeout_stop_s))
-        if not outcome.stopped:
-            raise SafeInstallError(outcome.reason or f"{unit.name} did not stop")
-
-
 def _start_best_effort(units: list[JournalUnit], environ: Mapping[str, str], settle: float) -> None:
     """The put-back failed: the units still get a start on what is installed (what failed is said)."""
     with contextlib.suppress(SafeInstallError):
-        _start(units, environ, settle)
+        start_journalled(units, environ, settle)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +44,7 @@ from safeinstall.run import prefill as run_prefill
 from safeinstall.run import prepare, requires, staging, undo
 from safeinstall.run import smoke as run_smoke
 from safeinstall.run.options import RunOptions
+from safeinstall.run.output import old_code_doc, patch_docs, plan_doc
 from safeinstall.run.patches import (
     carry,
     prepare_patches,
@@ -60,21 +60,15 @@ from safeinstall.run.preflight import (
     unconfirmed,
 )
 from safeinstall.run.preflight import preflight as shared_preflight
-from safeinstall.run.results import Reporter, RunResult, StepOutcome, service_downtime_s
+from safeinstall.run.results import Reporter, service_downtime_s
 from safeinstall.run.rollback import rollback_step
-from safeinstall.run.running import (
-    Run,
-    StartWatch,
-    report_waits,
-    reset_start_limits,
-    settle_units,
-    start_units,
-)
+from safeinstall.run.running import Run
 from safeinstall.run.smoke import smoke_step
 from safeinstall.run.smokecheck import staged_tree, target_tree
-from safeinstall.run.survey import scan_again, systemd_for
+from safeinstall.run.survey import scan_again
 from safeinstall.run.undo import UndoTarget, left_of
-from safeinstall.scan.plan import PlannedProcess, PlannedUnit, left_on_old_code
+from safeinstall.run.units import StartWatch, reset_start_limits, settle_units, start_units, stop_units
+from safeinstall.scan.plan import PlannedProcess, left_on_old_code
 from safeinstall.scan.processes import scan_processes
 from safeinstall.store.anchors import forget_anchors
 from safeinstall.store.backup import (
@@ -98,6 +92,7 @@ from safeinstall.store.journal import (
 from safeinstall.store.prepared import PreparedRecord, write_prepared
 from safeinstall.store.records import keep_records, read_records
 from safeinstall.store.retention import prune_backups
+from safeinstall.store.rundoc import RUN_FIELDS, ErrorDoc, RunData, RunDocument, StepDoc
 from safeinstall.store.runlog import human_bytes
 from safeinstall.store.state import (
     RUN_DIR_REMOVAL_S,
@@ -125,7 +120,6 @@ from safeinstall.system.identity import (
     wait_exited,
 )
 from safeinstall.system.signals import held_while_threads_start, interrupts_deferred, interrupts_raise
-from safeinstall.system.systemd import StopOutcome
 from safeinstall.system.worker import WorkerError
 
 _T = TypeVar("_T")
@@ -162,16 +156,8 @@ def start(prepared: Prepared, reporter: Reporter) -> Run:
             ),
         ),
     )
-    run = Run(
-        prepared,
-        reporter,
-        systemd_for(options),
-        run_id,
-        prepared.state.log_file(run_id),
-        journal,
-        notes=list(prepared.notes),
-    )
-    run._log("plan: " + " ".join(plan.uv_command))
+    run = Run(prepared, reporter, run_id, journal, notes=list(prepared.notes))
+    run.log("plan: " + " ".join(plan.uv_command))
     return run
 
 
@@ -200,7 +186,8 @@ def save_patches(run: Run) -> None:
     if run.patches is None:
         return
     try:
-        run.patch_file = save_patch_set(run.state, run.run_id, run.patches)
+        saved = save_patch_set(run.state, run.run_id, run.patches)
+        run.record = replace(run.record, patch_file=str(saved) if saved else None)
     except (OSError, SafeInstallError) as exc:
         run.notes.append(f"the carried patch set was not saved: {exc}")
 
@@ -226,8 +213,9 @@ PROGRESS_TICK_S = 0.1
 
 def backup_step(run: Run) -> str:
     before = run.prepared.before  # hashed at preflight, just before this step: not read again
-    run.patched = locally_modified(before)
-    run.deleted = tuple(f.path for f in before.findings if f.kind == FindingKind.MISSING)
+    patched = locally_modified(before)
+    deleted = tuple(f.path for f in before.findings if f.kind == FindingKind.MISSING)
+    run.record = replace(run.record, patched=patched, deleted=deleted)
     # each file is listed once, by the result (its patched and deleted files, with where the backup is)
 
     said = [-PROGRESS_TICK_S]
@@ -242,18 +230,18 @@ def backup_step(run: Run) -> str:
         run.env,
         list(run.survey.affected),
         run.state.backup_dir(run.run_id),
-        run.patched,
+        patched,
         on_progress,
         known=before.observed,
         installed=run.survey.installed,
     )
-    run._journal(Phase.BACKED_UP, backup_dir=str(run.backup.dir))
+    run.journal_phase(Phase.BACKED_UP, backup_dir=str(run.backup.dir))
     size = run.backup.manifest.files
-    patched = len(run.patched) - len(run.deleted)
+    changed = len(patched) - len(deleted)
     return (
         f"{len(size)} files saved in {run.backup.dir}"
-        + (f"; {patched} locally patched" if patched else "")
-        + (f"; {len(run.deleted)} deleted locally" if run.deleted else "")
+        + (f"; {changed} locally patched" if changed else "")
+        + (f"; {len(deleted)} deleted locally" if deleted else "")
     )
 
 
@@ -281,7 +269,7 @@ def prefetch_step(run: Run) -> str:
         request, uv_binary(), scratch, run.survey.uv_plan.changes, staging=root is not None
     )
     filled = _fill_from_owners_cache(run, cache)
-    run._log(f"prefetch (UV_CACHE_DIR={cache}{_as(account)}): " + " ".join(command))
+    run.log(f"prefetch (UV_CACHE_DIR={cache}{_as(account)}): " + " ".join(command))
     result = None
     broken: str | None = None
     try:
@@ -293,7 +281,7 @@ def prefetch_step(run: Run) -> str:
         if root is None and not kept:
             remove_run_dir(scratch)
     run.scratch = scratch if kept else None
-    run._log(f"uv exit {result.returncode}:\n{result.output}")
+    run.log(f"uv exit {result.returncode}:\n{result.output}")
     if result.returncode != 0 or broken is not None:
         if root is not None:
             swap.discard_staging(run.env.prefix, root.name, RUN_DIR_REMOVAL_S, staging.owner_ids(run.env))
@@ -345,7 +333,7 @@ def _broken_once_fetched(run: Run, root: Path | None, scratch: Path) -> str | No
     )
     run.notes.extend(notes)
     for note in notes:
-        run._log(f"requirements: {note}")
+        run.log(f"requirements: {note}")
     return refused
 
 
@@ -366,22 +354,22 @@ def _prefetched(run: Run, root: Path | None, cache: Path, filled: str, why_not: 
         copied = sum(1 for entry in run.hashed.values() if entry.hashed_ns and entry.path in copies)
         unread = f" ({stored} of them kept by the verified-inode store, not read)" if stored else ""
         unread += f" ({copied} of them hashed as the fill copied them, not read again)" if copied else ""
-        run._log(f"prefetch: {len(run.hashed)} files of the run's uv cache hashed{unread}")
+        run.log(f"prefetch: {len(run.hashed)} files of the run's uv cache hashed{unread}")
         detail += f"; {len(run.hashed)} files hashed{unread}"
     if root is not None:
         why_not = _stage(run, root)
     if run.staged is None and window_command(run.plan.uv_command, request) != run.plan.uv_command:
         _resolve_into(run, cache)
     written = inodes.flush(cache)  # on disk now, not in the window
-    run._log(f"prefetch: the run's cache written to disk in {written:.1f} s")
+    run.log(f"prefetch: the run's cache written to disk in {written:.1f} s")
     if run.staged is not None:
         plan = run.staged.plan
-        run._journal(Phase.STAGED)
+        run.journal_phase(Phase.STAGED)
         return detail + (
             f"; staged and verified ({run.staged.files} files): the window renames {len(plan.moves)} "
             f"entries in and {len(plan.out)} out"
         )
-    run._log(f"prefetch: no swap: {why_not}")
+    run.log(f"prefetch: no swap: {why_not}")
     return detail
 
 
@@ -435,10 +423,10 @@ def _resolve_into(run: Run, cache: Path) -> None:
             cache_dir=cache,
         )
     except SafeInstallError as exc:
-        run._log(f"prefetch: the plan's resolution with the run's cache failed: {exc.message}")
+        run.log(f"prefetch: the plan's resolution with the run's cache failed: {exc.message}")
         return
     took = time.monotonic() - started
-    run._log(f"prefetch: the plan resolved again with the run's cache in {took:.1f} s")
+    run.log(f"prefetch: the plan resolved again with the run's cache in {took:.1f} s")
 
 
 def _fill_from_owners_cache(run: Run, cache: Path) -> str:
@@ -455,7 +443,7 @@ def _fill_from_owners_cache(run: Run, cache: Path) -> str:
         found, why_not = run_prefill.source_of(run.options.environ, run.env, run.survey.request.link_mode)
         if found is None:
             if why_not:
-                run._log(f"prefetch: {why_not}")
+                run.log(f"prefetch: {why_not}")
             return ""
         source = found
         kept = run_prefill.kept_digests(run.prepared.inodes, run.options.full)
@@ -468,15 +456,15 @@ def _fill_from_owners_cache(run: Run, cache: Path) -> str:
             f"uv's cache holds a changed copy of {damaged}: `uv cache clean {name}`; a fresh copy was fetched"
         )
         run.notes.append(said)
-        run._log(f"prefetch: {said} (its files differ from its RECORD, in {source})")
+        run.log(f"prefetch: {said} (its files differ from its RECORD, in {source})")
     if filled.problem is not None:
-        run._log(f"prefetch: nothing {how} from {source}: {filled.problem}")
+        run.log(f"prefetch: nothing {how} from {source}: {filled.problem}")
         return ""
     if not filled.archives:
         return ""
-    run._log(f"prefetch: {how} from {source}{beside}: {', '.join(filled.entries)} ({filled.bytes} bytes)")
+    run.log(f"prefetch: {how} from {source}{beside}: {', '.join(filled.entries)} ({filled.bytes} bytes)")
     if filled.unread:
-        run._log(
+        run.log(
             f"prefetch: {filled.unread} of the files copied in the kernel, not read: root's verified-inode "
             "store keeps their digests"
         )
@@ -491,12 +479,12 @@ def gate_step(run: Run) -> str:
     """Keep the units from starting on a half-installed package (a crash, a reboot); and keep anyone but
     the environment's owner from holding uv's lock while they are down."""
     lock = secure_uv_lock(run.env.prefix, run.env.account)
-    run._log(lock)
+    run.log(lock)
     if run.hashed:  # the last look before the stop: an entry changed since its hash is read in the window
         before = len(run.hashed)
         run.hashed = inodes.still_hashed(run.hashed)
         if len(run.hashed) != before:
-            run._log(
+            run.log(
                 f"gate: {before - len(run.hashed)} cache files changed since hashed: read after the install"
             )
     units = [u.name for u in run.journal.units]
@@ -505,7 +493,7 @@ def gate_step(run: Run) -> str:
     marker = gate_marker(run.state.dir)
     paths = [str(run.systemd.dropin_path(u, GATE_DROPIN, persistent=True)) for u in units]
     atomic_write(marker, f"{run.run_id}\n".encode())
-    run._journal(Phase.GATED, gate=paths)  # journalled before written: recovery removes them
+    run.journal_phase(Phase.GATED, gate=paths)  # journalled before written: recovery removes them
     text = gate_dropin_text(marker, run.run_id)
     for unit in units:
         run.systemd.add_dropin(unit, GATE_DROPIN, text, persistent=True)
@@ -529,39 +517,24 @@ def stop_step(run: Run) -> str:
     units = list(run.plan.units)
     for unit in units:
         run.journal = update_unit(run.journal, unit.name, systemd.user, stopped=True)
-    run._journal(Phase.STOPPING)
+    run.journal_phase(Phase.STOPPING)
     reset = reset_start_limits(run, [u.name for u in units])  # before the stop: not in the window
 
-    cancel = threading.Event()
-
-    def stop(unit: PlannedUnit) -> StopOutcome:
-        return systemd.stop(unit.name, run._stop_timeout(unit.stop_timeout_s), cancel=cancel)
-
-    outcomes: list[StopOutcome] = []
     stuck = _StuckOnGpu.of(run.plan.processes)
-    if units:
-        with ThreadPoolExecutor(max_workers=len(units)) as pool:
-            with held_while_threads_start():
-                stops = {u.name: pool.submit(stop, u) for u in units}
-            try:
-                longest = max(run._stop_timeout(u.stop_timeout_s) for u in units)
-                report_waits(run, stops, "stopped", longest, check=stuck)
-                outcomes = [f.result() for f in stops.values()]
-            except BaseException:  # Ctrl-C, SIGTERM: the waits end at their next poll, the rollback starts
-                cancel.set()
-                raise
+    timeouts = {u.name: run.stop_timeout(u.stop_timeout_s) for u in units}
+    outcomes = stop_units(systemd, timeouts, run.reporter.progress, stuck)
     run.down_since.update((o.unit, o.down_since) for o in outcomes if o.down_since is not None)
     failed = [o for o in outcomes if not o.stopped]
     if failed:
         first = failed[0]
-        timeout = run._stop_timeout(next(u.stop_timeout_s for u in units if u.name == first.unit))
+        timeout = run.stop_timeout(next(u.stop_timeout_s for u in units if u.name == first.unit))
         waited = f" in {timeout:g} s" if first.waited_s >= timeout else ""  # else: said at once, why
         raise StepFailed(f"unit {first.unit} did not stop{waited} ({first.reason})")
     killed = _kill_strays(run)
-    leftover = _wait_gone(run.plan.processes, run._stop_timeout(90.0), stuck)
+    leftover = _wait_gone(run.plan.processes, run.stop_timeout(90.0), stuck)
     if leftover:
         raise StepFailed(f"processes {', '.join(map(str, leftover))} still run after their units stopped")
-    run._journal(Phase.STOPPED, strays_killed=list(killed))
+    run.journal_phase(Phase.STOPPED, strays_killed=list(killed))
     detail = f"{len(units)} unit(s) stopped, {len(run.plan.processes)} process(es) gone"
     if reset:
         detail += f"; start limit reset first (systemctl reset-failed): {', '.join(reset)}"
@@ -570,10 +543,10 @@ def stop_step(run: Run) -> str:
     return detail
 
 
-#: How often a wait on units (stop, start and settle) says what it still waits for.
 def _kill_strays(run: Run) -> tuple[int, ...]:
-    run.strays_killed = end_processes(p.process for p in run.plan.strays)
-    return run.strays_killed
+    killed = end_processes(p.process for p in run.plan.strays)
+    run.record = replace(run.record, strays_killed=killed)
+    return killed
 
 
 #: How long a process that started using the package after the plan may take to go away by itself
@@ -601,7 +574,7 @@ def _check_no_late_users(run: Run) -> str:
             hint="stop them, or pass --kill-strays to end them (they are not restarted)",
         )
     ended = end_processes(p.process for p in late)
-    run.strays_killed = (*run.strays_killed, *ended)
+    run.record = replace(run.record, strays_killed=(*run.record.strays_killed, *ended))
     return f"; late user(s) {listed} ended (not restarted)"
 
 
@@ -610,7 +583,7 @@ def _check_no_late_users(run: Run) -> str:
 
 def gpu_release_step(run: Run, session: NvmlSession, baseline: GpuSnapshot) -> str:
     if not session.available:
-        run._journal(Phase.GPU_RELEASED, note=f"GPU check skipped: {session.reason}")
+        run.journal_phase(Phase.GPU_RELEASED, note=f"GPU check skipped: {session.reason}")
         return f"skipped: {session.reason}"
 
     # (no D-state check here: the stop step waited until every planned process was gone, and one
@@ -624,7 +597,7 @@ def gpu_release_step(run: Run, session: NvmlSession, baseline: GpuSnapshot) -> s
     stopped = frozenset(p.pid for p in run.plan.processes)
     status = wait_for_release(session, baseline, stopped, run.options.gpu_timeout, on_poll)
     if status.skipped:
-        run._journal(Phase.GPU_RELEASED, note=f"GPU check skipped: {status.reason}")
+        run.journal_phase(Phase.GPU_RELEASED, note=f"GPU check skipped: {status.reason}")
         return f"skipped: {status.reason}"
     if not status.released:
         holders = ", ".join(
@@ -635,7 +608,7 @@ def gpu_release_step(run: Run, session: NvmlSession, baseline: GpuSnapshot) -> s
             f"GPU memory was not released within {run.options.gpu_timeout:g} s"
             + (f": still held by {holders}" if holders else f": {status.reason}")
         )
-    run._journal(Phase.GPU_RELEASED)
+    run.journal_phase(Phase.GPU_RELEASED)
     return f"released after {status.waited_s:.1f} s"
 
 
@@ -644,23 +617,23 @@ def gpu_release_step(run: Run, session: NvmlSession, baseline: GpuSnapshot) -> s
 
 def install_step(run: Run) -> str:
     late = _check_no_late_users(run)
-    run._journal(Phase.INSTALLING)
+    run.journal_phase(Phase.INSTALLING)
     command = window_command(run.plan.uv_command, run.survey.request)
     cache = run.state.uv_cache(run.run_id)
-    run._log(f"install (UV_CACHE_DIR={cache}{_as(run.env.account)}): " + " ".join(command))
+    run.log(f"install (UV_CACHE_DIR={cache}{_as(run.env.account)}): " + " ".join(command))
     result = uv_install(command, run.options.environ, cache_dir=cache, account=run.env.account)
-    run._log(f"uv exit {result.returncode}:\n{result.output}")
+    run.log(f"uv exit {result.returncode}:\n{result.output}")
     if result.returncode > 0 and tuple(command) != run.plan.uv_command:  # offline did not do: the plan's
         command = run.plan.uv_command
-        run._log("install again, as planned (not offline): " + " ".join(command))
+        run.log("install again, as planned (not offline): " + " ".join(command))
         result = uv_install(command, run.options.environ, cache_dir=cache, account=run.env.account)
-        run._log(f"uv exit {result.returncode}:\n{result.output}")
+        run.log(f"uv exit {result.returncode}:\n{result.output}")
     run.installed_ns = time.time_ns()  # a file changed after this is read in the verification
     if result.returncode != 0:
         tail = "\n".join(result.output.strip().splitlines()[-6:])
         raise StepFailed(f"uv pip install failed (exit {result.returncode}): {tail}")
     carried = carry(run.env.prefix, run.patches, run.env.account) if run.patches is not None else 0
-    run._journal(Phase.INSTALLED)
+    run.journal_phase(Phase.INSTALLED)
     return " ".join(command) + late + (f"; {carried} local patch(es) carried" if carried else "")
 
 
@@ -672,7 +645,7 @@ def swap_step(run: Run) -> str:
         raise StepFailed("internal error: a swap without a staging tree")
     started = time.monotonic()
     late = _check_no_late_users(run)
-    run._journal(Phase.SWAPPING)
+    run.journal_phase(Phase.SWAPPING)
     scanned = time.monotonic()
     try:
         swap.execute(staged, run.env.prefix, staging.owner_ids(run.env))
@@ -681,11 +654,11 @@ def swap_step(run: Run) -> str:
     run.installed_ns = time.time_ns()
     renamed = time.monotonic()
     by = "" if run.env.account is None else f" (the worker of uid {run.env.account.uid})"
-    run._log(f"swap: scan, journal {scanned - started:.2f} s; renames, fsync{by} {renamed - scanned:.2f} s")
+    run.log(f"swap: scan, journal {scanned - started:.2f} s; renames, fsync{by} {renamed - scanned:.2f} s")
     wrong = swap.moved_as_staged(staged, run.env.prefix)
     if wrong:
         raise StepFailed(f"not the verified files in place after the swap: {', '.join(wrong[:5])}")
-    run._journal(Phase.INSTALLED)
+    run.journal_phase(Phase.INSTALLED)
     return swapped_detail(len(staged.plan.moves), len(staged.plan.out)) + late
 
 
@@ -702,14 +675,14 @@ def swapped_detail(moved: int, out: int) -> str:
 
 def verify_step(run: Run) -> str:
     if run.staged is not None:  # verified in the staging tree; the swap put those very inodes in place
-        run._journal(Phase.VERIFIED)
+        run.journal_phase(Phase.VERIFIED)
         remove_gate(run)
         return (
             f"{run.staged.files} files verified in the staging tree before the stop; every entry in place "
             "is the inode verified there"
         )
     detail = _check_in_place(run)
-    run._journal(Phase.VERIFIED)
+    run.journal_phase(Phase.VERIFIED)
     remove_gate(run)
     return detail
 
@@ -748,18 +721,18 @@ def _check_in_place(run: Run, when: str = "") -> str:
     run.records = {os.fspath(d.dist_info): kept_record(d) for d in installed}
     run.left = left_of(report, installed, names)
     run.vouched = _vouched(run, report, installed)
-    run.extras = tuple(f.path for f in report.findings if f.kind == FindingKind.EXTRA)
-    if run.extras and run.options.prune:
-        run.pruned = _prune(run, run.extras)
+    extras = tuple(f.path for f in report.findings if f.kind == FindingKind.EXTRA)
+    pruned = _prune(run, extras) if extras and run.options.prune else ()
+    run.record = replace(run.record, extras=extras, pruned=pruned)
     checked = sum(d.files_checked for d in report.distributions)
     proven = sum(1 for state in report.observed.values() if state.by_identity)
     detail = f"{checked} files match" + (
         f" ({proven} of them links of the run's cache, hashed before the stop)" if proven else ""
     )
-    if run.extras and not run.pruned:
-        detail += f"; {len(run.extras)} leftover file(s) not in the new version (--prune removes them)"
-    elif run.pruned:
-        detail += f"; {len(run.pruned)} leftover file(s) pruned (saved in the backup)"
+    if extras and not pruned:
+        detail += f"; {len(extras)} leftover file(s) not in the new version (--prune removes them)"
+    elif pruned:
+        detail += f"; {len(pruned)} leftover file(s) pruned (saved in the backup)"
     return detail
 
 
@@ -791,16 +764,16 @@ def _prune(run: Run, extras: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def restart_step(run: Run) -> str:
-    units = run._units_to_restart()
+    units = run.units_to_restart()
     if run.options.no_restart:
-        run._journal(Phase.RESTARTING, note="--no-restart: units left stopped")
+        run.journal_phase(Phase.RESTARTING, note="--no-restart: units left stopped")
         return "left stopped (--no-restart): " + (", ".join(units) or "none")
     if not units:
-        run._journal(Phase.RESTARTING)
+        run.journal_phase(Phase.RESTARTING)
         return "no unit was running"
-    run._journal(Phase.RESTARTING)
+    run.journal_phase(Phase.RESTARTING)
     run.restart_started = True
-    befores = start_units(run, units)
+    befores = start_units(run.systemd, units)
     watch = StartWatch(run, befores)
     said = ""
     if run.options.health_url:  # polled from the start: the users' downtime ends at its first 200
@@ -810,7 +783,8 @@ def restart_step(run: Run) -> str:
         def on_poll(waited: float, last: str) -> None:
             run.reporter.progress(f"waiting for {said} to answer 200 (last: {last})", waited, timeout, "s")
 
-        run.healthy_at = wait_healthy(url, timeout, on_poll, check=watch)
+        healthy_at = wait_healthy(url, timeout, on_poll, check=watch)
+        run.record = replace(run.record, service_downtime_s=service_downtime_s(run.down_since, healthy_at))
     detail = settle_units(run, units, run.options.settle, befores, watch.seen)  # then stays up that long
     for journalled in run.journal.units:
         if journalled.name in units and journalled.stopped and journalled.was_active:
@@ -826,11 +800,12 @@ def end_check_step(run: Run) -> str:
     distribution runs old code (it was not in the plan: it could not be read, or started using the
     package in the last instant before the install). Said, or with --strict a failure (rolled back:
     then every process agrees on the old version again)."""
-    run.old_code = left_on_old_code(scan_processes(run.survey.targets, run.options.proc_root))
-    if not run.old_code:
+    old_code = left_on_old_code(scan_processes(run.survey.targets, run.options.proc_root))
+    run.record = replace(run.record, old_code=tuple(old_code_doc(process) for process in old_code))
+    if not old_code:
         return "no process runs replaced files"
-    listed = "; ".join(p.describe() for p in run.old_code)
-    run._log(f"end check: {listed}")
+    listed = "; ".join(p.describe() for p in old_code)
+    run.log(f"end check: {listed}")
     if run.options.strict:
         raise StepFailed(
             f"{listed}: still running old code after the restart (--strict)",
@@ -947,13 +922,13 @@ def undo_restore_step(run: Run, late_users: Callable[[], str]) -> str:
     saved file written back and hashed again)."""
     target = _undo_target(run)
     late = late_users()
-    run._journal(Phase.INSTALLING)
-    run._log(f"restore the backup of run {target.run_id}: {target.backup.dir}")
+    run.journal_phase(Phase.INSTALLING)
+    run.log(f"restore the backup of run {target.run_id}: {target.backup.dir}")
     result = restore_backup(target.backup, run.env, ())
     if not result.ok:
         problems = [*result.mismatches, *result.failures]
         raise StepFailed(f"the backup of run {target.run_id} could not be put back: {undo.listed(problems)}")
-    run._journal(Phase.INSTALLED)
+    run.journal_phase(Phase.INSTALLED)
     return f"{result.restored} file(s) of run {target.run_id}'s backup put back" + late
 
 
@@ -985,14 +960,14 @@ def undo_stage_step(run: Run) -> str:
     target = _undo_target(run)
     why_not = undo_swap_refusal(run)
     if why_not is not None:
-        run._log(f"undo: no swap: {why_not}")
+        run.log(f"undo: no swap: {why_not}")
         return f"no swap ({why_not}): the backup is put back during the stop"
     ids = staging.owner_ids(run.env)
     try:
         root = staging.make_staging(run.env, run.run_id)
         swap.make_staging_dir(root, swap.STAGED_TREE, 0o755, ids)
     except (staging.NotStaged, OSError, WorkerError) as exc:
-        run._log(f"undo: no swap: {exc}")
+        run.log(f"undo: no swap: {exc}")
         return f"no swap ({exc}): the backup is put back during the stop"
     manifest = target.backup.manifest
     listed = replace(manifest, files=tuple(f for f in manifest.files if f.listed))
@@ -1007,7 +982,7 @@ def undo_stage_step(run: Run) -> str:
     why_not = _stage(run, root)
     if run.staged is None:
         return f"no swap ({why_not}): the backup is put back during the stop"
-    run._journal(Phase.STAGED)
+    run.journal_phase(Phase.STAGED)
     return (
         f"{written.restored} file(s) of run {target.run_id}'s backup staged and verified: the window "
         f"renames {len(run.staged.plan.moves)} entries in and {len(run.staged.plan.out)} out"
@@ -1024,7 +999,7 @@ def undo_verify_step(run: Run, open_gate: Callable[[], None]) -> str:
     """The environment against the backup's manifest: each distribution at its saved version, each
     saved file (a local patch included) with its saved content, and the RECORDs' other files intact."""
     detail = _undo_checked(run)
-    run._journal(Phase.VERIFIED)
+    run.journal_phase(Phase.VERIFIED)
     open_gate()
     return detail
 
@@ -1071,14 +1046,15 @@ def run_reinstall(
     interactive: bool,
     env: Environment | None = None,
     cannot_ask: str | None = None,
-) -> RunResult:
-    """The whole run; ``cannot_ask``: why a run without ``--yes`` cannot ask (then one that stops units is
-    refused). Raises SafeInstallError only before anything changed (exit 2). Signals at each point:
-    docs/crash-safety.md.
+) -> RunDocument:
+    """The whole run, as its document; ``cannot_ask``: why a run without ``--yes`` cannot ask (then one
+    that stops units is refused). Raises SafeInstallError only before anything changed (exit 2).
+    Signals at each point: docs/crash-safety.md.
     """
     began = time.monotonic()  # the preflight step: from here to the run's start (docs/json.md)
     record = read_prepared_run(options, env) if options.commit else None
     reuse = prepare.reuse_of(record, options.full) if record is not None else None
+    given_id = options.run_id  # a declined run's document says only an id the caller gave
     if options.run_id is None:  # known before the preflight: the run's cache is filled beside it
         options = replace(options, run_id=new_run_id(datetime.now(UTC), os.getpid()))
     # not for a run that will be refused for want of a yes (it would wait for the fill to say so)
@@ -1115,13 +1091,13 @@ def run_reinstall(
             _discard_wheel_copy(prepared)
             if prepared.lock is not None:  # a declined run is finished: the next is not told it died
                 prepared.lock.release()
-            return _declined(prepared)
+            return _declined(prepared, given_id)
         if not interactive:  # --yes, --json, no terminal: what will be lost is still said, and logged
             for warning in prepared.plan.warnings:
                 reporter.note(f"before the stop: {warning}", host=warning in prepared.plan.host_notes)
         held = deferral.enter_context(interrupts_deferred(held_back))
         run = start(prepared, reporter) if record is None else prepare.resume(prepared, reporter, record)
-        run.steps.append(preflight_outcome(prepared, record is not None, reuse is not None, began))
+        run.add_step(preflight_outcome(prepared, record is not None, reuse is not None, began))
     except BaseException:
         deferral.close()
         run_prefill.abandon(prepared.prefill)
@@ -1136,7 +1112,7 @@ def run_reinstall(
         with interrupts_raise() as received:
 
             def step(name: str, action: Callable[[], str]) -> None:
-                run._timed(name, received.checked(action))
+                run.timed(name, received.checked(action))
 
             try:
                 signals.unblock(mask)
@@ -1184,7 +1160,7 @@ def run_reinstall(
                 error = (
                     exc if isinstance(exc, SafeInstallError) else StepFailed(f"{type(exc).__name__}: {exc}")
                 )
-                outcome = rollback_step(run, error)
+                outcome = rollback_step(run, error, run_smoke.abandon)
                 status = {
                     ExitCode.ROLLED_BACK: "rolled-back",
                     ExitCode.ROLLBACK_FAILED: "rollback-failed",
@@ -1198,7 +1174,7 @@ def run_reinstall(
         # leftover drop-in is inert.
         tidying.append(True)
         signals.unblock(mask)  # the deferral's handler is back in place: a pending signal is held back
-        run._journal_if_possible(Phase.DONE)
+        run.journal_phase_if_possible(Phase.DONE)
         save_patches(run)
         save_left(run)
         note = record_run(run.state, run.env.prefix, run.wheel.name if run.wheel else "", run.vouched)
@@ -1211,7 +1187,7 @@ def run_reinstall(
         hashed = [*run.in_place.values(), *run.prepared.before.observed.values()]
         removed = _tidy_up(run, [*hashed, *inodes.read_states(run.hashed)])
         cache_removed.append(True)
-        not_restarted = tuple(run._units_to_restart()) if options.no_restart else ()
+        not_restarted = tuple(run.units_to_restart()) if options.no_restart else ()
         return _result(run, "done", ExitCode.OK, None, not_restarted, removed)
     finally:
         run_smoke.abandon(run)  # never left running, whatever ended the run
@@ -1228,7 +1204,7 @@ def run_reinstall(
         deferral.close()
 
 
-def preflight_outcome(prepared: Prepared, commit: bool, reused: bool, began: float) -> StepOutcome:
+def preflight_outcome(prepared: Prepared, commit: bool, reused: bool, began: float) -> StepDoc:
     """The preflight as the run's first step (``--json`` only: the terminal said it as it worked): its
     seconds, from the run's start to its journal, and what it was."""
     plan = prepared.plan
@@ -1242,7 +1218,7 @@ def preflight_outcome(prepared: Prepared, commit: bool, reused: bool, began: flo
             if reused
             else "; the whole preflight again (the environment's directories changed, or --full)"
         )
-    return StepOutcome("preflight", "ok", time.monotonic() - began, detail)
+    return StepDoc(name="preflight", status="ok", seconds=time.monotonic() - began, detail=detail)
 
 
 def read_prepared_run(options: RunOptions, env: Environment | None) -> PreparedRecord:
@@ -1256,8 +1232,8 @@ def prepared_step(run: Run) -> None:
     """--prepare, once the smoke check passed: the record of what the commit relies on, then the
     journal says ``prepared``; the lock is released with the run, nothing was stopped."""
     write_prepared(run.state, prepare.new_record(run))
-    run._journal(Phase.PREPARED)
-    run._log("prepared: safeinstall --commit goes on from the gate")
+    run.journal_phase(Phase.PREPARED)
+    run.log("prepared: safeinstall --commit goes on from the gate")
     run.notes.append(
         f"prepared, nothing stopped: safeinstall --commit --python {interpreter_in_prefix(run.env)}"
         f"{' --user' if run.options.user else ''} [--yes] goes on from the stop "
@@ -1299,7 +1275,7 @@ def _tidy_up(run: Run, hashed: Sequence[FileState]) -> tuple[str, ...]:
         staging_s, _ = staging_gone.result()
         prune_s, removed = pruned.result()
     if later:
-        run._log(
+        run.log(
             "tidy-up: the old version's staging directory, the kept links, the run's uv cache and the "
             "backups beyond --keep-backups are left to the next run (or --recover): a commit ends with "
             "its checks"
@@ -1310,7 +1286,7 @@ def _tidy_up(run: Run, hashed: Sequence[FileState]) -> tuple[str, ...]:
         )
     with contextlib.suppress(OSError):
         clear_journal(run.state.dir)
-    run._log(
+    run.log(
         f"tidy-up: hashes kept {kept - started:.1f} s, drop-ins {dropped - kept:.1f} s, the run's uv cache "
         f"{cache_s:.1f} s; alongside: staging directory {staging_s:.1f} s, older backups {prune_s:.1f} s; "
         f"in all {time.monotonic() - started:.1f} s"
@@ -1339,9 +1315,9 @@ def _remove_run_cache(run: Run) -> float:
     filled by clone or copy, never by link); its seconds, logged."""
     started = time.monotonic()
     for left in remove_uv_caches(run.state, run.run_id):
-        run._log(f"{left} could not be removed in {RUN_DIR_REMOVAL_S:g} s: the next run removes it")
+        run.log(f"{left} could not be removed in {RUN_DIR_REMOVAL_S:g} s: the next run removes it")
     took = time.monotonic() - started
-    run._log(f"tidy-up: the run's uv cache removed in {took:.1f} s")
+    run.log(f"tidy-up: the run's uv cache removed in {took:.1f} s")
     return took
 
 
@@ -1363,11 +1339,11 @@ def keep_old_links(run: Run) -> None:
         else:
             kept = keep.keep_links(run.env.prefix, run.run_id, paths, every=every)
     except OSError as exc:
-        run._log(f"no links of the old files kept ({exc}): a rollback copies them back")
+        run.log(f"no links of the old files kept ({exc}): a rollback copies them back")
         return
     if kept:
         which = "all the old files" if every else "old file(s) shared with other links"
-        run._log(f"{kept} links of {which} kept in {keep.keep_name(run.run_id)}")
+        run.log(f"{kept} links of {which} kept in {keep.keep_name(run.run_id)}")
 
 
 def both_fit(run: Run) -> bool:
@@ -1390,7 +1366,7 @@ def _discard_staged(run: Run, keep_tree: bool = False) -> None:
     try:
         swap.tidy(run.staged.plan, run.env.prefix, staging.frame(run.env), ids)
     except (OSError, SafeInstallError) as exc:
-        run._log(f"the bytecode and empty directories of moved-out files were not all removed: {exc}")
+        run.log(f"the bytecode and empty directories of moved-out files were not all removed: {exc}")
     unknown: list[tuple[str, str]] = []
     try:
         known = frozenset(f.path for f in run.saved().manifest.files)
@@ -1399,7 +1375,7 @@ def _discard_staged(run: Run, keep_tree: bool = False) -> None:
     except (OSError, SafeInstallError) as exc:
         left = [f"(the old files could not be listed: {exc})"]
     if unknown:
-        run._log(f"put back where they were (they appeared after the backup): {[p for _, p in unknown]}")
+        run.log(f"put back where they were (they appeared after the backup): {[p for _, p in unknown]}")
     if left:  # never deleted unseen
         kept = swap.keep_staging(run.env.prefix, run.staged.root.name, ids) or run.staged.root
         run.notes.append(
@@ -1446,24 +1422,10 @@ def _discard_wheel_copy(prepared: Prepared) -> None:
         discard_wheel_copy(prepared.options.wheel, prepared.state.dir)
 
 
-def _declined(prepared: Prepared) -> RunResult:
-    """The user said no at the prompt: nothing was journalled, nothing changed."""
-    return RunResult(
-        status="declined",
-        exit_code=ExitCode.REFUSED,
-        plan=prepared.plan,
-        steps=(),
-        downtime_s={},
-        patched=(),
-        extras=(),
-        pruned=(),
-        backup_dir=None,
-        log_file=None,
-        not_restarted=(),
-        strays_killed=(),
-        error=None,
-        notes=prepared.notes,
-    )
+def _declined(prepared: Prepared, run_id: str | None) -> RunDocument:
+    """The user said no at the prompt: nothing was journalled, nothing changed (``run_id``: the caller's)."""
+    data = RunData(plan=plan_doc(prepared.plan), notes=tuple(prepared.notes))
+    return run_document(replace(prepared.options, run_id=run_id), "declined", ExitCode.REFUSED, data)
 
 
 def _result(
@@ -1473,33 +1435,33 @@ def _result(
     error: SafeInstallError | None,
     not_restarted: tuple[str, ...] = (),
     backups_removed: tuple[str, ...] = (),
-) -> RunResult:
-    return RunResult(
-        status=status,
-        exit_code=code,
-        plan=run.plan,
-        steps=tuple(run.steps),
-        downtime_s=dict(run.downtime),
-        service_downtime_s=service_downtime_s(run.down_since, run.healthy_at) if status == "done" else None,
-        patched=run.patched,
-        deleted=run.deleted,
-        extras=run.extras,
-        pruned=run.pruned,
+) -> RunDocument:
+    patches = () if run.patches is None else run.patches.outcomes
+    data = replace(
+        run.record,
+        plan=plan_doc(run.plan),
+        service_downtime_s=run.record.service_downtime_s if status == "done" else None,
         backup_dir=str(run.backup.dir) if run.backup else None,
+        backups_removed=backups_removed,
         log_file=str(run.log_file),
         not_restarted=not_restarted,
-        strays_killed=run.strays_killed,
-        error=error,
         notes=tuple(run.notes),
+        patches=patch_docs(rolled_back(patches) if status == "rolled-back" else patches),
         manual_commands=error.commands if isinstance(error, RollbackFailed) else (),
-        backups_removed=backups_removed,
-        old_code=run.old_code,
-        patches=(
-            ()
-            if run.patches is None
-            else rolled_back(run.patches.outcomes)
-            if status == "rolled-back"
-            else run.patches.outcomes
-        ),
-        patch_file=str(run.patch_file) if run.patch_file else None,
+    )
+    return run_document(run.options, status, code, data, error)
+
+
+def run_document(
+    options: RunOptions, status: str, code: ExitCode, data: RunData, error: SafeInstallError | None = None
+) -> RunDocument:
+    """Pure: the run's ``--json`` document (docs/json.md): ``data`` with the run's id (an undo's: the
+    run it undoes), every field of a run written."""
+    present = tuple(name for name in RUN_FIELDS if name != "undo_of" or options.undo is not None)
+    return RunDocument(
+        command="reinstall" if options.undo is None else "undo",
+        status=status,
+        exit_code=int(code),
+        data=replace(data, present=present, run_id=options.run_id, undo_of=options.undo),
+        errors=() if error is None else (ErrorDoc.of(error),),
     )

@@ -1,5 +1,5 @@
-"""What a run returns and how it reports as it goes: the types every layer above the steps shares
-(the CLI renders a :class:`RunResult`; ``--status --wait`` reads what :class:`LoggedReporter` wrote)."""
+"""How a run reports as it goes (``--status --wait`` reads what :class:`LoggedReporter` wrote); what
+it returns is its document (:mod:`safeinstall.store.rundoc`)."""
 
 from __future__ import annotations
 
@@ -9,44 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from safeinstall.errors import ExitCode, SafeInstallError
 from safeinstall.run.patches import PatchOutcome
-from safeinstall.scan.plan import OldCodeProcess, Plan
+from safeinstall.scan.plan import Plan
+from safeinstall.store.rundoc import StepDoc
 from safeinstall.store.runlog import PROGRESS_EVERY_S, append_line, progress_key, progress_text
-
-
-@dataclass(frozen=True, slots=True)
-class StepOutcome:
-    name: str
-    status: str  # "ok" | "failed" | "skipped"
-    seconds: float
-    detail: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class RunResult:
-    status: str  # "done" | "declined" | "rolled-back" | "rollback-failed"
-    exit_code: ExitCode
-    plan: Plan | None
-    steps: tuple[StepOutcome, ...]
-    downtime_s: dict[str, float]
-    patched: tuple[str, ...]
-    extras: tuple[str, ...]
-    pruned: tuple[str, ...]
-    backup_dir: str | None
-    log_file: str | None
-    not_restarted: tuple[str, ...]
-    strays_killed: tuple[int, ...]
-    error: SafeInstallError | None
-    notes: tuple[str, ...]
-    manual_commands: tuple[str, ...] = ()
-    backups_removed: tuple[str, ...] = ()  # older backups deleted after a good run (--keep-backups)
-    old_code: tuple[OldCodeProcess, ...] = ()  # found by the end check: still mapping replaced files
-    patches: tuple[PatchOutcome, ...] = ()  # --keep-patches: each local patch, carried/dropped/conflict
-    patch_file: str | None = None  # --keep-patches: the carried set, one patch against the new version
-    deleted: tuple[str, ...] = ()  # those of ``patched`` deleted locally (nothing of them to keep)
-    #: --health-url: the first unit stopped -> the health URL answered 200 (None without it, or not done)
-    service_downtime_s: float | None = None
 
 
 def service_downtime_s(down_since: Mapping[str, float], healthy_at: float | None) -> float | None:
@@ -58,7 +24,7 @@ def service_downtime_s(down_since: Mapping[str, float], healthy_at: float | None
 
 
 class Reporter(Protocol):
-    def step(self, outcome: StepOutcome) -> None: ...
+    def step(self, outcome: StepDoc) -> None: ...
 
     def progress(self, what: str, done: float | None, total: float | None, unit: str = "") -> None:
         """``unit``: "bytes", "s" (seconds) or "" (a count); see
@@ -82,7 +48,7 @@ class LoggedReporter:
     _last_progress: float = field(default_factory=time.monotonic)
     _last_key: str = ""
 
-    def step(self, outcome: StepOutcome) -> None:
+    def step(self, outcome: StepDoc) -> None:
         self._last_key = ""
         append_line(
             self.log, f"{outcome.name}: {outcome.status} in {outcome.seconds:.1f} s: {outcome.detail}"

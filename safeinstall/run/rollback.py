@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 import signal
 import time
+from collections.abc import Callable
 
 from safeinstall.errors import (
     Aborted,
@@ -17,13 +18,13 @@ from safeinstall.errors import (
     StepFailed,
 )
 from safeinstall.run.putback import put_back
-from safeinstall.run.results import StepOutcome
-from safeinstall.run.running import Run, phase_at_least, reset_start_limits, start_and_settle
-from safeinstall.run.smoke import abandon
+from safeinstall.run.running import Run, phase_at_least
+from safeinstall.run.units import reset_start_limits, start_and_settle, stop_units
 from safeinstall.store.journal import (
     JournalUnit,
     Phase,
 )
+from safeinstall.store.rundoc import StepDoc
 from safeinstall.store.state import (
     PUT_BACK_CACHE_S,
     remove_uv_caches,
@@ -31,8 +32,9 @@ from safeinstall.store.state import (
 from safeinstall.system.signals import interrupts_deferred
 
 
-def rollback(run: Run, error: SafeInstallError) -> SafeInstallError:
-    """Put everything back; returns the error to report (StepFailed, or RollbackFailed)."""
+def rollback(run: Run, error: SafeInstallError, abandon: Callable[[Run], None]) -> SafeInstallError:
+    """Put everything back; returns the error to report (StepFailed, or RollbackFailed). ``abandon``
+    ends first what still runs beside the steps (the smoke check: :func:`safeinstall.run.smoke.abandon`)."""
 
     def announce(signum: int) -> None:
         run.reporter.note(
@@ -45,10 +47,9 @@ def rollback(run: Run, error: SafeInstallError) -> SafeInstallError:
         done: list[str] = []
         stopped_any = phase_at_least(run.journal, Phase.STOPPING)
         try:
-            run._journal_if_possible(Phase.ROLLING_BACK, note=error.message)
+            run.journal_phase_if_possible(Phase.ROLLING_BACK, note=error.message)
             if run.restart_started:
-                for unit in run._units_to_restart():
-                    run.systemd.stop(unit, run._stop_timeout(90.0))
+                stop_units(run.systemd, dict.fromkeys(run.units_to_restart(), run.stop_timeout(90.0)))
             # the install (uv's, or the swap's renames) may have begun: the backup goes back
             installed = phase_at_least(run.journal, Phase.INSTALLING) or phase_at_least(
                 run.journal, Phase.SWAPPING
@@ -59,7 +60,7 @@ def rollback(run: Run, error: SafeInstallError) -> SafeInstallError:
                 # bounded, since its owner may keep filling it (the rest goes after the restart)
                 left = remove_uv_caches(run.state, run.run_id, PUT_BACK_CACHE_S)
                 if left:
-                    run._log(
+                    run.log(
                         f"the run's uv cache was still being filled after {PUT_BACK_CACHE_S:g} s: "
                         "restoring first, removing it afterwards"
                     )
@@ -72,7 +73,7 @@ def rollback(run: Run, error: SafeInstallError) -> SafeInstallError:
                 run.options.environ,
                 restore,
                 lambda units: _start_again(run, units),
-                lambda _done: run._journal_if_possible(Phase.ROLLED_BACK),
+                lambda _done: run.journal_phase_if_possible(Phase.ROLLED_BACK),
             )
             run.notes.extend(outcome.notes)
             if outcome.restored:
@@ -96,19 +97,20 @@ def rollback(run: Run, error: SafeInstallError) -> SafeInstallError:
     )
 
 
-def rollback_step(run: Run, error: SafeInstallError) -> SafeInstallError:
+def rollback_step(run: Run, error: SafeInstallError, abandon: Callable[[Run], None]) -> SafeInstallError:
     """:func:`rollback`, as a step of its own once something was stopped: a progress line when it
     begins, then its step line (what it put back, or why it failed), as every step has."""
     started = time.monotonic()
     stopped = phase_at_least(run.journal, Phase.STOPPING)
     if stopped:
         run.reporter.progress(f"rolling back ({error.message})", None, None)
-    outcome = rollback(run, error)
+    outcome = rollback(run, error, abandon)
     if stopped:
         ok = outcome.exit_code == ExitCode.ROLLED_BACK
         detail = outcome.message.removeprefix(f"{error.message}; ") if ok else outcome.message
-        step = StepOutcome("rollback", "ok" if ok else "failed", time.monotonic() - started, detail)
-        run.steps.append(step)
+        seconds = time.monotonic() - started
+        step = StepDoc(name="rollback", status="ok" if ok else "failed", seconds=seconds, detail=detail)
+        run.add_step(step)
         run.reporter.step(step)
     return outcome
 
@@ -132,7 +134,7 @@ def _remove_own_backup(run: Run) -> None:
 def _rollback_failed(run: Run, error: SafeInstallError, second: SafeInstallError) -> RollbackFailed:
     commands = [f"safeinstall --recover --python {run.env.python}"]
     flag = "--user " if run.options.user else ""
-    commands += [f"systemctl {flag}start {u}" for u in run._units_to_restart()]
+    commands += [f"systemctl {flag}start {u}" for u in run.units_to_restart()]
     return RollbackFailed(
         f"{error.message}; then putting things back failed too: {second.message}. "
         f"The backup ({run.journal.backup_dir}) and the journal are kept. To finish: "

@@ -268,7 +268,7 @@ def prepare(run: Run, new: NewTree) -> Checks:
     }
     stored, problem = oldimports.load(run.state)
     if problem is not None:
-        run._log(f"smoke: {problem}")
+        run.log(f"smoke: {problem}")
     known = {name: stored.get((name, *old[name]), {}) for name in old}
     return Checks(
         new,
@@ -305,7 +305,7 @@ def start(run: Run, new: NewTree) -> None:
     except Interrupted:
         raise
     except (SafeInstallError, OSError) as exc:
-        run._log(f"smoke: not started beside the prefetch: {getattr(exc, 'message', None) or exc}")
+        run.log(f"smoke: not started beside the prefetch: {getattr(exc, 'message', None) or exc}")
         return
     cancel = threading.Event()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="safeinstall-smoke")
@@ -321,9 +321,9 @@ def start(run: Run, new: NewTree) -> None:
         _undo(run, checks.new, checks.shim, checks.opened)
         if not isinstance(exc, RuntimeError):  # "can't start new thread": the smoke step runs it
             raise
-        run._log(f"smoke: not started beside the prefetch: {exc}")
+        run.log(f"smoke: not started beside the prefetch: {exc}")
         return
-    run._log(f"smoke: started beside the prefetch, from {new.tree}")
+    run.log(f"smoke: started beside the prefetch, from {new.tree}")
 
 
 def abandon(run: Run) -> None:
@@ -339,7 +339,7 @@ def abandon(run: Run) -> None:
         run.smoke_check = None
         background.pool.shutdown(wait=True)
         _undo(run, background.checks.new, background.checks.shim, background.checks.opened)
-        run._log("smoke: the check that ran beside the prefetch was ended")
+        run.log("smoke: the check that ran beside the prefetch was ended")
     finally:
         signals.unblock(mask)
 
@@ -359,7 +359,7 @@ def smoke_step(run: Run) -> str:
         run.smoke_check = None
         background.pool.shutdown(wait=True)
         beside = f"the check took {time.monotonic() - background.started:.1f} s, beside the prefetch"
-        run._log(f"smoke: {beside}")
+        run.log(f"smoke: {beside}")
         return f"{_conclude(run, background.checks, checked)} ({beside})"
     new = new_tree(run)
     if new is None:
@@ -389,10 +389,10 @@ def _target_tree(run: Run) -> str | None:
     command = prefetch_command(request, uv_binary(), scratch, run.survey.uv_plan.changes)
     # copies: a new link of a hashed inode of the run's cache would change its change time
     command[command.index("--link-mode") + 1] = "copy"
-    run._log(f"smoke: the new version laid out from the run's cache: {' '.join(command)}")
+    run.log(f"smoke: the new version laid out from the run's cache: {' '.join(command)}")
     cache = run.state.uv_cache(run.run_id)
     result = uv_install(command, run.options.environ, cache_dir=cache, account=account)
-    run._log(f"uv exit {result.returncode}:\n{result.output}")
+    run.log(f"uv exit {result.returncode}:\n{result.output}")
     if result.returncode != 0:
         return f"uv could not lay it out for the check (exit {result.returncode}; see the log)"
     return None
@@ -405,9 +405,9 @@ def _keep_old_answers(run: Run, checks: Checks, learned: dict[str, dict[str, str
     stored, _ = oldimports.load(run.state)
     keyed = {(name, *checks.old[name]): answers for name, answers in learned.items() if name in checks.old}
     note = oldimports.save(run.state, oldimports.merged(stored, keyed))
-    run._log(f"smoke: the running version was asked about {sum(map(len, learned.values()))} module(s)")
+    run.log(f"smoke: the running version was asked about {sum(map(len, learned.values()))} module(s)")
     if note is not None:
-        run._log(f"smoke: {note}")
+        run.log(f"smoke: {note}")
 
 
 def _conclude(run: Run, checks: Checks, checked: Checked) -> str:
@@ -417,7 +417,7 @@ def _conclude(run: Run, checks: Checks, checked: Checked) -> str:
     try:
         _keep_old_answers(run, checks, checked.learned)
         for outcome in outcomes:
-            run._log(f"smoke: {smoke.logged(outcome)}")
+            run.log(f"smoke: {smoke.logged(outcome)}")
         if not all(o.ok for o in outcomes):
             failed = [module for o in outcomes for module, _ in o.failed]
             skip = f"--smoke-skip {failed[0]} leaves out a module you know is bad, " if failed else ""
@@ -435,7 +435,7 @@ def _conclude(run: Run, checks: Checks, checked: Checked) -> str:
     ):
         if note is not None:
             run.notes.append(note)
-            run._log(note)
+            run.log(note)
     skipped = checks.skipped
     run.notes.extend(
         f"the new version was not checked before the stop for {why}: the check never runs as root for "

@@ -16,8 +16,11 @@ if TYPE_CHECKING:
     from safeinstall.scan.processes import ScanProblem as ScanProblem
     from safeinstall.store.history import HistoryEntry as HistoryEntry
     from safeinstall.store.history import RunSummary as RunSummary
+    from safeinstall.store.rundoc import ErrorDoc as ErrorDoc
     from safeinstall.store.rundoc import OldCodeDoc as OldCodeDoc
+    from safeinstall.store.rundoc import PatchDoc as PatchDoc
     from safeinstall.store.rundoc import RunDocument as RunDocument
+    from safeinstall.store.rundoc import StepDoc as StepDoc
 
 __all__ = [
     "PROGRESS_EVERY_S",

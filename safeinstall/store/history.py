@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from packaging.utils import canonicalize_name
 
 from safeinstall.errors import SafeInstallError
 from safeinstall.store.journal import now_iso
-from safeinstall.store.rundoc import RunDocument
+from safeinstall.store.rundoc import PlanDoc, RunDocument
 from safeinstall.store.runlog import append_line
 from safeinstall.store.state import EnvironmentState, atomic_write, ensure_dir, is_run_id
 from safeinstall.system.safefs import UntrustedFile, read_trusted
@@ -159,7 +158,7 @@ def encode(entry: HistoryEntry) -> bytes:
     slim = replace(
         details,
         present=present,
-        plan=_slim_plan(details.plan or {}),
+        plan=(details.plan or PlanDoc(json={})).slim(),
         notes=(*details.notes, "the plan's details were left out of the history (too large)"),
     )
     data = json.dumps(
@@ -169,11 +168,6 @@ def encode(entry: HistoryEntry) -> bytes:
         return data
     emptied = replace(entry, result=replace(entry.result, data=None), truncated=True)
     return json.dumps(emptied.to_json(), allow_nan=False).encode()
-
-
-def _slim_plan(plan: Mapping[str, Any]) -> dict[str, Any]:
-    keep = ("package", "python", "prefix", "user_manager", "distributions", "uv_command")
-    return {key: plan[key] for key in keep if key in plan}
 
 
 def _path(state: EnvironmentState, run_id: str) -> Path:

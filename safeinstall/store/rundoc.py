@@ -6,10 +6,11 @@ back, byte for byte.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from safeinstall.errors import SafeInstallError
 from safeinstall.system.fields import check as _check
 from safeinstall.system.fields import is_number as _is_number
 from safeinstall.system.fields import objects as _objects
@@ -35,6 +36,10 @@ class ErrorDoc:
             hint=_text_or_none(raw.get("hint"), "errors.hint"),
         )
 
+    @classmethod
+    def of(cls, error: SafeInstallError) -> ErrorDoc:
+        return cls(code=error.code, message=error.message, hint=error.advice)
+
     def to_json(self) -> dict[str, Any]:
         return {"code": self.code, "message": self.message, "hint": self.hint}
 
@@ -44,7 +49,7 @@ class StepDoc:
     name: str
     status: str  # ok | failed | skipped
     seconds: float
-    detail: str
+    detail: str = ""
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> StepDoc:
@@ -127,29 +132,46 @@ class Change:
     requested: bool
 
 
-def _changes(plan: Mapping[str, Any] | None) -> tuple[Change, ...]:
-    if plan is None:
-        return ()
-    found = []
-    for raw in _check(plan.get("distributions", []), lambda v: isinstance(v, list), "plan.distributions"):
-        dist = _check(raw, lambda v: isinstance(v, dict), "plan.distributions")
-        found.append(
-            Change(
-                name=_text(dist.get("name", ""), "plan.distributions.name"),
-                old_version=_text_or_none(dist.get("old_version"), "plan.distributions.old_version"),
-                new_version=_text_or_none(dist.get("new_version"), "plan.distributions.new_version"),
-                requested=bool(dist.get("requested")),
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanDoc:
+    """The run's plan: as ``--dry-run --json`` prints it (``json``, kept as it is: docs/json.md), and
+    its distributions' changes, read once."""
+
+    json: Mapping[str, Any]
+    changes: tuple[Change, ...] = ()
+
+    @classmethod
+    def from_json(cls, raw: object) -> PlanDoc:
+        plan = _check(raw, lambda p: isinstance(p, dict), "plan")
+        changes = []
+        listed = _check(plan.get("distributions", []), lambda v: isinstance(v, list), "plan.distributions")
+        for raw_change in listed:
+            dist = _check(raw_change, lambda v: isinstance(v, dict), "plan.distributions")
+            changes.append(
+                Change(
+                    name=_text(dist.get("name", ""), "plan.distributions.name"),
+                    old_version=_text_or_none(dist.get("old_version"), "plan.distributions.old_version"),
+                    new_version=_text_or_none(dist.get("new_version"), "plan.distributions.new_version"),
+                    requested=bool(dist.get("requested")),
+                )
             )
-        )
-    return tuple(found)
+        return cls(json=plan, changes=tuple(changes))
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.json)
+
+    def slim(self) -> PlanDoc:
+        """The plan without its processes and units (a history entry too large to keep whole)."""
+        keep = ("package", "python", "prefix", "user_manager", "distributions", "uv_command")
+        return replace(self, json={key: self.json[key] for key in keep if key in self.json})
 
 
 #: Each field of a run's ``data`` and how it is read (docs/json.md: ``reinstall``; a ``recovered``
-#: run's: what ``--recover`` did for it).
+#: run's: what ``--recover`` did for it), in the order a run writes them.
 _READERS: dict[str, Callable[[object], Any]] = {
     "run_id": lambda v: _text_or_none(v, "run_id"),
     "undo_of": lambda v: _text_or_none(v, "undo_of"),
-    "plan": lambda v: _check(v, lambda p: p is None or isinstance(p, dict), "plan"),
+    "plan": lambda v: None if v is None else PlanDoc.from_json(v),
     "steps": lambda v: _objects(v, "steps", StepDoc.from_json),
     "downtime_s": lambda v: {
         _text(unit, "downtime_s"): _check(s, _is_number, "downtime_s")
@@ -173,6 +195,7 @@ _READERS: dict[str, Callable[[object], Any]] = {
     "patches": lambda v: _objects(v, "patches", PatchDoc.from_json),
     "patch_file": lambda v: _text_or_none(v, "patch_file"),
     "manual_commands": lambda v: _texts(v, "manual_commands"),
+    "wall_s": lambda v: None if v is None else _check(v, _is_number, "wall_s"),
     # a recovered run's
     "prefix": lambda v: _text_or_none(v, "prefix"),
     "phase": lambda v: _text_or_none(v, "phase"),
@@ -184,6 +207,10 @@ _READERS: dict[str, Callable[[object], Any]] = {
 }
 
 
+#: A run's ``data``, each field in the order it is written (``undo_of``: an undo's alone).
+RUN_FIELDS = tuple(_READERS)[: tuple(_READERS).index("wall_s") + 1]
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunData:
     """A run's ``data``. ``present``: the fields the document has, in its order (a run's, a recovered
@@ -192,7 +219,7 @@ class RunData:
     present: tuple[str, ...] = ()
     run_id: str | None = None
     undo_of: str | None = None
-    plan: Mapping[str, Any] | None = None  # the plan, as ``--dry-run --json`` has it (docs/json.md)
+    plan: PlanDoc | None = None
     steps: tuple[StepDoc, ...] = ()
     downtime_s: Mapping[str, float] = field(default_factory=dict)
     #: --health-url: the first unit stopped -> the health URL answered 200 (None: without it, not done)
@@ -211,6 +238,7 @@ class RunData:
     patches: tuple[PatchDoc, ...] = ()
     patch_file: str | None = None
     manual_commands: tuple[str, ...] = ()
+    wall_s: float | None = None  # the whole run: from before its preflight to its result
     prefix: str | None = None
     phase: str | None = None
     restored: bool = False
@@ -223,7 +251,7 @@ class RunData:
     @property
     def changes(self) -> tuple[Change, ...]:
         """The plan's distributions (none without a plan)."""
-        return _changes(self.plan)
+        return () if self.plan is None else self.plan.changes
 
     def versions(self, package: str | None) -> tuple[str | None, str | None]:
         """The old and new version of ``package`` (a canonical name; None: the requested one); a
@@ -237,9 +265,7 @@ class RunData:
     def from_json(cls, raw: Mapping[str, Any]) -> RunData:
         known = {name: _READERS[name](value) for name, value in raw.items() if name in _READERS}
         other = {name: value for name, value in raw.items() if name not in _READERS}
-        data = cls(present=tuple(raw), other=other, **known)
-        _changes(data.plan)  # checked once here: its readers need not
-        return data
+        return cls(present=tuple(raw), other=other, **known)
 
     def to_json(self) -> dict[str, Any]:
         return {name: self._json_of(name) for name in self.present}
@@ -252,7 +278,7 @@ class RunData:
             return [v.to_json() if hasattr(v, "to_json") else v for v in value]
         if name == "downtime_s":
             return dict(value)
-        return value
+        return value.to_json() if isinstance(value, PlanDoc) else value
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -283,6 +309,12 @@ class RunDocument:
             errors=_objects(raw.get("errors", []), "errors", ErrorDoc.from_json),
         )
 
+    @classmethod
+    def failed(cls, command: str, error: SafeInstallError) -> RunDocument:
+        """The document of a run that failed before it had any data."""
+        errors = (ErrorDoc.of(error),)
+        return cls(command=command, status="error", exit_code=int(error.exit_code), data=None, errors=errors)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "safeinstall_result_version": self.version,
@@ -297,8 +329,3 @@ class RunDocument:
     def details(self) -> RunData:
         """Its data; an empty one for a run that failed before it had any."""
         return self.data if self.data is not None else RunData()
-
-
-def error_lines(document: RunDocument, prefix: str = "error: ") -> Sequence[str]:
-    """Pure: each error of the document as its log says it."""
-    return tuple(f"{prefix}{error.message}" for error in document.errors)
