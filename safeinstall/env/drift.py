@@ -330,8 +330,13 @@ def own_roots(
     """Each distribution's own package directories: strictly below a site directory, with no other
     distribution's files below (so ``nvidia/`` is never one); ``.dist-info`` left out.
     """
-    owners = directory_owners(files_by_distribution, site_dirs)
-    roots: dict[str, list[str]] = {name: [] for name in files_by_distribution}
+    return roots_of(directory_owners(files_by_distribution, site_dirs), files_by_distribution)
+
+
+def roots_of(owners: Mapping[str, set[str]], names: Iterable[str]) -> dict[str, list[str]]:
+    """Pure: :func:`own_roots` from the :func:`directory_owners` already found (one check finds them
+    once: the extras search and the walk of where Python looks first both take them)."""
+    roots: dict[str, list[str]] = {name: [] for name in names}
     for directory, names in owners.items():
         if len(names) != 1 or directory.endswith(".dist-info"):
             continue

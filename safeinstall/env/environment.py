@@ -218,8 +218,8 @@ class _Control:
         self.owners: dict[int, str] = {}
         self.gids: dict[int, int] = {}  # the group of the first path each account owns
         self.problems: list[str] = []
-        #: when given: the ``lstat`` of each file the walk of what ``site`` may import looked at, by
-        #: path (:func:`steering`'s ``walked``)
+        #: when given: the ``lstat`` of each file the walk of what ``site`` may import looked at, and of
+        #: each directory looked at, by path (:func:`steering`'s ``walked``)
         self.walked: dict[str, os.stat_result] | None = None
 
     def look(self, path: Path | str, what: str, *, ancestor: bool = False) -> bool:
@@ -235,6 +235,8 @@ class _Control:
         mode = info.st_mode
         if stat.S_ISLNK(mode):
             return True
+        if self.walked is not None and stat.S_ISDIR(mode):  # the proof's directories too
+            self.walked[os.fspath(path)] = info
         sticky = ancestor and bool(mode & stat.S_ISVTX)
         raw = b""
         # with an access ACL the group bits are its mask, which every named user's and group's write

@@ -25,7 +25,6 @@ from safeinstall.env.distributions import (
     find_distribution,
     find_distributions,
     find_named,
-    package_roots,
 )
 from safeinstall.env.drift import (
     Expectation,
@@ -40,6 +39,7 @@ from safeinstall.env.drift import (
     mode_finding,
     pyc_source,
     report_order,
+    roots_of,
     shared_file,
     untouched_since_install,
 )
@@ -471,8 +471,9 @@ def verify_environment(
             found.extend(find_distributions(env, early, reader))
         listed = _listed_locations(found)
         listed_holder.append(listed)
-        sources.update(_sources(found))
-        roots = package_roots(env, found)
+        files = {d.name: d.locations for d in found}
+        owners = directory_owners(files, map(os.fspath, sites))  # once: the roots and the tops take it
+        roots = roots_of(owners, files)
         for plan in plans:
             name = plan.dist.name
             unlisted[name] = []
@@ -491,7 +492,6 @@ def verify_environment(
                 if bytecode and location.endswith(".pyc") and pyc_name(location) is not None
             )
         if bytecode and names is None and wheel is None:  # --all: where Python looks first, too
-            owners = directory_owners({d.name: d.locations for d in found}, map(os.fspath, sites))
             looked = look(map(os.fspath, sites), owners, listed, walk)
             top.extend(_not_dpkgs(env, looked.unlisted))
             top.extend(Unlisted(where, "", f"not checked below it: {why}") for where, why in stopped.items())
@@ -569,7 +569,9 @@ def verify_environment(
             for f in findings
             if f.kind == FindingKind.MODIFIED and pyc_name(f.path) is not None
         )
-    sources.update(_dpkg_sources(env, [parsed.source for pyc in pycs if (parsed := pyc_name(pyc))]))
+    wanted_sources = [parsed.source for pyc in pycs if (parsed := pyc_name(pyc))]
+    sources.update(_sources(found, frozenset(wanted_sources)))  # none: nothing to look up (uv's vLLM)
+    sources.update(_dpkg_sources(env, wanted_sources))
     verdicts = judge_files(
         [env.prefix, env.base_prefix],
         (
@@ -724,13 +726,15 @@ def _orphans(name: str, walked: Sequence[str], listed: frozenset[str]) -> list[F
     ]
 
 
-def _sources(found: Sequence[InstalledDistribution]) -> dict[str, tuple[str, Source]]:
-    """Every listed, hashed ``.py``: location -> (its distribution, its RECORD hash)."""
+def _sources(found: Sequence[InstalledDistribution], wanted: frozenset[str]) -> dict[str, tuple[str, Source]]:
+    """Each ``wanted`` source some RECORD lists with a hash: location -> (its distribution, its RECORD
+    hash). Only the distributions that list one are gone through (61k entries on vLLM, a few .pyc)."""
     return {
         location: (dist.name, Source(entry.hash.algorithm, entry.hash.digest))
         for dist in found
+        if not wanted.isdisjoint(dist.locations)
         for entry, location in zip(dist.record.entries, dist.locations, strict=True)
-        if entry.hash is not None and location.endswith(".py")
+        if entry.hash is not None and location in wanted
     }
 
 
