@@ -20,6 +20,7 @@ from safeinstall.store.state import (
     check_trusted,
     ensure_environment_dir,
     read_private_file,
+    store_part,
     trusted_environment_state,
 )
 
@@ -30,14 +31,7 @@ STORE_LIMIT = 64 << 20
 
 def from_json(raw: bytes, prefix: str) -> dict[str, Anchor]:
     """Pure: the anchors kept, every field checked (ValueError: damaged or another environment's)."""
-    document: Any = json.loads(raw)
-    if not isinstance(document, dict) or document.get("version") != STORE_VERSION:
-        raise ValueError("not a store of this version")
-    if document.get("prefix") != prefix:
-        raise ValueError("another environment's")
-    anchors = document.get("anchors")
-    if not isinstance(anchors, dict):
-        raise ValueError("no anchors")
+    anchors: dict[Any, Any] = store_part(raw, STORE_VERSION, prefix, "anchors", dict)
     found: dict[str, Anchor] = {}
     for dist_info, value in anchors.items():
         if (
