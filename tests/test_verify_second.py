@@ -154,7 +154,7 @@ def test_every_store_begins_with_its_version_its_environment_and_its_part_checke
         raw = json.dumps(document).encode()
         if store == "bytecode":
             return bytecode.from_json(raw, prefix, "b", time.time_ns())
-        return module.from_json(raw, prefix)  # type: ignore[attr-defined]
+        return module.from_json(raw, prefix)
 
     assert parsed(good) == {}
     for bad in (
