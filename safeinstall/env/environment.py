@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from safeinstall.env.containment import is_within
+from safeinstall.env.hashing import cycle_collection_paused
 from safeinstall.errors import InterpreterError
 from safeinstall.system import children
 from safeinstall.system.fields import optional_text
@@ -501,8 +502,11 @@ def steering(env: Environment, euid: int, walked: dict[str, os.stat_result] | No
     directories = list(dict.fromkeys(search))
     if names - _SITE_IMPORTS or any(_loaded_entries(d, frozenset(names)) for d in directories):
         budget = [LOADED_ENTRIES]
-        for directory in directories:
-            _walk_loaded(control, directory, "what site may import", budget)
+        # the cycle collector paused: the walk makes an lstat and a path of each entry (68k on vLLM),
+        # no cycle, and their collections walked every object again; the budget bounds it
+        with cycle_collection_paused(frozen=True):
+            for directory in directories:
+                _walk_loaded(control, directory, "what site may import", budget)
     return control
 
 

@@ -422,7 +422,8 @@ def verify_environment(
     if early is not None:
         selected = early
     else:
-        found = list(installed) if installed is not None else find_distributions(env)
+        with cycle_collection_paused(frozen=True):  # every RECORD entry (61k on vLLM), no cycle
+            found = list(installed) if installed is not None else find_distributions(env)
         selected = found if names is None else [find_distribution(env, name, found) for name in names]
     if wheel is not None and (len(selected) != 1 or selected[0].name != wheel.name):
         raise WheelError(
