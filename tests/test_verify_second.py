@@ -169,3 +169,46 @@ def test_every_store_begins_with_its_version_its_environment_and_its_part_checke
     if store == "bytecode":
         with pytest.raises(ValueError):
             parsed({**good, "boot": "c"})
+
+
+def test_a_restored_record_meets_the_anchor_it_had_before_the_run(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    """A run backs sipure up (its anchors kept with the backup), installs over it and puts the backup
+    back (a rollback's, ``--recover``'s or an ``--undo``'s restore): the restored RECORD is a new inode
+    with a new ctime, and the file its wheel lied about stays the wheel's fault once the anchor is
+    carried over; a file the owner had edited before the run is never explained so (``modified``)."""
+    from safeinstall.env.distributions import find_distributions
+    from safeinstall.env.environment import inspect_environment
+    from safeinstall.store.anchors import carry_over, keep_with_backup
+    from safeinstall.store.backup import create_backup, restore_backup
+
+    (tmp_path / "w").mkdir()
+    wheel = _rewrite_record_hash(
+        wheels["sipure-1"], tmp_path / "w" / wheels["sipure-1"].name, "sipure/cli.py"
+    )
+    wheelhouse.uv_install(venv, wheel)
+    state, site = tmp_path / "state", _site(venv)
+    assert _check(venv, state)[0] == 1  # root's first sight: anchored
+    assert _check(venv, state)[0] == 5
+    edited = site / "sipure" / "__init__.py"
+    edited.write_text(edited.read_text() + "# the owner's\n")
+    env = inspect_environment(venv)
+    installed = find_distributions(env)
+    backup = create_backup(
+        env, [d for d in installed if d.name == "sipure"], tmp_path / "backup", [], installed=installed
+    )
+    assert keep_with_backup(state, env.prefix, backup) is None
+    record = next(site.glob("sipure-*.dist-info")) / "RECORD"
+    record.unlink()  # the install: a new RECORD, new bytes
+    record.write_text("sipure/__init__.py,,\n")
+    (site / "sipure" / "cli.py").unlink()  # (the backup may hold this very inode: never written in place)
+    (site / "sipure" / "cli.py").write_text("NEW = 2\n")
+    restored = restore_backup(backup, env, [])
+    assert restored.ok, restored
+    assert carry_over(state, env.prefix, backup) is None
+    code, doc = _check(venv, state)
+    kinds = {
+        os.path.basename(f["path"]): f["kind"] for f in doc["data"]["findings"] if f["kind"] != "hardlinked"
+    }
+    assert code == 1 and kinds == {"cli.py": "wheel-fault", "__init__.py": "modified"}, kinds

@@ -75,7 +75,7 @@ from safeinstall.run.survey import scan_again, systemd_for
 from safeinstall.run.undo import UndoTarget, left_of
 from safeinstall.scan.plan import PlannedProcess, PlannedUnit, left_on_old_code
 from safeinstall.scan.processes import scan_processes
-from safeinstall.store.anchors import forget_anchors
+from safeinstall.store.anchors import carry_over, forget_anchors, keep_with_backup
 from safeinstall.store.backup import (
     check_restored,
     create_backup,
@@ -248,6 +248,8 @@ def backup_step(run: Run) -> str:
         known=before.observed,
         installed=run.survey.installed,
     )
+    note = keep_with_backup(run.state.root, run.env.prefix, run.backup)  # a restore carries them over
+    run.notes.extend([note] if note else [])
     run._journal(Phase.BACKED_UP, backup_dir=str(run.backup.dir))
     size = run.backup.manifest.files
     patched = len(run.patched) - len(run.deleted)
@@ -1049,6 +1051,8 @@ def _undo_checked(run: Run) -> str:
             f"the restored files do not match the backup of run {target.run_id}: {undo.listed(wrong)}"
         )
     run.left = left_of(report, installed, names)
+    note = carry_over(run.state.root, run.env.prefix, target.backup)  # the restored RECORDs' windows
+    run.notes.extend([note] if note else [])
     return (
         f"{sum(d.files_checked for d in report.distributions)} files match the backup of run {target.run_id}"
     )
