@@ -212,3 +212,53 @@ def test_a_restored_record_meets_the_anchor_it_had_before_the_run(
         os.path.basename(f["path"]): f["kind"] for f in doc["data"]["findings"] if f["kind"] != "hardlinked"
     }
     assert code == 1 and kinds == {"cli.py": "wheel-fault", "__init__.py": "modified"}, kinds
+
+
+def test_the_search_for_extras_takes_the_steering_walks_listings_and_still_finds_each_plant(
+    env: Path, tmp_path: Path
+) -> None:
+    """With a ``.pth`` that imports, the steering walk lists every directory of site-packages and the
+    search for extras takes those listings (no directory listed twice): a module, a package directory
+    and a ``.pyc`` planted after a clean check are each reported."""
+    state, site = tmp_path / "state", _site(env)
+    pth = site / "zz_steer.pth"
+    pth.write_text("import sipure\n")
+    _settle(env)
+    assert _drift(_check(env, state)[1]) == {("extra", str(pth))}
+    module, package = site / "sipure" / "evil.py", site / "sipure" / "sub"
+    module.write_text("import os\n")
+    package.mkdir()
+    (package / "mod.py").write_text("import os\n")
+    cache = site / "sipure" / "__pycache__"
+    cache.mkdir(exist_ok=True)
+    planted = cache / f"cli.{__import__('sys').implementation.cache_tag}.pyc"
+    planted.write_bytes(b"\0" * 16)
+    code, doc = _check(env, state)
+    found = {path for _, path in _drift(doc)}
+    assert code == 1 and {str(module), str(package / "mod.py"), str(planted)} <= found, doc["data"][
+        "findings"
+    ]
+
+
+def test_a_walk_from_listings_is_the_walk_of_the_tree_within_the_same_bounds(tmp_path: Path) -> None:
+    """:func:`walk_listed` gives what the descriptor walk gives for the same tree (a symlink listed, never
+    entered), None when a directory below was not listed, and stops at the walk's bounds."""
+    from safeinstall.env.verify import _walk, walk_listed
+    from safeinstall.system.safefs import WALK_MAX_DEPTH, TreeTooLarge
+
+    top = tmp_path / "pkg"
+    (top / "a" / "b").mkdir(parents=True)
+    for name in ("x.py", "a/y.py", "a/b/z.so"):
+        (top / name).write_text("")
+    (top / "link").symlink_to(top / "a", target_is_directory=True)
+    listings: dict[str, list[tuple[str, bool]]] = {}
+    for directory in (top, top / "a", top / "a" / "b"):
+        with os.scandir(directory) as entries:
+            listings[str(directory)] = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+    assert sorted(walk_listed(listings, str(top)) or []) == sorted(_walk(str(top)))
+    assert walk_listed({str(top): listings[str(top)]}, str(top)) is None  # a/ not listed: walked
+    with pytest.raises(TreeTooLarge):
+        walk_listed(listings, str(top), [2])
+    chain = {"/t" + "/d" * level: [("d", True)] for level in range(WALK_MAX_DEPTH + 2)}
+    with pytest.raises(TreeTooLarge):
+        walk_listed(chain, "/t")

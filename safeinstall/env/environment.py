@@ -209,6 +209,16 @@ def _ancestors(path: Path) -> list[Path]:
     return list(reversed(path.parents))
 
 
+class Walked(dict[str, os.stat_result]):
+    """What the walk of what ``site`` may import saw (:func:`steering`): the ``lstat`` of each file and
+    directory it looked at, by path, and in ``listed`` each directory's entries as it listed them (name,
+    whether a real directory): the verification's search for extras takes those listings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.listed: dict[str, list[tuple[str, bool]]] = {}
+
+
 class _Control:
     """Who besides root (and ``euid``) controls a set of paths: by uid, the first path that shows it;
     and what no single account can be held to (written by every user or by a group other than root's,
@@ -376,6 +386,7 @@ def _walk_loaded(control: _Control, top: Path, what: str, budget: list[int]) -> 
         # of vLLM's site directory, sorted and made paths each, cost this walk a third of its time).
         said: list[os.DirEntry[str]] = []
         below: list[str] = []
+        names: list[tuple[str, bool]] = []  # the listing, for the search for extras (a Walked's)
         try:
             with os.scandir(directory) as listing:
                 count = 0
@@ -383,12 +394,18 @@ def _walk_loaded(control: _Control, top: Path, what: str, budget: list[int]) -> 
                     count += 1
                     if entry.is_symlink():
                         said.append(entry)
+                        names.append((entry.name, False))
                     elif entry.is_dir(follow_symlinks=False):
                         below.append(entry.path)
-                    elif _may_say(control, entry):
-                        said.append(entry)
+                        names.append((entry.name, True))
+                    else:
+                        names.append((entry.name, False))
+                        if _may_say(control, entry):
+                            said.append(entry)
         except OSError:
             continue
+        if isinstance(control.walked, Walked):
+            control.walked.listed[directory] = names
         budget[0] -= count
         if budget[0] < 0:
             control.problems.append(

@@ -6,6 +6,7 @@ the judging to the pure functions of :mod:`safeinstall.env.drift`.
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import time
@@ -358,6 +359,46 @@ def _walk(root: str, budget: list[int] | None = None, deadline: float | None = N
     return found
 
 
+def walk_listed(
+    listed: Mapping[str, Sequence[tuple[str, bool]]],
+    root: str,
+    budget: list[int] | None = None,
+    deadline: float | None = None,
+) -> list[str] | None:
+    """:func:`_walk` of ``root`` from listings taken moments before (``listed``: directory -> its entries,
+    each with whether it is a real directory), within the same bounds (:class:`TreeTooLarge`); None
+    when a directory of it was not listed (then it is walked)."""
+    from safeinstall.system.safefs import WALK_MAX_DEPTH, WALK_MAX_ENTRIES, TreeTooLarge
+
+    if root not in listed:
+        return None
+    most = WALK_MAX_ENTRIES if budget is None else min(WALK_MAX_ENTRIES, budget[0])
+    found: list[str] = []
+    todo: list[tuple[str, int]] = [(root, 1)]
+    entries = 0
+    while todo:
+        here, depth = todo.pop()
+        names = listed.get(here)
+        if names is None:
+            return None
+        for name, is_dir in names:
+            entries += 1
+            if budget is not None:
+                budget[0] -= 1
+            if entries > most:
+                raise TreeTooLarge(errno.EFBIG, f"more than {most} entries below it", root)
+            if deadline is not None and not entries % 1024 and time.monotonic() > deadline:
+                raise TreeTooLarge(errno.ETIMEDOUT, "its walk ran past its deadline", root)
+            path = f"{here}/{name}"
+            if not is_dir:
+                found.append(path)
+            elif depth > WALK_MAX_DEPTH:
+                raise TreeTooLarge(errno.ELOOP, f"more than {WALK_MAX_DEPTH} levels deep", root)
+            else:
+                todo.append((path, depth + 1))
+    return found
+
+
 def _is_symlink(entry: os.DirEntry[str]) -> bool:
     try:
         return entry.is_symlink()
@@ -403,12 +444,14 @@ def verify_environment(
     recorded: Callable[[InstalledDistribution, bool], Sequence[Finding]] | None = None,
     install_window: Callable[[InstalledDistribution, int | None], tuple[int, int] | None] | None = None,
     anchored_before: Callable[[InstalledDistribution], bool] | None = None,
+    listings: Mapping[str, Sequence[tuple[str, bool]]] | None = None,
 ) -> VerifyReport:
     """Verify the named distributions (or all, with ``names=None``) of ``env``. docs/verify.md.
 
     ``wheel``: the reference; ``settle_shared`` False: nothing ``shared``; ``vouched``, ``known``,
     ``unchanged``, ``recorded``, ``install_window``, ``anchored_before``: what earlier checks saw;
-    ``installed``, ``expected``: distributions found, carried patches; ``bytecode``: .pyc judged.
+    ``installed``, ``expected``: distributions found, carried patches; ``bytecode``: .pyc judged;
+    ``listings``: what the steering walk listed.
     """
     # Named ones are read first, the others (whose files only say what is "extra") while the large
     # files hash; read as every distribution is, or everything is done again in the usual order. The
@@ -462,7 +505,8 @@ def verify_environment(
 
     def walk(top: str) -> list[str]:
         try:
-            return _walk(top, budget, deadline)
+            found = None if listings is None else walk_listed(listings, top, budget, deadline)
+            return _walk(top, budget, deadline) if found is None else found
         except OSError as exc:  # a bound reached (TreeTooLarge), or a directory that cannot be listed
             stopped[top] = exc.strerror or str(exc)
             return []
@@ -519,6 +563,7 @@ def verify_environment(
             recorded,
             install_window,
             anchored_before,
+            listings,
         )
     reports: list[DistributionReport] = []
     baseline = "record" if wheel is None else "wheel"

@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from safeinstall.env.environment import Environment
+from safeinstall.env.environment import Environment, Walked
 from safeinstall.env.hashing import FileState, Known
 from safeinstall.env.verify import ProgressCallback, VerifyReport, containment_root, verify_environment
 
@@ -110,6 +110,7 @@ def verify_kept(
         recorded=record_check,
         install_window=None if full else install_window,
         anchored_before=lambda dist: anchors is not None and anchor_key(dist) in anchors,  # --full too
+        listings=walked.listed if isinstance(walked, Walked) else None,
     )
     note = keep_anchors(root, env.prefix, anchors, fresh_anchors)
     notes.extend([note] if note else [])
