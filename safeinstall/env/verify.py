@@ -450,8 +450,7 @@ def verify_environment(
 
     ``wheel``: the reference; ``settle_shared`` False: nothing ``shared``; ``vouched``, ``known``,
     ``unchanged``, ``recorded``, ``install_window``, ``anchored_before``: what earlier checks saw;
-    ``installed``, ``expected``: distributions found, carried patches; ``bytecode``: .pyc judged;
-    ``listings``: what the steering walk listed.
+    ``installed``, ``expected``, ``listings``: distributions, patches, listings found; ``bytecode``.
     """
     # Named ones are read first, the others (whose files only say what is "extra") while the large
     # files hash; read as every distribution is, or everything is done again in the usual order. The

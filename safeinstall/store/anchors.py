@@ -165,10 +165,16 @@ def keep_with_backup(root: Path, prefix: Path, backup: Backup) -> str | None:
 
 
 def carry_over(root: Path, prefix: Path, backup: Backup) -> str | None:
-    """After a restore of ``backup`` (a rollback's, ``--recover``'s or an ``--undo``'s, checked): each
+    """After a restore of ``backup`` (a rollback's, ``--recover``'s, an ``--undo``'s; checked): each
     distribution whose RECORD was saved as root had anchored it is anchored at the restored RECORD with
     the window it had; what was outside it gets a change time past the RECORD's (docs/verify.md, "The
-    window after a restore"). Best effort: a note when not done (no window then, nothing explained)."""
+    window after a restore"). Best effort: a note when not done (then no window, nothing explained)."""
+    try:
+        before = from_json(read_private_file(backup.dir / BACKUP_NAME, STORE_LIMIT), os.fspath(prefix))
+    except FileNotFoundError:
+        return None
+    except (StateDirError, OSError, ValueError, RecursionError) as exc:
+        return f"the install anchors kept with the backup were not used ({exc})"
     from safeinstall.system.safefs import Tree
 
     saved = {f.path: f for f in backup.manifest.files}
