@@ -164,8 +164,9 @@ UNTOUCHED = "not changed since it was installed (its inode no newer than its REC
 RECORD_MAY_BE_WRONG_HINT = (
     "the wheel's own RECORD is wrong about it (uv installs such a wheel without a word): the wheel's "
     "fault, not drift; compare with the wheel (safeinstall {name} --verify-only --wheel W), then "
-    "acknowledge it (safeinstall {name} --verify-only --acknowledge-wheel-faults [--python PY]; "
-    "--all in place of the name acknowledges every distribution's at once): quiet until the file changes"
+    "acknowledge it (safeinstall {name} --verify-only --acknowledge-wheel-faults [--python PY]), or every "
+    "distribution's at once (safeinstall --verify-only --all --acknowledge-wheel-faults [--python PY]): "
+    "quiet until the file changes"
 )
 RECORD_MAY_BE_WRONG = f"{UNTOUCHED}: {RECORD_MAY_BE_WRONG_HINT}"
 
