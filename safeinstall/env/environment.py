@@ -369,6 +369,7 @@ def _walk_loaded(control: _Control, top: Path, what: str, budget: list[int]) -> 
     if budget[0] < 0:  # said once, by the walk that ran out
         return
     real_top = os.path.realpath(top)
+    walked, euids = control.walked, (0, control.euid)
     todo: list[tuple[str, int]] = [(real_top, 0)]
     if os.path.islink(top):
         control.look_up(top, what)
@@ -400,12 +401,12 @@ def _walk_loaded(control: _Control, top: Path, what: str, budget: list[int]) -> 
                         names.append((entry.name, True))
                     else:
                         names.append((entry.name, False))
-                        if _may_say(control, entry):
+                        if _may_say(control, entry, walked, euids):
                             said.append(entry)
         except OSError:
             continue
-        if isinstance(control.walked, Walked):
-            control.walked.listed[directory] = names
+        if isinstance(walked, Walked):
+            walked.listed[directory] = names
         budget[0] -= count
         if budget[0] < 0:
             control.problems.append(
@@ -428,17 +429,23 @@ def _entry_name(entry: os.DirEntry[str]) -> str:
     return entry.name
 
 
-def _may_say(control: _Control, entry: os.DirEntry[str]) -> bool:
-    """Whether :meth:`_Control.look` could find anything of a file: not when root or ``euid`` owns it
-    and neither its group nor others may write it (no ACL entry can either: the group bits are the
-    ACL's mask). The walk of a whole site directory (68k files on vLLM) looks at only those."""
+def _may_say(
+    control: _Control,
+    entry: os.DirEntry[str],
+    walked: dict[str, os.stat_result] | None,
+    euids: tuple[int, int],
+) -> bool:
+    """Whether :meth:`_Control.look` could find anything of a file: not when root or ``euid`` (``euids``)
+    owns it and neither its group nor others may write it (no ACL entry can either: the group bits are
+    the ACL's mask). The walk of a whole site directory (68k files on vLLM) looks at only those;
+    ``walked``: its ``lstat`` kept."""
     try:
         info = entry.stat(follow_symlinks=False)
     except OSError:
         return False
-    if control.walked is not None:
-        control.walked[entry.path] = info
-    return info.st_uid not in (0, control.euid) or others_may_write(info.st_mode)
+    if walked is not None:
+        walked[entry.path] = info
+    return info.st_uid not in euids or others_may_write(info.st_mode)
 
 
 def who_else_controls(path: Path, euid: int) -> str | None:
