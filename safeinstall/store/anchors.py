@@ -194,7 +194,7 @@ def carry_over(root: Path, prefix: Path, backup: Backup) -> str | None:
             return None
         time.sleep(_CLOCK_TICK_S)  # a change from now on has a change time past each RECORD's
         for name, (key, anchor, now) in records.items():
-            if _carried(tree, prefix, backup, name, anchor, now):
+            if _carried(tree, prefix, backup, name, (anchor, now)):
                 fresh[key] = Anchor(now.st_ino, now.st_ctime_ns, anchor.earliest_ns)
     kept, note = read_anchors(root, prefix)
     if kept is None or not fresh:
@@ -219,19 +219,19 @@ _CLOCK_TICK_S = 0.03
 
 
 def _carried(
-    tree: Tree, prefix: Path, backup: Backup, name: str, anchor: Anchor, record: os.stat_result
+    tree: Tree, prefix: Path, backup: Backup, name: str, window: tuple[Anchor, os.stat_result]
 ) -> bool:
-    """One distribution's files and directories as :func:`carry_over` says; False when one could not be
-    given a change time past its RECORD's."""
+    """One distribution's files and directories as :func:`carry_over` says (``window``: its anchor before
+    the run, its RECORD's ``fstat`` now); False when one could not be given a change time past it."""
+    anchor, record = window
+    own = next(f"{d.dist_info}/RECORD" for d in backup.manifest.distributions if d.name == name)
     from safeinstall.env.drift import Expectation
     from safeinstall.env.hashing import observe_files
     from safeinstall.env.records import encode_digest
 
     files = [f for f in backup.manifest.files if f.distribution == name and f.link_target is None]
     inside = {
-        f.path: f
-        for f in files
-        if f.sha256 and 0 < f.ctime_ns <= anchor.record_ctime_ns and not f.path.endswith("/RECORD")
+        f.path: f for f in files if f.sha256 and 0 < f.ctime_ns <= anchor.record_ctime_ns and f.path != own
     }
     wanted = [
         Expectation(
@@ -249,7 +249,7 @@ def _carried(
         and state.digest == encode_digest(bytes.fromhex(f.sha256 or ""))
         and state.ctime_ns <= record.st_ctime_ns
     }
-    later = [f.path for f in files if f.path not in same and not f.path.endswith("/RECORD")]
+    later = [f.path for f in files if f.path not in same and f.path != own]
     directories = sorted({d for f in files for d in _parents(f.path)}, reverse=True)
     for path in [*later, *directories]:
         moved = tree.mark_changed(path)
