@@ -164,7 +164,8 @@ UNTOUCHED = "not changed since it was installed (its inode no newer than its REC
 RECORD_MAY_BE_WRONG_HINT = (
     "the wheel's own RECORD is wrong about it (uv installs such a wheel without a word): the wheel's "
     "fault, not drift; compare with the wheel (safeinstall {name} --verify-only --wheel W), then "
-    "acknowledge it (safeinstall {name} --verify-only --acknowledge-wheel-faults [--python PY]): "
+    "acknowledge it (safeinstall {name} --verify-only --acknowledge-wheel-faults [--python PY]), or every "
+    "distribution's at once (safeinstall --verify-only --all --acknowledge-wheel-faults [--python PY]): "
     "quiet until the file changes"
 )
 RECORD_MAY_BE_WRONG = f"{UNTOUCHED}: {RECORD_MAY_BE_WRONG_HINT}"
@@ -330,8 +331,13 @@ def own_roots(
     """Each distribution's own package directories: strictly below a site directory, with no other
     distribution's files below (so ``nvidia/`` is never one); ``.dist-info`` left out.
     """
-    owners = directory_owners(files_by_distribution, site_dirs)
-    roots: dict[str, list[str]] = {name: [] for name in files_by_distribution}
+    return roots_of(directory_owners(files_by_distribution, site_dirs), files_by_distribution)
+
+
+def roots_of(owners: Mapping[str, set[str]], names: Iterable[str]) -> dict[str, list[str]]:
+    """Pure: :func:`own_roots` from the :func:`directory_owners` already found (one check finds them
+    once: the extras search and the walk of where Python looks first both take them)."""
+    roots: dict[str, list[str]] = {name: [] for name in names}
     for directory, names in owners.items():
         if len(names) != 1 or directory.endswith(".dist-info"):
             continue

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from safeinstall.env.containment import is_within
+from safeinstall.env.hashing import cycle_collection_paused
 from safeinstall.errors import InterpreterError
 from safeinstall.system import children
 from safeinstall.system.fields import optional_text
@@ -208,6 +209,16 @@ def _ancestors(path: Path) -> list[Path]:
     return list(reversed(path.parents))
 
 
+class Walked(dict[str, os.stat_result]):
+    """What the walk of what ``site`` may import saw (:func:`steering`): the ``lstat`` of each file and
+    directory it looked at, by path, and in ``listed`` each directory's entries as it listed them (name,
+    whether a real directory): the verification's search for extras takes those listings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.listed: dict[str, list[tuple[str, bool]]] = {}
+
+
 class _Control:
     """Who besides root (and ``euid``) controls a set of paths: by uid, the first path that shows it;
     and what no single account can be held to (written by every user or by a group other than root's,
@@ -218,8 +229,8 @@ class _Control:
         self.owners: dict[int, str] = {}
         self.gids: dict[int, int] = {}  # the group of the first path each account owns
         self.problems: list[str] = []
-        #: when given: the ``lstat`` of each file the walk of what ``site`` may import looked at, by
-        #: path (:func:`steering`'s ``walked``)
+        #: when given: the ``lstat`` of each file the walk of what ``site`` may import looked at, and of
+        #: each directory looked at, by path (:func:`steering`'s ``walked``)
         self.walked: dict[str, os.stat_result] | None = None
 
     def look(self, path: Path | str, what: str, *, ancestor: bool = False) -> bool:
@@ -235,6 +246,8 @@ class _Control:
         mode = info.st_mode
         if stat.S_ISLNK(mode):
             return True
+        if self.walked is not None and stat.S_ISDIR(mode):  # the proof's directories too
+            self.walked[os.fspath(path)] = info
         sticky = ancestor and bool(mode & stat.S_ISVTX)
         raw = b""
         # with an access ACL the group bits are its mask, which every named user's and group's write
@@ -356,6 +369,7 @@ def _walk_loaded(control: _Control, top: Path, what: str, budget: list[int]) -> 
     if budget[0] < 0:  # said once, by the walk that ran out
         return
     real_top = os.path.realpath(top)
+    walked, euids = control.walked, (0, control.euid)
     todo: list[tuple[str, int]] = [(real_top, 0)]
     if os.path.islink(top):
         control.look_up(top, what)
@@ -373,6 +387,7 @@ def _walk_loaded(control: _Control, top: Path, what: str, budget: list[int]) -> 
         # of vLLM's site directory, sorted and made paths each, cost this walk a third of its time).
         said: list[os.DirEntry[str]] = []
         below: list[str] = []
+        names: list[tuple[str, bool]] = []  # the listing, for the search for extras (a Walked's)
         try:
             with os.scandir(directory) as listing:
                 count = 0
@@ -380,12 +395,18 @@ def _walk_loaded(control: _Control, top: Path, what: str, budget: list[int]) -> 
                     count += 1
                     if entry.is_symlink():
                         said.append(entry)
+                        names.append((entry.name, False))
                     elif entry.is_dir(follow_symlinks=False):
                         below.append(entry.path)
-                    elif _may_say(control, entry):
-                        said.append(entry)
+                        names.append((entry.name, True))
+                    else:
+                        names.append((entry.name, False))
+                        if _may_say(control, entry, walked, euids):
+                            said.append(entry)
         except OSError:
             continue
+        if isinstance(walked, Walked):
+            walked.listed[directory] = names
         budget[0] -= count
         if budget[0] < 0:
             control.problems.append(
@@ -408,17 +429,23 @@ def _entry_name(entry: os.DirEntry[str]) -> str:
     return entry.name
 
 
-def _may_say(control: _Control, entry: os.DirEntry[str]) -> bool:
-    """Whether :meth:`_Control.look` could find anything of a file: not when root or ``euid`` owns it
-    and neither its group nor others may write it (no ACL entry can either: the group bits are the
-    ACL's mask). The walk of a whole site directory (68k files on vLLM) looks at only those."""
+def _may_say(
+    control: _Control,
+    entry: os.DirEntry[str],
+    walked: dict[str, os.stat_result] | None,
+    euids: tuple[int, int],
+) -> bool:
+    """Whether :meth:`_Control.look` could find anything of a file: not when root or ``euid`` (``euids``)
+    owns it and neither its group nor others may write it (no ACL entry can either: the group bits are
+    the ACL's mask). The walk of a whole site directory (68k files on vLLM) looks at only those;
+    ``walked``: its ``lstat`` kept."""
     try:
         info = entry.stat(follow_symlinks=False)
     except OSError:
         return False
-    if control.walked is not None:
-        control.walked[entry.path] = info
-    return info.st_uid not in (0, control.euid) or others_may_write(info.st_mode)
+    if walked is not None:
+        walked[entry.path] = info
+    return info.st_uid not in euids or others_may_write(info.st_mode)
 
 
 def who_else_controls(path: Path, euid: int) -> str | None:
@@ -499,8 +526,11 @@ def steering(env: Environment, euid: int, walked: dict[str, os.stat_result] | No
     directories = list(dict.fromkeys(search))
     if names - _SITE_IMPORTS or any(_loaded_entries(d, frozenset(names)) for d in directories):
         budget = [LOADED_ENTRIES]
-        for directory in directories:
-            _walk_loaded(control, directory, "what site may import", budget)
+        # the cycle collector paused: the walk makes an lstat and a path of each entry (68k on vLLM),
+        # no cycle, and their collections walked every object again; the budget bounds it
+        with cycle_collection_paused(frozen=True):
+            for directory in directories:
+                _walk_loaded(control, directory, "what site may import", budget)
     return control
 
 

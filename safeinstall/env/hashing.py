@@ -335,16 +335,18 @@ STREAM_CHUNK = 4 << 20
 
 
 @contextmanager
-def cycle_collection_paused() -> Iterator[None]:
-    """Python's cycle collector off inside the block, then as it was. Only around work that builds many
-    objects and no cycles (torch: 12k RECORD entries, expectations, file states, which set off over a
-    hundred collections that walk every object: about 0.05 s): a cycle made inside stays until the
-    block ends, and the environment's owner decides how much of some work there is."""
+def cycle_collection_paused(frozen: bool = False) -> Iterator[None]:
+    """Python's cycle collector off inside the block, then as it was: only around work that builds many
+    objects and no cycles, whose collections walked every object (a cycle made inside stays until the
+    block ends). ``frozen``: what the block made is frozen at its end (still freed by its reference
+    counts, never walked by a collection again): docs/performance.md."""
     enabled = gc.isenabled()
     try:
         gc.disable()
         yield
     finally:
+        if frozen:
+            gc.freeze()
         if enabled:
             gc.enable()
 

@@ -95,10 +95,10 @@ class RecordCheck:
 
     def __call__(self, dist: InstalledDistribution, proven: bool) -> list[Finding]:
         key = os.fspath(dist.dist_info)
-        self.seen[key] = dist
         kept = self.kept.get(key)
         if proven and kept is not None:
-            return []  # its RECORD unchanged since the clean check that kept both
+            return []  # its RECORD unchanged since the clean check that kept both: nothing to update
+        self.seen[key] = dist
         return record_findings(dist, kept)
 
     def updates(self, clean: Callable[[str], bool]) -> dict[str, KeptRecord]:

@@ -89,9 +89,10 @@ def is_settled(ctime_ns: int, since_ns: int) -> bool:
     return ctime_ns + GRANULARITY_NS <= since_ns
 
 
-def _dir_identity(path: str) -> DirIdentity | None:
+def _dir_identity(path: str, taken: os.stat_result | None = None) -> DirIdentity | None:
+    """A directory's identity by its ``lstat`` (``taken``: one taken moments before, not followed)."""
     try:
-        info = os.lstat(path)
+        info = taken or os.lstat(path)
     except OSError:
         return None
     identity = (info.st_dev, info.st_ino, info.st_mtime_ns, info.st_ctime_ns)
@@ -118,13 +119,14 @@ def prover(
     """
     if store is None:
         return None
-    seen: dict[str, bool] = {}  # a directory's lstat, once per check
+    seen: dict[str, bool] = {}  # a directory's lstat, once per check (the steering walk's, if it took one)
+    lstat, taken = os.lstat, (walked or {}).get
 
     def directory_unchanged(path: str) -> bool:
         answer = seen.get(path)
         if answer is None:
             kept = store.directories.get(path)
-            answer = seen[path] = kept is not None and _dir_identity(path) == kept[0]
+            answer = seen[path] = kept is not None and _dir_identity(path, taken(path)) == kept[0]
         return answer
 
     def prove(dist: InstalledDistribution) -> list[tuple[str, int]] | None:
@@ -139,7 +141,6 @@ def prover(
             return None
         identities = bytearray()
         linked: list[tuple[str, int]] = []
-        lstat, taken = os.lstat, (walked or {}).get
         try:
             for location in locations:
                 info = taken(location) or lstat(location)

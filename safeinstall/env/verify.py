@@ -6,6 +6,7 @@ the judging to the pure functions of :mod:`safeinstall.env.drift`.
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import time
@@ -25,7 +26,6 @@ from safeinstall.env.distributions import (
     find_distribution,
     find_distributions,
     find_named,
-    package_roots,
 )
 from safeinstall.env.drift import (
     Expectation,
@@ -40,6 +40,7 @@ from safeinstall.env.drift import (
     mode_finding,
     pyc_source,
     report_order,
+    roots_of,
     shared_file,
     untouched_since_install,
 )
@@ -358,6 +359,46 @@ def _walk(root: str, budget: list[int] | None = None, deadline: float | None = N
     return found
 
 
+def walk_listed(
+    listed: Mapping[str, Sequence[tuple[str, bool]]],
+    root: str,
+    budget: list[int] | None = None,
+    deadline: float | None = None,
+) -> list[str] | None:
+    """:func:`_walk` of ``root`` from listings taken moments before (``listed``: directory -> its entries,
+    each with whether it is a real directory), within the same bounds (:class:`TreeTooLarge`); None
+    when a directory of it was not listed (then it is walked)."""
+    from safeinstall.system.safefs import WALK_MAX_DEPTH, WALK_MAX_ENTRIES, TreeTooLarge
+
+    if root not in listed:
+        return None
+    most = WALK_MAX_ENTRIES if budget is None else min(WALK_MAX_ENTRIES, budget[0])
+    found: list[str] = []
+    todo: list[tuple[str, int]] = [(root, 1)]
+    entries = 0
+    while todo:
+        here, depth = todo.pop()
+        names = listed.get(here)
+        if names is None:
+            return None
+        for name, is_dir in names:
+            entries += 1
+            if budget is not None:
+                budget[0] -= 1
+            if entries > most:
+                raise TreeTooLarge(errno.EFBIG, f"more than {most} entries below it", root)
+            if deadline is not None and not entries % 1024 and time.monotonic() > deadline:
+                raise TreeTooLarge(errno.ETIMEDOUT, "its walk ran past its deadline", root)
+            path = f"{here}/{name}"
+            if not is_dir:
+                found.append(path)
+            elif depth > WALK_MAX_DEPTH:
+                raise TreeTooLarge(errno.ELOOP, f"more than {WALK_MAX_DEPTH} levels deep", root)
+            else:
+                todo.append((path, depth + 1))
+    return found
+
+
 def _is_symlink(entry: os.DirEntry[str]) -> bool:
     try:
         return entry.is_symlink()
@@ -403,12 +444,13 @@ def verify_environment(
     recorded: Callable[[InstalledDistribution, bool], Sequence[Finding]] | None = None,
     install_window: Callable[[InstalledDistribution, int | None], tuple[int, int] | None] | None = None,
     anchored_before: Callable[[InstalledDistribution], bool] | None = None,
+    listings: Mapping[str, Sequence[tuple[str, bool]]] | None = None,
 ) -> VerifyReport:
     """Verify the named distributions (or all, with ``names=None``) of ``env``. docs/verify.md.
 
     ``wheel``: the reference; ``settle_shared`` False: nothing ``shared``; ``vouched``, ``known``,
     ``unchanged``, ``recorded``, ``install_window``, ``anchored_before``: what earlier checks saw;
-    ``installed``, ``expected``: distributions found, carried patches; ``bytecode``: .pyc judged.
+    ``installed``, ``expected``, ``listings``: distributions, patches, listings found; ``bytecode``.
     """
     # Named ones are read first, the others (whose files only say what is "extra") while the large
     # files hash; read as every distribution is, or everything is done again in the usual order. The
@@ -422,7 +464,8 @@ def verify_environment(
     if early is not None:
         selected = early
     else:
-        found = list(installed) if installed is not None else find_distributions(env)
+        with cycle_collection_paused(frozen=True):  # every RECORD entry (61k on vLLM), no cycle
+            found = list(installed) if installed is not None else find_distributions(env)
         selected = found if names is None else [find_distribution(env, name, found) for name in names]
     if wheel is not None and (len(selected) != 1 or selected[0].name != wheel.name):
         raise WheelError(
@@ -461,7 +504,8 @@ def verify_environment(
 
     def walk(top: str) -> list[str]:
         try:
-            return _walk(top, budget, deadline)
+            found = None if listings is None else walk_listed(listings, top, budget, deadline)
+            return _walk(top, budget, deadline) if found is None else found
         except OSError as exc:  # a bound reached (TreeTooLarge), or a directory that cannot be listed
             stopped[top] = exc.strerror or str(exc)
             return []
@@ -471,8 +515,9 @@ def verify_environment(
             found.extend(find_distributions(env, early, reader))
         listed = _listed_locations(found)
         listed_holder.append(listed)
-        sources.update(_sources(found))
-        roots = package_roots(env, found)
+        files = {d.name: d.locations for d in found}
+        owners = directory_owners(files, map(os.fspath, sites))  # once: the roots and the tops take it
+        roots = roots_of(owners, files)
         for plan in plans:
             name = plan.dist.name
             unlisted[name] = []
@@ -491,7 +536,6 @@ def verify_environment(
                 if bytecode and location.endswith(".pyc") and pyc_name(location) is not None
             )
         if bytecode and names is None and wheel is None:  # --all: where Python looks first, too
-            owners = directory_owners({d.name: d.locations for d in found}, map(os.fspath, sites))
             looked = look(map(os.fspath, sites), owners, listed, walk)
             top.extend(_not_dpkgs(env, looked.unlisted))
             top.extend(Unlisted(where, "", f"not checked below it: {why}") for where, why in stopped.items())
@@ -518,6 +562,7 @@ def verify_environment(
             recorded,
             install_window,
             anchored_before,
+            listings,
         )
     reports: list[DistributionReport] = []
     baseline = "record" if wheel is None else "wheel"
@@ -569,7 +614,9 @@ def verify_environment(
             for f in findings
             if f.kind == FindingKind.MODIFIED and pyc_name(f.path) is not None
         )
-    sources.update(_dpkg_sources(env, [parsed.source for pyc in pycs if (parsed := pyc_name(pyc))]))
+    wanted_sources = [parsed.source for pyc in pycs if (parsed := pyc_name(pyc))]
+    sources.update(_sources(found, frozenset(wanted_sources)))  # none: nothing to look up (uv's vLLM)
+    sources.update(_dpkg_sources(env, wanted_sources))
     verdicts = judge_files(
         [env.prefix, env.base_prefix],
         (
@@ -724,13 +771,15 @@ def _orphans(name: str, walked: Sequence[str], listed: frozenset[str]) -> list[F
     ]
 
 
-def _sources(found: Sequence[InstalledDistribution]) -> dict[str, tuple[str, Source]]:
-    """Every listed, hashed ``.py``: location -> (its distribution, its RECORD hash)."""
+def _sources(found: Sequence[InstalledDistribution], wanted: frozenset[str]) -> dict[str, tuple[str, Source]]:
+    """Each ``wanted`` source some RECORD lists with a hash: location -> (its distribution, its RECORD
+    hash). Only the distributions that list one are gone through (61k entries on vLLM, a few .pyc)."""
     return {
         location: (dist.name, Source(entry.hash.algorithm, entry.hash.digest))
         for dist in found
+        if not wanted.isdisjoint(dist.locations)
         for entry, location in zip(dist.record.entries, dist.locations, strict=True)
-        if entry.hash is not None and location.endswith(".py")
+        if entry.hash is not None and location in wanted
     }
 
 

@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from safeinstall.env.environment import Environment, inspect_environment, resolve_python
+from safeinstall.env.environment import Environment, Walked, inspect_environment, resolve_python
 from safeinstall.errors import (
     ExitCode,
     NothingToCheck,
@@ -339,7 +339,7 @@ def _verify(request: Request, ui: Ui, metrics: Path | None) -> Verified:
         from safeinstall.store.state import new_output_file
 
         save_patch = new_output_file(save_patch, "--save-patch")
-    walked: dict[str, os.stat_result] = {}  # the steering walk's lstat of each file: the proof's own
+    walked = Walked()  # the steering walk's lstat of each file and its listings: the check's own
     env = inspect_environment(resolve_python(request.options.python, os.environ), walked=walked)
     if env.owner_note:
         ui.note(env.owner_note)

@@ -5,7 +5,6 @@ distribution proven unchanged by ``lstat`` is not compared file by file. docs/ve
 from __future__ import annotations
 
 import os
-import re
 import stat
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -13,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from safeinstall.env.environment import Environment
+from safeinstall.env.environment import Environment, Walked
 from safeinstall.env.hashing import FileState, Known
 from safeinstall.env.verify import ProgressCallback, VerifyReport, containment_root, verify_environment
 
@@ -111,6 +110,7 @@ def verify_kept(
         recorded=record_check,
         install_window=None if full else install_window,
         anchored_before=lambda dist: anchors is not None and anchor_key(dist) in anchors,  # --full too
+        listings=walked.listed if isinstance(walked, Walked) else None,
     )
     note = keep_anchors(root, env.prefix, anchors, fresh_anchors)
     notes.extend([note] if note else [])
@@ -194,16 +194,10 @@ def _hashed_at(store: InodeStore | None) -> Callable[[FileState], int]:
 
 
 def anchor_key(dist: InstalledDistribution) -> str | None:
-    """Pure: the key of a distribution's anchor, its ``.dist-info`` as its METADATA names it (canonical
-    name and version): one renamed to another spelling of itself is no first sight (the attacker
-    review). None for a name or version no directory name can hold (no anchor, no window): a
-    METADATA's name is read within 16 MiB, and the store's size is bounded."""
-    from packaging.utils import canonicalize_version
+    """Pure: the key of a distribution's anchor (:func:`safeinstall.store.anchors.anchor_key`)."""
+    from safeinstall.store.anchors import anchor_key as key_of
 
-    stem = f"{dist.name}-{canonicalize_version(dist.version, strip_trailing_zero=False)}"
-    if len(stem) > 200 or not re.fullmatch(r"[a-z0-9][a-z0-9._+!-]*", stem):  # a directory name's room
-        return None
-    return os.path.join(os.fspath(dist.site), f"{stem}.dist-info")
+    return key_of(os.fspath(dist.site), dist.name, dist.version)
 
 
 def _record_identity(dist_info: str) -> tuple[int, int] | None:

@@ -23,6 +23,7 @@ from safeinstall.env.swap import (
 from safeinstall.env.wheel import environment_files, install_location, read_wheel
 from safeinstall.env.wheelcopy import discard_wheel_copy, is_wheel_copy
 from safeinstall.errors import SafeInstallError
+from safeinstall.store.anchors import carry_over
 from safeinstall.store.backup import Backup, load_backup, restore_backup
 from safeinstall.store.journal import (
     Journal,
@@ -124,6 +125,9 @@ def put_back(
     units = units_to_start(journal)
     start(units)
     gates = remove_gates(journal, environ, notes)
+    if restore is not None:  # the restored RECORDs meet the anchors they had (the units run meanwhile)
+        note = carry_over(state_dir.parent, restore[0].prefix, restore[1])
+        notes.extend([note] if note else [])
     if (
         there
         and os.path.lexists(os.path.join(*staging))

@@ -70,7 +70,7 @@ from safeinstall.run.undo import UndoTarget, left_of
 from safeinstall.run.units import StartWatch, reset_start_limits, settle_units, start_units, stop_units
 from safeinstall.scan.plan import PlannedProcess, left_on_old_code
 from safeinstall.scan.processes import scan_processes
-from safeinstall.store.anchors import forget_anchors
+from safeinstall.store.anchors import carry_over, forget_anchors, keep_with_backup
 from safeinstall.store.backup import (
     check_restored,
     create_backup,
@@ -235,6 +235,8 @@ def backup_step(run: Run) -> str:
         known=before.observed,
         installed=run.survey.installed,
     )
+    note = keep_with_backup(run.state.root, run.env.prefix, run.backup)  # a restore carries them over
+    run.notes.extend([note] if note else [])
     run.journal_phase(Phase.BACKED_UP, backup_dir=str(run.backup.dir))
     size = run.backup.manifest.files
     changed = len(patched) - len(deleted)
@@ -1035,6 +1037,8 @@ def _undo_checked(run: Run) -> str:
             f"the restored files do not match the backup of run {target.run_id}: {undo.listed(wrong)}"
         )
     run.left = left_of(report, installed, names)
+    note = carry_over(run.state.root, run.env.prefix, target.backup)  # the restored RECORDs' windows
+    run.notes.extend([note] if note else [])
     return (
         f"{sum(d.files_checked for d in report.distributions)} files match the backup of run {target.run_id}"
     )

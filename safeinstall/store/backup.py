@@ -88,6 +88,10 @@ class BackupFile:
     sha256: str | None  # hex; None for a symlink
     link_target: str | None = None  # set for a symlink
     listed: bool = True  # False: in the distribution's own directories but in no RECORD (added by hand)
+    #: its inode and change time when saved (a copy's: once its bytes were read; 0: not known), for the
+    #: install anchor a restore carries over (:func:`safeinstall.store.anchors.carry_over`)
+    inode: int = 0
+    ctime_ns: int = 0
 
     @property
     def is_symlink(self) -> bool:
@@ -200,6 +204,8 @@ def manifest_to_dict(manifest: BackupManifest) -> dict[str, Any]:
                 "sha256": f.sha256,
                 "link_target": f.link_target,
                 "listed": f.listed,
+                "inode": f.inode,
+                "ctime_ns": f.ctime_ns,
             }
             for f in manifest.files
         ],
@@ -246,6 +252,8 @@ def manifest_from_dict(data: Any) -> BackupManifest:
                 sha256=None if f["sha256"] is None else str(f["sha256"]),
                 link_target=None if f["link_target"] is None else str(f["link_target"]),
                 listed=bool(f.get("listed", True)),
+                inode=int(f.get("inode", 0)),
+                ctime_ns=int(f.get("ctime_ns", 0)),
             )
             for f in data["files"]
         ),
@@ -446,15 +454,22 @@ def _save(item: _Item, tree: Tree, dest: Tree, known: Mapping[str, FileState]) -
         copied = dest.write_from(
             item.relative, source_fd, stat.S_IMODE(info.st_mode), mtime_ns=info.st_mtime_ns, atomic=False
         )
+        read = os.fstat(source_fd)  # its change time once every byte was read: an edit meanwhile shows
     finally:
         os.close(source_fd)
-    return _saved(item, info, copied.size, copied.sha256)
+    return _saved(item, info, copied.size, copied.sha256, changed=read)
 
 
 def _saved(
-    item: _Item, info: os.stat_result, size: int, sha256: str | None, link_target: str | None = None
+    item: _Item,
+    info: os.stat_result,
+    size: int,
+    sha256: str | None,
+    link_target: str | None = None,
+    changed: os.stat_result | None = None,
 ) -> BackupFile:
-    """Pure: the manifest entry of ``item`` as saved (``info``: what was opened or linked)."""
+    """Pure: the manifest entry of ``item`` as saved (``info``: what was opened or linked; ``changed``:
+    its ``fstat`` once copied)."""
     return BackupFile(
         path=item.relative,
         distribution=item.distribution,
@@ -466,6 +481,8 @@ def _saved(
         sha256=sha256,
         link_target=link_target,
         listed=item.listed,
+        inode=info.st_ino,
+        ctime_ns=(changed or info).st_ctime_ns,
     )
 
 

@@ -21,6 +21,7 @@ from safeinstall.store.state import (
     atomic_write,
     ensure_environment_dir,
     load_store,
+    store_part,
     trusted_environment_state,
 )
 from safeinstall.store.verified import boot_id
@@ -54,14 +55,7 @@ def _entry(raw: object, now_ns: int) -> tuple[Judged, int] | None:
 
 def from_json(raw: bytes, prefix: str, boot: str, now_ns: int) -> dict[tuple[int, int], tuple[Judged, int]]:
     """Pure: the entries read back, every field checked (ValueError: damaged, another's)."""
-    document: Any = json.loads(raw)
-    if not isinstance(document, dict) or document.get("version") != STORE_VERSION:
-        raise ValueError("not a store of this version")
-    if document.get("prefix") != prefix or document.get("boot") != boot:
-        raise ValueError("another environment's or another boot's")
-    entries = document.get("entries")
-    if not isinstance(entries, list):
-        raise ValueError("no entries")
+    entries: list[Any] = store_part(raw, STORE_VERSION, prefix, "entries", list, boot=boot)
     found: dict[tuple[int, int], tuple[Judged, int]] = {}
     for raw_entry in entries[:MAX_JUDGED]:
         entry = _entry(raw_entry, now_ns)

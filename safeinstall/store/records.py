@@ -21,6 +21,7 @@ from safeinstall.store.state import (
     atomic_write,
     ensure_environment_dir,
     load_store,
+    store_part,
     trusted_environment_state,
 )
 
@@ -32,14 +33,7 @@ _DIGEST = re.compile(r"[A-Za-z0-9_-]{43}")
 
 def from_json(raw: bytes, prefix: str) -> dict[str, KeptRecord]:
     """Pure: the RECORDs kept, every field checked (ValueError: damaged or another environment's)."""
-    document: Any = json.loads(raw)
-    if not isinstance(document, dict) or document.get("version") != STORE_VERSION:
-        raise ValueError("not a store of this version")
-    if document.get("prefix") != prefix:
-        raise ValueError("another environment's")
-    records = document.get("records")
-    if not isinstance(records, dict):
-        raise ValueError("no records")
+    records: dict[Any, Any] = store_part(raw, STORE_VERSION, prefix, "records", dict)
     below = base(prefix)
     found: dict[str, KeptRecord] = {}
     for dist_info, value in records.items():

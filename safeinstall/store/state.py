@@ -586,6 +586,23 @@ def load_store(
         return None, f"{what} could not be read ({exc.strerror or exc})"
 
 
+def store_part(raw: bytes, version: int, prefix: str, part: str, kind: type[T], **fields: str) -> T:
+    """Pure: the ``part`` of a kept store's JSON document, of ``kind``, once the document is checked to
+    be of ``version``, of the environment ``prefix`` and of each of ``fields`` (the boot). ValueError:
+    damaged, another version's or another environment's (every store's reader begins so)."""
+    import json  # only where a store is read: a check of nothing kept never loads it
+
+    document = json.loads(raw)
+    if not isinstance(document, dict) or document.get("version") != version:
+        raise ValueError("not a store of this version")
+    if document.get("prefix") != prefix or any(document.get(k) != v for k, v in fields.items()):
+        raise ValueError("another environment's or another boot's")
+    found = document.get(part)
+    if not isinstance(found, kind):
+        raise ValueError(f"no {part}")
+    return found
+
+
 def _only_too_large(path: Path, limit: int) -> bool:
     """``path`` is a regular file of this process's account, written by nobody else, only too large."""
     try:

@@ -21,6 +21,7 @@ from safeinstall.store.state import (
     check_trusted,
     ensure_environment_dir,
     read_private_file,
+    store_part,
     trusted_environment_state,
 )
 
@@ -52,14 +53,9 @@ def _entry(raw: object, prefix: str) -> FaultIdentity:
 
 def from_json(raw: bytes, prefix: str) -> dict[str, FaultIdentity]:
     """Pure: the faults acknowledged, every field checked (ValueError: damaged or another's)."""
-    document: Any = json.loads(raw)
-    if not isinstance(document, dict) or document.get("version") != STORE_VERSION:
-        raise ValueError("not a store of this version")
-    if document.get("prefix") != prefix:
-        raise ValueError("another environment's")
-    entries = document.get("faults")
-    if not isinstance(entries, list) or len(entries) > MAX_FAULTS:
-        raise ValueError("no faults")
+    entries: list[Any] = store_part(raw, STORE_VERSION, prefix, "faults", list)
+    if len(entries) > MAX_FAULTS:
+        raise ValueError("more faults than are kept")
     return {entry.location: entry for entry in (_entry(e, prefix) for e in entries)}
 
 

@@ -741,6 +741,29 @@ class Tree:
         finally:
             os.close(opened)
 
+    def mark_changed(self, relative: str) -> os.stat_result | None:
+        """Move the change time of the regular file or real directory ``relative`` to now and change
+        nothing else (its access and modification times written back as they were): its ``fstat``
+        after, or None when it is not there, is anything else, or lies below a symlink (never followed;
+        a device is never opened)."""
+        info = self.lstat(relative)
+        if info is None or not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
+            return None
+        flags = _DIR_FLAGS if stat.S_ISDIR(info.st_mode) else _READ_FLAGS
+        try:
+            with self.parent(relative) as (fd, name):
+                opened = os.open(name, flags, dir_fd=fd)
+        except OSError:  # replaced meanwhile: a symlink (ELOOP), gone, below one
+            return None
+        try:
+            now = os.fstat(opened)
+            if stat.S_IFMT(now.st_mode) != stat.S_IFMT(info.st_mode):
+                return None
+            os.utime(opened, ns=(now.st_atime_ns, now.st_mtime_ns))
+            return os.fstat(opened)
+        finally:
+            os.close(opened)
+
     def is_dir(self, relative: str) -> bool:
         info = self.lstat(relative)
         return info is not None and stat.S_ISDIR(info.st_mode)

@@ -8,12 +8,14 @@ from __future__ import annotations
 import contextlib
 import signal
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Executor
 from contextlib import contextmanager
 from types import FrameType
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from safeinstall.errors import Aborted, StepFailed
+
+if TYPE_CHECKING:  # an annotation: the CLI's start loads neither it nor logging
+    from concurrent.futures import Executor
 
 #: SIGHUP too: a dropped SSH session must roll back like Ctrl-C, not kill the run with the units down.
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

@@ -1,0 +1,265 @@
+"""Issue 46: a second ``--verify-only --all`` does less (no RECORD digest kept again for a distribution
+proven unchanged, the proof's directories by the steering walk's ``lstat``) and still catches what the
+environment's owner does after a clean check; ``--acknowledge-wheel-faults --all`` acknowledges every
+distribution's faults at once; the stores' readers begin with one checked preamble. Real wheels, the
+real uv, the real command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from safeinstall.env.verified import GRANULARITY_NS
+from safeinstall.store.state import environment_state
+from tests import wheelhouse
+from tests.clirun import run
+from tests.test_verify import _rewrite_record_hash
+from tests.wheelhouse import Wheelhouse
+
+
+@pytest.fixture
+def env(venv: Path, wheels: Wheelhouse) -> Path:
+    wheelhouse.uv_install(venv, wheels["sipure-1"], wheels["sins-a"], wheels["sins-b"])
+    return venv
+
+
+def _site(python: Path) -> Path:
+    return wheelhouse.site_packages(python)
+
+
+def _check(python: Path, state: Path, *args: str) -> tuple[int, dict[str, Any]]:
+    result = run(
+        "--verify-only",
+        "--all",
+        "--python",
+        str(python),
+        "--json",
+        *args,
+        env={**os.environ, "SAFEINSTALL_STATE_DIR": str(state)},
+    )
+    assert result.code in (0, 1, 5), result.stderr
+    return result.code, result.json
+
+
+def _settle(python: Path) -> None:
+    """Until every inode of the site directory is older than the stores' granularity: a clean check then
+    keeps each distribution (a file changed within 2 s of a check is never kept)."""
+    newest = max(p.lstat().st_ctime_ns for p in _site(python).rglob("*"))
+    while time.time_ns() <= newest + GRANULARITY_NS:
+        time.sleep(0.1)
+
+
+def _kept(python: Path, state: Path, name: str) -> dict[str, Any]:
+    directory = environment_state(state, Path(os.path.realpath(python.parent.parent))).dir
+    return json.loads((directory / name).read_bytes())  # type: ignore[no-any-return]
+
+
+def tmp_state(python: Path) -> Path:
+    """A state directory of the test's own, beside the venv."""
+    return python.parent.parent.parent / "state"
+
+
+def _drift(doc: dict[str, Any]) -> set[tuple[str, str]]:
+    return {(f["kind"], f["path"]) for f in doc["data"]["findings"] if f["drift"]}
+
+
+def test_a_record_rewritten_after_a_proven_check_is_still_record_changed(env: Path, tmp_path: Path) -> None:
+    """The second check proves sipure unchanged by ``lstat`` and keeps no new RECORD digest for it (its
+    RECORD's identity is the one the clean check kept with it); the reference stays the first check's:
+    a module then edited with its RECORD line, both mtimes set back, is ``record-changed``."""
+    state, site = tmp_path / "state", _site(env)
+    _settle(env)
+    assert _check(env, state)[0] == 0
+    dist_info = next(site.glob("sipure-*.dist-info"))
+    assert str(dist_info) in {d["dist_info"] for d in _kept(env, state, "unchanged.json")["distributions"]}
+    records = _kept(env, state, "records.json")["records"]
+    assert _check(env, state)[0] == 0  # proven unchanged
+    assert _kept(env, state, "records.json")["records"] == records
+    module, record = site / "sipure" / "cli.py", dist_info / "RECORD"
+    before = {path: path.lstat() for path in (module, record)}
+    module.write_text("import os\n")
+    digest = wheelhouse.record_digest(module.read_bytes())
+    record.write_text(
+        "".join(
+            f"sipure/cli.py,sha256={digest},10\n" if line.startswith("sipure/cli.py,") else line + "\n"
+            for line in record.read_text().splitlines()
+        )
+    )
+    for path, info in before.items():
+        os.utime(path, ns=(info.st_atime_ns, info.st_mtime_ns))
+    code, doc = _check(env, state)
+    assert code == 1 and _drift(doc) == {("record-changed", str(module))}, doc["data"]["findings"]
+
+
+def test_a_package_directory_swapped_for_a_link_is_never_proven_by_the_walks_lstat(env: Path) -> None:
+    """A ``.pth`` that imports makes the steering walk look at every entry of site-packages, and the proof
+    takes its ``lstat`` of each directory. The owner then moves ``sipure/`` aside (its files keep their
+    inodes and ctimes) and links the old name to it: the proof sees a link, not the directory it kept
+    (sipure's files are compared again, through the link, as they are: the same bytes), and what was
+    moved aside is code no RECORD lists at the top of site-packages: drift."""
+    state, site = tmp_state(env), _site(env)
+    pth = site / "zz_steer.pth"
+    pth.write_text("import sipure\n")  # site imports at start-up: every directory is walked
+    _settle(env)
+    for _ in range(2):  # the first keeps sipure, the second proves it unchanged
+        code, doc = _check(env, state)
+        assert code == 1 and _drift(doc) == {("extra", str(pth))}, doc["data"]["findings"]
+    aside = site / "zz_sipure_aside"
+    (site / "sipure").rename(aside)
+    (site / "sipure").symlink_to(aside.name, target_is_directory=True)
+    code, doc = _check(env, state)
+    assert code == 1 and any(path.startswith(str(aside)) for _, path in _drift(doc)), doc["data"]["findings"]
+
+
+def test_acknowledge_wheel_faults_with_all_acknowledges_every_distributions_at_once(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    """Two distributions whose wheels lie in their RECORDs: one ``--verify-only --all
+    --acknowledge-wheel-faults`` quiets both (exit 0), and the hint says so."""
+    (tmp_path / "w").mkdir()
+    broken = [
+        _rewrite_record_hash(wheels["sipure-1"], tmp_path / "w" / wheels["sipure-1"].name, "sipure/cli.py"),
+        _rewrite_record_hash(wheels["sins-a"], tmp_path / "w" / wheels["sins-a"].name, "sins/a/__init__.py"),
+    ]
+    wheelhouse.uv_install(venv, *broken)
+    state = tmp_path / "state"
+    assert _check(venv, state)[0] == 1  # root's first sight explains nothing away
+    code, doc = _check(venv, state)
+    faults = {f["distribution"] for f in doc["data"]["findings"] if f["kind"] == "wheel-fault"}
+    assert code == 5 and faults == {"sipure", "sins-a"}, doc["data"]["findings"]
+    every = "(safeinstall --verify-only --all --acknowledge-wheel-faults [--python PY])"
+    assert all(every in f["detail"] for f in doc["data"]["findings"])
+    code, doc = _check(venv, state, "--acknowledge-wheel-faults")
+    assert code == 0 and all(f["acknowledged"] for f in doc["data"]["findings"]), doc["data"]["findings"]
+    code, doc = _check(venv, state)
+    assert code == 0 and {f["distribution"] for f in doc["data"]["findings"] if f["acknowledged"]} == faults
+
+
+@pytest.mark.parametrize("store", ["anchors", "wheelfaults", "records", "bytecode"])
+def test_every_store_begins_with_its_version_its_environment_and_its_part_checked(store: str) -> None:
+    """One preamble (``store_part``) for the stores root keeps of an environment: another version's,
+    another environment's (or boot's) store, or one without its part, is damaged (ValueError)."""
+    from safeinstall.store import anchors, bytecode, records, wheelfaults
+
+    module = {"anchors": anchors, "wheelfaults": wheelfaults, "records": records, "bytecode": bytecode}[store]
+    part = {"anchors": "anchors", "wheelfaults": "faults", "records": "records", "bytecode": "entries"}[store]
+    empty: Any = [] if store in ("wheelfaults", "bytecode") else {}
+    good = {"version": module.STORE_VERSION, "prefix": "/p", "boot": "b", part: empty}
+
+    def parsed(document: dict[str, Any], prefix: str = "/p") -> object:
+        raw = json.dumps(document).encode()
+        if store == "bytecode":
+            return bytecode.from_json(raw, prefix, "b", time.time_ns())
+        return module.from_json(raw, prefix)
+
+    assert parsed(good) == {}
+    for bad in (
+        {**good, "version": module.STORE_VERSION + 1},
+        {**good, part: "x"},
+        {key: value for key, value in good.items() if key != part},
+    ):
+        with pytest.raises(ValueError):
+            parsed(bad)
+    with pytest.raises(ValueError):
+        parsed(good, "/q")
+    if store == "bytecode":
+        with pytest.raises(ValueError):
+            parsed({**good, "boot": "c"})
+
+
+def test_a_restored_record_meets_the_anchor_it_had_before_the_run(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    """A run backs sipure up (its anchors kept with the backup), installs over it and puts the backup
+    back (a rollback's, ``--recover``'s or an ``--undo``'s restore): the restored RECORD is a new inode
+    with a new ctime, and the file its wheel lied about stays the wheel's fault once the anchor is
+    carried over; a file the owner had edited before the run is never explained so (``modified``)."""
+    from safeinstall.env.distributions import find_distributions
+    from safeinstall.env.environment import inspect_environment
+    from safeinstall.store.anchors import carry_over, keep_with_backup
+    from safeinstall.store.backup import create_backup, restore_backup
+
+    (tmp_path / "w").mkdir()
+    wheel = _rewrite_record_hash(
+        wheels["sipure-1"], tmp_path / "w" / wheels["sipure-1"].name, "sipure/cli.py"
+    )
+    wheelhouse.uv_install(venv, wheel)
+    state, site = tmp_path / "state", _site(venv)
+    assert _check(venv, state)[0] == 1  # root's first sight: anchored
+    assert _check(venv, state)[0] == 5
+    edited = site / "sipure" / "__init__.py"
+    edited.write_text(edited.read_text() + "# the owner's\n")
+    env = inspect_environment(venv)
+    installed = find_distributions(env)
+    backup = create_backup(
+        env, [d for d in installed if d.name == "sipure"], tmp_path / "backup", [], installed=installed
+    )
+    assert keep_with_backup(state, env.prefix, backup) is None
+    record = next(site.glob("sipure-*.dist-info")) / "RECORD"
+    record.unlink()  # the install: a new RECORD, new bytes
+    record.write_text("sipure/__init__.py,,\n")
+    (site / "sipure" / "cli.py").unlink()  # (the backup may hold this very inode: never written in place)
+    (site / "sipure" / "cli.py").write_text("NEW = 2\n")
+    restored = restore_backup(backup, env, [])
+    assert restored.ok, restored
+    assert carry_over(state, env.prefix, backup) is None
+    code, doc = _check(venv, state)
+    kinds = {
+        os.path.basename(f["path"]): f["kind"] for f in doc["data"]["findings"] if f["kind"] != "hardlinked"
+    }
+    assert code == 1 and kinds == {"cli.py": "wheel-fault", "__init__.py": "modified"}, kinds
+
+
+def test_the_search_for_extras_takes_the_steering_walks_listings_and_still_finds_each_plant(
+    env: Path, tmp_path: Path
+) -> None:
+    """With a ``.pth`` that imports, the steering walk lists every directory of site-packages and the
+    search for extras takes those listings (no directory listed twice): a module, a package directory
+    and a ``.pyc`` planted after a clean check are each reported."""
+    state, site = tmp_path / "state", _site(env)
+    pth = site / "zz_steer.pth"
+    pth.write_text("import sipure\n")
+    _settle(env)
+    assert _drift(_check(env, state)[1]) == {("extra", str(pth))}
+    module, package = site / "sipure" / "evil.py", site / "sipure" / "sub"
+    module.write_text("import os\n")
+    package.mkdir()
+    (package / "mod.py").write_text("import os\n")
+    cache = site / "sipure" / "__pycache__"
+    cache.mkdir(exist_ok=True)
+    planted = cache / f"cli.{__import__('sys').implementation.cache_tag}.pyc"
+    planted.write_bytes(b"\0" * 16)
+    code, doc = _check(env, state)
+    found = {path for _, path in _drift(doc)}
+    assert code == 1 and {str(module), str(package / "mod.py"), str(planted)} <= found, doc["data"][
+        "findings"
+    ]
+
+
+def test_a_walk_from_listings_is_the_walk_of_the_tree_within_the_same_bounds(tmp_path: Path) -> None:
+    """:func:`walk_listed` gives what the descriptor walk gives for the same tree (a symlink listed, never
+    entered), None when a directory below was not listed, and stops at the walk's bounds."""
+    from safeinstall.env.verify import _walk, walk_listed
+    from safeinstall.system.safefs import WALK_MAX_DEPTH, TreeTooLarge
+
+    top = tmp_path / "pkg"
+    (top / "a" / "b").mkdir(parents=True)
+    for name in ("x.py", "a/y.py", "a/b/z.so"):
+        (top / name).write_text("")
+    (top / "link").symlink_to(top / "a", target_is_directory=True)
+    listings: dict[str, list[tuple[str, bool]]] = {}
+    for directory in (top, top / "a", top / "a" / "b"):
+        with os.scandir(directory) as entries:
+            listings[str(directory)] = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+    assert sorted(walk_listed(listings, str(top)) or []) == sorted(_walk(str(top)))
+    assert walk_listed({str(top): listings[str(top)]}, str(top)) is None  # a/ not listed: walked
+    with pytest.raises(TreeTooLarge):
+        walk_listed(listings, str(top), [2])
+    chain = {"/t" + "/d" * level: [("d", True)] for level in range(WALK_MAX_DEPTH + 2)}
+    with pytest.raises(TreeTooLarge):
+        walk_listed(chain, "/t")
