@@ -241,6 +241,23 @@ def stage(
     if failing:
         listed = "; ".join(f"{f.kind.value} {f.path}" for f in failing[:5])
         raise StagedMismatch(listed)
+    return plan_staged(env, root, files, dirs, checked, installed, affected, backup)
+
+
+def plan_staged(
+    env: Environment,
+    root: Path,
+    files: frozenset[str],
+    dirs: frozenset[str],
+    checked: int,
+    installed: Sequence[InstalledDistribution],
+    affected: Sequence[InstalledDistribution],
+    backup: Backup,
+) -> swap.Staged:
+    """The swap of a staging tree checked and verified already (its ``files`` and ``dirs``, relative
+    to ``root/tree``; ``checked`` files verified), planned against the environment as it is now: what
+    each move replaces, the directories it keeps, the attic. Raises NotStaged."""
+    tree_path = root / swap.STAGED_TREE
     inside = Containment(env.prefix)
     mine = {d.name for d in affected}
     old_files = _relative(inside, [loc for d in affected for loc in d.locations])

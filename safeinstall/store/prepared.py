@@ -40,8 +40,13 @@ class PreparedRecord:
     files: Mapping[str, Identity]  # the affected distributions' files as installed
     staged_root: str | None = None  # the staging directory's name under the prefix (a swap)
     staged: Mapping[str, Identity] = field(default_factory=dict)  # every entry of the staged tree
+    #: the files the prepare verified in the staged tree (None: a record that does not say: the commit
+    #: verifies the tree again)
+    staged_files: int | None = None
     wheel: str | None = None  # the run's copy of the wheel
     wheel_sha256: str | None = None
+    #: the copy's identity, taken before its hash (empty: a record without it, the copy is hashed again)
+    wheel_identity: Identity = ()
     backup_dir: str | None = None
     # what lets the commit skip the prepare's expensive work when nothing changed (docs/prepare.md):
     #: uv's plan as the prepare had it (the commit does not ask uv again)
@@ -71,8 +76,10 @@ class PreparedRecord:
                 "files": {k: list(v) for k, v in self.files.items()},
                 "staged_root": self.staged_root,
                 "staged": {k: list(v) for k, v in self.staged.items()},
+                "staged_files": self.staged_files,
                 "wheel": self.wheel,
                 "wheel_sha256": self.wheel_sha256,
+                "wheel_identity": list(self.wheel_identity),
                 "backup_dir": self.backup_dir,
                 "uv_plan": None if self.uv_plan is None else _plan_json(self.uv_plan),
                 "members": {
@@ -105,8 +112,10 @@ class PreparedRecord:
                 files=_identities(doc["files"]),
                 staged_root=_optional(doc.get("staged_root")),
                 staged=_identities(doc.get("staged", {})),
+                staged_files=_count(doc.get("staged_files")),
                 wheel=_optional(doc.get("wheel")),
                 wheel_sha256=_optional(doc.get("wheel_sha256")),
+                wheel_identity=_identities({"wheel": doc.get("wheel_identity", [])})["wheel"],
                 backup_dir=_optional(doc.get("backup_dir")),
                 uv_plan=_plan(doc.get("uv_plan")),
                 members=_members(doc.get("members", {})),
@@ -119,6 +128,14 @@ class PreparedRecord:
                 f"the prepared run's record is damaged: {exc}",
                 hint="safeinstall --discard --python PY drops the prepared run; then prepare again",
             ) from exc
+
+
+def _count(value: Any) -> int | None:
+    if value is None:
+        return None
+    if type(value) is not int or value < 0:
+        raise TypeError(f"{value!r} is not a count of files")
+    return value
 
 
 def _pair(value: Any) -> tuple[int, int]:
