@@ -268,13 +268,16 @@ def plan_staged(
         raise NotStaged("the new version installs headers (include/)")
     with Tree(tree_path) as new:
         staged_entries = swap.entries(new, sorted(dirs))
-    with Tree(env.prefix) as live:
-        there = swap.entries(live, sorted(files | dirs | old_files | own))
-    differs = frozenset(
-        d for d in dirs if d in there and there[d].kind == "dir" and there[d].owner != staged_entries[d].owner
-    ) | _kept_directories(env.prefix, own, dirs, old_files)
-    kinds = {path: entry.kind for path, entry in there.items()}
-    plan = swap.plan_swap(files, dirs, kinds, old_files, own, held | unlisted, differs)
+    with Tree(env.prefix) as live, live.batch():
+        there = swap.entries(live, sorted(dirs | own))
+        differs = frozenset(
+            d
+            for d in dirs
+            if d in there and there[d].kind == "dir" and there[d].owner != staged_entries[d].owner
+        ) | _kept_directories(env.prefix, own, dirs, old_files)
+        # the files' kinds only where the plan asks (each path by descriptor, as swap.entries)
+        kinds = swap.LiveKinds(live, there)
+        plan = swap.plan_swap(files, dirs, kinds, old_files, own, held | unlisted, differs)
     if plan.problems:
         raise NotStaged(plan.problems[0])
     with Tree(root) as staging_root:
