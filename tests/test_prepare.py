@@ -286,15 +286,24 @@ def test_discard_drops_the_prepared_run(bed: Bed) -> None:
 
 
 def test_a_prepared_run_too_old_is_refused(bed: Bed) -> None:
+    """Refused, the run stays prepared: a later detached commit goes on, and the refused commit's entry
+    is not taken for its result (by it, nor by --status --wait)."""
     name = bed.service("prep-old")
     main = bed.manager.main_pid(name)
-    _prepared(bed)
+    run_id = _prepared(bed)["data"]["run_id"]  # type: ignore[index]
     time.sleep(1.1)
     refused = bed.safeinstall("--commit", "--prepared-max-age", "1", "--json")
     assert refused.code == 2, refused.stdout
     assert "more than --prepared-max-age" in refused.json["errors"][0]["message"], refused.stdout
     _untouched(bed, name, main)
-    assert bed.safeinstall("--discard").code == 0
+    # the settle keeps the commit going while --status --wait starts (as the detached test above)
+    detached = bed.safeinstall("--commit", "--settle", "4", "--detach", "--json")
+    assert detached.code == 0 and detached.json["status"] == "detached", detached.stdout + detached.stderr
+    waited = bed.safeinstall("--status", "--wait", "--run", run_id, "--json", timeout=240)
+    assert waited.code == 0 and waited.json["status"] == "done", waited.stdout + waited.stderr
+    assert bed.version() == "2.0"
+    wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running")
+    assert bed.cli("--recover").code == 0  # what the commit left to the next run
     _nothing_left(bed)
 
 
