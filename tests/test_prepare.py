@@ -179,6 +179,21 @@ def test_a_staged_file_rewritten_with_its_times_set_back_refuses_the_commit(bed:
     _nothing_left(bed)
 
 
+def test_a_file_rewritten_with_its_times_set_back_refuses_the_commit(bed: Bed) -> None:
+    """The commit takes each file's identity from its own check under the lock (no second ``lstat``):
+    a same-size rewrite of an installed file whose mtime is set back still moves its ctime."""
+    name = bed.service("prep-file-same-size")
+    main = bed.manager.main_pid(name)
+    _prepared(bed)
+    _rewritten_in_place(bed.site / "sicext" / "serve.py")
+    refused = bed.safeinstall("--commit", "--json")
+    assert refused.code == 2, refused.stdout + refused.stderr
+    message = refused.json["errors"][0]["message"]
+    assert "file(s) of the environment changed" in message and "serve.py" in message, message
+    assert bed.manager.main_pid(name) == main and bed.manager.active_state(name) == "active"
+    assert bed.safeinstall("--discard").code == 0
+
+
 def test_a_staged_tree_others_may_write_is_verified_again(tmp_path: Path) -> None:
     """Pure but for a small tree: the commit takes the prepare's verification only where every entry
     is the caller's alone to write (uv's lock file aside); an entry another account owns or may write

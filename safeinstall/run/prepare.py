@@ -156,6 +156,21 @@ def tree_identities(root: Path) -> dict[str, Identity]:
     return tree_seen(root).identities
 
 
+def seen_identity(state: FileState | None, path: str) -> Identity:
+    """A file's identity as a check observed it under the lock (a regular file it proved by its
+    ``lstat``, or read with its ``fstat`` unmoved throughout), else :func:`identity` again."""
+    if (
+        state is None
+        or not state.is_file
+        or not state.mode
+        or state.size is None
+        or state.error
+        or not (state.by_identity or state.hashed_ns)
+    ):
+        return identity(path)
+    return (state.device, state.inode, state.mode, state.size, state.mtime_ns, state.ctime_ns)
+
+
 def file_identities(locations: Sequence[str]) -> dict[str, Identity]:
     return {location: identity(location) for location in locations}
 
@@ -288,7 +303,8 @@ def what_changed(record: PreparedRecord, prepared: Prepared, tree: TreeSeen | No
     now = set(prepared.before.observed)
     if now != set(record.files):
         said.append(f"the package's files: {len(now ^ set(record.files))} listed otherwise")
-    moved = [path for path, was in record.files.items() if identity(path) != was]
+    observed = prepared.before.observed  # each file's identity as the preflight's check saw it
+    moved = [path for path, was in record.files.items() if seen_identity(observed.get(path), path) != was]
     if moved:
         said.append(f"{len(moved)} file(s) of the environment changed (first: {moved[0]})")
     if record.staged_root is not None and record.staged_root != staging_name(record.run_id):
