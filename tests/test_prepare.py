@@ -9,6 +9,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from tests.bed_systemd import wait_until
 from tests.beds import Bed
 
@@ -145,35 +147,23 @@ def _rewritten_in_place(path: Path) -> None:
     assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
 
 
-def test_the_wheel_copy_rewritten_with_its_times_set_back_refuses_the_commit(bed: Bed) -> None:
-    """The commit takes the wheel copy by its identity (no sha256): a same-size rewrite whose mtime is
-    set back still moves its ctime, and is refused, nothing stopped."""
-    name = bed.service("prep-wheel-same-size")
+@pytest.mark.parametrize("what", ["the run's copy of the wheel", "the staged tree"])
+def test_a_rewrite_with_its_times_set_back_refuses_the_commit(bed: Bed, what: str) -> None:
+    """The commit takes the wheel copy by its identity (no sha256 again), and a root-only staged tree
+    whose walk finds every entry as the prepare verified it without reading it again: a same-size
+    rewrite of either whose mtime is set back still moves its ctime, and is refused, nothing stopped."""
+    name = bed.service("prep-same-size")
     main = bed.manager.main_pid(name)
     _prepared(bed)
-    (copy,) = bed.state.glob("*/wheels/*/*.whl")
-    _rewritten_in_place(copy)
-    refused = bed.safeinstall("--commit", "--json")
-    assert refused.code == 2, refused.stdout + refused.stderr
-    assert "the run's copy of the wheel" in refused.json["errors"][0]["message"], refused.stdout
-    _untouched(bed, name, main)
-    assert bed.safeinstall("--discard").code == 0
-    _nothing_left(bed)
-
-
-def test_a_staged_file_rewritten_with_its_times_set_back_refuses_the_commit(bed: Bed) -> None:
-    """The commit does not verify a root-only staged tree again when its walk finds every entry as the
-    prepare verified it: a same-size rewrite of a staged file whose mtime is set back still moves its
-    ctime, and is refused before the stop."""
-    name = bed.service("prep-staged-same-size")
-    main = bed.manager.main_pid(name)
-    _prepared(bed)
-    (staged,) = bed.python.parent.parent.glob(".safeinstall-swap-*")
-    victim = next(p for p in sorted((staged / "tree").rglob("*.py")) if p.is_file() and p.stat().st_size)
+    if what == "the staged tree":
+        (staged,) = bed.python.parent.parent.glob(".safeinstall-swap-*")
+        victim = next(p for p in sorted((staged / "tree").rglob("*.py")) if p.is_file() and p.stat().st_size)
+    else:
+        (victim,) = bed.state.glob("*/wheels/*/*.whl")
     _rewritten_in_place(victim)
     refused = bed.safeinstall("--commit", "--json")
     assert refused.code == 2, refused.stdout + refused.stderr
-    assert "the staged tree" in refused.json["errors"][0]["message"], refused.stdout
+    assert what in refused.json["errors"][0]["message"], refused.stdout
     _untouched(bed, name, main)
     assert bed.safeinstall("--discard").code == 0
     _nothing_left(bed)

@@ -19,8 +19,8 @@ from safeinstall.env import inodes
 from safeinstall.env.containment import is_within
 from safeinstall.env.drift import FindingKind
 from safeinstall.env.environment import Environment
-from safeinstall.env.hashing import FileState
-from safeinstall.env.swap import STAGED_TREE, STAGING_PREFIX
+from safeinstall.env.hashing import FileState, Known
+from safeinstall.env.swap import STAGED_TREE, STAGING_PREFIX, Staged
 from safeinstall.errors import PreparedRunError, SafeInstallError
 from safeinstall.run import staging
 from safeinstall.run.detach import COMMIT_REFUSED, NOT_COMMITTED
@@ -421,17 +421,7 @@ def resume(
                     run.backup,
                 )
             else:
-                run.staged = staging.stage(
-                    prepared.env,
-                    root,
-                    prepared.plan.package,
-                    prepared.wheel,
-                    prepared.survey.uv_plan.changes,
-                    prepared.survey.installed,
-                    prepared.survey.affected,
-                    run.backup,
-                    known,
-                )
+                run.staged = stage_of(run, root, known)
         except (staging.NotStaged, staging.StagedMismatch, OSError, SafeInstallError) as exc:
             raise PreparedRunError(
                 f"the staged tree does not check any more: {exc}", hint=PREPARE_AGAIN
@@ -440,6 +430,22 @@ def resume(
         run._log(f"commit: the staged tree unchanged by identity, {how} ({run.staged.files} files)")
     run._log("commit: the prepared run goes on from the gate")
     return run
+
+
+def stage_of(run: Run, root: Path, known: Known | None) -> Staged:
+    """The run's staging tree in ``root`` checked, verified (``known``: the run's cache by identity)
+    and planned (:func:`safeinstall.run.staging.stage`: it raises what that raises)."""
+    return staging.stage(
+        run.env,
+        root,
+        run.plan.package,
+        run.wheel,
+        run.survey.uv_plan.changes,
+        run.survey.installed,
+        run.survey.affected,
+        run.saved(),
+        known,
+    )
 
 
 def verified_as_prepared(record: PreparedRecord, tree: TreeSeen | None, full: bool) -> bool:

@@ -396,17 +396,7 @@ def _stage(run: Run, root: Path) -> str | None:
     verification there: nothing is stopped."""
     known = inodes.checker(run.hashed, time.time_ns()) if run.hashed else None
     try:
-        run.staged = staging.stage(
-            run.env,
-            root,
-            run.plan.package,
-            run.wheel,
-            run.survey.uv_plan.changes,
-            run.survey.installed,
-            run.survey.affected,
-            run.saved(),
-            known,
-        )
+        run.staged = prepare.stage_of(run, root, known)
     except (staging.NotStaged, staging.StagedMismatch, OSError, SafeInstallError) as exc:
         run_smoke.abandon(run)  # it reads the tree that goes now (the smoke step checks a --target one)
         swap.discard_staging(run.env.prefix, root.name, RUN_DIR_REMOVAL_S, staging.owner_ids(run.env))
