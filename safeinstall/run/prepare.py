@@ -450,10 +450,8 @@ def stage_of(run: Run, root: Path, known: Known | None) -> Staged:
 
 def verified_as_prepared(record: PreparedRecord, tree: TreeSeen | None, full: bool) -> bool:
     """Pure: the staged tree stands as the prepare verified it, not read again: every entry root's
-    alone but uv's lock file (nobody else could have written it; root wrote nothing there since)
-    and the same by identity, change times included, as the record (checked by :func:`commit_check`).
-    An account's tree is read again (a writable shared mapping changes bytes without moving times:
-    docs/window.md), and so is any tree under ``--full`` or of a record that does not say its count."""
+    alone but uv's lock file, the same by identity (change times included) as the record. An account's
+    tree, ``--full``, or a record without its count: verified again (docs/prepare.md)."""
     return (
         not full
         and tree is not None
