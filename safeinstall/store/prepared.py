@@ -143,11 +143,16 @@ def _pair(value: Any) -> tuple[int, int]:
     return int(_typed(pid, int)), int(_typed(start, int))
 
 
+#: what an identity's numbers are (``bool`` is no ``int`` here), and a hashed inode's row, by ``type``
+_INTS = frozenset({int})
+_HASHED_TYPES = (int, int, str, int, int, int, int, str, int)
+
+
 def _identities(value: Any) -> dict[str, Identity]:
     """Each path's identity (a record holds tens of thousands: checked by ``type``, not one call each)."""
     found: dict[str, Identity] = {}
     for key, numbers in _typed(value, dict).items():
-        if type(key) is not str or type(numbers) is not list or not all(type(n) is int for n in numbers):
+        if type(key) is not str or type(numbers) is not list or not _INTS.issuperset(map(type, numbers)):
             raise TypeError(f"{key!r}: {numbers!r} is not an identity")
         found[key] = tuple(numbers)
     return found
@@ -206,9 +211,7 @@ def _hashed(value: Any) -> dict[tuple[int, int], HashedInode]:
         if type(row) is not list or len(row) != 9:
             raise TypeError(f"{row!r} is not a hashed inode")
         dev, ino, path, size, mtime, ctime, uid, digest, hashed_ns = row
-        if not all(type(n) is int for n in (dev, ino, size, mtime, ctime, uid, hashed_ns)) or not (
-            type(path) is str and type(digest) is str
-        ):
+        if tuple(map(type, row)) != _HASHED_TYPES:
             raise TypeError(f"{row!r} is not a hashed inode")
         hashed[(dev, ino)] = HashedInode(path, size, mtime, ctime, uid, digest, hashed_ns)
     return hashed
