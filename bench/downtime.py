@@ -152,9 +152,10 @@ class Case:
     #: torch-index: the requirement installed by name (not ``--wheel``) and uv's options for it
     by_name: str | None = None
     uv_args: tuple[str, ...] = ()
-    #: --prepare-commit: the new build prepares (timed, the service serving), then commits (the round)
+    #: --prepare-commit: each safeinstall build prepares (timed, the service serving), then commits (the
+    #: round); each prepare's wall time, by build
     prepare_commit: bool = False
-    prepares: list[float] = field(default_factory=list)  # each prepare's wall time
+    prepares: dict[str, list[float]] = field(default_factory=lambda: {NEW: [], OLD: []})
     #: --undo: after each round of the new build, its ``--undo`` (downtime, whole run)
     undo: bool = False
     undo_times: list[float] = field(default_factory=list)
@@ -447,9 +448,9 @@ def bench_case(
                 else:
                     command = _safeinstall_command(builds[who], case, settle, args, case.options(who))
                 run_env = {**(hand_env if shared else env), **state}
-                if who == NEW and case.prepare_commit:  # the checks while it serves; the round commits
+                if who != HAND and case.prepare_commit:  # the checks while it serves; the round commits
                     window, fixed = split_window(case.options(who))
-                    case.prepares.append(_prepare(builds[who], case, args, run_env, fixed))
+                    case.prepares[who].append(_prepare(builds[who], case, args, run_env, fixed))
                     commit = replace(case, uv_args=())  # uv's options were the prepare's
                     command = _safeinstall_command(builds[who], commit, settle, ["--commit"], window)
                 run_round(case, who, manager, unit, stamps, command, run_env, port)
@@ -648,9 +649,12 @@ def report(case: Case, rounds: int, settle: float, baseline: str | None = None) 
                 f"  service downtime {who} / hand = {_ratio(case, case.service, who, HAND)}; "
                 f"{who}'s own service_downtime_s {_listed(case.reported[who]) or 'not reported'}"
             )
-    if case.prepares:  # the prepare is the service's time serving; the commit is the round
-        print(_median_line("prepare", NEW, case.prepares))
-        print(f"  commit whole run / hand whole sequence = {_ratio(case, case.walls, NEW, HAND)}; goal <= 2x")
+    if case.prepares[NEW]:  # the prepare is the service's time serving; the commit is the round
+        for who in builds:
+            print(_median_line("prepare", who, case.prepares[who]))
+        for who in builds:
+            ratio = _ratio(case, case.walls, who, HAND)
+            print(f"  commit whole run {who} / hand whole sequence = {ratio}; goal <= 2x")
     if case.undo_times:
         undo = statistics.median(case.undo_times) / statistics.median(case.times[HAND])
         print(_median_line("undo down", NEW, case.undo_times))
@@ -832,7 +836,8 @@ def main() -> int:
     parser.add_argument(
         "--prepare-commit",
         action="store_true",
-        help="the new build runs --prepare (timed apart, nothing stops), then --commit: the round's figures",
+        help="each safeinstall build runs --prepare (timed apart, nothing stops), then --commit: the "
+        "round's figures",
     )
     parser.add_argument("--undo", action="store_true", help="after each round, the new build's --undo")
     args = parser.parse_args()

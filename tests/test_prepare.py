@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
+
+import pytest
 
 from tests.bed_systemd import wait_until
 from tests.beds import Bed
@@ -96,6 +99,15 @@ def test_a_file_changed_since_the_prepare_refuses_the_commit(bed: Bed) -> None:
     assert "serve.py" in error["message"] and "prepare again" in error["hint"], error
     assert bed.manager.main_pid(name) == main and bed.manager.active_state(name) == "active"
     assert bed.journal() is not None  # still prepared: --discard drops it
+    # the history says the commit was refused and the run stays prepared (not a run that ended in error)
+    (env,) = bed.cli("--status", "--json").json["data"]["environments"]
+    assert env["prepared"] is not None and env["prepared"]["run_id"] == env["runs"][0]["run_id"], env
+    assert env["runs"][0]["status"] == "commit-refused" and env["runs"][0]["exit_code"] == 2, env["runs"]
+    (entry,) = bed.state.glob(f"*/history/{env['runs'][0]['run_id']}.json")
+    kept = json.loads(entry.read_text())["result"]
+    assert "changed since the prepare" in kept["errors"][0]["message"], kept
+    assert any("the run stays prepared" in note for note in kept["data"]["notes"]), kept
+    assert kept["data"]["plan"]["package"] == "sicext", kept  # the prepare's document, said refused
     dropped = bed.safeinstall("--discard", "--json")
     assert dropped.code == 0, dropped.stdout + dropped.stderr
     assert dropped.json["status"] == "discarded"
@@ -119,6 +131,104 @@ def test_the_wheel_copy_changed_refuses_the_commit_that_reuses_its_hashes(bed: B
     _untouched(bed, name, main)
     assert bed.safeinstall("--discard").code == 0
     _nothing_left(bed)
+
+
+def _rewritten_in_place(path: Path) -> None:
+    """The same size, one byte otherwise, its modification time set back: only its change time (which
+    nobody but the clock can set) says it was written."""
+    before = os.lstat(path)
+    with open(path, "r+b") as handle:
+        handle.seek(before.st_size // 2)
+        byte = handle.read(1)
+        handle.seek(before.st_size // 2)
+        handle.write(bytes([byte[0] ^ 0x01]))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.lstat(path)
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+
+
+@pytest.mark.parametrize("what", ["the run's copy of the wheel", "the staged tree"])
+def test_a_rewrite_with_its_times_set_back_refuses_the_commit(bed: Bed, what: str) -> None:
+    """The commit takes the wheel copy by its identity (no sha256 again), and a root-only staged tree
+    whose walk finds every entry as the prepare verified it without reading it again: a same-size
+    rewrite of either whose mtime is set back still moves its ctime, and is refused, nothing stopped."""
+    name = bed.service("prep-same-size")
+    main = bed.manager.main_pid(name)
+    _prepared(bed)
+    if what == "the staged tree":
+        (staged,) = bed.python.parent.parent.glob(".safeinstall-swap-*")
+        victim = next(p for p in sorted((staged / "tree").rglob("*.py")) if p.is_file() and p.stat().st_size)
+    else:
+        (victim,) = bed.state.glob("*/wheels/*/*.whl")
+    _rewritten_in_place(victim)
+    refused = bed.safeinstall("--commit", "--json")
+    assert refused.code == 2, refused.stdout + refused.stderr
+    assert what in refused.json["errors"][0]["message"], refused.stdout
+    _untouched(bed, name, main)
+    assert bed.safeinstall("--discard").code == 0
+    _nothing_left(bed)
+
+
+def test_a_file_rewritten_with_its_times_set_back_refuses_the_commit(bed: Bed) -> None:
+    """The commit takes each file's identity from its own check under the lock (no second ``lstat``):
+    a same-size rewrite of an installed file whose mtime is set back still moves its ctime."""
+    name = bed.service("prep-file-same-size")
+    main = bed.manager.main_pid(name)
+    _prepared(bed)
+    _rewritten_in_place(bed.site / "sicext" / "serve.py")
+    refused = bed.safeinstall("--commit", "--json")
+    assert refused.code == 2, refused.stdout + refused.stderr
+    message = refused.json["errors"][0]["message"]
+    assert "file(s) of the environment changed" in message and "serve.py" in message, message
+    assert bed.manager.main_pid(name) == main and bed.manager.active_state(name) == "active"
+    assert bed.safeinstall("--discard").code == 0
+
+
+def test_a_staged_tree_others_may_write_is_verified_again(tmp_path: Path) -> None:
+    """Pure but for a small tree: the commit takes the prepare's verification only where every entry
+    is the caller's alone to write (uv's lock file aside); an entry another account owns or may write
+    (whose bytes a writable shared mapping changes without moving its times) has it verified again."""
+    from safeinstall.run.prepare import staged_entries, tree_seen, verified_as_prepared
+    from safeinstall.store.prepared import PreparedRecord
+
+    root = tmp_path / "staging"
+    (root / "tree" / "pkg").mkdir(parents=True)
+    (root / "attic").mkdir()
+    module = root / "tree" / "pkg" / "mod.py"
+    module.write_text("x = 1\n")
+    lock = root / "tree" / ".lock"
+    lock.write_text("")
+    os.chmod(root, 0o700)
+    os.chmod(lock, 0o666)  # as uv leaves it: no part of the swap
+
+    def record(seen: dict[str, tuple[int, ...]]) -> PreparedRecord:
+        return PreparedRecord(
+            run_id="r",
+            prepared_at=0.0,
+            prefix=str(tmp_path),
+            package="pkg",
+            changes=(),
+            options={},
+            uv_command=(),
+            units=(),
+            processes=(),
+            files={},
+            staged=seen,
+            staged_files=1,
+        )
+
+    seen = tree_seen(root)
+    assert seen.not_alone == {"tree/.lock"}
+    assert verified_as_prepared(record(seen.identities), seen, full=False)
+    assert staged_entries(seen) == (frozenset({"pkg/mod.py"}), frozenset({"pkg"}))
+    assert not verified_as_prepared(record(seen.identities), seen, full=True)
+    assert not verified_as_prepared(replace(record(seen.identities), staged_files=None), seen, full=False)
+    for mode, owner in ((0o666, 0), (0o644, 65534)):  # others may write it; another account owns it
+        os.chmod(module, mode)
+        os.chown(module, owner, owner)
+        again = tree_seen(root)
+        assert again.not_alone == {"tree/.lock", "tree/pkg/mod.py"}
+        assert not verified_as_prepared(record(again.identities), again, full=False)
 
 
 def test_a_distribution_added_since_the_prepare_takes_the_whole_preflight_again(bed: Bed) -> None:
@@ -181,15 +291,24 @@ def test_discard_drops_the_prepared_run(bed: Bed) -> None:
 
 
 def test_a_prepared_run_too_old_is_refused(bed: Bed) -> None:
+    """Refused, the run stays prepared: a later detached commit goes on, and the refused commit's entry
+    is not taken for its result (by it, nor by --status --wait)."""
     name = bed.service("prep-old")
     main = bed.manager.main_pid(name)
-    _prepared(bed)
+    run_id = _prepared(bed)["data"]["run_id"]  # type: ignore[index]
     time.sleep(1.1)
     refused = bed.safeinstall("--commit", "--prepared-max-age", "1", "--json")
     assert refused.code == 2, refused.stdout
     assert "more than --prepared-max-age" in refused.json["errors"][0]["message"], refused.stdout
     _untouched(bed, name, main)
-    assert bed.safeinstall("--discard").code == 0
+    # the settle keeps the commit going while --status --wait starts (as the detached test above)
+    detached = bed.safeinstall("--commit", "--settle", "4", "--detach", "--json")
+    assert detached.code == 0 and detached.json["status"] == "detached", detached.stdout + detached.stderr
+    waited = bed.safeinstall("--status", "--wait", "--run", run_id, "--json", timeout=240)
+    assert waited.code == 0 and waited.json["status"] == "done", waited.stdout + waited.stderr
+    assert bed.version() == "2.0"
+    wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running")
+    assert bed.cli("--recover").code == 0  # what the commit left to the next run
     _nothing_left(bed)
 
 

@@ -489,3 +489,30 @@ def test_the_owner_of_a_prefix_is_never_root_where_others_may_write_or_a_link_st
     link.symlink_to(prefix)
     with pytest.raises(OSError):
         owner_of(link)
+
+
+def test_the_plan_looks_up_live_entries_when_it_asks_and_plans_as_with_all_of_them(tmp_path: Path) -> None:
+    """The live environment's kinds are looked up as the plan asks (a few entries, not every file):
+    the same plan as with every entry looked up first, and only the entries it visits are read."""
+    from safeinstall.env.swap import LiveKinds, entries
+    from safeinstall.system.safefs import Tree
+
+    live = tmp_path / "prefix"
+    for path in ("pkg/a.py", "pkg/gone.py", "pkg/sub/b.py", "pkg-1.0.dist-info/RECORD", "other/x.py"):
+        (live / path).parent.mkdir(parents=True, exist_ok=True)
+        (live / path).write_text(path)
+    (live / "pkg" / "now_a_dir").write_text("a file in the environment, a directory in the new version")
+    staged = _tree("pkg/a.py", "pkg/sub/b.py", "pkg/now_a_dir/c.py", "pkg-2.0.dist-info/RECORD")
+    files = frozenset(p for p, kind in staged.items() if kind == "file")
+    dirs = frozenset(p for p, kind in staged.items() if kind == "dir")
+    old = frozenset({"pkg/a.py", "pkg/gone.py", "pkg/sub/b.py", "pkg-1.0.dist-info/RECORD"})
+    own = frozenset({"pkg", "pkg-1.0.dist-info"})
+    with Tree(live) as tree:
+        every = {p: e.kind for p, e in entries(tree, sorted(files | dirs | old | own)).items()}
+        lazy = LiveKinds(tree, entries(tree, sorted(dirs | own)))
+        for held in (frozenset(), frozenset({"pkg/sub/b.py"})):
+            assert plan_swap(files, dirs, lazy, old, own, held) == plan_swap(
+                files, dirs, every, old, own, held
+            )
+        assert "pkg/now_a_dir" in lazy and lazy["pkg/now_a_dir"] == "file"
+        assert "other/x.py" not in set(lazy) and "pkg/nothing" not in lazy

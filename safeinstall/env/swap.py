@@ -10,7 +10,7 @@ import errno
 import os
 import stat
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from enum import StrEnum
@@ -216,26 +216,56 @@ class Entry:
     owner: tuple[int, int, int]  # uid, gid, permission bits
 
 
+def entry_of(info: os.stat_result) -> Entry:
+    """Pure: an entry's kind and owner, from its ``lstat``."""
+    mode = info.st_mode
+    kind = (
+        "dir"
+        if stat.S_ISDIR(mode)
+        else "file"
+        if stat.S_ISREG(mode)
+        else "link"
+        if stat.S_ISLNK(mode)
+        else "other"
+    )
+    return Entry(kind, (info.st_uid, info.st_gid, stat.S_IMODE(mode)))
+
+
 def entries(tree: Tree, paths: Iterable[str]) -> dict[str, Entry]:
     """What ``tree`` holds at each of ``paths`` (by descriptor, no symlink followed; absent: left out)."""
     found: dict[str, Entry] = {}
     with tree.batch():
         for path in paths:
             info = tree.lstat(path)
-            if info is None:
-                continue
-            mode = info.st_mode
-            kind = (
-                "dir"
-                if stat.S_ISDIR(mode)
-                else "file"
-                if stat.S_ISREG(mode)
-                else "link"
-                if stat.S_ISLNK(mode)
-                else "other"
-            )
-            found[path] = Entry(kind, (info.st_uid, info.st_gid, stat.S_IMODE(mode)))
+            if info is not None:
+                found[path] = entry_of(info)
     return found
+
+
+class LiveKinds(Mapping[str, str]):
+    """The kind of what ``tree`` holds at a path, looked up (by descriptor) when :func:`plan_swap` asks:
+    it asks of the entries it visits, the replaced distributions' own directories and the old files
+    the new version drops, not of every file (torch's 12k ``lstat`` calls). Iterating gives what was
+    looked up so far."""
+
+    def __init__(self, tree: Tree, known: Mapping[str, Entry]) -> None:
+        self._tree = tree
+        self._seen: dict[str, str | None] = {path: entry.kind for path, entry in known.items()}
+
+    def __getitem__(self, path: str) -> str:
+        if path not in self._seen:
+            info = self._tree.lstat(path)
+            self._seen[path] = None if info is None else entry_of(info).kind
+        kind = self._seen[path]
+        if kind is None:
+            raise KeyError(path)
+        return kind
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([path for path, kind in self._seen.items() if kind is not None])
+
+    def __len__(self) -> int:
+        return sum(1 for kind in self._seen.values() if kind is not None)
 
 
 def prepare_attic(root: Path, plan: SwapPlan, ids: Ids) -> None:

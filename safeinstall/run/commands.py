@@ -436,7 +436,7 @@ def _reinstall(
     except SafeInstallError as error:
         failed = RunDocument.failed(command, error)
         if not isinstance(error, UnknownDistributionError | UsageError):  # a typo ran nothing: no entry
-            _keep(state, run_id, options.package, started, failed)
+            _keep(state, run_id, options.package, started, _refused(state, run_id, failed, options.commit))
         _run_metrics(metrics, ui, env, options.package, run_id, started, failed)
         return Ran(exit_code=error.exit_code, run=failed, run_id=run_id, notes=())
     wall = round(time.monotonic() - began, 3)
@@ -466,6 +466,13 @@ def _keep(
 
     errors = tuple(f"error: {error.message}" for error in result.errors)
     return keep_result(state, run_id, package, started, result, errors)
+
+
+def _refused(state: EnvironmentState, run_id: str, failed: RunDocument, commit: bool) -> RunDocument:
+    """What the history keeps of a run that raised: a refused commit's run stays prepared."""
+    from safeinstall.run.prepare import refused_commit
+
+    return refused_commit(state, run_id, failed) if commit else failed
 
 
 def _run_metrics(

@@ -31,6 +31,10 @@ from safeinstall.system.systemd import Systemd
 UNIT_PREFIX = "safeinstall-"
 #: A ``--prepare``'s result (its history entry stays until its commit's replaces it)
 PREPARED_STATUS = "prepared"
+#: a refused ``--commit``'s history entry: nothing stopped, the run stays prepared (docs/json.md)
+COMMIT_REFUSED = "commit-refused"
+#: the history entries of a prepared run that are not a commit's result: its prepare's, a refused commit's
+NOT_COMMITTED = (PREPARED_STATUS, COMMIT_REFUSED)
 #: How long a commit's result may follow its journal's removal (its tidy-up, then the entry: moments)
 COMMIT_RESULT_GRACE_S = 10.0
 #: The most an environment file may hold (it is the caller's environment, a few KiB).
@@ -115,8 +119,9 @@ def commit_arguments(options: RunOptions, python: Path, environ_file: Path) -> l
 
 def committing(journal: Journal | None, entry: HistoryEntry | None) -> bool:
     """Pure: a prepared run not yet taken by its commit (its journal still ``prepared``), or its
-    prepare's entry while the commit goes on: the commit's own result is still to come."""
-    if entry is not None and entry.result.status != PREPARED_STATUS:
+    prepare's entry (or an earlier commit's refusal) while the commit goes on: the commit's own result
+    is still to come."""
+    if entry is not None and entry.result.status not in NOT_COMMITTED:
         return False
     return journal is None or journal.phase == Phase.PREPARED
 
@@ -257,6 +262,8 @@ def _await_start(
             if systemd.info(unit).active_state in ("active", "activating", "reloading"):
                 time.sleep(poll_s)
                 continue
+        if commit and journal is not None and entry is not None and entry.result.status in NOT_COMMITTED:
+            entry = None  # the prepare's entry, or an earlier commit's refusal: this one journalled past it
         if entry is not None:
             return entry
         if journal is not None:
@@ -345,9 +352,10 @@ def wait_for_run(
         for line in tail.new_lines():
             on_line(line)
         entry = find_entry(state, run_id)
-        if entry is not None and entry.result.status == PREPARED_STATUS:
-            # the prepare's result: while its commit goes on (its journal past ``prepared``, or gone
-            # for the moment between the commit's tidy-up and its result), not the one waited for
+        if entry is not None and entry.result.status in NOT_COMMITTED:
+            # the prepare's result (or a refused commit's): while a commit goes on (its journal past
+            # ``prepared``, or gone for the moment between the commit's tidy-up and its result), not
+            # the one waited for
             if journal is not None and journal.run_id == run_id and journal.phase != Phase.PREPARED:
                 committed_since = time.monotonic()
                 entry = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
@@ -18,10 +19,11 @@ from safeinstall.env import inodes
 from safeinstall.env.containment import is_within
 from safeinstall.env.drift import FindingKind
 from safeinstall.env.environment import Environment
-from safeinstall.env.hashing import FileState
-from safeinstall.env.swap import STAGING_PREFIX
+from safeinstall.env.hashing import FileState, Known
+from safeinstall.env.swap import STAGED_TREE, STAGING_PREFIX, Staged
 from safeinstall.errors import PreparedRunError, SafeInstallError
 from safeinstall.run import staging
+from safeinstall.run.detach import COMMIT_REFUSED, NOT_COMMITTED
 from safeinstall.run.options import RunOptions
 from safeinstall.run.preflight import Prepared, Reuse, locally_modified
 from safeinstall.run.recover import read_checked_journal, recover_one, states_of
@@ -29,8 +31,10 @@ from safeinstall.run.results import Reporter
 from safeinstall.run.running import Run
 from safeinstall.scan.plan import PlannedProcess
 from safeinstall.store.backup import load_backup
+from safeinstall.store.history import find as find_entry
 from safeinstall.store.journal import Phase, advance, read_journal, write_journal
 from safeinstall.store.prepared import Identity, PreparedRecord, read_prepared
+from safeinstall.store.rundoc import RunData, RunDocument
 from safeinstall.store.state import EnvironmentState
 from safeinstall.system.identity import own_process
 from safeinstall.system.safefs import owner_alone_writes
@@ -43,6 +47,8 @@ WINDOW_OPTIONS = ("stop_timeout", "gpu_timeout", "settle", "health_url", "health
 _NOT_KEPT = frozenset(
     {"environ", "proc_root", "run_id", "prepare", "commit", "prepared_max_age", *WINDOW_OPTIONS}
 )
+#: uv's lock file in the staging tree (writable by all; no part of the swap: swap.walk_staged)
+UV_LOCK = f"{STAGED_TREE}/.lock"
 PREPARE_AGAIN = "nothing was stopped; safeinstall --discard --python PY, then prepare again"
 
 
@@ -88,17 +94,80 @@ def identity(path: str) -> Identity:
         st = os.lstat(path)
     except OSError:
         return ()
+    return _identity_of(st)
+
+
+def _identity_of(st: os.stat_result) -> Identity:
     return (st.st_dev, st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+@dataclass(frozen=True, slots=True)
+class TreeSeen:
+    """The staged tree as one walk found it."""
+
+    identities: dict[str, Identity]  # every entry by its identity, the root as ``.``
+    #: the entries that are not the caller's alone to write (or could not be seen): where none the swap
+    #: takes is, no other account can change its bytes, and an identity unchanged since the prepare
+    #: verified it proves them (docs/prepare.md)
+    not_alone: frozenset[str]
+
+
+def tree_seen(root: Path) -> TreeSeen:
+    """Every entry below ``root`` (not followed) by its identity, one ``lstat`` each: one walk."""
+    uid = os.geteuid()
+    found: dict[str, Identity] = {}
+    odd: set[str] = set()
+    try:
+        st = os.lstat(root)
+    except OSError:
+        return TreeSeen({".": ()}, frozenset({"."}))
+    found["."] = _identity_of(st)
+    if not owner_alone_writes(st.st_uid, st.st_mode, uid):
+        odd.add(".")
+    pending = [(str(root), "")]
+    while pending:
+        top, relative = pending.pop()
+        try:
+            listing = list(os.scandir(top))
+        except OSError:
+            odd.add(relative.rstrip("/") or ".")
+            continue
+        for entry in listing:
+            key = f"{relative}{entry.name}"
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                found[key] = ()
+                odd.add(key)
+                continue
+            found[key] = _identity_of(st)
+            # a symlink's own mode bits are never used: its owner alone can replace it
+            link = stat.S_ISLNK(st.st_mode)
+            if not (st.st_uid == uid if link else owner_alone_writes(st.st_uid, st.st_mode, uid)):
+                odd.add(key)
+            if stat.S_ISDIR(st.st_mode):
+                pending.append((entry.path, f"{key}/"))
+    return TreeSeen(found, frozenset(odd))
 
 
 def tree_identities(root: Path) -> dict[str, Identity]:
     """Every entry below ``root`` (not followed) by its identity, ``root`` itself as ``.``."""
-    found = {".": identity(str(root))}
-    for top, dirs, files in os.walk(root):
-        for name in [*dirs, *files]:
-            path = os.path.join(top, name)
-            found[os.path.relpath(path, root)] = identity(path)
-    return found
+    return tree_seen(root).identities
+
+
+def seen_identity(state: FileState | None, path: str) -> Identity:
+    """A file's identity as a check observed it under the lock (a regular file it proved by its
+    ``lstat``, or read with its ``fstat`` unmoved throughout), else :func:`identity` again."""
+    if (
+        state is None
+        or not state.is_file
+        or not state.mode
+        or state.size is None
+        or state.error
+        or not (state.by_identity or state.hashed_ns)
+    ):
+        return identity(path)
+    return (state.device, state.inode, state.mode, state.size, state.mtime_ns, state.ctime_ns)
 
 
 def file_identities(locations: Sequence[str]) -> dict[str, Identity]:
@@ -119,6 +188,8 @@ def new_record(run: Run) -> PreparedRecord:
     plan = run.plan
     root = run.staged.root if run.staged is not None else None
     wheel = run.options.wheel
+    # the copy's identity before its hash: a write since moves its change time (root's alone to write)
+    wheel_identity = identity(str(wheel)) if wheel is not None else ()
     return PreparedRecord(
         run_id=run.run_id,
         prepared_at=time.time(),
@@ -132,8 +203,10 @@ def new_record(run: Run) -> PreparedRecord:
         files=file_identities(sorted(run.prepared.before.observed)),
         staged_root=root.name if root is not None else None,
         staged=tree_identities(root) if root is not None else {},
+        staged_files=run.staged.files if run.staged is not None else None,
         wheel=str(wheel) if wheel is not None else None,
         wheel_sha256=wheel_digest(wheel) if wheel is not None else None,
+        wheel_identity=wheel_identity,
         backup_dir=str(run.saved().dir),
         uv_plan=run.survey.uv_plan,
         members=dict(run.wheel.members) if run.wheel is not None else {},
@@ -203,8 +276,9 @@ def reuse_of(record: PreparedRecord, full: bool) -> Reuse | None:
     return Reuse(record.uv_plan, record.members, known)
 
 
-def what_changed(record: PreparedRecord, prepared: Prepared) -> list[str]:
-    """What the commit's preflight finds otherwise than the prepare left it (empty: nothing)."""
+def what_changed(record: PreparedRecord, prepared: Prepared, tree: TreeSeen | None = None) -> list[str]:
+    """What the commit's preflight finds otherwise than the prepare left it (empty: nothing); ``tree``:
+    the staged tree as the commit's one walk found it."""
     plan = prepared.plan
     said: list[str] = []
     command = tuple(plan.uv_command)
@@ -228,32 +302,50 @@ def what_changed(record: PreparedRecord, prepared: Prepared) -> list[str]:
     now = set(prepared.before.observed)
     if now != set(record.files):
         said.append(f"the package's files: {len(now ^ set(record.files))} listed otherwise")
-    moved = [path for path, was in record.files.items() if identity(path) != was]
+    observed = prepared.before.observed  # each file's identity as the preflight's check saw it
+    moved = [path for path, was in record.files.items() if seen_identity(observed.get(path), path) != was]
     if moved:
         said.append(f"{len(moved)} file(s) of the environment changed (first: {moved[0]})")
     if record.staged_root is not None and record.staged_root != staging_name(record.run_id):
         said.append(f"the record's staging directory {record.staged_root!r} (not the run's own)")
     elif record.staged_root is not None:
         root = Path(record.prefix) / record.staged_root
-        tree = tree_identities(root)
-        if tree != dict(record.staged):
-            odd = sorted(set(tree) ^ set(record.staged)) or [
-                p for p in tree if tree[p] != record.staged.get(p)
+        found = (tree or tree_seen(root)).identities
+        if found != dict(record.staged):
+            odd = sorted(set(found) ^ set(record.staged)) or [
+                p for p in found if found[p] != record.staged.get(p)
             ]
             said.append(f"the staged tree {root} (first: {odd[0] if odd else root})")
-    if record.wheel is not None:
-        try:
-            same = wheel_digest(Path(record.wheel)) == record.wheel_sha256
-        except OSError:
-            same = False
-        if not same:
-            said.append(f"the run's copy of the wheel {record.wheel}")
+    if record.wheel is not None and not wheel_unchanged(record):
+        said.append(f"the run's copy of the wheel {record.wheel}")
     return said
 
 
-def commit_check(record: PreparedRecord, prepared: Prepared) -> None:
+def wheel_unchanged(record: PreparedRecord) -> bool:
+    """The run's copy of the wheel is the one the prepare hashed: by its identity where root alone may
+    write it (a write since moves its change time, which nobody can set back), else by its sha256."""
+    if record.wheel is None:
+        return True
+    try:
+        st = os.lstat(record.wheel)
+    except OSError:
+        return False
+    if (
+        record.wheel_identity
+        and owner_alone_writes(st.st_uid, st.st_mode, os.geteuid())
+        and _identity_of(st) == tuple(record.wheel_identity)
+    ):
+        return True
+    try:
+        return wheel_digest(Path(record.wheel)) == record.wheel_sha256
+    except OSError:
+        return False
+
+
+def commit_check(record: PreparedRecord, prepared: Prepared) -> TreeSeen | None:
     """Under the commit's lock, before anything: the journal is still this prepared run's, not too
-    old, and nothing it depends on changed. Raises PreparedRunError (exit 2, nothing stopped)."""
+    old, and nothing it depends on changed; the staged tree as its walk found it (None: none). Raises
+    PreparedRunError (exit 2, nothing stopped)."""
     journal = read_journal(prepared.state.dir)
     if journal is None or journal.run_id != record.run_id or journal.phase != Phase.PREPARED:
         raise PreparedRunError(
@@ -267,16 +359,23 @@ def commit_check(record: PreparedRecord, prepared: Prepared) -> None:
             f"{prepared.options.prepared_max_age:g} s",
             hint=PREPARE_AGAIN + " (or give a larger --prepared-max-age)",
         )
-    changed = what_changed(record, prepared)
+    own = record.staged_root is not None and record.staged_root == staging_name(record.run_id)
+    tree = tree_seen(Path(record.prefix) / record.staged_root) if own and record.staged_root else None
+    changed = what_changed(record, prepared, tree)
     if changed:
         raise PreparedRunError(
             f"changed since the prepare of {record.run_id}: {'; '.join(changed)}", hint=PREPARE_AGAIN
         )
+    return tree
 
 
-def resume(prepared: Prepared, reporter: Reporter, record: PreparedRecord) -> Run:
+def resume(
+    prepared: Prepared, reporter: Reporter, record: PreparedRecord, tree: TreeSeen | None = None
+) -> Run:
     """The prepared run again, as the prepare left it: its journal, backup and staging tree (checked,
-    verified and planned again: what the swap renames is what was verified now)."""
+    verified and planned again: what the swap renames is what was verified now). ``tree``: the staged
+    tree as :func:`commit_check` found it, unchanged since the prepare: where it is root's alone, its
+    verification by the prepare stands (its identities prove its bytes), and it is planned again."""
     journal = read_journal(prepared.state.dir)
     if journal is None:  # commit_check read it under the same lock
         raise PreparedRunError("the prepared run's journal is gone", hint=PREPARE_AGAIN)
@@ -297,24 +396,102 @@ def resume(prepared: Prepared, reporter: Reporter, record: PreparedRecord) -> Ru
         # since is taken by identity, not read again (a changed one is read: :mod:`safeinstall.env.inodes`)
         run.hashed = {} if prepared.options.full else inodes.still_hashed(record.cache_hashed)
         known = inodes.checker(run.hashed, prepared_ns(record)) if run.hashed else None
+        root = prepared.env.prefix / record.staged_root
         try:
-            run.staged = staging.stage(
-                prepared.env,
-                prepared.env.prefix / record.staged_root,
-                prepared.plan.package,
-                prepared.wheel,
-                prepared.survey.uv_plan.changes,
-                prepared.survey.installed,
-                prepared.survey.affected,
-                run.backup,
-                known,
-            )
+            proven = tree if verified_as_prepared(record, tree, prepared.options.full) else None
+            if proven is not None and record.staged_files is not None:
+                files, dirs = staged_entries(proven)
+                run.staged = staging.plan_staged(
+                    prepared.env,
+                    root,
+                    files,
+                    dirs,
+                    record.staged_files,
+                    prepared.survey.installed,
+                    prepared.survey.affected,
+                    run.backup,
+                )
+            else:
+                run.staged = stage_of(run, root, known)
         except (staging.NotStaged, staging.StagedMismatch, OSError, SafeInstallError) as exc:
             raise PreparedRunError(
                 f"the staged tree does not check any more: {exc}", hint=PREPARE_AGAIN
             ) from exc
+        how = "taken as the prepare verified it" if proven is not None else "verified again"
+        run.log(f"commit: the staged tree unchanged by identity, {how} ({run.staged.files} files)")
     run.log("commit: the prepared run goes on from the gate")
     return run
+
+
+def stage_of(run: Run, root: Path, known: Known | None) -> Staged:
+    """The run's staging tree in ``root`` checked, verified (``known``: the run's cache by identity)
+    and planned (:func:`safeinstall.run.staging.stage`: it raises what that raises)."""
+    return staging.stage(
+        run.env,
+        root,
+        run.plan.package,
+        run.wheel,
+        run.survey.uv_plan.changes,
+        run.survey.installed,
+        run.survey.affected,
+        run.saved(),
+        known,
+    )
+
+
+def verified_as_prepared(record: PreparedRecord, tree: TreeSeen | None, full: bool) -> bool:
+    """Pure: the staged tree stands as the prepare verified it, not read again: every entry root's
+    alone but uv's lock file, the same by identity (change times included) as the record. An account's
+    tree, ``--full``, or a record without its count: verified again (docs/prepare.md)."""
+    return (
+        not full
+        and tree is not None
+        and tree.not_alone <= {UV_LOCK}  # uv's lock file (0666) is no part of the swap
+        and record.staged_files is not None
+        and tree.identities == dict(record.staged)
+    )
+
+
+def staged_entries(tree: TreeSeen) -> tuple[frozenset[str], frozenset[str]]:
+    """Pure: the staging tree's files and directories, relative to it (uv's lock file aside), from
+    the walk of the staging directory: what :func:`safeinstall.env.swap.walk_staged` lists."""
+    below = f"{STAGED_TREE}/"
+    files: set[str] = set()
+    dirs: set[str] = set()
+    for key, seen in tree.identities.items():
+        if not key.startswith(below):
+            continue
+        relative = key[len(below) :]
+        (dirs if seen and stat.S_ISDIR(seen[2]) else files).add(relative)
+    files.discard(UV_LOCK[len(below) :])
+    return frozenset(files), frozenset(dirs)
+
+
+def refused_commit(state: EnvironmentState, run_id: str, failed: RunDocument) -> RunDocument:
+    """The history entry of a ``--commit`` that raised (``failed``, exit 2) while its run stays prepared
+    (its journal still says so): the prepare's entry, said refused, with the error and a note; a run
+    no longer prepared keeps ``failed``."""
+    try:
+        journal = read_journal(state.dir)
+    except SafeInstallError:
+        return failed
+    if journal is None or journal.run_id != run_id or journal.phase != Phase.PREPARED:
+        return failed
+    note = (
+        f"a commit was refused (exit {failed.exit_code}), nothing stopped: the run stays prepared "
+        "(safeinstall --commit again, or --discard)"
+    )
+    try:
+        entry = find_entry(state, run_id)
+    except SafeInstallError:
+        entry = None
+    data = entry.result.data if entry is not None and entry.result.status in NOT_COMMITTED else None
+    if data is not None:
+        present = data.present if "notes" in data.present else (*data.present, "notes")
+        data = replace(data, present=present, notes=(*data.notes, note))
+    else:
+        data = RunData(present=("notes",), notes=(note,))
+    return replace(failed, status=COMMIT_REFUSED, data=data)
 
 
 # -- finding and dropping a prepared run ------------------------------------------------------------
@@ -327,10 +504,13 @@ class Found:
     python: str  # the interpreter the journal names
 
 
-def prepared_runs(environ: Mapping[str, str], python: str | None) -> list[Found]:
-    """The prepared runs of every environment (or the one ``python`` names)."""
+def prepared_runs(
+    environ: Mapping[str, str], python: str | None, env: Environment | None = None
+) -> list[Found]:
+    """The prepared runs of every environment (or the one ``python`` names; ``env``: it, inspected
+    already)."""
     found: list[Found] = []
-    for state in states_of(environ, python):
+    for state in states_of(environ, python, env):
         journal = read_checked_journal(state, environ)
         if journal is None or journal.phase != Phase.PREPARED:
             continue
@@ -344,10 +524,12 @@ def prepared_runs(environ: Mapping[str, str], python: str | None) -> list[Found]
     return found
 
 
-def the_prepared_run(environ: Mapping[str, str], python: str | None, verb: str = "commit") -> Found:
-    """The one prepared run ``--commit`` or ``--discard`` (``verb``) takes; PreparedRunError for none or
-    several."""
-    found = prepared_runs(environ, python)
+def the_prepared_run(
+    environ: Mapping[str, str], python: str | None, verb: str = "commit", env: Environment | None = None
+) -> Found:
+    """The one prepared run ``--commit`` or ``--discard`` (``verb``) takes (``env``: the environment
+    ``python`` names, inspected already); PreparedRunError for none or several."""
+    found = prepared_runs(environ, python, env)
     if not found:
         where = f" of {python}" if python else ""
         hint = (

@@ -69,14 +69,17 @@ class Recovery:
         return self.restored and self.phase in KEPT_PHASES
 
 
-def states_of(environ: Mapping[str, str], python: str | None) -> list[EnvironmentState]:
-    """The environments to look at; refuses (StateDirError) an untrusted state root. A listed
-    environment directory that is not trusted comes with its ``problem``."""
+def states_of(
+    environ: Mapping[str, str], python: str | None, env: Environment | None = None
+) -> list[EnvironmentState]:
+    """The environments to look at (``env``: the one ``python`` names, inspected already); refuses
+    (StateDirError) an untrusted state root. A listed environment directory that is not trusted comes
+    with its ``problem``."""
     root = state_root(environ, os.geteuid())
     if python is None:
         return list_environment_dirs(root)
     check_trusted(root)
-    env = inspect_environment(resolve_python(python, environ))
+    env = env or inspect_environment(resolve_python(python, environ))
     return [trusted_environment_state(root, env.prefix)]
 
 

@@ -386,17 +386,7 @@ def _stage(run: Run, root: Path) -> str | None:
     verification there: nothing is stopped."""
     known = inodes.checker(run.hashed, time.time_ns()) if run.hashed else None
     try:
-        run.staged = staging.stage(
-            run.env,
-            root,
-            run.plan.package,
-            run.wheel,
-            run.survey.uv_plan.changes,
-            run.survey.installed,
-            run.survey.affected,
-            run.saved(),
-            known,
-        )
+        run.staged = prepare.stage_of(run, root, known)
     except (staging.NotStaged, staging.StagedMismatch, OSError, SafeInstallError) as exc:
         run_smoke.abandon(run)  # it reads the tree that goes now (the smoke step checks a --target one)
         swap.discard_staging(run.env.prefix, root.name, RUN_DIR_REMOVAL_S, staging.owner_ids(run.env))
@@ -1075,8 +1065,9 @@ def run_reinstall(
 
     deferral = contextlib.ExitStack()  # from the journal to the end, signals are held back unless raised
     try:
+        tree = None  # --commit: the staged tree as its one walk found it
         if record is not None:  # --commit: under the lock, before anything, nothing it relies on changed
-            prepare.commit_check(record, prepared)
+            tree = prepare.commit_check(record, prepared)
         refused = refusal(prepared.plan)
         if refused is not None:
             raise refused
@@ -1100,7 +1091,9 @@ def run_reinstall(
             for warning in prepared.plan.warnings:
                 reporter.note(f"before the stop: {warning}", host=warning in prepared.plan.host_notes)
         held = deferral.enter_context(interrupts_deferred(held_back))
-        run = start(prepared, reporter) if record is None else prepare.resume(prepared, reporter, record)
+        run = (
+            start(prepared, reporter) if record is None else prepare.resume(prepared, reporter, record, tree)
+        )
         run.add_step(preflight_outcome(prepared, record is not None, reuse is not None, began))
     except BaseException:
         deferral.close()
@@ -1229,7 +1222,7 @@ def read_prepared_run(options: RunOptions, env: Environment | None) -> PreparedR
     """--commit: the record of the one prepared run of the environment, read before the lock;
     :func:`safeinstall.run.prepare.commit_check` checks under it that the journal is still that run's."""
     python = str(interpreter_in_prefix(env)) if env is not None else options.python
-    return prepare.the_prepared_run(options.environ, python).record
+    return prepare.the_prepared_run(options.environ, python, env=env).record
 
 
 def prepared_step(run: Run) -> None:

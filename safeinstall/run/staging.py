@@ -241,6 +241,23 @@ def stage(
     if failing:
         listed = "; ".join(f"{f.kind.value} {f.path}" for f in failing[:5])
         raise StagedMismatch(listed)
+    return plan_staged(env, root, files, dirs, checked, installed, affected, backup)
+
+
+def plan_staged(
+    env: Environment,
+    root: Path,
+    files: frozenset[str],
+    dirs: frozenset[str],
+    checked: int,
+    installed: Sequence[InstalledDistribution],
+    affected: Sequence[InstalledDistribution],
+    backup: Backup,
+) -> swap.Staged:
+    """The swap of a staging tree checked and verified already (its ``files`` and ``dirs``, relative
+    to ``root/tree``; ``checked`` files verified), planned against the environment as it is now: what
+    each move replaces, the directories it keeps, the attic. Raises NotStaged."""
+    tree_path = root / swap.STAGED_TREE
     inside = Containment(env.prefix)
     mine = {d.name for d in affected}
     old_files = _relative(inside, [loc for d in affected for loc in d.locations])
@@ -251,13 +268,16 @@ def stage(
         raise NotStaged("the new version installs headers (include/)")
     with Tree(tree_path) as new:
         staged_entries = swap.entries(new, sorted(dirs))
-    with Tree(env.prefix) as live:
-        there = swap.entries(live, sorted(files | dirs | old_files | own))
-    differs = frozenset(
-        d for d in dirs if d in there and there[d].kind == "dir" and there[d].owner != staged_entries[d].owner
-    ) | _kept_directories(env.prefix, own, dirs, old_files)
-    kinds = {path: entry.kind for path, entry in there.items()}
-    plan = swap.plan_swap(files, dirs, kinds, old_files, own, held | unlisted, differs)
+    with Tree(env.prefix) as live, live.batch():
+        there = swap.entries(live, sorted(dirs | own))
+        differs = frozenset(
+            d
+            for d in dirs
+            if d in there and there[d].kind == "dir" and there[d].owner != staged_entries[d].owner
+        ) | _kept_directories(env.prefix, own, dirs, old_files)
+        # the files' kinds only where the plan asks (each path by descriptor, as swap.entries)
+        kinds = swap.LiveKinds(live, there)
+        plan = swap.plan_swap(files, dirs, kinds, old_files, own, held | unlisted, differs)
     if plan.problems:
         raise NotStaged(plan.problems[0])
     with Tree(root) as staging_root:

@@ -220,10 +220,11 @@ def manifest_to_dict(manifest: BackupManifest) -> dict[str, Any]:
 
 
 def _safe_relative(text: Any) -> str:
+    """Pure: ``text``, a relative path that stays below the prefix (no ``..``); by string, not
+    pathlib (a manifest holds a path per file: torch's 12k cost 0.3 s of a commit)."""
     if not isinstance(text, str) or not text:
         raise ValueError(f"bad path {text!r}")
-    parts = PurePosixPath(text).parts
-    if PurePosixPath(text).is_absolute() or any(p in ("..", ".") for p in parts):
+    if text.startswith("/") or ".." in text.split("/"):
         raise ValueError(f"path {text!r} escapes the prefix")
     return text
 

@@ -40,8 +40,13 @@ class PreparedRecord:
     files: Mapping[str, Identity]  # the affected distributions' files as installed
     staged_root: str | None = None  # the staging directory's name under the prefix (a swap)
     staged: Mapping[str, Identity] = field(default_factory=dict)  # every entry of the staged tree
+    #: the files the prepare verified in the staged tree (None: a record that does not say: the commit
+    #: verifies the tree again)
+    staged_files: int | None = None
     wheel: str | None = None  # the run's copy of the wheel
     wheel_sha256: str | None = None
+    #: the copy's identity, taken before its hash (empty: a record without it, the copy is hashed again)
+    wheel_identity: Identity = ()
     backup_dir: str | None = None
     # what lets the commit skip the prepare's expensive work when nothing changed (docs/prepare.md):
     #: uv's plan as the prepare had it (the commit does not ask uv again)
@@ -71,8 +76,10 @@ class PreparedRecord:
                 "files": {k: list(v) for k, v in self.files.items()},
                 "staged_root": self.staged_root,
                 "staged": {k: list(v) for k, v in self.staged.items()},
+                "staged_files": self.staged_files,
                 "wheel": self.wheel,
                 "wheel_sha256": self.wheel_sha256,
+                "wheel_identity": list(self.wheel_identity),
                 "backup_dir": self.backup_dir,
                 "uv_plan": None if self.uv_plan is None else _plan_json(self.uv_plan),
                 "members": {
@@ -105,8 +112,10 @@ class PreparedRecord:
                 files=_identities(doc["files"]),
                 staged_root=_optional(doc.get("staged_root")),
                 staged=_identities(doc.get("staged", {})),
+                staged_files=_count(doc.get("staged_files")),
                 wheel=_optional(doc.get("wheel")),
                 wheel_sha256=_optional(doc.get("wheel_sha256")),
+                wheel_identity=_identities({"wheel": doc.get("wheel_identity", [])})["wheel"],
                 backup_dir=_optional(doc.get("backup_dir")),
                 uv_plan=_plan(doc.get("uv_plan")),
                 members=_members(doc.get("members", {})),
@@ -121,16 +130,29 @@ class PreparedRecord:
             ) from exc
 
 
+def _count(value: Any) -> int | None:
+    if value is None:
+        return None
+    if type(value) is not int or value < 0:
+        raise TypeError(f"{value!r} is not a count of files")
+    return value
+
+
 def _pair(value: Any) -> tuple[int, int]:
     pid, start = _typed(value, list)
     return int(_typed(pid, int)), int(_typed(start, int))
+
+
+#: what an identity's numbers are (``bool`` is no ``int`` here), and a hashed inode's row, by ``type``
+_INTS = frozenset({int})
+_HASHED_TYPES = (int, int, str, int, int, int, int, str, int)
 
 
 def _identities(value: Any) -> dict[str, Identity]:
     """Each path's identity (a record holds tens of thousands: checked by ``type``, not one call each)."""
     found: dict[str, Identity] = {}
     for key, numbers in _typed(value, dict).items():
-        if type(key) is not str or type(numbers) is not list or not all(type(n) is int for n in numbers):
+        if type(key) is not str or type(numbers) is not list or not _INTS.issuperset(map(type, numbers)):
             raise TypeError(f"{key!r}: {numbers!r} is not an identity")
         found[key] = tuple(numbers)
     return found
@@ -189,9 +211,7 @@ def _hashed(value: Any) -> dict[tuple[int, int], HashedInode]:
         if type(row) is not list or len(row) != 9:
             raise TypeError(f"{row!r} is not a hashed inode")
         dev, ino, path, size, mtime, ctime, uid, digest, hashed_ns = row
-        if not all(type(n) is int for n in (dev, ino, size, mtime, ctime, uid, hashed_ns)) or not (
-            type(path) is str and type(digest) is str
-        ):
+        if tuple(map(type, row)) != _HASHED_TYPES:
             raise TypeError(f"{row!r} is not a hashed inode")
         hashed[(dev, ino)] = HashedInode(path, size, mtime, ctime, uid, digest, hashed_ns)
     return hashed
