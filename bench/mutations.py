@@ -53,7 +53,7 @@ class Mutation:
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "forget-journal",
-        "safeinstall/run/status.py",
+        "safeinstall/run/commands/status.py",
         "if read_journal(state.dir) is not None:",
         "if False:",
         (f"{PROMISES}::test_forget_refuses_an_environment_whose_run_did_not_finish_or_is_running",),
@@ -61,7 +61,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "forget-unlocked",
-        "safeinstall/run/status.py",
+        "safeinstall/run/commands/status.py",
         "    with acquire_lock(state.lock, prefix):\n        if read_journal",
         "    if True:\n        if read_journal",
         (f"{PROMISES}::test_forget_refuses_an_environment_whose_run_did_not_finish_or_is_running",),
@@ -140,14 +140,14 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "no-restart-restarts",
-        "safeinstall/run/reinstall.py",
+        "safeinstall/run/steps/reinstall.py",
         "    if run.options.no_restart:\n        run.journal_phase(Phase.RESTARTING",
         "    if False:\n        run.journal_phase(Phase.RESTARTING",
         (f"{PROMISES}::test_no_restart_leaves_the_units_stopped_and_says_so",),
     ),
     Mutation(
         "no-restart-silent",
-        "safeinstall/run/reinstall.py",
+        "safeinstall/run/steps/reinstall.py",
         "tuple(run.units_to_restart()) if options.no_restart else ()",
         "()",
         (f"{PROMISES}::test_no_restart_leaves_the_units_stopped_and_says_so",),
@@ -161,7 +161,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "progress-log-unthrottled",
-        "safeinstall/run/results.py",
+        "safeinstall/run/parts/results.py",
         "or now - self._last_progress >= PROGRESS_EVERY_S:",
         "or True:",
         (f"{PROMISES}::test_progress_on_a_pipe_is_a_plain_line_at_most_every_5_s",),
@@ -179,7 +179,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "detach-stop-kills",
-        "safeinstall/run/detach.py",
+        "safeinstall/run/parts/detach.py",
         'STOP_TIMEOUT = "15min"',
         'STOP_TIMEOUT = "1s"',
         (f"{PROMISES}::test_systemctl_stop_of_a_detached_runs_unit_rolls_it_back",),
@@ -187,7 +187,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     # the swap (issue 26)
     Mutation(
         "swap-dist-info-last",
-        "safeinstall/env/swap.py",
+        "safeinstall/env/renames.py",
         "first = sorted(moves, key=lambda m: not _is_dist_info(m.path))",
         "first = sorted(moves, key=lambda m: _is_dist_info(m.path))",
         (
@@ -196,21 +196,21 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "swap-rollback-no-restore",
-        "safeinstall/run/rollback.py",
+        "safeinstall/run/back/rollback.py",
         "phase_at_least(\n                run.journal, Phase.SWAPPING\n            )",
         "False",
         ("tests/test_swap.py::test_a_rename_that_fails_in_the_middle_of_the_swap_rolls_back",),
     ),
     Mutation(
         "swap-staging-never-removed",
-        "safeinstall/env/swap.py",
+        "safeinstall/env/renames.py",
         '    if not name.startswith(STAGING_PREFIX) or "/" in name:',
         "    if True:",
         ("tests/test_swap.py::test_a_kill_at_each_phase_around_the_swap_then_recover",),
     ),
     Mutation(
         "swap-held-ignored",
-        "safeinstall/env/swap.py",
+        "safeinstall/env/renames.py",
         "elif is_dir and child in own_dirs and child not in keep:",
         "elif is_dir and child in own_dirs:",
         (
@@ -220,8 +220,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "swap-identity-unchecked",
-        "safeinstall/run/reinstall.py",
-        "    wrong = swap.moved_as_staged(staged, run.env.prefix)\n",
+        "safeinstall/run/steps/reinstall.py",
+        "    wrong = renames.moved_as_staged(staged, run.env.prefix)\n",
         "    wrong: list[str] = []\n",
         (
             "tests/test_swap.py::test_an_entry_of_the_staging_tree_replaced_before_the_swap_is_caught_in_the_window",
@@ -304,7 +304,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "swap-place-replaces",
-        "safeinstall/env/swap.py",
+        "safeinstall/env/renames.py",
         "            flags = RENAME_NOREPLACE if move.how == How.PLACE else RENAME_EXCHANGE",
         "            flags = 0 if move.how == How.PLACE else RENAME_EXCHANGE",
         ("tests/test_swap.py::test_a_placed_entry_never_replaces_what_appeared_there_since_the_plan",),
@@ -326,7 +326,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "recover-keeps-an-unstarted-verified-version",
-        "safeinstall/run/recover.py",
+        "safeinstall/run/back/recover.py",
         "return effective_phase(journal) in (Phase.VERIFIED, Phase.RESTARTING) and",
         "return effective_phase(journal) in (Phase.RESTARTING,) and",
         (
@@ -369,7 +369,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "result-signals-handled",
-        "safeinstall/run/commands.py",
+        "safeinstall/run/commands/modes.py",
         "    ignored_until_exit()\n",
         "    pass\n",
         (
@@ -447,21 +447,21 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "d-state-breaks-ignored",
-        "safeinstall/run/reinstall.py",
+        "safeinstall/run/steps/reinstall.py",
         "                self.since.pop(process, None)\n",
         "                pass\n",
         (f"{PROMISES_45}::test_a_gpu_holder_in_and_out_of_d_state_is_not_stuck",),
     ),
     Mutation(
         "smoke-first-stderr-lines",
-        "safeinstall/env/smoke.py",
+        "safeinstall/env/importcheck.py",
         "    return tuple(kept[-lines:])\n",
         "    return tuple(kept[:lines])\n",
         (f"{PROMISES_45}::test_a_failed_smoke_command_shows_its_last_lines_of_standard_error",),
     ),
     Mutation(
         "undo-other-version-ignored",
-        "safeinstall/run/undo.py",
+        "safeinstall/run/parts/undo.py",
         "        elif current.version != version:\n",
         "        elif False:\n",
         (f"{PROMISES_45}::test_another_version_installed_since_the_run_refuses_its_undo",),
@@ -475,7 +475,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "recover-first-failure-wins",
-        "safeinstall/run/recover.py",
+        "safeinstall/run/back/recover.py",
         "        if any(f.exit_code == ExitCode.ROLLBACK_FAILED for f in self.failures):\n"
         "            return ExitCode.ROLLBACK_FAILED\n",
         "",
@@ -486,7 +486,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "rollback-restores-under-running-units",
-        "safeinstall/run/rollback.py",
+        "safeinstall/run/back/rollback.py",
         "            if run.restart_started:\n",
         "            if False:\n",
         (f"{PROMISES_45}::test_a_rollback_after_the_restart_began_stops_the_units_before_the_restore",),
@@ -521,7 +521,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "smoke-shim-after-the-units-path",
-        "safeinstall/env/smoke.py",
+        "safeinstall/env/importcheck.py",
         "    python_path = [str(shim_dir), *[p for p in variables.get("
         '"PYTHONPATH", "").split(os.pathsep) if p]]',
         "    python_path = [*[p for p in variables.get("
@@ -544,7 +544,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "smoke-tree-left-open",
-        "safeinstall/run/smoke.py",
+        "safeinstall/run/steps/smoke.py",
         "    if opened:\n        _close_again(run, new)\n",
         "    if False:\n        _close_again(run, new)\n",
         (
@@ -554,28 +554,28 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "journal-signal-dropped",
-        "safeinstall/run/reinstall.py",
+        "safeinstall/run/steps/reinstall.py",
         "                received.signals.extend(held)",
         "                pass",
         (f"{PROMISES_45}::test_a_signal_while_the_journal_is_written_stops_the_run_before_its_first_step",),
     ),
     Mutation(
         "late-check-ignores-only-loaded",
-        "safeinstall/run/reinstall.py",
+        "safeinstall/run/steps/reinstall.py",
         "    every = not run.options.only_loaded",
         "    every = True",
         (f"{PROMISES_45}::test_only_loaded_in_a_real_run_leaves_the_possible_users_running",),
     ),
     Mutation(
         "late-fifo-put-back",
-        "safeinstall/env/swap.py",
+        "safeinstall/env/renames.py",
         "info is not None and stat.S_ISREG(info.st_mode) and info.st_uid in (0, owner)",
         "info is not None and info.st_uid in (0, owner)",
         (f"{PROMISES_45}::test_only_a_late_regular_file_of_root_or_the_directorys_owner_is_put_back",),
     ),
     Mutation(
         "late-third-owner-put-back",
-        "safeinstall/env/swap.py",
+        "safeinstall/env/renames.py",
         "info is not None and stat.S_ISREG(info.st_mode) and info.st_uid in (0, owner)",
         "info is not None and stat.S_ISREG(info.st_mode)",
         (f"{PROMISES_45}::test_only_a_late_regular_file_of_root_or_the_directorys_owner_is_put_back",),
@@ -648,7 +648,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "late-dropped-directory-not-made",
-        "safeinstall/env/swap.py",
+        "safeinstall/env/renames.py",
         "                for directory, mode in missing:\n"
         "                    live.make_dir(directory, mode)\n",
         "",
@@ -659,21 +659,21 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "late-dropped-directory-of-anyone",
-        "safeinstall/env/swap.py",
+        "safeinstall/env/renames.py",
         " or old.st_uid != os.geteuid():",
         ":",
         (f"{PROMISES_45}::test_a_late_file_in_a_directory_the_new_version_drops_is_put_back[account]",),
     ),
     Mutation(
         "late-dropped-directory-mode-lost",
-        "safeinstall/env/swap.py",
+        "safeinstall/env/renames.py",
         "missing.append((directory, stat.S_IMODE(old.st_mode)))",
         "missing.append((directory, 0o755))",
         (f"{PROMISES_45}::test_a_late_file_in_a_directory_the_new_version_drops_is_put_back[account]",),
     ),
     Mutation(
         "smoke-prefetched-tree-left-open",
-        "safeinstall/run/smoke.py",
+        "safeinstall/run/steps/smoke.py",
         "    if opened:\n        _close_again(run, new)\n",
         "    if opened and new.below:\n        _close_again(run, new)\n",
         (
@@ -704,7 +704,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "one-filesystem-install-uncounted",
-        "safeinstall/run/preflight.py",
+        "safeinstall/run/parts/preflight.py",
         '    copies = cache if link_mode != "hardlink" else 0\n',
         "    copies = 0\n",
         (

@@ -382,7 +382,7 @@ def same_size_edit(python: Path, package: str, command: list[str]) -> str:
         ).stdout.decode()
         target = next(Path(p) for p in listed.split("\0") if p.endswith(".py") and os.path.getsize(p) > 0)
         os.chmod(target, os.lstat(target).st_mode)  # copied up: the edit below keeps this inode
-        settled = os.lstat(target).st_ctime_ns + 2_000_000_000  # safeinstall.env.verified.GRANULARITY_NS
+        settled = os.lstat(target).st_ctime_ns + 2_000_000_000  # safeinstall.env.inodetrust.GRANULARITY_NS
         while time.time_ns() <= settled:
             time.sleep(0.1)
         on_overlay = [*command[:-1], str(merged)]

@@ -35,7 +35,7 @@ def _early_envelope(interrupted: InterruptedEarly) -> None:
     small; the CLI's parsing is not loaded)."""
     import json
 
-    from safeinstall.run.output import command_for, envelope
+    from safeinstall.run.parts.output import command_for, envelope
 
     command = command_for({arg.split("=", 1)[0] for arg in sys.argv[1:]})
     document = envelope(command, "error", int(interrupted.exit_code), None, [interrupted])

@@ -231,7 +231,7 @@ def kill(proc: subprocess.Popen[bytes]) -> None:
 
 _SNAPSHOT_SCRIPT = (
     "import json; from safeinstall.system.gpus import snapshot_gpus; "
-    "from safeinstall.run.output import jsonable; print(json.dumps(jsonable(snapshot_gpus())))"
+    "from safeinstall.run.parts.output import jsonable; print(json.dumps(jsonable(snapshot_gpus())))"
 )
 
 

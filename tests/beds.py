@@ -537,9 +537,9 @@ def forge_kept_hash(state: Path, python: Path, target: Path, hashed_ns: int) -> 
     """A verified-inode store whose one entry says ``target``, as it is now, hashed at ``hashed_ns`` to
     :data:`WRONG_DIGEST` (written through the store's own ``to_bytes``): a check that believes it
     reports the file ``modified``."""
-    from safeinstall.env.verified import InodeStore, VerifiedInode
+    from safeinstall.env.inodetrust import InodeStore, VerifiedInode
+    from safeinstall.store.inodestore import boot_id, store_file, to_bytes
     from safeinstall.store.state import environment_state
-    from safeinstall.store.verified import boot_id, store_file, to_bytes
 
     boot = boot_id()
     assert boot is not None

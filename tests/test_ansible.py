@@ -585,7 +585,7 @@ def _metric_counts(samples: dict[str, list[ParsedSample]]) -> dict[str, dict[str
 
 def test_the_collection_counts_the_kinds_that_safeinstall_reports() -> None:
     from ansible_collections.safeinstall.fleet.plugins.module_utils import cli as module_cli
-    from safeinstall.run.metrics import DRIFT_KINDS, WARNING_KIND_NAMES
+    from safeinstall.run.commands.metrics import DRIFT_KINDS, WARNING_KIND_NAMES
 
     assert (module_cli.DRIFT_KINDS, module_cli.WARNING_KINDS) == (DRIFT_KINDS, WARNING_KIND_NAMES)
     assert module_cli.finding_counts(None) == {}
@@ -850,7 +850,7 @@ def test_the_reinstall_modules_command_line_is_what_the_cli_parses(monkeypatch: 
         reinstall_environ,
     )
     from safeinstall.cli.app import app
-    from safeinstall.run.commands import run_options
+    from safeinstall.run.commands.modes import run_options
 
     params: dict[str, Any] = {
         "name": "vllm",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from safeinstall.env import cachefill, inodes, verified
+from safeinstall.env import cachefill, inodes, inodetrust
 from safeinstall.env.uvplan import UvChange
 from tests import wheelhouse
 from tests.wheelhouse import Wheelhouse
@@ -265,7 +265,7 @@ def test_a_kept_hash_stands_for_a_root_only_inode_whose_links_changed_and_for_no
 ) -> None:
     """The rule of :func:`verified.root_only_digest`: size and modification time unchanged, the change
     time moved by links (not back), root's and writable by root alone; anything else is read."""
-    from safeinstall.env.verified import VerifiedInode, root_only_digest
+    from safeinstall.env.inodetrust import VerifiedInode, root_only_digest
 
     path = tmp_path / "f"
     path.write_bytes(b"x" * 10)
@@ -280,9 +280,9 @@ def test_a_kept_hash_stands_for_a_root_only_inode_whose_links_changed_and_for_no
     assert os.lstat(path).st_ctime_ns >= entry.ctime_ns
     assert root_only_digest(entry, os.lstat(path)) == "d" * 43
     assert root_only_digest(entry._replace(ctime_ns=os.lstat(path).st_ctime_ns + 1), os.lstat(path)) is None
-    store = verified.InodeStore(str(tmp_path), "boot", {(info.st_dev, info.st_ino): entry})
-    assert verified.checker(store, root_links=True)(os.lstat(path), "sha256") == "d" * 43  # a preflight's
-    assert verified.checker(store)(os.lstat(path), "sha256") is None  # the drift check's: all five
+    store = inodetrust.InodeStore(str(tmp_path), "boot", {(info.st_dev, info.st_ino): entry})
+    assert inodetrust.checker(store, root_links=True)(os.lstat(path), "sha256") == "d" * 43  # a preflight's
+    assert inodetrust.checker(store)(os.lstat(path), "sha256") is None  # the drift check's: all five
     os.chmod(path, 0o664)  # its group may write it
     assert root_only_digest(entry, os.lstat(path)) is None
     os.chmod(path, 0o644)
@@ -306,7 +306,7 @@ def test_a_fill_started_beside_the_preflight_that_no_run_takes_is_waited_for_and
     if os.geteuid() != 0:
         pytest.skip("root's own cache: needs root")
     from safeinstall.env.environment import inspect_environment
-    from safeinstall.run import prefill
+    from safeinstall.run.parts import prefill
     from safeinstall.store.state import ensure_environment_dir, environment_state
 
     owners = tmp_path / "owners-cache"

@@ -125,9 +125,9 @@ def test_a_detached_run_gets_exactly_the_callers_options() -> None:
     from safeinstall.cli.app import app
     from safeinstall.cli.usage import Usage, usage_problem
     from safeinstall.errors import UsageError
-    from safeinstall.run.commands import run_options
-    from safeinstall.run.detach import PrivateInputs, child_arguments
-    from safeinstall.run.options import Mode, RunOptions
+    from safeinstall.run.commands.modes import run_options
+    from safeinstall.run.parts.detach import PrivateInputs, child_arguments
+    from safeinstall.run.parts.options import Mode, RunOptions
 
     common = RunOptions(
         package="vllm",
@@ -207,7 +207,7 @@ def test_a_detached_runs_environment_file_must_be_private_and_ours(tmp_path: Pat
     import os
 
     from safeinstall.errors import UsageError
-    from safeinstall.run.detach import PrivateInputs, take_private, write_private
+    from safeinstall.run.parts.detach import PrivateInputs, take_private, write_private
     from safeinstall.store.state import ensure_environment_dir, environment_state
 
     state = environment_state(tmp_path / "state", tmp_path / "venv")
@@ -416,7 +416,12 @@ def test_verify_only_starts_without_pydantic_or_the_runs_modules(venv: Path, whe
     assert code == "0" and "sipure 1.0" in proc.stdout and "OK" in proc.stdout, proc.stdout + proc.stderr
     loaded = set(modules)
     assert "safeinstall.env.verify" in loaded
-    never = {"pydantic", "safeinstall.run.reinstall", "safeinstall.store.journal", "safeinstall.env.uvplan"}
+    never = {
+        "pydantic",
+        "safeinstall.run.steps.reinstall",
+        "safeinstall.store.journal",
+        "safeinstall.env.uvplan",
+    }
     never |= {  # the state directory is read (the verified-inode store, issue 36), not written
         "safeinstall.system.systemd",
         "safeinstall.system.gpus",

@@ -812,7 +812,7 @@ def test_a_stop_held_up_by_a_stopped_process_is_named_and_recover_says_it_too(be
 
 def test_uv_failing_for_a_full_disk_before_the_stop_is_said_as_a_full_disk() -> None:
     """uv out of room in the prefetch was told to check the wheel, the index or the network."""
-    from safeinstall.run.reinstall import prefetch_hint
+    from safeinstall.run.steps.reinstall import prefetch_hint
 
     full = "error: Failed to unzip wheel: x.whl\n  Caused by: No space left on device (os error 28)"
     said = prefetch_hint(full, Path("/var/lib/safeinstall/venv-1"), Path("/srv/venv"))

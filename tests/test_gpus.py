@@ -17,7 +17,7 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from safeinstall.run.output import jsonable
+from safeinstall.run.parts.output import jsonable
 from safeinstall.system.gpus import (
     FdHolder,
     Gpu,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from safeinstall.run.output import envelope, jsonable
+from safeinstall.run.parts.output import envelope, jsonable
 from safeinstall.store import history
 from safeinstall.store.rundoc import RunDocument
 from safeinstall.store.state import EnvironmentState, ensure_environment_dir, environment_state
@@ -216,8 +216,8 @@ def test_a_run_document_is_typed_and_written_back_byte_for_byte() -> None:
     import json
 
     from safeinstall.errors import ExitCode, StepFailed
-    from safeinstall.run.options import RunOptions
-    from safeinstall.run.reinstall import run_document
+    from safeinstall.run.parts.options import RunOptions
+    from safeinstall.run.steps.reinstall import run_document
     from safeinstall.store.rundoc import RunData, StepDoc
 
     steps = (

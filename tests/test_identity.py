@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from safeinstall.run.output import jsonable
+from safeinstall.run.parts.output import jsonable
 from safeinstall.scan.plan import PlannedProcess
 from safeinstall.store.journal import journal_from_dict, journal_to_dict, new_journal
 from safeinstall.system.identity import PID_MAX, START_MAX, ProcessId, alive, own_process, process_start

@@ -10,7 +10,7 @@ import pytest
 
 from safeinstall.env.hashing import FileState
 from safeinstall.env.records import RecordEntry, RecordHash
-from safeinstall.run.output import STATUS_VALUES, jsonable
+from safeinstall.run.parts.output import STATUS_VALUES, jsonable
 from tests import wheelhouse
 from tests.clirun import run
 from tests.wheelhouse import Wheelhouse
@@ -144,7 +144,7 @@ def _documented_statuses() -> dict[str, set[str]]:
 
 def test_every_json_status_value_is_in_the_docs() -> None:
     """Issue 44 item 4: ``--recover --json`` said ``rolled-back``, which docs/json.md did not list. Every
-    status a command's document can carry (safeinstall/run/output.py's ``STATUS_VALUES``, which the
+    status a command's document can carry (safeinstall/run/parts/output.py's ``STATUS_VALUES``, which the
     commands use) is listed there; an undo is a reinstall document."""
     documented = _documented_statuses()
     for command, values in STATUS_VALUES.items():

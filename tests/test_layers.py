@@ -188,7 +188,7 @@ def test_containment_in_a_prefix_has_one_rule() -> None:
 def test_the_cli_only_parses_and_renders() -> None:
     """``cli/app.py`` parses, calls one command and exits (issue 37: it was 1,029 lines that read the
     history, chose runs and wrote metrics): it stays small, and it calls ``run`` through one function,
-    with the run's typed options (``run/options``: issue 48)."""
+    with the run's typed options (``run/parts/options``: issue 48)."""
     app = PACKAGE / "cli" / "app.py"
     assert len(app.read_text().splitlines()) < 400
     assert imports(app, modules()) <= {
@@ -197,8 +197,63 @@ def test_the_cli_only_parses_and_renders() -> None:
         "safeinstall.cli.show",
         "safeinstall.cli.usage",
         "safeinstall.errors",
-        "safeinstall.run.commands",
-        "safeinstall.run.options",
-        "safeinstall.run.output",
+        "safeinstall.run.commands.modes",
+        "safeinstall.run.parts.options",
+        "safeinstall.run.parts.output",
         "safeinstall",
     }
+
+
+# ------------------------------------------------------------------ the rooms of run (issue 48 item 3)
+
+#: Inside a layer, its rooms (subpackages), highest first: a module imports from its own room or a lower one.
+ROOMS = {"run": ("commands", "steps", "back", "parts")}
+
+
+def room(module: str) -> str | None:
+    """The room of ``module`` within its layer (``safeinstall.run.steps.smoke``: ``steps``), or None."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 3 and parts[1] in ROOMS else None
+
+
+def room_violations(edges: Mapping[str, Iterable[str]]) -> list[str]:
+    """Pure: every import from a higher room of the same layer, or of a module of a roomed layer that
+    lies in no room, as ``a -> b (why)``."""
+    problems = []
+    for source, targets in sorted(edges.items()):
+        for target in sorted(targets):
+            if layer(source) != layer(target) or layer(source) not in ROOMS:
+                continue
+            order = ROOMS[layer(source)]
+            high, low = room(source), room(target)
+            if high is None or low is None or high not in order or low not in order:
+                problems.append(f"{source} -> {target} (a module outside the rooms {', '.join(order)})")
+            elif order.index(low) < order.index(high):
+                problems.append(f"{source} -> {target} (upward: {high} imports {low})")
+    return problems
+
+
+def test_every_import_inside_run_follows_the_room_order() -> None:
+    assert room_violations(graph()) == []
+
+
+def test_every_module_of_run_lies_in_a_room() -> None:
+    loose = [
+        m
+        for m, p in modules().items()
+        if layer(m) in ROOMS and p.name != "__init__.py" and room(m) not in ROOMS[layer(m)]
+    ]
+    assert loose == []
+
+
+def test_the_room_rule_catches_an_upward_import_and_a_module_outside_the_rooms() -> None:
+    edges = {
+        "safeinstall.run.parts.running": {"safeinstall.run.steps.reinstall", "safeinstall.env.keep"},
+        "safeinstall.run.back.rollback": {"safeinstall.run.parts.running", "safeinstall.run.loose"},
+        "safeinstall.run.commands.modes": {"safeinstall.run.back.recover", "safeinstall.run.commands.view"},
+    }
+    assert room_violations(edges) == [
+        "safeinstall.run.back.rollback -> safeinstall.run.loose (a module outside the rooms "
+        "commands, steps, back, parts)",
+        "safeinstall.run.parts.running -> safeinstall.run.steps.reinstall (upward: parts imports steps)",
+    ]

@@ -22,7 +22,7 @@ import pytest
 import yaml  # type: ignore[import-untyped]  # PyYAML, with ansible-core
 from prometheus_client.parser import text_string_to_metric_families
 
-from safeinstall.run.metrics import Family, Sample, render, verify_families
+from safeinstall.run.commands.metrics import Family, Sample, render, verify_families
 from tests import wheelhouse
 from tests.bed_systemd import Units, UserManager
 from tests.clirun import SAFEINSTALL, Result, run
@@ -461,9 +461,9 @@ def test_status_and_recover_name_each_environment_by_its_prefix() -> None:
     """Pure: ``--status`` and ``--recover`` of several environments, one with an odd prefix, a run
     whose status is unknown to this version, and a failure."""
     from safeinstall.errors import SafeInstallError
-    from safeinstall.run.metrics import recover_families, status_families
-    from safeinstall.run.recover import Recovered, Recovery
-    from safeinstall.run.status import EnvironmentStatus, StatusReport
+    from safeinstall.run.back.recover import Recovered, Recovery
+    from safeinstall.run.commands.metrics import recover_families, status_families
+    from safeinstall.run.commands.status import EnvironmentStatus, StatusReport
     from safeinstall.store.history import RunSummary
 
     odd = '/srv/a "b"\nc'
@@ -522,7 +522,7 @@ def test_the_service_downtime_users_saw_is_a_metric_and_in_the_status_list() -> 
     """With ``--health-url`` a run's result holds ``service_downtime_s`` (the first unit stopped -> the
     health URL answering 200): the metrics file and ``--status`` show it; without one, nothing."""
     from safeinstall.cli.render import _runs_rows
-    from safeinstall.run.metrics import run_families
+    from safeinstall.run.commands.metrics import run_families
     from safeinstall.store.history import RunSummary
 
     base = RunSummary("r1", "done", 0, "vllm", "0.33.0", "0.32.0", None, None, {"v.service": 0.4}, None)

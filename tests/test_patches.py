@@ -19,7 +19,7 @@ import pytest
 from safeinstall.env.owner import write_carried
 from safeinstall.env.records import digest_bytes
 from safeinstall.errors import StepFailed
-from safeinstall.run.patches import (
+from safeinstall.run.parts.patches import (
     LocalPatch,
     PatchOutcome,
     PatchSet,
@@ -152,7 +152,7 @@ def test_the_write_follows_no_symlink_below_the_prefix(tmp_path: Path) -> None:
 def test_the_local_version_is_read_through_no_symlink_below_the_prefix(tmp_path: Path) -> None:
     """The environment's owner makes the package directory a symlink into a directory only root may
     read: the "local version" of a file there is not read (so never diffed, merged or written back)."""
-    from safeinstall.run.patches import read_regular
+    from safeinstall.run.parts.patches import read_regular
 
     prefix, secret = tmp_path / "prefix", tmp_path / "root-only"
     (prefix / "lib").mkdir(parents=True)

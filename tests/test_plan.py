@@ -167,7 +167,7 @@ def test_host_state_notes_are_left_out_by_q_and_said_otherwise() -> None:
 
 def test_local_changes_name_keep_patches_only_where_it_can_be_given() -> None:
     """Issue 37: "--keep-patches carries them over" was said with --keep-patches, and on --undo."""
-    from safeinstall.run.preflight import with_local_changes
+    from safeinstall.run.parts.preflight import with_local_changes
 
     base = plan(process(10, "engine.service", MAPPED), only_loaded=False)
     (said,) = set(with_local_changes(base, ("/v/lib/sicext/a.py",)).warnings) - set(base.warnings)

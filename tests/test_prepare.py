@@ -188,7 +188,7 @@ def test_a_staged_tree_others_may_write_is_verified_again(tmp_path: Path) -> Non
     """Pure but for a small tree: the commit takes the prepare's verification only where every entry
     is the caller's alone to write (uv's lock file aside); an entry another account owns or may write
     (whose bytes a writable shared mapping changes without moving its times) has it verified again."""
-    from safeinstall.run.prepare import staged_entries, tree_seen, verified_as_prepared
+    from safeinstall.run.steps.prepare import staged_entries, tree_seen, verified_as_prepared
     from safeinstall.store.prepared import PreparedRecord
 
     root = tmp_path / "staging"
@@ -437,8 +437,8 @@ def test_the_commit_takes_the_prepares_options_and_the_windows_own() -> None:
     """Pure: every option of a run is the prepare's (kept in its record) or the window's (the commit's)."""
     import dataclasses
 
-    from safeinstall.run.options import RunOptions
-    from safeinstall.run.prepare import WINDOW_OPTIONS, commit_options, options_json
+    from safeinstall.run.parts.options import RunOptions
+    from safeinstall.run.steps.prepare import WINDOW_OPTIONS, commit_options, options_json
     from safeinstall.store.prepared import PreparedRecord
 
     prepared = RunOptions(

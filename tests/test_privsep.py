@@ -564,7 +564,7 @@ def test_the_carried_local_patches_are_written_as_the_owner(open_dir: Path) -> N
     RECORD the owner wrote) is refused, not written by root."""
     from safeinstall.env.environment import Account
     from safeinstall.errors import StepFailed
-    from safeinstall.run.patches import PatchOutcome, PatchSet, PatchStatus, Versions, carry
+    from safeinstall.run.parts.patches import PatchOutcome, PatchSet, PatchStatus, Versions, carry
 
     prefix = open_dir / "venv"
     (prefix / "lib").mkdir(parents=True)

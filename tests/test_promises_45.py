@@ -101,7 +101,7 @@ def term():
     os.kill(os.getpid(), signal.SIGTERM)
 def hook(frame, event, arg):
     if not sent and event == "return" and frame.f_code.co_name == "execute" \
-            and frame.f_globals.get("__name__") == "safeinstall.run.commands":
+            and frame.f_globals.get("__name__") == "safeinstall.run.commands.modes":
         term()
 def at_exit():
     if callable(signal.getsignal(signal.SIGTERM)):
@@ -455,7 +455,7 @@ def state(pid):
         return ""
 def hook(frame, event, arg):
     if event != "return" or frame.f_code.co_name != "__call__" \
-            or frame.f_globals.get("__name__") != "safeinstall.run.reinstall":
+            or frame.f_globals.get("__name__") != "safeinstall.run.steps.reinstall":
         return
     now = state(helper)
     if now == "D":
@@ -575,7 +575,7 @@ def test_recover_of_several_environments_exits_4_when_one_is_left_down_whatever_
     failed with its services maybe down, even when an environment refused before it (a journal it
     could not read: exit 2) came first; otherwise the first failure's code."""
     from safeinstall.errors import ExitCode, RollbackFailed
-    from safeinstall.run.recover import Recovered
+    from safeinstall.run.back.recover import Recovered
     from safeinstall.store.journal import JournalError
 
     refused = JournalError("the journal of /srv/a cannot be read")
@@ -815,7 +815,8 @@ import json, os, sys
 prefix, report = sys.argv.pop(1), sys.argv.pop(1)
 def hook(frame, event, arg):
     if event == "call" and frame.f_code.co_name == "gate_step" \
-            and frame.f_globals.get("__name__") == "safeinstall.run.reinstall" and not os.path.exists(report):
+            and frame.f_globals.get("__name__") == "safeinstall.run.steps.reinstall" and not \
+            os.path.exists(report):
         modes = {n: os.lstat(os.path.join(prefix, n)).st_mode & 0o7777
                  for n in os.listdir(prefix) if n.startswith(".safeinstall-swap-")}
         with open(report, "w") as out:
@@ -870,7 +871,8 @@ import glob, json, os, sys
 state, report = sys.argv.pop(1), sys.argv.pop(1)
 def hook(frame, event, arg):
     if event == "call" and frame.f_code.co_name == "gate_step" \
-            and frame.f_globals.get("__name__") == "safeinstall.run.reinstall" and not os.path.exists(report):
+            and frame.f_globals.get("__name__") == "safeinstall.run.steps.reinstall" and not \
+            os.path.exists(report):
         modes = {p: os.lstat(p).st_mode & 0o7777 for p in glob.glob(os.path.join(state, "*", "prefetch-*"))}
         with open(report, "w") as out:
             json.dump(modes, out)
@@ -1015,14 +1017,14 @@ def test_only_a_late_regular_file_of_root_or_the_directorys_owner_is_put_back(
     after the swap only when it is a regular file of root's or of the directory's owner; a third
     account's file, or a FIFO, is not given a new place (the staging directory is kept aside). By root
     in a root-owned prefix, by the account's worker in the account's."""
-    from safeinstall.env import swap
+    from safeinstall.env import renames
 
     if not AS_ROOT:
         pytest.skip("files of other accounts need root")
     prefix, root = open_dir / "prefix", open_dir / "prefix" / ".safeinstall-swap-run45"
     (prefix / "pkg").mkdir(parents=True)
     os.chown(prefix / "pkg", NOBODY, NOBODY)  # the directory's owner: the environment's account
-    old = root / swap.STAGED_TREE / "pkg"
+    old = root / renames.STAGED_TREE / "pkg"
     old.mkdir(parents=True)
     for name, uid in (("roots.txt", 0), ("owners.txt", NOBODY), ("thirds.txt", OTHER)):
         (old / name).write_text(f"{name}\n")
@@ -1030,13 +1032,14 @@ def test_only_a_late_regular_file_of_root_or_the_directorys_owner_is_put_back(
     os.mkfifo(old / "fifo")
     os.chown(old / "fifo", NOBODY, NOBODY)
     unknown = [
-        (f"{swap.STAGED_TREE}/pkg/{n}", f"pkg/{n}") for n in ("fifo", "owners.txt", "roots.txt", "thirds.txt")
+        (f"{renames.STAGED_TREE}/pkg/{n}", f"pkg/{n}")
+        for n in ("fifo", "owners.txt", "roots.txt", "thirds.txt")
     ]
     if who == "account":
         for path in (prefix, root, *root.rglob("*")):
             if path.is_dir():
                 os.chown(path, NOBODY, NOBODY)
-    left = swap.put_back_unknown(root, prefix, unknown, None if who == "root" else (NOBODY, NOBODY))
+    left = renames.put_back_unknown(root, prefix, unknown, None if who == "root" else (NOBODY, NOBODY))
     assert sorted(left) == ["pkg/fifo", "pkg/thirds.txt"]
     assert sorted(p.name for p in (prefix / "pkg").iterdir()) == ["owners.txt", "roots.txt"]
 
@@ -1048,7 +1051,7 @@ def test_a_late_file_in_a_directory_the_new_version_drops_is_put_back(open_dir: 
     back where it was, its directories made again as they were, by the prefix's owner (the account's
     worker in an account's environment), as uv's uninstall leaves a directory that still holds a file;
     a directory on its way that was not the owner's keeps it aside."""
-    from safeinstall.env import swap
+    from safeinstall.env import renames
 
     if not AS_ROOT:
         pytest.skip("an account's worker needs root")
@@ -1057,21 +1060,23 @@ def test_a_late_file_in_a_directory_the_new_version_drops_is_put_back(open_dir: 
     root = prefix / ".safeinstall-swap-run45b"
     (prefix / "pkg").mkdir(parents=True)  # the new version's package: no ``sub`` in it
     late = {
-        f"{swap.STAGED_TREE}/pkg/sub/deeper/late.txt": "pkg/sub/deeper/late.txt",  # exchanged with pkg
-        f"{swap.ATTIC}/gone/late.txt": "gone/late.txt",  # a package the new version dropped
-        f"{swap.ATTIC}/theirs/late.txt": "theirs/late.txt",  # its directory another account's
+        f"{renames.STAGED_TREE}/pkg/sub/deeper/late.txt": "pkg/sub/deeper/late.txt",  # exchanged with pkg
+        f"{renames.ATTIC}/gone/late.txt": "gone/late.txt",  # a package the new version dropped
+        f"{renames.ATTIC}/theirs/late.txt": "theirs/late.txt",  # its directory another account's
     }
     for where in late:
         (root / where).parent.mkdir(parents=True, exist_ok=True)
         (root / where).write_text(f"{where}\n")
-    (root / swap.STAGED_TREE / "pkg" / "sub").chmod(0o750)
+    (root / renames.STAGED_TREE / "pkg" / "sub").chmod(0o750)
     for path in [prefix, *sorted(prefix.rglob("*"))]:
         os.chown(path, uid, uid)
-    os.chown(root / swap.ATTIC / "theirs", OTHER, OTHER)
-    left = swap.put_back_unknown(root, prefix, list(late.items()), None if uid == 0 else (uid, uid))
+    os.chown(root / renames.ATTIC / "theirs", OTHER, OTHER)
+    left = renames.put_back_unknown(root, prefix, list(late.items()), None if uid == 0 else (uid, uid))
     assert left == ["theirs/late.txt"], left
-    assert (prefix / "pkg/sub/deeper/late.txt").read_text() == f"{swap.STAGED_TREE}/pkg/sub/deeper/late.txt\n"
-    assert (prefix / "gone/late.txt").read_text() == f"{swap.ATTIC}/gone/late.txt\n"
+    assert (
+        prefix / "pkg/sub/deeper/late.txt"
+    ).read_text() == f"{renames.STAGED_TREE}/pkg/sub/deeper/late.txt\n"
+    assert (prefix / "gone/late.txt").read_text() == f"{renames.ATTIC}/gone/late.txt\n"
     made = [prefix / "pkg/sub", prefix / "pkg/sub/deeper", prefix / "gone"]
     assert [(d.stat().st_uid, d.stat().st_mode & 0o7777) for d in made] == [
         (uid, 0o750),

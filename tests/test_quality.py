@@ -66,7 +66,8 @@ def test_no_test_module_imports_from_another() -> None:
 def test_every_mutation_of_the_audit_still_applies() -> None:
     """``bench/mutations.py --check`` (issue 35): each mutation's text is still in its file as many times
     as it says and each test it names is there; nothing is run. One the code moved past (the ``--forget``
-    checks went from ``run/recover.py`` to ``run/status.py``) fails here, not in an audit months on."""
+    checks went from ``run/back/recover.py`` to ``run/commands/status.py``) fails here, not in an audit months
+    on."""
     result = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "mutations.py"), "--check"],
         cwd=ROOT,

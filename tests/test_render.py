@@ -111,7 +111,7 @@ def test_a_deleted_file_is_not_called_locally_patched_and_counts_read_as_english
 
 
 def test_the_swap_step_counts_in_english() -> None:
-    from safeinstall.run.reinstall import swapped_detail
+    from safeinstall.run.steps.reinstall import swapped_detail
 
     assert swapped_detail(1, 1) == "swapped: 1 entry renamed into place, 1 old one out"
     assert swapped_detail(3, 0) == "swapped: 3 entries renamed into place, 0 old ones out"

@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from safeinstall.run.reinstall import STUCK_AFTER_S, stuck_on_gpu
+from safeinstall.run.steps.reinstall import STUCK_AFTER_S, stuck_on_gpu
 from safeinstall.system.identity import StatInfo, parse_stat
 from safeinstall.system.systemd import StartLimit, start_limit_risk
 from tests.bed_nvml import GiB

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from safeinstall.run.preflight import install_overhead, shared_room
+from safeinstall.run.parts.preflight import install_overhead, shared_room
 from safeinstall.store.retention import (
     KeptBackup,
     backups_to_drop,

@@ -123,11 +123,11 @@ def test_containment_is_asked_of_env_containment_only() -> None:
 
 def test_a_run_id_and_a_plain_name_are_defined_once() -> None:
     """One ``is_run_id`` (``store/state``: its pid part bounded, as it was for the history and the
-    baseline) and one ``PLAIN_NAME`` (``run/options``); no second run-id pattern under another name."""
+    baseline) and one ``PLAIN_NAME`` (``run/parts/options``); no second run-id pattern under another name."""
     names = frozenset({"is_run_id", "_RUN_ID", "RUN_ID", "PLAIN_NAME", "_PLAIN_NAME"})
     found = sorted((name, module) for module, text in sources().items() for name in definitions(text, names))
     assert found == [
-        ("PLAIN_NAME", "run/options.py"),
+        ("PLAIN_NAME", "run/parts/options.py"),
         ("_RUN_ID", "store/state.py"),
         ("is_run_id", "store/state.py"),
     ]

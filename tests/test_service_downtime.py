@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from safeinstall.run.results import service_downtime_s
+from safeinstall.run.parts.results import service_downtime_s
 from tests.bed_systemd import wait_until
 from tests.beds import Bed, health_server, maps_so
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from safeinstall.env import smoke
-from safeinstall.run.options import RunOptions, option_problems
+from safeinstall.env import importcheck
+from safeinstall.run.parts.options import RunOptions, option_problems
 from safeinstall.system.systemd import parse_exec_context
 from tests import wheelhouse
 from tests.bed_nvml import FakeNvml
@@ -292,7 +292,7 @@ def _command_of(pid: int) -> list[str]:
 
 def test_the_unit_environment_file_is_read_as_systemd_reads_it() -> None:
     text = "A=1\n# c\n; c\nB = \"two words\"\nC='single'\nD=con\\\ntinued\nnot an assignment\n"
-    assert smoke.parse_environment_file(text) == [
+    assert importcheck.parse_environment_file(text) == [
         ("A", "1"),
         ("B", "two words"),
         ("C", "single"),
@@ -309,7 +309,7 @@ def test_the_childs_answers_are_data() -> None:
         json.dumps({"failed": "b", "error": "ImportError: x"}),
         json.dumps({"module": "c"}),
     ]
-    imported, failed, started, done, unavailable = smoke.read_answers("\n".join(lines))
+    imported, failed, started, done, unavailable = importcheck.read_answers("\n".join(lines))
     assert (imported, failed, started, done, unavailable) == (
         ("a",),
         (("b", "ImportError: x"),),
@@ -330,8 +330,8 @@ def test_how_a_unit_runs_is_read_from_systemctl_show() -> None:
     assert context.environment == (("A", "1"), ("B", "two words"))
     assert context.environment_files == (("/etc/a.env", False), ("/etc/b (x).env", True))
     assert context.working_directory == "/srv/app"
-    assert smoke.working_directory("", "/home/x", user_manager=False) == "/"
-    assert smoke.working_directory("~", "/home/x", user_manager=False) == "/home/x"
+    assert importcheck.working_directory("", "/home/x", user_manager=False) == "/"
+    assert importcheck.working_directory("~", "/home/x", user_manager=False) == "/home/x"
 
 
 def test_smoke_options_that_cannot_be_honoured_are_refused() -> None:
@@ -389,7 +389,7 @@ def test_what_another_account_controls_of_the_unit_never_runs_in_the_check(bed: 
 
 def test_a_units_variables_that_name_code_are_taken_only_where_no_one_else_controls_it() -> None:
     mine = {"/opt/app/lib", "/usr/local/cuda/lib64"}
-    kept, dropped = smoke.unit_variables(
+    kept, dropped = importcheck.unit_variables(
         (
             ("PYTHONPATH", "/opt/app/lib:/home/app/lib:relative"),
             ("LD_LIBRARY_PATH", "/usr/local/cuda/lib64:/home/app/so"),
@@ -417,7 +417,7 @@ def test_a_units_variables_that_name_code_are_taken_only_where_no_one_else_contr
         "PYTHONHOME",
         "PYTHONUSERBASE",
     )
-    assert smoke.read_answers("[" * 100_000) == ((), (), None, False, ())  # the account's word, nested
+    assert importcheck.read_answers("[" * 100_000) == ((), (), None, False, ())  # the account's word, nested
 
 
 def test_a_module_that_needs_the_nvidia_driver_this_host_lacks_is_said_not_refused(
@@ -447,10 +447,11 @@ def test_a_module_that_needs_the_nvidia_driver_this_host_lacks_is_said_not_refus
     assert bed.version() == "2.0" and bed.manager.active_state(unit) == "active"
     # the answer is data: only the driver's libraries make a module unavailable
     fake = json.dumps({"unavailable": "m", "error": "libevil.so"}) + "\n" + json.dumps({"unavailable": "n"})
-    assert smoke.read_answers(fake)[4] == ()
+    assert importcheck.read_answers(fake)[4] == ()
     answered = [{"module": "m"}, {"unavailable": "m", "error": "libcuda.so.1"}, {"done": 1}]
     text = "\n".join(json.dumps(a) for a in answered)
-    assert smoke.read_answers(text) == ((), (), None, True, (("m", "libcuda.so.1"),))  # did not die in m
+    # did not die in m
+    assert importcheck.read_answers(text) == ((), (), None, True, (("m", "libcuda.so.1"),))
     # an undefined symbol raised while handling the driver's absence is the module's own breakage
     broken = cascade.replace(b"needs the CUDA kernels", b"_C.abi3.so: undefined symbol: cuda_kernel_v2")
     wheel = wheelhouse.rebuilt(
@@ -599,21 +600,23 @@ def test_a_units_user_is_resolved_as_systemd_resolves_it() -> None:
     context = parse_exec_context("x.service", text)
     assert (context.user, context.group, context.supplementary_groups) == ("nobody", "", ("users", "65534"))
     nobody = pwd.getpwuid(NOBODY)
-    found = smoke.unit_account(context)
-    assert isinstance(found, smoke.RunAs)
+    found = importcheck.unit_account(context)
+    assert isinstance(found, importcheck.RunAs)
     assert (found.name, found.uid, found.gid) == (nobody.pw_name, NOBODY, nobody.pw_gid)
     assert set(found.groups) == {
         *os.getgrouplist(nobody.pw_name, nobody.pw_gid),
         grp.getgrnam("users").gr_gid,
     }
-    numeric = smoke.unit_account(parse_exec_context("x.service", f"User={NOBODY}\nGroup=users\n"))
-    assert isinstance(numeric, smoke.RunAs) and numeric.gid == grp.getgrnam("users").gr_gid
-    assert smoke.unit_account(parse_exec_context("x.service", "User=\n")) is None  # root
-    assert smoke.unit_account(parse_exec_context("x.service", "User=root\n")) is None
-    assert smoke.unit_account(parse_exec_context("x.service", "User=no-such-user-here\n")) == (
+    numeric = importcheck.unit_account(parse_exec_context("x.service", f"User={NOBODY}\nGroup=users\n"))
+    assert isinstance(numeric, importcheck.RunAs) and numeric.gid == grp.getgrnam("users").gr_gid
+    assert importcheck.unit_account(parse_exec_context("x.service", "User=\n")) is None  # root
+    assert importcheck.unit_account(parse_exec_context("x.service", "User=root\n")) is None
+    assert importcheck.unit_account(parse_exec_context("x.service", "User=no-such-user-here\n")) == (
         "its User=no-such-user-here is no user this machine knows"
     )
-    assert "no group" in str(smoke.unit_account(parse_exec_context("x.service", "User=nobody\nGroup=nope\n")))
+    assert "no group" in str(
+        importcheck.unit_account(parse_exec_context("x.service", "User=nobody\nGroup=nope\n"))
+    )
 
 
 def test_without_a_swap_the_units_user_reads_the_prefetched_tree(open_bed: Bed, open_dir: Path) -> None:
@@ -649,14 +652,14 @@ def test_a_tree_is_opened_to_a_units_user_only_when_root_alone_may_change_it(tmp
     module.write_text("")
     module.chmod(0o644)
     (tree / "pkg" / "link").symlink_to("mod.py")  # a symlink's own mode (0777) is no one's write
-    assert smoke.others_may_write(tree) is None
+    assert importcheck.others_may_write(tree) is None
     module.chmod(0o666)
-    assert smoke.others_may_write(tree) == f"{module} is not root's alone (every user)"
+    assert importcheck.others_may_write(tree) == f"{module} is not root's alone (every user)"
     module.chmod(0o664)  # root's group too: an access list's mask
-    assert smoke.others_may_write(tree) == f"{module} is not root's alone (group 0)"
+    assert importcheck.others_may_write(tree) == f"{module} is not root's alone (group 0)"
     module.chmod(0o644)
     os.chown(tree / "pkg", NOBODY, NOBODY)
-    assert smoke.others_may_write(tree) == f"{tree / 'pkg'} is not root's alone (uid {NOBODY})"
+    assert importcheck.others_may_write(tree) == f"{tree / 'pkg'} is not root's alone (uid {NOBODY})"
 
 
 def test_a_driver_library_this_host_has_is_no_excuse(bed: Bed, tmp_path: Path) -> None:
@@ -833,28 +836,28 @@ def test_a_downgrade_whose_module_the_running_version_lacks_is_said_not_refused(
 def test_a_failure_is_excused_only_where_the_running_version_fails_too() -> None:
     """Pure: only a failure the running version shares is excused; what the service imports first and
     the running version lacks altogether is the new version's own; a child that died is never excused."""
-    context = smoke.Context("x.service", (), "/")
+    context = importcheck.Context("x.service", (), "/")
     failed = (
         ("p.tests", "RuntimeError: new"),
         ("p.server", "ImportError: new"),
         ("p._ext", "ImportError: x"),
     )
-    outcome = smoke.ChildOutcome(
+    outcome = importcheck.ChildOutcome(
         "imports", context, False, ("p",), failed, None, (),
         owners=(("p", "p"), ("p.tests", "p"), ("p.server", "p"), ("p._ext", "p")),
         must=frozenset({"p", "p.server"}),
     )  # fmt: skip
     absent = "ModuleNotFoundError: No module named 'p.server'"
     old = {"p": {"p.tests": "RuntimeError: old", "p.server": absent, "p._ext": ""}}
-    assert smoke.unknown(outcome, {"p": {}}) == {"p": ("p.tests", "p.server", "p._ext")}
-    assert smoke.unknown(outcome, old) == {}
-    judged = smoke.excuse(outcome, old)
+    assert importcheck.unknown(outcome, {"p": {}}) == {"p": ("p.tests", "p.server", "p._ext")}
+    assert importcheck.unknown(outcome, old) == {}
+    judged = importcheck.excuse(outcome, old)
     assert not judged.ok and judged.excused == (("p.tests", "RuntimeError: new"),)
     assert [m for m, _ in judged.failed] == ["p.server", "p._ext"]
-    only_shared = smoke.excuse(dataclasses.replace(outcome, failed=failed[:1]), old)
+    only_shared = importcheck.excuse(dataclasses.replace(outcome, failed=failed[:1]), old)
     assert only_shared.ok and only_shared.failed == ()
     died = dataclasses.replace(outcome, failed=failed[:1], problem="it died while importing p.tests")
-    assert smoke.excuse(died, old) == died
+    assert importcheck.excuse(died, old) == died
 
 
 def test_the_running_versions_answers_are_checked_when_read(tmp_path: Path) -> None:
@@ -929,12 +932,12 @@ def test_units_whose_check_sees_the_same_environment_share_one_child() -> None:
     the ones every child is given whatever the unit says (no GPU, no bytecode written), ``PATH`` left
     to systemd's default or named as it, the order, the ``PYTHON*`` ones under ``-E``/``-I``, and
     ``PYTHONNOUSERSITE`` against ``-s``, make no other child; any other variable does."""
-    seen = smoke.seen_variables
+    seen = importcheck.seen_variables
     env = smoke_environment()
     base = [("A", "1"), ("PYTHONPATH", "/srv/lib")]
     same = [
         ([("CUDA_VISIBLE_DEVICES", "1"), *base, ("HIP_VISIBLE_DEVICES", "2")], ()),
-        ([*base[::-1], ("PATH", smoke.DEFAULT_PATH), ("PYTHONDONTWRITEBYTECODE", "0")], ()),
+        ([*base[::-1], ("PATH", importcheck.DEFAULT_PATH), ("PYTHONDONTWRITEBYTECODE", "0")], ()),
     ]
     for unit, flags in same:
         assert seen(unit, flags) == seen(base), unit
@@ -953,7 +956,9 @@ def smoke_environment() -> Any:
 
 def child(env: Any, unit: list[tuple[str, str]], flags: tuple[str, ...] = ()) -> dict[str, str]:
     """The child's whole environment for a unit's variables."""
-    return smoke.child_variables({}, ("svc", "/home/svc"), unit, env, Path("/shim"), [Path("/new")], flags)
+    return importcheck.child_variables(
+        {}, ("svc", "/home/svc"), unit, env, Path("/shim"), [Path("/new")], flags
+    )
 
 
 def test_what_a_units_command_runs_first_is_read_from_its_argv() -> None:
@@ -963,18 +968,19 @@ def test_what_a_units_command_runs_first_is_read_from_its_argv() -> None:
     assert parse_exec_context("a.service", shown).command == (
         "/v/bin/python", "-s", "-X", "dev", "-m", "pkg.server", "--port", "1",
     )  # fmt: skip
-    entry = smoke.service_entry
-    assert entry(["/v/bin/python", "-s", "-X", "dev", "-m", "pkg.server"]) == smoke.Entry(
+    entry = importcheck.service_entry
+    assert entry(["/v/bin/python", "-s", "-X", "dev", "-m", "pkg.server"]) == importcheck.Entry(
         ("pkg.server",), (), ("-s",)
     )
-    assert entry(["/v/bin/python3.11", "-Im", "pkg"]) == smoke.Entry(("pkg",), (), ("-I",))
-    assert entry(["/v/bin/vllm", "serve", "m"]) == smoke.Entry((), ("vllm",))
-    assert entry(["/usr/bin/env", "A=1", "python", "-E", "/v/bin/vllm"]) == smoke.Entry(
+    assert entry(["/v/bin/python3.11", "-Im", "pkg"]) == importcheck.Entry(("pkg",), (), ("-I",))
+    assert entry(["/v/bin/vllm", "serve", "m"]) == importcheck.Entry((), ("vllm",))
+    assert entry(["/usr/bin/env", "A=1", "python", "-E", "/v/bin/vllm"]) == importcheck.Entry(
         (), ("vllm",), ("-E",)
     )
-    assert entry(["/v/bin/python", "app.py"]) == smoke.Entry()  # a .py file's own imports are not guessed
-    assert entry(["/v/bin/python", "-c", "import x"]) == smoke.Entry()
-    assert entry([]) == smoke.Entry()
+    # a .py file's own imports are not guessed
+    assert entry(["/v/bin/python", "app.py"]) == importcheck.Entry()
+    assert entry(["/v/bin/python", "-c", "import x"]) == importcheck.Entry()
+    assert entry([]) == importcheck.Entry()
 
 
 # --- nothing the check started outlives it (issue 44) ----------------------------------------------------

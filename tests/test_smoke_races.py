@@ -64,7 +64,7 @@ def kill():
     signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
 def hook(frame, event, arg):  # main thread: the first signal (raised in here: the hook is then gone)
     if not sent and event == "call" and frame.f_code.co_name == "smoke_step" \
-            and frame.f_globals.get("__name__") == "safeinstall.run.smoke":
+            and frame.f_globals.get("__name__") == "safeinstall.run.steps.smoke":
         kill()
 def in_pool(frame, event, arg):  # the check's thread: it reaps its cancelled child, so the main
     # thread is in abandon() (which set the cancel event), waiting for this thread

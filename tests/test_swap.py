@@ -1,5 +1,5 @@
 """The swap (issue 26): the new version staged and verified before the stop, renamed into place in the
-window (``safeinstall/env/swap.py``, ``safeinstall/run/staging.py``).
+window (``safeinstall/env/renames.py``, ``safeinstall/run/parts/staging.py``).
 
 The plan is pure and tested on made-up trees; the runs use the real uv, the private ``systemd --user``
 manager and sicext's wheels. Kills and failures in the middle of the swap are injected from the outside by
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from safeinstall.env.swap import (
+from safeinstall.env.renames import (
     ATTIC,
     STAGED_TREE,
     How,
@@ -494,7 +494,7 @@ def test_the_owner_of_a_prefix_is_never_root_where_others_may_write_or_a_link_st
 def test_the_plan_looks_up_live_entries_when_it_asks_and_plans_as_with_all_of_them(tmp_path: Path) -> None:
     """The live environment's kinds are looked up as the plan asks (a few entries, not every file):
     the same plan as with every entry looked up first, and only the entries it visits are read."""
-    from safeinstall.env.swap import LiveKinds, entries
+    from safeinstall.env.renames import LiveKinds, entries
     from safeinstall.system.safefs import Tree
 
     live = tmp_path / "prefix"

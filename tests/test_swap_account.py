@@ -1,5 +1,5 @@
 """The swap in an environment another account owns (issue 34, item 2): the staging directory, the
-attic, the renames and the tidy-up are that account's worker's (``safeinstall/env/swap.py``:
+attic, the renames and the tidy-up are that account's worker's (``safeinstall/env/renames.py``:
 ``as_owner``), never root's; the journal phases, ``--recover`` and the rollback are the root swap's.
 
 The runs use the real uv, the private ``systemd --user`` manager, sicext's wheels and uid 65534

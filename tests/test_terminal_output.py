@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from safeinstall.cli.render import literal, printable
-from safeinstall.run.output import envelope, jsonable
+from safeinstall.run.parts.output import envelope, jsonable
 from safeinstall.store import history
 from safeinstall.store.rundoc import RunDocument
 from safeinstall.store.state import ensure_environment_dir, environment_state

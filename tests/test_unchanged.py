@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from safeinstall.env.hashing import FileState
+from safeinstall.env.inodetrust import GRANULARITY_NS, MAX_AGE_NS, InodeStore, VerifiedInode
 from safeinstall.env.unchanged import (
     FILE_IDENTITY,
     MAX_DEPTH,
@@ -31,10 +32,9 @@ from safeinstall.env.unchanged import (
     too_deep,
     updated,
 )
-from safeinstall.env.verified import GRANULARITY_NS, MAX_AGE_NS, InodeStore, VerifiedInode
+from safeinstall.store.inodestore import boot_id, store_file, to_bytes
 from safeinstall.store.state import environment_state
 from safeinstall.store.unchanged import STORE_LIMIT, STORE_NAME, from_json, to_json
-from safeinstall.store.verified import boot_id, store_file, to_bytes
 from tests import wheelhouse
 from tests.beds import forge_kept_hash as _forge
 from tests.beds import hashed_state

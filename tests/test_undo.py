@@ -354,7 +354,7 @@ def test_the_ansible_reinstall_module_undoes_with_the_package_as_a_guard() -> No
     ],
 )
 def test_a_damaged_record_of_what_a_run_left_is_not_believed(tmp_path: Path, text: str) -> None:
-    from safeinstall.run.undo import UndoError, load_left
+    from safeinstall.run.parts.undo import UndoError, load_left
 
     (tmp_path / "left.json").write_text(text)
     os.chmod(tmp_path / "left.json", 0o600)
@@ -363,7 +363,7 @@ def test_a_damaged_record_of_what_a_run_left_is_not_believed(tmp_path: Path, tex
 
 
 def test_a_record_that_is_a_symlink_or_a_fifo_is_not_read(tmp_path: Path) -> None:
-    from safeinstall.run.undo import load_left
+    from safeinstall.run.parts.undo import load_left
     from safeinstall.store.state import StateDirError
 
     (tmp_path / "elsewhere").write_text('{"left_version": 1, "versions": {}, "files": {}}')
@@ -406,7 +406,7 @@ def test_an_undo_killed_while_it_puts_the_backup_back_is_put_back_by_recover(
 
 
 def test_a_backup_of_files_of_another_owner_than_the_environments_now_is_refused(tmp_path: Path) -> None:
-    from safeinstall.run.undo import Left, UndoTarget, owner_refusal
+    from safeinstall.run.parts.undo import Left, UndoTarget, owner_refusal
     from safeinstall.store.backup import Backup, BackupDistribution, BackupFile, BackupManifest
 
     def saved(uid: int) -> BackupFile:

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from safeinstall.cli.usage import Usage, usage_problem
-from safeinstall.run.commands import Request
-from safeinstall.run.options import Mode, RunOptions
+from safeinstall.run.commands.modes import Request
+from safeinstall.run.parts.options import Mode, RunOptions
 
 
 def _usage(*modes: str, **given: Any) -> Usage:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from safeinstall.env.hashing import FileState
-from safeinstall.env.verified import (
+from safeinstall.env.inodetrust import (
     GRANULARITY_NS,
     MAX_AGE_NS,
     InodeStore,
@@ -27,8 +27,8 @@ from safeinstall.env.verified import (
     trusted_digest,
     updated,
 )
+from safeinstall.store.inodestore import boot_id, from_bytes, store_file, to_bytes
 from safeinstall.store.state import environment_state
-from safeinstall.store.verified import boot_id, from_bytes, store_file, to_bytes
 from tests import wheelhouse
 from tests.beds import NOBODY, WRONG_DIGEST, as_nobody, hashed_state
 from tests.beds import forge_kept_hash as _forge

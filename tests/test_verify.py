@@ -749,7 +749,7 @@ def test_a_fresh_install_that_differs_from_its_record_fails_a_runs_verification(
     newer than the RECORD's; ``wheel-fault`` settles only ``--verify-only`` (the review)."""
     from safeinstall.env.environment import inspect_environment
     from safeinstall.env.verify import verify_environment
-    from safeinstall.run.staging import INSTALL_FAILURES
+    from safeinstall.run.parts.staging import INSTALL_FAILURES
 
     (tmp_path / "w").mkdir()
     broken = _rewrite_record_hash(
@@ -784,7 +784,7 @@ def test_an_anchor_is_keyed_by_a_name_and_version_a_directory_name_could_hold(tm
     store of anchors until none is kept) has no anchor (the review)."""
     from safeinstall.env.distributions import InstalledDistribution
     from safeinstall.env.records import Record
-    from safeinstall.run.kept import anchor_key
+    from safeinstall.run.commands.verifyonly import anchor_key
 
     def dist(name: str, version: str, directory: str) -> InstalledDistribution:
         site = tmp_path / "site"

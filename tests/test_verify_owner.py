@@ -21,9 +21,9 @@ import pytest
 from safeinstall.env.bytecode import PycName, judge, marshal_bounded, parse_header, pyc_name
 from safeinstall.env.drift import Expectation, Finding, FindingKind
 from safeinstall.env.hashing import observe_files
-from safeinstall.env.verified import GRANULARITY_NS
+from safeinstall.env.inodetrust import GRANULARITY_NS
 from safeinstall.env.verify import DistributionReport, VerifyReport
-from safeinstall.run.preflight import locally_modified
+from safeinstall.run.parts.preflight import locally_modified
 from safeinstall.store.bytecode import STORE_NAME
 from safeinstall.store.state import environment_state
 from safeinstall.system.safefs import WALK_MAX_DEPTH, Tree, TreeTooLarge, walk_below

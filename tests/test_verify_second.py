@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from safeinstall.env.verified import GRANULARITY_NS
+from safeinstall.env.inodetrust import GRANULARITY_NS
 from safeinstall.store.state import environment_state
 from tests import wheelhouse
 from tests.clirun import run

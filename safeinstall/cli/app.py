@@ -1,5 +1,5 @@
 """Command line: parses the arguments (:mod:`safeinstall.cli.params`), checks them
-(:mod:`safeinstall.cli.usage`), calls one command (:func:`safeinstall.run.commands.execute`), renders
+(:mod:`safeinstall.cli.usage`), calls one command (:func:`safeinstall.run.commands.modes.execute`), renders
 its result (:mod:`safeinstall.cli.show`) and exits, in one place. No logic lives here.
 """
 
@@ -22,9 +22,9 @@ from safeinstall.cli.render import make_console, render_error
 from safeinstall.cli.show import Terminal
 from safeinstall.cli.usage import Usage, usage_problem, wheel_package
 from safeinstall.errors import ExitCode, SafeInstallError, UsageError
-from safeinstall.run.commands import Request, execute
-from safeinstall.run.options import Mode, RunOptions
-from safeinstall.run.output import command_for, error_json
+from safeinstall.run.commands.modes import Request, execute
+from safeinstall.run.parts.options import Mode, RunOptions
+from safeinstall.run.parts.output import command_for, error_json
 
 EXIT_CODES = (
     "Exit codes: 0 success (clean); 1 drift found (--verify-only); 2 could not check, refused or "

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from safeinstall.errors import ExitCode, SafeInstallError
-from safeinstall.run.view import (
+from safeinstall.run.commands.view import (
     PROGRESS_EVERY_S,
     RECORD_MAY_BE_WRONG_HINT,
     UNTOUCHED,
@@ -30,10 +30,9 @@ from safeinstall.run.view import (
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
 
-    from safeinstall.run.patches import PatchOutcome
-    from safeinstall.run.recover import Recovery
-    from safeinstall.run.status import EnvironmentStatus, Forgotten
-    from safeinstall.run.view import (
+    from safeinstall.run.back.recover import Recovery
+    from safeinstall.run.commands.status import EnvironmentStatus, Forgotten
+    from safeinstall.run.commands.view import (
         AffectedDistribution,
         ErrorDoc,
         FileDiff,
@@ -48,6 +47,7 @@ if TYPE_CHECKING:
         StepDoc,
         VerifyReport,
     )
+    from safeinstall.run.parts.patches import PatchOutcome
 
 _KIND_STYLE = {
     FindingKind.MISSING: "bold red",
@@ -734,7 +734,7 @@ class ConsoleReporter:
         render_plan(self.out, self.err, plan, self.verbosity)
         question = "stop these units and reinstall" if plan.units else "reinstall (no unit to stop)"
         if patches is not None:  # the merge was made before the question: it holds, as listed
-            from safeinstall.run.output import patch_docs
+            from safeinstall.run.parts.output import patch_docs
 
             render_patches(self.out, patch_docs(patches), when="plan")
             carried = sum(1 for p in patches if p.status.value == "carried")
@@ -882,7 +882,7 @@ def render_recoveries(out: Console, recoveries: list[Recovery]) -> None:
 
 
 def _when(iso: str | None) -> str:
-    from safeinstall.run.view import display_time
+    from safeinstall.run.commands.view import display_time
 
     return display_time(iso) if iso else "-"
 
@@ -969,7 +969,7 @@ def render_status(out: Console, found: list[EnvironmentStatus], last: int = 5) -
 def render_entry(out: Console, err: Console, entry: HistoryEntry) -> None:
     """A finished run's result as its history keeps it (``--status --wait``, a refused ``--detach``): a
     headline naming the run, then what the foreground run showed (:func:`render_run`)."""
-    from safeinstall.run.view import run_summary
+    from safeinstall.run.commands.view import run_summary
 
     run = run_summary(entry)
     style = "green" if run.exit_code == 0 else "red"

@@ -1,4 +1,4 @@
-"""The terminal's side of a command (:class:`safeinstall.run.commands.Ui`): what it says while it works,
+"""The terminal's side of a command (:class:`safeinstall.run.commands.modes.Ui`): what it says while it works,
 and its typed result at the end, as rich output or as its ``--json`` document."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from safeinstall.cli.render import (
     render_verify,
 )
 from safeinstall.errors import SafeInstallError
-from safeinstall.run.commands import (
+from safeinstall.run.commands.modes import (
     Declined,
     DetachedRun,
     DiscardResult,
@@ -38,13 +38,13 @@ from safeinstall.run.commands import (
     StatusResult,
     Verified,
 )
-from safeinstall.run.output import dumps
+from safeinstall.run.parts.output import dumps
 
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.status import Status
 
-    from safeinstall.run.results import Reporter
+    from safeinstall.run.parts.results import Reporter
 
 
 class Terminal:

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from safeinstall.errors import UsageError
-from safeinstall.run.commands import Request
-from safeinstall.run.options import PLAIN_NAME, Mode
+from safeinstall.run.commands.modes import Request
+from safeinstall.run.parts.options import PLAIN_NAME, Mode
 
 #: The modes that each choose what safeinstall does: no two of them go together (--undo is a run's).
 MODES = tuple(mode for mode in Mode if mode is not Mode.UNDO)
@@ -302,7 +302,7 @@ def usage_problem(u: Usage) -> UsageError | None:
                 f"unexpected arguments: {' '.join(r.extra_args)}", hint="see safeinstall --help"
             )
         if r.package and not PLAIN_NAME.fullmatch(r.package):
-            from safeinstall.run.options import requirement_version  # more than a valid name: parsed
+            from safeinstall.run.parts.options import requirement_version  # more than a valid name: parsed
 
             if requirement_version(r.package):
                 return UsageError(

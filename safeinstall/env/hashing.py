@@ -47,7 +47,7 @@ class FileState(NamedTuple):
     by_identity: bool = False
     #: read and hashed here: the clock (``time.time_ns()``) before the ``fstat`` of the descriptor read,
     #: whose identity (device, inode, size, times) was the same after the read; 0: not so (proven by
-    #: identity, not read, or changed while read). What :mod:`safeinstall.env.verified` may keep.
+    #: identity, not read, or changed while read). What :mod:`safeinstall.env.inodetrust` may keep.
     hashed_ns: int = 0
     #: ``st_mode`` of a regular file (its permission bits: a script's execute bits, setuid), else 0
     mode: int = 0

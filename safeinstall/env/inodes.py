@@ -121,7 +121,7 @@ def hash_cache(
 
 def read_states(hashed: Hashed) -> list[FileState]:
     """Pure: the entries read and hashed here, as the observations the verified-inode store keeps
-    (:func:`safeinstall.store.verified.keep`)."""
+    (:func:`safeinstall.store.inodestore.keep`)."""
     return [
         FileState(
             entry.path,

@@ -167,7 +167,7 @@ def remove_new_uv_lock(prefix: str) -> dict[str, Any]:
 
 def read_texts(paths: list[str], limit: int) -> list[list[str | None]]:
     """Each file's text (at most ``limit`` bytes, undecodable bytes replaced), or None and why: what the
-    account may read of a unit's ``EnvironmentFile=`` files (the smoke check, safeinstall.env.smoke).
+    account may read of a unit's ``EnvironmentFile=`` files (the smoke check, safeinstall.env.importcheck).
     Opened as systemd opens them, symlinks followed: the kernel checks each as the account."""
     read: list[list[str | None]] = []
     for path in paths:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from safeinstall.env.containment import base
 from safeinstall.env.distributions import InstalledDistribution
 from safeinstall.env.hashing import FileState
-from safeinstall.env.verified import GRANULARITY_NS, MAX_AGE_NS, fits
+from safeinstall.env.inodetrust import GRANULARITY_NS, MAX_AGE_NS, fits
 
 #: One file's identity, as kept: device, inode, size, mtime, ctime (ns), ``st_mode``.
 FILE_IDENTITY = struct.Struct("<6q")

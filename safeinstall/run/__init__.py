@@ -1,3 +1,2 @@
-"""The runs: the survey, preflight, the safe reinstall's steps, recovery, undo, patches, detach,
-metrics, and the result types and JSON document they return.
-"""
+"""The runs, in four rooms, each importing only from itself or a room below it
+(``tests/test_layers.py``): ``commands`` -> ``steps`` -> ``back`` -> ``parts``."""

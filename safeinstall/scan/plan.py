@@ -129,15 +129,17 @@ class Plan:
     #: installed files of the affected distributions that differ from their RECORD (local patches,
     #: deletions): the reinstall replaces them (kept in the backup; --keep-patches carries them)
     locally_modified: tuple[str, ...] = ()
-    #: what will run to install, as the preflight found it (:func:`safeinstall.run.staging.install_lines`):
-    #: the staging install and the swap, or the install in the stop, or an undo's restore
+    #: what will run to install, as the preflight found it
+    #: (:func:`safeinstall.run.parts.staging.install_lines`): the staging install and the swap, or the install
+    #: in the stop, or an undo's restore
     install: tuple[str, ...] = ()
     #: those of ``warnings`` about the host, not this run (processes even root cannot read, no NVML): the
     #: same on every command of that machine, so ``-q`` leaves them out (``--json`` and the log keep them)
     host_notes: tuple[str, ...] = ()
     #: units whose start limit the restart could hit: reset before the stop (systemctl reset-failed)
     start_limit_resets: tuple[StartLimitReset, ...] = ()
-    #: what the run runs before the stop to exercise the new version (safeinstall.env.smoke); "": nothing
+    #: what the run runs before the stop to exercise the new version (safeinstall.env.importcheck); "":
+    #: nothing
     smoke: str = ""
     #: the environment's kept backups, oldest first (their room: a refusal for it names which to drop)
     kept_backups: tuple[KeptBackupHeld, ...] = ()

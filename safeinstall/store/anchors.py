@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from safeinstall.env.bytecode import Anchor
 from safeinstall.env.containment import is_below
-from safeinstall.env.verified import HIGHEST
+from safeinstall.env.inodetrust import HIGHEST
 from safeinstall.store.state import (
     StateDirError,
     atomic_write,

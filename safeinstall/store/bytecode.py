@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from safeinstall.env.bytecode import MAX_AGE_NS, MAX_JUDGED, Judged
-from safeinstall.env.verified import HIGHEST, LOWEST
+from safeinstall.env.inodetrust import HIGHEST, LOWEST
+from safeinstall.store.inodestore import boot_id
 from safeinstall.store.state import (
     StateDirError,
     atomic_write,
@@ -24,7 +25,6 @@ from safeinstall.store.state import (
     store_part,
     trusted_environment_state,
 )
-from safeinstall.store.verified import boot_id
 
 STORE_NAME = "bytecode.json"
 STORE_VERSION = 1

@@ -51,7 +51,7 @@ class Phase(StrEnum):
 
     PLANNED = "planned"
     BACKED_UP = "backed-up"
-    STAGED = "staged"  # the new version installed and verified in the staging tree (env/swap.py)
+    STAGED = "staged"  # the new version installed and verified in the staging tree (env/renames.py)
     #: --prepare ended here: nothing stopped, the run waits for --commit (or --discard) (docs/prepare.md)
     PREPARED = "prepared"
     GATED = "gated"

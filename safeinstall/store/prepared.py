@@ -33,7 +33,7 @@ class PreparedRecord:
     prefix: str
     package: str
     changes: tuple[str, ...]  # what the commit changes, as said ("sicext 1.0 -> 2.0")
-    options: Mapping[str, Any]  # the run's options, as JSON (safeinstall.run.prepare)
+    options: Mapping[str, Any]  # the run's options, as JSON (safeinstall.run.steps.prepare)
     uv_command: tuple[str, ...]
     units: tuple[str, ...]
     processes: tuple[tuple[int, int], ...]  # (pid, start) of each process the plan found

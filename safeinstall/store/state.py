@@ -45,7 +45,7 @@ LOGS_DIR = "logs"
 UV_CACHE_PREFIX = "uv-cache-"
 PREFETCH_PREFIX = "prefetch-"
 KEEP_PATCHES_PREFIX = "keep-patches-"
-SMOKE_PREFIX = "smoke-"  # root's: the shim the smoke check's children import (safeinstall.env.smoke)
+SMOKE_PREFIX = "smoke-"  # root's: the shim the smoke check's children import (safeinstall.env.importcheck)
 #: The run's own directories: uv's cache, its scratch ``--target`` directories, the smoke check's shim
 RUN_DIR_PREFIXES = (UV_CACHE_PREFIX, PREFETCH_PREFIX, KEEP_PATCHES_PREFIX, SMOKE_PREFIX)
 HISTORY_DIR = "history"

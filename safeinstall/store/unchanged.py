@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from safeinstall.env.containment import is_below
+from safeinstall.env.inodetrust import HIGHEST, LOWEST
 from safeinstall.env.unchanged import (
     FILE_IDENTITY,
     DirIdentity,
@@ -26,7 +27,7 @@ from safeinstall.env.unchanged import (
     still_believed,
     updated,
 )
-from safeinstall.env.verified import HIGHEST, LOWEST
+from safeinstall.store.inodestore import boot_id
 from safeinstall.store.state import (
     StateDirError,
     atomic_write,
@@ -34,7 +35,6 @@ from safeinstall.store.state import (
     load_store,
     trusted_environment_state,
 )
-from safeinstall.store.verified import boot_id
 
 STORE_NAME = "unchanged.json"
 #: 2: each distribution's oldest hash (``hashed``), negative modification times

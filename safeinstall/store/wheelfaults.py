@@ -14,7 +14,7 @@ from typing import Any
 
 from safeinstall.env.containment import is_below
 from safeinstall.env.drift import FaultIdentity
-from safeinstall.env.verified import HIGHEST, LOWEST
+from safeinstall.env.inodetrust import HIGHEST, LOWEST
 from safeinstall.store.state import (
     StateDirError,
     atomic_write,

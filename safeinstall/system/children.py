@@ -92,7 +92,7 @@ def _die_with(parent: int, program_fd: int | None = None) -> Callable[[], None]:
     def in_child() -> None:
         isolate(parent, None, new_session=False)
         # a child forked by a thread started with the run's signals blocked (a check run in the
-        # background, safeinstall.run.smoke) must not keep them blocked: the program gets them as usual
+        # background, safeinstall.run.steps.smoke) must not keep them blocked: the program gets them as usual
         signal.pthread_sigmask(signal.SIG_SETMASK, ())
         if program_fd is not None:
             os.set_inheritable(program_fd, False)

@@ -863,7 +863,7 @@ def start_limit_risk(limit: StartLimit, now_s: float, run_starts: int = RUN_STAR
 class ExecContext:
     """What systemd gives a unit's processes besides its command (``systemctl show``): ``Environment=``,
     ``EnvironmentFile=``, ``WorkingDirectory=``, and ``User=``, ``Group=``, ``SupplementaryGroups=``,
-    ``DynamicUser=`` as written (resolved by :func:`safeinstall.env.smoke.unit_account`).
+    ``DynamicUser=`` as written (resolved by :func:`safeinstall.env.importcheck.unit_account`).
     """
 
     unit: str

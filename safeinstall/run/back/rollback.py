@@ -1,6 +1,6 @@
 """The way back: on any failure after the stop, the run's rollback puts the previous files and the
-stopped units back through the one put-back sequence (:func:`safeinstall.run.putback.put_back`); exit 3, or
-exit 4 with the commands that finish the job when putting back fails too.
+stopped units back through the one put-back sequence (:func:`safeinstall.run.back.putback.put_back`); exit 3,
+or exit 4 with the commands that finish the job when putting back fails too.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from safeinstall.errors import (
     SafeInstallError,
     StepFailed,
 )
-from safeinstall.run.putback import put_back
-from safeinstall.run.running import Run, phase_at_least
-from safeinstall.run.units import reset_start_limits, start_and_settle, stop_units
+from safeinstall.run.back.putback import put_back
+from safeinstall.run.parts.running import Run, phase_at_least
+from safeinstall.run.parts.units import reset_start_limits, start_and_settle, stop_units
 from safeinstall.store.journal import (
     JournalUnit,
     Phase,
@@ -34,7 +34,8 @@ from safeinstall.system.signals import interrupts_deferred
 
 def rollback(run: Run, error: SafeInstallError, abandon: Callable[[Run], None]) -> SafeInstallError:
     """Put everything back; returns the error to report (StepFailed, or RollbackFailed). ``abandon``
-    ends first what still runs beside the steps (the smoke check: :func:`safeinstall.run.smoke.abandon`)."""
+    ends first what still runs beside the steps (the smoke check:
+    :func:`safeinstall.run.steps.smoke.abandon`)."""
 
     def announce(signum: int) -> None:
         run.reporter.note(
@@ -43,7 +44,7 @@ def rollback(run: Run, error: SafeInstallError, abandon: Callable[[Run], None]) 
         )
 
     with interrupts_deferred(announce):
-        abandon(run)  # first: a check still running beside the prefetch (safeinstall.run.smoke)
+        abandon(run)  # first: a check still running beside the prefetch (safeinstall.run.steps.smoke)
         done: list[str] = []
         stopped_any = phase_at_least(run.journal, Phase.STOPPING)
         try:

@@ -1,4 +1,4 @@
-"""What the smoke check is made of (:mod:`safeinstall.run.smoke` makes and reads them): where the new
+"""What the smoke check is made of (:mod:`safeinstall.run.steps.smoke` makes and reads them): where the new
 version lies, the check made ready, the check running beside the prefetch; and the check's children
 themselves (:func:`execute`), which is all that runs in the check's thread."""
 
@@ -10,9 +10,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from safeinstall.env import smoke
+from safeinstall.env import importcheck
 from safeinstall.env.environment import Environment
-from safeinstall.env.swap import STAGED_TREE, staging_environment
+from safeinstall.env.renames import STAGED_TREE, staging_environment
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,13 +45,13 @@ def target_tree(scratch: Path) -> NewTree:
 class Job:
     """One context's check: its child's variables (the imports, then ``--smoke``)."""
 
-    context: smoke.Context
+    context: importcheck.Context
     variables: tuple[tuple[str, str], ...]
 
 
 @dataclass(frozen=True, slots=True)
 class Checks:
-    """The check made ready (``safeinstall.run.smoke.prepare``): what runs, and what is undone once it
+    """The check made ready (``safeinstall.run.steps.smoke.prepare``): what runs, and what is undone once it
     is over (the shim's directory removed, the tree closed again where it was opened)."""
 
     new: NewTree
@@ -78,13 +78,13 @@ class Checked:
     """The check's answer: its children's outcomes, and what the running version answered meanwhile
     (by distribution: module -> "" imported, or its error), to be kept."""
 
-    outcomes: list[smoke.ChildOutcome]
+    outcomes: list[importcheck.ChildOutcome]
     learned: dict[str, dict[str, str]]
 
 
 @dataclass(frozen=True, slots=True)
 class Background:
-    """The check running beside the rest of the prefetch (``safeinstall.run.smoke.start``): its thread's
+    """The check running beside the rest of the prefetch (``safeinstall.run.steps.smoke.start``): its thread's
     answer, the event that ends it (``abandon``) and when it started."""
 
     checks: Checks
@@ -99,13 +99,13 @@ def execute(checks: Checks, cancel: threading.Event | None = None) -> Checked:
     cannot import is held against it only when the running version imports it. Ends early once
     ``cancel`` is set.
     """
-    outcomes: list[smoke.ChildOutcome] = []
+    outcomes: list[importcheck.ChildOutcome] = []
     learned: dict[str, dict[str, str]] = {}
     sites = list(checks.new.sites)
     for job in checks.jobs:
         variables = dict(job.variables)
-        wanted = smoke.Wanted(job.context.run, job.context.scripts, checks.skip)
-        outcome = smoke.run_imports(
+        wanted = importcheck.Wanted(job.context.run, job.context.scripts, checks.skip)
+        outcome = importcheck.run_imports(
             checks.python,
             job.context,
             variables,
@@ -120,7 +120,9 @@ def execute(checks: Checks, cancel: threading.Event | None = None) -> Checked:
             outcome = _judged(checks, job, outcome, learned, cancel)
         outcomes.append(outcome)
         if outcome.ok and checks.smoke is not None:
-            outcomes.append(smoke.run_command(checks.smoke, job.context, variables, checks.timeout, cancel))
+            outcomes.append(
+                importcheck.run_command(checks.smoke, job.context, variables, checks.timeout, cancel)
+            )
         if not outcomes[-1].ok or (cancel is not None and cancel.is_set()):
             break
     return Checked(outcomes, learned)
@@ -129,20 +131,20 @@ def execute(checks: Checks, cancel: threading.Event | None = None) -> Checked:
 def _judged(
     checks: Checks,
     job: Job,
-    outcome: smoke.ChildOutcome,
+    outcome: importcheck.ChildOutcome,
     learned: dict[str, dict[str, str]],
     cancel: threading.Event | None,
-) -> smoke.ChildOutcome:
+) -> importcheck.ChildOutcome:
     """``outcome`` with the failures the running version shares excused; the running version asked
     (one child, the job's context, the environment's own sites) about what is not known yet, its
     answers added to ``learned``."""
     known = {d: {**checks.known.get(d, {}), **learned.get(d, {})} for d in checks.old}
-    asked = smoke.unknown(outcome, known)
+    asked = importcheck.unknown(outcome, known)
     if asked:
         also = tuple(m for modules in asked.values() for m in modules)
-        wanted = smoke.Wanted(job.context.run, job.context.scripts, (), also)
-        variables = {**dict(job.variables), smoke.SITES_VARIABLE: ""}  # the shim adds nothing
-        old = smoke.run_imports(
+        wanted = importcheck.Wanted(job.context.run, job.context.scripts, (), also)
+        variables = {**dict(job.variables), importcheck.SITES_VARIABLE: ""}  # the shim adds nothing
+        old = importcheck.run_imports(
             checks.python,
             job.context,
             variables,
@@ -160,4 +162,4 @@ def _judged(
             if dist in asked:
                 learned.setdefault(dist, {})[module] = error
                 known[dist][module] = error
-    return smoke.excuse(outcome, known)
+    return importcheck.excuse(outcome, known)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from safeinstall.env import cachefill, owner
 from safeinstall.env.environment import Environment
+from safeinstall.env.inodetrust import InodeStore, root_only_checker
 from safeinstall.env.uvplan import UvChange
-from safeinstall.env.verified import InodeStore, root_only_checker
 from safeinstall.errors import SafeInstallError
 from safeinstall.store.state import EnvironmentState, check_trusted, make_run_dir, remove_run_dir
 from safeinstall.system.signals import held_while_threads_start

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from safeinstall.env import keep, swap
+from safeinstall.env import keep, renames
 from safeinstall.env.environment import Environment, inspect_environment, resolve_python
 from safeinstall.env.wheelcopy import discard_dead_copies, is_wheel_copy
 from safeinstall.errors import ExitCode, LockHeldError, RollbackFailed, SafeInstallError, StepFailed
-from safeinstall.run.output import envelope, jsonable
-from safeinstall.run.putback import PutBack, put_back
-from safeinstall.run.units import start_journalled, stop_journalled
+from safeinstall.run.back.putback import PutBack, put_back
+from safeinstall.run.parts.output import envelope, jsonable
+from safeinstall.run.parts.units import start_journalled, stop_journalled
 from safeinstall.store.backup import Backup, load_backup
 from safeinstall.store.history import find as find_entry
 from safeinstall.store.history import keep_result
@@ -233,12 +233,12 @@ def _discard_stagings(prefix: Path) -> None:
     """No run to recover: the staging directories left in the prefix (a commit's old version, a dead
     run's tree) go, by the prefix's owner."""
     try:
-        names = swap.leftover_stagings(prefix)
-        ids = swap.owner_of(prefix) if names else None
+        names = renames.leftover_stagings(prefix)
+        ids = renames.owner_of(prefix) if names else None
     except (OSError, SafeInstallError):
         return
     for name in names:
-        swap.discard_staging(prefix, name, RUN_DIR_REMOVAL_S, ids)
+        renames.discard_staging(prefix, name, RUN_DIR_REMOVAL_S, ids)
 
 
 #: a gate drop-in is a few hundred bytes: anything longer is not one

@@ -1,4 +1,4 @@
-"""The staging tree of a swap (:mod:`safeinstall.env.swap`): whether a run may swap, and the tree made,
+"""The staging tree of a swap (:mod:`safeinstall.env.renames`): whether a run may swap, and the tree made,
 checked and planned before the stop.
 
 Anything unexpected drops the swap: the install then runs in the window. docs/window.md.
@@ -11,7 +11,7 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path
 
-from safeinstall.env import swap
+from safeinstall.env import renames
 from safeinstall.env.containment import Containment
 from safeinstall.env.distributions import InstalledDistribution, find_distributions
 from safeinstall.env.drift import FindingKind
@@ -20,8 +20,8 @@ from safeinstall.env.hashing import Known
 from safeinstall.env.uvplan import UvChange, UvPlan, UvRequest, prefetch_command, window_command
 from safeinstall.env.verify import verify_environment
 from safeinstall.env.wheel import Wheel
-from safeinstall.run.options import RunOptions
-from safeinstall.run.undo import RESTORE
+from safeinstall.run.parts.options import RunOptions
+from safeinstall.run.parts.undo import RESTORE
 from safeinstall.store.backup import Backup
 from safeinstall.store.state import PRIVATE_MODE, RUN_DIR_REMOVAL_S
 from safeinstall.system.safefs import Tree, mounts_below, parent_directories, private_to
@@ -104,7 +104,7 @@ def install_lines(
             "swap, the backup is put back in place)",
         )
     if why_not is None:
-        staged = swap.staging_dir(env.prefix, "RUN_ID") / swap.STAGED_TREE
+        staged = renames.staging_dir(env.prefix, "RUN_ID") / renames.STAGED_TREE
         command = prefetch_command(request, uv_bin, staged, uv_plan.changes, staging=True)
         return (
             f"before the stop: {' '.join(command)}",
@@ -118,7 +118,7 @@ def install_lines(
     )
 
 
-def owner_ids(env: Environment) -> swap.Ids:
+def owner_ids(env: Environment) -> renames.Ids:
     """Pure: who does the swap's writes in ``env`` (None: root itself)."""
     return None if env.account is None else env.account.ids
 
@@ -132,11 +132,11 @@ def make_staging(env: Environment, run_id: str) -> Path:
     mounted = mounts_below(prefix)
     if mounted:  # an exchange would carry it off with the old tree
         raise NotStaged(f"{mounted[0]} is a mount point inside the environment")
-    root = swap.staging_dir(prefix, run_id)
-    for name in swap.leftover_stagings(prefix):
-        swap.discard_staging(prefix, name, RUN_DIR_REMOVAL_S, ids)
+    root = renames.staging_dir(prefix, run_id)
+    for name in renames.leftover_stagings(prefix):
+        renames.discard_staging(prefix, name, RUN_DIR_REMOVAL_S, ids)
     try:
-        swap.make_staging_dir(prefix, root.name, PRIVATE_MODE, ids)
+        renames.make_staging_dir(prefix, root.name, PRIVATE_MODE, ids)
     except (OSError, WorkerError) as exc:
         raise NotStaged(f"the staging directory could not be made: {exc}") from exc
     with Tree(prefix) as tree:
@@ -144,10 +144,10 @@ def make_staging(env: Environment, run_id: str) -> Path:
         devices = {found.st_dev for r in _install_dirs(env) if (found := tree.lstat(r)) is not None}
     uid = os.geteuid() if ids is None else ids[0]  # None: the caller itself (root, or a user in its own)
     if info is None or not stat.S_ISDIR(info.st_mode) or not private_to(info.st_uid, info.st_mode, uid):
-        swap.discard_staging(prefix, root.name, RUN_DIR_REMOVAL_S, ids)
+        renames.discard_staging(prefix, root.name, RUN_DIR_REMOVAL_S, ids)
         raise NotStaged(f"{root} is not a directory of uid {uid}'s alone")
     if devices - {info.st_dev}:
-        swap.discard_staging(prefix, root.name, RUN_DIR_REMOVAL_S, ids)
+        renames.discard_staging(prefix, root.name, RUN_DIR_REMOVAL_S, ids)
         raise NotStaged("a directory uv installs into is on another filesystem than the prefix")
     return root
 
@@ -200,13 +200,13 @@ def stage(
     affected: Sequence[InstalledDistribution],
     backup: Backup,
     known: Known | None,
-) -> swap.Staged:
+) -> renames.Staged:
     """Check, verify and plan the staging tree in ``root/tree``: exactly the planned distributions, every
     file verified, nothing else. Raises NotStaged (the install then runs in the window) or StagedMismatch
     with the findings of a file that failed.
     """
-    tree_path = root / swap.STAGED_TREE
-    staged_env = swap.staging_environment(env, tree_path)
+    tree_path = root / renames.STAGED_TREE
+    staged_env = renames.staging_environment(env, tree_path)
     staged = find_distributions(staged_env)
     versions = {c.name: c.version for c in changes if c.action != "uninstall"}
     if wheel is not None:
@@ -221,7 +221,7 @@ def stage(
     inside_staged = Containment(tree_path)
     recorded = _relative(inside_staged, [loc for d in staged for loc in d.locations])
     with Tree(tree_path) as new:
-        files, dirs = swap.walk_staged(new)
+        files, dirs = renames.walk_staged(new)
     if files != recorded:
         odd = sorted(files ^ recorded)[:3]
         raise NotStaged(f"the staging tree's files are not its RECORDs' ({', '.join(odd)})")
@@ -253,11 +253,11 @@ def plan_staged(
     installed: Sequence[InstalledDistribution],
     affected: Sequence[InstalledDistribution],
     backup: Backup,
-) -> swap.Staged:
+) -> renames.Staged:
     """The swap of a staging tree checked and verified already (its ``files`` and ``dirs``, relative
     to ``root/tree``; ``checked`` files verified), planned against the environment as it is now: what
     each move replaces, the directories it keeps, the attic. Raises NotStaged."""
-    tree_path = root / swap.STAGED_TREE
+    tree_path = root / renames.STAGED_TREE
     inside = Containment(env.prefix)
     mine = {d.name for d in affected}
     old_files = _relative(inside, [loc for d in affected for loc in d.locations])
@@ -267,17 +267,17 @@ def plan_staged(
     if any(path.startswith("include/") for path in files):  # uv's --prefix puts headers elsewhere
         raise NotStaged("the new version installs headers (include/)")
     with Tree(tree_path) as new:
-        staged_entries = swap.entries(new, sorted(dirs))
+        staged_entries = renames.entries(new, sorted(dirs))
     with Tree(env.prefix) as live, live.batch():
-        there = swap.entries(live, sorted(dirs | own))
+        there = renames.entries(live, sorted(dirs | own))
         differs = frozenset(
             d
             for d in dirs
             if d in there and there[d].kind == "dir" and there[d].owner != staged_entries[d].owner
         ) | _kept_directories(env.prefix, own, dirs, old_files)
         # the files' kinds only where the plan asks (each path by descriptor, as swap.entries)
-        kinds = swap.LiveKinds(live, there)
-        plan = swap.plan_swap(files, dirs, kinds, old_files, own, held | unlisted, differs)
+        kinds = renames.LiveKinds(live, there)
+        plan = renames.plan_swap(files, dirs, kinds, old_files, own, held | unlisted, differs)
     if plan.problems:
         raise NotStaged(plan.problems[0])
     with Tree(root) as staging_root:
@@ -285,15 +285,15 @@ def plan_staged(
     if mount is None:  # no /proc: a mount inside could not be told
         raise NotStaged("the mounts below the prefix cannot be told (/proc/self/fdinfo)")
     with Tree(env.prefix) as live:
-        crossing = swap.crossings(live, plan, mount)
+        crossing = renames.crossings(live, plan, mount)
     if crossing:
         raise NotStaged(f"{crossing[0]} is on another mount than the prefix")
     try:
-        swap.prepare_attic(root, plan, owner_ids(env))
+        renames.prepare_attic(root, plan, owner_ids(env))
     except WorkerError as exc:
         raise NotStaged(f"the attic could not be made: {exc.message}") from exc
     with Tree(tree_path) as new:
-        ids = swap.identities(new, plan.moves)
+        ids = renames.identities(new, plan.moves)
     if len(ids) != len(plan.moves):
         raise NotStaged("an entry of the staging tree went away")
-    return swap.Staged(root, plan, ids, checked)
+    return renames.Staged(root, plan, ids, checked)

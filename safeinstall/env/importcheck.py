@@ -977,7 +977,7 @@ def _run(
     cancel: threading.Event | None = None,
 ) -> tuple[subprocess.CompletedProcess[str] | None, str | None]:
     """The child run (``cancel``: set by the run when it stops while the check runs in the background,
-    :mod:`safeinstall.run.smoke`: the child and its group are ended); None and why, when it ran too
+    :mod:`safeinstall.run.steps.smoke`: the child and its group are ended); None and why, when it ran too
     long, printed too much, could not start or was cancelled."""
     try:
         proc = children.run(

@@ -23,8 +23,8 @@ from safeinstall.errors import (
     UnknownDistributionError,
     UsageError,
 )
-from safeinstall.run.options import PLAIN_NAME, Mode, RunOptions, check_options
-from safeinstall.run.output import command_for, envelope, jsonable
+from safeinstall.run.parts.options import PLAIN_NAME, Mode, RunOptions, check_options
+from safeinstall.run.parts.output import command_for, envelope, jsonable
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -33,12 +33,12 @@ if TYPE_CHECKING:
     from safeinstall.env.diffs import FileDiff
     from safeinstall.env.verify import VerifyReport
     from safeinstall.env.vouched import Vouched
-    from safeinstall.run.detach import PrivateInputs
-    from safeinstall.run.metrics import Family
-    from safeinstall.run.prepare import Discarded
-    from safeinstall.run.recover import Recovered
-    from safeinstall.run.results import Reporter
-    from safeinstall.run.status import Forgotten, StatusReport
+    from safeinstall.run.back.recover import Recovered
+    from safeinstall.run.commands.metrics import Family
+    from safeinstall.run.commands.status import Forgotten, StatusReport
+    from safeinstall.run.parts.detach import PrivateInputs
+    from safeinstall.run.parts.results import Reporter
+    from safeinstall.run.steps.prepare import Discarded
     from safeinstall.scan.plan import Plan
     from safeinstall.store.history import HistoryEntry
     from safeinstall.store.rundoc import PatchDoc, RunDocument
@@ -229,7 +229,7 @@ def _command(request: Request, ui: Ui) -> Result:
     try:
         private = None
         if request.environ_from is not None:  # a detached run: the caller's environment, as it was
-            from safeinstall.run.detach import take_private
+            from safeinstall.run.parts.detach import take_private
 
             private = take_private(request.environ_from)
             os.environ.clear()
@@ -238,7 +238,7 @@ def _command(request: Request, ui: Ui) -> Result:
         if Mode.UNDO in request.modes:
             env, package, undone = _undo_choice(request)
         if request.metrics_file is not None:
-            from safeinstall.run.metrics import check_metrics_path
+            from safeinstall.run.commands.metrics import check_metrics_path
 
             metrics = check_metrics_path(request.metrics_file)
         if Mode.RECOVER in request.modes:
@@ -332,7 +332,7 @@ def run_options(
 
 
 def _verify(request: Request, ui: Ui, metrics: Path | None) -> Verified:
-    from safeinstall.run.kept import verify_kept
+    from safeinstall.run.commands.verifyonly import verify_kept
 
     save_patch = request.save_patch
     if save_patch is not None:  # the rule of every output file (store/state.py: output_path)
@@ -377,7 +377,7 @@ def _verify(request: Request, ui: Ui, metrics: Path | None) -> Verified:
     _write_metrics(
         metrics, ui, lambda m, now: m.verify_families(report.prefix, report, report.exit_code, now)
     )
-    from safeinstall.run.output import verify_json
+    from safeinstall.run.parts.output import verify_json
 
     data = verify_json(report, patch if request.diff else None, notes) if request.as_json else None
     status = "drift" if report.drift else "wheel-fault" if report.wheel_fault else "clean"
@@ -415,8 +415,8 @@ def _reinstall(
     metrics: Path | None,
     env: Environment,
 ) -> Ran:
-    from safeinstall.run.reinstall import run_reinstall
-    from safeinstall.run.results import LoggedReporter
+    from safeinstall.run.parts.results import LoggedReporter
+    from safeinstall.run.steps.reinstall import run_reinstall
     from safeinstall.store.journal import now_iso
     from safeinstall.store.rundoc import RunDocument
     from safeinstall.store.state import new_run_id
@@ -470,7 +470,7 @@ def _keep(
 
 def _refused(state: EnvironmentState, run_id: str, failed: RunDocument, commit: bool) -> RunDocument:
     """What the history keeps of a run that raised: a refused commit's run stays prepared."""
-    from safeinstall.run.prepare import refused_commit
+    from safeinstall.run.steps.prepare import refused_commit
 
     return refused_commit(state, run_id, failed) if commit else failed
 
@@ -491,7 +491,7 @@ def _run_metrics(
 def _detach(
     request: Request, options: RunOptions, ui: Ui, env: Environment
 ) -> DetachedRun | FromHistory | Declined:
-    from safeinstall.run.detach import detach
+    from safeinstall.run.parts.detach import detach
     from safeinstall.store.state import ensure_environment_dir, new_run_id
 
     state = _state_of(env, options.environ)
@@ -499,7 +499,7 @@ def _detach(
     if request.interactive or request.cannot_ask is not None:
         # the plan the foreground prompt shows: the preflight's, local changes included; without a
         # terminal and --yes, a run that would stop units is refused here, as in the foreground
-        from safeinstall.run.preflight import preflight, refusal, unconfirmed
+        from safeinstall.run.parts.preflight import preflight, refusal, unconfirmed
 
         ui.preparing(_PREFLIGHT)
         plan = preflight(options, take_lock=False, env=env).plan
@@ -537,8 +537,8 @@ def _from_history(entry: HistoryEntry) -> FromHistory:
 
 
 def _dry_run(options: RunOptions, env: Environment, ui: Ui) -> DryRun:
-    from safeinstall.run.output import patch_docs, plan_json
-    from safeinstall.run.preflight import dry_run_patches, preflight
+    from safeinstall.run.parts.output import patch_docs, plan_json
+    from safeinstall.run.parts.preflight import dry_run_patches, preflight
 
     ui.preparing(_PREFLIGHT)
     # the run's own checks (and, with --keep-patches, its patch merge): it refuses when the run would
@@ -554,7 +554,7 @@ def _dry_run(options: RunOptions, env: Environment, ui: Ui) -> DryRun:
 
 
 def _wait(request: Request, ui: Ui) -> FromHistory | StoppedFollowing:
-    from safeinstall.run.detach import locate, wait_for_run
+    from safeinstall.run.parts.detach import locate, wait_for_run
     from safeinstall.store.state import environment_state, list_environment_dirs, state_root
     from safeinstall.system.signals import InterruptedEarly
 
@@ -581,7 +581,7 @@ def _commit(
     request: Request, ui: Ui, metrics: Path | None, private: PrivateInputs | None
 ) -> Ran | DetachedRun | FromHistory | Declined:
     """--commit: the environment's prepared run, with the window's options of this command line."""
-    from safeinstall.run.prepare import commit_options, the_prepared_run
+    from safeinstall.run.steps.prepare import commit_options, the_prepared_run
 
     found = the_prepared_run(os.environ, request.options.python)
     given = run_options(replace(request.options, package=found.record.package), request.extra_args, private)
@@ -595,7 +595,7 @@ def _commit(
 
 
 def _discard(request: Request) -> DiscardResult:
-    from safeinstall.run.prepare import discard
+    from safeinstall.run.steps.prepare import discard
 
     dropped = discard(os.environ, request.options.python)
     document = envelope("discard", "discarded", ExitCode.OK, {"discarded": jsonable(dropped)})
@@ -603,7 +603,7 @@ def _discard(request: Request) -> DiscardResult:
 
 
 def _forget(request: Request) -> ForgetResult:
-    from safeinstall.run.status import forget
+    from safeinstall.run.commands.status import forget
 
     # a live environment's state: only when said twice (--yes)
     forgotten, failures = forget(os.environ, request.options.python, request.run, live=request.yes)
@@ -614,7 +614,7 @@ def _forget(request: Request) -> ForgetResult:
 
 
 def _recover(request: Request, ui: Ui, metrics: Path | None) -> RecoverResult:
-    from safeinstall.run.recover import recover, said_errors
+    from safeinstall.run.back.recover import recover, said_errors
 
     outcome = recover(os.environ, request.options.python)
     _write_metrics(metrics, ui, lambda m, now: m.recover_families(outcome, now))
@@ -628,7 +628,7 @@ def _recover(request: Request, ui: Ui, metrics: Path | None) -> RecoverResult:
 
 
 def _status(request: Request, ui: Ui, metrics: Path | None) -> StatusResult:
-    from safeinstall.run.status import status
+    from safeinstall.run.commands.status import status
 
     report = status(os.environ, request.options.python)
     _write_metrics(metrics, ui, lambda m, now: m.status_families(report, now))
@@ -667,7 +667,7 @@ def _undo_choice(request: Request) -> tuple[Environment, str, str]:
 
     from packaging.utils import canonicalize_name
 
-    from safeinstall.run.undo import UndoError, choose_run
+    from safeinstall.run.parts.undo import UndoError, choose_run
 
     package, wheel, args = request.package, request.options.wheel, request.extra_args
     unfit = {flag for name, flag in _NOT_WITH_UNDO if getattr(request.options, name) not in (None, False)}
@@ -697,13 +697,13 @@ def _undo_choice(request: Request) -> tuple[Environment, str, str]:
 def _write_metrics(
     path: Path | None, ui: Ui, families: Callable[[ModuleType, float], Sequence[Family]]
 ) -> None:
-    """``families(safeinstall.run.metrics, now)`` into ``path`` (None: not asked); a file that cannot be
-    written is an error said through ``ui``, the command's own result and exit code stay."""
+    """``families(safeinstall.run.commands.metrics, now)`` into ``path`` (None: not asked); a file that cannot
+    be written is an error said through ``ui``, the command's own result and exit code stay."""
     if path is None:
         return
     import time
 
-    from safeinstall.run import metrics
+    from safeinstall.run.commands import metrics
 
     error = metrics.write_or_fail(path, families(metrics, time.time()))
     if error is not None:

@@ -1,7 +1,7 @@
 """The safe reinstall: the steps of a run, each journalled before it starts, and :func:`run_reinstall`,
 which calls them in order.
 
-Any failure after the stop rolls back (:mod:`safeinstall.run.rollback`). docs/reinstall.md.
+Any failure after the stop rolls back (:mod:`safeinstall.run.back.rollback`). docs/reinstall.md.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import TypeVar
 
 from packaging.utils import canonicalize_name
 
-from safeinstall.env import cachefill, inodes, keep, requirements, swap, verified
+from safeinstall.env import cachefill, inodes, inodetrust, keep, renames, requirements
 from safeinstall.env.bytecode import pyc_name
 from safeinstall.env.distributions import InstalledDistribution, reload_distributions
 from safeinstall.env.drift import Expectation, FindingKind
@@ -40,18 +40,18 @@ from safeinstall.errors import (
     SafeInstallError,
     StepFailed,
 )
-from safeinstall.run import prefill as run_prefill
-from safeinstall.run import prepare, requires, staging, undo
-from safeinstall.run import smoke as run_smoke
-from safeinstall.run.options import RunOptions
-from safeinstall.run.output import old_code_doc, patch_docs, plan_doc
-from safeinstall.run.patches import (
+from safeinstall.run.back.rollback import rollback_step
+from safeinstall.run.parts import prefill as run_prefill
+from safeinstall.run.parts import requires, staging, undo
+from safeinstall.run.parts.options import RunOptions
+from safeinstall.run.parts.output import old_code_doc, patch_docs, plan_doc
+from safeinstall.run.parts.patches import (
     carry,
     prepare_patches,
     rolled_back,
     save_patch_set,
 )
-from safeinstall.run.preflight import (
+from safeinstall.run.parts.preflight import (
     Prepared,
     dry_run_patches,
     install_overhead,
@@ -59,15 +59,16 @@ from safeinstall.run.preflight import (
     refusal,
     unconfirmed,
 )
-from safeinstall.run.preflight import preflight as shared_preflight
-from safeinstall.run.results import Reporter, service_downtime_s
-from safeinstall.run.rollback import rollback_step
-from safeinstall.run.running import Run
-from safeinstall.run.smoke import smoke_step
-from safeinstall.run.smokecheck import staged_tree, target_tree
-from safeinstall.run.survey import scan_again
-from safeinstall.run.undo import UndoTarget, left_of
-from safeinstall.run.units import StartWatch, reset_start_limits, settle_units, start_units, stop_units
+from safeinstall.run.parts.preflight import preflight as shared_preflight
+from safeinstall.run.parts.results import Reporter, service_downtime_s
+from safeinstall.run.parts.running import Run
+from safeinstall.run.parts.smokethread import staged_tree, target_tree
+from safeinstall.run.parts.survey import scan_again
+from safeinstall.run.parts.undo import UndoTarget, left_of
+from safeinstall.run.parts.units import StartWatch, reset_start_limits, settle_units, start_units, stop_units
+from safeinstall.run.steps import prepare
+from safeinstall.run.steps import smoke as run_smoke
+from safeinstall.run.steps.smoke import smoke_step
 from safeinstall.scan.plan import PlannedProcess, left_on_old_code
 from safeinstall.scan.processes import scan_processes
 from safeinstall.store.anchors import carry_over, forget_anchors, keep_with_backup
@@ -81,6 +82,8 @@ from safeinstall.store.backup import (
 )
 from safeinstall.store.baseline import record_run
 from safeinstall.store.history import read_history
+from safeinstall.store.inodestore import keep as keep_hashes
+from safeinstall.store.inodestore import store_checker
 from safeinstall.store.journal import (
     JournalUnit,
     Phase,
@@ -102,8 +105,6 @@ from safeinstall.store.state import (
     remove_run_dir,
     remove_uv_caches,
 )
-from safeinstall.store.verified import keep as keep_hashes
-from safeinstall.store.verified import store_checker
 from safeinstall.system import signals
 from safeinstall.system.gate import GATE_DROPIN, gate_dropin_text, gate_marker
 from safeinstall.system.gpus import GpuSnapshot, NvmlSession, ReleaseStatus, wait_for_release
@@ -249,7 +250,7 @@ def backup_step(run: Run) -> str:
 
 def prefetch_step(run: Run) -> str:
     """Fill the run's own uv cache with the new artefacts, so that the install in the downtime only
-    links (or copies) files from it; where the run may swap (:mod:`safeinstall.run.staging`), install
+    links (or copies) files from it; where the run may swap (:mod:`safeinstall.run.parts.staging`), install
     them into the staging tree instead, verify them there and plan the renames, all before the stop."""
     account = run.env.account  # uv runs as the environment's owner: the directories are its own
     request = run.survey.request
@@ -263,7 +264,7 @@ def prefetch_step(run: Run) -> str:
         except (staging.NotStaged, OSError) as exc:
             why_not = str(exc)
     scratch = (
-        root / swap.STAGED_TREE
+        root / renames.STAGED_TREE
         if root is not None
         else make_run_dir(run.state.prefetch_dir(run.run_id), account)
     )
@@ -278,7 +279,8 @@ def prefetch_step(run: Run) -> str:
         result = uv_install(command, run.options.environ, cache_dir=cache, account=account)
         if result.returncode == 0:  # before a --target tree goes: what the new versions require
             broken = _broken_once_fetched(run, root, scratch)
-    finally:  # a good --target install stays for the smoke step (safeinstall.run.smoke), which removes it
+    # a good --target install stays for the smoke step (safeinstall.run.steps.smoke), which removes it
+    finally:
         kept = root is None and result is not None and result.returncode == 0 and not run.options.no_smoke
         if root is None and not kept:
             remove_run_dir(scratch)
@@ -286,7 +288,7 @@ def prefetch_step(run: Run) -> str:
     run.log(f"uv exit {result.returncode}:\n{result.output}")
     if result.returncode != 0 or broken is not None:
         if root is not None:
-            swap.discard_staging(run.env.prefix, root.name, RUN_DIR_REMOVAL_S, staging.owner_ids(run.env))
+            renames.discard_staging(run.env.prefix, root.name, RUN_DIR_REMOVAL_S, staging.owner_ids(run.env))
         if broken is not None:
             if kept:
                 remove_run_dir(scratch)
@@ -349,7 +351,7 @@ def _prefetched(run: Run, root: Path | None, cache: Path, filled: str, why_not: 
     # its times (docs/window.md), so its installed files are read again in the window
     if request.link_mode == "hardlink" and run.env.account is None:
         store = None if run.options.full else run.prepared.inodes  # --full: every file read
-        known = verified.root_only_checker(store) if store is not None and store.entries else None
+        known = inodetrust.root_only_checker(store) if store is not None and store.entries else None
         copies = {os.path.join(cache, f[0]): (f[1], f[2], f[3], f[4]) for f in run.filled}
         run.hashed = inodes.hash_cache(cache, known=known, written=copies or None)
         stored = sum(1 for entry in run.hashed.values() if not entry.hashed_ns)  # taken, not read
@@ -376,7 +378,7 @@ def _prefetched(run: Run, root: Path | None, cache: Path, filled: str, why_not: 
 
 
 def _swap_rulers(run: Run) -> dict[str, bool]:
-    """The run's options that rule a swap out (:func:`safeinstall.run.staging.refusal`)."""
+    """The run's options that rule a swap out (:func:`safeinstall.run.parts.staging.refusal`)."""
     return staging.rulers(run.options, bool(run.prepared.vouched))
 
 
@@ -389,7 +391,7 @@ def _stage(run: Run, root: Path) -> str | None:
         run.staged = prepare.stage_of(run, root, known)
     except (staging.NotStaged, staging.StagedMismatch, OSError, SafeInstallError) as exc:
         run_smoke.abandon(run)  # it reads the tree that goes now (the smoke step checks a --target one)
-        swap.discard_staging(run.env.prefix, root.name, RUN_DIR_REMOVAL_S, staging.owner_ids(run.env))
+        renames.discard_staging(run.env.prefix, root.name, RUN_DIR_REMOVAL_S, staging.owner_ids(run.env))
         if isinstance(exc, staging.StagedMismatch):
             raise PlanError(
                 f"the new version's files do not match the wheel: {exc}",
@@ -424,7 +426,7 @@ def _resolve_into(run: Run, cache: Path) -> None:
 def _fill_from_owners_cache(run: Run, cache: Path) -> str:
     """Copy into the run's cache what the owner's uv cache already holds of what the plan installs
     (:mod:`safeinstall.env.cachefill`), or take what the fill beside the preflight copied
-    (:mod:`safeinstall.run.prefill`); the step's detail about it ("" when nothing was copied)."""
+    (:mod:`safeinstall.run.parts.prefill`); the step's detail about it ("" when nothing was copied)."""
     prefill = run.prepared.prefill
     beside = ""
     if prefill is not None:
@@ -630,7 +632,7 @@ def install_step(run: Run) -> str:
 
 
 def swap_step(run: Run) -> str:
-    """The staged version renamed into place (:mod:`safeinstall.env.swap`): the window's install when
+    """The staged version renamed into place (:mod:`safeinstall.env.renames`): the window's install when
     the run staged one. Each entry in place must then be the inode verified in the staging tree."""
     staged = run.staged
     if staged is None:
@@ -640,14 +642,14 @@ def swap_step(run: Run) -> str:
     run.journal_phase(Phase.SWAPPING)
     scanned = time.monotonic()
     try:
-        swap.execute(staged, run.env.prefix, staging.owner_ids(run.env))
+        renames.execute(staged, run.env.prefix, staging.owner_ids(run.env))
     except (OSError, WorkerError) as exc:
         raise StepFailed(f"the swap failed: {exc}") from exc
     run.installed_ns = time.time_ns()
     renamed = time.monotonic()
     by = "" if run.env.account is None else f" (the worker of uid {run.env.account.uid})"
     run.log(f"swap: scan, journal {scanned - started:.2f} s; renames, fsync{by} {renamed - scanned:.2f} s")
-    wrong = swap.moved_as_staged(staged, run.env.prefix)
+    wrong = renames.moved_as_staged(staged, run.env.prefix)
     if wrong:
         raise StepFailed(f"not the verified files in place after the swap: {', '.join(wrong[:5])}")
     run.journal_phase(Phase.INSTALLED)
@@ -957,15 +959,15 @@ def undo_stage_step(run: Run) -> str:
     ids = staging.owner_ids(run.env)
     try:
         root = staging.make_staging(run.env, run.run_id)
-        swap.make_staging_dir(root, swap.STAGED_TREE, 0o755, ids)
+        renames.make_staging_dir(root, renames.STAGED_TREE, 0o755, ids)
     except (staging.NotStaged, OSError, WorkerError) as exc:
         run.log(f"undo: no swap: {exc}")
         return f"no swap ({exc}): the backup is put back during the stop"
     manifest = target.backup.manifest
     listed = replace(manifest, files=tuple(f for f in manifest.files if f.listed))
-    written = stage_backup(replace(target.backup, manifest=listed), root / swap.STAGED_TREE)
+    written = stage_backup(replace(target.backup, manifest=listed), root / renames.STAGED_TREE)
     if not written.ok:
-        swap.discard_staging(run.env.prefix, root.name, RUN_DIR_REMOVAL_S, ids)
+        renames.discard_staging(run.env.prefix, root.name, RUN_DIR_REMOVAL_S, ids)
         problems = [*written.mismatches, *written.failures]
         raise PlanError(
             f"the backup of run {target.run_id} could not be staged: {undo.listed(problems)}",
@@ -1220,7 +1222,8 @@ def preflight_outcome(prepared: Prepared, commit: bool, reused: bool, began: flo
 
 def read_prepared_run(options: RunOptions, env: Environment | None) -> PreparedRecord:
     """--commit: the record of the one prepared run of the environment, read before the lock;
-    :func:`safeinstall.run.prepare.commit_check` checks under it that the journal is still that run's."""
+    :func:`safeinstall.run.steps.prepare.commit_check` checks under it that the journal is still that
+    run's."""
     python = str(interpreter_in_prefix(env)) if env is not None else options.python
     return prepare.the_prepared_run(options.environ, python, env=env).record
 
@@ -1361,20 +1364,20 @@ def _discard_staged(run: Run, keep_tree: bool = False) -> None:
         return
     ids = staging.owner_ids(run.env)
     try:
-        swap.tidy(run.staged.plan, run.env.prefix, staging.frame(run.env), ids)
+        renames.tidy(run.staged.plan, run.env.prefix, staging.frame(run.env), ids)
     except (OSError, SafeInstallError) as exc:
         run.log(f"the bytecode and empty directories of moved-out files were not all removed: {exc}")
     unknown: list[tuple[str, str]] = []
     try:
         known = frozenset(f.path for f in run.saved().manifest.files)
-        unknown = swap.unknown_in_old(run.staged.root, known)
-        left = swap.put_back_unknown(run.staged.root, run.env.prefix, unknown, ids)
+        unknown = renames.unknown_in_old(run.staged.root, known)
+        left = renames.put_back_unknown(run.staged.root, run.env.prefix, unknown, ids)
     except (OSError, SafeInstallError) as exc:
         left = [f"(the old files could not be listed: {exc})"]
     if unknown:
         run.log(f"put back where they were (they appeared after the backup): {[p for _, p in unknown]}")
     if left:  # never deleted unseen
-        kept = swap.keep_staging(run.env.prefix, run.staged.root.name, ids) or run.staged.root
+        kept = renames.keep_staging(run.env.prefix, run.staged.root.name, ids) or run.staged.root
         run.notes.append(
             f"{len(left)} file(s) that appeared in the old version's directories after the backup could "
             f"not be put back (first: {left[0]}): kept in {kept}; copy back what you need, then delete it"
@@ -1382,7 +1385,7 @@ def _discard_staged(run: Run, keep_tree: bool = False) -> None:
         return
     if keep_tree:
         return
-    if not swap.discard_staging(run.env.prefix, run.staged.root.name, RUN_DIR_REMOVAL_S, ids):
+    if not renames.discard_staging(run.env.prefix, run.staged.root.name, RUN_DIR_REMOVAL_S, ids):
         run.notes.append(f"{run.staged.root} could not be removed: the next run removes it")
 
 

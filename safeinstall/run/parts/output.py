@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 from safeinstall.env.drift import Finding, per_file
 from safeinstall.errors import SafeInstallError
-from safeinstall.run.options import Mode
+from safeinstall.run.parts.options import Mode
 from safeinstall.store.rundoc import RESULT_VERSION, Change, OldCodeDoc, PatchDoc, PlanDoc
 from safeinstall.system.identity import ProcessId
 
 if TYPE_CHECKING:
     from safeinstall.env.verify import VerifyReport
-    from safeinstall.run.patches import PatchOutcome
+    from safeinstall.run.parts.patches import PatchOutcome
     from safeinstall.scan.plan import OldCodeProcess, Plan
 
 

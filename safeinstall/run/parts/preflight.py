@@ -15,7 +15,7 @@ from pathlib import Path
 
 from packaging.utils import canonicalize_name
 
-from safeinstall.env import keep, smoke, swap
+from safeinstall.env import importcheck, keep, renames
 from safeinstall.env.bytecode import pyc_name
 from safeinstall.env.containment import is_within
 from safeinstall.env.drift import FindingKind
@@ -26,9 +26,9 @@ from safeinstall.env.environment import (
     resolve_python,
 )
 from safeinstall.env.hashing import Known
+from safeinstall.env.inodetrust import InodeStore
 from safeinstall.env.systemsite import placement_refusals
 from safeinstall.env.uvplan import UvPlan, uv_binary
-from safeinstall.env.verified import InodeStore
 from safeinstall.env.verify import VerifyReport, verify_environment
 from safeinstall.env.vouched import Vouched
 from safeinstall.env.wheel import (
@@ -49,12 +49,12 @@ from safeinstall.env.wheelcopy import (
     temporary_copy,
 )
 from safeinstall.errors import NotConfirmed, PlanError, SafeInstallError, WheelError
-from safeinstall.run import prefill as run_prefill
-from safeinstall.run import requires, staging
-from safeinstall.run.options import RunOptions, check_options
-from safeinstall.run.patches import PatchSet, prepare_patches
-from safeinstall.run.survey import Survey, survey, systemd_for
-from safeinstall.run.undo import UndoTarget, undo_plan, undo_target, undo_uv_plan
+from safeinstall.run.parts import prefill as run_prefill
+from safeinstall.run.parts import requires, staging
+from safeinstall.run.parts.options import RunOptions, check_options
+from safeinstall.run.parts.patches import PatchSet, prepare_patches
+from safeinstall.run.parts.survey import Survey, survey, systemd_for
+from safeinstall.run.parts.undo import UndoTarget, undo_plan, undo_target, undo_uv_plan
 from safeinstall.scan.plan import KeptBackupHeld, Plan
 from safeinstall.store import oldimports
 from safeinstall.store.backup import (
@@ -65,6 +65,7 @@ from safeinstall.store.backup import (
     space_problem,
 )
 from safeinstall.store.baseline import read_vouched
+from safeinstall.store.inodestore import read_store, store_checker
 from safeinstall.store.retention import KeptBackup, drop_said, kept_backups, kept_note
 from safeinstall.store.runlog import human_bytes
 from safeinstall.store.state import (
@@ -79,7 +80,6 @@ from safeinstall.store.state import (
     remove_uv_caches,
     state_root,
 )
-from safeinstall.store.verified import read_store, store_checker
 from safeinstall.system.lock import HeldLock, acquire_lock, check_lock
 from safeinstall.system.safefs import unwritable
 from safeinstall.system.signals import held_while_threads_start
@@ -106,13 +106,13 @@ class Prepared:
     #: the environment's baseline (:mod:`safeinstall.store.baseline`): what earlier runs verified against
     #: their wheels where the wheel's RECORD says otherwise (such a file is no local change)
     vouched: Mapping[str, tuple[Vouched, ...]] = field(default_factory=dict)
-    #: the environment's verified-inode store (:mod:`safeinstall.store.verified`) as read here; None:
+    #: the environment's verified-inode store (:mod:`safeinstall.store.inodestore`) as read here; None:
     #: not usable (the run reads every file and keeps nothing)
     inodes: InodeStore | None = None
     #: a commit's, from its prepare's record (:class:`Reuse`): its wheel is the prepare's own copy
     reused: bool = False
-    #: the run's cache being filled from the owner's beside the preflight (:mod:`safeinstall.run.prefill`):
-    #: the prefetch takes it; a run that never gets there abandons it
+    #: the run's cache being filled from the owner's beside the preflight
+    #: (:mod:`safeinstall.run.parts.prefill`): the prefetch takes it; a run that never gets there abandons it
     prefill: run_prefill.Prefill | None = None
 
     @property
@@ -123,7 +123,7 @@ class Prepared:
 @dataclass(frozen=True, slots=True)
 class Reuse:
     """``--commit`` with the environment's directories unmoved: what its preflight takes from the
-    prepare's record (docs/prepare.md); :func:`safeinstall.run.prepare.commit_check` proves the rest."""
+    prepare's record (docs/prepare.md); :func:`safeinstall.run.steps.prepare.commit_check` proves the rest."""
 
     uv_plan: UvPlan  # uv is not asked again
     members: Mapping[str, WheelMember]  # the wheel's members as hashed (the same bytes: its sha256)
@@ -166,8 +166,8 @@ def preflight(
             for left in remove_uv_caches(state):  # a dead run's uv cache and scratch (its log promised)
                 notes.append(f"{left}, left by a run that died, could not be removed: remove it by hand")
             keep.discard_leftovers(env.prefix)  # a dead run's links of the old files (root's prefixes)
-            for name in swap.leftover_stagings(env.prefix):  # a commit's old version, or a dead run's
-                swap.discard_staging(env.prefix, name, RUN_DIR_REMOVAL_S, staging.owner_ids(env))
+            for name in renames.leftover_stagings(env.prefix):  # a commit's old version, or a dead run's
+                renames.discard_staging(env.prefix, name, RUN_DIR_REMOVAL_S, staging.owner_ids(env))
     else:
         check_environment_dir(state)
         check_lock(state.lock, str(env.prefix))
@@ -289,7 +289,7 @@ def preflight(
             answers, _ = oldimports.load(state)
             changes = {c.name for c in found.uv_plan.changes if c.action != "uninstall"}
             known_bad = oldimports.failing(answers, found.installed, changes)
-            said = smoke.describe(
+            said = importcheck.describe(
                 found.plan.package,
                 options.smoke,
                 options.smoke_timeout,
@@ -373,16 +373,16 @@ def smoke_runners(
     warnings: a unit whose user is unknown, or cannot reach the environment's interpreter and site
     directories, is not checked (never as root instead)."""
     if env.account is not None or os.geteuid() != 0 or not units:
-        return [(smoke.account_of(env)[0], units)], []
+        return [(importcheck.account_of(env)[0], units)], []
     systemd = systemd_for(options)
     runners: dict[str, list[str]] = {}
-    accounts: dict[smoke.RunAs | str, list[str]] = {}
+    accounts: dict[importcheck.RunAs | str, list[str]] = {}
     for unit in units:
         try:
-            found: smoke.RunAs | str | None = smoke.unit_account(exec_context(systemd, unit))
+            found: importcheck.RunAs | str | None = importcheck.unit_account(exec_context(systemd, unit))
         except SafeInstallError as exc:
             found = f"its User= could not be read: {exc.message}"
-        runners.setdefault(smoke.runner_said(found), []).append(unit)
+        runners.setdefault(importcheck.runner_said(found), []).append(unit)
         if found is not None:
             accounts.setdefault(found, []).append(unit)
     warnings: list[str] = []
@@ -390,7 +390,7 @@ def smoke_runners(
         problem = (
             account
             if isinstance(account, str)
-            else smoke.reach_problem(account, [interpreter_in_prefix(env)], env.site_dirs)
+            else importcheck.reach_problem(account, [interpreter_in_prefix(env)], env.site_dirs)
         )
         if problem is not None:
             warnings.append(

@@ -22,7 +22,7 @@ from safeinstall.env.systemsite import check_target
 from safeinstall.env.uvplan import UvPlan, UvRequest, dry_run, link_mode_for, same_filesystem
 from safeinstall.env.wheel import Wheel, read_wheel
 from safeinstall.errors import SystemdError
-from safeinstall.run.options import RunOptions
+from safeinstall.run.parts.options import RunOptions
 from safeinstall.scan.evidence import TargetIndex
 from safeinstall.scan.plan import Plan, build_plan, start_limit_resets
 from safeinstall.scan.processes import ScanResult, scan_processes

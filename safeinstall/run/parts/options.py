@@ -50,14 +50,15 @@ class RunOptions:
     health_timeout: float = 300.0
     no_restart: bool = False
     prune: bool = False
-    #: install with uv in the window instead of swapping a staged version in (safeinstall.env.swap)
+    #: install with uv in the window instead of swapping a staged version in (safeinstall.env.renames)
     no_swap: bool = False
-    #: --full: read every file; take no hash the verified-inode store keeps (safeinstall.env.verified)
+    #: --full: read every file; take no hash the verified-inode store keeps (safeinstall.env.inodetrust)
     full: bool = False
-    #: the new version imported before the stop (safeinstall.env.smoke); ``smoke``: the operator's command too
+    #: the new version imported before the stop (safeinstall.env.importcheck); ``smoke``: the operator's
+    #: command too
     no_smoke: bool = False
     smoke: str | None = None
-    smoke_timeout: float = 300.0  # safeinstall.env.smoke.SMOKE_TIMEOUT_S: each child's bound
+    smoke_timeout: float = 300.0  # safeinstall.env.importcheck.SMOKE_TIMEOUT_S: each child's bound
     smoke_skip: tuple[str, ...] = ()  # --smoke-skip: modules the check never imports (known bad)
     only_loaded: bool = False  # plan only processes with certain evidence (not ``environment`` alone)
     strict: bool = False  # a process left on old code after the restart fails the run (rolled back)
@@ -71,9 +72,9 @@ class RunOptions:
     accept_record_mismatch: bool = False
     #: go on with a run that breaks a requirement of the environment (safeinstall.env.requirements)
     allow_broken_requirements: bool = False
-    #: --undo: the run whose backup is put back (safeinstall.run.undo); None: a reinstall
+    #: --undo: the run whose backup is put back (safeinstall.run.parts.undo); None: a reinstall
     undo: str | None = None
-    #: --prepare: stop after the smoke check, the run kept for --commit (safeinstall.run.prepare)
+    #: --prepare: stop after the smoke check, the run kept for --commit (safeinstall.run.steps.prepare)
     prepare: bool = False
     #: --commit: the environment's prepared run goes on from the gate, once checked unchanged
     commit: bool = False

@@ -1,6 +1,6 @@
 """``--status`` (what each environment's state holds: a run in progress, one to recover, the last runs)
 and ``--forget`` (the state of environments that are gone). Reads the same checked journal as
-``--recover`` (:func:`safeinstall.run.recover.read_checked_journal`) and never acts on it.
+``--recover`` (:func:`safeinstall.run.back.recover.read_checked_journal`) and never acts on it.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 from safeinstall.env.environment import inspect_environment, resolve_python
 from safeinstall.errors import ExitCode, SafeInstallError, UsageError
-from safeinstall.run.recover import read_checked_journal, states_of
-from safeinstall.run.undo import with_undo
+from safeinstall.run.back.recover import read_checked_journal, states_of
+from safeinstall.run.parts.undo import with_undo
 from safeinstall.store.history import RunSummary, read_history
 from safeinstall.store.journal import Phase, read_journal
 from safeinstall.store.prepared import read_prepared

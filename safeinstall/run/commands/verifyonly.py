@@ -18,7 +18,7 @@ from safeinstall.env.verify import ProgressCallback, VerifyReport, containment_r
 
 if TYPE_CHECKING:
     from safeinstall.env.distributions import InstalledDistribution
-    from safeinstall.env.verified import InodeStore
+    from safeinstall.env.inodetrust import InodeStore
     from safeinstall.env.vouched import Vouched
     from safeinstall.env.wheel import Wheel
 
@@ -40,15 +40,15 @@ def verify_kept(
     ``wheel-fault`` found is kept as acknowledged (:mod:`safeinstall.store.wheelfaults`).
     """
     from safeinstall.env.bytecode import Anchor, anchored_window, keepable, known_checker
+    from safeinstall.env.inodetrust import GRANULARITY_NS
     from safeinstall.env.recorded import RecordCheck
     from safeinstall.env.unchanged import prover, unchanged_entry
-    from safeinstall.env.verified import GRANULARITY_NS
     from safeinstall.store.anchors import keep_anchors, read_anchors
     from safeinstall.store.bytecode import keep_judged, read_judged
+    from safeinstall.store.inodestore import ctime_kept, filesystems, keep, read_store, store_checker
     from safeinstall.store.records import keep_records, read_records
     from safeinstall.store.state import state_root
     from safeinstall.store.unchanged import keep_unchanged, read_unchanged
-    from safeinstall.store.verified import ctime_kept, filesystems, keep, read_store, store_checker
 
     root = state_root(os.environ, os.geteuid())
     loaded: list[tuple[InodeStore | None, Known | None]] = []

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from safeinstall.run.patches import PatchOutcome
+from safeinstall.run.parts.patches import PatchOutcome
 from safeinstall.scan.plan import Plan
 from safeinstall.store.rundoc import StepDoc
 from safeinstall.store.runlog import PROGRESS_EVERY_S, append_line, progress_key, progress_text

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from safeinstall.env import keep
 from safeinstall.env.environment import Environment
-from safeinstall.env.swap import (
+from safeinstall.env.renames import (
     STAGING_PREFIX,
     Ids,
     discard_staging,

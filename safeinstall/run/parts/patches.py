@@ -34,7 +34,7 @@ from safeinstall.system.safefs import Tree
 
 if TYPE_CHECKING:
     from safeinstall.env.vouched import Vouched
-    from safeinstall.run.survey import Survey
+    from safeinstall.run.parts.survey import Survey
 
 _NOTHING_STOPPED = "nothing was stopped"
 

@@ -19,8 +19,8 @@ from safeinstall.errors import SafeInstallError
 
 if TYPE_CHECKING:  # the run's and the state's modules are not loaded by --verify-only
     from safeinstall.env.verify import VerifyReport
-    from safeinstall.run.recover import Recovered
-    from safeinstall.run.status import StatusReport
+    from safeinstall.run.back.recover import Recovered
+    from safeinstall.run.commands.status import StatusReport
     from safeinstall.store.history import RunSummary
 
 #: Mode of the written file: node_exporter runs as an account of its own and must read it

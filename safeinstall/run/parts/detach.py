@@ -17,7 +17,7 @@ from pathlib import Path
 
 from safeinstall.env.environment import Environment
 from safeinstall.errors import Aborted, ExitCode, SafeInstallError, SystemdError, UsageError
-from safeinstall.run.options import Mode, RunOptions
+from safeinstall.run.parts.options import Mode, RunOptions
 from safeinstall.store.history import HistoryEntry, read_history
 from safeinstall.store.history import find as find_entry
 from safeinstall.store.journal import Journal, JournalError, Phase, read_journal

@@ -20,15 +20,15 @@ from safeinstall.env.containment import is_within
 from safeinstall.env.drift import FindingKind
 from safeinstall.env.environment import Environment
 from safeinstall.env.hashing import FileState, Known
-from safeinstall.env.swap import STAGED_TREE, STAGING_PREFIX, Staged
+from safeinstall.env.renames import STAGED_TREE, STAGING_PREFIX, Staged
 from safeinstall.errors import PreparedRunError, SafeInstallError
-from safeinstall.run import staging
-from safeinstall.run.detach import COMMIT_REFUSED, NOT_COMMITTED
-from safeinstall.run.options import RunOptions
-from safeinstall.run.preflight import Prepared, Reuse, locally_modified
-from safeinstall.run.recover import read_checked_journal, recover_one, states_of
-from safeinstall.run.results import Reporter
-from safeinstall.run.running import Run
+from safeinstall.run.back.recover import read_checked_journal, recover_one, states_of
+from safeinstall.run.parts import staging
+from safeinstall.run.parts.detach import COMMIT_REFUSED, NOT_COMMITTED
+from safeinstall.run.parts.options import RunOptions
+from safeinstall.run.parts.preflight import Prepared, Reuse, locally_modified
+from safeinstall.run.parts.results import Reporter
+from safeinstall.run.parts.running import Run
 from safeinstall.scan.plan import PlannedProcess
 from safeinstall.store.backup import load_backup
 from safeinstall.store.history import find as find_entry
@@ -253,7 +253,7 @@ def changes_of(prepared: Prepared) -> tuple[str, ...]:
 
 
 def staging_name(run_id: str) -> str:
-    """Pure: the name of the run's staging directory in the prefix (env/swap.py)."""
+    """Pure: the name of the run's staging directory in the prefix (env/renames.py)."""
     return f"{STAGING_PREFIX}{run_id}"
 
 
@@ -425,7 +425,7 @@ def resume(
 
 def stage_of(run: Run, root: Path, known: Known | None) -> Staged:
     """The run's staging tree in ``root`` checked, verified (``known``: the run's cache by identity)
-    and planned (:func:`safeinstall.run.staging.stage`: it raises what that raises)."""
+    and planned (:func:`safeinstall.run.parts.staging.stage`: it raises what that raises)."""
     return staging.stage(
         run.env,
         root,
@@ -454,7 +454,7 @@ def verified_as_prepared(record: PreparedRecord, tree: TreeSeen | None, full: bo
 
 def staged_entries(tree: TreeSeen) -> tuple[frozenset[str], frozenset[str]]:
     """Pure: the staging tree's files and directories, relative to it (uv's lock file aside), from
-    the walk of the staging directory: what :func:`safeinstall.env.swap.walk_staged` lists."""
+    the walk of the staging directory: what :func:`safeinstall.env.renames.walk_staged` lists."""
     below = f"{STAGED_TREE}/"
     files: set[str] = set()
     dirs: set[str] = set()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from safeinstall.errors import SafeInstallError, StepFailed, SystemdError
-from safeinstall.run.running import Run
+from safeinstall.run.parts.running import Run
 from safeinstall.store.journal import JournalUnit
 from safeinstall.system.signals import held_while_threads_start
 from safeinstall.system.systemd import (

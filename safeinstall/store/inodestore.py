@@ -1,7 +1,7 @@
 """The verified-inode store of an environment: ``<state>/<env>/inodes.bin``, root's, 0600.
 
 Read with the state directory's checks, every field checked; one of another environment or boot, or
-damaged, is not used. The decisions: :mod:`safeinstall.env.verified`; the format: docs/verify.md.
+damaged, is not used. The decisions: :mod:`safeinstall.env.inodetrust`; the format: docs/verify.md.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 from safeinstall.env.hashing import FileState, Known
-from safeinstall.env.records import built
-from safeinstall.env.verified import (
+from safeinstall.env.inodetrust import (
     CTIME_FILESYSTEMS,
     GRANULARITY_NS,
     MAX_AGE_NS,
@@ -26,6 +25,7 @@ from safeinstall.env.verified import (
     keepable,
     updated,
 )
+from safeinstall.env.records import built
 from safeinstall.store.state import (
     EnvironmentState,
     StateDirError,
@@ -284,7 +284,7 @@ def store_checker(
     store: InodeStore | None, fallback: Known | None = None, root_links: bool = False
 ) -> Known | None:
     """What the verification asks of the store (and of ``fallback``); None when there is neither.
-    ``root_links``: see :func:`safeinstall.env.verified.checker`."""
+    ``root_links``: see :func:`safeinstall.env.inodetrust.checker`."""
     if store is None or not store.entries:
         return fallback
     return checker(store, fallback, root_links)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from packaging.utils import canonicalize_name
 
-from safeinstall.env import smoke
+from safeinstall.env import importcheck
 from safeinstall.env.environment import (
     Environment,
     distribution_sites,
@@ -28,8 +28,8 @@ from safeinstall.env.environment import (
 from safeinstall.env.uvplan import install as uv_install
 from safeinstall.env.uvplan import prefetch_command, uv_binary
 from safeinstall.errors import PlanError, SafeInstallError
-from safeinstall.run.running import Run
-from safeinstall.run.smokecheck import (
+from safeinstall.run.parts.running import Run
+from safeinstall.run.parts.smokethread import (
     Background,
     Checked,
     Checks,
@@ -61,22 +61,23 @@ def new_tree(run: Run) -> NewTree | None:
     return target_tree(run.scratch) if run.scratch is not None else None
 
 
-def runs_as(env: Environment, context: ExecContext) -> smoke.RunAs | str | None:
-    """Whom the check runs as for a unit (see :mod:`safeinstall.env.smoke`): the environment's account;
+def runs_as(env: Environment, context: ExecContext) -> importcheck.RunAs | str | None:
+    """Whom the check runs as for a unit (see :mod:`safeinstall.env.importcheck`): the environment's account;
     in a root-owned environment, when safeinstall is root, the unit's ``User=`` (None: root, a unit
     without one; a str: why its user cannot be told)."""
     if env.account is not None:
-        return smoke.owner_account(env)
+        return importcheck.owner_account(env)
     if os.geteuid() != 0:
         return None  # the caller's own run (a user's environment): no other account to become
-    return smoke.unit_account(context)
+    return importcheck.unit_account(context)
 
 
-def contexts(run: Run) -> tuple[list[smoke.Context], list[str]]:
+def contexts(run: Run) -> tuple[list[importcheck.Context], list[str]]:
     """One context per distinct way the plan's units run (none: the account with systemd's defaults);
     and the units whose check cannot run as their ``User=`` (why: never run as root instead)."""
     found: dict[
-        tuple[smoke.RunAs | None, tuple[tuple[str, str], ...], str, tuple[str, ...]], smoke.Context
+        tuple[importcheck.RunAs | None, tuple[tuple[str, str], ...], str, tuple[str, ...]],
+        importcheck.Context,
     ] = {}
     skipped: list[str] = []
     judged: dict[tuple[str, int], str | None] = {}
@@ -94,7 +95,7 @@ def contexts(run: Run) -> tuple[list[smoke.Context], list[str]]:
         if isinstance(run_as, str):
             skipped.append(f"{unit.name}: {run_as}")
             continue
-        home = smoke.account_of(run.env)[1] if run_as is None else run_as.home
+        home = importcheck.account_of(run.env)[1] if run_as is None else run_as.home
         # what the child takes of a unit's must be root's or the child's own account's: another could
         # write a working directory, a PYTHONPATH entry, an environment file (the attacker review)
         runner = os.geteuid() if run_as is None else run_as.uid
@@ -106,23 +107,23 @@ def contexts(run: Run) -> tuple[list[smoke.Context], list[str]]:
             return _tree_finding(path, runner, judged)
 
         files = [(path, ignore) for path, ignore in context.environment_files if ours(path)]
-        from_files, notes = smoke.read_environment_files(files, None if run_as is None else run_as.ids)
+        from_files, notes = importcheck.read_environment_files(files, None if run_as is None else run_as.ids)
         notes += [
             f"EnvironmentFile {path} was not read: {who_else_controls(Path(path), runner)}"
             for path, ignore in context.environment_files
             if (path, ignore) not in files
         ]
         given = tuple({**dict(context.environment), **dict(from_files)}.items())
-        entry = smoke.service_entry(context.command)
-        cwd = smoke.working_directory(context.working_directory, home, run.options.user)
+        entry = importcheck.service_entry(context.command)
+        cwd = importcheck.working_directory(context.working_directory, home, run.options.user)
         # a working directory the unit names is on sys.path for the operator's command (``python -c``):
         # its whole tree then (the home a user manager's unit starts in: as the directories above it)
         named = context.working_directory.startswith("/") and cwd != home and run.options.smoke is not None
         cwd_problem = (judge(cwd) if named else _finding(cwd, runner)) if cwd != "/" else None
-        user_site = smoke.user_site(given, home, entry.flags, run.env.version[:2])
+        user_site = importcheck.user_site(given, home, entry.flags, run.env.version[:2])
         site_problem = judge(user_site) if user_site and user_site_enabled(run.env) else None
         if runner == 0:  # never root's child loading what another user controls: refused, said
-            found_here = smoke.others_loaded(given, entry.flags, judge)
+            found_here = importcheck.others_loaded(given, entry.flags, judge)
             found_here += [f"WorkingDirectory={cwd}: {cwd_problem}"] if cwd_problem else []
             found_here += [f"HOME's user site {user_site}: {site_problem}"] if site_problem else []
             if found_here:
@@ -132,7 +133,7 @@ def contexts(run: Run) -> tuple[list[smoke.Context], list[str]]:
                     hint="nothing was stopped; fix the unit (make what it names root's alone, give it "
                     "User=, or run its interpreter with -s), or --no-smoke skips the check",
                 )
-        variables, dropped = smoke.unit_variables(given, lambda path: judge(path) is None)
+        variables, dropped = importcheck.unit_variables(given, lambda path: judge(path) is None)
         if site_problem:
             variables = (*variables, ("PYTHONNOUSERSITE", "1"))
             notes.append(f"{unit.name}: the check runs without the user site {user_site}: {site_problem}")
@@ -145,9 +146,9 @@ def contexts(run: Run) -> tuple[list[smoke.Context], list[str]]:
             notes.append(f"{unit.name}: the check runs in /, not in {cwd}: {cwd_problem}")
             cwd = "/"
         # the same child for the units whose check would see the same environment (docs/reinstall.md)
-        key = (run_as, smoke.seen_variables(variables, entry.flags), cwd, entry.flags)
+        key = (run_as, importcheck.seen_variables(variables, entry.flags), cwd, entry.flags)
         if key not in found:
-            found[key] = smoke.Context(
+            found[key] = importcheck.Context(
                 unit.name, variables, cwd, tuple(notes), run_as, entry.run, entry.scripts, entry.flags
             )
         else:  # one child for the units that run the same way: what each runs first is imported in it
@@ -160,8 +161,8 @@ def contexts(run: Run) -> tuple[list[smoke.Context], list[str]]:
                 also=(*had.also, unit.name),
             )
     if not found and not skipped:
-        cwd = smoke.account_of(run.env)[1] if run.options.user else "/"
-        return [smoke.Context(None, (), cwd, (), smoke.owner_account(run.env))], []
+        cwd = importcheck.account_of(run.env)[1] if run.options.user else "/"
+        return [importcheck.Context(None, (), cwd, (), importcheck.owner_account(run.env))], []
     return list(found.values()), skipped
 
 
@@ -207,7 +208,7 @@ def _let_units_in(run: Run, new: NewTree) -> str | None:
             tree.unlink(UV_LOCK)
     except OSError as exc:
         return f"uv's lock file in the new version's tree could not be removed: {exc}"
-    problem = smoke.others_may_write(new.tree)
+    problem = importcheck.others_may_write(new.tree)
     if problem is not None:
         return f"the new version's tree is not opened to it: {problem}"
     try:
@@ -234,7 +235,7 @@ def prepare(run: Run, new: NewTree) -> Checks:
     found, skipped = contexts(run)
     opened = any(c.run_as is not None and c.run_as.unit_user for c in found)
     python = interpreter_in_prefix(run.env)
-    shim = smoke.write_shim(run.state.dir / f"{SMOKE_PREFIX}{run.run_id}")
+    shim = importcheck.write_shim(run.state.dir / f"{SMOKE_PREFIX}{run.run_id}")
     jobs: list[Job] = []
     try:
         closed = _let_units_in(run, new) if opened else None
@@ -242,12 +243,12 @@ def prepare(run: Run, new: NewTree) -> Checks:
             run_as = context.run_as
             if run_as is not None and run_as.unit_user:
                 reach = [*run.env.site_dirs, *new.sites, shim]
-                problem = closed or smoke.reach_problem(run_as, [python], reach)
+                problem = closed or importcheck.reach_problem(run_as, [python], reach)
                 if problem is not None:
                     skipped.append(f"{context.unit}: {problem}")
                     continue
-            name, home = (run_as.name, run_as.home) if run_as is not None else smoke.account_of(run.env)
-            variables = smoke.child_variables(
+            name, home = (run_as.name, run_as.home) if run_as is not None else importcheck.account_of(run.env)
+            variables = importcheck.child_variables(
                 run.options.environ,
                 (name, home),
                 context.variables,
@@ -417,21 +418,21 @@ def _conclude(run: Run, checks: Checks, checked: Checked) -> str:
     try:
         _keep_old_answers(run, checks, checked.learned)
         for outcome in outcomes:
-            run.log(f"smoke: {smoke.logged(outcome)}")
+            run.log(f"smoke: {importcheck.logged(outcome)}")
         if not all(o.ok for o in outcomes):
             failed = [module for o in outcomes for module, _ in o.failed]
             skip = f"--smoke-skip {failed[0]} leaves out a module you know is bad, " if failed else ""
             raise PlanError(
-                smoke.failure_message(outcomes),
+                importcheck.failure_message(outcomes),
                 hint="nothing was stopped: the running version is untouched; fix the new version "
                 f"(if the check is wrong here: {skip}--no-smoke skips the whole check)",
             )
     finally:
         _undo(run, checks.new, checks.shim, checks.opened)
     for note in (
-        smoke.unavailable_note(outcomes),
-        smoke.excused_note(outcomes),
-        smoke.skipped_note(outcomes),
+        importcheck.unavailable_note(outcomes),
+        importcheck.excused_note(outcomes),
+        importcheck.skipped_note(outcomes),
     ):
         if note is not None:
             run.notes.append(note)
@@ -463,5 +464,5 @@ def _conclude(run: Run, checks: Checks, checked: Checked) -> str:
     return f"{imported} module(s) of the new version imported as {who}{where}{command}{said}{left}"
 
 
-def _who(run: Run, context: smoke.Context) -> str:
-    return smoke.account_of(run.env)[0] if context.run_as is None else context.run_as.name
+def _who(run: Run, context: importcheck.Context) -> str:
+    return importcheck.account_of(run.env)[0] if context.run_as is None else context.run_as.name

@@ -1,6 +1,6 @@
 """One run, once its journal exists: :class:`Run`, the value every step of a run is a function of
-(:mod:`safeinstall.run.reinstall` holds the steps, :mod:`safeinstall.run.rollback` the way back), and the unit
-waits that the steps and the rollback share.
+(:mod:`safeinstall.run.steps.reinstall` holds the steps, :mod:`safeinstall.run.back.rollback` the way back),
+and the unit waits that the steps and the rollback share.
 """
 
 from __future__ import annotations
@@ -16,22 +16,22 @@ from safeinstall.env import inodes
 from safeinstall.env.environment import Environment
 from safeinstall.env.hashing import FileState
 from safeinstall.env.recorded import KeptRecord
-from safeinstall.env.swap import Staged
+from safeinstall.env.renames import Staged
 from safeinstall.env.vouched import Vouched
 from safeinstall.env.wheel import Wheel
 from safeinstall.errors import (
     SafeInstallError,
     StepFailed,
 )
-from safeinstall.run.options import RunOptions
-from safeinstall.run.patches import (
+from safeinstall.run.parts.options import RunOptions
+from safeinstall.run.parts.patches import (
     PatchSet,
 )
-from safeinstall.run.preflight import Prepared
-from safeinstall.run.results import Reporter
-from safeinstall.run.smokecheck import Background
-from safeinstall.run.survey import Survey, systemd_for
-from safeinstall.run.undo import Left
+from safeinstall.run.parts.preflight import Prepared
+from safeinstall.run.parts.results import Reporter
+from safeinstall.run.parts.smokethread import Background
+from safeinstall.run.parts.survey import Survey, systemd_for
+from safeinstall.run.parts.undo import Left
 from safeinstall.scan.plan import Plan
 from safeinstall.store.backup import Backup
 from safeinstall.store.journal import (
@@ -56,7 +56,7 @@ class Run:
     """One run, once its journal exists: the preflight's frozen value (``prepared``: the environment,
     the wheel read once, the distributions found once, the plan, the lock), the run's identity, and
     what the steps record as they go. Each step is a function of its own over it (``*_step`` below),
-    in the order of :func:`safeinstall.run.reinstall.run_reinstall`."""
+    in the order of :func:`safeinstall.run.steps.reinstall.run_reinstall`."""
 
     prepared: Prepared
     reporter: Reporter
@@ -64,7 +64,7 @@ class Run:
     journal: Journal
     notes: list[str]
     #: what the run's document says of it, filled by the steps as they go (docs/json.md); the plan, the
-    #: backup and the notes join it at the end (``safeinstall.run.reinstall._result``)
+    #: backup and the notes join it at the end (``safeinstall.run.steps.reinstall._result``)
     record: RunData = field(default_factory=RunData)
     backup: Backup | None = None  # None until the backup step has saved it
     patches: PatchSet | None = None  # --keep-patches: set by the patches step
@@ -79,10 +79,10 @@ class Run:
     installed_ns: int | None = None  # time.time_ns() once uv's install in the window has exited
     #: set by the verify step: the files verified against the wheel that its RECORD does not describe
     vouched: Vouched | None = None
-    #: set by the prefetch when the run swaps: the verified staging tree and its renames (env/swap.py)
+    #: set by the prefetch when the run swaps: the verified staging tree and its renames (env/renames.py)
     staged: Staged | None = None
     #: set by the verification in place: every installed file as it was observed (kept in the
-    #: verified-inode store after a good run: store/verified.py)
+    #: verified-inode store after a good run: store/inodestore.py)
     in_place: Mapping[str, FileState] = field(default_factory=dict)
     #: set by the verification in place: the RECORDs the run installed, kept after a good run as the
     #: reference a later check holds them to (store/records.py)
@@ -90,7 +90,7 @@ class Run:
     #: set by the prefetch when the run does not swap: its ``--target`` tree, kept for the smoke step
     scratch: Path | None = None
     #: set by the prefetch once the new version's tree is complete: the smoke check running beside the
-    #: rest of it (safeinstall.run.smoke), until the smoke step has its answer or the run ends it
+    #: rest of it (safeinstall.run.steps.smoke), until the smoke step has its answer or the run ends it
     smoke_check: Background | None = None
 
     @cached_property

@@ -1,0 +1,1 @@
+"""The steps of a run, in order, each journalled before it changes anything."""
