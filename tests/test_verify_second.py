@@ -256,10 +256,87 @@ def test_a_walk_from_listings_is_the_walk_of_the_tree_within_the_same_bounds(tmp
     for directory in (top, top / "a", top / "a" / "b"):
         with os.scandir(directory) as entries:
             listings[str(directory)] = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
-    assert sorted(walk_listed(listings, str(top)) or []) == sorted(_walk(str(top)))
-    assert walk_listed({str(top): listings[str(top)]}, str(top)) is None  # a/ not listed: walked
+    seen = {str(d): os.lstat(d) for d in (top, top / "a", top / "a" / "b")}
+    assert sorted(walk_listed(listings, str(top), seen=seen) or []) == sorted(_walk(str(top)))
+    assert walk_listed({str(top): listings[str(top)]}, str(top), seen=seen) is None  # a/ not listed
     with pytest.raises(TreeTooLarge):
-        walk_listed(listings, str(top), [2])
-    chain = {"/t" + "/d" * level: [("d", True)] for level in range(WALK_MAX_DEPTH + 2)}
+        walk_listed(listings, str(top), [2], seen=seen)
+    deep = tmp_path / "deep"
+    os.makedirs(os.path.join(deep, *["d"] * (WALK_MAX_DEPTH + 2)))
+    chain = {str(deep) + "/d" * level: [("d", True)] for level in range(WALK_MAX_DEPTH + 2)}
     with pytest.raises(TreeTooLarge):
-        walk_listed(chain, "/t")
+        walk_listed(chain, str(deep), seen={path: os.lstat(path) for path in chain})
+
+
+def test_an_extra_behind_a_directory_swapped_for_a_link_while_the_steering_walk_lists_is_reported(
+    env: Path, tmp_path: Path
+) -> None:
+    """The owner swaps a package directory for a link to an empty directory outside the environment
+    just as the steering walk lists it, and puts it back just after: the search for extras never takes
+    the decoy's listing for the package's (the walk lists through a descriptor of what it looked at,
+    and a listing stands only for a directory still the one listed), so the planted module is found.
+    Found by the attacker review of issue 46's change (it listed by path, following the link)."""
+    import subprocess
+    import sys
+
+    state, site = tmp_path / "state", _site(env)
+    (site / "zz_steer.pth").write_text("import sipure\n")  # the steering walk lists every directory
+    package = site / "sipure"
+    for n in range(300):
+        (package / f"zz{n:03d}").mkdir()
+        (package / f"zz{n:03d}" / "x.txt").write_text("")
+    target = package / "zz150b"  # listed after zz151 and before zz150 (the walk pops the last)
+    target.mkdir()
+    evil = target / "evil.py"
+    evil.write_text("import os\n")
+    decoy = tmp_path / "decoy"
+    decoy.mkdir()
+    _settle(env)
+    swap = [str(package / "zz151"), str(target), str(decoy), str(tmp_path / "aside"), str(package / "zz150")]
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "tests.bed_swapper", *swap],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+    )
+    try:
+        assert watcher.stdout is not None and watcher.stdout.readline().strip() == "ready"
+        _, doc = _check(env, state)
+    finally:
+        try:
+            said = watcher.communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired:
+            watcher.kill()
+            said = watcher.communicate()[0]
+    assert "swapped" in said and "restored" in said, said  # the owner's swap took place, and was undone
+    assert target.is_dir() and not target.is_symlink() and evil.exists()
+    assert str(evil) in {path for _, path in _drift(doc)}
+
+
+def test_a_listing_stands_only_for_the_directory_still_there_unchanged(tmp_path: Path) -> None:
+    """:func:`walk_listed` takes a listing only while the directory at its path is the one listed: a
+    directory renamed away and back (its change time moves), or one whose entries changed, is walked."""
+    from safeinstall.env.verify import walk_listed
+
+    top = tmp_path / "pkg"
+    (top / "a").mkdir(parents=True)
+    (top / "a" / "y.py").write_text("")
+
+    def listed() -> tuple[dict[str, list[tuple[str, bool]]], dict[str, os.stat_result]]:
+        listings = {}
+        for directory in (top, top / "a"):
+            with os.scandir(directory) as entries:
+                listings[str(directory)] = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+        return listings, {str(d): os.lstat(d) for d in (top, top / "a")}
+
+    listings, seen = listed()
+    assert walk_listed(listings, str(top), seen=seen) == [str(top / "a" / "y.py")]
+    assert walk_listed(listings, str(top)) is None  # nothing seen: nothing stands
+    time.sleep(0.01)
+    os.rename(top / "a", tmp_path / "away")
+    os.rename(tmp_path / "away", top / "a")
+    assert walk_listed(listings, str(top), seen=seen) is None
+    listings, seen = listed()
+    time.sleep(0.01)
+    (top / "a" / "z.py").write_text("")
+    assert walk_listed(listings, str(top), seen=seen) is None

@@ -388,8 +388,13 @@ def _walk_loaded(control: _Control, top: Path, what: str, budget: list[int]) -> 
         said: list[os.DirEntry[str]] = []
         below: list[str] = []
         names: list[tuple[str, bool]] = []  # the listing, for the search for extras (a Walked's)
+        try:  # listed through a descriptor of the very directory looked at, never through a link
+            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
         try:
-            with os.scandir(directory) as listing:
+            same = _same_directory(os.fstat(fd), walked.get(directory) if walked is not None else None)
+            with os.scandir(fd) as listing:
                 count = 0
                 for entry in listing:
                     count += 1
@@ -397,15 +402,17 @@ def _walk_loaded(control: _Control, top: Path, what: str, budget: list[int]) -> 
                         said.append(entry)
                         names.append((entry.name, False))
                     elif entry.is_dir(follow_symlinks=False):
-                        below.append(entry.path)
+                        below.append(f"{directory}/{entry.name}")
                         names.append((entry.name, True))
                     else:
                         names.append((entry.name, False))
-                        if _may_say(control, entry, walked, euids):
+                        if _may_say(control, entry, f"{directory}/{entry.name}", walked, euids):
                             said.append(entry)
         except OSError:
             continue
-        if isinstance(walked, Walked):
+        finally:
+            os.close(fd)
+        if isinstance(walked, Walked) and same:
             walked.listed[directory] = names
         budget[0] -= count
         if budget[0] < 0:
@@ -415,13 +422,13 @@ def _walk_loaded(control: _Control, top: Path, what: str, budget: list[int]) -> 
             return
         for entry in sorted(said, key=_entry_name) if len(said) > 1 else said:
             if entry.is_symlink():
-                path = Path(entry.path)
+                path = Path(directory, entry.name)
                 control.look_up(path, what)
                 target = os.path.realpath(path)
                 if os.path.isdir(target) and not is_within(target, real_top):
                     control.problems.append(f"{path} ({what}) links to the directory {target}, outside it")
             else:
-                control.look(entry.path, what)
+                control.look(f"{directory}/{entry.name}", what)
         todo.extend((path, depth + 1) for path in sorted(below))
 
 
@@ -429,22 +436,35 @@ def _entry_name(entry: os.DirEntry[str]) -> str:
     return entry.name
 
 
+def _same_directory(opened: os.stat_result, looked: os.stat_result | None) -> bool:
+    """Pure: whether a directory opened is the one looked at a moment before (its listing may stand for
+    it in the search for extras: :func:`safeinstall.env.verify.walk_listed`)."""
+    return looked is not None and stat.S_ISDIR(looked.st_mode) and identity(opened) == identity(looked)
+
+
+def identity(info: os.stat_result) -> tuple[int, int, int, int]:
+    """Pure: what moves when a directory is swapped, renamed or its entries change: device, inode,
+    modification and change times."""
+    return (info.st_dev, info.st_ino, info.st_mtime_ns, info.st_ctime_ns)
+
+
 def _may_say(
     control: _Control,
     entry: os.DirEntry[str],
+    path: str,
     walked: dict[str, os.stat_result] | None,
     euids: tuple[int, int],
 ) -> bool:
     """Whether :meth:`_Control.look` could find anything of a file: not when root or ``euid`` (``euids``)
     owns it and neither its group nor others may write it (no ACL entry can either: the group bits are
     the ACL's mask). The walk of a whole site directory (68k files on vLLM) looks at only those;
-    ``walked``: its ``lstat`` kept."""
+    ``walked``: its ``lstat`` kept, by ``path``."""
     try:
         info = entry.stat(follow_symlinks=False)
     except OSError:
         return False
     if walked is not None:
-        walked[entry.path] = info
+        walked[path] = info
     return info.st_uid not in euids or others_may_write(info.st_mode)
 
 

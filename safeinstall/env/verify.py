@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import stat
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -44,7 +45,7 @@ from safeinstall.env.drift import (
     shared_file,
     untouched_since_install,
 )
-from safeinstall.env.environment import Environment, distribution_sites
+from safeinstall.env.environment import Environment, Walked, distribution_sites, identity
 from safeinstall.env.hashing import FileState, Known, cycle_collection_paused, observe_files
 from safeinstall.env.records import built, digest_bytes, encode_digest
 from safeinstall.env.sitetop import Unlisted, look
@@ -364,10 +365,12 @@ def walk_listed(
     root: str,
     budget: list[int] | None = None,
     deadline: float | None = None,
+    *,
+    seen: Mapping[str, os.stat_result] | None = None,
 ) -> list[str] | None:
     """:func:`_walk` of ``root`` from listings taken moments before (``listed``: directory -> its entries,
     each with whether it is a real directory), within the same bounds (:class:`TreeTooLarge`); None
-    when a directory of it was not listed (then it is walked)."""
+    when a directory of it was not listed, or is not now the one listed (``seen``), then it is walked."""
     from safeinstall.system.safefs import WALK_MAX_DEPTH, WALK_MAX_ENTRIES, TreeTooLarge
 
     if root not in listed:
@@ -379,7 +382,7 @@ def walk_listed(
     while todo:
         here, depth = todo.pop()
         names = listed.get(here)
-        if names is None:
+        if names is None or not _still(here, seen):
             return None
         for name, is_dir in names:
             entries += 1
@@ -397,6 +400,21 @@ def walk_listed(
             else:
                 todo.append((path, depth + 1))
     return found
+
+
+def _still(
+    here: str,
+    seen: Mapping[str, os.stat_result] | None,
+) -> bool:
+    """Whether the directory at ``here`` is the one listed: the same inode, its entries and its place
+    unchanged since (a swap of it, or of a directory above it, moves one of them)."""
+    if seen is None or here not in seen:
+        return False
+    try:
+        now = os.lstat(here)
+    except OSError:
+        return False
+    return stat.S_ISDIR(now.st_mode) and identity(now) == identity(seen[here])
 
 
 def _is_symlink(entry: os.DirEntry[str]) -> bool:
@@ -444,7 +462,7 @@ def verify_environment(
     recorded: Callable[[InstalledDistribution, bool], Sequence[Finding]] | None = None,
     install_window: Callable[[InstalledDistribution, int | None], tuple[int, int] | None] | None = None,
     anchored_before: Callable[[InstalledDistribution], bool] | None = None,
-    listings: Mapping[str, Sequence[tuple[str, bool]]] | None = None,
+    listings: Walked | None = None,
 ) -> VerifyReport:
     """Verify the named distributions (or all, with ``names=None``) of ``env``. docs/verify.md.
 
@@ -504,7 +522,11 @@ def verify_environment(
 
     def walk(top: str) -> list[str]:
         try:
-            found = None if listings is None else walk_listed(listings, top, budget, deadline)
+            found = (
+                None
+                if listings is None
+                else walk_listed(listings.listed, top, budget, deadline, seen=listings)
+            )
             return _walk(top, budget, deadline) if found is None else found
         except OSError as exc:  # a bound reached (TreeTooLarge), or a directory that cannot be listed
             stopped[top] = exc.strerror or str(exc)

@@ -110,7 +110,7 @@ def verify_kept(
         recorded=record_check,
         install_window=None if full else install_window,
         anchored_before=lambda dist: anchors is not None and anchor_key(dist) in anchors,  # --full too
-        listings=walked.listed if isinstance(walked, Walked) else None,
+        listings=walked if isinstance(walked, Walked) else None,
     )
     note = keep_anchors(root, env.prefix, anchors, fresh_anchors)
     notes.extend([note] if note else [])
