@@ -441,14 +441,10 @@ class _Held:
 
 @dataclass
 class MainWatch:
-    """Each started unit's main process held by a pidfd, so that a wait after a start need not ask
-    systemd at every poll (issue 43: a ``systemctl show`` every 0.1 s beside the service's own start).
-
-    :meth:`saw` takes what ``systemctl show`` said; :meth:`due` says when to ask it again: at once
-    while a unit's main process is not held by a trusted pidfd or has exited, else every
-    :data:`WATCH_SHOW_S`. A pidfd is trusted only once a show *after* it was taken names the same
-    main process (PID and start): a MainPID once reaped is no longer shown, so the PID the pidfd holds
-    was not reused in between. A pidfd only hastens a show; every verdict is systemd's."""
+    """Each started unit's main process held by a pidfd: :meth:`due` says to ask ``systemctl show`` at
+    once while one is not held by a trusted pidfd or has exited, else every :data:`WATCH_SHOW_S`. A
+    pidfd is trusted once a later show names the same main process (the PID was not reused in
+    between); it only hastens a show, every verdict is systemd's (docs/reinstall.md, restart)."""
 
     held: dict[str, _Held] = field(default_factory=dict)
     shown_at: float | None = None
