@@ -169,9 +169,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "settle-outwaits-a-failure",
         "safeinstall/system/systemd.py",
-        "            if verdict is not None:\n                return SettleOutcome(unit, verdict",
-        '            if verdict is not None and (verdict == "settled" or now - started >= settle_s):\n'
-        "                return SettleOutcome(unit, verdict",
+        "                if verdict is not None:\n                    return SettleOutcome(unit, verdict",
+        '                if verdict is not None and (verdict == "settled" or now - started >= settle_s):\n'
+        "                    return SettleOutcome(unit, verdict",
         (
             "tests/test_systemd.py::test_wait_settled_detects_failure",
             "tests/test_systemd.py::test_wait_settled_detects_automatic_restart",
@@ -652,6 +652,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        if not self.mains.due(self.befores, time.monotonic()):\n            return\n",
         "",
         ("tests/test_service_downtime.py::test_the_wait_for_health_asks_systemd_about_once_a_second",),
+    ),
+    Mutation(
+        "settle-asks-at-every-poll",
+        "safeinstall/system/systemd.py",
+        "            if now >= until or watch.due([unit], now):\n",
+        "            if True:\n",
+        ("tests/test_systemd.py::test_a_settle_asks_systemd_about_once_a_second",),
     ),
     Mutation(
         "health-asked-without-a-pause",

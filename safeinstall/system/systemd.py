@@ -716,37 +716,54 @@ class Systemd:
         last_restarts = before.n_restarts if before is not None else None
         active_since: float | None = None
         blocked = BlockedStop()
+        watch = MainWatch()  # while active: systemd asked once a second, at once when the main process exits
+        try:
+            while True:
+                asked = time.monotonic()
+                info = self.info(unit)
+                watch.saw({unit: info}, asked)
+                now = time.monotonic()
+                if not info.found:
+                    raise SystemdError(f"cannot watch {unit}: no such unit ({self._scope_flag} manager)")
+                verdict: SettleVerdict | None = None
+                reason: str | None = None
+                state = info.active_state
+                wrong = gone_wrong(unit, info, last_restarts, seen)
+                if wrong is not None:
+                    verdict, reason = wrong
+                elif state == "active":
+                    seen = main_process(info)
+                    active_since = now if active_since is None else active_since
+                    verdict = "settled" if now - active_since >= settle_s else None
+                else:  # activating, reloading, or a job still queued (a start behind a stop that is running)
+                    active_since = None
+                    if state == "deactivating" and info.control_group:  # the start waits on that stop
+                        pids = self.pids_in_cgroup(info.control_group)
+                        reason = blocked.look(unit, self._scope_flag, pids, info.timeout_stop_s, now)
+                        verdict = "failed" if reason is not None else None
+                if verdict is None and active_since is None and now >= deadline:
+                    verdict = "activating"
+                    reason = f"{unit} is still {state} ({info.sub_state}) after {timeout_s:g}s"
+                last_restarts = info.n_restarts
+                if verdict is not None:
+                    return SettleOutcome(unit, verdict, info, time.monotonic() - started, reason)
+                until = active_since + settle_s if active_since is not None else now
+                if self._pause(watch, unit, until, cancel):
+                    return SettleOutcome(unit, "interrupted", info, time.monotonic() - started, "interrupted")
+        finally:
+            watch.close()
+
+    def _pause(self, watch: MainWatch, unit: str, until: float, cancel: threading.Event | None) -> bool:
+        """Between two looks at a started unit: ``poll_s`` at least, then until ``until`` (the settle's
+        end) or until ``watch`` says to ask systemd again; True when ``cancel`` was set."""
         while True:
-            info = self.info(unit)
-            now = time.monotonic()
-            if not info.found:
-                raise SystemdError(f"cannot watch {unit}: no such unit ({self._scope_flag} manager)")
-            verdict: SettleVerdict | None = None
-            reason: str | None = None
-            state = info.active_state
-            wrong = gone_wrong(unit, info, last_restarts, seen)
-            if wrong is not None:
-                verdict, reason = wrong
-            elif state == "active":
-                seen = main_process(info)
-                active_since = now if active_since is None else active_since
-                verdict = "settled" if now - active_since >= settle_s else None
-            else:  # activating, reloading, or a job still queued (a start behind a stop that is running)
-                active_since = None
-                if state == "deactivating" and info.control_group:  # the start waits on that stop
-                    pids = self.pids_in_cgroup(info.control_group)
-                    reason = blocked.look(unit, self._scope_flag, pids, info.timeout_stop_s, now)
-                    verdict = "failed" if reason is not None else None
-            if verdict is None and active_since is None and now >= deadline:
-                verdict = "activating"
-                reason = f"{unit} is still {state} ({info.sub_state}) after {timeout_s:g}s"
-            last_restarts = info.n_restarts
-            if verdict is not None:
-                return SettleOutcome(unit, verdict, info, time.monotonic() - started, reason)
             if cancel is None:
                 time.sleep(self.poll_s)
             elif cancel.wait(self.poll_s):
-                return SettleOutcome(unit, "interrupted", info, time.monotonic() - started, "interrupted")
+                return True
+            now = time.monotonic()
+            if now >= until or watch.due([unit], now):
+                return False
 
     # ---- drop-ins
 
