@@ -169,9 +169,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "settle-outwaits-a-failure",
         "safeinstall/system/systemd.py",
-        "            if verdict is not None:\n                return SettleOutcome(unit, verdict",
-        '            if verdict is not None and (verdict == "settled" or now - started >= settle_s):\n'
-        "                return SettleOutcome(unit, verdict",
+        "                if verdict is not None:\n                    return SettleOutcome(unit, verdict",
+        '                if verdict is not None and (verdict == "settled" or now - started >= settle_s):\n'
+        "                    return SettleOutcome(unit, verdict",
         (
             "tests/test_systemd.py::test_wait_settled_detects_failure",
             "tests/test_systemd.py::test_wait_settled_detects_automatic_restart",
@@ -624,6 +624,41 @@ MUTATIONS: tuple[Mutation, ...] = (
         "PAUSE_S = 0.1  #",
         "PAUSE_S = 0.5  #",
         (f"{PROMISES_45}::test_the_health_url_is_asked_every_tenth_of_a_second_never_more_often",),
+    ),
+    Mutation(
+        "main-pidfd-trusted-at-once",
+        "safeinstall/system/systemd.py",
+        "    trusted: bool = False  #",
+        "    trusted: bool = True  #",
+        ("tests/test_systemd.py::test_a_main_process_held_by_its_pidfd_is_asked_about_once_a_second",),
+    ),
+    Mutation(
+        "main-pidfd-exit-unseen",
+        "safeinstall/system/systemd.py",
+        "            if held is None or not held.trusted or process_exited(held.pidfd):\n",
+        "            if held is None or not held.trusted:\n",
+        ("tests/test_systemd.py::test_a_main_process_held_by_its_pidfd_is_asked_about_once_a_second",),
+    ),
+    Mutation(
+        "main-pidfd-any-cgroup",
+        "safeinstall/system/systemd.py",
+        "    if inside and not process_exited(pidfd):",
+        "    if not process_exited(pidfd):",
+        ("tests/test_systemd.py::test_a_main_process_is_held_only_in_its_units_cgroup_and_as_shown",),
+    ),
+    Mutation(
+        "start-watch-asks-at-every-poll",
+        "safeinstall/run/parts/units.py",
+        "        if not self.mains.due(self.befores, time.monotonic()):\n            return\n",
+        "",
+        ("tests/test_service_downtime.py::test_the_wait_for_health_asks_systemd_about_once_a_second",),
+    ),
+    Mutation(
+        "settle-asks-at-every-poll",
+        "safeinstall/system/systemd.py",
+        "            if now >= until or watch.due([unit], now):\n",
+        "            if True:\n",
+        ("tests/test_systemd.py::test_a_settle_asks_systemd_about_once_a_second",),
     ),
     Mutation(
         "health-asked-without-a-pause",

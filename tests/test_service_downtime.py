@@ -5,6 +5,8 @@ loopback, opened only a while after its import (as a model server loads before i
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 from safeinstall.run.parts.results import service_downtime_s
@@ -100,3 +102,48 @@ def test_service_downtime_is_from_the_first_unit_down() -> None:
     assert service_downtime_s({"a.service": 10.0, "b.service": 12.5}, 20.0) == 10.0
     assert service_downtime_s({"a.service": 10.0}, None) is None
     assert service_downtime_s({}, 20.0) is None
+
+
+#: Seconds the new version loads before it listens, in the test below: the wait it asks systemd in.
+QUIET_LOADING_S = 3.0
+
+
+def test_the_wait_for_health_asks_systemd_about_once_a_second(bed: Bed, tmp_path: Path) -> None:
+    """Issue 43, item 5 at little cost: while the health URL is polled (every 0.1 s), the unit is watched
+    by its main process's pidfd, and ``systemctl show`` (a process, and D-Bus work in the manager, beside
+    the service's own start on a few CPUs) is asked about once a second, not at every poll. Counted by a
+    ``systemctl`` on ``PATH`` that logs each call's time, over the seconds the new version loads."""
+    server, port = health_server(tmp_path)
+    started_at = tmp_path / "loading-since"
+    loading = tmp_path / "loading_server.py"
+    loading.write_text(
+        "import pathlib, runpy, time, sicext\n"
+        'if sicext.version() == "2.0":\n'
+        f"    pathlib.Path({str(started_at)!r}).write_text(repr(time.time()))\n"
+        f"    time.sleep({QUIET_LOADING_S})\n"
+        f"runpy.run_path({str(server)!r}, run_name='__main__')\n"
+    )
+    calls = tmp_path / "systemctl-calls"
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    real = shutil.which("systemctl")
+    assert real is not None
+    (shim / "systemctl").write_text(f'#!/bin/sh\necho "$(date +%s.%N) $*" >> {calls}\nexec {real} "$@"\n')
+    (shim / "systemctl").chmod(0o755)
+    name = bed.units.started("loading", f"{bed.python} {loading} {port}")
+    wait_until(lambda: maps_so(bed.manager.main_pid(name)) is not None, 15, "server maps the .so")
+    url = f"http://127.0.0.1:{port}/health"
+    path = f"{shim}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}"
+    args = ("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0", "--health-url", url)
+    done = bed.safeinstall(*args, "--json", more_env={"PATH": path})
+    assert done.code == 0, done.stdout + done.stderr
+    since = float(started_at.read_text())
+    shows = [
+        float(line.split(" ", 1)[0])
+        for line in calls.read_text().splitlines()
+        if " show " in line and "ActiveState" in line
+    ]
+    during = [at for at in shows if since <= at <= since + QUIET_LOADING_S]
+    # about one a second (the fallback), and one or two to trust the main process's pidfd; at every
+    # poll it was 20 to 30 in these 3 s
+    assert len(during) <= QUIET_LOADING_S + 3, (len(during), len(shows))

@@ -10,6 +10,7 @@ import contextlib
 import math
 import os
 import re
+import select
 import shlex
 import subprocess
 import threading
@@ -21,7 +22,7 @@ from typing import Literal
 
 from safeinstall.errors import SystemdError
 from safeinstall.system import children
-from safeinstall.system.cgroups import valid_unit_name
+from safeinstall.system.cgroups import parse_proc_cgroup, valid_unit_name
 from safeinstall.system.identity import ProcessId, read_stat
 
 #: Properties :meth:`Systemd.show` asks for, in one ``systemctl show`` call.
@@ -395,6 +396,93 @@ def gone_wrong(
     return None
 
 
+# ------------------------------------------------------------------------------ a started unit's watch
+
+#: While a started unit's main process is watched by a pidfd, how often ``systemctl show`` is asked
+#: all the same (a failure the main process does not show: a start timeout, an ``ExecStartPost=``).
+WATCH_SHOW_S = 1.0
+
+
+def open_main_pidfd(pid: int, control_group: str | None, proc: Path = Path("/proc")) -> int | None:
+    """A pidfd of ``pid`` where it is a process of ``control_group`` (or below) and was so while the
+    pidfd held it; None otherwise (no such process, another cgroup, a kernel without pidfds). The
+    caller closes it; it proves nothing of MainPID by itself (see :class:`MainWatch`)."""
+    if control_group is None or not hasattr(os, "pidfd_open"):
+        return None
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return None
+    try:
+        path = parse_proc_cgroup((proc / str(pid) / "cgroup").read_text())
+    except OSError:
+        path = None
+    group = control_group.rstrip("/")
+    inside = path is not None and (path == group or path.startswith(group + "/"))
+    if inside and not process_exited(pidfd):  # still the process the pidfd holds: the read was of it
+        return pidfd
+    os.close(pidfd)
+    return None
+
+
+def process_exited(pidfd: int) -> bool:
+    """Whether the process of ``pidfd`` has exited (the pidfd is readable then), without waiting."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+@dataclass
+class _Held:
+    process: MainProcess  # as systemd showed it when the pidfd was taken
+    pidfd: int
+    trusted: bool = False  # a later show named the same main process: the pidfd is of it
+
+
+@dataclass
+class MainWatch:
+    """Each started unit's main process held by a pidfd: :meth:`due` says to ask ``systemctl show`` at
+    once while one is not held by a trusted pidfd or has exited, else every :data:`WATCH_SHOW_S`. A
+    pidfd is trusted once a later show names the same main process (the PID was not reused in
+    between); it only hastens a show, every verdict is systemd's (docs/reinstall.md, restart)."""
+
+    held: dict[str, _Held] = field(default_factory=dict)
+    shown_at: float | None = None
+
+    def saw(self, infos: Mapping[str, UnitInfo], at: float) -> None:
+        """What a show (asked at ``at``, monotonic s) said of each unit."""
+        self.shown_at = at
+        for unit, info in infos.items():
+            process, held = main_process(info), self.held.get(unit)
+            if held is not None and held.process == process:
+                held.trusted = True
+                continue
+            self._drop(unit)
+            if info.main_pid is not None and info.active_state in ("active", "activating", "reloading"):
+                pidfd = open_main_pidfd(info.main_pid, info.control_group)
+                if pidfd is not None:
+                    self.held[unit] = _Held(process, pidfd)
+
+    def due(self, units: Iterable[str], now: float) -> bool:
+        """Whether to ask systemd about ``units`` now (``now``: monotonic s)."""
+        if self.shown_at is None or now - self.shown_at >= WATCH_SHOW_S:
+            return True
+        for unit in units:
+            held = self.held.get(unit)
+            if held is None or not held.trusted or process_exited(held.pidfd):
+                return True
+        return False
+
+    def _drop(self, unit: str) -> None:
+        held = self.held.pop(unit, None)
+        if held is not None:
+            os.close(held.pidfd)
+
+    def close(self) -> None:
+        for unit in list(self.held):
+            self._drop(unit)
+
+
 # --------------------------------------------------------------------------------------- the manager
 
 
@@ -628,37 +716,54 @@ class Systemd:
         last_restarts = before.n_restarts if before is not None else None
         active_since: float | None = None
         blocked = BlockedStop()
+        watch = MainWatch()  # while active: systemd asked once a second, at once when the main process exits
+        try:
+            while True:
+                asked = time.monotonic()
+                info = self.info(unit)
+                watch.saw({unit: info}, asked)
+                now = time.monotonic()
+                if not info.found:
+                    raise SystemdError(f"cannot watch {unit}: no such unit ({self._scope_flag} manager)")
+                verdict: SettleVerdict | None = None
+                reason: str | None = None
+                state = info.active_state
+                wrong = gone_wrong(unit, info, last_restarts, seen)
+                if wrong is not None:
+                    verdict, reason = wrong
+                elif state == "active":
+                    seen = main_process(info)
+                    active_since = now if active_since is None else active_since
+                    verdict = "settled" if now - active_since >= settle_s else None
+                else:  # activating, reloading, or a job still queued (a start behind a stop that is running)
+                    active_since = None
+                    if state == "deactivating" and info.control_group:  # the start waits on that stop
+                        pids = self.pids_in_cgroup(info.control_group)
+                        reason = blocked.look(unit, self._scope_flag, pids, info.timeout_stop_s, now)
+                        verdict = "failed" if reason is not None else None
+                if verdict is None and active_since is None and now >= deadline:
+                    verdict = "activating"
+                    reason = f"{unit} is still {state} ({info.sub_state}) after {timeout_s:g}s"
+                last_restarts = info.n_restarts
+                if verdict is not None:
+                    return SettleOutcome(unit, verdict, info, time.monotonic() - started, reason)
+                until = active_since + settle_s if active_since is not None else now
+                if self._pause(watch, unit, until, cancel):
+                    return SettleOutcome(unit, "interrupted", info, time.monotonic() - started, "interrupted")
+        finally:
+            watch.close()
+
+    def _pause(self, watch: MainWatch, unit: str, until: float, cancel: threading.Event | None) -> bool:
+        """Between two looks at a started unit: ``poll_s`` at least, then until ``until`` (the settle's
+        end) or until ``watch`` says to ask systemd again; True when ``cancel`` was set."""
         while True:
-            info = self.info(unit)
-            now = time.monotonic()
-            if not info.found:
-                raise SystemdError(f"cannot watch {unit}: no such unit ({self._scope_flag} manager)")
-            verdict: SettleVerdict | None = None
-            reason: str | None = None
-            state = info.active_state
-            wrong = gone_wrong(unit, info, last_restarts, seen)
-            if wrong is not None:
-                verdict, reason = wrong
-            elif state == "active":
-                seen = main_process(info)
-                active_since = now if active_since is None else active_since
-                verdict = "settled" if now - active_since >= settle_s else None
-            else:  # activating, reloading, or a job still queued (a start behind a stop that is running)
-                active_since = None
-                if state == "deactivating" and info.control_group:  # the start waits on that stop
-                    pids = self.pids_in_cgroup(info.control_group)
-                    reason = blocked.look(unit, self._scope_flag, pids, info.timeout_stop_s, now)
-                    verdict = "failed" if reason is not None else None
-            if verdict is None and active_since is None and now >= deadline:
-                verdict = "activating"
-                reason = f"{unit} is still {state} ({info.sub_state}) after {timeout_s:g}s"
-            last_restarts = info.n_restarts
-            if verdict is not None:
-                return SettleOutcome(unit, verdict, info, time.monotonic() - started, reason)
             if cancel is None:
                 time.sleep(self.poll_s)
             elif cancel.wait(self.poll_s):
-                return SettleOutcome(unit, "interrupted", info, time.monotonic() - started, "interrupted")
+                return True
+            now = time.monotonic()
+            if now >= until or watch.due([unit], now):
+                return False
 
     # ---- drop-ins
 

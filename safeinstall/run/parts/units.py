@@ -18,6 +18,7 @@ from safeinstall.store.journal import JournalUnit
 from safeinstall.system.signals import held_while_threads_start
 from safeinstall.system.systemd import (
     MainProcess,
+    MainWatch,
     SettleOutcome,
     StopOutcome,
     Systemd,
@@ -169,9 +170,16 @@ class StartWatch:
     befores: Mapping[str, UnitInfo]
     restarts: dict[str, int | None] = field(default_factory=dict)
     seen: dict[str, MainProcess] = field(default_factory=dict)
+    #: each unit's main process by its pidfd: systemd asked at every call only while one is not held
+    #: or has exited, else once a second (a ``systemctl show`` beside the service's own start)
+    mains: MainWatch = field(default_factory=MainWatch)
 
     def __call__(self) -> None:
+        if not self.mains.due(self.befores, time.monotonic()):
+            return
+        asked_at = time.monotonic()
         infos = self.run.systemd.show(list(self.befores))
+        self.mains.saw(infos, asked_at)
         wrong: list[str] = []
         for unit, info in infos.items():
             before = self.befores.get(unit)
@@ -184,6 +192,10 @@ class StartWatch:
                 self.seen[unit] = main_process(info)
         if wrong:
             raise _start_failed(self.run, wrong, list(self.befores))
+
+    def close(self) -> None:
+        """Let go of the pidfds."""
+        self.mains.close()
 
 
 def _start_failed(run: Run, reasons: list[str], units: list[str]) -> StepFailed:

@@ -777,7 +777,10 @@ def restart_step(run: Run) -> str:
         def on_poll(waited: float, last: str) -> None:
             run.reporter.progress(f"waiting for {said} to answer 200 (last: {last})", waited, timeout, "s")
 
-        healthy_at = wait_healthy(url, timeout, on_poll, check=watch)
+        try:
+            healthy_at = wait_healthy(url, timeout, on_poll, check=watch)
+        finally:
+            watch.close()
         run.record = replace(run.record, service_downtime_s=service_downtime_s(run.down_since, healthy_at))
     detail = settle_units(run, units, run.options.settle, befores, watch.seen)  # then stays up that long
     for journalled in run.journal.units:
