@@ -179,3 +179,14 @@ def test_deepest_user_manager_wins() -> None:
 )
 def test_unescape_component(component: str, expected: str) -> None:
     assert unescape_component(component) == expected
+
+
+def test_a_cgroup_name_holding_a_line_separator_is_one_line() -> None:
+    """The kernel ends each line with "\\n" only: a cgroup any user may name (its own subtree) holding
+    U+2028 or \\x1e is not split into a forged second line that places the process in another unit."""
+    forged = "0::/user.slice/user-1000.slice/x\u20280::/system.slice/victim.service\n"
+    assert parse_proc_cgroup(forged) == "/user.slice/user-1000.slice/x\u20280::/system.slice/victim.service"
+    assert (
+        parse_proc_cgroup("0::/a\x1e0::/system.slice/victim.service\n")
+        == "/a\x1e0::/system.slice/victim.service"
+    )

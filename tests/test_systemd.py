@@ -651,3 +651,68 @@ def test_a_main_process_is_held_only_in_its_units_cgroup_and_as_shown() -> None:
             assert watch.held["app.service"].process == (child.pid, 6)
         finally:
             watch.close()
+
+
+def _unified() -> Path:
+    hybrid = Path("/sys/fs/cgroup/unified")
+    return hybrid if (hybrid / "cgroup.procs").exists() else Path("/sys/fs/cgroup")
+
+
+def test_a_main_process_in_a_cgroup_named_by_any_bytes_is_watched_without_a_crash_or_a_leak(
+    user_manager: UserManager, units: Units, tmp_path: Path
+) -> None:
+    """A service names its own cgroups (every --user unit, Delegate=yes): its main process moved into a
+    sub-cgroup named b'x\\xff' settles as any other, and no pidfd is left open (the cgroup file was
+    read as UTF-8 and raised out of the run's, the rollback's and --recover's waits; attacker review)."""
+    script = tmp_path / "main.sh"
+    script.write_text(
+        'p=$(sed -n "s/^0:://p" /proc/self/cgroup)\n'
+        f'd=$(printf "{_unified()}%s/x\\377" "$p")\n'
+        'mkdir "$d" && echo $$ > "$d/cgroup.procs"\nexec sleep 1000\n'
+    )
+    name = units.service("nonutf8", f"/bin/sh {script}")
+    systemd = Systemd(user=True, environ=user_manager.env)
+    before = systemd.info(name)
+
+    def pidfds() -> int:
+        links = []
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
+                links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return sum("pidfd" in link for link in links)
+
+    held = pidfds()
+    systemd.start(name)
+    try:
+        assert systemd.wait_settled(name, settle_s=1, timeout_s=20, before=before).ok
+        assert pidfds() == held
+    finally:
+        systemd.systemctl("stop", "--", name)
+
+
+def test_units_started_together_each_wait_as_long_as_the_longest_start(
+    user_manager: UserManager, units: Units
+) -> None:
+    """B is ordered After=A; A starts slowly within its own TimeoutStartSec, B's own is short. Started
+    together (a run's restart, its rollback, --recover), B's wait is counted from the enqueue while its
+    job waits behind A: each unit is allowed the longest start of them (B gave up while A still loaded,
+    and --recover put back a good version; attacker review)."""
+    from safeinstall.run.parts.units import start_journalled
+    from safeinstall.store.journal import JournalUnit
+
+    slow = units.service("slow", "/bin/sleep 33", Type="oneshot", RemainAfterExit="yes", TimeoutStartSec="60")
+    after = units.create(
+        "after", f"[Unit]\nAfter={slow}\n[Service]\nExecStart=/bin/sleep 1000\nTimeoutStartSec=1\n"
+    )
+    journal = [
+        JournalUnit(slow, True, True, "static", stopped=True),
+        JournalUnit(after, True, True, "static", stopped=True),
+    ]
+    systemd = Systemd(user=True, environ=user_manager.env)
+    assert start_wait_s(systemd.info(after)) == 31.0
+    try:
+        start_journalled(journal, user_manager.env, settle=0)
+        assert systemd.info(after).active_state == "active"
+    finally:
+        for name in (after, slow):
+            systemd.systemctl("stop", "--", name)

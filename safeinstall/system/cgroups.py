@@ -45,8 +45,8 @@ def parse_proc_cgroup(text: str) -> str | None:
     """
     unified: str | None = None
     named: str | None = None
-    for line in text.splitlines():
-        parts = line.strip().split(":", 2)
+    for line in text.split("\n"):  # the kernel's own separator only: a cgroup name may hold U+2028
+        parts = line.split(":", 2)
         if len(parts) != 3:
             continue
         hierarchy, controllers, path = parts

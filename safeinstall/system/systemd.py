@@ -413,16 +413,20 @@ def open_main_pidfd(pid: int, control_group: str | None, proc: Path = Path("/pro
         pidfd = os.pidfd_open(pid)
     except OSError:
         return None
-    try:
-        path = parse_proc_cgroup((proc / str(pid) / "cgroup").read_text())
-    except OSError:
-        path = None
-    group = control_group.rstrip("/")
-    inside = path is not None and (path == group or path.startswith(group + "/"))
-    if inside and not process_exited(pidfd):  # still the process the pidfd holds: the read was of it
-        return pidfd
-    os.close(pidfd)
-    return None
+    keep = False
+    try:  # the service names its own cgroups (a delegated subtree): any bytes, never a crash
+        try:
+            raw = (proc / str(pid) / "cgroup").read_bytes()
+        except OSError:
+            raw = b""
+        path = parse_proc_cgroup(raw.decode("utf-8", "surrogateescape"))
+        group = control_group.rstrip("/")
+        inside = path is not None and (path == group or path.startswith(group + "/"))
+        keep = inside and not process_exited(pidfd)  # still the process the pidfd holds: the read was of it
+    finally:
+        if not keep:
+            os.close(pidfd)
+    return pidfd if keep else None
 
 
 def process_exited(pidfd: int) -> bool:

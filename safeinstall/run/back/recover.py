@@ -339,7 +339,10 @@ def recover_one(
             remove_dead_temps(state)
         except JournalError:
             raise  # refused before anything was done: exit 2, as for any refusal
-        except SafeInstallError as exc:
+        except Exception as caught:  # whatever failed, the journal and the backup are kept and said
+            failure = (
+                caught if isinstance(caught, SafeInstallError) else SafeInstallError(_unexpected(caught))
+            )
             if restarted_new_version(journal):  # the best attempt: the units run on what is there
                 _start_best_effort(units_to_start(journal), environ, settle)
             commands = [
@@ -348,11 +351,16 @@ def recover_one(
             ]
             raise RollbackFailed(
                 f"recovering the run {journal.run_id} ({journal.package} in {journal.prefix}, died in phase "
-                f"{phase}) failed: {exc.message}",
+                f"{phase}) failed: {failure.message}",
                 hint="the journal and the backup are kept; fix the cause and run safeinstall --recover again"
                 + (f"; units to start: {'; '.join(commands)}" if commands else ""),
-            ) from exc
+            ) from caught
         return recovery(done)
+
+
+def _unexpected(exc: Exception) -> str:
+    """Pure: what an unexpected failure of a put-back says (its type and message)."""
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _restore_of(journal: Journal, state: EnvironmentState) -> tuple[Environment, Backup]:

@@ -110,6 +110,8 @@ def wait_settled(
     ``settle`` s, or gives up; each one's outcome."""
     seen = seen or {}
     cancel = threading.Event()
+    # started together, each may wait on another's start (After=): each is allowed the longest start
+    allowance = max((start_wait_s(befores.get(u)) for u in units), default=0.0)
     with ThreadPoolExecutor(max_workers=len(units)) as pool:
         with held_while_threads_start():
             futures = {
@@ -117,7 +119,7 @@ def wait_settled(
                     systemd.wait_settled,
                     u,
                     settle,
-                    start_wait_s(befores.get(u)),
+                    allowance,
                     before=befores.get(u),
                     cancel=cancel,
                     seen=seen.get(u),
@@ -129,7 +131,7 @@ def wait_settled(
                 progress,
                 futures,
                 f"{settle:g} s active",
-                settle + max(start_wait_s(befores.get(u)) for u in units),
+                settle + allowance,
                 total=settle,  # the settle time, not the start's allowance (issue 37: "0 s of 122 s")
             )
             return {u: f.result() for u, f in futures.items()}
