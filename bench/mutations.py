@@ -642,8 +642,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "main-pidfd-any-cgroup",
         "safeinstall/system/systemd.py",
-        "    if inside and not process_exited(pidfd):",
-        "    if not process_exited(pidfd):",
+        "        keep = inside and not process_exited(pidfd)",
+        "        keep = not process_exited(pidfd)",
         ("tests/test_systemd.py::test_a_main_process_is_held_only_in_its_units_cgroup_and_as_shown",),
     ),
     Mutation(

@@ -7,7 +7,6 @@ import hashlib
 import os
 import shutil
 import subprocess
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -361,26 +360,9 @@ def test_version_mismatch_against_other_wheel(env: Path, wheels: Wheelhouse) -> 
     assert wrong.code == 2 and "is for sicext, not sipure" in wrong.stderr
 
 
-def _rewrite_record_hash(wheel: Path, out: Path, member: str) -> Path:
-    """A copy of ``wheel`` whose RECORD lies about one member (the wheel's fault, as in uv #11723)."""
-    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(out, "w") as dst:
-        for info in src.infolist():
-            data = src.read(info)
-            if info.filename.endswith(".dist-info/RECORD"):
-                lines = []
-                for line in data.decode().splitlines():
-                    if line.startswith(member + ","):
-                        fake = base64.urlsafe_b64encode(hashlib.sha256(b"x").digest()).rstrip(b"=").decode()
-                        line = f"{member},sha256={fake},{line.rsplit(',', 1)[1]}"
-                    lines.append(line)
-                data = ("\n".join(lines) + "\n").encode()
-            dst.writestr(info, data)
-    return out
-
-
 def test_broken_wheel_record_is_the_wheels_fault(env: Path, wheels: Wheelhouse, tmp_path: Path) -> None:
     (tmp_path / "w").mkdir()
-    broken = _rewrite_record_hash(
+    broken = wheelhouse.rewrite_record_hash(
         wheels["sipure-1"], tmp_path / "w" / wheels["sipure-1"].name, "sipure/cli.py"
     )
     result = run("sipure", "--verify-only", "--python", str(env), "--wheel", str(broken), "--json")
@@ -564,8 +546,6 @@ def test_a_record_the_owner_writes_cannot_hide_a_tampered_file_from_the_wheel(
     """The second review's finding: with ``--wheel`` the wheel is the baseline; a RECORD written into
     site-packages (a fake ``.dist-info`` listing the tampered file with its own hash) made the file
     ``shared``, exit 0, "OK". An installed RECORD never overrules the wheel: it stays ``modified``."""
-    import base64
-    import hashlib
 
     out = tmp_path / "w"
     out.mkdir()
@@ -623,7 +603,7 @@ def test_a_file_whose_wheel_lied_in_its_record_is_a_wheel_fault(
     the file was never changed since (its ctime no newer than its RECORD's): ``wheel-fault``, exit 5,
     not drift, saying how to settle it; with the wheel it is wheel-record (issue 46 item 4)."""
     (tmp_path / "w").mkdir()
-    broken = _rewrite_record_hash(
+    broken = wheelhouse.rewrite_record_hash(
         wheels["sipure-1"], tmp_path / "w" / wheels["sipure-1"].name, "sipure/cli.py"
     )
     wheelhouse.uv_install(venv, broken)
@@ -662,7 +642,7 @@ def test_a_wheel_fault_acknowledged_is_quiet_until_its_file_changes(
     file's identity and sha256): exit 0 after, still listed as acknowledged; a change to the file (its
     content, or the same size with its mtime set back) is drift again, never the wheel's fault."""
     (tmp_path / "w").mkdir()
-    broken = _rewrite_record_hash(
+    broken = wheelhouse.rewrite_record_hash(
         wheels["sipure-1"], tmp_path / "w" / wheels["sipure-1"].name, "sipure/cli.py"
     )
     wheelhouse.uv_install(venv, broken)
@@ -752,7 +732,7 @@ def test_a_fresh_install_that_differs_from_its_record_fails_a_runs_verification(
     from safeinstall.run.parts.staging import INSTALL_FAILURES
 
     (tmp_path / "w").mkdir()
-    broken = _rewrite_record_hash(
+    broken = wheelhouse.rewrite_record_hash(
         wheels["sipure-1"], tmp_path / "w" / wheels["sipure-1"].name, "sipure/cli.py"
     )
     wheelhouse.uv_install(venv, broken)

@@ -18,7 +18,6 @@ from safeinstall.env.inodetrust import GRANULARITY_NS
 from safeinstall.store.state import environment_state
 from tests import wheelhouse
 from tests.clirun import run
-from tests.test_verify import _rewrite_record_hash
 from tests.wheelhouse import Wheelhouse
 
 
@@ -123,8 +122,12 @@ def test_acknowledge_wheel_faults_with_all_acknowledges_every_distributions_at_o
     --acknowledge-wheel-faults`` quiets both (exit 0), and the hint says so."""
     (tmp_path / "w").mkdir()
     broken = [
-        _rewrite_record_hash(wheels["sipure-1"], tmp_path / "w" / wheels["sipure-1"].name, "sipure/cli.py"),
-        _rewrite_record_hash(wheels["sins-a"], tmp_path / "w" / wheels["sins-a"].name, "sins/a/__init__.py"),
+        wheelhouse.rewrite_record_hash(
+            wheels["sipure-1"], tmp_path / "w" / wheels["sipure-1"].name, "sipure/cli.py"
+        ),
+        wheelhouse.rewrite_record_hash(
+            wheels["sins-a"], tmp_path / "w" / wheels["sins-a"].name, "sins/a/__init__.py"
+        ),
     ]
     wheelhouse.uv_install(venv, *broken)
     state = tmp_path / "state"
@@ -185,7 +188,7 @@ def test_a_restored_record_meets_the_anchor_it_had_before_the_run(
     from safeinstall.store.backup import create_backup, restore_backup
 
     (tmp_path / "w").mkdir()
-    wheel = _rewrite_record_hash(
+    wheel = wheelhouse.rewrite_record_hash(
         wheels["sipure-1"], tmp_path / "w" / wheels["sipure-1"].name, "sipure/cli.py"
     )
     wheelhouse.uv_install(venv, wheel)
