@@ -859,12 +859,15 @@ def render_patches(
         out.print(f"carried patch set saved as {literal(patch_file)}", soft_wrap=True)
 
 
-def render_recoveries(out: Console, recoveries: list[Recovery]) -> None:
+def render_recoveries(out: Console, recoveries: list[Recovery], failed: bool = False) -> None:
+    """What ``--recover`` did, on stdout; ``failed``: it could not recover an environment (said on
+    stderr), so "nothing to recover" is not said."""
     for r in recoveries:  # a live run's environment: said, not recovered
         if r.busy:
             out.print(literal(f"not recovered: {r.prefix}: " + "; ".join(r.notes)))
     if not any(r.run_id for r in recoveries):
-        out.print("nothing to recover")
+        if not failed:
+            out.print("nothing to recover")
         return
     for r in recoveries:
         if r.run_id is None:
