@@ -189,7 +189,8 @@ def test_recover_over_all_environments_says_a_live_run_and_exits_for_what_it_rec
 
             result = run("--user", "--recover", "--json", env=bed.environ(), timeout=240)
             plain = run("--user", "--recover", env=bed.environ(), timeout=240)
-            other.nvml.unhold(holder)  # the live run was live through both: now it goes on
+            asked = run("--user", "--recover", "--python", str(other_python), env=bed.environ(), timeout=240)
+            other.nvml.unhold(holder)  # the live run was live through them all: now it goes on
 
             assert result.code == 0, result.stdout + result.stderr
             recoveries = result.json["data"]["recoveries"]
@@ -198,6 +199,11 @@ def test_recover_over_all_environments_says_a_live_run_and_exits_for_what_it_rec
             assert busy["prefix"] == str(other_python.parent.parent) and "holds the lock" in busy["notes"][0]
             assert result.json["errors"] == [], result.json
             assert plain.code == 0 and "not recovered: " in plain.stdout, plain.stdout + plain.stderr
+            # the one environment asked for: refused (exit 2), neither "nothing to recover" on stdout nor a
+            # hint to run the very command that was run
+            assert asked.code == 2 and "holds the lock" in asked.stderr, asked.stdout + asked.stderr
+            assert "nothing to recover" not in asked.stdout, asked.stdout
+            assert "run safeinstall --recover" not in asked.stderr and "it did not die" in asked.stderr
         finally:
             other.nvml.unhold(holder)
             out, err = proc.communicate(timeout=180)

@@ -352,6 +352,56 @@ def _alerts(at: str, name: str, *expected: dict[str, str], value: str = "") -> d
     }
 
 
+#: each run status and the alerts its host raises: a run that changed nothing on purpose (a prepared
+#: one until its commit: every host a rolling upgrade prepares) raises no critical alert
+_STATUS_ALERTS = {
+    "done": (),
+    "prepared": (),
+    "discarded": (),
+    "declined": (),
+    "commit-refused": (("SafeinstallCommitRefused", "warning"),),
+    "rolled-back": (("SafeinstallLastRunNotDone", "critical"),),
+    "rollback-failed": (("SafeinstallLastRunNotDone", "critical"),),
+    "error": (("SafeinstallLastRunNotDone", "critical"),),
+    "recovered": (("SafeinstallLastRunNotDone", "critical"),),
+    "someday-new": (("SafeinstallLastRunNotDone", "critical"),),
+}
+
+
+def _by_status() -> dict[str, object]:
+    """A promtool test: a host per run status, each with the series a run of that status writes (1 for
+    its own status, 0 for every other that ``RUN_STATUSES`` lists)."""
+    from safeinstall.run.commands.metrics import RUN_STATUSES, run_families
+    from safeinstall.store.history import RunSummary
+
+    assert set(RUN_STATUSES) <= set(_STATUS_ALERTS), "a status without its expected alerts"
+    series = []
+    expected: dict[str, list[dict[str, str]]] = {
+        "SafeinstallLastRunNotDone": [],
+        "SafeinstallCommitRefused": [],
+    }
+    for n, own in enumerate(_STATUS_ALERTS):
+        host = {"instance": f"gpu-{n}", "prefix": "/opt/vllm/venv"}
+        labels = ",".join(f'{k}="{v}"' for k, v in host.items())
+        run_ = RunSummary("R1", own, 0, "vllm", "1", "2", None, None, {}, None)
+        written = parsed(render(run_families(host["prefix"], run_)))["safeinstall_run_status"]
+        for sample in written:
+            status = sample.labels["status"]
+            series.append(
+                {
+                    "series": f'safeinstall_run_status{{{labels},status="{status}"}}',
+                    "values": "0x10" if sample.value == 0 else "1x10",
+                }
+            )
+        for name, severity in _STATUS_ALERTS[own]:
+            expected[name].append({**host, "status": own, "severity": severity})
+    return {
+        "interval": "1m",
+        "input_series": series,
+        "alert_rule_test": [_alerts("5m", name, *alerts) for name, alerts in expected.items()],
+    }
+
+
 def test_the_alert_rules_fire_on_drift_a_run_not_done_and_a_check_failing(tmp_path: Path) -> None:
     """The shipped rules, run by Prometheus' own rule engine (``promtool test rules``) over series as
     safeinstall writes them (names and labels taken from files written by :func:`render`)."""
@@ -404,7 +454,8 @@ def test_the_alert_rules_fire_on_drift_a_run_not_done_and_a_check_failing(tmp_pa
                         {**stale, "severity": "warning"},
                     ),
                 ],
-            }
+            },
+            _by_status(),
         ],
     }
     test_file = tmp_path / "rules.test.yml"

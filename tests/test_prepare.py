@@ -13,6 +13,7 @@ import pytest
 
 from tests.bed_systemd import wait_until
 from tests.beds import Bed
+from tests.clirun import run
 
 
 def _prepared(bed: Bed, *extra: str) -> dict[str, object]:
@@ -492,3 +493,27 @@ def test_a_service_restarted_since_the_prepare_refuses_the_commit(bed: Bed) -> N
     assert bed.manager.main_pid(name) == main and bed.version() == "1.0"
     assert bed.safeinstall("--discard").code == 0
     _nothing_left(bed)
+
+
+def test_the_backups_of_discarded_runs_are_pruned_by_the_next_good_run(bed: Bed) -> None:
+    """docs/prepare.md: a discarded run's backup stays until the retention prunes it. It never did
+    (retention counted only ``done`` runs and removed only ``rolled-back`` ones): prepared runs
+    discarded left their backups (hard links of the live files) past any ``--keep-backups``."""
+    name = bed.service("prep-prune")
+    _prepared(bed)
+    assert bed.safeinstall("--discard").code == 0
+    discarded = sorted(str(p) for p in bed.state.glob("*/backups/*") if p.is_dir())
+    assert len(discarded) == 1, discarded
+    # meanwhile the live files share their inodes with it: the warning says it may be a kept backup
+    shown = run("sicext", "--verify-only", "--python", str(bed.python), env=bed.environ())
+    assert "share their inode" in shown.stderr, shown.stdout + shown.stderr
+    assert "or a backup safeinstall keeps of this environment" in shown.stderr, shown.stderr
+    good = bed.safeinstall(
+        "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--keep-backups", "3", "--json"
+    )
+    assert good.code == 0, good.stdout + good.stderr
+    # whatever --keep-backups says: they are no way back, and --undo never takes them
+    assert sorted(good.json["data"]["backups_removed"]) == discarded, good.json["data"]
+    (kept,) = bed.state.glob("*/backups/*")
+    assert kept.name == good.json["data"]["run_id"]
+    wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running")

@@ -360,3 +360,27 @@ def test_a_steps_long_detail_wraps_within_the_detail_column() -> None:
     # under the column, hanging by two (a wrapped line apart from a detail's next line)
     assert all(line[: column + 2] == " " * (column + 2) and line[column + 2] != " " for line in lines[1:])
     assert " ".join(line.strip() if i else line[column:] for i, line in enumerate(lines)) == detail
+
+
+def test_a_failed_recover_never_says_nothing_to_recover() -> None:
+    """``--recover`` that could not recover an environment (exit 4: a unit file gone; exit 2: a live run
+    holds the lock) says so on stderr; stdout said "nothing to recover" beside it. Not any more; a
+    recover with nothing to do and no failure still says it."""
+    from safeinstall.cli.show import draw
+    from safeinstall.errors import LockHeldError, RollbackFailed
+    from safeinstall.run.back.recover import Recovered, Recovery
+    from safeinstall.run.commands.modes import RecoverResult
+
+    def said(recovered: Recovered) -> str:
+        out, err = io.StringIO(), io.StringIO()
+        result = RecoverResult(
+            exit_code=int(recovered.exit_code), failures=recovered.failures, outcome=recovered
+        )
+        draw(result, Console(file=out, width=200), Console(file=err, width=200), 0)
+        return out.getvalue()
+
+    idle = Recovery("/v", None, None, notes=("nothing to recover",))
+    assert said(Recovered((idle,), ())).strip() == "nothing to recover"
+    for failure in (RollbackFailed("a unit file is gone"), LockHeldError("another safeinstall run holds it")):
+        assert "nothing to recover" not in said(Recovered((), (failure,)))
+        assert "nothing to recover" not in said(Recovered((idle,), (failure,)))

@@ -16,6 +16,7 @@ from safeinstall.store.retention import (
     kept_backups,
     kept_note,
     prune_backups,
+    retention_status,
 )
 from safeinstall.store.state import is_run_id
 
@@ -60,6 +61,22 @@ def test_only_good_runs_count_and_rolled_back_ones_go() -> None:
         OLD,
     )
     assert backups_to_remove([OLD, MID], keep=1, protected=(), statuses={OLD: "rollback-failed"}) == ()
+
+
+def test_discarded_runs_go_prepared_ones_stay_and_a_recovery_counts_as_it_ended() -> None:
+    """A discarded prepared run's backup is no way back (nothing was changed: hard links of the live
+    files, --undo never takes it): it goes at the next pruning, and never pushes out a good run's. A
+    prepared run's (or a refused commit's) is its commit's way back: never chosen. A recovered run that
+    kept its verified new version counts as a good one; one that put its backup back is spent."""
+    statuses = {OLD: "done", MID: "discarded", NEW: "discarded"}
+    assert backups_to_remove([NEW, OLD, MID], keep=1, protected=(), statuses=statuses) == (MID, NEW)
+    assert backups_to_remove([NEW, OLD, MID], 1, (), statuses, good_run=False) == (MID, NEW)
+    for pending in ("prepared", "commit-refused"):
+        assert backups_to_remove([NEW, OLD, MID], 1, (), {OLD: pending, MID: "done", NEW: "done"}) == (MID,)
+    kept, restored = retention_status("recovered", 0), retention_status("recovered", 3)
+    assert backups_to_remove([NEW, OLD, MID], 1, (), {OLD: "done", MID: "done", NEW: kept}) == (OLD, MID)
+    assert backups_to_remove([NEW, OLD, MID], 1, (), {OLD: "done", MID: restored, NEW: "done"}) == (OLD, MID)
+    assert retention_status("done", 0) == "done" and retention_status("error", 4) == "error"
 
 
 def test_keep_must_be_positive() -> None:

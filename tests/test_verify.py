@@ -381,6 +381,8 @@ def test_hardlinks_into_uv_cache_warn(venv: Path, wheels: Wheelhouse) -> None:
     result = run("sipure", "--verify-only", "--python", str(venv))
     assert result.code == 0
     assert "share their inode" in result.stderr and "uv #10579" in result.stderr
+    # verify cannot tell uv's cache from a kept backup (a prepared run's is hard links of the live files)
+    assert "or a backup safeinstall keeps of this environment" in result.stderr, result.stderr
     doc = run("sipure", "--verify-only", "--python", str(venv), "--json").json
     assert doc["status"] == "clean"
     assert {f["kind"] for f in doc["data"]["findings"]} == {"hardlinked"}

@@ -18,6 +18,7 @@ from safeinstall.errors import ExitCode, SafeInstallError
 from safeinstall.run.commands.view import (
     PROGRESS_EVERY_S,
     RECORD_MAY_BE_WRONG_HINT,
+    SHARED_WITH,
     UNTOUCHED,
     Finding,
     FindingKind,
@@ -165,10 +166,9 @@ def _warning_summaries(err: Console, findings: Sequence[Finding], more: str) -> 
         )
         err.print(
             f"[yellow]warning:[/] {counted(sum(f.files for f in hardlinked), 'installed file')} of {whose} "
-            "share their inode "
-            f"with another file (uv's cache; e.g. {literal(hardlinked[0].path)}); editing one in place also "
-            f"edits the cache, and a later offline reinstall brings the edit back (uv #10579). Reinstall "
-            f"{how}{more}",
+            f"share their inode with another file ({SHARED_WITH}; e.g. {literal(hardlinked[0].path)}); "
+            "editing one in place also edits the other, and a later offline reinstall from uv's cache brings "
+            f"the edit back (uv #10579). Reinstall {how}{more}",
             soft_wrap=True,
         )
     for name, lying in _by_distribution(findings, FindingKind.WHEEL_RECORD):
@@ -859,12 +859,15 @@ def render_patches(
         out.print(f"carried patch set saved as {literal(patch_file)}", soft_wrap=True)
 
 
-def render_recoveries(out: Console, recoveries: list[Recovery]) -> None:
+def render_recoveries(out: Console, recoveries: list[Recovery], failed: bool = False) -> None:
+    """What ``--recover`` did, on stdout; ``failed``: it could not recover an environment (said on
+    stderr), so "nothing to recover" is not said."""
     for r in recoveries:  # a live run's environment: said, not recovered
         if r.busy:
             out.print(literal(f"not recovered: {r.prefix}: " + "; ".join(r.notes)))
     if not any(r.run_id for r in recoveries):
-        out.print("nothing to recover")
+        if not failed:
+            out.print("nothing to recover")
         return
     for r in recoveries:
         if r.run_id is None:

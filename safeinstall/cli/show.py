@@ -161,7 +161,7 @@ def draw(result: Result, out: Console, err: Console, verbosity: int) -> None:
     elif isinstance(result, Declined):
         out.print("nothing done (not confirmed)")
     elif isinstance(result, RecoverResult):
-        render_recoveries(out, list(result.outcome.recoveries))
+        render_recoveries(out, list(result.outcome.recoveries), bool(result.outcome.failures))
     elif isinstance(result, StatusResult):
         render_status(out, list(result.report.environments), last=0 if verbosity > 0 else 5)
     elif isinstance(result, ForgetResult):

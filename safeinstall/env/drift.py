@@ -28,7 +28,7 @@ class FindingKind(StrEnum):
     UNREADABLE = "unreadable"  # exists but could not be read
     MALFORMED = "malformed"  # a RECORD line that could not be parsed
     VERSION_MISMATCH = "version-mismatch"  # installed version is not the wheel's
-    HARDLINKED = "hardlinked"  # shares its inode (uv's cache): editing it edits the cache too
+    HARDLINKED = "hardlinked"  # shares its inode (uv's cache, a kept backup): editing it edits that too
     WHEEL_RECORD = "wheel-record"  # the wheel's own RECORD is wrong: the wheel's fault, not drift
     SHARED = "shared"  # listed by another distribution's RECORD too, whose copy is there: not drift
     #: of a distribution dpkg installed: differs from its RECORD, but dpkg's own md5sums say it is as the
@@ -251,7 +251,8 @@ def against_dpkg(finding: Finding, md5_matches: bool | None, package: str) -> Fi
 
 
 def hardlinked(distribution: str, linked: Sequence[tuple[str, int]]) -> Finding | None:
-    """Pure: one warning for every file of a distribution that shares its inode (uv's cache), or None.
+    """Pure: one warning for every file of a distribution that shares its inode (:data:`SHARED_WITH`),
+    or None.
     One per distribution, not per file: a venv uv installed hardlinks every file (61k on vLLM's), and a
     finding each cost a check that reads nothing most of its time; :func:`per_file` lists each."""
     if not linked:
@@ -266,7 +267,13 @@ def hardlinked(distribution: str, linked: Sequence[tuple[str, int]]) -> Finding 
     )
 
 
-_SHARED = "shared with uv's cache; editing it in place edits the cache too (reinstall with --link-mode copy)"
+#: what else may hold a hardlinked file's inode: verify cannot tell which, so it names both (a backup of
+#: a prepared run, or of one that stopped before its install, is hard links of the live files)
+SHARED_WITH = "uv's cache, or a backup safeinstall keeps of this environment in its state directory"
+_SHARED = (
+    f"shared with another file ({SHARED_WITH}); editing it in place edits that one too (reinstall with "
+    "--link-mode copy)"
+)
 
 
 def _linked_detail(links: int) -> str:

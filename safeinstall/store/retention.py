@@ -22,8 +22,20 @@ from safeinstall.store.state import StateDirError, is_run_id, read_private_file
 DEFAULT_KEEP = 3
 #: the status of a run that put back what it saved: its backup is no way back, and goes
 ROLLED_BACK = "rolled-back"
-#: a good run, and one whose end is not known (the history keeps the newest 20): counted under keep
-_COUNTED = frozenset({"done", ""})
+#: the statuses whose backup is no way back and goes at the next pruning: a rolled-back run's, and a
+#: discarded prepared run's (nothing was changed: its backup holds the live files, hard links of them)
+_SPENT = frozenset({ROLLED_BACK, "discarded"})
+#: a good run, a recovered run that kept its verified new version (the history entry's exit 0), and
+#: one whose end is not known (the history keeps the newest 20): counted under keep. A prepared run's
+#: (``prepared``, ``commit-refused``: its commit's way back), an errored run's, a failed rollback's are
+#: neither: never chosen (docs/reinstall.md, "Backups are bounded")
+_COUNTED = frozenset({"done", "recovered", ""})
+
+
+def retention_status(status: str, exit_code: int) -> str:
+    """Pure: the status retention reads for a history entry: a ``recovered`` run that put its backup
+    back (exit other than 0: the environment is as before it) is spent as a rolled-back one."""
+    return ROLLED_BACK if status == "recovered" and exit_code != 0 else status
 
 
 def backups_to_remove(
@@ -33,16 +45,17 @@ def backups_to_remove(
     statuses: Mapping[str, str] | None = None,
     good_run: bool = True,
 ) -> tuple[str, ...]:
-    """The backups to delete, oldest first, never ``protected``: rolled-back runs', and after a
-    ``good_run`` the good runs' beyond the newest ``keep``. ``statuses``: each run's status; one whose
-    rollback failed or that errored is kept. Names that are not run ids are never chosen.
+    """The backups to delete, oldest first, never ``protected``: rolled-back and discarded runs', and
+    after a ``good_run`` the good runs' beyond the newest ``keep``. ``statuses``: each run's status (see
+    :func:`retention_status`); one whose rollback failed, that errored or that is prepared is kept.
+    Names that are not run ids are never chosen.
     """
     if keep < 1:
         raise ValueError(f"keep must be at least 1, not {keep}")
     known = statuses or {}
     newest_first = sorted((name for name in names if is_run_id(name)), reverse=True)
     counted = [name for name in newest_first if known.get(name, "") in _COUNTED]
-    spent = [name for name in newest_first if known.get(name) == ROLLED_BACK]
+    spent = [name for name in newest_first if known.get(name) in _SPENT]
     beyond = counted[keep:] if good_run else []
     return tuple(sorted(name for name in (*beyond, *spent) if name not in protected))
 

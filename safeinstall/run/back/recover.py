@@ -423,6 +423,12 @@ def said_errors(recovered: Recovered) -> tuple[SafeInstallError, ...]:
     return (*recovered.failures, *put_back)
 
 
+#: ``--recover``'s hint when a live run holds the environment's lock (it did not die: nothing to recover)
+LIVE_RUN_HINT = (
+    "a live run holds it, it did not die: nothing to recover; wait for it (safeinstall --status --wait)"
+)
+
+
 def recover(environ: Mapping[str, str], python: str | None, settle: float = 2.0) -> Recovered:
     """Recover every environment with a journal left (or the one ``python`` names). One that fails
     does not stop the others: at boot, every environment's units matter. Over all environments, one
@@ -434,7 +440,7 @@ def recover(environ: Mapping[str, str], python: str | None, settle: float = 2.0)
             recoveries.append(recover_one(state, environ, settle))
         except LockHeldError as exc:
             if python is not None:  # the one environment asked for: refused (exit 2), as a run is
-                failures.append(exc)
+                failures.append(LockHeldError(exc.message, hint=LIVE_RUN_HINT))  # not lock's "run --recover"
                 continue
             prefix = str(state.prefix or state.dir)
             said = f"{exc.message}: a live run, nothing to recover (safeinstall --status --wait follows it)"

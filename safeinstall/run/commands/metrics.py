@@ -27,7 +27,17 @@ if TYPE_CHECKING:  # the run's and the state's modules are not loaded by --verif
 METRICS_MODE = 0o644
 #: Every status a run's result may have (the list in docs/json.md); each is a state of
 #: ``safeinstall_run_status``, 1 for the run's own, 0 for the others
-RUN_STATUSES = ("done", "declined", "rolled-back", "rollback-failed", "error", "recovered")
+RUN_STATUSES = (
+    "done",
+    "declined",
+    "rolled-back",
+    "rollback-failed",
+    "error",
+    "recovered",
+    "prepared",
+    "commit-refused",
+    "discarded",
+)
 DRIFT_KINDS = tuple(k.value for k in FindingKind if k not in WARNING_KINDS and k != FindingKind.WHEEL_FAULT)
 #: wheel-fault last: not drift (its own exit status until root acknowledges it)
 WARNING_KIND_NAMES = (*(k.value for k in FindingKind if k in WARNING_KINDS), FindingKind.WHEEL_FAULT.value)

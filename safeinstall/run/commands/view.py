@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from safeinstall.env.drift import RECORD_MAY_BE_WRONG_HINT, UNTOUCHED, Finding, FindingKind, per_file
+from safeinstall.env.drift import (
+    RECORD_MAY_BE_WRONG_HINT,
+    SHARED_WITH,
+    UNTOUCHED,
+    Finding,
+    FindingKind,
+    per_file,
+)
 from safeinstall.store.runlog import PROGRESS_EVERY_S, human_bytes, progress_key, progress_text
 
 if TYPE_CHECKING:
@@ -25,6 +32,7 @@ if TYPE_CHECKING:
 __all__ = [
     "PROGRESS_EVERY_S",
     "RECORD_MAY_BE_WRONG_HINT",
+    "SHARED_WITH",
     "UNTOUCHED",
     "Finding",
     "FindingKind",

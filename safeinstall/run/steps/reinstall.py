@@ -94,7 +94,7 @@ from safeinstall.store.journal import (
 )
 from safeinstall.store.prepared import PreparedRecord, write_prepared
 from safeinstall.store.records import keep_records, read_records
-from safeinstall.store.retention import prune_backups
+from safeinstall.store.retention import prune_backups, retention_status
 from safeinstall.store.rundoc import RUN_FIELDS, ErrorDoc, RunData, RunDocument, StepDoc
 from safeinstall.store.runlog import human_bytes
 from safeinstall.store.state import (
@@ -1397,7 +1397,10 @@ def _prune_old_backups(run: Run, status: str) -> tuple[str, ...]:
     of the newest ``--keep-backups`` good runs stay (this run's, when it is one), those of rolled-back
     runs go but this run's; the ones deleted."""
     try:
-        statuses = {entry.run_id: entry.status for entry in read_history(run.state).runs}
+        statuses = {
+            entry.run_id: retention_status(entry.status, entry.exit_code)
+            for entry in read_history(run.state).runs
+        }
     except SafeInstallError as exc:  # unreadable: nothing is deleted on a guess
         run.notes.append(f"old backups not pruned: the history could not be read ({exc.message})")
         return ()
