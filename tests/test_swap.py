@@ -516,3 +516,46 @@ def test_the_plan_looks_up_live_entries_when_it_asks_and_plans_as_with_all_of_th
             )
         assert "pkg/now_a_dir" in lazy and lazy["pkg/now_a_dir"] == "file"
         assert "other/x.py" not in set(lazy) and "pkg/nothing" not in lazy
+
+
+def test_only_what_bears_on_the_plan_is_held() -> None:
+    """plan_staged leaves out of ``held`` the other distributions' files that no old file or own
+    directory of the plan lies at or above (vLLM's 60k): the plan is the same as with every one held."""
+    from safeinstall.env.renames import bears_on_plan
+
+    new = _tree(f"{SITE}/nvidia/cudnn/lib/a.so", f"{SITE}/pkg/__init__.py", f"{SITE}/pkg/sub/c.py")
+    live = _tree(
+        f"{SITE}/nvidia/cudnn/lib/a.so",
+        f"{SITE}/nvidia/cudnn/lib/shared.so",
+        f"{SITE}/nvidia/nccl/lib/b.so",
+        f"{SITE}/pkg/__init__.py",
+        f"{SITE}/pkg/old.py",
+        f"{SITE}/pkg/sub/c.py",
+        f"{SITE}/pkg/sub/local.cfg",
+        f"{SITE}/other/x.py",
+    )
+    old = {
+        f"{SITE}/nvidia/cudnn/lib/a.so",
+        f"{SITE}/pkg/__init__.py",
+        f"{SITE}/pkg/old.py",
+        f"{SITE}/pkg/sub/c.py",
+    }
+    own = {f"{SITE}/nvidia/cudnn", f"{SITE}/pkg", f"{SITE}/pkg/sub"}
+    every = {
+        f"{SITE}/nvidia/cudnn/lib/shared.so",  # below an own directory: it stays whole
+        f"{SITE}/nvidia/nccl/lib/b.so",
+        f"{SITE}/pkg/sub/local.cfg",
+        f"{SITE}/pkg/old.py",  # an old file another distribution lists too: it stays
+        f"{SITE}/other/x.py",
+        "bin/other",
+    }
+    asked = frozenset(old | own)
+    bearing = {h for h in every if bears_on_plan(h, asked)}
+    assert bearing == {
+        f"{SITE}/nvidia/cudnn/lib/shared.so",
+        f"{SITE}/pkg/sub/local.cfg",
+        f"{SITE}/pkg/old.py",
+    }
+    assert _plan(new, live, old, own, bearing) == _plan(new, live, old, own, every)
+    for one in every:  # each held file alone, too
+        assert _plan(new, live, old, own, {one} & bearing) == _plan(new, live, old, own, {one})

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from safeinstall.env import renames
-from safeinstall.env.containment import Containment
+from safeinstall.env.containment import Containment, relative_to_prefix
 from safeinstall.env.distributions import InstalledDistribution, find_distributions
 from safeinstall.env.drift import FindingKind
 from safeinstall.env.environment import Environment
@@ -261,9 +261,20 @@ def plan_staged(
     inside = Containment(env.prefix)
     mine = {d.name for d in affected}
     old_files = _relative(inside, [loc for d in affected for loc in d.locations])
-    held = _relative(inside, [loc for d in installed if d.name not in mine for loc in d.locations])
     unlisted = frozenset(f.path for f in backup.manifest.files if not f.listed)
     own = frozenset(backup.manifest.roots) | _relative(inside, [str(d.dist_info) for d in affected])
+    # the other distributions' files that bear on the plan (lexically; each then checked as before)
+    asked = old_files | own
+    held = _relative(
+        inside,
+        [
+            loc
+            for d in installed
+            if d.name not in mine
+            for loc in d.locations
+            if renames.bears_on_plan(relative_to_prefix(loc, env.prefix) or "", asked)
+        ],
+    )
     if any(path.startswith("include/") for path in files):  # uv's --prefix puts headers elsewhere
         raise NotStaged("the new version installs headers (include/)")
     with Tree(tree_path) as new:
