@@ -559,3 +559,33 @@ def test_only_what_bears_on_the_plan_is_held() -> None:
     assert _plan(new, live, old, own, bearing) == _plan(new, live, old, own, every)
     for one in every:  # each held file alone, too
         assert _plan(new, live, old, own, {one} & bearing) == _plan(new, live, old, own, {one})
+
+
+@pytest.mark.parametrize("prefix", ["/srv/venv", "/work/.bench/venv", "/srv/venv/"])
+def test_bearing_cuts_plain_paths_as_normalising_them_would(prefix: str) -> None:
+    """The lexical pass before the containment check: a plain location is cut, any other (".", "..",
+    "//", a trailing "/", outside the prefix) normalised, with the same answer either way."""
+    from safeinstall.env.containment import relative_to_prefix
+    from safeinstall.env.renames import bears_on_plan
+    from safeinstall.run.parts.staging import bearing
+
+    top = prefix.rstrip("/")
+    asked = frozenset({f"{SITE}/pkg", f"{SITE}/.hidden/own", f"{SITE}/old.py"})
+    locations = [
+        f"{top}/{SITE}/pkg/a.py",
+        f"{top}/{SITE}/pkg/../other/b.py",
+        f"{top}/{SITE}/other/../pkg/c.py",
+        f"{top}/{SITE}/./pkg/d.py",
+        f"{top}/{SITE}//pkg/e.py",
+        f"{top}/{SITE}/pkg/",
+        f"{top}/{SITE}/.hidden/own/f.so",
+        f"{top}/{SITE}/.hidden/g.so",
+        f"{top}/{SITE}/old.py",
+        f"{top}/{SITE}/other/h.py",
+        f"{top}/../elsewhere/{SITE}/pkg/i.py",
+        f"/elsewhere/{SITE}/pkg/j.py",
+        f"{top}",
+    ]
+    expected = [x for x in locations if bears_on_plan(relative_to_prefix(x, prefix) or "", asked)]
+    assert bearing(prefix, locations, asked) == expected
+    assert len(expected) == 7, expected
