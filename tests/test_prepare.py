@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import wheelhouse
 from tests.bed_systemd import wait_until
 from tests.beds import Bed
 from tests.clirun import run
@@ -517,3 +518,33 @@ def test_the_backups_of_discarded_runs_are_pruned_by_the_next_good_run(bed: Bed)
     (kept,) = bed.state.glob("*/backups/*")
     assert kept.name == good.json["data"]["run_id"]
     wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running")
+
+
+def test_a_commit_keeps_only_the_records_it_installed(bed: Bed) -> None:
+    """The check in place keeps (``records.json``) the RECORDs of what the run installed, not every
+    distribution's: another distribution's module edited with its RECORD line (the same size, its
+    mtime set back) since root found it clean stays ``record-changed`` after the commit."""
+    wheelhouse.uv_install(bed.python, bed.wheels["sipure-1"])
+    name = bed.service("prep-records")
+    assert bed.cli("--verify-only", "--all", "--json").code == 0  # root finds every RECORD clean
+    module = bed.site / "sipure" / "cli.py"
+    record = next(bed.site.glob("sipure-*.dist-info")) / "RECORD"
+    times = [os.lstat(p) for p in (module, record)]
+    data = module.read_bytes()
+    module.write_bytes(data[:-1] + (b"#" if data[-1:] != b"#" else b" "))
+    digest = wheelhouse.record_digest(module.read_bytes())
+    record.write_text(
+        "".join(
+            f"sipure/cli.py,sha256={digest},{len(data)}\n" if x.startswith("sipure/cli.py,") else x + "\n"
+            for x in record.read_text().splitlines()
+        )
+    )
+    for path, was in zip((module, record), times, strict=True):
+        os.utime(path, ns=(was.st_atime_ns, was.st_mtime_ns))
+    _prepared(bed)
+    committed = bed.safeinstall("--commit", "--json", "--settle", "0")
+    assert committed.code == 0, committed.stdout + committed.stderr
+    assert bed.version() == "2.0" and bed.manager.active_state(name) == "active"
+    checked = bed.cli("sipure", "--verify-only", "--json")
+    drift = {(f["kind"], f["path"]) for f in checked.json["data"]["findings"] if f["drift"]}
+    assert checked.code == 1 and ("record-changed", str(module)) in drift, checked.stdout

@@ -516,3 +516,76 @@ def test_the_plan_looks_up_live_entries_when_it_asks_and_plans_as_with_all_of_th
             )
         assert "pkg/now_a_dir" in lazy and lazy["pkg/now_a_dir"] == "file"
         assert "other/x.py" not in set(lazy) and "pkg/nothing" not in lazy
+
+
+def test_only_what_bears_on_the_plan_is_held() -> None:
+    """plan_staged leaves out of ``held`` the other distributions' files that no old file or own
+    directory of the plan lies at or above (vLLM's 60k): the plan is the same as with every one held."""
+    from safeinstall.env.renames import bears_on_plan
+
+    new = _tree(f"{SITE}/nvidia/cudnn/lib/a.so", f"{SITE}/pkg/__init__.py", f"{SITE}/pkg/sub/c.py")
+    live = _tree(
+        f"{SITE}/nvidia/cudnn/lib/a.so",
+        f"{SITE}/nvidia/cudnn/lib/shared.so",
+        f"{SITE}/nvidia/nccl/lib/b.so",
+        f"{SITE}/pkg/__init__.py",
+        f"{SITE}/pkg/old.py",
+        f"{SITE}/pkg/sub/c.py",
+        f"{SITE}/pkg/sub/local.cfg",
+        f"{SITE}/other/x.py",
+    )
+    old = {
+        f"{SITE}/nvidia/cudnn/lib/a.so",
+        f"{SITE}/pkg/__init__.py",
+        f"{SITE}/pkg/old.py",
+        f"{SITE}/pkg/sub/c.py",
+    }
+    own = {f"{SITE}/nvidia/cudnn", f"{SITE}/pkg", f"{SITE}/pkg/sub"}
+    every = {
+        f"{SITE}/nvidia/cudnn/lib/shared.so",  # below an own directory: it stays whole
+        f"{SITE}/nvidia/nccl/lib/b.so",
+        f"{SITE}/pkg/sub/local.cfg",
+        f"{SITE}/pkg/old.py",  # an old file another distribution lists too: it stays
+        f"{SITE}/other/x.py",
+        "bin/other",
+    }
+    asked = frozenset(old | own)
+    bearing = {h for h in every if bears_on_plan(h, asked)}
+    assert bearing == {
+        f"{SITE}/nvidia/cudnn/lib/shared.so",
+        f"{SITE}/pkg/sub/local.cfg",
+        f"{SITE}/pkg/old.py",
+    }
+    assert _plan(new, live, old, own, bearing) == _plan(new, live, old, own, every)
+    for one in every:  # each held file alone, too
+        assert _plan(new, live, old, own, {one} & bearing) == _plan(new, live, old, own, {one})
+
+
+@pytest.mark.parametrize("prefix", ["/srv/venv", "/work/.bench/venv", "/srv/venv/"])
+def test_bearing_cuts_plain_paths_as_normalising_them_would(prefix: str) -> None:
+    """The lexical pass before the containment check: a plain location is cut, any other (".", "..",
+    "//", a trailing "/", outside the prefix) normalised, with the same answer either way."""
+    from safeinstall.env.containment import relative_to_prefix
+    from safeinstall.env.renames import bears_on_plan
+    from safeinstall.run.parts.staging import bearing
+
+    top = prefix.rstrip("/")
+    asked = frozenset({f"{SITE}/pkg", f"{SITE}/.hidden/own", f"{SITE}/old.py"})
+    locations = [
+        f"{top}/{SITE}/pkg/a.py",
+        f"{top}/{SITE}/pkg/../other/b.py",
+        f"{top}/{SITE}/other/../pkg/c.py",
+        f"{top}/{SITE}/./pkg/d.py",
+        f"{top}/{SITE}//pkg/e.py",
+        f"{top}/{SITE}/pkg/",
+        f"{top}/{SITE}/.hidden/own/f.so",
+        f"{top}/{SITE}/.hidden/g.so",
+        f"{top}/{SITE}/old.py",
+        f"{top}/{SITE}/other/h.py",
+        f"{top}/../elsewhere/{SITE}/pkg/i.py",
+        f"/elsewhere/{SITE}/pkg/j.py",
+        f"{top}",
+    ]
+    expected = [x for x in locations if bears_on_plan(relative_to_prefix(x, prefix) or "", asked)]
+    assert bearing(prefix, locations, asked) == expected
+    assert len(expected) == 7, expected

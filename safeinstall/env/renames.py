@@ -162,6 +162,17 @@ def plan_swap(
     return SwapPlan(tuple(first), tuple(last), tuple(problems))
 
 
+def bears_on_plan(path: str, asked: frozenset[str]) -> bool:
+    """Pure: does a path that must stay (``held``) change :func:`plan_swap`'s answer? Only where it, or
+    a directory above it, is one the plan asks about (``asked``: its old files and own directories):
+    the rest of another distribution's files may be left out of ``held`` (vLLM's 60k)."""
+    while path:
+        if path in asked:
+            return True
+        path = path.rpartition("/")[0]
+    return False
+
+
 def _below(path: str, directories: set[str]) -> bool:
     """Pure: ``path`` is one of ``directories`` or lies below one."""
     while path:

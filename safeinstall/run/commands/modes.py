@@ -583,12 +583,15 @@ def _commit(
     """--commit: the environment's prepared run, with the window's options of this command line."""
     from safeinstall.run.steps.prepare import commit_options, the_prepared_run
 
-    found = the_prepared_run(os.environ, request.options.python)
+    python = request.options.python
+    # inspected once: the environment --python names is the one its prepared run is looked for in
+    named = inspect_environment(resolve_python(python, os.environ)) if python is not None else None
+    found = the_prepared_run(os.environ, python, env=named)
     given = run_options(replace(request.options, package=found.record.package), request.extra_args, private)
-    options = commit_options(found.record, replace(given, python=request.options.python or found.python))
-    options = replace(options, python=request.options.python or found.python)
+    options = commit_options(found.record, replace(given, python=python or found.python))
+    options = replace(options, python=python or found.python)
     check_options(options)
-    env = inspect_environment(resolve_python(options.python, options.environ))
+    env = named or inspect_environment(resolve_python(options.python, options.environ))
     if Mode.DETACH in request.modes:
         return _detach(request, options, ui, env)
     return _reinstall(request, options, ui, metrics, env)

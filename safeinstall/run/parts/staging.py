@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from safeinstall.env import renames
-from safeinstall.env.containment import Containment
+from safeinstall.env.containment import Containment, relative_to_prefix
 from safeinstall.env.distributions import InstalledDistribution, find_distributions
 from safeinstall.env.drift import FindingKind
 from safeinstall.env.environment import Environment
@@ -186,6 +186,23 @@ def _kept_directories(
     return frozenset(kept)
 
 
+def bearing(prefix: str, locations: Sequence[str], asked: frozenset[str]) -> list[str]:
+    """Pure: the ``locations`` whose path relative to ``prefix`` (lexically, as
+    :func:`safeinstall.env.containment.relative_to_prefix`) bears on the swap's plan
+    (:func:`safeinstall.env.renames.bears_on_plan`); a plain path is cut, not normalised."""
+    base = prefix if prefix.endswith("/") else prefix + "/"
+    found: list[str] = []
+    for location in locations:
+        rest = location[len(base) :] if location.startswith(base) else ""
+        if rest and "/." not in f"/{rest}" and "//" not in rest and not rest.endswith("/"):
+            relative = rest  # no ".", ".." or empty name: what normalising it would give
+        else:
+            relative = relative_to_prefix(location, prefix) or ""
+        if renames.bears_on_plan(relative, asked):
+            found.append(location)
+    return found
+
+
 def _relative(inside: Containment, paths: Sequence[str]) -> frozenset[str]:
     return frozenset(r for r in map(inside.relative, paths) if r is not None)
 
@@ -261,9 +278,11 @@ def plan_staged(
     inside = Containment(env.prefix)
     mine = {d.name for d in affected}
     old_files = _relative(inside, [loc for d in affected for loc in d.locations])
-    held = _relative(inside, [loc for d in installed if d.name not in mine for loc in d.locations])
     unlisted = frozenset(f.path for f in backup.manifest.files if not f.listed)
     own = frozenset(backup.manifest.roots) | _relative(inside, [str(d.dist_info) for d in affected])
+    # the other distributions' files that bear on the plan (lexically; each then checked as before)
+    others = [loc for d in installed if d.name not in mine for loc in d.locations]
+    held = _relative(inside, bearing(os.fspath(env.prefix), others, old_files | own))
     if any(path.startswith("include/") for path in files):  # uv's --prefix puts headers elsewhere
         raise NotStaged("the new version installs headers (include/)")
     with Tree(tree_path) as new:

@@ -394,11 +394,18 @@ def resume(
     if record.staged_root is not None:
         # the staged files are links of the run's cache as the prepare hashed it: an inode unchanged
         # since is taken by identity, not read again (a changed one is read: :mod:`safeinstall.env.inodes`)
-        run.hashed = {} if prepared.options.full else inodes.still_hashed(record.cache_hashed)
-        known = inodes.checker(run.hashed, prepared_ns(record)) if run.hashed else None
         root = prepared.env.prefix / record.staged_root
+        proven = tree if verified_as_prepared(record, tree, prepared.options.full) else None
+        # a tree taken as verified reads no hash now: the gate's look before the stop drops the
+        # entries changed since (:func:`safeinstall.run.steps.reinstall.gate_step`), one walk of them
+        run.hashed = (
+            {}
+            if prepared.options.full
+            else dict(record.cache_hashed)
+            if proven is not None
+            else inodes.still_hashed(record.cache_hashed)
+        )
         try:
-            proven = tree if verified_as_prepared(record, tree, prepared.options.full) else None
             if proven is not None and record.staged_files is not None:
                 files, dirs = staged_entries(proven)
                 run.staged = staging.plan_staged(
@@ -412,6 +419,7 @@ def resume(
                     run.backup,
                 )
             else:
+                known = inodes.checker(run.hashed, prepared_ns(record)) if run.hashed else None
                 run.staged = stage_of(run, root, known)
         except (staging.NotStaged, staging.StagedMismatch, OSError, SafeInstallError) as exc:
             raise PreparedRunError(
