@@ -391,9 +391,10 @@ def test_a_record_rewritten_to_its_size_with_its_mtime_set_back_after_its_parse_
 
 
 def test_a_kept_parse_is_taken_only_for_the_record_it_was_made_of(tmp_path: Path) -> None:
-    """A RECORD read and parsed, its ctime settled (not while racy): kept, and a second scan takes it without parsing
-    (the very parse, where each entry lives worked out the same); kept and read back through the store,
-    the same. Once the RECORD is rewritten to its size with its mtime set back, it is parsed anew."""
+    """A RECORD read and parsed, its ctime settled (not while racy): kept, and a second scan takes it
+    without parsing (the very parse, where each entry lives worked out the same); kept and read back
+    through the store, the same. Once the RECORD is rewritten to its size with its mtime set back, it is
+    parsed anew."""
     from safeinstall.env.distributions import MetadataReader, ParsedRecords, entry_location
     from safeinstall.env.records import parse_record
     from safeinstall.store import parses
@@ -425,3 +426,20 @@ def test_a_kept_parse_is_taken_only_for_the_record_it_was_made_of(tmp_path: Path
     anew = ParsedRecords(first.seen)
     reparsed, _ = MetadataReader(parses=anew).record(record)
     assert reparsed.entries[0].hash is not None and reparsed.entries[0].hash.digest == "B" * 43
+
+
+def test_where_kept_entries_live_is_worked_out_as_entry_location_does() -> None:
+    """Pure: :func:`plain_locations` joins ``site/path`` in bulk and normalises only the paths a mark
+    shows (a leading "/" or ".", "//", "/.", a trailing "/"): the same as :func:`entry_location` for
+    every path made of those pieces."""
+    import itertools
+
+    from safeinstall.env.distributions import entry_location, plain_locations
+    from safeinstall.env.records import RecordEntry
+
+    pieces = ["a", "/", ".", ""]
+    words = sorted({"".join(p) for p in itertools.product(pieces, repeat=4)})
+    for paths in (words, [*words[::-1], "../../../bin/x"], ["a/b", "c"], ["./a"], ["a/"]):
+        entries = [RecordEntry(path, None, None) for path in paths]
+        expected = tuple(entry_location("/s/site", entry) for entry in entries)
+        assert plain_locations("/s/site", entries, paths) == expected

@@ -54,15 +54,34 @@ def entry_location(site: Path | str, entry: RecordEntry) -> str:
     return os.path.normpath(os.path.join(site, path.lstrip("/")))
 
 
-def plain_locations(site: str, paths: list[str], joined: str) -> tuple[str, ...] | None:
-    """Pure: :func:`entry_location` of each of ``paths`` (``joined``: them joined by NUL, which no path
-    holds) where none needs normalising (no leading "/" or ".", no "//" or "/.", no trailing "/"),
-    each checked once over all of them: ``site/path``, without a Python call per path; else None."""
-    if any(mark in joined for mark in ("//", "/.", "\0/", "\0.", "/\0", "\0\0")) or (
-        joined and (joined[0] in "/." or joined[-1] == "/")
-    ):
-        return None
-    return tuple(map(f"{site}/".__add__, paths))
+def plain_locations(site: str, entries: Sequence[RecordEntry], paths: list[str]) -> tuple[str, ...] | None:
+    """Pure: :func:`entry_location` of each entry (``paths``: theirs). Each is ``site/path``, joined
+    without a Python call per entry (vLLM: 61k), but those that need normalising (a leading "/" or
+    ".", a "//" or "/.", a trailing "/"), found by searching all the paths joined by NUL (which no
+    path holds); None where more than :data:`_ODD_PATHS` marks are found."""
+    joined = "\0".join(paths)
+    marks: list[int] = []  # where each mark's path begins to show it: its index counted below
+    for mark in ("//", "/.", "\0/", "\0.", "/\0"):
+        at = joined.find(mark)
+        while at != -1:
+            if len(marks) >= _ODD_PATHS:
+                return None
+            marks.append(at + 1 if mark[0] == "\0" else at)
+            at = joined.find(mark, at + 1)
+    odd: set[int] = set()
+    index = counted = 0
+    for at in sorted(marks):
+        index += joined.count("\0", counted, at)
+        counted = at
+        odd.add(index)
+    if joined[:1] in ("/", "."):
+        odd.add(0)
+    if joined[-1:] == "/":
+        odd.add(len(paths) - 1)
+    located = list(map(f"{site}/".__add__, paths))
+    for index in odd:
+        located[index] = entry_location(site, entries[index])
+    return tuple(located)
 
 
 #: The most of an installed METADATA or INSTALLER that is read (a wheel's are refused beyond the same),
@@ -83,6 +102,9 @@ SCAN_LINES_LIMIT = 1_000_000
 #: A distribution's RECORD problem when it has none.
 NO_RECORD = "missing"
 
+#: The most paths of one RECORD :func:`plain_locations` finds to normalise one by one (scripts'
+#: ``../../../bin/x``); beyond, every path is.
+_ODD_PATHS = 4096
 #: A RECORD's identity as read: device, inode, size, mtime and ctime (ns) of the descriptor read.
 RecordIdentity = tuple[int, int, int, int, int]
 #: A parse is kept only of a RECORD whose ctime is this much older than the moment it was read: a

@@ -97,7 +97,7 @@ def kept_parse(raw: object, path: str) -> KeptParse:
         hashes[index] = None
     entries = tuple(map(_new, repeat(RecordEntry), zip(paths, hashes, sizes, strict=True)))
     record = Record(entries, _problems(problems))
-    located = plain_locations(os.path.dirname(os.path.dirname(path)), paths, joined)
+    located = plain_locations(os.path.dirname(os.path.dirname(path)), entries, paths)
     return KeptParse((dev, ino, size, mtime, ctime), lines, record, located)
 
 
