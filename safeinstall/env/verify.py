@@ -470,8 +470,7 @@ def verify_environment(
 
     ``wheel``: the reference; ``settle_shared`` False: nothing ``shared``; ``vouched``, ``known``,
     ``unchanged``, ``recorded``, ``install_window``, ``anchored_before``: what earlier checks saw;
-    ``installed``, ``expected``, ``listings``: distributions, patches, listings found; ``bytecode``;
-    ``parses``: the RECORDs earlier checks parsed.
+    ``installed``, ``expected``, ``listings``, ``parses``: found, patches, kept parses; ``bytecode``.
     """
     # Named ones are read first, the others (whose files only say what is "extra") while the large
     # files hash; read as every distribution is, or everything is done again in the usual order. The
