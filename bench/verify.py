@@ -296,7 +296,7 @@ def compare(args: argparse.Namespace) -> int:
 
 #: What a check keeps (each emptied before a first run): hashes by identity, the clean distributions,
 #: bytecode judged by identity, the RECORDs found clean (the bench's own state directory, never root's).
-KEPT = ("inodes.bin", "unchanged.json", "bytecode.json", "records.json")
+KEPT = ("inodes.bin", "unchanged.json", "bytecode.json", "records.json", "parses.json")
 
 
 def second_run(python: Path, package: str, rounds: int, state: str) -> int:

@@ -143,14 +143,26 @@ def test_acknowledge_wheel_faults_with_all_acknowledges_every_distributions_at_o
     assert code == 0 and {f["distribution"] for f in doc["data"]["findings"] if f["acknowledged"]} == faults
 
 
-@pytest.mark.parametrize("store", ["anchors", "wheelfaults", "records", "bytecode"])
+@pytest.mark.parametrize("store", ["anchors", "wheelfaults", "records", "bytecode", "parses"])
 def test_every_store_begins_with_its_version_its_environment_and_its_part_checked(store: str) -> None:
     """One preamble (``store_part``) for the stores root keeps of an environment: another version's,
     another environment's (or boot's) store, or one without its part, is damaged (ValueError)."""
-    from safeinstall.store import anchors, bytecode, records, wheelfaults
+    from safeinstall.store import anchors, bytecode, parses, records, wheelfaults
 
-    module = {"anchors": anchors, "wheelfaults": wheelfaults, "records": records, "bytecode": bytecode}[store]
-    part = {"anchors": "anchors", "wheelfaults": "faults", "records": "records", "bytecode": "entries"}[store]
+    module = {
+        "anchors": anchors,
+        "wheelfaults": wheelfaults,
+        "records": records,
+        "bytecode": bytecode,
+        "parses": parses,
+    }[store]
+    part = {
+        "anchors": "anchors",
+        "wheelfaults": "faults",
+        "records": "records",
+        "bytecode": "entries",
+        "parses": "records",
+    }[store]
     empty: Any = [] if store in ("wheelfaults", "bytecode") else {}
     good = {"version": module.STORE_VERSION, "prefix": "/p", "boot": "b", part: empty}
 
@@ -343,3 +355,94 @@ def test_a_listing_stands_only_for_the_directory_still_there_unchanged(tmp_path:
     time.sleep(0.01)
     (top / "a" / "z.py").write_text("")
     assert walk_listed(listings, str(top), seen=seen) is None
+
+
+def test_a_record_rewritten_to_its_size_with_its_mtime_set_back_after_its_parse_was_kept_is_read_anew(
+    env: Path, tmp_path: Path
+) -> None:
+    """The checks keep each RECORD's parse by its identity (``parses.json``). The owner then edits a
+    module to the same size and rewrites its RECORD line to match (the RECORD's size unchanged too),
+    both mtimes set back: the RECORD's ctime moved, so it is parsed anew, and the file is reported
+    ``record-changed`` (a kept parse taken by size and mtime would say ``modified`` against the old
+    line)."""
+    state, site = tmp_path / "state", _site(env)
+    _settle(env)
+    dist_info = next(site.glob("sipure-*.dist-info"))
+    module, record = site / "sipure" / "cli.py", dist_info / "RECORD"
+    for _ in range(2):  # the first keeps the parse, the second takes it
+        assert _check(env, state)[0] == 0
+        kept = _kept(env, state, "parses.json")["records"][str(record)]
+        assert kept[0][1] == record.lstat().st_ino and "sipure/cli.py" in kept[2]
+    before = {path: path.lstat() for path in (module, record)}
+    old = module.read_bytes()
+    module.write_bytes(b"#" * len(old))
+    digest = wheelhouse.record_digest(module.read_bytes())
+    lines = record.read_text().splitlines()
+    record.write_text(
+        "".join(
+            f"sipure/cli.py,sha256={digest},{len(old)}\n"
+            if line.startswith("sipure/cli.py,")
+            else line + "\n"
+            for line in lines
+        )
+    )
+    for path, info in before.items():
+        os.utime(path, ns=(info.st_atime_ns, info.st_mtime_ns))
+        assert path.lstat().st_size == info.st_size
+    code, doc = _check(env, state)
+    assert code == 1 and _drift(doc) == {("record-changed", str(module))}, doc["data"]["findings"]
+
+
+def test_a_kept_parse_is_taken_only_for_the_record_it_was_made_of(tmp_path: Path) -> None:
+    """A RECORD read and parsed, its ctime settled (not while racy): kept, and a second scan takes it
+    without parsing (the very parse, where each entry lives worked out the same); kept and read back
+    through the store, the same. Once the RECORD is rewritten to its size with its mtime set back, it is
+    parsed anew."""
+    from safeinstall.env.distributions import MetadataReader, ParsedRecords, entry_location
+    from safeinstall.env.records import parse_record
+    from safeinstall.store import parses
+
+    site = tmp_path / "site"
+    record = site / "demo-1.dist-info" / "RECORD"
+    record.parent.mkdir(parents=True)
+    text = "demo/__init__.py,sha256=" + "A" * 43 + ",5\n../../bin/demo,,\ndemo-1.dist-info/RECORD,,\n"
+    record.write_text(text)
+    racy = ParsedRecords({})
+    MetadataReader(parses=racy).record(record)
+    assert racy.new == 0 and not racy.seen  # its ctime within 2 s of the read: not kept
+    while time.time_ns() <= record.lstat().st_ctime_ns + GRANULARITY_NS:
+        time.sleep(0.1)
+    first = ParsedRecords({})
+    parsed, problem = MetadataReader(parses=first).record(record)
+    assert problem is None and parsed == parse_record(text) and first.new == 1
+    for kept in (first.seen, parses.from_json(parses.to_json(str(tmp_path), first.seen), str(tmp_path))):
+        again = ParsedRecords(kept)
+        reader = MetadataReader(parses=again)
+        taken, _ = reader.record(record)
+        assert again.new == 0 and taken is kept[str(record)].record and taken == parsed
+        located = reader.locations(record, taken, str(site))
+        assert located == tuple(entry_location(site, entry) for entry in parsed.entries)
+    info = record.lstat()
+    record.write_text(text.replace("A" * 43, "B" * 43))
+    os.utime(record, ns=(info.st_atime_ns, info.st_mtime_ns))
+    assert record.lstat().st_size == info.st_size and record.lstat().st_mtime_ns == info.st_mtime_ns
+    anew = ParsedRecords(first.seen)
+    reparsed, _ = MetadataReader(parses=anew).record(record)
+    assert reparsed.entries[0].hash is not None and reparsed.entries[0].hash.digest == "B" * 43
+
+
+def test_where_kept_entries_live_is_worked_out_as_entry_location_does() -> None:
+    """Pure: :func:`plain_locations` joins ``site/path`` in bulk and normalises only the paths a mark
+    shows (a leading "/" or ".", "//", "/.", a trailing "/"): the same as :func:`entry_location` for
+    every path made of those pieces."""
+    import itertools
+
+    from safeinstall.env.distributions import entry_location, plain_locations
+    from safeinstall.env.records import RecordEntry
+
+    pieces = ["a", "/", ".", ""]
+    words = sorted({"".join(p) for p in itertools.product(pieces, repeat=4)})
+    for paths in (words, [*words[::-1], "../../../bin/x"], ["a/b", "c"], ["./a"], ["a/"]):
+        entries = [RecordEntry(path, None, None) for path in paths]
+        expected = tuple(entry_location("/s/site", entry) for entry in entries)
+        assert plain_locations("/s/site", entries, paths) == expected

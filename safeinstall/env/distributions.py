@@ -6,7 +6,9 @@ import difflib
 import errno
 import io
 import os
-from collections.abc import Collection, Sequence
+import stat
+import time
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +18,7 @@ from safeinstall.env.drift import own_roots
 from safeinstall.env.environment import Environment, distribution_sites
 from safeinstall.env.records import Record, RecordEntry, count_lines, parse_record
 from safeinstall.errors import RecordError, UnknownDistributionError
-from safeinstall.system.safefs import read_small
+from safeinstall.system.safefs import read_small, read_small_unless
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +54,36 @@ def entry_location(site: Path | str, entry: RecordEntry) -> str:
     return os.path.normpath(os.path.join(site, path.lstrip("/")))
 
 
+def plain_locations(site: str, entries: Sequence[RecordEntry], paths: list[str]) -> tuple[str, ...] | None:
+    """Pure: :func:`entry_location` of each entry (``paths``: theirs). Each is ``site/path``, joined
+    without a Python call per entry (vLLM: 61k), but those that need normalising (a leading "/" or
+    ".", a "//" or "/.", a trailing "/"), found by searching all the paths joined by NUL (which no
+    path holds); None where more than :data:`_ODD_PATHS` marks are found."""
+    joined = "\0".join(paths)
+    marks: list[int] = []  # where each mark's path begins to show it: its index counted below
+    for mark in ("//", "/.", "\0/", "\0.", "/\0"):
+        at = joined.find(mark)
+        while at != -1:
+            if len(marks) >= _ODD_PATHS:
+                return None
+            marks.append(at + 1 if mark[0] == "\0" else at)
+            at = joined.find(mark, at + 1)
+    odd: set[int] = set()
+    index = counted = 0
+    for at in sorted(marks):
+        index += joined.count("\0", counted, at)
+        counted = at
+        odd.add(index)
+    if joined[:1] in ("/", "."):
+        odd.add(0)
+    if joined[-1:] == "/":
+        odd.add(len(paths) - 1)
+    located = list(map(f"{site}/".__add__, paths))
+    for index in odd:
+        located[index] = entry_location(site, entries[index])
+    return tuple(located)
+
+
 #: The most of an installed METADATA or INSTALLER that is read (a wheel's are refused beyond the same),
 #: of an installed entry_points.txt (the largest on PyPI are tens of KiB; read for each distribution,
 #: and how many there are is the environment owner's choice), and of a RECORD (torch's is 2 MB)
@@ -70,6 +102,55 @@ SCAN_LINES_LIMIT = 1_000_000
 #: A distribution's RECORD problem when it has none.
 NO_RECORD = "missing"
 
+#: The most paths of one RECORD :func:`plain_locations` finds to normalise one by one (scripts'
+#: ``../../../bin/x``); beyond, every path is.
+_ODD_PATHS = 4096
+#: A RECORD's identity as read: device, inode, size, mtime and ctime (ns) of the descriptor read.
+RecordIdentity = tuple[int, int, int, int, int]
+#: A parse is kept only of a RECORD whose ctime is this much older than the moment it was read: a
+#: write just after the read could leave the same coarse ctime (the verified-inode store's rule).
+SETTLED_NS = 2_000_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class KeptParse:
+    """A RECORD as an earlier check parsed it: its identity then, its line count (the scan's limit
+    counts them), and what it lists."""
+
+    identity: RecordIdentity
+    lines: int
+    record: Record
+    #: where each entry lives (:func:`entry_location`), when worked out as it was read back
+    locations: tuple[str, ...] | None = None
+
+
+class ParsedRecords:
+    """The RECORDs earlier checks parsed (by the RECORD's path), believed for a RECORD whose identity
+    (device, inode, size, mtime, ctime) is the same now; what this check parsed anew (``fresh``). A
+    RECORD rewritten since, even to the same size with its mtime set back, has another ctime: parsed
+    again. ``seen``: this check's, taken or parsed anew (``new``: how many parsed anew). docs/verify.md."""
+
+    __slots__ = ("kept", "new", "seen", "use")
+
+    def __init__(self, kept: Mapping[str, KeptParse], use: bool = True) -> None:
+        self.kept = kept
+        self.use = use  # False (``--full``): every RECORD read, the parses kept anew
+        self.seen: dict[str, KeptParse] = {}
+        self.new = 0
+
+    def known(self, path: str) -> KeptParse | None:
+        return self.kept.get(path) if self.use else None
+
+    def parsed(
+        self, path: str, info: os.stat_result | None, lines: int, record: Record, read_ns: int
+    ) -> None:
+        """A RECORD read and parsed now (``info``: its descriptor's fstat, unchanged over the read; None
+        when it moved): kept when its ctime settled before ``read_ns``, the clock read before it."""
+        if info is not None and info.st_ctime_ns + SETTLED_NS <= read_ns:
+            identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+            self.seen[path] = KeptParse(identity, lines, record)
+            self.new += 1
+
 
 class MetadataReader:
     """Reads one environment's ``.dist-info`` files for one scan: only a regular file within its limit that
@@ -77,33 +158,87 @@ class MetadataReader:
     owner can add RECORDs without end.
     """
 
-    __slots__ = ("account", "left", "lines_left")
+    __slots__ = ("account", "left", "lines_left", "parses")
 
     def __init__(
-        self, account: tuple[int, int] | None = None, total: int = SCAN_LIMIT, lines: int = SCAN_LINES_LIMIT
+        self,
+        account: tuple[int, int] | None = None,
+        total: int = SCAN_LIMIT,
+        lines: int = SCAN_LINES_LIMIT,
+        parses: ParsedRecords | None = None,
     ) -> None:
         self.account = account
         self.left = total
         self.lines_left = lines
+        self.parses = parses
 
     @classmethod
-    def of(cls, env: Environment) -> MetadataReader:
-        """A reader for one scan of ``env``, as its owner (the limits as they are now)."""
-        return cls(env.account.ids if env.account is not None else None, SCAN_LIMIT, SCAN_LINES_LIMIT)
+    def of(cls, env: Environment, parses: ParsedRecords | None = None) -> MetadataReader:
+        """A reader for one scan of ``env``, as its owner (the limits as they are now); ``parses``: the
+        RECORDs earlier checks parsed."""
+        ids = env.account.ids if env.account is not None else None
+        return cls(ids, SCAN_LIMIT, SCAN_LINES_LIMIT, parses)
 
     def record(self, path: Path) -> tuple[Record, str | None]:
-        """A RECORD parsed, or an empty one and why it could not be read (:data:`NO_RECORD`: there is
-        none). Its lines are counted before they are split (RecordError beyond the scan's limit)."""
+        """A RECORD parsed (or as an earlier check parsed it, its identity unchanged), or an empty one and
+        why it could not be read (:data:`NO_RECORD`: there is none). Its lines are counted before they
+        are split (RecordError beyond the scan's limit)."""
+        if self.parses is not None:
+            return self._record_kept(path, self.parses)
         text, problem = self.text_or_why(path, RECORD_LIMIT)
         if text is None:
             return parse_record(""), problem
+        return parse_record(self._count(path, text)), None
+
+    def locations(self, path: Path, record: Record, site: str) -> tuple[str, ...]:
+        """Where each entry of ``record`` (the RECORD at ``path``, as :meth:`record` gave it) lives."""
+        kept = None if self.parses is None else self.parses.seen.get(os.fspath(path))
+        if kept is not None and kept.record is record and kept.locations is not None:
+            return kept.locations
+        return tuple(entry_location(site, entry) for entry in record.entries)
+
+    def _count(self, path: Path, text: str) -> str:
         lines = count_lines(text)
         if lines > self.lines_left:
             raise _over_the_scan(
                 path, f"the RECORDs in {path.parent.parent} list more than {SCAN_LINES_LIMIT} files"
             )
         self.lines_left -= lines
-        return parse_record(text), None
+        return text
+
+    def _record_kept(self, path: Path, parses: ParsedRecords) -> tuple[Record, str | None]:
+        """:meth:`record`, a kept parse taken where the descriptor's identity is the one kept (checked as a
+        read is: a regular file its owner may read, within the limits, its bytes and lines counted)."""
+        key = os.fspath(path)
+        kept = parses.known(key)
+        allowed = min(RECORD_LIMIT, self.left)
+
+        def known(info: os.stat_result) -> bool:
+            identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+            return kept is not None and identity == kept.identity and kept.lines <= self.lines_left
+
+        read_ns = time.time_ns()  # before the fstat: a ctime settled by then is kept
+        try:
+            data, info = read_small_unless(path, allowed, self.account, known)
+        except FileNotFoundError:
+            return parse_record(""), NO_RECORD
+        except OSError as exc:
+            if exc.errno == errno.EFBIG and allowed < RECORD_LIMIT:
+                what = f"the .dist-info files in {path.parent.parent} hold more than {SCAN_LIMIT} bytes"
+                raise _over_the_scan(path, what) from exc
+            return parse_record(""), exc.strerror or str(exc)
+        if data is None and kept is not None:
+            self.left -= kept.identity[2]
+            self.lines_left -= kept.lines
+            parses.seen[key] = kept  # still this environment's
+            return kept.record, None
+        assert data is not None
+        self.left -= len(data)
+        text = self._count(path, data.decode("utf-8", errors="replace"))
+        record = parse_record(text)
+        if info is not None and stat.S_ISREG(info.st_mode):
+            parses.parsed(key, info, count_lines(text), record, read_ns)
+        return record, None
 
     def text(self, path: Path, limit: int = METADATA_LIMIT) -> str | None:
         """The file's text; None where it could not be read, as for a missing file."""
@@ -219,7 +354,7 @@ def load_distribution(dist_info: Path, reader: MetadataReader | None = None) -> 
             reader.text(dist_info / "entry_points.txt", ENTRY_POINTS_LIMIT)
         ),
         installer=installer.strip() if installer else None,
-        locations=tuple(entry_location(site_text, entry) for entry in record.entries),
+        locations=reader.locations(dist_info / "RECORD", record, site_text),
         requires=metadata_values(metadata, "Requires-Dist"),
         record_problem=record_problem,
     )

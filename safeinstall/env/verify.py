@@ -22,6 +22,7 @@ from safeinstall.env.distributions import (
     NO_RECORD,
     InstalledDistribution,
     MetadataReader,
+    ParsedRecords,
     dist_info_name,
     egg_info_paths,
     find_distribution,
@@ -463,19 +464,20 @@ def verify_environment(
     install_window: Callable[[InstalledDistribution, int | None], tuple[int, int] | None] | None = None,
     anchored_before: Callable[[InstalledDistribution], bool] | None = None,
     listings: Walked | None = None,
+    parses: ParsedRecords | None = None,
 ) -> VerifyReport:
     """Verify the named distributions (or all, with ``names=None``) of ``env``. docs/verify.md.
 
     ``wheel``: the reference; ``settle_shared`` False: nothing ``shared``; ``vouched``, ``known``,
     ``unchanged``, ``recorded``, ``install_window``, ``anchored_before``: what earlier checks saw;
-    ``installed``, ``expected``, ``listings``: distributions, patches, listings found; ``bytecode``.
+    ``installed``, ``expected``, ``listings``, ``parses``: found, patches, kept parses; ``bytecode``.
     """
     # Named ones are read first, the others (whose files only say what is "extra") while the large
     # files hash; read as every distribution is, or everything is done again in the usual order. The
     # named ones and the plans (torch: 12k RECORD entries, 12k expectations) are built with the cycle
     # collector paused: reading a distribution makes no cycles (a test checks), or the environment's
     # owner could keep root's memory growing with as many as it likes.
-    reader = MetadataReader.of(env)  # one scan: its limits cover the named ones and the others
+    reader = MetadataReader.of(env, parses)  # one scan: its limits cover the named ones and the others
     with cycle_collection_paused():
         early = find_named(env, names, reader) if installed is None and names is not None else None
     found: list[InstalledDistribution] = []
@@ -483,7 +485,7 @@ def verify_environment(
         selected = early
     else:
         with cycle_collection_paused(frozen=True):  # every RECORD entry (61k on vLLM), no cycle
-            found = list(installed) if installed is not None else find_distributions(env)
+            found = list(installed) if installed is not None else find_distributions(env, reader=reader)
         selected = found if names is None else [find_distribution(env, name, found) for name in names]
     if wheel is not None and (len(selected) != 1 or selected[0].name != wheel.name):
         raise WheelError(
@@ -585,6 +587,7 @@ def verify_environment(
             install_window,
             anchored_before,
             listings,
+            parses,
         )
     reports: list[DistributionReport] = []
     baseline = "record" if wheel is None else "wheel"

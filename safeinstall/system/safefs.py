@@ -15,7 +15,7 @@ import re
 import stat
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -284,6 +284,20 @@ def read_small(path: Path, limit: int, reader: tuple[int, int] | None = None) ->
     INSTALLER): a FIFO or a device is refused without blocking, a file larger than ``limit`` before it
     is read, and with ``reader`` (uid, gid) a file that account could not read itself (a symlink the
     environment's owner made to a file of root's). Raises OSError."""
+    data, _info = read_small_unless(path, limit, reader, None)
+    assert data is not None  # nothing is known without reading it
+    return data
+
+
+def read_small_unless(
+    path: Path,
+    limit: int,
+    reader: tuple[int, int] | None,
+    known: Callable[[os.stat_result], bool] | None,
+) -> tuple[bytes | None, os.stat_result | None]:
+    """:func:`read_small`, checked the same way; None for the bytes, unread, where ``known`` says what
+    the descriptor's ``fstat`` shows is already known. With the bytes: the ``fstat`` taken before the
+    read when it is unchanged after it (else None: its identity cannot stand for the bytes read)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         info = os.fstat(fd)
@@ -293,6 +307,8 @@ def read_small(path: Path, limit: int, reader: tuple[int, int] | None = None) ->
             raise PermissionError(errno.EACCES, f"uid {reader[0]} may not read it", str(path))
         if info.st_size > limit:
             raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
+        if known is not None and known(info):
+            return None, info
         chunks: list[bytes] = []
         size = 0
         while chunk := os.read(fd, min(1 << 20, limit + 1 - size)):
@@ -300,9 +316,15 @@ def read_small(path: Path, limit: int, reader: tuple[int, int] | None = None) ->
             size += len(chunk)
             if size > limit:  # it grew since the fstat
                 raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
-        return b"".join(chunks)
+        after = os.fstat(fd) if known is not None else info
+        unmoved = _identity(after) == _identity(info) and size == info.st_size
+        return b"".join(chunks), info if unmoved else None
     finally:
         os.close(fd)
+
+
+def _identity(info: os.stat_result) -> tuple[int, int, int, int, int]:
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 
 def open_directory(path: Path) -> int:

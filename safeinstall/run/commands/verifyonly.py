@@ -40,12 +40,15 @@ def verify_kept(
     ``wheel-fault`` found is kept as acknowledged (:mod:`safeinstall.store.wheelfaults`).
     """
     from safeinstall.env.bytecode import Anchor, anchored_window, keepable, known_checker
+    from safeinstall.env.distributions import ParsedRecords
+    from safeinstall.env.hashing import cycle_collection_paused
     from safeinstall.env.inodetrust import GRANULARITY_NS
     from safeinstall.env.recorded import RecordCheck
     from safeinstall.env.unchanged import prover, unchanged_entry
     from safeinstall.store.anchors import keep_anchors, read_anchors
     from safeinstall.store.bytecode import keep_judged, read_judged
     from safeinstall.store.inodestore import ctime_kept, filesystems, keep, read_store, store_checker
+    from safeinstall.store.parses import keep_parses, read_parses
     from safeinstall.store.records import keep_records, read_records
     from safeinstall.store.state import state_root
     from safeinstall.store.unchanged import keep_unchanged, read_unchanged
@@ -78,6 +81,10 @@ def verify_kept(
     known_pyc = None if judged is None or full else known_checker({k: j for k, (j, _) in judged.items()})
     anchors, note = read_anchors(root, env.prefix)
     notes.extend([note] if note else [])
+    with cycle_collection_paused(frozen=True):  # every kept RECORD entry (61k on vLLM), no cycle
+        kept_parses, note = read_parses(root, env.prefix)
+    notes.extend([note] if note else [])
+    parses = None if kept_parses is None else ParsedRecords(kept_parses, use=not full)
     fresh_anchors: dict[str, Anchor] = {}
 
     def install_window(dist: InstalledDistribution, earliest: int | None) -> tuple[int, int] | None:
@@ -111,7 +118,13 @@ def verify_kept(
         install_window=None if full else install_window,
         anchored_before=lambda dist: anchors is not None and anchor_key(dist) in anchors,  # --full too
         listings=walked if isinstance(walked, Walked) else None,
+        parses=parses,
     )
+    if parses is not None and (parses.new or set(parses.seen) != set(parses.kept)):
+        fs_kept = ctime_kept({})
+        seen = {path: p for path, p in parses.seen.items() if fs_kept(p.identity[0], path)}
+        note = keep_parses(root, env.prefix, seen if names is None else {**parses.kept, **seen})
+        notes.extend([note] if note else [])
     note = keep_anchors(root, env.prefix, anchors, fresh_anchors)
     notes.extend([note] if note else [])
     clean_now = {os.fspath(d.dist_info) for d in report.clean} | set(report.proven)
