@@ -402,6 +402,13 @@ def mount_of(fd: int) -> int | None:
     return None
 
 
+def at_or_below(path: str, top: str) -> bool:
+    """Pure: ``path`` is ``top`` or lies below it, lexically (for trees named by ``/`` paths that are not
+    the filesystem's, such as cgroups; a filesystem path asks ``env/containment``)."""
+    top = top.rstrip("/")
+    return path == top or path.startswith(top + "/")
+
+
 def mounts_below(path: Path) -> list[str]:
     """Mount points strictly below ``path`` (absolute), from ``/proc/self/mountinfo``."""
     base = os.path.join(os.fspath(path), "")

@@ -24,6 +24,7 @@ from safeinstall.errors import SystemdError
 from safeinstall.system import children
 from safeinstall.system.cgroups import parse_proc_cgroup, valid_unit_name
 from safeinstall.system.identity import ProcessId, read_stat
+from safeinstall.system.safefs import at_or_below
 
 #: Properties :meth:`Systemd.show` asks for, in one ``systemctl show`` call.
 SHOW_PROPERTIES: tuple[str, ...] = (
@@ -420,8 +421,7 @@ def open_main_pidfd(pid: int, control_group: str | None, proc: Path = Path("/pro
         except OSError:
             raw = b""
         path = parse_proc_cgroup(raw.decode("utf-8", "surrogateescape"))
-        group = control_group.rstrip("/")
-        inside = path is not None and (path == group or path.startswith(group + "/"))
+        inside = path is not None and at_or_below(path, control_group)
         keep = inside and not process_exited(pidfd)  # still the process the pidfd holds: the read was of it
     finally:
         if not keep:
