@@ -618,6 +618,11 @@ VALUE_ATTACKS = {
         "--health-url http://a b/: a URL has no spaces, control or non-ASCII characters "
         "(percent-encode them)",
     ),
+    "health-url-newline": (  # refused, and said on one line (urlsplit would drop the newline)
+        ["--health-url", "http://127.0.0.1\n:8000/"],
+        "--health-url http://127.0.0.1\\x0a:8000/: a URL has no spaces, control or non-ASCII characters "
+        "(percent-encode them)",
+    ),
     "health-timeout-zero": (  # no answer can come in 0 s: the run stopped the units, then rolled back
         ["--health-url", "http://127.0.0.1:9/health", "--health-timeout", "0"],
         "--health-timeout 0: seconds must be a finite number more than 0",

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from safeinstall.errors import UsageError
+from safeinstall.errors import UsageError, one_line
 
 #: A valid distribution name (PEP 508) and nothing else: such a PACKAGE needs no requirement parser.
 PLAIN_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
@@ -160,7 +160,7 @@ def option_problems(options: RunOptions) -> list[OptionProblem]:
     if options.health_url is not None and (wrong := health_url_problem(options.health_url)):
         problems.append(
             OptionProblem(
-                f"--health-url {options.health_url}: {wrong}",
+                f"--health-url {one_line(options.health_url)}: {wrong}",
                 "e.g. --health-url http://127.0.0.1:8000/health",
             )
         )
