@@ -18,6 +18,13 @@ class ExitCode(IntEnum):
     WHEEL_FAULT = 5
 
 
+def one_line(value: object) -> str:
+    """Pure: a value the operator gave, as a message shows it: its newlines and tabs as ``\\x0a`` and
+    ``\\x09`` (as other control characters are shown), so it never splits the ``error:`` line (a
+    message's own line breaks, uv's output, are kept)."""
+    return str(value).replace("\t", "\\x09").replace("\n", "\\x0a")
+
+
 class SafeInstallError(Exception):
     """Base of all errors safeinstall reports to the user (never as a traceback). Every error reported
     has a hint, never empty, saying what to do next (:attr:`advice`): the raiser's ``hint``, else

@@ -709,3 +709,14 @@ def test_nothing_between_the_cli_and_the_commands_is_typed_any() -> None:
         else:
             found += _any_in(value, name, seen)
     assert not found, found
+
+
+def test_the_review_wordings_read_as_english() -> None:
+    """A new-user review: "--undo takes no a version", and --discard's help said its "backup's run"
+    went (the prepare's backup is kept with the others)."""
+    undo = run("vllm==1", "--undo")
+    assert undo.code == 2 and undo.stderr.startswith(
+        "error: --undo takes no version (vllm==1): it puts back what the run it undoes replaced\n"
+    ), undo.stderr
+    shown = " ".join(run("--help", env={**os.environ, "COLUMNS": "400"}).stdout.split())
+    assert "its staging tree, uv cache, wheel copy and journal (its backup is kept with the others)" in shown

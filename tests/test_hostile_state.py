@@ -26,6 +26,7 @@ import pytest
 
 from safeinstall.env.environment import inspect_environment
 from safeinstall.errors import StepFailed
+from safeinstall.run.parts.options import RunOptions, option_problems
 from safeinstall.store.journal import JournalUnit, Phase, advance, journal_to_dict, new_journal
 from safeinstall.store.state import environment_key
 from safeinstall.system.health import wait_healthy
@@ -585,7 +586,7 @@ VALUE_ATTACKS = {
     ),
     "health-timeout-nan": (
         ["--health-url", "http://127.0.0.1:9/health", "--health-timeout", "nan"],
-        "--health-timeout nan: seconds must be a finite number, 0 or more",
+        "--health-timeout nan: seconds must be a finite number more than 0",
     ),
     "keep-backups-negative": (
         ["--keep-backups", "-1"],
@@ -594,6 +595,41 @@ VALUE_ATTACKS = {
     "health-url-file": (
         ["--health-url", "file:///etc/shadow"],
         "--health-url file:///etc/shadow: only http:// and https:// URLs with a host are asked",
+    ),
+    # a new-user review: each passed, or was an internal error; a real run stopped the units first
+    "health-url-port-too-large": (
+        ["--health-url", "http://127.0.0.1:99999/"],
+        "--health-url http://127.0.0.1:99999/: its port must be a number 1-65535",
+    ),
+    "health-url-port-not-a-number": (
+        ["--health-url", "http://127.0.0.1:abc/"],
+        "--health-url http://127.0.0.1:abc/: its port must be a number 1-65535",
+    ),
+    "health-url-ipv6-unclosed": (
+        ["--health-url", "http://[::1/"],
+        "--health-url http://[::1/: not a URL (Invalid IPv6 URL)",
+    ),
+    "health-url-ipv6-not-an-address": (
+        ["--health-url", "http://[zz]/"],
+        "--health-url http://[zz]/: not a URL ('zz' does not appear to be an IPv4 or IPv6 address)",
+    ),
+    "health-url-space": (
+        ["--health-url", "http://a b/"],
+        "--health-url http://a b/: a URL has no spaces, control or non-ASCII characters "
+        "(percent-encode them)",
+    ),
+    "health-url-newline": (  # refused, and said on one line (urlsplit would drop the newline)
+        ["--health-url", "http://127.0.0.1\n:8000/"],
+        "--health-url http://127.0.0.1\\x0a:8000/: a URL has no spaces, control or non-ASCII characters "
+        "(percent-encode them)",
+    ),
+    "health-timeout-zero": (  # no answer can come in 0 s: the run stopped the units, then rolled back
+        ["--health-url", "http://127.0.0.1:9/health", "--health-timeout", "0"],
+        "--health-timeout 0: seconds must be a finite number more than 0",
+    ),
+    "smoke-timeout-zero": (
+        ["--smoke-timeout", "0"],
+        "--smoke-timeout 0: seconds must be a finite number more than 0",
     ),
 }
 
@@ -616,6 +652,21 @@ def test_values_are_refused_before_anything(
     if name.startswith("stop-timeout"):
         assert "TimeoutStopSec" in hint
     assert not state.exists()  # nothing was touched, not even the state directory
+
+
+def test_a_timeout_that_could_never_pass_is_refused_and_0_elsewhere_is_kept() -> None:
+    """A new-user review: 0 s of --health-timeout, --smoke-timeout or --prepared-max-age can never
+    pass (the run stopped the units, then rolled back); --settle 0 and --gpu-timeout 0 (no wait) can."""
+
+    def said(**given: Any) -> list[str]:
+        return [p.message for p in option_problems(RunOptions(package="x", **given))]
+
+    assert said(settle=0.0, gpu_timeout=0.0) == []
+    assert said(prepared_max_age=0.0) == ["--prepared-max-age 0: seconds must be a finite number more than 0"]
+    assert said(health_timeout=0.0, smoke_timeout=-1.0) == [
+        "--health-timeout 0: seconds must be a finite number more than 0",
+        "--smoke-timeout -1: seconds must be a finite number more than 0",
+    ]
 
 
 class _Health(http.server.BaseHTTPRequestHandler):

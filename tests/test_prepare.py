@@ -60,6 +60,9 @@ def test_prepare_then_commit(bed: Bed) -> None:
     # a plain run waits for it: nothing else runs there
     other = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--json")
     assert other.code == 2 and "prepared run" in other.stdout, other.stdout
+    # and their dry runs say the same refusal (a new-user review: they said would-proceed, exit 0)
+    dry = bed.cli("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--dry-run", "--json")
+    assert dry.code == 2 and dry.json["errors"] == other.json["errors"], dry.stdout
     _untouched(bed, name, main)
 
     committed = bed.safeinstall("--commit", "--settle", "0.5", "--json")

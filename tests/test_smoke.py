@@ -122,6 +122,14 @@ def test_a_package_that_raises_at_import_is_refused_before_the_stop(bed: Bed) ->
     assert "nothing was stopped" in refused["errors"][0]["hint"]
 
 
+def test_a_check_that_ran_too_long_says_to_raise_smoke_timeout(bed: Bed) -> None:
+    """A new-user review: a check ended at ``--smoke-timeout`` gave a hint that did not name it."""
+    unit = bed.service("smoke-slow")
+    refused = _refused_before_the_stop(bed, unit, "sicext-2", "--smoke", "sleep 60", "--smoke-timeout", "5")
+    assert "did not finish in 5 s (--smoke-timeout)" in refused["errors"][0]["message"], refused["errors"]
+    assert "a larger --smoke-timeout than 5 s" in refused["errors"][0]["hint"], refused["errors"]
+
+
 def test_a_run_whose_swap_is_dropped_checks_the_new_version_all_the_same(bed: Bed) -> None:
     """uv compiles bytecode into the staging tree (``UV_COMPILE_BYTECODE``): the swap is dropped, so
     the new version lies in no tree of its own; the check lays it out from the run's cache and refuses."""

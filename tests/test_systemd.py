@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from safeinstall.errors import SystemdError
+from safeinstall.run.parts.units import start_units
 from safeinstall.system.cgroups import parse_proc_cgroup, placement_of_proc_cgroup
 from safeinstall.system.systemd import (
     WATCH_SHOW_S,
@@ -323,6 +324,21 @@ def test_show_many_in_one_call_with_unknown(svc: Systemd, units: Units) -> None:
     assert infos[unknown].load_state == "not-found" and not infos[unknown].found
     assert infos[unknown].main_pid is None and infos[unknown].control_group is None
     assert svc.show([]) == {}
+
+
+@pytest.mark.systemd
+def test_a_unit_that_cannot_be_started_keeps_no_other_down(svc: Systemd, units: Units) -> None:
+    """A new-user review: the first unit that could not be started (removed since the stop) ended the
+    loop, so ``--recover`` at boot left the others down. Each is started; the error names each failure."""
+    name = units.service("start-each", "/bin/sleep 1000")
+    gone, also_gone = "si-removed-a.service", "si-removed-b.service"
+    with pytest.raises(SystemdError) as caught:
+        start_units(svc, [gone, name, also_gone])
+    assert gone in caught.value.message and also_gone in caught.value.message, caught.value.message
+    wait_until(lambda: svc.is_active(name), 20, f"{name} started")
+    with pytest.raises(SystemdError) as one:
+        start_units(svc, [gone])
+    assert gone in one.value.message and also_gone not in one.value.message
 
 
 @pytest.mark.systemd

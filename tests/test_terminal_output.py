@@ -135,6 +135,22 @@ def test_a_run_refused_at_preflight_keeps_its_log_in_the_history(sipure_venv: Pa
     assert f"cannot read wheel {missing}" in Path(entry["log_file"]).read_text()
 
 
+def test_a_newline_the_operator_typed_never_splits_the_error_line(sipure_venv: Path, tmp_path: Path) -> None:
+    """A new-user review: a newline in a value typed on the command line (a wheel's path, a run's id)
+    was printed raw, the ``error:`` line split in two; it is shown as ``\\x0a``, as an ESC is."""
+    environ = {**os.environ, "SAFEINSTALL_STATE_DIR": str(tmp_path / "state")}
+    wheel = f"{tmp_path}/a\nb.whl"
+    refused = run("sipure", "--python", str(sipure_venv), "--wheel", wheel, "--dry-run", env=environ)
+    assert refused.code == 2 and refused.stderr.splitlines()[0] == (
+        f"error: cannot read wheel {tmp_path}/a\\x0ab.whl: no such file"
+    ), refused.stderr
+    waited = run("--status", "--wait", "--run", "x\ny", env=environ)
+    assert waited.code == 2 and waited.stderr.splitlines() == [
+        "error: no run x\\x0ay is known here",
+        "hint: safeinstall --status lists the runs",
+    ], waited.stderr
+
+
 def _whole_words(lines: list[str], cells: list[str], width: int) -> None:
     """Every line fits ``width`` (but a line of one word longer than any line), and every word printed
     is a whole word of a cell: none was cut or broken across lines (issue 37)."""

@@ -267,6 +267,14 @@ def test_dry_run_json_shapes_history_and_status_of_an_undo(bed: Bed) -> None:
     again = bed.safeinstall("--undo", "--run", upgrade, "--json")  # the state it left is gone
     assert again.code == 2 and "undone by run" in again.json["errors"][0]["message"]
     assert bed.version() == "1.0"
+    # a prepared run waits: the undo, and its dry run (which said would-proceed), refuse alike
+    prepared = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--prepare", "--json")
+    assert prepared.code == 0, prepared.stdout + prepared.stderr
+    real = bed.safeinstall("--undo", "--json")
+    dry = bed.cli("--undo", "--dry-run", "--json")
+    assert real.code == dry.code == 2 and real.json["errors"][0]["code"] == "journal", real.stdout
+    assert dry.json["errors"] == real.json["errors"], dry.stdout
+    assert bed.safeinstall("--discard").code == 0 and bed.version() == "1.0"
 
 
 def test_undo_takes_no_package_nor_wheel_and_nothing_to_undo_says_so(bed: Bed) -> None:

@@ -35,7 +35,9 @@ def _usage(*modes: str, **given: Any) -> Usage:
         (_usage(show_version=True, given=("show_version", "package"), package="x"), "--version prints"),
         (_usage("--status", "--forget"), "--status and --forget do not go together"),
         (_usage("--dry-run", "--detach", package="x"), "there is nothing to detach"),
-        (_usage(package="x", wait=True), "--wait and --run go with --status"),
+        (_usage(package="x", wait=True), "--wait goes with --status"),
+        # a new-user review: "--wait and --run go with --status", though --run goes with --undo, --forget
+        (_usage("--commit", run="20261202T060000Z-1"), "--run goes with --status --wait, --undo or --forget"),
         (_usage("--dry-run", package="x", metrics_file=True), "--metrics-file goes with"),
         (_usage("--status", wait=True, metrics_file=True), "--metrics-file goes with"),
         (_usage("--recover", package="x"), "--recover takes no PACKAGE"),

@@ -403,7 +403,8 @@ Discard = Annotated[
     bool,
     _flag(
         "--discard",
-        "Drop the environment's prepared run (its staging tree, backup's run, caches, journal).",
+        "Drop the environment's prepared run: its staging tree, uv cache, wheel copy and journal (its "
+        "backup is kept with the others).",
         rich_help_panel=MODES,
     ),
 ]

@@ -206,9 +206,13 @@ def usage_problem(u: Usage) -> UsageError | None:
         return conflict
     status = Mode.STATUS in r.modes
     forget = Mode.FORGET in r.modes
-    if (r.wait or (r.run and Mode.UNDO not in r.modes and not forget)) and not status:
+    if r.wait and not status:
+        return UsageError("--wait goes with --status", hint="safeinstall --status --wait [--run RUN_ID]")
+    if r.run and Mode.UNDO not in r.modes and not forget and not status:
         return UsageError(
-            "--wait and --run go with --status", hint="safeinstall --status --wait [--run RUN_ID]"
+            "--run goes with --status --wait, --undo or --forget",
+            hint="safeinstall --status --wait --run RUN_ID; safeinstall --undo --run RUN_ID; "
+            "safeinstall --forget --python PY --run RUN_ID",
         )
     if forget and r.run and "python" not in u.given:
         return UsageError(

@@ -391,6 +391,10 @@ def service_entry(argv: Sequence[str]) -> Entry:
     return Entry(scripts=scripts, flags=tuple(flags))
 
 
+#: in a child's ``problem`` when it ran past ``--smoke-timeout`` (the hint then says to raise it)
+TIMED_OUT = "(--smoke-timeout)"
+
+
 @dataclass(frozen=True, slots=True)
 class ChildOutcome:
     """One child: what it was, what it answered, and its last lines of standard error."""
@@ -994,7 +998,7 @@ def _run(
     except children.Cancelled:
         return None, CANCELLED
     except subprocess.TimeoutExpired:
-        return None, f"it did not finish in {timeout:g} s (--smoke-timeout); it was ended"
+        return None, f"it did not finish in {timeout:g} s {TIMED_OUT}; it was ended"
     except children.TooMuchOutput as exc:
         return None, f"it was ended: {exc}"
     except OSError as exc:

@@ -39,7 +39,7 @@ from safeinstall.env.distributions import (
 from safeinstall.env.environment import Environment
 from safeinstall.env.hashing import LARGEST_FILE
 from safeinstall.env.records import Record, encode_digest, parse_record
-from safeinstall.errors import WheelError
+from safeinstall.errors import WheelError, one_line
 from safeinstall.system.forking import cpu_count
 from safeinstall.system.safefs import open_regular
 from safeinstall.system.signals import held_while_threads_start
@@ -103,7 +103,7 @@ class Wheel:
 
 def _fail(path: Path, why: str) -> WheelError:
     return WheelError(
-        f"cannot read wheel {path}: {why}",
+        f"cannot read wheel {one_line(path)}: {why}",
         hint="check the path, or download/build the wheel again",
     )
 
@@ -220,7 +220,7 @@ def _check_names(infos: list[zipfile.ZipInfo], path: Path) -> None:
 def _unsafe(path: Path, problems: list[str]) -> WheelError:
     listed = "; ".join(problems[:3]) + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
     return WheelError(
-        f"refusing the wheel {path}: {listed}; nothing was read from or written to those paths",
+        f"refusing the wheel {one_line(path)}: {listed}; nothing was read from or written to those paths",
         hint="a wheel's members must be plain relative paths inside the environment; get the wheel from "
         "a source you trust",
     )

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from safeinstall.env.containment import relative_path
 from safeinstall.env.environment import Account
-from safeinstall.errors import WheelError
+from safeinstall.errors import WheelError, one_line
 from safeinstall.system.safefs import Tree, open_regular, reader_acl
 
 WHEELS_DIR = "wheels"
@@ -47,7 +47,7 @@ def copy_wheel(source: Path, envdir: Path, account: Account | None) -> Path:
         source_fd = open_regular(source)
     except OSError as exc:
         raise WheelError(
-            f"cannot read wheel {source}: {exc.strerror or exc}",
+            f"cannot read wheel {one_line(source)}: {exc.strerror or exc}",
             hint="check the path, or download/build the wheel again",
         ) from exc
     try:
@@ -67,7 +67,8 @@ def copy_wheel(source: Path, envdir: Path, account: Account | None) -> Path:
     except OSError as exc:
         discard_wheel_copy(envdir / directory / source.name, envdir)
         raise WheelError(
-            f"cannot copy the wheel {source} into {envdir}: {exc.strerror or exc}; nothing was changed",
+            f"cannot copy the wheel {one_line(source)} into {envdir}: {exc.strerror or exc}; "
+            "nothing was changed",
             hint=_copy_hint(exc, envdir),
         ) from exc
     finally:

@@ -384,20 +384,27 @@ def write_journal(envdir: Path, journal: Journal) -> None:
         ) from exc
 
 
+def prepared_waits(previous: Journal | None) -> JournalError | None:
+    """Pure: the refusal of any other run (or its dry run) while ``previous`` is a prepared run that
+    waits for --commit or --discard; None when none waits."""
+    if previous is None or previous.phase != Phase.PREPARED:
+        return None
+    which = f"--python {previous.python}" + (" --user" if any(u.user_manager for u in previous.units) else "")
+    return JournalError(
+        f"a prepared run ({previous.run_id}, {previous.package}) waits in {previous.prefix}: "
+        "nothing else runs there until it is committed or discarded",
+        hint=f"safeinstall --commit {which} to go on with it, or safeinstall --discard {which}",
+    )
+
+
 def start_journal(envdir: Path, journal: Journal) -> Journal:
     """Write a new run's journal (see :func:`new_journal`) and return it; refuse while a previous
     run's is there. Call it holding the environment's lock.
     """
     previous = read_journal(envdir)
-    if previous is not None and previous.phase == Phase.PREPARED:
-        which = f"--python {previous.python}" + (
-            " --user" if any(u.user_manager for u in previous.units) else ""
-        )
-        raise JournalError(
-            f"a prepared run ({previous.run_id}, {previous.package}) waits in {previous.prefix}: "
-            "nothing else runs there until it is committed or discarded",
-            hint=f"safeinstall --commit {which} to go on with it, or safeinstall --discard {which}",
-        )
+    waits = prepared_waits(previous)
+    if waits is not None:
+        raise waits
     if previous is not None:
         raise JournalError(
             f"a previous run ({previous.run_id}, PID {previous.pid}, {previous.package}) did not finish: "

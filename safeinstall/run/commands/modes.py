@@ -22,6 +22,7 @@ from safeinstall.errors import (
     SafeInstallError,
     UnknownDistributionError,
     UsageError,
+    one_line,
 )
 from safeinstall.run.parts.options import PLAIN_NAME, Mode, RunOptions, check_options
 from safeinstall.run.parts.output import command_for, envelope, jsonable
@@ -678,7 +679,12 @@ def _undo_choice(request: Request) -> tuple[Environment, str, str]:
     versioned = bool(package) and not PLAIN_NAME.fullmatch(package or "")
     if versioned or wheel is not None or args or others:
         given = " ".join(
-            [*others, *(["--wheel"] if wheel else []), *(["a version"] if versioned else []), *args]
+            [
+                *others,
+                *(["--wheel"] if wheel else []),
+                *([f"version ({one_line(package)})"] if versioned else []),
+                *args,
+            ]
         )
         raise UsageError(
             f"--undo takes no {given}: it puts back what the run it undoes replaced",

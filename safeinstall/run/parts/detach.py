@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from safeinstall.env.environment import Environment
-from safeinstall.errors import Aborted, ExitCode, SafeInstallError, SystemdError, UsageError
+from safeinstall.errors import Aborted, ExitCode, SafeInstallError, SystemdError, UsageError, one_line
 from safeinstall.run.parts.options import Mode, RunOptions
 from safeinstall.store.history import HistoryEntry, read_history
 from safeinstall.store.history import find as find_entry
@@ -294,7 +294,9 @@ def locate(environ_states: list[EnvironmentState], run_id: str | None) -> Enviro
                 return state
             if state.log_file(run_id).exists():
                 return state
-        raise UsageError(f"no run {run_id} is known here", hint="safeinstall --status lists the runs")
+        raise UsageError(
+            f"no run {one_line(run_id)} is known here", hint="safeinstall --status lists the runs"
+        )
     running = [s for s in environ_states if s.journal.exists()]
     if len(running) > 1:
         raise UsageError(

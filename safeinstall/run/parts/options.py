@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from safeinstall.errors import UsageError
+from safeinstall.errors import UsageError, one_line
 
 #: A valid distribution name (PEP 508) and nothing else: such a PACKAGE needs no requirement parser.
 PLAIN_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
@@ -106,18 +106,25 @@ def option_problems(options: RunOptions) -> list[OptionProblem]:
                 "own TimeoutStopSec",
             )
         )
-    timeouts = {
-        "--gpu-timeout": options.gpu_timeout,
-        "--settle": options.settle,
-        "--health-timeout": options.health_timeout,
-        "--smoke-timeout": options.smoke_timeout,
-        "--prepared-max-age": options.prepared_max_age,
-    }
-    for flag, value in timeouts.items():
+    may_be_zero = {"--gpu-timeout": options.gpu_timeout, "--settle": options.settle}
+    for flag, value in may_be_zero.items():
         if not (math.isfinite(value) and value >= 0):
             problems.append(
                 OptionProblem(
                     f"{flag} {value:g}: seconds must be a finite number, 0 or more",
+                    f"give {flag} a number of seconds, or leave it out for its default (safeinstall --help)",
+                )
+            )
+    more_than_zero = {  # 0 s could never pass: no health answer, no smoke check, no prepared run in time
+        "--health-timeout": options.health_timeout,
+        "--smoke-timeout": options.smoke_timeout,
+        "--prepared-max-age": options.prepared_max_age,
+    }
+    for flag, value in more_than_zero.items():
+        if not (math.isfinite(value) and value > 0):
+            problems.append(
+                OptionProblem(
+                    f"{flag} {value:g}: seconds must be a finite number more than 0",
                     f"give {flag} a number of seconds, or leave it out for its default (safeinstall --help)",
                 )
             )
@@ -150,17 +157,32 @@ def option_problems(options: RunOptions) -> list[OptionProblem]:
                 "--keep-backups 1 keeps only the newest backup",
             )
         )
-    if options.health_url is not None:
-        url = urllib.parse.urlsplit(options.health_url)
-        if url.scheme not in ("http", "https") or not url.hostname:
-            problems.append(
-                OptionProblem(
-                    f"--health-url {options.health_url}: "
-                    "only http:// and https:// URLs with a host are asked",
-                    "e.g. --health-url http://127.0.0.1:8000/health",
-                )
+    if options.health_url is not None and (wrong := health_url_problem(options.health_url)):
+        problems.append(
+            OptionProblem(
+                f"--health-url {one_line(options.health_url)}: {wrong}",
+                "e.g. --health-url http://127.0.0.1:8000/health",
             )
+        )
     return problems
+
+
+def health_url_problem(url: str) -> str | None:
+    """Pure: why ``url`` cannot be asked (None: it can). ``urlsplit`` drops tabs and newlines and
+    raises ValueError on a bad ``[...]`` host; a port is only checked when read."""
+    if not url.isascii() or not url.isprintable() or " " in url:
+        return "a URL has no spaces, control or non-ASCII characters (percent-encode them)"
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError as exc:
+        return f"not a URL ({exc})"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "only http:// and https:// URLs with a host are asked"
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0
+    return "its port must be a number 1-65535" if port == 0 else None
 
 
 def check_options(options: RunOptions) -> None:

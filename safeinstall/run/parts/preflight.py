@@ -66,6 +66,7 @@ from safeinstall.store.backup import (
 )
 from safeinstall.store.baseline import read_vouched
 from safeinstall.store.inodestore import read_store, store_checker
+from safeinstall.store.journal import prepared_waits, read_journal
 from safeinstall.store.retention import KeptBackup, drop_said, kept_backups, kept_note
 from safeinstall.store.runlog import human_bytes
 from safeinstall.store.state import (
@@ -171,6 +172,8 @@ def preflight(
     else:
         check_environment_dir(state)
         check_lock(state.lock, str(env.prefix))
+        if not options.commit and (waits := prepared_waits(read_journal(state.dir))) is not None:
+            raise waits  # the run's own refusal (start_journal), said by its dry run too
     given = options.wheel
     # the wheel's members are hashed on a thread of their own while uv plans (uv's dry run reads only its
     # metadata, and what it says is used only once the wheel passed its checks)

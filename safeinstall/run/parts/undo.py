@@ -16,7 +16,7 @@ from safeinstall.env.distributions import InstalledDistribution, entry_location
 from safeinstall.env.uvplan import UvChange, UvPlan
 from safeinstall.env.verify import VerifyReport
 from safeinstall.env.vouched import file_key
-from safeinstall.errors import SafeInstallError
+from safeinstall.errors import SafeInstallError, one_line
 from safeinstall.scan.plan import Plan
 from safeinstall.store.backup import Backup, BackupError, load_backup
 from safeinstall.store.history import RunSummary, find, read_history
@@ -224,7 +224,7 @@ def choose_run(state: EnvironmentState, run_id: str | None) -> Undoable:
     else:
         chosen = next((r for r in runs if r.run_id == run_id), None)
         if chosen is None:
-            raise UndoError(f"the environment's history has no run {run_id}", hint=_which_can(runs))
+            raise UndoError(f"the environment's history has no run {one_line(run_id)}", hint=_which_can(runs))
     if chosen.reason is not None:
         raise UndoError(f"run {chosen.run_id} cannot be undone: {chosen.reason}", hint=_which_can(runs))
     return chosen

@@ -90,10 +90,20 @@ def stop_units(
 
 
 def start_units(systemd: Systemd, units: Sequence[str]) -> dict[str, UnitInfo]:
-    """Start ``units``: their state before the start (what :func:`wait_settled` compares with)."""
+    """Start ``units``: their state before the start (what :func:`wait_settled` compares with). Each
+    is started even when one before could not be (a removed unit keeps no other down); then the error
+    of the one that failed, or one naming each (the first's class and hint)."""
     befores = systemd.show(units)
+    failed: list[SafeInstallError] = []
     for unit in units:
-        systemd.start(unit)
+        try:
+            systemd.start(unit)
+        except SafeInstallError as exc:
+            failed.append(exc)
+    if len(failed) > 1:
+        raise type(failed[0])("; ".join(e.message for e in failed), hint=failed[0].hint) from failed[0]
+    if failed:
+        raise failed[0]
     return befores
 
 

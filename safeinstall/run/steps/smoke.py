@@ -422,10 +422,12 @@ def _conclude(run: Run, checks: Checks, checked: Checked) -> str:
         if not all(o.ok for o in outcomes):
             failed = [module for o in outcomes for module, _ in o.failed]
             skip = f"--smoke-skip {failed[0]} leaves out a module you know is bad, " if failed else ""
+            slow = any(o.problem and importcheck.TIMED_OUT in o.problem for o in outcomes)
+            longer = f"a larger --smoke-timeout than {run.options.smoke_timeout:g} s, " if slow else ""
             raise PlanError(
                 importcheck.failure_message(outcomes),
                 hint="nothing was stopped: the running version is untouched; fix the new version "
-                f"(if the check is wrong here: {skip}--no-smoke skips the whole check)",
+                f"(if the check is wrong here: {longer}{skip}--no-smoke skips the whole check)",
             )
     finally:
         _undo(run, checks.new, checks.shim, checks.opened)
