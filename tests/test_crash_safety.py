@@ -527,8 +527,11 @@ def test_a_process_that_starts_using_the_package_during_the_downtime(
 
 def test_two_runs_at_once(bed: Bed) -> None:
     name = bed.unit("two")
-    bed.hold_gpu(name, 8.0, "e2")  # keeps the first run in its GPU wait
-    first = bed.start_run("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5")
+    holder = bed.manager.main_pid(name)
+    bed.hold_gpu(name, 900.0, "e2")  # keeps the first run in its GPU wait until the test lets it go
+    first = bed.start_run(
+        "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--gpu-timeout", "900"
+    )
     try:
         bed.wait_phase(first, "stopped", "gpu-released")
         journal_before = bed.journal()
@@ -542,7 +545,8 @@ def test_two_runs_at_once(bed: Bed) -> None:
         status = bed.cli("--status", "--json").json
         assert status["status"] == "running"
         assert status["data"]["environments"][0]["holder"]["pid"] == first.pid
-    finally:
+    finally:  # the first run was live through them all (an 8 s hold was outrun under load): now it goes on
+        bed.nvml.unhold(holder)
         out, err = first.communicate(timeout=120)
     assert first.returncode == 0, out + err
     assert bed.version() == "2.0"
