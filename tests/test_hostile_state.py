@@ -601,6 +601,10 @@ VALUE_ATTACKS = {
         ["--health-url", "http://127.0.0.1:99999/"],
         "--health-url http://127.0.0.1:99999/: its port must be a number 1-65535",
     ),
+    "health-url-token-not-shown": (  # SAFEINSTALL_HEALTH_URL keeps a token off the command line
+        ["--health-url", "http://u:SECRET@127.0.0.1:99999/health?key=SECRET#SECRET"],
+        "--health-url http://127.0.0.1:99999/health: its port must be a number 1-65535",
+    ),
     "health-url-port-not-a-number": (
         ["--health-url", "http://127.0.0.1:abc/"],
         "--health-url http://127.0.0.1:abc/: its port must be a number 1-65535",
@@ -647,6 +651,7 @@ def test_values_are_refused_before_anything(
     )
     assert result.code == 2, result.stdout + result.stderr
     assert error_lines(result) == [f"error: {message}"]
+    assert "SECRET" not in result.stdout + result.stderr  # a token is never said
     hint = result.stderr.splitlines()[-1]
     assert hint.startswith("hint: ") and hint[len("hint: ") :].strip()
     if name.startswith("stop-timeout"):

@@ -160,11 +160,25 @@ def option_problems(options: RunOptions) -> list[OptionProblem]:
     if options.health_url is not None and (wrong := health_url_problem(options.health_url)):
         problems.append(
             OptionProblem(
-                f"--health-url {one_line(options.health_url)}: {wrong}",
+                f"--health-url {health_url_shown(options.health_url)}: {wrong}",
                 "e.g. --health-url http://127.0.0.1:8000/health",
             )
         )
     return problems
+
+
+def health_url_shown(url: str) -> str:
+    """Pure: ``url`` as a usage error says it: without user information, query and fragment, where a
+    token may be (``SAFEINSTALL_HEALTH_URL`` keeps one off the command line), its port as typed."""
+    plain = url.isascii() and url.isprintable() and " " not in url  # urlsplit drops what is not
+    try:
+        parts = urllib.parse.urlsplit(url) if plain else None
+    except ValueError:
+        parts = None
+    if parts is None:
+        return "(not shown: it may hold a token)" if any(c in url for c in "@?#") else one_line(url)
+    netloc = parts.netloc.rpartition("@")[2]
+    return one_line(urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", "")))
 
 
 def health_url_problem(url: str) -> str | None:
