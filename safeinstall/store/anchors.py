@@ -20,10 +20,10 @@ from safeinstall.store.state import (
     StateDirError,
     atomic_write,
     check_trusted,
-    ensure_environment_dir,
     read_private_file,
     store_part,
     trusted_environment_state,
+    write_store,
 )
 
 if TYPE_CHECKING:  # a check reads its anchors without loading the backup's module
@@ -96,9 +96,7 @@ def keep_anchors(
         data = to_json(os.fspath(prefix), {**fresh, **kept})
         if len(data) > STORE_LIMIT:
             return f"the store of install anchors would be larger than {STORE_LIMIT} bytes: not kept"
-        state = trusted_environment_state(root, prefix)
-        ensure_environment_dir(state)
-        atomic_write(state.dir / STORE_NAME, data)
+        write_store(root, prefix, STORE_NAME, data)
     except StateDirError as exc:
         return f"the store of install anchors was not kept: {exc.message}"
     except (OSError, ValueError, UnicodeError) as exc:

@@ -19,11 +19,9 @@ from safeinstall.env.inodetrust import HIGHEST, LOWEST
 from safeinstall.store.inodestore import boot_id
 from safeinstall.store.state import (
     StateDirError,
-    atomic_write,
-    ensure_environment_dir,
     load_store,
     store_part,
-    trusted_environment_state,
+    write_store,
 )
 
 STORE_NAME = "bytecode.json"
@@ -114,9 +112,7 @@ def keep_judged(
         data = to_json(os.fspath(prefix), boot, merged)
         if len(data) > STORE_LIMIT:
             data = to_json(os.fspath(prefix), boot, {})
-        state = trusted_environment_state(root, prefix)
-        ensure_environment_dir(state)
-        atomic_write(state.dir / STORE_NAME, data)
+        write_store(root, prefix, STORE_NAME, data)
     except StateDirError as exc:
         return f"the store of judged bytecode was not kept: {exc.message}"
     except (OSError, ValueError, UnicodeError) as exc:

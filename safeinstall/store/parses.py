@@ -19,11 +19,9 @@ from safeinstall.env.inodetrust import HIGHEST, LOWEST
 from safeinstall.env.records import ACCEPTED_ALGORITHMS, Record, RecordEntry, RecordHash, RecordProblem
 from safeinstall.store.state import (
     StateDirError,
-    atomic_write,
-    ensure_environment_dir,
     load_store,
     store_part,
-    trusted_environment_state,
+    write_store,
 )
 
 STORE_NAME = "parses.json"
@@ -157,9 +155,7 @@ def keep_parses(root: Path, prefix: Path, seen: Mapping[str, KeptParse]) -> str 
         data = to_json(os.fspath(prefix), seen)
         if len(data) > STORE_LIMIT:
             return f"the store of parsed RECORDs would be larger than {STORE_LIMIT} bytes: not kept"
-        state = trusted_environment_state(root, prefix)
-        ensure_environment_dir(state)
-        atomic_write(state.dir / STORE_NAME, data)
+        write_store(root, prefix, STORE_NAME, data)
     except StateDirError as exc:
         return f"the store of parsed RECORDs was not kept: {exc.message}"
     except (OSError, ValueError, UnicodeError) as exc:

@@ -18,11 +18,9 @@ from safeinstall.env.containment import base
 from safeinstall.env.recorded import KeptRecord
 from safeinstall.store.state import (
     StateDirError,
-    atomic_write,
-    ensure_environment_dir,
     load_store,
     store_part,
-    trusted_environment_state,
+    write_store,
 )
 
 STORE_NAME = "records.json"
@@ -88,9 +86,7 @@ def keep_records(
         data = to_json(os.fspath(prefix), {**kept, **updates})
         if len(data) > STORE_LIMIT:
             return f"the store of RECORDs found clean would be larger than {STORE_LIMIT} bytes: not kept"
-        state = trusted_environment_state(root, prefix)
-        ensure_environment_dir(state)
-        atomic_write(state.dir / STORE_NAME, data)
+        write_store(root, prefix, STORE_NAME, data)
     except StateDirError as exc:
         return f"the store of RECORDs found clean was not kept: {exc.message}"
     except (OSError, ValueError, UnicodeError) as exc:

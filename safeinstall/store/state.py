@@ -546,6 +546,14 @@ def trusted_environment_state(root: Path, prefix: Path) -> EnvironmentState:
     return replace(state, problem=directory_problem(state.dir))
 
 
+def write_store(root: Path, prefix: Path, name: str, data: bytes) -> None:
+    """Write ``data`` as the environment's store ``name`` in a trusted state directory made first (the
+    writer of :func:`load_store`'s files). Raises StateDirError, OSError."""
+    state = trusted_environment_state(root, prefix)
+    ensure_environment_dir(state)
+    atomic_write(state.dir / name, data)
+
+
 T = TypeVar("T")
 
 

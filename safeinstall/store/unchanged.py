@@ -30,10 +30,8 @@ from safeinstall.env.unchanged import (
 from safeinstall.store.inodestore import boot_id
 from safeinstall.store.state import (
     StateDirError,
-    atomic_write,
-    ensure_environment_dir,
     load_store,
-    trusted_environment_state,
+    write_store,
 )
 
 STORE_NAME = "unchanged.json"
@@ -192,9 +190,7 @@ def keep_unchanged(
         if len(data) > STORE_LIMIT:
             note = f"the store of clean distributions would be larger than {STORE_LIMIT} bytes: emptied"
             data = to_json(UnchangedStore(new.prefix, new.boot_id, {}, {}))
-        state = trusted_environment_state(root, prefix)
-        ensure_environment_dir(state)
-        atomic_write(state.dir / STORE_NAME, data)
+        write_store(root, prefix, STORE_NAME, data)
     except StateDirError as exc:
         return f"the store of clean distributions was not kept: {exc.message}"
     except OSError as exc:

@@ -17,12 +17,11 @@ from safeinstall.env.drift import FaultIdentity
 from safeinstall.env.inodetrust import HIGHEST, LOWEST
 from safeinstall.store.state import (
     StateDirError,
-    atomic_write,
     check_trusted,
-    ensure_environment_dir,
     read_private_file,
     store_part,
     trusted_environment_state,
+    write_store,
 )
 
 STORE_NAME = "wheel-faults.json"
@@ -95,9 +94,7 @@ def keep_faults(root: Path, prefix: Path, faults: Mapping[str, FaultIdentity]) -
     if len(faults) > MAX_FAULTS:
         return f"more than {MAX_FAULTS} wheel faults: none acknowledged"
     try:
-        state = trusted_environment_state(root, prefix)
-        ensure_environment_dir(state)
-        atomic_write(state.dir / STORE_NAME, to_json(os.fspath(prefix), faults.values()))
+        write_store(root, prefix, STORE_NAME, to_json(os.fspath(prefix), faults.values()))
     except StateDirError as exc:
         return f"the wheel's faults were not acknowledged: {exc.message}"
     except (OSError, ValueError, UnicodeError) as exc:
