@@ -32,8 +32,12 @@ Commands: --dry-run, --detach, --verify-only, --recover, --status, --undo, --for
 (at most one; none: reinstall). safeinstall --help lists every option, by command."""
 
 
-def _flag(name: str, help_text: str, *short: str, rich_help_panel: str) -> Any:
-    return typer.Option(name, *short, help=help_text, rich_help_panel=rich_help_panel)
+def _flag(name: str, help_text: str, panel: str, *short: str) -> Any:
+    return typer.Option(name, *short, help=help_text, rich_help_panel=panel)
+
+
+def _value(name: str, metavar: str, help_text: str, panel: str) -> Any:
+    return typer.Option(name, metavar=metavar, help=help_text, rich_help_panel=panel)
 
 
 Package = Annotated[
@@ -46,40 +50,23 @@ Package = Annotated[
     ),
 ]
 
-Wheel = Annotated[
-    Path | None,
-    typer.Option(
-        "--wheel", metavar="PATH", help="The wheel to install / compare with.", rich_help_panel=TARGET
-    ),
-]
+Wheel = Annotated[Path | None, _value("--wheel", "PATH", "The wheel to install / compare with.", TARGET)]
 
 Python = Annotated[
     str | None,
-    typer.Option(
-        "--python",
-        metavar="PATH",
-        help="Target interpreter or venv (default: VIRTUAL_ENV, then python3).",
-        rich_help_panel=TARGET,
-    ),
+    _value("--python", "PATH", "Target interpreter or venv (default: VIRTUAL_ENV, then python3).", TARGET),
 ]
 
-User = Annotated[bool, _flag("--user", "Talk to the user's systemd manager.", rich_help_panel=TARGET)]
+User = Annotated[bool, _flag("--user", "Talk to the user's systemd manager.", TARGET)]
 
-WithDeps = Annotated[
-    bool, _flag("--with-deps", "Reinstall dependencies too (uv --reinstall).", rich_help_panel=RUN)
-]
+WithDeps = Annotated[bool, _flag("--with-deps", "Reinstall dependencies too (uv --reinstall).", RUN)]
 
 DryRun = Annotated[
-    bool,
-    _flag(
-        "--dry-run",
-        "Show the plan (processes, units, GPUs, uv command); change nothing.",
-        rich_help_panel=MODES,
-    ),
+    bool, _flag("--dry-run", "Show the plan (processes, units, GPUs, uv command); change nothing.", MODES)
 ]
 
 KillStrays = Annotated[
-    bool, _flag("--kill-strays", "End processes outside any service (not restarted).", rich_help_panel=RUN)
+    bool, _flag("--kill-strays", "End processes outside any service (not restarted).", RUN)
 ]
 
 OnlyLoaded = Annotated[
@@ -88,7 +75,7 @@ OnlyLoaded = Annotated[
         "--only-loaded",
         "Stop only processes with certain evidence of the package loaded (mapped, open, argv, "
         "depends), not every process of the environment's Python.",
-        rich_help_panel=RUN,
+        RUN,
     ),
 ]
 
@@ -97,36 +84,25 @@ Strict = Annotated[
     _flag(
         "--strict",
         "A process still running replaced code after the restart fails the run (rolled back, exit 3).",
-        rich_help_panel=RUN,
+        RUN,
     ),
 ]
 
 StopTimeout = Annotated[
     float | None,
-    typer.Option(
+    _value(
         "--stop-timeout",
-        metavar="SECONDS",
-        help="Seconds to wait for each unit to stop (default: its TimeoutStopSec).",
-        rich_help_panel=RUN,
+        "SECONDS",
+        "Seconds to wait for each unit to stop (default: its TimeoutStopSec).",
+        RUN,
     ),
 ]
 
 GpuTimeout = Annotated[
-    float,
-    typer.Option(
-        "--gpu-timeout",
-        metavar="SECONDS",
-        help="Seconds to wait for GPU memory to be released.",
-        rich_help_panel=RUN,
-    ),
+    float, _value("--gpu-timeout", "SECONDS", "Seconds to wait for GPU memory to be released.", RUN)
 ]
 
-Settle = Annotated[
-    float,
-    typer.Option(
-        "--settle", metavar="SECONDS", help="Seconds a restarted unit must stay active.", rich_help_panel=RUN
-    ),
-]
+Settle = Annotated[float, _value("--settle", "SECONDS", "Seconds a restarted unit must stay active.", RUN)]
 
 HealthUrl = Annotated[
     str | None,
@@ -142,18 +118,10 @@ HealthUrl = Annotated[
 ]
 
 HealthTimeout = Annotated[
-    float,
-    typer.Option(
-        "--health-timeout",
-        metavar="SECONDS",
-        help="Seconds to wait for --health-url to answer 200.",
-        rich_help_panel=RUN,
-    ),
+    float, _value("--health-timeout", "SECONDS", "Seconds to wait for --health-url to answer 200.", RUN)
 ]
 
-NoRestart = Annotated[
-    bool, _flag("--no-restart", "Leave the units stopped after the install.", rich_help_panel=RUN)
-]
+NoRestart = Annotated[bool, _flag("--no-restart", "Leave the units stopped after the install.", RUN)]
 
 NoSwap = Annotated[
     bool,
@@ -161,7 +129,7 @@ NoSwap = Annotated[
         "--no-swap",
         "Install with uv while the units are down, instead of staging the new version before the "
         "stop and renaming it into place (docs/window.md).",
-        rich_help_panel=RUN,
+        RUN,
     ),
 ]
 
@@ -171,53 +139,46 @@ NoSmoke = Annotated[
         "--no-smoke",
         "Do not import the new version before the stop (as the environment's account, with the "
         "unit's environment; docs/reinstall.md).",
-        rich_help_panel=RUN,
+        RUN,
     ),
 ]
 
 Smoke = Annotated[
     str | None,
-    typer.Option(
+    _value(
         "--smoke",
-        metavar="CMD",
-        help="Also run CMD (through /bin/sh -c) that way before the stop; a failure refuses the run, "
+        "CMD",
+        "Also run CMD (through /bin/sh -c) that way before the stop; a failure refuses the run, "
         "e.g. --smoke \"python -c 'import vllm._C'\".",
-        rich_help_panel=RUN,
+        RUN,
     ),
 ]
 
 SmokeSkip = Annotated[
     list[str] | None,
-    typer.Option(
+    _value(
         "--smoke-skip",
-        metavar="MODULE",
-        help="Do not import MODULE (and its submodules) in the check: one known bad; repeatable.",
-        rich_help_panel=RUN,
+        "MODULE",
+        "Do not import MODULE (and its submodules) in the check: one known bad; repeatable.",
+        RUN,
     ),
 ]
 
 SmokeTimeout = Annotated[
-    float,
-    typer.Option(
-        "--smoke-timeout",
-        metavar="SECONDS",
-        help="Seconds each import check or --smoke may take.",
-        rich_help_panel=RUN,
-    ),
+    float, _value("--smoke-timeout", "SECONDS", "Seconds each import check or --smoke may take.", RUN)
 ]
 
 Prune = Annotated[
-    bool,
-    _flag("--prune", "Remove files the old version left behind (kept in the backup).", rich_help_panel=RUN),
+    bool, _flag("--prune", "Remove files the old version left behind (kept in the backup).", RUN)
 ]
 
 KeepBackups = Annotated[
     int,
-    typer.Option(
+    _value(
         "--keep-backups",
-        metavar="N",
-        help="After a good run, keep this many newest backups of the environment; delete older ones.",
-        rich_help_panel=RUN,
+        "N",
+        "After a good run, keep this many newest backups of the environment; delete older ones.",
+        RUN,
     ),
 ]
 
@@ -227,17 +188,17 @@ KeepPatches = Annotated[
         "--keep-patches",
         "Carry the package's local patches over to the new version (a three-way merge, checked "
         "before anything stops).",
-        rich_help_panel=PATCHES,
+        PATCHES,
     ),
 ]
 
 BaseWheel = Annotated[
     Path | None,
-    typer.Option(
+    _value(
         "--base-wheel",
-        metavar="WHEEL",
-        help="With --keep-patches: the wheel of the installed version (default: fetched by uv).",
-        rich_help_panel=PATCHES,
+        "WHEEL",
+        "With --keep-patches: the wheel of the installed version (default: fetched by uv).",
+        PATCHES,
     ),
 ]
 
@@ -246,7 +207,7 @@ DropConflicting = Annotated[
     _flag(
         "--drop-conflicting",
         "With --keep-patches: carry what merges; drop (and list) the rest instead of refusing.",
-        rich_help_panel=PATCHES,
+        PATCHES,
     ),
 ]
 
@@ -256,7 +217,7 @@ AllowBrokenRequirements = Annotated[
         "--allow-broken-requirements",
         "Go on with a run that leaves a requirement of the environment unmet (as `uv pip check` would "
         "say it); without it such a run is refused before anything stops.",
-        rich_help_panel=RUN,
+        RUN,
     ),
 ]
 
@@ -267,11 +228,11 @@ AcceptRecordMismatch = Annotated[
         "With --wheel: install a wheel whose own RECORD is wrong about its members' hashes or sizes "
         "(its packaging's fault); verified against its contents, and kept as the environment's "
         "baseline (--verify-only: wheel-record, not drift).",
-        rich_help_panel=RUN,
+        RUN,
     ),
 ]
 
-Yes = Annotated[bool, _flag("--yes", "Do not ask before stopping anything.", "-y", rich_help_panel=RUN)]
+Yes = Annotated[bool, _flag("--yes", "Do not ask before stopping anything.", RUN, "-y")]
 
 Detach = Annotated[
     bool,
@@ -279,18 +240,15 @@ Detach = Annotated[
         "--detach",
         "After the preflight, go on as a transient systemd unit that outlives this terminal or SSH "
         "session; prints the run id (follow it with --status --wait).",
-        rich_help_panel=MODES,
+        MODES,
     ),
 ]
 
 VerifyOnly = Annotated[
-    bool,
-    _flag(
-        "--verify-only", "Only check installed files against RECORD; change nothing.", rich_help_panel=MODES
-    ),
+    bool, _flag("--verify-only", "Only check installed files against RECORD; change nothing.", MODES)
 ]
 
-All = Annotated[bool, _flag("--all", "With --verify-only: every distribution.", rich_help_panel=VERIFY)]
+All = Annotated[bool, _flag("--all", "With --verify-only: every distribution.", VERIFY)]
 
 #: A run's option too: the parameter's name is the RunOptions field's (``full``).
 Full = Annotated[
@@ -299,8 +257,8 @@ Full = Annotated[
         "--full",
         "Read and hash every file again: take no hash kept from an earlier check of an unchanged "
         "inode (docs/verify.md). With --verify-only or a run.",
+        VERIFY,
         "--no-cache",
-        rich_help_panel=VERIFY,
     ),
 ]
 
@@ -311,41 +269,25 @@ AcknowledgeWheelFaults = Annotated[
         "With --verify-only: root keeps each wheel-fault found (a file never changed since its install "
         "that its wheel's own RECORD is wrong about) as the file is now; it is quiet (exit 0) until the "
         "file changes (docs/verify.md).",
-        rich_help_panel=VERIFY,
+        VERIFY,
     ),
 ]
 
 Diff = Annotated[
-    bool,
-    _flag("--diff", "With --verify-only --wheel: unified diffs of modified files.", rich_help_panel=VERIFY),
+    bool, _flag("--diff", "With --verify-only --wheel: unified diffs of modified files.", VERIFY)
 ]
 
 SavePatch = Annotated[
     Path | None,
-    typer.Option(
-        "--save-patch",
-        metavar="FILE",
-        help="With --verify-only --wheel: write those diffs to FILE.",
-        rich_help_panel=VERIFY,
-    ),
+    _value("--save-patch", "FILE", "With --verify-only --wheel: write those diffs to FILE.", VERIFY),
 ]
 
 Recover = Annotated[
-    bool,
-    _flag(
-        "--recover",
-        "Finish runs that died (restore, restart units, clear the journal).",
-        rich_help_panel=MODES,
-    ),
+    bool, _flag("--recover", "Finish runs that died (restore, restart units, clear the journal).", MODES)
 ]
 
 Status = Annotated[
-    bool,
-    _flag(
-        "--status",
-        "Show the run in progress and the last finished runs of each environment.",
-        rich_help_panel=MODES,
-    ),
+    bool, _flag("--status", "Show the run in progress and the last finished runs of each environment.", MODES)
 ]
 
 Wait = Annotated[
@@ -354,18 +296,18 @@ Wait = Annotated[
         "--wait",
         "With --status: follow the current (or latest) run to its end, showing its log; exit with its "
         "exit code and print its result.",
-        rich_help_panel=STATUS,
+        STATUS,
     ),
 ]
 
 Run = Annotated[
     str | None,
-    typer.Option(
+    _value(
         "--run",
-        metavar="RUN_ID",
-        help="With --status --wait: the run to follow; with --undo: the run to undo; with --forget: the "
+        "RUN_ID",
+        "With --status --wait: the run to follow; with --undo: the run to undo; with --forget: the "
         "run whose kept backup to drop.",
-        rich_help_panel=STATUS,
+        STATUS,
     ),
 ]
 
@@ -375,7 +317,7 @@ Undo = Annotated[
         "--undo",
         "Put back what ran before the environment's last run (--run: an older one), byte for byte, "
         "through the same safe sequence (see docs/undo.md).",
-        rich_help_panel=MODES,
+        MODES,
     ),
 ]
 
@@ -385,7 +327,7 @@ Prepare = Annotated[
         "--prepare",
         "Do everything before the stop (preflight, backup, prefetch and staging, smoke check), stop nothing, "
         "and keep the run for --commit (see docs/prepare.md).",
-        rich_help_panel=RUN,
+        RUN,
     ),
 ]
 
@@ -395,7 +337,7 @@ Commit = Annotated[
         "--commit",
         "Go on with the environment's prepared run: checked unchanged since --prepare, then the stop, the "
         "swap, the restart and the checks after. Takes only the window's options.",
-        rich_help_panel=MODES,
+        MODES,
     ),
 ]
 
@@ -405,18 +347,13 @@ Discard = Annotated[
         "--discard",
         "Drop the environment's prepared run: its staging tree, uv cache, wheel copy and journal (its "
         "backup is kept with the others).",
-        rich_help_panel=MODES,
+        MODES,
     ),
 ]
 
 PreparedMaxAge = Annotated[
     float,
-    typer.Option(
-        "--prepared-max-age",
-        metavar="SECONDS",
-        help="With --commit: refuse a prepared run older than this.",
-        rich_help_panel=RUN,
-    ),
+    _value("--prepared-max-age", "SECONDS", "With --commit: refuse a prepared run older than this.", RUN),
 ]
 
 Forget = Annotated[
@@ -425,22 +362,20 @@ Forget = Annotated[
         "--forget",
         "Remove the state (backups, logs, history) of environments that no longer exist, or of the one "
         "--python names; with --run RUN_ID, only that run's kept backup.",
-        rich_help_panel=MODES,
+        MODES,
     ),
 ]
 
-AsJson = Annotated[
-    bool, _flag("--json", "Print the versioned JSON result on stdout.", rich_help_panel=OUTPUT)
-]
+AsJson = Annotated[bool, _flag("--json", "Print the versioned JSON result on stdout.", OUTPUT)]
 
 MetricsFile = Annotated[
     Path | None,
-    typer.Option(
+    _value(
         "--metrics-file",
-        metavar="FILE",
-        help="Also write the result as Prometheus metrics to FILE, atomically, mode 0644 (for "
+        "FILE",
+        "Also write the result as Prometheus metrics to FILE, atomically, mode 0644 (for "
         "node_exporter's textfile collector): with --verify-only, a run, --recover and --status.",
-        rich_help_panel=OUTPUT,
+        OUTPUT,
     ),
 ]
 
@@ -466,9 +401,7 @@ Quiet = Annotated[
     ),
 ]
 
-ShowVersion = Annotated[
-    bool, _flag("--version", "Print safeinstall's version and exit.", "-V", rich_help_panel=OUTPUT)
-]
+ShowVersion = Annotated[bool, _flag("--version", "Print safeinstall's version and exit.", OUTPUT, "-V")]
 
 RunId = Annotated[str | None, typer.Option("--run-id", hidden=True)]
 
