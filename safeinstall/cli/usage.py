@@ -10,7 +10,7 @@ from pathlib import Path
 
 from safeinstall.errors import UsageError
 from safeinstall.run.commands.modes import Request
-from safeinstall.run.parts.options import PLAIN_NAME, Mode
+from safeinstall.run.parts.options import PLAIN_NAME, Mode, flag_of
 
 #: The modes that each choose what safeinstall does: no two of them go together (--undo is a run's).
 MODES = tuple(mode for mode in Mode if mode is not Mode.UNDO)
@@ -21,28 +21,28 @@ _NO_PACKAGE = (Mode.RECOVER, Mode.STATUS, Mode.FORGET, Mode.COMMIT, Mode.DISCARD
 #: The modes that run nothing: an option of a run given with one of them would do nothing.
 _NOT_A_RUN = (Mode.VERIFY_ONLY, Mode.STATUS, Mode.RECOVER, Mode.FORGET, Mode.DISCARD)
 
-#: The options that only a run (its --dry-run, --detach, --undo) uses: parameter name -> flag.
+#: The options that only a run (its --dry-run, --detach, --undo) uses, by parameter name (:func:`flag_of`).
 #: (--keep-patches and --accept-record-mismatch have errors of their own; --user and --yes are
 #: taken by every mode, as a script's habit.)
 RUN_ONLY = (
-    ("with_deps", "--with-deps"),
-    ("kill_strays", "--kill-strays"),
-    ("only_loaded", "--only-loaded"),
-    ("strict", "--strict"),
-    ("stop_timeout", "--stop-timeout"),
-    ("gpu_timeout", "--gpu-timeout"),
-    ("settle", "--settle"),
-    ("health_url", "--health-url"),
-    ("health_timeout", "--health-timeout"),
-    ("no_restart", "--no-restart"),
-    ("no_swap", "--no-swap"),
-    ("prune", "--prune"),
-    ("keep_backups", "--keep-backups"),
-    ("allow_broken_requirements", "--allow-broken-requirements"),
-    ("smoke", "--smoke"),
-    ("no_smoke", "--no-smoke"),
-    ("smoke_timeout", "--smoke-timeout"),
-    ("smoke_skip", "--smoke-skip"),
+    "with_deps",
+    "kill_strays",
+    "only_loaded",
+    "strict",
+    "stop_timeout",
+    "gpu_timeout",
+    "settle",
+    "health_url",
+    "health_timeout",
+    "no_restart",
+    "no_swap",
+    "prune",
+    "keep_backups",
+    "allow_broken_requirements",
+    "smoke",
+    "no_smoke",
+    "smoke_timeout",
+    "smoke_skip",
 )
 
 
@@ -60,18 +60,12 @@ class Usage:
 
 
 #: The options of the window and after (docs/prepare.md): ``--commit`` takes them, ``--prepare`` not
-WINDOW = (
-    ("stop_timeout", "--stop-timeout"),
-    ("gpu_timeout", "--gpu-timeout"),
-    ("settle", "--settle"),
-    ("health_url", "--health-url"),
-    ("health_timeout", "--health-timeout"),
-)
+WINDOW = ("stop_timeout", "gpu_timeout", "settle", "health_url", "health_timeout")
 #: What ``--commit`` takes besides the window's options (the rest was fixed by ``--prepare``)
 _COMMIT_TAKES = frozenset(
     {"commit_", "detach_", "python", "user", "yes", "as_json", "prepared_max_age", "verbose", "quiet"}
     | {"metrics_file", "environ_from"}
-    | {name for name, _ in WINDOW}
+    | set(WINDOW)
 )
 
 
@@ -86,7 +80,7 @@ def _prepare_problem(u: Usage) -> UsageError | None:
     if commit:
         extra = sorted(name for name in u.given if name not in _COMMIT_TAKES | {"package"})
         if extra:  # a PACKAGE: as for every command that takes none (below)
-            flags = [f"--{name.rstrip('_').replace('_', '-')}" for name in extra]
+            flags = [flag_of(name) for name in extra]
             return UsageError(
                 f"--commit takes only the window's options, not {' '.join(flags)}: "
                 "the rest was fixed by --prepare",
@@ -107,7 +101,7 @@ def _prepare_problem(u: Usage) -> UsageError | None:
             "--prepare does not carry local patches (--keep-patches) yet",
             hint="run it in one go: safeinstall PACKAGE --wheel W --keep-patches",
         )
-    window = [flag for name, flag in WINDOW if name in u.given]
+    window = [flag_of(name) for name in WINDOW if name in u.given]
     if window:
         return UsageError(
             f"{' '.join(window)} {'is' if len(window) == 1 else 'are'} for the window: give "
@@ -160,7 +154,7 @@ def _idle_options(u: Usage) -> UsageError | None:
     would do nothing, in silence, as ``--all`` would without ``--verify-only``."""
     r = u.request
     mode = next((flag for flag in _NOT_A_RUN if flag in r.modes), None)
-    idle = [flag for name, flag in RUN_ONLY if name in u.given]
+    idle = [flag_of(name) for name in RUN_ONLY if name in u.given]
     if mode is None or not idle:
         return None
     return UsageError(
@@ -173,7 +167,7 @@ def _idle_options(u: Usage) -> UsageError | None:
 
 def _smoke_problem(u: Usage) -> UsageError | None:
     """Pure: ``--no-smoke`` given with an option of the check it skips (which would do nothing)."""
-    idle = [flag for name, flag in _SMOKE_OPTIONS if name in u.given]
+    idle = [flag_of(name) for name in _SMOKE_OPTIONS if name in u.given]
     if "no_smoke" not in u.given or not idle:
         return None
     return UsageError(
@@ -184,7 +178,7 @@ def _smoke_problem(u: Usage) -> UsageError | None:
 
 
 #: The options of the smoke check, which ``--no-smoke`` skips whole.
-_SMOKE_OPTIONS = (("smoke", "--smoke"), ("smoke_timeout", "--smoke-timeout"), ("smoke_skip", "--smoke-skip"))
+_SMOKE_OPTIONS = ("smoke", "smoke_timeout", "smoke_skip")
 
 
 def usage_problem(u: Usage) -> UsageError | None:

@@ -24,7 +24,7 @@ from safeinstall.errors import (
     UsageError,
     one_line,
 )
-from safeinstall.run.parts.options import PLAIN_NAME, Mode, RunOptions, check_options
+from safeinstall.run.parts.options import PLAIN_NAME, Mode, RunOptions, check_options, flag_of
 from safeinstall.run.parts.output import command_for, envelope, jsonable
 
 if TYPE_CHECKING:
@@ -653,14 +653,14 @@ def _undo_of(options: RunOptions) -> dict[str, str]:
     return {} if options.undo is None else {"undo_of": options.undo}
 
 
-#: What a backup put back cannot honour: said, not ignored (parameter name, flag).
+#: What a backup put back cannot honour: said, not ignored (by parameter name).
 _NOT_WITH_UNDO = (
-    ("with_deps", "--with-deps"),
-    ("keep_patches", "--keep-patches"),
-    ("base_wheel", "--base-wheel"),
-    ("drop_conflicting", "--drop-conflicting"),
-    ("accept_record_mismatch", "--accept-record-mismatch"),
-    ("prune", "--prune"),
+    "with_deps",
+    "keep_patches",
+    "base_wheel",
+    "drop_conflicting",
+    "accept_record_mismatch",
+    "prune",
 )
 
 
@@ -674,7 +674,7 @@ def _undo_choice(request: Request) -> tuple[Environment, str, str]:
     from safeinstall.run.parts.undo import UndoError, choose_run
 
     package, wheel, args = request.package, request.options.wheel, request.extra_args
-    unfit = {flag for name, flag in _NOT_WITH_UNDO if getattr(request.options, name) not in (None, False)}
+    unfit = {flag_of(name) for name in _NOT_WITH_UNDO if getattr(request.options, name) not in (None, False)}
     others = sorted((set(request.modes) | unfit) - {Mode.UNDO, Mode.DRY_RUN, Mode.DETACH})
     versioned = bool(package) and not PLAIN_NAME.fullmatch(package or "")
     if versioned or wheel is not None or args or others:

@@ -31,6 +31,11 @@ class Mode(StrEnum):
     UNDO = "--undo"
 
 
+def flag_of(name: str) -> str:
+    """Pure: the long flag of a parameter (``with_deps``: ``--with-deps``; ``commit_``: ``--commit``)."""
+    return "--" + name.rstrip("_").replace("_", "-")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunOptions:
     """Everything the user asked for, as parsed by the CLI."""
