@@ -111,25 +111,19 @@ def option_problems(options: RunOptions) -> list[OptionProblem]:
                 "own TimeoutStopSec",
             )
         )
-    may_be_zero = {"--gpu-timeout": options.gpu_timeout, "--settle": options.settle}
-    for flag, value in may_be_zero.items():
-        if not (math.isfinite(value) and value >= 0):
+    seconds = (  # flag, value, whether 0 may be: 0 s never passes a health check, a smoke check, an age
+        ("--gpu-timeout", options.gpu_timeout, True),
+        ("--settle", options.settle, True),
+        ("--health-timeout", options.health_timeout, False),
+        ("--smoke-timeout", options.smoke_timeout, False),
+        ("--prepared-max-age", options.prepared_max_age, False),
+    )
+    for flag, value, zero in seconds:
+        if not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
+            least = ", 0 or more" if zero else " more than 0"
             problems.append(
                 OptionProblem(
-                    f"{flag} {value:g}: seconds must be a finite number, 0 or more",
-                    f"give {flag} a number of seconds, or leave it out for its default (safeinstall --help)",
-                )
-            )
-    more_than_zero = {  # 0 s could never pass: no health answer, no smoke check, no prepared run in time
-        "--health-timeout": options.health_timeout,
-        "--smoke-timeout": options.smoke_timeout,
-        "--prepared-max-age": options.prepared_max_age,
-    }
-    for flag, value in more_than_zero.items():
-        if not (math.isfinite(value) and value > 0):
-            problems.append(
-                OptionProblem(
-                    f"{flag} {value:g}: seconds must be a finite number more than 0",
+                    f"{flag} {value:g}: seconds must be a finite number{least}",
                     f"give {flag} a number of seconds, or leave it out for its default (safeinstall --help)",
                 )
             )
