@@ -237,6 +237,35 @@ def test_a_detached_runs_environment_file_must_be_private_and_ours(tmp_path: Pat
 
 
 @pytest.mark.parametrize(
+    "content",
+    [
+        b"not json",
+        b"[]",
+        b'{"health_url": null, "extra_args": []}',
+        b'{"environ": {"A": 1}, "health_url": null, "extra_args": []}',
+        b'{"environ": {}, "health_url": 8000, "extra_args": []}',
+        b'{"environ": {}, "health_url": null}',
+        b'{"environ": {}, "health_url": null, "extra_args": ["--index-url", 1]}',
+    ],
+)
+def test_a_detached_runs_environment_file_of_another_shape_is_refused(tmp_path: Path, content: bytes) -> None:
+    """A private file of ours whose document is not the one --detach writes: a usage error, no value
+    taken from it; a document with every field as written is taken (its health URL may be absent)."""
+    from safeinstall.errors import UsageError
+    from safeinstall.run.parts.detach import PrivateInputs, take_private
+    from safeinstall.store.state import atomic_write, ensure_environment_dir, environment_state
+
+    state = environment_state(tmp_path / "state", tmp_path / "venv")
+    ensure_environment_dir(state)
+    path = state.dir / "environ-20261201T000000Z-1.json"
+    atomic_write(path, content)
+    with pytest.raises(UsageError, match="not an environment file written by safeinstall --detach"):
+        take_private(path)
+    atomic_write(path, b'{"environ": {"A": "b"}, "extra_args": ["-q"]}')
+    assert take_private(path) == PrivateInputs({"A": "b"}, None, ("-q",))
+
+
+@pytest.mark.parametrize(
     "args",
     [
         ["--status", "--forget"],

@@ -23,6 +23,7 @@ from safeinstall.store.history import find as find_entry
 from safeinstall.store.journal import Journal, JournalError, Phase, read_journal
 from safeinstall.store.state import EnvironmentState, atomic_write, is_run_id
 from safeinstall.system import children
+from safeinstall.system.fields import field, text, texts, typed
 from safeinstall.system.identity import ProcessId, alive
 from safeinstall.system.lock import read_holder
 from safeinstall.system.safefs import UntrustedFile, only_caller_writes, read_trusted
@@ -174,22 +175,16 @@ def take_private(path: Path) -> PrivateInputs:
     except OSError as exc:
         raise UsageError(f"--environ-from {path}: {exc.strerror or exc}") from exc
     path.unlink(missing_ok=True)
-    try:
-        document = json.loads(raw.decode("utf-8", "surrogateescape"))
+    try:  # a FieldError, as JSON's own errors, is a ValueError
+        document = typed(json.loads(raw.decode("utf-8", "surrogateescape")), dict)
+        environ = {
+            text(k, "environ"): text(v, "environ") for k, v in field(document, "environ", dict).items()
+        }
+        url = field(document, "health_url", str, optional=True)
+        inputs = PrivateInputs(environ, url, texts(document.get("extra_args"), "extra_args"))
     except ValueError as exc:
         raise bad from exc
-    if not isinstance(document, dict):
-        raise bad
-    environ, url, extra = document.get("environ"), document.get("health_url"), document.get("extra_args")
-    if (
-        not isinstance(environ, dict)
-        or not all(isinstance(k, str) and isinstance(v, str) for k, v in environ.items())
-        or not (url is None or isinstance(url, str))
-        or not isinstance(extra, list)
-        or not all(isinstance(a, str) for a in extra)
-    ):
-        raise bad
-    return PrivateInputs(environ, url, tuple(extra))
+    return inputs
 
 
 @dataclass(frozen=True, slots=True)
