@@ -850,8 +850,7 @@ def render_patches(
         out.print(title)
         for patch in found:
             out.print(
-                f"  {status} {literal(patch.path)}: {literal(patch.detail, lines=True)}",
-                soft_wrap=True,
+                f"  {status} {literal(patch.path)}: {literal(patch.detail, lines=True)}", soft_wrap=True
             )
             if status in ("dropped", "conflict") and patch.diff:
                 out.print(literal(patch.diff, lines=True), end="", soft_wrap=True)

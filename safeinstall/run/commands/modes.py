@@ -409,13 +409,7 @@ def _baseline_loader(env: Environment, notes: list[str]) -> Callable[[], Mapping
     return load
 
 
-def _reinstall(
-    request: Request,
-    options: RunOptions,
-    ui: Ui,
-    metrics: Path | None,
-    env: Environment,
-) -> Ran:
+def _reinstall(request: Request, options: RunOptions, ui: Ui, metrics: Path | None, env: Environment) -> Ran:
     from safeinstall.run.parts.results import LoggedReporter
     from safeinstall.run.steps.reinstall import run_reinstall
     from safeinstall.store.journal import now_iso

@@ -311,10 +311,7 @@ def locate(environ_states: list[EnvironmentState], run_id: str | None) -> Enviro
 
 
 def wait_for_run(
-    state: EnvironmentState,
-    run_id: str | None,
-    on_line: Callable[[str], None],
-    poll_s: float = 0.2,
+    state: EnvironmentState, run_id: str | None, on_line: Callable[[str], None], poll_s: float = 0.2
 ) -> HistoryEntry:
     """Follow a run to its end, passing each new line of its log to ``on_line``; its history entry.
 

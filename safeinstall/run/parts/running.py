@@ -19,14 +19,9 @@ from safeinstall.env.recorded import KeptRecord
 from safeinstall.env.renames import Staged
 from safeinstall.env.vouched import Vouched
 from safeinstall.env.wheel import Wheel
-from safeinstall.errors import (
-    SafeInstallError,
-    StepFailed,
-)
+from safeinstall.errors import SafeInstallError, StepFailed
 from safeinstall.run.parts.options import RunOptions
-from safeinstall.run.parts.patches import (
-    PatchSet,
-)
+from safeinstall.run.parts.patches import PatchSet
 from safeinstall.run.parts.preflight import Prepared
 from safeinstall.run.parts.results import Reporter
 from safeinstall.run.parts.smokethread import Background
@@ -34,21 +29,11 @@ from safeinstall.run.parts.survey import Survey, systemd_for
 from safeinstall.run.parts.undo import Left
 from safeinstall.scan.plan import Plan
 from safeinstall.store.backup import Backup
-from safeinstall.store.journal import (
-    Journal,
-    Phase,
-    advance,
-    write_journal,
-)
+from safeinstall.store.journal import Journal, Phase, advance, write_journal
 from safeinstall.store.rundoc import RunData, StepDoc
 from safeinstall.store.runlog import append_line
-from safeinstall.store.state import (
-    EnvironmentState,
-)
-from safeinstall.system.systemd import (
-    Systemd,
-    stop_wait_s,
-)
+from safeinstall.store.state import EnvironmentState
+from safeinstall.system.systemd import Systemd, stop_wait_s
 
 
 @dataclass

@@ -54,10 +54,7 @@ class StagedMismatch(Exception):
 
 
 def refusal(
-    env: Environment,
-    request: UvRequest,
-    changes: Sequence[UvChange],
-    flags: dict[str, bool],
+    env: Environment, request: UvRequest, changes: Sequence[UvChange], flags: dict[str, bool]
 ) -> str | None:
     """Pure: why this run installs in the window rather than swapping (None: it swaps). ``flags``:
     the run's options that rule a swap out, by name (``--keep-patches``: True when given)."""

@@ -329,7 +329,5 @@ def undo_plan(
         *((owner,) if owner is not None else ()),
     )
     return replace(
-        plan,
-        refusals=(*plan.refusals, *refusals),
-        warnings=(*plan.warnings, *added_warnings(target)),
+        plan, refusals=(*plan.refusals, *refusals), warnings=(*plan.warnings, *added_warnings(target))
     )

@@ -220,8 +220,7 @@ def _start_failed(run: Run, reasons: list[str], units: list[str]) -> StepFailed:
         if tail:
             said += f"\nthe last lines of {unit} in its journal:\n" + "\n".join(f"  {line}" for line in tail)
     return StepFailed(
-        said,
-        hint=f"see why in its journal: journalctl {flag}" + " ".join(f"-u {unit}" for unit in units),
+        said, hint=f"see why in its journal: journalctl {flag}" + " ".join(f"-u {unit}" for unit in units)
     )
 
 
