@@ -115,25 +115,13 @@ def _one(name: str, help_text: str, value: float, **labels: str) -> Family:
 def check_families(command: str, ok: bool, exit_code: int, now: float, **labels: str) -> list[Family]:
     """Pure: whether ``command`` could do its work, its exit code and when it ran."""
     flag = "--verify-only" if command == "verify" else f"--{command}"
+    said = (
+        ("success", f"1 when safeinstall {flag} could run, 0 when it failed (see its exit code)", float(ok)),
+        ("exit_code", f"Exit code of the last safeinstall {flag}", exit_code),
+        ("timestamp_seconds", f"When the last safeinstall {flag} ran (Unix time)", now),
+    )
     return [
-        _one(
-            f"safeinstall_{command}_success",
-            f"1 when safeinstall {flag} could run, 0 when it failed (see its exit code)",
-            float(ok),
-            **labels,
-        ),
-        _one(
-            f"safeinstall_{command}_exit_code",
-            f"Exit code of the last safeinstall {flag}",
-            exit_code,
-            **labels,
-        ),
-        _one(
-            f"safeinstall_{command}_timestamp_seconds",
-            f"When the last safeinstall {flag} ran (Unix time)",
-            now,
-            **labels,
-        ),
+        _one(f"safeinstall_{command}_{name}", help_text, value, **labels) for name, help_text, value in said
     ]
 
 
