@@ -301,10 +301,8 @@ def _untrusted(path: Path, problem: str) -> MetricsFileError:
 
 
 def check_metrics_path(path: Path) -> Path:
-    """The path to write, by the rule of every output file
-    (:func:`safeinstall.store.state.output_path`), checked before the command works. Raises
-    MetricsFileError (exit 2) when it must not be written.
-    """
+    """The path to write, by the rule of every output file (:func:`safeinstall.store.state.output_path`),
+    checked before the command works. Raises MetricsFileError (exit 2) when it must not be written."""
     from safeinstall.store.state import output_path
 
     absolute = Path(os.path.abspath(path))
@@ -315,11 +313,8 @@ def check_metrics_path(path: Path) -> Path:
 
 
 def write_metrics_file(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` whole or not at all, mode 0644
-    (:func:`safeinstall.store.state.atomic_write`: a temporary file beside it, ``.NAME.*.tmp``, which
-    the collector never reads, then renamed over it; on any error nothing is left behind). The
-    directory is checked first (:func:`check_metrics_path`): nobody else can rename what is on the
-    way. MetricsFileError."""
+    """Write ``text`` to ``path`` whole or not at all, mode 0644, in a directory :func:`check_metrics_path`
+    checked first (docs/metrics.md). Raises MetricsFileError."""
     from safeinstall.store.state import atomic_write
 
     target = check_metrics_path(path)
