@@ -66,14 +66,8 @@ def prepared_summary(state: EnvironmentState, now: float) -> tuple[PreparedSumma
         return None, exc.message
     if record is None:
         return None, "a prepared run without its record (safeinstall --discard drops it)"
-    summary = PreparedSummary(
-        record.run_id,
-        max(0.0, now - record.prepared_at),
-        record.changes,
-        record.units,
-        bool(record.staged_root),
-    )
-    return summary, None
+    age = max(0.0, now - record.prepared_at)
+    return PreparedSummary(record.run_id, age, record.changes, record.units, bool(record.staged_root)), None
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,13 +196,13 @@ def forget(
     root = state_root(environ, os.geteuid())
     check_trusted(root)
     states = list_environment_dirs(root)
-    if run_id is not None and python is not None:
-        named = _named(states, python, environ)
-        if not named:
-            raise UsageError(
-                f"no safeinstall state for {python}",
-                hint="safeinstall --status lists the environments it keeps state for",
-            )
+    named = None if python is None else _named(states, python, environ)
+    if named == []:
+        raise UsageError(
+            f"no safeinstall state for {python}",
+            hint="safeinstall --status lists the environments it keeps state for",
+        )
+    if run_id is not None and named:
         state = named[0]
         try:
             if state.problem is not None:
@@ -223,15 +217,7 @@ def forget(
             return (), (
                 SafeInstallError(f"could not remove {state.backup_dir(run_id)}: {exc.strerror or exc}"),
             )
-    if python is None:
-        chosen = [s for s in states if prefix_exists(s) is False]
-    else:
-        chosen = _named(states, python, environ)
-        if not chosen:
-            raise UsageError(
-                f"no safeinstall state for {python}",
-                hint="safeinstall --status lists the environments it keeps state for",
-            )
+    chosen = [s for s in states if prefix_exists(s) is False] if named is None else named
     forgotten: list[Forgotten] = []
     failures: list[SafeInstallError] = []
     for state in chosen:
