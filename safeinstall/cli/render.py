@@ -568,8 +568,7 @@ def stacked_table(
 ) -> list[str]:
     """Pure: a table as lines of at most ``width`` characters, no cell cut: the leading columns that fit
     side by side, each later one below its row as "name: value", wrapped between words. Cells are
-    :func:`printable`; no trailing spaces.
-    """
+    :func:`printable`; no trailing spaces."""
     table = [[printable(" ".join(cell.split("\n"))) for cell in row] for row in (header, *rows)]
     shown = len(header)
     while shown > 1:
@@ -668,24 +667,23 @@ class ConsoleReporter:
     def step(self, outcome: StepDoc) -> None:
         self.settle()
         with _output_best_effort():
-            self._step(outcome)
-
-    def _step(self, outcome: StepDoc) -> None:
-        self._end_progress()
-        self._last_key = ""  # the next step's first progress line is a change
-        if self.quiet:
-            return
-        for line in step_lines(outcome.name, outcome.status, outcome.seconds, outcome.detail, self.out.width):
-            self.out.print(line, soft_wrap=True)
+            self._end_progress()
+            self._last_key = ""  # the next step's first progress line is a change
+            if self.quiet:
+                return
+            for line in step_lines(
+                outcome.name, outcome.status, outcome.seconds, outcome.detail, self.out.width
+            ):
+                self.out.print(line, soft_wrap=True)
 
     def progress(self, what: str, done: float | None, total: float | None, unit: str = "") -> None:
+        """Slow work (the backup's bytes, the GPU wait's seconds): a transient bar on a terminal; off a
+        terminal (logs, scripts) a plain line every few seconds, in human units."""
         self.settle()
         with _output_best_effort():
             self._show_progress(what, done, total, unit)
 
     def _show_progress(self, what: str, done: float | None, total: float | None, unit: str) -> None:
-        """Slow work (the backup's bytes, the GPU wait's seconds): a transient bar on a terminal; off a
-        terminal (logs, scripts) a plain line every few seconds, in human units."""
         if self.quiet:
             return
         key = progress_key(what)
@@ -766,13 +764,12 @@ def render_run(out: Console, err: Console, document: RunDocument, run_id: str) -
     if status == "declined":
         out.print("nothing done (not confirmed)")
         return
+    changes = ", ".join(f"{d.name} {d.old_version} -> {d.new_version or '?'}" for d in data.changes)
     if status == "done" and data.plan is not None:
-        changes = ", ".join(f"{d.name} {d.old_version} -> {d.new_version or '?'}" for d in data.changes)
         service = data.service_downtime_s
         users = f"; service down {service:.1f} s until healthy" if service is not None else ""
         out.print(f"[green]done:[/] {literal(changes)}; installed and verified{users}", soft_wrap=True)
     if status == "prepared" and data.plan is not None:  # docs/prepare.md
-        changes = ", ".join(f"{d.name} {d.old_version} -> {d.new_version or '?'}" for d in data.changes)
         checked = ", ".join(s.name for s in data.steps if s.status == "ok" and s.name != "preflight")
         out.print(
             f"[cyan]prepared:[/] {literal(changes)}; {literal(checked)} done, nothing stopped; "
@@ -827,9 +824,8 @@ def render_patches(
     out: Console, patches: Sequence[PatchDoc], patch_file: str | None = None, when: str = "done"
 ) -> None:
     """--keep-patches: what was carried, what was dropped, and where each conflict is (as a diff).
-    ``when``: ``plan`` (the
-    merge made before the run: a dry run, the question), ``done`` (a run), ``unchanged`` (a run that
-    stopped before anything was replaced)."""
+    ``when``: ``plan`` (the merge made before the run: a dry run, the question), ``done`` (a run),
+    ``unchanged`` (a run that stopped before anything was replaced)."""
     carried = {
         "plan": "local patches that merge into the new version (the run carries them):",
         "done": "local patches carried to the new version:",
