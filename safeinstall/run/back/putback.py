@@ -43,8 +43,7 @@ def restore_previous(
 ) -> bool:
     """Put the backed-up distributions back, removing whatever (half-)install is there; False when the
     files were as saved. Adds the new wheel's files (from the run's own copy) to what is removed;
-    ``run_id``: whose kept links go back instead of copies.
-    """
+    ``run_id``: whose kept links go back instead of copies."""
     remove: list[Path] = []
     if wheel_path is not None and is_wheel_copy(wheel_path, state_dir):
         try:
@@ -86,8 +85,7 @@ def put_back(
 ) -> PutBack:
     """The one put-back sequence: restore the backup (``restore``), open the gate, start the units the run
     stopped (``start``), remove the drop-ins, call ``finished``, clear the journal, drop the wheel copy.
-    Raises SafeInstallError; the journal is then kept.
-    """
+    Raises SafeInstallError; the journal is then kept."""
     notes: list[str] = []
     restored = unchanged = False
     # the run's staging tree (a swap's): new files not put in place, or the old trees it exchanged
@@ -98,9 +96,7 @@ def put_back(
     if there:
         try:
             ids = owner_of(staging[0])
-        except (
-            OSError
-        ) as exc:  # never root's writes in a prefix whose owner cannot be told (a link swapped in)
+        except OSError as exc:  # never root's writes where the prefix's owner is unknown (a link swapped in)
             there = False
             notes.append(
                 f"{staging[0]}: its owner could not be read ({exc.strerror or exc}): its staging directory "
