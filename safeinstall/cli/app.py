@@ -163,8 +163,7 @@ def main_command(
 ) -> Usage:
     """Reinstall a Python package safely under the services that use it; or check it (--verify-only).
 
-    Arguments after -- go to uv unchanged (index options and the like).
-    """
+    Arguments after -- go to uv unchanged (index options and the like)."""
     switches = {
         Mode.VERIFY_ONLY: verify_only,
         Mode.DRY_RUN: dry_run,

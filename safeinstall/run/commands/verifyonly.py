@@ -37,8 +37,7 @@ def verify_kept(
     """``--verify-only`` with the verified-inode store: unchanged inodes not read, what was hashed kept,
     distributions proven unchanged not compared (none of it with ``full``). ``walked``: the steering
     walk's ``lstat``; ``notes`` say why the store was not used or kept. ``acknowledge``: each
-    ``wheel-fault`` found is kept as acknowledged (:mod:`safeinstall.store.wheelfaults`).
-    """
+    ``wheel-fault`` found is kept as acknowledged (:mod:`safeinstall.store.wheelfaults`)."""
     from safeinstall.env.bytecode import Anchor, anchored_window, keepable, known_checker
     from safeinstall.env.distributions import ParsedRecords
     from safeinstall.env.hashing import cycle_collection_paused

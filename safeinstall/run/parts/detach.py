@@ -316,8 +316,7 @@ def wait_for_run(
     """Follow a run to its end, passing each new line of its log to ``on_line``; its history entry.
 
     ``run_id`` None: the run in progress, else the last finished one. Raises :class:`RunLost` when the
-    run's process is gone without a result (a journal left: it needs ``--recover``).
-    """
+    run's process is gone without a result (a journal left: it needs ``--recover``)."""
     from safeinstall.store.runlog import LogTail
 
     if run_id is not None and not is_run_id(run_id):

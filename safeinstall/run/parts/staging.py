@@ -217,8 +217,7 @@ def stage(
 ) -> renames.Staged:
     """Check, verify and plan the staging tree in ``root/tree``: exactly the planned distributions, every
     file verified, nothing else. Raises NotStaged (the install then runs in the window) or StagedMismatch
-    with the findings of a file that failed.
-    """
+    with the findings of a file that failed."""
     tree_path = root / renames.STAGED_TREE
     staged_env = renames.staging_environment(env, tree_path)
     staged = find_distributions(staged_env)

@@ -89,8 +89,7 @@ def survey(
 ) -> Survey:
     """Gather every fact the plan needs; changes nothing. ``swap``: an undo's plan (uv is not asked);
     ``wheel`` or ``reading``: the wheel, or a wait for its reading thread, called once uv has planned so
-    that the ``/proc`` scan may fork.
-    """
+    that the ``/proc`` scan may fork."""
     if env is None:
         env = inspect_environment(resolve_python(options.python, options.environ))
     installed = tuple(find_distributions(env))

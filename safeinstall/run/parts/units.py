@@ -45,8 +45,7 @@ def report_waits(
     check: Callable[[], None] | None = None,
 ) -> None:
     """Until every unit's wait is done: a progress line of the units not yet ``state`` and the time left
-    of ``limit`` (``total``: what it counts up to otherwise). ``check`` may end the wait by raising.
-    """
+    of ``limit`` (``total``: what it counts up to otherwise). ``check`` may end the wait by raising."""
     started = time.monotonic()
     bound = limit if math.isfinite(limit) else None
     upto = f"; gives up after {limit:g} s" if total is not None and bound is not None else ""
