@@ -94,9 +94,8 @@ def survey(
         env = inspect_environment(resolve_python(options.python, options.environ))
     installed = tuple(find_distributions(env))
     target = find_distribution(env, options.package, list(installed))
-    check_target(
-        env, target, options.extra_args, options.environ
-    )  # dpkg's, the base's, PEP 668: before uv is asked
+    # dpkg's, the base's, PEP 668: before uv is asked
+    check_target(env, target, options.extra_args, options.environ)
     if wheel is None and reading is None and options.wheel is not None:
         wheel = read_wheel(options.wheel)
     request = UvRequest(
@@ -132,9 +131,9 @@ def survey(
         if placement.unit and valid_unit_name(placement.unit)  # the plan refuses the others
     }
     systemd = systemd_for(options)
-    units = systemd.show(sorted(unit_names)) if unit_names else {}
-    wanted = {d for info in units.values() for d in info.dependents if _dependent(d)} - set(units)
-    while wanted:  # the units a stop of these stops too, transitively (see plan._dependents)
+    units: dict[str, UnitInfo] = {}
+    wanted = unit_names
+    while wanted:  # these units, then those a stop of them stops too, transitively (see plan._dependents)
         more = systemd.show(sorted(wanted))
         units.update(more)
         wanted = {d for info in more.values() for d in info.dependents if _dependent(d)} - set(units)
