@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from safeinstall.env.drift import (
-    RECORD_MAY_BE_WRONG_HINT,
-    SHARED_WITH,
-    UNTOUCHED,
-    Finding,
-    FindingKind,
-    per_file,
-)
-from safeinstall.store.runlog import PROGRESS_EVERY_S, human_bytes, progress_key, progress_text
+from safeinstall.env.drift import RECORD_MAY_BE_WRONG_HINT as RECORD_MAY_BE_WRONG_HINT
+from safeinstall.env.drift import SHARED_WITH as SHARED_WITH
+from safeinstall.env.drift import UNTOUCHED as UNTOUCHED
+from safeinstall.env.drift import Finding as Finding
+from safeinstall.env.drift import FindingKind as FindingKind
+from safeinstall.env.drift import per_file as per_file
+from safeinstall.store.runlog import PROGRESS_EVERY_S as PROGRESS_EVERY_S
+from safeinstall.store.runlog import human_bytes as human_bytes
+from safeinstall.store.runlog import progress_key as progress_key
+from safeinstall.store.runlog import progress_text as progress_text
 
 if TYPE_CHECKING:
     from safeinstall.env.diffs import FileDiff as FileDiff
@@ -28,21 +29,6 @@ if TYPE_CHECKING:
     from safeinstall.store.rundoc import PatchDoc as PatchDoc
     from safeinstall.store.rundoc import RunDocument as RunDocument
     from safeinstall.store.rundoc import StepDoc as StepDoc
-
-__all__ = [
-    "PROGRESS_EVERY_S",
-    "RECORD_MAY_BE_WRONG_HINT",
-    "SHARED_WITH",
-    "UNTOUCHED",
-    "Finding",
-    "FindingKind",
-    "display_time",
-    "human_bytes",
-    "per_file",
-    "progress_key",
-    "progress_text",
-    "run_summary",
-]
 
 
 def display_time(iso: str) -> str:
