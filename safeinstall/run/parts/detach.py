@@ -314,7 +314,6 @@ def wait_for_run(
     state: EnvironmentState, run_id: str | None, on_line: Callable[[str], None], poll_s: float = 0.2
 ) -> HistoryEntry:
     """Follow a run to its end, passing each new line of its log to ``on_line``; its history entry.
-
     ``run_id`` None: the run in progress, else the last finished one. Raises :class:`RunLost` when the
     run's process is gone without a result (a journal left: it needs ``--recover``)."""
     from safeinstall.store.runlog import LogTail
@@ -369,8 +368,7 @@ def wait_for_run(
                 )
             watched = holder.process  # a run in its preflight: maybe this one
         if not alive(watched):
-            entry = find_entry(state, run_id)
-            if entry is not None:
+            if find_entry(state, run_id) is not None:
                 continue
             left = _own_journal(state, run_id)
             if left is not None:

@@ -342,10 +342,8 @@ def _planned_version(survey: Survey) -> str:
 
 
 def carry(prefix: Path, patches: PatchSet, account: Account | None) -> int:
-    """After the install: write every carried file, how many. The files are the new version's, which uv
-    installed as the environment's owner, at paths its RECORDs name: they are written by a worker that
-    is that owner (:func:`safeinstall.env.owner.write_carried`), so nothing the owner could not write is
-    written."""
+    """After the install: write every carried file (how many) by a worker that is the environment's owner,
+    who installed them (:func:`safeinstall.env.owner.write_carried`): nothing the owner could not write."""
     files = [(o.path, o.merged) for o in patches.with_status(PatchStatus.CARRIED) if o.merged is not None]
     if not files:
         return 0
