@@ -82,11 +82,9 @@ class Terminal:
         self.settle()
         if self.as_json or self.verbosity < 0:
             return
+        label = "[yellow]note:[/]" if warning else "[dim]note:[/]"  # a warning's note is one line
         with contextlib.suppress(OSError):
-            if warning:
-                self.err.print(f"[yellow]note:[/] {literal(text)}", soft_wrap=True)
-            else:
-                self.err.print(f"[dim]note:[/] {literal(text, lines=True)}", soft_wrap=True)
+            self.err.print(f"{label} {literal(text, lines=not warning)}", soft_wrap=True)
 
     @contextlib.contextmanager
     def verifying(self) -> Iterator[Callable[[int, int], None] | None]:
