@@ -1,8 +1,4 @@
-"""One exception hierarchy; every message says what happened and what to do next.
-
-Exit codes: 0 success, 1 drift found, 2 refused before anything changed, 3 failed and put back,
-4 failed and putting back failed too, 5 no drift but a wheel's fault not yet acknowledged.
-"""
+"""One exception hierarchy; every message says what happened and what to do next (exit codes: README)."""
 
 from __future__ import annotations
 
