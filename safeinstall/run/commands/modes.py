@@ -188,14 +188,12 @@ class Ui(Protocol):
 
     def reporter(self) -> Reporter:
         """A run's step lines, progress and notes; its confirmation."""
-        ...
 
     def note(self, text: str, *, warning: bool = False) -> None:
         """Said at once, on stderr (not with ``--json`` or ``-q``)."""
 
     def verifying(self) -> AbstractContextManager[Callable[[int, int], None] | None]:
         """A verification's progress (files done, of total), where it is shown."""
-        ...
 
     def preparing(self, what: str) -> None:
         """Said while nothing else is (the preflight's seconds), until the next thing said."""
