@@ -139,8 +139,7 @@ def wheel_package(wheel: Path) -> str | None:
 
 def _metrics_problem(u: Usage) -> UsageError | None:
     r = u.request
-    command_ok = not (r.modes & {Mode.DRY_RUN, Mode.FORGET, Mode.UNDO, Mode.DETACH}) and not r.wait
-    if command_ok:
+    if not (r.modes & {Mode.DRY_RUN, Mode.FORGET, Mode.UNDO, Mode.DETACH}) and not r.wait:
         return None
     return UsageError(
         "--metrics-file goes with --verify-only, a run (not --detach), --recover or --status (not --wait)",
