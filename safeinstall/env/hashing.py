@@ -10,6 +10,7 @@ import contextlib
 import gc
 import hashlib
 import mmap
+import operator
 import os
 import stat
 import threading
@@ -109,20 +110,8 @@ _DIR_SEARCH_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | getatt
 
 def _not_regular(path: str, info: os.stat_result) -> FileState:
     """A symlink, FIFO, device, socket or directory where a file is expected: never opened or read."""
-    return FileState(
-        path,
-        True,
-        False,
-        info.st_size,
-        None,
-        None,
-        info.st_nlink,
-        info.st_dev,
-        info.st_ino,
-        None,
-        info.st_mtime_ns,
-        info.st_ctime_ns,
-    )
+    ids = (info.st_nlink, info.st_dev, info.st_ino, None, info.st_mtime_ns, info.st_ctime_ns)
+    return FileState(path, True, False, info.st_size, None, None, *ids)
 
 
 def _unopened(path: str, name: str, dir_fd: int | None) -> FileState | None:
@@ -143,6 +132,10 @@ def _unopened(path: str, name: str, dir_fd: int | None) -> FileState | None:
 READ_BUDGET = 256 << 30
 
 
+#: What moves when a file's bytes may have: device, inode, size, modification and change times.
+_identity = operator.attrgetter("st_dev", "st_ino", "st_size", "st_mtime_ns", "st_ctime_ns")
+
+
 class Reading:
     """What one :func:`observe_files` may read: each inode once (a file of several links is hashed by
     the first path that reaches it; the others take its digest while its identity is the same), and at
@@ -156,17 +149,13 @@ class Reading:
         self._seen: dict[tuple[int, int, int, int, int, str], str] = {}
         self._reading: dict[tuple[int, int, int, int, int, str], threading.Event] = {}
 
-    @staticmethod
-    def _key(info: os.stat_result, algorithm: str) -> tuple[int, int, int, int, int, str]:
-        return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns, algorithm)
-
     def again(self, info: os.stat_result, algorithm: str) -> str | None:
         """The digest this check took of that very inode, as it is now, by another of its links (one
         being read by another thread is waited for); None: the caller reads it, then calls
         :meth:`remember` whatever came of it."""
         if info.st_nlink <= 1:
             return None
-        key = self._key(info, algorithm)
+        key = (*_identity(info), algorithm)
         with self._lock:
             digest = self._seen.get(key)
             if digest is not None:
@@ -182,7 +171,7 @@ class Reading:
         """The digest read of a linked inode (None: it could not be), for its other links."""
         if info.st_nlink <= 1:
             return
-        key = self._key(info, algorithm)
+        key = (*_identity(info), algorithm)
         with self._lock:
             if digest is not None:
                 self._seen[key] = digest
@@ -252,7 +241,7 @@ def _observe(
             digest = encode_digest(_new_hash(algorithm, buffer[:count]).digest())
         else:
             digest = encode_digest(_stream_digest(fd, algorithm, buffer, size + 1))
-        hashed_ns = started_ns if digest is not None and _same(info, os.fstat(fd)) else 0
+        hashed_ns = started_ns if digest is not None and _identity(info) == _identity(os.fstat(fd)) else 0
         kept = digest if hashed_ns else None
     except OSError as exc:
         return FileState(path, True, error=exc.strerror or str(exc))
@@ -260,38 +249,7 @@ def _observe(
         os.close(fd)
         if claimed is not None and reading is not None:
             reading.remember(*claimed, kept)
-    return built(
-        FileState,
-        (
-            path,
-            True,
-            True,
-            size,
-            digest,
-            algorithm,
-            info.st_nlink,
-            info.st_dev,
-            info.st_ino,
-            None,
-            info.st_mtime_ns,
-            info.st_ctime_ns,
-            False,
-            hashed_ns,
-            info.st_mode,
-            info.st_uid,
-        ),
-    )
-
-
-def _same(before: os.stat_result, after: os.stat_result) -> bool:
-    """Pure: the descriptor's identity did not move while it was read."""
-    return (
-        before.st_dev == after.st_dev
-        and before.st_ino == after.st_ino
-        and before.st_size == after.st_size
-        and before.st_mtime_ns == after.st_mtime_ns
-        and before.st_ctime_ns == after.st_ctime_ns
-    )
+    return _regular(path, info, digest, algorithm, False, hashed_ns)
 
 
 def _by_identity(path: str, name: str, dir_fd: int | None, algorithm: str, known: Known) -> FileState | None:
@@ -306,27 +264,21 @@ def _by_identity(path: str, name: str, dir_fd: int | None, algorithm: str, known
     digest = known(info, algorithm)
     if digest is None:
         return None
-    return built(
-        FileState,
-        (
-            path,
-            True,
-            True,
-            info.st_size,
-            digest,
-            algorithm,
-            info.st_nlink,
-            info.st_dev,
-            info.st_ino,
-            None,
-            info.st_mtime_ns,
-            info.st_ctime_ns,
-            True,
-            0,
-            info.st_mode,
-            info.st_uid,
-        ),
-    )
+    return _regular(path, info, digest, algorithm, True, 0)
+
+
+def _regular(
+    path: str,
+    info: os.stat_result,
+    digest: str | None,
+    algorithm: str | None,
+    by_identity: bool,
+    hashed_ns: int,
+) -> FileState:
+    """Pure: a regular file's state from its ``stat`` (built as a tuple: one per file verified)."""
+    ids = (info.st_nlink, info.st_dev, info.st_ino, None, info.st_mtime_ns, info.st_ctime_ns)
+    head = (path, True, True, info.st_size, digest, algorithm)
+    return built(FileState, (*head, *ids, by_identity, hashed_ns, info.st_mode, info.st_uid))
 
 
 #: A large file is hashed in chunks this big: each chunk takes the GIL twice (after ``readv`` and after
@@ -534,9 +486,7 @@ def plan_tasks(wanted: Sequence[Wanted], within: str | None = None) -> list[_Tas
         path = want.location
         directory, _, name = path.rpartition("/")
         key = (directory or "/") if path[:1] == "/" else None
-        groups = by_directory.get(key)
-        if groups is None:
-            groups = by_directory[key] = ([], [])
+        groups = by_directory.setdefault(key, ([], []))
         size = want.size or 0
         groups[size >= BIG_FILE].append((path, name, want.algorithm, size))
     tasks: list[_Task] = []
@@ -566,11 +516,7 @@ def _proven(
         if want.algorithm is None or path[:1] != "/":
             rest.append(want)
             continue
-        directory = path.rpartition("/")[0] or "/"
-        group = by_directory.get(directory)
-        if group is None:
-            group = by_directory[directory] = []
-        group.append(want)
+        by_directory.setdefault(path.rpartition("/")[0] or "/", []).append(want)
     for directory, group in by_directory.items():
         fd, _problem = _open_directory(directory, False, within)
         if fd is None:  # missing, or not within: its tasks say so
