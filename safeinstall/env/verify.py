@@ -166,32 +166,17 @@ def _record_plan(
     elif dist.record_problem is not None:  # nothing to check its files against: never "OK"
         kind = FindingKind.MISSING if dist.record_problem == NO_RECORD else FindingKind.UNREADABLE
         detail = "no RECORD" if kind == FindingKind.MISSING else f"RECORD: {dist.record_problem}"
-        findings.append(
-            Finding(
-                dist.name, f"{dist.dist_info}/RECORD", kind, f"{detail}: none of its files can be checked"
-            )
-        )
+        why = f"{detail}: none of its files can be checked"
+        findings.append(Finding(dist.name, f"{dist.dist_info}/RECORD", kind, why))
     for entry, location in zip(dist.record.entries, dist.locations, strict=True):
         if containment.outside(location):
-            findings.append(
-                Finding(
-                    dist.name,
-                    entry.path,
-                    FindingKind.OUTSIDE,
-                    f"resolves to {location}, outside {containment.prefix}",
-                )
-            )
+            why = f"resolves to {location}, outside {containment.prefix}"
+            findings.append(Finding(dist.name, entry.path, FindingKind.OUTSIDE, why))
             continue
         if entry.hash is None:
             if not _may_be_unhashed(dist, location):
-                findings.append(
-                    Finding(
-                        dist.name,
-                        location,
-                        FindingKind.MALFORMED,
-                        "its RECORD line has no hash: what it holds cannot be checked",
-                    )
-                )
+                why = "its RECORD line has no hash: what it holds cannot be checked"
+                findings.append(Finding(dist.name, location, FindingKind.MALFORMED, why))
             continue  # RECORD itself, its signatures and bytecode are unhashed as installers write them
         expectations.append(
             built(Expectation, (location, entry.hash.algorithm, entry.hash.digest, entry.size))
@@ -264,14 +249,9 @@ def _wheel_plan(
     members: dict[str, str] = {}
     findings: list[Finding] = []
     if dist.version != wheel.version:
+        why = f"installed {dist.version}, the wheel is {wheel.version}"
         findings.append(
-            Finding(
-                dist.name,
-                str(dist.dist_info),
-                FindingKind.VERSION_MISMATCH,
-                f"installed {dist.version}, the wheel is {wheel.version}",
-                baseline="wheel",
-            )
+            Finding(dist.name, str(dist.dist_info), FindingKind.VERSION_MISMATCH, why, baseline="wheel")
         )
     signatures = {f"{wheel.dist_info}/RECORD.jws", f"{wheel.dist_info}/RECORD.p7s"}
     other_version = dist.version != wheel.version  # then the metadata differs: the mismatch says it all
@@ -290,10 +270,10 @@ def _wheel_plan(
         if name.startswith(scripts):
             expectation = _script_expectation(wheel, name, Path(location), env)
         expectations.append(expectation or Expectation(location, "sha256", member.sha256, member.size))
-    for problem in wheel.problems:
-        findings.append(
-            Finding(dist.name, problem.path, FindingKind.WHEEL_RECORD, problem.reason, baseline="wheel")
-        )
+    findings.extend(
+        Finding(dist.name, p.path, FindingKind.WHEEL_RECORD, p.reason, baseline="wheel")
+        for p in wheel.problems
+    )
     # Installed files the wheel does not have: old leftovers recorded by the installer.
     generated_scripts = {os.path.join(env.scripts, script) for script in wheel.console_scripts}
     installed_dist_info = base(dist.dist_info.name)
@@ -309,15 +289,8 @@ def _wheel_plan(
             continue
         if containment.outside(text):
             continue
-        findings.append(
-            Finding(
-                dist.name,
-                text,
-                FindingKind.EXTRA,
-                "installed, but not in the wheel",
-                baseline="wheel",
-            )
-        )
+        extra = "installed, but not in the wheel"
+        findings.append(Finding(dist.name, text, FindingKind.EXTRA, extra, baseline="wheel"))
     return expectations, members, findings
 
 
@@ -418,13 +391,6 @@ def _still(
     return stat.S_ISDIR(now.st_mode) and identity(now) == identity(seen[here])
 
 
-def _is_symlink(entry: os.DirEntry[str]) -> bool:
-    try:
-        return entry.is_symlink()
-    except OSError:
-        return False
-
-
 def _listed_locations(installed: Sequence[InstalledDistribution]) -> frozenset[str]:
     return frozenset(location for d in installed for location in d.locations)
 
@@ -504,8 +470,7 @@ def verify_environment(
                 replace(p, expectations=tuple(expected.get(e.location, e) for e in p.expectations))
                 for p in plans
             ]
-    wanted = [e for p in plans for e in p.expectations]
-    total = len(wanted)
+    total = sum(len(p.expectations) for p in plans)
 
     def tick(done: int) -> None:
         if on_progress is not None:
