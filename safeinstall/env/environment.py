@@ -7,6 +7,7 @@ environment's account when it belongs to another (:class:`Account`).
 from __future__ import annotations
 
 import ast
+import operator
 import os
 import pwd
 import re
@@ -204,11 +205,6 @@ def _account(uid: int, gid: int) -> Account:
     return Account(uid, entry.pw_gid, entry.pw_dir or "/")
 
 
-def _ancestors(path: Path) -> list[Path]:
-    """``/``, then each directory above ``path``, down to its parent."""
-    return list(reversed(path.parents))
-
-
 class Walked(dict[str, os.stat_result]):
     """What the walk of what ``site`` may import saw (:func:`steering`): the ``lstat`` of each file and
     directory it looked at, by path, and in ``listed`` each directory's entries as it listed them (name,
@@ -278,7 +274,7 @@ class _Control:
                 continue
             seen.add(str(current))
             exists = self.look(current, what)
-            for directory in _ancestors(current):
+            for directory in reversed(current.parents):  # from /, down to its parent
                 self.look(directory, f"a directory above {what}", ancestor=True)
             if not exists:
                 probe = current.parent
@@ -420,7 +416,7 @@ def _walk_loaded(control: _Control, top: Path, what: str, budget: list[int]) -> 
                 f"more than {LOADED_ENTRIES} files below {top} ({what}): who may change them cannot be told"
             )
             return
-        for entry in sorted(said, key=_entry_name) if len(said) > 1 else said:
+        for entry in sorted(said, key=operator.attrgetter("name")) if len(said) > 1 else said:
             if entry.is_symlink():
                 path = Path(directory, entry.name)
                 control.look_up(path, what)
@@ -430,10 +426,6 @@ def _walk_loaded(control: _Control, top: Path, what: str, budget: list[int]) -> 
             else:
                 control.look(f"{directory}/{entry.name}", what)
         todo.extend((path, depth + 1) for path in sorted(below))
-
-
-def _entry_name(entry: os.DirEntry[str]) -> str:
-    return entry.name
 
 
 def _same_directory(opened: os.stat_result, looked: os.stat_result | None) -> bool:
@@ -498,16 +490,23 @@ def who_else_controls_tree(path: Path, euid: int) -> tuple[int | None, str] | No
 def user_site_enabled(env: Environment) -> bool:
     """Whether ``env``'s interpreter adds the user's site directory at all: not in a venv that does not
     include the system's site-packages (``site`` turns it off there)."""
-    config = env.prefix / "pyvenv.cfg"
+    values = _pyvenv_values(env.prefix / "pyvenv.cfg", "include-system-site-packages")
+    if values is None:
+        return True  # no venv: a system interpreter adds it
+    return bool(values) and values[0].lower() == "true"
+
+
+def _pyvenv_values(config: Path, wanted: str) -> list[str] | None:
+    """The values of ``wanted`` in a ``pyvenv.cfg``, in order; None when it cannot be read."""
     try:
         text = read_small(config, 1 << 16).decode("utf-8", "replace")
     except OSError:
-        return True  # no venv: a system interpreter adds it
-    for line in text.splitlines():
-        key, _, value = line.partition("=")
-        if key.strip().lower() == "include-system-site-packages":
-            return value.strip().lower() == "true"
-    return False
+        return None
+    return [
+        v.strip()
+        for k, _, v in (line.partition("=") for line in text.splitlines())
+        if k.strip().lower() == wanted
+    ]
 
 
 def steering(env: Environment, euid: int, walked: dict[str, os.stat_result] | None = None) -> _Control:
@@ -600,17 +599,10 @@ def before_the_probe(python: Path, euid: int) -> _Control:
     control.look_up(venv, "the environment")
     bases = [real.parent.parent]
     config = venv / "pyvenv.cfg"
-    if control.look(config, "its pyvenv.cfg"):
-        try:
-            text = read_small(config, 1 << 16).decode("utf-8", "replace")
-        except OSError:
-            text = ""
-        for line in text.splitlines():
-            key, _, value = line.partition("=")
-            if key.strip().lower() == "home" and value.strip():
-                home = Path(value.strip())
-                control.look_up(home, "its base interpreter's directory")
-                bases.append(home.parent)
+    homes = _pyvenv_values(config, "home") if control.look(config, "its pyvenv.cfg") else None
+    for home in map(Path, filter(None, homes or ())):
+        control.look_up(home, "its base interpreter's directory")
+        bases.append(home.parent)
     for base in bases:
         for lib in sorted(base.glob("lib*/python3*")):
             control.look_up(lib, "a standard library")
