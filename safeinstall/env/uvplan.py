@@ -174,9 +174,7 @@ def prefetch_command(
         for change in changes
         if change.action != "uninstall" and change.name != wanted and (text := pinned(change)) is not None
     ]
-    extra = [
-        arg for arg in _without(request.extra_args, "--link-mode") if arg != "--no-deps"
-    ]  # uv takes it once
+    extra = [arg for arg in _without(request.extra_args, "--link-mode") if arg != "--no-deps"]  # uv: once
     return [*cmd, *extra, requirement(request), *dict.fromkeys(others)]
 
 
@@ -214,7 +212,7 @@ def index_settings(extra_args: Sequence[str]) -> tuple[tuple[str, ...], dict[str
     UsageError for a value the variable cannot carry, a missing value, or a single one given twice.
     """
     kept: list[str] = []
-    values: dict[str, list[str]] = {}
+    values: dict[str, str] = {}
     args = list(extra_args)
     position = 0
     while position < len(args):
@@ -241,17 +239,9 @@ def index_settings(extra_args: Sequence[str]) -> tuple[tuple[str, ...], dict[str
                 hint="index URLs and find-links paths must not be empty or hold "
                 + ("a space" if separator == " " else "a comma" if separator == "," else "a NUL"),
             )
-        values.setdefault(variable, []).append(value)
-    settings = {
-        variable: (_INDEX_OPTIONS_SEPARATOR.get(variable) or "").join(given)
-        for variable, given in values.items()
-    }
-    return tuple(kept), settings
-
-
-_INDEX_OPTIONS_SEPARATOR = {
-    variable: separator for variable, separator in _INDEX_OPTIONS.values() if separator
-}
+        joined = values.get(variable)  # given before: then the variable takes several (a separator)
+        values[variable] = value if joined is None else f"{joined}{separator}{value}"
+    return tuple(kept), values
 
 
 def _index_option(arg: str) -> tuple[str, str, str | None] | None:
