@@ -188,14 +188,22 @@ def member_problem(name: str, data_dir: str) -> str | None:
     return None
 
 
-def _read_limited(archive: zipfile.ZipFile, info: zipfile.ZipInfo, limit: int, path: Path) -> bytes:
+def _bounded(info: zipfile.ZipInfo, limit: int, path: Path) -> None:
+    """Refuses (WheelError) a member that says it unpacks to more than ``limit`` bytes."""
     if info.file_size > limit:
         raise _fail(path, f"{info.filename} unpacks to {info.file_size} bytes, more than the {limit} allowed")
+
+
+def _read_text(
+    archive: zipfile.ZipFile, info: zipfile.ZipInfo, limit: int, path: Path, errors: str = "replace"
+) -> str:
+    """A member's text, at most ``limit`` bytes unpacked (WheelError past it)."""
+    _bounded(info, limit, path)
     with archive.open(info) as handle:
         data = handle.read(limit + 1)
     if len(data) > limit:
         raise _fail(path, f"{info.filename} unpacks to more than the {limit} bytes allowed")
-    return data
+    return data.decode("utf-8", errors)
 
 
 def _check_names(infos: list[zipfile.ZipInfo], path: Path) -> None:
@@ -207,11 +215,7 @@ def _check_names(infos: list[zipfile.ZipInfo], path: Path) -> None:
                 info.filename.encode("cp437").decode("utf-8")
             except UnicodeError:
                 raise _fail(path, f"the member name {info.filename!r} is not valid UTF-8") from None
-        if info.file_size > MEMBER_LIMIT:
-            raise _fail(
-                path,
-                f"{info.filename} unpacks to {info.file_size} bytes, more than the {MEMBER_LIMIT} allowed",
-            )
+        _bounded(info, MEMBER_LIMIT, path)
     total = sum(i.file_size for i in infos)
     if total > TOTAL_LIMIT:
         raise _fail(path, f"it unpacks to {total} bytes, more than the {TOTAL_LIMIT} allowed")
@@ -301,16 +305,9 @@ def read_wheel(path: Path, hashed: Mapping[str, WheelMember] | None = None) -> W
                     raise _fail(path, f"{dist_info}/{required} is missing")
             for meta, limit in _METADATA_FILES.items():  # before anything is unpacked
                 info = by_name.get(f"{dist_info}/{meta}")
-                if info is not None and info.file_size > limit:
-                    raise _fail(
-                        path,
-                        f"{info.filename} unpacks to {info.file_size} bytes, more than the {limit} allowed",
-                    )
-            record = parse_record(
-                _read_limited(archive, by_name[f"{dist_info}/RECORD"], RECORD_LIMIT, path).decode(
-                    "utf-8", errors="replace"
-                )
-            )
+                if info is not None:
+                    _bounded(info, limit, path)
+            record = parse_record(_read_text(archive, by_name[f"{dist_info}/RECORD"], RECORD_LIMIT, path))
             algorithms = {e.path: e.hash.algorithm for e in record.entries if e.hash is not None}
             sizes = {i.filename: i.file_size for i in infos}
             members = (
@@ -325,21 +322,16 @@ def read_wheel(path: Path, hashed: Mapping[str, WheelMember] | None = None) -> W
                 and i.file_size <= _SCRIPT_MAX
                 and (content := archive.read(i)).startswith(b"#!python")
             }
-            wheel_meta = HeaderParser().parsestr(
-                _read_limited(archive, by_name[f"{dist_info}/WHEEL"], METADATA_LIMIT, path).decode("utf-8")
-            )
+            wheel_text = _read_text(archive, by_name[f"{dist_info}/WHEEL"], METADATA_LIMIT, path, "strict")
+            wheel_meta = HeaderParser().parsestr(wheel_text)
             metadata = HeaderParser().parsestr(
-                _read_limited(archive, by_name[f"{dist_info}/METADATA"], METADATA_LIMIT, path).decode(
-                    "utf-8", errors="replace"
-                )
+                _read_text(archive, by_name[f"{dist_info}/METADATA"], METADATA_LIMIT, path)
             )
             entry_points_info = by_name.get(f"{dist_info}/entry_points.txt")
             entry_points = (
-                _read_limited(archive, entry_points_info, METADATA_LIMIT, path).decode(
-                    "utf-8", errors="replace"
-                )
-                if entry_points_info is not None
-                else None
+                None
+                if entry_points_info is None
+                else _read_text(archive, entry_points_info, METADATA_LIMIT, path)
             )
     except _DAMAGED as exc:
         raise _fail(path, f"not a valid zip archive ({exc})") from exc
@@ -426,8 +418,7 @@ def scheme_roots(wheel: Wheel, env: Environment) -> dict[str, Path]:
         "scripts": env.scripts,
         "data": env.data,
         "headers": env.prefix
-        / "include"
-        / "site"
+        / "include/site"
         / f"python{env.version[0]}.{env.version[1]}"
         / wheel.display_name,
     }
@@ -473,22 +464,6 @@ def environment_files(env: Environment) -> frozenset[str]:
     own.update(os.path.join(env.scripts, n) for n in names if _INTERPRETER.match(n))
     own.update(os.path.join(env.scripts, n) for n in ("python", "python3"))
     return frozenset(own)
-
-
-def landing_problems(
-    locations: dict[str, str], protected: frozenset[str], owned: frozenset[str], others: dict[str, str]
-) -> list[str]:
-    """Pure: members that would replace a file they must not. ``locations``: member -> where it lands;
-    ``protected``: the environment's own files; ``owned``: what the run replaces (and backs up);
-    ``others``: location -> the other distribution whose RECORD lists it. Existing files are in
-    ``owned``, ``others`` or neither (then the run would overwrite a file it never saved)."""
-    problems: list[str] = []
-    for member, location in sorted(locations.items()):
-        if location in protected:
-            problems.append(f"{member} would replace the environment's own {location}")
-        elif location in others:
-            problems.append(f"{member} would replace {location}, a file of {others[location]}")
-    return problems
 
 
 def shared_landing(wheel: Wheel, locations: dict[str, str], others: dict[str, tuple[str, str]]) -> list[str]:
@@ -546,7 +521,11 @@ def check_landing(
         for location in dist.locations
     }
     protected = environment_files(env)
-    problems = landing_problems(locations, protected, frozenset(owned), {})
+    problems = [
+        f"{member} would replace the environment's own {location}"
+        for member, location in sorted(locations.items())
+        if location in protected
+    ]
     problems += [
         f"{member} would replace {location}, which no distribution being replaced holds"
         for member, location in sorted(locations.items())
@@ -615,9 +594,8 @@ def target_tags(env: Environment) -> list[Tag]:
         supported = list(tags.cpython_tags(version, [abi], platforms))
         interpreter = f"cp{version[0]}{version[1]}"
     else:
-        interpreter = f"{tags.INTERPRETER_SHORT_NAMES.get(env.implementation, env.implementation)}" + (
-            f"{version[0]}{version[1]}"
-        )
+        short = tags.INTERPRETER_SHORT_NAMES.get(env.implementation, env.implementation)
+        interpreter = f"{short}{version[0]}{version[1]}"
         supported = list(tags.generic_tags(interpreter, None, platforms))
     supported += list(tags.compatible_tags(version, interpreter, platforms))
     return supported
@@ -625,5 +603,4 @@ def target_tags(env: Environment) -> list[Tag]:
 
 def fits(wheel: Wheel, supported: list[Tag]) -> bool:
     """Pure: does any of the wheel's tags appear among the interpreter's supported tags?"""
-    accepted = set(supported)
-    return any(tag in accepted for tag in wheel.tags)
+    return not wheel.tags.isdisjoint(supported)
