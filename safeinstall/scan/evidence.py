@@ -14,10 +14,7 @@ from enum import StrEnum
 
 from safeinstall.env.containment import base
 from safeinstall.env.dependents import describe_chain
-from safeinstall.scan.targets import (
-    EnvironmentScope,
-    Target,
-)
+from safeinstall.scan.targets import EnvironmentScope, Target
 
 DELETED_SUFFIX = " (deleted)"
 _SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh"})
@@ -49,10 +46,6 @@ class Evidence:
     path: str  # the mapped/open file, the console script, or the module run with -m
     deleted: bool = False  # the file is gone from disk: the process runs code no longer installed
     detail: str = ""  # how it matched: "dev/inode fe:00 123", "path", "directory", "console script", ...
-
-    @property
-    def running_old_code(self) -> bool:
-        return self.deleted
 
     @property
     def strength(self) -> Strength:
@@ -222,8 +215,6 @@ def parse_maps_line(line: str) -> MapsEntry | None:
         if not sep or not colon:
             return None
         deleted = path.endswith(DELETED_SUFFIX)
-        if deleted:
-            path = path[: -len(DELETED_SUFFIX)]
         return MapsEntry(
             start=int(start, 16),
             end=int(end, 16),
@@ -231,7 +222,7 @@ def parse_maps_line(line: str) -> MapsEntry | None:
             offset=int(offset, 16),
             dev=os.makedev(int(major, 16), int(minor, 16)),
             inode=int(inode),
-            path=_unescape(path),
+            path=_unescape(path.removesuffix(DELETED_SUFFIX)),
             deleted=deleted,
         )
     except ValueError:
@@ -314,7 +305,7 @@ def match_fds(links: Iterable[str], targets: Iterable[Target] | TargetIndex) -> 
         if not link.startswith("/"):  # socket:[..], pipe:[..], anon_inode:...
             continue
         deleted = link.endswith(DELETED_SUFFIX)
-        path = link[: -len(DELETED_SUFFIX)] if deleted else link
+        path = link.removesuffix(DELETED_SUFFIX)
         for name, how in index.owners_of(path):
             _add(found, Evidence(EvidenceKind.OPEN, name, path, deleted, how))
     return tuple(found.values())
@@ -427,12 +418,8 @@ def match_argv(
                 continue
             for top in target.modules:
                 if module == top or module.startswith(top + "."):
-                    _add(
-                        found,
-                        Evidence(
-                            EvidenceKind.ARGV, target.distribution, module, False, f"{argv0} -m {module}"
-                        ),
-                    )
+                    how = f"{argv0} -m {module}"
+                    _add(found, Evidence(EvidenceKind.ARGV, target.distribution, module, False, how))
                     break
     return tuple(found.values())
 
@@ -468,8 +455,7 @@ def match_environment_maps(text: str, scope: EnvironmentScope) -> tuple[Evidence
     for line in text.split("\n"):
         parts = line.split(None, 5)
         if len(parts) == 6 and parts[5].startswith(scope.roots):
-            path = parts[5]
-            path = _unescape(path[: -len(DELETED_SUFFIX)] if path.endswith(DELETED_SUFFIX) else path)
+            path = _unescape(parts[5].removesuffix(DELETED_SUFFIX))
             return _environment(path, "maps a file of the environment")
     return ()
 
@@ -477,7 +463,7 @@ def match_environment_maps(text: str, scope: EnvironmentScope) -> tuple[Evidence
 def match_environment_paths(links: Iterable[str], scope: EnvironmentScope) -> tuple[Evidence, ...]:
     """``environment`` evidence: an open file (``/proc/PID/fd`` link) under the environment's roots."""
     for link in links:
-        path = link[: -len(DELETED_SUFFIX)] if link.endswith(DELETED_SUFFIX) else link
+        path = link.removesuffix(DELETED_SUFFIX)
         if path.startswith("/") and _under(path, scope.roots):
             return _environment(path, "holds open a file of the environment")
     return ()
