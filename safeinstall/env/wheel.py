@@ -21,12 +21,7 @@ from pathlib import Path, PurePosixPath
 from typing import BinaryIO, cast
 
 from packaging.tags import Tag
-from packaging.utils import (
-    InvalidWheelFilename,
-    NormalizedName,
-    canonicalize_name,
-    parse_wheel_filename,
-)
+from packaging.utils import InvalidWheelFilename, NormalizedName, canonicalize_name, parse_wheel_filename
 
 from safeinstall.env.containment import is_within
 from safeinstall.env.distributions import (

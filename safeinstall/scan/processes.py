@@ -29,10 +29,7 @@ from safeinstall.scan.evidence import (
     match_maps,
     parse_cmdline,
 )
-from safeinstall.scan.targets import (
-    EnvironmentScope,
-    Target,
-)
+from safeinstall.scan.targets import EnvironmentScope, Target
 from safeinstall.system.forking import can_fork, cpu_count, map_forked, split
 from safeinstall.system.identity import PF_KTHREAD, ProcessId, StatInfo, parse_stat
 
