@@ -239,14 +239,12 @@ def load_targets(
     targets: list[Target] = []
     owners = directory_owners(everything) if owners is None else owners  # once per environment
     for dist in dists:
-        others = [other for other in everything if other.dist_info != dist.dist_info]
         file_ids, aliases = probe_files(dist.locations)
         targets.append(
             build_target(
                 dist,
                 env,
                 file_ids=file_ids,
-                others=others,
                 extra_interpreters=extra,
                 aliases=aliases,
                 directory_ids=probe_directories(dist.locations),
