@@ -324,12 +324,7 @@ def mode_finding(distribution: str, state: FileState, script: bool) -> Finding |
         detail = "a script its owner cannot execute"
     else:
         return None
-    return Finding(
-        distribution=distribution,
-        path=state.path,
-        kind=FindingKind.MODE,
-        detail=f"mode {stat.S_IMODE(mode):04o}: {detail}",
-    )
+    return Finding(distribution, state.path, FindingKind.MODE, f"mode {stat.S_IMODE(mode):04o}: {detail}")
 
 
 def own_roots(
@@ -397,23 +392,16 @@ def extras(
             continue
         if text in listed:
             continue
-        found.append(
-            Finding(
-                distribution=distribution,
-                path=text,
-                kind=FindingKind.EXTRA,
-                detail="in the distribution's directories but in no RECORD",
-            )
-        )
+        found.append(Finding(distribution, text, FindingKind.EXTRA, IN_NO_RECORD))
     return found, bytecode
+
+
+#: What an ``extra`` file found in a distribution's own directories says.
+IN_NO_RECORD = "in the distribution's directories but in no RECORD"
 
 
 def bytecode_finding(distribution: str, location: str, why: str, listed: bool) -> Finding:
     """Pure: a ``.pyc`` that is not the bytecode of its listed, verified source: ``modified`` when a
     RECORD lists it, else ``extra``; the reason said."""
-    return Finding(
-        distribution=distribution,
-        path=location,
-        kind=FindingKind.MODIFIED if listed else FindingKind.EXTRA,
-        detail=f"bytecode: {why}",
-    )
+    kind = FindingKind.MODIFIED if listed else FindingKind.EXTRA
+    return Finding(distribution, location, kind, f"bytecode: {why}")

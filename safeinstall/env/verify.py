@@ -30,6 +30,7 @@ from safeinstall.env.distributions import (
     find_named,
 )
 from safeinstall.env.drift import (
+    IN_NO_RECORD,
     Expectation,
     Finding,
     FindingKind,
@@ -755,7 +756,7 @@ def _not_checked(name: str, root: str, why: str) -> Finding:
 def _orphans(name: str, walked: Sequence[str], listed: frozenset[str]) -> list[Finding]:
     """Pure: the ``.pyc`` files of ``walked`` whose source no RECORD lists, as ``extra`` findings."""
     return [
-        Finding(name, pyc, FindingKind.EXTRA, "in the distribution's directories but in no RECORD")
+        Finding(name, pyc, FindingKind.EXTRA, IN_NO_RECORD)
         for pyc in walked
         if pyc not in listed and (parsed := pyc_name(pyc)) is not None and parsed.source not in listed
     ]
