@@ -175,8 +175,7 @@ def judge(pyc: bytes, name: PycName, source: bytes) -> str | None:
         return None  # another interpreter's: its header is all that can be judged here
     if header.magic != OWN_MAGIC:
         return f"magic {header.magic.hex()} is not {name.tag}'s"
-    unbounded = marshal_bounded(pyc[_HEADER:])
-    if unbounded is not None:
+    if marshal_bounded(pyc[_HEADER:]) is not None:
         return "its body is not marshalled code"
     try:
         held = marshal.loads(pyc[_HEADER:])
@@ -322,16 +321,7 @@ def judge_files(
                     f"bytecode of {os.path.basename(name.source)}, which is not as its RECORD says"
                 )
                 continue
-            fine = Judged(
-                location,
-                pyc_info.st_dev,
-                pyc_info.st_ino,
-                pyc_info.st_size,
-                pyc_info.st_mtime_ns,
-                pyc_info.st_ctime_ns,
-                source.digest,
-            )
-            batch.append((fine, name, pyc, text))
+            batch.append((Judged(location, *identity(pyc_info), source.digest), name, pyc, text))
             compiled += 1
             held += len(pyc) + len(text)
             if held >= BATCH_BYTES:
