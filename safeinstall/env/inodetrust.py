@@ -145,26 +145,11 @@ def _same_hash(kept: VerifiedInode, new: VerifiedInode) -> bool:
     return kept[:5] == new[:5] and kept.digest == new.digest and kept.root_only == new.root_only
 
 
-def trusted_digest(entry: VerifiedInode | None, info: os.stat_result) -> str | None:
-    """Pure: the kept digest when the file's ``lstat`` shows the very inode as it was hashed."""
-    if entry is None:
-        return None
-    if (
-        info.st_size != entry.size
-        or info.st_mtime_ns != entry.mtime_ns
-        or info.st_ctime_ns != entry.ctime_ns
-        or info.st_dev != entry.device
-        or info.st_ino != entry.inode
-    ):
-        return None
-    return entry.digest
-
-
 def root_only_digest(entry: VerifiedInode | None, info: os.stat_result) -> str | None:
     """Pure: the kept digest of a file only root may write, when its ``lstat`` shows the very inode, size
     and mtime it had when hashed; its ctime may have moved (a link or unlink of another name).
 
-    Why that is as sound as :func:`trusted_digest`: docs/verify.md.
+    Why that is as sound as the very inode's kept hash (:func:`checker`): docs/verify.md.
     """
     if entry is None or not entry.root_only or not stat.S_ISREG(info.st_mode):
         return None
@@ -195,8 +180,8 @@ def checker(store: InodeStore, fallback: Known | None = None, root_links: bool =
     entries = store.entries.get
 
     def known(info: os.stat_result, algorithm: str) -> str | None:
-        # trusted_digest, written out (once per file of the environment, every check): the device and
-        # inode are the key; then size, mtime, ctime
+        # the very inode as it was hashed (once per file of the environment, every check): the device
+        # and inode are the key; then size, mtime, ctime
         entry = entries((info.st_dev, info.st_ino)) if algorithm == ALGORITHM else None
         if (
             entry is not None
