@@ -167,9 +167,7 @@ def parse_record(text: str, max_lines: int = LINES_LIMIT) -> Record:
     accepted = ACCEPTED_ALGORITHMS
     plain = "\0" not in text  # else every line goes through _parse_row, which refuses a NUL in a path
     for number, row in enumerate(rows, start=1):
-        if (
-            plain and len(row) == 3 and row[0]
-        ):  # the usual hashed line, as _parse_row takes it, without a call
+        if plain and len(row) == 3 and row[0]:  # the usual hashed line, as _parse_row takes it, uncalled
             algorithm, _, digest = row[1].partition("=")
             size_text = row[2]
             if (
