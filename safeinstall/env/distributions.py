@@ -151,8 +151,7 @@ class ParsedRecords:
 class MetadataReader:
     """Reads one environment's ``.dist-info`` files for one scan: only a regular file within its limit that
     ``account`` may read, and at most :data:`SCAN_LIMIT` bytes in all (then RecordError), since the
-    owner can add RECORDs without end.
-    """
+    owner can add RECORDs without end."""
 
     __slots__ = ("account", "left", "lines_left", "parses")
 
@@ -270,8 +269,7 @@ _SCRIPT_SECTIONS = frozenset({"console_scripts", "gui_scripts"})
 def parse_console_scripts(entry_points: str | None) -> tuple[str, ...]:
     """Pure: the names in ``[console_scripts]`` and ``[gui_scripts]`` of an ``entry_points.txt``, read as
     configparser reads it, a line at a time: configparser and importlib.metadata cost seconds and GB on
-    a hostile file (docs/threat-model.md).
-    """
+    a hostile file (docs/threat-model.md)."""
     if not entry_points:
         return ()
     names: set[str] = set()

@@ -1,8 +1,7 @@
 """Drift: what differs between installed files and what was installed. Pure functions only.
 
 Inputs are typed expectations (from an installed RECORD or from a wheel) and observed
-:class:`~safeinstall.env.hashing.FileState`; outputs are :class:`Finding` values.
-"""
+:class:`~safeinstall.env.hashing.FileState`; outputs are :class:`Finding` values."""
 
 from __future__ import annotations
 
@@ -131,8 +130,7 @@ def shared_file(
 ) -> Finding:
     """Pure: a ``modified`` file other RECORDs list too (``listed_by``): what one of them lists is that
     one's (``shared``, not drift). ``settle`` False (``--wheel``): it stays ``modified``, since whoever writes
-    site-packages writes RECORDs.
-    """
+    site-packages writes RECORDs."""
     if finding.kind != FindingKind.MODIFIED or not listed_by:
         return finding
     for name, version, other in listed_by:
@@ -331,8 +329,7 @@ def own_roots(
     files_by_distribution: Mapping[str, Iterable[str]], site_dirs: Iterable[str]
 ) -> dict[str, list[str]]:
     """Each distribution's own package directories: strictly below a site directory, with no other
-    distribution's files below (so ``nvidia/`` is never one); ``.dist-info`` left out.
-    """
+    distribution's files below (so ``nvidia/`` is never one); ``.dist-info`` left out."""
     return roots_of(directory_owners(files_by_distribution, site_dirs), files_by_distribution)
 
 

@@ -1,8 +1,7 @@
 """The target Python environment: which interpreter, and where its files live.
 
 The interpreter is asked in isolated mode without ``site`` and with an empty environment, as the
-environment's account when it belongs to another (:class:`Account`).
-"""
+environment's account when it belongs to another (:class:`Account`)."""
 
 from __future__ import annotations
 
@@ -152,8 +151,7 @@ def resolve_python(given: str | None, environ: Mapping[str, str]) -> Path:
     """Find the interpreter the way uv does: ``--python``, then ``VIRTUAL_ENV``, then ``python3``.
 
     ``given`` may be an interpreter or a virtual environment directory. An InterpreterError when it
-    cannot be reached (a caller who is not root, below a directory closed to it: no traceback).
-    """
+    cannot be reached (a caller who is not root, below a directory closed to it: no traceback)."""
     try:
         return _resolve_python(given, environ)
     except PermissionError as exc:
@@ -360,8 +358,7 @@ def _loaded_entries(directory: Path, names: frozenset[str]) -> list[Path]:
 
 def _walk_loaded(control: _Control, top: Path, what: str, budget: list[int]) -> None:
     """Look at ``top`` and every entry of its tree, never through a symlink (a link out of it is a
-    problem); ``budget`` and ``LOADED_DEPTH`` bound it.
-    """
+    problem); ``budget`` and ``LOADED_DEPTH`` bound it."""
     if budget[0] < 0:  # said once, by the walk that ran out
         return
     real_top = os.path.realpath(top)
@@ -462,8 +459,7 @@ def _may_say(
 
 def who_else_controls(path: Path, euid: int) -> str | None:
     """Who besides root and ``euid`` could change ``path`` (it, its parents, a link's target, or who could
-    create it): the first finding, or None. For what a unit names that the smoke check would run.
-    """
+    create it): the first finding, or None. For what a unit names that the smoke check would run."""
     control = _Control(euid)
     control.look_up(path, "it")
     if control.owners:
@@ -475,8 +471,7 @@ def who_else_controls(path: Path, euid: int) -> str | None:
 def who_else_controls_tree(path: Path, euid: int) -> tuple[int | None, str] | None:
     """Who besides root and ``euid`` could change what may be loaded from ``path``: the path, its parents
     and its whole tree, never through a symlink. None when nobody; else the account (None: not one)
-    and the first finding. For what a unit names that the smoke check would load from.
-    """
+    and the first finding. For what a unit names that the smoke check would load from."""
     control = _Control(euid)
     control.look_up(path, "it")
     if os.path.isdir(path):
@@ -513,8 +508,7 @@ def steering(env: Environment, euid: int, walked: dict[str, os.stat_result] | No
     """Who besides root (and ``euid``) can change what the environment runs once ``site`` runs (as uv
     runs it): the prefix and its parents, the site directories, the ``.pth`` targets and, when ``site``
     imports, every tree it may import from (see :class:`_Control`). ``walked``: filled with each ``lstat``
-    taken, for :func:`safeinstall.env.unchanged.prover`.
-    """
+    taken, for :func:`safeinstall.env.unchanged.prover`."""
     control = _Control(euid)
     control.walked = walked
     control.look_up(env.prefix, "the prefix")
@@ -569,8 +563,7 @@ def _root_controlled(site: Path) -> bool:
 def distribution_sites(env: Environment) -> tuple[Path, ...]:
     """Every site directory whose distributions the interpreter imports, in ``sys.path`` order: its own,
     then the base's inside the base prefix. For another account's environment a base directory counts
-    only when root alone controls it (the account could write its RECORDs).
-    """
+    only when root alone controls it (the account could write its RECORDs)."""
     base = [
         site
         for site in env.base_site_dirs

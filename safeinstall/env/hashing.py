@@ -1,8 +1,7 @@
 """Installed files stated and hashed, in parallel, each opened once by directory descriptor.
 
 The one place that reads file contents for verification; a symlink, FIFO or device is never opened.
-How the work is split over threads: docs/performance.md.
-"""
+How the work is split over threads: docs/performance.md."""
 
 from __future__ import annotations
 
@@ -203,8 +202,7 @@ def _observe(
     opened only when its ``lstat`` shows a regular file.
 
     Read into the thread's ``buffer`` (a new ``bytes`` each cost page faults, docs/performance.md);
-    ``started_ns`` is kept as ``hashed_ns`` when the identity did not change during the read.
-    """
+    ``started_ns`` is kept as ``hashed_ns`` when the identity did not change during the read."""
     if regular is None or name not in regular:
         unopened = _unopened(path, name, dir_fd)
         if unopened is not None:
@@ -305,8 +303,7 @@ def cycle_collection_paused(frozen: bool = False) -> Iterator[None]:
 
 def read_buffer() -> memoryview:
     """A thread's read buffer: ``STREAM_CHUNK`` bytes on a page boundary, populated at once (an unaligned
-    ``bytearray`` copied 4-5x slower on Zen: docs/performance.md).
-    """
+    ``bytearray`` copied 4-5x slower on Zen: docs/performance.md)."""
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
     return memoryview(mmap.mmap(-1, STREAM_CHUNK, flags=flags))
 
@@ -389,8 +386,7 @@ MISSING = "missing"
 def _open_directory(path: str, list_it: bool, within: str | None) -> tuple[int | None, str | None]:
     """Open ``path`` as the caller's containment check resolved it. With ``within``, what was opened must
     be below that real directory (a symlink swapped in since must not lead root out); a directory that
-    cannot be opened gets no file opened by its path.
-    """
+    cannot be opened gets no file opened by its path."""
     fd: int | None = None
     failure: OSError | None = None
     if list_it:
@@ -507,8 +503,7 @@ def _proven(
     wanted: Sequence[Wanted], within: str | None, known: Known, results: dict[str, FileState]
 ) -> list[Wanted]:
     """The wanted files that ``known`` proves by identity (an ``lstat`` each, within ``within``), into
-    ``results``; returns the others, to be read. Proven first, so an unchanged check plans no task.
-    """
+    ``results``; returns the others, to be read. Proven first, so an unchanged check plans no task."""
     by_directory: dict[str, list[Wanted]] = {}
     rest: list[Wanted] = []
     for want in wanted:
@@ -552,8 +547,7 @@ def observe_files(
 
     At most ``budget`` bytes; ``workers`` threads; ``on_progress``: the count done (what it raises is
     raised here); ``meanwhile``: other work; ``within``: a directory every file must be in;
-    ``known``: digests of unchanged inodes.
-    """
+    ``known``: digests of unchanged inodes."""
     results: dict[str, FileState] = {}
     reading = Reading(budget)
     if known is not None:  # first what the kept hashes prove: only the rest is planned and read
@@ -621,8 +615,7 @@ def observe_files(
 def _join(threads: Sequence[threading.Thread]) -> BaseException | None:
     """Wait for every thread to end and return the signal that came meanwhile, raised by the caller once
     the directories are closed (a helper must not have its descriptor closed under it). A second signal
-    is raised at once; the descriptors then stay open until the process ends.
-    """
+    is raised at once; the descriptors then stay open until the process ends."""
     pending: BaseException | None = None
     for thread in threads:
         while True:

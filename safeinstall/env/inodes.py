@@ -1,8 +1,7 @@
 """Verification by identity: an installed file that is a hardlink of an inode of the run's cache, hashed
 before the stop and unchanged since, needs an ``lstat``, not a read.
 
-Why that proves as much as a hash: docs/window.md ("Verification by identity").
-"""
+Why that proves as much as a hash: docs/window.md ("Verification by identity")."""
 
 from __future__ import annotations
 
@@ -78,8 +77,7 @@ def hash_cache(
     """Before the stop: hash every file of uv's unpacked archives in the run's cache, as root, by
     descriptor; an entry that moved while read or that others may write is left out (read in the window).
     ``known``: digests of inodes hashed already; ``written``: this run's fill's own copies, by path
-    (sha256, size, inode, mtime), taken for that inode unchanged only.
-    """
+    (sha256, size, inode, mtime), taken for that inode unchanged only."""
     try:
         owner = os.lstat(cache).st_uid
     except OSError:
@@ -189,8 +187,7 @@ def checker(hashed: Hashed, installed_ns: int) -> Known:
 
 def flush(directory: Path) -> float:
     """``syncfs`` the run's cache before the stop; the seconds it took. Else the kernel writes the
-    prefetch's gigabytes back about 30 s later, in the window, where the install's links wait on it.
-    """
+    prefetch's gigabytes back about 30 s later, in the window, where the install's links wait on it."""
     started = time.monotonic()
     try:
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

@@ -1,8 +1,7 @@
 """The verified-inode store's decisions (pure): which hash of a file may be kept, and when a kept one
 may stand for reading the file again (``git``'s index, for verification).
 
-Why that is sound, and what it does not cover: docs/verify.md ("The verified-inode store").
-"""
+Why that is sound, and what it does not cover: docs/verify.md ("The verified-inode store")."""
 
 from __future__ import annotations
 
@@ -149,8 +148,7 @@ def root_only_digest(entry: VerifiedInode | None, info: os.stat_result) -> str |
     """Pure: the kept digest of a file only root may write, when its ``lstat`` shows the very inode, size
     and mtime it had when hashed; its ctime may have moved (a link or unlink of another name).
 
-    Why that is as sound as the very inode's kept hash (:func:`checker`): docs/verify.md.
-    """
+    Why that is as sound as the very inode's kept hash (:func:`checker`): docs/verify.md."""
     if entry is None or not entry.root_only or not stat.S_ISREG(info.st_mode):
         return None
     if not owner_alone_writes(info.st_uid, info.st_mode, 0):
@@ -175,8 +173,7 @@ def root_only_checker(store: InodeStore) -> Callable[[os.stat_result], str | Non
 def checker(store: InodeStore, fallback: Known | None = None, root_links: bool = False) -> Known:
     """The verification's question (:data:`safeinstall.env.hashing.Known`) answered from the store, else
     by ``fallback``. ``root_links``: a root-only inode's ctime may have moved (:func:`root_only_digest`);
-    for the search for local patches, never the drift check.
-    """
+    for the search for local patches, never the drift check."""
     entries = store.entries.get
 
     def known(info: os.stat_result, algorithm: str) -> str | None:

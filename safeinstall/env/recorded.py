@@ -1,8 +1,7 @@
 """What root keeps of a RECORD found clean, so that a RECORD rewritten since is reported
 (``record-changed``), naming the files whose lines changed. Pure.
 
-The store is :mod:`safeinstall.store.records`; docs/verify.md.
-"""
+The store is :mod:`safeinstall.store.records`; docs/verify.md."""
 
 from __future__ import annotations
 

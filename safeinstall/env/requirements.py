@@ -1,8 +1,7 @@
 """Whether every requirement of an environment holds, as ``uv pip check`` would say it, before and after
 a run's change. Pure.
 
-A requirement that cannot be parsed is never blamed. docs/reinstall.md ("Requirements").
-"""
+A requirement that cannot be parsed is never blamed. docs/reinstall.md ("Requirements")."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Verification: installed files against their RECORD (or a wheel), like ``rpm -V``.
 
 Gathers expectations, observes every file once in parallel (:mod:`safeinstall.env.hashing`), and leaves
-the judging to the pure functions of :mod:`safeinstall.env.drift`.
-"""
+the judging to the pure functions of :mod:`safeinstall.env.drift`."""
 
 from __future__ import annotations
 
@@ -437,8 +436,7 @@ def verify_environment(
 
     ``wheel``: the reference; ``settle_shared`` False: nothing ``shared``; ``vouched``, ``known``,
     ``unchanged``, ``recorded``, ``install_window``, ``anchored_before``: what earlier checks saw;
-    ``installed``, ``expected``, ``listings``, ``parses``: found, patches, kept parses; ``bytecode``.
-    """
+    ``installed``, ``expected``, ``listings``, ``parses``: found, patches, kept parses; ``bytecode``."""
     # Named ones are read first, the others (whose files only say what is "extra") while the large
     # files hash; read as every distribution is, or everything is done again in the usual order. The
     # named ones and the plans (torch: 12k RECORD entries, 12k expectations) are built with the cycle
@@ -802,8 +800,7 @@ def _dpkg_sources(env: Environment, locations: Sequence[str]) -> dict[str, tuple
 def _not_dpkgs(env: Environment, unlisted: Sequence[Unlisted]) -> list[Unlisted]:
     """Those of ``unlisted`` that no system package installed as they are now: a file dpkg lists whose
     md5sum matches is not reported, one that does not match is, saying so. Never looked up in a venv's
-    own site directories.
-    """
+    own site directories."""
     own = bases(env.site_dirs) if env.is_venv else ()
     wanted = [u for u in unlisted if not (own and u.location.startswith(own))]
     if not wanted:

@@ -1,8 +1,7 @@
 """Wheel files: read once into a typed :class:`Wheel`, with its RECORD checked against its contents.
 
 A wheel whose own RECORD does not match its contents is the wheel's fault (some torch wheels ship
-one, uv #11723); those are reported as :class:`WheelProblem`, never as drift of an installation.
-"""
+one, uv #11723); those are reported as :class:`WheelProblem`, never as drift of an installation."""
 
 from __future__ import annotations
 
@@ -360,8 +359,7 @@ def read_wheel(path: Path, hashed: Mapping[str, WheelMember] | None = None) -> W
 class _ListingBounded(io.RawIOBase):
     """A wheel's file as zipfile sees it while it reads the members' list: a read over
     :data:`CENTRAL_DIRECTORY_LIMIT` bytes is refused, on the read itself, so nothing differs between a check
-    and zipfile's reading. Lifted once the list is read.
-    """
+    and zipfile's reading. Lifted once the list is read."""
 
     def __init__(self, handle: BinaryIO, path: Path) -> None:
         super().__init__()
@@ -464,8 +462,7 @@ def environment_files(env: Environment) -> frozenset[str]:
 def shared_landing(wheel: Wheel, locations: dict[str, str], others: dict[str, tuple[str, str]]) -> list[str]:
     """Pure: the plan's refusals for members that would land on files another distribution's RECORD
     lists (``others``), one per distribution, naming it and what to do (as dpkg refuses to overwrite
-    another package's file).
-    """
+    another package's file)."""
     by_owner: dict[tuple[str, str], list[tuple[str, str]]] = {}
     for member, location in sorted(locations.items()):
         if location in others:
@@ -492,8 +489,7 @@ def check_landing(
 ) -> tuple[str, ...]:
     """Refuse a wheel (WheelError, exit 2) a member or script of which would land on the environment's
     own files or on an unlisted file the run would not back up. Landings on another distribution's files
-    are returned as the plan's refusals (:func:`shared_landing`).
-    """
+    are returned as the plan's refusals (:func:`shared_landing`)."""
     from safeinstall.system.safefs import Tree
 
     locations = install_locations(wheel, env)

@@ -1,7 +1,6 @@
 """Evidence that a process uses a target, from what ``/proc`` shows of it (``maps``, ``fd/``,
 ``argv``, ``environ``): pure parsing and matching over a pre-built :class:`TargetIndex` (the kinds of
-evidence: :mod:`safeinstall.scan.processes`).
-"""
+evidence: :mod:`safeinstall.scan.processes`)."""
 
 from __future__ import annotations
 
@@ -244,8 +243,7 @@ def match_maps(
 
     ``locate`` (the scan's I/O) tells an inode-only match under another directory (a hardlink twin in
     another environment: dropped) from a view of this environment's own directory (kept). Without it,
-    or when it cannot tell, an inode match is kept: the safe side.
-    """
+    or when it cannot tell, an inode match is kept: the safe side."""
     index = TargetIndex.of(targets)
     if not index.may_match_maps(text):
         return ()
@@ -391,8 +389,7 @@ def match_argv(
     """``argv`` evidence: a console script of a target runs, or ``-m`` one of its modules.
 
     ``exe`` and ``cwd`` (the process's ``/proc/PID/exe`` and ``cwd`` links) only serve to resolve a
-    relative argv[0] or script path; a bare ``python`` is recognised through ``exe``.
-    """
+    relative argv[0] or script path; a bare ``python`` is recognised through ``exe``."""
     index = TargetIndex.of(targets)
     if not cmdline:
         return ()

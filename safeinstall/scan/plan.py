@@ -1,8 +1,7 @@
 """The plan: which distributions change, which processes use them, which units stop. Pure.
 
 :func:`build_plan` joins facts gathered elsewhere (uv's dry-run, the /proc scan, ``systemctl show``,
-an NVML snapshot) into one :class:`Plan`, and says whether the run would proceed or refuse, and why.
-"""
+an NVML snapshot) into one :class:`Plan`, and says whether the run would proceed or refuse, and why."""
 
 from __future__ import annotations
 

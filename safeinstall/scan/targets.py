@@ -1,7 +1,6 @@
 """What a process can be found using: each affected distribution as a :class:`Target` (its files' inodes
 and paths, its directories, console scripts, modules), and the environment as an
-:class:`EnvironmentScope`. Built once per run from the installed snapshot; stats files, reads nothing else.
-"""
+:class:`EnvironmentScope`. Built once per run from the installed snapshot; stats files, reads nothing else."""
 
 from __future__ import annotations
 
@@ -66,8 +65,7 @@ def _own_directories(
     """The directories (as path parts) that belong to this distribution alone.
 
     A directory is descended into instead of owned when another distribution also has files under it,
-    or when, at the top, it looks like a namespace package (no ``__init__.py`` but subdirectories).
-    """
+    or when, at the top, it looks like a namespace package (no ``__init__.py`` but subdirectories)."""
     groups: dict[str, list[tuple[str, ...]]] = {}
     for parts in entries:
         if len(parts) > 1:
@@ -154,8 +152,7 @@ def build_target(
 ) -> Target:
     """Pure: ``dist`` described for the scan. ``others``/``owners``: a directory another distribution
     shares is not its own; ``file_ids`` and ``aliases`` (where installed symlinks lead) come from
-    :func:`probe_files`.
-    """
+    :func:`probe_files`."""
     installed = frozenset(dist.locations)
     files = installed | frozenset(aliases)
     inside = _inside_site(dist)
@@ -194,8 +191,7 @@ def probe_files(paths: Iterable[str]) -> tuple[frozenset[tuple[int, int]], froze
     """The (st_dev, st_ino) of every existing path, and where the symlinks among them lead.
 
     Symlinks are followed, as the kernel does when it maps a file; both sets feed :func:`build_target`
-    (``file_ids``, ``aliases``). One lstat per plain file.
-    """
+    (``file_ids``, ``aliases``). One lstat per plain file."""
     ids: set[tuple[int, int]] = set()
     aliases: set[str] = set()
     for path in paths:
@@ -231,8 +227,7 @@ def load_targets(
 ) -> tuple[Target, ...]:
     """Targets for ``dists`` of ``env``, each file stated once; ``installed``: the environment's
     distributions. ``requires``: those that only require an affected one (their evidence becomes
-    ``depends``).
-    """
+    ``depends``)."""
     everything = list(installed)
     # Outside a venv the interpreter is the real binary: let /proc/PID/exe recognise it too.
     extra = () if env.is_venv else (os.path.realpath(env.executable),)
