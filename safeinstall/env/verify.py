@@ -780,16 +780,8 @@ def _source_of(sources: Mapping[str, tuple[str, Source]], location: str) -> Sour
 def _dpkg_sources(env: Environment, locations: Sequence[str]) -> dict[str, tuple[str, Source]]:
     """The sources of bytecode in a system interpreter's site directories that dpkg installed, with
     dpkg's md5 of each (what ``debsums`` checks): there dpkg, not a RECORD, says what a module holds
-    (Debian changes files after writing RECORD, and most of its modules have none). A venv's own
-    site directories are never dpkg's."""
-    own = bases(env.site_dirs) if env.is_venv else ()
-    wanted = sorted({loc for loc in locations if not (own and loc.startswith(own))})
-    if not wanted:
-        return {}
-    owners = dpkg_owners(Path(loc) for loc in wanted)
-    sums: dict[str, str] = {}
-    for package in set(owners.values()):
-        sums.update(dpkg_md5sums(package))
+    (Debian changes files after writing RECORD, and most of its modules have none)."""
+    owners, sums = _dpkg_md5sums(env, locations)
     return {
         os.fspath(path): (package.package, Source("md5", encode_digest(bytes.fromhex(sums[os.fspath(path)]))))
         for path, package in owners.items()
@@ -797,23 +789,28 @@ def _dpkg_sources(env: Environment, locations: Sequence[str]) -> dict[str, tuple
     }
 
 
-def _not_dpkgs(env: Environment, unlisted: Sequence[Unlisted]) -> list[Unlisted]:
-    """Those of ``unlisted`` that no system package installed as they are now: a file dpkg lists whose
-    md5sum matches is not reported, one that does not match is, saying so. Never looked up in a venv's
-    own site directories."""
+def _dpkg_md5sums(
+    env: Environment, locations: Sequence[str]
+) -> tuple[dict[Path, SystemPackage], dict[str, str]]:
+    """The dpkg package of each of ``locations`` outside a venv's own site directories (never dpkg's),
+    and the md5sums (hex) of those packages by path."""
     own = bases(env.site_dirs) if env.is_venv else ()
-    wanted = [u for u in unlisted if not (own and u.location.startswith(own))]
-    if not wanted:
-        return list(unlisted)
-    owners = dpkg_owners(Path(u.location) for u in wanted)
-    if not owners:
-        return list(unlisted)
+    owners = dpkg_owners(Path(loc) for loc in locations if not (own and loc.startswith(own)))
     sums: dict[str, str] = {}
     for package in set(owners.values()):
         sums.update(dpkg_md5sums(package))
+    return owners, sums
+
+
+def _not_dpkgs(env: Environment, unlisted: Sequence[Unlisted]) -> list[Unlisted]:
+    """Those of ``unlisted`` that no system package installed as they are now: a file dpkg lists whose
+    md5sum matches is not reported, one that does not match is, saying so."""
+    owners, sums = _dpkg_md5sums(env, [u.location for u in unlisted])
+    if not owners:
+        return list(unlisted)
     expected = [
         Expectation(u.location, "md5", encode_digest(bytes.fromhex(sums[u.location])), None)
-        for u in wanted
+        for u in unlisted
         if Path(u.location) in owners and u.location in sums
     ]
     states = observe_files(expected, within=os.fspath(env.base_prefix)) if expected else {}
