@@ -341,23 +341,15 @@ def same_filesystem(a: Path, b: Path) -> bool:
 #: ``PYTHONPATH`` for the interpreter uv starts, none of the variables that name root's own
 #: directories (``XDG_*_HOME``, ``XDG_RUNTIME_DIR``, ``TMPDIR``). uv settings that name a file
 #: (``UV_CONFIG_FILE``) pass: uv reads it as the owner, so a file only root may read makes it fail.
+#: ``SSL_CLIENT_CERT``: an index that wants a client certificate (the owner must be able to read it);
+#: ``XDG_CONFIG_DIRS``: the system's configuration directories (uv reads uv.toml there), not root's.
 _FOR_THE_OWNER = frozenset(
-    {
-        "PATH",
-        "LANG",
-        "LANGUAGE",
-        "TZ",
-        "NO_COLOR",
-        "SSL_CERT_FILE",
-        "SSL_CERT_DIR",
-        "NETRC",
-        "SSL_CLIENT_CERT",  # an index that wants a client certificate (the owner must be able to read it)
-        "XDG_CONFIG_DIRS",  # the system's configuration directories (uv reads uv.toml there), not root's
-        *(
-            name
-            for proxy in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY")
-            for name in (proxy, proxy.lower())
-        ),
+    {"PATH", "LANG", "LANGUAGE", "TZ", "NO_COLOR", "SSL_CERT_FILE", "SSL_CERT_DIR", "NETRC"}
+    | {"SSL_CLIENT_CERT", "XDG_CONFIG_DIRS"}
+    | {
+        name
+        for proxy in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY")
+        for name in (proxy, proxy.lower())
     }
 )
 _FOR_THE_OWNER_PREFIXES = ("UV_", "LC_")
