@@ -376,10 +376,7 @@ def walk_listed(
     return found
 
 
-def _still(
-    here: str,
-    seen: Mapping[str, os.stat_result] | None,
-) -> bool:
+def _still(here: str, seen: Mapping[str, os.stat_result] | None) -> bool:
     """Whether the directory at ``here`` is the one listed: the same inode, its entries and its place
     unchanged since (a swap of it, or of a directory above it, moves one of them)."""
     if seen is None or here not in seen:

@@ -97,8 +97,7 @@ class Wheel:
 
 def _fail(path: Path, why: str) -> WheelError:
     return WheelError(
-        f"cannot read wheel {one_line(path)}: {why}",
-        hint="check the path, or download/build the wheel again",
+        f"cannot read wheel {one_line(path)}: {why}", hint="check the path, or download/build the wheel again"
     )
 
 
