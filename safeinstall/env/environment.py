@@ -460,21 +460,17 @@ def _may_say(
 def who_else_controls(path: Path, euid: int) -> str | None:
     """Who besides root and ``euid`` could change ``path`` (it, its parents, a link's target, or who could
     create it): the first finding, or None. For what a unit names that the smoke check would run."""
-    control = _Control(euid)
-    control.look_up(path, "it")
-    if control.owners:
-        uid, where = next(iter(control.owners.items()))
-        return f"{where} belongs to uid {uid}"
-    return control.problems[0] if control.problems else None
+    found = who_else_controls_tree(path, euid, tree=False)
+    return None if found is None else found[1]
 
 
-def who_else_controls_tree(path: Path, euid: int) -> tuple[int | None, str] | None:
+def who_else_controls_tree(path: Path, euid: int, tree: bool = True) -> tuple[int | None, str] | None:
     """Who besides root and ``euid`` could change what may be loaded from ``path``: the path, its parents
-    and its whole tree, never through a symlink. None when nobody; else the account (None: not one)
-    and the first finding. For what a unit names that the smoke check would load from."""
+    and (``tree``) its whole tree, never through a symlink. None when nobody; else the account (None: not
+    one) and the first finding. For what a unit names that the smoke check would load from."""
     control = _Control(euid)
     control.look_up(path, "it")
-    if os.path.isdir(path):
+    if tree and os.path.isdir(path):
         _walk_loaded(control, path, "in it", [LOADED_ENTRIES])
     if control.owners:
         uid, where = next(iter(control.owners.items()))
