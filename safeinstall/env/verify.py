@@ -694,10 +694,8 @@ def verify_environment(
                 item.detail,
             )
         )
-    for report in list(reports):
-        more = by_dist.pop(report.name, None)
-        if more:
-            at = reports.index(report)
+    for at, report in enumerate(reports):
+        if more := by_dist.pop(report.name, None):
             reports[at] = replace(report, findings=tuple(sorted((*report.findings, *more), key=report_order)))
     for under, more in sorted(by_dist.items()):  # a site's top, or a distribution not checked
         reports.append(
