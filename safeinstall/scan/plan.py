@@ -437,14 +437,10 @@ def build_plan(
     affected_units = {placements[p.pid].unit_path for p in planned_alone} - {None}
     # a unit is as certain as the most certain of its affected processes
     certain_units = {placements[p.pid].unit_path for p in live if p.certain} - {None}
-    left_out = (
-        tuple(
-            p.pid
-            for p in live
-            if p.affected and not p.certain and placements[p.pid].unit_path not in affected_units
-        )
-        if only_loaded
-        else ()
+    left_out = tuple(
+        p.pid
+        for p in live
+        if only_loaded and p.affected and not p.certain and placements[p.pid].unit_path not in affected_units
     )
     held = _gpu_bytes(gpus)
     processes: list[PlannedProcess] = []
