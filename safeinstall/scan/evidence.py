@@ -19,9 +19,6 @@ DELETED_SUFFIX = " (deleted)"
 _SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh"})
 
 
-# --------------------------------------------------------------------------------------------- evidence
-
-
 class EvidenceKind(StrEnum):
     MAPPED = "mapped"
     OPEN = "open"
@@ -175,9 +172,6 @@ class TargetIndex:
                 if path.startswith(prefix):
                     found.setdefault(name, "directory")
         return tuple(found.items())
-
-
-# ------------------------------------------------------------------------------------------- parsing
 
 
 @dataclass(frozen=True, slots=True)

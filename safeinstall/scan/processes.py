@@ -32,8 +32,6 @@ from safeinstall.scan.targets import EnvironmentScope, Target
 from safeinstall.system.forking import can_fork, cpu_count, map_forked, split
 from safeinstall.system.identity import PF_KTHREAD, ProcessId, StatInfo, parse_stat
 
-# -------------------------------------------------------------------------------------------- scanning
-
 
 @dataclass(frozen=True, slots=True)
 class ProcessRecord:

@@ -18,9 +18,6 @@ _NEVER_OWNED = frozenset({"__pycache__", "..", "."})
 _EXTENSION_SUFFIXES = (".so", ".pyd")
 
 
-# --------------------------------------------------------------------------------------------- targets
-
-
 @dataclass(frozen=True, slots=True)
 class Target:
     """One affected distribution, as the scan recognises it."""
