@@ -6,6 +6,7 @@ environment's account when it belongs to another (:class:`Account`)."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import operator
 import os
 import pwd
@@ -248,10 +249,8 @@ class _Control:
         # passes through: without them no ACL entry can write, and the xattr need not be read (a walk
         # of 68k files of vLLM's site directory looks at each)
         if group_may_write(mode):
-            try:
+            with contextlib.suppress(OSError):
                 raw = os.getxattr(path, ACL_XATTR, follow_symlinks=False)
-            except OSError:
-                raw = b""
         users, groups = acl_writers(raw)
         for uid in sorted(users - {0, self.euid} - set(self.owners)):
             self.owners[uid] = f"{path} ({what}, by its ACL)"
