@@ -40,7 +40,6 @@ from safeinstall.scan.evidence import (
     match_fds,
     match_maps,
     parse_cmdline,
-    parse_maps_line,
     parse_python_argv,
 )
 from safeinstall.scan.plan import left_on_old_code
@@ -596,28 +595,6 @@ MAPS = f"""\
 7ffc1b402000-7ffc1b404000 r-xp 00000000 00:00 0                          [vdso]
 ffffffffff600000-ffffffffff601000 --xp 00000000 00:00 0                  [vsyscall]
 """
-
-
-def test_parse_maps_line_edge_cases() -> None:
-    lines = MAPS.splitlines()
-    so = parse_maps_line(lines[2])
-    assert so is not None
-    assert (so.start, so.end, so.perms, so.offset) == (0x7F2E19019000, 0x7F2E1901A000, "r--p", 0)
-    assert (so.dev, so.inode, so.path, so.deleted) == (os.makedev(0xFD, 1), 4242, SO_PATH, False)
-    anonymous = parse_maps_line(lines[4])
-    assert anonymous is not None and anonymous.path == "" and anonymous.inode == 0
-    vdso = parse_maps_line(lines[9])
-    assert vdso is not None and vdso.path == "[vdso]"
-    spaced = parse_maps_line(lines[5])
-    assert spaced is not None and spaced.path == SPACED
-    deleted = parse_maps_line(lines[6])
-    assert deleted is not None and deleted.deleted and deleted.path == f"{SITE}/fastlib/_old.so"
-    big_dev = parse_maps_line("7f00-7f01 r--p 00000000 103:02 99 /x")
-    assert big_dev is not None and big_dev.dev == os.makedev(0x103, 2)
-    newline = parse_maps_line(r"7f00-7f01 r--p 00000000 fd:01 99 /tmp/a\012b.so")
-    assert newline is not None and newline.path == "/tmp/a\nb.so"
-    assert parse_maps_line("") is None and parse_maps_line("garbage line") is None
-    assert parse_maps_line("zz-yy r--p 0 fd:01 1 /x") is None
 
 
 def test_match_maps() -> None:

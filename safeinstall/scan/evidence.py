@@ -174,18 +174,6 @@ class TargetIndex:
         return tuple(found.items())
 
 
-@dataclass(frozen=True, slots=True)
-class MapsEntry:
-    start: int
-    end: int
-    perms: str
-    offset: int
-    dev: int  # os.makedev(major, minor)
-    inode: int
-    path: str  # "" for anonymous mappings; "[heap]", "[vdso]", ... as shown
-    deleted: bool
-
-
 def _escape(path: str) -> str:
     return path.replace("\n", "\\012")
 
@@ -193,33 +181,6 @@ def _escape(path: str) -> str:
 def _unescape(path: str) -> str:
     # the kernel shows a newline in a mapped path as "\012"
     return path.replace("\\012", "\n") if "\\012" in path else path
-
-
-def parse_maps_line(line: str) -> MapsEntry | None:
-    """One line of ``/proc/PID/maps``; None if it is not one."""
-    parts = line.rstrip("\n").split(None, 5)
-    if len(parts) < 5:
-        return None
-    address, perms, offset, dev, inode = parts[:5]
-    path = parts[5] if len(parts) == 6 else ""
-    start, sep, end = address.partition("-")
-    major, colon, minor = dev.partition(":")
-    try:
-        if not sep or not colon:
-            return None
-        deleted = path.endswith(DELETED_SUFFIX)
-        return MapsEntry(
-            start=int(start, 16),
-            end=int(end, 16),
-            perms=perms,
-            offset=int(offset, 16),
-            dev=os.makedev(int(major, 16), int(minor, 16)),
-            inode=int(inode),
-            path=_unescape(path.removesuffix(DELETED_SUFFIX)),
-            deleted=deleted,
-        )
-    except ValueError:
-        return None
 
 
 def _add(found: dict[tuple[str, str, bool], Evidence], evidence: Evidence) -> None:
