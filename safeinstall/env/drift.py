@@ -249,9 +249,8 @@ def against_dpkg(finding: Finding, md5_matches: bool | None, package: str) -> Fi
 
 
 def hardlinked(distribution: str, linked: Sequence[tuple[str, int]]) -> Finding | None:
-    """Pure: one warning for every file of a distribution that shares its inode (:data:`SHARED_WITH`),
-    or None.
-    One per distribution, not per file: a venv uv installed hardlinks every file (61k on vLLM's), and a
+    """Pure: one warning for every file of a distribution that shares its inode (:data:`SHARED_WITH`), or
+    None. One per distribution, not per file: a venv uv installed hardlinks every file (61k on vLLM's), and a
     finding each cost a check that reads nothing most of its time; :func:`per_file` lists each."""
     if not linked:
         return None
