@@ -275,12 +275,8 @@ def read_wheel(path: Path, hashed: Mapping[str, WheelMember] | None = None) -> W
             # not is_dir(): it indexes the name's last character, and a member may have an empty name
             infos = [i for i in archive.infolist() if not i.filename.endswith("/")]
             _check_names(infos, path)
-            dist_infos = {
-                PurePosixPath(i.filename).parts[0]
-                for i in infos
-                if PurePosixPath(i.filename).parts[:1]
-                and PurePosixPath(i.filename).parts[0].endswith(".dist-info")
-            }
+            heads = (PurePosixPath(i.filename).parts[:1] for i in infos)
+            dist_infos = {head[0] for head in heads if head and head[0].endswith(".dist-info")}
             if len(dist_infos) != 1:
                 raise _fail(path, f"expected one .dist-info directory, found {sorted(dist_infos)}")
             dist_info = dist_infos.pop()
@@ -344,7 +340,7 @@ def read_wheel(path: Path, hashed: Mapping[str, WheelMember] | None = None) -> W
         version=str(metadata.get("Version") or version),
         tags=frozenset(tags),
         dist_info=dist_info,
-        data_dir=dist_info[: -len(".dist-info")] + ".data",
+        data_dir=data_dir,
         root_is_purelib=(wheel_meta.get("Root-Is-Purelib", "true").strip().lower() == "true"),
         members=members,
         record=record,
