@@ -44,7 +44,7 @@ from safeinstall.scan.evidence import (
 )
 from safeinstall.scan.plan import left_on_old_code
 from safeinstall.scan.processes import ScanProblem, ScanResult, scan_processes
-from safeinstall.scan.targets import Target, build_target, environment_scope, load_targets
+from safeinstall.scan.targets import Target, build_target, directory_owners, environment_scope, load_targets
 from safeinstall.system import forking
 from safeinstall.system.cgroups import placement_of_proc_cgroup
 from safeinstall.system.identity import PF_KTHREAD, parse_stat
@@ -854,7 +854,7 @@ def test_build_target_is_pure_and_knows_shared_directories(tmp_path: Path) -> No
     )
     everything = [cublas, cudnn, wheelish]
 
-    target = build_target(cublas, env, others=everything, file_ids=[(1, 2)])
+    target = build_target(cublas, env, owners=directory_owners(everything), file_ids=[(1, 2)])
     assert target.directories == (f"{site}/nvidia/cublas",)  # nvidia/ is shared with cudnn
     assert target.modules == {"nvidia.cublas"}
     assert target.console_scripts == {f"{tmp_path}/bin/cublas-tool"}
@@ -862,15 +862,15 @@ def test_build_target_is_pure_and_knows_shared_directories(tmp_path: Path) -> No
     assert f"{tmp_path}/bin/python3.11" in target.interpreters
     alone = build_target(cublas, env)
     assert alone.directories == (f"{site}/nvidia",)  # without the others it cannot know
-    cudnn_target = build_target(cudnn, env, others=everything)
+    cudnn_target = build_target(cudnn, env, owners=directory_owners(everything))
     assert cudnn_target.directories == (f"{site}/nvidia/cudnn",)
     assert cudnn_target.modules == {"nvidia.cudnn"}  # a namespace portion without __init__.py
-    wheel_target = build_target(wheelish, env, others=everything)
+    wheel_target = build_target(wheelish, env, owners=directory_owners(everything))
     assert wheel_target.directories == tuple(
         f"{site}/{d}" for d in ("weird-name", "wheelish", "wheelish.libs")
     )
     assert wheel_target.modules == {"wheelish", "top_mod", "_speedups"}
-    assert build_target(wheelish, env, others=everything) == wheel_target
+    assert build_target(wheelish, env, owners=directory_owners(everything)) == wheel_target
 
 
 # ------------------------------------------------------------------ depends and environment evidence

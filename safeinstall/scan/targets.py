@@ -109,16 +109,10 @@ def directory_owners(dists: Iterable[InstalledDistribution]) -> DirectoryOwners:
     return {key: frozenset(names) for key, names in owners.items()}
 
 
-def _shared_directories(
-    dist: InstalledDistribution,
-    others: Iterable[InstalledDistribution],
-    owners: DirectoryOwners | None = None,
-) -> frozenset[tuple[str, ...]]:
+def _shared_directories(dist: InstalledDistribution, owners: DirectoryOwners) -> frozenset[tuple[str, ...]]:
     """Directories (parts, relative to ``dist.site``) under which another distribution has files
-    (``owners``: :func:`directory_owners` of the environment, else computed from ``others``)."""
+    (``owners``: :func:`directory_owners` of the environment)."""
     site, name = str(dist.site), str(dist.dist_info)
-    if owners is None:
-        owners = directory_owners(o for o in others if o.dist_info != dist.dist_info)
     return frozenset(
         parts
         for (where, parts), names in owners.items()
@@ -140,20 +134,19 @@ def build_target(
     env: Environment,
     *,
     file_ids: Iterable[tuple[int, int]] = (),
-    others: Iterable[InstalledDistribution] = (),
     extra_interpreters: Iterable[str] = (),
     aliases: Iterable[str] = (),
     directory_ids: Iterable[tuple[int, int]] = (),
     requires: tuple[tuple[str, ...], ...] = (),
     owners: DirectoryOwners | None = None,
 ) -> Target:
-    """Pure: ``dist`` described for the scan. ``others``/``owners``: a directory another distribution
-    shares is not its own; ``file_ids`` and ``aliases`` (where installed symlinks lead) come from
+    """Pure: ``dist`` described for the scan. ``owners`` (:func:`directory_owners`): a directory another
+    distribution shares is not its own; ``file_ids`` and ``aliases`` (where installed symlinks lead) come from
     :func:`probe_files`."""
     installed = frozenset(dist.locations)
     files = installed | frozenset(aliases)
     inside = _inside_site(dist)
-    owned = _own_directories(inside, (), _shared_directories(dist, others, owners))
+    owned = _own_directories(inside, (), _shared_directories(dist, owners or {}))
     site = str(dist.site)
     directories = tuple(sorted(os.path.join(site, *parts) for parts in owned))
     modules = {".".join(parts) for parts in owned if _is_dotted_identifier(parts)}
