@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from safeinstall.env.drift import Expectation
 from safeinstall.env.hashing import FileState, Known, observe_files
 from safeinstall.system.safefs import owner_alone_writes
 
@@ -41,19 +42,10 @@ class HashedInode:
 Hashed = Mapping[tuple[int, int], HashedInode]
 
 
-@dataclass(frozen=True, slots=True)
-class _Entry:
-    """What :func:`observe_files` needs to hash one cache entry."""
-
-    location: str
-    algorithm: str | None
-    size: int | None
-
-
-def _entries(cache: Path) -> list[_Entry]:
+def _entries(cache: Path) -> list[Expectation]:
     """Every regular-looking file below the cache's archive directories (a symlink to a directory is
     not entered; what replaced a directory since is refused by ``observe_files``'s ``within``)."""
-    found: list[_Entry] = []
+    found: list[Expectation] = []
     try:
         tops = [
             e.path
@@ -64,7 +56,7 @@ def _entries(cache: Path) -> list[_Entry]:
         return found
     for top in tops:
         for directory, _dirs, files in os.walk(top, followlinks=False):
-            found.extend(_Entry(os.path.join(directory, name), ALGORITHM, None) for name in files)
+            found.extend(Expectation(os.path.join(directory, name), ALGORITHM, None, None) for name in files)
     return found
 
 
@@ -85,7 +77,7 @@ def hash_cache(
     hashed: dict[tuple[int, int], HashedInode] = {}
     entries = _entries(cache)
     if known is not None or written is not None:
-        unread: list[_Entry] = []
+        unread: list[Expectation] = []
         for item in entries:
             now = time.time_ns()
             try:
