@@ -117,7 +117,7 @@ def upgrade(python: Path, wheels: Wheelhouse) -> None:
 
 
 def current_files(env: Environment) -> list[Path]:
-    return [d.location(e) for d in find_distributions(env) if d.name in NAMES for e in d.record.entries]
+    return [Path(loc) for d in find_distributions(env) if d.name in NAMES for loc in d.locations]
 
 
 @pytest.mark.parametrize("caller_lists", [True, False], ids=["caller-lists-files", "found-by-name"])
@@ -332,7 +332,7 @@ def test_restore_leaves_paths_outside_and_shared_alone(
     outside = tmp_path / "outside.txt"
     outside.write_text("keep me")
     shared = find_distribution(env, "sins-a", find_distributions(env))
-    shared_file = next(shared.location(e) for e in shared.record.entries if e.path.endswith(".py"))
+    shared_file = next(Path(loc) for loc in shared.locations if loc.endswith(".py"))
     result = restore_backup(backup, env, [outside, shared_file])
     assert result.ok
     assert result.skipped_outside == (str(outside),) and outside.read_text() == "keep me"

@@ -40,12 +40,11 @@ from safeinstall.scan.evidence import (
     match_fds,
     match_maps,
     parse_cmdline,
-    parse_maps_line,
     parse_python_argv,
 )
 from safeinstall.scan.plan import left_on_old_code
 from safeinstall.scan.processes import ScanProblem, ScanResult, scan_processes
-from safeinstall.scan.targets import Target, build_target, environment_scope, load_targets
+from safeinstall.scan.targets import Target, build_target, directory_owners, environment_scope, load_targets
 from safeinstall.system import forking
 from safeinstall.system.cgroups import placement_of_proc_cgroup
 from safeinstall.system.identity import PF_KTHREAD, parse_stat
@@ -164,7 +163,7 @@ def test_mapped_extension_found_by_inode_and_by_path(sicext_venv: Path, spawn: S
 
     (evidence,) = evidence_of(result, user.pid)
     assert evidence.kind is EvidenceKind.MAPPED and evidence.distribution == "sicext"
-    assert evidence.path == so and not evidence.deleted and not evidence.running_old_code
+    assert evidence.path == so and not evidence.deleted
     assert "dev/inode" in evidence.detail and "path" in evidence.detail
     assert user.pid in {p.pid for p in result.affected}
     # each way of matching suffices on its own: inode alone (overlayfs may show another path) ...
@@ -285,7 +284,7 @@ def test_reinstall_under_a_running_process_shows_old_code(
 
     for targets in (before, after):  # the targets of the old install and those of the new one
         (evidence,) = evidence_of(scan_processes(targets), user.pid)
-        assert evidence.kind is EvidenceKind.MAPPED and evidence.deleted and evidence.running_old_code
+        assert evidence.kind is EvidenceKind.MAPPED and evidence.deleted
         assert SO in evidence.path and not evidence.path.endswith("(deleted)")
         assert "dev/inode" not in evidence.detail  # a deleted file is matched by path only
         assert "running old code" in evidence.describe()
@@ -598,28 +597,6 @@ ffffffffff600000-ffffffffff601000 --xp 00000000 00:00 0                  [vsysca
 """
 
 
-def test_parse_maps_line_edge_cases() -> None:
-    lines = MAPS.splitlines()
-    so = parse_maps_line(lines[2])
-    assert so is not None
-    assert (so.start, so.end, so.perms, so.offset) == (0x7F2E19019000, 0x7F2E1901A000, "r--p", 0)
-    assert (so.dev, so.inode, so.path, so.deleted) == (os.makedev(0xFD, 1), 4242, SO_PATH, False)
-    anonymous = parse_maps_line(lines[4])
-    assert anonymous is not None and anonymous.path == "" and anonymous.inode == 0
-    vdso = parse_maps_line(lines[9])
-    assert vdso is not None and vdso.path == "[vdso]"
-    spaced = parse_maps_line(lines[5])
-    assert spaced is not None and spaced.path == SPACED
-    deleted = parse_maps_line(lines[6])
-    assert deleted is not None and deleted.deleted and deleted.path == f"{SITE}/fastlib/_old.so"
-    big_dev = parse_maps_line("7f00-7f01 r--p 00000000 103:02 99 /x")
-    assert big_dev is not None and big_dev.dev == os.makedev(0x103, 2)
-    newline = parse_maps_line(r"7f00-7f01 r--p 00000000 fd:01 99 /tmp/a\012b.so")
-    assert newline is not None and newline.path == "/tmp/a\nb.so"
-    assert parse_maps_line("") is None and parse_maps_line("garbage line") is None
-    assert parse_maps_line("zz-yy r--p 0 fd:01 1 /x") is None
-
-
 def test_match_maps() -> None:
     evidence = match_maps(MAPS, [fake_target()])
     assert [(e.path, e.deleted, e.detail) for e in evidence] == [
@@ -877,7 +854,7 @@ def test_build_target_is_pure_and_knows_shared_directories(tmp_path: Path) -> No
     )
     everything = [cublas, cudnn, wheelish]
 
-    target = build_target(cublas, env, others=everything, file_ids=[(1, 2)])
+    target = build_target(cublas, env, owners=directory_owners(everything), file_ids=[(1, 2)])
     assert target.directories == (f"{site}/nvidia/cublas",)  # nvidia/ is shared with cudnn
     assert target.modules == {"nvidia.cublas"}
     assert target.console_scripts == {f"{tmp_path}/bin/cublas-tool"}
@@ -885,15 +862,15 @@ def test_build_target_is_pure_and_knows_shared_directories(tmp_path: Path) -> No
     assert f"{tmp_path}/bin/python3.11" in target.interpreters
     alone = build_target(cublas, env)
     assert alone.directories == (f"{site}/nvidia",)  # without the others it cannot know
-    cudnn_target = build_target(cudnn, env, others=everything)
+    cudnn_target = build_target(cudnn, env, owners=directory_owners(everything))
     assert cudnn_target.directories == (f"{site}/nvidia/cudnn",)
     assert cudnn_target.modules == {"nvidia.cudnn"}  # a namespace portion without __init__.py
-    wheel_target = build_target(wheelish, env, others=everything)
+    wheel_target = build_target(wheelish, env, owners=directory_owners(everything))
     assert wheel_target.directories == tuple(
         f"{site}/{d}" for d in ("weird-name", "wheelish", "wheelish.libs")
     )
     assert wheel_target.modules == {"wheelish", "top_mod", "_speedups"}
-    assert build_target(wheelish, env, others=everything) == wheel_target
+    assert build_target(wheelish, env, owners=directory_owners(everything)) == wheel_target
 
 
 # ------------------------------------------------------------------ depends and environment evidence

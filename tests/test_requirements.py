@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from safeinstall.env.requirements import Dist, broken_requirements, check_change, refusal
+from safeinstall.env.requirements import Dist, check_change, refusal, weighed_requirements
 from tests.beds import Bed
 from tests.wheelhouse import make_wheel, pypi_wheels, uv_install, with_requirement
 
@@ -55,7 +55,7 @@ BASE = (
 
 
 def test_a_healthy_environment_breaks_nothing() -> None:
-    assert broken_requirements(BASE, LINUX_311) == ()
+    assert weighed_requirements(BASE, LINUX_311)[0] == ()
 
 
 def test_a_downgrade_below_a_requirement_is_named() -> None:
@@ -92,18 +92,18 @@ def test_markers_are_evaluated_for_the_target() -> None:
         "1",
         ('idna>=9; sys_platform == "win32"', 'idna>=9; python_version < "3.8"', 'idna>=9; extra == "x"'),
     )
-    assert broken_requirements((*BASE, app), LINUX_311) == ()
+    assert weighed_requirements((*BASE, app), LINUX_311)[0] == ()
     assert [
-        b.requirement for b in broken_requirements((*BASE, app), {**LINUX_311, "sys_platform": "win32"})
+        b.requirement for b in weighed_requirements((*BASE, app), {**LINUX_311, "sys_platform": "win32"})[0]
     ] == ["idna>=9"]
 
 
 def test_an_extra_asked_for_by_a_requirer_counts() -> None:
     """``urllib3[brotli]`` asked by an installed distribution: brotli must be there (CPython marker)."""
     app = Dist("app", "1", ("urllib3[brotli]>=2",))
-    (broken,) = broken_requirements((*BASE, app), LINUX_311)
+    (broken,) = weighed_requirements((*BASE, app), LINUX_311)[0]
     assert broken.requirer == "urllib3[brotli] 2.2.2" and broken.required == "brotli" and broken.found is None
-    assert broken_requirements((*BASE, app, Dist("brotli", "1.1.0", ())), LINUX_311) == ()
+    assert weighed_requirements((*BASE, app, Dist("brotli", "1.1.0", ())), LINUX_311)[0] == ()
 
 
 def test_a_requirement_broken_before_the_run_is_not_blamed_on_it() -> None:
@@ -124,7 +124,7 @@ def test_what_cannot_be_judged_is_not_blamed() -> None:
         Dist("idna", "weird-version", ()),
         Dist("lib", "2.0rc1", ()),
     )
-    assert broken_requirements(odd, LINUX_311) == ()
+    assert weighed_requirements(odd, LINUX_311)[0] == ()
 
 
 # ------------------------------------------------------------------ real wheels

@@ -1,8 +1,7 @@
 """Bytecode judged by what it runs: a ``.pyc`` is fine only when it holds the code its verified source
 compiles to. Nothing of it is run (``marshal.loads`` builds data).
 
-:func:`judge` is pure, :func:`judge_files` reads; docs/verify.md.
-"""
+:func:`judge` is pure, :func:`judge_files` reads; docs/verify.md."""
 
 from __future__ import annotations
 
@@ -94,8 +93,7 @@ _FLAG_REF = 0x80
 def marshal_bounded(data: bytes) -> str | None:
     """Pure: None when every count in the marshal stream ``data`` fits the bytes left, or why not
     (``marshal.loads`` allocates what a count says first: 5 hostile bytes, 16 GiB). Walked with its own
-    stack; code objects as CPython 3.11 to 3.13 write them.
-    """
+    stack; code objects as CPython 3.11 to 3.13 write them."""
     end = len(data)
     at = 0
     # what is still to be read, last first: [objects left] (-1: a dict's, until its NULL key) or
@@ -164,8 +162,7 @@ OWN_MAGIC = importlib.util.MAGIC_NUMBER
 def judge(pyc: bytes, name: PycName, source: bytes) -> str | None:
     """Pure (builds code objects, runs none): why ``pyc`` is not the bytecode of ``source`` (its verified
     source's bytes), or None. An unchecked hash-based ``.pyc`` is never fine; the code must be what
-    compiling the source gives; another interpreter's is judged by its header. docs/verify.md.
-    """
+    compiling the source gives; another interpreter's is judged by its header. docs/verify.md."""
     header = parse_header(pyc)
     if isinstance(header, str):
         return header
@@ -175,8 +172,7 @@ def judge(pyc: bytes, name: PycName, source: bytes) -> str | None:
         return None  # another interpreter's: its header is all that can be judged here
     if header.magic != OWN_MAGIC:
         return f"magic {header.magic.hex()} is not {name.tag}'s"
-    unbounded = marshal_bounded(pyc[_HEADER:])
-    if unbounded is not None:
+    if marshal_bounded(pyc[_HEADER:]) is not None:
         return "its body is not marshalled code"
     try:
         held = marshal.loads(pyc[_HEADER:])
@@ -261,8 +257,7 @@ def judge_files(
     """Each candidate ``.pyc`` below ``root`` judged, read by descriptor within the first of ``roots`` that
     holds it; its source's bytes must match its RECORD hash before they are compiled. ``clean_sources``:
     sources the check found clean; ``installed``: a listed ``.pyc``'s install window, within which it is
-    judged by its header alone (:func:`installer_written`).
-    """
+    judged by its header alone (:func:`installer_written`)."""
     from safeinstall.system.safefs import NotRegularFile, Tree
 
     problems: dict[str, str] = {}
@@ -322,16 +317,7 @@ def judge_files(
                     f"bytecode of {os.path.basename(name.source)}, which is not as its RECORD says"
                 )
                 continue
-            fine = Judged(
-                location,
-                pyc_info.st_dev,
-                pyc_info.st_ino,
-                pyc_info.st_size,
-                pyc_info.st_mtime_ns,
-                pyc_info.st_ctime_ns,
-                source.digest,
-            )
-            batch.append((fine, name, pyc, text))
+            batch.append((Judged(location, *identity(pyc_info), source.digest), name, pyc, text))
             compiled += 1
             held += len(pyc) + len(text)
             if held >= BATCH_BYTES:

@@ -1,7 +1,6 @@
 """The one containment rule: is a path inside the environment's prefix, lexically and after
 resolving the symlinks of the directories above it (the file itself is never followed). Verification
-refuses to read what lies outside; the backup never saves it.
-"""
+refuses to read what lies outside; the backup never saves it."""
 
 from __future__ import annotations
 
@@ -53,8 +52,7 @@ def relative_to_prefix(location: Path | str, prefix: Path | str) -> str | None:
 class Containment:
     """Is a path inside the prefix, lexically and after resolving its directory's symlinks?
 
-    Files are never followed, so resolving the directory (cached, an ``lstat`` each) is enough.
-    """
+    Files are never followed, so resolving the directory (cached, an ``lstat`` each) is enough."""
 
     def __init__(self, prefix: Path) -> None:
         self.prefix = os.fspath(prefix)

@@ -1,8 +1,7 @@
 """Which installed distributions require the affected ones, directly or through others. Pure.
 
 A process that imported ``vllm`` imported ``transformers`` too (``depends`` evidence). Markers are
-evaluated for the target environment, never for safeinstall's own.
-"""
+evaluated for the target environment, never for safeinstall's own."""
 
 from __future__ import annotations
 

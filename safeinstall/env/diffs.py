@@ -48,8 +48,7 @@ def diffs_for(findings: tuple[Finding, ...], wheel_path: Path, prefix: Path) -> 
 
     The result applies with ``patch -p1 -d PREFIX`` (and ``-R`` takes the local edits out). Installed
     files are read by descriptor below the prefix: a file outside it, a symlink (or one on the way), a
-    FIFO or a device is never read, and is said to be so.
-    """
+    FIFO or a device is never read, and is said to be so."""
     found: list[FileDiff] = []
     with Tree(prefix) as tree:
         for finding in findings:

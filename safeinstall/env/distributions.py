@@ -40,10 +40,6 @@ class InstalledDistribution:
     #: none, else the reason (a FIFO, larger than the limit, not readable by the environment's owner)
     record_problem: str | None = None
 
-    def location(self, entry: RecordEntry) -> Path:
-        """Where an entry lives, normalised lexically (``../../../bin/x`` -> ``<prefix>/bin/x``)."""
-        return Path(entry_location(self.site, entry))
-
 
 def entry_location(site: Path | str, entry: RecordEntry) -> str:
     """Where an entry lives, as uv (the installer that removes it) takes it: relative to ``site``, a
@@ -155,8 +151,7 @@ class ParsedRecords:
 class MetadataReader:
     """Reads one environment's ``.dist-info`` files for one scan: only a regular file within its limit that
     ``account`` may read, and at most :data:`SCAN_LIMIT` bytes in all (then RecordError), since the
-    owner can add RECORDs without end.
-    """
+    owner can add RECORDs without end."""
 
     __slots__ = ("account", "left", "lines_left", "parses")
 
@@ -274,8 +269,7 @@ _SCRIPT_SECTIONS = frozenset({"console_scripts", "gui_scripts"})
 def parse_console_scripts(entry_points: str | None) -> tuple[str, ...]:
     """Pure: the names in ``[console_scripts]`` and ``[gui_scripts]`` of an ``entry_points.txt``, read as
     configparser reads it, a line at a time: configparser and importlib.metadata cost seconds and GB on
-    a hostile file (docs/threat-model.md).
-    """
+    a hostile file (docs/threat-model.md)."""
     if not entry_points:
         return ()
     names: set[str] = set()
@@ -463,22 +457,16 @@ def find_named(
     return [found[name] for name in canonical] if len(found) == len(wanted) else None
 
 
-def closest_names(name: str, installed: list[str], count: int = 3) -> list[str]:
-    """Pure: the installed names closest to a misspelled one (difflib's ratio, best first)."""
-    return difflib.get_close_matches(canonicalize_name(name), installed, n=count, cutoff=0.6)
-
-
 def find_distribution(
     env: Environment, name: str, installed: Sequence[InstalledDistribution]
 ) -> InstalledDistribution:
     """``name`` among the environment's distributions (found once per run: ``installed``), or a
     usage error that names the closest ones."""
     wanted = canonicalize_name(name)
-    dists = installed
-    for dist in dists:
+    for dist in installed:
         if dist.name == wanted:
             return dist
-    close = closest_names(wanted, [d.name for d in dists])
+    close = difflib.get_close_matches(wanted, [d.name for d in installed], n=3, cutoff=0.6)  # best first
     guess = f"; did you mean {' or '.join(close)}?" if close else ""
     raise UnknownDistributionError(
         f"{name} is not installed in {env.prefix}{guess}",

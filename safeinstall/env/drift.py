@@ -1,8 +1,7 @@
 """Drift: what differs between installed files and what was installed. Pure functions only.
 
 Inputs are typed expectations (from an installed RECORD or from a wheel) and observed
-:class:`~safeinstall.env.hashing.FileState`; outputs are :class:`Finding` values.
-"""
+:class:`~safeinstall.env.hashing.FileState`; outputs are :class:`Finding` values."""
 
 from __future__ import annotations
 
@@ -131,8 +130,7 @@ def shared_file(
 ) -> Finding:
     """Pure: a ``modified`` file other RECORDs list too (``listed_by``): what one of them lists is that
     one's (``shared``, not drift). ``settle`` False (``--wheel``): it stays ``modified``, since whoever writes
-    site-packages writes RECORDs.
-    """
+    site-packages writes RECORDs."""
     if finding.kind != FindingKind.MODIFIED or not listed_by:
         return finding
     for name, version, other in listed_by:
@@ -251,9 +249,8 @@ def against_dpkg(finding: Finding, md5_matches: bool | None, package: str) -> Fi
 
 
 def hardlinked(distribution: str, linked: Sequence[tuple[str, int]]) -> Finding | None:
-    """Pure: one warning for every file of a distribution that shares its inode (:data:`SHARED_WITH`),
-    or None.
-    One per distribution, not per file: a venv uv installed hardlinks every file (61k on vLLM's), and a
+    """Pure: one warning for every file of a distribution that shares its inode (:data:`SHARED_WITH`), or
+    None. One per distribution, not per file: a venv uv installed hardlinks every file (61k on vLLM's), and a
     finding each cost a check that reads nothing most of its time; :func:`per_file` lists each."""
     if not linked:
         return None
@@ -324,20 +321,14 @@ def mode_finding(distribution: str, state: FileState, script: bool) -> Finding |
         detail = "a script its owner cannot execute"
     else:
         return None
-    return Finding(
-        distribution=distribution,
-        path=state.path,
-        kind=FindingKind.MODE,
-        detail=f"mode {stat.S_IMODE(mode):04o}: {detail}",
-    )
+    return Finding(distribution, state.path, FindingKind.MODE, f"mode {stat.S_IMODE(mode):04o}: {detail}")
 
 
 def own_roots(
     files_by_distribution: Mapping[str, Iterable[str]], site_dirs: Iterable[str]
 ) -> dict[str, list[str]]:
     """Each distribution's own package directories: strictly below a site directory, with no other
-    distribution's files below (so ``nvidia/`` is never one); ``.dist-info`` left out.
-    """
+    distribution's files below (so ``nvidia/`` is never one); ``.dist-info`` left out."""
     return roots_of(directory_owners(files_by_distribution, site_dirs), files_by_distribution)
 
 
@@ -397,23 +388,16 @@ def extras(
             continue
         if text in listed:
             continue
-        found.append(
-            Finding(
-                distribution=distribution,
-                path=text,
-                kind=FindingKind.EXTRA,
-                detail="in the distribution's directories but in no RECORD",
-            )
-        )
+        found.append(Finding(distribution, text, FindingKind.EXTRA, IN_NO_RECORD))
     return found, bytecode
+
+
+#: What an ``extra`` file found in a distribution's own directories says.
+IN_NO_RECORD = "in the distribution's directories but in no RECORD"
 
 
 def bytecode_finding(distribution: str, location: str, why: str, listed: bool) -> Finding:
     """Pure: a ``.pyc`` that is not the bytecode of its listed, verified source: ``modified`` when a
     RECORD lists it, else ``extra``; the reason said."""
-    return Finding(
-        distribution=distribution,
-        path=location,
-        kind=FindingKind.MODIFIED if listed else FindingKind.EXTRA,
-        detail=f"bytecode: {why}",
-    )
+    kind = FindingKind.MODIFIED if listed else FindingKind.EXTRA
+    return Finding(distribution, location, kind, f"bytecode: {why}")

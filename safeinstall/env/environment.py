@@ -1,12 +1,13 @@
 """The target Python environment: which interpreter, and where its files live.
 
 The interpreter is asked in isolated mode without ``site`` and with an empty environment, as the
-environment's account when it belongs to another (:class:`Account`).
-"""
+environment's account when it belongs to another (:class:`Account`)."""
 
 from __future__ import annotations
 
 import ast
+import contextlib
+import operator
 import os
 import pwd
 import re
@@ -151,8 +152,7 @@ def resolve_python(given: str | None, environ: Mapping[str, str]) -> Path:
     """Find the interpreter the way uv does: ``--python``, then ``VIRTUAL_ENV``, then ``python3``.
 
     ``given`` may be an interpreter or a virtual environment directory. An InterpreterError when it
-    cannot be reached (a caller who is not root, below a directory closed to it: no traceback).
-    """
+    cannot be reached (a caller who is not root, below a directory closed to it: no traceback)."""
     try:
         return _resolve_python(given, environ)
     except PermissionError as exc:
@@ -204,11 +204,6 @@ def _account(uid: int, gid: int) -> Account:
     return Account(uid, entry.pw_gid, entry.pw_dir or "/")
 
 
-def _ancestors(path: Path) -> list[Path]:
-    """``/``, then each directory above ``path``, down to its parent."""
-    return list(reversed(path.parents))
-
-
 class Walked(dict[str, os.stat_result]):
     """What the walk of what ``site`` may import saw (:func:`steering`): the ``lstat`` of each file and
     directory it looked at, by path, and in ``listed`` each directory's entries as it listed them (name,
@@ -254,10 +249,8 @@ class _Control:
         # passes through: without them no ACL entry can write, and the xattr need not be read (a walk
         # of 68k files of vLLM's site directory looks at each)
         if group_may_write(mode):
-            try:
+            with contextlib.suppress(OSError):
                 raw = os.getxattr(path, ACL_XATTR, follow_symlinks=False)
-            except OSError:
-                raw = b""
         users, groups = acl_writers(raw)
         for uid in sorted(users - {0, self.euid} - set(self.owners)):
             self.owners[uid] = f"{path} ({what}, by its ACL)"
@@ -278,7 +271,7 @@ class _Control:
                 continue
             seen.add(str(current))
             exists = self.look(current, what)
-            for directory in _ancestors(current):
+            for directory in reversed(current.parents):  # from /, down to its parent
                 self.look(directory, f"a directory above {what}", ancestor=True)
             if not exists:
                 probe = current.parent
@@ -364,8 +357,7 @@ def _loaded_entries(directory: Path, names: frozenset[str]) -> list[Path]:
 
 def _walk_loaded(control: _Control, top: Path, what: str, budget: list[int]) -> None:
     """Look at ``top`` and every entry of its tree, never through a symlink (a link out of it is a
-    problem); ``budget`` and ``LOADED_DEPTH`` bound it.
-    """
+    problem); ``budget`` and ``LOADED_DEPTH`` bound it."""
     if budget[0] < 0:  # said once, by the walk that ran out
         return
     real_top = os.path.realpath(top)
@@ -420,7 +412,7 @@ def _walk_loaded(control: _Control, top: Path, what: str, budget: list[int]) -> 
                 f"more than {LOADED_ENTRIES} files below {top} ({what}): who may change them cannot be told"
             )
             return
-        for entry in sorted(said, key=_entry_name) if len(said) > 1 else said:
+        for entry in sorted(said, key=operator.attrgetter("name")) if len(said) > 1 else said:
             if entry.is_symlink():
                 path = Path(directory, entry.name)
                 control.look_up(path, what)
@@ -430,10 +422,6 @@ def _walk_loaded(control: _Control, top: Path, what: str, budget: list[int]) -> 
             else:
                 control.look(f"{directory}/{entry.name}", what)
         todo.extend((path, depth + 1) for path in sorted(below))
-
-
-def _entry_name(entry: os.DirEntry[str]) -> str:
-    return entry.name
 
 
 def _same_directory(opened: os.stat_result, looked: os.stat_result | None) -> bool:
@@ -470,24 +458,18 @@ def _may_say(
 
 def who_else_controls(path: Path, euid: int) -> str | None:
     """Who besides root and ``euid`` could change ``path`` (it, its parents, a link's target, or who could
-    create it): the first finding, or None. For what a unit names that the smoke check would run.
-    """
-    control = _Control(euid)
-    control.look_up(path, "it")
-    if control.owners:
-        uid, where = next(iter(control.owners.items()))
-        return f"{where} belongs to uid {uid}"
-    return control.problems[0] if control.problems else None
+    create it): the first finding, or None. For what a unit names that the smoke check would run."""
+    found = who_else_controls_tree(path, euid, tree=False)
+    return None if found is None else found[1]
 
 
-def who_else_controls_tree(path: Path, euid: int) -> tuple[int | None, str] | None:
+def who_else_controls_tree(path: Path, euid: int, tree: bool = True) -> tuple[int | None, str] | None:
     """Who besides root and ``euid`` could change what may be loaded from ``path``: the path, its parents
-    and its whole tree, never through a symlink. None when nobody; else the account (None: not one)
-    and the first finding. For what a unit names that the smoke check would load from.
-    """
+    and (``tree``) its whole tree, never through a symlink. None when nobody; else the account (None: not
+    one) and the first finding. For what a unit names that the smoke check would load from."""
     control = _Control(euid)
     control.look_up(path, "it")
-    if os.path.isdir(path):
+    if tree and os.path.isdir(path):
         _walk_loaded(control, path, "in it", [LOADED_ENTRIES])
     if control.owners:
         uid, where = next(iter(control.owners.items()))
@@ -498,24 +480,30 @@ def who_else_controls_tree(path: Path, euid: int) -> tuple[int | None, str] | No
 def user_site_enabled(env: Environment) -> bool:
     """Whether ``env``'s interpreter adds the user's site directory at all: not in a venv that does not
     include the system's site-packages (``site`` turns it off there)."""
-    config = env.prefix / "pyvenv.cfg"
+    values = _pyvenv_values(env.prefix / "pyvenv.cfg", "include-system-site-packages")
+    if values is None:
+        return True  # no venv: a system interpreter adds it
+    return bool(values) and values[0].lower() == "true"
+
+
+def _pyvenv_values(config: Path, wanted: str) -> list[str] | None:
+    """The values of ``wanted`` in a ``pyvenv.cfg``, in order; None when it cannot be read."""
     try:
         text = read_small(config, 1 << 16).decode("utf-8", "replace")
     except OSError:
-        return True  # no venv: a system interpreter adds it
-    for line in text.splitlines():
-        key, _, value = line.partition("=")
-        if key.strip().lower() == "include-system-site-packages":
-            return value.strip().lower() == "true"
-    return False
+        return None
+    return [
+        v.strip()
+        for k, _, v in (line.partition("=") for line in text.splitlines())
+        if k.strip().lower() == wanted
+    ]
 
 
 def steering(env: Environment, euid: int, walked: dict[str, os.stat_result] | None = None) -> _Control:
     """Who besides root (and ``euid``) can change what the environment runs once ``site`` runs (as uv
     runs it): the prefix and its parents, the site directories, the ``.pth`` targets and, when ``site``
     imports, every tree it may import from (see :class:`_Control`). ``walked``: filled with each ``lstat``
-    taken, for :func:`safeinstall.env.unchanged.prover`.
-    """
+    taken, for :func:`safeinstall.env.unchanged.prover`."""
     control = _Control(euid)
     control.walked = walked
     control.look_up(env.prefix, "the prefix")
@@ -570,8 +558,7 @@ def _root_controlled(site: Path) -> bool:
 def distribution_sites(env: Environment) -> tuple[Path, ...]:
     """Every site directory whose distributions the interpreter imports, in ``sys.path`` order: its own,
     then the base's inside the base prefix. For another account's environment a base directory counts
-    only when root alone controls it (the account could write its RECORDs).
-    """
+    only when root alone controls it (the account could write its RECORDs)."""
     base = [
         site
         for site in env.base_site_dirs
@@ -600,17 +587,10 @@ def before_the_probe(python: Path, euid: int) -> _Control:
     control.look_up(venv, "the environment")
     bases = [real.parent.parent]
     config = venv / "pyvenv.cfg"
-    if control.look(config, "its pyvenv.cfg"):
-        try:
-            text = read_small(config, 1 << 16).decode("utf-8", "replace")
-        except OSError:
-            text = ""
-        for line in text.splitlines():
-            key, _, value = line.partition("=")
-            if key.strip().lower() == "home" and value.strip():
-                home = Path(value.strip())
-                control.look_up(home, "its base interpreter's directory")
-                bases.append(home.parent)
+    homes = _pyvenv_values(config, "home") if control.look(config, "its pyvenv.cfg") else None
+    for home in map(Path, filter(None, homes or ())):
+        control.look_up(home, "its base interpreter's directory")
+        bases.append(home.parent)
     for base in bases:
         for lib in sorted(base.glob("lib*/python3*")):
             control.look_up(lib, "a standard library")

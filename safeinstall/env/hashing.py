@@ -1,8 +1,7 @@
 """Installed files stated and hashed, in parallel, each opened once by directory descriptor.
 
 The one place that reads file contents for verification; a symlink, FIFO or device is never opened.
-How the work is split over threads: docs/performance.md.
-"""
+How the work is split over threads: docs/performance.md."""
 
 from __future__ import annotations
 
@@ -10,6 +9,7 @@ import contextlib
 import gc
 import hashlib
 import mmap
+import operator
 import os
 import stat
 import threading
@@ -109,20 +109,8 @@ _DIR_SEARCH_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | getatt
 
 def _not_regular(path: str, info: os.stat_result) -> FileState:
     """A symlink, FIFO, device, socket or directory where a file is expected: never opened or read."""
-    return FileState(
-        path,
-        True,
-        False,
-        info.st_size,
-        None,
-        None,
-        info.st_nlink,
-        info.st_dev,
-        info.st_ino,
-        None,
-        info.st_mtime_ns,
-        info.st_ctime_ns,
-    )
+    ids = (info.st_nlink, info.st_dev, info.st_ino, None, info.st_mtime_ns, info.st_ctime_ns)
+    return FileState(path, True, False, info.st_size, None, None, *ids)
 
 
 def _unopened(path: str, name: str, dir_fd: int | None) -> FileState | None:
@@ -143,6 +131,10 @@ def _unopened(path: str, name: str, dir_fd: int | None) -> FileState | None:
 READ_BUDGET = 256 << 30
 
 
+#: What moves when a file's bytes may have: device, inode, size, modification and change times.
+_identity = operator.attrgetter("st_dev", "st_ino", "st_size", "st_mtime_ns", "st_ctime_ns")
+
+
 class Reading:
     """What one :func:`observe_files` may read: each inode once (a file of several links is hashed by
     the first path that reaches it; the others take its digest while its identity is the same), and at
@@ -156,17 +148,13 @@ class Reading:
         self._seen: dict[tuple[int, int, int, int, int, str], str] = {}
         self._reading: dict[tuple[int, int, int, int, int, str], threading.Event] = {}
 
-    @staticmethod
-    def _key(info: os.stat_result, algorithm: str) -> tuple[int, int, int, int, int, str]:
-        return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns, algorithm)
-
     def again(self, info: os.stat_result, algorithm: str) -> str | None:
         """The digest this check took of that very inode, as it is now, by another of its links (one
         being read by another thread is waited for); None: the caller reads it, then calls
         :meth:`remember` whatever came of it."""
         if info.st_nlink <= 1:
             return None
-        key = self._key(info, algorithm)
+        key = (*_identity(info), algorithm)
         with self._lock:
             digest = self._seen.get(key)
             if digest is not None:
@@ -182,7 +170,7 @@ class Reading:
         """The digest read of a linked inode (None: it could not be), for its other links."""
         if info.st_nlink <= 1:
             return
-        key = self._key(info, algorithm)
+        key = (*_identity(info), algorithm)
         with self._lock:
             if digest is not None:
                 self._seen[key] = digest
@@ -214,8 +202,7 @@ def _observe(
     opened only when its ``lstat`` shows a regular file.
 
     Read into the thread's ``buffer`` (a new ``bytes`` each cost page faults, docs/performance.md);
-    ``started_ns`` is kept as ``hashed_ns`` when the identity did not change during the read.
-    """
+    ``started_ns`` is kept as ``hashed_ns`` when the identity did not change during the read."""
     if regular is None or name not in regular:
         unopened = _unopened(path, name, dir_fd)
         if unopened is not None:
@@ -252,7 +239,7 @@ def _observe(
             digest = encode_digest(_new_hash(algorithm, buffer[:count]).digest())
         else:
             digest = encode_digest(_stream_digest(fd, algorithm, buffer, size + 1))
-        hashed_ns = started_ns if digest is not None and _same(info, os.fstat(fd)) else 0
+        hashed_ns = started_ns if digest is not None and _identity(info) == _identity(os.fstat(fd)) else 0
         kept = digest if hashed_ns else None
     except OSError as exc:
         return FileState(path, True, error=exc.strerror or str(exc))
@@ -260,38 +247,7 @@ def _observe(
         os.close(fd)
         if claimed is not None and reading is not None:
             reading.remember(*claimed, kept)
-    return built(
-        FileState,
-        (
-            path,
-            True,
-            True,
-            size,
-            digest,
-            algorithm,
-            info.st_nlink,
-            info.st_dev,
-            info.st_ino,
-            None,
-            info.st_mtime_ns,
-            info.st_ctime_ns,
-            False,
-            hashed_ns,
-            info.st_mode,
-            info.st_uid,
-        ),
-    )
-
-
-def _same(before: os.stat_result, after: os.stat_result) -> bool:
-    """Pure: the descriptor's identity did not move while it was read."""
-    return (
-        before.st_dev == after.st_dev
-        and before.st_ino == after.st_ino
-        and before.st_size == after.st_size
-        and before.st_mtime_ns == after.st_mtime_ns
-        and before.st_ctime_ns == after.st_ctime_ns
-    )
+    return _regular(path, info, digest, algorithm, False, hashed_ns)
 
 
 def _by_identity(path: str, name: str, dir_fd: int | None, algorithm: str, known: Known) -> FileState | None:
@@ -306,27 +262,21 @@ def _by_identity(path: str, name: str, dir_fd: int | None, algorithm: str, known
     digest = known(info, algorithm)
     if digest is None:
         return None
-    return built(
-        FileState,
-        (
-            path,
-            True,
-            True,
-            info.st_size,
-            digest,
-            algorithm,
-            info.st_nlink,
-            info.st_dev,
-            info.st_ino,
-            None,
-            info.st_mtime_ns,
-            info.st_ctime_ns,
-            True,
-            0,
-            info.st_mode,
-            info.st_uid,
-        ),
-    )
+    return _regular(path, info, digest, algorithm, True, 0)
+
+
+def _regular(
+    path: str,
+    info: os.stat_result,
+    digest: str | None,
+    algorithm: str | None,
+    by_identity: bool,
+    hashed_ns: int,
+) -> FileState:
+    """Pure: a regular file's state from its ``stat`` (built as a tuple: one per file verified)."""
+    ids = (info.st_nlink, info.st_dev, info.st_ino, None, info.st_mtime_ns, info.st_ctime_ns)
+    head = (path, True, True, info.st_size, digest, algorithm)
+    return built(FileState, (*head, *ids, by_identity, hashed_ns, info.st_mode, info.st_uid))
 
 
 #: A large file is hashed in chunks this big: each chunk takes the GIL twice (after ``readv`` and after
@@ -353,8 +303,7 @@ def cycle_collection_paused(frozen: bool = False) -> Iterator[None]:
 
 def read_buffer() -> memoryview:
     """A thread's read buffer: ``STREAM_CHUNK`` bytes on a page boundary, populated at once (an unaligned
-    ``bytearray`` copied 4-5x slower on Zen: docs/performance.md).
-    """
+    ``bytearray`` copied 4-5x slower on Zen: docs/performance.md)."""
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
     return memoryview(mmap.mmap(-1, STREAM_CHUNK, flags=flags))
 
@@ -437,8 +386,7 @@ MISSING = "missing"
 def _open_directory(path: str, list_it: bool, within: str | None) -> tuple[int | None, str | None]:
     """Open ``path`` as the caller's containment check resolved it. With ``within``, what was opened must
     be below that real directory (a symlink swapped in since must not lead root out); a directory that
-    cannot be opened gets no file opened by its path.
-    """
+    cannot be opened gets no file opened by its path."""
     fd: int | None = None
     failure: OSError | None = None
     if list_it:
@@ -534,9 +482,7 @@ def plan_tasks(wanted: Sequence[Wanted], within: str | None = None) -> list[_Tas
         path = want.location
         directory, _, name = path.rpartition("/")
         key = (directory or "/") if path[:1] == "/" else None
-        groups = by_directory.get(key)
-        if groups is None:
-            groups = by_directory[key] = ([], [])
+        groups = by_directory.setdefault(key, ([], []))
         size = want.size or 0
         groups[size >= BIG_FILE].append((path, name, want.algorithm, size))
     tasks: list[_Task] = []
@@ -557,8 +503,7 @@ def _proven(
     wanted: Sequence[Wanted], within: str | None, known: Known, results: dict[str, FileState]
 ) -> list[Wanted]:
     """The wanted files that ``known`` proves by identity (an ``lstat`` each, within ``within``), into
-    ``results``; returns the others, to be read. Proven first, so an unchanged check plans no task.
-    """
+    ``results``; returns the others, to be read. Proven first, so an unchanged check plans no task."""
     by_directory: dict[str, list[Wanted]] = {}
     rest: list[Wanted] = []
     for want in wanted:
@@ -566,11 +511,7 @@ def _proven(
         if want.algorithm is None or path[:1] != "/":
             rest.append(want)
             continue
-        directory = path.rpartition("/")[0] or "/"
-        group = by_directory.get(directory)
-        if group is None:
-            group = by_directory[directory] = []
-        group.append(want)
+        by_directory.setdefault(path.rpartition("/")[0] or "/", []).append(want)
     for directory, group in by_directory.items():
         fd, _problem = _open_directory(directory, False, within)
         if fd is None:  # missing, or not within: its tasks say so
@@ -606,8 +547,7 @@ def observe_files(
 
     At most ``budget`` bytes; ``workers`` threads; ``on_progress``: the count done (what it raises is
     raised here); ``meanwhile``: other work; ``within``: a directory every file must be in;
-    ``known``: digests of unchanged inodes.
-    """
+    ``known``: digests of unchanged inodes."""
     results: dict[str, FileState] = {}
     reading = Reading(budget)
     if known is not None:  # first what the kept hashes prove: only the rest is planned and read
@@ -675,8 +615,7 @@ def observe_files(
 def _join(threads: Sequence[threading.Thread]) -> BaseException | None:
     """Wait for every thread to end and return the signal that came meanwhile, raised by the caller once
     the directories are closed (a helper must not have its descriptor closed under it). A second signal
-    is raised at once; the descriptors then stay open until the process ends.
-    """
+    is raised at once; the descriptors then stay open until the process ends."""
     pending: BaseException | None = None
     for thread in threads:
         while True:

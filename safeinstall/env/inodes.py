@@ -1,8 +1,7 @@
 """Verification by identity: an installed file that is a hardlink of an inode of the run's cache, hashed
 before the stop and unchanged since, needs an ``lstat``, not a read.
 
-Why that proves as much as a hash: docs/window.md ("Verification by identity").
-"""
+Why that proves as much as a hash: docs/window.md ("Verification by identity")."""
 
 from __future__ import annotations
 
@@ -14,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from safeinstall.env.drift import Expectation
 from safeinstall.env.hashing import FileState, Known, observe_files
 from safeinstall.system.safefs import owner_alone_writes
 
@@ -42,19 +42,10 @@ class HashedInode:
 Hashed = Mapping[tuple[int, int], HashedInode]
 
 
-@dataclass(frozen=True, slots=True)
-class _Entry:
-    """What :func:`observe_files` needs to hash one cache entry."""
-
-    location: str
-    algorithm: str | None
-    size: int | None
-
-
-def _entries(cache: Path) -> list[_Entry]:
+def _entries(cache: Path) -> list[Expectation]:
     """Every regular-looking file below the cache's archive directories (a symlink to a directory is
     not entered; what replaced a directory since is refused by ``observe_files``'s ``within``)."""
-    found: list[_Entry] = []
+    found: list[Expectation] = []
     try:
         tops = [
             e.path
@@ -65,7 +56,7 @@ def _entries(cache: Path) -> list[_Entry]:
         return found
     for top in tops:
         for directory, _dirs, files in os.walk(top, followlinks=False):
-            found.extend(_Entry(os.path.join(directory, name), ALGORITHM, None) for name in files)
+            found.extend(Expectation(os.path.join(directory, name), ALGORITHM, None, None) for name in files)
     return found
 
 
@@ -78,8 +69,7 @@ def hash_cache(
     """Before the stop: hash every file of uv's unpacked archives in the run's cache, as root, by
     descriptor; an entry that moved while read or that others may write is left out (read in the window).
     ``known``: digests of inodes hashed already; ``written``: this run's fill's own copies, by path
-    (sha256, size, inode, mtime), taken for that inode unchanged only.
-    """
+    (sha256, size, inode, mtime), taken for that inode unchanged only."""
     try:
         owner = os.lstat(cache).st_uid
     except OSError:
@@ -87,7 +77,7 @@ def hash_cache(
     hashed: dict[tuple[int, int], HashedInode] = {}
     entries = _entries(cache)
     if known is not None or written is not None:
-        unread: list[_Entry] = []
+        unread: list[Expectation] = []
         for item in entries:
             now = time.time_ns()
             try:
@@ -189,8 +179,7 @@ def checker(hashed: Hashed, installed_ns: int) -> Known:
 
 def flush(directory: Path) -> float:
     """``syncfs`` the run's cache before the stop; the seconds it took. Else the kernel writes the
-    prefetch's gigabytes back about 30 s later, in the window, where the install's links wait on it.
-    """
+    prefetch's gigabytes back about 30 s later, in the window, where the install's links wait on it."""
     started = time.monotonic()
     try:
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

@@ -1,8 +1,7 @@
 """The verified-inode store's decisions (pure): which hash of a file may be kept, and when a kept one
 may stand for reading the file again (``git``'s index, for verification).
 
-Why that is sound, and what it does not cover: docs/verify.md ("The verified-inode store").
-"""
+Why that is sound, and what it does not cover: docs/verify.md ("The verified-inode store")."""
 
 from __future__ import annotations
 
@@ -145,27 +144,11 @@ def _same_hash(kept: VerifiedInode, new: VerifiedInode) -> bool:
     return kept[:5] == new[:5] and kept.digest == new.digest and kept.root_only == new.root_only
 
 
-def trusted_digest(entry: VerifiedInode | None, info: os.stat_result) -> str | None:
-    """Pure: the kept digest when the file's ``lstat`` shows the very inode as it was hashed."""
-    if entry is None:
-        return None
-    if (
-        info.st_size != entry.size
-        or info.st_mtime_ns != entry.mtime_ns
-        or info.st_ctime_ns != entry.ctime_ns
-        or info.st_dev != entry.device
-        or info.st_ino != entry.inode
-    ):
-        return None
-    return entry.digest
-
-
 def root_only_digest(entry: VerifiedInode | None, info: os.stat_result) -> str | None:
     """Pure: the kept digest of a file only root may write, when its ``lstat`` shows the very inode, size
     and mtime it had when hashed; its ctime may have moved (a link or unlink of another name).
 
-    Why that is as sound as :func:`trusted_digest`: docs/verify.md.
-    """
+    Why that is as sound as the very inode's kept hash (:func:`checker`): docs/verify.md."""
     if entry is None or not entry.root_only or not stat.S_ISREG(info.st_mode):
         return None
     if not owner_alone_writes(info.st_uid, info.st_mode, 0):
@@ -190,13 +173,12 @@ def root_only_checker(store: InodeStore) -> Callable[[os.stat_result], str | Non
 def checker(store: InodeStore, fallback: Known | None = None, root_links: bool = False) -> Known:
     """The verification's question (:data:`safeinstall.env.hashing.Known`) answered from the store, else
     by ``fallback``. ``root_links``: a root-only inode's ctime may have moved (:func:`root_only_digest`);
-    for the search for local patches, never the drift check.
-    """
+    for the search for local patches, never the drift check."""
     entries = store.entries.get
 
     def known(info: os.stat_result, algorithm: str) -> str | None:
-        # trusted_digest, written out (once per file of the environment, every check): the device and
-        # inode are the key; then size, mtime, ctime
+        # the very inode as it was hashed (once per file of the environment, every check): the device
+        # and inode are the key; then size, mtime, ctime
         entry = entries((info.st_dev, info.st_ino)) if algorithm == ALGORITHM else None
         if (
             entry is not None

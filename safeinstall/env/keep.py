@@ -1,8 +1,7 @@
 """The way back that needs no new blocks: hardlinks of the old files a window install replaces, kept in
 ``PREFIX/.safeinstall-keep-<run>/`` until the run ends, so a restore on a full disk can relink them.
 
-Why: docs/faults.md ("Room") and docs/crash-safety.md.
-"""
+Why: docs/faults.md ("Room") and docs/crash-safety.md."""
 
 from __future__ import annotations
 
@@ -52,8 +51,7 @@ def _roots_own(fd: int) -> bool:
 def keep_links(prefix: Path, run_id: str, paths: Iterable[str], every: bool = False) -> int:
     """Link each of ``paths`` that is a file only root can write into the run's keep directory: those with
     other links, or with ``every`` all of them; leftovers of dead runs go first. Best effort: returns the
-    number kept. Raises OSError when the directory cannot be made.
-    """
+    number kept. Raises OSError when the directory cannot be made."""
     name = keep_name(run_id)
     with Tree(prefix) as tree:
         if not _roots_own(tree.fd):
@@ -180,8 +178,7 @@ WORKER_TIMEOUT_S = 300.0
 def keep_links_as(ids: tuple[int, int], prefix: Path, run_id: str, paths: Sequence[str]) -> int:
     """:func:`keep_links` (``every``) in an account's environment, done by its worker; the restore checks
     each inode against the backup (:func:`relink_as`). Returns the number kept (its word); raises OSError
-    when the worker fails.
-    """
+    when the worker fails."""
     keys = [key(p) for p in paths]
     try:
         answer = worker.call(

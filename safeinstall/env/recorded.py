@@ -1,8 +1,7 @@
 """What root keeps of a RECORD found clean, so that a RECORD rewritten since is reported
 (``record-changed``), naming the files whose lines changed. Pure.
 
-The store is :mod:`safeinstall.store.records`; docs/verify.md.
-"""
+The store is :mod:`safeinstall.store.records`; docs/verify.md."""
 
 from __future__ import annotations
 
@@ -67,20 +66,15 @@ def record_findings(dist: InstalledDistribution, kept: KeptRecord | None) -> lis
     if kept is None or record_digest(dist) == kept.digest:
         return []
     changed, gone = changed_entries(dist, kept)
-    record = os.path.join(dist.dist_info, "RECORD")
     said = (
         "its RECORD line changed since root last found the distribution clean (a file edited with its "
         "line matches it): reinstall it, with safeinstall, to make it the reference again"
     )
     findings = [Finding(dist.name, location, FindingKind.RECORD_CHANGED, said) for location in changed]
     if gone:
+        why = f"{gone} lines gone since root last found it clean"
         findings.append(
-            Finding(
-                dist.name,
-                record,
-                FindingKind.RECORD_CHANGED,
-                f"{gone} lines gone since root last found it clean",
-            )
+            Finding(dist.name, os.path.join(dist.dist_info, "RECORD"), FindingKind.RECORD_CHANGED, why)
         )
     return findings
 

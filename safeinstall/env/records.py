@@ -1,7 +1,6 @@
 """RECORD files (PEP 376 / the wheel spec), parsed once into typed entries.
 
-Everything else in safeinstall works on :class:`RecordEntry`; nothing re-reads the CSV.
-"""
+Everything else in safeinstall works on :class:`RecordEntry`; nothing re-reads the CSV."""
 
 from __future__ import annotations
 
@@ -145,8 +144,7 @@ def parse_record(text: str, max_lines: int = LINES_LIMIT) -> Record:
     r"""Parse RECORD text; malformed lines become problems, never exceptions.
 
     Lines end at "\r\n", "\r" or "\n" outside quotes, as uv splits them. Over ``max_lines`` lines, or
-    quoted with many commas, it is not split at all (one problem): root's memory is bounded.
-    """
+    quoted with many commas, it is not split at all (one problem): root's memory is bounded."""
     text = text.removeprefix("\ufeff")  # a byte order mark: CSV readers (uv's) drop it
     lines_at_most = count_lines(text)
     if lines_at_most > max_lines:
@@ -167,9 +165,7 @@ def parse_record(text: str, max_lines: int = LINES_LIMIT) -> Record:
     accepted = ACCEPTED_ALGORITHMS
     plain = "\0" not in text  # else every line goes through _parse_row, which refuses a NUL in a path
     for number, row in enumerate(rows, start=1):
-        if (
-            plain and len(row) == 3 and row[0]
-        ):  # the usual hashed line, as _parse_row takes it, without a call
+        if plain and len(row) == 3 and row[0]:  # the usual hashed line, as _parse_row takes it, uncalled
             algorithm, _, digest = row[1].partition("=")
             size_text = row[2]
             if (

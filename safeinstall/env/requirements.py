@@ -1,8 +1,7 @@
 """Whether every requirement of an environment holds, as ``uv pip check`` would say it, before and after
 a run's change. Pure.
 
-A requirement that cannot be parsed is never blamed. docs/reinstall.md ("Requirements").
-"""
+A requirement that cannot be parsed is never blamed. docs/reinstall.md ("Requirements")."""
 
 from __future__ import annotations
 
@@ -98,16 +97,11 @@ def _satisfied(requirement: Requirement, version: str) -> bool | None:
         return None
 
 
-def broken_requirements(dists: Iterable[Dist], markers: Mapping[str, str]) -> tuple[Broken, ...]:
-    """Pure: every requirement of ``dists`` (an environment's whole set) that the set does not meet,
-    for the target's ``markers``; sorted."""
-    return weighed_requirements(dists, markers)[0]
-
-
 def weighed_requirements(
     dists: Iterable[Dist], markers: Mapping[str, str]
 ) -> tuple[tuple[Broken, ...], bool]:
-    """Pure: :func:`broken_requirements`, and whether every requirement was weighed (False: past
+    """Pure: every requirement of ``dists`` (an environment's whole set) that the set does not meet, for
+    the target's ``markers``, sorted; and whether every requirement was weighed (False: past
     :data:`MAX_WEIGHED` pairs, the base requirements first, the rest not)."""
     by_name = {d.name: d for d in dists}
     wanted: set[tuple[str, str]] = {(name, "") for name in by_name}  # (distribution, extra) whose needs count
@@ -159,12 +153,7 @@ def check_change(
     installed namesake (None: removed): the requirements the change breaks, and those broken before it
     (a requirement broken both before and after is the latter, whatever version it finds)."""
     before = {d.name: d for d in installed}
-    changed = dict(before)
-    for name, dist in after.items():
-        if dist is None:
-            changed.pop(name, None)
-        else:
-            changed[name] = dist
+    changed = {name: dist for name, dist in {**before, **after}.items() if dist is not None}
     was, complete_before = weighed_requirements(before.values(), markers)
     now, complete_after = weighed_requirements(changed.values(), markers)
     old = {b.key for b in was}

@@ -1,8 +1,7 @@
 """Nothing unlisted where Python looks first: the top of each site directory and each shared directory,
 looked at for code no RECORD lists.
 
-What a fresh environment holds there by its own maker is known: docs/verify.md.
-"""
+What a fresh environment holds there by its own maker is known: docs/verify.md."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """A system Python: the distributions dpkg owns (its database read as data, never run) and the
-interpreter's PEP 668 ``EXTERNALLY-MANAGED`` marker.
-"""
+interpreter's PEP 668 ``EXTERNALLY-MANAGED`` marker."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Distributions proven unchanged by ``lstat`` alone: no RECORD entry compared, no file read.
 
 Pure decisions over the identities a clean check kept (:mod:`safeinstall.store.unchanged`); why an
-unchanged ctime proves it: docs/verify.md ("The clean distributions").
-"""
+unchanged ctime proves it: docs/verify.md ("The clean distributions")."""
 
 from __future__ import annotations
 
@@ -115,8 +114,7 @@ def prover(
 ) -> Callable[[InstalledDistribution], list[tuple[str, int]] | None] | None:
     """What the verification asks of a distribution: None when it cannot be proven unchanged, else its
     hardlinked files (path, link count). ``root_of``: the prefix its files stay in; ``walked``: ``lstat``
-    results taken moments before. None when there is no store.
-    """
+    results taken moments before. None when there is no store."""
     if store is None:
         return None
     seen: dict[str, bool] = {}  # a directory's lstat, once per check (the steering walk's, if it took one)
@@ -183,8 +181,7 @@ def unchanged_entry(
 ) -> UnchangedDistribution | None:
     """After a clean check of ``dist``: what to keep of it (its directories into ``directories``), or None
     when something was not settled before the check, lies where ctime is not kept, or too deep.
-    ``hashed_at``: when each file was hashed; the entry lasts a day from the oldest.
-    """
+    ``hashed_at``: when each file was hashed; the entry lasts a day from the oldest."""
     record_path = os.path.join(dist.dist_info, "RECORD")
     record = _record_identity(dist)
     if record is None or not is_settled(record[4], since_ns) or not ctime_kept(record[0], record_path):

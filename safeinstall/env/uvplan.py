@@ -1,8 +1,7 @@
 """uv at the edge: the exact ``uv pip install`` command, its dry-run plan, and the real install.
 
 uv gets a cache of the run's own (no installed file shares an inode with a lasting cache, uv #10579)
-and runs as the environment's account. Why: docs/reinstall.md and docs/privsep.md.
-"""
+and runs as the environment's account. Why: docs/reinstall.md and docs/privsep.md."""
 
 from __future__ import annotations
 
@@ -150,8 +149,7 @@ _NETWORK_OPTIONS = (
 def window_command(command: Sequence[str], request: UvRequest) -> tuple[str, ...]:
     """Pure: the window's install: the plan's command with ``--offline`` when it installs from the run's
     own cache and the extra arguments name no network nor cache. Why: docs/window.md ("The window's
-    install runs offline").
-    """
+    install runs offline")."""
     if request.link_mode != "hardlink" or _chooses(request.extra_args, _NETWORK_OPTIONS):
         return tuple(command)
     return (*command[:3], "--offline", *command[3:])
@@ -162,8 +160,7 @@ def prefetch_command(
 ) -> list[str]:
     """Pure: install the same artefacts, pinned, into a scratch ``--target`` directory before any stop:
     it fills uv's cache and proves they install. ``changes``: what uv's dry run installs; ``staging``:
-    ``--prefix target`` instead, a swap's staging tree.
-    """
+    ``--prefix target`` instead, a swap's staging tree."""
     where = ["--prefix" if staging else "--target", str(target)]
     cmd = [uv_bin, "pip", "install", "--python", str(request.python), *where, "--no-deps"]
     # the scratch copy is thrown away: link it from the cache (uv copies where it cannot link)
@@ -174,9 +171,7 @@ def prefetch_command(
         for change in changes
         if change.action != "uninstall" and change.name != wanted and (text := pinned(change)) is not None
     ]
-    extra = [
-        arg for arg in _without(request.extra_args, "--link-mode") if arg != "--no-deps"
-    ]  # uv takes it once
+    extra = [arg for arg in _without(request.extra_args, "--link-mode") if arg != "--no-deps"]  # uv: once
     return [*cmd, *extra, requirement(request), *dict.fromkeys(others)]
 
 
@@ -211,10 +206,9 @@ _INDEX_OPTIONS: dict[str, tuple[str, str | None]] = {
 
 def index_settings(extra_args: Sequence[str]) -> tuple[tuple[str, ...], dict[str, str]]:
     """Pure: ``extra_args`` less uv's index options, and those as the ``UV_*`` variables uv reads. Raises
-    UsageError for a value the variable cannot carry, a missing value, or a single one given twice.
-    """
+    UsageError for a value the variable cannot carry, a missing value, or a single one given twice."""
     kept: list[str] = []
-    values: dict[str, list[str]] = {}
+    values: dict[str, str] = {}
     args = list(extra_args)
     position = 0
     while position < len(args):
@@ -241,17 +235,9 @@ def index_settings(extra_args: Sequence[str]) -> tuple[tuple[str, ...], dict[str
                 hint="index URLs and find-links paths must not be empty or hold "
                 + ("a space" if separator == " " else "a comma" if separator == "," else "a NUL"),
             )
-        values.setdefault(variable, []).append(value)
-    settings = {
-        variable: (_INDEX_OPTIONS_SEPARATOR.get(variable) or "").join(given)
-        for variable, given in values.items()
-    }
-    return tuple(kept), settings
-
-
-_INDEX_OPTIONS_SEPARATOR = {
-    variable: separator for variable, separator in _INDEX_OPTIONS.values() if separator
-}
+        joined = values.get(variable)  # given before: then the variable takes several (a separator)
+        values[variable] = value if joined is None else f"{joined}{separator}{value}"
+    return tuple(kept), values
 
 
 def _index_option(arg: str) -> tuple[str, str, str | None] | None:
@@ -355,23 +341,15 @@ def same_filesystem(a: Path, b: Path) -> bool:
 #: ``PYTHONPATH`` for the interpreter uv starts, none of the variables that name root's own
 #: directories (``XDG_*_HOME``, ``XDG_RUNTIME_DIR``, ``TMPDIR``). uv settings that name a file
 #: (``UV_CONFIG_FILE``) pass: uv reads it as the owner, so a file only root may read makes it fail.
+#: ``SSL_CLIENT_CERT``: an index that wants a client certificate (the owner must be able to read it);
+#: ``XDG_CONFIG_DIRS``: the system's configuration directories (uv reads uv.toml there), not root's.
 _FOR_THE_OWNER = frozenset(
-    {
-        "PATH",
-        "LANG",
-        "LANGUAGE",
-        "TZ",
-        "NO_COLOR",
-        "SSL_CERT_FILE",
-        "SSL_CERT_DIR",
-        "NETRC",
-        "SSL_CLIENT_CERT",  # an index that wants a client certificate (the owner must be able to read it)
-        "XDG_CONFIG_DIRS",  # the system's configuration directories (uv reads uv.toml there), not root's
-        *(
-            name
-            for proxy in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY")
-            for name in (proxy, proxy.lower())
-        ),
+    {"PATH", "LANG", "LANGUAGE", "TZ", "NO_COLOR", "SSL_CERT_FILE", "SSL_CERT_DIR", "NETRC"}
+    | {"SSL_CLIENT_CERT", "XDG_CONFIG_DIRS"}
+    | {
+        name
+        for proxy in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY")
+        for name in (proxy, proxy.lower())
     }
 )
 _FOR_THE_OWNER_PREFIXES = ("UV_", "LC_")
@@ -385,8 +363,7 @@ def uv_environment(
     """Pure: uv's environment: the caller's without ``VIRTUAL_ENV``; ``cache_dir``: uv's cache.
 
     With ``account``: only what ``_FOR_THE_OWNER`` lets through and the owner's ``HOME``, so uv reads what it
-    would as the owner and nothing of root's; no ``cache_dir``: ``UV_NO_CACHE``.
-    """
+    would as the owner and nothing of root's; no ``cache_dir``: ``UV_NO_CACHE``."""
     env = {k: v for k, v in environ.items() if k != "VIRTUAL_ENV"}
     env["UV_NO_PROGRESS"] = "1"
     if account is not None:
@@ -438,8 +415,7 @@ _UV_LABEL = re.compile(r"[A-Za-z][A-Za-z ]{0,15}: ")
 
 def uv_said(output: str, limit: int = SAID_LIMIT) -> str:
     """Pure: uv's message on one line from its first ``error:`` line, its parts joined with " / ",
-    shortened to ``limit`` characters at a word boundary.
-    """
+    shortened to ``limit`` characters at a word boundary."""
     lines = [line.strip() for line in output.strip().splitlines() if line.strip()]
     first = next((i for i, line in enumerate(lines) if line.startswith("error:")), 0)
     parts: list[str] = []
@@ -463,8 +439,7 @@ def dry_run(
 ) -> UvPlan:
     """Ask uv (as ``account``, when given) what it would uninstall and install; PlanError when it cannot
     resolve. A lock file uv made in ``prefix`` is removed; ``cache_dir``: uv's cache, which then holds the
-    metadata the window's offline install needs.
-    """
+    metadata the window's offline install needs."""
     uv_bin = uv_binary()
     cmd = install_command(request, uv_bin, dry_run=True)
     had_lock = prefix is None or _lock_info(prefix) is not None
@@ -509,8 +484,7 @@ def install(
     command and the output.
 
     uv never outlives the run (:mod:`safeinstall.system.children`): interrupted, it is killed and
-    reaped before the rollback starts; if safeinstall is killed, uv dies with it.
-    """
+    reaped before the rollback starts; if safeinstall is killed, uv dies with it."""
     try:
         proc = _run_uv(command, environ, timeout, cache_dir, account)
     except subprocess.TimeoutExpired as exc:

@@ -1,8 +1,7 @@
 """Verification: installed files against their RECORD (or a wheel), like ``rpm -V``.
 
 Gathers expectations, observes every file once in parallel (:mod:`safeinstall.env.hashing`), and leaves
-the judging to the pure functions of :mod:`safeinstall.env.drift`.
-"""
+the judging to the pure functions of :mod:`safeinstall.env.drift`."""
 
 from __future__ import annotations
 
@@ -30,6 +29,7 @@ from safeinstall.env.distributions import (
     find_named,
 )
 from safeinstall.env.drift import (
+    IN_NO_RECORD,
     Expectation,
     Finding,
     FindingKind,
@@ -166,32 +166,17 @@ def _record_plan(
     elif dist.record_problem is not None:  # nothing to check its files against: never "OK"
         kind = FindingKind.MISSING if dist.record_problem == NO_RECORD else FindingKind.UNREADABLE
         detail = "no RECORD" if kind == FindingKind.MISSING else f"RECORD: {dist.record_problem}"
-        findings.append(
-            Finding(
-                dist.name, f"{dist.dist_info}/RECORD", kind, f"{detail}: none of its files can be checked"
-            )
-        )
+        why = f"{detail}: none of its files can be checked"
+        findings.append(Finding(dist.name, f"{dist.dist_info}/RECORD", kind, why))
     for entry, location in zip(dist.record.entries, dist.locations, strict=True):
         if containment.outside(location):
-            findings.append(
-                Finding(
-                    dist.name,
-                    entry.path,
-                    FindingKind.OUTSIDE,
-                    f"resolves to {location}, outside {containment.prefix}",
-                )
-            )
+            why = f"resolves to {location}, outside {containment.prefix}"
+            findings.append(Finding(dist.name, entry.path, FindingKind.OUTSIDE, why))
             continue
         if entry.hash is None:
             if not _may_be_unhashed(dist, location):
-                findings.append(
-                    Finding(
-                        dist.name,
-                        location,
-                        FindingKind.MALFORMED,
-                        "its RECORD line has no hash: what it holds cannot be checked",
-                    )
-                )
+                why = "its RECORD line has no hash: what it holds cannot be checked"
+                findings.append(Finding(dist.name, location, FindingKind.MALFORMED, why))
             continue  # RECORD itself, its signatures and bytecode are unhashed as installers write them
         expectations.append(
             built(Expectation, (location, entry.hash.algorithm, entry.hash.digest, entry.size))
@@ -264,14 +249,9 @@ def _wheel_plan(
     members: dict[str, str] = {}
     findings: list[Finding] = []
     if dist.version != wheel.version:
+        why = f"installed {dist.version}, the wheel is {wheel.version}"
         findings.append(
-            Finding(
-                dist.name,
-                str(dist.dist_info),
-                FindingKind.VERSION_MISMATCH,
-                f"installed {dist.version}, the wheel is {wheel.version}",
-                baseline="wheel",
-            )
+            Finding(dist.name, str(dist.dist_info), FindingKind.VERSION_MISMATCH, why, baseline="wheel")
         )
     signatures = {f"{wheel.dist_info}/RECORD.jws", f"{wheel.dist_info}/RECORD.p7s"}
     other_version = dist.version != wheel.version  # then the metadata differs: the mismatch says it all
@@ -290,10 +270,10 @@ def _wheel_plan(
         if name.startswith(scripts):
             expectation = _script_expectation(wheel, name, Path(location), env)
         expectations.append(expectation or Expectation(location, "sha256", member.sha256, member.size))
-    for problem in wheel.problems:
-        findings.append(
-            Finding(dist.name, problem.path, FindingKind.WHEEL_RECORD, problem.reason, baseline="wheel")
-        )
+    findings.extend(
+        Finding(dist.name, p.path, FindingKind.WHEEL_RECORD, p.reason, baseline="wheel")
+        for p in wheel.problems
+    )
     # Installed files the wheel does not have: old leftovers recorded by the installer.
     generated_scripts = {os.path.join(env.scripts, script) for script in wheel.console_scripts}
     installed_dist_info = base(dist.dist_info.name)
@@ -309,15 +289,8 @@ def _wheel_plan(
             continue
         if containment.outside(text):
             continue
-        findings.append(
-            Finding(
-                dist.name,
-                text,
-                FindingKind.EXTRA,
-                "installed, but not in the wheel",
-                baseline="wheel",
-            )
-        )
+        extra = "installed, but not in the wheel"
+        findings.append(Finding(dist.name, text, FindingKind.EXTRA, extra, baseline="wheel"))
     return expectations, members, findings
 
 
@@ -403,10 +376,7 @@ def walk_listed(
     return found
 
 
-def _still(
-    here: str,
-    seen: Mapping[str, os.stat_result] | None,
-) -> bool:
+def _still(here: str, seen: Mapping[str, os.stat_result] | None) -> bool:
     """Whether the directory at ``here`` is the one listed: the same inode, its entries and its place
     unchanged since (a swap of it, or of a directory above it, moves one of them)."""
     if seen is None or here not in seen:
@@ -416,13 +386,6 @@ def _still(
     except OSError:
         return False
     return stat.S_ISDIR(now.st_mode) and identity(now) == identity(seen[here])
-
-
-def _is_symlink(entry: os.DirEntry[str]) -> bool:
-    try:
-        return entry.is_symlink()
-    except OSError:
-        return False
 
 
 def _listed_locations(installed: Sequence[InstalledDistribution]) -> frozenset[str]:
@@ -470,8 +433,7 @@ def verify_environment(
 
     ``wheel``: the reference; ``settle_shared`` False: nothing ``shared``; ``vouched``, ``known``,
     ``unchanged``, ``recorded``, ``install_window``, ``anchored_before``: what earlier checks saw;
-    ``installed``, ``expected``, ``listings``, ``parses``: found, patches, kept parses; ``bytecode``.
-    """
+    ``installed``, ``expected``, ``listings``, ``parses``: found, patches, kept parses; ``bytecode``."""
     # Named ones are read first, the others (whose files only say what is "extra") while the large
     # files hash; read as every distribution is, or everything is done again in the usual order. The
     # named ones and the plans (torch: 12k RECORD entries, 12k expectations) are built with the cycle
@@ -504,8 +466,7 @@ def verify_environment(
                 replace(p, expectations=tuple(expected.get(e.location, e) for e in p.expectations))
                 for p in plans
             ]
-    wanted = [e for p in plans for e in p.expectations]
-    total = len(wanted)
+    total = sum(len(p.expectations) for p in plans)
 
     def tick(done: int) -> None:
         if on_progress is not None:
@@ -733,10 +694,8 @@ def verify_environment(
                 item.detail,
             )
         )
-    for report in list(reports):
-        more = by_dist.pop(report.name, None)
-        if more:
-            at = reports.index(report)
+    for at, report in enumerate(reports):
+        if more := by_dist.pop(report.name, None):
             reports[at] = replace(report, findings=tuple(sorted((*report.findings, *more), key=report_order)))
     for under, more in sorted(by_dist.items()):  # a site's top, or a distribution not checked
         reports.append(
@@ -790,7 +749,7 @@ def _not_checked(name: str, root: str, why: str) -> Finding:
 def _orphans(name: str, walked: Sequence[str], listed: frozenset[str]) -> list[Finding]:
     """Pure: the ``.pyc`` files of ``walked`` whose source no RECORD lists, as ``extra`` findings."""
     return [
-        Finding(name, pyc, FindingKind.EXTRA, "in the distribution's directories but in no RECORD")
+        Finding(name, pyc, FindingKind.EXTRA, IN_NO_RECORD)
         for pyc in walked
         if pyc not in listed and (parsed := pyc_name(pyc)) is not None and parsed.source not in listed
     ]
@@ -816,16 +775,8 @@ def _source_of(sources: Mapping[str, tuple[str, Source]], location: str) -> Sour
 def _dpkg_sources(env: Environment, locations: Sequence[str]) -> dict[str, tuple[str, Source]]:
     """The sources of bytecode in a system interpreter's site directories that dpkg installed, with
     dpkg's md5 of each (what ``debsums`` checks): there dpkg, not a RECORD, says what a module holds
-    (Debian changes files after writing RECORD, and most of its modules have none). A venv's own
-    site directories are never dpkg's."""
-    own = bases(env.site_dirs) if env.is_venv else ()
-    wanted = sorted({loc for loc in locations if not (own and loc.startswith(own))})
-    if not wanted:
-        return {}
-    owners = dpkg_owners(Path(loc) for loc in wanted)
-    sums: dict[str, str] = {}
-    for package in set(owners.values()):
-        sums.update(dpkg_md5sums(package))
+    (Debian changes files after writing RECORD, and most of its modules have none)."""
+    owners, sums = _dpkg_md5sums(env, locations)
     return {
         os.fspath(path): (package.package, Source("md5", encode_digest(bytes.fromhex(sums[os.fspath(path)]))))
         for path, package in owners.items()
@@ -833,24 +784,28 @@ def _dpkg_sources(env: Environment, locations: Sequence[str]) -> dict[str, tuple
     }
 
 
-def _not_dpkgs(env: Environment, unlisted: Sequence[Unlisted]) -> list[Unlisted]:
-    """Those of ``unlisted`` that no system package installed as they are now: a file dpkg lists whose
-    md5sum matches is not reported, one that does not match is, saying so. Never looked up in a venv's
-    own site directories.
-    """
+def _dpkg_md5sums(
+    env: Environment, locations: Sequence[str]
+) -> tuple[dict[Path, SystemPackage], dict[str, str]]:
+    """The dpkg package of each of ``locations`` outside a venv's own site directories (never dpkg's),
+    and the md5sums (hex) of those packages by path."""
     own = bases(env.site_dirs) if env.is_venv else ()
-    wanted = [u for u in unlisted if not (own and u.location.startswith(own))]
-    if not wanted:
-        return list(unlisted)
-    owners = dpkg_owners(Path(u.location) for u in wanted)
-    if not owners:
-        return list(unlisted)
+    owners = dpkg_owners(Path(loc) for loc in locations if not (own and loc.startswith(own)))
     sums: dict[str, str] = {}
     for package in set(owners.values()):
         sums.update(dpkg_md5sums(package))
+    return owners, sums
+
+
+def _not_dpkgs(env: Environment, unlisted: Sequence[Unlisted]) -> list[Unlisted]:
+    """Those of ``unlisted`` that no system package installed as they are now: a file dpkg lists whose
+    md5sum matches is not reported, one that does not match is, saying so."""
+    owners, sums = _dpkg_md5sums(env, [u.location for u in unlisted])
+    if not owners:
+        return list(unlisted)
     expected = [
         Expectation(u.location, "md5", encode_digest(bytes.fromhex(sums[u.location])), None)
-        for u in wanted
+        for u in unlisted
         if Path(u.location) in owners and u.location in sums
     ]
     states = observe_files(expected, within=os.fspath(env.base_prefix)) if expected else {}

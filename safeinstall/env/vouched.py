@@ -1,6 +1,5 @@
 """What a run vouches for: files whose bytes are their wheel's members where the wheel's RECORD says
-otherwise, and how a verification settles them (``wheel-record``). Pure.
-"""
+otherwise, and how a verification settles them (``wheel-record``). Pure."""
 
 from __future__ import annotations
 
@@ -72,8 +71,7 @@ def vouched_of(
 ) -> Vouched | None:
     """Pure: after a run verified ``dist`` against its wheel, the files holding exactly the wheel's bytes
     (``shipped``) that its installed RECORD does not describe, as observed; None when it describes them
-    all.
-    """
+    all."""
     files: dict[str, str] = {}
     for entry, location in zip(dist.record.entries, dist.locations, strict=True):
         state = observed.get(location)

@@ -1,8 +1,7 @@
 """Wheel files: read once into a typed :class:`Wheel`, with its RECORD checked against its contents.
 
 A wheel whose own RECORD does not match its contents is the wheel's fault (some torch wheels ship
-one, uv #11723); those are reported as :class:`WheelProblem`, never as drift of an installation.
-"""
+one, uv #11723); those are reported as :class:`WheelProblem`, never as drift of an installation."""
 
 from __future__ import annotations
 
@@ -21,12 +20,7 @@ from pathlib import Path, PurePosixPath
 from typing import BinaryIO, cast
 
 from packaging.tags import Tag
-from packaging.utils import (
-    InvalidWheelFilename,
-    NormalizedName,
-    canonicalize_name,
-    parse_wheel_filename,
-)
+from packaging.utils import InvalidWheelFilename, NormalizedName, canonicalize_name, parse_wheel_filename
 
 from safeinstall.env.containment import is_within
 from safeinstall.env.distributions import (
@@ -103,8 +97,7 @@ class Wheel:
 
 def _fail(path: Path, why: str) -> WheelError:
     return WheelError(
-        f"cannot read wheel {one_line(path)}: {why}",
-        hint="check the path, or download/build the wheel again",
+        f"cannot read wheel {one_line(path)}: {why}", hint="check the path, or download/build the wheel again"
     )
 
 
@@ -188,14 +181,22 @@ def member_problem(name: str, data_dir: str) -> str | None:
     return None
 
 
-def _read_limited(archive: zipfile.ZipFile, info: zipfile.ZipInfo, limit: int, path: Path) -> bytes:
+def _bounded(info: zipfile.ZipInfo, limit: int, path: Path) -> None:
+    """Refuses (WheelError) a member that says it unpacks to more than ``limit`` bytes."""
     if info.file_size > limit:
         raise _fail(path, f"{info.filename} unpacks to {info.file_size} bytes, more than the {limit} allowed")
+
+
+def _read_text(
+    archive: zipfile.ZipFile, info: zipfile.ZipInfo, limit: int, path: Path, errors: str = "replace"
+) -> str:
+    """A member's text, at most ``limit`` bytes unpacked (WheelError past it)."""
+    _bounded(info, limit, path)
     with archive.open(info) as handle:
         data = handle.read(limit + 1)
     if len(data) > limit:
         raise _fail(path, f"{info.filename} unpacks to more than the {limit} bytes allowed")
-    return data
+    return data.decode("utf-8", errors)
 
 
 def _check_names(infos: list[zipfile.ZipInfo], path: Path) -> None:
@@ -207,11 +208,7 @@ def _check_names(infos: list[zipfile.ZipInfo], path: Path) -> None:
                 info.filename.encode("cp437").decode("utf-8")
             except UnicodeError:
                 raise _fail(path, f"the member name {info.filename!r} is not valid UTF-8") from None
-        if info.file_size > MEMBER_LIMIT:
-            raise _fail(
-                path,
-                f"{info.filename} unpacks to {info.file_size} bytes, more than the {MEMBER_LIMIT} allowed",
-            )
+        _bounded(info, MEMBER_LIMIT, path)
     total = sum(i.file_size for i in infos)
     if total > TOTAL_LIMIT:
         raise _fail(path, f"it unpacks to {total} bytes, more than the {TOTAL_LIMIT} allowed")
@@ -278,12 +275,8 @@ def read_wheel(path: Path, hashed: Mapping[str, WheelMember] | None = None) -> W
             # not is_dir(): it indexes the name's last character, and a member may have an empty name
             infos = [i for i in archive.infolist() if not i.filename.endswith("/")]
             _check_names(infos, path)
-            dist_infos = {
-                PurePosixPath(i.filename).parts[0]
-                for i in infos
-                if PurePosixPath(i.filename).parts[:1]
-                and PurePosixPath(i.filename).parts[0].endswith(".dist-info")
-            }
+            heads = (PurePosixPath(i.filename).parts[:1] for i in infos)
+            dist_infos = {head[0] for head in heads if head and head[0].endswith(".dist-info")}
             if len(dist_infos) != 1:
                 raise _fail(path, f"expected one .dist-info directory, found {sorted(dist_infos)}")
             dist_info = dist_infos.pop()
@@ -301,16 +294,9 @@ def read_wheel(path: Path, hashed: Mapping[str, WheelMember] | None = None) -> W
                     raise _fail(path, f"{dist_info}/{required} is missing")
             for meta, limit in _METADATA_FILES.items():  # before anything is unpacked
                 info = by_name.get(f"{dist_info}/{meta}")
-                if info is not None and info.file_size > limit:
-                    raise _fail(
-                        path,
-                        f"{info.filename} unpacks to {info.file_size} bytes, more than the {limit} allowed",
-                    )
-            record = parse_record(
-                _read_limited(archive, by_name[f"{dist_info}/RECORD"], RECORD_LIMIT, path).decode(
-                    "utf-8", errors="replace"
-                )
-            )
+                if info is not None:
+                    _bounded(info, limit, path)
+            record = parse_record(_read_text(archive, by_name[f"{dist_info}/RECORD"], RECORD_LIMIT, path))
             algorithms = {e.path: e.hash.algorithm for e in record.entries if e.hash is not None}
             sizes = {i.filename: i.file_size for i in infos}
             members = (
@@ -325,21 +311,16 @@ def read_wheel(path: Path, hashed: Mapping[str, WheelMember] | None = None) -> W
                 and i.file_size <= _SCRIPT_MAX
                 and (content := archive.read(i)).startswith(b"#!python")
             }
-            wheel_meta = HeaderParser().parsestr(
-                _read_limited(archive, by_name[f"{dist_info}/WHEEL"], METADATA_LIMIT, path).decode("utf-8")
-            )
+            wheel_text = _read_text(archive, by_name[f"{dist_info}/WHEEL"], METADATA_LIMIT, path, "strict")
+            wheel_meta = HeaderParser().parsestr(wheel_text)
             metadata = HeaderParser().parsestr(
-                _read_limited(archive, by_name[f"{dist_info}/METADATA"], METADATA_LIMIT, path).decode(
-                    "utf-8", errors="replace"
-                )
+                _read_text(archive, by_name[f"{dist_info}/METADATA"], METADATA_LIMIT, path)
             )
             entry_points_info = by_name.get(f"{dist_info}/entry_points.txt")
             entry_points = (
-                _read_limited(archive, entry_points_info, METADATA_LIMIT, path).decode(
-                    "utf-8", errors="replace"
-                )
-                if entry_points_info is not None
-                else None
+                None
+                if entry_points_info is None
+                else _read_text(archive, entry_points_info, METADATA_LIMIT, path)
             )
     except _DAMAGED as exc:
         raise _fail(path, f"not a valid zip archive ({exc})") from exc
@@ -359,7 +340,7 @@ def read_wheel(path: Path, hashed: Mapping[str, WheelMember] | None = None) -> W
         version=str(metadata.get("Version") or version),
         tags=frozenset(tags),
         dist_info=dist_info,
-        data_dir=dist_info[: -len(".dist-info")] + ".data",
+        data_dir=data_dir,
         root_is_purelib=(wheel_meta.get("Root-Is-Purelib", "true").strip().lower() == "true"),
         members=members,
         record=record,
@@ -373,8 +354,7 @@ def read_wheel(path: Path, hashed: Mapping[str, WheelMember] | None = None) -> W
 class _ListingBounded(io.RawIOBase):
     """A wheel's file as zipfile sees it while it reads the members' list: a read over
     :data:`CENTRAL_DIRECTORY_LIMIT` bytes is refused, on the read itself, so nothing differs between a check
-    and zipfile's reading. Lifted once the list is read.
-    """
+    and zipfile's reading. Lifted once the list is read."""
 
     def __init__(self, handle: BinaryIO, path: Path) -> None:
         super().__init__()
@@ -426,8 +406,7 @@ def scheme_roots(wheel: Wheel, env: Environment) -> dict[str, Path]:
         "scripts": env.scripts,
         "data": env.data,
         "headers": env.prefix
-        / "include"
-        / "site"
+        / "include/site"
         / f"python{env.version[0]}.{env.version[1]}"
         / wheel.display_name,
     }
@@ -475,27 +454,10 @@ def environment_files(env: Environment) -> frozenset[str]:
     return frozenset(own)
 
 
-def landing_problems(
-    locations: dict[str, str], protected: frozenset[str], owned: frozenset[str], others: dict[str, str]
-) -> list[str]:
-    """Pure: members that would replace a file they must not. ``locations``: member -> where it lands;
-    ``protected``: the environment's own files; ``owned``: what the run replaces (and backs up);
-    ``others``: location -> the other distribution whose RECORD lists it. Existing files are in
-    ``owned``, ``others`` or neither (then the run would overwrite a file it never saved)."""
-    problems: list[str] = []
-    for member, location in sorted(locations.items()):
-        if location in protected:
-            problems.append(f"{member} would replace the environment's own {location}")
-        elif location in others:
-            problems.append(f"{member} would replace {location}, a file of {others[location]}")
-    return problems
-
-
 def shared_landing(wheel: Wheel, locations: dict[str, str], others: dict[str, tuple[str, str]]) -> list[str]:
     """Pure: the plan's refusals for members that would land on files another distribution's RECORD
     lists (``others``), one per distribution, naming it and what to do (as dpkg refuses to overwrite
-    another package's file).
-    """
+    another package's file)."""
     by_owner: dict[tuple[str, str], list[tuple[str, str]]] = {}
     for member, location in sorted(locations.items()):
         if location in others:
@@ -522,8 +484,7 @@ def check_landing(
 ) -> tuple[str, ...]:
     """Refuse a wheel (WheelError, exit 2) a member or script of which would land on the environment's
     own files or on an unlisted file the run would not back up. Landings on another distribution's files
-    are returned as the plan's refusals (:func:`shared_landing`).
-    """
+    are returned as the plan's refusals (:func:`shared_landing`)."""
     from safeinstall.system.safefs import Tree
 
     locations = install_locations(wheel, env)
@@ -546,7 +507,11 @@ def check_landing(
         for location in dist.locations
     }
     protected = environment_files(env)
-    problems = landing_problems(locations, protected, frozenset(owned), {})
+    problems = [
+        f"{member} would replace the environment's own {location}"
+        for member, location in sorted(locations.items())
+        if location in protected
+    ]
     problems += [
         f"{member} would replace {location}, which no distribution being replaced holds"
         for member, location in sorted(locations.items())
@@ -615,9 +580,8 @@ def target_tags(env: Environment) -> list[Tag]:
         supported = list(tags.cpython_tags(version, [abi], platforms))
         interpreter = f"cp{version[0]}{version[1]}"
     else:
-        interpreter = f"{tags.INTERPRETER_SHORT_NAMES.get(env.implementation, env.implementation)}" + (
-            f"{version[0]}{version[1]}"
-        )
+        short = tags.INTERPRETER_SHORT_NAMES.get(env.implementation, env.implementation)
+        interpreter = f"{short}{version[0]}{version[1]}"
         supported = list(tags.generic_tags(interpreter, None, platforms))
     supported += list(tags.compatible_tags(version, interpreter, platforms))
     return supported
@@ -625,5 +589,4 @@ def target_tags(env: Environment) -> list[Tag]:
 
 def fits(wheel: Wheel, supported: list[Tag]) -> bool:
     """Pure: does any of the wheel's tags appear among the interpreter's supported tags?"""
-    accepted = set(supported)
-    return any(tag in accepted for tag in wheel.tags)
+    return not wheel.tags.isdisjoint(supported)

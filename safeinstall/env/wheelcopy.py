@@ -1,8 +1,7 @@
 """The run's own copy of the wheel in the state directory: what is checked is what is installed.
 
 A wheel in a directory others can write could be replaced after the check; the copy is root's,
-readable only by the account uv runs as. docs/threat-model.md ("Files and wheels").
-"""
+readable only by the account uv runs as. docs/threat-model.md ("Files and wheels")."""
 
 from __future__ import annotations
 

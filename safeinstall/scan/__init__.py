@@ -1,3 +1,2 @@
 """Who uses the environment: processes, their evidence and units, and the plan built from them. Never
-imports store.
-"""
+imports store."""

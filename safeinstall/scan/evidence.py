@@ -1,7 +1,6 @@
 """Evidence that a process uses a target, from what ``/proc`` shows of it (``maps``, ``fd/``,
 ``argv``, ``environ``): pure parsing and matching over a pre-built :class:`TargetIndex` (the kinds of
-evidence: :mod:`safeinstall.scan.processes`).
-"""
+evidence: :mod:`safeinstall.scan.processes`)."""
 
 from __future__ import annotations
 
@@ -14,16 +13,10 @@ from enum import StrEnum
 
 from safeinstall.env.containment import base
 from safeinstall.env.dependents import describe_chain
-from safeinstall.scan.targets import (
-    EnvironmentScope,
-    Target,
-)
+from safeinstall.scan.targets import EnvironmentScope, Target
 
 DELETED_SUFFIX = " (deleted)"
 _SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh"})
-
-
-# --------------------------------------------------------------------------------------------- evidence
 
 
 class EvidenceKind(StrEnum):
@@ -49,10 +42,6 @@ class Evidence:
     path: str  # the mapped/open file, the console script, or the module run with -m
     deleted: bool = False  # the file is gone from disk: the process runs code no longer installed
     detail: str = ""  # how it matched: "dev/inode fe:00 123", "path", "directory", "console script", ...
-
-    @property
-    def running_old_code(self) -> bool:
-        return self.deleted
 
     @property
     def strength(self) -> Strength:
@@ -185,21 +174,6 @@ class TargetIndex:
         return tuple(found.items())
 
 
-# ------------------------------------------------------------------------------------------- parsing
-
-
-@dataclass(frozen=True, slots=True)
-class MapsEntry:
-    start: int
-    end: int
-    perms: str
-    offset: int
-    dev: int  # os.makedev(major, minor)
-    inode: int
-    path: str  # "" for anonymous mappings; "[heap]", "[vdso]", ... as shown
-    deleted: bool
-
-
 def _escape(path: str) -> str:
     return path.replace("\n", "\\012")
 
@@ -207,35 +181,6 @@ def _escape(path: str) -> str:
 def _unescape(path: str) -> str:
     # the kernel shows a newline in a mapped path as "\012"
     return path.replace("\\012", "\n") if "\\012" in path else path
-
-
-def parse_maps_line(line: str) -> MapsEntry | None:
-    """One line of ``/proc/PID/maps``; None if it is not one."""
-    parts = line.rstrip("\n").split(None, 5)
-    if len(parts) < 5:
-        return None
-    address, perms, offset, dev, inode = parts[:5]
-    path = parts[5] if len(parts) == 6 else ""
-    start, sep, end = address.partition("-")
-    major, colon, minor = dev.partition(":")
-    try:
-        if not sep or not colon:
-            return None
-        deleted = path.endswith(DELETED_SUFFIX)
-        if deleted:
-            path = path[: -len(DELETED_SUFFIX)]
-        return MapsEntry(
-            start=int(start, 16),
-            end=int(end, 16),
-            perms=perms,
-            offset=int(offset, 16),
-            dev=os.makedev(int(major, 16), int(minor, 16)),
-            inode=int(inode),
-            path=_unescape(path),
-            deleted=deleted,
-        )
-    except ValueError:
-        return None
 
 
 def _add(found: dict[tuple[str, str, bool], Evidence], evidence: Evidence) -> None:
@@ -253,8 +198,7 @@ def match_maps(
 
     ``locate`` (the scan's I/O) tells an inode-only match under another directory (a hardlink twin in
     another environment: dropped) from a view of this environment's own directory (kept). Without it,
-    or when it cannot tell, an inode match is kept: the safe side.
-    """
+    or when it cannot tell, an inode match is kept: the safe side."""
     index = TargetIndex.of(targets)
     if not index.may_match_maps(text):
         return ()
@@ -314,7 +258,7 @@ def match_fds(links: Iterable[str], targets: Iterable[Target] | TargetIndex) -> 
         if not link.startswith("/"):  # socket:[..], pipe:[..], anon_inode:...
             continue
         deleted = link.endswith(DELETED_SUFFIX)
-        path = link[: -len(DELETED_SUFFIX)] if deleted else link
+        path = link.removesuffix(DELETED_SUFFIX)
         for name, how in index.owners_of(path):
             _add(found, Evidence(EvidenceKind.OPEN, name, path, deleted, how))
     return tuple(found.values())
@@ -400,8 +344,7 @@ def match_argv(
     """``argv`` evidence: a console script of a target runs, or ``-m`` one of its modules.
 
     ``exe`` and ``cwd`` (the process's ``/proc/PID/exe`` and ``cwd`` links) only serve to resolve a
-    relative argv[0] or script path; a bare ``python`` is recognised through ``exe``.
-    """
+    relative argv[0] or script path; a bare ``python`` is recognised through ``exe``."""
     index = TargetIndex.of(targets)
     if not cmdline:
         return ()
@@ -427,12 +370,8 @@ def match_argv(
                 continue
             for top in target.modules:
                 if module == top or module.startswith(top + "."):
-                    _add(
-                        found,
-                        Evidence(
-                            EvidenceKind.ARGV, target.distribution, module, False, f"{argv0} -m {module}"
-                        ),
-                    )
+                    how = f"{argv0} -m {module}"
+                    _add(found, Evidence(EvidenceKind.ARGV, target.distribution, module, False, how))
                     break
     return tuple(found.values())
 
@@ -468,8 +407,7 @@ def match_environment_maps(text: str, scope: EnvironmentScope) -> tuple[Evidence
     for line in text.split("\n"):
         parts = line.split(None, 5)
         if len(parts) == 6 and parts[5].startswith(scope.roots):
-            path = parts[5]
-            path = _unescape(path[: -len(DELETED_SUFFIX)] if path.endswith(DELETED_SUFFIX) else path)
+            path = _unescape(parts[5].removesuffix(DELETED_SUFFIX))
             return _environment(path, "maps a file of the environment")
     return ()
 
@@ -477,7 +415,7 @@ def match_environment_maps(text: str, scope: EnvironmentScope) -> tuple[Evidence
 def match_environment_paths(links: Iterable[str], scope: EnvironmentScope) -> tuple[Evidence, ...]:
     """``environment`` evidence: an open file (``/proc/PID/fd`` link) under the environment's roots."""
     for link in links:
-        path = link[: -len(DELETED_SUFFIX)] if link.endswith(DELETED_SUFFIX) else link
+        path = link.removesuffix(DELETED_SUFFIX)
         if path.startswith("/") and _under(path, scope.roots):
             return _environment(path, "holds open a file of the environment")
     return ()

@@ -1,8 +1,7 @@
 """The plan: which distributions change, which processes use them, which units stop. Pure.
 
 :func:`build_plan` joins facts gathered elsewhere (uv's dry-run, the /proc scan, ``systemctl show``,
-an NVML snapshot) into one :class:`Plan`, and says whether the run would proceed or refuse, and why.
-"""
+an NVML snapshot) into one :class:`Plan`, and says whether the run would proceed or refuse, and why."""
 
 from __future__ import annotations
 
@@ -438,14 +437,10 @@ def build_plan(
     affected_units = {placements[p.pid].unit_path for p in planned_alone} - {None}
     # a unit is as certain as the most certain of its affected processes
     certain_units = {placements[p.pid].unit_path for p in live if p.certain} - {None}
-    left_out = (
-        tuple(
-            p.pid
-            for p in live
-            if p.affected and not p.certain and placements[p.pid].unit_path not in affected_units
-        )
-        if only_loaded
-        else ()
+    left_out = tuple(
+        p.pid
+        for p in live
+        if only_loaded and p.affected and not p.certain and placements[p.pid].unit_path not in affected_units
     )
     held = _gpu_bytes(gpus)
     processes: list[PlannedProcess] = []
@@ -475,16 +470,9 @@ def build_plan(
     planned_units.extend(_dependents(planned_units, units))
     if strays and not kill_strays:
         refusals.append(stray_refusal(strays))
-    warnings: list[str] = []
-    oversized = oversized_warning(scan.problems)
-    if oversized:
-        warnings.append(oversized)
     unread = unreadable_warning(scan.problems, as_root)
-    if unread:
-        warnings.append(unread)
     no_gpu_check = None if gpus.available else f"GPU check unavailable: {gpus.reason}"
-    if no_gpu_check:
-        warnings.append(no_gpu_check)
+    warnings = [w for w in (oversized_warning(scan.problems), unread, no_gpu_check) if w]
     # root that cannot read a process (a VM's init), a machine without NVML: so on every command
     host = tuple(w for w in (unread if as_root else None, no_gpu_check) if w)
     warnings.extend(persistence_warnings(gpus, {p.pid for p in processes}))
@@ -494,9 +482,8 @@ def build_plan(
             f"without a sign of the package loaded (PIDs {', '.join(map(str, left_out))}): they keep "
             "running, and one that imports it later gets the new files"
         )
-    for stray in strays:
-        if kill_strays:
-            warnings.append(f"stray PID {stray.pid} ({stray.name}) will be ended and not restarted")
+    if kill_strays:
+        warnings.extend(f"stray PID {p.pid} ({p.name}) will be ended and not restarted" for p in strays)
     return Plan(
         package=package,
         python=python,

@@ -2,8 +2,7 @@
 
 Each process is read once and matched against the :class:`Target` descriptions; each kind of
 :class:`Evidence` is explained in docs/dry-run.md. Parsing and matching are pure; the I/O lives in
-:func:`scan_processes`.
-"""
+:func:`scan_processes`."""
 
 from __future__ import annotations
 
@@ -29,14 +28,9 @@ from safeinstall.scan.evidence import (
     match_maps,
     parse_cmdline,
 )
-from safeinstall.scan.targets import (
-    EnvironmentScope,
-    Target,
-)
+from safeinstall.scan.targets import EnvironmentScope, Target
 from safeinstall.system.forking import can_fork, cpu_count, map_forked, split
 from safeinstall.system.identity import PF_KTHREAD, ProcessId, StatInfo, parse_stat
-
-# -------------------------------------------------------------------------------------------- scanning
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,8 +116,7 @@ def _read_at(name: str, dir_fd: int, *, single: bool) -> bytes:
 
     ``single``: the kernel hands out the whole file in one read when the buffer is large enough
     (``stat`` and ``cgroup`` are one seq_file record, ``cmdline`` is copied until the buffer is full), so
-    a short first read is all of it; ``maps`` comes at most a page of records per read: read to EOF.
-    """
+    a short first read is all of it; ``maps`` comes at most a page of records per read: read to EOF."""
     fd = os.open(name, _O_FILE, dir_fd=dir_fd)
     try:
         chunk = os.read(fd, _READ_SIZE)
@@ -160,8 +153,7 @@ class _Process:
 
     Holding the directory open pins the process: should it exit and its PID be reused meanwhile, the
     reads fail (ESRCH) instead of mixing two processes. Errors become problems; a vanished process
-    raises :class:`_Vanished` and its record is dropped.
-    """
+    raises :class:`_Vanished` and its record is dropped."""
 
     __slots__ = ("dir_fd", "pid", "problems")
 
@@ -359,8 +351,7 @@ MAX_WORKERS = 4
 def default_workers(count: int) -> int:
     """How many processes share a scan of ``count`` PIDs: one unless it is big and CPUs are free.
 
-    Never more than one while this process runs other threads: forking then is unsafe.
-    """
+    Never more than one while this process runs other threads: forking then is unsafe."""
     if count < PARALLEL_THRESHOLD or not can_fork():
         return 1
     return max(1, min(MAX_WORKERS, cpu_count()))
@@ -375,8 +366,7 @@ def scan_processes(
 ) -> ScanResult:
     """Read every process under ``proc_root`` once and match it against ``targets`` (with ``scope``:
     ``environment`` evidence too). Unreadable ones go to ``problems``; ``self_pid`` is marked, not skipped;
-    ``workers``: forked processes sharing the PIDs, the same result either way.
-    """
+    ``workers``: forked processes sharing the PIDs, the same result either way."""
     index = TargetIndex.of(targets)
     me = os.getpid() if self_pid is None else self_pid
     root = str(proc_root)

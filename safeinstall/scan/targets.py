@@ -1,7 +1,6 @@
 """What a process can be found using: each affected distribution as a :class:`Target` (its files' inodes
 and paths, its directories, console scripts, modules), and the environment as an
-:class:`EnvironmentScope`. Built once per run from the installed snapshot; stats files, reads nothing else.
-"""
+:class:`EnvironmentScope`. Built once per run from the installed snapshot; stats files, reads nothing else."""
 
 from __future__ import annotations
 
@@ -17,9 +16,6 @@ from safeinstall.env.environment import Environment
 #: Directories at the top of site-packages that never belong to one distribution.
 _NEVER_OWNED = frozenset({"__pycache__", "..", "."})
 _EXTENSION_SUFFIXES = (".so", ".pyd")
-
-
-# --------------------------------------------------------------------------------------------- targets
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,8 +62,7 @@ def _own_directories(
     """The directories (as path parts) that belong to this distribution alone.
 
     A directory is descended into instead of owned when another distribution also has files under it,
-    or when, at the top, it looks like a namespace package (no ``__init__.py`` but subdirectories).
-    """
+    or when, at the top, it looks like a namespace package (no ``__init__.py`` but subdirectories)."""
     groups: dict[str, list[tuple[str, ...]]] = {}
     for parts in entries:
         if len(parts) > 1:
@@ -114,16 +109,10 @@ def directory_owners(dists: Iterable[InstalledDistribution]) -> DirectoryOwners:
     return {key: frozenset(names) for key, names in owners.items()}
 
 
-def _shared_directories(
-    dist: InstalledDistribution,
-    others: Iterable[InstalledDistribution],
-    owners: DirectoryOwners | None = None,
-) -> frozenset[tuple[str, ...]]:
+def _shared_directories(dist: InstalledDistribution, owners: DirectoryOwners) -> frozenset[tuple[str, ...]]:
     """Directories (parts, relative to ``dist.site``) under which another distribution has files
-    (``owners``: :func:`directory_owners` of the environment, else computed from ``others``)."""
+    (``owners``: :func:`directory_owners` of the environment)."""
     site, name = str(dist.site), str(dist.dist_info)
-    if owners is None:
-        owners = directory_owners(o for o in others if o.dist_info != dist.dist_info)
     return frozenset(
         parts
         for (where, parts), names in owners.items()
@@ -145,21 +134,19 @@ def build_target(
     env: Environment,
     *,
     file_ids: Iterable[tuple[int, int]] = (),
-    others: Iterable[InstalledDistribution] = (),
     extra_interpreters: Iterable[str] = (),
     aliases: Iterable[str] = (),
     directory_ids: Iterable[tuple[int, int]] = (),
     requires: tuple[tuple[str, ...], ...] = (),
     owners: DirectoryOwners | None = None,
 ) -> Target:
-    """Pure: ``dist`` described for the scan. ``others``/``owners``: a directory another distribution
-    shares is not its own; ``file_ids`` and ``aliases`` (where installed symlinks lead) come from
-    :func:`probe_files`.
-    """
+    """Pure: ``dist`` described for the scan. ``owners`` (:func:`directory_owners`): a directory another
+    distribution shares is not its own; ``file_ids`` and ``aliases`` (where installed symlinks lead) come from
+    :func:`probe_files`."""
     installed = frozenset(dist.locations)
     files = installed | frozenset(aliases)
     inside = _inside_site(dist)
-    owned = _own_directories(inside, (), _shared_directories(dist, others, owners))
+    owned = _own_directories(inside, (), _shared_directories(dist, owners or {}))
     site = str(dist.site)
     directories = tuple(sorted(os.path.join(site, *parts) for parts in owned))
     modules = {".".join(parts) for parts in owned if _is_dotted_identifier(parts)}
@@ -194,8 +181,7 @@ def probe_files(paths: Iterable[str]) -> tuple[frozenset[tuple[int, int]], froze
     """The (st_dev, st_ino) of every existing path, and where the symlinks among them lead.
 
     Symlinks are followed, as the kernel does when it maps a file; both sets feed :func:`build_target`
-    (``file_ids``, ``aliases``). One lstat per plain file.
-    """
+    (``file_ids``, ``aliases``). One lstat per plain file."""
     ids: set[tuple[int, int]] = set()
     aliases: set[str] = set()
     for path in paths:
@@ -231,22 +217,19 @@ def load_targets(
 ) -> tuple[Target, ...]:
     """Targets for ``dists`` of ``env``, each file stated once; ``installed``: the environment's
     distributions. ``requires``: those that only require an affected one (their evidence becomes
-    ``depends``).
-    """
+    ``depends``)."""
     everything = list(installed)
     # Outside a venv the interpreter is the real binary: let /proc/PID/exe recognise it too.
     extra = () if env.is_venv else (os.path.realpath(env.executable),)
     targets: list[Target] = []
     owners = directory_owners(everything) if owners is None else owners  # once per environment
     for dist in dists:
-        others = [other for other in everything if other.dist_info != dist.dist_info]
         file_ids, aliases = probe_files(dist.locations)
         targets.append(
             build_target(
                 dist,
                 env,
                 file_ids=file_ids,
-                others=others,
                 extra_interpreters=extra,
                 aliases=aliases,
                 directory_ids=probe_directories(dist.locations),
