@@ -26,28 +26,11 @@ from safeinstall.system.cgroups import parse_proc_cgroup, valid_unit_name
 from safeinstall.system.identity import ProcessId, read_stat
 from safeinstall.system.safefs import at_or_below
 
-#: Properties :meth:`Systemd.show` asks for, in one ``systemctl show`` call.
-SHOW_PROPERTIES: tuple[str, ...] = (
-    "Id",
-    "LoadState",
-    "ActiveState",
-    "SubState",
-    "UnitFileState",
-    "Type",
-    "MainPID",
-    "ControlGroup",
-    "TimeoutStopUSec",
-    "TimeoutStartUSec",
-    "Result",
-    "NRestarts",
-    "ExecMainStartTimestampMonotonic",
-    "ActiveExitTimestampMonotonic",
-    "ActiveEnterTimestampMonotonic",
-    "FragmentPath",
-    "Job",
-    "RequiredBy",
-    "BoundBy",
-    "ConsistsOf",
+#: Properties :meth:`Systemd.show` asks for, in one ``systemctl show -p`` call.
+SHOW_PROPERTIES = (
+    "Id,LoadState,ActiveState,SubState,UnitFileState,Type,MainPID,ControlGroup,TimeoutStopUSec,"
+    "TimeoutStartUSec,Result,NRestarts,ExecMainStartTimestampMonotonic,ActiveExitTimestampMonotonic,"
+    "ActiveEnterTimestampMonotonic,FragmentPath,Job,RequiredBy,BoundBy,ConsistsOf"
 )
 
 #: Where cgroup hierarchies may be mounted: cgroup2 in the hybrid layout, the v1 ``name=systemd``
@@ -595,16 +578,22 @@ class Systemd:
 
     def show(self, units: Iterable[str]) -> dict[str, UnitInfo]:
         """State of ``units`` in one ``systemctl show`` call; unknown units have load_state "not-found"."""
+        blocks = self._show_blocks(units, SHOW_PROPERTIES, quote=True)
+        return {name: unit_info(name, block) for name, block in blocks.items()}
+
+    def _show_blocks(
+        self, units: Iterable[str], properties: str, *, quote: bool
+    ) -> dict[str, dict[str, str]]:
+        """Each unit's ``properties`` in one ``systemctl show`` call (``quote``: a miscount quotes it)."""
         names = list(dict.fromkeys(check_unit_name(unit) for unit in units))
         if not names:
             return {}
-        output = self.systemctl("show", "-p", ",".join(SHOW_PROPERTIES), "--", *names)
+        output = self.systemctl("show", "-p", properties, "--", *names)
         blocks = parse_show(output)
         if len(blocks) != len(names):
-            raise SystemdError(
-                f"systemctl show answered {len(blocks)} blocks for {len(names)} units: {output[:300]!r}"
-            )
-        return {name: unit_info(name, block) for name, block in zip(names, blocks, strict=True)}
+            said = f": {output[:300]!r}" if quote else ""
+            raise SystemdError(f"systemctl show answered {len(blocks)} blocks for {len(names)} units{said}")
+        return dict(zip(names, blocks, strict=True))
 
     def info(self, unit: str) -> UnitInfo:
         return self.show([unit])[unit]
@@ -666,25 +655,14 @@ class Systemd:
             # (KillMode=process) is the caller's to wait for and judge (a GPU holder in D: a reboot)
             stopping = info.active_state not in _STOPPED_STATES
             why = blocked.look(unit, self._scope_flag, pids, info.timeout_stop_s, now) if stopping else None
-            if why is not None:
-                return StopOutcome(unit, False, info.active_state, info.sub_state, pids, now - started, why)
             interrupted = cancel is not None and cancel.is_set()
             not_done = refused is not None and info.active_state == "active" and info.job_id is None
-            if not_done or interrupted:
-                reason = "interrupted" if interrupted else f"the stop was not carried out: {refused}"
-                return StopOutcome(
-                    unit, False, info.active_state, info.sub_state, pids, now - started, reason
-                )
-            if now >= deadline:
-                return StopOutcome(
-                    unit,
-                    False,
-                    info.active_state,
-                    info.sub_state,
-                    pids,
-                    now - started,
-                    _stop_failure_reason(info, control_group, pids, timeout_s),
-                )
+            if why is None and (not_done or interrupted):
+                why = "interrupted" if interrupted else f"the stop was not carried out: {refused}"
+            if why is None and now >= deadline:
+                why = _stop_failure_reason(info, control_group, pids, timeout_s)
+            if why is not None:
+                return StopOutcome(unit, False, info.active_state, info.sub_state, pids, now - started, why)
             time.sleep(self.poll_s)
 
     def _stop_again(self, unit: str, deadline: float) -> SystemdError | None:
@@ -805,13 +783,8 @@ class Systemd:
 
     def start_limits(self, units: Iterable[str]) -> dict[str, StartLimit]:
         """Each unit's start limit and its last start, in one ``systemctl show`` call."""
-        names = list(dict.fromkeys(check_unit_name(unit) for unit in units))
-        if not names:
-            return {}
-        blocks = parse_show(self.systemctl("show", "-p", ",".join(START_LIMIT_PROPERTIES), "--", *names))
-        if len(blocks) != len(names):
-            raise SystemdError(f"systemctl show answered {len(blocks)} blocks for {len(names)} units")
-        return {name: start_limit(name, block) for name, block in zip(names, blocks, strict=True)}
+        blocks = self._show_blocks(units, START_LIMIT_PROPERTIES, quote=False)
+        return {name: start_limit(name, block) for name, block in blocks.items()}
 
     def reset_failed(self, unit: str) -> None:
         """``systemctl reset-failed UNIT``: its start-limit counter, failed state and restart count to 0."""
@@ -917,11 +890,8 @@ def _stop_failure_reason(
 
 # ------------------------------------------------------------------------------------- start limits
 
-START_LIMIT_PROPERTIES: tuple[str, ...] = (
-    "StartLimitBurst",
-    "StartLimitIntervalUSec",
-    "InactiveExitTimestampMonotonic",
-    "ExecMainStartTimestampMonotonic",
+START_LIMIT_PROPERTIES = (
+    "StartLimitBurst,StartLimitIntervalUSec,InactiveExitTimestampMonotonic,ExecMainStartTimestampMonotonic"
 )
 
 #: Starts a run may make of one unit: its restart, and a rollback's.
@@ -946,7 +916,7 @@ def start_limit(name: str, props: Mapping[str, str]) -> StartLimit:
         interval = parse_timespan(props.get("StartLimitIntervalUSec", "") or "0")
     except ValueError:
         interval = 0.0
-    last = max(_int(props.get(key, "")) for key in START_LIMIT_PROPERTIES[2:]) / 1e6
+    last = max(_int(props.get(key, "")) for key in START_LIMIT_PROPERTIES.split(",")[2:]) / 1e6
     return StartLimit(name, _int(props.get("StartLimitBurst", "")), interval, last)
 
 
@@ -989,14 +959,7 @@ class ExecContext:
 
 #: What :func:`exec_context` asks ``systemctl show`` for.
 EXEC_PROPERTIES = (
-    "ExecStart",
-    "Environment",
-    "EnvironmentFiles",
-    "WorkingDirectory",
-    "User",
-    "Group",
-    "SupplementaryGroups",
-    "DynamicUser",
+    "ExecStart,Environment,EnvironmentFiles,WorkingDirectory,User,Group,SupplementaryGroups,DynamicUser"
 )
 
 
@@ -1061,5 +1024,5 @@ def exec_argv(value: str) -> tuple[str, ...]:
 def exec_context(systemd: Systemd, unit: str) -> ExecContext:
     """How ``unit`` runs its processes, as its manager has it loaded (SystemdError when it cannot say)."""
     name = check_unit_name(unit)
-    text = systemd.systemctl("show", "-p", ",".join(EXEC_PROPERTIES), "--", name)
+    text = systemd.systemctl("show", "-p", EXEC_PROPERTIES, "--", name)
     return parse_exec_context(name, text)
