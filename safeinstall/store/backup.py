@@ -14,7 +14,7 @@ import shutil
 import stat
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -145,9 +145,6 @@ class RestoreResult:
     failures: tuple[str, ...]  # "path: reason" for files that could not be removed or restored
     skipped_outside: tuple[str, ...]  # paths asked to be removed that lie outside the prefix: left alone
     kept_shared: tuple[str, ...]  # paths asked to be removed that another distribution lists: left alone
-    #: "path: reason": asked to be removed, but the environment's owner may not remove them (so the
-    #: install, which ran as that owner, did not write them): left alone
-    not_removed: tuple[str, ...] = ()
     #: the files were found exactly as saved (nothing was installed, or the install failed before it
     #: wrote anything, e.g. on a read-only site-packages): nothing was written
     unchanged: bool = False
@@ -185,38 +182,15 @@ def space_problem(
 
 
 def manifest_to_dict(manifest: BackupManifest) -> dict[str, Any]:
-    return {
-        "version": manifest.version,
-        "created_at": manifest.created_at,
-        "prefix": manifest.prefix,
-        "distributions": [
-            {"name": d.name, "version": d.version, "dist_info": d.dist_info} for d in manifest.distributions
-        ],
-        "files": [
-            {
-                "path": f.path,
-                "distribution": f.distribution,
-                "size": f.size,
-                "mode": f.mode,
-                "uid": f.uid,
-                "gid": f.gid,
-                "mtime_ns": f.mtime_ns,
-                "sha256": f.sha256,
-                "link_target": f.link_target,
-                "listed": f.listed,
-                "inode": f.inode,
-                "ctime_ns": f.ctime_ns,
-            }
-            for f in manifest.files
-        ],
-        "directories": [
-            {"path": d.path, "mode": d.mode, "uid": d.uid, "gid": d.gid} for d in manifest.directories
-        ],
-        "missing": list(manifest.missing),
-        "outside": list(manifest.outside),
-        "patched": list(manifest.patched),
-        "roots": list(manifest.roots),
-    }
+    """Pure: the manifest as ``manifest.json`` holds it: each dataclass an object, keys in field order."""
+    data = {f.name: getattr(manifest, f.name) for f in fields(manifest)}
+    rows = {"distributions": BackupDistribution, "files": BackupFile, "directories": BackupDirectory}
+    for key, kind in rows.items():
+        names = [f.name for f in fields(kind)]
+        data[key] = [{name: getattr(item, name) for name in names} for item in data[key]]
+    for key in ("missing", "outside", "patched", "roots"):
+        data[key] = list(data[key])
+    return data
 
 
 def _safe_relative(text: Any) -> str:
@@ -360,10 +334,15 @@ def disk_space_copied(
 
 def _device(path: Path) -> int:
     """The device of ``path``, or of its nearest existing parent."""
+    return _existing(path).stat().st_dev
+
+
+def _existing(path: Path) -> Path:
+    """``path`` (absolute), or its nearest existing parent."""
     probe = Path(os.path.abspath(path))
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
-    return probe.stat().st_dev
+    return probe
 
 
 def disk_space_freed(
@@ -390,10 +369,7 @@ def _blocks(info: os.stat_result) -> int:
 
 def free_space(path: Path) -> int:
     """Free bytes on the filesystem that holds (or will hold) ``path``."""
-    probe = Path(os.path.abspath(path))
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    return shutil.disk_usage(probe).free
+    return shutil.disk_usage(_existing(path)).free
 
 
 # --- taking a backup --------------------------------------------------------------------------------
@@ -769,12 +745,8 @@ def _removal(
 def _same(saved: BackupFile, tree: Tree) -> bool:
     """The file is there exactly as saved (content or link target, mode, owner, mtime): nothing to write."""
     info = tree.lstat(saved.path)
-    if info is None or (stat.S_IMODE(info.st_mode), info.st_uid, info.st_gid, info.st_mtime_ns) != (
-        saved.mode,
-        saved.uid,
-        saved.gid,
-        saved.mtime_ns,
-    ):
+    as_saved = (saved.mode, saved.uid, saved.gid, saved.mtime_ns)
+    if info is None or (stat.S_IMODE(info.st_mode), info.st_uid, info.st_gid, info.st_mtime_ns) != as_saved:
         return False
     if saved.link_target is not None:
         return stat.S_ISLNK(info.st_mode) and tree.readlink(saved.path) == saved.link_target
@@ -1033,7 +1005,6 @@ def _restore(
         failures=tuple(sorted(failures)),
         skipped_outside=removal.skipped_outside,
         kept_shared=removal.kept_shared,
-        not_removed=removed.denied,
         unchanged=not (rewritten or removed.files or removed.dist_infos or failures),
     )
 
