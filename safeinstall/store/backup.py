@@ -43,6 +43,7 @@ from safeinstall.store.state import (
     atomic_write,
     ensure_dir,
     fsync_dir,
+    nearest_existing,
     read_private_file,
 )
 from safeinstall.system import worker
@@ -334,15 +335,7 @@ def disk_space_copied(
 
 def _device(path: Path) -> int:
     """The device of ``path``, or of its nearest existing parent."""
-    return _existing(path).stat().st_dev
-
-
-def _existing(path: Path) -> Path:
-    """``path`` (absolute), or its nearest existing parent."""
-    probe = Path(os.path.abspath(path))
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    return probe
+    return nearest_existing(path).stat().st_dev
 
 
 def disk_space_freed(
@@ -369,7 +362,7 @@ def _blocks(info: os.stat_result) -> int:
 
 def free_space(path: Path) -> int:
     """Free bytes on the filesystem that holds (or will hold) ``path``."""
-    return shutil.disk_usage(_existing(path)).free
+    return shutil.disk_usage(nearest_existing(path)).free
 
 
 # --- taking a backup --------------------------------------------------------------------------------

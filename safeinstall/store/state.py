@@ -464,15 +464,21 @@ def check_environment_dir(state: EnvironmentState) -> None:
     check_trusted(state.root)
     for path in (state.root, state.dir, state.backups, state.logs):
         if _usable(path, missing_ok=True) is None:
-            parent = path.parent
-            while not parent.exists() and parent != parent.parent:
-                parent = parent.parent
+            parent = nearest_existing(path.parent)
             if not os.access(parent, os.W_OK | os.X_OK):
                 raise StateDirError(
                     f"cannot create the state directory {path}: {parent} is not writable",
                     hint=f"check its permissions, or set {STATE_DIR_VARIABLE} to a writable directory",
                 )
             return  # the ones below it are made with it
+
+
+def nearest_existing(path: Path) -> Path:
+    """``path`` (made absolute), or its nearest existing parent."""
+    probe = Path(os.path.abspath(path))
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return probe
 
 
 def fsync_dir(directory: Path) -> None:
@@ -641,10 +647,8 @@ def list_environment_dirs(root: Path) -> list[EnvironmentState]:
             continue
         directory = Path(entry.path)
         problem = directory_problem(directory)
-        if problem is not None:
-            found.append(EnvironmentState(root, directory, None, problem))
-            continue
-        found.append(EnvironmentState(root=root, dir=directory, prefix=_read_prefix(directory / PREFIX_FILE)))
+        prefix = _read_prefix(directory / PREFIX_FILE) if problem is None else None
+        found.append(EnvironmentState(root, directory, prefix, problem))
     return found
 
 
