@@ -90,14 +90,8 @@ class Copied:
 #: id) entries of 2, 2 and 4 little-endian bytes (linux/posix_acl_xattr.h).
 ACL_XATTR = "system.posix_acl_access"
 _ACL_VERSION = 2
-_ACL_USER_OBJ, _ACL_USER, _ACL_GROUP_OBJ, _ACL_GROUP, _ACL_MASK, _ACL_OTHER = (
-    0x01,
-    0x02,
-    0x04,
-    0x08,
-    0x10,
-    0x20,
-)
+_ACL_USER_OBJ, _ACL_USER, _ACL_GROUP_OBJ = 0x01, 0x02, 0x04
+_ACL_GROUP, _ACL_MASK, _ACL_OTHER = 0x08, 0x10, 0x20
 _ACL_WRITE = 0x02
 #: the id of the entries that name none (the owner, the owning group, the mask, others)
 _ACL_NO_ID = 0xFFFFFFFF
@@ -267,11 +261,15 @@ def _copy_fd(source: int, dest: int) -> Copied:
 def open_regular(path: Path) -> int:
     """Open a file the caller named (a wheel), for reading: symlinks the caller gave are followed, but it
     must be a regular file (a FIFO or a device is refused without blocking). Raises OSError."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    return _regular(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), str(path))
+
+
+def _regular(fd: int, path: str) -> int:
+    """``fd``, made blocking, when it is of a regular file; else closed, and :class:`NotRegularFile`."""
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise NotRegularFile(str(path), describe(info.st_mode))
+            raise NotRegularFile(path, describe(info.st_mode))
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
@@ -392,13 +390,10 @@ def mount_of(fd: int) -> int | None:
     """The id of the mount that holds the open file ``fd`` (``/proc/self/fdinfo``); None when unknown.
     Read as bytes: no codec is looked up (a worker that is an account may not read the interpreter's
     ``encodings`` package to import one)."""
-    try:
-        with open(f"/proc/self/fdinfo/{fd}", "rb") as info:
-            for line in info:
-                if line.startswith(b"mnt_id:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        return None
+    with contextlib.suppress(OSError, ValueError), open(f"/proc/self/fdinfo/{fd}", "rb") as info:
+        for line in info:
+            if line.startswith(b"mnt_id:"):
+                return int(line.split()[1])
     return None
 
 
@@ -801,17 +796,7 @@ class Tree:
         """Everything below the directory ``relative`` that is not a real directory (files, symlinks,
         FIFOs...), relative to the root, sorted. Symlinked directories are listed, never entered. A
         ``relative`` that is not a real directory has nothing below it."""
-        try:
-            fd = self._open_dir(parts_of(relative))
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        found: list[str] = []
-        self._walk(fd, relative, found)
-        return sorted(found)
-
-    def _walk(self, fd: int, relative: str, found: list[str]) -> None:
-        """Takes ``fd`` (closed here)."""
-        walk_below(fd, relative, found, [])
+        return self.walk(relative)[0]
 
     def walk(self, relative: str) -> tuple[list[str], list[str]]:
         """Everything below the directory ``relative`` ("": the root), found by listing each directory
@@ -853,15 +838,7 @@ class Tree:
                     raise NotRegularFile(relative, "a symlink") from None
         except NotADirectoryError:
             raise NotRegularFile(relative, "below a symlink or a file") from None
-        try:
-            info = os.fstat(found)
-            if not stat.S_ISREG(info.st_mode):
-                raise NotRegularFile(relative, describe(info.st_mode))
-            os.set_blocking(found, True)
-        except BaseException:
-            os.close(found)
-            raise
-        return found
+        return _regular(found, relative)
 
     def read_bytes(self, relative: str, limit: int) -> bytes:
         """The content of the regular file ``relative``; ValueError when it is larger than ``limit``."""
@@ -910,15 +887,13 @@ class Tree:
         try:
             with self.parent(relative) as (fd, name):
                 os.unlink(name, dir_fd=fd)
-        except (FileNotFoundError, NotADirectoryError):
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             return False
-        except IsADirectoryError:
-            return False
-        except PermissionError as exc:  # Linux says EPERM for unlink() of a directory
+        except PermissionError:  # Linux says EPERM for unlink() of a directory
             info = self.lstat(relative)
             if info is not None and stat.S_ISDIR(info.st_mode):
                 return False
-            raise exc
+            raise
         return True
 
     def remove_tree(self, relative: str, deadline: float | None = None) -> bool:
