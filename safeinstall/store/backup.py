@@ -369,11 +369,9 @@ def free_space(path: Path) -> int:
 
 
 def _link(item: _Item, tree: Tree, dest: Tree, info: os.stat_result, known: FileState | None) -> str | None:
-    """Hardlink a RECORD entry into the backup, by descriptor; its sha256 from ``known`` or read now.
-
-    None when it cannot be linked (another filesystem, changed meanwhile, or writable by its owner: see
-    docs/crash-safety.md, "The backup"): the caller copies it.
-    """
+    """Hardlink a RECORD entry into the backup, by descriptor; its sha256 from ``known`` or read now. None
+    when it cannot be linked (another filesystem, changed meanwhile, or writable by its owner: see
+    docs/crash-safety.md, "The backup"): the caller copies it."""
     if not stat.S_ISREG(info.st_mode) or not only_caller_writes(info):
         return None
     identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
@@ -401,8 +399,7 @@ def _link(item: _Item, tree: Tree, dest: Tree, info: os.stat_result, known: File
 
 def _save(item: _Item, tree: Tree, dest: Tree, known: Mapping[str, FileState]) -> BackupFile | None:
     """Copy one file into the backup (read by descriptor below the prefix: a symlink on the way is never
-    followed, a FIFO or a device never opened); None when it is absent or not a regular file or
-    symlink."""
+    followed, a FIFO or a device never opened); None when it is absent or not a regular file or symlink."""
     info = tree.lstat(item.relative)
     if info is None or not (stat.S_ISLNK(info.st_mode) or stat.S_ISREG(info.st_mode)):
         return None
@@ -488,7 +485,6 @@ def create_backup(
     installed: Sequence[InstalledDistribution],
 ) -> Backup:
     """Save ``dists`` into ``backup_dir`` (new or empty; made 0700). Raises BackupError, leaving no backup.
-
     ``known``: files just hashed (a verify's observations, by location): a hardlinked file that has not
     changed since is not read again. ``installed``: as for :func:`package_roots`."""
     ensure_dir(backup_dir)
@@ -779,9 +775,8 @@ def _remove_own_temp_files(tree: Tree, directories: Iterable[str]) -> None:
 def _put_back(
     saved: BackupFile, source: Tree, tree: Tree, as_root: bool, kept: int | None, same: frozenset[str]
 ) -> bool:
-    """Put one file back atomically (temp file, rename), unless it is there as saved (False). On a full
-    disk the file in its place is removed first to make room: finishing matters more than atomicity.
-    """
+    """Put one file back atomically (temp file, rename), unless it is there as saved (False). On a full disk
+    the file in its place is removed first to make room: finishing matters more than atomicity."""
     if saved.path in same or _same(saved, tree):
         return False
     if kept is not None and saved.link_target is None and saved.sha256 is not None:
@@ -844,11 +839,9 @@ def restore_backup(
     run_id: str | None = None,
 ) -> RestoreResult:
     """Put ``backup`` back into ``env``: remove what is installed now under its names, copy back, check.
-
-    ``remove``: the installed version's files, removed as the environment's owner (paths outside the
-    prefix or another distribution's are left, and said); ``run_id``: whose kept links go back instead of
-    copies. Never raises for one file: see :attr:`RestoreResult.ok`.
-    """
+    ``remove``: the installed version's files, removed as the environment's owner (paths outside the prefix or
+    another distribution's are left, and said); ``run_id``: whose kept links go back instead of copies. Never
+    raises for one file: see :attr:`RestoreResult.ok`."""
     manifest = backup.manifest
     prefix = env.prefix
     if Path(manifest.prefix) != prefix:

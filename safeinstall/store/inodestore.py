@@ -74,9 +74,8 @@ def to_bytes(store: InodeStore) -> bytes:
 
 
 def from_bytes(raw: bytes, prefix: str, boot: str, now_ns: int) -> InodeStore:
-    """Pure: a store read back; ValueError when damaged or another environment's or boot's. Entries'
-    numbers are checked when looked up (:class:`_Packed`); one no longer believable is not there.
-    """
+    """Pure: a store read back; ValueError when damaged or another environment's or boot's. Entries' numbers
+    are checked when looked up (:class:`_Packed`); one no longer believable is not there."""
     header, newline, body = raw.partition(b"\0\n")
     if not newline or len(header) > _HEADER_MAX:
         raise ValueError("no header")

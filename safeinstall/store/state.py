@@ -151,10 +151,8 @@ PUT_BACK_CACHE_S = 10.0
 
 
 def remove_run_dir(path: Path, seconds: float = RUN_DIR_REMOVAL_S) -> bool:
-    """Delete the run's directory ``path``, best effort within ``seconds``; True when it is gone. Its
-    contents are removed by a worker that is their owner, by descriptor; root then removes the emptied
-    directory.
-    """
+    """Delete the run's directory ``path``, best effort within ``seconds``; True when it is gone. Its contents
+    are removed by a worker that is their owner, by descriptor; root then removes the emptied directory."""
     try:
         info = os.lstat(path)
     except FileNotFoundError:
@@ -288,10 +286,9 @@ def mode_problem(mode: int, owner: int, euid: int) -> str | None:
 
 
 def trust_problem(mode: int, owner: int, euid: int, *, parent: bool, gid: int = -1) -> str | None:
-    """Pure: why another user could change what a directory (or a ``parent``) holds, or None: it must be
-    owned by root or the caller and writable by nobody else, gid 0 included; a parent may be a root-owned
-    sticky directory (``/tmp``).
-    """
+    """Pure: why another user could change what a directory (or a ``parent``) holds, or None: it must be owned
+    by root or the caller and writable by nobody else, gid 0 included; a parent may be a root-owned sticky
+    directory (``/tmp``)."""
     if not stat.S_ISDIR(mode):
         return "it is not a directory"
     if owner not in (0, euid):
@@ -627,10 +624,9 @@ def _only_too_large(path: Path, limit: int) -> bool:
 
 
 def list_environment_dirs(root: Path) -> list[EnvironmentState]:
-    """Every environment directory under the state root (for a global --status / --recover), by key.
-
-    Refuses (StateDirError) an untrusted root; an environment directory that is not trusted is listed
-    with its ``problem`` (and its prefix file is not read)."""
+    """Every environment directory under the state root (for a global --status / --recover), by key. Refuses
+    (StateDirError) an untrusted root; an environment directory that is not trusted is listed with its
+    ``problem`` (and its prefix file is not read)."""
     check_trusted(root)
     try:
         entries = sorted(os.scandir(root), key=lambda e: e.name)
@@ -666,10 +662,9 @@ class OutputPath:
 
 
 def output_path(path: Path, euid: int, *, new: bool = False) -> OutputPath:
-    """The one rule for every file the CLI writes where its user says: each directory from ``/`` owned by
-    root or ``euid`` and writable by nobody else, each symlink on the way root's or ``euid``'s, the file a
-    regular one (``new``: absent). Looks at the disk, writes nothing.
-    """
+    """The one rule for every file the CLI writes where its user says: each directory from ``/`` owned by root
+    or ``euid`` and writable by nobody else, each symlink on the way root's or ``euid``'s, the file a regular
+    one (``new``: absent). Looks at the disk, writes nothing."""
     if not path.name or path.name in (".", ".."):
         return OutputPath(None, "it names no file")
     given = os.path.join(os.getcwd(), str(path.parent))

@@ -164,8 +164,7 @@ def wait_healthy(
     check: Callable[[], None] | None = None,
 ) -> float:
     """Return when ``url`` answered 200 (``time.monotonic()``); raise StepFailed past ``timeout``.
-    ``on_poll``: called before each attempt; ``check``: what it raises ends the wait at once.
-    """
+    ``on_poll``: called before each attempt; ``check``: what it raises ends the wait at once."""
     started = time.monotonic()
     deadline = started + timeout
     last = "no answer"

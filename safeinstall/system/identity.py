@@ -185,11 +185,9 @@ def running(proc: psutil.Process) -> bool:
 
 
 def wait_exited(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
-    """Wait until every process has exited (zombies count as exited); those still running.
-
-    Not ``psutil.wait_procs``: for processes that are not our children it waits on ``is_running()``,
-    which stays true for a zombie whose parent has not reaped it, i.e. until the timeout.
-    """
+    """Wait until every process has exited (zombies count as exited); those still running. Not
+    ``psutil.wait_procs``: for processes that are not our children it waits on ``is_running()``, which stays
+    true for a zombie whose parent has not reaped it, i.e. until the timeout."""
 
     deadline = time.monotonic() + timeout
     alive = [p for p in procs if running(p)]

@@ -197,10 +197,8 @@ def acquire_lock(
     grace_s: float = DEFAULT_GRACE_S,
     now: datetime | None = None,
 ) -> HeldLock:
-    """Take the lock at ``path`` for the environment ``target`` (named in messages) or refuse at once.
-
-    Raises :class:`LockHeldError` when a live run holds it. The caller owns the returned lock.
-    """
+    """Take the lock at ``path`` for the environment ``target`` (named in messages) or refuse at once. Raises
+    :class:`LockHeldError` when a live run holds it. The caller owns the returned lock."""
     deadline = time.monotonic() + grace_s
     while True:
         fd = _open(path)
@@ -264,11 +262,9 @@ def filesystem_of(path: Path) -> Path:
 
 
 def read_holder(path: Path) -> tuple[bool, LockHolder | None]:
-    """For --status: (whether a run holds the lock now, whom the file names).
-
-    Probes with a shared lock, so two probes never disturb each other; a run starting during the
-    probe's instant retries (see :data:`DEFAULT_GRACE_S`).
-    """
+    """For --status: (whether a run holds the lock now, whom the file names). Probes with a shared lock, so
+    two probes never disturb each other; a run starting during the probe's instant retries (see
+    :data:`DEFAULT_GRACE_S`)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError:

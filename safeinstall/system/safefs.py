@@ -121,10 +121,8 @@ def others_who_write(
 ) -> str | None:
     """Pure: who, besides a path's owner and root, may write it by its mode or access ACL (``"every user"``,
     ``"group N"``, ``"group(s) [...] (its ACL)"``), or None. A sticky directory is the caller's to judge.
-
     ``group_root_is_root`` False (root's own state): a write by gid 0 counts as another's
-    (docs/threat-model.md).
-    """
+    (docs/threat-model.md)."""
     if everyone_may_write(mode):
         return "every user"
     if group_may_write(mode) and (gid != 0 or not group_root_is_root):
@@ -178,10 +176,9 @@ class UntrustedFile(OSError):
 def trust_problem(
     info: os.stat_result, limit: int, *, root_owned_ok: bool = True, private: bool = False
 ) -> str | None:
-    """Pure: why a file safeinstall wrote for itself must not be believed, or None: it must be a regular
-    file, the caller's (or root's, ``root_owned_ok``), written by nobody else, with ``private`` read by
-    nobody else, and at most ``limit`` bytes.
-    """
+    """Pure: why a file safeinstall wrote for itself must not be believed, or None: it must be a regular file,
+    the caller's (or root's, ``root_owned_ok``), written by nobody else, with ``private`` read by nobody else,
+    and at most ``limit`` bytes."""
     euid = os.geteuid()
     if not stat.S_ISREG(info.st_mode):
         return "it is not a regular file"
@@ -368,8 +365,7 @@ def _open_child(fd: int, name: str) -> int:
 
 def _unlink_or_open(dir_fd: int, name: str, is_dir: bool) -> int | None:
     """Unlink the entry ``name`` of ``dir_fd``, or open it when it is a directory; None when it is gone.
-    ``is_dir`` is the listing's word: where the entry changed kind since, the other way is tried.
-    """
+    ``is_dir`` is the listing's word: where the entry changed kind since, the other way is tried."""
     for _ in range(_REMOVE_TRIES):
         try:
             if is_dir:
@@ -444,9 +440,8 @@ def walk_below(
     budget: list[int] | None = None,
 ) -> None:
     """Every entry below the directory ``fd`` (closed here), by descriptor with ``O_NOFOLLOW`` and no
-    recursion: directories into ``directories``, the rest into ``files``, relative to ``relative``.
-    Raises :class:`TreeTooLarge` past ``max_depth``, ``max_entries``, ``budget[0]`` or ``deadline``.
-    """
+    recursion: directories into ``directories``, the rest into ``files``, relative to ``relative``. Raises
+    :class:`TreeTooLarge` past ``max_depth``, ``max_entries``, ``budget[0]`` or ``deadline``."""
     if budget is not None:
         max_entries = min(max_entries, budget[0])
     try:
@@ -519,11 +514,9 @@ def _descend(stack: list[_Emptying], fd: int, name: str) -> None:
 
 def remove_at(dir_fd: int, name: str, deadline: float | None = None) -> bool:
     """Remove the entry ``name`` of ``dir_fd`` and, for a directory, everything below it; False when absent.
-
-    Each directory is opened by descriptor with ``O_NOFOLLOW``: a symlink is unlinked, never followed.
-    Raises OSError (past :data:`MAX_REMOVE_DEPTH`, a mount point below, EXDEV) and TimeoutError past
-    ``deadline``; what was removed stays removed.
-    """
+    Each directory is opened by descriptor with ``O_NOFOLLOW``: a symlink is unlinked, never followed. Raises
+    OSError (past :data:`MAX_REMOVE_DEPTH`, a mount point below, EXDEV) and TimeoutError past ``deadline``;
+    what was removed stays removed."""
     try:
         info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
@@ -573,9 +566,8 @@ _libc: ctypes.CDLL | None = None
 
 
 def renameat2(src_fd: int, src: str, dst_fd: int, dst: str, flags: int) -> None:
-    """``renameat2(2)`` of single names, no symlink followed: ``src`` in ``src_fd`` to ``dst`` in
-    ``dst_fd``; ``flags`` 0, :data:`RENAME_NOREPLACE` or :data:`RENAME_EXCHANGE`. Raises OSError.
-    """
+    """``renameat2(2)`` of single names, no symlink followed: ``src`` in ``src_fd`` to ``dst`` in ``dst_fd``;
+    ``flags`` 0, :data:`RENAME_NOREPLACE` or :data:`RENAME_EXCHANGE`. Raises OSError."""
     global _libc
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
@@ -622,11 +614,9 @@ class _Cursor:
 
 
 class Tree:
-    """A directory opened once; every operation below it walks by descriptor, never through a symlink.
-
-    The root is opened from ``/`` a component at a time. A context manager; shared between threads
-    safely (inside :meth:`batch`, each thread has its own cursor).
-    """
+    """A directory opened once; every operation below it walks by descriptor, never through a symlink. The
+    root is opened from ``/`` a component at a time. A context manager; shared between threads safely (inside
+    :meth:`batch`, each thread has its own cursor)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -911,10 +901,9 @@ class Tree:
     def move_to(
         self, relative: str, dest: Tree, dest_relative: str, flags: int, directory: bool = True
     ) -> None:
-        """Move the entry ``relative`` (a file, a symlink, a whole directory) to ``dest_relative`` in
-        ``dest`` (the same filesystem) with :func:`renameat2` ``flags``; both parents are walked by
-        descriptor, no symlink followed. Raises OSError (FileNotFoundError: not there, or below a
-        symlink)."""
+        """Move the entry ``relative`` (a file, a symlink, a whole directory) to ``dest_relative`` in ``dest``
+        (the same filesystem) with :func:`renameat2` ``flags``; both parents are walked by descriptor, no
+        symlink followed. Raises OSError (FileNotFoundError: not there, or below a symlink)."""
         with self.parent(relative) as (src_fd, src), dest.parent(dest_relative) as (dst_fd, dst):
             renameat2(src_fd, src, dst_fd, dst, flags)
         self._removed_directory()
@@ -996,10 +985,9 @@ class Tree:
         atomic: bool = True,
         acl: bytes | None = None,
     ) -> Copied:
-        """Write ``relative`` with the content of ``source_fd``, never through a symlink. ``atomic``: via
-        a temp file renamed over it, else created new; ``acl``: an access ACL set before it is visible
-        (OSError ENOTSUP where there is none).
-        """
+        """Write ``relative`` with the content of ``source_fd``, never through a symlink. ``atomic``: via a
+        temp file renamed over it, else created new; ``acl``: an access ACL set before it is visible (OSError
+        ENOTSUP where there is none)."""
         with self.parent(relative) as (fd, name):
             target = self._temp_name(name, mark) if atomic else name
             dest = os.open(target, _CREATE_FLAGS, 0o600, dir_fd=fd)
@@ -1081,9 +1069,8 @@ class Tree:
 
 def permitted(mode: int, owner: int, group: int, ids: tuple[int, int], want: int) -> bool:
     """Pure: does a file of this ``st_mode``, ``st_uid`` and ``st_gid`` grant ``want`` (the bits as for
-    others: 4 read, 2 write, 1 execute/enter, or'ed) to ``ids`` (uid, gid), a process with no
-    supplementary groups (as safeinstall runs another account's code)? Access control lists are not
-    read."""
+    others: 4 read, 2 write, 1 execute/enter, or'ed) to ``ids`` (uid, gid), a process with no supplementary
+    groups (as safeinstall runs another account's code)? Access control lists are not read."""
     shift = 6 if owner == ids[0] else 3 if group == ids[1] else 0
     return (mode >> shift) & want == want
 

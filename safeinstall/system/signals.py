@@ -60,10 +60,9 @@ Handler = Callable[[int, FrameType | None], object] | int | None
 
 
 class Received:
-    """The signals received under :func:`interrupts_raise`. A raise may land in a ``__del__`` (dropped) or
-    a step's ``except Exception``, so every step is :meth:`checked`: none starts after a signal, and one
-    that returns after it fails as interrupted.
-    """
+    """The signals received under :func:`interrupts_raise`. A raise may land in a ``__del__`` (dropped) or a
+    step's ``except Exception``, so every step is :meth:`checked`: none starts after a signal, and one that
+    returns after it fails as interrupted."""
 
     def __init__(self) -> None:
         self.signals: list[int] = []
@@ -163,9 +162,8 @@ def map_held(pool: Executor, fn: Callable[[A], T], items: Iterable[A]) -> list[T
 
 @contextmanager
 def held_while_threads_start() -> Iterator[None]:
-    """Block SIGINT/SIGTERM/SIGHUP while threads start: a raise inside ``Thread.start`` can leave a
-    thread Python no longer knows. A signal that came meanwhile is handled on leaving.
-    """
+    """Block SIGINT/SIGTERM/SIGHUP while threads start: a raise inside ``Thread.start`` can leave a thread
+    Python no longer knows. A signal that came meanwhile is handled on leaving."""
     old = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
     try:
         yield

@@ -78,11 +78,9 @@ def journal_lines(output: str, lines: int = JOURNAL_LINES) -> tuple[str, ...]:
 
 
 def parse_timespan(text: str) -> float:
-    """Seconds from a systemd time span as ``systemctl show`` prints it.
-
-    ``"1min 30s"`` -> 90.0, ``"1.500000s"`` -> 1.5, ``"500ms"``, ``"2h"``, ``"infinity"`` -> ``math.inf``;
-    a bare number counts as seconds. Raises ValueError on anything else.
-    """
+    """Seconds from a systemd time span as ``systemctl show`` prints it. ``"1min 30s"`` -> 90.0,
+    ``"1.500000s"`` -> 1.5, ``"500ms"``, ``"2h"``, ``"infinity"`` -> ``math.inf``; a bare number counts as
+    seconds. Raises ValueError on anything else."""
     stripped = text.strip()
     if stripped == "infinity":
         return math.inf
@@ -245,8 +243,7 @@ class DropinRoots:
 
 def dropin_roots(unit_path: Sequence[str]) -> DropinRoots:
     """The manager's admin configuration directories, from its ``UnitPath``: the siblings, without
-    ``.control``, of the control directories systemd lists first.
-    """
+    ``.control``, of the control directories systemd lists first."""
     controls = [entry for entry in unit_path if entry.endswith(".control")]
     if len(controls) < 2:
         raise SystemdError(
@@ -296,10 +293,8 @@ def _check_dropin_name(name: str) -> str:
 
 
 def read_cgroup_pids(control_group: str, roots: Iterable[Path] = DEFAULT_CGROUP_ROOTS) -> frozenset[int]:
-    """Every PID in ``control_group`` and its sub-cgroups, across all mounted hierarchies.
-
-    A cgroup that does not exist (any more) holds no processes.
-    """
+    """Every PID in ``control_group`` and its sub-cgroups, across all mounted hierarchies. A cgroup that does
+    not exist (any more) holds no processes."""
     relative = control_group.strip("/")
     pids: set[int] = set()
     for root in roots:
@@ -620,11 +615,9 @@ class Systemd:
             self.systemctl("start", "--no-block", "--", unit)
 
     def stop(self, unit: str, timeout_s: float, *, cancel: threading.Event | None = None) -> StopOutcome:
-        """Stop ``unit`` and wait until it is down and its cgroup empty, for at most ``timeout_s``.
-
-        A stop systemd did not carry out is said at once, not waited out; ``cancel`` ends the wait
-        (``interrupted``).
-        """
+        """Stop ``unit`` and wait until it is down and its cgroup empty, for at most ``timeout_s``. A stop
+        systemd did not carry out is said at once, not waited out; ``cancel`` ends the wait
+        (``interrupted``)."""
         started = time.monotonic()
         before = self.info(unit)
         if not before.found:
@@ -689,10 +682,8 @@ class Systemd:
         seen: MainProcess | None = None,
     ) -> SettleOutcome:
         """Wait until ``unit`` is active and stays so (same main process, no restart) for ``settle_s``.
-
         ``timeout_s`` bounds the wait to become active; ``before`` and ``seen``: what it was, so that an early
-        restart counts (only a rise of ``NRestarts`` does); ``cancel`` ends the wait (``interrupted``).
-        """
+        restart counts (only a rise of ``NRestarts`` does); ``cancel`` ends the wait (``interrupted``)."""
         started = time.monotonic()
         deadline = started + timeout_s
         last_restarts = before.n_restarts if before is not None else None
@@ -758,12 +749,9 @@ class Systemd:
         return self.dropin_roots().directory(unit, persistent=persistent) / _check_dropin_name(name)
 
     def add_dropin(self, unit: str, name: str, text: str, *, persistent: bool) -> Path:
-        """Write drop-in ``name`` for ``unit`` and reload the manager.
-
-        ``persistent`` drop-ins survive a reboot (``/etc/systemd/system/UNIT.d``, or
-        ``$XDG_CONFIG_HOME/systemd/user/UNIT.d``); runtime ones live under ``/run`` (or
-        ``$XDG_RUNTIME_DIR``) and vanish with it.
-        """
+        """Write drop-in ``name`` for ``unit`` and reload the manager. ``persistent`` drop-ins survive a
+        reboot (``/etc/systemd/system/UNIT.d``, or ``$XDG_CONFIG_HOME/systemd/user/UNIT.d``); runtime ones
+        live under ``/run`` (or ``$XDG_RUNTIME_DIR``) and vanish with it."""
         path = self.dropin_path(unit, name, persistent=persistent)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -791,10 +779,8 @@ class Systemd:
         self.systemctl("reset-failed", "--", check_unit_name(unit))
 
     def remove_dropin(self, unit: str, name: str, *, persistent: bool) -> bool:
-        """Remove drop-in ``name`` of ``unit`` (and its directory if now empty) and reload.
-
-        False (and no reload) when it was not there.
-        """
+        """Remove drop-in ``name`` of ``unit`` (and its directory if now empty) and reload. False (and no
+        reload) when it was not there."""
         path = self.dropin_path(unit, name, persistent=persistent)
         try:
             path.unlink()
@@ -922,8 +908,7 @@ def start_limit(name: str, props: Mapping[str, str]) -> StartLimit:
 
 def start_limit_risk(limit: StartLimit, now_s: float, run_starts: int = RUN_STARTS) -> str | None:
     """Pure: why the run's starts of a unit could hit its start limit, or None: a unit started within
-    ``StartLimitIntervalSec`` may have used up its window (docs/reinstall.md).
-    """
+    ``StartLimitIntervalSec`` may have used up its window (docs/reinstall.md)."""
     if limit.burst <= 0 or limit.interval_s <= 0:
         return None
     said = f"StartLimitBurst={limit.burst} within {limit.interval_s:g} s"
@@ -942,8 +927,7 @@ def start_limit_risk(limit: StartLimit, now_s: float, run_starts: int = RUN_STAR
 class ExecContext:
     """What systemd gives a unit's processes besides its command (``systemctl show``): ``Environment=``,
     ``EnvironmentFile=``, ``WorkingDirectory=``, and ``User=``, ``Group=``, ``SupplementaryGroups=``,
-    ``DynamicUser=`` as written (resolved by :func:`safeinstall.env.importcheck.unit_account`).
-    """
+    ``DynamicUser=`` as written (resolved by :func:`safeinstall.env.importcheck.unit_account`)."""
 
     unit: str
     environment: tuple[tuple[str, str], ...]
