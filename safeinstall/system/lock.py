@@ -171,9 +171,10 @@ def _open(path: Path) -> int:
     return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
 
 
-def _try_flock(fd: int) -> bool:
+def _try_flock(fd: int, kind: int = fcntl.LOCK_EX) -> bool:
+    """Take the ``flock`` of ``kind`` without waiting; False when another holds it."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, kind | fcntl.LOCK_NB)
     except OSError as exc:
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             return False
@@ -270,13 +271,7 @@ def read_holder(path: Path) -> tuple[bool, LockHolder | None]:
     except FileNotFoundError:
         return False, None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            held = False
-        except OSError as exc:
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise
-            held = True
+        held = not _try_flock(fd, fcntl.LOCK_SH)
         return held, parse_holder(_read_fd(fd))
     finally:
         os.close(fd)
