@@ -370,14 +370,8 @@ def _processes(
     try:
         infos = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
     except (pynvml.NVMLLibraryMismatchError, pynvml.NVMLError_FunctionNotFound) as exc:
-        return (
-            (),
-            (
-                "process list unavailable: NVML library mismatch, the driver's libnvidia-ml lacks "
-                f"nvmlDeviceGetComputeRunningProcesses_v3 ({type(exc).__name__})"
-            ),
-            False,
-        )
+        lacks = "process list unavailable: NVML library mismatch, the driver's libnvidia-ml lacks"
+        return (), f"{lacks} nvmlDeviceGetComputeRunningProcesses_v3 ({type(exc).__name__})", False
     except pynvml.NVMLError as exc:
         return (), f"nvmlDeviceGetComputeRunningProcesses: {describe_nvml_error(exc)}", True
     procs = tuple(
