@@ -116,11 +116,8 @@ def read_stat(seen: ProcessId, proc: Path = Path("/proc")) -> StatInfo | None:
 
 def process_start(pid: int, proc: Path = Path("/proc")) -> int | None:
     """The start time of ``pid`` in clock ticks after boot; None when there is no such process."""
-    try:
-        text = (proc / str(pid) / "stat").read_text(encoding="utf-8", errors="replace")
-        return parse_stat(text).start_time
-    except (OSError, ValueError):
-        return None
+    stat = read_stat(ProcessId(pid, None), proc)
+    return None if stat is None else stat.start_time
 
 
 def own_process() -> ProcessId:

@@ -34,15 +34,11 @@ class InterruptedEarly(Aborted):
     code = "interrupted"
 
 
-def interrupted_early(signum: int) -> InterruptedEarly:
-    return InterruptedEarly(
+def raise_interrupted_early(signum: int, _frame: FrameType | None) -> None:
+    raise InterruptedEarly(
         f"interrupted by {signal.Signals(signum).name}; nothing was changed",
         hint="nothing was stopped or installed; run it again when you are ready",
     )
-
-
-def raise_interrupted_early(signum: int, _frame: FrameType | None) -> None:
-    raise interrupted_early(signum)
 
 
 def install_early_handlers() -> None:
