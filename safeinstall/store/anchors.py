@@ -20,11 +20,11 @@ from safeinstall.env.inodetrust import HIGHEST
 from safeinstall.store.state import (
     StateDirError,
     atomic_write,
+    keep_store,
     load_store,
     read_private_file,
     store_part,
     trusted_environment_state,
-    write_store,
 )
 
 if TYPE_CHECKING:  # a check reads its anchors without loading the backup's module
@@ -82,16 +82,8 @@ def keep_anchors(
     """The store with ``fresh`` anchors added, none replaced (best effort: a note when not written)."""
     if kept is None or not fresh:
         return None
-    try:
-        data = to_json(os.fspath(prefix), {**fresh, **kept})
-        if len(data) > STORE_LIMIT:
-            return f"the store of install anchors would be larger than {STORE_LIMIT} bytes: not kept"
-        write_store(root, prefix, STORE_NAME, data)
-    except StateDirError as exc:
-        return f"the store of install anchors was not kept: {exc.message}"
-    except (OSError, ValueError, UnicodeError) as exc:
-        return f"the store of install anchors was not kept ({exc})"
-    return None
+    encode = functools.partial(to_json, os.fspath(prefix), {**fresh, **kept})
+    return keep_store(root, prefix, STORE_NAME, STORE_LIMIT, encode, "the store of install anchors")
 
 
 def forget_anchors(root: Path, prefix: Path, names: Collection[str]) -> str | None:

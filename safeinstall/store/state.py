@@ -557,6 +557,23 @@ def write_store(root: Path, prefix: Path, name: str, data: bytes) -> None:
     atomic_write(state.dir / name, data)
 
 
+def keep_store(
+    root: Path, prefix: Path, name: str, limit: int, encode: Callable[[], bytes], what: str
+) -> str | None:
+    """Write the store ``name`` as :func:`write_store` does, best effort: a note (naming ``what``) when
+    ``encode`` gives more than ``limit`` bytes or it could not be written, else None."""
+    try:
+        data = encode()
+        if len(data) > limit:
+            return f"{what} would be larger than {limit} bytes: not kept"
+        write_store(root, prefix, name, data)
+    except StateDirError as exc:
+        return f"{what} was not kept: {exc.message}"
+    except (OSError, ValueError, UnicodeError) as exc:
+        return f"{what} was not kept ({exc})"
+    return None
+
+
 T = TypeVar("T")
 
 
