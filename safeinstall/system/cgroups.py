@@ -55,11 +55,7 @@ def parse_proc_cgroup(text: str) -> str | None:
             unified = path
         elif "name=systemd" in controllers.split(","):
             named = path
-    if unified is not None and unified != "/":
-        return unified
-    if named is not None:
-        return named
-    return unified
+    return unified if unified not in (None, "/") or named is None else named
 
 
 def unescape_component(component: str) -> str:
