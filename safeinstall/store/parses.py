@@ -135,13 +135,9 @@ def read_parses(root: Path, prefix: Path) -> tuple[dict[str, KeptParse] | None, 
     """The RECORDs' parses kept for the environment ({} when none, or damaged: written anew), with a
     note when the store was refused; None when the state directory is not trusted (nothing kept)."""
     what = "the store of parsed RECORDs"
-
-    def parse(raw: bytes) -> dict[str, KeptParse]:
-        return from_json(raw, os.fspath(prefix))
-
-    return load_store(
-        root, prefix, STORE_NAME, STORE_LIMIT, parse, {}, what, damaged=f"{what} was damaged: written anew"
-    )
+    parse = functools.partial(from_json, prefix=os.fspath(prefix))
+    damaged = f"{what} was damaged: written anew"
+    return load_store(root, prefix, STORE_NAME, STORE_LIMIT, parse, {}, what, damaged=damaged)
 
 
 def keep_parses(root: Path, prefix: Path, seen: Mapping[str, KeptParse]) -> str | None:

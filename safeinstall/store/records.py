@@ -63,13 +63,9 @@ def read_records(root: Path, prefix: Path) -> tuple[dict[str, KeptRecord] | None
     """The RECORDs kept for the environment ({} when none, or damaged: written anew), with a note when
     the store was refused; None when the state directory is not trusted (nothing is kept then)."""
     what = "the store of RECORDs found clean"
-
-    def parse(raw: bytes) -> dict[str, KeptRecord]:
-        return from_json(raw, os.fspath(prefix))
-
-    return load_store(
-        root, prefix, STORE_NAME, STORE_LIMIT, parse, {}, what, damaged=f"{what} was damaged: written anew"
-    )
+    parse = functools.partial(from_json, prefix=os.fspath(prefix))
+    damaged = f"{what} was damaged: written anew"
+    return load_store(root, prefix, STORE_NAME, STORE_LIMIT, parse, {}, what, damaged=damaged)
 
 
 def keep_records(
