@@ -783,9 +783,7 @@ class Tree:
         return info is not None and stat.S_ISDIR(info.st_mode)
 
     def files_below(self, relative: str) -> list[str]:
-        """Everything below the directory ``relative`` that is not a real directory (files, symlinks,
-        FIFOs...), relative to the root, sorted. Symlinked directories are listed, never entered. A
-        ``relative`` that is not a real directory has nothing below it."""
+        """What :meth:`walk` finds below ``relative`` that is not a real directory (files, symlinks...)."""
         return self.walk(relative)[0]
 
     def walk(self, relative: str) -> tuple[list[str], list[str]]:
