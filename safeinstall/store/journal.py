@@ -256,18 +256,17 @@ def journal_from_dict(data: Any) -> Journal:
     version = _get(data, "version", int)
     if version != JOURNAL_VERSION:
         raise _Bad(f"version {version}, this safeinstall reads version {JOURNAL_VERSION}")
-    units = []
-    for raw in _list_of(data, "units", dict):
-        units.append(
-            JournalUnit(
-                name=_get(raw, "name", str),
-                user_manager=_get(raw, "user_manager", bool),
-                was_active=_get(raw, "was_active", bool),
-                unit_file_state=_get(raw, "unit_file_state", str),
-                stopped=_get(raw, "stopped", bool),
-                restarted=_get(raw, "restarted", bool),
-            )
+    units = [
+        JournalUnit(
+            name=_get(raw, "name", str),
+            user_manager=_get(raw, "user_manager", bool),
+            was_active=_get(raw, "was_active", bool),
+            unit_file_state=_get(raw, "unit_file_state", str),
+            stopped=_get(raw, "stopped", bool),
+            restarted=_get(raw, "restarted", bool),
         )
+        for raw in _list_of(data, "units", dict)
+    ]
     history = [
         HistoryEntry(_phase(_get(raw, "phase", str)), _get(raw, "at", str), _get(raw, "note", str))
         for raw in _list_of(data, "history", dict)
