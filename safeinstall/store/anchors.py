@@ -5,6 +5,7 @@ is and every field checked; not bound to the boot; a check never replaces an anc
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -19,11 +20,11 @@ from safeinstall.env.inodetrust import HIGHEST
 from safeinstall.store.state import (
     StateDirError,
     atomic_write,
-    check_trusted,
+    keep_store,
+    load_store,
     read_private_file,
     store_part,
     trusted_environment_state,
-    write_store,
 )
 
 if TYPE_CHECKING:  # a check reads its anchors without loading the backup's module
@@ -69,21 +70,10 @@ def to_json(prefix: str, anchors: Mapping[str, Anchor]) -> bytes:
 def read_anchors(root: Path, prefix: Path) -> tuple[dict[str, Anchor] | None, str | None]:
     """The anchors kept ({} when none or damaged), with a note when the store was refused; None when
     the state directory is not trusted (then no window is trusted: every ``.pyc`` is compiled)."""
-    state = trusted_environment_state(root, prefix)
-    try:
-        check_trusted(root)
-        if state.problem is not None:
-            return None, None
-        raw = read_private_file(state.dir / STORE_NAME, STORE_LIMIT)
-        return from_json(raw, os.fspath(prefix)), None
-    except FileNotFoundError:
-        return {}, None
-    except StateDirError as exc:
-        return None, f"the store of install anchors was not used: {exc.message}"
-    except (ValueError, UnicodeError, RecursionError):
-        return {}, "the store of install anchors was damaged: written anew"
-    except OSError as exc:
-        return None, f"the store of install anchors could not be read ({exc.strerror or exc})"
+    parse = functools.partial(from_json, prefix=os.fspath(prefix))
+    what = "the store of install anchors"
+    damaged = f"{what} was damaged: written anew"
+    return load_store(root, prefix, STORE_NAME, STORE_LIMIT, parse, {}, what, damaged=damaged)
 
 
 def keep_anchors(
@@ -92,16 +82,8 @@ def keep_anchors(
     """The store with ``fresh`` anchors added, none replaced (best effort: a note when not written)."""
     if kept is None or not fresh:
         return None
-    try:
-        data = to_json(os.fspath(prefix), {**fresh, **kept})
-        if len(data) > STORE_LIMIT:
-            return f"the store of install anchors would be larger than {STORE_LIMIT} bytes: not kept"
-        write_store(root, prefix, STORE_NAME, data)
-    except StateDirError as exc:
-        return f"the store of install anchors was not kept: {exc.message}"
-    except (OSError, ValueError, UnicodeError) as exc:
-        return f"the store of install anchors was not kept ({exc})"
-    return None
+    encode = functools.partial(to_json, os.fspath(prefix), {**fresh, **kept})
+    return keep_store(root, prefix, STORE_NAME, STORE_LIMIT, encode, "the store of install anchors")
 
 
 def forget_anchors(root: Path, prefix: Path, names: Collection[str]) -> str | None:

@@ -14,7 +14,7 @@ import shutil
 import stat
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -43,6 +43,7 @@ from safeinstall.store.state import (
     atomic_write,
     ensure_dir,
     fsync_dir,
+    nearest_existing,
     read_private_file,
 )
 from safeinstall.system import worker
@@ -145,9 +146,6 @@ class RestoreResult:
     failures: tuple[str, ...]  # "path: reason" for files that could not be removed or restored
     skipped_outside: tuple[str, ...]  # paths asked to be removed that lie outside the prefix: left alone
     kept_shared: tuple[str, ...]  # paths asked to be removed that another distribution lists: left alone
-    #: "path: reason": asked to be removed, but the environment's owner may not remove them (so the
-    #: install, which ran as that owner, did not write them): left alone
-    not_removed: tuple[str, ...] = ()
     #: the files were found exactly as saved (nothing was installed, or the install failed before it
     #: wrote anything, e.g. on a read-only site-packages): nothing was written
     unchanged: bool = False
@@ -185,38 +183,15 @@ def space_problem(
 
 
 def manifest_to_dict(manifest: BackupManifest) -> dict[str, Any]:
-    return {
-        "version": manifest.version,
-        "created_at": manifest.created_at,
-        "prefix": manifest.prefix,
-        "distributions": [
-            {"name": d.name, "version": d.version, "dist_info": d.dist_info} for d in manifest.distributions
-        ],
-        "files": [
-            {
-                "path": f.path,
-                "distribution": f.distribution,
-                "size": f.size,
-                "mode": f.mode,
-                "uid": f.uid,
-                "gid": f.gid,
-                "mtime_ns": f.mtime_ns,
-                "sha256": f.sha256,
-                "link_target": f.link_target,
-                "listed": f.listed,
-                "inode": f.inode,
-                "ctime_ns": f.ctime_ns,
-            }
-            for f in manifest.files
-        ],
-        "directories": [
-            {"path": d.path, "mode": d.mode, "uid": d.uid, "gid": d.gid} for d in manifest.directories
-        ],
-        "missing": list(manifest.missing),
-        "outside": list(manifest.outside),
-        "patched": list(manifest.patched),
-        "roots": list(manifest.roots),
-    }
+    """Pure: the manifest as ``manifest.json`` holds it: each dataclass an object, keys in field order."""
+    data = {f.name: getattr(manifest, f.name) for f in fields(manifest)}
+    rows = {"distributions": BackupDistribution, "files": BackupFile, "directories": BackupDirectory}
+    for key, kind in rows.items():
+        names = [f.name for f in fields(kind)]
+        data[key] = [{name: getattr(item, name) for name in names} for item in data[key]]
+    for key in ("missing", "outside", "patched", "roots"):
+        data[key] = list(data[key])
+    return data
 
 
 def _safe_relative(text: Any) -> str:
@@ -360,10 +335,7 @@ def disk_space_copied(
 
 def _device(path: Path) -> int:
     """The device of ``path``, or of its nearest existing parent."""
-    probe = Path(os.path.abspath(path))
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    return probe.stat().st_dev
+    return nearest_existing(path).stat().st_dev
 
 
 def disk_space_freed(
@@ -390,21 +362,16 @@ def _blocks(info: os.stat_result) -> int:
 
 def free_space(path: Path) -> int:
     """Free bytes on the filesystem that holds (or will hold) ``path``."""
-    probe = Path(os.path.abspath(path))
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    return shutil.disk_usage(probe).free
+    return shutil.disk_usage(nearest_existing(path)).free
 
 
 # --- taking a backup --------------------------------------------------------------------------------
 
 
 def _link(item: _Item, tree: Tree, dest: Tree, info: os.stat_result, known: FileState | None) -> str | None:
-    """Hardlink a RECORD entry into the backup, by descriptor; its sha256 from ``known`` or read now.
-
-    None when it cannot be linked (another filesystem, changed meanwhile, or writable by its owner: see
-    docs/crash-safety.md, "The backup"): the caller copies it.
-    """
+    """Hardlink a RECORD entry into the backup, by descriptor; its sha256 from ``known`` or read now. None
+    when it cannot be linked (another filesystem, changed meanwhile, or writable by its owner: see
+    docs/crash-safety.md, "The backup"): the caller copies it."""
     if not stat.S_ISREG(info.st_mode) or not only_caller_writes(info):
         return None
     identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
@@ -432,8 +399,7 @@ def _link(item: _Item, tree: Tree, dest: Tree, info: os.stat_result, known: File
 
 def _save(item: _Item, tree: Tree, dest: Tree, known: Mapping[str, FileState]) -> BackupFile | None:
     """Copy one file into the backup (read by descriptor below the prefix: a symlink on the way is never
-    followed, a FIFO or a device never opened); None when it is absent or not a regular file or
-    symlink."""
+    followed, a FIFO or a device never opened); None when it is absent or not a regular file or symlink."""
     info = tree.lstat(item.relative)
     if info is None or not (stat.S_ISLNK(info.st_mode) or stat.S_ISREG(info.st_mode)):
         return None
@@ -519,7 +485,6 @@ def create_backup(
     installed: Sequence[InstalledDistribution],
 ) -> Backup:
     """Save ``dists`` into ``backup_dir`` (new or empty; made 0700). Raises BackupError, leaving no backup.
-
     ``known``: files just hashed (a verify's observations, by location): a hardlinked file that has not
     changed since is not read again. ``installed``: as for :func:`package_roots`."""
     ensure_dir(backup_dir)
@@ -769,12 +734,8 @@ def _removal(
 def _same(saved: BackupFile, tree: Tree) -> bool:
     """The file is there exactly as saved (content or link target, mode, owner, mtime): nothing to write."""
     info = tree.lstat(saved.path)
-    if info is None or (stat.S_IMODE(info.st_mode), info.st_uid, info.st_gid, info.st_mtime_ns) != (
-        saved.mode,
-        saved.uid,
-        saved.gid,
-        saved.mtime_ns,
-    ):
+    as_saved = (saved.mode, saved.uid, saved.gid, saved.mtime_ns)
+    if info is None or (stat.S_IMODE(info.st_mode), info.st_uid, info.st_gid, info.st_mtime_ns) != as_saved:
         return False
     if saved.link_target is not None:
         return stat.S_ISLNK(info.st_mode) and tree.readlink(saved.path) == saved.link_target
@@ -814,9 +775,8 @@ def _remove_own_temp_files(tree: Tree, directories: Iterable[str]) -> None:
 def _put_back(
     saved: BackupFile, source: Tree, tree: Tree, as_root: bool, kept: int | None, same: frozenset[str]
 ) -> bool:
-    """Put one file back atomically (temp file, rename), unless it is there as saved (False). On a full
-    disk the file in its place is removed first to make room: finishing matters more than atomicity.
-    """
+    """Put one file back atomically (temp file, rename), unless it is there as saved (False). On a full disk
+    the file in its place is removed first to make room: finishing matters more than atomicity."""
     if saved.path in same or _same(saved, tree):
         return False
     if kept is not None and saved.link_target is None and saved.sha256 is not None:
@@ -879,11 +839,9 @@ def restore_backup(
     run_id: str | None = None,
 ) -> RestoreResult:
     """Put ``backup`` back into ``env``: remove what is installed now under its names, copy back, check.
-
-    ``remove``: the installed version's files, removed as the environment's owner (paths outside the
-    prefix or another distribution's are left, and said); ``run_id``: whose kept links go back instead of
-    copies. Never raises for one file: see :attr:`RestoreResult.ok`.
-    """
+    ``remove``: the installed version's files, removed as the environment's owner (paths outside the prefix or
+    another distribution's are left, and said); ``run_id``: whose kept links go back instead of copies. Never
+    raises for one file: see :attr:`RestoreResult.ok`."""
     manifest = backup.manifest
     prefix = env.prefix
     if Path(manifest.prefix) != prefix:
@@ -1033,7 +991,6 @@ def _restore(
         failures=tuple(sorted(failures)),
         skipped_outside=removal.skipped_outside,
         kept_shared=removal.kept_shared,
-        not_removed=removed.denied,
         unchanged=not (rewritten or removed.files or removed.dist_infos or failures),
     )
 

@@ -69,11 +69,7 @@ def _vouched(data: Any) -> Vouched:
             raise ValueError(f"{location!r} is not a normalised absolute path")
         if not key.startswith(("sha256=", "sha384=", "sha512=")):
             raise ValueError(f"{location!r}: {key!r} is not the state of a regular file")
-    version, record, wheel = (
-        nonempty_text(data, "version"),
-        nonempty_text(data, "record"),
-        nonempty_text(data, "wheel"),
-    )
+    version, record, wheel = (nonempty_text(data, key) for key in ("version", "record", "wheel"))
     return Vouched(version, dist_info, record, run_id, wheel, files)
 
 

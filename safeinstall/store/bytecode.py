@@ -17,12 +17,7 @@ from typing import Any
 from safeinstall.env.bytecode import MAX_AGE_NS, MAX_JUDGED, Judged
 from safeinstall.env.inodetrust import HIGHEST, LOWEST
 from safeinstall.store.inodestore import boot_id
-from safeinstall.store.state import (
-    StateDirError,
-    load_store,
-    store_part,
-    write_store,
-)
+from safeinstall.store.state import keep_store, load_store, store_part
 
 STORE_NAME = "bytecode.json"
 STORE_VERSION = 1
@@ -108,13 +103,9 @@ def keep_judged(
     merged.update(((j.device, j.inode), (j, now)) for j in new)
     if len(merged) > MAX_JUDGED:  # the newest kept
         merged = dict(sorted(merged.items(), key=lambda item: -item[1][1])[:MAX_JUDGED])
-    try:
+
+    def encode() -> bytes:  # one too large is written empty
         data = to_json(os.fspath(prefix), boot, merged)
-        if len(data) > STORE_LIMIT:
-            data = to_json(os.fspath(prefix), boot, {})
-        write_store(root, prefix, STORE_NAME, data)
-    except StateDirError as exc:
-        return f"the store of judged bytecode was not kept: {exc.message}"
-    except (OSError, ValueError, UnicodeError) as exc:
-        return f"the store of judged bytecode was not kept ({exc})"
-    return None
+        return data if len(data) <= STORE_LIMIT else to_json(os.fspath(prefix), boot, {})
+
+    return keep_store(root, prefix, STORE_NAME, STORE_LIMIT, encode, "the store of judged bytecode")

@@ -249,9 +249,7 @@ def read_entry(path: Path) -> HistoryEntry:
 def find(state: EnvironmentState, run_id: str) -> HistoryEntry | None:
     """The entry of ``run_id`` (None: not finished, or not this environment's); a damaged one raises."""
     path = _path(state, run_id)
-    if not os.path.lexists(path):
-        return None
-    return read_entry(path)
+    return read_entry(path) if os.path.lexists(path) else None
 
 
 def read_history(state: EnvironmentState) -> History:

@@ -29,10 +29,8 @@ from safeinstall.env.records import built
 from safeinstall.store.state import (
     EnvironmentState,
     StateDirError,
-    atomic_write,
-    ensure_environment_dir,
     load_store,
-    trusted_environment_state,
+    write_store,
 )
 
 STORE_NAME = "inodes.bin"
@@ -74,9 +72,8 @@ def to_bytes(store: InodeStore) -> bytes:
 
 
 def from_bytes(raw: bytes, prefix: str, boot: str, now_ns: int) -> InodeStore:
-    """Pure: a store read back; ValueError when damaged or another environment's or boot's. Entries'
-    numbers are checked when looked up (:class:`_Packed`); one no longer believable is not there.
-    """
+    """Pure: a store read back; ValueError when damaged or another environment's or boot's. Entries' numbers
+    are checked when looked up (:class:`_Packed`); one no longer believable is not there."""
     header, newline, body = raw.partition(b"\0\n")
     if not newline or len(header) > _HEADER_MAX:
         raise ValueError("no header")
@@ -268,9 +265,7 @@ def keep(root: Path, prefix: Path, store: InodeStore | None, states: Iterable[Fi
     if new.entries == store.entries:
         return None
     try:
-        state = trusted_environment_state(root, prefix)
-        ensure_environment_dir(state)
-        atomic_write(store_file(state), to_bytes(new))
+        write_store(root, prefix, STORE_NAME, to_bytes(new))
     except StateDirError as exc:
         return f"the verified-inode store was not kept: {exc.message}"
     except OSError as exc:

@@ -158,10 +158,8 @@ _TUPLE_FIELDS = frozenset({"uv_command", "units", "gate", "strays_killed", "hist
 def advance(
     journal: Journal, phase: Phase, note: str = "", now: datetime | None = None, **changes: Any
 ) -> Journal:
-    """Pure: the journal in ``phase``, with ``changes`` applied and the step appended to its history.
-
-    Lists given for sequence fields (units, gate, strays_killed, uv_command) are stored as tuples.
-    """
+    """Pure: the journal in ``phase``, with ``changes`` applied (lists of its sequence fields stored as
+    tuples) and the step appended to its history."""
     allowed = {f.name for f in fields(Journal)} - {"phase", "history", "version"}
     unknown = set(changes) - allowed
     if unknown:
@@ -196,12 +194,9 @@ def effective_phase(journal: Journal) -> Phase:
 
 
 def needs_restore(journal: Journal) -> bool:
-    """Pure: whether the package may be half-installed, so recovery must restore the backup.
-
-    False before the install started (planned .. gpu-released: nothing was changed; a staging tree is
-    not the environment), after the new
-    version was verified (verified, restarting, done), and once rolled back.
-    """
+    """Pure: whether the package may be half-installed, so recovery must restore the backup. False
+    before the install started (planned .. gpu-released: nothing was changed; a staging tree is not the
+    environment), after the new version was verified (verified, restarting, done), and once rolled back."""
     return effective_phase(journal) in RESTORE_PHASES
 
 
@@ -226,17 +221,7 @@ def journal_to_dict(journal: Journal) -> dict[str, Any]:
         "wheel": journal.wheel,
         "uv_command": list(journal.uv_command),
         "phase": journal.phase.value,
-        "units": [
-            {
-                "name": u.name,
-                "user_manager": u.user_manager,
-                "was_active": u.was_active,
-                "unit_file_state": u.unit_file_state,
-                "stopped": u.stopped,
-                "restarted": u.restarted,
-            }
-            for u in journal.units
-        ],
+        "units": [{f.name: getattr(u, f.name) for f in fields(u)} for u in journal.units],
         "backup_dir": journal.backup_dir,
         "gate": list(journal.gate),
         "strays_killed": list(journal.strays_killed),
@@ -271,18 +256,17 @@ def journal_from_dict(data: Any) -> Journal:
     version = _get(data, "version", int)
     if version != JOURNAL_VERSION:
         raise _Bad(f"version {version}, this safeinstall reads version {JOURNAL_VERSION}")
-    units = []
-    for raw in _list_of(data, "units", dict):
-        units.append(
-            JournalUnit(
-                name=_get(raw, "name", str),
-                user_manager=_get(raw, "user_manager", bool),
-                was_active=_get(raw, "was_active", bool),
-                unit_file_state=_get(raw, "unit_file_state", str),
-                stopped=_get(raw, "stopped", bool),
-                restarted=_get(raw, "restarted", bool),
-            )
+    units = [
+        JournalUnit(
+            name=_get(raw, "name", str),
+            user_manager=_get(raw, "user_manager", bool),
+            was_active=_get(raw, "was_active", bool),
+            unit_file_state=_get(raw, "unit_file_state", str),
+            stopped=_get(raw, "stopped", bool),
+            restarted=_get(raw, "restarted", bool),
         )
+        for raw in _list_of(data, "units", dict)
+    ]
     history = [
         HistoryEntry(_phase(_get(raw, "phase", str)), _get(raw, "at", str), _get(raw, "note", str))
         for raw in _list_of(data, "history", dict)
@@ -316,11 +300,9 @@ def journal_problems(
     journal: Journal, envdir: Path, dropin_roots: Mapping[bool, Collection[Path]]
 ) -> list[str]:
     """Pure: why ``journal`` (read from ``envdir``) is not one that safeinstall wrote there; [] when
-    every field a recovery acts on is as a run of this environment writes it.
-
-    ``dropin_roots`` maps ``user_manager`` to the directories that manager reads drop-ins from: a gate
-    path must be ``ROOT/UNIT.d/50-safeinstall-gate.conf`` for one of the journal's own units.
-    """
+    every field a recovery acts on is as a run of this environment writes it. ``dropin_roots`` maps
+    ``user_manager`` to the directories that manager reads drop-ins from: a gate path must be
+    ``ROOT/UNIT.d/50-safeinstall-gate.conf`` for one of the journal's own units."""
     problems: list[str] = []
     prefix = journal.prefix
     if not _normal_absolute(prefix):
@@ -399,8 +381,7 @@ def prepared_waits(previous: Journal | None) -> JournalError | None:
 
 def start_journal(envdir: Path, journal: Journal) -> Journal:
     """Write a new run's journal (see :func:`new_journal`) and return it; refuse while a previous
-    run's is there. Call it holding the environment's lock.
-    """
+    run's is there. Call it holding the environment's lock."""
     previous = read_journal(envdir)
     waits = prepared_waits(previous)
     if waits is not None:
@@ -419,8 +400,7 @@ def read_journal(envdir: Path) -> Journal | None:
     """The journal left in ``envdir``, or None. Raises :class:`JournalError` for a damaged one and
     :class:`~safeinstall.store.state.StateDirError` for one safeinstall cannot have written (a symlink,
     another owner's, writable by others, over :data:`JOURNAL_MAX_BYTES`). Its fields are checked against
-    the directory by :func:`journal_problems`.
-    """
+    the directory by :func:`journal_problems`."""
     path = journal_path(envdir)
     try:
         raw = read_private_file(path, JOURNAL_MAX_BYTES)

@@ -47,11 +47,6 @@ def failing(answers: Answers, installed: Iterable[InstalledDistribution], names:
     return sorted(found)
 
 
-def key_text(key: tuple[str, str, str]) -> str:
-    """Pure: one distribution's key as written."""
-    return " ".join(key)
-
-
 def from_dict(raw: object) -> Answers:
     """Pure: the answers from the parsed file (ValueError when it is not what this module writes)."""
     if not isinstance(raw, dict) or raw.get("old_imports_version") != OLD_IMPORTS_VERSION:
@@ -75,7 +70,7 @@ def to_dict(answers: Answers) -> dict[str, object]:
     kept = list(answers.items())[-KEPT_DISTRIBUTIONS:]
     return {
         "old_imports_version": OLD_IMPORTS_VERSION,
-        "distributions": {key_text(k): dict(list(v.items())[:KEPT_MODULES]) for k, v in kept},
+        "distributions": {" ".join(k): dict(list(v.items())[:KEPT_MODULES]) for k, v in kept},
     }
 
 

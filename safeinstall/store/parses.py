@@ -7,6 +7,7 @@ believed of it: :class:`safeinstall.env.distributions.ParsedRecords`; docs/verif
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from itertools import repeat
@@ -17,12 +18,7 @@ from safeinstall.env.containment import base
 from safeinstall.env.distributions import KeptParse, plain_locations
 from safeinstall.env.inodetrust import HIGHEST, LOWEST
 from safeinstall.env.records import ACCEPTED_ALGORITHMS, Record, RecordEntry, RecordHash, RecordProblem
-from safeinstall.store.state import (
-    StateDirError,
-    load_store,
-    store_part,
-    write_store,
-)
+from safeinstall.store.state import keep_store, load_store, store_part
 
 STORE_NAME = "parses.json"
 STORE_VERSION = 1
@@ -139,25 +135,13 @@ def read_parses(root: Path, prefix: Path) -> tuple[dict[str, KeptParse] | None, 
     """The RECORDs' parses kept for the environment ({} when none, or damaged: written anew), with a
     note when the store was refused; None when the state directory is not trusted (nothing kept)."""
     what = "the store of parsed RECORDs"
-
-    def parse(raw: bytes) -> dict[str, KeptParse]:
-        return from_json(raw, os.fspath(prefix))
-
-    return load_store(
-        root, prefix, STORE_NAME, STORE_LIMIT, parse, {}, what, damaged=f"{what} was damaged: written anew"
-    )
+    parse = functools.partial(from_json, prefix=os.fspath(prefix))
+    damaged = f"{what} was damaged: written anew"
+    return load_store(root, prefix, STORE_NAME, STORE_LIMIT, parse, {}, what, damaged=damaged)
 
 
 def keep_parses(root: Path, prefix: Path, seen: Mapping[str, KeptParse]) -> str | None:
     """The store written anew with this check's parses ``seen`` (best effort; a note when it could not
     be written). Only the RECORDs this check read are kept: one gone from the environment is dropped."""
-    try:
-        data = to_json(os.fspath(prefix), seen)
-        if len(data) > STORE_LIMIT:
-            return f"the store of parsed RECORDs would be larger than {STORE_LIMIT} bytes: not kept"
-        write_store(root, prefix, STORE_NAME, data)
-    except StateDirError as exc:
-        return f"the store of parsed RECORDs was not kept: {exc.message}"
-    except (OSError, ValueError, UnicodeError) as exc:
-        return f"the store of parsed RECORDs was not kept ({exc})"
-    return None
+    encode = functools.partial(to_json, os.fspath(prefix), seen)
+    return keep_store(root, prefix, STORE_NAME, STORE_LIMIT, encode, "the store of parsed RECORDs")

@@ -7,6 +7,7 @@ decisions: :mod:`safeinstall.env.recorded`.
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import os
 import re
@@ -16,12 +17,7 @@ from typing import Any
 
 from safeinstall.env.containment import base
 from safeinstall.env.recorded import KeptRecord
-from safeinstall.store.state import (
-    StateDirError,
-    load_store,
-    store_part,
-    write_store,
-)
+from safeinstall.store.state import keep_store, load_store, store_part
 
 STORE_NAME = "records.json"
 STORE_VERSION = 1
@@ -67,13 +63,9 @@ def read_records(root: Path, prefix: Path) -> tuple[dict[str, KeptRecord] | None
     """The RECORDs kept for the environment ({} when none, or damaged: written anew), with a note when
     the store was refused; None when the state directory is not trusted (nothing is kept then)."""
     what = "the store of RECORDs found clean"
-
-    def parse(raw: bytes) -> dict[str, KeptRecord]:
-        return from_json(raw, os.fspath(prefix))
-
-    return load_store(
-        root, prefix, STORE_NAME, STORE_LIMIT, parse, {}, what, damaged=f"{what} was damaged: written anew"
-    )
+    parse = functools.partial(from_json, prefix=os.fspath(prefix))
+    damaged = f"{what} was damaged: written anew"
+    return load_store(root, prefix, STORE_NAME, STORE_LIMIT, parse, {}, what, damaged=damaged)
 
 
 def keep_records(
@@ -82,13 +74,5 @@ def keep_records(
     """The store with ``updates`` in (best effort; a note when it could not be written)."""
     if kept is None or not updates:
         return None
-    try:
-        data = to_json(os.fspath(prefix), {**kept, **updates})
-        if len(data) > STORE_LIMIT:
-            return f"the store of RECORDs found clean would be larger than {STORE_LIMIT} bytes: not kept"
-        write_store(root, prefix, STORE_NAME, data)
-    except StateDirError as exc:
-        return f"the store of RECORDs found clean was not kept: {exc.message}"
-    except (OSError, ValueError, UnicodeError) as exc:
-        return f"the store of RECORDs found clean was not kept ({exc})"
-    return None
+    encode = functools.partial(to_json, os.fspath(prefix), {**kept, **updates})
+    return keep_store(root, prefix, STORE_NAME, STORE_LIMIT, encode, "the store of RECORDs found clean")

@@ -45,11 +45,10 @@ def backups_to_remove(
     statuses: Mapping[str, str] | None = None,
     good_run: bool = True,
 ) -> tuple[str, ...]:
-    """The backups to delete, oldest first, never ``protected``: rolled-back and discarded runs', and
-    after a ``good_run`` the good runs' beyond the newest ``keep``. ``statuses``: each run's status (see
-    :func:`retention_status`); one whose rollback failed, that errored or that is prepared is kept.
-    Names that are not run ids are never chosen.
-    """
+    """The backups to delete, oldest first, never ``protected``: rolled-back and discarded runs', and after a
+    ``good_run`` the good runs' beyond the newest ``keep``. ``statuses``: each run's status (see
+    :func:`retention_status`); one whose rollback failed, that errored or that is prepared is kept. Names that
+    are not run ids are never chosen."""
     if keep < 1:
         raise ValueError(f"keep must be at least 1, not {keep}")
     known = statuses or {}
@@ -159,10 +158,9 @@ def backups_to_drop(kept: tuple[KeptBackup, ...], short: int) -> tuple[KeptBacku
 
 
 def drop_said(kept: tuple[KeptBackup, ...], short: int, prefix: str) -> str:
-    """Pure: what a refusal for room says of the kept backups (``short`` bytes missing): which to drop
-    (the oldest first) and the exact command for each, or that dropping them all would not do; "" when
-    there are none. The newest is named only where the older ones are not enough (it is ``--undo``'s
-    way back)."""
+    """Pure: what a refusal for room says of the kept backups (``short`` bytes missing): which to drop (the
+    oldest first) and the exact command for each, or that dropping them all would not do; "" when there are
+    none. The newest is named only where the older ones are not enough (it is ``--undo``'s way back)."""
     if not kept:
         return ""
     total = sum(k.bytes for k in kept)

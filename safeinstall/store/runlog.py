@@ -40,9 +40,8 @@ def progress_key(what: str) -> str:
 
 
 def progress_text(what: str, done: float | None, total: float | None, unit: str = "") -> str:
-    """Pure: one plain progress line, e.g. ``backup: 213.1 MiB of 666.9 MiB (32%)``.
-
-    ``unit`` is ``"bytes"`` (sizes), ``"s"`` (seconds waited) or ``""`` (a count)."""
+    """Pure: one plain progress line, e.g. ``backup: 213.1 MiB of 666.9 MiB (32%)``. ``unit`` is ``"bytes"``
+    (sizes), ``"s"`` (seconds waited) or ``""`` (a count)."""
 
     def amount(value: float) -> str:
         if unit == "bytes":

@@ -151,10 +151,8 @@ PUT_BACK_CACHE_S = 10.0
 
 
 def remove_run_dir(path: Path, seconds: float = RUN_DIR_REMOVAL_S) -> bool:
-    """Delete the run's directory ``path``, best effort within ``seconds``; True when it is gone. Its
-    contents are removed by a worker that is their owner, by descriptor; root then removes the emptied
-    directory.
-    """
+    """Delete the run's directory ``path``, best effort within ``seconds``; True when it is gone. Its contents
+    are removed by a worker that is their owner, by descriptor; root then removes the emptied directory."""
     try:
         info = os.lstat(path)
     except FileNotFoundError:
@@ -288,10 +286,9 @@ def mode_problem(mode: int, owner: int, euid: int) -> str | None:
 
 
 def trust_problem(mode: int, owner: int, euid: int, *, parent: bool, gid: int = -1) -> str | None:
-    """Pure: why another user could change what a directory (or a ``parent``) holds, or None: it must be
-    owned by root or the caller and writable by nobody else, gid 0 included; a parent may be a root-owned
-    sticky directory (``/tmp``).
-    """
+    """Pure: why another user could change what a directory (or a ``parent``) holds, or None: it must be owned
+    by root or the caller and writable by nobody else, gid 0 included; a parent may be a root-owned sticky
+    directory (``/tmp``)."""
     if not stat.S_ISDIR(mode):
         return "it is not a directory"
     if owner not in (0, euid):
@@ -464,15 +461,21 @@ def check_environment_dir(state: EnvironmentState) -> None:
     check_trusted(state.root)
     for path in (state.root, state.dir, state.backups, state.logs):
         if _usable(path, missing_ok=True) is None:
-            parent = path.parent
-            while not parent.exists() and parent != parent.parent:
-                parent = parent.parent
+            parent = nearest_existing(path.parent)
             if not os.access(parent, os.W_OK | os.X_OK):
                 raise StateDirError(
                     f"cannot create the state directory {path}: {parent} is not writable",
                     hint=f"check its permissions, or set {STATE_DIR_VARIABLE} to a writable directory",
                 )
             return  # the ones below it are made with it
+
+
+def nearest_existing(path: Path) -> Path:
+    """``path`` (made absolute), or its nearest existing parent."""
+    probe = Path(os.path.abspath(path))
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return probe
 
 
 def fsync_dir(directory: Path) -> None:
@@ -554,6 +557,23 @@ def write_store(root: Path, prefix: Path, name: str, data: bytes) -> None:
     atomic_write(state.dir / name, data)
 
 
+def keep_store(
+    root: Path, prefix: Path, name: str, limit: int, encode: Callable[[], bytes], what: str
+) -> str | None:
+    """Write the store ``name`` as :func:`write_store` does, best effort: a note (naming ``what``) when
+    ``encode`` gives more than ``limit`` bytes or it could not be written, else None."""
+    try:
+        data = encode()
+        if len(data) > limit:
+            return f"{what} would be larger than {limit} bytes: not kept"
+        write_store(root, prefix, name, data)
+    except StateDirError as exc:
+        return f"{what} was not kept: {exc.message}"
+    except (OSError, ValueError, UnicodeError) as exc:
+        return f"{what} was not kept ({exc})"
+    return None
+
+
 T = TypeVar("T")
 
 
@@ -621,10 +641,9 @@ def _only_too_large(path: Path, limit: int) -> bool:
 
 
 def list_environment_dirs(root: Path) -> list[EnvironmentState]:
-    """Every environment directory under the state root (for a global --status / --recover), by key.
-
-    Refuses (StateDirError) an untrusted root; an environment directory that is not trusted is listed
-    with its ``problem`` (and its prefix file is not read)."""
+    """Every environment directory under the state root (for a global --status / --recover), by key. Refuses
+    (StateDirError) an untrusted root; an environment directory that is not trusted is listed with its
+    ``problem`` (and its prefix file is not read)."""
     check_trusted(root)
     try:
         entries = sorted(os.scandir(root), key=lambda e: e.name)
@@ -641,10 +660,8 @@ def list_environment_dirs(root: Path) -> list[EnvironmentState]:
             continue
         directory = Path(entry.path)
         problem = directory_problem(directory)
-        if problem is not None:
-            found.append(EnvironmentState(root, directory, None, problem))
-            continue
-        found.append(EnvironmentState(root=root, dir=directory, prefix=_read_prefix(directory / PREFIX_FILE)))
+        prefix = _read_prefix(directory / PREFIX_FILE) if problem is None else None
+        found.append(EnvironmentState(root, directory, prefix, problem))
     return found
 
 
@@ -662,10 +679,9 @@ class OutputPath:
 
 
 def output_path(path: Path, euid: int, *, new: bool = False) -> OutputPath:
-    """The one rule for every file the CLI writes where its user says: each directory from ``/`` owned by
-    root or ``euid`` and writable by nobody else, each symlink on the way root's or ``euid``'s, the file a
-    regular one (``new``: absent). Looks at the disk, writes nothing.
-    """
+    """The one rule for every file the CLI writes where its user says: each directory from ``/`` owned by root
+    or ``euid`` and writable by nobody else, each symlink on the way root's or ``euid``'s, the file a regular
+    one (``new``: absent). Looks at the disk, writes nothing."""
     if not path.name or path.name in (".", ".."):
         return OutputPath(None, "it names no file")
     given = os.path.join(os.getcwd(), str(path.parent))

@@ -68,15 +68,11 @@ def _path(value: object, prefix: str | None = None) -> str:
     return value
 
 
+_ENTRY_KEYS = frozenset({"dist_info", "since", "hashed", "record", "files", "identities"})
+
+
 def _distribution(raw: object, now_ns: int) -> UnchangedDistribution | None:
-    if not isinstance(raw, dict) or set(raw) != {
-        "dist_info",
-        "since",
-        "hashed",
-        "record",
-        "files",
-        "identities",
-    }:
+    if not isinstance(raw, dict) or set(raw) != _ENTRY_KEYS:
         raise ValueError("not a distribution's entry")
     dist_info = _path(raw["dist_info"])
     since, hashed = _ints([raw["since"], raw["hashed"]], 2)

@@ -38,11 +38,9 @@ class CgroupPlacement:
 
 
 def parse_proc_cgroup(text: str) -> str | None:
-    """The cgroup path from ``/proc/PID/cgroup`` text, or None when it names none.
-
-    Prefers the cgroup v2 line (``0::/path``) when it is set and not the root, else the v1
-    ``name=systemd`` hierarchy (legacy and hybrid layouts), else the v2 root.
-    """
+    """The cgroup path from ``/proc/PID/cgroup`` text, or None when it names none. Prefers the cgroup v2 line
+    (``0::/path``) when it is set and not the root, else the v1 ``name=systemd`` hierarchy (legacy and hybrid
+    layouts), else the v2 root."""
     unified: str | None = None
     named: str | None = None
     for line in text.split("\n"):  # the kernel's own separator only: a cgroup name may hold U+2028
@@ -57,20 +55,14 @@ def parse_proc_cgroup(text: str) -> str | None:
             unified = path
         elif "name=systemd" in controllers.split(","):
             named = path
-    if unified is not None and unified != "/":
-        return unified
-    if named is not None:
-        return named
-    return unified
+    return unified if unified not in (None, "/") or named is None else named
 
 
 def unescape_component(component: str) -> str:
-    """Undo systemd's cgroup escaping (``cg_escape``): a leading ``_`` was added, drop it.
-
-    systemd prefixes ``_`` to names that could clash with kernel files (``cpu.service`` becomes
-    ``_cpu.service``) and to names that start with ``_`` themselves, so one leading ``_`` always goes.
-    ``\\x2d``-style escapes are part of the unit name and stay.
-    """
+    """Undo systemd's cgroup escaping (``cg_escape``): a leading ``_`` was added, drop it. systemd prefixes
+    ``_`` to names that could clash with kernel files (``cpu.service`` becomes ``_cpu.service``) and to names
+    that start with ``_`` themselves, so one leading ``_`` always goes. ``\\x2d``-style escapes are part of
+    the unit name and stay."""
     return component[1:] if component.startswith("_") else component
 
 

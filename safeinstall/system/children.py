@@ -44,9 +44,8 @@ def isolate(
     parent: int, ids: tuple[int, int] | None, *, new_session: bool, keep: tuple[int, ...] | None = None
 ) -> None:
     """In a freshly forked child: the worker's isolation. ``ids``: become them, no supplementary groups;
-    ``new_session``: ``setsid``; ``keep``: the only descriptors left. The parent-death signal is armed
-    after the ids change (which clears it); an orphan exits 255.
-    """
+    ``new_session``: ``setsid``; ``keep``: the only descriptors left. The parent-death signal is armed after
+    the ids change (which clears it); an orphan exits 255."""
     if new_session:
         os.setsid()
     if keep is not None:
@@ -101,11 +100,9 @@ def _die_with(parent: int, program_fd: int | None = None) -> Callable[[], None]:
 
 
 def _hold(held: list[int]) -> dict[int, _Handler]:
-    """Record SIGINT/SIGTERM in ``held`` instead of handling them; the handlers to put back.
-
-    Only the main thread can change handlers, and only there do handlers run: elsewhere this is a
-    no-op (a signal then interrupts the main thread, not this spawn).
-    """
+    """Record SIGINT/SIGTERM in ``held`` instead of handling them; the handlers to put back. Only the main
+    thread can change handlers, and only there do handlers run: elsewhere this is a no-op (a signal then
+    interrupts the main thread, not this spawn)."""
     if threading.current_thread() is not threading.main_thread():
         return {}
 
@@ -129,9 +126,8 @@ def _release(previous: dict[int, _Handler], held: list[int]) -> None:
 
 
 def _reap(proc: subprocess.Popen[bytes]) -> None:
-    """Kill ``proc`` and its process group (so a shell's children do not run on) and wait for it,
-    whatever arrives meanwhile. A child reaped already is not signalled: its number may be another's.
-    """
+    """Kill ``proc`` and its process group (so a shell's children do not run on) and wait for it, whatever
+    arrives meanwhile. A child reaped already is not signalled: its number may be another's."""
     if proc.returncode is None:
         with contextlib.suppress(OSError):  # gone already, or a group not ours to signal: the child alone
             os.killpg(proc.pid, signal.SIGKILL)
@@ -226,10 +222,9 @@ def held_environment(env: Mapping[str, str]) -> tuple[dict[str, str], list[str]]
 def contained(
     argv: Sequence[str], as_user: tuple[int, int] | None, groups: Sequence[int]
 ) -> tuple[list[str], bool] | None:
-    """``argv`` run in a PID namespace of its own (``unshare --pid --fork --kill-child``) as ``as_user``
-    with ``groups`` (``setpriv``, which arms the parent-death signal again), and True; None where the
-    caller is not root or util-linux is not there. Everything left in the namespace dies with it.
-    """
+    """``argv`` run in a PID namespace of its own (``unshare --pid --fork --kill-child``) as ``as_user`` with
+    ``groups`` (``setpriv``, which arms the parent-death signal again), and True; None where the caller is not
+    root or util-linux is not there. Everything left in the namespace dies with it."""
     unshare, setpriv = _system_program("unshare"), _system_program("setpriv")
     if os.geteuid() != 0 or unshare is None or (as_user is not None and setpriv is None):
         return None
@@ -256,12 +251,10 @@ def run(
     cancel: threading.Event | None = None,
     contain: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """``subprocess.run(argv, capture_output=True, text=True)`` with no child left behind.
-
-    ``as_user``, ``groups``: its ids; ``program_fd``: the program's descriptor; ``end_group``, ``contain``:
-    what it started ends with it; ``cancel``: kill it when set. Raises ``subprocess.TimeoutExpired``,
-    :class:`TooMuchOutput`, :class:`Cancelled`, ``OSError``.
-    """
+    """``subprocess.run(argv, capture_output=True, text=True)`` with no child left behind. ``as_user``,
+    ``groups``: its ids; ``program_fd``: the program's descriptor; ``end_group``, ``contain``: what it started
+    ends with it; ``cancel``: kill it when set. Raises ``subprocess.TimeoutExpired``, :class:`TooMuchOutput`,
+    :class:`Cancelled`, ``OSError``."""
     command = list(argv)
     environment = dict(env)
     wrapped = contained(command, as_user, groups) if contain and program_fd is None else None

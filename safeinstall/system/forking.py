@@ -44,11 +44,9 @@ def map_forked(
     shares: Sequence[Share],
     after_fork: Callable[[], None] | None = None,
 ) -> list[Result]:
-    """``[work(share) for share in shares]``, with ``shares[1:]`` done in forked children.
-
-    ``after_fork`` runs here once the children exist (e.g. to start threads, which must not exist at
-    the fork). If this process is interrupted meanwhile, the children are killed and reaped.
-    """
+    """``[work(share) for share in shares]``, with ``shares[1:]`` done in forked children. ``after_fork`` runs
+    here once the children exist (e.g. to start threads, which must not exist at the fork). If this process is
+    interrupted meanwhile, the children are killed and reaped."""
     results: dict[int, Result] = {}
     children: list[tuple[int, int, int]] = []  # (share index, child pid, read end)
     here = [0]

@@ -243,9 +243,8 @@ def release_status(
     baseline: GpuSnapshot, stopped_pids: Collection[int], current: GpuSnapshot
 ) -> ReleaseStatus:
     """Pure: are the stopped PIDs' GPUs released? No error, none of those PIDs on a GPU (or holding a
-    ``/dev/nvidia*`` fd), and each GPU's used memory fallen by what they held; where that is N/A, the
-    process list alone decides.
-    """
+    ``/dev/nvidia*`` fd), and each GPU's used memory fallen by what they held; where that is N/A, the process
+    list alone decides."""
     if not baseline.available:
         return skipped_release(baseline.reason)
     stopped = frozenset(stopped_pids)
@@ -371,14 +370,8 @@ def _processes(
     try:
         infos = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
     except (pynvml.NVMLLibraryMismatchError, pynvml.NVMLError_FunctionNotFound) as exc:
-        return (
-            (),
-            (
-                "process list unavailable: NVML library mismatch, the driver's libnvidia-ml lacks "
-                f"nvmlDeviceGetComputeRunningProcesses_v3 ({type(exc).__name__})"
-            ),
-            False,
-        )
+        lacks = "process list unavailable: NVML library mismatch, the driver's libnvidia-ml lacks"
+        return (), f"{lacks} nvmlDeviceGetComputeRunningProcesses_v3 ({type(exc).__name__})", False
     except pynvml.NVMLError as exc:
         return (), f"nvmlDeviceGetComputeRunningProcesses: {describe_nvml_error(exc)}", True
     procs = tuple(
@@ -456,11 +449,9 @@ def _query(proc_root: Path) -> GpuSnapshot:
 
 
 class NvmlSession:
-    """``with NvmlSession() as nvml: nvml.snapshot()`` - nvmlInit once, nvmlShutdown at the end.
-
-    Never raises for a missing library/driver: ``available`` is False, ``reason`` says why, and
-    :meth:`snapshot` returns unavailable snapshots.
-    """
+    """``with NvmlSession() as nvml: nvml.snapshot()`` - nvmlInit once, nvmlShutdown at the end. Never raises
+    for a missing library/driver: ``available`` is False, ``reason`` says why, and :meth:`snapshot` returns
+    unavailable snapshots."""
 
     def __init__(self, environ: Mapping[str, str] = os.environ, proc_root: Path = PROC) -> None:
         self._environ = environ
@@ -506,11 +497,9 @@ def wait_for_release(
     on_poll: Callable[[ReleaseStatus], None] | None = None,
     poll_interval: float = 0.1,
 ) -> ReleaseStatus:
-    """Poll :func:`release_status` until released or ``timeout`` seconds have passed.
-
-    ``on_poll`` gets every status (e.g. for progress output). On timeout the last status comes back with
-    ``timed_out`` set and the remaining holders named in ``reason``. NVML unavailable: a "skipped" status.
-    """
+    """Poll :func:`release_status` until released or ``timeout`` seconds have passed. ``on_poll`` gets every
+    status (e.g. for progress output). On timeout the last status comes back with ``timed_out`` set and the
+    remaining holders named in ``reason``. NVML unavailable: a "skipped" status."""
     if not baseline.available:
         return skipped_release(baseline.reason)
     if not session.available:

@@ -83,11 +83,8 @@ def _head(sock: socket.socket) -> tuple[int, dict[str, str]]:
     fields = status.split(" ", 2)
     if len(fields) < 2 or not fields[0].startswith("HTTP/") or not fields[1].isdigit():
         raise _BadAnswer(f"not an HTTP answer: {status[:80]!r}")
-    headers = {}
-    for line in lines:
-        name, _, value = line.partition(":")
-        headers[name.strip().lower()] = value.strip()
-    return int(fields[1]), headers
+    pairs = (line.partition(":") for line in lines)
+    return int(fields[1]), {name.strip().lower(): value.strip() for name, _, value in pairs}
 
 
 def _get(url: str, seconds: float, sockets: _Sockets) -> str | None:
@@ -164,8 +161,7 @@ def wait_healthy(
     check: Callable[[], None] | None = None,
 ) -> float:
     """Return when ``url`` answered 200 (``time.monotonic()``); raise StepFailed past ``timeout``.
-    ``on_poll``: called before each attempt; ``check``: what it raises ends the wait at once.
-    """
+    ``on_poll``: called before each attempt; ``check``: what it raises ends the wait at once."""
     started = time.monotonic()
     deadline = started + timeout
     last = "no answer"

@@ -116,11 +116,8 @@ def read_stat(seen: ProcessId, proc: Path = Path("/proc")) -> StatInfo | None:
 
 def process_start(pid: int, proc: Path = Path("/proc")) -> int | None:
     """The start time of ``pid`` in clock ticks after boot; None when there is no such process."""
-    try:
-        text = (proc / str(pid) / "stat").read_text(encoding="utf-8", errors="replace")
-        return parse_stat(text).start_time
-    except (OSError, ValueError):
-        return None
+    stat = read_stat(ProcessId(pid, None), proc)
+    return None if stat is None else stat.start_time
 
 
 def own_process() -> ProcessId:
@@ -185,11 +182,9 @@ def running(proc: psutil.Process) -> bool:
 
 
 def wait_exited(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
-    """Wait until every process has exited (zombies count as exited); those still running.
-
-    Not ``psutil.wait_procs``: for processes that are not our children it waits on ``is_running()``,
-    which stays true for a zombie whose parent has not reaped it, i.e. until the timeout.
-    """
+    """Wait until every process has exited (zombies count as exited); those still running. Not
+    ``psutil.wait_procs``: for processes that are not our children it waits on ``is_running()``, which stays
+    true for a zombie whose parent has not reaped it, i.e. until the timeout."""
 
     deadline = time.monotonic() + timeout
     alive = [p for p in procs if running(p)]

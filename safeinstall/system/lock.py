@@ -171,9 +171,10 @@ def _open(path: Path) -> int:
     return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
 
 
-def _try_flock(fd: int) -> bool:
+def _try_flock(fd: int, kind: int = fcntl.LOCK_EX) -> bool:
+    """Take the ``flock`` of ``kind`` without waiting; False when another holds it."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, kind | fcntl.LOCK_NB)
     except OSError as exc:
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             return False
@@ -197,10 +198,8 @@ def acquire_lock(
     grace_s: float = DEFAULT_GRACE_S,
     now: datetime | None = None,
 ) -> HeldLock:
-    """Take the lock at ``path`` for the environment ``target`` (named in messages) or refuse at once.
-
-    Raises :class:`LockHeldError` when a live run holds it. The caller owns the returned lock.
-    """
+    """Take the lock at ``path`` for the environment ``target`` (named in messages) or refuse at once. Raises
+    :class:`LockHeldError` when a live run holds it. The caller owns the returned lock."""
     deadline = time.monotonic() + grace_s
     while True:
         fd = _open(path)
@@ -264,23 +263,15 @@ def filesystem_of(path: Path) -> Path:
 
 
 def read_holder(path: Path) -> tuple[bool, LockHolder | None]:
-    """For --status: (whether a run holds the lock now, whom the file names).
-
-    Probes with a shared lock, so two probes never disturb each other; a run starting during the
-    probe's instant retries (see :data:`DEFAULT_GRACE_S`).
-    """
+    """For --status: (whether a run holds the lock now, whom the file names). Probes with a shared lock, so
+    two probes never disturb each other; a run starting during the probe's instant retries (see
+    :data:`DEFAULT_GRACE_S`)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError:
         return False, None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            held = False
-        except OSError as exc:
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise
-            held = True
+        held = not _try_flock(fd, fcntl.LOCK_SH)
         return held, parse_holder(_read_fd(fd))
     finally:
         os.close(fd)

@@ -90,14 +90,8 @@ class Copied:
 #: id) entries of 2, 2 and 4 little-endian bytes (linux/posix_acl_xattr.h).
 ACL_XATTR = "system.posix_acl_access"
 _ACL_VERSION = 2
-_ACL_USER_OBJ, _ACL_USER, _ACL_GROUP_OBJ, _ACL_GROUP, _ACL_MASK, _ACL_OTHER = (
-    0x01,
-    0x02,
-    0x04,
-    0x08,
-    0x10,
-    0x20,
-)
+_ACL_USER_OBJ, _ACL_USER, _ACL_GROUP_OBJ = 0x01, 0x02, 0x04
+_ACL_GROUP, _ACL_MASK, _ACL_OTHER = 0x08, 0x10, 0x20
 _ACL_WRITE = 0x02
 #: the id of the entries that name none (the owner, the owning group, the mask, others)
 _ACL_NO_ID = 0xFFFFFFFF
@@ -127,10 +121,8 @@ def others_who_write(
 ) -> str | None:
     """Pure: who, besides a path's owner and root, may write it by its mode or access ACL (``"every user"``,
     ``"group N"``, ``"group(s) [...] (its ACL)"``), or None. A sticky directory is the caller's to judge.
-
     ``group_root_is_root`` False (root's own state): a write by gid 0 counts as another's
-    (docs/threat-model.md).
-    """
+    (docs/threat-model.md)."""
     if everyone_may_write(mode):
         return "every user"
     if group_may_write(mode) and (gid != 0 or not group_root_is_root):
@@ -184,10 +176,9 @@ class UntrustedFile(OSError):
 def trust_problem(
     info: os.stat_result, limit: int, *, root_owned_ok: bool = True, private: bool = False
 ) -> str | None:
-    """Pure: why a file safeinstall wrote for itself must not be believed, or None: it must be a regular
-    file, the caller's (or root's, ``root_owned_ok``), written by nobody else, with ``private`` read by
-    nobody else, and at most ``limit`` bytes.
-    """
+    """Pure: why a file safeinstall wrote for itself must not be believed, or None: it must be a regular file,
+    the caller's (or root's, ``root_owned_ok``), written by nobody else, with ``private`` read by nobody else,
+    and at most ``limit`` bytes."""
     euid = os.geteuid()
     if not stat.S_ISREG(info.st_mode):
         return "it is not a regular file"
@@ -267,11 +258,15 @@ def _copy_fd(source: int, dest: int) -> Copied:
 def open_regular(path: Path) -> int:
     """Open a file the caller named (a wheel), for reading: symlinks the caller gave are followed, but it
     must be a regular file (a FIFO or a device is refused without blocking). Raises OSError."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    return _regular(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), str(path))
+
+
+def _regular(fd: int, path: str) -> int:
+    """``fd``, made blocking, when it is of a regular file; else closed, and :class:`NotRegularFile`."""
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise NotRegularFile(str(path), describe(info.st_mode))
+            raise NotRegularFile(path, describe(info.st_mode))
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
@@ -370,8 +365,7 @@ def _open_child(fd: int, name: str) -> int:
 
 def _unlink_or_open(dir_fd: int, name: str, is_dir: bool) -> int | None:
     """Unlink the entry ``name`` of ``dir_fd``, or open it when it is a directory; None when it is gone.
-    ``is_dir`` is the listing's word: where the entry changed kind since, the other way is tried.
-    """
+    ``is_dir`` is the listing's word: where the entry changed kind since, the other way is tried."""
     for _ in range(_REMOVE_TRIES):
         try:
             if is_dir:
@@ -392,13 +386,10 @@ def mount_of(fd: int) -> int | None:
     """The id of the mount that holds the open file ``fd`` (``/proc/self/fdinfo``); None when unknown.
     Read as bytes: no codec is looked up (a worker that is an account may not read the interpreter's
     ``encodings`` package to import one)."""
-    try:
-        with open(f"/proc/self/fdinfo/{fd}", "rb") as info:
-            for line in info:
-                if line.startswith(b"mnt_id:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        return None
+    with contextlib.suppress(OSError, ValueError), open(f"/proc/self/fdinfo/{fd}", "rb") as info:
+        for line in info:
+            if line.startswith(b"mnt_id:"):
+                return int(line.split()[1])
     return None
 
 
@@ -449,9 +440,8 @@ def walk_below(
     budget: list[int] | None = None,
 ) -> None:
     """Every entry below the directory ``fd`` (closed here), by descriptor with ``O_NOFOLLOW`` and no
-    recursion: directories into ``directories``, the rest into ``files``, relative to ``relative``.
-    Raises :class:`TreeTooLarge` past ``max_depth``, ``max_entries``, ``budget[0]`` or ``deadline``.
-    """
+    recursion: directories into ``directories``, the rest into ``files``, relative to ``relative``. Raises
+    :class:`TreeTooLarge` past ``max_depth``, ``max_entries``, ``budget[0]`` or ``deadline``."""
     if budget is not None:
         max_entries = min(max_entries, budget[0])
     try:
@@ -524,11 +514,9 @@ def _descend(stack: list[_Emptying], fd: int, name: str) -> None:
 
 def remove_at(dir_fd: int, name: str, deadline: float | None = None) -> bool:
     """Remove the entry ``name`` of ``dir_fd`` and, for a directory, everything below it; False when absent.
-
-    Each directory is opened by descriptor with ``O_NOFOLLOW``: a symlink is unlinked, never followed.
-    Raises OSError (past :data:`MAX_REMOVE_DEPTH`, a mount point below, EXDEV) and TimeoutError past
-    ``deadline``; what was removed stays removed.
-    """
+    Each directory is opened by descriptor with ``O_NOFOLLOW``: a symlink is unlinked, never followed. Raises
+    OSError (past :data:`MAX_REMOVE_DEPTH`, a mount point below, EXDEV) and TimeoutError past ``deadline``;
+    what was removed stays removed."""
     try:
         info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
@@ -578,9 +566,8 @@ _libc: ctypes.CDLL | None = None
 
 
 def renameat2(src_fd: int, src: str, dst_fd: int, dst: str, flags: int) -> None:
-    """``renameat2(2)`` of single names, no symlink followed: ``src`` in ``src_fd`` to ``dst`` in
-    ``dst_fd``; ``flags`` 0, :data:`RENAME_NOREPLACE` or :data:`RENAME_EXCHANGE`. Raises OSError.
-    """
+    """``renameat2(2)`` of single names, no symlink followed: ``src`` in ``src_fd`` to ``dst`` in ``dst_fd``;
+    ``flags`` 0, :data:`RENAME_NOREPLACE` or :data:`RENAME_EXCHANGE`. Raises OSError."""
     global _libc
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
@@ -627,11 +614,9 @@ class _Cursor:
 
 
 class Tree:
-    """A directory opened once; every operation below it walks by descriptor, never through a symlink.
-
-    The root is opened from ``/`` a component at a time. A context manager; shared between threads
-    safely (inside :meth:`batch`, each thread has its own cursor).
-    """
+    """A directory opened once; every operation below it walks by descriptor, never through a symlink. The
+    root is opened from ``/`` a component at a time. A context manager; shared between threads safely (inside
+    :meth:`batch`, each thread has its own cursor)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -798,20 +783,8 @@ class Tree:
         return info is not None and stat.S_ISDIR(info.st_mode)
 
     def files_below(self, relative: str) -> list[str]:
-        """Everything below the directory ``relative`` that is not a real directory (files, symlinks,
-        FIFOs...), relative to the root, sorted. Symlinked directories are listed, never entered. A
-        ``relative`` that is not a real directory has nothing below it."""
-        try:
-            fd = self._open_dir(parts_of(relative))
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        found: list[str] = []
-        self._walk(fd, relative, found)
-        return sorted(found)
-
-    def _walk(self, fd: int, relative: str, found: list[str]) -> None:
-        """Takes ``fd`` (closed here)."""
-        walk_below(fd, relative, found, [])
+        """What :meth:`walk` finds below ``relative`` that is not a real directory (files, symlinks...)."""
+        return self.walk(relative)[0]
 
     def walk(self, relative: str) -> tuple[list[str], list[str]]:
         """Everything below the directory ``relative`` ("": the root), found by listing each directory
@@ -853,15 +826,7 @@ class Tree:
                     raise NotRegularFile(relative, "a symlink") from None
         except NotADirectoryError:
             raise NotRegularFile(relative, "below a symlink or a file") from None
-        try:
-            info = os.fstat(found)
-            if not stat.S_ISREG(info.st_mode):
-                raise NotRegularFile(relative, describe(info.st_mode))
-            os.set_blocking(found, True)
-        except BaseException:
-            os.close(found)
-            raise
-        return found
+        return _regular(found, relative)
 
     def read_bytes(self, relative: str, limit: int) -> bytes:
         """The content of the regular file ``relative``; ValueError when it is larger than ``limit``."""
@@ -910,15 +875,13 @@ class Tree:
         try:
             with self.parent(relative) as (fd, name):
                 os.unlink(name, dir_fd=fd)
-        except (FileNotFoundError, NotADirectoryError):
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             return False
-        except IsADirectoryError:
-            return False
-        except PermissionError as exc:  # Linux says EPERM for unlink() of a directory
+        except PermissionError:  # Linux says EPERM for unlink() of a directory
             info = self.lstat(relative)
             if info is not None and stat.S_ISDIR(info.st_mode):
                 return False
-            raise exc
+            raise
         return True
 
     def remove_tree(self, relative: str, deadline: float | None = None) -> bool:
@@ -936,10 +899,9 @@ class Tree:
     def move_to(
         self, relative: str, dest: Tree, dest_relative: str, flags: int, directory: bool = True
     ) -> None:
-        """Move the entry ``relative`` (a file, a symlink, a whole directory) to ``dest_relative`` in
-        ``dest`` (the same filesystem) with :func:`renameat2` ``flags``; both parents are walked by
-        descriptor, no symlink followed. Raises OSError (FileNotFoundError: not there, or below a
-        symlink)."""
+        """Move the entry ``relative`` (a file, a symlink, a whole directory) to ``dest_relative`` in ``dest``
+        (the same filesystem) with :func:`renameat2` ``flags``; both parents are walked by descriptor, no
+        symlink followed. Raises OSError (FileNotFoundError: not there, or below a symlink)."""
         with self.parent(relative) as (src_fd, src), dest.parent(dest_relative) as (dst_fd, dst):
             renameat2(src_fd, src, dst_fd, dst, flags)
         self._removed_directory()
@@ -1021,10 +983,9 @@ class Tree:
         atomic: bool = True,
         acl: bytes | None = None,
     ) -> Copied:
-        """Write ``relative`` with the content of ``source_fd``, never through a symlink. ``atomic``: via
-        a temp file renamed over it, else created new; ``acl``: an access ACL set before it is visible
-        (OSError ENOTSUP where there is none).
-        """
+        """Write ``relative`` with the content of ``source_fd``, never through a symlink. ``atomic``: via a
+        temp file renamed over it, else created new; ``acl``: an access ACL set before it is visible (OSError
+        ENOTSUP where there is none)."""
         with self.parent(relative) as (fd, name):
             target = self._temp_name(name, mark) if atomic else name
             dest = os.open(target, _CREATE_FLAGS, 0o600, dir_fd=fd)
@@ -1106,9 +1067,8 @@ class Tree:
 
 def permitted(mode: int, owner: int, group: int, ids: tuple[int, int], want: int) -> bool:
     """Pure: does a file of this ``st_mode``, ``st_uid`` and ``st_gid`` grant ``want`` (the bits as for
-    others: 4 read, 2 write, 1 execute/enter, or'ed) to ``ids`` (uid, gid), a process with no
-    supplementary groups (as safeinstall runs another account's code)? Access control lists are not
-    read."""
+    others: 4 read, 2 write, 1 execute/enter, or'ed) to ``ids`` (uid, gid), a process with no supplementary
+    groups (as safeinstall runs another account's code)? Access control lists are not read."""
     shift = 6 if owner == ids[0] else 3 if group == ids[1] else 0
     return (mode >> shift) & want == want
 

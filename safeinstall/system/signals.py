@@ -34,15 +34,11 @@ class InterruptedEarly(Aborted):
     code = "interrupted"
 
 
-def interrupted_early(signum: int) -> InterruptedEarly:
-    return InterruptedEarly(
+def raise_interrupted_early(signum: int, _frame: FrameType | None) -> None:
+    raise InterruptedEarly(
         f"interrupted by {signal.Signals(signum).name}; nothing was changed",
         hint="nothing was stopped or installed; run it again when you are ready",
     )
-
-
-def raise_interrupted_early(signum: int, _frame: FrameType | None) -> None:
-    raise interrupted_early(signum)
 
 
 def install_early_handlers() -> None:
@@ -60,10 +56,9 @@ Handler = Callable[[int, FrameType | None], object] | int | None
 
 
 class Received:
-    """The signals received under :func:`interrupts_raise`. A raise may land in a ``__del__`` (dropped) or
-    a step's ``except Exception``, so every step is :meth:`checked`: none starts after a signal, and one
-    that returns after it fails as interrupted.
-    """
+    """The signals received under :func:`interrupts_raise`. A raise may land in a ``__del__`` (dropped) or a
+    step's ``except Exception``, so every step is :meth:`checked`: none starts after a signal, and one that
+    returns after it fails as interrupted."""
 
     def __init__(self) -> None:
         self.signals: list[int] = []
@@ -163,9 +158,8 @@ def map_held(pool: Executor, fn: Callable[[A], T], items: Iterable[A]) -> list[T
 
 @contextmanager
 def held_while_threads_start() -> Iterator[None]:
-    """Block SIGINT/SIGTERM/SIGHUP while threads start: a raise inside ``Thread.start`` can leave a
-    thread Python no longer knows. A signal that came meanwhile is handled on leaving.
-    """
+    """Block SIGINT/SIGTERM/SIGHUP while threads start: a raise inside ``Thread.start`` can leave a thread
+    Python no longer knows. A signal that came meanwhile is handled on leaving."""
     old = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
     try:
         yield

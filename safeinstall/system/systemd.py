@@ -26,28 +26,11 @@ from safeinstall.system.cgroups import parse_proc_cgroup, valid_unit_name
 from safeinstall.system.identity import ProcessId, read_stat
 from safeinstall.system.safefs import at_or_below
 
-#: Properties :meth:`Systemd.show` asks for, in one ``systemctl show`` call.
-SHOW_PROPERTIES: tuple[str, ...] = (
-    "Id",
-    "LoadState",
-    "ActiveState",
-    "SubState",
-    "UnitFileState",
-    "Type",
-    "MainPID",
-    "ControlGroup",
-    "TimeoutStopUSec",
-    "TimeoutStartUSec",
-    "Result",
-    "NRestarts",
-    "ExecMainStartTimestampMonotonic",
-    "ActiveExitTimestampMonotonic",
-    "ActiveEnterTimestampMonotonic",
-    "FragmentPath",
-    "Job",
-    "RequiredBy",
-    "BoundBy",
-    "ConsistsOf",
+#: Properties :meth:`Systemd.show` asks for, in one ``systemctl show -p`` call.
+SHOW_PROPERTIES = (
+    "Id,LoadState,ActiveState,SubState,UnitFileState,Type,MainPID,ControlGroup,TimeoutStopUSec,"
+    "TimeoutStartUSec,Result,NRestarts,ExecMainStartTimestampMonotonic,ActiveExitTimestampMonotonic,"
+    "ActiveEnterTimestampMonotonic,FragmentPath,Job,RequiredBy,BoundBy,ConsistsOf"
 )
 
 #: Where cgroup hierarchies may be mounted: cgroup2 in the hybrid layout, the v1 ``name=systemd``
@@ -95,11 +78,9 @@ def journal_lines(output: str, lines: int = JOURNAL_LINES) -> tuple[str, ...]:
 
 
 def parse_timespan(text: str) -> float:
-    """Seconds from a systemd time span as ``systemctl show`` prints it.
-
-    ``"1min 30s"`` -> 90.0, ``"1.500000s"`` -> 1.5, ``"500ms"``, ``"2h"``, ``"infinity"`` -> ``math.inf``;
-    a bare number counts as seconds. Raises ValueError on anything else.
-    """
+    """Seconds from a systemd time span as ``systemctl show`` prints it. ``"1min 30s"`` -> 90.0,
+    ``"1.500000s"`` -> 1.5, ``"500ms"``, ``"2h"``, ``"infinity"`` -> ``math.inf``; a bare number counts as
+    seconds. Raises ValueError on anything else."""
     stripped = text.strip()
     if stripped == "infinity":
         return math.inf
@@ -262,8 +243,7 @@ class DropinRoots:
 
 def dropin_roots(unit_path: Sequence[str]) -> DropinRoots:
     """The manager's admin configuration directories, from its ``UnitPath``: the siblings, without
-    ``.control``, of the control directories systemd lists first.
-    """
+    ``.control``, of the control directories systemd lists first."""
     controls = [entry for entry in unit_path if entry.endswith(".control")]
     if len(controls) < 2:
         raise SystemdError(
@@ -313,10 +293,8 @@ def _check_dropin_name(name: str) -> str:
 
 
 def read_cgroup_pids(control_group: str, roots: Iterable[Path] = DEFAULT_CGROUP_ROOTS) -> frozenset[int]:
-    """Every PID in ``control_group`` and its sub-cgroups, across all mounted hierarchies.
-
-    A cgroup that does not exist (any more) holds no processes.
-    """
+    """Every PID in ``control_group`` and its sub-cgroups, across all mounted hierarchies. A cgroup that does
+    not exist (any more) holds no processes."""
     relative = control_group.strip("/")
     pids: set[int] = set()
     for root in roots:
@@ -595,16 +573,22 @@ class Systemd:
 
     def show(self, units: Iterable[str]) -> dict[str, UnitInfo]:
         """State of ``units`` in one ``systemctl show`` call; unknown units have load_state "not-found"."""
+        blocks = self._show_blocks(units, SHOW_PROPERTIES, quote=True)
+        return {name: unit_info(name, block) for name, block in blocks.items()}
+
+    def _show_blocks(
+        self, units: Iterable[str], properties: str, *, quote: bool
+    ) -> dict[str, dict[str, str]]:
+        """Each unit's ``properties`` in one ``systemctl show`` call (``quote``: a miscount quotes it)."""
         names = list(dict.fromkeys(check_unit_name(unit) for unit in units))
         if not names:
             return {}
-        output = self.systemctl("show", "-p", ",".join(SHOW_PROPERTIES), "--", *names)
+        output = self.systemctl("show", "-p", properties, "--", *names)
         blocks = parse_show(output)
         if len(blocks) != len(names):
-            raise SystemdError(
-                f"systemctl show answered {len(blocks)} blocks for {len(names)} units: {output[:300]!r}"
-            )
-        return {name: unit_info(name, block) for name, block in zip(names, blocks, strict=True)}
+            said = f": {output[:300]!r}" if quote else ""
+            raise SystemdError(f"systemctl show answered {len(blocks)} blocks for {len(names)} units{said}")
+        return dict(zip(names, blocks, strict=True))
 
     def info(self, unit: str) -> UnitInfo:
         return self.show([unit])[unit]
@@ -631,11 +615,9 @@ class Systemd:
             self.systemctl("start", "--no-block", "--", unit)
 
     def stop(self, unit: str, timeout_s: float, *, cancel: threading.Event | None = None) -> StopOutcome:
-        """Stop ``unit`` and wait until it is down and its cgroup empty, for at most ``timeout_s``.
-
-        A stop systemd did not carry out is said at once, not waited out; ``cancel`` ends the wait
-        (``interrupted``).
-        """
+        """Stop ``unit`` and wait until it is down and its cgroup empty, for at most ``timeout_s``. A stop
+        systemd did not carry out is said at once, not waited out; ``cancel`` ends the wait
+        (``interrupted``)."""
         started = time.monotonic()
         before = self.info(unit)
         if not before.found:
@@ -666,25 +648,14 @@ class Systemd:
             # (KillMode=process) is the caller's to wait for and judge (a GPU holder in D: a reboot)
             stopping = info.active_state not in _STOPPED_STATES
             why = blocked.look(unit, self._scope_flag, pids, info.timeout_stop_s, now) if stopping else None
-            if why is not None:
-                return StopOutcome(unit, False, info.active_state, info.sub_state, pids, now - started, why)
             interrupted = cancel is not None and cancel.is_set()
             not_done = refused is not None and info.active_state == "active" and info.job_id is None
-            if not_done or interrupted:
-                reason = "interrupted" if interrupted else f"the stop was not carried out: {refused}"
-                return StopOutcome(
-                    unit, False, info.active_state, info.sub_state, pids, now - started, reason
-                )
-            if now >= deadline:
-                return StopOutcome(
-                    unit,
-                    False,
-                    info.active_state,
-                    info.sub_state,
-                    pids,
-                    now - started,
-                    _stop_failure_reason(info, control_group, pids, timeout_s),
-                )
+            if why is None and (not_done or interrupted):
+                why = "interrupted" if interrupted else f"the stop was not carried out: {refused}"
+            if why is None and now >= deadline:
+                why = _stop_failure_reason(info, control_group, pids, timeout_s)
+            if why is not None:
+                return StopOutcome(unit, False, info.active_state, info.sub_state, pids, now - started, why)
             time.sleep(self.poll_s)
 
     def _stop_again(self, unit: str, deadline: float) -> SystemdError | None:
@@ -711,10 +682,8 @@ class Systemd:
         seen: MainProcess | None = None,
     ) -> SettleOutcome:
         """Wait until ``unit`` is active and stays so (same main process, no restart) for ``settle_s``.
-
         ``timeout_s`` bounds the wait to become active; ``before`` and ``seen``: what it was, so that an early
-        restart counts (only a rise of ``NRestarts`` does); ``cancel`` ends the wait (``interrupted``).
-        """
+        restart counts (only a rise of ``NRestarts`` does); ``cancel`` ends the wait (``interrupted``)."""
         started = time.monotonic()
         deadline = started + timeout_s
         last_restarts = before.n_restarts if before is not None else None
@@ -780,12 +749,9 @@ class Systemd:
         return self.dropin_roots().directory(unit, persistent=persistent) / _check_dropin_name(name)
 
     def add_dropin(self, unit: str, name: str, text: str, *, persistent: bool) -> Path:
-        """Write drop-in ``name`` for ``unit`` and reload the manager.
-
-        ``persistent`` drop-ins survive a reboot (``/etc/systemd/system/UNIT.d``, or
-        ``$XDG_CONFIG_HOME/systemd/user/UNIT.d``); runtime ones live under ``/run`` (or
-        ``$XDG_RUNTIME_DIR``) and vanish with it.
-        """
+        """Write drop-in ``name`` for ``unit`` and reload the manager. ``persistent`` drop-ins survive a
+        reboot (``/etc/systemd/system/UNIT.d``, or ``$XDG_CONFIG_HOME/systemd/user/UNIT.d``); runtime ones
+        live under ``/run`` (or ``$XDG_RUNTIME_DIR``) and vanish with it."""
         path = self.dropin_path(unit, name, persistent=persistent)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -805,23 +771,16 @@ class Systemd:
 
     def start_limits(self, units: Iterable[str]) -> dict[str, StartLimit]:
         """Each unit's start limit and its last start, in one ``systemctl show`` call."""
-        names = list(dict.fromkeys(check_unit_name(unit) for unit in units))
-        if not names:
-            return {}
-        blocks = parse_show(self.systemctl("show", "-p", ",".join(START_LIMIT_PROPERTIES), "--", *names))
-        if len(blocks) != len(names):
-            raise SystemdError(f"systemctl show answered {len(blocks)} blocks for {len(names)} units")
-        return {name: start_limit(name, block) for name, block in zip(names, blocks, strict=True)}
+        blocks = self._show_blocks(units, START_LIMIT_PROPERTIES, quote=False)
+        return {name: start_limit(name, block) for name, block in blocks.items()}
 
     def reset_failed(self, unit: str) -> None:
         """``systemctl reset-failed UNIT``: its start-limit counter, failed state and restart count to 0."""
         self.systemctl("reset-failed", "--", check_unit_name(unit))
 
     def remove_dropin(self, unit: str, name: str, *, persistent: bool) -> bool:
-        """Remove drop-in ``name`` of ``unit`` (and its directory if now empty) and reload.
-
-        False (and no reload) when it was not there.
-        """
+        """Remove drop-in ``name`` of ``unit`` (and its directory if now empty) and reload. False (and no
+        reload) when it was not there."""
         path = self.dropin_path(unit, name, persistent=persistent)
         try:
             path.unlink()
@@ -917,11 +876,8 @@ def _stop_failure_reason(
 
 # ------------------------------------------------------------------------------------- start limits
 
-START_LIMIT_PROPERTIES: tuple[str, ...] = (
-    "StartLimitBurst",
-    "StartLimitIntervalUSec",
-    "InactiveExitTimestampMonotonic",
-    "ExecMainStartTimestampMonotonic",
+START_LIMIT_PROPERTIES = (
+    "StartLimitBurst,StartLimitIntervalUSec,InactiveExitTimestampMonotonic,ExecMainStartTimestampMonotonic"
 )
 
 #: Starts a run may make of one unit: its restart, and a rollback's.
@@ -946,14 +902,13 @@ def start_limit(name: str, props: Mapping[str, str]) -> StartLimit:
         interval = parse_timespan(props.get("StartLimitIntervalUSec", "") or "0")
     except ValueError:
         interval = 0.0
-    last = max(_int(props.get(key, "")) for key in START_LIMIT_PROPERTIES[2:]) / 1e6
+    last = max(_int(props.get(key, "")) for key in START_LIMIT_PROPERTIES.split(",")[2:]) / 1e6
     return StartLimit(name, _int(props.get("StartLimitBurst", "")), interval, last)
 
 
 def start_limit_risk(limit: StartLimit, now_s: float, run_starts: int = RUN_STARTS) -> str | None:
     """Pure: why the run's starts of a unit could hit its start limit, or None: a unit started within
-    ``StartLimitIntervalSec`` may have used up its window (docs/reinstall.md).
-    """
+    ``StartLimitIntervalSec`` may have used up its window (docs/reinstall.md)."""
     if limit.burst <= 0 or limit.interval_s <= 0:
         return None
     said = f"StartLimitBurst={limit.burst} within {limit.interval_s:g} s"
@@ -972,8 +927,7 @@ def start_limit_risk(limit: StartLimit, now_s: float, run_starts: int = RUN_STAR
 class ExecContext:
     """What systemd gives a unit's processes besides its command (``systemctl show``): ``Environment=``,
     ``EnvironmentFile=``, ``WorkingDirectory=``, and ``User=``, ``Group=``, ``SupplementaryGroups=``,
-    ``DynamicUser=`` as written (resolved by :func:`safeinstall.env.importcheck.unit_account`).
-    """
+    ``DynamicUser=`` as written (resolved by :func:`safeinstall.env.importcheck.unit_account`)."""
 
     unit: str
     environment: tuple[tuple[str, str], ...]
@@ -989,14 +943,7 @@ class ExecContext:
 
 #: What :func:`exec_context` asks ``systemctl show`` for.
 EXEC_PROPERTIES = (
-    "ExecStart",
-    "Environment",
-    "EnvironmentFiles",
-    "WorkingDirectory",
-    "User",
-    "Group",
-    "SupplementaryGroups",
-    "DynamicUser",
+    "ExecStart,Environment,EnvironmentFiles,WorkingDirectory,User,Group,SupplementaryGroups,DynamicUser"
 )
 
 
@@ -1061,5 +1008,5 @@ def exec_argv(value: str) -> tuple[str, ...]:
 def exec_context(systemd: Systemd, unit: str) -> ExecContext:
     """How ``unit`` runs its processes, as its manager has it loaded (SystemdError when it cannot say)."""
     name = check_unit_name(unit)
-    text = systemd.systemctl("show", "-p", ",".join(EXEC_PROPERTIES), "--", name)
+    text = systemd.systemctl("show", "-p", EXEC_PROPERTIES, "--", name)
     return parse_exec_context(name, text)

@@ -60,10 +60,9 @@ def call(
     what: str,
     environ: dict[str, str] | None = None,
 ) -> Any:
-    """Run ``work()`` in a forked worker as ``ids`` (None: an isolated root) and return its JSON answer,
-    the account's word to validate. ``environ``: its whole environment. Raises :class:`WorkerError` when it
-    fails, dies, answers over :data:`ANSWER_LIMIT` or passes ``timeout``.
-    """
+    """Run ``work()`` in a forked worker as ``ids`` (None: an isolated root) and return its JSON answer, the
+    account's word to validate. ``environ``: its whole environment. Raises :class:`WorkerError` when it fails,
+    dies, answers over :data:`ANSWER_LIMIT` or passes ``timeout``."""
     read_fd, write_fd = os.pipe()
     parent = os.getpid()
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS[:3])
