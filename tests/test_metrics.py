@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from safeinstall.run.commands.metrics import Family, Sample, render, verify_families
 from tests import wheelhouse
-from tests.bed_systemd import Units, UserManager
+from tests.bed_systemd import Units, UserManager, wait_until
 from tests.clirun import SAFEINSTALL, Result, run
 from tests.promcheck import PROMTOOL, parsed, read_metrics, value
 from tests.wheelhouse import Wheelhouse
@@ -497,6 +497,16 @@ def test_the_shipped_service_and_timer_write_the_metrics(
         status = read_metrics(textfile_dir / f"safeinstall-status-{instance}.prom")
         assert value(status, "safeinstall_status_success") == 1
         user_manager.systemctl("start", timer)
+        # OnBootSec=10min lies in the past on a host up for longer: the timer elapses at once and has
+        # no next elapse until the check it started is over (Nice=10, idle I/O: slow under load)
+        wait_until(
+            lambda: (
+                user_manager.show(timer, "NextElapseUSecRealtime")["NextElapseUSecRealtime"] not in ("", "0")
+            ),
+            timeout=600,
+            what=f"{timer}'s next elapse",
+            interval=0.5,
+        )
         shown = user_manager.show(timer, "ActiveState", "NextElapseUSecRealtime", "RandomizedDelayUSec")
         assert shown["ActiveState"] == "active" and shown["NextElapseUSecRealtime"] not in ("", "0")
         assert shown["RandomizedDelayUSec"] == "30min"
