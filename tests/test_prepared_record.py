@@ -122,6 +122,44 @@ def test_a_record_of_the_first_format_is_refused_with_the_hint_to_prepare_again(
     assert "--discard" in (caught.value.hint or "") and "prepare it again" in (caught.value.hint or "")
 
 
+def test_a_record_of_the_first_format_is_still_listed_and_dropped(tmp_path: Path) -> None:
+    """``--status`` and ``--discard`` read a record's own fields, of any format, not its tables: a run
+    prepared by the safeinstall before this one is listed, and can be discarded (else nothing could drop
+    it but removing its state by hand)."""
+    from safeinstall.run.commands.status import prepared_summary
+
+    old = json.loads(_record().to_json())
+    old.update(version=1, files={}, staged={}, members={}, cache_hashed=[], before_hashed=[])
+    raw = json.dumps(old).encode()
+    summary = PreparedRecord.from_json(raw, summary=True)
+    assert (summary.run_id, summary.prefix, summary.package, summary.changes) == (
+        "20261206T120000Z-1",
+        PREFIX,
+        "pkg",
+        ("pkg 1.0 -> 2.0",),
+    )
+    assert summary.files == {} and summary.members == {}
+    state = environment_state(tmp_path / "state", Path(PREFIX))
+    state.dir.mkdir(parents=True, mode=0o700)
+    os.chmod(state.root, 0o700)
+    (state.dir / PREPARED_FILE).write_bytes(raw)
+    os.chmod(state.dir / PREPARED_FILE, 0o600)
+    listed, problem = prepared_summary(state, now=11.5)
+    assert problem is None and listed is not None
+    assert (listed.run_id, listed.age_s, listed.changes, listed.units, listed.staged) == (
+        "20261206T120000Z-1",
+        10.0,
+        ("pkg 1.0 -> 2.0",),
+        ("app.service",),
+        True,
+    )
+    with pytest.raises(PreparedRunError, match="format 1"):  # the commit needs its tables: refused
+        read_prepared(state)
+    old["version"] = 3  # a later format: not even its summary is guessed at
+    with pytest.raises(PreparedRunError, match="format 3"):
+        PreparedRecord.from_json(json.dumps(old).encode(), summary=True)
+
+
 @pytest.mark.parametrize(
     "damage",
     [

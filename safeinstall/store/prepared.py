@@ -10,7 +10,7 @@ import os
 import sys
 from array import array
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from safeinstall.env.inodes import HashedInode
@@ -23,6 +23,9 @@ from safeinstall.system.fields import typed as _typed
 
 #: 2: the per-file tables as columns (paths below a common directory, numbers packed); 1 is refused
 PREPARED_VERSION = 2
+#: the formats whose own fields (not the per-file tables) are read: ``--status`` lists, and ``--discard``
+#: drops, a prepared run whatever safeinstall made it
+SUMMARY_VERSIONS = (1, 2)
 #: A record holds the identities of the package's files and of its staged tree: vLLM's 60k lines fit.
 PREPARED_MAX_BYTES = 64 * 1024 * 1024
 
@@ -103,24 +106,26 @@ class PreparedRecord:
         )
 
     @classmethod
-    def from_json(cls, raw: bytes) -> PreparedRecord:
+    def from_json(cls, raw: bytes, *, summary: bool = False) -> PreparedRecord:
         """The record, every field checked; PreparedRunError saying what is wrong (a record of another
-        format: made by another safeinstall, prepare again)."""
+        format: made by another safeinstall, prepare again). ``summary``: its own fields only, the
+        per-file tables left empty, of any format (what ``--status`` and ``--discard`` need)."""
         try:
             doc = json.loads(raw)
             if not isinstance(doc, dict):
                 raise ValueError("not a prepared run's record")
         except ValueError as exc:
             raise _damaged(exc) from exc
-        if doc.get("version") != PREPARED_VERSION:
+        version = doc.get("version")
+        if version != PREPARED_VERSION and not (summary and version in SUMMARY_VERSIONS):
             raise PreparedRunError(
-                f"the prepared run's record is of format {one_line(repr(doc.get('version')))}, made by "
-                f"another safeinstall; this one reads format {PREPARED_VERSION}: nothing was stopped",
+                f"the prepared run's record is of format {one_line(repr(version))}, made by another "
+                f"safeinstall; this one reads format {PREPARED_VERSION}: nothing was stopped",
                 hint="safeinstall --discard --python PY drops the prepared run; then prepare it again with "
                 "this safeinstall",
             )
         try:
-            return cls(
+            own = cls(
                 run_id=_typed(doc["run_id"], str),
                 prepared_at=float(_typed(doc["prepared_at"], (int, float))),
                 prefix=_typed(doc["prefix"], str),
@@ -130,14 +135,20 @@ class PreparedRecord:
                 uv_command=tuple(_typed(c, str) for c in _typed(doc["uv_command"], list)),
                 units=tuple(_typed(u, str) for u in _typed(doc["units"], list)),
                 processes=tuple(_pair(p) for p in _typed(doc["processes"], list)),
-                files=_identities_from(doc["files"]),
+                files={},
                 staged_root=_optional(doc.get("staged_root")),
-                staged=_identities_from(doc["staged"]),
                 staged_files=_count(doc.get("staged_files")),
                 wheel=_optional(doc.get("wheel")),
                 wheel_sha256=_optional(doc.get("wheel_sha256")),
-                wheel_identity=_identities({"wheel": doc.get("wheel_identity", [])})["wheel"],
                 backup_dir=_optional(doc.get("backup_dir")),
+            )
+            if summary:
+                return own
+            return replace(
+                own,
+                files=_identities_from(doc["files"]),
+                staged=_identities_from(doc["staged"]),
+                wheel_identity=_identities({"wheel": doc.get("wheel_identity", [])})["wheel"],
                 uv_plan=_plan(doc.get("uv_plan")),
                 members=_members(doc["members"]),
                 cache_hashed=_hashed(doc["cache_hashed"]),
@@ -348,8 +359,9 @@ def write_prepared(state: EnvironmentState, record: PreparedRecord) -> None:
 _READ: dict[tuple[int, ...], PreparedRecord] = {}
 
 
-def read_prepared(state: EnvironmentState) -> PreparedRecord | None:
-    """The record beside the journal, or None; PreparedRunError (or StateDirError) when it is not one."""
+def read_prepared(state: EnvironmentState, *, summary: bool = False) -> PreparedRecord | None:
+    """The record beside the journal, or None; PreparedRunError (or StateDirError) when it is not one.
+    ``summary``: its own fields only (:meth:`PreparedRecord.from_json`)."""
     path = state.dir / PREPARED_FILE
     try:
         info = os.lstat(path)
@@ -362,7 +374,9 @@ def read_prepared(state: EnvironmentState) -> PreparedRecord | None:
         raw = read_private_file(path, PREPARED_MAX_BYTES)
     except FileNotFoundError:
         return None
-    record = PreparedRecord.from_json(raw)
+    record = PreparedRecord.from_json(raw, summary=summary)
+    if summary:
+        return record
     try:
         after = os.lstat(path)
     except OSError:
