@@ -838,3 +838,24 @@ def test_a_wheels_install_locations_are_worked_out_once_per_environment(tmp_path
     assert wheels.install_locations(wheel, env, ["sidata/__init__.py"]) == {
         "sidata/__init__.py": again["sidata/__init__.py"]
     }
+
+
+def test_containment_says_what_lies_inside_the_prefix_lexically_and_through_links(tmp_path: Path) -> None:
+    """What the staging plan, the backup and the verify ask of every RECORD path (12k for torch,
+    normalised once each): inside lexically and once its directory's links are resolved."""
+    from safeinstall.env.containment import Containment
+
+    prefix = tmp_path / "venv"
+    (prefix / "lib" / "pkg").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    (prefix / "lib" / "out").symlink_to(tmp_path / "elsewhere")
+    (prefix / "lib" / "in").symlink_to(prefix / "lib" / "pkg")
+    for root in (str(prefix), f"{prefix}/"):
+        inside = Containment(Path(root))
+        assert inside.relative(f"{prefix}/lib/pkg/a.py") == "lib/pkg/a.py"
+        assert inside.relative(prefix / "lib" / "pkg" / ".." / "pkg" / "./a.py") == "lib/pkg/a.py"
+        assert inside.relative(f"{prefix}/lib/in/a.py") == "lib/in/a.py"  # a link that stays inside
+        assert inside.relative(f"{prefix}/lib/out/a.py") is None  # its directory resolves outside
+        assert inside.relative(f"{prefix}/lib/../../x") is None
+        assert inside.relative(str(prefix)) is None and inside.relative(f"{prefix}/") is None
+        assert inside.relative(f"{prefix}x/a.py") is None  # a sibling whose name starts with the prefix's
