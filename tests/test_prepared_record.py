@@ -76,6 +76,14 @@ def test_what_the_compact_form_cannot_pack_is_read_back_too() -> None:
         f"{PREFIX}/lib/a\nb.py": (2**64 - 1, 2**63, 0o100644, 0, -(10**12), 0),
         f"{PREFIX}/bin/\udcff\udcfe": (1, 2, 0o100755, 3, 4, 5),
         "/elsewhere/x": (1, 3, 0o100644, 3, 4, 5),
+        f"{PREFIX}/lib/./python3.11//site-packages/../../bin/y": (
+            1,
+            4,
+            0o100644,
+            3,
+            4,
+            5,
+        ),  # as a RECORD has it
     }
     record = _record(
         files=odd,
@@ -89,6 +97,9 @@ def test_what_the_compact_form_cannot_pack_is_read_back_too() -> None:
     assert PreparedRecord.from_json(empty.to_json().encode()) == empty
     one = _record(1)
     assert PreparedRecord.from_json(one.to_json().encode()) == one
+    for paths in (["/a/./b/c", "/a/./b/d"], ["/a//b/c"], ["/a/xy", "/a/xz"], ["/x"], ["/"], ["/a/b/"]):
+        table = _record(files={p: (1, 2, 3, 4, 5, 6) for p in paths})
+        assert list(PreparedRecord.from_json(table.to_json().encode()).files) == paths
 
 
 def test_the_record_holds_each_table_as_columns() -> None:

@@ -278,8 +278,8 @@ def _unpack_texts(value: Any, count: int) -> list[str]:
 def _pack_paths(paths: list[str]) -> dict[str, Any]:
     """Pure: the paths as their common directory (``base``, empty: none) and each one below it."""
     base = ""
-    if paths and all(p.startswith("/") for p in paths):
-        base = os.path.commonpath([os.path.dirname(p) for p in paths]).rstrip("/")
+    if paths and all(p.startswith("/") for p in paths):  # by string: a path is kept as written ("/./", "//")
+        base = os.path.commonprefix(paths).rpartition("/")[0]  # noqa: RUF071 (by character, on purpose)
     cut = len(base) + 1 if base else 0
     return {"count": len(paths), "base": base, "paths": _pack_texts([p[cut:] for p in paths])}
 
