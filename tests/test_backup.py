@@ -131,6 +131,11 @@ def test_backup_upgrade_restore_gives_back_v1_byte_for_byte(
 
     manifest = json.loads((backup.dir / "manifest.json").read_text())
     assert manifest["patched"] == [str(patched)]
+    # the total beside it, of this manifest (what the plan's note of the kept backups reads)
+    held = json.loads((backup.dir / "bytes.json").read_text())
+    assert held["bytes"] == sum(f["size"] for f in manifest["files"]) > 0
+    info = (backup.dir / "manifest.json").stat()
+    assert held["manifest"] == [info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns]
     assert {d["name"] for d in manifest["distributions"]} == set(NAMES)
     saved = {f["path"]: f for f in manifest["files"]}
     rel = str(patched.relative_to(env.prefix))

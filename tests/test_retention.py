@@ -118,6 +118,30 @@ def test_the_plan_says_what_the_kept_backups_hold(tmp_path: Path) -> None:
     assert "the oldest, 20261201T000000Z-1, 3.0 GiB" in note, note
 
 
+def test_the_kept_backups_are_sized_by_the_total_beside_their_manifest(tmp_path: Path) -> None:
+    """Each run's plan says what the kept backups hold: a torch backup's manifest is megabytes of JSON,
+    so its total is kept beside it (``bytes.json``, naming the manifest by identity) and read instead;
+    a total of another manifest (rewritten, replaced) or none at all: the manifest is summed."""
+    backup = tmp_path / OLD
+    backup.mkdir()
+    manifest = backup / "manifest.json"
+    manifest.write_text(json.dumps({"files": [{"path": "a", "size": 10}, {"path": "b", "size": 5}]}))
+
+    def total(held: int) -> None:
+        info = manifest.stat()
+        identity = [info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns]
+        (backup / "bytes.json").write_text(json.dumps({"manifest": identity, "bytes": held}))
+
+    assert [k.bytes for k in kept_backups(tmp_path)] == [15]  # no total: summed
+    total(7)  # not what the manifest sums to: shows which was read
+    assert [k.bytes for k in kept_backups(tmp_path)] == [7]
+    manifest.write_text(json.dumps({"files": [{"path": "a", "size": 20}]}))  # another manifest since
+    assert [k.bytes for k in kept_backups(tmp_path)] == [20]
+    total(7)
+    (backup / "bytes.json").write_text('{"manifest": "x", "bytes": 7}')  # damaged
+    assert [k.bytes for k in kept_backups(tmp_path)] == [20]
+
+
 def test_a_refusal_for_room_names_the_fewest_oldest_kept_backups_and_the_command(tmp_path: Path) -> None:
     """Issue 44: a kept backup never makes a run refuse for room without saying which to drop: the
     oldest first, as few as make the room, each with its ``--forget --run`` command; the newest

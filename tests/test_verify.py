@@ -809,3 +809,53 @@ def test_a_run_that_reinstalls_a_distribution_leaves_its_anchor_to_the_next_chec
     assert run(*check).code == 0
     again = sipure_anchor()
     assert again is not None and again.inode == record.stat().st_ino
+
+
+def test_a_wheels_install_locations_are_worked_out_once_per_environment(tmp_path: Path) -> None:
+    """A run asks where each of the wheel's members lands four times (the landing check, the directories
+    it writes, the verify's plan, the vouched files): 12k members for torch, worked out once, each caller
+    given its own copy; another environment (or wheel) has its own."""
+    from safeinstall.env import wheel as wheels
+    from safeinstall.env.environment import inspect_environment
+
+    wheel_path = wheelhouse.make_wheel(
+        tmp_path, "sidata", "1.0", {"sidata/__init__.py": b"", "sidata-1.0.data/scripts/hello": b"x\n"}
+    )
+    wheel = wheels.read_wheel(wheel_path)
+    env = inspect_environment(wheelhouse.make_venv(tmp_path / "v"))
+    other = inspect_environment(wheelhouse.make_venv(tmp_path / "w"))
+    first = wheels.install_locations(wheel, env)
+    used = wheels._ALL_LOCATIONS_USED[0]
+    first["sidata/__init__.py"] = "elsewhere"  # a caller's own copy
+    again = wheels.install_locations(wheel, env)
+    assert wheels._ALL_LOCATIONS_USED[0] == used + 1
+    assert again["sidata/__init__.py"] == os.path.join(env.purelib, "sidata", "__init__.py")
+    assert again["sidata-1.0.data/scripts/hello"] == os.path.join(env.scripts, "hello")
+    assert wheels.install_locations(wheel, other)["sidata-1.0.data/scripts/hello"] == os.path.join(
+        other.scripts, "hello"
+    )
+    assert wheels._ALL_LOCATIONS_USED[0] == used + 1
+    assert wheels.install_locations(wheel, env, ["sidata/__init__.py"]) == {
+        "sidata/__init__.py": again["sidata/__init__.py"]
+    }
+
+
+def test_containment_says_what_lies_inside_the_prefix_lexically_and_through_links(tmp_path: Path) -> None:
+    """What the staging plan, the backup and the verify ask of every RECORD path (12k for torch,
+    normalised once each): inside lexically and once its directory's links are resolved."""
+    from safeinstall.env.containment import Containment
+
+    prefix = tmp_path / "venv"
+    (prefix / "lib" / "pkg").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    (prefix / "lib" / "out").symlink_to(tmp_path / "elsewhere")
+    (prefix / "lib" / "in").symlink_to(prefix / "lib" / "pkg")
+    for root in (str(prefix), f"{prefix}/"):
+        inside = Containment(Path(root))
+        assert inside.relative(f"{prefix}/lib/pkg/a.py") == "lib/pkg/a.py"
+        assert inside.relative(prefix / "lib" / "pkg" / ".." / "pkg" / "./a.py") == "lib/pkg/a.py"
+        assert inside.relative(f"{prefix}/lib/in/a.py") == "lib/in/a.py"  # a link that stays inside
+        assert inside.relative(f"{prefix}/lib/out/a.py") is None  # its directory resolves outside
+        assert inside.relative(f"{prefix}/lib/../../x") is None
+        assert inside.relative(str(prefix)) is None and inside.relative(f"{prefix}/") is None
+        assert inside.relative(f"{prefix}x/a.py") is None  # a sibling whose name starts with the prefix's

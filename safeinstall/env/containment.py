@@ -60,11 +60,12 @@ class Containment:
 
     def relative(self, location: Path | str) -> str | None:
         """``location`` relative to the prefix when it lies inside (lexically and after resolving its
-        directory's symlinks), else None."""
-        relative = relative_to_prefix(location, self.prefix)
-        if relative is None or self.outside(os.path.normpath(location)):
+        directory's symlinks), else None. (:func:`relative_to_prefix` written out: normalised once.)"""
+        normal = os.path.normpath(location)
+        base = self.prefix if self.prefix.endswith(os.sep) else self.prefix + os.sep
+        if not normal.startswith(base) or len(normal) == len(base) or self.outside(normal):
             return None
-        return relative
+        return normal[len(base) :]
 
     def outside(self, location: str) -> bool:
         directory = location.rpartition("/")[0]  # normalised absolute: its name has no ".."

@@ -422,11 +422,30 @@ def install_location(wheel: Wheel, member: str, env: Environment) -> Path | None
 def install_locations(wheel: Wheel, env: Environment, members: Iterable[str] | None = None) -> dict[str, str]:
     """Pure: :func:`install_location` of each of ``members`` (default: all), as absolute path text
     (member -> location; members that would not land inside their scheme directory are left out). By
-    string operations: a wheel of 12k members costs pathlib more than the rest of the check."""
+    string operations: a wheel of 12k members costs pathlib more than the rest of the check. All of them
+    are worked out once for a wheel and an environment (a run asks four times), a copy returned."""
+    if members is not None:
+        return _locations(wheel, env, members)
+    for seen, where, found in _ALL_LOCATIONS:
+        if seen is wheel and where == env:
+            _ALL_LOCATIONS_USED[0] += 1
+            return dict(found)
+    found = _locations(wheel, env, wheel.members)
+    _ALL_LOCATIONS[:] = [(wheel, env, found)]
+    return dict(found)
+
+
+#: the last wheel's (a frozen object, by identity) locations of all members in the last environment, and
+#: how often they were taken from here (tests)
+_ALL_LOCATIONS: list[tuple[Wheel, Environment, dict[str, str]]] = []
+_ALL_LOCATIONS_USED = [0]
+
+
+def _locations(wheel: Wheel, env: Environment, members: Iterable[str]) -> dict[str, str]:
     roots = {scheme: os.fspath(root) for scheme, root in scheme_roots(wheel, env).items()}
     base = os.fspath(env.purelib if wheel.root_is_purelib else env.platlib)
     found: dict[str, str] = {}
-    for member in wheel.members if members is None else members:
+    for member in members:
         if member_problem(member, wheel.data_dir) is not None:
             continue
         head, _, rest = member.partition("/")

@@ -53,6 +53,9 @@ from safeinstall.system.signals import held_while_threads_start, map_held
 MANIFEST_NAME = "manifest.json"
 #: The most bytes a manifest may have: a million files' entries (a few hundred bytes each), with room.
 MANIFEST_LIMIT = 1 << 30
+#: beside the manifest: what its files take, and the manifest's identity (the plan's note of the kept
+#: backups reads it, not megabytes of manifest each; docs/reinstall.md, "Backups are bounded")
+TOTAL_NAME = "bytes.json"
 FILES_DIR = "files"
 PRUNED_DIR = "pruned"  # leftovers removed by --prune after a good install
 MANIFEST_VERSION = 1
@@ -570,6 +573,9 @@ def create_backup(
         )
         text = json.dumps(manifest_to_dict(manifest), separators=(",", ":")) + "\n"  # the C encoder
         atomic_write(backup_dir / MANIFEST_NAME, text.encode("utf-8", "surrogateescape"))
+        written = os.lstat(backup_dir / MANIFEST_NAME)
+        held = {"manifest": manifest_identity(written), "bytes": sum(f.size for f in saved)}
+        atomic_write(backup_dir / TOTAL_NAME, json.dumps(held).encode())
     except OSError as exc:
         shutil.rmtree(backup_dir, ignore_errors=True)  # root's 0700 tree: nobody else writes in it
         where = f" ({exc.filename})" if exc.filename else ""
@@ -579,6 +585,11 @@ def create_backup(
             hint="free space on that filesystem (or point SAFEINSTALL_STATE_DIR elsewhere) and run again",
         ) from exc
     return Backup(backup_dir, manifest)
+
+
+def manifest_identity(info: os.stat_result) -> list[int]:
+    """Pure: a manifest's identity as its total keeps it (any rewrite or replacement moves one)."""
+    return [info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns]
 
 
 def load_backup(backup_dir: Path) -> Backup:

@@ -14,7 +14,7 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from safeinstall.store.backup import MANIFEST_LIMIT, MANIFEST_NAME
+from safeinstall.store.backup import MANIFEST_LIMIT, MANIFEST_NAME, TOTAL_NAME, manifest_identity
 from safeinstall.store.runlog import human_bytes
 from safeinstall.store.state import StateDirError, is_run_id, read_private_file
 
@@ -118,17 +118,24 @@ def kept_backups(backups: Path) -> tuple[KeptBackup, ...]:
         names = sorted(entry.name for entry in os.scandir(backups) if entry.is_dir(follow_symlinks=False))
     except OSError:
         return ()
-    found: list[KeptBackup] = []
-    for name in names:
-        if not is_run_id(name):
-            continue
-        try:
-            data = json.loads(read_private_file(backups / name / MANIFEST_NAME, MANIFEST_LIMIT))
-            size = sum(int(f.get("size", 0)) for f in data.get("files", ()) if isinstance(f, dict))
-        except (OSError, StateDirError, ValueError, TypeError, AttributeError):
-            size = 0
-        found.append(KeptBackup(backups / name, size))
-    return tuple(found)
+    return tuple(KeptBackup(backups / name, _held(backups / name)) for name in names if is_run_id(name))
+
+
+def _held(backup: Path) -> int:
+    """What a backup's files take: its total (``bytes.json``) where it is of the manifest there now, else
+    summed from the manifest; 0 when neither can be read."""
+    try:
+        identity = manifest_identity(os.lstat(backup / MANIFEST_NAME))
+        total = json.loads(read_private_file(backup / TOTAL_NAME, 4096))
+        if total["manifest"] == identity and type(total["bytes"]) is int:
+            return int(total["bytes"])
+    except (OSError, StateDirError, ValueError, TypeError, KeyError):
+        pass
+    try:
+        data = json.loads(read_private_file(backup / MANIFEST_NAME, MANIFEST_LIMIT))
+        return sum(int(f.get("size", 0)) for f in data.get("files", ()) if isinstance(f, dict))
+    except (OSError, StateDirError, ValueError, TypeError, AttributeError):
+        return 0
 
 
 def kept_note(kept: tuple[KeptBackup, ...], keep: int) -> str | None:

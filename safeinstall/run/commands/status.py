@@ -61,7 +61,7 @@ class PreparedSummary:
 def prepared_summary(state: EnvironmentState, now: float) -> tuple[PreparedSummary | None, str | None]:
     """The prepared run's summary, or why its record cannot be read."""
     try:
-        record = read_prepared(state)
+        record = read_prepared(state, summary=True)  # any format; not its per-file tables
     except SafeInstallError as exc:
         return None, exc.message
     if record is None:

@@ -513,16 +513,16 @@ class Found:
 
 
 def prepared_runs(
-    environ: Mapping[str, str], python: str | None, env: Environment | None = None
+    environ: Mapping[str, str], python: str | None, env: Environment | None = None, summary: bool = False
 ) -> list[Found]:
     """The prepared runs of every environment (or the one ``python`` names; ``env``: it, inspected
-    already)."""
+    already); ``summary``: their records' own fields only (any format: a discard)."""
     found: list[Found] = []
     for state in states_of(environ, python, env):
         journal = read_checked_journal(state, environ)
         if journal is None or journal.phase != Phase.PREPARED:
             continue
-        record = read_prepared(state)
+        record = read_prepared(state, summary=summary)
         if record is None:
             raise PreparedRunError(
                 f"the prepared run {journal.run_id} in {journal.prefix} has no record",
@@ -537,7 +537,7 @@ def the_prepared_run(
 ) -> Found:
     """The one prepared run ``--commit`` or ``--discard`` (``verb``) takes (``env``: the environment
     ``python`` names, inspected already); PreparedRunError for none or several."""
-    found = prepared_runs(environ, python, env)
+    found = prepared_runs(environ, python, env, summary=verb == "discard")
     if not found:
         where = f" of {python}" if python else ""
         hint = (
