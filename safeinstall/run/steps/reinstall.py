@@ -42,6 +42,7 @@ from safeinstall.errors import (
 )
 from safeinstall.run.back.rollback import rollback_step
 from safeinstall.run.parts import prefill as run_prefill
+from safeinstall.run.parts import probe as run_probe
 from safeinstall.run.parts import requires, staging, undo
 from safeinstall.run.parts.options import RunOptions
 from safeinstall.run.parts.output import old_code_doc, patch_docs, plan_doc
@@ -271,6 +272,20 @@ def prefetch_step(run: Run) -> str:
     command = prefetch_command(
         request, uv_binary(), scratch, run.survey.uv_plan.changes, staging=root is not None
     )
+    _check_a_probe(run, root)  # the smoke check beside the fill's copy, on a tree that never goes live
+    try:
+        return _fetch_and_stage(run, root, scratch, cache, command, why_not)
+    except BaseException:
+        run_smoke.abandon(run)  # a check on the probe, and the probe, go with the step
+        raise
+
+
+def _fetch_and_stage(
+    run: Run, root: Path | None, scratch: Path, cache: Path, command: list[str], why_not: str | None
+) -> str:
+    """The prefetch once its tree is chosen: the fill waited for, uv's install, the check started on the
+    new version's tree (unless it runs on the probe, and the probe stands for it), the tree staged."""
+    account = run.env.account
     filled = _fill_from_owners_cache(run, cache)
     run.log(f"prefetch (UV_CACHE_DIR={cache}{_as(account)}): " + " ".join(command))
     result = None
@@ -300,13 +315,71 @@ def prefetch_step(run: Run) -> str:
             hint=prefetch_hint(result.output, run.state.dir, run.env.prefix),
         )
     try:
-        if not run.options.no_smoke:  # the tree is complete: the check runs beside what follows
+        if not run.options.no_smoke and not _probe_stands(run, root):  # the check runs beside what follows
             new = staged_tree(run.env, root) if root else target_tree(scratch)
             run_smoke.start(run, new)
         return _prefetched(run, root, cache, filled, why_not)
     except BaseException:
         run_smoke.abandon(run)
         raise
+
+
+def _check_a_probe(run: Run, root: Path | None) -> None:
+    """Where the fill still copies root's cache into the run's: the probe tree made from links of root's
+    cache (:mod:`safeinstall.run.parts.probe`) and the smoke check started on it; else nothing."""
+    prefill = run.prepared.prefill
+    why_not = run_probe.refusal(
+        run.env, run.survey.request.link_mode, prefill is not None, root is not None, run.options.no_smoke
+    )
+    if why_not is not None or prefill is None:
+        return
+    said: list[str] = []
+    probe = run_probe.make(
+        run.env,
+        run.state,
+        run.run_id,
+        prefill.source,
+        run.survey.request,
+        run.survey.uv_plan.changes,
+        run.options.environ,
+        said,
+    )
+    for line in said:
+        run.log(f"prefetch: {line}")
+    if probe is None:
+        return
+    run.probe = probe
+    run_smoke.start(run, staged_tree(run.env, probe.root))
+    if run.smoke_check is None:  # not started (said): the check waits for the staging tree
+        run_smoke.abandon(run)
+        return
+    run.log("smoke: the check runs on the probe tree, beside the fill's copy")
+
+
+def _probe_stands(run: Run, root: Path | None) -> bool:
+    """Whether the check running on the probe stands for the staging tree ``root``
+    (:func:`safeinstall.run.parts.probe.verdict_problem`); where it does not, it is ended and the probe
+    removed, said in the log: the check then runs on the staging tree."""
+    probe = run.probe
+    if probe is None:
+        return False
+    problem: str | None = "the run does not swap" if root is None or run.smoke_check is None else None
+    if problem is None and root is not None:
+        try:
+            problem = run_probe.verdict_problem(
+                run.fill,
+                probe.linked,
+                run_probe.records(run.env, probe.root),
+                run_probe.records(run.env, root),
+            )
+        except (OSError, ValueError) as exc:
+            problem = f"a RECORD could not be read: {exc}"
+    if problem is None:
+        run.log("smoke: the check on the probe tree stands for the staging tree (the same RECORDs)")
+        return True
+    run.log(f"smoke: the check on the probe tree was abandoned ({problem}): it runs on the staging tree")
+    run_smoke.abandon(run)
+    return False
 
 
 BROKEN_HINT = f"{requirements.FIXES}; nothing was stopped"
@@ -432,6 +505,7 @@ def _fill_from_owners_cache(run: Run, cache: Path) -> str:
     if prefill is not None:
         source = prefill.source
         filled, waited = run_prefill.take(prefill)
+        run.fill = filled
         beside = f", beside the preflight (the prefetch waited {waited:.1f} s for it)"
     else:
         found, why_not = run_prefill.source_of(run.options.environ, run.env, run.survey.request.link_mode)

@@ -28,6 +28,7 @@ from safeinstall.env.environment import (
 from safeinstall.env.uvplan import install as uv_install
 from safeinstall.env.uvplan import prefetch_command, uv_binary
 from safeinstall.errors import PlanError, SafeInstallError
+from safeinstall.run.parts import probe as run_probe
 from safeinstall.run.parts.running import Run
 from safeinstall.run.parts.smokethread import (
     Background,
@@ -333,6 +334,7 @@ def abandon(run: Run) -> None:
     """
     background = run.smoke_check
     if background is None:
+        end_probe(run)
         return
     background.cancel.set()  # first: whatever happens next, its children end within a poll
     mask = signals.block()
@@ -341,8 +343,21 @@ def abandon(run: Run) -> None:
         background.pool.shutdown(wait=True)
         _undo(run, background.checks.new, background.checks.shim, background.checks.opened)
         run.log("smoke: the check that ran beside the prefetch was ended")
+        end_probe(run)
     finally:
         signals.unblock(mask)
+
+
+def end_probe(run: Run) -> None:
+    """The probe tree and its cache removed once no check reads them (safeinstall.run.parts.probe);
+    what could not be, said. Idempotent."""
+    probe, run.probe = run.probe, None
+    if probe is None:
+        return
+    left = run_probe.discard(run.env, probe)
+    run.notes.extend(left)
+    for line in left or ["the probe tree and its cache removed"]:
+        run.log(f"smoke: {line}")
 
 
 def smoke_step(run: Run) -> str:
@@ -359,9 +374,14 @@ def smoke_step(run: Run) -> str:
             raise
         run.smoke_check = None
         background.pool.shutdown(wait=True)
-        beside = f"the check took {time.monotonic() - background.started:.1f} s, beside the prefetch"
+        probed = run.probe is not None and background.checks.new.top == run.probe.root
+        on = "on the probe tree, beside the fill's copy" if probed else "beside the prefetch"
+        beside = f"the check took {time.monotonic() - background.started:.1f} s, {on}"
         run.log(f"smoke: {beside}")
-        return f"{_conclude(run, background.checks, checked)} ({beside})"
+        try:
+            return f"{_conclude(run, background.checks, checked)} ({beside})"
+        finally:
+            end_probe(run)
     new = new_tree(run)
     if new is None:
         problem = _target_tree(run)
