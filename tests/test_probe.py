@@ -133,7 +133,9 @@ def test_a_rolled_back_run_leaves_no_probe(bed: Bed, tmp_path: Path) -> None:
     cache = _root_cache(tmp_path)
     _warm(bed, cache, "sicext==2.0")
     bed.service("back")
-    failed = _by_name(bed, cache, "sicext==2.0", "--health-url", "http://127.0.0.1:9/health", "--health-timeout", "1")
+    failed = _by_name(
+        bed, cache, "sicext==2.0", "--health-url", "http://127.0.0.1:9/health", "--health-timeout", "1"
+    )
     assert failed.code == 3, failed.stdout + failed.stderr
     assert "smoke: the check runs on the probe tree, beside the fill's copy" in _log(failed)
     assert bed.version() == "1.0"

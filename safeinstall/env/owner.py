@@ -307,11 +307,9 @@ def copy_cached_wheels(
 
 
 def link_cached_wheels(source: str, target: str, wanted: list[list[str]]) -> dict[str, Any]:
-    """Hardlink into the probe's throwaway cache ``target`` the unpacked wheels of ``wanted`` that the
-    cache ``source`` holds, their entries and uv's cached index pages of their names, as root (a
-    root-owned environment's probe tree, which never goes live: docs/window.md, "The smoke check beside
-    the fill's copy"). Never follows a link; what is not root's alone is not linked.
-    ``{"archives": ["bucket/id", ...], "entries": [...], "files": N}``."""
+    """Hardlink into the probe's throwaway cache ``target`` the unpacked wheels of ``wanted`` that
+    ``source`` holds, their entries and uv's index pages of their names, as root (never live: docs/window.md).
+    Never follows a link; what is not root's alone is not linked. ``{"archives", "entries", "files"}``."""
     top, there = Path(source), Path(target)
     taken: set[str] = set()
     entries: list[str] = []

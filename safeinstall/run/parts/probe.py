@@ -100,6 +100,9 @@ def make(
         log.append(f"no probe: {exc}")
         discard(env, probe)
         return None
+    except BaseException:  # a signal while uv installs it: nothing of the probe outlives the step
+        discard(env, probe)
+        raise
     if result.returncode != 0:
         tail = " ".join(result.output.strip().splitlines()[-2:])
         log.append(
