@@ -6,6 +6,7 @@ wheels, a real unit of the private manager, root's cache filled by uv itself."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -16,7 +17,8 @@ from typing import Any
 import pytest
 
 from safeinstall.env.cachefill import Filled
-from safeinstall.run.parts.probe import verdict_problem
+from safeinstall.env.environment import Account, inspect_environment
+from safeinstall.run.parts.probe import refusal, verdict_problem
 from tests import wheelhouse
 from tests.beds import Bed
 from tests.clirun import Result
@@ -188,3 +190,26 @@ def test_the_probe_stands_only_for_the_same_records_from_what_the_fill_copied() 
     assert "changed copy" in str(verdict_problem(damaged, linked, same, same))
     assert "copied nothing" in str(verdict_problem(Filled(0, 0, (), "no"), linked, same, same))
     assert "copied nothing" in str(verdict_problem(None, linked, same, same))
+
+
+def test_a_probe_only_where_a_root_owned_swap_linked_from_a_fill_of_roots_cache_is_checked(
+    bed: Bed, tmp_path: Path
+) -> None:
+    """Pure, then a real run: no probe for an account's environment, uv's other link modes, a run that
+    does not swap, no fill, a wheel given by its path (uv would unpack it twice), or ``--no-smoke``
+    (a run by name from root's warm cache: nothing of a probe made, nothing left)."""
+    env = inspect_environment(bed.python)
+    assert refusal(env, "hardlink", True, True, False, False) is None
+    account = dataclasses.replace(env, account=Account(1000, 1000, "/home/svc"))
+    assert refusal(account, "hardlink", True, True, False, False) == "the environment is an account's"
+    assert refusal(env, "copy", True, True, False, False) is not None
+    assert refusal(env, "hardlink", True, False, False, False) is not None
+    assert refusal(env, "hardlink", False, True, False, False) is not None
+    assert refusal(env, "hardlink", True, True, False, True) == "a wheel is given by its path"
+    assert refusal(env, "hardlink", True, True, True, False) == "--no-smoke"
+    cache = _root_cache(tmp_path)
+    _warm(bed, cache, "sicext==2.0")
+    done = _by_name(bed, cache, "sicext==2.0", "--no-smoke")
+    assert done.code == 0, done.stdout + done.stderr
+    assert "] prefetch: probe" not in _log(done) and "on the probe tree" not in _log(done), _log(done)
+    _no_probe_left(bed)

@@ -37,9 +37,12 @@ class Probe:
     linked: frozenset[str]
 
 
-def refusal(env: Environment, link_mode: str, filling: bool, staged: bool, no_smoke: bool) -> str | None:
+def refusal(
+    env: Environment, link_mode: str, filling: bool, staged: bool, no_smoke: bool, wheel: bool
+) -> str | None:
     """Pure: why the run makes no probe (None: it makes one): only for a root-owned environment whose
-    run swaps, links from its cache, checks the new version and fills its cache from root's."""
+    run swaps, links from its cache, checks the new version and fills its cache from root's; not for a
+    wheel given by its path (uv would unpack it a second time for the probe)."""
     if no_smoke:
         return "--no-smoke"
     if env.account is not None:
@@ -47,7 +50,9 @@ def refusal(env: Environment, link_mode: str, filling: bool, staged: bool, no_sm
     if link_mode != "hardlink" or not staged:
         return "the run does not swap from a cache it links"
     if not filling:
-        return "no fill of the run's cache is running"
+        return "the run's cache is not filled from root's"
+    if wheel:
+        return "a wheel is given by its path"
     return None
 
 

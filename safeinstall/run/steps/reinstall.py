@@ -277,6 +277,7 @@ def prefetch_step(run: Run) -> str:
         return _fetch_and_stage(run, root, scratch, cache, command, why_not)
     except BaseException:
         run_smoke.abandon(run)  # a check on the probe, and the probe, go with the step
+        run_smoke.end_probe(run)
         raise
 
 
@@ -328,10 +329,18 @@ def _check_a_probe(run: Run, root: Path | None) -> None:
     """Where the fill still copies root's cache into the run's: the probe tree made from links of root's
     cache (:mod:`safeinstall.run.parts.probe`) and the smoke check started on it; else nothing."""
     prefill = run.prepared.prefill
+    request = run.survey.request
     why_not = run_probe.refusal(
-        run.env, run.survey.request.link_mode, prefill is not None, root is not None, run.options.no_smoke
+        run.env,
+        request.link_mode,
+        prefill is not None,
+        root is not None,
+        run.options.no_smoke,
+        request.wheel is not None,
     )
     if why_not is not None or prefill is None:
+        if prefill is not None and not run.options.no_smoke and root is not None:
+            run.log(f"prefetch: no probe: {why_not}")
         return
     said: list[str] = []
     probe = run_probe.make(
@@ -351,7 +360,7 @@ def _check_a_probe(run: Run, root: Path | None) -> None:
     run.probe = probe
     run_smoke.start(run, staged_tree(run.env, probe.root))
     if run.smoke_check is None:  # not started (said): the check waits for the staging tree
-        run_smoke.abandon(run)
+        run_smoke.end_probe(run)
         return
     run.log("smoke: the check runs on the probe tree, beside the fill's copy")
 
@@ -379,6 +388,7 @@ def _probe_stands(run: Run, root: Path | None) -> bool:
         return True
     run.log(f"smoke: the check on the probe tree was abandoned ({problem}): it runs on the staging tree")
     run_smoke.abandon(run)
+    run_smoke.end_probe(run)
     return False
 
 
@@ -1269,6 +1279,7 @@ def run_reinstall(
         return _result(run, "done", ExitCode.OK, None, not_restarted, removed)
     finally:
         run_smoke.abandon(run)  # never left running, whatever ended the run
+        run_smoke.end_probe(run)  # after a rollback's restart: its removal keeps no unit down
         run_prefill.join(prepared.prefill)  # the fill's copies are in the run's cache, removed next
         # what its owner kept filling stays for the next run
         if not cache_removed:  # a good run's tidy-up removed it already
@@ -1329,7 +1340,9 @@ def _tidy_up(run: Run, hashed: Sequence[FileState]) -> tuple[str, ...]:
     later = run.options.commit  # a commit leaves what need not hold the lock to the next run
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="tidy") as pool:
         with held_while_threads_start():
-            staging_gone = pool.submit(_timed_call, lambda: _discard_staged_noted(run, keep_tree=later))
+            staging_gone = pool.submit(
+                _timed_call, lambda: _discard_staged_noted(run, keep_tree=later, probe=True)
+            )
             pruned = pool.submit(_timed_call, lambda: () if later else _prune_old_backups(run, "done"))
         # the run's cache stays until its hashes are kept (an open of one of them tells the filesystem)
         note = keep_hashes(run.state.root, run.env.prefix, run.prepared.inodes, hashed)
@@ -1380,13 +1393,16 @@ def _timed_call(action: Callable[[], _T]) -> tuple[float, _T]:
     return time.monotonic() - started, answer
 
 
-def _discard_staged_noted(run: Run, keep_tree: bool = False) -> None:
-    """:func:`_discard_staged`; a failure is a note (a good run stays one: the next run, or
-    ``--recover``, removes what is left)."""
+def _discard_staged_noted(run: Run, keep_tree: bool = False, probe: bool = False) -> None:
+    """:func:`_discard_staged`, and with ``probe`` the probe tree the check ran on
+    (:func:`safeinstall.run.steps.smoke.end_probe`); a failure is a note (a good run stays one: the next
+    run, or ``--recover``, removes what is left)."""
     try:
         _discard_staged(run, keep_tree)
     except Exception as exc:
         run.notes.append(f"the staging directory was not removed: {exc}")
+    if probe:
+        run_smoke.end_probe(run)
 
 
 def _remove_run_cache(run: Run) -> float:

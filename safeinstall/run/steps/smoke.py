@@ -334,7 +334,6 @@ def abandon(run: Run) -> None:
     """
     background = run.smoke_check
     if background is None:
-        end_probe(run)
         return
     background.cancel.set()  # first: whatever happens next, its children end within a poll
     mask = signals.block()
@@ -349,7 +348,7 @@ def abandon(run: Run) -> None:
 
 
 def end_probe(run: Run) -> None:
-    """The probe tree and its cache removed once no check reads them (safeinstall.run.parts.probe);
+    """The probe tree and its cache removed (safeinstall.run.parts.probe), once no check reads them;
     what could not be, said. Idempotent."""
     probe, run.probe = run.probe, None
     if probe is None:
@@ -378,10 +377,9 @@ def smoke_step(run: Run) -> str:
         on = "on the probe tree, beside the fill's copy" if probed else "beside the prefetch"
         beside = f"the check took {time.monotonic() - background.started:.1f} s, {on}"
         run.log(f"smoke: {beside}")
-        try:
-            return f"{_conclude(run, background.checks, checked)} ({beside})"
-        finally:
-            end_probe(run)
+        # a refusal's probe goes with the run (at its end, before the stop); a pass's, with the staging
+        # directory once the units run again (its removal is not on the way to the stop)
+        return f"{_conclude(run, background.checks, checked)} ({beside})"
     new = new_tree(run)
     if new is None:
         problem = _target_tree(run)
