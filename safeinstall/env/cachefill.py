@@ -32,6 +32,8 @@ class Filled:
     #: inode, mtime in ns)
     digests: tuple[tuple[str, str, int, int, int], ...] = ()
     unread: int = 0  # files copied in the kernel under a digest root's verified-inode store kept
+    #: the unpacked wheels copied, as ``archive-vN/ID`` below the cache (what a probe must have linked)
+    taken: tuple[str, ...] = ()
 
 
 def source_cache(environ: Mapping[str, str], account: Account | None) -> Path | None:
@@ -107,7 +109,13 @@ def fill(
     unread = answer.get("unread", 0)
     unread = unread if isinstance(unread, int) and not isinstance(unread, bool) and unread >= 0 else 0
     entries_said = tuple(str(e)[:200] for e in entries[:1000])
-    return Filled(archives, size, entries_said, damaged=said, digests=digests, unread=unread)
+    listed = answer.get("taken", [])
+    taken = tuple(
+        str(t)
+        for t in (listed if isinstance(listed, list) else [])[:1000]
+        if isinstance(t, str) and _below(t)
+    )
+    return Filled(archives, size, entries_said, damaged=said, digests=digests, unread=unread, taken=taken)
 
 
 #: A sha256 digest as a RECORD spells it (urlsafe base64, no padding)

@@ -231,7 +231,7 @@ def copy_cached_wheels(
     """Clone or copy into the run's cache ``target`` the unpacked wheels of ``wanted`` that the cache
     ``source`` holds, never linking (docs/window.md), as the owner of both; ``known``: see
     :func:`_copy_file`. An archive that differs from its RECORD is ``damaged``, not taken. Returns
-    ``{"archives", "bytes", "entries", "damaged", "digests", "unread"}`` (docs/window.md).
+    ``{"archives", "taken", "bytes", "entries", "damaged", "digests", "unread"}`` (docs/window.md).
     """
     archives: set[tuple[str, str]] = set()
     written: list[tuple[int, str, Written]] = []  # (size, path in the target, as written) of each copy
@@ -297,12 +297,103 @@ def copy_cached_wheels(
                     entries.append(f"{name} {version}")
     return {
         "archives": len(archives),
+        "taken": sorted(f"{bucket}/{archive_id}" for bucket, archive_id in archives),
         "bytes": copied,
         "entries": sorted(set(entries)),
         "damaged": sorted(set(damaged)),
         "digests": _within_budget(written),
         "unread": unread,
     }
+
+
+def link_cached_wheels(source: str, target: str, wanted: list[list[str]]) -> dict[str, Any]:
+    """Hardlink into the probe's throwaway cache ``target`` the unpacked wheels of ``wanted`` that
+    ``source`` holds, their entries and uv's index pages of their names, as root (never live: docs/window.md).
+    Never follows a link; what is not root's alone is not linked. ``{"archives", "entries", "files"}``."""
+    top, there = Path(source), Path(target)
+    taken: set[str] = set()
+    entries: list[str] = []
+    files = 0
+    try:
+        listing = sorted(os.listdir(top))
+    except OSError:
+        listing = []
+    names = {name for name, _ in wanted}
+    for bucket in (n for n in listing if re.fullmatch(r"simple-v[0-9]+", n)):
+        for index_dir in _index_dirs(top / bucket):
+            for name in names:
+                page = index_dir / f"{name}.rkyv"
+                with contextlib.suppress(OSError):
+                    files += _link_file(page, there / relative_path(page, top))
+    for bucket in (n for n in listing if re.fullmatch(r"wheels-v[0-9]+", n)):
+        for index_dir in _index_dirs(top / bucket):
+            depth = len(relative_path(index_dir, top).parts) + 1
+            for name, version in wanted:
+                entry_dir = index_dir / name
+                try:
+                    _check_controlled(os.lstat(entry_dir), entry_dir)
+                    found = sorted(os.listdir(entry_dir))
+                except OSError:
+                    continue
+                for entry in found:
+                    if not entry.startswith(f"{version}-"):
+                        continue
+                    try:
+                        if os.lstat(entry_dir / entry).st_uid != os.geteuid():
+                            continue
+                    except OSError:
+                        continue
+                    link = _archive_of(entry_dir / entry, depth)
+                    if link is None:
+                        continue
+                    bucket_name, archive_id, text = link
+                    archive = f"{bucket_name}/{archive_id}"
+                    if archive not in taken:
+                        try:
+                            files += _link_tree(top / archive, there / archive)
+                        except FileNotFoundError:
+                            continue
+                        taken.add(archive)
+                    destination = there / relative_path(entry_dir, top)
+                    destination.mkdir(parents=True, exist_ok=True)
+                    for suffix in _ENTRY_SUFFIXES:
+                        with contextlib.suppress(OSError):
+                            files += _link_file(entry_dir / (entry + suffix), destination / (entry + suffix))
+                    with contextlib.suppress(FileExistsError):
+                        os.symlink(text, destination / entry)
+                    entries.append(f"{name} {version}")
+    return {"archives": sorted(taken), "entries": sorted(set(entries)), "files": files}
+
+
+def _link_file(source: Path, destination: Path) -> int:
+    """Hardlink one regular file of root's alone (never a symlink): 1 when linked. Raises OSError."""
+    info = os.lstat(source)
+    if not stat.S_ISREG(info.st_mode):
+        return 0
+    _check_controlled(info, source)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    os.link(source, destination, follow_symlinks=False)
+    return 1
+
+
+def _link_tree(source: Path, destination: Path) -> int:
+    """Hardlink a tree of regular files and directories, root's alone (PermissionError otherwise; a
+    symlink is left out): the files linked. FileNotFoundError when ``source`` is gone."""
+    linked = 0
+    pending = [(source, destination)]
+    while pending:
+        here, dest = pending.pop()
+        with os.scandir(here) as listing:
+            os.makedirs(dest, 0o755, exist_ok=True)
+            for item in listing:
+                info = item.stat(follow_symlinks=False)
+                _check_controlled(info, Path(item.path))
+                if stat.S_ISDIR(info.st_mode):
+                    pending.append((Path(item.path), dest / item.name))
+                elif stat.S_ISREG(info.st_mode):
+                    os.link(item.path, dest / item.name, follow_symlinks=False)
+                    linked += 1
+    return linked
 
 
 #: What of the copies' digests the answer carries (the worker's answer is bounded): the largest files'

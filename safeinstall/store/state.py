@@ -45,6 +45,8 @@ LOGS_DIR = "logs"
 UV_CACHE_PREFIX = "uv-cache-"
 PREFETCH_PREFIX = "prefetch-"
 KEEP_PATCHES_PREFIX = "keep-patches-"
+#: A run's probe (its tree in the prefix, its cache here): the run's id and this (docs/window.md)
+PROBE_SUFFIX = "-probe"
 SMOKE_PREFIX = "smoke-"  # root's: the shim the smoke check's children import (safeinstall.env.importcheck)
 #: The run's own directories: uv's cache, its scratch ``--target`` directories, the smoke check's shim
 RUN_DIR_PREFIXES = (UV_CACHE_PREFIX, PREFETCH_PREFIX, KEEP_PATCHES_PREFIX, SMOKE_PREFIX)
@@ -123,6 +125,10 @@ class EnvironmentState:
     def uv_cache(self, run_id: str) -> Path:
         return self.dir / f"{UV_CACHE_PREFIX}{run_id}"
 
+    def probe_cache(self, run_id: str) -> Path:
+        """The throwaway cache of the run's probe tree (links of root's cache; docs/window.md)."""
+        return self.dir / f"{UV_CACHE_PREFIX}{run_id}{PROBE_SUFFIX}"
+
     def prefetch_dir(self, run_id: str) -> Path:
         return self.dir / f"{PREFETCH_PREFIX}{run_id}"
 
@@ -193,7 +199,8 @@ def remove_uv_caches(
     deadline = time.monotonic() + seconds
     for name in names:
         for prefix in RUN_DIR_PREFIXES:
-            mine = name.startswith(prefix) and (run_id is None or name == prefix + run_id)
+            ours = (prefix + run_id, prefix + run_id + PROBE_SUFFIX) if run_id is not None else ()
+            mine = name.startswith(prefix) and (run_id is None or name in ours)
             if mine and not remove_run_dir(state.dir / name, max(0.0, deadline - time.monotonic())):
                 left.append(str(state.dir / name))
     return tuple(left)

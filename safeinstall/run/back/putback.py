@@ -33,7 +33,7 @@ from safeinstall.store.journal import (
     effective_phase,
     units_to_start,
 )
-from safeinstall.store.state import PUT_BACK_CACHE_S, RUN_DIR_REMOVAL_S
+from safeinstall.store.state import PROBE_SUFFIX, PUT_BACK_CACHE_S, RUN_DIR_REMOVAL_S
 from safeinstall.system.gate import GATE_DROPIN, gate_marker
 from safeinstall.system.systemd import Systemd
 
@@ -121,6 +121,7 @@ def put_back(
     units = units_to_start(journal)
     start(units)
     gates = remove_gates(journal, environ, notes)
+    notes.extend(_discard_probe(journal))
     if restore is not None:  # the restored RECORDs meet the anchors they had (the units run meanwhile)
         note = carry_over(state_dir.parent, restore[0].prefix, restore[1])
         notes.extend([note] if note else [])
@@ -136,6 +137,21 @@ def put_back(
     if journal.wheel:
         discard_wheel_copy(Path(journal.wheel), state_dir)
     return done
+
+
+def _discard_probe(journal: Journal) -> list[str]:
+    """The run's probe tree (docs/window.md: never live, made before the stop), removed by the prefix's
+    owner; what could not be, said."""
+    prefix, name = Path(journal.prefix), f"{STAGING_PREFIX}{journal.run_id}{PROBE_SUFFIX}"
+    if not os.path.lexists(prefix / name):
+        return []
+    try:
+        ids = owner_of(prefix)
+    except OSError as exc:
+        return [f"{prefix}: its owner could not be read ({exc.strerror or exc}): {name} is left as it is"]
+    if discard_staging(prefix, name, RUN_DIR_REMOVAL_S, ids):
+        return []
+    return [f"{prefix / name} could not be removed: remove it by hand"]
 
 
 def _swapped(journal: Journal) -> bool:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from safeinstall.env import inodes
+from safeinstall.env.cachefill import Filled
 from safeinstall.env.environment import Environment
 from safeinstall.env.hashing import FileState
 from safeinstall.env.recorded import KeptRecord
@@ -23,6 +24,7 @@ from safeinstall.errors import SafeInstallError, StepFailed
 from safeinstall.run.parts.options import RunOptions
 from safeinstall.run.parts.patches import PatchSet
 from safeinstall.run.parts.preflight import Prepared
+from safeinstall.run.parts.probe import Probe
 from safeinstall.run.parts.results import Reporter
 from safeinstall.run.parts.smokethread import Background
 from safeinstall.run.parts.survey import Survey, systemd_for
@@ -77,6 +79,10 @@ class Run:
     #: set by the prefetch once the new version's tree is complete: the smoke check running beside the
     #: rest of it (safeinstall.run.steps.smoke), until the smoke step has its answer or the run ends it
     smoke_check: Background | None = None
+    #: set by the prefetch where the check runs beside the fill's copy: the probe tree it checks, until the
+    #: check is over (safeinstall.run.parts.probe); and what the fill answered
+    probe: Probe | None = None
+    fill: Filled | None = None
 
     @cached_property
     def systemd(self) -> Systemd:

@@ -23,7 +23,7 @@ from safeinstall.env.wheel import Wheel
 from safeinstall.run.parts.options import RunOptions
 from safeinstall.run.parts.undo import RESTORE
 from safeinstall.store.backup import Backup
-from safeinstall.store.state import PRIVATE_MODE, RUN_DIR_REMOVAL_S
+from safeinstall.store.state import PRIVATE_MODE, PROBE_SUFFIX, RUN_DIR_REMOVAL_S
 from safeinstall.system.safefs import Tree, mounts_below, parent_directories, private_to
 from safeinstall.system.worker import WorkerError
 
@@ -129,9 +129,21 @@ def make_staging(env: Environment, run_id: str) -> Path:
     mounted = mounts_below(prefix)
     if mounted:  # an exchange would carry it off with the old tree
         raise NotStaged(f"{mounted[0]} is a mount point inside the environment")
-    root = renames.staging_dir(prefix, run_id)
     for name in renames.leftover_stagings(prefix):
         renames.discard_staging(prefix, name, RUN_DIR_REMOVAL_S, ids)
+    return _made(env, renames.staging_dir(prefix, run_id))
+
+
+def make_probe(env: Environment, run_id: str) -> Path:
+    """The run's probe directory in the prefix, ``.safeinstall-swap-RUN-probe`` (a staging directory's
+    name: rollback, ``--recover`` and the next run remove it), made as :func:`make_staging` makes the
+    staging one, after it (the run's own staging directory is not a leftover). Raises NotStaged."""
+    return _made(env, renames.staging_dir(env.prefix, run_id + PROBE_SUFFIX))
+
+
+def _made(env: Environment, root: Path) -> Path:
+    """The staging directory ``root`` made in the prefix and checked (:func:`make_staging`)."""
+    prefix, ids = env.prefix, owner_ids(env)
     try:
         renames.make_staging_dir(prefix, root.name, PRIVATE_MODE, ids)
     except (OSError, WorkerError) as exc:

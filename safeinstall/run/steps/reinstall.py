@@ -42,6 +42,7 @@ from safeinstall.errors import (
 )
 from safeinstall.run.back.rollback import rollback_step
 from safeinstall.run.parts import prefill as run_prefill
+from safeinstall.run.parts import probe as run_probe
 from safeinstall.run.parts import requires, staging, undo
 from safeinstall.run.parts.options import RunOptions
 from safeinstall.run.parts.output import old_code_doc, patch_docs, plan_doc
@@ -271,6 +272,21 @@ def prefetch_step(run: Run) -> str:
     command = prefetch_command(
         request, uv_binary(), scratch, run.survey.uv_plan.changes, staging=root is not None
     )
+    _check_a_probe(run, root)  # the smoke check beside the fill's copy, on a tree that never goes live
+    try:
+        return _fetch_and_stage(run, root, scratch, cache, command, why_not)
+    except BaseException:
+        run_smoke.abandon(run)  # a check on the probe, and the probe, go with the step
+        run_smoke.end_probe(run)
+        raise
+
+
+def _fetch_and_stage(
+    run: Run, root: Path | None, scratch: Path, cache: Path, command: list[str], why_not: str | None
+) -> str:
+    """The prefetch once its tree is chosen: the fill waited for, uv's install, the check started on the
+    new version's tree (unless it runs on the probe, and the probe stands for it), the tree staged."""
+    account = run.env.account
     filled = _fill_from_owners_cache(run, cache)
     run.log(f"prefetch (UV_CACHE_DIR={cache}{_as(account)}): " + " ".join(command))
     result = None
@@ -300,13 +316,80 @@ def prefetch_step(run: Run) -> str:
             hint=prefetch_hint(result.output, run.state.dir, run.env.prefix),
         )
     try:
-        if not run.options.no_smoke:  # the tree is complete: the check runs beside what follows
+        if not run.options.no_smoke and not _probe_stands(run, root):  # the check runs beside what follows
             new = staged_tree(run.env, root) if root else target_tree(scratch)
             run_smoke.start(run, new)
         return _prefetched(run, root, cache, filled, why_not)
     except BaseException:
         run_smoke.abandon(run)
         raise
+
+
+def _check_a_probe(run: Run, root: Path | None) -> None:
+    """Where the fill still copies root's cache into the run's: the probe tree made from links of root's
+    cache (:mod:`safeinstall.run.parts.probe`) and the smoke check started on it; else nothing."""
+    prefill = run.prepared.prefill
+    request = run.survey.request
+    why_not = run_probe.refusal(
+        run.env,
+        request.link_mode,
+        prefill is not None,
+        root is not None,
+        run.options.no_smoke,
+        request.wheel is not None,
+    )
+    if why_not is not None or prefill is None:
+        if prefill is not None and not run.options.no_smoke and root is not None:
+            run.log(f"prefetch: no probe: {why_not}")
+        return
+    said: list[str] = []
+    probe = run_probe.make(
+        run.env,
+        run.state,
+        run.run_id,
+        prefill.source,
+        run.survey.request,
+        run.survey.uv_plan.changes,
+        run.options.environ,
+        said,
+    )
+    for line in said:
+        run.log(f"prefetch: {line}")
+    if probe is None:
+        return
+    run.probe = probe
+    run_smoke.start(run, staged_tree(run.env, probe.root))
+    if run.smoke_check is None:  # not started (said): the check waits for the staging tree
+        run_smoke.end_probe(run)
+        return
+    run.log("smoke: the check runs on the probe tree, beside the fill's copy")
+
+
+def _probe_stands(run: Run, root: Path | None) -> bool:
+    """Whether the check running on the probe stands for the staging tree ``root``
+    (:func:`safeinstall.run.parts.probe.verdict_problem`); where it does not, it is ended and the probe
+    removed, said in the log: the check then runs on the staging tree."""
+    probe = run.probe
+    if probe is None:
+        return False
+    problem: str | None = "the run does not swap" if root is None or run.smoke_check is None else None
+    if problem is None and root is not None:
+        try:
+            problem = run_probe.verdict_problem(
+                run.fill,
+                probe.linked,
+                run_probe.records(run.env, probe.root),
+                run_probe.records(run.env, root),
+            )
+        except (OSError, ValueError) as exc:
+            problem = f"a RECORD could not be read: {exc}"
+    if problem is None:
+        run.log("smoke: the check on the probe tree stands for the staging tree (the same RECORDs)")
+        return True
+    run.log(f"smoke: the check on the probe tree was abandoned ({problem}): it runs on the staging tree")
+    run_smoke.abandon(run)
+    run_smoke.end_probe(run)
+    return False
 
 
 BROKEN_HINT = f"{requirements.FIXES}; nothing was stopped"
@@ -432,6 +515,7 @@ def _fill_from_owners_cache(run: Run, cache: Path) -> str:
     if prefill is not None:
         source = prefill.source
         filled, waited = run_prefill.take(prefill)
+        run.fill = filled
         beside = f", beside the preflight (the prefetch waited {waited:.1f} s for it)"
     else:
         found, why_not = run_prefill.source_of(run.options.environ, run.env, run.survey.request.link_mode)
@@ -1195,6 +1279,7 @@ def run_reinstall(
         return _result(run, "done", ExitCode.OK, None, not_restarted, removed)
     finally:
         run_smoke.abandon(run)  # never left running, whatever ended the run
+        run_smoke.end_probe(run)  # after a rollback's restart: its removal keeps no unit down
         run_prefill.join(prepared.prefill)  # the fill's copies are in the run's cache, removed next
         # what its owner kept filling stays for the next run
         if not cache_removed:  # a good run's tidy-up removed it already
@@ -1255,7 +1340,9 @@ def _tidy_up(run: Run, hashed: Sequence[FileState]) -> tuple[str, ...]:
     later = run.options.commit  # a commit leaves what need not hold the lock to the next run
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="tidy") as pool:
         with held_while_threads_start():
-            staging_gone = pool.submit(_timed_call, lambda: _discard_staged_noted(run, keep_tree=later))
+            staging_gone = pool.submit(
+                _timed_call, lambda: _discard_staged_noted(run, keep_tree=later, probe=True)
+            )
             pruned = pool.submit(_timed_call, lambda: () if later else _prune_old_backups(run, "done"))
         # the run's cache stays until its hashes are kept (an open of one of them tells the filesystem)
         note = keep_hashes(run.state.root, run.env.prefix, run.prepared.inodes, hashed)
@@ -1306,13 +1393,16 @@ def _timed_call(action: Callable[[], _T]) -> tuple[float, _T]:
     return time.monotonic() - started, answer
 
 
-def _discard_staged_noted(run: Run, keep_tree: bool = False) -> None:
-    """:func:`_discard_staged`; a failure is a note (a good run stays one: the next run, or
-    ``--recover``, removes what is left)."""
+def _discard_staged_noted(run: Run, keep_tree: bool = False, probe: bool = False) -> None:
+    """:func:`_discard_staged`, and with ``probe`` the probe tree the check ran on
+    (:func:`safeinstall.run.steps.smoke.end_probe`); a failure is a note (a good run stays one: the next
+    run, or ``--recover``, removes what is left)."""
     try:
         _discard_staged(run, keep_tree)
     except Exception as exc:
         run.notes.append(f"the staging directory was not removed: {exc}")
+    if probe:
+        run_smoke.end_probe(run)
 
 
 def _remove_run_cache(run: Run) -> float:

@@ -28,6 +28,7 @@ from safeinstall.env.environment import (
 from safeinstall.env.uvplan import install as uv_install
 from safeinstall.env.uvplan import prefetch_command, uv_binary
 from safeinstall.errors import PlanError, SafeInstallError
+from safeinstall.run.parts import probe as run_probe
 from safeinstall.run.parts.running import Run
 from safeinstall.run.parts.smokethread import (
     Background,
@@ -341,8 +342,21 @@ def abandon(run: Run) -> None:
         background.pool.shutdown(wait=True)
         _undo(run, background.checks.new, background.checks.shim, background.checks.opened)
         run.log("smoke: the check that ran beside the prefetch was ended")
+        end_probe(run)
     finally:
         signals.unblock(mask)
+
+
+def end_probe(run: Run) -> None:
+    """The probe tree and its cache removed (safeinstall.run.parts.probe), once no check reads them;
+    what could not be, said. Idempotent."""
+    probe, run.probe = run.probe, None
+    if probe is None:
+        return
+    left = run_probe.discard(run.env, probe)
+    run.notes.extend(left)
+    for line in left or ["the probe tree and its cache removed"]:
+        run.log(f"smoke: {line}")
 
 
 def smoke_step(run: Run) -> str:
@@ -359,8 +373,12 @@ def smoke_step(run: Run) -> str:
             raise
         run.smoke_check = None
         background.pool.shutdown(wait=True)
-        beside = f"the check took {time.monotonic() - background.started:.1f} s, beside the prefetch"
+        probed = run.probe is not None and background.checks.new.top == run.probe.root
+        on = "on the probe tree, beside the fill's copy" if probed else "beside the prefetch"
+        beside = f"the check took {time.monotonic() - background.started:.1f} s, {on}"
         run.log(f"smoke: {beside}")
+        # a refusal's probe goes with the run (at its end, before the stop); a pass's, with the staging
+        # directory once the units run again (its removal is not on the way to the stop)
         return f"{_conclude(run, background.checks, checked)} ({beside})"
     new = new_tree(run)
     if new is None:
