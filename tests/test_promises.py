@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shlex
+import subprocess
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -211,6 +212,32 @@ def test_progress_on_a_pipe_is_a_plain_line_at_most_every_5_s(bed: Bed) -> None:
         assert min(gaps) >= 4, f"{where}: {waited}"
         assert "\x1b[" not in text  # plain lines, no terminal codes
     wait_until(lambda: bed.manager.active_state(name) == "active", 10, "unit active again")
+
+
+def test_a_reader_of_the_output_that_goes_away_leaves_the_run_to_finish(bed: Bed) -> None:
+    """``safeinstall ... | head -1``: the reader of standard output (and of standard error) closes its end
+    at once. The run is not cut short with its unit stopped: it goes on to its end, the unit runs the
+    new version and nothing waits for a --recover."""
+    name = bed.service("closed-pipe")
+    main = bed.manager.main_pid(name)
+    read_out, write_out = os.pipe()
+    read_err, write_err = os.pipe()
+    os.close(read_out)  # gone before the first line
+    os.close(read_err)
+    try:
+        proc = subprocess.Popen(
+            bed.args("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0"),
+            env=bed.environ(),
+            stdout=write_out,
+            stderr=write_err,
+        )
+    finally:
+        os.close(write_out)
+        os.close(write_err)
+    assert proc.wait(timeout=180) == 0
+    assert bed.version() == "2.0" and bed.manager.main_pid(name) not in (0, main)
+    assert bed.manager.active_state(name) == "active"
+    assert bed.journal() is None  # nothing waits for --recover
 
 
 # --- a detached run's unit, stopped -----------------------------------------------------------------

@@ -92,6 +92,16 @@ class WordWrapping(Console):
     def print(self, *objects: Any, soft_wrap: bool | None = None, **kwargs: Any) -> None:
         super().print(*objects, soft_wrap=soft_wrap and not self.is_terminal, **kwargs)
 
+    def on_broken_pipe(self) -> None:
+        """The reader went away (``safeinstall ... | head``): what is left to say goes nowhere, and the
+        run goes on to its end (rich's own answer, ``SystemExit``, would leave a stopped unit down)."""
+        self.quiet = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, self.file.fileno())
+        finally:
+            os.close(devnull)
+
 
 #: The width of output that is not a terminal when COLUMNS does not say one (a pipe to less or cat)
 PIPE_WIDTH = 80

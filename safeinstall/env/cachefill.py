@@ -34,6 +34,8 @@ class Filled:
     unread: int = 0  # files copied in the kernel under a digest root's verified-inode store kept
     #: the unpacked wheels copied, as ``archive-vN/ID`` below the cache (what a probe must have linked)
     taken: tuple[str, ...] = ()
+    #: ``(archive-vN/ID, print)`` of each taken one, walked before its copy (:func:`owner.archive_print`)
+    prints: tuple[tuple[str, str], ...] = ()
 
 
 def source_cache(environ: Mapping[str, str], account: Account | None) -> Path | None:
@@ -115,11 +117,30 @@ def fill(
         for t in (listed if isinstance(listed, list) else [])[:1000]
         if isinstance(t, str) and _below(t)
     )
-    return Filled(archives, size, entries_said, damaged=said, digests=digests, unread=unread, taken=taken)
+    return Filled(
+        archives,
+        size,
+        entries_said,
+        damaged=said,
+        digests=digests,
+        unread=unread,
+        taken=taken,
+        prints=prints_of(answer.get("prints")),
+    )
+
+
+def prints_of(answer: object) -> tuple[tuple[str, str], ...]:
+    """Pure: a worker's ``{archive: print}`` (:func:`owner.archive_print`), what is well formed of it."""
+    return tuple(
+        (archive, said)
+        for archive, said in (answer.items() if isinstance(answer, dict) else ())
+        if isinstance(archive, str) and _below(archive) and isinstance(said, str) and _PRINT.fullmatch(said)
+    )[:1000]
 
 
 #: A sha256 digest as a RECORD spells it (urlsafe base64, no padding)
 _DIGEST = re.compile(r"[A-Za-z0-9_-]{43}")
+_PRINT = re.compile(r"[0-9a-f]{64}")
 
 
 def _below(path: str) -> bool:

@@ -229,11 +229,12 @@ def copy_cached_wheels(
     source: str, target: str, wanted: list[list[str]], known: Known | None = None
 ) -> dict[str, Any]:
     """Clone or copy into the run's cache ``target`` the unpacked wheels of ``wanted`` that the cache
-    ``source`` holds, never linking (docs/window.md), as the owner of both; ``known``: see
-    :func:`_copy_file`. An archive that differs from its RECORD is ``damaged``, not taken. Returns
-    ``{"archives", "taken", "bytes", "entries", "damaged", "digests", "unread"}`` (docs/window.md).
+    ``source`` holds, never linking, as the owner of both (``known``: :func:`_copy_file`); one that
+    differs from its RECORD is ``damaged``, not taken. ``{"archives", "taken", "prints", "bytes",
+    "entries", "damaged", "digests", "unread"}`` (docs/window.md).
     """
     archives: set[tuple[str, str]] = set()
+    prints: dict[str, str] = {}
     written: list[tuple[int, str, Written]] = []  # (size, path in the target, as written) of each copy
     bad: set[tuple[str, str]] = set()
     copied = 0
@@ -271,7 +272,8 @@ def copy_cached_wheels(
                         continue
                     if (bucket_name, archive_id) not in archives:
                         archive = Path(bucket_name) / archive_id
-                        try:
+                        try:  # its print first: any later write in place moves an mtime it holds
+                            prints[f"{bucket_name}/{archive_id}"] = archive_print(top / archive)
                             size, hashed, kept = _copy_tree(top / archive, Path(target) / archive, known)
                         except FileNotFoundError:
                             continue  # a link to an archive uv has removed since
@@ -298,6 +300,9 @@ def copy_cached_wheels(
     return {
         "archives": len(archives),
         "taken": sorted(f"{bucket}/{archive_id}" for bucket, archive_id in archives),
+        "prints": {
+            archive: prints[archive] for archive in sorted(prints) if tuple(archive.split("/")) in archives
+        },
         "bytes": copied,
         "entries": sorted(set(entries)),
         "damaged": sorted(set(damaged)),
@@ -309,9 +314,11 @@ def copy_cached_wheels(
 def link_cached_wheels(source: str, target: str, wanted: list[list[str]]) -> dict[str, Any]:
     """Hardlink into the probe's throwaway cache ``target`` the unpacked wheels of ``wanted`` that
     ``source`` holds, their entries and uv's index pages of their names, as root (never live: docs/window.md).
-    Never follows a link; what is not root's alone is not linked. ``{"archives", "entries", "files"}``."""
+    Never follows a link; what is not root's alone is not linked. ``{"archives", "prints", "entries",
+    "files"}`` (``prints``: :func:`archive_print` of each linked archive)."""
     top, there = Path(source), Path(target)
     taken: set[str] = set()
+    prints: dict[str, str] = {}
     entries: list[str] = []
     files = 0
     try:
@@ -351,6 +358,7 @@ def link_cached_wheels(source: str, target: str, wanted: list[list[str]]) -> dic
                     if archive not in taken:
                         try:
                             files += _link_tree(top / archive, there / archive)
+                            prints[archive] = archive_print(there / archive)
                         except FileNotFoundError:
                             continue
                         taken.add(archive)
@@ -362,7 +370,27 @@ def link_cached_wheels(source: str, target: str, wanted: list[list[str]]) -> dic
                     with contextlib.suppress(FileExistsError):
                         os.symlink(text, destination / entry)
                     entries.append(f"{name} {version}")
-    return {"archives": sorted(taken), "entries": sorted(set(entries)), "files": files}
+    return {"archives": sorted(taken), "prints": prints, "entries": sorted(set(entries)), "files": files}
+
+
+def archive_print(root: Path) -> str:
+    """Every regular file below ``root`` by its path, inode, size and mtime, as one sha256 (hex): the
+    same print at two moments, no write in place between them (a write moves the mtime). Never follows a
+    link. Raises OSError (FileNotFoundError when ``root`` is gone)."""
+    lines: list[str] = []
+    pending = [(root, "")]
+    while pending:
+        here, relative = pending.pop()
+        with os.scandir(here) as listing:
+            for item in listing:
+                info = item.stat(follow_symlinks=False)
+                if stat.S_ISDIR(info.st_mode):
+                    pending.append((Path(item.path), f"{relative}{item.name}/"))
+                elif stat.S_ISREG(info.st_mode):
+                    lines.append(
+                        f"{relative}{item.name}\0{info.st_ino}\0{info.st_size}\0{info.st_mtime_ns}\n"
+                    )
+    return hashlib.sha256("".join(sorted(lines)).encode("utf-8", "surrogateescape")).hexdigest()
 
 
 def _link_file(source: Path, destination: Path) -> int:

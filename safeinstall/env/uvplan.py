@@ -146,6 +146,11 @@ _NETWORK_OPTIONS = (
 )
 
 
+def chooses_network(request: UvRequest) -> bool:
+    """Pure: do the extra uv arguments choose the network or a cache (``--offline`` aside)?"""
+    return _chooses(request.extra_args, _NETWORK_OPTIONS[1:])
+
+
 def window_command(command: Sequence[str], request: UvRequest) -> tuple[str, ...]:
     """Pure: the window's install: the plan's command with ``--offline`` when it installs from the run's
     own cache and the extra arguments name no network nor cache. Why: docs/window.md ("The window's

@@ -186,11 +186,15 @@ def remove_run_dir(path: Path, seconds: float = RUN_DIR_REMOVAL_S) -> bool:
 
 
 def remove_uv_caches(
-    state: EnvironmentState, run_id: str | None = None, seconds: float = RUN_DIR_REMOVAL_S
+    state: EnvironmentState,
+    run_id: str | None = None,
+    seconds: float = RUN_DIR_REMOVAL_S,
+    probes: bool = True,
 ) -> tuple[str, ...]:
     """Delete the run-private uv cache and scratch directories of ``run_id`` (None: every one left by
     runs that died), as :func:`remove_run_dir` does, within ``seconds`` in all. Installed files
-    hardlinked from the cache then share their inodes with nothing. Returns the ones left."""
+    hardlinked from the cache then share their inodes with nothing. ``probes=False``: a probe's cache
+    stays (in the downtime: it frees no room). Returns the ones left."""
     try:
         names = os.listdir(state.dir)
     except OSError:
@@ -201,6 +205,7 @@ def remove_uv_caches(
         for prefix in RUN_DIR_PREFIXES:
             ours = (prefix + run_id, prefix + run_id + PROBE_SUFFIX) if run_id is not None else ()
             mine = name.startswith(prefix) and (run_id is None or name in ours)
+            mine = mine and (probes or not name.endswith(PROBE_SUFFIX))
             if mine and not remove_run_dir(state.dir / name, max(0.0, deadline - time.monotonic())):
                 left.append(str(state.dir / name))
     return tuple(left)

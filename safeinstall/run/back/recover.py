@@ -318,7 +318,7 @@ def recover_one(
                 restore = _restore_of(journal, state)
             # the dead run's own uv cache (and scratch) first: nothing may share inodes with it, and on a
             # full disk the restore needs the room it holds (bounded: its owner may keep filling it)
-            left = remove_uv_caches(state, seconds=PUT_BACK_CACHE_S)
+            left = remove_uv_caches(state, seconds=PUT_BACK_CACHE_S, probes=False)
             try:
                 done = put_back(state.dir, journal, environ, restore, start_units, finished)
             except SafeInstallError as exc:
@@ -330,11 +330,8 @@ def recover_one(
                 stop_journalled(units_to_start(journal), environ)
                 restore = _restore_of(journal, state)
                 done = put_back(state.dir, journal, environ, restore, start_units, finished)
-            if left:
-                left = remove_uv_caches(state)
-                notes.extend(
-                    f"{path} is still being filled by its owner: left for the next run" for path in left
-                )
+            left = remove_uv_caches(state)  # what was left, and a probe's cache (kept out of the downtime)
+            notes.extend(f"{path} is still being filled by its owner: left for the next run" for path in left)
             discard_dead_copies(state.dir)  # the journal is gone: no copy of a wheel is of use now
             remove_dead_temps(state)
         except JournalError:

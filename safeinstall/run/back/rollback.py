@@ -59,7 +59,7 @@ def rollback(run: Run, error: SafeInstallError, abandon: Callable[[Run], None]) 
                 # the run's cache first: the installed files are its hardlinks, and on a full disk
                 # the restore needs the room that removing them frees only once the cache is gone;
                 # bounded, since its owner may keep filling it (the rest goes after the restart)
-                left = remove_uv_caches(run.state, run.run_id, PUT_BACK_CACHE_S)
+                left = remove_uv_caches(run.state, run.run_id, PUT_BACK_CACHE_S, probes=False)
                 if left:
                     run.log(
                         f"the run's uv cache was still being filled after {PUT_BACK_CACHE_S:g} s: "

@@ -6,7 +6,7 @@ compared: docs/window.md ("The smoke check beside the fill's copy").
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,16 +35,21 @@ class Probe:
     root: Path
     cache: Path
     linked: frozenset[str]
+    #: ``(archive, print)`` of each linked one once linked (:func:`owner.archive_print`)
+    prints: tuple[tuple[str, str], ...] = ()
 
 
 def refusal(
-    env: Environment, link_mode: str, filling: bool, staged: bool, no_smoke: bool, wheel: bool
+    env: Environment, link_mode: str, filling: bool, staged: bool, no_smoke: bool, wheel: bool, network: bool
 ) -> str | None:
     """Pure: why the run makes no probe (None: it makes one): only for a root-owned environment whose
     run swaps, links from its cache, checks the new version and fills its cache from root's; not for a
-    wheel given by its path (uv would unpack it a second time for the probe)."""
+    wheel given by its path (uv would unpack it a second time for the probe), nor where uv's arguments
+    choose the network or a cache (``--no-offline`` would undo the probe's ``--offline``)."""
     if no_smoke:
         return "--no-smoke"
+    if network:
+        return "uv's arguments choose the network or a cache"
     if env.account is not None:
         return "the environment is an account's"
     if link_mode != "hardlink" or not staged:
@@ -97,7 +102,7 @@ def make(
             log.append("no probe: the worker's answer was not understood")
             discard(env, probe)
             return None
-        probe = Probe(root, cache, frozenset(listed))
+        probe = Probe(root, cache, frozenset(listed), cachefill.prints_of(answer.get("prints")))
         command = prefetch_command(request, uv_binary(), root / renames.STAGED_TREE, changes, staging=True)
         log.append(f"probe (UV_CACHE_DIR={cache}): " + " ".join(offline(command)))
         result = uv_install(offline(command), environ, cache_dir=cache)
@@ -152,21 +157,43 @@ def records(env: Environment, root: Path) -> dict[str, bytes]:
 def verdict_problem(
     filled: cachefill.Filled | None,
     linked: frozenset[str],
+    prints: Sequence[tuple[str, str]],
     probe: Mapping[str, bytes],
     staged: Mapping[str, bytes],
 ) -> str | None:
     """Pure: why the check on the probe does not stand for the staging tree (None: it does): the fill
-    must have copied, found nothing damaged, and copied every unpacked wheel the probe linked; the two
-    trees must hold the same distributions with byte-identical RECORDs."""
+    must have copied, found nothing damaged, and copied every unpacked wheel the probe linked, each with
+    the print the probe linked (``prints``); the two trees must hold the same distributions (some) with
+    byte-identical RECORDs."""
     if filled is None or filled.problem is not None:
         return "the fill copied nothing from root's cache"
     if filled.damaged:
         return f"root's cache holds a changed copy of {', '.join(filled.damaged)}"
     if not linked <= set(filled.taken):
         return "the probe linked an unpacked wheel that the fill did not copy"
-    if set(probe) != set(staged):
+    copied = dict(filled.prints)
+    changed = sorted(a for a in linked if copied.get(a) is None or copied.get(a) != dict(prints).get(a))
+    if changed:
+        return f"root's cache changed {changed[0]} between the fill's copy and the probe's links"
+    if not staged or set(probe) != set(staged):
         return f"the probe holds {sorted(probe)}, the staging tree {sorted(staged)}"
     differ = sorted(name for name in staged if staged[name] != probe[name])
     if differ:
         return f"{differ[0]}/RECORD differs from the staging tree's"
+    return None
+
+
+def changed_since_linked(probe: Probe) -> str | None:
+    """Why the probe's links of root's cache are no longer what the fill copied (None: each linked
+    archive has the print it had once linked): a write in place while the check ran (by root's own
+    processes, or by the check itself through the links). Never raises."""
+    for archive, linked in probe.prints:
+        try:
+            now = owner.archive_print(probe.cache / archive)
+        except OSError as exc:
+            return f"{archive} of the probe's cache could not be walked: {exc}"
+        if now != linked:
+            return (
+                f"a file of root's uv cache ({archive}) was written in place while the check ran on the probe"
+            )
     return None

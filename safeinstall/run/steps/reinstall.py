@@ -26,9 +26,15 @@ from safeinstall.env.drift import Expectation, FindingKind
 from safeinstall.env.environment import Account, Environment, interpreter_in_prefix
 from safeinstall.env.hashing import FileState, Known
 from safeinstall.env.recorded import kept_record
+from safeinstall.env.uvplan import (
+    chooses_network,
+    prefetch_command,
+    secure_uv_lock,
+    uv_binary,
+    window_command,
+)
 from safeinstall.env.uvplan import dry_run as uv_dry_run
 from safeinstall.env.uvplan import install as uv_install
-from safeinstall.env.uvplan import prefetch_command, secure_uv_lock, uv_binary, window_command
 from safeinstall.env.verify import VerifyReport, verify_environment
 from safeinstall.env.vouched import Vouched, vouched_of
 from safeinstall.env.wheel import Wheel, install_locations, installed_size
@@ -337,6 +343,7 @@ def _check_a_probe(run: Run, root: Path | None) -> None:
         root is not None,
         run.options.no_smoke,
         request.wheel is not None,
+        chooses_network(request),
     )
     if why_not is not None or prefill is None:
         if prefill is not None and not run.options.no_smoke and root is not None:
@@ -378,6 +385,7 @@ def _probe_stands(run: Run, root: Path | None) -> bool:
             problem = run_probe.verdict_problem(
                 run.fill,
                 probe.linked,
+                probe.prints,
                 run_probe.records(run.env, probe.root),
                 run_probe.records(run.env, root),
             )

@@ -377,9 +377,16 @@ def smoke_step(run: Run) -> str:
         on = "on the probe tree, beside the fill's copy" if probed else "beside the prefetch"
         beside = f"the check took {time.monotonic() - background.started:.1f} s, {on}"
         run.log(f"smoke: {beside}")
-        # a refusal's probe goes with the run (at its end, before the stop); a pass's, with the staging
-        # directory once the units run again (its removal is not on the way to the stop)
-        return f"{_conclude(run, background.checks, checked)} ({beside})"
+        moved = run_probe.changed_since_linked(run.probe) if probed and run.probe is not None else None
+        if moved is None:
+            # a refusal's probe goes with the run (at its end, before the stop); a pass's, with the
+            # staging directory once the units run again (its removal is not on the way to the stop)
+            return f"{_conclude(run, background.checks, checked)} ({beside})"
+        _undo(run, background.checks.new, background.checks.shim, background.checks.opened)
+        said = f"the check on the probe tree was set aside ({moved}): it ran again on the staging tree"
+        run.notes.append(f"{said}; the next run's fill says whether root's uv cache holds a changed copy")
+        run.log(f"smoke: {said}")
+        end_probe(run)
     new = new_tree(run)
     if new is None:
         problem = _target_tree(run)
