@@ -551,3 +551,45 @@ def test_a_commit_keeps_only_the_records_it_installed(bed: Bed) -> None:
     checked = bed.cli("sipure", "--verify-only", "--json")
     drift = {(f["kind"], f["path"]) for f in checked.json["data"]["findings"] if f["drift"]}
     assert checked.code == 1 and ("record-changed", str(module)) in drift, checked.stdout
+
+
+def test_a_prepare_needs_no_yes_and_a_commit_without_one_points_at_the_status(bed: Bed) -> None:
+    """``--prepare`` stops nothing: without a terminal and without ``--yes`` it prepares (a new-user
+    review: it was refused "not confirmed: the run would stop ..."). The commit stops the unit: without
+    ``--yes`` it is refused, its hint naming ``--status`` (a dry run is refused while a run is prepared),
+    the unit untouched."""
+    name = bed.service("prep-no-yes")
+    main = bed.manager.main_pid(name)
+    prepared = bed.cli("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--prepare", "--json")
+    assert prepared.code == 0 and prepared.json["status"] == "prepared", prepared.stdout + prepared.stderr
+    _untouched(bed, name, main)
+    unasked = bed.cli("--commit", "--json")
+    assert unasked.code == 2, unasked.stdout + unasked.stderr
+    (error,) = unasked.json["errors"]
+    assert "not confirmed" in error["message"] and "--status" in error["hint"], error
+    assert "--dry-run" not in error["hint"], error
+    _untouched(bed, name, main)
+    assert bed.cli("--discard", "--json").code == 0
+    _nothing_left(bed)
+
+
+@pytest.mark.parametrize("text", ["garbage", '{"version": 2, "run_id": 5}', "{}"])
+def test_a_prepared_run_whose_record_is_damaged_is_still_discarded(bed: Bed, text: str) -> None:
+    """A new-user review: with its record damaged (or of no format) ``--discard`` refused, its hint naming
+    ``--discard`` itself, and only ``--recover`` cleared it. The journal says which run it is: the run is
+    dropped, the record with it (said), and a plain run goes again."""
+    name = bed.service("prep-damaged")
+    main = bed.manager.main_pid(name)
+    _prepared(bed)
+    (record,) = bed.state.glob("*/prepared.json")
+    record.write_text(text)
+    dropped = bed.cli("--discard", "--json")
+    assert dropped.code == 0, dropped.stdout + dropped.stderr
+    assert dropped.json["data"]["discarded"]["package"] == "sicext", dropped.json
+    assert any(
+        "record" in note and "dropped with it" in note for note in dropped.json["data"]["discarded"]["notes"]
+    )
+    _untouched(bed, name, main)
+    _nothing_left(bed)
+    again = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0", "--json")
+    assert again.code == 0, again.stdout + again.stderr

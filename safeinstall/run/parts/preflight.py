@@ -498,16 +498,21 @@ def refusal(plan: Plan) -> PlanError | None:
     )
 
 
-def unconfirmed(plan: Plan, why: str) -> NotConfirmed | None:
+def unconfirmed(plan: Plan, why: str, commit: bool = False) -> NotConfirmed | None:
     """Pure: the error of a run that would stop units and cannot ask (``why``: no terminal, ``--json``)
     and was not given ``--yes``, as apt aborts without a terminal; None when it stops no unit."""
     if not plan.units:
         return None
     units = ", ".join(u.name for u in plan.units)
+    shown = (
+        "safeinstall --status shows the prepared run"
+        if commit
+        else f"safeinstall {plan.package} --dry-run shows it"
+    )
     return NotConfirmed(
         f"not confirmed: the run would stop {units}, and {why}",
         hint="give --yes to stop them without a question (as apt-get -y), or run it on a terminal to see "
-        f"the plan and answer (safeinstall {plan.package} --dry-run shows it); nothing was stopped",
+        f"the plan and answer ({shown}); nothing was stopped",
     )
 
 

@@ -32,7 +32,7 @@ from safeinstall.run.parts.running import Run
 from safeinstall.scan.plan import PlannedProcess
 from safeinstall.store.backup import load_backup
 from safeinstall.store.history import find as find_entry
-from safeinstall.store.journal import Phase, advance, read_journal, write_journal
+from safeinstall.store.journal import Journal, Phase, advance, read_journal, write_journal
 from safeinstall.store.prepared import Identity, PreparedRecord, read_prepared
 from safeinstall.store.rundoc import RunData, RunDocument
 from safeinstall.store.state import EnvironmentState
@@ -518,18 +518,27 @@ def prepared_runs(
     """The prepared runs of every environment (or the one ``python`` names; ``env``: it, inspected
     already); ``summary``: their records' own fields only (any format: a discard)."""
     found: list[Found] = []
-    for state in states_of(environ, python, env):
-        journal = read_checked_journal(state, environ)
-        if journal is None or journal.phase != Phase.PREPARED:
-            continue
+    for state, journal in _prepared_journals(environ, python, env):
         record = read_prepared(state, summary=summary)
         if record is None:
             raise PreparedRunError(
                 f"the prepared run {journal.run_id} in {journal.prefix} has no record",
-                hint="safeinstall --discard --python PY drops it; then prepare again",
+                hint=f"safeinstall --discard --python {journal.python} drops it; then prepare again",
             )
         found.append(Found(state, record, journal.python))
     return found
+
+
+def _prepared_journals(
+    environ: Mapping[str, str], python: str | None, env: Environment | None = None
+) -> list[tuple[EnvironmentState, Journal]]:
+    """Each environment (or the one ``python`` names) whose journal says a run is prepared."""
+    journals = ((state, read_checked_journal(state, environ)) for state in states_of(environ, python, env))
+    return [
+        (state, journal)
+        for state, journal in journals
+        if journal is not None and journal.phase == Phase.PREPARED
+    ]
 
 
 def the_prepared_run(
@@ -565,9 +574,23 @@ class Discarded:
 
 def discard(environ: Mapping[str, str], python: str | None) -> Discarded:
     """The prepared run dropped as ``--recover`` drops a run that died before its stop: its staging
-    tree, uv cache, kept links, wheel copy, journal and record go; nothing was ever stopped."""
-    found = the_prepared_run(environ, python, "discard")
-    recovery = recover_one(found.state, environ, discarding=True)
-    return Discarded(
-        found.record.prefix, found.record.run_id, found.record.package, found.record.changes, recovery.notes
-    )
+    tree, uv cache, kept links, wheel copy, journal and record go; nothing was ever stopped. Its journal
+    says which run it is: a record that is missing or damaged goes with it."""
+    runs = _prepared_journals(environ, python)
+    if len(runs) > 1:
+        raise PreparedRunError(
+            f"{len(runs)} environments have a prepared run ({', '.join(j.prefix for _, j in runs)})",
+            hint="name one with --python PY",
+        )
+    if not runs:
+        the_prepared_run(environ, python, "discard")  # its error: nothing prepared there
+    state, journal = runs[0]
+    try:
+        record = read_prepared(state, summary=True)
+        unread = "" if record is not None else "it had no record"
+    except SafeInstallError as exc:
+        record, unread = None, f"its record could not be read ({exc.message})"
+    recovery = recover_one(state, environ, discarding=True)
+    notes = (*recovery.notes, *([f"{unread}: dropped with it"] if unread else []))
+    changes = record.changes if record is not None else ()
+    return Discarded(journal.prefix, journal.run_id, journal.package, changes, notes)

@@ -1151,7 +1151,7 @@ def run_reinstall(
     if options.run_id is None:  # known before the preflight: the run's cache is filled beside it
         options = replace(options, run_id=new_run_id(datetime.now(UTC), os.getpid()))
     # not for a run that will be refused for want of a yes (it would wait for the fill to say so)
-    fill = record is None and options.undo is None and (interactive or cannot_ask is None)
+    fill = record is None and options.undo is None and (interactive or cannot_ask is None or options.prepare)
     prepared = shared_preflight(options, take_lock=True, env=env, reuse=reuse, fill=fill)
     tidying: list[bool] = []
     cache_removed: list[bool] = []
@@ -1170,8 +1170,8 @@ def run_reinstall(
         refused = refusal(prepared.plan)
         if refused is not None:
             raise refused
-        if not interactive and cannot_ask is not None:
-            unasked = unconfirmed(prepared.plan, cannot_ask)
+        if not interactive and cannot_ask is not None and not options.prepare:  # a prepare stops nothing
+            unasked = unconfirmed(prepared.plan, cannot_ask, commit=record is not None)
             if unasked is not None:
                 raise unasked
         merged = None  # --keep-patches: the merge made before the question, which says whether it holds
