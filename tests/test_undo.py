@@ -171,6 +171,25 @@ def test_a_change_since_the_run_refuses_the_undo_before_anything_stops(bed: Bed)
     assert _files(bed.site) == after  # nothing touched
 
 
+def test_a_backup_changed_since_its_run_refuses_the_undo_saying_why(bed: Bed) -> None:
+    """A backup file whose bytes are no longer those saved (one hardlinked with uv's cache or another
+    venv changes with it): the undo is refused before the stop, saying that the backup changed, not
+    only naming a path in a staging tree that is gone already (a new-user review)."""
+    name = bed.service("backup-changed")
+    run_id = _upgrade(bed)
+    main = bed.manager.main_pid(name)
+    (saved,) = [p for p in bed.state.glob(f"*/backups/{run_id}/**/serve.py") if p.is_file()]
+    saved.write_bytes(saved.read_bytes().replace(b"\n", b" \n", 1))
+
+    result = bed.safeinstall("--undo", "--settle", "0.5", "--json")
+
+    assert result.code == 2, result.stdout + result.stderr
+    error = result.json["errors"][0]
+    assert "not the bytes the backup saved" in error["message"], error
+    assert "changed since its run" in error["hint"], error
+    assert bed.manager.main_pid(name) == main and bed.version() == "2.0"
+
+
 def test_a_pruned_backup_refuses_and_says_which_runs_can_be_undone(bed: Bed) -> None:
     bed.service("pruned")
     first = _upgrade(bed)

@@ -1065,10 +1065,17 @@ def undo_stage_step(run: Run) -> str:
     written = stage_backup(replace(target.backup, manifest=listed), root / renames.STAGED_TREE)
     if not written.ok:
         renames.discard_staging(run.env.prefix, root.name, RUN_DIR_REMOVAL_S, ids)
-        problems = [*written.mismatches, *written.failures]
+        differ = (
+            [f"{undo.listed(written.mismatches)} (not the bytes the backup saved: changed since it was made)"]
+            if written.mismatches
+            else []
+        )
         raise PlanError(
-            f"the backup of run {target.run_id} could not be staged: {undo.listed(problems)}",
-            hint="nothing was stopped; safeinstall --verify-only shows the environment",
+            f"the backup of run {target.run_id} could not be staged: "
+            + "; ".join([*differ, *written.failures[: undo.LISTED]]),
+            hint="nothing was stopped; a backup whose files changed since its run (a file linked with uv's "
+            "cache or another venv changes with it) is not undone to; safeinstall --verify-only shows the "
+            "environment",
         )
     why_not = _stage(run, root)
     if run.staged is None:
