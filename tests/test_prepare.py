@@ -583,6 +583,8 @@ def test_a_prepared_run_whose_record_is_damaged_is_still_discarded(bed: Bed, tex
     _prepared(bed)
     (record,) = bed.state.glob("*/prepared.json")
     record.write_text(text)
+    shown = bed.cli("--status").stdout
+    assert "its record unreadable" in shown and "idle" not in shown, shown
     dropped = bed.cli("--discard", "--json")
     assert dropped.code == 0, dropped.stdout + dropped.stderr
     assert dropped.json["data"]["discarded"]["package"] == "sicext", dropped.json

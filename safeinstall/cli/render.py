@@ -947,6 +947,8 @@ def render_status(out: Console, found: list[EnvironmentStatus], last: int = 5) -
                 + literal(f", restart {' '.join(p.units) or 'no unit'}")
                 + f" ({'a swap' if p.staged else 'uv in the window'}); safeinstall --commit or --discard"
             )
+        elif s.journal_phase == "prepared":  # its record could not be read (the journal says it waits)
+            state = "[cyan]prepared[/], its record unreadable: safeinstall --discard drops it"
         else:
             state = "[green]idle[/]"
         if s.prefix_exists is False:
