@@ -48,6 +48,8 @@ calls = {
     "read_texts": lambda: owner.read_texts([prefix + "/lib/carried.py", prefix + "/nothing"], 1000),
     "write_carried": lambda: owner.write_carried(Path(prefix), prefix + "/lib/carried.py", b"merged\n"),
     "copy_cached_wheels": lambda: owner.copy_cached_wheels(cache, target, [["pkg", "1.0"]]),
+    "link_cached_wheels": lambda: owner.link_cached_wheels(cache, target + "/probe", [["pkg", "1.0"]]),
+    "archive_print": lambda: owner.archive_print(Path(cache) / "archive-v0" / "abc123"),
 }
 said = {}
 for name, work in calls.items():
@@ -108,6 +110,13 @@ def test_every_worker_entry_point_runs_from_a_tool_the_account_cannot_read(
     assert said["remove_kept"] == {"left": []} and not list(prefix.glob(".safeinstall-keep-*")), said
     assert said["remove_installed"]["removed"] == ["lib/pkg/mod.py"], said
     assert said["copy_cached_wheels"]["entries"] == ["pkg 1.0"], said
+    assert said["link_cached_wheels"]["archives"] == ["archive-v0/abc123"], said
+    printed = said["archive_print"]  # the fill's walk, the probe's links and the archive: one print
+    assert (
+        said["copy_cached_wheels"]["prints"]
+        == said["link_cached_wheels"]["prints"]
+        == {"archive-v0/abc123": printed}
+    )
     assert said["children.run"] == str(NOBODY)
     assert said["read_texts"][0] == ["original\n", None] and said["read_texts"][1][0] is None, said
     assert (prefix / "lib" / "carried.py").read_text() == "merged\n"
