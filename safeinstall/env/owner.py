@@ -18,7 +18,7 @@ import re
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -242,61 +242,34 @@ def copy_cached_wheels(
     entries: list[str] = []
     damaged: list[str] = []
     top = Path(source)
-    try:
-        buckets = sorted(n for n in os.listdir(top) if re.fullmatch(r"wheels-v[0-9]+", n))
-    except OSError:
-        buckets = []
-    for bucket in buckets:
-        for index_dir in _index_dirs(top / bucket):
-            depth = len(relative_path(index_dir, top).parts) + 1  # the name's directory below the top
-            for name, version in wanted:
-                entry_dir = index_dir / name
-                try:
-                    _check_controlled(os.lstat(entry_dir), entry_dir)
-                    names = os.listdir(entry_dir)
-                except OSError:
-                    continue
-                for entry in names:
-                    if not entry.startswith(f"{version}-"):
-                        continue
-                    try:  # a link names the archive: it must be this worker's own
-                        if os.lstat(entry_dir / entry).st_uid != os.geteuid():
-                            continue
-                    except OSError:
-                        continue
-                    link = _archive_of(entry_dir / entry, depth)
-                    if link is None:
-                        continue
-                    bucket_name, archive_id, text = link
-                    if (bucket_name, archive_id) in bad:
-                        continue
-                    if (bucket_name, archive_id) not in archives:
-                        archive = Path(bucket_name) / archive_id
-                        try:  # its print first: any later write in place moves an mtime it holds
-                            prints[f"{bucket_name}/{archive_id}"] = archive_print(top / archive)
-                            size, hashed, kept = _copy_tree(top / archive, Path(target) / archive, known)
-                        except FileNotFoundError:
-                            continue  # a link to an archive uv has removed since
-                        digests = {relative: written[0] for _, relative, written in hashed}
-                        if not _matches_record(Path(target) / archive, digests):
-                            _remove_tree(Path(target) / archive)
-                            bad.add((bucket_name, archive_id))
-                            damaged.append(f"{name} {version}")
-                            continue
-                        copied += size
-                        unread += kept
-                        archives.add((bucket_name, archive_id))
-                        written.extend((n, f"{archive}/{relative}", d) for n, relative, d in hashed)
-                    destination = Path(target) / relative_path(entry_dir, top)
-                    destination.mkdir(parents=True, exist_ok=True)
-                    for suffix in _ENTRY_SUFFIXES:
-                        with contextlib.suppress(FileNotFoundError, FileExistsError):
-                            copied += _copy_file(
-                                entry_dir / (entry + suffix), destination / (entry + suffix)
-                            )[0]
-                    with contextlib.suppress(FileExistsError):
-                        os.symlink(text, destination / entry)
-                    entries.append(f"{name} {version}")
+    for name, version, entry_dir, entry, (bucket_name, archive_id, text) in _cached_entries(top, wanted):
+        if (bucket_name, archive_id) in bad:
+            continue
+        if (bucket_name, archive_id) not in archives:
+            archive = Path(bucket_name) / archive_id
+            try:  # its print first: any later write in place moves an mtime it holds
+                prints[f"{bucket_name}/{archive_id}"] = archive_print(top / archive)
+                size, hashed, kept = _copy_tree(top / archive, Path(target) / archive, known)
+            except FileNotFoundError:
+                continue  # a link to an archive uv has removed since
+            digests = {relative: written[0] for _, relative, written in hashed}
+            if not _matches_record(Path(target) / archive, digests):
+                _remove_tree(Path(target) / archive)
+                bad.add((bucket_name, archive_id))
+                damaged.append(f"{name} {version}")
+                continue
+            copied += size
+            unread += kept
+            archives.add((bucket_name, archive_id))
+            written.extend((n, f"{archive}/{relative}", d) for n, relative, d in hashed)
+        destination = Path(target) / relative_path(entry_dir, top)
+        destination.mkdir(parents=True, exist_ok=True)
+        for suffix in _ENTRY_SUFFIXES:
+            with contextlib.suppress(FileNotFoundError, FileExistsError):
+                copied += _copy_file(entry_dir / (entry + suffix), destination / (entry + suffix))[0]
+        with contextlib.suppress(FileExistsError):
+            os.symlink(text, destination / entry)
+        entries.append(f"{name} {version}")
     return {
         "archives": len(archives),
         "taken": sorted(f"{bucket}/{archive_id}" for bucket, archive_id in archives),
@@ -332,9 +305,39 @@ def link_cached_wheels(source: str, target: str, wanted: list[list[str]]) -> dic
                 page = index_dir / f"{name}.rkyv"
                 with contextlib.suppress(OSError):
                     files += _link_file(page, there / relative_path(page, top))
-    for bucket in (n for n in listing if re.fullmatch(r"wheels-v[0-9]+", n)):
+    for name, version, entry_dir, entry, (bucket_name, archive_id, text) in _cached_entries(top, wanted):
+        archive = f"{bucket_name}/{archive_id}"
+        if archive not in taken:
+            try:
+                files += _link_tree(top / archive, there / archive)
+                prints[archive] = archive_print(there / archive)
+            except FileNotFoundError:
+                continue
+            taken.add(archive)
+        destination = there / relative_path(entry_dir, top)
+        destination.mkdir(parents=True, exist_ok=True)
+        for suffix in _ENTRY_SUFFIXES:
+            with contextlib.suppress(OSError):
+                files += _link_file(entry_dir / (entry + suffix), destination / (entry + suffix))
+        with contextlib.suppress(FileExistsError):
+            os.symlink(text, destination / entry)
+        entries.append(f"{name} {version}")
+    return {"archives": sorted(taken), "prints": prints, "entries": sorted(set(entries)), "files": files}
+
+
+def _cached_entries(
+    top: Path, wanted: list[list[str]]
+) -> Iterator[tuple[str, str, Path, str, tuple[str, str, str]]]:
+    """Each entry of uv's cache ``top`` for a ``[name, version]`` of ``wanted`` that is this worker's own
+    link to an unpacked wheel: ``(name, version, its directory, its name, (bucket, archive id, link
+    text))``. Never follows a link; a directory another may write is passed over."""
+    try:
+        buckets = sorted(n for n in os.listdir(top) if re.fullmatch(r"wheels-v[0-9]+", n))
+    except OSError:
+        buckets = []
+    for bucket in buckets:
         for index_dir in _index_dirs(top / bucket):
-            depth = len(relative_path(index_dir, top).parts) + 1
+            depth = len(relative_path(index_dir, top).parts) + 1  # the name's directory below the top
             for name, version in wanted:
                 entry_dir = index_dir / name
                 try:
@@ -345,32 +348,14 @@ def link_cached_wheels(source: str, target: str, wanted: list[list[str]]) -> dic
                 for entry in found:
                     if not entry.startswith(f"{version}-"):
                         continue
-                    try:
+                    try:  # a link names the archive: it must be this worker's own
                         if os.lstat(entry_dir / entry).st_uid != os.geteuid():
                             continue
                     except OSError:
                         continue
                     link = _archive_of(entry_dir / entry, depth)
-                    if link is None:
-                        continue
-                    bucket_name, archive_id, text = link
-                    archive = f"{bucket_name}/{archive_id}"
-                    if archive not in taken:
-                        try:
-                            files += _link_tree(top / archive, there / archive)
-                            prints[archive] = archive_print(there / archive)
-                        except FileNotFoundError:
-                            continue
-                        taken.add(archive)
-                    destination = there / relative_path(entry_dir, top)
-                    destination.mkdir(parents=True, exist_ok=True)
-                    for suffix in _ENTRY_SUFFIXES:
-                        with contextlib.suppress(OSError):
-                            files += _link_file(entry_dir / (entry + suffix), destination / (entry + suffix))
-                    with contextlib.suppress(FileExistsError):
-                        os.symlink(text, destination / entry)
-                    entries.append(f"{name} {version}")
-    return {"archives": sorted(taken), "prints": prints, "entries": sorted(set(entries)), "files": files}
+                    if link is not None:
+                        yield name, version, entry_dir, entry, link
 
 
 def archive_print(root: Path) -> str:
