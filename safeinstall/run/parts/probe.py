@@ -171,8 +171,8 @@ def verdict_problem(
         return f"root's cache holds a changed copy of {', '.join(filled.damaged)}"
     if not linked <= set(filled.taken):
         return "the probe linked an unpacked wheel that the fill did not copy"
-    copied = dict(filled.prints)
-    changed = sorted(a for a in linked if copied.get(a) is None or copied.get(a) != dict(prints).get(a))
+    copied, printed = dict(filled.prints), dict(prints)
+    changed = sorted(a for a in linked if copied.get(a) is None or copied.get(a) != printed.get(a))
     if changed:
         return f"root's cache changed {changed[0]} between the fill's copy and the probe's links"
     if not staged or set(probe) != set(staged):

@@ -556,11 +556,16 @@ def the_prepared_run(
         )
         raise PreparedRunError(f"no prepared run{where} to {verb}", hint=hint)
     if len(found) > 1:
-        raise PreparedRunError(
-            f"{len(found)} environments have a prepared run ({', '.join(f.record.prefix for f in found)})",
-            hint="name one with --python PY",
-        )
+        raise _several([f.record.prefix for f in found])
     return found[0]
+
+
+def _several(prefixes: list[str]) -> PreparedRunError:
+    """Pure: the refusal of a ``--commit`` or ``--discard`` without ``--python`` that finds several."""
+    return PreparedRunError(
+        f"{len(prefixes)} environments have a prepared run ({', '.join(prefixes)})",
+        hint="name one with --python PY",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -578,10 +583,7 @@ def discard(environ: Mapping[str, str], python: str | None) -> Discarded:
     says which run it is: a record that is missing or damaged goes with it."""
     runs = _prepared_journals(environ, python)
     if len(runs) > 1:
-        raise PreparedRunError(
-            f"{len(runs)} environments have a prepared run ({', '.join(j.prefix for _, j in runs)})",
-            hint="name one with --python PY",
-        )
+        raise _several([journal.prefix for _, journal in runs])
     if not runs:
         the_prepared_run(environ, python, "discard")  # its error: nothing prepared there
     state, journal = runs[0]
