@@ -68,3 +68,21 @@ RUN_FIELDS = frozenset(
         "service_downtime_s",  # issue 34: null without --health-url
     }
 )
+
+
+def verify_all(
+    python: Path, state: Path, *args: str, codes: tuple[int, ...] = (0, 1)
+) -> tuple[int, dict[str, Any]]:
+    """``--verify-only --all --json`` of ``python``'s environment with the state directory ``state``: its
+    exit code (one of ``codes``, else the test fails with its standard error) and its document."""
+    result = run(
+        "--verify-only",
+        "--all",
+        "--python",
+        str(python),
+        "--json",
+        *args,
+        env={**os.environ, "SAFEINSTALL_STATE_DIR": str(state)},
+    )
+    assert result.code in codes, result.stderr
+    return result.code, result.json

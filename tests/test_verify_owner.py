@@ -29,7 +29,7 @@ from safeinstall.store.state import environment_state
 from safeinstall.system.safefs import WALK_MAX_DEPTH, Tree, TreeTooLarge, walk_below
 from tests import wheelhouse
 from tests.beds import Bed
-from tests.clirun import run
+from tests.clirun import run, verify_all
 from tests.wheelhouse import Wheelhouse
 
 TAG = sys.implementation.cache_tag
@@ -450,17 +450,7 @@ def test_a_judged_pyc_is_kept_by_identity_and_a_forged_judgement_is_believed_onl
 
 
 def _with_state(python: Path, state: Path, *args: str) -> tuple[int, dict[str, Any]]:
-    result = run(
-        "--verify-only",
-        "--all",
-        "--python",
-        str(python),
-        "--json",
-        *args,
-        env={**os.environ, "SAFEINSTALL_STATE_DIR": str(state)},
-    )
-    assert result.code in (0, 1), result.stderr
-    return result.code, result.json
+    return verify_all(python, state, *args, codes=(0, 1))
 
 
 @pytest.mark.parametrize("wheel_too", [False, True], ids=["record", "wheel"])

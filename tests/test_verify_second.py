@@ -17,7 +17,7 @@ import pytest
 from safeinstall.env.inodetrust import GRANULARITY_NS
 from safeinstall.store.state import environment_state
 from tests import wheelhouse
-from tests.clirun import run
+from tests.clirun import verify_all
 from tests.wheelhouse import Wheelhouse
 
 
@@ -32,17 +32,7 @@ def _site(python: Path) -> Path:
 
 
 def _check(python: Path, state: Path, *args: str) -> tuple[int, dict[str, Any]]:
-    result = run(
-        "--verify-only",
-        "--all",
-        "--python",
-        str(python),
-        "--json",
-        *args,
-        env={**os.environ, "SAFEINSTALL_STATE_DIR": str(state)},
-    )
-    assert result.code in (0, 1, 5), result.stderr
-    return result.code, result.json
+    return verify_all(python, state, *args, codes=(0, 1, 5))
 
 
 def _settle(python: Path) -> None:
