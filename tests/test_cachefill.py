@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -373,3 +374,77 @@ def test_a_file_whose_digest_roots_store_keeps_is_copied_in_the_kernel_under_tha
     # none: every file read and hashed as it is copied
     plain = cachefill.fill(owners, tmp_path / "run-3", changes, None)
     assert plain.archives == 1 and plain.unread == 0 and not plain.damaged
+
+
+def _xfs_with_reflink(where: Path) -> Path | None:
+    """A small XFS (reflink on) loop-mounted at ``where`` (None: no mkfs.xfs, or no loop mount here)."""
+    if os.geteuid() != 0 or shutil.which("mkfs.xfs") is None or shutil.which("filefrag") is None:
+        return None
+    image = where.parent / f"{where.name}.img"
+    with image.open("wb") as sparse:
+        sparse.truncate(512 * 1024 * 1024)
+    where.mkdir()
+    made = subprocess.run(["mkfs.xfs", "-q", "-m", "reflink=1", str(image)], capture_output=True)
+    mounted = made.returncode == 0 and (
+        subprocess.run(["mount", "-o", "loop", str(image), str(where)], capture_output=True).returncode == 0
+    )
+    return where if mounted else None
+
+
+def _shares_blocks(path: Path) -> bool:
+    """``path``'s first extent is shared with another file (FIEMAP's flag, as ``filefrag -v`` says)."""
+    said = subprocess.run(["filefrag", "-v", str(path)], capture_output=True, text=True, check=True).stdout
+    return "shared" in said
+
+
+def test_on_a_filesystem_that_reflinks_the_fill_clones_roots_cache(
+    wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    """Issue 43, item 3, where the filesystem can: on XFS with reflink (a loop mount, where mkfs.xfs and
+    loop mounts are at hand), the clean reinstall by name from root's warm cache clones it (``FICLONE``):
+    each reinstalled file is an inode of its own (link count 1, not one of the cache's) whose blocks are
+    shared with the cache's copy, so an in-place edit changes nothing in the cache."""
+    mount = _xfs_with_reflink(tmp_path / "xfs")
+    if mount is None:
+        pytest.skip("needs root, mkfs.xfs, filefrag and a loop mount (a filesystem that reflinks)")
+    from tests.clirun import run as safeinstall
+
+    try:
+        cache = mount / "root-cache"
+        cache.mkdir(mode=0o700)
+        python = wheelhouse.make_venv(mount / "venv")
+        links = str(wheels.wheels["sipure-1"].parent)
+        env = {
+            **wheelhouse.uv_env(),
+            "UV_CACHE_DIR": str(cache),
+            "SAFEINSTALL_STATE_DIR": str(mount / "state"),
+        }
+        subprocess.run(
+            [
+                *(wheelhouse.UV, "pip", "install", "--quiet", "--offline", "--python", str(python)),
+                *("--find-links", links, "sipure==2.0"),
+            ],
+            check=True,
+            env=env,
+        )
+        installed = wheelhouse.site_packages(python) / "sipure" / "__init__.py"
+        os.sync()  # the hand's cache on disk: its blocks are what a clone shares
+        result = safeinstall(
+            "--python", str(python), "--yes", "--json", "--settle", "0", "sipure",
+            "--", "--offline", "--find-links", links,
+            env=env,
+        )  # fmt: skip
+        assert result.code == 0, result.stdout + result.stderr
+        assert f"unpacked wheel(s) copied from {cache}" in result.stdout, result.stdout
+        cached = [p for p in cache.rglob("__init__.py") if "sipure" in p.parts and p.parent.name == "sipure"]
+        assert cached, sorted(cache.rglob("*"))
+        info = installed.stat()
+        assert info.st_nlink == 1 and all(info.st_ino != p.stat().st_ino for p in cached)
+        os.sync()
+        assert _shares_blocks(installed), "cloned: the installed file shares its blocks with the cache's"
+        before = {p: p.read_bytes() for p in cached}
+        with installed.open("a") as edit:
+            edit.write("# hotfix\n")
+        assert {p: p.read_bytes() for p in cached} == before  # copy on write: the cache is unchanged
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)

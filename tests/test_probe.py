@@ -147,6 +147,37 @@ def test_a_rolled_back_run_leaves_no_probe(bed: Bed, tmp_path: Path) -> None:
     _no_probe_left(bed)
 
 
+def test_a_prepared_run_checked_on_the_probe_leaves_only_its_own_cache_for_the_commit(
+    bed: Bed, tmp_path: Path
+) -> None:
+    """``--prepare`` by name from root's warm cache: the check ran on the probe, the probe tree and its
+    cache are gone once the prepare ends (the run's own cache and staging tree stay for the commit), and
+    the commit then swaps in what the probe's verdict stood for."""
+    cache = _root_cache(tmp_path)
+    _warm(bed, cache, "sicext==2.0")
+    unit = bed.service("prepared")
+    pid = bed.manager.main_pid(unit)
+    prepared = bed.safeinstall(
+        "sicext==2.0", "--prepare", "--json", "--", "--offline", "--find-links", _links(bed),
+        more_env={"UV_CACHE_DIR": str(cache)},
+    )  # fmt: skip
+    assert prepared.code == 0, prepared.stdout + prepared.stderr
+    assert ON_THE_PROBE in _step(prepared, "smoke"), _step(prepared, "smoke")
+    assert "smoke: the probe tree and its cache removed" in _log(prepared)
+    venv = bed.python.parent.parent
+    assert not list(venv.glob(".safeinstall-swap-*-probe")), list(venv.glob(".safeinstall-*"))
+    assert not list(bed.state.glob("*/uv-cache-*-probe")), list(bed.state.glob("*/uv-cache-*"))
+    assert list(bed.state.glob("*/uv-cache-*")), "the run's own cache is kept for the commit"
+    assert bed.version() == "1.0" and bed.manager.main_pid(unit) == pid  # nothing stopped
+    committed = bed.safeinstall("--commit", "--settle", "0", "--json")
+    assert committed.code == 0, committed.stdout + committed.stderr
+    assert bed.version() == "2.0" and bed.manager.active_state(unit) == "active"
+    assert not list(venv.glob(".safeinstall-swap-*-probe")), list(venv.glob(".safeinstall-*"))
+    assert not list(bed.state.glob("*/uv-cache-*-probe")), list(bed.state.glob("*/uv-cache-*"))
+    assert bed.cli("--recover").code == 0  # what a commit leaves to the next run (docs/prepare.md)
+    _no_probe_left(bed)
+
+
 def test_a_run_killed_while_the_probe_is_checked_leaves_nothing_after_recover(
     bed: Bed, tmp_path: Path
 ) -> None:
