@@ -41,7 +41,12 @@ def test_short_help_and_flags_without_a_value_type() -> None:
     [
         (["sipure", "--no-such-flag"], "error: no such option: --no-such-flag"),
         (["sipure", "--settle"], "error: option '--settle' requires an argument"),
-        (["sipure", "--settle", "soon"], "error: invalid value for '--settle'"),
+        # a new-user review: a number's option given none said click's words ("is not a valid float")
+        (["sipure", "--settle", "soon"], "error: --settle soon: seconds must be a finite number, 0 or more"),
+        (["sipure", "--stop-timeout=x"], "error: --stop-timeout x: seconds must be a finite number more than 0"),
+        (["sipure", "--keep-backups", "2.5"], "error: --keep-backups 2.5: keep a whole number of backups"),
+        # it bounds the wait for a health URL: without one it did nothing, in silence
+        (["sipure", "--health-timeout", "60"], "error: --health-timeout bounds the wait for --health-url"),
         # uv would have taken it as one more requirement (installing torch too)
         (["sipure", "torch", "--dry-run"], "error: unexpected arguments: torch"),
         (["sipure", "torch", "--dry-run", "--", "--offline"], "error: unexpected arguments: torch"),
@@ -62,6 +67,60 @@ def test_arguments_after_two_dashes_go_to_uv(venv: Path, wheels: Wheelhouse) -> 
     assert "network was disabled" in result.stderr, result.stderr  # uv was given --offline
     after = run("--dry-run", "--python", str(venv), "--", "sipure", "--offline", "--no-cache")
     assert "unexpected arguments" not in after.stderr and "network was disabled" in after.stderr
+
+
+@pytest.mark.parametrize("elsewhere", ["--target", "--prefix"])
+def test_uv_arguments_that_install_elsewhere_are_refused_by_the_run_and_its_dry_run_alike(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path, elsewhere: str
+) -> None:
+    """A new-user review: ``-- --target X`` (the prefetch's own scratch tree is given that way, and uv
+    takes it once) let the dry run say the run would proceed, while the run failed in its prefetch.
+    Both refuse it now, in the preflight's check of the options, before anything is read or written."""
+    wheelhouse.uv_install(venv, wheels["sipure-1"])
+    state, target = tmp_path / "state", tmp_path / "elsewhere"
+    environ = {**os.environ, "SAFEINSTALL_STATE_DIR": str(state)}
+    said = []
+    for mode in ("--dry-run", "--yes"):
+        for uv_args in ([elsewhere, str(target)], [f"{elsewhere}={target}"]):
+            args = ("sipure", "--wheel", str(wheels["sipure-2"]), "--python", str(venv), mode, "--", *uv_args)
+            result = run(*args, env=environ)
+            assert result.code == 2 and "would proceed" not in result.stdout, result.stdout + result.stderr
+            said.append(result.stderr)
+    assert len(set(said)) == 1 and said[0].startswith(f"error: uv's {elsewhere} (after --) installs"), said
+    assert said[0].splitlines()[1].startswith("hint: leave " + elsewhere)
+    assert not state.exists() and not target.exists()
+    assert [d.name for d in wheelhouse.site_packages(venv).glob("sipure-*.dist-info")] == ["sipure-1.0.dist-info"]
+
+
+def test_a_number_options_value_that_is_none_is_said_in_the_options_own_words() -> None:
+    """A new-user review: ``--settle abc`` said "invalid value for '--settle': 'abc' is not a valid float"
+    and a hint to read --help; now the words and hint of ``--settle nan``, with --json too."""
+    said = run("sipure", "--dry-run", "--settle", "abc")
+    nan = run("sipure", "--dry-run", "--settle", "nan")
+    assert said.code == nan.code == 2, said.stderr + nan.stderr
+    assert said.stderr.replace("abc", "nan") == nan.stderr, (said.stderr, nan.stderr)
+    error = run("sipure", "--health-timeout", "soon", "--json").json["errors"][0]
+    assert error["code"] == "usage" and error["message"].startswith("--health-timeout soon: seconds must")
+    assert "give --health-timeout a number of seconds" in error["hint"], error
+
+
+def test_hints_and_help_name_the_environment_one_way() -> None:
+    """A new-user review: hints said ``--python PY``, others ``--python PATH`` or ``--python ENV``, and
+    --help ``--python PATH``; each says ``--python PY`` now."""
+    import re
+
+    import safeinstall
+
+    spelled = {
+        (path.name, word)
+        for path in Path(safeinstall.__file__).parent.rglob("*.py")
+        for word in re.findall(r"--python[ =]([A-Z]+)\b", path.read_text())
+    }
+    assert {word for _name, word in spelled} == {"PY"}, sorted(spelled)
+    assert "--python PY " in run("--help").stdout
+    for args in (["--status", "sipure"], ["sipure", "--all"]):
+        hint = run(*args).stderr.splitlines()[-1]
+        assert hint.startswith("hint: ") and "[--python PY]" in hint, hint
 
 
 def test_a_usage_error_with_json_is_the_error_envelope() -> None:
