@@ -43,7 +43,10 @@ def test_short_help_and_flags_without_a_value_type() -> None:
         (["sipure", "--settle"], "error: option '--settle' requires an argument"),
         # a new-user review: a number's option given none said click's words ("is not a valid float")
         (["sipure", "--settle", "soon"], "error: --settle soon: seconds must be a finite number, 0 or more"),
-        (["sipure", "--stop-timeout=x"], "error: --stop-timeout x: seconds must be a finite number more than 0"),
+        (
+            ["sipure", "--stop-timeout=x"],
+            "error: --stop-timeout x: seconds must be a finite number more than 0",
+        ),
         (["sipure", "--keep-backups", "2.5"], "error: --keep-backups 2.5: keep a whole number of backups"),
         # it bounds the wait for a health URL: without one it did nothing, in silence
         (["sipure", "--health-timeout", "60"], "error: --health-timeout bounds the wait for --health-url"),
@@ -69,27 +72,32 @@ def test_arguments_after_two_dashes_go_to_uv(venv: Path, wheels: Wheelhouse) -> 
     assert "unexpected arguments" not in after.stderr and "network was disabled" in after.stderr
 
 
-@pytest.mark.parametrize("elsewhere", ["--target", "--prefix"])
+@pytest.mark.parametrize(
+    ("elsewhere", "spelled"),
+    [("--target", ["--target", "DIR"]), ("--target", ["-qt", "DIR"]), ("--prefix", ["--prefix=DIR"])],
+)
 def test_uv_arguments_that_install_elsewhere_are_refused_by_the_run_and_its_dry_run_alike(
-    venv: Path, wheels: Wheelhouse, tmp_path: Path, elsewhere: str
+    venv: Path, wheels: Wheelhouse, tmp_path: Path, elsewhere: str, spelled: list[str]
 ) -> None:
     """A new-user review: ``-- --target X`` (the prefetch's own scratch tree is given that way, and uv
-    takes it once) let the dry run say the run would proceed, while the run failed in its prefetch.
-    Both refuse it now, in the preflight's check of the options, before anything is read or written."""
+    takes it once) let the dry run say the run would proceed (uv's dry run made X), while the run failed
+    in its prefetch. Both refuse it now, in the preflight's check of the options, before anything."""
     wheelhouse.uv_install(venv, wheels["sipure-1"])
     state, target = tmp_path / "state", tmp_path / "elsewhere"
     environ = {**os.environ, "SAFEINSTALL_STATE_DIR": str(state)}
+    uv_args = [arg.replace("DIR", str(target)) for arg in spelled]
     said = []
     for mode in ("--dry-run", "--yes"):
-        for uv_args in ([elsewhere, str(target)], [f"{elsewhere}={target}"]):
-            args = ("sipure", "--wheel", str(wheels["sipure-2"]), "--python", str(venv), mode, "--", *uv_args)
-            result = run(*args, env=environ)
-            assert result.code == 2 and "would proceed" not in result.stdout, result.stdout + result.stderr
-            said.append(result.stderr)
-    assert len(set(said)) == 1 and said[0].startswith(f"error: uv's {elsewhere} (after --) installs"), said
-    assert said[0].splitlines()[1].startswith("hint: leave " + elsewhere)
+        args = ("sipure", "--wheel", str(wheels["sipure-2"]), "--python", str(venv), mode, "--", *uv_args)
+        result = run(*args, env=environ)
+        assert result.code == 2 and "would proceed" not in result.stdout, result.stdout + result.stderr
+        said.append(result.stderr)
+    assert said[0] == said[1] and said[0].startswith(f"error: uv's {elsewhere} (after --) installs"), said
+    assert said[0].splitlines()[1].startswith(f"hint: leave {elsewhere} out of uv's arguments")
     assert not state.exists() and not target.exists()
-    assert [d.name for d in wheelhouse.site_packages(venv).glob("sipure-*.dist-info")] == ["sipure-1.0.dist-info"]
+    assert [d.name for d in wheelhouse.site_packages(venv).glob("sipure-*.dist-info")] == [
+        "sipure-1.0.dist-info"
+    ]
 
 
 def test_a_number_options_value_that_is_none_is_said_in_the_options_own_words() -> None:

@@ -66,7 +66,9 @@ def _number(kind: Callable[[Any], Any], problem: Callable[[str], OptionProblem])
 
 def _seconds(name: str, help_text: str, panel: str) -> Any:
     """An option given in seconds (``--settle S``): one that is no number, its own usage error."""
-    return _value(name, "SECONDS", help_text, panel, _number(float, lambda shown: seconds_problem(name, shown)))
+    return _value(
+        name, "SECONDS", help_text, panel, _number(float, lambda shown: seconds_problem(name, shown))
+    )
 
 
 Package = Annotated[

@@ -176,7 +176,9 @@ def option_problems(options: RunOptions) -> list[OptionProblem]:
                 "e.g. --health-url http://127.0.0.1:8000/health",
             )
         )
-    elsewhere = next((o for o in map(uv_option, options.extra_args) if o in UV_ELSEWHERE), None)
+    from safeinstall.env.uvplan import elsewhere_option  # uv's own words, loaded only for a run
+
+    elsewhere = elsewhere_option(options.extra_args)
     if elsewhere is not None:
         problems.append(
             OptionProblem(
@@ -186,16 +188,6 @@ def option_problems(options: RunOptions) -> list[OptionProblem]:
             )
         )
     return problems
-
-
-#: uv's options that install somewhere else than the environment: the run's prefetch (and its staging)
-#: is given its own scratch tree with one of them, which uv takes once (docs/reinstall.md, preflight)
-UV_ELSEWHERE = ("--target", "--prefix")
-
-
-def uv_option(arg: str) -> str:
-    """Pure: the long option an argument of uv's is (``--target=DIR``: ``--target``), else itself."""
-    return arg.split("=", 1)[0] if arg.startswith("--") else arg
 
 
 def health_url_shown(url: str) -> str:
