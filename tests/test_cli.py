@@ -651,6 +651,32 @@ def test_without_a_unit_to_stop_a_run_needs_no_yes(venv: Path, wheels: Wheelhous
     assert done.code == 0, done.stdout + done.stderr
 
 
+def test_a_runs_step_table_off_a_terminal_has_the_json_steps_and_no_stale_progress(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    """A new-user review: the text step table had no preflight row, which --json's steps has first; and
+    off a terminal a quick backup said ``backup: 337 B of 27.5 KiB (1%)`` (its first progress line, said
+    at once) beside its step line saying it was done. Now the rows are --json's steps, and a size's
+    progress is said off a terminal (and in the log) only once its step has gone on a heartbeat."""
+    import re
+
+    wheelhouse.uv_install(venv, wheels["sicext-1"])
+    environ = {**os.environ, "SAFEINSTALL_STATE_DIR": str(tmp_path / "state")}
+    text = run("sicext", "--wheel", str(wheels["sicext-2"]), "--python", str(venv), env=environ)
+    assert text.code == 0, text.stdout + text.stderr
+    row = re.compile(r"(\S+) +(ok|FAILED|skipped) +\d+\.\d s")
+    rows = [m.groups() for line in text.stdout.splitlines() if (m := row.match(line))]
+    back = run("sicext", "--wheel", str(wheels["sicext-1"]), "--python", str(venv), "--json", env=environ)
+    steps = [(s["name"], s["status"]) for s in back.json["data"]["steps"]]
+    assert rows == steps and rows[0] == ("preflight", "ok"), (rows, steps)
+    assert [line for line in text.stderr.splitlines() if line.startswith("backup")] == [], text.stderr
+    logs = sorted((tmp_path / "state").glob("*/logs/*.log"))
+    said = [
+        line.split("] ", 1)[1] for log in logs for line in log.read_text().splitlines() if "] backup" in line
+    ]
+    assert said and all(line.startswith("backup: ok in ") for line in said), said
+
+
 def test_a_run_into_safeinstalls_own_environment_is_refused(tmp_path: Path) -> None:
     """``--python`` naming the environment safeinstall runs from: no plan to replace its own uv (a run,
     its dry run, --detach and --undo), a clear error; --verify-only still checks it."""
