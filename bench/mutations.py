@@ -155,15 +155,15 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "progress-pipe-unthrottled",
         "safeinstall/cli/render.py",
-        "or now - self._last_line >= PROGRESS_EVERY_S:",
-        "or True:",
+        "            if now - self._last_line >= PROGRESS_EVERY_S:",
+        "            if True:",
         (f"{PROMISES}::test_progress_on_a_pipe_is_a_plain_line_at_most_every_5_s",),
     ),
     Mutation(
         "progress-log-unthrottled",
         "safeinstall/run/parts/results.py",
-        "or now - self._last_progress >= PROGRESS_EVERY_S:",
-        "or True:",
+        "        if now - self._last_progress >= PROGRESS_EVERY_S:",
+        "        if True:",
         (f"{PROMISES}::test_progress_on_a_pipe_is_a_plain_line_at_most_every_5_s",),
     ),
     Mutation(

@@ -41,7 +41,15 @@ def test_short_help_and_flags_without_a_value_type() -> None:
     [
         (["sipure", "--no-such-flag"], "error: no such option: --no-such-flag"),
         (["sipure", "--settle"], "error: option '--settle' requires an argument"),
-        (["sipure", "--settle", "soon"], "error: invalid value for '--settle'"),
+        # a new-user review: a number's option given none said click's words ("is not a valid float")
+        (["sipure", "--settle", "soon"], "error: --settle soon: seconds must be a finite number, 0 or more"),
+        (
+            ["sipure", "--stop-timeout=x"],
+            "error: --stop-timeout x: seconds must be a finite number more than 0",
+        ),
+        (["sipure", "--keep-backups", "2.5"], "error: --keep-backups 2.5: keep a whole number of backups"),
+        # it bounds the wait for a health URL: without one it did nothing, in silence
+        (["sipure", "--health-timeout", "60"], "error: --health-timeout bounds the wait for --health-url"),
         # uv would have taken it as one more requirement (installing torch too)
         (["sipure", "torch", "--dry-run"], "error: unexpected arguments: torch"),
         (["sipure", "torch", "--dry-run", "--", "--offline"], "error: unexpected arguments: torch"),
@@ -62,6 +70,65 @@ def test_arguments_after_two_dashes_go_to_uv(venv: Path, wheels: Wheelhouse) -> 
     assert "network was disabled" in result.stderr, result.stderr  # uv was given --offline
     after = run("--dry-run", "--python", str(venv), "--", "sipure", "--offline", "--no-cache")
     assert "unexpected arguments" not in after.stderr and "network was disabled" in after.stderr
+
+
+@pytest.mark.parametrize(
+    ("elsewhere", "spelled"),
+    [("--target", ["--target", "DIR"]), ("--target", ["-qt", "DIR"]), ("--prefix", ["--prefix=DIR"])],
+)
+def test_uv_arguments_that_install_elsewhere_are_refused_by_the_run_and_its_dry_run_alike(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path, elsewhere: str, spelled: list[str]
+) -> None:
+    """A new-user review: ``-- --target X`` (the prefetch's own scratch tree is given that way, and uv
+    takes it once) let the dry run say the run would proceed (uv's dry run made X), while the run failed
+    in its prefetch. Both refuse it now, in the preflight's check of the options, before anything."""
+    wheelhouse.uv_install(venv, wheels["sipure-1"])
+    state, target = tmp_path / "state", tmp_path / "elsewhere"
+    environ = {**os.environ, "SAFEINSTALL_STATE_DIR": str(state)}
+    uv_args = [arg.replace("DIR", str(target)) for arg in spelled]
+    said = []
+    for mode in ("--dry-run", "--yes"):
+        args = ("sipure", "--wheel", str(wheels["sipure-2"]), "--python", str(venv), mode, "--", *uv_args)
+        result = run(*args, env=environ)
+        assert result.code == 2 and "would proceed" not in result.stdout, result.stdout + result.stderr
+        said.append(result.stderr)
+    assert said[0] == said[1] and said[0].startswith(f"error: uv's {elsewhere} (after --) installs"), said
+    assert said[0].splitlines()[1].startswith(f"hint: leave {elsewhere} out of uv's arguments")
+    assert not state.exists() and not target.exists()
+    assert [d.name for d in wheelhouse.site_packages(venv).glob("sipure-*.dist-info")] == [
+        "sipure-1.0.dist-info"
+    ]
+
+
+def test_a_number_options_value_that_is_none_is_said_in_the_options_own_words() -> None:
+    """A new-user review: ``--settle abc`` said "invalid value for '--settle': 'abc' is not a valid float"
+    and a hint to read --help; now the words and hint of ``--settle nan``, with --json too."""
+    said = run("sipure", "--dry-run", "--settle", "abc")
+    nan = run("sipure", "--dry-run", "--settle", "nan")
+    assert said.code == nan.code == 2, said.stderr + nan.stderr
+    assert said.stderr.replace("abc", "nan") == nan.stderr, (said.stderr, nan.stderr)
+    error = run("sipure", "--health-timeout", "soon", "--json").json["errors"][0]
+    assert error["code"] == "usage" and error["message"].startswith("--health-timeout soon: seconds must")
+    assert "give --health-timeout a number of seconds" in error["hint"], error
+
+
+def test_hints_and_help_name_the_environment_one_way() -> None:
+    """A new-user review: hints said ``--python PY``, others ``--python PATH`` or ``--python ENV``, and
+    --help ``--python PATH``; each says ``--python PY`` now."""
+    import re
+
+    import safeinstall
+
+    spelled = {
+        (path.name, word)
+        for path in Path(safeinstall.__file__).parent.rglob("*.py")
+        for word in re.findall(r"--python[ =]([A-Z]+)\b", path.read_text())
+    }
+    assert {word for _name, word in spelled} == {"PY"}, sorted(spelled)
+    assert "--python PY " in run("--help").stdout
+    for args in (["--status", "sipure"], ["sipure", "--all"]):
+        hint = run(*args).stderr.splitlines()[-1]
+        assert hint.startswith("hint: ") and "[--python PY]" in hint, hint
 
 
 def test_a_usage_error_with_json_is_the_error_envelope() -> None:
@@ -582,6 +649,32 @@ def test_without_a_unit_to_stop_a_run_needs_no_yes(venv: Path, wheels: Wheelhous
     environ = {**os.environ, "SAFEINSTALL_STATE_DIR": str(tmp_path / "state")}
     done = run("sipure", "--wheel", str(wheels["sipure-2"]), "--python", str(venv), env=environ, timeout=240)
     assert done.code == 0, done.stdout + done.stderr
+
+
+def test_a_runs_step_table_off_a_terminal_has_the_json_steps_and_no_stale_progress(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    """A new-user review: the text step table had no preflight row, which --json's steps has first; and
+    off a terminal a quick backup said ``backup: 337 B of 27.5 KiB (1%)`` (its first progress line, said
+    at once) beside its step line saying it was done. Now the rows are --json's steps, and a size's
+    progress is said off a terminal (and in the log) only once its step has gone on a heartbeat."""
+    import re
+
+    wheelhouse.uv_install(venv, wheels["sicext-1"])
+    environ = {**os.environ, "SAFEINSTALL_STATE_DIR": str(tmp_path / "state")}
+    text = run("sicext", "--wheel", str(wheels["sicext-2"]), "--python", str(venv), env=environ)
+    assert text.code == 0, text.stdout + text.stderr
+    row = re.compile(r"(\S+) +(ok|FAILED|skipped) +\d+\.\d s")
+    rows = [m.groups() for line in text.stdout.splitlines() if (m := row.match(line))]
+    back = run("sicext", "--wheel", str(wheels["sicext-1"]), "--python", str(venv), "--json", env=environ)
+    steps = [(s["name"], s["status"]) for s in back.json["data"]["steps"]]
+    assert rows == steps and rows[0] == ("preflight", "ok"), (rows, steps)
+    assert [line for line in text.stderr.splitlines() if line.startswith("backup")] == [], text.stderr
+    logs = sorted((tmp_path / "state").glob("*/logs/*.log"))
+    said = [
+        line.split("] ", 1)[1] for log in logs for line in log.read_text().splitlines() if "] backup" in line
+    ]
+    assert said and all(line.startswith("backup: ok in ") for line in said), said
 
 
 def test_a_run_into_safeinstalls_own_environment_is_refused(tmp_path: Path) -> None:

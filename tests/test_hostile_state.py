@@ -572,6 +572,10 @@ def test_the_probe_answers_in_ascii_whatever_its_paths_hold(tmp_path: Path) -> N
 
 VALUE_ATTACKS = {
     "settle-nan": (["--settle", "nan"], "--settle nan: seconds must be a finite number, 0 or more"),
+    "settle-not-a-number": (
+        ["--settle", "soon"],
+        "--settle soon: seconds must be a finite number, 0 or more",
+    ),
     "stop-timeout-infinite": (
         ["--stop-timeout", "inf"],
         "--stop-timeout inf: seconds must be a finite number more than 0",
@@ -590,7 +594,7 @@ VALUE_ATTACKS = {
     ),
     "keep-backups-negative": (
         ["--keep-backups", "-1"],
-        "--keep-backups -1: keep at least 1 (the run's own backup)",
+        "--keep-backups -1: keep a whole number of backups, at least 1 (the run's own)",
     ),
     "health-url-file": (
         ["--health-url", "file:///etc/shadow"],

@@ -126,6 +126,25 @@ def _unbroken(lines: list[str], width: int) -> None:
             assert " " not in line.strip(), (line, after)
 
 
+def test_off_a_terminal_a_wait_is_said_at_once_and_a_sizes_progress_once_it_lasts() -> None:
+    """A new-user review: a quick backup's first line (``backup: 337 B of 27.5 KiB (1%)``), said at once,
+    was stale by its step line; a wait's and a rollback's first line are still said at once."""
+    from safeinstall.cli.render import ConsoleReporter
+    from safeinstall.store.rundoc import StepDoc
+
+    err = io.StringIO()
+    reporter = ConsoleReporter(Console(file=io.StringIO(), width=200), Console(file=err, width=200))
+    reporter.progress("backup", 337, 28160, "bytes")
+    reporter.progress("backup", 28160, 28160, "bytes")
+    reporter.step(StepDoc(name="backup", status="ok", seconds=0.0, detail="14 files saved"))
+    reporter.progress("waiting for GPU memory (PID 7)", 0.1, 120, "s")
+    reporter.progress("rolling back (the unit failed)", None, None)
+    assert err.getvalue().splitlines() == [
+        "waiting for GPU memory (PID 7): 0.1 s of 120 s (0%)",
+        "rolling back (the unit failed)",
+    ]
+
+
 def test_a_detail_of_several_lines_shows_its_lines_never_an_escaped_newline() -> None:
     """Issue 42: a failed import's detail (and uv's errors) in the step table showed a literal \\x0a."""
     from safeinstall.cli.render import stacked_table, step_lines

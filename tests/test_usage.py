@@ -91,6 +91,10 @@ def _usage(*modes: str, **given: Any) -> Usage:
             "--smoke, --smoke-timeout do nothing with --no-smoke",
         ),
         (_usage(wheel=Path("not-a-wheel.zip")), "no PACKAGE given"),
+        # a new-user review: it bounds the wait for a health URL, and without one did nothing in silence
+        (_usage(package="x", given=("health_timeout",)), "--health-timeout bounds the wait for --health-url"),
+        (_usage("--dry-run", package="x", given=("health_timeout",)), "without a URL it does nothing"),
+        (_usage("--commit", given=("commit_", "health_timeout")), "without a URL it does nothing"),
         (
             _usage(package="vllm", args=("torch", "-i", "URL"), uv_args=("-i", "URL")),
             "unexpected arguments: torch",
@@ -123,6 +127,10 @@ def test_each_problem_is_said(usage: Usage, message: str) -> None:
         _usage("--undo", given=("settle", "stop_timeout")),
         _usage("--verify-only", package="x", given=("user", "yes")),
         _usage("--recover", given=("user", "yes")),
+        # --health-timeout with a URL: given, from SAFEINSTALL_HEALTH_URL, a detached run's private file
+        _usage(package="x", health_url="http://127.0.0.1/", given=("health_url", "health_timeout")),
+        _usage(package="x", health_url="http://127.0.0.1/", given=("health_timeout",)),
+        _usage(package="x", environ_from=Path("/run/f"), given=("environ_from", "health_timeout")),
     ],
 )
 def test_a_sensible_command_line_has_no_problem(usage: Usage) -> None:

@@ -10,6 +10,7 @@ from safeinstall.env.environment import Account
 from safeinstall.env.uvplan import (
     UvRequest,
     dry_run,
+    elsewhere_option,
     install_command,
     link_mode_for,
     parse_changes,
@@ -192,3 +193,28 @@ def test_prefetch_takes_no_deps_once() -> None:
     )
     cmd = prefetch_command(request, "uv", Path("/scratch"))
     assert cmd.count("--no-deps") == 1 and "--offline" in cmd
+
+
+@pytest.mark.parametrize(
+    ("args", "found"),
+    [
+        (("--target", "/x"), "--target"),
+        (("--offline", "--target=/x"), "--target"),
+        (("-t", "/x"), "--target"),
+        (("-t/x",), "--target"),
+        (("-qt", "/x"), "--target"),
+        (("--prefix", "/x"), "--prefix"),
+        (("--prefix=/x", "-t", "/y"), "--prefix"),
+        (("-r", "t.txt"), None),
+        (("-rt.txt",), None),  # clap's -r t.txt: the option that takes a value ends the cluster
+        (("--offline", "--no-deps", "-q"), None),
+        (("--", "--target"), None),  # after uv's own --: a requirement
+        (("--targets",), None),
+    ],
+)
+def test_the_options_that_install_elsewhere_are_found_as_uv_reads_them(
+    args: tuple[str, ...], found: str | None
+) -> None:
+    """A new-user review: ``-- --target X`` let the dry run say the run would proceed (the run's prefetch
+    gives its scratch tree that way, and uv takes it once); the preflight now refuses each spelling."""
+    assert elsewhere_option(args) == found

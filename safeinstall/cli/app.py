@@ -230,7 +230,7 @@ def main_command(
         as_json=as_json,
         verbosity=verbosity,
         interactive=not yes and not as_json and terminal,
-        cannot_ask=None if yes or (terminal and not as_json) else _why_not_asked(as_json, terminal),
+        cannot_ask=None if yes or (terminal and not as_json) else _why_not_asked(terminal),
     )
     return Usage(  # the command line parsed, checked by _run
         request=request,
@@ -269,8 +269,9 @@ def _run(usage: Usage) -> NoReturn:
     _exit(code)
 
 
-def _why_not_asked(as_json: bool, terminal: bool) -> str:
-    """Pure: why a run without --yes cannot ask before it stops units (it is then refused, as apt)."""
+def _why_not_asked(terminal: bool) -> str:
+    """Pure: why a run without --yes cannot ask before it stops units (it is then refused, as apt): on a
+    terminal, only --json keeps it from asking."""
     if terminal:
         return "--json does not ask (it does not imply --yes)"
     return "standard input is not a terminal to ask on"
@@ -283,7 +284,10 @@ def _split_at_dashes(argv: Sequence[str]) -> tuple[list[str], tuple[str, ...]]:
 
 
 def _usage_error(exc: typer.TyperException) -> UsageError:
-    """A parsing error of Typer/click, as every other error: one line and a hint."""
+    """A parsing error of Typer/click, as every other error: one line and a hint (a number's option given
+    what is none: that option's own words and hint)."""
+    if isinstance(exc, params.NotANumber):
+        return UsageError(exc.problem.message, hint=exc.problem.hint)
     message = " ".join(exc.format_message().split()).rstrip(".")
     return UsageError(message[:1].lower() + message[1:], hint="see safeinstall --help")
 

@@ -2,10 +2,13 @@
 
 # No ``from __future__ import annotations``: these are objects typer reads at each start.
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+
+from safeinstall.run.parts.options import OptionProblem, keep_backups_problem, seconds_problem
 
 #: The sections of ``--help``, in order: each mode's options together (``cli/app.py: _PlainHelp``).
 MODES = "Commands (one at most; none: reinstall)"
@@ -36,8 +39,36 @@ def _flag(name: str, help_text: str, panel: str, *short: str) -> Any:
     return typer.Option(name, *short, help=help_text, rich_help_panel=panel)
 
 
-def _value(name: str, metavar: str, help_text: str, panel: str) -> Any:
-    return typer.Option(name, metavar=metavar, help=help_text, rich_help_panel=panel)
+def _value(
+    name: str, metavar: str, help_text: str, panel: str, parser: Callable[[Any], Any] | None = None
+) -> Any:
+    return typer.Option(name, metavar=metavar, help=help_text, rich_help_panel=panel, parser=parser)
+
+
+class NotANumber(typer.BadParameter):
+    """A number's option given what is no number: said as its own usage error (``cli/app.py``), in the
+    words of a value out of range (:func:`safeinstall.run.parts.options.option_problems`)."""
+
+    def __init__(self, problem: OptionProblem) -> None:
+        super().__init__(problem.message)
+        self.problem = problem
+
+
+def _number(kind: Callable[[Any], Any], problem: Callable[[str], OptionProblem]) -> Callable[[Any], Any]:
+    def parse(value: Any) -> Any:
+        try:
+            return kind(value)
+        except ValueError:
+            raise NotANumber(problem(str(value))) from None
+
+    return parse
+
+
+def _seconds(name: str, help_text: str, panel: str) -> Any:
+    """An option given in seconds (``--settle S``): one that is no number, its own usage error."""
+    return _value(
+        name, "SECONDS", help_text, panel, _number(float, lambda shown: seconds_problem(name, shown))
+    )
 
 
 Package = Annotated[
@@ -54,7 +85,7 @@ Wheel = Annotated[Path | None, _value("--wheel", "PATH", "The wheel to install /
 
 Python = Annotated[
     str | None,
-    _value("--python", "PATH", "Target interpreter or venv (default: VIRTUAL_ENV, then python3).", TARGET),
+    _value("--python", "PY", "Target interpreter or venv (default: VIRTUAL_ENV, then python3).", TARGET),
 ]
 
 User = Annotated[bool, _flag("--user", "Talk to the user's systemd manager.", TARGET)]
@@ -90,19 +121,14 @@ Strict = Annotated[
 
 StopTimeout = Annotated[
     float | None,
-    _value(
-        "--stop-timeout",
-        "SECONDS",
-        "Seconds to wait for each unit to stop (default: its TimeoutStopSec).",
-        RUN,
-    ),
+    _seconds("--stop-timeout", "Seconds to wait for each unit to stop (default: its TimeoutStopSec).", RUN),
 ]
 
 GpuTimeout = Annotated[
-    float, _value("--gpu-timeout", "SECONDS", "Seconds to wait for GPU memory to be released.", RUN)
+    float, _seconds("--gpu-timeout", "Seconds to wait for GPU memory to be released.", RUN)
 ]
 
-Settle = Annotated[float, _value("--settle", "SECONDS", "Seconds a restarted unit must stay active.", RUN)]
+Settle = Annotated[float, _seconds("--settle", "Seconds a restarted unit must stay active.", RUN)]
 
 HealthUrl = Annotated[
     str | None,
@@ -118,7 +144,7 @@ HealthUrl = Annotated[
 ]
 
 HealthTimeout = Annotated[
-    float, _value("--health-timeout", "SECONDS", "Seconds to wait for --health-url to answer 200.", RUN)
+    float, _seconds("--health-timeout", "Seconds to wait for --health-url to answer 200.", RUN)
 ]
 
 NoRestart = Annotated[bool, _flag("--no-restart", "Leave the units stopped after the install.", RUN)]
@@ -165,7 +191,7 @@ SmokeSkip = Annotated[
 ]
 
 SmokeTimeout = Annotated[
-    float, _value("--smoke-timeout", "SECONDS", "Seconds each import check or --smoke may take.", RUN)
+    float, _seconds("--smoke-timeout", "Seconds each import check or --smoke may take.", RUN)
 ]
 
 Prune = Annotated[
@@ -179,6 +205,7 @@ KeepBackups = Annotated[
         "N",
         "After a good run, keep this many newest backups of the environment; delete older ones.",
         RUN,
+        _number(int, keep_backups_problem),
     ),
 ]
 
@@ -353,7 +380,7 @@ Discard = Annotated[
 
 PreparedMaxAge = Annotated[
     float,
-    _value("--prepared-max-age", "SECONDS", "With --commit: refuse a prepared run older than this.", RUN),
+    _seconds("--prepared-max-age", "With --commit: refuse a prepared run older than this.", RUN),
 ]
 
 Forget = Annotated[

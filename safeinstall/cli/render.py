@@ -26,6 +26,7 @@ from safeinstall.run.commands.view import (
     per_file,
     progress_key,
     progress_text,
+    said_at_change,
 )
 
 if TYPE_CHECKING:
@@ -697,10 +698,12 @@ class ConsoleReporter:
         if self.quiet:
             return
         key = progress_key(what)
-        if not self.err.is_terminal:  # one line per change, then a heartbeat every few seconds
+        if not self.err.is_terminal:  # a line per change (a size's once it lasts), then a heartbeat
             now = time.monotonic()
-            if key != self._last_key or now - self._last_line >= PROGRESS_EVERY_S:
-                self._last_line, self._last_key = now, key
+            if key != self._last_key:
+                self._last_line, self._last_key = said_at_change(unit, now), key
+            if now - self._last_line >= PROGRESS_EVERY_S:
+                self._last_line = now
                 self.err.print(literal(progress_text(what, done, total, unit)), soft_wrap=True)
             return
         # the whole line, amounts included ("... (1 of 2): 12 s of 90 s (13%)"), wrapped between words in

@@ -176,6 +176,19 @@ def _smoke_problem(u: Usage) -> UsageError | None:
     )
 
 
+def _health_problem(u: Usage) -> UsageError | None:
+    """Pure: ``--health-timeout`` without a health URL (``--health-url``, ``SAFEINSTALL_HEALTH_URL``), which
+    it bounds the wait for: it would do nothing. (A detached run's URL is in its ``--environ-from`` file.)"""
+    r = u.request
+    if "health_timeout" not in u.given or r.options.health_url is not None or r.environ_from is not None:
+        return None
+    return UsageError(
+        "--health-timeout bounds the wait for --health-url to answer 200: without a URL it does nothing",
+        hint="give the URL with it (--health-url URL, or SAFEINSTALL_HEALTH_URL to keep a token off the "
+        "command line), or drop --health-timeout",
+    )
+
+
 #: The options of the smoke check, which ``--no-smoke`` skips whole.
 _SMOKE_OPTIONS = ("smoke", "smoke_timeout", "smoke_skip")
 
@@ -217,7 +230,7 @@ def usage_problem(u: Usage) -> UsageError | None:
     prepared = _prepare_problem(u)
     if prepared is not None:
         return prepared
-    idle = _idle_options(u) or _smoke_problem(u)
+    idle = _idle_options(u) or _smoke_problem(u) or _health_problem(u)
     if idle is not None:
         return idle
     hashing = next((flag for flag in _NOT_A_RUN[1:] if flag in r.modes), None)
@@ -231,7 +244,7 @@ def usage_problem(u: Usage) -> UsageError | None:
         if r.package or r.extra_args:
             command = own.removeprefix("--")
             return UsageError(
-                f"--{command} takes no PACKAGE", hint=f"safeinstall --{command} [--python PATH] [--json]"
+                f"--{command} takes no PACKAGE", hint=f"safeinstall --{command} [--python PY] [--json]"
             )
         if status and r.run and not r.wait:
             return UsageError(
@@ -241,13 +254,13 @@ def usage_problem(u: Usage) -> UsageError | None:
     verify = Mode.VERIFY_ONLY in r.modes
     if r.all_ and not verify:
         return UsageError(
-            "--all goes with --verify-only", hint="safeinstall --verify-only --all [--python PATH]"
+            "--all goes with --verify-only", hint="safeinstall --verify-only --all [--python PY]"
         )
     if r.acknowledge and (not verify or o.wheel is not None):
         return UsageError(
             "--acknowledge-wheel-faults goes with --verify-only, without --wheel (against the wheel, "
             "its fault is wheel-record: checked every time, nothing to acknowledge)",
-            hint="safeinstall --verify-only --all --acknowledge-wheel-faults [--python PATH]",
+            hint="safeinstall --verify-only --all --acknowledge-wheel-faults [--python PY]",
         )
     if (r.diff or r.save_patch) and not verify:
         return UsageError(

@@ -192,7 +192,7 @@ def _resolve_python(given: str | None, environ: Mapping[str, str]) -> Path:
         return Path(found)
     raise InterpreterError(
         "no python interpreter found (no --python, no VIRTUAL_ENV, no python3 on PATH)",
-        hint="pass --python PATH",
+        hint="pass --python PY",
     )
 
 

@@ -277,6 +277,26 @@ def _clustered(arg: str) -> tuple[str, str, str | None] | None:
     return None
 
 
+def elsewhere_option(extra_args: Sequence[str]) -> str | None:
+    """Pure: the first of uv's options in ``extra_args`` that install somewhere else than the environment
+    (``--target``, ``-t``, ``--prefix``; ``--target=DIR``, ``-tDIR``, ``-qt DIR`` too), by its long name;
+    None: none. A run's prefetch gives uv a scratch tree of its own with one of them, which uv takes once."""
+    for arg in extra_args:
+        if arg == "--":  # uv's own: what follows is requirements
+            return None
+        if arg.startswith("--"):
+            option = arg.split("=", 1)[0]
+            if option in ("--target", "--prefix"):
+                return option
+        elif arg.startswith("-"):
+            for letter in arg[1:]:  # a cluster as clap reads it: an option that takes a value ends it
+                if letter == "t":
+                    return "--target"
+                if letter in _SHORT_WITH_VALUE or letter == "=":
+                    break
+    return None
+
+
 def pinned(change: UvChange) -> str | None:
     """Pure: the requirement that installs exactly what ``change`` says (None: not enough to say)."""
     if change.version is not None:

@@ -12,6 +12,14 @@ from pathlib import Path
 PROGRESS_EVERY_S = 5.0
 
 
+def said_at_change(unit: str, now: float) -> float:
+    """Pure: when a plain progress line counts as last said once what it is about changed: a wait's (in
+    seconds) or a line without amounts (a rollback begins) is said at once; a size counted up (the
+    backup's bytes) a heartbeat later, so that a step shorter than that says only its step line (its
+    first line, "0%", was stale by then)."""
+    return now if unit == "bytes" else now - PROGRESS_EVERY_S
+
+
 def append_line(path: Path | None, text: str, now: datetime | None = None) -> None:
     """Append ``[time] text`` to the log; best effort."""
     if path is None:

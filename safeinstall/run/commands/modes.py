@@ -680,14 +680,14 @@ def _undo_choice(request: Request) -> tuple[Environment, str, str]:
         )
         raise UsageError(
             f"--undo takes no {given}: it puts back what the run it undoes replaced",
-            hint="safeinstall --undo --python ENV [--run RUN_ID] [--dry-run | --detach] [--json]",
+            hint="safeinstall --undo --python PY [--run RUN_ID] [--dry-run | --detach] [--json]",
         )
     env = inspect_environment(resolve_python(request.options.python, os.environ))
     chosen = choose_run(_state_of(env, os.environ), request.run)
     if package and canonicalize_name(package) != canonicalize_name(chosen.package or ""):
         raise UndoError(
             f"run {chosen.run_id} was of {chosen.package}, not {package}: nothing was undone",
-            hint="safeinstall --status --python ENV lists the runs; pick one with --undo --run RUN_ID",
+            hint="safeinstall --status --python PY lists the runs; pick one with --undo --run RUN_ID",
         )
     return env, chosen.package or "", chosen.run_id
 

@@ -14,6 +14,7 @@ from safeinstall.store.runlog import PROGRESS_EVERY_S as PROGRESS_EVERY_S
 from safeinstall.store.runlog import human_bytes as human_bytes
 from safeinstall.store.runlog import progress_key as progress_key
 from safeinstall.store.runlog import progress_text as progress_text
+from safeinstall.store.runlog import said_at_change as said_at_change
 
 if TYPE_CHECKING:
     from safeinstall.env.diffs import FileDiff as FileDiff

@@ -297,7 +297,7 @@ def locate(environ_states: list[EnvironmentState], run_id: str | None) -> Enviro
         raise UsageError(
             "runs are in progress in several environments: "
             + ", ".join(str(s.prefix or s.dir) for s in running),
-            hint="name one with --python PATH or --run RUN_ID",
+            hint="name one with --python PY or --run RUN_ID",
         )
     if running:
         return running[0]

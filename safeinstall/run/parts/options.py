@@ -97,36 +97,54 @@ class OptionProblem:
     hint: str
 
 
+#: The options given in seconds, and whether 0 may be: 0 s never passes a health check, a smoke check,
+#: an age; a stop timeout of 0 would fail every stop at once (to systemd ``TimeoutStopSec=0`` is none)
+SECONDS = {
+    "--stop-timeout": False,
+    "--gpu-timeout": True,
+    "--settle": True,
+    "--health-timeout": False,
+    "--smoke-timeout": False,
+    "--prepared-max-age": False,
+}
+
+
+def seconds_problem(flag: str, shown: str) -> OptionProblem:
+    """Pure: ``flag`` (one of :data:`SECONDS`) given ``shown``, which is no number of seconds it takes: a
+    ``nan``, a negative number, or what is no number at all (the command line's parser says it too)."""
+    least = ", 0 or more" if SECONDS[flag] else " more than 0"
+    hint = (
+        "give the seconds each unit may take to stop, or leave --stop-timeout out for each unit's own "
+        "TimeoutStopSec"
+        if flag == "--stop-timeout"
+        else f"give {flag} a number of seconds, or leave it out for its default (safeinstall --help)"
+    )
+    return OptionProblem(f"{flag} {one_line(shown)}: seconds must be a finite number{least}", hint)
+
+
+def keep_backups_problem(shown: str) -> OptionProblem:
+    """Pure: ``--keep-backups`` given ``shown``: under 1, or no whole number at all."""
+    return OptionProblem(
+        f"--keep-backups {one_line(shown)}: keep a whole number of backups, at least 1 (the run's own)",
+        "--keep-backups 1 keeps only the newest backup",
+    )
+
+
 def option_problems(options: RunOptions) -> list[OptionProblem]:
     """Pure: every value that could not be honoured, found before anything is stopped. (A ``nan``
-    deadline never passes: the run, and its rollback, would wait forever. A stop timeout of 0 would
-    fail every stop at once, and to systemd ``TimeoutStopSec=0`` means no timeout at all.)"""
+    deadline never passes: the run, and its rollback, would wait forever.)"""
     problems: list[OptionProblem] = []
-    stop = options.stop_timeout
-    if stop is not None and not (math.isfinite(stop) and stop > 0):
-        problems.append(
-            OptionProblem(
-                f"--stop-timeout {stop:g}: seconds must be a finite number more than 0",
-                "give the seconds each unit may take to stop, or leave --stop-timeout out for each unit's "
-                "own TimeoutStopSec",
-            )
-        )
-    seconds = (  # flag, value, whether 0 may be: 0 s never passes a health check, a smoke check, an age
-        ("--gpu-timeout", options.gpu_timeout, True),
-        ("--settle", options.settle, True),
-        ("--health-timeout", options.health_timeout, False),
-        ("--smoke-timeout", options.smoke_timeout, False),
-        ("--prepared-max-age", options.prepared_max_age, False),
+    seconds = (
+        ("--stop-timeout", options.stop_timeout),  # None: each unit's own TimeoutStopSec
+        ("--gpu-timeout", options.gpu_timeout),
+        ("--settle", options.settle),
+        ("--health-timeout", options.health_timeout),
+        ("--smoke-timeout", options.smoke_timeout),
+        ("--prepared-max-age", options.prepared_max_age),
     )
-    for flag, value, zero in seconds:
-        if not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
-            least = ", 0 or more" if zero else " more than 0"
-            problems.append(
-                OptionProblem(
-                    f"{flag} {value:g}: seconds must be a finite number{least}",
-                    f"give {flag} a number of seconds, or leave it out for its default (safeinstall --help)",
-                )
-            )
+    for flag, value in seconds:
+        if value is not None and not (math.isfinite(value) and (value >= 0 if SECONDS[flag] else value > 0)):
+            problems.append(seconds_problem(flag, f"{value:g}"))
     if options.smoke is not None and options.undo is not None:
         problems.append(
             OptionProblem(
@@ -150,17 +168,23 @@ def option_problems(options: RunOptions) -> list[OptionProblem]:
                 )
             )
     if options.keep_backups < 1:
-        problems.append(
-            OptionProblem(
-                f"--keep-backups {options.keep_backups}: keep at least 1 (the run's own backup)",
-                "--keep-backups 1 keeps only the newest backup",
-            )
-        )
+        problems.append(keep_backups_problem(str(options.keep_backups)))
     if options.health_url is not None and (wrong := health_url_problem(options.health_url)):
         problems.append(
             OptionProblem(
                 f"--health-url {health_url_shown(options.health_url)}: {wrong}",
                 "e.g. --health-url http://127.0.0.1:8000/health",
+            )
+        )
+    from safeinstall.env.uvplan import elsewhere_option  # uv's own words, loaded only for a run
+
+    elsewhere = elsewhere_option(options.extra_args)
+    if elsewhere is not None:
+        problems.append(
+            OptionProblem(
+                f"uv's {elsewhere} (after --) installs somewhere else: safeinstall reinstalls into the "
+                "environment --python names, and gives uv's prefetch a scratch tree of its own that way",
+                f"leave {elsewhere} out of uv's arguments; name the environment with --python PY",
             )
         )
     return problems

@@ -12,7 +12,13 @@ from typing import Protocol
 from safeinstall.run.parts.patches import PatchOutcome
 from safeinstall.scan.plan import Plan
 from safeinstall.store.rundoc import StepDoc
-from safeinstall.store.runlog import PROGRESS_EVERY_S, append_line, progress_key, progress_text
+from safeinstall.store.runlog import (
+    PROGRESS_EVERY_S,
+    append_line,
+    progress_key,
+    progress_text,
+    said_at_change,
+)
 
 
 def service_downtime_s(down_since: Mapping[str, float], healthy_at: float | None) -> float | None:
@@ -58,8 +64,10 @@ class LoggedReporter:
     def progress(self, what: str, done: float | None, total: float | None, unit: str = "") -> None:
         now = time.monotonic()
         key = progress_key(what)
-        if key != self._last_key or now - self._last_progress >= PROGRESS_EVERY_S:
-            self._last_progress, self._last_key = now, key
+        if key != self._last_key:  # as off a terminal (cli/render.py): a size's line once it lasts
+            self._last_progress, self._last_key = said_at_change(unit, now), key
+        if now - self._last_progress >= PROGRESS_EVERY_S:
+            self._last_progress = now
             append_line(self.log, progress_text(what, done, total, unit))
         self.inner.progress(what, done, total, unit)
 

@@ -219,7 +219,7 @@ def choose_run(state: EnvironmentState, run_id: str | None) -> Undoable:
         if chosen is None:
             raise UndoError(
                 "no run of this environment changed it: there is nothing to undo",
-                hint="safeinstall --status --python ENV lists its runs",
+                hint="safeinstall --status --python PY lists its runs",
             )
     else:
         chosen = next((r for r in runs if r.run_id == run_id), None)

@@ -1200,7 +1200,9 @@ def run_reinstall(
         run = (
             start(prepared, reporter) if record is None else prepare.resume(prepared, reporter, record, tree)
         )
-        run.add_step(preflight_outcome(prepared, record is not None, reuse is not None, began))
+        preflight_done = preflight_outcome(prepared, record is not None, reuse is not None, began)
+        run.add_step(preflight_done)
+        reporter.step(preflight_done)  # the step table's first row, as in --json (and the run's log)
     except BaseException:
         deferral.close()
         run_prefill.abandon(prepared.prefill)
@@ -1309,8 +1311,8 @@ def run_reinstall(
 
 
 def preflight_outcome(prepared: Prepared, commit: bool, reused: bool, began: float) -> StepDoc:
-    """The preflight as the run's first step (``--json`` only: the terminal said it as it worked): its
-    seconds, from the run's start to its journal, and what it was."""
+    """The preflight as the run's first step (its row in the step table, as in ``--json``): its seconds,
+    from the run's start to its journal, and what it was."""
     plan = prepared.plan
     detail = (
         f"{len(plan.processes)} process(es) using {plan.package}, {len(plan.units)} unit(s); "
