@@ -875,16 +875,64 @@ def test_the_running_versions_answers_are_checked_when_read(tmp_path: Path) -> N
 
     state = EnvironmentState(tmp_path, tmp_path, None)
     assert oldimports.load(state) == ({}, None)
-    key = ("numpy", "1.26.4", "abc")
+    key = ("numpy", "1.26.4", "abc", "context")
     assert oldimports.save(state, {key: {UMATH_TESTS: "RuntimeError: x", "numpy": ""}}) is None
     assert oldimports.load(state)[0] == {key: {UMATH_TESTS: "RuntimeError: x", "numpy": ""}}
-    for bad in ('{"old_imports_version": 1, "distributions": {"a b": {}}}', "[", '{"x": 1}'):
+    # an earlier safeinstall's answers, not kept by context: not used, asked again
+    (tmp_path / oldimports.OLD_IMPORTS_NAME).write_text(
+        '{"old_imports_version": 1, "distributions": {"a b c": {}}}'
+    )
+    assert oldimports.load(state) == ({}, None)
+    for bad in ('{"old_imports_version": 2, "distributions": {"a b c": {}}}', "[", '{"x": 1}'):
         (tmp_path / oldimports.OLD_IMPORTS_NAME).write_text(bad)
         answers, why = oldimports.load(state)
         assert answers == {} and why is not None and "damaged" in why, why
     (tmp_path / oldimports.OLD_IMPORTS_NAME).chmod(0o666)
     answers, why = oldimports.load(state)
     assert answers == {} and why is not None and "refusing to read" in why, why
+
+
+#: A ``sitecustomize`` of uid 65534's on its own unit's ``PYTHONPATH``: when the running version is asked
+#: (``SAFEINSTALL_SMOKE_SITES`` empty), it answers that every module asked about fails
+_POISON = """import os
+if os.environ.get("SAFEINSTALL_SMOKE_SITES") == "":
+    import json, sys
+    asked = json.loads(sys.argv[1]).get("also", [])
+    lines = []
+    for module in asked:
+        lines += [{"module": module, "dist": "sicext"},
+                  {"failed": module, "error": "RuntimeError: planted by uid %d" % os.getuid()}]
+    lines.append({"done": len(asked)})
+    os.write(1, "".join(json.dumps(line) + "\\n" for line in lines).encode())
+    os._exit(1)
+"""
+
+
+def test_one_units_user_never_answers_for_another_units_check(open_bed: Bed, open_dir: Path) -> None:
+    """The attacker review (5): the running version's answers were kept by distribution alone. A unit's
+    user (uid 65534, its own ``sitecustomize`` on its unit's ``PYTHONPATH``) answered that the running
+    version fails too: sicext 3 (raises at import) was let through for a root unit's check as well,
+    both units stopped, rolled back; the answer kept for later runs. Now answers count only in the
+    context they were given in, and what the service imports first only as answered in this run:
+    exit 2 before the stop, and the next run is refused again."""
+    bed = open_bed
+    evil = open_dir / "evil"
+    evil.mkdir()
+    (evil / "sitecustomize.py").write_text(_POISON)
+    chown_tree(evil, NOBODY)
+    bed.service("aa-poison", User=str(NOBODY), Environment=f"PYTHONPATH={evil}")
+    victim = bed.service("zz-victim")  # no User=: its check is root's own
+    refused = _refused_before_the_stop(bed, victim, "sicext-3")
+    assert "sicext 3.0 is broken on purpose" in refused["errors"][0]["message"], refused
+    (kept_file,) = bed.state.glob("*/old-imports.json")
+    kept = json.loads(kept_file.read_text())
+    answers = list(kept["distributions"].values())
+    assert len(answers) == 2 and sorted(a["sicext"][:12] for a in answers) == ["", "RuntimeError"], kept
+    # what the service imports first is never excused on a kept answer, even of its own context
+    for modules in kept["distributions"].values():
+        modules.update(dict.fromkeys(modules, "RuntimeError: kept"))
+    kept_file.write_text(json.dumps(kept))
+    _refused_before_the_stop(bed, victim, "sicext-3")
 
 
 # --- the check imports what the service starts with (issue 43) -------------------------------------------

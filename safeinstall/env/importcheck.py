@@ -7,6 +7,7 @@ checks. What it imports and as whom: docs/reinstall.md ("The smoke check").
 from __future__ import annotations
 
 import grp
+import hashlib
 import json
 import os
 import pwd
@@ -574,6 +575,18 @@ def seen_variables(unit: Sequence[tuple[str, str]], flags: Sequence[str] = ()) -
     if "-s" in flags or "-I" in flags:
         seen["PYTHONNOUSERSITE"] = "1"
     return tuple(sorted(seen.items()))
+
+
+def answers_key(context: Context, uid: int) -> str:
+    """Pure: the check context the running version's answers hold for (a digest): whom the child runs as
+    (``uid`` for a child of no :class:`RunAs`), the unit's variables as it sees them, its directory and
+    the interpreter's flags. A failure is excused only by answers of the same context: another unit's
+    user may answer anything in their own (the attacker review)."""
+    run_as = context.run_as
+    who = [uid] if run_as is None else [run_as.uid, run_as.gid, list(run_as.groups), run_as.home]
+    seen = seen_variables(context.variables, context.flags)
+    text = json.dumps([who, seen, context.cwd, list(context.flags)])
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:32]
 
 
 def working_directory(setting: str, home: str, user_manager: bool) -> str:

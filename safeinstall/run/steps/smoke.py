@@ -258,7 +258,8 @@ def prepare(run: Run, new: NewTree) -> Checks:
                 list(new.sites),
                 context.flags,
             )
-            jobs.append(Job(context, tuple(variables.items())))
+            key = importcheck.answers_key(context, os.geteuid())
+            jobs.append(Job(context, tuple(variables.items()), key))
     except BaseException:
         _undo(run, new, shim, opened)
         raise
@@ -271,7 +272,7 @@ def prepare(run: Run, new: NewTree) -> Checks:
     stored, problem = oldimports.load(run.state)
     if problem is not None:
         run.log(f"smoke: {problem}")
-    known = {name: stored.get((name, *old[name]), {}) for name in old}
+    known = {(name, job.key): stored.get((name, *old[name], job.key), {}) for name in old for job in jobs}
     return Checks(
         new,
         shim,
@@ -424,12 +425,16 @@ def _target_tree(run: Run) -> str | None:
     return None
 
 
-def _keep_old_answers(run: Run, checks: Checks, learned: dict[str, dict[str, str]]) -> None:
-    """What the running version answered, kept for the next run of the same versions."""
+def _keep_old_answers(run: Run, checks: Checks, learned: dict[tuple[str, str], dict[str, str]]) -> None:
+    """What the running version answered, kept for the next run of the same versions in the same context."""
     if not learned:
         return
     stored, _ = oldimports.load(run.state)
-    keyed = {(name, *checks.old[name]): answers for name, answers in learned.items() if name in checks.old}
+    keyed = {
+        (name, *checks.old[name], key): answers
+        for (name, key), answers in learned.items()
+        if name in checks.old
+    }
     note = oldimports.save(run.state, oldimports.merged(stored, keyed))
     run.log(f"smoke: the running version was asked about {sum(map(len, learned.values()))} module(s)")
     if note is not None:
