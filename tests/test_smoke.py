@@ -12,6 +12,7 @@ import grp
 import json
 import os
 import pwd
+import shutil
 import signal
 import subprocess
 import sys
@@ -172,13 +173,17 @@ def test_the_check_runs_with_the_units_environment_and_directory_without_a_gpu(
     bed: Bed, tmp_path: Path
 ) -> None:
     env_file = tmp_path / "unit.env"
-    env_file.write_text('# the unit\'s file\nSMOKE_FROM_FILE="from the file"\nSMOKE_BOTH=file\n')
+    env_file.write_text(
+        '# the unit\'s file\nSMOKE_FROM_FILE="from the file"\nSMOKE_BOTH=file\n'
+        'PYTHONIOENCODING="utf-8"\nTZ=file\n'
+    )
     workdir = tmp_path / "workdir"
     workdir.mkdir()
     report = tmp_path / "report.json"
     unit = bed.service(
         "smoke-context",
-        Environment='SMOKE_FROM_UNIT=unit SMOKE_BOTH=unit CUDA_VISIBLE_DEVICES=0 "SMOKE_SPACED=two words"',
+        Environment='SMOKE_FROM_UNIT=unit SMOKE_BOTH=unit CUDA_VISIBLE_DEVICES=0 "SMOKE_SPACED=two words" '
+        "TZ=unit",
         EnvironmentFile=str(env_file),
         WorkingDirectory=str(workdir),
     )
@@ -191,16 +196,23 @@ def test_the_check_runs_with_the_units_environment_and_directory_without_a_gpu(
     command = f'python -c "{script}"'
     said = _planned(bed, command).json["data"]["smoke"]
     assert command in said and "sicext" in said and unit in said, said
-    _, step = _checked(bed, command, more_env={"SMOKE_ROOTS_SECRET": "root's"})
+    done, step = _checked(bed, command, more_env={"SMOKE_ROOTS_SECRET": "root's"})
     assert "3 module(s) of the new version imported" in step, step  # sicext, sicext.serve (its script's)
     seen = json.loads(report.read_text())
     env = seen["env"]
-    assert (env["SMOKE_FROM_UNIT"], env["SMOKE_FROM_FILE"], env["SMOKE_BOTH"]) == (
-        "unit",
-        "from the file",
-        "file",
-    )
-    assert env["SMOKE_SPACED"] == "two words"
+    assert (env["TZ"], env["PYTHONIOENCODING"]) == ("file", "utf-8")  # the file's over the unit's
+    if AS_ROOT:  # a root check takes only what names no code (the attacker review, 4a): the rest is said
+        assert not any(name.startswith("SMOKE_") for name in env), env
+        notes = "\n".join(done.json["data"]["notes"])
+        left_out = "SMOKE_BOTH, SMOKE_FROM_FILE, SMOKE_FROM_UNIT, SMOKE_SPACED"
+        assert f"{unit}: not given to the check, which runs as root" in notes and left_out in notes, notes
+    else:
+        assert (env["SMOKE_FROM_UNIT"], env["SMOKE_FROM_FILE"], env["SMOKE_BOTH"]) == (
+            "unit",
+            "from the file",
+            "file",
+        )
+        assert env["SMOKE_SPACED"] == "two words"
     assert env["CUDA_VISIBLE_DEVICES"] == "" and env["PYTHONDONTWRITEBYTECODE"] == "1"
     assert "SMOKE_ROOTS_SECRET" not in env  # nothing of root's environment but the locale
     assert seen["cwd"] == str(workdir)
@@ -379,7 +391,7 @@ def test_what_another_account_controls_of_the_unit_never_runs_in_the_check(bed: 
     chown_tree(app, NOBODY)
     unit = bed.service(
         "smoke-hostile",
-        Environment="PYTHONWARNINGS=ignore::evil_warning.W LD_AUDIT=/none SMOKE_OK=1",
+        Environment="PYTHONWARNINGS=ignore::evil_warning.W LD_AUDIT=/none PYTHONHASHSEED=7",
         EnvironmentFile=str(env_file),
     )
     seen = tmp_path / "seen"
@@ -389,7 +401,7 @@ def test_what_another_account_controls_of_the_unit_never_runs_in_the_check(bed: 
     assert f"EnvironmentFile {env_file} was not read" in said, said
     assert "PYTHONWARNINGS" in said and "LD_AUDIT" in said, said
     lines = seen.read_text().splitlines()
-    assert "SMOKE_OK=1" in lines and not any(
+    assert "PYTHONHASHSEED=7" in lines and not any(
         line.startswith(("LD_AUDIT=", "SMOKE_FROM_FILE=")) for line in lines
     )
     assert bed.manager.active_state(unit) == "active"
@@ -961,7 +973,7 @@ def test_what_the_units_command_runs_is_imported_before_the_stop(bed: Bed, tmp_p
     )
     script = bed.service("smoke-script")  # sicext-serve: the console script
     module = bed.units.started("smoke-module", f"{bed.python} -m sicext.serve")
-    other = bed.units.started("smoke-other", f"{bed.python} -m sicext.serve", Environment="SMOKE_OTHER=1")
+    other = bed.units.started("smoke-other", f"{bed.python} -m sicext.serve", Environment="PYTHONHASHSEED=1")
     # on another GPU: the check gives every child none, so this unit's child would be the module's own
     gpu = bed.units.started(
         "smoke-gpu", f"{bed.python} -m sicext.serve", Environment="CUDA_VISIBLE_DEVICES=1"
@@ -1122,6 +1134,83 @@ def test_what_another_user_controls_inside_what_a_root_unit_names_is_refused(
         assert said in message, message
     assert "uid 65534 (nobody)" in message and "fix the unit" in hint and "--no-smoke" in hint, result.json
     assert bed.manager.main_pid(unit) == main and bed.version() == "1.0"
+
+
+#: An OpenSSL provider of another user's: its constructor leaves a marker (named by uid) in the check
+_PROVIDER_C = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+__attribute__((constructor)) static void planted(void) {
+    if (!getenv("SAFEINSTALL_SMOKE_SITES")) return;
+    char path[4096];
+    snprintf(path, sizeof path, "%s-uid%d", MARKER, (int)getuid());
+    FILE *f = fopen(path, "w");
+    if (f) fclose(f);
+}
+"""
+
+#: The OpenSSL configuration that loads it (next to the default provider)
+_OPENSSL_CNF = """openssl_conf = openssl_init
+[openssl_init]
+providers = provider_sect
+[provider_sect]
+default = default_sect
+planted = planted_sect
+[default_sect]
+activate = 1
+[planted_sect]
+module = {so}
+activate = 1
+"""
+
+
+def test_a_root_check_takes_only_the_units_variables_that_name_no_code(bed: Bed, tmp_path: Path) -> None:
+    """The attacker review (4a): a root unit's every variable but the judged lists reached the root
+    check: ``OPENSSL_CONF`` naming another user's configuration loaded that user's provider (a ``.so``)
+    as root for ``--smoke "python -c 'import ssl'"``. Now a root check takes only locale, time zone,
+    Python's output settings, ``HOME`` and the judged lists: the rest is left out, said in the notes."""
+    if not AS_ROOT:
+        pytest.skip("the child is root only in a root-owned environment of a run as root")
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    other = tmp_path / "other"  # another user's directory
+    other.mkdir()
+    (other / "planted.c").write_text(_PROVIDER_C)
+    so = other / "planted.so"
+    subprocess.run(
+        [
+            shutil.which("gcc") or "cc",
+            "-shared",
+            "-fPIC",
+            f'-DMARKER="{markers}/ssl"',
+            "-o",
+            str(so),
+            str(other / "planted.c"),
+        ],
+        check=True,
+    )
+    (other / "openssl.cnf").write_text(_OPENSSL_CNF.format(so=so))
+    chown_tree(other, NOBODY)
+    unit = bed.service(
+        "smoke-ssl", Environment=f"OPENSSL_CONF={other}/openssl.cnf LC_ALL=C.UTF-8 APP_MODE=serve"
+    )
+    done, _ = _checked(bed, "python -c 'import ssl, hashlib; hashlib.sha256()'")
+    assert list(markers.iterdir()) == [], "another user's OpenSSL provider ran as root in the check"
+    notes = "\n".join(done.json["data"]["notes"])
+    assert f"{unit}: not given to the check, which runs as root" in notes, notes
+    assert "APP_MODE, OPENSSL_CONF" in notes and "LC_ALL" not in notes, notes
+    kept, dropped = importcheck.root_variables(
+        (("LANG", "de_DE.UTF-8"), ("LC_ALL", "/home/app/locale"), ("TZ", "Europe/Berlin"),
+         ("TZ", ":/home/app/tz"), ("PYTHONPATH", "/opt/app"), ("HOME", "/root"), ("OPENSSL_CONF", "/etc/x"))
+    )  # fmt: skip
+    assert kept == (
+        ("LANG", "de_DE.UTF-8"),
+        ("TZ", "Europe/Berlin"),
+        ("PYTHONPATH", "/opt/app"),
+        ("HOME", "/root"),
+    )
+    assert dropped == ("LC_ALL", "TZ", "OPENSSL_CONF")
 
 
 def test_the_units_python_s_is_kept_and_its_home_judged(

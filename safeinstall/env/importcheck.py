@@ -492,6 +492,35 @@ def unit_variables(
     return tuple(kept), tuple(dropped)
 
 
+#: Of a unit's variables, what a root check takes (the attacker review, 4): the judged lists
+#: (:data:`_PATH_LISTS`), ``HOME`` (its user site judged), Python's own kept ones, the locale and the
+#: time zone. Any other may name a file a library loads code from (``OPENSSL_CONF``'s providers, a
+#: plugin directory): never given to root's child.
+_ROOT_KEPT = frozenset({*_PATH_LISTS, *_PYTHON_KEPT, "HOME", "LANG", "LANGUAGE", "TZ"})
+
+
+def root_variables(
+    variables: Sequence[tuple[str, str]],
+) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
+    """Pure: of the unit's variables (as :func:`unit_variables` kept them), those a root child takes
+    (:data:`_ROOT_KEPT`, ``LC_*``), and the names of the rest; a locale naming a path (a ``/``), a
+    ``TZ`` naming a file outside the system's zone data (``/`` first, ``..``) left out too."""
+    kept: list[tuple[str, str]] = []
+    dropped: list[str] = []
+    for name, value in variables:
+        if name in ("LANG", "LANGUAGE") or name.startswith("LC_"):
+            ours = "/" not in value
+        elif name == "TZ":
+            ours = not value.lstrip(":").startswith("/") and ".." not in value
+        else:
+            ours = name in _ROOT_KEPT
+        if ours:
+            kept.append((name, value))
+        else:
+            dropped.append(name)
+    return tuple(kept), tuple(dropped)
+
+
 def _entries(name: str, value: str) -> list[str]:
     return [e for e in re.split(f"[{re.escape(_PATH_LISTS[name])}]", value) if e]
 
