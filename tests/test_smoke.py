@@ -1213,6 +1213,40 @@ def test_a_root_check_takes_only_the_units_variables_that_name_no_code(bed: Bed,
     assert dropped == ("LC_ALL", "TZ", "OPENSSL_CONF")
 
 
+def _user_site_bed(
+    tmp_path: Path,
+    units: Units,
+    user_manager: UserManager,
+    fake_nvml: FakeNvml,
+    wheels: wheelhouse.Wheelhouse,
+) -> Bed:
+    """sicext 1.0 in a root-owned venv that sees the system's site-packages (its interpreter adds a user
+    site)."""
+    python = tmp_path / "venv" / "bin" / "python"
+    subprocess.run(
+        [wheelhouse.UV, "venv", "--quiet", "--system-site-packages", "--python", sys.executable,
+         str(python.parent.parent)],
+        check=True, capture_output=True, env=wheelhouse.uv_env(),
+    )  # fmt: skip
+    wheelhouse.uv_install(python, wheels["sicext-1"])
+    return Bed(python, tmp_path / "state", user_manager, fake_nvml, wheels, units)
+
+
+def _planted_user_site(home: Path, markers: Path) -> Path:
+    """Another user's (uid 65534's) ``home``, whose user site's ``.pth`` leaves a marker in ``markers``
+    when the check's child runs it; the user site."""
+    markers.mkdir()
+    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    site = home / ".local" / "lib" / version / "site-packages"
+    site.mkdir(parents=True)
+    marker = str(markers / "pth")
+    (site / "planted.pth").write_text(
+        f"import os; 'SAFEINSTALL_SMOKE_SITES' in os.environ and open({marker!r}, 'w').close()\n"
+    )
+    chown_tree(home, NOBODY)
+    return site
+
+
 def test_the_units_python_s_is_kept_and_its_home_judged(
     tmp_path: Path,
     units: Units,
@@ -1225,25 +1259,11 @@ def test_the_units_python_s_is_kept_and_its_home_judged(
     ``PYTHONNOUSERSITE``) is kept: the check does not load the user site either."""
     if not AS_ROOT:
         pytest.skip("the child is root only in a root-owned environment of a run as root")
-    python = tmp_path / "venv" / "bin" / "python"
-    subprocess.run(
-        [wheelhouse.UV, "venv", "--quiet", "--system-site-packages", "--python", sys.executable,
-         str(python.parent.parent)],
-        check=True, capture_output=True, env=wheelhouse.uv_env(),
-    )  # fmt: skip
-    wheelhouse.uv_install(python, wheels["sicext-1"])
-    bed = Bed(python, tmp_path / "state", user_manager, fake_nvml, wheels, units)
+    bed = _user_site_bed(tmp_path, units, user_manager, fake_nvml, wheels)
+    python = bed.python
     markers = tmp_path / "markers"
-    markers.mkdir()
     home = tmp_path / "home"
-    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
-    site = home / ".local" / "lib" / version / "site-packages"
-    site.mkdir(parents=True)
-    marker = str(markers / "pth")
-    (site / "planted.pth").write_text(
-        f"import os; 'SAFEINSTALL_SMOKE_SITES' in os.environ and open({marker!r}, 'w').close()\n"
-    )
-    chown_tree(home, NOBODY)
+    site = _planted_user_site(home, markers)
     try:
         unit = bed.units.started("smoke-home", f"{python} -s -m sicext.serve", Environment=f"HOME={home}")
         result = bed.safeinstall("sicext", "--wheel", str(wheels["sicext-2"]), "--settle", "0.5", "--json")
@@ -1260,3 +1280,47 @@ def test_the_units_python_s_is_kept_and_its_home_judged(
         assert list(markers.iterdir()) == [] and bed.manager.main_pid(loose) == main
     finally:
         bed.cleanup()
+
+
+def test_a_relative_home_is_judged_where_the_check_runs(
+    tmp_path: Path,
+    units: Units,
+    user_manager: UserManager,
+    fake_nvml: FakeNvml,
+    wheels: wheelhouse.Wheelhouse,
+) -> None:
+    """The attacker review (4b): a root unit's ``HOME=home`` (relative) with ``WorkingDirectory=`` root's
+    directory holding another user's ``home/``: the user site was not judged (only an absolute ``HOME``
+    was), and that user's ``.pth`` ran as root in the check. Now a relative ``HOME`` is resolved as the
+    interpreter resolves it (against the directory the child starts in, and ``/`` where it falls back
+    to it) and judged: exit 2 before the stop, naming the user site and the user."""
+    if not AS_ROOT:
+        pytest.skip("the child is root only in a root-owned environment of a run as root")
+    bed = _user_site_bed(tmp_path, units, user_manager, fake_nvml, wheels)
+    markers = tmp_path / "markers"
+    work = tmp_path / "work"  # root's: the unit's WorkingDirectory=
+    work.mkdir()
+    site = _planted_user_site(work / "home", markers)
+    try:
+        unit = bed.units.started(
+            "smoke-relhome",
+            f"{bed.python} -m sicext.serve",
+            Environment="HOME=home",
+            WorkingDirectory=str(work),
+        )
+        main = bed.manager.main_pid(unit)
+        refused = bed.safeinstall("sicext", "--wheel", str(wheels["sicext-2"]), "--settle", "0.5", "--json")
+        assert refused.code == 2, refused.stdout + refused.stderr
+        assert list(markers.iterdir()) == [], "another user's .pth ran as root in the check"
+        message = refused.json["errors"][0]["message"]
+        assert f"HOME's user site {site}: " in message and "uid 65534 (nobody)" in message, message
+        assert bed.manager.main_pid(unit) == main and bed.version() == "1.0"
+    finally:
+        bed.cleanup()
+    version = (3, 12)
+    at = "/.local/lib/python3.12/site-packages"
+    assert importcheck.user_site((("HOME", "home"),), "/root", (), version, "/srv/w") == f"/srv/w/home{at}"
+    assert importcheck.user_site((("HOME", "home/../x"),), "/root", (), version, "/") == f"/x{at}"
+    assert importcheck.user_site((("HOME", ""),), "/root", (), version, "/srv/w") == at
+    assert importcheck.user_site((("HOME", "/a/b/.."),), "/root", (), version, "/srv") == f"/a{at}"
+    assert importcheck.user_site((), "/root", (), version, "/srv") == f"/root{at}"

@@ -10,6 +10,7 @@ import grp
 import hashlib
 import json
 import os
+import posixpath
 import pwd
 import re
 import stat
@@ -546,19 +547,19 @@ def others_loaded(
 
 
 def user_site(
-    variables: Sequence[tuple[str, str]], home: str, flags: Sequence[str], version: tuple[int, ...]
+    variables: Sequence[tuple[str, str]], home: str, flags: Sequence[str], version: tuple[int, ...], cwd: str
 ) -> str | None:
     """Pure: the user's site directory the check's interpreter would add (``HOME`` as the unit gives it,
-    else the account's), or None when the unit turns it off (``-s``, ``-I``, ``PYTHONNOUSERSITE``
-    unless ``-E``) as the service has it."""
+    else the account's), as ``site`` makes it (``~`` expanded, a relative ``HOME`` taken from ``cwd``,
+    where the child runs, ``..`` resolved by name); None when the unit turns it off (``-s``, ``-I``,
+    ``PYTHONNOUSERSITE`` unless ``-E``) as the service has it."""
     given = dict(variables)
     ignored = "-E" in flags or "-I" in flags
     if "-s" in flags or "-I" in flags or (not ignored and given.get("PYTHONNOUSERSITE")):
         return None
-    base = given.get("HOME", home)
-    if not base.startswith("/"):
-        return None
-    return f"{base.rstrip('/')}/.local/lib/python{version[0]}.{version[1]}/site-packages"
+    base = given.get("HOME", home).rstrip("/")  # expanduser: "" and "/" are "/"
+    site = f"{base}/.local/lib/python{version[0]}.{version[1]}/site-packages"
+    return posixpath.normpath(posixpath.join(cwd, site))
 
 
 def child_variables(

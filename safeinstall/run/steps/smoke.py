@@ -121,8 +121,15 @@ def contexts(run: Run) -> tuple[list[importcheck.Context], list[str]]:
         # its whole tree then (the home a user manager's unit starts in: as the directories above it)
         named = context.working_directory.startswith("/") and cwd != home and run.options.smoke is not None
         cwd_problem = (judge(cwd) if named else _finding(cwd, runner)) if cwd != "/" else None
-        user_site = importcheck.user_site(given, home, entry.flags, run.env.version[:2])
-        site_problem = judge(user_site) if user_site and user_site_enabled(run.env) else None
+        # a relative HOME is taken from where the child runs: its directory, or / where it cannot enter it
+        starts = dict.fromkeys(["/" if cwd_problem else cwd, "/"])
+        found_sites = [
+            importcheck.user_site(given, home, entry.flags, run.env.version[:2], at) for at in starts
+        ]
+        judged_sites = (
+            [(s, judge(s)) for s in dict.fromkeys(found_sites) if s] if user_site_enabled(run.env) else []
+        )
+        user_site, site_problem = next(((s, p) for s, p in judged_sites if p), (found_sites[0], None))
         if runner == 0:  # never root's child loading what another user controls: refused, said
             found_here = importcheck.others_loaded(given, entry.flags, judge)
             found_here += [f"WorkingDirectory={cwd}: {cwd_problem}"] if cwd_problem else []
