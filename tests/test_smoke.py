@@ -12,6 +12,7 @@ import grp
 import json
 import os
 import pwd
+import shutil
 import signal
 import subprocess
 import sys
@@ -172,13 +173,17 @@ def test_the_check_runs_with_the_units_environment_and_directory_without_a_gpu(
     bed: Bed, tmp_path: Path
 ) -> None:
     env_file = tmp_path / "unit.env"
-    env_file.write_text('# the unit\'s file\nSMOKE_FROM_FILE="from the file"\nSMOKE_BOTH=file\n')
+    env_file.write_text(
+        '# the unit\'s file\nSMOKE_FROM_FILE="from the file"\nSMOKE_BOTH=file\n'
+        'PYTHONIOENCODING="utf-8"\nTZ=file\n'
+    )
     workdir = tmp_path / "workdir"
     workdir.mkdir()
     report = tmp_path / "report.json"
     unit = bed.service(
         "smoke-context",
-        Environment='SMOKE_FROM_UNIT=unit SMOKE_BOTH=unit CUDA_VISIBLE_DEVICES=0 "SMOKE_SPACED=two words"',
+        Environment='SMOKE_FROM_UNIT=unit SMOKE_BOTH=unit CUDA_VISIBLE_DEVICES=0 "SMOKE_SPACED=two words" '
+        "TZ=unit",
         EnvironmentFile=str(env_file),
         WorkingDirectory=str(workdir),
     )
@@ -191,16 +196,23 @@ def test_the_check_runs_with_the_units_environment_and_directory_without_a_gpu(
     command = f'python -c "{script}"'
     said = _planned(bed, command).json["data"]["smoke"]
     assert command in said and "sicext" in said and unit in said, said
-    _, step = _checked(bed, command, more_env={"SMOKE_ROOTS_SECRET": "root's"})
+    done, step = _checked(bed, command, more_env={"SMOKE_ROOTS_SECRET": "root's"})
     assert "3 module(s) of the new version imported" in step, step  # sicext, sicext.serve (its script's)
     seen = json.loads(report.read_text())
     env = seen["env"]
-    assert (env["SMOKE_FROM_UNIT"], env["SMOKE_FROM_FILE"], env["SMOKE_BOTH"]) == (
-        "unit",
-        "from the file",
-        "file",
-    )
-    assert env["SMOKE_SPACED"] == "two words"
+    assert (env["TZ"], env["PYTHONIOENCODING"]) == ("file", "utf-8")  # the file's over the unit's
+    if AS_ROOT:  # a root check takes only what names no code (the attacker review, 4a): the rest is said
+        assert not any(name.startswith("SMOKE_") for name in env), env
+        notes = "\n".join(done.json["data"]["notes"])
+        left_out = "SMOKE_BOTH, SMOKE_FROM_FILE, SMOKE_FROM_UNIT, SMOKE_SPACED"
+        assert f"{unit}: not given to the check, which runs as root" in notes and left_out in notes, notes
+    else:
+        assert (env["SMOKE_FROM_UNIT"], env["SMOKE_FROM_FILE"], env["SMOKE_BOTH"]) == (
+            "unit",
+            "from the file",
+            "file",
+        )
+        assert env["SMOKE_SPACED"] == "two words"
     assert env["CUDA_VISIBLE_DEVICES"] == "" and env["PYTHONDONTWRITEBYTECODE"] == "1"
     assert "SMOKE_ROOTS_SECRET" not in env  # nothing of root's environment but the locale
     assert seen["cwd"] == str(workdir)
@@ -379,7 +391,7 @@ def test_what_another_account_controls_of_the_unit_never_runs_in_the_check(bed: 
     chown_tree(app, NOBODY)
     unit = bed.service(
         "smoke-hostile",
-        Environment="PYTHONWARNINGS=ignore::evil_warning.W LD_AUDIT=/none SMOKE_OK=1",
+        Environment="PYTHONWARNINGS=ignore::evil_warning.W LD_AUDIT=/none PYTHONHASHSEED=7",
         EnvironmentFile=str(env_file),
     )
     seen = tmp_path / "seen"
@@ -389,7 +401,7 @@ def test_what_another_account_controls_of_the_unit_never_runs_in_the_check(bed: 
     assert f"EnvironmentFile {env_file} was not read" in said, said
     assert "PYTHONWARNINGS" in said and "LD_AUDIT" in said, said
     lines = seen.read_text().splitlines()
-    assert "SMOKE_OK=1" in lines and not any(
+    assert "PYTHONHASHSEED=7" in lines and not any(
         line.startswith(("LD_AUDIT=", "SMOKE_FROM_FILE=")) for line in lines
     )
     assert bed.manager.active_state(unit) == "active"
@@ -875,16 +887,64 @@ def test_the_running_versions_answers_are_checked_when_read(tmp_path: Path) -> N
 
     state = EnvironmentState(tmp_path, tmp_path, None)
     assert oldimports.load(state) == ({}, None)
-    key = ("numpy", "1.26.4", "abc")
+    key = ("numpy", "1.26.4", "abc", "context")
     assert oldimports.save(state, {key: {UMATH_TESTS: "RuntimeError: x", "numpy": ""}}) is None
     assert oldimports.load(state)[0] == {key: {UMATH_TESTS: "RuntimeError: x", "numpy": ""}}
-    for bad in ('{"old_imports_version": 1, "distributions": {"a b": {}}}', "[", '{"x": 1}'):
+    # an earlier safeinstall's answers, not kept by context: not used, asked again
+    (tmp_path / oldimports.OLD_IMPORTS_NAME).write_text(
+        '{"old_imports_version": 1, "distributions": {"a b c": {}}}'
+    )
+    assert oldimports.load(state) == ({}, None)
+    for bad in ('{"old_imports_version": 2, "distributions": {"a b c": {}}}', "[", '{"x": 1}'):
         (tmp_path / oldimports.OLD_IMPORTS_NAME).write_text(bad)
         answers, why = oldimports.load(state)
         assert answers == {} and why is not None and "damaged" in why, why
     (tmp_path / oldimports.OLD_IMPORTS_NAME).chmod(0o666)
     answers, why = oldimports.load(state)
     assert answers == {} and why is not None and "refusing to read" in why, why
+
+
+#: A ``sitecustomize`` of uid 65534's on its own unit's ``PYTHONPATH``: when the running version is asked
+#: (``SAFEINSTALL_SMOKE_SITES`` empty), it answers that every module asked about fails
+_POISON = """import os
+if os.environ.get("SAFEINSTALL_SMOKE_SITES") == "":
+    import json, sys
+    asked = json.loads(sys.argv[1]).get("also", [])
+    lines = []
+    for module in asked:
+        lines += [{"module": module, "dist": "sicext"},
+                  {"failed": module, "error": "RuntimeError: planted by uid %d" % os.getuid()}]
+    lines.append({"done": len(asked)})
+    os.write(1, "".join(json.dumps(line) + "\\n" for line in lines).encode())
+    os._exit(1)
+"""
+
+
+def test_one_units_user_never_answers_for_another_units_check(open_bed: Bed, open_dir: Path) -> None:
+    """The attacker review (5): the running version's answers were kept by distribution alone. A unit's
+    user (uid 65534, its own ``sitecustomize`` on its unit's ``PYTHONPATH``) answered that the running
+    version fails too: sicext 3 (raises at import) was let through for a root unit's check as well,
+    both units stopped, rolled back; the answer kept for later runs. Now answers count only in the
+    context they were given in, and what the service imports first only as answered in this run:
+    exit 2 before the stop, and the next run is refused again."""
+    bed = open_bed
+    evil = open_dir / "evil"
+    evil.mkdir()
+    (evil / "sitecustomize.py").write_text(_POISON)
+    chown_tree(evil, NOBODY)
+    bed.service("aa-poison", User=str(NOBODY), Environment=f"PYTHONPATH={evil}")
+    victim = bed.service("zz-victim")  # no User=: its check is root's own
+    refused = _refused_before_the_stop(bed, victim, "sicext-3")
+    assert "sicext 3.0 is broken on purpose" in refused["errors"][0]["message"], refused
+    (kept_file,) = bed.state.glob("*/old-imports.json")
+    kept = json.loads(kept_file.read_text())
+    answers = list(kept["distributions"].values())
+    assert len(answers) == 2 and sorted(a["sicext"][:12] for a in answers) == ["", "RuntimeError"], kept
+    # what the service imports first is never excused on a kept answer, even of its own context
+    for modules in kept["distributions"].values():
+        modules.update(dict.fromkeys(modules, "RuntimeError: kept"))
+    kept_file.write_text(json.dumps(kept))
+    _refused_before_the_stop(bed, victim, "sicext-3")
 
 
 # --- the check imports what the service starts with (issue 43) -------------------------------------------
@@ -913,7 +973,7 @@ def test_what_the_units_command_runs_is_imported_before_the_stop(bed: Bed, tmp_p
     )
     script = bed.service("smoke-script")  # sicext-serve: the console script
     module = bed.units.started("smoke-module", f"{bed.python} -m sicext.serve")
-    other = bed.units.started("smoke-other", f"{bed.python} -m sicext.serve", Environment="SMOKE_OTHER=1")
+    other = bed.units.started("smoke-other", f"{bed.python} -m sicext.serve", Environment="PYTHONHASHSEED=1")
     # on another GPU: the check gives every child none, so this unit's child would be the module's own
     gpu = bed.units.started(
         "smoke-gpu", f"{bed.python} -m sicext.serve", Environment="CUDA_VISIBLE_DEVICES=1"
@@ -1076,6 +1136,117 @@ def test_what_another_user_controls_inside_what_a_root_unit_names_is_refused(
     assert bed.manager.main_pid(unit) == main and bed.version() == "1.0"
 
 
+#: An OpenSSL provider of another user's: its constructor leaves a marker (named by uid) in the check
+_PROVIDER_C = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+__attribute__((constructor)) static void planted(void) {
+    if (!getenv("SAFEINSTALL_SMOKE_SITES")) return;
+    char path[4096];
+    snprintf(path, sizeof path, "%s-uid%d", MARKER, (int)getuid());
+    FILE *f = fopen(path, "w");
+    if (f) fclose(f);
+}
+"""
+
+#: The OpenSSL configuration that loads it (next to the default provider)
+_OPENSSL_CNF = """openssl_conf = openssl_init
+[openssl_init]
+providers = provider_sect
+[provider_sect]
+default = default_sect
+planted = planted_sect
+[default_sect]
+activate = 1
+[planted_sect]
+module = {so}
+activate = 1
+"""
+
+
+def test_a_root_check_takes_only_the_units_variables_that_name_no_code(bed: Bed, tmp_path: Path) -> None:
+    """The attacker review (4a): a root unit's every variable but the judged lists reached the root
+    check: ``OPENSSL_CONF`` naming another user's configuration loaded that user's provider (a ``.so``)
+    as root for ``--smoke "python -c 'import ssl'"``. Now a root check takes only locale, time zone,
+    Python's output settings, ``HOME`` and the judged lists: the rest is left out, said in the notes."""
+    if not AS_ROOT:
+        pytest.skip("the child is root only in a root-owned environment of a run as root")
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    other = tmp_path / "other"  # another user's directory
+    other.mkdir()
+    (other / "planted.c").write_text(_PROVIDER_C)
+    so = other / "planted.so"
+    subprocess.run(
+        [
+            shutil.which("gcc") or "cc",
+            "-shared",
+            "-fPIC",
+            f'-DMARKER="{markers}/ssl"',
+            "-o",
+            str(so),
+            str(other / "planted.c"),
+        ],
+        check=True,
+    )
+    (other / "openssl.cnf").write_text(_OPENSSL_CNF.format(so=so))
+    chown_tree(other, NOBODY)
+    unit = bed.service(
+        "smoke-ssl", Environment=f"OPENSSL_CONF={other}/openssl.cnf LC_ALL=C.UTF-8 APP_MODE=serve"
+    )
+    done, _ = _checked(bed, "python -c 'import ssl, hashlib; hashlib.sha256()'")
+    assert list(markers.iterdir()) == [], "another user's OpenSSL provider ran as root in the check"
+    notes = "\n".join(done.json["data"]["notes"])
+    assert f"{unit}: not given to the check, which runs as root" in notes, notes
+    assert "APP_MODE, OPENSSL_CONF" in notes and "LC_ALL" not in notes, notes
+    kept, dropped = importcheck.root_variables(
+        (("LANG", "de_DE.UTF-8"), ("LC_ALL", "/home/app/locale"), ("TZ", "Europe/Berlin"),
+         ("TZ", ":/home/app/tz"), ("PYTHONPATH", "/opt/app"), ("HOME", "/root"), ("OPENSSL_CONF", "/etc/x"))
+    )  # fmt: skip
+    assert kept == (
+        ("LANG", "de_DE.UTF-8"),
+        ("TZ", "Europe/Berlin"),
+        ("PYTHONPATH", "/opt/app"),
+        ("HOME", "/root"),
+    )
+    assert dropped == ("LC_ALL", "TZ", "OPENSSL_CONF")
+
+
+def _user_site_bed(
+    tmp_path: Path,
+    units: Units,
+    user_manager: UserManager,
+    fake_nvml: FakeNvml,
+    wheels: wheelhouse.Wheelhouse,
+) -> Bed:
+    """sicext 1.0 in a root-owned venv that sees the system's site-packages (its interpreter adds a user
+    site)."""
+    python = tmp_path / "venv" / "bin" / "python"
+    subprocess.run(
+        [wheelhouse.UV, "venv", "--quiet", "--system-site-packages", "--python", sys.executable,
+         str(python.parent.parent)],
+        check=True, capture_output=True, env=wheelhouse.uv_env(),
+    )  # fmt: skip
+    wheelhouse.uv_install(python, wheels["sicext-1"])
+    return Bed(python, tmp_path / "state", user_manager, fake_nvml, wheels, units)
+
+
+def _planted_user_site(home: Path, markers: Path) -> Path:
+    """Another user's (uid 65534's) ``home``, whose user site's ``.pth`` leaves a marker in ``markers``
+    when the check's child runs it; the user site."""
+    markers.mkdir()
+    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    site = home / ".local" / "lib" / version / "site-packages"
+    site.mkdir(parents=True)
+    marker = str(markers / "pth")
+    (site / "planted.pth").write_text(
+        f"import os; 'SAFEINSTALL_SMOKE_SITES' in os.environ and open({marker!r}, 'w').close()\n"
+    )
+    chown_tree(home, NOBODY)
+    return site
+
+
 def test_the_units_python_s_is_kept_and_its_home_judged(
     tmp_path: Path,
     units: Units,
@@ -1088,25 +1259,11 @@ def test_the_units_python_s_is_kept_and_its_home_judged(
     ``PYTHONNOUSERSITE``) is kept: the check does not load the user site either."""
     if not AS_ROOT:
         pytest.skip("the child is root only in a root-owned environment of a run as root")
-    python = tmp_path / "venv" / "bin" / "python"
-    subprocess.run(
-        [wheelhouse.UV, "venv", "--quiet", "--system-site-packages", "--python", sys.executable,
-         str(python.parent.parent)],
-        check=True, capture_output=True, env=wheelhouse.uv_env(),
-    )  # fmt: skip
-    wheelhouse.uv_install(python, wheels["sicext-1"])
-    bed = Bed(python, tmp_path / "state", user_manager, fake_nvml, wheels, units)
+    bed = _user_site_bed(tmp_path, units, user_manager, fake_nvml, wheels)
+    python = bed.python
     markers = tmp_path / "markers"
-    markers.mkdir()
     home = tmp_path / "home"
-    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
-    site = home / ".local" / "lib" / version / "site-packages"
-    site.mkdir(parents=True)
-    marker = str(markers / "pth")
-    (site / "planted.pth").write_text(
-        f"import os; 'SAFEINSTALL_SMOKE_SITES' in os.environ and open({marker!r}, 'w').close()\n"
-    )
-    chown_tree(home, NOBODY)
+    site = _planted_user_site(home, markers)
     try:
         unit = bed.units.started("smoke-home", f"{python} -s -m sicext.serve", Environment=f"HOME={home}")
         result = bed.safeinstall("sicext", "--wheel", str(wheels["sicext-2"]), "--settle", "0.5", "--json")
@@ -1123,3 +1280,47 @@ def test_the_units_python_s_is_kept_and_its_home_judged(
         assert list(markers.iterdir()) == [] and bed.manager.main_pid(loose) == main
     finally:
         bed.cleanup()
+
+
+def test_a_relative_home_is_judged_where_the_check_runs(
+    tmp_path: Path,
+    units: Units,
+    user_manager: UserManager,
+    fake_nvml: FakeNvml,
+    wheels: wheelhouse.Wheelhouse,
+) -> None:
+    """The attacker review (4b): a root unit's ``HOME=home`` (relative) with ``WorkingDirectory=`` root's
+    directory holding another user's ``home/``: the user site was not judged (only an absolute ``HOME``
+    was), and that user's ``.pth`` ran as root in the check. Now a relative ``HOME`` is resolved as the
+    interpreter resolves it (against the directory the child starts in, and ``/`` where it falls back
+    to it) and judged: exit 2 before the stop, naming the user site and the user."""
+    if not AS_ROOT:
+        pytest.skip("the child is root only in a root-owned environment of a run as root")
+    bed = _user_site_bed(tmp_path, units, user_manager, fake_nvml, wheels)
+    markers = tmp_path / "markers"
+    work = tmp_path / "work"  # root's: the unit's WorkingDirectory=
+    work.mkdir()
+    site = _planted_user_site(work / "home", markers)
+    try:
+        unit = bed.units.started(
+            "smoke-relhome",
+            f"{bed.python} -m sicext.serve",
+            Environment="HOME=home",
+            WorkingDirectory=str(work),
+        )
+        main = bed.manager.main_pid(unit)
+        refused = bed.safeinstall("sicext", "--wheel", str(wheels["sicext-2"]), "--settle", "0.5", "--json")
+        assert refused.code == 2, refused.stdout + refused.stderr
+        assert list(markers.iterdir()) == [], "another user's .pth ran as root in the check"
+        message = refused.json["errors"][0]["message"]
+        assert f"HOME's user site {site}: " in message and "uid 65534 (nobody)" in message, message
+        assert bed.manager.main_pid(unit) == main and bed.version() == "1.0"
+    finally:
+        bed.cleanup()
+    version = (3, 12)
+    at = "/.local/lib/python3.12/site-packages"
+    assert importcheck.user_site((("HOME", "home"),), "/root", (), version, "/srv/w") == f"/srv/w/home{at}"
+    assert importcheck.user_site((("HOME", "home/../x"),), "/root", (), version, "/") == f"/x{at}"
+    assert importcheck.user_site((("HOME", ""),), "/root", (), version, "/srv/w") == at
+    assert importcheck.user_site((("HOME", "/a/b/.."),), "/root", (), version, "/srv") == f"/a{at}"
+    assert importcheck.user_site((), "/root", (), version, "/srv") == f"/root{at}"

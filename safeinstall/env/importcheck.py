@@ -7,8 +7,10 @@ checks. What it imports and as whom: docs/reinstall.md ("The smoke check").
 from __future__ import annotations
 
 import grp
+import hashlib
 import json
 import os
+import posixpath
 import pwd
 import re
 import stat
@@ -491,6 +493,35 @@ def unit_variables(
     return tuple(kept), tuple(dropped)
 
 
+#: Of a unit's variables, what a root check takes (the attacker review, 4): the judged lists
+#: (:data:`_PATH_LISTS`), ``HOME`` (its user site judged), Python's own kept ones, the locale and the
+#: time zone. Any other may name a file a library loads code from (``OPENSSL_CONF``'s providers, a
+#: plugin directory): never given to root's child.
+_ROOT_KEPT = frozenset({*_PATH_LISTS, *_PYTHON_KEPT, "HOME", "LANG", "LANGUAGE", "TZ"})
+
+
+def root_variables(
+    variables: Sequence[tuple[str, str]],
+) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
+    """Pure: of the unit's variables (as :func:`unit_variables` kept them), those a root child takes
+    (:data:`_ROOT_KEPT`, ``LC_*``), and the names of the rest; a locale naming a path (a ``/``), a
+    ``TZ`` naming a file outside the system's zone data (``/`` first, ``..``) left out too."""
+    kept: list[tuple[str, str]] = []
+    dropped: list[str] = []
+    for name, value in variables:
+        if name in ("LANG", "LANGUAGE") or name.startswith("LC_"):
+            ours = "/" not in value
+        elif name == "TZ":
+            ours = not value.lstrip(":").startswith("/") and ".." not in value
+        else:
+            ours = name in _ROOT_KEPT
+        if ours:
+            kept.append((name, value))
+        else:
+            dropped.append(name)
+    return tuple(kept), tuple(dropped)
+
+
 def _entries(name: str, value: str) -> list[str]:
     return [e for e in re.split(f"[{re.escape(_PATH_LISTS[name])}]", value) if e]
 
@@ -516,19 +547,19 @@ def others_loaded(
 
 
 def user_site(
-    variables: Sequence[tuple[str, str]], home: str, flags: Sequence[str], version: tuple[int, ...]
+    variables: Sequence[tuple[str, str]], home: str, flags: Sequence[str], version: tuple[int, ...], cwd: str
 ) -> str | None:
     """Pure: the user's site directory the check's interpreter would add (``HOME`` as the unit gives it,
-    else the account's), or None when the unit turns it off (``-s``, ``-I``, ``PYTHONNOUSERSITE``
-    unless ``-E``) as the service has it."""
+    else the account's), as ``site`` makes it (``~`` expanded, a relative ``HOME`` taken from ``cwd``,
+    where the child runs, ``..`` resolved by name); None when the unit turns it off (``-s``, ``-I``,
+    ``PYTHONNOUSERSITE`` unless ``-E``) as the service has it."""
     given = dict(variables)
     ignored = "-E" in flags or "-I" in flags
     if "-s" in flags or "-I" in flags or (not ignored and given.get("PYTHONNOUSERSITE")):
         return None
-    base = given.get("HOME", home)
-    if not base.startswith("/"):
-        return None
-    return f"{base.rstrip('/')}/.local/lib/python{version[0]}.{version[1]}/site-packages"
+    base = given.get("HOME", home).rstrip("/")  # expanduser: "" and "/" are "/"
+    site = f"{base}/.local/lib/python{version[0]}.{version[1]}/site-packages"
+    return posixpath.normpath(posixpath.join(cwd, site))
 
 
 def child_variables(
@@ -574,6 +605,18 @@ def seen_variables(unit: Sequence[tuple[str, str]], flags: Sequence[str] = ()) -
     if "-s" in flags or "-I" in flags:
         seen["PYTHONNOUSERSITE"] = "1"
     return tuple(sorted(seen.items()))
+
+
+def answers_key(context: Context, uid: int) -> str:
+    """Pure: the check context the running version's answers hold for (a digest): whom the child runs as
+    (``uid`` for a child of no :class:`RunAs`), the unit's variables as it sees them, its directory and
+    the interpreter's flags. A failure is excused only by answers of the same context: another unit's
+    user may answer anything in their own (the attacker review)."""
+    run_as = context.run_as
+    who = [uid] if run_as is None else [run_as.uid, run_as.gid, list(run_as.groups), run_as.home]
+    seen = seen_variables(context.variables, context.flags)
+    text = json.dumps([who, seen, context.cwd, list(context.flags)])
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:32]
 
 
 def working_directory(setting: str, home: str, user_manager: bool) -> str:

@@ -1,5 +1,7 @@
 """What the running version could import, kept in ``old-imports.json`` so that the smoke check asks it
-once per version and refuses regressions only.
+once per version and refuses regressions only. Each answer is kept for the context the running version
+was asked in (whom the child ran as, the unit's variables, directory and flags: a digest): one unit's
+user never answers for another's check (the attacker review).
 
 Root's file, every field checked when read.
 """
@@ -14,14 +16,16 @@ from safeinstall.env.distributions import InstalledDistribution
 from safeinstall.store.state import EnvironmentState, StateDirError, atomic_write, read_private_file
 
 OLD_IMPORTS_NAME = "old-imports.json"
-OLD_IMPORTS_VERSION = 1
+OLD_IMPORTS_VERSION = 2
+#: The file of an earlier safeinstall, whose answers were not kept by context: not used (asked again).
+_UNKEYED_VERSION = 1
 #: The most bytes the file may hold, distributions kept, and modules kept per distribution.
 LIMIT = 8 << 20
 KEPT_DISTRIBUTIONS = 64
 KEPT_MODULES = 20_000
 
-#: (distribution, version, RECORD digest) -> {module: "" (imported) or the error}
-Answers = dict[tuple[str, str, str], dict[str, str]]
+#: (distribution, version, RECORD digest, context) -> {module: "" (imported) or the error}
+Answers = dict[tuple[str, str, str, str], dict[str, str]]
 
 
 def code_digest(dist: InstalledDistribution) -> str:
@@ -37,18 +41,23 @@ def code_digest(dist: InstalledDistribution) -> str:
 
 
 def failing(answers: Answers, installed: Iterable[InstalledDistribution], names: Iterable[str]) -> list[str]:
-    """Pure: the modules the installed versions of ``names`` are known (``answers``) not to import."""
+    """Pure: the modules the installed versions of ``names`` are known (``answers``, in any context) not to
+    import: for the plan's words only (a failure is excused by its own context's answers alone)."""
     wanted = set(names)
-    found: list[str] = []
+    found: set[str] = set()
     for dist in installed:
         if dist.name in wanted and dist.record.entries:
-            modules = answers.get((dist.name, dist.version, code_digest(dist)), {})
-            found.extend(module for module, error in modules.items() if error)
+            key = (dist.name, dist.version, code_digest(dist))
+            for (name, version, digest, _), modules in answers.items():
+                if (name, version, digest) == key:
+                    found.update(module for module, error in modules.items() if error)
     return sorted(found)
 
 
 def from_dict(raw: object) -> Answers:
     """Pure: the answers from the parsed file (ValueError when it is not what this module writes)."""
+    if isinstance(raw, dict) and raw.get("old_imports_version") == _UNKEYED_VERSION:
+        return {}
     if not isinstance(raw, dict) or raw.get("old_imports_version") != OLD_IMPORTS_VERSION:
         raise ValueError("not an old-imports file of this version")
     entries = raw.get("distributions")
@@ -57,11 +66,11 @@ def from_dict(raw: object) -> Answers:
     found: Answers = {}
     for text, modules in entries.items():
         parts = text.split(" ") if isinstance(text, str) else []
-        if len(parts) != 3 or not all(parts) or not isinstance(modules, dict):
+        if len(parts) != 4 or not all(parts) or not isinstance(modules, dict):
             raise ValueError(f"a damaged entry {str(text)[:80]!r}")
         if not all(isinstance(m, str) and isinstance(e, str) for m, e in modules.items()):
             raise ValueError(f"a damaged entry {text[:80]!r}")
-        found[(parts[0], parts[1], parts[2])] = dict(modules)
+        found[(parts[0], parts[1], parts[2], parts[3])] = dict(modules)
     return found
 
 
@@ -74,7 +83,7 @@ def to_dict(answers: Answers) -> dict[str, object]:
     }
 
 
-def merged(current: Answers, learned: Mapping[tuple[str, str, str], Mapping[str, str]]) -> Answers:
+def merged(current: Answers, learned: Mapping[tuple[str, str, str, str], Mapping[str, str]]) -> Answers:
     """Pure: ``current`` with what a check learned (a learned entry moves to the newest place)."""
     out = {k: dict(v) for k, v in current.items() if k not in learned}
     for key, modules in learned.items():

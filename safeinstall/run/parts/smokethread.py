@@ -43,10 +43,12 @@ def target_tree(scratch: Path) -> NewTree:
 
 @dataclass(frozen=True, slots=True)
 class Job:
-    """One context's check: its child's variables (the imports, then ``--smoke``)."""
+    """One context's check: its child's variables (the imports, then ``--smoke``), and the key of the
+    running version's answers in it (:func:`safeinstall.env.importcheck.answers_key`)."""
 
     context: importcheck.Context
     variables: tuple[tuple[str, str], ...]
+    key: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,18 +70,19 @@ class Checks:
     skip: tuple[str, ...] = ()  # --smoke-skip: modules never imported
     #: the running version of each changed distribution: (version, RECORD digest), by name
     old: Mapping[str, tuple[str, str]] = field(default_factory=dict)
-    #: what the running version answered before (:mod:`safeinstall.store.oldimports`), by distribution
-    known: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    #: what the running version answered before (:mod:`safeinstall.store.oldimports`), by (distribution,
+    #: the job's key)
+    known: Mapping[tuple[str, str], Mapping[str, str]] = field(default_factory=dict)
     old_sites: tuple[Path, ...] = ()  # where the running version lies (the environment's sites)
 
 
 @dataclass(frozen=True, slots=True)
 class Checked:
     """The check's answer: its children's outcomes, and what the running version answered meanwhile
-    (by distribution: module -> "" imported, or its error), to be kept."""
+    (by distribution and the job's key: module -> "" imported, or its error), to be kept."""
 
     outcomes: list[importcheck.ChildOutcome]
-    learned: dict[str, dict[str, str]]
+    learned: dict[tuple[str, str], dict[str, str]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +103,7 @@ def execute(checks: Checks, cancel: threading.Event | None = None) -> Checked:
     ``cancel`` is set.
     """
     outcomes: list[importcheck.ChildOutcome] = []
-    learned: dict[str, dict[str, str]] = {}
+    learned: dict[tuple[str, str], dict[str, str]] = {}
     sites = list(checks.new.sites)
     for job in checks.jobs:
         variables = dict(job.variables)
@@ -132,13 +135,18 @@ def _judged(
     checks: Checks,
     job: Job,
     outcome: importcheck.ChildOutcome,
-    learned: dict[str, dict[str, str]],
+    learned: dict[tuple[str, str], dict[str, str]],
     cancel: threading.Event | None,
 ) -> importcheck.ChildOutcome:
     """``outcome`` with the failures the running version shares excused; the running version asked
     (one child, the job's context, the environment's own sites) about what is not known yet, its
-    answers added to ``learned``."""
-    known = {d: {**checks.known.get(d, {}), **learned.get(d, {})} for d in checks.old}
+    answers added to ``learned``. Only answers of the job's own context count, and what the service
+    imports first (``must``) only as answered in this run, never as kept (the attacker review)."""
+    kept = {d: checks.known.get((d, job.key), {}) for d in checks.old}
+    known = {
+        d: {**{m: e for m, e in kept[d].items() if m not in outcome.must}, **learned.get((d, job.key), {})}
+        for d in checks.old
+    }
     asked = importcheck.unknown(outcome, known)
     if asked:
         also = tuple(m for modules in asked.values() for m in modules)
@@ -160,6 +168,6 @@ def _judged(
         for module, error in answers:
             dist = owners.get(module)
             if dist in asked:
-                learned.setdefault(dist, {})[module] = error
+                learned.setdefault((dist, job.key), {})[module] = error
                 known[dist][module] = error
     return importcheck.excuse(outcome, known)

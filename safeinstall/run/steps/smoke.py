@@ -121,8 +121,15 @@ def contexts(run: Run) -> tuple[list[importcheck.Context], list[str]]:
         # its whole tree then (the home a user manager's unit starts in: as the directories above it)
         named = context.working_directory.startswith("/") and cwd != home and run.options.smoke is not None
         cwd_problem = (judge(cwd) if named else _finding(cwd, runner)) if cwd != "/" else None
-        user_site = importcheck.user_site(given, home, entry.flags, run.env.version[:2])
-        site_problem = judge(user_site) if user_site and user_site_enabled(run.env) else None
+        # a relative HOME is taken from where the child runs: its directory, or / where it cannot enter it
+        starts = dict.fromkeys(["/" if cwd_problem else cwd, "/"])
+        found_sites = [
+            importcheck.user_site(given, home, entry.flags, run.env.version[:2], at) for at in starts
+        ]
+        judged_sites = (
+            [(s, judge(s)) for s in dict.fromkeys(found_sites) if s] if user_site_enabled(run.env) else []
+        )
+        user_site, site_problem = next(((s, p) for s, p in judged_sites if p), (found_sites[0], None))
         if runner == 0:  # never root's child loading what another user controls: refused, said
             found_here = importcheck.others_loaded(given, entry.flags, judge)
             found_here += [f"WorkingDirectory={cwd}: {cwd_problem}"] if cwd_problem else []
@@ -135,6 +142,14 @@ def contexts(run: Run) -> tuple[list[importcheck.Context], list[str]]:
                     "User=, or run its interpreter with -s), or --no-smoke skips the check",
                 )
         variables, dropped = importcheck.unit_variables(given, lambda path: judge(path) is None)
+        if runner == 0:  # root's child: only what names no code (the attacker review, 4)
+            variables, unlisted = importcheck.root_variables(variables)
+            if unlisted:
+                notes.append(
+                    f"{unit.name}: not given to the check, which runs as root (it takes only the locale, "
+                    "TZ, HOME, PATH, PYTHONPATH, LD_LIBRARY_PATH, LD_PRELOAD and Python's output settings): "
+                    + ", ".join(sorted(set(unlisted)))
+                )
         if site_problem:
             variables = (*variables, ("PYTHONNOUSERSITE", "1"))
             notes.append(f"{unit.name}: the check runs without the user site {user_site}: {site_problem}")
@@ -258,7 +273,8 @@ def prepare(run: Run, new: NewTree) -> Checks:
                 list(new.sites),
                 context.flags,
             )
-            jobs.append(Job(context, tuple(variables.items())))
+            key = importcheck.answers_key(context, os.geteuid())
+            jobs.append(Job(context, tuple(variables.items()), key))
     except BaseException:
         _undo(run, new, shim, opened)
         raise
@@ -271,7 +287,7 @@ def prepare(run: Run, new: NewTree) -> Checks:
     stored, problem = oldimports.load(run.state)
     if problem is not None:
         run.log(f"smoke: {problem}")
-    known = {name: stored.get((name, *old[name]), {}) for name in old}
+    known = {(name, job.key): stored.get((name, *old[name], job.key), {}) for name in old for job in jobs}
     return Checks(
         new,
         shim,
@@ -424,12 +440,16 @@ def _target_tree(run: Run) -> str | None:
     return None
 
 
-def _keep_old_answers(run: Run, checks: Checks, learned: dict[str, dict[str, str]]) -> None:
-    """What the running version answered, kept for the next run of the same versions."""
+def _keep_old_answers(run: Run, checks: Checks, learned: dict[tuple[str, str], dict[str, str]]) -> None:
+    """What the running version answered, kept for the next run of the same versions in the same context."""
     if not learned:
         return
     stored, _ = oldimports.load(run.state)
-    keyed = {(name, *checks.old[name]): answers for name, answers in learned.items() if name in checks.old}
+    keyed = {
+        (name, *checks.old[name], key): answers
+        for (name, key), answers in learned.items()
+        if name in checks.old
+    }
     note = oldimports.save(run.state, oldimports.merged(stored, keyed))
     run.log(f"smoke: the running version was asked about {sum(map(len, learned.values()))} module(s)")
     if note is not None:
