@@ -10,8 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from safeinstall.cli.usage import wheel_package
+from safeinstall.env.dependents import parse_requirement, required_names
 from safeinstall.env.requirements import Dist, check_change, refusal, weighed_requirements
+from safeinstall.env.uvplan import UvChange
+from safeinstall.run.parts.requires import after_change
+from safeinstall.scan.plan import AffectedDistribution
+from safeinstall.store.anchors import anchor_key
 from tests.beds import Bed
+from tests.clirun import run, verify_all
 from tests.wheelhouse import make_wheel, pypi_wheels, uv_install, with_requirement
 
 LINUX_311 = {
@@ -125,6 +132,55 @@ def test_what_cannot_be_judged_is_not_blamed() -> None:
         Dist("lib", "2.0rc1", ()),
     )
     assert weighed_requirements(odd, LINUX_311)[0] == ()
+
+
+#: int() refuses a string of over 4,300 digits with a ValueError that is not InvalidVersion: the owner's
+#: METADATA holding one ended every run in "internal error" (the attacker review, session 5)
+BIG = "1" + "0" * 5000
+
+
+def test_a_version_of_over_4300_digits_is_not_judged() -> None:
+    """In a ``Version:`` header, a specifier, a marker: not judged, not blamed, never raised; the plan's
+    upgrade/downgrade word is left out; no anchor key; no package named by such a wheel file name."""
+    shapes = (
+        (Dist("a", BIG, ()), Dist("b", "1", ("a>=1",))),
+        (Dist("a", "1", ()), Dist("b", "1", (f"a>={BIG}",))),
+        (Dist("a", "1", ()), Dist("b", "1", (f'a; python_version > "{BIG}"',))),
+        (
+            Dist("a", "1", ('x; extra == "e"', f'y; python_version > "{BIG}" and extra == "e"')),
+            Dist("b", "1", ("a[e]",)),
+        ),
+    )
+    for dists in shapes:
+        check = check_change(dists, {"a": dists[0]}, LINUX_311)
+        assert check.broken == () and check.complete, dists
+    marked = parse_requirement(f'a; python_version > "{BIG}"')
+    assert marked is not None and required_names([marked], frozenset({"a"}), LINUX_311) == {
+        "a"
+    }  # the safe side
+    assert AffectedDistribution("a", "1.0", BIG, True).change == ""
+    assert anchor_key("/site", "a", BIG) is None
+    assert wheel_package(Path(f"/x/a-{BIG}-py3-none-any.whl")) is None
+    fetched = UvChange("install", "a", None, f"https://index.example/a-{BIG}-py3-none-any.whl")
+    assert after_change((), [fetched])[0]["a"] == Dist("a", "", (), "a")  # the version not known
+
+
+def test_an_owners_metadata_with_a_version_of_over_4300_digits_is_no_internal_error(bed: Bed) -> None:
+    """The review's case, end to end: such a METADATA in the environment (a ``Version:``, a requirement
+    and a marker of 5,001 digits): the dry run plans (exit 0), --verify-only --all reports; a wheel path
+    whose name holds one is exit 2 with an ``error:`` line of its own, not "internal error"."""
+    info = bed.site / "zzbig-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: zzbig\nVersion: {BIG}\nRequires-Dist: sicext>={BIG}\n"
+        f'Requires-Dist: sicext; python_version > "{BIG}"\n\n'
+    )
+    (info / "RECORD").write_text("")
+    dry = bed.cli("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--dry-run")
+    assert dry.code == 0 and "internal error" not in dry.stderr, dry.stdout + dry.stderr
+    verify_all(bed.python, bed.state, codes=(0, 1))
+    named = run("--wheel", f"/nonexistent/sicext-{BIG}-py3-none-any.whl", "--dry-run", env=bed.environ())
+    assert named.code == 2 and "error:" in named.stderr and "internal error" not in named.stderr, named.stderr
 
 
 # ------------------------------------------------------------------ real wheels

@@ -74,8 +74,8 @@ def _holds(marker: Marker | None, markers: Mapping[str, str], extra: str) -> boo
         return True
     try:
         return marker.evaluate({**markers, "extra": extra})
-    except (InvalidMarker, UndefinedComparison, UndefinedEnvironmentName):
-        return True  # cannot tell: the safe side
+    except (InvalidMarker, UndefinedComparison, UndefinedEnvironmentName, ValueError):
+        return True  # cannot tell (ValueError: a version of over 4,300 digits): the safe side
 
 
 def _marker_extras(marker: Marker | None) -> set[str]:

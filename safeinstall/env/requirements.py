@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from packaging.markers import InvalidMarker, UndefinedComparison, UndefinedEnvironmentName
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
 from safeinstall.env.distributions import InstalledDistribution
 
@@ -74,11 +74,9 @@ def _applies(requirement: Requirement, markers: Mapping[str, str], extra: str) -
         return not extra  # an unconditional requirement belongs to the base, not to an extra
     try:
         holds = requirement.marker.evaluate({**markers, "extra": extra})
-    except (InvalidMarker, UndefinedComparison, UndefinedEnvironmentName):
-        return False  # cannot tell: not blamed
-    if not extra:
-        return holds
-    return holds and not requirement.marker.evaluate({**markers, "extra": ""})
+        return holds if not extra else holds and not requirement.marker.evaluate({**markers, "extra": ""})
+    except (InvalidMarker, UndefinedComparison, UndefinedEnvironmentName, ValueError):
+        return False  # cannot tell (ValueError: a version of over 4,300 digits, int() refuses): not blamed
 
 
 def _without_marker(requirement: Requirement) -> str:
@@ -93,7 +91,7 @@ def _satisfied(requirement: Requirement, version: str) -> bool | None:
         return True  # a direct reference names no version to compare
     try:
         return requirement.specifier.contains(Version(version), prereleases=True)
-    except InvalidVersion:
+    except ValueError:  # InvalidVersion, or a version (either side) of over 4,300 digits: int() refuses
         return None
 
 
