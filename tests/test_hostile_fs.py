@@ -1372,6 +1372,48 @@ def test_the_pth_bounds_and_the_directories_above_each_path_looked_at_once(
     assert len(looked) < 2 * 3000 + 64
 
 
+def test_a_directory_pth_lines_name_through_many_links_is_listed_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The attacker review (session 5): 4,000 `.pth` lines, each a link to one directory of 20k files,
+    had it listed 4,000 times for what `site` may import (60 s of every command). Each directory is
+    now listed once, by what it resolves to."""
+    from safeinstall.env.environment import Environment, steering
+
+    site, target = tmp_path / "site", tmp_path / "target"
+    site.mkdir()
+    target.mkdir()
+    for number in range(10):
+        (target / f"f{number}.py").touch()
+    for number in range(1000):
+        (site / f"l{number}").symlink_to(target, target_is_directory=True)
+    (site / "links.pth").write_text("".join(f"l{number}\n" for number in range(1000)))
+    env = Environment(
+        python=tmp_path / "bin" / "python",
+        executable=tmp_path / "bin" / "python",
+        prefix=tmp_path,
+        base_prefix=Path("/usr"),
+        purelib=site,
+        platlib=site,
+        scripts=tmp_path / "bin",
+        data=tmp_path,
+        version=(3, 11, 2),
+        implementation="cpython",
+        soabi=None,
+        platform="linux-x86_64",
+    )
+    listed: list[str] = []
+    listdir = os.listdir
+
+    def counted(path: str | os.PathLike[str] = ".") -> list[str]:
+        listed.append(os.path.realpath(path))
+        return listdir(path)
+
+    monkeypatch.setattr(os, "listdir", counted)  # the standard library's, to count the listings
+    assert steering(env, os.geteuid()).problems == []
+    assert listed.count(str(target)) == 1
+
+
 @pytest.mark.parametrize(
     ("code", "advice"),
     [

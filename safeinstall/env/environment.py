@@ -587,7 +587,7 @@ def steering(env: Environment, euid: int, walked: dict[str, os.stat_result] | No
     # What a loaded module imports in turn (``import foo`` whose ``foo`` imports ``bar``), or a name a
     # line builds at run time, cannot be told from the text (the attacker review): once ``site`` imports
     # anything at start-up, every directory it may import from is walked whole.
-    directories = list(dict.fromkeys(search))
+    directories = _distinct_directories(search)
     if names - _SITE_IMPORTS or any(_loaded_entries(d, frozenset(names)) for d in directories):
         budget = [LOADED_ENTRIES]
         # the cycle collector paused: the walk makes an lstat and a path of each entry (68k on vLLM),
@@ -596,6 +596,24 @@ def steering(env: Environment, euid: int, walked: dict[str, os.stat_result] | No
             for directory in directories:
                 _walk_loaded(control, directory, "what site may import", budget)
     return control
+
+
+def _distinct_directories(paths: list[Path]) -> list[Path]:
+    """Each directory once, by what it resolves to (device, inode): ``.pth`` lines may name one through
+    thousands of links, and each was listed again (4,000 links to 20k files: 60 s; the attacker review,
+    session 5); a path that cannot be resolved is kept as it is."""
+    seen: set[tuple[int, int]] = set()
+    kept: list[Path] = []
+    for path in dict.fromkeys(paths):
+        try:
+            info = os.stat(path)
+        except (OSError, ValueError):
+            kept.append(path)
+            continue
+        if (info.st_dev, info.st_ino) not in seen:
+            seen.add((info.st_dev, info.st_ino))
+            kept.append(path)
+    return kept
 
 
 def _root_controlled(site: Path) -> bool:
