@@ -1308,6 +1308,112 @@ def test_a_fifo_pth_file_or_pyvenv_cfg_is_never_waited_on(open_dir: Path, wheels
     assert done.stdout.split() == [str(NOBODY)]
 
 
+@pytest.mark.parametrize("how", ["many-lines", "inert-lines"])
+def test_the_pth_files_are_read_within_bounds_each_file_and_path_once(
+    open_dir: Path, wheels: Wheelhouse, how: str
+) -> None:
+    """Row (the attacker review, session 5): each `.pth` line was a path looked up with every directory
+    above it, with no bound in all: one 1 MiB file of 524k lines, 30 s of root's survey; four links to
+    it (free to their owner), 165 s. Now a file linked many times is read once, and past 4096 lines
+    the environment is refused (what they add cannot be told); a line no path can be (a NUL, over
+    PATH_MAX: `site` never adds it) is passed over, never an internal error."""
+    if not AS_ROOT:
+        pytest.skip("the attack is on a run as root")
+    python, site, _uids = _root_venv_with_pth(open_dir, wheels)
+    from safeinstall.env.environment import inspect_environment
+    from safeinstall.errors import InterpreterError
+
+    first = site / "zz-a0.pth"
+    if how == "many-lines":
+        first.write_bytes(b"x\n" * (1 << 19))
+        for number in range(1, 4):
+            os.link(first, site / f"zz-a{number}.pth")
+        with pytest.raises(InterpreterError, match="hold more than 4096 lines: what site adds from them"):
+            inspect_environment(python)
+        return
+    first.write_bytes(b"".join(b"zz-added-%d\n" % n for n in range(4000)) + b"a\0b\n" + b"y/" * 2500 + b"\n")
+    for number in range(1, 2000):  # 2000 files of 4000 lines: read once
+        os.link(first, site / f"zz-a{number}.pth")
+    assert inspect_environment(python).account is None  # root's, judged
+
+
+def test_the_pth_bounds_and_the_directories_above_each_path_looked_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `.pth` over 1 MiB (`site` reads it whole; it was passed over unseen) or naming a path more than
+    64 directories deep is refused; the directories above thousands of added paths are each looked at
+    once (every line looked at all of them again)."""
+    from safeinstall.env.environment import _Control, _pth_lines
+
+    site = tmp_path / "site"
+    site.mkdir()
+    big = site / "big.pth"
+    big.write_bytes(b"#" * ((1 << 20) + 1))
+    assert "is larger than 1048576 bytes" in (_pth_lines(site).problem or "")
+    big.unlink()
+    (site / "deep.pth").write_text("/".join(["d"] * 70) + "\n")
+    assert "is more than 64 directories deep" in (_pth_lines(site).problem or "")
+    (site / "deep.pth").write_text("".join(f"here/p{n}\n" for n in range(3000)))
+    (site / "here").mkdir()
+    lines = _pth_lines(site)
+    assert lines.problem is None and len(lines.paths) == 3000
+    looked: list[str] = []
+    lstat = os.lstat
+
+    def counted(path: str | os.PathLike[str]) -> os.stat_result:
+        looked.append(os.fspath(path))
+        return lstat(path)
+
+    monkeypatch.setattr(os, "lstat", counted)  # the standard library's, to count the looks
+    control = _Control(os.geteuid())
+    for added in lines.paths:
+        control.look_up(added, "added by a .pth file")
+    assert looked.count(str(site)) == 1 and looked.count("/") == 1
+    assert len(looked) < 2 * 3000 + 64
+
+
+def test_a_directory_pth_lines_name_through_many_links_is_listed_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The attacker review (session 5): 4,000 `.pth` lines, each a link to one directory of 20k files,
+    had it listed 4,000 times for what `site` may import (60 s of every command). Each directory is
+    now listed once, by what it resolves to."""
+    from safeinstall.env.environment import Environment, steering
+
+    site, target = tmp_path / "site", tmp_path / "target"
+    site.mkdir()
+    target.mkdir()
+    for number in range(10):
+        (target / f"f{number}.py").touch()
+    for number in range(1000):
+        (site / f"l{number}").symlink_to(target, target_is_directory=True)
+    (site / "links.pth").write_text("".join(f"l{number}\n" for number in range(1000)))
+    env = Environment(
+        python=tmp_path / "bin" / "python",
+        executable=tmp_path / "bin" / "python",
+        prefix=tmp_path,
+        base_prefix=Path("/usr"),
+        purelib=site,
+        platlib=site,
+        scripts=tmp_path / "bin",
+        data=tmp_path,
+        version=(3, 11, 2),
+        implementation="cpython",
+        soabi=None,
+        platform="linux-x86_64",
+    )
+    listed: list[str] = []
+    listdir = os.listdir
+
+    def counted(path: str | os.PathLike[str] = ".") -> list[str]:
+        listed.append(os.path.realpath(path))
+        return listdir(path)
+
+    monkeypatch.setattr(os, "listdir", counted)  # the standard library's, to count the listings
+    assert steering(env, os.geteuid()).problems == []
+    assert listed.count(str(target)) == 1
+
+
 @pytest.mark.parametrize(
     ("code", "advice"),
     [

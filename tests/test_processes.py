@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from safeinstall.env.dependents import dependents, describe_chain, marker_environment
+from safeinstall.env.dependents import dependents, describe_chain, marker_environment, weigh_dependents
 from safeinstall.env.distributions import (
     InstalledDistribution,
     find_distribution,
@@ -976,22 +976,24 @@ def _dist(name: str, *requires: str) -> InstalledDistribution:
     )
 
 
+_ENV_39 = Environment(
+    python=Path("/v/bin/python"),
+    executable=Path("/v/bin/python"),
+    prefix=Path("/v"),
+    base_prefix=Path("/usr"),
+    purelib=Path("/site"),
+    platlib=Path("/site"),
+    scripts=Path("/v/bin"),
+    data=Path("/v"),
+    version=(3, 9, 2),  # not the interpreter running these tests
+    implementation="cpython",
+    soabi=None,
+    platform="linux-aarch64",
+)
+
+
 def test_dependents_follow_markers_of_the_target_environment_and_installed_extras() -> None:
-    env = Environment(
-        python=Path("/v/bin/python"),
-        executable=Path("/v/bin/python"),
-        prefix=Path("/v"),
-        base_prefix=Path("/usr"),
-        purelib=Path("/site"),
-        platlib=Path("/site"),
-        scripts=Path("/v/bin"),
-        data=Path("/v"),
-        version=(3, 9, 2),  # not the interpreter running these tests
-        implementation="cpython",
-        soabi=None,
-        platform="linux-aarch64",
-    )
-    markers = marker_environment(env)
+    markers = marker_environment(_ENV_39)
     assert markers["python_version"] == "3.9" and markers["platform_machine"] == "aarch64"
     installed = [
         _dist(
@@ -1020,6 +1022,25 @@ def test_dependents_follow_markers_of_the_target_environment_and_installed_extra
     assert describe_chain(("app", "vllm", "transformers", "tokenizers")) == (
         "which requires tokenizers (through vllm, transformers)"
     )
+
+
+def test_an_owners_metadata_whose_extras_reweigh_every_line_is_weighed_within_a_bound() -> None:
+    """The attacker review (session 5): each extra a METADATA's markers name had every line weighed again,
+    unbounded: 3,200 lines ``zzI; extra == "eI"`` (125 kB), 40 s of root's survey on every run and dry
+    run. Now the survey weighs within MAX_WEIGHED in all; a distribution past it is taken to require
+    every installed distribution it names (the safe side), said; the others are weighed as before."""
+    markers = marker_environment(_ENV_39)
+    evil = (*(f'zz{i}; extra == "e{i}"' for i in range(3200)), 'zzwin; sys_platform == "win32"')
+    installed = [
+        _dist("evil", *evil),
+        _dist("good", 'zzwin; sys_platform == "win32"', 'zz1; extra == "x"'),
+        _dist("zzwin"),
+        _dist("zz1"),
+    ]
+    found = weigh_dependents(installed, ["zzwin"], markers)
+    assert found.chains == {"evil": (("evil", "zzwin"),)} and found.unweighed == ("evil",)
+    assert "dependents not all weighed: the requirements of evil" in (found.note() or "")
+    assert weigh_dependents(installed, ["zz1"], markers).chains["good"] == (("good", "zz1"),)
 
 
 def test_a_maps_larger_than_the_limit_is_a_problem_not_read_whole(tmp_path: Path) -> None:

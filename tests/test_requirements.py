@@ -10,8 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from safeinstall.cli.usage import wheel_package
+from safeinstall.env.dependents import parse_requirement, required_names
 from safeinstall.env.requirements import Dist, check_change, refusal, weighed_requirements
+from safeinstall.env.uvplan import UvChange
+from safeinstall.run.parts.requires import after_change
+from safeinstall.scan.plan import AffectedDistribution
+from safeinstall.store.anchors import anchor_key
 from tests.beds import Bed
+from tests.clirun import run, verify_all
 from tests.wheelhouse import make_wheel, pypi_wheels, uv_install, with_requirement
 
 LINUX_311 = {
@@ -127,6 +134,55 @@ def test_what_cannot_be_judged_is_not_blamed() -> None:
     assert weighed_requirements(odd, LINUX_311)[0] == ()
 
 
+#: int() refuses a string of over 4,300 digits with a ValueError that is not InvalidVersion: the owner's
+#: METADATA holding one ended every run in "internal error" (the attacker review, session 5)
+BIG = "1" + "0" * 5000
+
+
+def test_a_version_of_over_4300_digits_is_not_judged() -> None:
+    """In a ``Version:`` header, a specifier, a marker: not judged, not blamed, never raised; the plan's
+    upgrade/downgrade word is left out; no anchor key; no package named by such a wheel file name."""
+    shapes = (
+        (Dist("a", BIG, ()), Dist("b", "1", ("a>=1",))),
+        (Dist("a", "1", ()), Dist("b", "1", (f"a>={BIG}",))),
+        (Dist("a", "1", ()), Dist("b", "1", (f'a; python_version > "{BIG}"',))),
+        (
+            Dist("a", "1", ('x; extra == "e"', f'y; python_version > "{BIG}" and extra == "e"')),
+            Dist("b", "1", ("a[e]",)),
+        ),
+    )
+    for dists in shapes:
+        check = check_change(dists, {"a": dists[0]}, LINUX_311)
+        assert check.broken == () and check.complete, dists
+    marked = parse_requirement(f'a; python_version > "{BIG}"')
+    assert marked is not None and required_names([marked], frozenset({"a"}), LINUX_311) == {
+        "a"
+    }  # the safe side
+    assert AffectedDistribution("a", "1.0", BIG, True).change == ""
+    assert anchor_key("/site", "a", BIG) is None
+    assert wheel_package(Path(f"/x/a-{BIG}-py3-none-any.whl")) is None
+    fetched = UvChange("install", "a", None, f"https://index.example/a-{BIG}-py3-none-any.whl")
+    assert after_change((), [fetched])[0]["a"] == Dist("a", "", (), "a")  # the version not known
+
+
+def test_an_owners_metadata_with_a_version_of_over_4300_digits_is_no_internal_error(bed: Bed) -> None:
+    """The review's case, end to end: such a METADATA in the environment (a ``Version:``, a requirement
+    and a marker of 5,001 digits): the dry run plans (exit 0), --verify-only --all reports; a wheel path
+    whose name holds one is exit 2 with an ``error:`` line of its own, not "internal error"."""
+    info = bed.site / "zzbig-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: zzbig\nVersion: {BIG}\nRequires-Dist: sicext>={BIG}\n"
+        f'Requires-Dist: sicext; python_version > "{BIG}"\n\n'
+    )
+    (info / "RECORD").write_text("")
+    dry = bed.cli("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--dry-run")
+    assert dry.code == 0 and "internal error" not in dry.stderr, dry.stdout + dry.stderr
+    verify_all(bed.python, bed.state, codes=(0, 1))
+    named = run("--wheel", f"/nonexistent/sicext-{BIG}-py3-none-any.whl", "--dry-run", env=bed.environ())
+    assert named.code == 2 and "error:" in named.stderr and "internal error" not in named.stderr, named.stderr
+
+
 # ------------------------------------------------------------------ real wheels
 
 
@@ -212,3 +268,37 @@ def test_a_metadata_that_asks_for_its_own_extras_is_weighed_within_a_bound() -> 
     assert [b.required for b in check.broken] == ["idna"]  # the base requirements weighed first
     refused, warnings = refusal(check, allowed=False)
     assert refused and any("requirements not all checked" in w for w in warnings), warnings
+
+
+def test_a_requirement_weighs_by_its_size_and_for_the_extras_it_names_only() -> None:
+    """The attacker review (session 5): MAX_WEIGHED counted lines, not their size: 2,000 marker terms
+    (50 kB) weighed for 200 extras asked, 6.9 s. A line that names no extra is now weighed for the base
+    only (it holds alike for every extra), and a line weighs by its size: 100 lines of 40 kB weigh past
+    the bound before one is parsed (each 20 ms), said as not all checked."""
+    marker = " and ".join(['python_version > "1"'] * 2000)
+    asked = Dist("b", "1.0", ("a[" + ",".join(f"e{i}" for i in range(400)) + "]",))
+    wide = Dist("a", "1.0", (f"zzz ; {marker}",))
+    check = check_change((wide, asked), {"a": wide}, LINUX_311)
+    assert check.complete and check.broken == ()
+    huge = Dist("a", "1.0", tuple(f"zz{i} ; {marker[:40_000]}" for i in range(100)))
+    check = check_change((huge, asked), {"a": huge}, LINUX_311)
+    assert not check.complete
+    assert any("requirements not all checked" in w for w in refusal(check, allowed=False)[1])
+
+
+def test_an_owners_metadata_past_the_bounds_is_said_in_the_plan(bed: Bed) -> None:
+    """End to end: the owner's METADATA of 3,200 lines ``zzI; extra == "eI"`` that asks for 200 of its own
+    extras: the dry run plans (exit 0) and says both the requirements and the dependents not all weighed
+    (40 s of root's survey before, on every run and dry run)."""
+    info = bed.site / "zzhog-1.0.dist-info"
+    info.mkdir()
+    lines = "".join(f'Requires-Dist: zz{i}; extra == "e{i}"\n' for i in range(3200))
+    asks = ",".join(f"e{i}" for i in range(200))
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: zzhog\nVersion: 1.0\nRequires-Dist: zzhog[{asks}]\n{lines}\n"
+    )
+    (info / "RECORD").write_text("")
+    dry = bed.cli("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--dry-run")
+    said = dry.stdout + dry.stderr
+    assert dry.code == 0, said
+    assert "requirements not all checked" in said and "dependents not all weighed" in said, said

@@ -129,11 +129,11 @@ def mode_conflict(flags: Collection[Mode]) -> UsageError | None:
 def wheel_package(wheel: Path) -> str | None:
     """Pure: the distribution a wheel's file name names (``vllm-0.16.0-cp38-abi3-...whl`` -> ``vllm``);
     None for a name that is not a wheel's. The wheel itself is checked against it at preflight."""
-    from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+    from packaging.utils import parse_wheel_filename
 
     try:
         return str(parse_wheel_filename(wheel.name)[0])
-    except InvalidWheelFilename:
+    except ValueError:  # InvalidWheelFilename, or a version of over 4,300 digits (int() refuses)
         return None
 
 

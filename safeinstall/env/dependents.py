@@ -16,6 +16,7 @@ from packaging.utils import canonicalize_name
 
 from safeinstall.env.distributions import InstalledDistribution
 from safeinstall.env.environment import Environment
+from safeinstall.env.requirements import MAX_WEIGHED, WEIGHT_BYTES, extra_weight, line_weight, names_extra
 
 #: the name at the start of a requirement that packaging cannot parse (kept: the safe side)
 _NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
@@ -74,12 +75,16 @@ def _holds(marker: Marker | None, markers: Mapping[str, str], extra: str) -> boo
         return True
     try:
         return marker.evaluate({**markers, "extra": extra})
-    except (InvalidMarker, UndefinedComparison, UndefinedEnvironmentName):
-        return True  # cannot tell: the safe side
+    except (InvalidMarker, UndefinedComparison, UndefinedEnvironmentName, ValueError):
+        return True  # cannot tell (ValueError: a version of over 4,300 digits): the safe side
+
+
+#: an extra a marker names (``extra == "gpu"``)
+_EXTRA = re.compile(r"extra\s*==\s*['\"]([^'\"]+)['\"]")
 
 
 def _marker_extras(marker: Marker | None) -> set[str]:
-    return {canonicalize_name(e) for e in re.findall(r"extra\s*==\s*['\"]([^'\"]+)['\"]", str(marker or ""))}
+    return {canonicalize_name(e) for e in _EXTRA.findall(str(marker or ""))}
 
 
 def required_names(
@@ -90,25 +95,91 @@ def required_names(
     requirements = list(requirements)
     always = {r.name for r in requirements if _holds(r.marker, markers, "")}
     found = always & installed
-    for extra in sorted({e for r in requirements for e in _marker_extras(r.marker)}):
-        added = {r.name for r in requirements if _holds(r.marker, markers, extra)} - always
+    # a line whose marker names no extra holds alike for every extra: in ``always`` or never added
+    gated = [r for r in requirements if r.marker is not None and names_extra(str(r.marker))]
+    for extra in sorted({e for r in gated for e in _marker_extras(r.marker)}):
+        added = {r.name for r in gated if _holds(r.marker, markers, extra)} - always
         if added and added <= installed:
             found |= added
     return frozenset(found)
 
 
+@dataclass(frozen=True, slots=True)
+class Dependents:
+    """:func:`weigh_dependents`'s answer: the chains, and the distributions whose requirements weighed
+    past what was left of :data:`~safeinstall.env.requirements.MAX_WEIGHED` (each taken to require every
+    installed distribution its lines name, the safe side)."""
+
+    chains: dict[str, tuple[tuple[str, ...], ...]]
+    unweighed: tuple[str, ...]
+
+    def note(self) -> str | None:
+        """The plan's warning for what was not weighed (None: everything was)."""
+        if not self.unweighed:
+            return None
+        shown = ", ".join(self.unweighed[:5]) + (
+            f" and {len(self.unweighed) - 5} more" if len(self.unweighed) > 5 else ""
+        )
+        return (
+            f"dependents not all weighed: the requirements of {shown} weigh more than was left of "
+            f"{MAX_WEIGHED} (4 a line for its parse, its base and each extra its markers name, 1 more "
+            f"per {WEIGHT_BYTES} bytes): each taken to require every installed distribution it names"
+        )
+
+
+def _extras_weight(parsed: Iterable[Required], requires: tuple[str, ...]) -> int:
+    """Pure: what :func:`required_names` weighs for the extras the markers of ``parsed`` name: the
+    lines that name one (:func:`~safeinstall.env.requirements.extra_weight`) for each extra."""
+    named = {e for r in parsed if r.marker is not None for e in _marker_extras(r.marker)}
+    return len(named) * extra_weight(requires) if named else 0
+
+
+def _required(
+    requires: tuple[str, ...], installed: frozenset[str], markers: Mapping[str, str], left: int
+) -> tuple[frozenset[str] | None, int]:
+    """Pure: :func:`required_names` of ``requires`` and what it weighed, or None where that weighs more
+    than ``left`` (and what finding it out weighed: the parse)."""
+    base = sum(map(line_weight, requires))  # the parse, then the base's evaluation
+    if base * 2 > left:
+        return None, 0
+    parsed = [r for r in map(parse_requirement, requires) if r is not None]
+    weight = base * 2 + _extras_weight(parsed, requires)
+    if weight > left:
+        return None, base
+    return required_names(parsed, installed, markers), weight
+
+
+def _named(requires: Iterable[str]) -> frozenset[str]:
+    """Pure: every name ``requires`` begin with (the safe side where they are not weighed)."""
+    return frozenset(canonicalize_name(m.group(1)) for m in map(_NAME.match, requires) if m)
+
+
 def dependents(
     installed: Iterable[InstalledDistribution], wanted: Iterable[str], markers: Mapping[str, str]
 ) -> dict[str, tuple[tuple[str, ...], ...]]:
+    """:func:`weigh_dependents`'s chains."""
+    return weigh_dependents(installed, wanted, markers).chains
+
+
+def weigh_dependents(
+    installed: Iterable[InstalledDistribution], wanted: Iterable[str], markers: Mapping[str, str]
+) -> Dependents:
     """Every installed distribution that requires one of ``wanted``, directly or transitively (one of
     ``wanted`` itself excluded), with the shortest chain to each: ``{"vllm": (("vllm", "transformers"),)}``,
-    or ``("app", "lib", "transformers")`` through ``lib``."""
+    or ``("app", "lib", "transformers")`` through ``lib``. Within :data:`MAX_WEIGHED` in all: a
+    distribution whose requirements weigh more than is left requires every name they list."""
     dists = list(installed)
     names = frozenset(d.name for d in dists)
     required_by: dict[str, set[str]] = {}
+    left = MAX_WEIGHED
+    unweighed: list[str] = []
     for dist in dists:
-        parsed = [r for r in map(parse_requirement, dist.requires) if r is not None]
-        for name in required_names(parsed, names, markers) - {dist.name}:
+        required, spent = _required(dist.requires, names, markers, left)
+        left -= spent
+        if required is None:  # the safe side
+            unweighed.append(dist.name)
+            required = _named(dist.requires) & names
+        for name in required - {dist.name}:
             required_by.setdefault(name, set()).add(dist.name)
     targets: list[str] = sorted({canonicalize_name(w) for w in wanted})
     chains: dict[str, dict[str, tuple[str, ...]]] = {}
@@ -127,7 +198,10 @@ def dependents(
                     if requirer not in targets:
                         chains.setdefault(requirer, {})[target] = longer
             frontier = following
-    return {name: tuple(found[t] for t in sorted(found)) for name, found in sorted(chains.items())}
+    return Dependents(
+        {name: tuple(found[t] for t in sorted(found)) for name, found in sorted(chains.items())},
+        tuple(sorted(unweighed)),
+    )
 
 
 def describe_chain(chain: tuple[str, ...]) -> str:

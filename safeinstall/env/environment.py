@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import errno
 import operator
 import os
 import pwd
@@ -31,6 +32,7 @@ from safeinstall.system.safefs import (
     others_may_write,
     others_who_write,
     read_small,
+    read_small_unless,
 )
 
 _PROBE = r"""
@@ -227,6 +229,9 @@ class _Control:
         #: when given: the ``lstat`` of each file the walk of what ``site`` may import looked at, and of
         #: each directory looked at, by path (:func:`steering`'s ``walked``)
         self.walked: dict[str, os.stat_result] | None = None
+        #: each directory :meth:`look_up` looked at above a path, and whether it exists: looked at once
+        #: (thousands of ``.pth`` lines under one site directory share theirs; the attacker review)
+        self.above: dict[str, bool] = {}
 
     def look(self, path: Path | str, what: str, *, ancestor: bool = False) -> bool:
         """One path (not followed); False when it does not exist. ``ancestor``: a directory above what
@@ -271,13 +276,18 @@ class _Control:
                 continue
             seen.add(str(current))
             exists = self.look(current, what)
-            for directory in reversed(current.parents):  # from /, down to its parent
-                self.look(directory, f"a directory above {what}", ancestor=True)
-            if not exists:
-                probe = current.parent
-                while not os.path.lexists(probe) and probe != probe.parent:
-                    probe = probe.parent
-                self.look(probe, f"where {current} ({what}) could be made")  # sticky does not help
+            # the nearest directory above it that exists; each is known to, and every one above it
+            # looked at, once its parent is (they are looked at from / down)
+            nearest = current.parent if self.above.get(str(current.parent)) else None
+            for directory in () if nearest is not None else reversed(current.parents):  # from / down
+                key = str(directory)
+                if key not in self.above:
+                    self.above[key] = self.look(directory, f"a directory above {what}", ancestor=True)
+                if not self.above[key]:
+                    break  # nothing below a directory that does not exist does
+                nearest = directory
+            if not exists and nearest is not None:
+                self.look(nearest, f"where {current} ({what}) could be made")  # sticky does not help
             elif os.path.islink(current):
                 todo.append(Path(os.path.realpath(current)))
 
@@ -302,6 +312,16 @@ class _Control:
 LOADED_ENTRIES = 1_000_000
 LOADED_DEPTH = 64
 
+#: What the ``.pth`` files of one site directory are read for: each file at most PTH_FILE bytes (a
+#: file linked twice read once), PTH_BYTES and PTH_LINES lines (not comments, not empty) in all, each
+#: path at most LOADED_DEPTH directories deep; more is refused (what they add cannot be told). Each
+#: line was a path looked up with every directory above it: one 1 MiB file, 30 s; four links to it,
+#: 165 s (the attacker review). A path of PATH_MAX bytes or more, or with a NUL, ``site`` never adds.
+PTH_FILE = 1 << 20
+PTH_BYTES = 16 << 20
+PTH_LINES = 4096
+_PATH_MAX = 4096
+
 #: Names ``site`` imports itself, after the ``.pth`` files: a module or a package in a site directory.
 _SITE_IMPORTS = frozenset({"sitecustomize", "usercustomize"})
 
@@ -315,29 +335,63 @@ class _PthLines:
 
     paths: tuple[Path, ...]
     names: frozenset[str]
+    problem: str | None = None  # past a bound: what they add cannot be told (refused)
 
 
 def _pth_lines(site: Path) -> _PthLines:
-    """Pure-ish: the ``.pth`` files of ``site`` as ``site.addpackage`` reads them. An import line is
-    code: every identifier in it (an imported name, a string such as ``__import__('_distutils_hack')``)
-    counts as a module it could load, a superset of what it imports by name."""
-    paths: list[Path] = []
+    """Pure-ish: the ``.pth`` files of ``site`` as ``site.addpackage`` reads them, each path once,
+    within the bounds above (``problem`` past one). An import line is code: every identifier in it (an
+    imported name, a string such as ``__import__('_distutils_hack')``) counts as a module it could
+    load, a superset of what it imports by name."""
+    paths: dict[Path, None] = {}
     names: set[str] = set()
+    read: set[tuple[int, int]] = set()  # (device, inode) of each file read: a link to one is not again
+
+    def known(info: os.stat_result) -> bool:
+        key = (info.st_dev, info.st_ino)
+        fresh = key not in read
+        read.add(key)
+        return not fresh
+
     try:
         found = sorted(n for n in os.listdir(site) if n.endswith(".pth"))
     except OSError:
         return _PthLines((), frozenset())
+    size = lines = 0
     for name in found:
         try:  # the account may have made it a FIFO or a huge file: never waited on, bounded
-            text = read_small(site / name, 1 << 20).decode("utf-8", "replace")
-        except OSError:
+            data, _info = read_small_unless(site / name, PTH_FILE, None, known)
+        except OSError as exc:
+            if exc.errno != errno.EFBIG:
+                continue  # a FIFO, a dangling link: site reads nothing from it either
+            return _PthLines((), frozenset(), f"{site / name} is larger than {PTH_FILE} bytes")
+        if data is None:
             continue
-        for line in text.splitlines():
+        size += len(data)
+        if size > PTH_BYTES:
+            return _PthLines((), frozenset(), f"the .pth files in {site} hold more than {PTH_BYTES} bytes")
+        for line in data.decode("utf-8", "replace").splitlines():
             line = line.rstrip()
+            if not line or line.startswith("#"):
+                continue
+            lines += 1
+            if lines > PTH_LINES:
+                return _PthLines(
+                    (), frozenset(), f"the .pth files in {site} hold more than {PTH_LINES} lines"
+                )
             if line.startswith(("import ", "import\t")):
                 names.update(_NAME.findall(line))
-            elif line and not line.startswith("#"):
-                paths.append(Path(os.path.normpath(os.path.join(site, line))))
+                continue
+            added = os.path.normpath(os.path.join(site, line))
+            if "\0" in added or len(os.fsencode(added)) >= _PATH_MAX:
+                continue  # no such path can exist: site never adds it
+            if added.count("/") > LOADED_DEPTH:
+                return _PthLines(
+                    (),
+                    frozenset(),
+                    f"{added} (in {site / name}) is more than {LOADED_DEPTH} directories deep",
+                )
+            paths[Path(added)] = None
     return _PthLines(tuple(paths), frozenset(names))
 
 
@@ -524,6 +578,8 @@ def steering(env: Environment, euid: int, walked: dict[str, os.stat_result] | No
             if os.path.islink(entry):
                 control.look_up(entry, "linked from a site directory")
         lines = _pth_lines(site)
+        if lines.problem is not None:
+            control.problems.append(f"{lines.problem}: what site adds from them cannot be told")
         names.update(lines.names)
         for added in lines.paths:
             control.look_up(added, "added by a .pth file")
@@ -531,7 +587,7 @@ def steering(env: Environment, euid: int, walked: dict[str, os.stat_result] | No
     # What a loaded module imports in turn (``import foo`` whose ``foo`` imports ``bar``), or a name a
     # line builds at run time, cannot be told from the text (the attacker review): once ``site`` imports
     # anything at start-up, every directory it may import from is walked whole.
-    directories = list(dict.fromkeys(search))
+    directories = _distinct_directories(search)
     if names - _SITE_IMPORTS or any(_loaded_entries(d, frozenset(names)) for d in directories):
         budget = [LOADED_ENTRIES]
         # the cycle collector paused: the walk makes an lstat and a path of each entry (68k on vLLM),
@@ -540,6 +596,24 @@ def steering(env: Environment, euid: int, walked: dict[str, os.stat_result] | No
             for directory in directories:
                 _walk_loaded(control, directory, "what site may import", budget)
     return control
+
+
+def _distinct_directories(paths: list[Path]) -> list[Path]:
+    """Each directory once, by what it resolves to (device, inode): ``.pth`` lines may name one through
+    thousands of links, and each was listed again (4,000 links to 20k files: 60 s; the attacker review,
+    session 5); a path that cannot be resolved is kept as it is."""
+    seen: set[tuple[int, int]] = set()
+    kept: list[Path] = []
+    for path in dict.fromkeys(paths):
+        try:
+            info = os.stat(path)
+        except (OSError, ValueError):
+            kept.append(path)
+            continue
+        if (info.st_dev, info.st_ino) not in seen:
+            seen.add((info.st_dev, info.st_ino))
+            kept.append(path)
+    return kept
 
 
 def _root_controlled(site: Path) -> bool:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from packaging.markers import InvalidMarker, UndefinedComparison, UndefinedEnvironmentName
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
 from safeinstall.env.distributions import InstalledDistribution
 
@@ -57,16 +57,41 @@ def _requirement(text: str) -> Requirement | None:
 
 def _parsed(text: str, extra: str, markers: tuple[tuple[str, str], ...]) -> Requirement | None:
     """``text`` parsed, where it applies for ``markers`` and ``extra`` (None: it does not, or cannot be
-    parsed)."""
+    parsed). A line that does not name ``extra`` is the same for every extra: the base's, never an
+    extra's (not even parsed again)."""
+    if extra and not names_extra(text):
+        return None
     requirement = _requirement(text)
     return requirement if requirement is not None and _applies(requirement, dict(markers), extra) else None
 
 
-#: The most (requirement line, extra) pairs one look at an environment weighs. Every extra another
-#: line asks for has each line of its distribution weighed again: the owner's METADATA of N lines
-#: ``pkg[eI]`` made N * N (1,000 lines: 16 s; its 16 MiB: never done; the attacker review). vLLM's
-#: whole environment weighs about 10,000.
-MAX_WEIGHED = 200_000
+#: The most one look at an environment's requirements weighs (here, and each survey of dependents,
+#: :mod:`safeinstall.env.dependents`): :func:`line_weight` for each line weighed, base or extra. Every
+#: extra another line asks for has the lines of its distribution that name an extra weighed again: the
+#: owner's METADATA of N lines ``zzI; extra == "eI"`` made N * N (3,200 lines: 40 s); a marker costs by
+#: its size (2,000 terms, 50 kB: 12 ms an evaluation; the attacker reviews). A unit is some 4 us at
+#: worst: the bound some 2 s. vLLM's whole environment weighs about 10,000 pairs (some 100,000).
+MAX_WEIGHED = 400_000
+
+#: A line weighs one more for each this many bytes (a marker's comparison costs some 12 us, 25 bytes).
+WEIGHT_BYTES = 8
+
+
+def line_weight(text: str) -> int:
+    """Pure: what one parse or evaluation of a ``Requires-Dist`` line weighs against :data:`MAX_WEIGHED`
+    (a parse of a short line costs four evaluations of its marker)."""
+    return 4 + len(text) // WEIGHT_BYTES
+
+
+def names_extra(text: str) -> bool:
+    """Pure: whether a ``Requires-Dist`` line may name an extra (False: it holds alike for every extra)."""
+    return "extra" in text
+
+
+def extra_weight(requires: Iterable[str]) -> int:
+    """Pure: what weighing ``requires`` for one extra weighs: the lines that name one, and 1 for each
+    other line (passed over unparsed)."""
+    return sum(line_weight(text) if names_extra(text) else 1 for text in requires)
 
 
 def _applies(requirement: Requirement, markers: Mapping[str, str], extra: str) -> bool:
@@ -74,11 +99,9 @@ def _applies(requirement: Requirement, markers: Mapping[str, str], extra: str) -
         return not extra  # an unconditional requirement belongs to the base, not to an extra
     try:
         holds = requirement.marker.evaluate({**markers, "extra": extra})
-    except (InvalidMarker, UndefinedComparison, UndefinedEnvironmentName):
-        return False  # cannot tell: not blamed
-    if not extra:
-        return holds
-    return holds and not requirement.marker.evaluate({**markers, "extra": ""})
+        return holds if not extra else holds and not requirement.marker.evaluate({**markers, "extra": ""})
+    except (InvalidMarker, UndefinedComparison, UndefinedEnvironmentName, ValueError):
+        return False  # cannot tell (ValueError: a version of over 4,300 digits, int() refuses): not blamed
 
 
 def _without_marker(requirement: Requirement) -> str:
@@ -93,7 +116,7 @@ def _satisfied(requirement: Requirement, version: str) -> bool | None:
         return True  # a direct reference names no version to compare
     try:
         return requirement.specifier.contains(Version(version), prereleases=True)
-    except InvalidVersion:
+    except ValueError:  # InvalidVersion, or a version (either side) of over 4,300 digits: int() refuses
         return None
 
 
@@ -102,8 +125,10 @@ def weighed_requirements(
 ) -> tuple[tuple[Broken, ...], bool]:
     """Pure: every requirement of ``dists`` (an environment's whole set) that the set does not meet, for
     the target's ``markers``, sorted; and whether every requirement was weighed (False: past
-    :data:`MAX_WEIGHED` pairs, the base requirements first, the rest not)."""
+    :data:`MAX_WEIGHED`, the base requirements first, the rest not)."""
     by_name = {d.name: d for d in dists}
+    base = {d.name: sum(map(line_weight, d.requires)) for d in by_name.values()}
+    extras = {d.name: extra_weight(d.requires) for d in by_name.values()}
     wanted: set[tuple[str, str]] = {(name, "") for name in by_name}  # (distribution, extra) whose needs count
     todo = collections.deque(sorted(wanted))  # first in, first out: the base requirements first
     found: dict[tuple[str, str, str, str], Broken] = {}
@@ -112,7 +137,7 @@ def weighed_requirements(
     while todo:
         name, extra = todo.popleft()
         dist = by_name[name]
-        weighed += len(dist.requires)
+        weighed += extras[name] if extra else base[name]
         if weighed > MAX_WEIGHED:
             return tuple(found[key] for key in sorted(found)), False
         for text in dist.requires:
@@ -178,8 +203,8 @@ def refusal(check: RequirementsCheck, allowed: bool) -> tuple[tuple[str, ...], t
     warnings = [f"requirement already broken before the run: {b.describe()}" for b in check.already]
     if not check.complete:
         warnings.append(
-            f"requirements not all checked: the environment's METADATA hold more than {MAX_WEIGHED} "
-            "(requirement, extra) pairs to weigh"
+            f"requirements not all checked: the environment's METADATA weigh more than {MAX_WEIGHED} "
+            f"(4 for each requirement weighed, base or extra, 1 more per {WEIGHT_BYTES} bytes of its line)"
         )
     if not check.broken:
         return (), tuple(warnings)

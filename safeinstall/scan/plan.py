@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
 from safeinstall.env.containment import is_below
 from safeinstall.env.uvplan import UvPlan
@@ -35,7 +35,7 @@ class AffectedDistribution:
             return ""
         try:
             old, new = Version(self.old_version), Version(self.new_version)
-        except InvalidVersion:
+        except ValueError:  # InvalidVersion, or over 4,300 digits (int() refuses): the owner's METADATA
             return ""
         return "upgrade" if new > old else "downgrade" if new < old else "same version"
 

@@ -122,7 +122,10 @@ def anchor_key(site: str, name: str, version: str) -> str | None:
     METADATA's name is read within 16 MiB, and the store's size is bounded."""
     from packaging.utils import canonicalize_version
 
-    stem = f"{name}-{canonicalize_version(version, strip_trailing_zero=False)}"
+    try:
+        stem = f"{name}-{canonicalize_version(version, strip_trailing_zero=False)}"
+    except ValueError:  # a version of over 4,300 digits: int() refuses (no directory name holds it)
+        return None
     if len(stem) > 200 or not re.fullmatch(r"[a-z0-9][a-z0-9._+!-]*", stem):  # a directory name's room
         return None
     return os.path.join(site, f"{stem}.dist-info")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+from packaging.utils import parse_wheel_filename
 
 from safeinstall.env.dependents import marker_environment
 from safeinstall.env.distributions import (
@@ -43,7 +43,7 @@ def _version_of(change: UvChange, wheel: Wheel | None) -> str | None:
     source = (change.source or "").rsplit("/", 1)[-1]
     try:
         return str(parse_wheel_filename(source)[1]) if source.endswith(".whl") else None
-    except InvalidWheelFilename:
+    except ValueError:  # InvalidWheelFilename, or a version of over 4,300 digits (int() refuses)
         return None
 
 

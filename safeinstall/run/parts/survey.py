@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from safeinstall.env.dependents import dependents, marker_environment
+from safeinstall.env.dependents import marker_environment, weigh_dependents
 from safeinstall.env.distributions import InstalledDistribution, find_distribution, find_distributions
 from safeinstall.env.environment import (
     Environment,
@@ -118,7 +118,8 @@ def survey(
     affected = tuple(by_name[n] for n in sorted({*uv_plan.affected, target.name}) if n in by_name)
     owners = directory_owners(installed)
     targets = load_targets(affected, env, installed, owners=owners)
-    chains = dependents(installed, [d.name for d in affected], marker_environment(env))
+    found = weigh_dependents(installed, [d.name for d in affected], marker_environment(env))
+    chains = found.chains
     dependent_targets = load_targets([by_name[n] for n in chains], env, installed, chains, owners)
     scope = environment_scope(env)
     index = TargetIndex.of((*targets, *dependent_targets))
@@ -163,6 +164,8 @@ def survey(
         plan = replace(plan, warnings=(env.owner_note, *plan.warnings))
     if uv_plan.lock_note:  # who held uv's lock while the plan's uv waited for it (issue 35)
         plan = replace(plan, warnings=(*plan.warnings, uv_plan.lock_note))
+    if (unweighed := found.note()) is not None:  # the owner's METADATA past the bound (the attacker review)
+        plan = replace(plan, warnings=(*plan.warnings, unweighed))
     return Survey(
         env=env,
         installed=installed,
