@@ -16,6 +16,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import signal
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,6 +37,8 @@ from safeinstall.system.safefs import (
 )
 
 _IN_OPEN = 0x20
+#: Ends a child that blocks (unfixed code only): never a timing the tests judge.
+_HANG_GUARD_S = 60
 
 
 def _hashed(path: Path) -> object:
@@ -97,21 +100,33 @@ def test_a_reader_given_a_terminal_refuses_it_and_never_takes_it_as_the_controll
 ) -> None:
     follows, reader = READERS[name]
     path = _named(tmp_path / "zz.pth", pty_slave, follows)
-    pid = os.fork()
-    if pid == 0:  # a root run started with setsid: a session leader without a terminal
-        code = 2
+
+    def child() -> int:  # a root run started with setsid: a session leader without a terminal
+        os.setsid()
+        reader(path)
         try:
-            os.setsid()
-            reader(path)
-            try:
-                os.close(os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY))
-                code = 3  # it took the pty: the account can signal it
-            except OSError as exc:
-                code = 0 if exc.errno == errno.ENXIO else 4
+            os.close(os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY))
+        except OSError as exc:
+            return 0 if exc.errno == errno.ENXIO else 4
+        return 3  # it took the pty: the account can signal it
+
+    assert _in_child(child) == 0, f"{name}: the child's exit says why (3: it took the pty)"
+
+
+def _in_child(work: Callable[[], int]) -> int:
+    """``work``'s answer, run in a forked child (its own session, say): the exit code; 5 when it raised,
+    a signal's negative number when it died. Unfixed code blocks (a read of the terminal, a FIFO's
+    open): SIGALRM ends it rather than the test session (never reached by code that does not block)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 5
+        try:
+            signal.alarm(_HANG_GUARD_S)
+            code = work()
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, f"{name}: the child's exit says why (3: took the tty)"
+    return os.waitstatus_to_exitcode(status)
 
 
 class _Inotify:
@@ -160,11 +175,16 @@ def test_a_reader_given_a_fifo_refuses_it_without_opening_it(
     if follows:
         path = tmp_path / "zz.pth"
         path.symlink_to(target)
-    result = reader(path)
-    if name == "read_texts":
-        assert result == [[None, "not a regular file (a FIFO)"]]
-    if name == "LogTail":
-        assert result == []
+
+    def child() -> int:
+        result = reader(path)
+        if name == "read_texts":
+            assert result == [[None, "not a regular file (a FIFO)"]]
+        if name == "LogTail":
+            assert result == []
+        return 0
+
+    assert _in_child(child) == 0, f"{name}: the child's exit says why (5: a check failed; -14: it blocked)"
     assert watch.opens() == 0, f"{name} opened the FIFO"
 
 
