@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 
 from safeinstall.env.hashing import _observe, read_buffer
-from safeinstall.env.owner import read_texts
+from safeinstall.env.owner import _read_regular, read_texts
+from safeinstall.env.sitetop import _digest
 from safeinstall.store.runlog import LogTail
 from safeinstall.system.lock import read_holder
 from safeinstall.system.safefs import (
@@ -52,6 +53,11 @@ def _hashed(path: Path) -> object:
     return state
 
 
+def _none(result: object) -> object:
+    assert result is None
+    return result
+
+
 def _refused(kind: type[BaseException], call: Callable[[Path], object]) -> Callable[[Path], object]:
     def reader(path: Path) -> object:
         with pytest.raises(kind):
@@ -71,6 +77,8 @@ READERS: dict[str, tuple[bool, Callable[[Path], object]]] = {
     "read_holder": (False, _refused(NotRegularFile, read_holder)),
     "LogTail": (False, lambda p: LogTail(p).new_lines()),
     "hashing": (False, _hashed),
+    "sitetop digest": (False, lambda p: _none(_digest(str(p)))),
+    "owner's reader": (False, _refused(NotRegularFile, _read_regular)),
 }
 
 
