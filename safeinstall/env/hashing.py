@@ -22,6 +22,7 @@ from typing import NamedTuple, Protocol
 from safeinstall.env.containment import is_within
 from safeinstall.env.records import built, encode_digest
 from safeinstall.system.forking import cpu_count
+from safeinstall.system.safefs import reopen
 from safeinstall.system.signals import held_while_threads_start
 
 
@@ -101,7 +102,8 @@ def _new_hash(algorithm: str, data: bytes | memoryview = b"") -> hashlib._Hash:
     return constructor(data) if constructor else hashlib.new(algorithm, data)
 
 
-_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+#: A file is pinned (``O_PATH``, nothing opened) and its ``fstat`` seen before it is opened for real.
+_PIN_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
 #: A directory to list and to open files relative to; where it cannot be read, one only searched.
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
 _DIR_SEARCH_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
@@ -207,18 +209,24 @@ def _observe(
         unopened = _unopened(path, name, dir_fd)
         if unopened is not None:
             return unopened
-    try:
-        fd = os.open(name, _OPEN_FLAGS, dir_fd=dir_fd)
+    try:  # pinned first: a FIFO or a device swapped in since the listing is never opened
+        pinned = os.open(name, _PIN_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
         return FileState(path, False)
-    except OSError as exc:  # ELOOP: swapped for a symlink since the listing (not followed)
-        return _unopened(path, name, dir_fd) or FileState(path, True, error=exc.strerror or str(exc))
+    except OSError as exc:
+        return FileState(path, True, error=exc.strerror or str(exc))
+    try:
+        info = os.fstat(pinned)
+        if not stat.S_ISREG(info.st_mode):  # swapped since the listing (a symlink is not followed): not read
+            return _not_regular(path, info)
+        fd = reopen(pinned, path)
+    except OSError as exc:
+        return FileState(path, True, error=exc.strerror or str(exc))
+    finally:
+        os.close(pinned)
     claimed: tuple[os.stat_result, str] | None = None  # a linked inode this thread reads for the others
     kept: str | None = None
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):  # swapped since the listing: not read
-            return _not_regular(path, info)
         size = info.st_size
         if algorithm is None:
             digest = None

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from safeinstall.env import owner
 from safeinstall.system import worker
-from safeinstall.system.safefs import Tree, only_caller_writes, private_to
+from safeinstall.system.safefs import Tree, only_caller_writes, open_file, private_to
 
 KEEP_PREFIX = ".safeinstall-keep-"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -116,12 +116,11 @@ def relink(kept_fd: int, tree: Tree, saved: Saved, mark: str) -> bool:
 def _as_saved(fd: int, name: str, saved: Saved) -> bool:
     """The entry ``name`` in ``fd``: a regular file only root can write, as ``saved`` says, byte for byte."""
     try:
-        handle = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=fd)
+        handle, info = open_file(name, follow=False, dir_fd=fd)  # a FIFO or a device: never opened
     except OSError:
         return False
     try:
-        info = os.fstat(handle)
-        if not stat.S_ISREG(info.st_mode) or not only_caller_writes(info):
+        if not only_caller_writes(info):
             return False
         found = (info.st_size, stat.S_IMODE(info.st_mode), info.st_uid, info.st_gid, info.st_mtime_ns)
         if found != (saved.size, saved.mode, saved.uid, saved.gid, saved.mtime_ns):

@@ -25,7 +25,7 @@ from typing import Any
 from safeinstall.env import hashing
 from safeinstall.env.containment import relative_path
 from safeinstall.errors import StepFailed
-from safeinstall.system.safefs import Tree, only_caller_writes, remove_at
+from safeinstall.system.safefs import Tree, only_caller_writes, open_file, remove_at
 
 #: Errors that mean "the account may not do this": the path is not the account's to remove.
 _DENIED = (errno.EACCES, errno.EPERM, errno.EROFS)
@@ -171,8 +171,9 @@ def read_texts(paths: list[str], limit: int) -> list[list[str | None]]:
     Opened as systemd opens them, symlinks followed: the kernel checks each as the account."""
     read: list[list[str | None]] = []
     for path in paths:
-        try:
-            with open(path, "rb") as handle:
+        try:  # a FIFO or a device is refused unopened (a FIFO would hold the worker until its timeout)
+            fd, _info = open_file(path, follow=True)
+            with os.fdopen(fd, "rb") as handle:
                 data = handle.read(limit + 1)
         except OSError as exc:
             read.append([None, exc.strerror or str(exc)])
@@ -470,10 +471,8 @@ def _listing(directory: Path) -> list[str]:
 
 def _read_regular(path: Path) -> bytes:
     """A regular file's bytes, never through a symlink (OSError otherwise)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    fd, _info = open_file(path, follow=False)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
         chunks = []
         while chunk := os.read(fd, _COPY_CHUNK):
             chunks.append(chunk)
@@ -526,7 +525,7 @@ def _copy_file(
     was written (:data:`Written`) when the bytes went through ``buffer``, or when ``known`` has the
     source's digest and the source did not move while the kernel copied (cloned) it (None: otherwise),
     and whether that digest stands for it (copied without being read here)."""
-    src = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    src = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
     try:
         info = os.fstat(src)
         if not stat.S_ISREG(info.st_mode):

@@ -6,12 +6,12 @@ What a fresh environment holds there by its own maker is known: docs/verify.md."
 from __future__ import annotations
 
 import os
-import stat
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from safeinstall.env.bytecode import pyc_name
 from safeinstall.env.records import digest_bytes
+from safeinstall.system.safefs import open_file
 
 #: What Python runs or imports from a directory it looks in: modules, extension modules, bytecode,
 #: ``.pth`` files (each ``import`` line runs), ``sitecustomize``/``usercustomize``.
@@ -112,14 +112,14 @@ def _listing(directory: str) -> list[tuple[str, str, bool, bool]]:
 
 
 def _digest(path: str) -> str | None:
-    """The sha256 of a small regular file (not followed if a symlink, never a FIFO opened), or None."""
+    """The sha256 of a small regular file (not followed if a symlink, never a FIFO or a device opened),
+    or None."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd, info = open_file(path, follow=False)
     except OSError:
         return None
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > _KNOWN_LIMIT:
+        if info.st_size > _KNOWN_LIMIT:
             return None
         return digest_bytes(os.read(fd, _KNOWN_LIMIT + 1))
     except OSError:

@@ -415,7 +415,7 @@ def _run_uv(
 ) -> subprocess.CompletedProcess[str]:
     """Run uv (as ``account`` when given, through a descriptor root opened: safeinstall's uv may lie
     where the account cannot reach); raises OSError and subprocess.TimeoutExpired."""
-    program = os.open(command[0], os.O_RDONLY | os.O_CLOEXEC) if account is not None else None
+    program = os.open(command[0], os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY) if account is not None else None
     try:
         return children.run(
             command,

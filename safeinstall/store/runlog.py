@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from safeinstall.system.safefs import open_file
+
 #: A plain progress line (stderr off a terminal, the run's log) at most this often.
 PROGRESS_EVERY_S = 5.0
 
@@ -76,7 +78,7 @@ class LogTail:
 
     def new_lines(self) -> list[str]:
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            fd, _info = open_file(self.path, follow=False)
         except OSError:
             return []
         try:

@@ -21,6 +21,7 @@ from types import TracebackType
 
 from safeinstall.errors import LockHeldError, SafeInstallError
 from safeinstall.system.identity import ProcessId, alive, own_process
+from safeinstall.system.safefs import open_file
 
 _HOLDER_VERSION = 1
 #: While the file names no live holder, a busy lock is retried this long (the holder may be between
@@ -267,7 +268,7 @@ def read_holder(path: Path) -> tuple[bool, LockHolder | None]:
     two probes never disturb each other; a run starting during the probe's instant retries (see
     :data:`DEFAULT_GRACE_S`)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd, _info = open_file(path, follow=False)
     except FileNotFoundError:
         return False, None
     try:

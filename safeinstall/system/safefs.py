@@ -21,7 +21,10 @@ from pathlib import Path
 from types import TracebackType
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+#: A descriptor that only names a file: no driver's open runs (a FIFO, a terminal, a watchdog).
+_PIN_FLAGS = os.O_PATH | os.O_CLOEXEC
+#: The real open of a pinned regular file, through ``/proc/self/fd`` (a terminal is never taken).
+_REOPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 #: ``renameat2(2)`` flags: exchange two entries atomically; never replace what is at the destination.
 RENAME_EXCHANGE = 2
@@ -201,15 +204,21 @@ def read_trusted(path: Path, limit: int, *, root_owned_ok: bool = True, private:
     more than ``limit`` bytes (a file that grows meanwhile included). FileNotFoundError when absent;
     :class:`UntrustedFile` saying why not; another OSError when it cannot be read."""
     try:
-        fd = os.open(path, _READ_FLAGS)
+        pinned, info = pin(path, follow=False)
+    except NotRegularFile as exc:
+        raise UntrustedFile(path, "it is not a regular file") from exc
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise UntrustedFile(path, "it is a symbolic link") from exc
         raise
     try:
-        problem = trust_problem(os.fstat(fd), limit, root_owned_ok=root_owned_ok, private=private)
+        problem = trust_problem(info, limit, root_owned_ok=root_owned_ok, private=private)
         if problem is not None:
             raise UntrustedFile(path, problem)
+        fd = reopen(pinned, path)
+    finally:
+        os.close(pinned)
+    try:
         chunks: list[bytes] = []
         size = 0
         while chunk := os.read(fd, limit + 1 - size):
@@ -255,10 +264,49 @@ def _copy_fd(source: int, dest: int) -> Copied:
     return Copied(hasher.hexdigest(), size)
 
 
+def pin(path: str | Path, *, follow: bool, dir_fd: int | None = None) -> tuple[int, os.stat_result]:
+    """An ``O_PATH`` descriptor of the regular file ``path`` and its ``fstat``: nothing is opened for
+    real, so a FIFO or a device (a terminal, a watchdog) another user names is refused unopened.
+    Raises :class:`NotRegularFile`; OSError ``ELOOP`` for a symlink when not ``follow``."""
+    pinned = os.open(path, _PIN_FLAGS if follow else _PIN_FLAGS | os.O_NOFOLLOW, dir_fd=dir_fd)
+    try:
+        info = os.fstat(pinned)
+        if stat.S_ISLNK(info.st_mode):  # O_PATH | O_NOFOLLOW names the link itself
+            raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), os.fspath(path))
+        if not stat.S_ISREG(info.st_mode):
+            raise NotRegularFile(os.fspath(path), describe(info.st_mode))
+    except BaseException:
+        os.close(pinned)
+        raise
+    return pinned, info
+
+
+def reopen(pinned: int, path: str | Path) -> int:
+    """A non-blocking read descriptor of the regular file :func:`pin` gave (the same inode), never a
+    controlling terminal. Raises OSError (named by ``path``; ``ENOSYS`` where ``/proc`` is not there)."""
+    try:
+        return os.open(f"/proc/self/fd/{pinned}", _REOPEN_FLAGS)
+    except FileNotFoundError:
+        raise OSError(errno.ENOSYS, "it cannot be reopened: /proc is not mounted", os.fspath(path)) from None
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, os.fspath(path)) from None
+
+
+def open_file(path: str | Path, *, follow: bool, dir_fd: int | None = None) -> tuple[int, os.stat_result]:
+    """:func:`pin` then :func:`reopen`: a non-blocking read descriptor of a regular file another user may
+    name, and its ``fstat`` taken before the open. Raises OSError, :class:`NotRegularFile`."""
+    pinned, info = pin(path, follow=follow, dir_fd=dir_fd)
+    try:
+        return reopen(pinned, path), info
+    finally:
+        os.close(pinned)
+
+
 def open_regular(path: Path) -> int:
     """Open a file the caller named (a wheel), for reading: symlinks the caller gave are followed, but it
-    must be a regular file (a FIFO or a device is refused without blocking). Raises OSError."""
-    return _regular(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), str(path))
+    must be a regular file (a FIFO or a device is refused unopened, :func:`pin`). Raises OSError."""
+    fd, _info = open_file(path, follow=True)
+    return _regular(fd, str(path))
 
 
 def _regular(fd: int, path: str) -> int:
@@ -293,17 +341,18 @@ def read_small_unless(
     """:func:`read_small`, checked the same way; None for the bytes, unread, where ``known`` says what
     the descriptor's ``fstat`` shows is already known. With the bytes: the ``fstat`` taken before the
     read when it is unchanged after it (else None: its identity cannot stand for the bytes read)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    pinned, info = pin(path, follow=True)  # a FIFO or a device (a terminal) is never opened
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise NotRegularFile(str(path), describe(info.st_mode))
         if reader is not None and not permitted(info.st_mode, info.st_uid, info.st_gid, reader, 4):
             raise PermissionError(errno.EACCES, f"uid {reader[0]} may not read it", str(path))
         if info.st_size > limit:
             raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
         if known is not None and known(info):
             return None, info
+        fd = reopen(pinned, path)
+    finally:
+        os.close(pinned)
+    try:
         chunks: list[bytes] = []
         size = 0
         while chunk := os.read(fd, min(1 << 20, limit + 1 - size)):
@@ -763,11 +812,13 @@ class Tree:
         info = self.lstat(relative)
         if info is None or not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
             return None
-        flags = _DIR_FLAGS if stat.S_ISDIR(info.st_mode) else _READ_FLAGS
         try:
             with self.parent(relative) as (fd, name):
-                opened = os.open(name, flags, dir_fd=fd)
-        except OSError:  # replaced meanwhile: a symlink (ELOOP), gone, below one
+                if stat.S_ISDIR(info.st_mode):
+                    opened = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                else:
+                    opened, _now = open_file(name, follow=False, dir_fd=fd)
+        except OSError:  # replaced meanwhile: a symlink (ELOOP), a FIFO, gone, below one
             return None
         try:
             now = os.fstat(opened)
@@ -819,7 +870,9 @@ class Tree:
         try:
             with self.parent(relative) as (fd, name):
                 try:
-                    found = os.open(name, _READ_FLAGS, dir_fd=fd)
+                    found, _info = open_file(name, follow=False, dir_fd=fd)
+                except NotRegularFile as exc:
+                    raise NotRegularFile(relative, exc.what) from None
                 except OSError as exc:
                     if exc.errno != errno.ELOOP:
                         raise

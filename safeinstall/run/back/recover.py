@@ -47,6 +47,7 @@ from safeinstall.store.state import (
 )
 from safeinstall.system.gate import GATE_DROPIN, gate_dropin_text, gate_marker
 from safeinstall.system.lock import acquire_lock
+from safeinstall.system.safefs import open_file
 from safeinstall.system.systemd import Systemd, default_dropin_root
 
 
@@ -260,7 +261,7 @@ def _remove_stray_gates(state: EnvironmentState, environ: Mapping[str, str]) -> 
             continue  # no such manager here (no user manager at boot): none of its units can be gated
         for path in sorted(root.glob(f"*.d/{GATE_DROPIN}.conf")):
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+                fd, _info = open_file(path, follow=False)  # a user manager's: a device is never opened
                 with os.fdopen(fd, "rb") as handle:
                     text = handle.read(_GATE_LIMIT).decode("utf-8", "replace")
             except OSError:
