@@ -124,7 +124,7 @@ def test_a_signal_once_a_good_runs_result_is_shown_does_not_change_its_exit(bed:
     changed" after it (the handler before the journal put back) nor a death by SIGTERM (-15)."""
     unit = bed.service("after-result")
     bed.tool = (sys.executable, "-c", HOOK_AFTER_RESULT, where)
-    result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--json")
+    result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json")
     assert result.code == 0, (result.code, result.stdout + result.stderr)
     assert result.json["status"] == "done" and result.json["exit_code"] == 0, result.stdout
     assert "error:" not in result.stderr, result.stderr
