@@ -10,9 +10,9 @@ aimed at a journal phase, and checks after each trial:
 * the next run is not refused (each trial's run is the previous trial's "next run"), and after the
   last trial a run without a signal succeeds and leaves no wheel copy behind.
 
-The default suite runs a short, fixed soak (``SCHEDULE``: a SIGKILL aimed at each phase a run passes,
-SIGTERM and SIGINT before the stop, in the window and as the restart begins, then ``SOAK_DRAWN``
-trials drawn at random); ``SAFEINSTALL_SOAK=500`` runs 500 drawn trials (before a release; see
+The default suite runs a short, fixed soak (``SCHEDULE``: a SIGKILL aimed at each phase no other test
+kills a run at, SIGTERM and SIGINT before the stop, in the window and as the restart begins, then
+``SOAK_DRAWN`` trials drawn at random); ``SAFEINSTALL_SOAK=500`` runs 500 drawn trials (before a release; see
 docs/faults.md), ``SAFEINSTALL_SOAK_SEED=N`` replays a seed. The seed is printed (``-s``) and is in
 every failure's message.
 """
@@ -58,16 +58,27 @@ PHASES = tuple(phase.value for phase in PHASE_ORDER[: PHASE_ORDER.index(Phase.DO
 SIGNALS = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT)
 #: the phases the soak's runs pass (with the swap: never "installing"; "prepared" is --prepare's alone)
 PASSED = tuple(phase for phase in PHASES if phase not in (Phase.PREPARED, Phase.INSTALLING))
-#: the default suite's soak, in order (a signal, the phase it is aimed at): a SIGKILL at each phase a run
-#: passes (--recover from each), SIGTERM and SIGINT before the stop (exit 2), in the window (rolled back,
-#: exit 3) and as the restart begins; then SOAK_DRAWN trials drawn at random by the seed
+#: the phases another test kills a run at, then recovers it (each run the same way every time)
+KILLED_ELSEWHERE = {
+    Phase.STAGED: "test_swap.py::test_a_kill_at_each_phase_around_the_swap_then_recover",
+    Phase.STOPPED: "test_crash_safety.py::test_sigkill_at_step_boundary_then_recover",
+    Phase.SWAPPING: "test_swap.py::test_a_kill_at_each_rename_of_the_swap_then_recover_puts_the_old_"
+    "version_back",
+    Phase.INSTALLED: "test_crash_safety.py::test_sigkill_at_step_boundary_then_recover",
+    Phase.VERIFIED: "test_crash_safety.py::test_sigkill_at_step_boundary_then_recover",
+    Phase.RESTARTING: "test_swap.py::test_a_kill_at_each_phase_around_the_swap_then_recover",
+    Phase.DONE: "test_swap.py::test_a_kill_at_each_phase_around_the_swap_then_recover",
+}
+#: the default suite's soak, in order (a signal, the phase it is aimed at): a SIGKILL at each phase no
+#: other test kills a run at (then --recover), SIGTERM before the stop (exit 2), SIGINT in the window
+#: (rolled back, exit 3), SIGTERM as the restart begins; then SOAK_DRAWN trials drawn by the seed
 SCHEDULE: tuple[tuple[signal.Signals, str], ...] = (
-    *((signal.SIGKILL, phase) for phase in PASSED),
-    (signal.SIGTERM, Phase.GATED),
-    (signal.SIGINT, Phase.GPU_RELEASED),
+    *((signal.SIGKILL, phase) for phase in PASSED if phase not in KILLED_ELSEWHERE),
+    (signal.SIGTERM, Phase.STAGED),
+    (signal.SIGINT, Phase.STOPPED),
     (signal.SIGTERM, Phase.RESTARTING),
 )
-SOAK_DRAWN = 3
+SOAK_DRAWN = 2
 #: a uniform delay is drawn from [0, UNIFORM_MAX_S) once the run's signal handlers are installed
 UNIFORM_MAX_S = 3.0
 VERSIONS = {"1.0": "sicext-1", "2.0": "sicext-2"}
@@ -212,17 +223,19 @@ def test_fault_soak(bed: Bed) -> None:
 
 
 def test_the_default_soak_aims_a_kill_at_each_phase_and_a_signal_at_each_part_of_a_run() -> None:
-    """The default suite's schedule: a SIGKILL at each phase a run passes, SIGTERM or SIGINT before the
-    stop, in the window and as the restart begins (the 40 drawn trials it replaced hit each only by
-    chance); ``SAFEINSTALL_SOAK=N`` draws N."""
-    assert [phase for signum, phase in SCHEDULE if signum == signal.SIGKILL] == list(PASSED)
-    assert {Phase.PLANNED, Phase.GATED, Phase.SWAPPING, Phase.DONE} <= set(PASSED)
+    """The default suite's schedule: a SIGKILL at each phase a run passes that no other test kills a run
+    at, SIGTERM or SIGINT before the stop, in the window and as the restart begins (the 40 trials drawn
+    at random it replaced hit each only by chance); ``SAFEINSTALL_SOAK=N`` draws N."""
+    killed = [phase for signum, phase in SCHEDULE if signum == signal.SIGKILL]
+    assert sorted([*killed, *KILLED_ELSEWHERE], key=PASSED.index) == list(PASSED)
+    assert {Phase.PLANNED, Phase.BACKED_UP, Phase.GATED, Phase.STOPPING, Phase.GPU_RELEASED} <= set(killed)
     stopping, restarting = PASSED.index(Phase.STOPPING), PASSED.index(Phase.RESTARTING)
     parts = {
         "before the stop" if at < stopping else "the window" if at < restarting else "the restart"
         for at in (PASSED.index(phase) for signum, phase in SCHEDULE if signum != signal.SIGKILL)
     }
     assert parts == {"before the stop", "the window", "the restart"}, parts
+    assert {signum for signum, _ in SCHEDULE} == set(SIGNALS)
     assert len(_faults(None, random.Random(0))) == len(SCHEDULE) + SOAK_DRAWN
     assert len(_faults(7, random.Random(0))) == 7
 
