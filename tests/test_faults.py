@@ -525,7 +525,8 @@ def test_a_disk_filled_before_the_window_install_rolls_back_with_the_unit_runnin
     try:
         before = bed.snapshot()
         name = bed.unit("fill")
-        bed.hold_gpu(name, 2.0, "fd")  # the GPU is released 2 s after the stop: the moment to fill in
+        holder = bed.manager.main_pid(name)
+        bed.hold_gpu(name, 900.0, "fd")  # the GPU is released once the disk is full: the moment to fill in
         proc = bed.start_run("sicext", "--wheel", str(new), "--settle", "0.3")
         try:
             bed.wait_phase(proc, "stopped")
@@ -536,6 +537,7 @@ def test_a_disk_filled_before_the_window_install_rolls_back_with_the_unit_runnin
                         pass
             os.close(filler)
         finally:
+            bed.nvml.unhold(holder)
             out, err = _finish(proc)
         assert "No space left on device" in err, err
         assert proc.returncode == 3, (proc.returncode, out, err)
