@@ -393,7 +393,8 @@ def test_disk_full_in_the_middle_of_the_install_rolls_back(
         bed.state = disk / "state"
     before = bed.hotfix()
     name = bed.unit("diskfull")
-    bed.hold_gpu(name, 3.0, "e4")  # time to fill the disk
+    holder = bed.manager.main_pid(name)
+    bed.hold_gpu(name, 900.0, "e4")  # the GPU wait lasts until the disk is full (let go below)
     # With the state on that disk the run's uv cache is there too, and the install would hardlink from
     # it, needing no room; copying (the arguments after -- choose the link mode) needs the 160 MiB.
     copy = ("--", "--link-mode", "copy") if state_on_the_same_disk else ()
@@ -402,6 +403,8 @@ def test_disk_full_in_the_middle_of_the_install_rolls_back(
     frozen: list[int] = []
     try:
         if state_on_the_same_disk:  # fill it under uv (frozen meanwhile): the journal can't be written either
+            bed.wait_phase(proc, "stopped")
+            bed.nvml.unhold(holder)
             bed.wait_phase(proc, "installing")
             wait_until(lambda: bool(bed.installers()), 30, "uv installing", interval=0.002)
             frozen = bed.installers()
@@ -414,10 +417,12 @@ def test_disk_full_in_the_middle_of_the_install_rolls_back(
         room = os.statvfs(disk)  # preflight found room for the 160 MiB file; now there is none
         with filler.open("wb") as sink:
             os.posix_fallocate(sink.fileno(), 0, room.f_bavail * room.f_frsize - left)
+        bed.nvml.unhold(holder)
         for pid in frozen:
             os.kill(pid, signal.SIGCONT)
         out, err = proc.communicate(timeout=120)
     finally:
+        bed.nvml.unhold(holder)
         proc.kill()
         proc.communicate()
         filler.unlink(missing_ok=True)

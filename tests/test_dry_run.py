@@ -498,6 +498,16 @@ def test_the_plan_says_what_will_run_the_staging_install_and_the_swap_or_the_ins
     assert "uv command:\n  before the stop: " in human.stdout and "(the swap)" in human.stdout
 
 
+#: How a user manager exits on SIGTERM (it starts exit.target): systemd's own exit.target and
+#: systemd-exit.service; with an empty exit.target it would run on until the bed kills it
+BARE_EXIT = {
+    "exit.target": "[Unit]\nDefaultDependencies=no\n"
+    "Requires=systemd-exit.service\nAfter=systemd-exit.service\n",
+    "systemd-exit.service": "[Unit]\nDefaultDependencies=no\nRequires=shutdown.target\n"
+    "After=shutdown.target\nSuccessAction=exit-force\n[Service]\nSlice=-.slice\n",
+}
+
+
 def test_a_manager_without_admin_directories_is_refused_by_the_plan(
     env: Path, wheels: Wheelhouse, tmp_path: Path
 ) -> None:
@@ -507,8 +517,10 @@ def test_a_manager_without_admin_directories_is_refused_by_the_plan(
     the backup and the prefetch), and a run is refused before anything, the unit never stopped."""
     base = tmp_path / "bare"
     (base / "config" / "systemd" / "user").mkdir(parents=True)
-    for target in ("default.target", "basic.target", "shutdown.target", "exit.target"):
+    for target in ("default.target", "basic.target", "shutdown.target"):
         (base / "config" / "systemd" / "user" / target).write_text("[Unit]\n")
+    for unit, text in BARE_EXIT.items():  # its SIGTERM exits it at once, not after the bed's 30 s
+        (base / "config" / "systemd" / "user" / unit).write_text(text)
     manager = start_user_manager(base, unit_path=str(base / "config" / "systemd" / "user"))
     name = "si-bare.service"
     try:
@@ -545,3 +557,4 @@ def test_a_manager_without_admin_directories_is_refused_by_the_plan(
     finally:
         manager.remove_unit(name)
         stop_user_manager(manager)
+    assert manager.process.returncode == 0, "the manager did not exit on SIGTERM: the bed killed it"

@@ -337,7 +337,8 @@ def test_recover_after_a_run_that_ended_with_exit_4_does_not_say_it_died(bed: Be
     afterwards) ended with a result (exit 4); ``--recover`` then finishes it. Its log and history say
     so: not that the run "died without a result", under ``error:``."""
     name = bed.unit("exit4")
-    bed.hold_gpu(name, 3.0, "f4")  # a downtime to move the backup away in
+    holder = bed.manager.main_pid(name)
+    bed.hold_gpu(name, 900.0, "f4")  # a downtime to move the backup away in: until it is moved
     proc = bed.start_run(
         "sicext", "--wheel", str(bed.wheels["sicext-3"]), "--settle", "0.5", "--json", "--no-smoke"
     )
@@ -349,6 +350,7 @@ def test_recover_after_a_run_that_ended_with_exit_4_does_not_say_it_died(bed: Be
         hidden = backup.with_name(backup.name + ".away")
         backup.rename(hidden)
     finally:
+        bed.nvml.unhold(holder)
         out, err = _finish(proc)
     assert proc.returncode == 4, (proc.returncode, out, err)
     run_id = json.loads(out)["data"]["run_id"]
@@ -523,7 +525,8 @@ def test_a_disk_filled_before_the_window_install_rolls_back_with_the_unit_runnin
     try:
         before = bed.snapshot()
         name = bed.unit("fill")
-        bed.hold_gpu(name, 2.0, "fd")  # the GPU is released 2 s after the stop: the moment to fill in
+        holder = bed.manager.main_pid(name)
+        bed.hold_gpu(name, 900.0, "fd")  # the GPU is released once the disk is full: the moment to fill in
         proc = bed.start_run("sicext", "--wheel", str(new), "--settle", "0.3")
         try:
             bed.wait_phase(proc, "stopped")
@@ -534,6 +537,7 @@ def test_a_disk_filled_before_the_window_install_rolls_back_with_the_unit_runnin
                         pass
             os.close(filler)
         finally:
+            bed.nvml.unhold(holder)
             out, err = _finish(proc)
         assert "No space left on device" in err, err
         assert proc.returncode == 3, (proc.returncode, out, err)

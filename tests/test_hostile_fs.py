@@ -374,7 +374,8 @@ def test_site_packages_read_only_during_the_downtime_rollback_starts_the_units(
     preflight): the restore finds the files unchanged, writes nothing, and the units are started."""
     before = bed.snapshot()
     name = bed.unit("ro-rollback")
-    bed.hold_gpu(name, 3.0, "f1")  # time to make it read-only
+    holder = bed.manager.main_pid(name)
+    bed.hold_gpu(name, 900.0, "f1")  # the GPU wait lasts until it is read-only
     no_swap = () if swap else ("--no-swap",)
     proc = bed.start_run(
         "sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json", *no_swap
@@ -382,8 +383,10 @@ def test_site_packages_read_only_during_the_downtime_rollback_starts_the_units(
     try:
         bed.wait_phase(proc, "stopped")
         read_only(bed.site)
+        bed.nvml.unhold(holder)
         out, err = proc.communicate(timeout=120)
     finally:
+        bed.nvml.unhold(holder)
         proc.kill()
         proc.communicate()
     assert proc.returncode == 3, out + err
@@ -407,15 +410,18 @@ def test_site_packages_read_only_then_killed_recover_starts_the_units(
     (it could not write a thing: read-only), and starts the unit."""
     before = bed.snapshot()
     name = bed.unit("ro-recover")
-    bed.hold_gpu(name, 3.0, "f2")
+    holder = bed.manager.main_pid(name)
+    bed.hold_gpu(name, 900.0, "f2")  # the GPU wait lasts until it is read-only
     # uv's install in the window (the swap's failures: test_swap.py)
     proc = bed.start_run("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--no-swap")
     try:
         bed.wait_phase(proc, "stopped")
         read_only(bed.site)
+        bed.nvml.unhold(holder)
         bed.wait_phase(proc, "installing", timeout=60)
         proc.send_signal(signal.SIGKILL)
     finally:
+        bed.nvml.unhold(holder)
         proc.wait()
         proc.communicate()
     wait_until(lambda: not bed.installers(), 10, "no uv process left installing")
@@ -449,13 +455,16 @@ def test_a_wheel_replaced_in_its_directory_during_the_run_is_not_what_gets_insta
         bed.wheels["sicext-2"], tmp_path / "evil", {"sicext/__init__.py": b"raise SystemExit('replaced')\n"}
     )
     name = bed.unit("replaced")
-    bed.hold_gpu(name, 2.0, "f3")
+    holder = bed.manager.main_pid(name)
+    bed.hold_gpu(name, 900.0, "f3")  # the GPU wait lasts until the wheel is replaced
     proc = bed.start_run("sicext", "--wheel", str(wheel), "--settle", "0.5", "--json")
     try:
         bed.wait_phase(proc, "stopped")
         shutil.copyfile(evil, wheel)
+        bed.nvml.unhold(holder)
         out, err = proc.communicate(timeout=120)
     finally:
+        bed.nvml.unhold(holder)
         proc.kill()
         proc.communicate()
     assert proc.returncode == 0, out + err

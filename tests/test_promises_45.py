@@ -124,7 +124,7 @@ def test_a_signal_once_a_good_runs_result_is_shown_does_not_change_its_exit(bed:
     changed" after it (the handler before the journal put back) nor a death by SIGTERM (-15)."""
     unit = bed.service("after-result")
     bed.tool = (sys.executable, "-c", HOOK_AFTER_RESULT, where)
-    result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--json")
+    result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json")
     assert result.code == 0, (result.code, result.stdout + result.stderr)
     assert result.json["status"] == "done" and result.json["exit_code"] == 0, result.stdout
     assert "error:" not in result.stderr, result.stderr
@@ -417,33 +417,45 @@ def test_what_site_imports_without_an_import_space_line_is_walked(
 
 #: A process that goes in and out of ``D`` when told: ``vfork()`` holds it in ``D`` until its child,
 #: which stops itself, is continued (SIGCONT) and exits; it then waits in ``S`` for SIGUSR1, and goes
-#: round again, 20 times, then exits.
+#: round again, until 8 s after it first left ``D``, then exits. (It went round 20 times: at the stop
+#: wait's one look a second, 40 s.)
 IN_AND_OUT_OF_D = r"""
 #include <signal.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec / 1e9;
+}
 int main(void) {
     sigset_t set;
     int sig;
+    double first = -1;
     sigemptyset(&set);
     sigaddset(&set, SIGUSR1);
     sigprocmask(SIG_BLOCK, &set, NULL);
-    for (int i = 0; i < 20; i++) {
+    for (;;) {
         pid_t child = vfork();
         if (child == 0) {
             kill(getpid(), SIGSTOP);
             _exit(0);
         }
         waitpid(child, NULL, 0);
+        if (first < 0)
+            first = now();
+        else if (now() - first >= 8.0)
+            return 0;
         sigwait(&set, &sig);
     }
-    return 0;
 }
 """
 
 # After each poll of the stop's wait (the D-state check's call), the helper is moved on: seen in D, its
 # stopped child is continued (it leaves D, and waits in S); seen in S, it is sent SIGUSR1 (back in D).
-# So each poll sees it in the other state: D, S, D, S... for at least 40 polls (8 s at 0.2 s each).
+# So each poll sees it in the other state: D, S, D, S... for 8 s (about 4 s in D in all, at the stop
+# wait's one look a second; more looks where they come faster).
 HOOK_D_S_D = r"""
 import os, signal, sys
 helper = int(sys.argv.pop(1))
@@ -497,7 +509,7 @@ def test_a_gpu_holder_in_and_out_of_d_state_is_not_stuck(bed: Bed, tmp_path: Pat
     bed.nvml.hold(flipping, gpu, 20 * GiB)
     bed.tool = (sys.executable, "-c", HOOK_D_S_D, str(flipping))
     try:
-        done = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--json")
+        done = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.3", "--json")
         assert done.code == 0, done.stdout + done.stderr
         assert bed.version() == "2.0" and bed.manager.main_pid(name) != main
     finally:

@@ -581,7 +581,7 @@ def test_interactive_run_shows_the_plan_and_asks_first(bed: Bed) -> None:
     assert "nothing done (not confirmed)" in out
     assert bed.manager.main_pid(name) == main and bed.version() == "1.0"
     # a declined run finished: the next run takes no stale lock over, nor says the last one died
-    again = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--json")
+    again = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5", "--json")
     assert again.code == 0, again.stdout + again.stderr
     assert not any("stale lock" in note for note in again.json["data"]["notes"]), again.json["data"]["notes"]
     wait_until(lambda: bed.manager.active_state(name) == "active", 20, "unit running again")
@@ -593,7 +593,7 @@ def test_yes_still_says_what_will_be_lost_before_the_stop(bed: Bed) -> None:
     name = bed.service("lost")
     serve = bed.site / "sicext" / "serve.py"
     serve.write_text(serve.read_text() + "# a local fix\n")
-    result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]))
+    result = bed.safeinstall("sicext", "--wheel", str(bed.wheels["sicext-2"]), "--settle", "0.5")
     assert result.code == 0, result.stdout + result.stderr
     said = result.stderr.index("was changed locally")
     assert "before the stop:" in result.stderr[:said]

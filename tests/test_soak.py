@@ -10,9 +10,11 @@ aimed at a journal phase, and checks after each trial:
 * the next run is not refused (each trial's run is the previous trial's "next run"), and after the
   last trial a run without a signal succeeds and leaves no wheel copy behind.
 
-The default suite runs a short soak (``SOAK_TRIALS`` trials); ``SAFEINSTALL_SOAK=500`` runs 500 (before a
-release; see docs/faults.md), ``SAFEINSTALL_SOAK_SEED=N`` replays a seed. The seed is printed (``-s``)
-and is in every failure's message.
+The default suite runs a short, fixed soak (``SCHEDULE``: a SIGKILL aimed at each phase no other test
+kills a run at, SIGTERM and SIGINT before the stop, in the window and as the restart begins, then
+``SOAK_DRAWN`` trials drawn at random); ``SAFEINSTALL_SOAK=500`` runs 500 drawn trials (before a release; see
+docs/faults.md), ``SAFEINSTALL_SOAK_SEED=N`` replays a seed. The seed is printed (``-s``) and is in
+every failure's message.
 """
 
 from __future__ import annotations
@@ -51,10 +53,32 @@ from tests.beds import (
 from tests.clirun import run
 from tests.wheelhouse import Wheelhouse
 
-SOAK_TRIALS = 40
 #: the phases a good run passes, in order (safeinstall.store.journal.Phase, up to "done")
 PHASES = tuple(phase.value for phase in PHASE_ORDER[: PHASE_ORDER.index(Phase.DONE) + 1])
 SIGNALS = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT)
+#: the phases the soak's runs pass (with the swap: never "installing"; "prepared" is --prepare's alone)
+PASSED = tuple(phase for phase in PHASES if phase not in (Phase.PREPARED, Phase.INSTALLING))
+#: the phases another test kills a run at, then recovers it (each run the same way every time)
+KILLED_ELSEWHERE = {
+    Phase.STAGED: "test_swap.py::test_a_kill_at_each_phase_around_the_swap_then_recover",
+    Phase.STOPPED: "test_crash_safety.py::test_sigkill_at_step_boundary_then_recover",
+    Phase.SWAPPING: "test_swap.py::test_a_kill_at_each_rename_of_the_swap_then_recover_puts_the_old_"
+    "version_back",
+    Phase.INSTALLED: "test_crash_safety.py::test_sigkill_at_step_boundary_then_recover",
+    Phase.VERIFIED: "test_crash_safety.py::test_sigkill_at_step_boundary_then_recover",
+    Phase.RESTARTING: "test_swap.py::test_a_kill_at_each_phase_around_the_swap_then_recover",
+    Phase.DONE: "test_swap.py::test_a_kill_at_each_phase_around_the_swap_then_recover",
+}
+#: the default suite's soak, in order (a signal, the phase it is aimed at): a SIGKILL at each phase no
+#: other test kills a run at (then --recover), SIGTERM before the stop (exit 2), SIGINT in the window
+#: (rolled back, exit 3), SIGTERM as the restart begins; then SOAK_DRAWN trials drawn by the seed
+SCHEDULE: tuple[tuple[signal.Signals, str], ...] = (
+    *((signal.SIGKILL, phase) for phase in PASSED if phase not in KILLED_ELSEWHERE),
+    (signal.SIGTERM, Phase.STAGED),
+    (signal.SIGINT, Phase.STOPPED),
+    (signal.SIGTERM, Phase.RESTARTING),
+)
+SOAK_DRAWN = 2
 #: a uniform delay is drawn from [0, UNIFORM_MAX_S) once the run's signal handlers are installed
 UNIFORM_MAX_S = 3.0
 VERSIONS = {"1.0": "sicext-1", "2.0": "sicext-2"}
@@ -107,13 +131,32 @@ def _aim(bed: Bed, proc: subprocess.Popen[str], target: str | None, delay: float
     return "-" if journal is None else str(journal["phase"])
 
 
-def _trial(bed: Bed, unit: str, version: str, rng: random.Random, tally: Tally, where: str) -> str:
+#: one trial's fault: the signal, the phase it is aimed at (None: a uniform delay), the delay
+Fault = tuple[signal.Signals, str | None, float]
+
+
+def _drawn(rng: random.Random) -> Fault:
+    """A fault drawn at random: any signal, aimed at any phase (or none: a uniform delay)."""
+    signum = rng.choice(SIGNALS)
+    target = rng.choice((None, *PHASES))  # None: a uniform delay
+    return signum, target, rng.uniform(0.0, UNIFORM_MAX_S)
+
+
+def _faults(trials: int | None, rng: random.Random) -> list[Fault]:
+    """The soak's faults: ``trials`` drawn at random, or (None) the default suite's SCHEDULE and
+    SOAK_DRAWN drawn."""
+    if trials is not None:
+        return [_drawn(rng) for _ in range(trials)]
+    return [(signum, str(target), 0.0) for signum, target in SCHEDULE] + [
+        _drawn(rng) for _ in range(SOAK_DRAWN)
+    ]
+
+
+def _trial(bed: Bed, unit: str, version: str, fault: Fault, tally: Tally, where: str) -> str:
     """One trial from ``version`` installed; the version installed after it."""
     other = "2.0" if version == "1.0" else "1.0"
     wheel = bed.wheels[VERSIONS[other]]
-    signum = rng.choice(SIGNALS)
-    target = rng.choice((None, *PHASES))  # None: a uniform delay
-    delay = rng.uniform(0.0, UNIFORM_MAX_S)
+    signum, target, delay = fault
     where += f" {signum.name} at " + (target or f"{delay:.3f} s")
     proc = bed.start_run("sicext", "--wheel", str(wheel), "--settle", "0.3")
     try:
@@ -152,16 +195,17 @@ def _trial(bed: Bed, unit: str, version: str, rng: random.Random, tally: Tally, 
     return now
 
 
-def _soak(bed: Bed, trials: int, what: str) -> None:
+def _soak(bed: Bed, trials: int | None, what: str) -> None:
+    """``trials`` drawn at random, or (None) the default suite's schedule (:func:`_faults`)."""
     seed = int(os.environ.get("SAFEINSTALL_SOAK_SEED") or random.SystemRandom().randrange(2**32))
-    print(f"{what} soak seed {seed}, {trials} trials (replay: SAFEINSTALL_SOAK_SEED={seed})")
-    rng = random.Random(seed)
+    faults = _faults(trials, random.Random(seed))
+    print(f"{what} soak seed {seed}, {len(faults)} trials (replay: SAFEINSTALL_SOAK_SEED={seed})")
     unit = bed.unit("soak")
     tally = Tally()
     version = bed.version()
-    for trial in range(trials):
+    for trial, fault in enumerate(faults):
         started = time.monotonic()
-        version = _trial(bed, unit, version, rng, tally, f"seed {seed} trial {trial}:")
+        version = _trial(bed, unit, version, fault, tally, f"seed {seed} trial {trial}:")
         tally.seconds += time.monotonic() - started
         tally.trials += 1
     other = "2.0" if bed.version() == "1.0" else "1.0"
@@ -174,7 +218,26 @@ def _soak(bed: Bed, trials: int, what: str) -> None:
 
 
 def test_fault_soak(bed: Bed) -> None:
-    _soak(bed, int(os.environ.get("SAFEINSTALL_SOAK") or SOAK_TRIALS), "root's environment:")
+    trials = os.environ.get("SAFEINSTALL_SOAK")
+    _soak(bed, int(trials) if trials else None, "root's environment:")
+
+
+def test_the_default_soak_aims_a_kill_at_each_phase_and_a_signal_at_each_part_of_a_run() -> None:
+    """The default suite's schedule: a SIGKILL at each phase a run passes that no other test kills a run
+    at, SIGTERM or SIGINT before the stop, in the window and as the restart begins (the 40 trials drawn
+    at random it replaced hit each only by chance); ``SAFEINSTALL_SOAK=N`` draws N."""
+    killed = [phase for signum, phase in SCHEDULE if signum == signal.SIGKILL]
+    assert sorted([*killed, *KILLED_ELSEWHERE], key=PASSED.index) == list(PASSED)
+    assert {Phase.PLANNED, Phase.BACKED_UP, Phase.GATED, Phase.STOPPING, Phase.GPU_RELEASED} <= set(killed)
+    stopping, restarting = PASSED.index(Phase.STOPPING), PASSED.index(Phase.RESTARTING)
+    parts = {
+        "before the stop" if at < stopping else "the window" if at < restarting else "the restart"
+        for at in (PASSED.index(phase) for signum, phase in SCHEDULE if signum != signal.SIGKILL)
+    }
+    assert parts == {"before the stop", "the window", "the restart"}, parts
+    assert {signum for signum, _ in SCHEDULE} == set(SIGNALS)
+    assert len(_faults(None, random.Random(0))) == len(SCHEDULE) + SOAK_DRAWN
+    assert len(_faults(7, random.Random(0))) == 7
 
 
 def test_fault_soak_of_an_account_environment(account: ServiceAccountBed, tmp_path: Path) -> None:
