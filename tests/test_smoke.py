@@ -201,18 +201,15 @@ def test_the_check_runs_with_the_units_environment_and_directory_without_a_gpu(
     seen = json.loads(report.read_text())
     env = seen["env"]
     assert (env["TZ"], env["PYTHONIOENCODING"]) == ("file", "utf-8")  # the file's over the unit's
-    if AS_ROOT:  # a root check takes only what names no code (the attacker review, 4a): the rest is said
-        assert not any(name.startswith("SMOKE_") for name in env), env
-        notes = "\n".join(done.json["data"]["notes"])
-        left_out = "SMOKE_BOTH, SMOKE_FROM_FILE, SMOKE_FROM_UNIT, SMOKE_SPACED"
-        assert f"{unit}: not given to the check, which runs as root" in notes and left_out in notes, notes
-    else:
-        assert (env["SMOKE_FROM_UNIT"], env["SMOKE_FROM_FILE"], env["SMOKE_BOTH"]) == (
-            "unit",
-            "from the file",
-            "file",
-        )
-        assert env["SMOKE_SPACED"] == "two words"
+    # naming no path, they reach a root check too (the attacker review, 4a, drops only what names a
+    # path another user controls)
+    assert (env["SMOKE_FROM_UNIT"], env["SMOKE_FROM_FILE"], env["SMOKE_BOTH"]) == (
+        "unit",
+        "from the file",
+        "file",
+    )
+    assert env["SMOKE_SPACED"] == "two words"
+    assert "not given to the check" not in "\n".join(done.json["data"]["notes"])
     assert env["CUDA_VISIBLE_DEVICES"] == "" and env["PYTHONDONTWRITEBYTECODE"] == "1"
     assert "SMOKE_ROOTS_SECRET" not in env  # nothing of root's environment but the locale
     assert seen["cwd"] == str(workdir)
@@ -1168,8 +1165,9 @@ activate = 1
 def test_a_root_check_takes_only_the_units_variables_that_name_no_code(bed: Bed, tmp_path: Path) -> None:
     """The attacker review (4a): a root unit's every variable but the judged lists reached the root
     check: ``OPENSSL_CONF`` naming another user's configuration loaded that user's provider (a ``.so``)
-    as root for ``--smoke "python -c 'import ssl'"``. Now a root check takes only locale, time zone,
-    Python's output settings, ``HOME`` and the judged lists: the rest is left out, said in the notes."""
+    as root for ``--smoke "python -c 'import ssl'"``. Now a root check leaves out, said in the notes, a
+    variable naming a path that is not root's alone; one naming none, or root's, still reaches it (the
+    final review: a unit's ``MODEL_DIR`` or ``HF_HOME`` dropped failed a good upgrade's ``--smoke``)."""
     if not AS_ROOT:
         pytest.skip("the child is root only in a root-owned environment of a run as root")
     markers = tmp_path / "markers"
@@ -1192,25 +1190,42 @@ def test_a_root_check_takes_only_the_units_variables_that_name_no_code(bed: Bed,
     )
     (other / "openssl.cnf").write_text(_OPENSSL_CNF.format(so=so))
     chown_tree(other, NOBODY)
+    roots = tmp_path / "models"  # root's alone: a variable naming it reaches the root check
+    roots.mkdir()
     unit = bed.service(
-        "smoke-ssl", Environment=f"OPENSSL_CONF={other}/openssl.cnf LC_ALL=C.UTF-8 APP_MODE=serve"
+        "smoke-ssl",
+        Environment=f"OPENSSL_CONF={other}/openssl.cnf LC_ALL=C.UTF-8 APP_MODE=serve MODEL_DIR={roots}",
     )
-    done, _ = _checked(bed, "python -c 'import ssl, hashlib; hashlib.sha256()'")
+    done, _ = _checked(
+        bed,
+        "python -c 'import os, ssl, hashlib; hashlib.sha256(); "
+        'assert (os.environ["APP_MODE"], os.environ["MODEL_DIR"]) == ("serve", '
+        f'"{roots}") and "OPENSSL_CONF" not in os.environ\'',
+    )
     assert list(markers.iterdir()) == [], "another user's OpenSSL provider ran as root in the check"
     notes = "\n".join(done.json["data"]["notes"])
-    assert f"{unit}: not given to the check, which runs as root" in notes, notes
-    assert "APP_MODE, OPENSSL_CONF" in notes and "LC_ALL" not in notes, notes
+    assert f"{unit}: not given to the check, which runs as root, as they name a path" in notes, notes
+    assert ": OPENSSL_CONF" in notes and "APP_MODE" not in notes and "LC_ALL" not in notes, notes
     kept, dropped = importcheck.root_variables(
         (("LANG", "de_DE.UTF-8"), ("LC_ALL", "/home/app/locale"), ("TZ", "Europe/Berlin"),
-         ("TZ", ":/home/app/tz"), ("PYTHONPATH", "/opt/app"), ("HOME", "/root"), ("OPENSSL_CONF", "/etc/x"))
+         ("TZ", ":/home/app/tz"), ("TZ", ":/etc/localtime"), ("PYTHONPATH", "/opt/app"), ("HOME", "/root"),
+         ("OPENSSL_CONF", "/home/bob/x"), ("OPENSSL_CONF", "/etc/ssl/x"), ("HF_HOME", "/models"),
+         ("URL", "http://0.0.0.0:8000/v1"), ("REL", "conf/x"), ("UP", "/etc/../home/bob"), ("N", "8"),
+         ("FILE", "file:///home/bob/x.cnf")),
+        lambda path: not path.startswith("/home/"),
     )  # fmt: skip
     assert kept == (
         ("LANG", "de_DE.UTF-8"),
         ("TZ", "Europe/Berlin"),
+        ("TZ", ":/etc/localtime"),
         ("PYTHONPATH", "/opt/app"),
         ("HOME", "/root"),
+        ("OPENSSL_CONF", "/etc/ssl/x"),
+        ("HF_HOME", "/models"),
+        ("URL", "http://0.0.0.0:8000/v1"),
+        ("N", "8"),
     )
-    assert dropped == ("LC_ALL", "TZ", "OPENSSL_CONF")
+    assert dropped == ("LC_ALL", "TZ", "OPENSSL_CONF", "REL", "UP", "FILE")
 
 
 def _user_site_bed(

@@ -493,28 +493,50 @@ def unit_variables(
     return tuple(kept), tuple(dropped)
 
 
-#: Of a unit's variables, what a root check takes (the attacker review, 4): the judged lists
-#: (:data:`_PATH_LISTS`), ``HOME`` (its user site judged), Python's own kept ones, the locale and the
-#: time zone. Any other may name a file a library loads code from (``OPENSSL_CONF``'s providers, a
-#: plugin directory): never given to root's child.
-_ROOT_KEPT = frozenset({*_PATH_LISTS, *_PYTHON_KEPT, "HOME", "LANG", "LANGUAGE", "TZ"})
+#: Of a unit's variables, what a root check takes whatever their value (the attacker review, 4): the
+#: judged lists (:data:`_PATH_LISTS`), ``HOME`` (its user site judged) and Python's own kept ones. Any
+#: other is taken only where every path it names is root's alone (``OPENSSL_CONF`` naming another
+#: user's configuration loads that user's provider).
+_ROOT_KEPT = frozenset({*_PATH_LISTS, *_PYTHON_KEPT, "HOME"})
+
+
+#: a URL in a variable's value: a ``file:`` one names its path, any other no local one
+_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://(\S*)")
+
+
+def _local(url: re.Match[str]) -> str:
+    rest = url.group(2)
+    return " " + rest[rest.find("/") :] if url.group(1).lower() == "file" and "/" in rest else " "
+
+
+def _names_only_roots(value: str, judged: Callable[[str], bool]) -> bool:
+    """Pure (given ``judged``): every absolute path in ``value`` (split at blanks, ``:``, ``;``, ``,``
+    and ``=``; a ``file:`` URL's path) is root's alone as a tree, and it names no relative path with a
+    directory in it."""
+    for token in re.split(r"[\s:;,=]+", _URL.sub(_local, value)):
+        if "/" not in token:
+            continue
+        if not token.startswith("/") or ".." in token.split("/") or not judged(token):
+            return False
+    return True
 
 
 def root_variables(
-    variables: Sequence[tuple[str, str]],
+    variables: Sequence[tuple[str, str]], judged: Callable[[str], bool]
 ) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
-    """Pure: of the unit's variables (as :func:`unit_variables` kept them), those a root child takes
-    (:data:`_ROOT_KEPT`, ``LC_*``), and the names of the rest; a locale naming a path (a ``/``), a
-    ``TZ`` naming a file outside the system's zone data (``/`` first, ``..``) left out too."""
+    """Pure (given ``judged``: a path root's alone, its whole tree): of the unit's variables (as
+    :func:`unit_variables` kept them), those a root child takes, and the names of the rest. A locale
+    naming a path (a ``/``), a relative ``TZ`` with ``..``, and any other variable naming a path that
+    is not root's alone are left out."""
     kept: list[tuple[str, str]] = []
     dropped: list[str] = []
     for name, value in variables:
         if name in ("LANG", "LANGUAGE") or name.startswith("LC_"):
             ours = "/" not in value
-        elif name == "TZ":
-            ours = not value.lstrip(":").startswith("/") and ".." not in value
+        elif name == "TZ" and not value.lstrip(":").startswith("/"):
+            ours = ".." not in value  # a zone name, read below the system's zone data
         else:
-            ours = name in _ROOT_KEPT
+            ours = name in _ROOT_KEPT or _names_only_roots(value, judged)
         if ours:
             kept.append((name, value))
         else:

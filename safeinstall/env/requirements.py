@@ -128,7 +128,9 @@ def weighed_requirements(
     :data:`MAX_WEIGHED`, the base requirements first, the rest not)."""
     by_name = {d.name: d for d in dists}
     base = {d.name: sum(map(line_weight, d.requires)) for d in by_name.values()}
-    extras = {d.name: extra_weight(d.requires) for d in by_name.values()}
+    # an extra's pass goes over the lines that name one alone, picked out once (not scanned again)
+    gated = {d.name: tuple(t for t in d.requires if names_extra(t)) for d in by_name.values()}
+    extras = {name: 1 + sum(map(line_weight, lines)) for name, lines in gated.items()}
     wanted: set[tuple[str, str]] = {(name, "") for name in by_name}  # (distribution, extra) whose needs count
     todo = collections.deque(sorted(wanted))  # first in, first out: the base requirements first
     found: dict[tuple[str, str, str, str], Broken] = {}
@@ -140,7 +142,7 @@ def weighed_requirements(
         weighed += extras[name] if extra else base[name]
         if weighed > MAX_WEIGHED:
             return tuple(found[key] for key in sorted(found)), False
-        for text in dist.requires:
+        for text in gated[name] if extra else dist.requires:
             requirement = _parsed(text, extra, frozen)
             if requirement is None:
                 continue

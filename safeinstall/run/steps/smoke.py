@@ -142,13 +142,12 @@ def contexts(run: Run) -> tuple[list[importcheck.Context], list[str]]:
                     "User=, or run its interpreter with -s), or --no-smoke skips the check",
                 )
         variables, dropped = importcheck.unit_variables(given, lambda path: judge(path) is None)
-        if runner == 0:  # root's child: only what names no code (the attacker review, 4)
-            variables, unlisted = importcheck.root_variables(variables)
+        if runner == 0:  # root's child: nothing naming a path another controls (the attacker review, 4)
+            variables, unlisted = importcheck.root_variables(variables, lambda path: judge(path) is None)
             if unlisted:
                 notes.append(
-                    f"{unit.name}: not given to the check, which runs as root (it takes only the locale, "
-                    "TZ, HOME, PATH, PYTHONPATH, LD_LIBRARY_PATH, LD_PRELOAD and Python's output settings): "
-                    + ", ".join(sorted(set(unlisted)))
+                    f"{unit.name}: not given to the check, which runs as root, as they name a path that "
+                    "is not root's alone: " + ", ".join(sorted(set(unlisted)))
                 )
         if site_problem:
             variables = (*variables, ("PYTHONNOUSERSITE", "1"))
