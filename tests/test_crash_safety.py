@@ -40,9 +40,10 @@ def test_sigkill_at_step_boundary_then_recover(
     before = bed.hotfix()
     name = bed.unit(f"kill-{boundary}")
     bed.hold_gpu(name, 2.0 if boundary == "during-gpu-wait" else 0.0, "e1")
-    # uv's install in the window (--no-swap) is what "during-install" freezes; the swap's own kills are
-    # in test_swap.py
-    no_swap = ("--no-swap",) if boundary == "during-install" else ()
+    # uv's install in the window (--no-swap) is what "during-install" freezes, and what "after-install"
+    # kills after (a swap's install and verify last a few ms: a poll of the journal can miss both phases);
+    # the swap's own kills are in test_swap.py
+    no_swap = ("--no-swap",) if boundary in ("during-install", "after-install") else ()
     proc = bed.start_run("sicext", "--wheel", str(big_wheel), "--settle", "1", *no_swap)
     try:
         bed.wait_phase(proc, *phases)
