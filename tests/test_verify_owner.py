@@ -392,17 +392,7 @@ def _settled_check(python: Path, state: Path, *args: str) -> tuple[int, dict[str
     newest = max(p.lstat().st_ctime_ns for p in _site(python).rglob("*"))
     while time.time_ns() <= newest + GRANULARITY_NS:
         time.sleep(0.1)
-    result = run(
-        "--verify-only",
-        "--all",
-        "--python",
-        str(python),
-        "--json",
-        *args,
-        env={**os.environ, "SAFEINSTALL_STATE_DIR": str(state)},
-    )
-    assert result.code in (0, 1), result.stderr
-    return result.code, result.json
+    return verify_all(python, state, *args, codes=(0, 1))
 
 
 def test_a_judged_pyc_is_kept_by_identity_and_a_forged_judgement_is_believed_only_without_full(
