@@ -395,6 +395,7 @@ def bench_case(
     settle: float,
     uv_cache: Path,
     builds: dict[str, str],
+    pause: float = 0.0,
 ) -> None:
     """The rounds of one case; ``builds``: the safeinstall of each contender but the hand (NEW, and
     OLD with ``--baseline-safeinstall``)."""
@@ -457,6 +458,9 @@ def bench_case(
                 if who == NEW and case.undo:  # back to what ran before, as the hand would reinstall it
                     _undo_round(case, builds[who], settle, manager, unit, stamps, run_env)
                 shutil.rmtree(target)
+                if pause > 0:  # every contender alike: the last run's writes and trims settle first
+                    os.sync()
+                    time.sleep(pause)
                 print(
                     f"  {case.name} round {round_ + 1} {who:<11} {label}downtime {case.times[who][-1]:6.2f} s"
                     f"  service {case.service[who][-1]:6.2f} s  whole run {case.walls[who][-1]:6.2f} s",
@@ -834,6 +838,13 @@ def main() -> int:
     parser.add_argument("--blob-mb", type=int, default=64)
     parser.add_argument("--settle", type=float, default=1.0)
     parser.add_argument(
+        "--pause",
+        type=float,
+        default=0.0,
+        help="seconds to wait after each contender's run, the disk synced first (a host does not reinstall "
+        "every half minute: a disk mounted with discard is still trimming the last run's deletes)",
+    )
+    parser.add_argument(
         "--prepare-commit",
         action="store_true",
         help="each safeinstall build runs --prepare (timed apart, nothing stops), then --commit: the "
@@ -856,7 +867,9 @@ def main() -> int:
         manager = start_user_manager(work / "manager")
         try:
             for case in cases:
-                bench_case(case, manager, work, args.rounds, args.settle, work / "uv-cache", builds)
+                bench_case(
+                    case, manager, work, args.rounds, args.settle, work / "uv-cache", builds, args.pause
+                )
         finally:
             stop_user_manager(manager)
     finally:

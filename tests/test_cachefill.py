@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from safeinstall.env import cachefill, inodes, inodetrust
-from safeinstall.env.uvplan import UvChange
+from safeinstall.env.uvplan import UvChange, UvRequest, unpack_command
 from tests import wheelhouse
 from tests.wheelhouse import Wheelhouse
 
@@ -320,11 +320,16 @@ def test_a_fill_started_beside_the_preflight_that_no_run_takes_is_waited_for_and
     changes = (UvChange("install", "sipure", "1.0", None),)
     environ = {"UV_CACHE_DIR": str(owners)}
 
-    started = prefill.start(environ, env, state, "run-1", changes, "hardlink")
+    given = UvRequest(venv, "sipure", wheel=wheels.wheels["sipure-2"])
+    unpack = unpack_command(given, wheelhouse.UV, state.unpack_dir("run-1"))
+    started = prefill.start(environ, env, state, "run-1", changes, "hardlink", unpack=unpack)
     assert started is not None and started.cache == state.uv_cache("run-1")
     prefill.abandon(started)
     assert started.answer.done() and started.answer.result().archives == 1  # waited for, not cut short
+    assert started.unpacking is not None and started.unpacking.done()  # the wheel's unpack too
+    assert "unpacked into the run's cache" in started.unpacking.result()
     assert not state.uv_cache("run-1").exists()  # the copies went with it
+    assert not state.unpack_dir("run-1").exists()  # and the unpack's throwaway target
     assert _inodes(owners) == before
     prefill.abandon(started)  # idempotent
 
@@ -337,6 +342,73 @@ def test_a_fill_started_beside_the_preflight_that_no_run_takes_is_waited_for_and
     )
     assert prefill.start(environ, env, state, "run-3", changes, "copy") is None
     assert not state.uv_cache("run-2").exists() and not state.uv_cache("run-3").exists()
+
+
+def test_a_given_wheel_is_unpacked_into_the_runs_cache_beside_the_fill_and_never_again(
+    venv: Path, tmp_path: Path
+) -> None:
+    """A wheel given by its path whose plan also installs a requirement root's cache holds: uv unpacks
+    the wheel into the run's cache while the fill copies the requirement (the copy waits on the disk, the
+    unpack on a CPU), so the prefetch's uv unpacks nothing; the unpack's throwaway ``--target`` goes.
+    Real uv, root's own cache."""
+    if os.geteuid() != 0:
+        pytest.skip("root's own cache: needs root")
+    from tests.clirun import run as safeinstall
+
+    links = tmp_path / "links"
+    for made in (links, tmp_path / "old", tmp_path / "new"):
+        made.mkdir()
+    wheelhouse.make_wheel(links, "siwanted", "2.0", {"siwanted/__init__.py": b"W = 2\n"})
+    old = wheelhouse.make_wheel(tmp_path / "old", "siwants", "1.0", {"siwants/__init__.py": b"V = 1\n"})
+    new = wheelhouse.make_wheel(
+        tmp_path / "new", "siwants", "2.0", {"siwants/__init__.py": b"V = 2\n"}, ("siwanted==2.0",)
+    )
+    cache = tmp_path / "root-cache"
+    cache.mkdir(mode=0o700)
+    state = tmp_path / "state"
+    env = {**wheelhouse.uv_env(), "UV_CACHE_DIR": str(cache), "SAFEINSTALL_STATE_DIR": str(state)}
+    wheelhouse.uv_install(venv, old)
+    subprocess.run(  # root's cache warm with the requirement (another venv's install)
+        [
+            *(wheelhouse.UV, "pip", "install", "--quiet", "--offline", "--no-deps"),
+            *("--target", str(tmp_path / "elsewhere"), "--python", str(venv)),
+            *("--find-links", str(links), "siwanted==2.0"),
+        ],
+        check=True,
+        env=env,
+    )
+
+    result = safeinstall(
+        "--python", str(venv), "--yes", "--settle", "0", "siwants", "--wheel", str(new),
+        "--", "--offline", "--find-links", str(links),
+        env=env,
+    )  # fmt: skip
+
+    assert result.code == 0, result.stdout + result.stderr
+    (log,) = state.rglob("logs/*.log")
+    said = log.read_text()
+    assert f"copied from {cache}, beside the preflight" in said, said  # the fill ran
+    assert "prefetch: the wheel unpacked into the run's cache beside the copy in" in said, said
+    uv_said = said.split("uv exit 0:", 1)[1].split("\n[", 1)[0]
+    assert "Installed 2 packages" in uv_said and "Prepared" not in uv_said, uv_said  # unpacked nothing
+    assert (wheelhouse.site_packages(venv) / "siwants" / "__init__.py").read_bytes() == b"V = 2\n"
+    assert not list(state.rglob("prefetch-*")) and not list(state.rglob("uv-cache-*"))
+
+
+def test_an_unpacks_throwaway_target_goes_with_its_run_and_only_its_own(tmp_path: Path) -> None:
+    """A run killed while uv unpacked its wheel leaves ``prefetch-RUN-unpack``: removed with the run's
+    own directories (the rollback, ``--recover``), never another run's."""
+    from safeinstall.store.state import EnvironmentState, remove_uv_caches
+
+    state = EnvironmentState(tmp_path, tmp_path / "env", None)
+    state.dir.mkdir()
+    for run_id in ("20261206T000000Z-1", "20261206T000000Z-2"):
+        state.unpack_dir(run_id).mkdir()
+        state.uv_cache(run_id).mkdir()
+    assert remove_uv_caches(state, "20261206T000000Z-1", 5.0) == ()
+    left = ["prefetch-20261206T000000Z-2-unpack", "uv-cache-20261206T000000Z-2"]
+    assert sorted(os.listdir(state.dir)) == left
+    assert remove_uv_caches(state, seconds=5.0) == () and os.listdir(state.dir) == []
 
 
 def test_a_file_whose_digest_roots_store_keeps_is_copied_in_the_kernel_under_that_digest(

@@ -16,12 +16,27 @@ from safeinstall.env.uvplan import (
     parse_changes,
     prefetch_command,
     same_filesystem,
+    unpack_command,
     uv_environment,
     window_command,
 )
 from safeinstall.errors import PlanError
 from tests import wheelhouse
 from tests.wheelhouse import Wheelhouse
+
+
+def test_a_given_wheel_is_unpacked_offline_through_a_throwaway_target_unless_uv_is_told_otherwise() -> None:
+    """The unpack beside the fill (safeinstall/run/parts/prefill.py): the wheel alone, offline, into a
+    ``--target`` thrown away; none by name, nor where uv's arguments choose the network or a cache."""
+    given = UvRequest(Path("/p/bin/python"), "vllm", wheel=Path("/s/vllm.whl"), extra_args=("-q",))
+    assert unpack_command(given, "uv", Path("/s/prefetch-1-unpack")) == [
+        *("uv", "pip", "install", "--offline", "--python", "/p/bin/python"),
+        *("--target", "/s/prefetch-1-unpack", "--no-deps", "--link-mode", "hardlink", "/s/vllm.whl"),
+    ]
+    assert unpack_command(UvRequest(Path("/p"), "vllm", version_spec="==1"), "uv", Path("/t")) is None
+    for chosen in (("--no-cache",), ("--refresh",), ("--cache-dir", "/c"), ("--no-offline",)):
+        request = UvRequest(Path("/p"), "vllm", wheel=Path("/s/vllm.whl"), extra_args=chosen)
+        assert unpack_command(request, "uv", Path("/t")) is None, chosen
 
 
 def test_parse_changes() -> None:

@@ -180,6 +180,16 @@ def prefetch_command(
     return [*cmd, *extra, requirement(request), *dict.fromkeys(others)]
 
 
+def unpack_command(request: UvRequest, uv_bin: str, target: Path) -> list[str] | None:
+    """Pure: uv told to unpack the given wheel alone into its cache, offline, through a throwaway
+    ``--target``: the prefetch's install then finds it unpacked. None without a wheel, or where uv's
+    arguments choose the network or a cache (the prefetch would not take it)."""
+    if request.wheel is None or chooses_network(request):
+        return None
+    where = ["--python", str(request.python), "--target", str(target), "--no-deps"]
+    return [uv_bin, "pip", "install", "--offline", *where, "--link-mode", "hardlink", str(request.wheel)]
+
+
 def _without(extra_args: Sequence[str], option: str) -> list[str]:
     """Pure: the extra arguments less ``option`` and its value."""
     kept: list[str] = []

@@ -47,6 +47,8 @@ PREFETCH_PREFIX = "prefetch-"
 KEEP_PATCHES_PREFIX = "keep-patches-"
 #: A run's probe (its tree in the prefix, its cache here): the run's id and this (docs/window.md)
 PROBE_SUFFIX = "-probe"
+#: A run's scratch ``--target`` where uv unpacks a given wheel into the run's cache beside the fill
+UNPACK_SUFFIX = "-unpack"
 SMOKE_PREFIX = "smoke-"  # root's: the shim the smoke check's children import (safeinstall.env.importcheck)
 #: The run's own directories: uv's cache, its scratch ``--target`` directories, the smoke check's shim
 RUN_DIR_PREFIXES = (UV_CACHE_PREFIX, PREFETCH_PREFIX, KEEP_PATCHES_PREFIX, SMOKE_PREFIX)
@@ -132,6 +134,10 @@ class EnvironmentState:
     def prefetch_dir(self, run_id: str) -> Path:
         return self.dir / f"{PREFETCH_PREFIX}{run_id}"
 
+    def unpack_dir(self, run_id: str) -> Path:
+        """The throwaway ``--target`` of uv's unpack of a given wheel beside the fill (docs/window.md)."""
+        return self.dir / f"{PREFETCH_PREFIX}{run_id}{UNPACK_SUFFIX}"
+
     def keep_patches_dir(self, run_id: str) -> Path:
         return self.dir / f"{KEEP_PATCHES_PREFIX}{run_id}"
 
@@ -203,7 +209,8 @@ def remove_uv_caches(
     deadline = time.monotonic() + seconds
     for name in names:
         for prefix in RUN_DIR_PREFIXES:
-            ours = (prefix + run_id, prefix + run_id + PROBE_SUFFIX) if run_id is not None else ()
+            mine_too = ("", PROBE_SUFFIX, UNPACK_SUFFIX)
+            ours = tuple(prefix + run_id + s for s in mine_too) if run_id is not None else ()
             mine = name.startswith(prefix) and (run_id is None or name in ours)
             mine = mine and (probes or not name.endswith(PROBE_SUFFIX))
             if mine and not remove_run_dir(state.dir / name, max(0.0, deadline - time.monotonic())):

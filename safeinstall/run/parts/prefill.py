@@ -7,7 +7,7 @@ owner's").
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +16,7 @@ from safeinstall.env import cachefill, owner
 from safeinstall.env.environment import Environment
 from safeinstall.env.inodetrust import InodeStore, root_only_checker
 from safeinstall.env.uvplan import UvChange
+from safeinstall.env.uvplan import install as uv_install
 from safeinstall.errors import SafeInstallError
 from safeinstall.store.state import EnvironmentState, check_trusted, make_run_dir, remove_run_dir
 from safeinstall.system.signals import held_while_threads_start
@@ -31,6 +32,8 @@ class Prefill:
     pool: ThreadPoolExecutor
     answer: Future[cachefill.Filled]
     started: float
+    #: uv's unpack of a given wheel into the same cache, beside the copy: what to log of it
+    unpacking: Future[str] | None = None
 
 
 def source_of(environ: Mapping[str, str], env: Environment, link_mode: str) -> tuple[Path | None, str]:
@@ -55,10 +58,12 @@ def start(
     changes: tuple[UvChange, ...],
     link_mode: str,
     known: owner.Known | None = None,
+    unpack: Sequence[str] | None = None,
 ) -> Prefill | None:
     """Start the fill of the run's cache (``state.uv_cache(run_id)``, made here as the owner's) on a
     thread; None when there is nothing to copy from, nothing the plan fetches, or the run's cache cannot
-    be made here (the prefetch then fills it itself). ``known``: see :func:`cachefill.fill`."""
+    be made here. ``known``: see :func:`cachefill.fill`; ``unpack``: uv's unpack of a given wheel
+    (:func:`safeinstall.env.uvplan.unpack_command`), run beside the copy (docs/window.md)."""
     source, _ = source_of(environ, env, link_mode)
     if source is None or not cachefill.wanted(changes) or not source.is_dir():
         return None
@@ -66,15 +71,41 @@ def start(
         cache = make_run_dir(state.uv_cache(run_id), env.account)
     except OSError:  # the prefetch makes it (and says why it cannot)
         return None
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="safeinstall-fill")
+    pool = ThreadPoolExecutor(max_workers=2 if unpack else 1, thread_name_prefix="safeinstall-fill")
+    unpacking: Future[str] | None = None
     try:
         with held_while_threads_start():
             answer = pool.submit(cachefill.fill, source, cache, changes, env.account, known)
+            if unpack:
+                scratch = state.unpack_dir(run_id)
+                unpacking = pool.submit(_unpack, unpack, environ, cache, scratch, env)
     except BaseException:
         pool.shutdown(wait=True)
         remove_run_dir(cache)
         raise
-    return Prefill(cache, source, pool, answer, time.monotonic())
+    return Prefill(cache, source, pool, answer, time.monotonic(), unpacking)
+
+
+def _unpack(
+    command: Sequence[str], environ: Mapping[str, str], cache: Path, scratch: Path, env: Environment
+) -> str:
+    """uv's unpack of the given wheel into the run's cache through the throwaway ``scratch`` (removed
+    here), as the environment's owner: what to log. Best effort: a failure is said, and the prefetch's
+    install unpacks it."""
+    started = time.monotonic()
+    try:
+        make_run_dir(scratch, env.account)
+        result = uv_install(
+            command, environ, timeout=cachefill.FILL_TIMEOUT_S, cache_dir=cache, account=env.account
+        )
+    except OSError as exc:
+        return f"the wheel was not unpacked beside the copy ({exc}): the prefetch unpacks it"
+    finally:
+        remove_run_dir(scratch)
+    if result.returncode != 0:
+        tail = " ".join(result.output.strip().splitlines()[-2:])[:300]
+        return f"the wheel was not unpacked beside the copy (uv exit {result.returncode}: {tail})"
+    return f"the wheel unpacked into the run's cache beside the copy in {time.monotonic() - started:.1f} s"
 
 
 def kept_digests(store: InodeStore | None, full: bool) -> owner.Known | None:
@@ -83,14 +114,16 @@ def kept_digests(store: InodeStore | None, full: bool) -> owner.Known | None:
     return None if full or store is None or not store.entries else root_only_checker(store)
 
 
-def take(prefill: Prefill) -> tuple[cachefill.Filled, float]:
-    """The fill's answer (waited for), and how long the prefetch waited for it (seconds)."""
+def take(prefill: Prefill) -> tuple[cachefill.Filled, float, str | None]:
+    """The fill's answer (waited for), how long the prefetch waited for it (seconds, the unpack beside
+    it included), and what to log of the unpack (None: none ran)."""
     waited = time.monotonic()
     try:
         filled = prefill.answer.result()
+        unpacked = prefill.unpacking.result() if prefill.unpacking is not None else None
     finally:
         prefill.pool.shutdown(wait=True)
-    return filled, time.monotonic() - waited
+    return filled, time.monotonic() - waited, unpacked
 
 
 def join(prefill: Prefill | None) -> None:

@@ -522,8 +522,10 @@ def _fill_from_owners_cache(run: Run, cache: Path) -> str:
     beside = ""
     if prefill is not None:
         source = prefill.source
-        filled, waited = run_prefill.take(prefill)
+        filled, waited, unpacked = run_prefill.take(prefill)
         run.fill = filled
+        if unpacked is not None:
+            run.log(f"prefetch: {unpacked}")
         beside = f", beside the preflight (the prefetch waited {waited:.1f} s for it)"
     else:
         found, why_not = run_prefill.source_of(run.options.environ, run.env, run.survey.request.link_mode)
