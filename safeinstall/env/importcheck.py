@@ -16,6 +16,7 @@ import re
 import stat
 import subprocess
 import threading
+import urllib.parse
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -500,20 +501,35 @@ def unit_variables(
 _ROOT_KEPT = frozenset({*_PATH_LISTS, *_PYTHON_KEPT, "HOME"})
 
 
-#: a URL in a variable's value: a ``file:`` one names its path, any other no local one
-_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://(\S*)")
+#: a URL in a variable's value, up to a separator: scheme, user, host (2), port, path (3)
+_URL = re.compile(
+    r"([A-Za-z][A-Za-z0-9+.-]*)://(?:[^\s/:;,@]*(?::[^\s/;,@]*)?@)?([^\s/:;,]*)(?::[0-9]+)?(/[^\s:;,]*)?"
+)
 
 
 def _local(url: re.Match[str]) -> str:
-    rest = url.group(2)
-    return " " + rest[rest.find("/") :] if url.group(1).lower() == "file" and "/" in rest else " "
+    """What a URL may name on this host: its host (``http+unix://%2Frun%2Fx.sock``) and, for a ``file:``
+    one or one without a host (``unix:///run/x.sock``, ``sqlite:////var/db``), its path."""
+    host, path = url.group(2), url.group(3) or ""
+    return f" {host} {path if url.group(1).lower() == 'file' or not host else ''} "
+
+
+def _decoded(token: str) -> str:
+    """Pure: ``token`` with its ``%XX`` escapes decoded until none is left (a library reading a URL decodes
+    them: ``file:///home/bo%62/x`` is /home/bob/x)."""
+    while (once := urllib.parse.unquote(token)) != token:
+        token = once
+    return token
 
 
 def _names_only_roots(value: str, judged: Callable[[str], bool]) -> bool:
     """Pure (given ``judged``): every absolute path in ``value`` (split at blanks, ``:``, ``;``, ``,``
-    and ``=``; a ``file:`` URL's path) is root's alone as a tree, and it names no relative path with a
-    directory in it."""
+    and ``=``; a URL's host and a local URL's path, ``%XX`` decoded) is root's alone as a tree, and it
+    names no relative path with a directory in it, nor one from ``~``."""
     for token in re.split(r"[\s:;,=]+", _URL.sub(_local, value)):
+        token = re.sub("/+", "/", _decoded(token))  # ``//home/bob`` is /home/bob
+        if token.startswith("~"):
+            return False
         if "/" not in token:
             continue
         if not token.startswith("/") or ".." in token.split("/") or not judged(token):

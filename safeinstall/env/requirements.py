@@ -154,6 +154,9 @@ def weighed_requirements(
             if present is None:
                 found.setdefault(key, Broken(key, shown, said, required, None))
                 continue
+            weighed += len(present.version) // WEIGHT_BYTES  # its parse and comparison, by its size
+            if weighed > MAX_WEIGHED:
+                return tuple(found[key] for key in sorted(found)), False
             if _satisfied(requirement, present.version) is False:
                 found.setdefault(key, Broken(key, shown, said, required, present.version))
             for asked in sorted(canonicalize_name(e) for e in requirement.extras):
