@@ -43,6 +43,8 @@ def test_a_root_child_still_takes_urls_and_root_paths() -> None:
         ("CONF", "file:///etc/ssl/x.cnf"),
         ("LIST", "https://a.example/simple,https://b.example:8443/x"),
         ("TZ", ":/etc/localtime"),
+        ("IPV6", "http://[::1]:8000/v1"),
+        ("DB", "postgresql://app:secret@db.example:5432/app"),
     )
     kept, dropped = root_variables(values, _others)
     assert kept == values and dropped == ()

@@ -503,7 +503,7 @@ _ROOT_KEPT = frozenset({*_PATH_LISTS, *_PYTHON_KEPT, "HOME"})
 
 #: a URL in a variable's value, up to a separator: scheme, user, host (2), port, path (3)
 _URL = re.compile(
-    r"([A-Za-z][A-Za-z0-9+.-]*)://(?:[^\s/:;,@]*(?::[^\s/;,@]*)?@)?([^\s/:;,]*)(?::[0-9]+)?(/[^\s:;,]*)?"
+    r"([A-Za-z][A-Za-z0-9+.-]*)://(?:[^\s/:;,@]*(?::[^\s/;,@]*)?@)?(\[[0-9A-Fa-f:.]*\]|[^\s/:;,]*)(?::[0-9]+)?(/[^\s:;,]*)?"
 )
 
 
