@@ -3,8 +3,12 @@ value that slipped past the judgement, and an installed version's size that was 
 
 from __future__ import annotations
 
+import inspect
+import sys
+
 import pytest
 
+from safeinstall.env.dependents import parse_requirement
 from safeinstall.env.importcheck import root_variables
 from safeinstall.env.requirements import Dist, check_change
 from tests.test_requirements import LINUX_311
@@ -75,3 +79,27 @@ def test_an_installed_versions_size_is_weighed() -> None:
     requirer = Dist("aaa", "1", tuple(f"x>={i}" for i in range(20)))
     check = check_change((requirer, x), {}, LINUX_311)
     assert not check.complete
+
+
+def _shallow() -> int:
+    """A recursion limit some 120 frames above this one: a marker nested 150 deep (within packaging
+    26's own bound of 200) runs past it, as one nested 5,000 deep does under packaging 24 (allowed)."""
+    return len(inspect.stack()) + 120
+
+
+def test_a_marker_nested_past_the_interpreters_depth_is_not_a_crash() -> None:
+    """Packaging 24 (``packaging>=24``) parses a marker by recursion: ``x; ((((...`` 5,000 deep in an
+    owner's METADATA raised RecursionError out of the check and the survey of dependents (an internal
+    error of the run). Now it is a line that cannot be parsed: never blamed; a dependent's name kept."""
+    nested = "x>=2; " + "(" * 150 + 'python_version > "1"' + ")" * 150
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(_shallow())
+    try:
+        check = check_change(
+            (Dist("aaa", "1", (nested,)), Dist("x", "2", ())), {"x": Dist("x", "1", ())}, LINUX_311
+        )
+        required = parse_requirement(nested + " ")
+    finally:
+        sys.setrecursionlimit(limit)
+    assert check.complete and check.broken == ()
+    assert required is not None and required.name == "x"

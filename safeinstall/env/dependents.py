@@ -63,7 +63,7 @@ def parse_requirement(text: str) -> Required | None:
     """One ``Requires-Dist`` value; an unparsable one keeps its name and no marker (it counts)."""
     try:
         parsed = Requirement(text)
-    except InvalidRequirement:
+    except (InvalidRequirement, RecursionError):  # packaging 24 recurses on a nested marker
         match = _NAME.match(text)
         return Required(canonicalize_name(match.group(1)), None, frozenset()) if match else None
     extras = frozenset(canonicalize_name(e) for e in parsed.extras)
@@ -75,7 +75,7 @@ def _holds(marker: Marker | None, markers: Mapping[str, str], extra: str) -> boo
         return True
     try:
         return marker.evaluate({**markers, "extra": extra})
-    except (InvalidMarker, UndefinedComparison, UndefinedEnvironmentName, ValueError):
+    except (InvalidMarker, UndefinedComparison, UndefinedEnvironmentName, ValueError, RecursionError):
         return True  # cannot tell (ValueError: a version of over 4,300 digits): the safe side
 
 

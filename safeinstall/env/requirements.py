@@ -51,7 +51,7 @@ def _requirement(text: str) -> Requirement | None:
     and the one after, whatever the extras asked of it."""
     try:
         return Requirement(text)
-    except InvalidRequirement:
+    except (InvalidRequirement, RecursionError):  # packaging 24 recurses on a nested marker
         return None
 
 
@@ -100,7 +100,7 @@ def _applies(requirement: Requirement, markers: Mapping[str, str], extra: str) -
     try:
         holds = requirement.marker.evaluate({**markers, "extra": extra})
         return holds if not extra else holds and not requirement.marker.evaluate({**markers, "extra": ""})
-    except (InvalidMarker, UndefinedComparison, UndefinedEnvironmentName, ValueError):
+    except (InvalidMarker, UndefinedComparison, UndefinedEnvironmentName, ValueError, RecursionError):
         return False  # cannot tell (ValueError: a version of over 4,300 digits, int() refuses): not blamed
 
 
