@@ -17,6 +17,8 @@ from tests.test_requirements import LINUX_311
 def _others(path: str) -> bool:
     """A judgement as the real one: a path below /home/ is another user's (a missing one under a
     root-owned directory is root's alone, nobody else can make it)."""
+    if "\0" in path:
+        raise ValueError("embedded null byte")  # as os.lstat, in the real one
     return not path.startswith("/home/bob")
 
 
@@ -31,6 +33,7 @@ def _others(path: str) -> bool:
         "file:%2Fhome%2Fbob%2Fevil.cnf",  # urllib reads /home/bob/evil.cnf
         "http+unix://%2Fhome%2Fbob%2Fsock/v1",
         "~bob",  # os.path.expanduser (HF_HOME, TORCH_HOME)
+        "file:///etc/x%00/home/bob",  # decoded, no path can hold a NUL (lstat raises): dropped
     ],
 )
 def test_a_root_child_takes_no_value_that_names_another_users_path_in_any_shape(value: str) -> None:

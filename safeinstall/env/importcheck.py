@@ -528,7 +528,7 @@ def _names_only_roots(value: str, judged: Callable[[str], bool]) -> bool:
     names no relative path with a directory in it, nor one from ``~``."""
     for token in re.split(r"[\s:;,=]+", _URL.sub(_local, value)):
         token = re.sub("/+", "/", _decoded(token))  # ``//home/bob`` is /home/bob
-        if token.startswith("~"):
+        if token.startswith("~") or "\0" in token:  # ``%00``: no path can hold it, a library may cut it there
             return False
         if "/" not in token:
             continue
