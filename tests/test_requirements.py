@@ -6,6 +6,8 @@ requests 2.32 (from PyPI, downloaded once per session)."""
 
 from __future__ import annotations
 
+import inspect
+import sys
 from pathlib import Path
 
 import pytest
@@ -325,3 +327,37 @@ def test_an_owners_metadata_past_the_bounds_is_said_in_the_plan(bed: Bed) -> Non
     said = dry.stdout + dry.stderr
     assert dry.code == 0, said
     assert "requirements not all checked" in said and "dependents not all weighed" in said, said
+
+
+def test_an_installed_versions_size_is_weighed() -> None:
+    """Each requirement naming a distribution parsed its installed version, whatever its size, unweighed:
+    a METADATA ``Version`` of 100 kB and 1,000 lines ``x>=1`` (weight 4,000 of 400,000) took 8.6 s a
+    look, the whole bound some 30 min for the two looks. A version weighs by its size each comparison."""
+    x = Dist("x", "1." + "0." * 200_000 + "1", ())  # 400 kB
+    requirer = Dist("aaa", "1", tuple(f"x>={i}" for i in range(20)))
+    check = check_change((requirer, x), {}, LINUX_311)
+    assert not check.complete
+
+
+def _shallow() -> int:
+    """A recursion limit some 120 frames above this one: a marker nested 150 deep (within packaging
+    26's own bound of 200) runs past it, as one nested 5,000 deep does under packaging 24 (allowed)."""
+    return len(inspect.stack()) + 120
+
+
+def test_a_marker_nested_past_the_interpreters_depth_is_not_a_crash() -> None:
+    """Packaging 24 (``packaging>=24``) parses a marker by recursion: ``x; ((((...`` 5,000 deep in an
+    owner's METADATA raised RecursionError out of the check and the survey of dependents (an internal
+    error of the run). Now it is a line that cannot be parsed: never blamed; a dependent's name kept."""
+    nested = "x>=2; " + "(" * 150 + 'python_version > "1"' + ")" * 150
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(_shallow())
+    try:
+        check = check_change(
+            (Dist("aaa", "1", (nested,)), Dist("x", "2", ())), {"x": Dist("x", "1", ())}, LINUX_311
+        )
+        required = parse_requirement(nested + " ")
+    finally:
+        sys.setrecursionlimit(limit)
+    assert check.complete and check.broken == ()
+    assert required is not None and required.name == "x"

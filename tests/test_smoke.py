@@ -1194,13 +1194,14 @@ def test_a_root_check_takes_only_the_units_variables_that_name_no_code(bed: Bed,
     roots.mkdir()
     unit = bed.service(
         "smoke-ssl",
-        Environment=f"OPENSSL_CONF={other}/openssl.cnf LC_ALL=C.UTF-8 APP_MODE=serve MODEL_DIR={roots}",
+        Environment=f"OPENSSL_CONF={other}/openssl.cnf LC_ALL=C.UTF-8 APP_MODE=serve MODEL_DIR={roots} "
+        "MODEL=meta-llama/Llama-3.1-8B-Instruct",
     )
     done, _ = _checked(
         bed,
         "python -c 'import os, ssl, hashlib; hashlib.sha256(); "
-        'assert (os.environ["APP_MODE"], os.environ["MODEL_DIR"]) == ("serve", '
-        f'"{roots}") and "OPENSSL_CONF" not in os.environ\'',
+        'assert (os.environ["APP_MODE"], os.environ["MODEL_DIR"], os.environ["MODEL"]) == ("serve", '
+        f'"{roots}", "meta-llama/Llama-3.1-8B-Instruct") and "OPENSSL_CONF" not in os.environ\'',
     )
     assert list(markers.iterdir()) == [], "another user's OpenSSL provider ran as root in the check"
     notes = "\n".join(done.json["data"]["notes"])
@@ -1213,6 +1214,8 @@ def test_a_root_check_takes_only_the_units_variables_that_name_no_code(bed: Bed,
          ("URL", "http://0.0.0.0:8000/v1"), ("REL", "conf/x"), ("UP", "/etc/../home/bob"), ("N", "8"),
          ("FILE", "file:///home/bob/x.cnf")),
         lambda path: not path.startswith("/home/"),
+        lambda path: not path.startswith("/home/"),
+        "/home/app",  # where the child runs: ``conf/x`` is /home/app/conf/x
     )  # fmt: skip
     assert kept == (
         ("LANG", "de_DE.UTF-8"),
@@ -1226,6 +1229,67 @@ def test_a_root_check_takes_only_the_units_variables_that_name_no_code(bed: Bed,
         ("N", "8"),
     )
     assert dropped == ("LC_ALL", "TZ", "OPENSSL_CONF", "REL", "UP", "FILE")
+
+
+def _bobs(path: str) -> bool:
+    """A judgement as the real one: a path below /home/bob is another user's (a missing one under a
+    root-owned directory is root's alone: nobody else can make it)."""
+    if "\0" in path:
+        raise ValueError("embedded null byte")  # as os.lstat, in the real one
+    return not path.startswith("/home/bob")
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "https://mirror:/home/bob/certs",  # a URL first in a list split at ':' (SSL_CERT_DIR)
+        "http://a,/home/bob/plugin.so",  # ... or at ','
+        "unix:///home/bob/sock",  # a URL naming a local path whatever its scheme
+        "sqlite:////home/bob/db.sqlite",
+        "file:///home/bo%62/evil.cnf",  # judged as the literal (missing) path, read as /home/bob/...
+        "file:%2Fhome%2Fbob%2Fevil.cnf",  # urllib reads /home/bob/evil.cnf
+        "http+unix://%2Fhome%2Fbob%2Fsock/v1",
+        "~bob",  # os.path.expanduser (HF_HOME, TORCH_HOME)
+        "file:///etc/x%00/home/bob",  # decoded, no path can hold a NUL (lstat raises): dropped
+        "file:///%25252525252Fhome",  # more rounds of escapes than a library would decode: dropped
+        "bob/x.cnf",  # relative, from a working directory of bob's
+    ],
+)
+def test_a_root_child_takes_no_value_that_names_another_users_path_in_any_shape(value: str) -> None:
+    """Each names /home/bob (another user's) for a library that reads it, yet was taken whole (the
+    attacker review of this session: a URL read to the next blank, escapes judged undecoded)."""
+    kept, dropped = importcheck.root_variables((("V", value),), _bobs, _bobs, "/home")
+    assert kept == () and dropped == ("V",), kept
+
+
+def test_a_root_child_takes_urls_model_ids_and_root_paths() -> None:
+    """What a good upgrade's root unit names reaches its check: URLs with a port and a path, a ``file:``
+    URL of root's, a list of them, a model by its hub id, a CIDR (relative tokens, judged from the
+    working directory, root's); ``HOME`` root's (its directory, not its whole tree: caches)."""
+    values = (
+        ("URL", "http://0.0.0.0:8000/v1"),
+        ("PROXY", "http://proxy.example:3128"),
+        ("CONF", "file:///etc/ssl/x.cnf"),
+        ("LIST", "https://a.example/simple,https://b.example:8443/x"),
+        ("TZ", ":/etc/localtime"),
+        ("IPV6", "http://[::1]:8000/v1"),
+        ("DB", "postgresql://app:secret@db.example:5432/app"),
+        ("MODEL", "meta-llama/Llama-3.1-8B-Instruct"),
+        ("NO_PROXY", "localhost,10.0.0.0/8"),
+        ("HOME", "/root"),
+    )
+    kept, dropped = importcheck.root_variables(values, _bobs, _bobs, "/srv")
+    assert kept == values and dropped == ()
+
+
+def test_a_root_child_takes_no_home_of_another_user() -> None:
+    """``HOME=/home/bob`` reached root's child with only its user site judged: ~/.cache/huggingface (a
+    model's remote code), ~/.gitconfig, ~/.config/matplotlib are bob's. Dropped: the child's is root's."""
+    assert importcheck.root_variables((("HOME", "/home/bob"),), _bobs, _bobs, "/") == ((), ("HOME",))
+    relative = (("HOME", "app"),)  # relative: its user site judged from where the child runs
+    assert importcheck.root_variables(relative, _bobs, _bobs, "/") == (relative, ())
+    roots = (("HOME", "/root"),)  # root's home by its directories, never its whole tree (uv's cache)
+    assert importcheck.root_variables(roots, lambda path: False, _bobs, "/") == (roots, ())
 
 
 def _user_site_bed(

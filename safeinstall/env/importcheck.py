@@ -495,10 +495,10 @@ def unit_variables(
 
 
 #: Of a unit's variables, what a root check takes whatever their value (the attacker review, 4): the
-#: judged lists (:data:`_PATH_LISTS`), ``HOME`` (its user site judged) and Python's own kept ones. Any
-#: other is taken only where every path it names is root's alone (``OPENSSL_CONF`` naming another
-#: user's configuration loads that user's provider).
-_ROOT_KEPT = frozenset({*_PATH_LISTS, *_PYTHON_KEPT, "HOME"})
+#: judged lists (:data:`_PATH_LISTS`) and Python's own kept ones. ``HOME`` is taken where it is relative
+#: (its user site judged) or root's alone; any other only where every path it names is root's alone
+#: (``OPENSSL_CONF`` naming another user's configuration loads that user's provider).
+_ROOT_KEPT = frozenset({*_PATH_LISTS, *_PYTHON_KEPT})
 
 
 #: a URL in a variable's value, up to a separator: scheme, user, host (2), port, path (3)
@@ -514,36 +514,46 @@ def _local(url: re.Match[str]) -> str:
     return f" {host} {path if url.group(1).lower() == 'file' or not host else ''} "
 
 
-def _decoded(token: str) -> str:
+#: How many rounds of ``%XX`` decoding a token may take (``%2525...``: one more each): past it, dropped
+_DECODE_ROUNDS = 4
+
+
+def _decoded(token: str) -> str | None:
     """Pure: ``token`` with its ``%XX`` escapes decoded until none is left (a library reading a URL decodes
-    them: ``file:///home/bo%62/x`` is /home/bob/x)."""
-    while (once := urllib.parse.unquote(token)) != token:
+    them: ``file:///home/bo%62/x`` is /home/bob/x); None past :data:`_DECODE_ROUNDS` rounds."""
+    for _ in range(_DECODE_ROUNDS):
+        once = urllib.parse.unquote(token)
+        if once == token:
+            return token
         token = once
-    return token
+    return None
 
 
-def _names_only_roots(value: str, judged: Callable[[str], bool]) -> bool:
-    """Pure (given ``judged``): every absolute path in ``value`` (split at blanks, ``:``, ``;``, ``,``
-    and ``=``; a URL's host and a local URL's path, ``%XX`` decoded) is root's alone as a tree, and it
-    names no relative path with a directory in it, nor one from ``~``."""
+def _names_only_roots(value: str, judged: Callable[[str], bool], cwd: str) -> bool:
+    """Pure (given ``judged``): every path in ``value`` (split at blanks, ``:``, ``;``, ``,`` and ``=``;
+    a URL's host and a local URL's path, ``%XX`` decoded; a relative one from ``cwd``) is root's alone as
+    a tree; none goes up (``..``) or starts from a home (``~``)."""
     for token in re.split(r"[\s:;,=]+", _URL.sub(_local, value)):
-        token = re.sub("/+", "/", _decoded(token))  # ``//home/bob`` is /home/bob
-        if token.startswith("~") or "\0" in token:  # ``%00``: no path can hold it, a library may cut it there
+        decoded = _decoded(token)
+        if decoded is None or decoded.startswith("~") or "\0" in decoded:  # ``%00``: a library cuts there
             return False
+        token = re.sub("/+", "/", decoded)  # ``//home/bob`` is /home/bob
         if "/" not in token:
             continue
-        if not token.startswith("/") or ".." in token.split("/") or not judged(token):
+        if ".." in token.split("/") or not judged(os.path.join(cwd, token)):  # a model id ``org/name``
             return False
     return True
 
 
 def root_variables(
-    variables: Sequence[tuple[str, str]], judged: Callable[[str], bool]
+    variables: Sequence[tuple[str, str]],
+    judged: Callable[[str], bool],
+    owned: Callable[[str], bool],
+    cwd: str,
 ) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
-    """Pure (given ``judged``: a path root's alone, its whole tree): of the unit's variables (as
-    :func:`unit_variables` kept them), those a root child takes, and the names of the rest. A locale
-    naming a path (a ``/``), a relative ``TZ`` with ``..``, and any other variable naming a path that
-    is not root's alone are left out."""
+    """Pure (given ``judged``: a path root's alone, its whole tree; ``owned``: the path and the directories
+    above it root's alone): of the unit's variables (as :func:`unit_variables` kept them), those a root
+    child running in ``cwd`` takes, and the names of the rest (docs/reinstall.md)."""
     kept: list[tuple[str, str]] = []
     dropped: list[str] = []
     for name, value in variables:
@@ -551,8 +561,10 @@ def root_variables(
             ours = "/" not in value
         elif name == "TZ" and not value.lstrip(":").startswith("/"):
             ours = ".." not in value  # a zone name, read below the system's zone data
+        elif name == "HOME":  # a relative one: its user site is judged from where the child runs
+            ours = not value.startswith("/") or owned(value)  # not its whole tree: root's home holds caches
         else:
-            ours = name in _ROOT_KEPT or _names_only_roots(value, judged)
+            ours = name in _ROOT_KEPT or _names_only_roots(value, judged, cwd)
         if ours:
             kept.append((name, value))
         else:

@@ -143,7 +143,9 @@ def contexts(run: Run) -> tuple[list[importcheck.Context], list[str]]:
                 )
         variables, dropped = importcheck.unit_variables(given, lambda path: judge(path) is None)
         if runner == 0:  # root's child: nothing naming a path another controls (the attacker review, 4)
-            variables, unlisted = importcheck.root_variables(variables, lambda path: judge(path) is None)
+            variables, unlisted = importcheck.root_variables(
+                variables, lambda path: judge(path) is None, ours, cwd
+            )
             if unlisted:
                 notes.append(
                     f"{unit.name}: not given to the check, which runs as root, as they name a path that "
