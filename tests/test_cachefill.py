@@ -520,3 +520,60 @@ def test_on_a_filesystem_that_reflinks_the_fill_clones_roots_cache(
         assert {p: p.read_bytes() for p in cached} == before  # copy on write: the cache is unchanged
     finally:
         subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_given_wheels_unpack_beside_the_fill_runs_as_the_accounts_and_never_as_root(
+    open_dir: Path, open_state: Path, wheels: Wheelhouse
+) -> None:
+    """An account's environment whose owner's cache holds what the plan brings: the wheel's unpack
+    beside the fill runs uv, and so the environment's interpreter (its ``.pth`` files), as the account,
+    never as root. Real uv; uid 65534 with a home of the test's (the password database's has none)."""
+    if os.geteuid() != 0:
+        pytest.skip("the attack is on a run as root")
+    import dataclasses
+    import shutil
+
+    from safeinstall.env.environment import Account, inspect_environment
+    from safeinstall.run.parts import prefill
+    from safeinstall.store.state import ensure_environment_dir, environment_state, let_through
+    from tests import beds
+
+    shared = beds.shared_interpreter_or_skip()
+    venv = open_dir / "venv"
+    wheelhouse.make_venv(venv, shared)
+    wheelhouse.uv_install(venv, wheels["sipure-1"])
+    home = open_dir / "home"
+    _uv_fills(home / ".cache" / "uv", wheels, venv, open_dir / "elsewhere", "sipure==1.0")
+    uids = open_dir / "uids"
+    uids.touch(mode=0o666)
+    uids.chmod(0o666)
+    (site,) = (venv / "lib").glob("python*/site-packages")
+    trap = f"import os; open({str(uids)!r}, 'a').write(f'{{os.getuid()}} {{os.geteuid()}}\\n')\n"
+    (site / "zz_trap.pth").write_text(trap)
+    given = open_dir / wheels.wheels["sipure-2"].name
+    shutil.copyfile(wheels.wheels["sipure-2"], given)
+    given.chmod(0o644)
+    for top in (venv, home):
+        beds.chown_tree(top, beds.NOBODY)
+    uids.write_text("")
+    env = inspect_environment(venv / "bin" / "python")
+    assert env.account is not None and env.account.uid == beds.NOBODY
+    env = dataclasses.replace(env, account=Account(beds.NOBODY, beds.NOBODY, str(home)))
+    state = environment_state(open_state, env.prefix)
+    ensure_environment_dir(state)
+    let_through(state)
+    changes = (UvChange("install", "sipure", "1.0", None),)
+    unpack = unpack_command(
+        UvRequest(venv / "bin" / "python", "sipure", wheel=given), wheelhouse.UV, state.unpack_dir("run-1")
+    )
+
+    started = prefill.start({}, env, state, "run-1", changes, "hardlink", unpack=unpack)
+    assert started is not None and started.unpacking is not None
+    try:
+        said = started.unpacking.result()
+    finally:
+        prefill.abandon(started)
+    assert "unpacked into the run's cache" in said, said
+    ran_as = set(uids.read_text().split())
+    assert ran_as == {str(beds.NOBODY)}, ran_as  # the interpreter ran, as the account alone
+    assert not state.unpack_dir("run-1").exists() and not state.uv_cache("run-1").exists()
