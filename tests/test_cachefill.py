@@ -577,3 +577,51 @@ def test_a_given_wheels_unpack_beside_the_fill_runs_as_the_accounts_and_never_as
     ran_as = set(uids.read_text().split())
     assert ran_as == {str(beds.NOBODY)}, ran_as  # the interpreter ran, as the account alone
     assert not state.unpack_dir("run-1").exists() and not state.uv_cache("run-1").exists()
+
+
+def test_a_declined_runs_fill_and_unpack_beside_the_preflight_go_with_it(venv: Path, tmp_path: Path) -> None:
+    """A run declined at the prompt (a terminal) whose preflight started the fill and the given wheel's
+    unpack: both are waited for and the run's cache goes with the run (copies, the unpacked wheel and
+    all), never left for the next run. Real uv, root's own cache."""
+    if os.geteuid() != 0:
+        pytest.skip("root's own cache: needs root")
+    import pty
+
+    from tests.clirun import SAFEINSTALL
+
+    links = tmp_path / "links"
+    for made in (links, tmp_path / "old", tmp_path / "new"):
+        made.mkdir()
+    wheelhouse.make_wheel(links, "siwanted", "2.0", {"siwanted/__init__.py": b"W = 2\n"})
+    old = wheelhouse.make_wheel(tmp_path / "old", "siwants", "1.0", {"siwants/__init__.py": b"V = 1\n"})
+    new = wheelhouse.make_wheel(
+        tmp_path / "new", "siwants", "2.0", {"siwants/__init__.py": b"V = 2\n"}, ("siwanted==2.0",)
+    )
+    cache = tmp_path / "root-cache"
+    cache.mkdir(mode=0o700)
+    state = tmp_path / "state"
+    env = {**wheelhouse.uv_env(), "UV_CACHE_DIR": str(cache), "SAFEINSTALL_STATE_DIR": str(state)}
+    wheelhouse.uv_install(venv, old)
+    held = wheelhouse.Wheelhouse(links, {"sipure-1": links / "siwanted-2.0-py3-none-any.whl"})
+    _uv_fills(cache, held, venv, tmp_path / "elsewhere", "siwanted==2.0")  # root's cache warm with it
+
+    master, slave = pty.openpty()
+    try:
+        args = ["--python", str(venv), "--settle", "0", "siwants", "--wheel", str(new)]
+        proc = subprocess.Popen(
+            [SAFEINSTALL, *args, "--", "--offline", "--find-links", str(links)],
+            stdin=slave,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**env, "COLUMNS": "200"},
+            text=True,
+        )
+        os.write(master, b"n\n")
+        out, err = proc.communicate(timeout=120)
+    finally:
+        os.close(master)
+        os.close(slave)
+
+    assert "not confirmed" in out + err, out + err
+    assert not list(state.rglob("uv-cache-*")), list(state.rglob("uv-cache-*"))
+    assert not list(state.rglob("prefetch-*"))
