@@ -326,8 +326,9 @@ def test_a_fill_started_beside_the_preflight_that_no_run_takes_is_waited_for_and
     assert started is not None and started.cache == state.uv_cache("run-1")
     prefill.abandon(started)
     assert started.answer.done() and started.answer.result().archives == 1  # waited for, not cut short
-    assert started.unpacking is not None and started.unpacking.done()  # the wheel's unpack too
-    assert "unpacked into the run's cache" in started.unpacking.result()
+    # the wheel's unpack too: over (finished, or stopped as no run wants it), its scratch gone
+    assert started.unpacking is not None and started.unpacking.done()
+    assert "unpacked" in started.unpacking.result()
     assert not state.uv_cache("run-1").exists()  # the copies went with it
     assert not state.unpack_dir("run-1").exists()  # and the unpack's throwaway target
     assert _inodes(owners) == before
@@ -625,3 +626,62 @@ def test_a_declined_runs_fill_and_unpack_beside_the_preflight_go_with_it(venv: P
     assert "not confirmed" in out + err, out + err
     assert not list(state.rglob("uv-cache-*")), list(state.rglob("uv-cache-*"))
     assert not list(state.rglob("prefetch-*"))
+
+
+def test_a_given_wheels_unpack_that_no_run_waits_for_is_stopped_not_waited_out(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    """The wheel's unpack beside the fill, held up (its owner stops uv, or the wheel is huge) when the
+    run no longer wants it (interrupted, failed, declined): uv is killed and its scratch goes, the run
+    does not wait for it to end (up to the fill's 600 s). The interpreter uv asks blocks on a FIFO that
+    only the test's guard, as a last resort, would open."""
+    if os.geteuid() != 0:
+        pytest.skip("root's own cache: needs root")
+    import threading
+
+    from safeinstall.env.environment import inspect_environment
+    from safeinstall.run.parts import prefill
+    from safeinstall.store.state import ensure_environment_dir, environment_state
+
+    owners = tmp_path / "owners-cache"
+    owners.mkdir(mode=0o700)
+    _uv_fills(owners, wheels, venv, tmp_path / "t1", "sipure==1.0")
+    env = inspect_environment(venv)
+    state = environment_state(tmp_path / "state", env.prefix)
+    ensure_environment_dir(state)
+    fifo = tmp_path / "held"
+    os.mkfifo(fifo)
+    asked = tmp_path / "asked"
+    blocking = tmp_path / "bin" / "python"
+    blocking.parent.mkdir()
+    blocking.write_text(f"#!/bin/sh\n: > {asked}\nread line < {fifo}\nexit 1\n")
+    blocking.chmod(0o755)
+    given = UvRequest(blocking, "sipure", wheel=wheels.wheels["sipure-2"])
+    unpack = unpack_command(given, wheelhouse.UV, state.unpack_dir("run-1"))
+    changes = (UvChange("install", "sipure", "1.0", None),)
+
+    started = prefill.start(
+        {"UV_CACHE_DIR": str(owners)}, env, state, "run-1", changes, "hardlink", unpack=unpack
+    )
+    assert started is not None and started.unpacking is not None
+    started.answer.result()  # the copy is over: what is left is the unpack, blocked
+    while not asked.exists():  # uv asks the interpreter: it blocks now
+        assert not started.unpacking.done(), started.unpacking.result()
+        threading.Event().wait(0.05)
+    released: list[bool] = []
+
+    def guard() -> None:  # the last resort, so that a run that waits it out ends the test
+        if not done.wait(60):
+            released.append(True)
+            with open(fifo, "w") as writer:
+                writer.write("\n")
+
+    done = threading.Event()
+    watcher = threading.Thread(target=guard, daemon=True)
+    watcher.start()
+    prefill.abandon(started)
+    done.set()
+    watcher.join()
+    assert not released, "the run waited until the interpreter uv asked was let go"
+    assert "not unpacked" in started.unpacking.result(), started.unpacking.result()
+    assert not state.unpack_dir("run-1").exists() and not state.uv_cache("run-1").exists()
