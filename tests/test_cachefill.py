@@ -326,8 +326,9 @@ def test_a_fill_started_beside_the_preflight_that_no_run_takes_is_waited_for_and
     assert started is not None and started.cache == state.uv_cache("run-1")
     prefill.abandon(started)
     assert started.answer.done() and started.answer.result().archives == 1  # waited for, not cut short
-    assert started.unpacking is not None and started.unpacking.done()  # the wheel's unpack too
-    assert "unpacked into the run's cache" in started.unpacking.result()
+    # the wheel's unpack too: over (finished, or stopped as no run wants it), its scratch gone
+    assert started.unpacking is not None and started.unpacking.done()
+    assert "unpacked" in started.unpacking.result()
     assert not state.uv_cache("run-1").exists()  # the copies went with it
     assert not state.unpack_dir("run-1").exists()  # and the unpack's throwaway target
     assert _inodes(owners) == before
@@ -520,3 +521,167 @@ def test_on_a_filesystem_that_reflinks_the_fill_clones_roots_cache(
         assert {p: p.read_bytes() for p in cached} == before  # copy on write: the cache is unchanged
     finally:
         subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_given_wheels_unpack_beside_the_fill_runs_as_the_accounts_and_never_as_root(
+    open_dir: Path, open_state: Path, wheels: Wheelhouse
+) -> None:
+    """An account's environment whose owner's cache holds what the plan brings: the wheel's unpack
+    beside the fill runs uv, and so the environment's interpreter (its ``.pth`` files), as the account,
+    never as root. Real uv; uid 65534 with a home of the test's (the password database's has none)."""
+    if os.geteuid() != 0:
+        pytest.skip("the attack is on a run as root")
+    import dataclasses
+    import shutil
+
+    from safeinstall.env.environment import Account, inspect_environment
+    from safeinstall.run.parts import prefill
+    from safeinstall.store.state import ensure_environment_dir, environment_state, let_through
+    from tests import beds
+
+    shared = beds.shared_interpreter_or_skip()
+    venv = open_dir / "venv"
+    wheelhouse.make_venv(venv, shared)
+    wheelhouse.uv_install(venv, wheels["sipure-1"])
+    home = open_dir / "home"
+    _uv_fills(home / ".cache" / "uv", wheels, venv, open_dir / "elsewhere", "sipure==1.0")
+    uids = open_dir / "uids"
+    uids.touch(mode=0o666)
+    uids.chmod(0o666)
+    (site,) = (venv / "lib").glob("python*/site-packages")
+    trap = f"import os; open({str(uids)!r}, 'a').write(f'{{os.getuid()}} {{os.geteuid()}}\\n')\n"
+    (site / "zz_trap.pth").write_text(trap)
+    given = open_dir / wheels.wheels["sipure-2"].name
+    shutil.copyfile(wheels.wheels["sipure-2"], given)
+    given.chmod(0o644)
+    for top in (venv, home):
+        beds.chown_tree(top, beds.NOBODY)
+    uids.write_text("")
+    env = inspect_environment(venv / "bin" / "python")
+    assert env.account is not None and env.account.uid == beds.NOBODY
+    env = dataclasses.replace(env, account=Account(beds.NOBODY, beds.NOBODY, str(home)))
+    state = environment_state(open_state, env.prefix)
+    ensure_environment_dir(state)
+    let_through(state)
+    changes = (UvChange("install", "sipure", "1.0", None),)
+    unpack = unpack_command(
+        UvRequest(venv / "bin" / "python", "sipure", wheel=given), wheelhouse.UV, state.unpack_dir("run-1")
+    )
+
+    started = prefill.start({}, env, state, "run-1", changes, "hardlink", unpack=unpack)
+    assert started is not None and started.unpacking is not None
+    try:
+        said = started.unpacking.result()
+    finally:
+        prefill.abandon(started)
+    assert "unpacked into the run's cache" in said, said
+    ran_as = set(uids.read_text().split())
+    assert ran_as == {str(beds.NOBODY)}, ran_as  # the interpreter ran, as the account alone
+    assert not state.unpack_dir("run-1").exists() and not state.uv_cache("run-1").exists()
+
+
+def test_a_declined_runs_fill_and_unpack_beside_the_preflight_go_with_it(venv: Path, tmp_path: Path) -> None:
+    """A run declined at the prompt (a terminal) whose preflight started the fill and the given wheel's
+    unpack: both are waited for and the run's cache goes with the run (copies, the unpacked wheel and
+    all), never left for the next run. Real uv, root's own cache."""
+    if os.geteuid() != 0:
+        pytest.skip("root's own cache: needs root")
+    import pty
+
+    from tests.clirun import SAFEINSTALL
+
+    links = tmp_path / "links"
+    for made in (links, tmp_path / "old", tmp_path / "new"):
+        made.mkdir()
+    wheelhouse.make_wheel(links, "siwanted", "2.0", {"siwanted/__init__.py": b"W = 2\n"})
+    old = wheelhouse.make_wheel(tmp_path / "old", "siwants", "1.0", {"siwants/__init__.py": b"V = 1\n"})
+    new = wheelhouse.make_wheel(
+        tmp_path / "new", "siwants", "2.0", {"siwants/__init__.py": b"V = 2\n"}, ("siwanted==2.0",)
+    )
+    cache = tmp_path / "root-cache"
+    cache.mkdir(mode=0o700)
+    state = tmp_path / "state"
+    env = {**wheelhouse.uv_env(), "UV_CACHE_DIR": str(cache), "SAFEINSTALL_STATE_DIR": str(state)}
+    wheelhouse.uv_install(venv, old)
+    held = wheelhouse.Wheelhouse(links, {"sipure-1": links / "siwanted-2.0-py3-none-any.whl"})
+    _uv_fills(cache, held, venv, tmp_path / "elsewhere", "siwanted==2.0")  # root's cache warm with it
+
+    master, slave = pty.openpty()
+    try:
+        args = ["--python", str(venv), "--settle", "0", "siwants", "--wheel", str(new)]
+        proc = subprocess.Popen(
+            [SAFEINSTALL, *args, "--", "--offline", "--find-links", str(links)],
+            stdin=slave,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**env, "COLUMNS": "200"},
+            text=True,
+        )
+        os.write(master, b"n\n")
+        out, err = proc.communicate(timeout=120)
+    finally:
+        os.close(master)
+        os.close(slave)
+
+    assert "not confirmed" in out + err, out + err
+    assert not list(state.rglob("uv-cache-*")), list(state.rglob("uv-cache-*"))
+    assert not list(state.rglob("prefetch-*"))
+
+
+def test_a_given_wheels_unpack_that_no_run_waits_for_is_stopped_not_waited_out(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path
+) -> None:
+    """The wheel's unpack beside the fill, held up (its owner stops uv, or the wheel is huge) when the
+    run no longer wants it (interrupted, failed, declined): uv is killed and its scratch goes, the run
+    does not wait for it to end (up to the fill's 600 s). The interpreter uv asks blocks on a FIFO that
+    only the test's guard, as a last resort, would open."""
+    if os.geteuid() != 0:
+        pytest.skip("root's own cache: needs root")
+    import threading
+
+    from safeinstall.env.environment import inspect_environment
+    from safeinstall.run.parts import prefill
+    from safeinstall.store.state import ensure_environment_dir, environment_state
+
+    owners = tmp_path / "owners-cache"
+    owners.mkdir(mode=0o700)
+    _uv_fills(owners, wheels, venv, tmp_path / "t1", "sipure==1.0")
+    env = inspect_environment(venv)
+    state = environment_state(tmp_path / "state", env.prefix)
+    ensure_environment_dir(state)
+    fifo = tmp_path / "held"
+    os.mkfifo(fifo)
+    asked = tmp_path / "asked"
+    blocking = tmp_path / "bin" / "python"
+    blocking.parent.mkdir()
+    blocking.write_text(f"#!/bin/sh\n: > {asked}\nread line < {fifo}\nexit 1\n")
+    blocking.chmod(0o755)
+    given = UvRequest(blocking, "sipure", wheel=wheels.wheels["sipure-2"])
+    unpack = unpack_command(given, wheelhouse.UV, state.unpack_dir("run-1"))
+    changes = (UvChange("install", "sipure", "1.0", None),)
+
+    started = prefill.start(
+        {"UV_CACHE_DIR": str(owners)}, env, state, "run-1", changes, "hardlink", unpack=unpack
+    )
+    assert started is not None and started.unpacking is not None
+    started.answer.result()  # the copy is over: what is left is the unpack, blocked
+    while not asked.exists():  # uv asks the interpreter: it blocks now
+        assert not started.unpacking.done(), started.unpacking.result()
+        threading.Event().wait(0.05)
+    released: list[bool] = []
+
+    def guard() -> None:  # the last resort, so that a run that waits it out ends the test
+        if not done.wait(60):
+            released.append(True)
+            with open(fifo, "w") as writer:
+                writer.write("\n")
+
+    done = threading.Event()
+    watcher = threading.Thread(target=guard, daemon=True)
+    watcher.start()
+    prefill.abandon(started)
+    done.set()
+    watcher.join()
+    assert not released, "the run waited until the interpreter uv asked was let go"
+    assert "not unpacked" in started.unpacking.result(), started.unpacking.result()
+    assert not state.unpack_dir("run-1").exists() and not state.uv_cache("run-1").exists()

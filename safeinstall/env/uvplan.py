@@ -11,6 +11,7 @@ import re
 import stat
 import subprocess
 import textwrap
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -422,9 +423,10 @@ def _run_uv(
     timeout: float,
     cache_dir: Path | None,
     account: Account | None,
+    cancel: threading.Event | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run uv (as ``account`` when given, through a descriptor root opened: safeinstall's uv may lie
-    where the account cannot reach); raises OSError and subprocess.TimeoutExpired."""
+    where the account cannot reach); raises OSError, subprocess.TimeoutExpired, children.Cancelled."""
     program = os.open(command[0], os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY) if account is not None else None
     try:
         return children.run(
@@ -433,6 +435,7 @@ def _run_uv(
             timeout=timeout,
             as_user=None if account is None else account.ids,
             program_fd=program,
+            cancel=cancel,
         )
     finally:
         if program is not None:
@@ -514,14 +517,17 @@ def install(
     timeout: float = 3600,
     cache_dir: Path | None = None,
     account: Account | None = None,
+    cancel: threading.Event | None = None,
 ) -> UvResult:
     """Run the install (as ``account``, the environment's owner, when given); the caller logs the
-    command and the output.
+    command and the output. ``cancel``: uv is killed once it is set (uv run on another thread).
 
     uv never outlives the run (:mod:`safeinstall.system.children`): interrupted, it is killed and
     reaped before the rollback starts; if safeinstall is killed, uv dies with it."""
     try:
-        proc = _run_uv(command, environ, timeout, cache_dir, account)
+        proc = _run_uv(command, environ, timeout, cache_dir, account, cancel)
+    except children.Cancelled as exc:
+        return UvResult(tuple(command), -1, f"uv was stopped: {exc}")
     except subprocess.TimeoutExpired as exc:
         return UvResult(tuple(command), -1, f"uv did not finish in {timeout:.0f} s: {exc}")
     except children.TooMuchOutput as exc:

@@ -6,10 +6,11 @@ owner's").
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from safeinstall.env import cachefill, owner
@@ -34,6 +35,8 @@ class Prefill:
     started: float
     #: uv's unpack of a given wheel into the same cache, beside the copy: what to log of it
     unpacking: Future[str] | None = None
+    #: set when the run no longer waits for the unpack (interrupted, failed, declined): uv is killed
+    stop: threading.Event = field(default_factory=threading.Event)
 
 
 def source_of(environ: Mapping[str, str], env: Environment, link_mode: str) -> tuple[Path | None, str]:
@@ -73,21 +76,27 @@ def start(
         return None
     pool = ThreadPoolExecutor(max_workers=2 if unpack else 1, thread_name_prefix="safeinstall-fill")
     unpacking: Future[str] | None = None
+    stop = threading.Event()
     try:
         with held_while_threads_start():
             answer = pool.submit(cachefill.fill, source, cache, changes, env.account, known)
             if unpack:
                 scratch = state.unpack_dir(run_id)
-                unpacking = pool.submit(_unpack, unpack, environ, cache, scratch, env)
+                unpacking = pool.submit(_unpack, unpack, environ, cache, scratch, env, stop)
     except BaseException:
         pool.shutdown(wait=True)
         remove_run_dir(cache)
         raise
-    return Prefill(cache, source, pool, answer, time.monotonic(), unpacking)
+    return Prefill(cache, source, pool, answer, time.monotonic(), unpacking, stop)
 
 
 def _unpack(
-    command: Sequence[str], environ: Mapping[str, str], cache: Path, scratch: Path, env: Environment
+    command: Sequence[str],
+    environ: Mapping[str, str],
+    cache: Path,
+    scratch: Path,
+    env: Environment,
+    stop: threading.Event,
 ) -> str:
     """uv's unpack of the given wheel into the run's cache through the throwaway ``scratch`` (removed
     here), as the environment's owner: what to log. Best effort: a failure is said, and the prefetch's
@@ -96,7 +105,12 @@ def _unpack(
     try:
         make_run_dir(scratch, env.account)
         result = uv_install(
-            command, environ, timeout=cachefill.FILL_TIMEOUT_S, cache_dir=cache, account=env.account
+            command,
+            environ,
+            timeout=cachefill.FILL_TIMEOUT_S,
+            cache_dir=cache,
+            account=env.account,
+            cancel=stop,
         )
     except OSError as exc:
         return f"the wheel was not unpacked beside the copy ({exc}): the prefetch unpacks it"
@@ -121,14 +135,19 @@ def take(prefill: Prefill) -> tuple[cachefill.Filled, float, str | None]:
     try:
         filled = prefill.answer.result()
         unpacked = prefill.unpacking.result() if prefill.unpacking is not None else None
+    except BaseException:  # interrupted while it waited: the unpack is not waited for (uv is killed)
+        prefill.stop.set()
+        raise
     finally:
         prefill.pool.shutdown(wait=True)
     return filled, time.monotonic() - waited, unpacked
 
 
 def join(prefill: Prefill | None) -> None:
-    """Wait until the fill is over (its worker ends by itself), whatever became of the run."""
+    """Wait until the fill is over (its worker ends by itself), whatever became of the run; the wheel's
+    unpack, no longer wanted (a run that took it has its answer), is stopped: uv is killed."""
     if prefill is not None:
+        prefill.stop.set()
         prefill.pool.shutdown(wait=True)
 
 

@@ -1191,6 +1191,7 @@ def run_reinstall(
                 raise refused
             merged = None if patches is None else patches.outcomes
         if interactive and not reporter.confirm(prepared.plan, merged):
+            run_prefill.abandon(prepared.prefill)  # the fill and the wheel's unpack, and the run's cache
             _discard_wheel_copy(prepared)
             if prepared.lock is not None:  # a declined run is finished: the next is not told it died
                 prepared.lock.release()
