@@ -450,25 +450,23 @@ def printing_interpreter(python: Path, script: str, uid: int = NOBODY) -> None:
 def declined_on_a_terminal(bed: Bed, *extra: str) -> tuple[int, str, str]:
     """``safeinstall sicext --wheel sicext-2 EXTRA`` with a terminal as its input, answered ``n`` at the
     prompt: its exit status, stdout and stderr."""
+    args = ["--user", "--python", str(bed.python), "sicext", "--wheel", str(bed.wheels["sicext-2"]), *extra]
+    return answered_no_on_a_terminal(args, bed.environ())
+
+
+def answered_no_on_a_terminal(args: list[str], environ: dict[str, str]) -> tuple[int, str, str]:
+    """``safeinstall ARGS`` with a terminal as its input, answered ``n`` at the prompt: its exit status,
+    stdout and stderr."""
     import pty
 
     master, slave = pty.openpty()
     try:
-        args = [
-            "--user",
-            "--python",
-            str(bed.python),
-            "sicext",
-            "--wheel",
-            str(bed.wheels["sicext-2"]),
-            *extra,
-        ]
         proc = subprocess.Popen(
             [SAFEINSTALL, *args],
             stdin=slave,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            env={**bed.environ(), "COLUMNS": "200"},
+            env={**environ, "COLUMNS": "200"},
             text=True,
         )
         os.write(master, b"n\n")

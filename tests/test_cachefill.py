@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 from safeinstall.env import cachefill, inodes, inodetrust
+from safeinstall.env.environment import Environment
 from safeinstall.env.uvplan import UvChange, UvRequest, unpack_command
+from safeinstall.store.state import EnvironmentState
 from tests import wheelhouse
 from tests.wheelhouse import Wheelhouse
 
@@ -298,6 +300,22 @@ def test_a_kept_hash_stands_for_a_root_only_inode_whose_links_changed_and_for_no
     assert root_only_digest(entry._replace(root_only=0), info) is None  # hashed while not root's alone
 
 
+def _roots_cache_and_state(
+    venv: Path, wheels: Wheelhouse, tmp_path: Path
+) -> tuple[Path, Environment, EnvironmentState]:
+    """A root-only uv cache holding sipure 1.0, ``venv`` inspected, and its state directory made."""
+    from safeinstall.env.environment import inspect_environment
+    from safeinstall.store.state import ensure_environment_dir, environment_state
+
+    owners = tmp_path / "owners-cache"
+    owners.mkdir(mode=0o700)
+    _uv_fills(owners, wheels, venv, tmp_path / "t1", "sipure==1.0")
+    env = inspect_environment(venv)
+    state = environment_state(tmp_path / "state", env.prefix)
+    ensure_environment_dir(state)
+    return owners, env, state
+
+
 def test_a_fill_started_beside_the_preflight_that_no_run_takes_is_waited_for_and_removed(
     venv: Path, wheels: Wheelhouse, tmp_path: Path
 ) -> None:
@@ -306,17 +324,10 @@ def test_a_fill_started_beside_the_preflight_that_no_run_takes_is_waited_for_and
     all; the owner's cache is untouched. Root's own cache (the fill checks it is root's alone)."""
     if os.geteuid() != 0:
         pytest.skip("root's own cache: needs root")
-    from safeinstall.env.environment import inspect_environment
     from safeinstall.run.parts import prefill
-    from safeinstall.store.state import ensure_environment_dir, environment_state
 
-    owners = tmp_path / "owners-cache"
-    owners.mkdir(mode=0o700)
-    _uv_fills(owners, wheels, venv, tmp_path / "t1", "sipure==1.0")
+    owners, env, state = _roots_cache_and_state(venv, wheels, tmp_path)
     before = _inodes(owners)
-    env = inspect_environment(venv)
-    state = environment_state(tmp_path / "state", env.prefix)
-    ensure_environment_dir(state)
     changes = (UvChange("install", "sipure", "1.0", None),)
     environ = {"UV_CACHE_DIR": str(owners)}
 
@@ -345,17 +356,12 @@ def test_a_fill_started_beside_the_preflight_that_no_run_takes_is_waited_for_and
     assert not state.uv_cache("run-2").exists() and not state.uv_cache("run-3").exists()
 
 
-def test_a_given_wheel_is_unpacked_into_the_runs_cache_beside_the_fill_and_never_again(
+def _a_wheel_whose_requirement_roots_cache_holds(
     venv: Path, tmp_path: Path
-) -> None:
-    """A wheel given by its path whose plan also installs a requirement root's cache holds: uv unpacks
-    the wheel into the run's cache while the fill copies the requirement (the copy waits on the disk, the
-    unpack on a CPU), so the prefetch's uv unpacks nothing; the unpack's throwaway ``--target`` goes.
-    Real uv, root's own cache."""
-    if os.geteuid() != 0:
-        pytest.skip("root's own cache: needs root")
-    from tests.clirun import run as safeinstall
-
+) -> tuple[Path, Path, Path, Path, dict[str, str]]:
+    """siwants 1.0 in ``venv``; siwants 2.0's wheel, which requires siwanted 2.0, held in a find-links
+    directory and in a root-only uv cache (another venv's install): ``(links, the new wheel, the cache,
+    the state directory, the run's environment)``."""
     links = tmp_path / "links"
     for made in (links, tmp_path / "old", tmp_path / "new"):
         made.mkdir()
@@ -369,15 +375,23 @@ def test_a_given_wheel_is_unpacked_into_the_runs_cache_beside_the_fill_and_never
     state = tmp_path / "state"
     env = {**wheelhouse.uv_env(), "UV_CACHE_DIR": str(cache), "SAFEINSTALL_STATE_DIR": str(state)}
     wheelhouse.uv_install(venv, old)
-    subprocess.run(  # root's cache warm with the requirement (another venv's install)
-        [
-            *(wheelhouse.UV, "pip", "install", "--quiet", "--offline", "--no-deps"),
-            *("--target", str(tmp_path / "elsewhere"), "--python", str(venv)),
-            *("--find-links", str(links), "siwanted==2.0"),
-        ],
-        check=True,
-        env=env,
-    )
+    held = wheelhouse.Wheelhouse(links, {"sipure-1": links / "siwanted-2.0-py3-none-any.whl"})
+    _uv_fills(cache, held, venv, tmp_path / "elsewhere", "siwanted==2.0")  # root's cache warm with it
+    return links, new, cache, state, env
+
+
+def test_a_given_wheel_is_unpacked_into_the_runs_cache_beside_the_fill_and_never_again(
+    venv: Path, tmp_path: Path
+) -> None:
+    """A wheel given by its path whose plan also installs a requirement root's cache holds: uv unpacks
+    the wheel into the run's cache while the fill copies the requirement (the copy waits on the disk, the
+    unpack on a CPU), so the prefetch's uv unpacks nothing; the unpack's throwaway ``--target`` goes.
+    Real uv, root's own cache."""
+    if os.geteuid() != 0:
+        pytest.skip("root's own cache: needs root")
+    from tests.clirun import run as safeinstall
+
+    links, new, cache, state, env = _a_wheel_whose_requirement_roots_cache_holds(venv, tmp_path)
 
     result = safeinstall(
         "--python", str(venv), "--yes", "--settle", "0", "siwants", "--wheel", str(new),
@@ -586,42 +600,11 @@ def test_a_declined_runs_fill_and_unpack_beside_the_preflight_go_with_it(venv: P
     all), never left for the next run. Real uv, root's own cache."""
     if os.geteuid() != 0:
         pytest.skip("root's own cache: needs root")
-    import pty
+    from tests.beds import answered_no_on_a_terminal
 
-    from tests.clirun import SAFEINSTALL
-
-    links = tmp_path / "links"
-    for made in (links, tmp_path / "old", tmp_path / "new"):
-        made.mkdir()
-    wheelhouse.make_wheel(links, "siwanted", "2.0", {"siwanted/__init__.py": b"W = 2\n"})
-    old = wheelhouse.make_wheel(tmp_path / "old", "siwants", "1.0", {"siwants/__init__.py": b"V = 1\n"})
-    new = wheelhouse.make_wheel(
-        tmp_path / "new", "siwants", "2.0", {"siwants/__init__.py": b"V = 2\n"}, ("siwanted==2.0",)
-    )
-    cache = tmp_path / "root-cache"
-    cache.mkdir(mode=0o700)
-    state = tmp_path / "state"
-    env = {**wheelhouse.uv_env(), "UV_CACHE_DIR": str(cache), "SAFEINSTALL_STATE_DIR": str(state)}
-    wheelhouse.uv_install(venv, old)
-    held = wheelhouse.Wheelhouse(links, {"sipure-1": links / "siwanted-2.0-py3-none-any.whl"})
-    _uv_fills(cache, held, venv, tmp_path / "elsewhere", "siwanted==2.0")  # root's cache warm with it
-
-    master, slave = pty.openpty()
-    try:
-        args = ["--python", str(venv), "--settle", "0", "siwants", "--wheel", str(new)]
-        proc = subprocess.Popen(
-            [SAFEINSTALL, *args, "--", "--offline", "--find-links", str(links)],
-            stdin=slave,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env={**env, "COLUMNS": "200"},
-            text=True,
-        )
-        os.write(master, b"n\n")
-        out, err = proc.communicate(timeout=120)
-    finally:
-        os.close(master)
-        os.close(slave)
+    links, new, _cache, state, env = _a_wheel_whose_requirement_roots_cache_holds(venv, tmp_path)
+    args = ["--python", str(venv), "--settle", "0", "siwants", "--wheel", str(new)]
+    _code, out, err = answered_no_on_a_terminal([*args, "--", "--offline", "--find-links", str(links)], env)
 
     assert "not confirmed" in out + err, out + err
     assert not list(state.rglob("uv-cache-*")), list(state.rglob("uv-cache-*"))
@@ -639,16 +622,9 @@ def test_a_given_wheels_unpack_that_no_run_waits_for_is_stopped_not_waited_out(
         pytest.skip("root's own cache: needs root")
     import threading
 
-    from safeinstall.env.environment import inspect_environment
     from safeinstall.run.parts import prefill
-    from safeinstall.store.state import ensure_environment_dir, environment_state
 
-    owners = tmp_path / "owners-cache"
-    owners.mkdir(mode=0o700)
-    _uv_fills(owners, wheels, venv, tmp_path / "t1", "sipure==1.0")
-    env = inspect_environment(venv)
-    state = environment_state(tmp_path / "state", env.prefix)
-    ensure_environment_dir(state)
+    owners, env, state = _roots_cache_and_state(venv, wheels, tmp_path)
     fifo = tmp_path / "held"
     os.mkfifo(fifo)
     asked = tmp_path / "asked"
