@@ -17,7 +17,7 @@ import pytest
 
 from safeinstall.env import cachefill, inodes, inodetrust
 from safeinstall.env.environment import Environment
-from safeinstall.env.uvplan import UvChange, UvRequest, unpack_command
+from safeinstall.env.uvplan import UvChange, UvRequest
 from safeinstall.store.state import EnvironmentState
 from tests import wheelhouse
 from tests.wheelhouse import Wheelhouse
@@ -332,8 +332,7 @@ def test_a_fill_started_beside_the_preflight_that_no_run_takes_is_waited_for_and
     environ = {"UV_CACHE_DIR": str(owners)}
 
     given = UvRequest(venv, "sipure", wheel=wheels.wheels["sipure-2"])
-    unpack = unpack_command(given, wheelhouse.UV, state.unpack_dir("run-1"))
-    started = prefill.start(environ, env, state, "run-1", changes, "hardlink", unpack=unpack)
+    started = prefill.start(environ, env, state, "run-1", changes, "hardlink", request=given)
     assert started is not None and started.cache == state.uv_cache("run-1")
     prefill.abandon(started)
     assert started.answer.done() and started.answer.result().archives == 1  # waited for, not cut short
@@ -578,11 +577,9 @@ def test_a_given_wheels_unpack_beside_the_fill_runs_as_the_accounts_and_never_as
     ensure_environment_dir(state)
     let_through(state)
     changes = (UvChange("install", "sipure", "1.0", None),)
-    unpack = unpack_command(
-        UvRequest(venv / "bin" / "python", "sipure", wheel=given), wheelhouse.UV, state.unpack_dir("run-1")
-    )
+    request = UvRequest(venv / "bin" / "python", "sipure", wheel=given)
 
-    started = prefill.start({}, env, state, "run-1", changes, "hardlink", unpack=unpack)
+    started = prefill.start({}, env, state, "run-1", changes, "hardlink", request=request)
     assert started is not None and started.unpacking is not None
     try:
         said = started.unpacking.result()
@@ -633,11 +630,10 @@ def test_a_given_wheels_unpack_that_no_run_waits_for_is_stopped_not_waited_out(
     blocking.write_text(f"#!/bin/sh\n: > {asked}\nread line < {fifo}\nexit 1\n")
     blocking.chmod(0o755)
     given = UvRequest(blocking, "sipure", wheel=wheels.wheels["sipure-2"])
-    unpack = unpack_command(given, wheelhouse.UV, state.unpack_dir("run-1"))
     changes = (UvChange("install", "sipure", "1.0", None),)
 
     started = prefill.start(
-        {"UV_CACHE_DIR": str(owners)}, env, state, "run-1", changes, "hardlink", unpack=unpack
+        {"UV_CACHE_DIR": str(owners)}, env, state, "run-1", changes, "hardlink", request=given
     )
     assert started is not None and started.unpacking is not None
     started.answer.result()  # the copy is over: what is left is the unpack, blocked

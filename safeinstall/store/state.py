@@ -49,6 +49,8 @@ KEEP_PATCHES_PREFIX = "keep-patches-"
 PROBE_SUFFIX = "-probe"
 #: A run's scratch ``--target`` where uv unpacks a given wheel into the run's cache beside the fill
 UNPACK_SUFFIX = "-unpack"
+#: A run's own directories by name: its id after a prefix, then one of these
+_RUN_SUFFIXES = ("", PROBE_SUFFIX, UNPACK_SUFFIX)
 SMOKE_PREFIX = "smoke-"  # root's: the shim the smoke check's children import (safeinstall.env.importcheck)
 #: The run's own directories: uv's cache, its scratch ``--target`` directories, the smoke check's shim
 RUN_DIR_PREFIXES = (UV_CACHE_PREFIX, PREFETCH_PREFIX, KEEP_PATCHES_PREFIX, SMOKE_PREFIX)
@@ -209,8 +211,7 @@ def remove_uv_caches(
     deadline = time.monotonic() + seconds
     for name in names:
         for prefix in RUN_DIR_PREFIXES:
-            mine_too = ("", PROBE_SUFFIX, UNPACK_SUFFIX)
-            ours = tuple(prefix + run_id + s for s in mine_too) if run_id is not None else ()
+            ours = tuple(prefix + run_id + s for s in _RUN_SUFFIXES) if run_id is not None else ()
             mine = name.startswith(prefix) and (run_id is None or name in ours)
             mine = mine and (probes or not name.endswith(PROBE_SUFFIX))
             if mine and not remove_run_dir(state.dir / name, max(0.0, deadline - time.monotonic())):

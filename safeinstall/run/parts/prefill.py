@@ -16,7 +16,7 @@ from pathlib import Path
 from safeinstall.env import cachefill, owner
 from safeinstall.env.environment import Environment
 from safeinstall.env.inodetrust import InodeStore, root_only_checker
-from safeinstall.env.uvplan import UvChange
+from safeinstall.env.uvplan import UvChange, UvRequest, unpack_command, uv_binary
 from safeinstall.env.uvplan import install as uv_install
 from safeinstall.errors import SafeInstallError
 from safeinstall.store.state import EnvironmentState, check_trusted, make_run_dir, remove_run_dir
@@ -61,12 +61,12 @@ def start(
     changes: tuple[UvChange, ...],
     link_mode: str,
     known: owner.Known | None = None,
-    unpack: Sequence[str] | None = None,
+    request: UvRequest | None = None,
 ) -> Prefill | None:
     """Start the fill of the run's cache (``state.uv_cache(run_id)``, made here as the owner's) on a
     thread; None when there is nothing to copy from, nothing the plan fetches, or the run's cache cannot
-    be made here. ``known``: see :func:`cachefill.fill`; ``unpack``: uv's unpack of a given wheel
-    (:func:`safeinstall.env.uvplan.unpack_command`), run beside the copy (docs/window.md)."""
+    be made here. ``known``: see :func:`cachefill.fill`; ``request``: the run's, whose given wheel uv
+    unpacks beside the copy (:func:`safeinstall.env.uvplan.unpack_command`; docs/window.md)."""
     source, _ = source_of(environ, env, link_mode)
     if source is None or not cachefill.wanted(changes) or not source.is_dir():
         return None
@@ -74,6 +74,8 @@ def start(
         cache = make_run_dir(state.uv_cache(run_id), env.account)
     except OSError:  # the prefetch makes it (and says why it cannot)
         return None
+    scratch = state.unpack_dir(run_id)
+    unpack = unpack_command(request, uv_binary(), scratch) if request is not None else None
     pool = ThreadPoolExecutor(max_workers=2 if unpack else 1, thread_name_prefix="safeinstall-fill")
     unpacking: Future[str] | None = None
     stop = threading.Event()
@@ -81,7 +83,6 @@ def start(
         with held_while_threads_start():
             answer = pool.submit(cachefill.fill, source, cache, changes, env.account, known)
             if unpack:
-                scratch = state.unpack_dir(run_id)
                 unpacking = pool.submit(_unpack, unpack, environ, cache, scratch, env, stop)
     except BaseException:
         pool.shutdown(wait=True)

@@ -28,7 +28,7 @@ from safeinstall.env.environment import (
 from safeinstall.env.hashing import Known
 from safeinstall.env.inodetrust import InodeStore
 from safeinstall.env.systemsite import placement_refusals
-from safeinstall.env.uvplan import UvPlan, unpack_command, uv_binary
+from safeinstall.env.uvplan import UvPlan, uv_binary
 from safeinstall.env.verify import VerifyReport, verify_environment
 from safeinstall.env.vouched import Vouched
 from safeinstall.env.wheel import (
@@ -266,7 +266,7 @@ def preflight(
                 found.uv_plan.changes,
                 found.request.link_mode,
                 run_prefill.kept_digests(inodes, options.full),
-                unpack_command(found.request, uv_binary(), state.unpack_dir(options.run_id)),
+                found.request,
             )
         before = verify_environment(
             env,
